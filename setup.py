@@ -1,0 +1,65 @@
+"""Build script for trillm's native extensions (ext/).
+
+The Python package metadata lives in pyproject.toml; this file only declares the native
+extensions (Cython and pybind11 C++) and maps the repository's top-level ``kernels/`` folder
+into the installed package as ``trillm.kernels`` (a top-level ``kernels`` import name would
+clash with an unrelated PyPI package).
+"""
+
+from __future__ import annotations
+
+import os
+
+from Cython.Build import cythonize
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import Extension, find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CXX_FLAGS = ["-O3", "-std=c++17"]
+
+
+def cython_extensions() -> list[Extension]:
+    # ext/<name>.pyx -> trillm._ext.<name>
+    modules = ["kv_cache_manager", "scheduler"]
+    exts = [
+        Extension(
+            f"trillm._ext.{name}",
+            [f"ext/{name}.pyx"],
+            language="c++",
+            extra_compile_args=CXX_FLAGS,
+        )
+        for name in modules
+        if os.path.exists(os.path.join(HERE, "ext", f"{name}.pyx"))  # TODO(bootstrap): drop
+    ]
+    return cythonize(
+        exts,
+        compiler_directives={
+            "language_level": "3",
+            "boundscheck": False,
+            "wraparound": False,
+            "initializedcheck": False,
+        },
+        quiet=True,
+    )
+
+
+def pybind_extensions() -> list[Extension]:
+    if not os.path.exists(os.path.join(HERE, "ext", "detokenizer.cpp")):  # TODO(bootstrap): drop
+        return []
+    return [
+        Pybind11Extension(
+            "trillm._ext.detokenizer",
+            ["ext/detokenizer.cpp"],
+            cxx_std=17,
+            extra_compile_args=["-O3"],
+        ),
+    ]
+
+
+packages = find_packages(include=["trillm", "trillm.*"]) + ["trillm.kernels"]
+
+setup(
+    packages=packages,
+    package_dir={"trillm.kernels": "kernels"},
+    ext_modules=cython_extensions() + pybind_extensions(),
+)

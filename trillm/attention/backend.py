@@ -1,0 +1,79 @@
+"""The attention-backend interface: one paged-attention call per layer, any batch mix.
+
+A step's batch is flattened: the scheduled tokens of all requests are concatenated
+(``num_tokens`` rows), request ``i`` owning rows ``query_start_loc[i]:query_start_loc[i+1]``.
+A request's rows are its positions ``context_lens[i] .. seq_lens[i]-1``: a decode step has one
+row, a prefill chunk many, and a chunk may start after a prefix-cache hit or an earlier chunk.
+
+KV cache layout, per layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]``
+(``kv_cache[0]`` keys, ``kv_cache[1]`` values). Token at position ``p`` of request ``i`` lives in
+block ``block_table[i, p // block_size]`` at offset ``p % block_size``; ``slot_mapping`` holds
+``block * block_size + offset`` for each row of this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_tokens: int  # rows of this step (sum of query lengths)
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, prefix sums of query lengths
+    seq_lens: torch.Tensor  # [num_reqs] int32, context length after this step's tokens
+    context_lens: torch.Tensor  # [num_reqs] int32, tokens already in the cache before it
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    max_query_len: int
+    max_seq_len: int
+    # CPU copies of the lengths, for backends that plan on the host (no device sync needed).
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's keys/values into the cache, then attends over the whole context."""
+
+    name: str
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Once per step, before the layers run (index building, flashinfer planning)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def get_attention_backend(name: str, device: str) -> AttentionBackend:
+    """Backend by name: ``torch`` (CPU or GPU), ``triton`` (GPU, or CPU under the interpreter),
+    ``flashinfer`` (GPU only)."""
+    if name == "torch":
+        from trillm.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from trillm.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if name == "flashinfer":
+        if device != "cuda":
+            raise ValueError("The flashinfer attention backend needs a CUDA GPU.")
+        from trillm.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend()
+    raise ValueError(f"Unknown attention backend {name!r}; choose torch, triton or flashinfer.")

@@ -1,0 +1,132 @@
+"""Engine arguments (vLLM's names) and the resolved configuration they produce."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # CPU: 1 GiB unless --kv-cache-memory says otherwise
+
+
+def parse_memory_size(value: str | int | float) -> int:
+    """'2GiB', '512MB', '1e9' or a byte count -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", value, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"Cannot parse memory size {value!r}; use e.g. 2GiB, 512MiB or bytes.")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if binary or unit == "" else 1000
+    power = " KMGT".index(unit) if unit else 0
+    return int(number * base**power)
+
+
+@dataclass
+class EngineArgs:
+    """What a user passes to ``trillm serve``, ``open_engine`` or ``LLM`` (vLLM's names)."""
+
+    model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    tensor_parallel_size: int = 1
+    kv_cache_memory: int | str | None = None  # CPU budget for the KV cache
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    max_logprobs: int = 20
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str | None = None  # torch | triton | flashinfer; None = best available
+    distributed_executor_backend: Literal["mp", "uni"] = "mp"
+    generation_config: str = "auto"  # auto (from the model folder) | vllm (ignore it) | a path
+    trust_remote_code: bool = False
+    enforce_eager: bool = True
+    chat_template: str | None = None
+    skip_tokenizer_init: bool = False
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"Unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)
+
+
+@dataclass
+class ModelConfig:
+    """The model as the runner needs it, read from config.json (transformers 4 or 5 keys)."""
+
+    model: str  # local folder holding config.json, weights and tokenizer
+    tokenizer: str
+    served_model_name: str
+    architecture: str  # e.g. "LlamaForCausalLM"
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
+    hidden_act: str
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    hf_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    num_blocks: int = 0  # set once the worker has sized the cache
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0  # 0 = no per-request cap beyond the budget
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: Literal["mp", "uni"] = "mp"
+
+
+@dataclass
+class TrillmConfig:
+    """Everything resolved: handed to the engine core and (as plain data) to every worker."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str  # "cpu" | "cuda"
+    seed: int = 0
+    attention_backend: str = "torch"
+    max_logprobs: int = 20

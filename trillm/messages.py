@@ -1,0 +1,161 @@
+"""Every message that crosses a task channel or the process boundary, declared in one place.
+
+Engine side  -> worker: ``SchedulerOutput`` (P1 -> P2), then ``SampleRequest`` (-> P3).
+Worker       -> engine: ``ModelRunnerOutput`` (P3 -> P4).
+Engine core  -> output handler: ``EngineCoreOutputs`` (P4 -> stage 10).
+Frontend     -> engine core: ``EngineCoreRequest`` / abort ids (stage 4).
+
+Per-step messages carry diffs, as vLLM v1 does: a request is sent in full the first time it is
+scheduled (and again after a preemption, which drops it on the worker), afterwards only its new
+blocks and its computed-token count. Everything here is plain data: dataclasses of ints, floats,
+strings, lists and dicts, so the ring buffer can encode it with msgpack (never pickle).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from trillm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len reached
+    ABORT = 2  # cancelled by the caller, or the engine shut down
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+# ---------------------------------------------------------------- frontend -> engine core
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    priority: int = 0  # lower value = scheduled first (--scheduling-policy priority)
+    cache_salt: str | None = None
+    # Extra keys mixed into every block hash of this request (LoRA name, multimodal hashes).
+    extra_hash_keys: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- engine core -> worker
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker has not seen (or dropped on preemption): sent in full."""
+
+    req_id: str
+    prompt_token_ids: list[int]  # [num_prompt_tokens]
+    # Tokens generated before a preemption; they are re-prefilled after the prompt.
+    output_token_ids: list[int]  # [num_output_tokens]
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the request's whole block table
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the worker already holds: only what changed. Parallel lists, one entry each."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended this step
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step's tokens
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> num_scheduled_tokens (prefill chunk length, or 1 (+ drafts) for decode)
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # req_id -> draft token ids to verify this step (speculative decoding seam)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Finished, aborted or preempted since the last step: the worker drops their state.
+    finished_req_ids: list[str] = field(default_factory=list)
+    # True when some scheduled request uses structured output: the worker then waits for a
+    # SampleRequest carrying the bitmask before P3; otherwise it samples straight away.
+    wait_for_bitmask: bool = False
+
+
+@dataclass(slots=True)
+class SampleRequest:
+    """P3 trigger when ``wait_for_bitmask`` is set: the grammar bitmask computed during P2."""
+
+    step_id: int
+    # req_id -> packed int32 bitmask words [ceil(vocab / 32)], bit set = token allowed
+    bitmask: dict[str, list[int]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- worker -> engine core
+
+
+@dataclass(slots=True)
+class LogprobsLists:
+    """Logprobs for a run of positions: each row is [sampled/actual token, top-1, ..., top-k]."""
+
+    token_ids: list[list[int]]  # [num_positions][1 + k]
+    logprobs: list[list[float]]  # [num_positions][1 + k]
+    ranks: list[int]  # [num_positions] rank of the first column's token (1 = argmax)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    step_id: int
+    req_ids: list[str]  # every scheduled request, in batch order
+    # [num_reqs][num_new_tokens]: empty for a prefill chunk that does not reach the end
+    sampled_token_ids: list[list[int]]
+    # req_id -> logprobs of this step's sampled tokens (only requests that asked)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # req_id -> logprobs of the prompt positions computed this step (only requests that asked)
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    model_time_s: float = 0.0  # wall time of P2 + P3 on the worker
+    error: str | None = None  # a worker-side failure, reported instead of raising
+
+
+# ---------------------------------------------------------------- engine core -> output handler
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    prefix_cache_queries: int = 0  # tokens looked up (cumulative)
+    prefix_cache_hits: int = 0  # tokens found (cumulative)
+    num_preemptions: int = 0  # cumulative
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput]
+    timestamp: float
+    scheduler_stats: SchedulerStats | None = None
+    step_time_s: float = 0.0
+    model_time_s: float = 0.0

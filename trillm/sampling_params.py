@@ -1,0 +1,190 @@
+"""SamplingParams: vLLM's names and validation rules.
+
+Out-of-range values raise ``ValueError`` naming the parameter, so the HTTP layer can turn them
+into a 400 with ``param`` set.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output carries everything generated so far
+    DELTA = 1  # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # one output, at the end
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Seam for structured outputs (xgrammar); exactly one field may be set."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-k logprobs per sampled token (0 = sampled token only)
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None
+    # Filled by the input processor from the tokenizer, not by users.
+    bad_words_token_ids: list[list[int]] | None = None
+    # EOS plus stop_token_ids: what min_tokens suppresses.
+    all_stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+        if self.temperature < _GREEDY_EPS:
+            # Greedy: the filters are no-ops, normalise them so batching sees one kind.
+            self.temperature = 0.0
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _verify(self) -> None:
+        checks: list[tuple[str, bool, str]] = [
+            ("n", self.n >= 1, f"n must be at least 1, got {self.n}."),
+            (
+                "presence_penalty",
+                -2.0 <= self.presence_penalty <= 2.0,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.",
+            ),
+            (
+                "frequency_penalty",
+                -2.0 <= self.frequency_penalty <= 2.0,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.",
+            ),
+            (
+                "repetition_penalty",
+                self.repetition_penalty > 0.0,
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+            ),
+            (
+                "temperature",
+                self.temperature >= 0.0,
+                f"temperature must be non-negative, got {self.temperature}.",
+            ),
+            ("top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}."),
+            (
+                "top_k",
+                self.top_k >= 0,
+                f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.",
+            ),
+            ("min_p", 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}."),
+            (
+                "max_tokens",
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be at least 1, got {self.max_tokens}.",
+            ),
+            (
+                "min_tokens",
+                self.min_tokens >= 0,
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
+            ),
+            (
+                "min_tokens",
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}.",
+            ),
+            (
+                "logprobs",
+                self.logprobs is None or self.logprobs >= 0,
+                f"logprobs must be non-negative, got {self.logprobs}.",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+                f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.",
+            ),
+        ]
+        for param, ok, message in checks:
+            if not ok:
+                raise SamplingParamsError(param, message)
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            raise SamplingParamsError("stop", "stop must be a list of non-empty strings.")
+        if self.stop_token_ids is not None and not all(
+            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise SamplingParamsError(
+                "stop_token_ids", "stop_token_ids must be a list of non-negative integers."
+            )
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must not be empty.")
+        if self.logit_bias is not None:
+            for value in self.logit_bias.values():
+                if not -100.0 <= value <= 100.0:
+                    raise SamplingParamsError(
+                        "logit_bias", f"logit_bias values must be in [-100, 100], got {value}."
+                    )
+
+    def verify_vocab(self, vocab_size: int, max_logprobs: int) -> None:
+        """Checks that need the model: token ids in range, logprob counts under the cap."""
+        for name, ids in (
+            ("allowed_token_ids", self.allowed_token_ids),
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias) if self.logit_bias else None),
+        ):
+            if ids and any(not 0 <= t < vocab_size for t in ids):
+                raise SamplingParamsError(
+                    name, f"{name} contains a token id outside the vocabulary [0, {vocab_size})."
+                )
+        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if value is not None and value > max_logprobs:
+                raise SamplingParamsError(
+                    name, f"Requested {name}={value}, more than max_logprobs={max_logprobs}."
+                )
+
+    def clone(self) -> SamplingParams:
+        import copy
+
+        return copy.deepcopy(self)

@@ -1,0 +1,85 @@
+"""Tiny random-weight checkpoints in Hugging Face format, one per supported architecture.
+
+``build_tiny_model("llama", path)`` writes config.json, model.safetensors (random weights,
+seeded), generation_config.json and the project's shipped tokenizer into ``path``, exactly as a
+real checkpoint folder looks, so loading goes through the same code as a downloaded model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+EOS_IDS = [2, 0]  # <|im_end|>, <|endoftext|>
+
+# Small but not degenerate: GQA, and head_dim != hidden/heads on some.
+BASE: dict[str, Any] = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    initializer_range=0.2,  # peaky logits: fewer near-ties between greedy candidates
+    bos_token_id=None,
+    eos_token_id=EOS_IDS[0],
+    pad_token_id=0,
+)
+
+ARCHES: dict[str, dict[str, Any]] = {
+    "llama": dict(head_dim=32),
+    "mistral": dict(),
+    "qwen2": dict(tie_word_embeddings=True),
+    "qwen3": dict(head_dim=24, tie_word_embeddings=False),
+}
+
+CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+MODEL_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def copy_tokenizer(out_dir: Path) -> None:
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / name, out_dir / name)
+
+
+def build_tiny_model(
+    arch: str,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    **overrides: Any,
+) -> Path:
+    """Write a random ``arch`` checkpoint to ``out_dir``; ``overrides`` go into its config."""
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {**BASE, **ARCHES[arch], **overrides}
+    config = getattr(transformers, CONFIG_CLASSES[arch])(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, MODEL_CLASSES[arch])(config)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    gen = {"eos_token_id": EOS_IDS, "pad_token_id": 0}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    copy_tokenizer(out)
+    return out
