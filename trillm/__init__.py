@@ -2,7 +2,7 @@
 
 Layout (the request lifecycle of docs/architecture.md, stage by stage):
   entrypoints/   stages 1-3 and 11: the OpenAI-compatible server, the CLI
-  engine/        stage 4 and 10: AsyncEngine (open_engine), input and output processing
+  engine/        stages 4 and 10: AsyncEngine (open_engine), LLM, input and output processing
   core/          P1 and P4 of step(): scheduler and KV block manager (native twins in ext/)
   executor/      worker subprocesses and the shared-memory rings that feed them (ipc/)
   worker/        P2 and P3: model runner, persistent batch, KV cache
@@ -10,10 +10,55 @@ Layout (the request lifecycle of docs/architecture.md, stage by stage):
   attention/     attention backends behind one interface; kernels/ holds the Triton kernels
   sample/        the batched sampler
   bench/         ``trillm bench``
+
+The public API is re-exported here; heavy modules load on first use.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from trillm.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["RequestOutputKind", "SamplingParams", "__version__"]
+_LAZY = {
+    "LLM": "trillm.engine.llm",
+    "AsyncEngine": "trillm.engine.async_engine",
+    "open_engine": "trillm.engine.async_engine",
+    "EngineArgs": "trillm.config",
+    "RequestOutput": "trillm.outputs",
+    "CompletionOutput": "trillm.outputs",
+    "Logprob": "trillm.outputs",
+    "EngineDeadError": "trillm.errors",
+}
+
+if TYPE_CHECKING:
+    from trillm.config import EngineArgs
+    from trillm.engine.async_engine import AsyncEngine, open_engine
+    from trillm.engine.llm import LLM
+    from trillm.errors import EngineDeadError
+    from trillm.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trillm' has no attribute {name!r}")
+
+
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "CompletionOutput",
+    "EngineArgs",
+    "EngineDeadError",
+    "Logprob",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "__version__",
+    "open_engine",
+]

@@ -44,6 +44,16 @@ class EngineCoreRequest:
     extra_hash_keys: list[str] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class AbortRequests:
+    """Cancelled by the caller, or finished by a stop string in the output handler."""
+
+    request_ids: list[str]
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests
+
+
 # ---------------------------------------------------------------- engine core -> worker
 
 

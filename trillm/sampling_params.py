@@ -77,7 +77,12 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as exc:
+                raise SamplingParamsError(
+                    "logit_bias", "logit_bias keys must be token ids and values numbers."
+                ) from exc
         self._verify()
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters are no-ops, normalise them so batching sees one kind.

@@ -1,0 +1,433 @@
+# distutils: language = c++
+"""Native scheduler: trillm._ext.scheduler (twin: trillm/core/scheduler.py).
+
+Same API, same decisions, same SchedulerOutput messages as the Python twin (a differential test
+compares them). The request records, block tables, block pool, free queue and hash map are C++
+state (see _kv_core.pxi); the scheduling loops run on typed records. The waiting/running
+queues are Python lists of those records, and the messages built at the end of a step are the
+Python dataclasses of trillm.messages.
+"""
+
+from cython.operator cimport dereference as cython_deref
+
+include "_kv_core.pxi"
+
+from trillm.core.errors import DuplicateRequestError
+from trillm.core.request import finished_status
+from trillm.core.scheduler import check_request_fits
+from trillm.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    FinishReason,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+cdef enum:
+    NOT_FINISHED = -1
+    REASON_STOP = 0
+    REASON_LENGTH = 1
+
+
+cdef class _StepPlan:
+    """What one schedule() call hands out, built up request by request."""
+
+    cdef long long budget
+    cdef dict num_scheduled  # req_id -> num_scheduled_tokens
+    cdef list new_reqs
+    cdef dict cached  # req_id -> (new block ids, num_computed_tokens before this step)
+    cdef dict spec  # req_id -> draft tokens scheduled
+    cdef int structured
+
+    def __init__(self, long long budget):
+        self.budget = budget
+        self.num_scheduled = {}
+        self.new_reqs = []
+        self.cached = {}
+        self.spec = {}
+        self.structured = 0
+
+    cdef void _schedule(self, Request r, long long n):
+        self.num_scheduled[r.request_id] = n
+        self.budget -= n
+        if r.structured:
+            self.structured += 1
+        r.num_computed_tokens += n
+
+    cdef void add_cached(self, Request r, long long n, list new_blocks):
+        cdef long long num_spec = r.num_computed_tokens + n - <long long>r.tokens.size()
+        cdef long long i
+        if num_spec > 0:
+            self.spec[r.request_id] = [r.spec[i] for i in range(num_spec)]
+        self.cached[r.request_id] = (new_blocks, r.num_computed_tokens)
+        self._schedule(r, n)
+
+    cdef void add_new(self, Request r, long long n):
+        self.new_reqs.append(
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=list(r._prompt),
+                output_token_ids=r.output_token_ids,
+                sampling_params=r.sampling_params,
+                block_ids=[b for b in r.block_ids],
+                num_computed_tokens=r.num_computed_tokens,
+            )
+        )
+        self._schedule(r, n)
+
+    cdef void unschedule(self, Request r):
+        n = self.num_scheduled.pop(r.request_id, None)
+        if n is None:
+            return
+        self.budget += <long long>n
+        self.cached.pop(r.request_id, None)
+        self.spec.pop(r.request_id, None)
+        if r.structured:
+            self.structured -= 1
+
+    cdef object to_output(self, long long step_id, list finished):
+        cached = CachedRequestData()
+        cdef long long total = 0
+        for req_id, (blocks, computed) in self.cached.items():
+            cached.req_ids.append(req_id)
+            cached.new_block_ids.append(blocks)
+            cached.num_computed_tokens.append(computed)
+        for n in self.num_scheduled.values():
+            total += <long long>n
+        return SchedulerOutput(
+            step_id=step_id,
+            scheduled_new_reqs=self.new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=self.num_scheduled,
+            total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens=self.spec,
+            finished_req_ids=finished,
+            wait_for_bitmask=self.structured > 0,
+        )
+
+
+cdef inline cbool _key_greater(Request a, Request b):
+    """(priority, arrival_time) of a > that of b."""
+    if a.priority != b.priority:
+        return a.priority > b.priority
+    return a.arrival_time > b.arrival_time
+
+
+cdef class Scheduler:
+    """P1 (schedule) and P4 (update_from_output) of EngineCore.step(); see the Python twin."""
+
+    cdef readonly object scheduler_config
+    cdef readonly object cache_config
+    cdef readonly KVCacheManager kv_cache_manager
+    cdef readonly long long max_num_seqs
+    cdef readonly long long max_num_batched_tokens
+    cdef readonly long long max_model_len
+    cdef readonly long long long_prefill_token_threshold
+    cdef readonly cbool priority_policy
+    cdef readonly dict requests
+    cdef list waiting  # head = next to admit
+    cdef list running  # in admission order
+    cdef list _finished_req_ids
+    cdef long long _step_id
+    cdef public long long num_preemptions
+
+    def __init__(self, scheduler_config, cache_config, int num_blocks):
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        if scheduler_config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"Unknown scheduling policy {scheduler_config.policy!r}.")
+        self.priority_policy = scheduler_config.policy == "priority"
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests = {}
+        self.waiting = []
+        self.running = []
+        self._finished_req_ids = []
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, req):
+        if req.request_id in self.requests:
+            raise DuplicateRequestError(f"Request id {req.request_id!r} is already in use.")
+        check_request_fits(req, self.max_model_len, self.kv_cache_manager.num_blocks,
+                           self.kv_cache_manager.block_size)
+        cdef Request r = Request.from_engine_core_request(req)
+        self.requests[r.request_id] = r
+        self._enqueue_waiting(r, False)
+
+    cdef void _enqueue_waiting(self, Request r, cbool front):
+        cdef Py_ssize_t i, n = len(self.waiting)
+        cdef Request other
+        if not self.priority_policy:
+            if front:
+                self.waiting.insert(0, r)
+            else:
+                self.waiting.append(r)
+            return
+        # Sorted by (priority, arrival): bisect_left when front, bisect_right otherwise.
+        i = 0
+        while i < n:
+            other = <Request>self.waiting[i]
+            if front and not _key_greater(r, other):
+                break
+            if not front and _key_greater(other, r):
+                break
+            i += 1
+        self.waiting.insert(i, r)
+
+    def update_draft_token_ids(self, dict draft_token_ids):
+        """Speculative decoding seam: drafts to verify at the next step."""
+        cdef Request r
+        for req_id, drafts in draft_token_ids.items():
+            r = self.requests.get(req_id)
+            if r is not None and r.status_ == ST_RUNNING:
+                r.spec_token_ids = drafts
+
+    # ------------------------------------------------------------------ P1: schedule
+
+    def schedule(self):
+        self._step_id += 1
+        cdef _StepPlan plan = _StepPlan(self.max_num_batched_tokens)
+        cdef long long preemptions_before = self.num_preemptions
+        self._schedule_running(plan)
+        if self.num_preemptions == preemptions_before:
+            # NOTE: after a preemption nothing is admitted: blocks are short this step.
+            self._schedule_waiting(plan)
+        finished = self._finished_req_ids
+        self._finished_req_ids = []
+        return plan.to_output(self._step_id, finished)
+
+    cdef inline long long _chunk_size(self, long long num_computed, long long num_tokens,
+                                      long long budget):
+        cdef long long n = num_tokens - num_computed
+        if budget < n:
+            n = budget
+        if self.long_prefill_token_threshold > 0 and self.long_prefill_token_threshold < n:
+            n = self.long_prefill_token_threshold
+        if self.max_model_len - num_computed < n:
+            n = self.max_model_len - num_computed
+        return n
+
+    cdef void _schedule_running(self, _StepPlan plan) except *:
+        cdef KVCacheManager kv = self.kv_cache_manager
+        cdef Py_ssize_t i = 0, num_running
+        cdef Request r
+        cdef long long n
+        cdef vector[int] no_blocks
+        cdef vector[int] new_blocks
+        while i < len(self.running) and plan.budget > 0:
+            r = <Request>self.running[i]
+            n = self._chunk_size(r.num_computed_tokens,
+                                 <long long>(r.tokens.size() + r.spec.size()), plan.budget)
+            if n <= 0:
+                i += 1
+                continue
+            num_running = len(self.running)
+            if not self._make_room(r, n, plan):
+                continue  # it preempted itself: running[i] is now the next request
+            if len(self.running) != num_running:
+                i = self.running.index(r)  # a victim ahead of it may have gone
+            kv._allocate(r, n, no_blocks, False, new_blocks)
+            plan.add_cached(r, n, [b for b in new_blocks])
+            i += 1
+
+    cdef cbool _make_room(self, Request r, long long n, _StepPlan plan) except *:
+        cdef vector[int] no_blocks
+        cdef Request victim
+        while not self.kv_cache_manager._can_allocate(r, n, no_blocks):
+            victim = self._pick_victim()
+            self._preempt(victim, plan)
+            if victim is r:
+                return False
+        return True
+
+    cdef Request _pick_victim(self):
+        cdef Py_ssize_t i
+        cdef Request victim = <Request>self.running[len(self.running) - 1]
+        cdef Request r
+        if not self.priority_policy:
+            return victim
+        for i in range(len(self.running) - 1, -1, -1):
+            r = <Request>self.running[i]
+            if _key_greater(r, victim):
+                victim = r
+        return victim
+
+    cdef void _preempt(self, Request r, _StepPlan plan) except *:
+        self.running.remove(r)
+        plan.unschedule(r)
+        self.kv_cache_manager.free(r)
+        r.status_ = ST_PREEMPTED
+        r.num_computed_tokens = 0
+        r.spec.clear()
+        self.num_preemptions += 1
+        if r.sent_to_worker:
+            self._finished_req_ids.append(r.request_id)
+            r.sent_to_worker = False
+        self._enqueue_waiting(r, True)
+
+    cdef void _schedule_waiting(self, _StepPlan plan) except *:
+        cdef KVCacheManager kv = self.kv_cache_manager
+        cdef Request r
+        cdef vector[int] computed
+        cdef vector[int] new_blocks
+        cdef long long num_hit, n
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            r = <Request>self.waiting[0]
+            num_hit = kv._lookup(r, computed)
+            n = self._chunk_size(num_hit, <long long>r.tokens.size(), plan.budget)
+            if not kv._can_allocate(r, n, computed):
+                break  # NOTE: strict queue order: nothing overtakes the head
+            kv._allocate(r, n, computed, True, new_blocks)
+            del self.waiting[0]
+            r.num_computed_tokens = num_hit
+            if not r.has_num_cached:
+                r.has_num_cached = True
+                r.num_cached_ = num_hit
+            r.status_ = ST_RUNNING
+            r.sent_to_worker = True
+            self.running.append(r)
+            plan.add_new(r, n)
+
+    # ------------------------------------------------------------------ P4: update
+
+    def update_from_output(self, sched, out):
+        outputs = []
+        cdef Request r
+        cdef int reason
+        cdef long long stop_reason
+        cdef Py_ssize_t num_new
+        num_scheduled = sched.num_scheduled_tokens
+        spec_decode = sched.scheduled_spec_decode_tokens
+        for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
+            r = self.requests.get(req_id)
+            if r is None or req_id not in num_scheduled:
+                continue  # aborted since it was scheduled
+            drafts = spec_decode.get(req_id) if spec_decode else None
+            if drafts and sampled:
+                r.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            r.spec.clear()
+            reason = NOT_FINISHED
+            stop_reason = -1
+            num_new = 0
+            for token in sampled:
+                r.tokens.push_back(<int64_t>token)
+                num_new += 1
+                reason = self._check_stop(r, <int64_t>token, &stop_reason)
+                if reason != NOT_FINISHED:
+                    break
+            self.kv_cache_manager.cache_full_blocks(r)
+            if reason != NOT_FINISHED:
+                self._finish(r, FinishReason(reason))
+            output = self._make_output(r, sampled, num_new, reason, stop_reason, out)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    cdef int _check_stop(self, Request r, int64_t token, long long* stop_reason):
+        cdef long long num_output = <long long>r.tokens.size() - r.num_prompt
+        cdef size_t i
+        if <long long>r.tokens.size() >= self.max_model_len or (
+                r.has_max_tokens and num_output >= r.max_tokens_):
+            return REASON_LENGTH
+        if num_output < r.min_tokens:
+            return NOT_FINISHED
+        if not r.ignore_eos and r.has_eos and token == r.eos:
+            return REASON_STOP
+        for i in range(r.stop_ids.size()):
+            if r.stop_ids[i] == token:
+                stop_reason[0] = token
+                return REASON_STOP
+        return NOT_FINISHED
+
+    cdef object _make_output(self, Request r, sampled, Py_ssize_t num_new, int reason,
+                             long long stop_reason, out):
+        req_id = r.request_id
+        prompt_logprobs = out.prompt_logprobs.get(req_id) if out.prompt_logprobs else None
+        if num_new == 0 and reason == NOT_FINISHED and prompt_logprobs is None:
+            return None
+        cdef long long num_cached = 0
+        if not r.first_output_sent:
+            r.first_output_sent = True
+            num_cached = r.num_cached_ if r.has_num_cached else 0
+        return EngineCoreOutput(
+            request_id=req_id,
+            new_token_ids=list(sampled[:num_new]) if num_new != len(sampled) else list(sampled),
+            new_logprobs=out.logprobs.get(req_id) if out.logprobs else None,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=None if reason == NOT_FINISHED else FinishReason(reason),
+            stop_reason=stop_reason if stop_reason >= 0 else None,
+            num_cached_tokens=num_cached,
+        )
+
+    # ------------------------------------------------------------------ finishing
+
+    def finish_requests(self, req_ids, reason):
+        """Remove requests (abort, or a stop string found by the output side) at once."""
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        reason = FinishReason(reason)
+        cdef Request r
+        for req_id in req_ids:
+            r = self.requests.get(req_id)
+            if r is not None:
+                self._finish(r, reason)
+
+    cdef void _finish(self, Request r, reason) except *:
+        if r.status_ == ST_RUNNING:
+            self.running.remove(r)
+        else:
+            self.waiting.remove(r)
+        r.status_ = <int>finished_status(reason)
+        self.kv_cache_manager.free(r)
+        del self.requests[r.request_id]
+        if r.sent_to_worker:
+            self._finished_req_ids.append(r.request_id)
+            r.sent_to_worker = False
+
+    # ------------------------------------------------------------------ stats
+
+    @property
+    def num_running(self):
+        return len(self.running)
+
+    @property
+    def num_waiting(self):
+        return len(self.waiting)
+
+    def get_request_counts(self):
+        """(num_running, num_waiting)."""
+        return len(self.running), len(self.waiting)
+
+    def has_unfinished_requests(self):
+        return bool(self.running) or bool(self.waiting)
+
+    def get_request(self, req_id):
+        return self.requests.get(req_id)
+
+    def running_req_ids(self):
+        return [(<Request>r).request_id for r in self.running]
+
+    def waiting_req_ids(self):
+        return [(<Request>r).request_id for r in self.waiting]
+
+    def reset_prefix_cache(self):
+        self.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self):
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )

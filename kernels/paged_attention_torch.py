@@ -1,0 +1,53 @@
+"""Paged attention over a flattened mixed batch, torch reference: one request at a time.
+
+The contract (``trillm/attention/backend.py``): request ``i`` owns query rows
+``query_start_loc[i]:query_start_loc[i+1]``, at positions ``context_lens[i] .. seq_lens[i]-1``,
+and attends causally (row at position ``p`` sees positions ``<= p``) to the keys/values
+already in the paged cache, this step's included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], keys or values
+    block_row: torch.Tensor,  # [max_blocks_per_req] int32, one request's block table row
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, Hkv, D]
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache[block_row[:num_blocks].long()]  # [num_blocks, block_size, Hkv, D]
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def _attend_one(q, k, v, context_len: int, scale: float) -> torch.Tensor:
+    # q: [Lq, Hq, D]; k, v: [Lk, Hkv, D] with Lk = context_len + Lq -> [Lq, Hq, D]
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)  # [Lk, Hq, D]
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Lq, Lk]
+    q_pos = context_len + torch.arange(q.shape[0])[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, Hq, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, Hq, D]
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_i = q[starts[i] : starts[i + 1]]
+        k_i = gather_context(kv_cache[0], block_table[i], seq_len)
+        v_i = gather_context(kv_cache[1], block_table[i], seq_len)
+        out[starts[i] : starts[i + 1]] = _attend_one(q_i, k_i, v_i, seq_len - q_i.shape[0], scale)
+    return out

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny Hugging Face checkpoints built once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """``tiny_model_factory(arch, **overrides) -> path``; cached per (arch, overrides)."""
+    from trillm.testing.tiny_models import build_tiny_model
+
+    cache: dict[tuple, str] = {}
+
+    def make(arch: str, **overrides) -> str:
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = str(build_tiny_model(arch, path, **overrides))
+        return cache[key]
+
+    return make

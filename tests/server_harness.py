@@ -1,0 +1,95 @@
+"""A real ``trillm serve`` subprocess for the server tests (test_server_*.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``trillm serve ARGS`` on 127.0.0.1:<free port>; ``start()`` waits for /health 200."""
+
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.api_key = api_key
+        self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
+        if api_key:
+            self.args += ["--api-key", api_key]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300.0) -> ServerProcess:
+        env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trillm", "serve", *self.args],
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"trillm serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.proc.kill()
+        raise TimeoutError(f"trillm serve not healthy after {timeout} s:\n{self.log()}")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def terminate(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.terminate()
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._log.close()
+        return code
+
+
+def metric_value(text: str, name: str) -> float:
+    """The sum of the samples of ``name`` (any labels) in a Prometheus text page."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        raise KeyError(name)
+    return total

@@ -1,0 +1,104 @@
+"""The engine's concurrency and fault handling, fast: the real engine core, scheduler, worker
+subprocess, rings and detokenizer around the near-zero-cost fake model runner."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import trio
+
+from trillm import SamplingParams, open_engine
+from trillm.errors import EngineDeadError
+from trillm.executor.abstract import FAKE_RUNNER
+from trillm.worker.fake_runner import fake_token
+
+
+def expected_tokens(req_id: str, prompt: list[int], n: int, vocab: int) -> list[int]:
+    return [fake_token(req_id, len(prompt) + i, vocab) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+def test_many_concurrent_requests_complete(model_path):
+    async def main():
+        async with open_engine(model_path, runner=FAKE_RUNNER, max_num_seqs=32) as engine:
+            vocab = engine.model_config.vocab_size
+            results = {}
+
+            async def one(i):
+                prompt = list(range(3, 3 + 5 + i % 7))
+                params = SamplingParams(max_tokens=8 + i % 5, ignore_eos=True)
+                async for out in engine.generate({"prompt_token_ids": prompt}, params, f"q{i}"):
+                    pass
+                results[i] = (prompt, params.max_tokens, out)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(64):
+                    nursery.start_soon(one, i)
+            return vocab, results
+
+    vocab, results = trio.run(main)
+    assert len(results) == 64
+    for i, (prompt, max_tokens, out) in results.items():
+        assert out.finished and out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].token_ids == expected_tokens(f"q{i}", prompt, max_tokens, vocab)
+
+
+def test_cancelled_caller_aborts_request(model_path):
+    async def main():
+        async with open_engine(
+            model_path, runner=FAKE_RUNNER, runner_kwargs={"step_sleep_s": 0.01}
+        ) as engine:
+            params = SamplingParams(max_tokens=1000, ignore_eos=True)
+            with trio.move_on_after(0.3):
+                async for _ in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "c1"):
+                    pass
+            # The abort is processed by the engine core within a step.
+            with trio.fail_after(5):
+                while engine.get_stats().num_running_reqs or engine.get_stats().kv_cache_usage:
+                    await trio.sleep(0.01)
+            # The engine still serves.
+            short = SamplingParams(max_tokens=4, ignore_eos=True)
+            async for out in engine.generate({"prompt_token_ids": [5, 6]}, short, "c2"):
+                pass
+            return out
+
+    out = trio.run(main)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_dead_worker_fails_in_flight_requests(model_path):
+    async def main():
+        async with open_engine(
+            model_path, runner=FAKE_RUNNER, runner_kwargs={"step_sleep_s": 0.01}
+        ) as engine:
+            params = SamplingParams(max_tokens=10_000 // 8, ignore_eos=True)
+            errors = []
+
+            async def one(i):
+                try:
+                    async for _ in engine.generate({"prompt_token_ids": [4, 5, i]}, params):
+                        pass
+                except EngineDeadError as exc:
+                    errors.append(exc)
+
+            with trio.fail_after(20):
+                async with trio.open_nursery() as nursery:
+                    for i in range(8):
+                        nursery.start_soon(one, i)
+                    await trio.sleep(0.3)
+                    os.kill(engine.executor.worker_pids[0], signal.SIGKILL)
+            assert engine.is_dead
+            with pytest.raises(EngineDeadError):
+                async for _ in engine.generate("after death", params):
+                    pass
+            return errors
+
+    errors = trio.run(main)
+    assert len(errors) == 8
+    assert "rank 0" in str(errors[0]) or "worker" in str(errors[0]).lower()

@@ -1,0 +1,53 @@
+"""Chooses the native extensions (``trillm._ext.*``, built from ``ext/``) or their pure-Python
+twins. ``TRILLM_NO_EXTENSIONS=1`` forces the twins; both have the same API and behaviour."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+
+def extensions_disabled() -> bool:
+    return os.environ.get("TRILLM_NO_EXTENSIONS", "").strip().lower() in ("1", "true", "yes")
+
+
+def extensions_enabled() -> bool:
+    """The project-wide switch: False when ``TRILLM_NO_EXTENSIONS=1``."""
+    return not extensions_disabled()
+
+
+def _load_native(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"trillm._ext.{name}")
+    except ImportError:
+        return None
+
+
+def native_module(name: str) -> ModuleType | None:
+    """The built extension ``trillm._ext.<name>``, or None when not built (ignores the switch)."""
+    return _load_native(name)
+
+
+def native_available(name: str | None = None) -> bool:
+    """Whether the native scheduler and KV manager (or just ``name``) are built and enabled."""
+    if extensions_disabled():
+        return False
+    names = (name,) if name else ("scheduler", "kv_cache_manager")
+    return all(_load_native(n) is not None for n in names)
+
+
+def get_scheduler_cls() -> type:
+    if native_available("scheduler"):
+        return _load_native("scheduler").Scheduler  # type: ignore[union-attr]
+    from trillm.core.scheduler import Scheduler
+
+    return Scheduler
+
+
+def get_kv_cache_manager_cls() -> type:
+    if native_available("kv_cache_manager"):
+        return _load_native("kv_cache_manager").KVCacheManager  # type: ignore[union-attr]
+    from trillm.core.kv_cache_manager import KVCacheManager
+
+    return KVCacheManager

@@ -1,0 +1,165 @@
+"""Paged attention in plain torch: one scatter to write K/V, one gather per request group, one
+``scaled_dot_product_attention`` per group. No Python loop over requests.
+
+A step's requests fall in at most two groups, planned once per step (``plan``) and reused by
+every layer: decode rows (query length 1, the fast path: no query padding, a padding-only
+mask) and prefill rows (queries padded to the longest chunk, causal mask offset by each
+request's context length). Splitting them keeps one long prefill from padding every decode
+row to its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trillm.attention.backend import AttentionMetadata
+
+
+@dataclass
+class _Group:
+    """Requests attended together: their padded query rows and gathered context slots."""
+
+    query_index: torch.Tensor  # decode: [Rg]; prefill: [Rg, Lq] rows of this step's q
+    out_index: torch.Tensor | None  # prefill: [Tg] row of the flat padded output per token
+    token_rows: torch.Tensor | None  # [Tg] rows of q/out this group owns; None = all rows
+    gather_slots: torch.Tensor  # [Rg, S] cache slot of each context position
+    mask: torch.Tensor  # [Rg, 1, Lq, S] bool, True = attend
+    decode: bool
+
+
+def _context_slots(
+    block_table: torch.Tensor,  # [R, max_blocks] int32
+    block_size: int,
+    max_len: int,
+) -> torch.Tensor:  # [R, max_len] int64
+    pos = torch.arange(max_len, device=block_table.device)
+    blocks = block_table[:, : (max_len + block_size - 1) // block_size].long()
+    return blocks[:, pos // block_size] * block_size + pos % block_size
+
+
+def _decode_group(meta: AttentionMetadata, reqs: torch.Tensor, block_size: int) -> _Group:
+    seq_lens = meta.seq_lens[reqs].long()  # [Rg]
+    if len(reqs) == meta.num_reqs:
+        max_len = meta.max_seq_len
+    else:
+        max_len = max(meta.seq_lens_cpu[i] for i in reqs.tolist())
+    pos = torch.arange(max_len, device=seq_lens.device)
+    mask = (pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [Rg, 1, 1, S]
+    return _Group(
+        query_index=meta.query_start_loc[reqs].long(),
+        out_index=None,
+        token_rows=None,
+        gather_slots=_context_slots(meta.block_table[reqs], block_size, max_len),
+        mask=mask,
+        decode=True,
+    )
+
+
+def _prefill_group(meta: AttentionMetadata, reqs: torch.Tensor, block_size: int) -> _Group:
+    device = meta.seq_lens.device
+    starts = meta.query_start_loc[reqs].long()  # [Rg]
+    query_lens = meta.query_start_loc[reqs + 1].long() - starts
+    context_lens = meta.context_lens[reqs].long()
+    seq_lens = meta.seq_lens[reqs].long()
+    reqs_cpu = reqs.tolist()
+    max_q = max(meta.query_lens_cpu[i] for i in reqs_cpu)
+    max_len = max(meta.seq_lens_cpu[i] for i in reqs_cpu)
+    offsets = torch.arange(max_q, device=device)  # [Lq]
+    # Padded query rows point at row 0 of the request; their outputs are dropped.
+    valid = offsets[None, :] < query_lens[:, None]  # [Rg, Lq]
+    query_index = torch.where(valid, starts[:, None] + offsets[None, :], starts[:, None])
+    pos = torch.arange(max_len, device=device)  # [S]
+    causal = pos[None, None, :] <= (context_lens[:, None] + offsets[None, :])[:, :, None]
+    mask = (causal & (pos[None, None, :] < seq_lens[:, None, None]))[:, None]  # [Rg,1,Lq,S]
+    flat = torch.arange(len(reqs_cpu), device=device)[:, None] * max_q + offsets[None, :]
+    return _Group(
+        query_index=query_index,
+        out_index=flat[valid],  # [Tg] in token order (requests are in batch order)
+        token_rows=query_index[valid],
+        gather_slots=_context_slots(meta.block_table[reqs], block_size, max_len),
+        mask=mask,
+        decode=False,
+    )
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._planned: AttentionMetadata | None = None
+        self._block_size = 0
+        self._groups: list[_Group] = []
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        """Forget the last step's indices; the first layer builds this step's (it knows the
+        cache's block size)."""
+        self._planned = meta
+        self._groups = []
+
+    def _build_groups(self, meta: AttentionMetadata, block_size: int) -> list[_Group]:
+        query_lens = torch.tensor(meta.query_lens_cpu)
+        device = meta.seq_lens.device
+        if meta.decode_only:
+            reqs = torch.arange(meta.num_reqs, device=device)
+            return [_decode_group(meta, reqs, block_size)]
+        groups = []
+        decode_reqs = torch.nonzero(query_lens == 1).flatten().to(device)
+        prefill_reqs = torch.nonzero(query_lens > 1).flatten().to(device)
+        if len(decode_reqs):
+            group = _decode_group(meta, decode_reqs, block_size)
+            group.token_rows = group.query_index
+            groups.append(group)
+        if len(prefill_reqs):
+            groups.append(_prefill_group(meta, prefill_reqs, block_size))
+        return groups
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        block_size = kv_cache.shape[2]
+        if meta is not self._planned or block_size != self._block_size or not self._groups:
+            self._planned, self._block_size = meta, block_size
+            self._groups = self._build_groups(meta, block_size)
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
+        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        key_cache.index_copy_(0, meta.slot_mapping, k.to(key_cache.dtype))
+        value_cache.index_copy_(0, meta.slot_mapping, v.to(value_cache.dtype))
+        if len(self._groups) == 1 and self._groups[0].token_rows is None:
+            return self._attend(self._groups[0], q, key_cache, value_cache, scale)
+        out = torch.empty_like(q)
+        for group in self._groups:
+            out[group.token_rows] = self._attend(group, q, key_cache, value_cache, scale)
+        return out
+
+    @staticmethod
+    def _attend(
+        group: _Group,
+        q: torch.Tensor,  # [T, Hq, D]
+        key_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:  # [Tg, Hq, D]
+        keys = key_cache[group.gather_slots].transpose(1, 2)  # [Rg, Hkv, S, D]
+        values = value_cache[group.gather_slots].transpose(1, 2)
+        if group.decode:
+            queries = q[group.query_index].unsqueeze(2)  # [Rg, Hq, 1, D]
+        else:
+            queries = q[group.query_index].transpose(1, 2)  # [Rg, Hq, Lq, D]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
+        )  # [Rg, Hq, Lq, D]
+        if group.decode:
+            return out.squeeze(2)
+        num_heads, head_dim = out.shape[1], out.shape[3]
+        flat = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [Rg * Lq, Hq, D]
+        return flat[group.out_index]

@@ -1,0 +1,430 @@
+"""``trillm bench serve``: open-loop load against an OpenAI-compatible server.
+
+Requests arrive as a Gamma process (shape = burstiness, mean gap = 1/rate; burstiness 1 is
+Poisson, rate inf sends everything at once), each one streamed and timed by ``client.py``.
+Ctrl-C stops the run and still reports, and saves, what completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import trio
+
+from trillm.bench import datasets, metrics, results_io
+from trillm.bench.client import RequestSpec, make_client, send_request
+from trillm.bench.metrics import RequestResult
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+EXIT_INTERRUPTED = 130
+MAX_ERRORS_SHOWN = 5
+TEST_MAX_TOKENS = 2
+
+
+class BenchSetupError(RuntimeError):
+    """The benchmark cannot start: unreachable server, bad flags, unusable dataset."""
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
+    """Send times (s from the start) of n requests: the first at 0, Gamma gaps after it."""
+    if rate <= 0:
+        raise ValueError(f"--request-rate must be positive or inf, got {rate}.")
+    if burstiness <= 0:
+        raise ValueError(f"--burstiness must be positive, got {burstiness}.")
+    if math.isinf(rate):
+        return np.zeros(n)
+    # mean gap = shape * scale = 1/rate; variance = shape * scale^2 = 1/(rate^2 * burstiness)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    return np.concatenate(([0.0], np.cumsum(gaps[:-1]))) if n else np.zeros(0)
+
+
+def parse_rates(text: str) -> list[float]:
+    """'4' or '1,2,4,inf' -> [1.0, 2.0, 4.0, inf]."""
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid request rate {text!r}: use a number, inf, or a comma list like 1,2,inf"
+        ) from None
+    if not rates or any(r <= 0 or math.isnan(r) for r in rates):
+        raise argparse.ArgumentTypeError(f"request rates must be positive or inf, got {text!r}")
+    return rates
+
+
+def parse_percentiles(text: str) -> list[float]:
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid percentile list {text!r}") from None
+    if not values or any(not 0 < p <= 100 for p in values):
+        raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100], got {text!r}")
+    return values
+
+
+@dataclass
+class RunState:
+    """One rate's run; lives outside the cancel scope so an interrupt keeps what it holds."""
+
+    rate: float
+    results: list[RequestResult] = field(default_factory=list)
+    t0: float = 0.0  # perf_counter at the first send
+    end: float = 0.0
+    interrupted: bool = False
+
+
+@dataclass
+class ServeContext:
+    """Everything a run needs besides the HTTP client and the per-rate state."""
+
+    requests: list[datasets.BenchRequest]
+    tokenizer: datasets.BenchTokenizer | None
+    seed: int
+    burstiness: float
+    max_concurrency: int | None
+    slos: metrics.Slos
+    percentiles: list[float]
+    percentile_metrics: list[str]
+    progress: Any = None  # tqdm bar of the current run
+
+
+class Interrupt:
+    """SIGINT -> cancel the current run (not the process)."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self.scope: trio.CancelScope | None = None
+
+    async def watch(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.open_signal_receiver(signal.SIGINT) as signals:
+            task_status.started()
+            async for _ in signals:
+                if self.hit:
+                    raise KeyboardInterrupt  # a second Ctrl-C: give up on reporting
+                self.hit = True
+                print("\nInterrupted: stopping, reporting the completed requests.", file=sys.stderr)
+                if self.scope is not None:
+                    self.scope.cancel()
+
+
+async def _one(
+    client: httpx.AsyncClient,
+    spec: RequestSpec,
+    req: datasets.BenchRequest,
+    limiter: trio.CapacityLimiter | None,
+    state: RunState,
+    ctx: ServeContext,
+) -> None:
+    if limiter is None:
+        result = await send_request(
+            client, spec, req.prompt, req.prompt_len, req.expected_output_len, ctx.tokenizer
+        )
+    else:
+        async with limiter:
+            result = await send_request(
+                client, spec, req.prompt, req.prompt_len, req.expected_output_len, ctx.tokenizer
+            )
+    state.results.append(result)
+    ctx.progress.update(1)
+
+
+async def run_rate(
+    client: httpx.AsyncClient, spec: RequestSpec, ctx: ServeContext, state: RunState
+) -> None:
+    """Send every request at its arrival time; returns when all have finished."""
+    rng = np.random.default_rng(ctx.seed)
+    offsets = arrival_offsets(len(ctx.requests), state.rate, ctx.burstiness, rng)
+    limiter = trio.CapacityLimiter(ctx.max_concurrency) if ctx.max_concurrency else None
+    start = trio.current_time()
+    state.t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for req, offset in zip(ctx.requests, offsets):
+            # NOTE: no checkpoint when the send time has passed, so a burst (rate inf) is
+            # dispatched in one scheduler step, not one step per request behind the streams.
+            if start + offset > trio.current_time():
+                await trio.sleep_until(start + float(offset))
+            nursery.start_soon(_one, client, spec, req, limiter, state, ctx)
+    state.end = time.perf_counter()
+
+
+async def check_server(client: httpx.AsyncClient, base_url: str, model: str | None) -> str:
+    """Reachability and the model name (the first served model when --model is not given)."""
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        response = await client.get(url)
+    except httpx.HTTPError as e:
+        raise BenchSetupError(
+            f"Cannot reach the server at {base_url}: {type(e).__name__}: {e}"
+        ) from None
+    if model is not None:
+        return model
+    if response.status_code != 200:
+        raise BenchSetupError(f"GET {url} answered HTTP {response.status_code}; pass --model NAME.")
+    served = response.json().get("data") or []
+    if not served:
+        raise BenchSetupError(f"The server at {base_url} serves no model; pass --model NAME.")
+    return served[0]["id"]
+
+
+async def test_request(
+    client: httpx.AsyncClient, spec: RequestSpec, req: datasets.BenchRequest
+) -> None:
+    """One short request before the clock starts: a bad model name or endpoint fails here."""
+    result = await send_request(client, spec, req.prompt, req.prompt_len, TEST_MAX_TOKENS)
+    if not result.success:
+        raise BenchSetupError(
+            f"The test request to {spec.api_url} failed: {result.error}\n"
+            "Check --base-url, --endpoint/--backend and --model."
+        )
+
+
+def summarize(state: RunState, ctx: ServeContext) -> dict[str, Any]:
+    state.results.sort(key=lambda r: r.start_time)  # send order, not completion order
+    end = state.end if state.end else time.perf_counter()
+    summary = metrics.calculate_metrics(
+        state.results,
+        max(end - state.t0, 0.0),
+        state.t0,
+        slos=ctx.slos,
+        percentiles=ctx.percentiles,
+    )
+    if ctx.max_concurrency:
+        summary["max_concurrency"] = ctx.max_concurrency
+    return summary
+
+
+def report_errors(results: list[RequestResult]) -> None:
+    errors = Counter(r.error for r in results if not r.success)
+    if not errors:
+        return
+    print(f"{sum(errors.values())} request(s) failed; most common errors:", file=sys.stderr)
+    for message, count in errors.most_common(MAX_ERRORS_SHOWN):
+        print(f"  [{count}x] {message}", file=sys.stderr)
+
+
+def build_dataset(
+    args: argparse.Namespace, tokenizer: datasets.BenchTokenizer | None, chat: bool
+) -> list[datasets.BenchRequest]:
+    # NOTE: the chat endpoint takes text only; completions takes token ids when no tokenizer.
+    as_text = chat or tokenizer is not None
+    common = dict(seed=args.seed, tokenizer=tokenizer, as_text=as_text)
+    if args.dataset_name == "random":
+        return datasets.build_random(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.random_prefix_len,
+            **common,
+        )
+    if args.dataset_name == "prefix-repetition":
+        return datasets.build_prefix_repetition(
+            args.num_prompts,
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+            **common,
+        )
+    if args.dataset_path is None:
+        raise BenchSetupError("--dataset-name sharegpt needs --dataset-path FILE.json.")
+    if tokenizer is None:
+        raise BenchSetupError("--dataset-name sharegpt needs a tokenizer: pass --tokenizer PATH.")
+    return datasets.build_sharegpt(
+        args.dataset_path,
+        args.num_prompts,
+        tokenizer,
+        output_len=args.sharegpt_output_len,
+        seed=args.seed,
+    )
+
+
+def is_chat(args: argparse.Namespace) -> bool:
+    return args.backend == "openai-chat" or args.endpoint.rstrip("/").endswith("chat/completions")
+
+
+def prepare(args: argparse.Namespace) -> ServeContext:
+    """Flags -> dataset and settings; raises BenchSetupError/DatasetError/ValueError."""
+    if args.num_prompts < 1:
+        raise BenchSetupError(f"--num-prompts must be at least 1, got {args.num_prompts}.")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise BenchSetupError(f"--max-concurrency must be at least 1, got {args.max_concurrency}.")
+    tokenizer = datasets.find_tokenizer(args.tokenizer, args.model)
+    chat = is_chat(args)
+    if args.dataset_name != "sharegpt" and chat and tokenizer is None:
+        raise BenchSetupError("The chat endpoint needs text prompts: pass --tokenizer PATH.")
+    metrics_list = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = [m for m in metrics_list if m not in metrics.METRICS]
+    if unknown:
+        raise BenchSetupError(
+            f"Unknown --percentile-metrics {unknown}; choose from {list(metrics.METRICS)}."
+        )
+    return ServeContext(
+        requests=build_dataset(args, tokenizer, chat),
+        tokenizer=tokenizer,
+        seed=args.seed,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        slos=metrics.parse_goodput(args.goodput),
+        percentiles=args.metric_percentiles,
+        percentile_metrics=metrics_list,
+    )
+
+
+def base_url(args: argparse.Namespace) -> str:
+    return (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+
+
+def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
+    params = {"temperature": 0.0 if args.temperature is None else args.temperature}
+    if args.top_p is not None:
+        params["top_p"] = args.top_p
+    if args.top_k is not None:
+        params["top_k"] = args.top_k
+    return params
+
+
+def make_spec(args: argparse.Namespace, model: str) -> RequestSpec:
+    return RequestSpec(
+        api_url=base_url(args) + args.endpoint,
+        model=model,
+        chat=is_chat(args),
+        ignore_eos=args.ignore_eos,
+        sampling=sampling_params(args),
+    )
+
+
+def make_record(
+    args: argparse.Namespace, spec: RequestSpec, state: RunState, summary: dict[str, Any]
+) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "date": time.strftime("%Y%m%d-%H%M%S"),
+        "backend": args.backend,
+        "endpoint": args.endpoint,
+        "model_id": spec.model,
+        "tokenizer_id": args.tokenizer or args.model,
+        "dataset_name": args.dataset_name,
+        "num_prompts": args.num_prompts,
+        "request_rate": results_io.rate_value(state.rate),
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "interrupted": state.interrupted,
+        **summary,
+    }
+    record.update(metrics.per_request_lists(state.results))
+    return record
+
+
+def finish_run(
+    args: argparse.Namespace, spec: RequestSpec, state: RunState, ctx: ServeContext, sweep: bool
+) -> dict[str, Any]:
+    """Print the table and errors, save the JSON; returns the record."""
+    summary = summarize(state, ctx)
+    if sweep:
+        print(f"\nRequest rate: {results_io.rate_value(state.rate)} req/s")
+    title = "Serving Benchmark Result" + (" (interrupted)" if state.interrupted else "")
+    print(
+        metrics.format_summary(
+            summary,
+            percentile_metrics=ctx.percentile_metrics,
+            percentiles=ctx.percentiles,
+            title=title,
+        )
+    )
+    report_errors(state.results)
+    record = make_record(args, spec, state, summary)
+    if args.save_result or args.result_filename:
+        default = results_io.default_filename(
+            args.backend, state.rate, args.max_concurrency, spec.model
+        )
+        path = results_io.result_path(
+            args.result_dir, args.result_filename, default, state.rate, sweep
+        )
+        results_io.save_json(path, record)
+        print(f"Saved the result to {path}")
+    return record
+
+
+async def _setup(
+    client: httpx.AsyncClient, args: argparse.Namespace, ctx: ServeContext
+) -> RequestSpec:
+    model = await check_server(client, base_url(args), args.model)
+    spec = make_spec(args, model)
+    print(f"Starting the test request to {spec.api_url} (model {model}) ...")
+    await test_request(client, spec, ctx.requests[0])
+    print("The test request passed; starting the benchmark.")
+    return spec
+
+
+async def _run_rates(
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    ctx: ServeContext,
+    spec: RequestSpec,
+    interrupt: Interrupt,
+) -> list[tuple[RunState, dict[str, Any]]]:
+    from tqdm import tqdm
+
+    runs = []
+    sweep = len(args.request_rate) > 1
+    for rate in args.request_rate:
+        state = RunState(rate)
+        ctx.progress = tqdm(
+            total=len(ctx.requests),
+            disable=args.disable_tqdm,
+            desc=f"rate {results_io.rate_value(rate)}",
+        )
+        with trio.CancelScope() as scope:
+            interrupt.scope = scope
+            await run_rate(client, spec, ctx, state)
+        ctx.progress.close()
+        state.interrupted = interrupt.hit
+        runs.append((state, finish_run(args, spec, state, ctx, sweep)))
+        if interrupt.hit:
+            break
+    return runs
+
+
+async def _serve_main(args: argparse.Namespace, ctx: ServeContext) -> int:
+    interrupt = Interrupt()
+    async with make_client() as client, trio.open_nursery() as nursery:
+        await nursery.start(interrupt.watch)
+        with trio.CancelScope() as setup_scope:
+            interrupt.scope = setup_scope
+            try:
+                spec = await _setup(client, args, ctx)
+            except BenchSetupError as e:
+                print(f"error: {e}", file=sys.stderr)
+                nursery.cancel_scope.cancel()
+                return 1
+        if interrupt.hit:
+            nursery.cancel_scope.cancel()
+            return EXIT_INTERRUPTED
+        runs = await _run_rates(client, args, ctx, spec, interrupt)
+        nursery.cancel_scope.cancel()
+    if args.plot:
+        from trillm.bench import plot
+
+        plot.plot_runs(runs, args.plot)
+        print(f"Saved the plot to {args.plot}")
+    if interrupt.hit:
+        return EXIT_INTERRUPTED
+    return 0 if all(record["completed"] > 0 for _, record in runs) else 1
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Entry point of ``trillm bench serve``; returns the exit code."""
+    try:
+        ctx = prepare(args)
+    except (BenchSetupError, datasets.DatasetError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return trio.run(_serve_main, args, ctx)

@@ -1,0 +1,414 @@
+"""The scheduler: P1 (``schedule``) and P4 (``update_from_output``) of ``EngineCore.step()``.
+
+Pure-Python twin of ``ext/scheduler.pyx``; ``trillm._native.get_scheduler_cls()`` picks one.
+
+No prefill/decode phases: every request has ``num_computed_tokens`` and ``num_tokens``; each
+step hands out ``{req_id: n_tokens}`` under ``max_num_batched_tokens`` and ``max_num_seqs``,
+RUNNING requests first (in admission order), then WAITING ones (FCFS, or by (priority,
+arrival) under the priority policy). Prompts longer than the budget are chunked.
+``num_computed_tokens`` advances at schedule time (as vLLM does); rejected draft tokens roll it
+back in ``update_from_output``. When a running request needs a block and none is free, the
+lowest-priority running request is preempted (recompute): its blocks are freed and it goes
+back to the front of the waiting queue, to be sent to the worker in full again later.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+from trillm.config import CacheConfig, SchedulerConfig
+from trillm.core.errors import DuplicateRequestError, RequestTooLargeError
+from trillm.core.kv_cache_manager import KVCacheManager
+from trillm.core.request import Request, RequestStatus, finished_status
+from trillm.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+
+def check_request_fits(
+    req: EngineCoreRequest, max_model_len: int, num_blocks: int, block_size: int
+) -> None:
+    """Admission: raise RequestTooLargeError when the request can never be served."""
+    num_prompt = len(req.prompt_token_ids)
+    if num_prompt == 0:
+        raise ValueError(f"Request {req.request_id!r} has an empty prompt.")
+    max_tokens = req.sampling_params.max_tokens
+    if max_tokens is None:
+        if num_prompt >= max_model_len:
+            raise RequestTooLargeError(
+                f"The prompt ({num_prompt} tokens) leaves no room to generate within "
+                f"max_model_len={max_model_len}."
+            )
+        total = max_model_len
+    else:
+        total = num_prompt + max_tokens
+        if total > max_model_len:
+            raise RequestTooLargeError(
+                f"The prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is {total} "
+                f"tokens, more than max_model_len={max_model_len}."
+            )
+    blocks = -(-total // block_size)
+    if blocks > num_blocks:
+        raise RequestTooLargeError(
+            f"The request needs up to {total} tokens ({blocks} KV blocks of {block_size}), "
+            f"more than the KV cache holds ({num_blocks} blocks)."
+        )
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        if scheduler_config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"Unknown scheduling policy {scheduler_config.policy!r}.")
+        self.priority_policy = scheduler_config.policy == "priority"
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # head = next to admit
+        self.running: list[Request] = []  # in admission order
+        # Finished, aborted or preempted since the last schedule(), known to the worker.
+        self._finished_req_ids: list[str] = []
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        if req.request_id in self.requests:
+            raise DuplicateRequestError(f"Request id {req.request_id!r} is already in use.")
+        kv = self.kv_cache_manager
+        check_request_fits(req, self.max_model_len, kv.num_blocks, kv.block_size)
+        request = Request.from_engine_core_request(req)
+        self.requests[req.request_id] = request
+        self._enqueue_waiting(request, front=False)
+
+    def _waiting_key(self, request: Request) -> tuple[int, float]:
+        return (request.priority, request.arrival_time)
+
+    def _enqueue_waiting(self, request: Request, front: bool) -> None:
+        """FCFS: append (or push to the front after a preemption). Priority: keep the queue
+        sorted by (priority, arrival); a preempted request goes first among its equals."""
+        if not self.priority_policy:
+            if front:
+                self.waiting.insert(0, request)
+            else:
+                self.waiting.append(request)
+            return
+        keys = [self._waiting_key(r) for r in self.waiting]
+        insort = bisect.bisect_left if front else bisect.bisect_right
+        self.waiting.insert(insort(keys, self._waiting_key(request)), request)
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Speculative decoding seam: drafts to verify at the next step."""
+        for req_id, drafts in draft_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = list(drafts)
+
+    # ------------------------------------------------------------------ P1: schedule
+
+    def schedule(self) -> SchedulerOutput:
+        self._step_id += 1
+        plan = _StepPlan(self.max_num_batched_tokens)
+        preemptions_before = self.num_preemptions
+        self._schedule_running(plan)
+        if self.num_preemptions == preemptions_before:
+            # NOTE: after a preemption nothing is admitted: blocks are short this step.
+            self._schedule_waiting(plan)
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        return plan.to_output(self._step_id, finished)
+
+    def _chunk_size(self, num_computed: int, num_tokens: int, budget: int) -> int:
+        n = min(num_tokens - num_computed, budget)
+        if self.long_prefill_token_threshold > 0:
+            n = min(n, self.long_prefill_token_threshold)
+        return min(n, self.max_model_len - num_computed)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Running requests in admission order; preempts when blocks run out."""
+        i = 0
+        while i < len(self.running) and plan.budget > 0:
+            request = self.running[i]
+            n = self._chunk_size(
+                request.num_computed_tokens, request.num_tokens_with_spec, plan.budget
+            )
+            if n <= 0:
+                i += 1
+                continue
+            num_running = len(self.running)
+            if not self._make_room(request, n, plan):
+                continue  # it preempted itself: running[i] is now the next request
+            if len(self.running) != num_running:
+                i = self.running.index(request)  # a victim ahead of it may have gone
+            plan.add_cached(request, n, self.kv_cache_manager.allocate_slots(request, n))
+            i += 1
+
+    def _make_room(self, request: Request, n: int, plan: _StepPlan) -> bool:
+        """Preempt until ``request`` can get blocks for ``n`` tokens -> False when the victim
+        was ``request`` itself."""
+        while not self.kv_cache_manager.can_allocate(request, n):
+            victim = self._pick_victim()
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        return True
+
+    def _pick_victim(self) -> Request:
+        """FCFS: the newest running request. Priority: the largest priority value, then the
+        latest arrival, then the latest admitted."""
+        if not self.priority_policy:
+            return self.running[-1]
+        victim = self.running[-1]
+        for request in reversed(self.running):
+            if self._waiting_key(request) > self._waiting_key(victim):
+                victim = request
+        return victim
+
+    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+        self.running.remove(request)
+        plan.unschedule(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        self.num_preemptions += 1
+        self._enqueue_waiting(request, front=True)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_hit = kv.get_computed_blocks(request)
+            n = self._chunk_size(num_hit, request.num_tokens, plan.budget)
+            if not kv.can_allocate(request, n, computed_blocks):
+                break  # NOTE: strict queue order: nothing overtakes the head
+            kv.allocate_slots(request, n, computed_blocks)
+            self.waiting.pop(0)
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            request.sent_to_worker = True
+            self.running.append(request)
+            plan.add_new(request, n, kv.get_block_ids(request.request_id))
+
+    # ------------------------------------------------------------------ P4: update
+
+    def update_from_output(
+        self, sched: SchedulerOutput, out: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or req_id not in sched.num_scheduled_tokens:
+                continue  # aborted since it was scheduled
+            drafts = sched.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and sampled:
+                request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+            request.spec_token_ids = []
+            new_tokens, reason, stop_reason = self._append_tokens(request, sampled)
+            self.kv_cache_manager.cache_full_blocks(request)
+            if reason is not None:
+                self._finish(request, reason)
+            output = self._make_output(request, new_tokens, reason, stop_reason, out)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _append_tokens(
+        self, request: Request, sampled: list[int]
+    ) -> tuple[list[int], FinishReason | None, int | None]:
+        new_tokens: list[int] = []
+        for token in sampled:
+            request.append_output_token(token)
+            new_tokens.append(token)
+            reason, stop_reason = self._check_stop(request, token)
+            if reason is not None:
+                return new_tokens, reason, stop_reason
+        return new_tokens, None, None
+
+    def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        num_output = request.num_output_tokens
+        if request.num_tokens >= self.max_model_len or (
+            request.max_tokens is not None and num_output >= request.max_tokens
+        ):
+            return FinishReason.LENGTH, None
+        if num_output < request.min_tokens:
+            return None, None
+        if not request.ignore_eos and token == request.eos_token_id:
+            return FinishReason.STOP, None
+        if token in request.stop_token_ids:
+            return FinishReason.STOP, token
+        return None, None
+
+    def _make_output(
+        self,
+        request: Request,
+        new_tokens: list[int],
+        reason: FinishReason | None,
+        stop_reason: int | None,
+        out: ModelRunnerOutput,
+    ) -> EngineCoreOutput | None:
+        req_id = request.request_id
+        prompt_logprobs = out.prompt_logprobs.get(req_id)
+        if not new_tokens and reason is None and prompt_logprobs is None:
+            return None
+        num_cached = 0
+        if not request.first_output_sent:
+            request.first_output_sent = True
+            num_cached = request.num_cached_tokens or 0
+        return EngineCoreOutput(
+            request_id=req_id,
+            new_token_ids=new_tokens,
+            new_logprobs=out.logprobs.get(req_id),
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            num_cached_tokens=num_cached,
+        )
+
+    # ------------------------------------------------------------------ finishing
+
+    def finish_requests(self, req_ids: str | Iterable[str], reason: FinishReason) -> None:
+        """Remove requests (abort, or a stop string found by the output side) at once."""
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                self._finish(request, FinishReason(reason))
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = finished_status(reason)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        if request.sent_to_worker:
+            self._finished_req_ids.append(request.request_id)
+            request.sent_to_worker = False
+
+    # ------------------------------------------------------------------ stats
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_running, num_waiting)."""
+        return len(self.running), len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    def running_req_ids(self) -> list[str]:
+        return [r.request_id for r in self.running]
+
+    def waiting_req_ids(self) -> list[str]:
+        return [r.request_id for r in self.waiting]
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+
+class _StepPlan:
+    """What one schedule() call hands out, built up request by request."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_scheduled: dict[str, int] = {}  # req_id -> num_scheduled_tokens
+        self.new_reqs: list[NewRequestData] = []
+        self.cached: dict[str, tuple[list[int], int]] = {}  # req_id -> (new blocks, computed)
+        self.spec: dict[str, list[int]] = {}  # req_id -> draft tokens scheduled
+        self.structured = 0
+
+    def _schedule(self, request: Request, n: int) -> None:
+        self.num_scheduled[request.request_id] = n
+        self.budget -= n
+        if request.sampling_params.structured_outputs is not None:
+            self.structured += 1
+        request.num_computed_tokens += n
+
+    def add_cached(self, request: Request, n: int, new_blocks: list[int]) -> None:
+        num_spec = request.num_computed_tokens + n - request.num_tokens
+        if num_spec > 0:
+            self.spec[request.request_id] = request.spec_token_ids[:num_spec]
+        self.cached[request.request_id] = (new_blocks, request.num_computed_tokens)
+        self._schedule(request, n)
+
+    def add_new(self, request: Request, n: int, block_ids: list[int]) -> None:
+        self.new_reqs.append(
+            NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=block_ids,
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        )
+        self._schedule(request, n)
+
+    def unschedule(self, request: Request) -> None:
+        """A request scheduled earlier in this step was preempted: give its tokens back."""
+        n = self.num_scheduled.pop(request.request_id, None)
+        if n is None:
+            return
+        self.budget += n
+        self.cached.pop(request.request_id, None)
+        self.spec.pop(request.request_id, None)
+        if request.sampling_params.structured_outputs is not None:
+            self.structured -= 1
+
+    def to_output(self, step_id: int, finished: list[str]) -> SchedulerOutput:
+        cached = CachedRequestData()
+        for req_id, (blocks, computed) in self.cached.items():
+            cached.req_ids.append(req_id)
+            cached.new_block_ids.append(blocks)
+            cached.num_computed_tokens.append(computed)
+        return SchedulerOutput(
+            step_id=step_id,
+            scheduled_new_reqs=self.new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=self.num_scheduled,
+            total_num_scheduled_tokens=sum(self.num_scheduled.values()),
+            scheduled_spec_decode_tokens=self.spec,
+            finished_req_ids=finished,
+            wait_for_bitmask=self.structured > 0,
+        )

@@ -1,0 +1,261 @@
+"""Stage 4: the Trio engine API (``open_engine`` / ``AsyncEngine``).
+
+``open_engine`` builds the configuration, starts the executor (workers + KV cache), then runs
+two long-lived tasks in one nursery, both started with ``nursery.start`` so they are up when
+the caller gets the engine:
+
+- the engine-core task (``trillm/engine/core.py``): schedule -> execute -> sample -> update;
+- the output handler: EngineCoreOutputs -> detokenize, stop strings, logprobs -> collectors.
+
+``generate`` submits one request and yields its ``RequestOutput``s from a per-request
+collector. Leaving the ``async for`` (or cancelling the caller) aborts the request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from trillm.config import EngineArgs, TrillmConfig
+from trillm.core.errors import RequestTooLargeError
+from trillm.engine.input_processor import InputProcessor, InvalidRequestError, PromptType
+from trillm.errors import EngineDeadError
+from trillm.messages import AbortRequests, EngineCoreOutputs, SchedulerStats
+from trillm.outputs import RequestOutput
+from trillm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_OUTPUT_CHANNEL_SIZE = 4  # steps in flight between the engine core and the output handler
+
+
+class AsyncEngine:
+    """Handle to a running engine; get one from ``open_engine``."""
+
+    def __init__(self, config: TrillmConfig, tokenizer: Any, executor: Any) -> None:
+        from trillm._native import get_scheduler_cls
+        from trillm.engine.core import EngineCore
+        from trillm.engine.output_processor import OutputProcessor
+
+        self.config = config
+        self.model_config = config.model
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.input_processor = InputProcessor(config.model, tokenizer, config.max_logprobs)
+        self.output_processor = OutputProcessor(tokenizer)
+        scheduler = get_scheduler_cls()(config.scheduler, config.cache, executor.num_blocks)
+        self.core = EngineCore(scheduler, executor)
+        self._input_send, self._input_recv = trio.open_memory_channel[Any](math.inf)
+        self._stats = SchedulerStats()
+        self._ids = itertools.count()
+        self.dead_error: EngineDeadError | None = None
+        self.is_running = False
+
+    # ------------------------------------------------------------------ status
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.executor.num_blocks
+
+    def get_stats(self) -> SchedulerStats:
+        return self._stats
+
+    # ------------------------------------------------------------------ tasks
+    async def run_core(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        from trillm.engine.core import run_engine_core
+
+        send, recv = trio.open_memory_channel[EngineCoreOutputs](_OUTPUT_CHANNEL_SIZE)
+        self._outputs_recv = recv
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._run_output_handler, recv)
+                await nursery.start(run_engine_core, self.core, self._input_recv, send)
+                self.is_running = True
+                task_status.started()
+        except Exception as exc:  # the engine is gone: fail everything, keep the process up
+            self._die(exc)
+        finally:
+            self.is_running = False
+
+    async def _run_output_handler(
+        self,
+        outputs: trio.MemoryReceiveChannel[EngineCoreOutputs],
+        *,
+        task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        task_status.started()
+        async with outputs:
+            async for batch in outputs:
+                if batch.scheduler_stats is not None:
+                    self._stats = batch.scheduler_stats
+                to_abort = self.output_processor.process_outputs(batch.outputs)
+                if to_abort:
+                    self._input_send.send_nowait(AbortRequests(to_abort))
+
+    def _die(self, exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+        if isinstance(exc, EngineDeadError):
+            error = exc
+        else:
+            logger.exception("engine core failed", exc_info=exc)
+            error = EngineDeadError(f"The engine core failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+        self.dead_error = error
+        self.output_processor.fail_all(error)
+
+    # ------------------------------------------------------------------ requests
+    def check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    def _check_admission(self, num_prompt: int, params: SamplingParams) -> None:
+        block = self.config.cache.block_size
+        need = -(-(num_prompt + (params.max_tokens or 0)) // block)
+        if need > self.num_blocks:
+            raise RequestTooLargeError(
+                f"The request needs {need} KV-cache blocks ({num_prompt} prompt tokens + "
+                f"{params.max_tokens} output tokens, block size {block}) but the cache only has "
+                f"{self.num_blocks} blocks."
+            )
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one request and yield its outputs until it finishes."""
+        self.check_alive()
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if self.config.scheduler.policy != "priority" and priority != 0:
+            raise InvalidRequestError(
+                "priority is only supported with --scheduling-policy priority.", "priority"
+            )
+        text, request = self.input_processor.process(
+            request_id, prompt, params, priority, cache_salt
+        )
+        params = request.sampling_params
+        self._check_admission(len(request.prompt_token_ids), params)
+        children = self._fan_out(request)
+        collector = self.output_processor.add_request(
+            request_id, text, request.prompt_token_ids, params, [c.request_id for c in children]
+        )
+        try:
+            for child in children:
+                self._input_send.send_nowait(child)
+            while True:
+                out = await collector.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            # Sync on purpose: runs even while the caller is being cancelled.
+            if self.output_processor.abort_request(request_id):
+                self._input_send.send_nowait(AbortRequests([c.request_id for c in children]))
+
+    def _fan_out(self, request):
+        """n > 1: one engine request per sample (seeded ones get seed + index)."""
+        params = request.sampling_params
+        if params.n == 1:
+            return [request]
+        children = []
+        for index in range(params.n):
+            child_params = params.clone()
+            child_params.n = 1
+            if params.seed is not None:
+                child_params.seed = params.seed + index
+            child = type(request)(**{f: getattr(request, f) for f in request.__slots__})
+            child.request_id = f"{index}_{request.request_id}"
+            child.sampling_params = child_params
+            children.append(child)
+        return children
+
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        prompt = self.render_chat(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        async for out in self.generate(prompt, params, request_id, **kwargs):
+            yield out
+
+    def render_chat(self, messages: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
+        from trillm.entrypoints.chat_utils import render_chat
+
+        template = options.pop("chat_template", None) or self.config_chat_template
+        text = render_chat(self.tokenizer, messages, chat_template=template, **options)
+        return {"prompt": text, "add_special_tokens": False}
+
+    @property
+    def config_chat_template(self) -> str | None:
+        return getattr(self, "_chat_template", None)
+
+    async def abort(self, request_id: str) -> None:
+        ids = self.output_processor.child_ids(request_id)
+        if self.output_processor.abort_request(request_id):
+            self._input_send.send_nowait(AbortRequests(ids))
+        await trio.lowlevel.checkpoint()
+
+
+@asynccontextmanager
+async def open_engine(
+    model: str | None = None,
+    *,
+    runner: str | None = None,
+    runner_kwargs: dict[str, Any] | None = None,
+    **engine_args: Any,
+) -> AsyncIterator[AsyncEngine]:
+    """``async with open_engine(model, **engine_args) as engine:`` (vLLM's argument names).
+
+    ``runner`` swaps the model runner (``"trillm.worker.fake_runner:FakeModelRunner"`` for a
+    near-zero-cost model in frontend tests and benchmarks)."""
+    from trillm.engine.config_builder import build_config, load_tokenizer
+    from trillm.executor.abstract import DEFAULT_RUNNER, open_executor
+
+    args = EngineArgs.from_kwargs(model, **engine_args)
+    config = await trio.to_thread.run_sync(build_config, args)
+    tokenizer = await trio.to_thread.run_sync(load_tokenizer, config.model.tokenizer)
+    async with open_executor(config, runner or DEFAULT_RUNNER, runner_kwargs) as executor:
+        engine = AsyncEngine(config, tokenizer, executor)
+        engine._chat_template = args.chat_template
+        logger.info(
+            "engine ready: model %s, %d KV blocks of %d tokens, device %s, attention %s",
+            config.model.served_model_name,
+            executor.num_blocks,
+            config.cache.block_size,
+            config.device,
+            config.attention_backend,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run_core)
+            try:
+                yield engine
+            finally:
+                nursery.cancel_scope.cancel()

@@ -1,0 +1,93 @@
+"""EngineArgs -> TrillmConfig: resolve the model, the device and the engine's limits."""
+
+from __future__ import annotations
+
+import logging
+
+from trillm.config import (
+    DEFAULT_KV_CACHE_MEMORY,
+    CacheConfig,
+    EngineArgs,
+    ParallelConfig,
+    SchedulerConfig,
+    TrillmConfig,
+    parse_memory_size,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA GPU is available.")
+    if requested not in ("cpu", "cuda"):
+        raise ValueError(f"Unknown device {requested!r}; choose auto, cpu or cuda.")
+    return requested
+
+
+def resolve_attention_backend(requested: str | None, device: str) -> str:
+    if requested is not None:
+        return requested
+    if device == "cuda":
+        try:
+            import flashinfer  # noqa: F401
+
+            return "flashinfer"
+        except ImportError:
+            return "triton"
+    return "torch"
+
+
+def build_config(args: EngineArgs) -> TrillmConfig:
+    from trillm.model_executor.loader import load_model_config
+
+    device = resolve_device(args.device)
+    model_config = load_model_config(args)
+    max_model_len = model_config.max_model_len
+    if args.block_size <= 0 or args.block_size & (args.block_size - 1):
+        raise ValueError(f"block_size must be a positive power of two, got {args.block_size}.")
+    max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    if max_batched < 1 or args.max_num_seqs < 1:
+        raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1.")
+    kv_memory = (
+        parse_memory_size(args.kv_cache_memory)
+        if args.kv_cache_memory is not None
+        else DEFAULT_KV_CACHE_MEMORY
+    )
+    return TrillmConfig(
+        model=model_config,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_memory=kv_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            policy=args.scheduling_policy,
+        ),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+        ),
+        device=device,
+        seed=args.seed,
+        attention_backend=resolve_attention_backend(args.attention_backend, device),
+        max_logprobs=args.max_logprobs,
+    )
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

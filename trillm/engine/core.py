@@ -1,0 +1,140 @@
+"""The engine core: one Trio task running ``step()`` = schedule -> execute -> sample -> update.
+
+It owns the scheduler (and through it every engine-side ``Request``); it talks to the frontend
+only through channels: ``EngineCoreInput`` messages in, ``EngineCoreOutputs`` out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from trillm.errors import ModelExecutionError
+from trillm.messages import (
+    AbortRequests,
+    EngineCoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SampleRequest,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+# Nothing schedulable although requests are unfinished (cannot happen with admission control
+# and preemption, but never spin hot if it does).
+_IDLE_BACKOFF_S = 0.001
+
+
+class EngineCore:
+    def __init__(self, scheduler, executor) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        # Ids the worker must drop that rode on a step that scheduled nothing.
+        self._unsent_finished: list[str] = []
+        self._refused: list[EngineCoreOutput] = []
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ inputs
+    def handle_input(self, msg: EngineCoreInput) -> None:
+        if isinstance(msg, EngineCoreRequest):
+            try:
+                self.scheduler.add_request(msg)
+            except ValueError as exc:
+                # The frontend checks admission first; a request that still does not fit ends
+                # at once instead of wedging the queue.
+                logger.warning("request %s refused by the scheduler: %s", msg.request_id, exc)
+                self._refused.append(
+                    EngineCoreOutput(msg.request_id, [], None, None, FinishReason.ABORT, None)
+                )
+        elif isinstance(msg, AbortRequests):
+            self.scheduler.finish_requests(msg.request_ids, FinishReason.ABORT)
+        else:  # pragma: no cover - messages are typed
+            raise TypeError(f"unexpected engine input {type(msg).__name__}")
+
+    @property
+    def has_refused(self) -> bool:
+        return bool(self._refused)
+
+    # ------------------------------------------------------------------ step
+    async def step(self) -> EngineCoreOutputs | None:
+        t0 = time.perf_counter()
+        refused, self._refused = self._refused, []
+        sched = self.scheduler.schedule()  # P1
+        if sched.total_num_scheduled_tokens == 0:
+            self._unsent_finished.extend(sched.finished_req_ids)
+            if refused or sched.finished_req_ids:  # aborts changed the stats: publish them
+                return EngineCoreOutputs(refused, time.monotonic(), self.scheduler.get_stats())
+            return None
+        self._attach_unsent_finished(sched)
+        await self.executor.execute_model(sched)  # P2, runs in the worker
+        sample_req = self._grammar_bitmask(sched)  # overlaps P2
+        try:
+            runner_out = await self.executor.sample_tokens(sample_req)  # P3
+        except ModelExecutionError as exc:
+            return self._fail_step(sched, exc, refused)
+        outputs = self.scheduler.update_from_output(sched, runner_out)  # P4
+        self.num_steps += 1
+        return EngineCoreOutputs(
+            outputs=refused + outputs if refused else outputs,
+            timestamp=time.monotonic(),
+            scheduler_stats=self.scheduler.get_stats(),
+            step_time_s=time.perf_counter() - t0,
+            model_time_s=runner_out.model_time_s,
+        )
+
+    def _fail_step(
+        self, sched: SchedulerOutput, exc: ModelExecutionError, refused: list[EngineCoreOutput]
+    ) -> EngineCoreOutputs:
+        """A step failed inside a live worker: end that step's requests, keep serving."""
+        logger.error("step %d failed in the worker; aborting its requests: %s", sched.step_id, exc)
+        req_ids = list(sched.num_scheduled_tokens)
+        self.scheduler.finish_requests(req_ids, FinishReason.ABORT)
+        failed = [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in req_ids]
+        return EngineCoreOutputs(refused + failed, time.monotonic(), self.scheduler.get_stats())
+
+    def _attach_unsent_finished(self, sched: SchedulerOutput) -> None:
+        if self._unsent_finished:
+            sched.finished_req_ids = self._unsent_finished + list(sched.finished_req_ids)
+            self._unsent_finished = []
+
+    def _grammar_bitmask(self, sched: SchedulerOutput) -> SampleRequest | None:
+        # Structured outputs (next issue) fill the bitmask here while the model runs.
+        if not sched.wait_for_bitmask:
+            return None
+        return SampleRequest(step_id=sched.step_id)
+
+
+async def run_engine_core(
+    core: EngineCore,
+    inputs: trio.MemoryReceiveChannel,
+    outputs: trio.MemorySendChannel,
+    *,
+    task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The busy loop: drain inputs, step while there is work, sleep on the channel when idle."""
+    task_status.started()
+    async with outputs:
+        while True:
+            if not core.scheduler.has_unfinished_requests() and not core.has_refused:
+                core.handle_input(await inputs.receive())
+            _drain(core, inputs)
+            result = await core.step()
+            if result is None:
+                await trio.sleep(_IDLE_BACKOFF_S if core.scheduler.has_unfinished_requests() else 0)
+                continue
+            if result.outputs or result.scheduler_stats is not None:
+                await outputs.send(result)
+
+
+def _drain(core: EngineCore, inputs: trio.MemoryReceiveChannel) -> None:
+    while True:
+        try:
+            msg = inputs.receive_nowait()
+        except trio.WouldBlock:
+            return
+        core.handle_input(msg)

@@ -1,0 +1,416 @@
+"""Stage 10: incremental detokenization (native twin: ``ext/detokenizer.cpp``).
+
+A token -> bytes table is built once per tokenizer (``build_vocab_spec``); each request then
+owns an ``IncrementalDetokenizer`` holding only its undecided bytes. ``add_tokens(ids)``
+returns the text that became *final* (it can never change whatever tokens follow) and
+``flush()`` returns the rest at the end of the request, so that for every request
+
+    prompt_text + "".join(emitted) == tokenizer.decode(prompt_ids + output_ids)
+
+where ``prompt_text`` is what the prompt ids emit while priming (discarded). With no prompt,
+the emitted text is exactly ``tokenizer.decode(output_ids, skip_special_tokens=...)``.
+
+Two decoder pipelines are modelled exactly; anything else goes to ``tokenizers``'
+``DecodeStream`` (``StreamDetokenizer``):
+
+- ``BYTE_LEVEL`` (GPT-2 style ``ByteLevel`` decoder): every token is a byte string, all bytes
+  are concatenated and decoded as UTF-8 with U+FFFD for each maximal invalid subpart
+  (``errors='replace'``). Bytes of an incomplete trailing sequence are held back.
+- ``BYTE_FALLBACK`` (SentencePiece style: ``Replace('▁', ' ')``, ``ByteFallback``, ``Fuse``,
+  ``Strip(' ', k, 0)``, or ``Metaspace``): text tokens are their string with '▁' -> ' ';
+  a run of consecutive ``<0xNN>`` tokens decodes as strict UTF-8, or, if the run is not
+  valid UTF-8 as a whole, as one U+FFFD per byte. A run is held back until a text token ends
+  it or it is proven invalid. The first ``k`` leading spaces of the whole text are stripped.
+
+The native class and the Python twin take the same arguments and return the same strings;
+``TRILLM_NO_EXTENSIONS=1`` (or ``native=False``) forces the twin.
+"""
+
+from __future__ import annotations
+
+import codecs
+import enum
+import json
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"
+_BYTE_TOKEN_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+class DecoderScheme(enum.IntEnum):
+    BYTE_LEVEL = 0
+    BYTE_FALLBACK = 1
+
+
+class Detokenizer(Protocol):
+    """What the output processor needs from any of the implementations."""
+
+    def add_tokens(self, ids: Sequence[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+    @property
+    def has_pending(self) -> bool: ...
+
+
+# ---------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True, slots=True)
+class VocabSpec:
+    """Everything the detokenizer needs from a tokenizer, as plain data."""
+
+    table: list[bytes]  # [vocab] token id -> its bytes (a byte token: the single byte)
+    special_ids: list[int]  # dropped when skip_special_tokens
+    scheme: DecoderScheme
+    byte_token_ids: list[int]  # BYTE_FALLBACK only: ids of the <0xNN> tokens
+    strip_leading_spaces: int  # BYTE_FALLBACK only: leading ' ' stripped from the whole text
+
+
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to
+    code points 256 + n in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            mapping[chr(256 + extra)] = b
+            extra += 1
+    return mapping
+
+
+def backend_tokenizer(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` behind a transformers tokenizer (or the object itself)."""
+    for attr in ("backend_tokenizer", "_tokenizer"):
+        backend = getattr(tokenizer, attr, None)
+        if backend is not None and hasattr(backend, "to_str"):
+            return backend
+    if hasattr(tokenizer, "to_str") and hasattr(tokenizer, "id_to_token"):
+        return tokenizer
+    raise TypeError(f"{type(tokenizer).__name__} is not backed by a `tokenizers` tokenizer.")
+
+
+def build_vocab_spec(tokenizer: Any) -> VocabSpec | None:
+    """The table for ``tokenizer``, or None when its decoder is not one we model exactly."""
+    backend = backend_tokenizer(tokenizer)
+    config = json.loads(backend.to_str())
+    if _needs_cleanup(tokenizer, config):
+        return None  # transformers would rewrite spaces around punctuation afterwards
+    decoder = config.get("decoder") or {}
+    tokens = _token_strings(backend)
+    special_ids = sorted(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+    if decoder.get("type") == "ByteLevel":
+        table = _byte_level_table(tokens)
+        return VocabSpec(table, special_ids, DecoderScheme.BYTE_LEVEL, [], 0)
+    steps = _byte_fallback_steps(decoder)
+    if steps is None:
+        return None
+    replace, byte_fallback, strip = steps
+    table, byte_ids = _byte_fallback_table(tokens, replace, byte_fallback)
+    return VocabSpec(table, special_ids, DecoderScheme.BYTE_FALLBACK, byte_ids, strip)
+
+
+def _needs_cleanup(tokenizer: Any, config: dict) -> bool:
+    # transformers 5 ignores clean_up_tokenization_spaces for BPE models (see its _decode).
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    return (config.get("model") or {}).get("type") != "BPE"
+
+
+def _token_strings(backend: Any) -> list[str]:
+    size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
+    return [backend.id_to_token(i) or "" for i in range(size)]
+
+
+def _byte_level_table(tokens: list[str]) -> list[bytes]:
+    # NOTE: like tokenizers' ByteLevel decoder, a token whose characters are not all in the
+    # byte alphabet (an added token such as "ab日") contributes its own UTF-8 bytes.
+    to_byte = _gpt2_unicode_to_byte()
+    table = []
+    for token in tokens:
+        mapped = [to_byte.get(ch) for ch in token]
+        if all(b is not None for b in mapped):
+            table.append(bytes(mapped))  # type: ignore[arg-type]
+        else:
+            table.append(token.encode("utf-8"))
+    return table
+
+
+def _byte_fallback_steps(decoder: dict) -> tuple[bool, bool, int] | None:
+    """(replace '▁', byte fallback, strip count) if ``decoder`` is a SentencePiece pipeline."""
+    if decoder.get("type") == "Metaspace":
+        if decoder.get("replacement", "▁") != "▁":
+            return None
+        return True, False, 0 if decoder.get("prepend_scheme") == "never" else 1
+    if decoder.get("type") != "Sequence":
+        return None
+    order = ["Replace", "ByteFallback", "Fuse", "Strip"]
+    names = [d.get("type") for d in decoder.get("decoders", [])]
+    if any(n not in order for n in names) or names != sorted(names, key=order.index):
+        return None
+    if len(set(names)) != len(names):
+        return None
+    found = {d["type"]: d for d in decoder["decoders"]}
+    replace = found.get("Replace")
+    if replace is not None and (
+        replace.get("pattern") != {"String": "▁"} or replace["content"] != " "
+    ):
+        return None
+    strip = found.get("Strip")
+    if strip is not None and (strip["content"] != " " or strip["stop"] != 0 or "Fuse" not in found):
+        return None  # without Fuse first, Strip would apply to every token
+    strip_count = int(strip["start"]) if strip is not None else 0
+    return replace is not None, "ByteFallback" in found, strip_count
+
+
+def _byte_fallback_table(
+    tokens: list[str], replace: bool, byte_fallback: bool
+) -> tuple[list[bytes], list[int]]:
+    table: list[bytes] = []
+    byte_ids: list[int] = []
+    for i, token in enumerate(tokens):
+        match = _BYTE_TOKEN_RE.match(token) if byte_fallback else None
+        if match is not None:
+            table.append(bytes([int(match.group(1), 16)]))
+            byte_ids.append(i)
+        else:
+            text = token.replace("▁", " ") if replace else token
+            table.append(text.encode("utf-8"))
+    return table, byte_ids
+
+
+# ---------------------------------------------------------------- Python twin
+
+
+class PyVocab:
+    """Python twin of ``trillm._ext.detokenizer.Vocab``."""
+
+    def __init__(
+        self,
+        table: list[bytes],
+        special_ids: list[int],
+        scheme: int = DecoderScheme.BYTE_LEVEL,
+        byte_token_ids: Sequence[int] = (),
+        strip_leading_spaces: int = 0,
+    ) -> None:
+        self.scheme = DecoderScheme(scheme)
+        self.strip_leading_spaces = strip_leading_spaces
+        self.size = len(table)
+        skipped = set(special_ids)
+        byte_ids = set(byte_token_ids)
+        for i in (*skipped, *byte_ids):
+            if not 0 <= i < len(table):
+                raise IndexError(f"token id {i} is outside the table of {len(table)} tokens.")
+        self.table = list(table)
+        self.table_skipping = [b"" if i in skipped else t for i, t in enumerate(table)]
+        # BYTE_FALLBACK: a text token's string, or an int for a byte token.
+        self.pieces: list[str | int] = [
+            t[0] if i in byte_ids else t.decode("utf-8", "replace") for i, t in enumerate(table)
+        ]
+        self.special = [i in skipped for i in range(len(table))]
+
+
+class PyIncrementalDetokenizer:
+    """Python twin of ``trillm._ext.detokenizer.IncrementalDetokenizer``."""
+
+    def __init__(
+        self, vocab: PyVocab, skip_special_tokens: bool, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
+        self._vocab = vocab
+        self._skip = skip_special_tokens
+        self._strip_left = vocab.strip_leading_spaces
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # BYTE_LEVEL
+        self._run = bytearray()  # BYTE_FALLBACK: the open run of byte tokens, valid so far
+        self._run_check = codecs.getincrementaldecoder("utf-8")("strict")
+        self._run_invalid = False  # the open run is already known to be all U+FFFD
+        if prompt_token_ids:
+            self.add_tokens(prompt_token_ids)  # primes the state; the prompt's text is not ours
+
+    @property
+    def has_pending(self) -> bool:
+        """True while some bytes are held back (the text so far is not all final)."""
+        if self._vocab.scheme == DecoderScheme.BYTE_LEVEL:
+            return bool(self._utf8.getstate()[0])
+        return bool(self._run)
+
+    def add_tokens(self, ids: Sequence[int]) -> str:
+        if ids and (min(ids) < 0 or max(ids) >= self._vocab.size):
+            raise IndexError(f"token id outside the vocabulary of {self._vocab.size} tokens.")
+        if self._vocab.scheme == DecoderScheme.BYTE_LEVEL:
+            table = self._vocab.table_skipping if self._skip else self._vocab.table
+            return self._utf8.decode(b"".join([table[i] for i in ids]))
+        return self._strip("".join(self._byte_fallback_pieces(ids)))
+
+    def flush(self) -> str:
+        if self._vocab.scheme == DecoderScheme.BYTE_LEVEL:
+            return self._utf8.decode(b"", final=True)
+        return self._strip(self._close_run())
+
+    def _byte_fallback_pieces(self, ids: Sequence[int]) -> list[str]:
+        out: list[str] = []
+        pieces, special = self._vocab.pieces, self._vocab.special
+        for i in ids:
+            if self._skip and special[i]:
+                continue
+            piece = pieces[i]
+            if isinstance(piece, str):
+                out.append(self._close_run())
+                out.append(piece)
+            else:
+                out.append(self._add_run_byte(piece))
+        return out
+
+    def _add_run_byte(self, byte: int) -> str:
+        if self._run_invalid:
+            return REPLACEMENT_CHAR
+        self._run.append(byte)
+        try:
+            self._run_check.decode(bytes([byte]))
+        except UnicodeDecodeError:
+            # ByteFallback turns an invalid run into one U+FFFD per byte, whatever follows.
+            self._run_invalid = True
+            count, self._run = len(self._run), bytearray()
+            return REPLACEMENT_CHAR * count
+        return ""
+
+    def _close_run(self) -> str:
+        run, self._run = self._run, bytearray()
+        self._run_invalid = False
+        self._run_check.reset()
+        try:
+            return run.decode("utf-8")
+        except UnicodeDecodeError:
+            return REPLACEMENT_CHAR * len(run)  # ended inside a character
+
+    def _strip(self, text: str) -> str:
+        while self._strip_left and text:
+            if text[0] != " ":
+                self._strip_left = 0
+                break
+            text = text[1:]
+            self._strip_left -= 1
+        return text
+
+
+# ---------------------------------------------------------------- fallback: DecodeStream
+
+
+class StreamDetokenizer:
+    """For decoders not modelled above: ``tokenizers.decoders.DecodeStream``.
+
+    DecodeStream decides finality by itself (it holds text ending in U+FFFD), so the exact
+    equality with ``tokenizer.decode`` is only as good as its heuristics; ``flush`` decodes
+    the ids it is still holding on their own.
+    """
+
+    _PRIME_TOKENS = 8  # prompt context fed to the stream (spacing of the first output token)
+
+    def __init__(
+        self, backend: Any, skip_special_tokens: bool, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = backend
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []
+        if prompt_token_ids:
+            self.add_tokens(list(prompt_token_ids[-self._PRIME_TOKENS :]))
+            self._held.clear()
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._held)
+
+    def add_tokens(self, ids: Sequence[int]) -> str:
+        out = []
+        for token_id in ids:
+            self._held.append(token_id)
+            text = self._stream.step(self._backend, token_id)
+            if text is not None:
+                out.append(text)
+                self._held.clear()
+        return "".join(out)
+
+    def flush(self) -> str:
+        held, self._held = self._held, []
+        if not held:
+            return ""
+        return self._backend.decode(held, skip_special_tokens=self._skip)
+
+
+# ---------------------------------------------------------------- choosing an implementation
+
+
+def native_enabled() -> bool:
+    """The project-wide switch (``trillm/_native.py`` when present, else the env var)."""
+    try:
+        from trillm import _native  # type: ignore[attr-defined]
+    except ImportError:
+        return os.environ.get("TRILLM_NO_EXTENSIONS", "") != "1"
+    for name in ("use_native", "native_enabled", "extensions_enabled"):
+        switch = getattr(_native, name, None)
+        if callable(switch):
+            return bool(switch())
+    return os.environ.get("TRILLM_NO_EXTENSIONS", "") != "1"
+
+
+def load_native_module() -> Any | None:
+    """``trillm._ext.detokenizer`` if it was built, else None."""
+    try:
+        from trillm._ext import detokenizer as native  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return native
+
+
+class DetokenizerFactory:
+    """Builds the table once per tokenizer, then one cheap detokenizer per request.
+
+    ``kind`` is "native" (C++), "python" (the twin) or "stream" (DecodeStream fallback).
+    """
+
+    def __init__(self, tokenizer: Any, *, native: bool | None = None) -> None:
+        self._backend = backend_tokenizer(tokenizer)
+        self.spec = build_vocab_spec(tokenizer)
+        want_native = native_enabled() if native is None else native
+        module = load_native_module() if want_native else None
+        if want_native and module is None:
+            logger.warning("trillm._ext.detokenizer is not built; using the Python twin.")
+        self._vocab: Any = None
+        self._detok_class: Any = None
+        if self.spec is None:
+            self.kind = "stream"
+        elif module is not None:
+            self.kind = "native"
+            self._vocab = module.Vocab(*_spec_args(self.spec))
+            self._detok_class = module.IncrementalDetokenizer
+        else:
+            self.kind = "python"
+            self._vocab = PyVocab(*_spec_args(self.spec))
+            self._detok_class = PyIncrementalDetokenizer
+
+    def new(
+        self, skip_special_tokens: bool = True, prompt_token_ids: Sequence[int] = ()
+    ) -> Detokenizer:
+        if self._detok_class is None:
+            return StreamDetokenizer(self._backend, skip_special_tokens, prompt_token_ids)
+        return self._detok_class(self._vocab, skip_special_tokens, list(prompt_token_ids))
+
+
+def _spec_args(spec: VocabSpec) -> tuple:
+    return (
+        spec.table,
+        spec.special_ids,
+        int(spec.scheme),
+        spec.byte_token_ids,
+        spec.strip_leading_spaces,
+    )

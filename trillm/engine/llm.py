@@ -1,0 +1,144 @@
+"""The blocking API: ``LLM(model).generate(prompts, params)`` for scripts.
+
+An ``LLM`` runs the Trio engine (``open_engine``) on a background thread for its whole life;
+each ``generate`` call hands a batch to that thread and blocks until every request finished,
+returning outputs in input order (with a tqdm progress bar).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from trillm.engine.async_engine import AsyncEngine, open_engine
+from trillm.engine.input_processor import PromptType
+from trillm.outputs import RequestOutput
+from trillm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self._model = model
+        self._engine_args = engine_args
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._engine: AsyncEngine | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._thread = threading.Thread(target=self._thread_main, name="trillm-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+
+    # ------------------------------------------------------------------ engine thread
+    def _thread_main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as exc:  # noqa: BLE001 - reported to the constructor
+            if not self._ready.is_set():
+                self._startup_error = exc
+        finally:
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        async with open_engine(self._model, **self._engine_args) as engine:
+            self._engine = engine
+            self._token = trio.lowlevel.current_trio_token()
+            self._stop = trio.Event()
+            self._ready.set()
+            await self._stop.wait()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def engine(self) -> AsyncEngine:
+        assert self._engine is not None
+        return self._engine
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = self._params_list(sampling_params, len(prompts))
+        return self._call(self._generate_all, prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        **chat_options: Any,
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.engine.render_chat(conv, **dict(chat_options)) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def shutdown(self) -> None:
+        if self._stop is not None and self._token is not None and self._thread.is_alive():
+            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            self._thread.join()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ internals
+    def _call(self, fn, *args):
+        return trio.from_thread.run(fn, *args, trio_token=self._token)
+
+    @staticmethod
+    def _params_list(
+        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params_list = [params] * n
+        else:
+            params_list = list(params)
+            if len(params_list) != n:
+                raise ValueError(
+                    f"Got {len(params_list)} sampling params for {n} prompts; pass one, or "
+                    "one per prompt."
+                )
+        out = []
+        for p in params_list:
+            p = p.clone()
+            p.output_kind = RequestOutputKind.FINAL_ONLY  # only the end result is wanted
+            out.append(p)
+        return out
+
+    async def _generate_all(
+        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
+        engine = self.engine
+        # Validate everything first: a bad prompt fails the call before anything runs.
+        async with trio.open_nursery() as nursery:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                gen = engine.generate(prompt, params, request_id=f"llm-{id(results)}-{i}")
+                nursery.start_soon(self._collect, gen, i, results, bar)
+        bar.close()
+        return [r for r in results if r is not None]
+
+    @staticmethod
+    async def _collect(gen, index: int, results: list, bar) -> None:
+        async for out in gen:
+            results[index] = out
+        bar.update(1)

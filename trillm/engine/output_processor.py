@@ -1,0 +1,486 @@
+"""Stage 10: EngineCoreOutputs -> detokenized, stop-checked ``RequestOutput``s -> collectors.
+
+Runs inside the frontend's output-handler Trio task; everything here is synchronous and owned
+by that task. One user request is a *group* of ``n`` samples (engine requests, the "children"
+when n > 1) that share one ``RequestOutputCollector``; every output names the group's id and
+carries ``CompletionOutput``s indexed by sample.
+
+Per sample: the incremental detokenizer turns token ids into final text; stop strings are
+matched on that text across token boundaries; the last ``max(len(stop)) - 1`` characters are
+held back from streaming (unless ``include_stop_str_in_output``) so a partial stop string is
+never sent and then retracted. A stop-string finish is only known here, so
+``process_outputs`` returns those engine ids for the caller to abort in the engine core.
+
+The collector holds at most one pending output: when its reader falls behind, new outputs are
+merged into the pending one (DELTA concatenates, CUMULATIVE replaces), so the handler never
+waits on a slow reader and memory per request stays bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from trillm.engine.detokenizer import Detokenizer, DetokenizerFactory
+from trillm.messages import EngineCoreOutput, FinishReason, LogprobsLists
+from trillm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
+from trillm.sampling_params import RequestOutputKind, SamplingParams
+
+# ---------------------------------------------------------------- collector
+
+
+class RequestOutputCollector:
+    """A one-slot mailbox between the output handler (``put``) and a request's reader."""
+
+    def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        self._aggregate = output_kind == RequestOutputKind.DELTA
+        self._output: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = trio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        """Never blocks: merges into the pending output when the reader has not taken it."""
+        if self._output is None:
+            self._output = output
+        else:
+            self._output.add(output, aggregate=self._aggregate)
+        self._ready.set()
+
+    def put_error(self, error: BaseException) -> None:
+        """The reader gets ``error`` once the pending output is taken; a finished pending
+        output wins (the request is complete, the error concerns the others)."""
+        if self._output is not None and self._output.finished:
+            return
+        self._error = error
+        self._ready.set()
+
+    def get_nowait(self) -> RequestOutput | None:
+        """The pending output (None if there is none); raises the error once drained."""
+        output = self._output
+        if output is not None:
+            self._output = None
+            if self._error is None:
+                self._ready = trio.Event()
+            return output
+        if self._error is not None:
+            raise self._error
+        return None
+
+    async def get(self) -> RequestOutput:
+        await trio.lowlevel.checkpoint()
+        while True:
+            output = self.get_nowait()
+            if output is not None:
+                return output
+            await self._ready.wait()
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+class StopStringMatcher:
+    """Finds the earliest stop string that ends inside newly added text."""
+
+    def __init__(self, stop: Sequence[str], include_in_output: bool) -> None:
+        self.stop = list(stop)
+        self.include_in_output = include_in_output
+        # NOTE: a stop string may start up to len-1 characters before the new text, so that many
+        # characters must not have been streamed yet; included stop strings are sent anyway.
+        self.hold_back = 0 if include_in_output else max(len(s) for s in self.stop) - 1
+
+    def find(self, text: str, new_from: int) -> tuple[str, int] | None:
+        """(stop string, length to truncate ``text`` to) for a match ending after
+        ``new_from``, or None."""
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            at = text.find(stop, max(0, new_from - len(stop) + 1))
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        return stop, at + len(stop) if self.include_in_output else at
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def make_logprob_dict(
+    token_ids: Sequence[int],
+    logprobs: Sequence[float],
+    rank: int,
+    num_logprobs: int,
+    decode: Callable[[int], str | None],
+) -> dict[int, Logprob]:
+    """One position: the sampled (or actual prompt) token with its rank, then the top-k.
+
+    ``token_ids``/``logprobs`` are a LogprobsLists row, [sampled, top-1, ..., top-k'] with
+    k' >= num_logprobs; a sampled token that is also in the top-k keeps the same entry.
+    """
+    ranks = [rank, *range(1, num_logprobs + 1)]
+    row = zip(token_ids[: num_logprobs + 1], logprobs[: num_logprobs + 1], ranks)
+    return {tid: Logprob(float(lp), r, decode(tid)) for tid, lp, r in row}
+
+
+@dataclass(slots=True)
+class _Logprobs:
+    """Sample logprobs of one sample (``SamplingParams.logprobs`` = k)."""
+
+    k: int
+    rows: SampleLogprobs = field(default_factory=list)
+    cumulative: float = 0.0
+
+    def add(self, lists: LogprobsLists, count: int, decode: Callable[[int], str | None]) -> None:
+        for pos in range(min(count, len(lists.token_ids))):
+            ids, lps = lists.token_ids[pos], lists.logprobs[pos]
+            self.rows.append(make_logprob_dict(ids, lps, lists.ranks[pos], self.k, decode))
+            self.cumulative += float(lps[0])
+
+
+# ---------------------------------------------------------------- per-request state
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    """One user request: ``n`` samples sharing a collector."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    collector: RequestOutputCollector
+    metrics: RequestMetrics
+    engine_ids: list[str]
+    unfinished: set[str]
+    num_prompt_logprobs: int | None
+    prompt_logprobs: PromptLogprobs | None = None  # [None] + one dict per prompt position
+    sent_prompt_logprobs: int = 0
+    num_cached_tokens: int = 0
+    final_completions: list[CompletionOutput] = field(default_factory=list)  # FINAL_ONLY
+
+
+@dataclass(slots=True, eq=False)
+class _Sample:
+    """One engine request (one sample of a group)."""
+
+    engine_id: str
+    index: int
+    group: _Group
+    params: SamplingParams
+    detokenizer: Detokenizer | None
+    stop: StopStringMatcher | None
+    logprobs: _Logprobs | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # final text, truncated at a matched stop string
+    sent_text: int = 0  # characters / tokens / logprob rows already handed to the collector
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+# ---------------------------------------------------------------- the processor
+
+
+class OutputProcessor:
+    """Owns the output side of every in-flight request (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any, *, native: bool | None = None) -> None:
+        self.tokenizer = tokenizer
+        self._detokenizers = DetokenizerFactory(tokenizer, native=native)
+        self._groups: dict[str, _Group] = {}  # request id -> group
+        self._samples: dict[str, _Sample] = {}  # engine request id -> sample
+        self._decoded: dict[int, str] = {}  # token id -> decode([id]) for logprobs
+
+    # ------------------------------------------------------------ registration
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: Sequence[str] | None = None,
+        *,
+        queue: RequestOutputCollector | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestOutputCollector:
+        """Register a request; ``child_ids`` are its engine request ids, one per sample
+        (default: ``[request_id]``). Returns the collector its outputs go to (``queue``
+        when given)."""
+        engine_ids = list(child_ids) if child_ids is not None else [request_id]
+        if request_id in self._groups or any(e in self._samples for e in engine_ids):
+            raise ValueError(f"Request id {request_id!r} is already in flight.")
+        collector = queue if queue is not None else RequestOutputCollector(params.output_kind)
+        group = _Group(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            output_kind=params.output_kind,
+            collector=collector,
+            metrics=RequestMetrics(arrival_time if arrival_time is not None else time.time()),
+            engine_ids=engine_ids,
+            unfinished=set(engine_ids),
+            num_prompt_logprobs=params.prompt_logprobs,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        self._groups[request_id] = group
+        for index, engine_id in enumerate(engine_ids):
+            self._samples[engine_id] = self._new_sample(engine_id, index, group, params)
+        return collector
+
+    def _new_sample(self, engine_id: str, index: int, group: _Group, params: SamplingParams):
+        detokenizer = None
+        stop = None
+        if params.detokenize:
+            detokenizer = self._detokenizers.new(params.skip_special_tokens, group.prompt_token_ids)
+            if params.stop:
+                stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        logprobs = _Logprobs(params.logprobs) if params.logprobs is not None else None
+        return _Sample(engine_id, index, group, params, detokenizer, stop, logprobs)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        group = self._groups.get(request_id)
+        return list(group.engine_ids) if group is not None else []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------ engine outputs
+    def process_outputs(
+        self, outputs: Sequence[EngineCoreOutput], timestamp: float | None = None
+    ) -> list[str]:
+        """Deliver one step's outputs; returns engine ids finished here by a stop string,
+        which the caller must abort in the engine core."""
+        now = timestamp if timestamp is not None else time.time()
+        to_abort: list[str] = []
+        for out in outputs:
+            sample = self._samples.get(out.request_id)
+            if sample is None:
+                continue  # aborted while this step was in flight
+            self._record_prompt_side(sample, out, now)
+            stop_string = self._update_sample(sample, out)
+            if stop_string is not None:
+                self._finish(sample, "stop", stop_string)
+                if not out.finished:
+                    to_abort.append(out.request_id)
+            elif out.finish_reason is not None:
+                self._finish(sample, str(out.finish_reason), out.stop_reason)
+            self._deliver(sample, now)
+        return to_abort
+
+    def _record_prompt_side(self, sample: _Sample, out: EngineCoreOutput, now: float) -> None:
+        group = sample.group
+        group.num_cached_tokens = max(group.num_cached_tokens, out.num_cached_tokens)
+        if out.new_token_ids:
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            group.metrics.last_token_time = now
+        if out.new_prompt_logprobs is not None and sample.index == 0:
+            if group.prompt_logprobs is not None and group.num_prompt_logprobs is not None:
+                lists = out.new_prompt_logprobs
+                k = group.num_prompt_logprobs
+                for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+                    row = make_logprob_dict(ids, lps, rank, k, self._decode_token)
+                    group.prompt_logprobs.append(row)
+
+    def _update_sample(self, sample: _Sample, out: EngineCoreOutput) -> str | None:
+        """Append the new tokens (and their text and logprobs); the stop string that ended
+        the sample, if any. Tokens after a stop string are dropped."""
+        ids = out.new_token_ids
+        detok = sample.detokenizer
+        if detok is None:
+            self._append_tokens(sample, ids, out.new_logprobs)
+            return None
+        # With stop strings, feed one token at a time so a match drops the tokens after it.
+        pieces = [ids[i : i + 1] for i in range(len(ids))] if sample.stop else [ids]
+        pieces = pieces or [[]]  # a finish without new tokens still flushes
+        for i, piece in enumerate(pieces):
+            new_text = detok.add_tokens(piece)
+            if out.finished and i == len(pieces) - 1:
+                new_text += detok.flush()
+            new_from = len(sample.text)
+            sample.text += new_text
+            self._append_tokens(sample, piece, out.new_logprobs, offset=i if sample.stop else 0)
+            stop_string = self._check_stop(sample, out, new_from)
+            if stop_string is not None:
+                return stop_string
+        return None
+
+    def _check_stop(self, sample: _Sample, out: EngineCoreOutput, new_from: int) -> str | None:
+        if sample.stop is None or out.finish_reason == FinishReason.ABORT:
+            return None
+        if len(sample.token_ids) <= sample.params.min_tokens:
+            return None  # as in vLLM, text of the first min_tokens tokens is not searched
+        match = sample.stop.find(sample.text, new_from)
+        if match is None:
+            return None
+        stop_string, cut = match
+        sample.text = sample.text[:cut]
+        return stop_string
+
+    def _append_tokens(
+        self,
+        sample: _Sample,
+        ids: Sequence[int],
+        lists: LogprobsLists | None,
+        offset: int = 0,
+    ) -> None:
+        sample.token_ids.extend(ids)
+        sample.group.metrics.num_generation_tokens += len(ids)
+        if sample.logprobs is not None and lists is not None and ids:
+            window = _slice_lists(lists, offset, offset + len(ids))
+            sample.logprobs.add(window, len(ids), self._decode_token)
+
+    def _finish(self, sample: _Sample, reason: str, stop_reason: int | str | None) -> None:
+        sample.finish_reason = reason
+        sample.stop_reason = stop_reason
+        sample.group.unfinished.discard(sample.engine_id)
+        del self._samples[sample.engine_id]
+
+    # ------------------------------------------------------------ outputs
+    def _deliver(self, sample: _Sample, now: float) -> None:
+        group = sample.group
+        finished = not group.unfinished
+        if finished:
+            group.metrics.finished_time = now
+            self._groups.pop(group.request_id, None)
+        output = self._make_output(sample, finished)
+        if output is not None:
+            group.collector.put(output)
+
+    def _make_output(self, sample: _Sample, finished: bool) -> RequestOutput | None:
+        group = sample.group
+        if group.output_kind == RequestOutputKind.FINAL_ONLY:
+            if sample.finish_reason is not None:
+                group.final_completions.append(self._completion(sample, delta=False))
+            if not finished:
+                return None
+            completions = sorted(group.final_completions, key=lambda c: c.index)
+            return self._request_output(group, completions, finished, delta=False)
+        delta = group.output_kind == RequestOutputKind.DELTA
+        has_news = (
+            sample.finish_reason is not None
+            or sample.sent_tokens < len(sample.token_ids)
+            or self._new_prompt_logprobs(group)
+        )
+        if not has_news:
+            return None
+        return self._request_output(group, [self._completion(sample, delta)], finished, delta)
+
+    def _request_output(
+        self, group: _Group, completions: list[CompletionOutput], finished: bool, delta: bool
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=self._take_prompt_logprobs(group, delta),
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=group.num_cached_tokens,
+            metrics=dataclasses.replace(group.metrics),
+        )
+
+    def _completion(self, sample: _Sample, delta: bool) -> CompletionOutput:
+        end = self._visible_text_end(sample)
+        lp = sample.logprobs
+        if delta:
+            text = sample.text[sample.sent_text : end]
+            token_ids = sample.token_ids[sample.sent_tokens :]
+            logprobs = lp.rows[sample.sent_logprobs :] if lp is not None else None
+        else:
+            text = sample.text[:end]
+            token_ids = list(sample.token_ids)
+            logprobs = list(lp.rows) if lp is not None else None
+        sample.sent_text = end
+        sample.sent_tokens = len(sample.token_ids)
+        sample.sent_logprobs = len(lp.rows) if lp is not None else 0
+        return CompletionOutput(
+            index=sample.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=lp.cumulative if lp is not None else None,
+            logprobs=logprobs,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )
+
+    @staticmethod
+    def _visible_text_end(sample: _Sample) -> int:
+        """How much of the text may be sent: all of it once finished, else all but the
+        stop-string hold-back (never less than what was already sent)."""
+        if sample.finish_reason is not None or sample.stop is None:
+            return len(sample.text)
+        return max(sample.sent_text, len(sample.text) - sample.stop.hold_back)
+
+    @staticmethod
+    def _new_prompt_logprobs(group: _Group) -> bool:
+        rows = group.prompt_logprobs
+        return rows is not None and len(rows) > 1 and group.sent_prompt_logprobs < len(rows)
+
+    @staticmethod
+    def _take_prompt_logprobs(group: _Group, delta: bool) -> PromptLogprobs | None:
+        rows = group.prompt_logprobs
+        if rows is None:
+            return None
+        start = group.sent_prompt_logprobs
+        group.sent_prompt_logprobs = len(rows)
+        if delta:
+            return rows[start:] if start < len(rows) else None
+        return list(rows)
+
+    def _decode_token(self, token_id: int) -> str:
+        text = self._decoded.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._decoded[token_id] = text
+        return text
+
+    # ------------------------------------------------------------ aborts and failures
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request (its reader left or asked to cancel). Returns True if some of its
+        samples were still running, i.e. the engine core must be told to abort them. The
+        collector gets a final 'abort' output so a waiting reader wakes up."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        now = time.time()
+        for engine_id in list(group.unfinished):
+            sample = self._samples[engine_id]
+            if sample.detokenizer is not None:
+                sample.text += sample.detokenizer.flush()
+            self._finish(sample, str(FinishReason.ABORT), None)
+            self._deliver(sample, now)
+        return True
+
+    def fail_all(self, error: BaseException) -> None:
+        """The engine is gone: every in-flight request's reader gets ``error``."""
+        for group in self._groups.values():
+            group.collector.put_error(error)
+        self._groups.clear()
+        self._samples.clear()
+
+
+def _slice_lists(lists: LogprobsLists, start: int, stop: int) -> LogprobsLists:
+    if start == 0 and stop >= len(lists.token_ids):
+        return lists
+    return LogprobsLists(
+        token_ids=lists.token_ids[start:stop],
+        logprobs=lists.logprobs[start:stop],
+        ranks=lists.ranks[start:stop],
+    )

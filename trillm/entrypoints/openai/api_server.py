@@ -1,0 +1,323 @@
+"""The OpenAI-compatible HTTP server: the quart-trio app and the root nursery around it.
+
+Root nursery shape (DESIGN.md)::
+
+    trio.run(run_server)
+      signal watcher                    SIGINT/SIGTERM -> drain, then stop
+      open_engine(...)                  engine-core + output-handler tasks inside
+        server nursery
+          hypercorn.trio.serve(app)     started with nursery.start: listening once it returns
+          producers                     one task per in-flight engine request (serving_base)
+
+The HTTP listener starts only after the engine is ready, so ``/health`` answers 200 from the
+first connection; it answers 503 once the engine has died or the server is draining.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+from functools import partial
+from typing import Any
+
+import attrs
+import orjson
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+import trillm
+from trillm.entrypoints.chat_utils import load_chat_template
+from trillm.entrypoints.openai import openapi
+from trillm.entrypoints.openai.errors import (
+    APIError,
+    AuthenticationError,
+    BadRequestError,
+    InternalServerError,
+    MethodNotAllowedError,
+    NotFoundError,
+    PayloadTooLargeError,
+    ServiceUnavailableError,
+    UnsupportedMediaTypeError,
+    error_body,
+)
+from trillm.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from trillm.entrypoints.openai.metrics import ServerMetrics
+from trillm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    structure,
+)
+from trillm.entrypoints.openai.serving_base import ServerState
+from trillm.entrypoints.openai.serving_chat import create_chat_completion
+from trillm.entrypoints.openai.serving_completion import create_completion
+from trillm.entrypoints.openai.serving_tokenize import detokenize, tokenize
+
+logger = logging.getLogger("trillm.server")
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+_OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# ---------------------------------------------------------------- the app
+
+
+def build_app(state: ServerState, api_key: str | None = None) -> QuartTrio:
+    app = QuartTrio("trillm")
+    app.config.update(
+        MAX_CONTENT_LENGTH=MAX_BODY_BYTES,
+        RESPONSE_TIMEOUT=None,  # streams last as long as generation does
+        BODY_TIMEOUT=60,
+        PROVIDE_AUTOMATIC_OPTIONS=False,
+    )
+    _install_gate(app, state, api_key)
+    _install_error_handlers(app)
+    _install_routes(app, state)
+    return app
+
+
+def _install_gate(app: QuartTrio, state: ServerState, api_key: str | None) -> None:
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @app.before_request
+    async def gate() -> None:
+        path = request.path
+        if expected is not None and path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise AuthenticationError("Invalid or missing API key.")
+        if path in _OPEN_PATHS:
+            return
+        if state.draining:
+            raise ServiceUnavailableError("The server is shutting down.")
+        if state.engine.is_dead:
+            raise ServiceUnavailableError(f"The engine is not available: {state.engine.dead_error}")
+
+
+def _install_error_handlers(app: QuartTrio) -> None:
+    @app.errorhandler(APIError)
+    async def api_error(err: APIError) -> Response:
+        return json_response(err.body(), err.status)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(err: HTTPException) -> Response:
+        code = err.code or 500
+        kind = {404: NotFoundError, 405: MethodNotAllowedError, 413: PayloadTooLargeError}.get(
+            code, BadRequestError if 400 <= code < 500 else InternalServerError
+        )
+        message = {
+            404: f"No route {request.path}.",
+            413: f"The request body is larger than {MAX_BODY_BYTES} bytes.",
+        }.get(code, err.description or err.name)
+        return json_response(error_body(message, kind.type, None, code), code)
+
+    @app.errorhandler(Exception)
+    async def internal_error(err: Exception) -> Response:
+        logger.exception("Unhandled error in %s %s", request.method, request.path)
+        body = error_body(f"{type(err).__name__}: {err}", InternalServerError.type, None, 500)
+        return json_response(body, 500)
+
+
+def _install_routes(app: QuartTrio, state: ServerState) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat() -> Response:
+        req = structure(ChatCompletionRequest, await json_body())
+        return result_response(await create_chat_completion(state, req))
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        req = structure(CompletionRequest, await json_body())
+        return result_response(await create_completion(state, req))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": model_cards(state)})
+
+    @app.post("/tokenize")
+    async def tokenize_route() -> Response:
+        return json_response(await tokenize(state, structure(TokenizeRequest, await json_body())))
+
+    @app.post("/detokenize")
+    async def detokenize_route() -> Response:
+        req = structure(DetokenizeRequest, await json_body())
+        return json_response(await detokenize(state, req))
+
+    @app.get("/health")
+    async def health() -> Response:
+        engine = state.engine
+        if state.draining or engine.is_dead or not engine.is_running:
+            err = ServiceUnavailableError("The server is not ready or shutting down.")
+            return json_response(err.body(), err.status)
+        return Response(b"", 200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": trillm.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), 200, content_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        return json_response(openapi.build_spec())
+
+
+def model_cards(state: ServerState) -> list[dict[str, Any]]:
+    cfg = state.model_config
+    return [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "trillm",
+            "root": cfg.model,
+            "parent": None,
+            "max_model_len": cfg.max_model_len,
+        }
+        for name in state.served_model_names
+    ]
+
+
+async def json_body() -> Any:
+    """The request body as decoded JSON (an object), or a 400/413 APIError."""
+    mimetype = request.mimetype
+    if mimetype != "application/json" and not mimetype.endswith("+json"):
+        raise UnsupportedMediaTypeError(
+            f"Content-Type must be application/json, got {mimetype or 'none'!r}."
+        )
+    data = await request.get_data(cache=False)  # 413 (HTTPException) beyond MAX_CONTENT_LENGTH
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequestError(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequestError("The request body must be a JSON object.")
+    return body
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status, content_type="application/json")
+
+
+def result_response(result: Any) -> Response:
+    if isinstance(result, dict):
+        return json_response(result)
+    response = Response(result, 200, content_type="text/event-stream", headers=_SSE_HEADERS)
+    response.timeout = None
+    return response
+
+
+# ---------------------------------------------------------------- the process
+
+
+@attrs.define
+class ServerOptions:
+    """What ``trillm serve`` needs beyond EngineArgs."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: list[str] | None = None
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    max_logprobs: int = 20
+    log_level: str = "info"
+    shutdown_timeout: float = 30.0
+
+
+@attrs.define(eq=False)
+class _Lifecycle:
+    stop: trio.Event = attrs.field(factory=trio.Event)
+    serving: bool = False
+
+
+async def run_server(model: str | None, engine_args: dict[str, Any], opts: ServerOptions) -> None:
+    """Load the engine, serve until SIGINT/SIGTERM, drain, return (exit code 0)."""
+    life = _Lifecycle()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as root:
+            root.start_soon(_watch_signals, signals, life, root.cancel_scope)
+            await _serve(model, engine_args, opts, life)
+            root.cancel_scope.cancel()
+
+
+async def _watch_signals(signals: Any, life: _Lifecycle, root: trio.CancelScope) -> None:
+    async for signum in signals:
+        logger.info("Received %s.", signal.Signals(signum).name)
+        if not life.serving or life.stop.is_set():
+            root.cancel()  # still loading, or a second signal: stop now
+            return
+        life.stop.set()
+
+
+async def _serve(
+    model: str | None, engine_args: dict[str, Any], opts: ServerOptions, life: _Lifecycle
+) -> None:
+    from trillm.engine.async_engine import open_engine
+
+    chat_template = load_chat_template(opts.chat_template)
+    async with open_engine(model, **engine_args) as engine:
+        async with trio.open_nursery() as nursery:
+            names = opts.served_model_names or [engine.model_config.served_model_name]
+            state = ServerState(
+                engine=engine,
+                served_model_names=names,
+                metrics=ServerMetrics(engine, names[0]),
+                nursery=nursery,
+                chat_template=chat_template,
+                trust_request_chat_template=opts.trust_request_chat_template,
+                max_logprobs=opts.max_logprobs,
+            )
+            app = build_app(state, opts.api_key)
+            shutdown = trio.Event()
+            serve = partial(
+                _hypercorn_serve, app, _hypercorn_config(opts), shutdown_trigger=shutdown.wait
+            )
+            binds = await nursery.start(serve)
+            life.serving = True
+            logger.info("trillm is serving %s on %s", names[0], ", ".join(binds))
+            await life.stop.wait()
+            await _drain(state, opts.shutdown_timeout)
+            shutdown.set()
+
+
+async def _hypercorn_serve(app: Any, config: Any, **kwargs: Any) -> None:
+    from hypercorn.trio import serve
+
+    await serve(app, config, **kwargs)
+
+
+def _hypercorn_config(opts: ServerOptions) -> Any:
+    from hypercorn.config import Config
+
+    config = Config()
+    host = f"[{opts.host}]" if ":" in opts.host else opts.host
+    config.bind = [f"{host}:{opts.port}"]
+    config.loglevel = opts.log_level.upper()
+    # Hypercorn's loggers propagate to the root logger ``trillm serve`` configures.
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.accesslog = (
+        logging.getLogger("hypercorn.access")
+        if opts.log_level.lower() in ("debug", "trace")
+        else None
+    )
+    config.graceful_timeout = 5.0
+    config.include_server_header = False
+    return config
+
+
+async def _drain(state: ServerState, grace_s: float) -> None:
+    """Refuse new requests, let running ones finish for ``grace_s``, then abort the rest."""
+    state.draining = True
+    logger.info("Draining %d running request(s) for up to %.0f s.", len(state.inflight), grace_s)
+    if state.inflight:
+        with trio.move_on_after(grace_s):
+            await state.drained.wait()
+    for scope in list(state.inflight):
+        scope.cancel()  # their readers finish the choices with finish_reason "abort"

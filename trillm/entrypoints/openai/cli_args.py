@@ -1,0 +1,149 @@
+"""``trillm serve``'s flags (vLLM's names) and their mapping onto EngineArgs fields."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from trillm.config import parse_memory_size
+from trillm.entrypoints.openai.api_server import ServerOptions
+
+# Flags whose value goes straight into EngineArgs under the same (underscored) name. Each is
+# passed only when given, so EngineArgs' defaults stay the single source of defaults.
+_ENGINE_FLAGS = (
+    "tokenizer", "revision", "dtype", "seed", "max_model_len", "block_size", "max_num_seqs",
+    "max_num_batched_tokens", "long_prefill_token_threshold", "enable_prefix_caching",
+    "scheduling_policy", "tensor_parallel_size", "kv_cache_memory", "gpu_memory_utilization",
+    "num_gpu_blocks_override", "max_logprobs", "device", "attention_backend",
+    "distributed_executor_backend", "generation_config", "trust_remote_code", "runner",
+)  # fmt: skip
+
+
+def _memory_size(value: str) -> int:
+    try:
+        return parse_memory_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve",
+        help="Run the OpenAI-compatible HTTP server.",
+        description="Serve MODEL (a local Hugging Face folder or a hub id) over an "
+        "OpenAI-compatible HTTP API. Without MODEL, the embedded default model is served.",
+    )
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="Model folder or hub id.")
+    p.add_argument("--model", dest="model_opt", help="Same as the positional MODEL.")
+    _add_server_flags(p)
+    _add_engine_flags(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="Address to listen on (default: 0.0.0.0).")
+    g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
+    g.add_argument("--api-key", help="Require 'Authorization: Bearer KEY' on /v1/* routes.")
+    g.add_argument(
+        "--served-model-name", nargs="+", help="Name(s) the API accepts as 'model'; the first "
+        "is reported in responses. Default: the model path.",
+    )  # fmt: skip
+    g.add_argument("--chat-template", help="Chat template: a Jinja file path or the template.")
+    g.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="Accept a 'chat_template' sent in a request (refused with 400 otherwise).",
+    )  # fmt: skip
+    g.add_argument(
+        "--uvicorn-log-level", "--log-level", dest="log_level", default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="Log level (default: info; debug/trace also log every request).",
+    )  # fmt: skip
+    g.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="On SIGINT/SIGTERM, seconds to let running requests finish before aborting "
+        "them (default: 30).",
+    )  # fmt: skip
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--tokenizer", help="Tokenizer folder, if not the model's.")
+    g.add_argument("--revision", help="Hub revision of the model.")
+    g.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default: auto).")
+    g.add_argument("--seed", type=int, help="Random seed of the engine (default: 0).")
+    g.add_argument("--max-model-len", type=int, help="Context length (default: the model's).")
+    g.add_argument("--block-size", type=int, help="Tokens per KV-cache block (default: 16).")
+    g.add_argument("--max-num-seqs", type=int, help="Most requests in a batch (default: 256).")
+    g.add_argument("--max-num-batched-tokens", type=int, help="Token budget of one step.")
+    g.add_argument("--long-prefill-token-threshold", type=int, help="Per-request prefill cap.")
+    g.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="Reuse KV blocks of shared prompt prefixes (default: on).",
+    )  # fmt: skip
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="Default: fcfs.")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, help="Tensor-parallel ranks.")
+    g.add_argument(
+        "--kv-cache-memory", type=_memory_size,
+        help="KV-cache budget on CPU, e.g. 2GiB or 512MiB (default: 1GiB).",
+    )  # fmt: skip
+    g.add_argument("--gpu-memory-utilization", type=float, help="GPU memory fraction (0.9).")
+    g.add_argument("--num-gpu-blocks-override", type=int, help="Force the KV block count.")
+    g.add_argument(
+        "--max-logprobs", type=int, default=20,
+        help="Most logprobs / top_logprobs a request may ask for (default: 20).",
+    )  # fmt: skip
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Default: auto.")
+    g.add_argument("--attention-backend", help="torch, triton or flashinfer (default: best).")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "uni"])
+    g.add_argument(
+        "--generation-config",
+        help="'auto' (the model's generation_config.json gives request defaults), 'vllm' "
+        "(ignore it) or a folder path.",
+    )
+    g.add_argument("--trust-remote-code", action="store_true", default=None)
+    g.add_argument(
+        "--runner",
+        help="Model runner as module:Class, e.g. trillm.worker.fake_runner:FakeModelRunner "
+        "(a near-zero-cost model for measuring serving overhead).",
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineArgs fields from the parsed flags (only those given)."""
+    kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if args.served_model_name:
+        kwargs["served_model_name"] = args.served_model_name[0]
+    return kwargs
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_names=args.served_model_name,
+        chat_template=args.chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_logprobs=args.max_logprobs,
+        log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import trio
+
+    from trillm.entrypoints.openai.api_server import run_server
+
+    logging.basicConfig(
+        level=args.log_level.upper() if args.log_level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    model = args.model_opt or args.model_tag
+    trio.run(run_server, model, engine_kwargs(args), server_options(args))
+    return 0

@@ -1,0 +1,98 @@
+"""The HTTP error shape (OpenAI's) and the mapping from internal failures to status codes.
+
+Every error the server answers has the body
+``{"error": {"message": str, "type": str, "param": str | None, "code": int}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class APIError(Exception):
+    """An error answered to the client as-is: status code, OpenAI error type, offending param."""
+
+    status: int = 500
+    type: str = "InternalServerError"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.status)
+
+
+class BadRequestError(APIError):
+    status = 400
+    type = "BadRequestError"
+
+
+class AuthenticationError(APIError):
+    status = 401
+    type = "AuthenticationError"
+
+
+class NotFoundError(APIError):
+    status = 404
+    type = "NotFoundError"
+
+
+class MethodNotAllowedError(APIError):
+    status = 405
+    type = "MethodNotAllowedError"
+
+
+class PayloadTooLargeError(APIError):
+    status = 413
+    type = "PayloadTooLargeError"
+
+
+class UnsupportedMediaTypeError(BadRequestError):
+    """A body that is not JSON: OpenAI answers 400 for it, so do we."""
+
+
+class InternalServerError(APIError):
+    status = 500
+    type = "InternalServerError"
+
+
+class ServiceUnavailableError(APIError):
+    status = 503
+    type = "ServiceUnavailableError"
+
+
+def error_body(message: str, type_: str, param: str | None, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def sse_error_event(error: APIError) -> bytes:
+    """An error after a stream has started: an SSE event, the caller then sends [DONE]."""
+    return b"data: " + orjson.dumps(error.body()) + b"\n\n"
+
+
+def from_engine_exception(exc: BaseException) -> APIError:
+    """Classify a failure raised by the engine (or by SamplingParams) into an APIError."""
+    from trillm.errors import EngineDeadError
+
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return ServiceUnavailableError(f"The engine is not available: {exc}")
+    if _is_request_too_large(exc):
+        return BadRequestError(str(exc), getattr(exc, "param", None) or "max_tokens")
+    if isinstance(exc, ValueError) and hasattr(exc, "param"):
+        # SamplingParamsError, the input processor's InvalidRequestError: bad input.
+        return BadRequestError(str(exc), exc.param)
+    return InternalServerError(f"{type(exc).__name__}: {exc}")
+
+
+def _is_request_too_large(exc: BaseException) -> bool:
+    try:
+        from trillm.core.errors import RequestTooLargeError
+    except ImportError:  # the scheduler's error module is optional for the frontend
+        return False
+    return isinstance(exc, RequestTooLargeError)

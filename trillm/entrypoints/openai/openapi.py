@@ -1,0 +1,361 @@
+"""The OpenAPI 3.1 description of the server, served at GET /openapi.json.
+
+Request schemas are generated from the attrs classes in ``protocol.py`` (types and the range
+metadata the validator enforces); response schemas are written out here.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import typing
+from typing import Any, Literal, Union
+
+import attrs
+
+import trillm
+from trillm.entrypoints.openai import protocol
+
+_REQUESTS = {
+    "ChatCompletionRequest": protocol.ChatCompletionRequest,
+    "CompletionRequest": protocol.CompletionRequest,
+    "TokenizeRequest": protocol.TokenizeRequest,
+    "DetokenizeRequest": protocol.DetokenizeRequest,
+}
+_LIMIT_KEYS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum"}
+
+
+# ---------------------------------------------------------------- schema from attrs classes
+
+
+def schema_of(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return {}
+    if tp is type(None):
+        return {"type": "null"}
+    if origin is Union or origin is types.UnionType:
+        return {"anyOf": [schema_of(t, components) for t in typing.get_args(tp)]}
+    if origin is Literal:
+        return {"enum": list(typing.get_args(tp))}
+    if origin is list:
+        return {"type": "array", "items": schema_of(typing.get_args(tp)[0], components)}
+    if origin is dict:
+        return {
+            "type": "object",
+            "additionalProperties": schema_of(typing.get_args(tp)[1], components),
+        }
+    if attrs.has(tp):
+        name = tp.__name__.lstrip("_")
+        if name not in components:
+            components[name] = {}  # placeholder first: recursive types terminate
+            components[name] = _object_schema(tp, components)
+        return {"$ref": f"#/components/schemas/{name}"}
+    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]}
+
+
+def _object_schema(cls: type[Any], components: dict[str, Any]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    props: dict[str, Any] = {}
+    required = []
+    for field in attrs.fields(cls):
+        prop = schema_of(hints[field.name], components)
+        limits = field.metadata or {}
+        for key, json_key in _LIMIT_KEYS.items():
+            if key in limits:
+                prop = {**prop, json_key: limits[key]}
+        if "max_len" in limits:
+            prop = {**prop, "maxItems": limits["max_len"]}
+        if field.default is attrs.NOTHING:
+            required.append(field.name)
+        elif not isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
+            prop = {**prop, "default": field.default}
+        props[field.name] = prop
+    schema: dict[str, Any] = {"type": "object", "properties": props}
+    if required:
+        schema["required"] = required
+    return schema
+
+
+# ---------------------------------------------------------------- response schemas
+
+
+def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": props}
+    if required:
+        schema["required"] = required
+    return schema
+
+
+_STR = {"type": "string"}
+_INT = {"type": "integer"}
+_NUM = {"type": "number"}
+_NULLABLE_STR = {"type": ["string", "null"]}
+_STOP_REASON = {"type": ["integer", "string", "null"]}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _response_components() -> dict[str, Any]:
+    top_logprob = _obj({"token": _STR, "logprob": _NUM, "bytes": {"type": "array", "items": _INT}})
+    usage = _obj(
+        {
+            "prompt_tokens": _INT,
+            "completion_tokens": _INT,
+            "total_tokens": _INT,
+            "prompt_tokens_details": _obj({"cached_tokens": _INT}),
+        },
+        ["prompt_tokens", "completion_tokens", "total_tokens"],
+    )
+    chat_logprobs = _obj(
+        {
+            "content": {
+                "type": "array",
+                "items": _obj(
+                    {
+                        **top_logprob["properties"],
+                        "top_logprobs": {"type": "array", "items": top_logprob},
+                    }
+                ),
+            }
+        }
+    )
+    completion_logprobs = _obj(
+        {
+            "tokens": {"type": "array", "items": _STR},
+            "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+            "top_logprobs": {"type": "array", "items": {"type": ["object", "null"]}},
+            "text_offset": {"type": "array", "items": _INT},
+        }
+    )
+    ids = {"type": "array", "items": _INT}
+    common = {"id": _STR, "object": _STR, "created": _INT, "model": _STR}
+    chat_choice = _obj(
+        {
+            "index": _INT,
+            "message": _obj({"role": _STR, "content": _NULLABLE_STR}),
+            "logprobs": {"anyOf": [_ref("ChatLogprobs"), {"type": "null"}]},
+            "finish_reason": _NULLABLE_STR,
+            "stop_reason": _STOP_REASON,
+            "token_ids": ids,
+        },
+        ["index", "message", "finish_reason"],
+    )
+    chat_chunk_choice = _obj(
+        {
+            "index": _INT,
+            "delta": _obj({"role": _STR, "content": _NULLABLE_STR}),
+            "logprobs": {"anyOf": [_ref("ChatLogprobs"), {"type": "null"}]},
+            "finish_reason": _NULLABLE_STR,
+            "stop_reason": _STOP_REASON,
+            "token_ids": ids,
+        },
+        ["index", "delta"],
+    )
+    completion_choice = _obj(
+        {
+            "index": _INT,
+            "text": _STR,
+            "logprobs": {"anyOf": [_ref("CompletionLogprobs"), {"type": "null"}]},
+            "finish_reason": _NULLABLE_STR,
+            "stop_reason": _STOP_REASON,
+            "prompt_token_ids": ids,
+            "token_ids": ids,
+            "prompt_logprobs": {"type": ["array", "null"]},
+        },
+        ["index", "text"],
+    )
+
+    def listing(item: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "array", "items": item}
+
+    return {
+        "Usage": usage,
+        "ChatLogprobs": chat_logprobs,
+        "CompletionLogprobs": completion_logprobs,
+        "ChatCompletionResponse": _obj(
+            {
+                **common,
+                "choices": listing(chat_choice),
+                "usage": _ref("Usage"),
+                "prompt_token_ids": ids,
+                "prompt_logprobs": {"type": ["array", "null"]},
+            },
+            ["id", "object", "created", "model", "choices", "usage"],
+        ),  # fmt: skip
+        "ChatCompletionChunk": _obj(
+            {
+                **common,
+                "choices": listing(chat_chunk_choice),
+                "usage": {"anyOf": [_ref("Usage"), {"type": "null"}]},
+            },
+            ["id", "object", "created", "model", "choices"],
+        ),  # fmt: skip
+        "CompletionResponse": _obj(
+            {**common, "choices": listing(completion_choice), "usage": _ref("Usage")},
+            ["id", "object", "created", "model", "choices", "usage"],
+        ),
+        "CompletionChunk": _obj(
+            {
+                **common,
+                "choices": listing(completion_choice),
+                "usage": {"anyOf": [_ref("Usage"), {"type": "null"}]},
+            },
+            ["id", "object", "created", "model", "choices"],
+        ),  # fmt: skip
+        "ModelList": _obj(
+            {
+                "object": _STR,
+                "data": listing(
+                    _obj(
+                        {
+                            "id": _STR,
+                            "object": _STR,
+                            "created": _INT,
+                            "owned_by": _STR,
+                            "root": _NULLABLE_STR,
+                            "max_model_len": _INT,
+                        },
+                        ["id", "object"],
+                    )  # fmt: skip
+                ),
+            },
+            ["object", "data"],
+        ),
+        "TokenizeResponse": _obj(
+            {"count": _INT, "max_model_len": _INT, "tokens": ids, "token_strs": listing(_STR)},
+            ["count", "max_model_len", "tokens"],
+        ),  # fmt: skip
+        "DetokenizeResponse": _obj({"prompt": _STR}, ["prompt"]),
+        "VersionResponse": _obj({"version": _STR}, ["version"]),
+        "Error": _obj(
+            {
+                "error": _obj(
+                    {"message": _STR, "type": _STR, "param": _NULLABLE_STR, "code": _INT},
+                    ["message", "type", "code"],
+                )
+            },
+            ["error"],
+        ),
+    }
+
+
+# ---------------------------------------------------------------- paths
+
+
+def _json(name: str) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(name)}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    text = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model",
+            413: "Body too large", 500: "Engine failure", 503: "Not ready, draining or engine dead"}  # fmt: skip
+    return {str(c): {"description": text[c], "content": _json("Error")} for c in codes}
+
+
+def _generate_op(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {
+                "200": {
+                    "description": f"A {response}, or with stream=true an SSE stream of "
+                    f"`data: <{chunk}>` events ending with `data: [DONE]`.",
+                    "content": {
+                        **_json(response),
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **_errors(400, 401, 404, 413, 500, 503),
+            },
+        }
+    }
+
+
+def _simple_post(summary: str, request: str, response: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {
+                "200": {"description": "OK", "content": _json(response)},
+                **_errors(400, 404, 413, 503),
+            },  # fmt: skip
+        }
+    }
+
+
+@functools.cache
+def build_spec() -> dict[str, Any]:
+    components = _response_components()
+    for name, cls in _REQUESTS.items():
+        schema_of(cls, components)
+        components.setdefault(name, components.get(cls.__name__, {}))
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    paths = {
+        "/v1/chat/completions": _generate_op(
+            "Chat completion",
+            "ChatCompletionRequest",
+            "ChatCompletionResponse",
+            "ChatCompletionChunk",
+        ),  # fmt: skip
+        "/v1/completions": _generate_op(
+            "Text completion", "CompletionRequest", "CompletionResponse", "CompletionChunk"
+        ),
+        "/v1/models": {
+            "get": {
+                "summary": "The served model(s)",
+                "responses": {
+                    "200": {"description": "OK", "content": _json("ModelList")},
+                    **_errors(401),
+                },  # fmt: skip
+            }
+        },
+        "/tokenize": _simple_post(
+            "Tokenize a prompt or a chat", "TokenizeRequest", "TokenizeResponse"
+        ),  # fmt: skip
+        "/detokenize": _simple_post(
+            "Token ids to text", "DetokenizeRequest", "DetokenizeResponse"
+        ),  # fmt: skip
+        "/health": {
+            "get": {
+                "summary": "200 once the engine is serving; 503 while not ready or draining",
+                "responses": {"200": {"description": "Ready"}, **_errors(503)},
+            }
+        },
+        "/version": {
+            "get": {
+                "summary": "The trillm version",
+                "responses": {"200": {"description": "OK", "content": _json("VersionResponse")}},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics (text exposition format)",
+                "responses": {"200": {"description": "OK", "content": text}},
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This document",
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    }
+                },
+            }  # fmt: skip
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "trillm OpenAI-compatible API", "version": trillm.__version__},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

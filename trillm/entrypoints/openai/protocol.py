@@ -1,0 +1,312 @@
+"""Request schemas (attrs classes) and their strict structuring from JSON.
+
+Unknown fields are accepted and ignored (OpenAI clients send extras); known fields are checked
+for type and range, and the first bad one is reported with its path as ``param``
+(``temperature``, ``messages[1].content``). Ranges live in each field's metadata
+(``ge``/``gt``/``le``/``max_len``) so the OpenAPI schema (``openapi.py``) is generated from the
+same declaration the validator enforces.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import typing
+from typing import Any, Literal, Union
+
+import attrs
+
+from trillm.entrypoints.openai.errors import BadRequestError
+
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_PROMPTS = 1024
+
+
+def _f(default: Any = attrs.NOTHING, **limits: Any) -> Any:
+    """A field with range limits in its metadata (checked by ``structure``)."""
+    if isinstance(default, (list, dict)):
+        return attrs.field(factory=lambda: type(default)(default), metadata=limits)
+    return attrs.field(default=default, metadata=limits)
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+@attrs.define
+class StreamOptions:
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+@attrs.define
+class JsonSchemaSpec:
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+@attrs.define
+class ResponseFormat:
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+@attrs.define
+class StructuredOutputs:
+    """vLLM's ``structured_outputs`` extension: exactly one field set."""
+
+    json: Union[str, dict[str, Any], None] = None  # noqa: UP007
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+@attrs.define
+class TextPart:
+    type: str
+    text: str | None = None
+
+
+@attrs.define
+class ChatMessage:
+    role: str
+    content: Union[str, list[TextPart], None] = None  # noqa: UP007
+    name: str | None = None
+
+
+# ---------------------------------------------------------------- sampling fields, both APIs
+
+
+@attrs.define(kw_only=True)
+class _SamplingFields:
+    model: str | None = None
+    n: int = _f(1, ge=1, le=MAX_N)
+    temperature: float | None = _f(None, ge=0.0)
+    top_p: float | None = _f(None, gt=0.0, le=1.0)
+    presence_penalty: float | None = _f(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = _f(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = _f(None, max_len=4096)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = _f(None, max_len=MAX_STOP_STRINGS)  # noqa: UP007
+    max_tokens: int | None = _f(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = _f(None, ge=-1)
+    min_p: float | None = _f(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = _f(None, gt=0.0)
+    stop_token_ids: list[int] | None = _f(None, max_len=1024)
+    ignore_eos: bool = False
+    min_tokens: int = _f(0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = _f(None, ge=0)
+    priority: int = 0
+    cache_salt: str | None = None
+    return_token_ids: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    request_id: str | None = None
+
+
+@attrs.define(kw_only=True)
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = _f(max_len=100_000)
+    logprobs: bool = False
+    top_logprobs: int | None = _f(None, ge=0)
+    max_completion_tokens: int | None = _f(None, ge=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+@attrs.define(kw_only=True)
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]] = _f(max_len=MAX_PROMPTS)  # noqa: UP007
+    max_tokens: int | None = _f(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = _f(None, ge=0)
+    suffix: str | None = None
+    best_of: int | None = _f(None, ge=1)
+    add_special_tokens: bool = True
+
+
+@attrs.define(kw_only=True)
+class TokenizeRequest:
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+@attrs.define(kw_only=True)
+class DetokenizeRequest:
+    tokens: list[int]
+    model: str | None = None
+
+
+# ---------------------------------------------------------------- structuring
+
+
+def structure(cls: type[Any], data: Any) -> Any:
+    """Build ``cls`` from decoded JSON, or raise BadRequestError naming the first bad field."""
+    return _structure_attrs(cls, data, "")
+
+
+@functools.cache
+def _hints(cls: type[Any]) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _structure_attrs(cls: type[Any], data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        where = f"'{path}' " if path else "The request body "
+        raise BadRequestError(f"{where}must be a JSON object.", path or None)
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for field in attrs.fields(cls):
+        name = field.name
+        fpath = f"{path}.{name}" if path else name
+        if name not in data:
+            if field.default is attrs.NOTHING:
+                raise BadRequestError(f"Field required: '{fpath}'.", fpath)
+            continue
+        value = _structure(data[name], hints[name], fpath)
+        _check_limits(value, field.metadata, fpath)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _structure(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Union or origin is types.UnionType:
+        return _structure_union(value, typing.get_args(tp), path)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise BadRequestError(
+                f"'{path}' must be one of {', '.join(map(repr, allowed))}, got {value!r}.", path
+            )
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise _type_error(path, "an array", value)
+        (item_tp,) = typing.get_args(tp)
+        return [_structure(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _type_error(path, "an object", value)
+        _, val_tp = typing.get_args(tp)
+        return {k: _structure(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if attrs.has(tp):
+        return _structure_attrs(tp, value, path)
+    return _structure_scalar(value, tp, path)
+
+
+def _structure_union(value: Any, options: tuple[Any, ...], path: str) -> Any:
+    if value is None:
+        if type(None) in options:
+            return None
+        raise BadRequestError(f"'{path}' must not be null.", path)
+    candidates = [o for o in options if o is not type(None)]
+    first_error: BadRequestError | None = None
+    for option in candidates:
+        if not _shallow_match(value, option):
+            continue
+        try:
+            return _structure(value, option, path)
+        except BadRequestError as exc:
+            first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
+    expected = " or ".join(_describe(o) for o in candidates)
+    raise _type_error(path, expected, value)
+
+
+def _shallow_match(value: Any, tp: Any) -> bool:
+    """Whether ``value``'s JSON kind fits ``tp`` at the top level (picks a union branch)."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        if not isinstance(value, list):
+            return False
+        (item_tp,) = typing.get_args(tp)
+        return not value or _shallow_match(value[0], item_tp)
+    if origin is dict or attrs.has(tp):
+        return isinstance(value, dict)
+    if tp is Any:
+        return True
+    try:
+        _structure_scalar(value, tp, "")
+    except BadRequestError:
+        return False
+    return True
+
+
+def _structure_scalar(value: Any, tp: Any, path: str) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _type_error(path, "a boolean", value)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise _type_error(path, "an integer", value)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _type_error(path, "a number", value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _type_error(path, "a string", value)
+    raise TypeError(f"protocol: no structuring rule for {tp!r}")  # a bug in this module
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is list:
+        return f"an array of {_describe(typing.get_args(tp)[0]).removeprefix('an ').removeprefix('a ')}s"
+    if origin is dict or attrs.has(tp):
+        return "an object"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def _type_error(path: str, expected: str, value: Any) -> BadRequestError:
+    shown = repr(value)
+    if len(shown) > 40:
+        shown = shown[:37] + "..."
+    return BadRequestError(f"'{path}' must be {expected}, got {shown}.", path)
+
+
+def _check_limits(value: Any, limits: Any, path: str) -> None:
+    if value is None or not limits:
+        return
+    if "max_len" in limits and isinstance(value, (list, dict)) and len(value) > limits["max_len"]:
+        raise BadRequestError(
+            f"'{path}' has {len(value)} entries, more than the limit of {limits['max_len']}.", path
+        )
+    if isinstance(value, (list, dict, str)):
+        return
+    if "ge" in limits and value < limits["ge"]:
+        raise BadRequestError(f"'{path}' must be >= {limits['ge']}, got {value}.", path)
+    if "gt" in limits and value <= limits["gt"]:
+        raise BadRequestError(f"'{path}' must be > {limits['gt']}, got {value}.", path)
+    if "le" in limits and value > limits["le"]:
+        raise BadRequestError(f"'{path}' must be <= {limits['le']}, got {value}.", path)

@@ -1,0 +1,274 @@
+"""POST /v1/chat/completions: render the chat, tokenize, generate, answer JSON or SSE."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from trillm.entrypoints.chat_utils import (
+    ChatTemplateError,
+    render_template,
+    tokenizer_chat_template,
+    tokenizer_special_tokens,
+)
+from trillm.entrypoints.openai.errors import APIError, BadRequestError, sse_error_event
+from trillm.entrypoints.openai.protocol import ChatCompletionRequest
+from trillm.entrypoints.openai.serving_base import (
+    ChoiceState,
+    Generation,
+    RequestTracker,
+    ServerState,
+    build_sampling_params,
+    guard_stream,
+    position_logprobs,
+    prompt_logprobs_json,
+    raise_if_error,
+    resolve_max_tokens,
+    start_generation,
+    tokenize_text,
+)
+from trillm.sampling_params import SamplingParams
+
+DONE = b"data: [DONE]\n\n"
+
+
+async def create_chat_completion(
+    state: ServerState, req: ChatCompletionRequest
+) -> dict[str, Any] | AsyncIterator[bytes]:
+    state.check_model(req.model)
+    prompt_ids = await _render_and_tokenize(state, req)
+    requested, param = (
+        (req.max_completion_tokens, "max_completion_tokens")
+        if req.max_completion_tokens is not None
+        else (req.max_tokens, "max_tokens")
+    )
+    max_tokens = resolve_max_tokens(state, requested, len(prompt_ids), param)
+    params = build_sampling_params(
+        state, req, max_tokens=max_tokens, logprobs=_top_logprobs(state, req)
+    )
+    request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+    ctx = _ChatContext(state, req, params, request_id, prompt_ids)
+    gen = await start_generation(
+        state, [(prompt_ids, params)], request_id, req.priority, req.cache_salt
+    )
+    if req.stream:
+        return guard_stream(gen, ctx.stream(gen))
+    return await ctx.full(gen)
+
+
+async def _render_and_tokenize(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    if req.chat_template is not None and not state.trust_request_chat_template:
+        raise BadRequestError(
+            "Chat templates in requests are refused; start the server with "
+            "--trust-request-chat-template to allow them.",
+            "chat_template",
+        )
+    if not req.messages:
+        raise BadRequestError("'messages' must not be empty.", "messages")
+    template = req.chat_template or state.chat_template or tokenizer_chat_template(state.tokenizer)
+    try:
+        text = render_template(
+            template,
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=req.continue_final_message,
+            special_tokens=tokenizer_special_tokens(state.tokenizer),
+            template_kwargs=req.chat_template_kwargs,
+        )
+    except ChatTemplateError as exc:
+        raise BadRequestError(str(exc), exc.param) from exc
+    # NOTE: the template writes the special tokens itself (BOS included where the model has one).
+    ids = await tokenize_text(state, text, add_special_tokens=False)
+    if not ids:
+        raise BadRequestError("The rendered chat is empty.", "messages")
+    return ids
+
+
+def _top_logprobs(state: ServerState, req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise BadRequestError("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+    if req.top_logprobs is not None and req.top_logprobs > state.max_logprobs:
+        raise BadRequestError(
+            f"'top_logprobs' is {req.top_logprobs}, more than the server's limit of "
+            f"{state.max_logprobs}.",
+            "top_logprobs",
+        )
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+class _ChatContext:
+    def __init__(
+        self,
+        state: ServerState,
+        req: ChatCompletionRequest,
+        params: SamplingParams,
+        request_id: str,
+        prompt_ids: list[int],
+    ) -> None:
+        self.state = state
+        self.req = req
+        self.params = params
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.created = int(time.time())
+        self.tracker = RequestTracker(state, len(prompt_ids))
+        self.top_n = req.top_logprobs or 0
+
+    # ------------------------------------------------------------ non-streaming
+
+    async def full(self, gen: Generation) -> dict[str, Any]:
+        choices = [ChoiceState(i) for i in range(self.params.n)]
+        prompt_logprobs = None
+        try:
+            async for _, item in gen:
+                out = raise_if_error(item)
+                self.tracker.observe(out)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs = out.prompt_logprobs
+                for c in out.outputs:
+                    choices[c.index].add(c)
+        finally:
+            gen.close()
+            self.tracker.finish(self.params.n)
+        return self._response(choices, prompt_logprobs)
+
+    def _response(self, choices: list[ChoiceState], prompt_logprobs: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": [self._choice(c) for c in choices],
+            "usage": self.tracker.usage(),
+        }
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(self.state, prompt_logprobs)
+        if self.req.return_token_ids:
+            body["prompt_token_ids"] = self.prompt_ids
+        return body
+
+    def _choice(self, c: ChoiceState) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": self._logprobs(c.token_ids, c.logprobs),
+            "finish_reason": c.finish_reason or "abort",
+            "stop_reason": c.stop_reason,
+        }
+        if self.req.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        return choice
+
+    def _logprobs(self, token_ids: list[int], logprobs: Any) -> dict[str, Any] | None:
+        if not self.req.logprobs:
+            return None
+        content = []
+        for tid, entry in zip(token_ids, logprobs or []):
+            chosen, tops = position_logprobs(self.state, entry, tid)
+            text = self.state.token_text(tid)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": chosen,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": t, "logprob": lp, "bytes": list(t.encode())}
+                        for _, t, lp in tops[: self.top_n]
+                    ],
+                }
+            )
+        return {"content": content}
+
+    # ------------------------------------------------------------ streaming
+
+    async def stream(self, gen: Generation) -> AsyncIterator[bytes]:
+        self.head = (
+            b'data: {"id":' + orjson.dumps(self.request_id)
+            + b',"object":"chat.completion.chunk","created":' + str(self.created).encode()
+            + b',"model":' + orjson.dumps(self.state.model_name) + b',"choices":['
+        )  # fmt: skip
+        fast = not (self.req.logprobs or self.req.return_token_ids or self._continuous_usage)
+        finished: set[int] = set()
+        try:
+            for i in range(self.params.n):
+                yield self._role_chunk(i)
+            async for _, item in gen:
+                out = raise_if_error(item)
+                self.tracker.observe(out)
+                for c in out.outputs:
+                    if c.finish_reason is not None:
+                        finished.add(c.index)
+                    if fast and c.finish_reason is None:
+                        if c.text:
+                            yield self._content_chunk(c.index, c.text)
+                    elif c.text or c.token_ids or c.finish_reason is not None:
+                        yield self._chunk(c.index, c.text, c.token_ids, c.logprobs,
+                                          c.finish_reason, c.stop_reason)  # fmt: skip
+            # The channel closed before every choice finished: the server aborted them.
+            for i in range(self.params.n):
+                if i not in finished:
+                    yield self._chunk(i, "", [], None, "abort", None)
+            if self.req.stream_options is not None and self.req.stream_options.include_usage:
+                yield self.head + b'],"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
+            yield DONE
+        except APIError as err:
+            yield sse_error_event(err)
+            yield DONE
+        finally:
+            gen.close()
+            self.tracker.finish(self.params.n)
+
+    @property
+    def _continuous_usage(self) -> bool:
+        opts = self.req.stream_options
+        return opts is not None and opts.continuous_usage_stats
+
+    def _role_chunk(self, index: int) -> bytes:
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        if self.req.return_token_ids and index == 0:
+            return (
+                self.head
+                + orjson.dumps(choice)
+                + (b'],"prompt_token_ids":' + orjson.dumps(self.prompt_ids) + b"}\n\n")
+            )
+        return self.head + orjson.dumps(choice) + b"]}\n\n"
+
+    def _content_chunk(self, index: int, text: str) -> bytes:
+        # NOTE: the hot path of streaming: no dict, one orjson call for the text.
+        return (
+            self.head + b'{"index":' + str(index).encode() + b',"delta":{"content":'
+            + orjson.dumps(text) + b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        )  # fmt: skip
+
+    def _chunk(
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        logprobs: Any,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+    ) -> bytes:
+        delta: dict[str, Any] = {"content": text} if text else {}
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": delta,
+            "logprobs": self._logprobs(token_ids, logprobs),
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+        if self.req.return_token_ids:
+            choice["token_ids"] = token_ids
+        tail = b"]}\n\n"
+        if self._continuous_usage:
+            tail = b'],"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
+        return self.head + orjson.dumps(choice) + tail

@@ -1,0 +1,266 @@
+"""POST /v1/completions: prompts as text or token ids (one or many), JSON or SSE answers.
+
+With several prompts each runs as its own engine request; choice ``i * n + j`` is sample ``j``
+of prompt ``i``, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import orjson
+
+from trillm.entrypoints.openai.errors import APIError, BadRequestError, sse_error_event
+from trillm.entrypoints.openai.protocol import CompletionRequest
+from trillm.entrypoints.openai.serving_base import (
+    ChoiceState,
+    Generation,
+    RequestTracker,
+    ServerState,
+    build_sampling_params,
+    check_token_ids,
+    guard_stream,
+    position_logprobs,
+    prompt_logprobs_json,
+    raise_if_error,
+    resolve_max_tokens,
+    start_generation,
+    tokenize_text,
+)
+from trillm.sampling_params import SamplingParams
+
+DONE = b"data: [DONE]\n\n"
+
+
+@attrs.define
+class _Prompt:
+    token_ids: list[int]
+    text: str | None  # the prompt text when echo needs it
+    params: SamplingParams
+
+
+async def create_completion(
+    state: ServerState, req: CompletionRequest
+) -> dict[str, Any] | AsyncIterator[bytes]:
+    state.check_model(req.model)
+    _check_unsupported(req)
+    if req.logprobs is not None and req.logprobs > state.max_logprobs:
+        raise BadRequestError(
+            f"'logprobs' is {req.logprobs}, more than the server's limit of {state.max_logprobs}.",
+            "logprobs",
+        )
+    prompts = [await _prepare(state, req, p) for p in _split_prompts(req.prompt)]
+    request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+    ctx = _CompletionContext(state, req, prompts, request_id)
+    jobs = [(p.token_ids, p.params) for p in prompts]
+    gen = await start_generation(state, jobs, request_id, req.priority, req.cache_salt)
+    if req.stream:
+        return guard_stream(gen, ctx.stream(gen))
+    return await ctx.full(gen)
+
+
+def _check_unsupported(req: CompletionRequest) -> None:
+    if req.suffix is not None:
+        raise BadRequestError("'suffix' is not supported.", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise BadRequestError("'best_of' different from 'n' is not supported.", "best_of")
+
+
+def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise BadRequestError("'prompt' must not be empty.", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]  # one prompt as token ids
+    return list(prompt)
+
+
+async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | list[int]) -> _Prompt:
+    if isinstance(prompt, str):
+        ids = await tokenize_text(state, prompt, req.add_special_tokens)
+        text: str | None = prompt
+    else:
+        check_token_ids(state, prompt, "prompt")
+        ids = prompt
+        text = state.tokenizer.decode(ids) if req.echo else None
+    if not ids:
+        raise BadRequestError("'prompt' must not be empty.", "prompt")
+    max_tokens = resolve_max_tokens(state, req.max_tokens, len(ids))
+    params = build_sampling_params(state, req, max_tokens=max_tokens, logprobs=req.logprobs)
+    if req.echo and req.logprobs is not None:
+        # Echoed prompt tokens carry their logprobs too: ask the engine for them.
+        params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
+    return _Prompt(ids, text, params)
+
+
+class _CompletionContext:
+    def __init__(
+        self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt], request_id: str
+    ) -> None:
+        self.state = state
+        self.req = req
+        self.prompts = prompts
+        self.request_id = request_id
+        self.n = req.n
+        self.created = int(time.time())
+        self.tracker = RequestTracker(state, sum(len(p.token_ids) for p in prompts))
+
+    # ------------------------------------------------------------ non-streaming
+
+    async def full(self, gen: Generation) -> dict[str, Any]:
+        num = len(self.prompts) * self.n
+        choices = [ChoiceState(i) for i in range(num)]
+        prompt_logprobs: list[Any] = [None] * len(self.prompts)
+        try:
+            async for job, item in gen:
+                out = raise_if_error(item)
+                self.tracker.observe(out, job)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[job] = out.prompt_logprobs
+                for c in out.outputs:
+                    choices[job * self.n + c.index].add(c)
+        finally:
+            gen.close()
+            self.tracker.finish(num)
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": [self._choice(c, prompt_logprobs[c.index // self.n]) for c in choices],
+            "usage": self.tracker.usage(),
+        }
+
+    def _choice(self, c: ChoiceState, prompt_logprobs: Any) -> dict[str, Any]:
+        prompt = self.prompts[c.index // self.n]
+        echo = prompt.text if self.req.echo else None
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "text": (echo or "") + c.text,
+            "logprobs": self._logprobs(prompt, c.token_ids, c.logprobs, prompt_logprobs),
+            "finish_reason": c.finish_reason or "abort",
+            "stop_reason": c.stop_reason,
+        }
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(self.state, prompt_logprobs)
+        if self.req.return_token_ids:
+            choice["prompt_token_ids"] = prompt.token_ids
+            choice["token_ids"] = c.token_ids
+        return choice
+
+    def _logprobs(
+        self,
+        prompt: _Prompt,
+        token_ids: list[int],
+        logprobs: Any,
+        prompt_logprobs: Any = None,
+        offset: int = 0,
+    ) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        if self.req.echo and prompt_logprobs is not None:
+            for tid, entry in zip(prompt.token_ids, prompt_logprobs):
+                self._position(tid, entry, tokens, values, tops)
+        for tid, entry in zip(token_ids, logprobs or []):
+            self._position(tid, entry, tokens, values, tops)
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def _position(self, tid: int, entry: Any, tokens: list, values: list, tops: list) -> None:
+        tokens.append(self.state.token_text(tid))
+        if entry is None:  # the first prompt token: nothing predicts it
+            values.append(None)
+            tops.append(None)
+            return
+        chosen, ranked = position_logprobs(self.state, entry, tid)
+        values.append(chosen)
+        tops.append({t: lp for _, t, lp in ranked[: self.req.logprobs]})
+
+    # ------------------------------------------------------------ streaming
+
+    async def stream(self, gen: Generation) -> AsyncIterator[bytes]:
+        self.head = (
+            b'data: {"id":' + orjson.dumps(self.request_id)
+            + b',"object":"text_completion","created":' + str(self.created).encode()
+            + b',"model":' + orjson.dumps(self.state.model_name) + b',"choices":['
+        )  # fmt: skip
+        fast = self.req.logprobs is None and not self.req.return_token_ids
+        num = len(self.prompts) * self.n
+        finished: set[int] = set()
+        offsets = [0] * num
+        try:
+            if self.req.echo:
+                for i in range(num):
+                    text = self.prompts[i // self.n].text or ""
+                    offsets[i] = len(text)
+                    yield self._text_chunk(i, text)
+            async for job, item in gen:
+                out = raise_if_error(item)
+                self.tracker.observe(out, job)
+                for c in out.outputs:
+                    index = job * self.n + c.index
+                    if c.finish_reason is not None:
+                        finished.add(index)
+                    if fast and c.finish_reason is None:
+                        if c.text:
+                            yield self._text_chunk(index, c.text)
+                    elif c.text or c.token_ids or c.finish_reason is not None:
+                        yield self._chunk(index, c, offsets)
+            for i in range(num):
+                if i not in finished:
+                    yield self._end_chunk(i, "abort")
+            if self.req.stream_options is not None and self.req.stream_options.include_usage:
+                yield self.head + b'],"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
+            yield DONE
+        except APIError as err:
+            yield sse_error_event(err)
+            yield DONE
+        finally:
+            gen.close()
+            self.tracker.finish(num)
+
+    def _text_chunk(self, index: int, text: str) -> bytes:
+        # NOTE: the hot path of streaming: no dict, one orjson call for the text.
+        return (
+            self.head + b'{"index":' + str(index).encode() + b',"text":' + orjson.dumps(text)
+            + b',"logprobs":null,"finish_reason":null}]}\n\n'
+        )  # fmt: skip
+
+    def _end_chunk(self, index: int, reason: str) -> bytes:
+        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason,
+                  "stop_reason": None}  # fmt: skip
+        return self.head + orjson.dumps(choice) + b"]}\n\n"
+
+    def _chunk(self, index: int, c: Any, offsets: list[int]) -> bytes:
+        prompt = self.prompts[index // self.n]
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": c.text,
+            "logprobs": self._logprobs(prompt, c.token_ids, c.logprobs, offset=offsets[index]),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        offsets[index] += len(c.text)
+        if self.req.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        tail = b"]}\n\n"
+        opts = self.req.stream_options
+        if opts is not None and opts.continuous_usage_stats:
+            tail = b'],"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
+        return self.head + orjson.dumps(choice) + tail

@@ -1,0 +1,108 @@
+"""The executor contract (P2/P3 of ``EngineCore.step``) and ``open_executor``.
+
+An executor is a Trio service: ``await nursery.start(executor.run)`` returns once the workers
+have loaded the model and allocated the KV cache (``executor.num_blocks`` is then set, and
+``config.cache.num_blocks`` with it); ``await executor.shutdown()`` stops it and makes ``run``
+return. ``open_executor`` wraps both.
+
+Errors, as seen by the engine core:
+- ``ModelExecutionError`` from ``sample_tokens``: this step failed in a worker (its traceback is
+  in the message); the worker is alive, the engine fails the step's requests and carries on.
+- ``EngineDeadError`` from any call (and from ``check_health``): a worker is gone; every
+  in-flight and later call raises it.
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from trillm.config import TrillmConfig
+from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+DEFAULT_RUNNER = "trillm.worker.model_runner:ModelRunner"
+FAKE_RUNNER = "trillm.worker.fake_runner:FakeModelRunner"
+
+# "package.module:ClassName", or (UniProcExecutor only) a callable (config, rank, **kw) -> runner
+RunnerFactory = str | Callable[..., Any]
+
+
+class Executor(abc.ABC):
+    num_blocks: int
+
+    @abc.abstractmethod
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the workers; ``task_status.started()`` once the KV cache is allocated; then
+        serve until ``shutdown``."""
+
+    @abc.abstractmethod
+    async def execute_model(self, sched: SchedulerOutput) -> None:
+        """P2: hand the step to the workers; returns once sent, not once computed."""
+
+    @abc.abstractmethod
+    async def sample_tokens(self, req: SampleRequest | None) -> ModelRunnerOutput:
+        """P3: rank 0's result for the step last passed to ``execute_model``.
+
+        ``req`` carries the grammar bitmask when that step had ``wait_for_bitmask`` set (None
+        then means "no mask"); it must be None otherwise.
+        """
+
+    @abc.abstractmethod
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if a worker is gone (or the executor was shut down)."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the workers and release shared memory; idempotent."""
+
+
+def make_executor(
+    config: TrillmConfig,
+    runner_factory: RunnerFactory = DEFAULT_RUNNER,
+    runner_kwargs: dict[str, Any] | None = None,
+    **executor_kwargs: Any,
+) -> Executor:
+    """The executor ``config.parallel.distributed_executor_backend`` names ("mp" | "uni")."""
+    backend = config.parallel.distributed_executor_backend
+    if backend == "uni":
+        from trillm.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(config, runner_factory, runner_kwargs, **executor_kwargs)
+    if backend == "mp":
+        from trillm.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config, runner_factory, runner_kwargs, **executor_kwargs)
+    raise ValueError(f"Unknown distributed_executor_backend {backend!r}; use 'mp' or 'uni'.")
+
+
+@asynccontextmanager
+async def open_executor(
+    config: TrillmConfig,
+    runner_factory: RunnerFactory = DEFAULT_RUNNER,
+    runner_kwargs: dict[str, Any] | None = None,
+    **executor_kwargs: Any,
+) -> AsyncIterator[Executor]:
+    """``async with open_executor(config) as ex:`` -- started on entry, shut down on exit."""
+    executor = make_executor(config, runner_factory, runner_kwargs, **executor_kwargs)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(executor.run)
+            try:
+                yield executor
+            finally:
+                with trio.CancelScope(shield=True):
+                    await executor.shutdown()
+    except BaseExceptionGroup as group:
+        # NOTE: run() only raises before started(), so a lone error is the caller's own (or
+        # the startup failure): re-raise it as is rather than wrapped in a group.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise

@@ -1,0 +1,361 @@
+"""MultiprocExecutor: one worker subprocess per tensor-parallel rank, behind shared-memory rings.
+
+    engine --SchedulerOutput / SampleRequest--> request ring (1 writer, N readers: every rank)
+    rank r --ModelRunnerOutput--> result ring r (1 writer, 1 reader: the engine)
+
+Every rank receives every message and answers every step; ``sample_tokens`` returns rank 0's
+output (and checks the others for errors). The runner itself does not shard yet, so with
+``tensor_parallel_size > 1`` every rank runs the whole model; the rings are N-reader already.
+
+Supervision: a task per worker awaits its process exit. An exit that is not part of
+``shutdown`` marks the executor dead: the other workers are killed, the segments are unlinked,
+every in-flight call is cancelled and raises ``EngineDeadError`` (naming the rank and the exit
+code or signal), and so does every later call. A step that gets no answer within
+``step_timeout_s`` is treated the same way (a hung worker). Workers exit by themselves when
+this process dies (see ``trillm/worker/worker_main.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+import trillm
+from trillm.config import TrillmConfig
+from trillm.errors import EngineDeadError, EngineStartupError, IPCError, ModelExecutionError
+from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
+from trillm.ipc import codec
+from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
+from trillm.ipc.shm_ring import (
+    DEFAULT_NUM_SLOTS,
+    DEFAULT_SLOT_SIZE,
+    RingFds,
+    RingReader,
+    RingWriter,
+    ShmRing,
+)
+from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
+
+T = TypeVar("T")
+
+STARTUP_TIMEOUT_S = 900.0  # model load + cache allocation
+STEP_TIMEOUT_S = 300.0
+SHUTDOWN_GRACE_S = 5.0
+
+
+def describe_exit(returncode: int) -> str:
+    """``-9`` -> "killed by signal SIGKILL"; ``1`` -> "exited with code 1"."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"killed by signal {name}"
+    return f"exited with code {returncode}"
+
+
+def _worker_env() -> dict[str, str]:
+    """This environment, with the folder holding ``trillm`` first on PYTHONPATH, so the worker
+    imports the same package whatever its working directory."""
+    root = str(Path(trillm.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}"}
+
+
+class _Ipc:
+    """The rings, eventfds and parent-death pipe of one executor; owned by it alone."""
+
+    def __init__(self, num_workers: int, num_slots: int, slot_size: int) -> None:
+        self.request_ring = ShmRing.create(num_workers, num_slots, slot_size)
+        self.request_fds = RingFds.create(self.request_ring.name, num_workers)
+        self.result_rings = [ShmRing.create(1, num_slots, slot_size) for _ in range(num_workers)]
+        self.result_fds = [RingFds.create(r.name, 1) for r in self.result_rings]
+        # The workers hold the read end; EOF there means this process is gone.
+        self.death_r, self.death_w = os.pipe()
+        self.requests = RingWriter(self.request_ring, self.request_fds)
+        self.results = [RingReader(r, 0, f) for r, f in zip(self.result_rings, self.result_fds)]
+
+    def worker_args(self, rank: int) -> tuple[list[str], list[int]]:
+        """-> (command line, fds the worker inherits)."""
+        res = self.result_fds[rank]
+        argv = [
+            sys.executable, "-m", "trillm.worker.worker_main",
+            "--rank", str(rank),
+            "--request-ring", json.dumps(asdict(self.request_fds)),
+            "--result-ring", json.dumps(asdict(res)),
+            "--death-fd", str(self.death_r),
+            "--parent-pid", str(os.getpid()),
+        ]  # fmt: skip
+        fds = [self.request_fds.data_fds[rank], self.request_fds.space_fd, *res.all_fds()]
+        return argv, [*fds, self.death_r]
+
+    def close_death_read_end(self) -> None:
+        os.close(self.death_r)
+        self.death_r = -1
+
+    def segment_names(self) -> list[str]:
+        return [self.request_ring.name, *(r.name for r in self.result_rings)]
+
+    def unlink(self) -> None:
+        for ring in (self.request_ring, *self.result_rings):
+            ring.unlink()
+
+    def close(self) -> None:
+        """Unlink and unmap everything, close every fd (no task may be waiting on them)."""
+        self.unlink()
+        fds = [*self.request_fds.all_fds(), self.death_r, self.death_w]
+        for f in self.result_fds:
+            fds.extend(f.all_fds())
+        for fd in (fd for fd in fds if fd >= 0):
+            trio.lowlevel.notify_closing(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for ring in (self.request_ring, *self.result_rings):
+            ring.close()
+
+
+class MultiprocExecutor(Executor):
+    def __init__(
+        self,
+        config: TrillmConfig,
+        runner_factory: RunnerFactory = DEFAULT_RUNNER,
+        runner_kwargs: dict[str, Any] | None = None,
+        *,
+        num_slots: int = DEFAULT_NUM_SLOTS,
+        slot_size: int = DEFAULT_SLOT_SIZE,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        step_timeout_s: float | None = STEP_TIMEOUT_S,
+    ) -> None:
+        if not isinstance(runner_factory, str):
+            raise TypeError(
+                "MultiprocExecutor needs the runner as a 'package.module:ClassName' string "
+                f"(it is imported in the worker process), got {runner_factory!r}."
+            )
+        self.config = config
+        self.num_workers = config.parallel.tensor_parallel_size
+        self.runner_spec = runner_factory
+        self.runner_kwargs = runner_kwargs or {}
+        self.num_slots, self.slot_size = num_slots, slot_size
+        self.startup_timeout_s = startup_timeout_s
+        self.step_timeout_s = step_timeout_s
+        self.num_blocks = 0
+        self.processes: list[trio.Process] = []
+        self.segment_names: list[str] = []
+        self._ipc: _Ipc | None = None
+        self._pending: SchedulerOutput | None = None
+        self._dead: EngineDeadError | None = None
+        self._inflight: set[trio.CancelScope] = set()
+        self._stopping = False
+        self._started = False
+        self._stop = trio.Event()
+        self._stopped = trio.Event()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    # ------------------------------------------------------------ service
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._ipc = ipc = _Ipc(self.num_workers, self.num_slots, self.slot_size)
+        self.segment_names = ipc.segment_names()
+        try:
+            async with trio.open_nursery() as nursery:
+                for rank in range(self.num_workers):
+                    argv, fds = ipc.worker_args(rank)
+                    proc = await trio.lowlevel.open_process(argv, pass_fds=fds, env=_worker_env())
+                    self.processes.append(proc)
+                    nursery.start_soon(self._supervise, rank, proc)
+                ipc.close_death_read_end()  # the workers hold it now
+                await self._guarded(self._handshake, self.startup_timeout_s, "start up")
+                self._started = True
+                task_status.started()
+                await self._stop.wait()
+                await self._stop_workers()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._reap(kill=True)
+            self._mark_dead(EngineDeadError("The executor was shut down."))
+            ipc.close()
+            self._stopped.set()
+
+    async def _handshake(self) -> None:
+        init = codec.encode(InitWorker(self.config, self.runner_spec, self.runner_kwargs))
+        await self._ipc.requests.send(init)
+        loaded = [await self._recv_control(rank, "loaded") for rank in range(self.num_workers)]
+        self.num_blocks = min(r.num_blocks for r in loaded)
+        self.config.cache.num_blocks = self.num_blocks
+        await self._ipc.requests.send(codec.encode(InitKVCache(self.num_blocks)))
+        for rank in range(self.num_workers):
+            await self._recv_control(rank, "kv_cache")
+
+    async def _recv_control(self, rank: int, phase: str) -> WorkerReady:
+        msg = codec.decode(await self._ipc.results[rank].recv())
+        if isinstance(msg, WorkerFailed):
+            raise self._fail(
+                EngineStartupError(f"Worker rank {rank} failed to start:\n{msg.message}")
+            )
+        if not isinstance(msg, WorkerReady) or msg.phase != phase:
+            raise self._fail(EngineStartupError(f"Worker rank {rank} sent {msg!r} during startup."))
+        return msg
+
+    async def _supervise(self, rank: int, proc: trio.Process) -> None:
+        code = await proc.wait()
+        if self._stopping:
+            return
+        message = f"Worker rank {rank} (pid {proc.pid}) {describe_exit(code)}."
+        last_words = self._last_words(rank)
+        if last_words:
+            message += "\n" + last_words
+        error_type = EngineDeadError if self._started else EngineStartupError
+        self._fail(error_type(message))
+
+    def _last_words(self, rank: int) -> str:
+        """The WorkerFailed message a dead worker left on its result ring, if any."""
+        # NOTE: synchronous, so it cannot interleave with a recv() suspended on this reader.
+        try:
+            while (frame := self._ipc.results[rank].try_recv()) is not None:
+                msg = codec.decode(frame)
+                if isinstance(msg, WorkerFailed):
+                    return msg.message
+        except IPCError:
+            pass
+        return ""
+
+    async def _stop_workers(self) -> None:
+        self._stopping = True
+        was_dead = self._dead is not None
+        self._mark_dead(EngineDeadError("The executor was shut down."))
+        if not was_dead:
+            try:
+                with trio.move_on_after(SHUTDOWN_GRACE_S):
+                    await self._ipc.requests.send(codec.encode(Shutdown()))
+            except IPCError:
+                pass
+        with trio.move_on_after(SHUTDOWN_GRACE_S):
+            await self._reap(kill=False)
+
+    async def _reap(self, kill: bool) -> None:
+        for proc in self.processes:
+            if kill and proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+
+    # ------------------------------------------------------------ failure
+
+    def _mark_dead(self, error: EngineDeadError) -> None:
+        if self._dead is None:
+            self._dead = error
+        for scope in self._inflight:
+            scope.cancel()
+
+    def _fail(self, error: EngineDeadError) -> EngineDeadError:
+        """A worker is gone: kill the rest, unlink the segments, cancel every in-flight call.
+
+        Returns the executor's death error (the first one recorded) for the caller to raise.
+        """
+        first = self._dead is None
+        self._mark_dead(error)
+        if first:
+            self._stopping = True  # the remaining exits are ours
+            for proc in self.processes:
+                if proc.returncode is None:
+                    proc.kill()
+            self._ipc.unlink()
+        return self._death()
+
+    def _death(self) -> EngineDeadError:
+        """A fresh copy of the recorded death error (one instance per raise site)."""
+        dead = self._dead or EngineDeadError("The executor was shut down.")
+        return type(dead)(*dead.args)
+
+    async def _guarded(
+        self, fn: Callable[..., Awaitable[T]], limit_s: float | None, what: str, *args: Any
+    ) -> T:
+        """Run ``fn``; cancelled (and EngineDeadError raised) if the executor dies meanwhile."""
+        self.check_health()
+        with trio.CancelScope() as scope:
+            self._inflight.add(scope)
+            try:
+                with trio.fail_after(limit_s if limit_s is not None else float("inf")):
+                    return await fn(*args)
+            except trio.TooSlowError:
+                error = EngineDeadError(f"Workers did not {what} within {limit_s} s.")
+                raise self._fail(error) from None
+            except IPCError as exc:
+                raise self._fail(
+                    EngineDeadError(f"Worker link broken while trying to {what}: {exc}")
+                ) from exc
+            finally:
+                self._inflight.discard(scope)
+        raise self._death()
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._death()
+        if self._ipc is None:
+            raise EngineDeadError("The executor has not been started (await nursery.start(run)).")
+
+    # ------------------------------------------------------------ P2 / P3
+
+    async def execute_model(self, sched: SchedulerOutput) -> None:
+        self.check_health()
+        if self._pending is not None:
+            raise RuntimeError("execute_model called twice without sample_tokens in between.")
+        frame = codec.encode(sched)
+        self._pending = sched
+        await self._guarded(self._ipc.requests.send, None, "take a step", frame)
+
+    async def sample_tokens(self, req: SampleRequest | None) -> ModelRunnerOutput:
+        self.check_health()
+        sched = self._pending
+        if sched is None:
+            raise RuntimeError("sample_tokens called without execute_model.")
+        if req is not None and not sched.wait_for_bitmask:
+            raise ValueError("A SampleRequest was given for a step without wait_for_bitmask.")
+        self._pending = None
+        if sched.wait_for_bitmask:
+            frame = codec.encode(req or SampleRequest(sched.step_id))
+            await self._guarded(self._ipc.requests.send, None, "sample", frame)
+        what = f"answer step {sched.step_id}"
+        outputs = await self._guarded(self._collect, self.step_timeout_s, what, sched.step_id)
+        for rank, out in enumerate(outputs):
+            if out.error is not None:
+                raise ModelExecutionError(
+                    f"Step {out.step_id} failed in worker rank {rank}:\n{out.error}",
+                    rank=rank,
+                    step_id=out.step_id,
+                    output=out,
+                )
+        return outputs[0]
+
+    async def _collect(self, step_id: int) -> list[ModelRunnerOutput]:
+        outputs = []
+        for rank, reader in enumerate(self._ipc.results):
+            msg = codec.decode(await reader.recv())
+            if isinstance(msg, WorkerFailed):
+                raise self._fail(EngineDeadError(f"Worker rank {rank} failed:\n{msg.message}"))
+            if not isinstance(msg, ModelRunnerOutput) or msg.step_id != step_id:
+                got = f"step {msg.step_id}" if isinstance(msg, ModelRunnerOutput) else repr(msg)
+                raise self._fail(
+                    EngineDeadError(f"Worker rank {rank} sent {got}, expected {step_id}.")
+                )
+            outputs.append(msg)
+        return outputs
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        if self._ipc is not None:
+            await self._stopped.wait()
+        self._mark_dead(EngineDeadError("The executor was shut down."))

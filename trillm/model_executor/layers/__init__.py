@@ -1,0 +1,1 @@
+"""Model building blocks: rotary embedding, RMSNorm, and the fused projections' weight maps."""

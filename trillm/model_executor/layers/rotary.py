@@ -1,0 +1,159 @@
+"""Rotary position embedding with rope scaling (default, linear, dynamic, llama3, yarn).
+
+The inverse frequencies follow transformers' ``ROPE_INIT_FUNCTIONS`` op for op, so the cos/sin
+tables are bit-identical to Hugging Face's on the same device; yarn's ``attention_factor``
+(mscale) multiplies cos and sin, as transformers does. The rotation itself is
+``trillm.kernels.apply_rotary`` (Triton on CUDA, torch otherwise).
+
+``rope_scaling`` is the normalised dict from ``ModelConfig.rope_scaling``: ``None`` for plain
+RoPE, otherwise ``{"rope_type": ..., <that type's fields>}``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from trillm import kernels
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:  # [dim // 2]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim
+    return 1.0 / (base**exponents)
+
+
+def _linear(base: float, dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    return _base_inv_freq(base, dim) / params["factor"], 1.0
+
+
+def _llama3(base: float, dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    inv_freq = _base_inv_freq(base, dim)
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are interpolated by `factor`, short ones kept, the middle band smoothed.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled), 1.0
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    attention_factor = params.get("attention_factor")
+    if attention_factor is not None:
+        return float(attention_factor)
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_correction_range(
+    params: dict[str, Any], dim: int, base: float, original_max: int
+) -> tuple[float, float]:
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def _yarn(
+    base: float, dim: int, params: dict[str, Any], max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    original_max = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original_max
+    attention_factor = _yarn_attention_factor(params, factor)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    low, high = _yarn_correction_range(params, dim, base, original_max)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = torch.clamp(
+        (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
+    )
+    extrapolation_weight = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+    return inv_freq, attention_factor
+
+
+def compute_inv_freq(
+    head_dim: int,
+    rope_theta: float,
+    rope_scaling: dict[str, Any] | None,
+    max_position_embeddings: int,
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention_factor) for the configured rope type.
+
+    NOTE: "dynamic" NTK scaling only changes the frequencies past ``max_position_embeddings``,
+    and ``max_model_len`` never exceeds that, so within range it is plain RoPE (as in HF).
+    """
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    params = rope_scaling or {}
+    if rope_type in ("default", "dynamic"):
+        return _base_inv_freq(rope_theta, head_dim), 1.0
+    if rope_type == "linear":
+        return _linear(rope_theta, head_dim, params)
+    if rope_type == "llama3":
+        return _llama3(rope_theta, head_dim, params)
+    if rope_type == "yarn":
+        return _yarn(rope_theta, head_dim, params, max_position_embeddings)
+    raise ValueError(
+        f"Unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """A precomputed cos|sin table [max_positions, head_dim], applied by ``trillm.kernels``."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        rope_theta: float,
+        rope_scaling: dict[str, Any] | None,
+        max_position_embeddings: int,
+        max_positions: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        inv_freq, attention_factor = compute_inv_freq(
+            head_dim, rope_theta, rope_scaling, max_position_embeddings
+        )
+        positions = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], as HF computes them
+        table = torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], -1)
+        # NOTE: a plain attribute, not a buffer: it stays float32 through a dtype cast of the
+        # model and survives ``to_empty`` after a meta-device construction.
+        self.cos_sin_cache = table.to(device)  # [P, D] float32: cos half, then sin half
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T] int64
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.apply_rotary(q, k, positions, self.cos_sin_cache)

@@ -1,0 +1,312 @@
+"""Model loading: resolve the model folder, read config.json into ``ModelConfig``, load weights.
+
+``config.json`` is read with both transformers-4 keys (``torch_dtype``, ``rope_theta``,
+``rope_scaling``) and transformers-5 keys (``dtype``, ``rope_parameters``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trillm.config import EngineArgs, ModelConfig
+from trillm.model_executor.layers.rotary import SUPPORTED_ROPE_TYPES
+from trillm.model_executor.registry import (
+    UnsupportedArchitectureError,
+    is_supported,
+    supported_architectures,
+)
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {
+    "float": "float32",
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "half": "float16",
+    "fp16": "float16",
+    "float16": "float16",
+}
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """Neither a local model folder nor a hub id that could be downloaded."""
+
+
+class UnsupportedDtypeError(ValueError):
+    """A dtype trillm cannot run (unknown name, or float16 on CPU)."""
+
+
+# ---------------------------------------------------------------- locating the model
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"Unknown device {device!r}; choose auto, cpu or cuda.")
+    return device
+
+
+def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+    """A local folder as is; ``None`` -> the embedded default model; else a hub id."""
+    if model is None:
+        from trillm.default_model import ensure_default_model
+
+        return Path(ensure_default_model())
+    path = Path(model).expanduser()
+    if model.startswith(("/", "./", "../", "~")) and not path.is_dir():
+        raise ModelNotFoundError(f"Model folder {model!r} does not exist.")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"Model folder {str(path)!r} has no config.json.")
+        return path
+    return _download_from_hub(model, revision)
+
+
+def _download_from_hub(repo_id: str, revision: str | None) -> Path:
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = huggingface_hub.snapshot_download(
+            repo_id, revision=revision, allow_patterns=_HUB_PATTERNS
+        )
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+        raise ModelNotFoundError(
+            f"Model {repo_id!r} is not a local folder and could not be downloaded from the "
+            f"Hugging Face hub (offline, or no such repository): {type(exc).__name__}: {exc}"
+        ) from exc
+    return Path(folder)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_generation_config(model_path: Path, mode: str) -> dict[str, Any]:
+    """``auto``: the model folder's generation_config.json; ``vllm``: none; else a folder/file."""
+    if mode == "vllm":
+        return {}
+    if mode == "auto":
+        path = model_path / "generation_config.json"
+        return _read_json(path) if path.is_file() else {}
+    path = Path(mode).expanduser()
+    if path.is_dir():
+        path = path / "generation_config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--generation-config {mode!r}: no generation_config.json there.")
+    return _read_json(path)
+
+
+# ---------------------------------------------------------------- config.json -> ModelConfig
+
+
+def load_model_config(args: EngineArgs) -> ModelConfig:
+    """Resolve ``args.model`` to a folder and read everything the runner needs from it."""
+    path = resolve_model_path(args.model, args.revision)
+    hf = _read_json(path / "config.json")
+    architecture = _architecture(hf)
+    device = resolve_device(args.device)
+    generation_config = read_generation_config(path, args.generation_config)
+    max_position_embeddings = int(hf.get("max_position_embeddings", 2048))
+    num_heads = int(hf["num_attention_heads"])
+    rope_theta, rope_scaling = parse_rope(hf)
+    return ModelConfig(
+        model=str(path),
+        tokenizer=args.tokenizer or str(path),
+        served_model_name=args.served_model_name or args.model or path.name,
+        architecture=architecture,
+        dtype=resolve_dtype(args.dtype, checkpoint_dtype(hf), device),
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_hidden_layers=int(hf["num_hidden_layers"]),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+        max_model_len=resolve_max_model_len(hf, architecture, args.max_model_len),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
+        qk_norm=architecture == "Qwen3ForCausalLM",
+        hidden_act=_hidden_act(hf),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_token_ids(hf, generation_config),
+        generation_config=generation_config,
+        hf_config=hf,
+    )
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise UnsupportedArchitectureError(
+            "config.json names no architecture; supported architectures: "
+            f"{', '.join(supported_architectures())}."
+        )
+    architecture = architectures[0]
+    if not is_supported(architecture):
+        raise UnsupportedArchitectureError(
+            f"Model architecture {architecture!r} is not supported; supported architectures: "
+            f"{', '.join(supported_architectures())}."
+        )
+    return architecture
+
+
+def _hidden_act(hf: dict[str, Any]) -> str:
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"Activation {act!r} is not supported; supported: silu.")
+    return act
+
+
+def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from transformers-5 ``rope_parameters`` or -4 keys.
+
+    ``rope_scaling`` is ``None`` for plain RoPE, else ``{"rope_type": ..., fields...}`` with
+    ``original_max_position_embeddings`` filled in for llama3/yarn as transformers does.
+    """
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"Unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+        )
+    if rope_type == "default":
+        return rope_theta, None
+    if rope_type in ("llama3", "yarn"):
+        original = hf.get("original_max_position_embeddings")
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    return rope_theta, {"rope_type": rope_type, **params}
+
+
+def checkpoint_dtype(hf: dict[str, Any]) -> str:
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return _DTYPE_ALIASES.get(str(name).removeprefix("torch."), "float32")
+
+
+def cpu_supports_bf16() -> bool:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "AVX512_BF16" in capability or "AMX" in capability
+
+
+def resolve_dtype(requested: str, checkpoint: str, device: str) -> str:
+    """The dtype the model runs in: explicit names as asked, ``auto`` per device."""
+    name = requested.lower().removeprefix("torch.")
+    if name != "auto" and name not in _DTYPE_ALIASES:
+        raise UnsupportedDtypeError(
+            f"Unsupported dtype {requested!r}; supported: {', '.join(SUPPORTED_DTYPES)}."
+        )
+    if name != "auto":
+        dtype = _DTYPE_ALIASES[name]
+        if dtype == "float16" and device == "cpu":
+            raise UnsupportedDtypeError(
+                "dtype float16 is not supported on CPU; use float32 or bfloat16 (or auto)."
+            )
+        return dtype
+    if device == "cuda" or checkpoint == "float32":
+        return checkpoint
+    if cpu_supports_bf16():
+        return "bfloat16"
+    if checkpoint == "float16":
+        logger.warning("float16 checkpoint on a CPU without fast bf16: running in float32.")
+    return "float32"
+
+
+def resolve_max_model_len(hf: dict[str, Any], architecture: str, requested: int | None) -> int:
+    """Default: max_position_embeddings (capped at a sliding window, which trillm does not do)."""
+    limit = int(hf.get("max_position_embeddings", 2048))
+    why = "max_position_embeddings"
+    window = hf.get("sliding_window")
+    uses_window = architecture == "MistralForCausalLM" or hf.get("use_sliding_window", False)
+    if window and uses_window and int(window) < limit:
+        limit, why = int(window), "sliding_window (sliding-window attention is not implemented)"
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} is larger than the model's {why} ({limit}).")
+    if requested < 1:
+        raise ValueError(f"max_model_len must be at least 1, got {requested}.")
+    return requested
+
+
+def eos_token_ids(hf: dict[str, Any], generation_config: dict[str, Any]) -> list[int]:
+    """Union of config.json's and generation_config.json's EOS ids, config's first."""
+    ids: list[int] = []
+    for source in (hf.get("eos_token_id"), generation_config.get("eos_token_id")):
+        for token in source if isinstance(source, list) else [source]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return ids
+
+
+# ---------------------------------------------------------------- weights
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    """The shards named by model.safetensors.index.json, else every *.safetensors file."""
+    folder = Path(folder)
+    index = folder / _SAFETENSORS_INDEX
+    if index.is_file():
+        names = sorted(set(_read_json(index)["weight_map"].values()))
+        return [folder / name for name in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"No *.safetensors weights in {str(folder)!r}.")
+    return files
+
+
+def iterate_weights(folder: str | Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in safetensors_files(folder):
+        with safe_open(os.fspath(file), framework="pt", device=device) as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, folder: str | Path) -> None:
+    """Stream every checkpoint tensor into ``model.load_weights`` (HF names)."""
+    model.load_weights(iterate_weights(folder))
+
+
+def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> nn.Module:
+    """Construct ``cfg.architecture`` without initialising it, then load the checkpoint."""
+    from trillm.model_executor.registry import get_model_class
+
+    model_class = get_model_class(cfg.architecture)
+    dtype = getattr(torch, cfg.dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_class(cfg, attn_backend, device=device)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, cfg.model)
+    return model.eval()

@@ -1,0 +1,249 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 differ only by class flags).
+
+Parameter names match Hugging Face's (``model.layers.N.self_attn.q_proj.weight``, ...) except
+that q/k/v and gate/up are stacked into one matmul each; ``STACKED_PARAMS`` maps the HF names
+onto the stacked shards, so safetensors load by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trillm.attention.backend import AttentionBackend, AttentionMetadata
+from trillm.config import ModelConfig
+from trillm.model_executor.layers.norm import RMSNorm
+from trillm.model_executor.layers.rotary import RotaryEmbedding
+
+# HF parameter suffix -> (stacked parameter suffix, shard name)
+STACKED_PARAMS: dict[str, tuple[str, str]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+# Checkpoint entries that are not parameters (old exports carry the rotary buffers).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class MissingWeightsError(ValueError):
+    """The checkpoint lacks parameters the model needs (or has ones it does not know)."""
+
+
+class StackedLinear(nn.Linear):
+    """One matmul for several HF projections; ``shards`` maps a shard name to its out rows."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in shards.items():
+            self.shard_offsets[name] = (start, size)
+            start += size
+
+    def load_shard(self, shard: str, param_kind: str, tensor: torch.Tensor) -> None:
+        start, size = self.shard_offsets[shard]
+        target = self.weight if param_kind == "weight" else self.bias
+        if target is None or tensor.shape[0] != size:
+            raise MissingWeightsError(
+                f"Shard {shard!r} {param_kind} of shape {tuple(tensor.shape)} does not fit "
+                f"{size} rows (or the layer has no {param_kind})."
+            )
+        target.data[start : start + size].copy_(tensor)
+
+
+@dataclass(frozen=True)
+class LlamaDecoderFlags:
+    """What distinguishes the family members; subclasses of LlamaForCausalLM set these."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    mlp_bias: bool
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: LlamaDecoderFlags):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        shards = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
+        self.qkv_proj = StackedLinear(cfg.hidden_size, shards, bias=layer.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=layer.o_bias)
+        if layer.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = layer.qk_norm
+        self.backend = backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, bias: bool) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        shards = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
+        self.gate_up_proj = StackedLinear(cfg.hidden_size, shards, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, flags: LlamaDecoderFlags):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend, flags)
+        self.mlp = LlamaMLP(cfg, flags.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        # NOTE: the same op order as HF (no fused add+norm) so fp32 results match bit for bit.
+        attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, meta)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, flags: LlamaDecoderFlags):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend, flags) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Family flags; Mistral/Qwen2/Qwen3 override them in their own modules.
+    QKV_BIAS_ALWAYS = False  # Qwen2: q/k/v carry a bias whatever the config says
+    O_BIAS_FOLLOWS_CONFIG = True  # Llama/Qwen3: ``attention_bias`` covers o_proj too
+    QK_NORM = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend, self.decoder_flags(cfg))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            cfg.max_position_embeddings,
+            max_positions=cfg.max_model_len,
+            device=device,
+        )
+
+    @classmethod
+    def decoder_flags(cls, cfg: ModelConfig) -> LlamaDecoderFlags:
+        attention_bias = bool(cfg.hf_config.get("attention_bias", False))
+        return LlamaDecoderFlags(
+            qkv_bias=cls.QKV_BIAS_ALWAYS or attention_bias,
+            o_bias=cls.O_BIAS_FOLLOWS_CONFIG and attention_bias,
+            qk_norm=cls.QK_NORM,
+            mlp_bias=bool(cfg.hf_config.get("mlp_bias", False)),
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(positions, hidden, self.rotary, kv_cache, meta)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; raises MissingWeightsError naming what is missing."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        shards_seen: dict[str, set[str]] = {}  # stacked param name -> shards loaded
+        for name, tensor in weights:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            stacked = self._stacked_target(name)
+            if stacked is None:
+                self._load_plain(params, name, tensor)
+                loaded.add(name)
+                continue
+            param_name, module, shard, kind = stacked
+            module.load_shard(shard, kind, tensor)
+            shards_seen.setdefault(param_name, set()).add(shard)
+        for param_name, shards in shards_seen.items():
+            module = self.get_submodule(param_name.rpartition(".")[0])
+            if shards == set(module.shard_offsets):
+                loaded.add(param_name)
+        missing = set(params) - loaded
+        if missing:
+            raise MissingWeightsError(
+                f"Checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:5]}."
+            )
+
+    def _stacked_target(self, name: str) -> tuple[str, StackedLinear, str, str] | None:
+        """(stacked param name, its module, shard, weight|bias) for a q/k/v/gate/up name."""
+        module_path, _, kind = name.rpartition(".")
+        parent, _, proj = module_path.rpartition(".")
+        if proj not in STACKED_PARAMS:
+            return None
+        stacked, shard = STACKED_PARAMS[proj]
+        module = self.get_submodule(f"{parent}.{stacked}")
+        return f"{parent}.{stacked}.{kind}", module, shard, kind
+
+    @staticmethod
+    def _load_plain(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+        if name not in params:
+            raise MissingWeightsError(f"Checkpoint has an unexpected weight {name!r}.")
+        param = params[name]
+        if param.shape != tensor.shape:
+            raise MissingWeightsError(
+                f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}."
+            )
+        param.data.copy_(tensor)

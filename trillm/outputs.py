@@ -1,0 +1,110 @@
+"""What a caller of the engine receives: ``RequestOutput`` with one ``CompletionOutput`` per
+sample, shaped like vLLM's so code written against vLLM reads the same fields.
+
+``logprobs`` is a list with one entry per generated position: ``dict[token_id, Logprob]``
+holding the sampled token and the top-k alternatives. ``prompt_logprobs`` has one entry per
+prompt position, the first being ``None`` (nothing predicts the first token).
+
+``RequestOutput.add`` merges a later output into an earlier one; the per-request collector
+uses it when the reader falls behind (``aggregate=True`` for DELTA outputs concatenates,
+``aggregate=False`` for CUMULATIVE replaces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SampleLogprobs = list[dict[int, "Logprob"]]  # [num_positions] {token_id: Logprob}
+PromptLogprobs = list["dict[int, Logprob] | None"]  # [num_prompt_tokens], first is None
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock times (``time.time()``) of one request's milestones on the output side."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort' | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def merge(self, later: CompletionOutput, aggregate: bool) -> None:
+        """Fold ``later`` (the same sample, a later step) into this one."""
+        if aggregate:
+            self.text += later.text
+            self.token_ids.extend(later.token_ids)
+            if later.logprobs is not None:
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs.extend(later.logprobs)
+        else:
+            self.text = later.text
+            self.token_ids = later.token_ids
+            self.logprobs = later.logprobs
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    kv_transfer_params: dict | None = field(default=None, repr=False)  # vLLM field, unused
+
+    def add(self, later: RequestOutput, aggregate: bool) -> None:
+        """Merge ``later`` into this pending output (the reader has not taken it yet).
+
+        ``aggregate`` (DELTA): text, token ids and logprobs are concatenated per sample index;
+        otherwise (CUMULATIVE) each sample in ``later`` replaces the one with its index. Samples
+        only in ``later`` (another child of an n>1 request) are appended.
+        """
+        by_index = {c.index: c for c in self.outputs}
+        for completion in later.outputs:
+            mine = by_index.get(completion.index)
+            if mine is None:
+                self.outputs.append(completion)
+                by_index[completion.index] = completion
+            else:
+                mine.merge(completion, aggregate)
+        self.outputs.sort(key=lambda c: c.index)
+        self._merge_prompt_logprobs(later, aggregate)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        if later.metrics is not None:
+            self.metrics = later.metrics
+
+    def _merge_prompt_logprobs(self, later: RequestOutput, aggregate: bool) -> None:
+        if later.prompt_logprobs is None:
+            return
+        if aggregate and self.prompt_logprobs is not None:
+            self.prompt_logprobs = self.prompt_logprobs + later.prompt_logprobs
+        else:
+            self.prompt_logprobs = later.prompt_logprobs

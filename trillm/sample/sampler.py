@@ -1,0 +1,169 @@
+"""P3: turn the model's last-position logits into sampled tokens (stage 8 of the lifecycle).
+
+Order, as vLLM's: structured-output bitmask -> allowed_token_ids -> bad words -> logit_bias ->
+min_tokens -> penalties -> (logprobs of the raw logits) -> greedy argmax, or temperature ->
+min_p -> top_k -> top_p -> exponential-race sample. Everything is batched over the rows; the only
+per-request host loops are the bad-words match and the seeded generators, and they only visit
+requests that use them. Flags on ``SamplingState`` skip the stages no active request asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trillm.sample.bitmask import apply_bitmask, unpack_bitmask
+from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
+from trillm.sample.penalties import apply_penalties
+from trillm.sample.race import SeededNoise, exponential_race
+from trillm.sample.state import SamplingState, SlotError
+from trillm.sample.topk_topp import apply_min_p, apply_top_k, apply_top_k_top_p
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingState", "SlotError", "LogprobsTensors"]
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # long [n]
+    # Logprobs of the raw model logits: the sampled token then the top-k, where k is the largest
+    # ``logprobs`` among the active requests; None when no active request asked.
+    logprobs: LogprobsTensors | None
+
+
+class _SlotList:
+    """The batch's slots on the host, copied from the device at most once per step."""
+
+    def __init__(self, slots: torch.Tensor) -> None:
+        self._slots = slots
+        self._list: list[int] | None = None
+
+    def get(self) -> list[int]:
+        if self._list is None:
+            self._list = self._slots.tolist()
+        return self._list
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._noise = SeededNoise()
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        state: SamplingState,
+        slots: torch.Tensor,
+        bitmask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """logits: float32 [n, V] (not modified); slots: long [n], the state slot of each row
+        (cheapest on the host); bitmask: int32 [n, ceil(V/32)] or None (all allowed)."""
+        slot_list = _SlotList(slots)
+        slots = slots.to(device=logits.device, dtype=torch.long, non_blocking=True)
+        processed = self._process(logits.clone(), state, slots, slot_list, bitmask)  # [n, V]
+        sampled = self._sample(processed, state, slots, slot_list)
+        k = state.max_num_logprobs
+        logprobs = None if k is None else compute_topk_logprobs(logits, sampled, k)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def process_logits(
+        self,
+        logits: torch.Tensor,
+        state: SamplingState,
+        slots: torch.Tensor,
+        bitmask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The logits after every processor, before temperature: what greedy rows argmax."""
+        slot_list = _SlotList(slots)
+        slots = slots.to(device=logits.device, dtype=torch.long, non_blocking=True)
+        return self._process(logits.clone(), state, slots, slot_list, bitmask)
+
+    # ------------------------------------------------------------------ logits processing
+
+    def _process(
+        self,
+        logits: torch.Tensor,  # [n, V], owned: modified in place
+        state: SamplingState,
+        slots: torch.Tensor,
+        slot_list: _SlotList,
+        bitmask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask)
+        if state.any_allowed_token_ids:
+            apply_bitmask(logits, state.allowed_bits[slots])
+        if state.any_bad_words:
+            _ban_bad_words(logits, state, slot_list.get())
+        if state.any_logit_bias:
+            logits.scatter_add_(1, state.bias_ids[slots], state.bias_values[slots])
+        if state.any_min_tokens:
+            _suppress_stop_tokens(logits, state, slots)
+        if state.any_penalties:
+            logits = _penalise(logits, state, slots)
+        return logits
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sample(
+        self,
+        logits: torch.Tensor,  # [n, V] processed
+        state: SamplingState,
+        slots: torch.Tensor,
+        slot_list: _SlotList,
+    ) -> torch.Tensor:
+        if state.all_greedy:
+            return logits.argmax(dim=-1)  # [n]
+        greedy = None if state.all_random else logits.argmax(dim=-1)  # [n]
+        temperature = state.temperature[slots]  # [n], 0 on greedy rows
+        is_greedy = temperature == 0.0
+        logits.div_(torch.where(is_greedy, 1.0, temperature).unsqueeze(1))
+        probs = self._filtered_probs(logits, state, slots)
+        rows, seeds, steps = (
+            state.seeded_rows(slot_list.get()) if state.any_seeded else ((), (), ())
+        )
+        random = exponential_race(probs, self._noise.draw(probs, rows, seeds, steps))
+        if greedy is None:
+            return random
+        return torch.where(is_greedy, greedy, random)
+
+    def _filtered_probs(
+        self, logits: torch.Tensor, state: SamplingState, slots: torch.Tensor
+    ) -> torch.Tensor:
+        if state.any_min_p:
+            apply_min_p(logits, state.min_p[slots])
+        if state.any_top_p:
+            top_k = state.top_k[slots] if state.any_top_k else None
+            logits = apply_top_k_top_p(logits, top_k, state.top_p[slots])
+        elif state.any_top_k:
+            apply_top_k(logits, state.top_k[slots], state.max_top_k)
+        return torch.softmax(logits, dim=-1)
+
+
+def _ban_bad_words(logits: torch.Tensor, state: SamplingState, slot_list: list[int]) -> None:
+    rows, tokens = state.banned_words(slot_list)
+    if rows:
+        row_t = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+        token_t = torch.tensor(tokens, dtype=torch.long).to(logits.device, non_blocking=True)
+        logits.index_put_((row_t, token_t), torch.tensor(_NEG_INF, device=logits.device))
+
+
+def _suppress_stop_tokens(logits: torch.Tensor, state: SamplingState, slots: torch.Tensor):
+    """EOS and stop_token_ids -> -inf on rows that have not yet produced min_tokens."""
+    below = state.num_output[slots] < state.min_tokens[slots]  # [n]
+    stop = unpack_bitmask(state.stop_bits[slots], logits.shape[1])  # [n, V]
+    logits.masked_fill_(stop & below.unsqueeze(1), _NEG_INF)
+
+
+def _penalise(logits: torch.Tensor, state: SamplingState, slots: torch.Tensor) -> torch.Tensor:
+    prompt_mask = None
+    if state.any_repetition_penalty:
+        prompt_mask = unpack_bitmask(state.prompt_bits[slots], logits.shape[1])
+    return apply_penalties(
+        logits,
+        state.output_counts[slots],
+        prompt_mask,
+        state.repetition_penalty[slots],
+        state.frequency_penalty[slots],
+        state.presence_penalty[slots],
+    )

@@ -1,0 +1,303 @@
+"""The model runner (stages 6-8 on the worker): persistent batch, paged KV cache, forward, sample.
+
+``execute_model`` (P2) applies the step's diffs to the persistent batch, builds the flattened
+inputs and runs the forward pass, keeping the logits of the rows that sample (the last row of
+each request whose computed + scheduled tokens reach its token count) and of the prompt rows
+whose logprobs were asked for. ``sample_tokens`` (P3) samples, appends the tokens to the batch
+and returns ``ModelRunnerOutput`` in batch order (the order of ``num_scheduled_tokens``).
+
+Prompt logprobs: the row at position ``p`` scores prompt token ``p + 1``, so a prompt of P
+tokens yields P - 1 rows over its chunks (the first prompt token has none).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from trillm.attention.backend import AttentionMetadata, get_attention_backend
+from trillm.config import TrillmConfig
+from trillm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from trillm.model_executor.loader import build_model
+from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
+from trillm.sample.sampler import Sampler, SamplingState
+from trillm.worker.input_batch import InputBatch, StepInputs
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class KVCacheTooSmallError(ValueError):
+    """The KV cache budget cannot hold even one max_model_len request."""
+
+
+@dataclass
+class _PromptLogprobsWork:
+    req_id: str
+    rows: slice  # rows of the pending prompt logits
+    num_logprobs: int
+
+
+@dataclass
+class _PendingStep:
+    """What P2 leaves for P3."""
+
+    step_id: int
+    req_ids: list[str]  # batch order
+    inputs: StepInputs
+    sample_logits: torch.Tensor  # [n, V] float32, rows of inputs.sample_reqs
+    prompt_logits: torch.Tensor | None  # [m, V] float32
+    prompt_targets: torch.Tensor | None  # [m] long, the prompt token each row scores
+    prompt_work: list[_PromptLogprobsWork] = field(default_factory=list)
+    start_time: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, config: TrillmConfig, rank: int = 0) -> None:
+        if config.parallel.tensor_parallel_size != 1:
+            raise ValueError("Tensor parallelism is not implemented by ModelRunner yet.")
+        self.config = config
+        self.rank = rank
+        self.device = torch.device(config.device)
+        model_cfg = config.model
+        self.dtype = getattr(torch, model_cfg.dtype)
+        self.block_size = config.cache.block_size
+        self.max_num_reqs = config.scheduler.max_num_seqs
+        self.max_model_len = model_cfg.max_model_len
+        torch.manual_seed(config.seed)
+        self.model: torch.nn.Module | None = None
+        self.attn_backend = get_attention_backend(config.attention_backend, config.device)
+        self.kv_caches: list[torch.Tensor] = []
+        self.batch = InputBatch(
+            self.max_num_reqs,
+            self.max_model_len,
+            self.block_size,
+            max_blocks_per_req=-(-self.max_model_len // self.block_size),
+        )
+        self.sampling_state = SamplingState(self.max_num_reqs, model_cfg.vocab_size, self.device)
+        self.sampler = Sampler()
+        self._pending: _PendingStep | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def load_model(self) -> None:
+        self.model = build_model(self.config.model, self.attn_backend, self.config.device)
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block over all layers: K and V, block_size tokens, Hkv x D each."""
+        m = self.config.model
+        per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim
+        return per_token * self.block_size * _DTYPE_BYTES[m.dtype]
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            num_blocks = self._cuda_kv_budget() // self.kv_block_bytes()
+        else:
+            num_blocks = cache.kv_cache_memory // self.kv_block_bytes()
+        needed = -(-self.max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise KVCacheTooSmallError(
+                f"The KV cache holds {num_blocks} blocks of {self.block_size} tokens, but one "
+                f"request of max_model_len={self.max_model_len} needs {needed}; raise "
+                "--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len."
+            )
+        return int(num_blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """gpu_memory_utilization of the device, minus what is in use now, minus a reserve
+        for one step's activations (max_num_batched_tokens rows plus the sampled logits)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        m, sched = self.config.model, self.config.scheduler
+        width = 4 * m.hidden_size + 3 * m.intermediate_size
+        width += (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+        activations = sched.max_num_batched_tokens * width * _DTYPE_BYTES[m.dtype] * 2
+        activations += sched.max_num_seqs * m.vocab_size * 4 * 4
+        used = total - free
+        return max(0, int(total * self.config.cache.gpu_memory_utilization) - used - activations)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        m = self.config.model
+        shape = (2, num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(m.num_hidden_layers)
+        ]
+        self.config.cache.num_blocks = num_blocks
+
+    # ------------------------------------------------------------ P2
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> None:
+        start = time.perf_counter()
+        self._pending = None
+        if sched.scheduled_spec_decode_tokens:
+            raise NotImplementedError("Speculative decoding is not implemented by ModelRunner.")
+        self._update_batch(sched)
+        req_ids = list(sched.num_scheduled_tokens)
+        if not req_ids:
+            empty = torch.empty(0, self.config.model.vocab_size, device=self.device)
+            inputs = self.batch.prepare(np.zeros(0, np.int64), np.zeros(0, np.int64))
+            self._pending = _PendingStep(sched.step_id, [], inputs, empty, None, None)
+            return
+        slots = np.array([self.batch.slot_of(r) for r in req_ids], dtype=np.int64)
+        num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], np.int64)
+        inputs = self.batch.prepare(slots, num_scheduled)
+        hidden = self._forward(inputs)  # [T, H]
+        sample_rows = torch.from_numpy(inputs.sample_rows).to(self.device)
+        sample_logits = self.model.compute_logits(hidden[sample_rows]).float()
+        pending = _PendingStep(sched.step_id, req_ids, inputs, sample_logits, None, None)
+        self._prompt_logprobs_inputs(pending, hidden, num_scheduled)
+        pending.start_time = start
+        self._pending = pending
+
+    def _update_batch(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            slot = self.batch.remove_request(req_id)
+            if slot is not None:
+                self.sampling_state.remove_request(slot)
+        for new in sched.scheduled_new_reqs:
+            if new.req_id in self.batch.req_slot:  # re-sent after a preemption
+                self.sampling_state.remove_request(self.batch.remove_request(new.req_id))
+            slot = self.batch.add_request(new)
+            self.sampling_state.add_request(
+                slot, new.sampling_params, new.prompt_token_ids, new.output_token_ids
+            )
+        cached = sched.scheduled_cached_reqs
+        for req_id, blocks, computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            slot = self.batch.slot_of(req_id)
+            self.batch.append_blocks(slot, blocks)
+            self.batch.num_computed[slot] = computed
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:  # [T, H]
+        meta = self._attention_metadata(inputs)
+        self.attn_backend.plan(meta)
+        input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
+        positions = torch.from_numpy(inputs.positions).to(self.device)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+        query_lens = np.diff(inputs.query_start_loc)
+        return AttentionMetadata(
+            num_reqs=len(inputs.slots),
+            num_tokens=len(inputs.input_ids),
+            query_start_loc=dev(inputs.query_start_loc),
+            seq_lens=dev(inputs.seq_lens),
+            context_lens=dev(inputs.context_lens),
+            block_table=dev(inputs.block_table),
+            slot_mapping=dev(inputs.slot_mapping),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(inputs.seq_lens.max()),
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=inputs.seq_lens.tolist(),
+        )
+
+    def _prompt_logprobs_inputs(
+        self, pending: _PendingStep, hidden: torch.Tensor, num_scheduled: np.ndarray
+    ) -> None:
+        """Logits of this step's prompt rows for requests with prompt_logprobs (row p scores
+        prompt token p + 1)."""
+        inputs, rows, targets = pending.inputs, [], []
+        for i, req_id in enumerate(pending.req_ids):
+            slot = int(inputs.slots[i])
+            params = self.batch.params[slot]
+            if params is None or params.prompt_logprobs is None:
+                continue
+            start = int(inputs.context_lens[i])
+            end = min(start + int(num_scheduled[i]), int(self.batch.num_prompt_tokens[slot]) - 1)
+            if end <= start:
+                continue
+            first_row = int(inputs.query_start_loc[i])
+            offset = sum(len(r) for r in rows)
+            rows.append(np.arange(first_row, first_row + end - start))
+            targets.append(self.batch.token_ids[slot, start + 1 : end + 1])
+            work = _PromptLogprobsWork(
+                req_id, slice(offset, offset + end - start), params.prompt_logprobs
+            )
+            pending.prompt_work.append(work)
+        if not rows:
+            return
+        row_index = torch.from_numpy(np.concatenate(rows)).to(self.device)
+        pending.prompt_logits = self.model.compute_logits(hidden[row_index]).float()
+        pending.prompt_targets = torch.from_numpy(np.concatenate(targets)).to(self.device)
+
+    # ------------------------------------------------------------ P3
+
+    @torch.inference_mode()
+    def sample_tokens(self, bitmask: dict[str, list[int]] | None) -> ModelRunnerOutput:
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("sample_tokens called without a successful execute_model.")
+        self._pending = None
+        inputs = pending.inputs
+        sampled_lists: list[list[int]] = [[] for _ in pending.req_ids]
+        logprobs: dict[str, LogprobsLists] = {}
+        if len(inputs.sample_reqs):
+            sample_slots = inputs.slots[inputs.sample_reqs]
+            sample_req_ids = [pending.req_ids[i] for i in inputs.sample_reqs.tolist()]
+            out = self.sampler(
+                pending.sample_logits,
+                self.sampling_state,
+                torch.from_numpy(sample_slots),
+                self._bitmask_tensor(bitmask, sample_req_ids),
+            )
+            tokens = out.sampled_token_ids.cpu().numpy()
+            self.batch.append_sampled(sample_slots, tokens)
+            self.sampling_state.append_tokens(sample_slots.tolist(), tokens.tolist())
+            for i, token in zip(inputs.sample_reqs.tolist(), tokens.tolist()):
+                sampled_lists[i] = [token]
+            logprobs = self._sample_logprobs(out.logprobs, sample_req_ids, sample_slots)
+        return ModelRunnerOutput(
+            step_id=pending.step_id,
+            req_ids=pending.req_ids,
+            sampled_token_ids=sampled_lists,
+            logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs(pending),
+            model_time_s=time.perf_counter() - pending.start_time,
+        )
+
+    def _bitmask_tensor(
+        self, bitmask: dict[str, list[int]] | None, req_ids: list[str]
+    ) -> torch.Tensor | None:  # [n, ceil(V / 32)] int32, all bits set for unconstrained rows
+        if not bitmask or not any(r in bitmask for r in req_ids):
+            return None
+        words = -(-self.config.model.vocab_size // 32)
+        mask = np.full((len(req_ids), words), -1, dtype=np.int32)
+        for i, req_id in enumerate(req_ids):
+            if req_id in bitmask:
+                mask[i] = np.asarray(bitmask[req_id], dtype=np.int64).astype(np.int32)
+        return torch.from_numpy(mask).to(self.device)
+
+    def _sample_logprobs(
+        self, tensors: LogprobsTensors | None, req_ids: list[str], slots: np.ndarray
+    ) -> dict[str, LogprobsLists]:
+        if tensors is None:
+            return {}
+        tensors = tensors.cpu()
+        result = {}
+        for i, (req_id, slot) in enumerate(zip(req_ids, slots.tolist())):
+            k = self.batch.params[slot].logprobs
+            if k is not None:
+                result[req_id] = tensors.select([i], k).tolists()
+        return result
+
+    def _prompt_logprobs(self, pending: _PendingStep) -> dict[str, LogprobsLists]:
+        if pending.prompt_logits is None:
+            return {}
+        k = max(w.num_logprobs for w in pending.prompt_work)
+        tensors = compute_topk_logprobs(pending.prompt_logits, pending.prompt_targets, k).cpu()
+        return {
+            w.req_id: tensors.select(w.rows, w.num_logprobs).tolists() for w in pending.prompt_work
+        }

@@ -1,0 +1,183 @@
+"""The model-worker process: ``python -m trillm.worker.worker_main --rank R --request-ring ...``.
+
+It attaches to the executor's rings (names and eventfds on the command line; the eventfds and
+the parent-death pipe are inherited through ``pass_fds``), receives ``InitWorker`` (the config
+as plain data and the runner spec), then serves steps until ``Shutdown``:
+
+    SchedulerOutput  -> runner.execute_model(sched); unless wait_for_bitmask, sample at once
+    SampleRequest    -> runner.sample_tokens(bitmask)
+    every sample     -> ModelRunnerOutput on this rank's result ring
+
+A step whose execute or sample raises is answered with ``ModelRunnerOutput.error`` (the
+traceback) and the worker carries on; the executor turns it into ``ModelExecutionError``.
+A failure outside a step (init, a corrupt ring) is answered with ``WorkerFailed`` and exit 1.
+
+Parent death: a daemon thread blocks on the read end of a pipe whose write end only the parent
+holds; EOF means the parent is gone and the process exits at once (even mid-forward). The ring
+waits also check ``os.getppid()``. (``PR_SET_PDEATHSIG`` is not used: it fires when the parent
+*thread* that forked exits, and Trio spawns processes from its reusable worker threads.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+from trillm.errors import CodecError, IPCError, RingClosedError
+from trillm.ipc import codec
+from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
+from trillm.ipc.shm_ring import RingFds, RingReader, RingWriter, ShmRing
+from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
+
+EXIT_OK, EXIT_FAILED, EXIT_PARENT_DIED = 0, 1, 3
+
+
+class ParentDiedError(RuntimeError):
+    pass
+
+
+def load_runner_class(spec: str) -> type:
+    """``"package.module:ClassName"`` -> the class."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"Runner spec {spec!r} must look like 'package.module:ClassName'.")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _watch_death_pipe(fd: int) -> None:
+    def wait() -> None:
+        while True:
+            try:
+                if not os.read(fd, 64):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        os._exit(EXIT_PARENT_DIED)
+
+    threading.Thread(target=wait, name="parent-death-watch", daemon=True).start()
+
+
+class Worker:
+    def __init__(self, rank: int, requests: RingReader, results: RingWriter, parent_pid: int):
+        self.rank = rank
+        self.requests = requests
+        self.results = results
+        self.parent_pid = parent_pid
+        self.runner: Any = None
+        self._sched: SchedulerOutput | None = None
+        self._step_error: str | None = None
+
+    def _check_parent(self) -> None:
+        if os.getppid() != self.parent_pid:
+            raise ParentDiedError(f"Worker rank {self.rank}: parent {self.parent_pid} is gone.")
+
+    def _send(self, msg: Any, timeout: float | None = None) -> None:
+        self.results.send_sync(codec.encode(msg), timeout, idle_check=self._check_parent)
+
+    def run(self) -> int:
+        """Serve messages until Shutdown; returns the exit code."""
+        while True:
+            try:
+                frame = self.requests.recv_sync(idle_check=self._check_parent)
+            except RingClosedError:
+                return EXIT_OK
+            msg = codec.decode(frame)
+            if isinstance(msg, Shutdown):
+                return EXIT_OK
+            self._handle(msg)
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, SchedulerOutput):
+            self._execute(msg)
+            if not msg.wait_for_bitmask:
+                self._sample(None)
+        elif isinstance(msg, SampleRequest):
+            self._sample(msg.bitmask)
+        elif isinstance(msg, InitWorker):
+            runner_cls = load_runner_class(msg.runner)
+            self.runner = runner_cls(msg.config, self.rank, **msg.runner_kwargs)
+            self.runner.load_model()
+            num_blocks = self.runner.determine_num_blocks()
+            self._send(WorkerReady(self.rank, "loaded", num_blocks))
+        elif isinstance(msg, InitKVCache):
+            self.runner.initialize_kv_cache(msg.num_blocks)
+            self._send(WorkerReady(self.rank, "kv_cache", msg.num_blocks))
+        else:
+            raise CodecError(f"Worker rank {self.rank} got unexpected {type(msg).__name__}.")
+
+    def _execute(self, sched: SchedulerOutput) -> None:
+        self._sched, self._step_error = sched, None
+        try:
+            self.runner.execute_model(sched)
+        except Exception:
+            self._step_error = traceback.format_exc()
+
+    def _sample(self, bitmask: dict[str, list[int]] | None) -> None:
+        sched = self._sched
+        if sched is None:
+            raise CodecError(f"Worker rank {self.rank} got a SampleRequest without a step.")
+        self._sched = None
+        out = None
+        if self._step_error is None:
+            try:
+                out = self.runner.sample_tokens(bitmask)
+            except Exception:
+                self._step_error = traceback.format_exc()
+        if out is None:
+            req_ids = list(sched.num_scheduled_tokens)
+            out = ModelRunnerOutput(
+                sched.step_id, req_ids, [[] for _ in req_ids], error=self._step_error
+            )
+        self._send(out)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="trillm model worker (started by the executor)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--request-ring", required=True, help="JSON RingFds; this rank reads it")
+    p.add_argument("--result-ring", required=True, help="JSON RingFds; this rank writes it")
+    p.add_argument("--death-fd", type=int, required=True, help="read end of the parent pipe")
+    p.add_argument("--parent-pid", type=int, required=True)
+    return p.parse_args(argv)
+
+
+def _ring_fds(text: str) -> RingFds:
+    d = json.loads(text)
+    return RingFds(d["name"], list(d["data_fds"]), d["space_fd"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _watch_death_pipe(args.death_fd)
+    if os.getppid() != args.parent_pid:
+        return EXIT_PARENT_DIED
+    req_fds, res_fds = _ring_fds(args.request_ring), _ring_fds(args.result_ring)
+    requests = RingReader(ShmRing.attach(req_fds.name), args.rank, req_fds)
+    results = RingWriter(ShmRing.attach(res_fds.name), res_fds)
+    worker = Worker(args.rank, requests, results, args.parent_pid)
+    try:
+        return worker.run()
+    except ParentDiedError:
+        return EXIT_PARENT_DIED
+    except Exception as exc:
+        message = f"Worker rank {args.rank} failed: {exc}\n{traceback.format_exc()}"
+        print(message, file=sys.stderr, flush=True)
+        try:
+            worker._send(WorkerFailed(args.rank, message), timeout=5.0)
+        except (IPCError, ParentDiedError, TimeoutError):
+            pass
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
