@@ -5,7 +5,10 @@ batch 1, 8 and 64. The limit is measured in the same run: fp32 matmul GFLOP/s (s
 and memory bandwidth (a large copy); the roofline step time is
 max(2 * matmul_params * batch / flops, weight_bytes / bandwidth).
 
-    python benchmarks/decode_step.py [--steps 20] [--batches 1 8 64] [--out result.json]
+    python benchmarks/decode_step.py [--steps 20] [--batches 1 8 64] [--threads N] [--out x.json]
+
+On a CPU shared with other work, ``--threads 1`` avoids OpenMP barrier stalls that make
+multi-threaded small ops erratic; the roofline is measured with the same thread count.
 """
 
 from __future__ import annotations
@@ -112,7 +115,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     folder = build_tiny_model("llama", tempfile.mkdtemp(prefix="decode-bench-"), **MODEL)
     engine_args = EngineArgs(

@@ -13,6 +13,7 @@ import argparse
 import sys
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -141,6 +142,7 @@ def make_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block
 
 
 _MIXED = ([1] * 6 + [37, 130, 1, 64], [5, 100, 1000, 17, 2048, 300, 0, 256, 4000, 1])
+_SMALL_DECODE = ([1, 1], [4000, 900])  # few programs: the Triton backend splits the K/V
 _ATTN_SHAPES = [(32, 8, 128, 16), (8, 2, 64, 16), (4, 1, 24, 32), (12, 12, 64, 16)]
 
 
@@ -153,11 +155,14 @@ def reference_step(q, k, v, cache, meta, scale):
     )
 
 
-def check_backend(name: str, dtype: torch.dtype, shape) -> None:
+def check_backend(name: str, dtype: torch.dtype, shape, batch=_MIXED) -> None:
     from trillm.attention.backend import get_attention_backend
 
     num_heads, num_kv_heads, head_dim, block_size = shape
-    q, k, v, cache, meta = make_step(*_MIXED, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    query_lens, context_lens = batch
+    q, k, v, cache, meta = make_step(
+        query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype
+    )
     scale = head_dim**-0.5
     expected_cache = cache.clone()
     expected = reference_step(q, k, v, expected_cache, meta, scale)
@@ -171,7 +176,7 @@ def check_backend(name: str, dtype: torch.dtype, shape) -> None:
 # --- timing -----------------------------------------------------------------------------------
 
 
-def time_decode(context_len: int, batch: int = 64) -> None:
+def time_decode(context_len: int, batch: int) -> None:
     import triton.testing
 
     from trillm.attention.backend import get_attention_backend
@@ -217,25 +222,26 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}")
     for dtype in _DTYPES:
         tag = str(dtype).removeprefix("torch.")
-        _check(f"rms_norm {tag}", lambda d=dtype: check_rms_norm(d))
-        _check(f"rotary {tag}", lambda d=dtype: check_rotary(d))
-        _check(f"reshape_and_cache {tag}", lambda d=dtype: check_reshape_and_cache(d))
+        _check(f"rms_norm {tag}", partial(check_rms_norm, dtype))
+        _check(f"rotary {tag}", partial(check_rotary, dtype))
+        _check(f"reshape_and_cache {tag}", partial(check_reshape_and_cache, dtype))
         for shape in _ATTN_SHAPES:
-            _check(f"triton backend {tag} {shape}", lambda d=dtype, s=shape: check_backend(
-                "triton", d, s))  # fmt: skip
-            _check(f"torch backend {tag} {shape}", lambda d=dtype, s=shape: check_backend(
-                "torch", d, s))  # fmt: skip
+            for name in ("triton", "torch"):
+                _check(f"{name} backend {tag} {shape}", partial(check_backend, name, dtype, shape))
+        split_case = partial(check_backend, "triton", dtype, (32, 8, 128, 16), _SMALL_DECODE)
+        _check(f"triton backend split-KV decode {tag}", split_case)
     if _flashinfer_importable():
         for dtype in (torch.float16, torch.bfloat16):
+            tag = str(dtype).removeprefix("torch.")
             for shape in [s for s in _ATTN_SHAPES if s[2] in (64, 128)]:
-                tag = str(dtype).removeprefix("torch.")
-                _check(f"flashinfer backend {tag} {shape}", lambda d=dtype, s=shape: check_backend(
-                    "flashinfer", d, s))  # fmt: skip
+                case = partial(check_backend, "flashinfer", dtype, shape)
+                _check(f"flashinfer backend {tag} {shape}", case)
     else:
         print("SKIP  flashinfer: not importable")
     if not args.skip_timing:
-        for context_len in (512, 4096):
-            _check(f"timing ctx={context_len}", lambda c=context_len: time_decode(c))
+        for batch, context_len in ((64, 512), (64, 4096), (1, 8192)):
+            case = partial(time_decode, context_len, batch)
+            _check(f"timing batch={batch} ctx={context_len}", case)
     print(f"{len(_failures)} failed" + (": " + ", ".join(_failures) if _failures else ""))
     return 1 if _failures else 0
 

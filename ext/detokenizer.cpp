@@ -104,20 +104,51 @@ bool valid_prefix(const std::string& run) {
   return true;
 }
 
+// Token ids from a Python list/tuple (fast path) or any iterable of ints.
+std::vector<int64_t> to_ids(py::handle obj) {
+  std::vector<int64_t> ids;
+  PyObject* seq = obj.ptr();
+  if (PyList_Check(seq) || PyTuple_Check(seq)) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    ids.resize(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const long long v = PyLong_AsLongLong(items[i]);
+      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+      ids[static_cast<size_t>(i)] = v;
+    }
+    return ids;
+  }
+  for (py::handle item : py::iter(obj)) ids.push_back(item.cast<int64_t>());
+  return ids;
+}
+
+py::str to_str(const std::string& text) {
+  PyObject* out = PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), nullptr);
+  if (out == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::str>(out);
+}
+
 struct Vocab {
   std::vector<std::string> table;  // [vocab] token id -> bytes
+  std::vector<std::string> first_table;  // [vocab] bytes when it is the first token, or empty
   std::vector<uint8_t> special;    // [vocab] 1 = special (dropped when skipping)
   std::vector<uint8_t> is_byte;    // [vocab] 1 = <0xNN> byte-fallback token
   int scheme;
   int strip_leading_spaces;
 
   Vocab(const std::vector<py::bytes>& table_in, const std::vector<int64_t>& special_ids,
-        int scheme_in, const std::vector<int64_t>& byte_token_ids, int strip)
+        int scheme_in, const std::vector<int64_t>& byte_token_ids, int strip,
+        const std::vector<py::bytes>& first_table_in)
       : scheme(scheme_in), strip_leading_spaces(strip) {
     if (scheme != kByteLevel && scheme != kByteFallback)
       throw py::value_error("scheme must be 0 (BYTE_LEVEL) or 1 (BYTE_FALLBACK).");
+    if (!first_table_in.empty() && first_table_in.size() != table_in.size())
+      throw py::value_error("first_table must be empty or as long as table.");
     table.reserve(table_in.size());
     for (const auto& b : table_in) table.emplace_back(static_cast<std::string>(b));
+    first_table.reserve(first_table_in.size());
+    for (const auto& b : first_table_in) first_table.emplace_back(static_cast<std::string>(b));
     special.assign(table.size(), 0);
     is_byte.assign(table.size(), 0);
     for (int64_t id : special_ids) special[checked(id)] = 1;
@@ -144,7 +175,8 @@ class IncrementalDetokenizer {
                          const std::vector<int64_t>& prompt_token_ids)
       : vocab_(std::move(vocab)),
         skip_(skip_special_tokens),
-        strip_left_(vocab_->strip_leading_spaces) {
+        strip_left_(vocab_->strip_leading_spaces),
+        first_(!vocab_->first_table.empty()) {
     if (!prompt_token_ids.empty()) add(prompt_token_ids);  // primes state; text discarded
   }
 
@@ -189,9 +221,11 @@ class IncrementalDetokenizer {
   void add_byte_fallback(const std::vector<int64_t>& ids, std::string* out) {
     for (int64_t id : ids) {
       if (skip_ && vocab_->special[id]) continue;
+      const bool first = first_;
+      first_ = false;
       if (!vocab_->is_byte[id]) {
         close_run(out);
-        *out += vocab_->table[id];
+        *out += first ? vocab_->first_table[id] : vocab_->table[id];
       } else if (run_invalid_) {
         out->append(kReplacement);
       } else {
@@ -248,6 +282,7 @@ class IncrementalDetokenizer {
   int strip_left_;
   std::string pending_;
   bool run_invalid_ = false;
+  bool first_;  // the next kept token is the request's first (Metaspace's first_table)
 };
 
 }  // namespace
@@ -256,10 +291,11 @@ PYBIND11_MODULE(detokenizer, m) {
   m.doc() = "Incremental detokenizer (native twin of trillm.engine.detokenizer).";
   py::class_<Vocab, std::shared_ptr<Vocab>>(m, "Vocab")
       .def(py::init<const std::vector<py::bytes>&, const std::vector<int64_t>&, int,
-                    const std::vector<int64_t>&, int>(),
+                    const std::vector<int64_t>&, int, const std::vector<py::bytes>&>(),
            py::arg("table"), py::arg("special_ids"), py::arg("scheme") = kByteLevel,
            py::arg("byte_token_ids") = std::vector<int64_t>{},
-           py::arg("strip_leading_spaces") = 0)
+           py::arg("strip_leading_spaces") = 0,
+           py::arg("first_table") = std::vector<py::bytes>{})
       .def_property_readonly("size", &Vocab::size)
       .def_readonly("scheme", &Vocab::scheme)
       .def_readonly("strip_leading_spaces", &Vocab::strip_leading_spaces);
@@ -267,7 +303,10 @@ PYBIND11_MODULE(detokenizer, m) {
       .def(py::init<std::shared_ptr<Vocab>, bool, const std::vector<int64_t>&>(),
            py::arg("vocab"), py::arg("skip_special_tokens"),
            py::arg("prompt_token_ids") = std::vector<int64_t>{})
-      .def("add_tokens", &IncrementalDetokenizer::add, py::arg("ids"))
-      .def("flush", &IncrementalDetokenizer::flush)
+      .def(
+          "add_tokens",
+          [](IncrementalDetokenizer& self, py::handle ids) { return to_str(self.add(to_ids(ids))); },
+          py::arg("ids"))
+      .def("flush", [](IncrementalDetokenizer& self) { return to_str(self.flush()); })
       .def_property_readonly("has_pending", &IncrementalDetokenizer::has_pending);
 }

@@ -8,6 +8,7 @@ queues are Python lists of those records, and the messages built at the end of a
 Python dataclasses of trillm.messages.
 """
 
+from cpython.ref cimport PyObject
 from cython.operator cimport dereference as cython_deref
 
 include "_kv_core.pxi"
@@ -23,6 +24,8 @@ from trillm.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+
+_FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH)
 
 cdef enum:
     NOT_FINISHED = -1
@@ -107,6 +110,18 @@ cdef class _StepPlan:
         )
 
 
+cdef size_t _index_of(vector[PyObject*]& queue, Request r) except? 0:
+    cdef size_t i
+    for i in range(queue.size()):
+        if queue[i] == <PyObject*>r:
+            return i
+    raise ValueError(f"{r.request_id!r} is not in the queue")
+
+
+cdef void _remove(vector[PyObject*]& queue, Request r) except *:
+    queue.erase(queue.begin() + _index_of(queue, r))
+
+
 cdef inline cbool _key_greater(Request a, Request b):
     """(priority, arrival_time) of a > that of b."""
     if a.priority != b.priority:
@@ -125,9 +140,11 @@ cdef class Scheduler:
     cdef readonly long long max_model_len
     cdef readonly long long long_prefill_token_threshold
     cdef readonly cbool priority_policy
-    cdef readonly dict requests
-    cdef list waiting  # head = next to admit
-    cdef list running  # in admission order
+    cdef readonly dict requests  # req_id -> Request: owns every live record
+    # NOTE: the queues hold borrowed pointers: every queued Request is in self.requests, and
+    # leaves the queues before it leaves that dict.
+    cdef vector[PyObject*] waiting  # head = next to admit
+    cdef vector[PyObject*] running  # in admission order
     cdef list _finished_req_ids
     cdef long long _step_id
     cdef public long long num_preemptions
@@ -145,8 +162,6 @@ cdef class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests = {}
-        self.waiting = []
-        self.running = []
         self._finished_req_ids = []
         self._step_id = 0
         self.num_preemptions = 0
@@ -163,13 +178,13 @@ cdef class Scheduler:
         self._enqueue_waiting(r, False)
 
     cdef void _enqueue_waiting(self, Request r, cbool front):
-        cdef Py_ssize_t i, n = len(self.waiting)
+        cdef size_t i, n = self.waiting.size()
         cdef Request other
         if not self.priority_policy:
             if front:
-                self.waiting.insert(0, r)
+                self.waiting.insert(self.waiting.begin(), <PyObject*>r)
             else:
-                self.waiting.append(r)
+                self.waiting.push_back(<PyObject*>r)
             return
         # Sorted by (priority, arrival): bisect_left when front, bisect_right otherwise.
         i = 0
@@ -180,7 +195,7 @@ cdef class Scheduler:
             if not front and _key_greater(other, r):
                 break
             i += 1
-        self.waiting.insert(i, r)
+        self.waiting.insert(self.waiting.begin() + i, <PyObject*>r)
 
     def update_draft_token_ids(self, dict draft_token_ids):
         """Speculative decoding seam: drafts to verify at the next step."""
@@ -217,23 +232,23 @@ cdef class Scheduler:
 
     cdef void _schedule_running(self, _StepPlan plan) except *:
         cdef KVCacheManager kv = self.kv_cache_manager
-        cdef Py_ssize_t i = 0, num_running
+        cdef size_t i = 0, num_running
         cdef Request r
         cdef long long n
         cdef vector[int] no_blocks
         cdef vector[int] new_blocks
-        while i < len(self.running) and plan.budget > 0:
+        while i < self.running.size() and plan.budget > 0:
             r = <Request>self.running[i]
             n = self._chunk_size(r.num_computed_tokens,
                                  <long long>(r.tokens.size() + r.spec.size()), plan.budget)
             if n <= 0:
                 i += 1
                 continue
-            num_running = len(self.running)
+            num_running = self.running.size()
             if not self._make_room(r, n, plan):
                 continue  # it preempted itself: running[i] is now the next request
-            if len(self.running) != num_running:
-                i = self.running.index(r)  # a victim ahead of it may have gone
+            if self.running.size() != num_running:
+                i = _index_of(self.running, r)  # a victim ahead of it may have gone
             kv._allocate(r, n, no_blocks, False, new_blocks)
             plan.add_cached(r, n, [b for b in new_blocks])
             i += 1
@@ -250,18 +265,18 @@ cdef class Scheduler:
 
     cdef Request _pick_victim(self):
         cdef Py_ssize_t i
-        cdef Request victim = <Request>self.running[len(self.running) - 1]
+        cdef Request victim = <Request>self.running.back()
         cdef Request r
         if not self.priority_policy:
             return victim
-        for i in range(len(self.running) - 1, -1, -1):
+        for i in range(<Py_ssize_t>self.running.size() - 1, -1, -1):
             r = <Request>self.running[i]
             if _key_greater(r, victim):
                 victim = r
         return victim
 
     cdef void _preempt(self, Request r, _StepPlan plan) except *:
-        self.running.remove(r)
+        _remove(self.running, r)
         plan.unschedule(r)
         self.kv_cache_manager.free(r)
         r.status_ = ST_PREEMPTED
@@ -279,21 +294,22 @@ cdef class Scheduler:
         cdef vector[int] computed
         cdef vector[int] new_blocks
         cdef long long num_hit, n
-        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting.size() > 0 and plan.budget > 0
+               and <long long>self.running.size() < self.max_num_seqs):
             r = <Request>self.waiting[0]
             num_hit = kv._lookup(r, computed)
             n = self._chunk_size(num_hit, <long long>r.tokens.size(), plan.budget)
             if not kv._can_allocate(r, n, computed):
                 break  # NOTE: strict queue order: nothing overtakes the head
             kv._allocate(r, n, computed, True, new_blocks)
-            del self.waiting[0]
+            self.waiting.erase(self.waiting.begin())
             r.num_computed_tokens = num_hit
             if not r.has_num_cached:
                 r.has_num_cached = True
                 r.num_cached_ = num_hit
             r.status_ = ST_RUNNING
             r.sent_to_worker = True
-            self.running.append(r)
+            self.running.push_back(<PyObject*>r)
             plan.add_new(r, n)
 
     # ------------------------------------------------------------------ P4: update
@@ -325,7 +341,7 @@ cdef class Scheduler:
                     break
             self.kv_cache_manager.cache_full_blocks(r)
             if reason != NOT_FINISHED:
-                self._finish(r, FinishReason(reason))
+                self._finish(r, _FINISH_REASONS[reason])
             output = self._make_output(r, sampled, num_new, reason, stop_reason, out)
             if output is not None:
                 outputs.append(output)
@@ -357,14 +373,15 @@ cdef class Scheduler:
         if not r.first_output_sent:
             r.first_output_sent = True
             num_cached = r.num_cached_ if r.has_num_cached else 0
+        # NOTE: positional (keywords cost ~3x here): the field order of EngineCoreOutput.
         return EngineCoreOutput(
-            request_id=req_id,
-            new_token_ids=list(sampled[:num_new]) if num_new != len(sampled) else list(sampled),
-            new_logprobs=out.logprobs.get(req_id) if out.logprobs else None,
-            new_prompt_logprobs=prompt_logprobs,
-            finish_reason=None if reason == NOT_FINISHED else FinishReason(reason),
-            stop_reason=stop_reason if stop_reason >= 0 else None,
-            num_cached_tokens=num_cached,
+            req_id,
+            list(sampled[:num_new]) if num_new != len(sampled) else list(sampled),
+            out.logprobs.get(req_id) if out.logprobs else None,
+            prompt_logprobs,
+            None if reason == NOT_FINISHED else _FINISH_REASONS[reason],
+            stop_reason if stop_reason >= 0 else None,
+            num_cached,
         )
 
     # ------------------------------------------------------------------ finishing
@@ -382,9 +399,9 @@ cdef class Scheduler:
 
     cdef void _finish(self, Request r, reason) except *:
         if r.status_ == ST_RUNNING:
-            self.running.remove(r)
+            _remove(self.running, r)
         else:
-            self.waiting.remove(r)
+            _remove(self.waiting, r)
         r.status_ = <int>finished_status(reason)
         self.kv_cache_manager.free(r)
         del self.requests[r.request_id]
@@ -396,27 +413,27 @@ cdef class Scheduler:
 
     @property
     def num_running(self):
-        return len(self.running)
+        return self.running.size()
 
     @property
     def num_waiting(self):
-        return len(self.waiting)
+        return self.waiting.size()
 
     def get_request_counts(self):
         """(num_running, num_waiting)."""
-        return len(self.running), len(self.waiting)
+        return self.running.size(), self.waiting.size()
 
     def has_unfinished_requests(self):
-        return bool(self.running) or bool(self.waiting)
+        return self.running.size() > 0 or self.waiting.size() > 0
 
     def get_request(self, req_id):
         return self.requests.get(req_id)
 
     def running_req_ids(self):
-        return [(<Request>r).request_id for r in self.running]
+        return [(<Request>p).request_id for p in self.running]
 
     def waiting_req_ids(self):
-        return [(<Request>r).request_id for r in self.waiting]
+        return [(<Request>p).request_id for p in self.waiting]
 
     def reset_prefix_cache(self):
         self.kv_cache_manager.reset_prefix_cache()
@@ -424,8 +441,8 @@ cdef class Scheduler:
     def get_stats(self):
         kv = self.kv_cache_manager
         return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_running_reqs=self.running.size(),
+            num_waiting_reqs=self.waiting.size(),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,

@@ -25,6 +25,10 @@ import triton.language as tl
 _MIN_DOT = 16  # tl.dot needs every dim >= 16
 _FILL_PROGRAMS = 256  # programs that keep a large GPU busy (about 2 per SM)
 _MAX_SPLITS = 16
+# NOTE: K/V are gathered through the block table, so each K/V tile carries a [block_n, D] tensor
+# of 64-bit addresses in registers; block_n * D_pad <= 4096 keeps it from spilling (ptxas, sm_90:
+# D=128 at block_n 64 spills with 4 warps, at 32 needs ~200 registers and no stack).
+_KV_TILE_ELEMS = 4096
 
 
 @triton.jit
@@ -178,7 +182,7 @@ def paged_attention(
     block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
     scale: float,
     schedule: TileSchedule | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_splits: int = 1,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
@@ -203,8 +207,12 @@ def paged_attention(
     num_tiles = schedule.tile_req.numel()
     if num_tokens == 0 or num_tiles == 0:
         return out
-    block_n = max(triton.next_power_of_2(block_n), _MIN_DOT)
     head_dim_pad = max(triton.next_power_of_2(head_dim), _MIN_DOT)
+    if block_n is None:
+        block_n = min(64, _KV_TILE_ELEMS // head_dim_pad)
+    block_n = max(triton.next_power_of_2(block_n), _MIN_DOT)
+    group_pad = triton.next_power_of_2(group)
+    block_m = schedule.block_q * group_pad
     if num_splits > 1:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
@@ -217,17 +225,16 @@ def paged_attention(
         split_size = 2**31 - block_n  # one split covering every position
         part_out = part_lse = out  # not written
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
-    group_pad = triton.next_power_of_2(group)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         block_table, query_start_loc, seq_lens, schedule.tile_req, schedule.tile_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         scale * math.log2(math.e), split_size, num_heads,
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=schedule.block_q,
-        BLOCK_M=schedule.block_q * group_pad,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=schedule.block_q, BLOCK_M=block_m,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_m >= 64 else 4,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -131,7 +131,9 @@ class FakeWorker:
         for new in sched.scheduled_new_reqs:
             assert new.req_id not in self.reqs, f"{new.req_id} sent in full twice"
             num_tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
-            self.reqs[new.req_id] = _WorkerReq(list(new.block_ids), new.num_computed_tokens, num_tokens)
+            self.reqs[new.req_id] = _WorkerReq(
+                list(new.block_ids), new.num_computed_tokens, num_tokens
+            )
         cached = sched.scheduled_cached_reqs
         for req_id, blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -194,7 +196,9 @@ def check_output_limits(sched, out: SchedulerOutput) -> None:
     assert len(out.num_scheduled_tokens) <= sched.max_num_seqs
     assert all(n > 0 for n in out.num_scheduled_tokens.values())
     if sched.long_prefill_token_threshold > 0:
-        assert all(n <= sched.long_prefill_token_threshold for n in out.num_scheduled_tokens.values())
+        assert all(
+            n <= sched.long_prefill_token_threshold for n in out.num_scheduled_tokens.values()
+        )
     new_ids = [n.req_id for n in out.scheduled_new_reqs]
     listed = new_ids + list(out.scheduled_cached_reqs.req_ids)
     assert sorted(listed) == sorted(out.num_scheduled_tokens)

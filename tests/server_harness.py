@@ -48,7 +48,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"trillm serve exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(
+                    f"trillm serve exited with {self.proc.returncode}:\n{self.log()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self

@@ -171,10 +171,13 @@ def common_args(url: str, out: Path, n: int, out_len: int, name: str = "r.json")
     ]  # fmt: skip
 
 
-def test_stub_completions_metrics_match_known_delays(tmp_path: Path) -> None:
+@pytest.mark.parametrize("http_client", ["h11", "httpx"])
+def test_stub_completions_metrics_match_known_delays(tmp_path: Path, http_client: str) -> None:
     n, out_len = 6, 5
     with StubServer() as stub:
-        proc = run_bench(common_args(stub.url, tmp_path, n, out_len))
+        proc = run_bench(
+            common_args(stub.url, tmp_path, n, out_len) + ["--http-client", http_client]
+        )
         bodies = stub.bodies
     assert proc.returncode == 0, proc.stderr
     assert "============ Serving Benchmark Result ============" in proc.stdout
@@ -205,6 +208,17 @@ def test_stub_completions_metrics_match_known_delays(tmp_path: Path) -> None:
     assert r["request_throughput"] == pytest.approx(n / r["duration"])
     assert r["max_concurrent_requests"] == n  # rate inf: all in flight together
     assert r["generated_texts"][0] == "".join(f"t{i} " for i in range(out_len))
+
+
+def test_hundreds_of_concurrent_streams(tmp_path: Path) -> None:
+    n, out_len = 300, 20  # each stream lasts >= 0.2 + 19 * 0.05 s: a burst overlaps fully
+    with StubServer() as stub:
+        proc = run_bench(common_args(stub.url, tmp_path, n, out_len), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = load(tmp_path / "r.json")
+    assert r["completed"] == n and r["failed"] == 0
+    assert r["max_concurrent_requests"] == n
+    assert r["total_output_tokens"] == n * out_len
 
 
 def test_chunks_carrying_several_tokens(tmp_path: Path) -> None:
@@ -249,6 +263,43 @@ def test_chat_sweep_goodput_and_plot(tmp_path: Path) -> None:
         assert min(r["ttfts"]) >= FIRST_DELAY_S
     assert png.stat().st_size > 10_000
     assert proc.stdout.count("Serving Benchmark Result") == 2
+
+
+def test_sharegpt_dataset_against_stub(tmp_path: Path) -> None:
+    from test_bench_metrics import write_sharegpt
+
+    from trillm.bench.datasets import BenchTokenizer
+
+    tok_dir = REPO / "trillm" / "default_model"
+    pairs = [
+        (
+            "How do volcanoes form under the ocean floor?",
+            "Magma rises through cracks in the crust.",
+        ),
+        ("Name three colours of the rainbow please.", "Red, orange and yellow are three of them."),
+    ]
+    data = tmp_path / "sg.json"
+    write_sharegpt(data, pairs)
+    dataset = [
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(data),
+        "--tokenizer",
+        str(tok_dir),
+    ]
+    with StubServer() as stub:
+        args = common_args(stub.url, tmp_path, 5, 1) + dataset
+        proc = run_bench(args)
+        bodies = stub.bodies[1:]
+    assert proc.returncode == 0, proc.stderr
+    r = load(tmp_path / "r.json")
+    tok = BenchTokenizer(tok_dir)
+    expected = {q: (len(tok.encode(q)), len(tok.encode(a))) for q, a in pairs}
+    assert r["completed"] == 2  # only two conversations in the file
+    assert sorted(r["input_lens"]) == sorted(v[0] for v in expected.values())
+    assert sorted(b["max_tokens"] for b in bodies) == sorted(v[1] for v in expected.values())
+    assert {b["prompt"] for b in bodies} == set(expected)
 
 
 def test_failed_requests_are_counted_and_listed(tmp_path: Path) -> None:
@@ -329,11 +380,9 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def trillm_server(tmp_path_factory: pytest.TempPathFactory):
-    from trillm.testing.tiny_models import build_tiny_model
-
+def trillm_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory):
     root = tmp_path_factory.mktemp("trillm_serve")
-    model = build_tiny_model("llama", root / "model")
+    model = Path(tiny_model_factory("llama"))
     port = _free_port()
     log = root / "server.log"
     cmd = [
@@ -375,14 +424,12 @@ def test_real_server_completions(trillm_server, tmp_path: Path) -> None:
 
 def test_real_server_chat_with_tokenizer(trillm_server, tmp_path: Path) -> None:
     url, model = trillm_server
-    args = common_args(url, tmp_path, 3, 3) + [
-        "--backend",
-        "openai-chat",
-        "--tokenizer",
-        str(model),
-    ]
+    # --model a local folder: its tokenizer makes the text prompts; the API name differs.
+    args = common_args(url, tmp_path, 3, 3) + ["--backend", "openai-chat", "--model", str(model)]
+    args += ["--served-model-name", "tiny"]
     proc = run_bench(args + ["--ignore-eos"], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = load(tmp_path / "r.json")
     assert r["completed"] == 3 and r["endpoint"] == "/v1/chat/completions"
+    assert r["model_id"] == "tiny" and r["tokenizer_id"] == str(model)
     assert r["output_lens"] == [3, 3, 3]

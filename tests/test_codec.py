@@ -52,7 +52,9 @@ def sampling_params(draw) -> SamplingParams:
         logit_bias=draw(st.none() | st.dictionaries(st.integers(0, 5000), st.floats(-100, 100))),
         output_kind=draw(st.sampled_from(RequestOutputKind)),
         structured_outputs=structured,
-        extra_args=draw(st.none() | st.dictionaries(st.text(max_size=4), st.integers())),
+        extra_args=draw(
+            st.none() | st.dictionaries(st.text(max_size=4), st.integers(-(2**63), 2**63 - 1))
+        ),
         bad_words_token_ids=draw(st.none() | st.lists(ids, max_size=3)),
         all_stop_token_ids=draw(ids),
     )
@@ -121,13 +123,13 @@ control_messages = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(scheduler_outputs())
 def test_scheduler_output_round_trip(msg):
     assert codec.decode(codec.encode(msg)) == msg
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(model_runner_outputs)
 def test_model_runner_output_round_trip(msg):
     assert codec.decode(codec.encode(msg)) == msg
@@ -162,6 +164,15 @@ def test_enum_and_int_keys_survive():
     back = codec.decode(codec.encode(sched)).scheduled_new_reqs[0].sampling_params
     assert back.output_kind is RequestOutputKind.DELTA
     assert back.logit_bias == {7: 1.5}
+
+
+def test_unencodable_contents_raise_codec_error():
+    sp = SamplingParams(extra_args={"big": 2**70})
+    sched = SchedulerOutput(
+        1, [NewRequestData("r", [1], [], sp, [0], 0)], CachedRequestData(), {}, 1
+    )
+    with pytest.raises(CodecError, match="Cannot encode SchedulerOutput"):
+        codec.encode(sched)
 
 
 def test_encode_rejects_foreign_objects():

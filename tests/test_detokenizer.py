@@ -32,7 +32,7 @@ IMPLS = [
     ),
 ]
 PROPERTY = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 
 
@@ -76,9 +76,24 @@ def sp_tokenizer():
     return build_sentencepiece_style("llama")
 
 
+@pytest.fixture(scope="module")
+def ms_tokenizer():
+    return build_sentencepiece_style("metaspace")
+
+
+_SPECS: dict[int, object] = {}
+_FACTORIES: dict[tuple[int, str], DetokenizerFactory] = {}
+
+
+def spec_of(tok):
+    if id(tok) not in _SPECS:
+        _SPECS[id(tok)] = (tok, build_vocab_spec(tok))  # keeps tok alive: ids stay unique
+    return _SPECS[id(tok)][1]
+
+
 def interesting_ids(tok) -> list[int]:
     """Byte-ish tokens (lone continuation bytes, lead bytes, invalid bytes), specials, CJK."""
-    spec = build_vocab_spec(tok)
+    spec = spec_of(tok)
     assert spec is not None
     ids = [i for i, b in enumerate(spec.table) if len(b) == 1 and b[0] >= 0x80]
     ids += spec.special_ids + spec.byte_token_ids[0x20:0x42:0x21]  # <0x20>, <0x41>
@@ -88,14 +103,18 @@ def interesting_ids(tok) -> list[int]:
 
 
 def id_lists(tok) -> st.SearchStrategy[list[int]]:
-    spec = build_vocab_spec(tok)
+    spec = spec_of(tok)
     picked = st.sampled_from(interesting_ids(tok))
     anything = st.integers(0, len(spec.table) - 1)
     return st.lists(st.one_of(picked, picked, anything), min_size=0, max_size=24)
 
 
 def new_detok(tok, impl: str, skip: bool, prompt: list[int] | None = None):
-    factory = DetokenizerFactory(tok, native=impl == "native")
+    key = (id(tok), impl)
+    if key not in _FACTORIES:
+        spec_of(tok)  # pins tok so id(tok) is not reused
+        _FACTORIES[key] = DetokenizerFactory(tok, native=impl == "native")
+    factory = _FACTORIES[key]
     assert factory.kind == impl
     return factory.new(skip, prompt or [])
 
@@ -145,9 +164,9 @@ def test_sentencepiece_style_matches_decode(sp_tokenizer, impl, data, skip):
 @pytest.mark.parametrize("impl", IMPLS)
 @PROPERTY
 @given(data=st.data(), skip=st.booleans())
-def test_prompt_context(hf_tokenizer, sp_tokenizer, impl, data, skip):
+def test_prompt_context(hf_tokenizer, sp_tokenizer, ms_tokenizer, impl, data, skip):
     """prompt text (emitted while priming) + output text == decode(prompt + output)."""
-    tok = data.draw(st.sampled_from([hf_tokenizer, sp_tokenizer]), label="tokenizer")
+    tok = data.draw(st.sampled_from([hf_tokenizer, sp_tokenizer, ms_tokenizer]), label="tokenizer")
     prompt = data.draw(id_lists(tok), label="prompt")
     ids = data.draw(id_lists(tok), label="ids")
     chunks = data.draw(st.lists(st.integers(1, 5), max_size=24), label="chunks")
@@ -157,8 +176,8 @@ def test_prompt_context(hf_tokenizer, sp_tokenizer, impl, data, skip):
 @pytest.mark.skipif(NATIVE is None, reason="trillm._ext.detokenizer not built")
 @PROPERTY
 @given(data=st.data(), skip=st.booleans())
-def test_twins_agree_chunk_by_chunk(hf_tokenizer, sp_tokenizer, data, skip):
-    tok = data.draw(st.sampled_from([hf_tokenizer, sp_tokenizer]), label="tokenizer")
+def test_twins_agree_chunk_by_chunk(hf_tokenizer, sp_tokenizer, ms_tokenizer, data, skip):
+    tok = data.draw(st.sampled_from([hf_tokenizer, sp_tokenizer, ms_tokenizer]), label="tokenizer")
     ids = data.draw(id_lists(tok), label="ids")
     chunks = data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=12), label="chunks")
     native, python = new_detok(tok, "native", skip), new_detok(tok, "python", skip)
@@ -223,13 +242,18 @@ def test_out_of_range_id_raises(hf_tokenizer, impl):
         detok.add_tokens([-1])
 
 
-def test_metaspace_decoder_is_modelled():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_metaspace_decoder_is_modelled(impl):
+    """Metaspace drops every '▁' of the first kept token and turns the others into spaces."""
     tok = build_sentencepiece_style("metaspace")
-    spec = build_vocab_spec(tok)
+    spec = spec_of(tok)
     assert spec is not None and spec.scheme == DecoderScheme.BYTE_FALLBACK
-    assert spec.byte_token_ids == [] and spec.strip_leading_spaces == 1
-    ids = [tok.token_to_id(p) for p in ["▁hello", "x▁y", "<0x41>", "▁▁", "你"]]
-    check_incremental(tok, "python", ids, [1, 2, 1, 1], True)
+    assert spec.byte_token_ids == [] and spec.first_table
+    ids = [tok.token_to_id(p) for p in ["x▁y", "▁hello", "<0x41>", "▁▁", "你"]]
+    assert tok.decode(ids) == "xy hello<0x41>  你"
+    for skip in (True, False):
+        check_incremental(tok, impl, ids, [1, 2, 1, 1], skip)
+        check_incremental(tok, impl, [tok.token_to_id("<▁tool>"), *ids], [1, 2, 1], skip)
 
 
 def test_transformers_wrapper_decodes_like_backend(sp_tokenizer):
@@ -255,9 +279,20 @@ def test_env_switch_forces_python(hf_tokenizer, monkeypatch):
     assert DetokenizerFactory(hf_tokenizer).kind == "python"
 
 
-def test_python_vocab_rejects_bad_ids():
-    with pytest.raises(IndexError):
-        PyVocab([b"a"], [3])
+def test_python_twin_holds_an_incomplete_character():
     detok = PyIncrementalDetokenizer(PyVocab([b"a", b"\xc3", b"\xa9"], [0]), True)
     assert detok.add_tokens([0, 1]) == ""
     assert detok.add_tokens([2]) == "é"
+
+
+def vocab_class(impl: str):
+    return NATIVE.Vocab if impl == "native" else PyVocab
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vocab_validates_its_arguments(impl):
+    vocab = vocab_class(impl)
+    with pytest.raises(IndexError):
+        vocab([b"a"], [1])
+    with pytest.raises(ValueError, match="exactly one byte"):
+        vocab([b"ab"], [], 1, [0], 0)

@@ -57,7 +57,8 @@ def test_engine_matches_transformers(arch, tiny_model_factory):
     async def main():
         async with open_engine(
             path,
-            num_gpu_blocks_override=24,  # 16 requests need ~60 blocks: forces preemption
+            max_model_len=256,
+            num_gpu_blocks_override=24,  # 16 requests need ~70 blocks: forces preemption
             max_num_batched_tokens=64,  # long prompts are chunked
             max_num_seqs=16,
         ) as engine:

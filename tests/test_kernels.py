@@ -11,6 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import importlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -54,6 +55,9 @@ if _saved_interpret is None:
 else:
     os.environ["TRITON_INTERPRET"] = _saved_interpret
 
+# subprocesses run from the checkout, where ``trillm`` imports whatever the install mode
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETED_HERE, reason="triton imported without TRITON_INTERPRET: run in a subprocess"
 )
@@ -63,7 +67,9 @@ if not INTERPRETED_HERE:
     def test_kernels_in_interpreted_subprocess():
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        result = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, cwd=_REPO_ROOT, timeout=600
+        )
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
@@ -135,8 +141,9 @@ def test_importing_kernels_does_not_import_triton():
     code = "import sys, trillm.kernels; print('triton' in sys.modules)"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, env=env, cwd=_REPO_ROOT, timeout=120,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 

@@ -228,9 +228,10 @@ def test_duplicate_content_is_cached_once(impl):
     compute_all(kv, a)
     compute_all(kv, b)
     assert kv.num_cached_blocks_total() == 2
-    assert kv.get_computed_blocks(new_request(impl, "c", list(range(9))))[0] == kv.get_block_ids(
-        "a"
-    )[:2]
+    assert (
+        kv.get_computed_blocks(new_request(impl, "c", list(range(9))))[0]
+        == kv.get_block_ids("a")[:2]
+    )
     kv.free(a)  # b's duplicate blocks stay usable, a's stay cached in the free queue
     assert kv.get_computed_blocks(new_request(impl, "d", list(range(9))))[1] == 8
 

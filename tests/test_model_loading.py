@@ -32,6 +32,15 @@ LLAMA3 = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny tensors: OpenMP fan-out costs more than it saves (and stalls on a busy machine).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     return build_tiny_model("llama", tmp_path_factory.mktemp("llama"))

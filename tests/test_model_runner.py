@@ -54,6 +54,15 @@ ROPE_VARIANTS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny matmuls: OpenMP fan-out costs more than it saves (and stalls on a busy machine).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @dataclass
 class _Req:
     req_id: str
@@ -96,7 +105,7 @@ class MiniScheduler:
             req.blocks.append(block)
             req.new_blocks.append(block)
 
-    def step(self) -> None:
+    def step(self, bitmask: dict[str, list[int]] | None = None) -> None:
         new_reqs, cached, scheduled = [], CachedRequestData(), {}
         for req in self.active:
             n = req.num_tokens - req.num_computed
@@ -127,7 +136,7 @@ class MiniScheduler:
         self.finished = []
         self.step_id += 1
         self.runner.execute_model(sched)
-        out = self.runner.sample_tokens(None)
+        out = self.runner.sample_tokens(bitmask)
         assert out.req_ids == list(scheduled)
         by_id = {r.req_id: r for r in self.active}
         for req_id, tokens in zip(out.req_ids, out.sampled_token_ids):
@@ -302,3 +311,19 @@ def test_step_with_only_finished_requests(tiny):
     sched.step()  # nothing scheduled: only the finished ids travel
     assert len(runner.batch) == 0
     assert runner.sampling_state.num_active == 0
+
+
+def test_bitmask_restricts_only_its_request(tiny, reference):
+    path, _ = tiny
+    sched = MiniScheduler(_make_runner(path))
+    words = [0] * (4096 // 32)
+    words[77 // 32] = 1 << (77 % 32)  # only token 77 allowed
+    prompts = _prompts(PROMPT_LENS)
+    masked = _Req("masked", prompts[0], _greedy(3), 3)
+    free = _Req("free", prompts[1], _greedy(3), 3)
+    sched.add(masked)
+    sched.add(free)
+    while sched.active:
+        sched.step(bitmask={"masked": words})
+    assert masked.output == [77, 77, 77]
+    assert free.output == reference[1][:3]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from trillm.engine.detokenizer import load_native_module
@@ -476,3 +478,53 @@ def test_n_children_not_finished_until_all_are(tok, processor):
     final = collector.get_nowait()
     assert final.finished and final.outputs[0].index == 1
     assert final.outputs[0].finish_reason == "abort"
+
+
+# ---------------------------------------------------------------- property: stop strings
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data(), include=st.booleans())
+def test_stop_strings_property(tok, data, include):
+    """Random stop strings (substrings of the text, or absent), random step sizes: the streamed
+    DELTA text never retracts, and the result matches a reference built from decode()."""
+    ids = ids_of(tok)
+    full = tok.decode(ids)
+    spans = st.tuples(st.integers(0, len(full) - 1), st.integers(1, 6))
+    picked = data.draw(st.lists(spans, min_size=1, max_size=3), label="spans")
+    stops = [full[a : a + n] for a, n in picked if full[a : a + n].strip()] or ["absent!"]
+    stops.append("never seen")
+    sizes = data.draw(st.lists(st.integers(1, 4), min_size=len(ids), max_size=len(ids)))
+    # Reference: the first token whose decoded prefix contains a stop string, earliest start.
+    expect_text, expect_stop, expect_tokens = full, None, ids
+    for k in range(len(ids)):
+        prefix = tok.decode(ids[: k + 1])
+        found = [(prefix.find(s), s) for s in stops if s in prefix]
+        if found:
+            at, expect_stop = min(found, key=lambda f: f[0])
+            expect_text = prefix[: at + len(expect_stop) if include else at]
+            expect_tokens = ids[: k + 1]
+            break
+    processor = OutputProcessor(tok)
+    params = SamplingParams(
+        stop=stops, include_stop_str_in_output=include, output_kind=RequestOutputKind.DELTA
+    )
+    collector = processor.add_request("h", None, [1], params)
+    streamed, tokens, pos, final = "", [], 0, None
+    for size in sizes:
+        if pos >= len(ids):
+            break
+        finish = FinishReason.LENGTH if pos + size >= len(ids) else None
+        processor.process_outputs([step("h", ids[pos : pos + size], finish)])
+        pos += size
+        for out in drain(collector):
+            streamed += out.outputs[0].text
+            tokens += out.outputs[0].token_ids
+            assert expect_text.startswith(streamed)
+            final = out if out.finished else final
+    assert final is not None
+    assert streamed == expect_text and tokens == expect_tokens
+    assert final.outputs[0].stop_reason == expect_stop
+    assert final.outputs[0].finish_reason == ("stop" if expect_stop else "length")

@@ -11,6 +11,15 @@ from trillm.attention.torch_backend import TorchAttentionBackend
 HQ, HKV, D, BS, NUM_BLOCKS = 8, 2, 16, 4, 64
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny tensors: OpenMP fan-out costs more than it saves (and stalls on a busy machine).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def _metadata(context_lens, query_lens, block_tables) -> AttentionMetadata:
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     qsl = torch.tensor([0] + query_lens).cumsum(0).int()

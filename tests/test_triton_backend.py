@@ -13,6 +13,7 @@ import importlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -41,6 +42,9 @@ if _saved_interpret is None:
 else:
     os.environ["TRITON_INTERPRET"] = _saved_interpret
 
+# subprocesses run from the checkout, where ``trillm`` imports whatever the install mode
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETED_HERE, reason="triton imported without TRITON_INTERPRET: run in a subprocess"
 )
@@ -50,7 +54,9 @@ if not INTERPRETED_HERE:
     def test_backend_in_interpreted_subprocess():
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        result = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, cwd=_REPO_ROOT, timeout=600
+        )
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
@@ -137,7 +143,8 @@ def test_backend_matches_reference_on_mixed_step(num_heads, num_kv_heads, head_d
 
 @needs_interpreter
 def test_backend_decode_step_with_split_kv_matches_reference():
-    q, k, v, cache, meta = random_step([1, 1, 1], [300, 7, 129], 4, 1, 16, seed=26)
+    q, k, v, cache, meta = random_step([1, 1, 1], [1100, 7, 129], 4, 1, 16, seed=26)
+    assert paged_attention_triton.choose_num_splits(3, meta.max_seq_len, True) == 4
     expected_cache = cache.clone()
     expected = reference_forward(q, k, v, expected_cache, meta, 0.2)
     backend = triton_backend.TritonAttentionBackend()  # splits chosen by the step: 3 programs
@@ -234,8 +241,9 @@ def test_backend_on_cpu_without_interpreter_says_why():
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, env=env, cwd=_REPO_ROOT, timeout=120,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "needs CUDA tensors, or TRITON_INTERPRET=1" in result.stdout
 

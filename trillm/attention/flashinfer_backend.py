@@ -13,6 +13,7 @@ kv_cache[1]).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -58,7 +59,8 @@ class FlashInferAttentionBackend:
         import flashinfer  # optional dependency: imported only when this backend is chosen
 
         self._flashinfer = flashinfer
-        self._wrapper = None  # created on the first forward, on q's device
+        # flashinfer's BatchPrefillWithPagedKVCacheWrapper, made by the first forward (q's device)
+        self._wrapper: Any = None
         self._meta: AttentionMetadata | None = None
         self._planned: _PlanKey | None = None
 
@@ -84,7 +86,8 @@ class FlashInferAttentionBackend:
         )
         if key != self._planned:
             self._plan_wrapper(meta, key, q.device)
-        return self._wrapper.run(q, (kv_cache[0], kv_cache[1]))
+        # q may be a strided view of a fused qkv projection; the cache halves are contiguous
+        return self._wrapper.run(q.contiguous(), (kv_cache[0], kv_cache[1]))
 
     def _plan_wrapper(self, meta: AttentionMetadata, key: _PlanKey, device: torch.device) -> None:
         if self._wrapper is None:

@@ -24,9 +24,12 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(
-        self, block_n: int = 64, target_block_m: int | None = None, num_splits: int | None = None
+        self,
+        block_n: int | None = None,
+        target_block_m: int | None = None,
+        num_splits: int | None = None,
     ) -> None:
-        self.block_n = block_n  # K/V positions per inner-loop tile
+        self.block_n = block_n  # K/V positions per inner-loop tile; None: by head_dim
         self.target_block_m = target_block_m  # query rows x heads per program; None: by step
         self.num_splits = num_splits  # split-KV parts; None: by step (decode steps only)
         self._meta: AttentionMetadata | None = None

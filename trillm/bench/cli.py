@@ -72,7 +72,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="default /v1/completions (chat backend: /v1/chat/completions)",
     )
     p.add_argument(
-        "--model", default=None, help="served model name (default: the server's first model)"
+        "--model",
+        default=None,
+        help="model name (a local folder also gives the tokenizer); default: the server's first",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name sent as 'model' in requests, when it differs from --model",
     )
     p.add_argument(
         "--tokenizer", default=None, help="local tokenizer folder (default: --model if a folder)"
@@ -104,6 +111,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-dir", default=None)
     p.add_argument("--result-filename", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument(
+        "--http-client",
+        choices=["h11", "httpx"],
+        default="h11",
+        help="h11: trillm's lean keep-alive client (default); httpx: httpx.AsyncClient",
+    )
     p.add_argument(
         "--plot", default=None, metavar="F.png", help="latency CDFs, throughput over time"
     )

@@ -1,4 +1,10 @@
-"""One streaming request to an OpenAI-compatible server, timed chunk by chunk (httpx on Trio)."""
+"""One streaming request to an OpenAI-compatible server, timed chunk by chunk.
+
+A chunk counts as a token arrival when it carries generated text (``choices[].text`` or
+``delta.content``/``reasoning_content``); role-only and empty end chunks do not, so TTFT is
+the wait for the first visible token. Output tokens come from the usage chunk
+(``stream_options.include_usage``), else from the tokenizer, else from the chunk count.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 
 from trillm.bench.metrics import RequestResult
+from trillm.bench.transport import H11Transport, HttpxTransport, TransportError
 
-REQUEST_TIMEOUT_S = 6 * 60 * 60  # as vLLM: a benchmark request may legitimately be slow
 ERROR_BODY_CHARS = 300
 
 
@@ -24,14 +29,6 @@ class RequestSpec:
     chat: bool  # /v1/chat/completions (messages) instead of /v1/completions (prompt)
     ignore_eos: bool = False
     sampling: dict[str, Any] | None = None  # temperature, top_p, ... sent as they are
-
-
-def make_client(max_connections: int | None = None) -> httpx.AsyncClient:
-    """One pooled client for the whole run: a connection per in-flight stream, no cap."""
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None)
-    timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
-    # NOTE: trust_env=False: a benchmark talks to the server directly, never via a proxy.
-    return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
 
 
 def build_payload(spec: RequestSpec, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
@@ -59,6 +56,10 @@ def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
     return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
 
 
+class ServerStreamError(RuntimeError):
+    """The server sent an error event inside the stream."""
+
+
 class _StreamState:
     """Folds SSE events into a RequestResult as they arrive."""
 
@@ -66,18 +67,28 @@ class _StreamState:
         self.result = result
         self.chat = chat
         self.last_chunk = 0.0
+        self.end = 0.0  # when [DONE] arrived
         self.num_chunks = 0
         self.usage_tokens: int | None = None
         self.texts: list[str] = []
 
-    def feed(self, data: dict[str, Any], now: float) -> None:
+    def on_data(self, payload: bytes) -> bool:
+        """One SSE data payload; True at [DONE]."""
+        now = time.perf_counter()
+        if payload == b"[DONE]":
+            self.end = now
+            return True
+        data = orjson.loads(payload)
         if usage := data.get("usage"):
             self.usage_tokens = usage.get("completion_tokens")
         if "error" in data:
             raise ServerStreamError(str(data["error"]))
         text = "".join(_chunk_text(c, self.chat) for c in data.get("choices") or [])
-        if not text:
-            return
+        if text:
+            self._on_text(text, now)
+        return False
+
+    def _on_text(self, text: str, now: float) -> None:
         if self.num_chunks == 0:
             self.result.ttft = now - self.result.start_time
         else:
@@ -87,12 +98,9 @@ class _StreamState:
         self.texts.append(text)
 
 
-class ServerStreamError(RuntimeError):
-    """The server sent an error event inside the stream."""
-
-
 def _finish(state: _StreamState, tokenizer: Any) -> None:
     r = state.result
+    r.latency = (state.end or time.perf_counter()) - r.start_time
     r.generated_text = "".join(state.texts)
     if state.num_chunks == 0:
         r.error = "Never received a chunk with generated text (cannot measure TTFT)."
@@ -106,18 +114,8 @@ def _finish(state: _StreamState, tokenizer: Any) -> None:
     r.success = True
 
 
-async def _read_stream(response: httpx.Response, state: _StreamState) -> None:
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue  # blank separators, comments (": ping"), event names
-        body = line[5:].strip()
-        if body == "[DONE]":
-            break
-        state.feed(orjson.loads(body), time.perf_counter())
-
-
 async def send_request(
-    client: httpx.AsyncClient,
+    transport: H11Transport | HttpxTransport,
     spec: RequestSpec,
     prompt: str | list[int],
     prompt_len: int,
@@ -127,17 +125,15 @@ async def send_request(
     """Stream one request; failures land in ``result.error``, never raise (except cancel)."""
     result = RequestResult(prompt_len=prompt_len)
     state = _StreamState(result, spec.chat)
-    payload = build_payload(spec, prompt, max_tokens)
+    body = orjson.dumps(build_payload(spec, prompt, max_tokens))
     result.start_time = time.perf_counter()
     try:
-        async with client.stream("POST", spec.api_url, json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {body[:ERROR_BODY_CHARS]}"
-                return result
-            await _read_stream(response, state)
-            result.latency = time.perf_counter() - result.start_time
-        _finish(state, tokenizer)
-    except (httpx.HTTPError, orjson.JSONDecodeError, ServerStreamError, OSError) as e:
-        result.error = f"{type(e).__name__}: {e}"
+        status, error_body = await transport.post_sse(spec.api_url, body, state.on_data)
+    except (TransportError, ServerStreamError, orjson.JSONDecodeError) as e:
+        result.error = f"{type(e).__name__}: {e}" if not isinstance(e, TransportError) else str(e)
+        return result
+    if status != 200:
+        result.error = f"HTTP {status}: {error_body.decode(errors='replace')[:ERROR_BODY_CHARS]}"
+        return result
+    _finish(state, tokenizer)
     return result

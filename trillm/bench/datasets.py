@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -190,29 +190,51 @@ def _sharegpt_keep(prompt_len: int, output_len: int, fixed_output: bool) -> bool
 
 
 class BenchTokenizer:
-    """A local Hugging Face tokenizer folder, through ``tokenizers`` (fast to import)."""
+    """A local Hugging Face tokenizer: ``tokenizer.json`` through ``tokenizers`` (fast to
+    import), else the folder through ``transformers.AutoTokenizer`` (e.g. sentencepiece)."""
 
     def __init__(self, path: str | Path) -> None:
         folder = Path(path)
         file = folder / "tokenizer.json" if folder.is_dir() else folder
-        if not file.is_file():
-            raise DatasetError(f"No tokenizer.json under {path}: pass --tokenizer FOLDER.")
-        from tokenizers import Tokenizer
+        if file.is_file():
+            from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(str(file))
-        self.vocab_size = self._tok.get_vocab_size()
+            self._fast = Tokenizer.from_file(str(file))
+            self._hf = None
+            self.vocab_size = self._fast.get_vocab_size()
+        elif folder.is_dir():
+            self._fast = None
+            self._hf = _auto_tokenizer(folder)
+            self.vocab_size = len(self._hf)
+        else:
+            raise DatasetError(f"Tokenizer folder not found: {path}")
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=False).ids
+        return self._hf.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=False)
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=False)
+        return self._hf.decode(ids, skip_special_tokens=False)
+
+
+def _auto_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"Cannot load a tokenizer from {folder}: {e}") from None
 
 
 def find_tokenizer(tokenizer: str | None, model: str | None) -> BenchTokenizer | None:
     """--tokenizer, else --model when it is a local folder holding a tokenizer, else None."""
     if tokenizer is not None:
         return BenchTokenizer(tokenizer)
-    if model is not None and (Path(model) / "tokenizer.json").is_file():
+    if model is not None and any(
+        (Path(model) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    ):
         return BenchTokenizer(model)
     return None

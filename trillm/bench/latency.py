@@ -23,7 +23,8 @@ def make_batch(args: argparse.Namespace) -> list[dict[str, list[int]]]:
     reqs = build_random(
         args.batch_size, args.input_len, args.output_len, seed=0, tokenizer=tokenizer
     )
-    return [{"prompt_token_ids": list(r.prompt)} for r in reqs]
+    # NOTE: build_random without as_text returns token-id prompts.
+    return [{"prompt_token_ids": r.prompt} for r in reqs if isinstance(r.prompt, list)]
 
 
 def time_batch(llm: Any, prompts: list[dict[str, list[int]]], params: Any) -> float:

@@ -8,6 +8,7 @@ Ctrl-C stops the run and still reports, and saves, what completed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import signal
 import sys
@@ -16,13 +17,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import numpy as np
 import trio
 
 from trillm.bench import datasets, metrics, results_io
-from trillm.bench.client import RequestSpec, make_client, send_request
+from trillm.bench.client import RequestSpec, send_request
 from trillm.bench.metrics import RequestResult
+from trillm.bench.transport import Transport, TransportError, get_json, make_transport
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 EXIT_INTERRUPTED = 130
@@ -116,28 +117,25 @@ class Interrupt:
 
 
 async def _one(
-    client: httpx.AsyncClient,
+    client: Transport,
     spec: RequestSpec,
     req: datasets.BenchRequest,
     limiter: trio.CapacityLimiter | None,
     state: RunState,
     ctx: ServeContext,
 ) -> None:
-    if limiter is None:
+    # NOTE: as vLLM, --max-concurrency holds a request back before it is sent: its TTFT
+    # starts when it gets a slot, while the arrival schedule keeps running.
+    async with limiter if limiter is not None else contextlib.nullcontext():
         result = await send_request(
             client, spec, req.prompt, req.prompt_len, req.expected_output_len, ctx.tokenizer
         )
-    else:
-        async with limiter:
-            result = await send_request(
-                client, spec, req.prompt, req.prompt_len, req.expected_output_len, ctx.tokenizer
-            )
     state.results.append(result)
     ctx.progress.update(1)
 
 
 async def run_rate(
-    client: httpx.AsyncClient, spec: RequestSpec, ctx: ServeContext, state: RunState
+    client: Transport, spec: RequestSpec, ctx: ServeContext, state: RunState
 ) -> None:
     """Send every request at its arrival time; returns when all have finished."""
     rng = np.random.default_rng(ctx.seed)
@@ -155,28 +153,24 @@ async def run_rate(
     state.end = time.perf_counter()
 
 
-async def check_server(client: httpx.AsyncClient, base_url: str, model: str | None) -> str:
+async def check_server(base_url: str, model: str | None) -> str:
     """Reachability and the model name (the first served model when --model is not given)."""
     url = base_url.rstrip("/") + "/v1/models"
     try:
-        response = await client.get(url)
-    except httpx.HTTPError as e:
-        raise BenchSetupError(
-            f"Cannot reach the server at {base_url}: {type(e).__name__}: {e}"
-        ) from None
+        status, body = await get_json(url)
+    except TransportError as e:
+        raise BenchSetupError(f"Cannot reach the server at {base_url}: {e}") from None
     if model is not None:
         return model
-    if response.status_code != 200:
-        raise BenchSetupError(f"GET {url} answered HTTP {response.status_code}; pass --model NAME.")
-    served = response.json().get("data") or []
+    if status != 200 or not isinstance(body, dict):
+        raise BenchSetupError(f"GET {url} answered HTTP {status}; pass --model NAME.")
+    served = body.get("data") or []
     if not served:
         raise BenchSetupError(f"The server at {base_url} serves no model; pass --model NAME.")
     return served[0]["id"]
 
 
-async def test_request(
-    client: httpx.AsyncClient, spec: RequestSpec, req: datasets.BenchRequest
-) -> None:
+async def probe_request(client: Transport, spec: RequestSpec, req: datasets.BenchRequest) -> None:
     """One short request before the clock starts: a bad model name or endpoint fails here."""
     result = await send_request(client, spec, req.prompt, req.prompt_len, TEST_MAX_TOKENS)
     if not result.success:
@@ -353,19 +347,17 @@ def finish_run(
     return record
 
 
-async def _setup(
-    client: httpx.AsyncClient, args: argparse.Namespace, ctx: ServeContext
-) -> RequestSpec:
-    model = await check_server(client, base_url(args), args.model)
+async def _setup(client: Transport, args: argparse.Namespace, ctx: ServeContext) -> RequestSpec:
+    model = await check_server(base_url(args), args.served_model_name or args.model)
     spec = make_spec(args, model)
     print(f"Starting the test request to {spec.api_url} (model {model}) ...")
-    await test_request(client, spec, ctx.requests[0])
+    await probe_request(client, spec, ctx.requests[0])
     print("The test request passed; starting the benchmark.")
     return spec
 
 
 async def _run_rates(
-    client: httpx.AsyncClient,
+    client: Transport,
     args: argparse.Namespace,
     ctx: ServeContext,
     spec: RequestSpec,
@@ -395,7 +387,18 @@ async def _run_rates(
 
 async def _serve_main(args: argparse.Namespace, ctx: ServeContext) -> int:
     interrupt = Interrupt()
-    async with make_client() as client, trio.open_nursery() as nursery:
+    client = make_transport(args.http_client)
+    try:
+        return await _serve_with(client, args, ctx, interrupt)
+    finally:
+        with trio.CancelScope(shield=True):
+            await client.aclose()
+
+
+async def _serve_with(
+    client: Transport, args: argparse.Namespace, ctx: ServeContext, interrupt: Interrupt
+) -> int:
+    async with trio.open_nursery() as nursery:
         await nursery.start(interrupt.watch)
         with trio.CancelScope() as setup_scope:
             interrupt.scope = setup_scope
@@ -424,7 +427,10 @@ def run_serve(args: argparse.Namespace) -> int:
     """Entry point of ``trillm bench serve``; returns the exit code."""
     try:
         ctx = prepare(args)
+        return trio.run(_serve_main, args, ctx)
     except (BenchSetupError, datasets.DatasetError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    return trio.run(_serve_main, args, ctx)
+    except KeyboardInterrupt:  # before the SIGINT handler is up, or a second Ctrl-C
+        print("\nInterrupted.", file=sys.stderr)
+        return EXIT_INTERRUPTED

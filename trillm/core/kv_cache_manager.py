@@ -37,7 +37,9 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra: Sequence[int]) -> int:
+def hash_block_tokens(
+    parent_hash: int | None, token_ids: Sequence[int], extra: Sequence[int]
+) -> int:
     """128-bit chain hash of one full block. ``extra``: 64-bit keys (see string_hash_key)."""
     if parent_hash is None:
         lo, hi = _ROOT_LO, _ROOT_HI
@@ -69,7 +71,9 @@ def request_extra_keys(request) -> tuple[list[int], list[int]]:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}.")
+            raise ValueError(
+                f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}."
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -135,7 +139,9 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
 
-    def _num_new_blocks(self, request: Request, num_new_tokens: int, num_computed_blocks: int) -> int:
+    def _num_new_blocks(
+        self, request: Request, num_new_tokens: int, num_computed_blocks: int
+    ) -> int:
         held = len(self._tables.get(request.request_id, ())) + num_computed_blocks
         total_tokens = request.num_computed_tokens + num_computed_blocks * self.block_size
         needed = -(-(total_tokens + num_new_tokens) // self.block_size)

@@ -188,6 +188,9 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         self.num_preemptions += 1
+        if request.sent_to_worker:
+            self._finished_req_ids.append(request.request_id)
+            request.sent_to_worker = False
         self._enqueue_waiting(request, front=True)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:

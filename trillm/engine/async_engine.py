@@ -56,6 +56,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
         self.is_running = False
+        self.chat_template: str | None = None  # --chat-template, else the tokenizer's
 
     # ------------------------------------------------------------------ status
     @property
@@ -209,13 +210,9 @@ class AsyncEngine:
     def render_chat(self, messages: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
         from trillm.entrypoints.chat_utils import render_chat
 
-        template = options.pop("chat_template", None) or self.config_chat_template
+        template = options.pop("chat_template", None) or self.chat_template
         text = render_chat(self.tokenizer, messages, chat_template=template, **options)
         return {"prompt": text, "add_special_tokens": False}
-
-    @property
-    def config_chat_template(self) -> str | None:
-        return getattr(self, "_chat_template", None)
 
     async def abort(self, request_id: str) -> None:
         ids = self.output_processor.child_ids(request_id)
@@ -244,7 +241,7 @@ async def open_engine(
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, config.model.tokenizer)
     async with open_executor(config, runner or DEFAULT_RUNNER, runner_kwargs) as executor:
         engine = AsyncEngine(config, tokenizer, executor)
-        engine._chat_template = args.chat_template
+        engine.chat_template = args.chat_template
         logger.info(
             "engine ready: model %s, %d KV blocks of %d tokens, device %s, attention %s",
             config.model.served_model_name,

@@ -20,7 +20,8 @@ Two decoder pipelines are modelled exactly; anything else goes to ``tokenizers``
   ``Strip(' ', k, 0)``, or ``Metaspace``): text tokens are their string with '▁' -> ' ';
   a run of consecutive ``<0xNN>`` tokens decodes as strict UTF-8, or, if the run is not
   valid UTF-8 as a whole, as one U+FFFD per byte. A run is held back until a text token ends
-  it or it is proven invalid. The first ``k`` leading spaces of the whole text are stripped.
+  it or it is proven invalid. The first ``k`` leading spaces of the whole text are stripped
+  (``Strip``); ``Metaspace`` instead drops every '▁' of the first token (``first_table``).
 
 The native class and the Python twin take the same arguments and return the same strings;
 ``TRILLM_NO_EXTENSIONS=1`` (or ``native=False``) forces the twin.
@@ -29,10 +30,10 @@ The native class and the Python twin take the same arguments and return the same
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import enum
 import json
 import logging
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ class VocabSpec:
     scheme: DecoderScheme
     byte_token_ids: list[int]  # BYTE_FALLBACK only: ids of the <0xNN> tokens
     strip_leading_spaces: int  # BYTE_FALLBACK only: leading ' ' stripped from the whole text
+    # BYTE_FALLBACK only: what a token decodes to when it is the first one ([] = as ``table``)
+    first_table: list[bytes] = dataclasses.field(default_factory=list)
 
 
 def _gpt2_unicode_to_byte() -> dict[str, int]:
@@ -110,12 +113,26 @@ def build_vocab_spec(tokenizer: Any) -> VocabSpec | None:
     if decoder.get("type") == "ByteLevel":
         table = _byte_level_table(tokens)
         return VocabSpec(table, special_ids, DecoderScheme.BYTE_LEVEL, [], 0)
+    if decoder.get("type") == "Metaspace":
+        return _metaspace_spec(decoder, tokens, special_ids)
     steps = _byte_fallback_steps(decoder)
     if steps is None:
         return None
     replace, byte_fallback, strip = steps
     table, byte_ids = _byte_fallback_table(tokens, replace, byte_fallback)
     return VocabSpec(table, special_ids, DecoderScheme.BYTE_FALLBACK, byte_ids, strip)
+
+
+def _metaspace_spec(decoder: dict, tokens: list[str], special_ids: list[int]) -> VocabSpec | None:
+    # tokenizers' Metaspace decoder: '▁' -> ' ', except in the first token, where every '▁'
+    # is dropped (unless prepend_scheme is "never").
+    if decoder.get("replacement", "▁") != "▁":
+        return None
+    table = [t.replace("▁", " ").encode("utf-8") for t in tokens]
+    first_table: list[bytes] = []
+    if decoder.get("prepend_scheme", "always") != "never":
+        first_table = [t.replace("▁", "").encode("utf-8") for t in tokens]
+    return VocabSpec(table, special_ids, DecoderScheme.BYTE_FALLBACK, [], 0, first_table)
 
 
 def _needs_cleanup(tokenizer: Any, config: dict) -> bool:
@@ -146,10 +163,6 @@ def _byte_level_table(tokens: list[str]) -> list[bytes]:
 
 def _byte_fallback_steps(decoder: dict) -> tuple[bool, bool, int] | None:
     """(replace '▁', byte fallback, strip count) if ``decoder`` is a SentencePiece pipeline."""
-    if decoder.get("type") == "Metaspace":
-        if decoder.get("replacement", "▁") != "▁":
-            return None
-        return True, False, 0 if decoder.get("prepend_scheme") == "never" else 1
     if decoder.get("type") != "Sequence":
         return None
     order = ["Replace", "ByteFallback", "Fuse", "Strip"]
@@ -200,8 +213,11 @@ class PyVocab:
         scheme: int = DecoderScheme.BYTE_LEVEL,
         byte_token_ids: Sequence[int] = (),
         strip_leading_spaces: int = 0,
+        first_table: Sequence[bytes] = (),
     ) -> None:
         self.scheme = DecoderScheme(scheme)
+        if first_table and len(first_table) != len(table):
+            raise ValueError("first_table must be empty or as long as table.")
         self.strip_leading_spaces = strip_leading_spaces
         self.size = len(table)
         skipped = set(special_ids)
@@ -209,6 +225,8 @@ class PyVocab:
         for i in (*skipped, *byte_ids):
             if not 0 <= i < len(table):
                 raise IndexError(f"token id {i} is outside the table of {len(table)} tokens.")
+        if any(len(table[i]) != 1 for i in byte_ids):
+            raise ValueError("a byte token's table entry must be exactly one byte.")
         self.table = list(table)
         self.table_skipping = [b"" if i in skipped else t for i, t in enumerate(table)]
         # BYTE_FALLBACK: a text token's string, or an int for a byte token.
@@ -216,6 +234,10 @@ class PyVocab:
             t[0] if i in byte_ids else t.decode("utf-8", "replace") for i, t in enumerate(table)
         ]
         self.special = [i in skipped for i in range(len(table))]
+        self.first_pieces: list[str | int] = [
+            self.pieces[i] if i in byte_ids else t.decode("utf-8", "replace")
+            for i, t in enumerate(first_table)
+        ]
 
 
 class PyIncrementalDetokenizer:
@@ -231,6 +253,7 @@ class PyIncrementalDetokenizer:
         self._run = bytearray()  # BYTE_FALLBACK: the open run of byte tokens, valid so far
         self._run_check = codecs.getincrementaldecoder("utf-8")("strict")
         self._run_invalid = False  # the open run is already known to be all U+FFFD
+        self._first = bool(vocab.first_pieces)  # the next kept token is the first one
         if prompt_token_ids:
             self.add_tokens(prompt_token_ids)  # primes the state; the prompt's text is not ours
 
@@ -260,7 +283,11 @@ class PyIncrementalDetokenizer:
         for i in ids:
             if self._skip and special[i]:
                 continue
-            piece = pieces[i]
+            if self._first:
+                self._first = False
+                piece = self._vocab.first_pieces[i]
+            else:
+                piece = pieces[i]
             if isinstance(piece, str):
                 out.append(self._close_run())
                 out.append(piece)
@@ -351,25 +378,17 @@ class StreamDetokenizer:
 
 
 def native_enabled() -> bool:
-    """The project-wide switch (``trillm/_native.py`` when present, else the env var)."""
-    try:
-        from trillm import _native  # type: ignore[attr-defined]
-    except ImportError:
-        return os.environ.get("TRILLM_NO_EXTENSIONS", "") != "1"
-    for name in ("use_native", "native_enabled", "extensions_enabled"):
-        switch = getattr(_native, name, None)
-        if callable(switch):
-            return bool(switch())
-    return os.environ.get("TRILLM_NO_EXTENSIONS", "") != "1"
+    """The project-wide switch (``TRILLM_NO_EXTENSIONS=1`` forces the Python twin)."""
+    from trillm._native import extensions_enabled
+
+    return extensions_enabled()
 
 
 def load_native_module() -> Any | None:
-    """``trillm._ext.detokenizer`` if it was built, else None."""
-    try:
-        from trillm._ext import detokenizer as native  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return native
+    """``trillm._ext.detokenizer`` if it was built, else None (ignores the switch)."""
+    from trillm._native import native_module
+
+    return native_module("detokenizer")
 
 
 class DetokenizerFactory:
@@ -413,4 +432,5 @@ def _spec_args(spec: VocabSpec) -> tuple:
         int(spec.scheme),
         spec.byte_token_ids,
         spec.strip_leading_spaces,
+        spec.first_table,
     )

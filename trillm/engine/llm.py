@@ -80,8 +80,12 @@ class LLM:
         use_tqdm: bool = True,
         **chat_options: Any,
     ) -> list[RequestOutput]:
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.engine.render_chat(conv, **dict(chat_options)) for conv in conversations]
+        conversations: list[list[dict[str, Any]]] = (
+            messages if messages and isinstance(messages[0], list) else [messages]  # type: ignore[assignment,list-item]
+        )
+        prompts: list[PromptType] = [
+            self.engine.render_chat(conv, **dict(chat_options)) for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:

@@ -18,7 +18,6 @@ waits on a slow reader and memory per request stays bounded.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -290,6 +289,7 @@ class OutputProcessor:
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             group.metrics.last_token_time = now
+        # NOTE: the samples of a group share the prompt; sample 0's prompt logprobs stand for all.
         if out.new_prompt_logprobs is not None and sample.index == 0:
             if group.prompt_logprobs is not None and group.num_prompt_logprobs is not None:
                 lists = out.new_prompt_logprobs
@@ -307,7 +307,8 @@ class OutputProcessor:
             self._append_tokens(sample, ids, out.new_logprobs)
             return None
         # With stop strings, feed one token at a time so a match drops the tokens after it.
-        pieces = [ids[i : i + 1] for i in range(len(ids))] if sample.stop else [ids]
+        many = sample.stop is not None and len(ids) > 1
+        pieces = [ids[i : i + 1] for i in range(len(ids))] if many else [ids]
         pieces = pieces or [[]]  # a finish without new tokens still flushes
         for i, piece in enumerate(pieces):
             new_text = detok.add_tokens(piece)
@@ -315,7 +316,7 @@ class OutputProcessor:
                 new_text += detok.flush()
             new_from = len(sample.text)
             sample.text += new_text
-            self._append_tokens(sample, piece, out.new_logprobs, offset=i if sample.stop else 0)
+            self._append_tokens(sample, piece, out.new_logprobs, offset=i if many else 0)
             stop_string = self._check_stop(sample, out, new_from)
             if stop_string is not None:
                 return stop_string
@@ -393,7 +394,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=group.num_cached_tokens,
-            metrics=dataclasses.replace(group.metrics),
+            metrics=_copy_metrics(group.metrics),
         )
 
     def _completion(self, sample: _Sample, delta: bool) -> CompletionOutput:
@@ -483,4 +484,14 @@ def _slice_lists(lists: LogprobsLists, start: int, stop: int) -> LogprobsLists:
         token_ids=lists.token_ids[start:stop],
         logprobs=lists.logprobs[start:stop],
         ranks=lists.ranks[start:stop],
+    )
+
+
+def _copy_metrics(m: RequestMetrics) -> RequestMetrics:
+    return RequestMetrics(
+        m.arrival_time,
+        m.first_token_time,
+        m.last_token_time,
+        m.finished_time,
+        m.num_generation_tokens,
     )

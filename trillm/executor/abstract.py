@@ -15,7 +15,6 @@ Errors, as seen by the engine core:
 from __future__ import annotations
 
 import abc
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,9 +23,6 @@ import trio
 
 from trillm.config import TrillmConfig
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
 
 DEFAULT_RUNNER = "trillm.worker.model_runner:ModelRunner"
 FAKE_RUNNER = "trillm.worker.fake_runner:FakeModelRunner"
@@ -103,6 +99,12 @@ async def open_executor(
     except BaseExceptionGroup as group:
         # NOTE: run() only raises before started(), so a lone error is the caller's own (or
         # the startup failure): re-raise it as is rather than wrapped in a group.
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
+        raise unwrap_group(group) from None
+
+
+def unwrap_group(group: BaseExceptionGroup) -> BaseException:
+    """The only leaf exception of nested single-member groups, else the group itself."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc

@@ -31,7 +31,7 @@ import trio
 import trillm
 from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, EngineStartupError, IPCError, ModelExecutionError
-from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
+from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory, unwrap_group
 from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
 from trillm.ipc.shm_ring import (
@@ -161,6 +161,12 @@ class MultiprocExecutor(Executor):
         self._stopped = trio.Event()
 
     @property
+    def ipc(self) -> _Ipc:
+        if self._ipc is None:
+            raise EngineDeadError("The executor has not been started (await nursery.start(run)).")
+        return self._ipc
+
+    @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
@@ -183,6 +189,8 @@ class MultiprocExecutor(Executor):
                 await self._stop.wait()
                 await self._stop_workers()
                 nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            raise unwrap_group(group) from None
         finally:
             with trio.CancelScope(shield=True):
                 await self._reap(kill=True)
@@ -192,16 +200,16 @@ class MultiprocExecutor(Executor):
 
     async def _handshake(self) -> None:
         init = codec.encode(InitWorker(self.config, self.runner_spec, self.runner_kwargs))
-        await self._ipc.requests.send(init)
+        await self.ipc.requests.send(init)
         loaded = [await self._recv_control(rank, "loaded") for rank in range(self.num_workers)]
         self.num_blocks = min(r.num_blocks for r in loaded)
         self.config.cache.num_blocks = self.num_blocks
-        await self._ipc.requests.send(codec.encode(InitKVCache(self.num_blocks)))
+        await self.ipc.requests.send(codec.encode(InitKVCache(self.num_blocks)))
         for rank in range(self.num_workers):
             await self._recv_control(rank, "kv_cache")
 
     async def _recv_control(self, rank: int, phase: str) -> WorkerReady:
-        msg = codec.decode(await self._ipc.results[rank].recv())
+        msg = codec.decode(await self.ipc.results[rank].recv())
         if isinstance(msg, WorkerFailed):
             raise self._fail(
                 EngineStartupError(f"Worker rank {rank} failed to start:\n{msg.message}")
@@ -225,7 +233,7 @@ class MultiprocExecutor(Executor):
         """The WorkerFailed message a dead worker left on its result ring, if any."""
         # NOTE: synchronous, so it cannot interleave with a recv() suspended on this reader.
         try:
-            while (frame := self._ipc.results[rank].try_recv()) is not None:
+            while (frame := self.ipc.results[rank].try_recv()) is not None:
                 msg = codec.decode(frame)
                 if isinstance(msg, WorkerFailed):
                     return msg.message
@@ -240,7 +248,7 @@ class MultiprocExecutor(Executor):
         if not was_dead:
             try:
                 with trio.move_on_after(SHUTDOWN_GRACE_S):
-                    await self._ipc.requests.send(codec.encode(Shutdown()))
+                    await self.ipc.requests.send(codec.encode(Shutdown()))
             except IPCError:
                 pass
         with trio.move_on_after(SHUTDOWN_GRACE_S):
@@ -272,7 +280,7 @@ class MultiprocExecutor(Executor):
             for proc in self.processes:
                 if proc.returncode is None:
                     proc.kill()
-            self._ipc.unlink()
+            self.ipc.unlink()
         return self._death()
 
     def _death(self) -> EngineDeadError:
@@ -281,11 +289,20 @@ class MultiprocExecutor(Executor):
         return type(dead)(*dead.args)
 
     async def _guarded(
-        self, fn: Callable[..., Awaitable[T]], limit_s: float | None, what: str, *args: Any
+        self,
+        fn: Callable[..., Awaitable[T]],
+        limit_s: float | None,
+        what: str,
+        *args: Any,
+        shield: bool = False,
     ) -> T:
-        """Run ``fn``; cancelled (and EngineDeadError raised) if the executor dies meanwhile."""
+        """Run ``fn``; cancelled (and EngineDeadError raised) if the executor dies meanwhile.
+
+        ``shield``: the caller's cancellation cannot interrupt ``fn`` (a ring send, which must
+        not leave half a message behind); the executor's death and ``limit_s`` still can.
+        """
         self.check_health()
-        with trio.CancelScope() as scope:
+        with trio.CancelScope(shield=shield) as scope:
             self._inflight.add(scope)
             try:
                 with trio.fail_after(limit_s if limit_s is not None else float("inf")):
@@ -315,7 +332,8 @@ class MultiprocExecutor(Executor):
             raise RuntimeError("execute_model called twice without sample_tokens in between.")
         frame = codec.encode(sched)
         self._pending = sched
-        await self._guarded(self._ipc.requests.send, None, "take a step", frame)
+        what = f"take step {sched.step_id}"
+        await self._guarded(self.ipc.requests.send, self.step_timeout_s, what, frame, shield=True)
 
     async def sample_tokens(self, req: SampleRequest | None) -> ModelRunnerOutput:
         self.check_health()
@@ -327,7 +345,10 @@ class MultiprocExecutor(Executor):
         self._pending = None
         if sched.wait_for_bitmask:
             frame = codec.encode(req or SampleRequest(sched.step_id))
-            await self._guarded(self._ipc.requests.send, None, "sample", frame)
+            what = f"sample step {sched.step_id}"
+            await self._guarded(
+                self.ipc.requests.send, self.step_timeout_s, what, frame, shield=True
+            )
         what = f"answer step {sched.step_id}"
         outputs = await self._guarded(self._collect, self.step_timeout_s, what, sched.step_id)
         for rank, out in enumerate(outputs):
@@ -341,9 +362,16 @@ class MultiprocExecutor(Executor):
         return outputs[0]
 
     async def _collect(self, step_id: int) -> list[ModelRunnerOutput]:
+        """Every rank's output for ``step_id``.
+
+        Outputs of earlier steps are skipped: they belong to a ``sample_tokens`` call that its
+        caller cancelled (the step's requests are then the engine's to clean up).
+        """
         outputs = []
-        for rank, reader in enumerate(self._ipc.results):
+        for rank, reader in enumerate(self.ipc.results):
             msg = codec.decode(await reader.recv())
+            while isinstance(msg, ModelRunnerOutput) and msg.step_id < step_id:
+                msg = codec.decode(await reader.recv())
             if isinstance(msg, WorkerFailed):
                 raise self._fail(EngineDeadError(f"Worker rank {rank} failed:\n{msg.message}"))
             if not isinstance(msg, ModelRunnerOutput) or msg.step_id != step_id:

@@ -220,7 +220,10 @@ def encode(msg: Message) -> bytes:
         obj = _enc_control(_CONTROL_TAGS[type(msg)], msg)
     else:
         raise TypeError(f"Cannot encode {type(msg).__name__}: not a trillm IPC message.")
-    return msgpack.packb(obj, use_bin_type=True)
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CodecError(f"Cannot encode {type(msg).__name__}: {exc}") from exc
 
 
 def decode(frame: bytes | memoryview) -> Message:

@@ -116,12 +116,12 @@ class ShmRing:
             raise ValueError("A ring needs at least one reader, one slot and a positive size.")
         size = _layout(num_readers, num_slots, slot_size)[2]
         shm = shared_memory.SharedMemory(create=True, size=size)
-        _HEADER.pack_into(shm.buf, 0, MAGIC, VERSION, num_slots, slot_size, num_readers)
         fd = os.open(f"/dev/shm/{shm.name}", os.O_RDWR)
         try:
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        _HEADER.pack_into(mm, 0, MAGIC, VERSION, num_slots, slot_size, num_readers)
         return cls(shm.name, mm, shm)
 
     @classmethod

@@ -11,15 +11,16 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch import nn
 
 from trillm.config import EngineArgs, ModelConfig
 from trillm.model_executor.layers.rotary import SUPPORTED_ROPE_TYPES
 from trillm.model_executor.registry import (
+    CausalLM,
     UnsupportedArchitectureError,
+    get_model_class,
     is_supported,
     supported_architectures,
 )
@@ -287,26 +288,24 @@ def iterate_weights(folder: str | Path, device: str = "cpu") -> Iterator[tuple[s
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model: nn.Module, folder: str | Path) -> None:
+def load_weights(model: CausalLM, folder: str | Path) -> None:
     """Stream every checkpoint tensor into ``model.load_weights`` (HF names)."""
     model.load_weights(iterate_weights(folder))
 
 
-def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> nn.Module:
+def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     """Construct ``cfg.architecture`` without initialising it, then load the checkpoint."""
-    from trillm.model_executor.registry import get_model_class
-
     model_class = get_model_class(cfg.architecture)
-    dtype = getattr(torch, cfg.dtype)
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(getattr(torch, cfg.dtype))
     try:
         with torch.device("meta"):
             model = model_class(cfg, attn_backend, device=device)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, cfg.model)
-    return model.eval()
+    causal_lm = cast(CausalLM, model)
+    causal_lm.tie_weights()
+    load_weights(causal_lm, cfg.model)
+    model.eval()
+    return causal_lm

@@ -6,7 +6,10 @@ Adding an architecture is one module under ``models/`` plus one line here.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 # architecture -> (module under trillm.model_executor.models, class name)
@@ -16,6 +19,24 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
 }
+
+
+class CausalLM(Protocol):
+    """What the runner needs of a model class (``models/llama.py`` is the reference)."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        meta: Any,  # AttentionMetadata
+    ) -> torch.Tensor: ...  # [T, H]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, H] -> [n, V]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def tie_weights(self) -> None: ...
 
 
 class UnsupportedArchitectureError(ValueError):

@@ -30,7 +30,7 @@ def read_corpus(path: str | None) -> str:
         ["bible", "-f", "Gen1:1-Rev22:21"], capture_output=True, text=True, check=True
     ).stdout
     # "Ge1:1 In the beginning ..." -> "In the beginning ..."; a blank line between chapters.
-    lines = []
+    lines: list[str] = []
     for line in raw.splitlines():
         m = re.match(r"^\S+?(\d+):(\d+) (.*)$", line)
         if m:

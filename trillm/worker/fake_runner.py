@@ -193,7 +193,9 @@ class FakeModelRunner:
         if sched is None:
             raise FakeRunnerError("sample_tokens called without a successful execute_model.")
         self._pending = None
-        req_ids, sampled, logprobs = [], [], {}
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        logprobs: dict[str, LogprobsLists] = {}
         for req_id, n in sched.num_scheduled_tokens.items():
             req = self.requests[req_id]
             req.num_computed_tokens += n

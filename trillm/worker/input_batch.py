@@ -50,6 +50,7 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.wants_prompt_logprobs = np.zeros(max_num_reqs, dtype=bool)
         self.req_slot: dict[str, int] = {}
         self._free = list(range(max_num_reqs - 1, -1, -1))  # pop() hands out slot 0 first
 
@@ -75,6 +76,7 @@ class InputBatch:
         self.num_blocks[slot] = 0
         self.append_blocks(slot, new.block_ids)
         self.params[slot] = new.sampling_params
+        self.wants_prompt_logprobs[slot] = new.sampling_params.prompt_logprobs is not None
         return slot
 
     def remove_request(self, req_id: str) -> int | None:
@@ -83,6 +85,7 @@ class InputBatch:
         if slot is None:
             return None
         self.params[slot] = None
+        self.wants_prompt_logprobs[slot] = False
         self._free.append(slot)
         return slot
 

@@ -23,6 +23,7 @@ from trillm.attention.backend import AttentionMetadata, get_attention_backend
 from trillm.config import TrillmConfig
 from trillm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from trillm.model_executor.loader import build_model
+from trillm.model_executor.registry import CausalLM
 from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from trillm.sample.sampler import Sampler, SamplingState
 from trillm.worker.input_batch import InputBatch, StepInputs
@@ -70,7 +71,7 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_model_len = model_cfg.max_model_len
         torch.manual_seed(config.seed)
-        self.model: torch.nn.Module | None = None
+        self._model: CausalLM | None = None
         self.attn_backend = get_attention_backend(config.attention_backend, config.device)
         self.kv_caches: list[torch.Tensor] = []
         self.batch = InputBatch(
@@ -86,7 +87,13 @@ class ModelRunner:
     # ------------------------------------------------------------ lifecycle
 
     def load_model(self) -> None:
-        self.model = build_model(self.config.model, self.attn_backend, self.config.device)
+        self._model = build_model(self.config.model, self.attn_backend, self.config.device)
+
+    @property
+    def model(self) -> CausalLM:
+        if self._model is None:
+            raise RuntimeError("ModelRunner.load_model() has not been called.")
+        return self._model
 
     def kv_block_bytes(self) -> int:
         """Bytes of one block over all layers: K and V, block_size tokens, Hkv x D each."""
@@ -145,17 +152,20 @@ class ModelRunner:
         if not req_ids:
             empty = torch.empty(0, self.config.model.vocab_size, device=self.device)
             inputs = self.batch.prepare(np.zeros(0, np.int64), np.zeros(0, np.int64))
-            self._pending = _PendingStep(sched.step_id, [], inputs, empty, None, None)
+            self._pending = _PendingStep(
+                sched.step_id, [], inputs, empty, None, None, start_time=start
+            )
             return
         slots = np.array([self.batch.slot_of(r) for r in req_ids], dtype=np.int64)
         num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], np.int64)
         inputs = self.batch.prepare(slots, num_scheduled)
         hidden = self._forward(inputs)  # [T, H]
         sample_rows = torch.from_numpy(inputs.sample_rows).to(self.device)
-        sample_logits = self.model.compute_logits(hidden[sample_rows]).float()
-        pending = _PendingStep(sched.step_id, req_ids, inputs, sample_logits, None, None)
+        sample_logits = self.model.compute_logits(hidden.index_select(0, sample_rows)).float()
+        pending = _PendingStep(
+            sched.step_id, req_ids, inputs, sample_logits, None, None, start_time=start
+        )
         self._prompt_logprobs_inputs(pending, hidden, num_scheduled)
-        pending.start_time = start
         self._pending = pending
 
     def _update_batch(self, sched: SchedulerOutput) -> None:
@@ -164,8 +174,9 @@ class ModelRunner:
             if slot is not None:
                 self.sampling_state.remove_request(slot)
         for new in sched.scheduled_new_reqs:
-            if new.req_id in self.batch.req_slot:  # re-sent after a preemption
-                self.sampling_state.remove_request(self.batch.remove_request(new.req_id))
+            stale = self.batch.remove_request(new.req_id)  # re-sent after a preemption
+            if stale is not None:
+                self.sampling_state.remove_request(stale)
             slot = self.batch.add_request(new)
             self.sampling_state.add_request(
                 slot, new.sampling_params, new.prompt_token_ids, new.output_token_ids
@@ -209,8 +220,11 @@ class ModelRunner:
     ) -> None:
         """Logits of this step's prompt rows for requests with prompt_logprobs (row p scores
         prompt token p + 1)."""
-        inputs, rows, targets = pending.inputs, [], []
-        for i, req_id in enumerate(pending.req_ids):
+        inputs = pending.inputs
+        rows: list[np.ndarray] = []
+        targets: list[np.ndarray] = []
+        offset = 0
+        for i in np.nonzero(self.batch.wants_prompt_logprobs[inputs.slots])[0].tolist():
             slot = int(inputs.slots[i])
             params = self.batch.params[slot]
             if params is None or params.prompt_logprobs is None:
@@ -220,17 +234,17 @@ class ModelRunner:
             if end <= start:
                 continue
             first_row = int(inputs.query_start_loc[i])
-            offset = sum(len(r) for r in rows)
             rows.append(np.arange(first_row, first_row + end - start))
             targets.append(self.batch.token_ids[slot, start + 1 : end + 1])
             work = _PromptLogprobsWork(
-                req_id, slice(offset, offset + end - start), params.prompt_logprobs
+                pending.req_ids[i], slice(offset, offset + end - start), params.prompt_logprobs
             )
             pending.prompt_work.append(work)
+            offset += end - start
         if not rows:
             return
         row_index = torch.from_numpy(np.concatenate(rows)).to(self.device)
-        pending.prompt_logits = self.model.compute_logits(hidden[row_index]).float()
+        pending.prompt_logits = self.model.compute_logits(hidden.index_select(0, row_index)).float()
         pending.prompt_targets = torch.from_numpy(np.concatenate(targets)).to(self.device)
 
     # ------------------------------------------------------------ P3
@@ -294,7 +308,7 @@ class ModelRunner:
         return result
 
     def _prompt_logprobs(self, pending: _PendingStep) -> dict[str, LogprobsLists]:
-        if pending.prompt_logits is None:
+        if pending.prompt_logits is None or pending.prompt_targets is None:
             return {}
         k = max(w.num_logprobs for w in pending.prompt_work)
         tensors = compute_topk_logprobs(pending.prompt_logits, pending.prompt_targets, k).cpu()

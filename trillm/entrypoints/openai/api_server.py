@@ -285,6 +285,8 @@ async def _serve(
             await life.stop.wait()
             await _drain(state, opts.shutdown_timeout)
             shutdown.set()
+        logger.info("HTTP server stopped; shutting the engine down.")
+    logger.info("trillm stopped.")
 
 
 async def _hypercorn_serve(app: Any, config: Any, **kwargs: Any) -> None:
@@ -319,5 +321,5 @@ async def _drain(state: ServerState, grace_s: float) -> None:
     if state.inflight:
         with trio.move_on_after(grace_s):
             await state.drained.wait()
-    for scope in list(state.inflight):
-        scope.cancel()  # their readers finish the choices with finish_reason "abort"
+    for request_id in list(state.inflight):
+        await state.engine.abort(request_id)  # readers get finish_reason "abort"

@@ -1,12 +1,13 @@
 """What the chat and completion endpoints share: server state, running generations in the
 server's nursery, building SamplingParams from a request, usage and logprob formatting.
 
-A generation runs as a *producer* task in the server nursery (``start_generation``), sending
-``(prompt_index, RequestOutput)`` into a channel the HTTP handler reads. The handler (or the
-SSE generator) never holds a cancel scope across a ``yield``; a client disconnect closes the
-channel and cancels the producer, whose exit from ``engine.generate`` aborts the request in the
-engine. On shutdown the server cancels the producers that outlive ``--shutdown-timeout``; their
-readers see the channel close early and finish the choices with ``finish_reason: "abort"``.
+One prompt: the handler (or its SSE generator) iterates ``engine.generate`` directly. A client
+disconnect cancels the handler or closes the SSE generator; either way ``engine.generate`` is
+left (explicitly closed, never left to the garbage collector) and aborts the request in the
+engine. Several prompts: one producer task per prompt in the server nursery, merged through a
+channel; a disconnect cancels the producers. Nothing holds a cancel scope across a ``yield``.
+On shutdown the server aborts (``engine.abort``) what outlives ``--shutdown-timeout``; the
+readers get the engine's final output with ``finish_reason: "abort"``.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ class ServerState:
     trust_request_chat_template: bool = False
     max_logprobs: int = 20
     draining: bool = False
-    # The cancel scopes of running producers: shutdown cancels those that outlive the timeout.
-    inflight: set[trio.CancelScope] = attrs.field(factory=set)
+    # Engine request ids in flight: shutdown aborts those that outlive --shutdown-timeout.
+    inflight: set[str] = attrs.field(factory=set)
     drained: trio.Event = attrs.field(factory=trio.Event)  # set once draining and none in flight
     _token_text: dict[int, str] = attrs.field(factory=dict)
 
@@ -72,6 +73,14 @@ class ServerState:
         if model is not None and model not in self.served_model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", "model")
 
+    def track(self, request_id: str) -> None:
+        self.inflight.add(request_id)
+
+    def untrack(self, request_id: str) -> None:
+        self.inflight.discard(request_id)
+        if self.draining and not self.inflight:
+            self.drained.set()
+
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
@@ -82,19 +91,74 @@ class ServerState:
 # ---------------------------------------------------------------- running generations
 
 
-@attrs.define(eq=False)
 class Generation:
-    """The reading end of one request's producers (one per prompt).
+    """One HTTP request's engine requests, read as ``(job_index, RequestOutput | APIError)``.
 
-    Iterating yields ``(job_index, RequestOutput | APIError)`` until every producer is done.
+    ``start_generation`` returns a ``DirectGeneration`` for one prompt (the common case: the
+    handler iterates ``engine.generate`` itself, no extra task) and a ``FanInGeneration`` for
+    several (one producer task per prompt, merged through a channel).
     """
-
-    receive: trio.MemoryReceiveChannel[tuple[int, Any]]
-    scopes: list[trio.CancelScope]
-    pending: list[tuple[int, Any]] = attrs.field(factory=list)
 
     def __aiter__(self) -> Generation:
         return self
+
+    async def __anext__(self) -> tuple[int, Any]:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Stop reading; the engine aborts whatever is unfinished. Does not block."""
+        raise NotImplementedError
+
+    def close_when_dropped(self) -> None:
+        """Cleanup for a reader dropped without ``aclose`` (never-started response body)."""
+
+
+class DirectGeneration(Generation):
+    def __init__(self, state: ServerState, request_id: str, outputs: AsyncIterator[Any]) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.outputs = outputs
+        self.first: Any = None
+
+    async def prime(self) -> None:
+        """Wait for the first output, so admission errors become HTTP errors, not SSE events."""
+        try:
+            self.first = await self.outputs.__anext__()
+        except StopAsyncIteration:  # pragma: no cover - the engine always yields a final output
+            self.first = None
+        except Exception as exc:
+            await self.aclose()
+            raise from_engine_exception(exc) from exc
+
+    async def __anext__(self) -> tuple[int, Any]:
+        if self.first is not None:
+            first, self.first = self.first, None
+            return 0, first
+        try:
+            return 0, await self.outputs.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:  # the engine failed mid-request
+            return 0, from_engine_exception(exc)
+
+    async def aclose(self) -> None:
+        self.state.untrack(self.request_id)
+        # NOTE: engine.generate's cleanup is synchronous (it queues the abort), so this
+        # completes even inside a cancelled scope.
+        await self.outputs.aclose()  # type: ignore[attr-defined]
+
+    def close_when_dropped(self) -> None:
+        # Trio's async-generator finalizer closes engine.generate (and so aborts it).
+        self.state.untrack(self.request_id)
+
+
+class FanInGeneration(Generation):
+    def __init__(
+        self, receive: trio.MemoryReceiveChannel[tuple[int, Any]], scopes: list[trio.CancelScope]
+    ) -> None:
+        self.receive = receive
+        self.scopes = scopes
+        self.pending: list[tuple[int, Any]] = []
 
     async def __anext__(self) -> tuple[int, Any]:
         if self.pending:
@@ -112,14 +176,16 @@ class Generation:
             except (trio.WouldBlock, trio.EndOfChannel):
                 return
             if isinstance(item[1], APIError):
-                self.close()
+                self.close_when_dropped()
                 raise item[1]
             self.pending.append(item)
 
-    def close(self) -> None:
-        """Stop the producers (aborting their engine requests); safe to call twice."""
+    async def aclose(self) -> None:
+        self.close_when_dropped()
+
+    def close_when_dropped(self) -> None:
         for scope in self.scopes:
-            scope.cancel()
+            scope.cancel()  # the producers leave engine.generate, which aborts the requests
         self.receive.close()
 
 
@@ -130,33 +196,40 @@ async def start_generation(
     priority: int,
     cache_salt: str | None,
 ) -> Generation:
-    """Start one producer per ``(prompt_token_ids, params)`` job.
+    """Submit one engine request per ``(prompt_token_ids, params)`` job.
 
     Raises the engine's admission errors (a request larger than the KV cache, ...) as
     APIErrors, so they are answered as HTTP errors rather than inside a started stream.
     """
+    if len(jobs) == 1:
+        ids, params = jobs[0]
+        outputs = state.engine.generate(
+            {"prompt_token_ids": ids}, params, request_id, priority=priority, cache_salt=cache_salt
+        )
+        state.track(request_id)
+        direct = DirectGeneration(state, request_id, outputs)
+        await direct.prime()
+        return direct
     # NOTE: a small buffer: when the client reads slowly the producer waits and the engine's
     # per-request collector merges the deltas, so a slow reader gets fewer, larger chunks.
     send, receive = trio.open_memory_channel[tuple[int, Any]](_CHANNEL_BUFFER)
     scopes = []
     async with send:
         for i, (ids, params) in enumerate(jobs):
-            rid = request_id if len(jobs) == 1 else f"{request_id}-{i}"
-            job = (ids, params, rid, priority, cache_salt)
-            scope = await state.nursery.start(_produce, state, i, job, send.clone())
-            scopes.append(scope)
-    generation = Generation(receive, scopes)
+            job = (ids, params, f"{request_id}-{i}", priority, cache_salt)
+            scopes.append(await state.nursery.start(_produce, state, i, job, send.clone()))
+    fan_in = FanInGeneration(receive, scopes)
     # NOTE: ``task_status.started()`` does not yield, so each producer has run
     # engine.generate's synchronous admission checks (and queued any failure) before
     # ``nursery.start`` returned.
-    generation.raise_early_error()
-    return generation
+    fan_in.raise_early_error()
+    return fan_in
 
 
 def guard_stream(generation: Generation, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """``body`` (an SSE generator reading ``generation``), closing the generation if the body
-    is dropped without ever being iterated (a client gone before the response started)."""
-    weakref.finalize(body, generation.close)
+    """``body`` (an SSE generator reading ``generation``), cleaning the generation up if the
+    body is dropped without ever being iterated (a client gone before the response started)."""
+    weakref.finalize(body, generation.close_when_dropped)
     return body
 
 
@@ -169,7 +242,7 @@ async def _produce(
 ) -> None:
     ids, params, rid, priority, cache_salt = job
     scope = trio.CancelScope()
-    state.inflight.add(scope)
+    state.track(rid)
     task_status.started(scope)
     try:
         async with send:
@@ -179,9 +252,7 @@ async def _produce(
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the reader is gone (client disconnected)
     finally:
-        state.inflight.discard(scope)
-        if state.draining and not state.inflight:
-            state.drained.set()
+        state.untrack(rid)
 
 
 async def _pump(state, index, prompt, params, rid, priority, cache_salt, send) -> None:  # type: ignore[no-untyped-def]

@@ -132,7 +132,7 @@ class _ChatContext:
                 for c in out.outputs:
                     choices[c.index].add(c)
         finally:
-            gen.close()
+            await gen.aclose()
             self.tracker.finish(self.params.n)
         return self._response(choices, prompt_logprobs)
 
@@ -219,7 +219,7 @@ class _ChatContext:
             yield sse_error_event(err)
             yield DONE
         finally:
-            gen.close()
+            await gen.aclose()
             self.tracker.finish(self.params.n)
 
     @property

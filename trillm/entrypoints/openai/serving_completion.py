@@ -125,7 +125,7 @@ class _CompletionContext:
                 for c in out.outputs:
                     choices[job * self.n + c.index].add(c)
         finally:
-            gen.close()
+            await gen.aclose()
             self.tracker.finish(num)
         return {
             "id": self.request_id,
@@ -232,7 +232,7 @@ class _CompletionContext:
             yield sse_error_event(err)
             yield DONE
         finally:
-            gen.close()
+            await gen.aclose()
             self.tracker.finish(num)
 
     def _text_chunk(self, index: int, text: str) -> bytes:

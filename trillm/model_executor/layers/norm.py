@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trillm import kernels
+from trillm.kernels import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -15,4 +15,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> same
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trillm import kernels
+from trillm.kernels import apply_rotary
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -156,4 +156,4 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return kernels.apply_rotary(q, k, positions, self.cos_sin_cache)
+        return apply_rotary(q, k, positions, self.cos_sin_cache)

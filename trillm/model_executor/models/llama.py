@@ -163,8 +163,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg, backend, self.decoder_flags(cfg))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         self.rotary = RotaryEmbedding(
             cfg.head_dim,
             cfg.rope_theta,
@@ -173,6 +172,12 @@ class LlamaForCausalLM(nn.Module):
             max_positions=cfg.max_model_len,
             device=device,
         )
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when the checkpoint ties them (again after
+        ``to_empty``, which replaces every parameter)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
     def decoder_flags(cls, cfg: ModelConfig) -> LlamaDecoderFlags:
@@ -218,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
             module.load_shard(shard, kind, tensor)
             shards_seen.setdefault(param_name, set()).add(shard)
         for param_name, shards in shards_seen.items():
-            module = self.get_submodule(param_name.rpartition(".")[0])
+            module = self._stacked_module(param_name.rpartition(".")[0])
             if shards == set(module.shard_offsets):
                 loaded.add(param_name)
         missing = set(params) - loaded
@@ -234,8 +239,14 @@ class LlamaForCausalLM(nn.Module):
         if proj not in STACKED_PARAMS:
             return None
         stacked, shard = STACKED_PARAMS[proj]
-        module = self.get_submodule(f"{parent}.{stacked}")
+        module = self._stacked_module(f"{parent}.{stacked}")
         return f"{parent}.{stacked}.{kind}", module, shard, kind
+
+    def _stacked_module(self, path: str) -> StackedLinear:
+        module = self.get_submodule(path)
+        if not isinstance(module, StackedLinear):
+            raise MissingWeightsError(f"{path!r} is not a stacked projection.")
+        return module
 
     @staticmethod
     def _load_plain(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:

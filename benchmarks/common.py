@@ -1,0 +1,288 @@
+"""Shared helpers of the side-by-side benchmarks in ``benchmarks/``.
+
+- the benchmark model (a ~28M-parameter random Llama, fp32) and its parameter counts;
+- the workload (mixed prompt and output lengths, token-id prompts);
+- the fp32 matmul rate of this machine, measured at the model's GEMM shapes and at 2048^3;
+- machine facts for RESULTS.md, a table printer, JSON output;
+- a ``trillm serve`` subprocess that is up (``/health`` 200) when the ``with`` body starts.
+
+Importing this module puts the repository root on ``sys.path``: a script run as
+``python benchmarks/x.py`` has ``benchmarks/`` there, not the root, and the editable install
+only maps ``trillm.kernels``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+# The benchmark model: hidden 512, 8 layers, MLP 1408, 8 query heads / 4 KV heads of 64,
+# vocab 4096 (the shipped tokenizer's). Same shapes as benchmarks/decode_step.py.
+MODEL_SPEC: dict[str, Any] = dict(
+    hidden_size=512,
+    num_hidden_layers=8,
+    intermediate_size=1408,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=4096,
+    max_position_embeddings=1024,
+)
+MODEL_CACHE_DIR = Path(os.environ.get("TRILLM_BENCH_MODEL_DIR", "/tmp/trillm-bench-model"))
+
+# Workload defaults (issue text): prompts 8-384 tokens, outputs 8-160 tokens.
+PROMPT_LEN_RANGE = (8, 384)
+OUTPUT_LEN_RANGE = (8, 160)
+# Prompt token ids are drawn from [100, 4000): ordinary tokens of the shipped vocabulary.
+PROMPT_ID_RANGE = (100, 4000)
+
+# GEMM shapes (M x K x N) of the model: the MLP up/gate projection at several row counts.
+GEMM_ROWS = (64, 256, 1024, 4096)
+SQUARE_N = 2048
+
+
+# ---------------------------------------------------------------- model
+
+
+def build_bench_model(folder: Path | None = None) -> Path:
+    """Write the benchmark model once (seeded, so every run gets the same weights)."""
+    from trillm.testing.tiny_models import build_tiny_model
+
+    folder = folder or MODEL_CACHE_DIR
+    if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file():
+        config = json.loads((folder / "config.json").read_text())
+        if all(config.get(k) == v for k, v in MODEL_SPEC.items()):
+            return folder
+    return build_tiny_model("llama", folder, **MODEL_SPEC)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    embedding: int  # input embedding table (a lookup, no FLOPs)
+    lm_head: int
+    non_embedding: int  # everything but the two vocab tables
+
+    @property
+    def flop_params(self) -> int:
+        """Parameters that cost 2 FLOPs per token: non-embedding + lm_head."""
+        return self.non_embedding + self.lm_head
+
+
+def param_counts(folder: Path) -> ParamCounts:
+    """Exact counts, read from the checkpoint's tensors (no model built)."""
+    from safetensors import safe_open
+
+    sizes: dict[str, int] = {}
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+            shape = f.get_slice(name).get_shape()
+            n = 1
+            for d in shape:
+                n *= d
+            sizes[name] = n
+    embedding = sizes.get("model.embed_tokens.weight", 0)
+    lm_head = sizes.get("lm_head.weight", embedding)  # tied: the same table again
+    total = sum(sizes.values())
+    non_embedding = total - embedding - sizes.get("lm_head.weight", 0)
+    return ParamCounts(total, embedding, lm_head, non_embedding)
+
+
+# ---------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt_ids: list[int]
+    output_len: int
+
+
+def make_workload(
+    num_prompts: int,
+    seed: int = 0,
+    prompt_range: tuple[int, int] = PROMPT_LEN_RANGE,
+    output_range: tuple[int, int] = OUTPUT_LEN_RANGE,
+) -> list[Job]:
+    """Uniform prompt and output lengths in the (inclusive) ranges, random token ids."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, size=num_prompts)
+    out_lens = rng.integers(output_range[0], output_range[1] + 1, size=num_prompts)
+    return [
+        Job(rng.integers(*PROMPT_ID_RANGE, size=int(n)).tolist(), int(m))
+        for n, m in zip(in_lens, out_lens, strict=True)
+    ]
+
+
+# ---------------------------------------------------------------- machine
+
+
+def set_threads(n: int) -> None:
+    """Torch intra-op threads here, and (via the environment) in worker subprocesses."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    os.environ["MKL_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+
+
+def matmul_gflops(m: int, k: int, n: int, min_time_s: float = 0.3) -> float:
+    """fp32 ``[m, k] @ [k, n]`` rate in GFLOP/s: best of 3 timed rounds of >= min_time_s."""
+    import torch
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    out = torch.empty(m, n)
+    torch.matmul(a, b, out=out)
+    flops = 2.0 * m * k * n
+    reps = max(1, int(min_time_s * 20e9 / flops))  # assume ~20 GFLOP/s for the first guess
+    best = 0.0
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.matmul(a, b, out=out)
+        elapsed = time.perf_counter() - start
+        best = max(best, flops * reps / elapsed / 1e9)
+        reps = max(1, int(min_time_s * best * 1e9 / flops))
+    return best
+
+
+def matmul_rates(hidden: int = 512, intermediate: int = 1408) -> dict[str, float]:
+    """GFLOP/s at the model's MLP GEMM (rows x hidden x intermediate) and at SQUARE_N^3."""
+    rates = {f"{m}x{hidden}x{intermediate}": matmul_gflops(m, hidden, intermediate) for m in GEMM_ROWS}
+    rates[f"{SQUARE_N}^3"] = matmul_gflops(SQUARE_N, SQUARE_N, SQUARE_N)
+    return rates
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    model_name = platform.processor() or "unknown"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                model_name = line.split(":", 1)[1].strip()
+    return dict(
+        date_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        cpu=model_name,
+        cpus=os.cpu_count(),
+        load_avg_1m=os.getloadavg()[0],
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        python=platform.python_version(),
+    )
+
+
+# ---------------------------------------------------------------- output
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
+    """``columns``: (key, format spec) pairs; the key is the header."""
+    cells = [[format(r[k], f) if r.get(k) is not None else "-" for k, f in columns] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, (k, _) in enumerate(columns)]
+    print("  ".join(k.rjust(w) for (k, _), w in zip(columns, widths, strict=True)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
+
+
+def write_json(path: Path | None, result: dict[str, Any]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+
+
+# ---------------------------------------------------------------- server subprocess
+
+
+class ServerStartError(RuntimeError):
+    """``trillm serve`` exited, or did not answer /health in time."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@contextlib.contextmanager
+def trillm_server(
+    model: str, args: Sequence[str], port: int | None = None, timeout_s: float = 300.0,
+    log_path: Path | None = None,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m trillm serve model --port P *args``; yields (base_url, process)."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "trillm", "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--log-level", "warning", *args]  # fmt: skip
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _healthy(url):
+            if proc.poll() is not None:
+                raise ServerStartError(f"trillm serve exited with {proc.returncode}: {cmd}")
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"trillm serve not healthy after {timeout_s}s: {cmd}")
+            time.sleep(0.5)
+        yield url, proc
+    finally:
+        _stop(proc)
+        if log_path:
+            log.close()  # type: ignore[union-attr]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_bench_serve(
+    base_url: str, args: Sequence[str], result_file: Path, timeout_s: float = 1200
+) -> dict[str, Any]:
+    """``python -m trillm.bench serve --base-url URL *args``; returns its saved JSON record."""
+    cmd = [sys.executable, "-m", "trillm.bench", "serve", "--base-url", base_url,
+           "--disable-tqdm", "--result-dir", str(result_file.parent),
+           "--result-filename", result_file.name, *args]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    print("$", " ".join(cmd[1:]), flush=True)
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, timeout=timeout_s, text=True,
+                          capture_output=True)  # fmt: skip
+    print(proc.stdout[-3000:])
+    if proc.returncode != 0:
+        raise RuntimeError(f"trillm bench serve failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(result_file.read_text())

@@ -1,0 +1,147 @@
+"""Server lifecycle on a real ``trillm serve``: --api-key, clients that disconnect mid-stream
+(their requests must be aborted in the engine), and SIGTERM draining with exit code 0."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import trio
+from server_harness import ServerProcess, metric_value
+
+KEY = "sk-test-key"
+NUM_CLIENTS = 32
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory, tmp_path_factory):
+    model = tiny_model_factory("llama")
+    log = tmp_path_factory.mktemp("server-lifecycle") / "server.log"
+    srv = ServerProcess(
+        [model, "--max-model-len", "2048", "--kv-cache-memory", "64MiB", "--max-num-seqs", "64",
+         "--shutdown-timeout", "2"],
+        log,
+        api_key=KEY,
+    ).start()  # fmt: skip
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def scheduler_gauges(srv: ServerProcess) -> tuple[float, float, float]:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return tuple(
+        metric_value(text, f"trillm:{name}")
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    )
+
+
+def aborted(srv: ServerProcess) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("trillm:request_success_total") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_api_key_guards_v1_routes(server):
+    url = server.base_url
+    body = {"prompt": "hi", "max_tokens": 2}
+    assert httpx.get(url + "/models").status_code == 401
+    wrong = httpx.get(url + "/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.post(url + "/completions", json=body).status_code == 401
+    assert httpx.post(url + "/chat/completions", json=body).status_code == 401
+    assert httpx.get(url + "/models", headers=server.headers()).status_code == 200
+    ok = httpx.post(url + "/completions", json=body, headers=server.headers(), timeout=60)
+    assert ok.status_code == 200, ok.text
+    for open_path in ("/health", "/metrics"):
+        assert httpx.get(server.url + open_path).status_code == 200
+
+
+async def _stream_then_leave(client, i, started, leave):
+    body = {"prompt": f"client {i} says", "max_tokens": 1500, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = 0
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                events += 1
+                if events == 3:
+                    started()
+                    await leave.wait()
+                    return  # leaving the block closes the connection mid-stream
+
+
+def test_disconnected_streams_are_aborted(server):
+    aborted_before = aborted(server)
+    seen = {}
+
+    async def main():
+        leave = trio.Event()
+        count = 0
+        all_started = trio.Event()
+
+        def started():
+            nonlocal count
+            count += 1
+            if count == NUM_CLIENTS:
+                all_started.set()
+
+        limits = httpx.Limits(max_connections=NUM_CLIENTS + 4)
+        async with httpx.AsyncClient(
+            base_url=server.url, headers=server.headers(), timeout=120, limits=limits
+        ) as client:
+            async with trio.open_nursery() as nursery:
+                for i in range(NUM_CLIENTS):
+                    nursery.start_soon(_stream_then_leave, client, i, started, leave)
+                with trio.fail_after(120):
+                    await all_started.wait()
+                seen["mid"] = await trio.to_thread.run_sync(scheduler_gauges, server)
+                leave.set()
+
+    trio.run(main)
+    running, waiting, kv = seen["mid"]
+    assert running + waiting == NUM_CLIENTS
+    assert kv > 0
+    deadline = time.monotonic() + 15
+    while scheduler_gauges(server) != (0.0, 0.0, 0.0):
+        assert time.monotonic() < deadline, scheduler_gauges(server)
+        time.sleep(0.2)
+    assert aborted(server) - aborted_before == NUM_CLIENTS
+    # The engine still serves.
+    ok = httpx.post(
+        server.base_url + "/completions", json={"prompt": "after", "max_tokens": 3},
+        headers=server.headers(), timeout=60,
+    )  # fmt: skip
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_sigterm_drains_then_aborts_and_exits_0(server):
+    """Last test of the module: it stops the server."""
+    body = {"prompt": "long", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.stream(
+        "POST", server.base_url + "/completions", json=body, headers=server.headers(), timeout=60
+    ) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        server.terminate()
+        time.sleep(0.3)
+        assert httpx.get(server.url + "/health").status_code == 503
+        refused = httpx.post(
+            server.base_url + "/completions", json={"prompt": "x", "max_tokens": 2},
+            headers=server.headers(),
+        )  # fmt: skip
+        assert refused.status_code == 503
+        assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    import json
+
+    last = json.loads(rest[-2][len("data: ") :])
+    assert last["choices"][0]["finish_reason"] == "abort"
+    assert server.proc.wait(timeout=60) == 0, server.log()

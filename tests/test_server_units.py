@@ -1,0 +1,185 @@
+"""Server pieces without a server: request structuring, chat templates, CLI flags, OpenAPI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from trillm.entrypoints.chat_utils import (
+    ChatTemplateError,
+    load_chat_template,
+    render_chat,
+    render_template,
+)
+from trillm.entrypoints.cli import build_parser
+from trillm.entrypoints.openai.cli_args import engine_kwargs, server_options
+from trillm.entrypoints.openai.errors import BadRequestError
+from trillm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    structure,
+)
+
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+# ---------------------------------------------------------------- protocol
+
+
+def test_structure_accepts_unknown_fields_and_unions():
+    req = structure(
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+         "stop": "x", "temperature": 1, "tools": [], "metadata": {"k": "v"}},
+    )  # fmt: skip
+    assert req.stop == "x" and req.temperature == 1.0 and isinstance(req.temperature, float)
+    assert req.messages[0].content[0].text == "a"
+    prompts = structure(CompletionRequest, {"prompt": [[1, 2], [3]]}).prompt
+    assert prompts == [[1, 2], [3]]
+    assert structure(CompletionRequest, {"prompt": [5, 6]}).prompt == [5, 6]
+    assert structure(CompletionRequest, {"prompt": "p"}).max_tokens == 16
+
+
+@pytest.mark.parametrize(
+    "body,param,fragment",
+    [
+        ({"messages": [], "n": True}, "n", "must be an integer"),
+        ({"messages": [], "temperature": "1"}, "temperature", "must be a number"),
+        ({"messages": [], "top_p": 0}, "top_p", "must be > 0"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "got 3"),
+        ({"messages": [], "stream_options": []}, "stream_options", "must be an object"),
+        ({"messages": None}, "messages", "must be an array, got None"),
+        ({}, "messages", "Field required"),
+    ],
+)
+def test_structure_names_the_bad_field(body, param, fragment):
+    with pytest.raises(BadRequestError) as info:
+        structure(ChatCompletionRequest, body)
+    assert info.value.param == param
+    assert fragment in info.value.message
+
+
+# ---------------------------------------------------------------- chat templates
+
+
+def test_render_template_and_text_parts():
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    assert render_template(TEMPLATE, messages) == "<system>s</system><user>a\nb</user><assistant>"
+    assert render_template(TEMPLATE, messages, add_generation_prompt=False).endswith("</user>")
+
+
+def test_continue_final_message_drops_the_closing_tokens():
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The ans"}]
+    text = render_template(
+        TEMPLATE, messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text == "<user>q</user><assistant>The ans"
+    with pytest.raises(ChatTemplateError):
+        render_template(TEMPLATE, messages[:1], add_generation_prompt=False,
+                        continue_final_message=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ messages.append(1) }}",  # immutable sandbox: no mutation of the inputs
+        "{{ raise_exception('nope') }}",
+        "{% for %}",
+    ],
+)
+def test_hostile_or_broken_templates_are_refused(template):
+    with pytest.raises(ChatTemplateError):
+        render_template(template, [{"role": "user", "content": "x"}])
+
+
+def test_non_text_parts_are_refused():
+    with pytest.raises(ChatTemplateError) as info:
+        render_template(TEMPLATE, [{"role": "user", "content": [{"type": "image_url"}]}])
+    assert info.value.param == "messages[0].content[0].type"
+
+
+def test_render_chat_with_the_tokenizer_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    messages = [{"role": "user", "content": "hi"}]
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert render_chat(tok, messages) == expected
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert load_chat_template(str(path)) == TEMPLATE
+    assert render_chat(tok, messages, chat_template=str(path)) == "<user>hi</user><assistant>"
+    with pytest.raises(ChatTemplateError):
+        load_chat_template("no-such-file-and-no-jinja")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_serve_flags_map_to_engine_args():
+    from trillm.config import EngineArgs
+
+    args = build_parser().parse_args(
+        ["serve", "/m", "--port", "9001", "--served-model-name", "a", "b", "--dtype", "float32",
+         "--max-model-len", "128", "--kv-cache-memory", "2GiB", "--no-enable-prefix-caching",
+         "--scheduling-policy", "priority", "-tp", "2", "--max-logprobs", "5", "--log-level",
+         "warning", "--shutdown-timeout", "4", "--trust-request-chat-template",
+         "--attention-backend", "torch", "--generation-config", "vllm", "--seed", "3"],
+    )  # fmt: skip
+    kwargs = engine_kwargs(args)
+    assert kwargs == {
+        "dtype": "float32", "seed": 3, "max_model_len": 128, "kv_cache_memory": 2 << 30,
+        "enable_prefix_caching": False, "scheduling_policy": "priority",
+        "tensor_parallel_size": 2, "max_logprobs": 5, "attention_backend": "torch",
+        "generation_config": "vllm", "served_model_name": "a",
+    }  # fmt: skip
+    EngineArgs.from_kwargs(args.model_tag, **kwargs)  # every name is an EngineArgs field
+    opts = server_options(args)
+    assert (opts.port, opts.served_model_names, opts.log_level) == (9001, ["a", "b"], "warning")
+    assert opts.trust_request_chat_template and opts.shutdown_timeout == 4.0
+    defaults = build_parser().parse_args(["serve"])
+    assert defaults.model_tag is None and engine_kwargs(defaults) == {"max_logprobs": 20}
+
+
+def test_bad_memory_size_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-memory", "lots"])
+    assert "kv-cache-memory" in capsys.readouterr().err
+
+
+def test_serve_help_documents_the_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "trillm", "serve", "--help"], capture_output=True, text=True,
+        check=True,
+    ).stdout  # fmt: skip
+    for flag in ("--host", "--port", "--served-model-name", "--dtype", "--seed",
+                 "--max-model-len", "--block-size", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy",
+                 "--tensor-parallel-size", "--api-key", "--chat-template", "--generation-config",
+                 "--max-logprobs", "--kv-cache-memory", "--gpu-memory-utilization",
+                 "--uvicorn-log-level", "--log-level", "--shutdown-timeout",
+                 "--trust-request-chat-template", "--attention-backend"):  # fmt: skip
+        assert flag in out, flag
+
+
+def test_openapi_spec_is_valid():
+    from openapi_spec_validator import validate
+
+    from trillm.entrypoints.openai.openapi import build_spec
+
+    spec = build_spec()
+    validate(spec)
+    chat = spec["components"]["schemas"]["ChatCompletionRequest"]
+    assert chat["required"] == ["messages"]
+    assert chat["properties"]["n"]["minimum"] == 1 and chat["properties"]["n"]["maximum"] == 128
