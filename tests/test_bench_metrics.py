@@ -260,3 +260,10 @@ def test_sharegpt_errors_name_the_problem(
     bad.write_text("{not json")
     with pytest.raises(datasets.DatasetError, match="not valid JSON"):
         datasets.build_sharegpt(bad, 3, tokenizer)
+
+
+def test_missing_tokenizer_is_a_clear_error(tmp_path: datasets.Path) -> None:
+    with pytest.raises(datasets.DatasetError, match="Tokenizer folder not found"):
+        datasets.BenchTokenizer(tmp_path / "nope")
+    assert datasets.find_tokenizer(None, str(tmp_path)) is None  # a folder without a tokenizer
+    assert datasets.find_tokenizer(None, "some-hub/model-name") is None

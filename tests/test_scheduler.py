@@ -379,3 +379,22 @@ def test_native_switch(monkeypatch):
         pytest.skip("native extensions not built")
     assert _native.native_available()
     assert _native.get_scheduler_cls() is _native.native_module("scheduler").Scheduler
+
+
+def test_priority_preemption_of_a_request_scheduled_earlier_in_the_step(impl):
+    # x (less important) is first in the running queue and needs no new block at step 3; y
+    # crosses a block boundary then, and takes x's blocks although x was scheduled already.
+    sched = make_scheduler(impl, num_blocks=4, block_size=4, policy="priority")
+    sched.add_request(ecr("x", prompt(0, 6), max_tokens=8, arrival=0, priority=1))
+    sched.add_request(ecr("y", prompt(1, 7), max_tokens=8, arrival=1, priority=0))
+    worker = FakeWorker()
+    for _ in range(2):
+        step(sched, worker)
+    out, outs = step(sched, worker)
+    assert out.num_scheduled_tokens == {"y": 1}
+    assert out.total_num_scheduled_tokens == 1
+    assert out.scheduled_cached_reqs.req_ids == ["y"]
+    assert out.finished_req_ids == ["x"]
+    assert [o.request_id for o in outs] == ["y"]
+    assert sched.get_request("x").num_computed_tokens == 0
+    check_scheduler_invariants(sched, worker)

@@ -78,6 +78,8 @@ class FlashInferAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"The flashinfer attention backend needs fp16 or bf16, not {q.dtype}.")
         if meta is not self._meta:
             self.plan(meta)
         reshape_and_cache_triton.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)

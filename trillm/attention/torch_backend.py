@@ -75,7 +75,7 @@ def _prefill_group(meta: AttentionMetadata, reqs: torch.Tensor, block_size: int)
     valid = offsets[None, :] < query_lens[:, None]  # [Rg, Lq]
     query_index = torch.where(valid, starts[:, None] + offsets[None, :], starts[:, None])
     pos = torch.arange(max_len, device=device)  # [S]
-    causal = pos[None, None, :] <= (offsets[None, :])[:, :, None]
+    causal = pos[None, None, :] <= (context_lens[:, None] + offsets[None, :])[:, :, None]
     mask = (causal & (pos[None, None, :] < seq_lens[:, None, None]))[:, None]  # [Rg,1,Lq,S]
     flat = torch.arange(len(reqs_cpu), device=device)[:, None] * max_q + offsets[None, :]
     return _Group(

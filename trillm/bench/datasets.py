@@ -196,14 +196,14 @@ class BenchTokenizer:
     def __init__(self, path: str | Path) -> None:
         folder = Path(path)
         file = folder / "tokenizer.json" if folder.is_dir() else folder
+        self._fast: Any = None
+        self._hf: Any = None
         if file.is_file():
             from tokenizers import Tokenizer
 
             self._fast = Tokenizer.from_file(str(file))
-            self._hf = None
             self.vocab_size = self._fast.get_vocab_size()
         elif folder.is_dir():
-            self._fast = None
             self._hf = _auto_tokenizer(folder)
             self.vocab_size = len(self._hf)
         else:
