@@ -134,6 +134,12 @@ def _merge_splits_kernel(
     )  # fmt: skip
 
 
+def runs_interpreted() -> bool:
+    """Whether the kernels were defined under the Triton interpreter (they then take CPU
+    tensors): ``TRITON_INTERPRET=1`` was set when this module was imported."""
+    return not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
+
+
 @dataclass(frozen=True)
 class TileSchedule:
     """Which request and first query row each program's query tile covers."""

@@ -221,6 +221,19 @@ def test_hundreds_of_concurrent_streams(tmp_path: Path) -> None:
     assert r["total_output_tokens"] == n * out_len
 
 
+def test_max_concurrency_caps_streams_in_flight(tmp_path: Path) -> None:
+    with StubServer() as stub:
+        args = common_args(stub.url, tmp_path, 6, 3) + ["--max-concurrency", "2"]
+        proc = run_bench(args)
+    assert proc.returncode == 0, proc.stderr
+    r = load(tmp_path / "r.json")
+    assert r["completed"] == 6 and r["max_concurrency"] == 2
+    assert r["max_concurrent_requests"] == 2
+    # Three waves of two, each >= FIRST_DELAY + 2 * GAP long.
+    assert r["duration"] >= 3 * (FIRST_DELAY_S + 2 * GAP_S)
+    assert "Maximum request concurrency:" in proc.stdout
+
+
 def test_chunks_carrying_several_tokens(tmp_path: Path) -> None:
     n, out_len = 3, 6
     with StubServer(tokens_per_chunk=2) as stub:

@@ -79,7 +79,9 @@ def _cases():
 
 
 def _resource_usage(cubin: bytes) -> str:
-    cuobjdump = Path(sys.modules["triton"].__file__).parent / "backends/nvidia/bin/cuobjdump"
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

@@ -145,3 +145,53 @@ def test_sigterm_drains_then_aborts_and_exits_0(server):
     last = json.loads(rest[-2][len("data: ") :])
     assert last["choices"][0]["finish_reason"] == "abort"
     assert server.proc.wait(timeout=60) == 0, server.log()
+
+
+def _children(pid: int) -> list[int]:
+    import pathlib
+
+    out = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        out += [int(c) for c in children]
+    return out
+
+
+def test_dead_engine_answers_503(tiny_model_factory, tmp_path):
+    """A worker killed mid-stream: the stream ends with an error event, /health and new
+    requests answer 503 with the error shape, and SIGTERM still stops the server."""
+    import json
+    import os
+    import signal
+
+    model = tiny_model_factory("llama")
+    srv = ServerProcess(
+        [model, "--max-model-len", "1024", "--kv-cache-memory", "16MiB"], tmp_path / "s.log"
+    ).start()
+    try:
+        workers = [
+            p for p in _children(srv.proc.pid)
+            if b"worker_main" in open(f"/proc/{p}/cmdline", "rb").read()
+        ]  # fmt: skip
+        assert workers, "expected a model-worker subprocess"
+        body = {"prompt": "x", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
+            os.kill(workers[0], signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: ") :])["error"]
+        assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+        deadline = time.monotonic() + 15
+        while httpx.get(srv.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        r = httpx.post(srv.base_url + "/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "ServiceUnavailableError"
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log()

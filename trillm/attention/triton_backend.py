@@ -7,17 +7,9 @@ Runs on a CUDA GPU; on CPU only under the Triton interpreter (``TRITON_INTERPRET
 from __future__ import annotations
 
 import torch
-import triton
 
 from trillm.attention.backend import AttentionMetadata
 from trillm.kernels import paged_attention_triton, reshape_and_cache_triton
-
-
-def kernels_interpreted() -> bool:
-    """Whether the Triton kernels were defined under the interpreter (they run on CPU tensors)."""
-    return not isinstance(
-        paged_attention_triton._paged_attention_kernel, triton.runtime.JITFunction
-    )
 
 
 class TritonAttentionBackend:
@@ -51,7 +43,7 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        if not q.is_cuda and not kernels_interpreted():
+        if not q.is_cuda and not paged_attention_triton.runs_interpreted():
             raise RuntimeError(
                 "The triton attention backend needs CUDA tensors, or TRITON_INTERPRET=1 set "
                 "before trillm.kernels' Triton modules are imported."

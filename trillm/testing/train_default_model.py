@@ -52,9 +52,13 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--out", default=str(HERE))
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--save-every-minutes", type=float, default=5.0)
     args = ap.parse_args()
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(HERE)
     text = read_corpus(args.corpus)
     ids = torch.tensor(tok.encode(text) + [EOS_IDS[1]], dtype=torch.long)
@@ -69,6 +73,7 @@ def main() -> None:
     deadline = time.time() + args.minutes * 60
     start = time.time()
     step = 0
+    last_save = time.time()
     while time.time() < deadline:
         frac = (time.time() - start) / (deadline - start)
         lr = (
@@ -92,6 +97,10 @@ def main() -> None:
                 flush=True,
             )
         step += 1
+        if time.time() - last_save > args.save_every_minutes * 60:
+            save(model, config, Path(args.out), save_file)
+            last_save = time.time()
+            print(f"checkpoint at step {step}", flush=True)
     save(model, config, Path(args.out), save_file)
     print(f"saved to {args.out} after {step} steps")
 

@@ -43,7 +43,7 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.block_size = block_size
         # NOTE: one spare column: the token sampled at max_model_len is recorded, never fed.
-        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int64)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len + 1), dtype=np.int32)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # prompt + outputs
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
@@ -122,7 +122,7 @@ class InputBatch:
         sample_reqs = np.nonzero(seq_lens >= self.num_tokens[slots])[0]
         return StepInputs(
             slots=slots,
-            input_ids=self.token_ids[row_slot, positions],
+            input_ids=self.token_ids[row_slot, positions].astype(np.int64),
             positions=positions,
             slot_mapping=block_ids * self.block_size + positions % self.block_size,
             query_start_loc=query_start_loc,

@@ -245,7 +245,8 @@ class ModelRunner:
             return
         row_index = torch.from_numpy(np.concatenate(rows)).to(self.device)
         pending.prompt_logits = self.model.compute_logits(hidden.index_select(0, row_index)).float()
-        pending.prompt_targets = torch.from_numpy(np.concatenate(targets)).to(self.device)
+        prompt_targets = np.concatenate(targets).astype(np.int64)
+        pending.prompt_targets = torch.from_numpy(prompt_targets).to(self.device)
 
     # ------------------------------------------------------------ P3
 
