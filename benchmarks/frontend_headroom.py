@@ -144,7 +144,7 @@ def summarize_profile(raw: Path) -> dict[str, Any]:
     """Self and inclusive sample shares per function from py-spy's collapsed stacks."""
     self_counts: collections.Counter[str] = collections.Counter()
     incl_counts: collections.Counter[str] = collections.Counter()
-    thread_counts: collections.Counter[str] = collections.Counter()
+    process_counts: collections.Counter[str] = collections.Counter()
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -153,8 +153,10 @@ def summarize_profile(raw: Path) -> dict[str, Any]:
         n = int(count)
         frames = stack.split(";")
         total += n
-        thread_counts[frames[0]] += n
-        names = [_frame_name(f) for f in frames[1:]] or [frames[0]]
+        procs = [f for f in frames if f.startswith("process ")]
+        process_counts[procs[-1][:100] if procs else "?"] += n
+        names = [_frame_name(f) for f in frames if not f.startswith(("process ", "thread "))]
+        names = names or ["(no Python frame)"]
         self_counts[names[-1]] += n
         for name in set(names):
             incl_counts[name] += n
@@ -163,12 +165,12 @@ def summarize_profile(raw: Path) -> dict[str, Any]:
         return [dict(function=k, share=v / total) for k, v in counter.most_common(TOP_N)]
 
     return dict(samples=total, top_self=top(self_counts), top_inclusive=top(incl_counts),
-                threads=top(thread_counts))  # fmt: skip
+                processes=top(process_counts))  # fmt: skip
 
 
 def print_profile(prof: dict[str, Any]) -> None:
     print(f"\npy-spy, server + worker, {prof['samples']} samples (idle excluded):")
-    for title in ("top_self", "top_inclusive", "threads"):
+    for title in ("top_self", "top_inclusive", "processes"):
         print(f"  {title}:")
         for row in prof[title][:TOP_N]:
             print(f"    {row['share']:6.1%}  {row['function']}")

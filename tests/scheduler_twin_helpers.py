@@ -66,8 +66,10 @@ def ecr(
     stop_token_ids: list[int] | None = None,
     cache_salt: str | None = None,
     extra_hash_keys: list[str] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> EngineCoreRequest:
     params = SamplingParams(
+        prompt_logprobs=prompt_logprobs,
         max_tokens=max_tokens,
         min_tokens=min_tokens,
         ignore_eos=ignore_eos,

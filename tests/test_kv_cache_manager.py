@@ -90,6 +90,17 @@ def test_prefix_hit_shares_blocks(impl):
     assert kv.prefix_cache_hits == 8
 
 
+def test_prompt_logprobs_requests_skip_the_prefix_cache(impl):
+    # Prompt logprobs need the logits of every prompt position: a cache hit would skip them.
+    kv = impl.KVCacheManager(num_blocks=16, block_size=4)
+    a = new_request(impl, "a", list(range(10)))
+    admit(kv, a)
+    compute_all(kv, a)
+    same = list(range(8)) + [99]
+    assert kv.get_computed_blocks(new_request(impl, "b", same))[1] == 8
+    assert kv.get_computed_blocks(new_request(impl, "c", same, prompt_logprobs=2)) == ([], 0)
+
+
 def test_hit_never_covers_the_last_token(impl):
     kv = impl.KVCacheManager(num_blocks=16, block_size=4)
     a = new_request(impl, "a", list(range(8)))

@@ -242,6 +242,19 @@ def test_stop_string(client):
     assert "".join(c.choices[0].text for c in streamed) == choice.text
 
 
+def test_response_format_is_accepted(client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for fmt in (
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    ):
+        resp = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "json"}], max_tokens=3,
+            response_format=fmt,
+        )  # fmt: skip
+        assert resp.choices[0].finish_reason in ("stop", "length")
+
+
 def test_echo(client):
     resp = client.completions.create(prompt="Echo me", echo=True, **greedy_kwargs())
     assert resp.choices[0].text.startswith("Echo me")

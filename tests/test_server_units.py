@@ -183,3 +183,55 @@ def test_openapi_spec_is_valid():
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["required"] == ["messages"]
     assert chat["properties"]["n"]["minimum"] == 1 and chat["properties"]["n"]["maximum"] == 128
+
+
+# ---------------------------------------------------------------- sampling parameters
+
+
+def _params_state(generation_config):
+    """What build_sampling_params reads: the model config and the logprob cap."""
+    from types import SimpleNamespace
+
+    from trillm.worker.fake_runner import make_fake_config
+
+    model_config = make_fake_config(max_model_len=100).model
+    model_config.generation_config = generation_config
+    return SimpleNamespace(model_config=model_config, max_logprobs=20)
+
+
+def test_generation_config_gives_defaults_the_request_overrides():
+    from trillm.entrypoints.openai.serving_base import build_sampling_params, resolve_max_tokens
+
+    state = _params_state({"temperature": 0.3, "top_k": 5, "top_p": 0.9, "max_new_tokens": 7})
+    req = structure(ChatCompletionRequest, {"messages": []})
+    params = build_sampling_params(state, req, max_tokens=4, logprobs=None)
+    assert (params.temperature, params.top_k, params.top_p) == (0.3, 5, 0.9)
+    assert resolve_max_tokens(state, None, 10) == 7  # max_new_tokens, within the context
+    assert resolve_max_tokens(state, 50, 10) == 50
+    req = structure(ChatCompletionRequest, {"messages": [], "temperature": 1.0, "top_k": -1})
+    params = build_sampling_params(state, req, max_tokens=4, logprobs=None)
+    assert (params.temperature, params.top_k) == (1.0, 0)
+    plain = _params_state({})
+    params = build_sampling_params(plain, structure(ChatCompletionRequest, {"messages": []}),
+                                   max_tokens=4, logprobs=None)  # fmt: skip
+    assert params.temperature == 1.0
+    assert resolve_max_tokens(plain, None, 30) == 70  # max_model_len - prompt
+
+
+def test_response_format_maps_to_structured_outputs():
+    from trillm.entrypoints.openai.serving_base import build_sampling_params
+
+    state = _params_state({})
+
+    def so(extra):
+        req = structure(CompletionRequest, {"prompt": "p", **extra})
+        return build_sampling_params(state, req, max_tokens=4, logprobs=None).structured_outputs
+
+    assert so({}) is None
+    assert so({"response_format": {"type": "text"}}) is None
+    assert so({"response_format": {"type": "json_object"}}).json_object is True
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert so({"response_format": fmt}).json == schema
+    assert so({"structured_outputs": {"regex": "[0-9]+"}}).regex == "[0-9]+"
+    assert so({"structured_outputs": {"choice": ["yes", "no"]}}).choice == ["yes", "no"]

@@ -123,7 +123,7 @@ class KVCacheManager:
         NOTE: never the whole sequence: the last token is always left to compute so the step
         produces logits for it.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.skip_prefix_lookup:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request)

@@ -61,6 +61,7 @@ class Request:
         "extra_hash_keys",
         "sent_to_worker",
         "first_output_sent",
+        "skip_prefix_lookup",
     )
 
     def __init__(
@@ -99,6 +100,8 @@ class Request:
         # The worker holds this request's state (so a finish/preemption must tell it).
         self.sent_to_worker = False
         self.first_output_sent = False
+        # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+        self.skip_prefix_lookup = sampling_params.prompt_logprobs is not None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -19,18 +19,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 
-def resolve_device(requested: str) -> str:
-    import torch
-
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but no CUDA GPU is available.")
-    if requested not in ("cpu", "cuda"):
-        raise ValueError(f"Unknown device {requested!r}; choose auto, cpu or cuda.")
-    return requested
-
-
 def resolve_attention_backend(requested: str | None, device: str) -> str:
     if requested is not None:
         return requested
@@ -45,7 +33,7 @@ def resolve_attention_backend(requested: str | None, device: str) -> str:
 
 
 def build_config(args: EngineArgs) -> TrillmConfig:
-    from trillm.model_executor.loader import load_model_config
+    from trillm.model_executor.loader import load_model_config, resolve_device
 
     device = resolve_device(args.device)
     model_config = load_model_config(args)

@@ -9,7 +9,6 @@ same declaration the validator enforces.
 
 from __future__ import annotations
 
-import functools
 import types
 import typing
 from typing import Any, Literal, Union
@@ -164,9 +163,14 @@ def structure(cls: type[Any], data: Any) -> Any:
     return _structure_attrs(cls, data, "")
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type[Any]) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 def _structure_attrs(cls: type[Any], data: Any, path: str) -> Any:
