@@ -20,7 +20,7 @@ def server(tiny_model_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-lifecycle") / "server.log"
     srv = ServerProcess(
         [model, "--max-model-len", "2048", "--kv-cache-memory", "64MiB", "--max-num-seqs", "64",
-         "--shutdown-timeout", "2"],
+         "--shutdown-timeout", "2", "--trust-request-chat-template"],
         log,
         api_key=KEY,
     ).start()  # fmt: skip
@@ -58,6 +58,21 @@ def test_api_key_guards_v1_routes(server):
     assert ok.status_code == 200, ok.text
     for open_path in ("/health", "/metrics"):
         assert httpx.get(server.url + open_path).status_code == 200
+
+
+def test_trusted_request_chat_template_is_sandboxed(server):
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"messages": messages, "max_tokens": 2, "return_token_ids": True,
+            "chat_template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"}  # fmt: skip
+    r = httpx.post(server.base_url + "/chat/completions", json=body, headers=server.headers(),
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text
+    expected = httpx.post(server.url + "/tokenize", json={"prompt": "[hello there]"}).json()
+    assert r.json()["prompt_token_ids"] == expected["tokens"]
+    body["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    r = httpx.post(server.base_url + "/chat/completions", json=body, headers=server.headers())
+    assert r.status_code == 400
+    assert "chat template" in r.json()["error"]["message"]
 
 
 async def _stream_then_leave(client, i, started, leave):

@@ -200,7 +200,7 @@ def _params_state(generation_config):
 
 
 def test_generation_config_gives_defaults_the_request_overrides():
-    from trillm.entrypoints.openai.serving_base import build_sampling_params, resolve_max_tokens
+    from trillm.entrypoints.openai.sampling import build_sampling_params, resolve_max_tokens
 
     state = _params_state({"temperature": 0.3, "top_k": 5, "top_p": 0.9, "max_new_tokens": 7})
     req = structure(ChatCompletionRequest, {"messages": []})
@@ -219,7 +219,7 @@ def test_generation_config_gives_defaults_the_request_overrides():
 
 
 def test_response_format_maps_to_structured_outputs():
-    from trillm.entrypoints.openai.serving_base import build_sampling_params
+    from trillm.entrypoints.openai.sampling import build_sampling_params
 
     state = _params_state({})
 

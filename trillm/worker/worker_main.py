@@ -157,7 +157,10 @@ def _ring_fds(text: str) -> RingFds:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # Ctrl-C and a process-group SIGTERM are the parent's to handle: it drains in-flight
+    # requests, then shuts the workers down (and a dead parent closes the death pipe).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _watch_death_pipe(args.death_fd)
     if os.getppid() != args.parent_pid:
         return EXIT_PARENT_DIED

@@ -16,19 +16,16 @@ from trillm.entrypoints.chat_utils import (
     tokenizer_special_tokens,
 )
 from trillm.entrypoints.openai.errors import APIError, BadRequestError, sse_error_event
+from trillm.entrypoints.openai.generation import Generation, guard_stream, start_generation
 from trillm.entrypoints.openai.protocol import ChatCompletionRequest
+from trillm.entrypoints.openai.sampling import build_sampling_params, resolve_max_tokens
 from trillm.entrypoints.openai.serving_base import (
     ChoiceState,
-    Generation,
     RequestTracker,
     ServerState,
-    build_sampling_params,
-    guard_stream,
     position_logprobs,
     prompt_logprobs_json,
     raise_if_error,
-    resolve_max_tokens,
-    start_generation,
     tokenize_text,
 )
 from trillm.sampling_params import SamplingParams

@@ -15,20 +15,17 @@ import attrs
 import orjson
 
 from trillm.entrypoints.openai.errors import APIError, BadRequestError, sse_error_event
+from trillm.entrypoints.openai.generation import Generation, guard_stream, start_generation
 from trillm.entrypoints.openai.protocol import CompletionRequest
+from trillm.entrypoints.openai.sampling import build_sampling_params, resolve_max_tokens
 from trillm.entrypoints.openai.serving_base import (
     ChoiceState,
-    Generation,
     RequestTracker,
     ServerState,
-    build_sampling_params,
     check_token_ids,
-    guard_stream,
     position_logprobs,
     prompt_logprobs_json,
     raise_if_error,
-    resolve_max_tokens,
-    start_generation,
     tokenize_text,
 )
 from trillm.sampling_params import SamplingParams

@@ -1,0 +1,202 @@
+"""Running a request's generations: ``engine.generate`` read directly (one prompt) or through
+producer tasks merged by a channel (several prompts).
+
+One prompt: the handler (or its SSE generator) iterates ``engine.generate`` directly. A client
+disconnect cancels the handler or closes the SSE generator; either way ``engine.generate`` is
+left (explicitly closed, never left to the garbage collector) and aborts the request in the
+engine. Several prompts: one producer task per prompt in the server nursery, merged through a
+channel; a disconnect cancels the producers. Nothing holds a cancel scope across a ``yield``.
+On shutdown the server aborts (``engine.abort``) what outlives ``--shutdown-timeout``; the
+readers get the engine's final output with ``finish_reason: "abort"``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import trio
+
+from trillm.entrypoints.openai.errors import APIError, from_engine_exception
+from trillm.entrypoints.openai.serving_base import ServerState
+from trillm.sampling_params import SamplingParams
+
+# NOTE: a small buffer: when the client reads slowly the producer waits and the engine's
+# per-request collector merges the deltas, so a slow reader gets fewer, larger chunks.
+_CHANNEL_BUFFER = 2
+
+
+class Generation:
+    """One HTTP request's engine requests, read as ``(job_index, RequestOutput | APIError)``.
+
+    ``start_generation`` returns a ``DirectGeneration`` for one prompt (the common case: the
+    handler iterates ``engine.generate`` itself, no extra task) and a ``FanInGeneration`` for
+    several (one producer task per prompt, merged through a channel).
+    """
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> tuple[int, Any]:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Stop reading; the engine aborts whatever is unfinished. Does not block."""
+        raise NotImplementedError
+
+    def close_when_dropped(self) -> None:
+        """Cleanup for a reader dropped without ``aclose`` (never-started response body)."""
+
+
+class DirectGeneration(Generation):
+    def __init__(self, state: ServerState, request_id: str, outputs: AsyncIterator[Any]) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.outputs = outputs
+        self.first: Any = None
+
+    async def prime(self) -> None:
+        """Wait for the first output, so admission errors become HTTP errors, not SSE events."""
+        try:
+            self.first = await self.outputs.__anext__()
+        except StopAsyncIteration:  # pragma: no cover - the engine always yields a final output
+            self.first = None
+        except Exception as exc:
+            await self.aclose()
+            raise from_engine_exception(exc) from exc
+
+    async def __anext__(self) -> tuple[int, Any]:
+        if self.first is not None:
+            first, self.first = self.first, None
+            return 0, first
+        try:
+            return 0, await self.outputs.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:  # the engine failed mid-request
+            return 0, from_engine_exception(exc)
+
+    async def aclose(self) -> None:
+        self.state.untrack(self.request_id)
+        # NOTE: engine.generate's cleanup is synchronous (it queues the abort), so this
+        # completes even inside a cancelled scope.
+        await self.outputs.aclose()  # type: ignore[attr-defined]
+
+    def close_when_dropped(self) -> None:
+        # Trio's async-generator finalizer closes engine.generate (and so aborts it).
+        self.state.untrack(self.request_id)
+
+
+class FanInGeneration(Generation):
+    def __init__(
+        self, receive: trio.MemoryReceiveChannel[tuple[int, Any]], scopes: list[trio.CancelScope]
+    ) -> None:
+        self.receive = receive
+        self.scopes = scopes
+        self.pending: list[tuple[int, Any]] = []
+
+    async def __anext__(self) -> tuple[int, Any]:
+        if self.pending:
+            return self.pending.pop(0)
+        try:
+            return await self.receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    def raise_early_error(self) -> None:
+        """Raise (as an APIError) a failure the engine reported before any output."""
+        while True:
+            try:
+                item = self.receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+            if isinstance(item[1], APIError):
+                self.close_when_dropped()
+                raise item[1]
+            self.pending.append(item)
+
+    async def aclose(self) -> None:
+        self.close_when_dropped()
+
+    def close_when_dropped(self) -> None:
+        for scope in self.scopes:
+            scope.cancel()  # the producers leave engine.generate, which aborts the requests
+        self.receive.close()
+
+
+async def start_generation(
+    state: ServerState,
+    jobs: list[tuple[list[int], SamplingParams]],
+    request_id: str,
+    priority: int,
+    cache_salt: str | None,
+) -> Generation:
+    """Submit one engine request per ``(prompt_token_ids, params)`` job.
+
+    Raises the engine's admission errors (a request larger than the KV cache, ...) as
+    APIErrors, so they are answered as HTTP errors rather than inside a started stream.
+    """
+    if len(jobs) == 1:
+        ids, params = jobs[0]
+        outputs = state.engine.generate(
+            {"prompt_token_ids": ids}, params, request_id, priority=priority, cache_salt=cache_salt
+        )
+        state.track(request_id)
+        direct = DirectGeneration(state, request_id, outputs)
+        await direct.prime()
+        return direct
+    send, receive = trio.open_memory_channel[tuple[int, Any]](_CHANNEL_BUFFER)
+    scopes = []
+    async with send:
+        for i, (ids, params) in enumerate(jobs):
+            job = (ids, params, f"{request_id}-{i}", priority, cache_salt)
+            scopes.append(await state.nursery.start(_produce, state, i, job, send.clone()))
+    fan_in = FanInGeneration(receive, scopes)
+    # NOTE: ``task_status.started()`` does not yield, so each producer has run
+    # engine.generate's synchronous admission checks (and queued any failure) before
+    # ``nursery.start`` returned.
+    fan_in.raise_early_error()
+    return fan_in
+
+
+def guard_stream(generation: Generation, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``body`` (an SSE generator reading ``generation``), cleaning the generation up if the
+    body is dropped without ever being iterated (a client gone before the response started)."""
+    weakref.finalize(body, generation.close_when_dropped)
+    return body
+
+
+async def _produce(
+    state: ServerState,
+    index: int,
+    job: tuple[list[int], SamplingParams, str, int, str | None],
+    send: trio.MemorySendChannel[tuple[int, Any]],
+    task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    ids, params, rid, priority, cache_salt = job
+    scope = trio.CancelScope()
+    state.track(rid)
+    task_status.started(scope)
+    try:
+        async with send:
+            with scope:
+                await _pump(state, index, {"prompt_token_ids": ids}, params, rid, priority,
+                            cache_salt, send)  # fmt: skip
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the reader is gone (client disconnected)
+    finally:
+        state.untrack(rid)
+
+
+async def _pump(state, index, prompt, params, rid, priority, cache_salt, send) -> None:  # type: ignore[no-untyped-def]
+    try:
+        gen = state.engine.generate(prompt, params, rid, priority=priority, cache_salt=cache_salt)
+        async with aclosing(gen) as outputs:
+            async for out in outputs:
+                await send.send((index, out))
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        raise
+    except Exception as exc:  # engine failure: hand it to the reader as an HTTP error
+        await send.send((index, from_engine_exception(exc)))

@@ -1,0 +1,143 @@
+"""SamplingParams from a chat or completion request: the model's generation_config gives
+the defaults, the request overrides them, and out-of-range values become 400s naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from trillm.entrypoints.openai.errors import BadRequestError
+from trillm.entrypoints.openai.protocol import MAX_STOP_STRING_LEN
+from trillm.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
+
+# generation_config.json keys that become request defaults (vLLM's list).
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def resolve_max_tokens(
+    state: Any, requested: int | None, prompt_len: int, param: str = "max_tokens"
+) -> int:
+    """``requested`` checked against the context, or what is left of it when None."""
+    max_len = state.model_config.max_model_len
+    if prompt_len >= max_len:
+        raise BadRequestError(
+            f"This model's maximum context length is {max_len} tokens. However, your request "
+            f"has {prompt_len} input tokens, leaving no room for output. Please reduce the "
+            "length of the input.",
+            "messages" if param == "max_completion_tokens" else "prompt",
+        )
+    room = max_len - prompt_len
+    if requested is None:
+        default = state.model_config.generation_config.get("max_new_tokens")
+        return min(room, default) if isinstance(default, int) and default > 0 else room
+    if requested > room:
+        raise BadRequestError(
+            f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the input, {requested} in the "
+            f"completion). Please reduce the length of the input or {param}.",
+            param,
+        )
+    return requested
+
+
+def build_sampling_params(
+    state: Any, req: Any, *, max_tokens: int, logprobs: int | None, n: int | None = None
+) -> SamplingParams:
+    """The request's sampling fields with the model's generation_config as defaults."""
+    defaults = {
+        k: v
+        for k, v in (state.model_config.generation_config or {}).items()
+        if k in _GENERATION_DEFAULTS and v is not None
+    }
+
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, fallback)
+
+    _check_stop(req.stop)
+    kwargs = dict(
+        n=n if n is not None else req.n,
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=pick("top_k", 0),
+        min_p=pick("min_p", 0.0),
+        repetition_penalty=pick("repetition_penalty", 1.0),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+        stop=[req.stop] if isinstance(req.stop, str) else req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=_logit_bias(req.logit_bias),
+        output_kind=RequestOutputKind.DELTA,
+        structured_outputs=_structured_outputs(req),
+    )
+    try:
+        params = SamplingParams(**kwargs)
+        params.verify_vocab(state.model_config.vocab_size, state.max_logprobs)
+    except SamplingParamsError as exc:
+        raise BadRequestError(str(exc), exc.param) from exc
+    return params
+
+
+def _check_stop(stop: str | list[str] | None) -> None:
+    for s in [stop] if isinstance(stop, str) else stop or []:
+        if not s:
+            raise BadRequestError("'stop' strings must not be empty.", "stop")
+        if len(s) > MAX_STOP_STRING_LEN:
+            raise BadRequestError(
+                f"'stop' strings are limited to {MAX_STOP_STRING_LEN} characters, got {len(s)}.",
+                "stop",
+            )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise BadRequestError(
+                f"'logit_bias' keys must be token ids, got {key!r}.", "logit_bias"
+            ) from None
+    return out
+
+
+def _structured_outputs(req: Any) -> StructuredOutputsParams | None:
+    so = req.structured_outputs
+    if so is not None:
+        chosen = {k: v for k, v in attrs.asdict(so, recurse=False).items() if v is not None}
+        if len(chosen) != 1:
+            raise BadRequestError(
+                "'structured_outputs' must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {sorted(chosen) or 'none'}.",
+                "structured_outputs",
+            )
+        return StructuredOutputsParams(**chosen)
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise BadRequestError(
+            "'response_format.json_schema.schema' is required when type is 'json_schema'.",
+            "response_format.json_schema",
+        )
+    return StructuredOutputsParams(json=fmt.json_schema.schema)
