@@ -115,11 +115,28 @@ def open_llm(folder: Path, args: argparse.Namespace) -> Any:
     )
 
 
-def run_trillm(llm: Any, jobs: list[common.Job]) -> dict[str, Any]:
+def record_steps(llm: Any) -> list[tuple[float, float]]:
+    """Wrap the engine core's ``step`` to keep (step_time_s, model_time_s) of every step."""
+    core, steps = llm.engine.core, []
+    step = core.step
+
+    async def timed_step() -> Any:
+        result = await step()
+        if result is not None and result.step_time_s:
+            steps.append((result.step_time_s, result.model_time_s))
+        return result
+
+    core.step = timed_step
+    return steps
+
+
+def run_trillm(llm: Any, jobs: list[common.Job], steps: list | None = None) -> dict[str, Any]:
     from trillm import SamplingParams
 
     prompts = [{"prompt_token_ids": j.prompt_ids} for j in jobs]
     params = [SamplingParams(max_tokens=j.output_len, ignore_eos=True, temperature=0.0) for j in jobs]
+    if steps is not None:
+        steps.clear()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -127,7 +144,14 @@ def run_trillm(llm: Any, jobs: list[common.Job]) -> dict[str, Any]:
     want = [j.output_len for j in jobs]
     if got != want:
         raise RuntimeError("trillm returned other output lengths than requested.")
-    return dict(seconds=seconds)
+    if not steps:
+        return dict(seconds=seconds)
+    return dict(
+        seconds=seconds,
+        steps=len(steps),
+        step_s_sum=sum(s for s, _ in steps),
+        model_s_sum=sum(m for _, m in steps),
+    )
 
 
 # ---------------------------------------------------------------- decode steps
@@ -195,22 +219,25 @@ def main() -> None:
 
     llm = open_llm(folder, args)
     run_trillm(llm, common.make_workload(4, seed=99, output_range=(4, 8)))  # warm-up
+    steps = record_steps(llm)
     hf_model = hf_list = None
     if not args.skip_hf:
         hf_model = load_hf(folder)
         hf_list = hf_batches(jobs, args.hf_batch_size, args.hf_order)
         run_hf(hf_model, hf_batches(common.make_workload(4, 99, output_range=(4, 8)), 4, "input"))
 
-    hf_times, trillm_times, hf_padded = [], [], 0
+    hf_times, trillm_times, trillm_steps, hf_padded = [], [], [], 0
     for r in range(args.rounds):
         if hf_model is not None:
             res = run_hf(hf_model, hf_list)
             hf_times.append(res["seconds"])
             hf_padded = res["generated_incl_padding"]
             print(f"round {r}: HF      {res['seconds']:8.2f} s", flush=True)
-        res = run_trillm(llm, jobs)
+        res = run_trillm(llm, jobs, steps)
         trillm_times.append(res["seconds"])
-        print(f"round {r}: trillm  {res['seconds']:8.2f} s", flush=True)
+        trillm_steps.append(res)
+        print(f"round {r}: trillm  {res['seconds']:8.2f} s ({res['steps']} steps, model "
+              f"{res['model_s_sum']:.2f} s, engine step {res['step_s_sum']:.2f} s)", flush=True)  # fmt: skip
     llm.shutdown()
     del hf_model
 
@@ -271,6 +298,7 @@ def main() -> None:
                           output_len_range=common.OUTPUT_LEN_RANGE),  # fmt: skip
             matmul_gflops=dict(before=rates_before, after=rates_after, best=rates, peak=peak),
             offline=rows,
+            trillm_step_timing=trillm_steps,
             hf_generated_incl_padding=hf_padded,
             ratio_trillm_over_hf=ratio,
             decode=decode,

@@ -13,12 +13,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 NAME = "trillm-default"
 VERSION = "v1"  # bump when the architecture or seed below changes
 ARCH = "llama"
-CONFIG = dict(
+CONFIG: dict[str, Any] = dict(
     hidden_size=192,
     intermediate_size=512,
     num_hidden_layers=4,
