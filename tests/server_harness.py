@@ -24,7 +24,15 @@ def free_port() -> int:
 class ServerProcess:
     """``trillm serve ARGS`` on 127.0.0.1:<free port>; ``start()`` waits for /health 200."""
 
-    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        api_key: str | None = None,
+        launcher: list[str] | None = None,
+    ) -> None:
+        # ``launcher``: how the program is started (default ``python -m trillm``).
+        self.launcher = launcher or [sys.executable, "-m", "trillm"]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
@@ -39,7 +47,7 @@ class ServerProcess:
         env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trillm", "serve", *self.args],
+            [*self.launcher, "serve", *self.args],
             cwd=REPO,
             env=env,
             stdout=self._log,

@@ -119,6 +119,9 @@ def read_generation_config(model_path: Path, mode: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- config.json -> ModelConfig
 
 
+DEFAULT_SERVED_NAME = "trillm-default"  # what /v1/models lists for the embedded model
+
+
 def load_model_config(args: EngineArgs) -> ModelConfig:
     """Resolve ``args.model`` to a folder and read everything the runner needs from it."""
     path = resolve_model_path(args.model, args.revision)
@@ -132,7 +135,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
     return ModelConfig(
         model=str(path),
         tokenizer=args.tokenizer or str(path),
-        served_model_name=args.served_model_name or args.model or path.name,
+        served_model_name=args.served_model_name or args.model or DEFAULT_SERVED_NAME,
         architecture=architecture,
         dtype=resolve_dtype(args.dtype, checkpoint_dtype(hf), device),
         vocab_size=int(hf["vocab_size"]),
