@@ -8,6 +8,10 @@ import pytest
 
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a GPU, Triton kernels run under the interpreter. NOTE: triton reads the variable when
+# a kernel is defined, so it is set before any test module imports triton.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
