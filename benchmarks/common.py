@@ -166,7 +166,9 @@ def matmul_gflops(m: int, k: int, n: int, min_time_s: float = 0.3) -> float:
 
 def matmul_rates(hidden: int = 512, intermediate: int = 1408) -> dict[str, float]:
     """GFLOP/s at the model's MLP GEMM (rows x hidden x intermediate) and at SQUARE_N^3."""
-    rates = {f"{m}x{hidden}x{intermediate}": matmul_gflops(m, hidden, intermediate) for m in GEMM_ROWS}
+    rates = {
+        f"{m}x{hidden}x{intermediate}": matmul_gflops(m, hidden, intermediate) for m in GEMM_ROWS
+    }
     rates[f"{SQUARE_N}^3"] = matmul_gflops(SQUARE_N, SQUARE_N, SQUARE_N)
     return rates
 
@@ -234,7 +236,10 @@ def _healthy(url: str) -> bool:
 
 @contextlib.contextmanager
 def trillm_server(
-    model: str, args: Sequence[str], port: int | None = None, timeout_s: float = 300.0,
+    model: str,
+    args: Sequence[str],
+    port: int | None = None,
+    timeout_s: float = 300.0,
     log_path: Path | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m trillm serve model --port P *args``; yields (base_url, process)."""

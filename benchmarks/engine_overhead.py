@@ -181,8 +181,12 @@ def main() -> None:
     )  # fmt: skip
     common.write_json(
         args.out,
-        dict(benchmark="engine_overhead", machine=machine,
-             args=vars(args) | {"out": str(args.out)}, rows=rows),  # fmt: skip
+        dict(
+            benchmark="engine_overhead",
+            machine=machine,
+            args=vars(args) | {"out": str(args.out)},
+            rows=rows,
+        ),  # fmt: skip
     )
 
 

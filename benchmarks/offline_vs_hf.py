@@ -134,7 +134,9 @@ def run_trillm(llm: Any, jobs: list[common.Job], steps: list | None = None) -> d
     from trillm import SamplingParams
 
     prompts = [{"prompt_token_ids": j.prompt_ids} for j in jobs]
-    params = [SamplingParams(max_tokens=j.output_len, ignore_eos=True, temperature=0.0) for j in jobs]
+    params = [
+        SamplingParams(max_tokens=j.output_len, ignore_eos=True, temperature=0.0) for j in jobs
+    ]
     if steps is not None:
         steps.clear()
     start = time.perf_counter()
@@ -293,9 +295,13 @@ def main() -> None:
             machine=machine,
             args=vars(args) | {"out": str(args.out)},
             params=dict(counts.__dict__, flop_params=counts.flop_params),
-            workload=dict(num_prompts=len(jobs), prompt_tokens=prompt_toks, output_tokens=out_toks,
-                          prompt_len_range=common.PROMPT_LEN_RANGE,
-                          output_len_range=common.OUTPUT_LEN_RANGE),  # fmt: skip
+            workload=dict(
+                num_prompts=len(jobs),
+                prompt_tokens=prompt_toks,
+                output_tokens=out_toks,
+                prompt_len_range=common.PROMPT_LEN_RANGE,
+                output_len_range=common.OUTPUT_LEN_RANGE,
+            ),  # fmt: skip
             matmul_gflops=dict(before=rates_before, after=rates_after, best=rates, peak=peak),
             offline=rows,
             trillm_step_timing=trillm_steps,

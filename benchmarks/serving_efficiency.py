@@ -145,8 +145,12 @@ def main() -> None:
         dict(mode="offline", tok_s=o["output_tok_s"], seconds=o["seconds"], p99_ttft_ms=None)
         for o in offline
     ] + [
-        dict(mode="served", tok_s=s["output_throughput"], seconds=s["duration"],
-             p99_ttft_ms=s["p99_ttft_ms"])  # fmt: skip
+        dict(
+            mode="served",
+            tok_s=s["output_throughput"],
+            seconds=s["duration"],
+            p99_ttft_ms=s["p99_ttft_ms"],
+        )  # fmt: skip
         for s in served
     ]
     print(f"\nserving efficiency, concurrency {args.max_concurrency}:")
@@ -156,11 +160,18 @@ def main() -> None:
     print(f"served / offline output tokens/s (ratio of means): {ratio:.3f} (target >= 0.8)")
     common.write_json(
         args.out,
-        dict(benchmark="serving_efficiency", machine=machine,
-             args=vars(args) | {"out": str(args.out)},
-             serve_flags=serve_flags(args), bench_flags=bench_flags(args, args.num_prompts),
-             offline=offline, served=served, offline_mean_tok_s=offline_mean,
-             served_mean_tok_s=served_mean, ratio=ratio),  # fmt: skip
+        dict(
+            benchmark="serving_efficiency",
+            machine=machine,
+            args=vars(args) | {"out": str(args.out)},
+            serve_flags=serve_flags(args),
+            bench_flags=bench_flags(args, args.num_prompts),
+            offline=offline,
+            served=served,
+            offline_mean_tok_s=offline_mean,
+            served_mean_tok_s=served_mean,
+            ratio=ratio,
+        ),  # fmt: skip
     )
 
 

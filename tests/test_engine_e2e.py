@@ -50,7 +50,7 @@ async def run_batch(engine, prompts, cancel: set[int]) -> dict[int, list[int]]:
 @pytest.mark.parametrize("arch", ARCHES)
 def test_engine_matches_transformers(arch, tiny_model_factory):
     path = tiny_model_factory(arch)
-    prompts = make_prompts(seed=hash(arch) % 1000)
+    prompts = make_prompts(seed=ARCHES.index(arch))  # NOTE: hash(str) varies per process
     cancel = {1, 6, 11}
     expected = {i: hf_greedy(path, p, MAX_TOKENS) for i, p in enumerate(prompts) if i not in cancel}
 
