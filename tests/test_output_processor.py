@@ -398,6 +398,27 @@ def test_finished_output_is_not_replaced_by_an_error():
     assert collector.get_nowait() is None
 
 
+def test_stream_interval_batches_delta_outputs():
+    collector = RequestOutputCollector(RequestOutputKind.DELTA, stream_interval=4)
+    texts = [f"t{i} " for i in range(10)]
+    delivered = []
+    for i, text in enumerate(texts):
+        collector.put(_output(text, finished=i == len(texts) - 1))
+        out = collector.get_nowait()
+        if out is not None:
+            delivered.append(out.outputs[0].text)
+    # The first token at once, then every 4 tokens, then the finish with the rest.
+    assert delivered == ["t0 ", "t1 t2 t3 t4 ", "t5 t6 t7 t8 ", "t9 "]
+    assert "".join(delivered) == "".join(texts)
+
+
+def test_stream_interval_ignores_cumulative_outputs():
+    collector = RequestOutputCollector(RequestOutputKind.CUMULATIVE, stream_interval=4)
+    for i in range(3):
+        collector.put(_output(f"{i}", finished=False))
+        assert collector.get_nowait().outputs[0].text == f"{i}"
+
+
 def _output(text: str, finished: bool) -> RequestOutput:
     from trillm.outputs import CompletionOutput
 

@@ -20,7 +20,7 @@ def server(tiny_model_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-lifecycle") / "server.log"
     srv = ServerProcess(
         [model, "--max-model-len", "2048", "--kv-cache-memory", "64MiB", "--max-num-seqs", "64",
-         "--shutdown-timeout", "2", "--trust-request-chat-template"],
+         "--shutdown-timeout", "2", "--trust-request-chat-template", "--stream-interval", "3"],
         log,
         api_key=KEY,
     ).start()  # fmt: skip
@@ -132,6 +132,32 @@ def test_disconnected_streams_are_aborted(server):
         headers=server.headers(), timeout=60,
     )  # fmt: skip
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_stream_interval_sends_fewer_larger_chunks(server):
+    """--stream-interval 3: the first token at once, then chunks of 3 tokens, the rest at the
+    end; the streamed text equals the non-streamed one."""
+    import json
+
+    body = {"prompt": "In the", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    full = httpx.post(
+        server.base_url + "/completions", json=body, headers=server.headers(), timeout=60
+    ).json()["choices"][0]
+    sizes, text = [], ""
+    with httpx.stream(
+        "POST", server.base_url + "/completions", json={**body, "stream": True},
+        headers=server.headers(), timeout=60,
+    ) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                if choice.get("token_ids"):
+                    sizes.append(len(choice["token_ids"]))
+                text += choice["text"]
+    assert text == full["text"]
+    assert sum(sizes) == 10
+    assert sizes[0] == 1 and all(n >= 3 for n in sizes[1:-1]), sizes
 
 
 def test_sigterm_drains_then_aborts_and_exits_0(server):

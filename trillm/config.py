@@ -44,6 +44,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     max_logprobs: int = 20
+    # Streamed (DELTA) outputs wake their reader every N tokens (first token and finish at
+    # once): fewer, larger chunks under load (vLLM's --stream-interval).
+    stream_interval: int = 1
     device: str = "auto"  # auto | cpu | cuda
     attention_backend: str | None = None  # torch | triton | flashinfer; None = best available
     distributed_executor_backend: Literal["mp", "uni"] = "mp"

@@ -38,7 +38,9 @@ _OUTPUT_CHANNEL_SIZE = 4  # steps in flight between the engine core and the outp
 class AsyncEngine:
     """Handle to a running engine; get one from ``open_engine``."""
 
-    def __init__(self, config: TrillmConfig, tokenizer: Any, executor: Any) -> None:
+    def __init__(
+        self, config: TrillmConfig, tokenizer: Any, executor: Any, stream_interval: int = 1
+    ) -> None:
         from trillm._native import get_scheduler_cls
         from trillm.engine.core import EngineCore
         from trillm.engine.output_processor import OutputProcessor
@@ -48,7 +50,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.executor = executor
         self.input_processor = InputProcessor(config.model, tokenizer, config.max_logprobs)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, stream_interval=stream_interval)
         scheduler = get_scheduler_cls()(config.scheduler, config.cache, executor.num_blocks)
         self.core = EngineCore(scheduler, executor)
         self._input_send, self._input_recv = trio.open_memory_channel[Any](math.inf)
@@ -240,7 +242,7 @@ async def open_engine(
     config = await trio.to_thread.run_sync(build_config, args)
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, config.model.tokenizer)
     async with open_executor(config, runner or DEFAULT_RUNNER, runner_kwargs) as executor:
-        engine = AsyncEngine(config, tokenizer, executor)
+        engine = AsyncEngine(config, tokenizer, executor, args.stream_interval)
         engine.chat_template = args.chat_template
         logger.info(
             "engine ready: model %s, %d KV blocks of %d tokens, device %s, attention %s",

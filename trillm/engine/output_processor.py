@@ -43,11 +43,20 @@ from trillm.sampling_params import RequestOutputKind, SamplingParams
 class RequestOutputCollector:
     """A one-slot mailbox between the output handler (``put``) and a request's reader."""
 
-    def __init__(self, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+    def __init__(
+        self,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        stream_interval: int = 1,
+    ) -> None:
         self._aggregate = output_kind == RequestOutputKind.DELTA
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = trio.Event()
+        # DELTA only: wake the reader once this many tokens are pending (the first output and
+        # the finish wake it at once), so busy streams get fewer, larger chunks.
+        self._interval = stream_interval if self._aggregate else 1
+        self._pending_tokens = 0
+        self._delivered_any = False
 
     def put(self, output: RequestOutput) -> None:
         """Never blocks: merges into the pending output when the reader has not taken it."""
@@ -55,6 +64,14 @@ class RequestOutputCollector:
             self._output = output
         else:
             self._output.add(output, aggregate=self._aggregate)
+        if self._interval > 1:
+            self._pending_tokens += sum(len(c.token_ids) for c in output.outputs)
+            if (
+                self._delivered_any
+                and not output.finished
+                and self._pending_tokens < self._interval
+            ):
+                return
         self._ready.set()
 
     def put_error(self, error: BaseException) -> None:
@@ -68,8 +85,10 @@ class RequestOutputCollector:
     def get_nowait(self) -> RequestOutput | None:
         """The pending output (None if there is none); raises the error once drained."""
         output = self._output
-        if output is not None:
+        if output is not None and (self._ready.is_set() or output.finished):
             self._output = None
+            self._pending_tokens = 0
+            self._delivered_any = True
             if self._error is None:
                 self._ready = trio.Event()
             return output
@@ -196,7 +215,12 @@ class _Sample:
 class OutputProcessor:
     """Owns the output side of every in-flight request (see the module docstring)."""
 
-    def __init__(self, tokenizer: Any, *, native: bool | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, *, native: bool | None = None, stream_interval: int = 1
+    ) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}.")
+        self.stream_interval = stream_interval
         self.tokenizer = tokenizer
         self._detokenizers = DetokenizerFactory(tokenizer, native=native)
         self._groups: dict[str, _Group] = {}  # request id -> group
@@ -221,7 +245,11 @@ class OutputProcessor:
         engine_ids = list(child_ids) if child_ids is not None else [request_id]
         if request_id in self._groups or any(e in self._samples for e in engine_ids):
             raise ValueError(f"Request id {request_id!r} is already in flight.")
-        collector = queue if queue is not None else RequestOutputCollector(params.output_kind)
+        collector = (
+            queue
+            if queue is not None
+            else RequestOutputCollector(params.output_kind, self.stream_interval)
+        )
         group = _Group(
             request_id=request_id,
             prompt=prompt,

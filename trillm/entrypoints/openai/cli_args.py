@@ -16,6 +16,7 @@ _ENGINE_FLAGS = (
     "scheduling_policy", "tensor_parallel_size", "kv_cache_memory", "gpu_memory_utilization",
     "num_gpu_blocks_override", "max_logprobs", "device", "attention_backend",
     "distributed_executor_backend", "generation_config", "trust_remote_code", "runner",
+    "stream_interval",
 )  # fmt: skip
 
 
@@ -93,6 +94,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-logprobs", type=int, default=20,
         help="Most logprobs / top_logprobs a request may ask for (default: 20).",
+    )  # fmt: skip
+    g.add_argument(
+        "--stream-interval", type=int,
+        help="Streamed responses send a chunk every N tokens; the first token and the end "
+        "go at once (default: 1).",
     )  # fmt: skip
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Default: auto.")
     g.add_argument("--attention-backend", help="torch, triton or flashinfer (default: best).")
