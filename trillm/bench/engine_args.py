@@ -35,6 +35,7 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("gpu_memory_utilization", float, "fraction of GPU memory for weights + KV cache"),
     ("num_gpu_blocks_override", int, "fixed number of KV blocks"),
     ("max_logprobs", int, "most logprobs a request may ask for"),
+    ("stream_interval", int, "streamed outputs wake their reader every N tokens"),
     ("device", str, "auto | cpu | cuda"),
     ("attention_backend", str, "torch | triton | flashinfer (default: best available)"),
     ("distributed_executor_backend", str, "mp | uni"),
