@@ -8,13 +8,10 @@ clash with an unrelated PyPI package).
 
 from __future__ import annotations
 
-import os
-
 from Cython.Build import cythonize
 from pybind11.setup_helpers import Pybind11Extension
 from setuptools import Extension, find_packages, setup
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CXX_FLAGS = ["-O3", "-std=c++17"]
 
 
@@ -29,7 +26,6 @@ def cython_extensions() -> list[Extension]:
             extra_compile_args=CXX_FLAGS,
         )
         for name in modules
-        if os.path.exists(os.path.join(HERE, "ext", f"{name}.pyx"))  # TODO(bootstrap): drop
     ]
     return cythonize(
         exts,
@@ -44,8 +40,6 @@ def cython_extensions() -> list[Extension]:
 
 
 def pybind_extensions() -> list[Extension]:
-    if not os.path.exists(os.path.join(HERE, "ext", "detokenizer.cpp")):  # TODO(bootstrap): drop
-        return []
     return [
         Pybind11Extension(
             "trillm._ext.detokenizer",
