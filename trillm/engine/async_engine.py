@@ -13,6 +13,7 @@ collector. Leaving the ``async for`` (or cancelling the caller) aborts the reque
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -181,10 +182,13 @@ class AsyncEngine:
             child_params.n = 1
             if params.seed is not None:
                 child_params.seed = params.seed + index
-            child = type(request)(**{f: getattr(request, f) for f in request.__slots__})
-            child.request_id = f"{index}_{request.request_id}"
-            child.sampling_params = child_params
-            children.append(child)
+            children.append(
+                dataclasses.replace(
+                    request,
+                    request_id=f"{index}_{request.request_id}",
+                    sampling_params=child_params,
+                )
+            )
         return children
 
     async def chat(

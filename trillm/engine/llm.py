@@ -133,7 +133,6 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
         engine = self.engine
-        # Validate everything first: a bad prompt fails the call before anything runs.
         async with trio.open_nursery() as nursery:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 gen = engine.generate(prompt, params, request_id=f"llm-{id(results)}-{i}")
