@@ -47,6 +47,13 @@ def pybind_extensions() -> list[Extension]:
             cxx_std=17,
             extra_compile_args=["-O3"],
         ),
+        Pybind11Extension(
+            "trillm._ext.cpu_attention",
+            ["ext/cpu_attention.cpp"],
+            cxx_std=17,
+            extra_compile_args=["-O3", "-pthread", "-Wno-psabi"],
+            extra_link_args=["-pthread"],
+        ),
     ]
 
 

@@ -1,9 +1,12 @@
-"""TorchAttentionBackend against a per-request reference on a randomly filled paged cache."""
+"""TorchAttentionBackend against a per-request reference on a randomly filled paged cache, on
+both of its paths: the native CPU kernel (requests with context) and the torch gather path;
+fresh prompts take the ``is_causal`` fast path on both."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from trillm.kernels import paged_attention_cpu
 
 from trillm.attention.backend import AttentionMetadata
 from trillm.attention.torch_backend import TorchAttentionBackend
@@ -63,17 +66,15 @@ def _reference(q, k, v, cache_before, meta, block_tables, scale):
     return out
 
 
-@pytest.mark.parametrize(
-    "context_lens,query_lens",
-    [
-        ([5, 0, 13, 7], [1, 1, 1, 1]),  # decode only
-        ([0, 3, 9], [6, 11, 4]),  # prefill chunks, one after a prefix
-        ([10, 0, 4, 17, 2], [1, 9, 1, 5, 1]),  # mixed: two groups
-    ],
-    ids=["decode", "prefill", "mixed"],
-)
-def test_matches_reference(context_lens, query_lens):
-    g = torch.Generator().manual_seed(0)
+@pytest.fixture(params=["native", "torch"])
+def path(request) -> str:
+    if request.param == "native" and not paged_attention_cpu.available():
+        pytest.skip("trillm._ext.cpu_attention is not built")
+    return request.param
+
+
+def _run(path, context_lens, query_lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
     block_tables, used = [], 0
     for c, q in zip(context_lens, query_lens):
@@ -86,14 +87,53 @@ def test_matches_reference(context_lens, query_lens):
     t = meta.num_tokens
     q = torch.randn(t, HQ, D, generator=g)
     k, v = torch.randn(t, HKV, D, generator=g), torch.randn(t, HKV, D, generator=g)
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(native=path == "native")
     backend.plan(meta)
     out = backend.forward(q, k, v, cache, meta, scale=D**-0.5)
     ref = _reference(q, k, v, before, meta, block_tables, D**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     # The new K/V landed at their slots, nothing else moved.
-    flat_k = cache[0].view(-1, HKV, D)
-    assert torch.equal(flat_k[meta.slot_mapping], k)
-    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
-    untouched[meta.slot_mapping] = False
-    assert torch.equal(flat_k[untouched], before[0].view(-1, HKV, D)[untouched])
+    for i in (0, 1):
+        flat = cache[i].view(-1, HKV, D)
+        assert torch.equal(flat[meta.slot_mapping], (k, v)[i])
+        untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+        untouched[meta.slot_mapping] = False
+        assert torch.equal(flat[untouched], before[i].view(-1, HKV, D)[untouched])
+    return backend, meta, (q, k, v)
+
+
+@pytest.mark.parametrize(
+    "context_lens,query_lens",
+    [
+        ([5, 0, 13, 7], [1, 1, 1, 1]),  # decode only
+        ([0, 3, 9], [6, 11, 4]),  # prefill chunks, one after a prefix
+        ([10, 0, 4, 17, 2], [1, 9, 1, 5, 1]),  # mixed: two groups
+        ([0, 0, 0], [5, 9, 3]),  # fresh prompts only
+        ([4, 0, 7, 0], [1, 6, 1, 1]),  # decodes, a fresh prompt, a one-token prompt
+        ([0, 6, 0, 3], [7, 5, 2, 1]),  # fresh, continued chunk, fresh, decode
+        ([0], [13]),  # one fresh prompt spanning blocks
+        ([40, 0, 3], [30, 1, 20]),  # long chunk after a prefix: several row tiles
+    ],
+    ids=[
+        "decode", "prefill", "mixed", "fresh", "fresh-decode", "all-kinds", "single",
+        "long-chunks",
+    ],
+)  # fmt: skip
+def test_matches_reference(path, context_lens, query_lens):
+    _run(path, context_lens, query_lens)
+
+
+def test_every_layer_reuses_the_plan(path):
+    """The same metadata in a second layer (another cache) gives that layer's answer too."""
+    backend, meta, (q, k, v) = _run(path, [0, 5, 0], [6, 1, 4], seed=1)
+    g = torch.Generator().manual_seed(7)
+    cache2 = torch.randn(2, NUM_BLOCKS, BS, HKV, D, generator=g)
+    out2 = backend.forward(q, k, v, cache2.clone(), meta, scale=D**-0.5)
+    fresh = TorchAttentionBackend(native=path == "native")
+    fresh.plan(meta)
+    torch.testing.assert_close(out2, fresh.forward(q, k, v, cache2.clone(), meta, D**-0.5))
+
+
+def test_native_is_the_default_on_cpu_when_built():
+    backend = TorchAttentionBackend()
+    assert backend._native_available == paged_attention_cpu.available()

@@ -1,5 +1,12 @@
-"""Paged attention in plain torch: one scatter to write K/V, one gather per request group, one
-``scaled_dot_product_attention`` per group. No Python loop over requests.
+"""Paged attention with torch ops, and on CPU the native paged kernel. No Python loop over
+requests.
+
+On CPU with the native extension built (``ext/cpu_attention.cpp``, fp32/bf16), every request
+that has context in the cache (decode rows, later prefill chunks, prefix-cache hits) attends
+with that kernel, which reads K/V in place from the blocks: no gather, no padding, no mask.
+Fresh prompts take the ``is_causal`` fast path below. Elsewhere (CUDA, fp16,
+``TRILLM_NO_EXTENSIONS=1``) it is one scatter to write K/V, one gather per request group, one
+``scaled_dot_product_attention`` per group:
 
 A step's requests fall in at most two groups, planned once per step (``plan``) and reused by
 every layer: decode rows (query length 1, the fast path: no query padding, a padding-only
@@ -21,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from trillm.attention.backend import AttentionMetadata
+from trillm.kernels import paged_attention_cpu
 
 
 @dataclass
@@ -104,11 +112,16 @@ def _take(
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool | None = None) -> None:
+        """``native``: use the native CPU kernel where it applies (None: when it is built)."""
         self._planned: AttentionMetadata | None = None
         self._block_size = 0
         self._groups: list[_Group] = []
         self._fresh: list[tuple[int, int]] = []  # row ranges of prefill chunks without context
+        # Native CPU kernel plan: None = not used this step; else the requests it attends
+        # (an int32 tensor, or an empty tuple for "all of them").
+        self._native: torch.Tensor | tuple[()] | None = None
+        self._native_available = paged_attention_cpu.available() if native is None else native
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Forget the last step's indices; the first layer builds this step's (it knows the
@@ -116,18 +129,35 @@ class TorchAttentionBackend:
         self._planned = meta
         self._groups = []
         self._fresh = []
+        self._native = None
 
-    def _build_groups(self, meta: AttentionMetadata, block_size: int) -> list[_Group]:
-        device = meta.seq_lens.device
+    def _plan_step(self, meta: AttentionMetadata, block_size: int, native: bool) -> None:
+        """This step's fresh-prompt row ranges, and the native kernel's requests or the torch
+        path's groups (built by the first layer, reused by the others)."""
+        self._fresh, self._groups, self._native = [], [], None
         if meta.decode_only:
-            reqs = torch.arange(meta.num_reqs, device=device)
-            return [_decode_group(meta, reqs, block_size)]
+            if native:
+                self._native = ()
+            else:
+                reqs = torch.arange(meta.num_reqs, device=meta.seq_lens.device)
+                self._groups = [_decode_group(meta, reqs, block_size)]
+            return
         # NOTE: a chunk whose query is its whole sequence has no context: a fresh prompt.
         lens = list(zip(meta.query_lens_cpu, meta.seq_lens_cpu))
         fresh = [i for i, (q, s) in enumerate(lens) if q == s > 1]
         if fresh:
             starts = [0, *itertools.accumulate(meta.query_lens_cpu)]  # host copy: no device sync
             self._fresh = [(starts[i], starts[i + 1]) for i in fresh]
+        if native:
+            rest = [i for i, (q, s) in enumerate(lens) if not q == s > 1]
+            self._native = torch.tensor(rest, dtype=torch.int32) if rest else None
+            return
+        self._groups = self._build_groups(meta, lens, block_size)
+
+    def _build_groups(
+        self, meta: AttentionMetadata, lens: list[tuple[int, int]], block_size: int
+    ) -> list[_Group]:
+        device = meta.seq_lens.device
         decode = [i for i, (q, s) in enumerate(lens) if q == 1]
         prefill = [i for i, (q, s) in enumerate(lens) if 1 < q < s]
         groups = []
@@ -147,11 +177,11 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
         block_size = kv_cache.shape[2]
-        planned = self._groups or self._fresh
+        planned = self._groups or self._fresh or self._native is not None
         if meta is not self._planned or block_size != self._block_size or not planned:
             self._planned, self._block_size = meta, block_size
-            self._fresh = []
-            self._groups = self._build_groups(meta, block_size)
+            native = self._native_available and paged_attention_cpu.supports(q, kv_cache)
+            self._plan_step(meta, block_size, native)
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
@@ -161,6 +191,11 @@ class TorchAttentionBackend:
         if len(self._groups) == 1 and self._groups[0].covers_all:
             return self._attend(self._groups[0], q, key_cache, value_cache, scale)
         out = torch.empty_like(q)
+        if self._native is not None:
+            paged_attention_cpu.paged_attention(
+                q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale,
+                out=out, reqs=self._native if isinstance(self._native, torch.Tensor) else None,
+            )  # fmt: skip
         for start, end in self._fresh:
             out[start:end] = self._attend_fresh(q[start:end], k[start:end], v[start:end], scale)
         for group in self._groups:
