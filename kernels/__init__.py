@@ -9,6 +9,8 @@ Layout: one op per file per backend -- ``<op>_torch.py`` is the obviously-correc
 - ``reshape_and_cache``: write a step's K/V rows into the paged cache at their slots.
 - ``paged_attention``: causal attention of a flattened mixed batch (prefill chunks at any
   offset, decode rows) over the paged cache, GQA aware, with split-KV for small decode steps.
+  ``paged_attention_cpu`` wraps the native CPU kernel (``ext/cpu_attention.cpp``) with the same
+  contract.
 
 The functions below are what model code calls: they run the Triton kernel for CUDA tensors
 when triton is importable and the torch reference otherwise. Triton is optional: importing this
