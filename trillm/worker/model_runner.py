@@ -13,7 +13,6 @@ tokens yields P - 1 rows over its chunks (the first prompt token has none).
 from __future__ import annotations
 
 import logging
-import mmap
 import time
 from dataclasses import dataclass, field
 
@@ -57,22 +56,6 @@ class _PendingStep:
     prompt_targets: torch.Tensor | None  # [m] long, the prompt token each row scores
     prompt_work: list[_PromptLogprobsWork] = field(default_factory=list)
     start_time: float = 0.0
-
-
-def host_kv_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU cache tensor in its own anonymous mapping, advised to use transparent huge
-    pages: attention reads blocks scattered over the whole cache, and 2 MiB pages spare it most
-    TLB misses. Pages are zeroed by the kernel on first touch, so start-up does not write the
-    whole cache."""
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    # NOTE: the tensor keeps the mapping alive (frombuffer holds a reference to it).
-    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
 class ModelRunner:
@@ -150,13 +133,10 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
         shape = (2, num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
-        if self.device.type == "cpu":
-            self.kv_caches = [host_kv_cache(shape, self.dtype) for _ in range(m.num_hidden_layers)]
-        else:
-            self.kv_caches = [
-                torch.zeros(shape, dtype=self.dtype, device=self.device)
-                for _ in range(m.num_hidden_layers)
-            ]
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(m.num_hidden_layers)
+        ]
         self.config.cache.num_blocks = num_blocks
 
     # ------------------------------------------------------------ P2
