@@ -2,18 +2,27 @@
 ``paged_attention_torch.paged_attention`` (its reference) but reading K/V in place from the
 block-paged cache: no gather into dense copies, no padding, no mask tensor.
 
-fp32 and bf16 (math in fp32); the work is spread over ``torch.get_num_threads()`` threads.
+fp32 and bf16 (math in fp32); the work is spread over ``num_threads()`` threads of the
+extension's own pool.
 ``available()`` is False when the extension is not built or ``TRILLM_NO_EXTENSIONS=1``; callers
 then use the torch path.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from trillm._native import native_available, native_module
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def num_threads() -> int:
+    """``TRILLM_CPU_ATTENTION_THREADS`` if set, else torch's intra-op thread count."""
+    value = os.environ.get("TRILLM_CPU_ATTENTION_THREADS", "").strip()
+    return max(1, int(value)) if value else torch.get_num_threads()
 
 
 def available() -> bool:
@@ -99,6 +108,6 @@ def paged_attention(
         dtype=_DTYPES[q.dtype],
         req_indices=0 if reqs is None else reqs.data_ptr(),
         num_selected=-1 if reqs is None else reqs.shape[0],
-        num_threads=torch.get_num_threads(),
+        num_threads=num_threads(),
     )
     return out

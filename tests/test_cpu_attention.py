@@ -164,3 +164,11 @@ def test_works_in_a_forked_child_after_the_parent_used_its_threads():
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+def test_thread_count_follows_torch_unless_overridden(monkeypatch):
+    monkeypatch.delenv("TRILLM_CPU_ATTENTION_THREADS", raising=False)
+    assert paged_attention_cpu.num_threads() == torch.get_num_threads()
+    monkeypatch.setenv("TRILLM_CPU_ATTENTION_THREADS", "3")
+    assert paged_attention_cpu.num_threads() == 3
+    _check(*_problem([1, 4], [30, 9]))  # and the kernel runs with it
