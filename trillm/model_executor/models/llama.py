@@ -114,8 +114,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2I], a temporary: reused in place below
+        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] views
+        # NOTE: in place (silu, then * up), the same values as F.silu(gate) * up, without two
+        # [T, I] temporaries; not under autograd (inference only).
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
