@@ -74,16 +74,19 @@ def _sched(step_id, new, cached, scheduled, finished=()) -> SchedulerOutput:
     )
 
 
-def time_decode(runner: ModelRunner, batch: int, steps: int, first_step: int) -> list[float]:
-    """Prefill ``batch`` prompts, then time ``steps`` decode steps; returns seconds per step."""
-    blocks_per_req = -(-(PROMPT_LEN + steps + 2) // BLOCK_SIZE)
+def time_decode(
+    runner: ModelRunner, batch: int, steps: int, first_step: int, prompt_len: int = PROMPT_LEN
+) -> list[float]:
+    """Prefill ``batch`` prompts of ``prompt_len`` tokens, then time ``steps`` decode steps;
+    returns seconds per step."""
+    blocks_per_req = -(-(prompt_len + steps + 2) // BLOCK_SIZE)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2)
     g = torch.Generator().manual_seed(batch)
     req_ids = [f"b{batch}-{i}" for i in range(batch)]
     new = [
         NewRequestData(
             rid,
-            torch.randint(3, 4096, (PROMPT_LEN,), generator=g).tolist(),
+            torch.randint(3, 4096, (prompt_len,), generator=g).tolist(),
             [],
             params,
             list(range(i * blocks_per_req, (i + 1) * blocks_per_req)),
@@ -92,12 +95,12 @@ def time_decode(runner: ModelRunner, batch: int, steps: int, first_step: int) ->
         for i, rid in enumerate(req_ids)
     ]
     runner.execute_model(
-        _sched(first_step, new, CachedRequestData(), dict.fromkeys(req_ids, PROMPT_LEN))
+        _sched(first_step, new, CachedRequestData(), dict.fromkeys(req_ids, prompt_len))
     )
     runner.sample_tokens(None)
     times = []
     for step in range(steps):
-        computed = PROMPT_LEN + step
+        computed = prompt_len + step
         cached = CachedRequestData(req_ids, [[] for _ in req_ids], [computed] * batch)
         sched = _sched(first_step + 1 + step, [], cached, dict.fromkeys(req_ids, 1))
         start = time.perf_counter()

@@ -46,6 +46,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=20)
+    p.add_argument(
+        "--decode-contexts", type=int, nargs="+", default=[64, 256],
+        help="prompt lengths the decode steps start from (the first is the headline)",
+    )  # fmt: skip
     p.add_argument("--skip-hf", action="store_true", help="trillm and roofline only")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
@@ -159,8 +163,11 @@ def run_trillm(llm: Any, jobs: list[common.Job], steps: list | None = None) -> d
 # ---------------------------------------------------------------- decode steps
 
 
-def decode_step_times(folder: Path, batch: int, steps: int) -> list[float]:
-    """Seconds per decode step of ``batch`` requests on an in-process ModelRunner."""
+def decode_step_times(
+    folder: Path, batch: int, steps: int, prompt_len: int
+) -> list[float]:  # fmt: skip
+    """Seconds per decode step of ``batch`` requests (contexts from ``prompt_len`` on) on an
+    in-process ModelRunner."""
     import decode_step  # benchmarks/decode_step.py (the model engineer's micro-benchmark)
 
     from trillm.config import EngineArgs
@@ -169,16 +176,25 @@ def decode_step_times(folder: Path, batch: int, steps: int) -> list[float]:
 
     engine_args = EngineArgs(
         model=str(folder), dtype="float32", device="cpu", block_size=decode_step.BLOCK_SIZE,
-        max_num_seqs=batch, max_model_len=1024, num_gpu_blocks_override=batch * 16,
+        max_num_seqs=batch, max_model_len=1024,
+        num_gpu_blocks_override=batch * (-(-(prompt_len + steps + 16) // decode_step.BLOCK_SIZE)),
     )  # fmt: skip
     runner = ModelRunner(build_config(engine_args))
     runner.load_model()
     runner.initialize_kv_cache(runner.determine_num_blocks())
-    decode_step.time_decode(runner, batch, 3, 0)  # warm-up
-    return decode_step.time_decode(runner, batch, steps, 10)
+    decode_step.time_decode(runner, batch, 3, 0, prompt_len)  # warm-up
+    return decode_step.time_decode(runner, batch, steps, 10, prompt_len)
 
 
 # ---------------------------------------------------------------- main
+
+
+def attention_path() -> str:
+    from trillm.kernels import paged_attention_cpu
+
+    if paged_attention_cpu.available():
+        return "native CPU paged kernel (ext/cpu_attention.cpp) + is_causal SDPA for fresh prompts"
+    return "torch gather + SDPA"
 
 
 def workload_tokens(jobs: list[common.Job]) -> tuple[int, int]:
@@ -243,7 +259,10 @@ def main() -> None:
     llm.shutdown()
     del hf_model
 
-    step_times = decode_step_times(folder, args.decode_batch, args.decode_steps)
+    decode_times = {
+        ctx: decode_step_times(folder, args.decode_batch, args.decode_steps, ctx)
+        for ctx in args.decode_contexts
+    }
     rates_after = common.matmul_rates()
     rates = {k: max(rates_before[k], rates_after[k]) for k in rates_before}
     peak = max(rates.values())
@@ -256,18 +275,24 @@ def main() -> None:
     for row in rows:
         row["mfu_vs_peak"] = row["achieved_gflops"] / peak
         row["mfu_vs_2048^3"] = row["achieved_gflops"] / square
-    step_s = statistics.median(step_times)
-    decode_gflops = flops_per_tok * args.decode_batch / step_s / 1e9
-    decode = dict(
-        batch=args.decode_batch,
-        step_ms_median=step_s * 1e3,
-        step_ms_all=[round(t * 1e3, 2) for t in step_times],
-        tok_s=args.decode_batch / step_s,
-        achieved_gflops=decode_gflops,
-        mfu_vs_peak=decode_gflops / peak,
-        mfu_vs_2048_cubed=decode_gflops / square,
-        mfu_vs_same_shape_gemm=decode_gflops / rates[decode_gemm] if decode_gemm in rates else None,
-    )
+    decodes = []
+    for ctx, step_times in decode_times.items():
+        step_s = statistics.median(step_times)
+        decode_gflops = flops_per_tok * args.decode_batch / step_s / 1e9
+        same_shape = rates.get(decode_gemm)
+        decodes.append(
+            dict(
+                batch=args.decode_batch,
+                context_start=ctx,
+                step_ms_median=step_s * 1e3,
+                step_ms_all=[round(t * 1e3, 2) for t in step_times],
+                tok_s=args.decode_batch / step_s,
+                achieved_gflops=decode_gflops,
+                mfu_vs_peak=decode_gflops / peak,
+                mfu_vs_2048_cubed=decode_gflops / square,
+                mfu_vs_same_shape_gemm=decode_gflops / same_shape if same_shape else None,
+            )
+        )
 
     print("\nmatmul GFLOP/s (best of before/after):", {k: round(v, 1) for k, v in rates.items()})
     print(f"\noffline throughput (HF batch size {args.hf_batch_size}, order {args.hf_order}):")
@@ -281,10 +306,10 @@ def main() -> None:
         print(f"trillm / HF tokens/s (ratio of means): {ratio:.2f}x  (target >= 4x)")
         print(f"HF generated {hf_padded} tokens incl. padding for {out_toks} requested")
     print(f"\ndecode steps at batch {args.decode_batch} (ModelRunner, median of "
-          f"{len(step_times)}):")  # fmt: skip
+          f"{args.decode_steps}):")  # fmt: skip
     common.print_table(
-        [decode],
-        [("batch", "d"), ("step_ms_median", ".2f"), ("tok_s", ".1f"), ("achieved_gflops", ".1f"),
+        decodes,
+        [("batch", "d"), ("context_start", "d"), ("step_ms_median", ".2f"), ("tok_s", ".1f"), ("achieved_gflops", ".1f"),
          ("mfu_vs_peak", ".1%"), ("mfu_vs_2048_cubed", ".1%"), ("mfu_vs_same_shape_gemm", ".1%")],
     )  # fmt: skip
 
@@ -307,7 +332,9 @@ def main() -> None:
             trillm_step_timing=trillm_steps,
             hf_generated_incl_padding=hf_padded,
             ratio_trillm_over_hf=ratio,
-            decode=decode,
+            decode=decodes[0],
+            decode_by_context=decodes,
+            attention=attention_path(),
         ),
     )
 
