@@ -107,6 +107,8 @@ def measured_run(url: str, server_pid: int, args: argparse.Namespace, tmp: Path)
         p50_ttft_ms=record.get("p50_ttft_ms"),
         p99_ttft_ms=record.get("p99_ttft_ms"),
         mean_itl_ms=record.get("mean_itl_ms"),
+        p99_itl_ms=record.get("p99_itl_ms"),
+        mean_tpot_ms=record.get("mean_tpot_ms"),
         server_cpu_s=server_cpu,
         client_cpu_s=client_cpu,  # includes the client's start-up and test request
         wall_s=wall,
@@ -200,7 +202,8 @@ def main() -> None:
     common.print_table(
         rows,
         [("tok_s", ".0f"), ("duration_s", ".2f"), ("mean_ttft_ms", ".0f"), ("p99_ttft_ms", ".0f"),
-         ("mean_itl_ms", ".2f"), ("server_cpu_s", ".1f"), ("client_cpu_s", ".1f")],
+         ("mean_itl_ms", ".2f"), ("mean_tpot_ms", ".2f"), ("server_cpu_s", ".1f"),
+         ("client_cpu_s", ".1f")],
     )  # fmt: skip
     if profile:
         print_profile(profile)

@@ -152,6 +152,17 @@ def test_serve_flags_map_to_engine_args():
     assert defaults.model_tag is None and engine_kwargs(defaults) == {"max_logprobs": 20}
 
 
+def test_stream_wake_budget_flag():
+    from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
+
+    def budget(*flags: str) -> int | None:
+        return server_options(build_parser().parse_args(["serve", *flags])).stream_wake_budget
+
+    assert budget() == DEFAULT_WAKE_BUDGET
+    assert budget("--stream-wake-budget", "8") == 8
+    assert budget("--stream-wake-budget", "0") is None  # no budget
+
+
 def test_bad_memory_size_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-memory", "lots"])

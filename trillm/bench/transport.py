@@ -47,6 +47,66 @@ class _LineSplitter:
         return [line.rstrip(b"\r") for line in lines]
 
 
+class _ChunkedDecoder:
+    """A chunked HTTP/1.1 body (RFC 9112 7.1), bytes in, body pieces out: the streaming hot
+    path of the client, a few slices per chunk where h11 builds an event per chunk."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._left = 0  # data bytes left in the current chunk
+        self._crlf = False  # the CRLF after a chunk's data is due
+        self._trailers = False  # after the last (zero-size) chunk
+        self.complete = False
+        self.excess = b""  # bytes after the body (a pipelined response: never reused then)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._buf + data if self._buf else data
+        pos, end, out = 0, len(buf), []
+        while pos < end and not self.complete:
+            if self._left:
+                take = min(self._left, end - pos)
+                out.append(buf[pos : pos + take])
+                pos += take
+                self._left -= take
+                self._crlf = not self._left
+                continue
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            if self._crlf:
+                if eol != pos:
+                    raise TransportError("RemoteProtocolError: bad chunk framing")
+                self._crlf = False
+            elif self._trailers:
+                self.complete = eol == pos  # the empty line ends the trailers
+            else:
+                try:
+                    size = int(buf[pos:eol].split(b";", 1)[0], 16)
+                except ValueError:
+                    raise TransportError("RemoteProtocolError: bad chunk size") from None
+                self._left = size
+                self._trailers = size == 0
+            pos = eol + 2
+        if self.complete:
+            self.excess, self._buf = buf[pos:], b""
+        else:
+            self._buf = buf[pos:]
+        return out
+
+
+def _is_chunked(response: h11.Response) -> bool:
+    return any(
+        name == b"transfer-encoding" and value.lower() == b"chunked"
+        for name, value in response.headers
+    )
+
+
+def _keeps_alive(response: h11.Response) -> bool:
+    return not any(
+        name == b"connection" and b"close" in value.lower() for name, value in response.headers
+    )
+
+
 def feed_sse_lines(lines: list[bytes], on_data: OnData) -> bool:
     """Hands every ``data:`` payload to on_data; True once it reports the end."""
     for line in lines:
@@ -63,6 +123,7 @@ class _Connection:
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
         self.h11 = h11.Connection(h11.CLIENT)
+        self.reuse = False  # set when the body was read past h11 and the exchange ended well
 
     async def send(self, *events: Any) -> None:
         await self.stream.send_all(b"".join(self.h11.send(e) or b"" for e in events))
@@ -75,7 +136,33 @@ class _Connection:
             self.h11.receive_data(await self.stream.receive_some(READ_SIZE))
 
     def reusable(self) -> bool:
+        if self.reuse:
+            return True
         return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+
+    def recycle(self) -> None:
+        if self.reuse:
+            self.h11 = h11.Connection(h11.CLIENT)  # the body was read past this one
+            self.reuse = False
+        else:
+            self.h11.start_next_cycle()
+
+    async def stream_sse(self, response: h11.Response, on_data: OnData) -> None:
+        """A 200 chunked SSE body, read from the socket without h11 (it has parsed the head;
+        what it buffered beyond is the body's start)."""
+        decoder, lines, done = _ChunkedDecoder(), _LineSplitter(), False
+        data, closed = self.h11.trailing_data
+        while True:
+            for piece in decoder.feed(bytes(data)):
+                if not done:
+                    done = feed_sse_lines(lines.feed(piece), on_data)
+            if decoder.complete:
+                break
+            if closed:
+                raise TransportError("RemoteProtocolError: connection closed mid-body")
+            data = await self.stream.receive_some(READ_SIZE)
+            closed = not data
+        self.reuse = not decoder.excess and _keeps_alive(response)
 
 
 class H11Transport:
@@ -104,6 +191,9 @@ class H11Transport:
             response = await conn.next_event()
         if not isinstance(response, h11.Response):
             raise _NoResponse(type(response).__name__)
+        if response.status_code == 200 and _is_chunked(response):
+            await conn.stream_sse(response, on_data)
+            return 200, b""
         body, lines, done = [], _LineSplitter(), False
         while True:
             event = await conn.next_event()
@@ -169,7 +259,7 @@ class H11Transport:
             await trio.aclose_forcefully(conn.stream)  # cancelled mid-stream: drop the socket
             raise
         if conn.reusable():
-            conn.h11.start_next_cycle()
+            conn.recycle()
             idle.append(conn)
         else:
             await conn.stream.aclose()

@@ -26,6 +26,7 @@ import trio
 from trillm.config import EngineArgs, TrillmConfig
 from trillm.core.errors import RequestTooLargeError
 from trillm.engine.input_processor import InputProcessor, InvalidRequestError, PromptType
+from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET, OutputProcessor
 from trillm.errors import EngineDeadError
 from trillm.messages import AbortRequests, EngineCoreOutputs, SchedulerStats
 from trillm.outputs import RequestOutput
@@ -40,18 +41,24 @@ class AsyncEngine:
     """Handle to a running engine; get one from ``open_engine``."""
 
     def __init__(
-        self, config: TrillmConfig, tokenizer: Any, executor: Any, stream_interval: int = 1
+        self,
+        config: TrillmConfig,
+        tokenizer: Any,
+        executor: Any,
+        stream_interval: int = 1,
+        stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET,
     ) -> None:
         from trillm._native import get_scheduler_cls
         from trillm.engine.core import EngineCore
-        from trillm.engine.output_processor import OutputProcessor
 
         self.config = config
         self.model_config = config.model
         self.tokenizer = tokenizer
         self.executor = executor
         self.input_processor = InputProcessor(config.model, tokenizer, config.max_logprobs)
-        self.output_processor = OutputProcessor(tokenizer, stream_interval=stream_interval)
+        self.output_processor = OutputProcessor(
+            tokenizer, stream_interval=stream_interval, wake_budget=stream_wake_budget
+        )
         scheduler = get_scheduler_cls()(config.scheduler, config.cache, executor.num_blocks)
         self.core = EngineCore(scheduler, executor)
         self._input_send, self._input_recv = trio.open_memory_channel[Any](math.inf)
@@ -101,7 +108,9 @@ class AsyncEngine:
             async for batch in outputs:
                 if batch.scheduler_stats is not None:
                     self._stats = batch.scheduler_stats
-                to_abort = self.output_processor.process_outputs(batch.outputs)
+                to_abort = self.output_processor.process_outputs(
+                    batch.outputs, model_time_s=batch.model_time_s
+                )
                 if to_abort:
                     self._input_send.send_nowait(AbortRequests(to_abort))
 
@@ -233,12 +242,14 @@ async def open_engine(
     *,
     runner: str | None = None,
     runner_kwargs: dict[str, Any] | None = None,
+    stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET,
     **engine_args: Any,
 ) -> AsyncIterator[AsyncEngine]:
     """``async with open_engine(model, **engine_args) as engine:`` (vLLM's argument names).
 
     ``runner`` swaps the model runner (``"trillm.worker.fake_runner:FakeModelRunner"`` for a
-    near-zero-cost model in frontend tests and benchmarks)."""
+    near-zero-cost model in frontend tests and benchmarks). ``stream_wake_budget``: the most
+    streams woken per step for a middle output (None: no budget; see ``output_processor``)."""
     from trillm.engine.config_builder import build_config, load_tokenizer
     from trillm.executor.abstract import DEFAULT_RUNNER, open_executor
 
@@ -246,7 +257,7 @@ async def open_engine(
     config = await trio.to_thread.run_sync(build_config, args)
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, config.model.tokenizer)
     async with open_executor(config, runner or DEFAULT_RUNNER, runner_kwargs) as executor:
-        engine = AsyncEngine(config, tokenizer, executor, args.stream_interval)
+        engine = AsyncEngine(config, tokenizer, executor, args.stream_interval, stream_wake_budget)
         engine.chat_template = args.chat_template
         logger.info(
             "engine ready: model %s, %d KV blocks of %d tokens, device %s, attention %s",

@@ -14,6 +14,16 @@ never sent and then retracted. A stop-string finish is only known here, so
 The collector holds at most one pending output: when its reader falls behind, new outputs are
 merged into the pending one (DELTA concatenates, CUMULATIVE replaces), so the handler never
 waits on a slow reader and memory per request stays bounded.
+
+Wake budget: waking a stream's reader costs far more than the token it carries (an SSE chunk
+through the HTTP stack), and all readers share the event loop with the engine core. Readers
+woken while the model runs cost the engine nothing; beyond that they delay the next step. So a
+step wakes at most ``max(wake_budget, model_time / CHUNK_COST_S)`` streams for a middle output
+(model time: a moving average of the worker's time per step). With more streams than that, each
+stream is woken once every ``ceil(streams / budget)`` steps (round robin, in its own slot) and
+carries the tokens of those steps. A first output and a finish are never held, a stream that
+gets no output in a step has what it holds delivered at once, and with fewer streams than the
+budget (or a model slow enough to hide the writes) every token goes out at once.
 """
 
 from __future__ import annotations
@@ -36,6 +46,12 @@ from trillm.outputs import (
     SampleLogprobs,
 )
 from trillm.sampling_params import RequestOutputKind, SamplingParams
+
+# At least this many streams are woken per engine step for a middle output (module docstring).
+DEFAULT_WAKE_BUDGET = 32
+# What waking a stream costs the event loop (one SSE chunk through the HTTP stack), roughly: a
+# step whose model time covers N such chunks may wake N streams (they are written in its shadow).
+CHUNK_COST_S = 50e-6
 
 # ---------------------------------------------------------------- collector
 
@@ -97,12 +113,13 @@ class RequestOutputCollector:
         return None
 
     async def get(self) -> RequestOutput:
-        await trio.lowlevel.checkpoint()
         while True:
+            # NOTE: one scheduling point per output: a checkpoint when the output is already
+            # there, else the wait itself (put or put_error sets the event it waits on).
+            await self._ready.wait()
             output = self.get_nowait()
             if output is not None:
                 return output
-            await self._ready.wait()
 
 
 # ---------------------------------------------------------------- stop strings
@@ -187,6 +204,8 @@ class _Group:
     sent_prompt_logprobs: int = 0
     num_cached_tokens: int = 0
     final_completions: list[CompletionOutput] = field(default_factory=list)  # FINAL_ONLY
+    slot: int = 0  # wake-budget round-robin slot
+    started: bool = False  # an output went to the collector
 
 
 @dataclass(slots=True, eq=False)
@@ -207,6 +226,11 @@ class _Sample:
     sent_logprobs: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    seen_step: int = 0  # the last step with an engine output for this sample
+    plain: bool = False  # detokenized, no stop strings, no logprobs: the inlined decode path
+
+    def __post_init__(self) -> None:
+        self.plain = self.detokenizer is not None and self.stop is None and self.logprobs is None
 
 
 # ---------------------------------------------------------------- the processor
@@ -216,11 +240,25 @@ class OutputProcessor:
     """Owns the output side of every in-flight request (see the module docstring)."""
 
     def __init__(
-        self, tokenizer: Any, *, native: bool | None = None, stream_interval: int = 1
+        self,
+        tokenizer: Any,
+        *,
+        native: bool | None = None,
+        stream_interval: int = 1,
+        wake_budget: int | None = DEFAULT_WAKE_BUDGET,
     ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}.")
+        if wake_budget is not None and wake_budget < 1:
+            raise ValueError(f"wake_budget must be at least 1 (or None), got {wake_budget}.")
         self.stream_interval = stream_interval
+        self.wake_budget = wake_budget
+        self._step = 0
+        self._period = 1  # this step: a stream is woken (middle outputs) once per period steps
+        self._model_time_s = 0.0  # moving average of the model's time per step
+        self._streams = 0  # groups whose reader is woken per output (not FINAL_ONLY)
+        self._held: dict[str, _Sample] = {}  # samples with news held back by the wake budget
+        self._streams_added = 0
         self.tokenizer = tokenizer
         self._detokenizers = DetokenizerFactory(tokenizer, native=native)
         self._groups: dict[str, _Group] = {}  # request id -> group
@@ -262,6 +300,10 @@ class OutputProcessor:
             num_prompt_logprobs=params.prompt_logprobs,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        if params.output_kind != RequestOutputKind.FINAL_ONLY:
+            group.slot = self._streams_added
+            self._streams_added += 1
+            self._streams += 1
         self._groups[request_id] = group
         for index, engine_id in enumerate(engine_ids):
             self._samples[engine_id] = self._new_sample(engine_id, index, group, params)
@@ -289,16 +331,39 @@ class OutputProcessor:
 
     # ------------------------------------------------------------ engine outputs
     def process_outputs(
-        self, outputs: Sequence[EngineCoreOutput], timestamp: float | None = None
+        self,
+        outputs: Sequence[EngineCoreOutput],
+        timestamp: float | None = None,
+        model_time_s: float = 0.0,
     ) -> list[str]:
         """Deliver one step's outputs; returns engine ids finished here by a stop string,
-        which the caller must abort in the engine core."""
+        which the caller must abort in the engine core. ``model_time_s``: the step's time in
+        the model (it sizes the wake budget)."""
         now = timestamp if timestamp is not None else time.time()
         to_abort: list[str] = []
+        self._step += 1
+        self._period = self._wake_period(model_time_s)
+        samples = self._samples
         for out in outputs:
-            sample = self._samples.get(out.request_id)
+            sample = samples.get(out.request_id)
             if sample is None:
                 continue  # aborted while this step was in flight
+            if sample.plain and out.finish_reason is None and out.new_prompt_logprobs is None:
+                # The common decode step (text, no stop strings, no logprobs), inlined.
+                group = sample.group
+                ids = out.new_token_ids
+                if ids:
+                    metrics = group.metrics
+                    if metrics.first_token_time is None:
+                        metrics.first_token_time = now
+                    metrics.last_token_time = now
+                    metrics.num_generation_tokens += len(ids)
+                    sample.text += sample.detokenizer.add_tokens(ids)  # type: ignore[union-attr]
+                    sample.token_ids.extend(ids)
+                if out.num_cached_tokens > group.num_cached_tokens:
+                    group.num_cached_tokens = out.num_cached_tokens
+                self._deliver(sample, now)
+                continue
             self._record_prompt_side(sample, out, now)
             stop_string = self._update_sample(sample, out)
             if stop_string is not None:
@@ -308,7 +373,27 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 self._finish(sample, str(out.finish_reason), out.stop_reason)
             self._deliver(sample, now)
+        if self._held:
+            self._release_stalled()
         return to_abort
+
+    def _wake_period(self, model_time_s: float) -> int:
+        """Steps between two middle-output wake-ups of a stream, for this step."""
+        if self.wake_budget is None:
+            return 1
+        self._model_time_s += 0.2 * (model_time_s - self._model_time_s)
+        budget = max(self.wake_budget, int(self._model_time_s / CHUNK_COST_S))
+        return -(-self._streams // budget) or 1
+
+    def _release_stalled(self) -> None:
+        """Held samples that got no output this step (preempted, waiting) send what they hold."""
+        step = self._step
+        stalled = [sample for sample in self._held.values() if sample.seen_step != step]
+        for sample in stalled:
+            del self._held[sample.engine_id]
+            output = self._make_output(sample, finished=False)
+            if output is not None:
+                sample.group.collector.put(output)
 
     def _record_prompt_side(self, sample: _Sample, out: EngineCoreOutput, now: float) -> None:
         group = sample.group
@@ -387,9 +472,26 @@ class OutputProcessor:
         finished = not group.unfinished
         if finished:
             group.metrics.finished_time = now
-            self._groups.pop(group.request_id, None)
+            if self._groups.pop(group.request_id, None) is not None:
+                if group.output_kind != RequestOutputKind.FINAL_ONLY:
+                    self._streams -= 1
+        elif (
+            self._period > 1
+            and group.started
+            and sample.finish_reason is None
+            and (self._step + group.slot) % self._period
+            and group.output_kind != RequestOutputKind.FINAL_ONLY
+        ):
+            # Not this stream's slot: its news stay unsent (the sample's sent_* marks) and go
+            # out, merged, in its next slot. Nothing is built for it now.
+            sample.seen_step = self._step
+            self._held[sample.engine_id] = sample
+            return
+        if self._held:
+            self._held.pop(sample.engine_id, None)
         output = self._make_output(sample, finished)
         if output is not None:
+            group.started = True
             group.collector.put(output)
 
     def _make_output(self, sample: _Sample, finished: bool) -> RequestOutput | None:
@@ -503,6 +605,8 @@ class OutputProcessor:
             group.collector.put_error(error)
         self._groups.clear()
         self._samples.clear()
+        self._held.clear()
+        self._streams = 0
 
 
 def _slice_lists(lists: LogprobsLists, start: int, stop: int) -> LogprobsLists:

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from trillm.config import parse_memory_size
+from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
 from trillm.entrypoints.openai.api_server import ServerOptions
 
 # Flags whose value goes straight into EngineArgs under the same (underscored) name. Each is
@@ -100,6 +101,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="Streamed responses send a chunk every N tokens; the first token and the end "
         "go at once (default: 1).",
     )  # fmt: skip
+    g.add_argument(
+        "--stream-wake-budget", type=int, default=DEFAULT_WAKE_BUDGET,
+        help="Streams woken per engine step for a middle chunk: at least N, more when the "
+        "model's step time hides their writes. With more streams, each gets a chunk every "
+        "ceil(streams / budget) steps carrying those steps' tokens; the first token and the "
+        f"end still go at once. 0: no budget (default: {DEFAULT_WAKE_BUDGET}).",
+    )  # fmt: skip
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Default: auto.")
     g.add_argument("--attention-backend", help="torch, triton or flashinfer (default: best).")
     g.add_argument("--distributed-executor-backend", choices=["mp", "uni"])
@@ -136,6 +144,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         max_logprobs=args.max_logprobs,
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
+        stream_wake_budget=args.stream_wake_budget or None,
     )
 
 

@@ -190,9 +190,11 @@ class _ChatContext:
         )  # fmt: skip
         fast = not (self.req.logprobs or self.req.return_token_ids or self._continuous_usage)
         finished: set[int] = set()
+        # NOTE: one write per engine output (all its choices' events): the role events go with
+        # the first output (already there: the request was primed), the last output with the
+        # end events. Fewer, larger writes; the same events at the same moments.
+        parts = [self._role_chunk(i) for i in range(self.params.n)]
         try:
-            for i in range(self.params.n):
-                yield self._role_chunk(i)
             async for _, item in gen:
                 out = raise_if_error(item)
                 self.tracker.observe(out)
@@ -201,20 +203,24 @@ class _ChatContext:
                         finished.add(c.index)
                     if fast and c.finish_reason is None:
                         if c.text:
-                            yield self._content_chunk(c.index, c.text)
+                            parts.append(self._content_chunk(c.index, c.text))
                     elif c.text or c.token_ids or c.finish_reason is not None:
-                        yield self._chunk(c.index, c.text, c.token_ids, c.logprobs,
-                                          c.finish_reason, c.stop_reason)  # fmt: skip
+                        parts.append(self._chunk(c.index, c.text, c.token_ids, c.logprobs,
+                                                 c.finish_reason, c.stop_reason))  # fmt: skip
+                if parts and not out.finished:
+                    yield b"".join(parts)
+                    parts = []
             # The channel closed before every choice finished: the server aborted them.
             for i in range(self.params.n):
                 if i not in finished:
-                    yield self._chunk(i, "", [], None, "abort", None)
+                    parts.append(self._chunk(i, "", [], None, "abort", None))
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                yield self.head + b'],"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
-            yield DONE
+                usage = orjson.dumps(self.tracker.usage())
+                parts.append(self.head + b'],"usage":' + usage + b"}\n\n")
+            parts.append(DONE)
+            yield b"".join(parts)
         except APIError as err:
-            yield sse_error_event(err)
-            yield DONE
+            yield b"".join(parts) + sse_error_event(err) + DONE
         finally:
             await gen.aclose()
             self.tracker.finish(self.params.n)

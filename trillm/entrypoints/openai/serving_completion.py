@@ -201,36 +201,47 @@ class _CompletionContext:
         num = len(self.prompts) * self.n
         finished: set[int] = set()
         offsets = [0] * num
+        # NOTE: one write per engine output (all its choices' events), and the last output of
+        # a one-prompt request goes out together with the end events: fewer, larger writes.
+        last: list[bytes] = []
         try:
             if self.req.echo:
-                for i in range(num):
-                    text = self.prompts[i // self.n].text or ""
-                    offsets[i] = len(text)
-                    yield self._text_chunk(i, text)
+                yield b"".join(self._echo_chunk(i, offsets) for i in range(num))
             async for job, item in gen:
                 out = raise_if_error(item)
                 self.tracker.observe(out, job)
+                parts = []
                 for c in out.outputs:
                     index = job * self.n + c.index
                     if c.finish_reason is not None:
                         finished.add(index)
                     if fast and c.finish_reason is None:
                         if c.text:
-                            yield self._text_chunk(index, c.text)
+                            parts.append(self._text_chunk(index, c.text))
                     elif c.text or c.token_ids or c.finish_reason is not None:
-                        yield self._chunk(index, c, offsets)
+                        parts.append(self._chunk(index, c, offsets))
+                if out.finished and len(self.prompts) == 1:
+                    last = parts  # the generation ends here: sent with the end events below
+                elif parts:
+                    yield b"".join(parts)
             for i in range(num):
                 if i not in finished:
-                    yield self._end_chunk(i, "abort")
+                    last.append(self._end_chunk(i, "abort"))
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                yield self.head + b'],"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
-            yield DONE
+                usage = orjson.dumps(self.tracker.usage())
+                last.append(self.head + b'],"usage":' + usage + b"}\n\n")
+            last.append(DONE)
+            yield b"".join(last)
         except APIError as err:
-            yield sse_error_event(err)
-            yield DONE
+            yield sse_error_event(err) + DONE
         finally:
             await gen.aclose()
             self.tracker.finish(num)
+
+    def _echo_chunk(self, index: int, offsets: list[int]) -> bytes:
+        text = self.prompts[index // self.n].text or ""
+        offsets[index] = len(text)
+        return self._text_chunk(index, text)
 
     def _text_chunk(self, index: int, text: str) -> bytes:
         # NOTE: the hot path of streaming: no dict, one orjson call for the text.
