@@ -274,8 +274,9 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
   const int64_t slot_elems = static_cast<int64_t>(p.num_kv_heads) * D;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  alignas(32) v8f qv[kMaxLanes];   // [nvec][NV], pre-scaled by p.scale
-  alignas(32) v8f acc[kMaxLanes];  // [nvec][NV]
+  // Per-thread scratch: large stack frames would be probed page by page on every item.
+  alignas(32) static thread_local v8f qv[kMaxLanes];   // [nvec][NV], pre-scaled by p.scale
+  alignas(32) static thread_local v8f acc[kMaxLanes];  // [nvec][NV]
   float m[kMaxVectors], l[kMaxVectors];
   int limit[kMaxVectors];    // last key position vector v may see
   int64_t off[kMaxVectors];  // vector v's kv head within a cache slot
