@@ -6,11 +6,12 @@
 // and attends causally to the cached keys/values of positions 0 .. its own (this step's rows
 // already written). GQA: query head h reads kv head h / (Hq / Hkv).
 //
-// Work item = (request, kv head, tile of query rows): the tile's query vectors (rows x the
-// query heads sharing that kv head) walk the request's blocks once, each key row loaded once
-// for all of them, with an online softmax in fp32. No gather, no padding, no mask tensor.
-// Items run on a small persistent thread pool (the caller's thread included); the GIL is
-// released meanwhile. fp32 and bf16 tensors; math in fp32.
+// Work item = (request, tile of query rows, range of kv heads: all of them unless that leaves
+// too few items for the threads): the tile's query vectors walk the request's blocks once, a
+// chunk of keys at a time, each key row brought in once for all the query heads that read it,
+// with an online softmax in fp32. No gather, no padding, no mask tensor. Items run on a small
+// persistent thread pool (the caller's thread included); the GIL is released meanwhile. fp32
+// and bf16 tensors; math in fp32.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -47,6 +48,7 @@ class ThreadPool {
   // Runs fn(0) .. fn(num_items - 1) on the workers and the calling thread; returns when all
   // are done.
   void run(int num_items, const std::function<void(int)>& fn) {
+    std::lock_guard<std::mutex> one_call(run_mu_);  // callers on several threads take turns
     {
       std::lock_guard<std::mutex> lock(mu_);
       fn_ = &fn;
@@ -90,6 +92,7 @@ class ThreadPool {
 
   pid_t pid_;
   std::vector<std::thread> workers_;
+  std::mutex run_mu_;
   std::mutex mu_;
   std::condition_variable start_, done_;
   const std::function<void(int)>* fn_ = nullptr;

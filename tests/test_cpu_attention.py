@@ -172,3 +172,32 @@ def test_thread_count_follows_torch_unless_overridden(monkeypatch):
     monkeypatch.setenv("TRILLM_CPU_ATTENTION_THREADS", "3")
     assert paged_attention_cpu.num_threads() == 3
     _check(*_problem([1, 4], [30, 9]))  # and the kernel runs with it
+
+
+def test_concurrent_callers_share_the_pool_safely():
+    """Two Python threads calling at once (the GIL is released inside) both get exact results."""
+    import threading
+
+    problems = [_problem([1] * 24 + [9], [17 * (i + 1) for i in range(25)], seed=s) for s in (1, 2)]
+    expected = [paged_attention_cpu.paged_attention(*p, scale=0.125) for p in problems]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    failures: list[str] = []
+
+    def hammer(index: int) -> None:
+        for _ in range(30):
+            got = paged_attention_cpu.paged_attention(*problems[index], scale=0.125)
+            if not torch.equal(got, expected[index]):
+                failures.append(f"caller {index} got a different result")
+                return
+
+    try:
+        threads = [threading.Thread(target=hammer, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a caller hung"
+    finally:
+        torch.set_num_threads(previous)
+    assert failures == []
