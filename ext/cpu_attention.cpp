@@ -463,65 +463,85 @@ std::vector<Item> plan_items(const Problem& p, int num_reqs, const int32_t* reqs
   return items;
 }
 
-// dtype: 0 = float32, 1 = bfloat16. req_indices: 0 (every request) or num_selected int32
-// request indices (only their rows of `out` are written).
-void paged_attention(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache,
-                     uintptr_t block_table, uintptr_t query_start_loc, uintptr_t seq_lens,
-                     int num_reqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                     int64_t q_token_stride, int64_t q_head_stride, int64_t out_token_stride,
-                     int64_t out_head_stride, int64_t block_table_stride, int max_blocks_per_req, int num_blocks,
-                     float scale, int dtype,
-                     uintptr_t req_indices, int num_selected, int num_threads) {
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0)
-    throw std::invalid_argument("num_heads must be a multiple of num_kv_heads");
-  if (num_heads / num_kv_heads > kMaxVectors)
-    throw std::invalid_argument("more than 64 query heads per kv head");
-  if (head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % 8 != 0)
-    throw std::invalid_argument("head_dim must be a multiple of 8 in 8..512");
-  if (block_size <= 0) throw std::invalid_argument("block_size must be positive");
-  if (dtype != 0 && dtype != 1) throw std::invalid_argument("dtype must be float32 or bfloat16");
-  Problem p{reinterpret_cast<const void*>(q),
-            reinterpret_cast<void*>(out),
-            reinterpret_cast<const void*>(k_cache),
-            reinterpret_cast<const void*>(v_cache),
-            reinterpret_cast<const int32_t*>(block_table),
-            reinterpret_cast<const int32_t*>(query_start_loc),
-            reinterpret_cast<const int32_t*>(seq_lens),
-            q_token_stride,
-            q_head_stride,
-            out_token_stride,
-            out_head_stride,
-            block_table_stride,
-            max_blocks_per_req,
-            num_blocks,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
-            scale};
-  const std::vector<Item> items = plan_items(p, num_reqs, reinterpret_cast<const int32_t*>(req_indices), num_selected,
-                 num_threads);
-  auto kernel = dtype == 0 ? select_kernel<float>() : select_kernel<Bf16>();
-  const int n = static_cast<int>(items.size());
-  py::gil_scoped_release release;
-  if (num_threads <= 1 || n <= 1) {
-    for (const Item& it : items) kernel(p, it);
-    return;
+// One step's attention plan: the metadata checked and the work items made once, then run by
+// every layer (each with its own q, cache and output). The metadata arrays must outlive the
+// plan (the Python wrapper keeps them).
+class Plan {
+ public:
+  // req_indices: 0 (every request) or num_selected int32 request indices (only their rows of
+  // the output are written).
+  Plan(uintptr_t block_table, uintptr_t query_start_loc, uintptr_t seq_lens, int num_reqs,
+       uintptr_t req_indices, int num_selected, int num_heads, int num_kv_heads, int head_dim,
+       int block_size, int num_blocks, int64_t block_table_stride, int max_blocks_per_req,
+       int num_threads)
+      : num_threads_(num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0)
+      throw std::invalid_argument("num_heads must be a multiple of num_kv_heads");
+    if (num_heads / num_kv_heads > kMaxVectors)
+      throw std::invalid_argument("more than 64 query heads per kv head");
+    if (head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % 8 != 0)
+      throw std::invalid_argument("head_dim must be a multiple of 8 in 8..512");
+    if (block_size <= 0) throw std::invalid_argument("block_size must be positive");
+    p_.block_table = reinterpret_cast<const int32_t*>(block_table);
+    p_.query_start_loc = reinterpret_cast<const int32_t*>(query_start_loc);
+    p_.seq_lens = reinterpret_cast<const int32_t*>(seq_lens);
+    p_.block_table_stride = block_table_stride;
+    p_.max_blocks_per_req = max_blocks_per_req;
+    p_.num_blocks = num_blocks;
+    p_.num_heads = num_heads;
+    p_.num_kv_heads = num_kv_heads;
+    p_.head_dim = head_dim;
+    p_.block_size = block_size;
+    items_ = plan_items(p_, num_reqs, reinterpret_cast<const int32_t*>(req_indices), num_selected,
+                        num_threads);
   }
-  std::function<void(int)> fn = [&](int i) { kernel(p, items[i]); };
-  pool_for(num_threads)->run(n, fn);
-}
+
+  // dtype: 0 = float32, 1 = bfloat16.
+  void run(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache,
+           int64_t q_token_stride, int64_t q_head_stride, int64_t out_token_stride,
+           int64_t out_head_stride, float scale, int dtype) const {
+    if (dtype != 0 && dtype != 1) throw std::invalid_argument("dtype must be float32 or bfloat16");
+    Problem p = p_;
+    p.q = reinterpret_cast<const void*>(q);
+    p.out = reinterpret_cast<void*>(out);
+    p.k_cache = reinterpret_cast<const void*>(k_cache);
+    p.v_cache = reinterpret_cast<const void*>(v_cache);
+    p.q_token_stride = q_token_stride;
+    p.q_head_stride = q_head_stride;
+    p.out_token_stride = out_token_stride;
+    p.out_head_stride = out_head_stride;
+    p.scale = scale;
+    auto kernel = dtype == 0 ? select_kernel<float>() : select_kernel<Bf16>();
+    const int n = static_cast<int>(items_.size());
+    py::gil_scoped_release release;
+    if (num_threads_ <= 1 || n <= 1) {
+      for (const Item& it : items_) kernel(p, it);
+      return;
+    }
+    std::function<void(int)> fn = [&](int i) { kernel(p, items_[i]); };
+    pool_for(num_threads_)->run(n, fn);
+  }
+
+ private:
+  Problem p_{};
+  std::vector<Item> items_;
+  int num_threads_;
+};
 
 }  // namespace
 
 PYBIND11_MODULE(cpu_attention, m) {
   m.doc() = "Paged attention on CPU, reading K/V in place from the block-paged cache.";
-  m.def("paged_attention", &paged_attention, py::arg("out"), py::arg("q"), py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("block_table"), py::arg("query_start_loc"),
-        py::arg("seq_lens"), py::arg("num_reqs"), py::arg("num_heads"), py::arg("num_kv_heads"),
-        py::arg("head_dim"), py::arg("block_size"), py::arg("q_token_stride"),
-        py::arg("q_head_stride"), py::arg("out_token_stride"), py::arg("out_head_stride"),
-        py::arg("block_table_stride"), py::arg("max_blocks_per_req"),
-        py::arg("num_blocks"), py::arg("scale"), py::arg("dtype"),
-        py::arg("req_indices"), py::arg("num_selected"), py::arg("num_threads"));
+  py::class_<Plan>(m, "Plan")
+      .def(py::init<uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, int, int, int, int, int, int,
+                    int64_t, int, int>(),
+           py::arg("block_table"), py::arg("query_start_loc"), py::arg("seq_lens"),
+           py::arg("num_reqs"), py::arg("req_indices"), py::arg("num_selected"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("block_size"), py::arg("num_blocks"), py::arg("block_table_stride"),
+           py::arg("max_blocks_per_req"), py::arg("num_threads"))
+      .def("run", &Plan::run, py::arg("out"), py::arg("q"), py::arg("k_cache"),
+           py::arg("v_cache"), py::arg("q_token_stride"), py::arg("q_head_stride"),
+           py::arg("out_token_stride"), py::arg("out_head_stride"), py::arg("scale"),
+           py::arg("dtype"));
 }

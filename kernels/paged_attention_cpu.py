@@ -3,7 +3,8 @@
 block-paged cache: no gather into dense copies, no padding, no mask tensor.
 
 fp32 and bf16 (math in fp32); the work is spread over ``num_threads()`` threads of the
-extension's own pool.
+extension's own pool. A step builds one ``PagedAttentionPlan`` (metadata checked, work items
+made) and every layer runs it.
 ``available()`` is False when the extension is not built or ``TRILLM_NO_EXTENSIONS=1``; callers
 then use the torch path.
 """
@@ -49,8 +50,87 @@ def _check_int32(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a CPU int32 tensor, contiguous in its last dim.")
 
 
+class PagedAttentionPlan:
+    """One step's metadata, checked and split into work items once; ``run`` it per layer.
+
+    Holds the metadata tensors (the native plan points into them), so they must not be
+    modified while the plan is in use."""
+
+    def __init__(
+        self,
+        query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+        seq_lens: torch.Tensor,  # [num_reqs] int32
+        block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+        q_shape: tuple[int, ...] | torch.Size,  # [num_tokens, Hq, D] of every layer's q
+        kv_cache_shape: tuple[int, ...] | torch.Size,  # [2, num_blocks, block_size, Hkv, D]
+        reqs: torch.Tensor | None = None,  # [n] int32: attend only these requests' rows
+    ) -> None:
+        ext = native_module("cpu_attention")
+        if ext is None:
+            raise RuntimeError("trillm._ext.cpu_attention is not built.")
+        for name, t in (
+            ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+            ("block_table", block_table), ("reqs", reqs),
+        ):  # fmt: skip
+            if t is not None:
+                _check_int32(name, t)
+        num_reqs = seq_lens.shape[0]
+        if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
+            raise ValueError("query_start_loc, seq_lens and block_table disagree on num_reqs.")
+        self.q_shape = tuple(q_shape)
+        self.kv_cache_shape = tuple(kv_cache_shape)
+        self._keep = (query_start_loc, seq_lens, block_table, reqs)
+        self._plan = ext.Plan(
+            block_table=block_table.data_ptr(),
+            query_start_loc=query_start_loc.data_ptr(),
+            seq_lens=seq_lens.data_ptr(),
+            num_reqs=num_reqs,
+            req_indices=0 if reqs is None else reqs.data_ptr(),
+            num_selected=-1 if reqs is None else reqs.shape[0],
+            num_heads=self.q_shape[1],
+            num_kv_heads=self.kv_cache_shape[3],
+            head_dim=self.q_shape[2],
+            block_size=self.kv_cache_shape[2],
+            num_blocks=self.kv_cache_shape[1],
+            block_table_stride=block_table.stride(0),
+            max_blocks_per_req=block_table.shape[1],
+            num_threads=num_threads(),
+        )
+
+    def run(
+        self,
+        q: torch.Tensor,  # [num_tokens, Hq, D], rows may be strided (a view of a fused qkv)
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        scale: float,
+        out: torch.Tensor | None = None,  # [num_tokens, Hq, D]
+    ) -> torch.Tensor:  # [num_tokens, Hq, D]
+        if q.shape != self.q_shape or kv_cache.shape != self.kv_cache_shape:
+            raise ValueError("q or kv_cache has another shape than the plan was made for.")
+        if not supports(q, kv_cache):
+            raise ValueError("paged_attention_cpu: unsupported device, dtype or head layout.")
+        if q.stride(2) != 1 or not kv_cache.is_contiguous():
+            raise ValueError("q must be contiguous in its last dim and kv_cache contiguous.")
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype)
+        if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+            raise ValueError("out must match q's shape and dtype, contiguous in its last dim.")
+        self._plan.run(
+            out=out.data_ptr(),
+            q=q.data_ptr(),
+            k_cache=kv_cache[0].data_ptr(),
+            v_cache=kv_cache[1].data_ptr(),
+            q_token_stride=q.stride(0),
+            q_head_stride=q.stride(1),
+            out_token_stride=out.stride(0),
+            out_head_stride=out.stride(1),
+            scale=float(scale),
+            dtype=_DTYPES[q.dtype],
+        )
+        return out
+
+
 def paged_attention(
-    q: torch.Tensor,  # [num_tokens, Hq, D], rows may be strided (a view of a fused qkv)
+    q: torch.Tensor,  # [num_tokens, Hq, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
@@ -59,55 +139,6 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, Hq, D]
     reqs: torch.Tensor | None = None,  # [n] int32: attend only these requests' rows
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
-    ext = native_module("cpu_attention")
-    if ext is None:
-        raise RuntimeError("trillm._ext.cpu_attention is not built.")
-    if not supports(q, kv_cache):
-        raise ValueError("paged_attention_cpu: unsupported device, dtype or head layout.")
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    if q.stride(2) != 1:
-        raise ValueError("q must be contiguous in its last dim.")
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous.")
-    for name, t in (
-        ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-        ("block_table", block_table),
-    ):  # fmt: skip
-        _check_int32(name, t)
-    num_reqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
-        raise ValueError("query_start_loc, seq_lens and block_table disagree on num_reqs.")
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype)
-    if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
-        raise ValueError("out must match q's shape and dtype, contiguous in its last dim.")
-    if reqs is not None:
-        _check_int32("reqs", reqs)
-    ext.paged_attention(
-        out=out.data_ptr(),
-        q=q.data_ptr(),
-        k_cache=kv_cache[0].data_ptr(),
-        v_cache=kv_cache[1].data_ptr(),
-        block_table=block_table.data_ptr(),
-        query_start_loc=query_start_loc.data_ptr(),
-        seq_lens=seq_lens.data_ptr(),
-        num_reqs=num_reqs,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        q_token_stride=q.stride(0),
-        q_head_stride=q.stride(1),
-        out_token_stride=out.stride(0),
-        out_head_stride=out.stride(1),
-        block_table_stride=block_table.stride(0),
-        max_blocks_per_req=block_table.shape[1],
-        num_blocks=kv_cache.shape[1],
-        scale=float(scale),
-        dtype=_DTYPES[q.dtype],
-        req_indices=0 if reqs is None else reqs.data_ptr(),
-        num_selected=-1 if reqs is None else reqs.shape[0],
-        num_threads=num_threads(),
-    )
-    return out
+    """One call: a plan for this metadata, run once (layers of one step share a plan)."""
+    plan = PagedAttentionPlan(query_start_loc, seq_lens, block_table, q.shape, kv_cache.shape, reqs)
+    return plan.run(q, kv_cache, scale, out)

@@ -201,3 +201,17 @@ def test_concurrent_callers_share_the_pool_safely():
     finally:
         torch.set_num_threads(previous)
     assert failures == []
+
+
+def test_one_plan_serves_every_layer_and_refuses_other_shapes():
+    """A step plans once; each layer runs the plan on its own q and cache."""
+    q, kv, qsl, seq_lens, table = _problem([1, 5, 1], [40, 5, 90])
+    plan = paged_attention_cpu.PagedAttentionPlan(qsl, seq_lens, table, q.shape, kv.shape)
+    g = torch.Generator().manual_seed(3)
+    for layer in range(3):
+        kv_layer = kv if layer == 0 else torch.randn(kv.shape, generator=g)
+        got = plan.run(q, kv_layer, 0.125)
+        ref = paged_attention_torch.paged_attention(q, kv_layer, qsl, seq_lens, table, 0.125)
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="another shape"):
+        plan.run(q, kv[:, :-1].contiguous(), 0.125)

@@ -115,12 +115,11 @@ class TorchAttentionBackend:
     def __init__(self, native: bool | None = None) -> None:
         """``native``: use the native CPU kernel where it applies (None: when it is built)."""
         self._planned: AttentionMetadata | None = None
-        self._block_size = 0
+        self._cache_shape: tuple[int, ...] = ()  # the plan's cache layout
         self._groups: list[_Group] = []
         self._fresh: list[tuple[int, int]] = []  # row ranges of prefill chunks without context
-        # Native CPU kernel plan: None = not used this step; else the requests it attends
-        # (an int32 tensor, or an empty tuple for "all of them").
-        self._native: torch.Tensor | tuple[()] | None = None
+        # This step's native kernel plan (requests with context), None when not used.
+        self._native: paged_attention_cpu.PagedAttentionPlan | None = None
         self._native_available = paged_attention_cpu.available() if native is None else native
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -131,13 +130,23 @@ class TorchAttentionBackend:
         self._fresh = []
         self._native = None
 
-    def _plan_step(self, meta: AttentionMetadata, block_size: int, native: bool) -> None:
-        """This step's fresh-prompt row ranges, and the native kernel's requests or the torch
+    def _plan_step(
+        self, meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor, native: bool
+    ) -> None:
+        """This step's fresh-prompt row ranges, and the native kernel's plan or the torch
         path's groups (built by the first layer, reused by the others)."""
         self._fresh, self._groups, self._native = [], [], None
+        block_size = kv_cache.shape[2]
+
+        def native_plan(reqs: torch.Tensor | None) -> paged_attention_cpu.PagedAttentionPlan:
+            return paged_attention_cpu.PagedAttentionPlan(
+                meta.query_start_loc, meta.seq_lens, meta.block_table, q.shape, kv_cache.shape,
+                reqs,
+            )  # fmt: skip
+
         if meta.decode_only:
             if native:
-                self._native = ()
+                self._native = native_plan(None)
             else:
                 reqs = torch.arange(meta.num_reqs, device=meta.seq_lens.device)
                 self._groups = [_decode_group(meta, reqs, block_size)]
@@ -150,7 +159,8 @@ class TorchAttentionBackend:
             self._fresh = [(starts[i], starts[i + 1]) for i in fresh]
         if native:
             rest = [i for i, (q, s) in enumerate(lens) if not q == s > 1]
-            self._native = torch.tensor(rest, dtype=torch.int32) if rest else None
+            if rest:
+                self._native = native_plan(torch.tensor(rest, dtype=torch.int32))
             return
         self._groups = self._build_groups(meta, lens, block_size)
 
@@ -176,12 +186,11 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        block_size = kv_cache.shape[2]
         planned = self._groups or self._fresh or self._native is not None
-        if meta is not self._planned or block_size != self._block_size or not planned:
-            self._planned, self._block_size = meta, block_size
+        if meta is not self._planned or kv_cache.shape != self._cache_shape or not planned:
+            self._planned, self._cache_shape = meta, tuple(kv_cache.shape)
             native = self._native_available and paged_attention_cpu.supports(q, kv_cache)
-            self._plan_step(meta, block_size, native)
+            self._plan_step(meta, q, kv_cache, native)
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
@@ -192,10 +201,7 @@ class TorchAttentionBackend:
             return self._attend(self._groups[0], q, key_cache, value_cache, scale)
         out = torch.empty_like(q)
         if self._native is not None:
-            paged_attention_cpu.paged_attention(
-                q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale,
-                out=out, reqs=self._native if isinstance(self._native, torch.Tensor) else None,
-            )  # fmt: skip
+            self._native.run(q, kv_cache, scale, out)
         for start, end in self._fresh:
             out[start:end] = self._attend_fresh(q[start:end], k[start:end], v[start:end], scale)
         for group in self._groups:
