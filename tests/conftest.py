@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny Hugging Face checkpoints built once per test session."""
+"""Shared fixtures: tiny Hugging Face checkpoints built once per test session, and torch on one
+thread for modules of tiny tensors."""
 
 from __future__ import annotations
 
@@ -32,3 +33,16 @@ def tiny_model_factory(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module of tiny tensors: OpenMP fan-out costs more than it
+    saves there (and stalls on a busy machine). Use with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -54,13 +54,7 @@ ROPE_VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny matmuls: OpenMP fan-out costs more than it saves (and stalls on a busy machine).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass

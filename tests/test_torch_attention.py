@@ -14,13 +14,7 @@ from trillm.attention.torch_backend import TorchAttentionBackend
 HQ, HKV, D, BS, NUM_BLOCKS = 8, 2, 16, 4, 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny tensors: OpenMP fan-out costs more than it saves (and stalls on a busy machine).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _metadata(context_lens, query_lens, block_tables) -> AttentionMetadata:
