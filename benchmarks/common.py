@@ -34,7 +34,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 # The benchmark model: hidden 512, 8 layers, MLP 1408, 8 query heads / 4 KV heads of 64,
-# vocab 4096 (the shipped tokenizer's). Same shapes as benchmarks/decode_step.py.
+# vocab 4096 (the shipped tokenizer's). Every benchmark here uses it.
 MODEL_SPEC: dict[str, Any] = dict(
     hidden_size=512,
     num_hidden_layers=8,

@@ -16,29 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
+import common  # benchmarks/common.py: the benchmark model, built once
 import torch
 
 from trillm.config import EngineArgs
 from trillm.engine.config_builder import build_config
 from trillm.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from trillm.sampling_params import SamplingParams
-from trillm.testing.tiny_models import build_tiny_model
 from trillm.worker.model_runner import ModelRunner
 
-MODEL = dict(
-    hidden_size=512,
-    num_hidden_layers=8,
-    intermediate_size=1408,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    vocab_size=4096,
-    max_position_embeddings=1024,
-)
 BLOCK_SIZE = 16
 PROMPT_LEN = 64
 
@@ -123,7 +112,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    folder = build_tiny_model("llama", tempfile.mkdtemp(prefix="decode-bench-"), **MODEL)
+    folder = common.build_bench_model()
     engine_args = EngineArgs(
         model=str(folder),
         dtype="float32",
