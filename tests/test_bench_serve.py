@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from server_harness import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 FIRST_DELAY_S = 0.20  # the stub's time to first token
@@ -151,12 +151,6 @@ def run_bench(args: list[str], timeout: float = 120) -> subprocess.CompletedProc
         timeout=timeout,
         env=bench_env(),
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load(path: Path) -> dict:
@@ -327,7 +321,7 @@ def test_failed_requests_are_counted_and_listed(tmp_path: Path) -> None:
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     proc = run_bench(common_args(url, tmp_path, 2, 2))
     assert proc.returncode == 1
     assert f"Cannot reach the server at {url}" in proc.stderr
@@ -371,51 +365,20 @@ def test_sigint_reports_and_saves_completed_requests(tmp_path: Path) -> None:
 
 # --- against the real `trillm serve` ----------------------------------------------------------
 
-SERVER_START_TIMEOUT_S = 240
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.skip(f"`trillm serve` exited ({proc.returncode}): {log.read_text()[-1500:]}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(
-        f"`trillm serve` not ready after {SERVER_START_TIMEOUT_S}s: {log.read_text()[-1500:]}"
-    )
-
 
 @pytest.fixture(scope="module")
 def trillm_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory):
-    root = tmp_path_factory.mktemp("trillm_serve")
     model = Path(tiny_model_factory("llama"))
-    port = _free_port()
-    log = root / "server.log"
-    cmd = [
-        sys.executable, "-m", "trillm", "serve", str(model), "--host", "127.0.0.1",
-        "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
-        "--kv-cache-memory", "64MiB", "--served-model-name", "tiny",
+    args = [
+        str(model), "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
+        "--served-model-name", "tiny",
     ]  # fmt: skip
-    with log.open("w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=bench_env())
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(args, tmp_path_factory.mktemp("trillm_serve") / "server.log")
+    server.start(timeout=240)
     try:
-        _wait_ready(proc, url, log)
-        yield url, model
+        yield server.url, model
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def test_real_server_completions(trillm_server, tmp_path: Path) -> None:
