@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny Hugging Face checkpoints built once per test session, and torch on one
-thread for modules of tiny tensors."""
+"""Shared fixtures: tiny Hugging Face checkpoints built once per test session, the default
+model's tokenizer, and torch on one thread for modules of tiny tensors."""
 
 from __future__ import annotations
 
@@ -46,3 +46,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The embedded default model's tokenizer (real, loaded once)."""
+    from transformers import AutoTokenizer
+
+    from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
+
+    return AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))

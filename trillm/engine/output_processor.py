@@ -11,9 +11,8 @@ held back from streaming (unless ``include_stop_str_in_output``) so a partial st
 never sent and then retracted. A stop-string finish is only known here, so
 ``process_outputs`` returns those engine ids for the caller to abort in the engine core.
 
-The collector holds at most one pending output: when its reader falls behind, new outputs are
-merged into the pending one (DELTA concatenates, CUMULATIVE replaces), so the handler never
-waits on a slow reader and memory per request stays bounded.
+Outputs go to each group's ``RequestOutputCollector`` (``output_collector.py``), which never
+makes the handler wait on a slow reader.
 
 Wake budget: waking a stream's reader costs far more than the token it carries (an SSE chunk
 through the HTTP stack), and all readers share the event loop with the engine core. Readers
@@ -33,9 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import trio
-
 from trillm.engine.detokenizer import Detokenizer, DetokenizerFactory
+from trillm.engine.output_collector import RequestOutputCollector
 from trillm.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from trillm.outputs import (
     CompletionOutput,
@@ -52,75 +50,6 @@ DEFAULT_WAKE_BUDGET = 32
 # What waking a stream costs the event loop (one SSE chunk through the HTTP stack), roughly: a
 # step whose model time covers N such chunks may wake N streams (they are written in its shadow).
 CHUNK_COST_S = 50e-6
-
-# ---------------------------------------------------------------- collector
-
-
-class RequestOutputCollector:
-    """A one-slot mailbox between the output handler (``put``) and a request's reader."""
-
-    def __init__(
-        self,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-        stream_interval: int = 1,
-    ) -> None:
-        self._aggregate = output_kind == RequestOutputKind.DELTA
-        self._output: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._ready = trio.Event()
-        # DELTA only: wake the reader once this many tokens are pending (the first output and
-        # the finish wake it at once), so busy streams get fewer, larger chunks.
-        self._interval = stream_interval if self._aggregate else 1
-        self._pending_tokens = 0
-        self._delivered_any = False
-
-    def put(self, output: RequestOutput) -> None:
-        """Never blocks: merges into the pending output when the reader has not taken it."""
-        if self._output is None:
-            self._output = output
-        else:
-            self._output.add(output, aggregate=self._aggregate)
-        if self._interval > 1:
-            self._pending_tokens += sum(len(c.token_ids) for c in output.outputs)
-            if (
-                self._delivered_any
-                and not output.finished
-                and self._pending_tokens < self._interval
-            ):
-                return
-        self._ready.set()
-
-    def put_error(self, error: BaseException) -> None:
-        """The reader gets ``error`` once the pending output is taken; a finished pending
-        output wins (the request is complete, the error concerns the others)."""
-        if self._output is not None and self._output.finished:
-            return
-        self._error = error
-        self._ready.set()
-
-    def get_nowait(self) -> RequestOutput | None:
-        """The pending output (None if there is none); raises the error once drained."""
-        output = self._output
-        if output is not None and (self._ready.is_set() or output.finished):
-            self._output = None
-            self._pending_tokens = 0
-            self._delivered_any = True
-            if self._error is None:
-                self._ready = trio.Event()
-            return output
-        if self._error is not None:
-            raise self._error
-        return None
-
-    async def get(self) -> RequestOutput:
-        while True:
-            # NOTE: one scheduling point per output: a checkpoint when the output is already
-            # there, else the wait itself (put or put_error sets the event it waits on).
-            await self._ready.wait()
-            output = self.get_nowait()
-            if output is not None:
-                return output
-
 
 # ---------------------------------------------------------------- stop strings
 
@@ -227,10 +156,6 @@ class _Sample:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     seen_step: int = 0  # the last step with an engine output for this sample
-    plain: bool = False  # detokenized, no stop strings, no logprobs: the inlined decode path
-
-    def __post_init__(self) -> None:
-        self.plain = self.detokenizer is not None and self.stop is None and self.logprobs is None
 
 
 # ---------------------------------------------------------------- the processor
@@ -343,27 +268,10 @@ class OutputProcessor:
         to_abort: list[str] = []
         self._step += 1
         self._period = self._wake_period(model_time_s)
-        samples = self._samples
         for out in outputs:
-            sample = samples.get(out.request_id)
+            sample = self._samples.get(out.request_id)
             if sample is None:
                 continue  # aborted while this step was in flight
-            if sample.plain and out.finish_reason is None and out.new_prompt_logprobs is None:
-                # The common decode step (text, no stop strings, no logprobs), inlined.
-                group = sample.group
-                ids = out.new_token_ids
-                if ids:
-                    metrics = group.metrics
-                    if metrics.first_token_time is None:
-                        metrics.first_token_time = now
-                    metrics.last_token_time = now
-                    metrics.num_generation_tokens += len(ids)
-                    sample.text += sample.detokenizer.add_tokens(ids)  # type: ignore[union-attr]
-                    sample.token_ids.extend(ids)
-                if out.num_cached_tokens > group.num_cached_tokens:
-                    group.num_cached_tokens = out.num_cached_tokens
-                self._deliver(sample, now)
-                continue
             self._record_prompt_side(sample, out, now)
             stop_string = self._update_sample(sample, out)
             if stop_string is not None:
