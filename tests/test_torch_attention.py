@@ -67,7 +67,8 @@ def path(request) -> str:
     return request.param
 
 
-def _run(path, context_lens, query_lens, seed=0):
+def _run(path: str | None, context_lens, query_lens, seed=0):
+    # path: "native" or "torch", None for the backend's own default.
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
     block_tables, used = [], 0
@@ -81,7 +82,7 @@ def _run(path, context_lens, query_lens, seed=0):
     t = meta.num_tokens
     q = torch.randn(t, HQ, D, generator=g)
     k, v = torch.randn(t, HKV, D, generator=g), torch.randn(t, HKV, D, generator=g)
-    backend = TorchAttentionBackend(native=path == "native")
+    backend = TorchAttentionBackend(native=None if path is None else path == "native")
     backend.plan(meta)
     out = backend.forward(q, k, v, cache, meta, scale=D**-0.5)
     ref = _reference(q, k, v, before, meta, block_tables, D**-0.5)
@@ -128,6 +129,11 @@ def test_every_layer_reuses_the_plan(path):
     torch.testing.assert_close(out2, fresh.forward(q, k, v, cache2.clone(), meta, D**-0.5))
 
 
-def test_native_is_the_default_on_cpu_when_built():
-    backend = TorchAttentionBackend()
-    assert backend._native_available == paged_attention_cpu.available()
+def test_a_default_backend_plans_the_native_kernel_on_cpu_when_built():
+    """Without the ``native`` argument a CPU decode step goes to the native kernel exactly when
+    it is built (and enabled), to the gather groups otherwise."""
+    backend, _, _ = _run(None, [5, 9], [1, 1])
+    if paged_attention_cpu.available():
+        assert backend._native is not None and not backend._groups
+    else:
+        assert backend._native is None and backend._groups
