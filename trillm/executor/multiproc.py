@@ -62,12 +62,23 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+# OpenMP threads of torch's GOMP runtime spin this many times after a parallel region before
+# they sleep. GOMP's default (300,000, ~1 ms here) keeps torch's idle threads busy on the cores
+# through most of each layer's attention call, which runs on the CPU attention kernel's own
+# threads: on 2 cores a decode layer's attention took 4.7-5.2 ms that way against 2.9-3.1 ms
+# with 20,000, and the GEMMs around it did not slow down (benchmarks/RESULTS.md, section 2).
+WORKER_GOMP_SPINCOUNT = "20000"
+
+
 def _worker_env() -> dict[str, str]:
     """This environment, with the folder holding ``trillm`` first on PYTHONPATH, so the worker
-    imports the same package whatever its working directory."""
+    imports the same package whatever its working directory, and GOMP_SPINCOUNT set (unless the
+    user set it) before the worker loads torch."""
     root = str(Path(trillm.__file__).resolve().parent.parent)
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}"}
+    env = {**os.environ, "PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}"}
+    env.setdefault("GOMP_SPINCOUNT", WORKER_GOMP_SPINCOUNT)
+    return env
 
 
 class _Ipc:
