@@ -50,6 +50,7 @@ def pybind_extensions() -> list[Extension]:
         Pybind11Extension(
             "trillm._ext.cpu_attention",
             ["ext/cpu_attention.cpp"],
+            depends=["ext/cpu_common.h"],
             cxx_std=17,
             extra_compile_args=["-O3", "-pthread", "-Wno-psabi"],
             extra_link_args=["-pthread"],

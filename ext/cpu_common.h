@@ -1,0 +1,214 @@
+// Shared by the native CPU kernels (cpu_attention.cpp, cpu_ops.cpp): a small persistent thread
+// pool and 8-lane fp32 vector helpers (GCC/Clang vector extensions) with bf16 load/store.
+// Everything sits in an anonymous namespace: each extension module gets its own copy (and its
+// own pool).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+namespace {
+
+// ------------------------------------------------------------------------------------------
+// Thread pool: workers sleep on a condition variable between calls; the caller takes items too.
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int num_workers) : pid_(getpid()) {
+    for (int i = 0; i < num_workers; ++i) workers_.emplace_back([this] { loop(); });
+  }
+
+  int num_workers() const { return static_cast<int>(workers_.size()); }
+  pid_t pid() const { return pid_; }
+
+  // Runs fn(0) .. fn(num_items - 1) on the workers and the calling thread; returns when all
+  // are done.
+  void run(int num_items, const std::function<void(int)>& fn) {
+    std::lock_guard<std::mutex> one_call(run_mu_);  // callers on several threads take turns
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = &fn;
+      num_items_ = num_items;
+      next_.store(0);
+      busy_ = num_workers();
+      ++generation_;
+    }
+    start_.notify_all();
+    take_items(fn, num_items);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [this] { return busy_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void take_items(const std::function<void(int)>& fn, int num_items) {
+    for (int i = next_.fetch_add(1); i < num_items; i = next_.fetch_add(1)) fn(i);
+  }
+
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* fn;
+      int num_items;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        start_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        fn = fn_;
+        num_items = num_items_;
+      }
+      take_items(*fn, num_items);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        --busy_;
+      }
+      done_.notify_one();
+    }
+  }
+
+  pid_t pid_;
+  std::vector<std::thread> workers_;
+  std::mutex run_mu_;
+  std::mutex mu_;
+  std::condition_variable start_, done_;
+  const std::function<void(int)>* fn_ = nullptr;
+  int num_items_ = 0;
+  std::atomic<int> next_{0};
+  int busy_ = 0;
+  uint64_t generation_ = 0;
+};
+
+// Never destroyed: its threads block until the process exits. A forked child inherits the
+// object but not its threads, so a pool is remade when the pid changes (the old one leaks).
+ThreadPool* g_pool = nullptr;
+std::mutex g_pool_mu;
+
+ThreadPool* pool_for(int num_threads) {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  const int workers = num_threads - 1;
+  // NOTE: a new size (torch's thread count changed) also makes a new pool; the old one's
+  // threads stay parked. Rare: the runner sets its thread count once.
+  if (g_pool == nullptr || g_pool->pid() != getpid() || g_pool->num_workers() != workers) {
+    g_pool = new ThreadPool(workers);
+  }
+  return g_pool;
+}
+
+// ------------------------------------------------------------------------------------------
+// 8 fp32 lanes (GCC/Clang vector extensions): SSE pairs in the generic build, one AVX2 register
+// in a function compiled with __attribute__((target("avx2,fma"))) (chosen at run time).
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+#define TRILLM_INLINE inline __attribute__((always_inline))
+
+struct Bf16 {
+  uint16_t bits;
+};
+
+TRILLM_INLINE void store(float* p, float x) { *p = x; }
+TRILLM_INLINE void store(Bf16* p, float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    p->bits = static_cast<uint16_t>((u >> 16) | 0x40);  // NaN stays a (quiet) NaN
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even, like torch
+    p->bits = static_cast<uint16_t>(u >> 16);
+  }
+}
+
+TRILLM_INLINE v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+TRILLM_INLINE v8f load8(const Bf16* p) {
+  v8u16 h;
+  std::memcpy(&h, p, sizeof(h));
+  v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+  v8f v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+TRILLM_INLINE v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+TRILLM_INLINE float hsum(v8f v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+#if defined(__clang__)
+#define TRILLM_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define TRILLM_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, v8i{__VA_ARGS__})
+#endif
+
+// {sum of a[0], ..., sum of a[7]}: a transposing add tree (in-lane shuffles, then one swap of
+// 128-bit halves) instead of eight separate horizontal sums.
+TRILLM_INLINE v8f sum_lanes8(const v8f* a) {
+  v8f b[4], c[2];
+  for (int i = 0; i < 4; ++i) {
+    const v8f x = a[2 * i], y = a[2 * i + 1];
+    b[i] = TRILLM_SHUFFLE(x, y, 0, 8, 2, 10, 4, 12, 6, 14) +
+           TRILLM_SHUFFLE(x, y, 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const v8f x = b[2 * i], y = b[2 * i + 1];
+    c[i] = TRILLM_SHUFFLE(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
+           TRILLM_SHUFFLE(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  return TRILLM_SHUFFLE(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         TRILLM_SHUFFLE(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+TRILLM_INLINE float hmax(v8f v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp(x) for x <= 0 (scores minus their running max), lanes equal to -inf give exactly 0.
+// Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial; ~1 ulp.
+TRILLM_INLINE v8f exp_nonpositive(v8f x) {
+  const v8i live = x != splat(-std::numeric_limits<float>::infinity());
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  v8f fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  v8i n = __builtin_convertvector(fx, v8i);  // truncates toward zero; floor below
+  v8f nf = __builtin_convertvector(n, v8f);
+  n += nf > fx ? v8i{-1, -1, -1, -1, -1, -1, -1, -1} : v8i{0, 0, 0, 0, 0, 0, 0, 0};
+  nf = __builtin_convertvector(n, v8f);
+  v8f r = x - nf * splat(0.693359375f) - nf * splat(-2.12194440e-4f);
+  v8f y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * r * r + r + splat(1.0f);
+  v8i bits = (n + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  v8i out;
+  v8f e = y * scale;
+  std::memcpy(&out, &e, sizeof(out));
+  out &= live;
+  std::memcpy(&e, &out, sizeof(e));
+  return e;
+}
+
+}  // namespace
