@@ -191,13 +191,130 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
   }
 }
 
+// A one-row tile (every decode step's items): keys are taken a chunk of at most kDecodeChunk
+// slots of one block at a time and scored slot row by slot row -- each kv head of a row, then
+// the next row -- so K streams sequentially through the block; the chunk's V rows and the next
+// chunk's K rows are prefetched meanwhile, V is then read row by row from L1.
+constexpr int kDecodeChunk = 8;
+
+template <typename T, int NV>
+TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
+  constexpr int D = NV * 8;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int heads = it.head_end - it.head_begin;
+  const int nvec = heads * group;  // query vector v: query head it.head_begin * group + v
+  const int q0 = p.query_start_loc[it.req];
+  const int query_len = p.query_start_loc[it.req + 1] - q0;
+  const int row = it.row_begin;
+  const int key_end = p.seq_lens[it.req] - query_len + row + 1;  // keys 0 .. its own position
+  const int32_t* blocks = p.block_table + static_cast<int64_t>(it.req) * p.block_table_stride;
+  const int64_t slot_elems = static_cast<int64_t>(p.num_kv_heads) * D;
+  const int64_t first = static_cast<int64_t>(it.head_begin) * D;  // the item's heads in a row
+  const int span_bytes = static_cast<int>(heads * D * sizeof(T));
+  const T* kc = static_cast<const T*>(p.k_cache) + first;
+  const T* vc = static_cast<const T*>(p.v_cache) + first;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  alignas(32) static thread_local v8f qv[kMaxLanes];   // [nvec][NV], pre-scaled by p.scale
+  alignas(32) static thread_local v8f acc[kMaxLanes];  // [nvec][NV]
+  alignas(32) static thread_local v8f part[kMaxVectors * kDecodeChunk];  // [nvec][slot] lanes
+  alignas(32) float w[kDecodeChunk];
+  float m[kMaxVectors], l[kMaxVectors];
+  const T* q = static_cast<const T*>(p.q) + (q0 + row) * p.q_token_stride;
+  for (int v = 0; v < nvec; ++v) {
+    const T* src = q + (it.head_begin * group + v) * p.q_head_stride;
+    for (int j = 0; j < NV; ++j) {
+      qv[v * NV + j] = load8(src + 8 * j) * splat(p.scale);
+      acc[v * NV + j] = splat(0.0f);
+    }
+    m[v] = neg_inf;
+    l[v] = 0.0f;
+  }
+
+  // First slot and length of the chunk starting at key `start`.
+  auto chunk_at = [&](int start, int64_t* slot) {
+    const int b = start / p.block_size, o = start % p.block_size;
+    *slot = static_cast<int64_t>(blocks[b]) * p.block_size + o;
+    return std::min({kDecodeChunk, p.block_size - o, key_end - start});
+  };
+  int64_t slot;
+  int n = chunk_at(0, &slot);
+  for (int start = 0; start < key_end;) {
+    const T* k0 = kc + slot * slot_elems;
+    const T* v0 = vc + slot * slot_elems;
+    int64_t next_slot = 0;
+    const int next_n = start + n < key_end ? chunk_at(start + n, &next_slot) : 0;
+    const T* kn = kc + next_slot * slot_elems;
+    // Scores: lanes of q . k per (vector, slot), reduced below by one transposing add tree.
+    for (int t = 0; t < kDecodeChunk; ++t) {
+      if (t >= n) {  // past the chunk: zero lanes, masked to -inf after the reduction
+        for (int v = 0; v < nvec; ++v) part[v * kDecodeChunk + t] = splat(0.0f);
+        continue;
+      }
+      const char* vpre = reinterpret_cast<const char*>(v0 + t * slot_elems);
+      const char* kpre = reinterpret_cast<const char*>(kn + t * slot_elems);
+      for (int b = 0; b < span_bytes; b += 64) {
+        __builtin_prefetch(vpre + b);
+        if (t < next_n) __builtin_prefetch(kpre + b);
+      }
+      const T* kr = k0 + t * slot_elems;
+      for (int v = 0; v < nvec; ++v) {
+        const T* k = kr + (v / group) * D;
+        const v8f* qr = qv + v * NV;
+        v8f a0 = qr[0] * load8(k), a1 = qr[1] * load8(k + 8);
+        for (int j = 2; j < NV; j += 2) {
+          a0 += qr[j] * load8(k + 8 * j);
+          a1 += qr[j + 1] * load8(k + 8 * j + 8);
+        }
+        part[v * kDecodeChunk + t] = a0 + a1;
+      }
+    }
+    // Online softmax and the weighted V rows, vector by vector (V rows now in L1).
+    for (int v = 0; v < nvec; ++v) {
+      alignas(32) float s[kDecodeChunk];
+      const v8f sums = sum_lanes8(part + v * kDecodeChunk);
+      std::memcpy(s, &sums, sizeof(s));
+      for (int t = n; t < kDecodeChunk; ++t) s[t] = neg_inf;
+      const float chunk_max = std::max(m[v], hmax(load8(s)));
+      const float correction = exp_nonpositive(splat(m[v] - chunk_max))[0];  // 0 at first
+      const v8f e = exp_nonpositive(load8(s) - splat(chunk_max));
+      std::memcpy(w, &e, sizeof(w));
+      l[v] = l[v] * correction + hsum(e);
+      m[v] = chunk_max;
+      const T* vr = v0 + (v / group) * D;
+      v8f r[NV];
+      for (int j = 0; j < NV; ++j) r[j] = acc[v * NV + j] * splat(correction);
+      for (int t = 0; t < n; ++t) {
+        const v8f wt = splat(w[t]);
+        const T* val = vr + t * slot_elems;
+        for (int j = 0; j < NV; ++j) r[j] += wt * load8(val + 8 * j);
+      }
+      for (int j = 0; j < NV; ++j) acc[v * NV + j] = r[j];
+    }
+    start += n;
+    slot = next_slot;
+    n = next_n;
+  }
+
+  T* out = static_cast<T*>(p.out) + (q0 + row) * p.out_token_stride;
+  for (int v = 0; v < nvec; ++v) {
+    T* dst = out + (it.head_begin * group + v) * p.out_head_stride;
+    const v8f inv = splat(1.0f / l[v]);  // l >= 1: the row always sees its own key
+    for (int j = 0; j < NV; ++j) {
+      const v8f x = acc[v * NV + j] * inv;
+      for (int d = 0; d < 8; ++d) store(dst + 8 * j + d, x[d]);
+    }
+  }
+}
+
 template <typename T>
 TRILLM_INLINE void attend_dispatch(const Problem& p, const Item& it) {
+  const bool one_row = it.row_end - it.row_begin == 1;
   switch (p.head_dim) {
     case 64:
-      return attend_item<T, 8>(p, it);
+      return one_row ? attend_decode<T, 8>(p, it) : attend_item<T, 8>(p, it);
     case 128:
-      return attend_item<T, 16>(p, it);
+      return one_row ? attend_decode<T, 16>(p, it) : attend_item<T, 16>(p, it);
     default:
       return attend_item<T, 0>(p, it);
   }
