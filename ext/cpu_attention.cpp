@@ -330,11 +330,6 @@ template <typename T>
 __attribute__((target("avx2,fma"))) void attend_avx2(const Problem& p, const Item& it) {
   attend_dispatch<T>(p, it);
 }
-
-bool cpu_has_avx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
 #endif
 
 template <typename T>

@@ -211,4 +211,14 @@ TRILLM_INLINE v8f exp_nonpositive(v8f x) {
   return e;
 }
 
+// Whether the kernels' AVX2/FMA builds may run here (each module picks them at run time).
+bool cpu_has_avx2() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
 }  // namespace

@@ -1,11 +1,15 @@
-"""Kernels, installed as ``trillm.kernels``: a torch reference and a Triton kernel per op.
+"""Kernels, installed as ``trillm.kernels``: per op a torch reference, a Triton kernel and a
+native CPU kernel.
 
 Layout: one op per file per backend -- ``<op>_torch.py`` is the obviously-correct reference
-(CPU or GPU), ``<op>_triton.py`` the Triton kernel with the same contract; tests compare them.
+(CPU or GPU), ``<op>_triton.py`` the Triton kernel and ``<op>_cpu.py`` the wrapper of a native
+CPU kernel (``ext/cpu_attention.cpp``, ``ext/cpu_ops.cpp``), with the same contract; tests
+compare them.
 
 - ``rms_norm``: RMSNorm and the fused residual-add variant (HF Llama numerics, fp32 math).
 - ``rotary``: neox / HF ``rotate_half`` rotary embedding from a [max_pos, rotary_dim] cos|sin
   cache.
+- ``activation``: ``silu(gate) * up`` of the gated MLP (CPU kernel and torch reference only).
 - ``reshape_and_cache``: write a step's K/V rows into the paged cache at their slots.
 - ``paged_attention``: causal attention of a flattened mixed batch (prefill chunks at any
   offset, decode rows) over the paged cache, GQA aware, with split-KV for small decode steps.
@@ -13,9 +17,12 @@ Layout: one op per file per backend -- ``<op>_torch.py`` is the obviously-correc
   contract.
 
 The functions below are what model code calls: they run the Triton kernel for CUDA tensors
-when triton is importable and the torch reference otherwise. Triton is optional: importing this
-package never imports it; the Triton modules are imported on first CUDA use. (The attention
-kernels are called through ``trillm.attention``'s backends, not from here.)
+when triton is importable, the native kernel for CPU tensors when it is built (and
+``TRILLM_NO_EXTENSIONS`` is unset) and handles them, and the torch reference otherwise -- also
+when autograd would record the op (the native kernels are not differentiable). Triton is
+optional: importing this package never imports it; the Triton modules are imported on first
+CUDA use. (The attention kernels are called through ``trillm.attention``'s backends, not from
+here.)
 """
 
 from __future__ import annotations
@@ -25,14 +32,24 @@ import importlib.util
 
 import torch
 
-from . import rms_norm_torch, rotary_torch
+from . import (
+    activation_cpu,
+    activation_torch,
+    rms_norm_cpu,
+    rms_norm_torch,
+    rotary_cpu,
+    rotary_torch,
+)
 from .rotary_torch import build_cos_sin_cache
 
 __all__ = [
     "apply_rotary",
+    "apply_rotary_",
     "build_cos_sin_cache",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_",
     "rms_norm",
+    "silu_and_mul",
     "triton_available",
 ]
 
@@ -47,12 +64,39 @@ def _use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
+def _records_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on these tensors (never under the runner's
+    ``inference_mode``)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    return (
+        rms_norm_cpu.available()
+        and rms_norm_cpu.supports(x, weight, residual)
+        and not _records_grad(*tensors)
+    )
+
+
+def _native_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> bool:
+    return (
+        rotary_cpu.available()
+        and rotary_cpu.supports(q, k, positions, cos_sin_cache)
+        and not _records_grad(q, k)
+    )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., H], weight: [H] -> [..., H] in x's dtype (normalised in fp32, like HF Llama)."""
     if _use_triton(x):
         from . import rms_norm_triton
 
         return rms_norm_triton.rms_norm(x, weight, eps)
+    if _native_rms_norm(x, weight, None):
+        return rms_norm_cpu.rms_norm(x, weight, eps)
     return rms_norm_torch.rms_norm(x, weight, eps)
 
 
@@ -66,7 +110,26 @@ def fused_add_rms_norm(
         from . import rms_norm_triton
 
         return rms_norm_triton.fused_add_rms_norm(x, residual, weight, eps)
+    if _native_rms_norm(x, weight, residual):
+        out, new_residual = x.clone(), residual.clone()
+        rms_norm_cpu.fused_add_rms_norm_(out, new_residual, weight, eps)
+        return out, new_residual
     return rms_norm_torch.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def fused_add_rms_norm_(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """In place: ``residual = x + residual``, then ``x = rms_norm(residual)``; returns x.
+
+    x, residual: [..., H], same shape and dtype. The values of ``fused_add_rms_norm``."""
+    if _native_rms_norm(x, weight, residual):
+        rms_norm_cpu.fused_add_rms_norm_(x, residual, weight, eps)
+    else:
+        out, new_residual = fused_add_rms_norm(x, residual, weight, eps)
+        residual.copy_(new_residual)
+        x.copy_(out)
+    return x
 
 
 def apply_rotary(
@@ -81,4 +144,45 @@ def apply_rotary(
         from . import rotary_triton
 
         return rotary_triton.apply_rotary(q, k, positions, cos_sin_cache)
+    if _native_rotary(q, k, positions, cos_sin_cache):
+        q_out, k_out = q.clone(), k.clone()
+        rotary_cpu.apply_rotary_(q_out, k_out, positions, cos_sin_cache)
+        return q_out, k_out
     return rotary_torch.apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def apply_rotary_(
+    q: torch.Tensor,  # [T, Hq, D], may be a strided view (of a fused qkv buffer)
+    k: torch.Tensor,  # [T, Hkv, D], likewise
+    positions: torch.Tensor,  # [T] int
+    cos_sin_cache: torch.Tensor,  # [max_pos, rotary_dim], cos half then sin half
+) -> None:
+    """``apply_rotary`` in place: q and k are overwritten with their rotated values."""
+    if _use_triton(q):
+        from . import rotary_triton
+
+        rotary_triton.apply_rotary_(q, k, positions, cos_sin_cache)
+    elif _native_rotary(q, k, positions, cos_sin_cache):
+        rotary_cpu.apply_rotary_(q, k, positions, cos_sin_cache)
+    else:
+        q_rot, k_rot = rotary_torch.apply_rotary(q, k, positions, cos_sin_cache)
+        q.copy_(q_rot)
+        k.copy_(k_rot)
+
+
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up: [..., 2I] (gate, then up) -> ``silu(gate) * up`` [..., I], into ``out`` if given.
+    (No Triton kernel: CUDA tensors take the torch reference.)
+
+    The native kernel only for fp32 and at least 256 rows: it runs single-threaded below that
+    and its exp is slower than torch's, so decode-sized inputs (~64 rows: 137 against 88 us) and
+    bf16 (its rounding is done in software) are faster in torch."""
+    if (
+        gate_up.dtype == torch.float32
+        and gate_up.numel() >= 256 * gate_up.shape[-1]
+        and activation_cpu.available()
+        and activation_cpu.supports(gate_up)
+        and not _records_grad(gate_up)
+    ):
+        return activation_cpu.silu_and_mul(gate_up, out)
+    return activation_torch.silu_and_mul(gate_up, out)

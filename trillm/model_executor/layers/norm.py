@@ -1,11 +1,12 @@
-"""RMSNorm as HF LlamaRMSNorm computes it (fp32, cast back), via ``trillm.kernels``."""
+"""RMSNorm as HF LlamaRMSNorm computes it (fp32, cast back), via ``trillm.kernels``, optionally
+with the residual add before it fused in."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from trillm.kernels import rms_norm
+from trillm.kernels import fused_add_rms_norm_, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -14,5 +15,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> same
-        return rms_norm(x, self.weight, self.eps)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [..., hidden] -> same
+        """``norm(x)``; with a residual, in place: ``residual += x``, then ``x = norm(residual)``
+        (x is returned)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm_(x, residual, self.weight, self.eps)

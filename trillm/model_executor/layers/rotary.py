@@ -3,7 +3,8 @@
 The inverse frequencies follow transformers' ``ROPE_INIT_FUNCTIONS`` op for op, so the cos/sin
 tables are bit-identical to Hugging Face's on the same device; yarn's ``attention_factor``
 (mscale) multiplies cos and sin, as transformers does. The rotation itself is
-``trillm.kernels.apply_rotary`` (Triton on CUDA, torch otherwise).
+``trillm.kernels.apply_rotary_``, in place (Triton on CUDA, the native kernel on CPU, torch
+otherwise).
 
 ``rope_scaling`` is the normalised dict from ``ModelConfig.rope_scaling``: ``None`` for plain
 RoPE, otherwise ``{"rope_type": ..., <that type's fields>}``.
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trillm.kernels import apply_rotary
+from trillm.kernels import apply_rotary_
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -128,7 +129,8 @@ def compute_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """A precomputed cos|sin table [max_positions, head_dim], applied by ``trillm.kernels``."""
+    """A precomputed cos|sin table [max_positions, head_dim], applied in place by
+    ``trillm.kernels``."""
 
     def __init__(
         self,
@@ -153,7 +155,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [T] int64
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rotary(q, k, positions, self.cos_sin_cache)
+        q: torch.Tensor,  # [T, Hq, D], may be a strided view (of the fused qkv buffer)
+        k: torch.Tensor,  # [T, Hkv, D], likewise
+    ) -> None:
+        """Rotates q and k in place."""
+        apply_rotary_(q, k, positions, self.cos_sin_cache)

@@ -11,11 +11,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trillm.attention.backend import AttentionBackend, AttentionMetadata
 from trillm.config import ModelConfig
+from trillm.kernels import silu_and_mul
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
 
@@ -100,7 +100,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        rotary(positions, q, k)  # in place: q and k are views of the qkv buffer (or the norms')
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -108,19 +108,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, bias: bool) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         shards = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
         self.gate_up_proj = StackedLinear(cfg.hidden_size, shards, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        gate_up = self.gate_up_proj(x)  # [T, 2I], a temporary: reused in place below
-        gate, up = gate_up.split(self.intermediate, dim=-1)  # [T, I] views
-        # NOTE: in place (silu, then * up), the same values as F.silu(gate) * up, without two
-        # [T, I] temporaries; not under autograd (inference only).
-        if torch.is_grad_enabled():
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via [T, 2I], [T, I]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -134,15 +127,24 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, H]
+        hidden: torch.Tensor,  # [T, H]: the previous layer's MLP output (the embeddings first)
+        residual: torch.Tensor | None,  # [T, H]: the residual stream so far (None: first layer)
         rotary: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        # NOTE: the same op order as HF (no fused add+norm) so fp32 results match bit for bit.
-        attn = self.self_attn(positions, self.input_layernorm(hidden), rotary, kv_cache, meta)
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), both [T, H]
+        """HF's ``residual + sublayer(norm(residual))`` twice, with each residual add folded
+        into the next norm (vLLM's layout): the stream after this layer is ``residual +
+        returned output``. The same adds in the same order as HF, so the values match up to
+        the reduction order inside the norms."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, rotary, kv_cache, meta)
+        hidden = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -202,9 +204,10 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         hidden = self.model.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(positions, hidden, self.rotary, kv_cache, meta)
-        return self.model.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, self.rotary, kv_cache, meta)
+        return self.model.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
         return self.lm_head(hidden)
