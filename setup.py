@@ -65,6 +65,14 @@ def pybind_extensions() -> list[Extension]:
             extra_compile_args=["-O3", "-pthread", "-Wno-psabi", "-ffp-contract=off"],
             extra_link_args=["-pthread"],
         ),
+        Pybind11Extension(
+            "trillm._ext.cpu_gemm",
+            ["ext/cpu_gemm.cpp"],
+            depends=["ext/cpu_common.h"],
+            cxx_std=17,
+            extra_compile_args=["-O3", "-pthread", "-Wno-psabi"],
+            extra_link_args=["-pthread"],
+        ),
     ]
 
 

@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from trillm.config import EngineArgs, ModelConfig
+from trillm.model_executor.layers.linear import pack_cpu_linears
 from trillm.model_executor.layers.rotary import SUPPORTED_ROPE_TYPES
 from trillm.model_executor.registry import (
     CausalLM,
@@ -313,4 +314,6 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     causal_lm.tie_weights()
     load_weights(causal_lm, cfg.model)
     model.eval()
+    if torch.device(device).type == "cpu":
+        pack_cpu_linears(model)
     return causal_lm

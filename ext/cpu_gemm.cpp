@@ -1,0 +1,165 @@
+// fp32 GEMM for the CPU linear layers: y[M, N] = x[M, K] . W[N, K]^T (+ bias), W packed once.
+//
+// Why not torch's (MKL's) sgemm: each call packs W again, and at the row counts of decode steps
+// (one row per running request, tens to a few hundred) that packing is a large part of the
+// call; with the weights packed at load time, a 6 x 16 register-blocked FMA kernel runs at
+// ~1.5x the single-thread rate of torch.nn.functional.linear on the bench model's shapes and at
+// least matches it at prefill sizes (benchmarks/RESULTS.md, section 2).
+//
+// Packed layout: N is cut into panels of 16 output columns (the last one zero-padded); panel p
+// holds W[16p .. 16p+15, k] for k = 0 .. K-1 as [K][16], so the kernel reads it sequentially.
+// A work item is a run of panels; for each it walks every row of x in blocks of 6. Items run on
+// the calling thread and a small persistent pool (ext/cpu_common.h); the GIL is released.
+// Summation order over k is fixed (sequential per output), so results do not depend on the
+// thread count. AVX2 + FMA only: `available()` is false on CPUs without them.
+#include <pybind11/pybind11.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+
+#include "cpu_common.h"
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int kPanel = 16;  // output columns per panel: two 8-lane vectors
+constexpr int kRows = 6;    // rows of x per register block: 6 x 2 accumulators
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+// y[0..R, 0..16) = x[0..R, :] . panel (+ bias), stored to y (row stride ldy) or, for the last
+// panel when N is not a multiple of 16, only its first `cols` columns.
+template <int R>
+inline __attribute__((always_inline)) void block(const float* x, int64_t ldx, const float* panel,
+                                                 int K, const float* bias, float* y,
+                                                 int64_t ldy, int cols) {
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    // 16 k-steps (1 KiB) ahead: the panel streams in from memory on the first row block.
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * kPanel), _MM_HINT_T0);
+    for (int i = 0; i < R; ++i) {
+      const __m256 xi = _mm256_broadcast_ss(x + i * ldx + k);
+      acc[i][0] = _mm256_fmadd_ps(xi, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xi, w1, acc[i][1]);
+    }
+  }
+  if (bias != nullptr) {
+    alignas(32) float b[kPanel] = {};
+    std::memcpy(b, bias, sizeof(float) * cols);
+    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+    for (int i = 0; i < R; ++i) {
+      acc[i][0] = _mm256_add_ps(acc[i][0], b0);
+      acc[i][1] = _mm256_add_ps(acc[i][1], b1);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    if (cols == kPanel) {
+      _mm256_storeu_ps(y + i * ldy, acc[i][0]);
+      _mm256_storeu_ps(y + i * ldy + 8, acc[i][1]);
+    } else {
+      alignas(32) float row[kPanel];
+      _mm256_store_ps(row, acc[i][0]);
+      _mm256_store_ps(row + 8, acc[i][1]);
+      std::memcpy(y + i * ldy, row, sizeof(float) * cols);
+    }
+  }
+}
+
+struct Gemm {
+  const float* x;
+  int64_t ldx;
+  const float* packed;
+  const float* bias;  // null: none
+  float* y;
+  int64_t ldy;
+  int M, N, K;
+};
+
+void panels(const Gemm& g, int first, int last) {
+  for (int p = first; p < last; ++p) {
+    const float* panel = g.packed + static_cast<int64_t>(p) * g.K * kPanel;
+    const int col = p * kPanel;
+    const int cols = std::min(kPanel, g.N - col);
+    const float* bias = g.bias == nullptr ? nullptr : g.bias + col;
+    int m = 0;
+    for (; m + kRows <= g.M; m += kRows)
+      block<kRows>(g.x + m * g.ldx, g.ldx, panel, g.K, bias, g.y + m * g.ldy + col, g.ldy, cols);
+    const float* x = g.x + m * g.ldx;
+    float* y = g.y + m * g.ldy + col;
+    switch (g.M - m) {
+      case 1: block<1>(x, g.ldx, panel, g.K, bias, y, g.ldy, cols); break;
+      case 2: block<2>(x, g.ldx, panel, g.K, bias, y, g.ldy, cols); break;
+      case 3: block<3>(x, g.ldx, panel, g.K, bias, y, g.ldy, cols); break;
+      case 4: block<4>(x, g.ldx, panel, g.K, bias, y, g.ldy, cols); break;
+      case 5: block<5>(x, g.ldx, panel, g.K, bias, y, g.ldy, cols); break;
+      default: break;
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+int num_panels(int N) { return (N + kPanel - 1) / kPanel; }
+
+// W [N, K] (row stride ldw) -> packed [num_panels(N) * K * 16].
+void pack(uintptr_t weight, int N, int K, int64_t ldw, uintptr_t packed) {
+  if (N <= 0 || K <= 0) throw std::invalid_argument("N and K must be positive");
+  const float* w = reinterpret_cast<const float*>(weight);
+  float* out = reinterpret_cast<float*>(packed);
+  py::gil_scoped_release release;
+  for (int p = 0; p < num_panels(N); ++p) {
+    float* panel = out + static_cast<int64_t>(p) * K * kPanel;
+    for (int c = 0; c < kPanel; ++c) {
+      const int n = p * kPanel + c;
+      for (int k = 0; k < K; ++k) panel[k * kPanel + c] = n < N ? w[n * ldw + k] : 0.0f;
+    }
+  }
+}
+
+void linear(uintptr_t x, int M, int K, int64_t ldx, uintptr_t packed, int N, uintptr_t bias,
+            uintptr_t y, int64_t ldy, int num_threads) {
+  if (!cpu_has_avx2()) throw std::runtime_error("cpu_gemm needs a CPU with AVX2 and FMA");
+  if (M < 0 || N <= 0 || K <= 0) throw std::invalid_argument("bad GEMM shape");
+  if (M == 0) return;
+  const Gemm g{reinterpret_cast<const float*>(x), ldx, reinterpret_cast<const float*>(packed),
+               reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), ldy, M, N, K};
+  const int total = num_panels(N);
+  // Runs of panels, about four per thread (uneven row blocks and a busy core even out); under
+  // ~1 MFLOP the caller does it alone: waking the pool costs more.
+  const int threads = 2LL * M * N * K < 1000000 ? 1 : num_threads;
+  py::gil_scoped_release release;
+  if (threads <= 1) {
+    panels(g, 0, total);
+    return;
+  }
+  const int items = std::min(total, 4 * threads);
+  std::function<void(int)> fn = [&](int i) {
+    panels(g, static_cast<int>(static_cast<int64_t>(total) * i / items),
+           static_cast<int>(static_cast<int64_t>(total) * (i + 1) / items));
+  };
+  pool_for(threads)->run(items, fn);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(cpu_gemm, m) {
+  m.doc() = "fp32 GEMM with weights packed once, for the CPU linear layers.";
+  m.attr("PANEL") = kPanel;
+  m.def("supported", &cpu_has_avx2, "Whether this CPU has AVX2 and FMA.");
+  m.def("num_panels", &num_panels, py::arg("n"));
+  m.def("pack", &pack, py::arg("weight"), py::arg("n"), py::arg("k"), py::arg("ldw"),
+        py::arg("packed"));
+  m.def("linear", &linear, py::arg("x"), py::arg("m"), py::arg("k"), py::arg("ldx"),
+        py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("y"), py::arg("ldy"),
+        py::arg("num_threads"));
+}

@@ -1,0 +1,143 @@
+"""The packed-weight CPU GEMM (``ext/cpu_gemm.cpp`` via ``kernels/linear_cpu.py``) against
+``torch.nn.functional.linear``, and the model layers routed through it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from trillm.kernels import linear_cpu
+
+from trillm.model_executor.layers import linear as linear_layers
+
+pytestmark = pytest.mark.skipif(
+    not linear_cpu.available(), reason="cpu_gemm not built or no AVX2/FMA"
+)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    # fp32, a different summation order over k terms: a few ulps of the largest partial sum
+    torch.testing.assert_close(got, want, atol=2e-6 * k**0.5 * 4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [0, 1, 5, 6, 7, 13, 53, 300])
+@pytest.mark.parametrize("n,k", [(1, 1), (15, 3), (16, 64), (17, 40), (1000, 512), (48, 1408)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_torch_linear(m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = linear_cpu.linear(x, linear_cpu.PackedWeight(w), b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    _close(got, F.linear(x, w, b), k)
+
+
+def test_strided_rows_leading_dims_and_a_strided_weight():
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(2, 9, 100, generator=g)
+    x = wide[..., 10:74]  # rows strided by 100, last dim contiguous
+    w_wide = torch.randn(33, 80, generator=g)
+    w = w_wide[:, :64]  # weight rows strided by 80
+    got = linear_cpu.linear(x, linear_cpu.PackedWeight(w))
+    assert got.shape == (2, 9, 33)
+    _close(got, F.linear(x, w), 64)
+
+
+def test_thread_counts_give_identical_results():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(97, 512, generator=g), torch.randn(700, 512, generator=g)
+    packed = linear_cpu.PackedWeight(w)
+    previous = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(linear_cpu.linear(x, packed))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_packed_weight_is_a_copy():
+    w = torch.randn(20, 8)
+    x = torch.randn(3, 8)
+    packed = linear_cpu.PackedWeight(w)
+    expected = F.linear(x, w)
+    w.zero_()
+    _close(linear_cpu.linear(x, packed), expected, 8)
+
+
+def test_bad_inputs_are_value_errors():
+    packed = linear_cpu.PackedWeight(torch.randn(10, 8))
+    with pytest.raises(ValueError, match="last dim 8"):
+        linear_cpu.linear(torch.randn(3, 7), packed)
+    with pytest.raises(ValueError, match="fp32"):
+        linear_cpu.linear(torch.randn(3, 8, dtype=torch.float64), packed)
+    with pytest.raises(ValueError, match="bias"):
+        linear_cpu.linear(torch.randn(3, 8), packed, torch.randn(9))
+    with pytest.raises(ValueError):
+        linear_cpu.PackedWeight(torch.randn(10, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):
+        linear_cpu.PackedWeight(torch.randn(10, 8).t())  # last dim not contiguous
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 96)
+        self.down = nn.Linear(96, 32, bias=False)
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+
+def test_pack_cpu_linears_routes_small_inputs_and_leaves_large_ones_to_torch(monkeypatch):
+    torch.manual_seed(3)
+    model = _Block().eval()
+    small, large = torch.randn(5, 32), torch.randn(linear_layers.PACKED_MAX_ROWS + 1, 32)
+    with torch.inference_mode():
+        want_small, want_large = model(small), model(large)
+    assert linear_layers.pack_cpu_linears(model) == 2
+    assert isinstance(model.up.packed_weight, linear_cpu.PackedWeight)
+    calls = []
+    real = linear_cpu.linear
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(linear_cpu, "linear", counted)
+    with torch.inference_mode():
+        got_large = model(large)
+        assert calls == []  # above PACKED_MAX_ROWS: torch's GEMM, the same bits as before
+        assert torch.equal(got_large, want_large)
+        got_small = model(small)
+    assert calls == [5, 5]
+    _close(got_small, want_small, 96)
+    # autograd: the weights' own path, gradients flow
+    out = model(small.requires_grad_())
+    out.sum().backward()
+    assert model.up.weight.grad is not None
+
+
+def test_extensions_switch_keeps_torch_linear():
+    code = (
+        "import torch\n"
+        "from trillm.kernels import linear_cpu\n"
+        "from trillm.model_executor.layers.linear import pack_cpu_linears\n"
+        "assert not linear_cpu.available()\n"
+        "print(pack_cpu_linears(torch.nn.Linear(4, 4)))\n"
+    )
+    env = {**os.environ, "TRILLM_NO_EXTENSIONS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0"
