@@ -3,13 +3,14 @@
 // Why not torch's (MKL's) sgemm: each call packs W again, and at the row counts of decode steps
 // (one row per running request, tens to a few hundred) that packing is a large part of the
 // call; with the weights packed at load time, a 6 x 16 register-blocked FMA kernel runs at
-// ~1.5x the single-thread rate of torch.nn.functional.linear on the bench model's shapes and at
-// least matches it at prefill sizes (benchmarks/RESULTS.md, section 2).
+// 1.3-1.7x the rate of torch.nn.functional.linear at 8-96 rows on the bench model's shapes (2
+// threads) and 1.1-1.2x at prefill sizes (benchmarks/RESULTS.md, section 2).
 //
 // Packed layout: N is cut into panels of 16 output columns (the last one zero-padded); panel p
 // holds W[16p .. 16p+15, k] for k = 0 .. K-1 as [K][16], so the kernel reads it sequentially.
-// A work item is a run of panels; for each it walks every row of x in blocks of 6. Items run on
-// the calling thread and a small persistent pool (ext/cpu_common.h); the GIL is released.
+// A work item is a run of panels for a block of rows; for each panel it walks those rows in
+// register blocks of 6. Items run on the calling thread and a small persistent pool
+// (ext/cpu_common.h); the GIL is released.
 // Summation order over k is fixed (sequential per output), so results do not depend on the
 // thread count. AVX2 + FMA only: `available()` is false on CPUs without them.
 #include <pybind11/pybind11.h>
@@ -30,6 +31,7 @@ namespace {
 
 constexpr int kPanel = 16;  // output columns per panel: two 8-lane vectors
 constexpr int kRows = 6;    // rows of x per register block: 6 x 2 accumulators
+constexpr int kRowBlock = 192;  // rows of x per work item: 192 x K floats stay in L2
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -134,19 +136,30 @@ void linear(uintptr_t x, int M, int K, int64_t ldx, uintptr_t packed, int N, uin
   const Gemm g{reinterpret_cast<const float*>(x), ldx, reinterpret_cast<const float*>(packed),
                reinterpret_cast<const float*>(bias), reinterpret_cast<float*>(y), ldy, M, N, K};
   const int total = num_panels(N);
-  // Runs of panels, about four per thread (uneven row blocks and a busy core even out); under
-  // ~1 MFLOP the caller does it alone: waking the pool costs more.
+  // Work items: (block of up to kRowBlock rows, run of panels), row-block major. A row block of
+  // x stays in L2 while the panels stream past it; the runs are about four per thread (uneven
+  // row blocks and a busy core even out). Under ~1 MFLOP the caller does it alone: waking the
+  // pool costs more.
   const int threads = 2LL * M * N * K < 1000000 ? 1 : num_threads;
+  const int row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int runs = threads <= 1 ? 1 : std::min(total, 4 * threads);
+  auto item = [&](int i) {
+    const int rb = i / runs, run = i % runs;
+    Gemm part = g;
+    const int row0 = rb * kRowBlock;
+    part.M = std::min(kRowBlock, M - row0);
+    part.x += row0 * ldx;
+    part.y += row0 * ldy;
+    panels(part, static_cast<int>(static_cast<int64_t>(total) * run / runs),
+           static_cast<int>(static_cast<int64_t>(total) * (run + 1) / runs));
+  };
   py::gil_scoped_release release;
   if (threads <= 1) {
-    panels(g, 0, total);
+    for (int i = 0; i < row_blocks; ++i) item(i);
     return;
   }
-  const int items = std::min(total, 4 * threads);
-  std::function<void(int)> fn = [&](int i) {
-    panels(g, static_cast<int>(static_cast<int64_t>(total) * i / items),
-           static_cast<int>(static_cast<int64_t>(total) * (i + 1) / items));
-  };
+  std::function<void(int)> fn = item;
+  const int items = row_blocks * runs;
   pool_for(threads)->run(items, fn);
 }
 

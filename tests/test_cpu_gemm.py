@@ -98,33 +98,31 @@ class _Block(nn.Module):
         return self.down(torch.relu(self.up(self.norm(x))))
 
 
-def test_pack_cpu_linears_routes_small_inputs_and_leaves_large_ones_to_torch(monkeypatch):
+def test_pack_cpu_linears_routes_inference_through_the_packed_weights(monkeypatch):
     torch.manual_seed(3)
     model = _Block().eval()
-    small, large = torch.randn(5, 32), torch.randn(linear_layers.PACKED_MAX_ROWS + 1, 32)
+    x = torch.randn(5, 32)
     with torch.inference_mode():
-        want_small, want_large = model(small), model(large)
+        want = model(x)
     assert linear_layers.pack_cpu_linears(model) == 2
     assert isinstance(model.up.packed_weight, linear_cpu.PackedWeight)
     calls = []
     real = linear_cpu.linear
 
     def counted(*args, **kwargs):
-        calls.append(args[0].shape[0])
+        calls.append(args[0].shape[-1])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(linear_cpu, "linear", counted)
     with torch.inference_mode():
-        got_large = model(large)
-        assert calls == []  # above PACKED_MAX_ROWS: torch's GEMM, the same bits as before
-        assert torch.equal(got_large, want_large)
-        got_small = model(small)
-    assert calls == [5, 5]
-    _close(got_small, want_small, 96)
-    # autograd: the weights' own path, gradients flow
-    out = model(small.requires_grad_())
+        got = model(x)
+    assert calls == [32, 96]
+    _close(got, want, 96)
+    # autograd on: torch's GEMM on the weights themselves, and gradients flow
+    out = model(x.requires_grad_())
+    assert calls == [32, 96]
     out.sum().backward()
-    assert model.up.weight.grad is not None
+    assert model.up.weight.grad is not None and torch.equal(out.detach(), model(x).detach())
 
 
 def test_extensions_switch_keeps_torch_linear():
