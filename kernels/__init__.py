@@ -10,6 +10,8 @@ compare them.
 - ``rotary``: neox / HF ``rotate_half`` rotary embedding from a [max_pos, rotary_dim] cos|sin
   cache.
 - ``activation``: ``silu(gate) * up`` of the gated MLP (CPU kernel and torch reference only).
+- ``linear_cpu``: fp32 GEMM with weights packed once, for the CPU linear layers (its reference
+  is ``torch.nn.functional.linear``; ``trillm/model_executor/layers/linear.py`` routes them).
 - ``reshape_and_cache``: write a step's K/V rows into the paged cache at their slots.
 - ``paged_attention``: causal attention of a flattened mixed batch (prefill chunks at any
   offset, decode rows) over the paged cache, GQA aware, with split-KV for small decode steps.
