@@ -48,26 +48,13 @@ def pybind_extensions() -> list[Extension]:
             extra_compile_args=["-O3"],
         ),
         Pybind11Extension(
-            "trillm._ext.cpu_attention",
-            ["ext/cpu_attention.cpp"],
-            depends=["ext/cpu_common.h"],
-            cxx_std=17,
-            extra_compile_args=["-O3", "-pthread", "-Wno-psabi"],
-            extra_link_args=["-pthread"],
-        ),
-        Pybind11Extension(
-            "trillm._ext.cpu_ops",
-            ["ext/cpu_ops.cpp"],
-            depends=["ext/cpu_common.h"],
-            cxx_std=17,
-            # NOTE: no fused multiply-adds: each product rounds on its own, as in the torch
-            # references (rotary's x1 * cos - x2 * sin then matches them to the bit).
-            extra_compile_args=["-O3", "-pthread", "-Wno-psabi", "-ffp-contract=off"],
-            extra_link_args=["-pthread"],
-        ),
-        Pybind11Extension(
-            "trillm._ext.cpu_gemm",
-            ["ext/cpu_gemm.cpp"],
+            "trillm._ext.cpu_kernels",
+            [
+                "ext/cpu_kernels.cpp",
+                "ext/cpu_attention.cpp",
+                "ext/cpu_gemm.cpp",
+                "ext/cpu_ops.cpp",
+            ],
             depends=["ext/cpu_common.h"],
             cxx_std=17,
             extra_compile_args=["-O3", "-pthread", "-Wno-psabi"],

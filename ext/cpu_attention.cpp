@@ -445,7 +445,7 @@ class Plan {
 
 }  // namespace
 
-PYBIND11_MODULE(cpu_attention, m) {
+void register_cpu_attention(py::module_& m) {
   m.doc() = "Paged attention on CPU, reading K/V in place from the block-paged cache.";
   py::class_<Plan>(m, "Plan")
       .def(py::init<uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, int, int, int, int, int, int,

@@ -165,7 +165,7 @@ void linear(uintptr_t x, int M, int K, int64_t ldx, uintptr_t packed, int N, uin
 
 }  // namespace
 
-PYBIND11_MODULE(cpu_gemm, m) {
+void register_cpu_gemm(py::module_& m) {
   m.doc() = "fp32 GEMM with weights packed once, for the CPU linear layers.";
   m.attr("PANEL") = kPanel;
   m.def("supported", &cpu_has_avx2, "Whether this CPU has AVX2 and FMA.");

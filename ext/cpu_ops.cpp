@@ -12,8 +12,8 @@
 // wrappers (kernels/*_cpu.py) check shapes and dtypes and pass data pointers with element
 // strides. Rows are independent: large inputs are split over the module's thread pool, and a
 // row's result never depends on the split (nor on the thread count). The GIL is released
-// meanwhile. Each kernel is also compiled for AVX2 (chosen at run time); the build keeps
-// products and sums apart (-ffp-contract=off), as torch's separate ops round them.
+// meanwhile. Each kernel is also compiled for AVX2 (chosen at run time); this file keeps
+// products and sums apart (fp-contract=off below), as torch's separate ops round them.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -26,6 +26,10 @@
 #include <type_traits>
 
 #include "cpu_common.h"
+
+// NOTE: no fused multiply-adds in this file: each product rounds on its own, as in the torch
+// references (rotary's x1 * cos - x2 * sin then matches them to the bit).
+#pragma GCC optimize("fp-contract=off")
 
 namespace py = pybind11;
 
@@ -389,7 +393,7 @@ void silu_and_mul(const RowsArg& out, const RowsArg& gate_up, int64_t num_rows, 
 
 }  // namespace
 
-PYBIND11_MODULE(cpu_ops, m) {
+void register_cpu_ops(py::module_& m) {
   m.doc() = "Fused elementwise CPU ops of the Llama forward: RMSNorm, rotary, silu * mul.";
   m.def("rms_norm", &rms_norm, py::arg("out"), py::arg("x"), py::arg("weight"),
         py::arg("num_rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),

@@ -8,25 +8,25 @@ from types import ModuleType
 
 import torch
 
-from trillm._native import native_available, native_module
+from trillm._native import cpu_kernels, native_available
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @functools.cache
 def extension() -> ModuleType | None:
-    """``trillm._ext.cpu_ops``, or None when not built or ``TRILLM_NO_EXTENSIONS=1``.
+    """``trillm._ext.cpu_kernels.ops``, or None when not built or ``TRILLM_NO_EXTENSIONS=1``.
 
     NOTE: looked up once per process (the dispatch asks on every op call, and reading the
     environment costs microseconds); ``extension.cache_clear()`` looks again."""
-    return native_module("cpu_ops") if native_available("cpu_ops") else None
+    return cpu_kernels("ops") if native_available("cpu_kernels") else None
 
 
 def require() -> ModuleType:
     """The extension, for the wrappers' direct callers (the dispatch checks ``available()``)."""
     ext = extension()
     if ext is None:
-        raise RuntimeError("trillm._ext.cpu_ops is not built (or TRILLM_NO_EXTENSIONS=1).")
+        raise RuntimeError("trillm._ext.cpu_kernels is not built (or TRILLM_NO_EXTENSIONS=1).")
     return ext
 
 

@@ -14,17 +14,17 @@ import functools
 
 import torch
 
-from trillm._native import native_available, native_module
+from trillm._native import cpu_kernels, native_available
 
 
 @functools.cache
 def _cpu_supported() -> bool:
-    ext = native_module("cpu_gemm")
+    ext = cpu_kernels("gemm")
     return ext is not None and bool(ext.supported())
 
 
 def available() -> bool:
-    return native_available("cpu_gemm") and _cpu_supported()
+    return native_available("cpu_kernels") and _cpu_supported()
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -42,9 +42,9 @@ class PackedWeight:
     seen (pack again after reloading weights)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        ext = native_module("cpu_gemm")
+        ext = cpu_kernels("gemm")
         if ext is None or not _cpu_supported():
-            raise RuntimeError("trillm._ext.cpu_gemm is not built or this CPU lacks AVX2/FMA.")
+            raise RuntimeError("trillm._ext.cpu_kernels is not built or this CPU lacks AVX2/FMA.")
         if not supports(weight) or weight.stride(1) != 1:
             raise ValueError(
                 "PackedWeight needs a 2-D fp32 CPU weight, contiguous in its last dim."
@@ -68,9 +68,9 @@ def linear(
     bias: torch.Tensor | None = None,  # [N] fp32
 ) -> torch.Tensor:  # [..., N]
     """``x @ W^T + bias`` with W packed. Rows of x may be strided (last dim contiguous)."""
-    ext = native_module("cpu_gemm")
+    ext = cpu_kernels("gemm")
     if ext is None:
-        raise RuntimeError("trillm._ext.cpu_gemm is not built.")
+        raise RuntimeError("trillm._ext.cpu_kernels is not built.")
     n, k = weight.out_features, weight.in_features
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] != k:
         raise ValueError(f"linear_cpu.linear: x must be fp32 on CPU with last dim {k}.")

@@ -2,9 +2,9 @@
 ``paged_attention_torch.paged_attention`` (its reference) but reading K/V in place from the
 block-paged cache: no gather into dense copies, no padding, no mask tensor.
 
-fp32 and bf16 (math in fp32); the work is spread over ``num_threads()`` threads of the
-extension's own pool. A step builds one ``PagedAttentionPlan`` (metadata checked, work items
-made) and every layer runs it.
+fp32 and bf16 (math in fp32); the work is spread over ``num_threads()`` threads of the thread
+pool of ``trillm._ext.cpu_kernels`` (shared by the native CPU kernels). A step builds one
+``PagedAttentionPlan`` (metadata checked, work items made) and every layer runs it.
 ``available()`` is False when the extension is not built or ``TRILLM_NO_EXTENSIONS=1``; callers
 then use the torch path.
 """
@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from trillm._native import native_available, native_module
+from trillm._native import cpu_kernels, native_available
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -27,7 +27,7 @@ def num_threads() -> int:
 
 
 def available() -> bool:
-    return native_available("cpu_attention")
+    return native_available("cpu_kernels")
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -65,9 +65,9 @@ class PagedAttentionPlan:
         kv_cache_shape: tuple[int, ...] | torch.Size,  # [2, num_blocks, block_size, Hkv, D]
         reqs: torch.Tensor | None = None,  # [n] int32: attend only these requests' rows
     ) -> None:
-        ext = native_module("cpu_attention")
+        ext = cpu_kernels("attention")
         if ext is None:
-            raise RuntimeError("trillm._ext.cpu_attention is not built.")
+            raise RuntimeError("trillm._ext.cpu_kernels is not built.")
         for name, t in (
             ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
             ("block_table", block_table), ("reqs", reqs),

@@ -11,7 +11,7 @@ import torch
 from trillm.kernels import paged_attention_cpu, paged_attention_torch
 
 pytestmark = pytest.mark.skipif(
-    not paged_attention_cpu.available(), reason="trillm._ext.cpu_attention is not built"
+    not paged_attention_cpu.available(), reason="trillm._ext.cpu_kernels is not built"
 )
 
 

@@ -16,7 +16,7 @@ from trillm.kernels import linear_cpu
 from trillm.model_executor.layers import linear as linear_layers
 
 pytestmark = pytest.mark.skipif(
-    not linear_cpu.available(), reason="cpu_gemm not built or no AVX2/FMA"
+    not linear_cpu.available(), reason="trillm._ext.cpu_kernels is not built or no AVX2/FMA"
 )
 
 

@@ -23,7 +23,7 @@ from trillm.kernels import (
 )
 
 pytestmark = pytest.mark.skipif(
-    not rms_norm_cpu.available(), reason="trillm._ext.cpu_ops is not built"
+    not rms_norm_cpu.available(), reason="trillm._ext.cpu_kernels is not built"
 )
 
 DTYPES = [torch.float32, torch.bfloat16]

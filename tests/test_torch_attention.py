@@ -63,7 +63,7 @@ def _reference(q, k, v, cache_before, meta, block_tables, scale):
 @pytest.fixture(params=["native", "torch"])
 def path(request) -> str:
     if request.param == "native" and not paged_attention_cpu.available():
-        pytest.skip("trillm._ext.cpu_attention is not built")
+        pytest.skip("trillm._ext.cpu_kernels is not built")
     return request.param
 
 

@@ -29,6 +29,14 @@ def native_module(name: str) -> ModuleType | None:
     return _load_native(name)
 
 
+def cpu_kernels(part: str) -> ModuleType | None:
+    """A part of ``trillm._ext.cpu_kernels`` (``"attention"``, ``"gemm"``, ``"ops"``: the native
+    CPU kernels, one module so that they share one thread pool), or None when not built
+    (ignores the switch, like ``native_module``)."""
+    module = _load_native("cpu_kernels")
+    return None if module is None else getattr(module, part)
+
+
 def native_available(name: str | None = None) -> bool:
     """Whether the native scheduler and KV manager (or just ``name``) are built and enabled."""
     if extensions_disabled():

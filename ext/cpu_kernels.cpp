@@ -1,0 +1,44 @@
+// trillm._ext.cpu_kernels: the native CPU kernels in one module, so they share one thread pool.
+//   .attention  paged attention over the block-paged KV cache (cpu_attention.cpp)
+//   .gemm       fp32 GEMM with packed weights for the linear layers (cpu_gemm.cpp)
+//   .ops        fused elementwise ops: RMSNorm, rotary, silu * mul (cpu_ops.cpp)
+#include <pybind11/pybind11.h>
+
+#include "cpu_common.h"
+
+namespace py = pybind11;
+
+void register_cpu_attention(py::module_& m);
+void register_cpu_gemm(py::module_& m);
+void register_cpu_ops(py::module_& m);
+
+namespace trillm_cpu {
+
+// Never destroyed: its threads block until the process exits. A forked child inherits the
+// object but not its threads, so a pool is remade when the pid changes (the old one leaks).
+ThreadPool* g_pool = nullptr;
+std::mutex g_pool_mu;
+
+ThreadPool* pool_for(int num_threads) {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  const int workers = num_threads - 1;
+  // NOTE: a new size (torch's thread count changed) also makes a new pool; the old one's
+  // threads stay parked. Rare: the runner sets its thread count once.
+  if (g_pool == nullptr || g_pool->pid() != getpid() || g_pool->num_workers() != workers) {
+    g_pool = new ThreadPool(workers);
+  }
+  return g_pool;
+}
+
+
+}  // namespace trillm_cpu
+
+PYBIND11_MODULE(cpu_kernels, m) {
+  m.doc() = "Native CPU kernels: paged attention, packed-weight GEMM, fused elementwise ops.";
+  py::module_ attention = m.def_submodule("attention");
+  register_cpu_attention(attention);
+  py::module_ gemm = m.def_submodule("gemm");
+  register_cpu_gemm(gemm);
+  py::module_ ops = m.def_submodule("ops");
+  register_cpu_ops(ops);
+}
