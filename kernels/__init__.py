@@ -176,12 +176,12 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     """gate_up: [..., 2I] (gate, then up) -> ``silu(gate) * up`` [..., I], into ``out`` if given.
     (No Triton kernel: CUDA tensors take the torch reference.)
 
-    The native kernel only for fp32 and at least 256 rows: it runs single-threaded below that
-    and its exp is slower than torch's, so decode-sized inputs (~64 rows: 137 against 88 us) and
-    bf16 (its rounding is done in software) are faster in torch."""
+    The native kernel for fp32 only: in bf16 its rounding (done in software) makes it slower
+    than torch's. At decode sizes torch's op is faster alone (~64 rows: 88 against 137 us) but
+    not inside the forward, where it wakes torch's OpenMP threads while the native kernels'
+    pool polls on the cores (300 us there)."""
     if (
         gate_up.dtype == torch.float32
-        and gate_up.numel() >= 256 * gate_up.shape[-1]
         and activation_cpu.available()
         and activation_cpu.supports(gate_up)
         and not _records_grad(gate_up)
