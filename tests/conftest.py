@@ -1,5 +1,6 @@
 """Shared fixtures: tiny Hugging Face checkpoints built once per test session, the default
-model's tokenizer, and torch on one thread for modules of tiny tensors."""
+model's tokenizer, torch on one thread for modules of tiny tensors, and a Python subprocess
+with the native extensions switched off."""
 
 from __future__ import annotations
 
@@ -56,3 +57,21 @@ def tok():
     from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
 
     return AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+
+
+@pytest.fixture
+def python_without_extensions():
+    """``run(code) -> stdout`` of ``python -c code`` in a fresh process with
+    ``TRILLM_NO_EXTENSIONS=1`` (the switch is read once per process); fails on a non-zero exit."""
+    import subprocess
+    import sys
+
+    def run(code: str) -> str:
+        env = {**os.environ, "TRILLM_NO_EXTENSIONS": "1"}
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    return run
