@@ -130,7 +130,8 @@ void pack(uintptr_t weight, int N, int K, int64_t ldw, uintptr_t packed) {
 
 void linear(uintptr_t x, int M, int K, int64_t ldx, uintptr_t packed, int N, uintptr_t bias,
             uintptr_t y, int64_t ldy, int num_threads) {
-  if (!cpu_has_avx2()) throw std::runtime_error("cpu_gemm needs a CPU with AVX2 and FMA");
+  static const bool avx2 = cpu_has_avx2();
+  if (!avx2) throw std::runtime_error("cpu_gemm needs a CPU with AVX2 and FMA");
   if (M < 0 || N <= 0 || K <= 0) throw std::invalid_argument("bad GEMM shape");
   if (M == 0) return;
   const Gemm g{reinterpret_cast<const float*>(x), ldx, reinterpret_cast<const float*>(packed),

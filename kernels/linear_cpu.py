@@ -11,6 +11,7 @@ lacks AVX2/FMA; callers then keep ``F.linear``.
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import torch
 
@@ -18,13 +19,22 @@ from trillm._native import cpu_kernels, native_available
 
 
 @functools.cache
-def _cpu_supported() -> bool:
+def _ext() -> ModuleType | None:
+    """``trillm._ext.cpu_kernels.gemm`` when built and this CPU has AVX2/FMA, else None; looked
+    up once (``linear`` runs for every layer of every step)."""
     ext = cpu_kernels("gemm")
-    return ext is not None and bool(ext.supported())
+    return ext if ext is not None and ext.supported() else None
 
 
 def available() -> bool:
-    return native_available("cpu_kernels") and _cpu_supported()
+    return native_available("cpu_kernels") and _ext() is not None
+
+
+def _require() -> ModuleType:
+    ext = _ext()
+    if ext is None:
+        raise RuntimeError("trillm._ext.cpu_kernels is not built or this CPU lacks AVX2/FMA.")
+    return ext
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -42,9 +52,7 @@ class PackedWeight:
     seen (pack again after reloading weights)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        ext = cpu_kernels("gemm")
-        if ext is None or not _cpu_supported():
-            raise RuntimeError("trillm._ext.cpu_kernels is not built or this CPU lacks AVX2/FMA.")
+        ext = _require()
         if not supports(weight) or weight.stride(1) != 1:
             raise ValueError(
                 "PackedWeight needs a 2-D fp32 CPU weight, contiguous in its last dim."
@@ -58,19 +66,13 @@ class PackedWeight:
         )  # fmt: skip
 
 
-def num_threads() -> int:
-    return torch.get_num_threads()
-
-
 def linear(
     x: torch.Tensor,  # [..., K] fp32 CPU
     weight: PackedWeight,
     bias: torch.Tensor | None = None,  # [N] fp32
 ) -> torch.Tensor:  # [..., N]
     """``x @ W^T + bias`` with W packed. Rows of x may be strided (last dim contiguous)."""
-    ext = cpu_kernels("gemm")
-    if ext is None:
-        raise RuntimeError("trillm._ext.cpu_kernels is not built.")
+    ext = _require()
     n, k = weight.out_features, weight.in_features
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] != k:
         raise ValueError(f"linear_cpu.linear: x must be fp32 on CPU with last dim {k}.")
@@ -85,6 +87,6 @@ def linear(
     bias_ptr = 0 if bias is None else bias.contiguous().data_ptr()
     ext.linear(
         rows.data_ptr(), rows.shape[0], k, rows.stride(0), weight.data.data_ptr(), n, bias_ptr,
-        out.data_ptr(), n, num_threads(),
+        out.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)
