@@ -52,6 +52,7 @@ def pybind_extensions() -> list[Extension]:
             [
                 "ext/cpu_kernels.cpp",
                 "ext/cpu_attention.cpp",
+                "ext/cpu_prefill_attention.cpp",
                 "ext/cpu_gemm.cpp",
                 "ext/cpu_ops.cpp",
             ],

@@ -1,5 +1,6 @@
 // trillm._ext.cpu_kernels: the native CPU kernels in one module, so they share one thread pool.
-//   .attention  paged attention over the block-paged KV cache (cpu_attention.cpp)
+//   .attention  paged attention over the block-paged KV cache (cpu_attention.cpp) and causal
+//               attention of fresh prompts (cpu_prefill_attention.cpp)
 //   .gemm       fp32 GEMM with packed weights for the linear layers (cpu_gemm.cpp)
 //   .ops        fused elementwise ops: RMSNorm, rotary, silu * mul (cpu_ops.cpp)
 #include <pybind11/pybind11.h>
@@ -9,6 +10,7 @@
 namespace py = pybind11;
 
 void register_cpu_attention(py::module_& m);
+void register_cpu_prefill_attention(py::module_& m);
 void register_cpu_gemm(py::module_& m);
 void register_cpu_ops(py::module_& m);
 
@@ -37,6 +39,7 @@ PYBIND11_MODULE(cpu_kernels, m) {
   m.doc() = "Native CPU kernels: paged attention, packed-weight GEMM, fused elementwise ops.";
   py::module_ attention = m.def_submodule("attention");
   register_cpu_attention(attention);
+  register_cpu_prefill_attention(attention);
   py::module_ gemm = m.def_submodule("gemm");
   register_cpu_gemm(gemm);
   py::module_ ops = m.def_submodule("ops");

@@ -7,6 +7,9 @@ pool of ``trillm._ext.cpu_kernels`` (shared by the native CPU kernels). A step b
 ``PagedAttentionPlan`` (metadata checked, work items made) and every layer runs it.
 ``available()`` is False when the extension is not built or ``TRILLM_NO_EXTENSIONS=1``; callers
 then use the torch path.
+
+``causal_prefill`` is the fresh-prompt twin (``ext/cpu_prefill_attention.cpp``): prompt chunks
+with no context attend causally over this step's own q/k/v rows, fp32, GEMM-shaped tiles.
 """
 
 from __future__ import annotations
@@ -142,3 +145,61 @@ def paged_attention(
     """One call: a plan for this metadata, run once (layers of one step share a plan)."""
     plan = PagedAttentionPlan(query_start_loc, seq_lens, block_table, q.shape, kv_cache.shape, reqs)
     return plan.run(q, kv_cache, scale, out)
+
+
+def prefill_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``causal_prefill`` handles these tensors: CPU fp32, head_dim a multiple of 16
+    up to 256, at most 96 query heads per kv head, a CPU with AVX2 and FMA."""
+    ext = cpu_kernels("attention")
+    return (
+        ext is not None
+        and ext.prefill_supported()
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k, v))
+        and q.shape[-1] % 16 == 0
+        and q.shape[-1] <= 256
+        and k.shape == v.shape
+        and k.shape[-1] == q.shape[-1]
+        and q.shape[1] % k.shape[1] == 0
+        and q.shape[1] // k.shape[1] <= 96
+    )
+
+
+def causal_prefill(
+    q: torch.Tensor,  # [T, Hq, D] fp32, rows may be strided (a view of a fused qkv)
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    segments: torch.Tensor,  # [n, 2] int32: (first row, length) of each fresh prompt chunk
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D]: the segments' rows are written, the others left alone
+) -> torch.Tensor:
+    """Causal self-attention of prompt chunks with no context in the cache: segment rows attend
+    to the segment's rows up to their own, read from this step's q/k/v (no cache, no mask).
+    The native kernel of ``ext/cpu_prefill_attention.cpp``; check ``prefill_supports`` first."""
+    if not prefill_supports(q, k, v):
+        raise ValueError("causal_prefill: unsupported device, dtype or head layout.")
+    if k.shape[0] != q.shape[0] or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError("q, k, v and out must have the same rows; out q's shape and dtype.")
+    if any(t.stride(2) != 1 for t in (q, k, v, out)):
+        raise ValueError("q, k, v and out must be contiguous in their last dim.")
+    _check_int32("segments", segments)
+    if segments.dim() != 2 or segments.shape[1] != 2 or not segments.is_contiguous():
+        raise ValueError("segments must be a contiguous [n, 2] int32 tensor.")
+    if segments.numel() and (
+        int(segments[:, 0].min()) < 0
+        or int(segments[:, 1].min()) < 0
+        or int((segments[:, 0] + segments[:, 1]).max()) > q.shape[0]
+    ):
+        raise ValueError("a segment reaches outside q's rows.")
+    ext = cpu_kernels("attention")
+    assert ext is not None
+    ext.causal_prefill(
+        out=out.data_ptr(), q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
+        segments=segments.data_ptr(), num_segments=segments.shape[0],
+        q_token_stride=q.stride(0), q_head_stride=q.stride(1),
+        k_token_stride=k.stride(0), k_head_stride=k.stride(1),
+        v_token_stride=v.stride(0), v_head_stride=v.stride(1),
+        out_token_stride=out.stride(0), out_head_stride=out.stride(1),
+        num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
+        scale=float(scale), num_threads=num_threads(),
+    )  # fmt: skip
+    return out

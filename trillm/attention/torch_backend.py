@@ -4,7 +4,8 @@ requests.
 On CPU with the native extension built (``ext/cpu_attention.cpp``, fp32/bf16), every request
 that has context in the cache (decode rows, later prefill chunks, prefix-cache hits) attends
 with that kernel, which reads K/V in place from the blocks: no gather, no padding, no mask.
-Fresh prompts take the ``is_causal`` fast path below. Elsewhere (CUDA, fp16,
+Fresh prompts take the native causal kernel of ``ext/cpu_prefill_attention.cpp`` there (fp32),
+else the ``is_causal`` fast path below. Elsewhere (CUDA, fp16,
 ``TRILLM_NO_EXTENSIONS=1``) it is one scatter to write K/V, one gather per request group, one
 ``scaled_dot_product_attention`` per group:
 
@@ -118,6 +119,8 @@ class TorchAttentionBackend:
         self._cache_shape: tuple[int, ...] = ()  # the plan's cache layout
         self._groups: list[_Group] = []
         self._fresh: list[tuple[int, int]] = []  # row ranges of prefill chunks without context
+        # The same as [n, 2] int32 (first row, length) for the native kernel, when it is used.
+        self._fresh_segments: torch.Tensor | None = None
         # This step's native kernel plan (requests with context), None when not used.
         self._native: paged_attention_cpu.PagedAttentionPlan | None = None
         self._native_available = paged_attention_cpu.available() if native is None else native
@@ -128,6 +131,7 @@ class TorchAttentionBackend:
         self._planned = meta
         self._groups = []
         self._fresh = []
+        self._fresh_segments = None
         self._native = None
 
     def _plan_step(
@@ -136,6 +140,7 @@ class TorchAttentionBackend:
         """This step's fresh-prompt row ranges, and the native kernel's plan or the torch
         path's groups (built by the first layer, reused by the others)."""
         self._fresh, self._groups, self._native = [], [], None
+        self._fresh_segments = None
         block_size = kv_cache.shape[2]
 
         def native_plan(reqs: torch.Tensor | None) -> paged_attention_cpu.PagedAttentionPlan:
@@ -157,6 +162,10 @@ class TorchAttentionBackend:
         if fresh:
             starts = [0, *itertools.accumulate(meta.query_lens_cpu)]  # host copy: no device sync
             self._fresh = [(starts[i], starts[i + 1]) for i in fresh]
+            if native and q.device.type == "cpu":
+                self._fresh_segments = torch.tensor(
+                    [(a, b - a) for a, b in self._fresh], dtype=torch.int32
+                )
         if native:
             rest = [i for i, (q, s) in enumerate(lens) if not q == s > 1]
             if rest:
@@ -202,8 +211,12 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         if self._native is not None:
             self._native.run(q, kv_cache, scale, out)
-        for start, end in self._fresh:
-            out[start:end] = self._attend_fresh(q[start:end], k[start:end], v[start:end], scale)
+        segments = self._fresh_segments
+        if segments is not None and paged_attention_cpu.prefill_supports(q, k, v):
+            paged_attention_cpu.causal_prefill(q, k, v, segments, scale, out)
+        else:
+            for start, end in self._fresh:
+                out[start:end] = self._attend_fresh(q[start:end], k[start:end], v[start:end], scale)
         for group in self._groups:
             out.index_copy_(
                 0, group.token_rows, self._attend(group, q, key_cache, value_cache, scale)

@@ -1,0 +1,350 @@
+// Stage 9 on CPU, fresh prompts: causal self-attention of prompt chunks that have no context in
+// the cache (a whole prompt in one step, the common prefill case), read straight from this
+// step's q/k/v (views of the fused qkv projection), fp32.
+//
+// Why not torch's scaled_dot_product_attention(is_causal=True): its CPU flash kernel runs at
+// 25-55 GFLOP/s of causal attention math on the bench model's shapes (2 threads), a third of
+// what the same cores do in a GEMM; this one at 50-93 (1.6-2.0x; 5 prompts of 384 rows, 8 query
+// and 4 kv heads of 64: 8.1 against 13.9 ms). This one is written like the packed GEMM (ext/cpu_gemm.cpp): per work item -- a
+// segment, a kv head, a block of query positions with every query head of the group -- the
+// scores of a tile of 64 keys are a GEMM S = Q . K^T on a 6 x 16 register block (K^T packed
+// into 16-key panels by 8 x 8 transposes), an online softmax runs over S's rows in place, and
+// O += P . V is a second GEMM on the same block shape, V read in place. Tiles past a row's own
+// position are masked (-inf), tiles past the block's last position are never touched.
+//
+// Contract (trillm/attention/backend.py): segment s owns rows start_s .. start_s + len_s of q,
+// k, v and out; row i of it attends to rows 0 .. i of the same segment; query head h reads kv
+// head h / (Hq / Hkv). AVX2 + FMA only (`prefill_supported()`); callers fall back to SDPA.
+#include <pybind11/pybind11.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int kRows = 6;          // query vectors per register block
+constexpr int kPanel = 16;        // keys (scores) or head-dim columns (output) per block
+constexpr int kKeyTile = 64;      // keys per tile: four panels
+constexpr int kMaxVectors = 96;   // query vectors (positions x heads of the group) per item
+constexpr int kMaxHeadDim = 256;  // head_dim: a multiple of 16 up to this
+
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  float* out;
+  int64_t q_token_stride, q_head_stride;
+  int64_t k_token_stride, k_head_stride;
+  int64_t v_token_stride, v_head_stride;
+  int64_t out_token_stride, out_head_stride;
+  int num_heads, num_kv_heads, head_dim;
+  float scale;
+};
+
+struct Item {
+  int start;   // the segment's first row
+  int kv_head;
+  int first, last;  // query positions first .. last - 1 of the segment
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+inline __attribute__((always_inline)) void transpose8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+  const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// Keys 0 .. n-1 (rows of `k`, stride ld) -> panels [ceil(n/16)][D][16], zero past n.
+inline void pack_keys(const float* k, int64_t ld, int n, int D, float* packed) {
+  for (int key0 = 0; key0 < n; key0 += 8) {
+    const int panel = key0 / kPanel, col = key0 % kPanel;
+    float* dst = packed + static_cast<int64_t>(panel) * D * kPanel + col;
+    for (int d = 0; d < D; d += 8) {
+      __m256 r[8];
+      for (int t = 0; t < 8; ++t)
+        r[t] = key0 + t < n ? _mm256_loadu_ps(k + (key0 + t) * ld + d) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int t = 0; t < 8; ++t) _mm256_storeu_ps(dst + (d + t) * kPanel, r[t]);
+    }
+  }
+  if (n % kPanel > 0 && n % kPanel <= 8) {  // the last panel's upper half: zero
+    float* dst = packed + static_cast<int64_t>(n / kPanel) * D * kPanel + 8;
+    for (int d = 0; d < D; ++d) _mm256_storeu_ps(dst + d * kPanel, _mm256_setzero_ps());
+  }
+}
+
+// Values 0 .. n-1 (rows of `v`, stride ld) -> panels [D/16][n][16]: the rows' strided copies
+// (4 KiB apart in a fused qkv) would fight over a few L1 sets, the packed tile streams.
+inline void pack_values(const float* v, int64_t ld, int n, int D, float* packed) {
+  for (int j = 0; j < n; ++j) {
+    for (int c = 0; c < D; c += kPanel) {
+      float* dst = packed + static_cast<int64_t>(c) * n + j * kPanel;
+      _mm256_storeu_ps(dst, _mm256_loadu_ps(v + j * ld + c));
+      _mm256_storeu_ps(dst + 8, _mm256_loadu_ps(v + j * ld + c + 8));
+    }
+  }
+}
+
+// s[i][0..16) = q[i] . panel for R query vectors (q rows of D floats, s rows of kKeyTile).
+template <int R>
+inline __attribute__((always_inline)) void scores(const float* q, int D, const float* panel,
+                                                  float* s) {
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m256 w0 = _mm256_loadu_ps(panel + d * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + d * kPanel + 8);
+    for (int i = 0; i < R; ++i) {
+      const __m256 qi = _mm256_broadcast_ss(q + i * D + d);
+      acc[i][0] = _mm256_fmadd_ps(qi, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(qi, w1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(s + i * kKeyTile, acc[i][0]);
+    _mm256_storeu_ps(s + i * kKeyTile + 8, acc[i][1]);
+  }
+}
+
+// o[i][0..16) = o[i][0..16) * corr[i] + sum_j p[i][j] v[j][0..16) for R query vectors
+// (p rows of kKeyTile weights, o rows of D floats, v rows of stride ld).
+template <int R>
+inline __attribute__((always_inline)) void accumulate(const float* p, const float* v, int64_t ld,
+                                                      int n, const float* corr, float* o,
+                                                      int D) {
+  __m256 acc[R][2];
+  for (int i = 0; i < R; ++i) {
+    const __m256 c = _mm256_broadcast_ss(corr + i);
+    acc[i][0] = _mm256_mul_ps(_mm256_loadu_ps(o + i * D), c);
+    acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(o + i * D + 8), c);
+  }
+  for (int j = 0; j < n; ++j) {
+    const __m256 v0 = _mm256_loadu_ps(v + j * ld);
+    const __m256 v1 = _mm256_loadu_ps(v + j * ld + 8);
+    for (int i = 0; i < R; ++i) {
+      const __m256 pi = _mm256_broadcast_ss(p + i * kKeyTile + j);
+      acc[i][0] = _mm256_fmadd_ps(pi, v0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(pi, v1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_ps(o + i * D, acc[i][0]);
+    _mm256_storeu_ps(o + i * D + 8, acc[i][1]);
+  }
+}
+
+// fn.template operator()<R>() for R = rows (1 .. kRows).
+template <typename F>
+inline __attribute__((always_inline)) void with_rows(int rows, F&& fn) {
+  switch (rows) {
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+void attend_item(const Problem& p, const Item& it) {
+  const int D = p.head_dim;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int M = (it.last - it.first) * group;  // vector i: position first + i / group
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // Per-thread scratch (large stack frames would be probed page by page on every item).
+  alignas(32) static thread_local float qs[kMaxVectors * kMaxHeadDim];  // [M][D], scaled
+  alignas(32) static thread_local float acc[kMaxVectors * kMaxHeadDim];  // [M][D]
+  alignas(32) static thread_local float s[kMaxVectors * kKeyTile];  // [M][tile]: S, then P
+  alignas(32) static thread_local float kp[kKeyTile * kMaxHeadDim];  // K^T panels
+  alignas(32) static thread_local float vp[kKeyTile * kMaxHeadDim];  // V panels
+  float m[kMaxVectors], l[kMaxVectors], corr[kMaxVectors];
+  int pos[kMaxVectors];
+
+  const __m256 scale = _mm256_set1_ps(p.scale);
+  for (int i = 0; i < M; ++i) {
+    pos[i] = it.first + i / group;
+    const int head = it.kv_head * group + i % group;
+    const float* src = p.q + (it.start + pos[i]) * p.q_token_stride + head * p.q_head_stride;
+    for (int d = 0; d < D; d += 8) {
+      _mm256_store_ps(qs + i * D + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), scale));
+      _mm256_store_ps(acc + i * D + d, _mm256_setzero_ps());
+    }
+    m[i] = neg_inf;
+    l[i] = 0.0f;
+  }
+  const float* k = p.k + it.start * p.k_token_stride + it.kv_head * p.k_head_stride;
+  const float* v = p.v + it.start * p.v_token_stride + it.kv_head * p.v_head_stride;
+
+  for (int key0 = 0; key0 < it.last; key0 += kKeyTile) {
+    const int n = std::min(kKeyTile, it.last - key0);
+    const int width = (n + kPanel - 1) / kPanel * kPanel;  // score columns written
+    pack_keys(k + key0 * p.k_token_stride, p.k_token_stride, n, D, kp);
+    // Scores of the panels some vector of the block sees (the rest is masked below).
+    for (int i = 0; i < M; i += kRows) {
+      const int rows = std::min(kRows, M - i);
+      const int seen = std::min(width, pos[i + rows - 1] - key0 + 1);
+      with_rows(rows, [&](auto r) {
+        for (int c = 0; c < seen; c += kPanel)
+          scores<decltype(r)::value>(qs + i * D, D, kp + c * D, s + i * kKeyTile + c);
+      });
+    }
+    // Online softmax over the tile, row by row; P replaces S in place. Columns from the row's
+    // first invisible key to `width` become 0 (the block's later vectors may read them).
+    for (int i = 0; i < M; ++i) {
+      float* row = s + i * kKeyTile;
+      const int visible = std::min(n, pos[i] - key0 + 1);
+      if (visible <= 0) {  // the whole tile is after this position
+        for (int c = 0; c < width; c += 8) _mm256_storeu_ps(row + c, _mm256_setzero_ps());
+        corr[i] = 1.0f;
+        continue;
+      }
+      const int full = visible & ~7;  // whole vectors of visible scores; then a partial one
+      __m256 mx = _mm256_set1_ps(m[i]);
+      for (int c = 0; c < full; c += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(row + c));
+      __m256 tail = _mm256_setzero_ps();
+      if (full < visible) {  // lanes >= visible - full: -inf
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 keep = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(visible - full), lanes));
+        tail = _mm256_blendv_ps(_mm256_set1_ps(neg_inf), _mm256_loadu_ps(row + full), keep);
+        mx = _mm256_max_ps(mx, tail);
+      }
+      mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 0x01));
+      mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
+      mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
+      const float tile_max = _mm256_cvtss_f32(mx);
+      const v8f shift = splat(tile_max);
+      v8f sum = splat(0.0f);
+      for (int c = 0; c < full; c += 8) {
+        const v8f e = exp_nonpositive(load8(row + c) - shift);
+        std::memcpy(row + c, &e, sizeof(e));
+        sum += e;
+      }
+      int c = full;
+      if (full < visible) {
+        const v8f e = exp_nonpositive(v8f(tail) - shift);
+        std::memcpy(row + c, &e, sizeof(e));
+        sum += e;
+        c += 8;
+      }
+      for (; c < width; c += 8) _mm256_storeu_ps(row + c, _mm256_setzero_ps());
+      corr[i] = exp_nonpositive(splat(m[i] - tile_max))[0];  // 0 the first time (m = -inf)
+      l[i] = l[i] * corr[i] + hsum(sum);
+      m[i] = tile_max;
+    }
+    // O = O * corr + P . V over the keys the block's last vector sees.
+    pack_values(v + key0 * p.v_token_stride, p.v_token_stride, n, D, vp);
+    for (int i = 0; i < M; i += kRows) {
+      const int rows = std::min(kRows, M - i);
+      const int keys = std::min(n, pos[i + rows - 1] - key0 + 1);
+      if (keys <= 0) continue;  // corr is 1 and P is 0 for every vector of the block
+      with_rows(rows, [&](auto r) {
+        for (int c = 0; c < D; c += kPanel)
+          accumulate<decltype(r)::value>(s + i * kKeyTile, vp + c * n, kPanel, keys, corr + i,
+                                         acc + i * D + c, D);
+      });
+    }
+  }
+
+  for (int i = 0; i < M; ++i) {
+    const int head = it.kv_head * group + i % group;
+    float* dst = p.out + (it.start + pos[i]) * p.out_token_stride + head * p.out_head_stride;
+    const __m256 inv = _mm256_set1_ps(1.0f / l[i]);  // l >= 1: a row always sees its own key
+    for (int d = 0; d < D; d += 8)
+      _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(acc + i * D + d), inv));
+  }
+}
+
+#pragma GCC pop_options
+
+bool prefill_supported() { return cpu_has_avx2(); }
+
+// segments: num_segments x (start row, length) int32 pairs.
+void causal_prefill(uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t segments,
+                    int num_segments, int64_t q_token_stride, int64_t q_head_stride,
+                    int64_t k_token_stride, int64_t k_head_stride, int64_t v_token_stride,
+                    int64_t v_head_stride, int64_t out_token_stride, int64_t out_head_stride,
+                    int num_heads, int num_kv_heads, int head_dim, float scale,
+                    int num_threads) {
+  static const bool avx2 = cpu_has_avx2();
+  if (!avx2) throw std::runtime_error("causal_prefill needs a CPU with AVX2 and FMA");
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0)
+    throw std::invalid_argument("num_heads must be a multiple of num_kv_heads");
+  const int group = num_heads / num_kv_heads;
+  if (group > kMaxVectors) throw std::invalid_argument("more than 96 query heads per kv head");
+  if (head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % kPanel != 0)
+    throw std::invalid_argument("head_dim must be a multiple of 16 in 16..256");
+  const Problem p{reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(k),
+                  reinterpret_cast<const float*>(v), reinterpret_cast<float*>(out),
+                  q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride,
+                  v_head_stride, out_token_stride, out_head_stride, num_heads, num_kv_heads,
+                  head_dim, scale};
+  // Items: (segment, kv head, block of positions), the most work (latest blocks) first so
+  // the threads finish together.
+  const int block = std::max(1, kMaxVectors / group);
+  const int32_t* seg = reinterpret_cast<const int32_t*>(segments);
+  std::vector<Item> items;
+  for (int s = 0; s < num_segments; ++s) {
+    const int start = seg[2 * s], len = seg[2 * s + 1];
+    if (start < 0 || len < 0) throw std::invalid_argument("negative segment start or length");
+    for (int first = 0; first < len; first += block)
+      for (int h = 0; h < num_kv_heads; ++h)
+        items.push_back({start, h, first, std::min(len, first + block)});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return static_cast<int64_t>(a.last) * (a.last - a.first) >
+           static_cast<int64_t>(b.last) * (b.last - b.first);
+  });
+  const int n = static_cast<int>(items.size());
+  py::gil_scoped_release release;
+  if (num_threads <= 1 || n <= 1) {
+    for (const Item& it : items) attend_item(p, it);
+    return;
+  }
+  std::function<void(int)> fn = [&](int i) { attend_item(p, items[i]); };
+  pool_for(num_threads)->run(n, fn);
+}
+
+}  // namespace
+
+void register_cpu_prefill_attention(py::module_& m) {
+  m.def("prefill_supported", &prefill_supported,
+        "Whether causal_prefill runs here (a CPU with AVX2 and FMA).");
+  m.def("causal_prefill", &causal_prefill, py::arg("out"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("segments"), py::arg("num_segments"), py::arg("q_token_stride"),
+        py::arg("q_head_stride"), py::arg("k_token_stride"), py::arg("k_head_stride"),
+        py::arg("v_token_stride"), py::arg("v_head_stride"), py::arg("out_token_stride"),
+        py::arg("out_head_stride"), py::arg("num_heads"), py::arg("num_kv_heads"),
+        py::arg("head_dim"), py::arg("scale"), py::arg("num_threads"));
+}
