@@ -59,6 +59,27 @@ def total_variation(samples: torch.Tensor, probs: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------- greedy / random
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),  # read-only: no copy is made
+        SamplingParams(temperature=0.0, logit_bias={3: 5.0}),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.7, seed=1),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.8),
+    ],
+    ids=["greedy", "greedy-bias", "greedy-penalty", "random", "top-k-p"],
+)
+def test_the_callers_logits_are_never_modified(params):
+    logits = random_logits(4, 50)
+    before = logits.clone()
+    state = make_state({s: params for s in range(4)}, 50)
+    out = Sampler()(logits, state, torch.arange(4), None)
+    assert torch.equal(logits, before)
+    if params.temperature == 0.0 and params.logit_bias is None and params.repetition_penalty == 1:
+        assert torch.equal(out.sampled_token_ids, before.argmax(dim=-1))
+
+
 def test_greedy_is_argmax_of_the_logits():
     logits = random_logits(16, 100)
     state = make_state({s: SamplingParams(temperature=0.0) for s in range(16)}, 100)

@@ -46,6 +46,17 @@ class _SlotList:
         return self._list
 
 
+def _any_processor(state: SamplingState) -> bool:
+    """Whether some row's logits are changed before sampling (``Sampler._process``)."""
+    return (
+        state.any_allowed_token_ids
+        or state.any_bad_words
+        or state.any_logit_bias
+        or state.any_min_tokens
+        or state.any_penalties
+    )
+
+
 class Sampler:
     def __init__(self) -> None:
         self._noise = SeededNoise()
@@ -61,7 +72,11 @@ class Sampler:
         (cheapest on the host); bitmask: int32 [n, ceil(V/32)] or None (all allowed)."""
         slot_list = _SlotList(slots)
         slots = slots.to(device=logits.device, dtype=torch.long, non_blocking=True)
-        processed = self._process(logits.clone(), state, slots, slot_list, bitmask)  # [n, V]
+        # Greedy rows with no processor only read the logits: no copy (on CPU the copy also
+        # wakes torch's idle threads, ~0.6 ms of a decode step).
+        reads_only = bitmask is None and state.all_greedy and not _any_processor(state)
+        owned = logits if reads_only else logits.clone()
+        processed = self._process(owned, state, slots, slot_list, bitmask)  # [n, V]
         sampled = self._sample(processed, state, slots, slot_list)
         k = state.max_num_logprobs
         logprobs = None if k is None else compute_topk_logprobs(logits, sampled, k)
