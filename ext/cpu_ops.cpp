@@ -5,6 +5,7 @@
 //   fused_add_rms_norm  residual = dtype(x + residual); x = rms_norm(residual)      (in place)
 //   rotary              neox / rotate_half rotation of q and k by their positions   (in place)
 //   silu_and_mul        out = dtype(silu(gate)) * up, gate_up = [gate | up] per row
+//   reshape_and_cache   this step's K/V rows into their slots of the paged cache
 //
 // fp32 and bf16 tensors; math in fp32, rounded to the tensor's dtype exactly where the torch
 // references (kernels/*_torch.py) round, so bf16 results match them to the bit except through
@@ -260,6 +261,33 @@ struct SiluAndMul {
   }
 };
 
+// K/V rows of this step into their cache slots: token t's heads (strided rows of k and v) go
+// to slot slot_mapping[t] of [num_slots, heads, head_dim] caches; a negative slot is padding.
+template <typename T>
+struct CacheWrite {
+  struct Args {
+    Rows<const T> k, v;  // token t, head h: k.at(t, h)
+    T* key_cache;
+    T* value_cache;
+    const int64_t* slots;
+    int64_t heads, head_dim;
+  };
+  static TRILLM_INLINE void rows(const Args& a, int64_t begin, int64_t end) {
+    const int64_t slot_elems = a.heads * a.head_dim;
+    const size_t bytes = sizeof(T) * a.head_dim;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = a.slots[t];
+      if (slot < 0) continue;
+      T* kd = a.key_cache + slot * slot_elems;
+      T* vd = a.value_cache + slot * slot_elems;
+      for (int64_t h = 0; h < a.heads; ++h) {
+        std::memcpy(kd + h * a.head_dim, a.k.at(t, h), bytes);
+        std::memcpy(vd + h * a.head_dim, a.v.at(t, h), bytes);
+      }
+    }
+  }
+};
+
 // ------------------------------------------------------------------------------------------
 // Dispatch: an AVX2/FMA build of each kernel when the CPU has it, the generic one otherwise;
 // rows inline for small inputs, in chunks on the thread pool for large ones.
@@ -391,10 +419,37 @@ void silu_and_mul(const RowsArg& out, const RowsArg& gate_up, int64_t num_rows, 
   });
 }
 
+// k, v: [T, heads, head_dim] as rows; key_cache, value_cache: [num_slots, heads, head_dim]
+// contiguous; slot_mapping: [T] int64.
+void reshape_and_cache(const RowsArg& k, const RowsArg& v, uintptr_t key_cache,
+                       uintptr_t value_cache, uintptr_t slot_mapping, int64_t num_tokens,
+                       int64_t head_dim, int64_t num_slots, int dtype, int num_threads) {
+  check_sizes(num_tokens, head_dim);
+  const int64_t* slots = reinterpret_cast<const int64_t*>(slot_mapping);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] >= num_slots)
+      throw std::invalid_argument("slot " + std::to_string(slots[t]) +
+                                  " is outside the cache (" + std::to_string(num_slots) +
+                                  " slots)");
+  }
+  if (num_tokens == 0) return;
+  const int64_t heads = std::get<3>(k);
+  // Two copies of heads x head_dim elements a token: ~1 unit a pair of elements.
+  run_dtype<CacheWrite>(dtype, num_tokens, heads * head_dim, num_threads, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return typename CacheWrite<T>::Args{to_rows<const T>(k), to_rows<const T>(v),
+                                        reinterpret_cast<T*>(key_cache),
+                                        reinterpret_cast<T*>(value_cache), slots, heads,
+                                        head_dim};
+  });
+}
+
 }  // namespace
 
 void register_cpu_ops(py::module_& m) {
-  m.doc() = "Fused elementwise CPU ops of the Llama forward: RMSNorm, rotary, silu * mul.";
+  m.doc() =
+      "Fused elementwise CPU ops of the Llama forward: RMSNorm, rotary, silu * mul, K/V cache "
+      "writes.";
   m.def("rms_norm", &rms_norm, py::arg("out"), py::arg("x"), py::arg("weight"),
         py::arg("num_rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),
         py::arg("num_threads"));
@@ -407,4 +462,8 @@ void register_cpu_ops(py::module_& m) {
         py::arg("num_threads"));
   m.def("silu_and_mul", &silu_and_mul, py::arg("out"), py::arg("gate_up"), py::arg("num_rows"),
         py::arg("width"), py::arg("dtype"), py::arg("num_threads"));
+  m.def("reshape_and_cache", &reshape_and_cache, py::arg("k"), py::arg("v"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+        py::arg("num_tokens"), py::arg("head_dim"), py::arg("num_slots"), py::arg("dtype"),
+        py::arg("num_threads"));
 }

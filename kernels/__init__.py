@@ -12,7 +12,8 @@ compare them.
 - ``activation``: ``silu(gate) * up`` of the gated MLP (CPU kernel and torch reference only).
 - ``linear_cpu``: fp32 GEMM with weights packed once, for the CPU linear layers (its reference
   is ``torch.nn.functional.linear``; ``trillm/model_executor/layers/linear.py`` routes them).
-- ``reshape_and_cache``: write a step's K/V rows into the paged cache at their slots.
+- ``reshape_and_cache``: write a step's K/V rows into the paged cache at their slots
+  (``reshape_and_cache_cpu`` wraps the native CPU kernel of ``ext/cpu_ops.cpp``).
 - ``paged_attention``: causal attention of a flattened mixed batch (prefill chunks at any
   offset, decode rows) over the paged cache, GQA aware, with split-KV for small decode steps.
   ``paged_attention_cpu`` wraps the native CPU kernel (``ext/cpu_attention.cpp``) with the same

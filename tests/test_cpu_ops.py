@@ -1,8 +1,8 @@
 """The native CPU elementwise ops (ext/cpu_ops.cpp: RMSNorm, fused add + RMSNorm, rotary,
-silu * mul) against their torch references: fp32 and bf16, widths with a partial 8-lane tail,
-strided rows, rotary on the q/k views of a fused qkv buffer, thread counts, in-place semantics,
-bad inputs, and the dispatch in ``trillm.kernels`` (native, or the reference under autograd or
-``TRILLM_NO_EXTENSIONS=1``)."""
+silu * mul, the K/V cache write) against their torch references: fp32 and bf16, widths with a
+partial 8-lane tail, strided rows, rotary on the q/k views of a fused qkv buffer, thread counts,
+in-place semantics, bad inputs, and the dispatch in ``trillm.kernels`` (native, or the reference
+under autograd or ``TRILLM_NO_EXTENSIONS=1``)."""
 
 from __future__ import annotations
 
@@ -296,3 +296,54 @@ def test_extensions_switch_falls_back_to_torch(python_without_extensions):
         "print(k.silu_and_mul(torch.randn(4, 8)).shape)\n"
     )
     assert python_without_extensions(code) == "torch.Size([4, 4])"
+
+
+# ---------------------------------------------------------------------------- K/V cache write
+
+
+def _cache_problem(tokens: int, *, dtype: torch.dtype, seed: int, heads: int = 4, dim: int = 64):
+    """k/v as strided views of a fused qkv (as the model passes them), a cache of blocks of 8
+    slots with 4 to spare, distinct random slots."""
+    qkv = _randn(tokens, (8 + 2 * heads) * dim, dtype=dtype, seed=seed)
+    k = qkv[:, 8 * dim : (8 + heads) * dim].view(tokens, heads, dim)
+    v = qkv[:, (8 + heads) * dim :].view(tokens, heads, dim)
+    blocks = tokens // 8 + 5
+    cache = _randn(2, blocks, 8, heads, dim, dtype=dtype, seed=seed + 1)
+    g = torch.Generator().manual_seed(seed + 2)
+    slots = torch.randperm(blocks * 8, generator=g)[:tokens]
+    return k, v, cache, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 96, 1100])  # 1100: split over the pool
+@pytest.mark.parametrize("threads", [1, 2])
+def test_reshape_and_cache_matches_reference(monkeypatch, dtype, tokens, threads):
+    from trillm.kernels import reshape_and_cache_cpu, reshape_and_cache_torch
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    k, v, cache, slots = _cache_problem(tokens, dtype=dtype, seed=tokens)
+    if tokens > 2:
+        slots[1] = -1  # padding: skipped
+    expected = cache.clone()
+    reshape_and_cache_torch.reshape_and_cache(k, v, expected, slots)
+    assert reshape_and_cache_cpu.supports(k, v, cache)
+    reshape_and_cache_cpu.reshape_and_cache(k, v, cache, slots)
+    assert torch.equal(cache, expected)  # copies: bit for bit, everything else untouched
+
+
+def test_reshape_and_cache_refuses_bad_inputs():
+    from trillm.kernels import reshape_and_cache_cpu
+
+    k, v, cache, slots = _cache_problem(5, dtype=torch.float32, seed=3)
+    before = cache.clone()
+    with pytest.raises(ValueError, match="outside the cache"):
+        bad = slots.clone()
+        bad[2] = cache.shape[1] * 8
+        reshape_and_cache_cpu.reshape_and_cache(k, v, cache, bad)
+    with pytest.raises(ValueError, match="int64"):
+        reshape_and_cache_cpu.reshape_and_cache(k, v, cache, slots.int())
+    with pytest.raises(ValueError, match="same dtype"):
+        reshape_and_cache_cpu.reshape_and_cache(k.double(), v.double(), cache, slots)
+    with pytest.raises(ValueError, match="same dtype"):
+        reshape_and_cache_cpu.reshape_and_cache(k[:, :2], v[:, :2], cache, slots)
+    assert torch.equal(cache, before)  # a refused call writes nothing

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from trillm.attention.backend import AttentionMetadata
-from trillm.kernels import paged_attention_cpu
+from trillm.kernels import paged_attention_cpu, reshape_and_cache_cpu
 
 
 @dataclass
@@ -204,8 +204,11 @@ class TorchAttentionBackend:
         key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
         k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
-        key_cache.index_copy_(0, meta.slot_mapping, k)
-        value_cache.index_copy_(0, meta.slot_mapping, v)
+        if self._native_available and reshape_and_cache_cpu.supports(k, v, kv_cache):
+            reshape_and_cache_cpu.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        else:
+            key_cache.index_copy_(0, meta.slot_mapping, k)
+            value_cache.index_copy_(0, meta.slot_mapping, v)
         if len(self._groups) == 1 and self._groups[0].covers_all:
             return self._attend(self._groups[0], q, key_cache, value_cache, scale)
         out = torch.empty_like(q)
