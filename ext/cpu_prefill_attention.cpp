@@ -1,4 +1,4 @@
-// Stage 9 on CPU, fresh prompts: causal self-attention of prompt chunks that have no context in
+// Stage 7 (model forward) on CPU, fresh prompts: causal self-attention of prompt chunks that have no context in
 // the cache (a whole prompt in one step, the common prefill case), read straight from this
 // step's q/k/v (views of the fused qkv projection), fp32.
 //
