@@ -1,4 +1,5 @@
-// Stage 7 (model forward) on CPU: paged attention that reads K/V in place from the block-paged cache.
+// Stage 7 (model forward) on CPU: paged attention that reads K/V in place from the block-paged
+// cache.
 //
 // The contract is the one of trillm/attention/backend.py and its torch reference
 // (kernels/paged_attention_torch.py): request r owns query rows

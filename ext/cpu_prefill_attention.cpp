@@ -1,6 +1,6 @@
-// Stage 7 (model forward) on CPU, fresh prompts: causal self-attention of prompt chunks that have no context in
-// the cache (a whole prompt in one step, the common prefill case), read straight from this
-// step's q/k/v (views of the fused qkv projection), fp32.
+// Stage 7 (model forward) on CPU, fresh prompts: causal self-attention of prompt chunks that
+// have no context in the cache (a whole prompt in one step, the common prefill case), read
+// straight from this step's q/k/v (views of the fused qkv projection), fp32.
 //
 // Why not torch's scaled_dot_product_attention(is_causal=True): its CPU flash kernel runs at
 // 25-55 GFLOP/s of causal attention math on the bench model's shapes (2 threads), a third of
