@@ -5,12 +5,14 @@
 // Why not torch's scaled_dot_product_attention(is_causal=True): its CPU flash kernel runs at
 // 25-55 GFLOP/s of causal attention math on the bench model's shapes (2 threads), a third of
 // what the same cores do in a GEMM; this one at 50-93 (1.6-2.0x; 5 prompts of 384 rows, 8 query
-// and 4 kv heads of 64: 8.1 against 13.9 ms). This one is written like the packed GEMM (ext/cpu_gemm.cpp): per work item -- a
-// segment, a kv head, a block of query positions with every query head of the group -- the
-// scores of a tile of 64 keys are a GEMM S = Q . K^T on a 6 x 16 register block (K^T packed
-// into 16-key panels by 8 x 8 transposes), an online softmax runs over S's rows in place, and
-// O += P . V is a second GEMM on the same block shape, V read in place. Tiles past a row's own
-// position are masked (-inf), tiles past the block's last position are never touched.
+// and 4 kv heads of 64: 8.1 against 13.9 ms). It is written like the packed GEMM
+// (ext/cpu_gemm.cpp): per work item -- a segment, a kv head, a block of query positions with
+// every query head of the group -- the scores of a tile of 64 keys are a GEMM S = Q . K^T on a
+// 6 x 16 register block (K^T packed into 16-key panels by 8 x 8 transposes), an online softmax
+// runs over S's rows in place, and O += P . V is a second GEMM on the same block shape (the V
+// tile packed into 16-column panels: its rows, 4 KiB apart in a fused qkv, would share a few L1
+// sets). Scores past a row's own position are masked (-inf); panels past a register block's last
+// position and tiles past the item's last position are never computed.
 //
 // Contract (trillm/attention/backend.py): segment s owns rows start_s .. start_s + len_s of q,
 // k, v and out; row i of it attends to rows 0 .. i of the same segment; query head h reads kv
