@@ -104,6 +104,8 @@ class Sampler:
         slot_list: _SlotList,
         bitmask: torch.Tensor | None,
     ) -> torch.Tensor:
+        # NOTE: a processor added here belongs in _any_processor too (greedy rows with none
+        # pass the caller's logits in without a copy).
         if bitmask is not None:
             apply_bitmask(logits, bitmask)
         if state.any_allowed_token_ids:
