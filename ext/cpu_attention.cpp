@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <vector>
@@ -454,12 +453,7 @@ class Plan {
     auto kernel = dtype == 0 ? select_kernel<float>() : select_kernel<Bf16>();
     const int n = static_cast<int>(items_.size());
     py::gil_scoped_release release;
-    if (num_threads_ <= 1 || n <= 1) {
-      for (const Item& it : items_) kernel(p, it);
-      return;
-    }
-    std::function<void(int)> fn = [&](int i) { kernel(p, items_[i]); };
-    pool_for(num_threads_)->run(n, fn);
+    run_items(num_threads_, n, [&](int i) { kernel(p, items_[i]); });
   }
 
  private:

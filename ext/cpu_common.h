@@ -126,6 +126,18 @@ namespace {
 
 using trillm_cpu::pool_for;
 
+// fn(0) .. fn(num_items - 1): on the calling thread alone when one thread or one item would
+// do, else on the pool (the caller taking items too).
+template <typename F>
+void run_items(int num_threads, int num_items, F&& fn) {
+  if (num_threads <= 1 || num_items <= 1) {
+    for (int i = 0; i < num_items; ++i) fn(i);
+    return;
+  }
+  const std::function<void(int)> item = fn;
+  pool_for(num_threads)->run(num_items, item);
+}
+
 // ------------------------------------------------------------------------------------------
 // 8 fp32 lanes (GCC/Clang vector extensions): SSE pairs in the generic build, one AVX2 register
 // in a function compiled with __attribute__((target("avx2,fma"))) (chosen at run time).

@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <stdexcept>
 
 #include "cpu_common.h"
@@ -155,13 +154,7 @@ void linear(uintptr_t x, int M, int K, int64_t ldx, uintptr_t packed, int N, uin
            static_cast<int>(static_cast<int64_t>(total) * (run + 1) / runs));
   };
   py::gil_scoped_release release;
-  if (threads <= 1) {
-    for (int i = 0; i < row_blocks; ++i) item(i);
-    return;
-  }
-  std::function<void(int)> fn = item;
-  const int items = row_blocks * runs;
-  pool_for(threads)->run(items, fn);
+  run_items(threads, row_blocks * runs, item);
 }
 
 }  // namespace

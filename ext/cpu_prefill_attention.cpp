@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <vector>
@@ -330,12 +329,7 @@ void causal_prefill(uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintpt
   });
   const int n = static_cast<int>(items.size());
   py::gil_scoped_release release;
-  if (num_threads <= 1 || n <= 1) {
-    for (const Item& it : items) attend_item(p, it);
-    return;
-  }
-  std::function<void(int)> fn = [&](int i) { attend_item(p, items[i]); };
-  pool_for(num_threads)->run(n, fn);
+  run_items(num_threads, n, [&](int i) { attend_item(p, items[i]); });
 }
 
 }  // namespace

@@ -1,23 +1,18 @@
 """The batched sampler (P3): every processor against a slow per-row reference written here,
-the samplers statistically (fixed seeds, so the runs are deterministic), and SamplingParams
-validation."""
+the samplers statistically (fixed seeds, so the runs are deterministic). Logprobs:
+test_sampler_logprobs.py; SamplingParams validation: test_sampling_params.py."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
 import torch
 
-from trillm.messages import LogprobsLists
-from trillm.sample import logprobs as logprobs_module
 from trillm.sample.bad_words import banned_tokens
 from trillm.sample.bitmask import num_words, pack_token_ids, unpack_bitmask
-from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from trillm.sample.race import hash_mix
 from trillm.sample.sampler import Sampler, SamplingState, SlotError
-from trillm.sampling_params import SamplingParams, SamplingParamsError
+from trillm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")
@@ -452,56 +447,6 @@ def test_hash_mix_separates_seeds_and_steps():
     assert all(0 <= v < 2**64 for v in values)
 
 
-# ---------------------------------------------------------------------------- logprobs
-
-
-def test_logprobs_are_of_the_raw_logits_with_ranks_and_top_k():
-    vocab, n = 30, 6
-    logits = random_logits(n, vocab, seed=8)
-    state = SamplingState(n, vocab, CPU)
-    for slot in range(n):
-        params = SamplingParams(
-            logprobs=3 if slot == 2 else 1,
-            repetition_penalty=1.5,
-            temperature=1.0 if slot % 2 else 0.0,
-        )
-        state.add_request(slot, params, list(range(10)), [])
-    assert state.max_num_logprobs == 3
-    out = Sampler()(logits, state, torch.arange(n), None)
-    lp = out.logprobs
-    assert lp is not None and lp.num_logprobs == 3
-    raw = torch.log_softmax(logits, dim=-1)
-    for row in range(n):
-        token = out.sampled_token_ids[row].item()
-        assert lp.token_ids[row, 0].item() == token
-        torch.testing.assert_close(lp.logprobs[row, 0], raw[row, token])
-        rank = 1 + sorted(raw[row].tolist(), reverse=True).index(raw[row, token].item())
-        assert lp.ranks[row].item() == rank
-        top_values, top_ids = raw[row].sort(descending=True)
-        assert lp.token_ids[row, 1:].tolist() == top_ids[:3].tolist()
-        torch.testing.assert_close(lp.logprobs[row, 1:], top_values[:3])
-    lists = lp.select([2], num_logprobs=1).tolists()
-    assert isinstance(lists, LogprobsLists)
-    assert len(lists.token_ids) == 1 and len(lists.token_ids[0]) == 2
-    assert isinstance(lists.logprobs[0][0], float) and isinstance(lists.ranks[0], int)
-
-
-def test_compute_topk_logprobs_chunks_give_the_same_answer(monkeypatch):
-    logits = random_logits(37, 50, seed=9)
-    targets = torch.randint(0, 50, (37,), generator=torch.Generator().manual_seed(1))
-    whole = compute_topk_logprobs(logits, targets, 4)
-    monkeypatch.setattr(logprobs_module, "_MAX_CHUNK_ELEMENTS", 50 * 5)
-    chunked = compute_topk_logprobs(logits, targets, 4)
-    for a, b in zip(
-        (whole.token_ids, whole.logprobs, whole.ranks),
-        (chunked.token_ids, chunked.logprobs, chunked.ranks),
-    ):
-        assert torch.equal(a, b)
-    only_target = compute_topk_logprobs(logits, targets, 0)
-    assert only_target.token_ids.shape == (37, 1)
-    assert isinstance(only_target, LogprobsTensors)
-
-
 # ---------------------------------------------------------------------------- bitmask
 
 
@@ -571,60 +516,6 @@ def test_slot_errors():
         state.remove_request(1)
     with pytest.raises(SlotError, match="holds no request"):
         state.append_token(1, 3)
-
-
-# ---------------------------------------------------------------------------- SamplingParams
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "param"),
-    [
-        ({"n": 0}, "n"),
-        ({"presence_penalty": 2.5}, "presence_penalty"),
-        ({"frequency_penalty": -2.1}, "frequency_penalty"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty"),
-        ({"temperature": -0.1}, "temperature"),
-        ({"temperature": math.nan}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
-        ({"top_p": 1.1}, "top_p"),
-        ({"top_k": -2}, "top_k"),
-        ({"min_p": 1.5}, "min_p"),
-        ({"max_tokens": 0}, "max_tokens"),
-        ({"min_tokens": -1}, "min_tokens"),
-        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-        ({"logprobs": -1}, "logprobs"),
-        ({"prompt_logprobs": -1}, "prompt_logprobs"),
-        ({"stop": [""]}, "stop"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids"),
-        ({"allowed_token_ids": []}, "allowed_token_ids"),
-        ({"logit_bias": {1: 101.0}}, "logit_bias"),
-    ],
-)
-def test_sampling_params_rejects_out_of_range_values(kwargs, param):
-    with pytest.raises(SamplingParamsError) as info:
-        SamplingParams(**kwargs)
-    assert info.value.param == param
-    assert param in str(info.value)
-    assert isinstance(info.value, ValueError)
-
-
-def test_sampling_params_vocab_checks_and_normalisation():
-    params = SamplingParams(top_k=-1, stop="x", logit_bias={"3": 1}, temperature=0.0, top_p=0.5)
-    assert params.top_k == 0 and params.stop == ["x"] and params.logit_bias == {3: 1.0}
-    assert params.greedy and params.top_p == 1.0
-    with pytest.raises(SamplingParamsError) as info:
-        SamplingParams(allowed_token_ids=[5, 10]).verify_vocab(vocab_size=10, max_logprobs=20)
-    assert info.value.param == "allowed_token_ids"
-    with pytest.raises(SamplingParamsError) as info:
-        SamplingParams(logprobs=21).verify_vocab(vocab_size=10, max_logprobs=20)
-    assert info.value.param == "logprobs"
-    SamplingParams(logprobs=20, stop_token_ids=[9]).verify_vocab(vocab_size=10, max_logprobs=20)
-
-
-def test_sampling_params_rejects_non_integer_logit_bias_keys():
-    with pytest.raises(SamplingParamsError) as info:
-        SamplingParams(logit_bias={"abc": 1.0})
-    assert info.value.param == "logit_bias"
 
 
 # ---------------------------------------------------------------------------- device
