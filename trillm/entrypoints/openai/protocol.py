@@ -70,11 +70,57 @@ class TextPart:
     text: str | None = None
 
 
+# ---------------------------------------------------------------- tools (issue 12)
+
+
+@attrs.define
+class FunctionDefinition:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+@attrs.define
+class ChatTool:
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+@attrs.define
+class NamedFunction:
+    name: str
+
+
+@attrs.define
+class NamedToolChoice:
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+@attrs.define
+class FunctionCall:
+    name: str
+    # A JSON string (OpenAI); an object is accepted too and given to templates as is.
+    arguments: Union[str, dict[str, Any]] = "{}"  # noqa: UP007
+
+
+@attrs.define
+class ToolCall:
+    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
 @attrs.define
 class ChatMessage:
     role: str
     content: Union[str, list[TextPart], None] = None  # noqa: UP007
     name: str | None = None
+    tool_calls: list[ToolCall] | None = _f(None, max_len=1024)
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 # ---------------------------------------------------------------- sampling fields, both APIs
@@ -124,6 +170,13 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling and reasoning (issue 12); checked in serving_chat / parsers.
+    tools: list[ChatTool] | None = _f(None, max_len=1024)
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    tool_choice: Union[str, NamedToolChoice, None] = None  # noqa: UP007
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
+    documents: list[dict[str, Any]] | None = _f(None, max_len=1024)
 
 
 @attrs.define(kw_only=True)
