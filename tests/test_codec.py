@@ -167,7 +167,8 @@ def test_enum_and_int_keys_survive():
 
 
 def test_unencodable_contents_raise_codec_error():
-    sp = SamplingParams(extra_args={"big": 2**70})
+    sp = SamplingParams()
+    sp.extra_args = {"big": 2**70}  # SamplingParams refuses it; the codec must still not crash
     sched = SchedulerOutput(
         1, [NewRequestData("r", [1], [], sp, [0], 0)], CachedRequestData(), {}, 1
     )

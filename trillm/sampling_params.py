@@ -7,10 +7,19 @@ into a 400 with ``param`` set.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+# NOTE: every value crosses the process boundary (msgpack: 64-bit integers) and lands in
+# 64-bit torch tensors / C++ ``long long`` fields, or in float32 sampling tensors; values
+# outside these ranges are refused here instead of failing a whole step in the worker.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -79,7 +88,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OverflowError) as exc:
                 raise SamplingParamsError(
                     "logit_bias", "logit_bias keys must be token ids and values numbers."
                 ) from exc
@@ -96,6 +105,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def _verify(self) -> None:
+        self._verify_kinds()
         checks: list[tuple[str, bool, str]] = [
             ("n", self.n >= 1, f"n must be at least 1, got {self.n}."),
             (
@@ -172,6 +182,44 @@ class SamplingParams:
                         "logit_bias", f"logit_bias values must be in [-100, 100], got {value}."
                     )
 
+    def _verify_kinds(self) -> None:
+        """Types and representable ranges: integers fit 64 (or 32) bits, floats are finite
+        float32 values. Runs before the range checks so those compare plain numbers."""
+        for name, high in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}.")
+            if not INT64_MIN <= value <= high:
+                raise SamplingParamsError(
+                    name, f"{name} must be an integer in [{INT64_MIN}, {high}], got {value}."
+                )
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise SamplingParamsError(name, f"{name} must be a number, got {value!r}.")
+            if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+                raise SamplingParamsError(
+                    name, f"{name} must be a finite number within float32 range, got {value}."
+                )
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in ids
+            ):
+                raise SamplingParamsError(
+                    name, f"{name} must be a list of non-negative 64-bit integers."
+                )
+        if self.logit_bias is not None and not all(
+            0 <= k <= INT64_MAX and math.isfinite(v) for k, v in self.logit_bias.items()
+        ):
+            raise SamplingParamsError(
+                "logit_bias", "logit_bias keys must be token ids and values finite numbers."
+            )
+        if self.extra_args is not None:
+            _check_plain_data(self.extra_args, "extra_args")
+
     def verify_vocab(self, vocab_size: int, max_logprobs: int) -> None:
         """Checks that need the model: token ids in range, logprob counts under the cap."""
         for name, ids in (
@@ -193,3 +241,55 @@ class SamplingParams:
         import copy
 
         return copy.deepcopy(self)
+
+
+# (name, highest value): integer fields (the range checks in _verify refine the lowest).
+_INT_FIELDS = (
+    ("n", INT32_MAX),
+    ("top_k", INT64_MAX),
+    ("seed", INT64_MAX),
+    ("max_tokens", INT64_MAX),
+    ("min_tokens", INT32_MAX),
+    ("logprobs", INT32_MAX),
+    ("prompt_logprobs", INT32_MAX),
+)
+_OPTIONAL = frozenset({"seed", "max_tokens", "logprobs", "prompt_logprobs"})
+_FLOAT_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+)
+_MAX_DEPTH = 32
+
+
+def _check_plain_data(value: Any, name: str, depth: int = 0) -> None:
+    """``value`` is JSON-like data (what the IPC codec carries): None, bools, 64-bit ints,
+    finite floats, strings, lists and string-keyed dicts, nested at most _MAX_DEPTH deep."""
+    if depth > _MAX_DEPTH:
+        raise SamplingParamsError(name, f"{name} is nested deeper than {_MAX_DEPTH} levels.")
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise SamplingParamsError(name, f"{name} holds an integer outside 64 bits: {value}.")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise SamplingParamsError(name, f"{name} holds a non-finite number: {value}.")
+        return
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _check_plain_data(item, name, depth + 1)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise SamplingParamsError(name, f"{name} keys must be strings, got {key!r}.")
+            _check_plain_data(item, name, depth + 1)
+        return
+    raise SamplingParamsError(
+        name, f"{name} must hold plain data (JSON-like), got {type(value).__name__}."
+    )

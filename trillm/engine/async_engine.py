@@ -30,7 +30,7 @@ from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET, OutputProcessor
 from trillm.errors import EngineDeadError
 from trillm.messages import AbortRequests, EngineCoreOutputs, SchedulerStats
 from trillm.outputs import RequestOutput
-from trillm.sampling_params import SamplingParams
+from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,10 @@ class AsyncEngine:
         text, request = self.input_processor.process(
             request_id, prompt, params, priority, cache_salt
         )
+        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise InvalidRequestError(
+                f"priority must be a 64-bit integer, got {priority!r}.", "priority"
+            )
         params = request.sampling_params
         self._check_admission(len(request.prompt_token_ids), params)
         children = self._fan_out(request)
@@ -190,7 +194,8 @@ class AsyncEngine:
             child_params = params.clone()
             child_params.n = 1
             if params.seed is not None:
-                child_params.seed = params.seed + index
+                # Wrapped into int64: seed 2**63 - 1 with n = 2 stays encodable.
+                child_params.seed = (params.seed + index + 2**63) % 2**64 - 2**63
             children.append(
                 dataclasses.replace(
                     request,

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trillm.engine.detokenizer import Detokenizer, DetokenizerFactory
+from trillm.engine.input_processor import InvalidRequestError
 from trillm.engine.output_collector import RequestOutputCollector
 from trillm.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from trillm.outputs import (
@@ -207,7 +208,9 @@ class OutputProcessor:
         when given)."""
         engine_ids = list(child_ids) if child_ids is not None else [request_id]
         if request_id in self._groups or any(e in self._samples for e in engine_ids):
-            raise ValueError(f"Request id {request_id!r} is already in flight.")
+            raise InvalidRequestError(
+                f"Request id {request_id!r} is already in flight.", "request_id"
+            )
         collector = (
             queue
             if queue is not None

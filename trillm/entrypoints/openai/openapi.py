@@ -15,6 +15,7 @@ import attrs
 
 import trillm
 from trillm.entrypoints.openai import protocol
+from trillm.sampling_params import FLOAT32_MAX, INT64_MAX, INT64_MIN
 
 _REQUESTS = {
     "ChatCompletionRequest": protocol.ChatCompletionRequest,
@@ -51,7 +52,11 @@ def schema_of(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
             components[name] = {}  # placeholder first: recursive types terminate
             components[name] = _object_schema(tp, components)
         return {"$ref": f"#/components/schemas/{name}"}
-    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]}
+    if tp is int:  # what the validator accepts for any integer field
+        return {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
+    if tp is float:
+        return {"type": "number", "minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX}
+    return {"type": {bool: "boolean", str: "string"}[tp]}
 
 
 def _object_schema(cls: type[Any], components: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +70,9 @@ def _object_schema(cls: type[Any], components: dict[str, Any]) -> dict[str, Any]
             if key in limits:
                 prop = {**prop, json_key: limits[key]}
         if "max_len" in limits:
-            prop = {**prop, "maxItems": limits["max_len"]}
+            prop = _with_max_entries(prop, hints[field.name], limits["max_len"])
+        if "max_prompts" in limits:
+            prop = _with_max_prompts(prop, limits["max_prompts"])
         if field.default is attrs.NOTHING:
             required.append(field.name)
         elif not isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
@@ -75,6 +82,23 @@ def _object_schema(cls: type[Any], components: dict[str, Any]) -> dict[str, Any]
     if required:
         schema["required"] = required
     return schema
+
+
+def _with_max_entries(prop: dict[str, Any], tp: Any, limit: int) -> dict[str, Any]:
+    """maxItems for arrays, maxProperties for objects (a field is one or the other)."""
+    kinds = {typing.get_origin(t) for t in (typing.get_args(tp) or (tp,))}
+    return {**prop, ("maxProperties" if dict in kinds else "maxItems"): limit}
+
+
+def _with_max_prompts(prop: dict[str, Any], limit: int) -> dict[str, Any]:
+    """The prompt-count limit on the array-of-prompts branches only (not on token ids)."""
+    branches = []
+    for branch in prop["anyOf"]:
+        items = branch.get("items", {})
+        if branch.get("type") == "array" and items.get("type") != "integer":
+            branch = {**branch, "maxItems": limit}
+        branches.append(branch)
+    return {**prop, "anyOf": branches}
 
 
 # ---------------------------------------------------------------- response schemas

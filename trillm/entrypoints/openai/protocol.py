@@ -3,8 +3,12 @@
 Unknown fields are accepted and ignored (OpenAI clients send extras); known fields are checked
 for type and range, and the first bad one is reported with its path as ``param``
 (``temperature``, ``messages[1].content``). Ranges live in each field's metadata
-(``ge``/``gt``/``le``/``max_len``) so the OpenAPI schema (``openapi.py``) is generated from the
-same declaration the validator enforces.
+(``ge``/``gt``/``le``/``max_len``/``max_prompts``) so the OpenAPI schema (``openapi.py``) is
+generated from the same declaration the validator enforces.
+
+Every integer must fit 64 bits and every number be a finite float32 value, whatever the field:
+what a client sends crosses the process boundary and lands in 64-bit and float32 tensors.
+Sizes are checked before the items are looked at, so an oversized list costs O(1).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Literal, Union
 import attrs
 
 from trillm.entrypoints.openai.errors import BadRequestError
+from trillm.sampling_params import FLOAT32_MAX, INT64_MAX, INT64_MIN
 
 MAX_N = 128
 MAX_STOP_STRINGS = 16
@@ -135,7 +140,7 @@ class _SamplingFields:
     presence_penalty: float | None = _f(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = _f(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = _f(None, max_len=4096)
-    seed: int | None = None
+    seed: int | None = _f(None, ge=INT64_MIN, le=INT64_MAX)
     stop: Union[str, list[str], None] = _f(None, max_len=MAX_STOP_STRINGS)  # noqa: UP007
     max_tokens: int | None = _f(None, ge=1)
     stream: bool = False
@@ -181,7 +186,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 @attrs.define(kw_only=True)
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]] = _f(max_len=MAX_PROMPTS)  # noqa: UP007
+    # NOTE: MAX_PROMPTS bounds a list of prompts, never the token ids of one prompt (the
+    # context length bounds those).
+    prompt: Union[str, list[str], list[int], list[list[int]]] = _f(max_prompts=MAX_PROMPTS)  # noqa: UP007
     max_tokens: int | None = _f(16, ge=1)
     echo: bool = False
     logprobs: int | None = _f(None, ge=0)
@@ -239,7 +246,9 @@ def _structure_attrs(cls: type[Any], data: Any, path: str) -> Any:
             if field.default is attrs.NOTHING:
                 raise BadRequestError(f"Field required: '{fpath}'.", fpath)
             continue
-        value = _structure(data[name], hints[name], fpath)
+        raw = data[name]
+        _check_size(raw, field.metadata, fpath)
+        value = _structure(raw, hints[name], fpath)
         _check_limits(value, field.metadata, fpath)
         kwargs[name] = value
     return cls(**kwargs)
@@ -326,10 +335,16 @@ def _structure_scalar(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise BadRequestError(f"'{path}' must fit in 64 bits, got {value}.", path)
         raise _type_error(path, "a number", value)
     if tp is str:
         if isinstance(value, str):
             return value
+            if not -FLOAT32_MAX <= value <= FLOAT32_MAX:  # NaN fails both comparisons
+                raise BadRequestError(
+                    f"'{path}' must be a finite number within float32 range, got {value}.", path
+                )
         raise _type_error(path, "a string", value)
     raise TypeError(f"protocol: no structuring rule for {tp!r}")  # a bug in this module
 
@@ -352,10 +367,20 @@ def _type_error(path: str, expected: str, value: Any) -> BadRequestError:
     return BadRequestError(f"'{path}' must be {expected}, got {shown}.", path)
 
 
-def _check_limits(value: Any, limits: Any, path: str) -> None:
-    if value is None or not limits:
+def _all_int64(values: list[Any]) -> bool:
+    return all(type(v) is int for v in values) and (
+        not values or (INT64_MIN <= min(values) and max(values) <= INT64_MAX)
+    )
+
+
+def _check_size(value: Any, limits: Any, path: str) -> None:
+    """Entry-count limits, checked on the raw JSON before any entry is structured."""
+    if not limits or not isinstance(value, (list, dict)):
         return
-    if "max_len" in limits and isinstance(value, (list, dict)) and len(value) > limits["max_len"]:
+    limit = limits.get("max_len")
+    if limit is None and "max_prompts" in limits and value and not isinstance(value[0], int):
+        limit = limits["max_prompts"]  # a list of prompts (a list of ints is one prompt)
+    if limit is not None and len(value) > limit:
         raise BadRequestError(
             f"'{path}' has {len(value)} entries, more than the limit of {limits['max_len']}.", path
         )
