@@ -1,0 +1,128 @@
+"""Reasoning parsers (``--reasoning-parser NAME``): the ``<think>...</think>`` section of an
+output becomes ``reasoning_content`` (and vLLM's newer ``reasoning``), the rest ``content``.
+
+- ``deepseek_r1``: the output starts in reasoning (R1's template opens ``<think>`` in the
+  prompt; a ``<think>`` the model writes itself is dropped); everything before ``</think>`` is
+  reasoning, and all of it when ``</think>`` never comes (cut off while thinking).
+- ``qwen3``: the output starts in reasoning when it begins with ``<think>`` or the rendered
+  prompt ends inside an open ``<think>`` (Qwen3.5 / thinking-2507 templates); otherwise it is
+  all content (``enable_thinking: false`` renders a closed ``<think></think>`` in the prompt).
+
+``extract`` splits a finished output; ``streamer()`` splits it delta by delta, holding back a
+possibly partial tag, and the deltas add up to ``extract``'s result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+START = "<think>"
+END = "</think>"
+
+
+def _held(text: str, tag: str) -> int:
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ReasoningParser:
+    name: ClassVar[str] = ""
+
+    def __init__(self, prompt: str = "", chat_template_kwargs: dict[str, Any] | None = None):
+        self.prompt = prompt
+        self.chat_template_kwargs = chat_template_kwargs or {}
+
+    def starts_in_reasoning(self) -> bool:
+        """Whether an output that does not begin with ``<think>`` begins in reasoning."""
+        raise NotImplementedError
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) of ``text``; before the end, a possibly partial tag is held."""
+        body = text.lstrip()
+        if body.startswith(START):
+            body = body[len(START) :]
+        elif not final and START.startswith(body):
+            return "", ""  # nothing yet, or the start of <think>
+        elif not self.starts_in_reasoning():
+            return "", text
+        end = body.find(END)
+        if end >= 0:
+            return body[:end], body[end + len(END) :]
+        if not final:
+            body = body[: len(body) - _held(body, END)]
+        return body, ""
+
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        reasoning, content = self.split(text, True)
+        return reasoning or None, content or None
+
+    def streamer(self) -> ReasoningStreamer:
+        return ReasoningStreamer(self)
+
+
+class ReasoningStreamer:
+    """``feed(delta)`` / ``finish()`` -> ``(reasoning_delta, content_delta)``."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = ("", "")
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        self.text += delta
+        return self._diff(False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._diff(True)
+
+    def _diff(self, final: bool) -> tuple[str, str]:
+        reasoning, content = self.parser.split(self.text, final)
+        old_r, old_c = self.sent
+        self.sent = (reasoning, content)
+        return reasoning[len(old_r) :], content[len(old_c) :]
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+
+    def starts_in_reasoning(self) -> bool:
+        return True
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+
+    def starts_in_reasoning(self) -> bool:
+        at = self.prompt.rfind(START)
+        return at >= 0 and self.prompt.find(END, at) < 0
+
+
+_REGISTRY: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+}
+
+
+def register_reasoning_parser(
+    name: str,
+) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
+    def register(cls: type[ReasoningParser]) -> type[ReasoningParser]:
+        _REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"Unknown reasoning parser {name!r}; registered: {', '.join(sorted(_REGISTRY))}."
+        ) from None
+
+
+def reasoning_parser_names() -> list[str]:
+    return sorted(_REGISTRY)

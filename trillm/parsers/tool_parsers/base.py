@@ -1,0 +1,270 @@
+"""The tool-parser contract and the machinery every parser shares.
+
+A parser only answers one question: how does the model's output text ``text`` (all of it when
+``final``, what has come so far otherwise) split into content and calls (``split``)? The rest
+follows from that answer, the same way for every parser:
+
+- non-streamed: ``extract`` joins the content pieces and lists the calls;
+- streamed: ``ToolCallStreamer`` re-splits the text after each delta and sends what grew:
+  content, then for each call its header (``index``, ``id``, ``type``, ``name``) once the name
+  is known, then argument fragments.
+
+For a streamed call the arguments so far must be a prefix of its final arguments, so parsers
+give the arguments as the model wrote them (the raw JSON text of the value) where they can,
+and hold back what is not decided yet (a partial start tag, a call whose name has not come).
+Whitespace around calls is not content, in both modes alike.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass
+class CallPiece:
+    name: str | None  # None: the call has started, its name has not come yet
+    arguments: str = ""  # JSON text; while streaming, a prefix of the final arguments
+    complete: bool = False
+
+
+@dataclass
+class ToolCall:
+    """A parsed call in OpenAI's shape (``to_dict``)."""
+
+    name: str
+    arguments: str
+    id: str = ""
+    type: str = "function"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": self.type,
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass
+class ExtractedToolCalls:
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def tools_called(self) -> bool:
+        return bool(self.tool_calls)
+
+
+class ToolParser:
+    """Subclass, set ``name``, implement ``split``; register with ``register_tool_parser``."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        self.tools = tools or []  # the request's tools, as the template saw them
+
+    def split(self, text: str, final: bool) -> list[str | CallPiece]:
+        raise NotImplementedError
+
+    def make_id(self) -> str:
+        return f"call_{secrets.token_hex(12)}"
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        content, calls = assemble(self.split(text, True), True)
+        tool_calls = [
+            ToolCall(c.name, c.arguments or "{}", self.make_id()) for c in calls if c.name
+        ]
+        return ExtractedToolCalls(content or None, tool_calls)
+
+    def streamer(self) -> ToolCallStreamer:
+        return ToolCallStreamer(self)
+
+
+def mistral_id() -> str:
+    """Mistral's templates check that call ids are 9 letters or digits."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
+def assemble(pieces: list[str | CallPiece], final: bool) -> tuple[str, list[CallPiece]]:
+    """Content and calls from ``split``'s pieces: text beside a call loses the whitespace on
+    that side; before the end, trailing whitespace is held back (a call may follow it)."""
+    content: list[str] = []
+    calls: list[CallPiece] = []
+    for i, piece in enumerate(pieces):
+        if isinstance(piece, CallPiece):
+            calls.append(piece)
+            continue
+        if i > 0 and isinstance(pieces[i - 1], CallPiece):
+            piece = piece.lstrip()
+        last = i == len(pieces) - 1
+        if (not last and isinstance(pieces[i + 1], CallPiece)) or (last and not final):
+            piece = piece.rstrip()
+        content.append(piece)
+    return "".join(content), calls
+
+
+class ToolCallStreamer:
+    """Turns text deltas into OpenAI stream deltas: ``feed`` / ``finish`` return
+    ``(content_delta, tool_call_deltas)``."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent_content = ""
+        self.ids: list[str] = []  # one per call whose header went out
+        self.sent_args: list[str] = []
+
+    @property
+    def tools_called(self) -> bool:
+        return bool(self.ids)
+
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        self.text += delta
+        return self._diff(False)
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        return self._diff(True)
+
+    def _diff(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        content, calls = assemble(self.parser.split(self.text, final), final)
+        content_delta = ""
+        # NOTE: a split that contradicts what was sent (only for output that turned malformed
+        # after a call was announced) sends nothing more rather than something inconsistent.
+        if content.startswith(self.sent_content):
+            content_delta = content[len(self.sent_content) :]
+            self.sent_content = content
+        deltas: list[dict[str, Any]] = []
+        for index, call in enumerate(calls):
+            if index == len(self.ids):
+                if call.name is None:
+                    break
+                self.ids.append(self.parser.make_id())
+                self.sent_args.append("")
+                deltas.append(
+                    {
+                        "index": index,
+                        "id": self.ids[index],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
+            args = call.arguments or ("{}" if final and call.complete else "")
+            sent = self.sent_args[index]
+            if len(args) > len(sent) and args.startswith(sent):
+                deltas.append({"index": index, "function": {"arguments": args[len(sent) :]}})
+                self.sent_args[index] = args
+        return content_delta, deltas
+
+
+# ---------------------------------------------------------------- scanning helpers
+
+_SPECIAL = re.compile(r'["\\{}\[\]]')
+_SCALAR_END = re.compile(r"[\s,}\]]")
+
+
+def held_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def scan_json_value(s: str, i: int) -> int | None:
+    """End (exclusive) of the JSON value starting at ``s[i]``, or None when ``s`` ends
+    first. Tracks brackets and strings only; whether it parses is ``json.loads``'s call."""
+    if i >= len(s):
+        return None
+    c = s[i]
+    if c not in '{["':
+        m = _SCALAR_END.search(s, i)
+        return m.start() if m else None
+    depth = 0
+    in_str = False
+    k = i
+    while True:
+        m = _SPECIAL.search(s, k)
+        if m is None:
+            return None
+        ch = m.group()
+        k = m.end()
+        if in_str:
+            if ch == "\\":
+                k += 1  # the escaped character
+            elif ch == '"':
+                in_str = False
+                if depth == 0:
+                    return k
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return k
+
+
+_NAME_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS_HEAD = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def json_call(body: str, start: int, final: bool) -> tuple[CallPiece | None, int | None]:
+    """The call object ``{"name": ..., "arguments"|"parameters": {...}}`` at ``body[start:]``.
+
+    Returns ``(call, end)``: ``end`` is where the object ends, None while it is open. ``call``
+    is None when this is not (or, before the end, not yet recognisably) a call."""
+    end = scan_json_value(body, skip_ws(body, start))
+    head = _NAME_HEAD.match(body, start)
+    if end is not None:
+        return _complete_json_call(body, start, end, head), end
+    if final or head is None:
+        return None, None
+    name = json.loads(f'"{head.group(1)}"')
+    args = _ARGS_HEAD.match(body, head.end())
+    if args is None or not body.startswith("{", args.end()):
+        return CallPiece(name), None
+    value_end = scan_json_value(body, args.end())
+    return CallPiece(name, body[args.end() : value_end]), None
+
+
+def _complete_json_call(
+    body: str, start: int, end: int, head: re.Match[str] | None
+) -> CallPiece | None:
+    if head is not None:
+        # The usual key order: arguments as the model wrote them (what was streamed).
+        args = _ARGS_HEAD.match(body, head.end())
+        if args is not None and body.startswith("{", args.end()):
+            value_end = scan_json_value(body, args.end())
+            raw = body[args.end() : value_end] if value_end is not None else ""
+            if value_end is not None and _is_json_object(raw):
+                return CallPiece(json.loads(f'"{head.group(1)}"'), raw, True)
+    try:
+        obj = json.loads(body[start:end])
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    value = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(value, str) and _is_json_object(value):
+        return CallPiece(obj["name"], value, True)  # arguments sent as a JSON string
+    if not isinstance(value, dict):
+        return None
+    return CallPiece(obj["name"], json.dumps(value, ensure_ascii=False), True)
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def skip_ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in " \t\r\n":
+        i += 1
+    return i
