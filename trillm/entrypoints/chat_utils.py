@@ -9,6 +9,7 @@ objects handed in, so a template cannot reach the process.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from datetime import datetime
 from typing import Any
@@ -47,6 +48,18 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 @functools.lru_cache(maxsize=32)
 def compile_template(source: str) -> jinja2.Template:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -54,6 +67,9 @@ def compile_template(source: str) -> jinja2.Template:
     )
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    # Hugging Face's tojson: plain json.dumps (Jinja's own escapes <, >, & and ' for HTML,
+    # which would change the tool schemas and call arguments the model sees).
+    env.filters["tojson"] = _tojson
     try:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
@@ -80,17 +96,82 @@ def content_text(content: Any, index: int) -> str:
     return "\n".join(texts)
 
 
+def _get(obj: Any, key: str) -> Any:
+    return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+
 def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """Messages (dicts or protocol objects) as plain dicts with string content."""
+    """Messages (dicts or protocol objects) as plain dicts with string content, keeping what
+    templates read besides: ``name``, an assistant's ``tool_calls`` (arguments as objects, as
+    Hugging Face templates expect), a tool message's ``tool_call_id``, ``reasoning_content``."""
     out = []
     for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, dict) else m.role
-        content = m.get("content") if isinstance(m, dict) else m.content
-        msg: dict[str, Any] = {"role": role, "content": content_text(content, i)}
-        name = m.get("name") if isinstance(m, dict) else getattr(m, "name", None)
-        if name is not None:
-            msg["name"] = name
+        msg: dict[str, Any] = {
+            "role": _get(m, "role"),
+            "content": content_text(_get(m, "content"), i),
+        }
+        for key in ("name", "tool_call_id"):
+            value = _get(m, key)
+            if value is not None:
+                msg[key] = value
+        reasoning = _get(m, "reasoning_content") or _get(m, "reasoning")
+        if reasoning is not None:
+            msg["reasoning_content"] = reasoning
+        tool_calls = _get(m, "tool_calls")
+        if tool_calls:
+            msg["tool_calls"] = [_tool_call(tc, i, j) for j, tc in enumerate(tool_calls)]
         out.append(msg)
+    return out
+
+
+def _tool_call(tc: Any, i: int, j: int) -> dict[str, Any]:
+    where = f"messages[{i}].tool_calls[{j}]"
+    fn = _get(tc, "function")
+    name = _get(fn, "name") if fn is not None else None
+    if not isinstance(name, str):
+        raise ChatTemplateError(f"'{where}.function.name' must be a string.", f"{where}.function")
+    arguments = _get(fn, "arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ChatTemplateError(
+                f"'{where}.function.arguments' is not valid JSON: {exc}.",
+                f"{where}.function.arguments",
+            ) from None
+    elif arguments is None:
+        arguments = {}
+    call: dict[str, Any] = {
+        "type": _get(tc, "type") or "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+    if _get(tc, "id") is not None:
+        call["id"] = _get(tc, "id")
+    return call
+
+
+def normalize_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """Tools (dicts or protocol objects) as the JSON-schema dicts templates expect, without
+    the unset (None) fields so ``is defined`` tests in templates see what the client sent."""
+    if tools is None:
+        return None
+    out = []
+    for tool in tools:
+        if isinstance(tool, dict):
+            out.append(tool)
+            continue
+        fn = tool.function
+        function = {
+            k: v
+            for k, v in (
+                ("name", fn.name),
+                ("description", fn.description),
+                ("parameters", fn.parameters),
+                ("strict", fn.strict),
+            )
+            if v is not None
+        }
+        out.append({"type": tool.type, "function": function})
     return out
 
 
@@ -102,6 +183,8 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[Any] | None = None,
+    documents: list[dict[str, Any]] | None = None,
 ) -> str:
     """Render ``messages`` with ``chat_template`` (a path or template text; default: the
     tokenizer's) to the prompt text the model expects. Raises ChatTemplateError."""
@@ -113,6 +196,8 @@ def render_chat(
         continue_final_message=continue_final_message,
         special_tokens=tokenizer_special_tokens(tokenizer),
         template_kwargs=chat_template_kwargs,
+        tools=tools,
+        documents=documents,
     )
 
 
@@ -129,8 +214,11 @@ def render_template(
     continue_final_message: bool = False,
     special_tokens: dict[str, Any] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[Any] | None = None,
+    documents: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Render ``messages`` with the template *text* ``template``."""
+    """Render ``messages`` with the template *text* ``template``; ``tools`` and ``documents``
+    reach it as Hugging Face's ``apply_chat_template`` passes them."""
     if template is None:
         raise ChatTemplateError(
             "The model has no chat template; start the server with --chat-template.", None
@@ -147,6 +235,12 @@ def render_template(
         )
     context = {**(template_kwargs or {}), **(special_tokens or {})}
     context.update(messages=msgs, add_generation_prompt=add_generation_prompt)
+    # NOTE: None when not given, as transformers renders: a template testing `tools is not
+    # none` must not see Undefined (which is "not none").
+    if tools is not None or "tools" not in context:
+        context["tools"] = normalize_tools(tools)
+    if documents is not None or "documents" not in context:
+        context["documents"] = documents
     try:
         text = compile_template(template).render(**context)
     except ChatTemplateError:
