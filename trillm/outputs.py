@@ -45,6 +45,11 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort' | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Filled by ``LLM.chat`` when given a tool_parser / reasoning_parser (issue 12): the
+    # calls in OpenAI's shape, the text without them, the <think> section.
+    tool_calls: list[dict] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

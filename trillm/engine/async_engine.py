@@ -65,6 +65,7 @@ class AsyncEngine:
         self._stats = SchedulerStats()
         self._ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
+        self.died = trio.Event()  # set with dead_error (the server exits on it)
         self.is_running = False
         self.chat_template: str | None = None  # --chat-template, else the tokenizer's
 
@@ -124,6 +125,7 @@ class AsyncEngine:
             error = EngineDeadError(f"The engine core failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
         self.dead_error = error
+        self.died.set()
         self.output_processor.fail_all(error)
 
     # ------------------------------------------------------------------ requests
@@ -149,11 +151,20 @@ class AsyncEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline, not this call's
     ) -> AsyncIterator[RequestOutput]:
-        """Submit one request and yield its outputs until it finishes."""
+        """Submit one request and yield its outputs until it finishes.
+
+        ``timeout``: seconds after which the request is aborted and its last output carries
+        ``finish_reason == "timeout"`` (what it produced until then is kept)."""
         self.check_alive()
+        deadline = _deadline(timeout)
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise InvalidRequestError(
+                f"priority must be a 64-bit integer, got {priority!r}.", "priority"
+            )
         if self.config.scheduler.policy != "priority" and priority != 0:
             raise InvalidRequestError(
                 "priority is only supported with --scheduling-policy priority.", "priority"
@@ -161,10 +172,6 @@ class AsyncEngine:
         text, request = self.input_processor.process(
             request_id, prompt, params, priority, cache_salt
         )
-        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
-            raise InvalidRequestError(
-                f"priority must be a 64-bit integer, got {priority!r}.", "priority"
-            )
         params = request.sampling_params
         self._check_admission(len(request.prompt_token_ids), params)
         children = self._fan_out(request)
@@ -175,7 +182,14 @@ class AsyncEngine:
             for child in children:
                 self._input_send.send_nowait(child)
             while True:
-                out = await collector.get()
+                if deadline == math.inf:  # (no cancel scope on the common path)
+                    out = await collector.get()
+                else:
+                    # NOTE: the deadline's scope covers only the wait, never the yield.
+                    got: RequestOutput | None = None
+                    with trio.move_on_at(deadline):
+                        got = await collector.get()
+                    out = got or self._expire(request_id, children, collector)
                 yield out
                 if out.finished:
                     return
@@ -183,6 +197,18 @@ class AsyncEngine:
             # Sync on purpose: runs even while the caller is being cancelled.
             if self.output_processor.abort_request(request_id):
                 self._input_send.send_nowait(AbortRequests([c.request_id for c in children]))
+
+    def _expire(self, request_id: str, children: list[Any], collector: Any) -> RequestOutput:
+        """The request's deadline passed: abort it; its last output says "timeout"."""
+        if self.output_processor.abort_request(request_id):
+            self._input_send.send_nowait(AbortRequests([c.request_id for c in children]))
+        out = collector.get_nowait()  # the abort's final output (raises if the engine died)
+        if out is None:  # pragma: no cover - abort_request always delivers a final output
+            raise RuntimeError(f"request {request_id} timed out without a final output")
+        for c in out.outputs:
+            if c.finish_reason == "abort":
+                c.finish_reason = "timeout"
+        return out
 
     def _fan_out(self, request):
         """n > 1: one engine request per sample (seeded ones get seed + index)."""
@@ -215,14 +241,20 @@ class AsyncEngine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
+        # ``tools`` / ``documents`` reach the chat template (OpenAI's tool dicts); parsing the
+        # calls out of the output is LLM.chat's tool_parser (trillm.parsers.tool_parsers).
         prompt = self.render_chat(
             messages,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+            documents=documents,
         )
         async for out in self.generate(prompt, params, request_id, **kwargs):
             yield out
@@ -239,6 +271,15 @@ class AsyncEngine:
         if self.output_processor.abort_request(request_id):
             self._input_send.send_nowait(AbortRequests(ids))
         await trio.lowlevel.checkpoint()
+
+
+def _deadline(timeout: float | None) -> float:
+    """The Trio clock's deadline for ``timeout`` seconds from now (inf: none)."""
+    if timeout is None:
+        return math.inf
+    if not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise InvalidRequestError(f"timeout must be a positive number, got {timeout!r}.", "timeout")
+    return trio.current_time() + timeout
 
 
 @asynccontextmanager

@@ -78,15 +78,47 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
         **chat_options: Any,
     ) -> list[RequestOutput]:
+        """Render each conversation with the chat template (``tools``, OpenAI's tool dicts,
+        reach it too) and generate. With ``tool_parser`` (``hermes``, ``llama3_json``,
+        ``mistral``, ``pythonic`` or a registered one) each CompletionOutput also carries
+        ``tool_calls`` (OpenAI's shape, ``[]`` when none) and ``content`` (the text without
+        the calls); with ``reasoning_parser`` (``deepseek_r1``, ``qwen3``),
+        ``reasoning_content`` and ``content`` without it. ``text`` stays the raw output."""
+        from trillm.parsers.reasoning import get_reasoning_parser
+        from trillm.parsers.tool_parsers import get_tool_parser
+
+        tool_cls = get_tool_parser(tool_parser) if tool_parser else None  # ValueError if unknown
+        reasoning_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         conversations: list[list[dict[str, Any]]] = (
             messages if messages and isinstance(messages[0], list) else [messages]  # type: ignore[assignment,list-item]
         )
-        prompts: list[PromptType] = [
-            self.engine.render_chat(conv, **dict(chat_options)) for conv in conversations
+        rendered = [
+            self.engine.render_chat(conv, tools=tools, **dict(chat_options))
+            for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        prompts: list[PromptType] = list(rendered)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for prompt, out in zip(rendered, outputs, strict=True):
+            for c in out.outputs:
+                content: str | None = c.text
+                if reasoning_cls is not None:
+                    parser = reasoning_cls(
+                        prompt["prompt"], chat_options.get("chat_template_kwargs")
+                    )
+                    c.reasoning_content, content = parser.extract(c.text)
+                if tool_cls is not None:
+                    extracted = tool_cls(tools).extract(content or "")
+                    c.tool_calls = [call.to_dict() for call in extracted.tool_calls]
+                    if extracted.tools_called:
+                        content = extracted.content
+                c.content = content
+        return outputs
 
     def shutdown(self) -> None:
         if self._stop is not None and self._token is not None and self._thread.is_alive():

@@ -44,6 +44,7 @@ from trillm.entrypoints.openai.errors import (
     UnsupportedMediaTypeError,
     error_body,
 )
+from trillm.entrypoints.openai.http_guard import KeepAliveGuard
 from trillm.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trillm.entrypoints.openai.metrics import ServerMetrics
 from trillm.entrypoints.openai.protocol import (
@@ -61,6 +62,13 @@ from trillm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 logger = logging.getLogger("trillm.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+RETRY_AFTER_S = 1  # the Retry-After of a 503
+# After the engine dies, in-flight requests get their error and /health its 503 for this
+# long; then the process exits non-zero for its supervisor to restart it (vLLM exits too).
+ENGINE_DEATH_GRACE_S = 2.0
+# After --shutdown-timeout and the aborts, what still runs (a producer nobody reads) gets
+# this long before it is cancelled: shutdown never hangs.
+SHUTDOWN_BACKSTOP_S = 10.0
 _OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -98,6 +106,18 @@ def _install_gate(app: QuartTrio, state: ServerState, api_key: str | None) -> No
             raise ServiceUnavailableError("The server is shutting down.")
         if state.engine.is_dead:
             raise ServiceUnavailableError(f"The engine is not available: {state.engine.dead_error}")
+        if request.method == "POST" and path.startswith("/v1/"):
+            # A full queue refuses before the body is read; start_generation checks again
+            # with the request's real size (prompts x n).
+            state.check_capacity()
+
+    @app.after_request
+    async def retry_after(response: Response) -> Response:
+        # NOTE: every 503 here is transient (overload, shutdown, an engine being replaced):
+        # tell clients and load balancers when to come back.
+        if response.status_code == 503 and "Retry-After" not in response.headers:
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
 
 
 def _install_error_handlers(app: QuartTrio) -> None:
@@ -230,24 +250,36 @@ class ServerOptions:
     max_logprobs: int = 20
     log_level: str = "info"
     shutdown_timeout: float = 30.0
+    # Seconds an idle keep-alive connection stays open (--timeout-keep-alive).
+    keep_alive_timeout: float = 5.0
     # Streams woken per engine step for a middle chunk (None: every stream, every step).
     stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET
+    # Tool calling and reasoning (issue 12; cli_args._add_tool_flags).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: str | None = None
+    # Requests waiting beyond the running batch (--max-num-seqs); past it, 503 at once.
+    max_num_queued_requests: int | None = None
 
 
 @attrs.define(eq=False)
 class _Lifecycle:
     stop: trio.Event = attrs.field(factory=trio.Event)
     serving: bool = False
+    exit_code: int = 0  # 1 once the engine has died
 
 
-async def run_server(model: str | None, engine_args: dict[str, Any], opts: ServerOptions) -> None:
-    """Load the engine, serve until SIGINT/SIGTERM, drain, return (exit code 0)."""
+async def run_server(model: str | None, engine_args: dict[str, Any], opts: ServerOptions) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM (or the engine's death), drain; return
+    the exit code (0, or 1 when the engine died)."""
     life = _Lifecycle()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as root:
             root.start_soon(_watch_signals, signals, life, root.cancel_scope)
             await _serve(model, engine_args, opts, life)
             root.cancel_scope.cancel()
+    return life.exit_code
 
 
 async def _watch_signals(signals: Any, life: _Lifecycle, root: trio.CancelScope) -> None:
@@ -278,6 +310,11 @@ async def _serve(
                 chat_template=chat_template,
                 trust_request_chat_template=opts.trust_request_chat_template,
                 max_logprobs=opts.max_logprobs,
+                enable_auto_tool_choice=opts.enable_auto_tool_choice,
+                tool_call_parser=opts.tool_call_parser,
+                exclude_tools_when_tool_choice_none=opts.exclude_tools_when_tool_choice_none,
+                reasoning_parser=opts.reasoning_parser,
+                max_admitted=_max_admitted(engine, opts),
             )
             app = build_app(state, opts.api_key)
             shutdown = trio.Event()
@@ -287,9 +324,16 @@ async def _serve(
             binds = await nursery.start(serve)
             life.serving = True
             logger.info("trillm is serving %s on %s", names[0], ", ".join(binds))
+            nursery.start_soon(_exit_on_engine_death, engine, life)
             await life.stop.wait()
             await _drain(state, opts.shutdown_timeout)
             shutdown.set()
+            # Hypercorn closes its connections within its graceful timeout; the producers end
+            # with their aborted requests. Anything left is cancelled, never waited on.
+            nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BACKSTOP_S
+        if nursery.cancel_scope.cancelled_caught:
+            logger.warning("Shutdown cancelled what was still running after %.0f s.",
+                           SHUTDOWN_BACKSTOP_S)  # fmt: skip
         logger.info("HTTP server stopped; shutting the engine down.")
     logger.info("trillm stopped.")
 
@@ -297,7 +341,12 @@ async def _serve(
 async def _hypercorn_serve(app: Any, config: Any, **kwargs: Any) -> None:
     from hypercorn.trio import serve
 
-    await serve(app, config, **kwargs)
+    # NOTE: quart-trio cancels hypercorn's keep-alive bookkeeping from inside the app's last
+    # send (idle timeout lost after the first request, Connection: close and HTTP/1.0 ignored,
+    # a connection answered before its body arrived left dead). KeepAliveGuard shields that
+    # send and drains or closes; the upstream cause is written down in http_guard.py.
+    guarded: Any = KeepAliveGuard(app, drain_timeout=config.keep_alive_timeout)
+    await serve(guarded, config, **kwargs)
 
 
 def _hypercorn_config(opts: ServerOptions) -> Any:
@@ -315,11 +364,31 @@ def _hypercorn_config(opts: ServerOptions) -> Any:
         else None
     )
     config.graceful_timeout = 5.0
+    config.keep_alive_timeout = opts.keep_alive_timeout
     # NOTE: hypercorn's default listen backlog (100) overflows when hundreds of clients connect
     # at once: the dropped SYNs are retried after 1 s, which lands in their TTFT. 2048 as uvicorn.
     config.backlog = 2048
     config.include_server_header = False
     return config
+
+
+def _max_admitted(engine: Any, opts: ServerOptions) -> int | None:
+    """--max-num-queued-requests counts requests beyond what one batch runs (--max-num-seqs)."""
+    if opts.max_num_queued_requests is None:
+        return None
+    return engine.config.scheduler.max_num_seqs + opts.max_num_queued_requests
+
+
+async def _exit_on_engine_death(engine: Any, life: _Lifecycle) -> None:
+    await engine.died.wait()
+    logger.error(
+        "The engine died (%s); exiting with code 1 in %.0f s.",
+        engine.dead_error,
+        ENGINE_DEATH_GRACE_S,
+    )
+    life.exit_code = 1
+    await trio.sleep(ENGINE_DEATH_GRACE_S)
+    life.stop.set()
 
 
 async def _drain(state: ServerState, grace_s: float) -> None:

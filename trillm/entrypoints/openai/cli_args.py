@@ -28,6 +28,16 @@ def _memory_size(value: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return number
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
@@ -39,8 +49,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", dest="model_opt", help="Same as the positional MODEL.")
     _add_server_flags(p)
     _add_engine_flags(p)
+    _add_tool_flags(p)
     p.set_defaults(func=run_serve)
     return p
+
+
+def _positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value}")
+    return seconds
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -66,6 +84,17 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         "--shutdown-timeout", type=float, default=30.0,
         help="On SIGINT/SIGTERM, seconds to let running requests finish before aborting "
         "them (default: 30).",
+    )  # fmt: skip
+    g.add_argument(
+        "--timeout-keep-alive", type=_positive_seconds, default=5.0,
+        help="Seconds an idle HTTP keep-alive connection stays open (default: 5, as uvicorn "
+        "and vLLM, which sets it with VLLM_HTTP_TIMEOUT_KEEP_ALIVE).",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-num-queued-requests", type=_non_negative_int,
+        help="Most requests waiting beyond the running batch (--max-num-seqs, counting each "
+        "prompt and sample); past it a request gets 503 with Retry-After at once, before any "
+        "work. Default: no bound.",
     )  # fmt: skip
 
 
@@ -124,6 +153,51 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tool_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tool calling and reasoning")
+    g.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="Parse tool calls from the output when tool_choice is 'auto' (the default when a "
+        "request has tools); needs --tool-call-parser.",
+    )  # fmt: skip
+    g.add_argument(
+        "--tool-call-parser", metavar="NAME",
+        help="The model family's tool-call format: hermes (Qwen2.5/Qwen3), llama3_json, "
+        "mistral, pythonic, or one a --tool-parser-plugin registers.",
+    )  # fmt: skip
+    g.add_argument(
+        "--tool-parser-plugin", metavar="PATH",
+        help="A Python file that registers tool parsers (trillm.parsers.tool_parsers."
+        "register_tool_parser).",
+    )  # fmt: skip
+    g.add_argument(
+        "--exclude-tools-when-tool-choice-none", action="store_true",
+        help="With tool_choice 'none', do not render the tools into the prompt.",
+    )  # fmt: skip
+    g.add_argument(
+        "--reasoning-parser", metavar="NAME",
+        help="Separate the <think> section into reasoning_content: deepseek_r1 or qwen3.",
+    )  # fmt: skip
+
+
+def check_tool_flags(args: argparse.Namespace) -> None:
+    """Load --tool-parser-plugin and check the parser names (exit 2, as argparse, if bad)."""
+    from trillm.parsers.reasoning import get_reasoning_parser
+    from trillm.parsers.tool_parsers import get_tool_parser, load_tool_parser_plugin
+
+    try:
+        if args.tool_parser_plugin:
+            load_tool_parser_plugin(args.tool_parser_plugin)
+        if args.enable_auto_tool_choice and not args.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME.")
+        if args.tool_call_parser:
+            get_tool_parser(args.tool_call_parser)
+        if args.reasoning_parser:
+            get_reasoning_parser(args.reasoning_parser)
+    except ValueError as exc:
+        raise SystemExit(f"trillm serve: error: {exc}") from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineArgs fields from the parsed flags (only those given)."""
     kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS}
@@ -134,7 +208,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
+    check_tool_flags(args)
     return ServerOptions(
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        reasoning_parser=args.reasoning_parser,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -144,7 +223,9 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         max_logprobs=args.max_logprobs,
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
+        keep_alive_timeout=args.timeout_keep_alive,
         stream_wake_budget=args.stream_wake_budget or None,
+        max_num_queued_requests=args.max_num_queued_requests,
     )
 
 
@@ -160,5 +241,4 @@ def run_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     model = args.model_opt or args.model_tag
-    trio.run(run_server, model, engine_kwargs(args), server_options(args))
-    return 0
+    return trio.run(run_server, model, engine_kwargs(args), server_options(args))

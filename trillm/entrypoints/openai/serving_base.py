@@ -5,13 +5,19 @@ metrics bookkeeping, logprob formatting, tokenization helpers.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
 import attrs
 import trio
 
-from trillm.entrypoints.openai.errors import APIError, BadRequestError, NotFoundError
+from trillm.entrypoints.openai.errors import (
+    APIError,
+    BadRequestError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from trillm.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 
 
@@ -24,10 +30,26 @@ class ServerState:
     chat_template: str | None = None
     trust_request_chat_template: bool = False
     max_logprobs: int = 20
+    # Tool calling and reasoning (issue 12; chat_parsing.py).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: str | None = None
     draining: bool = False
-    # Engine request ids in flight: shutdown aborts those that outlive --shutdown-timeout.
-    inflight: set[str] = attrs.field(factory=set)
+    # Engine sequences admitted at once (--max-num-seqs + --max-num-queued-requests); None:
+    # no bound. Past it a request gets 503 + Retry-After before it reaches the engine.
+    max_admitted: int | None = None
+    # Engine request id -> its sequences (n), for those in flight: the admission count, and
+    # what shutdown aborts once --shutdown-timeout has passed. Only an Admission changes it.
+    inflight: dict[str, int] = attrs.field(factory=dict)
+    admitted: int = 0  # the sum of ``inflight``'s values
     drained: trio.Event = attrs.field(factory=trio.Event)  # set once draining and none in flight
+    # Long texts are tokenized in threads; each can take many times the text's size in memory
+    # while it runs, so only a few at once (the rest wait their turn).
+    tokenize_limiter: trio.CapacityLimiter = attrs.field(
+        factory=lambda: trio.CapacityLimiter(max(1, min(4, os.cpu_count() or 1)))
+    )
+    _max_prompt_chars: int | None = None
     _token_text: dict[int, str] = attrs.field(factory=dict)
 
     @property
@@ -46,11 +68,31 @@ class ServerState:
         if model is not None and model not in self.served_model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", "model")
 
-    def track(self, request_id: str) -> None:
-        self.inflight.add(request_id)
+    def check_capacity(self, seqs: int = 1) -> None:
+        """503 (the caller adds Retry-After) when ``seqs`` more sequences would overfill the
+        queue: all of a request's prompts and samples are admitted together or not at all."""
+        limit = self.max_admitted
+        if limit is not None and self.admitted + seqs > limit:
+            raise ServiceUnavailableError(
+                f"The server is overloaded ({self.admitted} sequences running or queued, the "
+                f"limit is {limit}); this request needs {seqs}. Retry later."
+            )
 
-    def untrack(self, request_id: str) -> None:
-        self.inflight.discard(request_id)
+    def admit(self, request_ids: list[str], seqs_each: int) -> Admission:
+        """Reserve the request's sequences; the Admission must be released on every path out."""
+        self.check_capacity(len(request_ids) * seqs_each)
+        for rid in request_ids:
+            if rid in self.inflight:
+                raise BadRequestError(
+                    f"A request with id {rid!r} is already running.", "request_id"
+                )
+        for rid in request_ids:
+            self.inflight[rid] = seqs_each
+        self.admitted += len(request_ids) * seqs_each
+        return Admission(self, request_ids)
+
+    def _release(self, request_id: str) -> None:
+        self.admitted -= self.inflight.pop(request_id)
         if self.draining and not self.inflight:
             self.drained.set()
 
@@ -59,6 +101,27 @@ class ServerState:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+class Admission:
+    """A request's place in ``ServerState.inflight``: each id is released exactly once, by
+    ``release`` (one id, when its engine request ends) or ``release_all`` (the request's
+    owner leaving by any path: finish, error, disconnect, cancellation, shutdown)."""
+
+    __slots__ = ("state", "pending")
+
+    def __init__(self, state: ServerState, request_ids: list[str]) -> None:
+        self.state = state
+        self.pending = set(request_ids)
+
+    def release(self, request_id: str) -> None:
+        if request_id in self.pending:
+            self.pending.discard(request_id)
+            self.state._release(request_id)
+
+    def release_all(self) -> None:
+        for request_id in list(self.pending):
+            self.release(request_id)
 
 
 # ---------------------------------------------------------------- outputs
@@ -175,13 +238,53 @@ def prompt_logprobs_json(state: ServerState, prompt_logprobs: Any) -> list | Non
     return out
 
 
-async def tokenize_text(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+# NOTE: the text one token can stand for is at most its vocabulary entry (byte-level BPE
+# entries spell one character per byte; SentencePiece and WordPiece entries spell their text,
+# plus markers), so a prompt longer than max_model_len x the longest entry cannot fit. The x2
+# covers pre-tokenizers that drop a separator between tokens (BERT's whitespace split); only
+# texts mostly made of characters a tokenizer deletes (long whitespace runs for such
+# tokenizers, control characters) could fit yet be refused. The floor of 32 keeps the bound
+# generous for character-level vocabularies.
+_MIN_CHARS_PER_TOKEN = 32
+_SAFETY_FACTOR = 2
+INLINE_TOKENIZE_CHARS = 20_000  # shorter texts are tokenized on the event loop
+
+
+def max_prompt_chars(state: ServerState) -> int:
+    """The longest text (in characters) that could tokenize to at most max_model_len tokens."""
+    if state._max_prompt_chars is None:
+        tok = state.tokenizer
+        longest = max((len(k) for k in tok.get_vocab()), default=1)
+        added = getattr(tok, "added_tokens_decoder", None) or {}
+        longest = max([longest, *(len(str(t)) for t in added.values())])
+        per_token = max(longest, _MIN_CHARS_PER_TOKEN) * _SAFETY_FACTOR
+        state._max_prompt_chars = state.model_config.max_model_len * per_token
+    return state._max_prompt_chars
+
+
+async def tokenize_text(
+    state: ServerState, text: str, add_special_tokens: bool, param: str = "prompt"
+) -> list[int]:
+    """Token ids of ``text``; a text too long for the context is refused before any work."""
+    limit = max_prompt_chars(state)
+    if len(text) > limit:
+        max_len = state.model_config.max_model_len
+        raise BadRequestError(
+            f"This model's maximum context length is {max_len} tokens. However, your prompt "
+            f"has {len(text)} characters, more than {max_len} tokens can hold (at most {limit} "
+            "characters for this tokenizer). Please reduce the length of the input.",
+            param,
+        )
     encode = state.tokenizer.encode
-    if len(text) < 20_000:
+    if len(text) < INLINE_TOKENIZE_CHARS:
         return list(encode(text, add_special_tokens=add_special_tokens))
-    # NOTE: long prompts are tokenized off the event loop so streams keep flowing.
+    # NOTE: long prompts are tokenized off the event loop so streams keep flowing, a few at
+    # a time (a tokenizer's working memory is many times the text's size).
     return list(
-        await trio.to_thread.run_sync(lambda: encode(text, add_special_tokens=add_special_tokens))
+        await trio.to_thread.run_sync(
+            lambda: encode(text, add_special_tokens=add_special_tokens),
+            limiter=state.tokenize_limiter,
+        )
     )
 
 

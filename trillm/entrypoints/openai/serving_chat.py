@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -14,6 +14,12 @@ from trillm.entrypoints.chat_utils import (
     render_template,
     tokenizer_chat_template,
     tokenizer_special_tokens,
+)
+from trillm.entrypoints.openai.chat_parsing import (
+    ChoiceParser,
+    ToolPlan,
+    plan_tools,
+    reasoning_factory,
 )
 from trillm.entrypoints.openai.errors import APIError, BadRequestError, sse_error_event
 from trillm.entrypoints.openai.generation import Generation, guard_stream, start_generation
@@ -37,7 +43,8 @@ async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest
 ) -> dict[str, Any] | AsyncIterator[bytes]:
     state.check_model(req.model)
-    prompt_ids = await _render_and_tokenize(state, req)
+    tools = plan_tools(state, req)
+    prompt_ids, prompt_text = await _render_and_tokenize(state, req, tools)
     requested, param = (
         (req.max_completion_tokens, "max_completion_tokens")
         if req.max_completion_tokens is not None
@@ -47,17 +54,29 @@ async def create_chat_completion(
     params = build_sampling_params(
         state, req, max_tokens=max_tokens, logprobs=_top_logprobs(state, req)
     )
+    if tools.structured_outputs is not None:  # "required" / named tool_choice
+        params.structured_outputs = tools.structured_outputs
     request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     ctx = _ChatContext(state, req, params, request_id, prompt_ids)
+    reasoning = reasoning_factory(state, req, prompt_text)
+    if tools.parser is not None or reasoning is not None:
+        ctx.parser = lambda: ChoiceParser(tools, reasoning, req.include_reasoning)
     gen = await start_generation(
-        state, [(prompt_ids, params)], request_id, req.priority, req.cache_salt
+        state,
+        [(prompt_ids, params)],
+        request_id,
+        req.priority,
+        req.cache_salt,
+        timeout=req.timeout,
     )
     if req.stream:
         return guard_stream(gen, ctx.stream(gen))
     return await ctx.full(gen)
 
 
-async def _render_and_tokenize(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+async def _render_and_tokenize(
+    state: ServerState, req: ChatCompletionRequest, tools: ToolPlan
+) -> tuple[list[int], str]:
     if req.chat_template is not None and not state.trust_request_chat_template:
         raise BadRequestError(
             "Chat templates in requests are refused; start the server with "
@@ -75,6 +94,8 @@ async def _render_and_tokenize(state: ServerState, req: ChatCompletionRequest) -
             continue_final_message=req.continue_final_message,
             special_tokens=tokenizer_special_tokens(state.tokenizer),
             template_kwargs=req.chat_template_kwargs,
+            tools=tools.template_tools,
+            documents=req.documents,
         )
     except ChatTemplateError as exc:
         raise BadRequestError(str(exc), exc.param) from exc
@@ -82,7 +103,7 @@ async def _render_and_tokenize(state: ServerState, req: ChatCompletionRequest) -
     ids = await tokenize_text(state, text, add_special_tokens=False)
     if not ids:
         raise BadRequestError("The rendered chat is empty.", "messages")
-    return ids
+    return ids, text
 
 
 def _top_logprobs(state: ServerState, req: ChatCompletionRequest) -> int | None:
@@ -114,6 +135,8 @@ class _ChatContext:
         self.created = int(time.time())
         self.tracker = RequestTracker(state, len(prompt_ids))
         self.top_n = req.top_logprobs or 0
+        # Per-choice reasoning / tool-call parsing (chat_parsing.py); None: the text as is.
+        self.parser: Callable[[], ChoiceParser] | None = None
 
     # ------------------------------------------------------------ non-streaming
 
@@ -149,11 +172,17 @@ class _ChatContext:
         return body
 
     def _choice(self, c: ChoiceState) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish_reason = c.finish_reason or "abort"
+        if self.parser is not None:
+            parser = self.parser()
+            message = parser.message(c.text)
+            finish_reason = parser.finish_reason(finish_reason) or finish_reason
         choice: dict[str, Any] = {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": self._logprobs(c.token_ids, c.logprobs),
-            "finish_reason": c.finish_reason or "abort",
+            "finish_reason": finish_reason,
             "stop_reason": c.stop_reason,
         }
         if self.req.return_token_ids:
@@ -194,6 +223,7 @@ class _ChatContext:
         # the first output (already there: the request was primed), the last output with the
         # end events. Fewer, larger writes; the same events at the same moments.
         parts = [self._role_chunk(i) for i in range(self.params.n)]
+        parsers = [self.parser() for _ in range(self.params.n)] if self.parser else None
         try:
             async for _, item in gen:
                 out = raise_if_error(item)
@@ -201,7 +231,14 @@ class _ChatContext:
                 for c in out.outputs:
                     if c.finish_reason is not None:
                         finished.add(c.index)
-                    if fast and c.finish_reason is None:
+                    if parsers is not None:
+                        p = parsers[c.index]
+                        delta = p.feed(c.text, c.finish_reason is not None)
+                        reason = p.finish_reason(c.finish_reason)
+                        if delta or reason is not None or (c.token_ids and not fast):
+                            parts.append(self._chunk(c.index, delta, c.token_ids, c.logprobs,
+                                                     reason, c.stop_reason))  # fmt: skip
+                    elif fast and c.finish_reason is None:
                         if c.text:
                             parts.append(self._content_chunk(c.index, c.text))
                     elif c.text or c.token_ids or c.finish_reason is not None:
@@ -213,7 +250,8 @@ class _ChatContext:
             # The channel closed before every choice finished: the server aborted them.
             for i in range(self.params.n):
                 if i not in finished:
-                    parts.append(self._chunk(i, "", [], None, "abort", None))
+                    rest = parsers[i].feed("", True) if parsers is not None else ""
+                    parts.append(self._chunk(i, rest, [], None, "abort", None))
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
                 usage = orjson.dumps(self.tracker.usage())
                 parts.append(self.head + b'],"usage":' + usage + b"}\n\n")
@@ -255,13 +293,15 @@ class _ChatContext:
     def _chunk(
         self,
         index: int,
-        text: str,
+        text: str | dict[str, Any],  # the new text, or a parsed delta (chat_parsing.py)
         token_ids: list[int],
         logprobs: Any,
         finish_reason: str | None,
         stop_reason: int | str | None,
     ) -> bytes:
-        delta: dict[str, Any] = {"content": text} if text else {}
+        delta: dict[str, Any] = (
+            text if isinstance(text, dict) else {"content": text} if text else {}
+        )
         choice: dict[str, Any] = {
             "index": index,
             "delta": delta,
