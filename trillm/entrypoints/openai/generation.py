@@ -8,6 +8,12 @@ engine. Several prompts: one producer task per prompt in the server nursery, mer
 channel; a disconnect cancels the producers. Nothing holds a cancel scope across a ``yield``.
 On shutdown the server aborts (``engine.abort``) what outlives ``--shutdown-timeout``; the
 readers get the engine's final output with ``finish_reason: "abort"``.
+
+Admission: ``start_generation`` reserves the request's sequences (``ServerState.admit``, 503
+past ``--max-num-queued-requests``) and the ``Generation`` owns that reservation: ``aclose``
+and ``close_when_dropped`` release it, and ``start_generation`` itself releases it when it is
+left by any exception or cancellation (a client gone before the first token) before the
+Generation reaches its reader. A producer releases its own id when its engine request ends.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 import trio
 
 from trillm.entrypoints.openai.errors import APIError, from_engine_exception
-from trillm.entrypoints.openai.serving_base import ServerState
+from trillm.entrypoints.openai.serving_base import Admission, ServerState
 from trillm.sampling_params import SamplingParams
 
 # NOTE: a small buffer: when the client reads slowly the producer waits and the engine's
@@ -51,8 +57,8 @@ class Generation:
 
 
 class DirectGeneration(Generation):
-    def __init__(self, state: ServerState, request_id: str, outputs: AsyncIterator[Any]) -> None:
-        self.state = state
+    def __init__(self, admission: Admission, request_id: str, outputs: AsyncIterator[Any]) -> None:
+        self.admission = admission
         self.request_id = request_id
         self.outputs = outputs
         self.first: Any = None
@@ -64,8 +70,8 @@ class DirectGeneration(Generation):
         except StopAsyncIteration:  # pragma: no cover - the engine always yields a final output
             self.first = None
         except Exception as exc:
-            await self.aclose()
             raise from_engine_exception(exc) from exc
+        # (start_generation closes this generation on any way out of here but a return)
 
     async def __anext__(self) -> tuple[int, Any]:
         if self.first is not None:
@@ -79,22 +85,23 @@ class DirectGeneration(Generation):
             return 0, from_engine_exception(exc)
 
     async def aclose(self) -> None:
-        self.state.untrack(self.request_id)
+        self.admission.release_all()
         # NOTE: engine.generate's cleanup is synchronous (it queues the abort), so this
         # completes even inside a cancelled scope.
         await self.outputs.aclose()  # type: ignore[attr-defined]
 
     def close_when_dropped(self) -> None:
         # Trio's async-generator finalizer closes engine.generate (and so aborts it).
-        self.state.untrack(self.request_id)
+        self.admission.release_all()
 
 
 class FanInGeneration(Generation):
     def __init__(
-        self, receive: trio.MemoryReceiveChannel[tuple[int, Any]], scopes: list[trio.CancelScope]
+        self, admission: Admission, receive: trio.MemoryReceiveChannel[tuple[int, Any]]
     ) -> None:
+        self.admission = admission
         self.receive = receive
-        self.scopes = scopes
+        self.scopes: list[trio.CancelScope] = []  # one per producer started
         self.pending: list[tuple[int, Any]] = []
 
     async def __anext__(self) -> tuple[int, Any]:
@@ -123,7 +130,9 @@ class FanInGeneration(Generation):
     def close_when_dropped(self) -> None:
         for scope in self.scopes:
             scope.cancel()  # the producers leave engine.generate, which aborts the requests
+        # NOTE: closing the channel also ends a producer blocked on send (no reader left).
         self.receive.close()
+        self.admission.release_all()
 
 
 async def start_generation(
@@ -132,33 +141,50 @@ async def start_generation(
     request_id: str,
     priority: int,
     cache_salt: str | None,
+    timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline
 ) -> Generation:
     """Submit one engine request per ``(prompt_token_ids, params)`` job.
 
     Raises the engine's admission errors (a request larger than the KV cache, ...) as
-    APIErrors, so they are answered as HTTP errors rather than inside a started stream.
+    APIErrors, so they are answered as HTTP errors rather than inside a started stream; 503
+    when the queue is full (``--max-num-queued-requests``). ``timeout``: seconds until the
+    request ends with finish_reason "timeout".
     """
-    if len(jobs) == 1:
-        ids, params = jobs[0]
-        outputs = state.engine.generate(
-            {"prompt_token_ids": ids}, params, request_id, priority=priority, cache_salt=cache_salt
-        )
-        state.track(request_id)
-        direct = DirectGeneration(state, request_id, outputs)
-        await direct.prime()
-        return direct
-    send, receive = trio.open_memory_channel[tuple[int, Any]](_CHANNEL_BUFFER)
-    scopes = []
-    async with send:
-        for i, (ids, params) in enumerate(jobs):
-            job = (ids, params, f"{request_id}-{i}", priority, cache_salt)
-            scopes.append(await state.nursery.start(_produce, state, i, job, send.clone()))
-    fan_in = FanInGeneration(receive, scopes)
-    # NOTE: ``task_status.started()`` does not yield, so each producer has run
-    # engine.generate's synchronous admission checks (and queued any failure) before
-    # ``nursery.start`` returned.
-    fan_in.raise_early_error()
-    return fan_in
+    n = jobs[0][1].n
+    ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
+    admission = state.admit(ids, n)
+    gen: Generation | None = None
+    try:
+        if len(jobs) == 1:
+            prompt_ids, params = jobs[0]
+            outputs = state.engine.generate(
+                {"prompt_token_ids": prompt_ids}, params, request_id, priority=priority,
+                cache_salt=cache_salt, timeout=timeout,
+            )  # fmt: skip
+            gen = direct = DirectGeneration(admission, request_id, outputs)
+            await direct.prime()
+            return direct
+        send, receive = trio.open_memory_channel[tuple[int, Any]](_CHANNEL_BUFFER)
+        gen = fan_in = FanInGeneration(admission, receive)
+        async with send:
+            for i, (prompt_ids, params) in enumerate(jobs):
+                job = (prompt_ids, params, ids[i], priority, cache_salt, timeout)
+                scope = await state.nursery.start(_produce, admission, i, job, send.clone())
+                fan_in.scopes.append(scope)
+        # NOTE: ``task_status.started()`` does not yield, so each producer has run
+        # engine.generate's synchronous admission checks (and queued any failure) before
+        # ``nursery.start`` returned.
+        fan_in.raise_early_error()
+        return fan_in
+    except BaseException:
+        # Every way out but a return (an engine error, a client gone before the first token,
+        # shutdown): nobody else will close what was started.
+        if gen is None:
+            admission.release_all()
+        else:
+            with trio.CancelScope(shield=True):  # aclose does not block (see its docstring)
+                await gen.aclose()
+        raise
 
 
 def guard_stream(generation: Generation, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -169,30 +195,32 @@ def guard_stream(generation: Generation, body: AsyncIterator[bytes]) -> AsyncIte
 
 
 async def _produce(
-    state: ServerState,
+    admission: Admission,
     index: int,
-    job: tuple[list[int], SamplingParams, str, int, str | None],
+    job: tuple[list[int], SamplingParams, str, int, str | None, float | None],
     send: trio.MemorySendChannel[tuple[int, Any]],
     task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    ids, params, rid, priority, cache_salt = job
+    rid = job[2]
     scope = trio.CancelScope()
-    state.track(rid)
     task_status.started(scope)
     try:
         async with send:
             with scope:
-                await _pump(state, index, {"prompt_token_ids": ids}, params, rid, priority,
-                            cache_salt, send)  # fmt: skip
+                await _pump(admission.state, index, job, send)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the reader is gone (client disconnected)
     finally:
-        state.untrack(rid)
+        admission.release(rid)
 
 
-async def _pump(state, index, prompt, params, rid, priority, cache_salt, send) -> None:  # type: ignore[no-untyped-def]
+async def _pump(state: ServerState, index: int, job: Any, send: Any) -> None:
+    ids, params, rid, priority, cache_salt, timeout = job
     try:
-        gen = state.engine.generate(prompt, params, rid, priority=priority, cache_salt=cache_salt)
+        gen = state.engine.generate(
+            {"prompt_token_ids": ids}, params, rid, priority=priority, cache_salt=cache_salt,
+            timeout=timeout,
+        )  # fmt: skip
         async with aclosing(gen) as outputs:
             async for out in outputs:
                 await send.send((index, out))

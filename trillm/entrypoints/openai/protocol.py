@@ -26,6 +26,7 @@ MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_PROMPTS = 1024
+MAX_REQUEST_TIMEOUT_S = 86_400.0  # a request's ``timeout``: at most a day
 
 
 def _f(default: Any = attrs.NOTHING, **limits: Any) -> Any:
@@ -163,6 +164,8 @@ class _SamplingFields:
     return_token_ids: bool = False
     structured_outputs: StructuredOutputs | None = None
     request_id: str | None = None
+    # trillm extension: seconds until the request ends with finish_reason "timeout".
+    timeout: float | None = _f(None, gt=0.0, le=MAX_REQUEST_TIMEOUT_S)
 
 
 @attrs.define(kw_only=True)

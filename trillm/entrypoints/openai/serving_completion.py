@@ -54,7 +54,9 @@ async def create_completion(
     request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     ctx = _CompletionContext(state, req, prompts, request_id)
     jobs = [(p.token_ids, p.params) for p in prompts]
-    gen = await start_generation(state, jobs, request_id, req.priority, req.cache_salt)
+    gen = await start_generation(
+        state, jobs, request_id, req.priority, req.cache_salt, timeout=req.timeout
+    )
     if req.stream:
         return guard_stream(gen, ctx.stream(gen))
     return await ctx.full(gen)
