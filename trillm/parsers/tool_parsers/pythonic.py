@@ -4,8 +4,8 @@ list of calls with keyword arguments, optionally inside ``<|python_start|>...<|p
     [get_weather(city="Paris", unit="celsius"), get_time(tz="CET")]
 
 Arguments are Python literals, given to the client as a JSON object. Any other output is
-content. A streamed call is announced once its name has come and sends its arguments in one
-fragment once its closing parenthesis has.
+content. A streamed call is announced, with its arguments in one fragment, once its closing
+parenthesis has come.
 """
 
 from __future__ import annotations
@@ -97,10 +97,9 @@ class PythonicToolParser(ToolParser):
                 return calls if partial else None
             end = _close_paren(text, m.end())
             if end is None:
-                if final:
-                    return None
-                calls.append(CallPiece(m.group(1)))
-                return calls
+                # NOTE: announced only once whole: its arguments are known then, and a call
+                # that does not parse (positional arguments...) was never announced.
+                return None if final else calls
             args = _call_arguments(text[pos:end])
             if args is None:
                 return None

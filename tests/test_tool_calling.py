@@ -1,0 +1,371 @@
+"""Tool calling without a server: each parser on outputs as its model family writes them,
+non-streamed and streamed split at every point; malformed calls stay content; the chat
+template sees the tools and the tool history; tool_choice planning (schemas, 400s); plugins.
+The HTTP side is in test_tool_calling_http.py."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+
+from trillm.entrypoints.chat_utils import ChatTemplateError, render_template
+from trillm.entrypoints.openai.chat_parsing import ChoiceParser, plan_tools
+from trillm.entrypoints.openai.errors import BadRequestError
+from trillm.entrypoints.openai.protocol import ChatCompletionRequest, structure
+from trillm.parsers.tool_parsers import (
+    RequiredToolCallParser,
+    get_tool_parser,
+    load_tool_parser_plugin,
+    required_schema,
+    tool_parser_names,
+)
+
+# ---------------------------------------------------------------- recorded outputs
+
+QWEN25_TWO_CALLS = (
+    "<tool_call>\n"
+    '{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA", '
+    '"unit": "celsius"}}\n'
+    "</tool_call>\n"
+    "<tool_call>\n"
+    '{"name": "get_temperature_date", "arguments": {"location": "San Francisco, CA, USA", '
+    '"date": "2024-10-01", "unit": "celsius"}}\n'
+    "</tool_call>"
+)
+QWEN3_TEXT_THEN_CALL = (
+    "I'll look that up for you.\n\n<tool_call>\n"
+    '{"name": "run_code", "arguments": {"code": "if (x) { return [1, \\"}\\"]; }", '
+    '"city": "Zürich"}}\n</tool_call>'
+)
+HERMES2_ARGS_FIRST = (
+    '<tool_call>\n{"arguments": {"symbol": "TSLA"}, "name": "get_stock_fundamentals"}\n</tool_call>'
+)
+LLAMA31_JSON = (
+    '{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", '
+    '"unit": "Fahrenheit"}}'
+)
+LLAMA32_TAGGED_TWO = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+    '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}'
+)
+MISTRAL_V3 = (
+    '[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"location": "Paris, France", '
+    '"format": "celsius"}}, {"name": "get_time", "arguments": {}}]'
+)
+MISTRAL_V11 = (
+    'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    '[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'
+)
+LLAMA32_PYTHONIC = (
+    "[get_weather(city='San Francisco', metric='celsius', days=[1, 2]), "
+    'get_time(timezone="PST", exact=True, note=None)]'
+)
+LLAMA4_PYTHONIC = '<|python_start|>[get_weather(location="Paris")]<|python_end|>'
+
+# (parser, output, content, [(name, arguments as an object)])
+CASES = [
+    ("hermes", QWEN25_TWO_CALLS, None, [
+        ("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"}),
+        ("get_temperature_date",
+         {"location": "San Francisco, CA, USA", "date": "2024-10-01", "unit": "celsius"}),
+    ]),
+    ("hermes", QWEN3_TEXT_THEN_CALL, "I'll look that up for you.",
+     [("run_code", {"code": 'if (x) { return [1, "}"]; }', "city": "Zürich"})]),
+    ("hermes", HERMES2_ARGS_FIRST, None, [("get_stock_fundamentals", {"symbol": "TSLA"})]),
+    ("hermes", "The capital of France is Paris. Use <b>bold</b> here.\n",
+     "The capital of France is Paris. Use <b>bold</b> here.\n", []),
+    ("llama3_json", LLAMA31_JSON, None,
+     [("get_current_conditions", {"location": "San Francisco, CA", "unit": "Fahrenheit"})]),
+    ("llama3_json", LLAMA32_TAGGED_TWO, None,
+     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})]),
+    ("llama3_json", "Paris is sunny today.", "Paris is sunny today.", []),
+    ("mistral", MISTRAL_V3, None, [
+        ("get_current_weather", {"location": "Paris, France", "format": "celsius"}),
+        ("get_time", {}),
+    ]),
+    ("mistral", MISTRAL_V11, "Let me check.",
+     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    ("mistral", "No tools [needed] here.", "No tools [needed] here.", []),
+    ("pythonic", LLAMA32_PYTHONIC, None, [
+        ("get_weather", {"city": "San Francisco", "metric": "celsius", "days": [1, 2]}),
+        ("get_time", {"timezone": "PST", "exact": True, "note": None}),
+    ]),
+    ("pythonic", LLAMA4_PYTHONIC, None, [("get_weather", {"location": "Paris"})]),
+    ("pythonic", "It is 20 degrees.", "It is 20 degrees.", []),
+]  # fmt: skip
+
+MALFORMED = [
+    ("hermes", "<tool_call>\nI will call get_weather now.\n</tool_call>"),
+    ("hermes", '<tool_call>\n{name: "get_weather"}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"city": "Paris"}\n</tool_call>'),  # no name
+    ("llama3_json", '{"city": "Paris", "unit": "c"}'),
+    ("mistral", "[TOOL_CALLS] this is not json"),
+    ("pythonic", "[get_weather('Paris')]"),  # positional argument
+    ("pythonic", "[1, 2, 3]"),
+]
+
+
+def parse(name: str, text: str):
+    result = get_tool_parser(name)().extract(text)
+    return result.content, [(c.name, json.loads(c.arguments)) for c in result.tool_calls]
+
+
+def stream(name: str, parts: list[str]):
+    """Feed ``parts``; rebuild content and calls from the deltas, checking OpenAI's shape."""
+    streamer = get_tool_parser(name)().streamer()
+    content, calls = "", []
+    for i, part in enumerate([*parts, None]):
+        text, deltas = streamer.feed(part) if part is not None else streamer.finish()
+        content += text
+        for d in deltas:
+            if "id" in d:  # the header: index, id, type and name, before any argument
+                assert d["index"] == len(calls) and d["type"] == "function", d
+                assert d["id"] and d["function"]["arguments"] == "", d
+                calls.append([d["function"]["name"], "", d["id"]])
+            else:
+                assert set(d) == {"index", "function"} and d["index"] < len(calls), d
+                calls[d["index"]][1] += d["function"]["arguments"]
+    assert len({c[2] for c in calls}) == len(calls)  # ids are unique
+    return content or None, [(n, json.loads(a)) for n, a, _ in calls]
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+def test_parser_on_recorded_output(name, text, content, calls):
+    assert parse(name, text) == (content, calls)
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+def test_streamed_at_every_split_point_equals_non_streamed(name, text, content, calls):
+    expected = (content, calls)
+    assert stream(name, list(text)) == expected  # one character a delta
+    for k in range(len(text) + 1):
+        assert stream(name, [text[:k], text[k:]]) == expected, k
+    for k in range(0, len(text), 7):  # three-way splits
+        assert stream(name, [text[:k], text[k : k + 5], text[k + 5 :]]) == expected, k
+
+
+def test_streamed_arguments_come_in_fragments_after_the_header():
+    streamer = get_tool_parser("hermes")().streamer()
+    events = []
+    for ch in QWEN25_TWO_CALLS:
+        events += streamer.feed(ch)[1]
+    events += streamer.finish()[1]
+    first = [e for e in events if e["index"] == 0]
+    assert "id" in first[0] and len(first) > 5  # header, then many argument fragments
+    assert streamer.tools_called
+
+
+@pytest.mark.parametrize("name,text", MALFORMED)
+def test_malformed_calls_stay_content(name, text):
+    assert parse(name, text) == (text, [])
+    assert stream(name, list(text)) == (text, [])
+    for k in range(len(text) + 1):
+        assert stream(name, [text[:k], text[k:]]) == (text, []), k
+
+
+def test_output_that_breaks_after_a_call_was_announced():
+    """Non-streamed, the whole output is content (vLLM's rule); streamed, a call announced
+    cannot be taken back: it stands, and the rest comes as content."""
+    text = '{"name": "get_weather", "parameters": {"city": "Paris"}} and more text'
+    assert parse("llama3_json", text) == (text, [])
+    content, calls = stream("llama3_json", list(text))
+    assert calls == [("get_weather", {"city": "Paris"})]
+
+
+def test_a_call_cut_off_by_max_tokens_is_content_when_not_streamed():
+    text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    assert parse("hermes", text) == (text, [])
+    # The closing tag may be what max_tokens cut: a whole object is still a call.
+    whole = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    assert parse("hermes", whole) == (None, [("get_weather", {"city": "Paris"})])
+
+
+def test_mistral_ids_are_nine_alphanumerics():
+    calls = get_tool_parser("mistral")().extract(MISTRAL_V3).tool_calls
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+    calls = get_tool_parser("hermes")().extract(QWEN25_TWO_CALLS).tool_calls
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+
+
+# ---------------------------------------------------------------- tool_choice: required / named
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                    "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]  # fmt: skip
+
+
+def test_required_schema_lists_each_tool_with_its_parameters():
+    schema = required_schema(TOOLS, parallel_tool_calls=True)
+    items = schema["items"]["anyOf"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert items[0]["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+    assert items[0]["properties"]["parameters"] == TOOLS[0]["function"]["parameters"]
+    assert items[1]["properties"]["parameters"] == {"type": "object"}
+    assert required_schema(TOOLS, parallel_tool_calls=False)["maxItems"] == 1
+
+
+def test_required_output_parses_streamed_and_not():
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+    want = (None, [("get_weather", {"city": "Paris"}), ("get_time", {})])
+    result = RequiredToolCallParser(TOOLS).extract(text)
+    assert (result.content, [(c.name, json.loads(c.arguments)) for c in result.tool_calls]) == want
+
+
+@attrs.define
+class _State:
+    enable_auto_tool_choice: bool = True
+    tool_call_parser: str | None = "hermes"
+    exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: str | None = None
+
+
+def _request(**body):
+    return structure(
+        ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **body}
+    )
+
+
+def test_plan_named_constrains_to_the_functions_parameters():
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    plan = plan_tools(_State(), _request(tools=TOOLS, tool_choice=named))
+    assert plan.mode == "named" and plan.template_tools == TOOLS
+    assert plan.structured_outputs.json == TOOLS[0]["function"]["parameters"]
+    parser = ChoiceParser(plan, None, True)
+    message = parser.message('{"city": "Paris"}')
+    assert message["content"] is None
+    assert message["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    assert parser.finish_reason("stop") == "stop"  # OpenAI: a named function stops
+
+
+def test_plan_required_and_auto_and_none():
+    plan = plan_tools(
+        _State(), _request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    )
+    assert plan.mode == "required" and plan.structured_outputs.json["maxItems"] == 1
+    plan = plan_tools(_State(), _request(tools=TOOLS))  # tools without a choice: "auto"
+    assert plan.mode == "auto" and plan.structured_outputs is None
+    parser = ChoiceParser(plan, None, True)
+    assert parser.message(QWEN3_TEXT_THEN_CALL)["tool_calls"][0]["function"]["name"] == "run_code"
+    assert parser.finish_reason("stop") == "tool_calls"
+    plan = plan_tools(_State(), _request(tools=TOOLS, tool_choice="none"))
+    assert plan.mode is None and plan.parser is None and plan.template_tools == TOOLS
+    plan = plan_tools(
+        _State(exclude_tools_when_tool_choice_none=True), _request(tools=TOOLS, tool_choice="none")
+    )
+    assert plan.template_tools is None
+    assert plan_tools(_State(), _request(tools=[], tool_choice="required")).mode is None
+
+
+@pytest.mark.parametrize(
+    "state,body,param,words",
+    [
+        (_State(False, None), {"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
+        (_State(), {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name", "nope"),
+        (_State(), {"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
+        (_State(), {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+        (_State(), {"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name", "twice"),
+        (_State(), {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice", "response_format"),
+    ],
+)  # fmt: skip
+def test_plan_refusals_name_the_field(state, body, param, words):
+    with pytest.raises(BadRequestError) as info:
+        plan_tools(state, _request(**body))
+    assert info.value.param == param and words in str(info.value)
+
+
+def test_a_tool_without_a_function_name_is_refused_when_structured():
+    with pytest.raises(BadRequestError) as info:
+        _request(tools=[{"type": "function", "function": {"description": "x"}}])
+    assert info.value.param == "tools[0].function.name"
+
+
+# ---------------------------------------------------------------- the chat template
+
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{%- for tc in m.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}'
+    "\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "note": "<&>"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"},
+]  # fmt: skip
+
+
+def test_tools_reach_the_template():
+    plain = render_template(QWEN_LIKE, HISTORY[:1])
+    with_tools = render_template(QWEN_LIKE, HISTORY[:1], tools=TOOLS)
+    assert "<tools>" not in plain and plain in with_tools
+    assert json.dumps(TOOLS[0], ensure_ascii=False) in with_tools  # Hugging Face's tojson
+
+
+def test_tool_history_reaches_the_template_with_arguments_as_objects():
+    text = render_template(QWEN_LIKE, HISTORY)
+    # arguments were a JSON string: the template got an object (tojson would quote a string)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "note": "<&>"}}' in text
+    assert "<tool_response>\n22 C, sunny\n</tool_response>" in text
+    structured = structure(ChatCompletionRequest, {"messages": HISTORY})
+    assert render_template(QWEN_LIKE, structured.messages) == text  # protocol objects alike
+
+
+def test_tool_history_with_bad_arguments_is_refused():
+    bad = [HISTORY[0], {**HISTORY[1], "tool_calls": [{"type": "function",
+           "function": {"name": "f", "arguments": "{not json"}}]}]  # fmt: skip
+    with pytest.raises(ChatTemplateError) as info:
+        render_template(QWEN_LIKE, bad)
+    assert info.value.param == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_templates_see_tools_none_when_not_given():
+    assert (
+        render_template("{{ tools is none }}|{{ documents is none }}", HISTORY[:1]) == "True|True"
+    )
+    docs = [{"title": "a", "text": "b"}]
+    out = render_template(
+        "{% for d in documents %}{{ d.title }}{% endfor %}", HISTORY[:1], documents=docs
+    )
+    assert out == "a"
+
+
+# ---------------------------------------------------------------- the registry
+
+
+def test_registry_has_the_builtin_parsers_and_takes_plugins(tmp_path):
+    assert {"hermes", "llama3_json", "mistral", "pythonic"} <= set(tool_parser_names())
+    plugin = tmp_path / "my_parser.py"
+    plugin.write_text(
+        "from trillm.parsers.tool_parsers import CallPiece, ToolParser, register_tool_parser\n"
+        "@register_tool_parser('shout')\n"
+        "class Shout(ToolParser):\n"
+        "    def split(self, text, final):\n"
+        "        if text.startswith('CALL '):\n"
+        "            return [CallPiece(text[5:].strip(), '{}', final)] if final else []\n"
+        "        return [text]\n"
+    )
+    load_tool_parser_plugin(str(plugin))
+    assert parse("shout", "CALL ping") == (None, [("ping", {})])
+    assert parse("shout", "hello") == ("hello", [])
+    with pytest.raises(ValueError, match="Unknown tool-call parser 'nope'"):
+        get_tool_parser("nope")
+    with pytest.raises(ValueError, match="not a file"):
+        load_tool_parser_plugin(str(tmp_path / "missing.py"))
