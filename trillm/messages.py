@@ -132,6 +132,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     model_time_s: float = 0.0  # wall time of P2 + P3 on the worker
     error: str | None = None  # a worker-side failure, reported instead of raising
+    # req_id -> why the worker could not take it (its own parameters): only these requests
+    # end; the rest of the step ran without them.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- engine core -> output handler

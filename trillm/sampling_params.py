@@ -38,13 +38,29 @@ class SamplingParamsError(ValueError):
 
 @dataclass(slots=True)
 class StructuredOutputsParams:
-    """Seam for structured outputs (xgrammar); exactly one field may be set."""
+    """Structured outputs (vLLM's names; compiled by xgrammar): exactly one of ``json`` (a
+    JSON schema, dict or text), ``regex``, ``choice``, ``grammar`` (EBNF, or Lark),
+    ``json_object`` or ``structural_tag``. ``disable_any_whitespace``: JSON without free
+    whitespace; ``disable_additional_properties``: objects get ``additionalProperties: false``
+    unless their schema says otherwise. Checked (kinds, sizes, nesting) when built; whether
+    the spec compiles is checked before the engine sees the request."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        from trillm.structured_output.spec import StructuredOutputError, check_params
+
+        try:
+            check_params(self)
+        except StructuredOutputError as exc:
+            raise SamplingParamsError(exc.param, str(exc)) from None
 
 
 @dataclass(slots=True)
@@ -99,6 +115,15 @@ class SamplingParams:
             self.top_p = 1.0
             self.top_k = 0
             self.min_p = 0.0
+
+    @classmethod
+    def from_validated(cls, fields: dict[str, Any]) -> SamplingParams:
+        """Rebuilt from the fields of params that were validated and normalised already (the
+        IPC codec's decode): no checks run again."""
+        params = object.__new__(cls)
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,8 @@ import time
 
 import trio
 
-from trillm.errors import ModelExecutionError
+from trillm.errors import CodecError, ModelExecutionError
+from trillm.ipc import codec
 from trillm.messages import (
     AbortRequests,
     EngineCoreInput,
@@ -71,12 +72,17 @@ class EngineCore:
                 return EngineCoreOutputs(refused, time.monotonic(), self.scheduler.get_stats())
             return None
         self._attach_unsent_finished(sched)
-        await self.executor.execute_model(sched)  # P2, runs in the worker
+        refused += await self._execute(sched)  # P2, runs in the worker
+        if sched.total_num_scheduled_tokens == 0:  # every request of the step was refused
+            self._unsent_finished.extend(sched.finished_req_ids)
+            return EngineCoreOutputs(refused, time.monotonic(), self.scheduler.get_stats())
         sample_req = self._grammar_bitmask(sched)  # overlaps P2
         try:
             runner_out = await self.executor.sample_tokens(sample_req)  # P3
         except ModelExecutionError as exc:
             return self._fail_step(sched, exc, refused)
+        if runner_out.failed:
+            refused += self._fail_requests(runner_out.failed, "taken by the worker")
         outputs = self.scheduler.update_from_output(sched, runner_out)  # P4
         self.num_steps += 1
         return EngineCoreOutputs(
@@ -86,6 +92,35 @@ class EngineCore:
             step_time_s=time.perf_counter() - t0,
             model_time_s=runner_out.model_time_s,
         )
+
+    async def _execute(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Sends the step to the worker. A new request whose data cannot be encoded fails
+        alone: it is taken out of the step and the rest is sent."""
+        try:
+            await self.executor.execute_model(sched)
+            return []
+        except CodecError:
+            bad = {r.req_id: "encoded" for r in sched.scheduled_new_reqs
+                   if not codec.new_request_encodes(r)}  # fmt: skip
+            if not bad:
+                raise  # not one request's fault: the engine cannot go on
+        failed = self._fail_requests(bad, "encoded")
+        sched.scheduled_new_reqs = [r for r in sched.scheduled_new_reqs if r.req_id not in bad]
+        for req_id in bad:
+            sched.total_num_scheduled_tokens -= sched.num_scheduled_tokens.pop(req_id)
+        if sched.total_num_scheduled_tokens:
+            await self.executor.execute_model(sched)
+        return failed
+
+    def _fail_requests(self, why: dict[str, str], what: str) -> list[EngineCoreOutput]:
+        """Ends the requests that could not be encoded or taken by the worker (req_id -> why):
+        their own parameters did it, so they alone end."""
+        for req_id, reason in why.items():
+            logger.error(
+                "request %s could not be %s; it alone is aborted: %s", req_id, what, reason
+            )
+        self.scheduler.finish_requests(list(why), FinishReason.ABORT)
+        return [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in why]
 
     def _fail_step(
         self, sched: SchedulerOutput, exc: ModelExecutionError, refused: list[EngineCoreOutput]

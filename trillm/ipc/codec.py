@@ -74,7 +74,9 @@ def _dec_sampling(values: list[Any]) -> SamplingParams:
     if so is not None:
         _check_arity(so, len(_SO_FIELDS), "StructuredOutputsParams")
         kwargs["structured_outputs"] = StructuredOutputsParams(*so)
-    return SamplingParams(**kwargs)
+    # NOTE: not validated again: the engine did that, and a value that still breaks the
+    # worker must fail its own request there, not the whole frame (and with it the worker).
+    return SamplingParams.from_validated(kwargs)
 
 
 # ---------------------------------------------------------------- scheduler output
@@ -151,13 +153,14 @@ def _enc_output(o: ModelRunnerOutput) -> list[Any]:
         _enc_logprobs(o.prompt_logprobs),
         o.model_time_s,
         o.error,
+        o.failed,
     ]
 
 
 def _dec_output(v: list[Any]) -> ModelRunnerOutput:
-    _check_arity(v, 8, "ModelRunnerOutput")
+    _check_arity(v, 9, "ModelRunnerOutput")
     return ModelRunnerOutput(
-        v[1], v[2], v[3], _dec_logprobs(v[4]), _dec_logprobs(v[5]), float(v[6]), v[7]
+        v[1], v[2], v[3], _dec_logprobs(v[4]), _dec_logprobs(v[5]), float(v[6]), v[7], v[8]
     )
 
 
@@ -208,6 +211,15 @@ def _check_arity(v: Any, n: int, name: str) -> None:
 
 
 # ---------------------------------------------------------------- public API
+
+
+def new_request_encodes(r: NewRequestData) -> bool:
+    """Whether one request's data can cross the boundary (finds the one that broke a step)."""
+    try:
+        msgpack.packb(_enc_new_req(r), use_bin_type=True)
+    except Exception:
+        return False
+    return True
 
 
 def encode(msg: Message) -> bytes:

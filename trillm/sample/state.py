@@ -183,6 +183,9 @@ class SamplingState:
             n = len(output_token_ids)
             self.append_tokens([slot] * n, list(output_token_ids))
 
+    def holds(self, slot: int) -> bool:
+        return slot in self._occupied
+
     def remove_request(self, slot: int) -> None:
         self._check_slot(slot)
         if slot not in self._occupied:

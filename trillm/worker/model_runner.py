@@ -56,6 +56,7 @@ class _PendingStep:
     prompt_targets: torch.Tensor | None  # [m] long, the prompt token each row scores
     prompt_work: list[_PromptLogprobsWork] = field(default_factory=list)
     start_time: float = 0.0
+    failed: dict[str, str] = field(default_factory=dict)  # new requests the batch refused
 
 
 class ModelRunner:
@@ -147,13 +148,13 @@ class ModelRunner:
         self._pending = None
         if sched.scheduled_spec_decode_tokens:
             raise NotImplementedError("Speculative decoding is not implemented by ModelRunner.")
-        self._update_batch(sched)
-        req_ids = list(sched.num_scheduled_tokens)
+        failed = self._update_batch(sched)
+        req_ids = [r for r in sched.num_scheduled_tokens if r not in failed]
         if not req_ids:
             empty = torch.empty(0, self.config.model.vocab_size, device=self.device)
             inputs = self.batch.prepare(np.zeros(0, np.int64), np.zeros(0, np.int64))
             self._pending = _PendingStep(
-                sched.step_id, [], inputs, empty, None, None, start_time=start
+                sched.step_id, [], inputs, empty, None, None, start_time=start, failed=failed
             )
             return
         slots = np.array([self.batch.slot_of(r) for r in req_ids], dtype=np.int64)
@@ -163,24 +164,29 @@ class ModelRunner:
         sample_rows = torch.from_numpy(inputs.sample_rows).to(self.device)
         sample_logits = self.model.compute_logits(hidden.index_select(0, sample_rows)).float()
         pending = _PendingStep(
-            sched.step_id, req_ids, inputs, sample_logits, None, None, start_time=start
-        )
+            sched.step_id, req_ids, inputs, sample_logits, None, None, start_time=start,
+            failed=failed,
+        )  # fmt: skip
         self._prompt_logprobs_inputs(pending, hidden, num_scheduled)
         self._pending = pending
 
-    def _update_batch(self, sched: SchedulerOutput) -> None:
+    def _update_batch(self, sched: SchedulerOutput) -> dict[str, str]:
+        """Applies the step's diffs; returns the new requests that could not be taken
+        (req_id -> why): the step runs without them, and only they fail."""
+        failed: dict[str, str] = {}
         for req_id in sched.finished_req_ids:
-            slot = self.batch.remove_request(req_id)
-            if slot is not None:
-                self.sampling_state.remove_request(slot)
+            self._drop(req_id)
         for new in sched.scheduled_new_reqs:
-            stale = self.batch.remove_request(new.req_id)  # re-sent after a preemption
-            if stale is not None:
-                self.sampling_state.remove_request(stale)
-            slot = self.batch.add_request(new)
-            self.sampling_state.add_request(
-                slot, new.sampling_params, new.prompt_token_ids, new.output_token_ids
-            )
+            self._drop(new.req_id)  # re-sent after a preemption
+            try:
+                slot = self.batch.add_request(new)
+                self.sampling_state.add_request(
+                    slot, new.sampling_params, new.prompt_token_ids, new.output_token_ids
+                )
+            except Exception as exc:  # NOTE: one request's parameters, not the step's fault
+                logger.warning("request %s refused by the worker: %r", new.req_id, exc)
+                failed[new.req_id] = f"{type(exc).__name__}: {exc}"
+                self._drop(new.req_id)
         cached = sched.scheduled_cached_reqs
         for req_id, blocks, computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
@@ -188,6 +194,12 @@ class ModelRunner:
             slot = self.batch.slot_of(req_id)
             self.batch.append_blocks(slot, blocks)
             self.batch.num_computed[slot] = computed
+        return failed
+
+    def _drop(self, req_id: str) -> None:
+        slot = self.batch.remove_request(req_id)
+        if slot is not None and self.sampling_state.holds(slot):
+            self.sampling_state.remove_request(slot)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:  # [T, H]
         meta = self._attention_metadata(inputs)
@@ -274,13 +286,15 @@ class ModelRunner:
             for i, token in zip(inputs.sample_reqs.tolist(), tokens.tolist()):
                 sampled_lists[i] = [token]
             logprobs = self._sample_logprobs(out.logprobs, sample_req_ids, sample_slots)
+        failed = pending.failed
         return ModelRunnerOutput(
             step_id=pending.step_id,
-            req_ids=pending.req_ids,
-            sampled_token_ids=sampled_lists,
+            req_ids=pending.req_ids + list(failed),
+            sampled_token_ids=sampled_lists + [[] for _ in failed],
             logprobs=logprobs,
             prompt_logprobs=self._prompt_logprobs(pending),
             model_time_s=time.perf_counter() - pending.start_time,
+            failed=failed,
         )
 
     def _bitmask_tensor(
