@@ -274,6 +274,8 @@ def _structure(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, list):
             raise _type_error(path, "an array", value)
         (item_tp,) = typing.get_args(tp)
+        if item_tp is int and _all_int64(value):
+            return list(value)  # token ids: the common large list, checked at C speed
         return [_structure(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -330,24 +332,24 @@ def _structure_scalar(value: Any, tp: Any, path: str) -> Any:
             return value
         raise _type_error(path, "a boolean", value)
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise BadRequestError(f"'{path}' must fit in 64 bits, got {value}.", path)
+            return value
         raise _type_error(path, "an integer", value)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-            if not INT64_MIN <= value <= INT64_MAX:
-                raise BadRequestError(f"'{path}' must fit in 64 bits, got {value}.", path)
-        raise _type_error(path, "a number", value)
-    if tp is str:
-        if isinstance(value, str):
-            return value
             if not -FLOAT32_MAX <= value <= FLOAT32_MAX:  # NaN fails both comparisons
                 raise BadRequestError(
                     f"'{path}' must be a finite number within float32 range, got {value}.", path
                 )
+            return float(value)
+        raise _type_error(path, "a number", value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
         raise _type_error(path, "a string", value)
     raise TypeError(f"protocol: no structuring rule for {tp!r}")  # a bug in this module
 
