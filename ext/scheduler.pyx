@@ -197,6 +197,18 @@ cdef class Scheduler:
             i += 1
         self.waiting.insert(self.waiting.begin() + i, <PyObject*>r)
 
+    def set_waiting_for_grammar(self, str req_id):
+        """A waiting request's grammar is still compiling: not admitted until grammar_ready
+        (the requests behind it are)."""
+        cdef Request r = self.requests.get(req_id)
+        if r is not None and r.status_ == ST_WAITING:
+            r.status_ = ST_WAITING_FOR_GRAMMAR
+
+    def grammar_ready(self, str req_id):
+        cdef Request r = self.requests.get(req_id)
+        if r is not None and r.status_ == ST_WAITING_FOR_GRAMMAR:
+            r.status_ = ST_WAITING
+
     def update_draft_token_ids(self, dict draft_token_ids):
         """Speculative decoding seam: drafts to verify at the next step."""
         cdef Request r
@@ -294,15 +306,19 @@ cdef class Scheduler:
         cdef vector[int] computed
         cdef vector[int] new_blocks
         cdef long long num_hit, n
+        cdef Py_ssize_t head
         while (self.waiting.size() > 0 and plan.budget > 0
                and <long long>self.running.size() < self.max_num_seqs):
-            r = <Request>self.waiting[0]
+            head = self._next_admissible()
+            if head < 0:
+                break  # only requests waiting for their grammar
+            r = <Request>self.waiting[head]
             num_hit = kv._lookup(r, computed)
             n = self._chunk_size(num_hit, <long long>r.tokens.size(), plan.budget)
             if not kv._can_allocate(r, n, computed):
                 break  # NOTE: strict queue order: nothing overtakes the head
             kv._allocate(r, n, computed, True, new_blocks)
-            self.waiting.erase(self.waiting.begin())
+            self.waiting.erase(self.waiting.begin() + head)
             r.num_computed_tokens = num_hit
             if not r.has_num_cached:
                 r.has_num_cached = True
@@ -311,6 +327,14 @@ cdef class Scheduler:
             r.sent_to_worker = True
             self.running.push_back(<PyObject*>r)
             plan.add_new(r, n)
+
+    cdef Py_ssize_t _next_admissible(self):
+        """Index of the first waiting request not waiting for its grammar, or -1."""
+        cdef size_t i
+        for i in range(self.waiting.size()):
+            if (<Request>self.waiting[i]).status_ != ST_WAITING_FOR_GRAMMAR:
+                return <Py_ssize_t>i
+        return -1
 
     # ------------------------------------------------------------------ P4: update
 

@@ -32,7 +32,9 @@ def sampling_params(draw) -> SamplingParams:
     structured = draw(
         st.none()
         | st.builds(StructuredOutputsParams, regex=st.text(max_size=10))
-        | st.builds(StructuredOutputsParams, choice=st.lists(st.text(max_size=5), max_size=3))
+        | st.builds(
+            StructuredOutputsParams, choice=st.lists(st.text(max_size=5), min_size=1, max_size=3)
+        )
         | st.builds(StructuredOutputsParams, json=st.dictionaries(st.text(max_size=4), ids))
     )
     return SamplingParams(

@@ -104,8 +104,10 @@ class SampleRequest:
     """P3 trigger when ``wait_for_bitmask`` is set: the grammar bitmask computed during P2."""
 
     step_id: int
-    # req_id -> packed int32 bitmask words [ceil(vocab / 32)], bit set = token allowed
-    bitmask: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> packed int32 bitmask words [ceil(vocab / 32)], bit set = token allowed: the
+    # words' little-endian bytes (msgpack bin, one copy each way; what the engine sends) or a
+    # list of words. Only the constrained requests that sample this step have a row.
+    bitmask: dict[str, bytes | list[int]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- worker -> engine core

@@ -18,9 +18,12 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2  # back in the waiting queue after its blocks were taken (recompute)
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    # In the waiting queue until its structured-output grammar is compiled; the requests
+    # behind it are admitted meanwhile.
+    WAITING_FOR_GRAMMAR = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
 
     @property
     def finished(self) -> bool:

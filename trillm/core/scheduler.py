@@ -114,6 +114,19 @@ class Scheduler:
         insort = bisect.bisect_left if front else bisect.bisect_right
         self.waiting.insert(insort(keys, self._waiting_key(request)), request)
 
+    def set_waiting_for_grammar(self, req_id: str) -> None:
+        """A waiting request's grammar is still compiling: it keeps its place in the queue
+        but is not admitted (nor does it hold back the requests behind it) until
+        ``grammar_ready``."""
+        request = self.requests.get(req_id)
+        if request is not None and request.status == RequestStatus.WAITING:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+
+    def grammar_ready(self, req_id: str) -> None:
+        request = self.requests.get(req_id)
+        if request is not None and request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            request.status = RequestStatus.WAITING
+
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Speculative decoding seam: drafts to verify at the next step."""
         for req_id, drafts in draft_token_ids.items():
@@ -196,13 +209,16 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            head = self._next_admissible()
+            if head < 0:
+                break  # only requests waiting for their grammar
+            request = self.waiting[head]
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             n = self._chunk_size(num_hit, request.num_tokens, plan.budget)
             if not kv.can_allocate(request, n, computed_blocks):
                 break  # NOTE: strict queue order: nothing overtakes the head
             kv.allocate_slots(request, n, computed_blocks)
-            self.waiting.pop(0)
+            self.waiting.pop(head)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
@@ -210,6 +226,13 @@ class Scheduler:
             request.sent_to_worker = True
             self.running.append(request)
             plan.add_new(request, n, kv.get_block_ids(request.request_id))
+
+    def _next_admissible(self) -> int:
+        """Index of the first waiting request not waiting for its grammar, or -1."""
+        for i, request in enumerate(self.waiting):
+            if request.status != RequestStatus.WAITING_FOR_GRAMMAR:
+                return i
+        return -1
 
     # ------------------------------------------------------------------ P4: update
 

@@ -60,7 +60,8 @@ class AsyncEngine:
             tokenizer, stream_interval=stream_interval, wake_budget=stream_wake_budget
         )
         scheduler = get_scheduler_cls()(config.scheduler, config.cache, executor.num_blocks)
-        self.core = EngineCore(scheduler, executor)
+        self.structured_output = _structured_output_manager(config, tokenizer)
+        self.core = EngineCore(scheduler, executor, self.structured_output)
         self._input_send, self._input_recv = trio.open_memory_channel[Any](math.inf)
         self._stats = SchedulerStats()
         self._ids = itertools.count()
@@ -174,6 +175,8 @@ class AsyncEngine:
         )
         params = request.sampling_params
         self._check_admission(len(request.prompt_token_ids), params)
+        if params.structured_outputs is not None:
+            await self._compile_grammar(params)
         children = self._fan_out(request)
         collector = self.output_processor.add_request(
             request_id, text, request.prompt_token_ids, params, [c.request_id for c in children]
@@ -197,6 +200,21 @@ class AsyncEngine:
             # Sync on purpose: runs even while the caller is being cancelled.
             if self.output_processor.abort_request(request_id):
                 self._input_send.send_nowait(AbortRequests([c.request_id for c in children]))
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Structured outputs: compile (off the event loop, time-limited, cached) before the
+        engine sees the request, so a bad schema / regex / grammar is refused here (a 400).
+        A cached grammar costs no await."""
+        from trillm.structured_output import check_params
+
+        if self.structured_output is None:
+            raise InvalidRequestError(
+                "Structured outputs need the model's tokenizer.", "structured_outputs"
+            )
+        spec = check_params(params.structured_outputs)
+        cache = self.structured_output.cache
+        if cache.get(spec) is None:
+            await cache.compile(spec)
 
     def _expire(self, request_id: str, children: list[Any], collector: Any) -> RequestOutput:
         """The request's deadline passed: abort it; its last output says "timeout"."""
@@ -280,6 +298,16 @@ def _deadline(timeout: float | None) -> float:
     if not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise InvalidRequestError(f"timeout must be a positive number, got {timeout!r}.", "timeout")
     return trio.current_time() + timeout
+
+
+def _structured_output_manager(config: TrillmConfig, tokenizer: Any) -> Any:
+    """The grammar cache and matchers (xgrammar needs the tokenizer's vocabulary)."""
+    from trillm.structured_output import GrammarCache, StructuredOutputManager
+
+    if tokenizer is None:
+        return None
+    cache = GrammarCache(tokenizer, config.model.vocab_size, list(config.model.eos_token_ids))
+    return StructuredOutputManager(cache)
 
 
 @asynccontextmanager

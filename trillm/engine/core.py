@@ -32,9 +32,12 @@ _IDLE_BACKOFF_S = 0.001
 
 
 class EngineCore:
-    def __init__(self, scheduler, executor) -> None:
+    def __init__(self, scheduler, executor, structured_output=None) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        # StructuredOutputManager (trillm/structured_output/): the grammar matchers, or None
+        # when the engine was built without a tokenizer for them.
+        self.structured_output = structured_output
         # Ids the worker must drop that rode on a step that scheduled nothing.
         self._unsent_finished: list[str] = []
         self._refused: list[EngineCoreOutput] = []
@@ -52,6 +55,9 @@ class EngineCore:
                 self._refused.append(
                     EngineCoreOutput(msg.request_id, [], None, None, FinishReason.ABORT, None)
                 )
+            else:
+                if msg.sampling_params.structured_outputs is not None:
+                    self._add_grammar(msg)
         elif isinstance(msg, AbortRequests):
             self.scheduler.finish_requests(msg.request_ids, FinishReason.ABORT)
         else:  # pragma: no cover - messages are typed
@@ -64,6 +70,8 @@ class EngineCore:
     # ------------------------------------------------------------------ step
     async def step(self) -> EngineCoreOutputs | None:
         t0 = time.perf_counter()
+        if self.structured_output is not None and self.structured_output.has_pending:
+            self._poll_grammars()
         refused, self._refused = self._refused, []
         sched = self.scheduler.schedule()  # P1
         if sched.total_num_scheduled_tokens == 0:
@@ -84,6 +92,8 @@ class EngineCore:
         if runner_out.failed:
             refused += self._fail_requests(runner_out.failed, "taken by the worker")
         outputs = self.scheduler.update_from_output(sched, runner_out)  # P4
+        if self.structured_output is not None and self.structured_output.matchers:
+            self._advance_grammars(outputs)
         self.num_steps += 1
         return EngineCoreOutputs(
             outputs=refused + outputs if refused else outputs,
@@ -137,11 +147,60 @@ class EngineCore:
             sched.finished_req_ids = self._unsent_finished + list(sched.finished_req_ids)
             self._unsent_finished = []
 
+    # ------------------------------------------------------------------ structured outputs
+    def _add_grammar(self, msg: EngineCoreRequest) -> None:
+        """Stage 4 -> 5: a matcher now when the grammar is compiled (the frontend compiled
+        it), else the request waits in WAITING_FOR_GRAMMAR without holding others back."""
+        so = self.structured_output
+        if so is None:
+            self._end_grammar_request(msg.request_id, "no structured-output support")
+        elif not so.add_request(msg.request_id, msg.sampling_params.structured_outputs):
+            self.scheduler.set_waiting_for_grammar(msg.request_id)
+
+    def _poll_grammars(self) -> None:
+        ready, failed = self.structured_output.poll()
+        for req_id in ready:
+            self.scheduler.grammar_ready(req_id)
+        for req_id, why in failed:
+            self._end_grammar_request(req_id, why)
+
+    def _end_grammar_request(self, req_id: str, why: str) -> None:
+        # NOTE: the frontend compiles first and answers 400, so this is a cache eviction race
+        # or a caller that bypassed it: the request ends, the engine goes on.
+        logger.error("request %s: its grammar cannot be used: %s", req_id, why)
+        self.scheduler.finish_requests([req_id], FinishReason.ABORT)
+        self._refused.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT))
+
     def _grammar_bitmask(self, sched: SchedulerOutput) -> SampleRequest | None:
-        # Structured outputs (next issue) fill the bitmask here while the model runs.
+        """P2 overlap: the bitmask rows of this step's constrained requests that sample.
+        None (no SampleRequest at all) for a step without one."""
         if not sched.wait_for_bitmask:
             return None
-        return SampleRequest(step_id=sched.step_id)
+        so = self.structured_output
+        if so is None:
+            return SampleRequest(step_id=sched.step_id)
+        get = self.scheduler.get_request
+
+        def samples(req_id: str) -> bool:  # the step reaches the end of its tokens
+            r = get(req_id)
+            return r is not None and r.num_computed_tokens >= r.num_tokens
+
+        return so.fill_bitmask(sched, samples)
+
+    def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
+        """P4: accepted tokens advance the matchers; a terminated grammar finishes its
+        request with ``stop``, a token outside it (cannot happen under the bitmask) aborts."""
+        so = self.structured_output
+        for out in outputs:
+            if not out.new_token_ids or out.request_id not in so.matchers:
+                continue
+            ok, terminated = so.accept_tokens(out.request_id, out.new_token_ids)
+            if out.finish_reason is None and (terminated or not ok):
+                reason = FinishReason.STOP if ok else FinishReason.ABORT
+                self.scheduler.finish_requests([out.request_id], reason)
+                out.finish_reason = reason
+        get = self.scheduler.get_request
+        so.retain(lambda req_id: get(req_id) is not None)
 
 
 async def run_engine_core(

@@ -17,6 +17,8 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from trillm.config import (
     CacheConfig,
     ModelConfig,
@@ -188,7 +190,7 @@ class FakeModelRunner:
 
     # ------------------------------------------------------------ P3
 
-    def sample_tokens(self, bitmask: dict[str, list[int]] | None) -> ModelRunnerOutput:
+    def sample_tokens(self, bitmask: dict[str, bytes | list[int]] | None) -> ModelRunnerOutput:
         sched = self._pending
         if sched is None:
             raise FakeRunnerError("sample_tokens called without a successful execute_model.")
@@ -218,7 +220,9 @@ class FakeModelRunner:
             model_time_s=time.perf_counter() - self._step_start,
         )
 
-    def _next_token(self, req: _Request, bitmask: list[int] | None) -> int:
+    def _next_token(self, req: _Request, bitmask: bytes | list[int] | None) -> int:
+        if isinstance(bitmask, bytes | bytearray | memoryview):  # the int32 words' bytes
+            bitmask = np.frombuffer(bitmask, dtype=np.uint32).tolist()
         if self.emit_eos_at is not None and req.num_output_tokens == self.emit_eos_at:
             if self.eos_token_ids:
                 return self.eos_token_ids[0]
@@ -228,7 +232,10 @@ class FakeModelRunner:
             if ok and token not in self.eos_token_ids:
                 return token
             token = (token + 1) % self.vocab_size
-        raise FakeRunnerError(f"The bitmask of {req.req_id!r} allows no non-EOS token.")
+        for eos in self.eos_token_ids:  # a grammar that is complete allows only EOS
+            if bitmask is not None and _allowed(bitmask, eos):
+                return eos
+        raise FakeRunnerError(f"The bitmask of {req.req_id!r} allows no token.")
 
     def _logprobs(self, token: int, k: int) -> LogprobsLists:
         row = [token] + [(token + i) % self.vocab_size for i in range(k)]

@@ -263,7 +263,7 @@ class ModelRunner:
     # ------------------------------------------------------------ P3
 
     @torch.inference_mode()
-    def sample_tokens(self, bitmask: dict[str, list[int]] | None) -> ModelRunnerOutput:
+    def sample_tokens(self, bitmask: dict[str, bytes | list[int]] | None) -> ModelRunnerOutput:
         pending = self._pending
         if pending is None:
             raise RuntimeError("sample_tokens called without a successful execute_model.")
@@ -298,15 +298,24 @@ class ModelRunner:
         )
 
     def _bitmask_tensor(
-        self, bitmask: dict[str, list[int]] | None, req_ids: list[str]
+        self, bitmask: dict[str, bytes | list[int]] | None, req_ids: list[str]
     ) -> torch.Tensor | None:  # [n, ceil(V / 32)] int32, all bits set for unconstrained rows
         if not bitmask or not any(r in bitmask for r in req_ids):
             return None
         words = -(-self.config.model.vocab_size // 32)
         mask = np.full((len(req_ids), words), -1, dtype=np.int32)
         for i, req_id in enumerate(req_ids):
-            if req_id in bitmask:
-                mask[i] = np.asarray(bitmask[req_id], dtype=np.int64).astype(np.int32)
+            row = bitmask.get(req_id)
+            if row is None:
+                continue
+            # A row is the int32 words' bytes (what the engine sends) or a list of words.
+            if isinstance(row, bytes | bytearray | memoryview):
+                words_in = np.frombuffer(row, dtype=np.int32)
+            else:
+                words_in = np.asarray(row, dtype=np.int64).astype(np.int32)
+            n = min(words, len(words_in))  # a tokenizer larger than the model: cut
+            mask[i, :n] = words_in[:n]
+            mask[i, n:] = 0
         return torch.from_numpy(mask).to(self.device)
 
     def _sample_logprobs(

@@ -121,7 +121,7 @@ class Worker:
         except Exception:
             self._step_error = traceback.format_exc()
 
-    def _sample(self, bitmask: dict[str, list[int]] | None) -> None:
+    def _sample(self, bitmask: dict[str, bytes | list[int]] | None) -> None:
         sched = self._sched
         if sched is None:
             raise CodecError(f"Worker rank {self.rank} got a SampleRequest without a step.")

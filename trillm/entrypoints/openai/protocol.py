@@ -55,19 +55,27 @@ class JsonSchemaSpec:
 
 @attrs.define
 class ResponseFormat:
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaSpec | None = None
+    # type "structural_tag" (vLLM): {"format": ...}, or the older {"structures", "triggers"}
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = _f(None, max_len=1024)
+    triggers: list[str] | None = _f(None, max_len=1024)
 
 
 @attrs.define
 class StructuredOutputs:
-    """vLLM's ``structured_outputs`` extension: exactly one field set."""
+    """vLLM's ``structured_outputs`` extension: exactly one kind set (``response_format``
+    may supply it), plus the options."""
 
     json: Union[str, dict[str, Any], None] = None  # noqa: UP007
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[str] | None = _f(None, max_len=4096)
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: Union[str, dict[str, Any], None] = None  # noqa: UP007
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
 
 @attrs.define
@@ -163,6 +171,11 @@ class _SamplingFields:
     cache_salt: str | None = None
     return_token_ids: bool = False
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names for structured_outputs.{json, regex, choice, grammar}
+    guided_json: Union[str, dict[str, Any], None] = None  # noqa: UP007
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = _f(None, max_len=4096)
+    guided_grammar: str | None = None
     request_id: str | None = None
     # trillm extension: seconds until the request ends with finish_reason "timeout".
     timeout: float | None = _f(None, gt=0.0, le=MAX_REQUEST_TIMEOUT_S)

@@ -119,25 +119,72 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
+_SO_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# vLLM's older request fields, aliases of structured_outputs.<kind>
+_GUIDED = (
+    ("guided_json", "json"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+    ("guided_grammar", "grammar"),
+)
+
+
 def _structured_outputs(req: Any) -> StructuredOutputsParams | None:
+    """``structured_outputs``, the ``guided_*`` aliases and ``response_format`` -> one
+    ``StructuredOutputsParams`` (as vLLM, ``response_format`` fills ``structured_outputs``'
+    kind, so the options there still apply). More than one kind is a 400 naming them."""
     so = req.structured_outputs
-    if so is not None:
-        chosen = {k: v for k, v in attrs.asdict(so, recurse=False).items() if v is not None}
-        if len(chosen) != 1:
-            raise BadRequestError(
-                "'structured_outputs' must set exactly one of json, regex, choice, grammar, "
-                f"json_object; got {sorted(chosen) or 'none'}.",
-                "structured_outputs",
-            )
-        return StructuredOutputsParams(**chosen)
-    fmt = req.response_format
+    fields = attrs.asdict(so, recurse=False) if so is not None else {}
+    chosen = [
+        (f"structured_outputs.{k}", k, fields[k]) for k in _SO_KINDS if fields.get(k) is not None
+    ]
+    for name, kind in _GUIDED:
+        value = getattr(req, name, None)
+        if value is not None:
+            chosen.append((name, kind, value))
+    from_format = _response_format_kind(req.response_format)
+    if from_format is not None:
+        chosen.append(from_format)
+    if so is None and not chosen:
+        return None
+    if len(chosen) != 1:
+        raise BadRequestError(
+            "Structured outputs must set exactly one of structured_outputs."
+            f"{{{', '.join(_SO_KINDS)}}} (or response_format / guided_*); got "
+            f"{', '.join(name for name, _, _ in chosen) or 'none'}.",
+            "structured_outputs" if so is not None or not chosen else chosen[1][0],
+        )
+    name, kind, value = chosen[0]
+    try:
+        return StructuredOutputsParams(
+            **{kind: value},
+            disable_any_whitespace=bool(fields.get("disable_any_whitespace")),
+            disable_additional_properties=bool(fields.get("disable_additional_properties")),
+        )
+    except SamplingParamsError as exc:
+        raise BadRequestError(str(exc), name) from exc
+
+
+def _response_format_kind(fmt: Any) -> tuple[str, str, Any] | None:
+    """``response_format`` -> (param, kind, value), None for ``text``."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        return ("response_format", "json_object", True)
+    if fmt.type == "structural_tag":
+        if fmt.format is not None:
+            return ("response_format.format", "structural_tag",
+                    {"type": "structural_tag", "format": fmt.format})  # fmt: skip
+        if fmt.structures is None:
+            raise BadRequestError(
+                "'response_format' of type 'structural_tag' needs 'format' or 'structures'.",
+                "response_format",
+            )
+        tag = {"structures": fmt.structures, "triggers": fmt.triggers or []}
+        return ("response_format.structures", "structural_tag", tag)
     if fmt.json_schema is None or fmt.json_schema.schema is None:
         raise BadRequestError(
             "'response_format.json_schema.schema' is required when type is 'json_schema'.",
             "response_format.json_schema",
         )
-    return StructuredOutputsParams(json=fmt.json_schema.schema)
+    return ("response_format.json_schema.schema", "json", fmt.json_schema.schema)

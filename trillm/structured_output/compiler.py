@@ -1,0 +1,189 @@
+"""Compiling grammars with xgrammar, off the event loop, behind a cache keyed by the spec.
+
+One ``GrammarCache`` per engine, shared by the frontend (which compiles a request's grammar
+before submitting it, so a bad spec is a 400 and the engine never compiles it) and the engine
+core (which finds it compiled, or waits for it in ``WAITING_FOR_GRAMMAR``). Compilation runs
+on a small thread pool: a compile is a ``concurrent.futures.Future`` that both sides can wait
+on, the frontend through a Trio event with a time limit, the engine core by polling it
+between steps. xgrammar holds the tokenizer's vocabulary (``TokenizerInfo``), built lazily on
+the first compile (it walks the whole vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import trio
+
+from trillm.structured_output.spec import GrammarSpec, StructuredOutputError
+
+logger = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT_S = 30.0
+_MAX_CACHED = 512  # compiled grammars (and compile failures) kept, least recently used out
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] [^:]+:\d+: ")
+_WHAT = {
+    "json": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "structural_tag": "structural tag",
+}
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """Exactly one of the strings: an EBNF alternation of JSON-escaped string literals."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCache:
+    """Compiled grammars by ``GrammarSpec``; compiles on a thread pool."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        *,
+        max_threads: int = 2,
+        max_cached: int = _MAX_CACHED,
+    ) -> None:
+        self.tokenizer = tokenizer
+        # NOTE: the model's vocabulary can be larger than the tokenizer's (padded embeddings):
+        # the bitmask covers the model's; ids past the tokenizer are never allowed.
+        self.vocab_size = max(vocab_size, len(tokenizer))
+        self.stop_token_ids = list(stop_token_ids)
+        self.max_cached = max_cached
+        self._max_threads = max_threads
+        self._futures: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="trillm-grammar")
+        self._lock = threading.Lock()  # guards the lazily built xgrammar compiler
+        self._compiler: Any = None
+        self.num_compiles = 0  # compilations started (cache misses)
+
+    # ------------------------------------------------------------------ xgrammar
+
+    def compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+            return self._compiler
+
+    def compile_now(self, spec: GrammarSpec) -> Any:
+        """Compile in the calling thread -> ``xgr.CompiledGrammar``; ``StructuredOutputError``
+        naming the problem when xgrammar refuses the spec."""
+        compiler = self.compiler()
+        try:
+            return _compile(compiler, spec)
+        except StructuredOutputError:
+            raise
+        except RecursionError:
+            raise StructuredOutputError(
+                f"structured_outputs.{spec.kind}", f"The {_WHAT[spec.kind]} nests too deeply."
+            ) from None
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError/its own types
+            message = _CPP_PREFIX.sub("", str(exc)).strip() or type(exc).__name__
+            raise StructuredOutputError(
+                f"structured_outputs.{spec.kind}", f"Invalid {_WHAT[spec.kind]}: {message}"
+            ) from None
+
+    # ------------------------------------------------------------------ cache
+
+    def submit(self, spec: GrammarSpec) -> Future:
+        """The compile of ``spec``: cached (done, or still running) or started now.
+        Called from the Trio thread only (frontend and engine core)."""
+        fut = self._futures.get(spec)
+        if fut is not None:
+            self._futures.move_to_end(spec)
+            return fut
+        self.num_compiles += 1
+        fut = self._pool.submit(self.compile_now, spec)
+        self._futures[spec] = fut
+        while len(self._futures) > self.max_cached:
+            self._futures.popitem(last=False)
+        return fut
+
+    def get(self, spec: GrammarSpec) -> Any | None:
+        """The compiled grammar when it is ready; None while compiling or after a failure."""
+        fut = self._futures.get(spec)
+        if fut is None or not fut.done() or fut.exception() is not None:
+            return None
+        return fut.result()
+
+    async def compile(self, spec: GrammarSpec, timeout_s: float = COMPILE_TIMEOUT_S) -> Any:
+        """Wait (without blocking the event loop) for ``spec`` to compile, at most
+        ``timeout_s``; raises ``StructuredOutputError`` for a bad spec or a timeout."""
+        fut = self.submit(spec)
+        if not fut.done():
+            done = trio.Event()
+            token = trio.lowlevel.current_trio_token()
+
+            def wake(_: Future) -> None:
+                try:
+                    token.run_sync_soon(done.set)
+                except trio.RunFinishedError:  # pragma: no cover - the loop is gone
+                    pass
+
+            fut.add_done_callback(wake)
+            with trio.move_on_after(timeout_s):
+                await done.wait()
+            if not fut.done():
+                # The thread cannot be interrupted; it finishes in the background (and the
+                # result stays cached), but this request is refused now.
+                raise StructuredOutputError(
+                    f"structured_outputs.{spec.kind}",
+                    f"Compiling the {_WHAT[spec.kind]} took longer than {timeout_s:g} s.",
+                )
+        exc = fut.exception()
+        if exc is not None:
+            raise exc
+        return fut.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _compile(compiler: Any, spec: GrammarSpec) -> Any:
+    import xgrammar as xgr
+
+    kind, text = spec.kind, spec.text
+    if kind == "json":
+        return compiler.compile_json_schema(text, any_whitespace=spec.any_whitespace)
+    if kind == "json_object":
+        return compiler.compile_json_schema(
+            '{"type": "object"}', any_whitespace=spec.any_whitespace
+        )
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    if kind == "choice":
+        return compiler.compile_grammar(choice_grammar(json.loads(text)))
+    if kind == "grammar":
+        # EBNF (GBNF, ``rule ::= ...``) as vLLM documents; otherwise Lark, as vLLM also takes.
+        if "::=" in text:
+            return compiler.compile_grammar(text)
+        return compiler.compile_lark(text)
+    if kind == "structural_tag":
+        tag = json.loads(text)
+        if isinstance(tag, dict) and "structures" in tag:  # vLLM's older {structures, triggers}
+            items = [
+                xgr.StructuralTagItem(
+                    begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"]
+                )
+                for s in tag["structures"]
+            ]
+            return compiler.compile_structural_tag(items, tag.get("triggers", []))
+        return compiler.compile_structural_tag(text)
+    raise StructuredOutputError("structured_outputs", f"Unknown structured output kind {kind!r}.")

@@ -1,0 +1,145 @@
+"""The engine core's side of structured outputs: one xgrammar matcher per engine request.
+
+- ``add_request`` (stage 4 -> 5): the matcher is made at once when the grammar is compiled
+  (the frontend compiled it before submitting); otherwise the request waits for ``poll``.
+- ``fill_bitmask`` (while the worker runs P2): one packed int32 row per constrained request
+  that samples this step, sent as that row's bytes (``SampleRequest.bitmask``).
+- ``accept_tokens`` (P4): advances the matcher; True once it has terminated (the engine then
+  finishes the request with ``stop``). ``rollback`` undoes accepted tokens (rejected drafts of
+  speculative decoding).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from trillm.messages import SampleRequest, SchedulerOutput
+from trillm.structured_output.compiler import GrammarCache
+from trillm.structured_output.spec import GrammarSpec, check_params
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputManager:
+    def __init__(self, cache: GrammarCache) -> None:
+        self.cache = cache
+        self.matchers: dict[str, Any] = {}  # req_id -> xgr.GrammarMatcher
+        self._pending: dict[str, Future] = {}  # req_id -> its grammar's compile, running
+        self._broken: set[str] = set()  # xgrammar failed on them: they end at the next P4
+        words = -(-cache.vocab_size // 32)
+        self._rows = np.zeros((0, words), dtype=np.int32)  # reused across steps, grown
+        self.num_words = words
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, req_id: str, params: Any) -> bool:
+        """Start tracking ``req_id``: True when its matcher is ready now, False when the
+        grammar is still compiling (or failed: ``poll`` reports it)."""
+        spec: GrammarSpec = check_params(params)
+        fut = self.cache.submit(spec)
+        if fut.done() and fut.exception() is None:
+            self.matchers[req_id] = self._matcher(fut.result())
+            return True
+        self._pending[req_id] = fut
+        return False
+
+    def poll(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """Requests whose grammar finished compiling since the last call:
+        (ready ids, [(failed id, message)])."""
+        ready: list[str] = []
+        failed: list[tuple[str, str]] = []
+        for req_id, fut in list(self._pending.items()):
+            if not fut.done():
+                continue
+            del self._pending[req_id]
+            exc = fut.exception()
+            if exc is not None:
+                failed.append((req_id, str(exc)))
+                continue
+            self.matchers[req_id] = self._matcher(fut.result())
+            ready.append(req_id)
+        return ready, failed
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def remove(self, req_id: str) -> None:
+        self.matchers.pop(req_id, None)
+        self._pending.pop(req_id, None)
+        self._broken.discard(req_id)
+
+    def retain(self, live: Any) -> None:
+        """Drop the state of every request for which ``live(req_id)`` is false (aborted,
+        failed or finished by another path)."""
+        for req_id in [r for r in self.matchers if not live(r)]:
+            del self.matchers[req_id]
+            self._broken.discard(req_id)
+        for req_id in [r for r in self._pending if not live(r)]:
+            del self._pending[req_id]
+
+    @staticmethod
+    def _matcher(compiled: Any) -> Any:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+    # ------------------------------------------------------------------ P2: bitmask
+
+    def fill_bitmask(self, sched: SchedulerOutput, samples: Any) -> SampleRequest:
+        """The bitmask rows of ``sched``'s constrained requests for which ``samples(req_id)``
+        is true (the step reaches the end of their tokens, so the worker samples them)."""
+        req_ids = [
+            r
+            for r in sched.num_scheduled_tokens
+            if r in self.matchers and not self.matchers[r].is_terminated() and samples(r)
+        ]
+        if len(req_ids) > len(self._rows):
+            self._rows = np.zeros(
+                (max(len(req_ids), 2 * len(self._rows)), self.num_words), np.int32
+            )
+        rows = self._rows
+        bitmask: dict[str, bytes] = {}
+        for i, req_id in enumerate(req_ids):
+            try:
+                # NOTE: False means every token is allowed here: no row needed.
+                if self.matchers[req_id].fill_next_token_bitmask(rows, i):
+                    bitmask[req_id] = rows[i].tobytes()
+            except Exception:  # one request's grammar, never the engine
+                logger.exception("request %s: filling its grammar bitmask failed", req_id)
+                self._broken.add(req_id)
+        return SampleRequest(step_id=sched.step_id, bitmask=bitmask)
+
+    # ------------------------------------------------------------------ P4: advance
+
+    def accept_tokens(self, req_id: str, tokens: list[int]) -> tuple[bool, bool]:
+        """Advance ``req_id``'s matcher -> (accepted all, terminated)."""
+        matcher = self.matchers.get(req_id)
+        if matcher is None:
+            return True, False
+        if req_id in self._broken:
+            self._broken.discard(req_id)
+            return False, False
+        for token in tokens:
+            try:
+                ok = not matcher.is_terminated() and matcher.accept_token(token)
+            except Exception:  # pragma: no cover - xgrammar refusing a token id
+                ok = False
+            if not ok:
+                logger.error("request %s: token %d is outside its grammar", req_id, token)
+                return False, matcher.is_terminated()
+        return True, matcher.is_terminated()
+
+    def rollback(self, req_id: str, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
+        matcher = self.matchers.get(req_id)
+        if matcher is not None and num_tokens > 0:
+            matcher.rollback(num_tokens)
+
+    def is_terminated(self, req_id: str) -> bool:
+        matcher = self.matchers.get(req_id)
+        return matcher is not None and matcher.is_terminated()
