@@ -200,7 +200,8 @@ def _children(pid: int) -> list[int]:
 
 def test_dead_engine_answers_503(tiny_model_factory, tmp_path):
     """A worker killed mid-stream: the stream ends with an error event, /health and new
-    requests answer 503 with the error shape, and SIGTERM still stops the server."""
+    requests answer 503 with the error shape, and the server then exits with code 1 (within
+    its grace period, a SIGTERM stops it with the same code; tests/fault has the timing)."""
     import json
     import os
     import signal
@@ -235,4 +236,4 @@ def test_dead_engine_answers_503(tiny_model_factory, tmp_path):
         assert r.json()["error"]["type"] == "ServiceUnavailableError"
     finally:
         code = srv.stop()
-    assert code == 0, srv.log()
+    assert code == 1, srv.log()
