@@ -133,7 +133,7 @@ def test_serve_flags_map_to_engine_args():
     args = build_parser().parse_args(
         ["serve", "/m", "--port", "9001", "--served-model-name", "a", "b", "--dtype", "float32",
          "--max-model-len", "128", "--kv-cache-memory", "2GiB", "--no-enable-prefix-caching",
-         "--scheduling-policy", "priority", "-tp", "2", "--max-logprobs", "5", "--log-level",
+         "--scheduling-policy", "priority", "-tp", "1", "--max-logprobs", "5", "--log-level",
          "warning", "--shutdown-timeout", "4", "--trust-request-chat-template",
          "--attention-backend", "torch", "--generation-config", "vllm", "--seed", "3"],
     )  # fmt: skip
@@ -141,7 +141,7 @@ def test_serve_flags_map_to_engine_args():
     assert kwargs == {
         "dtype": "float32", "seed": 3, "max_model_len": 128, "kv_cache_memory": 2 << 30,
         "enable_prefix_caching": False, "scheduling_policy": "priority",
-        "tensor_parallel_size": 2, "max_logprobs": 5, "attention_backend": "torch",
+        "tensor_parallel_size": 1, "max_logprobs": 5, "attention_backend": "torch",
         "generation_config": "vllm", "served_model_name": "a",
     }  # fmt: skip
     EngineArgs.from_kwargs(args.model_tag, **kwargs)  # every name is an EngineArgs field
@@ -150,6 +150,21 @@ def test_serve_flags_map_to_engine_args():
     assert opts.trust_request_chat_template and opts.shutdown_timeout == 4.0
     defaults = build_parser().parse_args(["serve"])
     assert defaults.model_tag is None and engine_kwargs(defaults) == {"max_logprobs": 20}
+
+
+def test_flags_for_what_is_not_implemented_are_refused(capsys):
+    from trillm.config import EngineArgs
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "-tp", "2"])
+    assert exit_info.value.code == 2
+    assert "tensor parallelism is not implemented yet" in capsys.readouterr().err
+    for kwargs, words in (
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
+        ({"skip_tokenizer_init": True}, "skip_tokenizer_init is not supported"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            EngineArgs.from_kwargs(None, **kwargs)
 
 
 def test_stream_wake_budget_flag():

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # CPU: 1 GiB unless --kv-cache-memory says otherwise
 
@@ -55,6 +58,25 @@ class EngineArgs:
     enforce_eager: bool = True
     chat_template: str | None = None
     skip_tokenizer_init: bool = False
+
+    def __post_init__(self) -> None:
+        # Honour or refuse: what trillm cannot do yet is refused before anything loads.
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size must be 1: tensor parallelism is not implemented yet, got "
+                f"{self.tensor_parallel_size}."
+            )
+        if self.skip_tokenizer_init:
+            raise ValueError(
+                "skip_tokenizer_init is not supported: the engine needs the tokenizer "
+                "(stop strings, detokenization, chat templates)."
+            )
+        # Accepted with vLLM's meaning where nothing here differs; said once in the log.
+        if self.trust_remote_code:
+            logger.info("trust_remote_code: trillm never runs code from a checkpoint; its own "
+                        "model implementations are used.")  # fmt: skip
+        if not self.enforce_eager:
+            logger.info("enforce_eager=False: trillm has no graph capture; it runs eagerly.")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:

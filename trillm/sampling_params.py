@@ -88,6 +88,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # Keep only the last k prompt tokens (-1: max_model_len); applied before the length check.
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None
@@ -186,6 +188,12 @@ class SamplingParams:
                 self.prompt_logprobs is None or self.prompt_logprobs >= 0,
                 f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.",
             ),
+            (
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= -1,
+                "truncate_prompt_tokens must be -1 (the context length) or at least 0, got "
+                f"{self.truncate_prompt_tokens}.",
+            ),
         ]
         for param, ok, message in checks:
             if not ok:
@@ -277,8 +285,11 @@ _INT_FIELDS = (
     ("min_tokens", INT32_MAX),
     ("logprobs", INT32_MAX),
     ("prompt_logprobs", INT32_MAX),
+    ("truncate_prompt_tokens", INT64_MAX),
 )
-_OPTIONAL = frozenset({"seed", "max_tokens", "logprobs", "prompt_logprobs"})
+_OPTIONAL = frozenset(
+    {"seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"}
+)
 _FLOAT_FIELDS = (
     "presence_penalty",
     "frequency_penalty",

@@ -25,6 +25,14 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """``truncate_prompt_tokens``: the last ``keep`` ids (-1: the context length; None: all)."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    return ids[len(ids) - keep :] if len(ids) > keep else ids
+
+
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any, max_logprobs: int) -> None:
         self.model_config = model_config
@@ -73,6 +81,11 @@ class InputProcessor:
         cache_salt: str | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         text, ids = self.prompt_token_ids(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = truncate_prompt(
+                ids, params.truncate_prompt_tokens, self.model_config.max_model_len
+            )
+            text = None  # the text no longer matches the ids
         if not ids:
             raise InvalidRequestError("The prompt cannot be empty.", "prompt")
         params = params.clone()

@@ -13,6 +13,8 @@ Sizes are checked before the items are looked at, so an oversized list costs O(1
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import types
 import typing
 from typing import Any, Literal, Union
@@ -22,10 +24,13 @@ import attrs
 from trillm.entrypoints.openai.errors import BadRequestError
 from trillm.sampling_params import FLOAT32_MAX, INT64_MAX, INT64_MIN
 
+logger = logging.getLogger(__name__)
+
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_PROMPTS = 1024
+MAX_BAD_WORDS = 256
 MAX_REQUEST_TIMEOUT_S = 86_400.0  # a request's ``timeout``: at most a day
 
 
@@ -170,6 +175,13 @@ class _SamplingFields:
     priority: int = 0
     cache_salt: str | None = None
     return_token_ids: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = _f(None, max_len=MAX_BAD_WORDS)
+    # Keep the last k prompt tokens (-1: the context length), before the length check.
+    truncate_prompt_tokens: int | None = _f(None, ge=-1)
+    # Logprob tokens as "token_id:<id>" (for tokens that are not valid UTF-8 alone).
+    return_tokens_as_token_ids: bool = False
+    use_beam_search: bool = False  # refused when true: no beam search here
     structured_outputs: StructuredOutputs | None = None
     # vLLM's older names for structured_outputs.{json, regex, choice, grammar}
     guided_json: Union[str, dict[str, Any], None] = None  # noqa: UP007
@@ -235,8 +247,26 @@ class DetokenizeRequest:
 
 
 def structure(cls: type[Any], data: Any) -> Any:
-    """Build ``cls`` from decoded JSON, or raise BadRequestError naming the first bad field."""
-    return _structure_attrs(cls, data, "")
+    """Build ``cls`` from decoded JSON, or raise BadRequestError naming the first bad field.
+
+    Unknown fields are ignored with one warning line naming them all (vLLM's behaviour)."""
+    token = _UNKNOWN.set([])
+    try:
+        result = _structure_attrs(cls, data, "")
+        unknown = _UNKNOWN.get()
+    finally:
+        _UNKNOWN.reset(token)
+    if unknown:
+        logger.warning(
+            "The following fields were present in the request but ignored: %s",
+            ", ".join(unknown[:_MAX_LOGGED_UNKNOWN]),
+        )
+    return result
+
+
+# Paths of the unknown fields met while structuring one request (see ``structure``).
+_UNKNOWN: contextvars.ContextVar[list[str]] = contextvars.ContextVar("unknown_fields")
+_MAX_LOGGED_UNKNOWN = 32
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -254,6 +284,10 @@ def _structure_attrs(cls: type[Any], data: Any, path: str) -> Any:
         where = f"'{path}' " if path else "The request body "
         raise BadRequestError(f"{where}must be a JSON object.", path or None)
     hints = _hints(cls)
+    if not data.keys() <= hints.keys():
+        extra = _UNKNOWN.get(None)
+        if extra is not None and len(extra) < _MAX_LOGGED_UNKNOWN:
+            extra.extend(f"{path}.{k}" if path else k for k in data if k not in hints)
     kwargs: dict[str, Any] = {}
     for field in attrs.fields(cls):
         name = field.name
@@ -400,8 +434,13 @@ def _check_size(value: Any, limits: Any, path: str) -> None:
         limit = limits["max_prompts"]  # a list of prompts (a list of ints is one prompt)
     if limit is not None and len(value) > limit:
         raise BadRequestError(
-            f"'{path}' has {len(value)} entries, more than the limit of {limits['max_len']}.", path
+            f"'{path}' has {len(value)} entries, more than the limit of {limit}.", path
         )
+
+
+def _check_limits(value: Any, limits: Any, path: str) -> None:
+    if value is None or not limits:
+        return
     if isinstance(value, (list, dict, str)):
         return
     if "ge" in limits and value < limits["ge"]:

@@ -61,7 +61,7 @@ def build_sampling_params(
         value = getattr(req, name)
         return value if value is not None else defaults.get(name, fallback)
 
-    _check_stop(req.stop)
+    _check_request(req)
     kwargs = dict(
         n=n if n is not None else req.n,
         temperature=pick("temperature", 1.0),
@@ -83,6 +83,9 @@ def build_sampling_params(
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=_logit_bias(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=_structured_outputs(req),
     )
@@ -94,14 +97,28 @@ def build_sampling_params(
     return params
 
 
-def _check_stop(stop: str | list[str] | None) -> None:
-    for s in [stop] if isinstance(stop, str) else stop or []:
+def _check_request(req: Any) -> None:
+    """Request-level rules of both endpoints that no single field's range expresses."""
+    if req.stream_options is not None and not req.stream:
+        raise BadRequestError(
+            "'stream_options' can only be set when 'stream' is true.", "stream_options"
+        )
+    if req.use_beam_search:
+        raise BadRequestError("Beam search is not supported; 'use_beam_search' must be false.",
+                              "use_beam_search")  # fmt: skip
+    stop = req.stop
+    _check_strings("stop", [stop] if isinstance(stop, str) else stop or [])
+    _check_strings("bad_words", req.bad_words or [])
+
+
+def _check_strings(param: str, strings: list[str]) -> None:
+    for s in strings:
         if not s:
-            raise BadRequestError("'stop' strings must not be empty.", "stop")
+            raise BadRequestError(f"'{param}' strings must not be empty.", param)
         if len(s) > MAX_STOP_STRING_LEN:
             raise BadRequestError(
-                f"'stop' strings are limited to {MAX_STOP_STRING_LEN} characters, got {len(s)}.",
-                "stop",
+                f"'{param}' strings are limited to {MAX_STOP_STRING_LEN} characters, got {len(s)}.",
+                param,
             )
 
 

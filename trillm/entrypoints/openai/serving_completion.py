@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 import orjson
 
+from trillm.engine.input_processor import truncate_prompt
 from trillm.entrypoints.openai.errors import APIError, BadRequestError, sse_error_event
 from trillm.entrypoints.openai.generation import Generation, guard_stream, start_generation
 from trillm.entrypoints.openai.protocol import CompletionRequest
@@ -87,6 +88,11 @@ async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | lis
         check_token_ids(state, prompt, "prompt")
         ids = prompt
         text = state.tokenizer.decode(ids) if req.echo else None
+    if req.truncate_prompt_tokens is not None:
+        kept = truncate_prompt(ids, req.truncate_prompt_tokens, state.model_config.max_model_len)
+        if len(kept) != len(ids):
+            ids = kept
+            text = state.tokenizer.decode(ids) if req.echo else None
     if not ids:
         raise BadRequestError("'prompt' must not be empty.", "prompt")
     max_tokens = resolve_max_tokens(state, req.max_tokens, len(ids))
@@ -182,14 +188,16 @@ class _CompletionContext:
         }
 
     def _position(self, tid: int, entry: Any, tokens: list, values: list, tops: list) -> None:
-        tokens.append(self.state.token_text(tid))
+        as_ids = self.req.return_tokens_as_token_ids
+        tokens.append(f"token_id:{tid}" if as_ids else self.state.token_text(tid))
         if entry is None:  # the first prompt token: nothing predicts it
             values.append(None)
             tops.append(None)
             return
         chosen, ranked = position_logprobs(self.state, entry, tid)
         values.append(chosen)
-        tops.append({t: lp for _, t, lp in ranked[: self.req.logprobs]})
+        top = ranked[: self.req.logprobs]
+        tops.append({(f"token_id:{i}" if as_ids else t): lp for i, t, lp in top})
 
     # ------------------------------------------------------------ streaming
 
