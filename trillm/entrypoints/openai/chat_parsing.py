@@ -101,8 +101,11 @@ def plan_tools(state: Any, req: Any) -> ToolPlan:
 
 
 def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+    # NOTE: no free whitespace: the calls come as json.dumps writes them (", " and ": "), as
+    # models write them, and a weak model cannot spend max_tokens on newlines between tokens
+    # of JSON (then no call would be valid).
     try:
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     except SamplingParamsError as exc:  # a tool's parameters are not a usable JSON schema
         raise BadRequestError(f"The tools' parameters: {exc}", "tools") from None
 

@@ -63,11 +63,11 @@ class RequiredToolCallParser(ToolParser):
         start = skip_ws(text, 0)
         if start == len(text) and not final:
             return []
-        calls = (
-            call_sequence(text, start + 1, final, ",", "]")
-            if text[start : start + 1] == "["
-            else None
-        )
-        if calls is None:
+        if not text.startswith("[", start):
             return [text] if final else []
-        return list(calls)
+        calls = call_sequence(text, start + 1, final, ",", "]")
+        if calls is None and final:
+            # NOTE: the grammar allows only calls, so an unclosed array was cut by max_tokens:
+            # its whole items are valid calls (and were streamed as such).
+            calls = [c for c in call_sequence(text, start + 1, False, ",", "]") or [] if c.complete]
+        return list(calls or [])
