@@ -261,3 +261,13 @@ def test_response_format_maps_to_structured_outputs():
     assert so({"response_format": fmt}).json == schema
     assert so({"structured_outputs": {"regex": "[0-9]+"}}).regex == "[0-9]+"
     assert so({"structured_outputs": {"choice": ["yes", "no"]}}).choice == ["yes", "no"]
+
+
+def test_internal_errors_name_no_internals(caplog):
+    from trillm.entrypoints.openai.errors import from_engine_exception
+
+    err = from_engine_exception(RuntimeError("/secret/path/model.safetensors is corrupt"))
+    assert err.status == 500
+    assert "secret" not in err.message and "RuntimeError" not in err.message
+    reference = err.message.split("reference ")[1].rstrip(").")
+    assert any(reference in r.getMessage() and "secret" in r.getMessage() for r in caplog.records)

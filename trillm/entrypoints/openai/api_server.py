@@ -139,9 +139,9 @@ def _install_error_handlers(app: QuartTrio) -> None:
 
     @app.errorhandler(Exception)
     async def internal_error(err: Exception) -> Response:
-        logger.exception("Unhandled error in %s %s", request.method, request.path)
-        body = error_body(f"{type(err).__name__}: {err}", InternalServerError.type, None, 500)
-        return json_response(body, 500)
+        logger.error("Unhandled error in %s %s", request.method, request.path)
+        api_error = internal_error(err)
+        return json_response(api_error.body(), api_error.status)
 
 
 def _install_routes(app: QuartTrio, state: ServerState) -> None:

@@ -6,9 +6,13 @@ Every error the server answers has the body
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any
 
 import orjson
+
+logger = logging.getLogger("trillm.server")
 
 
 class APIError(Exception):
@@ -87,7 +91,15 @@ def from_engine_exception(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError) and hasattr(exc, "param"):
         # SamplingParamsError, the input processor's InvalidRequestError: bad input.
         return BadRequestError(str(exc), exc.param)
-    return InternalServerError(f"{type(exc).__name__}: {exc}")
+    return internal_error(exc)
+
+
+def internal_error(exc: BaseException) -> InternalServerError:
+    """A 500 that names no internals: the client gets a reference to quote, the log has the
+    traceback under the same reference."""
+    reference = uuid.uuid4().hex[:12]
+    logger.error("internal error %s: %s: %s", reference, type(exc).__name__, exc, exc_info=exc)
+    return InternalServerError(f"Internal server error (reference {reference}).")
 
 
 def _is_request_too_large(exc: BaseException) -> bool:
