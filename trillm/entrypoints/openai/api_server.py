@@ -43,6 +43,7 @@ from trillm.entrypoints.openai.errors import (
     ServiceUnavailableError,
     UnsupportedMediaTypeError,
     error_body,
+    internal_error,
 )
 from trillm.entrypoints.openai.http_guard import KeepAliveGuard
 from trillm.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -138,7 +139,7 @@ def _install_error_handlers(app: QuartTrio) -> None:
         return json_response(error_body(message, kind.type, None, code), code)
 
     @app.errorhandler(Exception)
-    async def internal_error(err: Exception) -> Response:
+    async def unhandled(err: Exception) -> Response:
         logger.error("Unhandled error in %s %s", request.method, request.path)
         api_error = internal_error(err)
         return json_response(api_error.body(), api_error.status)
