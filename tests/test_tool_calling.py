@@ -369,3 +369,35 @@ def test_registry_has_the_builtin_parsers_and_takes_plugins(tmp_path):
         get_tool_parser("nope")
     with pytest.raises(ValueError, match="not a file"):
         load_tool_parser_plugin(str(tmp_path / "missing.py"))
+
+
+# ---------------------------------------------------------------- the Python API
+
+
+def test_llm_chat_renders_tools_and_returns_the_parsed_calls():
+    from trillm import LLM, SamplingParams
+    from trillm.sampling_params import StructuredOutputsParams
+
+    call = '<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "Paris"\\}\\}\\n</tool_call>'
+    forced = StructuredOutputsParams(regex="Checking\\.\\n" + call)
+    params = SamplingParams(temperature=0.0, max_tokens=300, structured_outputs=forced)
+    ask = HISTORY[:1]
+    with LLM(
+        max_model_len=1024, kv_cache_memory="16MiB", distributed_executor_backend="uni"
+    ) as llm:
+        plain = llm.chat(ask, params, use_tqdm=False, chat_template=QWEN_LIKE)[0]
+        out = llm.chat(
+            ask, params, use_tqdm=False, chat_template=QWEN_LIKE, tools=TOOLS, tool_parser="hermes"
+        )[0]
+        with pytest.raises(ValueError, match="Unknown tool-call parser"):
+            llm.chat(ask, params, use_tqdm=False, tools=TOOLS, tool_parser="nope")
+    assert len(out.prompt_token_ids) > len(plain.prompt_token_ids) + 40  # tools rendered
+    assert plain.outputs[0].tool_calls is None  # no parser asked for: nothing parsed
+    c = out.outputs[0]
+    if not c.text.startswith("Checking.\n<tool_call>"):
+        pytest.skip("the engine does not enforce structured outputs yet")
+    assert c.content == "Checking."
+    assert [
+        (t["function"]["name"], json.loads(t["function"]["arguments"])) for t in c.tool_calls
+    ] == [("get_weather", {"city": "Paris"})]
+    assert c.tool_calls[0]["id"].startswith("call_") and c.tool_calls[0]["type"] == "function"
