@@ -264,6 +264,16 @@ def test_plan_required_and_auto_and_none():
     assert plan_tools(_State(), _request(tools=[], tool_choice="required")).mode is None
 
 
+def test_auto_without_parallel_tool_calls_keeps_the_first_call():
+    plan = plan_tools(_State(), _request(tools=TOOLS, parallel_tool_calls=False))
+    message = ChoiceParser(plan, None, True).message(QWEN25_TWO_CALLS)
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_current_temperature"]
+    parser = ChoiceParser(plan, None, True)
+    deltas = [parser.feed(ch, False) for ch in QWEN25_TWO_CALLS] + [parser.feed("", True)]
+    indexes = {tc["index"] for d in deltas for tc in d.get("tool_calls", [])}
+    assert indexes == {0} and not any(d.get("content") for d in deltas)
+
+
 @pytest.mark.parametrize(
     "state,body,param,words",
     [

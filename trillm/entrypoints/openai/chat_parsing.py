@@ -36,6 +36,7 @@ class ToolPlan:
     template_tools: list[dict[str, Any]] | None = None  # what the chat template receives
     parser: Callable[[], ToolParser] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    max_calls: int | None = None  # 1 when parallel_tool_calls is false ("auto": the first)
 
 
 def plan_tools(state: Any, req: Any) -> ToolPlan:
@@ -76,7 +77,8 @@ def plan_tools(state: Any, req: Any) -> ToolPlan:
                 "tool_choice",
             )
         parser_cls = get_tool_parser(state.tool_call_parser)
-        return ToolPlan("auto", tools, lambda: parser_cls(tools))
+        max_calls = 1 if req.parallel_tool_calls is False else None
+        return ToolPlan("auto", tools, lambda: parser_cls(tools), max_calls=max_calls)
     _refuse_other_constraints(req)
     if choice == "required":
         schema = required_schema(tools, req.parallel_tool_calls is not False)
@@ -140,6 +142,7 @@ class ChoiceParser:
         include_reasoning: bool,
     ) -> None:
         self.mode = tools.mode
+        self.max_calls = tools.max_calls
         self.tool_parser = tools.parser() if tools.parser is not None else None
         self.reasoning_parser = reasoning() if reasoning is not None else None
         self.include_reasoning = include_reasoning
@@ -162,7 +165,8 @@ class ChoiceParser:
             extracted = self.tool_parser.extract(content or "")
             if extracted.tools_called:
                 self.tools_called = True
-                msg["tool_calls"] = [c.to_dict() for c in extracted.tool_calls]
+                calls = extracted.tool_calls[: self.max_calls]
+                msg["tool_calls"] = [c.to_dict() for c in calls]
                 content = extracted.content
         if self.tools_called:
             msg["content"] = content or None
@@ -192,6 +196,8 @@ class ChoiceParser:
                 c2, more = self._t_stream.finish()
                 c1, calls = c1 + c2, calls + more
             content = c1
+            if self.max_calls is not None:
+                calls = [c for c in calls if c["index"] < self.max_calls]
             if calls:
                 delta["tool_calls"] = calls
             self.tools_called = self._t_stream.tools_called
