@@ -98,3 +98,11 @@ def test_unknown_fields_are_ignored_with_one_warning(server):
     assert out["choices"][0]["token_ids"]
     log = server.log()
     assert "present in the request but ignored: not_a_vllm_field" in log
+
+
+def test_truncate_prompt_tokens_takes_a_text_longer_than_the_context(server):
+    text = "And the earth was without form, and void. " * 3000  # ~130k characters
+    err = refused(server, "/v1/completions", {"prompt": text, "max_tokens": 2})
+    assert "maximum context length" in err["message"]
+    out = complete(server, prompt=text, truncate_prompt_tokens=16, max_tokens=2)
+    assert out["usage"]["prompt_tokens"] == 16

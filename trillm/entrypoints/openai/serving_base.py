@@ -263,11 +263,17 @@ def max_prompt_chars(state: ServerState) -> int:
 
 
 async def tokenize_text(
-    state: ServerState, text: str, add_special_tokens: bool, param: str = "prompt"
+    state: ServerState,
+    text: str,
+    add_special_tokens: bool,
+    param: str = "prompt",
+    truncating: bool = False,
 ) -> list[int]:
-    """Token ids of ``text``; a text too long for the context is refused before any work."""
+    """Token ids of ``text``; a text too long for the context is refused before any work,
+    unless the request truncates it (``truncate_prompt_tokens``: the whole text is tokenized,
+    as vLLM does, within the bounded tokenization threads and the body-size limit)."""
     limit = max_prompt_chars(state)
-    if len(text) > limit:
+    if len(text) > limit and not truncating:
         max_len = state.model_config.max_model_len
         raise BadRequestError(
             f"This model's maximum context length is {max_len} tokens. However, your prompt "

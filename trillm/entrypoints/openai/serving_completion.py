@@ -82,7 +82,8 @@ def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
 
 async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | list[int]) -> _Prompt:
     if isinstance(prompt, str):
-        ids = await tokenize_text(state, prompt, req.add_special_tokens)
+        truncating = req.truncate_prompt_tokens is not None
+        ids = await tokenize_text(state, prompt, req.add_special_tokens, truncating=truncating)
         text: str | None = prompt
     else:
         check_token_ids(state, prompt, "prompt")
