@@ -12,6 +12,8 @@ regex constraint. Those checks need the engine to enforce structured outputs and
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -237,11 +239,24 @@ def test_bad_tool_specs_are_400s(client, body, param):
     assert info.value.status_code == 400 and info.value.body["param"] == param
 
 
-def test_auto_without_the_flag_is_a_400(template_file, tmp_path):
+PLUGIN = """
+from trillm.parsers.tool_parsers import CallPiece, ToolParser, register_tool_parser
+
+@register_tool_parser("shout")
+class Shout(ToolParser):
+    def split(self, text, final):
+        return [text]
+"""
+
+
+def test_auto_without_the_flag_is_a_400_and_plugins_load(template_file, tmp_path):
+    plugin = tmp_path / "shout.py"
+    plugin.write_text(PLUGIN)
     srv = ServerProcess(
-        ["--chat-template", template_file, "--runner", "trillm.worker.fake_runner:FakeModelRunner"],
+        ["--chat-template", template_file, "--runner", "trillm.worker.fake_runner:FakeModelRunner",
+         "--tool-parser-plugin", str(plugin), "--tool-call-parser", "shout"],
         tmp_path / "server.log",
-    ).start()
+    ).start()  # fmt: skip
     try:
         client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
         with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
@@ -250,6 +265,23 @@ def test_auto_without_the_flag_is_a_400(template_file, tmp_path):
         assert r.choices[0].message.tool_calls is None
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--tool-call-parser", "nope"], "Unknown tool-call parser 'nope'"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+        (["--reasoning-parser", "nope"], "Unknown reasoning parser 'nope'"),
+        (["--tool-parser-plugin", "/nonexistent/p.py"], "is not a file"),
+    ],
+)
+def test_bad_parser_flags_stop_the_cli(flags, words):
+    proc = subprocess.run(
+        [sys.executable, "-m", "trillm", "serve", *flags],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
 
 
 # ---------------------------------------------------------------- reasoning

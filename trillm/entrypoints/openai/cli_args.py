@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from trillm.config import parse_memory_size
@@ -207,7 +208,8 @@ def check_tool_flags(args: argparse.Namespace) -> None:
         if args.reasoning_parser:
             get_reasoning_parser(args.reasoning_parser)
     except ValueError as exc:
-        raise SystemExit(f"trillm serve: error: {exc}") from None
+        print(f"trillm serve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
