@@ -64,25 +64,47 @@ class ReasoningParser:
 
 
 class ReasoningStreamer:
-    """``feed(delta)`` / ``finish()`` -> ``(reasoning_delta, content_delta)``."""
+    """``feed(delta)`` / ``finish()`` -> ``(reasoning_delta, content_delta)``, the same split
+    as ``ReasoningParser.split`` at a cost of each delta's length (reasoning runs long)."""
 
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
-        self.text = ""
-        self.sent = ("", "")
+        self.state = "start"  # then "reasoning" or "content"
+        self.held = ""  # the start of the output (undecided), or a possibly partial </think>
 
     def feed(self, delta: str) -> tuple[str, str]:
-        self.text += delta
-        return self._diff(False)
+        if self.state == "content":
+            return "", delta
+        if self.state == "reasoning":
+            return self._reasoning(delta)
+        self.held += delta
+        body = self.held.lstrip()
+        if body.startswith(START):
+            body = body[len(START) :]
+        elif START.startswith(body):
+            return "", ""  # nothing yet, or the start of <think>
+        elif not self.parser.starts_in_reasoning():
+            self.state = "content"
+            text, self.held = self.held, ""
+            return "", text
+        self.state, self.held = "reasoning", ""
+        return self._reasoning(body)
 
     def finish(self) -> tuple[str, str]:
-        return self._diff(True)
+        held, self.held = self.held, ""
+        if self.state == "start":
+            return self.parser.split(held, True)
+        return (held, "") if self.state == "reasoning" else ("", "")
 
-    def _diff(self, final: bool) -> tuple[str, str]:
-        reasoning, content = self.parser.split(self.text, final)
-        old_r, old_c = self.sent
-        self.sent = (reasoning, content)
-        return reasoning[len(old_r) :], content[len(old_c) :]
+    def _reasoning(self, delta: str) -> tuple[str, str]:
+        text = self.held + delta
+        end = text.find(END)
+        if end >= 0:
+            self.state, self.held = "content", ""
+            return text[:end], text[end + len(END) :]
+        keep = _held(text, END)
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], ""
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):

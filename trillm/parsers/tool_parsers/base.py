@@ -60,9 +60,16 @@ class ExtractedToolCalls:
 
 
 class ToolParser:
-    """Subclass, set ``name``, implement ``split``; register with ``register_tool_parser``."""
+    """Subclass, set ``name``, implement ``split``; register with ``register_tool_parser``.
+
+    Optional hints that make long plain outputs cheap to stream: ``markers``, strings that
+    begin every call (text without any is all content); ``start_only``, calls come only at
+    the start of the output (once ``split`` gives the whole text back as content, it stays
+    content)."""
 
     name: ClassVar[str] = ""
+    markers: ClassVar[tuple[str, ...]] = ()
+    start_only: ClassVar[bool] = False
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = tools or []  # the request's tools, as the template saw them
@@ -109,7 +116,12 @@ def assemble(pieces: list[str | CallPiece], final: bool) -> tuple[str, list[Call
 
 class ToolCallStreamer:
     """Turns text deltas into OpenAI stream deltas: ``feed`` / ``finish`` return
-    ``(content_delta, tool_call_deltas)``."""
+    ``(content_delta, tool_call_deltas)``.
+
+    While the output is plain text (no marker of ``parser.markers`` yet, or a start-only
+    format that is content for good) each delta costs its own length: only the text after
+    what was sent (held whitespace, a partial marker) is kept. Otherwise the text is split
+    again from the start."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
@@ -117,17 +129,51 @@ class ToolCallStreamer:
         self.sent_content = ""
         self.ids: list[str] = []  # one per call whose header went out
         self.sent_args: list[str] = []
+        # Plain mode: the text is content until a marker comes (None: split every delta).
+        self._markers: tuple[str, ...] | None = parser.markers or None
+        self._chunks: list[str] = []  # the text, while plain
+        self._pending = ""  # its part not sent yet
+        self._window = ""  # its last characters, to find a marker split across deltas
 
     @property
     def tools_called(self) -> bool:
         return bool(self.ids)
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._markers is not None:
+            window = self._window + delta
+            if not any(m in window for m in self._markers):
+                self._chunks.append(delta)
+                self._window = window[-max((len(m) for m in self._markers), default=1) :]
+                return self._plain(delta), []
+            self._leave_plain()
         self.text += delta
+        if not self.ids and self.parser.start_only and not self.text.isspace():
+            pieces = self.parser.split(self.text, False)
+            if pieces == [self.text]:  # a start-only format that did not start: content
+                self._markers, self._chunks = (), [self.text]
+                self._pending, self.text = self.text[len(self.sent_content) :], ""
+                return self._plain(""), []
         return self._diff(False)
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        if self._markers is not None:
+            rest, self._pending = self._pending, ""
+            return rest, []
         return self._diff(True)
+
+    def _plain(self, delta: str) -> str:
+        text = self._pending + delta
+        end = len(text) - max((held_prefix(text, m) for m in self._markers or ()), default=0)
+        while end > 0 and text[end - 1].isspace():
+            end -= 1  # a call may follow: held until more text comes
+        self._pending = text[end:]
+        return text[:end]
+
+    def _leave_plain(self) -> None:
+        self.text = "".join(self._chunks)
+        self.sent_content = self.text[: len(self.text) - len(self._pending)]
+        self._markers, self._chunks, self._pending, self._window = None, [], "", ""
 
     def _diff(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
         content, calls = assemble(self.parser.split(self.text, final), final)

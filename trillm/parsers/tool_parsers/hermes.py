@@ -23,6 +23,7 @@ END = "</tool_call>"
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    markers = (START,)
 
     def split(self, text: str, final: bool) -> list[str | CallPiece]:
         pieces: list[str | CallPiece] = []

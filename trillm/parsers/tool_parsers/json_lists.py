@@ -55,6 +55,7 @@ def call_sequence(
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    start_only = True
     TAG = "<|python_tag|>"
 
     def split(self, text: str, final: bool) -> list[str | CallPiece]:
@@ -75,6 +76,7 @@ class Llama3JsonToolParser(ToolParser):
 
 class MistralToolParser(ToolParser):
     name = "mistral"
+    markers = ("[TOOL_CALLS]",)
     TAG = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
 

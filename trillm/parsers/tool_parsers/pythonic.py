@@ -65,6 +65,7 @@ def _call_arguments(src: str) -> str | None:
 
 class PythonicToolParser(ToolParser):
     name = "pythonic"
+    start_only = True
     START = "<|python_start|>"
     END = "<|python_end|>"
 
