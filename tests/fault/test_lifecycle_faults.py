@@ -249,8 +249,9 @@ def test_early_disconnects_then_sigterm_exits_at_once(server):
     except subprocess.TimeoutExpired:
         pytest.fail(f"SIGTERM on an idle server did not exit in 20 s:\n{server.log()}")
     assert code == 0, server.log()
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 8, server.log()
     assert "Draining 0 running request(s)" in server.log()
+    assert "Shutdown cancelled" not in server.log()  # nothing was left to cancel
 
 
 # ---------------------------------------------------------------- a dead engine

@@ -325,8 +325,10 @@ async def _serve(
             binds = await nursery.start(serve)
             life.serving = True
             logger.info("trillm is serving %s on %s", names[0], ", ".join(binds))
-            nursery.start_soon(_exit_on_engine_death, engine, life)
+            death_watch = trio.CancelScope()
+            nursery.start_soon(_exit_on_engine_death, engine, life, death_watch)
             await life.stop.wait()
+            death_watch.cancel()
             await _drain(state, opts.shutdown_timeout)
             shutdown.set()
             # Hypercorn closes its connections within its graceful timeout; the producers end
@@ -380,16 +382,17 @@ def _max_admitted(engine: Any, opts: ServerOptions) -> int | None:
     return engine.config.scheduler.max_num_seqs + opts.max_num_queued_requests
 
 
-async def _exit_on_engine_death(engine: Any, life: _Lifecycle) -> None:
-    await engine.died.wait()
-    logger.error(
-        "The engine died (%s); exiting with code 1 in %.0f s.",
-        engine.dead_error,
-        ENGINE_DEATH_GRACE_S,
-    )
-    life.exit_code = 1
-    await trio.sleep(ENGINE_DEATH_GRACE_S)
-    life.stop.set()
+async def _exit_on_engine_death(engine: Any, life: _Lifecycle, scope: trio.CancelScope) -> None:
+    with scope:  # cancelled when the server stops for another reason
+        await engine.died.wait()
+        logger.error(
+            "The engine died (%s); exiting with code 1 in %.0f s.",
+            engine.dead_error,
+            ENGINE_DEATH_GRACE_S,
+        )
+        life.exit_code = 1
+        await trio.sleep(ENGINE_DEATH_GRACE_S)
+        life.stop.set()
 
 
 async def _drain(state: ServerState, grace_s: float) -> None:
