@@ -279,6 +279,19 @@ def _errors(*codes: int) -> dict[str, Any]:
     return {str(c): {"description": text[c], "content": _json("Error")} for c in codes}
 
 
+def _sse_event(chunk: str) -> dict[str, Any]:
+    # Before OpenAPI 3.2 the schema of text/event-stream describes one event (its fields),
+    # not the stream as a string. Each event's data is a JSON chunk, an error after the stream
+    # started, or the final [DONE].
+    payload = {"anyOf": [_ref(chunk), _ref("Error")]}
+    data = {
+        "type": "string",
+        "if": {"const": "[DONE]"},
+        "else": {"contentMediaType": "application/json", "contentSchema": payload},
+    }
+    return {"type": "object", "properties": {"data": data}, "required": ["data"]}
+
+
 def _generate_op(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
     return {
         "post": {
@@ -290,7 +303,7 @@ def _generate_op(summary: str, request: str, response: str, chunk: str) -> dict[
                     f"`data: <{chunk}>` events ending with `data: [DONE]`.",
                     "content": {
                         **_json(response),
-                        "text/event-stream": {"schema": {"type": "string"}},
+                        "text/event-stream": {"schema": _sse_event(chunk)},
                     },
                 },
                 **_errors(400, 401, 404, 413, 500, 503),
