@@ -145,3 +145,21 @@ def test_include_reasoning_false_drops_it():
     assert (
         streamed["reasoning_content"] == "" and streamed["content"] == "\n\nHello! How can I help?"
     )
+
+
+def test_constrained_tool_output_has_no_reasoning_section():
+    from trillm.entrypoints.openai.chat_parsing import plan_tools
+    from trillm.entrypoints.openai.protocol import ChatCompletionRequest, structure
+
+    class State:
+        enable_auto_tool_choice, tool_call_parser = True, "hermes"
+        exclude_tools_when_tool_choice_none, reasoning_parser = False, "deepseek_r1"
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}  # fmt: skip
+    plan = plan_tools(State(), structure(ChatCompletionRequest, body))
+    r1 = get_reasoning_parser("deepseek_r1")
+    msg = ChoiceParser(plan, lambda: r1(""), True).message('{"a": 1}')
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    assert msg["reasoning_content"] is None

@@ -144,7 +144,11 @@ class ChoiceParser:
         self.mode = tools.mode
         self.max_calls = tools.max_calls
         self.tool_parser = tools.parser() if tools.parser is not None else None
-        self.reasoning_parser = reasoning() if reasoning is not None else None
+        # NOTE: a "required" / named output is the constrained JSON from its first token: it
+        # has no reasoning section to split off (the constraint does not wait for one).
+        constrained = tools.structured_outputs is not None
+        self.reasons = reasoning is not None
+        self.reasoning_parser = reasoning() if reasoning is not None and not constrained else None
         self.include_reasoning = include_reasoning
         self._r_stream: ReasoningStreamer | None = None
         self._t_stream: ToolCallStreamer | None = None
@@ -155,6 +159,8 @@ class ChoiceParser:
     def message(self, text: str) -> dict[str, Any]:
         """The assistant message for the whole output ``text``."""
         msg: dict[str, Any] = {"role": "assistant"}
+        if self.reasons:  # the fields are there whenever the server parses reasoning
+            msg["reasoning_content"] = msg["reasoning"] = None
         content: str | None = text
         if self.reasoning_parser is not None:
             reasoning, content = self.reasoning_parser.extract(text)
