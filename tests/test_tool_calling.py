@@ -81,6 +81,10 @@ CASES = [
     ("llama3_json", LLAMA32_TAGGED_TWO, None,
      [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})]),
     ("llama3_json", "Paris is sunny today.", "Paris is sunny today.", []),
+    ("llama3_json", '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}',
+     None, [("get_weather", {"city": "Paris"})]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>', None,
+     [("f", {"a": 1})]),  # arguments as a JSON string
     ("mistral", MISTRAL_V3, None, [
         ("get_current_weather", {"location": "Paris, France", "format": "celsius"}),
         ("get_time", {}),

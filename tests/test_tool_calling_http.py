@@ -168,6 +168,18 @@ def test_named_function_gives_that_call(client, constrained):
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_each_choice_parses_its_own_calls(client, constrained):
+    need(constrained)
+    r = create(client, tools=TOOLS, tool_choice=NAMED, n=3, temperature=1.0, seed=3,
+               max_tokens=120)  # fmt: skip
+    ids = set()
+    for choice in r.choices:
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+        ids.add(call.id)
+    assert len(ids) == 3
+
+
 def _check_calls(calls):
     for name, arguments in calls:
         args = json.loads(arguments)
