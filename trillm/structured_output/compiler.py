@@ -67,6 +67,8 @@ class GrammarCache:
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="trillm-grammar")
         self._lock = threading.Lock()  # guards the lazily built xgrammar compiler
         self._compiler: Any = None
+        self._tokenizer_info: Any = None
+        self._json_masks: dict[bool, Any] = {}
         self.num_compiles = 0  # compilations started (cache misses)
 
     # ------------------------------------------------------------------ xgrammar
@@ -80,6 +82,7 @@ class GrammarCache:
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+                self._tokenizer_info = info
             return self._compiler
 
     def compile_now(self, spec: GrammarSpec) -> Any:
@@ -99,6 +102,29 @@ class GrammarCache:
             raise StructuredOutputError(
                 f"structured_outputs.{spec.kind}", f"Invalid {_WHAT[spec.kind]}: {message}"
             ) from None
+
+    def json_safe_mask(self, any_whitespace: bool) -> Any:
+        """int32 words [ceil(V / 32)]: every token but those holding a raw control character
+        (U+0000-U+001F, less tab/newline/return when whitespace is free). ANDed into the rows
+        of JSON grammars: JSON never has such characters raw, but xgrammar's rule for strings
+        with ``maxLength`` lets them in, and strict parsers (``json.loads``, pydantic) refuse
+        the result."""
+        key = bool(any_whitespace)
+        mask = self._json_masks.get(key)
+        if mask is None:
+            import numpy as np
+
+            bad = set(range(0x20)) - ({0x09, 0x0A, 0x0D} if key else set())
+            words = -(-self.vocab_size // 32)
+            bits = np.ones(words * 32, dtype=np.uint8)
+            self.compiler()
+            vocab = self._tokenizer_info.decoded_vocab
+            for token_id, piece in enumerate(vocab):
+                if not bad.isdisjoint(piece):
+                    bits[token_id] = 0
+            mask = np.packbits(bits, bitorder="little").view(np.int32).copy()
+            self._json_masks[key] = mask
+        return mask
 
     # ------------------------------------------------------------------ cache
 

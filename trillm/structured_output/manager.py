@@ -30,6 +30,8 @@ class StructuredOutputManager:
         self.matchers: dict[str, Any] = {}  # req_id -> xgr.GrammarMatcher
         self._pending: dict[str, Future] = {}  # req_id -> its grammar's compile, running
         self._broken: set[str] = set()  # xgrammar failed on them: they end at the next P4
+        # req_id -> words ANDed into its rows (JSON: no raw control characters), if any
+        self._extra_masks: dict[str, Any] = {}
         words = -(-cache.vocab_size // 32)
         self._rows = np.zeros((0, words), dtype=np.int32)  # reused across steps, grown
         self.num_words = words
@@ -41,6 +43,8 @@ class StructuredOutputManager:
         grammar is still compiling (or failed: ``poll`` reports it)."""
         spec: GrammarSpec = check_params(params)
         fut = self.cache.submit(spec)
+        if spec.kind in ("json", "json_object"):
+            self._extra_masks[req_id] = self.cache.json_safe_mask(spec.any_whitespace)
         if fut.done() and fut.exception() is None:
             self.matchers[req_id] = self._matcher(fut.result())
             return True
@@ -72,6 +76,7 @@ class StructuredOutputManager:
         self.matchers.pop(req_id, None)
         self._pending.pop(req_id, None)
         self._broken.discard(req_id)
+        self._extra_masks.pop(req_id, None)
 
     def retain(self, live: Any) -> None:
         """Drop the state of every request for which ``live(req_id)`` is false (aborted,
@@ -79,8 +84,10 @@ class StructuredOutputManager:
         for req_id in [r for r in self.matchers if not live(r)]:
             del self.matchers[req_id]
             self._broken.discard(req_id)
+            self._extra_masks.pop(req_id, None)
         for req_id in [r for r in self._pending if not live(r)]:
             del self._pending[req_id]
+            self._extra_masks.pop(req_id, None)
 
     @staticmethod
     def _matcher(compiled: Any) -> Any:
@@ -108,6 +115,9 @@ class StructuredOutputManager:
             try:
                 # NOTE: False means every token is allowed here: no row needed.
                 if self.matchers[req_id].fill_next_token_bitmask(rows, i):
+                    extra = self._extra_masks.get(req_id)
+                    if extra is not None:
+                        np.bitwise_and(rows[i], extra, out=rows[i])
                     bitmask[req_id] = rows[i].tobytes()
             except Exception:  # one request's grammar, never the engine
                 logger.exception("request %s: filling its grammar bitmask failed", req_id)
