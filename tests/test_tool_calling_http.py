@@ -68,7 +68,8 @@ def server(template_file, tmp_path_factory):
     srv = ServerProcess(
         ["--chat-template", template_file, "--enable-auto-tool-choice",
          "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-         "--max-model-len", "1024", "--kv-cache-memory", "64MiB"],
+         "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+         "--trust-request-chat-template"],
         log,
     ).start()  # fmt: skip
     yield srv
@@ -226,6 +227,31 @@ def test_tool_history_is_rendered(client, server):
     r = httpx.post(server.base_url + "/chat/completions", json={"messages": bad}, timeout=60)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_documents_and_reasoning_history_reach_the_template(server):
+    template = (
+        "{%- for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{%- endfor %}"
+        "{%- for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{%- if m.reasoning_content %}(thought: {{ m.reasoning_content }}){%- endif %}"
+        "{%- endfor %}<assistant>"
+    )
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "reasoning_content": "be nice"},
+        {"role": "user", "content": "and?"},
+    ]
+    docs = [{"title": "Paris", "text": "the capital of France"}]
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
+        "messages": messages, "documents": docs, "chat_template": template, "max_tokens": 1,
+        "return_token_ids": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    ids = r.json()["prompt_token_ids"]
+    text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=60).json()
+    assert text["prompt"] == (
+        "[Paris: the capital of France]<user>hi<assistant>hello(thought: be nice)<user>and?"
+        "<assistant>"
+    )
 
 
 # ---------------------------------------------------------------- refusals
