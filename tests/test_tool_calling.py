@@ -340,6 +340,8 @@ def test_tool_history_reaches_the_template_with_arguments_as_objects():
     assert "<tool_response>\n22 C, sunny\n</tool_response>" in text
     structured = structure(ChatCompletionRequest, {"messages": HISTORY})
     assert render_template(QWEN_LIKE, structured.messages) == text  # protocol objects alike
+    ids = "{{ messages[1].tool_calls[0].id }}/{{ messages[2].tool_call_id }}"
+    assert render_template(ids, structured.messages) == "call_1/call_1"
 
 
 def test_tool_history_with_bad_arguments_is_refused():

@@ -153,6 +153,13 @@ def test_auto_parses_a_hermes_call_streamed_and_not(client, constrained):
     content, _, calls, finish = streamed(client, tools=TOOLS, max_tokens=300, extra_body=body)
     assert content == "Checking." and finish == "tool_calls"
     assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Paris"})]
+    two = {"structured_outputs": {"regex": call + "\\n" + call.replace("Paris", "Rome")}}
+    r = create(client, tools=TOOLS, max_tokens=400, extra_body=two)
+    assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == [
+        "Paris", "Rome"]  # fmt: skip
+    r = create(client, tools=TOOLS, max_tokens=400, extra_body=two, parallel_tool_calls=False)
+    assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == [
+        "Paris"]  # fmt: skip
 
 
 def test_named_function_gives_that_call(client, constrained):
