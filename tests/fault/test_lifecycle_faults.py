@@ -293,3 +293,35 @@ def test_dead_engine_exits_non_zero(tiny_model_factory, tmp_path):
         code = srv.stop()
     assert code == 1, srv.log()
     assert "The engine died" in srv.log()
+
+
+def test_dead_engine_restarts_with_flag(tiny_model_factory, tmp_path):
+    """--restart-on-engine-death: the stream in flight gets its error, a new engine (a new
+    worker) comes up in the same process and serves; SIGTERM then exits with 0."""
+    model = tiny_model_factory("llama")
+    srv = ServerProcess(
+        [model, "--max-model-len", "1024", "--kv-cache-memory", "16MiB",
+         "--restart-on-engine-death"],
+        tmp_path / "s.log",
+    ).start()  # fmt: skip
+    try:
+        (worker,) = _workers(srv.proc.pid)
+        streamed = open_request(
+            srv,
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True},
+        )
+        read_until(streamed, b"data: {")
+        os.kill(worker, signal.SIGKILL)
+        assert b"ServiceUnavailableError" in read_until(streamed, b"[DONE]")
+        deadline = time.monotonic() + 120
+        while "restart 1" not in srv.log() or httpx.get(srv.url + "/health").status_code != 200:
+            assert srv.proc.poll() is None, srv.log()
+            assert time.monotonic() < deadline, srv.log()
+            time.sleep(0.2)
+        assert "restarting it (--restart-on-engine-death)" in srv.log()
+        assert _workers(srv.proc.pid) not in ([], [worker])
+        serves(srv)
+    finally:
+        code = srv.stop()
+    assert code == 0, srv.log()

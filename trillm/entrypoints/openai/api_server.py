@@ -4,13 +4,15 @@ Root nursery shape (DESIGN.md)::
 
     trio.run(run_server)
       signal watcher                    SIGINT/SIGTERM -> drain, then stop
-      open_engine(...)                  engine-core + output-handler tasks inside
-        server nursery
-          hypercorn.trio.serve(app)     started with nursery.start: listening once it returns
-          producers                     one task per in-flight engine request (serving_base)
+      engine supervisor                 open_engine(...) (engine-core + output handler inside);
+                                        on its death: exit 1, or a new engine (engine_supervisor)
+      server nursery
+        hypercorn.trio.serve(app)       started with nursery.start: listening once it returns
+        producers                       one task per in-flight engine request (generation)
 
 The HTTP listener starts only after the engine is ready, so ``/health`` answers 200 from the
-first connection; it answers 503 once the engine has died or the server is draining.
+first connection; it answers 503 once the engine has died or the server is draining. The
+engine is closed only after the HTTP server has stopped.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import trillm
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
 from trillm.entrypoints.chat_utils import load_chat_template
 from trillm.entrypoints.openai import openapi
+from trillm.entrypoints.openai.engine_supervisor import supervise_engine
 from trillm.entrypoints.openai.errors import (
     APIError,
     AuthenticationError,
@@ -64,9 +67,6 @@ logger = logging.getLogger("trillm.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 RETRY_AFTER_S = 1  # the Retry-After of a 503
-# After the engine dies, in-flight requests get their error and /health its 503 for this
-# long; then the process exits non-zero for its supervisor to restart it (vLLM exits too).
-ENGINE_DEATH_GRACE_S = 2.0
 # After --shutdown-timeout and the aborts, what still runs (a producer nobody reads) gets
 # this long before it is cancelled: shutdown never hangs.
 SHUTDOWN_BACKSTOP_S = 10.0
@@ -262,6 +262,8 @@ class ServerOptions:
     reasoning_parser: str | None = None
     # Requests waiting beyond the running batch (--max-num-seqs); past it, 503 at once.
     max_num_queued_requests: int | None = None
+    # On the engine's death: a new engine in the same process (else exit code 1).
+    restart_on_engine_death: bool = False
 
 
 @attrs.define(eq=False)
@@ -298,46 +300,49 @@ async def _serve(
     from trillm.engine.async_engine import open_engine
 
     chat_template = load_chat_template(opts.chat_template)
-    async with open_engine(
-        model, stream_wake_budget=opts.stream_wake_budget, **engine_args
-    ) as engine:
-        async with trio.open_nursery() as nursery:
-            names = opts.served_model_names or [engine.model_config.served_model_name]
-            state = ServerState(
-                engine=engine,
-                served_model_names=names,
-                metrics=ServerMetrics(engine, names[0]),
-                nursery=nursery,
-                chat_template=chat_template,
-                trust_request_chat_template=opts.trust_request_chat_template,
-                max_logprobs=opts.max_logprobs,
-                enable_auto_tool_choice=opts.enable_auto_tool_choice,
-                tool_call_parser=opts.tool_call_parser,
-                exclude_tools_when_tool_choice_none=opts.exclude_tools_when_tool_choice_none,
-                reasoning_parser=opts.reasoning_parser,
-                max_admitted=_max_admitted(engine, opts),
-            )
-            app = build_app(state, opts.api_key)
-            shutdown = trio.Event()
-            serve = partial(
-                _hypercorn_serve, app, _hypercorn_config(opts), shutdown_trigger=shutdown.wait
-            )
-            binds = await nursery.start(serve)
-            life.serving = True
-            logger.info("trillm is serving %s on %s", names[0], ", ".join(binds))
-            death_watch = trio.CancelScope()
-            nursery.start_soon(_exit_on_engine_death, engine, life, death_watch)
-            await life.stop.wait()
-            death_watch.cancel()
-            await _drain(state, opts.shutdown_timeout)
-            shutdown.set()
-            # Hypercorn closes its connections within its graceful timeout; the producers end
-            # with their aborted requests. Anything left is cancelled, never waited on.
-            nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BACKSTOP_S
-        if nursery.cancel_scope.cancelled_caught:
-            logger.warning("Shutdown cancelled what was still running after %.0f s.",
-                           SHUTDOWN_BACKSTOP_S)  # fmt: skip
-        logger.info("HTTP server stopped; shutting the engine down.")
+    opener = partial(open_engine, model, stream_wake_budget=opts.stream_wake_budget, **engine_args)
+    done = trio.Event()  # the HTTP server has stopped: the engine may go
+    async with trio.open_nursery() as engines:
+        engine = await engines.start(
+            supervise_engine, opener, opts.restart_on_engine_death, life, done
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                names = opts.served_model_names or [engine.model_config.served_model_name]
+                state = ServerState(
+                    engine=engine,
+                    served_model_names=names,
+                    metrics=ServerMetrics(engine, names[0]),
+                    nursery=nursery,
+                    chat_template=chat_template,
+                    trust_request_chat_template=opts.trust_request_chat_template,
+                    max_logprobs=opts.max_logprobs,
+                    enable_auto_tool_choice=opts.enable_auto_tool_choice,
+                    tool_call_parser=opts.tool_call_parser,
+                    exclude_tools_when_tool_choice_none=opts.exclude_tools_when_tool_choice_none,
+                    reasoning_parser=opts.reasoning_parser,
+                    max_admitted=_max_admitted(engine, opts),
+                )
+                app = build_app(state, opts.api_key)
+                shutdown = trio.Event()
+                serve = partial(
+                    _hypercorn_serve, app, _hypercorn_config(opts), shutdown_trigger=shutdown.wait
+                )
+                binds = await nursery.start(serve)
+                life.serving = True
+                logger.info("trillm is serving %s on %s", names[0], ", ".join(binds))
+                await life.stop.wait()
+                await _drain(state, opts.shutdown_timeout)
+                shutdown.set()
+                # Hypercorn closes its connections within its graceful timeout; the producers
+                # end with their aborted requests. Anything left is cancelled, never waited on.
+                nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BACKSTOP_S
+            if nursery.cancel_scope.cancelled_caught:
+                logger.warning("Shutdown cancelled what was still running after %.0f s.",
+                               SHUTDOWN_BACKSTOP_S)  # fmt: skip
+            logger.info("HTTP server stopped; shutting the engine down.")
+        finally:
+            done.set()
     logger.info("trillm stopped.")
 
 
@@ -380,19 +385,6 @@ def _max_admitted(engine: Any, opts: ServerOptions) -> int | None:
     if opts.max_num_queued_requests is None:
         return None
     return engine.config.scheduler.max_num_seqs + opts.max_num_queued_requests
-
-
-async def _exit_on_engine_death(engine: Any, life: _Lifecycle, scope: trio.CancelScope) -> None:
-    with scope:  # cancelled when the server stops for another reason
-        await engine.died.wait()
-        logger.error(
-            "The engine died (%s); exiting with code 1 in %.0f s.",
-            engine.dead_error,
-            ENGINE_DEATH_GRACE_S,
-        )
-        life.exit_code = 1
-        await trio.sleep(ENGINE_DEATH_GRACE_S)
-        life.stop.set()
 
 
 async def _drain(state: ServerState, grace_s: float) -> None:

@@ -106,6 +106,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         "prompt and sample); past it a request gets 503 with Retry-After at once, before any "
         "work. Default: no bound.",
     )  # fmt: skip
+    g.add_argument(
+        "--restart-on-engine-death", action="store_true",
+        help="When the engine dies (a worker killed), start a new one in this process instead "
+        "of exiting with code 1 after 2 s (the default).",
+    )  # fmt: skip
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -240,6 +245,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         keep_alive_timeout=args.timeout_keep_alive,
         stream_wake_budget=args.stream_wake_budget or None,
         max_num_queued_requests=args.max_num_queued_requests,
+        restart_on_engine_death=args.restart_on_engine_death,
     )
 
 
