@@ -110,7 +110,7 @@ class StructuredOutputManager:
                 (max(len(req_ids), 2 * len(self._rows)), self.num_words), np.int32
             )
         rows = self._rows
-        bitmask: dict[str, bytes] = {}
+        bitmask: dict[str, bytes | list[int]] = {}
         for i, req_id in enumerate(req_ids):
             try:
                 # NOTE: False means every token is allowed here: no row needed.

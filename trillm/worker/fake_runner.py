@@ -221,19 +221,22 @@ class FakeModelRunner:
         )
 
     def _next_token(self, req: _Request, bitmask: bytes | list[int] | None) -> int:
+        words: list[int] | None = None
         if isinstance(bitmask, bytes | bytearray | memoryview):  # the int32 words' bytes
-            bitmask = np.frombuffer(bitmask, dtype=np.uint32).tolist()
+            words = np.frombuffer(bitmask, dtype=np.uint32).tolist()
+        elif bitmask is not None:
+            words = bitmask
         if self.emit_eos_at is not None and req.num_output_tokens == self.emit_eos_at:
             if self.eos_token_ids:
                 return self.eos_token_ids[0]
         token = fake_token(req.req_id, req.num_tokens, self.vocab_size)
         for _ in range(self.vocab_size):
-            ok = bitmask is None or _allowed(bitmask, token)
+            ok = words is None or _allowed(words, token)
             if ok and token not in self.eos_token_ids:
                 return token
             token = (token + 1) % self.vocab_size
         for eos in self.eos_token_ids:  # a grammar that is complete allows only EOS
-            if bitmask is not None and _allowed(bitmask, eos):
+            if words is not None and _allowed(words, eos):
                 return eos
         raise FakeRunnerError(f"The bitmask of {req.req_id!r} allows no token.")
 
