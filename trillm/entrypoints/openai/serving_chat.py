@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from trillm.engine.input_processor import truncate_prompt
 from trillm.entrypoints.chat_utils import (
     ChatTemplateError,
     render_template,
@@ -18,6 +19,7 @@ from trillm.entrypoints.chat_utils import (
 from trillm.entrypoints.openai.chat_parsing import (
     ChoiceParser,
     ToolPlan,
+    keeps_special_tokens,
     plan_tools,
     reasoning_factory,
 )
@@ -56,6 +58,8 @@ async def create_chat_completion(
     )
     if tools.structured_outputs is not None:  # "required" / named tool_choice
         params.structured_outputs = tools.structured_outputs
+    if keeps_special_tokens(state.tokenizer, tools, state.reasoning_parser is not None):
+        params.skip_special_tokens = False  # the parsers' markers are special tokens
     request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     ctx = _ChatContext(state, req, params, request_id, prompt_ids)
     reasoning = reasoning_factory(state, req, prompt_text)
@@ -100,7 +104,12 @@ async def _render_and_tokenize(
     except ChatTemplateError as exc:
         raise BadRequestError(str(exc), exc.param) from exc
     # NOTE: the template writes the special tokens itself (BOS included where the model has one).
-    ids = await tokenize_text(state, text, add_special_tokens=False)
+    truncate = req.truncate_prompt_tokens
+    ids = await tokenize_text(
+        state, text, add_special_tokens=False, truncating=truncate is not None
+    )
+    if truncate is not None:  # as in completions: before the length check and the usage count
+        ids = truncate_prompt(ids, truncate, state.model_config.max_model_len)
     if not ids:
         raise BadRequestError("The rendered chat is empty.", "messages")
     return ids, text
@@ -193,17 +202,19 @@ class _ChatContext:
         if not self.req.logprobs:
             return None
         content = []
+        # return_tokens_as_token_ids: "token_id:<id>" for tokens that are not UTF-8 alone.
+        as_ids = self.req.return_tokens_as_token_ids
         for tid, entry in zip(token_ids, logprobs or []):
             chosen, tops = position_logprobs(self.state, entry, tid)
-            text = self.state.token_text(tid)
+            text = f"token_id:{tid}" if as_ids else self.state.token_text(tid)
+            top = [(f"token_id:{i}" if as_ids else t, lp) for i, t, lp in tops[: self.top_n]]
             content.append(
                 {
                     "token": text,
                     "logprob": chosen,
                     "bytes": list(text.encode()),
                     "top_logprobs": [
-                        {"token": t, "logprob": lp, "bytes": list(t.encode())}
-                        for _, t, lp in tops[: self.top_n]
+                        {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top
                     ],
                 }
             )
