@@ -166,6 +166,44 @@ def test_timeout_ends_request(server, stream):
     serves(server)
 
 
+def test_timeout_in_chat(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "timeout": 0.4, **LONG}
+    r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "timeout"
+    wait_gauges(server, (0.0, 0.0))
+
+
+def test_generate_timeout_python_api(tiny_model_factory):
+    """``AsyncEngine.generate(timeout=)``: the last output says "timeout", n > 1 included,
+    and the engine is left with nothing unfinished."""
+    import trio
+
+    from trillm import SamplingParams, open_engine
+    from trillm.executor.abstract import FAKE_RUNNER
+
+    async def main() -> None:
+        async with open_engine(
+            tiny_model_factory("llama"), runner=FAKE_RUNNER,
+            runner_kwargs={"step_sleep_s": 0.01}, max_model_len=2048,
+        ) as engine:  # fmt: skip
+            params = SamplingParams(max_tokens=1000, ignore_eos=True, n=2)
+            start = trio.current_time()
+            outs = [o async for o in engine.generate({"prompt_token_ids": [1, 2]}, params,
+                                                     timeout=0.3)]  # fmt: skip
+            assert trio.current_time() - start < 2
+            last = outs[-1]
+            assert last.finished
+            assert [c.finish_reason for c in last.outputs] == ["timeout", "timeout"]
+            assert all(0 < len(c.token_ids) < 1000 for c in last.outputs)
+            assert not engine.output_processor.has_unfinished_requests()
+            with pytest.raises(ValueError, match="timeout"):
+                async for _ in engine.generate({"prompt_token_ids": [1]}, timeout=0):
+                    pass
+
+    trio.run(main)
+
+
 def test_timeout_is_validated(server):
     for bad in (0, -1, 1e9, "soon"):
         r = httpx.post(server.base_url + "/completions",
