@@ -92,6 +92,12 @@ CASES = [
     ("mistral", MISTRAL_V11, "Let me check.",
      [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
     ("mistral", "No tools [needed] here.", "No tools [needed] here.", []),
+    ("mistral", MISTRAL_V11 + "</s>", "Let me check.",  # special tokens kept: EOS text follows
+     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    ("mistral", MISTRAL_V3 + "</s>", None, [
+        ("get_current_weather", {"location": "Paris, France", "format": "celsius"}),
+        ("get_time", {}),
+    ]),
     ("pythonic", LLAMA32_PYTHONIC, None, [
         ("get_weather", {"city": "San Francisco", "metric": "celsius", "days": [1, 2]}),
         ("get_time", {"timezone": "PST", "exact": True, "note": None}),
@@ -301,6 +307,20 @@ def test_a_tool_without_a_function_name_is_refused_when_structured():
     with pytest.raises(BadRequestError) as info:
         _request(tools=[{"type": "function", "function": {"description": "x"}}])
     assert info.value.param == "tools[0].function.name"
+
+
+def test_special_token_markers_keep_special_tokens(tok):
+    from types import SimpleNamespace
+
+    from trillm.entrypoints.openai.chat_parsing import keeps_special_tokens
+
+    mistral_like = SimpleNamespace(all_special_tokens=["</s>", "[TOOL_CALLS]", "[ARGS]"])
+    auto = plan_tools(_State(tool_call_parser="mistral"), _request(tools=TOOLS))
+    assert keeps_special_tokens(mistral_like, auto, reasoning=False)
+    hermes = plan_tools(_State(), _request(tools=TOOLS))
+    assert not keeps_special_tokens(tok, hermes, reasoning=True)  # <tool_call>, <think>: text
+    none = plan_tools(_State(tool_call_parser="mistral"), _request(tools=TOOLS, tool_choice="none"))
+    assert not keeps_special_tokens(mistral_like, none, reasoning=False)
 
 
 # ---------------------------------------------------------------- the chat template

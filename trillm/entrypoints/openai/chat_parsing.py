@@ -122,6 +122,33 @@ def _refuse_other_constraints(req: Any) -> None:
         )
 
 
+def keeps_special_tokens(tokenizer: Any, tools: ToolPlan, reasoning: bool) -> bool:
+    """Whether the output must keep special tokens for its parsers to see their markers
+    (vLLM's adjust_request): Mistral's ``[TOOL_CALLS]`` is a special token, Qwen's
+    ``<tool_call>`` and ``<think>`` are not."""
+    markers: tuple[str, ...] = ()
+    if tools.mode == "auto" and tools.parser is not None:
+        markers = type(tools.parser()).markers
+    if reasoning:
+        markers += ("<think>", "</think>")
+    return bool(markers) and not _special_tokens(tokenizer).isdisjoint(markers)
+
+
+_SPECIAL: dict[int, tuple[Any, frozenset[str]]] = {}  # id -> (tokenizer, its special tokens)
+
+
+def _special_tokens(tokenizer: Any) -> frozenset[str]:
+    cached = _SPECIAL.get(id(tokenizer))
+    if cached is not None and cached[0] is tokenizer:
+        return cached[1]
+    names = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            names.add(str(token.content))
+    _SPECIAL[id(tokenizer)] = (tokenizer, frozenset(names))
+    return frozenset(names)
+
+
 def reasoning_factory(
     state: Any, req: Any, prompt_text: str
 ) -> Callable[[], ReasoningParser] | None:

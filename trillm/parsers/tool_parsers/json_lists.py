@@ -5,7 +5,8 @@
   ``<|python_tag|>``; anything else is content.
 - ``mistral``: content, then ``[TOOL_CALLS]`` and a JSON array of
   ``{"name": ..., "arguments": {...}}`` (tokenizer v3-v7), or ``[TOOL_CALLS]name[ARGS]{...}``
-  repeated (v11 and later).
+  repeated (v11 and later). These markers are special tokens: the server keeps special
+  tokens in the text for this parser, and text after the calls (``</s>``) is dropped.
 """
 
 from __future__ import annotations
@@ -123,10 +124,6 @@ class MistralToolParser(ToolParser):
                 return None
             calls.append(CallPiece(name, text[start:end], True))
             nxt = skip_ws(text, end)
-            if nxt == len(text):
-                return calls
             if not text.startswith(self.TAG, nxt):
-                if not final and self.TAG.startswith(text[nxt:]):
-                    return calls
-                return None
+                return calls  # what follows the calls (an end-of-text token) is not content
             pos = nxt + len(self.TAG)
