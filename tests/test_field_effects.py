@@ -393,3 +393,195 @@ def test_structural_tag_structures_and_triggers_are_compiled(server):
     assert "nope" in message
     assert "structures" in refused(server, "chat", "response_format",
                                    response_format={"type": "structural_tag"})  # fmt: skip
+
+
+# ---------------------------------------------------------------- chat rendering
+
+# Renders every message and tool field a template can read, so each shows in the prompt.
+SHOW_ALL = (
+    "{%- for m in messages %}[{{ m.role }}|{{ m.name }}|{{ m.content }}|{{ m.tool_call_id }}|"
+    "{{ m.reasoning_content }}|{%- for tc in m.tool_calls or [] %}{{ tc.id }}:{{ tc.type }}:"
+    "{{ tc.function.name }}:{{ tc.function.arguments | tojson }}{%- endfor %}]{%- endfor %}"
+    "{%- for t in tools or [] %}<{{ t.type }}:{{ t.function.name }}:{{ t.function.description }}:"
+    "{{ t.function.parameters | tojson }}:{{ t.function.strict }}>{%- endfor %}"
+    "{%- for d in documents or [] %}{{ d | tojson }}{%- endfor %}{{ flavour }}"
+    "{%- if add_generation_prompt %}GO{%- endif %}"
+)
+TOOL = {"type": "function", "function": {"name": "get_time", "description": "Now.",
+        "parameters": {"type": "object", "properties": {}}, "strict": True}}  # fmt: skip
+HISTORY = [
+    {"role": "system", "content": [{"type": "text", "text": "part one"},
+                                   {"type": "text", "text": "part two"}]},
+    {"role": "user", "name": "alice", "content": "what time"},
+    {"role": "assistant", "content": None, "reasoning_content": "thinking it over",
+     "tool_calls": [{"id": "call-7", "type": "function",
+                     "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+    {"role": "tool", "tool_call_id": "call-7", "content": "noon"},
+]  # fmt: skip
+
+
+def rendered(srv: ServerProcess, **fields) -> str:
+    """The prompt a chat request renders (its prompt_token_ids, decoded)."""
+    payload = {"messages": HISTORY, "chat_template": SHOW_ALL, "max_tokens": 1,
+               "return_token_ids": True, **fields}  # fmt: skip
+    r = post(srv, "chat", payload)
+    assert r.status_code == 200, r.text
+    ids = r.json()["prompt_token_ids"]
+    return httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+
+
+def test_message_and_tool_fields_reach_the_template(server):
+    text = rendered(server)
+    assert text.startswith("[system||part one\npart two|||]")  # content parts
+    assert "[user|alice|what time|" in text  # role, name, content
+    assert '|thinking it over|call-7:function:get_time:{"tz": "UTC"}]' in text  # arguments
+    assert "[tool||noon|call-7|" in text  # tool_call_id
+    assert text.endswith("GO") and "<" not in text  # add_generation_prompt; no tools yet
+    # "reasoning" is vLLM's newer name for reasoning_content
+    newer = [*HISTORY[:2], {**HISTORY[2], "reasoning_content": None, "reasoning": "newer name"}]
+    assert "|newer name|call-7" in rendered(server, messages=newer)
+    with_tools = rendered(server, tools=[TOOL], tool_choice="none")
+    assert '<function:get_time:Now.:{"type": "object", "properties": {}}:True>' in with_tools
+    docs = rendered(server, documents=[{"title": "T", "text": "D"}])
+    assert '{"title": "T", "text": "D"}' in docs
+    assert rendered(server, chat_template_kwargs={"flavour": "VANILLA"}).endswith("VANILLAGO")
+    assert not rendered(server, add_generation_prompt=False).endswith("GO")
+
+
+def test_chat_template_in_a_request_replaces_the_servers(server):
+    template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
+    text = rendered(server, messages=[{"role": "user", "content": "x"}], chat_template=template)
+    assert text == "<<x>>"
+
+
+def test_continue_final_message_leaves_the_last_message_open(server):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    payload = {"messages": messages, "max_tokens": 1, "return_token_ids": True}
+    closed = full(server, "chat", **payload)["prompt_token_ids"]
+    opened = full(server, "chat", continue_final_message=True, add_generation_prompt=False,
+                  **payload)["prompt_token_ids"]  # fmt: skip
+    text = httpx.post(server.url + "/detokenize", json={"tokens": opened}).json()["prompt"]
+    assert text.endswith("assistant\nOnce") and len(opened) < len(closed)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [{**TOOL, "type": "retrieval"}]}, "tools[0].type"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "other", "function": {"name": "get_time"}}},
+            "tool_choice",
+        ),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        (
+            {
+                "messages": [
+                    {**HISTORY[2], "tool_calls": [{**HISTORY[2]["tool_calls"][0], "type": "other"}]}
+                ]
+            },
+            "messages[0].tool_calls[0].type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+        ),
+    ],  # fmt: skip
+)
+def test_tool_and_part_types_other_than_function_and_text_are_refused(server, fields, param):
+    refused(server, "chat", param, **fields)
+
+
+# ---------------------------------------------------------------- completions only
+
+
+def test_echo_suffix_best_of(server):
+    assert gen(server, "completions", echo=True)["text"].startswith(PROMPT)
+    assert not gen(server, "completions")["text"].startswith(PROMPT)
+    refused(server, "completions", "suffix", suffix="The end.")
+    refused(server, "completions", "best_of", best_of=2)
+    assert len(full(server, "completions", best_of=2, n=2, seed=1, temperature=1)["choices"]) == 2
+
+
+def test_prompt_as_text_ids_and_lists(server):
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    by_text = gen(server, "completions")["ids"]
+    assert gen(server, "completions", prompt=ids)["ids"] == by_text
+    two = full(server, "completions", prompt=[PROMPT, "Other words"])["choices"]
+    assert len(two) == 2 and two[0]["token_ids"] == by_text != two[1]["token_ids"]
+
+
+# ---------------------------------------------------------------- /tokenize and /detokenize
+
+
+def test_tokenize_and_detokenize_fields(server):
+    def tokenize(**fields):
+        r = httpx.post(server.url + "/tokenize", json=fields, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    ids = tokenize(prompt=PROMPT)["tokens"]
+    strs = tokenize(prompt=PROMPT, return_token_strs=True)["token_strs"]
+    assert len(strs) == len(ids) and strs[0] == "An"
+    assert "token_strs" not in tokenize(prompt=PROMPT)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    with_prompt = tokenize(messages=msgs)["tokens"]
+    without = tokenize(messages=msgs, add_generation_prompt=False)["tokens"]
+    assert len(without) < len(with_prompt)
+    opened = tokenize(messages=msgs, continue_final_message=True, add_generation_prompt=False)
+    assert len(opened["tokens"]) < len(without)
+    assert tokenize(messages=msgs, chat_template_kwargs={"x": 1})["tokens"] == with_prompt
+    name = httpx.get(server.base_url + "/models").json()["data"][0]["id"]
+    assert tokenize(prompt=PROMPT, model=name)["tokens"] == ids
+    r = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT, "model": "nope"})
+    assert r.status_code == 404
+    back = httpx.post(server.url + "/detokenize", json={"tokens": ids, "model": name}).json()
+    assert back["prompt"] == PROMPT
+    r = httpx.post(server.url + "/detokenize", json={"tokens": ids, "model": "nope"})
+    assert r.status_code == 404
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+# ---------------------------------------------------------------- a tokenizer with a BOS token
+
+
+@pytest.fixture(scope="module")
+def bos_server(tmp_path_factory):
+    """The default model with --tokenizer: a copy of its tokenizer that adds a BOS token."""
+    from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
+
+    folder = tmp_path_factory.mktemp("bos-tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).write_bytes((DEFAULT_MODEL_DIR / name).read_bytes())
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+    seq = {"Sequence": {"id": "A", "type_id": 0}}
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, seq],
+        "pair": [bos, seq, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                              "tokens": ["<|endoftext|>"]}}}  # fmt: skip
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(bos_token="<|endoftext|>", add_bos_token=True)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    log = tmp_path_factory.mktemp("field-effects-bos") / "server.log"
+    srv = ServerProcess(["--tokenizer", str(folder), "--max-model-len", "256",
+                         "--kv-cache-memory", "16MiB"], log).start()  # fmt: skip
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def test_add_special_tokens_and_the_tokenizer_flag(bos_server, server):
+    def tokens(srv, **fields):
+        return httpx.post(srv.url + "/tokenize", json={"prompt": PROMPT, **fields}).json()["tokens"]
+
+    plain = tokens(server)
+    assert tokens(bos_server) == [0, *plain]  # --tokenizer: the BOS-adding copy is used
+    assert tokens(bos_server, add_special_tokens=False) == plain
+    out = full(bos_server, "completions")
+    assert out["choices"][0]["prompt_token_ids"] == [0, *plain]
+    bare = full(bos_server, "completions", add_special_tokens=False)
+    assert bare["choices"][0]["prompt_token_ids"] == plain
