@@ -25,6 +25,9 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
     else:
         text = req.prompt or ""
         add_special = req.add_special_tokens
+    # NOTE: the same limits as generation (this route is open without the API key, as in
+    # vLLM): a text too long for the context is refused before tokenizing, and long texts
+    # wait for one of a few tokenizer threads.
     ids = await tokenize_text(state, text, add_special)
     body: dict[str, Any] = {
         "count": len(ids),
