@@ -276,6 +276,12 @@ def test_documents_and_reasoning_history_reach_the_template(server):
         ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools[0].type"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
          "tool_choice"),
+        ({"tools": [TIME, {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "nonsense"}}}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tools[1].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"$ref": "#/defs/missing"}}}}}],
+          "tool_choice": "required"}, "tools"),
     ],
 )  # fmt: skip
 def test_bad_tool_specs_are_400s(client, body, param):

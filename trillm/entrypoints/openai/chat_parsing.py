@@ -37,6 +37,17 @@ class ToolPlan:
     parser: Callable[[], ToolParser] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     max_calls: int | None = None  # 1 when parallel_tool_calls is false ("auto": the first)
+    schema_param: str = "tools"  # what a schema that does not compile is blamed on
+
+    def blame(self, exc: BadRequestError) -> BadRequestError:
+        """An error about the constraint this plan made, told as the tools' fault."""
+        if self.structured_outputs is None or not (exc.param or "").startswith(
+            "structured_outputs"
+        ):
+            return exc
+        return BadRequestError(
+            f"The tool parameters are not a usable JSON schema: {exc.message}", self.schema_param
+        )
 
 
 def plan_tools(state: Any, req: Any) -> ToolPlan:
@@ -94,22 +105,25 @@ def plan_tools(state: Any, req: Any) -> ToolPlan:
             f"The tool {name!r} named in `tool_choice` is not one of the `tools`.",
             "tool_choice.function.name",
         )
+    index = next(i for i, tool in enumerate(tools) if tool["function"]["name"] == name)
+    param = f"tools[{index}].function.parameters"
     return ToolPlan(
         "named",
         tools,
         lambda: NamedToolCallParser(tools, name),
-        _constraint(named_schema(tools, name)),
+        _constraint(named_schema(tools, name), param),
+        schema_param=param,
     )
 
 
-def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
+def _constraint(schema: dict[str, Any], param: str = "tools") -> StructuredOutputsParams:
     # NOTE: no free whitespace: the calls come as json.dumps writes them (", " and ": "), as
     # models write them, and a weak model cannot spend max_tokens on newlines between tokens
     # of JSON (then no call would be valid).
     try:
         return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     except SamplingParamsError as exc:  # a tool's parameters are not a usable JSON schema
-        raise BadRequestError(f"The tools' parameters: {exc}", "tools") from None
+        raise BadRequestError(f"The tool parameters: {exc}", param) from None
 
 
 def _refuse_other_constraints(req: Any) -> None:

@@ -65,14 +65,17 @@ async def create_chat_completion(
     reasoning = reasoning_factory(state, req, prompt_text)
     if tools.parser is not None or reasoning is not None:
         ctx.parser = lambda: ChoiceParser(tools, reasoning, req.include_reasoning)
-    gen = await start_generation(
-        state,
-        [(prompt_ids, params)],
-        request_id,
-        req.priority,
-        req.cache_salt,
-        timeout=req.timeout,
-    )
+    try:
+        gen = await start_generation(
+            state,
+            [(prompt_ids, params)],
+            request_id,
+            req.priority,
+            req.cache_salt,
+            timeout=req.timeout,
+        )
+    except BadRequestError as exc:
+        raise tools.blame(exc) from None  # a tool schema that does not compile names the tool
     if req.stream:
         return guard_stream(gen, ctx.stream(gen))
     return await ctx.full(gen)
