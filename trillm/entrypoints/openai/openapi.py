@@ -156,10 +156,19 @@ def _response_components() -> dict[str, Any]:
     )
     ids = {"type": "array", "items": _INT}
     common = {"id": _STR, "object": _STR, "created": _INT, "model": _STR}
+    # Tool calls and reasoning (issue 12): a stream delta's call carries index, then id, type
+    # and name once, then argument fragments.
+    function = _obj({"name": _STR, "arguments": _STR})
+    tool_call = _obj({"index": _INT, "id": _STR, "type": _STR, "function": function})
+    parsed = {
+        "tool_calls": {"type": "array", "items": tool_call},
+        "reasoning_content": _NULLABLE_STR,
+        "reasoning": _NULLABLE_STR,
+    }
     chat_choice = _obj(
         {
             "index": _INT,
-            "message": _obj({"role": _STR, "content": _NULLABLE_STR}),
+            "message": _obj({"role": _STR, "content": _NULLABLE_STR, **parsed}),
             "logprobs": {"anyOf": [_ref("ChatLogprobs"), {"type": "null"}]},
             "finish_reason": _NULLABLE_STR,
             "stop_reason": _STOP_REASON,
@@ -170,7 +179,7 @@ def _response_components() -> dict[str, Any]:
     chat_chunk_choice = _obj(
         {
             "index": _INT,
-            "delta": _obj({"role": _STR, "content": _NULLABLE_STR}),
+            "delta": _obj({"role": _STR, "content": _NULLABLE_STR, **parsed}),
             "logprobs": {"anyOf": [_ref("ChatLogprobs"), {"type": "null"}]},
             "finish_reason": _NULLABLE_STR,
             "stop_reason": _STOP_REASON,
