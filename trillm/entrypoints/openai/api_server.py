@@ -58,7 +58,7 @@ from trillm.entrypoints.openai.protocol import (
     TokenizeRequest,
     structure,
 )
-from trillm.entrypoints.openai.serving_base import ServerState
+from trillm.entrypoints.openai.serving_base import ServerState, max_prompt_chars
 from trillm.entrypoints.openai.serving_chat import create_chat_completion
 from trillm.entrypoints.openai.serving_completion import create_completion
 from trillm.entrypoints.openai.serving_tokenize import detokenize, tokenize
@@ -323,6 +323,7 @@ async def _serve(
                     reasoning_parser=opts.reasoning_parser,
                     max_admitted=_max_admitted(engine, opts),
                 )
+                max_prompt_chars(state)  # the tokenizer's bound, once, before any request
                 app = build_app(state, opts.api_key)
                 shutdown = trio.Event()
                 serve = partial(

@@ -49,6 +49,10 @@ class ServerState:
     tokenize_limiter: trio.CapacityLimiter = attrs.field(
         factory=lambda: trio.CapacityLimiter(max(1, min(4, os.cpu_count() or 1)))
     )
+    # Texts of LARGE_TOKENIZE_CHARS and more (hundreds of MB of working memory): one at a time.
+    large_tokenize_limiter: trio.CapacityLimiter = attrs.field(
+        factory=lambda: trio.CapacityLimiter(1)
+    )
     _max_prompt_chars: int | None = None
     _token_text: dict[int, str] = attrs.field(factory=dict)
 
@@ -248,6 +252,7 @@ def prompt_logprobs_json(state: ServerState, prompt_logprobs: Any) -> list | Non
 _MIN_CHARS_PER_TOKEN = 32
 _SAFETY_FACTOR = 2
 INLINE_TOKENIZE_CHARS = 20_000  # shorter texts are tokenized on the event loop
+LARGE_TOKENIZE_CHARS = 1_000_000  # longer ones are tokenized one at a time
 
 
 def max_prompt_chars(state: ServerState) -> int:
@@ -284,14 +289,17 @@ async def tokenize_text(
     encode = state.tokenizer.encode
     if len(text) < INLINE_TOKENIZE_CHARS:
         return list(encode(text, add_special_tokens=add_special_tokens))
+
     # NOTE: long prompts are tokenized off the event loop so streams keep flowing, a few at
-    # a time (a tokenizer's working memory is many times the text's size).
-    return list(
-        await trio.to_thread.run_sync(
-            lambda: encode(text, add_special_tokens=add_special_tokens),
-            limiter=state.tokenize_limiter,
-        )
-    )
+    # a time (a tokenizer's working memory is many times the text's size: ~150 bytes a
+    # character for a fast tokenizer), the largest one at a time.
+    def work() -> list[int]:
+        return list(encode(text, add_special_tokens=add_special_tokens))
+
+    if len(text) < LARGE_TOKENIZE_CHARS:
+        return await trio.to_thread.run_sync(work, limiter=state.tokenize_limiter)
+    async with state.large_tokenize_limiter:
+        return await trio.to_thread.run_sync(work, limiter=state.tokenize_limiter)
 
 
 def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
