@@ -51,6 +51,11 @@ class _SchedulerCollector(Collector):
         counters = (
             ("trillm:prefix_cache_queries", "Prompt tokens looked up.", "prefix_cache_queries"),
             ("trillm:prefix_cache_hits", "Prompt tokens found in the cache.", "prefix_cache_hits"),
+            (
+                "trillm:num_preemptions",
+                "Requests preempted because the KV cache was full (recomputed later).",
+                "num_preemptions",
+            ),
         )
         for name, doc, attr in counters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
