@@ -83,13 +83,16 @@ def test_cumulative_text_follows_decode(tok, processor):
     assert final.prompt_token_ids == [1, 5, 7] and final.prompt == TEXT
 
 
+@pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("skip", [True, False])
-def test_eos_finish_and_special_tokens(tok, processor, skip):
+def test_eos_finish_and_special_tokens(tok, processor, skip, include):
     ids = ids_of(tok, "Hi there") + [EOS]
-    params = SamplingParams(skip_special_tokens=skip)
+    params = SamplingParams(skip_special_tokens=skip, include_stop_str_in_output=include)
     seen, _ = run_one_by_one(processor, ids, params, finish=FinishReason.STOP)
     final = seen[-1].outputs[0]
-    assert final.text == tok.decode(ids, skip_special_tokens=skip)
+    # As vLLM: the EOS that ended the sample has no text unless include_stop_str_in_output.
+    shown = ids if include else ids[:-1]
+    assert final.text == tok.decode(shown, skip_special_tokens=skip)
     assert final.token_ids == ids and final.finish_reason == "stop" and final.stop_reason is None
 
 

@@ -330,9 +330,18 @@ class OutputProcessor:
         if detok is None:
             self._append_tokens(sample, ids, out.new_logprobs)
             return None
+        # NOTE: as vLLM, the EOS / stop token that ended the sample has no text (it would
+        # show with skip_special_tokens false, or for a plain stop_token_ids entry).
+        silent = (
+            ids
+            and out.finish_reason == FinishReason.STOP
+            and not isinstance(out.stop_reason, str)
+            and not sample.params.include_stop_str_in_output
+        )
+        text_ids = ids[:-1] if silent else ids
         # With stop strings, feed one token at a time so a match drops the tokens after it.
-        many = sample.stop is not None and len(ids) > 1
-        pieces = [ids[i : i + 1] for i in range(len(ids))] if many else [ids]
+        many = sample.stop is not None and len(text_ids) > 1
+        pieces = [text_ids[i : i + 1] for i in range(len(text_ids))] if many else [text_ids]
         pieces = pieces or [[]]  # a finish without new tokens still flushes
         for i, piece in enumerate(pieces):
             new_text = detok.add_tokens(piece)
@@ -344,6 +353,8 @@ class OutputProcessor:
             stop_string = self._check_stop(sample, out, new_from)
             if stop_string is not None:
                 return stop_string
+        if silent:
+            self._append_tokens(sample, ids[-1:], out.new_logprobs, offset=len(ids) - 1)
         return None
 
     def _check_stop(self, sample: _Sample, out: EngineCoreOutput, new_from: int) -> str | None:
