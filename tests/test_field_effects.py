@@ -585,3 +585,21 @@ def test_add_special_tokens_and_the_tokenizer_flag(bos_server, server):
     assert out["choices"][0]["prompt_token_ids"] == [0, *plain]
     bare = full(bos_server, "completions", add_special_tokens=False)
     assert bare["choices"][0]["prompt_token_ids"] == plain
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_disable_any_whitespace(server, endpoint):
+    def canonical(text: str) -> bool:  # xgrammar's fixed separators (", ", ": ") and no more
+        try:
+            return text == json.dumps(json.loads(text))
+        except ValueError:
+            return False
+
+    def text(**options) -> str:
+        so = {"json": DIGIT, **options}
+        return gen(server, endpoint, max_tokens=24, logit_bias={"223": 8}, structured_outputs=so)[
+            "text"
+        ]  # 223: " ", favoured
+
+    assert not canonical(text())
+    assert canonical(text(disable_any_whitespace=True))

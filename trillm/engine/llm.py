@@ -165,11 +165,20 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
         engine = self.engine
-        async with trio.open_nursery() as nursery:
-            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                gen = engine.generate(prompt, params, request_id=f"llm-{id(results)}-{i}")
-                nursery.start_soon(self._collect, gen, i, results, bar)
-        bar.close()
+        try:
+            async with trio.open_nursery() as nursery:
+                for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                    gen = engine.generate(prompt, params, request_id=f"llm-{id(results)}-{i}")
+                    nursery.start_soon(self._collect, gen, i, results, bar)
+        except ExceptionGroup as group:
+            # A refused request raises its own error (a ValueError naming the field, as vLLM's
+            # LLM does), not the nursery's group; the other requests were cancelled with it.
+            first: BaseException = group
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from group
+        finally:
+            bar.close()
         return [r for r in results if r is not None]
 
     @staticmethod
