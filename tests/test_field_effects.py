@@ -569,7 +569,7 @@ def bos_server(tmp_path_factory):
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     log = tmp_path_factory.mktemp("field-effects-bos") / "server.log"
     srv = ServerProcess(["--tokenizer", str(folder), "--max-model-len", "256",
-                         "--kv-cache-memory", "16MiB"], log).start()  # fmt: skip
+                         "--kv-cache-memory", "16MiB", "--log-level", "debug"], log).start()  # fmt: skip
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -603,3 +603,12 @@ def test_disable_any_whitespace(server, endpoint):
 
     assert not canonical(text())
     assert canonical(text(disable_any_whitespace=True))
+
+
+def test_log_level_and_request_chat_templates(bos_server, server):
+    """--log-level debug logs every request (the access log); without
+    --trust-request-chat-template a request's chat_template is refused."""
+    message = refused(bos_server, "chat", "chat_template", chat_template="{{ 1 }}")
+    assert "--trust-request-chat-template" in message
+    assert '"POST /v1/chat/completions' in bos_server.log()
+    assert '"POST /v1/chat/completions' not in server.log()

@@ -394,3 +394,44 @@ def test_tool_flags_are_checked_at_startup(capsys):
         with pytest.raises(SystemExit):
             options(*flags)
         assert words in str(capsys.readouterr().err), flags
+
+
+def test_revision_reaches_the_hub_download(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    from trillm.model_executor.loader import resolve_model_path
+
+    asked = {}
+
+    def fake_download(repo_id, revision=None, **kwargs):
+        asked.update(repo_id=repo_id, revision=revision)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert resolve_model_path("org/model", "v2") == tmp_path
+    assert asked == {"repo_id": "org/model", "revision": "v2"}
+
+
+def test_gpu_memory_utilization_sizes_the_cuda_kv_budget(monkeypatch):
+    import types
+
+    import torch
+
+    from trillm.engine.config_builder import build_config
+    from trillm.worker.model_runner import ModelRunner
+
+    total = 80 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - (2 << 30), total))
+
+    def budget(fraction: float) -> int:
+        config = build_config(EngineArgs(gpu_memory_utilization=fraction, device="cpu"))
+        runner = types.SimpleNamespace(device="cuda:0", config=config)
+        return ModelRunner._cuda_kv_budget(runner)  # type: ignore[arg-type]
+
+    assert budget(0.9) - budget(0.5) == int(total * 0.9) - int(total * 0.5)
+    assert budget(0.01) == 0  # less than what is in use: no room, refused at startup
+
+
+def test_unknown_attention_backend_is_refused_at_startup():
+    with pytest.raises(ValueError, match="attention backend 'nope'"):
+        LLM(None, attention_backend="nope", **SMALL)
