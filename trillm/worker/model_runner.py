@@ -278,7 +278,7 @@ class ModelRunner:
                 pending.sample_logits,
                 self.sampling_state,
                 torch.from_numpy(sample_slots),
-                self._bitmask_tensor(bitmask, sample_req_ids),
+                self._bitmask_tensor(bitmask, sample_req_ids, pending.sample_logits),
             )
             tokens = out.sampled_token_ids.cpu().numpy()
             self.batch.append_sampled(sample_slots, tokens)
@@ -298,24 +298,42 @@ class ModelRunner:
         )
 
     def _bitmask_tensor(
-        self, bitmask: dict[str, bytes | list[int]] | None, req_ids: list[str]
+        self,
+        bitmask: dict[str, bytes | list[int]] | None,
+        req_ids: list[str],
+        logits: torch.Tensor,
     ) -> torch.Tensor | None:  # [n, ceil(V / 32)] int32, all bits set for unconstrained rows
-        if not bitmask or not any(r in bitmask for r in req_ids):
+        """The grammar rows of the sampled requests, applied first (before any processor,
+        and before logprobs, as vLLM). fp32 logits on the CPU are masked here, in place, with
+        numpy (one single-threaded pass: torch's elementwise ops wake its thread pool, several
+        ms on a busy CPU) and None is returned; otherwise the words go to the sampler."""
+        if not bitmask:
             return None
+        rows = [(i, bitmask[r]) for i, r in enumerate(req_ids) if r in bitmask]
+        if not rows:
+            return None
+        vocab = logits.shape[1]
         words = -(-self.config.model.vocab_size // 32)
-        mask = np.full((len(req_ids), words), -1, dtype=np.int32)
-        for i, req_id in enumerate(req_ids):
-            row = bitmask.get(req_id)
-            if row is None:
-                continue
+        packed = np.zeros((len(rows), words), dtype=np.int32)  # absent words: nothing allowed
+        for k, (_, row) in enumerate(rows):
             # A row is the int32 words' bytes (what the engine sends) or a list of words.
             if isinstance(row, bytes | bytearray | memoryview):
-                words_in = np.frombuffer(row, dtype=np.int32)
+                got = np.frombuffer(row, dtype=np.int32)
             else:
-                words_in = np.asarray(row, dtype=np.int64).astype(np.int32)
-            n = min(words, len(words_in))  # a tokenizer larger than the model: cut
-            mask[i, :n] = words_in[:n]
-            mask[i, n:] = 0
+                got = np.asarray(row, dtype=np.int64).astype(np.int32)
+            n = min(words, len(got))  # a tokenizer larger than the model: cut
+            packed[k, :n] = got[:n]
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            allowed = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+            lg = logits.numpy()
+            if len(rows) == len(req_ids):
+                np.putmask(lg, allowed == 0, np.float32(-np.inf))
+            else:
+                for k, (i, _) in enumerate(rows):
+                    np.putmask(lg[i], allowed[k] == 0, np.float32(-np.inf))
+            return None
+        mask = np.full((len(req_ids), words), -1, dtype=np.int32)
+        mask[[i for i, _ in rows]] = packed
         return torch.from_numpy(mask).to(self.device)
 
     def _sample_logprobs(
