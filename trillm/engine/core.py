@@ -154,7 +154,14 @@ class EngineCore:
         so = self.structured_output
         if so is None:
             self._end_grammar_request(msg.request_id, "no structured-output support")
-        elif not so.add_request(msg.request_id, msg.sampling_params.structured_outputs):
+            return
+        try:
+            ready = so.add_request(msg.request_id, msg.sampling_params.structured_outputs)
+        except Exception as exc:  # one request's grammar: never the engine
+            so.remove(msg.request_id)
+            self._end_grammar_request(msg.request_id, f"{type(exc).__name__}: {exc}")
+            return
+        if not ready:
             self.scheduler.set_waiting_for_grammar(msg.request_id)
 
     def _poll_grammars(self) -> None:

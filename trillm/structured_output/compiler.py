@@ -88,7 +88,14 @@ class GrammarCache:
     def compile_now(self, spec: GrammarSpec) -> Any:
         """Compile in the calling thread -> ``xgr.CompiledGrammar``; ``StructuredOutputError``
         naming the problem when xgrammar refuses the spec."""
-        compiler = self.compiler()
+        try:
+            compiler = self.compiler()
+        except Exception as exc:  # the tokenizer is one xgrammar cannot read
+            raise StructuredOutputError(
+                "structured_outputs",
+                f"Structured outputs are unavailable for this tokenizer: {type(exc).__name__}: "
+                f"{exc}",
+            ) from None
         try:
             return _compile(compiler, spec)
         except StructuredOutputError:

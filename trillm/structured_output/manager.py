@@ -64,7 +64,11 @@ class StructuredOutputManager:
             if exc is not None:
                 failed.append((req_id, str(exc)))
                 continue
-            self.matchers[req_id] = self._matcher(fut.result())
+            try:
+                self.matchers[req_id] = self._matcher(fut.result())
+            except Exception as err:  # pragma: no cover - xgrammar refusing a compiled grammar
+                failed.append((req_id, f"{type(err).__name__}: {err}"))
+                continue
             ready.append(req_id)
         return ready, failed
 
