@@ -257,10 +257,19 @@ def test_truncate_prompt_tokens(server, endpoint):
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_priority_needs_the_priority_policy(server, endpoint):
+def test_priority_needs_the_priority_policy(server, bos_server, endpoint):
     assert gen(server, endpoint, priority=0)["ids"]
     message = refused(server, endpoint, "priority", priority=1)
     assert "scheduling-policy priority" in message
+    # --scheduling-policy priority: taken (the order it gives: tests/test_scheduler.py)
+    assert gen(bos_server, endpoint, priority=-5)["ids"]
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_timeout_ends_the_request(server, endpoint):
+    out = gen(server, endpoint, timeout=0.3, max_tokens=480, ignore_eos=True)
+    assert out["finish"] == "timeout" and 0 < len(out["ids"]) < 480
+    refused(server, endpoint, "timeout", timeout=0)
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
@@ -567,9 +576,16 @@ def bos_server(tmp_path_factory):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.update(bos_token="<|endoftext|>", add_bos_token=True)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    template = folder / "flavoured.jinja"  # the default template, plus a "flavour" kwarg
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{{ flavour }}{% endif %}"
+    )
     log = tmp_path_factory.mktemp("field-effects-bos") / "server.log"
     srv = ServerProcess(["--tokenizer", str(folder), "--max-model-len", "256",
-                         "--kv-cache-memory", "16MiB", "--log-level", "debug"], log).start()  # fmt: skip
+                         "--kv-cache-memory", "16MiB", "--log-level", "debug",
+                         "--chat-template", str(template), "--scheduling-policy", "priority"],
+                        log).start()  # fmt: skip
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -603,6 +619,27 @@ def test_disable_any_whitespace(server, endpoint):
 
     assert not canonical(text())
     assert canonical(text(disable_any_whitespace=True))
+
+
+def test_server_chat_template_and_its_kwargs(bos_server):
+    """--chat-template replaces the model's template; chat_template_kwargs reach it (chat
+    completions and /tokenize)."""
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def prompt(path: str, **fields) -> str:
+        payload = {"messages": msgs, **fields}
+        if path == "/tokenize":
+            ids = httpx.post(bos_server.url + path, json=payload).json()["tokens"]
+        else:
+            payload.update(max_tokens=1, return_token_ids=True)
+            ids = httpx.post(bos_server.url + path, json=payload).json()["prompt_token_ids"]
+        return httpx.post(bos_server.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+
+    for path in ("/tokenize", "/v1/chat/completions"):
+        plain = prompt(path)
+        assert plain.endswith("<|im_start|>assistant\n")
+        flavoured = prompt(path, chat_template_kwargs={"flavour": "VANILLA"})
+        assert flavoured == plain + "VANILLA"
 
 
 def test_log_level_and_request_chat_templates(bos_server, server):

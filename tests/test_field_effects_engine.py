@@ -358,7 +358,7 @@ def test_model_positional_and_flag_and_bad_values(monkeypatch, capsys):
         return 0
 
     monkeypatch.setattr(api_server, "run_server", fake_run_server)
-    assert run_serve(build_parser().parse_args(["serve", "/models/a"])) == 0
+    assert run_serve(build_parser().parse_args(["serve", "/models/a"])) == 0  # MODEL
     assert seen["model"] == "/models/a"
     assert run_serve(build_parser().parse_args(["serve", "--model", "/models/b"])) == 0
     assert seen["model"] == "/models/b"

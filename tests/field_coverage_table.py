@@ -1,0 +1,375 @@
+"""The table tests/test_field_coverage.py checks: each request field, SamplingParams /
+EngineArgs field and ``trillm serve`` flag -> tests that show its effect or its refusal.
+
+Keys: ``Class.field`` for request models and dataclasses, ``--flag`` (first long name) or the
+metavar (``MODEL``) for ``trillm serve``. Values: node ids; a parametrized test is named by its
+function. Every test listed was read to confirm it observes the field (an output that changes,
+an error that names it), not only that a request holding it is accepted.
+"""
+
+from __future__ import annotations
+
+FE = "tests/test_field_effects.py::"
+FEE = "tests/test_field_effects_engine.py::"
+OPENAI = "tests/test_server_openai.py::"
+TOOLS_HTTP = "tests/test_tool_calling_http.py::"
+TOOLS = "tests/test_tool_calling.py::"
+SAMPLER = "tests/test_sampler.py::"
+SCHED = "tests/test_scheduler.py::"
+OUTPUT = "tests/test_output_processor.py::"
+LIFE = "tests/test_server_lifecycle.py::"
+FAULTS = "tests/fault/test_lifecycle_faults.py::"
+HOSTILE = "tests/fault/test_hostile_requests.py::"
+UNITS = "tests/test_server_units.py::"
+SO_UNIT = "tests/test_structured_output.py::"
+REQ = "tests/test_request_fields.py::"
+LOADING = "tests/test_model_loading.py::"
+
+
+def ids(*node_ids: str) -> tuple[str, ...]:
+    return node_ids
+
+
+STRUCTURED = FE + "test_structured_outputs_constrain_the_text"
+MESSAGES = FE + "test_message_and_tool_fields_reach_the_template"
+REFUSED_TYPES = FE + "test_tool_and_part_types_other_than_function_and_text_are_refused"
+TOKENIZE = FE + "test_tokenize_and_detokenize_fields"
+FLAG_MAP = FEE + "test_engine_flags_reach_the_engine"
+CONFIG = FEE + "test_engine_args_reach_the_config"
+ENGINE_REFUSED = FEE + "test_engine_args_that_cannot_be_honoured_are_refused"
+ACT = FEE + "test_engine_args_act_on_requests"
+
+# Fields both /v1/completions and /v1/chat/completions take; the tests run on both endpoints.
+_SAMPLING = {
+    "model": ids(FE + "test_model_must_be_served"),
+    "n": ids(FE + "test_n_gives_independent_choices", OPENAI + "test_n_and_seed"),
+    "temperature": ids(FE + "test_temperature_and_seed"),
+    "top_p": ids(FE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output"),
+    "top_k": ids(FE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output"),
+    "min_p": ids(FE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output"),
+    "presence_penalty": ids(FE + "test_penalties_make_a_repetitive_output_less_repetitive"),
+    "frequency_penalty": ids(FE + "test_penalties_make_a_repetitive_output_less_repetitive"),
+    "repetition_penalty": ids(FE + "test_penalties_make_a_repetitive_output_less_repetitive"),
+    "logit_bias": ids(
+        FE + "test_logit_bias_forces_a_token",
+        HOSTILE + "test_an_oversized_logit_bias_is_refused_before_it_is_parsed",
+    ),
+    "seed": ids(FE + "test_temperature_and_seed", OPENAI + "test_n_and_seed"),
+    "stop": ids(FE + "test_stop_strings_and_include_stop_str_in_output"),
+    "stream": ids(FE + "test_stream_and_stream_options"),
+    "stream_options": ids(FE + "test_stream_and_stream_options"),
+    "response_format": ids(STRUCTURED),
+    "stop_token_ids": ids(FE + "test_stop_token_ids"),
+    "ignore_eos": ids(FE + "test_eos_fields_ignore_eos_min_tokens_skip_special_tokens"),
+    "min_tokens": ids(FE + "test_eos_fields_ignore_eos_min_tokens_skip_special_tokens"),
+    "skip_special_tokens": ids(FE + "test_eos_fields_ignore_eos_min_tokens_skip_special_tokens"),
+    "include_stop_str_in_output": ids(FE + "test_stop_strings_and_include_stop_str_in_output"),
+    "prompt_logprobs": ids(FE + "test_return_token_ids_and_prompt_logprobs"),
+    "priority": ids(FE + "test_priority_needs_the_priority_policy"),
+    "cache_salt": ids(FE + "test_cache_salt_separates_prefix_cache_hits"),
+    "return_token_ids": ids(FE + "test_return_token_ids_and_prompt_logprobs"),
+    "allowed_token_ids": ids(FE + "test_allowed_token_ids_and_bad_words"),
+    "bad_words": ids(FE + "test_allowed_token_ids_and_bad_words"),
+    "truncate_prompt_tokens": ids(FE + "test_truncate_prompt_tokens"),
+    "return_tokens_as_token_ids": ids(FE + "test_logprobs_and_return_tokens_as_token_ids"),
+    "use_beam_search": ids(REQ + "test_refused_fields_name_themselves"),
+    "structured_outputs": ids(STRUCTURED),
+    "guided_json": ids(STRUCTURED),
+    "guided_regex": ids(STRUCTURED),
+    "guided_choice": ids(STRUCTURED),
+    "guided_grammar": ids(STRUCTURED),
+    "request_id": ids(
+        FE + "test_request_id_names_the_response",
+        HOSTILE + "test_a_duplicate_request_id_is_refused_and_the_original_runs_on",
+    ),
+    "timeout": ids(FE + "test_timeout_ends_the_request", FAULTS + "test_timeout_ends_request"),
+}
+
+_CHAT = {
+    "max_tokens": ids(FE + "test_max_tokens"),
+    "messages": ids(MESSAGES),
+    "logprobs": ids(FE + "test_logprobs_and_return_tokens_as_token_ids"),
+    "top_logprobs": ids(FE + "test_logprobs_and_return_tokens_as_token_ids"),
+    "max_completion_tokens": ids(FE + "test_max_completion_tokens_is_chats_max_tokens"),
+    "add_generation_prompt": ids(MESSAGES),
+    "continue_final_message": ids(FE + "test_continue_final_message_leaves_the_last_message_open"),
+    "chat_template": ids(
+        FE + "test_chat_template_in_a_request_replaces_the_servers",
+        FE + "test_log_level_and_request_chat_templates",
+    ),
+    "chat_template_kwargs": ids(MESSAGES, FE + "test_server_chat_template_and_its_kwargs"),
+    "tools": ids(MESSAGES, TOOLS_HTTP + "test_tool_choice_none_renders_tools_and_parses_nothing"),
+    "tool_choice": ids(
+        TOOLS_HTTP + "test_tool_choice_none_renders_tools_and_parses_nothing",
+        TOOLS_HTTP + "test_named_function_gives_that_call",
+        TOOLS_HTTP + "test_required_gives_valid_calls",
+    ),
+    "parallel_tool_calls": ids(
+        TOOLS_HTTP + "test_auto_parses_a_hermes_call_streamed_and_not",
+        TOOLS_HTTP + "test_required_gives_valid_calls",
+    ),
+    "include_reasoning": ids("tests/test_reasoning.py::test_include_reasoning_false_drops_it"),
+    "documents": ids(MESSAGES),
+}
+
+_COMPLETION = {
+    "prompt": ids(FE + "test_prompt_as_text_ids_and_lists"),
+    "max_tokens": ids(FE + "test_max_tokens"),
+    "echo": ids(FE + "test_echo_suffix_best_of", OPENAI + "test_echo"),
+    "logprobs": ids(
+        FE + "test_logprobs_and_return_tokens_as_token_ids",
+        OPENAI + "test_logprobs_match_transformers",
+    ),
+    "suffix": ids(FE + "test_echo_suffix_best_of"),
+    "best_of": ids(FE + "test_echo_suffix_best_of"),
+    "add_special_tokens": ids(FE + "test_add_special_tokens_and_the_tokenizer_flag"),
+}
+
+_NESTED = {
+    "StreamOptions.include_usage": ids(FE + "test_stream_and_stream_options"),
+    "StreamOptions.continuous_usage_stats": ids(FE + "test_stream_and_stream_options"),
+    "ResponseFormat.type": ids(STRUCTURED),
+    "ResponseFormat.json_schema": ids(STRUCTURED),
+    "ResponseFormat.format": ids(STRUCTURED),
+    "ResponseFormat.structures": ids(
+        FE + "test_structural_tag_structures_and_triggers_are_compiled"
+    ),
+    "ResponseFormat.triggers": ids(FE + "test_structural_tag_structures_and_triggers_are_compiled"),
+    "JsonSchemaSpec.schema": ids(STRUCTURED),
+    "StructuredOutputs.json": ids(STRUCTURED),
+    "StructuredOutputs.regex": ids(STRUCTURED),
+    "StructuredOutputs.choice": ids(STRUCTURED),
+    "StructuredOutputs.grammar": ids(STRUCTURED),
+    "StructuredOutputs.json_object": ids(STRUCTURED),
+    "StructuredOutputs.structural_tag": ids(STRUCTURED),
+    "StructuredOutputs.disable_any_whitespace": ids(FE + "test_disable_any_whitespace"),
+    "TextPart.type": ids(
+        REFUSED_TYPES, "tests/test_server_units.py::test_non_text_parts_are_refused"
+    ),
+    "TextPart.text": ids(MESSAGES),
+    "ChatMessage.role": ids(MESSAGES),
+    "ChatMessage.content": ids(MESSAGES),
+    "ChatMessage.name": ids(MESSAGES),
+    "ChatMessage.tool_calls": ids(MESSAGES, TOOLS_HTTP + "test_tool_history_is_rendered"),
+    "ChatMessage.tool_call_id": ids(MESSAGES),
+    "ChatMessage.reasoning_content": ids(MESSAGES),
+    "ChatMessage.reasoning": ids(MESSAGES),
+    "ToolCall.function": ids(MESSAGES),
+    "ToolCall.id": ids(MESSAGES),
+    "ToolCall.type": ids(MESSAGES, REFUSED_TYPES),
+    "FunctionCall.name": ids(MESSAGES),
+    "FunctionCall.arguments": ids(MESSAGES, TOOLS_HTTP + "test_tool_history_is_rendered"),
+    "ChatTool.function": ids(MESSAGES),
+    "ChatTool.type": ids(MESSAGES, REFUSED_TYPES),
+    "FunctionDefinition.name": ids(MESSAGES, TOOLS_HTTP + "test_named_function_gives_that_call"),
+    "FunctionDefinition.description": ids(MESSAGES),
+    "FunctionDefinition.parameters": ids(
+        MESSAGES, TOOLS_HTTP + "test_named_function_gives_that_call"
+    ),
+    "FunctionDefinition.strict": ids(MESSAGES),
+    "NamedToolChoice.function": ids(
+        TOOLS_HTTP + "test_named_function_gives_that_call", REFUSED_TYPES
+    ),
+    "NamedToolChoice.type": ids(REFUSED_TYPES),
+    "NamedFunction.name": ids(TOOLS_HTTP + "test_named_function_gives_that_call", REFUSED_TYPES),
+    "TokenizeRequest.model": ids(TOKENIZE),
+    "TokenizeRequest.prompt": ids(TOKENIZE),
+    "TokenizeRequest.messages": ids(TOKENIZE),
+    "TokenizeRequest.add_special_tokens": ids(
+        FE + "test_add_special_tokens_and_the_tokenizer_flag"
+    ),
+    "TokenizeRequest.add_generation_prompt": ids(TOKENIZE),
+    "TokenizeRequest.continue_final_message": ids(TOKENIZE),
+    "TokenizeRequest.chat_template_kwargs": ids(FE + "test_server_chat_template_and_its_kwargs"),
+    "TokenizeRequest.return_token_strs": ids(TOKENIZE),
+    "DetokenizeRequest.tokens": ids(TOKENIZE),
+    "DetokenizeRequest.model": ids(TOKENIZE),
+}
+
+_PARAMS = {
+    "n": ids(FEE + "test_temperature_seed_n"),
+    "presence_penalty": ids(FEE + "test_penalties_make_a_repetitive_output_less_repetitive",
+                            SAMPLER + "test_penalties_follow_the_formulas"),
+    "frequency_penalty": ids(FEE + "test_penalties_make_a_repetitive_output_less_repetitive",
+                             SAMPLER + "test_penalties_follow_the_formulas"),
+    "repetition_penalty": ids(FEE + "test_penalties_make_a_repetitive_output_less_repetitive",
+                              SAMPLER + "test_penalties_follow_the_formulas"),
+    "temperature": ids(FEE + "test_temperature_seed_n",
+                       SAMPLER + "test_temperature_matches_softmax_of_scaled_logits"),
+    "top_p": ids(FEE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output",
+                 SAMPLER + "test_top_p_never_emits_outside_the_nucleus"),
+    "top_k": ids(FEE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output",
+                 SAMPLER + "test_top_k_never_emits_outside_the_top_k"),
+    "min_p": ids(FEE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output",
+                 SAMPLER + "test_min_p_drops_tokens_below_the_scaled_top_probability"),
+    "seed": ids(FEE + "test_temperature_seed_n",
+                SAMPLER + "test_seeded_requests_reproduce_across_batches_and_slots"),
+    "stop": ids(FEE + "test_stop_stop_token_ids_include_stop_str_in_output"),
+    "stop_token_ids": ids(FEE + "test_stop_stop_token_ids_include_stop_str_in_output"),
+    "bad_words": ids(FEE + "test_logit_bias_allowed_token_ids_bad_words"),
+    "ignore_eos": ids(FEE + "test_eos_fields_and_detokenize"),
+    "max_tokens": ids(FEE + "test_eos_fields_and_detokenize"),
+    "min_tokens": ids(FEE + "test_eos_fields_and_detokenize"),
+    "logprobs": ids(FEE + "test_logprobs_and_prompt_logprobs"),
+    "prompt_logprobs": ids(FEE + "test_logprobs_and_prompt_logprobs"),
+    "detokenize": ids(FEE + "test_eos_fields_and_detokenize",
+                      OUTPUT + "test_detokenize_false_gives_no_text"),
+    "skip_special_tokens": ids(FEE + "test_eos_fields_and_detokenize"),
+    "include_stop_str_in_output": ids(FEE + "test_stop_stop_token_ids_include_stop_str_in_output"),
+    "logit_bias": ids(FEE + "test_logit_bias_allowed_token_ids_bad_words"),
+    "allowed_token_ids": ids(FEE + "test_logit_bias_allowed_token_ids_bad_words"),
+    "truncate_prompt_tokens": ids(FEE + "test_truncate_prompt_tokens"),
+    "output_kind": ids(OUTPUT + "test_final_only_gives_one_output",
+                       OUTPUT + "test_stalled_reader_gets_merged_outputs"),
+    "structured_outputs": ids(FEE + "test_structured_outputs_kinds"),
+    # Filled by the input processor, read by the sampler.
+    "bad_words_token_ids": ids(SAMPLER + "test_bad_words_single_and_multi_token"),
+    "all_stop_token_ids": ids(SAMPLER + "test_min_tokens_suppresses_stop_ids_until_reached"),
+}  # fmt: skip
+
+_SO_PARAMS = {
+    kind: ids(FEE + "test_structured_outputs_kinds")
+    for kind in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+}
+_SO_PARAMS["disable_any_whitespace"] = ids(
+    FEE + "test_disable_any_whitespace_and_disable_additional_properties",
+    SO_UNIT + "test_spec_key_and_options",
+)
+
+_ENGINE = {
+    "model": ids(ENGINE_REFUSED, LOADING + "test_default_model"),
+    "tokenizer": ids(FE + "test_add_special_tokens_and_the_tokenizer_flag"),
+    "served_model_name": ids(CONFIG, OPENAI + "test_models"),
+    "revision": ids(FEE + "test_revision_reaches_the_hub_download"),
+    "dtype": ids(CONFIG, ENGINE_REFUSED, LOADING + "test_explicit_float16_on_cpu_is_an_error"),
+    "seed": ids(FEE + "test_engine_seed_sets_unseeded_sampling"),
+    "max_model_len": ids(CONFIG, FEE + "test_truncate_prompt_tokens", LOADING + "test_max_model_len"),
+    "block_size": ids(FEE + "test_block_size_sets_the_prefix_cache_granularity", ENGINE_REFUSED),
+    "max_num_seqs": ids(CONFIG, ENGINE_REFUSED, SCHED + "test_max_num_seqs"),
+    "max_num_batched_tokens": ids(CONFIG, SCHED + "test_token_budget_and_chunked_prefill"),
+    "long_prefill_token_threshold": ids(CONFIG, SCHED + "test_long_prefill_token_threshold"),
+    "enable_prefix_caching": ids(ACT, CONFIG),
+    "scheduling_policy": ids(
+        CONFIG, FE + "test_priority_needs_the_priority_policy",
+        SCHED + "test_priority_preemption_of_a_request_scheduled_earlier_in_the_step",
+    ),  # fmt: skip
+    "tensor_parallel_size": ids(ENGINE_REFUSED),
+    "kv_cache_memory": ids(CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"),
+    "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),
+    "num_gpu_blocks_override": ids(
+        ACT, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"
+    ),
+    "max_logprobs": ids(ACT, FEE + "test_logprobs_and_prompt_logprobs"),
+    "stream_interval": ids(OUTPUT + "test_stream_interval_batches_delta_outputs",
+                           LIFE + "test_stream_interval_sends_fewer_larger_chunks"),
+    "device": ids(CONFIG, ENGINE_REFUSED),
+    "attention_backend": ids(CONFIG, FEE + "test_unknown_attention_backend_is_refused_at_startup"),
+    "distributed_executor_backend": ids(CONFIG, FEE + "test_temperature_seed_n"),
+    "generation_config": ids(ACT, CONFIG),
+    "chat_template": ids(ACT),
+    "skip_tokenizer_init": ids(ENGINE_REFUSED),
+}  # fmt: skip
+
+# ``trillm serve`` flags: how each reaches the engine or the server, and what it then does.
+_FLAGS = {
+    "MODEL": ids(FEE + "test_model_positional_and_flag_and_bad_values"),
+    "--model": ids(FEE + "test_model_positional_and_flag_and_bad_values"),
+    "--host": ids(FE + "test_model_must_be_served"),  # every real-server test binds with it
+    "--port": ids(FE + "test_model_must_be_served"),
+    "--api-key": ids(LIFE + "test_api_key_guards_v1_routes"),
+    "--served-model-name": ids(FLAG_MAP, OPENAI + "test_models"),
+    "--chat-template": ids(FE + "test_server_chat_template_and_its_kwargs",
+                           TOOLS_HTTP + "test_tool_history_is_rendered"),
+    "--trust-request-chat-template": ids(FE + "test_chat_template_in_a_request_replaces_the_servers",
+                                         FE + "test_log_level_and_request_chat_templates"),
+    "--uvicorn-log-level": ids(FE + "test_log_level_and_request_chat_templates"),
+    "--shutdown-timeout": ids(LIFE + "test_sigterm_drains_then_aborts_and_exits_0"),
+    "--timeout-keep-alive": ids(
+        "tests/fault/test_keepalive.py::test_timeout_keep_alive_flag_reaches_hypercorn"
+    ),
+    "--max-num-queued-requests": ids(FAULTS + "test_full_queue_answers_503_at_once"),
+    "--tokenizer": ids(FE + "test_add_special_tokens_and_the_tokenizer_flag"),
+    "--revision": ids(FLAG_MAP, FEE + "test_revision_reaches_the_hub_download"),
+    "--stream-wake-budget": ids(
+        UNITS + "test_stream_wake_budget_flag",
+        "tests/test_output_wake_budget.py::test_wake_budget_spreads_middle_chunks_first_and_last_at_once",
+    ),
+    "--runner": ids(FLAG_MAP, TOOLS_HTTP + "test_auto_without_the_flag_is_a_400_and_plugins_load"),
+    "--enable-auto-tool-choice": ids(
+        TOOLS_HTTP + "test_auto_parses_a_hermes_call_streamed_and_not",
+        TOOLS_HTTP + "test_auto_without_the_flag_is_a_400_and_plugins_load",
+    ),
+    "--tool-call-parser": ids(TOOLS_HTTP + "test_auto_parses_a_hermes_call_streamed_and_not",
+                              TOOLS_HTTP + "test_bad_parser_flags_stop_the_cli"),
+    "--tool-parser-plugin": ids(TOOLS_HTTP + "test_auto_without_the_flag_is_a_400_and_plugins_load",
+                                TOOLS_HTTP + "test_bad_parser_flags_stop_the_cli"),
+    "--exclude-tools-when-tool-choice-none": ids(FEE + "test_tool_flags_are_checked_at_startup",
+                                                 TOOLS + "test_plan_required_and_auto_and_none"),
+    "--reasoning-parser": ids(TOOLS_HTTP + "test_enable_thinking_puts_the_output_in_reasoning",
+                              TOOLS_HTTP + "test_bad_parser_flags_stop_the_cli"),
+}  # fmt: skip
+
+# Engine flags: parsed into the EngineArgs field of the same name, whose tests show the effect.
+_ENGINE_FLAG_FIELDS = {
+    "--dtype": "dtype", "--seed": "seed", "--max-model-len": "max_model_len",
+    "--block-size": "block_size", "--max-num-seqs": "max_num_seqs",
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--long-prefill-token-threshold": "long_prefill_token_threshold",
+    "--enable-prefix-caching": "enable_prefix_caching", "--scheduling-policy": "scheduling_policy",
+    "--tensor-parallel-size": "tensor_parallel_size", "--kv-cache-memory": "kv_cache_memory",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--num-gpu-blocks-override": "num_gpu_blocks_override", "--max-logprobs": "max_logprobs",
+    "--stream-interval": "stream_interval", "--device": "device",
+    "--attention-backend": "attention_backend",
+    "--distributed-executor-backend": "distributed_executor_backend",
+    "--generation-config": "generation_config",
+}  # fmt: skip
+
+COVERAGE: dict[str, tuple[str, ...]] = {
+    **{f"ChatCompletionRequest.{k}": v for k, v in {**_SAMPLING, **_CHAT}.items()},
+    **{f"CompletionRequest.{k}": v for k, v in {**_SAMPLING, **_COMPLETION}.items()},
+    **_NESTED,
+    **{f"SamplingParams.{k}": v for k, v in _PARAMS.items()},
+    **{f"StructuredOutputsParams.{k}": v for k, v in _SO_PARAMS.items()},
+    **{f"EngineArgs.{k}": v for k, v in _ENGINE.items()},
+    **_FLAGS,
+    **{flag: (FLAG_MAP, *_ENGINE[field]) for flag, field in _ENGINE_FLAG_FIELDS.items()},
+}
+
+# Accepted with no effect, on purpose; vLLM does the same. Keep this tiny.
+NO_EFFECT_BY_DESIGN: dict[str, str] = {
+    "ChatCompletionRequest.user": "OpenAI's end-user id for abuse monitoring; no effect on "
+    "generation in OpenAI's API or in vLLM (accepted, ignored).",
+    "CompletionRequest.user": "OpenAI's end-user id for abuse monitoring; no effect on "
+    "generation in OpenAI's API or in vLLM (accepted, ignored).",
+    "JsonSchemaSpec.name": "a label for the schema in OpenAI's API; vLLM compiles only "
+    "json_schema.schema, as here.",
+    "JsonSchemaSpec.description": "a note for the model in OpenAI's API; vLLM does not render "
+    "it into the prompt, nor does trillm.",
+    "JsonSchemaSpec.strict": "the grammar always enforces the schema (strict or not), as in vLLM, "
+    "which also ignores the flag.",
+    "StructuredOutputs.disable_additional_properties": "xgrammar compiles schemas strictly: "
+    "additionalProperties is false unless the schema allows more, with or without the option "
+    "(vLLM documents it for its guidance backend only); test_disable_any_whitespace_and_"
+    "disable_additional_properties shows the constraint holds.",
+    "StructuredOutputsParams.disable_additional_properties": "as StructuredOutputs."
+    "disable_additional_properties: xgrammar's strict schemas already forbid extra properties.",
+    "SamplingParams.extra_args": "vLLM's carrier for custom sampling plugins ('not used by any "
+    "in-tree sampling implementation'); checked as plain data and carried to the worker.",
+}
+
+# Accepted but not honoured yet: each is a bug to fix (honour it, or refuse it naming it).
+KNOWN_GAPS: dict[str, str] = {
+    "ChatCompletionRequest.spaces_between_special_tokens": "no code reads it: detokenization "
+    "never puts spaces between added tokens (vLLM's slow-tokenizer path does when true).",
+    "CompletionRequest.spaces_between_special_tokens": "no code reads it: detokenization "
+    "never puts spaces between added tokens (vLLM's slow-tokenizer path does when true).",
+    "SamplingParams.spaces_between_special_tokens": "stored and carried to the engine, but the "
+    "detokenizer never reads it (vLLM's slow-tokenizer path honours it).",
+    "EngineArgs.trust_remote_code": "accepted with a log line: trillm never runs checkpoint "
+    "code (its own model classes are used), and the tokenizer is loaded without it, so a "
+    "tokenizer that needs remote code fails to load where vLLM would load it.",
+    "--trust-remote-code": "as EngineArgs.trust_remote_code: accepted with a log line only.",
+    "EngineArgs.enforce_eager": "enforce_eager=False asks for CUDA graphs; trillm has none and "
+    "runs eagerly, saying so in the log (no --enforce-eager flag exists).",
+}
