@@ -272,3 +272,24 @@ def test_waiting_for_grammar_holds_nobody_back_and_a_failed_grammar_ends_alone(
     first = [r for r, _ in order if r != "mut"][0]  # ("mut" is refused at once)
     assert first == "p" and dict(order)["p"] < 0.5  # it did not wait for the compiles
     assert tok.decode(done["g"], skip_special_tokens=True) == "xxxy"
+
+
+def test_structural_tag(llm):
+    """A structural tag (xgrammar's format): a tagged JSON payload, nothing else."""
+    payload = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<call>", "end": "</call>",
+        "content": {"type": "json_schema", "json_schema": payload},
+    }}  # fmt: skip
+    params = SamplingParams(
+        temperature=1.0,
+        seed=4,
+        n=3,
+        max_tokens=200,
+        structured_outputs=SO(structural_tag=tag),
+    )
+    (out,) = llm.generate("call:", params, use_tqdm=False)
+    for c in out.outputs:
+        m = re.fullmatch(r"<call>(.*)</call>", c.text, re.S)
+        assert m and c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(m.group(1)), payload)
