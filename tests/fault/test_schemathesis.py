@@ -1,6 +1,7 @@
 """schemathesis against a real ``trillm serve`` (issue 11): cases generated from the server's own
 ``/openapi.json``, valid ones (positive) and ones that break the schema (negative), sent over
-HTTP to /v1/completions, /v1/chat/completions, /tokenize and /detokenize.
+HTTP to /v1/completions, /v1/chat/completions, /tokenize and /detokenize: all of schemathesis's
+coverage phase (boundary values) and a bounded fuzzing phase (hypothesis draws).
 
 Every answer must: not be a 5xx; come within a time limit (no hang); carry a status the
 document lists, with the declared content type and a body matching the declared schema; and
@@ -71,6 +72,43 @@ def session():
         yield s
 
 
+def call_and_check(server, session, case) -> int:
+    response = case.call(base_url=server.url, session=session, timeout=CALL_TIMEOUT)
+    case.validate_response(response, checks=CHECKS)
+    if response.status_code >= 400 and case.method != "HEAD":
+        error = response.json().get("error")
+        assert isinstance(error, dict) and isinstance(error.get("message"), str), response.text
+    return response.status_code
+
+
+def seen_status(seen: dict[int, int], status: int) -> None:
+    seen[status] = seen.get(status, 0) + 1
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_schemathesis_coverage(server, schema, session, route):
+    """schemathesis's coverage phase: deterministic boundary cases from the schema (each
+    property at its limits, missing, of the wrong type; other methods on the route), positive
+    and negative, every one of them (about 2,000 over the four routes)."""
+    operation = schema[route]["POST"]
+    config = schema.config.generation_for(operation=operation)
+    seen: dict[int, int] = {}
+    failures: list[str] = []
+    cases = schema.iter_coverage_cases(
+        operation,
+        generation_modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+        generation_config=config,
+    )
+    for case in cases:
+        try:
+            seen_status(seen, call_and_check(server, session, case))
+        except (Exception, BaseExceptionGroup) as e:  # FailureGroup is a BaseExceptionGroup
+            failures.append(f"{case.method} {route} {case.body!r:.300}: {e!s:.600}")
+    assert not failures, f"{len(failures)} failing cases, first:\n" + "\n".join(failures[:3])
+    assert sum(seen.values()) > 20, seen
+    assert server.proc.poll() is None, server.log()
+
+
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
 @pytest.mark.parametrize("route", ROUTES)
 def test_schemathesis(server, schema, session, route, mode):
@@ -88,12 +126,7 @@ def test_schemathesis(server, schema, session, route, mode):
     )
     @given(case=strategy)
     def run(case):
-        response = case.call(base_url=server.url, session=session, timeout=CALL_TIMEOUT)
-        seen[response.status_code] = seen.get(response.status_code, 0) + 1
-        case.validate_response(response, checks=CHECKS)
-        if response.status_code >= 400:
-            error = response.json().get("error")
-            assert isinstance(error, dict) and isinstance(error.get("message"), str), response.text
+        seen_status(seen, call_and_check(server, session, case))
 
     run()
     assert server.proc.poll() is None, server.log()
