@@ -54,6 +54,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_attention.cpp",
                 "ext/cpu_prefill_attention.cpp",
                 "ext/cpu_gemm.cpp",
+                "ext/cpu_gemm_bf16.cpp",
                 "ext/cpu_ops.cpp",
             ],
             depends=["ext/cpu_common.h"],

@@ -1,11 +1,16 @@
-"""fp32 linear layers on CPU through the native GEMM of ``ext/cpu_gemm.cpp``: the weight is
-packed once (panels of 16 output columns, [K][16] each) and every call reads it in that layout,
-instead of torch's sgemm packing it again on each call -- most of the cost at decode-step row
-counts. Same contract as ``torch.nn.functional.linear`` for fp32 CPU tensors; the torch
-reference is that function itself.
+"""Linear layers on CPU through trillm's native GEMMs, weights packed once.
 
-``available()`` is False when the extension is not built, ``TRILLM_NO_EXTENSIONS=1``, or the CPU
-lacks AVX2/FMA; callers then keep ``F.linear``.
+fp32 (``ext/cpu_gemm.cpp``): panels of 16 output columns, [K][16] each, instead of torch's sgemm
+packing the weight again on each call -- most of the cost at decode-step row counts. Same
+contract as ``torch.nn.functional.linear`` for fp32 CPU tensors; the torch reference is that
+function itself. ``available()`` is False when the extension is not built,
+``TRILLM_NO_EXTENSIONS=1``, or the CPU lacks AVX2/FMA; callers then keep ``F.linear``.
+
+bf16 (``ext/cpu_gemm_bf16.cpp``, ``PackedWeightBf16`` / ``linear_bf16``): bf16 weights in panels
+of 64 columns of k-pairs, multiplied by AVX512-BF16's ``vdpbf16ps`` with fp32 sums; x fp32 or
+bf16, the output fp32 or bf16 (rounded once from the fp32 sums, as torch's bf16 matmul does).
+The reference is ``F.linear`` on the bf16 values in fp32. ``available_bf16()`` is False without
+the extension or on a CPU without AVX512-BF16 (a run-time check): callers keep ``F.linear``.
 """
 
 from __future__ import annotations
@@ -88,5 +93,86 @@ def linear(
     ext.linear(
         rows.data_ptr(), rows.shape[0], k, rows.stride(0), weight.data.data_ptr(), n, bias_ptr,
         out.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
+@functools.cache
+def _ext_bf16() -> ModuleType | None:
+    """``trillm._ext.cpu_kernels.gemm_bf16`` when built and this CPU has AVX512-BF16, else
+    None (looked up once)."""
+    ext = cpu_kernels("gemm_bf16")
+    return ext if ext is not None and ext.supported() else None
+
+
+def available_bf16() -> bool:
+    return native_available("cpu_kernels") and _ext_bf16() is not None
+
+
+def _require_bf16() -> ModuleType:
+    ext = _ext_bf16()
+    if ext is None:
+        raise RuntimeError("trillm._ext.cpu_kernels is not built or this CPU lacks AVX512-BF16.")
+    return ext
+
+
+def supports_bf16(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` [N, K] can be packed for ``linear_bf16``: bf16 on CPU, 2-D, no
+    autograd."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and not weight.requires_grad
+    )
+
+
+class PackedWeightBf16:
+    """A [N, K] bf16 weight packed for ``linear_bf16`` (a copy, like ``PackedWeight``)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        ext = _require_bf16()
+        if not supports_bf16(weight) or weight.stride(1) != 1:
+            raise ValueError(
+                "PackedWeightBf16 needs a 2-D bf16 CPU weight, contiguous in its last dim."
+            )
+        self.out_features, self.in_features = weight.shape
+        size = ext.packed_size(self.out_features, self.in_features)
+        self.data = torch.empty(size, dtype=torch.bfloat16)
+        ext.pack(
+            weight.data_ptr(), self.out_features, self.in_features, weight.stride(0),
+            self.data.data_ptr(),
+        )  # fmt: skip
+
+
+_BF16_IO = (torch.float32, torch.bfloat16)
+
+
+def linear_bf16(
+    x: torch.Tensor,  # [..., K] fp32 or bf16 CPU (fp32 is rounded to bf16 first)
+    weight: PackedWeightBf16,
+    bias: torch.Tensor | None = None,  # [N] fp32 or bf16, added to the fp32 sums
+    out_dtype: torch.dtype | None = None,  # fp32 or bf16; None: x's dtype
+) -> torch.Tensor:  # [..., N]
+    """``x @ W^T + bias`` with W bf16 packed, products summed in fp32."""
+    ext = _require_bf16()
+    n, k = weight.out_features, weight.in_features
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if x.device.type != "cpu" or x.dtype not in _BF16_IO or x.shape[-1] != k:
+        raise ValueError(f"linear_cpu.linear_bf16: x must be fp32 or bf16 on CPU, last dim {k}.")
+    if out_dtype not in _BF16_IO:
+        raise ValueError("linear_cpu.linear_bf16: out_dtype must be float32 or bfloat16.")
+    if bias is not None:
+        if bias.shape != (n,) or bias.dtype not in _BF16_IO or bias.device.type != "cpu":
+            raise ValueError(f"linear_cpu.linear_bf16: bias must be fp32 or bf16 [{n}] on CPU.")
+        bias = bias.to(torch.float32).contiguous()
+    rows = x.reshape(-1, k)  # a view when the leading dims allow it, else a copy
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=out_dtype)
+    ext.linear(
+        rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
+        weight.data.data_ptr(), n, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+        out_dtype == torch.bfloat16, n, torch.get_num_threads(),
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)

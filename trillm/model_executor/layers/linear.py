@@ -7,6 +7,11 @@ On the bench model's shapes with 2 threads it runs 1.3-1.7x torch's GEMM at 8-96
 steps) and 1.1-1.2x at 512-4096 (prefill chunks). The original weight stays (the tied
 embedding, state dicts and non-CPU inputs use it), so the linear weights take twice their
 memory on CPU. Weights written after packing are not seen: pack again.
+
+bf16 layers (``--dtype bfloat16``) go the same way through the AVX512-BF16 GEMM
+(``linear_cpu.linear_bf16``): bf16 in, bf16 out rounded once from fp32 sums (torch's bf16
+``F.linear`` numerics, so the model keeps matching transformers in bf16); norms and softmax stay
+fp32 inside their kernels as before. On a CPU without AVX512-BF16 they keep ``F.linear``.
 """
 
 from __future__ import annotations
@@ -27,19 +32,47 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
+def _packed_forward_bf16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    packed: linear_cpu.PackedWeightBf16 = self.packed_weight  # type: ignore[assignment]
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+        return linear_cpu.linear_bf16(x, packed, self.packed_bias)  # type: ignore[arg-type]
+    return F.linear(x, self.weight, self.bias)
+
+
+def _pack_fp32(module: nn.Linear) -> bool:
+    weight = module.weight.detach()
+    if not linear_cpu.available() or not linear_cpu.supports(weight):
+        return False
+    if module.bias is not None and module.bias.dtype != torch.float32:
+        return False
+    module.packed_weight = linear_cpu.PackedWeight(weight)
+    module.forward = types.MethodType(_packed_forward, module)  # type: ignore[method-assign]
+    return True
+
+
+def _pack_bf16(module: nn.Linear) -> bool:
+    weight = module.weight.detach()
+    if not linear_cpu.available_bf16() or not linear_cpu.supports_bf16(weight):
+        return False
+    bias = module.bias
+    if bias is not None and bias.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    module.packed_weight = linear_cpu.PackedWeightBf16(weight)
+    # fp32 once here, not per call: the kernel adds the bias to its fp32 sums (exact for bf16).
+    module.packed_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    module.forward = types.MethodType(_packed_forward_bf16, module)  # type: ignore[method-assign]
+    return True
+
+
 def pack_cpu_linears(model: nn.Module) -> int:
-    """Route the model's fp32 CPU linear layers through packed weights; -> how many: 0 when
-    the native GEMM is unavailable (not built, ``TRILLM_NO_EXTENSIONS=1``, no AVX2/FMA)."""
-    if not linear_cpu.available():
-        return 0
+    """Route the model's fp32 and bf16 CPU linear layers through packed weights; -> how many.
+    fp32 layers stay on ``F.linear`` when the fp32 GEMM is unavailable (not built,
+    ``TRILLM_NO_EXTENSIONS=1``, no AVX2/FMA), bf16 ones when the bf16 GEMM is (the same, or no
+    AVX512-BF16)."""
     count = 0
     for module in model.modules():
-        if not isinstance(module, nn.Linear) or not linear_cpu.supports(module.weight.detach()):
-            continue
-        if module.bias is not None and module.bias.dtype != torch.float32:
+        if not isinstance(module, nn.Linear):
             continue
         with torch.no_grad():
-            module.packed_weight = linear_cpu.PackedWeight(module.weight.detach())
-        module.forward = types.MethodType(_packed_forward, module)  # type: ignore[method-assign]
-        count += 1
+            count += _pack_fp32(module) or _pack_bf16(module)
     return count

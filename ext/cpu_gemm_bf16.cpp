@@ -1,0 +1,261 @@
+// bf16 GEMM for the CPU linear layers of a `--dtype bfloat16` model: y[M, N] = x[M, K] . W[N, K]^T
+// (+ bias), W bf16 and packed once, products summed in fp32 by AVX-512 BF16's vdpbf16ps.
+//
+// Why: torch's bf16 F.linear at decode row counts is slower than trillm's fp32 packed GEMM, and
+// the weights read per step are half the bytes. vdpbf16ps does 32 bf16 products a zmm, summed
+// into 16 fp32 lanes in pairs: twice the multiply rate of an fp32 FMA of the same width.
+//
+// Packed layout: N is cut into panels of 64 output columns (the last one zero-padded); panel p
+// holds, for each pair of k (2j, 2j+1), the 64 columns' two values side by side: [K/2][64][2]
+// bf16 (K odd: a zero is added), 128 bytes a k-pair, read sequentially by the kernel as four
+// zmm. A row of x is read as 32-bit bf16 pairs, each broadcast against those four vectors.
+// x may be fp32 (converted once per call to bf16, round to nearest even, like torch's cast) or
+// bf16; y fp32 or bf16 (rounded from the fp32 sums, like torch's bf16 matmul output).
+// Work items as in cpu_gemm.cpp: (block of rows, run of panels) on the shared pool.
+// The summation order over k is fixed per output, so results do not depend on the thread count.
+// `supported()` is false on CPUs without AVX512F/BW/VL + AVX512_BF16 (checked at run time with
+// __builtin_cpu_supports): callers then keep torch's F.linear.
+#include <pybind11/pybind11.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int kCols = 64;        // output columns per panel: four 16-lane fp32 vectors
+constexpr int kRows = 6;         // rows of x per register block: 6 x 4 accumulators
+constexpr int kRowBlock = 192;   // rows of x per work item (bf16: 192 x K x 2 bytes in L2)
+constexpr int kPairStride = kCols * 2;  // bf16 values per k-pair of a panel
+
+bool cpu_has_avx512bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// The AVX-512 code lives only in functions with this attribute (no pragma region): an inline
+// std:: template instantiated inside such a region could be the copy the linker keeps for the
+// generic code too.
+#define TRILLM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+struct Gemm {
+  const uint16_t* x;  // bf16 rows, stride ldx (elements)
+  int64_t ldx;
+  const uint16_t* packed;
+  const float* bias;  // null: none
+  void* y;            // float or bf16 rows, stride ldy (elements)
+  int64_t ldy;
+  int M, N, K;
+  bool y_bf16;
+};
+
+// Stores 64 fp32 sums (four vectors) as fp32 or bf16 (round to nearest even), the first
+// `cols` of them.
+TRILLM_BF16_TARGET inline __attribute__((always_inline)) void store_row(const __m512* acc,
+                                                                       void* y, bool y_bf16,
+                                                                       int cols) {
+  if (y_bf16) {
+    uint16_t* out = static_cast<uint16_t*>(y);
+    for (int v = 0; v < 4; ++v) {
+      const int left = cols - 16 * v;
+      if (left <= 0) break;
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[v]);
+      const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+      _mm256_mask_storeu_epi16(out + 16 * v, mask, h);
+    }
+  } else {
+    float* out = static_cast<float*>(y);
+    for (int v = 0; v < 4; ++v) {
+      const int left = cols - 16 * v;
+      if (left <= 0) break;
+      const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+      _mm512_mask_storeu_ps(out + 16 * v, mask, acc[v]);
+    }
+  }
+}
+
+// y[0..R, 0..cols) = x[0..R, :] . panel (+ bias).
+template <int R>
+TRILLM_BF16_TARGET inline __attribute__((always_inline)) void block(
+    const uint16_t* x, int64_t ldx, const uint16_t* panel, int K, const float* bias, void* y,
+    int64_t ldy, bool y_bf16, int cols) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+  const int full = K / 2;  // pairs with both elements in the row
+  for (int j = 0; j < full; ++j) {
+    const uint16_t* w = panel + static_cast<int64_t>(j) * kPairStride;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64);
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+    // 8 pairs (1 KiB) ahead: the panel streams in from memory on the first row block.
+    _mm_prefetch(reinterpret_cast<const char*>(w + 8 * kPairStride), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + 8 * kPairStride + 64), _MM_HINT_T0);
+    for (int i = 0; i < R; ++i) {
+      int32_t p;
+      std::memcpy(&p, x + i * ldx + 2 * j, 4);
+      const __m512bh xi = (__m512bh)_mm512_set1_epi32(p);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xi, w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xi, w1);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], xi, w2);
+      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], xi, w3);
+    }
+  }
+  if (K & 1) {  // the last k alone: its pair's high half is zero in x and in the panel
+    const uint16_t* w = panel + static_cast<int64_t>(full) * kPairStride;
+    __m512bh wv[4];
+    for (int v = 0; v < 4; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(w + 32 * v);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh xi = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[i * ldx + K - 1]));
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xi, wv[v]);
+    }
+  }
+  if (bias != nullptr) {
+    alignas(64) float b[kCols] = {};
+    for (int c = 0; c < cols; ++c) b[c] = bias[c];
+    for (int v = 0; v < 4; ++v) {
+      const __m512 bv = _mm512_load_ps(b + 16 * v);
+      for (int i = 0; i < R; ++i) acc[i][v] = _mm512_add_ps(acc[i][v], bv);
+    }
+  }
+  const int64_t elem = y_bf16 ? 2 : 4;
+  for (int i = 0; i < R; ++i)
+    store_row(acc[i], static_cast<char*>(y) + i * ldy * elem, y_bf16, cols);
+}
+
+TRILLM_BF16_TARGET void panels(const Gemm& g, int first, int last) {
+  const int64_t elem = g.y_bf16 ? 2 : 4;
+  const int64_t panel_size = static_cast<int64_t>((g.K + 1) / 2) * kPairStride;
+  for (int p = first; p < last; ++p) {
+    const uint16_t* panel = g.packed + p * panel_size;
+    const int col = p * kCols;
+    const int cols = g.N - col < kCols ? g.N - col : kCols;
+    const float* bias = g.bias == nullptr ? nullptr : g.bias + col;
+    char* y0 = static_cast<char*>(g.y) + col * elem;
+    int m = 0;
+    for (; m + kRows <= g.M; m += kRows)
+      block<kRows>(g.x + m * g.ldx, g.ldx, panel, g.K, bias, y0 + m * g.ldy * elem, g.ldy,
+                   g.y_bf16, cols);
+    const uint16_t* x = g.x + m * g.ldx;
+    void* y = y0 + m * g.ldy * elem;
+    switch (g.M - m) {
+      case 1: block<1>(x, g.ldx, panel, g.K, bias, y, g.ldy, g.y_bf16, cols); break;
+      case 2: block<2>(x, g.ldx, panel, g.K, bias, y, g.ldy, g.y_bf16, cols); break;
+      case 3: block<3>(x, g.ldx, panel, g.K, bias, y, g.ldy, g.y_bf16, cols); break;
+      case 4: block<4>(x, g.ldx, panel, g.K, bias, y, g.ldy, g.y_bf16, cols); break;
+      case 5: block<5>(x, g.ldx, panel, g.K, bias, y, g.ldy, g.y_bf16, cols); break;
+      default: break;
+    }
+  }
+}
+
+// fp32 rows -> bf16 rows (round to nearest even; NaN stays NaN), n values.
+TRILLM_BF16_TARGET void to_bf16(const float* in, uint16_t* out, int n) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
+  if (i < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(mask, in + i);
+    _mm256_mask_storeu_epi16(out + i, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+int num_panels(int N) { return (N + kCols - 1) / kCols; }
+
+// bf16 values in the packed copy of an [N, K] weight.
+int64_t packed_size(int N, int K) {
+  return static_cast<int64_t>(num_panels(N)) * ((K + 1) / 2) * kPairStride;
+}
+
+// W [N, K] bf16 (row stride ldw) -> packed [packed_size(N, K)] bf16. Plain C++: runs anywhere.
+void pack(uintptr_t weight, int N, int K, int64_t ldw, uintptr_t packed) {
+  if (N <= 0 || K <= 0) throw std::invalid_argument("N and K must be positive");
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight);
+  uint16_t* out = reinterpret_cast<uint16_t*>(packed);
+  py::gil_scoped_release release;
+  const int pairs = (K + 1) / 2;
+  for (int p = 0; p < num_panels(N); ++p) {
+    uint16_t* panel = out + static_cast<int64_t>(p) * pairs * kPairStride;
+    for (int c = 0; c < kCols; ++c) {
+      const int n = p * kCols + c;
+      for (int k = 0; k < 2 * pairs; ++k)
+        panel[(k / 2) * kPairStride + 2 * c + (k & 1)] =
+            n < N && k < K ? w[static_cast<int64_t>(n) * ldw + k] : 0;
+    }
+  }
+}
+
+void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packed, int N,
+            uintptr_t bias, uintptr_t y, bool y_bf16, int64_t ldy, int num_threads) {
+  static const bool ok = cpu_has_avx512bf16();
+  if (!ok) throw std::runtime_error("cpu_gemm_bf16 needs a CPU with AVX512-BF16");
+  if (M < 0 || N <= 0 || K <= 0) throw std::invalid_argument("bad GEMM shape");
+  if (M == 0) return;
+  Gemm g{reinterpret_cast<const uint16_t*>(x), ldx, reinterpret_cast<const uint16_t*>(packed),
+         reinterpret_cast<const float*>(bias), reinterpret_cast<void*>(y), ldy, M, N, K, y_bf16};
+  const int total = num_panels(N);
+  // As in cpu_gemm.cpp: under ~1 MFLOP the caller does it alone (waking the pool costs more);
+  // about four runs of panels per thread.
+  const int threads = 2LL * M * N * K < 1000000 ? 1 : num_threads;
+  const int row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int runs = threads <= 1 ? 1 : std::min(total, 4 * threads);
+  std::vector<uint16_t> converted;
+  py::gil_scoped_release release;
+  if (!x_bf16) {
+    // fp32 x: to bf16 once, rows padded to an even length (the pad is never read).
+    const int64_t ld = K + (K & 1);
+    converted.resize(static_cast<size_t>(M) * ld);
+    const float* xf = reinterpret_cast<const float*>(x);
+    const int chunks = threads <= 1 ? 1 : std::min(M, 4 * threads);
+    run_items(threads, chunks, [&](int c) {
+      const int r0 = static_cast<int>(static_cast<int64_t>(M) * c / chunks);
+      const int r1 = static_cast<int>(static_cast<int64_t>(M) * (c + 1) / chunks);
+      for (int r = r0; r < r1; ++r) to_bf16(xf + r * ldx, converted.data() + r * ld, K);
+    });
+    g.x = converted.data();
+    g.ldx = ld;
+  }
+  const int64_t elem = y_bf16 ? 2 : 4;
+  auto item = [&](int i) {
+    const int rb = i / runs, run = i % runs;
+    Gemm part = g;
+    const int row0 = rb * kRowBlock;
+    part.M = std::min(kRowBlock, M - row0);
+    part.x += row0 * g.ldx;
+    part.y = static_cast<char*>(g.y) + row0 * ldy * elem;
+    panels(part, static_cast<int>(static_cast<int64_t>(total) * run / runs),
+           static_cast<int>(static_cast<int64_t>(total) * (run + 1) / runs));
+  };
+  run_items(threads, row_blocks * runs, item);
+}
+
+}  // namespace
+
+void register_cpu_gemm_bf16(py::module_& m) {
+  m.doc() = "bf16 GEMM (AVX512-BF16, fp32 sums) with weights packed once, for the CPU linears.";
+  m.attr("PANEL") = kCols;
+  m.def("supported", &cpu_has_avx512bf16, "Whether this CPU has AVX512F/BW/VL and AVX512-BF16.");
+  m.def("num_panels", &num_panels, py::arg("n"));
+  m.def("packed_size", &packed_size, py::arg("n"), py::arg("k"));
+  m.def("pack", &pack, py::arg("weight"), py::arg("n"), py::arg("k"), py::arg("ldw"),
+        py::arg("packed"));
+  m.def("linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),
+        py::arg("ldx"), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("y"),
+        py::arg("y_bf16"), py::arg("ldy"), py::arg("num_threads"));
+}
