@@ -97,7 +97,10 @@ class GrammarCache:
                 f"{exc}",
             ) from None
         try:
-            return _compile(compiler, spec)
+            compiled = _compile(compiler, spec)
+            if spec.kind in ("json", "json_object"):
+                self.json_safe_mask(spec.any_whitespace)  # a vocabulary walk: here, off the loop
+            return compiled
         except StructuredOutputError:
             raise
         except RecursionError:
