@@ -108,7 +108,10 @@ _CHAT = {
         TOOLS_HTTP + "test_auto_parses_a_hermes_call_streamed_and_not",
         TOOLS_HTTP + "test_required_gives_valid_calls",
     ),
-    "include_reasoning": ids("tests/test_reasoning.py::test_include_reasoning_false_drops_it"),
+    "include_reasoning": ids(
+        TOOLS_HTTP + "test_enable_thinking_puts_the_output_in_reasoning",
+        "tests/test_reasoning.py::test_include_reasoning_false_drops_it",
+    ),
     "documents": ids(MESSAGES),
 }
 
@@ -131,10 +134,8 @@ _NESTED = {
     "ResponseFormat.type": ids(STRUCTURED),
     "ResponseFormat.json_schema": ids(STRUCTURED),
     "ResponseFormat.format": ids(STRUCTURED),
-    "ResponseFormat.structures": ids(
-        FE + "test_structural_tag_structures_and_triggers_are_compiled"
-    ),
-    "ResponseFormat.triggers": ids(FE + "test_structural_tag_structures_and_triggers_are_compiled"),
+    "ResponseFormat.structures": ids(FE + "test_structural_tag_structures_and_triggers"),
+    "ResponseFormat.triggers": ids(FE + "test_structural_tag_structures_and_triggers"),
     "JsonSchemaSpec.schema": ids(STRUCTURED),
     "StructuredOutputs.json": ids(STRUCTURED),
     "StructuredOutputs.regex": ids(STRUCTURED),

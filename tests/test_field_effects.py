@@ -390,16 +390,23 @@ def valid_text(check, text: str) -> bool:
         return False
 
 
-def test_structural_tag_structures_and_triggers_are_compiled(server):
-    """The older structural_tag form: free text until a trigger, so a random model shows the
-    constraint only by chance; a bad schema inside ``structures`` is refused, naming it."""
-    tag = {"type": "structural_tag", "triggers": ["<n>"],
+def test_structural_tag_structures_and_triggers(server):
+    """The older structural_tag form: free text until a trigger; after one, its structure.
+    The random model writes "<" only when made to (token 30 favoured)."""
+    tag = {"type": "structural_tag", "triggers": ["<"],
            "structures": [{"begin": "<n>", "schema": {"enum": [1, 2]}, "end": "</n>"}]}  # fmt: skip
-    assert gen(server, "chat", response_format=tag)["finish"] in ("stop", "length")
+    lt = {"logit_bias": {"30": 30}, "max_tokens": 24}
+    assert gen(server, "chat", **lt)["text"].startswith("<<<")  # the bias alone
+    out = gen(server, "chat", response_format=tag, **lt)["text"]
+    # every "<" now opens a whole <n>1</n> or <n>2</n>; free text (newlines) between them
+    assert out.startswith("<n>") and len(re.findall("<n>[12]</n>", out)) >= 2, out
+    rest = re.sub("<n>[12]</n>", "", out)  # whitespace, and a tag max_tokens cut at the end
+    assert re.fullmatch(r"\s*(<[n>12/]*)?", rest), out
+    untriggered = {**tag, "triggers": ["<q"]}  # a trigger that starts no structure
+    assert "trigger" in refused(server, "chat", "structural_tag", response_format=untriggered)
     bad = {**tag, "structures": [{"begin": "<n>", "schema": {"type": "nope"}, "end": "</n>"}]}
     # NOTE: compile errors name structured_outputs.structural_tag, the kind it maps to.
-    message = refused(server, "chat", "structural_tag", response_format=bad)
-    assert "nope" in message
+    assert "nope" in refused(server, "chat", "structural_tag", response_format=bad)
     assert "structures" in refused(server, "chat", "response_format",
                                    response_format={"type": "structural_tag"})  # fmt: skip
 
