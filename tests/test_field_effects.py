@@ -599,7 +599,8 @@ def bos_server(tmp_path_factory):
 
 def test_add_special_tokens_and_the_tokenizer_flag(bos_server, server):
     def tokens(srv, **fields):
-        return httpx.post(srv.url + "/tokenize", json={"prompt": PROMPT, **fields}).json()["tokens"]
+        payload = {"prompt": PROMPT, **fields}
+        return httpx.post(srv.url + "/tokenize", json=payload).json()["tokens"]
 
     plain = tokens(server)
     assert tokens(bos_server) == [0, *plain]  # --tokenizer: the BOS-adding copy is used
@@ -608,6 +609,11 @@ def test_add_special_tokens_and_the_tokenizer_flag(bos_server, server):
     assert out["choices"][0]["prompt_token_ids"] == [0, *plain]
     bare = full(bos_server, "completions", add_special_tokens=False)
     assert bare["choices"][0]["prompt_token_ids"] == plain
+    # /tokenize with messages: the template writes the special tokens; true adds BOS on top
+    msgs = {"messages": [{"role": "user", "content": "hi"}]}
+    chat = httpx.post(bos_server.url + "/tokenize", json=msgs).json()["tokens"]
+    assert chat[0] != 0
+    assert tokens(bos_server, prompt=None, add_special_tokens=True, **msgs) == [0, *chat]
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)

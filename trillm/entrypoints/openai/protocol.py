@@ -230,7 +230,8 @@ class TokenizeRequest:
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # None: vLLM's defaults, true for a prompt, false for messages (the template writes them).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

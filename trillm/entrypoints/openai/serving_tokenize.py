@@ -21,10 +21,11 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
         raise BadRequestError("Give exactly one of 'prompt' and 'messages'.", "prompt")
     if req.messages is not None:
         text = _render(state, req)
-        add_special = False  # the template writes the special tokens
+        # The template writes the special tokens; true adds the tokenizer's on top (vLLM).
+        add_special = bool(req.add_special_tokens)
     else:
         text = req.prompt or ""
-        add_special = req.add_special_tokens
+        add_special = req.add_special_tokens is not False
     # NOTE: the same limits as generation (this route is open without the API key, as in
     # vLLM): a text too long for the context is refused before tokenizing, and long texts
     # wait for one of a few tokenizer threads.
