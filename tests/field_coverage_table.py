@@ -361,12 +361,16 @@ NO_EFFECT_BY_DESIGN: dict[str, str] = {
 
 # Accepted but not honoured yet: each is a bug to fix (honour it, or refuse it naming it).
 KNOWN_GAPS: dict[str, str] = {
-    "ChatCompletionRequest.spaces_between_special_tokens": "no code reads it: detokenization "
-    "never puts spaces between added tokens (vLLM's slow-tokenizer path does when true).",
-    "CompletionRequest.spaces_between_special_tokens": "no code reads it: detokenization "
-    "never puts spaces between added tokens (vLLM's slow-tokenizer path does when true).",
-    "SamplingParams.spaces_between_special_tokens": "stored and carried to the engine, but the "
-    "detokenizer never reads it (vLLM's slow-tokenizer path honours it).",
+    # vLLM's fast detokenizer, when false, emits consecutive added tokens as their content,
+    # suppressing spaces a tokenizer's decoder puts between them. trillm's detokenizer never
+    # reads the field. Same output for the decoders it models (byte-level BPE, SentencePiece
+    # byte fallback: they add no such spaces); differs for the DecodeStream fallback.
+    "ChatCompletionRequest.spaces_between_special_tokens": "no code reads it (see the note "
+    "above); a tokenizer whose decoder spaces added tokens shows the difference.",
+    "CompletionRequest.spaces_between_special_tokens": "no code reads it (see the note "
+    "above); a tokenizer whose decoder spaces added tokens shows the difference.",
+    "SamplingParams.spaces_between_special_tokens": "carried to the engine, but the "
+    "detokenizer never reads it (see the note above).",
     "EngineArgs.trust_remote_code": "accepted with a log line: trillm never runs checkpoint "
     "code (its own model classes are used), and the tokenizer is loaded without it, so a "
     "tokenizer that needs remote code fails to load where vLLM would load it.",
