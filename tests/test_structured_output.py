@@ -374,3 +374,20 @@ def test_twins_agree_with_grammar_waits(seed):
         ]
         statuses = [[s.get_request(r).status for r in s.waiting_req_ids()] for s in twins]
         assert statuses[0] == statuses[1]
+
+
+def test_bitmask_rows_cross_the_codec_compactly():
+    """SampleRequest rows are msgpack bin (the int32 words' bytes), not lists of ints."""
+    from trillm.ipc import codec
+    from trillm.messages import SampleRequest
+
+    # 128 words (a 4096-token vocabulary) of mixed bits, as grammar masks are
+    words = np.random.default_rng(0).integers(-(2**31), 2**31, 128).astype(np.int32)
+    rows = {f"req-{i}": np.roll(words, i).tobytes() for i in range(64)}
+    frame = codec.encode(SampleRequest(7, rows))
+    back = codec.decode(frame)
+    assert isinstance(back, SampleRequest) and back.step_id == 7 and back.bitmask == rows
+    assert len(frame) < 64 * (4 * 128 + 16)  # ~4 bytes a word, plus a few per row
+    as_lists = codec.encode(SampleRequest(7, {k: np.frombuffer(v, np.int32).tolist()
+                                              for k, v in rows.items()}))  # fmt: skip
+    assert len(frame) < len(as_lists)
