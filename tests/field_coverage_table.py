@@ -268,6 +268,8 @@ _ENGINE = {
     "distributed_executor_backend": ids(CONFIG, FEE + "test_temperature_seed_n"),
     "generation_config": ids(ACT, CONFIG),
     "chat_template": ids(ACT),
+    # the tokenizer's code; model code never runs (trillm's own model classes)
+    "trust_remote_code": ids(FEE + "test_trust_remote_code_lets_the_tokenizers_code_run"),
     "skip_tokenizer_init": ids(ENGINE_REFUSED),
 }  # fmt: skip
 
@@ -323,7 +325,7 @@ _ENGINE_FLAG_FIELDS = {
     "--stream-interval": "stream_interval", "--device": "device",
     "--attention-backend": "attention_backend",
     "--distributed-executor-backend": "distributed_executor_backend",
-    "--generation-config": "generation_config",
+    "--generation-config": "generation_config", "--trust-remote-code": "trust_remote_code",
 }  # fmt: skip
 
 COVERAGE: dict[str, tuple[str, ...]] = {
@@ -371,10 +373,6 @@ KNOWN_GAPS: dict[str, str] = {
     "above); a tokenizer whose decoder spaces added tokens shows the difference.",
     "SamplingParams.spaces_between_special_tokens": "carried to the engine, but the "
     "detokenizer never reads it (see the note above).",
-    "EngineArgs.trust_remote_code": "accepted with a log line: trillm never runs checkpoint "
-    "code (its own model classes are used), and the tokenizer is loaded without it, so a "
-    "tokenizer that needs remote code fails to load where vLLM would load it.",
-    "--trust-remote-code": "as EngineArgs.trust_remote_code: accepted with a log line only.",
     "EngineArgs.enforce_eager": "enforce_eager=False asks for CUDA graphs; trillm has none and "
     "runs eagerly, saying so in the log (no --enforce-eager flag exists).",
 }

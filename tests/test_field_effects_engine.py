@@ -435,3 +435,36 @@ def test_gpu_memory_utilization_sizes_the_cuda_kv_budget(monkeypatch):
 def test_unknown_attention_backend_is_refused_at_startup():
     with pytest.raises(ValueError, match="attention backend 'nope'"):
         LLM(None, attention_backend="nope", **SMALL)
+
+
+SHOUTING = '''from transformers import PreTrainedTokenizerFast
+
+
+class ShoutingTokenizer(PreTrainedTokenizerFast):
+    """A tokenizer class shipped with the checkpoint (remote code): decodes in upper case."""
+
+    def decode(self, *args, **kwargs):
+        return super().decode(*args, **kwargs).upper()
+'''
+
+
+def test_trust_remote_code_lets_the_tokenizers_code_run(tmp_path):
+    from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
+
+    folder = tmp_path / "remote-tokenizer"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((DEFAULT_MODEL_DIR / "tokenizer.json").read_bytes())
+    config = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="ShoutingTokenizer",
+                  auto_map={"AutoTokenizer": [None, "shouting.ShoutingTokenizer"]})  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "shouting.py").write_text(SHOUTING)
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        LLM(None, tokenizer=str(folder), **SMALL)
+    engine = LLM(None, tokenizer=str(folder), trust_remote_code=True, **SMALL)
+    try:
+        tok = engine.get_tokenizer()
+        assert type(tok).__name__ == "ShoutingTokenizer" and tok.decode(tok.encode("hi")) == "HI"
+        assert ids(engine)  # and it serves
+    finally:
+        engine.shutdown()

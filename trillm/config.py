@@ -73,8 +73,8 @@ class EngineArgs:
             )
         # Accepted with vLLM's meaning where nothing here differs; said once in the log.
         if self.trust_remote_code:
-            logger.info("trust_remote_code: trillm never runs code from a checkpoint; its own "
-                        "model implementations are used.")  # fmt: skip
+            logger.info("trust_remote_code: the checkpoint's tokenizer code may run; its model "
+                        "code never does (trillm's own model implementations are used).")  # fmt: skip
         if not self.enforce_eager:
             logger.info("enforce_eager=False: trillm has no graph capture; it runs eagerly.")
 

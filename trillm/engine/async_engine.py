@@ -329,7 +329,9 @@ async def open_engine(
 
     args = EngineArgs.from_kwargs(model, **engine_args)
     config = await trio.to_thread.run_sync(build_config, args)
-    tokenizer = await trio.to_thread.run_sync(load_tokenizer, config.model.tokenizer)
+    tokenizer = await trio.to_thread.run_sync(
+        load_tokenizer, config.model.tokenizer, args.trust_remote_code
+    )
     async with open_executor(config, runner or DEFAULT_RUNNER, runner_kwargs) as executor:
         engine = AsyncEngine(config, tokenizer, executor, args.stream_interval, stream_wake_budget)
         engine.chat_template = args.chat_template

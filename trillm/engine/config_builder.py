@@ -75,7 +75,8 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     )
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    # trust_remote_code: a tokenizer class shipped with the checkpoint may run (vLLM's meaning).
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
