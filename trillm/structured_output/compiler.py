@@ -15,6 +15,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -26,6 +27,10 @@ from trillm.structured_output.spec import GrammarSpec, StructuredOutputError
 logger = logging.getLogger(__name__)
 
 COMPILE_TIMEOUT_S = 30.0
+# CPU seconds one token's bitmask may cost (the engine fills masks on its event loop, so a
+# slower grammar stalls every request). Ordinary grammars take well under 1 ms; nested
+# ambiguous regexes ("(a*)*" repeated) grow cubically: 0.14 s at 300 repeats, 3 s at 1,000.
+MAX_FILL_CPU_S = 0.05
 _MAX_CACHED = 512  # compiled grammars (and compile failures) kept, least recently used out
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] [^:]+:\d+: ")
@@ -98,6 +103,7 @@ class GrammarCache:
             ) from None
         try:
             compiled = _compile(compiler, spec)
+            _check_fill_cost(compiled, spec, self.vocab_size)
             if spec.kind in ("json", "json_object"):
                 self.json_safe_mask(spec.any_whitespace)  # a vocabulary walk: here, off the loop
             return compiled
@@ -190,6 +196,25 @@ class GrammarCache:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _check_fill_cost(compiled: Any, spec: GrammarSpec, vocab_size: int) -> None:
+    """Refuse a grammar whose first bitmask costs more than ``MAX_FILL_CPU_S`` of CPU (measured
+    here, on the grammar thread; xgrammar releases the GIL). A grammar cheap at its start and
+    slow later is caught per step by ``StructuredOutputManager.fill_bitmask``."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    start = time.thread_time()
+    matcher.fill_next_token_bitmask(bitmask)
+    cost = time.thread_time() - start
+    if cost > MAX_FILL_CPU_S:
+        raise StructuredOutputError(
+            f"structured_outputs.{spec.kind}",
+            f"The {_WHAT[spec.kind]} is too expensive to enforce: one token's mask takes "
+            f"{cost * 1000:.0f} ms of CPU (limit {MAX_FILL_CPU_S * 1000:.0f} ms).",
+        )
 
 
 def _compile(compiler: Any, spec: GrammarSpec) -> Any:

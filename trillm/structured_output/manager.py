@@ -12,13 +12,14 @@
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from trillm.messages import SampleRequest, SchedulerOutput
-from trillm.structured_output.compiler import GrammarCache
+from trillm.structured_output.compiler import MAX_FILL_CPU_S, GrammarCache
 from trillm.structured_output.spec import GrammarSpec, check_params
 
 logger = logging.getLogger(__name__)
@@ -117,12 +118,25 @@ class StructuredOutputManager:
         bitmask: dict[str, bytes | list[int]] = {}
         for i, req_id in enumerate(req_ids):
             try:
+                start = time.thread_time()
                 # NOTE: False means every token is allowed here: no row needed.
                 if self.matchers[req_id].fill_next_token_bitmask(rows, i):
                     extra = self._extra_masks.get(req_id)
                     if extra is not None:
                         np.bitwise_and(rows[i], extra, out=rows[i])
                     bitmask[req_id] = rows[i].tobytes()
+                cost = time.thread_time() - start
+                if cost > MAX_FILL_CPU_S:
+                    # This runs on the engine's loop: one slow grammar stalls every request.
+                    # The request keeps this step's row and ends (abort) at the next P4.
+                    logger.warning(
+                        "request %s: its grammar's mask took %.0f ms of CPU (limit %.0f ms); "
+                        "ending it",
+                        req_id,
+                        cost * 1000,
+                        MAX_FILL_CPU_S * 1000,
+                    )
+                    self._broken.add(req_id)
             except Exception:  # one request's grammar, never the engine
                 logger.exception("request %s: filling its grammar bitmask failed", req_id)
                 self._broken.add(req_id)
