@@ -12,7 +12,8 @@ refused (the document cannot say everything, e.g. which model names exist), but 
 The model is the fake runner (near-zero cost per step) with the embedded default model's
 tokenizer, so the budget goes into cases, not into decoding. The example count is bounded
 (``TRILLM_SCHEMATHESIS_EXAMPLES``, default 25 per route and mode) and the draw is derandomized
-so CI is repeatable; ``TRILLM_SCHEMATHESIS_RANDOM=1`` explores new cases each run.
+so CI is repeatable; ``TRILLM_SCHEMATHESIS_RANDOM=1`` explores new cases each run and
+``TRILLM_SCHEMATHESIS_REAL_MODEL=1`` serves the real embedded model.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from server_harness import ServerProcess
 
 MAX_EXAMPLES = int(os.environ.get("TRILLM_SCHEMATHESIS_EXAMPLES", "25"))
 RANDOM = os.environ.get("TRILLM_SCHEMATHESIS_RANDOM") == "1"
+# The real embedded model instead of the fake runner: sampling, logits processors and grammars
+# then run for real (slower; for exploring, not CI).
+REAL_MODEL = os.environ.get("TRILLM_SCHEMATHESIS_REAL_MODEL") == "1"
 # One call, stream included: with --max-model-len 128 on the fake runner a whole answer takes
 # well under a second, so 30 s only passes when the server hangs.
 CALL_TIMEOUT = 30.0
@@ -51,11 +55,8 @@ CHECKS = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("schemathesis") / "server.log"
-    srv = ServerProcess(
-        ["--runner", "trillm.worker.fake_runner:FakeModelRunner", "--max-model-len", "128",
-         "--max-num-seqs", "16"],
-        log,
-    ).start()  # fmt: skip
+    runner = [] if REAL_MODEL else ["--runner", "trillm.worker.fake_runner:FakeModelRunner"]
+    srv = ServerProcess([*runner, "--max-model-len", "128", "--max-num-seqs", "16"], log).start()
     yield srv
     code = srv.stop()
     assert code == 0, srv.log()
