@@ -116,6 +116,21 @@ def _require_bf16() -> ModuleType:
     return ext
 
 
+# On a CPU with AMX-BF16 torch's bf16 F.linear runs oneDNN's AMX GEMM, several times this
+# kernel's rate once the rows fill its 16-row tiles; below that the kernel wins (no per-call
+# weight reordering, half the weight bytes of fp32). SmolLM2-135M's 121 weights a pass, 2
+# threads, alternated (2026-12-01): kernel / torch 1.77x at 1 row, 1.55x at 4, 1.14x at 8,
+# 0.89x at 16; at 64 rows torch ran 5x faster. benchmarks/RESULTS.md, section 6.
+AMX_KERNEL_MAX_ROWS = 8
+
+
+@functools.cache
+def bf16_kernel_max_rows() -> int | None:
+    """Most rows a bf16 call should give the kernel: None (any) without AMX-BF16."""
+    ext = _ext_bf16()
+    return AMX_KERNEL_MAX_ROWS if ext is not None and ext.amx_bf16() else None
+
+
 def supports_bf16(weight: torch.Tensor) -> bool:
     """Whether ``weight`` [N, K] can be packed for ``linear_bf16``: bf16 on CPU, 2-D, no
     autograd."""

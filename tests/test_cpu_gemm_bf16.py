@@ -185,8 +185,18 @@ def test_pack_cpu_linears_routes_bf16_layers_through_the_kernel(monkeypatch):
         got = model(x)
     assert calls == [32, 96] and got.dtype == bf16
     torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
+    # With AMX-BF16 calls of many rows go to torch's (oneDNN AMX) GEMM; without, any count
+    monkeypatch.setattr(linear_cpu, "bf16_kernel_max_rows", lambda: 4)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), want, rtol=2**-7, atol=1e-3)
+        model(x[:4])
+    assert calls == [32, 96, 32, 96]
+    monkeypatch.setattr(linear_cpu, "bf16_kernel_max_rows", lambda: None)
+    with torch.inference_mode():
+        model(torch.randn(3, 100, 32).to(bf16))
+    assert calls == [32, 96] * 3
     out = model(x.float().requires_grad_().to(bf16))  # autograd on: torch's F.linear
-    assert calls == [32, 96]
+    assert calls == [32, 96] * 3
     out.float().sum().backward()
     assert model.up.weight.grad is not None
 

@@ -11,7 +11,9 @@ memory on CPU. Weights written after packing are not seen: pack again.
 bf16 layers (``--dtype bfloat16``) go the same way through the AVX512-BF16 GEMM
 (``linear_cpu.linear_bf16``): bf16 in, bf16 out rounded once from fp32 sums (torch's bf16
 ``F.linear`` numerics, so the model keeps matching transformers in bf16); norms and softmax stay
-fp32 inside their kernels as before. On a CPU without AVX512-BF16 they keep ``F.linear``.
+fp32 inside their kernels as before. On a CPU without AVX512-BF16 they keep ``F.linear``; on
+one with AMX-BF16, calls of more than ``linear_cpu.bf16_kernel_max_rows()`` rows go to
+``F.linear`` (oneDNN's AMX GEMM: faster there, the same numerics up to summation order).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _packed_forward_bf16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed: linear_cpu.PackedWeightBf16 = self.packed_weight  # type: ignore[assignment]
     if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-        return linear_cpu.linear_bf16(x, packed, self.packed_bias)  # type: ignore[arg-type]
+        limit = linear_cpu.bf16_kernel_max_rows()  # with AMX, torch's GEMM wins at many rows
+        if limit is None or x.numel() <= limit * x.shape[-1]:
+            return linear_cpu.linear_bf16(x, packed, self.packed_bias)  # type: ignore[arg-type]
     return F.linear(x, self.weight, self.bias)
 
 
