@@ -181,8 +181,21 @@ class IncrementalDetokenizer {
   }
 
   // Final text made by ids (UTF-8; pybind converts to str).
-  std::string add(const std::vector<int64_t>& ids) {
-    for (int64_t id : ids) vocab_->checked(id);
+  std::string add(const std::vector<int64_t>& ids_in) {
+    // Ids past the tokenizer (a model's padded vocabulary can sample them) have no text, as
+    // in the tokenizer's own decode: dropped here, never an error. Negative ids are a bug.
+    std::vector<int64_t> kept;
+    const std::vector<int64_t>* ids_p = &ids_in;
+    for (int64_t id : ids_in) {
+      if (id < 0) vocab_->checked(id);
+      if (static_cast<size_t>(id) >= vocab_->size()) {
+        for (int64_t k : ids_in)
+          if (k >= 0 && static_cast<size_t>(k) < vocab_->size()) kept.push_back(k);
+        ids_p = &kept;
+        break;
+      }
+    }
+    const std::vector<int64_t>& ids = *ids_p;
     std::string out;
     if (vocab_->scheme == kByteLevel) {
       add_byte_level(ids, &out);

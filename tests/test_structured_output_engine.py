@@ -103,17 +103,20 @@ def test_every_kind_validates_in_one_mixed_batch(llm, temperature):
                        logit_bias=closers if k == "json_object" else None)
         for i, k in enumerate(kinds)
     ]  # fmt: skip
-    # NOTE: the padded ids (4096..4132) have no text; the detokenizer refuses them, so the
-    # unconstrained neighbours keep to the tokenizer's ids (the grammar's rows never allow them).
-    plain = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True,
-                           allowed_token_ids=list(range(3, 4096)))  # fmt: skip
+    plain = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True)
+    # The padded ids (4096..4132) have no text (the grammar's rows never allow them): a
+    # neighbour sampling only those gets empty text and harms nobody.
+    padded = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True,
+                            allowed_token_ids=list(range(4096, 4133)))  # fmt: skip
     prompts = [f"Answer {k}:" for k in kinds] + ["plain one", "plain two"]
-    outs = llm.generate(prompts, params + [plain, plain], use_tqdm=False)
+    outs = llm.generate(prompts, params + [plain, padded], use_tqdm=False)
     for kind, out in zip(kinds, outs, strict=False):
         _check(kind, out)
     for out in outs[len(kinds) :]:  # the unconstrained neighbours are untouched
         assert out.outputs[0].finish_reason == "length"
         assert len(out.outputs[0].token_ids) == 20
+    assert outs[-1].outputs[0].text == ""
+    assert all(t >= 4096 for t in outs[-1].outputs[0].token_ids)
 
 
 def test_many_sampled_json_outputs_validate(llm):

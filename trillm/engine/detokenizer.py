@@ -266,7 +266,11 @@ class PyIncrementalDetokenizer:
 
     def add_tokens(self, ids: Sequence[int]) -> str:
         if ids and (min(ids) < 0 or max(ids) >= self._vocab.size):
-            raise IndexError(f"token id outside the vocabulary of {self._vocab.size} tokens.")
+            if min(ids) < 0:
+                raise IndexError("a token id is negative.")
+            # NOTE: ids past the tokenizer (a model's padded vocabulary can sample them) have
+            # no text, as in the tokenizer's own decode: they must never fail the request.
+            ids = [i for i in ids if i < self._vocab.size]
         if self._vocab.scheme == DecoderScheme.BYTE_LEVEL:
             table = self._vocab.table_skipping if self._skip else self._vocab.table
             return self._utf8.decode(b"".join([table[i] for i in ids]))
