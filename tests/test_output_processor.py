@@ -541,3 +541,17 @@ def test_stop_strings_property(tok, data, include):
     assert streamed == expect_text and tokens == expect_tokens
     assert final.outputs[0].stop_reason == expect_stop
     assert final.outputs[0].finish_reason == ("stop" if expect_stop else "length")
+
+
+def test_an_output_that_cannot_be_processed_ends_its_request_alone(tok, processor):
+    # A bug on one request's output (here a negative token id its detokenizer refuses) must
+    # not escape the handler: that request ends with "abort" and is aborted in the engine.
+    bad = processor.add_request("bad", None, [1], SamplingParams())
+    good = processor.add_request("good", None, [1], SamplingParams())
+    ids = ids_of(tok, "Hi there")
+    aborts = processor.process_outputs([step("bad", [-1]), step("good", ids)])
+    assert aborts == ["bad"]
+    (bad_out,) = drain(bad)
+    assert bad_out.finished and bad_out.outputs[0].finish_reason == "abort"
+    (good_out,) = drain(good)
+    assert good_out.outputs[0].text == tok.decode(ids) and not good_out.finished

@@ -27,9 +27,10 @@ budget (or a model slow enough to hide the writes) every token goes out at once.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trillm.engine.detokenizer import Detokenizer, DetokenizerFactory
@@ -45,6 +46,8 @@ from trillm.outputs import (
     SampleLogprobs,
 )
 from trillm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # At least this many streams are woken per engine step for a middle output (module docstring).
 DEFAULT_WAKE_BUDGET = 32
@@ -275,8 +278,15 @@ class OutputProcessor:
             sample = self._samples.get(out.request_id)
             if sample is None:
                 continue  # aborted while this step was in flight
-            self._record_prompt_side(sample, out, now)
-            stop_string = self._update_sample(sample, out)
+            try:
+                self._record_prompt_side(sample, out, now)
+                stop_string = self._update_sample(sample, out)
+            except Exception:  # NOTE: one request's output, never the handler (and engine)
+                logger.exception("output of request %s could not be processed", out.request_id)
+                stop_string = None
+                if not out.finished:
+                    to_abort.append(out.request_id)
+                out = replace(out, finish_reason=FinishReason.ABORT)
             if stop_string is not None:
                 self._finish(sample, "stop", stop_string)
                 if not out.finished:
