@@ -33,7 +33,7 @@ from werkzeug.exceptions import HTTPException
 import trillm
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
 from trillm.entrypoints.chat_utils import load_chat_template
-from trillm.entrypoints.openai import openapi
+from trillm.entrypoints.openai import extra_routes, openapi, vllm_flags
 from trillm.entrypoints.openai.engine_supervisor import supervise_engine
 from trillm.entrypoints.openai.errors import (
     APIError,
@@ -52,16 +52,13 @@ from trillm.entrypoints.openai.http_guard import KeepAliveGuard
 from trillm.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trillm.entrypoints.openai.metrics import ServerMetrics
 from trillm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     structure,
 )
 from trillm.entrypoints.openai.serving_base import ServerState, max_prompt_chars
-from trillm.entrypoints.openai.serving_chat import create_chat_completion
-from trillm.entrypoints.openai.serving_completion import create_completion
 from trillm.entrypoints.openai.serving_tokenize import detokenize, tokenize
+from trillm.entrypoints.openai.stats_logger import log_stats_periodically
 
 logger = logging.getLogger("trillm.server")
 
@@ -70,14 +67,17 @@ RETRY_AFTER_S = 1  # the Retry-After of a 503
 # After --shutdown-timeout and the aborts, what still runs (a producer nobody reads) gets
 # this long before it is cancelled: shutdown never hangs.
 SHUTDOWN_BACKSTOP_S = 10.0
-_OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json")
+_OPEN_PATHS = ("/health", "/ping", "/load", "/metrics", "/version", "/openapi.json")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 # ---------------------------------------------------------------- the app
 
 
-def build_app(state: ServerState, api_key: str | None = None) -> QuartTrio:
+def build_app(
+    state: ServerState, api_key: str | None = None, log_requests_max_len: int | None = None
+) -> QuartTrio:
+    """``log_requests_max_len``: --enable-log-requests with --max-log-len (None: no log)."""
     app = QuartTrio("trillm")
     app.config.update(
         MAX_CONTENT_LENGTH=MAX_BODY_BYTES,
@@ -87,7 +87,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> QuartTrio:
     )
     _install_gate(app, state, api_key)
     _install_error_handlers(app)
-    _install_routes(app, state)
+    log = None if log_requests_max_len is None else extra_routes.RequestLog(log_requests_max_len)
+    _install_routes(app, state, extra_routes.Dispatcher(state, result_response, log))
     return app
 
 
@@ -145,16 +146,14 @@ def _install_error_handlers(app: QuartTrio) -> None:
         return json_response(api_error.body(), api_error.status)
 
 
-def _install_routes(app: QuartTrio, state: ServerState) -> None:
+def _install_routes(app: QuartTrio, state: ServerState, run: extra_routes.Dispatcher) -> None:
     @app.post("/v1/chat/completions")
     async def chat() -> Response:
-        req = structure(ChatCompletionRequest, await json_body())
-        return result_response(await create_chat_completion(state, req))
+        return await run.chat(await json_body())
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        req = structure(CompletionRequest, await json_body())
-        return result_response(await create_completion(state, req))
+        return await run.completion(await json_body())
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -176,6 +175,8 @@ def _install_routes(app: QuartTrio, state: ServerState) -> None:
             err = ServiceUnavailableError("The server is not ready or shutting down.")
             return json_response(err.body(), err.status)
         return Response(b"", 200)
+
+    extra_routes.install(app, state, run, json_body, health, json_response)  # /ping, ...
 
     @app.get("/version")
     async def version() -> Response:
@@ -264,6 +265,21 @@ class ServerOptions:
     max_num_queued_requests: int | None = None
     # On the engine's death: a new engine in the same process (else exit code 1).
     restart_on_engine_death: bool = False
+    # vLLM's deployment flags (issue 16; vllm_flags.py): TLS, CORS, proxy, logs, metrics.
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    allowed_origins: list[str] = attrs.field(factory=lambda: ["*"])
+    allowed_methods: list[str] = attrs.field(factory=lambda: ["*"])
+    allowed_headers: list[str] = attrs.field(factory=lambda: ["*"])
+    allow_credentials: bool = False
+    root_path: str = ""
+    enable_log_requests: bool = False
+    max_log_len: int = 256
+    log_stats: bool = True
+    log_stats_interval: float = 10.0
+    metrics_prefix: str = "both"
 
 
 @attrs.define(eq=False)
@@ -312,7 +328,7 @@ async def _serve(
                 state = ServerState(
                     engine=engine,
                     served_model_names=names,
-                    metrics=ServerMetrics(engine, names[0]),
+                    metrics=ServerMetrics(engine, names[0], opts.metrics_prefix),
                     nursery=nursery,
                     chat_template=chat_template,
                     trust_request_chat_template=opts.trust_request_chat_template,
@@ -324,11 +340,15 @@ async def _serve(
                     max_admitted=_max_admitted(engine, opts),
                 )
                 max_prompt_chars(state)  # the tokenizer's bound, once, before any request
-                app = build_app(state, opts.api_key)
+                log_len = opts.max_log_len if opts.enable_log_requests else None
+                app = vllm_flags.wrap_asgi(build_app(state, opts.api_key, log_len), opts)
                 shutdown = trio.Event()
                 serve = partial(
                     _hypercorn_serve, app, _hypercorn_config(opts), shutdown_trigger=shutdown.wait
                 )
+                if opts.log_stats:  # ends with the serving (shutdown), never held up by it
+                    nursery.start_soon(log_stats_periodically, engine, state.metrics,
+                                       opts.log_stats_interval, shutdown)  # fmt: skip
                 binds = await nursery.start(serve)
                 life.serving = True
                 logger.info("trillm is serving %s on %s", names[0], ", ".join(binds))
@@ -378,6 +398,7 @@ def _hypercorn_config(opts: ServerOptions) -> Any:
     # at once: the dropped SYNs are retried after 1 s, which lands in their TTFT. 2048 as uvicorn.
     config.backlog = 2048
     config.include_server_header = False
+    vllm_flags.configure_hypercorn(config, opts)  # --ssl-*, --root-path
     return config
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from trillm.config import parse_memory_size
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
+from trillm.entrypoints.openai import vllm_flags
 from trillm.entrypoints.openai.api_server import ServerOptions
 
 # Flags whose value goes straight into EngineArgs under the same (underscored) name. Each is
@@ -60,7 +61,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_server_flags(p)
     _add_engine_flags(p)
     _add_tool_flags(p)
-    p.set_defaults(func=run_serve)
+    # vLLM's deployment flags (issue 16): TLS, CORS, proxy, logging, metrics, --config.
+    vllm_flags.add_http_flags(p)
+    vllm_flags.add_logging_flags(p)
+    vllm_flags.add_engine_compat_flags(p)
+    vllm_flags.add_config_flag(p)
+    p.set_defaults(func=run_serve, serve_parser=p)
     return p
 
 
@@ -229,6 +235,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def server_options(args: argparse.Namespace) -> ServerOptions:
     check_tool_flags(args)
     return ServerOptions(
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        ssl_cert_reqs=args.ssl_cert_reqs,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        root_path=args.root_path,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+        log_stats=not args.disable_log_stats,
+        log_stats_interval=args.log_stats_interval,
+        metrics_prefix=args.metrics_prefix,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
@@ -260,5 +280,9 @@ def run_serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper() if args.log_level != "trace" else "DEBUG",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    model = args.model_opt or args.model_tag
+    vllm_flags.check_flags(args.serve_parser, args)
+    for note in vllm_flags.startup_notes(args):
+        logging.getLogger("trillm.server").info(note)
+    vllm_flags.apply_download_dir(args.download_dir)
+    model = args.model_opt or args.model_tag or args.config_model  # --config's model last
     return trio.run(run_server, model, engine_kwargs(args), server_options(args))

@@ -1,12 +1,27 @@
-"""Prometheus metrics, vLLM's names with a ``trillm:`` prefix, in a per-app registry.
+"""Prometheus metrics: vLLM v1's series, under ``vllm:`` and ``trillm:`` names, per app.
 
-Scheduler gauges (running, waiting, KV usage) and the prefix-cache counters are read from
-``engine.get_stats()`` at scrape time; request-level histograms and counters are recorded by
-the serving code as requests progress.
+Every series carries vLLM's labels ``model_name`` and ``engine`` ("0": one engine per server).
+``--metrics-prefix`` picks the names: ``both`` (default: vLLM's dashboards and trillm's own
+work unchanged), ``vllm`` or ``trillm``. The series are recorded once, under ``vllm:``, and
+renamed at scrape time, so a second prefix costs nothing per request.
+
+Sources:
+- scheduler gauges (running, waiting, KV usage), the prefix-cache and preemption counters
+  and ``cache_config_info`` are read from the engine at scrape time;
+- request series are recorded per engine request (each sample of an ``n > 1`` request, each
+  prompt of a batched completion), as vLLM does, so ``request_success_total`` and the latency
+  and length histograms count the same things: ``RequestTimer.output`` sees each output,
+  ``RequestTimer.finished`` ends the HTTP request;
+- ``request_params_n`` / ``request_params_max_tokens`` once per prompt, from the request body.
+
+The queue / prefill / inference intervals and ``iteration_tokens_total`` need the engine's
+per-request SCHEDULED event and per-step token counts; they are observed when the engine's
+outputs carry them (``RequestMetrics.first_scheduled_time``, see ``_scheduled_time``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -17,126 +32,309 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIXES = {"both": ("vllm:", "trillm:"), "vllm": ("vllm:",), "trillm": ("trillm:",)}
+ENGINE_INDEX = "0"
+LABELS = ["model_name", "engine"]
 
-_LATENCY_BUCKETS = (
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+_TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
+_TOKEN_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+_REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's build_1_2_5_buckets)."""
+    out: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > limit:
+                return out
+            out.append(value)
+        exponent += 1
 
 
 class _SchedulerCollector(Collector):
-    def __init__(self, engine: Any, model_name: str) -> None:
-        self.engine = engine
-        self.model_name = model_name
+    """What the engine knows at scrape time."""
 
-    def collect(self) -> Any:
+    def __init__(self, engine: Any, labels: list[str]) -> None:
+        self.engine = engine
+        self.labels = labels
+
+    def collect(self) -> Iterable[Metric]:
         stats = self.engine.get_stats()
-        label = [self.model_name]
         gauges = (
-            ("trillm:num_requests_running", "Requests in the running batch.", "num_running_reqs"),
-            (
-                "trillm:num_requests_waiting",
-                "Requests waiting to be scheduled.",
-                "num_waiting_reqs",
-            ),
-            ("trillm:kv_cache_usage_perc", "KV-cache usage, 1 = full.", "kv_cache_usage"),
-        )
+            ("vllm:num_requests_running", "Number of requests in model execution batches.",
+             "num_running_reqs"),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+             "num_waiting_reqs"),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             "kv_cache_usage"),
+        )  # fmt: skip
         for name, doc, attr in gauges:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(label, float(getattr(stats, attr)))
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(self.labels, float(getattr(stats, attr)))
             yield g
         counters = (
-            ("trillm:prefix_cache_queries", "Prompt tokens looked up.", "prefix_cache_queries"),
-            ("trillm:prefix_cache_hits", "Prompt tokens found in the cache.", "prefix_cache_hits"),
-            (
-                "trillm:num_preemptions",
-                "Requests preempted because the KV cache was full (recomputed later).",
-                "num_preemptions",
-            ),
-        )
+            ("vllm:prefix_cache_queries",
+             "Prefix cache queries, in terms of number of queried tokens.",
+             "prefix_cache_queries"),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             "prefix_cache_hits"),
+            ("vllm:num_preemptions",
+             "Cumulative number of preemption from the engine (recomputed later).",
+             "num_preemptions"),
+        )  # fmt: skip
         for name, doc, attr in counters:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, float(getattr(stats, attr)))
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(self.labels, float(getattr(stats, attr)))
             yield c
+        info = cache_config_info(self.engine)
+        g = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
+        )
+        g.add_metric(list(info.values()), 1.0)
+        yield g
+
+
+def cache_config_info(engine: Any) -> dict[str, str]:
+    """vLLM's cache_config_info labels (the fields trillm has), plus ``engine``."""
+    cache = getattr(getattr(engine, "config", None), "cache", None)
+    info = {"engine": ENGINE_INDEX, "cache_dtype": "auto"}
+    for name in ("block_size", "enable_prefix_caching", "gpu_memory_utilization",
+                 "num_gpu_blocks_override", "kv_cache_memory"):  # fmt: skip
+        info[name] = str(getattr(cache, name, None))
+    info["num_gpu_blocks"] = str(getattr(engine, "num_blocks", None))
+    return info
+
+
+class _Renamed(Collector):
+    """The base registry's ``vllm:`` series under each prefix asked for."""
+
+    def __init__(self, base: CollectorRegistry, prefixes: tuple[str, ...]) -> None:
+        self.base = base
+        self.prefixes = prefixes
+
+    def collect(self) -> Iterable[Metric]:
+        families = list(self.base.collect())
+        for prefix in self.prefixes:
+            for family in families:
+                if prefix == "vllm:":
+                    yield family
+                    continue
+                renamed = Metric(prefix + family.name[5:], family.documentation, family.type)
+                renamed.samples = [s._replace(name=prefix + s.name[5:]) for s in family.samples]
+                yield renamed
 
 
 class ServerMetrics:
     """The metrics of one app; ``render()`` is the /metrics body."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(
+        self, engine: Any, model_name: str, prefix: str = "both", max_model_len: int | None = None
+    ) -> None:
         disable_created_metrics()  # no *_created series (vLLM drops them too)
         self.model_name = model_name
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_SchedulerCollector(engine, model_name))
-        labels = ["model_name"]
-        reg = self.registry
+        self.labels = [model_name, ENGINE_INDEX]
+        self.base = CollectorRegistry(auto_describe=True)
+        self.base.register(_SchedulerCollector(engine, self.labels))
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Renamed(self.base, PREFIXES[prefix]))
+        if max_model_len is None:
+            max_model_len = getattr(getattr(engine, "model_config", None), "max_model_len", 0)
+        length_buckets = buckets_1_2_5(max(int(max_model_len or 0), 1))
+        sched = getattr(getattr(engine, "config", None), "scheduler", None)
+        step_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 8192)
+        reg, labels = self.base, self.labels
 
-        def hist(name: str, doc: str) -> Any:
-            return Histogram(name, doc, labels, registry=reg, buckets=_LATENCY_BUCKETS)
+        def hist(name: str, doc: str, buckets: Any) -> Any:
+            return Histogram(name, doc, LABELS, registry=reg, buckets=buckets).labels(*labels)
 
-        self.ttft = hist("trillm:time_to_first_token_seconds", "Time to first token.").labels(
-            model_name
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, LABELS, registry=reg).labels(*labels)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        self.itl = hist("trillm:inter_token_latency_seconds", "Time between tokens.").labels(
-            model_name
-        )
-        self.e2e = hist("trillm:e2e_request_latency_seconds", "Request latency.").labels(model_name)
-        self.prompt_tokens = Counter(
-            "trillm:prompt_tokens", "Prompt tokens processed.", labels, registry=reg
-        ).labels(model_name)
-        self.generation_tokens = Counter(
-            "trillm:generation_tokens", "Tokens generated.", labels, registry=reg
-        ).labels(model_name)
         self._success = Counter(
-            "trillm:request_success",
-            "Finished requests, by finish reason.",
-            labels + ["finished_reason"],
+            "vllm:request_success",
+            "Count of successfully processed requests (engine requests, by finish reason).",
+            LABELS + ["finished_reason"],
             registry=reg,
         )
         self._success_by_reason = {
-            r: self._success.labels(model_name, r) for r in ("stop", "length", "abort")
+            r: self._success.labels(*labels, r) for r in ("stop", "length", "abort")
         }
+        self.request_prompt_tokens = hist(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", length_buckets
+        )
+        self.request_generation_tokens = hist(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            length_buckets,
+        )  # fmt: skip
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            sorted(set(buckets_1_2_5(step_tokens) + [step_tokens])),
+        )  # fmt: skip
+        self.params_n = hist(
+            "vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS
+        )
+        self.params_max_tokens = hist(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            length_buckets,
+        )  # fmt: skip
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            _TTFT_BUCKETS,
+        )  # fmt: skip
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            _TOKEN_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.tpot = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            _TOKEN_LATENCY_BUCKETS,
+        )
+
+        def phase(name: str, doc: str) -> Any:
+            return hist(name, doc, _REQUEST_LATENCY_BUCKETS)
+
+        self.e2e = phase(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."
+        )
+        self.queue = phase("vllm:request_queue_time_seconds",
+                           "Histogram of time spent in WAITING phase for request.")  # fmt: skip
+        self.inference = phase("vllm:request_inference_time_seconds",
+                               "Histogram of time spent in RUNNING phase for request.")  # fmt: skip
+        self.prefill = phase("vllm:request_prefill_time_seconds",
+                             "Histogram of time spent in PREFILL phase for request.")  # fmt: skip
+        self.decode = phase("vllm:request_decode_time_seconds",
+                            "Histogram of time spent in DECODE phase for request.")  # fmt: skip
+        # Running totals for the periodic stats line (stats_logger.py).
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
 
     def request_finished(self, reason: str) -> None:
         counter = self._success_by_reason.get(reason)
         if counter is None:
-            counter = self._success_by_reason[reason] = self._success.labels(
-                self.model_name, reason
-            )
+            counter = self._success_by_reason[reason] = self._success.labels(*self.labels, reason)
         counter.inc()
+
+    def request_params(self, n: int, max_tokens: int | None, prompts: int = 1) -> None:
+        """The request's n and max_tokens (when it set one), once per prompt, as vLLM."""
+        for _ in range(prompts):
+            self.params_n.observe(n)
+            if max_tokens is not None:
+                self.params_max_tokens.observe(max_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class RequestTimer:
-    """Per-request latency bookkeeping: TTFT, inter-token latency, end-to-end."""
+def _scheduled_time(out: Any) -> float | None:
+    """The engine's first SCHEDULED time of a request (``time.time()`` clock), if it has one."""
+    return getattr(getattr(out, "metrics", None), "first_scheduled_time", None)
 
-    __slots__ = ("metrics", "start", "last", "num_generated")
+
+class _Sample:
+    """One engine request as the frontend sees it: a prompt's sample."""
+
+    __slots__ = ("prompt_len", "first", "last", "count", "done")
+
+    def __init__(self, prompt_len: int) -> None:
+        self.prompt_len = prompt_len
+        self.first: float | None = None
+        self.last: float | None = None
+        self.count = 0
+        self.done = False
+
+
+class RequestTimer:
+    """One HTTP request's series, recorded per engine request (prompt x sample): TTFT,
+    inter-token latency, token counts as they arrive; e2e, lengths, decode time, TPOT and
+    the finish reason when each sample ends."""
+
+    __slots__ = ("metrics", "start", "samples", "ended")
 
     def __init__(self, metrics: ServerMetrics, start: float) -> None:
         self.metrics = metrics
         self.start = start
-        self.last: float | None = None
-        self.num_generated = 0
+        self.samples: dict[tuple[int, int], _Sample] = {}
+        self.ended = 0
 
-    def tokens(self, now: float, count: int) -> None:
-        if count <= 0:
-            return
-        if self.last is None:
-            self.metrics.ttft.observe(now - self.start)
-        else:
-            self.metrics.itl.observe(now - self.last)
-        self.last = now
-        self.num_generated += count
+    def output(self, now: float, out: Any, job: int = 0) -> None:
+        """A RequestOutput (one prompt's delta) read at ``now`` (``time.perf_counter``)."""
+        m = self.metrics
+        for c in out.outputs:
+            key = (job, c.index)
+            s = self.samples.get(key)
+            if s is None:
+                s = self.samples[key] = _Sample(len(out.prompt_token_ids or ()))
+            n = len(c.token_ids)
+            if n:
+                m.generation_tokens.inc(n)
+                m.total_generation_tokens += n
+                if s.last is None:  # the prefill is done: vLLM counts its tokens now
+                    s.first = now
+                    m.ttft.observe(now - self.start)
+                    m.prompt_tokens.inc(s.prompt_len)
+                    m.total_prompt_tokens += s.prompt_len
+                else:
+                    # Tokens merged into one delta (--stream-interval, a slow reader) shared
+                    # the gap since the previous one.
+                    gap = (now - s.last) / n
+                    for _ in range(n):
+                        m.itl.observe(gap)
+                s.last = now
+                s.count += n
+            if c.finish_reason is not None and not s.done:
+                self._end(now, s, str(c.finish_reason), out)
+
+    def _end(self, now: float, s: _Sample, reason: str, out: Any = None) -> None:
+        m = self.metrics
+        s.done = True
+        self.ended += 1
+        m.request_finished(reason)
+        m.e2e.observe(now - self.start)
+        m.request_prompt_tokens.observe(s.prompt_len)
+        m.request_generation_tokens.observe(s.count)
+        if s.first is not None and s.last is not None:
+            decode = s.last - s.first
+            m.decode.observe(decode)
+            if s.count > 1:
+                m.tpot.observe(decode / (s.count - 1))
+        scheduled = _scheduled_time(out)
+        times = getattr(out, "metrics", None)
+        if scheduled is not None and times is not None:
+            m.queue.observe(max(scheduled - times.arrival_time, 0.0))
+            if times.first_token_time is not None:
+                m.prefill.observe(max(times.first_token_time - scheduled, 0.0))
+            if times.last_token_time is not None:
+                m.inference.observe(max(times.last_token_time - scheduled, 0.0))
 
     def finished(self, now: float, prompt_tokens: int, reasons: list[str]) -> None:
-        m = self.metrics
-        m.e2e.observe(now - self.start)
-        m.prompt_tokens.inc(prompt_tokens)
-        m.generation_tokens.inc(self.num_generated)
-        for reason in reasons:
-            m.request_finished(reason)
+        """The HTTP request is over (``reasons``: one per sample, "abort" for those cut
+        short): samples that did not end on their own (a client gone, a shutdown) end as
+        aborted, those that never produced an output too."""
+        for s in self.samples.values():
+            if not s.done:
+                self._end(now, s, "abort")
+        for _ in range(len(reasons) - self.ended):
+            self._end(now, _Sample(0), "abort")

@@ -176,7 +176,7 @@ class RequestTracker:
             if c.finish_reason is not None:
                 self.reasons.append(str(c.finish_reason))
         self.completion_tokens += count
-        self.timer.tokens(time.perf_counter(), count)
+        self.timer.output(time.perf_counter(), out, job)  # metrics per engine request
         if out.num_cached_tokens:
             self.cached_tokens[job] = out.num_cached_tokens
 

@@ -1,0 +1,386 @@
+"""``vllm serve`` flags a deployment commonly sets, on ``trillm serve`` (issue 16).
+
+Three kinds, never a flag accepted and ignored in silence:
+
+- honoured with vLLM's meaning: TLS (``--ssl-*``), CORS (``--allowed-*``), ``--root-path``,
+  ``--download-dir``, request and stats logging, ``--config FILE.yaml``;
+- accepted where trillm has no such mechanism (``--enable-chunked-prefill``,
+  ``--enforce-eager``, ``--swap-space``): what they ask is already so, or means nothing here,
+  and ``startup_notes`` says so once in the log;
+- refused (argparse error, exit 2) where the feature belongs to another open issue:
+  pipeline/data parallelism, quantization, KV-cache dtypes, LoRA, speculative decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# Load formats trillm reads: both mean "the folder's *.safetensors files".
+LOAD_FORMATS = ("auto", "safetensors")
+
+
+def _json_list(value: str) -> list[str]:
+    """vLLM's CORS flags take a JSON list, e.g. '["https://a.example"]'."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON list of strings such as '[\"*\"]', got {value!r}"
+        )
+    return parsed
+
+
+def _not_implemented(what: str, issue: int, allowed: str | None = None) -> Any:
+    """A ``type=`` that refuses every value but ``allowed`` (the no-op setting)."""
+
+    def check(value: str) -> str:
+        if allowed is not None and value.strip() == allowed:
+            return allowed
+        only = f"; only {allowed} is accepted" if allowed is not None else ""
+        raise argparse.ArgumentTypeError(
+            f"{what} is not implemented yet (issue {issue}){only}, got {value!r}."
+        )
+
+    return check
+
+
+class _Refuse(argparse.Action):
+    """A switch whose feature is not implemented yet: an argparse error naming it."""
+
+    def __init__(self, option_strings: list[str], dest: str, what: str = "", issue: int = 0,
+                 **kwargs: Any) -> None:  # fmt: skip
+        kwargs.setdefault("nargs", 0)
+        super().__init__(option_strings, dest, **kwargs)
+        self.what = what
+        self.issue = issue
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        parser.error(
+            f"argument {option_string}: {self.what} is not implemented yet (issue {self.issue})."
+        )
+
+
+def _load_format(value: str) -> str:
+    if value not in LOAD_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"load format {value!r} is not implemented yet; trillm reads safetensors "
+            f"checkpoints: choose one of {', '.join(LOAD_FORMATS)}."
+        )
+    return value
+
+
+def _non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number >= 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = _non_negative_float(value)
+    if number == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value!r}")
+    return number
+
+
+def add_http_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP: TLS, CORS, proxy (vLLM's flags)")
+    g.add_argument("--ssl-keyfile", help="TLS private key file (PEM); needs --ssl-certfile.")
+    g.add_argument("--ssl-certfile", help="TLS certificate file (PEM): serve HTTPS.")
+    g.add_argument("--ssl-ca-certs", help="CA certificates file to verify client certificates.")
+    g.add_argument(
+        "--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+        help="Client certificates: 0 none (default), 1 optional, 2 required (Python's "
+        "ssl.CERT_* values, as vLLM).",
+    )  # fmt: skip
+    g.add_argument(
+        "--allowed-origins", type=_json_list, default=["*"],
+        help='CORS: origins allowed, a JSON list (default: ["*"], as vLLM).',
+    )  # fmt: skip
+    g.add_argument(
+        "--allowed-methods", type=_json_list, default=["*"],
+        help='CORS: methods allowed, a JSON list (default: ["*"]).',
+    )  # fmt: skip
+    g.add_argument(
+        "--allowed-headers", type=_json_list, default=["*"],
+        help='CORS: request headers allowed, a JSON list (default: ["*"]).',
+    )  # fmt: skip
+    g.add_argument(
+        "--allow-credentials", action="store_true",
+        help="CORS: allow credentials (cookies, Authorization) in cross-origin requests.",
+    )  # fmt: skip
+    g.add_argument(
+        "--root-path", default="",
+        help="The path prefix a path-based routing proxy serves this server under.",
+    )  # fmt: skip
+    g.add_argument(
+        "--enable-server-load-tracking", action="store_true",
+        help="Accepted for vLLM compatibility: trillm always tracks the in-flight requests "
+        "/load reports.",
+    )  # fmt: skip
+
+
+def add_logging_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging and metrics")
+    g.add_argument(
+        "--enable-log-requests", action="store_true",
+        help="Log one line per request received (prompt truncated to --max-log-len) and "
+        "one when it finishes. Off by default: prompts are never logged unless asked.",
+    )  # fmt: skip
+    g.add_argument(
+        "--disable-log-requests", action="store_true",
+        help="Do not log requests (the default; vLLM's older flag).",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-log-len", type=int, default=256,
+        help="Characters of a prompt (and prompt token ids) a request log line shows "
+        "(default: 256).",
+    )  # fmt: skip
+    g.add_argument(
+        "--disable-log-stats", action="store_true",
+        help="Do not log the periodic stats line (throughput, running/waiting, KV usage, "
+        "prefix-cache hit rate).",
+    )  # fmt: skip
+    g.add_argument(
+        "--log-stats-interval", type=_positive_float, default=10.0,
+        help="Seconds between stats lines; a line is logged only after activity (default: 10).",
+    )  # fmt: skip
+    g.add_argument(
+        "--metrics-prefix", choices=["both", "vllm", "trillm"], default="both",
+        help="/metrics names: vllm:* (for vLLM's dashboards), trillm:*, or both (default).",
+    )  # fmt: skip
+
+
+def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM engine flags")
+    g.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+        help="trillm always chunks long prefills within --max-num-batched-tokens; "
+        "--no-enable-chunked-prefill is not implemented yet.",
+    )  # fmt: skip
+    g.add_argument(
+        "--enforce-eager", action="store_true", default=None,
+        help="trillm always runs eagerly (no CUDA graphs): accepted, nothing changes.",
+    )  # fmt: skip
+    g.add_argument(
+        "--swap-space", type=_non_negative_float, metavar="GiB",
+        help="CPU swap space per GPU in vLLM; trillm preempts by recomputation and never "
+        "swaps, so the value is unused (accepted, said once in the log).",
+    )  # fmt: skip
+    g.add_argument(
+        "--load-format", type=_load_format, default="auto",
+        help="auto or safetensors (trillm reads safetensors checkpoints); others are refused.",
+    )  # fmt: skip
+    g.add_argument(
+        "--download-dir",
+        help="Where hub downloads go and are looked up (default: the Hugging Face cache).",
+    )
+    g.add_argument(
+        "--pipeline-parallel-size", "-pp", type=_not_implemented("pipeline parallelism", 9, "1"),
+        help="Only 1 until pipeline parallelism lands (issue 9).",
+    )  # fmt: skip
+    g.add_argument(
+        "--data-parallel-size", "-dp", type=_not_implemented("data parallelism", 9, "1"),
+        help="Only 1 until data parallelism lands (issue 9).",
+    )  # fmt: skip
+    g.add_argument(
+        "--quantization", "-q", type=_not_implemented("quantization", 8),
+        help="Not implemented yet (issue 8): refused.",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-cache-dtype", type=_not_implemented("a KV-cache dtype other than the model's", 8,
+                                                  "auto"),
+        help="Only auto (the model's dtype) until issue 8.",
+    )  # fmt: skip
+    for flag, what, issue in (
+        ("--enable-lora", "LoRA", 10),
+        ("--lora-modules", "LoRA", 10),
+        ("--max-loras", "LoRA", 10),
+        ("--max-lora-rank", "LoRA", 10),
+        ("--speculative-config", "speculative decoding", 8),
+    ):
+        nargs = 0 if flag == "--enable-lora" else "*"
+        g.add_argument(flag, action=_Refuse, what=what, issue=issue, nargs=nargs,
+                       help=f"Not implemented yet (issue {issue}): refused.")  # fmt: skip
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Cross-flag checks argparse cannot express (exit 2 with the flag named)."""
+    if args.enable_chunked_prefill is False:
+        parser.error(
+            "argument --no-enable-chunked-prefill: turning chunked prefill off is not "
+            "implemented yet; trillm always chunks long prefills."
+        )
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        parser.error("--ssl-keyfile and --ssl-certfile go together.")
+    for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, name)
+        if path and not Path(path).is_file():
+            parser.error(f"argument --{name.replace('_', '-')}: no such file {path!r}.")
+    if args.root_path and not args.root_path.startswith("/"):
+        parser.error(f"argument --root-path: must start with '/', got {args.root_path!r}.")
+    if args.enable_log_requests and args.disable_log_requests:
+        parser.error("--enable-log-requests and --disable-log-requests contradict each other.")
+    if args.max_log_len < 0:
+        parser.error(f"argument --max-log-len: expected an integer >= 0, got {args.max_log_len}.")
+
+
+def startup_notes(args: argparse.Namespace) -> list[str]:
+    """What the accepted-but-moot flags do here: logged once at startup, never silent."""
+    notes = []
+    if args.enable_chunked_prefill:
+        notes.append("--enable-chunked-prefill: trillm always chunks long prefills (within "
+                     "--max-num-batched-tokens); nothing to change.")  # fmt: skip
+    if args.enforce_eager:
+        notes.append("--enforce-eager: trillm always runs eagerly (it captures no CUDA "
+                     "graphs); nothing to change.")  # fmt: skip
+    if args.swap_space is not None:
+        notes.append(f"--swap-space {args.swap_space:g}: trillm preempts by recomputation and "
+                     "never swaps KV blocks to CPU memory; the value is unused.")  # fmt: skip
+    if args.disable_log_requests:
+        notes.append("--disable-log-requests: requests are not logged (the default).")
+    if args.enable_server_load_tracking:
+        notes.append("--enable-server-load-tracking: /load always reports the in-flight "
+                     "requests in trillm.")  # fmt: skip
+    return notes
+
+
+def apply_download_dir(download_dir: str | None) -> None:
+    """--download-dir: the hub cache this process and its workers download to and read from
+    (vLLM passes it as snapshot_download's cache_dir; the hub cache is the same layout)."""
+    if not download_dir:
+        return
+    path = str(Path(download_dir).expanduser().resolve())
+    os.makedirs(path, exist_ok=True)
+    os.environ["HF_HUB_CACHE"] = path  # workers and anything importing the hub later
+    import huggingface_hub.constants
+
+    huggingface_hub.constants.HF_HUB_CACHE = path  # read at call time by snapshot_download
+
+
+# ---------------------------------------------------------------- --config FILE.yaml
+
+
+class _ConfigFile(argparse.Action):
+    """vLLM's ``--config FILE.yaml``: its keys are flag names (``max-model-len`` or
+    ``max_model_len``; ``model`` for MODEL); flags given on the command line win, wherever
+    they stand relative to ``--config``."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        tokens = config_tokens(parser, str(values))
+        from_file = parser.parse_args(tokens)  # the flags' own types and checks apply
+        for dest, value in vars(from_file).items():
+            if value == parser.get_default(dest):
+                continue
+            if dest == "model_opt":
+                # argparse sets the optional positional MODEL after every flag (None when
+                # absent): the file's model is kept apart, used when neither MODEL nor --model.
+                dest = "config_model"
+            # A flag already given before --config keeps its value; later ones overwrite.
+            if getattr(namespace, dest, None) == parser.get_default(dest):  # (None for model)
+                setattr(namespace, dest, value)
+
+
+def config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    """The YAML file as command-line tokens (an argparse error if it cannot be)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"argument --config: cannot read {path!r}: {exc}")
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        parser.error(f"argument --config: {path!r} must hold a mapping of flag names to values.")
+    options = parser._option_string_actions
+    tokens: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if flag == "--config":
+            parser.error(f"argument --config: {path!r} cannot name another --config.")
+        action = options.get(flag)
+        if action is None:
+            parser.error(f"argument --config: {path!r} has an unknown option {key!r}.")
+        tokens += _value_tokens(flag, action, value)
+    return tokens
+
+
+def _value_tokens(flag: str, action: argparse.Action, value: Any) -> list[str]:
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return [flag if value else "--no-" + flag[2:]]
+    if action.nargs == 0:  # a switch: true sets it, false leaves it off
+        return [flag] if value else []
+    if isinstance(value, list) and action.nargs in ("+", "*"):
+        return [flag, *(str(v) for v in value)]
+    if isinstance(value, (list, dict)):
+        return [flag, json.dumps(value)]
+    if isinstance(value, bool):
+        return [flag, "true" if value else "false"]
+    return [flag, str(value)]
+
+
+def add_config_flag(p: argparse.ArgumentParser) -> None:
+    p.set_defaults(config_model=None)
+    p.add_argument(
+        "--config", action=_ConfigFile, metavar="FILE.yaml",
+        help="Read flags from a YAML file (keys are flag names, e.g. max-model-len: 2048; "
+        "model: for MODEL); flags on the command line override the file.",
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- serving side
+
+
+def configure_hypercorn(config: Any, opts: Any) -> None:
+    """TLS (``--ssl-*``) on hypercorn's config (``--root-path``: ``RootPath``)."""
+    if opts.ssl_certfile:
+        import ssl
+
+        config.certfile = opts.ssl_certfile
+        config.keyfile = opts.ssl_keyfile
+        config.ca_certs = opts.ssl_ca_certs
+        config.verify_mode = ssl.VerifyMode(opts.ssl_cert_reqs)
+
+
+def wrap_asgi(app: Any, opts: Any) -> Any:
+    """The app behind CORS, as vLLM always serves it (default: every origin), and behind
+    ``--root-path``."""
+    from trillm.entrypoints.openai.cors import CORSMiddleware
+
+    wrapped: Any = CORSMiddleware(
+        app, opts.allowed_origins, opts.allowed_methods, opts.allowed_headers,
+        opts.allow_credentials,
+    )  # fmt: skip
+    if opts.root_path:
+        wrapped = RootPath(wrapped, opts.root_path.rstrip("/"))
+    return wrapped
+
+
+class RootPath:
+    """``--root-path`` as uvicorn (vLLM's server) applies it: the proxy in front strips the
+    prefix, so a request for ``/v1/models`` is served as ``/v1/models``; the prefix is the
+    ``root_path`` of the ASGI scope and, as the ASGI spec and uvicorn have it, prepended to
+    ``path`` (the framework strips it again for routing and adds it to the URLs it builds)."""
+
+    def __init__(self, app: Any, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path
+        self.raw_root = root_path.encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            raw = scope.get("raw_path") or scope["path"].encode()
+            scope = {**scope, "root_path": self.root_path, "path": self.root_path + scope["path"],
+                     "raw_path": self.raw_root + raw}  # fmt: skip
+        await self.app(scope, receive, send)
