@@ -23,7 +23,7 @@ _REQUESTS = {
     "TokenizeRequest": protocol.TokenizeRequest,
     "DetokenizeRequest": protocol.DetokenizeRequest,
 }
-_LIMIT_KEYS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum"}
+_LIMIT_KEYS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "max_chars": "maxLength"}
 
 
 # ---------------------------------------------------------------- schema from attrs classes
