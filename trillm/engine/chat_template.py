@@ -1,4 +1,5 @@
-"""Chat-template rendering in a sandboxed Jinja environment (server and Python API).
+"""Chat-template rendering in a sandboxed Jinja environment (stage 2, used by the engine's
+``Preprocessor`` for the server and the Python API).
 
 Templates come from the tokenizer (``tokenizer.chat_template``), from ``--chat-template`` (a
 file path or the template text), or, when the server trusts it, from the request. They run in
