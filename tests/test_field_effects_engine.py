@@ -291,9 +291,6 @@ def test_engine_args_act_on_requests(llm, custom):
     with pytest.raises(ValueError, match="max_logprobs=3"):
         run(custom, logprobs=4)
     assert run(llm, logprobs=4).outputs[0].logprobs
-    # scheduling_policy: a priority is only accepted by the priority policy
-    from trillm.engine.input_processor import InvalidRequestError  # noqa: F401
-
     prompt = " ".join(f"w{i}" for i in range(14))
     run(custom, prompt=prompt)
     assert run(custom, prompt=prompt).num_cached_tokens == 0  # enable_prefix_caching=False
