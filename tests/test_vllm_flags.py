@@ -60,6 +60,28 @@ def test_top35_flag_of_another_issue_refused(argv, capsys):
     assert argv[0] in err and "not implemented yet" in err, err
 
 
+# More vLLM flags deployments set: accepted (said once where moot) or refused by name.
+MORE_ACCEPTED = [["--disable-uvicorn-access-log"], ["--enable-prompt-tokens-details"],
+                 ["--max-seq-len-to-capture", "8192"], ["--disable-custom-all-reduce"],
+                 ["--tokenizer-mode", "auto"], ["--enable-server-load-tracking"],
+                 ["--disable-log-stats"], ["--enable-log-requests"]]  # fmt: skip
+MORE_REFUSED = [["--tokenizer-mode", "mistral"], ["--limit-mm-per-prompt", '{"image": 2}'],
+                ["--max-lora-rank", "16"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("argv", MORE_ACCEPTED, ids=lambda a: a[0])
+def test_more_vllm_flags_accepted(argv):
+    assert parse(*argv).func.__name__ == "run_serve"
+
+
+@pytest.mark.parametrize("argv", MORE_REFUSED, ids=lambda a: a[0])
+def test_more_vllm_flags_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    err = capsys.readouterr().err
+    assert argv[0] in err and "not implemented yet" in err, err
+
+
 def test_top35_table_is_35_flags():
     assert len({a[0] for a in TOP35_ACCEPTED + TOP35_REFUSED}) == 35
 
@@ -91,13 +113,14 @@ def test_moot_flags_say_so_once():
     from trillm.entrypoints.openai.vllm_flags import startup_notes
 
     notes = startup_notes(parse("--enforce-eager", "--swap-space", "4",
-                                "--enable-chunked-prefill", "--disable-log-requests"))  # fmt: skip
+                                "--enable-chunked-prefill", "--disable-log-requests",
+                                "--max-seq-len-to-capture", "8", "--disable-custom-all-reduce",
+                                "--enable-prompt-tokens-details"))  # fmt: skip
     assert [n.split(":")[0] for n in notes] == [
-        "--enable-chunked-prefill",
-        "--enforce-eager",
-        "--swap-space 4",
-        "--disable-log-requests",
-    ]
+        "--enable-chunked-prefill", "--enforce-eager", "--swap-space 4",
+        "--disable-log-requests", "--enable-prompt-tokens-details", "--max-seq-len-to-capture",
+        "--disable-custom-all-reduce",
+    ]  # fmt: skip
     assert startup_notes(parse()) == []
 
 
@@ -296,7 +319,8 @@ def test_tls_and_request_log(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "trillm", "serve", *FAKE, "--host", "127.0.0.1", "--port",
              str(port), "--ssl-keyfile", str(key_file), "--ssl-certfile", str(cert_file),
-             "--enable-log-requests", "--max-log-len", "24", "--disable-log-stats"],
+             "--enable-log-requests", "--max-log-len", "24", "--disable-log-stats",
+             "--log-level", "debug", "--disable-uvicorn-access-log"],
             cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -333,3 +357,4 @@ def test_tls_and_request_log(tmp_path):
     finished = [line for line in log.splitlines() if "Finished request" in line]
     assert len(finished) == 2 and "'length'" in finished[0] and "stream ended" in finished[1]
     assert "Avg prompt throughput" not in log  # --disable-log-stats
+    assert "hypercorn.access" not in log  # --disable-uvicorn-access-log, even at debug

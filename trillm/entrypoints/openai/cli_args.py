@@ -8,7 +8,7 @@ from typing import Any
 
 from trillm.config import parse_memory_size
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
-from trillm.entrypoints.openai import vllm_flags
+from trillm.entrypoints.openai import config_file, vllm_flags
 from trillm.entrypoints.openai.api_server import ServerOptions
 
 # Flags whose value goes straight into EngineArgs under the same (underscored) name. Each is
@@ -19,7 +19,7 @@ _ENGINE_FLAGS = (
     "scheduling_policy", "tensor_parallel_size", "kv_cache_memory", "gpu_memory_utilization",
     "num_gpu_blocks_override", "max_logprobs", "device", "attention_backend",
     "distributed_executor_backend", "generation_config", "trust_remote_code", "runner",
-    "stream_interval",
+    "stream_interval", "reasoning_parser",
 )  # fmt: skip
 
 
@@ -65,7 +65,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     vllm_flags.add_http_flags(p)
     vllm_flags.add_logging_flags(p)
     vllm_flags.add_engine_compat_flags(p)
-    vllm_flags.add_config_flag(p)
+    config_file.add_config_flag(p)
     p.set_defaults(func=run_serve, serve_parser=p)
     return p
 
@@ -200,7 +200,8 @@ def _add_tool_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--reasoning-parser", metavar="NAME",
-        help="Separate the <think> section into reasoning_content: deepseek_r1 or qwen3.",
+        help="Separate the <think> section into reasoning_content: deepseek_r1 or qwen3; "
+        "structured outputs then constrain only the output after </think>.",
     )  # fmt: skip
 
 
@@ -284,5 +285,7 @@ def run_serve(args: argparse.Namespace) -> int:
     for note in vllm_flags.startup_notes(args):
         logging.getLogger("trillm.server").info(note)
     vllm_flags.apply_download_dir(args.download_dir)
+    if args.disable_uvicorn_access_log:
+        logging.getLogger("hypercorn.access").disabled = True
     model = args.model_opt or args.model_tag or args.config_model  # --config's model last
     return trio.run(run_server, model, engine_kwargs(args), server_options(args))

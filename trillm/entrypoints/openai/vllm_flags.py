@@ -155,6 +155,14 @@ def add_logging_flags(p: argparse.ArgumentParser) -> None:
         help="Seconds between stats lines; a line is logged only after activity (default: 10).",
     )  # fmt: skip
     g.add_argument(
+        "--disable-uvicorn-access-log", action="store_true",
+        help="No HTTP access log lines, even at --log-level debug.",
+    )  # fmt: skip
+    g.add_argument(
+        "--enable-prompt-tokens-details", action="store_true",
+        help="Accepted: usage.prompt_tokens_details (cached_tokens) is always reported.",
+    )  # fmt: skip
+    g.add_argument(
         "--metrics-prefix", choices=["both", "vllm", "trillm"], default="both",
         help="/metrics names: vllm:* (for vLLM's dashboards), trillm:*, or both (default).",
     )  # fmt: skip
@@ -184,6 +192,22 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         "--download-dir",
         help="Where hub downloads go and are looked up (default: the Hugging Face cache).",
     )
+    g.add_argument(
+        "--max-seq-len-to-capture", type=int, metavar="N",
+        help="CUDA-graph capture length in vLLM; trillm captures no graphs (unused, said once).",
+    )  # fmt: skip
+    g.add_argument(
+        "--disable-custom-all-reduce", action="store_true",
+        help="Accepted: trillm runs one rank, there is no all-reduce to replace.",
+    )  # fmt: skip
+    g.add_argument(
+        "--tokenizer-mode", type=_not_implemented("tokenizer mode other than auto", 16, "auto"),
+        help="auto (the Hugging Face fast tokenizer); slow/mistral/custom are not implemented.",
+    )  # fmt: skip
+    g.add_argument(
+        "--limit-mm-per-prompt", type=_not_implemented("multimodal input", 16),
+        help="Multimodal inputs are not supported: refused.",
+    )  # fmt: skip
     g.add_argument(
         "--pipeline-parallel-size", "-pp", type=_not_implemented("pipeline parallelism", 9, "1"),
         help="Only 1 until pipeline parallelism lands (issue 9).",
@@ -248,6 +272,15 @@ def startup_notes(args: argparse.Namespace) -> list[str]:
                      "never swaps KV blocks to CPU memory; the value is unused.")  # fmt: skip
     if args.disable_log_requests:
         notes.append("--disable-log-requests: requests are not logged (the default).")
+    if args.enable_prompt_tokens_details:
+        notes.append("--enable-prompt-tokens-details: trillm always reports "
+                     "usage.prompt_tokens_details.cached_tokens.")  # fmt: skip
+    if args.max_seq_len_to_capture is not None:
+        notes.append("--max-seq-len-to-capture: trillm captures no CUDA graphs; the value is "
+                     "unused.")  # fmt: skip
+    if args.disable_custom_all_reduce:
+        notes.append("--disable-custom-all-reduce: trillm runs one rank (no all-reduce); "
+                     "nothing to change.")  # fmt: skip
     if args.enable_server_load_tracking:
         notes.append("--enable-server-load-tracking: /load always reports the in-flight "
                      "requests in trillm.")  # fmt: skip
@@ -265,78 +298,6 @@ def apply_download_dir(download_dir: str | None) -> None:
     import huggingface_hub.constants
 
     huggingface_hub.constants.HF_HUB_CACHE = path  # read at call time by snapshot_download
-
-
-# ---------------------------------------------------------------- --config FILE.yaml
-
-
-class _ConfigFile(argparse.Action):
-    """vLLM's ``--config FILE.yaml``: its keys are flag names (``max-model-len`` or
-    ``max_model_len``; ``model`` for MODEL); flags given on the command line win, wherever
-    they stand relative to ``--config``."""
-
-    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
-        tokens = config_tokens(parser, str(values))
-        from_file = parser.parse_args(tokens)  # the flags' own types and checks apply
-        for dest, value in vars(from_file).items():
-            if value == parser.get_default(dest):
-                continue
-            if dest == "model_opt":
-                # argparse sets the optional positional MODEL after every flag (None when
-                # absent): the file's model is kept apart, used when neither MODEL nor --model.
-                dest = "config_model"
-            # A flag already given before --config keeps its value; later ones overwrite.
-            if getattr(namespace, dest, None) == parser.get_default(dest):  # (None for model)
-                setattr(namespace, dest, value)
-
-
-def config_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
-    """The YAML file as command-line tokens (an argparse error if it cannot be)."""
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as exc:
-        parser.error(f"argument --config: cannot read {path!r}: {exc}")
-    if data is None:
-        return []
-    if not isinstance(data, dict):
-        parser.error(f"argument --config: {path!r} must hold a mapping of flag names to values.")
-    options = parser._option_string_actions
-    tokens: list[str] = []
-    for key, value in data.items():
-        flag = "--" + str(key).replace("_", "-")
-        if flag == "--config":
-            parser.error(f"argument --config: {path!r} cannot name another --config.")
-        action = options.get(flag)
-        if action is None:
-            parser.error(f"argument --config: {path!r} has an unknown option {key!r}.")
-        tokens += _value_tokens(flag, action, value)
-    return tokens
-
-
-def _value_tokens(flag: str, action: argparse.Action, value: Any) -> list[str]:
-    if isinstance(action, argparse.BooleanOptionalAction):
-        return [flag if value else "--no-" + flag[2:]]
-    if action.nargs == 0:  # a switch: true sets it, false leaves it off
-        return [flag] if value else []
-    if isinstance(value, list) and action.nargs in ("+", "*"):
-        return [flag, *(str(v) for v in value)]
-    if isinstance(value, (list, dict)):
-        return [flag, json.dumps(value)]
-    if isinstance(value, bool):
-        return [flag, "true" if value else "false"]
-    return [flag, str(value)]
-
-
-def add_config_flag(p: argparse.ArgumentParser) -> None:
-    p.set_defaults(config_model=None)
-    p.add_argument(
-        "--config", action=_ConfigFile, metavar="FILE.yaml",
-        help="Read flags from a YAML file (keys are flag names, e.g. max-model-len: 2048; "
-        "model: for MODEL); flags on the command line override the file.",
-    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- serving side
