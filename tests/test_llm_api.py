@@ -7,7 +7,7 @@ import trio
 
 from tests.hf_reference import hf_greedy
 from trillm import LLM, SamplingParams, open_engine
-from trillm.engine.input_processor import InvalidRequestError
+from trillm.engine.preprocess import InvalidRequestError
 from trillm.sampling_params import SamplingParamsError
 
 

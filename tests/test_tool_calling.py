@@ -10,7 +10,7 @@ import json
 import attrs
 import pytest
 
-from trillm.entrypoints.chat_utils import ChatTemplateError, render_template
+from trillm.engine.chat_template import ChatTemplateError, render_template
 from trillm.entrypoints.openai.chat_parsing import ChoiceParser, plan_tools
 from trillm.entrypoints.openai.errors import BadRequestError
 from trillm.entrypoints.openai.protocol import ChatCompletionRequest, structure

@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,13 +25,13 @@ from typing import Any
 import trio
 
 from trillm.config import EngineArgs, TrillmConfig
-from trillm.core.errors import RequestTooLargeError
-from trillm.engine.input_processor import InputProcessor, InvalidRequestError, PromptType
+from trillm.engine.chat_template import load_chat_template
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET, OutputProcessor
+from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
 from trillm.errors import EngineDeadError
-from trillm.messages import AbortRequests, EngineCoreOutputs, SchedulerStats
+from trillm.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from trillm.outputs import RequestOutput
-from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from trillm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class AsyncEngine:
         executor: Any,
         stream_interval: int = 1,
         stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET,
+        chat_template: str | None = None,
     ) -> None:
         from trillm._native import get_scheduler_cls
         from trillm.engine.core import EngineCore
@@ -55,7 +57,8 @@ class AsyncEngine:
         self.model_config = config.model
         self.tokenizer = tokenizer
         self.executor = executor
-        self.input_processor = InputProcessor(config.model, tokenizer, config.max_logprobs)
+        # Stage 2 (render, tokenize, truncate, validate), shared with the HTTP layer.
+        self.preprocessor = Preprocessor(config, tokenizer, executor.num_blocks, chat_template)
         self.output_processor = OutputProcessor(
             tokenizer, stream_interval=stream_interval, wake_budget=stream_wake_budget
         )
@@ -68,7 +71,6 @@ class AsyncEngine:
         self.dead_error: EngineDeadError | None = None
         self.died = trio.Event()  # set with dead_error (the server exits on it)
         self.is_running = False
-        self.chat_template: str | None = None  # --chat-template, else the tokenizer's
 
     # ------------------------------------------------------------------ status
     @property
@@ -134,19 +136,14 @@ class AsyncEngine:
         if self.dead_error is not None:
             raise self.dead_error
 
-    def _check_admission(self, num_prompt: int, params: SamplingParams) -> None:
-        block = self.config.cache.block_size
-        need = -(-(num_prompt + (params.max_tokens or 0)) // block)
-        if need > self.num_blocks:
-            raise RequestTooLargeError(
-                f"The request needs {need} KV-cache blocks ({num_prompt} prompt tokens + "
-                f"{params.max_tokens} output tokens, block size {block}) but the cache only has "
-                f"{self.num_blocks} blocks."
-            )
+    @property
+    def chat_template(self) -> str | None:
+        """``--chat-template`` (loaded text), None when the tokenizer's is used."""
+        return self.preprocessor.chat_template
 
     async def generate(
         self,
-        prompt: PromptType,
+        prompt: PromptType | PreparedPrompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
@@ -156,25 +153,31 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its outputs until it finishes.
 
+        ``prompt``: a string, a dict (``prompt_token_ids`` / ``prompt``), or a
+        ``PreparedPrompt`` from ``self.preprocessor`` (the HTTP layer's: already checked, so
+        ``params``, ``priority`` and ``cache_salt`` come from it and nothing is checked again).
         ``timeout``: seconds after which the request is aborted and its last output carries
         ``finish_reason == "timeout"`` (what it produced until then is kept)."""
         self.check_alive()
         deadline = _deadline(timeout)
-        params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
-            raise InvalidRequestError(
-                f"priority must be a 64-bit integer, got {priority!r}.", "priority"
+        if isinstance(prompt, PreparedPrompt):
+            prepared = prompt
+        else:
+            prepared = await self.preprocessor.prepare(
+                prompt, params or SamplingParams(), priority=priority, cache_salt=cache_salt
             )
-        if self.config.scheduler.policy != "priority" and priority != 0:
-            raise InvalidRequestError(
-                "priority is only supported with --scheduling-policy priority.", "priority"
-            )
-        text, request = self.input_processor.process(
-            request_id, prompt, params, priority, cache_salt
+        params = prepared.params
+        text = prepared.text
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling_params=params,
+            arrival_time=time.monotonic(),
+            eos_token_id=self.preprocessor.eos_token_id,
+            priority=prepared.priority,
+            cache_salt=prepared.cache_salt,
         )
-        params = request.sampling_params
-        self._check_admission(len(request.prompt_token_ids), params)
         if params.structured_outputs is not None:
             await self._compile_grammar(params)
         children = self._fan_out(request)
@@ -278,10 +281,9 @@ class AsyncEngine:
             yield out
 
     def render_chat(self, messages: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
-        from trillm.entrypoints.chat_utils import render_chat
-
-        template = options.pop("chat_template", None) or self.chat_template
-        text = render_chat(self.tokenizer, messages, chat_template=template, **options)
+        """The chat as a prompt for ``generate``; ``chat_template``: a path or the text."""
+        template = load_chat_template(options.pop("chat_template", None))
+        text = self.preprocessor.render_chat(messages, chat_template=template, **options)
         return {"prompt": text, "add_special_tokens": False}
 
     async def abort(self, request_id: str) -> None:
@@ -333,8 +335,10 @@ async def open_engine(
         load_tokenizer, config.model.tokenizer, args.trust_remote_code
     )
     async with open_executor(config, runner or DEFAULT_RUNNER, runner_kwargs) as executor:
-        engine = AsyncEngine(config, tokenizer, executor, args.stream_interval, stream_wake_budget)
-        engine.chat_template = args.chat_template
+        engine = AsyncEngine(
+            config, tokenizer, executor, args.stream_interval, stream_wake_budget,
+            args.chat_template,
+        )  # fmt: skip
         logger.info(
             "engine ready: model %s, %d KV blocks of %d tokens, device %s, attention %s",
             config.model.served_model_name,

@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 from trillm.engine.async_engine import AsyncEngine, open_engine
-from trillm.engine.input_processor import PromptType
+from trillm.engine.preprocess import PromptType
 from trillm.outputs import RequestOutput
 from trillm.sampling_params import RequestOutputKind, SamplingParams
 

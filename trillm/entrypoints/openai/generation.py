@@ -25,9 +25,9 @@ from typing import Any
 
 import trio
 
+from trillm.engine.preprocess import PreparedPrompt
 from trillm.entrypoints.openai.errors import APIError, from_engine_exception
 from trillm.entrypoints.openai.serving_base import Admission, ServerState
-from trillm.sampling_params import SamplingParams
 
 # NOTE: a small buffer: when the client reads slowly the producer waits and the engine's
 # per-request collector merges the deltas, so a slow reader gets fewer, larger chunks.
@@ -137,43 +137,38 @@ class FanInGeneration(Generation):
 
 async def start_generation(
     state: ServerState,
-    jobs: list[tuple[list[int], SamplingParams]],
+    jobs: list[PreparedPrompt],
     request_id: str,
-    priority: int,
-    cache_salt: str | None,
     timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline
 ) -> Generation:
-    """Submit one engine request per ``(prompt_token_ids, params)`` job.
+    """Submit one engine request per prompt, each prepared (checked) by the engine's
+    preprocessor: the engine submits it without checking it again.
 
     Raises the engine's admission errors (a request larger than the KV cache, ...) as
     APIErrors, so they are answered as HTTP errors rather than inside a started stream; 503
     when the queue is full (``--max-num-queued-requests``). ``timeout``: seconds until the
     request ends with finish_reason "timeout".
     """
-    n = jobs[0][1].n
+    n = jobs[0].params.n
     ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
     admission = state.admit(ids, n)
     gen: Generation | None = None
     try:
         if len(jobs) == 1:
-            prompt_ids, params = jobs[0]
-            outputs = state.engine.generate(
-                {"prompt_token_ids": prompt_ids}, params, request_id, priority=priority,
-                cache_salt=cache_salt, timeout=timeout,
-            )  # fmt: skip
+            outputs = state.engine.generate(jobs[0], None, request_id, timeout=timeout)
             gen = direct = DirectGeneration(admission, request_id, outputs)
             await direct.prime()
             return direct
         send, receive = trio.open_memory_channel[tuple[int, Any]](_CHANNEL_BUFFER)
         gen = fan_in = FanInGeneration(admission, receive)
         async with send:
-            for i, (prompt_ids, params) in enumerate(jobs):
-                job = (prompt_ids, params, ids[i], priority, cache_salt, timeout)
+            for i, prepared in enumerate(jobs):
+                job = (prepared, ids[i], timeout)
                 scope = await state.nursery.start(_produce, admission, i, job, send.clone())
                 fan_in.scopes.append(scope)
-        # NOTE: ``task_status.started()`` does not yield, so each producer has run
-        # engine.generate's synchronous admission checks (and queued any failure) before
-        # ``nursery.start`` returned.
+        # NOTE: every prompt passed the preprocessor's checks before this; what engine.generate
+        # can still refuse without waiting (``task_status.started()`` does not yield, so each
+        # producer has run up to its first await) is queued before ``nursery.start`` returned.
         fan_in.raise_early_error()
         return fan_in
     except BaseException:
@@ -197,11 +192,11 @@ def guard_stream(generation: Generation, body: AsyncIterator[bytes]) -> AsyncIte
 async def _produce(
     admission: Admission,
     index: int,
-    job: tuple[list[int], SamplingParams, str, int, str | None, float | None],
+    job: tuple[PreparedPrompt, str, float | None],
     send: trio.MemorySendChannel[tuple[int, Any]],
     task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    rid = job[2]
+    rid = job[1]
     scope = trio.CancelScope()
     task_status.started(scope)
     try:
@@ -215,12 +210,9 @@ async def _produce(
 
 
 async def _pump(state: ServerState, index: int, job: Any, send: Any) -> None:
-    ids, params, rid, priority, cache_salt, timeout = job
+    prepared, rid, timeout = job
     try:
-        gen = state.engine.generate(
-            {"prompt_token_ids": ids}, params, rid, priority=priority, cache_salt=cache_salt,
-            timeout=timeout,
-        )  # fmt: skip
+        gen = state.engine.generate(prepared, None, rid, timeout=timeout)
         async with aclosing(gen) as outputs:
             async for out in outputs:
                 await send.send((index, out))

@@ -1,5 +1,7 @@
 """SamplingParams from a chat or completion request: the model's generation_config gives
 the defaults, the request overrides them, and out-of-range values become 400s naming the field.
+What depends on the prompt or the model's limits (context length and max_tokens, vocabulary,
+logprob cap, KV cache) is checked by the engine's preprocessor (``trillm/engine/preprocess.py``).
 """
 
 from __future__ import annotations
@@ -21,36 +23,11 @@ from trillm.sampling_params import (
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def resolve_max_tokens(
-    state: Any, requested: int | None, prompt_len: int, param: str = "max_tokens"
-) -> int:
-    """``requested`` checked against the context, or what is left of it when None."""
-    max_len = state.model_config.max_model_len
-    if prompt_len >= max_len:
-        raise BadRequestError(
-            f"This model's maximum context length is {max_len} tokens. However, your request "
-            f"has {prompt_len} input tokens, leaving no room for output. Please reduce the "
-            "length of the input.",
-            "messages" if param == "max_completion_tokens" else "prompt",
-        )
-    room = max_len - prompt_len
-    if requested is None:
-        default = state.model_config.generation_config.get("max_new_tokens")
-        return min(room, default) if isinstance(default, int) and default > 0 else room
-    if requested > room:
-        raise BadRequestError(
-            f"This model's maximum context length is {max_len} tokens. However, you requested "
-            f"{prompt_len + requested} tokens ({prompt_len} in the input, {requested} in the "
-            f"completion). Please reduce the length of the input or {param}.",
-            param,
-        )
-    return requested
-
-
 def build_sampling_params(
-    state: Any, req: Any, *, max_tokens: int, logprobs: int | None, n: int | None = None
+    state: Any, req: Any, *, max_tokens: int | None, logprobs: int | None, n: int | None = None
 ) -> SamplingParams:
-    """The request's sampling fields with the model's generation_config as defaults."""
+    """The request's sampling fields with the model's generation_config as defaults;
+    ``max_tokens`` None: resolved from the context by the preprocessor."""
     defaults = {
         k: v
         for k, v in (state.model_config.generation_config or {}).items()
@@ -90,11 +67,9 @@ def build_sampling_params(
         structured_outputs=_structured_outputs(req),
     )
     try:
-        params = SamplingParams(**kwargs)
-        params.verify_vocab(state.model_config.vocab_size, state.max_logprobs)
+        return SamplingParams(**kwargs)
     except SamplingParamsError as exc:
         raise BadRequestError(str(exc), exc.param) from exc
-    return params
 
 
 def _check_request(req: Any) -> None:

@@ -1,11 +1,11 @@
 """What the chat and completion endpoints share: the server state, per-request usage and
-metrics bookkeeping, logprob formatting, tokenization helpers.
+metrics bookkeeping, logprob formatting. Tokenization and request checks are the engine's
+(``trillm/engine/preprocess.py``, ``state.preprocessor``).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
@@ -44,16 +44,6 @@ class ServerState:
     inflight: dict[str, int] = attrs.field(factory=dict)
     admitted: int = 0  # the sum of ``inflight``'s values
     drained: trio.Event = attrs.field(factory=trio.Event)  # set once draining and none in flight
-    # Long texts are tokenized in threads; each can take many times the text's size in memory
-    # while it runs, so only a few at once (the rest wait their turn).
-    tokenize_limiter: trio.CapacityLimiter = attrs.field(
-        factory=lambda: trio.CapacityLimiter(max(1, min(4, os.cpu_count() or 1)))
-    )
-    # Texts of LARGE_TOKENIZE_CHARS and more (hundreds of MB of working memory): one at a time.
-    large_tokenize_limiter: trio.CapacityLimiter = attrs.field(
-        factory=lambda: trio.CapacityLimiter(1)
-    )
-    _max_prompt_chars: int | None = None
     _token_text: dict[int, str] = attrs.field(factory=dict)
 
     @property
@@ -63,6 +53,11 @@ class ServerState:
     @property
     def model_config(self) -> Any:
         return self.engine.model_config
+
+    @property
+    def preprocessor(self) -> Any:
+        """Stage 2 (``trillm.engine.preprocess.Preprocessor``) of the current engine."""
+        return self.engine.preprocessor
 
     @property
     def model_name(self) -> str:
@@ -242,70 +237,6 @@ def prompt_logprobs_json(state: ServerState, prompt_logprobs: Any) -> list | Non
     return out
 
 
-# NOTE: the text one token can stand for is at most its vocabulary entry (byte-level BPE
-# entries spell one character per byte; SentencePiece and WordPiece entries spell their text,
-# plus markers), so a prompt longer than max_model_len x the longest entry cannot fit. The x2
-# covers pre-tokenizers that drop a separator between tokens (BERT's whitespace split); only
-# texts mostly made of characters a tokenizer deletes (long whitespace runs for such
-# tokenizers, control characters) could fit yet be refused. The floor of 32 keeps the bound
-# generous for character-level vocabularies.
-_MIN_CHARS_PER_TOKEN = 32
-_SAFETY_FACTOR = 2
-INLINE_TOKENIZE_CHARS = 20_000  # shorter texts are tokenized on the event loop
-LARGE_TOKENIZE_CHARS = 1_000_000  # longer ones are tokenized one at a time
-
-
 def max_prompt_chars(state: ServerState) -> int:
-    """The longest text (in characters) that could tokenize to at most max_model_len tokens."""
-    if state._max_prompt_chars is None:
-        tok = state.tokenizer
-        longest = max((len(k) for k in tok.get_vocab()), default=1)
-        added = getattr(tok, "added_tokens_decoder", None) or {}
-        longest = max([longest, *(len(str(t)) for t in added.values())])
-        per_token = max(longest, _MIN_CHARS_PER_TOKEN) * _SAFETY_FACTOR
-        state._max_prompt_chars = state.model_config.max_model_len * per_token
-    return state._max_prompt_chars
-
-
-async def tokenize_text(
-    state: ServerState,
-    text: str,
-    add_special_tokens: bool,
-    param: str = "prompt",
-    truncating: bool = False,
-) -> list[int]:
-    """Token ids of ``text``; a text too long for the context is refused before any work,
-    unless the request truncates it (``truncate_prompt_tokens``: the whole text is tokenized,
-    as vLLM does, within the bounded tokenization threads and the body-size limit)."""
-    limit = max_prompt_chars(state)
-    if len(text) > limit and not truncating:
-        max_len = state.model_config.max_model_len
-        raise BadRequestError(
-            f"This model's maximum context length is {max_len} tokens. However, your prompt "
-            f"has {len(text)} characters, more than {max_len} tokens can hold (at most {limit} "
-            "characters for this tokenizer). Please reduce the length of the input.",
-            param,
-        )
-    encode = state.tokenizer.encode
-    if len(text) < INLINE_TOKENIZE_CHARS:
-        return list(encode(text, add_special_tokens=add_special_tokens))
-
-    # NOTE: long prompts are tokenized off the event loop so streams keep flowing, a few at
-    # a time (a tokenizer's working memory is many times the text's size: ~150 bytes a
-    # character for a fast tokenizer), the largest one at a time.
-    def work() -> list[int]:
-        return list(encode(text, add_special_tokens=add_special_tokens))
-
-    if len(text) < LARGE_TOKENIZE_CHARS:
-        return await trio.to_thread.run_sync(work, limiter=state.tokenize_limiter)
-    async with state.large_tokenize_limiter:
-        return await trio.to_thread.run_sync(work, limiter=state.tokenize_limiter)
-
-
-def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
-    vocab = state.model_config.vocab_size
-    for t in ids:
-        if not 0 <= t < vocab:
-            raise BadRequestError(
-                f"Token id {t} in '{param}' is outside the vocabulary [0, {vocab}).", param
-            )
+    """The longest text (in characters) the context could hold (computed once per engine)."""
+    return int(state.preprocessor.max_prompt_chars())

@@ -9,13 +9,8 @@ from typing import Any
 
 import orjson
 
-from trillm.engine.input_processor import truncate_prompt
-from trillm.entrypoints.chat_utils import (
-    ChatTemplateError,
-    render_template,
-    tokenizer_chat_template,
-    tokenizer_special_tokens,
-)
+from trillm.engine.chat_template import ChatTemplateError
+from trillm.engine.preprocess import PreparedPrompt
 from trillm.entrypoints.openai.chat_parsing import (
     ChoiceParser,
     ToolPlan,
@@ -23,10 +18,15 @@ from trillm.entrypoints.openai.chat_parsing import (
     plan_tools,
     reasoning_factory,
 )
-from trillm.entrypoints.openai.errors import APIError, BadRequestError, sse_error_event
+from trillm.entrypoints.openai.errors import (
+    APIError,
+    BadRequestError,
+    from_engine_exception,
+    sse_error_event,
+)
 from trillm.entrypoints.openai.generation import Generation, guard_stream, start_generation
 from trillm.entrypoints.openai.protocol import ChatCompletionRequest
-from trillm.entrypoints.openai.sampling import build_sampling_params, resolve_max_tokens
+from trillm.entrypoints.openai.sampling import build_sampling_params
 from trillm.entrypoints.openai.serving_base import (
     ChoiceState,
     RequestTracker,
@@ -34,7 +34,6 @@ from trillm.entrypoints.openai.serving_base import (
     position_logprobs,
     prompt_logprobs_json,
     raise_if_error,
-    tokenize_text,
 )
 from trillm.sampling_params import SamplingParams
 
@@ -46,34 +45,19 @@ async def create_chat_completion(
 ) -> dict[str, Any] | AsyncIterator[bytes]:
     state.check_model(req.model)
     tools = plan_tools(state, req)
-    prompt_ids, prompt_text = await _render_and_tokenize(state, req, tools)
-    requested, param = (
-        (req.max_completion_tokens, "max_completion_tokens")
-        if req.max_completion_tokens is not None
-        else (req.max_tokens, "max_tokens")
-    )
-    max_tokens = resolve_max_tokens(state, requested, len(prompt_ids), param)
-    params = build_sampling_params(
-        state, req, max_tokens=max_tokens, logprobs=_top_logprobs(state, req)
-    )
-    if tools.structured_outputs is not None:  # "required" / named tool_choice
-        params.structured_outputs = tools.structured_outputs
-    if keeps_special_tokens(state.tokenizer, tools, state.reasoning_parser is not None):
-        params.skip_special_tokens = False  # the parsers' markers are special tokens
+    try:
+        prepared, prompt_text = await _prepare(state, req, tools)
+    except ValueError as exc:  # the preprocessor's refusals name their field: 400
+        raise from_engine_exception(exc) from exc
+    params = prepared.params
+    prompt_ids = prepared.prompt_token_ids
     request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     ctx = _ChatContext(state, req, params, request_id, prompt_ids)
     reasoning = reasoning_factory(state, req, prompt_text)
     if tools.parser is not None or reasoning is not None:
         ctx.parser = lambda: ChoiceParser(tools, reasoning, req.include_reasoning)
     try:
-        gen = await start_generation(
-            state,
-            [(prompt_ids, params)],
-            request_id,
-            req.priority,
-            req.cache_salt,
-            timeout=req.timeout,
-        )
+        gen = await start_generation(state, [prepared], request_id, timeout=req.timeout)
     except BadRequestError as exc:
         raise tools.blame(exc) from None  # a tool schema that does not compile names the tool
     if req.stream:
@@ -81,9 +65,11 @@ async def create_chat_completion(
     return await ctx.full(gen)
 
 
-async def _render_and_tokenize(
+async def _prepare(
     state: ServerState, req: ChatCompletionRequest, tools: ToolPlan
-) -> tuple[list[int], str]:
+) -> tuple[PreparedPrompt, str]:
+    """Stage 2 through the engine's preprocessor: render, tokenize, then truncate and check
+    once (context, vocabulary, KV cache). Returns the prepared prompt and the rendered text."""
     if req.chat_template is not None and not state.trust_request_chat_template:
         raise BadRequestError(
             "Chat templates in requests are refused; start the server with "
@@ -92,30 +78,39 @@ async def _render_and_tokenize(
         )
     if not req.messages:
         raise BadRequestError("'messages' must not be empty.", "messages")
-    template = req.chat_template or state.chat_template or tokenizer_chat_template(state.tokenizer)
+    pre = state.preprocessor
     try:
-        text = render_template(
-            template,
+        text = pre.render_chat(
             req.messages,
+            chat_template=req.chat_template or state.chat_template,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             continue_final_message=req.continue_final_message,
-            special_tokens=tokenizer_special_tokens(state.tokenizer),
-            template_kwargs=req.chat_template_kwargs,
+            chat_template_kwargs=req.chat_template_kwargs,
             tools=tools.template_tools,
             documents=req.documents,
         )
     except ChatTemplateError as exc:
         raise BadRequestError(str(exc), exc.param) from exc
     # NOTE: the template writes the special tokens itself (BOS included where the model has one).
-    truncate = req.truncate_prompt_tokens
-    ids = await tokenize_text(
-        state, text, add_special_tokens=False, truncating=truncate is not None
+    truncating = req.truncate_prompt_tokens is not None
+    ids = await pre.tokenize(text, False, param="messages", truncating=truncating)
+    max_tokens, param = (
+        (req.max_completion_tokens, "max_completion_tokens")
+        if req.max_completion_tokens is not None
+        else (req.max_tokens, "max_tokens")
     )
-    if truncate is not None:  # as in completions: before the length check and the usage count
-        ids = truncate_prompt(ids, truncate, state.model_config.max_model_len)
-    if not ids:
-        raise BadRequestError("The rendered chat is empty.", "messages")
-    return ids, text
+    params = build_sampling_params(
+        state, req, max_tokens=max_tokens, logprobs=_top_logprobs(state, req)
+    )
+    if tools.structured_outputs is not None:  # "required" / named tool_choice
+        params.structured_outputs = tools.structured_outputs
+    if keeps_special_tokens(state.tokenizer, tools, state.reasoning_parser is not None):
+        params.skip_special_tokens = False  # the parsers' markers are special tokens
+    prepared = pre.prepare_ids(
+        ids, params, text=text, priority=req.priority, cache_salt=req.cache_salt,
+        prompt_param="messages", max_tokens_param=param,
+    )  # fmt: skip
+    return prepared, text
 
 
 def _top_logprobs(state: ServerState, req: ChatCompletionRequest) -> int | None:

@@ -14,31 +14,36 @@ from typing import Any
 import attrs
 import orjson
 
-from trillm.engine.input_processor import truncate_prompt
-from trillm.entrypoints.openai.errors import APIError, BadRequestError, sse_error_event
+from trillm.engine.preprocess import PreparedPrompt
+from trillm.entrypoints.openai.errors import (
+    APIError,
+    BadRequestError,
+    from_engine_exception,
+    sse_error_event,
+)
 from trillm.entrypoints.openai.generation import Generation, guard_stream, start_generation
 from trillm.entrypoints.openai.protocol import CompletionRequest
-from trillm.entrypoints.openai.sampling import build_sampling_params, resolve_max_tokens
+from trillm.entrypoints.openai.sampling import build_sampling_params
 from trillm.entrypoints.openai.serving_base import (
     ChoiceState,
     RequestTracker,
     ServerState,
-    check_token_ids,
     position_logprobs,
     prompt_logprobs_json,
     raise_if_error,
-    tokenize_text,
 )
-from trillm.sampling_params import SamplingParams
 
 DONE = b"data: [DONE]\n\n"
 
 
 @attrs.define
 class _Prompt:
-    token_ids: list[int]
+    prepared: PreparedPrompt  # checked by the engine's preprocessor, submitted as is
     text: str | None  # the prompt text when echo needs it
-    params: SamplingParams
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prepared.prompt_token_ids
 
 
 async def create_completion(
@@ -51,13 +56,14 @@ async def create_completion(
             f"'logprobs' is {req.logprobs}, more than the server's limit of {state.max_logprobs}.",
             "logprobs",
         )
-    prompts = [await _prepare(state, req, p) for p in _split_prompts(req.prompt)]
+    try:
+        prompts = [await _prepare(state, req, p) for p in _split_prompts(req.prompt)]
+    except ValueError as exc:  # the preprocessor's refusals name their field: 400
+        raise from_engine_exception(exc) from exc
     request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     ctx = _CompletionContext(state, req, prompts, request_id)
-    jobs = [(p.token_ids, p.params) for p in prompts]
-    gen = await start_generation(
-        state, jobs, request_id, req.priority, req.cache_salt, timeout=req.timeout
-    )
+    jobs = [p.prepared for p in prompts]
+    gen = await start_generation(state, jobs, request_id, timeout=req.timeout)
     if req.stream:
         return guard_stream(gen, ctx.stream(gen))
     return await ctx.full(gen)
@@ -81,27 +87,29 @@ def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
 
 
 async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | list[int]) -> _Prompt:
+    """Stage 2 through the engine's preprocessor: tokenize (or check the ids), then truncate
+    and check once (context, vocabulary, KV cache) with the request's SamplingParams."""
+    pre = state.preprocessor
     if isinstance(prompt, str):
         truncating = req.truncate_prompt_tokens is not None
-        ids = await tokenize_text(state, prompt, req.add_special_tokens, truncating=truncating)
+        ids = await pre.tokenize(prompt, req.add_special_tokens, truncating=truncating)
         text: str | None = prompt
     else:
-        check_token_ids(state, prompt, "prompt")
-        ids = prompt
-        text = state.tokenizer.decode(ids) if req.echo else None
-    if req.truncate_prompt_tokens is not None:
-        kept = truncate_prompt(ids, req.truncate_prompt_tokens, state.model_config.max_model_len)
-        if len(kept) != len(ids):
-            ids = kept
-            text = state.tokenizer.decode(ids) if req.echo else None
-    if not ids:
-        raise BadRequestError("'prompt' must not be empty.", "prompt")
-    max_tokens = resolve_max_tokens(state, req.max_tokens, len(ids))
-    params = build_sampling_params(state, req, max_tokens=max_tokens, logprobs=req.logprobs)
+        pre.check_token_ids(prompt, "prompt")
+        ids, text = prompt, None
+    params = build_sampling_params(state, req, max_tokens=req.max_tokens, logprobs=req.logprobs)
     if req.echo and req.logprobs is not None:
         # Echoed prompt tokens carry their logprobs too: ask the engine for them.
         params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
-    return _Prompt(ids, text, params)
+    prepared = pre.prepare_ids(
+        ids, params, text=text, priority=req.priority, cache_salt=req.cache_salt
+    )
+    echo = None
+    if req.echo:  # the text of the ids served (a truncated prompt: the kept part)
+        echo = prepared.text
+        if echo is None:
+            echo = state.tokenizer.decode(prepared.prompt_token_ids)
+    return _Prompt(prepared, echo)
 
 
 class _CompletionContext:

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from trillm.entrypoints.chat_utils import (
-    ChatTemplateError,
-    render_template,
-    tokenizer_chat_template,
-    tokenizer_special_tokens,
-)
+from trillm.engine.chat_template import ChatTemplateError
+from trillm.engine.preprocess import InvalidRequestError
 from trillm.entrypoints.openai.errors import BadRequestError
 from trillm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
-from trillm.entrypoints.openai.serving_base import ServerState, check_token_ids, tokenize_text
+from trillm.entrypoints.openai.serving_base import ServerState
 
 
 async def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
@@ -29,7 +25,10 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
     # NOTE: the same limits as generation (this route is open without the API key, as in
     # vLLM): a text too long for the context is refused before tokenizing, and long texts
     # wait for one of a few tokenizer threads.
-    ids = await tokenize_text(state, text, add_special)
+    try:
+        ids = await state.preprocessor.tokenize(text, add_special)
+    except InvalidRequestError as exc:
+        raise BadRequestError(str(exc), exc.param) from exc
     body: dict[str, Any] = {
         "count": len(ids),
         "max_model_len": state.model_config.max_model_len,
@@ -41,15 +40,13 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
 
 
 def _render(state: ServerState, req: TokenizeRequest) -> str:
-    template = state.chat_template or tokenizer_chat_template(state.tokenizer)
     try:
-        return render_template(
-            template,
+        return state.preprocessor.render_chat(
             req.messages or [],
+            chat_template=state.chat_template,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             continue_final_message=req.continue_final_message,
-            special_tokens=tokenizer_special_tokens(state.tokenizer),
-            template_kwargs=req.chat_template_kwargs,
+            chat_template_kwargs=req.chat_template_kwargs,
         )
     except ChatTemplateError as exc:
         raise BadRequestError(str(exc), exc.param) from exc
@@ -57,5 +54,8 @@ def _render(state: ServerState, req: TokenizeRequest) -> str:
 
 async def detokenize(state: ServerState, req: DetokenizeRequest) -> dict[str, Any]:
     state.check_model(req.model)
-    check_token_ids(state, req.tokens, "tokens")
+    try:
+        state.preprocessor.check_token_ids(req.tokens, "tokens")
+    except InvalidRequestError as exc:
+        raise BadRequestError(str(exc), exc.param) from exc
     return {"prompt": state.tokenizer.decode(req.tokens)}

@@ -1,0 +1,347 @@
+"""Stage 2, in one place: render, tokenize, truncate and validate a request, once.
+
+Both front doors go through the engine's ``Preprocessor`` (``AsyncEngine.preprocessor``):
+
+- the Python API: ``AsyncEngine.generate(prompt, params)`` / ``chat(messages, ...)`` call
+  ``prepare`` (a string, ``{"prompt": ...}`` or ``{"prompt_token_ids": ...}``);
+- the HTTP layer renders (``render_chat``), tokenizes (``tokenize``), builds its
+  SamplingParams, then calls ``prepare_ids`` and hands the ``PreparedPrompt`` to
+  ``AsyncEngine.generate``, which submits it without checking it again.
+
+What happens here: chat-template rendering (tools, documents, chat_template_kwargs, the
+engine's ``--chat-template``); tokenization (a text longer than the context could hold is
+refused before any work; short texts inline, long ones in a few threads so the event loop keeps
+serving); ``truncate_prompt_tokens``; token-id, vocabulary, priority, context-length (one
+function: ``resolve_max_tokens``) and KV-cache admission checks; the tokenizer-derived sampling
+fields (stop ids that ``min_tokens`` suppresses, bad-words token ids). Errors are
+``InvalidRequestError`` (a ValueError naming the field; HTTP answers it with a 400), the KV
+check's ``RequestTooLargeError``, SamplingParams' ``SamplingParamsError`` and the template's
+``ChatTemplateError``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from trillm.config import TrillmConfig
+from trillm.core.errors import RequestTooLargeError
+from trillm.engine.chat_template import (
+    load_chat_template,
+    render_template,
+    tokenizer_chat_template,
+    tokenizer_special_tokens,
+)
+from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+
+PromptType = str | dict[str, Any]
+
+# NOTE: the text one token can stand for is at most its vocabulary entry (byte-level BPE
+# entries spell one character per byte; SentencePiece and WordPiece entries spell their text,
+# plus markers), so a prompt longer than max_model_len x the longest entry cannot fit. The x2
+# covers pre-tokenizers that drop a separator between tokens (BERT's whitespace split); only
+# texts mostly made of characters a tokenizer deletes (long whitespace runs for such
+# tokenizers, control characters) could fit yet be refused. The floor of 32 keeps the bound
+# generous for character-level vocabularies.
+_MIN_CHARS_PER_TOKEN = 32
+_SAFETY_FACTOR = 2
+INLINE_TOKENIZE_CHARS = 20_000  # shorter texts are tokenized on the event loop
+LARGE_TOKENIZE_CHARS = 1_000_000  # longer ones are tokenized one at a time
+
+_EMPTY = {"prompt": "'prompt' must not be empty.", "messages": "The rendered chat is empty."}
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """``truncate_prompt_tokens``: the last ``keep`` ids (-1: the context length; None: all)."""
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    return ids[len(ids) - keep :] if len(ids) > keep else ids
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    """A prompt that passed every stage-2 check; ``AsyncEngine.generate`` submits it as is.
+
+    ``params`` is the preprocessor's own copy: max_tokens resolved, stop ids and bad-words
+    ids filled. ``text`` is the prompt text when it still matches the ids (None otherwise)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    text: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Preprocessor:
+    def __init__(
+        self,
+        config: TrillmConfig,
+        tokenizer: Any,
+        num_blocks: int,
+        chat_template: str | None = None,
+    ) -> None:
+        self.model_config = config.model
+        self.tokenizer = tokenizer
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = config.model.vocab_size
+        self.max_logprobs = config.max_logprobs
+        self.block_size = config.cache.block_size
+        self.num_blocks = num_blocks
+        self.priority_policy = config.scheduler.policy == "priority"
+        # --chat-template (a path or the text), loaded once; None: the tokenizer's.
+        self.chat_template = load_chat_template(chat_template)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        eos_ids = list(config.model.eos_token_ids)
+        self.eos_token_id: int | None = (
+            eos if eos is not None else (eos_ids[0] if eos_ids else None)
+        )
+        # Further EOS ids from generation_config stop generation like stop_token_ids do.
+        self.extra_eos_ids = [t for t in eos_ids if t != self.eos_token_id]
+        # Long texts are tokenized in threads; each can take many times the text's size in
+        # memory while it runs, so only a few at once (the rest wait their turn), and texts of
+        # LARGE_TOKENIZE_CHARS and more (hundreds of MB of working memory) one at a time.
+        self.tokenize_limiter = trio.CapacityLimiter(max(1, min(4, os.cpu_count() or 1)))
+        self.large_tokenize_limiter = trio.CapacityLimiter(1)
+        self._max_prompt_chars: int | None = None
+
+    # ------------------------------------------------------------------ rendering
+    def render_chat(
+        self,
+        messages: list[Any],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[Any] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of a chat. ``chat_template`` is template *text* (a request's, or a
+        Python caller's already loaded); default: ``--chat-template``, else the tokenizer's.
+        Raises ChatTemplateError."""
+        template = chat_template or self.chat_template or tokenizer_chat_template(self.tokenizer)
+        return render_template(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            special_tokens=tokenizer_special_tokens(self.tokenizer),
+            template_kwargs=chat_template_kwargs,
+            tools=tools,
+            documents=documents,
+        )
+
+    # ------------------------------------------------------------------ tokenization
+    def max_prompt_chars(self) -> int:
+        """The longest text (in characters) that could tokenize to at most max_model_len tokens."""
+        if self._max_prompt_chars is None:
+            tok = self.tokenizer
+            longest = max((len(k) for k in tok.get_vocab()), default=1)
+            added = getattr(tok, "added_tokens_decoder", None) or {}
+            longest = max([longest, *(len(str(t)) for t in added.values())])
+            per_token = max(longest, _MIN_CHARS_PER_TOKEN) * _SAFETY_FACTOR
+            self._max_prompt_chars = self.max_model_len * per_token
+        return self._max_prompt_chars
+
+    async def tokenize(
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        *,
+        param: str = "prompt",
+        truncating: bool = False,
+    ) -> list[int]:
+        """Token ids of ``text``; a text too long for the context is refused before any work,
+        unless the request truncates it (``truncate_prompt_tokens``: the whole text is
+        tokenized, as vLLM does, within the bounded tokenization threads)."""
+        limit = self.max_prompt_chars()
+        if len(text) > limit and not truncating:
+            max_len = self.max_model_len
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, your prompt "
+                f"has {len(text)} characters, more than {max_len} tokens can hold (at most "
+                f"{limit} characters for this tokenizer). Please reduce the length of the input.",
+                param,
+            )
+        encode = self.tokenizer.encode
+        if len(text) < INLINE_TOKENIZE_CHARS:
+            return list(encode(text, add_special_tokens=add_special_tokens))
+
+        # NOTE: long prompts are tokenized off the event loop so streams keep flowing, a few at
+        # a time (a tokenizer's working memory is many times the text's size: ~150 bytes a
+        # character for a fast tokenizer), the largest one at a time.
+        def work() -> list[int]:
+            return list(encode(text, add_special_tokens=add_special_tokens))
+
+        if len(text) < LARGE_TOKENIZE_CHARS:
+            return await trio.to_thread.run_sync(work, limiter=self.tokenize_limiter)
+        async with self.large_tokenize_limiter:
+            return await trio.to_thread.run_sync(work, limiter=self.tokenize_limiter)
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise InvalidRequestError(
+                    f"Token id {t} in '{param}' is outside the vocabulary [0, {vocab}).", param
+                )
+
+    async def prompt_token_ids(
+        self, prompt: PromptType, truncating: bool = False
+    ) -> tuple[str | None, list[int]]:
+        """The Python API's prompt forms: a string, ``{"prompt_token_ids": [...]}`` (with an
+        optional ``prompt`` text), or ``{"prompt": text, "add_special_tokens": bool}``."""
+        if isinstance(prompt, str):
+            return prompt, await self.tokenize(prompt, True, truncating=truncating)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise InvalidRequestError("prompt_token_ids must be a list of integers.", "prompt")
+            self.check_token_ids(ids, "prompt")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            # A rendered chat already holds its special tokens: add_special_tokens=False.
+            add_special = bool(prompt.get("add_special_tokens", True))
+            text = prompt["prompt"]
+            return text, await self.tokenize(text, add_special, truncating=truncating)
+        raise InvalidRequestError(
+            "A prompt is a string, or a dict with 'prompt_token_ids' (or 'prompt').", "prompt"
+        )
+
+    # ------------------------------------------------------------------ validation
+    def resolve_max_tokens(
+        self,
+        prompt_len: int,
+        requested: int | None,
+        *,
+        param: str = "max_tokens",
+        prompt_param: str = "prompt",
+    ) -> int:
+        """THE context-length check: ``requested`` checked against the room the prompt leaves
+        in max_model_len, or (None) that room, capped by generation_config's max_new_tokens."""
+        max_len = self.max_model_len
+        if prompt_len >= max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, your request "
+                f"has {prompt_len} input tokens, leaving no room for output. Please reduce the "
+                "length of the input.",
+                prompt_param,
+            )
+        room = max_len - prompt_len
+        if requested is None:
+            default = (self.model_config.generation_config or {}).get("max_new_tokens")
+            return min(room, default) if isinstance(default, int) and default > 0 else room
+        if requested > room:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the input, "
+                f"{requested} in the completion). Please reduce the length of the input or "
+                f"{param}.",
+                param,
+            )
+        return requested
+
+    def check_kv(self, prompt_len: int, max_tokens: int) -> None:
+        """A request that could never fit the whole KV cache is refused before it waits."""
+        need = -(-(prompt_len + max_tokens) // self.block_size)
+        if need > self.num_blocks:
+            raise RequestTooLargeError(
+                f"The request needs {need} KV-cache blocks ({prompt_len} prompt tokens + "
+                f"{max_tokens} output tokens, block size {self.block_size}) but the cache only "
+                f"has {self.num_blocks} blocks."
+            )
+
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise InvalidRequestError(
+                f"priority must be a 64-bit integer, got {priority!r}.", "priority"
+            )
+        if not self.priority_policy and priority != 0:
+            raise InvalidRequestError(
+                "priority is only supported with --scheduling-policy priority.", "priority"
+            )
+
+    # ------------------------------------------------------------------ the whole stage
+    async def prepare(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> PreparedPrompt:
+        """The Python API's stage 2: tokenize (long texts off the event loop) and check."""
+        truncating = params.truncate_prompt_tokens is not None
+        text, ids = await self.prompt_token_ids(prompt, truncating)
+        return self.prepare_ids(ids, params, text=text, priority=priority, cache_salt=cache_salt)
+
+    def prepare_ids(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        *,
+        text: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        prompt_param: str = "prompt",
+        max_tokens_param: str = "max_tokens",
+    ) -> PreparedPrompt:
+        """Token ids (vocabulary already checked) and params -> a PreparedPrompt: truncation,
+        the context and KV checks, the tokenizer-derived sampling fields. ``prompt_param`` /
+        ``max_tokens_param`` name the fields in errors (a chat names ``messages``)."""
+        self.check_priority(priority)
+        if params.truncate_prompt_tokens is not None:
+            kept = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)
+            if len(kept) != len(ids):
+                ids, text = kept, None  # the text no longer matches the ids
+        if not ids:
+            raise InvalidRequestError(_EMPTY.get(prompt_param, _EMPTY["prompt"]), prompt_param)
+        params = params.clone()
+        params.verify_vocab(self.vocab_size, self.max_logprobs)
+        max_tokens = self.resolve_max_tokens(
+            len(ids), params.max_tokens, param=max_tokens_param, prompt_param=prompt_param
+        )
+        if params.min_tokens > max_tokens:  # max_tokens may have been resolved just now
+            raise InvalidRequestError(
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                f"{params.min_tokens}.",
+                "min_tokens",
+            )
+        params.max_tokens = max_tokens
+        self.check_kv(len(ids), max_tokens)
+        self._apply_stop_ids(params)
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        return PreparedPrompt(list(ids), params, text, priority, cache_salt)
+
+    def _apply_stop_ids(self, params: SamplingParams) -> None:
+        stop_ids = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids += [t for t in self.extra_eos_ids if t not in stop_ids]
+        params.stop_token_ids = stop_ids
+        eos = [self.eos_token_id] if self.eos_token_id is not None else []
+        params.all_stop_token_ids = sorted(set(stop_ids + eos))
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        out: list[list[int]] = []
+        for word in words:
+            # A word can appear at the start of the text or after a space: ban both spellings.
+            for variant in (word, " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(variant, add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
