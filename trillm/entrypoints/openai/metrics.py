@@ -21,19 +21,19 @@ outputs carry them (``RequestMetrics.first_scheduled_time``, see ``_scheduled_ti
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIXES = {"both": ("vllm:", "trillm:"), "vllm": ("vllm:",), "trillm": ("trillm:",)}
@@ -142,17 +142,86 @@ class _Renamed(Collector):
                 yield renamed
 
 
+class Hist:
+    """A histogram without prometheus_client's lock: every observation comes from the one
+    Trio thread, and an observation is on the hot path of every streamed chunk."""
+
+    __slots__ = ("name", "doc", "bounds", "counts", "sum")
+
+    def __init__(self, name: str, doc: str, bounds: Iterable[float]) -> None:
+        self.name = name
+        self.doc = doc
+        self.bounds = [float(b) for b in bounds]
+        self.counts = [0] * (len(self.bounds) + 1)  # per bucket (le), the last: +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, labels: list[str]) -> Metric:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=LABELS)
+        buckets, total = [], 0
+        for bound, count in zip(self.bounds, self.counts, strict=False):
+            total += count
+            buckets.append((floatToGoString(bound), total))
+        buckets.append(("+Inf", total + self.counts[-1]))
+        fam.add_metric(labels, buckets, self.sum)
+        return fam
+
+
+class Count:
+    """A counter, lock-free as ``Hist``."""
+
+    __slots__ = ("name", "doc", "value")
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name = name
+        self.doc = doc
+        self.value = 0
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+    def family(self, labels: list[str]) -> Metric:
+        fam = CounterMetricFamily(self.name, self.doc, labels=LABELS)
+        fam.add_metric(labels, float(self.value))
+        return fam
+
+
+class _RequestCollector(Collector):
+    """The request series, exposed at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        m = self.metrics
+        yield m.prompt_tokens.family(m.labels)
+        yield m.generation_tokens.family(m.labels)
+        fam = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests (engine requests, by finish reason).",
+            labels=LABELS + ["finished_reason"],
+        )
+        for reason, count in m.success.items():
+            fam.add_metric([*m.labels, reason], float(count))
+        yield fam
+        for hist in m.histograms:
+            yield hist.family(m.labels)
+
+
 class ServerMetrics:
     """The metrics of one app; ``render()`` is the /metrics body."""
 
     def __init__(
         self, engine: Any, model_name: str, prefix: str = "both", max_model_len: int | None = None
     ) -> None:
-        disable_created_metrics()  # no *_created series (vLLM drops them too)
         self.model_name = model_name
         self.labels = [model_name, ENGINE_INDEX]
-        self.base = CollectorRegistry(auto_describe=True)
+        self.base = CollectorRegistry(auto_describe=False)
         self.base.register(_SchedulerCollector(engine, self.labels))
+        self.base.register(_RequestCollector(self))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Renamed(self.base, PREFIXES[prefix]))
         if max_model_len is None:
@@ -160,27 +229,19 @@ class ServerMetrics:
         length_buckets = buckets_1_2_5(max(int(max_model_len or 0), 1))
         sched = getattr(getattr(engine, "config", None), "scheduler", None)
         step_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 8192)
-        reg, labels = self.base, self.labels
+        self.histograms: list[Hist] = []
 
-        def hist(name: str, doc: str, buckets: Any) -> Any:
-            return Histogram(name, doc, LABELS, registry=reg, buckets=buckets).labels(*labels)
+        def hist(name: str, doc: str, buckets: Iterable[float]) -> Hist:
+            h = Hist(name, doc, buckets)
+            self.histograms.append(h)
+            return h
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, LABELS, registry=reg).labels(*labels)
-
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter(
+        self.prompt_tokens = Count("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = Count(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        self._success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests (engine requests, by finish reason).",
-            LABELS + ["finished_reason"],
-            registry=reg,
-        )
-        self._success_by_reason = {
-            r: self._success.labels(*labels, r) for r in ("stop", "length", "abort")
-        }
+        # finished_reason -> engine requests (vLLM lists its reasons even at 0).
+        self.success: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self.request_prompt_tokens = hist(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", length_buckets
         )
@@ -213,7 +274,7 @@ class ServerMetrics:
             _TOKEN_LATENCY_BUCKETS,
         )
 
-        def phase(name: str, doc: str) -> Any:
+        def phase(name: str, doc: str) -> Hist:
             return hist(name, doc, _REQUEST_LATENCY_BUCKETS)
 
         self.e2e = phase(
@@ -227,15 +288,9 @@ class ServerMetrics:
                              "Histogram of time spent in PREFILL phase for request.")  # fmt: skip
         self.decode = phase("vllm:request_decode_time_seconds",
                             "Histogram of time spent in DECODE phase for request.")  # fmt: skip
-        # Running totals for the periodic stats line (stats_logger.py).
-        self.total_prompt_tokens = 0
-        self.total_generation_tokens = 0
 
     def request_finished(self, reason: str) -> None:
-        counter = self._success_by_reason.get(reason)
-        if counter is None:
-            counter = self._success_by_reason[reason] = self._success.labels(*self.labels, reason)
-        counter.inc()
+        self.success[reason] = self.success.get(reason, 0) + 1
 
     def request_params(self, n: int, max_tokens: int | None, prompts: int = 1) -> None:
         """The request's n and max_tokens (when it set one), once per prompt, as vLLM."""
@@ -289,13 +344,11 @@ class RequestTimer:
                 s = self.samples[key] = _Sample(len(out.prompt_token_ids or ()))
             n = len(c.token_ids)
             if n:
-                m.generation_tokens.inc(n)
-                m.total_generation_tokens += n
+                m.generation_tokens.value += n
                 if s.last is None:  # the prefill is done: vLLM counts its tokens now
                     s.first = now
                     m.ttft.observe(now - self.start)
-                    m.prompt_tokens.inc(s.prompt_len)
-                    m.total_prompt_tokens += s.prompt_len
+                    m.prompt_tokens.value += s.prompt_len
                 else:
                     # Tokens merged into one delta (--stream-interval, a slow reader) shared
                     # the gap since the previous one.
