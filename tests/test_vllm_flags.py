@@ -358,3 +358,76 @@ def test_tls_and_request_log(tmp_path):
     assert len(finished) == 2 and "'length'" in finished[0] and "stream ended" in finished[1]
     assert "Avg prompt throughput" not in log  # --disable-log-stats
     assert "hypercorn.access" not in log  # --disable-uvicorn-access-log, even at debug
+
+
+# ---------------------------------------------------------------- units
+
+
+def test_stats_line_info_after_activity_debug_when_idle():
+    import logging
+    from types import SimpleNamespace
+
+    from trillm.entrypoints.openai.metrics import ServerMetrics
+    from trillm.entrypoints.openai.stats_logger import StatsLine
+    from trillm.messages import SchedulerStats
+
+    stats = SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25)
+    engine = SimpleNamespace(get_stats=lambda: stats, model_config=None, config=None)
+    metrics = ServerMetrics(engine, "m")
+    line = StatsLine(engine, metrics, now=0.0)
+    metrics.prompt_tokens.value += 100
+    metrics.generation_tokens.value += 50
+    stats.prefix_cache_queries, stats.prefix_cache_hits = 200, 50
+    level, message = line.line(10.0)
+    assert level == logging.INFO
+    assert message == (
+        "Engine 000: Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 5.0 "
+        "tokens/s, Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, Prefix cache hit "
+        "rate: 25.0%"
+    )
+    assert line.line(20.0)[0] == logging.INFO  # the interval after activity still shows
+    level, message = line.line(30.0)  # two idle intervals: no noise
+    assert level == logging.DEBUG and "Avg prompt throughput: 0.0 tokens/s" in message
+
+
+def test_cors_rules():
+    import trio
+
+    from trillm.entrypoints.openai.cors import CORSMiddleware
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def call(mw, method, headers):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b""}
+
+        scope = {"type": "http", "method": method, "path": "/v1/models",
+                 "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}  # fmt: skip
+        trio.run(mw, scope, receive, send)
+        return sent[0]["status"], dict(sent[0]["headers"])
+
+    open_mw = CORSMiddleware(app, ["*"], ["*"], ["*"])
+    status, headers = call(open_mw, "GET", {"origin": "https://x.example"})
+    assert headers[b"access-control-allow-origin"] == b"*"
+    # A credentialed request (cookie) never gets "*": the origin itself, and Vary.
+    status, headers = call(open_mw, "GET", {"origin": "https://x.example", "cookie": "a=b"})
+    assert headers[b"access-control-allow-origin"] == b"https://x.example"
+    assert headers[b"vary"] == b"Origin"
+    assert call(open_mw, "GET", {})[1] == {}  # no Origin: untouched
+    strict = CORSMiddleware(app, ["https://a.example"], ["GET"], ["x-key"], True)
+    preflight = {"origin": "https://a.example", "access-control-request-method": "POST"}
+    status, _ = call(strict, "OPTIONS", preflight)
+    assert status == 400  # POST not allowed
+    preflight["access-control-request-method"] = "GET"
+    preflight["access-control-request-headers"] = "X-Key"
+    status, headers = call(strict, "OPTIONS", preflight)
+    assert status == 200 and headers[b"access-control-allow-credentials"] == b"true"
+    assert headers[b"access-control-allow-methods"] == b"GET"
+    assert b"x-key" in headers[b"access-control-allow-headers"]
