@@ -15,8 +15,11 @@ Sources:
 - ``request_params_n`` / ``request_params_max_tokens`` once per prompt, from the request body.
 
 The queue / prefill / inference intervals and ``iteration_tokens_total`` need the engine's
-per-request SCHEDULED event and per-step token counts; they are observed when the engine's
-outputs carry them (``RequestMetrics.first_scheduled_time``, see ``_scheduled_time``).
+per-request SCHEDULED event and per-step token counts, which its outputs do not carry yet:
+the series are exposed (dashboards find them) with no observations and say so in their HELP;
+the intervals are observed once outputs carry ``RequestMetrics.first_scheduled_time``
+(``_scheduled_time``). Request series are plain counters (``Hist``, ``Count``), not
+prometheus_client's locked ones: they are recorded on the one Trio thread, per streamed output.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ _REQUEST_LATENCY_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 _N_BUCKETS = (1, 2, 5, 10, 20)
+# Said in the HELP of the series the engine cannot feed yet (no per-request SCHEDULED time,
+# no per-step token count in its outputs): present for dashboards, empty until it can.
+_NEEDS_ENGINE = " (trillm: not observed yet, the engine does not report scheduling events)"
 
 
 def buckets_1_2_5(limit: int) -> list[int]:
@@ -250,7 +256,8 @@ class ServerMetrics:
             length_buckets,
         )  # fmt: skip
         self.iteration_tokens = hist(
-            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step." + _NEEDS_ENGINE,
             sorted(set(buckets_1_2_5(step_tokens) + [step_tokens])),
         )  # fmt: skip
         self.params_n = hist(
@@ -281,11 +288,14 @@ class ServerMetrics:
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."
         )
         self.queue = phase("vllm:request_queue_time_seconds",
-                           "Histogram of time spent in WAITING phase for request.")  # fmt: skip
+                           "Histogram of time spent in WAITING phase for request."
+                           + _NEEDS_ENGINE)  # fmt: skip
         self.inference = phase("vllm:request_inference_time_seconds",
-                               "Histogram of time spent in RUNNING phase for request.")  # fmt: skip
+                               "Histogram of time spent in RUNNING phase for request."
+                               + _NEEDS_ENGINE)  # fmt: skip
         self.prefill = phase("vllm:request_prefill_time_seconds",
-                             "Histogram of time spent in PREFILL phase for request.")  # fmt: skip
+                             "Histogram of time spent in PREFILL phase for request."
+                             + _NEEDS_ENGINE)  # fmt: skip
         self.decode = phase("vllm:request_decode_time_seconds",
                             "Histogram of time spent in DECODE phase for request.")  # fmt: skip
 
