@@ -312,6 +312,58 @@ _FLAGS = {
                               TOOLS_HTTP + "test_bad_parser_flags_stop_the_cli"),
 }  # fmt: skip
 
+# vLLM's serve flags (issue 16): honoured, refused naming the flag (features of other open
+# issues), or, where what they ask is already so / means nothing here, said once in the log.
+VF = "tests/test_vllm_flags.py::"
+REFUSED_TOP = VF + "test_top35_flag_of_another_issue_refused"
+MOOT = VF + "test_moot_flags_say_so_once"
+TLS = VF + "test_tls_and_request_log"
+CORS = ids(VF + "test_preflight_needs_no_api_key_and_names_what_is_disallowed",
+           VF + "test_cors_headers_on_answers_and_errors")  # fmt: skip
+_VLLM_FLAGS = {
+    "--allowed-origins": CORS,
+    "--allow-credentials": CORS,
+    "--allowed-headers": CORS,
+    "--allowed-methods": ids(FEE + "test_tls_client_certificates_and_cors_methods_reach_the_server"),
+    "--ssl-keyfile": ids(TLS, VF + "test_bad_values_refused_with_the_flag_named"),
+    "--ssl-certfile": ids(TLS),
+    "--ssl-ca-certs": ids(FEE + "test_tls_client_certificates_and_cors_methods_reach_the_server"),
+    "--ssl-cert-reqs": ids(FEE + "test_tls_client_certificates_and_cors_methods_reach_the_server"),
+    "--root-path": ids(VF + "test_root_path_as_uvicorn"),
+    "--config": ids(VF + "test_config_yaml_and_command_line_precedence"),
+    "--download-dir": ids(VF + "test_download_dir_is_the_hub_cache"),
+    "--enable-log-requests": ids(TLS),
+    "--max-log-len": ids(TLS),
+    "--disable-log-stats": ids(TLS),
+    "--disable-uvicorn-access-log": ids(TLS),
+    "--log-stats-interval": ids(VF + "test_logs_stats_notes_once_and_no_prompt_by_default"),
+    "--metrics-prefix": ids("tests/test_metrics_vllm.py::test_metrics_prefix_vllm_only"),
+    "--restart-on-engine-death": ids(FAULTS + "test_dead_engine_restarts_with_flag"),
+    "--load-format": ids(VF + "test_bad_values_refused_with_the_flag_named"),
+    "--tokenizer-mode": ids(VF + "test_more_vllm_flags_refused"),
+    "--limit-mm-per-prompt": ids(VF + "test_more_vllm_flags_refused"),
+    "--max-lora-rank": ids(VF + "test_more_vllm_flags_refused"),
+    "--max-loras": ids(VF + "test_bad_values_refused_with_the_flag_named"),
+    "--pipeline-parallel-size": ids(REFUSED_TOP, VF + "test_value_one_is_the_no_op_for_parallel_sizes"),
+    "--data-parallel-size": ids(REFUSED_TOP, VF + "test_value_one_is_the_no_op_for_parallel_sizes"),
+    "--quantization": ids(REFUSED_TOP),
+    "--kv-cache-dtype": ids(REFUSED_TOP),
+    "--enable-lora": ids(REFUSED_TOP),
+    "--lora-modules": ids(REFUSED_TOP),
+    "--speculative-config": ids(REFUSED_TOP),
+    # Already so in trillm, or meaningless without CUDA graphs / swapping / several ranks:
+    # accepted, and the log says so once at startup.
+    "--enable-chunked-prefill": ids(MOOT, VF + "test_bad_values_refused_with_the_flag_named"),
+    "--enforce-eager": ids(MOOT, VF + "test_logs_stats_notes_once_and_no_prompt_by_default"),
+    "--swap-space": ids(MOOT, VF + "test_logs_stats_notes_once_and_no_prompt_by_default"),
+    "--disable-log-requests": ids(MOOT),
+    "--enable-prompt-tokens-details": ids(MOOT, FE + "test_cache_salt_separates_prefix_cache_hits"),
+    "--max-seq-len-to-capture": ids(MOOT),
+    "--disable-custom-all-reduce": ids(MOOT),
+    "--enable-server-load-tracking": ids(VF + "test_ping_load_and_invocations",
+                                         VF + "test_more_vllm_flags_accepted"),
+}  # fmt: skip
+
 # Engine flags: parsed into the EngineArgs field of the same name, whose tests show the effect.
 _ENGINE_FLAG_FIELDS = {
     "--dtype": "dtype", "--seed": "seed", "--max-model-len": "max_model_len",
@@ -336,6 +388,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     **{f"StructuredOutputsParams.{k}": v for k, v in _SO_PARAMS.items()},
     **{f"EngineArgs.{k}": v for k, v in _ENGINE.items()},
     **_FLAGS,
+    **_VLLM_FLAGS,
     **{flag: (FLAG_MAP, *_ENGINE[field]) for flag, field in _ENGINE_FLAG_FIELDS.items()},
 }
 

@@ -465,3 +465,52 @@ def test_trust_remote_code_lets_the_tokenizers_code_run(tmp_path):
         assert ids(engine)  # and it serves
     finally:
         engine.shutdown()
+
+
+def test_tls_client_certificates_and_cors_methods_reach_the_server(tmp_path, capsys):
+    """--ssl-ca-certs / --ssl-cert-reqs reach hypercorn's TLS config; --allowed-methods the
+    CORS layer (the rest of TLS and CORS: tests/test_vllm_flags.py, on a real server)."""
+    import ssl
+    import types
+
+    import trio
+
+    from trillm.entrypoints.openai import vllm_flags
+
+    files = {name: tmp_path / f"{name}.pem" for name in ("key", "cert", "ca")}
+    for path in files.values():
+        path.write_text("-")
+    argv = ["serve", "--ssl-keyfile", str(files["key"]), "--ssl-certfile", str(files["cert"]),
+            "--ssl-ca-certs", str(files["ca"]), "--ssl-cert-reqs", "2",
+            "--allowed-methods", '["GET"]']  # fmt: skip
+    opts = server_options(build_parser().parse_args(argv))
+    config = types.SimpleNamespace()
+    vllm_flags.configure_hypercorn(config, opts)
+    assert config.ca_certs == str(files["ca"]) and config.verify_mode == ssl.CERT_REQUIRED
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    def preflight(method: str) -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b""}
+
+        headers = [(b"origin", b"https://a.example"),
+                   (b"access-control-request-method", method.encode())]  # fmt: skip
+        scope = {"type": "http", "method": "OPTIONS", "path": "/v1/models", "headers": headers}
+        trio.run(vllm_flags.wrap_asgi(app, opts), scope, receive, send)
+        return sent[0]["status"]
+
+    assert (preflight("GET"), preflight("POST")) == (200, 400)
+    args = build_parser().parse_args(["serve", "--ssl-ca-certs", str(tmp_path / "none.pem")])
+    with pytest.raises(SystemExit):
+        vllm_flags.check_flags(args.serve_parser, args)
+    assert "--ssl-ca-certs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--ssl-cert-reqs", "3"])
