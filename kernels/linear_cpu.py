@@ -119,8 +119,8 @@ def _require_bf16() -> ModuleType:
 # On a CPU with AMX-BF16 torch's bf16 F.linear runs oneDNN's AMX GEMM, several times this
 # kernel's rate once the rows fill its 16-row tiles; below that the kernel wins (no per-call
 # weight reordering, half the weight bytes of fp32). SmolLM2-135M's 121 weights a pass, 2
-# threads, alternated (2026-12-01): kernel / torch 1.77x at 1 row, 1.55x at 4, 1.14x at 8,
-# 0.89x at 16; at 64 rows torch ran 5x faster. benchmarks/RESULTS.md, section 6.
+# threads, alternated (2026-12-01 20:06 UTC): kernel / torch 1.80x at 1 row, 1.45x at 4, 1.29x
+# at 8, 0.94x at 16, 0.25x at 256. benchmarks/RESULTS.md, section 6.
 AMX_KERNEL_MAX_ROWS = 8
 
 
