@@ -43,6 +43,9 @@ VLLM_V1_TABLE = [
     ("vllm:request_time_per_output_token_seconds", "histogram", ()),
 ]
 
+NOT_OBSERVED_YET = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                    "vllm:request_inference_time_seconds", "vllm:iteration_tokens_total")  # fmt: skip
+
 
 def families(text: str) -> dict[str, object]:
     """Family name as exposed (a counter keeps its ``_total``) -> family."""
@@ -141,6 +144,11 @@ def test_counting_is_per_engine_request_and_consistent(scraped):
     # The two prefixes are the same series.
     for name in ("request_success_total", "generation_tokens_total"):
         assert value(fams, f"vllm:{name}") == value(fams, f"trillm:{name}")
+    # Exposed for dashboards, not observed until the engine reports SCHEDULED events and
+    # per-step token counts (their HELP says so); this fails, to be updated, once it does.
+    for name in NOT_OBSERVED_YET:
+        assert value(fams, name, "_count") == 0
+        assert "not observed yet" in fams[name].documentation
     info = fams["vllm:cache_config_info"].samples[0]
     assert info.value == 1 and info.labels["block_size"] == "16"
     assert value(fams, "vllm:num_requests_running") == 0
