@@ -166,3 +166,32 @@ def test_metrics_prefix_vllm_only(tmp_path):
     assert not [n for n in fams if n.startswith("trillm:")]
     assert {row[0] for row in VLLM_V1_TABLE} <= set(fams)
     assert value(fams, "vllm:request_success_total") == 1
+
+
+def test_http_and_process_series_as_vllm(scraped):
+    """prometheus_fastapi_instrumentator's http_* series and prometheus_client's process_*."""
+    fams = families(scraped)
+    assert fams["http_requests_total"].type == "counter"
+    assert value(fams, "http_requests_total", handler="/v1/completions", method="POST",
+                 status="2xx") == 3  # fmt: skip
+    assert value(fams, "http_requests_total", handler="/v1/chat/completions", status="2xx") == 1
+    assert value(fams, "http_requests_total", handler="/metrics", method="GET") >= 1
+    durations = fams["http_request_duration_seconds"]
+    assert durations.type == "histogram"
+    assert {s.labels.get("handler") for s in durations.samples} >= {"/v1/completions"}
+    assert value(fams, "http_request_duration_seconds", "_count", handler="/v1/completions",
+                 method="POST") == 3  # fmt: skip
+    assert fams["http_request_duration_highr_seconds"].type == "histogram"
+    for name in ("http_request_size_bytes", "http_response_size_bytes"):
+        assert fams[name].type == "summary"
+        assert value(fams, name, "_sum", handler="/v1/completions") > 0
+    for name in ("process_resident_memory_bytes", "process_open_fds", "python_info"):
+        assert name in fams
+
+
+def test_unknown_paths_share_one_handler_label(server):
+    for i in range(3):
+        assert httpx.get(f"{server.url}/no/such/path/{i}").status_code == 404
+    fams = families(httpx.get(server.url + "/metrics").text)
+    handlers = {s.labels["handler"] for s in fams["http_requests_total"].samples}
+    assert "none" in handlers and not any(h.startswith("/no/") for h in handlers)

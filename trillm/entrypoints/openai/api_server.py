@@ -341,7 +341,8 @@ async def _serve(
                 )
                 max_prompt_chars(state)  # the tokenizer's bound, once, before any request
                 log_len = opts.max_log_len if opts.enable_log_requests else None
-                app = vllm_flags.wrap_asgi(build_app(state, opts.api_key, log_len), opts)
+                app = vllm_flags.wrap_asgi(build_app(state, opts.api_key, log_len), opts,
+                                           state.metrics)  # fmt: skip
                 shutdown = trio.Event()
                 serve = partial(
                     _hypercorn_serve, app, _hypercorn_config(opts), shutdown_trigger=shutdown.wait

@@ -28,7 +28,13 @@ from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -165,8 +171,8 @@ class Hist:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    def family(self, labels: list[str]) -> Metric:
-        fam = HistogramMetricFamily(self.name, self.doc, labels=LABELS)
+    def family(self, labels: list[str], names: list[str] | None = None) -> Metric:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=LABELS if names is None else names)
         buckets, total = [], 0
         for bound, count in zip(self.bounds, self.counts, strict=False):
             total += count
@@ -230,6 +236,10 @@ class ServerMetrics:
         self.base.register(_RequestCollector(self))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Renamed(self.base, PREFIXES[prefix]))
+        # process_* / python_* as vLLM exposes them (prometheus_client's defaults).
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         if max_model_len is None:
             max_model_len = getattr(getattr(engine, "model_config", None), "max_model_len", 0)
         length_buckets = buckets_1_2_5(max(int(max_model_len or 0), 1))

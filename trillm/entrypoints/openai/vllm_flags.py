@@ -314,11 +314,15 @@ def configure_hypercorn(config: Any, opts: Any) -> None:
         config.verify_mode = ssl.VerifyMode(opts.ssl_cert_reqs)
 
 
-def wrap_asgi(app: Any, opts: Any) -> Any:
+def wrap_asgi(app: Any, opts: Any, metrics: Any = None) -> Any:
     """The app behind CORS, as vLLM always serves it (default: every origin), and behind
-    ``--root-path``."""
+    ``--root-path``; with ``metrics`` (ServerMetrics), counted in vLLM's ``http_*`` series."""
     from trillm.entrypoints.openai.cors import CORSMiddleware
+    from trillm.entrypoints.openai.http_metrics import HTTPMetrics
 
+    if metrics is not None:
+        app = HTTPMetrics(app, [rule.rule for rule in app.url_map.iter_rules()])
+        metrics.registry.register(app)
     wrapped: Any = CORSMiddleware(
         app, opts.allowed_origins, opts.allowed_methods, opts.allowed_headers,
         opts.allow_credentials,
