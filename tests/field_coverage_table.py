@@ -24,6 +24,7 @@ UNITS = "tests/test_server_units.py::"
 SO_UNIT = "tests/test_structured_output.py::"
 REQ = "tests/test_request_fields.py::"
 LOADING = "tests/test_model_loading.py::"
+SO_REASONING = "tests/test_structured_output_reasoning.py::"
 
 
 def ids(*node_ids: str) -> tuple[str, ...]:
@@ -271,6 +272,9 @@ _ENGINE = {
     # the tokenizer's code; model code never runs (trillm's own model classes)
     "trust_remote_code": ids(FEE + "test_trust_remote_code_lets_the_tokenizers_code_run"),
     "skip_tokenizer_init": ids(ENGINE_REFUSED),
+    # structured outputs constrain only after </think>; a tokenizer without it is refused
+    "reasoning_parser": ids(SO_REASONING + "test_engine_constrains_only_after_the_reasoning",
+                            SO_REASONING + "test_llm_engine_argument_and_refusal"),
 }  # fmt: skip
 
 # ``trillm serve`` flags: how each reaches the engine or the server, and what it then does.
@@ -309,7 +313,8 @@ _FLAGS = {
     "--exclude-tools-when-tool-choice-none": ids(FEE + "test_tool_flags_are_checked_at_startup",
                                                  TOOLS + "test_plan_required_and_auto_and_none"),
     "--reasoning-parser": ids(TOOLS_HTTP + "test_enable_thinking_puts_the_output_in_reasoning",
-                              TOOLS_HTTP + "test_bad_parser_flags_stop_the_cli"),
+                              TOOLS_HTTP + "test_bad_parser_flags_stop_the_cli",
+                              SO_REASONING + "test_http_reasoning_content_then_schema_content"),
 }  # fmt: skip
 
 # vLLM's serve flags (issue 16): honoured, refused naming the flag (features of other open

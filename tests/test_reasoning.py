@@ -147,7 +147,9 @@ def test_include_reasoning_false_drops_it():
     )
 
 
-def test_constrained_tool_output_has_no_reasoning_section():
+def test_constrained_tool_output_is_split_after_its_reasoning():
+    # The engine constrains a required / named output only after </think> (same parser), so
+    # the reasoning comes off first and the content is the constrained JSON (as in vLLM).
     from trillm.entrypoints.openai.chat_parsing import plan_tools
     from trillm.entrypoints.openai.protocol import ChatCompletionRequest, structure
 
@@ -160,6 +162,18 @@ def test_constrained_tool_output_has_no_reasoning_section():
             "tool_choice": {"type": "function", "function": {"name": "f"}}}  # fmt: skip
     plan = plan_tools(State(), structure(ChatCompletionRequest, body))
     r1 = get_reasoning_parser("deepseek_r1")
-    msg = ChoiceParser(plan, lambda: r1(""), True).message('{"a": 1}')
+    msg = ChoiceParser(plan, lambda: r1(""), True).message('plan it</think>{"a": 1}')
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    assert msg["reasoning_content"] == "plan it"
+    # A prompt that closed the reasoning: constrained from the first token, all content.
+    closed = ChoiceParser(plan, lambda: r1("<think>\n\n</think>\n\n"), True)
+    msg = closed.message('{"a": 1}')
     assert msg["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
     assert msg["reasoning_content"] is None
+    stream = ChoiceParser(plan, lambda: r1(""), True)
+    deltas = [stream.feed(t, False) for t in ("pl", "an</th", 'ink>{"a"', ": 1}")]
+    deltas.append(stream.feed("", True))
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "plan"
+    args = "".join(c["function"].get("arguments") or "" for d in deltas
+                   for c in d.get("tool_calls", []))  # fmt: skip
+    assert args == '{"a": 1}'

@@ -32,7 +32,10 @@ TEMPLATE = (
     "</tool_response><|im_end|>\n"
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking %}<think>\n{%- endif %}{%- endif %}"
+    # Thinking off unless asked: the closed block Qwen3 renders for enable_thinking=false, so
+    # a constrained output is constrained from its first token.
+    "{%- if enable_thinking is defined and enable_thinking %}<think>\n"
+    "{%- else %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}"
 )
 WEATHER = {
     "type": "function",
@@ -64,9 +67,17 @@ def template_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(template_file, tmp_path_factory):
+    # --reasoning-parser needs <think> / </think> tokens (the engine's structured outputs wait
+    # for </think>): the default model with them added.
+    from trillm.testing.reasoning_model import build_reasoning_model
+    from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
+
+    model, _, _ = build_reasoning_model(
+        DEFAULT_MODEL_DIR, tmp_path_factory.mktemp("think-default") / "model"
+    )
     log = tmp_path_factory.mktemp("server-tools") / "server.log"
     srv = ServerProcess(
-        ["--chat-template", template_file, "--enable-auto-tool-choice",
+        [str(model), "--chat-template", template_file, "--enable-auto-tool-choice",
          "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
          "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
          "--trust-request-chat-template"],

@@ -58,6 +58,9 @@ class EngineArgs:
     enforce_eager: bool = True
     chat_template: str | None = None
     skip_tokenizer_init: bool = False
+    # deepseek_r1 | qwen3: structured outputs constrain only after </think> (vLLM's
+    # structured-outputs reasoning_parser; the server's --reasoning-parser sets it too).
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
@@ -71,6 +74,10 @@ class EngineArgs:
                 "skip_tokenizer_init is not supported: the engine needs the tokenizer "
                 "(stop strings, detokenization, chat templates)."
             )
+        if self.reasoning_parser is not None:
+            from trillm.parsers.reasoning import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)  # ValueError naming the known ones
         # Accepted with vLLM's meaning where nothing here differs; said once in the log.
         if self.trust_remote_code:
             logger.info("trust_remote_code: the checkpoint's tokenizer code may run; its model "
@@ -155,3 +162,4 @@ class TrillmConfig:
     seed: int = 0
     attention_backend: str = "torch"
     max_logprobs: int = 20
+    reasoning_parser: str | None = None  # the engine core's structured outputs wait for it

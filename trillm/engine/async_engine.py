@@ -309,7 +309,7 @@ def _structured_output_manager(config: TrillmConfig, tokenizer: Any) -> Any:
     if tokenizer is None:
         return None
     cache = GrammarCache(tokenizer, config.model.vocab_size, list(config.model.eos_token_ids))
-    return StructuredOutputManager(cache)
+    return StructuredOutputManager(cache, config.reasoning_parser)
 
 
 @asynccontextmanager

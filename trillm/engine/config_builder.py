@@ -72,6 +72,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         seed=args.seed,
         attention_backend=resolve_attention_backend(args.attention_backend, device),
         max_logprobs=args.max_logprobs,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

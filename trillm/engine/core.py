@@ -156,7 +156,10 @@ class EngineCore:
             self._end_grammar_request(msg.request_id, "no structured-output support")
             return
         try:
-            ready = so.add_request(msg.request_id, msg.sampling_params.structured_outputs)
+            # The prompt tells a reasoning model's request whether it starts past reasoning.
+            ready = so.add_request(
+                msg.request_id, msg.sampling_params.structured_outputs, msg.prompt_token_ids
+            )
         except Exception as exc:  # one request's grammar: never the engine
             so.remove(msg.request_id)
             self._end_grammar_request(msg.request_id, f"{type(exc).__name__}: {exc}")

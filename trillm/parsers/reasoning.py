@@ -10,6 +10,12 @@ output becomes ``reasoning_content`` (and vLLM's newer ``reasoning``), the rest 
 
 ``extract`` splits a finished output; ``streamer()`` splits it delta by delta, holding back a
 possibly partial tag, and the deltas add up to ``extract``'s result.
+
+The engine side (structured outputs wait for the end of reasoning, as in vLLM):
+``token_ids(tokenizer)`` gives the tags' token ids (refused when they are not single tokens)
+and ``prompt_state(prompt_ids, ids)`` says where an output starts: in reasoning, after it
+(the prompt closed it: Qwen3 with ``enable_thinking: false``), or, for qwen3 with no tag in the
+prompt, undecided until the first token (``<think>`` or content).
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ from typing import Any, ClassVar
 
 START = "<think>"
 END = "</think>"
+
+# Where an output starts (``ReasoningParser.prompt_state``).
+ENDED = "ended"  # after the reasoning: constrained from its first token
+REASONING = "reasoning"  # inside it: unconstrained until </think>
+UNDECIDED = "undecided"  # its first token is <think> (then reasoning) or content
 
 
 def _held(text: str, tag: str) -> int:
@@ -30,6 +41,8 @@ def _held(text: str, tag: str) -> int:
 
 class ReasoningParser:
     name: ClassVar[str] = ""
+    # Where an output starts when its prompt holds neither tag (``prompt_state``).
+    untagged_prompt_state: ClassVar[str] = REASONING
 
     def __init__(self, prompt: str = "", chat_template_kwargs: dict[str, Any] | None = None):
         self.prompt = prompt
@@ -61,6 +74,35 @@ class ReasoningParser:
 
     def streamer(self) -> ReasoningStreamer:
         return ReasoningStreamer(self)
+
+    # ------------------------------------------------------------ engine side (token ids)
+
+    @classmethod
+    def token_ids(cls, tokenizer: Any) -> tuple[int, int]:
+        """(``<think>`` id, ``</think>`` id) in ``tokenizer``; ValueError naming the parser when
+        either is not one token (the engine could not see where reasoning ends)."""
+        vocab = tokenizer.get_vocab()
+        ids = vocab.get(START), vocab.get(END)
+        if ids[0] is None or ids[1] is None:
+            missing = " and ".join(t for t, i in zip((START, END), ids) if i is None)
+            raise ValueError(
+                f"Reasoning parser {cls.name!r} needs {START} and {END} as single tokens of the "
+                f"tokenizer (structured outputs start where reasoning ends); this tokenizer has "
+                f"no {missing} token."
+            )
+        return ids[0], ids[1]
+
+    @classmethod
+    def prompt_state(cls, prompt_ids: Any, ids: tuple[int, int]) -> str:
+        """Where the output of ``prompt_ids`` starts: the prompt's last tag decides (a
+        rendered ``<think>\\n\\n</think>`` has ended reasoning, an open ``<think>`` has not)."""
+        start, end = ids
+        for token in reversed(prompt_ids):
+            if token == end:
+                return ENDED
+            if token == start:
+                return REASONING
+        return cls.untagged_prompt_state
 
 
 class ReasoningStreamer:
@@ -111,11 +153,14 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
 
     def starts_in_reasoning(self) -> bool:
-        return True
+        # In reasoning unless the prompt closed it (then the engine constrains from the first
+        # token: the output is all content).
+        return self.prompt.rfind(END) <= self.prompt.rfind(START)
 
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
+    untagged_prompt_state = UNDECIDED
 
     def starts_in_reasoning(self) -> bool:
         at = self.prompt.rfind(START)

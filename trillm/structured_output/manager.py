@@ -7,6 +7,12 @@
 - ``accept_tokens`` (P4): advances the matcher; True once it has terminated (the engine then
   finishes the request with ``stop``). ``rollback`` undoes accepted tokens (rejected drafts of
   speculative decoding).
+
+Reasoning models (``reasoning_parser``, vLLM's rule): the constraint starts after the reasoning
+section. A request whose output starts in reasoning gets no row and feeds no token to its
+matcher until a step's tokens hold ``</think>``; the tokens after it are fed, and its rows
+apply from the next step. With qwen3 and no tag in the prompt the first row also allows
+``<think>`` (the model may open reasoning or write the constrained content at once).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from trillm.messages import SampleRequest, SchedulerOutput
+from trillm.parsers.reasoning import ENDED, REASONING, UNDECIDED, get_reasoning_parser
 from trillm.structured_output.compiler import MAX_FILL_CPU_S, GrammarCache
 from trillm.structured_output.spec import GrammarSpec, check_params
 
@@ -26,8 +33,16 @@ logger = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
-    def __init__(self, cache: GrammarCache) -> None:
+    def __init__(self, cache: GrammarCache, reasoning_parser: str | None = None) -> None:
         self.cache = cache
+        # The reasoning parser and its (<think>, </think>) ids: refused here, at engine start,
+        # when the tokenizer lacks them.
+        self.reasoner = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        self.think_ids = (
+            self.reasoner.token_ids(cache.tokenizer) if self.reasoner is not None else (-1, -1)
+        )
+        # req_id -> REASONING or UNDECIDED while its output is not past the reasoning
+        self._thinking: dict[str, str] = {}
         self.matchers: dict[str, Any] = {}  # req_id -> xgr.GrammarMatcher
         self._pending: dict[str, Future] = {}  # req_id -> its grammar's compile, running
         self._broken: set[str] = set()  # xgrammar failed on them: they end at the next P4
@@ -39,11 +54,15 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, req_id: str, params: Any) -> bool:
+    def add_request(self, req_id: str, params: Any, prompt_token_ids: Any = ()) -> bool:
         """Start tracking ``req_id``: True when its matcher is ready now, False when the
         grammar is still compiling (or failed: ``poll`` reports it)."""
         spec: GrammarSpec = check_params(params)
         fut = self.cache.submit(spec)
+        if self.reasoner is not None:
+            state = self.reasoner.prompt_state(prompt_token_ids, self.think_ids)
+            if state != ENDED:
+                self._thinking[req_id] = state
         if spec.kind in ("json", "json_object"):
             self._extra_masks[req_id] = self.cache.json_safe_mask(spec.any_whitespace)
         if fut.done() and fut.exception() is None:
@@ -82,6 +101,7 @@ class StructuredOutputManager:
         self._pending.pop(req_id, None)
         self._broken.discard(req_id)
         self._extra_masks.pop(req_id, None)
+        self._thinking.pop(req_id, None)
 
     def retain(self, live: Any) -> None:
         """Drop the state of every request for which ``live(req_id)`` is false (aborted,
@@ -90,9 +110,11 @@ class StructuredOutputManager:
             del self.matchers[req_id]
             self._broken.discard(req_id)
             self._extra_masks.pop(req_id, None)
+            self._thinking.pop(req_id, None)
         for req_id in [r for r in self._pending if not live(r)]:
             del self._pending[req_id]
             self._extra_masks.pop(req_id, None)
+            self._thinking.pop(req_id, None)
 
     @staticmethod
     def _matcher(compiled: Any) -> Any:
@@ -104,11 +126,16 @@ class StructuredOutputManager:
 
     def fill_bitmask(self, sched: SchedulerOutput, samples: Any) -> SampleRequest:
         """The bitmask rows of ``sched``'s constrained requests for which ``samples(req_id)``
-        is true (the step reaches the end of their tokens, so the worker samples them)."""
+        is true (the step reaches the end of their tokens, so the worker samples them); none
+        for a request still reasoning."""
+        thinking = self._thinking
         req_ids = [
             r
             for r in sched.num_scheduled_tokens
-            if r in self.matchers and not self.matchers[r].is_terminated() and samples(r)
+            if r in self.matchers
+            and thinking.get(r) != REASONING
+            and not self.matchers[r].is_terminated()
+            and samples(r)
         ]
         if len(req_ids) > len(self._rows):
             self._rows = np.zeros(
@@ -124,6 +151,9 @@ class StructuredOutputManager:
                     extra = self._extra_masks.get(req_id)
                     if extra is not None:
                         np.bitwise_and(rows[i], extra, out=rows[i])
+                    if thinking.get(req_id) == UNDECIDED:  # it may still open reasoning
+                        think = self.think_ids[0]
+                        rows.view(np.uint32)[i, think >> 5] |= np.uint32(1 << (think & 31))
                     bitmask[req_id] = rows[i].tobytes()
                 cost = time.thread_time() - start
                 if cost > MAX_FILL_CPU_S:
@@ -152,6 +182,8 @@ class StructuredOutputManager:
         if req_id in self._broken:
             self._broken.discard(req_id)
             return False, False
+        if req_id in self._thinking:
+            tokens = self._past_reasoning(req_id, tokens)
         for token in tokens:
             try:
                 ok = not matcher.is_terminated() and matcher.accept_token(token)
@@ -162,8 +194,27 @@ class StructuredOutputManager:
                 return False, matcher.is_terminated()
         return True, matcher.is_terminated()
 
+    def _past_reasoning(self, req_id: str, tokens: list[int]) -> list[int]:
+        """The tokens of ``tokens`` after the reasoning section (none while it goes on)."""
+        start, end = self.think_ids
+        if self._thinking[req_id] == UNDECIDED and tokens:
+            if tokens[0] != start:  # content at once: all of it is constrained
+                del self._thinking[req_id]
+                return tokens
+            self._thinking[req_id] = REASONING
+            tokens = tokens[1:]
+        if end in tokens:
+            del self._thinking[req_id]
+            return tokens[tokens.index(end) + 1 :]
+        return []
+
+    def is_reasoning(self, req_id: str) -> bool:
+        """Whether ``req_id``'s output is still before the end of its reasoning section."""
+        return req_id in self._thinking
+
     def rollback(self, req_id: str, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
+        """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts; the
+        count is of tokens fed to the matcher, not of reasoning tokens)."""
         matcher = self.matchers.get(req_id)
         if matcher is not None and num_tokens > 0:
             matcher.rollback(num_tokens)

@@ -185,11 +185,11 @@ class ChoiceParser:
         self.mode = tools.mode
         self.max_calls = tools.max_calls
         self.tool_parser = tools.parser() if tools.parser is not None else None
-        # NOTE: a "required" / named output is the constrained JSON from its first token: it
-        # has no reasoning section to split off (the constraint does not wait for one).
-        constrained = tools.structured_outputs is not None
+        # NOTE: a "required" / named output too: the engine constrains it only after the
+        # reasoning section (the same --reasoning-parser is the engine's), so the reasoning
+        # is split off first and the content is the constrained JSON, as in vLLM.
         self.reasons = reasoning is not None
-        self.reasoning_parser = reasoning() if reasoning is not None and not constrained else None
+        self.reasoning_parser = reasoning() if reasoning is not None else None
         self.include_reasoning = include_reasoning
         self._r_stream: ReasoningStreamer | None = None
         self._t_stream: ToolCallStreamer | None = None
