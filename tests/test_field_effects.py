@@ -267,8 +267,8 @@ def test_priority_needs_the_priority_policy(server, bos_server, endpoint):
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_timeout_ends_the_request(server, endpoint):
-    out = gen(server, endpoint, timeout=0.3, max_tokens=480, ignore_eos=True)
-    assert out["finish"] == "timeout" and 0 < len(out["ids"]) < 480
+    out = gen(server, endpoint, timeout=0.2, max_tokens=480, ignore_eos=True)
+    assert out["finish"] == "timeout" and len(out["ids"]) < 480
     refused(server, endpoint, "timeout", timeout=0)
 
 
