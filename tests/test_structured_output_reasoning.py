@@ -24,7 +24,7 @@ import pytest
 import trio
 from server_harness import ServerProcess
 
-from trillm import SamplingParams, open_engine
+from trillm import LLM, SamplingParams, open_engine
 from trillm.sampling_params import StructuredOutputsParams as SO
 from trillm.structured_output import GrammarCache, StructuredOutputManager
 from trillm.testing.scripted_runner import SCRIPT_FILE
@@ -269,6 +269,19 @@ def test_llm_engine_argument_and_refusal(think_model, tiny_model_factory):
     with pytest.raises(ValueError, match="Reasoning parser 'qwen3'"):
         trio.run(start, tiny_model_factory("qwen3"))  # the shipped tokenizer: no <think>
     trio.run(start, think_model[0])
+    # trillm.LLM passes it to the engine: the reasoning is not constrained, then "no" is.
+    path, tok, start_id, end_id = think_model
+    script = [*ids(tok, "hm"), end_id, *ids(tok, "yes")]
+    llm = LLM(path, runner=SCRIPTED, runner_kwargs={"script": script}, reasoning_parser="deepseek_r1",
+              distributed_executor_backend="uni", max_model_len=256, kv_cache_memory="16MiB")  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=20, structured_outputs=SO(choice=["no"]))
+        (out,) = llm.generate([{"prompt_token_ids": ids(tok, "q")}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    n = len(ids(tok, "hm")) + 1
+    assert out.outputs[0].token_ids[:n] == script[:n]
+    assert tok.decode(out.outputs[0].token_ids[n:-1]) == "no"
 
 
 # ---------------------------------------------------------------- HTTP
