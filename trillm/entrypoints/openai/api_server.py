@@ -54,7 +54,7 @@ from trillm.entrypoints.openai.metrics import ServerMetrics
 from trillm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
-    structure,
+    structure_body,
 )
 from trillm.entrypoints.openai.serving_base import ServerState, max_prompt_chars
 from trillm.entrypoints.openai.serving_tokenize import detokenize, tokenize
@@ -161,11 +161,14 @@ def _install_routes(app: QuartTrio, state: ServerState, run: extra_routes.Dispat
 
     @app.post("/tokenize")
     async def tokenize_route() -> Response:
-        return json_response(await tokenize(state, structure(TokenizeRequest, await json_body())))
+        body = await json_body()
+        req = await structure_body(TokenizeRequest, body, request.content_length)
+        return json_response(await tokenize(state, req))
 
     @app.post("/detokenize")
     async def detokenize_route() -> Response:
-        req = structure(DetokenizeRequest, await json_body())
+        body = await json_body()
+        req = await structure_body(DetokenizeRequest, body, request.content_length)
         return json_response(await detokenize(state, req))
 
     @app.get("/health")

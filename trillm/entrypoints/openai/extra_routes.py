@@ -20,9 +20,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
+from quart import request
 
 from trillm.entrypoints.openai.errors import BadRequestError
-from trillm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, structure
+from trillm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    structure_body,
+)
 from trillm.entrypoints.openai.serving_chat import create_chat_completion
 from trillm.entrypoints.openai.serving_completion import create_completion
 
@@ -98,13 +103,13 @@ class Dispatcher:
         self.load = 0
 
     async def chat(self, body: dict[str, Any]) -> Any:
-        req = structure(ChatCompletionRequest, body)
+        req = await structure_body(ChatCompletionRequest, body, request.content_length)
         max_tokens = req.max_completion_tokens or req.max_tokens
         return await self._run("chat", body, create_chat_completion(self.state, req),
                                req.n, max_tokens, 1)  # fmt: skip
 
     async def completion(self, body: dict[str, Any]) -> Any:
-        req = structure(CompletionRequest, body)
+        req = await structure_body(CompletionRequest, body, request.content_length)
         return await self._run("completion", body, create_completion(self.state, req),
                                req.n, req.max_tokens, _prompt_count(req.prompt))  # fmt: skip
 

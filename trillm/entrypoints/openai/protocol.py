@@ -20,6 +20,7 @@ import typing
 from typing import Any, Literal, Union
 
 import attrs
+import trio
 
 from trillm.entrypoints.openai.errors import BadRequestError
 from trillm.sampling_params import FLOAT32_MAX, INT64_MAX, INT64_MIN
@@ -266,6 +267,19 @@ def structure(cls: type[Any], data: Any) -> Any:
             ", ".join(unknown[:_MAX_LOGGED_UNKNOWN]),
         )
     return result
+
+
+# Bodies at least this large (or of unknown length) are structured on a worker thread:
+# structuring costs ~20 us per chat message or content part, and on the event loop that is
+# every other request's stall (400,000 text parts in a 12 MB body: 8 s).
+STRUCTURE_OFF_LOOP_BYTES = 256 * 1024
+
+
+async def structure_body(cls: type[Any], data: Any, body_bytes: int | None) -> Any:
+    """``structure``, off the event loop for a large body (``body_bytes``: its length)."""
+    if body_bytes is not None and body_bytes < STRUCTURE_OFF_LOOP_BYTES:
+        return structure(cls, data)
+    return await trio.to_thread.run_sync(structure, cls, data)
 
 
 # Paths of the unknown fields met while structuring one request (see ``structure``).
