@@ -90,7 +90,8 @@ def test_top35_table_is_35_flags():
     "argv",
     [["--load-format", "pt"], ["--load-format", "gguf"], ["--no-enable-chunked-prefill"],
      ["--allowed-origins", "*"], ["--swap-space", "-1"], ["--log-stats-interval", "0"],
-     ["--max-loras", "2"], ["--ssl-keyfile", "/nonexistent.pem"], ["--root-path", "api"]],
+     ["--max-loras", "2"], ["--ssl-keyfile", "/nonexistent.pem"], ["--root-path", "api"],
+     ["--ssl-cert-reqs", "2"]],
     ids=lambda a: a[0],
 )  # fmt: skip
 def test_bad_values_refused_with_the_flag_named(argv, capsys):

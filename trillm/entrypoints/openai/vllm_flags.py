@@ -246,6 +246,9 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         )
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         parser.error("--ssl-keyfile and --ssl-certfile go together.")
+    if (args.ssl_ca_certs or args.ssl_cert_reqs) and not args.ssl_certfile:
+        parser.error("--ssl-ca-certs / --ssl-cert-reqs verify clients of an HTTPS server: they "
+                     "need --ssl-keyfile and --ssl-certfile.")  # fmt: skip
     for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
         path = getattr(args, name)
         if path and not Path(path).is_file():
