@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 THINK_TOKENS = ("<think>", "</think>")
 
@@ -22,7 +23,7 @@ def build_reasoning_model(src: str | Path, out: str | Path) -> tuple[Path, int, 
     tok = AutoTokenizer.from_pretrained(str(out))
     tok.add_special_tokens({"additional_special_tokens": list(THINK_TOKENS)})
     tok.save_pretrained(str(out))
-    model = AutoModelForCausalLM.from_pretrained(str(out))
+    model: Any = AutoModelForCausalLM.from_pretrained(str(out))
     old = model.get_input_embeddings().weight.shape[0]
     if len(tok) > old:
         model.resize_token_embeddings(len(tok), pad_to_multiple_of=16, mean_resizing=False)
@@ -32,5 +33,5 @@ def build_reasoning_model(src: str | Path, out: str | Path) -> tuple[Path, int, 
             if head is not None:
                 head.weight[old:] = 0
         model.save_pretrained(str(out), safe_serialization=True)
-    start, end = tok.convert_tokens_to_ids(list(THINK_TOKENS))
-    return out, start, end
+    vocab = tok.get_vocab()
+    return out, vocab[THINK_TOKENS[0]], vocab[THINK_TOKENS[1]]
