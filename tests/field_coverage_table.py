@@ -65,6 +65,7 @@ _SAMPLING = {
     "min_tokens": ids(FE + "test_eos_fields_ignore_eos_min_tokens_skip_special_tokens"),
     "skip_special_tokens": ids(FE + "test_eos_fields_ignore_eos_min_tokens_skip_special_tokens"),
     "include_stop_str_in_output": ids(FE + "test_stop_strings_and_include_stop_str_in_output"),
+    "spaces_between_special_tokens": ids(FE + "test_spaces_between_special_tokens"),
     "prompt_logprobs": ids(FE + "test_return_token_ids_and_prompt_logprobs"),
     "priority": ids(FE + "test_priority_needs_the_priority_policy"),
     "cache_salt": ids(FE + "test_cache_salt_separates_prefix_cache_hits"),
@@ -218,6 +219,7 @@ _PARAMS = {
                       OUTPUT + "test_detokenize_false_gives_no_text"),
     "skip_special_tokens": ids(FEE + "test_eos_fields_and_detokenize"),
     "include_stop_str_in_output": ids(FEE + "test_stop_stop_token_ids_include_stop_str_in_output"),
+    "spaces_between_special_tokens": ids(FEE + "test_spaces_between_special_tokens"),
     "logit_bias": ids(FEE + "test_logit_bias_allowed_token_ids_bad_words"),
     "allowed_token_ids": ids(FEE + "test_logit_bias_allowed_token_ids_bad_words"),
     "truncate_prompt_tokens": ids(FEE + "test_truncate_prompt_tokens"),
@@ -421,16 +423,6 @@ NO_EFFECT_BY_DESIGN: dict[str, str] = {
 
 # Accepted but not honoured yet: each is a bug to fix (honour it, or refuse it naming it).
 KNOWN_GAPS: dict[str, str] = {
-    # vLLM's fast detokenizer, when false, emits consecutive added tokens as their content,
-    # suppressing spaces a tokenizer's decoder puts between them. trillm's detokenizer never
-    # reads the field. Same output for the decoders it models (byte-level BPE, SentencePiece
-    # byte fallback: they add no such spaces); differs for the DecodeStream fallback.
-    "ChatCompletionRequest.spaces_between_special_tokens": "no code reads it (see the note "
-    "above); a tokenizer whose decoder spaces added tokens shows the difference.",
-    "CompletionRequest.spaces_between_special_tokens": "no code reads it (see the note "
-    "above); a tokenizer whose decoder spaces added tokens shows the difference.",
-    "SamplingParams.spaces_between_special_tokens": "carried to the engine, but the "
-    "detokenizer never reads it (see the note above).",
     "EngineArgs.enforce_eager": "enforce_eager=False asks for CUDA graphs; trillm has none and "
-    "runs eagerly, saying so in the log (no --enforce-eager flag exists).",
+    "runs eagerly, saying so in the log (--enforce-eager, already so, is noted once too).",
 }

@@ -662,3 +662,39 @@ def test_log_level_and_request_chat_templates(bos_server, server):
     assert "--trust-request-chat-template" in message
     assert '"POST /v1/chat/completions' in bos_server.log()
     assert '"POST /v1/chat/completions' not in server.log()
+
+
+@pytest.fixture(scope="module")
+def wordpiece_server(tmp_path_factory):
+    """The default model with a WordPiece tokenizer: a decoder that spaces its tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[UNK]")
+    tok.add_special_tokens({"additional_special_tokens": ["[A]", "[B]"]})
+    folder = tmp_path_factory.mktemp("wordpiece")
+    tok.save_pretrained(str(folder))
+    (folder / "chat.jinja").write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
+    log = tmp_path_factory.mktemp("field-effects-wordpiece") / "server.log"
+    srv = ServerProcess(["--tokenizer", str(folder), "--max-model-len", "128",
+                         "--kv-cache-memory", "16MiB", "--chat-template",
+                         str(folder / "chat.jinja")], log).start()  # fmt: skip
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_spaces_between_special_tokens(wordpiece_server, endpoint):
+    fields = {"allowed_token_ids": [3, 4], "temperature": 1.0, "seed": 2, "ignore_eos": True,
+              "max_tokens": 6, "skip_special_tokens": False}  # fmt: skip
+    if endpoint == "completions":
+        fields["prompt"] = "hello"
+    else:
+        fields["messages"] = [{"role": "user", "content": "hello"}]
+    spaced = gen(wordpiece_server, endpoint, **fields)
+    assert re.fullmatch(r" \[[AB]\]( \[[AB]\]){5}", spaced["text"]), spaced
+    tight = gen(wordpiece_server, endpoint, spaces_between_special_tokens=False, **fields)
+    assert tight["ids"] == spaced["ids"] and tight["text"] == spaced["text"].replace("] [", "][")

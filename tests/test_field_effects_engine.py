@@ -514,3 +514,32 @@ def test_tls_client_certificates_and_cors_methods_reach_the_server(tmp_path, cap
     assert "--ssl-ca-certs" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--ssl-cert-reqs", "3"])
+
+
+def test_spaces_between_special_tokens():
+    """False (vLLM's rule): an added token right after another is its bare content. Seen with
+    a decoder that spaces tokens (WordPiece, through the DecodeStream fallback); the decoders
+    trillm models concatenate added tokens, so there both settings give the same text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from trillm.engine.output_processor import OutputProcessor
+    from trillm.messages import EngineCoreOutput, FinishReason
+
+    backend = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tok.add_special_tokens({"additional_special_tokens": ["[A]", "[B]"]})
+    ids = tok.convert_tokens_to_ids(["world", "[A]", "[B]", "world"])
+
+    def text(**fields) -> str:
+        processor = OutputProcessor(tok)
+        params = SamplingParams(skip_special_tokens=False, **fields)
+        collector = processor.add_request("r", None, [1], params)
+        out = EngineCoreOutput(request_id="r", new_token_ids=ids, finish_reason=FinishReason.LENGTH)
+        processor.process_outputs([out])
+        return collector.get_nowait().outputs[0].text
+
+    assert text() == " world [A] [B] world"  # after the prompt "hello"
+    assert text(spaces_between_special_tokens=False) == " world [A][B] world"

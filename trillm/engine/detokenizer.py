@@ -345,7 +345,11 @@ class StreamDetokenizer:
     _PRIME_TOKENS = 8  # prompt context fed to the stream (spacing of the first output token)
 
     def __init__(
-        self, backend: Any, skip_special_tokens: bool, prompt_token_ids: Sequence[int] = ()
+        self,
+        backend: Any,
+        skip_special_tokens: bool,
+        prompt_token_ids: Sequence[int] = (),
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         from tokenizers.decoders import DecodeStream
 
@@ -353,6 +357,12 @@ class StreamDetokenizer:
         self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._held: list[int] = []
+        # spaces_between_special_tokens false (vLLM's rule): an added token right after another
+        # is its bare content, without the space a decoder (e.g. WordPiece) puts before it.
+        self._added: dict[int, str] = {}
+        if not (skip_special_tokens or spaces_between_special_tokens):
+            self._added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+        self._last_added = False
         if prompt_token_ids:
             self.add_tokens(list(prompt_token_ids[-self._PRIME_TOKENS :]))
             self._held.clear()
@@ -366,6 +376,11 @@ class StreamDetokenizer:
         for token_id in ids:
             self._held.append(token_id)
             text = self._stream.step(self._backend, token_id)
+            if self._added:
+                added = self._added.get(token_id)
+                if added is not None and self._last_added and text is not None:
+                    text = added
+                self._last_added = added is not None
             if text is not None:
                 out.append(text)
                 self._held.clear()
@@ -422,10 +437,17 @@ class DetokenizerFactory:
             self._detok_class = PyIncrementalDetokenizer
 
     def new(
-        self, skip_special_tokens: bool = True, prompt_token_ids: Sequence[int] = ()
+        self,
+        skip_special_tokens: bool = True,
+        prompt_token_ids: Sequence[int] = (),
+        spaces_between_special_tokens: bool = True,
     ) -> Detokenizer:
         if self._detok_class is None:
-            return StreamDetokenizer(self._backend, skip_special_tokens, prompt_token_ids)
+            return StreamDetokenizer(
+                self._backend, skip_special_tokens, prompt_token_ids, spaces_between_special_tokens
+            )
+        # The modelled decoders concatenate added tokens (never a space between them), so
+        # spaces_between_special_tokens gives the same text either way, as in vLLM.
         return self._detok_class(self._vocab, skip_special_tokens, list(prompt_token_ids))
 
 

@@ -244,7 +244,11 @@ class OutputProcessor:
         detokenizer = None
         stop = None
         if params.detokenize:
-            detokenizer = self._detokenizers.new(params.skip_special_tokens, group.prompt_token_ids)
+            detokenizer = self._detokenizers.new(
+                params.skip_special_tokens,
+                group.prompt_token_ids,
+                params.spaces_between_special_tokens,
+            )
             if params.stop:
                 stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         logprobs = _Logprobs(params.logprobs) if params.logprobs is not None else None
