@@ -52,6 +52,7 @@ class CORSMiddleware:
             await self.app(scope, receive, send)
             return
         if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+            await _read_body(receive)  # (empty) read first: the connection stays in step
             await self._preflight(origin, headers, send)
             return
         if not self.origin_allowed(origin):
@@ -108,6 +109,19 @@ class CORSMiddleware:
         if self.credentials:
             out.append((b"access-control-allow-credentials", b"true"))
         await _respond(send, 200, out, b"OK")
+
+
+async def _read_body(receive: Any, limit: int = 64 * 1024) -> None:
+    """Read a preflight's body (browsers send none) before answering: an answer given with the
+    request unread leaves the keep-alive connection waiting for it (http_guard.py)."""
+    seen = 0
+    while seen <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        seen += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def _headers(scope: dict[str, Any]) -> dict[str, str]:
