@@ -285,6 +285,7 @@ class Preprocessor:
         cache_salt: str | None = None,
     ) -> PreparedPrompt:
         """The Python API's stage 2: tokenize (long texts off the event loop) and check."""
+        self.check_priority(priority)  # (O(1), again in prepare_ids) before any tokenizing
         truncating = params.truncate_prompt_tokens is not None
         text, ids = await self.prompt_token_ids(prompt, truncating)
         return self.prepare_ids(ids, params, text=text, priority=priority, cache_salt=cache_salt)
