@@ -107,6 +107,8 @@ def test_schemathesis_coverage(server, schema, session, route):
             failures.append(f"{case.method} {route} {case.body!r:.300}: {e!s:.600}")
     assert not failures, f"{len(failures)} failing cases, first:\n" + "\n".join(failures[:3])
     assert sum(seen.values()) > 20, seen
+    if route != "/v1/completions":  # (its boundary cases all break a cross-field rule)
+        assert seen.get(200), f"no case was served: {seen}"
     assert server.proc.poll() is None, server.log()
 
 
@@ -133,8 +135,6 @@ def test_schemathesis(server, schema, session, route, mode):
     assert server.proc.poll() is None, server.log()
     # the run must have reached the server at all (not every case refused before HTTP)
     assert sum(seen.values()) > 0
-    if mode == GenerationMode.POSITIVE and route in ("/tokenize", "/detokenize"):
-        assert seen.get(200), f"no valid case was served: {seen}"
 
 
 def test_still_serving_after_fuzzing(server, schema, session):
