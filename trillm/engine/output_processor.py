@@ -34,8 +34,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trillm.engine.detokenizer import Detokenizer, DetokenizerFactory
-from trillm.engine.input_processor import InvalidRequestError
 from trillm.engine.output_collector import RequestOutputCollector
+from trillm.engine.preprocess import InvalidRequestError
 from trillm.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from trillm.outputs import (
     CompletionOutput,

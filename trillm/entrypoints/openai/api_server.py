@@ -32,7 +32,6 @@ from werkzeug.exceptions import HTTPException
 
 import trillm
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
-from trillm.entrypoints.chat_utils import load_chat_template
 from trillm.entrypoints.openai import extra_routes, openapi, vllm_flags
 from trillm.entrypoints.openai.engine_supervisor import supervise_engine
 from trillm.entrypoints.openai.errors import (
@@ -318,8 +317,11 @@ async def _serve(
 ) -> None:
     from trillm.engine.async_engine import open_engine
 
-    chat_template = load_chat_template(opts.chat_template)
-    opener = partial(open_engine, model, stream_wake_budget=opts.stream_wake_budget, **engine_args)
+    # NOTE: the engine's preprocessor owns the chat template (stage 2), for HTTP and Python.
+    opener = partial(
+        open_engine, model, stream_wake_budget=opts.stream_wake_budget,
+        chat_template=opts.chat_template, **engine_args,
+    )  # fmt: skip
     done = trio.Event()  # the HTTP server has stopped: the engine may go
     async with trio.open_nursery() as engines:
         engine = await engines.start(
@@ -333,7 +335,6 @@ async def _serve(
                     served_model_names=names,
                     metrics=ServerMetrics(engine, names[0], opts.metrics_prefix),
                     nursery=nursery,
-                    chat_template=chat_template,
                     trust_request_chat_template=opts.trust_request_chat_template,
                     max_logprobs=opts.max_logprobs,
                     enable_auto_tool_choice=opts.enable_auto_tool_choice,

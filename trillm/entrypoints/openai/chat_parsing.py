@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from trillm.entrypoints.chat_utils import normalize_tools
+from trillm.engine.chat_template import normalize_tools
 from trillm.entrypoints.openai.errors import BadRequestError
 from trillm.parsers.reasoning import ReasoningParser, ReasoningStreamer, get_reasoning_parser
 from trillm.parsers.tool_parsers import (

@@ -27,7 +27,6 @@ class ServerState:
     served_model_names: list[str]
     metrics: ServerMetrics
     nursery: trio.Nursery
-    chat_template: str | None = None
     trust_request_chat_template: bool = False
     max_logprobs: int = 20
     # Tool calling and reasoning (issue 12; chat_parsing.py).

@@ -82,7 +82,7 @@ async def _prepare(
     try:
         text = pre.render_chat(
             req.messages,
-            chat_template=req.chat_template or state.chat_template,
+            chat_template=req.chat_template,  # None: the engine's --chat-template or the model's
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs,

@@ -43,7 +43,6 @@ def _render(state: ServerState, req: TokenizeRequest) -> str:
     try:
         return state.preprocessor.render_chat(
             req.messages or [],
-            chat_template=state.chat_template,
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs,
