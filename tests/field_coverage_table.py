@@ -274,6 +274,7 @@ _ENGINE = {
     # the tokenizer's code; model code never runs (trillm's own model classes)
     "trust_remote_code": ids(FEE + "test_trust_remote_code_lets_the_tokenizers_code_run"),
     "skip_tokenizer_init": ids(ENGINE_REFUSED),
+    "enforce_eager": ids(FEE + "test_enforce_eager_false_is_accepted_and_said_once"),
     # structured outputs constrain only after </think>; a tokenizer without it is refused
     "reasoning_parser": ids(SO_REASONING + "test_engine_constrains_only_after_the_reasoning",
                             SO_REASONING + "test_llm_engine_argument_and_refusal"),
@@ -422,7 +423,4 @@ NO_EFFECT_BY_DESIGN: dict[str, str] = {
 }
 
 # Accepted but not honoured yet: each is a bug to fix (honour it, or refuse it naming it).
-KNOWN_GAPS: dict[str, str] = {
-    "EngineArgs.enforce_eager": "enforce_eager=False asks for CUDA graphs; trillm has none and "
-    "runs eagerly, saying so in the log (--enforce-eager, already so, is noted once too).",
-}
+KNOWN_GAPS: dict[str, str] = {}

@@ -543,3 +543,13 @@ def test_spaces_between_special_tokens():
 
     assert text() == " world [A] [B] world"  # after the prompt "hello"
     assert text(spaces_between_special_tokens=False) == " world [A][B] world"
+
+
+def test_enforce_eager_false_is_accepted_and_said_once(caplog):
+    # trillm has no graph capture: False asks for what is not there, True for what is always
+    # so. Either is accepted (vLLM scripts pass both); False is said in the log.
+    with caplog.at_level("INFO", logger="trillm.config"):
+        EngineArgs(enforce_eager=False)
+        EngineArgs(enforce_eager=True)
+    said = [r.getMessage() for r in caplog.records if "enforce_eager" in r.getMessage()]
+    assert said == ["enforce_eager=False: trillm has no graph capture; it runs eagerly."]
