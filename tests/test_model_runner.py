@@ -321,3 +321,42 @@ def test_bitmask_restricts_only_its_request(tiny, reference):
         sched.step(bitmask={"masked": words})
     assert masked.output == [77, 77, 77]
     assert free.output == reference[1][:3]
+
+
+def test_a_request_that_makes_the_sampler_fail_fails_alone(tiny, reference):
+    # A sampler failure caused by one request's row (injected here: the real sampler refuses
+    # nothing that SamplingParams lets through) is retried row by row: that request alone is
+    # reported failed, the others get exactly the tokens they get alone.
+    path, _ = tiny
+    runner = _make_runner(path)
+    real = runner.sampler
+
+    def sampler(logits, state, slots, bitmask=None):
+        if runner.batch.slot_of("bad") in slots.tolist():
+            raise FloatingPointError("this row's parameters broke the sampler")
+        return real(logits, state, slots, bitmask)
+
+    runner.sampler = sampler
+    prompts = _prompts(PROMPT_LENS)
+    good = _Req("good", prompts[1], _greedy(3), 3)
+    bad = _Req("bad", prompts[0], _greedy(3), 3)
+    sched = MiniScheduler(runner)
+    sched.add(bad)
+    sched.add(good)
+    runner.execute_model(sched_output := _first_step(sched))
+    out = runner.sample_tokens(None)
+    assert list(out.failed) == ["bad"] and "FloatingPointError" in out.failed["bad"]
+    by_id = dict(zip(out.req_ids, out.sampled_token_ids))
+    assert by_id["bad"] == [] and by_id["good"] == reference[1][:1]
+    assert sorted(out.req_ids) == sorted(sched_output.num_scheduled_tokens)
+
+
+def _first_step(sched: MiniScheduler) -> SchedulerOutput:
+    """The scheduler's first step as a SchedulerOutput, without running it."""
+    new_reqs, scheduled = [], {}
+    for req in sched.active:
+        sched._grow(req, req.num_tokens)
+        scheduled[req.req_id] = req.num_tokens
+        req.sent = True
+        new_reqs.append(NewRequestData(req.req_id, req.prompt, [], req.params, list(req.blocks), 0))
+    return SchedulerOutput(0, new_reqs, CachedRequestData(), scheduled, sum(scheduled.values()))

@@ -25,7 +25,7 @@ from trillm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.registry import CausalLM
 from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
-from trillm.sample.sampler import Sampler, SamplingState
+from trillm.sample.sampler import Sampler, SamplerOutput, SamplingState
 from trillm.worker.input_batch import InputBatch, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -271,31 +271,63 @@ class ModelRunner:
         inputs = pending.inputs
         sampled_lists: list[list[int]] = [[] for _ in pending.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
+        failed: dict[str, str] = {}
         if len(inputs.sample_reqs):
-            sample_slots = inputs.slots[inputs.sample_reqs]
-            sample_req_ids = [pending.req_ids[i] for i in inputs.sample_reqs.tolist()]
-            out = self.sampler(
-                pending.sample_logits,
-                self.sampling_state,
-                torch.from_numpy(sample_slots),
-                self._bitmask_tensor(bitmask, sample_req_ids, pending.sample_logits),
-            )
+            rows = inputs.sample_reqs
+            sample_req_ids = [pending.req_ids[i] for i in rows.tolist()]
+            mask = self._bitmask_tensor(bitmask, sample_req_ids, pending.sample_logits)
+            out, kept, failed = self._sample(pending.sample_logits, inputs.slots[rows], mask,
+                                             sample_req_ids)  # fmt: skip
+            rows, sample_req_ids = rows[kept], [sample_req_ids[i] for i in kept.tolist()]
+            sample_slots = inputs.slots[rows]
             tokens = out.sampled_token_ids.cpu().numpy()
             self.batch.append_sampled(sample_slots, tokens)
             self.sampling_state.append_tokens(sample_slots.tolist(), tokens.tolist())
-            for i, token in zip(inputs.sample_reqs.tolist(), tokens.tolist()):
+            for i, token in zip(rows.tolist(), tokens.tolist()):
                 sampled_lists[i] = [token]
             logprobs = self._sample_logprobs(out.logprobs, sample_req_ids, sample_slots)
-        failed = pending.failed
+        refused = pending.failed  # new requests the batch never took (not in req_ids)
         return ModelRunnerOutput(
             step_id=pending.step_id,
-            req_ids=pending.req_ids + list(failed),
-            sampled_token_ids=sampled_lists + [[] for _ in failed],
+            req_ids=pending.req_ids + list(refused),
+            sampled_token_ids=sampled_lists + [[] for _ in refused],
             logprobs=logprobs,
             prompt_logprobs=self._prompt_logprobs(pending),
             model_time_s=time.perf_counter() - pending.start_time,
-            failed=failed,
+            failed={**refused, **failed},
         )
+
+    def _sample(
+        self,
+        logits: torch.Tensor,  # [n, V]
+        slots: np.ndarray,  # [n]
+        mask: torch.Tensor | None,  # [n, W] or None
+        req_ids: list[str],
+    ) -> tuple[SamplerOutput, np.ndarray, dict[str, str]]:
+        """The batch sampled at once; if that raises, row by row, so that a row whose request
+        makes the sampler fail fails alone -> (output of the kept rows, kept row indices,
+        req_id -> why for the failed ones)."""
+        slots_t = torch.from_numpy(slots)
+        try:
+            out = self.sampler(logits, self.sampling_state, slots_t, mask)
+            return out, np.arange(len(req_ids)), {}
+        except Exception:
+            logger.exception("sampling a batch of %d failed; sampling row by row", len(req_ids))
+        outs: list[SamplerOutput] = []
+        kept: list[int] = []
+        failed: dict[str, str] = {}
+        for i, req_id in enumerate(req_ids):
+            row_mask = None if mask is None else mask[i : i + 1]
+            try:
+                outs.append(
+                    self.sampler(
+                        logits[i : i + 1], self.sampling_state, slots_t[i : i + 1], row_mask
+                    )  # fmt: skip
+                )
+                kept.append(i)
+            except Exception as exc:
+                failed[req_id] = f"{type(exc).__name__}: {exc}"
+        return _concat_outputs(outs), np.array(kept, dtype=np.int64), failed
 
     def _bitmask_tensor(
         self,
@@ -357,3 +389,18 @@ class ModelRunner:
         return {
             w.req_id: tensors.select(w.rows, w.num_logprobs).tolists() for w in pending.prompt_work
         }
+
+
+def _concat_outputs(outs: list[SamplerOutput]) -> SamplerOutput:
+    """Row-by-row sampler outputs as one (logprobs: every row has the same k, the state's)."""
+    if not outs:
+        return SamplerOutput(torch.empty(0, dtype=torch.long), None)
+    lps = [o.logprobs for o in outs if o.logprobs is not None]
+    logprobs = None
+    if lps:
+        logprobs = LogprobsTensors(
+            token_ids=torch.cat([lp.token_ids for lp in lps]),
+            logprobs=torch.cat([lp.logprobs for lp in lps]),
+            ranks=torch.cat([lp.ranks for lp in lps]),
+        )
+    return SamplerOutput(torch.cat([o.sampled_token_ids for o in outs]), logprobs)
