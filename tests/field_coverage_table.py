@@ -115,6 +115,7 @@ _CHAT = {
         "tests/test_reasoning.py::test_include_reasoning_false_drops_it",
     ),
     "documents": ids(MESSAGES),
+    "echo": ids(REQ + "test_chat_echo_prepends_the_assistants_last_message"),
 }
 
 _COMPLETION = {

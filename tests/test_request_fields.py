@@ -4,6 +4,8 @@ embedded default model; greedy runs compared with the same request without the f
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from server_harness import ServerProcess
@@ -106,3 +108,30 @@ def test_truncate_prompt_tokens_takes_a_text_longer_than_the_context(server):
     assert "maximum context length" in err["message"]
     out = complete(server, prompt=text, truncate_prompt_tokens=16, max_tokens=2)
     assert out["usage"]["prompt_tokens"] == 16
+
+
+def test_chat_echo_prepends_the_assistants_last_message(server):
+    start = "And God said"
+    body = {
+        "messages": [{"role": "user", "content": "Go on."},
+                     {"role": "assistant", "content": start}],
+        "continue_final_message": True, "add_generation_prompt": False,
+        "max_tokens": 6, "temperature": 0,
+    }  # fmt: skip
+    url = server.base_url + "/chat/completions"
+    plain = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]["content"]
+    echoed = httpx.post(url, json={**body, "echo": True}, timeout=60).json()
+    assert echoed["choices"][0]["message"]["content"] == start + plain
+    streamed = []
+    with httpx.stream("POST", url, json={**body, "echo": True, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                streamed.append(delta.get("content") or "")
+    assert "".join(streamed) == start + plain
+    # A last message that is not the assistant's is not echoed.
+    user_last = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                 "temperature": 0}  # fmt: skip
+    a = httpx.post(url, json=user_last, timeout=60).json()["choices"][0]["message"]["content"]
+    b = httpx.post(url, json={**user_last, "echo": True}, timeout=60).json()
+    assert b["choices"][0]["message"]["content"] == a

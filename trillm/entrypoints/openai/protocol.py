@@ -205,6 +205,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = _f(None, ge=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM: the reply is prepended with the last message when that is the assistant's too.
+    echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Tool calling and reasoning (issue 12); checked in serving_chat / parsers.

@@ -125,6 +125,16 @@ def _top_logprobs(state: ServerState, req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """``echo``: the last message's text when it is the assistant's (the reply's role)."""
+    last = req.messages[-1] if req.echo and req.messages else None
+    if last is None or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "".join(part.text or "" for part in last.content if part.type == "text")
+
+
 class _ChatContext:
     def __init__(
         self,
@@ -144,6 +154,7 @@ class _ChatContext:
         self.top_n = req.top_logprobs or 0
         # Per-choice reasoning / tool-call parsing (chat_parsing.py); None: the text as is.
         self.parser: Callable[[], ChoiceParser] | None = None
+        self.echo = _echo_text(req)
 
     # ------------------------------------------------------------ non-streaming
 
@@ -185,6 +196,8 @@ class _ChatContext:
             parser = self.parser()
             message = parser.message(c.text)
             finish_reason = parser.finish_reason(finish_reason) or finish_reason
+        if self.echo:
+            message["content"] = self.echo + (message.get("content") or "")
         choice: dict[str, Any] = {
             "index": c.index,
             "message": message,
@@ -232,6 +245,8 @@ class _ChatContext:
         # the first output (already there: the request was primed), the last output with the
         # end events. Fewer, larger writes; the same events at the same moments.
         parts = [self._role_chunk(i) for i in range(self.params.n)]
+        if self.echo:
+            parts += [self._content_chunk(i, self.echo) for i in range(self.params.n)]
         parsers = [self.parser() for _ in range(self.params.n)] if self.parser else None
         try:
             async for _, item in gen:
