@@ -40,6 +40,13 @@ def _non_negative_int(value: str) -> int:
     return number
 
 
+def _positive_int(value: str) -> int:
+    number = _non_negative_int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
+    return number
+
+
 def _tensor_parallel_size(value: str) -> int:
     # Refused here, not after the workers start (it used to die in a worker traceback).
     if value.strip() != "1":
@@ -111,6 +118,13 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         help="Most requests waiting beyond the running batch (--max-num-seqs, counting each "
         "prompt and sample); past it a request gets 503 with Retry-After at once, before any "
         "work. Default: no bound.",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-num-queued-tokens", type=_positive_int,
+        help="Most tokens admitted at once, running or waiting: each sequence (prompt and "
+        "sample) counts its prompt tokens plus its max_tokens. A request that would pass it "
+        "gets 503 with Retry-After at once, whole (all its prompts and samples, or none). "
+        "Default: no bound.",
     )  # fmt: skip
     g.add_argument(
         "--restart-on-engine-death", action="store_true",
@@ -266,6 +280,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         keep_alive_timeout=args.timeout_keep_alive,
         stream_wake_budget=args.stream_wake_budget or None,
         max_num_queued_requests=args.max_num_queued_requests,
+        max_num_queued_tokens=args.max_num_queued_tokens,
         restart_on_engine_death=args.restart_on_engine_death,
     )
 

@@ -42,6 +42,13 @@ class ServerState:
     # what shutdown aborts once --shutdown-timeout has passed. Only an Admission changes it.
     inflight: dict[str, int] = attrs.field(factory=dict)
     admitted: int = 0  # the sum of ``inflight``'s values
+    # Tokens admitted at once (--max-num-queued-tokens): each sequence counts its prompt plus
+    # its max_tokens, what it may come to hold in the KV cache. None: no bound.
+    max_admitted_tokens: int | None = None
+    # Engine request id -> its tokens (all its sequences), for those in flight; only an
+    # Admission changes it.
+    inflight_tokens: dict[str, int] = attrs.field(factory=dict)
+    admitted_tokens: int = 0  # the sum of ``inflight_tokens``' values
     drained: trio.Event = attrs.field(factory=trio.Event)  # set once draining and none in flight
     _token_text: dict[int, str] = attrs.field(factory=dict)
 
@@ -66,31 +73,54 @@ class ServerState:
         if model is not None and model not in self.served_model_names:
             raise NotFoundError(f"The model `{model}` does not exist.", "model")
 
-    def check_capacity(self, seqs: int = 1) -> None:
-        """503 (the caller adds Retry-After) when ``seqs`` more sequences would overfill the
-        queue: all of a request's prompts and samples are admitted together or not at all."""
+    def check_capacity(self, seqs: int = 1, tokens: int = 1) -> None:
+        """503 (the caller adds Retry-After) when ``seqs`` more sequences or ``tokens`` more
+        tokens would overfill the queue: all of a request's prompts and samples are admitted
+        together or not at all. (The defaults ask whether any request at all fits.)"""
         limit = self.max_admitted
         if limit is not None and self.admitted + seqs > limit:
             raise ServiceUnavailableError(
                 f"The server is overloaded ({self.admitted} sequences running or queued, the "
                 f"limit is {limit}); this request needs {seqs}. Retry later."
             )
+        token_limit = self.max_admitted_tokens
+        if token_limit is not None and tokens > token_limit:
+            # Never admitted, however long the client waits: a 400, not a 503 to retry.
+            raise BadRequestError(
+                f"This request needs {tokens} tokens (prompt tokens plus max_tokens, for each "
+                f"prompt and sample), more than this server admits at once ({token_limit}, "
+                "--max-num-queued-tokens). Lower max_tokens or n, or send fewer prompts.",
+                "max_tokens",
+            )
+        if token_limit is not None and self.admitted_tokens + tokens > token_limit:
+            raise ServiceUnavailableError(
+                f"The server is overloaded ({self.admitted_tokens} tokens running or queued, "
+                f"the limit is {token_limit}); this request needs {tokens} (prompt tokens plus "
+                "max_tokens, for each prompt and sample). Retry later."
+            )
 
-    def admit(self, request_ids: list[str], seqs_each: int) -> Admission:
-        """Reserve the request's sequences; the Admission must be released on every path out."""
-        self.check_capacity(len(request_ids) * seqs_each)
+    def admit(
+        self, request_ids: list[str], seqs_each: int, tokens: list[int] | None = None
+    ) -> Admission:
+        """Reserve the request's sequences (and ``tokens``: per id, its prompt plus max_tokens
+        times its sequences); the Admission must be released on every path out."""
+        token_counts = tokens if tokens is not None else [0] * len(request_ids)
+        self.check_capacity(len(request_ids) * seqs_each, sum(token_counts))
         for rid in request_ids:
             if rid in self.inflight:
                 raise BadRequestError(
                     f"A request with id {rid!r} is already running.", "request_id"
                 )
-        for rid in request_ids:
+        for rid, count in zip(request_ids, token_counts, strict=True):
             self.inflight[rid] = seqs_each
+            self.inflight_tokens[rid] = count
         self.admitted += len(request_ids) * seqs_each
+        self.admitted_tokens += sum(token_counts)
         return Admission(self, request_ids)
 
     def _release(self, request_id: str) -> None:
         self.admitted -= self.inflight.pop(request_id)
+        self.admitted_tokens -= self.inflight_tokens.pop(request_id)
         if self.draining and not self.inflight:
             self.drained.set()
 

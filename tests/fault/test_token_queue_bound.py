@@ -1,0 +1,142 @@
+"""The token bound on admission (``--max-num-queued-tokens``, issue 11) on a real
+``trillm serve``: every admitted sequence counts its prompt tokens plus its max_tokens; a
+request that would pass the bound gets 503 + Retry-After at once, whole (n > 1 and several
+prompts included); a request larger than the bound by itself gets a 400; the tokens come back
+on every way out.
+
+Prompts are token ids, so each request's count is exact. --max-num-seqs 2: two sequences run
+(~6 s for 1,500 tokens of the tiny model), the rest wait.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from server_harness import ServerProcess, metric_value
+
+MAX_NUM_SEQS = 2
+LIMIT = 6000
+PROMPT = list(range(100, 110))  # 10 tokens
+FULL = 1500 - len(PROMPT)  # max_tokens: one sequence of 1,500 tokens
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory, tmp_path_factory):
+    model = tiny_model_factory("llama")
+    log = tmp_path_factory.mktemp("token-queue") / "server.log"
+    srv = ServerProcess(
+        [model, "--max-model-len", "2048", "--kv-cache-memory", "64MiB",
+         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-queued-tokens", str(LIMIT)],
+        log,
+    ).start()  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def gauges(srv: ServerProcess) -> tuple[float, float]:
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return tuple(
+        metric_value(text, f"trillm:num_requests_{name}") for name in ("running", "waiting")
+    )
+
+
+def wait_gauges(srv: ServerProcess, expected: tuple[float, float], within: float = 20) -> None:
+    deadline = time.monotonic() + within
+    while (now := gauges(srv)) != expected:
+        assert time.monotonic() < deadline, f"gauges {now}, expected {expected}"
+        time.sleep(0.05)
+
+
+def open_request(srv: ServerProcess, body: dict) -> socket.socket:
+    """POST a completion on a raw socket and return it unread (no wait for the headers)."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    seen = b""
+    while marker not in seen:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before {marker!r}: {seen[-300:]!r}"
+        seen += chunk
+    return seen
+
+
+def completion(prompt, max_tokens: int, **extra) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            **extra}  # fmt: skip
+
+
+def assert_overloaded(r: httpx.Response, started: float) -> None:
+    assert time.monotonic() - started < 1.0, "the 503 must come at once"
+    assert r.status_code == 503, r.text
+    assert r.headers["Retry-After"] == "1"
+    error = r.json()["error"]
+    assert error["type"] == "ServiceUnavailableError"
+    assert "tokens" in error["message"] and str(LIMIT) in error["message"], error
+
+
+def test_token_bound_refuses_whole_requests_at_once(server):
+    url = server.base_url + "/completions"
+    with httpx.Client(timeout=60) as client:
+        # 4,500 of 6,000 tokens taken: one prompt, then two (a fan-in), streamed.
+        socks = [open_request(server, completion(prompt, FULL, stream=True))
+                 for prompt in (PROMPT, [PROMPT, PROMPT])]  # fmt: skip
+        try:
+            wait_gauges(server, (MAX_NUM_SEQS, 1))
+            # 1,500 left: n=2 and two prompts needing 1,520 / 1,522 are refused whole.
+            for body in (completion(PROMPT, 750, n=2), completion([PROMPT, PROMPT], 751)):
+                started = time.monotonic()
+                assert_overloaded(client.post(url, json=body), started)
+            assert gauges(server) == (MAX_NUM_SEQS, 1)  # nothing of them reached the engine
+            # Larger than the bound by itself: never admitted, so a 400, not a 503.
+            r = client.post(url, json=completion(PROMPT, FULL, n=5))
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "max_tokens"
+            assert "--max-num-queued-tokens" in r.json()["error"]["message"]
+            # Exactly the 1,500 left: admitted (it waits; its own timeout ends it).
+            last = open_request(server, completion(PROMPT, FULL, stream=True, timeout=3))
+            socks.append(last)
+            wait_gauges(server, (MAX_NUM_SEQS, 2))
+            # Full: even one more token is refused in the gate, before the body is read.
+            started = time.monotonic()
+            r = client.post(url, content=b'{"not": "a request"}',
+                            headers={"Content-Type": "application/json"})  # fmt: skip
+            assert_overloaded(r, started)
+            assert b'"finish_reason":"timeout"' in read_until(last, b"[DONE]")
+        finally:
+            for sock in socks:
+                sock.close()  # the clients leave mid-stream
+        wait_gauges(server, (0.0, 0.0))
+        # Every token came back (finish, timeout, disconnects): the whole bound fits again,
+        # four prompts of 1,500 (two of them wait; the timeout ends all four).
+        r = client.post(url, json=completion([PROMPT] * 4, FULL, timeout=1))
+        assert r.status_code == 200, r.text
+        assert {c["finish_reason"] for c in r.json()["choices"]} == {"timeout"}
+        r = client.post(url, json=completion(PROMPT, 3))
+        assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 13, r.text
+
+
+def test_flag_is_validated(capsys):
+    from trillm.entrypoints.cli import build_parser
+    from trillm.entrypoints.openai.cli_args import server_options
+
+    def options(*flags: str):
+        return server_options(build_parser().parse_args(["serve", *flags]))
+
+    assert options().max_num_queued_tokens is None  # default: no bound
+    assert options("--max-num-queued-tokens", "4096").max_num_queued_tokens == 4096
+    for bad in ("0", "-1", "1.5", "many"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--max-num-queued-tokens", bad])
+        assert "max-num-queued-tokens" in capsys.readouterr().err
