@@ -299,6 +299,10 @@ _FLAGS = {
         "tests/fault/test_keepalive.py::test_timeout_keep_alive_flag_reaches_hypercorn"
     ),
     "--max-num-queued-requests": ids(FAULTS + "test_full_queue_answers_503_at_once"),
+    "--max-num-queued-tokens": ids(
+        "tests/fault/test_token_queue_bound.py::test_token_bound_refuses_whole_requests_at_once",
+        "tests/fault/test_token_queue_bound.py::test_flag_is_validated",
+    ),
     "--tokenizer": ids(FE + "test_add_special_tokens_and_the_tokenizer_flag"),
     "--revision": ids(FLAG_MAP, FEE + "test_revision_reaches_the_hub_download"),
     "--stream-wake-budget": ids(
