@@ -277,8 +277,11 @@ def test_llm_engine_argument_and_refusal(think_model, tiny_model_factory):
     try:
         params = SamplingParams(max_tokens=20, structured_outputs=SO(choice=["no"]))
         (out,) = llm.generate([{"prompt_token_ids": ids(tok, "q")}], params, use_tqdm=False)
+        # LLM.chat splits with the engine's parser when it is given none of its own.
+        (chat,) = llm.chat([{"role": "user", "content": "q"}], params, use_tqdm=False)
     finally:
         llm.shutdown()
+    assert (chat.outputs[0].reasoning_content, chat.outputs[0].content) == ("hm", "no")
     n = len(ids(tok, "hm")) + 1
     assert out.outputs[0].token_ids[:n] == script[:n]
     assert tok.decode(out.outputs[0].token_ids[n:-1]) == "no"

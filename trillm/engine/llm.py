@@ -88,12 +88,16 @@ class LLM:
         reach it too) and generate. With ``tool_parser`` (``hermes``, ``llama3_json``,
         ``mistral``, ``pythonic`` or a registered one) each CompletionOutput also carries
         ``tool_calls`` (OpenAI's shape, ``[]`` when none) and ``content`` (the text without
-        the calls); with ``reasoning_parser`` (``deepseek_r1``, ``qwen3``),
+        the calls); with ``reasoning_parser`` (``deepseek_r1``, ``qwen3``; default: the
+        engine's),
         ``reasoning_content`` and ``content`` without it. ``text`` stays the raw output."""
         from trillm.parsers.reasoning import get_reasoning_parser
+        from trillm.parsers.special_tokens import markers_are_special
         from trillm.parsers.tool_parsers import get_tool_parser
 
         tool_cls = get_tool_parser(tool_parser) if tool_parser else None  # ValueError if unknown
+        # The engine's reasoning parser (it also holds grammars back until reasoning ends).
+        reasoning_parser = reasoning_parser or self.engine.config.reasoning_parser
         reasoning_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         conversations: list[list[dict[str, Any]]] = (
             messages if messages and isinstance(messages[0], list) else [messages]  # type: ignore[assignment,list-item]
@@ -103,7 +107,13 @@ class LLM:
             for conv in conversations
         ]
         prompts: list[PromptType] = list(rendered)
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        markers = tool_cls.markers if tool_cls is not None else ()
+        params_list = self._params_list(sampling_params, len(prompts))
+        if markers_are_special(self.get_tokenizer(), markers, reasoning_cls is not None):
+            params_list = [p.clone() for p in params_list]
+            for p in params_list:
+                p.skip_special_tokens = False  # the parsers' markers are special tokens
+        outputs = self.generate(prompts, params_list, use_tqdm)
         for prompt, out in zip(rendered, outputs, strict=True):
             for c in out.outputs:
                 content: str | None = c.text

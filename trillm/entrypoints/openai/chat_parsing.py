@@ -18,6 +18,7 @@ import attrs
 from trillm.engine.chat_template import normalize_tools
 from trillm.entrypoints.openai.errors import BadRequestError
 from trillm.parsers.reasoning import ReasoningParser, ReasoningStreamer, get_reasoning_parser
+from trillm.parsers.special_tokens import markers_are_special
 from trillm.parsers.tool_parsers import (
     NamedToolCallParser,
     RequiredToolCallParser,
@@ -143,24 +144,7 @@ def keeps_special_tokens(tokenizer: Any, tools: ToolPlan, reasoning: bool) -> bo
     markers: tuple[str, ...] = ()
     if tools.mode == "auto" and tools.parser is not None:
         markers = type(tools.parser()).markers
-    if reasoning:
-        markers += ("<think>", "</think>")
-    return bool(markers) and not _special_tokens(tokenizer).isdisjoint(markers)
-
-
-_SPECIAL: dict[int, tuple[Any, frozenset[str]]] = {}  # id -> (tokenizer, its special tokens)
-
-
-def _special_tokens(tokenizer: Any) -> frozenset[str]:
-    cached = _SPECIAL.get(id(tokenizer))
-    if cached is not None and cached[0] is tokenizer:
-        return cached[1]
-    names = set(getattr(tokenizer, "all_special_tokens", None) or ())
-    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        if getattr(token, "special", False):
-            names.add(str(token.content))
-    _SPECIAL[id(tokenizer)] = (tokenizer, frozenset(names))
-    return frozenset(names)
+    return markers_are_special(tokenizer, markers, reasoning)
 
 
 def reasoning_factory(
