@@ -3,7 +3,9 @@ request's reader (the HTTP handler or an ``AsyncEngine.generate`` caller).
 
 The collector holds at most one pending output: when its reader falls behind, new outputs are
 merged into the pending one (DELTA concatenates, CUMULATIVE replaces), so the handler never
-waits on a slow reader and memory per request stays bounded.
+waits on a slow reader. What a DELTA collector holds unread grows while its reader is behind;
+past ``MAX_UNREAD_UNITS`` ``put`` reports it, and the output processor ends the request (a
+client that stopped reading its stream must not make the server hold ever more output).
 """
 
 from __future__ import annotations
@@ -12,6 +14,24 @@ import trio
 
 from trillm.outputs import RequestOutput
 from trillm.sampling_params import RequestOutputKind
+
+# What a stream's reader may leave unread before its request is aborted, in units of one token,
+# one logprob entry or one character of text. A unit costs the server ~165 bytes of Python
+# objects (measured: a stuck n=32 / 20-logprob stream grew the RSS 212 MiB for 1.34 M units),
+# so 2**17 units hold ~20 MB. A reading client never gets there: it is a few steps behind at
+# most (the wake budget holds its news in the processor, not here), and one streaming n=64
+# with 20 logprobs from a model with no cost kept up even with an 8x smaller bound
+# (tests/fault/test_slow_reader.py). Without logprobs, 2**17 tokens are more than a context.
+MAX_UNREAD_UNITS = 1 << 17
+
+
+def output_units(output: RequestOutput) -> int:
+    """The size proxy of an output: tokens x (1 + logprobs per token) + characters of text."""
+    units = 0
+    for c in output.outputs:
+        per_token = 1 + (len(c.logprobs[0]) if c.logprobs else 0)
+        units += len(c.token_ids) * per_token + len(c.text)
+    return units
 
 
 class RequestOutputCollector:
@@ -31,22 +51,35 @@ class RequestOutputCollector:
         self._interval = stream_interval if self._aggregate else 1
         self._pending_tokens = 0
         self._delivered_any = False
+        self.unread_units = 0  # DELTA only: the size of the pending output (output_units)
+        self.overflowed = False  # the reader left MAX_UNREAD_UNITS unread once
 
-    def put(self, output: RequestOutput) -> None:
-        """Never blocks: merges into the pending output when the reader has not taken it."""
+    def put(self, output: RequestOutput) -> bool:
+        """Never blocks: merges into the pending output when the reader has not taken it.
+        Returns True once (the first time) the unread output passes ``MAX_UNREAD_UNITS`` on an
+        unfinished request: its owner must end the request."""
         if self._output is None:
             self._output = output
         else:
             self._output.add(output, aggregate=self._aggregate)
+        over = False
+        if self._aggregate:
+            # NOTE: CUMULATIVE and FINAL_ONLY replace the pending output: a slow reader does
+            # not make them hold more, so only DELTA is measured.
+            self.unread_units += output_units(output)
+            if self.unread_units > MAX_UNREAD_UNITS and not output.finished and not self.overflowed:
+                self.overflowed = over = True
         if self._interval > 1:
             self._pending_tokens += sum(len(c.token_ids) for c in output.outputs)
             if (
                 self._delivered_any
                 and not output.finished
                 and self._pending_tokens < self._interval
+                and not over
             ):
-                return
+                return over
         self._ready.set()
+        return over
 
     def put_error(self, error: BaseException) -> None:
         """The reader gets ``error`` once the pending output is taken; a finished pending
@@ -62,6 +95,7 @@ class RequestOutputCollector:
         if output is not None and (self._ready.is_set() or output.finished):
             self._output = None
             self._pending_tokens = 0
+            self.unread_units = 0
             self._delivered_any = True
             if self._error is None:
                 self._ready = trio.Event()

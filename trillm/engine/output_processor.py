@@ -12,7 +12,9 @@ never sent and then retracted. A stop-string finish is only known here, so
 ``process_outputs`` returns those engine ids for the caller to abort in the engine core.
 
 Outputs go to each group's ``RequestOutputCollector`` (``output_collector.py``), which never
-makes the handler wait on a slow reader.
+makes the handler wait on a slow reader. A stream whose reader leaves more than
+``MAX_UNREAD_UNITS`` unread (a client that stopped reading) is aborted at the end of the step,
+with one warning: its reader gets what it left unread, then the final 'abort' output.
 
 Wake budget: waking a stream's reader costs far more than the token it carries (an SSE chunk
 through the HTTP stack), and all readers share the event loop with the engine core. Readers
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trillm.engine.detokenizer import Detokenizer, DetokenizerFactory
-from trillm.engine.output_collector import RequestOutputCollector
+from trillm.engine.output_collector import MAX_UNREAD_UNITS, RequestOutputCollector
 from trillm.engine.preprocess import InvalidRequestError
 from trillm.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from trillm.outputs import (
@@ -193,6 +195,7 @@ class OutputProcessor:
         self._groups: dict[str, _Group] = {}  # request id -> group
         self._samples: dict[str, _Sample] = {}  # engine request id -> sample
         self._decoded: dict[int, str] = {}  # token id -> decode([id]) for logprobs
+        self._unread: list[_Group] = []  # groups whose reader left too much unread this step
 
     # ------------------------------------------------------------ registration
     def add_request(
@@ -300,6 +303,8 @@ class OutputProcessor:
             self._deliver(sample, now)
         if self._held:
             self._release_stalled()
+        if self._unread:
+            to_abort.extend(self._abort_unread())
         return to_abort
 
     def _wake_period(self, model_time_s: float) -> int:
@@ -318,7 +323,7 @@ class OutputProcessor:
             del self._held[sample.engine_id]
             output = self._make_output(sample, finished=False)
             if output is not None:
-                sample.group.collector.put(output)
+                self._put(sample.group, output)
 
     def _record_prompt_side(self, sample: _Sample, out: EngineCoreOutput, now: float) -> None:
         group = sample.group
@@ -428,7 +433,28 @@ class OutputProcessor:
         output = self._make_output(sample, finished)
         if output is not None:
             group.started = True
-            group.collector.put(output)
+            self._put(group, output)
+
+    def _put(self, group: _Group, output: RequestOutput) -> None:
+        if group.collector.put(output):
+            self._unread.append(group)
+
+    def _abort_unread(self) -> list[str]:
+        """End the requests whose readers stopped reading; their engine ids, to abort."""
+        engine_ids: list[str] = []
+        for group in self._unread:
+            if group.request_id not in self._groups:
+                continue  # finished in the same step
+            logger.warning(
+                "Request %s: its client left more than %d units of output unread (it stopped "
+                "reading its stream); aborting the request.",
+                group.request_id,
+                MAX_UNREAD_UNITS,
+            )
+            engine_ids.extend(group.unfinished)
+            self.abort_request(group.request_id)
+        self._unread.clear()
+        return engine_ids
 
     def _make_output(self, sample: _Sample, finished: bool) -> RequestOutput | None:
         group = sample.group
