@@ -299,7 +299,7 @@ _FLAGS = {
         "tests/fault/test_keepalive.py::test_timeout_keep_alive_flag_reaches_hypercorn"
     ),
     "--max-num-queued-requests": ids(FAULTS + "test_full_queue_answers_503_at_once"),
-    "--max-num-queued-tokens": ids(
+    "--max-num-admitted-tokens": ids(
         "tests/fault/test_token_queue_bound.py::test_token_bound_refuses_whole_requests_at_once",
         "tests/fault/test_token_queue_bound.py::test_flag_is_validated",
     ),

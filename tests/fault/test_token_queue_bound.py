@@ -1,4 +1,4 @@
-"""The token bound on admission (``--max-num-queued-tokens``, issue 11) on a real
+"""The token bound on admission (``--max-num-admitted-tokens``, issue 11) on a real
 ``trillm serve``: every admitted sequence counts its prompt tokens plus its max_tokens; a
 request that would pass the bound gets 503 + Retry-After at once, whole (n > 1 and several
 prompts included); a request larger than the bound by itself gets a 400; the tokens come back
@@ -30,7 +30,7 @@ def server(tiny_model_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("token-queue") / "server.log"
     srv = ServerProcess(
         [model, "--max-model-len", "2048", "--kv-cache-memory", "64MiB",
-         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-queued-tokens", str(LIMIT)],
+         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-admitted-tokens", str(LIMIT)],
         log,
     ).start()  # fmt: skip
     yield srv
@@ -103,7 +103,7 @@ def test_token_bound_refuses_whole_requests_at_once(server):
             r = client.post(url, json=completion(PROMPT, FULL, n=5))
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == "max_tokens"
-            assert "--max-num-queued-tokens" in r.json()["error"]["message"]
+            assert "--max-num-admitted-tokens" in r.json()["error"]["message"]
             # Exactly the 1,500 left: admitted (it waits; its own timeout ends it).
             last = open_request(server, completion(PROMPT, FULL, stream=True, timeout=3))
             socks.append(last)
@@ -134,9 +134,9 @@ def test_flag_is_validated(capsys):
     def options(*flags: str):
         return server_options(build_parser().parse_args(["serve", *flags]))
 
-    assert options().max_num_queued_tokens is None  # default: no bound
-    assert options("--max-num-queued-tokens", "4096").max_num_queued_tokens == 4096
+    assert options().max_num_admitted_tokens is None  # default: no bound
+    assert options("--max-num-admitted-tokens", "4096").max_num_admitted_tokens == 4096
     for bad in ("0", "-1", "1.5", "many"):
         with pytest.raises(SystemExit):
-            build_parser().parse_args(["serve", "--max-num-queued-tokens", bad])
-        assert "max-num-queued-tokens" in capsys.readouterr().err
+            build_parser().parse_args(["serve", "--max-num-admitted-tokens", bad])
+        assert "max-num-admitted-tokens" in capsys.readouterr().err

@@ -266,7 +266,7 @@ class ServerOptions:
     # Requests waiting beyond the running batch (--max-num-seqs); past it, 503 at once.
     max_num_queued_requests: int | None = None
     # Tokens admitted at once (prompt + max_tokens per sequence); past it, 503 at once.
-    max_num_queued_tokens: int | None = None
+    max_num_admitted_tokens: int | None = None
     # On the engine's death: a new engine in the same process (else exit code 1).
     restart_on_engine_death: bool = False
     # vLLM's deployment flags (issue 16; vllm_flags.py): TLS, CORS, proxy, logs, metrics.
@@ -344,7 +344,7 @@ async def _serve(
                     exclude_tools_when_tool_choice_none=opts.exclude_tools_when_tool_choice_none,
                     reasoning_parser=opts.reasoning_parser,
                     max_admitted=_max_admitted(engine, opts),
-                    max_admitted_tokens=opts.max_num_queued_tokens,
+                    max_admitted_tokens=opts.max_num_admitted_tokens,
                 )
                 max_prompt_chars(state)  # the tokenizer's bound, once, before any request
                 log_len = opts.max_log_len if opts.enable_log_requests else None

@@ -120,11 +120,12 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         "work. Default: no bound.",
     )  # fmt: skip
     g.add_argument(
-        "--max-num-queued-tokens", type=_positive_int,
+        "--max-num-admitted-tokens", type=_positive_int,
         help="Most tokens admitted at once, running or waiting: each sequence (prompt and "
         "sample) counts its prompt tokens plus its max_tokens. A request that would pass it "
-        "gets 503 with Retry-After at once, whole (all its prompts and samples, or none). "
-        "Default: no bound.",
+        "gets 503 with Retry-After at once, whole (all its prompts and samples, or none); one "
+        "larger than N by itself, a 400. Default: no bound. (Not vLLM's --max-num-queued-tokens, "
+        "which sums the prompt tokens of requests still in prefill.)",
     )  # fmt: skip
     g.add_argument(
         "--restart-on-engine-death", action="store_true",
@@ -280,7 +281,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         keep_alive_timeout=args.timeout_keep_alive,
         stream_wake_budget=args.stream_wake_budget or None,
         max_num_queued_requests=args.max_num_queued_requests,
-        max_num_queued_tokens=args.max_num_queued_tokens,
+        max_num_admitted_tokens=args.max_num_admitted_tokens,
         restart_on_engine_death=args.restart_on_engine_death,
     )
 

@@ -10,7 +10,8 @@ On shutdown the server aborts (``engine.abort``) what outlives ``--shutdown-time
 readers get the engine's final output with ``finish_reason: "abort"``.
 
 Admission: ``start_generation`` reserves the request's sequences and tokens
-(``ServerState.admit``, 503 past ``--max-num-queued-requests`` or ``--max-num-queued-tokens``) and the ``Generation`` owns that reservation: ``aclose``
+(``ServerState.admit``, 503 past ``--max-num-queued-requests`` or ``--max-num-admitted-tokens``)
+and the ``Generation`` owns that reservation: ``aclose``
 and ``close_when_dropped`` release it, and ``start_generation`` itself releases it when it is
 left by any exception or cancellation (a client gone before the first token) before the
 Generation reaches its reader. A producer releases its own id when its engine request ends.
@@ -146,12 +147,12 @@ async def start_generation(
 
     Raises the engine's admission errors (a request larger than the KV cache, ...) as
     APIErrors, so they are answered as HTTP errors rather than inside a started stream; 503
-    when the queue is full (``--max-num-queued-requests``, ``--max-num-queued-tokens``).
+    when the queue is full (``--max-num-queued-requests``, ``--max-num-admitted-tokens``).
     ``timeout``: seconds until the request ends with finish_reason "timeout".
     """
     n = jobs[0].params.n
     ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
-    # Each sequence may come to hold its prompt and max_tokens (--max-num-queued-tokens).
+    # Each sequence may come to hold its prompt and max_tokens (--max-num-admitted-tokens).
     tokens = [n * (len(job.prompt_token_ids) + (job.params.max_tokens or 0)) for job in jobs]
     admission = state.admit(ids, n, tokens)
     gen: Generation | None = None

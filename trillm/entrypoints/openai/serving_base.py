@@ -42,7 +42,7 @@ class ServerState:
     # what shutdown aborts once --shutdown-timeout has passed. Only an Admission changes it.
     inflight: dict[str, int] = attrs.field(factory=dict)
     admitted: int = 0  # the sum of ``inflight``'s values
-    # Tokens admitted at once (--max-num-queued-tokens): each sequence counts its prompt plus
+    # Tokens admitted at once (--max-num-admitted-tokens): each sequence counts its prompt plus
     # its max_tokens, what it may come to hold in the KV cache. None: no bound.
     max_admitted_tokens: int | None = None
     # Engine request id -> its tokens (all its sequences), for those in flight; only an
@@ -89,7 +89,7 @@ class ServerState:
             raise BadRequestError(
                 f"This request needs {tokens} tokens (prompt tokens plus max_tokens, for each "
                 f"prompt and sample), more than this server admits at once ({token_limit}, "
-                "--max-num-queued-tokens). Lower max_tokens or n, or send fewer prompts.",
+                "--max-num-admitted-tokens). Lower max_tokens or n, or send fewer prompts.",
                 "max_tokens",
             )
         if token_limit is not None and self.admitted_tokens + tokens > token_limit:
