@@ -20,6 +20,7 @@ BASE = {"prompt": "And God said", "max_tokens": 4}
 HOSTILE = [
     ("seed_2_64", {"seed": 2**64}, "seed"),
     ("seed_minus_2_64", {"seed": -(2**64)}, "seed"),
+    ("seed_int64_min_minus_1", {"seed": -(2**63) - 1}, "seed"),  # a JSON float, rounded
     ("seed_n2_int64_max_plus", {"seed": 2**64 - 1, "n": 2}, "seed"),
     ("top_k_2_64", {"top_k": 2**64}, "top_k"),
     ("max_tokens_2_64", {"max_tokens": 2**64}, "max_tokens"),

@@ -44,6 +44,7 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("enforce_eager", bool, "no graph capture"),
     ("chat_template", str, "Jinja chat template file or string"),
     ("skip_tokenizer_init", bool, "token ids in and out only"),
+    ("reasoning_parser", str, "deepseek_r1 | qwen3: grammars apply after the reasoning"),
 ]
 
 

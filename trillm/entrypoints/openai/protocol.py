@@ -399,8 +399,12 @@ def _structure_scalar(value: Any, tp: Any, path: str) -> Any:
             return value
         raise _type_error(path, "a boolean", value)
     if tp is int:
-        if isinstance(value, float) and value.is_integer():
+        # NOTE: JSON integers past 64 bits arrive as floats (rounded: -2**63 - 1 becomes
+        # -2**63); a float can only stand for an integer strictly inside the int64 range.
+        if isinstance(value, float) and value.is_integer() and -(2.0**63) < value < 2.0**63:
             value = int(value)
+        elif isinstance(value, float) and value.is_integer():
+            raise BadRequestError(f"'{path}' must fit in 64 bits, got {value}.", path)
         if isinstance(value, int) and not isinstance(value, bool):
             if not INT64_MIN <= value <= INT64_MAX:
                 raise BadRequestError(f"'{path}' must fit in 64 bits, got {value}.", path)
