@@ -5,12 +5,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 import orjson
+import trio
 
 from trillm.engine.chat_template import ChatTemplateError
-from trillm.engine.preprocess import PreparedPrompt
+from trillm.engine.preprocess import INLINE_TOKENIZE_CHARS, PreparedPrompt
 from trillm.entrypoints.openai.chat_parsing import (
     ChoiceParser,
     ToolPlan,
@@ -79,16 +81,21 @@ async def _prepare(
     if not req.messages:
         raise BadRequestError("'messages' must not be empty.", "messages")
     pre = state.preprocessor
+    render = partial(
+        pre.render_chat,
+        req.messages,
+        chat_template=req.chat_template,  # None: the engine's --chat-template or the model's
+        add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+        continue_final_message=req.continue_final_message,
+        chat_template_kwargs=req.chat_template_kwargs,
+        tools=tools.template_tools,
+        documents=req.documents,
+    )
     try:
-        text = pre.render_chat(
-            req.messages,
-            chat_template=req.chat_template,  # None: the engine's --chat-template or the model's
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=req.continue_final_message,
-            chat_template_kwargs=req.chat_template_kwargs,
-            tools=tools.template_tools,
-            documents=req.documents,
-        )
+        if _chat_size(req) < INLINE_TOKENIZE_CHARS:
+            text = render()
+        else:  # NOTE: a huge chat renders for up to a second: not on the event loop
+            text = await trio.to_thread.run_sync(render, limiter=pre.tokenize_limiter)
     except ChatTemplateError as exc:
         raise BadRequestError(str(exc), exc.param) from exc
     # NOTE: the template writes the special tokens itself (BOS included where the model has one).
@@ -123,6 +130,15 @@ def _top_logprobs(state: ServerState, req: ChatCompletionRequest) -> int | None:
             "top_logprobs",
         )
     return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def _chat_size(req: ChatCompletionRequest) -> int:
+    """Characters (and content parts) a chat's rendering walks over, counted cheaply."""
+    size = 0
+    for m in req.messages:
+        content = m.content
+        size += 1 + (len(content) if isinstance(content, str) else len(content or ()) * 16)
+    return size + 16 * len(req.tools or ())
 
 
 def _echo_text(req: ChatCompletionRequest) -> str:
