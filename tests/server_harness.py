@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -103,3 +104,25 @@ def metric_value(text: str, name: str) -> float:
     if not found:
         raise KeyError(name)
     return total
+
+
+def open_request(srv: ServerProcess, path: str, body: dict) -> socket.socket:
+    """Send a POST on a raw socket and return the socket, unread (the client can leave)."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    """Read a raw socket until ``marker`` arrives (fails if the server closes first)."""
+    seen = b""
+    while marker not in seen:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before {marker!r}: {seen[-300:]!r}"
+        seen += chunk
+    return seen

@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 
 import httpx
 import pytest
-from server_harness import ServerProcess, metric_value
+from server_harness import ServerProcess, metric_value, open_request, read_until
 
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 2
@@ -42,27 +41,6 @@ def server(tiny_model_factory, tmp_path_factory):
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def open_request(srv: ServerProcess, path: str, body: dict) -> socket.socket:
-    """Send a POST on a raw socket and return the socket, unread (the client can leave)."""
-    data = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n\r\n"
-    )
-    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
-    sock.sendall(head.encode() + data)
-    return sock
-
-
-def read_until(sock: socket.socket, marker: bytes) -> bytes:
-    seen = b""
-    while marker not in seen:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before {marker!r}: {seen[-300:]!r}"
-        seen += chunk
-    return seen
 
 
 def gauges(srv: ServerProcess) -> tuple[float, float]:

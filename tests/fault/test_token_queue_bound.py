@@ -10,13 +10,11 @@ Prompts are token ids, so each request's count is exact. --max-num-seqs 2: two s
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 
 import httpx
 import pytest
-from server_harness import ServerProcess, metric_value
+from server_harness import ServerProcess, metric_value, open_request, read_until
 
 MAX_NUM_SEQS = 2
 LIMIT = 6000
@@ -51,27 +49,6 @@ def wait_gauges(srv: ServerProcess, expected: tuple[float, float], within: float
         time.sleep(0.05)
 
 
-def open_request(srv: ServerProcess, body: dict) -> socket.socket:
-    """POST a completion on a raw socket and return it unread (no wait for the headers)."""
-    data = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
-    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
-    sock.sendall(head.encode() + data)
-    return sock
-
-
-def read_until(sock: socket.socket, marker: bytes) -> bytes:
-    seen = b""
-    while marker not in seen:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before {marker!r}: {seen[-300:]!r}"
-        seen += chunk
-    return seen
-
-
 def completion(prompt, max_tokens: int, **extra) -> dict:
     return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
             **extra}  # fmt: skip
@@ -90,7 +67,7 @@ def test_token_bound_refuses_whole_requests_at_once(server):
     url = server.base_url + "/completions"
     with httpx.Client(timeout=60) as client:
         # 4,500 of 6,000 tokens taken: one prompt, then two (a fan-in), streamed.
-        socks = [open_request(server, completion(prompt, FULL, stream=True))
+        socks = [open_request(server, "/v1/completions", completion(prompt, FULL, stream=True))
                  for prompt in (PROMPT, [PROMPT, PROMPT])]  # fmt: skip
         try:
             wait_gauges(server, (MAX_NUM_SEQS, 1))
@@ -105,7 +82,9 @@ def test_token_bound_refuses_whole_requests_at_once(server):
             assert r.json()["error"]["param"] == "max_tokens"
             assert "--max-num-admitted-tokens" in r.json()["error"]["message"]
             # Exactly the 1,500 left: admitted (it waits; its own timeout ends it).
-            last = open_request(server, completion(PROMPT, FULL, stream=True, timeout=3))
+            last = open_request(
+                server, "/v1/completions", completion(PROMPT, FULL, stream=True, timeout=3)
+            )
             socks.append(last)
             wait_gauges(server, (MAX_NUM_SEQS, 2))
             # Full: even one more token is refused in the gate, before the body is read.
