@@ -126,3 +126,19 @@ def read_until(sock: socket.socket, marker: bytes) -> bytes:
         assert chunk, f"connection closed before {marker!r}: {seen[-300:]!r}"
         seen += chunk
     return seen
+
+
+def gauges(srv: ServerProcess) -> tuple[float, float]:
+    """(running, waiting) requests from the server's /metrics."""
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    running, waiting = (
+        metric_value(text, f"trillm:num_requests_{name}") for name in ("running", "waiting")
+    )
+    return running, waiting
+
+
+def wait_gauges(srv: ServerProcess, expected: tuple[float, float], within: float = 20) -> None:
+    deadline = time.monotonic() + within
+    while (now := gauges(srv)) != expected:
+        assert time.monotonic() < deadline, f"gauges {now}, expected {expected}"
+        time.sleep(0.05)

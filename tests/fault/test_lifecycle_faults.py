@@ -16,7 +16,12 @@ import time
 
 import httpx
 import pytest
-from server_harness import ServerProcess, metric_value, open_request, read_until
+from server_harness import (
+    ServerProcess,
+    open_request,
+    read_until,
+    wait_gauges,
+)
 
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 2
@@ -41,20 +46,6 @@ def server(tiny_model_factory, tmp_path_factory):
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def gauges(srv: ServerProcess) -> tuple[float, float]:
-    text = httpx.get(srv.url + "/metrics", timeout=10).text
-    return tuple(
-        metric_value(text, f"trillm:num_requests_{name}") for name in ("running", "waiting")
-    )
-
-
-def wait_gauges(srv: ServerProcess, expected: tuple[float, float], within: float = 20) -> None:
-    deadline = time.monotonic() + within
-    while (now := gauges(srv)) != expected:
-        assert time.monotonic() < deadline, f"gauges {now}, expected {expected}"
-        time.sleep(0.1)
 
 
 def rss_kib(pid: int) -> int:

@@ -14,7 +14,13 @@ import time
 
 import httpx
 import pytest
-from server_harness import ServerProcess, metric_value, open_request, read_until
+from server_harness import (
+    ServerProcess,
+    gauges,
+    open_request,
+    read_until,
+    wait_gauges,
+)
 
 MAX_NUM_SEQS = 2
 LIMIT = 6000
@@ -33,20 +39,6 @@ def server(tiny_model_factory, tmp_path_factory):
     ).start()  # fmt: skip
     yield srv
     srv.stop()
-
-
-def gauges(srv: ServerProcess) -> tuple[float, float]:
-    text = httpx.get(srv.url + "/metrics", timeout=10).text
-    return tuple(
-        metric_value(text, f"trillm:num_requests_{name}") for name in ("running", "waiting")
-    )
-
-
-def wait_gauges(srv: ServerProcess, expected: tuple[float, float], within: float = 20) -> None:
-    deadline = time.monotonic() + within
-    while (now := gauges(srv)) != expected:
-        assert time.monotonic() < deadline, f"gauges {now}, expected {expected}"
-        time.sleep(0.05)
 
 
 def completion(prompt, max_tokens: int, **extra) -> dict:
