@@ -102,3 +102,36 @@ def test_dead_worker_fails_in_flight_requests(model_path):
     errors = trio.run(main)
     assert len(errors) == 8
     assert "rank 0" in str(errors[0]) or "worker" in str(errors[0]).lower()
+
+
+def test_step_token_counts_and_first_scheduled_times(model_path):
+    """What the metrics' iteration_tokens_total and queue/prefill times are built from: each
+    step's computed tokens (every prompt token, then each sampled token fed back), and each
+    request's first P1 between its arrival and its first token."""
+
+    async def main():
+        async with open_engine(model_path, runner=FAKE_RUNNER, max_num_seqs=4,
+                               enable_prefix_caching=False) as engine:  # fmt: skip
+            steps: list[int] = []
+            engine.step_observers.append(steps.append)
+            finals = {}
+
+            async def one(i):
+                prompt = list(range(10 + 20 * i, 10 + 20 * i + 3 + i))
+                params = SamplingParams(max_tokens=4 + i, ignore_eos=True)
+                async for out in engine.generate({"prompt_token_ids": prompt}, params, f"s{i}"):
+                    pass
+                finals[i] = (len(prompt), out)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(6):  # more than max_num_seqs: some wait in the queue
+                    nursery.start_soon(one, i)
+            return steps, finals
+
+    steps, finals = trio.run(main)
+    assert sum(steps) == sum(n + (4 + i) - 1 for i, (n, _) in finals.items())
+    assert all(s > 0 for s in steps)
+    for _, out in finals.values():
+        m = out.metrics
+        assert m.first_scheduled_time is not None
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time

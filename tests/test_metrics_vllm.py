@@ -43,9 +43,6 @@ VLLM_V1_TABLE = [
     ("vllm:request_time_per_output_token_seconds", "histogram", ()),
 ]
 
-NOT_OBSERVED_YET = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
-                    "vllm:request_inference_time_seconds", "vllm:iteration_tokens_total")  # fmt: skip
-
 
 def families(text: str) -> dict[str, object]:
     """Family name as exposed (a counter keeps its ``_total``) -> family."""
@@ -144,11 +141,23 @@ def test_counting_is_per_engine_request_and_consistent(scraped):
     # The two prefixes are the same series.
     for name in ("request_success_total", "generation_tokens_total"):
         assert value(fams, f"vllm:{name}") == value(fams, f"trillm:{name}")
-    # Exposed for dashboards, not observed until the engine reports SCHEDULED events and
-    # per-step token counts (their HELP says so); this fails, to be updated, once it does.
-    for name in NOT_OBSERVED_YET:
-        assert value(fams, name, "_count") == 0
-        assert "not observed yet" in fams[name].documentation
+    # The engine's first P1 of each request: the 6 samples that ended on their own (the
+    # aborted ones end without an engine output) have a queue, prefill and inference time.
+    for name in ("queue", "prefill", "inference"):
+        assert value(fams, f"vllm:request_{name}_time_seconds", "_count") == 6, name
+    assert (value(fams, "vllm:request_queue_time_seconds", "_sum")
+            + value(fams, "vllm:request_prefill_time_seconds", "_sum")
+            <= value(fams, "vllm:e2e_request_latency_seconds", "_sum"))  # fmt: skip
+    # Each step's computed tokens: every prompt token not served by the prefix cache, plus
+    # every token fed back (at least those delivered; the aborted samples may have computed
+    # more than their client read).
+    steps = value(fams, "vllm:iteration_tokens_total", "_count")
+    assert steps > 0
+    fed_back = value(fams, "vllm:generation_tokens_total") - success
+    computed = value(fams, "vllm:prompt_tokens_total") - value(
+        fams, "vllm:prefix_cache_hits_total"
+    )
+    assert value(fams, "vllm:iteration_tokens_total", "_sum") >= computed + fed_back
     info = fams["vllm:cache_config_info"].samples[0]
     assert info.value == 1 and info.labels["block_size"] == "16"
     assert value(fams, "vllm:num_requests_running") == 0

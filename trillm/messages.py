@@ -151,6 +151,8 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # time.time() the request was first scheduled (P1); on its first output only.
+    scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -174,3 +176,4 @@ class EngineCoreOutputs:
     scheduler_stats: SchedulerStats | None = None
     step_time_s: float = 0.0
     model_time_s: float = 0.0
+    num_scheduled_tokens: int = 0  # tokens the step computed (vLLM's iteration tokens)

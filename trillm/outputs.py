@@ -34,6 +34,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    first_scheduled_time: float | None = None  # the engine's first P1 for this request
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -67,6 +67,8 @@ class AsyncEngine:
         self.core = EngineCore(scheduler, executor, self.structured_output)
         self._input_send, self._input_recv = trio.open_memory_channel[Any](math.inf)
         self._stats = SchedulerStats()
+        # Called with each step's computed-token count (the metrics' iteration_tokens_total).
+        self.step_observers: list[Callable[[int], None]] = []
         self._ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
         self.died = trio.Event()  # set with dead_error (the server exits on it)
@@ -112,6 +114,9 @@ class AsyncEngine:
             async for batch in outputs:
                 if batch.scheduler_stats is not None:
                     self._stats = batch.scheduler_stats
+                if batch.num_scheduled_tokens:
+                    for observe in self.step_observers:
+                        observe(batch.num_scheduled_tokens)
                 to_abort = self.output_processor.process_outputs(
                     batch.outputs, model_time_s=batch.model_time_s
                 )

@@ -41,6 +41,8 @@ class EngineCore:
         # Ids the worker must drop that rode on a step that scheduled nothing.
         self._unsent_finished: list[str] = []
         self._refused: list[EngineCoreOutput] = []
+        # req_id -> time.time() of its first P1, until its first output carries it.
+        self._scheduled_at: dict[str, float] = {}
         self.num_steps = 0
 
     # ------------------------------------------------------------------ inputs
@@ -74,6 +76,7 @@ class EngineCore:
             self._poll_grammars()
         refused, self._refused = self._refused, []
         sched = self.scheduler.schedule()  # P1
+        self._note_scheduled(sched)
         if sched.total_num_scheduled_tokens == 0:
             self._unsent_finished.extend(sched.finished_req_ids)
             if refused or sched.finished_req_ids:  # aborts changed the stats: publish them
@@ -94,6 +97,7 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, runner_out)  # P4
         if self.structured_output is not None and self.structured_output.matchers:
             self._advance_grammars(outputs)
+        self._stamp_scheduled(outputs)
         self.num_steps += 1
         return EngineCoreOutputs(
             outputs=refused + outputs if refused else outputs,
@@ -101,7 +105,22 @@ class EngineCore:
             scheduler_stats=self.scheduler.get_stats(),
             step_time_s=time.perf_counter() - t0,
             model_time_s=runner_out.model_time_s,
+            num_scheduled_tokens=sched.total_num_scheduled_tokens,
         )
+
+    def _note_scheduled(self, sched: SchedulerOutput) -> None:
+        """The first P1 of each request (vLLM's SCHEDULED event): queue time ends here."""
+        if sched.scheduled_new_reqs:
+            now = time.time()
+            for r in sched.scheduled_new_reqs:
+                self._scheduled_at.setdefault(r.req_id, now)
+        for req_id in sched.finished_req_ids:  # aborted before any output
+            self._scheduled_at.pop(req_id, None)
+
+    def _stamp_scheduled(self, outputs: list[EngineCoreOutput]) -> None:
+        if self._scheduled_at:
+            for out in outputs:
+                out.scheduled_time = self._scheduled_at.pop(out.request_id, None)
 
     async def _execute(self, sched: SchedulerOutput) -> list[EngineCoreOutput]:
         """Sends the step to the worker. A new request whose data cannot be encoded fails

@@ -328,6 +328,8 @@ class OutputProcessor:
     def _record_prompt_side(self, sample: _Sample, out: EngineCoreOutput, now: float) -> None:
         group = sample.group
         group.num_cached_tokens = max(group.num_cached_tokens, out.num_cached_tokens)
+        if out.scheduled_time is not None and group.metrics.first_scheduled_time is None:
+            group.metrics.first_scheduled_time = out.scheduled_time
         if out.new_token_ids:
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
@@ -588,4 +590,5 @@ def _copy_metrics(m: RequestMetrics) -> RequestMetrics:
         m.last_token_time,
         m.finished_time,
         m.num_generation_tokens,
+        m.first_scheduled_time,
     )

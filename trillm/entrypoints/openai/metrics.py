@@ -14,11 +14,10 @@ Sources:
   ``RequestTimer.finished`` ends the HTTP request;
 - ``request_params_n`` / ``request_params_max_tokens`` once per prompt, from the request body.
 
-The queue / prefill / inference intervals and ``iteration_tokens_total`` need the engine's
-per-request SCHEDULED event and per-step token counts, which its outputs do not carry yet:
-the series are exposed (dashboards find them) with no observations and say so in their HELP;
-the intervals are observed once outputs carry ``RequestMetrics.first_scheduled_time``
-(``_scheduled_time``). Request series are plain counters (``Hist``, ``Count``), not
+The queue / prefill / inference intervals come from the engine's first P1 time of each
+request (``RequestMetrics.first_scheduled_time``, carried by its first output);
+``iteration_tokens_total`` observes each engine step's computed-token count
+(``AsyncEngine.step_observers``). Request series are plain counters (``Hist``, ``Count``), not
 prometheus_client's locked ones: they are recorded on the one Trio thread, per streamed output.
 """
 
@@ -63,9 +62,6 @@ _REQUEST_LATENCY_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 _N_BUCKETS = (1, 2, 5, 10, 20)
-# Said in the HELP of the series the engine cannot feed yet (no per-request SCHEDULED time,
-# no per-step token count in its outputs): present for dashboards, empty until it can.
-_NEEDS_ENGINE = " (trillm: not observed yet, the engine does not report scheduling events)"
 
 
 def buckets_1_2_5(limit: int) -> list[int]:
@@ -267,9 +263,12 @@ class ServerMetrics:
         )  # fmt: skip
         self.iteration_tokens = hist(
             "vllm:iteration_tokens_total",
-            "Histogram of number of tokens per engine_step." + _NEEDS_ENGINE,
+            "Histogram of number of tokens per engine_step.",
             sorted(set(buckets_1_2_5(step_tokens) + [step_tokens])),
         )  # fmt: skip
+        observers = getattr(engine, "step_observers", None)
+        if observers is not None:
+            observers.append(self.iteration_tokens.observe)
         self.params_n = hist(
             "vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS
         )
@@ -297,15 +296,18 @@ class ServerMetrics:
         self.e2e = phase(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."
         )
-        self.queue = phase("vllm:request_queue_time_seconds",
-                           "Histogram of time spent in WAITING phase for request."
-                           + _NEEDS_ENGINE)  # fmt: skip
-        self.inference = phase("vllm:request_inference_time_seconds",
-                               "Histogram of time spent in RUNNING phase for request."
-                               + _NEEDS_ENGINE)  # fmt: skip
-        self.prefill = phase("vllm:request_prefill_time_seconds",
-                             "Histogram of time spent in PREFILL phase for request."
-                             + _NEEDS_ENGINE)  # fmt: skip
+        self.queue = phase(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+        )
+        self.inference = phase(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+        )
+        self.prefill = phase(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+        )
         self.decode = phase("vllm:request_decode_time_seconds",
                             "Histogram of time spent in DECODE phase for request.")  # fmt: skip
 
