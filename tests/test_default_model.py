@@ -4,14 +4,17 @@ the README's client examples work as written against it."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import httpx
 import pytest
 from openai import OpenAI
 
+import trillm.default_model as default_model
 from tests.hf_reference import hf_greedy
 from tests.server_harness import ServerProcess
-from trillm.default_model import ensure_default_model, shipped_weights
+from trillm.default_model import DefaultModelMissingError, ensure_default_model, shipped_weights
 
 
 def test_default_model_ships_trained_weights():
@@ -19,6 +22,19 @@ def test_default_model_ships_trained_weights():
     assert shipped_weights()
     folder = ensure_default_model()
     assert (folder / "model.safetensors").stat().st_size > 1_000_000
+
+
+def test_an_install_without_the_weights_is_refused_not_served_random(tmp_path, monkeypatch):
+    monkeypatch.setattr(default_model, "HERE", tmp_path)
+    with pytest.raises(DefaultModelMissingError, match="reinstall trillm, or pass a MODEL"):
+        ensure_default_model()
+
+
+def test_resolving_the_default_model_imports_no_test_helpers():
+    code = ("import sys; from trillm.model_executor.loader import resolve_model_path; "
+            "resolve_model_path(None); print('trillm.testing' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ import pytest
 import trio
 
 from trillm.errors import EngineDeadError, EngineStartupError, ModelExecutionError
-from trillm.executor.abstract import FAKE_RUNNER, open_executor, unwrap_group
+from trillm.executor.abstract import FAKE_RUNNER, unwrap_group
+from trillm.executor.factory import open_executor
 from trillm.executor.multiproc import WORKER_GOMP_SPINCOUNT, MultiprocExecutor, _worker_env
 from trillm.executor.uniproc import UniProcExecutor
 from trillm.messages import (
@@ -311,7 +312,8 @@ def test_killed_worker_fails_inflight_and_later_calls():
 PARENT = textwrap.dedent(
     """
     import json, sys, trio
-    from trillm.executor.abstract import FAKE_RUNNER, open_executor, unwrap_group
+    from trillm.executor.abstract import FAKE_RUNNER, unwrap_group
+    from trillm.executor.factory import open_executor
     from trillm.worker.fake_runner import make_fake_config
 
     async def main():

@@ -57,23 +57,3 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
-
-
-def get_attention_backend(name: str, device: str) -> AttentionBackend:
-    """Backend by name: ``torch`` (CPU or GPU), ``triton`` (GPU, or CPU under the interpreter),
-    ``flashinfer`` (GPU only)."""
-    if name == "torch":
-        from trillm.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from trillm.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    if name == "flashinfer":
-        if device != "cuda":
-            raise ValueError("The flashinfer attention backend needs a CUDA GPU.")
-        from trillm.attention.flashinfer_backend import FlashInferAttentionBackend
-
-        return FlashInferAttentionBackend()
-    raise ValueError(f"Unknown attention backend {name!r}; choose torch, triton or flashinfer.")

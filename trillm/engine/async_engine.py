@@ -332,7 +332,8 @@ async def open_engine(
     near-zero-cost model in frontend tests and benchmarks). ``stream_wake_budget``: the most
     streams woken per step for a middle output (None: no budget; see ``output_processor``)."""
     from trillm.engine.config_builder import build_config, load_tokenizer
-    from trillm.executor.abstract import DEFAULT_RUNNER, open_executor
+    from trillm.executor.abstract import DEFAULT_RUNNER
+    from trillm.executor.factory import open_executor
 
     args = EngineArgs.from_kwargs(model, **engine_args)
     config = await trio.to_thread.run_sync(build_config, args)

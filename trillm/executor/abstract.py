@@ -1,9 +1,9 @@
-"""The executor contract (P2/P3 of ``EngineCore.step``) and ``open_executor``.
+"""The executor contract (P2/P3 of ``EngineCore.step``); ``factory.open_executor`` builds one.
 
 An executor is a Trio service: ``await nursery.start(executor.run)`` returns once the workers
 have loaded the model and allocated the KV cache (``executor.num_blocks`` is then set, and
 ``config.cache.num_blocks`` with it); ``await executor.shutdown()`` stops it and makes ``run``
-return. ``open_executor`` wraps both.
+return. ``trillm.executor.factory.open_executor`` wraps both.
 
 Errors, as seen by the engine core:
 - ``ModelExecutionError`` from ``sample_tokens``: this step failed in a worker (its traceback is
@@ -15,13 +15,11 @@ Errors, as seen by the engine core:
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from trillm.config import TrillmConfig
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 
 DEFAULT_RUNNER = "trillm.worker.model_runner:ModelRunner"
@@ -58,48 +56,6 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Stop the workers and release shared memory; idempotent."""
-
-
-def make_executor(
-    config: TrillmConfig,
-    runner_factory: RunnerFactory = DEFAULT_RUNNER,
-    runner_kwargs: dict[str, Any] | None = None,
-    **executor_kwargs: Any,
-) -> Executor:
-    """The executor ``config.parallel.distributed_executor_backend`` names ("mp" | "uni")."""
-    backend = config.parallel.distributed_executor_backend
-    if backend == "uni":
-        from trillm.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor(config, runner_factory, runner_kwargs, **executor_kwargs)
-    if backend == "mp":
-        from trillm.executor.multiproc import MultiprocExecutor
-
-        return MultiprocExecutor(config, runner_factory, runner_kwargs, **executor_kwargs)
-    raise ValueError(f"Unknown distributed_executor_backend {backend!r}; use 'mp' or 'uni'.")
-
-
-@asynccontextmanager
-async def open_executor(
-    config: TrillmConfig,
-    runner_factory: RunnerFactory = DEFAULT_RUNNER,
-    runner_kwargs: dict[str, Any] | None = None,
-    **executor_kwargs: Any,
-) -> AsyncIterator[Executor]:
-    """``async with open_executor(config) as ex:`` -- started on entry, shut down on exit."""
-    executor = make_executor(config, runner_factory, runner_kwargs, **executor_kwargs)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(executor.run)
-            try:
-                yield executor
-            finally:
-                with trio.CancelScope(shield=True):
-                    await executor.shutdown()
-    except BaseExceptionGroup as group:
-        # NOTE: run() only raises before started(), so a lone error is the caller's own (or
-        # the startup failure): re-raise it as is rather than wrapped in a group.
-        raise unwrap_group(group) from None
 
 
 def unwrap_group(group: BaseExceptionGroup) -> BaseException:

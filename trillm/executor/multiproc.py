@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 
 import trio
 
-import trillm
 from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, EngineStartupError, IPCError, ModelExecutionError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory, unwrap_group
@@ -74,7 +73,7 @@ def _worker_env() -> dict[str, str]:
     """This environment, with the folder holding ``trillm`` first on PYTHONPATH, so the worker
     imports the same package whatever its working directory, and GOMP_SPINCOUNT set (unless the
     user set it) before the worker loads torch."""
-    root = str(Path(trillm.__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding trillm/
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}"}
     env.setdefault("GOMP_SPINCOUNT", WORKER_GOMP_SPINCOUNT)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from trillm.attention.backend import AttentionMetadata, get_attention_backend
+from trillm.attention.backend import AttentionMetadata
+from trillm.attention.selector import get_attention_backend
 from trillm.config import TrillmConfig
 from trillm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from trillm.model_executor.loader import build_model

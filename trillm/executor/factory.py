@@ -1,0 +1,55 @@
+"""Builds the executor the config names ("uni": in-process, "mp": worker subprocesses).
+
+Kept apart from the ``Executor`` interface (``abstract.py``) so that the interface imports
+none of its implementations."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from trillm.config import TrillmConfig
+from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory, unwrap_group
+from trillm.executor.multiproc import MultiprocExecutor
+from trillm.executor.uniproc import UniProcExecutor
+
+
+def make_executor(
+    config: TrillmConfig,
+    runner_factory: RunnerFactory = DEFAULT_RUNNER,
+    runner_kwargs: dict[str, Any] | None = None,
+    **executor_kwargs: Any,
+) -> Executor:
+    """The executor ``config.parallel.distributed_executor_backend`` names ("mp" | "uni")."""
+    backend = config.parallel.distributed_executor_backend
+    if backend == "uni":
+        return UniProcExecutor(config, runner_factory, runner_kwargs, **executor_kwargs)
+    if backend == "mp":
+        return MultiprocExecutor(config, runner_factory, runner_kwargs, **executor_kwargs)
+    raise ValueError(f"Unknown distributed_executor_backend {backend!r}; use 'mp' or 'uni'.")
+
+
+@asynccontextmanager
+async def open_executor(
+    config: TrillmConfig,
+    runner_factory: RunnerFactory = DEFAULT_RUNNER,
+    runner_kwargs: dict[str, Any] | None = None,
+    **executor_kwargs: Any,
+) -> AsyncIterator[Executor]:
+    """``async with open_executor(config) as ex:`` -- started on entry, shut down on exit."""
+    executor = make_executor(config, runner_factory, runner_kwargs, **executor_kwargs)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(executor.run)
+            try:
+                yield executor
+            finally:
+                with trio.CancelScope(shield=True):
+                    await executor.shutdown()
+    except BaseExceptionGroup as group:
+        # NOTE: run() only raises before started(), so a lone error is the caller's own (or
+        # the startup failure): re-raise it as is rather than wrapped in a group.
+        raise unwrap_group(group) from None
