@@ -129,7 +129,7 @@ cdef class Request:
     cdef public cbool sent_to_worker
     cdef public cbool first_output_sent
     cdef cbool structured
-    cdef cbool skip_lookup  # prompt logprobs need every position computed: no cache hits
+    cdef readonly cbool skip_prefix_lookup  # prompt logprobs need every position computed: no cache hits
     # Owned by the KV manager:
     cdef vector[int] block_ids
     cdef int num_cached_blocks
@@ -164,7 +164,7 @@ cdef class Request:
         for k in later:
             self.later_keys.push_back(<uint64_t>k)
         self.structured = sampling_params.structured_outputs is not None
-        self.skip_lookup = sampling_params.prompt_logprobs is not None
+        self.skip_prefix_lookup = sampling_params.prompt_logprobs is not None
 
     @classmethod
     def from_engine_core_request(cls, req):
@@ -356,7 +356,7 @@ cdef class KVCacheManager:
 
     cdef int _lookup(self, Request r, vector[int]& out):
         out.clear()
-        if not self.enable_prefix_caching or r.skip_lookup:
+        if not self.enable_prefix_caching or r.skip_prefix_lookup:
             return 0
         cdef int bs = self.block_size
         cdef int max_blocks = (<int>r.tokens.size() - 1) // bs

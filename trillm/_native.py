@@ -6,6 +6,11 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trillm.core.kv_cache_manager import KVCacheManager
+    from trillm.core.scheduler import Scheduler
 
 
 def extensions_disabled() -> bool:
@@ -45,17 +50,23 @@ def native_available(name: str | None = None) -> bool:
     return all(_load_native(n) is not None for n in names)
 
 
-def get_scheduler_cls() -> type:
+def get_scheduler_cls() -> type[Scheduler]:
+    """The native scheduler when built and enabled, else the twin; typed as the twin (the
+    stubs in ``trillm/_ext/*.pyi`` declare the native classes with the twins' API)."""
     if native_available("scheduler"):
-        return _load_native("scheduler").Scheduler  # type: ignore[union-attr]
-    from trillm.core.scheduler import Scheduler
+        from trillm._ext.scheduler import Scheduler as NativeScheduler
 
-    return Scheduler
+        return NativeScheduler
+    from trillm.core.scheduler import Scheduler as PyScheduler
+
+    return PyScheduler
 
 
-def get_kv_cache_manager_cls() -> type:
+def get_kv_cache_manager_cls() -> type[KVCacheManager]:
     if native_available("kv_cache_manager"):
-        return _load_native("kv_cache_manager").KVCacheManager  # type: ignore[union-attr]
-    from trillm.core.kv_cache_manager import KVCacheManager
+        from trillm._ext.kv_cache_manager import KVCacheManager as NativeKVCacheManager
 
-    return KVCacheManager
+        return NativeKVCacheManager
+    from trillm.core.kv_cache_manager import KVCacheManager as PyKVCacheManager
+
+    return PyKVCacheManager

@@ -1,0 +1,82 @@
+# ext/cpu_kernels.cpp and the kernels it binds (pybind11): one module, four parts sharing one
+# thread pool. Tensors cross as raw addresses (``tensor.data_ptr()``) with their strides; the
+# wrappers in kernels/*_cpu.py own the checks. Every declared name exists in the built module
+# (tests/test_native_contract.py).
+from typing import Protocol
+
+# Rows of a [outer, inner, n] layout: (data_ptr, outer stride, inner stride, inner count),
+# strides in elements (kernels/_cpu_ops.rows).
+_View = tuple[int, int, int, int]
+
+class _Plan(Protocol):
+    def __init__(
+        self, block_table: int, query_start_loc: int, seq_lens: int, num_reqs: int,
+        req_indices: int, num_selected: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        block_size: int, num_blocks: int, block_table_stride: int, max_blocks_per_req: int,
+        num_threads: int,
+    ) -> None: ...
+    def run(
+        self, out: int, q: int, k_cache: int, v_cache: int, q_token_stride: int,
+        q_head_stride: int, out_token_stride: int, out_head_stride: int, scale: float,
+        dtype: int,
+    ) -> None: ...
+
+class _Attention(Protocol):
+    Plan: type[_Plan]
+    def causal_prefill(
+        self, out: int, q: int, k: int, v: int, segments: int, num_segments: int,
+        q_token_stride: int, q_head_stride: int, k_token_stride: int, k_head_stride: int,
+        v_token_stride: int, v_head_stride: int, out_token_stride: int, out_head_stride: int,
+        num_heads: int, num_kv_heads: int, head_dim: int, scale: float, num_threads: int,
+    ) -> None: ...
+    def prefill_supported(self) -> bool: ...
+
+class _Gemm(Protocol):
+    PANEL: int
+    def supported(self) -> bool: ...
+    def num_panels(self, n: int) -> int: ...
+    def pack(self, weight: int, n: int, k: int, ldw: int, packed: int) -> None: ...
+    def linear(
+        self, x: int, m: int, k: int, ldx: int, packed: int, n: int, bias: int, y: int,
+        ldy: int, num_threads: int,
+    ) -> None: ...
+
+class _GemmBf16(Protocol):
+    PANEL: int
+    def supported(self) -> bool: ...
+    def amx_bf16(self) -> bool: ...
+    def num_panels(self, n: int) -> int: ...
+    def packed_size(self, n: int, k: int) -> int: ...
+    def pack(self, weight: int, n: int, k: int, ldw: int, packed: int) -> None: ...
+    def linear(
+        self, x: int, x_bf16: bool, m: int, k: int, ldx: int, packed: int, n: int, bias: int,
+        y: int, y_bf16: bool, ldy: int, num_threads: int,
+    ) -> None: ...
+
+class _Ops(Protocol):
+    def rms_norm(
+        self, out: _View, x: _View, weight: int, num_rows: int, hidden: int, eps: float,
+        dtype: int, num_threads: int,
+    ) -> None: ...
+    def fused_add_rms_norm(
+        self, x: _View, residual: _View, weight: int, num_rows: int, hidden: int, eps: float,
+        dtype: int, num_threads: int,
+    ) -> None: ...
+    def rotary(
+        self, q: _View, k: _View, positions: int, cos_sin_cache: int, num_tokens: int,
+        head_dim: int, rotary_dim: int, max_pos: int, cache_stride: int, dtype: int,
+        num_threads: int,
+    ) -> None: ...
+    def silu_and_mul(
+        self, out: _View, gate_up: _View, num_rows: int, width: int, dtype: int,
+        num_threads: int,
+    ) -> None: ...
+    def reshape_and_cache(
+        self, k: _View, v: _View, key_cache: int, value_cache: int, slot_mapping: int,
+        num_tokens: int, head_dim: int, num_slots: int, dtype: int, num_threads: int,
+    ) -> None: ...
+
+attention: _Attention
+gemm: _Gemm
+gemm_bf16: _GemmBf16
+ops: _Ops
