@@ -4,6 +4,10 @@ The contract (``trillm/attention/backend.py``): request ``i`` owns query rows
 ``query_start_loc[i]:query_start_loc[i+1]``, at positions ``context_lens[i] .. seq_lens[i]-1``,
 and attends causally (row at position ``p`` sees positions ``<= p``) to the keys/values
 already in the paged cache, this step's included.
+
+Optional per layer: a sliding ``window`` (row at ``p`` sees only positions ``> p - window``, as
+transformers' sliding-window layers do) and a logit ``softcap`` (``softcap * tanh(s / softcap)``
+on the scaled scores before the softmax, Gemma 2).
 """
 
 from __future__ import annotations
@@ -22,15 +26,22 @@ def gather_context(
     return blocks.flatten(0, 1)[:seq_len]
 
 
-def _attend_one(q, k, v, context_len: int, scale: float) -> torch.Tensor:
+def _attend_one(
+    q, k, v, context_len: int, scale: float, window: int | None, softcap: float | None
+) -> torch.Tensor:
     # q: [Lq, Hq, D]; k, v: [Lk, Hkv, D] with Lk = context_len + Lq -> [Lq, Hq, D]
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)  # [Lk, Hq, D]
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Lq, Lk]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = context_len + torch.arange(q.shape[0])[:, None]
     k_pos = torch.arange(k.shape[0])[None, :]
-    scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
+    hidden = k_pos > q_pos  # [Lq, Lk]
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
@@ -42,6 +53,8 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_reqs] int32
     block_table: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
     out = torch.empty_like(q)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -49,5 +62,8 @@ def paged_attention(
         q_i = q[starts[i] : starts[i + 1]]
         k_i = gather_context(kv_cache[0], block_table[i], seq_len)
         v_i = gather_context(kv_cache[1], block_table[i], seq_len)
-        out[starts[i] : starts[i + 1]] = _attend_one(q_i, k_i, v_i, seq_len - q_i.shape[0], scale)
+        context_len = seq_len - q_i.shape[0]
+        out[starts[i] : starts[i + 1]] = _attend_one(
+            q_i, k_i, v_i, context_len, scale, window, softcap
+        )
     return out

@@ -11,6 +11,10 @@ the request's context length.
 Split-KV (flash-decoding): with ``num_splits > 1`` a third grid dim cuts each row's K/V range
 into parts; each part writes an fp32 partial output and log-sum-exp, and a second kernel merges
 them. ``choose_num_splits`` turns it on for decode steps too small to fill the GPU.
+
+Per layer, optionally: a sliding ``window`` (a row at position ``p`` sees positions
+``> p - window``; the K/V loop starts at the tile's first visible position) and a logit
+``softcap`` (``softcap * tanh(s / softcap)`` on the scaled scores).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import triton.language as tl
 _MIN_DOT = 16  # tl.dot needs every dim >= 16
 _FILL_PROGRAMS = 256  # programs that keep a large GPU busy (about 2 per SM)
 _MAX_SPLITS = 16
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # NOTE: K/V are gathered through the block table, so each K/V tile carries a [block_n, D] tensor
 # of 64-bit addresses in registers; block_n * D_pad <= 4096 keeps it from spilling (ptxas, sm_90:
 # D=128 at block_n 64 spills with 4 warps, at 32 needs ~200 registers and no stack).
@@ -37,7 +43,8 @@ def _paged_attention_kernel(
     block_table_ptr, query_start_ptr, seq_lens_ptr, tile_req_ptr, tile_start_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    scale_log2, split_size, num_heads,
+    scale_log2, split_size, num_heads, window, softcap,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -75,6 +82,10 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(seq_len, context_len + tile_start + BLOCK_Q)  # last row's position + 1
     split_begin = split * split_size  # split_size is a multiple of BLOCK_N
     split_end = tl.minimum(kv_end, split_begin + split_size)
+    if WINDOWED:
+        # the tile's first row sees positions from (its position - window + 1) on
+        first_visible = tl.maximum(context_len + tile_start - window + 1, 0)
+        split_begin = tl.maximum(split_begin, (first_visible // BLOCK_N) * BLOCK_N)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     for start in range(split_begin, split_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -85,7 +96,13 @@ def _paged_attention_kernel(
         kv_mask = pos_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            # s is in log2 units: cap the natural-log score, tanh(x) = 2 * sigmoid(2x) - 1
+            capped = s * _LN2 / softcap
+            s = softcap * (2.0 * tl.sigmoid(2.0 * capped) - 1.0) * _LOG2E
         visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+        if WINDOWED:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -191,6 +208,8 @@ def paged_attention(
     block_n: int | None = None,
     num_splits: int = 1,
     max_seq_len: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
     """Same contract as ``paged_attention_torch.paged_attention``.
 
@@ -236,7 +255,8 @@ def paged_attention(
         block_table, query_start_loc, seq_lens, schedule.tile_req, schedule.tile_start,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-        scale * math.log2(math.e), split_size, num_heads,
+        scale * math.log2(math.e), split_size, num_heads, window or 0, float(softcap or 1.0),
+        WINDOWED=window is not None, SOFTCAP=softcap is not None,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=schedule.block_q, BLOCK_M=block_m,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=block_size, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -188,9 +188,39 @@ def test_max_model_len(llama_dir):
         load_model_config(args)
 
 
-def test_mistral_sliding_window_caps_max_model_len(tmp_path):
+def test_sliding_window_no_longer_caps_max_model_len(tmp_path):
+    # The backends honour the window (tests/test_model_architectures.py checks the outputs).
     folder = build_tiny_model("mistral", tmp_path / "m", sliding_window=512)
-    assert load_model_config(EngineArgs(model=str(folder), device="cpu")).max_model_len == 512
+    assert load_model_config(EngineArgs(model=str(folder), device="cpu")).max_model_len == 2048
+
+
+@pytest.mark.parametrize(
+    "architecture,hf,expected",
+    [
+        ("MistralForCausalLM", {"sliding_window": 8}, [8, 8, 8, 8]),
+        ("MistralForCausalLM", {"sliding_window": None}, [None] * 4),
+        ("LlamaForCausalLM", {"sliding_window": 8}, [None] * 4),  # transformers ignores it
+        ("Gemma2ForCausalLM", {"sliding_window": 8}, [8, None, 8, None]),
+        ("Gemma3ForCausalLM", {"sliding_window": 8, "sliding_window_pattern": 2},
+         [8, None, 8, None]),
+        ("Qwen2ForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
+                              "max_window_layers": 3}, [None, None, None, 8]),
+        ("Qwen2ForCausalLM", {"sliding_window": 8}, [None] * 4),
+        ("Gemma2ForCausalLM", {"sliding_window": 8, "layer_types": ["full_attention"] * 3
+                               + ["sliding_attention"]}, [None, None, None, 8]),
+    ],
+)  # fmt: skip
+def test_layer_windows(architecture, hf, expected):
+    from trillm.model_executor.layer_types import layer_windows
+
+    assert layer_windows(hf, architecture, 4) == expected
+
+
+def test_unknown_layer_type_is_refused():
+    from trillm.model_executor.layer_types import layer_windows
+
+    with pytest.raises(ValueError, match="chunked_attention"):
+        layer_windows({"sliding_window": 8, "layer_types": ["chunked_attention"]}, "X", 1)
 
 
 def test_unsupported_architecture(llama_dir, tmp_path):
@@ -198,9 +228,24 @@ def test_unsupported_architecture(llama_dir, tmp_path):
     _rewrite_config(folder, architectures=["GPT2LMHeadModel"])
     with pytest.raises(
         UnsupportedArchitectureError,
-        match="'GPT2LMHeadModel' is not supported; supported architectures: LlamaForCausalLM, "
-        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        match="'GPT2LMHeadModel' is not supported; supported architectures: Gemma2ForCausalLM, "
+        "Gemma3ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM, ",
     ):
+        load_model_config(EngineArgs(model=str(folder), device="cpu"))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"hidden_act": "gelu"}, "Activation 'gelu' is not supported for LlamaForCausalLM"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported for Llama"),
+    ],
+)
+def test_what_the_model_class_does_not_compute_is_refused(llama_dir, tmp_path, overrides,
+                                                           message):  # fmt: skip
+    folder = _copy(llama_dir, tmp_path / "odd")
+    _rewrite_config(folder, **overrides)
+    with pytest.raises(ValueError, match=message):
         load_model_config(EngineArgs(model=str(folder), device="cpu"))
 
 

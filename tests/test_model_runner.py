@@ -269,13 +269,19 @@ def test_logprobs_match_transformers(tiny):
         sched.add(req)
     sched.run()
     assert plain.logprobs == [] and plain.prompt_logprobs == []
+    check_logprobs(hf, reqs, 6, k_prompt=2, k=3)
+
+
+def check_logprobs(hf, reqs: list[_Req], max_new: int, k_prompt: int, k: int) -> None:
+    """Each request's greedy tokens, sample and prompt logprobs (top-k, ranks) equal
+    transformers' on the same prompt."""
     for req in reqs:
-        tokens, gen_logits = _hf_greedy(hf, req.prompt, 6)
+        tokens, gen_logits = _hf_greedy(hf, req.prompt, max_new)
         assert req.output == tokens
         with torch.no_grad():
             prompt_logits = hf(torch.tensor([req.prompt])).logits[0].float()  # [P, V]
-        _check_rows(req.prompt_logprobs, prompt_logits[:-1], req.prompt[1:], k=2)
-        _check_rows(req.logprobs, gen_logits, tokens, k=3)
+        _check_rows(req.prompt_logprobs, prompt_logits[:-1], req.prompt[1:], k=k_prompt)
+        _check_rows(req.logprobs, gen_logits, tokens, k=k)
 
 
 def _check_rows(chunks, logits: torch.Tensor, targets: list[int], k: int) -> None:

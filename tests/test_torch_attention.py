@@ -42,7 +42,7 @@ def _metadata(context_lens, query_lens, block_tables) -> AttentionMetadata:
     )
 
 
-def _reference(q, k, v, cache_before, meta, block_tables, scale):
+def _reference(q, k, v, cache_before, meta, block_tables, scale, window=None, softcap=None):
     out = torch.empty_like(q, dtype=torch.float64)
     qsl = meta.query_start_loc.tolist()
     for i, table in enumerate(block_tables):
@@ -54,8 +54,13 @@ def _reference(q, k, v, cache_before, meta, block_tables, scale):
         keys = keys.repeat_interleave(HQ // HKV, 1)  # [S, Hq, D]
         values = values.repeat_interleave(HQ // HKV, 1)
         scores = torch.einsum("qhd,shd->hqs", q[rows].double(), keys) * scale
-        pos_q = torch.arange(ctx, seq)[:, None]
-        scores = scores.masked_fill(torch.arange(seq)[None, :] > pos_q, float("-inf"))
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos_q, pos_k = torch.arange(ctx, seq)[:, None], torch.arange(seq)[None, :]
+        hidden = pos_k > pos_q
+        if window is not None:
+            hidden |= pos_k <= pos_q - window  # a window of W sees W positions, its own included
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[rows] = torch.einsum("hqs,shd->qhd", scores.softmax(-1), values)
     return out
 
@@ -67,7 +72,7 @@ def path(request) -> str:
     return request.param
 
 
-def _run(path: str | None, context_lens, query_lens, seed=0):
+def _run(path: str | None, context_lens, query_lens, seed=0, window=None, softcap=None):
     # path: "native" or "torch", None for the backend's own default.
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
@@ -84,8 +89,8 @@ def _run(path: str | None, context_lens, query_lens, seed=0):
     k, v = torch.randn(t, HKV, D, generator=g), torch.randn(t, HKV, D, generator=g)
     backend = TorchAttentionBackend(native=None if path is None else path == "native")
     backend.plan(meta)
-    out = backend.forward(q, k, v, cache, meta, scale=D**-0.5)
-    ref = _reference(q, k, v, before, meta, block_tables, D**-0.5)
+    out = backend.forward(q, k, v, cache, meta, D**-0.5, window=window, softcap=softcap)
+    ref = _reference(q, k, v, before, meta, block_tables, D**-0.5, window, softcap)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     # The new K/V landed at their slots, nothing else moved.
     for i in (0, 1):
@@ -116,6 +121,33 @@ def _run(path: str | None, context_lens, query_lens, seed=0):
 )  # fmt: skip
 def test_matches_reference(path, context_lens, query_lens):
     _run(path, context_lens, query_lens)
+
+
+@pytest.mark.parametrize(
+    "window,softcap", [(5, None), (1, None), (None, 0.5), (7, 2.0)], ids=["w5", "w1", "cap", "both"]
+)
+@pytest.mark.parametrize(
+    "context_lens,query_lens",
+    [([10, 0, 4, 17, 2], [1, 9, 1, 5, 1]), ([0, 0], [13, 3]), ([40, 0, 3], [30, 1, 20])],
+    ids=["mixed", "fresh", "long-chunks"],
+)
+def test_sliding_window_and_softcap_match_reference(path, context_lens, query_lens, window,
+                                                     softcap):  # fmt: skip
+    _run(path, context_lens, query_lens, window=window, softcap=softcap)
+
+
+def test_windowed_and_plain_layers_share_a_step(path):
+    """Alternating layers (Gemma 2): a windowed layer between two plain ones gives each its own
+    answer from the one plan."""
+    backend, meta, (q, k, v) = _run(path, [0, 9, 0], [12, 1, 4], seed=2)
+    g = torch.Generator().manual_seed(9)
+    for window in (3, None):
+        cache = torch.randn(2, NUM_BLOCKS, BS, HKV, D, generator=g)
+        got = backend.forward(q, k, v, cache.clone(), meta, D**-0.5, window=window)
+        fresh = TorchAttentionBackend(native=False)
+        fresh.plan(meta)
+        expected = fresh.forward(q, k, v, cache.clone(), meta, D**-0.5, window=window)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_every_layer_reuses_the_plan(path):

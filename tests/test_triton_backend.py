@@ -122,10 +122,10 @@ def random_step(query_lens, context_lens, num_heads, num_kv_heads, head_dim, see
     return q, k, v, cache, meta
 
 
-def reference_forward(q, k, v, cache, meta, scale):
+def reference_forward(q, k, v, cache, meta, scale, window=None, softcap=None):
     reshape_and_cache_torch.reshape_and_cache(k, v, cache, meta.slot_mapping)
     return paged_attention_torch.paged_attention(
-        q, cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale
+        q, cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, window, softcap
     )
 
 
@@ -154,6 +154,24 @@ def test_backend_decode_step_with_split_kv_matches_reference():
     got = backend.forward(q, k, v, cache, meta, 0.2)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache, expected_cache)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window,softcap", [(5, None), (40, None), (None, 0.7), (9, 3.0)])
+@pytest.mark.parametrize(
+    "query_lens,context_lens,num_splits",
+    [([1, 6, 1, 30], [11, 3, 0, 22], 1), ([1, 1, 1], [300, 7, 129], 3)],
+    ids=["mixed", "split-kv"],
+)
+def test_sliding_window_and_softcap_match_reference(query_lens, context_lens, num_splits,
+                                                     window, softcap):  # fmt: skip
+    q, k, v, cache, meta = random_step(query_lens, context_lens, 4, 2, 16, seed=27)
+    expected_cache = cache.clone()
+    expected = reference_forward(q, k, v, expected_cache, meta, 0.3, window, softcap)
+    backend = triton_backend.TritonAttentionBackend(block_n=16, num_splits=num_splits)
+    backend.plan(meta)
+    got = backend.forward(q, k, v, cache, meta, 0.3, window=window, softcap=softcap)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @needs_interpreter

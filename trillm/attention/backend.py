@@ -19,6 +19,24 @@ from typing import Protocol
 import torch
 
 
+class UnsupportedAttentionFeatureError(ValueError):
+    """The chosen backend lacks a feature the model needs (sliding window, logit softcap)."""
+
+
+def check_backend_supports(
+    backend: AttentionBackend, window: int | None, softcap: float | None
+) -> None:
+    """Refuse, when the model is built, a layer whose window or softcap the backend lacks."""
+    if (window is not None or softcap is not None) and not getattr(
+        backend, "supports_window_and_softcap", True
+    ):
+        raise UnsupportedAttentionFeatureError(
+            f"The {backend.name} attention backend does not implement sliding-window attention "
+            "or attention logit soft-capping, which this model uses; use "
+            "--attention-backend triton or torch."
+        )
+
+
 @dataclass
 class AttentionMetadata:
     num_reqs: int
@@ -55,5 +73,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # sliding window: a row at p sees positions > p - window
+        softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

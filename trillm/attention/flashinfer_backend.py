@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from trillm.attention.backend import AttentionMetadata
+from trillm.attention.backend import AttentionMetadata, UnsupportedAttentionFeatureError
 from trillm.kernels import reshape_and_cache_triton
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -54,6 +54,7 @@ def paged_kv_layout(
 
 class FlashInferAttentionBackend:
     name = "flashinfer"
+    supports_window_and_softcap = False
 
     def __init__(self) -> None:
         import flashinfer  # optional dependency: imported only when this backend is chosen
@@ -77,7 +78,14 @@ class FlashInferAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if window is not None or softcap is not None:
+            raise UnsupportedAttentionFeatureError(
+                "The flashinfer attention backend does not implement sliding-window attention or "
+                "attention logit soft-capping; use --attention-backend triton or torch."
+            )
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"The flashinfer attention backend needs fp16 or bf16, not {q.dtype}.")
         if meta is not self._meta:

@@ -18,6 +18,12 @@ row to its length.
 Fast path: a prefill chunk with no context before it (a fresh prompt, the common case) attends
 causally over its own rows with ``is_causal`` (no gather, no mask, no padding to the longest
 chunk; on CPU a 10-prompt mixed-length prefill step of the benchmark model takes 24% less time).
+
+Layers with a sliding ``window`` or a logit ``softcap`` (Gemma 2/3, Mistral, Phi-3) take the
+gather path for every request, fresh prompts included (a decode group and one prefill group,
+built once per step on the first such layer): the window narrows the mask, and a softcap
+computes the softmax in plain torch ops (SDPA has no softcap). The native kernels and the
+``is_causal`` fast path have neither, so such layers never use them.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class _Group:
     token_rows: torch.Tensor  # [Tg] rows of q/out this group owns, in order
     gather_slots: torch.Tensor  # [Rg, S] cache slot of each context position
     mask: torch.Tensor  # [Rg, 1, Lq, S] bool, True = attend
+    query_pos: torch.Tensor  # [Rg, Lq] position of each query row (for a sliding window)
     decode: bool
     covers_all: bool = False  # the group is the whole step, rows in order
 
@@ -70,6 +77,7 @@ def _decode_group(meta: AttentionMetadata, reqs: torch.Tensor, block_size: int) 
         token_rows=rows,
         gather_slots=_context_slots(meta.block_table[reqs], block_size, max_len),
         mask=mask,
+        query_pos=seq_lens[:, None] - 1,
         decode=True,
         covers_all=len(reqs) == meta.num_reqs,
     )
@@ -98,6 +106,7 @@ def _prefill_group(meta: AttentionMetadata, reqs: torch.Tensor, block_size: int)
         token_rows=query_index[valid],
         gather_slots=_context_slots(meta.block_table[reqs], block_size, max_len),
         mask=mask,
+        query_pos=context_lens[:, None] + offsets[None, :],
         decode=False,
     )
 
@@ -108,6 +117,33 @@ def _take(
 ) -> torch.Tensor:  # [R, L, H, D]
     rows = source.index_select(0, index.reshape(-1))
     return rows.view(*index.shape, *source.shape[1:])
+
+
+def _windowed(group: _Group, window: int | None) -> torch.Tensor:  # [Rg, 1, Lq, S] bool
+    """The group's mask, narrowed to the last ``window`` positions up to each row's own."""
+    if window is None:
+        return group.mask
+    pos = torch.arange(group.mask.shape[-1], device=group.mask.device)  # [S]
+    inside = pos[None, None, :] > (group.query_pos - window)[:, :, None]  # [Rg, Lq, S]
+    return group.mask & inside[:, None]
+
+
+def _softcapped_attention(
+    queries: torch.Tensor,  # [Rg, Hq, Lq, D]
+    keys: torch.Tensor,  # [Rg, Hkv, S, D]
+    values: torch.Tensor,  # [Rg, Hkv, S, D]
+    mask: torch.Tensor,  # [Rg, 1, Lq, S] bool
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [Rg, Hq, Lq, D]
+    """SDPA's math with ``softcap * tanh(s / softcap)`` on the scaled scores, fp32 inside."""
+    group = queries.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)  # [Rg, Hq, S, D]
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = queries.float() @ keys.transpose(-1, -2) * scale  # [Rg, Hq, Lq, S]
+    scores = softcap * torch.tanh(scores / softcap)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return (probs @ values).to(queries.dtype)
 
 
 class TorchAttentionBackend:
@@ -124,6 +160,8 @@ class TorchAttentionBackend:
         # This step's native kernel plan (requests with context), None when not used.
         self._native: paged_attention_cpu.PagedAttentionPlan | None = None
         self._native_available = paged_attention_cpu.available() if native is None else native
+        # Every request by the gather path, for windowed / softcapped layers (built lazily).
+        self._all_groups: list[_Group] | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Forget the last step's indices; the first layer builds this step's (it knows the
@@ -133,6 +171,7 @@ class TorchAttentionBackend:
         self._fresh = []
         self._fresh_segments = None
         self._native = None
+        self._all_groups = None
 
     def _plan_step(
         self, meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor, native: bool
@@ -141,6 +180,7 @@ class TorchAttentionBackend:
         path's groups (built by the first layer, reused by the others)."""
         self._fresh, self._groups, self._native = [], [], None
         self._fresh_segments = None
+        self._all_groups = None
         block_size = kv_cache.shape[2]
 
         def native_plan(reqs: torch.Tensor | None) -> paged_attention_cpu.PagedAttentionPlan:
@@ -194,6 +234,8 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         planned = self._groups or self._fresh or self._native is not None
         if meta is not self._planned or kv_cache.shape != self._cache_shape or not planned:
@@ -209,6 +251,9 @@ class TorchAttentionBackend:
         else:
             key_cache.index_copy_(0, meta.slot_mapping, k)
             value_cache.index_copy_(0, meta.slot_mapping, v)
+        if window is not None or softcap is not None:
+            return self._forward_masked(q, key_cache, value_cache, kv_cache, meta, scale,
+                                        window, softcap)  # fmt: skip
         if len(self._groups) == 1 and self._groups[0].covers_all:
             return self._attend(self._groups[0], q, key_cache, value_cache, scale)
         out = torch.empty_like(q)
@@ -224,6 +269,34 @@ class TorchAttentionBackend:
             out.index_copy_(
                 0, group.token_rows, self._attend(group, q, key_cache, value_cache, scale)
             )
+        return out
+
+    def _forward_masked(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        key_cache: torch.Tensor,  # [num_slots, Hkv, D]
+        value_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Every request by the gather path, with the window in the mask and the softcap."""
+        if self._all_groups is None:
+            decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+            prefill = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
+            self._all_groups, device, block_size = [], meta.seq_lens.device, kv_cache.shape[2]
+            if decode:
+                reqs = torch.tensor(decode, device=device)
+                self._all_groups.append(_decode_group(meta, reqs, block_size))
+            if prefill:
+                reqs = torch.tensor(prefill, device=device)
+                self._all_groups.append(_prefill_group(meta, reqs, block_size))
+        out = torch.empty_like(q)
+        for group in self._all_groups:
+            rows = self._attend(group, q, key_cache, value_cache, scale, window, softcap)
+            out.index_copy_(0, group.token_rows, rows)
         return out
 
     @staticmethod
@@ -247,6 +320,8 @@ class TorchAttentionBackend:
         key_cache: torch.Tensor,  # [num_slots, Hkv, D]
         value_cache: torch.Tensor,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [Tg, Hq, D]
         # NOTE: index_select, not advanced indexing: on CPU it is ~100x faster here.
         keys = _take(key_cache, group.gather_slots).transpose(1, 2)  # [Rg, Hkv, S, D]
@@ -255,9 +330,13 @@ class TorchAttentionBackend:
             queries = q.index_select(0, group.query_index).unsqueeze(2)  # [Rg, Hq, 1, D]
         else:
             queries = _take(q, group.query_index).transpose(1, 2)  # [Rg, Hq, Lq, D]
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
-        )  # [Rg, Hq, Lq, D]
+        mask = _windowed(group, window)
+        if softcap is not None:
+            out = _softcapped_attention(queries, keys, values, mask, scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )  # [Rg, Hq, Lq, D]
         if group.decode:
             return out.squeeze(2)
         num_heads, head_dim = out.shape[1], out.shape[3]

@@ -42,6 +42,8 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         if not q.is_cuda and not paged_attention_triton.runs_interpreted():
             raise RuntimeError(
@@ -58,7 +60,7 @@ class TritonAttentionBackend:
         return paged_attention_triton.paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale,
             schedule=schedule, block_n=self.block_n, num_splits=num_splits,
-            max_seq_len=meta.max_seq_len,
+            max_seq_len=meta.max_seq_len, window=window, softcap=softcap,
         )  # fmt: skip
 
     def _schedule(

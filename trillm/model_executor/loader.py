@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from trillm.config import EngineArgs, ModelConfig
+from trillm.model_executor.layer_types import FULL, partial_rotary_factor
 from trillm.model_executor.layers.linear import pack_cpu_linears
 from trillm.model_executor.layers.rotary import SUPPORTED_ROPE_TYPES
 from trillm.model_executor.registry import (
@@ -154,7 +155,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
         qk_norm=architecture == "Qwen3ForCausalLM",
-        hidden_act=_hidden_act(hf),
+        hidden_act=_hidden_act(hf, architecture),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_token_ids(hf, generation_config),
         generation_config=generation_config,
@@ -178,10 +179,22 @@ def _architecture(hf: dict[str, Any]) -> str:
     return architecture
 
 
-def _hidden_act(hf: dict[str, Any]) -> str:
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"Activation {act!r} is not supported; supported: silu.")
+def _hidden_act(hf: dict[str, Any], architecture: str) -> str:
+    """The MLP activation (Gemma 2/3 name it ``hidden_activation``), refused unless the model
+    class computes it; also refuses a partial rotary embedding the class does not apply."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    model_class = get_model_class(architecture)
+    supported = getattr(model_class, "ACTIVATIONS", ("silu",))
+    if act not in supported:
+        raise ValueError(
+            f"Activation {act!r} is not supported for {architecture}; supported: "
+            f"{', '.join(supported)}."
+        )
+    if partial_rotary_factor(hf) != 1.0 and not getattr(model_class, "PARTIAL_ROTARY", False):
+        raise ValueError(
+            f"partial_rotary_factor {partial_rotary_factor(hf)} is not supported for "
+            f"{architecture} (RoPE over the whole head only)."
+        )
     return act
 
 
@@ -192,6 +205,9 @@ def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     ``original_max_position_embeddings`` filled in for llama3/yarn as transformers does.
     """
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if isinstance(params.get(FULL), dict):  # per layer type (Gemma 3): the global layers'
+        return parse_rope({**hf, "rope_parameters": params[FULL]})
+    params.pop("partial_rotary_factor", None)  # see layer_types.partial_rotary_factor
     rope_theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
@@ -243,13 +259,10 @@ def resolve_dtype(requested: str, checkpoint: str, device: str) -> str:
 
 
 def resolve_max_model_len(hf: dict[str, Any], architecture: str, requested: int | None) -> int:
-    """Default: max_position_embeddings (capped at a sliding window, which trillm does not do)."""
+    """Default: max_position_embeddings (a sliding window does not cap it: the attention
+    backends honour the window)."""
     limit = int(hf.get("max_position_embeddings", 2048))
     why = "max_position_embeddings"
-    window = hf.get("sliding_window")
-    uses_window = architecture == "MistralForCausalLM" or hf.get("use_sliding_window", False)
-    if window and uses_window and int(window) < limit:
-        limit, why = int(window), "sliding_window (sliding-window attention is not implemented)"
     if requested is None:
         return limit
     if requested > limit:

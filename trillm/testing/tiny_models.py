@@ -38,6 +38,27 @@ ARCHES: dict[str, dict[str, Any]] = {
     "mistral": dict(),
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": dict(head_dim=24, tie_word_embeddings=False),
+    # Windows of 8 positions (one block in the tests), small soft-caps that bite.
+    "gemma": dict(head_dim=32),
+    "gemma2": dict(
+        head_dim=24,
+        query_pre_attn_scalar=20,
+        sliding_window=8,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0,
+        num_hidden_layers=3,
+    ),
+    "gemma3": dict(
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=8,
+        num_hidden_layers=3,
+        sliding_window_pattern=2,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0},
+        },
+    ),
 }
 
 CONFIG_CLASSES = {
@@ -45,12 +66,18 @@ CONFIG_CLASSES = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "gemma": "GemmaConfig",
+    "gemma2": "Gemma2Config",
+    "gemma3": "Gemma3TextConfig",
 }
 MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trillm.attention.backend import AttentionBackend, AttentionMetadata
+from trillm.attention.backend import AttentionBackend, AttentionMetadata, check_backend_supports
 from trillm.config import ModelConfig
 from trillm.kernels import silu_and_mul
+from trillm.model_executor.layer_types import layer_windows, partial_rotary_factor
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
 
@@ -68,22 +69,46 @@ class LlamaDecoderFlags:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: LlamaDecoderFlags):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        layer: LlamaDecoderFlags,
+        window: int | None = None,  # sliding window of this layer (Mistral, Phi-3, Gemma)
+        *,
+        scale: float | None = None,  # None: head_dim ** -0.5
+        softcap: float | None = None,  # attention logit soft-capping (Gemma 2)
+        norm: type[nn.Module] = RMSNorm,  # the q/k norm's class, when ``layer.qk_norm``
+    ):
         super().__init__()
+        check_backend_supports(backend, window, softcap)
+        self.window, self.softcap = window, softcap
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else scale
         shards = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
         self.qkv_proj = StackedLinear(cfg.hidden_size, shards, bias=layer.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=layer.o_bias)
         if layer.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = norm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = layer.qk_norm
         self.backend = backend
+
+    def split_heads(
+        self,
+        q: torch.Tensor,  # [T, q_size]
+        k: torch.Tensor,  # [T, kv_size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hkv, D]
+        """Per-head views of q and k, normed per head when the family does (Qwen3, Gemma 3)."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
 
     def forward(
         self,
@@ -95,13 +120,12 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = self.split_heads(q, k)  # [T, Hq, D], [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         rotary(positions, q, k)  # in place: q and k are views of the qkv buffer (or the norms')
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        out = self.backend.forward(
+            q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
+        )  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -117,9 +141,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, flags: LlamaDecoderFlags):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        flags: LlamaDecoderFlags,
+        window: int | None = None,
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, flags)
+        self.self_attn = LlamaAttention(cfg, backend, flags, window)
         self.mlp = LlamaMLP(cfg, flags.mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -147,13 +177,20 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class DecoderStack(nn.Module):
+    """What a ``MODEL_CLASS`` holds (HF's ``model.*`` names): embeddings, layers, final norm."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+
+
+class LlamaModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, flags: LlamaDecoderFlags):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, flags) for _ in range(cfg.num_hidden_layers)
-        )
+        windows = layer_windows(cfg.hf_config, cfg.architecture, cfg.num_hidden_layers)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, flags, w) for w in windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -162,17 +199,18 @@ class LlamaForCausalLM(nn.Module):
     QKV_BIAS_ALWAYS = False  # Qwen2: q/k/v carry a bias whatever the config says
     O_BIAS_FOLLOWS_CONFIG = True  # Llama/Qwen3: ``attention_bias`` covers o_proj too
     QK_NORM = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    MODEL_CLASS: type[DecoderStack] = LlamaModel  # the decoder stack (Gemma, OLMo 2: their own)
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend, self.decoder_flags(cfg))
+        self.model = self.MODEL_CLASS(cfg, backend, self.decoder_flags(cfg))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = RotaryEmbedding(
-            cfg.head_dim,
+            int(cfg.head_dim * partial_rotary_factor(cfg.hf_config)),  # the rest passes through
             cfg.rope_theta,
             cfg.rope_scaling,
             cfg.max_position_embeddings,

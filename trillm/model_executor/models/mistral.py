@@ -1,4 +1,4 @@
-"""Mistral: the Llama decoder without attention biases (sliding window is capped by the loader)."""
+"""Mistral: the Llama decoder without attention biases (its sliding window is honoured per layer)."""
 
 from __future__ import annotations
 
