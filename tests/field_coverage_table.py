@@ -350,6 +350,7 @@ _VLLM_FLAGS = {
     "--disable-log-stats": ids(TLS),
     "--disable-uvicorn-access-log": ids(TLS),
     "--log-stats-interval": ids(VF + "test_logs_stats_notes_once_and_no_prompt_by_default"),
+    "--log-format": ids("tests/test_logging_config.py::test_log_format_json_makes_every_record_one_json_object"),
     "--metrics-prefix": ids("tests/test_metrics_vllm.py::test_metrics_prefix_vllm_only"),
     "--restart-on-engine-death": ids(FAULTS + "test_dead_engine_restarts_with_flag"),
     "--load-format": ids(VF + "test_bad_values_refused_with_the_flag_named"),

@@ -292,12 +292,14 @@ def run_serve(args: argparse.Namespace) -> int:
     import trio
 
     from trillm.entrypoints.openai.api_server import run_server
+    from trillm.logging_config import LoggingConfigError, configure_logging
 
-    logging.basicConfig(
-        level=args.log_level.upper() if args.log_level != "trace" else "DEBUG",
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     vllm_flags.check_flags(args.serve_parser, args)
+    try:
+        configure_logging(args.log_level, args.log_format)
+    except (LoggingConfigError, ValueError, TypeError, AttributeError, ImportError) as exc:
+        # dictConfig's own errors are ValueError & co.; the file is the user's: exit 2.
+        args.serve_parser.error(f"logging configuration: {exc}")
     for note in vllm_flags.startup_notes(args):
         logging.getLogger("trillm.server").info(note)
     vllm_flags.apply_download_dir(args.download_dir)

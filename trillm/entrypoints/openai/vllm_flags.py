@@ -155,6 +155,13 @@ def add_logging_flags(p: argparse.ArgumentParser) -> None:
         help="Seconds between stats lines; a line is logged only after activity (default: 10).",
     )  # fmt: skip
     g.add_argument(
+        "--log-format", choices=["text", "json"], default="text",
+        help="text (default) or json: one JSON object per log record (time, level, logger, "
+        "message, exception). TRILLM_LOGGING_CONFIG_PATH / VLLM_LOGGING_CONFIG_PATH (a "
+        "dictConfig JSON file) and TRILLM_CONFIGURE_LOGGING=0 / VLLM_CONFIGURE_LOGGING=0 "
+        "take precedence.",
+    )  # fmt: skip
+    g.add_argument(
         "--disable-uvicorn-access-log", action="store_true",
         help="No HTTP access log lines, even at --log-level debug.",
     )  # fmt: skip
