@@ -25,6 +25,7 @@ SO_UNIT = "tests/test_structured_output.py::"
 REQ = "tests/test_request_fields.py::"
 LOADING = "tests/test_model_loading.py::"
 SO_REASONING = "tests/test_structured_output_reasoning.py::"
+RESP = "tests/test_responses_api.py::"
 
 
 def ids(*node_ids: str) -> tuple[str, ...]:
@@ -394,10 +395,63 @@ _ENGINE_FLAG_FIELDS = {
     "--generation-config": "generation_config", "--trust-remote-code": "trust_remote_code",
 }  # fmt: skip
 
+# /v1/responses (tests/test_responses_api.py)
+_R_TEXT = RESP + "test_text_equals_the_chat_completion"
+_R_SAMPLING = RESP + "test_sampling_fields_reach_the_engine"
+_R_TOOLS = RESP + "test_named_tool_gives_a_function_call_item"
+_R_TOOL_FIELDS = RESP + "test_tool_fields_reach_the_template_and_parallel_tool_calls"
+_R_FORMAT = RESP + "test_text_format_json_schema_constrains_the_output"
+_R_REASONING = RESP + "test_reasoning_effort_gives_a_reasoning_item"
+_R_REFUSED = RESP + "test_refused_fields_are_named"
+_R_EXT = RESP + "test_vllm_extensions_request_id_cache_salt_priority_timeout"
+_RESPONSES = {
+    "ResponsesRequest.input": ids(
+        _R_TEXT, RESP + "test_function_call_history_is_the_chat_tool_history"
+    ),
+    "ResponsesRequest.instructions": ids(_R_TEXT),
+    "ResponsesRequest.model": ids(_R_REFUSED),
+    "ResponsesRequest.max_output_tokens": ids(_R_TEXT, _R_SAMPLING),
+    "ResponsesRequest.temperature": ids(_R_SAMPLING),
+    "ResponsesRequest.top_p": ids(_R_SAMPLING),
+    "ResponsesRequest.stream": ids(RESP + "test_stream_events_in_order_and_deltas_make_the_text"),
+    "ResponsesRequest.tools": ids(_R_TOOLS, _R_TOOL_FIELDS),
+    "ResponsesRequest.tool_choice": ids(_R_TOOLS, _R_TOOL_FIELDS),
+    "ResponsesRequest.parallel_tool_calls": ids(_R_TOOL_FIELDS),
+    "ResponsesRequest.text": ids(_R_FORMAT),
+    "ResponsesRequest.reasoning": ids(_R_REASONING),
+    "ResponsesRequest.metadata": ids(_R_SAMPLING),
+    "ResponsesRequest.user": ids(_R_SAMPLING),
+    "ResponsesRequest.store": ids(_R_REFUSED),
+    "ResponsesRequest.truncation": ids(_R_REFUSED),
+    "ResponsesRequest.service_tier": ids(_R_REFUSED),
+    "ResponsesRequest.request_id": ids(_R_EXT),
+    "ResponsesRequest.priority": ids(_R_EXT),
+    "ResponsesRequest.cache_salt": ids(_R_EXT),
+    "ResponsesRequest.timeout": ids(_R_EXT),
+    "ResponsesFunctionTool.type": ids(_R_REFUSED),
+    "ResponsesFunctionTool.name": ids(_R_TOOLS),
+    "ResponsesFunctionTool.description": ids(_R_TOOL_FIELDS),
+    "ResponsesFunctionTool.parameters": ids(_R_TOOLS),
+    "ResponsesFunctionTool.strict": ids(_R_TOOL_FIELDS),
+    "ResponsesToolChoiceFunction.type": ids(_R_REFUSED),
+    "ResponsesToolChoiceFunction.name": ids(_R_TOOLS, _R_REFUSED),
+    "ResponsesText.format": ids(_R_FORMAT),
+    "ResponsesText.verbosity": ids(_R_REFUSED),
+    "ResponsesTextFormat.type": ids(_R_FORMAT),
+    "ResponsesTextFormat.name": ids(_R_FORMAT),
+    "ResponsesTextFormat.schema": ids(_R_FORMAT, _R_REFUSED),
+    "ResponsesTextFormat.description": ids(_R_FORMAT),
+    "ResponsesTextFormat.strict": ids(_R_FORMAT),
+    "ResponsesReasoning.effort": ids(_R_REASONING, _R_REFUSED),
+    "ResponsesReasoning.summary": ids(_R_REFUSED),
+    "ResponsesReasoning.generate_summary": ids(_R_REFUSED),
+}
+
 COVERAGE: dict[str, tuple[str, ...]] = {
     **{f"ChatCompletionRequest.{k}": v for k, v in {**_SAMPLING, **_CHAT}.items()},
     **{f"CompletionRequest.{k}": v for k, v in {**_SAMPLING, **_COMPLETION}.items()},
     **_NESTED,
+    **_RESPONSES,
     **{f"SamplingParams.{k}": v for k, v in _PARAMS.items()},
     **{f"StructuredOutputsParams.{k}": v for k, v in _SO_PARAMS.items()},
     **{f"EngineArgs.{k}": v for k, v in _ENGINE.items()},

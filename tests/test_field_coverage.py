@@ -89,7 +89,7 @@ def serve_flags() -> set[str]:
 @functools.cache
 def all_keys() -> frozenset[str]:
     from trillm.config import EngineArgs
-    from trillm.entrypoints.openai import protocol
+    from trillm.entrypoints.openai import protocol, protocol_responses
     from trillm.sampling_params import SamplingParams
 
     requests = _fields(
@@ -97,6 +97,7 @@ def all_keys() -> frozenset[str]:
         protocol.CompletionRequest,
         protocol.TokenizeRequest,
         protocol.DetokenizeRequest,
+        protocol_responses.ResponsesRequest,
     )
     return frozenset(requests | _fields(SamplingParams) | _fields(EngineArgs) | serve_flags())
 

@@ -1,8 +1,10 @@
-"""vLLM's deployment endpoints and the per-request log (issue 16).
+"""vLLM's deployment endpoints, /v1/responses and the per-request log (issue 16).
 
 - ``/ping`` (GET and POST): SageMaker's health check, the same answer as ``/health``;
 - ``/invocations`` (POST): SageMaker's one inference route: a body with ``messages`` is a chat
   completion, one with ``prompt`` a completion (vLLM's rule), anything else a 400;
+- ``/v1/responses`` (POST): OpenAI's Responses API (``serving_responses.py``); GET
+  ``/v1/responses/{id}`` is a 404 that says why (nothing is stored);
 - ``/load`` (GET): ``{"server_load": N}``, the generation requests in flight, a stream until
   its last byte (vLLM's load endpoint);
 - ``--enable-log-requests``: a line when a generation request is accepted (prompt or
@@ -22,20 +24,22 @@ from typing import Any
 import orjson
 from quart import request
 
-from trillm.entrypoints.openai.errors import BadRequestError
+from trillm.entrypoints.openai.errors import BadRequestError, NotFoundError
 from trillm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     structure_body,
 )
+from trillm.entrypoints.openai.protocol_responses import parse_request
 from trillm.entrypoints.openai.serving_chat import create_chat_completion
 from trillm.entrypoints.openai.serving_completion import create_completion
+from trillm.entrypoints.openai.serving_responses import create_response
 
 logger = logging.getLogger("trillm.requests")
 
 # Body fields a request log line leaves out: the prompt itself (shown truncated apart) and
 # the bulky structures (only their size is shown).
-_PROMPT_FIELDS = ("prompt", "messages")
+_PROMPT_FIELDS = ("prompt", "messages", "input", "instructions")
 _BULKY_FIELDS = ("tools", "response_format", "structured_outputs", "logit_bias",
                  "chat_template", "documents")  # fmt: skip
 
@@ -60,7 +64,7 @@ class RequestLog:
 
     def received(self, kind: str, body: dict[str, Any]) -> int:
         number = next(self.ids)
-        prompt = body.get("messages", body.get("prompt"))
+        prompt = body.get("messages", body.get("prompt", body.get("input")))
         shown = prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
         params = {k: v for k, v in body.items() if k not in _PROMPT_FIELDS + _BULKY_FIELDS}
         for name in _BULKY_FIELDS:
@@ -74,7 +78,9 @@ class RequestLog:
     def finished(self, number: int, result: Any, start: float) -> None:
         elapsed = time.perf_counter() - start
         if isinstance(result, dict):
-            reasons = [c.get("finish_reason") for c in result.get("choices", [])]
+            reasons = [c.get("finish_reason") for c in result.get("choices", [])] or [
+                result.get("status")  # a /v1/responses body
+            ]
             logger.info("Finished request #%d %s: finish_reason %s, usage %s, %.3f s", number,
                         result.get("id"), reasons, result.get("usage"), elapsed)  # fmt: skip
         else:
@@ -112,6 +118,11 @@ class Dispatcher:
         req = await structure_body(CompletionRequest, body, request.content_length)
         return await self._run("completion", body, create_completion(self.state, req),
                                req.n, req.max_tokens, _prompt_count(req.prompt))  # fmt: skip
+
+    async def responses(self, body: dict[str, Any]) -> Any:
+        req = await parse_request(body, request.content_length)
+        return await self._run("responses", body, create_response(self.state, req), 1,
+                               req.max_output_tokens, 1)  # fmt: skip
 
     async def invocation(self, body: dict[str, Any]) -> Any:
         """SageMaker's /invocations: the body's shape picks the API, as vLLM does."""
@@ -174,7 +185,19 @@ class Dispatcher:
 
 def install(app: Any, state: Any, dispatcher: Dispatcher, json_body: Callable[[], Any],
             health: Callable[[], Awaitable[Any]], json_response: Callable[..., Any]) -> None:  # fmt: skip
-    """/ping, /invocations and /load on ``app``."""
+    """/ping, /invocations, /load and /v1/responses on ``app``."""
+
+    @app.post("/v1/responses")
+    async def responses() -> Any:
+        return await dispatcher.responses(await json_body())
+
+    @app.get("/v1/responses/<response_id>")
+    async def get_response(response_id: str) -> Any:
+        raise NotFoundError(
+            f"No response {response_id!r}: responses are not stored on this server ('store' "
+            "must be false), so none can be retrieved.",
+            "response_id",
+        )
 
     @app.route("/ping", methods=["GET", "POST"])
     async def ping() -> Any:

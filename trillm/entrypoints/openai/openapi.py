@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 import attrs
 
 import trillm
-from trillm.entrypoints.openai import protocol
+from trillm.entrypoints.openai import protocol, protocol_responses
 from trillm.sampling_params import FLOAT32_MAX, INT64_MAX, INT64_MIN
 
 _REQUESTS = {
@@ -22,6 +22,7 @@ _REQUESTS = {
     "CompletionRequest": protocol.CompletionRequest,
     "TokenizeRequest": protocol.TokenizeRequest,
     "DetokenizeRequest": protocol.DetokenizeRequest,
+    "ResponsesRequest": protocol_responses.ResponsesRequest,
 }
 _LIMIT_KEYS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "max_chars": "maxLength"}
 
@@ -262,6 +263,8 @@ def _response_components() -> dict[str, Any]:
             ["count", "max_model_len", "tokens"],
         ),  # fmt: skip
         "DetokenizeResponse": _obj({"prompt": _STR}, ["prompt"]),
+        **_responses_components(),
+        "ServerLoad": _obj({"server_load": _INT}, ["server_load"]),
         "VersionResponse": _obj({"version": _STR}, ["version"]),
         "Error": _obj(
             {
@@ -273,6 +276,67 @@ def _response_components() -> dict[str, Any]:
             ["error"],
         ),
     }
+
+
+def _responses_components() -> dict[str, Any]:
+    """The Responses API's Response object and its stream events (serving_responses.py)."""
+    usage = _obj(
+        {
+            "input_tokens": _INT,
+            "input_tokens_details": _obj({"cached_tokens": _INT}),
+            "output_tokens": _INT,
+            "output_tokens_details": _obj({"reasoning_tokens": _INT}),
+            "total_tokens": _INT,
+        },
+        ["input_tokens", "output_tokens", "total_tokens"],
+    )
+    part = _obj({"type": {"enum": ["output_text", "reasoning_text"]}, "text": _STR}, ["type"])
+    item = _obj(
+        {
+            "id": _STR,
+            "type": {"enum": ["message", "reasoning", "function_call"]},
+            "status": _STR,
+            "role": _STR,
+            "content": {"type": "array", "items": part},
+            "summary": {"type": "array"},
+            "call_id": _STR,
+            "name": _STR,
+            "arguments": _STR,
+        },
+        ["id", "type"],
+    )
+    response = _obj(
+        {
+            "id": _STR,
+            "object": {"const": "response"},
+            "created_at": _INT,
+            "status": {"enum": ["in_progress", "completed", "incomplete"]},
+            "incomplete_details": {"type": ["object", "null"]},
+            "model": _STR,
+            "output": {"type": "array", "items": _ref("ResponseOutputItem")},
+            "usage": {"anyOf": [_ref("ResponseUsage"), {"type": "null"}]},
+            "metadata": {"type": "object", "additionalProperties": _STR},
+        },
+        ["id", "object", "created_at", "status", "model", "output"],
+    )
+    event = _obj(
+        {
+            "type": _STR,
+            "sequence_number": _INT,
+            "response": _ref("Response"),
+            "item": _ref("ResponseOutputItem"),
+            "part": part,
+            "item_id": _STR,
+            "output_index": _INT,
+            "content_index": _INT,
+            "delta": _STR,
+            "text": _STR,
+            "arguments": _STR,
+        },
+        ["type", "sequence_number"],
+    )
+    return {"ResponseUsage": usage, "ResponseOutputItem": item, "Response": response,
+            "ResponseStreamEvent": event}  # fmt: skip
 
 
 # ---------------------------------------------------------------- paths
@@ -314,6 +378,36 @@ def _generate_op(summary: str, request: str, response: str, chunk: str) -> dict[
                         **_json(response),
                         "text/event-stream": {"schema": _sse_event(chunk)},
                     },
+                },
+                **_errors(400, 401, 404, 413, 500, 503),
+            },
+        }
+    }
+
+
+def _responses_op() -> dict[str, Any]:
+    event = {
+        "type": "object",
+        "properties": {
+            "event": _STR,
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": _ref("ResponseStreamEvent"),
+            },  # fmt: skip
+        },
+        "required": ["event", "data"],
+    }
+    return {
+        "post": {
+            "summary": "OpenAI Responses API (text, function tools, reasoning items)",
+            "requestBody": {"required": True, "content": _json("ResponsesRequest")},
+            "responses": {
+                "200": {
+                    "description": "A Response, or with stream=true an SSE stream of typed "
+                    "events (response.created ... response.completed), each with its "
+                    "sequence_number; no [DONE].",
+                    "content": {**_json("Response"), "text/event-stream": {"schema": event}},
                 },
                 **_errors(400, 401, 404, 413, 500, 503),
             },
@@ -366,6 +460,61 @@ def build_spec() -> dict[str, Any]:
         "/detokenize": _simple_post(
             "Token ids to text", "DetokenizeRequest", "DetokenizeResponse"
         ),  # fmt: skip
+        "/v1/responses": _responses_op(),
+        "/v1/responses/{response_id}": {
+            "get": {
+                "summary": "Always 404: responses are not stored ('store' must be false)",
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": _STR}
+                ],  # fmt: skip
+                "responses": _errors(404),
+            }
+        },
+        "/invocations": {
+            "post": {
+                "summary": "SageMaker's inference route: a chat completion body (with "
+                "'messages') or a completion body (with 'prompt')",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "anyOf": [_ref("ChatCompletionRequest"), _ref("CompletionRequest")]
+                            }
+                        }
+                    },
+                },  # fmt: skip
+                "responses": {
+                    "200": {
+                        "description": "As /v1/chat/completions or /v1/completions",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "anyOf": [
+                                        _ref("ChatCompletionResponse"),
+                                        _ref("CompletionResponse"),
+                                    ]
+                                }
+                            }
+                        },
+                    },  # fmt: skip
+                    **_errors(400, 404, 413, 503),
+                },
+            }
+        },
+        "/ping": {
+            op: {
+                "summary": "SageMaker's health check: the same answer as /health",
+                "responses": {"200": {"description": "Ready"}, **_errors(503)},
+            }
+            for op in ("get", "post")
+        },
+        "/load": {
+            "get": {
+                "summary": "The generation requests in flight (streams until their last byte)",
+                "responses": {"200": {"description": "OK", "content": _json("ServerLoad")}},
+            }
+        },
         "/health": {
             "get": {
                 "summary": "200 once the engine is serving; 503 while not ready or draining",

@@ -45,6 +45,17 @@ DONE = b"data: [DONE]\n\n"
 async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest
 ) -> dict[str, Any] | AsyncIterator[bytes]:
+    ctx, gen = await start_chat(state, req)
+    if req.stream:
+        return guard_stream(gen, ctx.stream(gen))
+    return await ctx.full(gen)
+
+
+async def start_chat(
+    state: ServerState, req: ChatCompletionRequest
+) -> tuple[ChatContext, Generation]:
+    """Check, render, tokenize and submit a chat; the context reads the generation (its
+    ``full`` or ``stream``, or another API's reader: /v1/responses)."""
     state.check_model(req.model)
     tools = plan_tools(state, req)
     try:
@@ -54,7 +65,7 @@ async def create_chat_completion(
     params = prepared.params
     prompt_ids = prepared.prompt_token_ids
     request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    ctx = _ChatContext(state, req, params, request_id, prompt_ids)
+    ctx = ChatContext(state, req, params, request_id, prompt_ids)
     reasoning = reasoning_factory(state, req, prompt_text)
     if tools.parser is not None or reasoning is not None:
         ctx.parser = lambda: ChoiceParser(tools, reasoning, req.include_reasoning)
@@ -62,9 +73,7 @@ async def create_chat_completion(
         gen = await start_generation(state, [prepared], request_id, timeout=req.timeout)
     except BadRequestError as exc:
         raise tools.blame(exc) from None  # a tool schema that does not compile names the tool
-    if req.stream:
-        return guard_stream(gen, ctx.stream(gen))
-    return await ctx.full(gen)
+    return ctx, gen
 
 
 async def _prepare(
@@ -151,7 +160,7 @@ def _echo_text(req: ChatCompletionRequest) -> str:
     return "".join(part.text or "" for part in last.content if part.type == "text")
 
 
-class _ChatContext:
+class ChatContext:
     def __init__(
         self,
         state: ServerState,

@@ -1,0 +1,394 @@
+"""POST /v1/responses (OpenAI's Responses API) on the chat path.
+
+A Responses request is turned into the chat request it means (``input`` items into messages,
+``instructions`` into a system message, function tools, ``text.format`` into
+``response_format``, ``reasoning.effort`` into the template's ``reasoning_effort``), run by the
+chat pipeline (``serving_chat.start_chat``: the same rendering, checks, tool and reasoning
+parsing), and its output told as Responses output items: ``reasoning`` (with
+--reasoning-parser), ``message`` (``output_text``) and ``function_call``. Streaming events are
+written by ``responses_stream.py``. Responses are not stored (``store`` is refused when true).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from trillm.entrypoints.openai.errors import APIError, BadRequestError
+from trillm.entrypoints.openai.generation import guard_stream
+from trillm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTool,
+    FunctionCall,
+    FunctionDefinition,
+    JsonSchemaSpec,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    TextPart,
+    ToolCall,
+)
+from trillm.entrypoints.openai.protocol_responses import ResponsesRequest
+from trillm.entrypoints.openai.serving_base import ServerState
+from trillm.entrypoints.openai.serving_chat import start_chat
+
+# Roles an input message may have; "developer" is told to the template as "system" (chat
+# templates know no developer role).
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = {"input_text", "output_text", "text"}
+
+
+async def create_response(
+    state: ServerState, req: ResponsesRequest
+) -> dict[str, Any] | AsyncIterator[bytes]:
+    from trillm.entrypoints.openai.responses_stream import ResponseStream
+
+    chat = to_chat_request(req)
+    try:
+        ctx, gen = await start_chat(state, chat)
+    except APIError as exc:
+        raise rename_param(exc) from None
+    built = ResponseBuilder(state, req, ctx.request_id)
+    if req.stream:
+        return guard_stream(gen, ResponseStream(built, ctx).events(gen))
+    body = await ctx.full(gen)
+    return built.from_chat(body)
+
+
+# ---------------------------------------------------------------- request -> chat request
+
+
+def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    messages = to_messages(req.input)
+    if req.instructions is not None:
+        messages.insert(0, ChatMessage(role="system", content=req.instructions))
+    fmt = req.text.format if req.text is not None else None
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    return ChatCompletionRequest(
+        messages=messages,
+        model=req.model,
+        max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        tools=_chat_tools(req),
+        tool_choice=_chat_tool_choice(req),
+        parallel_tool_calls=req.parallel_tool_calls,
+        response_format=None
+        if fmt is None
+        else ResponseFormat(
+            type=fmt.type,
+            json_schema=None
+            if fmt.type != "json_schema"
+            else JsonSchemaSpec(
+                name=fmt.name or "response",
+                schema=fmt.schema,
+                description=fmt.description,
+                strict=fmt.strict,
+            ),
+        ),
+        chat_template_kwargs=None if effort is None else {"reasoning_effort": effort},
+        user=req.user,
+        request_id=req.request_id or f"resp_{uuid.uuid4().hex}",
+        priority=req.priority,
+        cache_salt=req.cache_salt,
+        timeout=req.timeout,
+    )
+
+
+def _chat_tools(req: ResponsesRequest) -> list[ChatTool] | None:
+    if req.tools is None:
+        return None
+    return [
+        ChatTool(function=FunctionDefinition(t.name, t.description, t.parameters, t.strict))
+        for t in req.tools
+    ]
+
+
+def _chat_tool_choice(req: ResponsesRequest) -> str | NamedToolChoice | None:
+    choice = req.tool_choice
+    if choice is None or isinstance(choice, str):
+        return choice
+    return NamedToolChoice(function=NamedFunction(name=choice.name))
+
+
+def to_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
+    """``input`` as chat messages: a string is one user message; a list holds message items
+    (role + text content), ``function_call`` items (an assistant turn's tool calls),
+    ``function_call_output`` items (tool results) and ``reasoning`` items (the next
+    assistant turn's reasoning). Anything else is a 400 naming the item."""
+    if isinstance(items, str):
+        return [ChatMessage(role="user", content=items)]
+    if not items:
+        raise BadRequestError("'input' must not be empty.", "input")
+    messages: list[ChatMessage] = []
+    reasoning: str | None = None  # a reasoning item waiting for its assistant turn
+    for i, item in enumerate(items):
+        path = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role, content = _message(item, path)
+            msg = ChatMessage(role=role, content=content)
+            if role == "assistant" and reasoning is not None:
+                msg.reasoning_content, reasoning = reasoning, None
+            messages.append(msg)
+        elif kind == "function_call":
+            call = ToolCall(
+                id=_str(item, "call_id", path),
+                function=FunctionCall(
+                    name=_str(item, "name", path), arguments=_str(item, "arguments", path)
+                ),
+            )
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":  # one turn, several calls
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            if reasoning is not None:
+                messages[-1].reasoning_content, reasoning = reasoning, None
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                raise BadRequestError(f"'{path}.output' must be a string.", f"{path}.output")
+            messages.append(
+                ChatMessage(role="tool", content=output, tool_call_id=_str(item, "call_id", path))
+            )
+        elif kind == "reasoning":
+            reasoning = (reasoning or "") + _reasoning_text(item, path)
+        else:
+            raise BadRequestError(
+                f"Input items of type {kind!r} are not supported (message, function_call, "
+                "function_call_output and reasoning are).",
+                f"{path}.type",
+            )
+    if reasoning is not None:  # reasoning of a turn with no content or calls given
+        messages.append(ChatMessage(role="assistant", content="", reasoning_content=reasoning))
+    return messages
+
+
+def _str(item: dict[str, Any], name: str, path: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise BadRequestError(f"'{path}.{name}' must be a string.", f"{path}.{name}")
+    return value
+
+
+def _message(item: dict[str, Any], path: str) -> tuple[str, str | list[TextPart]]:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise BadRequestError(
+            f"'{path}.role' must be one of {', '.join(_ROLES)}, got {role!r}.", f"{path}.role"
+        )
+    content = item.get("content")
+    if isinstance(content, str):
+        return _ROLES[role], content
+    if not isinstance(content, list):
+        raise BadRequestError(
+            f"'{path}.content' must be a string or an array of text parts.", f"{path}.content"
+        )
+    parts = []
+    for j, part in enumerate(content):
+        ppath = f"{path}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise BadRequestError(
+                f"Content parts of type {kind!r} are not supported (only text: input_text, "
+                "output_text); this server serves text-only models.",
+                f"{ppath}.type",
+            )
+        parts.append(TextPart(type="text", text=_str(part, "text", ppath)))
+    return _ROLES[role], parts
+
+
+def _reasoning_text(item: dict[str, Any], path: str) -> str:
+    texts = []
+    for key in ("content", "summary"):
+        for j, part in enumerate(item.get(key) or []):
+            texts.append(_str(part, "text", f"{path}.{key}[{j}]") if isinstance(part, dict) else "")
+    return "".join(texts)
+
+
+# The chat request's parameter names, as the Responses request calls them.
+_PARAM_NAMES = (
+    ("messages", "input"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format", "text.format"),
+    ("structured_outputs", "text.format"),
+)
+
+
+def rename_param(exc: APIError) -> APIError:
+    """An error from the chat path, its ``param`` named as the Responses request names it."""
+    param = exc.param
+    if not param:
+        return exc
+    for chat_name, name in _PARAM_NAMES:
+        if (
+            param == chat_name
+            or param.startswith(chat_name + ".")
+            or param.startswith(chat_name + "[")
+        ):
+            exc.param = name + param[len(chat_name) :]
+            return exc
+    if param.startswith("tools[") and ".function." in param:
+        exc.param = param.replace(".function.", ".", 1)
+    elif param.startswith("tool_choice.function."):
+        exc.param = param.replace("tool_choice.function.", "tool_choice.", 1)
+    return exc
+
+
+# ---------------------------------------------------------------- chat output -> response
+
+
+class ResponseBuilder:
+    """The Response object: its fixed fields (the request's, echoed) and its output items."""
+
+    def __init__(self, state: ServerState, req: ResponsesRequest, response_id: str) -> None:
+        self.state = state
+        self.req = req
+        self.id = response_id
+        self.created_at = int(time.time())
+
+    def body(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
+        req = self.req
+        incomplete = None
+        if finish_reason == "length":
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        elif finish_reason in ("abort", "timeout"):
+            status, incomplete = "incomplete", {"reason": finish_reason}
+        fmt = req.text.format if req.text is not None else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "model": self.state.model_name,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": None,
+            "reasoning": {
+                "effort": req.reasoning.effort if req.reasoning else None,
+                "summary": None,
+            },  # fmt: skip
+            "service_tier": "default",
+            "store": False,
+            "temperature": req.temperature,
+            "text": {"format": _format_json(fmt)},
+            "tool_choice": _tool_choice_json(req),
+            "tools": [
+                {
+                    "type": "function",
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                    "strict": t.strict,
+                }
+                for t in req.tools or []
+            ],  # fmt: skip
+            "top_p": req.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": req.user,
+            "metadata": req.metadata or {},
+            "background": False,
+        }
+
+    def usage(self, chat_usage: dict[str, Any], reasoning_text: str) -> dict[str, Any]:
+        # NOTE: the reasoning's token count is its text re-tokenized: the parser splits text,
+        # not token ids (the count can differ by a token at the boundary).
+        reasoning_tokens = (
+            len(self.state.tokenizer.encode(reasoning_text, add_special_tokens=False))
+            if reasoning_text
+            else 0
+        )
+        return {
+            "input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {
+                "cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]
+            },
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": chat_usage["total_tokens"],
+        }
+
+    def from_chat(self, chat: dict[str, Any]) -> dict[str, Any]:
+        choice = chat["choices"][0]
+        message = choice["message"]
+        output: list[dict[str, Any]] = []
+        reasoning = message.get("reasoning_content") or ""
+        if reasoning:
+            output.append(reasoning_item(new_id("rs"), reasoning, "completed"))
+        if message.get("content"):
+            output.append(message_item(new_id("msg"), message["content"], "completed"))
+        for call in message.get("tool_calls") or []:
+            fn = call["function"]
+            output.append(
+                function_call_item(
+                    new_id("fc"), call["id"], fn["name"], fn["arguments"], "completed"
+                )  # fmt: skip
+            )
+        usage = self.usage(chat["usage"], reasoning)
+        return self.body("completed", output, usage, choice["finish_reason"])
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [text_part(text)]
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
+            "content": content}  # fmt: skip
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [reasoning_part(text)]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content,
+            "status": status}  # fmt: skip
+
+
+def function_call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str
+) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+def _format_json(fmt: Any) -> dict[str, Any]:
+    if fmt is None:
+        return {"type": "text"}
+    if fmt.type != "json_schema":
+        return {"type": fmt.type}
+    return {"type": "json_schema", "name": fmt.name or "response", "schema": fmt.schema,
+            "description": fmt.description, "strict": fmt.strict}  # fmt: skip
+
+
+def _tool_choice_json(req: ResponsesRequest) -> Any:
+    choice = req.tool_choice
+    if choice is None:
+        return "auto" if req.tools else "none"
+    if isinstance(choice, str):
+        return choice
+    return {"type": "function", "name": choice.name}
