@@ -30,6 +30,10 @@ CASES = {
     "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {}),
     "mistral-window": ("mistral", {"sliding_window": 8}),
+    "phi3": ("phi3", {}),
+    "olmo2": ("olmo2", {}),
+    "gpt_neox": ("gpt_neox", {}),
+    "gpt_neox-sequential": ("gpt_neox", {"use_parallel_residual": False}),
 }
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

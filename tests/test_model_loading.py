@@ -102,6 +102,28 @@ def test_rope_parameters_fill_original_max():
 def test_unknown_rope_type():
     with pytest.raises(ValueError, match="Unsupported rope type 'longrope'; supported: default"):
         parse_rope({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}})
+    with pytest.raises(ValueError, match="Unsupported rope type 'su'"):  # Phi-3's older name
+        parse_rope({"rope_scaling": {"type": "su", "short_factor": [1.0]}})
+
+
+def test_rope_per_layer_type_reads_the_global_layers():
+    hf = {
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 100.0, "factor": 2.0},
+        }
+    }
+    assert parse_rope(hf) == (100.0, {"rope_type": "linear", "factor": 2.0})
+
+
+def test_flashinfer_refuses_a_model_with_windows_or_softcap():
+    from trillm.attention.backend import UnsupportedAttentionFeatureError, check_backend_supports
+    from trillm.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    check_backend_supports(FlashInferAttentionBackend, None, None)  # plain layers: fine
+    for window, softcap in ((8, None), (None, 50.0)):
+        with pytest.raises(UnsupportedAttentionFeatureError, match="flashinfer attention backend"):
+            check_backend_supports(FlashInferAttentionBackend, window, softcap)
 
 
 @pytest.mark.parametrize(
@@ -228,10 +250,11 @@ def test_unsupported_architecture(llama_dir, tmp_path):
     _rewrite_config(folder, architectures=["GPT2LMHeadModel"])
     with pytest.raises(
         UnsupportedArchitectureError,
-        match="'GPT2LMHeadModel' is not supported; supported architectures: Gemma2ForCausalLM, "
-        "Gemma3ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, MistralForCausalLM, ",
-    ):
+        match="'GPT2LMHeadModel' is not supported; supported architectures: GPTNeoXForCausalLM, ",
+    ) as raised:
         load_model_config(EngineArgs(model=str(folder), device="cpu"))
+    for name in ("GPTNeoXForCausalLM", "LlamaForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM"):
+        assert name in str(raised.value)
 
 
 @pytest.mark.parametrize(

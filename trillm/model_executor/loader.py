@@ -208,7 +208,9 @@ def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if isinstance(params.get(FULL), dict):  # per layer type (Gemma 3): the global layers'
         return parse_rope({**hf, "rope_parameters": params[FULL]})
     params.pop("partial_rotary_factor", None)  # see layer_types.partial_rotary_factor
-    rope_theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    # GPT-NeoX's transformers-4 configs name the base ``rotary_emb_base``
+    default_theta = hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0))
+    rope_theta = float(params.pop("rope_theta", default_theta))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:

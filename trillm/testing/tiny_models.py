@@ -59,6 +59,9 @@ ARCHES: dict[str, dict[str, Any]] = {
             "full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0},
         },
     ),
+    "phi3": dict(sliding_window=8, partial_rotary_factor=0.5),
+    "olmo2": dict(),
+    "gpt_neox": dict(num_key_value_heads=4, hidden_act="gelu"),  # no GQA in GPT-NeoX
 }
 
 CONFIG_CLASSES = {
@@ -69,6 +72,9 @@ CONFIG_CLASSES = {
     "gemma": "GemmaConfig",
     "gemma2": "Gemma2Config",
     "gemma3": "Gemma3TextConfig",
+    "phi3": "Phi3Config",
+    "olmo2": "Olmo2Config",
+    "gpt_neox": "GPTNeoXConfig",
 }
 MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -78,6 +84,9 @@ MODEL_CLASSES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
 }
 
 

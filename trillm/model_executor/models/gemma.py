@@ -9,8 +9,6 @@ RoPE base for its sliding-window (local) layers.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,11 +18,11 @@ from trillm.config import ModelConfig
 from trillm.model_executor.layer_types import SLIDING, layer_windows
 from trillm.model_executor.layers.rotary import RotaryEmbedding
 from trillm.model_executor.loader import parse_rope
+from trillm.model_executor.models.decoder import ResidualStreamCausalLM
 from trillm.model_executor.models.llama import (
     DecoderStack,
     LlamaAttention,
     LlamaDecoderFlags,
-    LlamaForCausalLM,
     LlamaMLP,
 )
 
@@ -107,20 +105,18 @@ class GemmaModel(DecoderStack):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, flags: LlamaDecoderFlags):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         windows = layer_windows(cfg.hf_config, cfg.architecture, cfg.num_hidden_layers)
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(cfg, backend, flags, w, self.SANDWICH) for w in windows
-        )
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        layers = (GemmaDecoderLayer(cfg, backend, flags, w, self.SANDWICH) for w in windows)
+        self.assemble(cfg, layers, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
 
 class Gemma2Model(GemmaModel):
     SANDWICH = True
 
 
-class GemmaForCausalLM(LlamaForCausalLM):
+class GemmaForCausalLM(ResidualStreamCausalLM):
     MODEL_CLASS = GemmaModel
+    SCALE_EMBEDDINGS = True
     ACTIVATIONS = tuple(_GELU)
 
     def __init__(
@@ -130,21 +126,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.local_rotary = self.rotary  # Gemma 3 gives its sliding-window layers their own
         self.final_softcap = cfg.hf_config.get("final_logit_softcapping")
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        hidden = self.model.embed_tokens(input_ids)
-        # NOTE: the scale rounded to the run's dtype first, as transformers does
-        hidden = hidden * torch.tensor(math.sqrt(self.config.hidden_size), dtype=hidden.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            assert isinstance(layer, GemmaDecoderLayer)
-            rotary = self.rotary if layer.self_attn.window is None else self.local_rotary
-            hidden = layer(positions, hidden, rotary, kv_cache, meta)
-        return self.model.norm(hidden)
+    def rotary_for(self, layer: nn.Module) -> RotaryEmbedding:
+        assert isinstance(layer, GemmaDecoderLayer)
+        return self.rotary if layer.self_attn.window is None else self.local_rotary
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
         logits = self.lm_head(hidden)

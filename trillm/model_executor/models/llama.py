@@ -184,6 +184,11 @@ class DecoderStack(nn.Module):
     layers: nn.ModuleList
     norm: nn.Module
 
+    def assemble(self, cfg: ModelConfig, layers: Iterable[nn.Module], norm: nn.Module) -> None:
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
 
 class LlamaModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, flags: LlamaDecoderFlags):

@@ -1,0 +1,13 @@
+"""Phi-3: the Llama decoder as is. Its checkpoint already fuses q/k/v (``qkv_proj``) and
+gate/up (``gate_up_proj``) in the order trillm stacks them, so they load by name; a
+``sliding_window`` covers every layer; RoPE may turn only part of each head
+(``partial_rotary_factor``). "longrope" / "su" rope scaling is refused by the loader."""
+
+from __future__ import annotations
+
+from trillm.model_executor.models.llama import LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    O_BIAS_FOLLOWS_CONFIG = False
+    PARTIAL_ROTARY = True
