@@ -25,6 +25,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cpu_bf16_tiles.h"
 #include "cpu_common.h"
 
 namespace py = pybind11;
@@ -57,11 +58,6 @@ bool cpu_has_amx_bf16() {
 #endif
 }
 
-// The AVX-512 code lives only in functions with this attribute (no pragma region): an inline
-// std:: template instantiated inside such a region could be the copy the linker keeps for the
-// generic code too.
-#define TRILLM_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
 struct Gemm {
   const uint16_t* x;  // bf16 rows, stride ldx (elements)
   int64_t ldx;
@@ -72,31 +68,6 @@ struct Gemm {
   int M, N, K;
   bool y_bf16;
 };
-
-// Stores 64 fp32 sums (four vectors) as fp32 or bf16 (round to nearest even), the first
-// `cols` of them.
-TRILLM_BF16_TARGET inline __attribute__((always_inline)) void store_row(const __m512* acc,
-                                                                       void* y, bool y_bf16,
-                                                                       int cols) {
-  if (y_bf16) {
-    uint16_t* out = static_cast<uint16_t*>(y);
-    for (int v = 0; v < 4; ++v) {
-      const int left = cols - 16 * v;
-      if (left <= 0) break;
-      const __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[v]);
-      const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-      _mm256_mask_storeu_epi16(out + 16 * v, mask, h);
-    }
-  } else {
-    float* out = static_cast<float*>(y);
-    for (int v = 0; v < 4; ++v) {
-      const int left = cols - 16 * v;
-      if (left <= 0) break;
-      const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-      _mm512_mask_storeu_ps(out + 16 * v, mask, acc[v]);
-    }
-  }
-}
 
 // y[0..R, 0..cols) = x[0..R, :] . panel (+ bias).
 template <int R>
@@ -175,19 +146,6 @@ TRILLM_BF16_TARGET void panels(const Gemm& g, int first, int last) {
   }
 }
 
-// fp32 rows -> bf16 rows (round to nearest even; NaN stays NaN), n values.
-TRILLM_BF16_TARGET void to_bf16(const float* in, uint16_t* out, int n) {
-  int i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
-  if (i < n) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(mask, in + i);
-    _mm256_mask_storeu_epi16(out + i, mask, (__m256i)_mm512_cvtneps_pbh(v));
-  }
-}
-
 int num_panels(int N) { return (N + kCols - 1) / kCols; }
 
 // bf16 values in the packed copy of an [N, K] weight.
@@ -230,16 +188,9 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   std::vector<uint16_t> converted;
   py::gil_scoped_release release;
   if (!x_bf16) {
-    // fp32 x: to bf16 once, rows padded to an even length (the pad is never read).
-    const int64_t ld = K + (K & 1);
-    converted.resize(static_cast<size_t>(M) * ld);
-    const float* xf = reinterpret_cast<const float*>(x);
-    const int chunks = threads <= 1 ? 1 : std::min(M, 4 * threads);
-    run_items(threads, chunks, [&](int c) {
-      const int r0 = static_cast<int>(static_cast<int64_t>(M) * c / chunks);
-      const int r1 = static_cast<int>(static_cast<int64_t>(M) * (c + 1) / chunks);
-      for (int r = r0; r < r1; ++r) to_bf16(xf + r * ldx, converted.data() + r * ld, K);
-    });
+    // fp32 x: to bf16 once, rows padded to an even length.
+    const int64_t ld = rows_to_bf16(threads, reinterpret_cast<const float*>(x), M, K, ldx,
+                                    converted);
     g.x = converted.data();
     g.ldx = ld;
   }

@@ -24,6 +24,7 @@ UNITS = "tests/test_server_units.py::"
 SO_UNIT = "tests/test_structured_output.py::"
 REQ = "tests/test_request_fields.py::"
 LOADING = "tests/test_model_loading.py::"
+FP8 = "tests/test_quantization_fp8.py::"
 SO_REASONING = "tests/test_structured_output_reasoning.py::"
 RESP = "tests/test_responses_api.py::"
 
@@ -280,6 +281,10 @@ _ENGINE = {
     # structured outputs constrain only after </think>; a tokenizer without it is refused
     "reasoning_parser": ids(SO_REASONING + "test_engine_constrains_only_after_the_reasoning",
                             SO_REASONING + "test_llm_engine_argument_and_refusal"),
+    # fp8 weights change the output (close to, not equal to, unquantized); others refused
+    "quantization": ids(FP8 + "test_quantized_model_stays_close_to_the_unquantized_one",
+                        FP8 + "test_pack_quantizes_every_linear_but_the_lm_head",
+                        FP8 + "test_methods_trillm_cannot_run_are_refused"),
 }  # fmt: skip
 
 # ``trillm serve`` flags: how each reaches the engine or the server, and what it then does.
@@ -361,7 +366,7 @@ _VLLM_FLAGS = {
     "--max-loras": ids(VF + "test_bad_values_refused_with_the_flag_named"),
     "--pipeline-parallel-size": ids(REFUSED_TOP, VF + "test_value_one_is_the_no_op_for_parallel_sizes"),
     "--data-parallel-size": ids(REFUSED_TOP, VF + "test_value_one_is_the_no_op_for_parallel_sizes"),
-    "--quantization": ids(REFUSED_TOP),
+    "--quantization": ids(REFUSED_TOP, FLAG_MAP, *_ENGINE["quantization"]),
     "--kv-cache-dtype": ids(REFUSED_TOP),
     "--enable-lora": ids(REFUSED_TOP),
     "--lora-modules": ids(REFUSED_TOP),

@@ -331,6 +331,7 @@ ENGINE_FLAGS = {
     "--trust-remote-code": (None, "trust_remote_code", True),
     "--runner": ("pkg.mod:Cls", "runner", "pkg.mod:Cls"),  # open_engine's runner argument
     "--served-model-name": ("alias", "served_model_name", "alias"),
+    "--quantization": ("fp8", "quantization", "fp8"),
 }
 
 

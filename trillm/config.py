@@ -61,6 +61,8 @@ class EngineArgs:
     # deepseek_r1 | qwen3: structured outputs constrain only after </think> (vLLM's
     # structured-outputs reasoning_parser; the server's --reasoning-parser sets it too).
     reasoning_parser: str | None = None
+    # Weight-only quantization at load (vLLM's method names): "fp8" (dynamic, CPU). None: none.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
@@ -78,6 +80,10 @@ class EngineArgs:
             from trillm.parsers.reasoning import get_reasoning_parser
 
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming the known ones
+        if self.quantization is not None:
+            from trillm.model_executor.quantization import check_quantization
+
+            check_quantization(self.quantization)  # ValueError naming the method
         # Accepted with vLLM's meaning where nothing here differs; said once in the log.
         if self.trust_remote_code:
             logger.info("trust_remote_code: the checkpoint's tokenizer code may run; its model "
@@ -123,6 +129,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     generation_config: dict[str, Any] = field(default_factory=dict)
     hf_config: dict[str, Any] = field(default_factory=dict)
+    quantization: str | None = None  # "fp8": linear weights quantized at load (CPU)
 
 
 @dataclass

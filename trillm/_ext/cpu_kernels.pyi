@@ -1,4 +1,4 @@
-# ext/cpu_kernels.cpp and the kernels it binds (pybind11): one module, four parts sharing one
+# ext/cpu_kernels.cpp and the kernels it binds (pybind11): one module, five parts sharing one
 # thread pool. Tensors cross as raw addresses (``tensor.data_ptr()``) with their strides; the
 # wrappers in kernels/*_cpu.py own the checks. Every declared name exists in the built module
 # (tests/test_native_contract.py).
@@ -53,6 +53,15 @@ class _GemmBf16(Protocol):
         y: int, y_bf16: bool, ldy: int, num_threads: int,
     ) -> None: ...
 
+class _GemmFp8(Protocol):
+    PANEL: int
+    def supported(self) -> bool: ...
+    def num_panels(self, n: int) -> int: ...
+    def linear(
+        self, x: int, x_bf16: bool, m: int, k: int, ldx: int, packed: int, n: int, scale: int,
+        bias: int, y: int, y_bf16: bool, ldy: int, num_threads: int,
+    ) -> None: ...
+
 class _Ops(Protocol):
     def rms_norm(
         self, out: _View, x: _View, weight: int, num_rows: int, hidden: int, eps: float,
@@ -79,4 +88,5 @@ class _Ops(Protocol):
 attention: _Attention
 gemm: _Gemm
 gemm_bf16: _GemmBf16
+gemm_fp8: _GemmFp8
 ops: _Ops

@@ -45,6 +45,7 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("chat_template", str, "Jinja chat template file or string"),
     ("skip_tokenizer_init", bool, "token ids in and out only"),
     ("reasoning_parser", str, "deepseek_r1 | qwen3: grammars apply after the reasoning"),
+    ("quantization", str, "fp8: linear weights quantized to fp8 e4m3 at load (CPU)"),
 ]
 
 

@@ -19,6 +19,7 @@ from trillm.config import EngineArgs, ModelConfig
 from trillm.model_executor.layer_types import FULL, partial_rotary_factor
 from trillm.model_executor.layers.linear import pack_cpu_linears
 from trillm.model_executor.layers.rotary import SUPPORTED_ROPE_TYPES
+from trillm.model_executor.quantization import resolve_quantization
 from trillm.model_executor.registry import (
     CausalLM,
     UnsupportedArchitectureError,
@@ -134,6 +135,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
     max_position_embeddings = int(hf.get("max_position_embeddings", 2048))
     num_heads = int(hf["num_attention_heads"])
     rope_theta, rope_scaling = parse_rope(hf)
+    quantization = resolve_quantization(args.quantization, hf, device)
     return ModelConfig(
         model=str(path),
         tokenizer=args.tokenizer or str(path),
@@ -160,6 +162,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         eos_token_ids=eos_token_ids(hf, generation_config),
         generation_config=generation_config,
         hf_config=hf,
+        quantization=quantization,
     )
 
 
@@ -330,5 +333,5 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     load_weights(causal_lm, cfg.model)
     model.eval()
     if torch.device(device).type == "cpu":
-        pack_cpu_linears(model)
+        pack_cpu_linears(model, cfg.quantization)
     return causal_lm

@@ -19,7 +19,7 @@ _ENGINE_FLAGS = (
     "scheduling_policy", "tensor_parallel_size", "kv_cache_memory", "gpu_memory_utilization",
     "num_gpu_blocks_override", "max_logprobs", "device", "attention_backend",
     "distributed_executor_backend", "generation_config", "trust_remote_code", "runner",
-    "stream_interval", "reasoning_parser",
+    "stream_interval", "reasoning_parser", "quantization",
 )  # fmt: skip
 
 

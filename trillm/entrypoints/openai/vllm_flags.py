@@ -8,7 +8,8 @@ Three kinds, never a flag accepted and ignored in silence:
   ``--enforce-eager``, ``--swap-space``): what they ask is already so, or means nothing here,
   and ``startup_notes`` says so once in the log;
 - refused (argparse error, exit 2) where the feature belongs to another open issue:
-  pipeline/data parallelism, quantization, KV-cache dtypes, LoRA, speculative decoding.
+  pipeline/data parallelism, quantization methods other than fp8, KV-cache dtypes, LoRA,
+  speculative decoding.
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ class _Refuse(argparse.Action):
         parser.error(
             f"argument {option_string}: {self.what} is not implemented yet (issue {self.issue})."
         )
+
+
+def _quantization(value: str) -> str:
+    from trillm.model_executor.quantization import UnsupportedQuantizationError, check_quantization
+
+    try:
+        return check_quantization(value)
+    except UnsupportedQuantizationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _load_format(value: str) -> str:
@@ -224,8 +234,9 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         help="Only 1 until data parallelism lands (issue 9).",
     )  # fmt: skip
     g.add_argument(
-        "--quantization", "-q", type=_not_implemented("quantization", 8),
-        help="Not implemented yet (issue 8): refused.",
+        "--quantization", "-q", type=_quantization, default=None,
+        help="fp8: linear weights quantized to fp8 e4m3 at load, a scale per output channel "
+        "(CPU); vLLM's other methods are not implemented yet (issue 13): refused.",
     )  # fmt: skip
     g.add_argument(
         "--kv-cache-dtype", type=_not_implemented("a KV-cache dtype other than the model's", 8,

@@ -14,6 +14,10 @@ bf16 layers (``--dtype bfloat16``) go the same way through the AVX512-BF16 GEMM
 fp32 inside their kernels as before. On a CPU without AVX512-BF16 they keep ``F.linear``; on
 one with AMX-BF16, calls of more than ``linear_cpu.bf16_kernel_max_rows()`` rows go to
 ``F.linear`` (oneDNN's AMX GEMM: faster there, the same numerics up to summation order).
+
+``--quantization fp8`` (``pack_cpu_linears(model, "fp8")``): weight-only fp8 e4m3 with a scale
+per output channel, through ``kernels/linear_fp8_cpu.py``; activations stay in the model's
+dtype (fp32 or bf16).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trillm.kernels import linear_cpu
+from trillm.kernels import linear_cpu, linear_fp8_cpu
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -68,15 +72,43 @@ def _pack_bf16(module: nn.Linear) -> bool:
     return True
 
 
-def pack_cpu_linears(model: nn.Module) -> int:
+def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    weight: linear_fp8_cpu.Fp8Weight = self.fp8_weight  # type: ignore[assignment]
+    return linear_fp8_cpu.linear_fp8(x, weight, self.packed_bias)  # type: ignore[arg-type]
+
+
+def _quantize_fp8(module: nn.Linear) -> None:
+    """The weight becomes e4m3 bytes + per-channel scales; the original is dropped (the point
+    is a quarter of fp32's bytes in memory too)."""
+    module.fp8_weight = linear_fp8_cpu.Fp8Weight.quantize(module.weight.detach())
+    bias = module.bias
+    module.packed_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    module.register_parameter("weight", None)
+    module.forward = types.MethodType(_fp8_forward, module)  # type: ignore[method-assign]
+
+
+# Layers --quantization fp8 leaves in the model's dtype (vLLM's fp8 method does the same: its
+# lm_head is not a quantized linear; here it is often the tied embedding, too).
+FP8_SKIPPED = ("lm_head",)
+
+
+def pack_cpu_linears(model: nn.Module, quantization: str | None = None) -> int:
     """Route the model's fp32 and bf16 CPU linear layers through packed weights; -> how many.
     fp32 layers stay on ``F.linear`` when the fp32 GEMM is unavailable (not built,
     ``TRILLM_NO_EXTENSIONS=1``, no AVX2/FMA), bf16 ones when the bf16 GEMM is (the same, or no
-    AVX512-BF16)."""
+    AVX512-BF16). ``quantization="fp8"``: every linear but ``FP8_SKIPPED`` is quantized to
+    fp8 e4m3 with per-channel scales (``kernels/linear_fp8_cpu.py``; its portable path where
+    the native kernel is unavailable)."""
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"pack_cpu_linears: unknown quantization {quantization!r}.")
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         with torch.no_grad():
-            count += _pack_fp32(module) or _pack_bf16(module)
+            if quantization == "fp8" and name.rsplit(".", 1)[-1] not in FP8_SKIPPED:
+                _quantize_fp8(module)
+                count += 1
+            else:
+                count += _pack_fp32(module) or _pack_bf16(module)
     return count
