@@ -21,6 +21,8 @@ triton = pytest.importorskip("triton")  # optional for CPU users; these tests ne
 
 import trillm.kernels as dispatch  # noqa: E402
 from trillm.kernels import (  # noqa: E402
+    fused_moe_torch,
+    fused_moe_triton,
     paged_attention_torch,
     paged_attention_triton,
     reshape_and_cache_torch,
@@ -32,6 +34,7 @@ from trillm.kernels import (  # noqa: E402
 )
 
 _TRITON_MODULES = [
+    fused_moe_triton,
     rms_norm_triton,
     rotary_triton,
     reshape_and_cache_triton,
@@ -345,3 +348,31 @@ def test_paged_attention_torch_matches_dense_causal_sdpa(num_heads, num_kv_heads
         q[split:], cache, qsl, seq_lens, block_table, scale
     )
     torch.testing.assert_close(tail_triton, dense[split:], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- fused MoE
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 2), (37, 5, 2), (20, 8, 1), (9, 3, 3)])
+def test_fused_moe_triton_matches_torch(tokens, experts, top_k):
+    gen = torch.Generator().manual_seed(tokens * 100 + experts)
+    hidden, inter = 48, 40  # neither a multiple of the 32-wide blocks
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.1
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.1
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[:, 0] -= 100.0  # expert 0 never chosen: an expert without tokens
+    weights, ids = fused_moe_torch.select_experts(logits, top_k, renormalize=True)
+    want = fused_moe_torch.fused_moe(x, w13, w2, weights, ids)
+    got = fused_moe_triton.fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_moe_alignment_pads_each_expert_run():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    pairs, tile_expert = fused_moe_triton.align_pairs(ids, num_experts=4, block_m=4)
+    assert tile_expert.tolist() == [0, 1, 2]  # expert 3 has no pairs: no tile
+    runs = pairs.view(-1, 4).tolist()
+    assert runs == [[1, 4, -1, -1], [3, -1, -1, -1], [0, 2, 5, -1]]  # pair = token * k + slot
+

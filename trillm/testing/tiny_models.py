@@ -62,6 +62,17 @@ ARCHES: dict[str, dict[str, Any]] = {
     "phi3": dict(sliding_window=8, partial_rotary_factor=0.5),
     "olmo2": dict(),
     "gpt_neox": dict(num_key_value_heads=4, hidden_act="gelu"),  # no GQA in GPT-NeoX
+    # Mixture-of-experts: more experts than top_k, so routing matters.
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80, num_hidden_layers=3, mlp_only_layers=[1],
+        qkv_bias=True,
+    ),  # fmt: skip
+    "qwen3_moe": dict(
+        head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, tie_word_embeddings=False,
+    ),  # fmt: skip
 }
 
 CONFIG_CLASSES = {
@@ -75,6 +86,9 @@ CONFIG_CLASSES = {
     "phi3": "Phi3Config",
     "olmo2": "Olmo2Config",
     "gpt_neox": "GPTNeoXConfig",
+    "mixtral": "MixtralConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
 }
 MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -87,6 +101,9 @@ MODEL_CLASSES = {
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

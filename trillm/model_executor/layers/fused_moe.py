@@ -1,0 +1,121 @@
+"""The mixture-of-experts FFN of Mixtral and Qwen MoE models (stage 7).
+
+``SparseMoeBlock``: a router (``gate``, [E, H]) picks ``top_k`` experts per token
+(``select_experts``: softmax in fp32, top-k, renormalized when the model says so), the experts
+run as one ``FusedMoE``, and Qwen2-MoE adds a sigmoid-gated shared expert. ``FusedMoE`` holds
+every expert's weights in two tensors (Hugging Face's fused layout: ``w13`` [E, 2I, H] = gate
+rows then up rows, ``w2`` [E, H, I]) and dispatches by device: the native grouped GEMMs on CPU
+fp32 (``kernels/fused_moe_cpu.py``, experts packed once on first use), the Triton kernels on
+GPU (``kernels/fused_moe_triton.py``), the torch reference otherwise
+(``kernels/fused_moe_torch.py``).
+
+The expert tensors are buffers, not parameters: the decoder's loader loads them here
+(``load_expert`` / ``load_fused``), from per-expert checkpoint names (``experts.N.w1`` or
+``experts.N.gate_proj``, as checkpoints on the hub store them) or the fused ones, and
+``check_loaded`` names any expert weight the checkpoint lacked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from trillm.config import ModelConfig
+from trillm.kernels import fused_moe_cpu, fused_moe_torch
+from trillm.kernels.fused_moe_torch import select_experts
+from trillm.model_executor.models.llama import LlamaMLP
+
+# Checkpoint names of one expert's projections -> the part of w13 / w2 they fill.
+EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down",
+                "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}  # fmt: skip
+
+
+class FusedMoE(nn.Module):
+    w13: torch.Tensor  # [E, 2I, H] buffer: each expert's gate rows, then its up rows
+    w2: torch.Tensor  # [E, H, I] buffer
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int,
+                 renormalize: bool) -> None:  # fmt: skip
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}.")
+        self.num_experts, self.top_k, self.inter = num_experts, top_k, inter
+        self.renormalize = renormalize
+        self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden))
+        self.register_buffer("w2", torch.empty(num_experts, hidden, inter))
+        self._loaded: set[tuple[int, str]] = set()
+        self._packed: fused_moe_cpu.PackedExperts | None = None
+
+    # ------------------------------------------------------------ loading
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> None:
+        """One expert's gate [I, H], up [I, H] or down [H, I] projection."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"Expert {expert} is past num_experts={self.num_experts}.")
+        if part == "down":
+            target = self.w2[expert]
+        else:
+            start = 0 if part == "gate" else self.inter
+            target = self.w13[expert, start : start + self.inter]
+        if tensor.shape != target.shape:
+            raise ValueError(f"Expert {expert} {part} has shape {tuple(tensor.shape)}, the "
+                             f"model expects {tuple(target.shape)}.")  # fmt: skip
+        with torch.no_grad():
+            target.copy_(tensor)
+        self._loaded.add((expert, part))
+        self._packed = None
+
+    def load_fused(self, name: str, tensor: torch.Tensor) -> None:
+        """The fused tensors (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])."""
+        target, parts = (self.w13, ("gate", "up")) if name == "gate_up_proj" else (
+            self.w2, ("down",))  # fmt: skip
+        if tensor.shape != target.shape:
+            raise ValueError(f"experts.{name} has shape {tuple(tensor.shape)}, the model "
+                             f"expects {tuple(target.shape)}.")  # fmt: skip
+        with torch.no_grad():
+            target.copy_(tensor)
+        self._loaded.update((e, p) for e in range(self.num_experts) for p in parts)
+        self._packed = None
+
+    def missing(self) -> list[str]:
+        return [f"{e}.{p}" for e in range(self.num_experts)
+                for p in ("gate", "up", "down") if (e, p) not in self._loaded]  # fmt: skip
+
+    # ------------------------------------------------------------ forward
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        router_logits: torch.Tensor,  # [T, E]
+    ) -> torch.Tensor:  # [T, H]
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if fused_moe_cpu.supports(x, self.w13):
+            if self._packed is None:
+                self._packed = fused_moe_cpu.PackedExperts(self.w13, self.w2)
+            return fused_moe_cpu.fused_moe(x, self._packed, weights, ids)
+        if x.device.type == "cuda":
+            from trillm.kernels import fused_moe_triton
+
+            return fused_moe_triton.fused_moe(x, self.w13, self.w2, weights, ids)
+        return fused_moe_torch.fused_moe(x, self.w13, self.w2, weights, ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts (+ Qwen2-MoE's gated shared expert); HF's module names."""
+
+    def __init__(self, cfg: ModelConfig, num_experts: int, top_k: int, inter: int,
+                 renormalize: bool, shared_inter: int = 0) -> None:  # fmt: skip
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, top_k, cfg.hidden_size, inter, renormalize)
+        self.shared_expert: nn.Module | None = None
+        if shared_inter:
+            shared_cfg = dataclasses.replace(cfg, intermediate_size=shared_inter)
+            self.shared_expert = LlamaMLP(shared_cfg, bias=False)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
