@@ -22,9 +22,7 @@ import orjson
 
 from trillm.entrypoints.openai.errors import APIError
 from trillm.entrypoints.openai.generation import Generation
-from trillm.entrypoints.openai.serving_base import raise_if_error
-from trillm.entrypoints.openai.serving_chat import ChatContext
-from trillm.entrypoints.openai.serving_responses import (
+from trillm.entrypoints.openai.responses_output import (
     ResponseBuilder,
     function_call_item,
     message_item,
@@ -33,6 +31,8 @@ from trillm.entrypoints.openai.serving_responses import (
     reasoning_part,
     text_part,
 )
+from trillm.entrypoints.openai.serving_base import raise_if_error
+from trillm.entrypoints.openai.serving_chat import ChatContext
 
 
 class _Item:
