@@ -76,3 +76,17 @@ def test_a_checkpoint_missing_an_expert_is_refused(tmp_path):
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.3\.down"):
         _make_runner(path)
+
+
+def test_fp8_quantization_of_an_moe_model_is_refused(case):
+    import dataclasses
+
+    from trillm.model_executor.models.moe import MoEForCausalLM
+    from trillm.model_executor.quantization import UnsupportedQuantizationError
+
+    _, path, _, _ = case
+    runner = _make_runner(path)
+    cfg = dataclasses.replace(runner.config.model, quantization="fp8")
+    with pytest.raises(UnsupportedQuantizationError, match="mixture-of-experts"):
+        type(runner.model)(cfg, runner.attn_backend)
+    assert isinstance(runner.model, MoEForCausalLM)

@@ -23,6 +23,7 @@ from trillm.model_executor.models.llama import (
     LlamaModel,
     MissingWeightsError,
 )
+from trillm.model_executor.quantization import UnsupportedQuantizationError
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -46,6 +47,16 @@ class MoEModel(LlamaModel):
 class MoEForCausalLM(LlamaForCausalLM):
     MODEL_CLASS = MoEModel
     RENAMES: tuple[tuple[str, str], ...] = ()  # checkpoint name part -> ours
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 device: torch.device | str = "cpu") -> None:  # fmt: skip
+        if cfg.quantization is not None:
+            # NOTE: the experts are not nn.Linear layers: the method would skip most weights.
+            raise UnsupportedQuantizationError(
+                f"--quantization {cfg.quantization} does not cover mixture-of-experts layers "
+                f"yet ({cfg.architecture}); serve this model unquantized."
+            )
+        super().__init__(cfg, backend, device)
 
     @classmethod
     def is_sparse(cls, cfg: ModelConfig, layer: int) -> bool:
