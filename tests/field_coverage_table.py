@@ -27,6 +27,7 @@ LOADING = "tests/test_model_loading.py::"
 FP8 = "tests/test_quantization_fp8.py::"
 SO_REASONING = "tests/test_structured_output_reasoning.py::"
 RESP = "tests/test_responses_api.py::"
+TP = "tests/test_tensor_parallel.py::"
 
 
 def ids(*node_ids: str) -> tuple[str, ...]:
@@ -260,7 +261,11 @@ _ENGINE = {
         CONFIG, FE + "test_priority_needs_the_priority_policy",
         SCHED + "test_priority_preemption_of_a_request_scheduled_earlier_in_the_step",
     ),  # fmt: skip
-    "tensor_parallel_size": ids(ENGINE_REFUSED),
+    "tensor_parallel_size": ids(
+        ENGINE_REFUSED, TP + "test_python_api_tp2_matches_tp1",
+        TP + "test_http_tp2_matches_tp1_token_for_token",
+        TP + "test_tp_size_the_model_cannot_split_is_refused",
+    ),  # fmt: skip
     "kv_cache_memory": ids(CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"),
     "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),
     "num_gpu_blocks_override": ids(

@@ -236,7 +236,7 @@ def test_engine_args_reach_the_config():
         ({"device": "tpu"}, "device"),
         ({"dtype": "int3"}, "int3"),
         ({"model": "/no/such/folder"}, "/no/such/folder"),  # FileNotFoundError: an OSError
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 does not divide"),  # 2 KV heads
         ({"skip_tokenizer_init": True}, "skip_tokenizer_init"),
     ],
 )
@@ -361,7 +361,7 @@ def test_model_positional_and_flag_and_bad_values(monkeypatch, capsys):
     assert run_serve(build_parser().parse_args(["serve", "--model", "/models/b"])) == 0
     assert seen["model"] == "/models/b"
     for argv, words in (
-        (["--tensor-parallel-size", "2"], "tensor parallelism"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
         (["--kv-cache-memory", "lots"], "kv-cache-memory"),
         (["--timeout-keep-alive", "0"], "positive number of seconds"),
         (["--max-num-queued-requests", "-1"], "max-num-queued-requests"),

@@ -156,11 +156,12 @@ def test_flags_for_what_is_not_implemented_are_refused(capsys):
     from trillm.config import EngineArgs
 
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args(["serve", "-tp", "2"])
+        build_parser().parse_args(["serve", "-tp", "0"])
     assert exit_info.value.code == 2
-    assert "tensor parallelism is not implemented yet" in capsys.readouterr().err
+    assert "--tensor-parallel-size/-tp: expected an integer >= 1" in capsys.readouterr().err
     for kwargs, words in (
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "needs distributed"),
         ({"skip_tokenizer_init": True}, "skip_tokenizer_init is not supported"),
     ):
         with pytest.raises(ValueError, match=words):

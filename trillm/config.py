@@ -66,10 +66,16 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
-        if self.tensor_parallel_size != 1:
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
+            self.tensor_parallel_size, int
+        ) or self.tensor_parallel_size < 1:
             raise ValueError(
-                "tensor_parallel_size must be 1: tensor parallelism is not implemented yet, got "
-                f"{self.tensor_parallel_size}."
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}."
+            )
+        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(
+                "tensor_parallel_size > 1 needs distributed_executor_backend='mp' (one worker "
+                "process per rank); 'uni' runs one rank in this process."
             )
         if self.skip_tokenizer_init:
             raise ValueError(
@@ -151,10 +157,17 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
 
 
+# A collective that waits longer than this means a rank stopped answering; below the
+# executor's step timeout, so the rank that waited reports it first.
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: Literal["mp", "uni"] = "mp"
+    master_port: int = 0  # the ranks' TCP rendezvous on loopback (the executor picks it)
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
 @dataclass

@@ -38,6 +38,16 @@ class ModelExecutionError(TrillmError):
         self.output = output
 
 
+class CollectiveTimeoutError(TrillmError):
+    """A tensor-parallel collective failed on this rank: a peer rank stopped answering within
+    the group's timeout, or died. Fatal for the worker (the group cannot be used again)."""
+
+    def __init__(self, message: str, *, rank: int, op: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.op = op
+
+
 class IPCError(TrillmError):
     """Base class of shared-memory ring and codec failures."""
 

@@ -8,6 +8,7 @@ from trillm.config import (
     DEFAULT_KV_CACHE_MEMORY,
     CacheConfig,
     EngineArgs,
+    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     TrillmConfig,
@@ -38,6 +39,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     device = resolve_device(args.device)
     model_config = load_model_config(args)
     max_model_len = model_config.max_model_len
+    _check_tensor_parallel(model_config, args.tensor_parallel_size, device)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {args.block_size}.")
     max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -74,6 +76,23 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         max_logprobs=args.max_logprobs,
         reasoning_parser=args.reasoning_parser,
     )
+
+
+def _check_tensor_parallel(model_config: ModelConfig, size: int, device: str) -> None:
+    """Refuse a tensor_parallel_size the model's shapes or the GPUs cannot take."""
+    if size == 1:
+        return
+    from trillm.distributed.sharding import check_divisible
+
+    check_divisible(model_config, size)
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < size:
+            raise ValueError(
+                f"tensor_parallel_size={size} needs {size} GPUs (one per rank), "
+                f"{torch.cuda.device_count()} visible."
+            )
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

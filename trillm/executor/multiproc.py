@@ -4,8 +4,11 @@
     rank r --ModelRunnerOutput--> result ring r (1 writer, 1 reader: the engine)
 
 Every rank receives every message and answers every step; ``sample_tokens`` returns rank 0's
-output (and checks the others for errors). The runner itself does not shard yet, so with
-``tensor_parallel_size > 1`` every rank runs the whole model; the rings are N-reader already.
+output (and checks the others for errors, and that they sampled rank 0's tokens). With
+``tensor_parallel_size > 1`` each rank runs its shard of the model and the ranks meet in
+``torch.distributed`` collectives (``trillm/distributed/``), at a loopback port picked here.
+A rank whose collective times out (a peer stopped answering) reports it and exits; the
+executor then names the ranks that did not report (the ones that stopped).
 
 Supervision: a task per worker awaits its process exit. An exit that is not part of
 ``shutdown`` marks the executor dead: the other workers are killed, the segments are unlinked,
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
@@ -48,6 +52,16 @@ T = TypeVar("T")
 STARTUP_TIMEOUT_S = 900.0  # model load + cache allocation
 STEP_TIMEOUT_S = 300.0
 SHUTDOWN_GRACE_S = 5.0
+# After a rank reports a timed-out collective, how long the others get to report theirs:
+# the ranks that have not by then are the ones that stopped answering.
+COLLECTIVE_REPORT_GRACE_S = 2.0
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the tensor-parallel rendezvous binds it next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def describe_exit(returncode: int) -> str:
@@ -165,6 +179,8 @@ class MultiprocExecutor(Executor):
         self._pending: SchedulerOutput | None = None
         self._dead: EngineDeadError | None = None
         self._inflight: set[trio.CancelScope] = set()
+        self._reported: dict[int, WorkerFailed] = {}  # rank -> its last words, read by _collect
+        self._collective_reports: set[int] = set()  # ranks whose collective timed out
         self._stopping = False
         self._started = False
         self._stop = trio.Event()
@@ -183,6 +199,8 @@ class MultiprocExecutor(Executor):
     # ------------------------------------------------------------ service
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self.num_workers > 1:
+            self.config.parallel.master_port = free_loopback_port()
         self._ipc = ipc = _Ipc(self.num_workers, self.num_slots, self.slot_size)
         self.segment_names = ipc.segment_names()
         try:
@@ -233,23 +251,49 @@ class MultiprocExecutor(Executor):
         if self._stopping:
             return
         message = f"Worker rank {rank} (pid {proc.pid}) {describe_exit(code)}."
-        last_words = self._last_words(rank)
-        if last_words:
-            message += "\n" + last_words
+        last_words = self._reported.pop(rank, None) or self._last_words(rank)
+        if last_words is not None:
+            message += "\n" + last_words.message
+        if last_words is not None and last_words.collective:
+            self._collective_reports.add(rank)
+            if len(self._collective_reports) > 1:
+                return  # the first rank that reported names the silent ones
+            message = await self._name_silent_ranks() + "\n" + message
         error_type = EngineDeadError if self._started else EngineStartupError
         self._fail(error_type(message))
 
-    def _last_words(self, rank: int) -> str:
-        """The WorkerFailed message a dead worker left on its result ring, if any."""
+    def _last_words(self, rank: int) -> WorkerFailed | None:
+        """The WorkerFailed a worker left on its result ring, if any."""
         # NOTE: synchronous, so it cannot interleave with a recv() suspended on this reader.
         try:
             while (frame := self.ipc.results[rank].try_recv()) is not None:
                 msg = codec.decode(frame)
                 if isinstance(msg, WorkerFailed):
-                    return msg.message
+                    return msg
         except IPCError:
             pass
-        return ""
+        return None
+
+    async def _name_silent_ranks(self) -> str:
+        """A collective timed out on some rank: wait a little for the other ranks' reports;
+        -> which ranks stopped answering (no report) and which waited for them."""
+        with trio.move_on_after(COLLECTIVE_REPORT_GRACE_S):
+            while len(self._collective_reports) < self.num_workers:
+                for rank in range(self.num_workers):
+                    if rank in self._collective_reports:
+                        continue
+                    words = self._reported.get(rank) or self._last_words(rank)
+                    if words is not None and words.collective:
+                        self._reported[rank] = words  # its supervisor reads it
+                        self._collective_reports.add(rank)
+                await trio.sleep(0.05)
+        waited = sorted(self._collective_reports)
+        silent = [r for r in range(self.num_workers) if r not in self._collective_reports]
+        timeout = self.config.parallel.collective_timeout_s
+        return (
+            f"A tensor-parallel collective timed out: rank(s) {silent} stopped answering; "
+            f"rank(s) {waited} waited {timeout:g} s for them."
+        )
 
     async def _stop_workers(self) -> None:
         self._stopping = True
@@ -369,7 +413,21 @@ class MultiprocExecutor(Executor):
                     step_id=out.step_id,
                     output=out,
                 )
+        self._check_ranks_agree(outputs)
         return outputs[0]
+
+    def _check_ranks_agree(self, outputs: list[ModelRunnerOutput]) -> None:
+        """Every rank samples; a rank whose tokens differ from rank 0's would compute the next
+        steps on other inputs (its KV cache no longer matches): fatal, said at once."""
+        first = outputs[0]
+        for rank, out in enumerate(outputs[1:], start=1):
+            if out.sampled_token_ids != first.sampled_token_ids or out.req_ids != first.req_ids:
+                raise self._fail(
+                    EngineDeadError(
+                        f"Tensor-parallel rank {rank} sampled other tokens than rank 0 in step "
+                        f"{first.step_id}: the ranks diverged."
+                    )
+                )
 
     async def _collect(self, step_id: int) -> list[ModelRunnerOutput]:
         """Every rank's output for ``step_id``.
@@ -383,6 +441,9 @@ class MultiprocExecutor(Executor):
             while isinstance(msg, ModelRunnerOutput) and msg.step_id < step_id:
                 msg = codec.decode(await reader.recv())
             if isinstance(msg, WorkerFailed):
+                if msg.collective:  # its supervisor names the silent ranks, then fails us
+                    self._reported[rank] = msg
+                    await trio.sleep_forever()
                 raise self._fail(EngineDeadError(f"Worker rank {rank} failed:\n{msg.message}"))
             if not isinstance(msg, ModelRunnerOutput) or msg.step_id != step_id:
                 got = f"step {msg.step_id}" if isinstance(msg, ModelRunnerOutput) else repr(msg)

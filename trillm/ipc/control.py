@@ -49,3 +49,6 @@ class WorkerReady:
 class WorkerFailed:
     rank: int
     message: str  # the formatted traceback
+    # A tensor-parallel collective timed out here: the executor names the ranks that did not
+    # report one (the ones that stopped answering).
+    collective: bool = False

@@ -16,6 +16,8 @@ from typing import Any, cast
 import torch
 
 from trillm.config import EngineArgs, ModelConfig
+from trillm.distributed.parallel_state import get_tp_group
+from trillm.distributed.sharding import RankShapes
 from trillm.model_executor.layer_types import FULL, partial_rotary_factor
 from trillm.model_executor.layers.linear import pack_cpu_linears
 from trillm.model_executor.layers.rotary import SUPPORTED_ROPE_TYPES
@@ -303,18 +305,30 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(folder: str | Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(
+    folder: str | Path, device: str = "cpu", shard: tuple[ModelConfig, RankShapes] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every checkpoint entry; with ``shard`` (tensor parallelism) only
+    the rank's slice of each is read from the file (safetensors' ``get_slice``)."""
     from safetensors import safe_open
 
     for file in safetensors_files(folder):
         with safe_open(os.fspath(file), framework="pt", device=device) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    cfg, shapes = shard
+                    yield name, shapes.read_shard(cfg, name, f.get_slice(name))
 
 
-def load_weights(model: CausalLM, folder: str | Path) -> None:
-    """Stream every checkpoint tensor into ``model.load_weights`` (HF names)."""
-    model.load_weights(iterate_weights(folder))
+def load_weights(model: CausalLM, folder: str | Path, cfg: ModelConfig | None = None) -> None:
+    """Stream every checkpoint tensor (this rank's part of it) into ``model.load_weights``."""
+    tp = get_tp_group()
+    shard = None
+    if tp.world_size > 1 and cfg is not None:
+        shard = (cfg, RankShapes.of(cfg, tp.rank, tp.world_size))
+    model.load_weights(iterate_weights(folder, shard=shard))
 
 
 def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
@@ -330,7 +344,7 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     model.to_empty(device=device)
     causal_lm = cast(CausalLM, model)
     causal_lm.tie_weights()
-    load_weights(causal_lm, cfg.model)
+    load_weights(causal_lm, cfg.model, cfg)
     model.eval()
     if torch.device(device).type == "cpu":
         pack_cpu_linears(model, cfg.quantization)

@@ -8,6 +8,13 @@ and returns ``ModelRunnerOutput`` in batch order (the order of ``num_scheduled_t
 
 Prompt logprobs: the row at position ``p`` scores prompt token ``p + 1``, so a prompt of P
 tokens yields P - 1 rows over its chunks (the first prompt token has none).
+
+Tensor parallelism (``tensor_parallel_size`` N > 1): the runner of rank r joins the group
+(``trillm/distributed/``) before it builds its shard of the model, and its KV cache holds its
+own KV heads. Every rank receives the same steps and gathers the whole logits row, and every
+rank samples: the same logits (the all-gather gives each rank the same bytes), the same sampling
+state and the same seeds give the same tokens, so each rank's batch stays in step with no extra
+collective per step (the executor checks that every rank returned rank 0's tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import torch
 from trillm.attention.backend import AttentionMetadata
 from trillm.attention.selector import get_attention_backend
 from trillm.config import TrillmConfig
+from trillm.distributed.sharding import RankShapes
+from trillm.distributed.worker import join_tensor_parallel, leave_tensor_parallel
 from trillm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.registry import CausalLM
@@ -62,12 +71,15 @@ class _PendingStep:
 
 class ModelRunner:
     def __init__(self, config: TrillmConfig, rank: int = 0) -> None:
-        if config.parallel.tensor_parallel_size != 1:
-            raise ValueError("Tensor parallelism is not implemented by ModelRunner yet.")
         self.config = config
         self.rank = rank
         self.device = torch.device(config.device)
         model_cfg = config.model
+        self.tp_size = config.parallel.tensor_parallel_size
+        self.shapes = RankShapes.of(model_cfg, rank, self.tp_size)
+        self._num_steps = 0
+        if self.tp_size > 1:
+            self.device = join_tensor_parallel(config, rank)
         self.dtype = getattr(torch, model_cfg.dtype)
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
@@ -88,6 +100,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------ lifecycle
 
+    def shutdown(self) -> None:
+        """Leave the tensor-parallel group (the worker calls this on Shutdown)."""
+        if self.tp_size > 1:
+            leave_tensor_parallel(self.rank, self._num_steps)
+
     def load_model(self) -> None:
         self._model = build_model(self.config.model, self.attn_backend, self.config.device)
 
@@ -100,7 +117,7 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         """Bytes of one block over all layers: K and V, block_size tokens, Hkv x D each."""
         m = self.config.model
-        per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim
+        per_token = 2 * m.num_hidden_layers * self.shapes.num_kv_heads * m.head_dim
         return per_token * self.block_size * _DTYPE_BYTES[m.dtype]
 
     def determine_num_blocks(self) -> int:
@@ -125,8 +142,9 @@ class ModelRunner:
         for one step's activations (max_num_batched_tokens rows plus the sampled logits)."""
         free, total = torch.cuda.mem_get_info(self.device)
         m, sched = self.config.model, self.config.scheduler
-        width = 4 * m.hidden_size + 3 * m.intermediate_size
-        width += (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+        s = self.shapes
+        width = 4 * m.hidden_size + 3 * s.inter_size
+        width += (s.num_heads + 2 * s.num_kv_heads) * m.head_dim
         activations = sched.max_num_batched_tokens * width * _DTYPE_BYTES[m.dtype] * 2
         activations += sched.max_num_seqs * m.vocab_size * 4 * 4
         used = total - free
@@ -134,7 +152,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
-        shape = (2, num_blocks, self.block_size, m.num_key_value_heads, m.head_dim)
+        shape = (2, num_blocks, self.block_size, self.shapes.num_kv_heads, m.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(m.num_hidden_layers)
@@ -162,6 +180,7 @@ class ModelRunner:
         num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], np.int64)
         inputs = self.batch.prepare(slots, num_scheduled)
         hidden = self._forward(inputs)  # [T, H]
+        self._num_steps += 1
         sample_rows = torch.from_numpy(inputs.sample_rows).to(self.device)
         sample_logits = self.model.compute_logits(hidden.index_select(0, sample_rows)).float()
         pending = _PendingStep(

@@ -10,7 +10,9 @@ as plain data and the runner spec), then serves steps until ``Shutdown``:
 
 A step whose execute or sample raises is answered with ``ModelRunnerOutput.error`` (the
 traceback) and the worker carries on; the executor turns it into ``ModelExecutionError``.
-A failure outside a step (init, a corrupt ring) is answered with ``WorkerFailed`` and exit 1.
+A failure outside a step (init, a corrupt ring) is answered with ``WorkerFailed`` and exit 1;
+so is a tensor-parallel collective that timed out (``CollectiveTimeoutError``), whatever the
+step: the group is unusable after it.
 
 Parent death: a daemon thread blocks on the read end of a pipe whose write end only the parent
 holds; EOF means the parent is gone and the process exits at once (even mid-forward). The ring
@@ -30,7 +32,7 @@ import threading
 import traceback
 from typing import Any
 
-from trillm.errors import CodecError, IPCError, RingClosedError
+from trillm.errors import CodecError, CollectiveTimeoutError, IPCError, RingClosedError
 from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
 from trillm.ipc.shm_ring import RingFds, RingReader, RingWriter, ShmRing
@@ -92,6 +94,8 @@ class Worker:
                 return EXIT_OK
             msg = codec.decode(frame)
             if isinstance(msg, Shutdown):
+                if self.runner is not None and hasattr(self.runner, "shutdown"):
+                    self.runner.shutdown()
                 return EXIT_OK
             self._handle(msg)
 
@@ -118,6 +122,8 @@ class Worker:
         self._sched, self._step_error = sched, None
         try:
             self.runner.execute_model(sched)
+        except CollectiveTimeoutError:
+            raise  # the group is broken: fatal, not one step's failure
         except Exception:
             self._step_error = traceback.format_exc()
 
@@ -176,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         message = f"Worker rank {args.rank} failed: {exc}\n{traceback.format_exc()}"
         print(message, file=sys.stderr, flush=True)
         try:
-            worker._send(WorkerFailed(args.rank, message), timeout=5.0)
+            collective = isinstance(exc, CollectiveTimeoutError)
+            worker._send(WorkerFailed(args.rank, message, collective), timeout=5.0)
         except (IPCError, ParentDiedError, TimeoutError):
             pass
         return EXIT_FAILED

@@ -47,15 +47,6 @@ def _positive_int(value: str) -> int:
     return number
 
 
-def _tensor_parallel_size(value: str) -> int:
-    # Refused here, not after the workers start (it used to die in a worker traceback).
-    if value.strip() != "1":
-        raise argparse.ArgumentTypeError(
-            f"tensor parallelism is not implemented yet; only 1 is accepted, got {value!r}."
-        )
-    return 1
-
-
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve",
@@ -151,8 +142,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="Default: fcfs.")
     g.add_argument(
-        "--tensor-parallel-size", "-tp", type=_tensor_parallel_size,
-        help="Tensor-parallel ranks: only 1 until tensor parallelism lands.",
+        "--tensor-parallel-size", "-tp", type=_positive_int,
+        help="Tensor-parallel ranks: one worker process each, joined by torch.distributed "
+             "(default: 1).",
     )  # fmt: skip
     g.add_argument(
         "--kv-cache-memory", type=_memory_size,

@@ -215,7 +215,7 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--disable-custom-all-reduce", action="store_true",
-        help="Accepted: trillm runs one rank, there is no all-reduce to replace.",
+        help="Accepted: trillm has no custom all-reduce; torch.distributed's is always used.",
     )  # fmt: skip
     g.add_argument(
         "--tokenizer-mode", type=_not_implemented("tokenizer mode other than auto", 16, "auto"),
@@ -226,12 +226,12 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         help="Multimodal inputs are not supported: refused.",
     )  # fmt: skip
     g.add_argument(
-        "--pipeline-parallel-size", "-pp", type=_not_implemented("pipeline parallelism", 9, "1"),
-        help="Only 1 until pipeline parallelism lands (issue 9).",
+        "--pipeline-parallel-size", "-pp", type=_not_implemented("pipeline parallelism", 14, "1"),
+        help="Only 1 until pipeline parallelism lands (issue 14).",
     )  # fmt: skip
     g.add_argument(
-        "--data-parallel-size", "-dp", type=_not_implemented("data parallelism", 9, "1"),
-        help="Only 1 until data parallelism lands (issue 9).",
+        "--data-parallel-size", "-dp", type=_not_implemented("data parallelism", 14, "1"),
+        help="Only 1 until data parallelism lands (issue 14).",
     )  # fmt: skip
     g.add_argument(
         "--quantization", "-q", type=_quantization, default=None,
@@ -300,8 +300,8 @@ def startup_notes(args: argparse.Namespace) -> list[str]:
         notes.append("--max-seq-len-to-capture: trillm captures no CUDA graphs; the value is "
                      "unused.")  # fmt: skip
     if args.disable_custom_all_reduce:
-        notes.append("--disable-custom-all-reduce: trillm runs one rank (no all-reduce); "
-                     "nothing to change.")  # fmt: skip
+        notes.append("--disable-custom-all-reduce: trillm has no custom all-reduce "
+                     "(torch.distributed's is always used); nothing to change.")  # fmt: skip
     if args.enable_server_load_tracking:
         notes.append("--enable-server-load-tracking: /load always reports the in-flight "
                      "requests in trillm.")  # fmt: skip

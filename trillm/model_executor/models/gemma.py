@@ -17,6 +17,7 @@ from trillm.attention.backend import AttentionBackend, AttentionMetadata
 from trillm.config import ModelConfig
 from trillm.model_executor.layer_types import SLIDING, layer_windows
 from trillm.model_executor.layers.rotary import RotaryEmbedding
+from trillm.model_executor.layers.vocab_parallel import gather_logits
 from trillm.model_executor.loader import parse_rope
 from trillm.model_executor.models.decoder import ResidualStreamCausalLM
 from trillm.model_executor.models.llama import (
@@ -52,8 +53,8 @@ class GeluMLP(LlamaMLP):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.gelu(gate, approximate=self.approximate) * up)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I / N] each (this rank's)
+        return self.tp.all_reduce(self.down_proj(F.gelu(gate, approximate=self.approximate) * up))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -131,7 +132,7 @@ class GemmaForCausalLM(ResidualStreamCausalLM):
         return self.rotary if layer.self_attn.window is None else self.local_rotary
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
-        logits = self.lm_head(hidden)
+        logits = gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -1,5 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3 differ only by class flags).
 
+Tensor parallelism (``trillm/distributed/``): each rank holds its heads of q/k/v and o, its
+columns of gate/up and rows of down, its vocabulary rows of the embedding and head
+(``RankShapes``); o_proj's and down_proj's partial sums are all-reduced.
+
 Parameter names match Hugging Face's (``model.layers.N.self_attn.q_proj.weight``, ...) except
 that q/k/v and gate/up are stacked into one matmul each; ``STACKED_PARAMS`` maps the HF names
 onto the stacked shards, so safetensors load by name.
@@ -15,10 +19,13 @@ from torch import nn
 
 from trillm.attention.backend import AttentionBackend, AttentionMetadata, check_backend_supports
 from trillm.config import ModelConfig
+from trillm.distributed.parallel_state import TensorParallelGroup, get_tp_group
+from trillm.distributed.sharding import RankShapes
 from trillm.kernels import silu_and_mul
 from trillm.model_executor.layer_types import layer_windows, partial_rotary_factor
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
+from trillm.model_executor.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
 
 # HF parameter suffix -> (stacked parameter suffix, shard name)
 STACKED_PARAMS: dict[str, tuple[str, str]] = {
@@ -68,6 +75,12 @@ class LlamaDecoderFlags:
     mlp_bias: bool
 
 
+def rank_shapes(cfg: ModelConfig) -> tuple[TensorParallelGroup, RankShapes]:
+    """This process's tensor-parallel group and its share of ``cfg`` (the whole at TP=1)."""
+    tp = get_tp_group()
+    return tp, RankShapes.of(cfg, tp.rank, tp.world_size)
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -83,8 +96,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         check_backend_supports(backend, window, softcap)
         self.window, self.softcap = window, softcap
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp, shapes = rank_shapes(cfg)
+        self.num_heads = shapes.num_heads  # this rank's
+        self.num_kv_heads = shapes.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -126,18 +140,21 @@ class LlamaAttention(nn.Module):
         out = self.backend.forward(
             q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
         )  # [T, Hq, D]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, bias: bool) -> None:
         super().__init__()
-        shards = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
+        self.tp, shapes = rank_shapes(cfg)
+        inter = shapes.inter_size  # this rank's I / N
+        shards = {"gate": inter, "up": inter}
         self.gate_up_proj = StackedLinear(cfg.hidden_size, shards, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via [T, 2I], [T, I]
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via [T, 2I/N], [T, I/N]
+        return self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -180,12 +197,12 @@ class LlamaDecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """What a ``MODEL_CLASS`` holds (HF's ``model.*`` names): embeddings, layers, final norm."""
 
-    embed_tokens: nn.Embedding
+    embed_tokens: VocabParallelEmbedding
     layers: nn.ModuleList
     norm: nn.Module
 
     def assemble(self, cfg: ModelConfig, layers: Iterable[nn.Module], norm: nn.Module) -> None:
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
@@ -193,7 +210,7 @@ class DecoderStack(nn.Module):
 class LlamaModel(DecoderStack):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, flags: LlamaDecoderFlags):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg, cfg.hidden_size)
         windows = layer_windows(cfg.hf_config, cfg.architecture, cfg.num_hidden_layers)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, flags, w) for w in windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -211,8 +228,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg
+        self.tp, self.shapes = rank_shapes(cfg)
         self.model = self.MODEL_CLASS(cfg, backend, self.decoder_flags(cfg))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # [V / N (padded), H]: this rank's vocabulary rows
+        self.lm_head = nn.Linear(cfg.hidden_size, self.shapes.vocab_per_rank, bias=False)
         self.tie_weights()
         self.rotary = RotaryEmbedding(
             int(cfg.head_dim * partial_rotary_factor(cfg.hf_config)),  # the rest passes through
@@ -253,7 +272,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
-        return self.lm_head(hidden)
+        return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raises MissingWeightsError naming what is missing."""

@@ -1,0 +1,5 @@
+"""Tensor parallelism over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+``parallel_state.py`` owns the process's tensor-parallel group (rank, size, the collectives the
+model calls); ``sharding.py`` says which slice of each checkpoint tensor a rank holds.
+"""

@@ -1,0 +1,109 @@
+"""The tensor-parallel group of this process: one per worker, set once before the model is built.
+
+A worker of a ``tensor_parallel_size`` N engine calls ``init_tensor_parallel`` (TCP rendezvous on
+loopback at the port the executor picked; gloo on CPU, NCCL on GPU) before it builds the model;
+the model's layers read ``get_tp_group()`` when they are constructed (their shard sizes) and
+call its collectives in the forward. Without a call the group is the trivial one (rank 0 of 1),
+whose collectives return their input, so TP=1 runs no ``torch.distributed`` code at all.
+
+A collective that does not complete within ``timeout_s`` (a rank died or hangs) raises
+``CollectiveTimeoutError``; the worker treats it as fatal (the group cannot be used again).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trillm.errors import CollectiveTimeoutError
+
+
+@dataclass
+class TensorParallelGroup:
+    rank: int = 0
+    world_size: int = 1
+    timeout_s: float = 0.0
+    # Wall time spent in collectives and how many ran, since the last ``take_comm_time``.
+    comm_time_s: float = field(default=0.0, repr=False)
+    num_collectives: int = field(default=0, repr=False)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place; -> ``t``."""
+        if self.world_size == 1:
+            return t
+        self._run("all_reduce", dist.all_reduce, t)
+        return t
+
+    def all_gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., world_size * n] on every rank (rank order)."""
+        if self.world_size == 1:
+            return t
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._run("all_gather", dist.all_gather, parts, t)
+        return torch.cat(parts, dim=-1)
+
+    def _run(self, op: str, fn: Callable[..., object], *args: object) -> None:
+        start = time.perf_counter()
+        try:
+            fn(*args)
+        except RuntimeError as exc:  # gloo / NCCL report a timeout or a lost peer this way
+            raise CollectiveTimeoutError(
+                f"Tensor-parallel rank {self.rank}: {op} failed (a peer rank stopped answering "
+                f"within {self.timeout_s:g} s or died): {exc}",
+                rank=self.rank,
+                op=op,
+            ) from exc
+        last = args[-1]
+        if isinstance(last, torch.Tensor) and last.is_cuda:
+            torch.cuda.synchronize()  # the time of the collective, not of its launch
+        self.comm_time_s += time.perf_counter() - start
+        self.num_collectives += 1
+
+    def take_comm_time(self) -> float:
+        """Seconds spent in collectives since the last call (and reset)."""
+        spent, self.comm_time_s, self.num_collectives = self.comm_time_s, 0.0, 0
+        return spent
+
+
+_group = TensorParallelGroup()
+
+
+def get_tp_group() -> TensorParallelGroup:
+    return _group
+
+
+def init_tensor_parallel(
+    rank: int, world_size: int, port: int, device: str, timeout_s: float
+) -> TensorParallelGroup:
+    """Join the group (blocks until every rank has joined or ``timeout_s`` passes)."""
+    global _group
+    if world_size == 1:
+        _group = TensorParallelGroup()
+        return _group
+    backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "gloo":
+        # Loopback only: gloo would otherwise pick the interface of the host name.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    _group = TensorParallelGroup(rank, world_size, timeout_s)
+    return _group
+
+
+def destroy_tensor_parallel() -> None:
+    global _group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _group = TensorParallelGroup()

@@ -1,0 +1,132 @@
+"""Which slice of each checkpoint tensor a tensor-parallel rank holds (Megatron's layout).
+
+    q_proj, k_proj, v_proj, gate_proj, up_proj   column-parallel: rows split (dim 0)
+    o_proj, down_proj                            row-parallel: columns split (dim 1); the
+                                                 partial sums are all-reduced, so a bias is
+                                                 held by rank 0 alone (zeros elsewhere)
+    embed_tokens, lm_head                        vocab-parallel: rows split, padded to
+                                                 ceil(V / N) rows per rank
+    norms                                        replicated
+
+Attention heads split evenly; KV heads too when there are at least as many as ranks, else each
+KV head is replicated on N / Hkv consecutive ranks (the ranks whose query heads use it).
+``read_shard`` takes only these slices from a safetensors slice object (``get_slice``), so no
+rank reads the whole model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trillm.config import ModelConfig
+
+_ROW = ("o_proj", "down_proj")
+_VOCAB = ("embed_tokens", "lm_head")
+
+
+# The families whose layers shard this way. Not yet (issue 14): Phi-3 (q/k/v and gate/up fused
+# in the checkpoint), OLMo 2 (q/k norms over all heads at once), GPT-NeoX (per-head interleaved
+# query_key_value, parallel residual).
+ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+)  # fmt: skip
+
+
+class TensorParallelConfigError(ValueError):
+    """The model's shapes cannot be split over ``tensor_parallel_size`` ranks."""
+
+
+def check_divisible(cfg: ModelConfig, size: int) -> None:
+    """Raise TensorParallelConfigError naming tensor_parallel_size if ``cfg`` does not split."""
+    if size > 1 and cfg.architecture not in ARCHITECTURES:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size={size}: tensor parallelism does not support "
+            f"{cfg.architecture} yet (issue 14); supported: {', '.join(ARCHITECTURES)}."
+        )
+    heads, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    problems = []
+    if heads % size:
+        problems.append(f"num_attention_heads={heads}")
+    if kv % size and size % kv:
+        problems.append(f"num_key_value_heads={kv} (nor is {size} a multiple of it)")
+    if inter % size:
+        problems.append(f"intermediate_size={inter}")
+    if problems:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size={size} does not divide the model's "
+            f"{', '.join(problems)}; choose a divisor of these."
+        )
+
+
+@dataclass(frozen=True)
+class RankShapes:
+    """One rank's share of the model."""
+
+    rank: int
+    size: int
+    head_start: int  # first query head
+    num_heads: int
+    kv_head_start: int
+    num_kv_heads: int
+    inter_start: int
+    inter_size: int
+    vocab_start: int
+    vocab_end: int  # exclusive, <= vocab_size
+    vocab_per_rank: int  # rows of the padded shard
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> RankShapes:
+        check_divisible(cfg, size)
+        heads = cfg.num_attention_heads // size
+        kv = cfg.num_key_value_heads
+        if kv >= size:
+            num_kv, kv_start = kv // size, rank * (kv // size)
+        else:
+            num_kv, kv_start = 1, rank // (size // kv)
+        inter = cfg.intermediate_size // size
+        per = -(-cfg.vocab_size // size)
+        start = min(rank * per, cfg.vocab_size)
+        return cls(
+            rank, size, rank * heads, heads, kv_start, num_kv, rank * inter, inter,
+            start, min(start + per, cfg.vocab_size), per,
+        )  # fmt: skip
+
+    def split_of(self, cfg: ModelConfig, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, length) of checkpoint tensor ``name`` on this rank; None = whole."""
+        module_path, _, kind = name.rpartition(".")
+        proj = module_path.rpartition(".")[2]
+        d = cfg.head_dim
+        if proj in ("q_proj",):
+            return 0, self.head_start * d, self.num_heads * d
+        if proj in ("k_proj", "v_proj"):
+            return 0, self.kv_head_start * d, self.num_kv_heads * d
+        if proj in ("gate_proj", "up_proj"):
+            return 0, self.inter_start, self.inter_size
+        if proj == "o_proj" and kind == "weight":
+            return 1, self.head_start * d, self.num_heads * d
+        if proj == "down_proj" and kind == "weight":
+            return 1, self.inter_start, self.inter_size
+        if proj in _VOCAB:
+            return 0, self.vocab_start, self.vocab_end - self.vocab_start
+        return None
+
+    def read_shard(self, cfg: ModelConfig, name: str, source: Any) -> torch.Tensor:
+        """This rank's part of ``name`` from ``source`` (a safetensors slice or a tensor):
+        only the rank's rows/columns are read."""
+        proj = name.rpartition(".")[0].rpartition(".")[2]
+        split = self.split_of(cfg, name)
+        if split is None:
+            tensor = source[:] if not isinstance(source, torch.Tensor) else source
+            if proj in _ROW and self.rank != 0:  # a row-parallel bias: summed once, on rank 0
+                return torch.zeros_like(tensor)
+            return tensor
+        dim, start, length = split
+        tensor = source[start : start + length] if dim == 0 else source[:, start : start + length]
+        if proj in _VOCAB and length < self.vocab_per_rank:  # the last rank's padding rows
+            pad = torch.zeros(self.vocab_per_rank - length, *tensor.shape[1:], dtype=tensor.dtype)
+            tensor = torch.cat([tensor, pad])
+        return tensor

@@ -1,0 +1,49 @@
+"""A model worker joining and leaving its tensor-parallel group (``ModelRunner`` calls these)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from trillm.config import TrillmConfig
+from trillm.distributed.parallel_state import (
+    destroy_tensor_parallel,
+    get_tp_group,
+    init_tensor_parallel,
+)
+
+
+def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
+    """Pick this rank's device (cuda:rank) or its share of the CPU cores, then join the group
+    (blocks until every rank has joined); -> the rank's device."""
+    parallel = config.parallel
+    size = parallel.tensor_parallel_size
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # N ranks on one machine share its cores; more threads than cores thrash (the native
+        # kernels follow torch's thread count).
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(max(1, cores // size))
+    init_tensor_parallel(
+        rank, size, parallel.master_port, device.type, parallel.collective_timeout_s
+    )
+    return device
+
+
+def leave_tensor_parallel(rank: int, num_steps: int) -> None:
+    """Say how long this rank spent in collectives (benchmarks/tp_bench.py reads the line),
+    then leave the group."""
+    spent = get_tp_group().take_comm_time()
+    per_step = 1e3 * spent / max(1, num_steps)
+    line = (
+        f"tensor-parallel rank {rank}: {num_steps} forward steps, {spent:.3f} s in "
+        f"collectives ({per_step:.3f} ms per step)\n"
+    )
+    sys.stderr.write(line)  # one write: the ranks print at the same moment
+    sys.stderr.flush()
+    destroy_tensor_parallel()
