@@ -28,6 +28,7 @@ FP8 = "tests/test_quantization_fp8.py::"
 SO_REASONING = "tests/test_structured_output_reasoning.py::"
 RESP = "tests/test_responses_api.py::"
 TP = "tests/test_tensor_parallel.py::"
+LORA = "tests/test_lora.py::"
 
 
 def ids(*node_ids: str) -> tuple[str, ...]:
@@ -290,6 +291,11 @@ _ENGINE = {
     "quantization": ids(FP8 + "test_quantized_model_stays_close_to_the_unquantized_one",
                         FP8 + "test_pack_quantizes_every_linear_but_the_lm_head",
                         FP8 + "test_methods_trillm_cannot_run_are_refused"),
+    "enable_lora": ids(LORA + "test_mixed_batch_equals_peft_and_single_runs",
+                       LORA + "test_adapter_for_another_model_and_lora_off_are_refused"),
+    "max_loras": ids(LORA + "test_more_adapters_than_max_loras_wait_and_rotate",
+                     LORA + "test_adapter_for_another_model_and_lora_off_are_refused"),
+    "max_lora_rank": ids(LORA + "test_unimplemented_adapters_are_refused_naming_it"),
 }  # fmt: skip
 
 # ``trillm serve`` flags: how each reaches the engine or the server, and what it then does.

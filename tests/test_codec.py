@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from trillm.errors import CodecError
 from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
+from trillm.lora.request import LoRARequest
 from trillm.messages import (
     CachedRequestData,
     LogprobsLists,
@@ -67,8 +68,10 @@ def scheduler_outputs(draw) -> SchedulerOutput:
     new = draw(
         st.lists(
             st.builds(
-                NewRequestData, req_id, ids, ids, sampling_params(), ids, st.integers(0, 10**6)
-            ),
+                NewRequestData, req_id, ids, ids, sampling_params(), ids, st.integers(0, 10**6),
+                st.none() | st.builds(LoRARequest, req_id, st.integers(1, 2**31), st.just("/a"),
+                                      st.none() | req_id),
+            ),  # fmt: skip
             max_size=3,
         )
     )
@@ -195,7 +198,7 @@ def test_encode_rejects_foreign_objects():
         (msgpack.packb([2, 1, [], [], {}, {}, 0.0]), "Malformed ModelRunnerOutput"),
         (
             msgpack.packb(
-                [0, 1, [["r", [], [], [1, 2], [], 0]], [[], [], []], {}, 0, {}, [], False]
+                [0, 1, [["r", [], [], [1, 2], [], 0, None]], [[], [], []], {}, 0, {}, [], False]
             ),
             "Malformed SamplingParams",
         ),

@@ -9,6 +9,7 @@ Layout (the request lifecycle of docs/architecture.md, stage by stage):
   model_executor/ model loading and the model definitions
   attention/     attention backends behind one interface; kernels/ holds the Triton kernels
   sample/        the batched sampler
+  lora/          LoRA adapters: PEFT loading, batched deltas, admission
   bench/         ``trillm bench``
 
 The public API is re-exported here; heavy modules load on first use.
@@ -31,6 +32,7 @@ _LAZY = {
     "CompletionOutput": "trillm.outputs",
     "Logprob": "trillm.outputs",
     "EngineDeadError": "trillm.errors",
+    "LoRARequest": "trillm.lora.request",
 }
 
 if TYPE_CHECKING:
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from trillm.engine.async_engine import AsyncEngine, open_engine
     from trillm.engine.llm import LLM
     from trillm.errors import EngineDeadError
+    from trillm.lora.request import LoRARequest
     from trillm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -56,6 +59,7 @@ __all__ = [
     "EngineArgs",
     "EngineDeadError",
     "Logprob",
+    "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

@@ -63,9 +63,17 @@ class EngineArgs:
     reasoning_parser: str | None = None
     # Weight-only quantization at load (vLLM's method names): "fp8" (dynamic, CPU). None: none.
     quantization: str | None = None
+    # LoRA adapters (trillm/lora/): requests may name one; at most max_loras in flight at once.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(
             self.tensor_parallel_size, int
         ) or self.tensor_parallel_size < 1:
@@ -171,6 +179,12 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    max_loras: int = 1  # adapters resident on a worker (and in flight in the engine)
+    max_lora_rank: int = 16
+
+
+@dataclass
 class TrillmConfig:
     """Everything resolved: handed to the engine core and (as plain data) to every worker."""
 
@@ -183,3 +197,4 @@ class TrillmConfig:
     attention_backend: str = "torch"
     max_logprobs: int = 20
     reasoning_parser: str | None = None  # the engine core's structured outputs wait for it
+    lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora not given)

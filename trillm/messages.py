@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from trillm.lora.request import LoRARequest
 from trillm.sampling_params import SamplingParams
 
 
@@ -42,6 +43,7 @@ class EngineCoreRequest:
     cache_salt: str | None = None
     # Extra keys mixed into every block hash of this request (LoRA name, multimodal hashes).
     extra_hash_keys: list[str] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # its hash_key is in extra_hash_keys
 
 
 @dataclass(slots=True)
@@ -68,6 +70,9 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]  # the request's whole block table
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+    # The adapter the request runs with (None: the base model); the schedulers leave it None,
+    # the engine core fills it from the EngineCoreRequest.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

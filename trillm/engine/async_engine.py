@@ -29,6 +29,8 @@ from trillm.engine.chat_template import load_chat_template
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET, OutputProcessor
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
 from trillm.errors import EngineDeadError
+from trillm.lora.checker import LoRAChecker
+from trillm.lora.request import LoRARequest
 from trillm.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from trillm.outputs import RequestOutput
 from trillm.sampling_params import SamplingParams
@@ -64,7 +66,14 @@ class AsyncEngine:
         )
         scheduler = get_scheduler_cls()(config.scheduler, config.cache, executor.num_blocks)
         self.structured_output = _structured_output_manager(config, tokenizer)
-        self.core = EngineCore(scheduler, executor, self.structured_output)
+        lora = None
+        if config.lora is not None:
+            from trillm.lora.admission import LoRAAdmission
+
+            lora = LoRAAdmission(config.lora.max_loras)
+        self.core = EngineCore(scheduler, executor, self.structured_output, lora)
+        # Adapters checked against the model (trillm/lora/checker.py), with --enable-lora.
+        self.lora_checker = None if config.lora is None else LoRAChecker(config)
         self._input_send, self._input_recv = trio.open_memory_channel[Any](math.inf)
         self._stats = SchedulerStats()
         # Called with each step's computed-token count (the metrics' iteration_tokens_total).
@@ -155,6 +164,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline, not this call's
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one request and yield its outputs until it finishes.
 
@@ -162,9 +172,12 @@ class AsyncEngine:
         ``PreparedPrompt`` from ``self.preprocessor`` (the HTTP layer's: already checked, so
         ``params``, ``priority`` and ``cache_salt`` come from it and nothing is checked again).
         ``timeout``: seconds after which the request is aborted and its last output carries
-        ``finish_reason == "timeout"`` (what it produced until then is kept)."""
+        ``finish_reason == "timeout"`` (what it produced until then is kept).
+        ``lora_request``: the adapter to run with (needs ``enable_lora``)."""
         self.check_alive()
         deadline = _deadline(timeout)
+        if lora_request is not None:
+            await self.check_lora(lora_request)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if isinstance(prompt, PreparedPrompt):
             prepared = prompt
@@ -182,6 +195,8 @@ class AsyncEngine:
             eos_token_id=self.preprocessor.eos_token_id,
             priority=prepared.priority,
             cache_salt=prepared.cache_salt,
+            extra_hash_keys=[] if lora_request is None else [lora_request.hash_key],
+            lora_request=lora_request,
         )
         if params.structured_outputs is not None:
             await self._compile_grammar(params)
@@ -208,6 +223,15 @@ class AsyncEngine:
             # Sync on purpose: runs even while the caller is being cancelled.
             if self.output_processor.abort_request(request_id):
                 self._input_send.send_nowait(AbortRequests([c.request_id for c in children]))
+
+    async def check_lora(self, lora: LoRARequest) -> None:
+        """InvalidRequestError (a 400) unless LoRA is on and the adapter fits the model."""
+        if self.lora_checker is None:
+            raise InvalidRequestError(
+                "LoRA adapters need the engine started with enable_lora (--enable-lora).",
+                "lora_request",
+            )
+        await self.lora_checker.check(lora)
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """Structured outputs: compile (off the event loop, time-limited, cached) before the

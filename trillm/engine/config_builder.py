@@ -9,6 +9,7 @@ from trillm.config import (
     CacheConfig,
     EngineArgs,
     ModelConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     TrillmConfig,
@@ -75,6 +76,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         attention_backend=resolve_attention_backend(args.attention_backend, device),
         max_logprobs=args.max_logprobs,
         reasoning_parser=args.reasoning_parser,
+        lora=_lora_config(args, model_config),
     )
 
 
@@ -93,6 +95,22 @@ def _check_tensor_parallel(model_config: ModelConfig, size: int, device: str) ->
                 f"tensor_parallel_size={size} needs {size} GPUs (one per rank), "
                 f"{torch.cuda.device_count()} visible."
             )
+
+
+def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
+    """enable_lora -> the LoRA config; ValueError where LoRA cannot run (naming why)."""
+    from trillm.lora.peft import LORA_ARCHITECTURES
+
+    if not args.enable_lora:
+        return None
+    if model.architecture not in LORA_ARCHITECTURES:
+        raise ValueError(
+            f"enable_lora: LoRA is not implemented for {model.architecture} (it runs on "
+            f"{', '.join(sorted(LORA_ARCHITECTURES))})."
+        )
+    if args.tensor_parallel_size > 1:
+        raise ValueError("enable_lora: LoRA with tensor_parallel_size > 1 is not implemented.")
+    return LoRAConfig(args.max_loras, args.max_lora_rank)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

@@ -32,8 +32,11 @@ _IDLE_BACKOFF_S = 0.001
 
 
 class EngineCore:
-    def __init__(self, scheduler, executor, structured_output=None) -> None:
+    def __init__(self, scheduler, executor, structured_output=None, lora=None) -> None:
         self.scheduler = scheduler
+        # LoRAAdmission (trillm/lora/admission.py) with --enable-lora: holds requests whose
+        # adapter would exceed max_loras, and attaches adapters to scheduled new requests.
+        self.lora = lora
         self.executor = executor
         # StructuredOutputManager (trillm/structured_output/): the grammar matchers, or None
         # when the engine was built without a tokenizer for them.
@@ -48,34 +51,53 @@ class EngineCore:
     # ------------------------------------------------------------------ inputs
     def handle_input(self, msg: EngineCoreInput) -> None:
         if isinstance(msg, EngineCoreRequest):
-            try:
-                self.scheduler.add_request(msg)
-            except ValueError as exc:
-                # The frontend checks admission first; a request that still does not fit ends
-                # at once instead of wedging the queue.
-                logger.warning("request %s refused by the scheduler: %s", msg.request_id, exc)
-                self._refused.append(
-                    EngineCoreOutput(msg.request_id, [], None, None, FinishReason.ABORT, None)
-                )
-            else:
-                if msg.sampling_params.structured_outputs is not None:
-                    self._add_grammar(msg)
+            if self.lora is not None and not self.lora.offer(msg):
+                return  # held until one of the running adapters is free
+            self._add_request(msg)
         elif isinstance(msg, AbortRequests):
-            self.scheduler.finish_requests(msg.request_ids, FinishReason.ABORT)
+            ids = msg.request_ids
+            if self.lora is not None and self.lora.has_held:
+                held = self.lora.abort_held(ids)
+                self._refused += [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT)
+                                  for r in held]  # fmt: skip
+            self.scheduler.finish_requests(ids, FinishReason.ABORT)
         else:  # pragma: no cover - messages are typed
             raise TypeError(f"unexpected engine input {type(msg).__name__}")
 
+    def _add_request(self, msg: EngineCoreRequest) -> None:
+        try:
+            self.scheduler.add_request(msg)
+        except ValueError as exc:
+            # The frontend checks admission first; a request that still does not fit ends
+            # at once instead of wedging the queue.
+            logger.warning("request %s refused by the scheduler: %s", msg.request_id, exc)
+            if self.lora is not None:
+                self.lora.forget(msg.request_id)
+            self._refused.append(
+                EngineCoreOutput(msg.request_id, [], None, None, FinishReason.ABORT, None)
+            )
+        else:
+            if msg.sampling_params.structured_outputs is not None:
+                self._add_grammar(msg)
+
     @property
     def has_refused(self) -> bool:
-        return bool(self._refused)
+        """Outputs to publish or LoRA-held requests to admit without any new input."""
+        return bool(self._refused) or (self.lora is not None and self.lora.has_held)
 
     # ------------------------------------------------------------------ step
     async def step(self) -> EngineCoreOutputs | None:
         t0 = time.perf_counter()
         if self.structured_output is not None and self.structured_output.has_pending:
             self._poll_grammars()
+        if self.lora is not None:
+            get = self.scheduler.get_request
+            for req in self.lora.release(lambda req_id: get(req_id) is not None):
+                self._add_request(req)
         refused, self._refused = self._refused, []
         sched = self.scheduler.schedule()  # P1
+        if self.lora is not None:
+            self.lora.attach(sched.scheduled_new_reqs)
         self._note_scheduled(sched)
         if sched.total_num_scheduled_tokens == 0:
             self._unsent_finished.extend(sched.finished_req_ids)

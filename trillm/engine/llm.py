@@ -15,6 +15,7 @@ import trio
 
 from trillm.engine.async_engine import AsyncEngine, open_engine
 from trillm.engine.preprocess import PromptType
+from trillm.lora.request import LoRARequest
 from trillm.outputs import RequestOutput
 from trillm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -66,12 +67,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or one (or None) per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
-        return self._call(self._generate_all, prompts, params_list, use_tqdm)
+        loras = self._lora_list(lora_request, len(prompts))
+        return self._call(self._generate_all, prompts, params_list, use_tqdm, loras)
 
     def chat(
         self,
@@ -82,6 +86,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **chat_options: Any,
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template (``tools``, OpenAI's tool dicts,
@@ -113,7 +118,7 @@ class LLM:
             params_list = [p.clone() for p in params_list]
             for p in params_list:
                 p.skip_special_tokens = False  # the parsers' markers are special tokens
-        outputs = self.generate(prompts, params_list, use_tqdm)
+        outputs = self.generate(prompts, params_list, use_tqdm, lora_request)
         for prompt, out in zip(rendered, outputs, strict=True):
             for c in out.outputs:
                 content: str | None = c.text
@@ -167,8 +172,24 @@ class LLM:
             out.append(p)
         return out
 
+    @staticmethod
+    def _lora_list(
+        lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[LoRARequest | None]:
+        if lora is None or isinstance(lora, LoRARequest):
+            return [lora] * n
+        loras = list(lora)
+        if len(loras) != n:
+            raise ValueError(f"Got {len(loras)} lora_request for {n} prompts; pass one, or "
+                             "one per prompt.")  # fmt: skip
+        return loras
+
     async def _generate_all(
-        self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
@@ -177,8 +198,10 @@ class LLM:
         engine = self.engine
         try:
             async with trio.open_nursery() as nursery:
+                loras = loras or [None] * len(prompts)
                 for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                    gen = engine.generate(prompt, params, request_id=f"llm-{id(results)}-{i}")
+                    gen = engine.generate(prompt, params, request_id=f"llm-{id(results)}-{i}",
+                                          lora_request=loras[i])  # fmt: skip
                     nursery.start_soon(self._collect, gen, i, results, bar)
         except ExceptionGroup as group:
             # A refused request raises its own error (a ValueError naming the field, as vLLM's

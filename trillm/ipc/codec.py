@@ -23,6 +23,7 @@ import msgpack
 from trillm.config import TrillmConfig
 from trillm.errors import CodecError
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
+from trillm.lora.request import LoRARequest
 from trillm.messages import (
     CachedRequestData,
     LogprobsLists,
@@ -90,12 +91,18 @@ def _enc_new_req(r: NewRequestData) -> list[Any]:
         _enc_sampling(r.sampling_params),
         r.block_ids,
         r.num_computed_tokens,
-    ]
+        None if (lo := r.lora_request) is None
+        else [lo.lora_name, lo.lora_int_id, lo.lora_path, lo.base_model_name],
+    ]  # fmt: skip
 
 
 def _dec_new_req(v: list[Any]) -> NewRequestData:
-    _check_arity(v, 6, "NewRequestData")
-    return NewRequestData(v[0], v[1], v[2], _dec_sampling(v[3]), v[4], v[5])
+    _check_arity(v, 7, "NewRequestData")
+    lora = None
+    if v[6] is not None:
+        _check_arity(v[6], 4, "LoRARequest")
+        lora = LoRARequest(*v[6])
+    return NewRequestData(v[0], v[1], v[2], _dec_sampling(v[3]), v[4], v[5], lora)
 
 
 def _enc_sched(s: SchedulerOutput) -> list[Any]:

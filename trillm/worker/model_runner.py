@@ -31,6 +31,8 @@ from trillm.attention.selector import get_attention_backend
 from trillm.config import TrillmConfig
 from trillm.distributed.sharding import RankShapes
 from trillm.distributed.worker import join_tensor_parallel, leave_tensor_parallel
+from trillm.lora.manager import LoRAManager
+from trillm.lora.request import LoRARequest
 from trillm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.registry import CausalLM
@@ -97,6 +99,7 @@ class ModelRunner:
         self.sampling_state = SamplingState(self.max_num_reqs, model_cfg.vocab_size, self.device)
         self.sampler = Sampler()
         self._pending: _PendingStep | None = None
+        self.lora: LoRAManager | None = None  # with --enable-lora, once the model is loaded
 
     # ------------------------------------------------------------ lifecycle
 
@@ -107,6 +110,10 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self._model = build_model(self.config.model, self.attn_backend, self.config.device)
+        lora = self.config.lora
+        if lora is not None:
+            self.lora = LoRAManager(self._model, self.config.model, lora.max_loras,
+                                    lora.max_lora_rank, self.device, self.dtype)  # fmt: skip
 
     @property
     def model(self) -> CausalLM:
@@ -179,7 +186,11 @@ class ModelRunner:
         slots = np.array([self.batch.slot_of(r) for r in req_ids], dtype=np.int64)
         num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], np.int64)
         inputs = self.batch.prepare(slots, num_scheduled)
-        hidden = self._forward(inputs)  # [T, H]
+        if self.lora is None:
+            hidden = self._forward(inputs)  # [T, H]
+        else:
+            with self.lora.step(req_ids, inputs.query_start_loc):
+                hidden = self._forward(inputs)
         self._num_steps += 1
         sample_rows = torch.from_numpy(inputs.sample_rows).to(self.device)
         sample_logits = self.model.compute_logits(hidden.index_select(0, sample_rows)).float()
@@ -203,6 +214,8 @@ class ModelRunner:
                 self.sampling_state.add_request(
                     slot, new.sampling_params, new.prompt_token_ids, new.output_token_ids
                 )
+                if new.lora_request is not None:
+                    self._add_lora(new.req_id, new.lora_request)
             except Exception as exc:  # NOTE: one request's parameters, not the step's fault
                 logger.warning("request %s refused by the worker: %r", new.req_id, exc)
                 failed[new.req_id] = f"{type(exc).__name__}: {exc}"
@@ -216,7 +229,14 @@ class ModelRunner:
             self.batch.num_computed[slot] = computed
         return failed
 
+    def _add_lora(self, req_id: str, lora: LoRARequest) -> None:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this engine (enable_lora / --enable-lora).")
+        self.lora.add_request(req_id, lora)
+
     def _drop(self, req_id: str) -> None:
+        if self.lora is not None:
+            self.lora.remove_request(req_id)
         slot = self.batch.remove_request(req_id)
         if slot is not None and self.sampling_state.holds(slot):
             self.sampling_state.remove_request(slot)

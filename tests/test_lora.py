@@ -1,0 +1,194 @@
+"""LoRA adapters on the engine: PEFT adapters built by the tests on a tiny model.
+
+Greedy output with an adapter equals transformers + PEFT token for token; a batch mixing three
+adapters and the base model gives each request what it gets alone; with max_loras=2 the third
+adapter waits and the worker's resident set turns over (LRU) without changing any output; the
+prefix cache never hands one adapter's KV blocks to another; what is not implemented is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import trio
+
+from tests.hf_reference import hf_greedy
+from trillm import LLM, LoRARequest, SamplingParams, open_engine
+from trillm.engine.preprocess import InvalidRequestError
+from trillm.testing.lora_adapters import build_peft_adapter, peft_greedy
+
+MAX_NEW = 8
+PROMPTS = ["In the beginning", "The license grants you the right to", "A", "Copyright holders"]
+ENGINE = dict(max_model_len=256, kv_cache_memory="8MiB", distributed_executor_backend="uni")
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_factory, tmp_path_factory):
+    model = tiny_model_factory("qwen2")
+    root = tmp_path_factory.mktemp("adapters")
+    paths = {
+        "all": build_peft_adapter(model, root / "all", seed=1),
+        "attn-rslora": build_peft_adapter(
+            model, root / "attn", seed=2, rank=4, targets=["q_proj", "v_proj", "o_proj"],
+            use_rslora=True,
+        ),  # fmt: skip
+        "mlp": build_peft_adapter(model, root / "mlp", seed=3, rank=16, alpha=8,
+                                  targets=["gate_proj", "up_proj", "down_proj"]),  # fmt: skip
+    }
+    return model, {name: str(p) for name, p in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def references(adapters):
+    """name (None: base) -> prompt -> transformers(+PEFT) greedy tokens."""
+    model, paths = adapters
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = [tok.encode(p) for p in PROMPTS]
+    refs: dict[str | None, dict[str, list[int]]] = {
+        None: {p: hf_greedy(model, i, MAX_NEW) for p, i in zip(PROMPTS, ids)}
+    }
+    for name, path in paths.items():
+        refs[name] = dict(zip(PROMPTS, peft_greedy(model, path, ids, MAX_NEW)))
+    for name in paths:  # each adapter changes the output, so the test can fail
+        assert refs[name] != refs[None]
+    return refs
+
+
+def _lora(paths, name):
+    if name is None:
+        return None
+    return LoRARequest(name, list(paths).index(name) + 1, paths[name])
+
+
+def _params():
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(adapters):
+    with LLM(adapters[0], enable_lora=True, max_loras=3, **ENGINE) as engine:
+        yield engine
+
+
+def test_mixed_batch_equals_peft_and_single_runs(adapters, references, llm):
+    """Three adapters and the base model in one generate call (one batch), each request equal
+    to transformers + PEFT and to its own run alone."""
+    _, paths = adapters
+    jobs = [(p, n) for p in PROMPTS for n in [None, *paths]]
+    outs = llm.generate([p for p, _ in jobs], _params(), use_tqdm=False,
+                        lora_request=[_lora(paths, n) for _, n in jobs])  # fmt: skip
+    for (prompt, name), out in zip(jobs, outs, strict=True):
+        assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
+    for prompt, name in jobs[:5]:
+        alone = llm.generate(prompt, _params(), use_tqdm=False, lora_request=_lora(paths, name))
+        assert alone[0].outputs[0].token_ids == references[name][prompt]
+
+
+def test_more_adapters_than_max_loras_wait_and_rotate(adapters, references):
+    """max_loras=2, three adapters at once: the third waits for a free slot, the worker evicts
+    the least recently used adapter, every output still equals PEFT's."""
+    model, paths = adapters
+    jobs = [(p, n) for p in PROMPTS[:2] for n in [*paths, None]] * 2
+    with LLM(model, enable_lora=True, max_loras=2, **ENGINE) as llm:
+        outs = llm.generate([p for p, _ in jobs], _params(), use_tqdm=False,
+                            lora_request=[_lora(paths, n) for _, n in jobs])  # fmt: skip
+    for (prompt, name), out in zip(jobs, outs, strict=True):
+        assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
+
+
+def test_prefix_cache_is_not_shared_across_adapters(adapters, llm):
+    _, paths = adapters
+    prompt = "word " * 40  # several blocks of 16
+
+    def run(name):
+        return llm.generate(prompt, _params(), use_tqdm=False, lora_request=_lora(paths, name))[0]
+
+    first_a, other, base, again_a = run("all"), run("mlp"), run(None), run("all")
+    assert first_a.num_cached_tokens == 0
+    assert other.num_cached_tokens == 0  # same tokens, another adapter: no block shared
+    assert base.num_cached_tokens == 0
+    assert again_a.num_cached_tokens >= 32  # the same adapter does hit its own blocks
+    assert again_a.outputs[0].token_ids == first_a.outputs[0].token_ids
+    assert other.outputs[0].token_ids != first_a.outputs[0].token_ids
+
+
+def _variant(tmp_path, src: str, **config_changes) -> str:
+    dst = tmp_path / "variant"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "all"}, "bias='all'"),
+        ({"r": 64}, "exceeds max_lora_rank=16"),
+        ({"target_modules": ["q_proj", "lm_head"]}, "lm_head"),
+        ({"target_modules": ".*proj"}, "target_modules must be a list"),
+        ({"peft_type": "IA3"}, "IA3"),
+    ],
+)
+def test_unimplemented_adapters_are_refused_naming_it(adapters, llm, tmp_path, changes, named):
+    _, paths = adapters
+    bad = _variant(tmp_path, paths["all"], **changes)
+    with pytest.raises(InvalidRequestError, match=re.escape(named)):
+        llm.generate("x", _params(), use_tqdm=False,
+                     lora_request=LoRARequest("bad", 100 + len(named), bad))  # fmt: skip
+    ok = llm.generate("A", _params(), use_tqdm=False, lora_request=_lora(paths, "all"))
+    assert ok[0].outputs[0].token_ids  # the engine goes on serving
+
+
+def test_adapter_for_another_model_and_lora_off_are_refused(adapters, tiny_model_factory):
+    from trillm.config import EngineArgs
+    from trillm.engine.config_builder import build_config
+    from trillm.lora.peft import LoRAAdapterError, check_adapter
+
+    model, paths = adapters
+    other = build_config(EngineArgs(tiny_model_factory("llama"), max_model_len=256)).model
+    with pytest.raises(LoRAAdapterError, match="do not fit the model"):
+        check_adapter(paths["all"], other, 16)  # llama's head_dim 32: q/k/v shapes differ
+
+    async def main():
+        async with open_engine(model, **ENGINE) as engine:
+            with pytest.raises(InvalidRequestError, match="enable_lora"):
+                async for _ in engine.generate("x", _params(), lora_request=_lora(paths, "all")):
+                    pass
+
+    trio.run(main)
+    with pytest.raises(ValueError, match="max_loras"):
+        LLM(model, enable_lora=True, max_loras=0, **ENGINE)
+
+
+def test_admission_holds_the_adapter_too_many_until_one_is_free():
+    """Engine-core side: max_loras=1; a second adapter waits (arrival order kept), an abort
+    of a held request ends it there, a finished request frees its adapter."""
+    from trillm.lora.admission import LoRAAdmission
+    from trillm.messages import EngineCoreRequest, NewRequestData
+
+    def req(rid, lora_id):
+        lora = None if lora_id is None else LoRARequest(f"l{lora_id}", lora_id, "/p")
+        return EngineCoreRequest(rid, [1], SamplingParams(), 0.0, lora_request=lora)
+
+    gate = LoRAAdmission(max_loras=1)
+    assert gate.offer(req("a", 1)) and gate.offer(req("base", None))
+    assert not gate.offer(req("b", 2)) and not gate.offer(req("c", 3))
+    assert not gate.offer(req("a2", 1))  # behind the held ones: arrival order
+    assert gate.abort_held(["c", "zzz"]) == ["c"]
+    assert gate.release(lambda rid: True) == []  # "a" still runs
+    assert [r.request_id for r in gate.release(lambda rid: rid != "a")] == ["b"]
+    news = [NewRequestData("b", [1], [], SamplingParams(), [], 0),
+            NewRequestData("base", [1], [], SamplingParams(), [], 0)]  # fmt: skip
+    gate.attach(news)
+    assert news[0].lora_request == LoRARequest("l2", 2, "/p") and news[1].lora_request is None
+    assert gate.has_held  # a2 waits for adapter 2 to finish
+    assert [r.request_id for r in gate.release(lambda rid: False)] == ["a2"]

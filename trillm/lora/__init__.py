@@ -1,0 +1,11 @@
+"""LoRA adapters (vLLM's API): requests name one, workers apply several in one batch.
+
+``request.py``: ``LoRARequest`` (vLLM's fields). ``peft.py``: PEFT adapter folders, read and
+checked (what is not implemented is refused, naming it). ``layers.py``: the batched LoRA
+delta on the targeted linears, grouped by adapter. ``manager.py``: the worker's resident
+adapters (at most ``max_loras``, least recently used evicted).
+"""
+
+from trillm.lora.request import LoRARequest
+
+__all__ = ["LoRARequest"]

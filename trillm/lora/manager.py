@@ -1,0 +1,110 @@
+"""The worker's resident LoRA adapters and each step's row grouping.
+
+At most ``max_loras`` adapters are resident; loading one more evicts the least recently used
+adapter that no request in the batch holds. The engine core admits at most ``max_loras``
+adapters among its running requests, so a batch always fits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from trillm.config import ModelConfig
+from trillm.lora.layers import TARGET_MODULES, LoRALinear, StepGroups, attach_lora
+from trillm.lora.peft import load_adapter
+from trillm.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class TooManyLoRAsError(RuntimeError):
+    """Every resident adapter is in use and one more is asked for."""
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: object,  # the runner's CausalLM (an nn.Module)
+        model_cfg: ModelConfig,
+        max_loras: int,
+        max_lora_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model_cfg = model_cfg
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.device, self.dtype = device, dtype
+        self.step_groups = StepGroups()
+        self.linears: dict[tuple[int, str], LoRALinear] = attach_lora(model, self.step_groups)
+        self.resident: OrderedDict[int, LoRARequest] = OrderedDict()  # LRU first
+        self._refs: dict[int, int] = {}  # adapter id -> requests holding it
+        self._req_adapter: dict[str, int] = {}  # req_id -> adapter id
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, req_id: str, lora: LoRARequest) -> None:
+        """The request's adapter made resident (loaded now if it is not); raises on a bad
+        adapter or when all ``max_loras`` resident adapters are in use."""
+        self._ensure_resident(lora)
+        self._req_adapter[req_id] = lora.lora_int_id
+        self._refs[lora.lora_int_id] = self._refs.get(lora.lora_int_id, 0) + 1
+
+    def remove_request(self, req_id: str) -> None:
+        adapter_id = self._req_adapter.pop(req_id, None)
+        if adapter_id is not None:
+            self._refs[adapter_id] -= 1
+
+    def _ensure_resident(self, lora: LoRARequest) -> None:
+        if lora.lora_int_id in self.resident:
+            self.resident.move_to_end(lora.lora_int_id)
+            return
+        if len(self.resident) >= self.max_loras:
+            victim = next((i for i in self.resident if not self._refs.get(i)), None)
+            if victim is None:
+                raise TooManyLoRAsError(
+                    f"all {self.max_loras} resident LoRA adapters (max_loras) are in use."
+                )
+            self._evict(victim)
+        weights = load_adapter(lora.lora_path, self.model_cfg, self.max_lora_rank)
+        per_module: dict[tuple[int, str], list[tuple[str | None, torch.Tensor, torch.Tensor]]] = {}
+        for (layer, proj), (a, b) in weights.modules.items():
+            path, shard = TARGET_MODULES[proj]
+            per_module.setdefault((layer, path), []).append((shard, a, b))
+        for key, parts in per_module.items():
+            self.linears[key].set_adapter(
+                lora.lora_int_id, parts, weights.config.scale, self.dtype, self.device
+            )
+        self.resident[lora.lora_int_id] = lora
+        logger.info("LoRA adapter %s (id %d) loaded from %s", lora.lora_name,
+                    lora.lora_int_id, lora.lora_path)  # fmt: skip
+
+    def _evict(self, adapter_id: int) -> None:
+        for linear in self.linears.values():
+            linear.weights.pop(adapter_id, None)
+        self.resident.pop(adapter_id)
+        self._refs.pop(adapter_id, None)
+
+    # ------------------------------------------------------------ steps
+    @contextmanager
+    def step(self, req_ids: list[str], query_start_loc: np.ndarray) -> Iterator[None]:
+        """During the forward: the step's rows grouped by adapter (request i's rows are
+        ``query_start_loc[i]:query_start_loc[i + 1]``)."""
+        rows: dict[int, list[np.ndarray]] = {}
+        for i, req_id in enumerate(req_ids):
+            adapter_id = self._req_adapter.get(req_id)
+            if adapter_id is not None:
+                start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+                rows.setdefault(adapter_id, []).append(np.arange(start, end))
+        self.step_groups.groups = [
+            (a, torch.from_numpy(np.concatenate(r)).to(self.device)) for a, r in rows.items()
+        ]
+        try:
+            yield
+        finally:
+            self.step_groups.groups = []
