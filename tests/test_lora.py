@@ -192,3 +192,24 @@ def test_admission_holds_the_adapter_too_many_until_one_is_free():
     assert news[0].lora_request == LoRARequest("l2", 2, "/p") and news[1].lora_request is None
     assert gate.has_held  # a2 waits for adapter 2 to finish
     assert [r.request_id for r in gate.release(lambda rid: False)] == ["a2"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_other_decoders_equal_peft(arch, tiny_model_factory, tmp_path):
+    """Llama (head_dim != hidden / heads) and Gemma (gelu MLP, scaled embeddings): base and
+    adapter rows in one batch, each equal to transformers(+PEFT)."""
+    model = tiny_model_factory(arch)
+    adapter = str(build_peft_adapter(model, tmp_path / "a", seed=4, magnitude=0.6))
+    with LLM(model, enable_lora=True, **ENGINE) as llm:
+        ids = llm.get_tokenizer().encode(PROMPTS[1])
+        lora = LoRARequest("a", 1, adapter)
+        outs = llm.generate([PROMPTS[1]] * 2, _params(), use_tqdm=False, lora_request=[lora, None])
+    want = peft_greedy(model, adapter, [ids], MAX_NEW)[0]
+    assert want != hf_greedy(model, ids, MAX_NEW)
+    assert outs[0].outputs[0].token_ids == want
+    assert outs[1].outputs[0].token_ids == hf_greedy(model, ids, MAX_NEW)
+
+
+def test_lora_on_an_architecture_without_it_is_refused(tiny_model_factory):
+    with pytest.raises(ValueError, match="LoRA is not implemented for GPTNeoXForCausalLM"):
+        LLM(tiny_model_factory("gpt_neox"), enable_lora=True, **ENGINE)
