@@ -54,8 +54,8 @@ class _StubHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         server: StubServer = self.server.owner  # type: ignore[attr-defined]
-        n = server.count_request(body)
-        if body.get("model") != MODEL:
+        n = server.count_request(body, dict(self.headers))
+        if body.get("model") not in server.models:
             self._json(
                 404, {"error": {"message": f"The model {body.get('model')} does not exist."}}
             )
@@ -108,14 +108,21 @@ class StubServer:
     every ``fail_every``-th request answers HTTP 500."""
 
     def __init__(
-        self, fail_every: int = 0, tokens_per_chunk: int = 1, send_usage: bool = True
+        self,
+        fail_every: int = 0,
+        tokens_per_chunk: int = 1,
+        send_usage: bool = True,
+        port: int = 0,
+        models: tuple[str, ...] = (MODEL,),
     ) -> None:
         self.fail_every = fail_every
         self.tokens_per_chunk = tokens_per_chunk
         self.send_usage = send_usage
+        self.models = models  # the names a request's 'model' may have
         self.bodies: list[dict] = []
+        self.headers: list[dict] = []  # each request's headers, as bodies
         self._lock = threading.Lock()
-        self.httpd = _QuietServer(("127.0.0.1", 0), _StubHandler)
+        self.httpd = _QuietServer(("127.0.0.1", port), _StubHandler)
         self.httpd.daemon_threads = True
         self.httpd.owner = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -123,9 +130,10 @@ class StubServer:
     def num_chunks(self, max_tokens: int) -> int:
         return -(-max_tokens // self.tokens_per_chunk)
 
-    def count_request(self, body: dict) -> int:
+    def count_request(self, body: dict, headers: dict | None = None) -> int:
         with self._lock:
             self.bodies.append(body)
+            self.headers.append({k.lower(): v for k, v in (headers or {}).items()})
             return len(self.bodies)
 
     def __enter__(self) -> StubServer:
@@ -161,7 +169,7 @@ def common_args(url: str, out: Path, n: int, out_len: int, name: str = "r.json")
     return [
         "--base-url", url, "--num-prompts", str(n), "--random-input-len", "16",
         "--random-output-len", str(out_len), "--result-dir", str(out), "--result-filename", name,
-        "--save-result", "--disable-tqdm",
+        "--save-result", "--save-detailed", "--disable-tqdm",
     ]  # fmt: skip
 
 
@@ -296,14 +304,14 @@ def test_sharegpt_dataset_against_stub(tmp_path: Path) -> None:
         str(tok_dir),
     ]
     with StubServer() as stub:
-        args = common_args(stub.url, tmp_path, 5, 1) + dataset
+        args = common_args(stub.url, tmp_path, 5, 1) + dataset + ["--no-oversample"]
         proc = run_bench(args)
         bodies = stub.bodies[1:]
     assert proc.returncode == 0, proc.stderr
     r = load(tmp_path / "r.json")
     tok = BenchTokenizer(tok_dir)
     expected = {q: (len(tok.encode(q)), len(tok.encode(a))) for q, a in pairs}
-    assert r["completed"] == 2  # only two conversations in the file
+    assert r["completed"] == 2  # only two conversations in the file (--no-oversample)
     assert sorted(r["input_lens"]) == sorted(v[0] for v in expected.values())
     assert sorted(b["max_tokens"] for b in bodies) == sorted(v[1] for v in expected.values())
     assert {b["prompt"] for b in bodies} == set(expected)

@@ -15,8 +15,10 @@ DEFAULT_PORT = 8000
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from trillm.bench import serve_flags
     from trillm.bench.serve import run_serve
 
+    serve_flags.check(args.serve_parser, args)
     _fix_serve_args(args)
     return run_serve(args)
 
@@ -36,10 +38,14 @@ def _run_throughput(args: argparse.Namespace) -> int:
 def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument(
-        "--dataset-name", choices=["random", "sharegpt", "prefix-repetition"], default="random"
+        "--dataset-name",
+        choices=["random", "sharegpt", "custom", "hf", "prefix-repetition", "prefix_repetition"],
+        default="random",
     )
     g.add_argument(
-        "--dataset-path", default=None, help="ShareGPT JSON file (--dataset-name sharegpt)."
+        "--dataset-path",
+        default=None,
+        help="ShareGPT JSON file (sharegpt), JSONL file (custom), local dataset files (hf).",
     )
     g.add_argument("--num-prompts", type=int, default=1000)
     g.add_argument("--random-input-len", type=int, default=1024)
@@ -56,6 +62,7 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from trillm.bench import serve_flags
     from trillm.bench.serve import parse_percentiles, parse_rates
 
     p.add_argument(
@@ -120,7 +127,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot", default=None, metavar="F.png", help="latency CDFs, throughput over time"
     )
-    p.set_defaults(func=_run_serve)
+    serve_flags.add_flags(p)  # vLLM's other flags (serve_flags.py)
+    p.set_defaults(func=_run_serve, serve_parser=p)
 
 
 def _fix_serve_args(args: argparse.Namespace) -> None:

@@ -29,11 +29,39 @@ class RequestSpec:
     chat: bool  # /v1/chat/completions (messages) instead of /v1/completions (prompt)
     ignore_eos: bool = False
     sampling: dict[str, Any] | None = None  # temperature, top_p, ... sent as they are
+    extra_body: dict[str, Any] | None = None  # --extra-body: merged into every body, last
+    headers: dict[str, str] | None = None  # --header KEY=VALUE
+    request_id_prefix: str | None = None  # request i: x-request-id / request_id PREFIX + i
+    logprobs: int | None = None  # --logprobs
+    # --lora-modules: the names sent as 'model' instead of ``model`` (one chosen per request)
+    lora_modules: list[str] | None = None
+    lora_round_robin: bool = False
+
+    def model_for(self, index: int, rng: Any = None) -> str:
+        if not self.lora_modules:
+            return self.model
+        if self.lora_round_robin or rng is None:
+            return self.lora_modules[index % len(self.lora_modules)]
+        return self.lora_modules[int(rng.integers(len(self.lora_modules)))]
+
+    def request_headers(self, index: int | None) -> dict[str, str]:
+        headers = dict(self.headers or {})
+        if index is not None and self.request_id_prefix is not None:
+            headers["x-request-id"] = f"{self.request_id_prefix}{index}"
+        return headers
 
 
-def build_payload(spec: RequestSpec, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+def build_payload(
+    spec: RequestSpec,
+    prompt: str | list[int],
+    max_tokens: int,
+    index: int | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
+    """The request body; ``index``: the request's number (its request id), None for the test
+    and warm-up requests; ``model``: the LoRA name chosen for it."""
     payload: dict[str, Any] = {
-        "model": spec.model,
+        "model": model or spec.model,
         "stream": True,
         "stream_options": {"include_usage": True},
         **(spec.sampling or {}),
@@ -46,6 +74,14 @@ def build_payload(spec: RequestSpec, prompt: str | list[int], max_tokens: int) -
         payload["max_tokens"] = max_tokens
     if spec.ignore_eos:
         payload["ignore_eos"] = True
+    if spec.logprobs is not None:
+        if spec.chat:
+            payload["logprobs"], payload["top_logprobs"] = True, spec.logprobs
+        else:
+            payload["logprobs"] = spec.logprobs
+    if index is not None and spec.request_id_prefix is not None:
+        payload["request_id"] = f"{spec.request_id_prefix}{index}"
+    payload.update(spec.extra_body or {})
     return payload
 
 
@@ -121,14 +157,17 @@ async def send_request(
     prompt_len: int,
     max_tokens: int,
     tokenizer: Any = None,
+    index: int | None = None,
+    model: str | None = None,
 ) -> RequestResult:
     """Stream one request; failures land in ``result.error``, never raise (except cancel)."""
     result = RequestResult(prompt_len=prompt_len)
     state = _StreamState(result, spec.chat)
-    body = orjson.dumps(build_payload(spec, prompt, max_tokens))
+    body = orjson.dumps(build_payload(spec, prompt, max_tokens, index, model))
+    headers = spec.request_headers(index)
     result.start_time = time.perf_counter()
     try:
-        status, error_body = await transport.post_sse(spec.api_url, body, state.on_data)
+        status, error_body = await transport.post_sse(spec.api_url, body, state.on_data, headers)
     except (TransportError, ServerStreamError, orjson.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}" if not isinstance(e, TransportError) else str(e)
         return result

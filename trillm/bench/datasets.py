@@ -163,12 +163,29 @@ def build_sharegpt(
     *,
     output_len: int | None = None,
     seed: int = 0,
+    shuffle: bool = True,
 ) -> list[BenchRequest]:
-    """First human turn as prompt, the reply's token length as output length (vLLM filter)."""
-    pairs = _first_turns(Path(path))
+    """First human turn as prompt, the reply's token length as output length (vLLM filter);
+    ``shuffle`` false (--disable-shuffle): in the file's order."""
+    return requests_from_pairs(
+        _first_turns(Path(path)), num_prompts, tokenizer, output_len, seed, shuffle, str(path)
+    )
+
+
+def requests_from_pairs(
+    pairs: list[tuple[str, str]],
+    num_prompts: int,
+    tokenizer: TokenizerLike,
+    output_len: int | None,
+    seed: int,
+    shuffle: bool,
+    source: str,
+) -> list[BenchRequest]:
+    """(prompt, reply) pairs as requests, through vLLM's ShareGPT length filter."""
     rng = np.random.default_rng(seed)
     requests = []
-    for i in rng.permutation(len(pairs)):
+    order = rng.permutation(len(pairs)) if shuffle else range(len(pairs))
+    for i in order:
         prompt, reply = pairs[int(i)]
         prompt_len = len(tokenizer.encode(prompt))
         out_len = output_len if output_len is not None else len(tokenizer.encode(reply))
@@ -177,7 +194,7 @@ def build_sharegpt(
         if len(requests) == num_prompts:
             break
     if not requests:
-        raise DatasetError(f"No usable conversations in {path} (after vLLM's length filter).")
+        raise DatasetError(f"No usable conversations in {source} (after vLLM's length filter).")
     return requests
 
 
@@ -193,18 +210,25 @@ class BenchTokenizer:
     """A local Hugging Face tokenizer: ``tokenizer.json`` through ``tokenizers`` (fast to
     import), else the folder through ``transformers.AutoTokenizer`` (e.g. sentencepiece)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(
+        self, path: str | Path, mode: str = "auto", trust_remote_code: bool = False
+    ) -> None:
         folder = Path(path)
         file = folder / "tokenizer.json" if folder.is_dir() else folder
+        self.folder = folder if folder.is_dir() else folder.parent
+        self.trust_remote_code = trust_remote_code
         self._fast: Any = None
         self._hf: Any = None
-        if file.is_file():
+        if mode == "slow":  # --tokenizer-mode slow: transformers' Python tokenizer
+            self._hf = _auto_tokenizer(self.folder, use_fast=False, trust=trust_remote_code)
+            self.vocab_size = len(self._hf)
+        elif file.is_file():
             from tokenizers import Tokenizer
 
             self._fast = Tokenizer.from_file(str(file))
             self.vocab_size = self._fast.get_vocab_size()
         elif folder.is_dir():
-            self._hf = _auto_tokenizer(folder)
+            self._hf = _auto_tokenizer(folder, trust=trust_remote_code)
             self.vocab_size = len(self._hf)
         else:
             raise DatasetError(f"Tokenizer folder not found: {path}")
@@ -219,22 +243,38 @@ class BenchTokenizer:
             return self._fast.decode(ids, skip_special_tokens=False)
         return self._hf.decode(ids, skip_special_tokens=False)
 
+    def apply_chat_template(self, prompt: str) -> str:
+        """The prompt as one user turn through the tokenizer's chat template (custom dataset,
+        as vLLM renders it for /v1/completions)."""
+        hf = self._hf or _auto_tokenizer(self.folder, trust=self.trust_remote_code)
+        if not getattr(hf, "chat_template", None):
+            raise DatasetError(
+                f"The tokenizer in {self.folder} has no chat template; pass "
+                "--skip-chat-template to send the prompts as they are."
+            )
+        messages = [{"role": "user", "content": prompt}]
+        return str(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
 
-def _auto_tokenizer(folder: Path) -> Any:
+
+def _auto_tokenizer(folder: Path, use_fast: bool = True, trust: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return AutoTokenizer.from_pretrained(
+            str(folder), local_files_only=True, use_fast=use_fast, trust_remote_code=trust
+        )
     except (OSError, ValueError) as e:
         raise DatasetError(f"Cannot load a tokenizer from {folder}: {e}") from None
 
 
-def find_tokenizer(tokenizer: str | None, model: str | None) -> BenchTokenizer | None:
+def find_tokenizer(
+    tokenizer: str | None, model: str | None, mode: str = "auto", trust_remote_code: bool = False
+) -> BenchTokenizer | None:
     """--tokenizer, else --model when it is a local folder holding a tokenizer, else None."""
     if tokenizer is not None:
-        return BenchTokenizer(tokenizer)
+        return BenchTokenizer(tokenizer, mode, trust_remote_code)
     if model is not None and any(
         (Path(model) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
     ):
-        return BenchTokenizer(model)
+        return BenchTokenizer(model, mode, trust_remote_code)
     return None

@@ -13,8 +13,6 @@ import math
 import signal
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,12 +20,12 @@ import trio
 
 from trillm.bench import datasets, metrics, results_io
 from trillm.bench.client import RequestSpec, send_request
-from trillm.bench.metrics import RequestResult
+from trillm.bench.dataset_args import build_dataset
+from trillm.bench.serve_report import RunState, ServeContext, finish_run
 from trillm.bench.transport import Transport, TransportError, get_json, make_transport
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 EXIT_INTERRUPTED = 130
-MAX_ERRORS_SHOWN = 5
 TEST_MAX_TOKENS = 2
 
 
@@ -46,6 +44,23 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Gener
     # mean gap = shape * scale = 1/rate; variance = shape * scale^2 = 1/(rate^2 * burstiness)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
     return np.concatenate(([0.0], np.cumsum(gaps[:-1]))) if n else np.zeros(0)
+
+
+def ramp_offsets(
+    n: int, strategy: str, start: float, end: float, burstiness: float, rng: np.random.Generator
+) -> np.ndarray:
+    """--ramp-up-strategy: send times whose rate goes from ``start`` to ``end`` req/s over the
+    run (linear, or exponential: start * (end/start)**progress); the gap before request i is
+    drawn at request i's rate, Gamma-distributed as with a fixed rate."""
+    if n <= 1:
+        return np.zeros(n)
+    progress = np.arange(1, n) / (n - 1)
+    if strategy == "linear":
+        rates = start + (end - start) * progress
+    else:
+        rates = start * (end / start) ** progress
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rates * burstiness))
+    return np.concatenate(([0.0], np.cumsum(gaps)))
 
 
 def parse_rates(text: str) -> list[float]:
@@ -71,32 +86,6 @@ def parse_percentiles(text: str) -> list[float]:
     return values
 
 
-@dataclass
-class RunState:
-    """One rate's run; lives outside the cancel scope so an interrupt keeps what it holds."""
-
-    rate: float
-    results: list[RequestResult] = field(default_factory=list)
-    t0: float = 0.0  # perf_counter at the first send
-    end: float = 0.0
-    interrupted: bool = False
-
-
-@dataclass
-class ServeContext:
-    """Everything a run needs besides the HTTP client and the per-rate state."""
-
-    requests: list[datasets.BenchRequest]
-    tokenizer: datasets.BenchTokenizer | None
-    seed: int
-    burstiness: float
-    max_concurrency: int | None
-    slos: metrics.Slos
-    percentiles: list[float]
-    percentile_metrics: list[str]
-    progress: Any = None  # tqdm bar of the current run
-
-
 class Interrupt:
     """SIGINT -> cancel the current run (not the process)."""
 
@@ -119,19 +108,35 @@ class Interrupt:
 async def _one(
     client: Transport,
     spec: RequestSpec,
-    req: datasets.BenchRequest,
+    job: tuple[int, datasets.BenchRequest, str],  # index, prompt, model (LoRA) name
     limiter: trio.CapacityLimiter | None,
-    state: RunState,
+    state: RunState | None,  # None: a warm-up request, not measured
     ctx: ServeContext,
 ) -> None:
+    index, req, model = job
     # NOTE: as vLLM, --max-concurrency holds a request back before it is sent: its TTFT
     # starts when it gets a slot, while the arrival schedule keeps running.
     async with limiter if limiter is not None else contextlib.nullcontext():
         result = await send_request(
-            client, spec, req.prompt, req.prompt_len, req.expected_output_len, ctx.tokenizer
-        )
-    state.results.append(result)
-    ctx.progress.update(1)
+            client, spec, req.prompt, req.prompt_len, req.expected_output_len, ctx.tokenizer,
+            index if state is not None else None, model,
+        )  # fmt: skip
+    if state is not None:
+        state.results.append(result)
+        ctx.progress.update(1)
+
+
+async def warm_up(client: Transport, spec: RequestSpec, ctx: ServeContext) -> None:
+    """--num-warmups requests (the dataset's first prompts, under --max-concurrency), before
+    the clock starts; their results are dropped."""
+    if not ctx.num_warmups:
+        return
+    print(f"Warming up with {ctx.num_warmups} request(s) ...")
+    limiter = trio.CapacityLimiter(ctx.max_concurrency) if ctx.max_concurrency else None
+    async with trio.open_nursery() as nursery:
+        for i in range(ctx.num_warmups):
+            job = (i, ctx.requests[i % len(ctx.requests)], spec.model_for(i))
+            nursery.start_soon(_one, client, spec, job, limiter, None, ctx)
 
 
 async def run_rate(
@@ -139,34 +144,48 @@ async def run_rate(
 ) -> None:
     """Send every request at its arrival time; returns when all have finished."""
     rng = np.random.default_rng(ctx.seed)
-    offsets = arrival_offsets(len(ctx.requests), state.rate, ctx.burstiness, rng)
+    if ctx.ramp is not None:
+        offsets = ramp_offsets(len(ctx.requests), *ctx.ramp, ctx.burstiness, rng)
+    else:
+        offsets = arrival_offsets(len(ctx.requests), state.rate, ctx.burstiness, rng)
     limiter = trio.CapacityLimiter(ctx.max_concurrency) if ctx.max_concurrency else None
     start = trio.current_time()
     state.t0 = time.perf_counter()
     async with trio.open_nursery() as nursery:
-        for req, offset in zip(ctx.requests, offsets):
+        for i, (req, offset) in enumerate(zip(ctx.requests, offsets)):
             # NOTE: no checkpoint when the send time has passed, so a burst (rate inf) is
             # dispatched in one scheduler step, not one step per request behind the streams.
             if start + offset > trio.current_time():
                 await trio.sleep_until(start + float(offset))
-            nursery.start_soon(_one, client, spec, req, limiter, state, ctx)
+            job = (i, req, spec.model_for(i, rng))
+            nursery.start_soon(_one, client, spec, job, limiter, state, ctx)
     state.end = time.perf_counter()
 
 
-async def check_server(base_url: str, model: str | None) -> str:
-    """Reachability and the model name (the first served model when --model is not given)."""
-    url = base_url.rstrip("/") + "/v1/models"
-    try:
-        status, body = await get_json(url)
-    except TransportError as e:
-        raise BenchSetupError(f"Cannot reach the server at {base_url}: {e}") from None
+async def check_server(args: argparse.Namespace, model: str | None) -> str:
+    """Reachability and the model name (the first served model when --model is not given);
+    --ready-check-timeout-sec: retried until the server answers or the time is up."""
+    url = base_url(args) + "/v1/models"
+    deadline = time.monotonic() + args.ready_check_timeout_sec
+    while True:
+        try:
+            status, body = await get_json(url, args.headers, not args.insecure)
+        except TransportError as e:
+            if time.monotonic() < deadline:
+                await trio.sleep(1.0)
+                continue
+            raise BenchSetupError(f"Cannot reach the server at {base_url(args)}: {e}") from None
+        if status >= 500 and time.monotonic() < deadline:  # up, not ready yet (503)
+            await trio.sleep(1.0)
+            continue
+        break
     if model is not None:
         return model
     if status != 200 or not isinstance(body, dict):
         raise BenchSetupError(f"GET {url} answered HTTP {status}; pass --model NAME.")
     served = body.get("data") or []
     if not served:
-        raise BenchSetupError(f"The server at {base_url} serves no model; pass --model NAME.")
+        raise BenchSetupError(f"The server at {base_url(args)} serves no model; pass --model NAME.")
     return served[0]["id"]
 
 
@@ -180,67 +199,6 @@ async def probe_request(client: Transport, spec: RequestSpec, req: datasets.Benc
         )
 
 
-def summarize(state: RunState, ctx: ServeContext) -> dict[str, Any]:
-    state.results.sort(key=lambda r: r.start_time)  # send order, not completion order
-    end = state.end if state.end else time.perf_counter()
-    summary = metrics.calculate_metrics(
-        state.results,
-        max(end - state.t0, 0.0),
-        state.t0,
-        slos=ctx.slos,
-        percentiles=ctx.percentiles,
-    )
-    if ctx.max_concurrency:
-        summary["max_concurrency"] = ctx.max_concurrency
-    return summary
-
-
-def report_errors(results: list[RequestResult]) -> None:
-    errors = Counter(r.error for r in results if not r.success)
-    if not errors:
-        return
-    print(f"{sum(errors.values())} request(s) failed; most common errors:", file=sys.stderr)
-    for message, count in errors.most_common(MAX_ERRORS_SHOWN):
-        print(f"  [{count}x] {message}", file=sys.stderr)
-
-
-def build_dataset(
-    args: argparse.Namespace, tokenizer: datasets.BenchTokenizer | None, chat: bool
-) -> list[datasets.BenchRequest]:
-    # NOTE: the chat endpoint takes text only; completions takes token ids when no tokenizer.
-    as_text = chat or tokenizer is not None
-    common = dict(seed=args.seed, tokenizer=tokenizer, as_text=as_text)
-    if args.dataset_name == "random":
-        return datasets.build_random(
-            args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
-            args.random_range_ratio,
-            args.random_prefix_len,
-            **common,
-        )
-    if args.dataset_name == "prefix-repetition":
-        return datasets.build_prefix_repetition(
-            args.num_prompts,
-            args.prefix_repetition_prefix_len,
-            args.prefix_repetition_suffix_len,
-            args.prefix_repetition_num_prefixes,
-            args.prefix_repetition_output_len,
-            **common,
-        )
-    if args.dataset_path is None:
-        raise BenchSetupError("--dataset-name sharegpt needs --dataset-path FILE.json.")
-    if tokenizer is None:
-        raise BenchSetupError("--dataset-name sharegpt needs a tokenizer: pass --tokenizer PATH.")
-    return datasets.build_sharegpt(
-        args.dataset_path,
-        args.num_prompts,
-        tokenizer,
-        output_len=args.sharegpt_output_len,
-        seed=args.seed,
-    )
-
-
 def is_chat(args: argparse.Namespace) -> bool:
     return args.backend == "openai-chat" or args.endpoint.rstrip("/").endswith("chat/completions")
 
@@ -251,9 +209,16 @@ def prepare(args: argparse.Namespace) -> ServeContext:
         raise BenchSetupError(f"--num-prompts must be at least 1, got {args.num_prompts}.")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise BenchSetupError(f"--max-concurrency must be at least 1, got {args.max_concurrency}.")
-    tokenizer = datasets.find_tokenizer(args.tokenizer, args.model)
+    tokenizer = (
+        None
+        if args.skip_tokenizer_init
+        else datasets.find_tokenizer(
+            args.tokenizer, args.model, mode=args.tokenizer_mode,
+            trust_remote_code=args.trust_remote_code,
+        )
+    )  # fmt: skip
     chat = is_chat(args)
-    if args.dataset_name != "sharegpt" and chat and tokenizer is None:
+    if args.dataset_name in ("random", "prefix-repetition") and chat and tokenizer is None:
         raise BenchSetupError("The chat endpoint needs text prompts: pass --tokenizer PATH.")
     metrics_list = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     unknown = [m for m in metrics_list if m not in metrics.METRICS]
@@ -270,6 +235,10 @@ def prepare(args: argparse.Namespace) -> ServeContext:
         slos=metrics.parse_goodput(args.goodput),
         percentiles=args.metric_percentiles,
         percentile_metrics=metrics_list,
+        ramp=None
+        if args.ramp_up_strategy is None
+        else (args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps),
+        num_warmups=args.num_warmups,
     )
 
 
@@ -279,10 +248,11 @@ def base_url(args: argparse.Namespace) -> str:
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     params = {"temperature": 0.0 if args.temperature is None else args.temperature}
-    if args.top_p is not None:
-        params["top_p"] = args.top_p
-    if args.top_k is not None:
-        params["top_k"] = args.top_k
+    for name in ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty"):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None:
+            params[name] = value
     return params
 
 
@@ -293,66 +263,22 @@ def make_spec(args: argparse.Namespace, model: str) -> RequestSpec:
         chat=is_chat(args),
         ignore_eos=args.ignore_eos,
         sampling=sampling_params(args),
+        extra_body=args.extra_body,
+        headers=args.headers,
+        request_id_prefix=args.request_id_prefix,
+        logprobs=args.logprobs,
+        lora_modules=args.lora_modules,
+        lora_round_robin=args.lora_assignment == "round-robin",
     )
-
-
-def make_record(
-    args: argparse.Namespace, spec: RequestSpec, state: RunState, summary: dict[str, Any]
-) -> dict[str, Any]:
-    record: dict[str, Any] = {
-        "date": time.strftime("%Y%m%d-%H%M%S"),
-        "backend": args.backend,
-        "endpoint": args.endpoint,
-        "model_id": spec.model,
-        "tokenizer_id": args.tokenizer or args.model,
-        "dataset_name": args.dataset_name,
-        "num_prompts": args.num_prompts,
-        "request_rate": results_io.rate_value(state.rate),
-        "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency,
-        "interrupted": state.interrupted,
-        **summary,
-    }
-    record.update(metrics.per_request_lists(state.results))
-    return record
-
-
-def finish_run(
-    args: argparse.Namespace, spec: RequestSpec, state: RunState, ctx: ServeContext, sweep: bool
-) -> dict[str, Any]:
-    """Print the table and errors, save the JSON; returns the record."""
-    summary = summarize(state, ctx)
-    if sweep:
-        print(f"\nRequest rate: {results_io.rate_value(state.rate)} req/s")
-    title = "Serving Benchmark Result" + (" (interrupted)" if state.interrupted else "")
-    print(
-        metrics.format_summary(
-            summary,
-            percentile_metrics=ctx.percentile_metrics,
-            percentiles=ctx.percentiles,
-            title=title,
-        )
-    )
-    report_errors(state.results)
-    record = make_record(args, spec, state, summary)
-    if args.save_result or args.result_filename:
-        default = results_io.default_filename(
-            args.backend, state.rate, args.max_concurrency, spec.model
-        )
-        path = results_io.result_path(
-            args.result_dir, args.result_filename, default, state.rate, sweep
-        )
-        results_io.save_json(path, record)
-        print(f"Saved the result to {path}")
-    return record
 
 
 async def _setup(client: Transport, args: argparse.Namespace, ctx: ServeContext) -> RequestSpec:
-    model = await check_server(base_url(args), args.served_model_name or args.model)
+    model = await check_server(args, args.served_model_name or args.model)
     spec = make_spec(args, model)
     print(f"Starting the test request to {spec.api_url} (model {model}) ...")
     await probe_request(client, spec, ctx.requests[0])
     print("The test request passed; starting the benchmark.")
+    await warm_up(client, spec, ctx)
     return spec
 
 
@@ -387,7 +313,7 @@ async def _run_rates(
 
 async def _serve_main(args: argparse.Namespace, ctx: ServeContext) -> int:
     interrupt = Interrupt()
-    client = make_transport(args.http_client)
+    client = make_transport(args.http_client, verify=not args.insecure)
     try:
         return await _serve_with(client, args, ctx, interrupt)
     finally:

@@ -205,8 +205,11 @@ class H11Transport:
             elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
                 return response.status_code, b"".join(body)
 
-    async def post_sse(self, url: str, body: bytes, on_data: OnData) -> tuple[int, bytes]:
-        """POST ``body`` (JSON); SSE data payloads go to ``on_data``. -> (status, error body)."""
+    async def post_sse(
+        self, url: str, body: bytes, on_data: OnData, extra: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
+        """POST ``body`` (JSON); SSE data payloads go to ``on_data``. -> (status, error body).
+        ``extra``: more headers (--header, x-request-id)."""
         parts = urlsplit(url)
         if parts.scheme != "http":
             raise TransportError(
@@ -220,6 +223,7 @@ class H11Transport:
             ("Accept", "text/event-stream"),
             ("Content-Length", str(len(body))),
             *auth_headers(),
+            *(extra or {}).items(),
         ]
         request = [
             h11.Request(method="POST", target=target, headers=headers),
@@ -275,16 +279,23 @@ class H11Transport:
 class HttpxTransport:
     """The same interface on httpx (pooled, no connection cap)."""
 
-    def __init__(self) -> None:
+    def __init__(self, verify: bool = True) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
         # NOTE: trust_env=False: a benchmark talks to the server directly, never via a proxy.
         self.client = httpx.AsyncClient(
-            limits=limits, timeout=timeout, headers=dict(auth_headers()), trust_env=False
+            limits=limits,
+            timeout=timeout,
+            headers=dict(auth_headers()),
+            trust_env=False,
+            verify=verify,  # --insecure: False
         )
 
-    async def post_sse(self, url: str, body: bytes, on_data: OnData) -> tuple[int, bytes]:
+    async def post_sse(
+        self, url: str, body: bytes, on_data: OnData, extra: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        headers.update(extra or {})
         try:
             async with self.client.stream("POST", url, content=body, headers=headers) as response:
                 if response.status_code != 200:
@@ -304,19 +315,26 @@ class HttpxTransport:
 Transport = H11Transport | HttpxTransport
 
 
-def make_transport(kind: str = "h11") -> Transport:
+def make_transport(kind: str = "h11", verify: bool = True) -> Transport:
     if kind == "h11":
+        if not verify:
+            raise ValueError("--insecure (TLS without verification) needs --http-client httpx.")
         return H11Transport()
     if kind == "httpx":
-        return HttpxTransport()
+        return HttpxTransport(verify)
     raise ValueError(f"Unknown HTTP client {kind!r}; choose h11 or httpx.")
 
 
-async def get_json(url: str) -> tuple[int, Any]:
+async def get_json(
+    url: str, headers: dict[str, str] | None = None, verify: bool = True
+) -> tuple[int, Any]:
     """A plain GET (setup calls); raises TransportError when the server cannot be reached."""
     try:
         async with httpx.AsyncClient(
-            trust_env=False, timeout=CONNECT_TIMEOUT_S, headers=dict(auth_headers())
+            trust_env=False,
+            timeout=CONNECT_TIMEOUT_S,
+            headers={**dict(auth_headers()), **(headers or {})},
+            verify=verify,
         ) as c:
             response = await c.get(url)
     except httpx.HTTPError as e:
