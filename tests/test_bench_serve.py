@@ -417,3 +417,19 @@ def test_real_server_chat_with_tokenizer(trillm_server, tmp_path: Path) -> None:
     assert r["completed"] == 3 and r["endpoint"] == "/v1/chat/completions"
     assert r["model_id"] == "tiny" and r["tokenizer_id"] == str(model)
     assert r["output_lens"] == [3, 3, 3]
+
+
+def test_real_server_takes_the_vllm_request_flags(trillm_server, tmp_path: Path) -> None:
+    # The bodies these flags shape (tests/test_bench_serve_flags.py) are ones trillm serves:
+    # request ids, penalties and min_p, --extra-body (ignore_eos: exact output lengths).
+    url, _ = trillm_server
+    args = common_args(url, tmp_path, 3, 4) + [
+        "--num-warmups", "2", "--request-id-prefix", "real-", "--min-p", "0.05",
+        "--repetition-penalty", "1.1", "--frequency-penalty", "0.1", "--presence-penalty", "0.1",
+        "--extra-body", '{"ignore_eos": true}', "--metadata", "run=ci",
+    ]  # fmt: skip
+    proc = run_bench(args, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = load(tmp_path / "r.json")
+    assert r["completed"] == 3 and r["failed"] == 0 and r["run"] == "ci"
+    assert r["output_lens"] == [4, 4, 4]  # ignore_eos from --extra-body
