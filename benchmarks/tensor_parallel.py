@@ -1,0 +1,183 @@
+"""Offline throughput at tensor_parallel_size 1 and 2 (or more), and the time each rank spends
+in collectives per forward step (issue 14).
+
+Each (round, TP size) runs in a fresh child process (``--child``): it opens ``LLM`` with the
+size, runs a one-request warm-up, then the workload (greedy, ``ignore_eos``, fixed lengths),
+and reports the wall time. On shutdown every worker prints ``tensor-parallel rank r: S forward
+steps, X s in collectives (Y ms per step)``; the parent reads those lines from the child's
+stderr. Collective time is wall time inside ``all_reduce`` / ``all_gather`` (2 all-reduces per
+layer, one for the embedding, one all-gather of the logits per forward), so it includes
+waiting for the slower rank. The sizes alternate within each round.
+
+``--allreduce-rows`` adds the cost of the collective alone: two fresh processes (gloo on CPU,
+NCCL on GPU) all-reduce a [rows, hidden] fp32 tensor back to back (the median of 200 after 20
+warm-ups), with nothing else to wait for.
+
+    python benchmarks/tensor_parallel.py --out benchmarks/results/tensor_parallel.json
+    # a multi-GPU machine (NCCL, one GPU per rank):
+    python benchmarks/tensor_parallel.py --device cuda --tp-sizes 1,2,4 --num-prompts 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+
+RANK_LINE = re.compile(
+    r"tensor-parallel rank (\d+): (\d+) forward steps, ([0-9.]+) s in collectives"
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model folder (default: the bench model)")
+    p.add_argument("--tp-sizes", default="1,2")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--allreduce-rows", default="1,32,128", help="'' to skip")
+    p.add_argument("--hidden", type=int, default=common.MODEL_SPEC["hidden_size"])
+    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--allreduce-child", default=None, help=argparse.SUPPRESS)  # rank,port
+    return p.parse_args(argv)
+
+
+def run_child(args: argparse.Namespace) -> None:
+    """One LLM at tensor_parallel_size ``args.child``; prints a JSON line on stdout."""
+    from trillm import LLM, SamplingParams
+
+    jobs = common.make_workload(
+        args.num_prompts, 0, (args.prompt_len, args.prompt_len), (args.output_len,) * 2
+    )
+    prompts = [{"prompt_token_ids": j.prompt_ids} for j in jobs]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    llm = LLM(
+        args.model, tensor_parallel_size=args.child, device=args.device, dtype=args.dtype,
+        kv_cache_memory="1GiB", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
+    )  # fmt: skip
+    with llm:
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(json.dumps({"seconds": seconds, "output_tokens": tokens}), flush=True)
+
+
+def allreduce_child(args: argparse.Namespace) -> None:
+    """One of two ranks timing all-reduces; rank 0 prints {rows: median seconds}."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank, port = (int(x) for x in args.allreduce_child.split(","))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=120))  # fmt: skip
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    medians = {}
+    for rows in (int(r) for r in args.allreduce_rows.split(",")):
+        t = torch.ones(rows, args.hidden, device=device)  # [rows, hidden] fp32
+        times = []
+        for i in range(220):
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 20:
+                times.append(time.perf_counter() - start)
+        medians[rows] = sorted(times)[len(times) // 2]
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps(medians), flush=True)
+
+
+def measure_allreduce(args: argparse.Namespace) -> dict[str, float]:
+    port = common.free_port()
+    env = {**os.environ, "PYTHONPATH": str(common.REPO_ROOT)}
+    base = [sys.executable, __file__, "--device", args.device, "--hidden", str(args.hidden),
+            "--allreduce-rows", args.allreduce_rows, "--allreduce-child"]  # fmt: skip
+    procs = [
+        subprocess.Popen([*base, f"{r},{port}"], stdout=subprocess.PIPE, text=True, env=env)
+        for r in (0, 1)
+    ]
+    out = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("all-reduce timing failed")
+    return {f"rows_{k}_us": 1e6 * v for k, v in json.loads(out[0].strip()).items()}
+
+
+def measure(args: argparse.Namespace, model: str, tp: int) -> dict[str, Any]:
+    argv = [sys.executable, __file__, "--child", str(tp), "--model", model,
+            "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
+            "--output-len", str(args.output_len), "--max-num-seqs", str(args.max_num_seqs),
+            "--device", args.device, "--dtype", args.dtype]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(common.REPO_ROOT)}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"TP={tp} run failed:\n{done.stderr[-4000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    ranks = [(int(r), int(s), float(c)) for r, s, c in RANK_LINE.findall(done.stderr)]
+    row: dict[str, Any] = {
+        "tp": tp,
+        "seconds": result["seconds"],
+        "output_tok_s": result["output_tokens"] / result["seconds"],
+    }
+    if ranks:
+        steps = max(s for _, s, _ in ranks)
+        row["forward_steps"] = steps
+        row["ms_per_step"] = 1e3 * result["seconds"] / steps
+        for rank, _, comm in sorted(ranks):
+            row[f"comm_ms_per_step_rank{rank}"] = 1e3 * comm / steps
+    return row
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child is not None:
+        run_child(args)
+        return
+    if args.allreduce_child is not None:
+        allreduce_child(args)
+        return
+    model = args.model or str(common.build_bench_model())
+    sizes = [int(s) for s in args.tp_sizes.split(",")]
+    machine = common.machine_info()
+    rows = []
+    for round_ in range(args.rounds):
+        for tp in sizes:
+            row = {"round": round_, **measure(args, model, tp)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    columns = [("round", "d"), ("tp", "d"), ("seconds", ".2f"), ("output_tok_s", ".1f"),
+               ("forward_steps", "d"), ("ms_per_step", ".2f"),
+               ("comm_ms_per_step_rank0", ".2f"), ("comm_ms_per_step_rank1", ".2f")]  # fmt: skip
+    if rows:
+        common.print_table(rows, columns)
+    allreduce = measure_allreduce(args) if args.allreduce_rows else {}
+    print("all-reduce alone (median):", json.dumps(allreduce))
+    command = "python benchmarks/tensor_parallel.py " + " ".join(sys.argv[1:])
+    common.write_json(
+        args.out, {"machine": machine, "command": command, "args": vars(args) | {"out": None},
+                   "rows": rows, "allreduce_alone": allreduce},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
