@@ -56,6 +56,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_gemm.cpp",
                 "ext/cpu_gemm_bf16.cpp",
                 "ext/cpu_gemm_fp8.cpp",
+                "ext/cpu_gemm_q.cpp",
                 "ext/cpu_ops.cpp",
             ],
             depends=["ext/cpu_common.h", "ext/cpu_bf16_tiles.h"],

@@ -1,0 +1,267 @@
+// GEMM with block-quantized weights kept quantized (GGUF's Q4_0, Q4_1, Q8_0: blocks of 32 values
+// along K, one fp16 scale per block, Q4_1 an fp16 minimum too): y[M, N] = x[M, K] . W[N, K]^T
+// (+ bias), x fp32 or bf16, y fp32 or bf16, products summed in fp32.
+//
+// Numerics: those of dequantize-then-matmul in fp32. Per block b and column n the kernel sums
+// s = sum_k x[k] * q[n][k] in fp32 over the block's raw integers (0..15 for Q4, -128..127 for Q8,
+// exact as floats), then adds d * s (Q4_0: d * (s - 8 * sum_k x[k]); Q4_1: d * s + m * sum_k
+// x[k]). Only the order of the fp32 additions differs from F.linear on the dequantized weight.
+// Activations are not quantized (llama.cpp rounds them to int8 for VNNI): a GGUF model served
+// in fp32 keeps the greedy output of the same model dequantized.
+//
+// Packed layout (written by kernels/linear_q_cpu.py's pack, read here): N is cut into panels of
+// 16 output columns, their count padded to even (the kernel takes two panels at a time, zero
+// columns beyond N); panel p is nb = K / 32 records, one per block of 32 k, each:
+//   Q4_0 / Q4_1: 16 k-pairs x 16 columns of bytes, byte [j][c] = q[c][2j] | q[c][2j + 1] << 4,
+//                then d[16] fp16, then (Q4_1) m[16] fp16;
+//   Q8_0:        32 k x 16 columns of int8 q[c][k], then d[16] fp16.
+// One 16-byte load and a zero-extension give 16 columns' integers for two k (Q4) or one (Q8).
+// Work items: (block of rows, run of panel pairs) on the shared pool; the summation order per
+// output is fixed, so results do not depend on the thread count.
+// `supported()` is false without AVX512F/BW/VL (checked at run time): callers then dequantize
+// and call torch (kernels/linear_q_cpu.py).
+#include <pybind11/pybind11.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int kCols = 16;       // output columns per panel: one fp32 vector
+constexpr int kBlock = 32;      // values per quantization block along K
+constexpr int kRows = 4;        // rows of x per register tile (x 2 panels)
+constexpr int kRowBlock = 64;   // rows of x per work item
+
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // GGML's type ids
+
+int quant_bytes(int qtype) { return qtype == kQ8_0 ? kBlock * kCols : kBlock / 2 * kCols; }
+
+// Bytes of one (panel, block) record.
+int record_bytes(int qtype) {
+  if (qtype != kQ4_0 && qtype != kQ4_1 && qtype != kQ8_0)
+    throw std::invalid_argument("quantized GEMM: type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  return quant_bytes(qtype) + 2 * kCols * (qtype == kQ4_1 ? 2 : 1);
+}
+
+int num_panels(int N) {
+  const int panels = (N + kCols - 1) / kCols;
+  return panels + (panels & 1);
+}
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
+#define TRILLM_Q_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+
+struct Gemm {
+  const float* x;   // fp32 rows, stride ldx
+  int64_t ldx;
+  const float* sx;  // Q4: per row, per block, the sum of x over the block [M][nb]; else null
+  const uint8_t* packed;
+  const float* bias;  // null: none
+  void* y;
+  int64_t ldy;
+  int M, N, K, qtype;
+  bool y_bf16;
+};
+
+// fp32 -> bf16, round to nearest even (NaN kept a quiet NaN), as torch's cast does.
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// y[0..R, 0..2 panels) = x[0..R, :] . W(panels p0, p1)^T (+ bias).
+template <int R, int QT>
+TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t* p1, int col) {
+  constexpr int rec = QT == kQ8_0 ? kBlock * kCols + 2 * kCols
+                                  : kBlock / 2 * kCols + 2 * kCols * (QT == kQ4_1 ? 2 : 1);
+  constexpr int qbytes = QT == kQ8_0 ? kBlock * kCols : kBlock / 2 * kCols;
+  const int nb = g.K / kBlock;
+  const float* x = g.x + m * g.ldx;
+  const uint8_t* panel[2] = {p0, p1};
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi32(0xf);
+  for (int b = 0; b < nb; ++b) {
+    __m512 se[R][2], so[R][2];  // sums over the block's even / odd k: two dependency chains
+    for (int r = 0; r < R; ++r)
+      se[r][0] = se[r][1] = so[r][0] = so[r][1] = _mm512_setzero_ps();
+    const float* xb = x + b * kBlock;
+    if constexpr (QT == kQ8_0) {
+      for (int k = 0; k < kBlock; k += 2) {
+        for (int p = 0; p < 2; ++p) {
+          const uint8_t* q = panel[p] + static_cast<int64_t>(b) * rec + k * kCols;
+          const __m512 w0 = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+          const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kCols))));
+          for (int r = 0; r < R; ++r) {
+            se[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * g.ldx + k]), w0, se[r][p]);
+            so[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * g.ldx + k + 1]), w1, so[r][p]);
+          }
+        }
+      }
+    } else {
+      for (int j = 0; j < kBlock / 2; ++j) {
+        for (int p = 0; p < 2; ++p) {
+          const uint8_t* q = panel[p] + static_cast<int64_t>(b) * rec + j * kCols;
+          const __m512i v =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low4));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+          for (int r = 0; r < R; ++r) {
+            se[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * g.ldx + 2 * j]), lo, se[r][p]);
+            so[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * g.ldx + 2 * j + 1]), hi, so[r][p]);
+          }
+        }
+      }
+    }
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* scales = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+      for (int r = 0; r < R; ++r) {
+        __m512 s = _mm512_add_ps(se[r][p], so[r][p]);
+        if constexpr (QT == kQ4_0) s = _mm512_add_ps(s, _mm512_set1_ps(-8.0f * g.sx[(m + r) * nb + b]));
+        acc[r][p] = _mm512_fmadd_ps(d, s, acc[r][p]);
+        if constexpr (QT == kQ4_1) {
+          const __m512 mins = _mm512_cvtph_ps(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 2 * kCols)));
+          acc[r][p] = _mm512_fmadd_ps(mins, _mm512_set1_ps(g.sx[(m + r) * nb + b]), acc[r][p]);
+        }
+      }
+    }
+  }
+  const int64_t elem = g.y_bf16 ? 2 : 4;
+  for (int p = 0; p < 2; ++p) {
+    const int c0 = col + p * kCols;
+    const int cols = std::min(kCols, g.N - c0);
+    if (cols <= 0) break;
+    __m512 b = _mm512_setzero_ps();
+    if (g.bias != nullptr) b = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), g.bias + c0);
+    for (int r = 0; r < R; ++r) {
+      alignas(64) float out[kCols];
+      _mm512_store_ps(out, _mm512_add_ps(acc[r][p], b));
+      char* row = static_cast<char*>(g.y) + ((m + r) * g.ldy + c0) * elem;
+      if (g.y_bf16) {
+        uint16_t* yb = reinterpret_cast<uint16_t*>(row);
+        for (int c = 0; c < cols; ++c) yb[c] = to_bf16(out[c]);
+      } else {
+        std::memcpy(row, out, cols * sizeof(float));
+      }
+    }
+  }
+}
+
+template <int QT>
+TRILLM_Q_TARGET void rows_for_pair(const Gemm& g, int m0, int m1, int pair) {
+  const int64_t panel_bytes = static_cast<int64_t>(g.K / kBlock) * record_bytes(QT);
+  const uint8_t* p0 = g.packed + 2 * pair * panel_bytes;
+  const uint8_t* p1 = p0 + panel_bytes;
+  const int col = 2 * pair * kCols;
+  int m = m0;
+  for (; m + kRows <= m1; m += kRows) tile<kRows, QT>(g, m, p0, p1, col);
+  switch (m1 - m) {
+    case 1: tile<1, QT>(g, m, p0, p1, col); break;
+    case 2: tile<2, QT>(g, m, p0, p1, col); break;
+    case 3: tile<3, QT>(g, m, p0, p1, col); break;
+    default: break;
+  }
+}
+
+void run_pair(const Gemm& g, int m0, int m1, int pair) {
+  switch (g.qtype) {
+    case kQ4_0: rows_for_pair<kQ4_0>(g, m0, m1, pair); break;
+    case kQ4_1: rows_for_pair<kQ4_1>(g, m0, m1, pair); break;
+    default: rows_for_pair<kQ8_0>(g, m0, m1, pair); break;
+  }
+}
+
+void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packed, int qtype,
+            int N, uintptr_t bias, uintptr_t y, bool y_bf16, int64_t ldy, int num_threads) {
+  static const bool ok = cpu_has_avx512();
+  if (!ok) throw std::runtime_error("cpu_gemm_q needs a CPU with AVX512F/BW/VL");
+  record_bytes(qtype);  // validates the type
+  if (M < 0 || N <= 0 || K <= 0 || K % kBlock != 0)
+    throw std::invalid_argument("quantized GEMM: bad shape (K must be a multiple of 32)");
+  if (M == 0) return;
+  const int nb = K / kBlock;
+  py::gil_scoped_release release;
+  // x as fp32 rows (bf16 widened exactly) and, for Q4, its per-block sums: O(M K), small
+  // beside the O(M N K) products.
+  std::vector<float> widened, sums;
+  const float* xf = reinterpret_cast<const float*>(x);
+  int64_t ld = ldx;
+  if (x_bf16) {
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
+    widened.resize(static_cast<size_t>(M) * K);
+    for (int r = 0; r < M; ++r)
+      for (int k = 0; k < K; ++k) widened[static_cast<size_t>(r) * K + k] = from_bf16(xb[r * ldx + k]);
+    xf = widened.data();
+    ld = K;
+  }
+  if (qtype != kQ8_0) {
+    sums.resize(static_cast<size_t>(M) * nb);
+    for (int r = 0; r < M; ++r)
+      for (int b = 0; b < nb; ++b) {
+        float s = 0.0f;
+        for (int k = 0; k < kBlock; ++k) s += xf[r * ld + b * kBlock + k];
+        sums[static_cast<size_t>(r) * nb + b] = s;
+      }
+  }
+  Gemm g{xf, ld, sums.empty() ? nullptr : sums.data(), reinterpret_cast<const uint8_t*>(packed),
+         reinterpret_cast<const float*>(bias), reinterpret_cast<void*>(y), ldy, M, N, K, qtype,
+         y_bf16};
+  const int pairs = num_panels(N) / 2;
+  // As in cpu_gemm.cpp: under ~1 MFLOP the caller does it alone; about four runs per thread.
+  const int threads = 2LL * M * N * K < 1000000 ? 1 : num_threads;
+  const int row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int runs = threads <= 1 ? 1 : std::min(pairs, 4 * threads);
+  run_items(threads, row_blocks * runs, [&](int i) {
+    const int rb = i / runs, run = i % runs;
+    const int m0 = rb * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
+    const int first = static_cast<int>(static_cast<int64_t>(pairs) * run / runs);
+    const int last = static_cast<int>(static_cast<int64_t>(pairs) * (run + 1) / runs);
+    for (int pair = first; pair < last; ++pair) run_pair(g, m0, m1, pair);
+  });
+}
+
+}  // namespace
+
+void register_cpu_gemm_q(py::module_& m) {
+  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0 block-quantized weights (AVX-512, fp32 sums).";
+  m.attr("PANEL") = kCols;
+  m.attr("BLOCK") = kBlock;
+  m.def("supported", &cpu_has_avx512, "Whether this CPU has AVX512F/BW/VL.");
+  m.def("num_panels", &num_panels, py::arg("n"));
+  m.def("record_bytes", &record_bytes, py::arg("qtype"));
+  m.def("linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),
+        py::arg("ldx"), py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"),
+        py::arg("y"), py::arg("y_bf16"), py::arg("ldy"), py::arg("num_threads"));
+}

@@ -1,0 +1,173 @@
+"""Linear layers with GGUF's Q4_0 / Q4_1 / Q8_0 weights kept quantized on CPU.
+
+A weight arrives as GGML blocks (32 values along K a block; per block an fp16 scale ``d``,
+Q4_1 an fp16 minimum ``m`` too; values ``(q - 8) * d`` for Q4_0, ``q * d + m`` for Q4_1,
+``q * d`` for Q8_0 with q signed). ``QuantizedWeight`` repacks the blocks once, at load, into
+``ext/cpu_gemm_q.cpp``'s panel layout (the comment there); ``linear`` multiplies by it:
+x fp32 or bf16, output fp32 or bf16, fp32 sums, the numerics of dequantize-then-matmul.
+
+Without the kernel (not built, ``TRILLM_NO_EXTENSIONS=1``, no AVX-512) ``linear`` dequantizes
+the weight in torch on each call and uses ``F.linear`` (slow, but the weight stays quantized in
+memory). ``dequantize`` is also the reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trillm._native import cpu_kernels, native_available
+
+BLOCK = 32  # values per block along K
+PANEL = 16  # output columns per panel of the packed layout
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML's type ids (gguf.GGMLQuantizationType)
+QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+# Bytes of one GGML block: fp16 d (+ fp16 m), then the values.
+GGML_BLOCK_BYTES = {Q4_0: 2 + 16, Q4_1: 4 + 16, Q8_0: 2 + 32}
+
+
+@functools.cache
+def _ext() -> ModuleType | None:
+    ext = cpu_kernels("gemm_q")
+    return ext if ext is not None and ext.supported() else None
+
+
+def available() -> bool:
+    """Whether ``linear`` runs the native kernel (else it dequantizes in torch per call)."""
+    return native_available("cpu_kernels") and _ext() is not None
+
+
+def record_bytes(qtype: int) -> int:
+    """Bytes of one (panel, block) record: the values, then d[16] (then m[16]) fp16."""
+    values = PANEL * (BLOCK if qtype == Q8_0 else BLOCK // 2)
+    return values + 2 * PANEL * (2 if qtype == Q4_1 else 1)
+
+
+def num_panels(n: int) -> int:
+    panels = -(-n // PANEL)
+    return panels + (panels & 1)
+
+
+def unpack_ggml(
+    raw: np.ndarray, qtype: int, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGML rows [N, K / 32 * block bytes] uint8 -> (q [N, K] uint8 or int8, d [N, K/32] fp16,
+    m [N, K/32] fp16 or None). Q4 nibbles: value j of a block is byte j's low half, value
+    j + 16 its high half."""
+    if qtype not in GGML_BLOCK_BYTES:
+        raise ValueError(f"unsupported quantized type id {qtype}")
+    if k % BLOCK:
+        raise ValueError(f"K={k} is not a multiple of {BLOCK}")
+    n, nb = raw.shape[0], k // BLOCK
+    blocks = np.ascontiguousarray(raw).reshape(n, nb, GGML_BLOCK_BYTES[qtype])
+    d = blocks[:, :, 0:2].copy().view(np.float16).reshape(n, nb)
+    if qtype == Q8_0:
+        q = blocks[:, :, 2:].copy().view(np.int8).reshape(n, k)
+        return q, d, None
+    start = 4 if qtype == Q4_1 else 2
+    m = blocks[:, :, 2:4].copy().view(np.float16).reshape(n, nb) if qtype == Q4_1 else None
+    nibbles = blocks[:, :, start:]  # [N, nb, 16]
+    q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=2).reshape(n, k)
+    return q, d, m
+
+
+class QuantizedWeight:
+    """A [N, K] Q4_0 / Q4_1 / Q8_0 weight from GGML rows, repacked for the kernel."""
+
+    def __init__(self, raw: np.ndarray, qtype: int, out_features: int, in_features: int) -> None:
+        q, d, m = unpack_ggml(raw, qtype, in_features)
+        if q.shape[0] != out_features:
+            raise ValueError(f"{q.shape[0]} rows of blocks for a weight of {out_features} rows")
+        self.qtype = qtype
+        self.out_features, self.in_features = out_features, in_features
+        self.data = torch.from_numpy(_pack(q, d, m, qtype))  # [panels * nb * record] uint8
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, qtype: int) -> np.ndarray:
+    n, k = q.shape
+    nb, panels = k // BLOCK, num_panels(n)
+    pad = panels * PANEL - n  # zero columns: q 0, d 0, so they add nothing
+    q = np.pad(q, ((0, pad), (0, 0)))
+    scales = [np.pad(s, ((0, pad), (0, 0))) for s in (d, m) if s is not None]
+    values: np.ndarray
+    if qtype == Q8_0:
+        # [P, 16 cols, nb, 32 k] -> [P, nb, 32 k, 16 cols]
+        values = q.reshape(panels, PANEL, nb, BLOCK).transpose(0, 2, 3, 1).view(np.uint8)
+    else:
+        pairs = q.reshape(panels, PANEL, nb, BLOCK // 2, 2).astype(np.uint8)
+        packed = pairs[..., 0] | (pairs[..., 1] << 4)  # [P, 16 cols, nb, 16 pairs]
+        values = packed.transpose(0, 2, 3, 1)  # [P, nb, 16 pairs, 16 cols]
+    parts = [np.ascontiguousarray(values).reshape(panels, nb, -1)]
+    for s in scales:  # [Np, nb] fp16 -> [P, nb, 16 cols] as bytes
+        parts.append(np.ascontiguousarray(s.reshape(panels, PANEL, nb).transpose(0, 2, 1))
+                     .view(np.uint8).reshape(panels, nb, -1))  # fmt: skip
+    return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The [N, K] values of ``weight`` (from the packed copy), in ``dtype``: the reference."""
+    n, k, qtype = weight.out_features, weight.in_features, weight.qtype
+    nb, panels = k // BLOCK, num_panels(n)
+    records = weight.data.view(panels, nb, record_bytes(qtype))
+    values_bytes = PANEL * (BLOCK if qtype == Q8_0 else BLOCK // 2)
+    values = records[:, :, :values_bytes]
+    if qtype == Q8_0:
+        q = values.reshape(panels, nb, BLOCK, PANEL).view(torch.int8).to(torch.float32)
+    else:
+        pairs = values.reshape(panels, nb, BLOCK // 2, PANEL)
+        q = torch.stack([pairs & 0xF, pairs >> 4], dim=3).reshape(panels, nb, BLOCK, PANEL)
+        q = q.to(torch.float32)  # [P, nb, 32 k, 16 cols]
+    scales = records[:, :, values_bytes:].contiguous().view(torch.float16).to(torch.float32)
+    d = scales[:, :, :PANEL].unsqueeze(2)  # [P, nb, 1, 16]
+    if qtype == Q4_0:
+        w = (q - 8.0) * d
+    elif qtype == Q4_1:
+        w = q * d + scales[:, :, PANEL:].unsqueeze(2)
+    else:
+        w = q * d
+    w = w.permute(0, 3, 1, 2).reshape(panels * PANEL, k)[:n]  # [N, K]
+    return w.to(dtype)
+
+
+_IO = (torch.float32, torch.bfloat16)
+
+
+def linear(
+    x: torch.Tensor,  # [..., K] fp32 or bf16 CPU
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,  # [N] fp32, added to the fp32 sums
+    out_dtype: torch.dtype | None = None,  # fp32 or bf16; None: x's dtype
+) -> torch.Tensor:  # [..., N]
+    """``x @ W^T + bias`` with W kept quantized."""
+    n, k = weight.out_features, weight.in_features
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if x.device.type != "cpu" or x.dtype not in _IO or x.shape[-1] != k:
+        raise ValueError(f"linear_q_cpu.linear: x must be fp32 or bf16 on CPU, last dim {k}.")
+    if out_dtype not in _IO:
+        raise ValueError("linear_q_cpu.linear: out_dtype must be float32 or bfloat16.")
+    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
+        raise ValueError(f"linear_q_cpu.linear: bias must be fp32 [{n}].")
+    if bias is not None:
+        bias = bias.contiguous()
+    ext = _ext() if native_available("cpu_kernels") else None
+    if ext is None:  # portable: dequantize, then torch's GEMM in fp32
+        out = F.linear(x.to(torch.float32), dequantize(weight), bias)
+        return out.to(out_dtype)
+    rows = x.reshape(-1, k)  # a view when the leading dims allow it, else a copy
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=out_dtype)
+    ext.linear(
+        rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
+        weight.data.data_ptr(), weight.qtype, n, 0 if bias is None else bias.data_ptr(),
+        out.data_ptr(), out_dtype == torch.bfloat16, n, torch.get_num_threads(),
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
