@@ -29,6 +29,7 @@ SO_REASONING = "tests/test_structured_output_reasoning.py::"
 RESP = "tests/test_responses_api.py::"
 TP = "tests/test_tensor_parallel.py::"
 LORA = "tests/test_lora.py::"
+GGUF = "tests/test_gguf.py::"
 
 
 def ids(*node_ids: str) -> tuple[str, ...]:
@@ -290,7 +291,12 @@ _ENGINE = {
     # fp8 weights change the output (close to, not equal to, unquantized); others refused
     "quantization": ids(FP8 + "test_quantized_model_stays_close_to_the_unquantized_one",
                         FP8 + "test_pack_quantizes_every_linear_but_the_lm_head",
-                        FP8 + "test_methods_trillm_cannot_run_are_refused"),
+                        FP8 + "test_methods_trillm_cannot_run_are_refused",
+                        GGUF + "test_load_format_and_quantization_are_honoured_or_refused",
+                        GGUF + "test_quantized_layers_hold_only_their_blocks"),
+    "load_format": ids(GGUF + "test_load_format_and_quantization_are_honoured_or_refused"),
+    "dequantize_gguf": ids(GGUF + "test_greedy_output_equals_transformers_on_the_dequantized_weights",
+                           GGUF + "test_quantized_layers_hold_only_their_blocks"),
     "enable_lora": ids(LORA + "test_mixed_batch_equals_peft_and_single_runs",
                        LORA + "test_adapter_for_another_model_and_lora_off_are_refused"),
     "max_loras": ids(LORA + "test_more_adapters_than_max_loras_wait_and_rotate",
@@ -370,14 +376,18 @@ _VLLM_FLAGS = {
     "--log-format": ids("tests/test_logging_config.py::test_log_format_json_makes_every_record_one_json_object"),
     "--metrics-prefix": ids("tests/test_metrics_vllm.py::test_metrics_prefix_vllm_only"),
     "--restart-on-engine-death": ids(FAULTS + "test_dead_engine_restarts_with_flag"),
-    "--load-format": ids(VF + "test_bad_values_refused_with_the_flag_named"),
+    "--load-format": ids(VF + "test_bad_values_refused_with_the_flag_named",
+                         GGUF + "test_serve_flags_reach_the_engine_args",
+                         GGUF + "test_trillm_serve_a_gguf_file_chats_with_its_template"),
     "--tokenizer-mode": ids(VF + "test_more_vllm_flags_refused"),
     "--limit-mm-per-prompt": ids(VF + "test_more_vllm_flags_refused"),
     "--max-lora-rank": ids(VF + "test_more_vllm_flags_refused"),
     "--max-loras": ids(VF + "test_bad_values_refused_with_the_flag_named"),
     "--pipeline-parallel-size": ids(REFUSED_TOP, VF + "test_value_one_is_the_no_op_for_parallel_sizes"),
     "--data-parallel-size": ids(REFUSED_TOP, VF + "test_value_one_is_the_no_op_for_parallel_sizes"),
-    "--quantization": ids(REFUSED_TOP, FLAG_MAP, *_ENGINE["quantization"]),
+    "--quantization": ids(REFUSED_TOP, FLAG_MAP, *_ENGINE["quantization"],
+                          GGUF + "test_serve_flags_reach_the_engine_args",
+                          GGUF + "test_trillm_serve_a_gguf_file_chats_with_its_template"),
     "--kv-cache-dtype": ids(REFUSED_TOP),
     "--enable-lora": ids(REFUSED_TOP),
     "--lora-modules": ids(REFUSED_TOP),
@@ -409,6 +419,7 @@ _ENGINE_FLAG_FIELDS = {
     "--attention-backend": "attention_backend",
     "--distributed-executor-backend": "distributed_executor_backend",
     "--generation-config": "generation_config", "--trust-remote-code": "trust_remote_code",
+    "--dequantize-gguf": "dequantize_gguf",
 }  # fmt: skip
 
 # /v1/responses (tests/test_responses_api.py)

@@ -210,7 +210,7 @@ def test_methods_trillm_cannot_run_are_refused(tmp_path):
     from trillm.default_model import ensure_default_model
     from trillm.engine.config_builder import build_config
 
-    for name in ("awq", "gptq", "bitsandbytes", "gguf"):
+    for name in ("awq", "gptq", "bitsandbytes"):
         with pytest.raises(UnsupportedQuantizationError, match=f"'{name}'.*issues 13"):
             EngineArgs(quantization=name)
     with pytest.raises(UnsupportedQuantizationError, match="Unknown quantization method 'q9'"):

@@ -88,7 +88,7 @@ def test_top35_table_is_35_flags():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--load-format", "pt"], ["--load-format", "gguf"], ["--no-enable-chunked-prefill"],
+    [["--load-format", "pt"], ["--quantization", "fp4"], ["--no-enable-chunked-prefill"],
      ["--allowed-origins", "*"], ["--swap-space", "-1"], ["--log-stats-interval", "0"],
      ["--max-loras", "2"], ["--ssl-keyfile", "/nonexistent.pem"], ["--root-path", "api"],
      ["--ssl-cert-reqs", "2"]],

@@ -61,12 +61,16 @@ class EngineArgs:
     # deepseek_r1 | qwen3: structured outputs constrain only after </think> (vLLM's
     # structured-outputs reasoning_parser; the server's --reasoning-parser sets it too).
     reasoning_parser: str | None = None
-    # Weight-only quantization at load (vLLM's method names): "fp8" (dynamic, CPU). None: none.
+    # Weight-only quantization (vLLM's method names): "fp8" (dynamic, CPU: quantized at load);
+    # "gguf" (implied by a .gguf model: its Q4_0/Q4_1/Q8_0 weights stay quantized). None: none.
     quantization: str | None = None
     # LoRA adapters (trillm/lora/): requests may name one; at most max_loras in flight at once.
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    load_format: str = "auto"  # auto | safetensors | gguf (model_executor/gguf_loader.py)
+    # trillm's: load a GGUF's Q4_0/Q4_1/Q8_0 tensors dequantized to the run's dtype instead.
+    dequantize_gguf: bool = False
 
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
@@ -118,7 +122,7 @@ class EngineArgs:
 class ModelConfig:
     """The model as the runner needs it, read from config.json (transformers 4 or 5 keys)."""
 
-    model: str  # local folder holding config.json, weights and tokenizer
+    model: str  # local folder holding config.json, weights and tokenizer; or a .gguf file
     tokenizer: str
     served_model_name: str
     architecture: str  # e.g. "LlamaForCausalLM"
@@ -143,7 +147,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     generation_config: dict[str, Any] = field(default_factory=dict)
     hf_config: dict[str, Any] = field(default_factory=dict)
-    quantization: str | None = None  # "fp8": linear weights quantized at load (CPU)
+    quantization: str | None = None  # "fp8" (quantized at load, CPU) | "gguf" (a GGUF's Q4/Q8)
 
 
 @dataclass

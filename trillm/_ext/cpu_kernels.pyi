@@ -1,4 +1,4 @@
-# ext/cpu_kernels.cpp and the kernels it binds (pybind11): one module, five parts sharing one
+# ext/cpu_kernels.cpp and the kernels it binds (pybind11): one module, six parts sharing one
 # thread pool. Tensors cross as raw addresses (``tensor.data_ptr()``) with their strides; the
 # wrappers in kernels/*_cpu.py own the checks. Every declared name exists in the built module
 # (tests/test_native_contract.py).
@@ -62,6 +62,17 @@ class _GemmFp8(Protocol):
         bias: int, y: int, y_bf16: bool, ldy: int, num_threads: int,
     ) -> None: ...
 
+class _GemmQ(Protocol):
+    PANEL: int
+    BLOCK: int
+    def supported(self) -> bool: ...
+    def num_panels(self, n: int) -> int: ...
+    def record_bytes(self, qtype: int) -> int: ...
+    def linear(
+        self, x: int, x_bf16: bool, m: int, k: int, ldx: int, packed: int, qtype: int, n: int,
+        bias: int, y: int, y_bf16: bool, ldy: int, num_threads: int,
+    ) -> None: ...
+
 class _Ops(Protocol):
     def rms_norm(
         self, out: _View, x: _View, weight: int, num_rows: int, hidden: int, eps: float,
@@ -89,4 +100,5 @@ attention: _Attention
 gemm: _Gemm
 gemm_bf16: _GemmBf16
 gemm_fp8: _GemmFp8
+gemm_q: _GemmQ
 ops: _Ops

@@ -114,7 +114,12 @@ def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    if path.endswith(".gguf"):  # a GGUF model's own tokenizer and chat template (its metadata)
+        file = Path(path).expanduser()
+        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     # trust_remote_code: a tokenizer class shipped with the checkpoint may run (vLLM's meaning).
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -18,8 +18,10 @@ import torch
 from trillm.config import EngineArgs, ModelConfig
 from trillm.distributed.parallel_state import get_tp_group
 from trillm.distributed.sharding import RankShapes
+from trillm.model_executor import gguf_loader
 from trillm.model_executor.layer_types import FULL, partial_rotary_factor
 from trillm.model_executor.layers.linear import pack_cpu_linears
+from trillm.model_executor.layers.quantized_linear import load_gguf
 from trillm.model_executor.layers.rotary import SUPPORTED_ROPE_TYPES
 from trillm.model_executor.quantization import resolve_quantization
 from trillm.model_executor.registry import (
@@ -45,6 +47,7 @@ _DTYPE_ALIASES = {
 }
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
+LOAD_FORMATS = ("auto", "safetensors", "gguf")  # vLLM's names for what trillm reads
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -128,16 +131,28 @@ DEFAULT_SERVED_NAME = "trillm-default"  # what /v1/models lists for the embedded
 
 
 def load_model_config(args: EngineArgs) -> ModelConfig:
-    """Resolve ``args.model`` to a folder and read everything the runner needs from it."""
-    path = resolve_model_path(args.model, args.revision)
-    hf = _read_json(path / "config.json")
-    architecture = _architecture(hf)
+    """Resolve ``args.model`` to a folder (or a GGUF file) and read everything the runner
+    needs from it."""
     device = resolve_device(args.device)
-    generation_config = read_generation_config(path, args.generation_config)
+    gguf_file = gguf_loader.find_gguf(args.model)
+    check_load_format(args, gguf_file, device)
+    quantization = None
+    if gguf_file is not None:
+        path, file = gguf_file, gguf_loader.GGUFFile(gguf_file)
+        hf = file.hf_config()
+        quantized = any(t in gguf_loader.QUANTIZED_TYPES for t in file.tensor_types.values())
+        quantization = "gguf" if quantized and not args.dequantize_gguf else None
+        generation_config = {} if args.generation_config in ("auto", "vllm") else (
+            read_generation_config(path, args.generation_config))  # fmt: skip
+    else:
+        path = resolve_model_path(args.model, args.revision)
+        hf = _read_json(path / "config.json")
+        generation_config = read_generation_config(path, args.generation_config)
+        quantization = resolve_quantization(args.quantization, hf, device)
+    architecture = _architecture(hf)
     max_position_embeddings = int(hf.get("max_position_embeddings", 2048))
     num_heads = int(hf["num_attention_heads"])
     rope_theta, rope_scaling = parse_rope(hf)
-    quantization = resolve_quantization(args.quantization, hf, device)
     return ModelConfig(
         model=str(path),
         tokenizer=args.tokenizer or str(path),
@@ -166,6 +181,39 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         hf_config=hf,
         quantization=quantization,
     )
+
+
+def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> None:
+    """vLLM's ``load_format`` / ``quantization`` for a GGUF model: honoured or refused."""
+    if args.load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format {args.load_format!r} is not supported; choose one of "
+            f"{', '.join(LOAD_FORMATS)}."
+        )
+    if gguf_file is None:
+        for given, what in ((args.load_format == "gguf", "load_format='gguf'"),
+                            (args.quantization == "gguf", "quantization='gguf'"),
+                            (args.dequantize_gguf, "dequantize_gguf")):  # fmt: skip
+            if given:
+                raise ValueError(f"{what} needs a .gguf model file (or a folder holding one), "
+                                 f"got {args.model!r}.")  # fmt: skip
+        return
+    if args.quantization not in (None, "gguf"):
+        raise ValueError(
+            f"quantization {args.quantization!r} does not apply to a GGUF model: its tensors "
+            "come quantized (quantization='gguf' keeps them so, the default)."
+        )
+    if args.tensor_parallel_size != 1:
+        raise ValueError("A GGUF model runs with tensor_parallel_size 1 only (its weights are "
+                         f"not sharded), got {args.tensor_parallel_size}.")  # fmt: skip
+    if args.load_format == "safetensors":
+        raise ValueError(f"load_format='safetensors' but {str(gguf_file)!r} is a GGUF file.")
+    if args.quantization == "gguf" and args.dequantize_gguf:
+        raise ValueError("quantization='gguf' keeps the GGUF weights quantized; "
+                         "dequantize_gguf asks the opposite: choose one.")  # fmt: skip
+    if device != "cpu" and not args.dequantize_gguf:
+        raise ValueError("GGUF Q4_0/Q4_1/Q8_0 weights are kept quantized on CPU only; on "
+                         f"{device}, pass dequantize_gguf (--dequantize-gguf).")  # fmt: skip
 
 
 def _architecture(hf: dict[str, Any]) -> str:
@@ -344,7 +392,10 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     model.to_empty(device=device)
     causal_lm = cast(CausalLM, model)
     causal_lm.tie_weights()
-    load_weights(causal_lm, cfg.model, cfg)
+    if gguf_loader.find_gguf(cfg.model) is not None:
+        load_gguf(model, cfg)
+    else:
+        load_weights(causal_lm, cfg.model, cfg)
     model.eval()
     if torch.device(device).type == "cpu":
         pack_cpu_linears(model, cfg.quantization)

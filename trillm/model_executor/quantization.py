@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED = ("fp8",)
+SUPPORTED = ("fp8", "gguf")  # gguf: a .gguf model's own Q4_0/Q4_1/Q8_0 blocks (gguf_loader.py)
 
 # vLLM's other method names: refused as "not implemented yet", not as unknown.
 VLLM_METHODS = (
     "aqlm", "awq", "awq_marlin", "bitblas", "bitsandbytes", "compressed-tensors", "deepspeedfp",
-    "experts_int8", "fbgemm_fp8", "fp_quant", "gguf", "gptq", "gptq_bitblas", "gptq_marlin",
+    "experts_int8", "fbgemm_fp8", "fp_quant", "gptq", "gptq_bitblas", "gptq_marlin",
     "gptq_marlin_24", "hqq", "inc", "ipex", "marlin", "modelopt", "modelopt_fp4", "moe_wna16",
     "mxfp4", "petit_nvfp4", "ptpc_fp8", "quark", "rtn", "torchao", "tpu_int8",
 )  # fmt: skip
@@ -35,7 +35,7 @@ def check_quantization(method: str) -> str:
     if method.lower() in VLLM_METHODS:
         raise UnsupportedQuantizationError(
             f"quantization method {method!r} is not implemented yet (issues 13 and 15); trillm "
-            f"runs: {', '.join(SUPPORTED)} (weights quantized at load, CPU)."
+            "runs: fp8 (weights quantized at load, CPU) and gguf (a .gguf model's own blocks)."
         )
     raise UnsupportedQuantizationError(
         f"Unknown quantization method {method!r}; trillm runs: {', '.join(SUPPORTED)}."

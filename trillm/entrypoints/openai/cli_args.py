@@ -19,7 +19,7 @@ _ENGINE_FLAGS = (
     "scheduling_policy", "tensor_parallel_size", "kv_cache_memory", "gpu_memory_utilization",
     "num_gpu_blocks_override", "max_logprobs", "device", "attention_backend",
     "distributed_executor_backend", "generation_config", "trust_remote_code", "runner",
-    "stream_interval", "reasoning_parser", "quantization",
+    "stream_interval", "reasoning_parser", "load_format", "quantization", "dequantize_gguf",
 )  # fmt: skip
 
 
@@ -177,6 +177,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "(ignore it) or a folder path.",
     )
     g.add_argument("--trust-remote-code", action="store_true", default=None)
+    g.add_argument(
+        "--dequantize-gguf", action="store_true", default=None,
+        help="A .gguf model's Q4_0/Q4_1/Q8_0 tensors are dequantized to --dtype at load "
+        "(default: kept quantized, multiplied by a native CPU kernel).",
+    )  # fmt: skip
     g.add_argument(
         "--runner",
         help="Model runner as module:Class, e.g. trillm.worker.fake_runner:FakeModelRunner "

@@ -20,8 +20,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Load formats trillm reads: both mean "the folder's *.safetensors files".
-LOAD_FORMATS = ("auto", "safetensors")
+# Load formats trillm reads (EngineArgs.load_format; model_executor/loader.check_load_format):
+# auto / safetensors: the folder's *.safetensors files; gguf (auto too, for a .gguf model).
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
 
 
 def _json_list(value: str) -> list[str]:
@@ -80,7 +81,7 @@ def _load_format(value: str) -> str:
     if value not in LOAD_FORMATS:
         raise argparse.ArgumentTypeError(
             f"load format {value!r} is not implemented yet; trillm reads safetensors "
-            f"checkpoints: choose one of {', '.join(LOAD_FORMATS)}."
+            f"checkpoints and GGUF files: choose one of {', '.join(LOAD_FORMATS)}."
         )
     return value
 
@@ -203,7 +204,7 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--load-format", type=_load_format, default="auto",
-        help="auto or safetensors (trillm reads safetensors checkpoints); others are refused.",
+        help="auto, safetensors or gguf (a .gguf model; auto picks it too); others are refused.",
     )  # fmt: skip
     g.add_argument(
         "--download-dir",
@@ -236,7 +237,8 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization", "-q", type=_quantization, default=None,
         help="fp8: linear weights quantized to fp8 e4m3 at load, a scale per output channel "
-        "(CPU); vLLM's other methods are not implemented yet (issue 13): refused.",
+        "(CPU); gguf: a .gguf model's Q4_0/Q4_1/Q8_0 weights stay quantized (the default for "
+        "a GGUF model); vLLM's other methods are not implemented yet (issue 13): refused.",
     )  # fmt: skip
     g.add_argument(
         "--kv-cache-dtype", type=_not_implemented("a KV-cache dtype other than the model's", 8,

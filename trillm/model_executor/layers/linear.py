@@ -99,12 +99,12 @@ def pack_cpu_linears(model: nn.Module, quantization: str | None = None) -> int:
     AVX512-BF16). ``quantization="fp8"``: every linear but ``FP8_SKIPPED`` is quantized to
     fp8 e4m3 with per-channel scales (``kernels/linear_fp8_cpu.py``; its portable path where
     the native kernel is unavailable)."""
-    if quantization not in (None, "fp8"):
+    if quantization not in (None, "fp8", "gguf"):  # gguf: those layers have their kernel
         raise ValueError(f"pack_cpu_linears: unknown quantization {quantization!r}.")
     count = 0
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
+        if not isinstance(module, nn.Linear) or hasattr(module, "quantized_weight"):
+            continue  # GGUF-quantized layers have their own kernel (quantized_linear.py)
         with torch.no_grad():
             if quantization == "fp8" and name.rsplit(".", 1)[-1] not in FP8_SKIPPED:
                 _quantize_fp8(module)

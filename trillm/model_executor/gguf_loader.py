@@ -1,0 +1,215 @@
+"""GGUF files (llama.cpp's format): find one, read its config, stream its tensors.
+
+``trillm serve model.gguf`` (or a folder without config.json holding exactly one .gguf) runs the
+model in the file: the config from the GGUF metadata (``llama``, ``qwen2`` and ``qwen3``
+architectures: Llama, SmolLM2, Mistral, Qwen2, Qwen3 as llama.cpp converts them), the tokenizer
+and chat template from the file (``engine/config_builder.load_tokenizer``), the weights here.
+
+Tensors: F32 / F16 / BF16 are loaded in the run's dtype; Q4_0, Q4_1 and Q8_0 are kept quantized
+(``layers/quantized_linear.py``, a native kernel on CPU) unless ``dequantize_gguf`` asks for
+them in the run's dtype; any other GGML type is refused naming it before anything loads.
+llama.cpp stores a ``llama`` model's q/k projection rows permuted for its rotary layout
+(``permute`` in its converter): ``_unpermute`` puts them back in Hugging Face's order.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trillm.model_executor.registry import UnsupportedArchitectureError
+
+# GGUF general.architecture -> trillm architecture
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+# GGUF tensor name (blk.N. prefix removed) -> Hugging Face name (model.layers.N. prefix added)
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class GGUFError(ValueError):
+    """A GGUF file trillm cannot run (architecture, tensor type, layout), or a bad path."""
+
+
+def find_gguf(model: str | None) -> Path | None:
+    """The GGUF file ``model`` names: a ``.gguf`` file, or a folder without config.json holding
+    exactly one; None for anything else (a model folder, a hub id)."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise GGUFError(f"GGUF file {model!r} does not exist.")
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        names = ", ".join(f.name for f in files)
+        raise GGUFError(f"Folder {model!r} holds several GGUF files ({names}): name one.")
+    return files[0] if files else None
+
+
+@dataclass
+class GGUFTensor:
+    name: str  # Hugging Face name
+    type_name: str  # GGML type, e.g. "Q4_1"
+    shape: tuple[int, ...]  # [N, K] / [N], torch order
+    data: np.ndarray  # float values, or GGML block rows [N, bytes] uint8 (a memory map)
+
+
+class GGUFFile:
+    """One GGUF file read once: its metadata as a Hugging Face config, its tensors."""
+
+    def __init__(self, path: str | Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        try:
+            self.reader = GGUFReader(self.path)
+        except (ValueError, OSError) as exc:
+            raise GGUFError(f"{str(self.path)!r} is not a readable GGUF file: {exc}") from exc
+        self.arch = str(self._field("general.architecture"))
+        if self.arch not in ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"GGUF architecture {self.arch!r} is not supported; supported: "
+                f"{', '.join(sorted(ARCHITECTURES))}."
+            )
+        self.tensor_types = {t.name: t.tensor_type.name for t in self.reader.tensors}
+        unsupported = sorted({t for t in self.tensor_types.values()
+                              if t not in FLOAT_TYPES and t not in QUANTIZED_TYPES})  # fmt: skip
+        if unsupported:
+            raise GGUFError(
+                f"GGUF tensor type(s) {', '.join(unsupported)} are not supported; trillm runs "
+                f"{', '.join([*FLOAT_TYPES, *QUANTIZED_TYPES])}."
+            )
+        if "rope_freqs.weight" in self.tensor_types:
+            raise GGUFError("GGUF rope_freqs (llama3-style rope scaling) is not supported.")
+        scaling = self._field(f"{self.arch}.rope.scaling.type", "none")
+        if scaling != "none":
+            raise GGUFError(f"GGUF rope scaling {scaling!r} is not supported.")
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        field = self.reader.get_field(key)
+        if field is None:
+            if default is None:
+                raise GGUFError(f"GGUF metadata lacks {key!r}.")
+            return default
+        return field.contents()
+
+    def hf_config(self) -> dict[str, Any]:
+        """The metadata as a Hugging Face config.json would say it."""
+        a = self.arch
+        heads = int(self._field(f"{a}.attention.head_count"))
+        hidden = int(self._field(f"{a}.embedding_length"))
+        head_dim = int(self._field(f"{a}.attention.key_length", hidden // heads))
+        rotary = int(self._field(f"{a}.rope.dimension_count", head_dim))
+        if rotary != head_dim:
+            raise GGUFError(f"GGUF partial rotary ({rotary} of {head_dim} dims) is not supported.")
+        tokens = self.reader.get_field("tokenizer.ggml.tokens")
+        vocab = self._field(f"{a}.vocab_size", len(tokens.data) if tokens is not None else None)
+        config: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[a]],
+            "model_type": a,
+            "hidden_size": hidden,
+            "intermediate_size": int(self._field(f"{a}.feed_forward_length")),
+            "num_hidden_layers": int(self._field(f"{a}.block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self._field(f"{a}.attention.head_count_kv", heads)),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(self._field(f"{a}.attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(self._field(f"{a}.rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self._field(f"{a}.context_length", 2048)),
+            "vocab_size": int(vocab),
+            "tie_word_embeddings": "output.weight" not in self.tensor_types,
+            "attention_bias": "blk.0.attn_q.bias" in self.tensor_types,
+            "hidden_act": "silu",
+            "torch_dtype": self.checkpoint_dtype(),
+        }
+        for key in ("bos", "eos"):
+            token = self.reader.get_field(f"tokenizer.ggml.{key}_token_id")
+            if token is not None:
+                config[f"{key}_token_id"] = int(token.contents())
+        return config
+
+    def checkpoint_dtype(self) -> str:
+        """The embedding's float type (float32 when it is quantized): what ``--dtype auto``
+        starts from."""
+        kind = self.tensor_types.get("token_embd.weight", "F32")
+        return {"F16": "float16", "BF16": "bfloat16"}.get(kind, "float32")
+
+    def tensors(self) -> Iterator[GGUFTensor]:
+        """Every tensor under its Hugging Face name, q/k rows back in Hugging Face's order."""
+        config = self.hf_config()
+        for t in self.reader.tensors:
+            name = hf_name(t.name)
+            data = np.asarray(t.data)
+            shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+            if self.arch == "llama" and re.search(r"\.(q|k)_proj\.", name):
+                heads = config[
+                    "num_attention_heads" if ".q_proj." in name else "num_key_value_heads"
+                ]
+                data = _unpermute(data, heads)
+            yield GGUFTensor(name, t.tensor_type.name, shape, data)
+
+
+def hf_name(name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    base, _, kind = name.rpartition(".")
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{kind}"
+    raise GGUFError(f"GGUF tensor {name!r} has no place in the model.")
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head permutation of q/k rows: within each head, row i of the
+    interleaved halves goes back to HF's [first half; second half]. Works on float rows and
+    on GGML block rows alike (whole rows move)."""
+    n = rows.shape[0]
+    rest = rows.shape[1:]
+    return np.ascontiguousarray(
+        rows.reshape(heads, n // heads // 2, 2, *rest).swapaxes(1, 2).reshape(rows.shape)
+    )
+
+
+def float_tensor(t: GGUFTensor) -> torch.Tensor:
+    """An F32 / F16 / BF16 tensor's values (a copy) in its own dtype."""
+    data = np.ascontiguousarray(t.data)
+    if t.type_name == "BF16":
+        return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).reshape(t.shape)
+    return torch.from_numpy(data.copy()).reshape(t.shape)
+
+
+def dequantized_tensor(t: GGUFTensor) -> torch.Tensor:
+    """A quantized tensor's values in fp32 (the gguf package's dequantizer)."""
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(np.ascontiguousarray(t.data), GGMLQuantizationType[t.type_name])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(t.shape)
