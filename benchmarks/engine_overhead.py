@@ -52,8 +52,9 @@ def parse_args() -> argparse.Namespace:
 
 
 async def _consume(engine: Any, prompt: list[int], params: Any, counts: list[int]) -> None:
-    async for out in engine.generate({"prompt_token_ids": prompt}, params):
-        counts[0] += len(out.outputs[0].token_ids)
+    async with engine.generate({"prompt_token_ids": prompt}, params) as outputs:
+        async for out in outputs:
+            counts[0] += len(out.outputs[0].token_ids)
 
 
 def _wrap_step(core: Any, records: list[tuple[float, float, float, int]]) -> None:

@@ -83,8 +83,9 @@ async def _round(engine: Any, constrained: bool, tokens: int, tag: str) -> dict[
     async def one(i: int) -> None:
         prompt = {"prompt_token_ids": [100 + (7 * i + j) % 3900 for j in range(PROMPT_LEN)]}
         last = None
-        async for last in engine.generate(prompt, params, f"{tag}-{i}"):  # noqa: B007
-            pass
+        async with engine.generate(prompt, params, f"{tag}-{i}") as outputs:
+            async for last in outputs:  # noqa: B007
+                pass
         finish.append(last.outputs[0].finish_reason if last else "none")
 
     t0 = time.perf_counter()

@@ -35,11 +35,12 @@ async def run_batch(engine, prompts, cancel: set[int]) -> dict[int, list[int]]:
 
     async def one(i: int) -> None:
         n_seen = 0
-        async for out in engine.generate({"prompt_token_ids": prompts[i]}, params, f"r{i}"):
-            n_seen += 1
-            if i in cancel and n_seen == 3:
-                return  # leaving the loop aborts the request
-            results[i] = out.outputs[0].token_ids
+        async with engine.generate({"prompt_token_ids": prompts[i]}, params, f"r{i}") as outputs:
+            async for out in outputs:
+                n_seen += 1
+                if i in cancel and n_seen == 3:
+                    return  # leaving the loop aborts the request
+                results[i] = out.outputs[0].token_ids
 
     async with trio.open_nursery() as nursery:
         for i in range(len(prompts)):

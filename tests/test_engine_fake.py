@@ -33,8 +33,10 @@ def test_many_concurrent_requests_complete(model_path):
             async def one(i):
                 prompt = list(range(3, 3 + 5 + i % 7))
                 params = SamplingParams(max_tokens=8 + i % 5, ignore_eos=True)
-                async for out in engine.generate({"prompt_token_ids": prompt}, params, f"q{i}"):
-                    pass
+                stream = engine.generate({"prompt_token_ids": prompt}, params, f"q{i}")
+                async with stream as outputs:
+                    async for out in outputs:
+                        pass
                 results[i] = (prompt, params.max_tokens, out)
 
             async with trio.open_nursery() as nursery:
@@ -56,16 +58,19 @@ def test_cancelled_caller_aborts_request(model_path):
         ) as engine:
             params = SamplingParams(max_tokens=1000, ignore_eos=True)
             with trio.move_on_after(0.3):
-                async for _ in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "c1"):
-                    pass
+                stream = engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "c1")
+                async with stream as outputs:
+                    async for _ in outputs:
+                        pass
             # The abort is processed by the engine core within a step.
             with trio.fail_after(5):
                 while engine.get_stats().num_running_reqs or engine.get_stats().kv_cache_usage:
                     await trio.sleep(0.01)
             # The engine still serves.
             short = SamplingParams(max_tokens=4, ignore_eos=True)
-            async for out in engine.generate({"prompt_token_ids": [5, 6]}, short, "c2"):
-                pass
+            async with engine.generate({"prompt_token_ids": [5, 6]}, short, "c2") as outputs:
+                async for out in outputs:
+                    pass
             return out
 
     out = trio.run(main)
@@ -82,8 +87,9 @@ def test_dead_worker_fails_in_flight_requests(model_path):
 
             async def one(i):
                 try:
-                    async for _ in engine.generate({"prompt_token_ids": [4, 5, i]}, params):
-                        pass
+                    async with engine.generate({"prompt_token_ids": [4, 5, i]}, params) as outputs:
+                        async for _ in outputs:
+                            pass
                 except EngineDeadError as exc:
                     errors.append(exc)
 
@@ -95,8 +101,9 @@ def test_dead_worker_fails_in_flight_requests(model_path):
                     os.kill(engine.executor.worker_pids[0], signal.SIGKILL)
             assert engine.is_dead
             with pytest.raises(EngineDeadError):
-                async for _ in engine.generate("after death", params):
-                    pass
+                async with engine.generate("after death", params) as outputs:
+                    async for _ in outputs:
+                        pass
             return errors
 
     errors = trio.run(main)

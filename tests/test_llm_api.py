@@ -75,13 +75,15 @@ def test_bad_inputs_raise_clear_errors(tiny_model_factory):
             ]
             for prompt, params, exc in cases:
                 with pytest.raises(exc):
-                    async for _ in engine.generate(prompt, params):
-                        pass
+                    async with engine.generate(prompt, params) as outputs:
+                        async for _ in outputs:
+                            pass
             assert engine.num_blocks == 8
             # After six refusals the engine still serves.
             params = SamplingParams(max_tokens=8, ignore_eos=True)
-            async for out in engine.generate("still serving", params):
-                pass
+            async with engine.generate("still serving", params) as outputs:
+                async for out in outputs:
+                    pass
             return out
 
     out = trio.run(main)

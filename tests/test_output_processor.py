@@ -13,8 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trillm.engine.detokenizer import load_native_module
+from trillm.engine.logprobs import make_logprob_dict
 from trillm.engine.output_collector import RequestOutputCollector
-from trillm.engine.output_processor import OutputProcessor, StopStringMatcher, make_logprob_dict
+from trillm.engine.output_processor import OutputProcessor
+from trillm.engine.stop_strings import StopStringMatcher
 from trillm.errors import EngineDeadError
 from trillm.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from trillm.outputs import Logprob, RequestOutput

@@ -90,10 +90,11 @@ def _engine(model_path: str, **kwargs: Any):
     return open_engine(model_path, runner=FAKE_RUNNER, max_model_len=256, **kwargs)
 
 
-async def _drain(gen) -> Any:
+async def _drain(stream) -> Any:
     out = None
-    async for out in gen:
-        pass
+    async with stream as outputs:
+        async for out in outputs:
+            pass
     return out
 
 

@@ -142,19 +142,23 @@ def test_invalid_specs_raise_value_error_and_the_engine_goes_on(fake_model_path)
                 (SO(grammar="root ::= missing"), "missing"),
             ]:
                 with pytest.raises(StructuredOutputError, match=match) as info:
-                    async for _ in engine.generate("x", SamplingParams(structured_outputs=so)):
-                        pass
+                    stream = engine.generate("x", SamplingParams(structured_outputs=so))
+                    async with stream as outputs:
+                        async for _ in outputs:
+                            pass
                 assert isinstance(info.value, ValueError)
                 assert info.value.param.startswith("structured_outputs.")
             assert engine.core.scheduler.get_stats().num_waiting_reqs == 0  # never submitted
             params = SamplingParams(max_tokens=50, structured_outputs=SO(choice=["ok", "fine"]))
-            async for out in engine.generate("x", params):
-                pass
+            async with engine.generate("x", params) as outputs:
+                async for out in outputs:
+                    pass
             # ignore_eos: the scheduler does not stop at EOS, the terminated grammar does
             params = SamplingParams(max_tokens=50, ignore_eos=True,
                                     structured_outputs=SO(choice=["ok", "fine"]))  # fmt: skip
-            async for out2 in engine.generate("y", params):
-                pass
+            async with engine.generate("y", params) as outputs:
+                async for out2 in outputs:
+                    pass
             return out, out2
 
     for out in trio.run(main):
@@ -172,9 +176,10 @@ def test_streaming_deltas_concatenate_to_valid_json(model_path):
                 structured_outputs=CASES["json"][0],
             )  # fmt: skip
             pieces, last = [], None
-            async for out in engine.generate("stream:", params):
-                pieces.append(out.outputs[0].text)
-                last = out
+            async with engine.generate("stream:", params) as outputs:
+                async for out in outputs:
+                    pieces.append(out.outputs[0].text)
+                    last = out
             return pieces, last
 
     pieces, last = trio.run(main)
@@ -202,16 +207,18 @@ def test_bitmask_only_for_steps_with_a_constrained_request(fake_model_path):
 
             executor.sample_tokens = spy
             plain = SamplingParams(max_tokens=6, ignore_eos=True)
-            async for _ in engine.generate("plain", plain):
-                pass
+            async with engine.generate("plain", plain) as outputs:
+                async for _ in outputs:
+                    pass
             n_plain = len(seen)
             assert n_plain >= 6 and all(r is None for r in seen)
             constrained = SamplingParams(max_tokens=60, structured_outputs=SO(regex="[a-f]{5}"))
             results = {}
 
             async def one(name, params):
-                async for out in engine.generate(name, params, name):
-                    results[name] = out
+                async with engine.generate(name, params, name) as outputs:
+                    async for out in outputs:
+                        results[name] = out
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(one, "c", constrained)

@@ -189,8 +189,9 @@ def run_engine(path: str, script: list[int], requests: dict, **engine_args):
             results = {}
 
             async def one(name, prompt, params):
-                async for out in engine.generate({"prompt_token_ids": prompt}, params, name):
-                    results[name] = out.outputs[0]
+                async with engine.generate({"prompt_token_ids": prompt}, params, name) as outputs:
+                    async for out in outputs:
+                        results[name] = out.outputs[0]
 
             async with trio.open_nursery() as nursery:
                 for name, (prompt, params) in requests.items():
@@ -242,8 +243,9 @@ def test_real_model_first_token_unconstrained_then_grammar(think_model):
                                kv_cache_memory="16MiB", reasoning_parser="deepseek_r1") as engine:  # fmt: skip
             got = []
             for prompt in ([*ids(tok, "q"), start], [*ids(tok, "q"), start, end]):
-                async for out in engine.generate({"prompt_token_ids": prompt}, params):
-                    pass
+                async with engine.generate({"prompt_token_ids": prompt}, params) as outputs:
+                    async for out in outputs:
+                        pass
                 got.append(out.outputs[0])
             return got
 

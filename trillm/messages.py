@@ -3,7 +3,8 @@
 Engine side  -> worker: ``SchedulerOutput`` (P1 -> P2), then ``SampleRequest`` (-> P3).
 Worker       -> engine: ``ModelRunnerOutput`` (P3 -> P4).
 Engine core  -> output handler: ``EngineCoreOutputs`` (P4 -> stage 10).
-Frontend     -> engine core: ``EngineCoreRequest`` / abort ids (stage 4).
+Frontend     -> output handler: ``AddRequest`` / ``AbortRequest`` (stage 4, a bounded channel);
+Output handler -> engine core: ``EngineCoreRequest`` / ``AbortRequests``.
 
 Per-step messages carry diffs, as vLLM v1 does: a request is sent in full the first time it is
 scheduled (and again after a preemption, which drops it on the worker), afterwards only its new
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from trillm.lora.request import LoRARequest
 from trillm.sampling_params import SamplingParams
@@ -182,3 +184,34 @@ class EngineCoreOutputs:
     step_time_s: float = 0.0
     model_time_s: float = 0.0
     num_scheduled_tokens: int = 0  # tokens the step computed (vLLM's iteration tokens)
+
+
+# ---------------------------------------------------------------- request streams -> output handler
+
+
+@dataclass(slots=True, eq=False)
+class AddRequest:
+    """A new user request (``AsyncEngine.generate``). The output handler registers it in the
+    output processor, then submits its engine requests (one per sample) to the engine core, so
+    no output can arrive before its request is known. In-process only (never encoded)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    engine_requests: list[EngineCoreRequest]
+    collector: Any  # RequestOutputCollector: the request's outputs go there
+    arrival_time: float  # wall clock (RequestMetrics)
+
+
+@dataclass(slots=True, eq=False)
+class AbortRequest:
+    """A stream left before its request finished, its deadline passed, or ``abort`` was
+    called. ``collector``: abort only the request reading into it (None: whichever has the id),
+    so a late abort never ends a newer request that reuses the id."""
+
+    request_id: str
+    collector: Any = None
+
+
+OutputHandlerInput = EngineCoreOutputs | AddRequest | AbortRequest

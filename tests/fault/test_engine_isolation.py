@@ -36,8 +36,9 @@ def _unencodable_seed() -> SamplingParams:
 
 async def _last(engine, params: SamplingParams, request_id: str) -> RequestOutput:
     last = None
-    async for out in engine.generate(PROMPT, params, request_id):
-        last = out
+    async with engine.generate(PROMPT, params, request_id) as outputs:
+        async for out in outputs:
+            last = out
     assert last is not None
     return last
 

@@ -160,8 +160,9 @@ def test_generate_timeout_python_api(tiny_model_factory):
         ) as engine:  # fmt: skip
             params = SamplingParams(max_tokens=1000, ignore_eos=True, n=2)
             start = trio.current_time()
-            outs = [o async for o in engine.generate({"prompt_token_ids": [1, 2]}, params,
-                                                     timeout=0.3)]  # fmt: skip
+            stream = engine.generate({"prompt_token_ids": [1, 2]}, params, timeout=0.3)
+            async with stream as outputs:
+                outs = [o async for o in outputs]
             assert trio.current_time() - start < 2
             last = outs[-1]
             assert last.finished
@@ -169,7 +170,7 @@ def test_generate_timeout_python_api(tiny_model_factory):
             assert all(0 < len(c.token_ids) < 1000 for c in last.outputs)
             assert not engine.output_processor.has_unfinished_requests()
             with pytest.raises(ValueError, match="timeout"):
-                async for _ in engine.generate({"prompt_token_ids": [1]}, timeout=0):
+                async with engine.generate({"prompt_token_ids": [1]}, timeout=0):
                     pass
 
     trio.run(main)
@@ -250,6 +251,8 @@ def test_early_disconnects_then_sigterm_exits_at_once(server):
     for sock in blockers:
         sock.close()
     wait_gauges(server, (0.0, 0.0))
+    # The streams whose body never ran are no longer counted either (exchange.py).
+    assert httpx.get(server.url + "/load", headers=server.headers()).json() == {"server_load": 0}
     time.sleep(0.3)
     start = time.monotonic()
     server.terminate()

@@ -7,17 +7,19 @@ the caller gets the engine:
 - the engine-core task (``trillm/engine/core.py``): schedule -> execute -> sample -> update;
 - the output handler: EngineCoreOutputs -> detokenize, stop strings, logprobs -> collectors.
 
-``generate`` submits one request and yields its ``RequestOutput``s from a per-request
-collector. Leaving the ``async for`` (or cancelling the caller) aborts the request.
+Only the output handler touches the output processor: engine outputs, new requests
+(``AddRequest``) and aborts reach it, in order, over one bounded inbox.
+
+``async with engine.generate(...) as outputs: async for out in outputs`` submits one request
+and reads its ``RequestOutput``s from a per-request collector (``request_stream.py``). Leaving
+the block before the final output (break, exception, cancellation) aborts the request.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -28,16 +30,23 @@ from trillm.config import EngineArgs, TrillmConfig
 from trillm.engine.chat_template import load_chat_template
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET, OutputProcessor
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
+from trillm.engine.request_stream import RequestStream
 from trillm.errors import EngineDeadError
 from trillm.lora.checker import LoRAChecker
 from trillm.lora.request import LoRARequest
-from trillm.messages import AbortRequests, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from trillm.outputs import RequestOutput
+from trillm.messages import (
+    AbortRequest,
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutputs,
+    OutputHandlerInput,
+    SchedulerStats,
+)
 from trillm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_OUTPUT_CHANNEL_SIZE = 4  # steps in flight between the engine core and the output handler
+_INBOX_SIZE = 8  # messages in flight to the output handler (engine steps, requests, aborts)
 
 
 class AsyncEngine:
@@ -74,7 +83,15 @@ class AsyncEngine:
         self.core = EngineCore(scheduler, executor, self.structured_output, lora)
         # Adapters checked against the model (trillm/lora/checker.py), with --enable-lora.
         self.lora_checker = None if config.lora is None else LoRAChecker(config)
+        # Written only by the output handler (new requests, aborts): see _add_request.
         self._input_send, self._input_recv = trio.open_memory_channel[Any](math.inf)
+        # Engine outputs, new requests and aborts, in order, to the output handler. Bounded:
+        # the engine core waits when the handler is _INBOX_SIZE messages behind, and so do
+        # callers submitting requests.
+        self._inbox_send, self._inbox_recv = trio.open_memory_channel[OutputHandlerInput](
+            _INBOX_SIZE
+        )
+        self.stream_interval = stream_interval
         self._stats = SchedulerStats()
         # Called with each step's computed-token count (the metrics' iteration_tokens_total).
         self.step_observers: list[Callable[[int], None]] = []
@@ -97,14 +114,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ tasks
     async def run_core(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        from trillm.engine.core import run_engine_core
-
-        send, recv = trio.open_memory_channel[EngineCoreOutputs](_OUTPUT_CHANNEL_SIZE)
-        self._outputs_recv = recv
+        send_outputs = self._inbox_send.clone()  # the engine core's outputs share the inbox
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self._run_output_handler, recv)
-                await nursery.start(run_engine_core, self.core, self._input_recv, send)
+                await nursery.start(self._run_output_handler, self._inbox_recv)
+                await nursery.start(self._run_core_task, send_outputs)
                 self.is_running = True
                 task_status.started()
         except Exception as exc:  # the engine is gone: fail everything, keep the process up
@@ -112,27 +126,97 @@ class AsyncEngine:
         finally:
             self.is_running = False
 
-    async def _run_output_handler(
+    async def _run_core_task(
         self,
-        outputs: trio.MemoryReceiveChannel[EngineCoreOutputs],
+        outputs: trio.MemorySendChannel[OutputHandlerInput],
         *,
         task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        from trillm.engine.core import run_engine_core
+
+        try:
+            await run_engine_core(self.core, self._input_recv, outputs, task_status=task_status)
+        except Exception as exc:
+            self._die(exc)  # before the nursery cancels the handler: its readers get this
+            raise
+
+    async def _run_output_handler(
+        self,
+        inbox: trio.MemoryReceiveChannel[OutputHandlerInput],
+        *,
+        task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The only task that touches the output processor: engine outputs, new requests and
+        aborts arrive, in order, on one bounded inbox."""
         task_status.started()
-        async with outputs:
-            async for batch in outputs:
-                if batch.scheduler_stats is not None:
-                    self._stats = batch.scheduler_stats
-                if batch.num_scheduled_tokens:
-                    for observe in self.step_observers:
-                        observe(batch.num_scheduled_tokens)
-                to_abort = self.output_processor.process_outputs(
-                    batch.outputs, model_time_s=batch.model_time_s
-                )
-                if to_abort:
-                    self._input_send.send_nowait(AbortRequests(to_abort))
+        try:
+            async for msg in inbox:
+                self._handle(msg)
+                # NOTE: everything already queued (parked senders included) is handled
+                # before yielding again: a burst of new requests costs one scheduling round,
+                # not one per request.
+                while True:
+                    try:
+                        msg = inbox.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    self._handle(msg)
+        except Exception as exc:
+            self._die(exc)
+            raise
+        finally:
+            self._fail_readers(inbox)
+
+    def _handle(self, msg: OutputHandlerInput) -> None:
+        processor = self.output_processor
+        if isinstance(msg, EngineCoreOutputs):
+            if msg.scheduler_stats is not None:
+                self._stats = msg.scheduler_stats
+            if msg.num_scheduled_tokens:
+                for observe in self.step_observers:
+                    observe(msg.num_scheduled_tokens)
+            to_abort = processor.process_outputs(msg.outputs, model_time_s=msg.model_time_s)
+            if to_abort:
+                self._input_send.send_nowait(AbortRequests(to_abort))
+        elif isinstance(msg, AddRequest):
+            self._add_request(msg)
+        else:
+            ids = processor.child_ids(msg.request_id)
+            if processor.abort_request(msg.request_id, msg.collector):
+                self._input_send.send_nowait(AbortRequests(ids))
+
+    def _add_request(self, msg: AddRequest) -> None:
+        engine_ids = [r.request_id for r in msg.engine_requests]
+        try:
+            self.output_processor.add_request(
+                msg.request_id, msg.prompt, msg.prompt_token_ids, msg.params, engine_ids,
+                queue=msg.collector, arrival_time=msg.arrival_time,
+            )  # fmt: skip
+        except InvalidRequestError as exc:  # an id already in flight: this request alone
+            msg.collector.put_error(exc)
+            return
+        # NOTE: the core's input is written only here; what it holds is bounded by what came
+        # through the bounded inbox since the core last drained it (every step).
+        for request in msg.engine_requests:
+            self._input_send.send_nowait(request)
+
+    def _fail_readers(self, inbox: trio.MemoryReceiveChannel[OutputHandlerInput]) -> None:
+        """The handler ends (engine failure or shutdown): every reader gets the error, those
+        whose request is still in the inbox included; later sends fail at once."""
+        error = self.dead_error or EngineDeadError("The engine has shut down.")
+        self.output_processor.fail_all(error)
+        while True:
+            try:
+                msg = inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            if isinstance(msg, AddRequest):
+                msg.collector.put_error(error)
+        inbox.close()
 
     def _die(self, exc: BaseException) -> None:
+        if self.dead_error is not None:
+            return
         if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
             exc = exc.exceptions[0]
         if isinstance(exc, EngineDeadError):
@@ -143,19 +227,22 @@ class AsyncEngine:
             error.__cause__ = exc
         self.dead_error = error
         self.died.set()
-        self.output_processor.fail_all(error)
 
     # ------------------------------------------------------------------ requests
     def check_alive(self) -> None:
         if self.dead_error is not None:
             raise self.dead_error
 
+    def token_text(self, token_id: int) -> str:
+        """``decode([token_id])``, from the cache the logprob entries' texts come from."""
+        return self.output_processor.token_texts(token_id)
+
     @property
     def chat_template(self) -> str | None:
         """``--chat-template`` (loaded text), None when the tokenizer's is used."""
         return self.preprocessor.chat_template
 
-    async def generate(
+    def generate(
         self,
         prompt: PromptType | PreparedPrompt,
         params: SamplingParams | None = None,
@@ -165,64 +252,21 @@ class AsyncEngine:
         cache_salt: str | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline, not this call's
         lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit one request and yield its outputs until it finishes.
+    ) -> RequestStream:
+        """One request: ``async with engine.generate(...) as outputs: async for out in outputs``.
 
         ``prompt``: a string, a dict (``prompt_token_ids`` / ``prompt``), or a
         ``PreparedPrompt`` from ``self.preprocessor`` (the HTTP layer's: already checked, so
         ``params``, ``priority`` and ``cache_salt`` come from it and nothing is checked again).
         ``timeout``: seconds after which the request is aborted and its last output carries
         ``finish_reason == "timeout"`` (what it produced until then is kept).
-        ``lora_request``: the adapter to run with (needs ``enable_lora``)."""
-        self.check_alive()
-        deadline = _deadline(timeout)
-        if lora_request is not None:
-            await self.check_lora(lora_request)
+        ``lora_request``: the adapter to run with (needs ``enable_lora``). Leaving the block
+        before the final output aborts the request (``request_stream.py``)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if isinstance(prompt, PreparedPrompt):
-            prepared = prompt
-        else:
-            prepared = await self.preprocessor.prepare(
-                prompt, params or SamplingParams(), priority=priority, cache_salt=cache_salt
-            )
-        params = prepared.params
-        text = prepared.text
-        request = EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=prepared.prompt_token_ids,
-            sampling_params=params,
-            arrival_time=time.monotonic(),
-            eos_token_id=self.preprocessor.eos_token_id,
-            priority=prepared.priority,
-            cache_salt=prepared.cache_salt,
-            extra_hash_keys=[] if lora_request is None else [lora_request.hash_key],
-            lora_request=lora_request,
-        )
-        if params.structured_outputs is not None:
-            await self._compile_grammar(params)
-        children = self._fan_out(request)
-        collector = self.output_processor.add_request(
-            request_id, text, request.prompt_token_ids, params, [c.request_id for c in children]
-        )
-        try:
-            for child in children:
-                self._input_send.send_nowait(child)
-            while True:
-                if deadline == math.inf:  # (no cancel scope on the common path)
-                    out = await collector.get()
-                else:
-                    # NOTE: the deadline's scope covers only the wait, never the yield.
-                    got: RequestOutput | None = None
-                    with trio.move_on_at(deadline):
-                        got = await collector.get()
-                    out = got or self._expire(request_id, children, collector)
-                yield out
-                if out.finished:
-                    return
-        finally:
-            # Sync on purpose: runs even while the caller is being cancelled.
-            if self.output_processor.abort_request(request_id):
-                self._input_send.send_nowait(AbortRequests([c.request_id for c in children]))
+        return RequestStream(
+            self, prompt, params, request_id,
+            priority=priority, cache_salt=cache_salt, timeout=timeout, lora_request=lora_request,
+        )  # fmt: skip
 
     async def check_lora(self, lora: LoRARequest) -> None:
         """InvalidRequestError (a 400) unless LoRA is on and the adapter fits the model."""
@@ -233,7 +277,21 @@ class AsyncEngine:
             )
         await self.lora_checker.check(lora)
 
-    async def _compile_grammar(self, params: SamplingParams) -> None:
+    async def send_to_handler(self, msg: AddRequest) -> None:
+        """Hand a new request to the output handler (waits while its inbox is full)."""
+        try:
+            await self._inbox_send.send(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise self.dead_error or EngineDeadError("The engine has shut down.") from None
+
+    async def send_abort(self, msg: AbortRequest) -> None:
+        """Abort through the output handler; nothing to do once the engine is gone."""
+        try:
+            await self._inbox_send.send(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
         """Structured outputs: compile (off the event loop, time-limited, cached) before the
         engine sees the request, so a bad schema / regex / grammar is refused here (a 400).
         A cached grammar costs no await."""
@@ -248,40 +306,7 @@ class AsyncEngine:
         if cache.get(spec) is None:
             await cache.compile(spec)
 
-    def _expire(self, request_id: str, children: list[Any], collector: Any) -> RequestOutput:
-        """The request's deadline passed: abort it; its last output says "timeout"."""
-        if self.output_processor.abort_request(request_id):
-            self._input_send.send_nowait(AbortRequests([c.request_id for c in children]))
-        out = collector.get_nowait()  # the abort's final output (raises if the engine died)
-        if out is None:  # pragma: no cover - abort_request always delivers a final output
-            raise RuntimeError(f"request {request_id} timed out without a final output")
-        for c in out.outputs:
-            if c.finish_reason == "abort":
-                c.finish_reason = "timeout"
-        return out
-
-    def _fan_out(self, request):
-        """n > 1: one engine request per sample (seeded ones get seed + index)."""
-        params = request.sampling_params
-        if params.n == 1:
-            return [request]
-        children = []
-        for index in range(params.n):
-            child_params = params.clone()
-            child_params.n = 1
-            if params.seed is not None:
-                # Wrapped into int64: seed 2**63 - 1 with n = 2 stays encodable.
-                child_params.seed = (params.seed + index + 2**63) % 2**64 - 2**63
-            children.append(
-                dataclasses.replace(
-                    request,
-                    request_id=f"{index}_{request.request_id}",
-                    sampling_params=child_params,
-                )
-            )
-        return children
-
-    async def chat(
+    def chat(
         self,
         messages: list[dict[str, Any]],
         params: SamplingParams | None = None,
@@ -294,7 +319,9 @@ class AsyncEngine:
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         **kwargs: Any,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
+        """``async with engine.chat(messages, params) as outputs`` (the chat rendered now).
+        """
         # ``tools`` / ``documents`` reach the chat template (OpenAI's tool dicts); parsing the
         # calls out of the output is LLM.chat's tool_parser (trillm.parsers.tool_parsers).
         prompt = self.render_chat(
@@ -306,8 +333,7 @@ class AsyncEngine:
             tools=tools,
             documents=documents,
         )
-        async for out in self.generate(prompt, params, request_id, **kwargs):
-            yield out
+        return self.generate(prompt, params, request_id, **kwargs)
 
     def render_chat(self, messages: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
         """The chat as a prompt for ``generate``; ``chat_template``: a path or the text."""
@@ -316,19 +342,20 @@ class AsyncEngine:
         return {"prompt": text, "add_special_tokens": False}
 
     async def abort(self, request_id: str) -> None:
-        ids = self.output_processor.child_ids(request_id)
-        if self.output_processor.abort_request(request_id):
-            self._input_send.send_nowait(AbortRequests(ids))
-        await trio.lowlevel.checkpoint()
+        """Abort a request by id; its reader gets the final 'abort' output."""
+        await self.send_abort(AbortRequest(request_id))
 
 
-def _deadline(timeout: float | None) -> float:
-    """The Trio clock's deadline for ``timeout`` seconds from now (inf: none)."""
-    if timeout is None:
-        return math.inf
-    if not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        raise InvalidRequestError(f"timeout must be a positive number, got {timeout!r}.", "timeout")
-    return trio.current_time() + timeout
+def _require_trio() -> None:
+    """``open_engine`` is Trio code; under asyncio (or any other loop) say what to use."""
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        raise RuntimeError(
+            "open_engine runs under Trio (trio.run). From asyncio code use trillm.AsyncLLM, "
+            "which runs the engine on a Trio thread of its own: "
+            "`async for out in AsyncLLM(model).generate(prompt, params, request_id)`."
+        ) from None
 
 
 def _structured_output_manager(config: TrillmConfig, tokenizer: Any) -> Any:
@@ -359,6 +386,7 @@ async def open_engine(
     from trillm.executor.abstract import DEFAULT_RUNNER
     from trillm.executor.factory import open_executor
 
+    _require_trio()
     args = EngineArgs.from_kwargs(model, **engine_args)
     config = await trio.to_thread.run_sync(build_config, args)
     tokenizer = await trio.to_thread.run_sync(

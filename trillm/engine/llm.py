@@ -1,19 +1,19 @@
 """The blocking API: ``LLM(model).generate(prompts, params)`` for scripts.
 
-An ``LLM`` runs the Trio engine (``open_engine``) on a background thread for its whole life;
-each ``generate`` call hands a batch to that thread and blocks until every request finished,
-returning outputs in input order (with a tqdm progress bar).
+An ``LLM`` runs the Trio engine (``open_engine``) on a thread of its own for its whole life
+(``engine_thread.py``); each ``generate`` call hands a batch to that thread and blocks until
+every request finished, returning outputs in input order (with a tqdm progress bar).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import trio
 
-from trillm.engine.async_engine import AsyncEngine, open_engine
+from trillm.engine.async_engine import AsyncEngine
+from trillm.engine.engine_thread import EngineThread
 from trillm.engine.preprocess import PromptType
 from trillm.lora.request import LoRARequest
 from trillm.outputs import RequestOutput
@@ -22,42 +22,12 @@ from trillm.sampling_params import RequestOutputKind, SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self._model = model
-        self._engine_args = engine_args
-        self._ready = threading.Event()
-        self._startup_error: BaseException | None = None
-        self._engine: AsyncEngine | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._stop: trio.Event | None = None
-        self._thread = threading.Thread(target=self._thread_main, name="trillm-engine", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._startup_error is not None:
-            raise self._startup_error
-
-    # ------------------------------------------------------------------ engine thread
-    def _thread_main(self) -> None:
-        try:
-            trio.run(self._serve)
-        except BaseException as exc:  # noqa: BLE001 - reported to the constructor
-            if not self._ready.is_set():
-                self._startup_error = exc
-        finally:
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        async with open_engine(self._model, **self._engine_args) as engine:
-            self._engine = engine
-            self._token = trio.lowlevel.current_trio_token()
-            self._stop = trio.Event()
-            self._ready.set()
-            await self._stop.wait()
+        self._thread = EngineThread(model, engine_args, name="trillm-engine")
 
     # ------------------------------------------------------------------ public API
     @property
     def engine(self) -> AsyncEngine:
-        assert self._engine is not None
-        return self._engine
+        return self._thread.engine
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -136,9 +106,7 @@ class LLM:
         return outputs
 
     def shutdown(self) -> None:
-        if self._stop is not None and self._token is not None and self._thread.is_alive():
-            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-            self._thread.join()
+        self._thread.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -148,7 +116,7 @@ class LLM:
 
     # ------------------------------------------------------------------ internals
     def _call(self, fn, *args):
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
+        return self._thread.call(fn, *args)
 
     @staticmethod
     def _params_list(
@@ -200,9 +168,9 @@ class LLM:
             async with trio.open_nursery() as nursery:
                 loras = loras or [None] * len(prompts)
                 for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                    gen = engine.generate(prompt, params, request_id=f"llm-{id(results)}-{i}",
-                                          lora_request=loras[i])  # fmt: skip
-                    nursery.start_soon(self._collect, gen, i, results, bar)
+                    stream = engine.generate(prompt, params, request_id=f"llm-{id(results)}-{i}",
+                                             lora_request=loras[i])  # fmt: skip
+                    nursery.start_soon(self._collect, stream, i, results, bar)
         except ExceptionGroup as group:
             # A refused request raises its own error (a ValueError naming the field, as vLLM's
             # LLM does), not the nursery's group; the other requests were cancelled with it.
@@ -215,7 +183,8 @@ class LLM:
         return [r for r in results if r is not None]
 
     @staticmethod
-    async def _collect(gen, index: int, results: list, bar) -> None:
-        async for out in gen:
-            results[index] = out
+    async def _collect(stream, index: int, results: list, bar) -> None:
+        async with stream as outputs:
+            async for out in outputs:
+                results[index] = out
         bar.update(1)

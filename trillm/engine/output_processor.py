@@ -6,8 +6,7 @@ when n > 1) that share one ``RequestOutputCollector``; every output names the gr
 carries ``CompletionOutput``s indexed by sample.
 
 Per sample: the incremental detokenizer turns token ids into final text; stop strings are
-matched on that text across token boundaries; the last ``max(len(stop)) - 1`` characters are
-held back from streaming (unless ``include_stop_str_in_output``) so a partial stop string is
+matched on that text across token boundaries, with a hold-back so a partial stop string is
 never sent and then retracted. A stop-string finish is only known here, so
 ``process_outputs`` returns those engine ids for the caller to abort in the engine core.
 
@@ -16,108 +15,29 @@ makes the handler wait on a slow reader. A stream whose reader leaves more than
 ``MAX_UNREAD_UNITS`` unread (a client that stopped reading) is aborted at the end of the step,
 with one warning: its reader gets what it left unread, then the final 'abort' output.
 
-Wake budget: waking a stream's reader costs far more than the token it carries (an SSE chunk
-through the HTTP stack), and all readers share the event loop with the engine core. Readers
-woken while the model runs cost the engine nothing; beyond that they delay the next step. So a
-step wakes at most ``max(wake_budget, model_time / CHUNK_COST_S)`` streams for a middle output
-(model time: a moving average of the worker's time per step). With more streams than that, each
-stream is woken once every ``ceil(streams / budget)`` steps (round robin, in its own slot) and
-carries the tokens of those steps. A first output and a finish are never held, a stream that
-gets no output in a step has what it holds delivered at once, and with fewer streams than the
-budget (or a model slow enough to hide the writes) every token goes out at once.
+Pieces by responsibility: stop strings (``stop_strings.py``), logprobs formatted once with
+their token texts (``logprobs.py``), stream pacing, the wake budget (``stream_pacing.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trillm.engine.detokenizer import Detokenizer, DetokenizerFactory
+from trillm.engine.logprobs import SampleLogprobsBuilder, TokenTexts, make_logprob_dict, slice_lists
 from trillm.engine.output_collector import MAX_UNREAD_UNITS, RequestOutputCollector
 from trillm.engine.preprocess import InvalidRequestError
+from trillm.engine.stop_strings import StopStringMatcher
+from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET, StreamPacing
 from trillm.messages import EngineCoreOutput, FinishReason, LogprobsLists
-from trillm.outputs import (
-    CompletionOutput,
-    Logprob,
-    PromptLogprobs,
-    RequestMetrics,
-    RequestOutput,
-    SampleLogprobs,
-)
+from trillm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from trillm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# At least this many streams are woken per engine step for a middle output (module docstring).
-DEFAULT_WAKE_BUDGET = 32
-# What waking a stream costs the event loop (one SSE chunk through the HTTP stack), roughly: a
-# step whose model time covers N such chunks may wake N streams (they are written in its shadow).
-CHUNK_COST_S = 50e-6
-
-# ---------------------------------------------------------------- stop strings
-
-
-class StopStringMatcher:
-    """Finds the earliest stop string that ends inside newly added text."""
-
-    def __init__(self, stop: Sequence[str], include_in_output: bool) -> None:
-        self.stop = list(stop)
-        self.include_in_output = include_in_output
-        # NOTE: a stop string may start up to len-1 characters before the new text, so that many
-        # characters must not have been streamed yet; included stop strings are sent anyway.
-        self.hold_back = 0 if include_in_output else max(len(s) for s in self.stop) - 1
-
-    def find(self, text: str, new_from: int) -> tuple[str, int] | None:
-        """(stop string, length to truncate ``text`` to) for a match ending after
-        ``new_from``, or None."""
-        best: tuple[int, str] | None = None
-        for stop in self.stop:
-            at = text.find(stop, max(0, new_from - len(stop) + 1))
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
-            return None
-        at, stop = best
-        return stop, at + len(stop) if self.include_in_output else at
-
-
-# ---------------------------------------------------------------- logprobs
-
-
-def make_logprob_dict(
-    token_ids: Sequence[int],
-    logprobs: Sequence[float],
-    rank: int,
-    num_logprobs: int,
-    decode: Callable[[int], str | None],
-) -> dict[int, Logprob]:
-    """One position: the sampled (or actual prompt) token with its rank, then the top-k.
-
-    ``token_ids``/``logprobs`` are a LogprobsLists row, [sampled, top-1, ..., top-k'] with
-    k' >= num_logprobs; a sampled token that is also in the top-k keeps the same entry.
-    """
-    ranks = [rank, *range(1, num_logprobs + 1)]
-    row = zip(token_ids[: num_logprobs + 1], logprobs[: num_logprobs + 1], ranks)
-    return {tid: Logprob(float(lp), r, decode(tid)) for tid, lp, r in row}
-
-
-@dataclass(slots=True)
-class _Logprobs:
-    """Sample logprobs of one sample (``SamplingParams.logprobs`` = k)."""
-
-    k: int
-    rows: SampleLogprobs = field(default_factory=list)
-    cumulative: float = 0.0
-
-    def add(self, lists: LogprobsLists, count: int, decode: Callable[[int], str | None]) -> None:
-        for pos in range(min(count, len(lists.token_ids))):
-            ids, lps = lists.token_ids[pos], lists.logprobs[pos]
-            self.rows.append(make_logprob_dict(ids, lps, lists.ranks[pos], self.k, decode))
-            self.cumulative += float(lps[0])
-
 
 # ---------------------------------------------------------------- per-request state
 
@@ -153,7 +73,7 @@ class _Sample:
     params: SamplingParams
     detokenizer: Detokenizer | None
     stop: StopStringMatcher | None
-    logprobs: _Logprobs | None
+    logprobs: SampleLogprobsBuilder | None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""  # final text, truncated at a matched stop string
     sent_text: int = 0  # characters / tokens / logprob rows already handed to the collector
@@ -161,7 +81,6 @@ class _Sample:
     sent_logprobs: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    seen_step: int = 0  # the last step with an engine output for this sample
 
 
 # ---------------------------------------------------------------- the processor
@@ -180,21 +99,14 @@ class OutputProcessor:
     ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}.")
-        if wake_budget is not None and wake_budget < 1:
-            raise ValueError(f"wake_budget must be at least 1 (or None), got {wake_budget}.")
         self.stream_interval = stream_interval
-        self.wake_budget = wake_budget
-        self._step = 0
-        self._period = 1  # this step: a stream is woken (middle outputs) once per period steps
-        self._model_time_s = 0.0  # moving average of the model's time per step
-        self._streams = 0  # groups whose reader is woken per output (not FINAL_ONLY)
-        self._held: dict[str, _Sample] = {}  # samples with news held back by the wake budget
-        self._streams_added = 0
+        self._pacing: StreamPacing[_Sample] = StreamPacing(wake_budget)
         self.tokenizer = tokenizer
         self._detokenizers = DetokenizerFactory(tokenizer, native=native)
         self._groups: dict[str, _Group] = {}  # request id -> group
         self._samples: dict[str, _Sample] = {}  # engine request id -> sample
-        self._decoded: dict[int, str] = {}  # token id -> decode([id]) for logprobs
+        # token id -> decode([id]): the logprob entries' texts (the HTTP layer's too)
+        self.token_texts = TokenTexts(tokenizer)
         self._unread: list[_Group] = []  # groups whose reader left too much unread this step
 
     # ------------------------------------------------------------ registration
@@ -235,9 +147,7 @@ class OutputProcessor:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         if params.output_kind != RequestOutputKind.FINAL_ONLY:
-            group.slot = self._streams_added
-            self._streams_added += 1
-            self._streams += 1
+            group.slot = self._pacing.add_stream()
         self._groups[request_id] = group
         for index, engine_id in enumerate(engine_ids):
             self._samples[engine_id] = self._new_sample(engine_id, index, group, params)
@@ -254,7 +164,9 @@ class OutputProcessor:
             )
             if params.stop:
                 stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
-        logprobs = _Logprobs(params.logprobs) if params.logprobs is not None else None
+        logprobs = (
+            SampleLogprobsBuilder(params.logprobs) if params.logprobs is not None else None
+        )
         return _Sample(engine_id, index, group, params, detokenizer, stop, logprobs)
 
     def child_ids(self, request_id: str) -> list[str]:
@@ -279,8 +191,7 @@ class OutputProcessor:
         the model (it sizes the wake budget)."""
         now = timestamp if timestamp is not None else time.time()
         to_abort: list[str] = []
-        self._step += 1
-        self._period = self._wake_period(model_time_s)
+        self._pacing.begin_step(model_time_s)
         for out in outputs:
             sample = self._samples.get(out.request_id)
             if sample is None:
@@ -301,26 +212,14 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 self._finish(sample, str(out.finish_reason), out.stop_reason)
             self._deliver(sample, now)
-        if self._held:
-            self._release_stalled()
+        self._release_stalled()
         if self._unread:
             to_abort.extend(self._abort_unread())
         return to_abort
 
-    def _wake_period(self, model_time_s: float) -> int:
-        """Steps between two middle-output wake-ups of a stream, for this step."""
-        if self.wake_budget is None:
-            return 1
-        self._model_time_s += 0.2 * (model_time_s - self._model_time_s)
-        budget = max(self.wake_budget, int(self._model_time_s / CHUNK_COST_S))
-        return -(-self._streams // budget) or 1
-
     def _release_stalled(self) -> None:
         """Held samples that got no output this step (preempted, waiting) send what they hold."""
-        step = self._step
-        stalled = [sample for sample in self._held.values() if sample.seen_step != step]
-        for sample in stalled:
-            del self._held[sample.engine_id]
+        for sample in self._pacing.take_stalled():
             output = self._make_output(sample, finished=False)
             if output is not None:
                 self._put(sample.group, output)
@@ -340,7 +239,7 @@ class OutputProcessor:
                 lists = out.new_prompt_logprobs
                 k = group.num_prompt_logprobs
                 for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
-                    row = make_logprob_dict(ids, lps, rank, k, self._decode_token)
+                    row = make_logprob_dict(ids, lps, rank, k, self.token_texts)
                     group.prompt_logprobs.append(row)
 
     def _update_sample(self, sample: _Sample, out: EngineCoreOutput) -> str | None:
@@ -400,8 +299,8 @@ class OutputProcessor:
         sample.token_ids.extend(ids)
         sample.group.metrics.num_generation_tokens += len(ids)
         if sample.logprobs is not None and lists is not None and ids:
-            window = _slice_lists(lists, offset, offset + len(ids))
-            sample.logprobs.add(window, len(ids), self._decode_token)
+            window = slice_lists(lists, offset, offset + len(ids))
+            sample.logprobs.add(window, len(ids), self.token_texts)
 
     def _finish(self, sample: _Sample, reason: str, stop_reason: int | str | None) -> None:
         sample.finish_reason = reason
@@ -417,21 +316,18 @@ class OutputProcessor:
             group.metrics.finished_time = now
             if self._groups.pop(group.request_id, None) is not None:
                 if group.output_kind != RequestOutputKind.FINAL_ONLY:
-                    self._streams -= 1
+                    self._pacing.remove_stream()
         elif (
-            self._period > 1
-            and group.started
+            group.started
             and sample.finish_reason is None
-            and (self._step + group.slot) % self._period
             and group.output_kind != RequestOutputKind.FINAL_ONLY
+            and self._pacing.holds(group.slot)
         ):
             # Not this stream's slot: its news stay unsent (the sample's sent_* marks) and go
             # out, merged, in its next slot. Nothing is built for it now.
-            sample.seen_step = self._step
-            self._held[sample.engine_id] = sample
+            self._pacing.hold(sample.engine_id, sample)
             return
-        if self._held:
-            self._held.pop(sample.engine_id, None)
+        self._pacing.release(sample.engine_id)
         output = self._make_output(sample, finished)
         if output is not None:
             group.started = True
@@ -539,20 +435,17 @@ class OutputProcessor:
             return rows[start:] if start < len(rows) else None
         return list(rows)
 
-    def _decode_token(self, token_id: int) -> str:
-        text = self._decoded.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self._decoded[token_id] = text
-        return text
-
     # ------------------------------------------------------------ aborts and failures
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(
+        self, request_id: str, collector: RequestOutputCollector | None = None
+    ) -> bool:
         """Drop a request (its reader left or asked to cancel). Returns True if some of its
         samples were still running, i.e. the engine core must be told to abort them. The
-        collector gets a final 'abort' output so a waiting reader wakes up."""
+        collector gets a final 'abort' output so a waiting reader wakes up. ``collector``:
+        only the request reading into it (a late abort must not end a newer request that
+        reuses the id)."""
         group = self._groups.get(request_id)
-        if group is None:
+        if group is None or (collector is not None and group.collector is not collector):
             return False
         now = time.time()
         for engine_id in list(group.unfinished):
@@ -569,18 +462,7 @@ class OutputProcessor:
             group.collector.put_error(error)
         self._groups.clear()
         self._samples.clear()
-        self._held.clear()
-        self._streams = 0
-
-
-def _slice_lists(lists: LogprobsLists, start: int, stop: int) -> LogprobsLists:
-    if start == 0 and stop >= len(lists.token_ids):
-        return lists
-    return LogprobsLists(
-        token_ids=lists.token_ids[start:stop],
-        logprobs=lists.logprobs[start:stop],
-        ranks=lists.ranks[start:stop],
-    )
+        self._pacing.clear()
 
 
 def _copy_metrics(m: RequestMetrics) -> RequestMetrics:

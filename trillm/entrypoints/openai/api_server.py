@@ -47,6 +47,7 @@ from trillm.entrypoints.openai.errors import (
     error_body,
     internal_error,
 )
+from trillm.entrypoints.openai.exchange import CloseAtExchangeEnd
 from trillm.entrypoints.openai.http_guard import KeepAliveGuard
 from trillm.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trillm.entrypoints.openai.metrics import ServerMetrics
@@ -88,6 +89,8 @@ def build_app(
     _install_error_handlers(app)
     log = None if log_requests_max_len is None else extra_routes.RequestLog(log_requests_max_len)
     _install_routes(app, state, extra_routes.Dispatcher(state, result_response, log))
+    # What a stream whose body never ran holds is released when its exchange ends.
+    app.asgi_app = CloseAtExchangeEnd(app.asgi_app)  # type: ignore[method-assign,assignment]
     return app
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ import orjson
 from quart import request
 
 from trillm.entrypoints.openai.errors import BadRequestError, NotFoundError
+from trillm.entrypoints.openai.exchange import at_exchange_end
 from trillm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -159,7 +159,8 @@ class Dispatcher:
     def _tracked_stream(self, stream: AsyncIterator[bytes], number: int, start: float
                         ) -> AsyncIterator[bytes]:  # fmt: skip
         """The stream, counted in ``load`` until it ends (read to the end, the client gone,
-        or never started: then when it is dropped), logged at its end with the request log."""
+        or never started: then when the HTTP exchange ends), logged at its end with the
+        request log."""
         ended = False
 
         def end() -> None:
@@ -178,9 +179,11 @@ class Dispatcher:
                 end()
                 await stream.aclose()  # type: ignore[attr-defined]
 
-        wrapped = body()
-        weakref.finalize(wrapped, end)  # a response body never iterated
-        return wrapped
+        async def end_unless_ended() -> None:  # a response body never iterated
+            end()
+
+        at_exchange_end(end_unless_ended)
+        return body()
 
 
 def install(app: Any, state: Any, dispatcher: Dispatcher, json_body: Callable[[], Any],

@@ -1,33 +1,37 @@
 """Running a request's generations: ``engine.generate`` read directly (one prompt) or through
 producer tasks merged by a channel (several prompts).
 
-One prompt: the handler (or its SSE generator) iterates ``engine.generate`` directly. A client
-disconnect cancels the handler or closes the SSE generator; either way ``engine.generate`` is
-left (explicitly closed, never left to the garbage collector) and aborts the request in the
-engine. Several prompts: one producer task per prompt in the server nursery, merged through a
-channel; a disconnect cancels the producers. Nothing holds a cancel scope across a ``yield``.
-On shutdown the server aborts (``engine.abort``) what outlives ``--shutdown-timeout``; the
-readers get the engine's final output with ``finish_reason: "abort"``.
+One prompt: the handler (or its SSE generator) reads the request stream of
+``engine.generate`` directly. Several prompts: one producer task per prompt in the server
+nursery (``async with engine.generate(...)`` each), merged through a channel; a disconnect
+cancels the producers, whose stream blocks abort their requests. Nothing holds a cancel scope
+across a ``yield``. On shutdown the server aborts (``engine.abort``) what outlives
+``--shutdown-timeout``; the readers get the engine's final output with ``finish_reason: "abort"``.
+
+Every way out closes a generation deterministically, never through the garbage collector:
+``full`` and the SSE body close it in their ``finally``; a streamed body that is never iterated
+(the client left before the response started) is closed when its HTTP exchange ends
+(``exchange.py``). Closing twice is harmless.
 
 Admission: ``start_generation`` reserves the request's sequences and tokens
 (``ServerState.admit``, 503 past ``--max-num-queued-requests`` or ``--max-num-admitted-tokens``)
-and the ``Generation`` owns that reservation: ``aclose``
-and ``close_when_dropped`` release it, and ``start_generation`` itself releases it when it is
-left by any exception or cancellation (a client gone before the first token) before the
-Generation reaches its reader. A producer releases its own id when its engine request ends.
+and the ``Generation`` owns that reservation: ``aclose`` releases it, and ``start_generation``
+itself releases it when it is left by any exception or cancellation (a client gone before the
+first token) before the Generation reaches its reader. A producer releases its own id when
+its engine request ends.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 import trio
 
 from trillm.engine.preprocess import PreparedPrompt
+from trillm.engine.request_stream import RequestStream
 from trillm.entrypoints.openai.errors import APIError, from_engine_exception
+from trillm.entrypoints.openai.exchange import at_exchange_end
 from trillm.entrypoints.openai.serving_base import Admission, ServerState
 
 # NOTE: a small buffer: when the client reads slowly the producer waits and the engine's
@@ -39,7 +43,7 @@ class Generation:
     """One HTTP request's engine requests, read as ``(job_index, RequestOutput | APIError)``.
 
     ``start_generation`` returns a ``DirectGeneration`` for one prompt (the common case: the
-    handler iterates ``engine.generate`` itself, no extra task) and a ``FanInGeneration`` for
+    handler reads the request stream itself, no extra task) and a ``FanInGeneration`` for
     several (one producer task per prompt, merged through a channel).
     """
 
@@ -50,24 +54,24 @@ class Generation:
         raise NotImplementedError
 
     async def aclose(self) -> None:
-        """Stop reading; the engine aborts whatever is unfinished. Does not block."""
+        """Stop reading; the engine aborts whatever is unfinished. Completes even in a
+        cancelled scope; closing again does nothing."""
         raise NotImplementedError
-
-    def close_when_dropped(self) -> None:
-        """Cleanup for a reader dropped without ``aclose`` (never-started response body)."""
 
 
 class DirectGeneration(Generation):
-    def __init__(self, admission: Admission, request_id: str, outputs: AsyncIterator[Any]) -> None:
+    def __init__(self, admission: Admission, request_id: str, stream: RequestStream) -> None:
         self.admission = admission
         self.request_id = request_id
-        self.outputs = outputs
+        self.stream = stream
         self.first: Any = None
 
     async def prime(self) -> None:
-        """Wait for the first output, so admission errors become HTTP errors, not SSE events."""
+        """Submit, then wait for the first output, so admission errors become HTTP errors,
+        not SSE events."""
         try:
-            self.first = await self.outputs.__anext__()
+            await self.stream.__aenter__()
+            self.first = await self.stream.__anext__()
         except StopAsyncIteration:  # pragma: no cover - the engine always yields a final output
             self.first = None
         except Exception as exc:
@@ -79,7 +83,7 @@ class DirectGeneration(Generation):
             first, self.first = self.first, None
             return 0, first
         try:
-            return 0, await self.outputs.__anext__()
+            return 0, await self.stream.__anext__()
         except StopAsyncIteration:
             raise
         except Exception as exc:  # the engine failed mid-request
@@ -87,13 +91,7 @@ class DirectGeneration(Generation):
 
     async def aclose(self) -> None:
         self.admission.release_all()
-        # NOTE: engine.generate's cleanup is synchronous (it queues the abort), so this
-        # completes even inside a cancelled scope.
-        await self.outputs.aclose()  # type: ignore[attr-defined]
-
-    def close_when_dropped(self) -> None:
-        # Trio's async-generator finalizer closes engine.generate (and so aborts it).
-        self.admission.release_all()
+        await self.stream.aclose()  # shielded: aborts the request unless it finished
 
 
 class FanInGeneration(Generation):
@@ -113,7 +111,7 @@ class FanInGeneration(Generation):
         except trio.EndOfChannel:
             raise StopAsyncIteration from None
 
-    def raise_early_error(self) -> None:
+    async def raise_early_error(self) -> None:
         """Raise (as an APIError) a failure the engine reported before any output."""
         while True:
             try:
@@ -121,16 +119,13 @@ class FanInGeneration(Generation):
             except (trio.WouldBlock, trio.EndOfChannel):
                 return
             if isinstance(item[1], APIError):
-                self.close_when_dropped()
+                await self.aclose()
                 raise item[1]
             self.pending.append(item)
 
     async def aclose(self) -> None:
-        self.close_when_dropped()
-
-    def close_when_dropped(self) -> None:
         for scope in self.scopes:
-            scope.cancel()  # the producers leave engine.generate, which aborts the requests
+            scope.cancel()  # the producers leave their stream blocks, which abort the requests
         # NOTE: closing the channel also ends a producer blocked on send (no reader left).
         self.receive.close()
         self.admission.release_all()
@@ -158,8 +153,8 @@ async def start_generation(
     gen: Generation | None = None
     try:
         if len(jobs) == 1:
-            outputs = state.engine.generate(jobs[0], None, request_id, timeout=timeout)
-            gen = direct = DirectGeneration(admission, request_id, outputs)
+            stream = state.engine.generate(jobs[0], None, request_id, timeout=timeout)
+            gen = direct = DirectGeneration(admission, request_id, stream)
             await direct.prime()
             return direct
         send, receive = trio.open_memory_channel[tuple[int, Any]](_CHANNEL_BUFFER)
@@ -172,7 +167,7 @@ async def start_generation(
         # NOTE: every prompt passed the preprocessor's checks before this; what engine.generate
         # can still refuse without waiting (``task_status.started()`` does not yield, so each
         # producer has run up to its first await) is queued before ``nursery.start`` returned.
-        fan_in.raise_early_error()
+        await fan_in.raise_early_error()
         return fan_in
     except BaseException:
         # Every way out but a return (an engine error, a client gone before the first token,
@@ -180,15 +175,16 @@ async def start_generation(
         if gen is None:
             admission.release_all()
         else:
-            with trio.CancelScope(shield=True):  # aclose does not block (see its docstring)
+            with trio.CancelScope(shield=True):
                 await gen.aclose()
         raise
 
 
 def guard_stream(generation: Generation, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """``body`` (an SSE generator reading ``generation``), cleaning the generation up if the
-    body is dropped without ever being iterated (a client gone before the response started)."""
-    weakref.finalize(body, generation.close_when_dropped)
+    """``body`` (an SSE generator reading ``generation``); the generation is also closed when
+    the HTTP exchange ends, for a body dropped without ever being iterated (a client gone
+    before the response started)."""
+    at_exchange_end(generation.aclose)
     return body
 
 
@@ -215,8 +211,7 @@ async def _produce(
 async def _pump(state: ServerState, index: int, job: Any, send: Any) -> None:
     prepared, rid, timeout = job
     try:
-        gen = state.engine.generate(prepared, None, rid, timeout=timeout)
-        async with aclosing(gen) as outputs:
+        async with state.engine.generate(prepared, None, rid, timeout=timeout) as outputs:
             async for out in outputs:
                 await send.send((index, out))
     except (trio.BrokenResourceError, trio.ClosedResourceError):

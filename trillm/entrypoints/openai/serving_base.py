@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 import trio
 
+from trillm.engine.logprobs import in_rank_order
 from trillm.entrypoints.openai.errors import (
     APIError,
     BadRequestError,
@@ -19,6 +20,7 @@ from trillm.entrypoints.openai.errors import (
     ServiceUnavailableError,
 )
 from trillm.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from trillm.outputs import Logprob
 
 
 @attrs.define(eq=False)
@@ -50,7 +52,6 @@ class ServerState:
     inflight_tokens: dict[str, int] = attrs.field(factory=dict)
     admitted_tokens: int = 0  # the sum of ``inflight_tokens``' values
     drained: trio.Event = attrs.field(factory=trio.Event)  # set once draining and none in flight
-    _token_text: dict[int, str] = attrs.field(factory=dict)
 
     @property
     def tokenizer(self) -> Any:
@@ -125,10 +126,8 @@ class ServerState:
             self.drained.set()
 
     def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
+        """A token's text, from the engine's cache (the one the logprob entries use)."""
+        return self.engine.token_text(token_id)
 
 
 class Admission:
@@ -224,27 +223,15 @@ def raise_if_error(item: Any) -> Any:
     return item
 
 
-def position_logprobs(state: ServerState, entry: Any, token_id: int) -> tuple[float, list]:
-    """One position's logprobs: the chosen token's value and ``[(id, text, logprob)]`` by rank.
-
-    ``entry`` maps token id -> Logprob (``.logprob``, ``.rank``) or a float.
-    """
-    ranked = []
-    chosen = -math.inf
-    for tid, lp in entry.items():
-        value = float(getattr(lp, "logprob", lp))
-        if tid == token_id:
-            chosen = value
-        ranked.append(
-            (getattr(lp, "rank", None) or 0, tid, value, getattr(lp, "decoded_token", None))
-        )
-    ranked.sort(key=lambda r: (r[0] if r[0] else math.inf, -r[2]))
-    tops = [(tid, text if text is not None else state.token_text(tid), value)
-            for _, tid, value, text in ranked]  # fmt: skip
+def position_logprobs(entry: dict[int, Logprob], token_id: int) -> tuple[float, list]:
+    """One position's logprobs, as the output processor formatted them: the chosen token's
+    value and ``[(id, text, logprob)]`` by rank (``in_rank_order``: no sorting here)."""
+    chosen = entry[token_id].logprob if token_id in entry else -math.inf
+    tops = [(tid, lp.decoded_token or "", lp.logprob) for tid, lp in in_rank_order(entry)]
     return chosen, tops
 
 
-def prompt_logprobs_json(state: ServerState, prompt_logprobs: Any) -> list | None:
+def prompt_logprobs_json(prompt_logprobs: Any) -> list | None:
     """vLLM's shape: ``[null | {token_id: {logprob, rank, decoded_token}}]`` per prompt token."""
     if prompt_logprobs is None:
         return None
@@ -256,9 +243,9 @@ def prompt_logprobs_json(state: ServerState, prompt_logprobs: Any) -> list | Non
         out.append(
             {
                 str(tid): {
-                    "logprob": float(getattr(lp, "logprob", lp)),
-                    "rank": getattr(lp, "rank", None),
-                    "decoded_token": getattr(lp, "decoded_token", None) or state.token_text(tid),
+                    "logprob": lp.logprob,
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token,
                 }
                 for tid, lp in entry.items()
             }

@@ -209,7 +209,7 @@ class ChatContext:
             "usage": self.tracker.usage(),
         }
         if self.req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(self.state, prompt_logprobs)
+            body["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs)
         if self.req.return_token_ids:
             body["prompt_token_ids"] = self.prompt_ids
         return body
@@ -234,6 +234,10 @@ class ChatContext:
             choice["token_ids"] = c.token_ids
         return choice
 
+    def _text(self, entry: Any, tid: int) -> str:
+        lp = entry.get(tid)
+        return (lp.decoded_token or "") if lp is not None else self.state.token_text(tid)
+
     def _logprobs(self, token_ids: list[int], logprobs: Any) -> dict[str, Any] | None:
         if not self.req.logprobs:
             return None
@@ -241,8 +245,8 @@ class ChatContext:
         # return_tokens_as_token_ids: "token_id:<id>" for tokens that are not UTF-8 alone.
         as_ids = self.req.return_tokens_as_token_ids
         for tid, entry in zip(token_ids, logprobs or []):
-            chosen, tops = position_logprobs(self.state, entry, tid)
-            text = f"token_id:{tid}" if as_ids else self.state.token_text(tid)
+            chosen, tops = position_logprobs(entry, tid)
+            text = f"token_id:{tid}" if as_ids else self._text(entry, tid)
             top = [(f"token_id:{i}" if as_ids else t, lp) for i, t, lp in tops[: self.top_n]]
             content.append(
                 {

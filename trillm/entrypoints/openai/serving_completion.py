@@ -161,7 +161,7 @@ class _CompletionContext:
             "stop_reason": c.stop_reason,
         }
         if self.req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs_json(self.state, prompt_logprobs)
+            choice["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs)
         if self.req.return_token_ids:
             choice["prompt_token_ids"] = prompt.token_ids
             choice["token_ids"] = c.token_ids
@@ -198,12 +198,15 @@ class _CompletionContext:
 
     def _position(self, tid: int, entry: Any, tokens: list, values: list, tops: list) -> None:
         as_ids = self.req.return_tokens_as_token_ids
-        tokens.append(f"token_id:{tid}" if as_ids else self.state.token_text(tid))
+        # (the first prompt token has no entry: its text from the same cache)
+        lp = entry.get(tid) if entry is not None else None
+        text = (lp.decoded_token or "") if lp is not None else self.state.token_text(tid)
+        tokens.append(f"token_id:{tid}" if as_ids else text)
         if entry is None:  # the first prompt token: nothing predicts it
             values.append(None)
             tops.append(None)
             return
-        chosen, ranked = position_logprobs(self.state, entry, tid)
+        chosen, ranked = position_logprobs(entry, tid)
         values.append(chosen)
         top = ranked[: self.req.logprobs]
         tops.append({(f"token_id:{i}" if as_ids else t): lp for i, t, lp in top})
