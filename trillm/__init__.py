@@ -2,7 +2,7 @@
 
 Layout (the request lifecycle of docs/architecture.md, stage by stage):
   entrypoints/   stages 1-3 and 11: the OpenAI-compatible server, the CLI
-  engine/        stages 4 and 10: AsyncEngine (open_engine), LLM, input and output processing
+  engine/        stages 4 and 10: AsyncEngine (open_engine), LLM, AsyncLLM, input/output processing
   core/          P1 and P4 of step(): scheduler and KV block manager (native twins in ext/)
   executor/      worker subprocesses and the shared-memory rings that feed them (ipc/)
   worker/        P2 and P3: model runner, persistent batch, KV cache
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "trillm.engine.llm",
+    "AsyncLLM": "trillm.engine.async_llm",
     "AsyncEngine": "trillm.engine.async_engine",
     "open_engine": "trillm.engine.async_engine",
     "EngineArgs": "trillm.config",
@@ -38,6 +39,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from trillm.config import EngineArgs
     from trillm.engine.async_engine import AsyncEngine, open_engine
+    from trillm.engine.async_llm import AsyncLLM
     from trillm.engine.llm import LLM
     from trillm.errors import EngineDeadError
     from trillm.lora.request import LoRARequest
@@ -55,6 +57,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "LLM",
     "AsyncEngine",
+    "AsyncLLM",
     "CompletionOutput",
     "EngineArgs",
     "EngineDeadError",
