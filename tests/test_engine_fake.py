@@ -126,8 +126,9 @@ def test_step_token_counts_and_first_scheduled_times(model_path):
             async def one(i):
                 prompt = list(range(10 + 20 * i, 10 + 20 * i + 3 + i))
                 params = SamplingParams(max_tokens=4 + i, ignore_eos=True)
-                async for out in engine.generate({"prompt_token_ids": prompt}, params, f"s{i}"):
-                    pass
+                async with engine.generate({"prompt_token_ids": prompt}, params, f"s{i}") as outputs:
+                    async for out in outputs:
+                        pass
                 finals[i] = (len(prompt), out)
 
             async with trio.open_nursery() as nursery:
