@@ -18,19 +18,33 @@ from __future__ import annotations
 import math
 import time
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
 from trillm.engine.output_collector import RequestOutputCollector
-from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, PromptType
+from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
 from trillm.lora.request import LoRARequest
 from trillm.messages import AbortRequest, AddRequest, EngineCoreRequest
 from trillm.outputs import RequestOutput
 from trillm.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from trillm.engine.async_engine import AsyncEngine
+
+class StreamEngine(Protocol):
+    """What a stream needs of ``AsyncEngine`` (named here: no import cycle)."""
+
+    preprocessor: Preprocessor
+    stream_interval: int
+
+    def check_alive(self) -> None: ...
+
+    async def check_lora(self, lora: LoRARequest) -> None: ...
+
+    async def compile_grammar(self, params: SamplingParams) -> None: ...
+
+    async def send_to_handler(self, msg: AddRequest) -> None: ...
+
+    async def send_abort(self, msg: AbortRequest) -> None: ...
 
 
 class RequestStream:
@@ -38,7 +52,7 @@ class RequestStream:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: StreamEngine,
         prompt: PromptType | PreparedPrompt,
         params: SamplingParams | None,
         request_id: str,
