@@ -161,7 +161,7 @@ def test_adapter_for_another_model_and_lora_off_are_refused(adapters, tiny_model
     async def main():
         async with open_engine(model, **ENGINE) as engine:
             with pytest.raises(InvalidRequestError, match="enable_lora"):
-                async for _ in engine.generate("x", _params(), lora_request=_lora(paths, "all")):
+                async with engine.generate("x", _params(), lora_request=_lora(paths, "all")):
                     pass
 
     trio.run(main)
