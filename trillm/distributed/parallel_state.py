@@ -34,9 +34,14 @@ class TensorParallelGroup:
     num_collectives: int = field(default=0, repr=False)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks, in place; -> ``t``."""
+        """Sum over the ranks, in place; -> ``t``. bf16/fp16 partial sums are added in fp32 and
+        rounded once (not once more per addition), closer to one rank's single rounding."""
         if self.world_size == 1:
             return t
+        if t.dtype in (torch.bfloat16, torch.float16):
+            wide = t.float()
+            self._run("all_reduce", dist.all_reduce, wide)
+            return t.copy_(wide)
         self._run("all_reduce", dist.all_reduce, t)
         return t
 
