@@ -13,6 +13,10 @@
 // with an online softmax in fp32. No gather, no padding, no mask tensor. Items run on a small
 // persistent thread pool (the caller's thread included); the GIL is released meanwhile. fp32
 // and bf16 tensors; math in fp32.
+//
+// Per layer, optionally: a sliding window (window > 0: a row at position p sees positions
+// > p - window; its keys before that are neither read nor scored) and logit soft-capping
+// (softcap > 0: scores -> softcap * tanh(scores / softcap), Gemma 2).
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -52,7 +56,14 @@ struct Problem {
   int max_blocks_per_req, num_blocks;
   int num_heads, num_kv_heads, head_dim, block_size;
   float scale;
+  int window;     // 0: none
+  float softcap;  // 0: none
 };
+
+// softcap * tanh(s / softcap) on the first n scores (already scaled).
+TRILLM_INLINE void soft_cap(float* s, int n, float softcap) {
+  for (int u = 0; u < n; ++u) s[u] = softcap * std::tanh(s[u] / softcap);
+}
 
 struct Item {
   int req, row_begin, row_end;  // rows relative to the request's first query row
@@ -85,6 +96,7 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
   alignas(32) static thread_local v8f acc[kMaxLanes];  // [nvec][NV]
   float m[kMaxVectors], l[kMaxVectors];
   int limit[kMaxVectors];    // last key position vector v may see
+  int lower[kMaxVectors];    // first key position vector v may see (sliding window)
   int64_t off[kMaxVectors];  // vector v's kv head within a cache slot
 
   for (int v = 0; v < nvec; ++v) {
@@ -98,6 +110,7 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
     m[v] = neg_inf;
     l[v] = 0.0f;
     limit[v] = context + row;
+    lower[v] = p.window > 0 ? std::max(0, limit[v] - p.window + 1) : 0;
     off[v] = static_cast<int64_t>(head / group) * D;
   }
 
@@ -118,7 +131,9 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
   alignas(32) float s[kKeyChunk];
   const int row_bytes = static_cast<int>(slot_elems * sizeof(T));
   const int head_bytes = static_cast<int>(D * sizeof(T));
-  for (int start = 0; start < key_end; start += kKeyChunk) {
+  // The window's start for the tile's first row: keys before it no row of the tile sees.
+  const int key_begin = p.window > 0 ? std::max(0, context + it.row_begin - p.window + 1) : 0;
+  for (int start = key_begin; start < key_end; start += kKeyChunk) {
     const int n = std::min(kKeyChunk, key_end - start);
     slot_rows(start, n, kp, vp);
     // Prefetch the next chunk's rows (only this item's heads).
@@ -150,10 +165,13 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
         const v8f sums = sum_lanes8(a);
         std::memcpy(s + t, &sums, sizeof(sums));
       }
-      // Causal limit, and -inf padding up to the chunk size.
+      // Causal limit, and -inf padding up to the chunk size; the window's lower bound.
       const int visible = std::max(0, std::min(n, limit[v] - start + 1));
+      const int hidden = std::min(visible, std::max(0, lower[v] - start));
+      if (visible == hidden) continue;  // nothing this row may see in this chunk
+      if (p.softcap > 0.0f) soft_cap(s + hidden, visible - hidden, p.softcap);
+      for (int u = 0; u < hidden; ++u) s[u] = neg_inf;
       for (int u = visible; u < kKeyChunk; ++u) s[u] = neg_inf;
-      if (visible == 0) continue;  // nothing this row may see in this chunk
       float chunk_max = m[v];
       for (int g = 0; g < kKeyChunk / 8; ++g) chunk_max = std::max(chunk_max, hmax(load8(s + 8 * g)));
       const float correction = std::exp(m[v] - chunk_max);  // 0 the first time (m = -inf)
@@ -215,7 +233,8 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   const int q0 = p.query_start_loc[it.req];
   const int query_len = p.query_start_loc[it.req + 1] - q0;
   const int row = it.row_begin;
-  const int key_end = p.seq_lens[it.req] - query_len + row + 1;  // keys 0 .. its own position
+  const int key_end = p.seq_lens[it.req] - query_len + row + 1;  // keys .. its own position
+  const int key_begin = p.window > 0 ? std::max(0, key_end - p.window) : 0;
   const int32_t* blocks = p.block_table + static_cast<int64_t>(it.req) * p.block_table_stride;
   const int64_t slot_elems = static_cast<int64_t>(p.num_kv_heads) * D;
   const int64_t first = static_cast<int64_t>(it.head_begin) * D;  // the item's heads in a row
@@ -223,7 +242,7 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   const T* kc = static_cast<const T*>(p.k_cache) + first;
   const T* vc = static_cast<const T*>(p.v_cache) + first;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int groups = (key_end + kDecodeGroup - 1) / kDecodeGroup;
+  const int groups = (key_end - key_begin + kDecodeGroup - 1) / kDecodeGroup;
 
   alignas(32) static thread_local v8f qv[kMaxLanes];   // [nvec][NV], pre-scaled by p.scale
   alignas(32) static thread_local v8f acc[kMaxLanes];  // [nvec][NV]
@@ -240,11 +259,11 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
     l[v] = 0.0f;
   }
 
-  // Slot offsets (in elements) of keys g * 8 .. g * 8 + 7, past key_end repeating the last
-  // key (their scores are masked, their weights 0).
+  // Slot offsets (in elements) of keys key_begin + g * 8 .. + 7, past key_end repeating the
+  // last key (their scores are masked, their weights 0).
   auto group_slots = [&](int g, int64_t* slot) {
     for (int i = 0; i < kDecodeGroup; ++i) {
-      const int key = std::min(g * kDecodeGroup + i, key_end - 1);
+      const int key = std::min(key_begin + g * kDecodeGroup + i, key_end - 1);
       slot[i] = (static_cast<int64_t>(blocks[key / p.block_size]) * p.block_size +
                  key % p.block_size) * slot_elems;
     }
@@ -283,10 +302,11 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
         std::memcpy(scores + v * kDecodeChunk + c * kDecodeGroup, &sums, sizeof(sums));
       }
     }
-    const int valid = std::min(width, key_end - g0 * kDecodeGroup);
+    const int valid = std::min(width, key_end - key_begin - g0 * kDecodeGroup);
     for (int v = 0; v < nvec; ++v) {
       // (2) Online softmax over the chunk.
       float* s = scores + v * kDecodeChunk;
+      if (p.softcap > 0.0f) soft_cap(s, valid, p.softcap);
       for (int t = valid; t < width; ++t) s[t] = neg_inf;
       v8f mx = splat(m[v]);
       for (int t = 0; t < width; t += kDecodeGroup) {
@@ -438,8 +458,10 @@ class Plan {
   // dtype: 0 = float32, 1 = bfloat16.
   void run(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache,
            int64_t q_token_stride, int64_t q_head_stride, int64_t out_token_stride,
-           int64_t out_head_stride, float scale, int dtype) const {
+           int64_t out_head_stride, float scale, int dtype, int window, float softcap) const {
     if (dtype != 0 && dtype != 1) throw std::invalid_argument("dtype must be float32 or bfloat16");
+    if (window < 0 || !(softcap >= 0.0f))
+      throw std::invalid_argument("window and softcap must be >= 0 (0: none)");
     Problem p = p_;
     p.q = reinterpret_cast<const void*>(q);
     p.out = reinterpret_cast<void*>(out);
@@ -450,6 +472,8 @@ class Plan {
     p.out_token_stride = out_token_stride;
     p.out_head_stride = out_head_stride;
     p.scale = scale;
+    p.window = window;
+    p.softcap = softcap;
     auto kernel = dtype == 0 ? select_kernel<float>() : select_kernel<Bf16>();
     const int n = static_cast<int>(items_.size());
     py::gil_scoped_release release;
@@ -477,5 +501,5 @@ void register_cpu_attention(py::module_& m) {
       .def("run", &Plan::run, py::arg("out"), py::arg("q"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("q_token_stride"), py::arg("q_head_stride"),
            py::arg("out_token_stride"), py::arg("out_head_stride"), py::arg("scale"),
-           py::arg("dtype"));
+           py::arg("dtype"), py::arg("window") = 0, py::arg("softcap") = 0.0f);
 }

@@ -8,6 +8,10 @@ pool of ``trillm._ext.cpu_kernels`` (shared by the native CPU kernels). A step b
 ``available()`` is False when the extension is not built or ``TRILLM_NO_EXTENSIONS=1``; callers
 then use the torch path.
 
+A layer may pass a sliding ``window`` (a row at ``p`` sees positions ``> p - window``; the
+kernel reads only those) and a logit ``softcap`` to ``run``. ``causal_prefill`` has neither:
+such layers attend fresh prompts with the paged kernel too.
+
 ``causal_prefill`` is the fresh-prompt twin (``ext/cpu_prefill_attention.cpp``): prompt chunks
 with no context attend causally over this step's own q/k/v rows, fp32, GEMM-shaped tiles.
 """
@@ -106,7 +110,11 @@ class PagedAttentionPlan:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         scale: float,
         out: torch.Tensor | None = None,  # [num_tokens, Hq, D]
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, Hq, D]
+        if (window is not None and window < 1) or (softcap is not None and not softcap > 0):
+            raise ValueError("window must be >= 1 and softcap > 0 (or None).")
         if q.shape != self.q_shape or kv_cache.shape != self.kv_cache_shape:
             raise ValueError("q or kv_cache has another shape than the plan was made for.")
         if not supports(q, kv_cache):
@@ -128,6 +136,8 @@ class PagedAttentionPlan:
             out_head_stride=out.stride(1),
             scale=float(scale),
             dtype=_DTYPES[q.dtype],
+            window=window or 0,
+            softcap=float(softcap or 0.0),
         )
         return out
 
@@ -141,10 +151,12 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, Hq, D]
     reqs: torch.Tensor | None = None,  # [n] int32: attend only these requests' rows
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
     """One call: a plan for this metadata, run once (layers of one step share a plan)."""
     plan = PagedAttentionPlan(query_start_loc, seq_lens, block_table, q.shape, kv_cache.shape, reqs)
-    return plan.run(q, kv_cache, scale, out)
+    return plan.run(q, kv_cache, scale, out, window, softcap)
 
 
 def prefill_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -40,10 +40,14 @@ def _problem(
     return q, kv, qsl, torch.tensor(seq_lens, dtype=torch.int32), table
 
 
-def _check(q, kv, qsl, seq_lens, table, *, atol=2e-6, **kwargs):
+def _check(q, kv, qsl, seq_lens, table, *, atol=2e-6, window=None, softcap=None, **kwargs):
     scale = q.shape[-1] ** -0.5
-    out = paged_attention_cpu.paged_attention(q, kv, qsl, seq_lens, table, scale, **kwargs)
-    ref = paged_attention_torch.paged_attention(q, kv, qsl, seq_lens, table, scale)
+    out = paged_attention_cpu.paged_attention(
+        q, kv, qsl, seq_lens, table, scale, window=window, softcap=softcap, **kwargs
+    )
+    ref = paged_attention_torch.paged_attention(
+        q, kv, qsl, seq_lens, table, scale, window=window, softcap=softcap
+    )
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol)
     return out
 
@@ -64,6 +68,31 @@ CASES = {
 def test_matches_reference(case, heads, kv_heads, head_dim):
     query_lens, seq_lens = CASES[case]
     _check(*_problem(query_lens, seq_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim))
+
+
+@pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (70, None), (None, 0.8),
+                                            (33, 2.0)])  # fmt: skip
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 1, 128), (12, 4, 80)])
+def test_sliding_window_and_softcap_match_reference(case, heads, kv_heads, head_dim, window,
+                                                     softcap):  # fmt: skip
+    # head_dim 64 / 128 take the one-row decode kernel for decode rows, 80 the generic tile
+    query_lens, seq_lens = CASES[case]
+    problem = _problem(query_lens, seq_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    _check(*problem, window=window, softcap=softcap, atol=1e-5)
+
+
+def test_sliding_window_bfloat16_and_fresh_prompts():
+    # context 0 (a fresh prompt read back from the cache) spanning several windows
+    _check(*_problem([1, 40, 1], [70, 40, 5], dtype=torch.bfloat16), window=9, softcap=1.5,
+           atol=1e-2)  # fmt: skip
+
+
+def test_bad_window_or_softcap_is_refused():
+    q, kv, qsl, seq_lens, table = _problem([1], [4])
+    for bad in ({"window": 0}, {"softcap": 0.0}, {"softcap": float("nan")}):
+        with pytest.raises(ValueError, match="window must be >= 1 and softcap > 0"):
+            paged_attention_cpu.paged_attention(q, kv, qsl, seq_lens, table, 0.1, **bad)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 32, 128])

@@ -148,6 +148,8 @@ def test_windowed_and_plain_layers_share_a_step(path):
         fresh.plan(meta)
         expected = fresh.forward(q, k, v, cache.clone(), meta, D**-0.5, window=window)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # on CPU the windowed layer ran the native paged kernel (the plain ones their own plan)
+    assert (backend._native_all is not None) == (path == "native")
 
 
 def test_every_layer_reuses_the_plan(path):

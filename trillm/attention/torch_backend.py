@@ -19,11 +19,12 @@ Fast path: a prefill chunk with no context before it (a fresh prompt, the common
 causally over its own rows with ``is_causal`` (no gather, no mask, no padding to the longest
 chunk; on CPU a 10-prompt mixed-length prefill step of the benchmark model takes 24% less time).
 
-Layers with a sliding ``window`` or a logit ``softcap`` (Gemma 2/3, Mistral, Phi-3) take the
-gather path for every request, fresh prompts included (a decode group and one prefill group,
-built once per step on the first such layer): the window narrows the mask, and a softcap
-computes the softmax in plain torch ops (SDPA has no softcap). The native kernels and the
-``is_causal`` fast path have neither, so such layers never use them.
+Layers with a sliding ``window`` or a logit ``softcap`` (Gemma 2/3, Mistral, Phi-3) attend
+every request, fresh prompts included, with one plan built on the first such layer of a step:
+on CPU the native paged kernel (it reads only the window's keys; the fresh-prompt kernel and
+the ``is_causal`` fast path have no window), elsewhere the gather path with a decode group and
+one prefill group, the window narrowing the mask and a softcap computing the softmax in plain
+torch ops (SDPA has no softcap).
 """
 
 from __future__ import annotations
@@ -160,8 +161,10 @@ class TorchAttentionBackend:
         # This step's native kernel plan (requests with context), None when not used.
         self._native: paged_attention_cpu.PagedAttentionPlan | None = None
         self._native_available = paged_attention_cpu.available() if native is None else native
-        # Every request by the gather path, for windowed / softcapped layers (built lazily).
+        # Every request by the gather path, for windowed / softcapped layers (built lazily),
+        # or by the native kernel.
         self._all_groups: list[_Group] | None = None
+        self._native_all: paged_attention_cpu.PagedAttentionPlan | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
         """Forget the last step's indices; the first layer builds this step's (it knows the
@@ -172,6 +175,7 @@ class TorchAttentionBackend:
         self._fresh_segments = None
         self._native = None
         self._all_groups = None
+        self._native_all = None
 
     def _plan_step(
         self, meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor, native: bool
@@ -181,6 +185,7 @@ class TorchAttentionBackend:
         self._fresh, self._groups, self._native = [], [], None
         self._fresh_segments = None
         self._all_groups = None
+        self._native_all = None
         block_size = kv_cache.shape[2]
 
         def native_plan(reqs: torch.Tensor | None) -> paged_attention_cpu.PagedAttentionPlan:
@@ -282,7 +287,14 @@ class TorchAttentionBackend:
         window: int | None,
         softcap: float | None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Every request by the gather path, with the window in the mask and the softcap."""
+        """Every request at once, with the window and the softcap: the native kernel where it
+        applies, else the gather path with the window in the mask."""
+        if self._native_available and paged_attention_cpu.supports(q, kv_cache):
+            if self._native_all is None:
+                self._native_all = paged_attention_cpu.PagedAttentionPlan(
+                    meta.query_start_loc, meta.seq_lens, meta.block_table, q.shape, kv_cache.shape
+                )
+            return self._native_all.run(q, kv_cache, scale, None, window, softcap)
         if self._all_groups is None:
             decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
             prefill = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
