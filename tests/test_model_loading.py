@@ -228,6 +228,11 @@ def test_sliding_window_no_longer_caps_max_model_len(tmp_path):
         ("Qwen2ForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
                               "max_window_layers": 3}, [None, None, None, 8]),
         ("Qwen2ForCausalLM", {"sliding_window": 8}, [None] * 4),
+        ("MixtralForCausalLM", {"sliding_window": 8}, [8, 8, 8, 8]),
+        ("Qwen3MoeForCausalLM", {"sliding_window": 8}, [None] * 4),
+        ("Qwen3MoeForCausalLM", {"sliding_window": 8, "use_sliding_window": True}, [8] * 4),
+        ("Qwen2MoeForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
+                                 "max_window_layers": 3}, [8, None, 8, None]),
         ("Gemma2ForCausalLM", {"sliding_window": 8, "layer_types": ["full_attention"] * 3
                                + ["sliding_attention"]}, [None, None, None, 8]),
     ],

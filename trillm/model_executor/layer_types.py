@@ -25,7 +25,12 @@ def _default_layer_types(hf: dict[str, Any], architecture: str, num_layers: int)
             return [FULL] * num_layers
         first = int(hf.get("max_window_layers") or 0)
         return [SLIDING if i >= first else FULL for i in range(num_layers)]
-    if architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if architecture == "Qwen2MoeForCausalLM":  # every other layer below max_window_layers
+        last = int(hf.get("max_window_layers") or 0) if hf.get("use_sliding_window") else 0
+        return [SLIDING if (i + 1) % 2 and i < last else FULL for i in range(num_layers)]
+    if architecture == "Qwen3MoeForCausalLM":
+        return [SLIDING if hf.get("use_sliding_window") else FULL] * num_layers
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return [SLIDING] * num_layers  # a configured window covers every layer
     return [FULL] * num_layers  # transformers ignores a sliding_window key on the others
 
