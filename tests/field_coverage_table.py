@@ -30,6 +30,7 @@ RESP = "tests/test_responses_api.py::"
 TP = "tests/test_tensor_parallel.py::"
 LORA = "tests/test_lora.py::"
 GGUF = "tests/test_gguf.py::"
+LORA_HTTP = "tests/test_lora_http.py::"
 
 
 def ids(*node_ids: str) -> tuple[str, ...]:
@@ -381,16 +382,24 @@ _VLLM_FLAGS = {
                          GGUF + "test_trillm_serve_a_gguf_file_chats_with_its_template"),
     "--tokenizer-mode": ids(VF + "test_more_vllm_flags_refused"),
     "--limit-mm-per-prompt": ids(VF + "test_more_vllm_flags_refused"),
-    "--max-lora-rank": ids(VF + "test_more_vllm_flags_refused"),
-    "--max-loras": ids(VF + "test_bad_values_refused_with_the_flag_named"),
     "--pipeline-parallel-size": ids(REFUSED_TOP, VF + "test_value_one_is_the_no_op_for_parallel_sizes"),
     "--data-parallel-size": ids(REFUSED_TOP, VF + "test_value_one_is_the_no_op_for_parallel_sizes"),
     "--quantization": ids(REFUSED_TOP, FLAG_MAP, *_ENGINE["quantization"],
                           GGUF + "test_serve_flags_reach_the_engine_args",
                           GGUF + "test_trillm_serve_a_gguf_file_chats_with_its_template"),
     "--kv-cache-dtype": ids(REFUSED_TOP),
-    "--enable-lora": ids(REFUSED_TOP),
-    "--lora-modules": ids(REFUSED_TOP),
+    # LoRA (tests/test_lora_http.py: a real server; the engine arguments in tests/test_lora.py)
+    "--enable-lora": ids(LORA_HTTP + "test_model_name_selects_the_adapter",
+                         LORA_HTTP + "test_lora_flags_refused_with_the_flag_named"),
+    "--lora-modules": ids(LORA_HTTP + "test_model_name_selects_the_adapter",
+                          LORA_HTTP + "test_models_lists_adapters_with_their_parent",
+                          LORA_HTTP + "test_lora_flags_refused_with_the_flag_named"),
+    "--max-loras": ids(VF + "test_bad_values_refused_with_the_flag_named",
+                       LORA + "test_more_adapters_than_max_loras_wait_and_rotate"),
+    "--max-lora-rank": ids(LORA_HTTP + "test_load_and_unload_at_runtime",
+                           LORA + "test_unimplemented_adapters_are_refused_naming_it"),
+    "--allow-runtime-lora-updating": ids(LORA_HTTP + "test_load_and_unload_at_runtime",
+                                         LORA_HTTP + "test_runtime_updating_routes_need_the_opt_in"),
     "--speculative-config": ids(REFUSED_TOP),
     # Already so in trillm, or meaningless without CUDA graphs / swapping / several ranks:
     # accepted, and the log says so once at startup.

@@ -31,13 +31,13 @@ TOP35_ACCEPTED = [
     ["--tokenizer", "tok"], ["--enable-chunked-prefill"], ["--enforce-eager"],
     ["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"],
     ["--reasoning-parser", "qwen3"], ["--disable-log-requests"], ["--swap-space", "4"],
-    ["--load-format", "safetensors"], ["--download-dir", "/tmp/x"],
+    ["--load-format", "safetensors"], ["--download-dir", "/tmp/x"], ["--enable-lora"],
+    ["--lora-modules", "a=/p"],
 ]  # fmt: skip
 # Features of other open issues: refused with the flag named, never accepted and ignored.
 TOP35_REFUSED = [
     ["--pipeline-parallel-size", "2"], ["--data-parallel-size", "2"], ["--quantization", "awq"],
-    ["--kv-cache-dtype", "fp8"], ["--enable-lora"], ["--lora-modules", "a=/p"],
-    ["--speculative-config", '{"method": "ngram"}'],
+    ["--kv-cache-dtype", "fp8"], ["--speculative-config", '{"method": "ngram"}'],
 ]  # fmt: skip
 
 
@@ -65,8 +65,7 @@ MORE_ACCEPTED = [["--disable-uvicorn-access-log"], ["--enable-prompt-tokens-deta
                  ["--max-seq-len-to-capture", "8192"], ["--disable-custom-all-reduce"],
                  ["--tokenizer-mode", "auto"], ["--enable-server-load-tracking"],
                  ["--disable-log-stats"], ["--enable-log-requests"]]  # fmt: skip
-MORE_REFUSED = [["--tokenizer-mode", "mistral"], ["--limit-mm-per-prompt", '{"image": 2}'],
-                ["--max-lora-rank", "16"]]  # fmt: skip
+MORE_REFUSED = [["--tokenizer-mode", "mistral"], ["--limit-mm-per-prompt", '{"image": 2}']]
 
 
 @pytest.mark.parametrize("argv", MORE_ACCEPTED, ids=lambda a: a[0])
@@ -90,7 +89,7 @@ def test_top35_table_is_35_flags():
     "argv",
     [["--load-format", "pt"], ["--quantization", "fp4"], ["--no-enable-chunked-prefill"],
      ["--allowed-origins", "*"], ["--swap-space", "-1"], ["--log-stats-interval", "0"],
-     ["--max-loras", "2"], ["--ssl-keyfile", "/nonexistent.pem"], ["--root-path", "api"],
+     ["--max-loras", "0"], ["--ssl-keyfile", "/nonexistent.pem"], ["--root-path", "api"],
      ["--ssl-cert-reqs", "2"]],
     ids=lambda a: a[0],
 )  # fmt: skip

@@ -32,7 +32,7 @@ from werkzeug.exceptions import HTTPException
 
 import trillm
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
-from trillm.entrypoints.openai import extra_routes, openapi, vllm_flags
+from trillm.entrypoints.openai import extra_routes, openapi, serving_lora, vllm_flags
 from trillm.entrypoints.openai.engine_supervisor import supervise_engine
 from trillm.entrypoints.openai.errors import (
     APIError,
@@ -159,7 +159,23 @@ def _install_routes(app: QuartTrio, state: ServerState, run: extra_routes.Dispat
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return json_response({"object": "list", "data": model_cards(state)})
+        cards = model_cards(state)
+        if state.loras is not None:
+            cards += state.loras.cards()
+        return json_response({"object": "list", "data": cards})
+
+    if state.loras is not None and state.loras.allow_updates:
+        loras = state.loras
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter() -> Response:
+            text = await serving_lora.load_adapter(loras, state.engine, await json_body())
+            return Response(text, 200, content_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter() -> Response:
+            text = serving_lora.unload_adapter(loras, state.engine, await json_body())
+            return Response(text, 200, content_type="text/plain")
 
     @app.post("/tokenize")
     async def tokenize_route() -> Response:
@@ -287,6 +303,10 @@ class ServerOptions:
     log_stats: bool = True
     log_stats_interval: float = 10.0
     metrics_prefix: str = "both"
+    # LoRA adapters served by name (--lora-modules: serving_lora.LoRAModulePath), and whether
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
+    lora_modules: list[Any] = attrs.field(factory=list)
+    allow_runtime_lora_updating: bool = False
 
 
 @attrs.define(eq=False)
@@ -350,6 +370,7 @@ async def _serve(
                     max_admitted_tokens=opts.max_num_admitted_tokens,
                 )
                 max_prompt_chars(state)  # the tokenizer's bound, once, before any request
+                state.loras = await serving_lora.open_registry(engine, names[0], opts)
                 log_len = opts.max_log_len if opts.enable_log_requests else None
                 app = vllm_flags.wrap_asgi(build_app(state, opts.api_key, log_len), opts,
                                            state.metrics)  # fmt: skip

@@ -8,7 +8,7 @@ from typing import Any
 
 from trillm.config import parse_memory_size
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
-from trillm.entrypoints.openai import config_file, vllm_flags
+from trillm.entrypoints.openai import config_file, serving_lora, vllm_flags
 from trillm.entrypoints.openai.api_server import ServerOptions
 
 # Flags whose value goes straight into EngineArgs under the same (underscored) name. Each is
@@ -20,6 +20,7 @@ _ENGINE_FLAGS = (
     "num_gpu_blocks_override", "max_logprobs", "device", "attention_backend",
     "distributed_executor_backend", "generation_config", "trust_remote_code", "runner",
     "stream_interval", "reasoning_parser", "load_format", "quantization", "dequantize_gguf",
+    "enable_lora", "max_loras", "max_lora_rank",
 )  # fmt: skip
 
 
@@ -59,6 +60,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_server_flags(p)
     _add_engine_flags(p)
     _add_tool_flags(p)
+    serving_lora.add_lora_flags(p)
     # vLLM's deployment flags (issue 16): TLS, CORS, proxy, logging, metrics, --config.
     vllm_flags.add_http_flags(p)
     vllm_flags.add_logging_flags(p)
@@ -280,6 +282,10 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         max_num_queued_requests=args.max_num_queued_requests,
         max_num_admitted_tokens=args.max_num_admitted_tokens,
         restart_on_engine_death=args.restart_on_engine_death,
+        lora_modules=args.lora_modules or [],
+        allow_runtime_lora_updating=serving_lora.runtime_updating_allowed(
+            args.allow_runtime_lora_updating
+        ),
     )
 
 
@@ -292,6 +298,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from trillm.logging_config import LoggingConfigError, configure_logging
 
     vllm_flags.check_flags(args.serve_parser, args)
+    serving_lora.check_lora_flags(args.serve_parser, args)
     try:
         configure_logging(args.log_level, args.log_format)
     except (LoggingConfigError, ValueError, TypeError, AttributeError, ImportError) as exc:

@@ -33,6 +33,7 @@ from trillm.engine.request_stream import RequestStream
 from trillm.entrypoints.openai.errors import APIError, from_engine_exception
 from trillm.entrypoints.openai.exchange import at_exchange_end
 from trillm.entrypoints.openai.serving_base import Admission, ServerState
+from trillm.lora.request import LoRARequest
 
 # NOTE: a small buffer: when the client reads slowly the producer waits and the engine's
 # per-request collector merges the deltas, so a slow reader gets fewer, larger chunks.
@@ -136,6 +137,7 @@ async def start_generation(
     jobs: list[PreparedPrompt],
     request_id: str,
     timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline
+    lora_request: LoRARequest | None = None,
 ) -> Generation:
     """Submit one engine request per prompt, each prepared (checked) by the engine's
     preprocessor: the engine submits it without checking it again.
@@ -144,6 +146,7 @@ async def start_generation(
     APIErrors, so they are answered as HTTP errors rather than inside a started stream; 503
     when the queue is full (``--max-num-queued-requests``, ``--max-num-admitted-tokens``).
     ``timeout``: seconds until the request ends with finish_reason "timeout".
+    ``lora_request``: the adapter the request's ``model`` names (None: the base model).
     """
     n = jobs[0].params.n
     ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
@@ -153,7 +156,9 @@ async def start_generation(
     gen: Generation | None = None
     try:
         if len(jobs) == 1:
-            stream = state.engine.generate(jobs[0], None, request_id, timeout=timeout)
+            stream = state.engine.generate(
+                jobs[0], None, request_id, timeout=timeout, lora_request=lora_request
+            )
             gen = direct = DirectGeneration(admission, request_id, stream)
             await direct.prime()
             return direct
@@ -161,7 +166,7 @@ async def start_generation(
         gen = fan_in = FanInGeneration(admission, receive)
         async with send:
             for i, prepared in enumerate(jobs):
-                job = (prepared, ids[i], timeout)
+                job = (prepared, ids[i], timeout, lora_request)
                 scope = await state.nursery.start(_produce, admission, i, job, send.clone())
                 fan_in.scopes.append(scope)
         # NOTE: every prompt passed the preprocessor's checks before this; what engine.generate
@@ -191,7 +196,7 @@ def guard_stream(generation: Generation, body: AsyncIterator[bytes]) -> AsyncIte
 async def _produce(
     admission: Admission,
     index: int,
-    job: tuple[PreparedPrompt, str, float | None],
+    job: tuple[PreparedPrompt, str, float | None, LoRARequest | None],
     send: trio.MemorySendChannel[tuple[int, Any]],
     task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -209,9 +214,11 @@ async def _produce(
 
 
 async def _pump(state: ServerState, index: int, job: Any, send: Any) -> None:
-    prepared, rid, timeout = job
+    prepared, rid, timeout, lora_request = job
     try:
-        async with state.engine.generate(prepared, None, rid, timeout=timeout) as outputs:
+        async with state.engine.generate(
+            prepared, None, rid, timeout=timeout, lora_request=lora_request
+        ) as outputs:
             async for out in outputs:
                 await send.send((index, out))
     except (trio.BrokenResourceError, trio.ClosedResourceError):

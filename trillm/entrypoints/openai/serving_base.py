@@ -20,6 +20,7 @@ from trillm.entrypoints.openai.errors import (
     ServiceUnavailableError,
 )
 from trillm.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from trillm.lora.request import LoRARequest
 from trillm.outputs import Logprob
 
 
@@ -52,6 +53,8 @@ class ServerState:
     inflight_tokens: dict[str, int] = attrs.field(factory=dict)
     admitted_tokens: int = 0  # the sum of ``inflight_tokens``' values
     drained: trio.Event = attrs.field(factory=trio.Event)  # set once draining and none in flight
+    # LoRA adapters served by name (serving_lora.LoRARegistry); None without --enable-lora.
+    loras: Any = None
 
     @property
     def tokenizer(self) -> Any:
@@ -70,9 +73,14 @@ class ServerState:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """404 for an unknown model; the adapter when ``model`` names one (else None)."""
+        if model is None or model in self.served_model_names:
+            return None
+        lora = None if self.loras is None else self.loras.adapters.get(model)
+        if lora is None:
             raise NotFoundError(f"The model `{model}` does not exist.", "model")
+        return lora
 
     def check_capacity(self, seqs: int = 1, tokens: int = 1) -> None:
         """503 (the caller adds Retry-After) when ``seqs`` more sequences or ``tokens`` more

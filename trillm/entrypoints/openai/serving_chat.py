@@ -56,7 +56,7 @@ async def start_chat(
 ) -> tuple[ChatContext, Generation]:
     """Check, render, tokenize and submit a chat; the context reads the generation (its
     ``full`` or ``stream``, or another API's reader: /v1/responses)."""
-    state.check_model(req.model)
+    lora = state.check_model(req.model)  # the adapter req.model names, if any
     tools = plan_tools(state, req)
     try:
         prepared, prompt_text = await _prepare(state, req, tools)
@@ -66,11 +66,15 @@ async def start_chat(
     prompt_ids = prepared.prompt_token_ids
     request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     ctx = ChatContext(state, req, params, request_id, prompt_ids)
+    if lora is not None:
+        ctx.model_name = lora.lora_name
     reasoning = reasoning_factory(state, req, prompt_text)
     if tools.parser is not None or reasoning is not None:
         ctx.parser = lambda: ChoiceParser(tools, reasoning, req.include_reasoning)
     try:
-        gen = await start_generation(state, [prepared], request_id, timeout=req.timeout)
+        gen = await start_generation(
+            state, [prepared], request_id, timeout=req.timeout, lora_request=lora
+        )
     except BadRequestError as exc:
         raise tools.blame(exc) from None  # a tool schema that does not compile names the tool
     return ctx, gen
@@ -180,6 +184,7 @@ class ChatContext:
         # Per-choice reasoning / tool-call parsing (chat_parsing.py); None: the text as is.
         self.parser: Callable[[], ChoiceParser] | None = None
         self.echo = _echo_text(req)
+        self.model_name = state.model_name  # the adapter's name when the request names one
 
     # ------------------------------------------------------------ non-streaming
 
@@ -204,7 +209,7 @@ class ChatContext:
             "id": self.request_id,
             "object": "chat.completion",
             "created": self.created,
-            "model": self.state.model_name,
+            "model": self.model_name,
             "choices": [self._choice(c) for c in choices],
             "usage": self.tracker.usage(),
         }
@@ -266,7 +271,7 @@ class ChatContext:
         self.head = (
             b'data: {"id":' + orjson.dumps(self.request_id)
             + b',"object":"chat.completion.chunk","created":' + str(self.created).encode()
-            + b',"model":' + orjson.dumps(self.state.model_name) + b',"choices":['
+            + b',"model":' + orjson.dumps(self.model_name) + b',"choices":['
         )  # fmt: skip
         fast = not (self.req.logprobs or self.req.return_token_ids or self._continuous_usage)
         finished: set[int] = set()

@@ -49,7 +49,7 @@ class _Prompt:
 async def create_completion(
     state: ServerState, req: CompletionRequest
 ) -> dict[str, Any] | AsyncIterator[bytes]:
-    state.check_model(req.model)
+    lora = state.check_model(req.model)  # the adapter req.model names, if any
     _check_unsupported(req)
     if req.logprobs is not None and req.logprobs > state.max_logprobs:
         raise BadRequestError(
@@ -62,8 +62,10 @@ async def create_completion(
         raise from_engine_exception(exc) from exc
     request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     ctx = _CompletionContext(state, req, prompts, request_id)
+    if lora is not None:
+        ctx.model_name = lora.lora_name
     jobs = [p.prepared for p in prompts]
-    gen = await start_generation(state, jobs, request_id, timeout=req.timeout)
+    gen = await start_generation(state, jobs, request_id, timeout=req.timeout, lora_request=lora)
     if req.stream:
         return guard_stream(gen, ctx.stream(gen))
     return await ctx.full(gen)
@@ -123,6 +125,7 @@ class _CompletionContext:
         self.n = req.n
         self.created = int(time.time())
         self.tracker = RequestTracker(state, sum(len(p.token_ids) for p in prompts))
+        self.model_name = state.model_name  # the adapter's name when the request names one
 
     # ------------------------------------------------------------ non-streaming
 
@@ -145,7 +148,7 @@ class _CompletionContext:
             "id": self.request_id,
             "object": "text_completion",
             "created": self.created,
-            "model": self.state.model_name,
+            "model": self.model_name,
             "choices": [self._choice(c, prompt_logprobs[c.index // self.n]) for c in choices],
             "usage": self.tracker.usage(),
         }
@@ -217,7 +220,7 @@ class _CompletionContext:
         self.head = (
             b'data: {"id":' + orjson.dumps(self.request_id)
             + b',"object":"text_completion","created":' + str(self.created).encode()
-            + b',"model":' + orjson.dumps(self.state.model_name) + b',"choices":['
+            + b',"model":' + orjson.dumps(self.model_name) + b',"choices":['
         )  # fmt: skip
         fast = self.req.logprobs is None and not self.req.return_token_ids
         num = len(self.prompts) * self.n

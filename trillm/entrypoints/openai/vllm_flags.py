@@ -8,8 +8,8 @@ Three kinds, never a flag accepted and ignored in silence:
   ``--enforce-eager``, ``--swap-space``): what they ask is already so, or means nothing here,
   and ``startup_notes`` says so once in the log;
 - refused (argparse error, exit 2) where the feature belongs to another open issue:
-  pipeline/data parallelism, quantization methods other than fp8, KV-cache dtypes, LoRA,
-  speculative decoding.
+  pipeline/data parallelism, quantization methods other than fp8, KV-cache dtypes,
+  speculative decoding (LoRA: serving_lora.py).
 """
 
 from __future__ import annotations
@@ -245,16 +245,8 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
                                                   "auto"),
         help="Only auto (the model's dtype) until issue 8.",
     )  # fmt: skip
-    for flag, what, issue in (
-        ("--enable-lora", "LoRA", 10),
-        ("--lora-modules", "LoRA", 10),
-        ("--max-loras", "LoRA", 10),
-        ("--max-lora-rank", "LoRA", 10),
-        ("--speculative-config", "speculative decoding", 8),
-    ):
-        nargs = 0 if flag == "--enable-lora" else "*"
-        g.add_argument(flag, action=_Refuse, what=what, issue=issue, nargs=nargs,
-                       help=f"Not implemented yet (issue {issue}): refused.")  # fmt: skip
+    g.add_argument("--speculative-config", action=_Refuse, what="speculative decoding", issue=8,
+                   nargs="*", help="Not implemented yet (issue 8): refused.")  # fmt: skip
 
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
