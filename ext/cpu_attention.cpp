@@ -12,7 +12,8 @@
 // chunk of keys at a time, each key row brought in once for all the query heads that read it,
 // with an online softmax in fp32. No gather, no padding, no mask tensor. Items run on a small
 // persistent thread pool (the caller's thread included); the GIL is released meanwhile. fp32
-// and bf16 tensors; math in fp32.
+// and bf16 tensors; the cache fp32, bf16 or fp8 e4m3 (--kv-cache-dtype), widened exactly to
+// fp32 as it is read; math in fp32.
 //
 // Per layer, optionally: a sliding window (window > 0: a row at position p sees positions
 // > p - window; its keys before that are neither read nor scored) and logit soft-capping
@@ -71,7 +72,7 @@ struct Item {
 };
 
 // NV = head_dim / 8 when known at compile time (register-resident rows), 0 = read at run time.
-template <typename T, int NV_FIXED>
+template <typename T, typename C, int NV_FIXED>
 TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
   const int NV = NV_FIXED > 0 ? NV_FIXED : p.head_dim / 8;
   const int D = p.head_dim;
@@ -86,8 +87,8 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
   const int key_end = context + it.row_end;  // keys the tile's last row sees
   const int32_t* blocks = p.block_table + static_cast<int64_t>(it.req) * p.block_table_stride;
   const T* q = static_cast<const T*>(p.q);
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
+  const C* kc = static_cast<const C*>(p.k_cache);
+  const C* vc = static_cast<const C*>(p.v_cache);
   const int64_t slot_elems = static_cast<int64_t>(p.num_kv_heads) * D;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
@@ -115,7 +116,7 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
   }
 
   // Slot rows of keys start .. start + n (a slot row holds every kv head: contiguous).
-  auto slot_rows = [&](int start, int n, const T** kr, const T** vr) {
+  auto slot_rows = [&](int start, int n, const C** kr, const C** vr) {
     int b = start / p.block_size, o = start % p.block_size;
     for (int t = 0; t < n; ++t) {
       const int64_t slot = static_cast<int64_t>(blocks[b]) * p.block_size + o;
@@ -124,13 +125,13 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
       if (++o == p.block_size) o = 0, ++b;
     }
   };
-  const T* kp[kKeyChunk];
-  const T* vp[kKeyChunk];
-  const T* kn[kKeyChunk];
-  const T* vn[kKeyChunk];
+  const C* kp[kKeyChunk];
+  const C* vp[kKeyChunk];
+  const C* kn[kKeyChunk];
+  const C* vn[kKeyChunk];
   alignas(32) float s[kKeyChunk];
-  const int row_bytes = static_cast<int>(slot_elems * sizeof(T));
-  const int head_bytes = static_cast<int>(D * sizeof(T));
+  const int row_bytes = static_cast<int>(slot_elems * sizeof(C));
+  const int head_bytes = static_cast<int>(D * sizeof(C));
   // The window's start for the tile's first row: keys before it no row of the tile sees.
   const int key_begin = p.window > 0 ? std::max(0, context + it.row_begin - p.window + 1) : 0;
   for (int start = key_begin; start < key_end; start += kKeyChunk) {
@@ -154,7 +155,7 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
       // Scores, eight keys at a time (independent accumulators, one tree reduction). Past the
       // chunk's end the last key is read again; those lanes are masked below.
       for (int t = 0; t < n; t += 8) {
-        const T* k[8];
+        const C* k[8];
         for (int i = 0; i < 8; ++i) k[i] = kp[std::min(t + i, n - 1)] + h;
         v8f a[8];
         for (int i = 0; i < 8; ++i) a[i] = splat(0.0f);
@@ -189,7 +190,7 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
       for (int j = 0; j < NV; ++j) r[j] = a[j] * splat(correction);
       for (int u = 0; u < visible; ++u) {
         const v8f w = splat(s[u]);
-        const T* val = vp[u] + h;
+        const C* val = vp[u] + h;
         for (int j = 0; j < NV; ++j) r[j] += w * load8(val + 8 * j);
       }
       for (int j = 0; j < NV; ++j) a[j] = r[j];
@@ -224,7 +225,7 @@ constexpr int kDecodeGroup = 8;
 constexpr int kDecodeChunk = 64;
 thread_local volatile float touch_sink;  // keeps the touching loads
 
-template <typename T, int NV>
+template <typename T, typename C, int NV>
 TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   constexpr int D = NV * 8;
   const int group = p.num_heads / p.num_kv_heads;
@@ -238,9 +239,9 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   const int32_t* blocks = p.block_table + static_cast<int64_t>(it.req) * p.block_table_stride;
   const int64_t slot_elems = static_cast<int64_t>(p.num_kv_heads) * D;
   const int64_t first = static_cast<int64_t>(it.head_begin) * D;  // the item's heads in a row
-  const int span_bytes = static_cast<int>(heads * D * sizeof(T));
-  const T* kc = static_cast<const T*>(p.k_cache) + first;
-  const T* vc = static_cast<const T*>(p.v_cache) + first;
+  const int span_bytes = static_cast<int>(heads * D * sizeof(C));
+  const C* kc = static_cast<const C*>(p.k_cache) + first;
+  const C* vc = static_cast<const C*>(p.v_cache) + first;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int groups = (key_end - key_begin + kDecodeGroup - 1) / kDecodeGroup;
 
@@ -278,9 +279,9 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
     for (int c = 0; c < ng; ++c) {
       group_slots(g0 + c, slots[c]);
       for (int i = 0; i < kDecodeGroup; ++i) {
-        const T* kr = kc + slots[c][i];
-        const T* vr = vc + slots[c][i];
-        for (int b = 0; b < span_bytes / static_cast<int>(sizeof(T)); b += 64 / sizeof(T))
+        const C* kr = kc + slots[c][i];
+        const C* vr = vc + slots[c][i];
+        for (int b = 0; b < span_bytes / static_cast<int>(sizeof(C)); b += 64 / sizeof(C))
           sink += load8(kr + b) + load8(vr + b);
       }
     }
@@ -293,7 +294,7 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
         const v8f* qr = qv + v * NV;
         v8f a[kDecodeGroup];
         for (int i = 0; i < kDecodeGroup; ++i) {
-          const T* k = kc + slot[i] + h;
+          const C* k = kc + slot[i] + h;
           v8f x = qr[0] * load8(k);
           for (int j = 1; j < NV; ++j) x += qr[j] * load8(k + 8 * j);
           a[i] = x;
@@ -332,7 +333,7 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
         const float* w = s + c * kDecodeGroup;
         for (int i = 0; i < kDecodeGroup; ++i) {
           const v8f wi = splat(w[i]);
-          const T* val = vc + slots[c][i] + h;
+          const C* val = vc + slots[c][i] + h;
           for (int j = 0; j < NV; ++j) r[j] += wi * load8(val + 8 * j);
         }
       }
@@ -351,38 +352,50 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 TRILLM_INLINE void attend_dispatch(const Problem& p, const Item& it) {
   const bool one_row = it.row_end - it.row_begin == 1;
   switch (p.head_dim) {
     case 64:
-      return one_row ? attend_decode<T, 8>(p, it) : attend_item<T, 8>(p, it);
+      return one_row ? attend_decode<T, C, 8>(p, it) : attend_item<T, C, 8>(p, it);
     case 128:
-      return one_row ? attend_decode<T, 16>(p, it) : attend_item<T, 16>(p, it);
+      return one_row ? attend_decode<T, C, 16>(p, it) : attend_item<T, C, 16>(p, it);
     default:
-      return attend_item<T, 0>(p, it);
+      return attend_item<T, C, 0>(p, it);
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void attend_generic(const Problem& p, const Item& it) {
-  attend_dispatch<T>(p, it);
+  attend_dispatch<T, C>(p, it);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-template <typename T>
+template <typename T, typename C>
 __attribute__((target("avx2,fma"))) void attend_avx2(const Problem& p, const Item& it) {
-  attend_dispatch<T>(p, it);
+  attend_dispatch<T, C>(p, it);
 }
 #endif
 
-template <typename T>
-void (*select_kernel())(const Problem&, const Item&) {
+using Kernel = void (*)(const Problem&, const Item&);
+
+template <typename T, typename C>
+Kernel select_kernel() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool avx2 = cpu_has_avx2();
-  if (avx2) return &attend_avx2<T>;
+  if (avx2) return &attend_avx2<T, C>;
 #endif
-  return &attend_generic<T>;
+  return &attend_generic<T, C>;
+}
+
+// dtype (q and out): 0 float32, 1 bfloat16; cache_dtype: the same codes, 2 = fp8 e4m3.
+template <typename T>
+Kernel select_for_cache(int cache_dtype) {
+  switch (cache_dtype) {
+    case 0: return select_kernel<T, float>();
+    case 1: return select_kernel<T, Bf16>();
+    default: return select_kernel<T, Fp8>();
+  }
 }
 
 // Work items of the requests `reqs` (all num_reqs when reqs is null). An item takes every kv
@@ -455,13 +468,17 @@ class Plan {
                         num_threads);
   }
 
-  // dtype: 0 = float32, 1 = bfloat16.
+  // dtype (q, out): 0 = float32, 1 = bfloat16; cache_dtype: 0, 1, or 2 = fp8 e4m3 (values
+  // stored as x / scale with the scale 1.0: read as they are).
   void run(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache,
            int64_t q_token_stride, int64_t q_head_stride, int64_t out_token_stride,
-           int64_t out_head_stride, float scale, int dtype, int window, float softcap) const {
+           int64_t out_head_stride, float scale, int dtype, int window, float softcap,
+           int cache_dtype) const {
     if (dtype != 0 && dtype != 1) throw std::invalid_argument("dtype must be float32 or bfloat16");
     if (window < 0 || !(softcap >= 0.0f))
       throw std::invalid_argument("window and softcap must be >= 0 (0: none)");
+    if (cache_dtype < 0 || cache_dtype > 2)
+      throw std::invalid_argument("cache_dtype must be float32, bfloat16 or fp8");
     Problem p = p_;
     p.q = reinterpret_cast<const void*>(q);
     p.out = reinterpret_cast<void*>(out);
@@ -474,7 +491,8 @@ class Plan {
     p.scale = scale;
     p.window = window;
     p.softcap = softcap;
-    auto kernel = dtype == 0 ? select_kernel<float>() : select_kernel<Bf16>();
+    const Kernel kernel =
+        dtype == 0 ? select_for_cache<float>(cache_dtype) : select_for_cache<Bf16>(cache_dtype);
     const int n = static_cast<int>(items_.size());
     py::gil_scoped_release release;
     run_items(num_threads_, n, [&](int i) { kernel(p, items_[i]); });
@@ -501,5 +519,6 @@ void register_cpu_attention(py::module_& m) {
       .def("run", &Plan::run, py::arg("out"), py::arg("q"), py::arg("k_cache"),
            py::arg("v_cache"), py::arg("q_token_stride"), py::arg("q_head_stride"),
            py::arg("out_token_stride"), py::arg("out_head_stride"), py::arg("scale"),
-           py::arg("dtype"), py::arg("window") = 0, py::arg("softcap") = 0.0f);
+           py::arg("dtype"), py::arg("window") = 0, py::arg("softcap") = 0.0f,
+           py::arg("cache_dtype") = 0);
 }

@@ -153,6 +153,12 @@ struct Bf16 {
   uint16_t bits;
 };
 
+// fp8 e4m3 (KV caches of --kv-cache-dtype fp8): sign, 4 exponent bits (bias 7), 3 mantissa
+// bits; no infinities, 0x7f / 0xff NaN (never written: stores saturate at +-448).
+struct Fp8 {
+  uint8_t bits;
+};
+
 TRILLM_INLINE void store(float* p, float x) { *p = x; }
 TRILLM_INLINE void store(Bf16* p, float x) {
   uint32_t u;
@@ -170,6 +176,29 @@ TRILLM_INLINE v8f load8(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
+// Eight e4m3 values, exactly: a normal one is (byte & 0x7f) << 20 plus 120 << 23 as fp32 bits,
+// a subnormal one (exponent 0) is its mantissa times 2^-9.
+TRILLM_INLINE v8f load8(const Fp8* p) {
+  uint8_t b[8];
+  std::memcpy(b, p, 8);
+  const v8i x = v8i{b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]};
+  const v8i mag = x & 0x7f;
+  const v8i normal_bits = (mag << 20) + (120 << 23);
+  v8f normal;
+  std::memcpy(&normal, &normal_bits, sizeof(normal));
+  const v8f sub = __builtin_convertvector(mag, v8f) * 0.001953125f;  // m * 2^-9
+  const v8i use_sub = mag < 8;
+  v8i bits;
+  v8i sub_bits;
+  std::memcpy(&bits, &normal, sizeof(bits));
+  std::memcpy(&sub_bits, &sub, sizeof(sub_bits));
+  bits = (use_sub & sub_bits) | (~use_sub & bits);
+  bits |= (x & 0x80) << 24;
+  v8f out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
 TRILLM_INLINE v8f load8(const Bf16* p) {
   v8u16 h;
   std::memcpy(&h, p, sizeof(h));
@@ -177,6 +206,29 @@ TRILLM_INLINE v8f load8(const Bf16* p) {
   v8f v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
+}
+
+TRILLM_INLINE void store(Fp8* p, float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const float a = std::fabs(x);
+  if (!(a == a)) {
+    p->bits = 0x7f;  // NaN stays NaN
+  } else if (a >= 464.0f) {
+    p->bits = sign | 0x7e;  // saturate: 448 and the midpoint to the next (480) and beyond
+  } else if (a < 0.015625f) {
+    // subnormal range (below 2^-6): multiples of 2^-9, rounded to nearest even; 8 * 2^-9 is
+    // 2^-6, whose code (exponent 1, mantissa 0) is 8 as well
+    p->bits = sign | static_cast<uint8_t>(std::nearbyint(a * 512.0f));
+  } else {
+    uint32_t m;
+    std::memcpy(&m, &a, 4);
+    m += 0x7ffffu + ((m >> 20) & 1u);  // round to 3 mantissa bits, nearest even
+    const int e = static_cast<int>(m >> 23) - 127 + 7;
+    const int code = (e << 3) | static_cast<int>((m >> 20) & 7u);
+    p->bits = sign | static_cast<uint8_t>(std::min(code, 0x7e));
+  }
 }
 
 TRILLM_INLINE v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }

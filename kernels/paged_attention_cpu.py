@@ -2,7 +2,7 @@
 ``paged_attention_torch.paged_attention`` (its reference) but reading K/V in place from the
 block-paged cache: no gather into dense copies, no padding, no mask tensor.
 
-fp32 and bf16 (math in fp32); the work is spread over ``num_threads()`` threads of the thread
+fp32 and bf16 (math in fp32), the cache also fp8 e4m3 (``--kv-cache-dtype fp8``); the work is spread over ``num_threads()`` threads of the thread
 pool of ``trillm._ext.cpu_kernels`` (shared by the native CPU kernels). A step builds one
 ``PagedAttentionPlan`` (metadata checked, work items made) and every layer runs it.
 ``available()`` is False when the extension is not built or ``TRILLM_NO_EXTENSIONS=1``; callers
@@ -25,6 +25,9 @@ import torch
 from trillm._native import cpu_kernels, native_available
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The cache may also hold fp8 e4m3 (--kv-cache-dtype fp8: x / scale with the scale 1.0), read
+# and widened exactly to fp32 in the kernel; or bf16 under an fp32 model.
+_CACHE_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 2}
 
 
 def num_threads() -> int:
@@ -38,13 +41,13 @@ def available() -> bool:
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the kernel handles these tensors (CPU, fp32/bf16, one dtype, head_dim a multiple
-    of 8 up to 512, at most 64 query heads per kv head)."""
+    """Whether the kernel handles these tensors (CPU, q fp32/bf16, the cache fp32/bf16/fp8
+    e4m3, head_dim a multiple of 8 up to 512, at most 64 query heads per kv head)."""
     return (
         q.device.type == "cpu"
         and kv_cache.device.type == "cpu"
         and q.dtype in _DTYPES
-        and kv_cache.dtype == q.dtype
+        and kv_cache.dtype in _CACHE_DTYPES
         and q.shape[-1] <= 512
         and q.shape[-1] % 8 == 0
         and q.shape[1] % kv_cache.shape[3] == 0
@@ -138,6 +141,7 @@ class PagedAttentionPlan:
             dtype=_DTYPES[q.dtype],
             window=window or 0,
             softcap=float(softcap or 0.0),
+            cache_dtype=_CACHE_DTYPES[kv_cache.dtype],
         )
         return out
 

@@ -25,6 +25,7 @@ SO_UNIT = "tests/test_structured_output.py::"
 REQ = "tests/test_request_fields.py::"
 LOADING = "tests/test_model_loading.py::"
 FP8 = "tests/test_quantization_fp8.py::"
+KV_DTYPE = "tests/test_kv_cache_dtype.py::"
 SO_REASONING = "tests/test_structured_output_reasoning.py::"
 RESP = "tests/test_responses_api.py::"
 TP = "tests/test_tensor_parallel.py::"
@@ -303,6 +304,12 @@ _ENGINE = {
     "max_loras": ids(LORA + "test_more_adapters_than_max_loras_wait_and_rotate",
                      LORA + "test_adapter_for_another_model_and_lora_off_are_refused"),
     "max_lora_rank": ids(LORA + "test_unimplemented_adapters_are_refused_naming_it"),
+    # the cache's storage: block bytes, kernels reading it, output close to auto's; refusals
+    "kv_cache_dtype": ids(
+        KV_DTYPE + "test_cache_dtype_sizes_the_blocks_and_unknown_values_are_refused",
+        KV_DTYPE + "test_native_kernel_reads_the_cache_dtype_in_place",
+        KV_DTYPE + "test_engine_output_with_a_bf16_and_an_fp8_cache_stays_close",
+    ),
 }  # fmt: skip
 
 # ``trillm serve`` flags: how each reaches the engine or the server, and what it then does.
@@ -387,7 +394,7 @@ _VLLM_FLAGS = {
     "--quantization": ids(REFUSED_TOP, FLAG_MAP, *_ENGINE["quantization"],
                           GGUF + "test_serve_flags_reach_the_engine_args",
                           GGUF + "test_trillm_serve_a_gguf_file_chats_with_its_template"),
-    "--kv-cache-dtype": ids(REFUSED_TOP),
+    "--kv-cache-dtype": ids(REFUSED_TOP, FLAG_MAP, *_ENGINE["kv_cache_dtype"]),
     # LoRA (tests/test_lora_http.py: a real server; the engine arguments in tests/test_lora.py)
     "--enable-lora": ids(LORA_HTTP + "test_model_name_selects_the_adapter",
                          LORA_HTTP + "test_lora_flags_refused_with_the_flag_named"),

@@ -332,6 +332,7 @@ ENGINE_FLAGS = {
     "--runner": ("pkg.mod:Cls", "runner", "pkg.mod:Cls"),  # open_engine's runner argument
     "--served-model-name": ("alias", "served_model_name", "alias"),
     "--quantization": ("fp8", "quantization", "fp8"),
+    "--kv-cache-dtype": ("fp8_e4m3", "kv_cache_dtype", "fp8_e4m3"),
 }
 
 

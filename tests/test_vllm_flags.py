@@ -37,7 +37,7 @@ TOP35_ACCEPTED = [
 # Features of other open issues: refused with the flag named, never accepted and ignored.
 TOP35_REFUSED = [
     ["--pipeline-parallel-size", "2"], ["--data-parallel-size", "2"], ["--quantization", "awq"],
-    ["--kv-cache-dtype", "fp8"], ["--speculative-config", '{"method": "ngram"}'],
+    ["--kv-cache-dtype", "fp8_e5m2"], ["--speculative-config", '{"method": "ngram"}'],
 ]  # fmt: skip
 
 

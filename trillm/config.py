@@ -71,6 +71,8 @@ class EngineArgs:
     load_format: str = "auto"  # auto | safetensors | gguf (model_executor/gguf_loader.py)
     # trillm's: load a GGUF's Q4_0/Q4_1/Q8_0 tensors dequantized to the run's dtype instead.
     dequantize_gguf: bool = False
+    # KV cache storage (vLLM's names): auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (CPU).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
@@ -102,6 +104,7 @@ class EngineArgs:
             from trillm.model_executor.quantization import check_quantization
 
             check_quantization(self.quantization)  # ValueError naming the method
+        check_kv_cache_dtype(self.kv_cache_dtype)
         # Accepted with vLLM's meaning where nothing here differs; said once in the log.
         if self.trust_remote_code:
             logger.info("trust_remote_code: the checkpoint's tokenizer code may run; its model "
@@ -150,9 +153,26 @@ class ModelConfig:
     quantization: str | None = None  # "fp8" (quantized at load, CPU) | "gguf" (a GGUF's Q4/Q8)
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+
+
+def check_kv_cache_dtype(name: str) -> str:
+    """``name`` if trillm stores a KV cache in it, else a ValueError naming it."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {name!r} is not implemented yet (issue 13); choose one of "
+            f"{', '.join(KV_CACHE_DTYPES)}."
+        )
+    return name
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
+    # The KV cache's storage: "float32" | "bfloat16" | "float16" | "fp8_e4m3" (resolved from
+    # kv_cache_dtype; "auto" is the model's dtype). fp8 values are stored as x / scale with
+    # the scale 1.0 (vLLM's default when no scales are calculated or loaded).
+    cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
     gpu_memory_utilization: float = 0.9

@@ -18,7 +18,7 @@ class _Plan(Protocol):
     def run(
         self, out: int, q: int, k_cache: int, v_cache: int, q_token_stride: int,
         q_head_stride: int, out_token_stride: int, out_head_stride: int, scale: float,
-        dtype: int, window: int = 0, softcap: float = 0.0,
+        dtype: int, window: int = 0, softcap: float = 0.0, cache_dtype: int = 0,
     ) -> None: ...
 
 class _Attention(Protocol):

@@ -112,11 +112,26 @@ def _prefill_group(meta: AttentionMetadata, reqs: torch.Tensor, block_size: int)
     )
 
 
+# fp8 KV caches (--kv-cache-dtype fp8): e4m3 values of x / scale with the scale 1.0, as vLLM
+# stores them when no scales are calculated or loaded; beyond +-448 they saturate.
+FP8_KV = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_KV)
+
+
 def _take(
     source: torch.Tensor,  # [N, H, D]
     index: torch.Tensor,  # [R, L] int64
+    dtype: torch.dtype | None = None,  # the rows' dtype out (None: source's)
 ) -> torch.Tensor:  # [R, L, H, D]
-    rows = source.index_select(0, index.reshape(-1))
+    if source.dtype == FP8_KV:  # index_select by bytes, then widen
+        rows = source.view(torch.uint8).index_select(0, index.reshape(-1)).view(FP8_KV)
+    else:
+        rows = source.index_select(0, index.reshape(-1))
+    rows = rows if dtype is None else rows.to(dtype)
     return rows.view(*index.shape, *source.shape[1:])
 
 
@@ -250,12 +265,7 @@ class TorchAttentionBackend:
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
-        if self._native_available and reshape_and_cache_cpu.supports(k, v, kv_cache):
-            reshape_and_cache_cpu.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        else:
-            key_cache.index_copy_(0, meta.slot_mapping, k)
-            value_cache.index_copy_(0, meta.slot_mapping, v)
+        self._write_cache(k, v, kv_cache, key_cache, value_cache, meta.slot_mapping)
         if window is not None or softcap is not None:
             return self._forward_masked(q, key_cache, value_cache, kv_cache, meta, scale,
                                         window, softcap)  # fmt: skip
@@ -311,6 +321,25 @@ class TorchAttentionBackend:
             out.index_copy_(0, group.token_rows, rows)
         return out
 
+    def _write_cache(
+        self,
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        key_cache: torch.Tensor,  # [num_slots, Hkv, D] views of kv_cache
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,  # [T] int64
+    ) -> None:
+        if self._native_available and reshape_and_cache_cpu.supports(k, v, kv_cache):
+            reshape_and_cache_cpu.reshape_and_cache(k, v, kv_cache, slots)
+            return
+        if kv_cache.dtype == FP8_KV:  # stored as x / scale, scale 1.0; index_copy_ as bytes
+            key_cache.view(torch.uint8).index_copy_(0, slots, to_fp8(k).view(torch.uint8))
+            value_cache.view(torch.uint8).index_copy_(0, slots, to_fp8(v).view(torch.uint8))
+            return
+        key_cache.index_copy_(0, slots, k.to(key_cache.dtype))
+        value_cache.index_copy_(0, slots, v.to(value_cache.dtype))
+
     @staticmethod
     def _attend_fresh(
         q: torch.Tensor,  # [L, Hq, D]
@@ -336,8 +365,8 @@ class TorchAttentionBackend:
         softcap: float | None = None,
     ) -> torch.Tensor:  # [Tg, Hq, D]
         # NOTE: index_select, not advanced indexing: on CPU it is ~100x faster here.
-        keys = _take(key_cache, group.gather_slots).transpose(1, 2)  # [Rg, Hkv, S, D]
-        values = _take(value_cache, group.gather_slots).transpose(1, 2)
+        keys = _take(key_cache, group.gather_slots, q.dtype).transpose(1, 2)  # [Rg, Hkv, S, D]
+        values = _take(value_cache, group.gather_slots, q.dtype).transpose(1, 2)
         if group.decode:
             queries = q.index_select(0, group.query_index).unsqueeze(2)  # [Rg, Hq, 1, D]
         else:

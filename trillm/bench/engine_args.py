@@ -46,6 +46,7 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("skip_tokenizer_init", bool, "token ids in and out only"),
     ("reasoning_parser", str, "deepseek_r1 | qwen3: grammars apply after the reasoning"),
     ("quantization", str, "fp8: linear weights quantized to fp8 e4m3 at load (CPU)"),
+    ("kv_cache_dtype", str, "auto | bfloat16 | fp8 | fp8_e4m3 (KV cache storage, CPU)"),
 ]
 
 

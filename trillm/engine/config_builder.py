@@ -34,6 +34,19 @@ def resolve_attention_backend(requested: str | None, device: str) -> str:
     return "torch"
 
 
+def resolve_cache_dtype(requested: str, model_dtype: str, device: str) -> str:
+    """The KV cache's storage dtype: ``auto`` the model's; others CPU only (the CUDA backends
+    read the model's dtype)."""
+    if requested == "auto":
+        return model_dtype
+    if device != "cpu":
+        raise ValueError(
+            f"kv_cache_dtype {requested!r} runs on CPU only in trillm (issue 13), device is "
+            f"{device!r}; use auto."
+        )
+    return "fp8_e4m3" if requested in ("fp8", "fp8_e4m3") else requested
+
+
 def build_config(args: EngineArgs) -> TrillmConfig:
     from trillm.model_executor.loader import load_model_config, resolve_device
 
@@ -55,6 +68,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         model=model_config,
         cache=CacheConfig(
             block_size=args.block_size,
+            cache_dtype=resolve_cache_dtype(args.kv_cache_dtype, model_config.dtype, device),
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_memory=kv_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,

@@ -43,6 +43,11 @@ from trillm.worker.input_batch import InputBatch, StepInputs
 logger = logging.getLogger(__name__)
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# CacheConfig.cache_dtype -> the KV cache tensors' dtype (fp8: x / scale, scale 1.0).
+KV_CACHE_TORCH_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}  # fmt: skip
 
 
 class KVCacheTooSmallError(ValueError):
@@ -83,6 +88,10 @@ class ModelRunner:
         if self.tp_size > 1:
             self.device = join_tensor_parallel(config, rank)
         self.dtype = getattr(torch, model_cfg.dtype)
+        cache_dtype = config.cache.cache_dtype
+        self.kv_dtype = KV_CACHE_TORCH_DTYPES[
+            model_cfg.dtype if cache_dtype == "auto" else cache_dtype
+        ]
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_model_len = model_cfg.max_model_len
@@ -125,7 +134,7 @@ class ModelRunner:
         """Bytes of one block over all layers: K and V, block_size tokens, Hkv x D each."""
         m = self.config.model
         per_token = 2 * m.num_hidden_layers * self.shapes.num_kv_heads * m.head_dim
-        return per_token * self.block_size * _DTYPE_BYTES[m.dtype]
+        return per_token * self.block_size * self.kv_dtype.itemsize
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -161,7 +170,7 @@ class ModelRunner:
         m = self.config.model
         shape = (2, num_blocks, self.block_size, self.shapes.num_kv_heads, m.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for _ in range(m.num_hidden_layers)
         ]
         self.config.cache.num_blocks = num_blocks

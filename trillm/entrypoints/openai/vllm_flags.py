@@ -8,8 +8,8 @@ Three kinds, never a flag accepted and ignored in silence:
   ``--enforce-eager``, ``--swap-space``): what they ask is already so, or means nothing here,
   and ``startup_notes`` says so once in the log;
 - refused (argparse error, exit 2) where the feature belongs to another open issue:
-  pipeline/data parallelism, quantization methods other than fp8, KV-cache dtypes,
-  speculative decoding (LoRA: serving_lora.py).
+  pipeline/data parallelism, quantization methods other than fp8, KV-cache dtypes beyond
+  bf16 / fp8, speculative decoding (LoRA: serving_lora.py).
 """
 
 from __future__ import annotations
@@ -74,6 +74,15 @@ def _quantization(value: str) -> str:
     try:
         return check_quantization(value)
     except UnsupportedQuantizationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kv_cache_dtype(value: str) -> str:
+    from trillm.config import check_kv_cache_dtype
+
+    try:
+        return check_kv_cache_dtype(value)
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -241,9 +250,9 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         "a GGUF model); vLLM's other methods are not implemented yet (issue 13): refused.",
     )  # fmt: skip
     g.add_argument(
-        "--kv-cache-dtype", type=_not_implemented("a KV-cache dtype other than the model's", 8,
-                                                  "auto"),
-        help="Only auto (the model's dtype) until issue 8.",
+        "--kv-cache-dtype", type=_kv_cache_dtype, default=None,
+        help="auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (e4m3, scale 1.0; CPU). "
+        "Others are not implemented yet (issue 13): refused.",
     )  # fmt: skip
     g.add_argument("--speculative-config", action=_Refuse, what="speculative decoding", issue=8,
                    nargs="*", help="Not implemented yet (issue 8): refused.")  # fmt: skip
