@@ -419,11 +419,48 @@ void silu_and_mul(const RowsArg& out, const RowsArg& gate_up, int64_t num_rows, 
   });
 }
 
+TRILLM_INLINE float scalar(float x) { return x; }
+TRILLM_INLINE float scalar(Bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// An fp8 e4m3 cache (--kv-cache-dtype fp8): each value stored as e4m3 of x / 1.0 (the scale),
+// rounded to nearest even, saturating at +-448 (torch's clamp-then-cast).
+template <typename T>
+void write_fp8(const Rows<const T>& k, const Rows<const T>& v, Fp8* key_cache, Fp8* value_cache,
+               const int64_t* slots, int64_t num_tokens, int64_t heads, int64_t head_dim,
+               int num_threads) {
+  const int64_t slot_elems = heads * head_dim;
+  const int chunks = num_tokens * slot_elems < (1 << 16)
+                         ? 1
+                         : static_cast<int>(std::min<int64_t>(num_tokens, 4 * num_threads));
+  run_items(num_threads, chunks, [&](int c) {
+    const int64_t t0 = num_tokens * c / chunks, t1 = num_tokens * (c + 1) / chunks;
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slots[t] < 0) continue;
+      Fp8* kd = key_cache + slots[t] * slot_elems;
+      Fp8* vd = value_cache + slots[t] * slot_elems;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* ks = k.at(t, h);
+        const T* vs = v.at(t, h);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          store(kd + h * head_dim + d, scalar(ks[d]));
+          store(vd + h * head_dim + d, scalar(vs[d]));
+        }
+      }
+    }
+  });
+}
+
 // k, v: [T, heads, head_dim] as rows; key_cache, value_cache: [num_slots, heads, head_dim]
-// contiguous; slot_mapping: [T] int64.
+// contiguous, of k's dtype, or fp8 e4m3 when cache_fp8; slot_mapping: [T] int64.
 void reshape_and_cache(const RowsArg& k, const RowsArg& v, uintptr_t key_cache,
                        uintptr_t value_cache, uintptr_t slot_mapping, int64_t num_tokens,
-                       int64_t head_dim, int64_t num_slots, int dtype, int num_threads) {
+                       int64_t head_dim, int64_t num_slots, int dtype, int num_threads,
+                       bool cache_fp8) {
   check_sizes(num_tokens, head_dim);
   const int64_t* slots = reinterpret_cast<const int64_t*>(slot_mapping);
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -434,6 +471,19 @@ void reshape_and_cache(const RowsArg& k, const RowsArg& v, uintptr_t key_cache,
   }
   if (num_tokens == 0) return;
   const int64_t heads = std::get<3>(k);
+  if (cache_fp8) {
+    Fp8* kc = reinterpret_cast<Fp8*>(key_cache);
+    Fp8* vc = reinterpret_cast<Fp8*>(value_cache);
+    if (dtype == 0)
+      write_fp8(to_rows<const float>(k), to_rows<const float>(v), kc, vc, slots, num_tokens, heads,
+                head_dim, num_threads);
+    else if (dtype == 1)
+      write_fp8(to_rows<const Bf16>(k), to_rows<const Bf16>(v), kc, vc, slots, num_tokens, heads,
+                head_dim, num_threads);
+    else
+      throw std::invalid_argument("dtype must be float32 or bfloat16");
+    return;
+  }
   // Two copies of heads x head_dim elements a token: ~1 unit a pair of elements.
   run_dtype<CacheWrite>(dtype, num_tokens, heads * head_dim, num_threads, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -465,5 +515,5 @@ void register_cpu_ops(py::module_& m) {
   m.def("reshape_and_cache", &reshape_and_cache, py::arg("k"), py::arg("v"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
         py::arg("num_tokens"), py::arg("head_dim"), py::arg("num_slots"), py::arg("dtype"),
-        py::arg("num_threads"));
+        py::arg("num_threads"), py::arg("cache_fp8") = false);
 }

@@ -4,7 +4,8 @@ slot ``slot_mapping[t]``, negative slots skipped) as one row copy per token and 
 
 Why not ``index_copy_``: on CPU each call is a parallel torch op that wakes torch's idle OpenMP
 threads while the native kernels' pool holds the cores (two calls a layer: ~0.65 ms of a
-batch-53 decode step). fp32 and bf16, k, v and the cache of one dtype. ``available()`` is False
+batch-53 decode step). fp32 and bf16, k, v and the cache of one dtype, or an fp8 e4m3 cache
+(``--kv-cache-dtype fp8``). ``available()`` is False
 when the extension is not built or ``TRILLM_NO_EXTENSIONS=1``.
 """
 
@@ -20,7 +21,8 @@ def available() -> bool:
 
 
 def supports(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the kernel handles these tensors: CPU, fp32 or bf16, one dtype, k and v
+    """Whether the kernel handles these tensors: CPU, fp32 or bf16, one dtype (or an fp8 e4m3
+    cache: values rounded to e4m3, saturating at +-448, scale 1.0), k and v
     [T, Hkv, D] contiguous in the last dim, a contiguous cache [2, blocks, block_size, Hkv, D]."""
     return (
         k.is_cpu
@@ -28,7 +30,7 @@ def supports(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         and kv_cache.is_cpu
         and k.dtype in DTYPES
         and v.dtype == k.dtype
-        and kv_cache.dtype == k.dtype
+        and kv_cache.dtype in (k.dtype, torch.float8_e4m3fn)
         and k.dim() == 3
         and k.shape == v.shape
         and kv_cache.dim() == 5
@@ -50,7 +52,7 @@ def reshape_and_cache(
     if not supports(k, v, kv_cache):
         raise ValueError(
             "reshape_and_cache_cpu needs CPU fp32/bf16 k, v [T, Hkv, D] (contiguous last dim) "
-            "and a contiguous cache [2, blocks, block_size, Hkv, D] of the same dtype."
+            "and a contiguous cache [2, blocks, block_size, Hkv, D] of the same dtype or fp8."
         )
     if (
         slot_mapping.dtype != torch.int64
@@ -65,4 +67,5 @@ def reshape_and_cache(
         value_cache=kv_cache[1].data_ptr(), slot_mapping=slot_mapping.data_ptr(),
         num_tokens=k.shape[0], head_dim=k.shape[2], num_slots=num_slots,
         dtype=DTYPES[k.dtype], num_threads=num_threads(),
+        cache_fp8=kv_cache.dtype == torch.float8_e4m3fn,
     )  # fmt: skip

@@ -163,3 +163,27 @@ def test_engine_output_with_a_bf16_and_an_fp8_cache_stays_close():
         got = _greedy(kv_cache_dtype=name)
         same = sum(a == b for a, b in zip(base, got))
         assert same >= 5, (name, same)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_cache_write_rounds_like_torch(dtype):
+    """ext/cpu_ops.cpp's fp8 write: the bytes torch's clamp-then-cast gives (nearest even,
+    subnormals, +-448 saturation), for every slot the mapping names; negative slots skipped."""
+    from trillm.kernels import reshape_and_cache_cpu
+
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, head_dim = 40, 2, 64
+    k = torch.randn(tokens, heads, head_dim, generator=g) * torch.logspace(-4, 3, head_dim)
+    v = torch.randn(tokens, heads, head_dim, generator=g) * 0.01
+    k[0, 0, :6] = torch.tensor([448.0, 460.0, 470.0, 1e9, -1e9, 0.0078125 * 1.0625])
+    k, v = k.to(dtype), v.to(dtype)
+    slots = torch.randperm(64, generator=g)[:tokens]
+    slots[5] = -1
+    kv = torch.zeros(2, 4, 16, heads, head_dim, dtype=FP8)
+    reshape_and_cache_cpu.reshape_and_cache(k, v, kv, slots)
+    keep = slots >= 0
+    for i, src in enumerate((k, v)):
+        got = kv[i].view(-1, heads, head_dim)[slots[keep]].view(torch.uint8)
+        assert torch.equal(got, to_fp8(src[keep].float()).view(torch.uint8))
+    assert kv.view(torch.uint8).count_nonzero() > 0

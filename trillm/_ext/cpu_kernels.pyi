@@ -94,6 +94,7 @@ class _Ops(Protocol):
     def reshape_and_cache(
         self, k: _View, v: _View, key_cache: int, value_cache: int, slot_mapping: int,
         num_tokens: int, head_dim: int, num_slots: int, dtype: int, num_threads: int,
+        cache_fp8: bool = False,
     ) -> None: ...
 
 attention: _Attention
