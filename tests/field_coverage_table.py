@@ -27,6 +27,7 @@ LOADING = "tests/test_model_loading.py::"
 FP8 = "tests/test_quantization_fp8.py::"
 KV_DTYPE = "tests/test_kv_cache_dtype.py::"
 SO_REASONING = "tests/test_structured_output_reasoning.py::"
+POOL = "tests/test_pooling.py::"
 RESP = "tests/test_responses_api.py::"
 TP = "tests/test_tensor_parallel.py::"
 LORA = "tests/test_lora.py::"
@@ -310,6 +311,15 @@ _ENGINE = {
         KV_DTYPE + "test_native_kernel_reads_the_cache_dtype_in_place",
         KV_DTYPE + "test_engine_output_with_a_bf16_and_an_fp8_cache_stays_close",
     ),
+    # pooling models: the vector equals transformers' pooled hidden states; refusals named
+    "runner": ids(POOL + "test_llm_embed_equals_transformers",
+                  POOL + "test_a_generative_engine_refuses_to_embed",
+                  POOL + "test_settings_trillm_cannot_honour_are_refused"),
+    "convert": ids(POOL + "test_convert_embed_is_the_pooling_runner",
+                   POOL + "test_settings_trillm_cannot_honour_are_refused"),
+    "pooler_config": ids(POOL + "test_llm_embed_equals_transformers",
+                         POOL + "test_the_folder_says_how_to_pool_and_an_override_wins",
+                         POOL + "test_settings_trillm_cannot_honour_are_refused"),
 }  # fmt: skip
 
 # ``trillm serve`` flags: how each reaches the engine or the server, and what it then does.
@@ -340,7 +350,8 @@ _FLAGS = {
         UNITS + "test_stream_wake_budget_flag",
         "tests/test_output_wake_budget.py::test_wake_budget_spreads_middle_chunks_first_and_last_at_once",
     ),
-    "--runner": ids(FLAG_MAP, TOOLS_HTTP + "test_auto_without_the_flag_is_a_400_and_plugins_load"),
+    "--runner": ids(FLAG_MAP, TOOLS_HTTP + "test_auto_without_the_flag_is_a_400_and_plugins_load",
+                    POOL + "test_v1_embeddings_with_the_openai_client"),
     "--enable-auto-tool-choice": ids(
         TOOLS_HTTP + "test_auto_parses_a_hermes_call_streamed_and_not",
         TOOLS_HTTP + "test_auto_without_the_flag_is_a_400_and_plugins_load",
@@ -432,7 +443,8 @@ _ENGINE_FLAG_FIELDS = {
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "--num-gpu-blocks-override": "num_gpu_blocks_override", "--max-logprobs": "max_logprobs",
     "--stream-interval": "stream_interval", "--device": "device",
-    "--attention-backend": "attention_backend",
+    "--attention-backend": "attention_backend", "--convert": "convert",
+    "--pooler-config": "pooler_config",
     "--distributed-executor-backend": "distributed_executor_backend",
     "--generation-config": "generation_config", "--trust-remote-code": "trust_remote_code",
     "--dequantize-gguf": "dequantize_gguf",
@@ -490,11 +502,23 @@ _RESPONSES = {
     "ResponsesReasoning.generate_summary": ids(_R_REFUSED),
 }
 
+_EMBEDDING = {
+    "input": ids(POOL + "test_v1_embeddings_with_the_openai_client",
+                 POOL + "test_token_id_input_and_encoding_format",
+                 POOL + "test_what_the_pooling_routes_refuse"),
+    "model": ids(POOL + "test_what_the_pooling_routes_refuse"),
+    "encoding_format": ids(POOL + "test_token_id_input_and_encoding_format"),
+    "dimensions": ids(POOL + "test_what_the_pooling_routes_refuse"),
+    "truncate_prompt_tokens": ids(POOL + "test_truncate_prompt_tokens_keeps_the_last_tokens"),
+}  # fmt: skip
+
 COVERAGE: dict[str, tuple[str, ...]] = {
     **{f"ChatCompletionRequest.{k}": v for k, v in {**_SAMPLING, **_CHAT}.items()},
     **{f"CompletionRequest.{k}": v for k, v in {**_SAMPLING, **_COMPLETION}.items()},
     **_NESTED,
     **_RESPONSES,
+    **{f"{cls}.{k}": v for cls in ("EmbeddingRequest", "PoolingRequest")
+       for k, v in _EMBEDDING.items()},
     **{f"SamplingParams.{k}": v for k, v in _PARAMS.items()},
     **{f"StructuredOutputsParams.{k}": v for k, v in _SO_PARAMS.items()},
     **{f"EngineArgs.{k}": v for k, v in _ENGINE.items()},

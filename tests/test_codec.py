@@ -202,7 +202,7 @@ def test_encode_rejects_foreign_objects():
             ),
             "Malformed SamplingParams",
         ),
-        (msgpack.packb([2, 1, [], [], {"r": [1, 2]}, {}, 0.0, None, {}]), "Malformed LogprobsLists"),
+        (msgpack.packb([2, 1, [], [], {"r": [1, 2]}, {}, 0.0, None, {}, {}]), "Malformed LogprobsLists"),
         (msgpack.packb([3, {"model": 1}, "x", {}]), "Malformed frame for tag 3"),
     ],
 )

@@ -89,7 +89,7 @@ def serve_flags() -> set[str]:
 @functools.cache
 def all_keys() -> frozenset[str]:
     from trillm.config import EngineArgs
-    from trillm.entrypoints.openai import protocol, protocol_responses
+    from trillm.entrypoints.openai import protocol, protocol_embedding, protocol_responses
     from trillm.sampling_params import SamplingParams
 
     requests = _fields(
@@ -98,6 +98,8 @@ def all_keys() -> frozenset[str]:
         protocol.TokenizeRequest,
         protocol.DetokenizeRequest,
         protocol_responses.ResponsesRequest,
+        protocol_embedding.EmbeddingRequest,
+        protocol_embedding.PoolingRequest,
     )
     return frozenset(requests | _fields(SamplingParams) | _fields(EngineArgs) | serve_flags())
 

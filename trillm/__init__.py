@@ -32,6 +32,7 @@ _LAZY = {
     "RequestOutput": "trillm.outputs",
     "CompletionOutput": "trillm.outputs",
     "Logprob": "trillm.outputs",
+    "PoolingRequestOutput": "trillm.outputs",
     "EngineDeadError": "trillm.errors",
     "LoRARequest": "trillm.lora.request",
 }
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from trillm.engine.llm import LLM
     from trillm.errors import EngineDeadError
     from trillm.lora.request import LoRARequest
-    from trillm.outputs import CompletionOutput, Logprob, RequestOutput
+    from trillm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
 
 
 def __getattr__(name: str) -> Any:
@@ -63,6 +64,7 @@ __all__ = [
     "EngineDeadError",
     "Logprob",
     "LoRARequest",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

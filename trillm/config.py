@@ -73,6 +73,13 @@ class EngineArgs:
     dequantize_gguf: bool = False
     # KV cache storage (vLLM's names): auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (CPU).
     kv_cache_dtype: str = "auto"
+    # vLLM's runner / convert: "pooling" (or convert="embed") serves embeddings instead of
+    # generating (``trillm.model_executor.pooling``); "auto" / "generate": generation.
+    runner: str = "auto"
+    convert: str = "auto"
+    # vLLM's PoolerConfig fields: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool};
+    # None: the model folder's sentence-transformers config, else LAST + normalize.
+    pooler_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
@@ -105,6 +112,7 @@ class EngineArgs:
 
             check_quantization(self.quantization)  # ValueError naming the method
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_runner(self.runner, self.convert, self.pooler_config)  # ValueError naming it
         # Accepted with vLLM's meaning where nothing here differs; said once in the log.
         if self.trust_remote_code:
             logger.info("trust_remote_code: the checkpoint's tokenizer code may run; its model "
@@ -208,6 +216,65 @@ class LoRAConfig:
     max_lora_rank: int = 16
 
 
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+class PoolingConfigError(ValueError):
+    """A runner / convert / pooler setting trillm cannot honour."""
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling model turns a prompt's hidden states into one vector
+    (``trillm/model_executor/pooling.py``)."""
+
+    pooling_type: Literal["LAST", "MEAN", "CLS"] = "LAST"
+    normalize: bool = True
+    matryoshka: bool = False  # the model may be truncated to fewer ``dimensions``
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> PoolerConfig:
+        """vLLM's ``pooler_config`` keys that trillm honours; others are refused."""
+        unknown = set(cfg) - {"pooling_type", "normalize"}
+        if unknown:
+            raise PoolingConfigError(f"pooler_config: unsupported key(s) {sorted(unknown)}; "
+                                     "supported: pooling_type, normalize.")  # fmt: skip
+        kind = str(cfg.get("pooling_type", "LAST")).upper()
+        if kind not in POOLING_TYPES:
+            raise PoolingConfigError(f"pooler_config.pooling_type must be one of "
+                                     f"{', '.join(POOLING_TYPES)}, got {kind!r}.")  # fmt: skip
+        normalize = cfg.get("normalize", True)
+        if not isinstance(normalize, bool):
+            raise PoolingConfigError(f"pooler_config.normalize must be true or false, got "
+                                     f"{normalize!r}.")  # fmt: skip
+        return cls(pooling_type=kind, normalize=normalize)  # type: ignore[arg-type]
+
+
+def check_runner(runner: str, convert: str, pooler_config: dict[str, Any] | None) -> None:
+    if runner not in RUNNERS:
+        extra = " ('draft' models are part of speculative decoding)" if runner == "draft" else ""
+        raise PoolingConfigError(f"runner must be one of {', '.join(RUNNERS)}, got "
+                                 f"{runner!r}{extra}.")  # fmt: skip
+    if convert not in CONVERTS:
+        raise PoolingConfigError(
+            f"convert must be one of {', '.join(CONVERTS)} (classify / reward models are not "
+            f"implemented), got {convert!r}."
+        )
+    if runner == "generate" and convert == "embed":
+        raise PoolingConfigError("convert='embed' makes a pooling model: it contradicts "
+                                 "runner='generate'.")  # fmt: skip
+    if pooler_config is not None:
+        if not isinstance(pooler_config, dict):
+            raise PoolingConfigError("pooler_config must be a JSON object.")
+        PoolerConfig.from_dict(pooler_config)
+
+
+def is_pooling(runner: str, convert: str) -> bool:
+    return runner == "pooling" or convert == "embed"
+
+
 @dataclass
 class TrillmConfig:
     """Everything resolved: handed to the engine core and (as plain data) to every worker."""
@@ -222,3 +289,4 @@ class TrillmConfig:
     max_logprobs: int = 20
     reasoning_parser: str | None = None  # the engine core's structured outputs wait for it
     lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora not given)
+    pooler: PoolerConfig | None = None  # set: a pooling model (embeddings), no generation

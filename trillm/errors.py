@@ -66,3 +66,8 @@ class MessageTooLargeError(IPCError):
 
 class CodecError(IPCError):
     """A frame could not be decoded into a message (malformed msgpack or wrong shape)."""
+
+
+class RequestFailedError(TrillmError):
+    """One request ended without its result (the engine aborted it: refused by a worker, a
+    shutdown); the engine itself is fine."""

@@ -144,6 +144,9 @@ class ModelRunnerOutput:
     # req_id -> why the worker could not take it (its own parameters): only these requests
     # end; the rest of the step ran without them.
     failed: dict[str, str] = field(default_factory=dict)
+    # Pooling models: req_id -> its prompt's pooled vector (float32 bytes), the step its
+    # prompt completes.
+    pooler_output: dict[str, bytes] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- engine core -> output handler
@@ -160,6 +163,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     # time.time() the request was first scheduled (P1); on its first output only.
     scheduled_time: float | None = None
+    pooled: bytes | None = None  # a pooling model's vector (float32 bytes), on the last output
 
     @property
     def finished(self) -> bool:

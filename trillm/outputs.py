@@ -13,6 +13,7 @@ uses it when the reader falls behind (``aggregate=True`` for DELTA outputs conca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 SampleLogprobs = list[dict[int, "Logprob"]]  # [num_positions] {token_id: Logprob}
 PromptLogprobs = list["dict[int, Logprob] | None"]  # [num_prompt_tokens], first is None
@@ -84,6 +85,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     kv_transfer_params: dict | None = field(default=None, repr=False)  # vLLM field, unused
+    # A pooling model's vector (float32 bytes; ``PoolingRequestOutput`` holds it as floats).
+    pooled: bytes | None = field(default=None, repr=False)
 
     def add(self, later: RequestOutput, aggregate: bool) -> None:
         """Merge ``later`` into this pending output (the reader has not taken it yet).
@@ -114,3 +117,34 @@ class RequestOutput:
             self.prompt_logprobs = self.prompt_logprobs + later.prompt_logprobs
         else:
             self.prompt_logprobs = later.prompt_logprobs
+
+
+# ---------------------------------------------------------------- pooling models
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # [hidden_size], normalized when the model's pooler says so
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """A pooling model's answer to one prompt (vLLM's ``EmbeddingRequestOutput`` shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+def pooling_params(truncate_prompt_tokens: int | None = None) -> Any:
+    """The SamplingParams a pooling request travels with: the prompt's one step, then done
+    (the runner returns one placeholder token with the vector; it is never detokenized)."""
+    from trillm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                          truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip

@@ -8,6 +8,7 @@ give stay ``None`` in the namespace, so ``EngineArgs``' own defaults remain the 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import fields
 from typing import Any
 
@@ -47,6 +48,8 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("reasoning_parser", str, "deepseek_r1 | qwen3: grammars apply after the reasoning"),
     ("quantization", str, "fp8: linear weights quantized to fp8 e4m3 at load (CPU)"),
     ("kv_cache_dtype", str, "auto | bfloat16 | fp8 | fp8_e4m3 (KV cache storage, CPU)"),
+    ("convert", str, "auto | none | embed (embed: a pooling model, as --runner pooling)"),
+    ("pooler_config", json.loads, 'pooling model: {"pooling_type": "LAST|MEAN|CLS", ...}'),
 ]
 
 
@@ -61,8 +64,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     g.add_argument(
         "--runner",
         default=None,
-        help="model runner as module:Class, e.g. trillm.worker.fake_runner:FakeModelRunner "
-        "(a near-zero-cost model: what remains is engine overhead)",
+        help="auto | generate | pooling (vLLM's runner), or a model runner as module:Class, "
+        "e.g. trillm.worker.fake_runner:FakeModelRunner (a near-zero-cost model: what remains "
+        "is engine overhead)",
     )
     for name, kind, help_text in _FLAGS:
         flag = "--" + name.replace("_", "-")

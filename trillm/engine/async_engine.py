@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
 import trio
 
 from trillm.config import EngineArgs, TrillmConfig
@@ -31,7 +32,7 @@ from trillm.engine.chat_template import load_chat_template
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET, OutputProcessor
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
 from trillm.engine.request_stream import RequestStream
-from trillm.errors import EngineDeadError
+from trillm.errors import EngineDeadError, RequestFailedError
 from trillm.lora.checker import LoRAChecker
 from trillm.lora.request import LoRARequest
 from trillm.messages import (
@@ -42,6 +43,7 @@ from trillm.messages import (
     OutputHandlerInput,
     SchedulerStats,
 )
+from trillm.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput, pooling_params
 from trillm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -252,6 +254,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline, not this call's
         lora_request: LoRARequest | None = None,
+        _pooling: bool = False,  # ``encode``'s request: the prompt's pooled vector
     ) -> RequestStream:
         """One request: ``async with engine.generate(...) as outputs: async for out in outputs``.
 
@@ -262,11 +265,51 @@ class AsyncEngine:
         ``finish_reason == "timeout"`` (what it produced until then is kept).
         ``lora_request``: the adapter to run with (needs ``enable_lora``). Leaving the block
         before the final output aborts the request (``request_stream.py``)."""
+        if self.is_pooling and not _pooling:
+            raise InvalidRequestError(
+                "This is a pooling model (runner='pooling'): it embeds prompts "
+                "(encode / LLM.embed / /v1/embeddings) and does not generate text.", "model"
+            )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         return RequestStream(
             self, prompt, params, request_id,
             priority=priority, cache_salt=cache_salt, timeout=timeout, lora_request=lora_request,
         )  # fmt: skip
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.config.pooler is not None
+
+    async def encode(
+        self,
+        prompt: PromptType | PreparedPrompt,
+        request_id: str | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+    ) -> PoolingRequestOutput:
+        """A pooling model's vector of one prompt (vLLM's ``encode`` / ``embed``).
+
+        ``prompt``: as for ``generate``, or a ``PreparedPrompt`` built with
+        ``outputs.pooling_params`` (the HTTP layer's)."""
+        if not self.is_pooling:
+            raise InvalidRequestError(
+                "This model generates text: start it with runner='pooling' (or "
+                "convert='embed') to embed prompts.", "model"
+            )
+        if not isinstance(prompt, PreparedPrompt):
+            prompt = await self.preprocessor.prepare(
+                prompt, pooling_params(truncate_prompt_tokens), priority=priority
+            )
+        final: RequestOutput | None = None
+        async with self.generate(prompt, request_id=request_id, _pooling=True) as outputs:
+            async for out in outputs:
+                final = out
+        if final is None or final.pooled is None:  # aborted (a worker refused it, a shutdown)
+            raise RequestFailedError(f"Pooling request {request_id} ended without its vector.")
+        vector = np.frombuffer(final.pooled, dtype=np.float32).tolist()
+        return PoolingRequestOutput(final.request_id, list(prompt.prompt_token_ids),
+                                    EmbeddingOutput(vector))  # fmt: skip
 
     async def check_lora(self, lora: LoRARequest) -> None:
         """InvalidRequestError (a 400) unless LoRA is on and the adapter fits the model."""
@@ -379,20 +422,24 @@ async def open_engine(
 ) -> AsyncIterator[AsyncEngine]:
     """``async with open_engine(model, **engine_args) as engine:`` (vLLM's argument names).
 
-    ``runner`` swaps the model runner (``"trillm.worker.fake_runner:FakeModelRunner"`` for a
-    near-zero-cost model in frontend tests and benchmarks). ``stream_wake_budget``: the most
+    ``runner``: vLLM's kind (``"pooling"`` for an embedding model) or a model runner class as
+    ``"module:Class"`` (``"trillm.worker.fake_runner:FakeModelRunner"``: a near-zero-cost
+    model for frontend tests and benchmarks). ``stream_wake_budget``: the most
     streams woken per step for a middle output (None: no budget; see ``output_processor``)."""
     from trillm.engine.config_builder import build_config, load_tokenizer
-    from trillm.executor.abstract import DEFAULT_RUNNER
+    from trillm.executor.abstract import DEFAULT_RUNNER, POOLING_RUNNER
     from trillm.executor.factory import open_executor
 
     _require_trio()
+    if runner is not None and ":" not in runner:  # vLLM's runner kind, not a class path
+        engine_args["runner"], runner = runner, None
     args = EngineArgs.from_kwargs(model, **engine_args)
     config = await trio.to_thread.run_sync(build_config, args)
     tokenizer = await trio.to_thread.run_sync(
         load_tokenizer, config.model.tokenizer, args.trust_remote_code
     )
-    async with open_executor(config, runner or DEFAULT_RUNNER, runner_kwargs) as executor:
+    default = POOLING_RUNNER if config.pooler is not None else DEFAULT_RUNNER
+    async with open_executor(config, runner or default, runner_kwargs) as executor:
         engine = AsyncEngine(
             config, tokenizer, executor, args.stream_interval, stream_wake_budget,
             args.chat_template,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from trillm.config import (
     DEFAULT_KV_CACHE_MEMORY,
@@ -11,6 +12,7 @@ from trillm.config import (
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     TrillmConfig,
     parse_memory_size,
@@ -64,12 +66,16 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         if args.kv_cache_memory is not None
         else DEFAULT_KV_CACHE_MEMORY
     )
+    pooler = _pooler(args, model_config)
+    if pooler is not None and args.enable_prefix_caching:
+        # NOTE: a pooled vector needs every prompt row's hidden state: no cached prefixes.
+        logger.info("pooling model: prefix caching is off (every prompt row is pooled).")
     return TrillmConfig(
         model=model_config,
         cache=CacheConfig(
             block_size=args.block_size,
             cache_dtype=resolve_cache_dtype(args.kv_cache_dtype, model_config.dtype, device),
-            enable_prefix_caching=args.enable_prefix_caching,
+            enable_prefix_caching=args.enable_prefix_caching and pooler is None,
             kv_cache_memory=kv_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -91,6 +97,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         max_logprobs=args.max_logprobs,
         reasoning_parser=args.reasoning_parser,
         lora=_lora_config(args, model_config),
+        pooler=pooler,
     )
 
 
@@ -125,6 +132,20 @@ def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
     if args.tensor_parallel_size > 1:
         raise ValueError("enable_lora: LoRA with tensor_parallel_size > 1 is not implemented.")
     return LoRAConfig(args.max_loras, args.max_lora_rank)
+
+
+def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
+    from trillm.config import is_pooling
+    from trillm.model_executor.pooling import resolve_pooler
+
+    if not is_pooling(args.runner, args.convert):
+        return None
+    for name, value in (("tensor_parallel_size", args.tensor_parallel_size > 1),
+                        ("enable_lora", args.enable_lora)):  # fmt: skip
+        if value:
+            raise ValueError(f"{name}: a pooling model (runner='pooling') with it is not "
+                             "implemented yet.")  # fmt: skip
+    return resolve_pooler(model_config.model, args.pooler_config, model_config.hf_config)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

@@ -120,6 +120,9 @@ class EngineCore:
         if self.structured_output is not None and self.structured_output.matchers:
             self._advance_grammars(outputs)
         self._stamp_scheduled(outputs)
+        if runner_out.pooler_output:
+            for out in outputs:
+                out.pooled = runner_out.pooler_output.get(out.request_id)
         self.num_steps += 1
         return EngineCoreOutputs(
             outputs=refused + outputs if refused else outputs,

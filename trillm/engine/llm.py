@@ -16,7 +16,7 @@ from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.engine_thread import EngineThread
 from trillm.engine.preprocess import PromptType
 from trillm.lora.request import LoRARequest
-from trillm.outputs import RequestOutput
+from trillm.outputs import PoolingRequestOutput, RequestOutput
 from trillm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -46,6 +46,43 @@ class LLM:
         params_list = self._params_list(sampling_params, len(prompts))
         loras = self._lora_list(lora_request, len(prompts))
         return self._call(self._generate_all, prompts, params_list, use_tqdm, loras)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """A pooling model's vector per prompt (``outputs.embedding``), in order; needs
+        ``runner="pooling"`` (or ``convert="embed"``)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return self._call(self._embed_all, list(prompts), truncate_prompt_tokens, use_tqdm)
+
+    async def _embed_all(
+        self, prompts: list[PromptType], truncate: int | None, use_tqdm: bool
+    ) -> list[PoolingRequestOutput]:
+        from tqdm.auto import tqdm
+
+        results: list[PoolingRequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="Embedded prompts", disable=not use_tqdm)
+
+        async def one(i: int, prompt: PromptType) -> None:
+            results[i] = await self.engine.encode(
+                prompt, f"embed-{id(results)}-{i}", truncate_prompt_tokens=truncate
+            )
+            bar.update(1)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for i, prompt in enumerate(prompts):
+                    nursery.start_soon(one, i, prompt)
+        except ExceptionGroup as group:
+            raise _first_error(group) from group
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]
 
     def chat(
         self,
@@ -172,12 +209,7 @@ class LLM:
                                              lora_request=loras[i])  # fmt: skip
                     nursery.start_soon(self._collect, stream, i, results, bar)
         except ExceptionGroup as group:
-            # A refused request raises its own error (a ValueError naming the field, as vLLM's
-            # LLM does), not the nursery's group; the other requests were cancelled with it.
-            first: BaseException = group
-            while isinstance(first, BaseExceptionGroup):
-                first = first.exceptions[0]
-            raise first from group
+            raise _first_error(group) from group
         finally:
             bar.close()
         return [r for r in results if r is not None]
@@ -188,3 +220,13 @@ class LLM:
             async for out in outputs:
                 results[index] = out
         bar.update(1)
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """A refused request raises its own error (a ValueError naming the field, as vLLM's LLM
+    does), not the nursery's group; the other requests were cancelled with it."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
+

@@ -61,6 +61,7 @@ class _Group:
     final_completions: list[CompletionOutput] = field(default_factory=list)  # FINAL_ONLY
     slot: int = 0  # wake-budget round-robin slot
     started: bool = False  # an output went to the collector
+    pooled: bytes | None = None  # a pooling model's vector
 
 
 @dataclass(slots=True, eq=False)
@@ -229,6 +230,8 @@ class OutputProcessor:
         group.num_cached_tokens = max(group.num_cached_tokens, out.num_cached_tokens)
         if out.scheduled_time is not None and group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = out.scheduled_time
+        if out.pooled is not None:
+            group.pooled = out.pooled
         if out.new_token_ids:
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
@@ -385,6 +388,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=group.num_cached_tokens,
             metrics=_copy_metrics(group.metrics),
+            pooled=group.pooled,
         )
 
     def _completion(self, sample: _Sample, delta: bool) -> CompletionOutput:

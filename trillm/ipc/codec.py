@@ -161,13 +161,15 @@ def _enc_output(o: ModelRunnerOutput) -> list[Any]:
         o.model_time_s,
         o.error,
         o.failed,
+        o.pooler_output,
     ]
 
 
 def _dec_output(v: list[Any]) -> ModelRunnerOutput:
-    _check_arity(v, 9, "ModelRunnerOutput")
+    _check_arity(v, 10, "ModelRunnerOutput")
     return ModelRunnerOutput(
-        v[1], v[2], v[3], _dec_logprobs(v[4]), _dec_logprobs(v[5]), float(v[6]), v[7], v[8]
+        v[1], v[2], v[3], _dec_logprobs(v[4]), _dec_logprobs(v[5]), float(v[6]), v[7], v[8],
+        v[9],
     )
 
 

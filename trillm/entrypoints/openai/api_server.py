@@ -56,7 +56,9 @@ from trillm.entrypoints.openai.protocol import (
     TokenizeRequest,
     structure_body,
 )
+from trillm.entrypoints.openai.protocol_embedding import EmbeddingRequest, PoolingRequest
 from trillm.entrypoints.openai.serving_base import ServerState, max_prompt_chars
+from trillm.entrypoints.openai.serving_embedding import create_embedding
 from trillm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from trillm.entrypoints.openai.stats_logger import log_stats_periodically
 
@@ -176,6 +178,18 @@ def _install_routes(app: QuartTrio, state: ServerState, run: extra_routes.Dispat
         async def unload_lora_adapter() -> Response:
             text = serving_lora.unload_adapter(loras, state.engine, await json_body())
             return Response(text, 200, content_type="text/plain")
+
+    @app.post("/v1/embeddings")
+    async def embeddings() -> Response:
+        body = await json_body()
+        req = await structure_body(EmbeddingRequest, body, request.content_length)
+        return json_response(await create_embedding(state, req))
+
+    @app.post("/pooling")
+    async def pooling() -> Response:
+        body = await json_body()
+        req = await structure_body(PoolingRequest, body, request.content_length)
+        return json_response(await create_embedding(state, req))
 
     @app.post("/tokenize")
     async def tokenize_route() -> Response:

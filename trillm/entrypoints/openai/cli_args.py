@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -21,7 +22,18 @@ _ENGINE_FLAGS = (
     "distributed_executor_backend", "generation_config", "trust_remote_code", "runner",
     "stream_interval", "reasoning_parser", "load_format", "quantization", "dequantize_gguf",
     "enable_lora", "max_loras", "max_lora_rank", "kv_cache_dtype",
+    "convert", "pooler_config",
 )  # fmt: skip
+
+
+def _json_object(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return parsed
 
 
 def _memory_size(value: str) -> int:
@@ -186,8 +198,19 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--runner",
-        help="Model runner as module:Class, e.g. trillm.worker.fake_runner:FakeModelRunner "
+        help="vLLM's runner: auto | generate | pooling (embeddings: /v1/embeddings, /pooling); "
+        "or a model runner as module:Class, e.g. trillm.worker.fake_runner:FakeModelRunner "
         "(a near-zero-cost model for measuring serving overhead).",
+    )
+    g.add_argument(
+        "--convert", choices=["auto", "none", "embed"],
+        help="embed: serve a generative checkpoint as an embedding model (= --runner pooling).",
+    )  # fmt: skip
+    g.add_argument(
+        "--pooler-config", type=_json_object,
+        help='Pooling of a pooling model, JSON: {"pooling_type": "LAST"|"MEAN"|"CLS", '
+        '"normalize": true|false} (default: the folder\'s sentence-transformers config, else '
+        "LAST + normalize).",
     )
 
 

@@ -137,6 +137,11 @@ class Dispatcher:
 
     async def _run(self, kind: str, body: dict[str, Any], work: Awaitable[Any], n: int,
                    max_tokens: int | None, prompts: int) -> Any:  # fmt: skip
+        if self.state.engine.config.pooler is not None:
+            raise BadRequestError(
+                f"This server runs a pooling model: it serves /v1/embeddings and /pooling, not "
+                f"{kind} requests (start it without --runner pooling to generate).", "model"
+            )
         number, start = (
             (self.log.received(kind, body), time.perf_counter()) if self.log else (0, 0.0)
         )

@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 import attrs
 
 import trillm
-from trillm.entrypoints.openai import protocol, protocol_responses
+from trillm.entrypoints.openai import protocol, protocol_embedding, protocol_responses
 from trillm.sampling_params import FLOAT32_MAX, INT64_MAX, INT64_MIN
 
 _REQUESTS = {
@@ -23,6 +23,8 @@ _REQUESTS = {
     "TokenizeRequest": protocol.TokenizeRequest,
     "DetokenizeRequest": protocol.DetokenizeRequest,
     "ResponsesRequest": protocol_responses.ResponsesRequest,
+    "EmbeddingRequest": protocol_embedding.EmbeddingRequest,
+    "PoolingRequest": protocol_embedding.PoolingRequest,
 }
 _LIMIT_KEYS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "max_chars": "maxLength"}
 
@@ -263,6 +265,7 @@ def _response_components() -> dict[str, Any]:
             ["count", "max_model_len", "tokens"],
         ),  # fmt: skip
         "DetokenizeResponse": _obj({"prompt": _STR}, ["prompt"]),
+        **_embedding_components(),
         **_responses_components(),
         "ServerLoad": _obj({"server_load": _INT}, ["server_load"]),
         "VersionResponse": _obj({"version": _STR}, ["version"]),
@@ -428,6 +431,29 @@ def _simple_post(summary: str, request: str, response: str) -> dict[str, Any]:
     }
 
 
+def _embedding_components() -> dict[str, Any]:
+    vector = {"anyOf": [{"type": "array", "items": {"type": "number"}},
+                        {"type": "string", "description": "base64 of float32 little-endian"}]}  # fmt: skip
+    usage = _obj({"prompt_tokens": _INT, "total_tokens": _INT}, ["prompt_tokens", "total_tokens"])
+
+    def listing_of(item: dict[str, Any]) -> dict[str, Any]:
+        return _obj(
+            {"id": _STR, "object": _STR, "created": _INT, "model": _STR,
+             "data": {"type": "array", "items": item}, "usage": usage},
+            ["object", "model", "data", "usage"],
+        )  # fmt: skip
+
+    return {
+        "EmbeddingResponse": listing_of(
+            _obj({"index": _INT, "object": _STR, "embedding": vector},
+                 ["index", "object", "embedding"])  # fmt: skip
+        ),
+        "PoolingResponse": listing_of(
+            _obj({"index": _INT, "object": _STR, "data": vector}, ["index", "object", "data"])
+        ),
+    }
+
+
 @functools.cache
 def build_spec() -> dict[str, Any]:
     components = _response_components()
@@ -459,6 +485,14 @@ def build_spec() -> dict[str, Any]:
         ),  # fmt: skip
         "/detokenize": _simple_post(
             "Token ids to text", "DetokenizeRequest", "DetokenizeResponse"
+        ),  # fmt: skip
+        "/v1/embeddings": _simple_post(
+            "Embeddings of a pooling model (--runner pooling)", "EmbeddingRequest",
+            "EmbeddingResponse",
+        ),  # fmt: skip
+        "/pooling": _simple_post(
+            "Pooled vectors of a pooling model (vLLM's /pooling)", "PoolingRequest",
+            "PoolingResponse",
         ),  # fmt: skip
         "/v1/responses": _responses_op(),
         "/v1/responses/{response_id}": {

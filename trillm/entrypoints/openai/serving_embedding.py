@@ -1,0 +1,123 @@
+"""POST /v1/embeddings (OpenAI's shape) and POST /pooling (vLLM's), for a pooling model
+(``--runner pooling``). Each input is one engine request (stage 2 as for completions: the
+preprocessor tokenizes, truncates and checks it); the engine pools its prompt
+(``AsyncEngine.encode``). ``dimensions`` truncates a matryoshka model's vectors (then
+renormalizes when the model normalizes); other models refuse it, as vLLM does."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import trio
+
+from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt
+from trillm.entrypoints.openai.errors import BadRequestError
+from trillm.entrypoints.openai.protocol_embedding import EmbeddingRequest, PoolingRequest
+from trillm.entrypoints.openai.serving_base import ServerState
+from trillm.outputs import pooling_params
+
+
+def _check_pooling_model(state: ServerState, route: str) -> None:
+    if state.engine.config.pooler is None:
+        raise BadRequestError(
+            f"{route} needs a pooling model: this server generates text. Start it with "
+            "--runner pooling (or --convert embed) to serve embeddings.",
+            "model",
+        )
+
+
+def _split_inputs(value: str | list[Any]) -> list[str | list[int]]:
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise BadRequestError("'input' must not be empty.", "input")
+    if isinstance(value[0], int):
+        return [value]  # one input as token ids
+    return list(value)
+
+
+async def _prepare(state: ServerState, req: EmbeddingRequest, item: str | list[int]
+                   ) -> PreparedPrompt:  # fmt: skip
+    pre = state.preprocessor
+    params = pooling_params(req.truncate_prompt_tokens)
+    try:
+        if isinstance(item, str):
+            truncating = req.truncate_prompt_tokens is not None
+            ids = await pre.tokenize(item, True, param="input", truncating=truncating)
+            text: str | None = item
+        else:
+            pre.check_token_ids(item, "input")
+            ids, text = item, None
+        return pre.prepare_ids(ids, params, text=text)
+    except InvalidRequestError as exc:
+        raise BadRequestError(str(exc), exc.param) from exc
+
+
+def _dimensions(state: ServerState, req: EmbeddingRequest) -> int | None:
+    if req.dimensions is None:
+        return None
+    pooler = state.engine.config.pooler
+    if not pooler.matryoshka:
+        raise BadRequestError(
+            "Model does not support matryoshka representation, changing output dimensions "
+            "will lead to poor results.", "dimensions",
+        )  # fmt: skip
+    hidden = state.model_config.hidden_size
+    if req.dimensions > hidden:
+        raise BadRequestError(f"dimensions must be at most {hidden}, got {req.dimensions}.",
+                              "dimensions")  # fmt: skip
+    return req.dimensions
+
+
+def _vector(state: ServerState, pooled: list[float], dims: int | None) -> np.ndarray:
+    vec = np.asarray(pooled, dtype=np.float32)
+    if dims is not None:
+        vec = vec[:dims]
+        if state.engine.config.pooler.normalize:
+            vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
+    return vec
+
+
+def _encode(vec: np.ndarray, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":  # OpenAI's: float32 little-endian bytes
+        return base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
+    return vec.tolist()
+
+
+async def create_embedding(state: ServerState, req: EmbeddingRequest) -> dict[str, Any]:
+    route = "/pooling" if isinstance(req, PoolingRequest) else "/v1/embeddings"
+    state.check_model(req.model)
+    _check_pooling_model(state, route)
+    dims = _dimensions(state, req)
+    inputs = _split_inputs(req.input)
+    state.check_capacity(seqs=len(inputs))
+    prepared = [await _prepare(state, req, item) for item in inputs]
+    request_id = f"embd-{uuid.uuid4().hex}"
+    results: list[Any] = [None] * len(prepared)
+
+    async def one(i: int) -> None:
+        results[i] = await state.engine.encode(prepared[i], request_id=f"{request_id}-{i}")
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prepared)):
+            nursery.start_soon(one, i)
+    data = []
+    for i, out in enumerate(results):
+        vec = _encode(_vector(state, out.outputs.embedding, dims), req.encoding_format)
+        if isinstance(req, PoolingRequest):
+            data.append({"index": i, "object": "pooling", "data": vec})
+        else:
+            data.append({"index": i, "object": "embedding", "embedding": vec})
+    tokens = sum(len(p.prompt_token_ids) for p in prepared)
+    return {
+        "id": request_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": req.model or state.served_model_names[0],
+        "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }

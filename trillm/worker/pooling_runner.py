@@ -1,0 +1,103 @@
+"""The model runner of a pooling model (embeddings): stage 7 as for generation, then, instead
+of stage 8, the prompt's hidden states pooled into one vector (``model_executor/pooling``).
+
+A prompt may arrive in several chunks: each step adds its rows to the request's running sum
+and remembers the first and last row; the step that completes the prompt finishes the vector
+and returns it (``ModelRunnerOutput.pooler_output``, float32 bytes) with one placeholder token,
+which ends the request (the engine gives pooling requests ``max_tokens=1``). No logits and no
+sampling: the LM head never runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trillm.config import TrillmConfig
+from trillm.messages import ModelRunnerOutput, SchedulerOutput
+from trillm.model_executor.pooling import finish_pooling
+from trillm.worker.model_runner import ModelRunner
+
+
+@dataclass
+class _Accumulated:
+    """One prompt's pooled state so far."""
+
+    summed: torch.Tensor  # [H] float32
+    count: int
+    first: torch.Tensor  # [H]: the prompt's first row
+    last: torch.Tensor  # [H]: the latest row
+
+
+@dataclass
+class _PoolingStep:
+    step_id: int
+    req_ids: list[str]  # batch order
+    pooled: dict[str, bytes]
+    failed: dict[str, str]
+    start_time: float
+
+
+class PoolingModelRunner(ModelRunner):
+    def __init__(self, config: TrillmConfig, rank: int = 0) -> None:
+        if config.pooler is None:
+            raise ValueError("PoolingModelRunner needs a pooling config (runner='pooling').")
+        super().__init__(config, rank)
+        self.pooler = config.pooler
+        self._acc: dict[str, _Accumulated] = {}
+        self._step: _PoolingStep | None = None
+        eos = config.model.eos_token_ids
+        self._placeholder = int(eos[0]) if eos else 0  # ends the request; never shown
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> None:
+        start = time.perf_counter()
+        self._step = None
+        for req_id in sched.finished_req_ids:
+            self._acc.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:  # re-sent after a preemption: pool it again
+            self._acc.pop(new.req_id, None)
+        failed = self._update_batch(sched)
+        req_ids = [r for r in sched.num_scheduled_tokens if r not in failed]
+        pooled: dict[str, bytes] = {}
+        if req_ids:
+            slots = np.array([self.batch.slot_of(r) for r in req_ids], dtype=np.int64)
+            num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], np.int64)
+            inputs = self.batch.prepare(slots, num_scheduled)
+            hidden = self._forward(inputs)  # [T, H]
+            starts = inputs.query_start_loc
+            for i, req_id in enumerate(req_ids):
+                self._add_rows(req_id, hidden[int(starts[i]) : int(starts[i + 1])])
+            for i in inputs.sample_reqs.tolist():  # these prompts are complete
+                acc = self._acc.pop(req_ids[i])
+                vec = finish_pooling(self.pooler, acc.summed, acc.count, acc.first, acc.last)
+                pooled[req_ids[i]] = vec.cpu().numpy().astype(np.float32).tobytes()
+        self._step = _PoolingStep(sched.step_id, req_ids, pooled, failed, start)
+
+    def _add_rows(self, req_id: str, rows: torch.Tensor) -> None:  # rows [n, H]
+        acc = self._acc.get(req_id)
+        summed = rows.float().sum(dim=0)
+        if acc is None:
+            self._acc[req_id] = _Accumulated(summed, len(rows), rows[0].clone(), rows[-1].clone())
+            return
+        acc.summed += summed
+        acc.count += len(rows)
+        acc.last = rows[-1].clone()
+
+    def sample_tokens(self, bitmask: dict[str, bytes | list[int]] | None) -> ModelRunnerOutput:
+        step = self._step
+        if step is None:
+            raise RuntimeError("sample_tokens called without a successful execute_model.")
+        self._step = None
+        sampled = [[self._placeholder] if r in step.pooled else [] for r in step.req_ids]
+        return ModelRunnerOutput(
+            step_id=step.step_id,
+            req_ids=step.req_ids + list(step.failed),
+            sampled_token_ids=sampled + [[] for _ in step.failed],
+            model_time_s=time.perf_counter() - step.start_time,
+            failed=step.failed,
+            pooler_output=step.pooled,
+        )
