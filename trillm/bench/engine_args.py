@@ -48,6 +48,11 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("reasoning_parser", str, "deepseek_r1 | qwen3: grammars apply after the reasoning"),
     ("quantization", str, "fp8: linear weights quantized to fp8 e4m3 at load (CPU)"),
     ("kv_cache_dtype", str, "auto | bfloat16 | fp8 | fp8_e4m3 (KV cache storage, CPU)"),
+    ("enable_lora", bool, "LoRA adapters (requests name them)"),
+    ("max_loras", int, "most LoRA adapters resident at once"),
+    ("max_lora_rank", int, "largest LoRA rank accepted"),
+    ("load_format", str, "auto | safetensors | gguf"),
+    ("dequantize_gguf", bool, "load a GGUF's Q4/Q8 tensors dequantized to the run's dtype"),
     ("convert", str, "auto | none | embed (embed: a pooling model, as --runner pooling)"),
     ("pooler_config", json.loads, 'pooling model: {"pooling_type": "LAST|MEAN|CLS", ...}'),
 ]
