@@ -219,3 +219,22 @@ def test_trillm_serve_a_gguf_file_chats_with_its_template(ggufs, tmp_path):
     assert reply["choices"][0]["message"]["content"] == tok.decode(
         expected, skip_special_tokens=True
     )
+
+
+def test_lora_on_a_quantized_gguf_equals_peft_on_the_dequantized_weights(ggufs, tmp_path):
+    # LoRA wraps the layer's forward: here the quantized kernel's, plus the adapter's delta.
+    from trillm import LoRARequest
+    from trillm.testing.lora_adapters import build_peft_adapter, peft_greedy
+
+    path = ggufs["qwen2"]
+    folder = path.parent / "dequantized"
+    adapter = str(build_peft_adapter(str(folder), tmp_path / "adapter", seed=1))
+    ids = _prompt_ids(folder)
+    expected = peft_greedy(str(folder), adapter, ids, MAX_TOKENS)
+    assert expected != [hf_greedy(str(folder), p, MAX_TOKENS) for p in ids]  # it changes them
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(path), enable_lora=True, max_model_len=256, kv_cache_memory="8MiB",
+             distributed_executor_backend="uni") as llm:  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False,
+                            lora_request=LoRARequest("a", 1, adapter))  # fmt: skip
+    assert [o.outputs[0].token_ids for o in outs] == expected
