@@ -80,6 +80,9 @@ class EngineArgs:
     # vLLM's PoolerConfig fields: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool};
     # None: the model folder's sentence-transformers config, else LAST + normalize.
     pooler_config: dict[str, Any] | None = None
+    # vLLM's JSON shape: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b} (a dict, or that JSON as a string).
+    speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
@@ -113,6 +116,9 @@ class EngineArgs:
             check_quantization(self.quantization)  # ValueError naming the method
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_runner(self.runner, self.convert, self.pooler_config)  # ValueError naming it
+        from trillm.spec_decode.config import parse_speculative_config
+
+        parse_speculative_config(self.speculative_config)  # ValueError naming the key
         # Accepted with vLLM's meaning where nothing here differs; said once in the log.
         if self.trust_remote_code:
             logger.info("trust_remote_code: the checkpoint's tokenizer code may run; its model "
@@ -290,3 +296,4 @@ class TrillmConfig:
     reasoning_parser: str | None = None  # the engine core's structured outputs wait for it
     lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora not given)
     pooler: PoolerConfig | None = None  # set: a pooling model (embeddings), no generation
+    speculative: Any = None  # trillm.spec_decode.config.SpeculativeConfig, or None

@@ -171,6 +171,17 @@ class EngineCoreOutput:
 
 
 @dataclass(slots=True)
+class SpecDecodingStats:
+    """Speculative decoding since the engine started (cumulative, vLLM's counters)."""
+
+    num_drafts: int = 0  # verified draft runs (one per request and step with drafts)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [num_speculative_tokens]: drafts accepted at each position of a run
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -178,6 +189,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up (cumulative)
     prefix_cache_hits: int = 0  # tokens found (cumulative)
     num_preemptions: int = 0  # cumulative
+    spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding
 
 
 @dataclass(slots=True)

@@ -82,7 +82,7 @@ class AsyncEngine:
             from trillm.lora.admission import LoRAAdmission
 
             lora = LoRAAdmission(config.lora.max_loras)
-        self.core = EngineCore(scheduler, executor, self.structured_output, lora)
+        self.core = EngineCore(scheduler, executor, self.structured_output, lora, _proposer(config))
         # Adapters checked against the model (trillm/lora/checker.py), with --enable-lora.
         self.lora_checker = None if config.lora is None else LoRAChecker(config)
         # Written only by the output handler (new requests, aborts): see _add_request.
@@ -94,7 +94,7 @@ class AsyncEngine:
             _INBOX_SIZE
         )
         self.stream_interval = stream_interval
-        self._stats = SchedulerStats()
+        self._stats: SchedulerStats = self.core._stats()  # zeros (and spec counters) until a step
         # Called with each step's computed-token count (the metrics' iteration_tokens_total).
         self.step_observers: list[Callable[[int], None]] = []
         self._ids = itertools.count()
@@ -363,8 +363,7 @@ class AsyncEngine:
         documents: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> RequestStream:
-        """``async with engine.chat(messages, params) as outputs`` (the chat rendered now).
-        """
+        """``async with engine.chat(messages, params) as outputs`` (the chat rendered now)."""
         # ``tools`` / ``documents`` reach the chat template (OpenAI's tool dicts); parsing the
         # calls out of the output is LLM.chat's tool_parser (trillm.parsers.tool_parsers).
         prompt = self.render_chat(
@@ -409,6 +408,15 @@ def _structured_output_manager(config: TrillmConfig, tokenizer: Any) -> Any:
         return None
     cache = GrammarCache(tokenizer, config.model.vocab_size, list(config.model.eos_token_ids))
     return StructuredOutputManager(cache, config.reasoning_parser)
+
+
+def _proposer(config: TrillmConfig) -> Any:
+    """The n-gram proposer when speculative decoding is configured, else None."""
+    if config.speculative is None or config.pooler is not None:  # pooling: nothing to decode
+        return None
+    from trillm.spec_decode.ngram import NgramProposer
+
+    return NgramProposer(config.speculative, config.scheduler.max_model_len)
 
 
 @asynccontextmanager

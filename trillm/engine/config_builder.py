@@ -17,6 +17,7 @@ from trillm.config import (
     TrillmConfig,
     parse_memory_size,
 )
+from trillm.spec_decode.config import parse_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         reasoning_parser=args.reasoning_parser,
         lora=_lora_config(args, model_config),
         pooler=pooler,
+        speculative=parse_speculative_config(args.speculative_config),
     )
 
 

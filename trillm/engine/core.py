@@ -20,8 +20,11 @@ from trillm.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    ModelRunnerOutput,
     SampleRequest,
     SchedulerOutput,
+    SchedulerStats,
+    SpecDecodingStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -32,12 +35,19 @@ _IDLE_BACKOFF_S = 0.001
 
 
 class EngineCore:
-    def __init__(self, scheduler, executor, structured_output=None, lora=None) -> None:
+    def __init__(
+        self, scheduler, executor, structured_output=None, lora=None, proposer=None
+    ) -> None:
         self.scheduler = scheduler
         # LoRAAdmission (trillm/lora/admission.py) with --enable-lora: holds requests whose
         # adapter would exceed max_loras, and attaches adapters to scheduled new requests.
         self.lora = lora
         self.executor = executor
+        # NgramProposer (trillm/spec_decode/) or None: drafts for the next step, after P4.
+        self.proposer = proposer
+        self.spec_stats: SpecDecodingStats | None = None
+        if proposer is not None:
+            self.spec_stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * proposer.k)
         # StructuredOutputManager (trillm/structured_output/): the grammar matchers, or None
         # when the engine was built without a tokenizer for them.
         self.structured_output = structured_output
@@ -102,13 +112,13 @@ class EngineCore:
         if sched.total_num_scheduled_tokens == 0:
             self._unsent_finished.extend(sched.finished_req_ids)
             if refused or sched.finished_req_ids:  # aborts changed the stats: publish them
-                return EngineCoreOutputs(refused, time.monotonic(), self.scheduler.get_stats())
+                return EngineCoreOutputs(refused, time.monotonic(), self._stats())
             return None
         self._attach_unsent_finished(sched)
         refused += await self._execute(sched)  # P2, runs in the worker
         if sched.total_num_scheduled_tokens == 0:  # every request of the step was refused
             self._unsent_finished.extend(sched.finished_req_ids)
-            return EngineCoreOutputs(refused, time.monotonic(), self.scheduler.get_stats())
+            return EngineCoreOutputs(refused, time.monotonic(), self._stats())
         sample_req = self._grammar_bitmask(sched)  # overlaps P2
         try:
             runner_out = await self.executor.sample_tokens(sample_req)  # P3
@@ -123,11 +133,13 @@ class EngineCore:
         if runner_out.pooler_output:
             for out in outputs:
                 out.pooled = runner_out.pooler_output.get(out.request_id)
+        if self.proposer is not None:
+            self._speculate(sched, runner_out)
         self.num_steps += 1
         return EngineCoreOutputs(
             outputs=refused + outputs if refused else outputs,
             timestamp=time.monotonic(),
-            scheduler_stats=self.scheduler.get_stats(),
+            scheduler_stats=self._stats(),
             step_time_s=time.perf_counter() - t0,
             model_time_s=runner_out.model_time_s,
             num_scheduled_tokens=sched.total_num_scheduled_tokens,
@@ -184,7 +196,43 @@ class EngineCore:
         req_ids = list(sched.num_scheduled_tokens)
         self.scheduler.finish_requests(req_ids, FinishReason.ABORT)
         failed = [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in req_ids]
-        return EngineCoreOutputs(refused + failed, time.monotonic(), self.scheduler.get_stats())
+        return EngineCoreOutputs(refused + failed, time.monotonic(), self._stats())
+
+    def _stats(self) -> SchedulerStats:
+        """The scheduler's stats, with the speculative-decoding counters when configured."""
+        stats = self.scheduler.get_stats()
+        if self.spec_stats is not None:
+            spec = self.spec_stats
+            stats.spec_decoding = SpecDecodingStats(
+                spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                list(spec.num_accepted_tokens_per_pos),
+            )  # fmt: skip
+        return stats
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _speculate(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """Counts how this step's drafts fared, then proposes the next step's drafts for the
+        running requests (the scheduler counts them in its token budget)."""
+        spec = self.spec_stats
+        drafts = sched.scheduled_spec_decode_tokens
+        if drafts and spec is not None:
+            for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
+                proposed = drafts.get(req_id)
+                if not proposed or not sampled:
+                    continue
+                accepted = len(sampled) - 1  # the last token is the target's own
+                spec.num_drafts += 1
+                spec.num_draft_tokens += len(proposed)
+                spec.num_accepted_tokens += accepted
+                for pos in range(accepted):
+                    spec.num_accepted_tokens_per_pos[pos] += 1
+        get = self.scheduler.get_request
+        running = [get(req_id) for req_id in self.scheduler.running_req_ids()]
+        # NOTE: only requests past their prompt: a prefill chunk has no token to extend yet.
+        ready = [r for r in running if r is not None and r.num_computed_tokens + 1 >= r.num_tokens]
+        new_drafts = self.proposer.propose(ready)
+        if new_drafts:
+            self.scheduler.update_draft_token_ids(new_drafts)
 
     def _attach_unsent_finished(self, sched: SchedulerOutput) -> None:
         if self._unsent_finished:

@@ -9,6 +9,7 @@ requests that use them. Flags on ``SamplingState`` skip the stages no active req
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,9 +68,13 @@ class Sampler:
         state: SamplingState,
         slots: torch.Tensor,
         bitmask: torch.Tensor | None = None,
+        step_offsets: Sequence[int] | None = None,
     ) -> SamplerOutput:
         """logits: float32 [n, V] (not modified); slots: long [n], the state slot of each row
-        (cheapest on the host); bitmask: int32 [n, ceil(V/32)] or None (all allowed)."""
+        (cheapest on the host); bitmask: int32 [n, ceil(V/32)] or None (all allowed);
+        step_offsets: [n] or None, how many tokens past the slot's recorded outputs each row
+        samples (speculative decoding verifies several positions of one slot: a seeded row
+        then draws the noise of its own output position)."""
         slot_list = _SlotList(slots)
         slots = slots.to(device=logits.device, dtype=torch.long, non_blocking=True)
         # Greedy rows with no processor only read the logits: no copy (on CPU the copy also
@@ -77,7 +82,7 @@ class Sampler:
         reads_only = bitmask is None and state.all_greedy and not _any_processor(state)
         owned = logits if reads_only else logits.clone()
         processed = self._process(owned, state, slots, slot_list, bitmask)  # [n, V]
-        sampled = self._sample(processed, state, slots, slot_list)
+        sampled = self._sample(processed, state, slots, slot_list, step_offsets)
         k = state.max_num_logprobs
         logprobs = None if k is None else compute_topk_logprobs(logits, sampled, k)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
@@ -128,6 +133,7 @@ class Sampler:
         state: SamplingState,
         slots: torch.Tensor,
         slot_list: _SlotList,
+        step_offsets: Sequence[int] | None = None,
     ) -> torch.Tensor:
         if state.all_greedy:
             return logits.argmax(dim=-1)  # [n]
@@ -137,7 +143,7 @@ class Sampler:
         logits.div_(torch.where(is_greedy, 1.0, temperature).unsqueeze(1))
         probs = self._filtered_probs(logits, state, slots)
         rows, seeds, steps = (
-            state.seeded_rows(slot_list.get()) if state.any_seeded else ((), (), ())
+            state.seeded_rows(slot_list.get(), step_offsets) if state.any_seeded else ((), (), ())
         )
         random = exponential_race(probs, self._noise.draw(probs, rows, seeds, steps))
         if greedy is None:

@@ -345,13 +345,16 @@ class SamplingState:
                 tokens.append(token)
         return rows, tokens
 
-    def seeded_rows(self, slot_list: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
-        """(rows, seeds, steps) of the seeded random requests among the batch rows."""
+    def seeded_rows(
+        self, slot_list: Sequence[int], offsets: Sequence[int] | None = None
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(rows, seeds, steps) of the seeded random requests among the batch rows; a row's
+        step is its slot's output count plus its offset (a drafted position's)."""
         rows, seeds, steps = [], [], []
         for row, slot in enumerate(slot_list):
             seed = self._seeds.get(slot)
             if seed is not None:
                 rows.append(row)
                 seeds.append(seed)
-                steps.append(self._num_output[slot])
+                steps.append(self._num_output[slot] + (offsets[row] if offsets is not None else 0))
         return rows, seeds, steps

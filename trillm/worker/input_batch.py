@@ -105,6 +105,18 @@ class InputBatch:
         self.token_ids[slots, self.num_tokens[slots]] = tokens
         self.num_tokens[slots] += 1
 
+    def write_drafts(self, slot: int, drafts: list[int]) -> None:
+        """Draft tokens to verify this step, after the request's tokens (not counted in them:
+        the accepted ones are appended by ``append_tokens``)."""
+        start = int(self.num_tokens[slot])
+        self.token_ids[slot, start : start + len(drafts)] = drafts
+
+    def append_tokens(self, slot: int, tokens: list[int]) -> None:
+        """Several tokens for one request (a verified run of drafts plus the target's own)."""
+        start = int(self.num_tokens[slot])
+        self.token_ids[slot, start : start + len(tokens)] = tokens
+        self.num_tokens[slot] = start + len(tokens)
+
     def prepare(self, slots: np.ndarray, num_scheduled: np.ndarray) -> StepInputs:
         """slots [R], num_scheduled [R] -> the flattened step (positions computed..+n each)."""
         num_reqs = len(slots)

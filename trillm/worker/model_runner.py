@@ -39,6 +39,7 @@ from trillm.model_executor.registry import CausalLM
 from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from trillm.sample.sampler import Sampler, SamplerOutput, SamplingState
 from trillm.worker.input_batch import InputBatch, StepInputs
+from trillm.worker.spec_verify import DraftStep, accept_drafts, expand_rows, num_drafts_of
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,12 @@ class _PendingStep:
     prompt_work: list[_PromptLogprobsWork] = field(default_factory=list)
     start_time: float = 0.0
     failed: dict[str, str] = field(default_factory=dict)  # new requests the batch refused
+    # Speculative decoding: req_id -> drafts verified this step; per sampling request its
+    # draft count [n], and per logits row its request (index into the n) and offset [N].
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    num_drafts: np.ndarray | None = None
+    row_owner: np.ndarray | None = None
+    row_offset: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -181,10 +188,11 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> None:
         start = time.perf_counter()
         self._pending = None
-        if sched.scheduled_spec_decode_tokens:
-            raise NotImplementedError("Speculative decoding is not implemented by ModelRunner.")
         failed = self._update_batch(sched)
         req_ids = [r for r in sched.num_scheduled_tokens if r not in failed]
+        drafts = {r: d for r, d in sched.scheduled_spec_decode_tokens.items() if r not in failed}
+        for req_id, tokens in drafts.items():
+            self.batch.write_drafts(self.batch.slot_of(req_id), tokens)
         if not req_ids:
             empty = torch.empty(0, self.config.model.vocab_size, device=self.device)
             inputs = self.batch.prepare(np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -201,11 +209,17 @@ class ModelRunner:
             with self.lora.step(req_ids, inputs.query_start_loc):
                 hidden = self._forward(inputs)
         self._num_steps += 1
-        sample_rows = torch.from_numpy(inputs.sample_rows).to(self.device)
+        rows = inputs.sample_rows
+        num_drafts = row_owner = row_offset = None
+        if drafts:  # every drafted position of a request samples: its last d + 1 rows
+            num_drafts = num_drafts_of(req_ids, drafts, inputs.sample_reqs)
+            rows, row_owner, row_offset = expand_rows(rows, num_drafts)
+        sample_rows = torch.from_numpy(rows).to(self.device)
         sample_logits = self.model.compute_logits(hidden.index_select(0, sample_rows)).float()
         pending = _PendingStep(
             sched.step_id, req_ids, inputs, sample_logits, None, None, start_time=start,
-            failed=failed,
+            failed=failed, drafts=drafts, num_drafts=num_drafts, row_owner=row_owner,
+            row_offset=row_offset,
         )  # fmt: skip
         self._prompt_logprobs_inputs(pending, hidden, num_scheduled)
         self._pending = pending
@@ -321,7 +335,9 @@ class ModelRunner:
         sampled_lists: list[list[int]] = [[] for _ in pending.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
         failed: dict[str, str] = {}
-        if len(inputs.sample_reqs):
+        if len(inputs.sample_reqs) and pending.drafts:
+            sampled_lists, logprobs, failed = self._verify(pending, bitmask)
+        elif len(inputs.sample_reqs):
             rows = inputs.sample_reqs
             sample_req_ids = [pending.req_ids[i] for i in rows.tolist()]
             mask = self._bitmask_tensor(bitmask, sample_req_ids, pending.sample_logits)
@@ -346,19 +362,37 @@ class ModelRunner:
             failed={**refused, **failed},
         )
 
+    def _verify(
+        self, pending: _PendingStep, bitmask: dict[str, bytes | list[int]] | None
+    ) -> tuple[list[list[int]], dict[str, LogprobsLists], dict[str, str]]:
+        """P3 with drafts: every drafted position sampled at once (a seeded row with the
+        noise of its own output position), then ``spec_verify.accept_drafts``."""
+        inputs, owner, offset = pending.inputs, pending.row_owner, pending.row_offset
+        assert owner is not None and offset is not None and pending.num_drafts is not None
+        batch_index = inputs.sample_reqs[owner]  # [N] each row's index in the batch
+        row_req_ids = [pending.req_ids[i] for i in batch_index.tolist()]
+        mask = self._bitmask_tensor(bitmask, row_req_ids, pending.sample_logits)
+        out, kept, failed = self._sample(
+            pending.sample_logits, inputs.slots[batch_index], mask, row_req_ids, offset.tolist()
+        )
+        step = DraftStep(inputs, pending.req_ids, pending.drafts, pending.num_drafts, row_req_ids)
+        sampled, logprobs = accept_drafts(self.batch, self.sampling_state, step, out, kept, failed)
+        return sampled, logprobs, failed
+
     def _sample(
         self,
         logits: torch.Tensor,  # [n, V]
         slots: np.ndarray,  # [n]
         mask: torch.Tensor | None,  # [n, W] or None
         req_ids: list[str],
+        offsets: list[int] | None = None,
     ) -> tuple[SamplerOutput, np.ndarray, dict[str, str]]:
         """The batch sampled at once; if that raises, row by row, so that a row whose request
         makes the sampler fail fails alone -> (output of the kept rows, kept row indices,
         req_id -> why for the failed ones)."""
         slots_t = torch.from_numpy(slots)
         try:
-            out = self.sampler(logits, self.sampling_state, slots_t, mask)
+            out = self._call_sampler(logits, slots_t, mask, offsets)
             return out, np.arange(len(req_ids)), {}
         except Exception:
             logger.exception("sampling a batch of %d failed; sampling row by row", len(req_ids))
@@ -369,14 +403,28 @@ class ModelRunner:
             row_mask = None if mask is None else mask[i : i + 1]
             try:
                 outs.append(
-                    self.sampler(
-                        logits[i : i + 1], self.sampling_state, slots_t[i : i + 1], row_mask
+                    self._call_sampler(
+                        logits[i : i + 1],
+                        slots_t[i : i + 1],
+                        row_mask,
+                        None if offsets is None else offsets[i : i + 1],
                     )  # fmt: skip
                 )
                 kept.append(i)
             except Exception as exc:
                 failed[req_id] = f"{type(exc).__name__}: {exc}"
         return _concat_outputs(outs), np.array(kept, dtype=np.int64), failed
+
+    def _call_sampler(
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor | None,
+        offsets: list[int] | None,
+    ) -> SamplerOutput:
+        if offsets is None:  # no drafted positions this step
+            return self.sampler(logits, self.sampling_state, slots, mask)
+        return self.sampler(logits, self.sampling_state, slots, mask, step_offsets=offsets)
 
     def _bitmask_tensor(
         self,

@@ -21,7 +21,7 @@ _ENGINE_FLAGS = (
     "num_gpu_blocks_override", "max_logprobs", "device", "attention_backend",
     "distributed_executor_backend", "generation_config", "trust_remote_code", "runner",
     "stream_interval", "reasoning_parser", "load_format", "quantization", "dequantize_gguf",
-    "enable_lora", "max_loras", "max_lora_rank", "kv_cache_dtype",
+    "enable_lora", "max_loras", "max_lora_rank", "kv_cache_dtype", "speculative_config",
     "convert", "pooler_config",
 )  # fmt: skip
 

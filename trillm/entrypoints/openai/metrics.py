@@ -112,12 +112,35 @@ class _SchedulerCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=LABELS)
             c.add_metric(self.labels, float(getattr(stats, attr)))
             yield c
+        if stats.spec_decoding is not None:
+            yield from self._spec_decoding(stats.spec_decoding)
         info = cache_config_info(self.engine)
         g = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
         )
         g.add_metric(list(info.values()), 1.0)
         yield g
+
+    def _spec_decoding(self, spec: Any) -> Iterable[Metric]:
+        """vLLM v1's speculative-decoding counters (only with a speculative_config)."""
+        counters = (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+             "num_draft_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+             "num_accepted_tokens"),
+        )  # fmt: skip
+        for name, doc, attr in counters:
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(self.labels, float(getattr(spec, attr)))
+            yield c
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.", labels=[*LABELS, "position"],
+        )  # fmt: skip
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric([*self.labels, str(pos)], float(count))
+        yield per_pos
 
 
 def cache_config_info(engine: Any) -> dict[str, str]:

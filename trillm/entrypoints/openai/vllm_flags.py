@@ -9,7 +9,8 @@ Three kinds, never a flag accepted and ignored in silence:
   and ``startup_notes`` says so once in the log;
 - refused (argparse error, exit 2) where the feature belongs to another open issue:
   pipeline/data parallelism, quantization methods other than fp8, KV-cache dtypes beyond
-  bf16 / fp8, speculative decoding (LoRA: serving_lora.py).
+  bf16 / fp8, speculative decoding other than n-gram (``--speculative-config`` with
+  ``"method": "ngram"`` is honoured; LoRA: serving_lora.py).
 """
 
 from __future__ import annotations
@@ -250,12 +251,26 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         "a GGUF model); vLLM's other methods are not implemented yet (issue 13): refused.",
     )  # fmt: skip
     g.add_argument(
+        "--speculative-config", type=speculative_config_json, metavar="JSON",
+        help='Speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (ngram only; draft_model: issue 13).',
+    )  # fmt: skip
+    g.add_argument(
         "--kv-cache-dtype", type=_kv_cache_dtype, default=None,
         help="auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (e4m3, scale 1.0; CPU). "
         "Others are not implemented yet (issue 13): refused.",
     )  # fmt: skip
-    g.add_argument("--speculative-config", action=_Refuse, what="speculative decoding", issue=8,
-                   nargs="*", help="Not implemented yet (issue 8): refused.")  # fmt: skip
+
+
+def speculative_config_json(value: str) -> dict[str, Any]:
+    """``--speculative-config`` JSON -> the dict EngineArgs takes (checked here: exit 2)."""
+    from trillm.spec_decode.config import parse_speculative_config
+
+    try:
+        parse_speculative_config(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return json.loads(value)
 
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

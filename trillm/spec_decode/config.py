@@ -1,0 +1,75 @@
+"""``speculative_config`` (vLLM's engine argument and JSON shape) -> ``SpeculativeConfig``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# Drafts per step past this cost more forward rows than they can save on any workload.
+MAX_SPECULATIVE_TOKENS = 32
+_NGRAM_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+_DEFAULT_LOOKUP = 5  # vLLM's default n-gram length when neither bound is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "ngram"
+    num_speculative_tokens: int  # k: drafts proposed per request and step
+    prompt_lookup_min: int  # shortest suffix n-gram that is looked up
+    prompt_lookup_max: int  # longest one (tried first)
+
+
+def _positive_int(spec: dict[str, Any], key: str) -> int | None:
+    value = spec.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {value!r}.")
+    return value
+
+
+def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+    """A JSON string or dict -> SpeculativeConfig; ValueError naming what is wrong."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {value!r}.")
+    method = value.get("method")
+    if method in ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp") or (
+        method is None and "model" in value
+    ):
+        raise ValueError(
+            f"speculative_config: method {method or 'draft_model'!r} is not implemented yet "
+            '(issue 13); use {"method": "ngram", ...}.'
+        )
+    if method != "ngram":
+        raise ValueError(f"speculative_config: unknown method {method!r}; supported: ngram.")
+    unknown = sorted(set(value) - _NGRAM_KEYS)
+    if unknown:
+        raise ValueError(
+            f"speculative_config: key(s) {', '.join(unknown)} are not supported with ngram "
+            f"(supported: {', '.join(sorted(_NGRAM_KEYS))})."
+        )
+    k = _positive_int(value, "num_speculative_tokens")
+    if k is None:
+        raise ValueError("speculative_config: num_speculative_tokens is required.")
+    if k > MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"speculative_config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
+            f"got {k}."
+        )
+    lo = _positive_int(value, "prompt_lookup_min")
+    hi = _positive_int(value, "prompt_lookup_max")
+    # As vLLM: one bound given sets the other; neither gives 5..5.
+    lo, hi = (lo or hi or _DEFAULT_LOOKUP), (hi or lo or _DEFAULT_LOOKUP)
+    if lo > hi:
+        raise ValueError(
+            f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})."
+        )
+    return SpeculativeConfig("ngram", k, lo, hi)

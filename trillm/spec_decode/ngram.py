@@ -1,0 +1,84 @@
+"""The n-gram proposer (prompt lookup): drafts copied from earlier in the request's own tokens.
+
+It runs in the engine core, after P4: the scheduler owns every request's token history, and
+the drafts must be in the scheduler before the next ``schedule()`` counts them in the token
+budget, so proposing there needs no extra message to or from the worker and costs one
+substring search per running request (microseconds; no model).
+
+Which requests get drafts: only those whose sampling at a drafted position does not depend on
+the tokens before it in ways the worker's one-pass verification would miss. Penalties
+(repetition, frequency, presence), bad words, ``min_tokens`` not yet reached and structured
+outputs depend on the tokens generated so far; such a request is served exactly, one token a
+step, without drafts (it never sees a difference but speed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from trillm.spec_decode.config import SpeculativeConfig
+
+
+def find_ngram_drafts(tokens: np.ndarray, lo: int, hi: int, k: int) -> list[int]:
+    """tokens: int32 [L]. The ``k`` tokens that followed the first earlier occurrence of the
+    longest suffix n-gram (n from ``hi`` down to ``lo``); [] when none occurs. The first
+    occurrence, not the latest: in a text that quotes its input it is the source being
+    copied, and it has a full ``k`` tokens after it where a recent one may not."""
+    size = len(tokens)
+    if k <= 0 or size < lo + 1:
+        return []
+    data = tokens.tobytes()
+    end = len(data) - 4  # a match must end before the suffix's last token
+    for n in range(min(hi, size - 1), lo - 1, -1):
+        pattern = data[-4 * n :]
+        at = data.find(pattern, 0, end)
+        while at >= 0 and at % 4:  # straddles token boundaries: not a whole-token match
+            at = data.find(pattern, at + 1, end)
+        if at >= 0:
+            start = at // 4 + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+def _may_speculate(request: Any) -> bool:
+    params = request.sampling_params
+    return (
+        params.structured_outputs is None
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+        and not params.bad_words_token_ids
+        and request.num_output_tokens >= params.min_tokens
+    )
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.k = config.num_speculative_tokens
+        self.lo = config.prompt_lookup_min
+        self.hi = config.prompt_lookup_max
+        self.max_model_len = max_model_len
+
+    def _room(self, request: Any) -> int:
+        """Drafts the request can still use: the step's own token is always sampled, so at
+        most (tokens left) - 1, within max_tokens and max_model_len."""
+        left = self.max_model_len - request.num_tokens
+        if request.max_tokens is not None:
+            left = min(left, request.max_tokens - request.num_output_tokens)
+        return min(self.k, left - 1)
+
+    def propose(self, requests: Iterable[Any]) -> dict[str, list[int]]:
+        """req_id -> drafts for the running requests given (engine-side Request records)."""
+        drafts: dict[str, list[int]] = {}
+        for request in requests:
+            room = self._room(request)
+            if room <= 0 or not _may_speculate(request):
+                continue
+            tokens = np.asarray(request.all_token_ids, dtype=np.int32)
+            found = find_ngram_drafts(tokens, self.lo, self.hi, room)
+            if found:
+                drafts[request.request_id] = found
+        return drafts
