@@ -34,7 +34,7 @@ def setup(tiny_model_factory, tmp_path_factory):
 
 def _serve(model, paths, log, *extra):
     args = [model, "--served-model-name", BASE, "--max-model-len", "256",
-            "--kv-cache-memory", "8MiB", "--distributed-executor-backend", "uni", "--enable-lora", "--max-loras", "2",
+            "--kv-cache-memory", "8MiB", "--enable-lora", "--max-loras", "2",
             "--max-lora-rank", "8", "--lora-modules", f"a={paths['a']}",
             json.dumps({"name": "b", "path": paths["b"], "base_model_name": "someone/else"}),
             *extra]  # fmt: skip
@@ -45,7 +45,7 @@ def _serve(model, paths, log, *extra):
 def server(setup, tmp_path_factory):
     model, paths = setup
     srv = _serve(model, paths, tmp_path_factory.mktemp("log") / "lora.log",
-                 "--allow-runtime-lora-updating")  # fmt: skip
+                 "--allow-runtime-lora-updating", "--distributed-executor-backend", "uni")  # fmt: skip
     yield srv
     srv.stop()
 
@@ -125,12 +125,17 @@ def _variant(src: str, tmp_path, **changes) -> str:
 
 def test_runtime_updating_routes_need_the_opt_in(setup, tmp_path):
     model, paths = setup
+    # The default executor: a worker process, so the adapter crosses the ring with its request.
     srv = _serve(model, paths, tmp_path / "gated.log")
     try:
         r = httpx.post(srv.base_url + "/load_lora_adapter",
                        json={"lora_name": "c", "lora_path": paths["c"]})  # fmt: skip
         assert r.status_code == 404
-        assert _complete(srv, "a").status_code == 200
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(model).encode(PROMPT)
+        want = peft_greedy(model, paths["a"], [ids], MAX_NEW)[0]
+        assert _complete(srv, "a").json()["choices"][0]["token_ids"] == want
     finally:
         srv.stop()
 
