@@ -21,10 +21,8 @@ from trillm.entrypoints.openai.chat_parsing import (
     reasoning_factory,
 )
 from trillm.entrypoints.openai.errors import (
-    APIError,
     BadRequestError,
     from_engine_exception,
-    sse_error_event,
 )
 from trillm.entrypoints.openai.generation import Generation, guard_stream, start_generation
 from trillm.entrypoints.openai.protocol import ChatCompletionRequest
@@ -37,9 +35,8 @@ from trillm.entrypoints.openai.serving_base import (
     prompt_logprobs_json,
     raise_if_error,
 )
+from trillm.entrypoints.openai.sse_stream import SSEStream
 from trillm.sampling_params import SamplingParams
-
-DONE = b"data: [DONE]\n\n"
 
 
 async def create_chat_completion(
@@ -164,7 +161,7 @@ def _echo_text(req: ChatCompletionRequest) -> str:
     return "".join(part.text or "" for part in last.content if part.type == "text")
 
 
-class ChatContext:
+class ChatContext(SSEStream):
     def __init__(
         self,
         state: ServerState,
@@ -267,59 +264,41 @@ class ChatContext:
 
     # ------------------------------------------------------------ streaming
 
-    async def stream(self, gen: Generation) -> AsyncIterator[bytes]:
-        self.head = (
-            b'data: {"id":' + orjson.dumps(self.request_id)
-            + b',"object":"chat.completion.chunk","created":' + str(self.created).encode()
-            + b',"model":' + orjson.dumps(self.model_name) + b',"choices":['
-        )  # fmt: skip
-        fast = not (self.req.logprobs or self.req.return_token_ids or self._continuous_usage)
-        finished: set[int] = set()
-        # NOTE: one write per engine output (all its choices' events): the role events go with
-        # the first output (already there: the request was primed), the last output with the
-        # end events. Fewer, larger writes; the same events at the same moments.
+    OBJECT = b"chat.completion.chunk"
+
+    def num_choices(self) -> int:
+        return self.params.n
+
+    def opening(self) -> tuple[bytes, list[bytes]]:
+        # NOTE: the role events (and an echo) go with the first output (already there: the
+        # request was primed): fewer, larger writes; the same events at the same moments.
+        self._fast = not (self.req.logprobs or self.req.return_token_ids
+                          or self._continuous_usage)  # fmt: skip
+        self._parsers = [self.parser() for _ in range(self.params.n)] if self.parser else None
         parts = [self._role_chunk(i) for i in range(self.params.n)]
         if self.echo:
             parts += [self._content_chunk(i, self.echo) for i in range(self.params.n)]
-        parsers = [self.parser() for _ in range(self.params.n)] if self.parser else None
-        try:
-            async for _, item in gen:
-                out = raise_if_error(item)
-                self.tracker.observe(out)
-                for c in out.outputs:
-                    if c.finish_reason is not None:
-                        finished.add(c.index)
-                    if parsers is not None:
-                        p = parsers[c.index]
-                        delta = p.feed(c.text, c.finish_reason is not None)
-                        reason = p.finish_reason(c.finish_reason)
-                        if delta or reason is not None or (c.token_ids and not fast):
-                            parts.append(self._chunk(c.index, delta, c.token_ids, c.logprobs,
-                                                     reason, c.stop_reason))  # fmt: skip
-                    elif fast and c.finish_reason is None:
-                        if c.text:
-                            parts.append(self._content_chunk(c.index, c.text))
-                    elif c.text or c.token_ids or c.finish_reason is not None:
-                        parts.append(self._chunk(c.index, c.text, c.token_ids, c.logprobs,
-                                                 c.finish_reason, c.stop_reason))  # fmt: skip
-                if parts and not out.finished:
-                    yield b"".join(parts)
-                    parts = []
-            # The channel closed before every choice finished: the server aborted them.
-            for i in range(self.params.n):
-                if i not in finished:
-                    rest = parsers[i].feed("", True) if parsers is not None else ""
-                    parts.append(self._chunk(i, rest, [], None, "abort", None))
-            if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                usage = orjson.dumps(self.tracker.usage())
-                parts.append(self.head + b'],"usage":' + usage + b"}\n\n")
-            parts.append(DONE)
-            yield b"".join(parts)
-        except APIError as err:
-            yield b"".join(parts) + sse_error_event(err) + DONE
-        finally:
-            await gen.aclose()
-            self.tracker.finish(self.params.n)
+        return b"", parts
+
+    def add_events(self, parts: list[bytes], job: int, c: Any) -> int:
+        if self._parsers is not None:
+            p = self._parsers[c.index]
+            delta = p.feed(c.text, c.finish_reason is not None)
+            reason = p.finish_reason(c.finish_reason)
+            if delta or reason is not None or (c.token_ids and not self._fast):
+                parts.append(self._chunk(c.index, delta, c.token_ids, c.logprobs, reason,
+                                         c.stop_reason))  # fmt: skip
+        elif self._fast and c.finish_reason is None:
+            if c.text:
+                parts.append(self._content_chunk(c.index, c.text))
+        elif c.text or c.token_ids or c.finish_reason is not None:
+            parts.append(self._chunk(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason,
+                                     c.stop_reason))  # fmt: skip
+        return c.index
+
+    def abort_event(self, index: int) -> bytes:
+        rest = self._parsers[index].feed("", True) if self._parsers is not None else ""
+        return self._chunk(index, rest, [], None, "abort", None)
 
     @property
     def _continuous_usage(self) -> bool:

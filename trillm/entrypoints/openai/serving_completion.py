@@ -16,10 +16,8 @@ import orjson
 
 from trillm.engine.preprocess import PreparedPrompt
 from trillm.entrypoints.openai.errors import (
-    APIError,
     BadRequestError,
     from_engine_exception,
-    sse_error_event,
 )
 from trillm.entrypoints.openai.generation import Generation, guard_stream, start_generation
 from trillm.entrypoints.openai.protocol import CompletionRequest
@@ -32,8 +30,7 @@ from trillm.entrypoints.openai.serving_base import (
     prompt_logprobs_json,
     raise_if_error,
 )
-
-DONE = b"data: [DONE]\n\n"
+from trillm.entrypoints.openai.sse_stream import SSEStream
 
 
 @attrs.define
@@ -114,7 +111,7 @@ async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | lis
     return _Prompt(prepared, echo)
 
 
-class _CompletionContext:
+class _CompletionContext(SSEStream):
     def __init__(
         self, state: ServerState, req: CompletionRequest, prompts: list[_Prompt], request_id: str
     ) -> None:
@@ -216,52 +213,33 @@ class _CompletionContext:
 
     # ------------------------------------------------------------ streaming
 
-    async def stream(self, gen: Generation) -> AsyncIterator[bytes]:
-        self.head = (
-            b'data: {"id":' + orjson.dumps(self.request_id)
-            + b',"object":"text_completion","created":' + str(self.created).encode()
-            + b',"model":' + orjson.dumps(self.model_name) + b',"choices":['
-        )  # fmt: skip
-        fast = self.req.logprobs is None and not self.req.return_token_ids
-        num = len(self.prompts) * self.n
-        finished: set[int] = set()
-        offsets = [0] * num
-        # NOTE: one write per engine output (all its choices' events), and the last output of
-        # a one-prompt request goes out together with the end events: fewer, larger writes.
-        last: list[bytes] = []
-        try:
-            if self.req.echo:
-                yield b"".join(self._echo_chunk(i, offsets) for i in range(num))
-            async for job, item in gen:
-                out = raise_if_error(item)
-                self.tracker.observe(out, job)
-                parts = []
-                for c in out.outputs:
-                    index = job * self.n + c.index
-                    if c.finish_reason is not None:
-                        finished.add(index)
-                    if fast and c.finish_reason is None:
-                        if c.text:
-                            parts.append(self._text_chunk(index, c.text))
-                    elif c.text or c.token_ids or c.finish_reason is not None:
-                        parts.append(self._chunk(index, c, offsets))
-                if out.finished and len(self.prompts) == 1:
-                    last = parts  # the generation ends here: sent with the end events below
-                elif parts:
-                    yield b"".join(parts)
-            for i in range(num):
-                if i not in finished:
-                    last.append(self._end_chunk(i, "abort"))
-            if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                usage = orjson.dumps(self.tracker.usage())
-                last.append(self.head + b'],"usage":' + usage + b"}\n\n")
-            last.append(DONE)
-            yield b"".join(last)
-        except APIError as err:
-            yield sse_error_event(err) + DONE
-        finally:
-            await gen.aclose()
-            self.tracker.finish(num)
+    OBJECT = b"text_completion"
+
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def single_job(self) -> bool:
+        return len(self.prompts) == 1
+
+    def opening(self) -> tuple[bytes, list[bytes]]:
+        self._fast = self.req.logprobs is None and not self.req.return_token_ids
+        self._offsets = [0] * self.num_choices()
+        echo = b""
+        if self.req.echo:
+            echo = b"".join(self._echo_chunk(i, self._offsets) for i in range(self.num_choices()))
+        return echo, []
+
+    def add_events(self, parts: list[bytes], job: int, c: Any) -> int:
+        index = job * self.n + c.index
+        if self._fast and c.finish_reason is None:
+            if c.text:
+                parts.append(self._text_chunk(index, c.text))
+        elif c.text or c.token_ids or c.finish_reason is not None:
+            parts.append(self._chunk(index, c, self._offsets))
+        return index
+
+    def abort_event(self, index: int) -> bytes:
+        return self._end_chunk(index, "abort")
 
     def _echo_chunk(self, index: int, offsets: list[int]) -> bytes:
         text = self.prompts[index // self.n].text or ""
