@@ -89,6 +89,18 @@ def test_settings_trillm_cannot_honour_are_refused(args, match):
         check_runner(*args)
 
 
+@pytest.mark.parametrize("extra", [{"enable_lora": True}, {"tensor_parallel_size": 2},
+                                   {"speculative_config": {"method": "ngram",
+                                                           "num_speculative_tokens": 2}}])  # fmt: skip
+def test_pooling_with_what_its_runner_does_not_do_is_refused(model, extra):
+    from trillm.config import EngineArgs
+    from trillm.engine.config_builder import build_config
+
+    name = next(iter(extra))
+    with pytest.raises(ValueError, match=name):
+        build_config(EngineArgs(model=str(model), runner="pooling", **extra))
+
+
 def test_an_unsupported_sentence_transformers_mode_is_refused(tmp_path):
     _st_files(tmp_path, "pooling_mode_max_tokens", normalize=False)
     with pytest.raises(PoolingConfigError, match="pooling_mode_max_tokens"):

@@ -143,7 +143,8 @@ def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
     if not is_pooling(args.runner, args.convert):
         return None
     for name, value in (("tensor_parallel_size", args.tensor_parallel_size > 1),
-                        ("enable_lora", args.enable_lora)):  # fmt: skip
+                        ("enable_lora", args.enable_lora),
+                        ("speculative_config", args.speculative_config is not None)):  # fmt: skip
         if value:
             raise ValueError(f"{name}: a pooling model (runner='pooling') with it is not "
                              "implemented yet.")  # fmt: skip
