@@ -423,8 +423,11 @@ def test_gpu_memory_utilization_sizes_the_cuda_kv_budget(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - (2 << 30), total))
 
     def budget(fraction: float) -> int:
+        from trillm.distributed.sharding import RankShapes
+
         config = build_config(EngineArgs(gpu_memory_utilization=fraction, device="cpu"))
-        runner = types.SimpleNamespace(device="cuda:0", config=config)
+        shapes = RankShapes.of(config.model, 0, 1)
+        runner = types.SimpleNamespace(device="cuda:0", config=config, shapes=shapes)
         return ModelRunner._cuda_kv_budget(runner)  # type: ignore[arg-type]
 
     assert budget(0.9) - budget(0.5) == int(total * 0.9) - int(total * 0.5)
