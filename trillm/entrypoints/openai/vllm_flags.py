@@ -213,7 +213,7 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         "swaps, so the value is unused (accepted, said once in the log).",
     )  # fmt: skip
     g.add_argument(
-        "--load-format", type=_load_format, default="auto",
+        "--load-format", type=_load_format, default=None,
         help="auto, safetensors or gguf (a .gguf model; auto picks it too); others are refused.",
     )  # fmt: skip
     g.add_argument(
