@@ -109,6 +109,7 @@ model_runner_outputs = st.builds(
     prompt_logprobs=st.dictionaries(req_id, logprobs_lists, max_size=2),
     model_time_s=finite,
     error=st.none() | st.text(max_size=50),
+    draft_token_ids=st.dictionaries(req_id, ids, max_size=3),
 )
 
 sample_requests = st.builds(
@@ -202,7 +203,7 @@ def test_encode_rejects_foreign_objects():
             ),
             "Malformed SamplingParams",
         ),
-        (msgpack.packb([2, 1, [], [], {"r": [1, 2]}, {}, 0.0, None, {}, {}]), "Malformed LogprobsLists"),
+        (msgpack.packb([2, 1, [], [], {"r": [1, 2]}, {}, 0.0, None, {}, {}, {}]), "Malformed LogprobsLists"),
         (msgpack.packb([3, {"model": 1}, "x", {}]), "Malformed frame for tag 3"),
     ],
 )

@@ -16,6 +16,7 @@ from trillm.engine.core import EngineCore
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
 from trillm.sample.sampler import Sampler, SamplingState
 from trillm.sampling_params import SamplingParams
+from trillm.spec_decode.backoff import FIRST_PAUSE, MAX_PAUSE, SpecBackoff
 from trillm.spec_decode.config import SpeculativeConfig, parse_speculative_config
 from trillm.spec_decode.ngram import NgramProposer, find_ngram_drafts
 from trillm.worker.spec_verify import expand_rows, num_accepted
@@ -268,3 +269,67 @@ def test_rejected_drafts_are_never_prefix_cached(impl_name):
     assert (req.num_computed_tokens, req.num_tokens) == (7, 8)
     kv = sched.kv_cache_manager
     assert kv.num_cached_blocks_total() == 1  # block 0 only: block 1 holds rejected drafts' KV
+
+
+# ---------------------------------------------------------------- back-off
+
+
+def test_backoff_rule_shrinks_pauses_doubles_and_resets():
+    b = SpecBackoff(4)
+    assert b.limit("r") == 4
+    b.record("r", 4, 2)  # two right: propose about that far
+    assert b.limit("r") == 3
+    b.record("r", 3, 3)  # all right: grow back one at a time
+    assert b.limit("r") == 4
+    b.record("r", 4, 0)
+    assert b.limit("r") == 1
+    b.record("r", 1, 0)  # PATIENCE misses in a row: FIRST_PAUSE opportunities without drafts
+    assert [b.limit("r") for _ in range(FIRST_PAUSE + 1)] == [0] * FIRST_PAUSE + [1]
+    b.record("r", 1, 0)  # the probe fails: a pause twice as long, at once
+    assert [b.limit("r") for _ in range(2 * FIRST_PAUSE + 1)] == [0] * 2 * FIRST_PAUSE + [1]
+    for _ in range(10):  # never longer than MAX_PAUSE
+        b.record("r", 1, 0)
+        pauses = 0
+        while b.limit("r") == 0:
+            pauses += 1
+    assert pauses == MAX_PAUSE
+    b.record("r", 1, 1)  # one accepted draft: growth again, and the next pause is short
+    assert b.limit("r") == 2
+    b.record("r", 2, 0)
+    b.record("r", 1, 0)
+    assert [b.limit("r") for _ in range(FIRST_PAUSE + 1)] == [0] * FIRST_PAUSE + [1]
+    b.retain(set())
+    assert b.limit("r") == 4  # a finished request's state is gone
+
+
+@pytest.mark.parametrize("impl_name", IMPL_NAMES)
+def test_engine_core_backs_off_a_request_whose_drafts_keep_failing(impl_name):
+    """n-gram drafts for "b" always find a match and are always rejected: after the back-off
+    it proposes about one draft per MAX_PAUSE steps, while "a" (all accepted) keeps k."""
+    sched = make_scheduler(get_impl(impl_name), block_size=4)
+    executor = StubExecutor({"a": 3, "b": 0}, {"a": 1, "b": 5})
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, 1, 1), 512)
+    core = EngineCore(sched, executor, proposer=proposer)
+    core.handle_input(ecr("a", [1, 2, 3, 4, 1, 2, 3, 4, 1], max_tokens=120))
+    core.handle_input(ecr("b", [5, 6, 7, 5, 6, 7, 5], max_tokens=200))
+
+    async def run():
+        while sched.has_unfinished_requests():
+            await core.step()
+
+    trio.run(run)
+    b_steps = [d for rid, d, _ in executor.runs if rid == "b"]
+    b_drafted = [len(d) for d in b_steps]
+    # Without back-off every one of b's ~200 steps would verify 3 drafts.
+    assert len(b_steps) >= 190
+    # The prompt, k, then 1; pauses of 4, 8, 16, then 32 opportunities, each ended by a
+    # probe of one draft.
+    expected = [0, 3, 1]
+    pause = FIRST_PAUSE
+    while len(expected) < len(b_steps):
+        expected += [0] * pause + [1]
+        pause = min(MAX_PAUSE, 2 * pause)
+    assert b_drafted == expected[: len(b_steps)]
+    assert sum(b_drafted) <= 12  # of ~600 without the back-off
+    a_drafted = [len(d) for rid, d, _ in executor.runs if rid == "a"]
+    assert all(n == 3 for n in a_drafted[1:-2])  # the first step is the prompt; the end is cut

@@ -147,6 +147,9 @@ class ModelRunnerOutput:
     # Pooling models: req_id -> its prompt's pooled vector (float32 bytes), the step its
     # prompt completes.
     pooler_output: dict[str, bytes] = field(default_factory=dict)
+    # Speculative decoding with a draft model: req_id -> the drafts it proposed for the next
+    # step (the engine core trims them to each request's room).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- engine core -> output handler

@@ -26,6 +26,7 @@ from trillm.messages import (
     SchedulerStats,
     SpecDecodingStats,
 )
+from trillm.spec_decode.backoff import SpecBackoff
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,16 @@ class EngineCore:
         # adapter would exceed max_loras, and attaches adapters to scheduled new requests.
         self.lora = lora
         self.executor = executor
-        # NgramProposer (trillm/spec_decode/) or None: drafts for the next step, after P4.
+        # NgramProposer or DraftModelDrafts (trillm/spec_decode/) or None: drafts for the
+        # next step, after P4. The n-gram proposer's back-off is owned here; the draft
+        # model's runs in the worker, where its drafts are made.
         self.proposer = proposer
         self.spec_stats: SpecDecodingStats | None = None
+        self.backoff: SpecBackoff | None = None
         if proposer is not None:
             self.spec_stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * proposer.k)
+            if not proposer.in_worker:
+                self.backoff = SpecBackoff(proposer.k)
         # StructuredOutputManager (trillm/structured_output/): the grammar matchers, or None
         # when the engine was built without a tokenizer for them.
         self.structured_output = structured_output
@@ -211,28 +217,40 @@ class EngineCore:
 
     # ------------------------------------------------------------------ speculative decoding
     def _speculate(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        """Counts how this step's drafts fared, then proposes the next step's drafts for the
-        running requests (the scheduler counts them in its token budget)."""
-        spec = self.spec_stats
+        """Counts how this step's drafts fared, then sets the next step's drafts for the
+        running requests (the scheduler counts them in its token budget): the n-gram
+        proposer's, under the back-off, or those the worker's draft model proposed."""
         drafts = sched.scheduled_spec_decode_tokens
-        if drafts and spec is not None:
-            for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
-                proposed = drafts.get(req_id)
-                if not proposed or not sampled:
-                    continue
-                accepted = len(sampled) - 1  # the last token is the target's own
-                spec.num_drafts += 1
-                spec.num_draft_tokens += len(proposed)
-                spec.num_accepted_tokens += accepted
-                for pos in range(accepted):
-                    spec.num_accepted_tokens_per_pos[pos] += 1
+        if drafts:
+            self._count_drafts(drafts, out)
         get = self.scheduler.get_request
         running = [get(req_id) for req_id in self.scheduler.running_req_ids()]
         # NOTE: only requests past their prompt: a prefill chunk has no token to extend yet.
         ready = [r for r in running if r is not None and r.num_computed_tokens + 1 >= r.num_tokens]
-        new_drafts = self.proposer.propose(ready)
+        if self.proposer.in_worker:
+            new_drafts = self.proposer.take(ready, out.draft_token_ids)
+        else:
+            if self.backoff is not None:
+                self.backoff.retain({r.request_id for r in running if r is not None})
+            new_drafts = self.proposer.propose(ready, self.backoff and self.backoff.limit)
         if new_drafts:
             self.scheduler.update_draft_token_ids(new_drafts)
+
+    def _count_drafts(self, drafts: dict[str, list[int]], out: ModelRunnerOutput) -> None:
+        spec = self.spec_stats
+        assert spec is not None
+        for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
+            proposed = drafts.get(req_id)
+            if not proposed or not sampled:
+                continue
+            accepted = len(sampled) - 1  # the last token is the target's own
+            spec.num_drafts += 1
+            spec.num_draft_tokens += len(proposed)
+            spec.num_accepted_tokens += accepted
+            for pos in range(accepted):
+                spec.num_accepted_tokens_per_pos[pos] += 1
+            if self.backoff is not None:
+                self.backoff.record(req_id, len(proposed), accepted)
 
     def _attach_unsent_finished(self, sched: SchedulerOutput) -> None:
         if self._unsent_finished:

@@ -162,14 +162,15 @@ def _enc_output(o: ModelRunnerOutput) -> list[Any]:
         o.error,
         o.failed,
         o.pooler_output,
+        o.draft_token_ids,
     ]
 
 
 def _dec_output(v: list[Any]) -> ModelRunnerOutput:
-    _check_arity(v, 10, "ModelRunnerOutput")
+    _check_arity(v, 11, "ModelRunnerOutput")
     return ModelRunnerOutput(
         v[1], v[2], v[3], _dec_logprobs(v[4]), _dec_logprobs(v[5]), float(v[6]), v[7], v[8],
-        v[9],
+        v[9], v[10],
     )
 
 

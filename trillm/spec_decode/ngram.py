@@ -5,21 +5,19 @@ the drafts must be in the scheduler before the next ``schedule()`` counts them i
 budget, so proposing there needs no extra message to or from the worker and costs one
 substring search per running request (microseconds; no model).
 
-Which requests get drafts: only those whose sampling at a drafted position does not depend on
-the tokens before it in ways the worker's one-pass verification would miss. Penalties
-(repetition, frequency, presence), bad words, ``min_tokens`` not yet reached and structured
-outputs depend on the tokens generated so far; such a request is served exactly, one token a
-step, without drafts (it never sees a difference but speed).
+Which requests get drafts and how many: ``policy.py``; the per-request back-off
+(``backoff.py``) is the engine core's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from trillm.spec_decode.config import SpeculativeConfig
+from trillm.spec_decode.policy import draft_room, may_speculate
 
 
 def find_ngram_drafts(tokens: np.ndarray, lo: int, hi: int, k: int) -> list[int]:
@@ -43,19 +41,9 @@ def find_ngram_drafts(tokens: np.ndarray, lo: int, hi: int, k: int) -> list[int]
     return []
 
 
-def _may_speculate(request: Any) -> bool:
-    params = request.sampling_params
-    return (
-        params.structured_outputs is None
-        and params.repetition_penalty == 1.0
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
-        and not params.bad_words_token_ids
-        and request.num_output_tokens >= params.min_tokens
-    )
-
-
 class NgramProposer:
+    in_worker = False  # proposes in the engine core
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.k = config.num_speculative_tokens
         self.lo = config.prompt_lookup_min
@@ -63,20 +51,23 @@ class NgramProposer:
         self.max_model_len = max_model_len
 
     def _room(self, request: Any) -> int:
-        """Drafts the request can still use: the step's own token is always sampled, so at
-        most (tokens left) - 1, within max_tokens and max_model_len."""
-        left = self.max_model_len - request.num_tokens
-        if request.max_tokens is not None:
-            left = min(left, request.max_tokens - request.num_output_tokens)
-        return min(self.k, left - 1)
+        return draft_room(self.k, self.max_model_len, request.num_tokens, request.max_tokens,
+                          request.num_output_tokens)  # fmt: skip
 
-    def propose(self, requests: Iterable[Any]) -> dict[str, list[int]]:
-        """req_id -> drafts for the running requests given (engine-side Request records)."""
+    def propose(
+        self, requests: Iterable[Any], limit: Callable[[str], int] | None = None
+    ) -> dict[str, list[int]]:
+        """req_id -> drafts for the running requests given (engine-side Request records);
+        ``limit``: req_id -> at most that many drafts (the back-off)."""
         drafts: dict[str, list[int]] = {}
         for request in requests:
             room = self._room(request)
-            if room <= 0 or not _may_speculate(request):
+            if room <= 0 or not may_speculate(request.sampling_params, request.num_output_tokens):
                 continue
+            if limit is not None:
+                room = min(room, limit(request.request_id))
+                if room <= 0:
+                    continue
             tokens = np.asarray(request.all_token_ids, dtype=np.int32)
             found = find_ngram_drafts(tokens, self.lo, self.hi, room)
             if found:
