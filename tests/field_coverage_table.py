@@ -35,6 +35,7 @@ GGUF = "tests/test_gguf.py::"
 LORA_HTTP = "tests/test_lora_http.py::"
 SPEC = "tests/test_spec_decode.py::"
 SPEC_E = "tests/test_spec_decode_engine.py::"
+SPEC_D = "tests/test_spec_decode_draft.py::"
 
 
 def ids(*node_ids: str) -> tuple[str, ...]:
@@ -322,8 +323,11 @@ _ENGINE = {
     "pooler_config": ids(POOL + "test_llm_embed_equals_transformers",
                          POOL + "test_the_folder_says_how_to_pool_and_an_override_wins",
                          POOL + "test_settings_trillm_cannot_honour_are_refused"),
-    # n-gram drafts verified in one forward: same output, fewer forwards; bad configs refused
+    # n-gram / draft-model drafts verified in one forward: same output, fewer forwards; bad
+    # configs and drafts with another vocabulary refused
     "speculative_config": ids(SPEC_E + "test_same_output_with_speculation_and_drafts_accepted",
+                              SPEC_D + "test_target_copy_as_draft_is_accepted_and_output_is_exact",
+                              SPEC_D + "test_draft_with_another_vocabulary_is_refused_by_name",
                               SPEC + "test_speculative_config_refused_with_the_reason"),
 }  # fmt: skip
 
@@ -424,7 +428,7 @@ _VLLM_FLAGS = {
     "--allow-runtime-lora-updating": ids(LORA_HTTP + "test_load_and_unload_at_runtime",
                                          LORA_HTTP + "test_runtime_updating_routes_need_the_opt_in"),
     "--speculative-config": ids(SPEC_E + "test_http_same_greedy_text_and_metrics_count",
-                                REFUSED_TOP),  # draft_model: not yet
+                                REFUSED_TOP),  # eagle / medusa / mtp: not yet
     # Already so in trillm, or meaningless without CUDA graphs / swapping / several ranks:
     # accepted, and the log says so once at startup.
     "--enable-chunked-prefill": ids(MOOT, VF + "test_bad_values_refused_with_the_flag_named"),

@@ -84,13 +84,20 @@ def test_speculative_config_parsing_and_defaults():
     cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
                                     "prompt_lookup_max": 4})  # fmt: skip
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)
+    # As vLLM: a model without a method is a draft model; "[ngram]" names the n-gram method.
+    cfg = parse_speculative_config({"model": "/m", "num_speculative_tokens": 3})
+    assert cfg == SpeculativeConfig("draft_model", 3, model="/m")
+    cfg = parse_speculative_config({"model": "[ngram]", "num_speculative_tokens": 3})
+    assert cfg == SpeculativeConfig("ngram", 3, 5, 5)
 
 
 @pytest.mark.parametrize(
     ("value", "named"),
     [
-        ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 2}', "draft_model"),
-        ('{"model": "x", "num_speculative_tokens": 2}', "draft_model"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),
+        ('{"model": "x", "num_speculative_tokens": 2, "prompt_lookup_min": 2}',
+         "prompt_lookup_min are not supported with draft_model"),
+        ('{"method": "medusa", "model": "x", "num_speculative_tokens": 2}', "medusa"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),

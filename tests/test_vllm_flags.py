@@ -34,13 +34,14 @@ TOP35_ACCEPTED = [
     ["--load-format", "safetensors"], ["--download-dir", "/tmp/x"], ["--enable-lora"],
     ["--lora-modules", "a=/p"],
     ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+    ["--speculative-config", '{"method": "draft_model", "model": "m", '
+     '"num_speculative_tokens": 3}'],
 ]  # fmt: skip
 # Features of other open issues: refused with the flag named, never accepted and ignored.
 TOP35_REFUSED = [
     ["--pipeline-parallel-size", "2"], ["--data-parallel-size", "2"], ["--quantization", "awq"],
     ["--kv-cache-dtype", "fp8_e5m2"],
-    ["--speculative-config", '{"method": "draft_model", "model": "m", '
-     '"num_speculative_tokens": 3}'],
+    ["--speculative-config", '{"method": "eagle", "model": "m", "num_speculative_tokens": 3}'],
 ]  # fmt: skip
 
 

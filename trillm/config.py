@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from trillm.spec_decode.config import SpeculativeConfig
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # CPU: 1 GiB unless --kv-cache-memory says otherwise
@@ -296,4 +298,7 @@ class TrillmConfig:
     reasoning_parser: str | None = None  # the engine core's structured outputs wait for it
     lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora not given)
     pooler: PoolerConfig | None = None  # set: a pooling model (embeddings), no generation
-    speculative: Any = None  # trillm.spec_decode.config.SpeculativeConfig, or None
+    speculative: SpeculativeConfig | None = None  # speculative_config, parsed
+    # speculative_config's draft_model: the draft (same tokenizer), run beside the target by
+    # the worker (trillm/spec_decode/draft_model.py); None without one.
+    draft_model: ModelConfig | None = None

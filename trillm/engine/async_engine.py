@@ -411,12 +411,18 @@ def _structured_output_manager(config: TrillmConfig, tokenizer: Any) -> Any:
 
 
 def _proposer(config: TrillmConfig) -> Any:
-    """The n-gram proposer when speculative decoding is configured, else None."""
-    if config.speculative is None or config.pooler is not None:  # pooling: nothing to decode
+    """The drafts' source when speculative decoding is configured, else None: the n-gram
+    proposer, or the engine-side view of the worker's draft model."""
+    spec = config.speculative
+    if spec is None or config.pooler is not None:  # pooling: nothing to decode
         return None
+    if spec.method == "draft_model":
+        from trillm.spec_decode.draft_setup import DraftModelDrafts
+
+        return DraftModelDrafts(spec, config.scheduler.max_model_len)
     from trillm.spec_decode.ngram import NgramProposer
 
-    return NgramProposer(config.speculative, config.scheduler.max_model_len)
+    return NgramProposer(spec, config.scheduler.max_model_len)
 
 
 @asynccontextmanager

@@ -68,6 +68,12 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         else DEFAULT_KV_CACHE_MEMORY
     )
     pooler = _pooler(args, model_config)
+    speculative = parse_speculative_config(args.speculative_config)
+    draft_model = None
+    if speculative is not None and speculative.method == "draft_model" and pooler is None:
+        from trillm.spec_decode.draft_setup import build_draft_model_config
+
+        draft_model = build_draft_model_config(args, speculative, model_config, load_tokenizer)
     if pooler is not None and args.enable_prefix_caching:
         # NOTE: a pooled vector needs every prompt row's hidden state: no cached prefixes.
         logger.info("pooling model: prefix caching is off (every prompt row is pooled).")
@@ -99,7 +105,8 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         reasoning_parser=args.reasoning_parser,
         lora=_lora_config(args, model_config),
         pooler=pooler,
-        speculative=parse_speculative_config(args.speculative_config),
+        speculative=speculative,
+        draft_model=draft_model,
     )
 
 

@@ -1,6 +1,7 @@
-"""Speculative decoding: the n-gram proposer (engine core side) and its configuration.
+"""Speculative decoding: ``speculative_config`` (``config.py``), the proposers (n-gram in the
+engine core: ``ngram.py``; a draft model in the worker: ``draft_model.py``, set up by
+``draft_setup.py``), which requests get drafts (``policy.py``) and the back-off (``backoff.py``).
 
-Drafts are proposed in the engine core after P4, ride the scheduler's ``spec_token_ids`` seam
-into the next step's budget, and are verified by the worker in one forward (``ModelRunner``:
-``trillm/worker/spec_verify.py``).
+Drafts ride the scheduler's ``spec_token_ids`` seam into the next step's budget, and are
+verified by the worker in one forward (``ModelRunner``: ``trillm/worker/spec_verify.py``).
 """

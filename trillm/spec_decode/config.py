@@ -9,15 +9,18 @@ from typing import Any
 # Drafts per step past this cost more forward rows than they can save on any workload.
 MAX_SPECULATIVE_TOKENS = 32
 _NGRAM_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+_DRAFT_KEYS = {"method", "model", "num_speculative_tokens"}
+_NOT_IMPLEMENTED = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp")
 _DEFAULT_LOOKUP = 5  # vLLM's default n-gram length when neither bound is given
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram"
+    method: str  # "ngram" | "draft_model"
     num_speculative_tokens: int  # k: drafts proposed per request and step
-    prompt_lookup_min: int  # shortest suffix n-gram that is looked up
-    prompt_lookup_max: int  # longest one (tried first)
+    prompt_lookup_min: int = 0  # ngram: shortest suffix n-gram that is looked up
+    prompt_lookup_max: int = 0  # ngram: longest one (tried first)
+    model: str | None = None  # draft_model: the draft's folder (or .gguf), same tokenizer
 
 
 def _positive_int(spec: dict[str, Any], key: str) -> int | None:
@@ -41,20 +44,25 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {value!r}.")
     method = value.get("method")
-    if method in ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp") or (
-        method is None and "model" in value
-    ):
+    if method is None and "model" in value:
+        # As vLLM: a model without a method is a draft model ("ngram" names the method).
+        method = "ngram" if value["model"] in ("ngram", "[ngram]") else "draft_model"
+        value = {k: v for k, v in value.items() if not (k == "model" and method == "ngram")}
+    if method in _NOT_IMPLEMENTED:
         raise ValueError(
-            f"speculative_config: method {method or 'draft_model'!r} is not implemented yet "
-            '(issue 13); use {"method": "ngram", ...}.'
+            f"speculative_config: method {method!r} is not implemented yet (issue 13); use "
+            '{"method": "ngram", ...} or {"method": "draft_model", "model": ...}.'
         )
-    if method != "ngram":
-        raise ValueError(f"speculative_config: unknown method {method!r}; supported: ngram.")
-    unknown = sorted(set(value) - _NGRAM_KEYS)
+    if method not in ("ngram", "draft_model"):
+        raise ValueError(
+            f"speculative_config: unknown method {method!r}; supported: ngram, draft_model."
+        )
+    allowed = _NGRAM_KEYS if method == "ngram" else _DRAFT_KEYS
+    unknown = sorted(set(value) - allowed)
     if unknown:
         raise ValueError(
-            f"speculative_config: key(s) {', '.join(unknown)} are not supported with ngram "
-            f"(supported: {', '.join(sorted(_NGRAM_KEYS))})."
+            f"speculative_config: key(s) {', '.join(unknown)} are not supported with {method} "
+            f"(supported: {', '.join(sorted(allowed))})."
         )
     k = _positive_int(value, "num_speculative_tokens")
     if k is None:
@@ -64,6 +72,12 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
             f"speculative_config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
             f"got {k}."
         )
+    if method == "draft_model":
+        model = value.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config: draft_model needs \"model\": the draft "
+                             "model's folder or .gguf file.")  # fmt: skip
+        return SpeculativeConfig("draft_model", k, model=model)
     lo = _positive_int(value, "prompt_lookup_min")
     hi = _positive_int(value, "prompt_lookup_max")
     # As vLLM: one bound given sets the other; neither gives 5..5.

@@ -38,6 +38,7 @@ from trillm.model_executor.loader import build_model
 from trillm.model_executor.registry import CausalLM
 from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from trillm.sample.sampler import Sampler, SamplerOutput, SamplingState
+from trillm.spec_decode.draft_model import DraftModelProposer
 from trillm.worker.input_batch import InputBatch, StepInputs
 from trillm.worker.spec_verify import DraftStep, accept_drafts, expand_rows, num_drafts_of
 
@@ -116,6 +117,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self._pending: _PendingStep | None = None
         self.lora: LoRAManager | None = None  # with --enable-lora, once the model is loaded
+        # speculative_config's draft_model: proposes each step's next drafts after P3.
+        self.drafter: DraftModelProposer | None = None
+        if config.draft_model is not None:
+            self.drafter = DraftModelProposer(config, self.device, self.kv_dtype)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -126,6 +131,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self._model = build_model(self.config.model, self.attn_backend, self.config.device)
+        if self.drafter is not None:
+            self.drafter.load()
         lora = self.config.lora
         if lora is not None:
             self.lora = LoRAManager(self._model, self.config.model, lora.max_loras,
@@ -141,7 +148,8 @@ class ModelRunner:
         """Bytes of one block over all layers: K and V, block_size tokens, Hkv x D each."""
         m = self.config.model
         per_token = 2 * m.num_hidden_layers * self.shapes.num_kv_heads * m.head_dim
-        return per_token * self.block_size * self.kv_dtype.itemsize
+        draft = 0 if self.drafter is None else self.drafter.block_bytes()
+        return per_token * self.block_size * self.kv_dtype.itemsize + draft
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -181,6 +189,8 @@ class ModelRunner:
             for _ in range(m.num_hidden_layers)
         ]
         self.config.cache.num_blocks = num_blocks
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks)
 
     # ------------------------------------------------------------ P2
 
@@ -234,6 +244,8 @@ class ModelRunner:
             self._drop(new.req_id)  # re-sent after a preemption
             try:
                 slot = self.batch.add_request(new)
+                if self.drafter is not None:
+                    self.drafter.add(slot, new.req_id)
                 self.sampling_state.add_request(
                     slot, new.sampling_params, new.prompt_token_ids, new.output_token_ids
                 )
@@ -261,6 +273,8 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.remove_request(req_id)
         slot = self.batch.remove_request(req_id)
+        if slot is not None and self.drafter is not None:
+            self.drafter.drop(slot)
         if slot is not None and self.sampling_state.holds(slot):
             self.sampling_state.remove_request(slot)
 
@@ -352,6 +366,7 @@ class ModelRunner:
                 sampled_lists[i] = [token]
             logprobs = self._sample_logprobs(out.logprobs, sample_req_ids, sample_slots)
         refused = pending.failed  # new requests the batch never took (not in req_ids)
+        drafts = {} if self.drafter is None else self._propose(pending, sampled_lists)
         return ModelRunnerOutput(
             step_id=pending.step_id,
             req_ids=pending.req_ids + list(refused),
@@ -360,7 +375,29 @@ class ModelRunner:
             prompt_logprobs=self._prompt_logprobs(pending),
             model_time_s=time.perf_counter() - pending.start_time,
             failed={**refused, **failed},
+            draft_token_ids=drafts,
         )
+
+    def _propose(
+        self, pending: _PendingStep, sampled: list[list[int]]
+    ) -> dict[str, list[int]]:
+        """The draft model's drafts for the next step, after recording how this step's fared
+        (its back-off): for every request that sampled."""
+        assert self.drafter is not None
+        candidates = []
+        for req_id, tokens in zip(pending.req_ids, sampled):
+            if not tokens:
+                continue
+            verified = pending.drafts.get(req_id)
+            if verified:
+                self.drafter.record(req_id, len(verified), len(tokens) - 1)
+            candidates.append((req_id, self.batch.slot_of(req_id)))
+        try:
+            return self.drafter.propose(self.batch, candidates)
+        except Exception:  # NOTE: drafts only save time; the step's tokens stand without them
+            logger.exception("the draft model failed to propose; this step has no drafts")
+            self.drafter.forget_cache([slot for _, slot in candidates])
+            return {}
 
     def _verify(
         self, pending: _PendingStep, bitmask: dict[str, bytes | list[int]] | None

@@ -9,8 +9,9 @@ Three kinds, never a flag accepted and ignored in silence:
   and ``startup_notes`` says so once in the log;
 - refused (argparse error, exit 2) where the feature belongs to another open issue:
   pipeline/data parallelism, quantization methods other than fp8, KV-cache dtypes beyond
-  bf16 / fp8, speculative decoding other than n-gram (``--speculative-config`` with
-  ``"method": "ngram"`` is honoured; LoRA: serving_lora.py).
+  bf16 / fp8, speculative decoding other than n-gram and a draft model
+  (``--speculative-config`` with ``"method": "ngram"`` or ``"draft_model"`` is honoured;
+  eagle / medusa / mtp are refused; LoRA: serving_lora.py).
 """
 
 from __future__ import annotations
@@ -253,7 +254,9 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-config", type=speculative_config_json, metavar="JSON",
         help='Speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (ngram only; draft_model: issue 13).',
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
+        '"model": PATH, "num_speculative_tokens": 4}\' (a smaller model with the same '
+        "tokenizer); eagle / medusa / mtp are not implemented yet (issue 13): refused.",
     )  # fmt: skip
     g.add_argument(
         "--kv-cache-dtype", type=_kv_cache_dtype, default=None,
