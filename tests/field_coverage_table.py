@@ -348,7 +348,8 @@ _FLAGS = {
     "--timeout-keep-alive": ids(
         "tests/fault/test_keepalive.py::test_timeout_keep_alive_flag_reaches_hypercorn"
     ),
-    "--max-num-queued-requests": ids(FAULTS + "test_full_queue_answers_503_at_once"),
+    "--max-num-queued-requests": ids(FAULTS + "test_full_queue_answers_503_at_once",
+                                     POOL + "test_embedding_inputs_hold_queue_places_until_done"),
     "--max-num-admitted-tokens": ids(
         "tests/fault/test_token_queue_bound.py::test_token_bound_refuses_whole_requests_at_once",
         "tests/fault/test_token_queue_bound.py::test_flag_is_validated",

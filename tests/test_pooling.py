@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import base64
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from server_harness import ServerProcess
+from server_harness import ServerProcess, open_request, wait_gauges
 
 from trillm import LLM
 from trillm.config import PoolerConfig, PoolingConfigError, check_runner
@@ -246,3 +248,62 @@ def test_a_generating_server_refuses_embeddings(tmp_path):
     finally:
         assert srv.stop() == 0
     assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- the queue bound
+
+# Two inputs fill the two places (--max-num-seqs 1, --max-num-queued-requests 1); the first
+# takes four prefill chunks of 16 tokens, so both stay held for three more steps once the
+# gauges first show them.
+HOLDING = {"input": [" ".join(["fox"] * 60), "second"]}
+
+
+@pytest.fixture(scope="module")
+def slow_server(model, tmp_path_factory):
+    """The pooling model, each step 0.5 s slower; two sequences admitted at once."""
+    (model / "slow_runner.json").write_text(json.dumps({"step_sleep_s": 0.5}))
+    log = tmp_path_factory.mktemp("embed-queue") / "server.log"
+    srv = ServerProcess(["--model", str(model), "--convert", "embed",
+                         "--runner", "trillm.testing.slow_runner:SlowPoolingRunner",
+                         "--max-num-seqs", "1", "--max-num-queued-requests", "1",
+                         "--max-num-batched-tokens", "16", "--disable-log-stats"], log).start()  # fmt: skip
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def _refused_as_overloaded(r: httpx.Response) -> None:
+    # What a generation request gets from a full queue (tests/fault/test_lifecycle_faults.py).
+    assert r.status_code == 503, r.text
+    assert r.headers["Retry-After"] == "1"
+    assert r.json()["error"]["type"] == "ServiceUnavailableError"
+    assert "overloaded" in r.json()["error"]["message"]
+
+
+def test_embedding_inputs_hold_queue_places_until_done(slow_server):
+    """While a request's two inputs hold both places any pooling request is refused at once
+    with the generation routes' 503; once it is answered the places are free again."""
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, slow_server.base_url + "/embeddings", json=HOLDING,
+                            timeout=60)  # fmt: skip
+        wait_gauges(slow_server, (1.0, 1.0))  # one input in its prefill, one waiting
+        for route in ROUTES:
+            start = time.monotonic()
+            _refused_as_overloaded(httpx.post(slow_server.url + route, json={"input": "x"},
+                                              timeout=60))  # fmt: skip
+            assert time.monotonic() - start < 1.0
+        r = first.result()
+    assert r.status_code == 200, r.text
+    assert len(r.json()["data"]) == 2
+    again = httpx.post(slow_server.url + "/pooling", json={"input": ["a", "b"]}, timeout=60)
+    assert again.status_code == 200, again.text
+
+
+def test_a_client_gone_frees_its_embedding_places(slow_server):
+    sock = open_request(slow_server, "/pooling", HOLDING)
+    wait_gauges(slow_server, (1.0, 1.0))
+    _refused_as_overloaded(httpx.post(slow_server.base_url + "/embeddings",
+                                      json={"input": "x"}, timeout=60))  # fmt: skip
+    sock.close()
+    wait_gauges(slow_server, (0.0, 0.0))  # the engine aborted both inputs
+    r = httpx.post(slow_server.base_url + "/embeddings", json={"input": ["a", "b"]}, timeout=60)
+    assert r.status_code == 200, r.text

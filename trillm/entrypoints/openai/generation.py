@@ -32,7 +32,7 @@ from trillm.engine.preprocess import PreparedPrompt
 from trillm.engine.request_stream import RequestStream
 from trillm.entrypoints.openai.errors import APIError, from_engine_exception
 from trillm.entrypoints.openai.exchange import at_exchange_end
-from trillm.entrypoints.openai.serving_base import Admission, ServerState
+from trillm.entrypoints.openai.serving_base import Admission, ServerState, admitted_tokens
 from trillm.lora.request import LoRARequest
 
 # NOTE: a small buffer: when the client reads slowly the producer waits and the engine's
@@ -150,9 +150,7 @@ async def start_generation(
     """
     n = jobs[0].params.n
     ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
-    # Each sequence may come to hold its prompt and max_tokens (--max-num-admitted-tokens).
-    tokens = [n * (len(job.prompt_token_ids) + (job.params.max_tokens or 0)) for job in jobs]
-    admission = state.admit(ids, n, tokens)
+    admission = state.admit(ids, n, [admitted_tokens(job) for job in jobs])
     gen: Generation | None = None
     try:
         if len(jobs) == 1:

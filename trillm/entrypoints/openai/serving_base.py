@@ -13,6 +13,7 @@ import attrs
 import trio
 
 from trillm.engine.logprobs import in_rank_order
+from trillm.engine.preprocess import PreparedPrompt
 from trillm.entrypoints.openai.errors import (
     APIError,
     BadRequestError,
@@ -136,6 +137,12 @@ class ServerState:
     def token_text(self, token_id: int) -> str:
         """A token's text, from the engine's cache (the one the logprob entries use)."""
         return self.engine.token_text(token_id)
+
+
+def admitted_tokens(job: PreparedPrompt) -> int:
+    """What one prepared prompt counts against --max-num-admitted-tokens: each of its
+    sequences may come to hold the prompt and max_tokens in the KV cache."""
+    return job.params.n * (len(job.prompt_token_ids) + (job.params.max_tokens or 0))
 
 
 class Admission:

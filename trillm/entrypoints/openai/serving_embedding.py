@@ -2,7 +2,11 @@
 (``--runner pooling``). Each input is one engine request (stage 2 as for completions: the
 preprocessor tokenizes, truncates and checks it); the engine pools its prompt
 (``AsyncEngine.encode``). ``dimensions`` truncates a matryoshka model's vectors (then
-renormalizes when the model normalizes); other models refuse it, as vLLM does."""
+renormalizes when the model normalizes); other models refuse it, as vLLM does.
+
+Admission as for generation (``ServerState.admit``): a request holds one sequence per input,
+and its tokens, against ``--max-num-queued-requests`` / ``--max-num-admitted-tokens`` from
+before it reaches the engine until it ends by any path (done, error, client gone)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import trio
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt
 from trillm.entrypoints.openai.errors import BadRequestError
 from trillm.entrypoints.openai.protocol_embedding import EmbeddingRequest, PoolingRequest
-from trillm.entrypoints.openai.serving_base import ServerState
+from trillm.entrypoints.openai.serving_base import ServerState, admitted_tokens
 from trillm.outputs import pooling_params
 
 
@@ -94,17 +98,25 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest) -> dict[st
     _check_pooling_model(state, route)
     dims = _dimensions(state, req)
     inputs = _split_inputs(req.input)
-    state.check_capacity(seqs=len(inputs))
+    state.check_capacity(seqs=len(inputs))  # refuse a full queue before tokenizing
     prepared = [await _prepare(state, req, item) for item in inputs]
     request_id = f"embd-{uuid.uuid4().hex}"
+    ids = [f"{request_id}-{i}" for i in range(len(prepared))]
+    admission = state.admit(ids, 1, [admitted_tokens(p) for p in prepared])
     results: list[Any] = [None] * len(prepared)
 
     async def one(i: int) -> None:
-        results[i] = await state.engine.encode(prepared[i], request_id=f"{request_id}-{i}")
+        try:
+            results[i] = await state.engine.encode(prepared[i], request_id=ids[i])
+        finally:
+            admission.release(ids[i])
 
-    async with trio.open_nursery() as nursery:
-        for i in range(len(prepared)):
-            nursery.start_soon(one, i)
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prepared)):
+                nursery.start_soon(one, i)
+    finally:
+        admission.release_all()  # inputs never started (a sibling failed, the client left)
     data = []
     for i, out in enumerate(results):
         vec = _encode(_vector(state, out.outputs.embedding, dims), req.encoding_format)
