@@ -58,6 +58,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_gemm_fp8.cpp",
                 "ext/cpu_gemm_q.cpp",
                 "ext/cpu_ops.cpp",
+                "ext/cpu_lora.cpp",
             ],
             depends=["ext/cpu_common.h", "ext/cpu_bf16_tiles.h"],
             cxx_std=17,

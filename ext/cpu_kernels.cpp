@@ -6,6 +6,7 @@
 //   .gemm_fp8   fp8 e4m3 weight-only GEMM (bytes widened to bf16, vdpbf16ps) (cpu_gemm_fp8.cpp)
 //   .gemm_q     GEMM with Q4_0/Q4_1/Q8_0 weights kept quantized (cpu_gemm_q.cpp)
 //   .ops        fused elementwise ops: RMSNorm, rotary, silu * mul (cpu_ops.cpp)
+//   .lora       batched LoRA shrink / expand, per-token adapter slot (cpu_lora.cpp)
 #include <pybind11/pybind11.h>
 
 #include "cpu_common.h"
@@ -19,6 +20,7 @@ void register_cpu_gemm_bf16(py::module_& m);
 void register_cpu_gemm_fp8(py::module_& m);
 void register_cpu_gemm_q(py::module_& m);
 void register_cpu_ops(py::module_& m);
+void register_cpu_lora(py::module_& m);
 
 namespace trillm_cpu {
 
@@ -56,4 +58,6 @@ PYBIND11_MODULE(cpu_kernels, m) {
   register_cpu_gemm_q(gemm_q);
   py::module_ ops = m.def_submodule("ops");
   register_cpu_ops(ops);
+  py::module_ lora = m.def_submodule("lora");
+  register_cpu_lora(lora);
 }

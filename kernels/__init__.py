@@ -14,6 +14,8 @@ compare them.
   is ``torch.nn.functional.linear``; ``trillm/model_executor/layers/linear.py`` routes them).
 - ``reshape_and_cache``: write a step's K/V rows into the paged cache at their slots
   (``reshape_and_cache_cpu`` wraps the native CPU kernel of ``ext/cpu_ops.cpp``).
+- ``lora``: batched LoRA, Punica-style shrink / expand with a per-token adapter slot
+  (``add_lora_``; ``lora_cpu`` wraps the native kernel of ``ext/cpu_lora.cpp``).
 - ``paged_attention``: causal attention of a flattened mixed batch (prefill chunks at any
   offset, decode rows) over the paged cache, GQA aware, with split-KV for small decode steps.
   ``paged_attention_cpu`` wraps the native CPU kernel (``ext/cpu_attention.cpp``) with the same
@@ -38,6 +40,8 @@ import torch
 from . import (
     activation_cpu,
     activation_torch,
+    lora_cpu,
+    lora_torch,
     rms_norm_cpu,
     rms_norm_torch,
     rotary_cpu,
@@ -46,6 +50,7 @@ from . import (
 from .rotary_torch import build_cos_sin_cache
 
 __all__ = [
+    "add_lora_",
     "apply_rotary",
     "apply_rotary_",
     "build_cos_sin_cache",
@@ -189,3 +194,23 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     ):
         return activation_cpu.silu_and_mul(gate_up, out)
     return activation_torch.silu_and_mul(gate_up, out)
+
+
+def add_lora_(
+    y: torch.Tensor,  # [T, out], updated in place
+    x: torch.Tensor,  # [T, in]
+    a: torch.Tensor,  # [L, R, in], each slot's A
+    bt: torch.Tensor,  # [L, R, out], each slot's B transposed
+    slots: torch.Tensor,  # [T] int64, each token's slot, -1 = no adapter
+    scales: torch.Tensor,  # [L] fp32
+) -> torch.Tensor:
+    """Batched LoRA: ``y[t] += scales[s] * (x[t] @ a[s]^T) @ bt[s]`` for every token t with a
+    slot s >= 0 (summed in fp32, y rounded once); returns y."""
+    if _use_triton(x):
+        from . import lora_triton
+
+        plan = lora_triton.step_plan(slots, a.shape[0])
+        return lora_triton.add_lora_(y, x, a, bt, slots, scales, plan)
+    if lora_cpu.available() and lora_cpu.supports(x, y, a, bt) and not _records_grad(x, y, a, bt):
+        return lora_cpu.add_lora_(y, x, a, bt, slots, scales)
+    return lora_torch.add_lora_(y, x, a, bt, slots, scales)

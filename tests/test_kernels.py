@@ -23,6 +23,8 @@ import trillm.kernels as dispatch  # noqa: E402
 from trillm.kernels import (  # noqa: E402
     fused_moe_torch,
     fused_moe_triton,
+    lora_torch,
+    lora_triton,
     paged_attention_torch,
     paged_attention_triton,
     reshape_and_cache_torch,
@@ -35,6 +37,7 @@ from trillm.kernels import (  # noqa: E402
 
 _TRITON_MODULES = [
     fused_moe_triton,
+    lora_triton,
     rms_norm_triton,
     rotary_triton,
     reshape_and_cache_triton,
@@ -376,3 +379,35 @@ def test_fused_moe_alignment_pads_each_expert_run():
     runs = pairs.view(-1, 4).tolist()
     assert runs == [[1, 4, -1, -1], [3, -1, -1, -1], [0, 2, 5, -1]]  # pair = token * k + slot
 
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "tokens,in_f,rank,out_f,num_slots", [(2, 48, 8, 48, 1), (37, 40, 24, 70, 3)]
+)
+def test_lora_triton_matches_torch(dtype, tokens, in_f, rank, out_f, num_slots):
+    """Batched LoRA: three adapters and base-model tokens in one call; rank and widths not
+    multiples of the blocks; bf16 within one bf16 step (both sum in fp32, round once)."""
+    gen = torch.Generator().manual_seed(tokens + rank)
+    x = torch.randn(tokens, in_f, generator=gen).to(dtype)
+    a = (torch.randn(num_slots, rank, in_f, generator=gen) * 0.1).to(dtype)
+    bt = (torch.randn(num_slots, rank, out_f, generator=gen) * 0.1).to(dtype)
+    y = torch.randn(tokens, out_f, generator=gen).to(dtype)
+    slots = torch.randint(-1, num_slots, (tokens,), generator=gen)
+    slots[0], slots[-1] = -1, num_slots - 1
+    scales = torch.rand(num_slots, generator=gen) + 0.5
+    want = lora_torch.add_lora_(y.clone(), x, a, bt, slots, scales)
+    got = lora_triton.add_lora_(y.clone(), x, a, bt, slots, scales)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(got[slots < 0], y[slots < 0])
+    assert lora_triton.step_plan(slots, num_slots) is lora_triton.step_plan(slots, num_slots)
+
+
+def test_lora_triton_plan_gives_each_tile_one_slot():
+    slots = torch.tensor([1, -1, 0, 1, 1, -1])
+    p = lora_triton.plan(slots, num_slots=3)
+    tiles = p.tokens.view(-1, lora_triton.BLOCK_M).tolist()
+    assert p.tile_slot.tolist() == [0, 1, 3]  # slot 2 has no tokens; 3 = the base-model run
+    assert [[t for t in tile if t >= 0] for tile in tiles] == [[2], [0, 3, 4], [1, 5]]

@@ -1,4 +1,4 @@
-# ext/cpu_kernels.cpp and the kernels it binds (pybind11): one module, six parts sharing one
+# ext/cpu_kernels.cpp and the kernels it binds (pybind11): one module, seven parts sharing one
 # thread pool. Tensors cross as raw addresses (``tensor.data_ptr()``) with their strides; the
 # wrappers in kernels/*_cpu.py own the checks. Every declared name exists in the built module
 # (tests/test_native_contract.py).
@@ -97,9 +97,22 @@ class _Ops(Protocol):
         cache_fp8: bool = False,
     ) -> None: ...
 
+class _Lora(Protocol):
+    def avx512(self) -> bool: ...
+    def set_use_avx512(self, on: bool) -> None: ...
+    def shrink(
+        self, buf: int, x: int, ldx: int, a: int, slots: int, scales: int, num_tokens: int,
+        in_features: int, rank: int, num_slots: int, dtype: int, num_threads: int,
+    ) -> None: ...
+    def expand(
+        self, y: int, ldy: int, buf: int, bt: int, slots: int, num_tokens: int,
+        out_features: int, rank: int, num_slots: int, dtype: int, num_threads: int,
+    ) -> None: ...
+
 attention: _Attention
 gemm: _Gemm
 gemm_bf16: _GemmBf16
 gemm_fp8: _GemmFp8
 gemm_q: _GemmQ
 ops: _Ops
+lora: _Lora

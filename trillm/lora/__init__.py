@@ -2,7 +2,7 @@
 
 ``request.py``: ``LoRARequest`` (vLLM's fields). ``peft.py``: PEFT adapter folders, read and
 checked (what is not implemented is refused, naming it). ``layers.py``: the batched LoRA
-delta on the targeted linears, grouped by adapter. ``manager.py``: the worker's resident
+delta on the targeted linears (per-token adapter slot, shrink / expand kernels). ``manager.py``: the worker's resident
 adapters (at most ``max_loras``, least recently used evicted).
 """
 

@@ -1,7 +1,8 @@
 """The worker's resident LoRA adapters and each step's row grouping.
 
-At most ``max_loras`` adapters are resident; loading one more evicts the least recently used
-adapter that no request in the batch holds. The engine core admits at most ``max_loras``
+At most ``max_loras`` adapters are resident, each in a slot 0 .. max_loras - 1 of every LoRA
+linear's stacked weights; loading one more evicts the least recently used adapter that no
+request in the batch holds, and takes its slot. The engine core admits at most ``max_loras``
 adapters among its running requests, so a batch always fits.
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from trillm.config import ModelConfig
-from trillm.lora.layers import TARGET_MODULES, LoRALinear, StepGroups, attach_lora
+from trillm.lora.layers import TARGET_MODULES, LoRALinear, StepSlots, attach_lora
 from trillm.lora.peft import load_adapter
 from trillm.lora.request import LoRARequest
 
@@ -41,9 +42,12 @@ class LoRAManager:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.device, self.dtype = device, dtype
-        self.step_groups = StepGroups()
-        self.linears: dict[tuple[int, str], LoRALinear] = attach_lora(model, self.step_groups)
+        self.step_slots = StepSlots(torch.zeros(max_loras, dtype=torch.float32, device=device))
+        self.linears: dict[tuple[int, str], LoRALinear] = attach_lora(
+            model, self.step_slots, max_lora_rank
+        )
         self.resident: OrderedDict[int, LoRARequest] = OrderedDict()  # LRU first
+        self._slot: dict[int, int] = {}  # resident adapter id -> its slot
         self._refs: dict[int, int] = {}  # adapter id -> requests holding it
         self._req_adapter: dict[str, int] = {}  # req_id -> adapter id
 
@@ -76,35 +80,40 @@ class LoRAManager:
         for (layer, proj), (a, b) in weights.modules.items():
             path, shard = TARGET_MODULES[proj]
             per_module.setdefault((layer, path), []).append((shard, a, b))
+        slot = min(set(range(self.max_loras)) - set(self._slot.values()))
         for key, parts in per_module.items():
-            self.linears[key].set_adapter(
-                lora.lora_int_id, parts, weights.config.scale, self.dtype, self.device
-            )
+            self.linears[key].set_adapter(slot, self.max_loras, parts, self.dtype, self.device)
+        self.step_slots.scales[slot] = weights.config.scale
+        self._slot[lora.lora_int_id] = slot
         self.resident[lora.lora_int_id] = lora
         logger.info("LoRA adapter %s (id %d) loaded from %s", lora.lora_name,
                     lora.lora_int_id, lora.lora_path)  # fmt: skip
 
     def _evict(self, adapter_id: int) -> None:
+        slot = self._slot.pop(adapter_id)
         for linear in self.linears.values():
-            linear.weights.pop(adapter_id, None)
+            linear.clear(slot)
         self.resident.pop(adapter_id)
         self._refs.pop(adapter_id, None)
 
     # ------------------------------------------------------------ steps
     @contextmanager
     def step(self, req_ids: list[str], query_start_loc: np.ndarray) -> Iterator[None]:
-        """During the forward: the step's rows grouped by adapter (request i's rows are
-        ``query_start_loc[i]:query_start_loc[i + 1]``)."""
-        rows: dict[int, list[np.ndarray]] = {}
+        """During the forward: each token's adapter slot, -1 for base-model requests (request
+        i's rows are ``query_start_loc[i]:query_start_loc[i + 1]``)."""
+        slots = np.full(int(query_start_loc[len(req_ids)]), -1, dtype=np.int64)  # [T]
+        used: set[int] = set()
         for i, req_id in enumerate(req_ids):
             adapter_id = self._req_adapter.get(req_id)
             if adapter_id is not None:
-                start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-                rows.setdefault(adapter_id, []).append(np.arange(start, end))
-        self.step_groups.groups = [
-            (a, torch.from_numpy(np.concatenate(r)).to(self.device)) for a, r in rows.items()
-        ]
+                slot = self._slot[adapter_id]
+                slots[int(query_start_loc[i]) : int(query_start_loc[i + 1])] = slot
+                used.add(slot)
+        if used:
+            self.step_slots.slots = torch.from_numpy(slots).to(self.device)
+            self.step_slots.used = frozenset(used)
         try:
             yield
         finally:
-            self.step_groups.groups = []
+            self.step_slots.slots = None
+            self.step_slots.used = frozenset()
