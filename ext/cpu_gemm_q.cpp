@@ -1,11 +1,13 @@
-// GEMM with block-quantized weights kept quantized (GGUF's Q4_0, Q4_1, Q8_0: blocks of 32 values
-// along K, one fp16 scale per block, Q4_1 an fp16 minimum too): y[M, N] = x[M, K] . W[N, K]^T
-// (+ bias), x fp32 or bf16, y fp32 or bf16, products summed in fp32.
+// GEMM with block-quantized weights kept quantized (GGUF's Q4_0, Q4_1, Q8_0, and Q4_G, trillm's
+// form of AWQ / GPTQ 4-bit groups: blocks of 32 values along K, one fp16 scale per block, Q4_1
+// an fp16 minimum too, Q4_G a 4-bit zero point): y[M, N] = x[M, K] . W[N, K]^T (+ bias), x fp32
+// or bf16, y fp32 or bf16, products summed in fp32.
 //
 // Numerics: those of dequantize-then-matmul in fp32. Per block b and column n the kernel sums
 // s = sum_k x[k] * q[n][k] in fp32 over the block's raw integers (0..15 for Q4, -128..127 for Q8,
 // exact as floats), then adds d * s (Q4_0: d * (s - 8 * sum_k x[k]); Q4_1: d * s + m * sum_k
-// x[k]). Only the order of the fp32 additions differs from F.linear on the dequantized weight.
+// x[k]; Q4_G: d * (s - z * sum_k x[k]), z the block's zero point of this column). Only the
+// order of the fp32 additions differs from F.linear on the dequantized weight.
 // Activations are not quantized (llama.cpp rounds them to int8 for VNNI): a GGUF model served
 // in fp32 keeps the greedy output of the same model dequantized.
 //
@@ -13,7 +15,7 @@
 // 16 output columns, their count padded to even (the kernel takes two panels at a time, zero
 // columns beyond N); panel p is nb = K / 32 records, one per block of 32 k, each:
 //   Q4_0 / Q4_1: 16 k-pairs x 16 columns of bytes, byte [j][c] = q[c][2j] | q[c][2j + 1] << 4,
-//                then d[16] fp16, then (Q4_1) m[16] fp16;
+//                then d[16] fp16, then (Q4_1) m[16] fp16, (Q4_G) z[16] uint8;
 //   Q8_0:        32 k x 16 columns of int8 q[c][k], then d[16] fp16.
 // One 16-byte load and a zero-extension give 16 columns' integers for two k (Q4) or one (Q8).
 // Work items: (block of rows, run of panel pairs) on the shared pool; the summation order per
@@ -41,15 +43,24 @@ constexpr int kBlock = 32;      // values per quantization block along K
 constexpr int kRows = 4;        // rows of x per register tile (x 2 panels)
 constexpr int kRowBlock = 64;   // rows of x per work item
 
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // GGML's type ids
+// GGML's type ids; Q4_G is trillm's (not a GGML type): AWQ / GPTQ groups cut into blocks of 32.
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_G = 100 };
 
-int quant_bytes(int qtype) { return qtype == kQ8_0 ? kBlock * kCols : kBlock / 2 * kCols; }
+constexpr int quant_bytes(int qtype) {
+  return qtype == kQ8_0 ? kBlock * kCols : kBlock / 2 * kCols;
+}
+
+// Bytes of the values and per-column parameters of one (panel, block) record.
+constexpr int param_bytes(int qtype) {
+  return 2 * kCols + (qtype == kQ4_1 ? 2 * kCols : qtype == kQ4_G ? kCols : 0);
+}
 
 // Bytes of one (panel, block) record.
 int record_bytes(int qtype) {
-  if (qtype != kQ4_0 && qtype != kQ4_1 && qtype != kQ8_0)
-    throw std::invalid_argument("quantized GEMM: type must be Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
-  return quant_bytes(qtype) + 2 * kCols * (qtype == kQ4_1 ? 2 : 1);
+  if (qtype != kQ4_0 && qtype != kQ4_1 && qtype != kQ8_0 && qtype != kQ4_G)
+    throw std::invalid_argument(
+        "quantized GEMM: type must be Q4_0 (2), Q4_1 (3), Q8_0 (8) or Q4_G (100)");
+  return quant_bytes(qtype) + param_bytes(qtype);
 }
 
 int num_panels(int N) {
@@ -100,9 +111,8 @@ inline float from_bf16(uint16_t h) {
 // y[0..R, 0..2 panels) = x[0..R, :] . W(panels p0, p1)^T (+ bias).
 template <int R, int QT>
 TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t* p1, int col) {
-  constexpr int rec = QT == kQ8_0 ? kBlock * kCols + 2 * kCols
-                                  : kBlock / 2 * kCols + 2 * kCols * (QT == kQ4_1 ? 2 : 1);
-  constexpr int qbytes = QT == kQ8_0 ? kBlock * kCols : kBlock / 2 * kCols;
+  constexpr int qbytes = quant_bytes(QT);
+  constexpr int rec = qbytes + param_bytes(QT);
   const int nb = g.K / kBlock;
   const float* x = g.x + m * g.ldx;
   const uint8_t* panel[2] = {p0, p1};
@@ -149,6 +159,11 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
       for (int r = 0; r < R; ++r) {
         __m512 s = _mm512_add_ps(se[r][p], so[r][p]);
         if constexpr (QT == kQ4_0) s = _mm512_add_ps(s, _mm512_set1_ps(-8.0f * g.sx[(m + r) * nb + b]));
+        if constexpr (QT == kQ4_G) {
+          const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * kCols))));
+          s = _mm512_fnmadd_ps(z, _mm512_set1_ps(g.sx[(m + r) * nb + b]), s);
+        }
         acc[r][p] = _mm512_fmadd_ps(d, s, acc[r][p]);
         if constexpr (QT == kQ4_1) {
           const __m512 mins = _mm512_cvtph_ps(
@@ -199,6 +214,7 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
   switch (g.qtype) {
     case kQ4_0: rows_for_pair<kQ4_0>(g, m0, m1, pair); break;
     case kQ4_1: rows_for_pair<kQ4_1>(g, m0, m1, pair); break;
+    case kQ4_G: rows_for_pair<kQ4_G>(g, m0, m1, pair); break;
     default: rows_for_pair<kQ8_0>(g, m0, m1, pair); break;
   }
 }
@@ -255,7 +271,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
 }  // namespace
 
 void register_cpu_gemm_q(py::module_& m) {
-  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0 block-quantized weights (AVX-512, fp32 sums).";
+  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_G block-quantized weights (AVX-512, fp32 sums).";
   m.attr("PANEL") = kCols;
   m.attr("BLOCK") = kBlock;
   m.def("supported", &cpu_has_avx512, "Whether this CPU has AVX512F/BW/VL.");

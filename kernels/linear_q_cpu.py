@@ -1,8 +1,12 @@
-"""Linear layers with GGUF's Q4_0 / Q4_1 / Q8_0 weights kept quantized on CPU.
+"""Linear layers with GGUF's Q4_0 / Q4_1 / Q8_0 weights, or AWQ / GPTQ 4-bit groups, kept
+quantized on CPU.
 
 A weight arrives as GGML blocks (32 values along K a block; per block an fp16 scale ``d``,
 Q4_1 an fp16 minimum ``m`` too; values ``(q - 8) * d`` for Q4_0, ``q * d + m`` for Q4_1,
-``q * d`` for Q8_0 with q signed). ``QuantizedWeight`` repacks the blocks once, at load, into
+``q * d`` for Q8_0 with q signed), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
+scale and a 4-bit zero point per group of ``g`` values along K, values ``(q - z) * s``), which
+become Q4_G: each group cut into blocks of 32 that repeat its scale and zero point (exact).
+``QuantizedWeight`` repacks the blocks once, at load, into
 ``ext/cpu_gemm_q.cpp``'s panel layout (the comment there); ``linear`` multiplies by it:
 x fp32 or bf16, output fp32 or bf16, fp32 sums, the numerics of dequantize-then-matmul.
 
@@ -25,7 +29,8 @@ from trillm._native import cpu_kernels, native_available
 BLOCK = 32  # values per block along K
 PANEL = 16  # output columns per panel of the packed layout
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML's type ids (gguf.GGMLQuantizationType)
-QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+Q4_G = 100  # trillm's: AWQ / GPTQ 4-bit groups as blocks of 32 with an fp16 scale, a zero point
+QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_G: "Q4_G"}
 # Bytes of one GGML block: fp16 d (+ fp16 m), then the values.
 GGML_BLOCK_BYTES = {Q4_0: 2 + 16, Q4_1: 4 + 16, Q8_0: 2 + 32}
 
@@ -41,10 +46,15 @@ def available() -> bool:
     return native_available("cpu_kernels") and _ext() is not None
 
 
+def _values_bytes(qtype: int) -> int:
+    return PANEL * (BLOCK if qtype == Q8_0 else BLOCK // 2)
+
+
 def record_bytes(qtype: int) -> int:
-    """Bytes of one (panel, block) record: the values, then d[16] (then m[16]) fp16."""
-    values = PANEL * (BLOCK if qtype == Q8_0 else BLOCK // 2)
-    return values + 2 * PANEL * (2 if qtype == Q4_1 else 1)
+    """Bytes of one (panel, block) record: the values, then d[16] fp16 (then Q4_1's m[16] fp16,
+    or Q4_G's z[16] uint8)."""
+    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL}.get(qtype, 0)
+    return _values_bytes(qtype) + 2 * PANEL + extra
 
 
 def num_panels(n: int) -> int:
@@ -76,15 +86,37 @@ def unpack_ggml(
 
 
 class QuantizedWeight:
-    """A [N, K] Q4_0 / Q4_1 / Q8_0 weight from GGML rows, repacked for the kernel."""
+    """A [N, K] Q4_0 / Q4_1 / Q8_0 weight from GGML rows (or Q4_G: ``from_groups``), repacked
+    for the kernel."""
 
     def __init__(self, raw: np.ndarray, qtype: int, out_features: int, in_features: int) -> None:
         q, d, m = unpack_ggml(raw, qtype, in_features)
         if q.shape[0] != out_features:
             raise ValueError(f"{q.shape[0]} rows of blocks for a weight of {out_features} rows")
+        self._set(q, d, m, qtype)
+
+    def _set(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, qtype: int) -> None:
         self.qtype = qtype
-        self.out_features, self.in_features = out_features, in_features
+        self.out_features, self.in_features = q.shape
         self.data = torch.from_numpy(_pack(q, d, m, qtype))  # [panels * nb * record] uint8
+
+    @classmethod
+    def from_groups(cls, q: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> QuantizedWeight:
+        """AWQ / GPTQ groups: q [N, K] 0..15, scales [N, G] fp16, zeros [N, G] 0..15, with
+        ``K / G`` (the group size) a multiple of 32 -> a Q4_G weight of values (q - z) * s."""
+        n, k = q.shape
+        groups = scales.shape[1]
+        if k % groups or (k // groups) % BLOCK or scales.shape != (n, groups):
+            raise ValueError(f"4-bit groups: K={k} in {groups} groups of a multiple of {BLOCK}")
+        if zeros.shape != scales.shape or scales.dtype != np.float16:
+            raise ValueError("4-bit groups: scales must be fp16 [N, G], zeros [N, G]")
+        if q.max(initial=0) > 15 or zeros.max(initial=0) > 15:
+            raise ValueError("4-bit groups: values and zero points must be 0..15")
+        repeat = k // groups // BLOCK  # blocks of 32 per group
+        weight = cls.__new__(cls)
+        weight._set(q.astype(np.uint8), np.repeat(scales, repeat, axis=1),
+                    np.repeat(zeros.astype(np.uint8), repeat, axis=1), Q4_G)  # fmt: skip
+        return weight
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +126,7 @@ class QuantizedWeight:
 def _pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, qtype: int) -> np.ndarray:
     n, k = q.shape
     nb, panels = k // BLOCK, num_panels(n)
-    pad = panels * PANEL - n  # zero columns: q 0, d 0, so they add nothing
+    pad = panels * PANEL - n  # zero columns: q 0, d 0 (z 0), so they add nothing
     q = np.pad(q, ((0, pad), (0, 0)))
     scales = [np.pad(s, ((0, pad), (0, 0))) for s in (d, m) if s is not None]
     values: np.ndarray
@@ -106,7 +138,7 @@ def _pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, qtype: int) -> np.
         packed = pairs[..., 0] | (pairs[..., 1] << 4)  # [P, 16 cols, nb, 16 pairs]
         values = packed.transpose(0, 2, 3, 1)  # [P, nb, 16 pairs, 16 cols]
     parts = [np.ascontiguousarray(values).reshape(panels, nb, -1)]
-    for s in scales:  # [Np, nb] fp16 -> [P, nb, 16 cols] as bytes
+    for s in scales:  # [Np, nb] fp16 (Q4_G's zero points: uint8) -> [P, nb, 16 cols] as bytes
         parts.append(np.ascontiguousarray(s.reshape(panels, PANEL, nb).transpose(0, 2, 1))
                      .view(np.uint8).reshape(panels, nb, -1))  # fmt: skip
     return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
@@ -117,7 +149,7 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
     n, k, qtype = weight.out_features, weight.in_features, weight.qtype
     nb, panels = k // BLOCK, num_panels(n)
     records = weight.data.view(panels, nb, record_bytes(qtype))
-    values_bytes = PANEL * (BLOCK if qtype == Q8_0 else BLOCK // 2)
+    values_bytes = _values_bytes(qtype)
     values = records[:, :, :values_bytes]
     if qtype == Q8_0:
         q = values.reshape(panels, nb, BLOCK, PANEL).view(torch.int8).to(torch.float32)
@@ -125,12 +157,15 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
         pairs = values.reshape(panels, nb, BLOCK // 2, PANEL)
         q = torch.stack([pairs & 0xF, pairs >> 4], dim=3).reshape(panels, nb, BLOCK, PANEL)
         q = q.to(torch.float32)  # [P, nb, 32 k, 16 cols]
-    scales = records[:, :, values_bytes:].contiguous().view(torch.float16).to(torch.float32)
-    d = scales[:, :, :PANEL].unsqueeze(2)  # [P, nb, 1, 16]
-    if qtype == Q4_0:
+    params = records[:, :, values_bytes:]
+    d = params[:, :, : 2 * PANEL].contiguous().view(torch.float16).to(torch.float32).unsqueeze(2)
+    if qtype == Q4_G:  # [P, nb, 1, 16] zero points, then (q - z) * d: exact in fp32
+        w = (q - params[:, :, 2 * PANEL :].to(torch.float32).unsqueeze(2)) * d
+    elif qtype == Q4_0:
         w = (q - 8.0) * d
     elif qtype == Q4_1:
-        w = q * d + scales[:, :, PANEL:].unsqueeze(2)
+        m = params[:, :, 2 * PANEL :].contiguous().view(torch.float16).to(torch.float32)
+        w = q * d + m.unsqueeze(2)
     else:
         w = q * d
     w = w.permute(0, 3, 1, 2).reshape(panels * PANEL, k)[:n]  # [N, K]

@@ -32,6 +32,7 @@ RESP = "tests/test_responses_api.py::"
 TP = "tests/test_tensor_parallel.py::"
 LORA = "tests/test_lora.py::"
 GGUF = "tests/test_gguf.py::"
+AWQ = "tests/test_awq_gptq.py::"
 LORA_HTTP = "tests/test_lora_http.py::"
 SPEC = "tests/test_spec_decode.py::"
 SPEC_E = "tests/test_spec_decode_engine.py::"
@@ -299,7 +300,9 @@ _ENGINE = {
                         FP8 + "test_pack_quantizes_every_linear_but_the_lm_head",
                         FP8 + "test_methods_trillm_cannot_run_are_refused",
                         GGUF + "test_load_format_and_quantization_are_honoured_or_refused",
-                        GGUF + "test_quantized_layers_hold_only_their_blocks"),
+                        GGUF + "test_quantized_layers_hold_only_their_blocks",
+                        AWQ + "test_method_must_match_the_checkpoint",
+                        AWQ + "test_greedy_output_equals_transformers_on_the_dequantized_weights"),
     "load_format": ids(GGUF + "test_load_format_and_quantization_are_honoured_or_refused"),
     "dequantize_gguf": ids(GGUF + "test_greedy_output_equals_transformers_on_the_dequantized_weights",
                            GGUF + "test_quantized_layers_hold_only_their_blocks"),

@@ -210,7 +210,7 @@ def test_methods_trillm_cannot_run_are_refused(tmp_path):
     from trillm.default_model import ensure_default_model
     from trillm.engine.config_builder import build_config
 
-    for name in ("awq", "gptq", "bitsandbytes"):
+    for name in ("awq_marlin", "gptq_marlin", "bitsandbytes"):
         with pytest.raises(UnsupportedQuantizationError, match=f"'{name}'.*issues 13"):
             EngineArgs(quantization=name)
     with pytest.raises(UnsupportedQuantizationError, match="Unknown quantization method 'q9'"):
@@ -218,11 +218,12 @@ def test_methods_trillm_cannot_run_are_refused(tmp_path):
     assert build_config(EngineArgs(quantization="fp8", device="cpu")).model.quantization == "fp8"
     assert build_config(EngineArgs(device="cpu")).model.quantization is None
     # a checkpoint that is already quantized: refused naming its method, with or without -q
-    folder = tmp_path / "awq-model"
+    # (AWQ / GPTQ checkpoints: tests/test_awq_gptq.py)
+    folder = tmp_path / "bnb-model"
     shutil.copytree(ensure_default_model(), folder)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
     for extra in ({}, {"quantization": "fp8"}):
-        with pytest.raises(UnsupportedQuantizationError, match="quantized \\('awq'"):
+        with pytest.raises(UnsupportedQuantizationError, match="quantized \\('bitsandbytes'"):
             build_config(EngineArgs(model=str(folder), device="cpu", **extra))

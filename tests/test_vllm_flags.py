@@ -39,7 +39,8 @@ TOP35_ACCEPTED = [
 ]  # fmt: skip
 # Features of other open issues: refused with the flag named, never accepted and ignored.
 TOP35_REFUSED = [
-    ["--pipeline-parallel-size", "2"], ["--data-parallel-size", "2"], ["--quantization", "awq"],
+    ["--pipeline-parallel-size", "2"], ["--data-parallel-size", "2"],
+    ["--quantization", "awq_marlin"],
     ["--kv-cache-dtype", "fp8_e5m2"],
     ["--speculative-config", '{"method": "eagle", "model": "m", "num_speculative_tokens": 3}'],
 ]  # fmt: skip

@@ -64,7 +64,8 @@ class EngineArgs:
     # structured-outputs reasoning_parser; the server's --reasoning-parser sets it too).
     reasoning_parser: str | None = None
     # Weight-only quantization (vLLM's method names): "fp8" (dynamic, CPU: quantized at load);
-    # "gguf" (implied by a .gguf model: its Q4_0/Q4_1/Q8_0 weights stay quantized). None: none.
+    # "gguf" (implied by a .gguf model: its Q4_0/Q4_1/Q8_0 weights stay quantized); "awq" /
+    # "gptq" (the checkpoint's own 4-bit method, CPU; implied by it). None: none.
     quantization: str | None = None
     # LoRA adapters (trillm/lora/): requests may name one; at most max_loras in flight at once.
     enable_lora: bool = False
@@ -166,7 +167,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     generation_config: dict[str, Any] = field(default_factory=dict)
     hf_config: dict[str, Any] = field(default_factory=dict)
-    quantization: str | None = None  # "fp8" (quantized at load, CPU) | "gguf" (a GGUF's Q4/Q8)
+    quantization: str | None = None  # "fp8" (at load, CPU) | "gguf" (a GGUF's Q4/Q8) | awq | gptq
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")

@@ -21,9 +21,9 @@ from trillm.distributed.sharding import RankShapes
 from trillm.model_executor import gguf_loader
 from trillm.model_executor.layer_types import FULL, partial_rotary_factor
 from trillm.model_executor.layers.linear import pack_cpu_linears
-from trillm.model_executor.layers.quantized_linear import load_gguf
+from trillm.model_executor.layers.quantized_linear import load_gguf, load_group_quantized
 from trillm.model_executor.layers.rotary import SUPPORTED_ROPE_TYPES
-from trillm.model_executor.quantization import resolve_quantization
+from trillm.model_executor.quantization import CHECKPOINT_METHODS, resolve_quantization
 from trillm.model_executor.registry import (
     CausalLM,
     UnsupportedArchitectureError,
@@ -47,6 +47,10 @@ _DTYPE_ALIASES = {
 }
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
+# The Llama family's loader (models/llama.py) places AWQ / GPTQ layers, stacked ones included.
+GROUP_QUANT_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)  # fmt: skip
 LOAD_FORMATS = ("auto", "safetensors", "gguf")  # vLLM's names for what trillm reads
 
 
@@ -149,7 +153,14 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         hf = _read_json(path / "config.json")
         generation_config = read_generation_config(path, args.generation_config)
         quantization = resolve_quantization(args.quantization, hf, device)
+        if quantization in CHECKPOINT_METHODS and args.tensor_parallel_size != 1:
+            raise ValueError(f"An {quantization.upper()} checkpoint runs with "
+                             "tensor_parallel_size 1 only (its packed weights are not sharded), "
+                             f"got {args.tensor_parallel_size}.")  # fmt: skip
     architecture = _architecture(hf)
+    if quantization in CHECKPOINT_METHODS and architecture not in GROUP_QUANT_ARCHITECTURES:
+        raise ValueError(f"{quantization.upper()} checkpoints of {architecture} are not "
+                         f"supported; trillm runs them for {', '.join(GROUP_QUANT_ARCHITECTURES)}.")  # fmt: skip
     max_position_embeddings = int(hf.get("max_position_embeddings", 2048))
     num_heads = int(hf["num_attention_heads"])
     rope_theta, rope_scaling = parse_rope(hf)
@@ -394,6 +405,8 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     causal_lm.tie_weights()
     if gguf_loader.find_gguf(cfg.model) is not None:
         load_gguf(model, cfg)
+    elif cfg.quantization in CHECKPOINT_METHODS:
+        load_group_quantized(model, iterate_weights(cfg.model), cfg)
     else:
         load_weights(causal_lm, cfg.model, cfg)
     model.eval()

@@ -8,8 +8,8 @@ Three kinds, never a flag accepted and ignored in silence:
   ``--enforce-eager``, ``--swap-space``): what they ask is already so, or means nothing here,
   and ``startup_notes`` says so once in the log;
 - refused (argparse error, exit 2) where the feature belongs to another open issue:
-  pipeline/data parallelism, quantization methods other than fp8, KV-cache dtypes beyond
-  bf16 / fp8, speculative decoding other than n-gram and a draft model
+  pipeline/data parallelism, quantization methods other than fp8 / gguf / awq / gptq,
+  KV-cache dtypes beyond bf16 / fp8, speculative decoding other than n-gram and a draft model
   (``--speculative-config`` with ``"method": "ngram"`` or ``"draft_model"`` is honoured;
   eagle / medusa / mtp are refused; LoRA: serving_lora.py).
 """
@@ -249,7 +249,9 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         "--quantization", "-q", type=_quantization, default=None,
         help="fp8: linear weights quantized to fp8 e4m3 at load, a scale per output channel "
         "(CPU); gguf: a .gguf model's Q4_0/Q4_1/Q8_0 weights stay quantized (the default for "
-        "a GGUF model); vLLM's other methods are not implemented yet (issue 13): refused.",
+        "a GGUF model); awq / gptq: the checkpoint's own 4-bit method (CPU; implied by the "
+        "checkpoint, refused when it names another); vLLM's other methods are not implemented "
+        "yet (issue 13): refused.",
     )  # fmt: skip
     g.add_argument(
         "--speculative-config", type=speculative_config_json, metavar="JSON",

@@ -99,7 +99,8 @@ def pack_cpu_linears(model: nn.Module, quantization: str | None = None) -> int:
     AVX512-BF16). ``quantization="fp8"``: every linear but ``FP8_SKIPPED`` is quantized to
     fp8 e4m3 with per-channel scales (``kernels/linear_fp8_cpu.py``; its portable path where
     the native kernel is unavailable)."""
-    if quantization not in (None, "fp8", "gguf"):  # gguf: those layers have their kernel
+    # gguf / awq / gptq: the quantized layers have their own kernel (quantized_linear.py)
+    if quantization not in (None, "fp8", "gguf", "awq", "gptq"):
         raise ValueError(f"pack_cpu_linears: unknown quantization {quantization!r}.")
     count = 0
     for name, module in model.named_modules():

@@ -1,4 +1,5 @@
-"""Linear layers whose weights stay GGUF-quantized (Q4_0 / Q4_1 / Q8_0) on CPU.
+"""Linear layers whose weights stay quantized on CPU: GGUF's Q4_0 / Q4_1 / Q8_0, AWQ / GPTQ
+4-bit groups.
 
 ``load_gguf(model, cfg)`` streams a GGUF file into a model built by ``loader.build_model``.
 Float tensors load as usual; a quantized projection's GGML blocks (the stacked q/k/v and
@@ -10,12 +11,18 @@ it is loaded dequantized; a tied ``lm_head`` multiplies by the embedding's quant
 llama.cpp does. A stacked layer whose shards come in different GGML types is loaded
 dequantized (the kernel takes one type per layer). ``cfg.quantization`` None (``dequantize_gguf``)
 loads every quantized tensor dequantized to the run's dtype.
+
+``load_group_quantized(model, weights, cfg)`` loads an AWQ / GPTQ checkpoint the same way: each
+layer's qweight / qzeros / scales (``model_executor/awq_gptq.py``) become one Q4_G
+``QuantizedWeight`` (stacked shards concatenated by rows); layers the checkpoint keeps in float
+(the embedding, usually ``lm_head``) load as usual.
 """
 
 from __future__ import annotations
 
 import types
 from collections.abc import Iterator
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -24,10 +31,11 @@ from torch import nn
 
 from trillm.config import ModelConfig
 from trillm.kernels import linear_q_cpu
-from trillm.model_executor import gguf_loader
+from trillm.model_executor import awq_gptq, gguf_loader
 from trillm.model_executor.gguf_loader import GGUFTensor
 
 EMBEDDING = "model.embed_tokens.weight"
+_T = TypeVar("_T")
 _QTYPE_IDS = {"Q4_0": linear_q_cpu.Q4_0, "Q4_1": linear_q_cpu.Q4_1, "Q8_0": linear_q_cpu.Q8_0}
 
 
@@ -75,25 +83,43 @@ def _weights(
             yield t.name, torch.zeros((), dtype=torch.float32).expand(t.shape)  # set below
 
 
-def _attach(model: nn.Module, quantized: dict[str, GGUFTensor]) -> None:
+def _by_module(
+    model: nn.Module, paths: dict[str, _T]
+) -> Iterator[tuple[nn.Linear, str, list[_T], dict[str, _T]]]:
+    """Checkpoint layer path -> item, regrouped by the model's linear modules: (module, its
+    path, its items in shard order, items by shard ("" for a plain layer))."""
     from trillm.model_executor.models.llama import STACKED_PARAMS, StackedLinear
 
-    groups: dict[str, dict[str, GGUFTensor]] = {}  # module path -> shard (or "") -> tensor
-    for name, t in quantized.items():
-        path = name.removesuffix(".weight")
+    groups: dict[str, dict[str, _T]] = {}  # module path -> shard (or "") -> item
+    for path, item in paths.items():
         parent, _, proj = path.rpartition(".")
         if proj in STACKED_PARAMS:
             stacked, shard = STACKED_PARAMS[proj]
-            groups.setdefault(f"{parent}.{stacked}", {})[shard] = t
+            groups.setdefault(f"{parent}.{stacked}", {})[shard] = item
         else:
-            groups.setdefault(path, {})[""] = t
+            groups.setdefault(path, {})[""] = item
     for path, shards in groups.items():
         module = model.get_submodule(path)
-        assert isinstance(module, nn.Linear)
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"quantized checkpoint tensor for {path!r}, not a linear layer")
         if isinstance(module, StackedLinear):
             parts = [shards[s] for s in module.shard_offsets]  # every shard: all were quantized
         else:
             parts = [shards[""]]
+        yield module, path, parts, shards
+
+
+def _drop_float_weight(model: nn.Module, module: nn.Linear, path: str) -> None:
+    if path != "lm_head" or module.weight is not model.get_submodule("model.embed_tokens").weight:
+        module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype),
+                                     requires_grad=False)  # fmt: skip
+
+
+def _attach(model: nn.Module, quantized: dict[str, GGUFTensor]) -> None:
+    from trillm.model_executor.models.llama import StackedLinear
+
+    paths = {name.removesuffix(".weight"): t for name, t in quantized.items()}
+    for module, path, parts, shards in _by_module(model, paths):
         kinds = {t.type_name for t in parts}
         if len(kinds) > 1:  # one kernel call takes one type: this layer runs dequantized
             for shard, t in shards.items():
@@ -105,9 +131,34 @@ def _attach(model: nn.Module, quantized: dict[str, GGUFTensor]) -> None:
             raw, _QTYPE_IDS[parts[0].type_name], module.out_features, module.in_features
         )
         quantize_module(module, weight)
-        if (
-            path != "lm_head"
-            or module.weight is not model.get_submodule("model.embed_tokens").weight
-        ):
-            module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype),
-                                         requires_grad=False)  # fmt: skip
+        _drop_float_weight(model, module, path)
+
+
+def load_group_quantized(
+    model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig
+) -> None:
+    """Load an AWQ / GPTQ checkpoint (``weights``: its tensors) into ``model``; its 4-bit
+    layers stay quantized (Q4_G), the rest load as usual."""
+    qcfg = awq_gptq.parse_config(cfg.hf_config)
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # layer path -> qweight / qzeros / ...
+
+    def floats() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            path, _, kind = name.rpartition(".")
+            if kind not in awq_gptq.PACKED:
+                yield name, tensor
+                continue
+            packed.setdefault(path, {})[kind] = tensor
+            if kind == "qweight":  # the float weight's place, filled by the quantized one
+                shape = awq_gptq.shape_of(qcfg.method, tensor)
+                yield f"{path}.weight", torch.zeros((), dtype=torch.float32).expand(shape)
+
+    model.load_weights(floats())  # type: ignore[operator]
+    for module, path, parts, _ in _by_module(model, packed):
+        groups = [awq_gptq.unpack(qcfg, path, tensors) for tensors in parts]
+        q, scales, zeros = (np.concatenate(arrays, axis=0) for arrays in zip(*groups, strict=True))
+        if q.shape != (module.out_features, module.in_features):
+            raise ValueError(f"{path}: quantized weight {q.shape} for a layer of "
+                             f"{(module.out_features, module.in_features)}")  # fmt: skip
+        quantize_module(module, linear_q_cpu.QuantizedWeight.from_groups(q, scales, zeros))
+        _drop_float_weight(model, module, path)
