@@ -30,6 +30,7 @@ SO_REASONING = "tests/test_structured_output_reasoning.py::"
 POOL = "tests/test_pooling.py::"
 RESP = "tests/test_responses_api.py::"
 TP = "tests/test_tensor_parallel.py::"
+DP = "tests/test_data_parallel.py::"
 LORA = "tests/test_lora.py::"
 GGUF = "tests/test_gguf.py::"
 AWQ = "tests/test_awq_gptq.py::"
@@ -275,6 +276,14 @@ _ENGINE = {
         TP + "test_http_tp2_matches_tp1_token_for_token",
         TP + "test_tp_size_the_model_cannot_split_is_refused",
     ),  # fmt: skip
+    "data_parallel_size": ids(
+        DP + "test_python_api_dp2_matches_dp1_and_spreads_the_requests",
+        DP + "test_abort_goes_to_the_core_that_holds_the_request",
+        DP + "test_data_parallel_size_below_one_is_refused",
+        DP + "test_http_dp2_matches_dp1_token_for_token",
+        DP + "test_metrics_label_each_engine_and_show_the_spread",
+        DP + "test_prefix_affinity_keeps_a_shared_prefix_on_one_core",
+    ),  # fmt: skip
     "kv_cache_memory": ids(CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"),
     "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),
     "num_gpu_blocks_override": ids(
@@ -414,7 +423,6 @@ _VLLM_FLAGS = {
     "--tokenizer-mode": ids(VF + "test_more_vllm_flags_refused"),
     "--limit-mm-per-prompt": ids(VF + "test_more_vllm_flags_refused"),
     "--pipeline-parallel-size": ids(REFUSED_TOP, VF + "test_value_one_is_the_no_op_for_parallel_sizes"),
-    "--data-parallel-size": ids(REFUSED_TOP, VF + "test_value_one_is_the_no_op_for_parallel_sizes"),
     "--quantization": ids(REFUSED_TOP, FLAG_MAP, *_ENGINE["quantization"],
                           GGUF + "test_serve_flags_reach_the_engine_args",
                           GGUF + "test_trillm_serve_a_gguf_file_chats_with_its_template"),
@@ -454,6 +462,7 @@ _ENGINE_FLAG_FIELDS = {
     "--long-prefill-token-threshold": "long_prefill_token_threshold",
     "--enable-prefix-caching": "enable_prefix_caching", "--scheduling-policy": "scheduling_policy",
     "--tensor-parallel-size": "tensor_parallel_size", "--kv-cache-memory": "kv_cache_memory",
+    "--data-parallel-size": "data_parallel_size",
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "--num-gpu-blocks-override": "num_gpu_blocks_override", "--max-logprobs": "max_logprobs",
     "--stream-interval": "stream_interval", "--device": "device",

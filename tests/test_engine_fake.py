@@ -120,7 +120,7 @@ def test_step_token_counts_and_first_scheduled_times(model_path):
         async with open_engine(model_path, runner=FAKE_RUNNER, max_num_seqs=4,
                                enable_prefix_caching=False) as engine:  # fmt: skip
             steps: list[int] = []
-            engine.step_observers.append(steps.append)
+            engine.step_observers.append(lambda n, _engine: steps.append(n))
             finals = {}
 
             async def one(i):

@@ -45,6 +45,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     tensor_parallel_size: int = 1
+    # Engine cores behind the one frontend, each with its own scheduler, KV cache and workers
+    # (trillm/engine/dp_router.py routes requests among them).
+    data_parallel_size: int = 1
     kv_cache_memory: int | str | None = None  # CPU budget for the KV cache
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -93,12 +96,10 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(
-            self.tensor_parallel_size, int
-        ) or self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}."
-            )
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
             raise ValueError(
                 "tensor_parallel_size > 1 needs distributed_executor_backend='mp' (one worker "
@@ -217,6 +218,8 @@ class ParallelConfig:
     distributed_executor_backend: Literal["mp", "uni"] = "mp"
     master_port: int = 0  # the ranks' TCP rendezvous on loopback (the executor picks it)
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    data_parallel_size: int = 1  # engine cores (each gets its own copy of the config)
+    data_parallel_rank: int = 0  # which engine core this config's workers serve
 
 
 @dataclass

@@ -203,6 +203,7 @@ class EngineCoreOutputs:
     step_time_s: float = 0.0
     model_time_s: float = 0.0
     num_scheduled_tokens: int = 0  # tokens the step computed (vLLM's iteration tokens)
+    engine_index: int = 0  # which engine core (data parallelism) stepped
 
 
 # ---------------------------------------------------------------- request streams -> output handler

@@ -15,23 +15,31 @@ from trillm.distributed.parallel_state import (
 )
 
 
-def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
-    """Pick this rank's device (cuda:rank) or its share of the CPU cores, then join the group
-    (blocks until every rank has joined); -> the rank's device."""
+def place_rank(config: TrillmConfig, rank: int) -> torch.device:
+    """This rank's device: on CUDA one GPU per rank of every engine core (core d's rank r on
+    cuda:d*TP+r); on CPU its share of the cores (every rank of every engine core shares them:
+    more threads than cores thrash, and the native kernels follow torch's thread count)."""
     parallel = config.parallel
     size = parallel.tensor_parallel_size
     device = torch.device(config.device)
     if device.type == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", parallel.data_parallel_rank * size + rank)
         torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:
-        # N ranks on one machine share its cores; more threads than cores thrash (the native
-        # kernels follow torch's thread count).
         cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, cores // size))
+        torch.set_num_threads(max(1, cores // (size * parallel.data_parallel_size)))
+    return device
+
+
+def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
+    """Pick this rank's device (``place_rank``), then join the group (blocks until every rank
+    has joined); -> the rank's device."""
+    parallel = config.parallel
+    device = place_rank(config, rank)
     init_tensor_parallel(
-        rank, size, parallel.master_port, device.type, parallel.collective_timeout_s
-    )
+        rank, parallel.tensor_parallel_size, parallel.master_port, device.type,
+        parallel.collective_timeout_s,
+    )  # fmt: skip
     return device
 
 

@@ -5,10 +5,14 @@ two long-lived tasks in one nursery, both started with ``nursery.start`` so they
 the caller gets the engine:
 
 - the engine-core task (``trillm/engine/core.py``): schedule -> execute -> sample -> update;
+  with ``data_parallel_size`` K, K of them, each with its own scheduler, KV cache and
+  executor (workers);
 - the output handler: EngineCoreOutputs -> detokenize, stop strings, logprobs -> collectors.
 
 Only the output handler touches the output processor: engine outputs, new requests
-(``AddRequest``) and aborts reach it, in order, over one bounded inbox.
+(``AddRequest``) and aborts reach it, in order, over one bounded inbox. It hands each new
+request to the engine core the router picks (``dp_router.py``) and each abort to the core
+that holds the request.
 
 ``async with engine.generate(...) as outputs: async for out in outputs`` submits one request
 and reads its ``RequestOutput``s from a per-request collector (``request_stream.py``). Leaving
@@ -29,6 +33,7 @@ import trio
 
 from trillm.config import EngineArgs, TrillmConfig
 from trillm.engine.chat_template import load_chat_template
+from trillm.engine.dp_router import DataParallelRouter, core_configs, sum_stats
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET, OutputProcessor
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
 from trillm.engine.request_stream import RequestStream
@@ -58,45 +63,49 @@ class AsyncEngine:
         self,
         config: TrillmConfig,
         tokenizer: Any,
-        executor: Any,
+        executor: Any,  # one executor, or one per engine core (data parallelism)
         stream_interval: int = 1,
         stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET,
         chat_template: str | None = None,
     ) -> None:
-        from trillm._native import get_scheduler_cls
-        from trillm.engine.core import EngineCore
-
         self.config = config
         self.model_config = config.model
         self.tokenizer = tokenizer
-        self.executor = executor
+        self.executors: list[Any] = list(executor) if isinstance(executor, list) else [executor]
+        self.executor = self.executors[0]
         # Stage 2 (render, tokenize, truncate, validate), shared with the HTTP layer.
-        self.preprocessor = Preprocessor(config, tokenizer, executor.num_blocks, chat_template)
+        self.preprocessor = Preprocessor(config, tokenizer, self.num_blocks, chat_template)
         self.output_processor = OutputProcessor(
             tokenizer, stream_interval=stream_interval, wake_budget=stream_wake_budget
         )
-        scheduler = get_scheduler_cls()(config.scheduler, config.cache, executor.num_blocks)
         self.structured_output = _structured_output_manager(config, tokenizer)
-        lora = None
-        if config.lora is not None:
-            from trillm.lora.admission import LoRAAdmission
-
-            lora = LoRAAdmission(config.lora.max_loras)
-        self.core = EngineCore(scheduler, executor, self.structured_output, lora, _proposer(config))
+        # One engine core per executor; ``core`` is the first (the only one without DP).
+        self.cores = [self._make_core(ex, i) for i, ex in enumerate(self.executors)]
+        self.core = self.cores[0]
+        # Which core takes each request (None with one core: everything goes to it).
+        self.router = (
+            DataParallelRouter(len(self.cores), config.cache.block_size)
+            if len(self.cores) > 1 else None
+        )  # fmt: skip
         # Adapters checked against the model (trillm/lora/checker.py), with --enable-lora.
         self.lora_checker = None if config.lora is None else LoRAChecker(config)
-        # Written only by the output handler (new requests, aborts): see _add_request.
-        self._input_send, self._input_recv = trio.open_memory_channel[Any](math.inf)
+        # Each core's input, written only by the output handler (new requests, aborts): see
+        # _add_request.
+        inputs = [trio.open_memory_channel[Any](math.inf) for _ in self.cores]
+        self._input_sends = [send for send, _ in inputs]
+        self._input_recvs = [recv for _, recv in inputs]
         # Engine outputs, new requests and aborts, in order, to the output handler. Bounded:
-        # the engine core waits when the handler is _INBOX_SIZE messages behind, and so do
+        # the engine cores wait when the handler is _INBOX_SIZE messages behind, and so do
         # callers submitting requests.
         self._inbox_send, self._inbox_recv = trio.open_memory_channel[OutputHandlerInput](
             _INBOX_SIZE
         )
         self.stream_interval = stream_interval
-        self._stats: SchedulerStats = self.core._stats()  # zeros (and spec counters) until a step
-        # Called with each step's computed-token count (the metrics' iteration_tokens_total).
-        self.step_observers: list[Callable[[int], None]] = []
+        # Each core's last stats: zeros (and spec counters) until its first step.
+        self._engine_stats: list[SchedulerStats] = [core._stats() for core in self.cores]
+        # Called with each step's computed-token count and its engine core's index (the
+        # metrics' iteration_tokens_total).
+        self.step_observers: list[Callable[[int, int], None]] = []
         self._ids = itertools.count()
         self.dead_error: EngineDeadError | None = None
         self.died = trio.Event()  # set with dead_error (the server exits on it)
@@ -109,10 +118,52 @@ class AsyncEngine:
 
     @property
     def num_blocks(self) -> int:
-        return self.executor.num_blocks
+        """KV blocks of one engine core (the smallest: a request must fit any core)."""
+        return min(executor.num_blocks for executor in self.executors)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.cores)
 
     def get_stats(self) -> SchedulerStats:
-        return self._stats
+        """The scheduler stats, summed over the engine cores (KV usage: their mean)."""
+        if len(self._engine_stats) == 1:
+            return self._engine_stats[0]
+        return sum_stats(self._engine_stats)
+
+    def get_engine_stats(self) -> list[SchedulerStats]:
+        """Each engine core's last scheduler stats, by core index."""
+        return list(self._engine_stats)
+
+    def engine_index_of(self, request_id: str) -> int | None:
+        """The engine core running a request now (None once it is over, or never known)."""
+        if self.router is None:
+            return 0 if self.output_processor.child_ids(request_id) else None
+        for child in self.output_processor.child_ids(request_id):
+            index = self.router.owner(child)
+            if index is not None:
+                return index
+        return None
+
+    def _make_core(self, executor: Any, index: int) -> Any:
+        """An engine core on ``executor``: its own scheduler, grammar matchers (over the one
+        grammar cache), LoRA admission and draft proposer."""
+        from trillm._native import get_scheduler_cls
+        from trillm.engine.core import EngineCore
+
+        config = self.config
+        scheduler = get_scheduler_cls()(config.scheduler, config.cache, executor.num_blocks)
+        structured = self.structured_output
+        if structured is not None and index > 0:
+            from trillm.structured_output import StructuredOutputManager
+
+            structured = StructuredOutputManager(structured.cache, config.reasoning_parser)
+        lora = None
+        if config.lora is not None:
+            from trillm.lora.admission import LoRAAdmission
+
+            lora = LoRAAdmission(config.lora.max_loras)
+        return EngineCore(scheduler, executor, structured, lora, _proposer(config))
 
     # ------------------------------------------------------------------ tasks
     async def run_core(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
@@ -120,7 +171,9 @@ class AsyncEngine:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._run_output_handler, self._inbox_recv)
-                await nursery.start(self._run_core_task, send_outputs)
+                for index in range(len(self.cores)):
+                    await nursery.start(self._run_core_task, index, send_outputs.clone())
+                await send_outputs.aclose()
                 self.is_running = True
                 task_status.started()
         except Exception as exc:  # the engine is gone: fail everything, keep the process up
@@ -130,6 +183,7 @@ class AsyncEngine:
 
     async def _run_core_task(
         self,
+        index: int,
         outputs: trio.MemorySendChannel[OutputHandlerInput],
         *,
         task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
@@ -137,7 +191,10 @@ class AsyncEngine:
         from trillm.engine.core import run_engine_core
 
         try:
-            await run_engine_core(self.core, self._input_recv, outputs, task_status=task_status)
+            await run_engine_core(
+                self.cores[index], self._input_recvs[index], outputs, index,
+                task_status=task_status,
+            )  # fmt: skip
         except Exception as exc:
             self._die(exc)  # before the nursery cancels the handler: its readers get this
             raise
@@ -172,20 +229,46 @@ class AsyncEngine:
     def _handle(self, msg: OutputHandlerInput) -> None:
         processor = self.output_processor
         if isinstance(msg, EngineCoreOutputs):
+            index = msg.engine_index
             if msg.scheduler_stats is not None:
-                self._stats = msg.scheduler_stats
+                self._engine_stats[index] = msg.scheduler_stats
             if msg.num_scheduled_tokens:
                 for observe in self.step_observers:
-                    observe(msg.num_scheduled_tokens)
+                    observe(msg.num_scheduled_tokens, index)
+            if self.router is not None:
+                self._note_finished(msg)
             to_abort = processor.process_outputs(msg.outputs, model_time_s=msg.model_time_s)
             if to_abort:
-                self._input_send.send_nowait(AbortRequests(to_abort))
+                self._send_aborts(to_abort)
         elif isinstance(msg, AddRequest):
             self._add_request(msg)
         else:
             ids = processor.child_ids(msg.request_id)
             if processor.abort_request(msg.request_id, msg.collector):
-                self._input_send.send_nowait(AbortRequests(ids))
+                self._send_aborts(ids)
+
+    def _note_finished(self, msg: EngineCoreOutputs) -> None:
+        """Data parallelism: the router's loads follow what each core finished."""
+        router = self.router
+        assert router is not None
+        if msg.scheduler_stats is not None:
+            router.note_kv_usage(msg.engine_index, msg.scheduler_stats.kv_cache_usage)
+        for out in msg.outputs:
+            if out.finish_reason is not None:
+                router.release(out.request_id)
+
+    def _send_aborts(self, engine_ids: list[str]) -> None:
+        """Each abort to the engine core that holds the request."""
+        if self.router is None:
+            self._input_sends[0].send_nowait(AbortRequests(engine_ids))
+            return
+        by_core: dict[int, list[str]] = {}
+        for req_id in engine_ids:
+            index = self.router.release(req_id)
+            if index is not None:
+                by_core.setdefault(index, []).append(req_id)
+        for index, ids in by_core.items():
+            self._input_sends[index].send_nowait(AbortRequests(ids))
 
     def _add_request(self, msg: AddRequest) -> None:
         engine_ids = [r.request_id for r in msg.engine_requests]
@@ -197,10 +280,12 @@ class AsyncEngine:
         except InvalidRequestError as exc:  # an id already in flight: this request alone
             msg.collector.put_error(exc)
             return
-        # NOTE: the core's input is written only here; what it holds is bounded by what came
+        # NOTE: the cores' inputs are written only here; what one holds is bounded by what came
         # through the bounded inbox since the core last drained it (every step).
+        index = 0 if self.router is None else self.router.route(msg.engine_requests)
+        send = self._input_sends[index]
         for request in msg.engine_requests:
-            self._input_send.send_nowait(request)
+            send.send_nowait(request)
 
     def _fail_readers(self, inbox: trio.MemoryReceiveChannel[OutputHandlerInput]) -> None:
         """The handler ends (engine failure or shutdown): every reader gets the error, those
@@ -442,7 +527,7 @@ async def open_engine(
     streams woken per step for a middle output (None: no budget; see ``output_processor``)."""
     from trillm.engine.config_builder import build_config, load_tokenizer
     from trillm.executor.abstract import DEFAULT_RUNNER, POOLING_RUNNER
-    from trillm.executor.factory import open_executor
+    from trillm.executor.factory import open_executors
 
     _require_trio()
     if runner is not None and ":" not in runner:  # vLLM's runner kind, not a class path
@@ -453,15 +538,18 @@ async def open_engine(
         load_tokenizer, config.model.tokenizer, args.trust_remote_code
     )
     default = POOLING_RUNNER if config.pooler is not None else DEFAULT_RUNNER
-    async with open_executor(config, runner or default, runner_kwargs) as executor:
+    configs = core_configs(config)
+    async with open_executors(configs, runner or default, runner_kwargs) as executors:
         engine = AsyncEngine(
-            config, tokenizer, executor, args.stream_interval, stream_wake_budget,
+            configs[0], tokenizer, executors, args.stream_interval, stream_wake_budget,
             args.chat_template,
         )  # fmt: skip
         logger.info(
-            "engine ready: model %s, %d KV blocks of %d tokens, device %s, attention %s",
+            "engine ready: model %s, %d engine core(s) of %d KV blocks of %d tokens, device %s, "
+            "attention %s",
             config.model.served_model_name,
-            executor.num_blocks,
+            len(executors),
+            engine.num_blocks,
             config.cache.block_size,
             config.device,
             config.attention_backend,

@@ -57,6 +57,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     model_config = load_model_config(args)
     max_model_len = model_config.max_model_len
     _check_tensor_parallel(model_config, args.tensor_parallel_size, device)
+    _check_data_parallel(args, device)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {args.block_size}.")
     max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -96,6 +97,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         ),
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
             distributed_executor_backend=args.distributed_executor_backend,
         ),
         device=device,
@@ -125,6 +127,25 @@ def _check_tensor_parallel(model_config: ModelConfig, size: int, device: str) ->
                 f"tensor_parallel_size={size} needs {size} GPUs (one per rank), "
                 f"{torch.cuda.device_count()} visible."
             )
+
+
+def _check_data_parallel(args: EngineArgs, device: str) -> None:
+    """Refuse a data_parallel_size the GPUs cannot take: one GPU per rank of every core."""
+    size = args.data_parallel_size
+    if size == 1 or device != "cuda":
+        return
+    import torch
+
+    if args.distributed_executor_backend == "uni":
+        # NOTE: in-process cores would share this process's current CUDA device.
+        raise ValueError("data_parallel_size > 1 on CUDA needs distributed_executor_backend='mp'.")
+    needed = size * args.tensor_parallel_size
+    if torch.cuda.device_count() < needed:
+        raise ValueError(
+            f"data_parallel_size={size} x tensor_parallel_size={args.tensor_parallel_size} "
+            f"needs {needed} GPUs (one per rank of every engine core), "
+            f"{torch.cuda.device_count()} visible."
+        )
 
 
 def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:

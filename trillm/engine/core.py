@@ -327,10 +327,12 @@ async def run_engine_core(
     core: EngineCore,
     inputs: trio.MemoryReceiveChannel,
     outputs: trio.MemorySendChannel,
+    engine_index: int = 0,
     *,
     task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The busy loop: drain inputs, step while there is work, sleep on the channel when idle."""
+    """The busy loop: drain inputs, step while there is work, sleep on the channel when idle.
+    ``engine_index``: this core's index (data parallelism), stamped on its outputs."""
     task_status.started()
     async with outputs:
         while True:
@@ -342,6 +344,7 @@ async def run_engine_core(
                 await trio.sleep(_IDLE_BACKOFF_S if core.scheduler.has_unfinished_requests() else 0)
                 continue
             if result.outputs or result.scheduler_stats is not None:
+                result.engine_index = engine_index
                 await outputs.send(result)
 
 

@@ -53,3 +53,32 @@ async def open_executor(
         # NOTE: run() only raises before started(), so a lone error is the caller's own (or
         # the startup failure): re-raise it as is rather than wrapped in a group.
         raise unwrap_group(group) from None
+
+
+@asynccontextmanager
+async def open_executors(
+    configs: list[TrillmConfig],
+    runner_factory: RunnerFactory = DEFAULT_RUNNER,
+    runner_kwargs: dict[str, Any] | None = None,
+) -> AsyncIterator[list[Executor]]:
+    """One executor per engine core (data parallelism), started together (their workers load
+    at the same time) and shut down together on exit. One that fails to start stops the
+    others (their workers are reaped) and its error is raised."""
+    if len(configs) == 1:
+        async with open_executor(configs[0], runner_factory, runner_kwargs) as executor:
+            yield [executor]
+        return
+    executors = [make_executor(c, runner_factory, runner_kwargs) for c in configs]
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                async with trio.open_nursery() as starting:
+                    for executor in executors:
+                        starting.start_soon(nursery.start, executor.run)
+                yield executors
+            finally:
+                with trio.CancelScope(shield=True):
+                    for executor in executors:
+                        await executor.shutdown()
+    except BaseExceptionGroup as group:
+        raise unwrap_group(group) from None

@@ -107,12 +107,14 @@ class _Ipc:
         self.requests = RingWriter(self.request_ring, self.request_fds)
         self.results = [RingReader(r, 0, f) for r, f in zip(self.result_rings, self.result_fds)]
 
-    def worker_args(self, rank: int) -> tuple[list[str], list[int]]:
-        """-> (command line, fds the worker inherits)."""
+    def worker_args(self, rank: int, engine: int = 0) -> tuple[list[str], list[int]]:
+        """-> (command line, fds the worker inherits); ``engine``: the engine core (data
+        parallelism) the worker serves, on its command line so that ps tells them apart."""
         res = self.result_fds[rank]
         argv = [
             sys.executable, "-m", "trillm.worker.worker_main",
             "--rank", str(rank),
+            "--engine", str(engine),
             "--request-ring", json.dumps(asdict(self.request_fds)),
             "--result-ring", json.dumps(asdict(res)),
             "--death-fd", str(self.death_r),
@@ -206,7 +208,7 @@ class MultiprocExecutor(Executor):
         try:
             async with trio.open_nursery() as nursery:
                 for rank in range(self.num_workers):
-                    argv, fds = ipc.worker_args(rank)
+                    argv, fds = ipc.worker_args(rank, self.config.parallel.data_parallel_rank)
                     proc = await trio.lowlevel.open_process(argv, pass_fds=fds, env=_worker_env())
                     self.processes.append(proc)
                     nursery.start_soon(self._supervise, rank, proc)
@@ -250,7 +252,9 @@ class MultiprocExecutor(Executor):
         code = await proc.wait()
         if self._stopping:
             return
-        message = f"Worker rank {rank} (pid {proc.pid}) {describe_exit(code)}."
+        engine = self.config.parallel.data_parallel_rank
+        where = f" of engine core {engine}" if self.config.parallel.data_parallel_size > 1 else ""
+        message = f"Worker rank {rank}{where} (pid {proc.pid}) {describe_exit(code)}."
         last_words = self._reported.pop(rank, None) or self._last_words(rank)
         if last_words is not None:
             message += "\n" + last_words.message

@@ -30,7 +30,7 @@ from trillm.attention.backend import AttentionMetadata
 from trillm.attention.selector import get_attention_backend
 from trillm.config import TrillmConfig
 from trillm.distributed.sharding import RankShapes
-from trillm.distributed.worker import join_tensor_parallel, leave_tensor_parallel
+from trillm.distributed.worker import join_tensor_parallel, leave_tensor_parallel, place_rank
 from trillm.lora.manager import LoRAManager
 from trillm.lora.request import LoRARequest
 from trillm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -95,6 +95,8 @@ class ModelRunner:
         self._num_steps = 0
         if self.tp_size > 1:
             self.device = join_tensor_parallel(config, rank)
+        elif config.parallel.data_parallel_size > 1:
+            self.device = place_rank(config, rank)  # engine core d's GPU, or its CPU share
         self.dtype = getattr(torch, model_cfg.dtype)
         cache_dtype = config.cache.cache_dtype
         self.kv_dtype = KV_CACHE_TORCH_DTYPES[

@@ -149,6 +149,7 @@ class Worker:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="trillm model worker (started by the executor)")
     p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--engine", type=int, default=0, help="engine core (data parallelism)")
     p.add_argument("--request-ring", required=True, help="JSON RingFds; this rank reads it")
     p.add_argument("--result-ring", required=True, help="JSON RingFds; this rank writes it")
     p.add_argument("--death-fd", type=int, required=True, help="read end of the parent pipe")

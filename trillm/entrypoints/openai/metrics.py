@@ -1,6 +1,9 @@
 """Prometheus metrics: vLLM v1's series, under ``vllm:`` and ``trillm:`` names, per app.
 
-Every series carries vLLM's labels ``model_name`` and ``engine`` ("0": one engine per server).
+Every series carries vLLM's labels ``model_name`` and ``engine``. The engine-scoped series
+(scheduler gauges and counters, ``cache_config_info``, ``iteration_tokens_total``) have one
+sample per engine core, ``engine`` "0" .. "K-1" with ``--data-parallel-size K``; the request
+series are measured at the one frontend and carry ``engine`` "0".
 ``--metrics-prefix`` picks the names: ``both`` (default: vLLM's dashboards and trillm's own
 work unchanged), ``vllm`` or ``trillm``. The series are recorded once, under ``vllm:``, and
 renamed at scrape time, so a second prefix costs nothing per request.
@@ -85,7 +88,8 @@ class _SchedulerCollector(Collector):
         self.labels = labels
 
     def collect(self) -> Iterable[Metric]:
-        stats = self.engine.get_stats()
+        per_engine = engine_stats(self.engine)
+        labels = [[self.labels[0], str(i)] for i in range(len(per_engine))]
         gauges = (
             ("vllm:num_requests_running", "Number of requests in model execution batches.",
              "num_running_reqs"),
@@ -96,7 +100,8 @@ class _SchedulerCollector(Collector):
         )  # fmt: skip
         for name, doc, attr in gauges:
             g = GaugeMetricFamily(name, doc, labels=LABELS)
-            g.add_metric(self.labels, float(getattr(stats, attr)))
+            for values, stats in zip(labels, per_engine):
+                g.add_metric(values, float(getattr(stats, attr)))
             yield g
         counters = (
             ("vllm:prefix_cache_queries",
@@ -110,18 +115,23 @@ class _SchedulerCollector(Collector):
         )  # fmt: skip
         for name, doc, attr in counters:
             c = CounterMetricFamily(name, doc, labels=LABELS)
-            c.add_metric(self.labels, float(getattr(stats, attr)))
+            for values, stats in zip(labels, per_engine):
+                c.add_metric(values, float(getattr(stats, attr)))
             yield c
-        if stats.spec_decoding is not None:
-            yield from self._spec_decoding(stats.spec_decoding)
-        info = cache_config_info(self.engine)
+        specs = [(values, s.spec_decoding) for values, s in zip(labels, per_engine)
+                 if s.spec_decoding is not None]  # fmt: skip
+        if specs:
+            yield from self._spec_decoding(specs)
+        infos = [cache_config_info(self.engine, index) for index in range(len(per_engine))]
         g = GaugeMetricFamily(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
-        )
-        g.add_metric(list(info.values()), 1.0)
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+            labels=list(infos[0]),
+        )  # fmt: skip
+        for info in infos:
+            g.add_metric(list(info.values()), 1.0)
         yield g
 
-    def _spec_decoding(self, spec: Any) -> Iterable[Metric]:
+    def _spec_decoding(self, specs: list[tuple[list[str], Any]]) -> Iterable[Metric]:
         """vLLM v1's speculative-decoding counters (only with a speculative_config)."""
         counters = (
             ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
@@ -132,25 +142,36 @@ class _SchedulerCollector(Collector):
         )  # fmt: skip
         for name, doc, attr in counters:
             c = CounterMetricFamily(name, doc, labels=LABELS)
-            c.add_metric(self.labels, float(getattr(spec, attr)))
+            for values, spec in specs:
+                c.add_metric(values, float(getattr(spec, attr)))
             yield c
         per_pos = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.", labels=[*LABELS, "position"],
         )  # fmt: skip
-        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
-            per_pos.add_metric([*self.labels, str(pos)], float(count))
+        for values, spec in specs:
+            for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+                per_pos.add_metric([*values, str(pos)], float(count))
         yield per_pos
 
 
-def cache_config_info(engine: Any) -> dict[str, str]:
-    """vLLM's cache_config_info labels (the fields trillm has), plus ``engine``."""
+def engine_stats(engine: Any) -> list[Any]:
+    """Each engine core's scheduler stats (one core: the engine's stats)."""
+    per_engine = getattr(engine, "get_engine_stats", None)
+    return per_engine() if per_engine is not None else [engine.get_stats()]
+
+
+def cache_config_info(engine: Any, index: int = 0) -> dict[str, str]:
+    """vLLM's cache_config_info labels (the fields trillm has), plus ``engine``: of engine
+    core ``index``."""
     cache = getattr(getattr(engine, "config", None), "cache", None)
-    info = {"engine": ENGINE_INDEX, "cache_dtype": "auto"}
+    info = {"engine": str(index), "cache_dtype": "auto"}
     for name in ("block_size", "enable_prefix_caching", "gpu_memory_utilization",
                  "num_gpu_blocks_override", "kv_cache_memory"):  # fmt: skip
         info[name] = str(getattr(cache, name, None))
-    info["num_gpu_blocks"] = str(getattr(engine, "num_blocks", None))
+    executors = getattr(engine, "executors", None)
+    blocks = executors[index].num_blocks if executors else getattr(engine, "num_blocks", None)
+    info["num_gpu_blocks"] = str(blocks)
     return info
 
 
@@ -240,6 +261,15 @@ class _RequestCollector(Collector):
         yield fam
         for hist in m.histograms:
             yield hist.family(m.labels)
+        yield from _per_engine_family(m.iteration_tokens, m.labels[0])
+
+
+def _per_engine_family(hists: list[Hist], model_name: str) -> Iterable[Metric]:
+    """One histogram family with a sample per engine core."""
+    fam = hists[0].family([model_name, "0"])
+    for index, hist in enumerate(hists[1:], start=1):
+        fam.samples += hist.family([model_name, str(index)]).samples
+    yield fam
 
 
 class ServerMetrics:
@@ -284,14 +314,15 @@ class ServerMetrics:
             "vllm:request_generation_tokens", "Number of generation tokens processed.",
             length_buckets,
         )  # fmt: skip
-        self.iteration_tokens = hist(
-            "vllm:iteration_tokens_total",
-            "Histogram of number of tokens per engine_step.",
-            sorted(set(buckets_1_2_5(step_tokens) + [step_tokens])),
-        )  # fmt: skip
+        # One per engine core (engine-scoped), observed with each step's core index.
+        self.iteration_tokens = [
+            Hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                 sorted(set(buckets_1_2_5(step_tokens) + [step_tokens])))
+            for _ in range(int(getattr(engine, "data_parallel_size", 1)))
+        ]  # fmt: skip
         observers = getattr(engine, "step_observers", None)
         if observers is not None:
-            observers.append(self.iteration_tokens.observe)
+            observers.append(self.observe_step)
         self.params_n = hist(
             "vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS
         )
@@ -333,6 +364,9 @@ class ServerMetrics:
         )
         self.decode = phase("vllm:request_decode_time_seconds",
                             "Histogram of time spent in DECODE phase for request.")  # fmt: skip
+
+    def observe_step(self, num_tokens: int, engine_index: int = 0) -> None:
+        self.iteration_tokens[engine_index].observe(num_tokens)
 
     def request_finished(self, reason: str) -> None:
         self.success[reason] = self.success.get(reason, 0) + 1

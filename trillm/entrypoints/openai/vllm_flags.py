@@ -8,7 +8,7 @@ Three kinds, never a flag accepted and ignored in silence:
   ``--enforce-eager``, ``--swap-space``): what they ask is already so, or means nothing here,
   and ``startup_notes`` says so once in the log;
 - refused (argparse error, exit 2) where the feature belongs to another open issue:
-  pipeline/data parallelism, quantization methods other than fp8 / gguf / awq / gptq,
+  pipeline parallelism, quantization methods other than fp8 / gguf / awq / gptq,
   KV-cache dtypes beyond bf16 / fp8, speculative decoding other than n-gram and a draft model
   (``--speculative-config`` with ``"method": "ngram"`` or ``"draft_model"`` is honoured;
   eagle / medusa / mtp are refused; LoRA: serving_lora.py).
@@ -240,10 +240,6 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pipeline-parallel-size", "-pp", type=_not_implemented("pipeline parallelism", 14, "1"),
         help="Only 1 until pipeline parallelism lands (issue 14).",
-    )  # fmt: skip
-    g.add_argument(
-        "--data-parallel-size", "-dp", type=_not_implemented("data parallelism", 14, "1"),
-        help="Only 1 until data parallelism lands (issue 14).",
     )  # fmt: skip
     g.add_argument(
         "--quantization", "-q", type=_quantization, default=None,
