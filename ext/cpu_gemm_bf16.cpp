@@ -32,20 +32,8 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr int kCols = 64;        // output columns per panel: four 16-lane fp32 vectors
-constexpr int kRows = 6;         // rows of x per register block: 6 x 4 accumulators
-constexpr int kRowBlock = 192;   // rows of x per work item (bf16: 192 x K x 2 bytes in L2)
+constexpr int kCols = kPanelCols;
 constexpr int kPairStride = kCols * 2;  // bf16 values per k-pair of a panel
-
-bool cpu_has_avx512bf16() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
 
 // AMX tiles multiply bf16 several times faster than vdpbf16ps once there are enough rows to
 // fill them; this kernel does not use them, but the caller may leave those calls to torch.
@@ -58,22 +46,22 @@ bool cpu_has_amx_bf16() {
 #endif
 }
 
-struct Gemm {
-  const uint16_t* x;  // bf16 rows, stride ldx (elements)
-  int64_t ldx;
-  const uint16_t* packed;
-  const float* bias;  // null: none
-  void* y;            // float or bf16 rows, stride ldy (elements)
-  int64_t ldy;
-  int M, N, K;
-  bool y_bf16;
+// The register-block kernel of run_gemm (cpu_bf16_tiles.h).
+struct Bf16Kernel {
+  using Weight = uint16_t;
+  static constexpr int kRows = 6;  // rows of x per register block: 6 x 4 accumulators
+
+  template <int R>
+  TRILLM_BF16_TARGET static void block(const uint16_t* x, int64_t ldx, const uint16_t* panel,
+                                       int K, const float* scale, const float* bias, void* y,
+                                       int64_t ldy, bool y_bf16, int cols);
 };
 
-// y[0..R, 0..cols) = x[0..R, :] . panel (+ bias).
+// y[0..R, 0..cols) = x[0..R, :] . panel (+ bias); no scale (always null here).
 template <int R>
-TRILLM_BF16_TARGET inline __attribute__((always_inline)) void block(
-    const uint16_t* x, int64_t ldx, const uint16_t* panel, int K, const float* bias, void* y,
-    int64_t ldy, bool y_bf16, int cols) {
+TRILLM_BF16_TARGET inline __attribute__((always_inline)) void Bf16Kernel::block(
+    const uint16_t* x, int64_t ldx, const uint16_t* panel, int K, const float* /*scale*/,
+    const float* bias, void* y, int64_t ldy, bool y_bf16, int cols) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
@@ -120,34 +108,6 @@ TRILLM_BF16_TARGET inline __attribute__((always_inline)) void block(
     store_row(acc[i], static_cast<char*>(y) + i * ldy * elem, y_bf16, cols);
 }
 
-TRILLM_BF16_TARGET void panels(const Gemm& g, int first, int last) {
-  const int64_t elem = g.y_bf16 ? 2 : 4;
-  const int64_t panel_size = static_cast<int64_t>((g.K + 1) / 2) * kPairStride;
-  for (int p = first; p < last; ++p) {
-    const uint16_t* panel = g.packed + p * panel_size;
-    const int col = p * kCols;
-    const int cols = g.N - col < kCols ? g.N - col : kCols;
-    const float* bias = g.bias == nullptr ? nullptr : g.bias + col;
-    char* y0 = static_cast<char*>(g.y) + col * elem;
-    int m = 0;
-    for (; m + kRows <= g.M; m += kRows)
-      block<kRows>(g.x + m * g.ldx, g.ldx, panel, g.K, bias, y0 + m * g.ldy * elem, g.ldy,
-                   g.y_bf16, cols);
-    const uint16_t* x = g.x + m * g.ldx;
-    void* y = y0 + m * g.ldy * elem;
-    switch (g.M - m) {
-      case 1: block<1>(x, g.ldx, panel, g.K, bias, y, g.ldy, g.y_bf16, cols); break;
-      case 2: block<2>(x, g.ldx, panel, g.K, bias, y, g.ldy, g.y_bf16, cols); break;
-      case 3: block<3>(x, g.ldx, panel, g.K, bias, y, g.ldy, g.y_bf16, cols); break;
-      case 4: block<4>(x, g.ldx, panel, g.K, bias, y, g.ldy, g.y_bf16, cols); break;
-      case 5: block<5>(x, g.ldx, panel, g.K, bias, y, g.ldy, g.y_bf16, cols); break;
-      default: break;
-    }
-  }
-}
-
-int num_panels(int N) { return (N + kCols - 1) / kCols; }
-
 // bf16 values in the packed copy of an [N, K] weight.
 int64_t packed_size(int N, int K) {
   return static_cast<int64_t>(num_panels(N)) * ((K + 1) / 2) * kPairStride;
@@ -177,35 +137,11 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   if (!ok) throw std::runtime_error("cpu_gemm_bf16 needs a CPU with AVX512-BF16");
   if (M < 0 || N <= 0 || K <= 0) throw std::invalid_argument("bad GEMM shape");
   if (M == 0) return;
-  Gemm g{reinterpret_cast<const uint16_t*>(x), ldx, reinterpret_cast<const uint16_t*>(packed),
-         reinterpret_cast<const float*>(bias), reinterpret_cast<void*>(y), ldy, M, N, K, y_bf16};
-  const int total = num_panels(N);
-  // As in cpu_gemm.cpp: under ~1 MFLOP the caller does it alone (waking the pool costs more);
-  // about four runs of panels per thread.
-  const int threads = 2LL * M * N * K < 1000000 ? 1 : num_threads;
-  const int row_blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int runs = threads <= 1 ? 1 : std::min(total, 4 * threads);
-  std::vector<uint16_t> converted;
+  const PanelGemm<uint16_t> g{nullptr, ldx, reinterpret_cast<const uint16_t*>(packed), nullptr,
+                              reinterpret_cast<const float*>(bias), reinterpret_cast<void*>(y),
+                              ldy, M, N, K, y_bf16};
   py::gil_scoped_release release;
-  if (!x_bf16) {
-    // fp32 x: to bf16 once, rows padded to an even length.
-    const int64_t ld = rows_to_bf16(threads, reinterpret_cast<const float*>(x), M, K, ldx,
-                                    converted);
-    g.x = converted.data();
-    g.ldx = ld;
-  }
-  const int64_t elem = y_bf16 ? 2 : 4;
-  auto item = [&](int i) {
-    const int rb = i / runs, run = i % runs;
-    Gemm part = g;
-    const int row0 = rb * kRowBlock;
-    part.M = std::min(kRowBlock, M - row0);
-    part.x += row0 * g.ldx;
-    part.y = static_cast<char*>(g.y) + row0 * ldy * elem;
-    panels(part, static_cast<int>(static_cast<int64_t>(total) * run / runs),
-           static_cast<int>(static_cast<int64_t>(total) * (run + 1) / runs));
-  };
-  run_items(threads, row_blocks * runs, item);
+  run_gemm<Bf16Kernel>(g, reinterpret_cast<const void*>(x), x_bf16, num_threads);
 }
 
 }  // namespace

@@ -18,8 +18,9 @@
 // side, [K/2][64][2] (K odd: a zero byte added), 128 bytes a k-pair, read as four 32-byte loads
 // that widen to four zmm of bf16 pairs. The packing is done in torch (kernels/linear_cpu.py).
 // A row of x is read as 32-bit bf16 pairs, each broadcast against those four vectors; the scale
-// multiplies the fp32 sums once per output. Work items and thread split as in cpu_gemm_bf16.cpp;
-// the summation order over k is fixed per output (results do not depend on the thread count).
+// multiplies the fp32 sums once per output. Work items and thread split: run_gemm
+// (cpu_bf16_tiles.h); the summation order over k is fixed per output (results do not depend
+// on the thread count).
 #include <pybind11/pybind11.h>
 
 #include <immintrin.h>
@@ -37,20 +38,7 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr int kCols = 64;          // output columns per panel: four 16-lane fp32 vectors
-constexpr int kRows = 4;           // rows of x per register block (4 x 4 accumulators)
-constexpr int kRowBlock = 192;     // rows of x per work item
-constexpr int kPairBytes = kCols * 2;  // bytes per k-pair of a panel
-
-bool cpu_has_avx512bf16() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
+constexpr int kPairBytes = kPanelCols * 2;  // bytes per k-pair of a panel
 
 // bf16 bits of the e4m3 subnormals m * 2^-9, m = 0..7 (exact: m has at most 3 bits); the
 // rest of the 32 entries are never selected.
@@ -71,21 +59,20 @@ TRILLM_BF16_TARGET inline __attribute__((always_inline)) __m512bh widen(const ui
   return (__m512bh)bits;
 }
 
-struct Gemm {
-  const uint16_t* x;  // bf16 rows, stride ldx (elements)
-  int64_t ldx;
-  const uint8_t* packed;
-  const float* scale;  // [N]
-  const float* bias;   // null: none
-  void* y;             // float or bf16 rows, stride ldy (elements)
-  int64_t ldy;
-  int M, N, K;
-  bool y_bf16;
+// The register-block kernel of run_gemm (cpu_bf16_tiles.h).
+struct Fp8Kernel {
+  using Weight = uint8_t;
+  static constexpr int kRows = 4;  // rows of x per register block (4 x 4 accumulators)
+
+  template <int R>
+  TRILLM_BF16_TARGET static void block(const uint16_t* x, int64_t ldx, const uint8_t* panel,
+                                       int K, const float* scale, const float* bias, void* y,
+                                       int64_t ldy, bool y_bf16, int cols);
 };
 
 // y[0..R, 0..cols) = (x[0..R, :] . panel) * scale (+ bias).
 template <int R>
-TRILLM_BF16_TARGET inline __attribute__((always_inline)) void block(
+TRILLM_BF16_TARGET inline __attribute__((always_inline)) void Fp8Kernel::block(
     const uint16_t* x, int64_t ldx, const uint8_t* panel, int K, const float* scale,
     const float* bias, void* y, int64_t ldy, bool y_bf16, int cols) {
   const __m512i subnormals = _mm512_load_si512(kSubnormals);
@@ -133,33 +120,6 @@ TRILLM_BF16_TARGET inline __attribute__((always_inline)) void block(
     store_row(acc[i], static_cast<char*>(y) + i * ldy * elem, y_bf16, cols);
 }
 
-TRILLM_BF16_TARGET void panels(const Gemm& g, int first, int last) {
-  const int64_t elem = g.y_bf16 ? 2 : 4;
-  const int64_t panel_size = static_cast<int64_t>((g.K + 1) / 2) * kPairBytes;
-  for (int p = first; p < last; ++p) {
-    const uint8_t* panel = g.packed + p * panel_size;
-    const int col = p * kCols;
-    const int cols = g.N - col < kCols ? g.N - col : kCols;
-    const float* scale = g.scale + col;
-    const float* bias = g.bias == nullptr ? nullptr : g.bias + col;
-    char* y0 = static_cast<char*>(g.y) + col * elem;
-    int m = 0;
-    for (; m + kRows <= g.M; m += kRows)
-      block<kRows>(g.x + m * g.ldx, g.ldx, panel, g.K, scale, bias, y0 + m * g.ldy * elem, g.ldy,
-                   g.y_bf16, cols);
-    const uint16_t* x = g.x + m * g.ldx;
-    void* y = y0 + m * g.ldy * elem;
-    switch (g.M - m) {
-      case 1: block<1>(x, g.ldx, panel, g.K, scale, bias, y, g.ldy, g.y_bf16, cols); break;
-      case 2: block<2>(x, g.ldx, panel, g.K, scale, bias, y, g.ldy, g.y_bf16, cols); break;
-      case 3: block<3>(x, g.ldx, panel, g.K, scale, bias, y, g.ldy, g.y_bf16, cols); break;
-      default: break;
-    }
-  }
-}
-
-int num_panels(int N) { return (N + kCols - 1) / kCols; }
-
 void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packed, int N,
             uintptr_t scale, uintptr_t bias, uintptr_t y, bool y_bf16, int64_t ldy,
             int num_threads) {
@@ -168,42 +128,19 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   if (M < 0 || N <= 0 || K <= 0) throw std::invalid_argument("bad GEMM shape");
   if (scale == 0) throw std::invalid_argument("the per-channel scales are required");
   if (M == 0) return;
-  Gemm g{reinterpret_cast<const uint16_t*>(x), ldx, reinterpret_cast<const uint8_t*>(packed),
-         reinterpret_cast<const float*>(scale), reinterpret_cast<const float*>(bias),
-         reinterpret_cast<void*>(y), ldy, M, N, K, y_bf16};
-  const int total = num_panels(N);
-  // As in cpu_gemm_bf16.cpp: under ~1 MFLOP the caller does it alone; about four runs of
-  // panels per thread.
-  const int threads = 2LL * M * N * K < 1000000 ? 1 : num_threads;
-  const int row_blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int runs = threads <= 1 ? 1 : std::min(total, 4 * threads);
-  std::vector<uint16_t> converted;
+  const PanelGemm<uint8_t> g{nullptr, ldx, reinterpret_cast<const uint8_t*>(packed),
+                             reinterpret_cast<const float*>(scale),
+                             reinterpret_cast<const float*>(bias), reinterpret_cast<void*>(y),
+                             ldy, M, N, K, y_bf16};
   py::gil_scoped_release release;
-  if (!x_bf16) {
-    const int64_t ld = rows_to_bf16(threads, reinterpret_cast<const float*>(x), M, K, ldx,
-                                    converted);
-    g.x = converted.data();
-    g.ldx = ld;
-  }
-  const int64_t elem = y_bf16 ? 2 : 4;
-  auto item = [&](int i) {
-    const int rb = i / runs, run = i % runs;
-    Gemm part = g;
-    const int row0 = rb * kRowBlock;
-    part.M = std::min(kRowBlock, M - row0);
-    part.x += row0 * g.ldx;
-    part.y = static_cast<char*>(g.y) + row0 * ldy * elem;
-    panels(part, static_cast<int>(static_cast<int64_t>(total) * run / runs),
-           static_cast<int>(static_cast<int64_t>(total) * (run + 1) / runs));
-  };
-  run_items(threads, row_blocks * runs, item);
+  run_gemm<Fp8Kernel>(g, reinterpret_cast<const void*>(x), x_bf16, num_threads);
 }
 
 }  // namespace
 
 void register_cpu_gemm_fp8(py::module_& m) {
   m.doc() = "fp8 e4m3 weight-only GEMM (AVX512-BF16, fp32 sums, a scale per output channel).";
-  m.attr("PANEL") = kCols;
+  m.attr("PANEL") = kPanelCols;
   m.def("supported", &cpu_has_avx512bf16, "Whether this CPU has AVX512F/BW/VL and AVX512-BF16.");
   m.def("num_panels", &num_panels, py::arg("n"));
   m.def("linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),
