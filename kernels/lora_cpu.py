@@ -21,7 +21,10 @@ from ._cpu_ops import DTYPES, num_threads
 
 @functools.cache
 def _ext() -> ModuleType | None:
-    return cpu_kernels("lora")
+    try:
+        return cpu_kernels("lora")
+    except AttributeError:  # a cpu_kernels built before ext/cpu_lora.cpp: the torch path
+        return None
 
 
 def available() -> bool:
