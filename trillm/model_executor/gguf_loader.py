@@ -7,7 +7,8 @@ and chat template from the file (``engine/config_builder.load_tokenizer``), the 
 
 Tensors: F32 / F16 / BF16 are loaded in the run's dtype; Q4_0, Q4_1 and Q8_0 are kept quantized
 (``layers/quantized_linear.py``, a native kernel on CPU) unless ``dequantize_gguf`` asks for
-them in the run's dtype; any other GGML type is refused naming it before anything loads.
+them in the run's dtype; the K-quants (Q2_K .. Q6_K, ``gguf_kquants.py``) are dequantized to the
+run's dtype at load; any other GGML type is refused naming it before anything loads.
 llama.cpp stores a ``llama`` model's q/k projection rows permuted for its rotary layout
 (``permute`` in its converter): ``_unpermute`` puts them back in Hugging Face's order.
 """
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trillm.model_executor import gguf_kquants
 from trillm.model_executor.registry import UnsupportedArchitectureError
 
 # GGUF general.architecture -> trillm architecture
@@ -32,7 +34,8 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # kept quantized (unless dequantize_gguf)
+DEQUANTIZED_TYPES = tuple(gguf_kquants.BLOCK_BYTES)  # always dequantized at load
 
 # GGUF tensor name (blk.N. prefix removed) -> Hugging Face name (model.layers.N. prefix added)
 _LAYER_NAMES = {
@@ -100,12 +103,12 @@ class GGUFFile:
                 f"{', '.join(sorted(ARCHITECTURES))}."
             )
         self.tensor_types = {t.name: t.tensor_type.name for t in self.reader.tensors}
-        unsupported = sorted({t for t in self.tensor_types.values()
-                              if t not in FLOAT_TYPES and t not in QUANTIZED_TYPES})  # fmt: skip
+        known = (*FLOAT_TYPES, *QUANTIZED_TYPES, *DEQUANTIZED_TYPES)
+        unsupported = sorted({t for t in self.tensor_types.values() if t not in known})
         if unsupported:
             raise GGUFError(
                 f"GGUF tensor type(s) {', '.join(unsupported)} are not supported; trillm runs "
-                f"{', '.join([*FLOAT_TYPES, *QUANTIZED_TYPES])}."
+                f"{', '.join(known)}."
             )
         if "rope_freqs.weight" in self.tensor_types:
             raise GGUFError("GGUF rope_freqs (llama3-style rope scaling) is not supported.")
@@ -208,7 +211,11 @@ def float_tensor(t: GGUFTensor) -> torch.Tensor:
 
 
 def dequantized_tensor(t: GGUFTensor) -> torch.Tensor:
-    """A quantized tensor's values in fp32 (the gguf package's dequantizer)."""
+    """A quantized tensor's values in fp32 (K-quants: ``gguf_kquants``; the others: the gguf
+    package's dequantizer)."""
+    if t.type_name in DEQUANTIZED_TYPES:
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy: the file is read-only
+        return gguf_kquants.dequantize(raw, t.type_name).reshape(t.shape)
     from gguf import GGMLQuantizationType, quants
 
     values = quants.dequantize(np.ascontiguousarray(t.data), GGMLQuantizationType[t.type_name])

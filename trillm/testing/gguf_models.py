@@ -7,6 +7,11 @@ permutes a llama model's q/k rows as llama.cpp does, stores the tokenizer (a byt
 ``gpt2`` in GGUF terms) and chat template in the metadata, and writes ``out_dir/model.gguf``
 and ``out_dir/dequantized/`` (config, tokenizer, and the weights after quantize-dequantize in
 Hugging Face's order): what trillm and transformers must reproduce from the GGUF.
+
+The gguf package cannot quantize to the K-quants (Q2_K .. Q6_K): a tensor of such a type gets
+random blocks instead (``random_kquant_blocks``: every bit pattern is a valid block, the fp16
+super-block scales chosen to keep the values small), and the checkpoint's weights become their
+values as the gguf package dequantizes them. Rows must be whole blocks of 256 values.
 """
 
 from __future__ import annotations
@@ -46,6 +51,27 @@ def permute(rows: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
+# K-quant type -> (block bytes, offsets of its fp16 d / dmin, their magnitude): d * largest
+# scale * largest quant stays near 0.1-0.5, small weights like a trained model's
+_KQUANT_FIELDS = {
+    "Q2_K": (84, (80, 82), 2e-3), "Q3_K": (110, (108,), 7e-4), "Q4_K": (144, (0, 2), 1e-4),
+    "Q5_K": (176, (0, 2), 5e-5), "Q6_K": (210, (208,), 3e-5),
+}  # fmt: skip
+
+
+def random_kquant_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """[rows, cols / 256 * block bytes] uint8: random blocks of a K-quant type."""
+    size, offsets, scale = _KQUANT_FIELDS[type_name]
+    if cols % 256:
+        raise ValueError(f"{type_name} rows are whole blocks of 256 values, not {cols}.")
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    for offset in offsets:
+        d = (scale * rng.uniform(0.5, 1.0, len(blocks))).astype(np.float16)
+        blocks[:, offset : offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
 def write_tiny_gguf(hf_dir: str | Path, out_dir: str | Path, types: dict[str, str]) -> Path:
     import gguf
     import torch
@@ -64,7 +90,11 @@ def write_tiny_gguf(hf_dir: str | Path, out_dir: str | Path, types: dict[str, st
         name = gguf_name(hf)
         values = tensor.to(torch.float32).numpy()
         kind = gguf.GGMLQuantizationType[types.get(name.split(".")[-2], "F32")]
-        if values.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
+        if values.ndim == 2 and kind.name in _KQUANT_FIELDS:
+            rows, cols = values.shape
+            raw = random_kquant_blocks(kind.name, rows, cols, seed=len(dequantized))
+            values = gguf.quants.dequantize(raw, kind).astype(np.float32)
+        elif values.ndim == 2 and kind != gguf.GGMLQuantizationType.F32:
             raw = gguf.quants.quantize(values, kind)  # [N, bytes], rows in HF order
             values = gguf.quants.dequantize(raw, kind).astype(np.float32)
         else:

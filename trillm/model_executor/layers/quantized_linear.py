@@ -74,10 +74,10 @@ def _weights(
     for t in file.tensors():
         if t.type_name in gguf_loader.FLOAT_TYPES:
             yield t.name, gguf_loader.float_tensor(t)
-        elif not keep or t.name == EMBEDDING:
-            if keep and tied:
+        elif not keep or t.name == EMBEDDING or t.type_name not in gguf_loader.QUANTIZED_TYPES:
+            if keep and tied and t.name == EMBEDDING and t.type_name in gguf_loader.QUANTIZED_TYPES:
                 quantized["lm_head.weight"] = t  # the head multiplies by the blocks
-            yield t.name, gguf_loader.dequantized_tensor(t)
+            yield t.name, gguf_loader.dequantized_tensor(t)  # K-quants: always
         else:
             quantized[t.name] = t
             yield t.name, torch.zeros((), dtype=torch.float32).expand(t.shape)  # set below
@@ -87,7 +87,8 @@ def _by_module(
     model: nn.Module, paths: dict[str, _T]
 ) -> Iterator[tuple[nn.Linear, str, list[_T], dict[str, _T]]]:
     """Checkpoint layer path -> item, regrouped by the model's linear modules: (module, its
-    path, its items in shard order, items by shard ("" for a plain layer))."""
+    path, its items in shard order (the shards that have one), items by shard ("" for a plain
+    layer))."""
     from trillm.model_executor.models.llama import STACKED_PARAMS, StackedLinear
 
     groups: dict[str, dict[str, _T]] = {}  # module path -> shard (or "") -> item
@@ -103,7 +104,7 @@ def _by_module(
         if not isinstance(module, nn.Linear):
             raise ValueError(f"quantized checkpoint tensor for {path!r}, not a linear layer")
         if isinstance(module, StackedLinear):
-            parts = [shards[s] for s in module.shard_offsets]  # every shard: all were quantized
+            parts = [shards[s] for s in module.shard_offsets if s in shards]
         else:
             parts = [shards[""]]
         yield module, path, parts, shards
@@ -121,7 +122,9 @@ def _attach(model: nn.Module, quantized: dict[str, GGUFTensor]) -> None:
     paths = {name.removesuffix(".weight"): t for name, t in quantized.items()}
     for module, path, parts, shards in _by_module(model, paths):
         kinds = {t.type_name for t in parts}
-        if len(kinds) > 1:  # one kernel call takes one type: this layer runs dequantized
+        # a shard of a K-quant type was loaded as floats: the layer is not all blocks
+        complete = len(parts) == len(getattr(module, "shard_offsets", [""]))
+        if len(kinds) > 1 or not complete:  # one kernel call, one type: the layer runs dequantized
             for shard, t in shards.items():
                 assert isinstance(module, StackedLinear)
                 module.load_shard(shard, "weight", gguf_loader.dequantized_tensor(t))
