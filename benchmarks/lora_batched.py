@@ -6,9 +6,12 @@ down projection) built on ``common.MODEL_SPEC``'s model; P prompts per adapter (
 
 - ``mixed``: all A x P requests in one ``generate`` call (one batch of several adapters);
 - ``one_at_a_time``: one ``generate`` call per adapter, each with its P requests;
-- ``base``: the same A x P requests without adapters (the cost of the LoRA deltas).
+- ``base``: the same A x P requests without adapters (the cost of the LoRA deltas);
+- with ``--compare-torch``, also ``mixed_torch_ref``: the mixed batch with the LoRA deltas on
+  the torch reference (``kernels/lora_torch.py``) instead of the native shrink / expand kernel
+  (the worker then runs in this process, ``distributed_executor_backend="uni"``, for every mode).
 
-    python benchmarks/lora_batched.py --out benchmarks/results/lora_batched.json
+    python benchmarks/lora_batched.py --compare-torch --out benchmarks/results/lora_batched.json
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare-torch", action="store_true",
+                    help="also run the mixed batch on the torch reference of the LoRA kernels")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     set_threads(args.threads)
@@ -64,8 +69,9 @@ def main() -> None:
     owner = [loras[i // per] for i in range(len(prompts))]  # prompt i -> its adapter
     total_tokens = len(prompts) * args.output_len
 
+    backend = "uni" if args.compare_torch else "mp"
     with LLM(str(model), enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
-             enable_prefix_caching=False) as llm:  # fmt: skip
+             enable_prefix_caching=False, distributed_executor_backend=backend) as llm:  # fmt: skip
 
         def mixed() -> None:
             llm.generate(prompts, params, use_tqdm=False, lora_request=owner)
@@ -78,7 +84,19 @@ def main() -> None:
         def base() -> None:
             llm.generate(prompts, params, use_tqdm=False)
 
+        def mixed_torch_ref() -> None:
+            from trillm.kernels import lora_cpu
+
+            saved = lora_cpu.available
+            lora_cpu.available = lambda: False  # the dispatch then takes kernels/lora_torch.py
+            try:
+                mixed()
+            finally:
+                lora_cpu.available = saved
+
         modes = {"mixed": mixed, "one_at_a_time": one_at_a_time, "base": base}
+        if args.compare_torch:
+            modes["mixed_torch_ref"] = mixed_torch_ref
         llm.generate(prompts[:2], params, use_tqdm=False, lora_request=owner[:2])  # warm-up
         times: dict[str, list[float]] = {m: [] for m in modes}
         for _ in range(args.rounds):
