@@ -286,3 +286,81 @@ def test_killed_worker_of_core_1_stops_the_server_cleanly(server):
     assert server.proc.wait(timeout=30) == 1, server.log()
     assert not pid_alive(workers[0]) and not pid_alive(workers[1])
     assert not any(os.path.exists(s) for s in segments)
+
+
+# ---------------------------------------------------------------- startup, refusals
+
+
+def test_one_core_failing_to_start_stops_the_others(monkeypatch):
+    """Core 1's worker fails in load_model while core 0's starts: the error is raised and
+    both cores' workers and rings are gone (the fake runner: no model)."""
+    from test_executor import shm_exists
+
+    from trillm.engine.dp_router import core_configs
+    from trillm.errors import EngineStartupError
+    from trillm.executor import factory
+    from trillm.executor.abstract import FAKE_RUNNER
+    from trillm.worker.fake_runner import make_fake_config
+
+    made = []
+    real = factory.make_executor
+
+    def make(config, runner, kwargs=None, **kw):
+        if config.parallel.data_parallel_rank == 1:
+            kwargs = {"fail_on_load": True}
+        made.append(real(config, runner, kwargs, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(factory, "make_executor", make)
+    config = make_fake_config()
+    config.parallel.data_parallel_size = 2
+
+    async def main():
+        with trio.fail_after(120):
+            async with factory.open_executors(core_configs(config), FAKE_RUNNER):
+                pytest.fail("started although core 1 failed")
+
+    with pytest.raises(EngineStartupError, match="told to fail in load_model"):
+        trio.run(main)
+    assert len(made) == 2 and all(ex.worker_pids for ex in made)
+    assert not any(pid_alive(pid) for ex in made for pid in ex.worker_pids)
+    assert not any(shm_exists(name) for ex in made for name in ex.segment_names)
+
+
+def test_more_engine_cores_than_gpus_are_refused(llama, monkeypatch):
+    """On CUDA each rank of each core needs its own GPU: refused before anything loads."""
+    import torch
+
+    from trillm.config import EngineArgs
+    from trillm.engine import config_builder
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    args = EngineArgs(llama, data_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=2 needs 4"):
+        config_builder._check_data_parallel(args, "cuda")
+    config_builder._check_data_parallel(EngineArgs(llama, data_parallel_size=3), "cuda")  # fits
+    uni = EngineArgs(llama, data_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="needs distributed_executor_backend='mp'"):
+        config_builder._check_data_parallel(uni, "cuda")
+
+
+def test_stats_line_says_its_figures_cover_every_core():
+    from types import SimpleNamespace
+
+    from trillm.entrypoints.openai.metrics import ServerMetrics
+    from trillm.entrypoints.openai.stats_logger import StatsLine
+    from trillm.messages import SchedulerStats
+
+    per_core = [SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5),
+                SchedulerStats(num_running_reqs=1, num_waiting_reqs=4)]  # fmt: skip
+    from trillm.engine.dp_router import sum_stats
+
+    engine = SimpleNamespace(get_stats=lambda: sum_stats(per_core), data_parallel_size=2,
+                             get_engine_stats=lambda: per_core, model_config=None, config=None)  # fmt: skip
+    metrics = ServerMetrics(engine, "m")
+    _, message = StatsLine(engine, metrics, now=0.0).line(10.0)
+    assert message.startswith("Engines 000-001: ")
+    assert "Running: 3 reqs, Waiting: 4 reqs, KV cache usage: 25.0%" in message
+    page = metrics.render().decode()
+    assert 'vllm:num_requests_waiting{engine="1",model_name="m"} 4.0' in page
+    assert 'vllm:iteration_tokens_total_count{engine="1",model_name="m"} 0.0' in page

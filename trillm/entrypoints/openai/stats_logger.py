@@ -54,13 +54,19 @@ class StatsLine:
         active = any((prompt, generation, *self.last_throughputs))
         self.last_throughputs = (prompt, generation)
         message = (
-            f"Engine 000: Avg prompt throughput: {prompt:.1f} tokens/s, "
+            f"{self._engines()}: Avg prompt throughput: {prompt:.1f} tokens/s, "
             f"Avg generation throughput: {generation:.1f} tokens/s, "
             f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
             f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
             f"Prefix cache hit rate: {hit_rate * 100:.1f}%"
         )
         return (logging.INFO if active else logging.DEBUG), message
+
+    def _engines(self) -> str:
+        """vLLM's "Engine 000"; with data parallelism the figures are summed over the cores
+        (KV usage: their mean), and the line says so."""
+        size = int(getattr(self.engine, "data_parallel_size", 1))
+        return "Engine 000" if size == 1 else f"Engines 000-{size - 1:03d}"
 
 
 async def log_stats_periodically(
