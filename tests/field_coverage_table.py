@@ -275,13 +275,14 @@ _ENGINE = {
         ENGINE_REFUSED, TP + "test_python_api_tp2_matches_tp1",
         TP + "test_http_tp2_matches_tp1_token_for_token",
         TP + "test_tp_size_the_model_cannot_split_is_refused",
+        DP + "test_http_dp2_tp2_matches_dp1_token_for_token",
     ),  # fmt: skip
     "data_parallel_size": ids(
         DP + "test_python_api_dp2_matches_dp1_and_spreads_the_requests",
         DP + "test_abort_goes_to_the_core_that_holds_the_request",
         DP + "test_data_parallel_size_below_one_is_refused",
         DP + "test_more_engine_cores_than_gpus_are_refused",
-        DP + "test_http_dp2_matches_dp1_token_for_token",
+        DP + "test_http_dp2_tp2_matches_dp1_token_for_token",
         DP + "test_metrics_label_each_engine_and_show_the_spread",
         DP + "test_prefix_affinity_keeps_a_shared_prefix_on_one_core",
     ),  # fmt: skip

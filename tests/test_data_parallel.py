@@ -5,10 +5,11 @@ scheduler, KV cache and workers) behind one frontend.
   limit, release;
 - the Python API: DP=2 gives DP=1's greedy tokens, the requests spread over both cores, an
   abort reaches the core that holds the request (in-process cores: ``uni``);
-- one real server with ``--data-parallel-size 2`` (worker processes): the same tokens over
-  HTTP, ``/metrics`` per ``engine`` label shows the spread and the prefix affinity, and a
-  killed worker of core 1 ends every request with an error and stops the whole server
-  (/health 503, exit 1) leaving no worker or shared-memory segment behind.
+- one real server with ``--data-parallel-size 2 --tensor-parallel-size 2`` (two cores of two
+  ranks each: TP x DP composes): the same tokens over HTTP, ``/metrics`` per ``engine`` label
+  shows the spread and the prefix affinity, and a killed worker of core 1 ends every request
+  with an error and stops the whole server (/health 503, exit 1) leaving no worker or
+  shared-memory segment behind.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ def test_data_parallel_size_below_one_is_refused(llama):
 def server(llama, tmp_path_factory):
     log = tmp_path_factory.mktemp("dp-server") / "server.log"
     srv = ServerProcess(
-        [llama, "--data-parallel-size", "2", "--max-model-len", "256",
+        [llama, "--data-parallel-size", "2", "-tp", "2", "--max-model-len", "256",
          "--kv-cache-memory", "16MiB"],
         log,
     ).start()  # fmt: skip
@@ -200,7 +201,7 @@ def _stream_in_flight(server, prompts: list[str], max_tokens: int = 120) -> list
     return socks
 
 
-def test_http_dp2_matches_dp1_token_for_token(server, dp1_tokens):
+def test_http_dp2_tp2_matches_dp1_token_for_token(server, dp1_tokens):
     got = []
     for prompt in PROMPTS:
         body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -252,14 +253,15 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_core(server):
     assert hits[home] > hits0[home]
 
 
-def _workers(pid: int) -> dict[int, int]:
-    """engine core index -> pid of the server's model worker."""
+def _workers(pid: int) -> dict[tuple[int, int], int]:
+    """(engine core index, rank) -> pid of the server's model worker."""
     found = {}
     for task in os.listdir(f"/proc/{pid}/task"):
         for child in open(f"/proc/{pid}/task/{task}/children").read().split():
             argv = open(f"/proc/{child}/cmdline", "rb").read().split(b"\0")
             if b"trillm.worker.worker_main" in argv:
-                found[int(argv[argv.index(b"--engine") + 1])] = int(child)
+                engine = int(argv[argv.index(b"--engine") + 1])
+                found[engine, int(argv[argv.index(b"--rank") + 1])] = int(child)
     return found
 
 
@@ -267,24 +269,24 @@ def test_killed_worker_of_core_1_stops_the_server_cleanly(server):
     """The chosen behaviour (docs/reliability.md): a dead worker takes the whole engine down,
     as with one core. Core 1's worker killed mid-generation: the streams on both cores end
     with an error event naming it, /health answers 503, the process exits 1 and leaves
-    neither core 0's worker nor a shared-memory segment behind."""
+    neither a worker nor a shared-memory segment behind."""
     workers = _workers(server.proc.pid)
-    assert sorted(workers) == [0, 1]
+    assert sorted(workers) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     with open(f"/proc/{server.proc.pid}/maps") as f:
         segments = {line.split()[-1] for line in f if "/dev/shm/" in line}
     assert segments
     socks = _stream_in_flight(server, ["x", "y"], max_tokens=240)
     time.sleep(0.2)
-    os.kill(workers[1], signal.SIGKILL)
+    os.kill(workers[1, 1], signal.SIGKILL)
     for sock in socks:
         tail = read_until(sock, b"[DONE]")
-        assert b"ServiceUnavailableError" in tail and b"engine core 1" in tail, tail[-400:]
+        assert b"ServiceUnavailableError" in tail and b"rank 1 of engine core 1" in tail, tail[-400:]
     try:
         assert httpx.get(server.url + "/health", timeout=5).status_code == 503
     except httpx.ConnectError:
         pass  # already past the grace period and gone
     assert server.proc.wait(timeout=30) == 1, server.log()
-    assert not pid_alive(workers[0]) and not pid_alive(workers[1])
+    assert not any(pid_alive(pid) for pid in workers.values())
     assert not any(os.path.exists(s) for s in segments)
 
 
