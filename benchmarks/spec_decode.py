@@ -1,7 +1,8 @@
-"""Batch-1 decode speed with and without n-gram speculative decoding, in one run.
+"""Batch-1 decode speed with and without speculative decoding (n-gram or a draft model), in one run.
 
 Workload: chat prompts whose answer repeats the prompt (repeat / correct / edit a given text),
-and, as a control, prompts whose answer does not (free writing). Each prompt runs alone
+and, as controls, prompts whose answer does not (free writing; a list of random words to
+summarize, where drafts keep failing and the back-off must keep the cost down). Each prompt runs alone
 (batch 1), greedy, on two engines of the same model built side by side: without speculation
 and with ``--speculative-config`` (the same JSON). Runs alternate engine by engine, prompt by
 prompt, so machine noise hits both alike. Reported per workload: output tokens/s of each, the
@@ -9,15 +10,20 @@ speed-up, the acceptance rate (accepted / drafted tokens), the mean tokens per v
 forward, and whether the texts are identical (they must be: greedy).
 
     python benchmarks/spec_decode.py [--model PATH] [--out benchmarks/results/spec_decode.json]
+    python benchmarks/spec_decode.py --draft-layers 6   # draft: the model's first 6 layers
 
 ``--model`` defaults to ~/.cache/trillm-peer/smollm2-135m-instruct when present, else the
-embedded default model.
+embedded default model. ``--draft-layers N`` writes a truncated copy of the model (its first N
+layers, its final norm and head; same tokenizer) beside it once and speculates with it as a
+draft model (``--num-speculative-tokens`` drafts).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -49,12 +55,46 @@ REPEAT = [
     "Correct any spelling mistakes in this text and return the whole text:\n\n{}",
     "Rewrite this text exactly as it is, keeping every line:\n\n{}",
 ]
+WORDS = ("river window orange seven engine marble quiet ladder violet thunder pencil garden "
+         "copper whisper island candle frozen basket silver planet jacket meadow rocket velvet "
+         "harbor lemon anchor puzzle falcon desert mirror cotton jungle saddle canyon tulip").split()
+RANDOM = [
+    "Summarize the mood of these words in two sentences: "
+    + " ".join(random.Random(seed).choices(WORDS, k=60))
+    for seed in range(4)
+]
 FREE = [
     "Write a short story about a lighthouse keeper.",
     "Explain why the sky is blue to a ten-year-old.",
     "List five ideas for a weekend trip and say why each is fun.",
     "Describe your favourite meal and how to cook it.",
 ]
+
+
+def truncated_draft(model: str, layers: int) -> str:
+    """A copy of ``model`` with its first ``layers`` decoder layers (plus embeddings, final
+    norm, head and tokenizer), written beside it once; its folder."""
+    from safetensors.torch import load_file, save_file
+
+    src = Path(model)
+    out = src.parent / f"{src.name}-first{layers}layers"
+    if (out / "model.safetensors").exists():
+        return str(out)
+    out.mkdir(exist_ok=True)
+    keep = {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        if ".layers." in name and int(name.split(".layers.")[1].split(".")[0]) >= layers:
+            continue
+        keep[name] = tensor
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):  # fmt: skip
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    save_file(keep, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
 
 
 def run_one(llm: LLM, prompt: str, params: SamplingParams) -> tuple[float, int, str]:
@@ -97,8 +137,16 @@ def main() -> None:
     parser.add_argument("--model", default=str(PEER_MODEL) if PEER_MODEL.is_dir() else None)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--speculative-config", default=json.dumps(SPEC))
+    parser.add_argument("--draft-layers", type=int, default=None)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=None, help="per workload, at most")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.draft_layers is not None:
+        draft = truncated_draft(args.model, args.draft_layers)
+        args.speculative_config = json.dumps({"method": "draft_model", "model": draft,
+                                              "num_speculative_tokens":
+                                              args.num_speculative_tokens})  # fmt: skip
     kw: dict[str, Any] = {"max_model_len": 1024, "kv_cache_memory": "256MiB",
                           "distributed_executor_backend": "uni"}  # fmt: skip
     base = LLM(args.model, **kw)
@@ -108,8 +156,9 @@ def main() -> None:
     run_one(spec, "Hello", params)
     rows = []
     repeat = [t.format(text) for t in REPEAT for text in TEXTS]
-    for name, prompts in (("repeat/edit the prompt", repeat), ("free writing (control)", FREE)):
-        row = {"workload": name, **measure(base, spec, prompts, params)}
+    for name, prompts in (("repeat/edit the prompt", repeat), ("free writing (control)", FREE),
+                          ("random words (control)", RANDOM)):  # fmt: skip
+        row = {"workload": name, **measure(base, spec, prompts[: args.prompts], params)}
         rows.append(row)
     print_table(rows, [("workload", "s"), ("prompts", "d"), ("output_tokens", "d"),
                        ("base_tok_s", ".1f"), ("spec_tok_s", ".1f"), ("speedup", ".2f"),
