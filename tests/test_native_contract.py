@@ -84,11 +84,6 @@ def test_cpu_kernel_parts_have_the_declared_functions():
                 assert re.findall(r"(\w+): ", doc.split("->")[0]) == params, (part, fn, doc)
 
 
-# NOTE: the twin's queues, public by name only (the native keeps them in C++; callers use
-# running_req_ids() / waiting_req_ids()). To be renamed _waiting / _running.
-TWIN_ONLY = {"Scheduler": {"waiting", "running"}}
-
-
 def _public(obj) -> set[str]:
     return {n for n in dir(obj) if not n.startswith("_")}
 
@@ -102,7 +97,7 @@ def test_native_classes_expose_exactly_the_twins_api(cls):
         a, b = (impl.KVCacheManager(64, 4, True) for impl in (py, native))
     else:
         a, b = (impl.Request.from_engine_core_request(ecr("r", [1, 2, 3])) for impl in (py, native))
-    assert _public(a) - TWIN_ONLY.get(cls, set()) == _public(b), _public(a) ^ _public(b)
+    assert _public(a) == _public(b), _public(a) ^ _public(b)
     for name in _public(b):
         assert callable(getattr(a, name)) == callable(getattr(b, name)), name
 

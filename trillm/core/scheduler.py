@@ -80,8 +80,8 @@ class Scheduler:
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []  # head = next to admit
-        self.running: list[Request] = []  # in admission order
+        self._waiting: list[Request] = []  # head = next to admit
+        self._running: list[Request] = []  # in admission order
         # Finished, aborted or preempted since the last schedule(), known to the worker.
         self._finished_req_ids: list[str] = []
         self._step_id = 0
@@ -106,13 +106,13 @@ class Scheduler:
         sorted by (priority, arrival); a preempted request goes first among its equals."""
         if not self.priority_policy:
             if front:
-                self.waiting.insert(0, request)
+                self._waiting.insert(0, request)
             else:
-                self.waiting.append(request)
+                self._waiting.append(request)
             return
-        keys = [self._waiting_key(r) for r in self.waiting]
+        keys = [self._waiting_key(r) for r in self._waiting]
         insort = bisect.bisect_left if front else bisect.bisect_right
-        self.waiting.insert(insort(keys, self._waiting_key(request)), request)
+        self._waiting.insert(insort(keys, self._waiting_key(request)), request)
 
     def set_waiting_for_grammar(self, req_id: str) -> None:
         """A waiting request's grammar is still compiling: it keeps its place in the queue
@@ -156,19 +156,19 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Running requests in admission order; preempts when blocks run out."""
         i = 0
-        while i < len(self.running) and plan.budget > 0:
-            request = self.running[i]
+        while i < len(self._running) and plan.budget > 0:
+            request = self._running[i]
             n = self._chunk_size(
                 request.num_computed_tokens, request.num_tokens_with_spec, plan.budget
             )
             if n <= 0:
                 i += 1
                 continue
-            num_running = len(self.running)
+            num_running = len(self._running)
             if not self._make_room(request, n, plan):
                 continue  # it preempted itself: running[i] is now the next request
-            if len(self.running) != num_running:
-                i = self.running.index(request)  # a victim ahead of it may have gone
+            if len(self._running) != num_running:
+                i = self._running.index(request)  # a victim ahead of it may have gone
             plan.add_cached(request, n, self.kv_cache_manager.allocate_slots(request, n))
             i += 1
 
@@ -186,15 +186,15 @@ class Scheduler:
         """FCFS: the newest running request. Priority: the largest priority value, then the
         latest arrival, then the latest admitted."""
         if not self.priority_policy:
-            return self.running[-1]
-        victim = self.running[-1]
-        for request in reversed(self.running):
+            return self._running[-1]
+        victim = self._running[-1]
+        for request in reversed(self._running):
             if self._waiting_key(request) > self._waiting_key(victim):
                 victim = request
         return victim
 
     def _preempt(self, request: Request, plan: _StepPlan) -> None:
-        self.running.remove(request)
+        self._running.remove(request)
         plan.unschedule(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -208,28 +208,28 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
-        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
+        while self._waiting and plan.budget > 0 and len(self._running) < self.max_num_seqs:
             head = self._next_admissible()
             if head < 0:
                 break  # only requests waiting for their grammar
-            request = self.waiting[head]
+            request = self._waiting[head]
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             n = self._chunk_size(num_hit, request.num_tokens, plan.budget)
             if not kv.can_allocate(request, n, computed_blocks):
                 break  # NOTE: strict queue order: nothing overtakes the head
             kv.allocate_slots(request, n, computed_blocks)
-            self.waiting.pop(head)
+            self._waiting.pop(head)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
             request.sent_to_worker = True
-            self.running.append(request)
+            self._running.append(request)
             plan.add_new(request, n, kv.get_block_ids(request.request_id))
 
     def _next_admissible(self) -> int:
         """Index of the first waiting request not waiting for its grammar, or -1."""
-        for i, request in enumerate(self.waiting):
+        for i, request in enumerate(self._waiting):
             if request.status != RequestStatus.WAITING_FOR_GRAMMAR:
                 return i
         return -1
@@ -322,9 +322,9 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+            self._running.remove(request)
         else:
-            self.waiting.remove(request)
+            self._waiting.remove(request)
         request.status = finished_status(reason)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
@@ -336,27 +336,27 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self._running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self._waiting)
 
     def get_request_counts(self) -> tuple[int, int]:
         """(num_running, num_waiting)."""
-        return len(self.running), len(self.waiting)
+        return len(self._running), len(self._waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self._running or self._waiting)
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)
 
     def running_req_ids(self) -> list[str]:
-        return [r.request_id for r in self.running]
+        return [r.request_id for r in self._running]
 
     def waiting_req_ids(self) -> list[str]:
-        return [r.request_id for r in self.waiting]
+        return [r.request_id for r in self._waiting]
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
@@ -364,8 +364,8 @@ class Scheduler:
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_running_reqs=len(self._running),
+            num_waiting_reqs=len(self._waiting),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
