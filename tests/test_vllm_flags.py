@@ -70,7 +70,11 @@ MORE_ACCEPTED = [["--disable-uvicorn-access-log"], ["--enable-prompt-tokens-deta
                  ["--max-seq-len-to-capture", "8192"], ["--disable-custom-all-reduce"],
                  ["--tokenizer-mode", "auto"], ["--enable-server-load-tracking"],
                  ["--disable-log-stats"], ["--enable-log-requests"]]  # fmt: skip
-MORE_REFUSED = [["--tokenizer-mode", "mistral"], ["--limit-mm-per-prompt", '{"image": 2}']]
+MORE_REFUSED = [["--tokenizer-mode", "mistral"], ["--limit-mm-per-prompt", '{"image": 2}'],
+                ["--data-parallel-size-local", "2"], ["--data-parallel-start-rank", "1"],
+                ["--data-parallel-address", "10.0.0.1"], ["--data-parallel-rpc-port", "13345"],
+                ["--data-parallel-backend", "ray"], ["--data-parallel-hybrid-lb"],
+                ["--data-parallel-external-lb"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("argv", MORE_ACCEPTED, ids=lambda a: a[0])

@@ -241,6 +241,21 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         "--pipeline-parallel-size", "-pp", type=_not_implemented("pipeline parallelism", 14, "1"),
         help="Only 1 until pipeline parallelism lands (issue 14).",
     )  # fmt: skip
+    # All --data-parallel-size engine cores run on this machine; vLLM's multi-node data
+    # parallelism (a core per node, external or hybrid load balancing) is refused by name.
+    for flags in (("--data-parallel-size-local", "-dpl"), ("--data-parallel-start-rank", "-dpr"),
+                  ("--data-parallel-address", "-dpa"), ("--data-parallel-rpc-port", "-dpp"),
+                  ("--data-parallel-backend", "-dpb")):  # fmt: skip
+        g.add_argument(
+            *flags, type=_not_implemented("multi-node data parallelism", 14),
+            help="Data parallelism across machines is not implemented: refused "
+            "(--data-parallel-size runs every engine core on this machine).",
+        )  # fmt: skip
+    for flag in ("--data-parallel-hybrid-lb", "--data-parallel-external-lb"):
+        g.add_argument(
+            flag, action=_Refuse, what="multi-node data parallelism (load balancing outside "
+            "this server)", issue=14, help="Not implemented: refused.",
+        )  # fmt: skip
     g.add_argument(
         "--quantization", "-q", type=_quantization, default=None,
         help="fp8: linear weights quantized to fp8 e4m3 at load, a scale per output channel "
