@@ -31,6 +31,7 @@ POOL = "tests/test_pooling.py::"
 RESP = "tests/test_responses_api.py::"
 TP = "tests/test_tensor_parallel.py::"
 DP = "tests/test_data_parallel.py::"
+MN = "tests/test_multinode.py::"
 LORA = "tests/test_lora.py::"
 GGUF = "tests/test_gguf.py::"
 AWQ = "tests/test_awq_gptq.py::"
@@ -297,6 +298,15 @@ _ENGINE = {
     "device": ids(CONFIG, ENGINE_REFUSED),
     "attention_backend": ids(CONFIG, FEE + "test_unknown_attention_backend_is_refused_at_startup"),
     "distributed_executor_backend": ids(CONFIG, FEE + "test_temperature_seed_n"),
+    **dict.fromkeys(("nnodes", "node_rank", "master_addr", "master_port"), ids(
+        MN + "test_tp2_across_two_nodes_matches_tp1_over_http",
+        MN + "test_killed_node1_fails_node0s_requests_and_leaves_no_process",
+        MN + "test_node_flags_reach_the_config_and_bad_ones_are_refused",
+    )),  # fmt: skip
+    "distributed_timeout_seconds": ids(
+        TP + "test_stuck_rank_times_out_the_collective_and_is_named",
+        MN + "test_node_flags_reach_the_config_and_bad_ones_are_refused",
+    ),
     "generation_config": ids(ACT, CONFIG),
     "chat_template": ids(ACT),
     # the tokenizer's code; model code never runs (trillm's own model classes)
@@ -347,6 +357,12 @@ _ENGINE = {
 
 # ``trillm serve`` flags: how each reaches the engine or the server, and what it then does.
 _FLAGS = {
+    "--headless": ids(MN + "test_tp2_across_two_nodes_matches_tp1_over_http",
+                      MN + "test_killed_node1_fails_node0s_requests_and_leaves_no_process",
+                      MN + "test_a_headless_node_with_other_engine_flags_is_refused",
+                      MN + "test_node_flags_reach_the_config_and_bad_ones_are_refused"),
+    **{f"--{name.replace('_', '-')}": _ENGINE[name] for name in (
+        "nnodes", "node_rank", "master_addr", "master_port", "distributed_timeout_seconds")},
     "MODEL": ids(FEE + "test_model_positional_and_flag_and_bad_values"),
     "--model": ids(FEE + "test_model_positional_and_flag_and_bad_values"),
     "--host": ids(FE + "test_model_must_be_served"),  # every real-server test binds with it

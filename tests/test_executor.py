@@ -18,7 +18,7 @@ import trio
 from trillm.errors import EngineDeadError, EngineStartupError, ModelExecutionError
 from trillm.executor.abstract import FAKE_RUNNER, unwrap_group
 from trillm.executor.factory import open_executor
-from trillm.executor.multiproc import WORKER_GOMP_SPINCOUNT, MultiprocExecutor, _worker_env
+from trillm.executor.multiproc import WORKER_GOMP_SPINCOUNT, MultiprocExecutor, worker_env
 from trillm.executor.uniproc import UniProcExecutor
 from trillm.messages import (
     CachedRequestData,
@@ -128,11 +128,11 @@ def run(fn, *args):
 
 def test_worker_env_shortens_the_openmp_spin_unless_the_user_set_it(monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    env = _worker_env()
+    env = worker_env()
     assert env["GOMP_SPINCOUNT"] == WORKER_GOMP_SPINCOUNT
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(__file__).resolve().parent.parent)
     monkeypatch.setenv("GOMP_SPINCOUNT", "infinite")
-    assert _worker_env()["GOMP_SPINCOUNT"] == "infinite"
+    assert worker_env()["GOMP_SPINCOUNT"] == "infinite"
 
 
 # ---------------------------------------------------------------- in-process runner

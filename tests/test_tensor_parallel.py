@@ -191,8 +191,9 @@ def test_stuck_rank_times_out_the_collective_and_is_named(llama):
     from trillm.executor.abstract import DEFAULT_RUNNER
     from trillm.executor.factory import open_executor
 
-    config = build_config(EngineArgs(llama, tensor_parallel_size=2, **LIMITS))
-    config.parallel.collective_timeout_s = 3.0
+    config = build_config(
+        EngineArgs(llama, tensor_parallel_size=2, distributed_timeout_seconds=3, **LIMITS)
+    )
 
     async def main():
         async with open_executor(config, DEFAULT_RUNNER) as ex:

@@ -89,6 +89,15 @@ class EngineArgs:
     # vLLM's JSON shape: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b} (a dict, or that JSON as a string).
     speculative_config: dict[str, Any] | str | None = None
+    # Ranks on several machines (torchrun's names): node 0 runs the engine and its share of
+    # the ranks; ``trillm serve --headless --node-rank k`` runs node k's share. The
+    # torch.distributed TCP rendezvous is at master_addr:master_port (node 0's address).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free loopback port (one node), 29500 (several)
+    # A collective that waits longer means a rank stopped answering (vLLM's name); None: 120 s.
+    distributed_timeout_seconds: float | None = None
 
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
@@ -105,6 +114,7 @@ class EngineArgs:
                 "tensor_parallel_size > 1 needs distributed_executor_backend='mp' (one worker "
                 "process per rank); 'uni' runs one rank in this process."
             )
+        check_nodes(self)
         if self.skip_tokenizer_init:
             raise ValueError(
                 "skip_tokenizer_init is not supported: the engine needs the tokenizer "
@@ -137,6 +147,38 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"Unknown engine argument(s): {', '.join(unknown)}")
         return cls(model=model, **kwargs)
+
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's
+
+
+def check_nodes(args: EngineArgs) -> None:
+    """Refuse node settings that cannot form the world: ValueError naming the field."""
+    nnodes, node_rank, tp = args.nnodes, args.node_rank, args.tensor_parallel_size
+    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}.")
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be an integer in [0, nnodes={nnodes}), got {node_rank!r}.")
+    if tp % nnodes:
+        raise ValueError(
+            f"nnodes={nnodes} must divide tensor_parallel_size={tp} (each node runs "
+            "tensor_parallel_size / nnodes ranks)."
+        )
+    if nnodes > 1 and args.distributed_executor_backend != "mp":
+        raise ValueError("nnodes > 1 needs distributed_executor_backend='mp'.")
+    if args.data_parallel_size > 1 and (nnodes > 1 or args.master_port is not None):
+        raise ValueError(
+            "data_parallel_size > 1 with nnodes > 1 or a master_port is not implemented yet "
+            "(issue 14): each engine core's ranks meet at a loopback port of their own."
+        )
+    port = args.master_port
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                             or not 0 < port < 65536):  # fmt: skip
+        raise ValueError(f"master_port must be a TCP port in [1, 65535], got {port!r}.")
+    timeout = args.distributed_timeout_seconds
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < float("inf")):  # fmt: skip
+        raise ValueError(f"distributed_timeout_seconds must be a number > 0, got {timeout!r}.")
 
 
 @dataclass
@@ -216,10 +258,25 @@ COLLECTIVE_TIMEOUT_S = 120.0
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: Literal["mp", "uni"] = "mp"
-    master_port: int = 0  # the ranks' TCP rendezvous on loopback (the executor picks it)
+    master_port: int = 0  # the ranks' TCP rendezvous (0: the executor picks a loopback port)
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     data_parallel_size: int = 1  # engine cores (each gets its own copy of the config)
     data_parallel_rank: int = 0  # which engine core this config's workers serve
+    nnodes: int = 1  # node k runs ranks [k * L, (k + 1) * L), L = ranks_per_node
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def remote_ranks(self) -> list[int]:
+        """The ranks not on node 0 (rank 0 forwards the executor's messages to them)."""
+        return list(range(self.ranks_per_node, self.world_size))
 
 
 @dataclass

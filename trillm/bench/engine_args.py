@@ -57,6 +57,11 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("speculative_config", json.loads, 'speculative decoding, JSON: {"method": "ngram", ...}'),
     ("convert", str, "auto | none | embed (embed: a pooling model, as --runner pooling)"),
     ("pooler_config", json.loads, 'pooling model: {"pooling_type": "LAST|MEAN|CLS", ...}'),
+    ("nnodes", int, "machines the tensor-parallel ranks run on (others: serve --headless)"),
+    ("node_rank", int, "this machine's index (the engine runs on node 0)"),
+    ("master_addr", str, "node 0's address: the torch.distributed rendezvous"),
+    ("master_port", int, "the rendezvous port (default: 29500 with --nnodes > 1)"),
+    ("distributed_timeout_seconds", float, "a collective waiting longer stops the engine"),
 ]
 
 

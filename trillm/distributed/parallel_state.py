@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,9 @@ class TensorParallelGroup:
     rank: int = 0
     world_size: int = 1
     timeout_s: float = 0.0
+    # Ranks on several nodes: the gloo group of rank 0 and the other nodes' ranks, which
+    # carries the executor's messages to them (``node_link.py``); None on one node.
+    control: Any = field(default=None, repr=False)
     # Wall time spent in collectives and how many ran, since the last ``take_comm_time``.
     comm_time_s: float = field(default=0.0, repr=False)
     num_collectives: int = field(default=0, repr=False)
@@ -84,26 +88,45 @@ def get_tp_group() -> TensorParallelGroup:
     return _group
 
 
+def is_loopback(addr: str) -> bool:
+    return addr == "localhost" or addr.startswith("127.") or addr == "::1"
+
+
 def init_tensor_parallel(
-    rank: int, world_size: int, port: int, device: str, timeout_s: float
+    rank: int,
+    world_size: int,
+    port: int,
+    device: str,
+    timeout_s: float,
+    *,
+    master_addr: str = "127.0.0.1",
+    remote_ranks: list[int] | None = None,
 ) -> TensorParallelGroup:
-    """Join the group (blocks until every rank has joined or ``timeout_s`` passes)."""
+    """Join the group (blocks until every rank has joined or ``timeout_s`` passes).
+
+    ``remote_ranks``: the ranks on nodes other than node 0; with some, every rank also
+    joins the gloo control group of rank 0 and them (``dist.new_group`` is collective)."""
     global _group
     if world_size == 1:
         _group = TensorParallelGroup()
         return _group
     backend = "nccl" if device == "cuda" else "gloo"
-    if backend == "gloo":
-        # Loopback only: gloo would otherwise pick the interface of the host name.
+    if is_loopback(master_addr):
+        # Every rank on this machine: gloo would otherwise pick the interface of the host
+        # name. Across machines it does (or GLOO_SOCKET_IFNAME, as for torchrun).
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{master_addr}:{port}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
-    _group = TensorParallelGroup(rank, world_size, timeout_s)
+    control = None
+    if remote_ranks:
+        control = dist.new_group([0, *remote_ranks], timeout=timeout, backend="gloo")
+    _group = TensorParallelGroup(rank, world_size, timeout_s, control)
     return _group
 
 

@@ -16,29 +16,34 @@ from trillm.distributed.parallel_state import (
 
 
 def place_rank(config: TrillmConfig, rank: int) -> torch.device:
-    """This rank's device: on CUDA one GPU per rank of every engine core (core d's rank r on
-    cuda:d*TP+r); on CPU its share of the cores (every rank of every engine core shares them:
-    more threads than cores thrash, and the native kernels follow torch's thread count)."""
+    """This rank's device: on CUDA one GPU per rank of every engine core on this node (core
+    d's rank r on cuda:d*L + r % L, L = the core's ranks on this node); on CPU its share of the
+    node's cores (every rank of every engine core shares them: more threads than cores
+    thrash, and the native kernels follow torch's thread count)."""
     parallel = config.parallel
-    size = parallel.tensor_parallel_size
+    local = parallel.ranks_per_node
     device = torch.device(config.device)
     if device.type == "cuda":
-        device = torch.device("cuda", parallel.data_parallel_rank * size + rank)
+        device = torch.device("cuda", parallel.data_parallel_rank * local + rank % local)
         torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, cores // (size * parallel.data_parallel_size)))
+        torch.set_num_threads(max(1, cores // (local * parallel.data_parallel_size)))
     return device
 
 
 def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
     """Pick this rank's device (``place_rank``), then join the group (blocks until every rank
-    has joined); -> the rank's device."""
+    has joined); -> the rank's device. A rank that has joined already (rank 0 of a multi-node
+    world joins before it builds its runner) only gets its device."""
     parallel = config.parallel
     device = place_rank(config, rank)
+    if get_tp_group().world_size > 1:
+        return device
     init_tensor_parallel(
-        rank, parallel.tensor_parallel_size, parallel.master_port, device.type,
-        parallel.collective_timeout_s,
+        rank, parallel.world_size, parallel.master_port, device.type,
+        parallel.collective_timeout_s, master_addr=parallel.master_addr,
+        remote_ranks=parallel.remote_ranks(),
     )  # fmt: skip
     return device
 

@@ -174,12 +174,24 @@ class AsyncEngine:
                 for index in range(len(self.cores)):
                     await nursery.start(self._run_core_task, index, send_outputs.clone())
                 await send_outputs.aclose()
+                for executor in self.executors:
+                    nursery.start_soon(self._watch_workers, executor, nursery.cancel_scope)
                 self.is_running = True
                 task_status.started()
         except Exception as exc:  # the engine is gone: fail everything, keep the process up
             self._die(exc)
         finally:
             self.is_running = False
+
+    async def _watch_workers(self, executor: Any, tasks: trio.CancelScope) -> None:
+        """A worker lost while no step runs (another node gone, a killed rank) kills the
+        engine now, not at the next request: /health answers 503 and the server stops. The
+        readers get the error as the output handler ends (``tasks``: the cores and handler)."""
+        wait_failed = getattr(executor, "wait_failed", None)
+        if wait_failed is None:  # a stand-in executor of a test
+            return
+        self._die(await wait_failed())
+        tasks.cancel()
 
     async def _run_core_task(
         self,

@@ -6,7 +6,9 @@ import logging
 from typing import Any
 
 from trillm.config import (
+    COLLECTIVE_TIMEOUT_S,
     DEFAULT_KV_CACHE_MEMORY,
+    DEFAULT_MASTER_PORT,
     CacheConfig,
     EngineArgs,
     LoRAConfig,
@@ -56,7 +58,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     device = resolve_device(args.device)
     model_config = load_model_config(args)
     max_model_len = model_config.max_model_len
-    _check_tensor_parallel(model_config, args.tensor_parallel_size, device)
+    _check_tensor_parallel(model_config, args.tensor_parallel_size, device, args.nnodes)
     _check_data_parallel(args, device)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {args.block_size}.")
@@ -95,11 +97,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             policy=args.scheduling_policy,
         ),
-        parallel=ParallelConfig(
-            tensor_parallel_size=args.tensor_parallel_size,
-            data_parallel_size=args.data_parallel_size,
-            distributed_executor_backend=args.distributed_executor_backend,
-        ),
+        parallel=_parallel_config(args),
         device=device,
         seed=args.seed,
         attention_backend=resolve_attention_backend(args.attention_backend, device),
@@ -112,8 +110,27 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     )
 
 
-def _check_tensor_parallel(model_config: ModelConfig, size: int, device: str) -> None:
-    """Refuse a tensor_parallel_size the model's shapes or the GPUs cannot take."""
+def _parallel_config(args: EngineArgs) -> ParallelConfig:
+    port = args.master_port
+    if port is None:  # one node: the executor picks a free loopback port
+        port = DEFAULT_MASTER_PORT if args.nnodes > 1 else 0
+    return ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        master_port=port,
+        collective_timeout_s=float(args.distributed_timeout_seconds or COLLECTIVE_TIMEOUT_S),
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+    )
+
+
+def _check_tensor_parallel(
+    model_config: ModelConfig, size: int, device: str, nnodes: int = 1
+) -> None:
+    """Refuse a tensor_parallel_size the model's shapes or this node's GPUs cannot take
+    (each node runs size / nnodes ranks)."""
     if size == 1:
         return
     from trillm.distributed.sharding import check_divisible
@@ -122,9 +139,11 @@ def _check_tensor_parallel(model_config: ModelConfig, size: int, device: str) ->
     if device == "cuda":
         import torch
 
-        if torch.cuda.device_count() < size:
+        local = size // nnodes
+        if torch.cuda.device_count() < local:
             raise ValueError(
-                f"tensor_parallel_size={size} needs {size} GPUs (one per rank), "
+                f"tensor_parallel_size={size} over nnodes={nnodes} needs {local} GPUs on "
+                "this node (one per rank), "
                 f"{torch.cuda.device_count()} visible."
             )
 

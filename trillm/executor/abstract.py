@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from trillm.errors import EngineDeadError
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 
 DEFAULT_RUNNER = "trillm.worker.model_runner:ModelRunner"
@@ -53,6 +54,12 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def check_health(self) -> None:
         """Raise ``EngineDeadError`` if a worker is gone (or the executor was shut down)."""
+
+    async def wait_failed(self) -> EngineDeadError:
+        """Returns (the death error) once a worker is gone, even while no step runs; never
+        for a shutdown. Default: an in-process executor has no workers to lose."""
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
 
     @abc.abstractmethod
     async def shutdown(self) -> None:

@@ -83,7 +83,7 @@ def describe_exit(returncode: int) -> str:
 WORKER_GOMP_SPINCOUNT = "20000"
 
 
-def _worker_env() -> dict[str, str]:
+def worker_env() -> dict[str, str]:
     """This environment, with the folder holding ``trillm`` first on PYTHONPATH, so the worker
     imports the same package whatever its working directory, and GOMP_SPINCOUNT set (unless the
     user set it) before the worker loads torch."""
@@ -168,7 +168,18 @@ class MultiprocExecutor(Executor):
                 f"(it is imported in the worker process), got {runner_factory!r}."
             )
         self.config = config
-        self.num_workers = config.parallel.tensor_parallel_size
+        parallel = config.parallel
+        if parallel.node_rank != 0:
+            raise ValueError(
+                f"node_rank={parallel.node_rank}: the engine runs on node 0; another node runs "
+                "only its worker ranks (trillm serve --headless --node-rank N)."
+            )
+        self.num_workers = parallel.ranks_per_node  # the worker processes on this node
+        self.world_size = parallel.world_size
+        # Where each rank's replies arrive, in the order they do: rank 0's ring carries its
+        # own, then (relayed by rank 0) those of the ranks on other nodes.
+        self.remote_ranks = parallel.remote_ranks()
+        self._read_order = [0, *self.remote_ranks, *range(1, self.num_workers)]
         self.runner_spec = runner_factory
         self.runner_kwargs = runner_kwargs or {}
         self.num_slots, self.slot_size = num_slots, slot_size
@@ -187,6 +198,7 @@ class MultiprocExecutor(Executor):
         self._started = False
         self._stop = trio.Event()
         self._stopped = trio.Event()
+        self._failed = trio.Event()  # a worker is gone (not a shutdown)
 
     @property
     def ipc(self) -> _Ipc:
@@ -201,7 +213,7 @@ class MultiprocExecutor(Executor):
     # ------------------------------------------------------------ service
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        if self.num_workers > 1:
+        if self.world_size > 1 and not self.config.parallel.master_port:
             self.config.parallel.master_port = free_loopback_port()
         self._ipc = ipc = _Ipc(self.num_workers, self.num_slots, self.slot_size)
         self.segment_names = ipc.segment_names()
@@ -209,7 +221,7 @@ class MultiprocExecutor(Executor):
             async with trio.open_nursery() as nursery:
                 for rank in range(self.num_workers):
                     argv, fds = ipc.worker_args(rank, self.config.parallel.data_parallel_rank)
-                    proc = await trio.lowlevel.open_process(argv, pass_fds=fds, env=_worker_env())
+                    proc = await trio.lowlevel.open_process(argv, pass_fds=fds, env=worker_env())
                     self.processes.append(proc)
                     nursery.start_soon(self._supervise, rank, proc)
                 ipc.close_death_read_end()  # the workers hold it now
@@ -231,18 +243,22 @@ class MultiprocExecutor(Executor):
     async def _handshake(self) -> None:
         init = codec.encode(InitWorker(self.config, self.runner_spec, self.runner_kwargs))
         await self.ipc.requests.send(init)
-        loaded = [await self._recv_control(rank, "loaded") for rank in range(self.num_workers)]
+        loaded = [await self._recv_control(rank, "loaded") for rank in self._read_order]
         self.num_blocks = min(r.num_blocks for r in loaded)
         self.config.cache.num_blocks = self.num_blocks
         await self.ipc.requests.send(codec.encode(InitKVCache(self.num_blocks)))
-        for rank in range(self.num_workers):
+        for rank in self._read_order:
             await self._recv_control(rank, "kv_cache")
 
+    def _reader(self, rank: int) -> RingReader:
+        """The ring ``rank``'s replies arrive on (rank 0's for the other nodes' ranks)."""
+        return self.ipc.results[rank if rank < self.num_workers else 0]
+
     async def _recv_control(self, rank: int, phase: str) -> WorkerReady:
-        msg = codec.decode(await self.ipc.results[rank].recv())
+        msg = codec.decode(await self._reader(rank).recv())
         if isinstance(msg, WorkerFailed):
             raise self._fail(
-                EngineStartupError(f"Worker rank {rank} failed to start:\n{msg.message}")
+                EngineStartupError(f"Worker rank {msg.rank} failed to start:\n{msg.message}")
             )
         if not isinstance(msg, WorkerReady) or msg.phase != phase:
             raise self._fail(EngineStartupError(f"Worker rank {rank} sent {msg!r} during startup."))
@@ -292,11 +308,15 @@ class MultiprocExecutor(Executor):
                         self._collective_reports.add(rank)
                 await trio.sleep(0.05)
         waited = sorted(self._collective_reports)
-        silent = [r for r in range(self.num_workers) if r not in self._collective_reports]
+        silent = [r for r in range(self.world_size) if r not in self._collective_reports]
         timeout = self.config.parallel.collective_timeout_s
+        remote = [r for r in silent if r in self.remote_ranks]
+        where = ""
+        if remote:  # they cannot report here once the link is down: their node's log says
+            where = f" (rank(s) {remote} run on other nodes: see their node's log)"
         return (
-            f"A tensor-parallel collective timed out: rank(s) {silent} stopped answering; "
-            f"rank(s) {waited} waited {timeout:g} s for them."
+            f"A tensor-parallel collective timed out: rank(s) {silent} stopped answering"
+            f"{where}; rank(s) {waited} waited {timeout:g} s for them."
         )
 
     async def _stop_workers(self) -> None:
@@ -334,11 +354,16 @@ class MultiprocExecutor(Executor):
         first = self._dead is None
         self._mark_dead(error)
         if first:
+            self._failed.set()
             self._stopping = True  # the remaining exits are ours
             for proc in self.processes:
                 if proc.returncode is None:
                     proc.kill()
             self.ipc.unlink()
+        return self._death()
+
+    async def wait_failed(self) -> EngineDeadError:
+        await self._failed.wait()
         return self._death()
 
     def _death(self) -> EngineDeadError:
@@ -439,23 +464,28 @@ class MultiprocExecutor(Executor):
         Outputs of earlier steps are skipped: they belong to a ``sample_tokens`` call that its
         caller cancelled (the step's requests are then the engine's to clean up).
         """
-        outputs = []
-        for rank, reader in enumerate(self.ipc.results):
+        outputs: dict[int, ModelRunnerOutput] = {}
+        for rank in self._read_order:
+            reader = self._reader(rank)
             msg = codec.decode(await reader.recv())
             while isinstance(msg, ModelRunnerOutput) and msg.step_id < step_id:
                 msg = codec.decode(await reader.recv())
             if isinstance(msg, WorkerFailed):
+                # NOTE: msg.rank, not ``rank``: rank 0's ring carries its own last words where
+                # another node's reply was due.
                 if msg.collective:  # its supervisor names the silent ranks, then fails us
-                    self._reported[rank] = msg
+                    self._reported[msg.rank] = msg
                     await trio.sleep_forever()
-                raise self._fail(EngineDeadError(f"Worker rank {rank} failed:\n{msg.message}"))
+                raise self._fail(
+                    EngineDeadError(f"Worker rank {msg.rank} failed:\n{msg.message}")
+                )
             if not isinstance(msg, ModelRunnerOutput) or msg.step_id != step_id:
                 got = f"step {msg.step_id}" if isinstance(msg, ModelRunnerOutput) else repr(msg)
                 raise self._fail(
                     EngineDeadError(f"Worker rank {rank} sent {got}, expected {step_id}.")
                 )
-            outputs.append(msg)
-        return outputs
+            outputs[rank] = msg
+        return [outputs[rank] for rank in range(self.world_size)]
 
     async def shutdown(self) -> None:
         self._stop.set()

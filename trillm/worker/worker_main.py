@@ -30,13 +30,17 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trillm.errors import CodecError, CollectiveTimeoutError, IPCError, RingClosedError
 from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
 from trillm.ipc.shm_ring import RingFds, RingReader, RingWriter, ShmRing
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
+from trillm.worker.remote_rank import check_same_config, join_from_node
+
+if TYPE_CHECKING:
+    from trillm.distributed.node_link import NodeLink
 
 EXIT_OK, EXIT_FAILED, EXIT_PARENT_DIED = 0, 1, 3
 
@@ -69,11 +73,27 @@ def _watch_death_pipe(fd: int) -> None:
 
 
 class Worker:
-    def __init__(self, rank: int, requests: RingReader, results: RingWriter, parent_pid: int):
+    """One rank's message loop. On node 0 it reads the executor's request ring and writes its
+    result ring; rank 0 of a multi-node world also relays (``link``, ``node_link.py``): it
+    forwards each message to the other nodes' ranks before acting on it and writes their
+    replies after its own. A rank on another node (``requests`` None) reads and answers
+    through ``link`` alone."""
+
+    def __init__(
+        self,
+        rank: int,
+        requests: RingReader | None,
+        results: RingWriter | None,
+        parent_pid: int,
+        link: NodeLink | None = None,
+        own_config: Any = None,
+    ):
         self.rank = rank
         self.requests = requests
         self.results = results
         self.parent_pid = parent_pid
+        self.link = link
+        self.own_config = own_config  # a remote rank's config, built from its node's flags
         self.runner: Any = None
         self._sched: SchedulerOutput | None = None
         self._step_error: str | None = None
@@ -82,17 +102,56 @@ class Worker:
         if os.getppid() != self.parent_pid:
             raise ParentDiedError(f"Worker rank {self.rank}: parent {self.parent_pid} is gone.")
 
+    def _idle(self) -> None:
+        self._check_parent()
+        if self.link is not None:
+            self.link.heartbeat_if_idle()
+
     def _send(self, msg: Any, timeout: float | None = None) -> None:
-        self.results.send_sync(codec.encode(msg), timeout, idle_check=self._check_parent)
+        """This rank's reply (and, on a relaying rank 0, the other nodes' replies after it)."""
+        frame = codec.encode(msg)
+        if self.results is None:
+            assert self.link is not None
+            self.link.send_reply(frame)
+            return
+        self.results.send_sync(frame, timeout, idle_check=self._check_parent)
+        if self.link is not None:
+            for reply in self.link.replies():
+                self.results.send_sync(reply, timeout, idle_check=self._check_parent)
+
+    def send_failure(self, msg: WorkerFailed) -> None:
+        """Last words: to the executor's ring (node 0) or to rank 0 (another node)."""
+        frame = codec.encode(msg)
+        if self.results is not None:
+            self.results.send_sync(frame, 5.0, idle_check=self._check_parent)
+        elif self.link is not None and not msg.collective:
+            self.link.send_reply(frame)
+
+    def _recv(self) -> Any:
+        if self.requests is None:
+            assert self.link is not None
+            return codec.decode(self.link.receive())
+        frame = self.requests.recv_sync(idle_check=self._idle)
+        msg = codec.decode(frame)
+        if isinstance(msg, InitWorker) and msg.config.parallel.nnodes > 1 and self.rank == 0:
+            # Rank 0 joins the world first: the other nodes' ranks wait for this frame in it.
+            from trillm.distributed.node_link import NodeLink
+            from trillm.distributed.parallel_state import get_tp_group
+            from trillm.distributed.worker import join_tensor_parallel
+
+            join_tensor_parallel(msg.config, self.rank)
+            self.link = NodeLink(get_tp_group(), msg.config.parallel.remote_ranks())
+        if self.link is not None:
+            self.link.broadcast(frame)
+        return msg
 
     def run(self) -> int:
         """Serve messages until Shutdown; returns the exit code."""
         while True:
             try:
-                frame = self.requests.recv_sync(idle_check=self._check_parent)
+                msg = self._recv()
             except RingClosedError:
                 return EXIT_OK
-            msg = codec.decode(frame)
             if isinstance(msg, Shutdown):
                 if self.runner is not None and hasattr(self.runner, "shutdown"):
                     self.runner.shutdown()
@@ -107,8 +166,12 @@ class Worker:
         elif isinstance(msg, SampleRequest):
             self._sample(msg.bitmask)
         elif isinstance(msg, InitWorker):
+            config = msg.config
+            if self.own_config is not None:  # another node: its flags must agree with node 0's
+                check_same_config(config, self.own_config)
+                config = self.own_config
             runner_cls = load_runner_class(msg.runner)
-            self.runner = runner_cls(msg.config, self.rank, **msg.runner_kwargs)
+            self.runner = runner_cls(config, self.rank, **msg.runner_kwargs)
             self.runner.load_model()
             num_blocks = self.runner.determine_num_blocks()
             self._send(WorkerReady(self.rank, "loaded", num_blocks))
@@ -150,8 +213,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="trillm model worker (started by the executor)")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--engine", type=int, default=0, help="engine core (data parallelism)")
-    p.add_argument("--request-ring", required=True, help="JSON RingFds; this rank reads it")
-    p.add_argument("--result-ring", required=True, help="JSON RingFds; this rank writes it")
+    p.add_argument("--request-ring", help="JSON RingFds; this rank reads it")
+    p.add_argument("--result-ring", help="JSON RingFds; this rank writes it")
+    p.add_argument(
+        "--engine-args", help="JSON EngineArgs of a headless node: this rank is on another "
+        "node than the executor and talks to it through rank 0 (no rings)",
+    )  # fmt: skip
     p.add_argument("--death-fd", type=int, required=True, help="read end of the parent pipe")
     p.add_argument("--parent-pid", type=int, required=True)
     return p.parse_args(argv)
@@ -171,11 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     _watch_death_pipe(args.death_fd)
     if os.getppid() != args.parent_pid:
         return EXIT_PARENT_DIED
-    req_fds, res_fds = _ring_fds(args.request_ring), _ring_fds(args.result_ring)
-    requests = RingReader(ShmRing.attach(req_fds.name), args.rank, req_fds)
-    results = RingWriter(ShmRing.attach(res_fds.name), res_fds)
-    worker = Worker(args.rank, requests, results, args.parent_pid)
+    worker = Worker(args.rank, None, None, args.parent_pid)
     try:
+        if args.engine_args is not None:
+            worker.own_config, worker.link = join_from_node(json.loads(args.engine_args), args.rank)
+        else:
+            req_fds, res_fds = _ring_fds(args.request_ring), _ring_fds(args.result_ring)
+            worker.requests = RingReader(ShmRing.attach(req_fds.name), args.rank, req_fds)
+            worker.results = RingWriter(ShmRing.attach(res_fds.name), res_fds)
         return worker.run()
     except ParentDiedError:
         return EXIT_PARENT_DIED
@@ -184,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         print(message, file=sys.stderr, flush=True)
         try:
             collective = isinstance(exc, CollectiveTimeoutError)
-            worker._send(WorkerFailed(args.rank, message, collective), timeout=5.0)
-        except (IPCError, ParentDiedError, TimeoutError):
+            worker.send_failure(WorkerFailed(args.rank, message, collective))
+        except (IPCError, ParentDiedError, TimeoutError, CollectiveTimeoutError):
             pass
         return EXIT_FAILED
 

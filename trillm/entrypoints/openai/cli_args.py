@@ -22,7 +22,8 @@ _ENGINE_FLAGS = (
     "distributed_executor_backend", "generation_config", "trust_remote_code", "runner",
     "stream_interval", "reasoning_parser", "load_format", "quantization", "dequantize_gguf",
     "enable_lora", "max_loras", "max_lora_rank", "kv_cache_dtype", "speculative_config",
-    "convert", "pooler_config",
+    "convert", "pooler_config", "nnodes", "node_rank", "master_addr", "master_port",
+    "distributed_timeout_seconds",
 )  # fmt: skip
 
 
@@ -139,6 +140,51 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several nodes (torchrun's names)")
+    g.add_argument(
+        "--nnodes", type=_positive_int,
+        help="Machines the tensor-parallel ranks run on; each runs tensor_parallel_size / "
+        "nnodes of them (default: 1).",
+    )  # fmt: skip
+    g.add_argument(
+        "--node-rank", type=_non_negative_int,
+        help="This machine's index: 0 serves HTTP and runs the engine; others run with "
+        "--headless (default: 0).",
+    )  # fmt: skip
+    g.add_argument(
+        "--master-addr",
+        help="Node 0's address, where the torch.distributed TCP rendezvous is (default: "
+        "127.0.0.1). Across machines gloo picks the interface of the host name, or "
+        "GLOO_SOCKET_IFNAME.",
+    )  # fmt: skip
+    g.add_argument(
+        "--master-port", type=_positive_int,
+        help="The rendezvous port on node 0 (default: 29500 with --nnodes > 1; a free "
+        "loopback port on one node).",
+    )  # fmt: skip
+    g.add_argument(
+        "--headless", action="store_true",
+        help="Run only this node's worker ranks (no HTTP server, no engine): a node other "
+        "than node 0, started with the same engine flags and its --node-rank.",
+    )  # fmt: skip
+    g.add_argument(
+        "--distributed-timeout-seconds", type=_positive_seconds,
+        help="A torch.distributed collective (or the rendezvous) that waits longer means a "
+        "rank stopped answering: the engine stops and names it (default: 120).",
+    )  # fmt: skip
+
+
+def check_node_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--node-rank > 0 runs headless; --headless runs a node other than node 0."""
+    if args.headless and not args.node_rank:
+        parser.error("argument --headless: runs the worker ranks of a node other than node 0; "
+                     "give its --node-rank (>= 1) and --nnodes.")  # fmt: skip
+    if args.node_rank and not args.headless:
+        parser.error(f"argument --node-rank: node {args.node_rank} runs only worker ranks; "
+                     "start it with --headless (node 0 serves HTTP).")  # fmt: skip
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--tokenizer", help="Tokenizer folder, if not the model's.")
@@ -191,6 +237,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Default: auto.")
     g.add_argument("--attention-backend", help="torch, triton or flashinfer (default: best).")
     g.add_argument("--distributed-executor-backend", choices=["mp", "uni"])
+    _add_node_flags(p)
     g.add_argument(
         "--generation-config",
         help="'auto' (the model's generation_config.json gives request defaults), 'vllm' "
@@ -327,6 +374,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from trillm.logging_config import LoggingConfigError, configure_logging
 
     vllm_flags.check_flags(args.serve_parser, args)
+    check_node_flags(args.serve_parser, args)
     serving_lora.check_lora_flags(args.serve_parser, args)
     try:
         configure_logging(args.log_level, args.log_format)
@@ -339,4 +387,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.disable_uvicorn_access_log:
         logging.getLogger("hypercorn.access").disabled = True
     model = args.model_opt or args.model_tag or args.config_model  # --config's model last
+    if args.headless:
+        from trillm.entrypoints.headless import run_headless
+
+        try:
+            return run_headless(model, engine_kwargs(args))
+        except ValueError as exc:  # a flag the engine refuses: exit 2, as for node 0
+            args.serve_parser.error(str(exc))
     return trio.run(run_server, model, engine_kwargs(args), server_options(args))

@@ -1,0 +1,178 @@
+"""Several nodes (issue 14): two "nodes" as two separate process trees on loopback.
+
+Node 0 is ``trillm serve ... --nnodes 2`` (HTTP, the engine core and rank 0); node 1 is
+``trillm serve ... --headless --node-rank 1`` in a session of its own (rank 1 only), joined
+through the torch.distributed TCP rendezvous at --master-addr:--master-port. Rank 0 relays
+each step to rank 1 over gloo (``trillm/distributed/node_link.py``). TP=2 across the two
+gives TP=1's greedy tokens over HTTP; killing node 1 ends node 0's requests with an error,
+/health 503 and node 0's exit, with no process of either node left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from server_harness import REPO, ServerProcess, free_port, open_request, read_until
+from test_executor import pid_alive
+
+from trillm.config import EngineArgs
+from trillm.engine.llm import LLM
+from trillm.sampling_params import SamplingParams
+
+PROMPTS = ["Hello there, how", "The capital of France is", "1 2 3 4 5"]
+MAX_TOKENS = 10
+LIMITS = ["--max-model-len", "256", "--kv-cache-memory", "16MiB"]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_factory) -> str:
+    # One KV head (replicated on both ranks), biases, 4099 vocabulary rows: the TP test's model.
+    return tiny_model_factory(
+        "llama", num_key_value_heads=1, attention_bias=True, mlp_bias=True, vocab_size=4099,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tp1_tokens(llama) -> list[list[int]]:
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(llama, distributed_executor_backend="uni", max_model_len=256,
+             kv_cache_memory="16MiB") as llm:  # fmt: skip
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        kids += [int(c) for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+    return kids
+
+
+def _worker_pids(pid: int) -> list[int]:
+    return [c for c in _children(pid)
+            if b"trillm.worker.worker_main" in open(f"/proc/{c}/cmdline", "rb").read()]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def nodes(llama, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("two-nodes")
+    common = [llama, "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr",
+              "127.0.0.1", "--master-port", str(free_port()), *LIMITS]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    node1_log = open(logs / "node1.log", "wb")  # noqa: SIM115
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "trillm", "serve", *common, "--headless", "--node-rank", "1"],
+        cwd=REPO, env=env, stdout=node1_log, stderr=subprocess.STDOUT,
+        start_new_session=True,  # a process tree of its own, as on another machine
+    )  # fmt: skip
+    node0 = ServerProcess(common, logs / "node0.log")
+    try:
+        node0.start()
+    except BaseException:
+        node1.kill()
+        raise
+    yield node0, node1, logs / "node1.log"
+    for proc in (node0.proc, node1):
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    node1_log.close()
+
+
+def test_tp2_across_two_nodes_matches_tp1_over_http(nodes, tp1_tokens):
+    node0, node1, _ = nodes
+    # Node 0 holds rank 0 alone; node 1's tree (another session) holds rank 1.
+    assert len(_worker_pids(node0.proc.pid)) == 1
+    (rank1,) = _worker_pids(node1.pid)
+    assert b"--rank\x001\x00" in open(f"/proc/{rank1}/cmdline", "rb").read()
+    assert os.getsid(node1.pid) != os.getsid(node0.proc.pid)
+    got = []
+    for prompt in PROMPTS:
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        r = httpx.post(node0.base_url + "/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"][0]["token_ids"])
+    assert got == tp1_tokens
+
+
+def test_killed_node1_fails_node0s_requests_and_leaves_no_process(nodes):
+    """Node 1 killed mid-generation (its supervisor SIGKILLed; its rank exits on the parent
+    death pipe): node 0's stream ends with an error naming rank 1, /health is 503, node 0
+    exits 1, and neither node's worker survives."""
+    node0, node1, node1_log = nodes
+    (rank0,) = _worker_pids(node0.proc.pid)
+    (rank1,) = _worker_pids(node1.pid)
+    body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
+    streamed = open_request(node0, "/v1/completions", {**body, "stream": True})
+    read_until(streamed, b"data: {")
+    os.kill(node1.pid, signal.SIGKILL)
+    tail = read_until(streamed, b"[DONE]")
+    assert b"ServiceUnavailableError" in tail and b"rank(s) [1]" in tail, tail[-600:]
+    try:
+        assert httpx.get(node0.url + "/health", timeout=5).status_code == 503
+    except httpx.ConnectError:
+        pass  # already past the grace period and gone
+    assert node0.proc.wait(timeout=30) == 1, node0.log()
+    deadline = time.monotonic() + 10
+    while (pid_alive(rank0) or pid_alive(rank1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(rank0) and not pid_alive(rank1), node1_log.read_text()[-3000:]
+
+
+# ---------------------------------------------------------------- refusals and flags
+
+
+def test_a_headless_node_with_other_engine_flags_is_refused(llama):
+    """Node 1 compares node 0's config (sent at startup) with its own: the differing fields
+    are named; the node's rank and the model's folder are per node."""
+    from trillm.engine.config_builder import build_config
+    from trillm.worker.remote_rank import NodeConfigMismatchError, check_same_config
+
+    base = {"tensor_parallel_size": 2, "nnodes": 2, "max_model_len": 256,
+            "kv_cache_memory": "16MiB"}  # fmt: skip
+    node0 = build_config(EngineArgs(llama, **base))
+    check_same_config(node0, build_config(EngineArgs(llama, node_rank=1, **base)))
+    other = build_config(EngineArgs(llama, node_rank=1, **{**base, "max_model_len": 128}))
+    with pytest.raises(NodeConfigMismatchError, match="scheduler.max_model_len: node 0 has 256"):
+        check_same_config(node0, other)
+
+
+def test_node_flags_reach_the_config_and_bad_ones_are_refused(llama, capsys):
+    from trillm.engine.config_builder import build_config
+    from trillm.entrypoints.cli import build_parser
+    from trillm.entrypoints.openai.cli_args import check_node_flags, engine_kwargs
+
+    argv = ["serve", "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--headless",
+            "--master-addr", "10.0.0.5", "--master-port", "29611",
+            "--distributed-timeout-seconds", "7.5"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    parallel = build_config(EngineArgs(llama, **engine_kwargs(args))).parallel
+    assert (parallel.nnodes, parallel.node_rank, parallel.master_addr, parallel.master_port,
+            parallel.collective_timeout_s) == (2, 1, "10.0.0.5", 29611, 7.5)  # fmt: skip
+    assert (parallel.ranks_per_node, parallel.remote_ranks()) == (1, [1])
+    default = build_config(EngineArgs(llama, tensor_parallel_size=2, nnodes=2)).parallel
+    assert (default.master_port, default.collective_timeout_s) == (29500, 120.0)  # torchrun's
+    for bad, words in ((["--node-rank", "1"], "--headless"),
+                       (["--headless"], "--node-rank")):  # fmt: skip
+        args = build_parser().parse_args(["serve", "--nnodes", "2", *bad])
+        with pytest.raises(SystemExit):
+            check_node_flags(args.serve_parser, args)
+        assert words in capsys.readouterr().err
+    for kwargs, words in (
+        ({"tensor_parallel_size": 3, "nnodes": 2}, "nnodes=2 must divide tensor_parallel_size=3"),
+        ({"nnodes": 2, "node_rank": 2}, "node_rank must be an integer in [0, nnodes=2)"),
+        ({"distributed_timeout_seconds": 0}, "distributed_timeout_seconds must be a number > 0"),
+        ({"master_port": 70000}, "master_port must be a TCP port"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            EngineArgs(llama, **kwargs)
+    with pytest.raises(ValueError, match="node_rank=1: the engine runs on node 0"):
+        LLM(llama, tensor_parallel_size=2, nnodes=2, node_rank=1, max_model_len=256)

@@ -1,0 +1,59 @@
+"""A rank on a node other than node 0 (``trillm serve --headless``): it builds its config from
+its own node's engine flags, joins the world at the master address, and then hears the
+executor through rank 0 (``trillm/distributed/node_link.py``). Node 0's config must match its
+own: a node started with other engine flags is refused by name, never run half-agreeing."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from trillm.config import TrillmConfig
+from trillm.distributed.node_link import NodeLink
+
+# Per node, not per world: the node's own rank, and the model's folder (the same checkpoint
+# may live at another path on another machine; its config.json must still agree).
+_NODE_FIELDS = ("parallel.node_rank", "model.model", "model.tokenizer")
+
+
+class NodeConfigMismatchError(ValueError):
+    """A headless node's engine flags differ from node 0's."""
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flat(item, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def check_same_config(node0: TrillmConfig, own: TrillmConfig) -> None:
+    """Raise NodeConfigMismatchError naming every field where node 0's config and this
+    node's differ (but the per-node ones)."""
+    theirs, mine = _flat(asdict(node0)), _flat(asdict(own))
+    keys = sorted(set(theirs) | set(mine))
+    diffs = [
+        f"{key}: node 0 has {theirs.get(key)!r}, this node {mine.get(key)!r}"
+        for key in keys
+        if key not in _NODE_FIELDS and theirs.get(key) != mine.get(key)
+    ]
+    if diffs:
+        raise NodeConfigMismatchError(
+            "This node was started with other engine flags than node 0 (start every node "
+            "with the same flags):\n  " + "\n  ".join(diffs)
+        )
+
+
+def join_from_node(engine_args: dict[str, Any], rank: int) -> tuple[TrillmConfig, NodeLink]:
+    """Build this node's config, join the world as ``rank`` (blocks until every rank has
+    joined) -> (the config, the link to rank 0)."""
+    from trillm.config import EngineArgs
+    from trillm.distributed.parallel_state import get_tp_group
+    from trillm.distributed.worker import join_tensor_parallel
+    from trillm.engine.config_builder import build_config
+
+    config = build_config(EngineArgs(**engine_args))
+    join_tensor_parallel(config, rank)
+    return config, NodeLink(get_tp_group(), config.parallel.remote_ranks())
