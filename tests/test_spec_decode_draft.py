@@ -58,7 +58,7 @@ SEEDED = SamplingParams(temperature=1.0, seed=7, top_k=50, max_tokens=30, ignore
                         logprobs=1)  # fmt: skip
 
 
-def test_target_copy_as_draft_is_accepted_and_output_is_exact(engines):
+def test_target_copy_as_draft_is_accepted_and_output_is_exact(engines, caplog):
     base, copy, _ = engines
     before = stats(copy)
     for x, y in zip(run(base, GREEDY), run(copy, GREEDY)):
@@ -69,6 +69,7 @@ def test_target_copy_as_draft_is_accepted_and_output_is_exact(engines):
     # 4 requests x 40 tokens; a step verifies 3 drafts + the target's own token.
     assert drafted >= 90
     assert accepted >= 0.95 * drafted  # the same model proposes what the target samples
+    assert "failed to propose" not in caplog.text
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy-logprobs", "seeded-n2"])
@@ -120,3 +121,26 @@ def test_draft_with_another_vocabulary_is_refused_by_name(models, tiny_model_fac
         LLM(target, speculative_config=draft_config(str(other)), **SMALL)
     with pytest.raises(ValueError, match="draft model '/nonexistent/draft'"):
         LLM(target, speculative_config=draft_config("/nonexistent/draft"), **SMALL)
+
+
+def test_small_budget_and_preemption_keep_output_exact(engines, models, caplog):
+    """A step budget smaller than the prompts (the draft's catch-up spans steps) and a KV
+    cache too small for every request at once (preempted requests come back to an empty draft
+    cache): still the base output, and the copy's drafts still accepted."""
+    base, _, _ = engines
+    target, _ = models
+    tight = {**SMALL, "max_num_batched_tokens": 16, "num_gpu_blocks_override": 24,
+             "max_model_len": 128}  # fmt: skip
+    engine = LLM(target, speculative_config=draft_config(target), **tight)
+    try:
+        prompts = [p * 3 for p in PROMPTS]  # 20-40 tokens each: several budget-sized chunks
+        params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        for x, y in zip(base.generate(prompts, params, use_tqdm=False),
+                        engine.generate(prompts, params, use_tqdm=False)):  # fmt: skip
+            assert_same(x, y)
+        s = stats(engine)
+        assert engine.engine.get_stats().num_preemptions > 0
+        assert s.num_accepted_tokens >= 0.9 * s.num_draft_tokens > 0
+        assert "failed to propose" not in caplog.text  # every proposal ran
+    finally:
+        engine.shutdown()

@@ -180,7 +180,7 @@ class DraftModelProposer:
         starts = np.array(feed.starts, dtype=np.int64)
         seq_lens = starts + counts
         positions = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
-        table = self._block_table(batch, feed.slots, int(seq_lens.max()))  # [R, B]
+        table = self._block_table(batch, feed.slots, seq_lens)  # [R, B]
         row_req = np.repeat(np.arange(len(counts)), counts)
         blocks = table[row_req, positions // self.block_size].astype(np.int64)
         meta = AttentionMetadata(
@@ -197,19 +197,21 @@ class DraftModelProposer:
         last = self._dev(qsl[1:].astype(np.int64) - 1)
         return self.model.compute_logits(hidden.index_select(0, last)).float()
 
-    def _block_table(self, batch: InputBatch, slots: list[int], max_len: int) -> np.ndarray:
-        """[R, B] int32: each request's shared blocks, then its slot's scratch blocks."""
-        width = -(-max_len // self.block_size)
-        table = np.zeros((len(slots), width), dtype=np.int32)
+    def _block_table(self, batch: InputBatch, slots: list[int], seq_lens: np.ndarray) -> np.ndarray:
+        """[R, B] int32: each request's shared blocks, then its slot's scratch blocks for its
+        positions past them (columns past a request's own length stay 0: never read)."""
+        needed = -(-seq_lens // self.block_size)  # [R] blocks each request's positions reach
+        table = np.zeros((len(slots), int(needed.max())), dtype=np.int32)
         for i, slot in enumerate(slots):
-            n = min(int(batch.num_blocks[slot]), width)
+            want = int(needed[i])
+            n = min(int(batch.num_blocks[slot]), want)
             table[i, :n] = batch.block_table[slot, :n]
-            first = self._num_shared + slot * self.scratch_per_slot
-            extra = width - n
+            extra = want - n
             if extra > self.scratch_per_slot:
                 raise RuntimeError(f"draft positions reach {extra} blocks past slot {slot}'s "
                                    "allocation; the scratch holds fewer")  # fmt: skip
-            table[i, n:] = np.arange(first, first + extra)
+            first = self._num_shared + slot * self.scratch_per_slot
+            table[i, n:want] = np.arange(first, first + extra)
         return table
 
     def _dev(self, a: np.ndarray) -> torch.Tensor:
