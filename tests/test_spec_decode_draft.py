@@ -70,6 +70,8 @@ def test_target_copy_as_draft_is_accepted_and_output_is_exact(engines, caplog):
     assert drafted >= 90
     assert accepted >= 0.95 * drafted  # the same model proposes what the target samples
     assert "failed to propose" not in caplog.text
+    # Its own KV cache, in the same budget: the copy's layers as many again, half the blocks.
+    assert copy.engine.num_blocks == base.engine.num_blocks // 2
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy-logprobs", "seeded-n2"])
