@@ -194,6 +194,36 @@ def test_admission_holds_the_adapter_too_many_until_one_is_free():
     assert [r.request_id for r in gate.release(lambda rid: False)] == ["a2"]
 
 
+def test_admission_counts_adapters_running_and_waiting():
+    """What lora_requests_info shows: adapter name -> requests among the scheduler's running
+    and waiting ids, the held ones waiting too; base-model and finished requests not at all."""
+    from trillm.lora.admission import LoRAAdmission
+    from trillm.messages import EngineCoreRequest
+
+    def req(rid, lora_id):
+        lora = None if lora_id is None else LoRARequest(f"l{lora_id}", lora_id, "/p")
+        return EngineCoreRequest(rid, [1], SamplingParams(), 0.0, lora_request=lora)
+
+    gate = LoRAAdmission(max_loras=2)
+    for r in (req("a", 1), req("a2", 1), req("b", 2), req("base", None), req("c", 3)):
+        gate.offer(r)  # "c" is held: two adapters already
+    running, waiting = gate.adapter_counts(["a", "base", "b"], ["a2"])
+    assert running == {"l1": 1, "l2": 1}
+    assert waiting == {"l1": 1, "l3": 1}
+    assert gate.adapter_counts([], []) == ({}, {"l3": 1})
+    gate.release(lambda rid: rid not in ("b",))  # b ends: c is admitted
+    assert gate.adapter_counts(["a", "c"], ["a2"]) == ({"l1": 1, "l3": 1}, {"l1": 1})
+    # Several engine cores (data parallelism): the gauge shows their adapters together.
+    from trillm.engine.dp_router import sum_stats
+    from trillm.messages import SchedulerStats
+
+    total = sum_stats([SchedulerStats(running_lora_adapters={"l1": 1}),
+                       SchedulerStats(running_lora_adapters={"l1": 2, "l0": 1},
+                                      waiting_lora_adapters={"l3": 1})])  # fmt: skip
+    assert (total.running_lora_adapters, total.waiting_lora_adapters) == (
+        {"l0": 1, "l1": 3}, {"l3": 1})  # fmt: skip
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_other_decoders_equal_peft(arch, tiny_model_factory, tmp_path):
     """Llama (head_dim != hidden / heads) and Gemma (gelu MLP, scaled embeddings): base and

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import httpx
 import pytest
 
-from tests.server_harness import ServerProcess
+from tests.server_harness import ServerProcess, open_request, read_until
 from trillm.testing.lora_adapters import build_peft_adapter, peft_greedy
 
 BASE = "tiny-base"
@@ -75,6 +76,40 @@ def test_model_name_selects_the_adapter(setup, server):
         "temperature": 0})  # fmt: skip
     assert chat.status_code == 200 and chat.json()["model"] == "a"
     assert chat.json()["choices"][0]["message"] != base_chat.json()["choices"][0]["message"]
+
+
+def _lora_info(srv) -> dict[str, list]:
+    """prefix -> the lora_requests_info samples of a /metrics scrape (prometheus_client's
+    parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    return {fam.name.split(":")[0]: fam.samples for fam in text_string_to_metric_families(text)
+            if fam.name.endswith(":lora_requests_info")}  # fmt: skip
+
+
+def test_lora_requests_info_names_the_running_adapter(server):
+    """vLLM's gauge under both prefixes, with vLLM's labels: "a" while a request of adapter
+    "a" streams, no adapter once the client has left."""
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    sock = open_request(server, "/v1/completions", body)
+    try:
+        read_until(sock, b"data: {")  # its first token: it runs
+        before = time.time()
+        info = _lora_info(server)
+        assert set(info) == {"vllm", "trillm"}
+        for samples in info.values():
+            (sample,) = samples
+            assert sample.labels == {"max_lora": "2", "running_lora_adapters": "a",
+                                     "waiting_lora_adapters": ""}  # fmt: skip
+            assert sample.value >= before - 1  # vLLM's value: the time of the stats
+    finally:
+        sock.close()
+    deadline = time.monotonic() + 20
+    while _lora_info(server)["vllm"][0].labels["running_lora_adapters"] != "":
+        assert time.monotonic() < deadline, "the aborted request still counts"
+        time.sleep(0.05)
 
 
 def test_unknown_model_is_404(server):

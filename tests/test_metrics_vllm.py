@@ -16,7 +16,8 @@ NAME = "served-name"
 
 # vLLM v1's metrics (docs/design/metrics.md "v1 Metrics", vllm/v1/metrics/loggers.py), as
 # exposed: name, type, labels beyond model_name and engine. mm_cache_* (multimodal models),
-# spec_decode_* and lora_* (features of other issues) are out of scope.
+# spec_decode_* (features of other issues) are out of scope; lora_requests_info (only with
+# --enable-lora): tests/test_lora_http.py.
 VLLM_V1_TABLE = [
     ("vllm:num_requests_running", "gauge", ()),
     ("vllm:num_requests_waiting", "gauge", ()),

@@ -193,6 +193,10 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # tokens found (cumulative)
     num_preemptions: int = 0  # cumulative
     spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding
+    # With --enable-lora: adapter name -> its requests running / waiting (held for a free
+    # adapter place, or queued in the scheduler), vLLM's lora_requests_info.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -205,8 +205,13 @@ class EngineCore:
         return EngineCoreOutputs(refused + failed, time.monotonic(), self._stats())
 
     def _stats(self) -> SchedulerStats:
-        """The scheduler's stats, with the speculative-decoding counters when configured."""
+        """The scheduler's stats, with the LoRA adapters and the speculative-decoding counters
+        when configured."""
         stats = self.scheduler.get_stats()
+        if self.lora is not None:
+            stats.running_lora_adapters, stats.waiting_lora_adapters = self.lora.adapter_counts(
+                self.scheduler.running_req_ids(), self.scheduler.waiting_req_ids()
+            )
         if self.spec_stats is not None:
             spec = self.spec_stats
             stats.spec_decoding = SpecDecodingStats(

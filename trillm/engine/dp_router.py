@@ -17,7 +17,7 @@ Also here: ``core_configs`` (one config per core) and ``sum_stats`` (the cores' 
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from trillm.config import TrillmConfig
 from trillm.messages import EngineCoreRequest, SchedulerStats, SpecDecodingStats
@@ -99,6 +99,8 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
         num_preemptions=sum(s.num_preemptions for s in stats),
+        running_lora_adapters=_merged([s.running_lora_adapters for s in stats]),
+        waiting_lora_adapters=_merged([s.waiting_lora_adapters for s in stats]),
     )
     specs = [s.spec_decoding for s in stats if s.spec_decoding is not None]
     if specs:
@@ -108,6 +110,13 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
             [sum(pos) for pos in zip(*(s.num_accepted_tokens_per_pos for s in specs))],
         )  # fmt: skip
     return total
+
+
+def _merged(counts: list[dict[str, int]]) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for c in counts:
+        total.update(c)
+    return dict(sorted(total.items()))
 
 
 def core_configs(config: TrillmConfig) -> list[TrillmConfig]:

@@ -74,6 +74,16 @@ class LoRAAdmission:
             self.held = deque(r for r in self.held if r.request_id not in wanted)
         return removed
 
+    def adapter_counts(
+        self, running: list[str], waiting: list[str]
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Adapter name -> requests, among the scheduler's ``running`` and ``waiting`` ids
+        (the waiting ones with those held here); sorted by name."""
+        run = Counter(self._live[r].lora_name for r in running if r in self._live)
+        wait = Counter(self._live[r].lora_name for r in waiting if r in self._live)
+        wait.update(req.lora_request.lora_name for req in self.held if req.lora_request)
+        return dict(sorted(run.items())), dict(sorted(wait.items()))
+
     def attach(self, new_reqs: list[NewRequestData]) -> None:
         for new in new_reqs:
             new.lora_request = self._live.get(new.req_id)

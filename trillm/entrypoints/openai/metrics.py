@@ -9,8 +9,10 @@ work unchanged), ``vllm`` or ``trillm``. The series are recorded once, under ``v
 renamed at scrape time, so a second prefix costs nothing per request.
 
 Sources:
-- scheduler gauges (running, waiting, KV usage), the prefix-cache and preemption counters
-  and ``cache_config_info`` are read from the engine at scrape time;
+- scheduler gauges (running, waiting, KV usage), the prefix-cache and preemption counters,
+  ``cache_config_info`` and (with --enable-lora) ``lora_requests_info`` are read from the
+  engine at scrape time; ``lora_requests_info`` has vLLM's labels only (``max_lora``,
+  ``waiting_lora_adapters``, ``running_lora_adapters``), summed over the engine cores;
 - request series are recorded per engine request (each sample of an ``n > 1`` request, each
   prompt of a batched completion), as vLLM does, so ``request_success_total`` and the latency
   and length histograms count the same things: ``RequestTimer.output`` sees each output,
@@ -26,6 +28,7 @@ prometheus_client's locked ones: they are recorded on the one Trio thread, per s
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any
@@ -122,6 +125,9 @@ class _SchedulerCollector(Collector):
                  if s.spec_decoding is not None]  # fmt: skip
         if specs:
             yield from self._spec_decoding(specs)
+        lora = getattr(getattr(self.engine, "config", None), "lora", None)
+        if lora is not None:
+            yield lora_requests_info(lora.max_loras, self.engine.get_stats())
         infos = [cache_config_info(self.engine, index) for index in range(len(per_engine))]
         g = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
@@ -159,6 +165,20 @@ def engine_stats(engine: Any) -> list[Any]:
     """Each engine core's scheduler stats (one core: the engine's stats)."""
     per_engine = getattr(engine, "get_engine_stats", None)
     return per_engine() if per_engine is not None else [engine.get_stats()]
+
+
+def lora_requests_info(max_loras: int, stats: Any) -> Metric:
+    """vLLM's ``lora_requests_info`` (with --enable-lora): its labels name the adapters with
+    running and waiting requests (comma-separated) and max_lora; its value is the time of the
+    stats (vLLM: ``set_to_current_time``), here the scrape's."""
+    g = GaugeMetricFamily(
+        "vllm:lora_requests_info", "Running stats on lora requests.",
+        labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )  # fmt: skip
+    waiting = ",".join(stats.waiting_lora_adapters)
+    running = ",".join(stats.running_lora_adapters)
+    g.add_metric([str(max_loras), waiting, running], time.time())
+    return g
 
 
 def cache_config_info(engine: Any, index: int = 0) -> dict[str, str]:
