@@ -16,7 +16,9 @@ CXX_FLAGS = ["-O3", "-std=c++17"]
 
 
 def cython_extensions() -> list[Extension]:
-    # ext/<name>.pyx -> trillm._ext.<name>
+    # ext/<name>.pyx -> trillm._ext.<name>. The KV manager's types are declared in
+    # trillm/_ext/kv_cache_manager.pxd (found from the repository root, the include path):
+    # compiled once, in trillm._ext.kv_cache_manager; the scheduler cimports them.
     modules = ["kv_cache_manager", "scheduler"]
     exts = [
         Extension(
@@ -35,6 +37,7 @@ def cython_extensions() -> list[Extension]:
             "wraparound": False,
             "initializedcheck": False,
         },
+        include_path=["."],
         quiet=True,
     )
 

@@ -3,15 +3,25 @@
 
 Same API, same decisions, same SchedulerOutput messages as the Python twin (a differential test
 compares them). The request records, block tables, block pool, free queue and hash map are C++
-state (see _kv_core.pxi); the scheduling loops run on typed records. The waiting/running
-queues are Python lists of those records, and the messages built at the end of a step are the
+state (trillm._ext.kv_cache_manager, cimported: one compiled copy); the scheduling loops run on
+typed records. The waiting/running queues are Python lists of those records, and the messages built at the end of a step are the
 Python dataclasses of trillm.messages.
 """
 
 from cpython.ref cimport PyObject
 from cython.operator cimport dereference as cython_deref
+from libc.stdint cimport int64_t
+from libcpp cimport bool as cbool
+from libcpp.vector cimport vector
 
-include "_kv_core.pxi"
+from trillm._ext.kv_cache_manager cimport (
+    ST_PREEMPTED,
+    ST_RUNNING,
+    ST_WAITING,
+    ST_WAITING_FOR_GRAMMAR,
+    KVCacheManager,
+    Request,
+)
 
 from trillm.core.errors import DuplicateRequestError
 from trillm.core.request import finished_status

@@ -1,4 +1,4 @@
-# The native KV-cache manager and request record (ext/kv_cache_manager.pyx, ext/_kv_core.pxi)
+# The native KV-cache manager and request record (ext/kv_cache_manager.pyx)
 # have the Python twins' API: the twins' classes are their types. tests/test_native_contract.py
 # checks the built module against this declaration.
 from trillm.core.kv_cache_manager import KVCacheManager as KVCacheManager
