@@ -28,6 +28,7 @@ FP8 = "tests/test_quantization_fp8.py::"
 KV_DTYPE = "tests/test_kv_cache_dtype.py::"
 SO_REASONING = "tests/test_structured_output_reasoning.py::"
 POOL = "tests/test_pooling.py::"
+CLS = "tests/test_classify.py::"
 RESP = "tests/test_responses_api.py::"
 TP = "tests/test_tensor_parallel.py::"
 DP = "tests/test_data_parallel.py::"
@@ -343,7 +344,10 @@ _ENGINE = {
                   POOL + "test_a_generative_engine_refuses_to_embed",
                   POOL + "test_settings_trillm_cannot_honour_are_refused"),
     "convert": ids(POOL + "test_convert_embed_is_the_pooling_runner",
-                   POOL + "test_settings_trillm_cannot_honour_are_refused"),
+                   POOL + "test_settings_trillm_cannot_honour_are_refused",
+                   CLS + "test_classify_route_answers_in_vllms_shape",
+                   CLS + "test_convert_classify_needs_a_score_head",
+                   CLS + "test_what_a_classifier_does_not_do_is_refused"),
     "pooler_config": ids(POOL + "test_llm_embed_equals_transformers",
                          POOL + "test_the_folder_says_how_to_pool_and_an_override_wins",
                          POOL + "test_settings_trillm_cannot_honour_are_refused"),
@@ -560,6 +564,13 @@ _EMBEDDING = {
     "truncate_prompt_tokens": ids(POOL + "test_truncate_prompt_tokens_keeps_the_last_tokens"),
 }  # fmt: skip
 
+_CLASSIFY = {
+    "input": ids(CLS + "test_classify_route_answers_in_vllms_shape",
+                 CLS + "test_what_the_classify_server_refuses"),
+    "model": ids(CLS + "test_what_the_classify_server_refuses"),
+    "truncate_prompt_tokens": ids(CLS + "test_truncate_prompt_tokens_keeps_the_last_tokens"),
+}  # fmt: skip
+
 COVERAGE: dict[str, tuple[str, ...]] = {
     **{f"ChatCompletionRequest.{k}": v for k, v in {**_SAMPLING, **_CHAT}.items()},
     **{f"CompletionRequest.{k}": v for k, v in {**_SAMPLING, **_COMPLETION}.items()},
@@ -567,6 +578,7 @@ COVERAGE: dict[str, tuple[str, ...]] = {
     **_RESPONSES,
     **{f"{cls}.{k}": v for cls in ("EmbeddingRequest", "PoolingRequest")
        for k, v in _EMBEDDING.items()},
+    **{f"ClassificationRequest.{k}": v for k, v in _CLASSIFY.items()},
     **{f"SamplingParams.{k}": v for k, v in _PARAMS.items()},
     **{f"StructuredOutputsParams.{k}": v for k, v in _SO_PARAMS.items()},
     **{f"EngineArgs.{k}": v for k, v in _ENGINE.items()},

@@ -100,6 +100,7 @@ def all_keys() -> frozenset[str]:
         protocol_responses.ResponsesRequest,
         protocol_embedding.EmbeddingRequest,
         protocol_embedding.PoolingRequest,
+        protocol_embedding.ClassificationRequest,
     )
     return frozenset(requests | _fields(SamplingParams) | _fields(EngineArgs) | serve_flags())
 

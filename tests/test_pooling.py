@@ -81,7 +81,7 @@ def test_the_folder_says_how_to_pool_and_an_override_wins(tmp_path):
 
 @pytest.mark.parametrize("args,match", [
     (("draft", "auto", None), "speculative"), (("generate", "embed", None), "contradicts"),
-    (("auto", "classify", None), "classify"), (("pooling", "auto", {"pooling_type": "MAX"}),
+    (("auto", "reward", None), "reward"), (("pooling", "auto", {"pooling_type": "MAX"}),
                                                 "pooling_type"),
     (("pooling", "auto", {"softmax": True}), "softmax"),
     (("pooling", "auto", {"normalize": "yes"}), "normalize"),
@@ -245,9 +245,11 @@ def test_a_generating_server_refuses_embeddings(tmp_path):
     srv = ServerProcess(FAKE, tmp_path / "server.log").start()
     try:
         r = httpx.post(srv.base_url + "/embeddings", json={"input": "hi"}, timeout=60)
+        classify = httpx.post(srv.url + "/classify", json={"input": "hi"}, timeout=60)
     finally:
         assert srv.stop() == 0
     assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
+    assert classify.status_code == 400 and "sequence classifier" in classify.text
 
 
 # ---------------------------------------------------------------- the queue bound

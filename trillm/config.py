@@ -286,7 +286,7 @@ class LoRAConfig:
 
 
 RUNNERS = ("auto", "generate", "pooling")
-CONVERTS = ("auto", "none", "embed")
+CONVERTS = ("auto", "none", "embed", "classify")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
@@ -302,6 +302,10 @@ class PoolerConfig:
     pooling_type: Literal["LAST", "MEAN", "CLS"] = "LAST"
     normalize: bool = True
     matryoshka: bool = False  # the model may be truncated to fewer ``dimensions``
+    # "classify": a *ForSequenceClassification model (model_executor/classification.py): the
+    # pooled LAST row through its score head, softmax over ``labels``
+    task: Literal["embed", "classify"] = "embed"
+    labels: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> PoolerConfig:
@@ -328,11 +332,11 @@ def check_runner(runner: str, convert: str, pooler_config: dict[str, Any] | None
                                  f"{runner!r}{extra}.")  # fmt: skip
     if convert not in CONVERTS:
         raise PoolingConfigError(
-            f"convert must be one of {', '.join(CONVERTS)} (classify / reward models are not "
+            f"convert must be one of {', '.join(CONVERTS)} (reward models are not "
             f"implemented), got {convert!r}."
         )
-    if runner == "generate" and convert == "embed":
-        raise PoolingConfigError("convert='embed' makes a pooling model: it contradicts "
+    if runner == "generate" and convert in ("embed", "classify"):
+        raise PoolingConfigError(f"convert={convert!r} makes a pooling model: it contradicts "
                                  "runner='generate'.")  # fmt: skip
     if pooler_config is not None:
         if not isinstance(pooler_config, dict):
@@ -341,7 +345,7 @@ def check_runner(runner: str, convert: str, pooler_config: dict[str, Any] | None
 
 
 def is_pooling(runner: str, convert: str) -> bool:
-    return runner == "pooling" or convert == "embed"
+    return runner == "pooling" or convert in ("embed", "classify")
 
 
 @dataclass

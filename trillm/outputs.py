@@ -141,6 +141,25 @@ class PoolingRequestOutput:
     finished: bool = True
 
 
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # [num_labels]: softmax of the score head's logits (sigmoid for one)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """A classifier's answer to one prompt (vLLM's ``ClassificationRequestOutput`` shape)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
 def pooling_params(truncate_prompt_tokens: int | None = None) -> Any:
     """The SamplingParams a pooling request travels with: the prompt's one step, then done
     (the runner returns one placeholder token with the vector; it is never detokenized)."""

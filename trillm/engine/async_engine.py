@@ -48,7 +48,14 @@ from trillm.messages import (
     OutputHandlerInput,
     SchedulerStats,
 )
-from trillm.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput, pooling_params
+from trillm.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    pooling_params,
+)
 from trillm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -384,6 +391,7 @@ class AsyncEngine:
         *,
         truncate_prompt_tokens: int | None = None,
         priority: int = 0,
+        _task: str = "embed",
     ) -> PoolingRequestOutput:
         """A pooling model's vector of one prompt (vLLM's ``encode`` / ``embed``).
 
@@ -394,6 +402,14 @@ class AsyncEngine:
                 "This model generates text: start it with runner='pooling' (or "
                 "convert='embed') to embed prompts.", "model"
             )
+        task = self.config.pooler.task if self.config.pooler is not None else "embed"
+        if task != _task:
+            raise InvalidRequestError(
+                f"This pooling model's task is {task!r} ("
+                + ("classify / LLM.classify / /classify" if task == "classify" else
+                   "embed / LLM.embed / /v1/embeddings")
+                + f"), not {_task!r}.", "model",
+            )  # fmt: skip
         if not isinstance(prompt, PreparedPrompt):
             prompt = await self.preprocessor.prepare(
                 prompt, pooling_params(truncate_prompt_tokens), priority=priority
@@ -407,6 +423,20 @@ class AsyncEngine:
         vector = np.frombuffer(final.pooled, dtype=np.float32).tolist()
         return PoolingRequestOutput(final.request_id, list(prompt.prompt_token_ids),
                                     EmbeddingOutput(vector))  # fmt: skip
+
+    async def classify(
+        self,
+        prompt: PromptType | PreparedPrompt,
+        request_id: str | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+    ) -> ClassificationRequestOutput:
+        """A sequence classifier's class probabilities for one prompt (vLLM's ``classify``)."""
+        out = await self.encode(prompt, request_id, truncate_prompt_tokens=truncate_prompt_tokens,
+                                priority=priority, _task="classify")  # fmt: skip
+        return ClassificationRequestOutput(out.request_id, out.prompt_token_ids,
+                                           ClassificationOutput(out.outputs.embedding))  # fmt: skip
 
     async def check_lora(self, lora: LoRARequest) -> None:
         """InvalidRequestError (a 400) unless LoRA is on and the adapter fits the model."""

@@ -185,9 +185,18 @@ def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
 
 def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
     from trillm.config import is_pooling
+    from trillm.model_executor import classification
     from trillm.model_executor.pooling import resolve_pooler
 
-    if not is_pooling(args.runner, args.convert):
+    classifier = classification.is_sequence_classifier(model_config.hf_config)
+    if args.convert == "classify" and not classifier:
+        raise ValueError(f"convert='classify' needs a *ForSequenceClassification checkpoint (a "
+                         f"score head); {model_config.architecture} has none.")  # fmt: skip
+    if classifier and (args.runner == "generate" or args.convert == "embed"):
+        raise ValueError("This checkpoint is a sequence classifier: it classifies (runner "
+                         "'auto' / 'pooling', convert 'auto' / 'classify'); "
+                         f"runner={args.runner!r} convert={args.convert!r} is not implemented.")
+    if not (is_pooling(args.runner, args.convert) or classifier):
         return None
     for name, value in (("tensor_parallel_size", args.tensor_parallel_size > 1),
                         ("enable_lora", args.enable_lora),
@@ -195,6 +204,12 @@ def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
         if value:
             raise ValueError(f"{name}: a pooling model (runner='pooling') with it is not "
                              "implemented yet.")  # fmt: skip
+    if classifier:
+        if args.pooler_config is not None:
+            raise ValueError("pooler_config with a sequence classifier is not implemented (it "
+                             "pools the last token).")  # fmt: skip
+        return PoolerConfig(pooling_type="LAST", normalize=False, task="classify",
+                            labels=classification.labels(model_config.hf_config))  # fmt: skip
     return resolve_pooler(model_config.model, args.pooler_config, model_config.hf_config)
 
 

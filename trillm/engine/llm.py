@@ -16,7 +16,7 @@ from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.engine_thread import EngineThread
 from trillm.engine.preprocess import PromptType
 from trillm.lora.request import LoRARequest
-from trillm.outputs import PoolingRequestOutput, RequestOutput
+from trillm.outputs import ClassificationRequestOutput, PoolingRequestOutput, RequestOutput
 from trillm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -60,18 +60,34 @@ class LLM:
             prompts = [prompts]
         return self._call(self._embed_all, list(prompts), truncate_prompt_tokens, use_tqdm)
 
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's class probabilities per prompt (``outputs.probs``), in
+        order; needs a ``*ForSequenceClassification`` checkpoint."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return self._call(self._embed_all, list(prompts), truncate_prompt_tokens, use_tqdm,
+                          "classify")  # fmt: skip
+
     async def _embed_all(
-        self, prompts: list[PromptType], truncate: int | None, use_tqdm: bool
-    ) -> list[PoolingRequestOutput]:
+        self, prompts: list[PromptType], truncate: int | None, use_tqdm: bool,
+        task: str = "embed",
+    ) -> list[Any]:  # PoolingRequestOutput (embed) or ClassificationRequestOutput (classify)
         from tqdm.auto import tqdm
 
-        results: list[PoolingRequestOutput | None] = [None] * len(prompts)
-        bar = tqdm(total=len(prompts), desc="Embedded prompts", disable=not use_tqdm)
+        results: list[Any] = [None] * len(prompts)
+        desc = "Classified prompts" if task == "classify" else "Embedded prompts"
+        bar = tqdm(total=len(prompts), desc=desc, disable=not use_tqdm)
+        call = self.engine.classify if task == "classify" else self.engine.encode
 
         async def one(i: int, prompt: PromptType) -> None:
-            results[i] = await self.engine.encode(
-                prompt, f"embed-{id(results)}-{i}", truncate_prompt_tokens=truncate
-            )
+            results[i] = await call(prompt, f"{task}-{id(results)}-{i}",
+                                    truncate_prompt_tokens=truncate)  # fmt: skip
             bar.update(1)
 
         try:

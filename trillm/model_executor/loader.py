@@ -18,7 +18,7 @@ import torch
 from trillm.config import EngineArgs, ModelConfig
 from trillm.distributed.parallel_state import get_tp_group
 from trillm.distributed.sharding import RankShapes
-from trillm.model_executor import gguf_loader
+from trillm.model_executor import classification, gguf_loader
 from trillm.model_executor.layer_types import FULL, partial_rotary_factor
 from trillm.model_executor.layers.linear import pack_cpu_linears
 from trillm.model_executor.layers.quantized_linear import load_gguf, load_group_quantized
@@ -182,7 +182,8 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=max_position_embeddings,
         max_model_len=resolve_max_model_len(hf, architecture, args.max_model_len),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False))
+        and not classification.is_sequence_classifier(hf),  # its head is the score, not tied
         attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
         qk_norm=architecture == "Qwen3ForCausalLM",
         hidden_act=_hidden_act(hf, architecture),
@@ -235,6 +236,8 @@ def _architecture(hf: dict[str, Any]) -> str:
             f"{', '.join(supported_architectures())}."
         )
     architecture = architectures[0]
+    if architecture.endswith(classification.SUFFIX):  # the decoder, then a score head
+        architecture = classification.causal_architecture(architecture)
     if not is_supported(architecture):
         raise UnsupportedArchitectureError(
             f"Model architecture {architecture!r} is not supported; supported architectures: "
@@ -405,6 +408,12 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     causal_lm.tie_weights()
     if gguf_loader.find_gguf(cfg.model) is not None:
         load_gguf(model, cfg)
+    elif classification.is_sequence_classifier(cfg.hf_config):
+        if cfg.quantization is not None:
+            raise ValueError(f"A quantized ({cfg.quantization}) sequence classifier is not "
+                             "implemented.")  # fmt: skip
+        classification.attach_score_head(model, len(classification.labels(cfg.hf_config)))
+        causal_lm.load_weights(classification.rename_score(iterate_weights(cfg.model)))
     elif cfg.quantization in CHECKPOINT_METHODS:
         load_group_quantized(model, iterate_weights(cfg.model), cfg)
     else:

@@ -1,5 +1,7 @@
-"""The model runner of a pooling model (embeddings): stage 7 as for generation, then, instead
-of stage 8, the prompt's hidden states pooled into one vector (``model_executor/pooling``).
+"""The model runner of a pooling model (embeddings, classification): stage 7 as for generation,
+then, instead of stage 8, the prompt's hidden states pooled into one vector
+(``model_executor/pooling``); a classifier's vector is its class probabilities (the score head
+on the last row, ``model_executor/classification``).
 
 A prompt may arrive in several chunks: each step adds its rows to the request's running sum
 and remembers the first and last row; the step that completes the prompt finishes the vector
@@ -18,6 +20,7 @@ import torch
 
 from trillm.config import TrillmConfig
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
+from trillm.model_executor.classification import class_probs
 from trillm.model_executor.pooling import finish_pooling
 from trillm.worker.model_runner import ModelRunner
 
@@ -73,7 +76,12 @@ class PoolingModelRunner(ModelRunner):
                 self._add_rows(req_id, hidden[int(starts[i]) : int(starts[i + 1])])
             for i in inputs.sample_reqs.tolist():  # these prompts are complete
                 acc = self._acc.pop(req_ids[i])
-                vec = finish_pooling(self.pooler, acc.summed, acc.count, acc.first, acc.last)
+                if self.pooler.task == "classify":  # the score head on the last row
+                    logits = self._model.lm_head(acc.last[None])[0]  # type: ignore[union-attr]
+                    vec = class_probs(logits)  # [num_labels]
+                else:
+                    vec = finish_pooling(self.pooler, acc.summed, acc.count, acc.first,
+                                         acc.last)  # fmt: skip
                 pooled[req_ids[i]] = vec.cpu().numpy().astype(np.float32).tobytes()
         self._step = _PoolingStep(sched.step_id, req_ids, pooled, failed, start)
 

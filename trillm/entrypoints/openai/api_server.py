@@ -56,8 +56,13 @@ from trillm.entrypoints.openai.protocol import (
     TokenizeRequest,
     structure_body,
 )
-from trillm.entrypoints.openai.protocol_embedding import EmbeddingRequest, PoolingRequest
+from trillm.entrypoints.openai.protocol_embedding import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+)
 from trillm.entrypoints.openai.serving_base import ServerState, max_prompt_chars
+from trillm.entrypoints.openai.serving_classify import create_classification
 from trillm.entrypoints.openai.serving_embedding import create_embedding
 from trillm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from trillm.entrypoints.openai.stats_logger import log_stats_periodically
@@ -190,6 +195,12 @@ def _install_routes(app: QuartTrio, state: ServerState, run: extra_routes.Dispat
         body = await json_body()
         req = await structure_body(PoolingRequest, body, request.content_length)
         return json_response(await create_embedding(state, req))
+
+    @app.post("/classify")
+    async def classify() -> Response:
+        body = await json_body()
+        req = await structure_body(ClassificationRequest, body, request.content_length)
+        return json_response(await create_classification(state, req))
 
     @app.post("/tokenize")
     async def tokenize_route() -> Response:

@@ -256,8 +256,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "(a near-zero-cost model for measuring serving overhead).",
     )
     g.add_argument(
-        "--convert", choices=["auto", "none", "embed"],
-        help="embed: serve a generative checkpoint as an embedding model (= --runner pooling).",
+        "--convert", choices=["auto", "none", "embed", "classify"],
+        help="embed: serve a generative checkpoint as an embedding model (= --runner pooling); "
+        "classify: a *ForSequenceClassification checkpoint's classifier (/classify; the default "
+        "for such a checkpoint).",
     )  # fmt: skip
     g.add_argument(
         "--pooler-config", type=_json_object,

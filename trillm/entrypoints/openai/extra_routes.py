@@ -137,9 +137,11 @@ class Dispatcher:
 
     async def _run(self, kind: str, body: dict[str, Any], work: Awaitable[Any], n: int,
                    max_tokens: int | None, prompts: int) -> Any:  # fmt: skip
-        if self.state.engine.config.pooler is not None:
+        pooler = self.state.engine.config.pooler
+        if pooler is not None:
+            routes = "/classify" if pooler.task == "classify" else "/v1/embeddings and /pooling"
             raise BadRequestError(
-                f"This server runs a pooling model: it serves /v1/embeddings and /pooling, not "
+                f"This server runs a pooling model: it serves {routes}, not "
                 f"{kind} requests (start it without --runner pooling to generate).", "model"
             )
         number, start = (

@@ -25,6 +25,7 @@ _REQUESTS = {
     "ResponsesRequest": protocol_responses.ResponsesRequest,
     "EmbeddingRequest": protocol_embedding.EmbeddingRequest,
     "PoolingRequest": protocol_embedding.PoolingRequest,
+    "ClassificationRequest": protocol_embedding.ClassificationRequest,
 }
 _LIMIT_KEYS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "max_chars": "maxLength"}
 
@@ -451,6 +452,11 @@ def _embedding_components() -> dict[str, Any]:
         "PoolingResponse": listing_of(
             _obj({"index": _INT, "object": _STR, "data": vector}, ["index", "object", "data"])
         ),
+        "ClassificationResponse": listing_of(
+            _obj({"index": _INT, "label": _STR, "probs": {"type": "array",
+                  "items": {"type": "number"}}, "num_classes": _INT},
+                 ["index", "label", "probs", "num_classes"])  # fmt: skip
+        ),
     }
 
 
@@ -493,6 +499,10 @@ def build_spec() -> dict[str, Any]:
         "/pooling": _simple_post(
             "Pooled vectors of a pooling model (vLLM's /pooling)", "PoolingRequest",
             "PoolingResponse",
+        ),  # fmt: skip
+        "/classify": _simple_post(
+            "Class probabilities of a sequence classifier (vLLM's /classify)",
+            "ClassificationRequest", "ClassificationResponse",
         ),  # fmt: skip
         "/v1/responses": _responses_op(),
         "/v1/responses/{response_id}": {

@@ -1,5 +1,5 @@
 """Request bodies of the pooling endpoints: ``/v1/embeddings`` (OpenAI's shape plus vLLM's
-extras) and ``/pooling`` (vLLM's). Limits are checked by ``protocol.structure``."""
+extras), ``/pooling`` and ``/classify`` (vLLM's). Limits are checked by ``protocol.structure``."""
 
 from __future__ import annotations
 
@@ -23,3 +23,12 @@ class EmbeddingRequest:
 @attrs.define(kw_only=True)
 class PoolingRequest(EmbeddingRequest):
     """vLLM's /pooling: the same fields; the answer carries raw pooled ``data``."""
+
+
+@attrs.define(kw_only=True)
+class ClassificationRequest:
+    """vLLM's /classify: class probabilities of a sequence classifier, one per input."""
+
+    input: Union[str, list[str], list[int], list[list[int]]] = _f(max_prompts=MAX_PROMPTS)  # noqa: UP007
+    model: str | None = None
+    truncate_prompt_tokens: int | None = _f(None, ge=-1)  # -1: the model's context length

@@ -26,15 +26,19 @@ from trillm.outputs import pooling_params
 
 
 def _check_pooling_model(state: ServerState, route: str) -> None:
-    if state.engine.config.pooler is None:
+    pooler = state.engine.config.pooler
+    if pooler is None:
         raise BadRequestError(
             f"{route} needs a pooling model: this server generates text. Start it with "
             "--runner pooling (or --convert embed) to serve embeddings.",
             "model",
         )
+    if pooler.task == "classify":
+        raise BadRequestError(f"{route}: this server's model is a sequence classifier; it "
+                              "serves /classify.", "model")  # fmt: skip
 
 
-def _split_inputs(value: str | list[Any]) -> list[str | list[int]]:
+def split_inputs(value: str | list[Any]) -> list[str | list[int]]:
     if isinstance(value, str):
         return [value]
     if not value:
@@ -44,13 +48,14 @@ def _split_inputs(value: str | list[Any]) -> list[str | list[int]]:
     return list(value)
 
 
-async def _prepare(state: ServerState, req: EmbeddingRequest, item: str | list[int]
-                   ) -> PreparedPrompt:  # fmt: skip
+async def prepare_input(state: ServerState, truncate_prompt_tokens: int | None,
+                        item: str | list[int]) -> PreparedPrompt:  # fmt: skip
+    """One input (text or token ids) tokenized, truncated and checked as a pooling request."""
     pre = state.preprocessor
-    params = pooling_params(req.truncate_prompt_tokens)
+    params = pooling_params(truncate_prompt_tokens)
     try:
         if isinstance(item, str):
-            truncating = req.truncate_prompt_tokens is not None
+            truncating = truncate_prompt_tokens is not None
             ids = await pre.tokenize(item, True, param="input", truncating=truncating)
             text: str | None = item
         else:
@@ -97,9 +102,9 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest) -> dict[st
     state.check_model(req.model)
     _check_pooling_model(state, route)
     dims = _dimensions(state, req)
-    inputs = _split_inputs(req.input)
+    inputs = split_inputs(req.input)
     state.check_capacity(seqs=len(inputs))  # refuse a full queue before tokenizing
-    prepared = [await _prepare(state, req, item) for item in inputs]
+    prepared = [await prepare_input(state, req.truncate_prompt_tokens, item) for item in inputs]
     request_id = f"embd-{uuid.uuid4().hex}"
     ids = [f"{request_id}-{i}" for i in range(len(prepared))]
     admission = state.admit(ids, 1, [admitted_tokens(p) for p in prepared])

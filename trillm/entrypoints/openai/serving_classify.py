@@ -1,0 +1,68 @@
+"""POST /classify (vLLM's shape), for a sequence classifier (a ``*ForSequenceClassification``
+checkpoint; ``model_executor/classification.py``). Each input is one engine request, prepared
+and admitted as for ``/v1/embeddings`` (``serving_embedding``); the answer gives each input's
+class probabilities and its most likely label (the checkpoint's ``id2label``)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import trio
+
+from trillm.entrypoints.openai.errors import BadRequestError
+from trillm.entrypoints.openai.protocol_embedding import ClassificationRequest
+from trillm.entrypoints.openai.serving_base import ServerState, admitted_tokens
+from trillm.entrypoints.openai.serving_embedding import prepare_input, split_inputs
+
+
+def _check_classifier(state: ServerState) -> list[str]:
+    pooler = state.engine.config.pooler
+    if pooler is None or pooler.task != "classify":
+        raise BadRequestError(
+            "/classify needs a sequence classifier (a *ForSequenceClassification checkpoint); "
+            "this server's model does not classify.", "model",
+        )  # fmt: skip
+    return pooler.labels
+
+
+async def create_classification(state: ServerState, req: ClassificationRequest) -> dict[str, Any]:
+    state.check_model(req.model)
+    labels = _check_classifier(state)
+    inputs = split_inputs(req.input)
+    state.check_capacity(seqs=len(inputs))
+    prepared = [await prepare_input(state, req.truncate_prompt_tokens, item) for item in inputs]
+    request_id = f"classify-{uuid.uuid4().hex}"
+    ids = [f"{request_id}-{i}" for i in range(len(prepared))]
+    admission = state.admit(ids, 1, [admitted_tokens(p) for p in prepared])
+    results: list[Any] = [None] * len(prepared)
+
+    async def one(i: int) -> None:
+        try:
+            results[i] = await state.engine.classify(prepared[i], request_id=ids[i])
+        finally:
+            admission.release(ids[i])
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prepared)):
+                nursery.start_soon(one, i)
+    finally:
+        admission.release_all()
+    data = []
+    for i, out in enumerate(results):
+        probs = out.outputs.probs
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append({"index": i, "label": labels[best], "probs": probs,
+                     "num_classes": len(probs)})  # fmt: skip
+    tokens = sum(len(p.prompt_token_ids) for p in prepared)
+    return {
+        "id": request_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": req.model or state.served_model_names[0],
+        "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                  "prompt_tokens_details": None},
+    }  # fmt: skip
