@@ -176,3 +176,74 @@ def test_node_flags_reach_the_config_and_bad_ones_are_refused(llama, capsys):
             EngineArgs(llama, **kwargs)
     with pytest.raises(ValueError, match="node_rank=1: the engine runs on node 0"):
         LLM(llama, tensor_parallel_size=2, nnodes=2, node_rank=1, max_model_len=256)
+
+
+# ---------------------------------------------------------------- a worker lost while idle
+
+
+def test_a_worker_lost_while_idle_kills_the_engine_at_once(llama):
+    """No request in flight: the executor's supervisor sees the exit and the engine dies
+    within seconds (``AsyncEngine._watch_workers``), naming the rank, rather than at the next
+    request (how node 0 notices a lost node while idle, after the heartbeat fails)."""
+    import trio
+
+    from trillm.engine.async_engine import open_engine
+    from trillm.errors import EngineDeadError
+    from trillm.executor.abstract import FAKE_RUNNER
+
+    async def main() -> tuple[EngineDeadError | None, float]:
+        async with open_engine(llama, runner=FAKE_RUNNER, max_model_len=256) as engine:
+            (worker,) = engine.executor.worker_pids
+            os.kill(worker, signal.SIGKILL)
+            start = time.monotonic()
+            with trio.fail_after(20):
+                await engine.died.wait()
+            return engine.dead_error, time.monotonic() - start
+
+    error, waited = trio.run(main)
+    assert isinstance(error, EngineDeadError) and "Worker rank 0" in str(error), error
+    assert "SIGKILL" in str(error) and waited < 20
+
+
+_LINK_SCRIPT = r"""
+import sys, time
+from trillm.distributed.node_link import NodeLink
+from trillm.distributed.parallel_state import init_tensor_parallel
+from trillm.errors import CollectiveTimeoutError
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+group = init_tensor_parallel(rank, 2, port, "cpu", 4.0, remote_ranks=[1])
+link = NodeLink(group, [1])
+if rank == 1:
+    frame = link.receive()  # the heartbeat rank 0 sent first is skipped
+    link.send_reply(frame[::-1])
+    sys.exit(0)  # this node is gone
+link.broadcast(b"")
+link.broadcast(b"x" * 100000 + b"step")
+assert link.replies() == [b"pets" + b"x" * 100000]
+start = time.monotonic()
+try:
+    while time.monotonic() - start < 30:
+        link.heartbeat_if_idle()  # what an idle rank 0 does while the ring is empty
+        time.sleep(0.05)
+except CollectiveTimeoutError as exc:
+    print(f"noticed after {time.monotonic() - start:.1f} s: {exc}")
+"""
+
+
+def test_node_link_relays_frames_and_an_idle_rank_0_notices_a_lost_node():
+    """Two processes on the link: a frame (after a heartbeat) crosses whole, the reply comes
+    back; once rank 1's process is gone, rank 0's idle heartbeats fail within the
+    heartbeat interval (timeout 4 s / 4) with an error saying a rank on another node."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _LINK_SCRIPT, str(rank), str(port)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        for rank in (0, 1)
+    ]
+    out0 = procs[0].communicate(timeout=120)[0].decode()
+    out1 = procs[1].communicate(timeout=30)[0].decode()
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, out0 + out1
+    seconds = float(out0.split("noticed after ")[1].split(" s:")[0])
+    assert seconds < 4.0 and "a rank on another node stopped answering" in out0, out0
