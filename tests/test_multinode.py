@@ -140,6 +140,9 @@ def test_a_headless_node_with_other_engine_flags_is_refused(llama):
             "kv_cache_memory": "16MiB"}  # fmt: skip
     node0 = build_config(EngineArgs(llama, **base))
     check_same_config(node0, build_config(EngineArgs(llama, node_rank=1, **base)))
+    elsewhere = build_config(EngineArgs(llama, node_rank=1, **base))
+    elsewhere.model.model = elsewhere.model.served_model_name = "/other/machine/path"
+    check_same_config(node0, elsewhere)  # the same checkpoint at another path: fine
     other = build_config(EngineArgs(llama, node_rank=1, **{**base, "max_model_len": 128}))
     with pytest.raises(NodeConfigMismatchError, match="scheduler.max_model_len: node 0 has 256"):
         check_same_config(node0, other)
