@@ -33,6 +33,7 @@ RESP = "tests/test_responses_api.py::"
 TP = "tests/test_tensor_parallel.py::"
 DP = "tests/test_data_parallel.py::"
 MN = "tests/test_multinode.py::"
+PP = "tests/test_pipeline_parallel.py::"
 LORA = "tests/test_lora.py::"
 GGUF = "tests/test_gguf.py::"
 AWQ = "tests/test_awq_gptq.py::"
@@ -288,6 +289,10 @@ _ENGINE = {
         DP + "test_metrics_label_each_engine_and_show_the_spread",
         DP + "test_prefix_affinity_keeps_a_shared_prefix_on_one_core",
     ),  # fmt: skip
+    "pipeline_parallel_size": ids(
+        PP + "test_python_api_pp2_matches_pp1", PP + "test_http_pp2_matches_pp1_token_for_token",
+        PP + "test_tp2_x_pp2_matches_pp1", PP + "test_what_pp_cannot_do_is_refused_by_name",
+    ),  # fmt: skip
     "kv_cache_memory": ids(CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"),
     "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),
     "num_gpu_blocks_override": ids(
@@ -451,7 +456,6 @@ _VLLM_FLAGS = {
     "--data-parallel-backend": ids(VF + "test_more_vllm_flags_refused"),
     "--data-parallel-hybrid-lb": ids(VF + "test_more_vllm_flags_refused"),
     "--data-parallel-external-lb": ids(VF + "test_more_vllm_flags_refused"),
-    "--pipeline-parallel-size": ids(REFUSED_TOP, VF + "test_value_one_is_the_no_op_for_parallel_sizes"),
     "--quantization": ids(REFUSED_TOP, FLAG_MAP, *_ENGINE["quantization"],
                           GGUF + "test_serve_flags_reach_the_engine_args",
                           GGUF + "test_trillm_serve_a_gguf_file_chats_with_its_template"),
@@ -492,6 +496,7 @@ _ENGINE_FLAG_FIELDS = {
     "--enable-prefix-caching": "enable_prefix_caching", "--scheduling-policy": "scheduling_policy",
     "--tensor-parallel-size": "tensor_parallel_size", "--kv-cache-memory": "kv_cache_memory",
     "--data-parallel-size": "data_parallel_size",
+    "--pipeline-parallel-size": "pipeline_parallel_size",
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "--num-gpu-blocks-override": "num_gpu_blocks_override", "--max-logprobs": "max_logprobs",
     "--stream-interval": "stream_interval", "--device": "device",

@@ -36,10 +36,10 @@ TOP35_ACCEPTED = [
     ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
     ["--speculative-config", '{"method": "draft_model", "model": "m", '
      '"num_speculative_tokens": 3}'],
+    ["--pipeline-parallel-size", "2"],
 ]  # fmt: skip
 # Features of other open issues: refused with the flag named, never accepted and ignored.
 TOP35_REFUSED = [
-    ["--pipeline-parallel-size", "2"],
     ["--quantization", "awq_marlin"],
     ["--kv-cache-dtype", "fp8_e5m2"],
     ["--speculative-config", '{"method": "eagle", "model": "m", "num_speculative_tokens": 3}'],
@@ -115,7 +115,7 @@ def test_bad_values_refused_with_the_flag_named(argv, capsys):
 
 def test_value_one_is_the_no_op_for_parallel_sizes():
     args = parse("-pp", "1", "-dp", "1", "--kv-cache-dtype", "auto", "--load-format", "auto")
-    assert (args.pipeline_parallel_size, args.data_parallel_size) == ("1", 1)
+    assert (args.pipeline_parallel_size, args.data_parallel_size) == (1, 1)
 
 
 def test_moot_flags_say_so_once():

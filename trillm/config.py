@@ -48,6 +48,7 @@ class EngineArgs:
     # Engine cores behind the one frontend, each with its own scheduler, KV cache and workers
     # (trillm/engine/dp_router.py routes requests among them).
     data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     kv_cache_memory: int | str | None = None  # CPU budget for the KV cache
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -105,15 +106,16 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        if self.tensor_parallel_size > 1 and self.distributed_executor_backend == "uni":
-            raise ValueError(
-                "tensor_parallel_size > 1 needs distributed_executor_backend='mp' (one worker "
-                "process per rank); 'uni' runs one rank in this process."
-            )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) > 1 and self.distributed_executor_backend == "uni":
+                raise ValueError(
+                    f"{name} > 1 needs distributed_executor_backend='mp' (one worker "
+                    "process per rank); 'uni' runs one rank in this process."
+                )
         check_nodes(self)
         if self.skip_tokenizer_init:
             raise ValueError(
@@ -265,10 +267,11 @@ class ParallelConfig:
     nnodes: int = 1  # node k runs ranks [k * L, (k + 1) * L), L = ranks_per_node
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
+    pipeline_parallel_size: int = 1  # stages; world = tensor x pipeline ranks
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def ranks_per_node(self) -> int:

@@ -33,6 +33,7 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("scheduling_policy", str, "fcfs | priority"),
     ("tensor_parallel_size", int, "tensor-parallel ranks"),
     ("data_parallel_size", int, "engine cores (data parallelism)"),
+    ("pipeline_parallel_size", int, "pipeline stages (tensor x pipeline ranks)"),
     ("kv_cache_memory", "memory", "KV cache budget on CPU, e.g. 2GiB"),
     ("gpu_memory_utilization", float, "fraction of GPU memory for weights + KV cache"),
     ("num_gpu_blocks_override", int, "fixed number of KV blocks"),

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ class TensorParallelGroup:
     # Ranks on several nodes: the gloo group of rank 0 and the other nodes' ranks, which
     # carries the executor's messages to them (``node_link.py``); None on one node.
     control: Any = field(default=None, repr=False)
+    # The ranks of this pipeline stage (None: the whole world, pipeline_parallel_size 1).
+    group: Any = field(default=None, repr=False)
     # Wall time spent in collectives and how many ran, since the last ``take_comm_time``.
     comm_time_s: float = field(default=0.0, repr=False)
     num_collectives: int = field(default=0, repr=False)
@@ -44,9 +47,9 @@ class TensorParallelGroup:
             return t
         if t.dtype in (torch.bfloat16, torch.float16):
             wide = t.float()
-            self._run("all_reduce", dist.all_reduce, wide)
+            self._run("all_reduce", partial(dist.all_reduce, group=self.group), wide)
             return t.copy_(wide)
-        self._run("all_reduce", dist.all_reduce, t)
+        self._run("all_reduce", partial(dist.all_reduce, group=self.group), t)
         return t
 
     def all_gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +58,7 @@ class TensorParallelGroup:
             return t
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        self._run("all_gather", dist.all_gather, parts, t)
+        self._run("all_gather", partial(dist.all_gather, group=self.group), parts, t)
         return torch.cat(parts, dim=-1)
 
     def _run(self, op: str, fn: Callable[..., object], *args: object) -> None:
@@ -101,11 +104,16 @@ def init_tensor_parallel(
     *,
     master_addr: str = "127.0.0.1",
     remote_ranks: list[int] | None = None,
+    tp_size: int | None = None,
 ) -> TensorParallelGroup:
     """Join the group (blocks until every rank has joined or ``timeout_s`` passes).
 
-    ``remote_ranks``: the ranks on nodes other than node 0; with some, every rank also
-    joins the gloo control group of rank 0 and them (``dist.new_group`` is collective)."""
+    ``rank`` is the global rank of ``world_size``. ``remote_ranks``: the ranks on nodes other
+    than node 0; with some, every rank also joins the gloo control group of rank 0 and them
+    (``dist.new_group`` is collective). ``tp_size`` below ``world_size`` (pipeline stages):
+    this rank's tensor-parallel group is its stage's ``tp_size`` consecutive ranks
+    (``trillm/distributed/pipeline.py``)."""
+    tp = world_size if tp_size is None else tp_size
     global _group
     if world_size == 1:
         _group = TensorParallelGroup()
@@ -126,7 +134,12 @@ def init_tensor_parallel(
     control = None
     if remote_ranks:
         control = dist.new_group([0, *remote_ranks], timeout=timeout, backend="gloo")
-    _group = TensorParallelGroup(rank, world_size, timeout_s, control)
+    stage_group = None
+    for start in range(0, world_size, tp) if tp < world_size else ():  # every rank makes all
+        made = dist.new_group(list(range(start, start + tp)), timeout=timeout)
+        if start <= rank < start + tp:
+            stage_group = made
+    _group = TensorParallelGroup(rank % tp, tp, timeout_s, control, group=stage_group)
     return _group
 
 

@@ -1,4 +1,5 @@
-"""A model worker joining and leaving its tensor-parallel group (``ModelRunner`` calls these)."""
+"""A model worker joining and leaving its tensor- and pipeline-parallel groups (``ModelRunner``
+calls these)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from trillm.distributed.parallel_state import (
     get_tp_group,
     init_tensor_parallel,
 )
+from trillm.distributed.pipeline import PipelineGroup, get_pp_group, set_pp_group, stage_layers
 
 
 def place_rank(config: TrillmConfig, rank: int) -> torch.device:
@@ -34,16 +36,21 @@ def place_rank(config: TrillmConfig, rank: int) -> torch.device:
 
 def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
     """Pick this rank's device (``place_rank``), then join the group (blocks until every rank
-    has joined); -> the rank's device. A rank that has joined already (rank 0 of a multi-node
-    world joins before it builds its runner) only gets its device."""
+    has joined) and set this rank's pipeline stage; -> the rank's device. A rank that has
+    joined already (rank 0 of a multi-node world joins before it builds its runner) only gets
+    its device."""
     parallel = config.parallel
     device = place_rank(config, rank)
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    timeout = parallel.collective_timeout_s
+    stage = rank // tp
+    start, end = stage_layers(config.model.num_hidden_layers, pp, stage)
+    set_pp_group(PipelineGroup(stage, pp, rank % tp, tp, start, end, timeout))
     if get_tp_group().world_size > 1:
         return device
     init_tensor_parallel(
-        rank, parallel.world_size, parallel.master_port, device.type,
-        parallel.collective_timeout_s, master_addr=parallel.master_addr,
-        remote_ranks=parallel.remote_ranks(),
+        rank, parallel.world_size, parallel.master_port, device.type, timeout,
+        master_addr=parallel.master_addr, remote_ranks=parallel.remote_ranks(), tp_size=tp,
     )  # fmt: skip
     return device
 
@@ -51,7 +58,7 @@ def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
 def leave_tensor_parallel(rank: int, num_steps: int) -> None:
     """Say how long this rank spent in collectives (benchmarks/tp_bench.py reads the line),
     then leave the group."""
-    spent = get_tp_group().take_comm_time()
+    spent = get_tp_group().take_comm_time() + get_pp_group().comm_time_s  # + stage hand-offs
     per_step = 1e3 * spent / max(1, num_steps)
     line = (
         f"tensor-parallel rank {rank}: {num_steps} forward steps, {spent:.3f} s in "
@@ -60,3 +67,4 @@ def leave_tensor_parallel(rank: int, num_steps: int) -> None:
     sys.stderr.write(line)  # one write: the ranks print at the same moment
     sys.stderr.flush()
     destroy_tensor_parallel()
+    set_pp_group(PipelineGroup())

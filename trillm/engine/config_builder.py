@@ -60,6 +60,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     max_model_len = model_config.max_model_len
     _check_tensor_parallel(model_config, args.tensor_parallel_size, device, args.nnodes)
     _check_data_parallel(args, device)
+    _check_pipeline_parallel(model_config, args, device)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {args.block_size}.")
     max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -123,6 +124,7 @@ def _parallel_config(args: EngineArgs) -> ParallelConfig:
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
 
 
@@ -158,13 +160,44 @@ def _check_data_parallel(args: EngineArgs, device: str) -> None:
     if args.distributed_executor_backend == "uni":
         # NOTE: in-process cores would share this process's current CUDA device.
         raise ValueError("data_parallel_size > 1 on CUDA needs distributed_executor_backend='mp'.")
-    needed = size * args.tensor_parallel_size
+    needed = size * args.tensor_parallel_size * args.pipeline_parallel_size
     if torch.cuda.device_count() < needed:
         raise ValueError(
             f"data_parallel_size={size} x tensor_parallel_size={args.tensor_parallel_size} "
-            f"needs {needed} GPUs (one per rank of every engine core), "
+            f"x pipeline_parallel_size={args.pipeline_parallel_size} needs {needed} GPUs (one per rank of every engine core), "
             f"{torch.cuda.device_count()} visible."
         )
+
+
+def _check_pipeline_parallel(model_config: ModelConfig, args: EngineArgs, device: str) -> None:
+    """Refuse a pipeline_parallel_size with more stages than layers, or than GPUs for every
+    rank (tensor x pipeline), or with what has no pipeline path yet (named)."""
+    size = args.pipeline_parallel_size
+    if size == 1:
+        return
+    layers = model_config.num_hidden_layers
+    if size > layers:
+        raise ValueError(
+            f"pipeline_parallel_size={size} is more stages than the model's {layers} layers."
+        )
+    from trillm.config import is_pooling
+
+    spec = parse_speculative_config(args.speculative_config)
+    draft = spec is not None and spec.method == "draft_model"
+    for name, given in (("nnodes > 1", args.nnodes > 1), ("enable_lora", args.enable_lora),
+                        ("a pooling runner", is_pooling(args.runner, args.convert)),
+                        ("a draft model (speculative_config)", draft)):  # fmt: skip
+        if given:
+            raise ValueError(f"pipeline_parallel_size={size} with {name} is not implemented.")
+    world = size * args.tensor_parallel_size
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < world:
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {world} ranks needs {world} "
+                f"GPUs (one per rank), {torch.cuda.device_count()} visible."
+            )
 
 
 def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:

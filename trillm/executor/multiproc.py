@@ -1,10 +1,11 @@
-"""MultiprocExecutor: one worker subprocess per tensor-parallel rank, behind shared-memory rings.
+"""MultiprocExecutor: one worker subprocess per rank (tensor x pipeline), behind shared-memory rings.
 
     engine --SchedulerOutput / SampleRequest--> request ring (1 writer, N readers: every rank)
     rank r --ModelRunnerOutput--> result ring r (1 writer, 1 reader: the engine)
 
-Every rank receives every message and answers every step; ``sample_tokens`` returns rank 0's
-output (and checks the others for errors, and that they sampled rank 0's tokens). With
+Every rank receives every message and answers every step; ``sample_tokens`` returns the
+output of the last pipeline stage's first rank (rank 0 without pipeline parallelism; it holds
+the logprobs) and checks the others for errors, and that they returned its tokens. With
 ``tensor_parallel_size > 1`` each rank runs its shard of the model and the ranks meet in
 ``torch.distributed`` collectives (``trillm/distributed/``), at a loopback port picked here.
 A rank whose collective times out (a peer stopped answering) reports it and exits; the
@@ -180,6 +181,8 @@ class MultiprocExecutor(Executor):
         # own, then (relayed by rank 0) those of the ranks on other nodes.
         self.remote_ranks = parallel.remote_ranks()
         self._read_order = [0, *self.remote_ranks, *range(1, self.num_workers)]
+        # The rank whose output is the step's: tensor-parallel rank 0 of the last stage.
+        self.output_rank = self.world_size - parallel.tensor_parallel_size
         self.runner_spec = runner_factory
         self.runner_kwargs = runner_kwargs or {}
         self.num_slots, self.slot_size = num_slots, slot_size
@@ -443,17 +446,17 @@ class MultiprocExecutor(Executor):
                     output=out,
                 )
         self._check_ranks_agree(outputs)
-        return outputs[0]
+        return outputs[self.output_rank]
 
     def _check_ranks_agree(self, outputs: list[ModelRunnerOutput]) -> None:
-        """Every rank samples; a rank whose tokens differ from rank 0's would compute the next
-        steps on other inputs (its KV cache no longer matches): fatal, said at once."""
-        first = outputs[0]
-        for rank, out in enumerate(outputs[1:], start=1):
+        """A rank whose tokens differ from the output rank's would compute the next steps on
+        other inputs (its KV cache no longer matches): fatal, said at once."""
+        first, src = outputs[self.output_rank], self.output_rank
+        for rank, out in enumerate(outputs):
             if out.sampled_token_ids != first.sampled_token_ids or out.req_ids != first.req_ids:
                 raise self._fail(
                     EngineDeadError(
-                        f"Tensor-parallel rank {rank} sampled other tokens than rank 0 in step "
+                        f"Rank {rank} sampled other tokens than rank {src} in step "
                         f"{first.step_id}: the ranks diverged."
                     )
                 )

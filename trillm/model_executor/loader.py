@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,6 +18,7 @@ import torch
 
 from trillm.config import EngineArgs, ModelConfig
 from trillm.distributed.parallel_state import get_tp_group
+from trillm.distributed.pipeline import get_pp_group, prune_to_stage
 from trillm.distributed.sharding import RankShapes
 from trillm.model_executor import classification, gguf_loader
 from trillm.model_executor.layer_types import FULL, partial_rotary_factor
@@ -215,9 +217,10 @@ def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> 
             f"quantization {args.quantization!r} does not apply to a GGUF model: its tensors "
             "come quantized (quantization='gguf' keeps them so, the default)."
         )
-    if args.tensor_parallel_size != 1:
-        raise ValueError("A GGUF model runs with tensor_parallel_size 1 only (its weights are "
-                         f"not sharded), got {args.tensor_parallel_size}.")  # fmt: skip
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, name) != 1:
+            raise ValueError(f"A GGUF model runs with {name} 1 only (its weights are not "
+                             f"sharded), got {getattr(args, name)}.")  # fmt: skip
     if args.load_format == "safetensors":
         raise ValueError(f"load_format='safetensors' but {str(gguf_file)!r} is a GGUF file.")
     if args.quantization == "gguf" and args.dequantize_gguf:
@@ -368,15 +371,21 @@ def safetensors_files(folder: str | Path) -> list[Path]:
 
 
 def iterate_weights(
-    folder: str | Path, device: str = "cpu", shard: tuple[ModelConfig, RankShapes] | None = None
+    folder: str | Path,
+    device: str = "cpu",
+    shard: tuple[ModelConfig, RankShapes] | None = None,
+    wanted: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every checkpoint entry; with ``shard`` (tensor parallelism) only
-    the rank's slice of each is read from the file (safetensors' ``get_slice``)."""
+    the rank's slice of each is read from the file (safetensors' ``get_slice``); with
+    ``wanted`` (pipeline parallelism) only the entries it accepts are read at all."""
     from safetensors import safe_open
 
     for file in safetensors_files(folder):
         with safe_open(os.fspath(file), framework="pt", device=device) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if wanted is not None and not wanted(name):
+                    continue
                 if shard is None:
                     yield name, f.get_tensor(name)
                 else:
@@ -385,12 +394,17 @@ def iterate_weights(
 
 
 def load_weights(model: CausalLM, folder: str | Path, cfg: ModelConfig | None = None) -> None:
-    """Stream every checkpoint tensor (this rank's part of it) into ``model.load_weights``."""
+    """Stream every checkpoint tensor (this rank's part of it; only its pipeline stage's
+    tensors) into ``model.load_weights``."""
     tp = get_tp_group()
     shard = None
     if tp.world_size > 1 and cfg is not None:
         shard = (cfg, RankShapes.of(cfg, tp.rank, tp.world_size))
-    model.load_weights(iterate_weights(folder, shard=shard))
+    wanted = None
+    if (pp := get_pp_group()).num_stages > 1 and cfg is not None:
+        tied = cfg.tie_word_embeddings
+        wanted = partial(pp.wants_weight, tied=tied)
+    model.load_weights(iterate_weights(folder, shard=shard, wanted=wanted))
 
 
 def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
@@ -401,6 +415,7 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     try:
         with torch.device("meta"):
             model = model_class(cfg, attn_backend, device=device)
+            prune_to_stage(model, get_pp_group(), cfg.tie_word_embeddings)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)

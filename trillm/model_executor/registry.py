@@ -12,6 +12,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from trillm.distributed.pipeline import IntermediateTensors
+
 # architecture -> (module under trillm.model_executor.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
@@ -33,13 +35,16 @@ _MODELS: dict[str, tuple[str, str]] = {
 class CausalLM(Protocol):
     """What the runner needs of a model class (``models/llama.py`` is the reference)."""
 
+    PP_CARRIES_RESIDUAL: bool  # a pipeline stage hands the next the residual stream too
+
     def __call__(
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        kv_caches: list[torch.Tensor],  # per stage layer [2, num_blocks, block_size, Hkv, D]
         meta: Any,  # AttentionMetadata
-    ) -> torch.Tensor: ...  # [T, H]
+        intermediate: IntermediateTensors | None = None,  # from the stage before
+    ) -> torch.Tensor | IntermediateTensors: ...  # [T, H]; to the next stage if not last
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, H] -> [n, V]
 

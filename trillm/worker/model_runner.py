@@ -15,6 +15,12 @@ own KV heads. Every rank receives the same steps and gathers the whole logits ro
 rank samples: the same logits (the all-gather gives each rank the same bytes), the same sampling
 state and the same seeds give the same tokens, so each rank's batch stays in step with no extra
 collective per step (the executor checks that every rank returned rank 0's tokens).
+
+Pipeline parallelism (``pipeline_parallel_size`` M > 1, ``trillm/distributed/pipeline.py``):
+the runner of global rank g holds stage g // N's layers and KV cache only; a stage after the
+first receives the hidden states before its layers, a stage before the last sends them after;
+only the last stage computes logits and samples, then broadcasts the new tokens, which every
+other rank appends to its batch (``pipeline_tokens.py``). One step is in flight at a time.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from trillm.attention.backend import AttentionMetadata
 from trillm.attention.selector import get_attention_backend
 from trillm.config import TrillmConfig
+from trillm.distributed.pipeline import IntermediateTensors, get_pp_group
 from trillm.distributed.sharding import RankShapes
 from trillm.distributed.worker import join_tensor_parallel, leave_tensor_parallel, place_rank
 from trillm.lora.manager import LoRAManager
@@ -40,6 +47,7 @@ from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from trillm.sample.sampler import Sampler, SamplerOutput, SamplingState
 from trillm.spec_decode.draft_model import DraftModelProposer
 from trillm.worker.input_batch import InputBatch, StepInputs
+from trillm.worker.pipeline_tokens import broadcast_sampled, receive_sampled
 from trillm.worker.spec_verify import DraftStep, accept_drafts, expand_rows, num_drafts_of
 
 logger = logging.getLogger(__name__)
@@ -91,12 +99,14 @@ class ModelRunner:
         self.device = torch.device(config.device)
         model_cfg = config.model
         self.tp_size = config.parallel.tensor_parallel_size
-        self.shapes = RankShapes.of(model_cfg, rank, self.tp_size)
+        self.world_size = config.parallel.world_size
+        self.shapes = RankShapes.of(model_cfg, rank % self.tp_size, self.tp_size)
         self._num_steps = 0
-        if self.tp_size > 1:
+        if self.world_size > 1:
             self.device = join_tensor_parallel(config, rank)
         elif config.parallel.data_parallel_size > 1:
             self.device = place_rank(config, rank)  # engine core d's GPU, or its CPU share
+        self.pp = get_pp_group()  # this rank's pipeline stage (the whole model with one)
         self.dtype = getattr(torch, model_cfg.dtype)
         cache_dtype = config.cache.cache_dtype
         self.kv_dtype = KV_CACHE_TORCH_DTYPES[
@@ -128,7 +138,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Leave the tensor-parallel group (the worker calls this on Shutdown)."""
-        if self.tp_size > 1:
+        if self.world_size > 1:
             leave_tensor_parallel(self.rank, self._num_steps)
 
     def load_model(self) -> None:
@@ -146,10 +156,19 @@ class ModelRunner:
             raise RuntimeError("ModelRunner.load_model() has not been called.")
         return self._model
 
-    def kv_block_bytes(self) -> int:
-        """Bytes of one block over all layers: K and V, block_size tokens, Hkv x D each."""
+    @property
+    def num_layers(self) -> int:
+        """Layers this rank runs and caches (its pipeline stage's)."""
         m = self.config.model
-        per_token = 2 * m.num_hidden_layers * self.shapes.num_kv_heads * m.head_dim
+        if self.pp.num_stages == 1:
+            return m.num_hidden_layers
+        return self.pp.end_layer - self.pp.start_layer
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block over this rank's layers: K and V, block_size tokens, Hkv x D
+        (and the draft model's, if any)."""
+        m = self.config.model
+        per_token = 2 * self.num_layers * self.shapes.num_kv_heads * m.head_dim
         draft = 0 if self.drafter is None else self.drafter.block_bytes()
         return per_token * self.block_size * self.kv_dtype.itemsize + draft
 
@@ -188,7 +207,7 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, self.shapes.num_kv_heads, m.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            for _ in range(m.num_hidden_layers)
+            for _ in range(self.num_layers)
         ]
         self.config.cache.num_blocks = num_blocks
         if self.drafter is not None:
@@ -221,6 +240,11 @@ class ModelRunner:
             with self.lora.step(req_ids, inputs.query_start_loc):
                 hidden = self._forward(inputs)
         self._num_steps += 1
+        if hidden is None:  # not the last pipeline stage: it samples, we take its tokens
+            empty = torch.empty(0, self.config.model.vocab_size, device=self.device)
+            self._pending = _PendingStep(sched.step_id, req_ids, inputs, empty, None, None,
+                                         start_time=start, failed=failed, drafts=drafts)  # fmt: skip
+            return
         rows = inputs.sample_rows
         num_drafts = row_owner = row_offset = None
         if drafts:  # every drafted position of a request samples: its last d + 1 rows
@@ -280,12 +304,21 @@ class ModelRunner:
         if slot is not None and self.sampling_state.holds(slot):
             self.sampling_state.remove_request(slot)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:  # [T, H]
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:  # [T, H]; None: not last
         meta = self._attention_metadata(inputs)
         self.attn_backend.plan(meta)
         input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
         positions = torch.from_numpy(inputs.positions).to(self.device)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        received = None
+        if not self.pp.is_first:  # [T, H] hidden (and residual) from the stage before
+            count = 2 if self.model.PP_CARRIES_RESIDUAL else 1
+            shape = (len(inputs.input_ids), self.config.model.hidden_size)
+            received = IntermediateTensors(*self.pp.recv(count, shape, self.dtype, self.device))
+        out = self.model(input_ids, positions, self.kv_caches, meta, received)
+        if isinstance(out, IntermediateTensors):
+            self.pp.send(out.tensors())
+            return None
+        return out
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         def dev(a: np.ndarray) -> torch.Tensor:
@@ -347,6 +380,8 @@ class ModelRunner:
         if pending is None:
             raise RuntimeError("sample_tokens called without a successful execute_model.")
         self._pending = None
+        if not self.pp.is_last:
+            return self._output_of_last_stage(pending)
         inputs = pending.inputs
         sampled_lists: list[list[int]] = [[] for _ in pending.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
@@ -367,6 +402,8 @@ class ModelRunner:
             for i, token in zip(rows.tolist(), tokens.tolist()):
                 sampled_lists[i] = [token]
             logprobs = self._sample_logprobs(out.logprobs, sample_req_ids, sample_slots)
+        if self.pp.num_stages > 1:
+            broadcast_sampled(self.pp, sampled_lists, pending.drafts, self.device)
         refused = pending.failed  # new requests the batch never took (not in req_ids)
         drafts = {} if self.drafter is None else self._propose(pending, sampled_lists)
         return ModelRunnerOutput(
@@ -400,6 +437,20 @@ class ModelRunner:
             logger.exception("the draft model failed to propose; this step has no drafts")
             self.drafter.forget_cache([slot for _, slot in candidates])
             return {}
+
+    def _output_of_last_stage(self, pending: _PendingStep) -> ModelRunnerOutput:
+        """A stage before the last: the last stage's tokens, appended here too (no logprobs:
+        the executor returns the last stage's output)."""
+        sampled = receive_sampled(self.pp, pending.req_ids, pending.drafts, self.batch,
+                                  self.sampling_state, self.device)  # fmt: skip
+        refused = pending.failed
+        return ModelRunnerOutput(
+            step_id=pending.step_id,
+            req_ids=pending.req_ids + list(refused),
+            sampled_token_ids=sampled + [[] for _ in refused],
+            model_time_s=time.perf_counter() - pending.start_time,
+            failed=dict(refused),
+        )
 
     def _verify(
         self, pending: _PendingStep, bitmask: dict[str, bytes | list[int]] | None

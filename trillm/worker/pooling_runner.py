@@ -71,6 +71,7 @@ class PoolingModelRunner(ModelRunner):
             num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], np.int64)
             inputs = self.batch.prepare(slots, num_scheduled)
             hidden = self._forward(inputs)  # [T, H]
+            assert hidden is not None  # pooling runs without pipeline stages (refused)
             starts = inputs.query_start_loc
             for i, req_id in enumerate(req_ids):
                 self._add_rows(req_id, hidden[int(starts[i]) : int(starts[i + 1])])

@@ -17,7 +17,8 @@ from trillm.entrypoints.openai.api_server import ServerOptions
 _ENGINE_FLAGS = (
     "tokenizer", "revision", "dtype", "seed", "max_model_len", "block_size", "max_num_seqs",
     "max_num_batched_tokens", "long_prefill_token_threshold", "enable_prefix_caching",
-    "scheduling_policy", "tensor_parallel_size", "data_parallel_size", "kv_cache_memory", "gpu_memory_utilization",
+    "scheduling_policy", "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size",
+    "kv_cache_memory", "gpu_memory_utilization",
     "num_gpu_blocks_override", "max_logprobs", "device", "attention_backend",
     "distributed_executor_backend", "generation_config", "trust_remote_code", "runner",
     "stream_interval", "reasoning_parser", "load_format", "quantization", "dequantize_gguf",
@@ -211,6 +212,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="Engine cores behind the one HTTP server, each with its own scheduler, KV cache "
              "and workers; each request goes to the least-loaded one, or to the one that last "
              "took its prompt's first block (default: 1).",
+    )  # fmt: skip
+    g.add_argument(
+        "--pipeline-parallel-size", "-pp", type=_positive_int,
+        help="Pipeline stages: the layers split evenly over them, hidden states passed stage "
+             "to stage by torch.distributed; tensor x pipeline worker processes (default: 1).",
     )  # fmt: skip
     g.add_argument(
         "--kv-cache-memory", type=_memory_size,

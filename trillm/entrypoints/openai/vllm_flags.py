@@ -8,7 +8,7 @@ Three kinds, never a flag accepted and ignored in silence:
   ``--enforce-eager``, ``--swap-space``): what they ask is already so, or means nothing here,
   and ``startup_notes`` says so once in the log;
 - refused (argparse error, exit 2) where the feature belongs to another open issue:
-  pipeline parallelism, quantization methods other than fp8 / gguf / awq / gptq,
+  quantization methods other than fp8 / gguf / awq / gptq,
   KV-cache dtypes beyond bf16 / fp8, speculative decoding other than n-gram and a draft model
   (``--speculative-config`` with ``"method": "ngram"`` or ``"draft_model"`` is honoured;
   eagle / medusa / mtp are refused; LoRA: serving_lora.py).
@@ -236,10 +236,6 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--limit-mm-per-prompt", type=_not_implemented("multimodal input", 16),
         help="Multimodal inputs are not supported: refused.",
-    )  # fmt: skip
-    g.add_argument(
-        "--pipeline-parallel-size", "-pp", type=_not_implemented("pipeline parallelism", 14, "1"),
-        help="Only 1 until pipeline parallelism lands (issue 14).",
     )  # fmt: skip
     # All --data-parallel-size engine cores run on this machine; vLLM's multi-node data
     # parallelism (a core per node, external or hybrid load balancing) is refused by name.

@@ -10,12 +10,14 @@ import torch
 from torch import nn
 
 from trillm.attention.backend import AttentionMetadata
+from trillm.distributed.pipeline import IntermediateTensors
 from trillm.model_executor.layers.rotary import RotaryEmbedding
 from trillm.model_executor.models.llama import LlamaForCausalLM
 
 
 class ResidualStreamCausalLM(LlamaForCausalLM):
     SCALE_EMBEDDINGS = False  # Gemma: embeddings times sqrt(hidden_size)
+    PP_CARRIES_RESIDUAL = False  # the hidden states are the residual stream
 
     def rotary_for(self, layer: nn.Module) -> RotaryEmbedding:
         """The RoPE table of a layer (Gemma 3: its sliding-window layers have their own)."""
@@ -25,12 +27,19 @@ class ResidualStreamCausalLM(LlamaForCausalLM):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        kv_caches: list[torch.Tensor],  # per stage layer [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        hidden = self.model.embed_tokens(input_ids)
-        if self.SCALE_EMBEDDINGS:  # NOTE: the scale rounded to the run's dtype, as HF does
-            hidden = hidden * torch.tensor(math.sqrt(self.config.hidden_size), dtype=hidden.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        intermediate: IntermediateTensors | None = None,  # from the stage before (not stage 0)
+    ) -> torch.Tensor | IntermediateTensors:  # [T, H]; what the next stage needs if any
+        if intermediate is not None:
+            hidden = intermediate.hidden
+        else:
+            hidden = self.model.embed_tokens(input_ids)
+            if self.SCALE_EMBEDDINGS:  # NOTE: the scale rounded to the run's dtype, as HF does
+                scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=hidden.dtype)
+                hidden = hidden * scale
+        for layer, kv_cache in zip(self.stage_layers(), kv_caches):
             hidden = layer(positions, hidden, self.rotary_for(layer), kv_cache, meta)
+        if not self.pp.is_last:
+            return IntermediateTensors(hidden)
         return self.model.norm(hidden)

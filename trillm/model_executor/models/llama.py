@@ -20,6 +20,12 @@ from torch import nn
 from trillm.attention.backend import AttentionBackend, AttentionMetadata, check_backend_supports
 from trillm.config import ModelConfig
 from trillm.distributed.parallel_state import TensorParallelGroup, get_tp_group
+from trillm.distributed.pipeline import (
+    IntermediateTensors,
+    PPMissingLayer,
+    get_pp_group,
+    is_missing,
+)
 from trillm.distributed.sharding import RankShapes
 from trillm.kernels import silu_and_mul
 from trillm.model_executor.layer_types import layer_windows, partial_rotary_factor
@@ -222,6 +228,8 @@ class LlamaForCausalLM(nn.Module):
     O_BIAS_FOLLOWS_CONFIG = True  # Llama/Qwen3: ``attention_bias`` covers o_proj too
     QK_NORM = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     MODEL_CLASS: type[DecoderStack] = LlamaModel  # the decoder stack (Gemma, OLMo 2: their own)
+    # Pipeline parallelism: a stage hands the next the residual stream besides the hidden states.
+    PP_CARRIES_RESIDUAL = True
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
@@ -229,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp, self.shapes = rank_shapes(cfg)
+        self.pp = get_pp_group()  # this rank's stage (its layers: ``stage_layers``)
         self.model = self.MODEL_CLASS(cfg, backend, self.decoder_flags(cfg))
         # [V / N (padded), H]: this rank's vocabulary rows
         self.lm_head = nn.Linear(cfg.hidden_size, self.shapes.vocab_per_rank, bias=False)
@@ -245,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the embedding with the head when the checkpoint ties them (again after
         ``to_empty``, which replaces every parameter)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and not isinstance(self.lm_head, PPMissingLayer):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
@@ -262,14 +271,23 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        kv_caches: list[torch.Tensor],  # per stage layer [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H]
-        hidden = self.model.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        intermediate: IntermediateTensors | None = None,  # from the stage before (not stage 0)
+    ) -> torch.Tensor | IntermediateTensors:  # [T, H]; what the next stage needs if any
+        if intermediate is None:
+            hidden, residual = self.model.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
+        for layer, kv_cache in zip(self.stage_layers(), kv_caches):
             hidden, residual = layer(positions, hidden, residual, self.rotary, kv_cache, meta)
+        if not self.pp.is_last:
+            return IntermediateTensors(hidden, residual)
         return self.model.norm(hidden, residual)
+
+    def stage_layers(self) -> list[nn.Module]:
+        """The decoder layers this rank runs (all of them without pipeline parallelism)."""
+        return [layer for layer in self.model.layers if not isinstance(layer, PPMissingLayer)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
         return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
@@ -284,6 +302,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
+            if self.pp.num_stages > 1 and is_missing(self, name):
+                continue  # another pipeline stage's
             stacked = self._stacked_target(name)
             if stacked is None:
                 self._load_plain(params, name, tensor)

@@ -1,0 +1,184 @@
+"""Pipeline parallelism: the layers split into contiguous stages, one stage per group of ranks.
+
+With ``pipeline_parallel_size`` M and ``tensor_parallel_size`` N there are M * N worker ranks;
+global rank ``g`` is tensor-parallel rank ``g % N`` of stage ``g // N`` (vLLM's layout). Stage
+``s`` holds layers ``[s * L // M, (s + 1) * L // M)`` (an even split), stage 0 the embedding,
+the last stage the final norm and the LM head (and the embedding too when the head is tied to
+it). Each rank builds, loads and caches only its stage's layers.
+
+One step, one batch in flight: every rank reads the step from the ring and prepares the same
+inputs; stage 0 embeds and runs its layers, then sends the hidden states (and the Llama
+decoders' residual stream), ``[T, H]`` each, to the same tensor-parallel rank of the next stage
+(``torch.distributed`` point-to-point ``send`` / ``recv``: gloo on CPU, NCCL on GPU); the last
+stage computes the logits and samples, then broadcasts each request's new tokens to every rank
+so that each rank's batch appends them (the next step's input ids on stage 0).
+
+A ``send``/``recv``/``broadcast`` that fails (a peer rank died) or does not complete within the
+group's timeout raises ``CollectiveTimeoutError``, which the worker treats as fatal.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trillm.errors import CollectiveTimeoutError
+
+# Checkpoint names outside the decoder layers, by who needs them (raw names; GPT-NeoX's too).
+_EMBEDDING = ("model.embed_tokens.", "gpt_neox.embed_in.")
+_HEAD = ("lm_head.", "embed_out.", "model.norm.", "gpt_neox.final_layer_norm.")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> tuple[int, int]:
+    """[start, end) of the layers stage ``stage`` runs (an even, contiguous split)."""
+    return stage * num_layers // num_stages, (stage + 1) * num_layers // num_stages
+
+
+class PPMissingLayer(nn.Module):
+    """Stands where a module of another stage would be (keeps the layer indices and names)."""
+
+    def forward(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("A module of another pipeline stage was called.")
+
+
+@dataclass
+class IntermediateTensors:
+    """What one stage hands the next: the hidden states and, for decoders that fold the
+    residual adds into their norms (Llama), the residual stream."""
+
+    hidden: torch.Tensor  # [T, H]
+    residual: torch.Tensor | None = None  # [T, H]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.hidden] if self.residual is None else [self.hidden, self.residual]
+
+
+@dataclass
+class PipelineGroup:
+    stage: int = 0
+    num_stages: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    start_layer: int = 0
+    end_layer: int = -1  # -1: every layer (one stage)
+    timeout_s: float = 0.0
+    comm_time_s: float = field(default=0.0, repr=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def rank(self) -> int:  # global rank
+        return self.stage * self.tp_size + self.tp_rank
+
+    def owns_layer(self, index: int) -> bool:
+        return self.end_layer < 0 or self.start_layer <= index < self.end_layer
+
+    def wants_weight(self, name: str, tied: bool) -> bool:
+        """Whether this stage loads checkpoint tensor ``name`` (read before any byte is)."""
+        if self.num_stages == 1:
+            return True
+        if m := _LAYER.search(name):
+            return self.owns_layer(int(m.group(1)))
+        if name.startswith(_EMBEDDING):
+            return self.is_first or (tied and self.is_last)
+        if name.startswith(_HEAD):
+            return self.is_last
+        return True
+
+    def send(self, tensors: list[torch.Tensor]) -> None:
+        """To the same tensor-parallel rank of the next stage."""
+        dst = self.rank + self.tp_size
+        for t in tensors:
+            self._run("send", dist.send, t.contiguous(), dst)
+
+    def recv(self, count: int, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> list[torch.Tensor]:  # fmt: skip
+        """``count`` tensors of ``shape`` from the same tensor-parallel rank of the stage
+        before."""
+        src = self.rank - self.tp_size
+        out = []
+        for _ in range(count):
+            t = torch.empty(shape, dtype=dtype, device=device)
+            self._run("recv", dist.recv, t, src)
+            out.append(t)
+        return out
+
+    def broadcast_from_last(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` of the last stage's tensor-parallel rank 0, on every rank (in place)."""
+        src = (self.num_stages - 1) * self.tp_size
+        self._run("broadcast", dist.broadcast, t, src)
+        return t
+
+    def _run(self, op: str, fn: Callable[..., object], t: torch.Tensor, peer: int) -> None:
+        start = time.perf_counter()
+        try:
+            fn(t, peer)
+        except RuntimeError as exc:  # gloo / NCCL report a timeout or a lost peer this way
+            raise CollectiveTimeoutError(
+                f"Pipeline-parallel rank {self.rank} (stage {self.stage}): {op} with rank "
+                f"{peer} failed (a peer rank stopped answering within {self.timeout_s:g} s "
+                f"or died): {exc}",
+                rank=self.rank,
+                op=op,
+            ) from exc
+        if t.is_cuda:
+            torch.cuda.synchronize()
+        self.comm_time_s += time.perf_counter() - start
+
+
+_group = PipelineGroup()
+
+
+def get_pp_group() -> PipelineGroup:
+    return _group
+
+
+def set_pp_group(group: PipelineGroup) -> None:
+    global _group
+    _group = group
+
+
+def prune_to_stage(model: nn.Module, pp: PipelineGroup, tied: bool) -> None:
+    """Replace the modules of other stages (built on the meta device) by ``PPMissingLayer``,
+    before any memory is allocated for them: ``model.model.layers[i]`` outside the stage, the
+    embedding off stage 0 (kept on the last stage when the head is tied to it), the final norm
+    and the head off the last stage."""
+    if pp.num_stages == 1:
+        return
+    stack = model.model
+    assert isinstance(stack, nn.Module)
+    layers = stack.layers
+    assert isinstance(layers, nn.ModuleList)
+    for i in range(len(layers)):
+        if not pp.owns_layer(i):
+            layers[i] = PPMissingLayer()
+    if not (pp.is_first or (tied and pp.is_last)):
+        stack.embed_tokens = PPMissingLayer()
+    if not pp.is_last:
+        stack.norm = PPMissingLayer()
+        model.lm_head = PPMissingLayer()
+
+
+def is_missing(model: nn.Module, name: str) -> bool:
+    """Whether parameter ``name`` belongs to a module of another stage."""
+    module: nn.Module | None = model
+    for part in name.split(".")[:-1]:
+        if isinstance(module, PPMissingLayer):
+            return True
+        module = getattr(module, part, None)
+        if not isinstance(module, nn.Module):
+            return False
+    return isinstance(module, PPMissingLayer)
