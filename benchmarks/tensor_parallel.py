@@ -1,5 +1,5 @@
-"""Offline throughput at tensor_parallel_size 1 and 2 (or more), and the time each rank spends
-in collectives per forward step (issue 14).
+"""Offline throughput at tensor_parallel_size 1 and 2 (or more), and pipeline_parallel_size 2
+(``--pp-sizes``), and the time each rank spends in collectives per forward step (issue 14).
 
 Each (round, TP size) runs in a fresh child process (``--child``): it opens ``LLM`` with the
 size, runs a one-request warm-up, then the workload (greedy, ``ignore_eos``, fixed lengths),
@@ -7,13 +7,16 @@ and reports the wall time. On shutdown every worker prints ``tensor-parallel ran
 steps, X s in collectives (Y ms per step)``; the parent reads those lines from the child's
 stderr. Collective time is wall time inside ``all_reduce`` / ``all_gather`` (2 all-reduces per
 layer, one for the embedding, one all-gather of the logits per forward), so it includes
-waiting for the slower rank. The sizes alternate within each round.
+waiting for the slower rank. With pipeline stages it is the time in the stage hand-offs
+(send / recv of the hidden states) and the broadcast of the sampled tokens, so it includes a
+stage's wait for the stages before it. The sizes alternate within each round.
 
 ``--allreduce-rows`` adds the cost of the collective alone: two fresh processes (gloo on CPU,
 NCCL on GPU) all-reduce a [rows, hidden] fp32 tensor back to back (the median of 200 after 20
 warm-ups), with nothing else to wait for.
 
     python benchmarks/tensor_parallel.py --out benchmarks/results/tensor_parallel.json
+    python benchmarks/tensor_parallel.py --pp-sizes 2 --out benchmarks/results/pipeline_parallel.json
     # a multi-GPU machine (NCCL, one GPU per rank):
     python benchmarks/tensor_parallel.py --device cuda --tp-sizes 1,2,4 --num-prompts 256
 """
@@ -41,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model folder (default: the bench model)")
     p.add_argument("--tp-sizes", default="1,2")
+    p.add_argument("--pp-sizes", default="", help="pipeline sizes to run at TP=1, e.g. 2")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
@@ -52,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allreduce-rows", default="1,32,128", help="'' to skip")
     p.add_argument("--hidden", type=int, default=common.MODEL_SPEC["hidden_size"])
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-pp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--allreduce-child", default=None, help=argparse.SUPPRESS)  # rank,port
     return p.parse_args(argv)
 
@@ -66,7 +71,8 @@ def run_child(args: argparse.Namespace) -> None:
     prompts = [{"prompt_token_ids": j.prompt_ids} for j in jobs]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     llm = LLM(
-        args.model, tensor_parallel_size=args.child, device=args.device, dtype=args.dtype,
+        args.model, tensor_parallel_size=args.child, pipeline_parallel_size=args.child_pp,
+        device=args.device, dtype=args.dtype,
         kv_cache_memory="1GiB", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
     )  # fmt: skip
     with llm:
@@ -123,19 +129,20 @@ def measure_allreduce(args: argparse.Namespace) -> dict[str, float]:
     return {f"rows_{k}_us": 1e6 * v for k, v in json.loads(out[0].strip()).items()}
 
 
-def measure(args: argparse.Namespace, model: str, tp: int) -> dict[str, Any]:
-    argv = [sys.executable, __file__, "--child", str(tp), "--model", model,
+def measure(args: argparse.Namespace, model: str, tp: int, pp: int = 1) -> dict[str, Any]:
+    argv = [sys.executable, __file__, "--child", str(tp), "--child-pp", str(pp), "--model", model,
             "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
             "--output-len", str(args.output_len), "--max-num-seqs", str(args.max_num_seqs),
             "--device", args.device, "--dtype", args.dtype]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(common.REPO_ROOT)}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
-        raise RuntimeError(f"TP={tp} run failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"TP={tp} PP={pp} run failed:\n{done.stderr[-4000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     ranks = [(int(r), int(s), float(c)) for r, s, c in RANK_LINE.findall(done.stderr)]
     row: dict[str, Any] = {
         "tp": tp,
+        "pp": pp,
         "seconds": result["seconds"],
         "output_tok_s": result["output_tokens"] / result["seconds"],
     }
@@ -157,15 +164,16 @@ def main() -> None:
         allreduce_child(args)
         return
     model = args.model or str(common.build_bench_model())
-    sizes = [int(s) for s in args.tp_sizes.split(",")]
+    sizes = [(int(s), 1) for s in args.tp_sizes.split(",") if s]
+    sizes += [(1, int(s)) for s in args.pp_sizes.split(",") if s]
     machine = common.machine_info()
     rows = []
     for round_ in range(args.rounds):
-        for tp in sizes:
-            row = {"round": round_, **measure(args, model, tp)}
+        for tp, pp in sizes:
+            row = {"round": round_, **measure(args, model, tp, pp)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    columns = [("round", "d"), ("tp", "d"), ("seconds", ".2f"), ("output_tok_s", ".1f"),
+    columns = [("round", "d"), ("tp", "d"), ("pp", "d"), ("seconds", ".2f"), ("output_tok_s", ".1f"),
                ("forward_steps", "d"), ("ms_per_step", ".2f"),
                ("comm_ms_per_step_rank0", ".2f"), ("comm_ms_per_step_rank1", ".2f")]  # fmt: skip
     if rows:
