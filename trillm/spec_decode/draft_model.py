@@ -194,6 +194,7 @@ class DraftModelProposer:
         self.attn_backend.plan(meta)
         input_ids = self._dev(np.concatenate(feed.tokens).astype(np.int64))
         hidden = self.model(input_ids, self._dev(positions), self.kv_caches, meta)  # [T, H]
+        assert isinstance(hidden, torch.Tensor)  # one stage: a draft model with -pp is refused
         last = self._dev(qsl[1:].astype(np.int64) - 1)
         return self.model.compute_logits(hidden.index_select(0, last)).float()
 
