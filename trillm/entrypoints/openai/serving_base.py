@@ -139,6 +139,18 @@ class ServerState:
         return self.engine.token_text(token_id)
 
 
+def split_prompts(value: str | list[Any], param: str) -> list[str | list[int]]:
+    """A request's ``prompt`` / ``input`` as its prompts: a text, a list of texts, token ids
+    (one prompt) or a list of token-id lists; empty: a 400 naming ``param``."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise BadRequestError(f"'{param}' must not be empty.", param)
+    if isinstance(value[0], int):
+        return [value]  # one prompt as token ids
+    return list(value)
+
+
 def admitted_tokens(job: PreparedPrompt) -> int:
     """What one prepared prompt counts against --max-num-admitted-tokens: each of its
     sequences may come to hold the prompt and max_tokens in the KV cache."""

@@ -13,8 +13,8 @@ import trio
 
 from trillm.entrypoints.openai.errors import BadRequestError
 from trillm.entrypoints.openai.protocol_embedding import ClassificationRequest
-from trillm.entrypoints.openai.serving_base import ServerState, admitted_tokens
-from trillm.entrypoints.openai.serving_embedding import prepare_input, split_inputs
+from trillm.entrypoints.openai.serving_base import ServerState, admitted_tokens, split_prompts
+from trillm.entrypoints.openai.serving_embedding import prepare_input
 
 
 def _check_classifier(state: ServerState) -> list[str]:
@@ -30,7 +30,7 @@ def _check_classifier(state: ServerState) -> list[str]:
 async def create_classification(state: ServerState, req: ClassificationRequest) -> dict[str, Any]:
     state.check_model(req.model)
     labels = _check_classifier(state)
-    inputs = split_inputs(req.input)
+    inputs = split_prompts(req.input, "input")
     state.check_capacity(seqs=len(inputs))
     prepared = [await prepare_input(state, req.truncate_prompt_tokens, item) for item in inputs]
     request_id = f"classify-{uuid.uuid4().hex}"

@@ -29,6 +29,7 @@ from trillm.entrypoints.openai.serving_base import (
     position_logprobs,
     prompt_logprobs_json,
     raise_if_error,
+    split_prompts,
 )
 from trillm.entrypoints.openai.sse_stream import SSEStream
 
@@ -54,7 +55,7 @@ async def create_completion(
             "logprobs",
         )
     try:
-        prompts = [await _prepare(state, req, p) for p in _split_prompts(req.prompt)]
+        prompts = [await _prepare(state, req, p) for p in split_prompts(req.prompt, "prompt")]
     except ValueError as exc:  # the preprocessor's refusals name their field: 400
         raise from_engine_exception(exc) from exc
     request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -73,16 +74,6 @@ def _check_unsupported(req: CompletionRequest) -> None:
         raise BadRequestError("'suffix' is not supported.", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise BadRequestError("'best_of' different from 'n' is not supported.", "best_of")
-
-
-def _split_prompts(prompt: str | list[Any]) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise BadRequestError("'prompt' must not be empty.", "prompt")
-    if isinstance(prompt[0], int):
-        return [prompt]  # one prompt as token ids
-    return list(prompt)
 
 
 async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | list[int]) -> _Prompt:

@@ -21,7 +21,7 @@ import trio
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt
 from trillm.entrypoints.openai.errors import BadRequestError
 from trillm.entrypoints.openai.protocol_embedding import EmbeddingRequest, PoolingRequest
-from trillm.entrypoints.openai.serving_base import ServerState, admitted_tokens
+from trillm.entrypoints.openai.serving_base import ServerState, admitted_tokens, split_prompts
 from trillm.outputs import pooling_params
 
 
@@ -36,16 +36,6 @@ def _check_pooling_model(state: ServerState, route: str) -> None:
     if pooler.task == "classify":
         raise BadRequestError(f"{route}: this server's model is a sequence classifier; it "
                               "serves /classify.", "model")  # fmt: skip
-
-
-def split_inputs(value: str | list[Any]) -> list[str | list[int]]:
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise BadRequestError("'input' must not be empty.", "input")
-    if isinstance(value[0], int):
-        return [value]  # one input as token ids
-    return list(value)
 
 
 async def prepare_input(state: ServerState, truncate_prompt_tokens: int | None,
@@ -102,7 +92,7 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest) -> dict[st
     state.check_model(req.model)
     _check_pooling_model(state, route)
     dims = _dimensions(state, req)
-    inputs = split_inputs(req.input)
+    inputs = split_prompts(req.input, "input")
     state.check_capacity(seqs=len(inputs))  # refuse a full queue before tokenizing
     prepared = [await prepare_input(state, req.truncate_prompt_tokens, item) for item in inputs]
     request_id = f"embd-{uuid.uuid4().hex}"
