@@ -101,11 +101,7 @@ class _SchedulerCollector(Collector):
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
              "kv_cache_usage"),
         )  # fmt: skip
-        for name, doc, attr in gauges:
-            g = GaugeMetricFamily(name, doc, labels=LABELS)
-            for values, stats in zip(labels, per_engine):
-                g.add_metric(values, float(getattr(stats, attr)))
-            yield g
+        yield from _stat_families(GaugeMetricFamily, gauges, list(zip(labels, per_engine)))
         counters = (
             ("vllm:prefix_cache_queries",
              "Prefix cache queries, in terms of number of queried tokens.",
@@ -116,11 +112,7 @@ class _SchedulerCollector(Collector):
              "Cumulative number of preemption from the engine (recomputed later).",
              "num_preemptions"),
         )  # fmt: skip
-        for name, doc, attr in counters:
-            c = CounterMetricFamily(name, doc, labels=LABELS)
-            for values, stats in zip(labels, per_engine):
-                c.add_metric(values, float(getattr(stats, attr)))
-            yield c
+        yield from _stat_families(CounterMetricFamily, counters, list(zip(labels, per_engine)))
         specs = [(values, s.spec_decoding) for values, s in zip(labels, per_engine)
                  if s.spec_decoding is not None]  # fmt: skip
         if specs:
@@ -146,11 +138,7 @@ class _SchedulerCollector(Collector):
             ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
              "num_accepted_tokens"),
         )  # fmt: skip
-        for name, doc, attr in counters:
-            c = CounterMetricFamily(name, doc, labels=LABELS)
-            for values, spec in specs:
-                c.add_metric(values, float(getattr(spec, attr)))
-            yield c
+        yield from _stat_families(CounterMetricFamily, counters, specs)
         per_pos = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.", labels=[*LABELS, "position"],
@@ -159,6 +147,20 @@ class _SchedulerCollector(Collector):
             for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
                 per_pos.add_metric([*values, str(pos)], float(count))
         yield per_pos
+
+
+def _stat_families(
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    rows: Iterable[tuple[str, str, str]],
+    per_engine: list[tuple[list[str], Any]],
+) -> Iterable[Metric]:
+    """A family per (name, documentation, attribute) row, a sample per engine core: that
+    attribute of the core's stats, under the core's label values."""
+    for name, doc, attr in rows:
+        fam = kind(name, doc, labels=LABELS)
+        for values, stats in per_engine:
+            fam.add_metric(values, float(getattr(stats, attr)))
+        yield fam
 
 
 def engine_stats(engine: Any) -> list[Any]:
