@@ -63,7 +63,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_ops.cpp",
                 "ext/cpu_lora.cpp",
             ],
-            depends=["ext/cpu_common.h", "ext/cpu_bf16_tiles.h"],
+            depends=["ext/cpu_common.h", "ext/cpu_bf16_tiles.h", "ext/cpu_gemm_q_vnni.h"],
             cxx_std=17,
             extra_compile_args=["-O3", "-pthread", "-Wno-psabi"],
             extra_link_args=["-pthread"],

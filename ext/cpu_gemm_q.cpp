@@ -8,8 +8,9 @@
 // exact as floats), then adds d * s (Q4_0: d * (s - 8 * sum_k x[k]); Q4_1: d * s + m * sum_k
 // x[k]; Q4_G: d * (s - z * sum_k x[k]), z the block's zero point of this column). Only the
 // order of the fp32 additions differs from F.linear on the dequantized weight.
-// Activations are not quantized (llama.cpp rounds them to int8 for VNNI): a GGUF model served
-// in fp32 keeps the greedy output of the same model dequantized.
+// Activations are not quantized by default: a GGUF model served in fp32 keeps the greedy output
+// of the same model dequantized. `int8_activations` (4-bit types, AVX512-VNNI) rounds them to
+// int8 per block of 32 and sums with `vpdpbusd` instead (cpu_gemm_q_vnni.h), as llama.cpp does.
 //
 // Packed layout (written by kernels/linear_q_cpu.py's pack, read here): N is cut into panels of
 // 16 output columns, their count padded to even (the kernel takes two panels at a time, zero
@@ -27,6 +28,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -84,6 +86,8 @@ struct Gemm {
   const float* x;   // fp32 rows, stride ldx
   int64_t ldx;
   const float* sx;  // Q4: per row, per block, the sum of x over the block [M][nb]; else null
+  const int8_t* xq;  // int8 path (cpu_gemm_q_vnni.h): x rounded to int8 [M][K]; else null
+  const float* dx;   // int8 path: per row, per block, the scale of xq [M][nb]
   const uint8_t* packed;
   const float* bias;  // null: none
   void* y;
@@ -106,6 +110,51 @@ inline float from_bf16(uint16_t h) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+// acc + one block's share of 16 columns: d * (s - 8 sx) (Q4_0), d * s + m * sx (Q4_1),
+// d * (s - z sx) (Q4_G), d * s (Q8_0); s the block's sums of x * q, sx its sum of x, `params`
+// the record's d[16] fp16 (then m[16] fp16 or z[16] uint8).
+template <int QT>
+TRILLM_Q_TARGET inline __m512 add_block(__m512 acc, __m512 s, float sx, const uint8_t* params) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
+  if constexpr (QT == kQ4_0) s = _mm512_add_ps(s, _mm512_set1_ps(-8.0f * sx));
+  if constexpr (QT == kQ4_G) {
+    const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 2 * kCols))));
+    s = _mm512_fnmadd_ps(z, _mm512_set1_ps(sx), s);
+  }
+  acc = _mm512_fmadd_ps(d, s, acc);
+  if constexpr (QT == kQ4_1) {
+    const __m512 mins = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
+    acc = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx), acc);
+  }
+  return acc;
+}
+
+// y[m..m+R, col..col+32) = acc (+ bias), as fp32 or bf16; columns past N are dropped.
+template <int R>
+TRILLM_Q_TARGET void store_tile(const Gemm& g, int m, int col, const __m512 (&acc)[R][2]) {
+  const int64_t elem = g.y_bf16 ? 2 : 4;
+  for (int p = 0; p < 2; ++p) {
+    const int c0 = col + p * kCols;
+    const int cols = std::min(kCols, g.N - c0);
+    if (cols <= 0) break;
+    __m512 b = _mm512_setzero_ps();
+    if (g.bias != nullptr) b = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), g.bias + c0);
+    for (int r = 0; r < R; ++r) {
+      alignas(64) float out[kCols];
+      _mm512_store_ps(out, _mm512_add_ps(acc[r][p], b));
+      char* row = static_cast<char*>(g.y) + ((m + r) * g.ldy + c0) * elem;
+      if (g.y_bf16) {
+        uint16_t* yb = reinterpret_cast<uint16_t*>(row);
+        for (int c = 0; c < cols; ++c) yb[c] = to_bf16(out[c]);
+      } else {
+        std::memcpy(row, out, cols * sizeof(float));
+      }
+    }
+  }
 }
 
 // y[0..R, 0..2 panels) = x[0..R, :] . W(panels p0, p1)^T (+ bias).
@@ -154,76 +203,65 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
       }
     }
     for (int p = 0; p < 2; ++p) {
-      const uint8_t* scales = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+      const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
       for (int r = 0; r < R; ++r) {
-        __m512 s = _mm512_add_ps(se[r][p], so[r][p]);
-        if constexpr (QT == kQ4_0) s = _mm512_add_ps(s, _mm512_set1_ps(-8.0f * g.sx[(m + r) * nb + b]));
-        if constexpr (QT == kQ4_G) {
-          const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 2 * kCols))));
-          s = _mm512_fnmadd_ps(z, _mm512_set1_ps(g.sx[(m + r) * nb + b]), s);
-        }
-        acc[r][p] = _mm512_fmadd_ps(d, s, acc[r][p]);
-        if constexpr (QT == kQ4_1) {
-          const __m512 mins = _mm512_cvtph_ps(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 2 * kCols)));
-          acc[r][p] = _mm512_fmadd_ps(mins, _mm512_set1_ps(g.sx[(m + r) * nb + b]), acc[r][p]);
-        }
+        const float sx = QT == kQ8_0 ? 0.0f : g.sx[(m + r) * nb + b];
+        acc[r][p] = add_block<QT>(acc[r][p], _mm512_add_ps(se[r][p], so[r][p]), sx, params);
       }
     }
   }
-  const int64_t elem = g.y_bf16 ? 2 : 4;
-  for (int p = 0; p < 2; ++p) {
-    const int c0 = col + p * kCols;
-    const int cols = std::min(kCols, g.N - c0);
-    if (cols <= 0) break;
-    __m512 b = _mm512_setzero_ps();
-    if (g.bias != nullptr) b = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << cols) - 1), g.bias + c0);
-    for (int r = 0; r < R; ++r) {
-      alignas(64) float out[kCols];
-      _mm512_store_ps(out, _mm512_add_ps(acc[r][p], b));
-      char* row = static_cast<char*>(g.y) + ((m + r) * g.ldy + c0) * elem;
-      if (g.y_bf16) {
-        uint16_t* yb = reinterpret_cast<uint16_t*>(row);
-        for (int c = 0; c < cols; ++c) yb[c] = to_bf16(out[c]);
-      } else {
-        std::memcpy(row, out, cols * sizeof(float));
-      }
-    }
+  store_tile<R>(g, m, col, acc);
+}
+
+#include "cpu_gemm_q_vnni.h"
+
+template <int R, int QT, bool Int8>
+void run_tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t* p1, int col) {
+  if constexpr (Int8) {
+    tile_vnni<R, QT>(g, m, p0, p1, col);
+  } else {
+    tile<R, QT>(g, m, p0, p1, col);
   }
 }
 
-template <int QT>
-TRILLM_Q_TARGET void rows_for_pair(const Gemm& g, int m0, int m1, int pair) {
+template <int QT, bool Int8>
+void rows_for_pair(const Gemm& g, int m0, int m1, int pair) {
   const int64_t panel_bytes = static_cast<int64_t>(g.K / kBlock) * record_bytes(QT);
   const uint8_t* p0 = g.packed + 2 * pair * panel_bytes;
   const uint8_t* p1 = p0 + panel_bytes;
   const int col = 2 * pair * kCols;
   int m = m0;
-  for (; m + kRows <= m1; m += kRows) tile<kRows, QT>(g, m, p0, p1, col);
+  for (; m + kRows <= m1; m += kRows) run_tile<kRows, QT, Int8>(g, m, p0, p1, col);
   switch (m1 - m) {
-    case 1: tile<1, QT>(g, m, p0, p1, col); break;
-    case 2: tile<2, QT>(g, m, p0, p1, col); break;
-    case 3: tile<3, QT>(g, m, p0, p1, col); break;
+    case 1: run_tile<1, QT, Int8>(g, m, p0, p1, col); break;
+    case 2: run_tile<2, QT, Int8>(g, m, p0, p1, col); break;
+    case 3: run_tile<3, QT, Int8>(g, m, p0, p1, col); break;
     default: break;
   }
 }
 
 void run_pair(const Gemm& g, int m0, int m1, int pair) {
+  const bool int8 = g.xq != nullptr;
   switch (g.qtype) {
-    case kQ4_0: rows_for_pair<kQ4_0>(g, m0, m1, pair); break;
-    case kQ4_1: rows_for_pair<kQ4_1>(g, m0, m1, pair); break;
-    case kQ4_G: rows_for_pair<kQ4_G>(g, m0, m1, pair); break;
-    default: rows_for_pair<kQ8_0>(g, m0, m1, pair); break;
+    case kQ4_0: int8 ? rows_for_pair<kQ4_0, true>(g, m0, m1, pair)
+                     : rows_for_pair<kQ4_0, false>(g, m0, m1, pair); break;
+    case kQ4_1: int8 ? rows_for_pair<kQ4_1, true>(g, m0, m1, pair)
+                     : rows_for_pair<kQ4_1, false>(g, m0, m1, pair); break;
+    case kQ4_G: int8 ? rows_for_pair<kQ4_G, true>(g, m0, m1, pair)
+                     : rows_for_pair<kQ4_G, false>(g, m0, m1, pair); break;
+    default: rows_for_pair<kQ8_0, false>(g, m0, m1, pair); break;
   }
 }
 
 void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packed, int qtype,
-            int N, uintptr_t bias, uintptr_t y, bool y_bf16, int64_t ldy, int num_threads) {
+            int N, uintptr_t bias, uintptr_t y, bool y_bf16, int64_t ldy, int num_threads,
+            bool int8_activations) {
   static const bool ok = cpu_has_avx512();
+  static const bool vnni = cpu_has_vnni();
   if (!ok) throw std::runtime_error("cpu_gemm_q needs a CPU with AVX512F/BW/VL");
   record_bytes(qtype);  // validates the type
+  if (int8_activations && (!vnni || qtype == kQ8_0))
+    throw std::invalid_argument("quantized GEMM: int8 activations need AVX512-VNNI and a 4-bit type");
   if (M < 0 || N <= 0 || K <= 0 || K % kBlock != 0)
     throw std::invalid_argument("quantized GEMM: bad shape (K must be a multiple of 32)");
   if (M == 0) return;
@@ -242,7 +280,10 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
     xf = widened.data();
     ld = K;
   }
-  if (qtype != kQ8_0) {
+  QuantizedRows rows;
+  if (int8_activations) {
+    rows = quantize_rows(xf, ld, M, K);
+  } else if (qtype != kQ8_0) {
     sums.resize(static_cast<size_t>(M) * nb);
     for (int r = 0; r < M; ++r)
       for (int b = 0; b < nb; ++b) {
@@ -251,9 +292,10 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
         sums[static_cast<size_t>(r) * nb + b] = s;
       }
   }
-  Gemm g{xf, ld, sums.empty() ? nullptr : sums.data(), reinterpret_cast<const uint8_t*>(packed),
-         reinterpret_cast<const float*>(bias), reinterpret_cast<void*>(y), ldy, M, N, K, qtype,
-         y_bf16};
+  const float* sx = int8_activations ? rows.sx.data() : sums.empty() ? nullptr : sums.data();
+  Gemm g{xf, ld, sx, int8_activations ? rows.xq.data() : nullptr, rows.dx.data(),
+         reinterpret_cast<const uint8_t*>(packed), reinterpret_cast<const float*>(bias),
+         reinterpret_cast<void*>(y), ldy, M, N, K, qtype, y_bf16};
   const int pairs = num_panels(N) / 2;
   // As in cpu_gemm.cpp: under ~1 MFLOP the caller does it alone; about four runs per thread.
   const int threads = 2LL * M * N * K < 1000000 ? 1 : num_threads;
@@ -275,9 +317,11 @@ void register_cpu_gemm_q(py::module_& m) {
   m.attr("PANEL") = kCols;
   m.attr("BLOCK") = kBlock;
   m.def("supported", &cpu_has_avx512, "Whether this CPU has AVX512F/BW/VL.");
+  m.def("supports_int8_activations", &cpu_has_vnni, "Whether this CPU has AVX512-VNNI too.");
   m.def("num_panels", &num_panels, py::arg("n"));
   m.def("record_bytes", &record_bytes, py::arg("qtype"));
   m.def("linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),
         py::arg("ldx"), py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"),
-        py::arg("y"), py::arg("y_bf16"), py::arg("ldy"), py::arg("num_threads"));
+        py::arg("y"), py::arg("y_bf16"), py::arg("ldy"), py::arg("num_threads"),
+        py::arg("int8_activations") = false);
 }

@@ -10,9 +10,14 @@ become Q4_G: each group cut into blocks of 32 that repeat its scale and zero poi
 ``ext/cpu_gemm_q.cpp``'s panel layout (the comment there); ``linear`` multiplies by it:
 x fp32 or bf16, output fp32 or bf16, fp32 sums, the numerics of dequantize-then-matmul.
 
-Without the kernel (not built, ``TRILLM_NO_EXTENSIONS=1``, no AVX-512) ``linear`` dequantizes
-the weight in torch on each call and uses ``F.linear`` (slow, but the weight stays quantized in
-memory). ``dequantize`` is also the reference the kernel is tested against.
+``int8_activations=True`` (4-bit types) rounds x per row, per block of 32, to int8 with an fp32
+scale (``quantize_activations``) and multiplies by integer dot products (``vpdpbusd``, CPUs
+with AVX512-VNNI): the numerics of ``F.linear(quantize_activations(x), dequantize(W))``.
+
+Without the kernel (not built, ``TRILLM_NO_EXTENSIONS=1``, no AVX-512; for int8 activations, no
+VNNI) ``linear`` dequantizes the weight in torch on each call and uses ``F.linear`` (slow, but
+the weight stays quantized in memory). ``dequantize`` is also the reference the kernel is tested
+against.
 """
 
 from __future__ import annotations
@@ -44,6 +49,35 @@ def _ext() -> ModuleType | None:
 def available() -> bool:
     """Whether ``linear`` runs the native kernel (else it dequantizes in torch per call)."""
     return native_available("cpu_kernels") and _ext() is not None
+
+
+def int8_available() -> bool:
+    """Whether ``linear(..., int8_activations=True)`` runs natively (AVX512-VNNI)."""
+    ext = _ext() if native_available("cpu_kernels") else None
+    return ext is not None and bool(ext.supports_int8_activations())
+
+
+# benchmarks/q4_int8.py (RESULTS.md), SmolLM2's Q4_1 GEMMs: int8 1.2-1.3x faster at 16 rows,
+# 1.45x at 64; at 1-4 rows (memory-bound) within this busy machine's noise, so those keep fp32
+# activations and a small batch keeps the dequantized model's exact numerics.
+INT8_MIN_ROWS = 16
+
+
+def use_int8(weight: QuantizedWeight, rows: int) -> bool:
+    """Whether a model's layer multiplies ``rows`` rows by ``weight`` with int8 activations:
+    a 4-bit type, the native VNNI kernel, and at least ``INT8_MIN_ROWS`` rows."""
+    return weight.qtype != Q8_0 and rows >= INT8_MIN_ROWS and int8_available()
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [M, K] fp32 -> [M, K] fp32
+    """x rounded as the int8 path rounds it: per row, per block of 32, dx = absmax / 127 and
+    x^ = round(x / dx) * dx (half to even; a block of zeros stays zero)."""
+    m, k = x.shape
+    blocks = x.to(torch.float32).reshape(m, k // BLOCK, BLOCK)
+    dx = blocks.abs().amax(dim=2, keepdim=True) / 127.0  # [M, K/32, 1]
+    safe = torch.where(dx > 0, dx, torch.ones_like(dx))
+    q = torch.where(dx > 0, torch.round(blocks / safe), torch.zeros_like(blocks)).clamp(-127, 127)
+    return (q * dx).reshape(m, k)
 
 
 def _values_bytes(qtype: int) -> int:
@@ -180,6 +214,7 @@ def linear(
     weight: QuantizedWeight,
     bias: torch.Tensor | None = None,  # [N] fp32, added to the fp32 sums
     out_dtype: torch.dtype | None = None,  # fp32 or bf16; None: x's dtype
+    int8_activations: bool = False,  # 4-bit types: x rounded to int8 per block (module doc)
 ) -> torch.Tensor:  # [..., N]
     """``x @ W^T + bias`` with W kept quantized."""
     n, k = weight.out_features, weight.in_features
@@ -190,12 +225,18 @@ def linear(
         raise ValueError("linear_q_cpu.linear: out_dtype must be float32 or bfloat16.")
     if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
         raise ValueError(f"linear_q_cpu.linear: bias must be fp32 [{n}].")
+    if int8_activations and weight.qtype == Q8_0:
+        raise ValueError("linear_q_cpu.linear: int8 activations are for the 4-bit types.")
     if bias is not None:
         bias = bias.contiguous()
     ext = _ext() if native_available("cpu_kernels") else None
-    if ext is None:  # portable: dequantize, then torch's GEMM in fp32
-        out = F.linear(x.to(torch.float32), dequantize(weight), bias)
-        return out.to(out_dtype)
+    if ext is None or (int8_activations and not int8_available()):
+        # portable: dequantize, then torch's GEMM in fp32
+        xf = x.reshape(-1, k).to(torch.float32)
+        if int8_activations:
+            xf = quantize_activations(xf)
+        out = F.linear(xf, dequantize(weight), bias)
+        return out.to(out_dtype).view(*x.shape[:-1], n)
     rows = x.reshape(-1, k)  # a view when the leading dims allow it, else a copy
     if rows.stride(1) != 1:
         rows = rows.contiguous()
@@ -204,5 +245,6 @@ def linear(
         rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
         weight.data.data_ptr(), weight.qtype, n, 0 if bias is None else bias.data_ptr(),
         out.data_ptr(), out_dtype == torch.bfloat16, n, torch.get_num_threads(),
+        int8_activations,
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)

@@ -99,3 +99,79 @@ def test_bad_inputs_are_refused():
         linear_q_cpu.unpack_ggml(raw, int(GGMLQuantizationType.Q8_0), 48)
     with pytest.raises(ValueError, match="rows of blocks"):
         linear_q_cpu.QuantizedWeight(raw, int(GGMLQuantizationType.Q8_0), 5, 64)
+
+
+# ---------------------------------------------------------------- int8 activations (VNNI)
+
+Q4_TYPES = QTYPES[:2]
+needs_vnni = pytest.mark.skipif(
+    not linear_q_cpu.int8_available(), reason="no native kernel or no AVX512-VNNI"
+)
+
+
+def test_quantize_activations_rounds_each_block_to_int8():
+    x = torch.randn(3, 96)
+    x[1, 32:64] = 0.0  # a block of zeros stays zeros
+    xq = linear_q_cpu.quantize_activations(x)
+    blocks, qblocks = x.view(3, 3, 32), xq.view(3, 3, 32)
+    dx = blocks.abs().amax(dim=2, keepdim=True) / 127
+    assert bool(((qblocks - blocks).abs() <= dx / 2 + 1e-7).all())
+    codes = torch.where(dx > 0, qblocks / torch.where(dx > 0, dx, 1), 0)
+    torch.testing.assert_close(codes, codes.round(), atol=1e-4, rtol=0)  # integers
+    assert bool((codes.abs().amax(dim=2) > 126.99).view(-1)[[0, 1, 2, 3, 5, 6, 7, 8]].all())
+    assert bool((qblocks[1, 1] == 0).all())
+
+
+def _check_int8(qtype, m, n, k, bias, out_dtype=torch.float32):
+    raw, w = _weight(qtype, n, k, seed=m + n)
+    weight = linear_q_cpu.QuantizedWeight(raw, int(qtype), n, k)
+    gen = torch.Generator().manual_seed(m * 7 + n)
+    x = torch.randn(m, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = linear_q_cpu.linear(x, weight, b, out_dtype=out_dtype, int8_activations=True)
+    xq = linear_q_cpu.quantize_activations(x)
+    ref = F.linear(xq, w, b)  # the rounded activations times the dequantized weight
+    if out_dtype == torch.bfloat16:
+        torch.testing.assert_close(got, ref.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
+        return
+    torch.testing.assert_close(got, ref, atol=2e-4 * k**0.5, rtol=1e-4)
+    # against fp32 activations: within what rounding x can change, sum_k |W[n, k]| * dx / 2
+    dx = x.view(m, k // 32, 32).abs().amax(dim=2) / 127  # [m, K/32]
+    bound = (w.abs().view(n, k // 32, 32).sum(dim=2) @ (dx / 2).T).T  # [m, n]
+    assert bool(((got - F.linear(x, w, b)).abs() <= bound + 1e-4).all())
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", Q4_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 131])
+@pytest.mark.parametrize("n", [15, 70])
+def test_int8_kernel_is_the_rounded_activations_times_the_weight(qtype, m, n):
+    _check_int8(qtype, m, n, 576 if m == 131 else 128, bias=n % 2 == 1)
+
+
+@needs_vnni
+def test_int8_kernel_bf16_output_and_group_zero_points():
+    _check_int8(GGMLQuantizationType.Q4_0, 9, 37, 128, bias=True, out_dtype=torch.bfloat16)
+    rng = np.random.default_rng(3)
+    q = rng.integers(0, 16, (40, 128)).astype(np.uint8)
+    s = (rng.random((40, 2)) * 0.1 + 0.01).astype(np.float16)
+    z = rng.integers(0, 16, (40, 2)).astype(np.uint8)
+    weight = linear_q_cpu.QuantizedWeight.from_groups(q, s, z)  # Q4_G, groups of 64
+    x = torch.randn(6, 128)
+    got = linear_q_cpu.linear(x, weight, int8_activations=True)
+    ref = F.linear(linear_q_cpu.quantize_activations(x), linear_q_cpu.dequantize(weight))
+    torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", Q4_TYPES, ids=lambda t: t.name)
+def test_int8_portable_path_is_the_reference(qtype, monkeypatch):
+    monkeypatch.setenv("TRILLM_NO_EXTENSIONS", "1")
+    assert not linear_q_cpu.int8_available()
+    _check_int8(qtype, 3, 20, 64, bias=True)
+
+
+def test_int8_activations_are_refused_for_q8_0():
+    raw, _ = _weight(GGMLQuantizationType.Q8_0, 4, 64)
+    weight = linear_q_cpu.QuantizedWeight(raw, int(GGMLQuantizationType.Q8_0), 4, 64)
+    with pytest.raises(ValueError, match="4-bit types"):
+        linear_q_cpu.linear(torch.zeros(2, 64), weight, int8_activations=True)

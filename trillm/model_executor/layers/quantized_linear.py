@@ -16,6 +16,9 @@ loads every quantized tensor dequantized to the run's dtype.
 layer's qweight / qzeros / scales (``model_executor/awq_gptq.py``) become one Q4_G
 ``QuantizedWeight`` (stacked shards concatenated by rows); layers the checkpoint keeps in float
 (the embedding, usually ``lm_head``) load as usual.
+
+A 4-bit layer called with at least ``linear_q_cpu.INT8_MIN_ROWS`` rows (prefill, batched
+decode) rounds its activations to int8 and runs the VNNI kernel, where that is faster.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight: linear_q_cpu.QuantizedWeight = self.quantized_weight  # type: ignore[assignment]
     bias: torch.Tensor | None = self.quantized_bias  # type: ignore[assignment]
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        return linear_q_cpu.linear(x, weight, bias)
+        int8 = linear_q_cpu.use_int8(weight, x.numel() // max(x.shape[-1], 1))
+        return linear_q_cpu.linear(x, weight, bias, int8_activations=int8)
     w = linear_q_cpu.dequantize(weight, x.dtype).to(x.device)  # [N, K]
     return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 

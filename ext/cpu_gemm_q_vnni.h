@@ -1,0 +1,101 @@
+// The int8-activation path of ext/cpu_gemm_q.cpp for its 4-bit types (Q4_0, Q4_1, Q4_G), on
+// CPUs with AVX512-VNNI; included there, inside its anonymous namespace, after `tile`.
+//
+// Each row of x is rounded per block of 32 to int8: dx = absmax / 127, xq = round(x / dx) (half
+// to even, as torch.round; a block of zeros has dx 0). The block's sum of x * q is then an
+// integer dot product: `vpdpbusd` multiplies four unsigned weight bytes (0..15) by four signed
+// activation bytes and adds the four products to an int32 lane, exact; s = dx * that sum, and
+// sx = dx * sum(xq), so the result is exactly W . x^ (x^ = xq * dx, the rounded activations)
+// up to the order of the fp32 additions (kernels/linear_q_cpu.py's `quantize_activations` is
+// the reference). Its error against W . x is bounded by the rounding of x: |x - x^| <= dx / 2.
+//
+// The packed weight is the fp32 kernel's: byte [j][c] holds q[c][2j] and q[c][2j + 1]. Two
+// 16-byte loads (pairs j, j + 1), widened to 32-bit lanes and merged, put column c's
+// q[2j .. 2j + 3] into the four bytes of lane c, the layout `vpdpbusd` wants, in five
+// instructions for 16 columns and 4 k.
+
+#define TRILLM_VNNI_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+bool cpu_has_vnni() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+// Rows of int8 activations: xq [M][K], dx [M][nb], sx [M][nb] = dx * the block's sum of xq.
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, sx;
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t ld, int M, int K) {
+  const int nb = K / kBlock;
+  QuantizedRows out{std::vector<int8_t>(static_cast<size_t>(M) * K),
+                    std::vector<float>(static_cast<size_t>(M) * nb),
+                    std::vector<float>(static_cast<size_t>(M) * nb)};
+  for (int r = 0; r < M; ++r) {
+    for (int b = 0; b < nb; ++b) {
+      const float* xb = x + r * ld + b * kBlock;
+      float amax = 0.0f;
+      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float dx = amax / 127.0f;
+      int8_t* q = out.xq.data() + static_cast<size_t>(r) * K + b * kBlock;
+      int sum = 0;
+      for (int k = 0; k < kBlock; ++k) {
+        const float v = dx > 0.0f ? std::nearbyint(xb[k] / dx) : 0.0f;
+        q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+        sum += q[k];
+      }
+      out.dx[static_cast<size_t>(r) * nb + b] = dx;
+      out.sx[static_cast<size_t>(r) * nb + b] = dx * static_cast<float>(sum);
+    }
+  }
+  return out;
+}
+
+// tile's int8 twin: g.xq / g.dx / g.sx hold quantize_rows' output.
+template <int R, int QT>
+TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const uint8_t* p1,
+                                  int col) {
+  constexpr int qbytes = quant_bytes(QT);
+  constexpr int rec = qbytes + param_bytes(QT);
+  const int nb = g.K / kBlock;
+  const uint8_t* panel[2] = {p0, p1};
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(0x000f000f), high = _mm512_set1_epi32(0x0f000f00);
+  for (int b = 0; b < nb; ++b) {
+    __m512i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    for (int j = 0; j < kBlock / 2; j += 2) {  // k = 2j .. 2j + 3
+      int32_t xw[R];  // four int8 activations of row r, as one word
+      for (int r = 0; r < R; ++r)
+        std::memcpy(&xw[r], g.xq + static_cast<int64_t>(m + r) * g.K + b * kBlock + 2 * j, 4);
+      for (int p = 0; p < 2; ++p) {
+        const uint8_t* q = panel[p] + static_cast<int64_t>(b) * rec + j * kCols;
+        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+        const __m512i c = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kCols)));
+        const __m512i t = _mm512_or_si512(a, _mm512_slli_epi32(c, 16));  // nibble pairs at bytes 0, 2
+        // bytes 0..3 = q[2j], q[2j + 1], q[2j + 2], q[2j + 3]: (t & low) | ((t << 4) & high)
+        const __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(t, low),
+                                                    _mm512_slli_epi32(t, 4), high, 0xF8);
+        for (int r = 0; r < R; ++r)
+          dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], w, _mm512_set1_epi32(xw[r]));
+      }
+    }
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = static_cast<int64_t>(m + r) * nb + b;
+        const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][p]), _mm512_set1_ps(g.dx[i]));
+        acc[r][p] = add_block<QT>(acc[r][p], s, g.sx[i], params);
+      }
+    }
+  }
+  store_tile<R>(g, m, col, acc);
+}
