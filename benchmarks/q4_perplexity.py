@@ -16,9 +16,9 @@ import math
 from pathlib import Path
 
 import common  # noqa: F401 - puts the repository root on sys.path
+from trillm.kernels import linear_q_cpu
 
 from trillm import LLM, SamplingParams
-from trillm.kernels import linear_q_cpu
 
 TEXT = (
     "The river rose slowly through the night, and by morning the lower fields were under water. "
