@@ -71,3 +71,7 @@ class CodecError(IPCError):
 class RequestFailedError(TrillmError):
     """One request ended without its result (the engine aborted it: refused by a worker, a
     shutdown); the engine itself is fine."""
+
+
+class UnsupportedQuantizationError(ValueError):
+    """A quantization method (asked for, or the checkpoint's) trillm cannot run."""

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trillm.model_executor.quantization import UnsupportedQuantizationError
+from trillm.errors import UnsupportedQuantizationError
 
 METHODS = ("awq", "gptq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output AWQ_ORDER[i]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trillm.errors import UnsupportedQuantizationError
+
 # gguf: a .gguf model's own Q4_0/Q4_1/Q8_0 blocks (gguf_loader.py); awq / gptq: the checkpoint's
 SUPPORTED = ("fp8", "gguf", "awq", "gptq")
 CHECKPOINT_METHODS = ("awq", "gptq")  # methods a checkpoint must carry (not applied at load)
@@ -25,10 +27,6 @@ VLLM_METHODS = (
     "gptq_marlin_24", "hqq", "inc", "ipex", "marlin", "modelopt", "modelopt_fp4", "moe_wna16",
     "mxfp4", "petit_nvfp4", "ptpc_fp8", "quark", "rtn", "torchao", "tpu_int8",
 )  # fmt: skip
-
-
-class UnsupportedQuantizationError(ValueError):
-    """A quantization method (asked for, or the checkpoint's) trillm cannot run."""
 
 
 def check_quantization(method: str) -> str:
