@@ -15,6 +15,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist the workers share the cores: each worker (and every server or model worker
+# it starts, which read OMP_NUM_THREADS) gets its share, so OpenMP threads never outnumber cores.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    _share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _share))
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 
