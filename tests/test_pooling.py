@@ -254,10 +254,10 @@ def test_a_generating_server_refuses_embeddings(tmp_path):
 
 # ---------------------------------------------------------------- the queue bound
 
-# Two inputs fill the two places (--max-num-seqs 1, --max-num-queued-requests 1); the first
-# takes four prefill chunks of 16 tokens, so both stay held for three more steps once the
-# gauges first show them.
-HOLDING = {"input": [" ".join(["fox"] * 60), "second"]}
+# Two inputs fill the two places (--max-num-seqs 1, --max-num-queued-requests 1). Each takes
+# five prefill chunks of 16 tokens, whichever the engine gets first: once the gauges first
+# show one running and one waiting, both stay held for four more steps (2 s).
+HOLDING = {"input": [" ".join(["fox"] * 25)] * 2}
 
 
 @pytest.fixture(scope="module")
