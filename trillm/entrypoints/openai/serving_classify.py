@@ -6,15 +6,12 @@ class probabilities and its most likely label (the checkpoint's ``id2label``).""
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
-
-import trio
 
 from trillm.entrypoints.openai.errors import BadRequestError
 from trillm.entrypoints.openai.protocol_embedding import ClassificationRequest
-from trillm.entrypoints.openai.serving_base import ServerState, admitted_tokens, split_prompts
-from trillm.entrypoints.openai.serving_embedding import prepare_input
+from trillm.entrypoints.openai.serving_base import ServerState
+from trillm.entrypoints.openai.serving_embedding import run_inputs
 
 
 def _check_classifier(state: ServerState) -> list[str]:
@@ -30,26 +27,9 @@ def _check_classifier(state: ServerState) -> list[str]:
 async def create_classification(state: ServerState, req: ClassificationRequest) -> dict[str, Any]:
     state.check_model(req.model)
     labels = _check_classifier(state)
-    inputs = split_prompts(req.input, "input")
-    state.check_capacity(seqs=len(inputs))
-    prepared = [await prepare_input(state, req.truncate_prompt_tokens, item) for item in inputs]
-    request_id = f"classify-{uuid.uuid4().hex}"
-    ids = [f"{request_id}-{i}" for i in range(len(prepared))]
-    admission = state.admit(ids, 1, [admitted_tokens(p) for p in prepared])
-    results: list[Any] = [None] * len(prepared)
-
-    async def one(i: int) -> None:
-        try:
-            results[i] = await state.engine.classify(prepared[i], request_id=ids[i])
-        finally:
-            admission.release(ids[i])
-
-    try:
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prepared)):
-                nursery.start_soon(one, i)
-    finally:
-        admission.release_all()
+    request_id, prepared, results = await run_inputs(
+        state, req, "classify", lambda job, rid: state.engine.classify(job, request_id=rid)
+    )
     data = []
     for i, out in enumerate(results):
         probs = out.outputs.probs

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -87,22 +88,24 @@ def _encode(vec: np.ndarray, encoding_format: str) -> list[float] | str:
     return vec.tolist()
 
 
-async def create_embedding(state: ServerState, req: EmbeddingRequest) -> dict[str, Any]:
-    route = "/pooling" if isinstance(req, PoolingRequest) else "/v1/embeddings"
-    state.check_model(req.model)
-    _check_pooling_model(state, route)
-    dims = _dimensions(state, req)
+async def run_inputs(
+    state: ServerState, req: Any, kind: str, run: Callable[[PreparedPrompt, str], Awaitable[Any]]
+) -> tuple[str, list[PreparedPrompt], list[Any]]:
+    """A pooling request's inputs (``req.input``, ``req.truncate_prompt_tokens``), each one
+    engine request, ``run(prepared, request_id)``, in its own task; all admitted together
+    (``ServerState.admit``), each place released when its input ends, the rest on any way
+    out (a sibling failed, the client left). -> (request id, prepared inputs, results)."""
     inputs = split_prompts(req.input, "input")
     state.check_capacity(seqs=len(inputs))  # refuse a full queue before tokenizing
     prepared = [await prepare_input(state, req.truncate_prompt_tokens, item) for item in inputs]
-    request_id = f"embd-{uuid.uuid4().hex}"
+    request_id = f"{kind}-{uuid.uuid4().hex}"
     ids = [f"{request_id}-{i}" for i in range(len(prepared))]
     admission = state.admit(ids, 1, [admitted_tokens(p) for p in prepared])
     results: list[Any] = [None] * len(prepared)
 
     async def one(i: int) -> None:
         try:
-            results[i] = await state.engine.encode(prepared[i], request_id=ids[i])
+            results[i] = await run(prepared[i], ids[i])
         finally:
             admission.release(ids[i])
 
@@ -111,7 +114,18 @@ async def create_embedding(state: ServerState, req: EmbeddingRequest) -> dict[st
             for i in range(len(prepared)):
                 nursery.start_soon(one, i)
     finally:
-        admission.release_all()  # inputs never started (a sibling failed, the client left)
+        admission.release_all()  # inputs never started
+    return request_id, prepared, results
+
+
+async def create_embedding(state: ServerState, req: EmbeddingRequest) -> dict[str, Any]:
+    route = "/pooling" if isinstance(req, PoolingRequest) else "/v1/embeddings"
+    state.check_model(req.model)
+    _check_pooling_model(state, route)
+    dims = _dimensions(state, req)
+    request_id, prepared, results = await run_inputs(
+        state, req, "embd", lambda job, rid: state.engine.encode(job, request_id=rid)
+    )
     data = []
     for i, out in enumerate(results):
         vec = _encode(_vector(state, out.outputs.embedding, dims), req.encoding_format)
