@@ -338,7 +338,7 @@ def test_more_engine_cores_than_gpus_are_refused(llama, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     args = EngineArgs(llama, data_parallel_size=2, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=2 needs 4"):
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=2 x pipeline_parallel_size=1 needs 4 GPUs"):
         config_builder._check_data_parallel(args, "cuda")
     config_builder._check_data_parallel(EngineArgs(llama, data_parallel_size=3), "cuda")  # fits
     uni = EngineArgs(llama, data_parallel_size=2, distributed_executor_backend="uni")
