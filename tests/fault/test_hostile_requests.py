@@ -5,6 +5,7 @@ finishes with exactly the tokens of an unloaded run, and the server keeps servin
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -55,7 +56,11 @@ def _post(srv: ServerProcess, body: dict | bytes, path: str = "/v1/completions")
     return httpx.post(srv.base_url + path[3:], json=body, timeout=60)
 
 
-def _stream_tokens(srv: ServerProcess, body: dict) -> tuple[str, str | None]:
+def _stream_tokens(
+    srv: ServerProcess, body: dict, first_chunk: threading.Event | None = None
+) -> tuple[str, str | None]:
+    """The streamed text and finish reason; ``first_chunk`` is set when the first chunk came
+    (the request is then in flight on the server)."""
     text, reason = [], None
     with httpx.stream("POST", srv.base_url + "/completions", json={**body, "stream": True},
                       timeout=120) as r:  # fmt: skip
@@ -65,6 +70,8 @@ def _stream_tokens(srv: ServerProcess, body: dict) -> tuple[str, str | None]:
                 choice = json.loads(line[6:])["choices"][0]
                 text.append(choice["text"])
                 reason = choice["finish_reason"] or reason
+                if first_chunk is not None:
+                    first_chunk.set()
     return "".join(text), reason
 
 
@@ -131,17 +138,20 @@ def test_an_oversized_logit_bias_is_refused_before_it_is_parsed(server):
 def test_a_duplicate_request_id_is_refused_and_the_original_runs_on(server):
     # Defect 7: the duplicate got a 500, and its failure removed the original's id.
     results: dict[str, object] = {}
+    streaming = threading.Event()
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
                 lambda: _run_sync(
                     lambda: results.update(
-                        original=_stream_tokens(server, {**LONG, "request_id": "dup-1"})
+                        original=_stream_tokens(server, {**LONG, "request_id": "dup-1"}, streaming)
                     )
                 )
             )
-            await trio.sleep(0.5)
+            # the duplicate comes while the original streams (not before it reached the
+            # server, not after it finished: a fixed sleep was both on a busy machine)
+            assert await _run_sync(lambda: streaming.wait(60))
             results["duplicate"] = await _run_sync(
                 lambda: _post(server, {**BASE, "request_id": "dup-1"})
             )
