@@ -212,15 +212,50 @@ def test_http_dp2_tp2_matches_dp1_token_for_token(server, dp1_tokens):
     assert got == dp1_tokens
 
 
+REQUEST_HISTOGRAMS = (
+    "e2e_request_latency_seconds", "time_to_first_token_seconds", "request_queue_time_seconds",
+    "request_prefill_time_seconds", "request_inference_time_seconds",
+    "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+    "request_params_n", "request_params_max_tokens",
+)  # fmt: skip
+
+
+def _successes(fams: dict) -> dict[str, float]:
+    """Finished engine requests per engine, over the finish reasons."""
+    total: dict[str, float] = {}
+    for s in fams["vllm:request_success"].samples:
+        if s.name == "vllm:request_success_total":
+            total[s.labels["engine"]] = total.get(s.labels["engine"], 0.0) + s.value
+    return total
+
+
+def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {e: after[e] - before.get(e, 0.0) for e in after}
+
+
 def test_metrics_label_each_engine_and_show_the_spread(server):
     """Concurrent short prompts alternate between the cores: both engines' step histograms
-    and prefix-cache query counters grow; every engine-scoped series has engine 0 and 1."""
+    and prefix-cache query counters grow; every engine-scoped series has engine 0 and 1. The
+    request series count each request under the core that ran it: both cores' successes grow,
+    they add up to the four requests, and every request histogram agrees per core."""
     before = _metrics(server)
     steps0 = _per_engine(before, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count")
     for sock in _stream_in_flight(server, ["a", "b", "c", "d"]):
         read_until(sock, b"[DONE]")
         sock.close()
     fams = _metrics(server)
+    served = _grown(_successes(before), _successes(fams))
+    assert set(served) == {"0", "1"} and min(served.values()) >= 1, served
+    assert sum(served.values()) == 4, served
+    for hist in REQUEST_HISTOGRAMS:
+        name = "vllm:" + hist
+        counts = _grown(_per_engine(before, name, name + "_count"),
+                        _per_engine(fams, name, name + "_count"))  # fmt: skip
+        assert counts == served, (hist, counts, served)
+    for counter in ("vllm:generation_tokens", "trillm:generation_tokens"):
+        tokens = _grown(_per_engine(before, counter, counter + "_total"),
+                        _per_engine(fams, counter, counter + "_total"))  # fmt: skip
+        assert tokens == {e: 120 * n for e, n in served.items()}, (counter, tokens)
     steps = _per_engine(fams, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count")
     assert steps["0"] > steps0.get("0", 0) and steps["1"] > steps0.get("1", 0), (steps0, steps)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",

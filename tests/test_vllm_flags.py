@@ -384,8 +384,8 @@ def test_stats_line_info_after_activity_debug_when_idle():
     engine = SimpleNamespace(get_stats=lambda: stats, model_config=None, config=None)
     metrics = ServerMetrics(engine, "m")
     line = StatsLine(engine, metrics, now=0.0)
-    metrics.prompt_tokens.value += 100
-    metrics.generation_tokens.value += 50
+    metrics.per_engine[0].prompt_tokens.value += 100
+    metrics.per_engine[0].generation_tokens.value += 50
     stats.prefix_cache_queries, stats.prefix_cache_hits = 200, 50
     level, message = line.line(10.0)
     assert level == logging.INFO

@@ -36,6 +36,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_generation_tokens: int = 0
     first_scheduled_time: float | None = None  # the engine's first P1 for this request
+    engine_index: int = 0  # the engine core that runs it (data parallelism)
 
 
 @dataclass(slots=True)

@@ -302,6 +302,8 @@ class AsyncEngine:
         # NOTE: the cores' inputs are written only here; what one holds is bounded by what came
         # through the bounded inbox since the core last drained it (every step).
         index = 0 if self.router is None else self.router.route(msg.engine_requests)
+        if index:
+            self.output_processor.assign_engine(msg.request_id, index)
         send = self._input_sends[index]
         for request in msg.engine_requests:
             send.send_nowait(request)

@@ -170,6 +170,11 @@ class OutputProcessor:
         )
         return _Sample(engine_id, index, group, params, detokenizer, stop, logprobs)
 
+    def assign_engine(self, request_id: str, engine_index: int) -> None:
+        """The engine core the router gave the request: its outputs' ``metrics`` say so (the
+        request series of /metrics are per engine core)."""
+        self._groups[request_id].metrics.engine_index = engine_index
+
     def child_ids(self, request_id: str) -> list[str]:
         group = self._groups.get(request_id)
         return list(group.engine_ids) if group is not None else []
@@ -477,4 +482,5 @@ def _copy_metrics(m: RequestMetrics) -> RequestMetrics:
         m.finished_time,
         m.num_generation_tokens,
         m.first_scheduled_time,
+        m.engine_index,
     )

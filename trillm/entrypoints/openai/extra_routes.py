@@ -90,15 +90,9 @@ class RequestLog:
         logger.info("Request #%d refused or failed: %s: %s", number, type(exc).__name__, exc)
 
 
-def _prompt_count(prompt: Any) -> int:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return len(prompt)
-    return 1
-
-
 class Dispatcher:
-    """Runs the chat / completion handlers for the routes: request log and the
-    request_params_* metrics around them."""
+    """Runs the chat / completion handlers for the routes, with the request log and the
+    server load around them."""
 
     def __init__(self, state: Any, respond: Callable[[Any], Any], log: RequestLog | None) -> None:
         self.state = state
@@ -110,19 +104,15 @@ class Dispatcher:
 
     async def chat(self, body: dict[str, Any]) -> Any:
         req = await structure_body(ChatCompletionRequest, body, request.content_length)
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        return await self._run("chat", body, create_chat_completion(self.state, req),
-                               req.n, max_tokens, 1)  # fmt: skip
+        return await self._run("chat", body, create_chat_completion(self.state, req))
 
     async def completion(self, body: dict[str, Any]) -> Any:
         req = await structure_body(CompletionRequest, body, request.content_length)
-        return await self._run("completion", body, create_completion(self.state, req),
-                               req.n, req.max_tokens, _prompt_count(req.prompt))  # fmt: skip
+        return await self._run("completion", body, create_completion(self.state, req))
 
     async def responses(self, body: dict[str, Any]) -> Any:
         req = await parse_request(body, request.content_length)
-        return await self._run("responses", body, create_response(self.state, req), 1,
-                               req.max_output_tokens, 1)  # fmt: skip
+        return await self._run("responses", body, create_response(self.state, req))
 
     async def invocation(self, body: dict[str, Any]) -> Any:
         """SageMaker's /invocations: the body's shape picks the API, as vLLM does."""
@@ -135,8 +125,7 @@ class Dispatcher:
             "completion request (with 'prompt')."
         )
 
-    async def _run(self, kind: str, body: dict[str, Any], work: Awaitable[Any], n: int,
-                   max_tokens: int | None, prompts: int) -> Any:  # fmt: skip
+    async def _run(self, kind: str, body: dict[str, Any], work: Awaitable[Any]) -> Any:
         pooler = self.state.engine.config.pooler
         if pooler is not None:
             routes = "/classify" if pooler.task == "classify" else "/v1/embeddings and /pooling"
@@ -155,7 +144,6 @@ class Dispatcher:
             if self.log:
                 self.log.failed(number, exc)
             raise
-        self.state.metrics.request_params(n, max_tokens, prompts)
         if isinstance(result, dict):
             self.load -= 1
             if self.log is not None:

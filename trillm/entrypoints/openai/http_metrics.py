@@ -8,7 +8,7 @@
   (``Content-Length`` of the request, bytes of the response body sent).
 
 ``handler`` is the route (``/v1/completions``), ``none`` for a path no route serves, so
-random paths cannot grow the label set. Plain counters, as metrics.Hist: one Trio thread.
+random paths cannot grow the label set. Plain counters, as request_metrics.Hist: one Trio thread.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, SummaryMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from trillm.entrypoints.openai.metrics import Hist
+from trillm.entrypoints.openai.request_metrics import Hist
 
 _DURATION_BUCKETS = (0.1, 0.5, 1.0)  # the instrumentator's default latency_lowr_buckets
 _HIGHR_BUCKETS = (

@@ -1,9 +1,9 @@
 """Prometheus metrics: vLLM v1's series, under ``vllm:`` and ``trillm:`` names, per app.
 
-Every series carries vLLM's labels ``model_name`` and ``engine``. The engine-scoped series
-(scheduler gauges and counters, ``cache_config_info``, ``iteration_tokens_total``) have one
-sample per engine core, ``engine`` "0" .. "K-1" with ``--data-parallel-size K``; the request
-series are measured at the one frontend and carry ``engine`` "0".
+Every series carries vLLM's labels ``model_name`` and ``engine``, and has one sample per
+engine core, ``engine`` "0" .. "K-1" with ``--data-parallel-size K``: the engine-scoped series
+(scheduler gauges and counters, ``cache_config_info``, ``iteration_tokens_total``) from each
+core's stats, the request series (``request_metrics.py``) under the core that ran the request.
 ``--metrics-prefix`` picks the names: ``both`` (default: vLLM's dashboards and trillm's own
 work unchanged), ``vllm`` or ``trillm``. The series are recorded once, under ``vllm:``, and
 renamed at scrape time, so a second prefix costs nothing per request.
@@ -17,19 +17,18 @@ Sources:
   prompt of a batched completion), as vLLM does, so ``request_success_total`` and the latency
   and length histograms count the same things: ``RequestTimer.output`` sees each output,
   ``RequestTimer.finished`` ends the HTTP request;
-- ``request_params_n`` / ``request_params_max_tokens`` once per prompt, from the request body.
+- ``request_params_n`` / ``request_params_max_tokens`` once per prompt, from the request body,
+  under the core that ran the prompt.
 
 The queue / prefill / inference intervals come from the engine's first P1 time of each
 request (``RequestMetrics.first_scheduled_time``, carried by its first output);
 ``iteration_tokens_total`` observes each engine step's computed-token count
-(``AsyncEngine.step_observers``). Request series are plain counters (``Hist``, ``Count``), not
-prometheus_client's locked ones: they are recorded on the one Trio thread, per streamed output.
+(``AsyncEngine.step_observers``).
 """
 
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,47 +39,22 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
+
+from trillm.entrypoints.openai.request_metrics import (
+    LABELS,
+    Hist,
+    RequestSeries,
+    RequestTimer,
+    buckets_1_2_5,
+    merged_families,
+    request_families,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIXES = {"both": ("vllm:", "trillm:"), "vllm": ("vllm:",), "trillm": ("trillm:",)}
-ENGINE_INDEX = "0"
-LABELS = ["model_name", "engine"]
-
-# vLLM's buckets (vllm/v1/metrics/loggers.py).
-_TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
-_TOKEN_LATENCY_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0,
-)  # fmt: skip
-_REQUEST_LATENCY_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
-_N_BUCKETS = (1, 2, 5, 10, 20)
-
-
-def buckets_1_2_5(limit: int) -> list[int]:
-    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's build_1_2_5_buckets)."""
-    out: list[int] = []
-    exponent = 0
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * 10**exponent
-            if value > limit:
-                return out
-            out.append(value)
-        exponent += 1
 
 
 class _SchedulerCollector(Collector):
@@ -216,53 +190,6 @@ class _Renamed(Collector):
                 yield renamed
 
 
-class Hist:
-    """A histogram without prometheus_client's lock: every observation comes from the one
-    Trio thread, and an observation is on the hot path of every streamed chunk."""
-
-    __slots__ = ("name", "doc", "bounds", "counts", "sum")
-
-    def __init__(self, name: str, doc: str, bounds: Iterable[float]) -> None:
-        self.name = name
-        self.doc = doc
-        self.bounds = [float(b) for b in bounds]
-        self.counts = [0] * (len(self.bounds) + 1)  # per bucket (le), the last: +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def family(self, labels: list[str], names: list[str] | None = None) -> Metric:
-        fam = HistogramMetricFamily(self.name, self.doc, labels=LABELS if names is None else names)
-        buckets, total = [], 0
-        for bound, count in zip(self.bounds, self.counts, strict=False):
-            total += count
-            buckets.append((floatToGoString(bound), total))
-        buckets.append(("+Inf", total + self.counts[-1]))
-        fam.add_metric(labels, buckets, self.sum)
-        return fam
-
-
-class Count:
-    """A counter, lock-free as ``Hist``."""
-
-    __slots__ = ("name", "doc", "value")
-
-    def __init__(self, name: str, doc: str) -> None:
-        self.name = name
-        self.doc = doc
-        self.value = 0
-
-    def inc(self, amount: int = 1) -> None:
-        self.value += amount
-
-    def family(self, labels: list[str]) -> Metric:
-        fam = CounterMetricFamily(self.name, self.doc, labels=LABELS)
-        fam.add_metric(labels, float(self.value))
-        return fam
-
-
 class _RequestCollector(Collector):
     """The request series, exposed at scrape time."""
 
@@ -271,27 +198,9 @@ class _RequestCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         m = self.metrics
-        yield m.prompt_tokens.family(m.labels)
-        yield m.generation_tokens.family(m.labels)
-        fam = CounterMetricFamily(
-            "vllm:request_success",
-            "Count of successfully processed requests (engine requests, by finish reason).",
-            labels=LABELS + ["finished_reason"],
-        )
-        for reason, count in m.success.items():
-            fam.add_metric([*m.labels, reason], float(count))
-        yield fam
-        for hist in m.histograms:
-            yield hist.family(m.labels)
-        yield from _per_engine_family(m.iteration_tokens, m.labels[0])
-
-
-def _per_engine_family(hists: list[Hist], model_name: str) -> Iterable[Metric]:
-    """One histogram family with a sample per engine core."""
-    fam = hists[0].family([model_name, "0"])
-    for index, hist in enumerate(hists[1:], start=1):
-        fam.samples += hist.family([model_name, str(index)]).samples
-    yield fam
+        yield from request_families(m.per_engine, m.model_name)
+        yield merged_families([hist.family([m.model_name, str(index)])
+                               for index, hist in enumerate(m.iteration_tokens)])  # fmt: skip
 
 
 class ServerMetrics:
@@ -301,9 +210,8 @@ class ServerMetrics:
         self, engine: Any, model_name: str, prefix: str = "both", max_model_len: int | None = None
     ) -> None:
         self.model_name = model_name
-        self.labels = [model_name, ENGINE_INDEX]
         self.base = CollectorRegistry(auto_describe=False)
-        self.base.register(_SchedulerCollector(engine, self.labels))
+        self.base.register(_SchedulerCollector(engine, [model_name]))
         self.base.register(_RequestCollector(self))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Renamed(self.base, PREFIXES[prefix]))
@@ -316,179 +224,33 @@ class ServerMetrics:
         length_buckets = buckets_1_2_5(max(int(max_model_len or 0), 1))
         sched = getattr(getattr(engine, "config", None), "scheduler", None)
         step_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 8192)
-        self.histograms: list[Hist] = []
-
-        def hist(name: str, doc: str, buckets: Iterable[float]) -> Hist:
-            h = Hist(name, doc, buckets)
-            self.histograms.append(h)
-            return h
-
-        self.prompt_tokens = Count("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = Count(
-            "vllm:generation_tokens", "Number of generation tokens processed."
-        )
-        # finished_reason -> engine requests (vLLM lists its reasons even at 0).
-        self.success: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
-        self.request_prompt_tokens = hist(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", length_buckets
-        )
-        self.request_generation_tokens = hist(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.",
-            length_buckets,
-        )  # fmt: skip
+        cores = int(getattr(engine, "data_parallel_size", 1))
+        # The request series, one set per engine core (request_metrics.py).
+        self.per_engine = [RequestSeries(length_buckets) for _ in range(cores)]
         # One per engine core (engine-scoped), observed with each step's core index.
         self.iteration_tokens = [
             Hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                  sorted(set(buckets_1_2_5(step_tokens) + [step_tokens])))
-            for _ in range(int(getattr(engine, "data_parallel_size", 1)))
+            for _ in range(cores)
         ]  # fmt: skip
         observers = getattr(engine, "step_observers", None)
         if observers is not None:
             observers.append(self.observe_step)
-        self.params_n = hist(
-            "vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS
-        )
-        self.params_max_tokens = hist(
-            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-            length_buckets,
-        )  # fmt: skip
-        self.ttft = hist(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            _TTFT_BUCKETS,
-        )  # fmt: skip
-        self.itl = hist(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            _TOKEN_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.tpot = hist(
-            "vllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.",
-            _TOKEN_LATENCY_BUCKETS,
-        )
-
-        def phase(name: str, doc: str) -> Hist:
-            return hist(name, doc, _REQUEST_LATENCY_BUCKETS)
-
-        self.e2e = phase(
-            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."
-        )
-        self.queue = phase(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-        )
-        self.inference = phase(
-            "vllm:request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.",
-        )
-        self.prefill = phase(
-            "vllm:request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.",
-        )
-        self.decode = phase("vllm:request_decode_time_seconds",
-                            "Histogram of time spent in DECODE phase for request.")  # fmt: skip
 
     def observe_step(self, num_tokens: int, engine_index: int = 0) -> None:
         self.iteration_tokens[engine_index].observe(num_tokens)
 
-    def request_finished(self, reason: str) -> None:
-        self.success[reason] = self.success.get(reason, 0) + 1
+    def token_totals(self) -> tuple[int, int]:
+        """(prompt, generation) tokens so far, over the engine cores."""
+        return (sum(s.prompt_tokens.value for s in self.per_engine),
+                sum(s.generation_tokens.value for s in self.per_engine))  # fmt: skip
 
-    def request_params(self, n: int, max_tokens: int | None, prompts: int = 1) -> None:
-        """The request's n and max_tokens (when it set one), once per prompt, as vLLM."""
-        for _ in range(prompts):
-            self.params_n.observe(n)
-            if max_tokens is not None:
-                self.params_max_tokens.observe(max_tokens)
+    def timer(self, start: float, params: tuple[int, int | None, int] | None = None
+              ) -> RequestTimer:  # fmt: skip
+        """A RequestTimer for one HTTP request started at ``start`` (``time.perf_counter``);
+        ``params``: its (n, max_tokens, prompts) for request_params_*."""
+        return RequestTimer(self.per_engine, start, params)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-
-def _scheduled_time(out: Any) -> float | None:
-    """The engine's first SCHEDULED time of a request (``time.time()`` clock), if it has one."""
-    return getattr(getattr(out, "metrics", None), "first_scheduled_time", None)
-
-
-class _Sample:
-    """One engine request as the frontend sees it: a prompt's sample."""
-
-    __slots__ = ("prompt_len", "first", "last", "count", "done")
-
-    def __init__(self, prompt_len: int) -> None:
-        self.prompt_len = prompt_len
-        self.first: float | None = None
-        self.last: float | None = None
-        self.count = 0
-        self.done = False
-
-
-class RequestTimer:
-    """One HTTP request's series, recorded per engine request (prompt x sample): TTFT,
-    inter-token latency, token counts as they arrive; e2e, lengths, decode time, TPOT and
-    the finish reason when each sample ends."""
-
-    __slots__ = ("metrics", "start", "samples", "ended")
-
-    def __init__(self, metrics: ServerMetrics, start: float) -> None:
-        self.metrics = metrics
-        self.start = start
-        self.samples: dict[tuple[int, int], _Sample] = {}
-        self.ended = 0
-
-    def output(self, now: float, out: Any, job: int = 0) -> None:
-        """A RequestOutput (one prompt's delta) read at ``now`` (``time.perf_counter``)."""
-        m = self.metrics
-        for c in out.outputs:
-            key = (job, c.index)
-            s = self.samples.get(key)
-            if s is None:
-                s = self.samples[key] = _Sample(len(out.prompt_token_ids or ()))
-            n = len(c.token_ids)
-            if n:
-                m.generation_tokens.value += n
-                if s.last is None:  # the prefill is done: vLLM counts its tokens now
-                    s.first = now
-                    m.ttft.observe(now - self.start)
-                    m.prompt_tokens.value += s.prompt_len
-                else:
-                    # Tokens merged into one delta (--stream-interval, a slow reader) shared
-                    # the gap since the previous one.
-                    gap = (now - s.last) / n
-                    for _ in range(n):
-                        m.itl.observe(gap)
-                s.last = now
-                s.count += n
-            if c.finish_reason is not None and not s.done:
-                self._end(now, s, str(c.finish_reason), out)
-
-    def _end(self, now: float, s: _Sample, reason: str, out: Any = None) -> None:
-        m = self.metrics
-        s.done = True
-        self.ended += 1
-        m.request_finished(reason)
-        m.e2e.observe(now - self.start)
-        m.request_prompt_tokens.observe(s.prompt_len)
-        m.request_generation_tokens.observe(s.count)
-        if s.first is not None and s.last is not None:
-            decode = s.last - s.first
-            m.decode.observe(decode)
-            if s.count > 1:
-                m.tpot.observe(decode / (s.count - 1))
-        scheduled = _scheduled_time(out)
-        times = getattr(out, "metrics", None)
-        if scheduled is not None and times is not None:
-            m.queue.observe(max(scheduled - times.arrival_time, 0.0))
-            if times.first_token_time is not None:
-                m.prefill.observe(max(times.first_token_time - scheduled, 0.0))
-            if times.last_token_time is not None:
-                m.inference.observe(max(times.last_token_time - scheduled, 0.0))
-
-    def finished(self, now: float, prompt_tokens: int, reasons: list[str]) -> None:
-        """The HTTP request is over (``reasons``: one per sample, "abort" for those cut
-        short): samples that did not end on their own (a client gone, a shutdown) end as
-        aborted, those that never produced an output too."""
-        for s in self.samples.values():
-            if not s.done:
-                self._end(now, s, "abort")
-        for _ in range(len(reasons) - self.ended):
-            self._end(now, _Sample(0), "abort")

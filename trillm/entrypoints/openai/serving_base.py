@@ -20,7 +20,7 @@ from trillm.entrypoints.openai.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
-from trillm.entrypoints.openai.metrics import RequestTimer, ServerMetrics
+from trillm.entrypoints.openai.metrics import ServerMetrics
 from trillm.lora.request import LoRARequest
 from trillm.outputs import Logprob
 
@@ -212,11 +212,16 @@ class RequestTracker:
 
     __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "timer", "reasons")
 
-    def __init__(self, state: ServerState, prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        prompt_tokens: int,
+        params: tuple[int, int | None, int] | None = None,  # n, max_tokens, prompts
+    ) -> None:
         self.prompt_tokens = prompt_tokens
         self.cached_tokens: dict[int, int] = {}  # job index -> prompt tokens from the cache
         self.completion_tokens = 0
-        self.timer = RequestTimer(state.metrics, time.perf_counter())
+        self.timer = state.metrics.timer(time.perf_counter(), params)
         self.reasons: list[str] = []
 
     def observe(self, out: Any, job: int = 0) -> None:

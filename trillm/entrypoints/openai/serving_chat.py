@@ -176,7 +176,8 @@ class ChatContext(SSEStream):
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.created = int(time.time())
-        self.tracker = RequestTracker(state, len(prompt_ids))
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        self.tracker = RequestTracker(state, len(prompt_ids), (req.n, max_tokens, 1))
         self.top_n = req.top_logprobs or 0
         # Per-choice reasoning / tool-call parsing (chat_parsing.py); None: the text as is.
         self.parser: Callable[[], ChoiceParser] | None = None

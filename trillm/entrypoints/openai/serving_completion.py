@@ -112,7 +112,8 @@ class _CompletionContext(SSEStream):
         self.request_id = request_id
         self.n = req.n
         self.created = int(time.time())
-        self.tracker = RequestTracker(state, sum(len(p.token_ids) for p in prompts))
+        self.tracker = RequestTracker(state, sum(len(p.token_ids) for p in prompts),
+                                      (req.n, req.max_tokens, len(prompts)))  # fmt: skip
         self.model_name = state.model_name  # the adapter's name when the request names one
 
     # ------------------------------------------------------------ non-streaming

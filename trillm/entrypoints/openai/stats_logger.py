@@ -29,8 +29,7 @@ class StatsLine:
         self.engine = engine
         self.metrics = metrics
         self.last_time = now
-        self.last_prompt = metrics.prompt_tokens.value
-        self.last_generation = metrics.generation_tokens.value
+        self.last_prompt, self.last_generation = metrics.token_totals()
         self.last_throughputs = (0.0, 0.0)
         stats = engine.get_stats()
         self.last_cache = (stats.prefix_cache_queries, stats.prefix_cache_hits)
@@ -40,11 +39,11 @@ class StatsLine:
         """The (level, message) for the interval ending at ``now``."""
         m = self.metrics
         elapsed = max(now - self.last_time, 1e-9)
-        prompt = (m.prompt_tokens.value - self.last_prompt) / elapsed
-        generation = (m.generation_tokens.value - self.last_generation) / elapsed
+        prompt_total, generation_total = m.token_totals()
+        prompt = (prompt_total - self.last_prompt) / elapsed
+        generation = (generation_total - self.last_generation) / elapsed
         self.last_time = now
-        self.last_prompt = m.prompt_tokens.value
-        self.last_generation = m.generation_tokens.value
+        self.last_prompt, self.last_generation = prompt_total, generation_total
         stats = self.engine.get_stats()
         queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         self.cache_window.append((queries - self.last_cache[0], hits - self.last_cache[1]))
