@@ -9,16 +9,18 @@
 // x[k]; Q4_G: d * (s - z * sum_k x[k]), z the block's zero point of this column). Only the
 // order of the fp32 additions differs from F.linear on the dequantized weight.
 // Activations are not quantized by default: a GGUF model served in fp32 keeps the greedy output
-// of the same model dequantized. `int8_activations` (4-bit types, AVX512-VNNI) rounds them to
-// int8 per block of 32 and sums with `vpdpbusd` instead (cpu_gemm_q_vnni.h), as llama.cpp does.
+// of the same model dequantized. `int8_activations` (AVX512-VNNI) rounds them to int8 per block
+// of 32 and sums with `vpdpbusd` instead (cpu_gemm_q_vnni.h), as llama.cpp does.
 //
 // Packed layout (written by kernels/linear_q_cpu.py's pack, read here): N is cut into panels of
 // 16 output columns, their count padded to even (the kernel takes two panels at a time, zero
 // columns beyond N); panel p is nb = K / 32 records, one per block of 32 k, each:
 //   Q4_0 / Q4_1: 16 k-pairs x 16 columns of bytes, byte [j][c] = q[c][2j] | q[c][2j + 1] << 4,
 //                then d[16] fp16, then (Q4_1) m[16] fp16, (Q4_G) z[16] uint8;
-//   Q8_0:        32 k x 16 columns of int8 q[c][k], then d[16] fp16.
-// One 16-byte load and a zero-extension give 16 columns' integers for two k (Q4) or one (Q8).
+//   Q8_0:        8 quads x 16 columns x 4 int8, byte [j][c][i] = q[c][4j + i], then d[16] fp16.
+// Q4: one 16-byte load and a zero-extension give 16 columns' integers for two k. Q8: one 64-byte
+// load gives 16 columns' integers for four k, each column's four in one 32-bit lane: the operand
+// `vpdpbusd` multiplies as it is (int8 path), two shifts sign-extend one k of it (fp32 path).
 // Work items: (block of rows, run of panel pairs) on the shared pool; the summation order per
 // output is fixed, so results do not depend on the thread count.
 // `supported()` is false without AVX512F/BW/VL (checked at run time): callers then dequantize
@@ -88,6 +90,7 @@ struct Gemm {
   const float* sx;  // Q4: per row, per block, the sum of x over the block [M][nb]; else null
   const int8_t* xq;  // int8 path (cpu_gemm_q_vnni.h): x rounded to int8 [M][K]; else null
   const float* dx;   // int8 path: per row, per block, the scale of xq [M][nb]
+  const int32_t* qx;  // int8 path: per row, per block, the sum of xq [M][nb]
   const uint8_t* packed;
   const float* bias;  // null: none
   void* y;
@@ -174,16 +177,16 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
       se[r][0] = se[r][1] = so[r][0] = so[r][1] = _mm512_setzero_ps();
     const float* xb = x + b * kBlock;
     if constexpr (QT == kQ8_0) {
-      for (int k = 0; k < kBlock; k += 2) {
+      for (int k = 0; k < kBlock; k += 4) {  // one quad: lane c holds q[c][k .. k + 3]
         for (int p = 0; p < 2; ++p) {
-          const uint8_t* q = panel[p] + static_cast<int64_t>(b) * rec + k * kCols;
-          const __m512 w0 = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-          const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kCols))));
-          for (int r = 0; r < R; ++r) {
-            se[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * g.ldx + k]), w0, se[r][p]);
-            so[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * g.ldx + k + 1]), w1, so[r][p]);
+          const __m512i v = _mm512_loadu_si512(panel[p] + static_cast<int64_t>(b) * rec + k * kCols);
+          for (int i = 0; i < 4; i += 2) {  // byte i of each lane, sign-extended
+            const __m512 w0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24));
+            const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16 - 8 * i), 24));
+            for (int r = 0; r < R; ++r) {
+              se[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * g.ldx + k + i]), w0, se[r][p]);
+              so[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * g.ldx + k + i + 1]), w1, so[r][p]);
+            }
           }
         }
       }
@@ -249,7 +252,8 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
                      : rows_for_pair<kQ4_1, false>(g, m0, m1, pair); break;
     case kQ4_G: int8 ? rows_for_pair<kQ4_G, true>(g, m0, m1, pair)
                      : rows_for_pair<kQ4_G, false>(g, m0, m1, pair); break;
-    default: rows_for_pair<kQ8_0, false>(g, m0, m1, pair); break;
+    default: int8 ? rows_for_pair<kQ8_0, true>(g, m0, m1, pair)
+                  : rows_for_pair<kQ8_0, false>(g, m0, m1, pair); break;
   }
 }
 
@@ -260,8 +264,8 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   static const bool vnni = cpu_has_vnni();
   if (!ok) throw std::runtime_error("cpu_gemm_q needs a CPU with AVX512F/BW/VL");
   record_bytes(qtype);  // validates the type
-  if (int8_activations && (!vnni || qtype == kQ8_0))
-    throw std::invalid_argument("quantized GEMM: int8 activations need AVX512-VNNI and a 4-bit type");
+  if (int8_activations && !vnni)
+    throw std::invalid_argument("quantized GEMM: int8 activations need AVX512-VNNI");
   if (M < 0 || N <= 0 || K <= 0 || K % kBlock != 0)
     throw std::invalid_argument("quantized GEMM: bad shape (K must be a multiple of 32)");
   if (M == 0) return;
@@ -293,7 +297,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
       }
   }
   const float* sx = int8_activations ? rows.sx.data() : sums.empty() ? nullptr : sums.data();
-  Gemm g{xf, ld, sx, int8_activations ? rows.xq.data() : nullptr, rows.dx.data(),
+  Gemm g{xf, ld, sx, int8_activations ? rows.xq.data() : nullptr, rows.dx.data(), rows.qx.data(),
          reinterpret_cast<const uint8_t*>(packed), reinterpret_cast<const float*>(bias),
          reinterpret_cast<void*>(y), ldy, M, N, K, qtype, y_bf16};
   const int pairs = num_panels(N) / 2;

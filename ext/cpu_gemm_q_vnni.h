@@ -1,5 +1,5 @@
-// The int8-activation path of ext/cpu_gemm_q.cpp for its 4-bit types (Q4_0, Q4_1, Q4_G), on
-// CPUs with AVX512-VNNI; included there, inside its anonymous namespace, after `tile`.
+// The int8-activation path of ext/cpu_gemm_q.cpp (Q4_0, Q4_1, Q4_G, Q8_0), on CPUs with
+// AVX512-VNNI; included there, inside its anonymous namespace, after `tile`.
 //
 // Each row of x is rounded per block of 32 to int8: dx = absmax / 127, xq = round(x / dx) (half
 // to even, as torch.round; a block of zeros has dx 0). The block's sum of x * q is then an
@@ -9,10 +9,13 @@
 // up to the order of the fp32 additions (kernels/linear_q_cpu.py's `quantize_activations` is
 // the reference). Its error against W . x is bounded by the rounding of x: |x - x^| <= dx / 2.
 //
-// The packed weight is the fp32 kernel's: byte [j][c] holds q[c][2j] and q[c][2j + 1]. Two
+// The packed weight is the fp32 kernel's. Q4: byte [j][c] holds q[c][2j] and q[c][2j + 1]; two
 // 16-byte loads (pairs j, j + 1), widened to 32-bit lanes and merged, put column c's
 // q[2j .. 2j + 3] into the four bytes of lane c, the layout `vpdpbusd` wants, in five
-// instructions for 16 columns and 4 k.
+// instructions for 16 columns and 4 k. Q8_0: that layout is the packed one, but its weights are
+// signed and `vpdpbusd` takes unsigned bytes on that side: flipping the sign bit gives q + 128
+// (0..255), whose dot product with xq is sum(q xq) + 128 sum(xq); the block's integer sum of xq
+// (`qx`) takes the excess back out, exactly, before the one conversion to fp32.
 
 #define TRILLM_VNNI_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
@@ -26,17 +29,20 @@ bool cpu_has_vnni() {
 #endif
 }
 
-// Rows of int8 activations: xq [M][K], dx [M][nb], sx [M][nb] = dx * the block's sum of xq.
+// Rows of int8 activations: xq [M][K], dx [M][nb], sx [M][nb] = dx * the block's sum of xq,
+// qx [M][nb] that sum as an integer.
 struct QuantizedRows {
   std::vector<int8_t> xq;
   std::vector<float> dx, sx;
+  std::vector<int32_t> qx;
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t ld, int M, int K) {
   const int nb = K / kBlock;
   QuantizedRows out{std::vector<int8_t>(static_cast<size_t>(M) * K),
                     std::vector<float>(static_cast<size_t>(M) * nb),
-                    std::vector<float>(static_cast<size_t>(M) * nb)};
+                    std::vector<float>(static_cast<size_t>(M) * nb),
+                    std::vector<int32_t>(static_cast<size_t>(M) * nb)};
   for (int r = 0; r < M; ++r) {
     for (int b = 0; b < nb; ++b) {
       const float* xb = x + r * ld + b * kBlock;
@@ -52,6 +58,7 @@ QuantizedRows quantize_rows(const float* x, int64_t ld, int M, int K) {
       }
       out.dx[static_cast<size_t>(r) * nb + b] = dx;
       out.sx[static_cast<size_t>(r) * nb + b] = dx * static_cast<float>(sum);
+      out.qx[static_cast<size_t>(r) * nb + b] = sum;
     }
   }
   return out;
@@ -68,6 +75,7 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(0x000f000f), high = _mm512_set1_epi32(0x0f000f00);
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int b = 0; b < nb; ++b) {
     __m512i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
@@ -77,6 +85,12 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
         std::memcpy(&xw[r], g.xq + static_cast<int64_t>(m + r) * g.K + b * kBlock + 2 * j, 4);
       for (int p = 0; p < 2; ++p) {
         const uint8_t* q = panel[p] + static_cast<int64_t>(b) * rec + j * kCols;
+        if constexpr (QT == kQ8_0) {  // quad j / 2: 64 bytes, sign bits flipped (q + 128)
+          const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(q + j * kCols), sign);
+          for (int r = 0; r < R; ++r)
+            dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], w, _mm512_set1_epi32(xw[r]));
+          continue;
+        }
         const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
         const __m512i c = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kCols)));
@@ -92,6 +106,8 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
       const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
       for (int r = 0; r < R; ++r) {
         const int64_t i = static_cast<int64_t>(m + r) * nb + b;
+        if constexpr (QT == kQ8_0)  // sum(q xq): the excess 128 sum(xq) taken out
+          dot[r][p] = _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(128 * g.qx[i]));
         const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][p]), _mm512_set1_ps(g.dx[i]));
         acc[r][p] = add_block<QT>(acc[r][p], s, g.sx[i], params);
       }

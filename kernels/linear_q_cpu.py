@@ -10,9 +10,9 @@ become Q4_G: each group cut into blocks of 32 that repeat its scale and zero poi
 ``ext/cpu_gemm_q.cpp``'s panel layout (the comment there); ``linear`` multiplies by it:
 x fp32 or bf16, output fp32 or bf16, fp32 sums, the numerics of dequantize-then-matmul.
 
-``int8_activations=True`` (4-bit types) rounds x per row, per block of 32, to int8 with an fp32
-scale (``quantize_activations``) and multiplies by integer dot products (``vpdpbusd``, CPUs
-with AVX512-VNNI): the numerics of ``F.linear(quantize_activations(x), dequantize(W))``.
+``int8_activations=True`` rounds x per row, per block of 32, to int8 with an fp32 scale
+(``quantize_activations``) and multiplies by integer dot products (``vpdpbusd``, CPUs with
+AVX512-VNNI): the numerics of ``F.linear(quantize_activations(x), dequantize(W))``.
 
 Without the kernel (not built, ``TRILLM_NO_EXTENSIONS=1``, no AVX-512; for int8 activations, no
 VNNI) ``linear`` dequantizes the weight in torch on each call and uses ``F.linear`` (slow, but
@@ -65,8 +65,8 @@ INT8_MIN_ROWS = 16
 
 def use_int8(weight: QuantizedWeight, rows: int) -> bool:
     """Whether a model's layer multiplies ``rows`` rows by ``weight`` with int8 activations:
-    a 4-bit type, the native VNNI kernel, and at least ``INT8_MIN_ROWS`` rows."""
-    return weight.qtype != Q8_0 and rows >= INT8_MIN_ROWS and int8_available()
+    the native VNNI kernel and at least ``INT8_MIN_ROWS`` rows."""
+    return rows >= INT8_MIN_ROWS and int8_available()
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [M, K] fp32 -> [M, K] fp32
@@ -166,7 +166,10 @@ def _pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, qtype: int) -> np.
     values: np.ndarray
     if qtype == Q8_0:
         # [P, 16 cols, nb, 32 k] -> [P, nb, 32 k, 16 cols]
-        values = q.reshape(panels, PANEL, nb, BLOCK).transpose(0, 2, 3, 1).view(np.uint8)
+        # [P, 16 cols, nb, 8 quads, 4 k] -> [P, nb, 8 quads, 16 cols, 4 k]: a column's four k
+        # in one 32-bit lane, as vpdpbusd reads them (ext/cpu_gemm_q.cpp)
+        quads = q.reshape(panels, PANEL, nb, BLOCK // 4, 4)
+        values = quads.transpose(0, 2, 3, 1, 4).view(np.uint8)
     else:
         pairs = q.reshape(panels, PANEL, nb, BLOCK // 2, 2).astype(np.uint8)
         packed = pairs[..., 0] | (pairs[..., 1] << 4)  # [P, 16 cols, nb, 16 pairs]
@@ -186,7 +189,8 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
     values_bytes = _values_bytes(qtype)
     values = records[:, :, :values_bytes]
     if qtype == Q8_0:
-        q = values.reshape(panels, nb, BLOCK, PANEL).view(torch.int8).to(torch.float32)
+        quads = values.reshape(panels, nb, BLOCK // 4, PANEL, 4).view(torch.int8)
+        q = quads.permute(0, 1, 2, 4, 3).reshape(panels, nb, BLOCK, PANEL).to(torch.float32)
     else:
         pairs = values.reshape(panels, nb, BLOCK // 2, PANEL)
         q = torch.stack([pairs & 0xF, pairs >> 4], dim=3).reshape(panels, nb, BLOCK, PANEL)
@@ -214,7 +218,7 @@ def linear(
     weight: QuantizedWeight,
     bias: torch.Tensor | None = None,  # [N] fp32, added to the fp32 sums
     out_dtype: torch.dtype | None = None,  # fp32 or bf16; None: x's dtype
-    int8_activations: bool = False,  # 4-bit types: x rounded to int8 per block (module doc)
+    int8_activations: bool = False,  # x rounded to int8 per block (module doc)
 ) -> torch.Tensor:  # [..., N]
     """``x @ W^T + bias`` with W kept quantized."""
     n, k = weight.out_features, weight.in_features
@@ -225,8 +229,6 @@ def linear(
         raise ValueError("linear_q_cpu.linear: out_dtype must be float32 or bfloat16.")
     if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
         raise ValueError(f"linear_q_cpu.linear: bias must be fp32 [{n}].")
-    if int8_activations and weight.qtype == Q8_0:
-        raise ValueError("linear_q_cpu.linear: int8 activations are for the 4-bit types.")
     if bias is not None:
         bias = bias.contiguous()
     ext = _ext() if native_available("cpu_kernels") else None

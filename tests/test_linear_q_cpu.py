@@ -103,7 +103,6 @@ def test_bad_inputs_are_refused():
 
 # ---------------------------------------------------------------- int8 activations (VNNI)
 
-Q4_TYPES = QTYPES[:2]
 needs_vnni = pytest.mark.skipif(
     not linear_q_cpu.int8_available(), reason="no native kernel or no AVX512-VNNI"
 )
@@ -142,7 +141,7 @@ def _check_int8(qtype, m, n, k, bias, out_dtype=torch.float32):
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", Q4_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 131])
 @pytest.mark.parametrize("n", [15, 70])
 def test_int8_kernel_is_the_rounded_activations_times_the_weight(qtype, m, n):
@@ -163,15 +162,28 @@ def test_int8_kernel_bf16_output_and_group_zero_points():
     torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", Q4_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 def test_int8_portable_path_is_the_reference(qtype, monkeypatch):
     monkeypatch.setenv("TRILLM_NO_EXTENSIONS", "1")
     assert not linear_q_cpu.int8_available()
     _check_int8(qtype, 3, 20, 64, bias=True)
 
 
-def test_int8_activations_are_refused_for_q8_0():
-    raw, _ = _weight(GGMLQuantizationType.Q8_0, 4, 64)
-    weight = linear_q_cpu.QuantizedWeight(raw, int(GGMLQuantizationType.Q8_0), 4, 64)
-    with pytest.raises(ValueError, match="4-bit types"):
-        linear_q_cpu.linear(torch.zeros(2, 64), weight, int8_activations=True)
+@needs_vnni
+def test_int8_q8_0_kernel_is_exact_at_the_extremes():
+    # Q8_0 blocks of any bytes (-128 too, which GGML's quantizer never writes but a file may
+    # hold) and activations that round to +-127: the sign-flip trick (q + 128, then 128 sum(xq)
+    # taken out) must leave the integer dot products exact. Scales of 1 and x already on the
+    # int8 grid (dx 1): the kernel's sums are integers, equal to the reference's exactly.
+    rng = np.random.default_rng(5)
+    n, k = 37, 128
+    blocks = rng.integers(0, 256, (n, k // 32, 34), dtype=np.uint8)
+    blocks[:2, :, 2:] = 0x80  # two columns of all -128
+    blocks[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    weight = linear_q_cpu.QuantizedWeight(blocks.reshape(n, -1), 8, n, k)
+    x = torch.from_numpy(rng.integers(-127, 128, (7, k)).astype(np.float32))
+    x.view(7, k // 32, 32)[:, :, 0] = 127.0  # every block's absmax is 127: dx = 1, xq = x
+    x[3] = -127.0
+    got = linear_q_cpu.linear(x, weight, int8_activations=True)
+    ref = F.linear(x.double(), linear_q_cpu.dequantize(weight).double()).float()
+    assert torch.equal(got, ref)

@@ -17,7 +17,7 @@ layer's qweight / qzeros / scales (``model_executor/awq_gptq.py``) become one Q4
 ``QuantizedWeight`` (stacked shards concatenated by rows); layers the checkpoint keeps in float
 (the embedding, usually ``lm_head``) load as usual.
 
-A 4-bit layer called with at least ``linear_q_cpu.INT8_MIN_ROWS`` rows (prefill, batched
+A quantized layer called with at least ``linear_q_cpu.INT8_MIN_ROWS`` rows (prefill, batched
 decode) rounds its activations to int8 and runs the VNNI kernel, where that is faster.
 """
 
