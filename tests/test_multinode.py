@@ -186,7 +186,7 @@ def test_node_flags_reach_the_config_and_bad_ones_are_refused(llama, capsys):
 
 def test_a_worker_lost_while_idle_kills_the_engine_at_once(llama):
     """No request in flight: the executor's supervisor sees the exit and the engine dies
-    within seconds (``AsyncEngine._watch_workers``), naming the rank, rather than at the next
+    within seconds (``EngineCores._watch_workers``), naming the rank, rather than at the next
     request (how node 0 notices a lost node while idle, after the heartbeat fails)."""
     import trio
 

@@ -6,7 +6,7 @@ the caller gets the engine:
 
 - the engine-core task (``trillm/engine/core.py``): schedule -> execute -> sample -> update;
   with ``data_parallel_size`` K, K of them, each with its own scheduler, KV cache and
-  executor (workers);
+  executor (workers), held with their inputs, stats and router by ``engine_cores.py``;
 - the output handler: EngineCoreOutputs -> detokenize, stop strings, logprobs -> collectors.
 
 Only the output handler touches the output processor: engine outputs, new requests
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,7 +32,8 @@ import trio
 
 from trillm.config import EngineArgs, TrillmConfig
 from trillm.engine.chat_template import load_chat_template
-from trillm.engine.dp_router import DataParallelRouter, core_configs, sum_stats
+from trillm.engine.dp_router import core_configs
+from trillm.engine.engine_cores import EngineCores, structured_output_manager
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET, OutputProcessor
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
 from trillm.engine.request_stream import RequestStream
@@ -42,7 +42,6 @@ from trillm.lora.checker import LoRAChecker
 from trillm.lora.request import LoRARequest
 from trillm.messages import (
     AbortRequest,
-    AbortRequests,
     AddRequest,
     EngineCoreOutputs,
     OutputHandlerInput,
@@ -80,27 +79,21 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.executors: list[Any] = list(executor) if isinstance(executor, list) else [executor]
         self.executor = self.executors[0]
+        # The engine cores, their inputs, stats and router (``engine_cores.py``).
+        self.engine_cores = EngineCores(
+            config, self.executors, structured_output_manager(config, tokenizer)
+        )
+        self.structured_output = self.engine_cores.structured_output
+        self.cores = self.engine_cores.cores
+        self.core = self.cores[0]  # the only one without data parallelism
+        self.router = self.engine_cores.router
         # Stage 2 (render, tokenize, truncate, validate), shared with the HTTP layer.
         self.preprocessor = Preprocessor(config, tokenizer, self.num_blocks, chat_template)
         self.output_processor = OutputProcessor(
             tokenizer, stream_interval=stream_interval, wake_budget=stream_wake_budget
         )
-        self.structured_output = _structured_output_manager(config, tokenizer)
-        # One engine core per executor; ``core`` is the first (the only one without DP).
-        self.cores = [self._make_core(ex, i) for i, ex in enumerate(self.executors)]
-        self.core = self.cores[0]
-        # Which core takes each request (None with one core: everything goes to it).
-        self.router = (
-            DataParallelRouter(len(self.cores), config.cache.block_size)
-            if len(self.cores) > 1 else None
-        )  # fmt: skip
         # Adapters checked against the model (trillm/lora/checker.py), with --enable-lora.
         self.lora_checker = None if config.lora is None else LoRAChecker(config)
-        # Each core's input, written only by the output handler (new requests, aborts): see
-        # _add_request.
-        inputs = [trio.open_memory_channel[Any](math.inf) for _ in self.cores]
-        self._input_sends = [send for send, _ in inputs]
-        self._input_recvs = [recv for _, recv in inputs]
         # Engine outputs, new requests and aborts, in order, to the output handler. Bounded:
         # the engine cores wait when the handler is _INBOX_SIZE messages behind, and so do
         # callers submitting requests.
@@ -108,8 +101,6 @@ class AsyncEngine:
             _INBOX_SIZE
         )
         self.stream_interval = stream_interval
-        # Each core's last stats: zeros (and spec counters) until its first step.
-        self._engine_stats: list[SchedulerStats] = [core._stats() for core in self.cores]
         # Called with each step's computed-token count and its engine core's index (the
         # metrics' iteration_tokens_total).
         self.step_observers: list[Callable[[int, int], None]] = []
@@ -126,7 +117,7 @@ class AsyncEngine:
     @property
     def num_blocks(self) -> int:
         """KV blocks of one engine core (the smallest: a request must fit any core)."""
-        return min(executor.num_blocks for executor in self.executors)
+        return self.engine_cores.num_blocks
 
     @property
     def data_parallel_size(self) -> int:
@@ -134,43 +125,15 @@ class AsyncEngine:
 
     def get_stats(self) -> SchedulerStats:
         """The scheduler stats, summed over the engine cores (KV usage: their mean)."""
-        if len(self._engine_stats) == 1:
-            return self._engine_stats[0]
-        return sum_stats(self._engine_stats)
+        return self.engine_cores.summed_stats()
 
     def get_engine_stats(self) -> list[SchedulerStats]:
         """Each engine core's last scheduler stats, by core index."""
-        return list(self._engine_stats)
+        return list(self.engine_cores.stats)
 
     def engine_index_of(self, request_id: str) -> int | None:
         """The engine core running a request now (None once it is over, or never known)."""
-        if self.router is None:
-            return 0 if self.output_processor.child_ids(request_id) else None
-        for child in self.output_processor.child_ids(request_id):
-            index = self.router.owner(child)
-            if index is not None:
-                return index
-        return None
-
-    def _make_core(self, executor: Any, index: int) -> Any:
-        """An engine core on ``executor``: its own scheduler, grammar matchers (over the one
-        grammar cache), LoRA admission and draft proposer."""
-        from trillm._native import get_scheduler_cls
-        from trillm.engine.core import EngineCore
-
-        config = self.config
-        scheduler = get_scheduler_cls()(config.scheduler, config.cache, executor.num_blocks)
-        structured = self.structured_output
-        if structured is not None and index > 0:
-            from trillm.structured_output import StructuredOutputManager
-
-            structured = StructuredOutputManager(structured.cache, config.reasoning_parser)
-        lora = None
-        if config.lora is not None:
-            from trillm.lora.admission import LoRAAdmission
-
-            lora = LoRAAdmission(config.lora.max_loras)
-        return EngineCore(scheduler, executor, structured, lora, _proposer(config))
+        return self.engine_cores.index_of(self.output_processor.child_ids(request_id))
 
     # ------------------------------------------------------------------ tasks
     async def run_core(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
@@ -178,45 +141,14 @@ class AsyncEngine:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._run_output_handler, self._inbox_recv)
-                for index in range(len(self.cores)):
-                    await nursery.start(self._run_core_task, index, send_outputs.clone())
+                await self.engine_cores.start(nursery, send_outputs, self._die)
                 await send_outputs.aclose()
-                for executor in self.executors:
-                    nursery.start_soon(self._watch_workers, executor, nursery.cancel_scope)
                 self.is_running = True
                 task_status.started()
         except Exception as exc:  # the engine is gone: fail everything, keep the process up
             self._die(exc)
         finally:
             self.is_running = False
-
-    async def _watch_workers(self, executor: Any, tasks: trio.CancelScope) -> None:
-        """A worker lost while no step runs (another node gone, a killed rank) kills the
-        engine now, not at the next request: /health answers 503 and the server stops. The
-        readers get the error as the output handler ends (``tasks``: the cores and handler)."""
-        wait_failed = getattr(executor, "wait_failed", None)
-        if wait_failed is None:  # a stand-in executor of a test
-            return
-        self._die(await wait_failed())
-        tasks.cancel()
-
-    async def _run_core_task(
-        self,
-        index: int,
-        outputs: trio.MemorySendChannel[OutputHandlerInput],
-        *,
-        task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        from trillm.engine.core import run_engine_core
-
-        try:
-            await run_engine_core(
-                self.cores[index], self._input_recvs[index], outputs, index,
-                task_status=task_status,
-            )  # fmt: skip
-        except Exception as exc:
-            self._die(exc)  # before the nursery cancels the handler: its readers get this
-            raise
 
     async def _run_output_handler(
         self,
@@ -248,46 +180,19 @@ class AsyncEngine:
     def _handle(self, msg: OutputHandlerInput) -> None:
         processor = self.output_processor
         if isinstance(msg, EngineCoreOutputs):
-            index = msg.engine_index
-            if msg.scheduler_stats is not None:
-                self._engine_stats[index] = msg.scheduler_stats
+            self.engine_cores.note_outputs(msg)
             if msg.num_scheduled_tokens:
                 for observe in self.step_observers:
-                    observe(msg.num_scheduled_tokens, index)
-            if self.router is not None:
-                self._note_finished(msg)
+                    observe(msg.num_scheduled_tokens, msg.engine_index)
             to_abort = processor.process_outputs(msg.outputs, model_time_s=msg.model_time_s)
             if to_abort:
-                self._send_aborts(to_abort)
+                self.engine_cores.send_aborts(to_abort)
         elif isinstance(msg, AddRequest):
             self._add_request(msg)
         else:
             ids = processor.child_ids(msg.request_id)
             if processor.abort_request(msg.request_id, msg.collector):
-                self._send_aborts(ids)
-
-    def _note_finished(self, msg: EngineCoreOutputs) -> None:
-        """Data parallelism: the router's loads follow what each core finished."""
-        router = self.router
-        assert router is not None
-        if msg.scheduler_stats is not None:
-            router.note_kv_usage(msg.engine_index, msg.scheduler_stats.kv_cache_usage)
-        for out in msg.outputs:
-            if out.finish_reason is not None:
-                router.release(out.request_id)
-
-    def _send_aborts(self, engine_ids: list[str]) -> None:
-        """Each abort to the engine core that holds the request."""
-        if self.router is None:
-            self._input_sends[0].send_nowait(AbortRequests(engine_ids))
-            return
-        by_core: dict[int, list[str]] = {}
-        for req_id in engine_ids:
-            index = self.router.release(req_id)
-            if index is not None:
-                by_core.setdefault(index, []).append(req_id)
-        for index, ids in by_core.items():
-            self._input_sends[index].send_nowait(AbortRequests(ids))
+                self.engine_cores.send_aborts(ids)
 
     def _add_request(self, msg: AddRequest) -> None:
         engine_ids = [r.request_id for r in msg.engine_requests]
@@ -299,14 +204,9 @@ class AsyncEngine:
         except InvalidRequestError as exc:  # an id already in flight: this request alone
             msg.collector.put_error(exc)
             return
-        # NOTE: the cores' inputs are written only here; what one holds is bounded by what came
-        # through the bounded inbox since the core last drained it (every step).
-        index = 0 if self.router is None else self.router.route(msg.engine_requests)
+        index = self.engine_cores.submit(msg.engine_requests)
         if index:
             self.output_processor.assign_engine(msg.request_id, index)
-        send = self._input_sends[index]
-        for request in msg.engine_requests:
-            send.send_nowait(request)
 
     def _fail_readers(self, inbox: trio.MemoryReceiveChannel[OutputHandlerInput]) -> None:
         """The handler ends (engine failure or shutdown): every reader gets the error, those
@@ -527,31 +427,6 @@ def _require_trio() -> None:
             "which runs the engine on a Trio thread of its own: "
             "`async for out in AsyncLLM(model).generate(prompt, params, request_id)`."
         ) from None
-
-
-def _structured_output_manager(config: TrillmConfig, tokenizer: Any) -> Any:
-    """The grammar cache and matchers (xgrammar needs the tokenizer's vocabulary)."""
-    from trillm.structured_output import GrammarCache, StructuredOutputManager
-
-    if tokenizer is None:
-        return None
-    cache = GrammarCache(tokenizer, config.model.vocab_size, list(config.model.eos_token_ids))
-    return StructuredOutputManager(cache, config.reasoning_parser)
-
-
-def _proposer(config: TrillmConfig) -> Any:
-    """The drafts' source when speculative decoding is configured, else None: the n-gram
-    proposer, or the engine-side view of the worker's draft model."""
-    spec = config.speculative
-    if spec is None or config.pooler is not None:  # pooling: nothing to decode
-        return None
-    if spec.method == "draft_model":
-        from trillm.spec_decode.draft_setup import DraftModelDrafts
-
-        return DraftModelDrafts(spec, config.scheduler.max_model_len)
-    from trillm.spec_decode.ngram import NgramProposer
-
-    return NgramProposer(spec, config.scheduler.max_model_len)
 
 
 @asynccontextmanager
