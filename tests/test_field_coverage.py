@@ -122,7 +122,8 @@ def test_every_field_and_flag_is_mapped():
     missing = sorted(k for k in all_keys() if not any(k in t for t in tables))
     assert not missing, (
         "Fields/flags no test shows the effect (or refusal) of; write a test and add it to "
-        "COVERAGE in tests/field_coverage_table.py:\n  " + "\n  ".join(missing)
+        "its section in tests/field_coverage/ (request_fields, sampling_params, engine_args, "
+        "serve_flags):\n  " + "\n  ".join(missing)
     )
 
 

@@ -1,0 +1,50 @@
+"""Node-id prefixes and shared test ids the coverage sections name (tests/field_coverage_table.py)."""
+
+from __future__ import annotations
+
+FE = "tests/test_field_effects.py::"
+FEE = "tests/test_field_effects_engine.py::"
+OPENAI = "tests/test_server_openai.py::"
+TOOLS_HTTP = "tests/test_tool_calling_http.py::"
+TOOLS = "tests/test_tool_calling.py::"
+SAMPLER = "tests/test_sampler.py::"
+SCHED = "tests/test_scheduler.py::"
+OUTPUT = "tests/test_output_processor.py::"
+LIFE = "tests/test_server_lifecycle.py::"
+FAULTS = "tests/fault/test_lifecycle_faults.py::"
+HOSTILE = "tests/fault/test_hostile_requests.py::"
+UNITS = "tests/test_server_units.py::"
+SO_UNIT = "tests/test_structured_output.py::"
+REQ = "tests/test_request_fields.py::"
+LOADING = "tests/test_model_loading.py::"
+FP8 = "tests/test_quantization_fp8.py::"
+KV_DTYPE = "tests/test_kv_cache_dtype.py::"
+SO_REASONING = "tests/test_structured_output_reasoning.py::"
+POOL = "tests/test_pooling.py::"
+CLS = "tests/test_classify.py::"
+RESP = "tests/test_responses_api.py::"
+TP = "tests/test_tensor_parallel.py::"
+DP = "tests/test_data_parallel.py::"
+MN = "tests/test_multinode.py::"
+PP = "tests/test_pipeline_parallel.py::"
+LORA = "tests/test_lora.py::"
+GGUF = "tests/test_gguf.py::"
+AWQ = "tests/test_awq_gptq.py::"
+LORA_HTTP = "tests/test_lora_http.py::"
+SPEC = "tests/test_spec_decode.py::"
+SPEC_E = "tests/test_spec_decode_engine.py::"
+SPEC_D = "tests/test_spec_decode_draft.py::"
+
+
+def ids(*node_ids: str) -> tuple[str, ...]:
+    return node_ids
+
+
+STRUCTURED = FE + "test_structured_outputs_constrain_the_text"
+MESSAGES = FE + "test_message_and_tool_fields_reach_the_template"
+REFUSED_TYPES = FE + "test_tool_and_part_types_other_than_function_and_text_are_refused"
+TOKENIZE = FE + "test_tokenize_and_detokenize_fields"
+FLAG_MAP = FEE + "test_engine_flags_reach_the_engine"
+CONFIG = FEE + "test_engine_args_reach_the_config"
+ENGINE_REFUSED = FEE + "test_engine_args_that_cannot_be_honoured_are_refused"
+ACT = FEE + "test_engine_args_act_on_requests"
