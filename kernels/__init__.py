@@ -21,6 +21,10 @@ compare them.
   ``paged_attention_cpu`` wraps the native CPU kernel (``ext/cpu_attention.cpp``) with the same
   contract.
 
+Every native call goes through ``recording.call`` (``recording.attention`` for a paged-attention
+plan), so that a step program (``trillm/worker/step_program.py``) can record a forward's kernel
+calls and replay them.
+
 The functions below are what model code calls: they run the Triton kernel for CUDA tensors
 when triton is importable, the native kernel for CPU tensors when it is built (and
 ``TRILLM_NO_EXTENSIONS`` is unset) and handles them, and the torch reference otherwise -- also

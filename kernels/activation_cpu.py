@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import recording
 from ._cpu_ops import DTYPES, extension, num_threads, require, rows
 
 
@@ -51,7 +52,8 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
             f"out must be a CPU {gate_up.dtype} tensor of shape {shape}, contiguous in its last "
             f"dim; got {out.dtype} {tuple(out.shape)}."
         )
-    require().silu_and_mul(
+    recording.call(
+        require().silu_and_mul,
         out=rows(out), gate_up=rows(gate_up), num_rows=out.numel() // width, width=width,
         dtype=DTYPES[gate_up.dtype], num_threads=num_threads(),
     )  # fmt: skip

@@ -22,6 +22,8 @@ import torch
 
 from trillm._native import cpu_kernels, native_available
 
+from . import recording
+
 
 @functools.cache
 def _ext() -> ModuleType | None:
@@ -90,7 +92,8 @@ def linear(
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     bias_ptr = 0 if bias is None else bias.contiguous().data_ptr()
-    ext.linear(
+    recording.call(
+        ext.linear,
         rows.data_ptr(), rows.shape[0], k, rows.stride(0), weight.data.data_ptr(), n, bias_ptr,
         out.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
@@ -185,7 +188,8 @@ def linear_bf16(
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=out_dtype)
-    ext.linear(
+    recording.call(
+        ext.linear,
         rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
         weight.data.data_ptr(), n, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
         out_dtype == torch.bfloat16, n, torch.get_num_threads(),

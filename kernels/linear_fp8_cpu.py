@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from trillm._native import cpu_kernels, native_available
 
+from . import recording
+
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 PANEL = 64  # output columns per packed panel (ext/cpu_gemm_fp8.cpp's kCols)
 _IO = (torch.float32, torch.bfloat16)
@@ -103,7 +105,8 @@ def linear_fp8(
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=x.dtype)
-    ext.linear(
+    recording.call(
+        ext.linear,
         rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
         weight.data.data_ptr(), n, weight.scale.data_ptr(),
         0 if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),

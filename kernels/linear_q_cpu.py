@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 from trillm._native import cpu_kernels, native_available
 
+from . import recording
+
 BLOCK = 32  # values per block along K
 PANEL = 16  # output columns per panel of the packed layout
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML's type ids (gguf.GGMLQuantizationType)
@@ -243,7 +245,8 @@ def linear(
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=out_dtype)
-    ext.linear(
+    recording.call(
+        ext.linear,
         rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
         weight.data.data_ptr(), weight.qtype, n, 0 if bias is None else bias.data_ptr(),
         out.data_ptr(), out_dtype == torch.bfloat16, n, torch.get_num_threads(),

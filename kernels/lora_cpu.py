@@ -16,6 +16,7 @@ import torch
 
 from trillm._native import cpu_kernels, native_available
 
+from . import recording
 from ._cpu_ops import DTYPES, num_threads
 
 
@@ -78,7 +79,8 @@ def shrink(
                          f"{tuple(x.shape)}.")  # fmt: skip
     scales = scales.to(torch.float32).contiguous()
     buf = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32)
-    _require().shrink(
+    recording.call(
+        _require().shrink,
         buf=buf.data_ptr(), x=x.data_ptr(), ldx=x.stride(0), a=a.data_ptr(),
         slots=slots.data_ptr(), scales=scales.data_ptr(), num_tokens=x.shape[0],
         in_features=x.shape[1], rank=a.shape[1], num_slots=a.shape[0], dtype=DTYPES[x.dtype],
@@ -99,7 +101,8 @@ def expand_(
                          f"{tuple(y.shape)}.")  # fmt: skip
     if buf.dtype != torch.float32 or not buf.is_contiguous():
         raise ValueError("buf must be a contiguous fp32 tensor (shrink's result).")
-    _require().expand(
+    recording.call(
+        _require().expand,
         y=y.data_ptr(), ldy=y.stride(0), buf=buf.data_ptr(), bt=bt.data_ptr(),
         slots=slots.data_ptr(), num_tokens=y.shape[0], out_features=y.shape[1],
         rank=bt.shape[1], num_slots=bt.shape[0], dtype=DTYPES[y.dtype],

@@ -19,10 +19,13 @@ with no context attend causally over this step's own q/k/v rows, fp32, GEMM-shap
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
 from trillm._native import cpu_kernels, native_available
+
+from . import recording
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # The cache may also hold fp8 e4m3 (--kv-cache-dtype fp8: x / scale with the scale 1.0), read
@@ -107,6 +110,17 @@ class PagedAttentionPlan:
             num_threads=num_threads(),
         )
 
+    @property
+    def key(self) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """(q shape, cache shape, whether every request is attended): what a step program
+        needs to build the same plan for another step's metadata."""
+        return self.q_shape, self.kv_cache_shape, self._keep[3] is None
+
+    @property
+    def native(self) -> Any:
+        """The native plan (``Plan.run`` with raw pointers: what a step program replays)."""
+        return self._plan
+
     def run(
         self,
         q: torch.Tensor,  # [num_tokens, Hq, D], rows may be strided (a view of a fused qkv)
@@ -128,7 +142,8 @@ class PagedAttentionPlan:
             out = torch.empty(q.shape, dtype=q.dtype)
         if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
             raise ValueError("out must match q's shape and dtype, contiguous in its last dim.")
-        self._plan.run(
+        recording.attention(
+            self, self._plan,
             out=out.data_ptr(),
             q=q.data_ptr(),
             k_cache=kv_cache[0].data_ptr(),
@@ -208,7 +223,8 @@ def causal_prefill(
         raise ValueError("a segment reaches outside q's rows.")
     ext = cpu_kernels("attention")
     assert ext is not None
-    ext.causal_prefill(
+    recording.call(
+        ext.causal_prefill,
         out=out.data_ptr(), q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
         segments=segments.data_ptr(), num_segments=segments.shape[0],
         q_token_stride=q.stride(0), q_head_stride=q.stride(1),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import recording
 from ._cpu_ops import DTYPES, extension, num_threads, require, rows
 
 
@@ -62,7 +63,8 @@ def reshape_and_cache(
     ):
         raise ValueError("slot_mapping must be a contiguous CPU int64 tensor [T].")
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    require().reshape_and_cache(
+    recording.call(
+        require().reshape_and_cache,
         k=rows(k), v=rows(v), key_cache=kv_cache[0].data_ptr(),
         value_cache=kv_cache[1].data_ptr(), slot_mapping=slot_mapping.data_ptr(),
         num_tokens=k.shape[0], head_dim=k.shape[2], num_slots=num_slots,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import recording
 from ._cpu_ops import DTYPES, extension, num_threads, require, rows
 
 
@@ -57,7 +58,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., H] (rows may be strided), weight: [H] -> a new contiguous [..., H]."""
     hidden = _check(x, weight)
     out = torch.empty_like(x)  # x's layout when dense, else contiguous
-    require().rms_norm(
+    recording.call(
+        require().rms_norm,
         out=rows(out), x=rows(x), weight=weight.data_ptr(), num_rows=x.numel() // hidden,
         hidden=hidden, eps=eps, dtype=DTYPES[x.dtype], num_threads=num_threads(),
     )  # fmt: skip
@@ -70,7 +72,8 @@ def fused_add_rms_norm_(
     """In place: ``residual = x + residual`` (rounded to the dtype, as torch's add), then
     ``x = rms_norm(residual)``. x, residual: [..., H], rows may be strided."""
     hidden = _check(x, weight, residual)
-    require().fused_add_rms_norm(
+    recording.call(
+        require().fused_add_rms_norm,
         x=rows(x), residual=rows(residual), weight=weight.data_ptr(),
         num_rows=x.numel() // hidden, hidden=hidden, eps=eps, dtype=DTYPES[x.dtype],
         num_threads=num_threads(),

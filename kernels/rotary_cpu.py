@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import recording
 from ._cpu_ops import DTYPES, extension, num_threads, require, rows
 
 
@@ -67,7 +68,8 @@ def apply_rotary_(
     if num_tokens == 0:
         return
     positions = positions.to(torch.int64).contiguous()
-    require().rotary(
+    recording.call(
+        require().rotary,
         q=rows(q), k=rows(k), positions=positions.data_ptr(),
         cos_sin_cache=cos_sin_cache.data_ptr(), num_tokens=num_tokens, head_dim=head_dim,
         rotary_dim=rotary_dim, max_pos=cos_sin_cache.shape[0],

@@ -550,11 +550,15 @@ def test_spaces_between_special_tokens():
     assert text(spaces_between_special_tokens=False) == " world [A][B] world"
 
 
-def test_enforce_eager_false_is_accepted_and_said_once(caplog):
-    # trillm has no graph capture: False asks for what is not there, True for what is always
-    # so. Either is accepted (vLLM scripts pass both); False is said in the log.
-    with caplog.at_level("INFO", logger="trillm.config"):
-        EngineArgs(enforce_eager=False)
-        EngineArgs(enforce_eager=True)
-    said = [r.getMessage() for r in caplog.records if "enforce_eager" in r.getMessage()]
-    assert said == ["enforce_eager=False: trillm has no graph capture; it runs eagerly."]
+def test_enforce_eager_reaches_the_runner_from_the_serve_flag():
+    # vLLM's default (False) replays small CPU decode steps (tests/test_step_program.py);
+    # --enforce-eager turns that off in the runner's config.
+    from trillm.engine.config_builder import build_config
+    from trillm.entrypoints.cli import build_parser
+    from trillm.entrypoints.openai.cli_args import engine_kwargs
+
+    given = engine_kwargs(build_parser().parse_args(["serve", "--enforce-eager"]))
+    assert given["enforce_eager"] is True
+    assert build_config(EngineArgs(**given)).enforce_eager is True
+    assert "enforce_eager" not in engine_kwargs(build_parser().parse_args(["serve"]))
+    assert build_config(EngineArgs()).enforce_eager is False

@@ -285,7 +285,7 @@ def test_logs_stats_notes_once_and_no_prompt_by_default(server):
     stats = [line for line in log.splitlines() if "Avg prompt throughput" in line]
     assert stats and "Running: " in stats[0] and "KV cache usage: " in stats[0]
     assert "Prefix cache hit rate: " in stats[0]
-    assert log.count("--enforce-eager: trillm always runs eagerly") == 1
+    assert log.count("--enforce-eager: small CPU decode steps run eagerly") == 1
     assert log.count("--swap-space 4: ") == 1
 
 

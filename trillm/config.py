@@ -61,7 +61,8 @@ class EngineArgs:
     distributed_executor_backend: Literal["mp", "uni"] = "mp"
     generation_config: str = "auto"  # auto (from the model folder) | vllm (ignore it) | a path
     trust_remote_code: bool = False
-    enforce_eager: bool = True
+    # True: no step-program replay of small CPU decode steps (vLLM: no CUDA graphs).
+    enforce_eager: bool = False
     chat_template: str | None = None
     skip_tokenizer_init: bool = False
     # deepseek_r1 | qwen3: structured outputs constrain only after </think> (vLLM's
@@ -139,8 +140,6 @@ class EngineArgs:
         if self.trust_remote_code:
             logger.info("trust_remote_code: the checkpoint's tokenizer code may run; its model "
                         "code never does (trillm's own model implementations are used).")  # fmt: skip
-        if not self.enforce_eager:
-            logger.info("enforce_eager=False: trillm has no graph capture; it runs eagerly.")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
@@ -370,3 +369,5 @@ class TrillmConfig:
     # speculative_config's draft_model: the draft (same tokenizer), run beside the target by
     # the worker (trillm/spec_decode/draft_model.py); None without one.
     draft_model: ModelConfig | None = None
+    # No step programs (trillm/worker/step_program.py): every step runs the eager forward.
+    enforce_eager: bool = False

@@ -93,7 +93,8 @@ ENGINE: dict[str, tuple[str, ...]] = {
     # the tokenizer's code; model code never runs (trillm's own model classes)
     "trust_remote_code": ids(FEE + "test_trust_remote_code_lets_the_tokenizers_code_run"),
     "skip_tokenizer_init": ids(ENGINE_REFUSED),
-    "enforce_eager": ids(FEE + "test_enforce_eager_false_is_accepted_and_said_once"),
+    "enforce_eager": ids(FEE + "test_enforce_eager_reaches_the_runner_from_the_serve_flag",
+                         "tests/test_step_program.py::test_enforce_eager_turns_programs_off"),
     # structured outputs constrain only after </think>; a tokenizer without it is refused
     "reasoning_parser": ids(SO_REASONING + "test_engine_constrains_only_after_the_reasoning",
                             SO_REASONING + "test_llm_engine_argument_and_refusal"),

@@ -44,7 +44,7 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("distributed_executor_backend", str, "mp | uni"),
     ("generation_config", str, "auto | vllm | a folder"),
     ("trust_remote_code", bool, "allow custom model code"),
-    ("enforce_eager", bool, "no graph capture"),
+    ("enforce_eager", bool, "no step-program replay of small CPU decode steps"),
     ("chat_template", str, "Jinja chat template file or string"),
     ("skip_tokenizer_init", bool, "token ids in and out only"),
     ("reasoning_parser", str, "deepseek_r1 | qwen3: grammars apply after the reasoning"),

@@ -107,6 +107,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         lora=_lora_config(args, model_config),
         pooler=pooler,
         speculative=speculative,
+        enforce_eager=args.enforce_eager,
         draft_model=draft_model,
     )
 

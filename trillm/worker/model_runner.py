@@ -49,6 +49,7 @@ from trillm.spec_decode.draft_model import DraftModelProposer
 from trillm.worker.input_batch import InputBatch, StepInputs
 from trillm.worker.pipeline_tokens import broadcast_sampled, receive_sampled
 from trillm.worker.spec_verify import DraftStep, accept_drafts, expand_rows, num_drafts_of
+from trillm.worker.step_program import StepPrograms
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._pending: _PendingStep | None = None
         self.lora: LoRAManager | None = None  # with --enable-lora, once the model is loaded
+        self.step_programs: StepPrograms | None = None  # small decode steps replayed (CPU)
         # speculative_config's draft_model: proposes each step's next drafts after P3.
         self.drafter: DraftModelProposer | None = None
         if config.draft_model is not None:
@@ -149,6 +151,20 @@ class ModelRunner:
         if lora is not None:
             self.lora = LoRAManager(self._model, self.config.model, lora.max_loras,
                                     lora.max_lora_rank, self.device, self.dtype)  # fmt: skip
+        self.step_programs = self._step_programs()
+
+    def _step_programs(self) -> StepPrograms | None:
+        """Replay of small decode steps (``step_program.py``): CPU, one rank, no LoRA, the
+        native attention kernel; not with enforce_eager."""
+        if (
+            self.config.enforce_eager
+            or self.device.type != "cpu"
+            or self.world_size > 1
+            or self.lora is not None
+            or not getattr(self.attn_backend, "_native_available", False)
+        ):
+            return None
+        return StepPrograms(self.model)
 
     @property
     def model(self) -> CausalLM:
@@ -314,6 +330,8 @@ class ModelRunner:
             count = 2 if self.model.PP_CARRIES_RESIDUAL else 1
             shape = (len(inputs.input_ids), self.config.model.hidden_size)
             received = IntermediateTensors(*self.pp.recv(count, shape, self.dtype, self.device))
+        if received is None and self.step_programs is not None and self.step_programs.applies(meta):
+            return self.step_programs.forward(input_ids, positions, self.kv_caches, meta)
         out = self.model(input_ids, positions, self.kv_caches, meta, received)
         if isinstance(out, IntermediateTensors):
             self.pp.send(out.tensors())

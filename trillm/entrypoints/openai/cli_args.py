@@ -24,7 +24,7 @@ _ENGINE_FLAGS = (
     "stream_interval", "reasoning_parser", "load_format", "quantization", "dequantize_gguf",
     "enable_lora", "max_loras", "max_lora_rank", "kv_cache_dtype", "speculative_config",
     "convert", "pooler_config", "nnodes", "node_rank", "master_addr", "master_port",
-    "distributed_timeout_seconds",
+    "distributed_timeout_seconds", "enforce_eager",
 )  # fmt: skip
 
 

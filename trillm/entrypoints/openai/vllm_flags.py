@@ -316,8 +316,8 @@ def startup_notes(args: argparse.Namespace) -> list[str]:
         notes.append("--enable-chunked-prefill: trillm always chunks long prefills (within "
                      "--max-num-batched-tokens); nothing to change.")  # fmt: skip
     if args.enforce_eager:
-        notes.append("--enforce-eager: trillm always runs eagerly (it captures no CUDA "
-                     "graphs); nothing to change.")  # fmt: skip
+        notes.append("--enforce-eager: small CPU decode steps run eagerly (no step-program "
+                     "replay, trillm's counterpart of CUDA graphs).")  # fmt: skip
     if args.swap_space is not None:
         notes.append(f"--swap-space {args.swap_space:g}: trillm preempts by recomputation and "
                      "never swaps KV blocks to CPU memory; the value is unused.")  # fmt: skip

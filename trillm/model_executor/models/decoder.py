@@ -35,11 +35,18 @@ class ResidualStreamCausalLM(LlamaForCausalLM):
             hidden = intermediate.hidden
         else:
             hidden = self.model.embed_tokens(input_ids)
-            if self.SCALE_EMBEDDINGS:  # NOTE: the scale rounded to the run's dtype, as HF does
-                scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=hidden.dtype)
-                hidden = hidden * scale
+            if self.SCALE_EMBEDDINGS:
+                hidden = hidden * self._embedding_scale(hidden.dtype)
         for layer, kv_cache in zip(self.stage_layers(), kv_caches):
             hidden = layer(positions, hidden, self.rotary_for(layer), kv_cache, meta)
         if not self.pp.is_last:
             return IntermediateTensors(hidden)
         return self.model.norm(hidden)
+
+    def _embedding_scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """``sqrt(hidden_size)`` rounded to the run's dtype, as HF does; made once (a tensor
+        made from a Python number inside the forward would stop step-program replay)."""
+        scales: dict[torch.dtype, torch.Tensor] = self.__dict__.setdefault("_embedding_scales", {})
+        if dtype not in scales:
+            scales[dtype] = torch.tensor(math.sqrt(self.config.hidden_size), dtype=dtype)
+        return scales[dtype]

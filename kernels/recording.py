@@ -1,0 +1,60 @@
+"""Records the native CPU kernel calls of one forward pass, for ``StepProgram`` replay.
+
+A decode step at batch 1 spends as long in the Python between the native kernels (module calls,
+argument checks, views, allocations) as in the kernels themselves: 30 layers x ~12 kernels. A
+step program (``trillm/worker/step_program.py``, the CPU counterpart of a CUDA graph) runs a
+forward once with a ``Recording`` active, keeps every tensor that forward allocated, and later
+steps of the same shape call the recorded kernels again with the same arguments, which point
+into the same buffers. Each native wrapper in this package calls its kernel through ``call``
+(or ``attention`` for the paged-attention plan, which is rebuilt for each step's metadata).
+
+Outside a recording ``call`` is one extra Python call per kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# (kernel, arguments, keyword arguments): a plain native call; (None, (plan key,), keyword
+# arguments): one run of the step's paged-attention plan for those shapes (its native ``Plan.run``).
+Call = tuple[Callable[..., Any] | None, tuple[Any, ...], dict[str, Any]]
+
+
+class Recording:
+    """The kernel calls of one forward, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+
+
+_active: Recording | None = None
+
+
+def start() -> Recording:
+    """Record every kernel call from now until ``stop``."""
+    global _active
+    if _active is not None:
+        raise RuntimeError("a recording is already active")
+    _active = Recording()
+    return _active
+
+
+def stop() -> None:
+    global _active
+    _active = None
+
+
+def call(kernel: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """``kernel(*args, **kwargs)``, recorded when a recording is active."""
+    kernel(*args, **kwargs)
+    if _active is not None:
+        _active.calls.append((kernel, args, kwargs))
+
+
+def attention(plan: Any, native_plan: Any, **kwargs: Any) -> None:
+    """``native_plan.run(**kwargs)`` for ``plan`` (a ``PagedAttentionPlan``), recorded as a run
+    of the plan the replayed step builds for the same shapes (``plan.key``)."""
+    native_plan.run(**kwargs)
+    if _active is not None:
+        _active.calls.append((None, (plan.key,), kwargs))

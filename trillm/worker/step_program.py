@@ -1,0 +1,294 @@
+"""Step programs: a small decode step's forward replayed from its recorded native kernel calls.
+
+At batch 1 a decode step of a 30-layer model is ~360 native kernel calls, and the Python around
+them (module calls, argument checks, views, allocations) took as long as the kernels on the
+CPU (benchmarks/RESULTS.md, section 19). A ``StepProgram`` is the CPU counterpart of a CUDA
+graph: the forward of a pure decode step with T tokens runs once with a
+``kernels.recording.Recording`` active; the program keeps every tensor that forward made, and
+later decode steps with T tokens copy their inputs (embeddings, positions, slots) into the
+captured buffers, build the step's attention plan and call the recorded kernels again, in
+order, with the same arguments. Same kernels, same arguments: the same bits as the eager path.
+
+A forward is replayable only if everything it computes goes through recorded kernels. Checks,
+each of which drops the program and keeps the eager path (``reason`` says why):
+- a dispatch mode watches every torch op of the captured forward: only allocations and ops whose
+  outputs are views of their inputs may run (anything else computes outside the recording);
+- no recorded argument may point into a step input other than the three that are refreshed;
+  the K/V cache writes must read the refreshed slot mapping;
+- at most one attention plan ran (the step's, rebuilt by the replay from its metadata);
+- the capture's output equals the eager forward's on the same step, and the first replay's equals
+  the eager forward's on that later step (bit for bit), before a program is trusted.
+``enforce_eager`` (``--enforce-eager``) turns programs off, as it turns off CUDA graphs in vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trillm.attention.backend import AttentionMetadata
+from trillm.kernels import paged_attention_cpu, recording
+
+logger = logging.getLogger(__name__)
+
+# Programs for decode steps of 1 .. MAX_ROWS tokens: at those sizes a step reads every weight
+# once whatever its rows, so the Python between kernels is a large share of it. Each program
+# keeps its forward's buffers; no program is kept once they would pass MEMORY_BUDGET bytes.
+MAX_ROWS = 64
+MEMORY_BUDGET = 256 << 20
+_ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty"})
+# Ops a replay cannot repeat: data from Python (a constant made in the forward) or read back.
+_UNREPLAYABLE = frozenset({"lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "item"})
+_UNREPLAYABLE_TAGS = (
+    torch.Tag.nondeterministic_seeded,  # random
+    torch.Tag.dynamic_output_shape,  # the shape depends on the data
+    torch.Tag.data_dependent_output,
+)
+
+
+class NotReplayable(Exception):
+    """Why a forward cannot be a step program."""
+
+
+def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(_tensors(v))
+    return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _TorchOp:
+    """A torch op of the captured forward, replayed on the captured tensors: an op that writes
+    its inputs runs again as it is; one that makes new outputs runs and its results are copied
+    into the captured outputs (which later ops read)."""
+
+    def __init__(self, func: Any, outputs: list[torch.Tensor], writes: bool) -> None:
+        self.func, self.outputs, self.writes = func, outputs, writes
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        result = self.func(*args, **kwargs)
+        if not self.writes:
+            new = _tensors(result if isinstance(result, (list, tuple)) else [result])
+            for captured, value in zip(self.outputs, new):
+                captured.copy_(value)
+
+
+class _Watch(TorchDispatchMode):
+    """Records every torch op of the captured forward that computes (views and allocations
+    need nothing at replay), keeps every tensor it makes, and notes the first op that cannot
+    be replayed: random, data-dependent or reading a step input that a replay does not refresh."""
+
+    def __init__(self, rec: recording.Recording, forbidden: set[int]) -> None:
+        super().__init__()
+        self.rec = rec
+        self.forbidden = forbidden  # storages of step inputs a replay does not refresh
+        self.made: list[torch.Tensor] = []
+        self.refused: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outputs = _tensors(out if isinstance(out, (list, tuple)) else [out])
+        self.made.extend(outputs)
+        inputs = _tensors([*args, *kwargs.values()])
+        if self.refused is not None or func.overloadpacket.__name__ in _ALLOCATIONS:
+            return out
+        if (
+            func.overloadpacket.__name__ in _UNREPLAYABLE
+            or any(tag in func.tags for tag in _UNREPLAYABLE_TAGS)
+            or any(_storage(t) in self.forbidden for t in inputs)
+        ):
+            self.refused = str(func)
+            return out
+        schema = func._schema
+        writes = schema.is_mutable or any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+        )
+        sources = {_storage(t) for t in inputs}
+        if writes or not all(_storage(t) in sources for t in outputs):  # it computes
+            self.rec.calls.append((_TorchOp(func, outputs, writes), args, kwargs))
+        return out
+
+
+@dataclass
+class StepProgram:
+    """One decode-step shape (T tokens): the recorded calls and the buffers they point into."""
+
+    calls: list[recording.Call]
+    input_ids: torch.Tensor  # [T] int64: a replay copies the step's inputs into these three
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64
+    output: torch.Tensor  # [T, H]: the final norm's output; valid until the next replay
+    plan_keys: list[tuple[Any, ...]]  # the attention plans' shapes (``PagedAttentionPlan.key``)
+    keep: list[torch.Tensor] = field(default_factory=list)  # every buffer the calls point into
+    verified: bool = False  # a replay has matched the eager forward
+
+    @property
+    def nbytes(self) -> int:
+        storages = {_storage(t): t.untyped_storage().nbytes() for t in self.keep}
+        return sum(storages.values())
+
+    def replay(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [T, H]
+        self.input_ids.copy_(input_ids)
+        self.positions.copy_(positions)
+        self.slots.copy_(meta.slot_mapping)
+        plans = {
+            key: paged_attention_cpu.PagedAttentionPlan(
+                meta.query_start_loc, meta.seq_lens, meta.block_table, key[0], key[1]
+            )
+            for key in self.plan_keys
+        }
+        for kernel, args, kwargs in self.calls:
+            if kernel is None:
+                plans[args[0]].native.run(**kwargs)
+            else:
+                kernel(*args, **kwargs)
+        return self.output
+
+
+class StepPrograms:
+    """The runner's programs by token count, captured on first use; off for good (``reason``)
+    when the model's forward turns out not to be replayable."""
+
+    def __init__(self, model: Callable[..., Any]) -> None:
+        self.model = model  # (input_ids, positions, kv_caches, meta) -> [T, H]
+        self.programs: dict[int, StepProgram] = {}
+        self.nbytes = 0  # the programs' buffers (MEMORY_BUDGET at most)
+        self.full = False  # a program did not fit in MEMORY_BUDGET: no more captures
+        self.reason: str | None = None  # why programs are off, once they are
+
+    def applies(self, meta: AttentionMetadata) -> bool:
+        return self.reason is None and meta.decode_only and meta.num_tokens <= MAX_ROWS
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        program = self.programs.get(meta.num_tokens)
+        if program is None:
+            if self.full:
+                return self.model(input_ids, positions, kv_caches, meta)
+            return self._capture(input_ids, positions, kv_caches, meta)
+        out = program.replay(input_ids, positions, meta)
+        if not program.verified:
+            # Once per program, on a step other than the captured one: the eager forward
+            # (which rewrites the same K/V rows) must agree bit for bit.
+            eager = self.model(input_ids, positions, kv_caches, meta)
+            if not torch.equal(eager, out):
+                self._give_up("a replay differs from the eager forward")
+                return eager
+            program.verified = True
+        return out
+
+    def _capture(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # The program owns its inputs: nothing it points into belongs to the runner's batch.
+        ids, pos = input_ids.clone(), positions.clone()
+        own = replace(meta, slot_mapping=meta.slot_mapping.clone())
+        rec = recording.start()
+        forbidden = {_storage(t) for t in (input_ids, positions, *_step_inputs(meta))}
+        watch = _Watch(rec, forbidden)
+        try:
+            with watch:
+                out = self.model(ids, pos, kv_caches, own)
+        finally:
+            recording.stop()
+        # The eager forward's result is the step's (it also rewrites this step's K/V rows).
+        eager = self.model(input_ids, positions, kv_caches, meta)
+        try:
+            program = self._program(rec, watch, (ids, pos, own.slot_mapping), meta, out)
+            if not torch.equal(out, eager):
+                raise NotReplayable("the recorded forward differs from the eager one")
+        except NotReplayable as e:
+            self._give_up(str(e))
+            return eager
+        if self.nbytes + program.nbytes > MEMORY_BUDGET:
+            self.full = True  # no more captures; the programs kept so far stay
+        else:
+            self.programs[meta.num_tokens] = program
+            self.nbytes += program.nbytes
+        return eager
+
+    def _program(
+        self,
+        rec: recording.Recording,
+        watch: _Watch,
+        refreshed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        out: Any,
+    ) -> StepProgram:
+        if watch.refused is not None:
+            raise NotReplayable(f"the forward runs an op a replay cannot repeat ({watch.refused})")
+        if not isinstance(out, torch.Tensor):
+            raise NotReplayable("the forward does not return one hidden-state tensor")
+        keys = list(dict.fromkeys(args[0] for kernel, args, _ in rec.calls if kernel is None))
+        if not all(key[2] for key in keys):
+            raise NotReplayable("an attention plan attends only some requests")
+        ids, positions, slots = refreshed
+        _check_pointers(rec.calls, _step_inputs(meta), refreshed)
+        for kernel, _, kwargs in rec.calls:
+            if kernel is not None and not isinstance(kernel, _TorchOp) and "slot_mapping" in kwargs:
+                if kwargs["slot_mapping"] != slots.data_ptr():
+                    raise NotReplayable("a K/V cache write reads another slot mapping")
+        return StepProgram(
+            calls=rec.calls,
+            input_ids=ids,
+            positions=positions,
+            slots=slots,
+            output=out,
+            plan_keys=keys,
+            keep=watch.made,
+        )
+
+    def _give_up(self, reason: str) -> None:
+        self.reason = reason
+        self.programs.clear()
+        self.nbytes = 0
+        logger.info("Decode-step replay is off for this model: %s; it runs eagerly.", reason)
+
+
+def _step_inputs(meta: AttentionMetadata) -> list[torch.Tensor]:
+    """The step's metadata tensors: new every step, read by the attention plan only."""
+    return [
+        t for t in (meta.query_start_loc, meta.seq_lens, meta.context_lens, meta.block_table)
+        if isinstance(t, torch.Tensor)
+    ]  # fmt: skip
+
+
+def _check_pointers(
+    calls: list[recording.Call], step_inputs: list[torch.Tensor], refreshed: tuple[torch.Tensor, ...]
+) -> None:
+    """No recorded argument may point into a step input that a replay does not refresh."""
+    fresh = {t.data_ptr() for t in refreshed}
+    spans = [
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for t in step_inputs
+        if t.numel() and t.data_ptr() not in fresh
+    ]
+    for _, args, kwargs in calls:
+        for v in (*args, *kwargs.values()):
+            if isinstance(v, int) and not isinstance(v, bool):
+                if any(lo <= v < hi for lo, hi in spans):
+                    raise NotReplayable("a kernel reads a step input that a replay cannot refresh")
