@@ -220,6 +220,83 @@ def write_json(path: Path | None, result: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
+# ---------------------------------------------------------------- offline sizes (TP / PP / DP)
+
+
+def add_offline_args(p: Any) -> None:
+    """The options of a benchmark that times one ``LLM`` per parallel size on a fixed-length
+    workload, each size in a fresh child process (``benchmarks/tensor_parallel.py``,
+    ``data_parallel.py``); ``p``: an argparse parser."""
+    import argparse
+
+    p.add_argument("--model", default=None, help="model folder (default: the bench model)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def run_offline(
+    args: Any, kv_cache_memory: str, probe: Any = None, **llm_kwargs: Any
+) -> dict[str, Any]:
+    """In a child: one LLM (``llm_kwargs``: its parallel sizes) on the workload (greedy,
+    ``ignore_eos``, fixed lengths, distinct prompts, prefix caching off), after a one-request
+    warm-up. -> seconds, output tokens and, with ``probe`` (llm -> value), its value before
+    and after the timed run."""
+    from trillm import LLM, SamplingParams
+
+    jobs = make_workload(
+        args.num_prompts, 0, (args.prompt_len, args.prompt_len), (args.output_len,) * 2
+    )
+    prompts = [{"prompt_token_ids": j.prompt_ids} for j in jobs]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    llm = LLM(
+        args.model, device=args.device, dtype=args.dtype, kv_cache_memory=kv_cache_memory,
+        max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, **llm_kwargs,
+    )  # fmt: skip
+    with llm:
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+        before = probe(llm) if probe is not None else None
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        after = probe(llm) if probe is not None else None
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": seconds, "output_tokens": tokens, "probe": [before, after]}
+
+
+def run_offline_child(script: str, args: Any, extra: Sequence[str], label: str
+                      ) -> tuple[dict[str, Any], str]:  # fmt: skip
+    """Run ``script`` as a child (``extra``: its size options) with the workload options of
+    ``args``: -> (the JSON of its last stdout line, its stderr)."""
+    argv = [sys.executable, script, *extra, "--model", args.model,
+            "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
+            "--output-len", str(args.output_len), "--max-num-seqs", str(args.max_num_seqs),
+            "--device", args.device, "--dtype", args.dtype]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{label} run failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def run_rounds(rounds: int, sizes: Sequence[Any], measure: Any) -> list[dict[str, Any]]:
+    """``measure(size)`` for each size, the sizes alternating within each round; each row
+    printed as it comes (a JSON line) and returned."""
+    rows = []
+    for round_ in range(rounds):
+        for size in sizes:
+            row = {"round": round_, **measure(size), "load_1m": os.getloadavg()[0]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 # ---------------------------------------------------------------- server subprocess
 
 

@@ -20,10 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import common
@@ -31,56 +28,28 @@ import common
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="model folder (default: the bench model)")
     p.add_argument("--dp-sizes", default="1,2")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    common.add_offline_args(p)
     return p.parse_args(argv)
+
+
+def _routed(llm: Any) -> list[int] | None:
+    """Engine requests each core was given so far (None: one core, no router)."""
+    router = llm.engine.router
+    return list(router.routed) if router is not None else None
 
 
 def run_child(args: argparse.Namespace) -> None:
     """One LLM at data_parallel_size ``args.child``; prints a JSON line on stdout."""
-    from trillm import LLM, SamplingParams
-
-    jobs = common.make_workload(
-        args.num_prompts, 0, (args.prompt_len, args.prompt_len), (args.output_len,) * 2
-    )
-    prompts = [{"prompt_token_ids": j.prompt_ids} for j in jobs]
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    llm = LLM(
-        args.model, data_parallel_size=args.child, device=args.device, dtype=args.dtype,
-        kv_cache_memory="512MiB", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
-    )  # fmt: skip
-    with llm:
-        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-        router = llm.engine.router
-        before = list(router.routed) if router is not None else [1]
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        after = list(router.routed) if router is not None else [1 + len(prompts)]
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    routed = [a - b for a, b in zip(after, before)]
-    print(json.dumps({"seconds": seconds, "output_tokens": tokens, "routed": routed}), flush=True)
+    result = common.run_offline(args, "512MiB", _routed, data_parallel_size=args.child)
+    before, after = result.pop("probe")
+    result["routed"] = ([a - b for a, b in zip(after, before)] if before is not None
+                        else [args.num_prompts])  # fmt: skip
+    print(json.dumps(result), flush=True)
 
 
-def measure(args: argparse.Namespace, model: str, dp: int) -> dict[str, Any]:
-    argv = [sys.executable, __file__, "--child", str(dp), "--model", model,
-            "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
-            "--output-len", str(args.output_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--device", args.device, "--dtype", args.dtype]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(common.REPO_ROOT)}
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"DP={dp} run failed:\n{done.stderr[-4000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+def measure(args: argparse.Namespace, dp: int) -> dict[str, Any]:
+    result, _ = common.run_offline_child(__file__, args, ["--child", str(dp)], f"DP={dp}")
     return {
         "dp": dp,
         "seconds": result["seconds"],
@@ -94,16 +63,11 @@ def main() -> None:
     if args.child is not None:
         run_child(args)
         return
-    model = args.model or str(common.build_bench_model())
+    args.model = args.model or str(common.build_bench_model())
     sizes = [int(s) for s in args.dp_sizes.split(",")]
     machine = common.machine_info()
     load_before = os.getloadavg()[0]
-    rows = []
-    for round_ in range(args.rounds):
-        for dp in sizes:
-            row = {"round": round_, **measure(args, model, dp), "load_1m": os.getloadavg()[0]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = common.run_rounds(args.rounds, sizes, lambda dp: measure(args, dp))
     columns = [("round", "d"), ("dp", "d"), ("seconds", ".2f"), ("output_tok_s", ".1f"),
                ("routed", "s"), ("load_1m", ".1f")]  # fmt: skip
     if rows:

@@ -30,7 +30,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import common
@@ -42,20 +41,11 @@ RANK_LINE = re.compile(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="model folder (default: the bench model)")
     p.add_argument("--tp-sizes", default="1,2")
     p.add_argument("--pp-sizes", default="", help="pipeline sizes to run at TP=1, e.g. 2")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", type=Path, default=None)
+    common.add_offline_args(p)
     p.add_argument("--allreduce-rows", default="1,32,128", help="'' to skip")
     p.add_argument("--hidden", type=int, default=common.MODEL_SPEC["hidden_size"])
-    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-pp", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--allreduce-child", default=None, help=argparse.SUPPRESS)  # rank,port
     return p.parse_args(argv)
@@ -63,25 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_child(args: argparse.Namespace) -> None:
     """One LLM at tensor_parallel_size ``args.child``; prints a JSON line on stdout."""
-    from trillm import LLM, SamplingParams
-
-    jobs = common.make_workload(
-        args.num_prompts, 0, (args.prompt_len, args.prompt_len), (args.output_len,) * 2
+    result = common.run_offline(
+        args, "1GiB", tensor_parallel_size=args.child, pipeline_parallel_size=args.child_pp
     )
-    prompts = [{"prompt_token_ids": j.prompt_ids} for j in jobs]
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    llm = LLM(
-        args.model, tensor_parallel_size=args.child, pipeline_parallel_size=args.child_pp,
-        device=args.device, dtype=args.dtype,
-        kv_cache_memory="1GiB", max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
-    )  # fmt: skip
-    with llm:
-        llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"seconds": seconds, "output_tokens": tokens}), flush=True)
+    del result["probe"]
+    print(json.dumps(result), flush=True)
 
 
 def allreduce_child(args: argparse.Namespace) -> None:
@@ -129,17 +105,11 @@ def measure_allreduce(args: argparse.Namespace) -> dict[str, float]:
     return {f"rows_{k}_us": 1e6 * v for k, v in json.loads(out[0].strip()).items()}
 
 
-def measure(args: argparse.Namespace, model: str, tp: int, pp: int = 1) -> dict[str, Any]:
-    argv = [sys.executable, __file__, "--child", str(tp), "--child-pp", str(pp), "--model", model,
-            "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
-            "--output-len", str(args.output_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--device", args.device, "--dtype", args.dtype]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(common.REPO_ROOT)}
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"TP={tp} PP={pp} run failed:\n{done.stderr[-4000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    ranks = [(int(r), int(s), float(c)) for r, s, c in RANK_LINE.findall(done.stderr)]
+def measure(args: argparse.Namespace, tp: int, pp: int = 1) -> dict[str, Any]:
+    result, stderr = common.run_offline_child(
+        __file__, args, ["--child", str(tp), "--child-pp", str(pp)], f"TP={tp} PP={pp}"
+    )
+    ranks = [(int(r), int(s), float(c)) for r, s, c in RANK_LINE.findall(stderr)]
     row: dict[str, Any] = {
         "tp": tp,
         "pp": pp,
@@ -163,16 +133,11 @@ def main() -> None:
     if args.allreduce_child is not None:
         allreduce_child(args)
         return
-    model = args.model or str(common.build_bench_model())
+    args.model = args.model or str(common.build_bench_model())
     sizes = [(int(s), 1) for s in args.tp_sizes.split(",") if s]
     sizes += [(1, int(s)) for s in args.pp_sizes.split(",") if s]
     machine = common.machine_info()
-    rows = []
-    for round_ in range(args.rounds):
-        for tp, pp in sizes:
-            row = {"round": round_, **measure(args, model, tp, pp)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = common.run_rounds(args.rounds, sizes, lambda size: measure(args, *size))
     columns = [("round", "d"), ("tp", "d"), ("pp", "d"), ("seconds", ".2f"), ("output_tok_s", ".1f"),
                ("forward_steps", "d"), ("ms_per_step", ".2f"),
                ("comm_ms_per_step_rank0", ".2f"), ("comm_ms_per_step_rank1", ".2f")]  # fmt: skip

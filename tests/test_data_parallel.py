@@ -21,6 +21,15 @@ import time
 import httpx
 import pytest
 import trio
+from parallel_reference import (
+    LIMITS,
+    MAX_TOKENS,
+    PROMPTS,
+    SHARDED_LLAMA,
+    greedy,
+    http_greedy_tokens,
+    reference_tokens,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import ServerProcess, open_request, read_until
 from test_executor import pid_alive
@@ -30,25 +39,17 @@ from trillm.engine.llm import LLM
 from trillm.messages import AbortRequests, EngineCoreRequest
 from trillm.sampling_params import SamplingParams
 
-PROMPTS = ["Hello there, how", "The capital of France is", "1 2 3 4 5"]
-MAX_TOKENS = 10
-LIMITS = {"max_model_len": 256, "kv_cache_memory": "16MiB"}
 SHARED = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
-
-
-def greedy() -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def llama(tiny_model_factory) -> str:
-    return tiny_model_factory("llama")
+    return tiny_model_factory("llama", **SHARDED_LLAMA)  # the TP tests' model: one reference
 
 
 @pytest.fixture(scope="module")
 def dp1_tokens(llama) -> list[list[int]]:
-    with LLM(llama, distributed_executor_backend="uni", **LIMITS) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+    return reference_tokens(llama)
 
 
 # ---------------------------------------------------------------- the router
@@ -202,14 +203,7 @@ def _stream_in_flight(server, prompts: list[str], max_tokens: int = 120) -> list
 
 
 def test_http_dp2_tp2_matches_dp1_token_for_token(server, dp1_tokens):
-    got = []
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        r = httpx.post(server.base_url + "/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        got.append(r.json()["choices"][0]["token_ids"])
-    assert got == dp1_tokens
+    assert http_greedy_tokens(server.base_url) == dp1_tokens
 
 
 REQUEST_HISTOGRAMS = (

@@ -19,33 +19,23 @@ import time
 
 import httpx
 import pytest
+from parallel_reference import SHARDED_LLAMA, http_greedy_tokens, limit_flags, reference_tokens
 from server_harness import REPO, ServerProcess, free_port, open_request, read_until
 from test_executor import pid_alive
 
 from trillm.config import EngineArgs
 from trillm.engine.llm import LLM
-from trillm.sampling_params import SamplingParams
-
-PROMPTS = ["Hello there, how", "The capital of France is", "1 2 3 4 5"]
-MAX_TOKENS = 10
-LIMITS = ["--max-model-len", "256", "--kv-cache-memory", "16MiB"]
 
 
 @pytest.fixture(scope="module")
 def llama(tiny_model_factory) -> str:
     # One KV head (replicated on both ranks), biases, 4099 vocabulary rows: the TP test's model.
-    return tiny_model_factory(
-        "llama", num_key_value_heads=1, attention_bias=True, mlp_bias=True, vocab_size=4099,
-        tie_word_embeddings=True,
-    )  # fmt: skip
+    return tiny_model_factory("llama", **SHARDED_LLAMA)
 
 
 @pytest.fixture(scope="module")
 def tp1_tokens(llama) -> list[list[int]]:
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    with LLM(llama, distributed_executor_backend="uni", max_model_len=256,
-             kv_cache_memory="16MiB") as llm:  # fmt: skip
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    return reference_tokens(llama)
 
 
 def _children(pid: int) -> list[int]:
@@ -64,7 +54,7 @@ def _worker_pids(pid: int) -> list[int]:
 def nodes(llama, tmp_path_factory):
     logs = tmp_path_factory.mktemp("two-nodes")
     common = [llama, "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr",
-              "127.0.0.1", "--master-port", str(free_port()), *LIMITS]  # fmt: skip
+              "127.0.0.1", "--master-port", str(free_port()), *limit_flags()]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     node1_log = open(logs / "node1.log", "wb")  # noqa: SIM115
     node1 = subprocess.Popen(
@@ -93,14 +83,7 @@ def test_tp2_across_two_nodes_matches_tp1_over_http(nodes, tp1_tokens):
     (rank1,) = _worker_pids(node1.pid)
     assert b"--rank\x001\x00" in open(f"/proc/{rank1}/cmdline", "rb").read()
     assert os.getsid(node1.pid) != os.getsid(node0.proc.pid)
-    got = []
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        r = httpx.post(node0.base_url + "/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        got.append(r.json()["choices"][0]["token_ids"])
-    assert got == tp1_tokens
+    assert http_greedy_tokens(node0.base_url) == tp1_tokens
 
 
 def test_killed_node1_fails_node0s_requests_and_leaves_no_process(nodes):

@@ -18,6 +18,7 @@ from functools import partial
 import httpx
 import pytest
 import torch
+from parallel_reference import greedy, http_greedy_tokens, reference_tokens
 from server_harness import ServerProcess, open_request, read_until
 from test_executor import pid_alive
 from test_tensor_parallel import _shm_segments, _worker_ranks
@@ -32,10 +33,6 @@ LIMITS = {"max_model_len": 128, "kv_cache_memory": "8MiB"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-
-
 @pytest.fixture(scope="module")
 def llama(tiny_model_factory) -> str:
     return tiny_model_factory("llama", num_hidden_layers=3, tie_word_embeddings=True)
@@ -48,13 +45,13 @@ def gemma2(tiny_model_factory) -> str:
 
 def generate(model: str, **kwargs) -> list[list[int]]:
     with LLM(model, **LIMITS, **kwargs) as llm:
-        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")
 def pp1_tokens(llama) -> list[list[int]]:
-    return generate(llama, distributed_executor_backend="uni")
+    return reference_tokens(llama, PROMPTS, MAX_TOKENS, **LIMITS)
 
 
 # ---------------------------------------------------------------- what each stage holds
@@ -115,10 +112,10 @@ def test_python_api_pp2_matches_pp1(llama, gemma2, pp1_tokens):
     from the last stage's, so their finishing shows the stages stayed in step)."""
     sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, ignore_eos=True)
     with LLM(llama, pipeline_parallel_size=2, speculative_config=NGRAM, **LIMITS) as llm:
-        outs = llm.generate(PROMPTS * 2, [greedy()] * 3 + [sampled] * 3, use_tqdm=False)
+        outs = llm.generate(PROMPTS * 2, [greedy(MAX_TOKENS)] * 3 + [sampled] * 3, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[:3]] == pp1_tokens
     assert [len(o.outputs[0].token_ids) for o in outs[3:]] == [MAX_TOKENS] * 3
-    reference = generate(gemma2, distributed_executor_backend="uni")
+    reference = reference_tokens(gemma2, PROMPTS, MAX_TOKENS, **LIMITS)
     assert generate(gemma2, pipeline_parallel_size=2) == reference
 
 
@@ -161,14 +158,7 @@ def server(llama, tmp_path_factory):
 
 
 def test_http_pp2_matches_pp1_token_for_token(server, pp1_tokens):
-    got = []
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        r = httpx.post(server.base_url + "/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        got.append(r.json()["choices"][0]["token_ids"])
-    assert got == pp1_tokens
+    assert http_greedy_tokens(server.base_url, PROMPTS, MAX_TOKENS) == pp1_tokens
 
 
 def test_killed_stage1_rank_fails_requests_then_the_server_exits_clean(server):

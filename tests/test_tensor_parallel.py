@@ -18,6 +18,15 @@ import httpx
 import pytest
 import torch
 import trio
+from parallel_reference import (
+    LIMITS,
+    MAX_TOKENS,
+    PROMPTS,
+    SHARDED_LLAMA,
+    greedy,
+    http_greedy_tokens,
+    reference_tokens,
+)
 from server_harness import ServerProcess, open_request, read_until
 from test_executor import Driver, pid_alive, shm_exists
 
@@ -25,27 +34,15 @@ from trillm.engine.llm import LLM
 from trillm.errors import EngineDeadError
 from trillm.sampling_params import SamplingParams
 
-PROMPTS = ["Hello there, how", "The capital of France is", "1 2 3 4 5"]
-MAX_TOKENS = 10
-LIMITS = {"max_model_len": 256, "kv_cache_memory": "16MiB"}
-
-
-def greedy() -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-
 
 @pytest.fixture(scope="module")
 def llama(tiny_model_factory) -> str:
-    return tiny_model_factory(
-        "llama", num_key_value_heads=1, attention_bias=True, mlp_bias=True, vocab_size=4099,
-        tie_word_embeddings=True,
-    )  # fmt: skip
+    return tiny_model_factory("llama", **SHARDED_LLAMA)
 
 
 @pytest.fixture(scope="module")
 def tp1_tokens(llama) -> list[list[int]]:
-    with LLM(llama, distributed_executor_backend="uni", **LIMITS) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+    return reference_tokens(llama)
 
 
 # ---------------------------------------------------------------- sharded loading
@@ -127,14 +124,7 @@ def server(llama, tmp_path_factory):
 
 
 def test_http_tp2_matches_tp1_token_for_token(server, tp1_tokens):
-    got = []
-    for prompt in PROMPTS:
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        r = httpx.post(server.base_url + "/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        got.append(r.json()["choices"][0]["token_ids"])
-    assert got == tp1_tokens
+    assert http_greedy_tokens(server.base_url) == tp1_tokens
 
 
 def _worker_ranks(pid: int) -> dict[int, int]:
