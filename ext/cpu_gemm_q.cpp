@@ -1,12 +1,14 @@
-// GEMM with block-quantized weights kept quantized (GGUF's Q4_0, Q4_1, Q8_0, and Q4_G, trillm's
-// form of AWQ / GPTQ 4-bit groups: blocks of 32 values along K, one fp16 scale per block, Q4_1
-// an fp16 minimum too, Q4_G a 4-bit zero point): y[M, N] = x[M, K] . W[N, K]^T (+ bias), x fp32
+// GEMM with block-quantized weights kept quantized (GGUF's Q4_0, Q4_1, Q8_0, Q4_K, and Q4_G,
+// trillm's form of AWQ / GPTQ 4-bit groups: blocks of 32 values along K, one fp16 scale per
+// block, Q4_1 an fp16 minimum too, Q4_G a 4-bit zero point, Q4_K its super-block's fp16 d and
+// dmin with the block's 6-bit scale and minimum): y[M, N] = x[M, K] . W[N, K]^T (+ bias), x fp32
 // or bf16, y fp32 or bf16, products summed in fp32.
 //
 // Numerics: those of dequantize-then-matmul in fp32. Per block b and column n the kernel sums
 // s = sum_k x[k] * q[n][k] in fp32 over the block's raw integers (0..15 for Q4, -128..127 for Q8,
 // exact as floats), then adds d * s (Q4_0: d * (s - 8 * sum_k x[k]); Q4_1: d * s + m * sum_k
-// x[k]; Q4_G: d * (s - z * sum_k x[k]), z the block's zero point of this column). Only the
+// x[k]; Q4_G: d * (s - z * sum_k x[k]), z the block's zero point of this column; Q4_K:
+// (d * sc) * s - (dmin * mn) * sum_k x[k], both products exact in fp32). Only the
 // order of the fp32 additions differs from F.linear on the dequantized weight.
 // Activations are not quantized by default: a GGUF model served in fp32 keeps the greedy output
 // of the same model dequantized. `int8_activations` (AVX512-VNNI) rounds them to int8 per block
@@ -15,8 +17,10 @@
 // Packed layout (written by kernels/linear_q_cpu.py's pack, read here): N is cut into panels of
 // 16 output columns, their count padded to even (the kernel takes two panels at a time, zero
 // columns beyond N); panel p is nb = K / 32 records, one per block of 32 k, each:
-//   Q4_0 / Q4_1: 16 k-pairs x 16 columns of bytes, byte [j][c] = q[c][2j] | q[c][2j + 1] << 4,
-//                then d[16] fp16, then (Q4_1) m[16] fp16, (Q4_G) z[16] uint8;
+//   Q4_0 / Q4_1 / Q4_G / Q4_K: 16 k-pairs x 16 columns of bytes, byte [j][c] = q[c][2j] |
+//                q[c][2j + 1] << 4, then d[16] fp16, then (Q4_1) m[16] fp16, (Q4_G) z[16]
+//                uint8, (Q4_K) dmin[16] fp16, sc[16] uint8, mn[16] uint8 (d and dmin repeat
+//                over the 8 blocks of a super-block: 5.5 bits a weight against the file's 4.5);
 //   Q8_0:        8 quads x 16 columns x 4 int8, byte [j][c][i] = q[c][4j + i], then d[16] fp16.
 // Q4: one 16-byte load and a zero-extension give 16 columns' integers for two k. Q8: one 64-byte
 // load gives 16 columns' integers for four k, each column's four in one 32-bit lane: the operand
@@ -48,7 +52,7 @@ constexpr int kRows = 4;        // rows of x per register tile (x 2 panels)
 constexpr int kRowBlock = 64;   // rows of x per work item
 
 // GGML's type ids; Q4_G is trillm's (not a GGML type): AWQ / GPTQ groups cut into blocks of 32.
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_G = 100 };
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ4_G = 100 };
 
 constexpr int quant_bytes(int qtype) {
   return qtype == kQ8_0 ? kBlock * kCols : kBlock / 2 * kCols;
@@ -56,14 +60,17 @@ constexpr int quant_bytes(int qtype) {
 
 // Bytes of the values and per-column parameters of one (panel, block) record.
 constexpr int param_bytes(int qtype) {
-  return 2 * kCols + (qtype == kQ4_1 ? 2 * kCols : qtype == kQ4_G ? kCols : 0);
+  return 2 * kCols + (qtype == kQ4_1   ? 2 * kCols
+                      : qtype == kQ4_G ? kCols
+                      : qtype == kQ4_K ? 4 * kCols
+                                       : 0);
 }
 
 // Bytes of one (panel, block) record.
 int record_bytes(int qtype) {
-  if (qtype != kQ4_0 && qtype != kQ4_1 && qtype != kQ8_0 && qtype != kQ4_G)
+  if (qtype != kQ4_0 && qtype != kQ4_1 && qtype != kQ8_0 && qtype != kQ4_K && qtype != kQ4_G)
     throw std::invalid_argument(
-        "quantized GEMM: type must be Q4_0 (2), Q4_1 (3), Q8_0 (8) or Q4_G (100)");
+        "quantized GEMM: type must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) or Q4_G (100)");
   return quant_bytes(qtype) + param_bytes(qtype);
 }
 
@@ -116,11 +123,22 @@ inline float from_bf16(uint16_t h) {
 }
 
 // acc + one block's share of 16 columns: d * (s - 8 sx) (Q4_0), d * s + m * sx (Q4_1),
-// d * (s - z sx) (Q4_G), d * s (Q8_0); s the block's sums of x * q, sx its sum of x, `params`
-// the record's d[16] fp16 (then m[16] fp16 or z[16] uint8).
+// d * (s - z sx) (Q4_G), d * s (Q8_0), (d sc) * s - (dmin mn) * sx (Q4_K); s the block's sums
+// of x * q, sx its sum of x, `params` the record's d[16] fp16 (then m[16] fp16, z[16] uint8 or
+// dmin[16] fp16, sc[16] uint8, mn[16] uint8).
 template <int QT>
 TRILLM_Q_TARGET inline __m512 add_block(__m512 acc, __m512 s, float sx, const uint8_t* params) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
+  if constexpr (QT == kQ4_K) {
+    const __m512 dmin = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 4 * kCols))));
+    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 5 * kCols))));
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, sc), s, acc);
+    return _mm512_fnmadd_ps(_mm512_mul_ps(dmin, mn), _mm512_set1_ps(sx), acc);
+  }
   if constexpr (QT == kQ4_0) s = _mm512_add_ps(s, _mm512_set1_ps(-8.0f * sx));
   if constexpr (QT == kQ4_G) {
     const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -252,6 +270,8 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
                      : rows_for_pair<kQ4_1, false>(g, m0, m1, pair); break;
     case kQ4_G: int8 ? rows_for_pair<kQ4_G, true>(g, m0, m1, pair)
                      : rows_for_pair<kQ4_G, false>(g, m0, m1, pair); break;
+    case kQ4_K: int8 ? rows_for_pair<kQ4_K, true>(g, m0, m1, pair)
+                     : rows_for_pair<kQ4_K, false>(g, m0, m1, pair); break;
     default: int8 ? rows_for_pair<kQ8_0, true>(g, m0, m1, pair)
                   : rows_for_pair<kQ8_0, false>(g, m0, m1, pair); break;
   }
@@ -317,7 +337,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
 }  // namespace
 
 void register_cpu_gemm_q(py::module_& m) {
-  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_G block-quantized weights (AVX-512, fp32 sums).";
+  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_K/Q4_G block-quantized weights (AVX-512, fp32 sums).";
   m.attr("PANEL") = kCols;
   m.attr("BLOCK") = kBlock;
   m.def("supported", &cpu_has_avx512, "Whether this CPU has AVX512F/BW/VL.");

@@ -1,4 +1,4 @@
-// The int8-activation path of ext/cpu_gemm_q.cpp (Q4_0, Q4_1, Q4_G, Q8_0), on CPUs with
+// The int8-activation path of ext/cpu_gemm_q.cpp (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0), on CPUs with
 // AVX512-VNNI; included there, inside its anonymous namespace, after `tile`.
 //
 // Each row of x is rounded per block of 32 to int8: dx = absmax / 127, xq = round(x / dx) (half

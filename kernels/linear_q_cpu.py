@@ -1,9 +1,11 @@
-"""Linear layers with GGUF's Q4_0 / Q4_1 / Q8_0 weights, or AWQ / GPTQ 4-bit groups, kept
+"""Linear layers with GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K weights, or AWQ / GPTQ 4-bit groups, kept
 quantized on CPU.
 
 A weight arrives as GGML blocks (32 values along K a block; per block an fp16 scale ``d``,
 Q4_1 an fp16 minimum ``m`` too; values ``(q - 8) * d`` for Q4_0, ``q * d + m`` for Q4_1,
-``q * d`` for Q8_0 with q signed), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
+``q * d`` for Q8_0 with q signed; Q4_K: super-blocks of 256 values, ``(d * sc) * q - dmin * mn``
+with fp16 d / dmin per super-block and 6-bit sc / mn per block of 32, each block becoming one
+record with d / dmin repeated), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
 scale and a 4-bit zero point per group of ``g`` values along K, values ``(q - z) * s``), which
 become Q4_G: each group cut into blocks of 32 that repeat its scale and zero point (exact).
 ``QuantizedWeight`` repacks the blocks once, at load, into
@@ -35,11 +37,12 @@ from . import recording
 
 BLOCK = 32  # values per block along K
 PANEL = 16  # output columns per panel of the packed layout
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML's type ids (gguf.GGMLQuantizationType)
+Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12  # GGML's type ids (gguf.GGMLQuantizationType)
 Q4_G = 100  # trillm's: AWQ / GPTQ 4-bit groups as blocks of 32 with an fp16 scale, a zero point
-QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_G: "Q4_G"}
+QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q4_G: "Q4_G"}
 # Bytes of one GGML block: fp16 d (+ fp16 m), then the values.
 GGML_BLOCK_BYTES = {Q4_0: 2 + 16, Q4_1: 4 + 16, Q8_0: 2 + 32}
+QK_K, Q4_K_BYTES = 256, 144  # Q4_K: values per super-block, bytes of one
 
 
 @functools.cache
@@ -88,8 +91,8 @@ def _values_bytes(qtype: int) -> int:
 
 def record_bytes(qtype: int) -> int:
     """Bytes of one (panel, block) record: the values, then d[16] fp16 (then Q4_1's m[16] fp16,
-    or Q4_G's z[16] uint8)."""
-    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL}.get(qtype, 0)
+    Q4_G's z[16] uint8, or Q4_K's dmin[16] fp16, sc[16] uint8, mn[16] uint8)."""
+    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL, Q4_K: 4 * PANEL}.get(qtype, 0)
     return _values_bytes(qtype) + 2 * PANEL + extra
 
 
@@ -98,12 +101,12 @@ def num_panels(n: int) -> int:
     return panels + (panels & 1)
 
 
-def unpack_ggml(
-    raw: np.ndarray, qtype: int, k: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """GGML rows [N, K / 32 * block bytes] uint8 -> (q [N, K] uint8 or int8, d [N, K/32] fp16,
-    m [N, K/32] fp16 or None). Q4 nibbles: value j of a block is byte j's low half, value
-    j + 16 its high half."""
+def unpack_ggml(raw: np.ndarray, qtype: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """GGML rows [N, K / 32 * block bytes] uint8 -> (q [N, K] uint8 or int8, the per-block
+    parameters [N, K/32] each: d fp16, then Q4_1's m fp16 or Q4_K's dmin fp16, sc uint8, mn
+    uint8). Q4 nibbles: value j of a block is byte j's low half, value j + 16 its high half."""
+    if qtype == Q4_K:
+        return _unpack_q4_k(raw, k)
     if qtype not in GGML_BLOCK_BYTES:
         raise ValueError(f"unsupported quantized type id {qtype}")
     if k % BLOCK:
@@ -113,28 +116,48 @@ def unpack_ggml(
     d = blocks[:, :, 0:2].copy().view(np.float16).reshape(n, nb)
     if qtype == Q8_0:
         q = blocks[:, :, 2:].copy().view(np.int8).reshape(n, k)
-        return q, d, None
+        return q, [d]
     start = 4 if qtype == Q4_1 else 2
-    m = blocks[:, :, 2:4].copy().view(np.float16).reshape(n, nb) if qtype == Q4_1 else None
+    params = [d]
+    if qtype == Q4_1:
+        params.append(blocks[:, :, 2:4].copy().view(np.float16).reshape(n, nb))
     nibbles = blocks[:, :, start:]  # [N, nb, 16]
     q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=2).reshape(n, k)
-    return q, d, m
+    return q, params
+
+
+def _unpack_q4_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Q4_K super-blocks (``gguf_kquants``' layout) -> q [N, K] uint8 and per block of 32:
+    d, dmin fp16 (the super-block's, repeated), sc, mn uint8 (the 6-bit fields unpacked)."""
+    if k % QK_K:
+        raise ValueError(f"K={k} is not a multiple of {QK_K} (Q4_K super-blocks)")
+    n, ns = raw.shape[0], k // QK_K
+    blocks = np.ascontiguousarray(raw).reshape(n, ns, Q4_K_BYTES)
+    d, dmin = (blocks[:, :, a : a + 2].copy().view(np.float16).reshape(n, ns) for a in (0, 2))
+    s = blocks[:, :, 4:16]
+    first, second, third = s[..., 0:4], s[..., 4:8], s[..., 8:12]  # see gguf_kquants
+    sc = np.concatenate([first & 63, (third & 0xF) | ((first >> 6) << 4)], axis=2)  # [N, ns, 8]
+    mn = np.concatenate([second & 63, (third >> 4) | ((second >> 6) << 4)], axis=2)
+    qs = blocks[:, :, 16:].reshape(n, ns, 4, 1, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(n, k)
+    per_block = [np.repeat(d, 8, axis=1), np.repeat(dmin, 8, axis=1)]
+    return q, [*per_block, sc.reshape(n, -1), mn.reshape(n, -1)]
 
 
 class QuantizedWeight:
-    """A [N, K] Q4_0 / Q4_1 / Q8_0 weight from GGML rows (or Q4_G: ``from_groups``), repacked
-    for the kernel."""
+    """A [N, K] Q4_0 / Q4_1 / Q8_0 / Q4_K weight from GGML rows (or Q4_G: ``from_groups``),
+    repacked for the kernel."""
 
     def __init__(self, raw: np.ndarray, qtype: int, out_features: int, in_features: int) -> None:
-        q, d, m = unpack_ggml(raw, qtype, in_features)
+        q, params = unpack_ggml(raw, qtype, in_features)
         if q.shape[0] != out_features:
             raise ValueError(f"{q.shape[0]} rows of blocks for a weight of {out_features} rows")
-        self._set(q, d, m, qtype)
+        self._set(q, params, qtype)
 
-    def _set(self, q: np.ndarray, d: np.ndarray, m: np.ndarray | None, qtype: int) -> None:
+    def _set(self, q: np.ndarray, params: list[np.ndarray], qtype: int) -> None:
         self.qtype = qtype
         self.out_features, self.in_features = q.shape
-        self.data = torch.from_numpy(_pack(q, d, m, qtype))  # [panels * nb * record] uint8
+        self.data = torch.from_numpy(_pack(q, params, qtype))  # [panels * nb * record] uint8
 
     @classmethod
     def from_groups(cls, q: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> QuantizedWeight:
@@ -150,8 +173,8 @@ class QuantizedWeight:
             raise ValueError("4-bit groups: values and zero points must be 0..15")
         repeat = k // groups // BLOCK  # blocks of 32 per group
         weight = cls.__new__(cls)
-        weight._set(q.astype(np.uint8), np.repeat(scales, repeat, axis=1),
-                    np.repeat(zeros.astype(np.uint8), repeat, axis=1), Q4_G)  # fmt: skip
+        weight._set(q.astype(np.uint8), [np.repeat(scales, repeat, axis=1),
+                    np.repeat(zeros.astype(np.uint8), repeat, axis=1)], Q4_G)  # fmt: skip
         return weight
 
     @property
@@ -159,12 +182,12 @@ class QuantizedWeight:
         return self.data.numel()
 
 
-def _pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, qtype: int) -> np.ndarray:
+def _pack(q: np.ndarray, params: list[np.ndarray], qtype: int) -> np.ndarray:
     n, k = q.shape
     nb, panels = k // BLOCK, num_panels(n)
     pad = panels * PANEL - n  # zero columns: q 0, d 0 (z 0), so they add nothing
     q = np.pad(q, ((0, pad), (0, 0)))
-    scales = [np.pad(s, ((0, pad), (0, 0))) for s in (d, m) if s is not None]
+    scales = [np.pad(s, ((0, pad), (0, 0))) for s in params]
     values: np.ndarray
     if qtype == Q8_0:
         # [P, 16 cols, nb, 32 k] -> [P, nb, 32 k, 16 cols]
@@ -177,7 +200,7 @@ def _pack(q: np.ndarray, d: np.ndarray, m: np.ndarray | None, qtype: int) -> np.
         packed = pairs[..., 0] | (pairs[..., 1] << 4)  # [P, 16 cols, nb, 16 pairs]
         values = packed.transpose(0, 2, 3, 1)  # [P, nb, 16 pairs, 16 cols]
     parts = [np.ascontiguousarray(values).reshape(panels, nb, -1)]
-    for s in scales:  # [Np, nb] fp16 (Q4_G's zero points: uint8) -> [P, nb, 16 cols] as bytes
+    for s in scales:  # [Np, nb] fp16 or uint8 -> [P, nb, 16 cols] as bytes
         parts.append(np.ascontiguousarray(s.reshape(panels, PANEL, nb).transpose(0, 2, 1))
                      .view(np.uint8).reshape(panels, nb, -1))  # fmt: skip
     return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
@@ -199,7 +222,11 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
         q = q.to(torch.float32)  # [P, nb, 32 k, 16 cols]
     params = records[:, :, values_bytes:]
     d = params[:, :, : 2 * PANEL].contiguous().view(torch.float16).to(torch.float32).unsqueeze(2)
-    if qtype == Q4_G:  # [P, nb, 1, 16] zero points, then (q - z) * d: exact in fp32
+    if qtype == Q4_K:  # (d * sc) * q - dmin * mn, as gguf_kquants' reference dequantizer
+        dmin = params[:, :, 2 * PANEL : 4 * PANEL].contiguous().view(torch.float16).float()
+        sc, mn = (params[:, :, a : a + PANEL].float() for a in (4 * PANEL, 5 * PANEL))
+        w = (d * sc.unsqueeze(2)) * q - (dmin * mn).unsqueeze(2)
+    elif qtype == Q4_G:  # [P, nb, 1, 16] zero points, then (q - z) * d: exact in fp32
         w = (q - params[:, :, 2 * PANEL :].to(torch.float32).unsqueeze(2)) * d
     elif qtype == Q4_0:
         w = (q - 8.0) * d

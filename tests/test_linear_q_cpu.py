@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 from trillm.kernels import linear_q_cpu
 
+from trillm.testing.gguf_models import random_kquant_blocks
+
 QTYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 needs_kernel = pytest.mark.skipif(
     not linear_q_cpu.available(), reason="trillm._ext.cpu_kernels not built or no AVX-512"
@@ -187,3 +189,63 @@ def test_int8_q8_0_kernel_is_exact_at_the_extremes():
     got = linear_q_cpu.linear(x, weight, int8_activations=True)
     ref = F.linear(x.double(), linear_q_cpu.dequantize(weight).double()).float()
     assert torch.equal(got, ref)
+
+
+# ---------------------------------------------------------------- Q4_K (super-blocks of 256)
+
+
+def _q4_k_weight(n: int, k: int, seed: int = 0):
+    """Random Q4_K blocks (every bit pattern is valid), d / dmin of either sign chosen so the
+    values are O(1), and their values as the gguf package dequantizes them."""
+    raw = random_kquant_blocks("Q4_K", n, k, seed)
+    blocks = raw.reshape(-1, 144)
+    rng = np.random.default_rng(seed + 1)
+    for at in (0, 2):  # d, dmin
+        d = rng.uniform(-2e-3, 2e-3, len(blocks)).astype(np.float16)
+        blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
+    values = quants.dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float32)
+    return raw, torch.from_numpy(values)
+
+
+@pytest.mark.parametrize("n", [1, 17, 33])
+def test_q4_k_packed_layout_dequantizes_like_gguf(n):
+    raw, expected = _q4_k_weight(n, 512, seed=n)
+    weight = linear_q_cpu.QuantizedWeight(raw, linear_q_cpu.Q4_K, n, 512)
+    assert weight.nbytes == linear_q_cpu.num_panels(n) * 16 * 512 * 11 // 16  # 5.5 bits a value
+    assert torch.equal(linear_q_cpu.dequantize(weight), expected)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        linear_q_cpu.QuantizedWeight(raw.reshape(2 * n, -1), linear_q_cpu.Q4_K, 2 * n, 256 + 32)
+
+
+def _check_q4_k(m, n, k, int8, out_dtype=torch.float32, bias=False):
+    raw, w = _q4_k_weight(n, k, seed=m + n)
+    weight = linear_q_cpu.QuantizedWeight(raw, linear_q_cpu.Q4_K, n, k)
+    gen = torch.Generator().manual_seed(m * 3 + n)
+    x = torch.randn(m, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = linear_q_cpu.linear(x, weight, b, out_dtype=out_dtype, int8_activations=int8)
+    ref = F.linear(linear_q_cpu.quantize_activations(x) if int8 else x, w, b)
+    if out_dtype == torch.bfloat16:
+        torch.testing.assert_close(got, ref.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(got, ref, atol=2e-4 * k**0.5, rtol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 131])
+@pytest.mark.parametrize("n", [15, 70])
+def test_q4_k_kernel_matches_dequantize_then_matmul(m, n):
+    _check_q4_k(m, n, 512 if m == 131 else 256, int8=False, bias=n % 2 == 1)
+
+
+@needs_vnni
+@pytest.mark.parametrize("m", [1, 5, 16, 131])
+def test_q4_k_int8_kernel_is_the_rounded_activations_times_the_weight(m):
+    _check_q4_k(m, 37, 512, int8=True, bias=True)
+    _check_q4_k(m, 37, 256, int8=True, out_dtype=torch.bfloat16)
+
+
+def test_q4_k_portable_path_without_extensions(monkeypatch):
+    monkeypatch.setenv("TRILLM_NO_EXTENSIONS", "1")
+    _check_q4_k(3, 20, 256, int8=False, bias=True)
+    _check_q4_k(3, 20, 256, int8=True)

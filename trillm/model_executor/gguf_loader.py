@@ -5,10 +5,11 @@ model in the file: the config from the GGUF metadata (``llama``, ``qwen2`` and `
 architectures: Llama, SmolLM2, Mistral, Qwen2, Qwen3 as llama.cpp converts them), the tokenizer
 and chat template from the file (``engine/config_builder.load_tokenizer``), the weights here.
 
-Tensors: F32 / F16 / BF16 are loaded in the run's dtype; Q4_0, Q4_1 and Q8_0 are kept quantized
-(``layers/quantized_linear.py``, a native kernel on CPU) unless ``dequantize_gguf`` asks for
-them in the run's dtype; the K-quants (Q2_K .. Q6_K, ``gguf_kquants.py``) are dequantized to the
-run's dtype at load; any other GGML type is refused naming it before anything loads.
+Tensors: F32 / F16 / BF16 are loaded in the run's dtype; Q4_0, Q4_1, Q8_0 and Q4_K are kept
+quantized (``layers/quantized_linear.py``, a native kernel on CPU) unless ``dequantize_gguf``
+asks for them in the run's dtype; the other K-quants (Q2_K, Q3_K, Q5_K, Q6_K,
+``gguf_kquants.py``) are dequantized to the run's dtype at load; any other GGML type is refused
+naming it before anything loads.
 llama.cpp stores a ``llama`` model's q/k projection rows permuted for its rotary layout
 (``permute`` in its converter): ``_unpermute`` puts them back in Hugging Face's order.
 """
@@ -34,8 +35,9 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # kept quantized (unless dequantize_gguf)
-DEQUANTIZED_TYPES = tuple(gguf_kquants.BLOCK_BYTES)  # always dequantized at load
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # kept quantized (unless dequantize_gguf)
+KQUANT_TYPES = tuple(gguf_kquants.BLOCK_BYTES)  # dequantized by gguf_kquants when dequantized
+DEQUANTIZED_TYPES = tuple(t for t in KQUANT_TYPES if t not in QUANTIZED_TYPES)  # always
 
 # GGUF tensor name (blk.N. prefix removed) -> Hugging Face name (model.layers.N. prefix added)
 _LAYER_NAMES = {
@@ -103,7 +105,7 @@ class GGUFFile:
                 f"{', '.join(sorted(ARCHITECTURES))}."
             )
         self.tensor_types = {t.name: t.tensor_type.name for t in self.reader.tensors}
-        known = (*FLOAT_TYPES, *QUANTIZED_TYPES, *DEQUANTIZED_TYPES)
+        known = tuple(dict.fromkeys((*FLOAT_TYPES, *QUANTIZED_TYPES, *KQUANT_TYPES)))
         unsupported = sorted({t for t in self.tensor_types.values() if t not in known})
         if unsupported:
             raise GGUFError(
@@ -213,7 +215,7 @@ def float_tensor(t: GGUFTensor) -> torch.Tensor:
 def dequantized_tensor(t: GGUFTensor) -> torch.Tensor:
     """A quantized tensor's values in fp32 (K-quants: ``gguf_kquants``; the others: the gguf
     package's dequantizer)."""
-    if t.type_name in DEQUANTIZED_TYPES:
+    if t.type_name in KQUANT_TYPES:
         raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy: the file is read-only
         return gguf_kquants.dequantize(raw, t.type_name).reshape(t.shape)
     from gguf import GGMLQuantizationType, quants
