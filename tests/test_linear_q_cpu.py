@@ -1,4 +1,4 @@
-"""kernels/linear_q_cpu.py: GGUF Q4_0 / Q4_1 / Q8_0 weights kept quantized (issue 13).
+"""kernels/linear_q_cpu.py: GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K weights kept quantized (issue 13).
 
 The repacked layout is checked against the gguf package's own dequantizer (an independent
 reader of GGML blocks); the native kernel against dequantize-then-F.linear on random blocks,
