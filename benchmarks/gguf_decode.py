@@ -1,15 +1,18 @@
 """A GGUF model kept quantized against the same model in fp32 and bf16: decode steps and load time.
 
 The model: SmolLM2-135M-Instruct, the Q4_1 GGUF (Q8_0 embedding, tied head) and the float32
-folder transformers dequantizes from it. Three ModelRunners in one process (the GGUF kept
-quantized with fp32 activations, the folder in fp32, the folder in bf16) decode ``--batches``
-rows for ``--steps`` steps each, alternated over ``--rounds`` rounds; medians of the step times.
+folder transformers dequantizes from it; ``--gguf`` may name more files (e.g. a Q8_0 one from
+``make_gguf.py``). ModelRunners in one process (each GGUF kept quantized, as served: fp32
+activations below ``INT8_MIN_ROWS`` rows, int8 from there; the folder in fp32 and in bf16)
+decode ``--batches`` rows for ``--steps`` steps each, alternated over ``--rounds`` rounds;
+medians of the step times.
 Then load times, each alternated too: trillm loading the GGUF (config, weights repacked,
 tokenizer from the metadata), transformers converting the GGUF (``from_pretrained(...,
-gguf_file=...)``, model and tokenizer), and trillm loading the float32 folder.
+gguf_file=...)``, model and tokenizer), and trillm loading the float32 folder (the first
+``--gguf``; ``--load-rounds 0`` skips them).
 
-    python benchmarks/gguf_decode.py --gguf G.gguf --folder F [--batches 1 16] [--steps 16]
-        [--rounds 3] [--threads N] [--out x.json]
+    python benchmarks/gguf_decode.py --gguf G.gguf [G2.gguf ...] --folder F [--batches 1 16]
+        [--steps 16] [--rounds 3] [--threads N] [--out x.json]
 """
 
 from __future__ import annotations
@@ -56,12 +59,16 @@ def _linear_bytes(runner: ModelRunner) -> int:
     return total
 
 
+def _gguf_kind(path: Path) -> str:
+    """The GGML type of the file's first-layer gate projection: its format, for the tables."""
+    from trillm.model_executor.gguf_loader import GGUFFile
+
+    return GGUFFile(path).tensor_types.get("blk.0.ffn_gate.weight", "?")
+
+
 def decode(args: argparse.Namespace) -> list[dict]:
-    variants = {
-        "gguf Q4_1 (fp32 activations)": (str(args.gguf), "float32"),
-        "fp32": (str(args.folder), "float32"),
-        "bf16": (str(args.folder), "bfloat16"),
-    }
+    variants = {f"gguf {_gguf_kind(g)}": (str(g), "float32") for g in args.gguf}
+    variants |= {"fp32": (str(args.folder), "float32"), "bf16": (str(args.folder), "bfloat16")}
     runners = {
         name: _runner(model, dtype, args.batches) for name, (model, dtype) in variants.items()
     }
@@ -108,15 +115,15 @@ def _transformers_load(gguf: Path) -> float:
 def load_times(args: argparse.Namespace) -> dict[str, float]:
     runs: dict[str, list[float]] = {}
     for _ in range(args.load_rounds):
-        runs.setdefault("trillm GGUF", []).append(_trillm_load(str(args.gguf)))
-        runs.setdefault("transformers GGUF conversion", []).append(_transformers_load(args.gguf))
+        runs.setdefault("trillm GGUF", []).append(_trillm_load(str(args.gguf[0])))
+        runs.setdefault("transformers GGUF conversion", []).append(_transformers_load(args.gguf[0]))
         runs.setdefault("trillm fp32 folder", []).append(_trillm_load(str(args.folder)))
     return {name: statistics.median(t) for name, t in runs.items()}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gguf", type=Path, required=True)
+    p.add_argument("--gguf", type=Path, nargs="+", required=True)
     p.add_argument("--folder", type=Path, required=True)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--steps", type=int, default=16)

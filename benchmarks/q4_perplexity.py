@@ -1,11 +1,15 @@
-"""Perplexity of a fixed text: a 4-bit GGUF kept quantized (fp32 and int8 activations) vs f32.
+"""Perplexity of a fixed text: a quantized GGUF kept quantized (fp32 and int8 activations) vs f32.
 
 Each variant scores the same text with ``prompt_logprobs`` (teacher forcing, one forward over the
 whole text: the prefill, where int8 activations apply from ``INT8_MIN_ROWS`` rows) and reports
-exp(-mean log p) over its tokens. Variants: the f32 GGUF, the 4-bit GGUF with fp32 activations
-(``INT8_MIN_ROWS`` raised past the text), and the 4-bit GGUF as served (int8 activations).
+exp(-mean log p) over its tokens. Variants: the f32 GGUF, the quantized GGUF (Q4_0 / Q4_1 /
+Q8_0) with fp32 activations (``INT8_MIN_ROWS`` raised past the text), and the quantized GGUF as
+served (int8 activations).
 
-    python benchmarks/q4_perplexity.py --f32 F32.gguf --q4 Q4_1.gguf [--out x.json]
+    python benchmarks/q4_perplexity.py --f32 F32.gguf --quantized Q4_1.gguf [--text FILE]
+        [--out x.json]
+
+``--text`` scores a file's text instead of the built-in paragraph (its first 2,000 characters).
 """
 
 from __future__ import annotations
@@ -35,13 +39,13 @@ TEXT = (
 )
 
 
-def perplexity(model: str, int8_min_rows: int) -> tuple[float, int]:
+def perplexity(model: str, int8_min_rows: int, text: str = TEXT) -> tuple[float, int]:
     linear_q_cpu.INT8_MIN_ROWS = int8_min_rows  # the engine runs in this process ("uni")
-    llm = LLM(model, dtype="float32", max_model_len=512, kv_cache_memory="64MiB",
+    llm = LLM(model, dtype="float32", max_model_len=1024, kv_cache_memory="64MiB",
               distributed_executor_backend="uni")  # fmt: skip
     try:
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-        out = llm.generate([TEXT], params, use_tqdm=False)[0]
+        out = llm.generate([text], params, use_tqdm=False)[0]
     finally:
         llm.shutdown()
     ids = out.prompt_token_ids
@@ -52,18 +56,20 @@ def perplexity(model: str, int8_min_rows: int) -> tuple[float, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--f32", type=Path, required=True)
-    p.add_argument("--q4", type=Path, required=True)
+    p.add_argument("--quantized", "--q4", dest="quantized", type=Path, required=True)
+    p.add_argument("--text", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    text = args.text.read_text()[:2000] if args.text else TEXT
     default = linear_q_cpu.INT8_MIN_ROWS
     variants = {
         "f32": (args.f32, default),
-        "4-bit, fp32 activations": (args.q4, 1 << 30),
-        f"4-bit, int8 activations (from {default} rows)": (args.q4, default),
+        "quantized, fp32 activations": (args.quantized, 1 << 30),
+        f"quantized, int8 activations (from {default} rows)": (args.quantized, default),
     }
     rows = []
     for name, (model, min_rows) in variants.items():
-        ppl, tokens = perplexity(str(model), min_rows)
+        ppl, tokens = perplexity(str(model), min_rows, text)
         rows.append(dict(variant=name, perplexity=ppl, tokens=tokens))
     base = rows[0]["perplexity"]
     for r in rows:
