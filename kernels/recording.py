@@ -13,6 +13,7 @@ Outside a recording ``call`` is one extra Python call per kernel.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,33 +29,39 @@ class Recording:
         self.calls: list[Call] = []
 
 
-_active: Recording | None = None
+class _State(threading.local):
+    active: Recording | None = None
+
+
+# Per thread: in-process engine cores (data parallelism with the "uni" executor) run their
+# forwards at the same time on threads of one process, each recording only its own calls.
+_state = _State()
 
 
 def start() -> Recording:
-    """Record every kernel call from now until ``stop``."""
-    global _active
-    if _active is not None:
+    """Record every kernel call of this thread from now until ``stop``."""
+    if _state.active is not None:
         raise RuntimeError("a recording is already active")
-    _active = Recording()
-    return _active
+    _state.active = Recording()
+    return _state.active
 
 
 def stop() -> None:
-    global _active
-    _active = None
+    _state.active = None
 
 
 def call(kernel: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     """``kernel(*args, **kwargs)``, recorded when a recording is active."""
     kernel(*args, **kwargs)
-    if _active is not None:
-        _active.calls.append((kernel, args, kwargs))
+    active = _state.active
+    if active is not None:
+        active.calls.append((kernel, args, kwargs))
 
 
 def attention(plan: Any, native_plan: Any, **kwargs: Any) -> None:
     """``native_plan.run(**kwargs)`` for ``plan`` (a ``PagedAttentionPlan``), recorded as a run
     of the plan the replayed step builds for the same shapes (``plan.key``)."""
     native_plan.run(**kwargs)
-    if _active is not None:
-        _active.calls.append((None, (plan.key,), kwargs))
+    active = _state.active
+    if active is not None:
+        active.calls.append((None, (plan.key,), kwargs))
