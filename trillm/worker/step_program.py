@@ -95,7 +95,12 @@ class _Watch(TorchDispatchMode):
         self.rec = rec
         self.forbidden = forbidden  # storages of step inputs a replay does not refresh
         self.made: list[torch.Tensor] = []
+        self.owned: dict[int, int] = {}  # storage -> bytes, of the tensors the forward allocated
         self.refused: str | None = None
+
+    def _own(self, outputs: list[torch.Tensor]) -> None:
+        for t in outputs:
+            self.owned[_storage(t)] = t.untyped_storage().nbytes()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -103,7 +108,10 @@ class _Watch(TorchDispatchMode):
         outputs = _tensors(out if isinstance(out, (list, tuple)) else [out])
         self.made.extend(outputs)
         inputs = _tensors([*args, *kwargs.values()])
-        if self.refused is not None or func.overloadpacket.__name__ in _ALLOCATIONS:
+        if func.overloadpacket.__name__ in _ALLOCATIONS:
+            self._own(outputs)
+            return out
+        if self.refused is not None:
             return out
         if (
             func.overloadpacket.__name__ in _UNREPLAYABLE
@@ -119,6 +127,7 @@ class _Watch(TorchDispatchMode):
         sources = {_storage(t) for t in inputs}
         if writes or not all(_storage(t) in sources for t in outputs):  # it computes
             self.rec.calls.append((_TorchOp(func, outputs, writes), args, kwargs))
+            self._own([t for t in outputs if _storage(t) not in sources])
         return out
 
 
@@ -133,12 +142,8 @@ class StepProgram:
     output: torch.Tensor  # [T, H]: the final norm's output; valid until the next replay
     plan_keys: list[tuple[Any, ...]]  # the attention plans' shapes (``PagedAttentionPlan.key``)
     keep: list[torch.Tensor] = field(default_factory=list)  # every buffer the calls point into
+    nbytes: int = 0  # of the buffers the captured forward allocated (not the caches' views)
     verified: bool = False  # a replay has matched the eager forward
-
-    @property
-    def nbytes(self) -> int:
-        storages = {_storage(t): t.untyped_storage().nbytes() for t in self.keep}
-        return sum(storages.values())
 
     def replay(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -213,6 +218,9 @@ class StepPrograms:
         try:
             with watch:
                 out = self.model(ids, pos, kv_caches, own)
+        except Exception as e:  # the eager forward below says whether the step itself fails
+            self._give_up(f"the capture raised {type(e).__name__}: {e}")
+            return self.model(input_ids, positions, kv_caches, meta)
         finally:
             recording.stop()
         # The eager forward's result is the step's (it also rewrites this step's K/V rows).
@@ -260,6 +268,7 @@ class StepPrograms:
             output=out,
             plan_keys=keys,
             keep=watch.made,
+            nbytes=sum(watch.owned.values()),
         )
 
     def _give_up(self, reason: str) -> None:

@@ -1,0 +1,78 @@
+"""Decode steps with and without step-program replay (trillm/worker/step_program.py).
+
+One ModelRunner; rounds alternate the eager forward and the replayed one (the same runner, the
+programs switched off and on), each round a fresh set of ``batch`` requests decoding ``--steps``
+steps after a ``--prompt-len`` prompt. Reported: the median step time of each mode (median of
+the rounds' medians) and eager / replay.
+
+    python benchmarks/step_program.py --model PATH [--dtype float32] [--batches 1 4 16]
+        [--rounds 4] [--steps 24] [--threads N] [--out x.json]
+
+PATH may be a checkpoint folder or a .gguf file (kept quantized where trillm can).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from decode_step import BLOCK_SIZE, time_decode
+
+from trillm.config import EngineArgs
+from trillm.engine.config_builder import build_config
+from trillm.worker.model_runner import ModelRunner
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine_args = EngineArgs(
+        model=args.model, dtype=args.dtype, quantization=args.quantization, device="cpu",
+        block_size=BLOCK_SIZE, max_num_seqs=max(args.batches), max_model_len=1024,
+        num_gpu_blocks_override=max(args.batches) * 24,
+    )  # fmt: skip
+    runner = ModelRunner(build_config(engine_args))
+    runner.load_model()
+    runner.initialize_kv_cache(runner.determine_num_blocks())
+    programs = runner.step_programs
+    if programs is None:
+        raise SystemExit("step programs do not apply to this runner (see ModelRunner)")
+    rows, first_step = [], 0
+    for batch in args.batches:
+        medians: dict[str, list[float]] = {"eager": [], "replay": []}
+        for _ in range(args.rounds):
+            for mode in medians:
+                runner.step_programs = programs if mode == "replay" else None
+                times = time_decode(runner, batch, args.steps, first_step, args.prompt_len)
+                first_step += args.steps + 2
+                medians[mode].append(statistics.median(times[2:]) * 1e3)  # after the capture
+        eager, replay = (statistics.median(medians[m]) for m in ("eager", "replay"))
+        rows.append(dict(batch=batch, eager_ms=eager, replay_ms=replay, speedup=eager / replay,
+                         rounds=medians))  # fmt: skip
+        print(f"batch {batch:>3}: eager {eager:7.2f} ms, replay {replay:7.2f} ms, "
+              f"{eager / replay:.2f}x", flush=True)  # fmt: skip
+    if programs.reason is not None:
+        print("programs off:", programs.reason)
+    result = dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                  threads=torch.get_num_threads(), steps=args.steps, prompt_len=args.prompt_len,
+                  off_reason=programs.reason, rows=rows)  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
