@@ -180,3 +180,17 @@ def test_a_kernel_reading_a_step_input_that_is_not_refreshed_is_refused():
     with pytest.raises(NotReplayable, match="step input"):
         _check_pointers([(print, (inside,), {})], [block_table], (slots,))
     _check_pointers([(print, (), {"slot_mapping": slots.data_ptr()})], [block_table], (slots,))
+
+
+def test_a_capture_that_raises_gives_up_and_the_step_runs_eagerly(tmp_path, monkeypatch):
+    path = build_tiny_model("llama", tmp_path / "llama")
+    eager = _decode(_runner(path, eager=True))
+    runner = _runner(path)
+
+    def refuse():
+        raise RuntimeError("no recording here")
+
+    monkeypatch.setattr(step_program.recording, "start", refuse)
+    assert _decode(runner) == eager
+    assert runner.step_programs is not None
+    assert runner.step_programs.reason == "the capture raised RuntimeError: no recording here"

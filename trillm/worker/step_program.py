@@ -212,10 +212,10 @@ class StepPrograms:
         # The program owns its inputs: nothing it points into belongs to the runner's batch.
         ids, pos = input_ids.clone(), positions.clone()
         own = replace(meta, slot_mapping=meta.slot_mapping.clone())
-        rec = recording.start()
         forbidden = {_storage(t) for t in (input_ids, positions, *_step_inputs(meta))}
-        watch = _Watch(rec, forbidden)
         try:
+            rec = recording.start()
+            watch = _Watch(rec, forbidden)
             with watch:
                 out = self.model(ids, pos, kv_caches, own)
         except Exception as e:  # the eager forward below says whether the step itself fails
