@@ -47,19 +47,25 @@ cdef class _StepPlan:
     """What one schedule() call hands out, built up request by request."""
 
     cdef long long budget
+    cdef long long max_reqs  # > 0: the most requests of the step
     cdef dict num_scheduled  # req_id -> num_scheduled_tokens
     cdef list new_reqs
     cdef dict cached  # req_id -> (new block ids, num_computed_tokens before this step)
     cdef dict spec  # req_id -> draft tokens scheduled
     cdef int structured
 
-    def __init__(self, long long budget):
+    def __init__(self, long long budget, long long max_reqs=0):
         self.budget = budget
+        self.max_reqs = max_reqs
         self.num_scheduled = {}
         self.new_reqs = []
         self.cached = {}
         self.spec = {}
         self.structured = 0
+
+    cdef inline cbool has_room(self):
+        return self.budget > 0 and (self.max_reqs <= 0
+                                    or <long long>len(self.num_scheduled) < self.max_reqs)
 
     cdef void _schedule(self, Request r, long long n):
         self.num_scheduled[r.request_id] = n
@@ -158,6 +164,7 @@ cdef class Scheduler:
     cdef list _finished_req_ids
     cdef long long _step_id
     cdef public long long num_preemptions
+    cdef object _busy  # schedule()'s argument, for its helpers
 
     def __init__(self, scheduler_config, cache_config, int num_blocks):
         self.scheduler_config = scheduler_config
@@ -175,6 +182,7 @@ cdef class Scheduler:
         self._finished_req_ids = []
         self._step_id = 0
         self.num_preemptions = 0
+        self._busy = ()
 
     # ------------------------------------------------------------------ requests in
 
@@ -229,10 +237,13 @@ cdef class Scheduler:
 
     # ------------------------------------------------------------------ P1: schedule
 
-    def schedule(self):
+    def schedule(self, busy=(), long long max_reqs=0):
+        """``busy``: the requests of the steps still in flight (skipped, never preempted);
+        ``max_reqs`` > 0: the most requests this step may hold."""
         self._step_id += 1
-        cdef _StepPlan plan = _StepPlan(self.max_num_batched_tokens)
+        cdef _StepPlan plan = _StepPlan(self.max_num_batched_tokens, max_reqs)
         cdef long long preemptions_before = self.num_preemptions
+        self._busy = busy
         self._schedule_running(plan)
         if self.num_preemptions == preemptions_before:
             # NOTE: after a preemption nothing is admitted: blocks are short this step.
@@ -259,8 +270,11 @@ cdef class Scheduler:
         cdef long long n
         cdef vector[int] no_blocks
         cdef vector[int] new_blocks
-        while i < self.running.size() and plan.budget > 0:
+        while i < self.running.size() and plan.has_room():
             r = <Request>self.running[i]
+            if self._busy and r.request_id in self._busy:
+                i += 1
+                continue
             n = self._chunk_size(r.num_computed_tokens,
                                  <long long>(r.tokens.size() + r.spec.size()), plan.budget)
             if n <= 0:
@@ -286,13 +300,20 @@ cdef class Scheduler:
         return True
 
     cdef Request _pick_victim(self):
-        cdef Py_ssize_t i
-        cdef Request victim = <Request>self.running.back()
+        """Never a busy request (the one that needs room is not busy: always a candidate)."""
+        cdef Py_ssize_t i, last = <Py_ssize_t>self.running.size() - 1
+        cdef Request victim
         cdef Request r
+        cdef cbool any_busy = bool(self._busy)
+        while any_busy and (<Request>self.running[last]).request_id in self._busy:
+            last -= 1
+        victim = <Request>self.running[last]
         if not self.priority_policy:
             return victim
-        for i in range(<Py_ssize_t>self.running.size() - 1, -1, -1):
+        for i in range(last, -1, -1):
             r = <Request>self.running[i]
+            if any_busy and r.request_id in self._busy:
+                continue
             if _key_greater(r, victim):
                 victim = r
         return victim
@@ -317,7 +338,7 @@ cdef class Scheduler:
         cdef vector[int] new_blocks
         cdef long long num_hit, n
         cdef Py_ssize_t head
-        while (self.waiting.size() > 0 and plan.budget > 0
+        while (self.waiting.size() > 0 and plan.has_room()
                and <long long>self.running.size() < self.max_num_seqs):
             head = self._next_admissible()
             if head < 0:

@@ -398,3 +398,97 @@ def test_priority_preemption_of_a_request_scheduled_earlier_in_the_step(impl):
     assert [o.request_id for o in outs] == ["y"]
     assert sched.get_request("x").num_computed_tokens == 0
     check_scheduler_invariants(sched, worker)
+
+
+# ---------------------------------------------------------------- batch queue (pipeline stages)
+
+
+def test_busy_requests_are_not_scheduled_again(impl):
+    """A request of a step still in flight (``busy``) gets no tokens, even with prompt left
+    (a chunk in flight); the others and waiting requests are scheduled as usual."""
+    sched = make_scheduler(impl, max_num_batched_tokens=8)
+    sched.add_request(ecr("a", prompt(0, 3), max_tokens=4, arrival=0))
+    sched.add_request(ecr("c", prompt(2, 12), max_tokens=2, arrival=1))
+    worker = FakeWorker()
+    first = sched.schedule()
+    assert first.num_scheduled_tokens == {"a": 3, "c": 5}
+    sched.add_request(ecr("b", prompt(1, 3), max_tokens=4, arrival=2))
+    second = sched.schedule(busy=set(first.num_scheduled_tokens))
+    assert second.num_scheduled_tokens == {"b": 3}  # c's 7 prompt tokens wait for its step
+    outs = []
+    for out in (first, second):  # outputs applied in step order
+        outs += sched.update_from_output(out, worker.execute(out))
+    check_scheduler_invariants(sched, worker)
+    assert sorted(o.request_id for o in outs) == ["a", "b"]
+    third = sched.schedule(busy={"b"})
+    assert third.num_scheduled_tokens == {"a": 1, "c": 7}
+
+
+def test_max_reqs_caps_one_step(impl):
+    """``max_reqs``: one step's share of the requests, running ones first, then admissions;
+    the rest run in the next step (in flight beside it)."""
+    sched = make_scheduler(impl)
+    for i, name in enumerate("abcde"):
+        sched.add_request(ecr(name, prompt(i, 3), max_tokens=4, arrival=i))
+    first = sched.schedule(max_reqs=3)
+    assert list(first.num_scheduled_tokens) == ["a", "b", "c"]
+    assert sched.waiting_req_ids() == ["d", "e"]
+    second = sched.schedule(busy=set(first.num_scheduled_tokens), max_reqs=3)
+    assert list(second.num_scheduled_tokens) == ["d", "e"]
+    worker = FakeWorker()
+    for out in (first, second):
+        sched.update_from_output(out, worker.execute(out))
+    third = sched.schedule(busy=set(second.num_scheduled_tokens), max_reqs=2)
+    assert third.num_scheduled_tokens == {"a": 1, "b": 1}
+    check_scheduler_invariants(sched)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_busy_request_is_never_preempted(impl, policy):
+    """Out of blocks, the victim the policy would pick is in flight: the scheduler preempts
+    among the others (here the request that needs room itself) and leaves the busy one be."""
+    sched, worker = _two_growing_requests(impl, policy, pa=1, pb=0)
+    usual_victim, other = ("b", "a") if policy == "fcfs" else ("a", "b")
+    out = sched.schedule(busy={usual_victim})
+    worker.execute(out)
+    assert out.num_scheduled_tokens == {}
+    assert out.finished_req_ids == [other]
+    assert sched.get_request(other).status == RequestStatus.PREEMPTED
+    assert sched.get_request(usual_victim).status == RequestStatus.RUNNING
+    assert len(sched.kv_cache_manager.get_block_ids(usual_victim)) == 2
+    check_scheduler_invariants(sched, worker)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_batch_queue_gives_the_same_tokens_under_preemption(impl, depth):
+    """Up to ``depth`` steps in flight over disjoint requests (the worker runs each step when
+    it is sent, the scheduler sees its output steps later), on a cache too small for all:
+    every request ends with its script, as with one step at a time."""
+    scripts = {name: [100 + 10 * i + k for k in range(6)] for i, name in enumerate("abcde")}
+    sched = make_scheduler(impl, num_blocks=8, block_size=4, max_num_batched_tokens=8)
+    for i, name in enumerate(scripts):
+        sched.add_request(ecr(name, prompt(i, 5 + i), max_tokens=6, arrival=i))
+    worker = FakeWorker(token_fn=scripted(scripts))
+    queue: list = []  # (scheduler output, worker output), oldest first
+    tokens: dict[str, list[int]] = {name: [] for name in scripts}
+    max_depth = 0
+    for _ in range(300):
+        if not sched.has_unfinished_requests() and not queue:
+            break
+        if len(queue) < depth:
+            busy = {r for out, _ in queue for r in out.num_scheduled_tokens}
+            share = -(-sum(sched.get_request_counts()) // depth)
+            out = sched.schedule(busy=busy, max_reqs=share)
+            assert not busy & set(out.num_scheduled_tokens)
+            if out.total_num_scheduled_tokens:
+                queue.append((out, worker.execute(out)))
+                max_depth = max(max_depth, len(queue))
+                continue
+            worker.execute(out)  # its finished ids only
+        out, runner_out = queue.pop(0)
+        for o in sched.update_from_output(out, runner_out):
+            tokens[o.request_id] += o.new_token_ids
+        check_scheduler_invariants(sched, worker)
+    assert tokens == scripts
+    assert max_depth == depth
+    assert sched.get_stats().num_preemptions > 0

@@ -10,12 +10,18 @@ arrival) under the priority policy). Prompts longer than the budget are chunked.
 back in ``update_from_output``. When a running request needs a block and none is free, the
 lowest-priority running request is preempted (recompute): its blocks are freed and it goes
 back to the front of the waiting queue, to be sent to the worker in full again later.
+
+With pipeline parallelism the engine core keeps several steps in flight (its batch queue) and
+passes their requests as ``schedule(busy=...)``: a busy request is neither scheduled again nor
+preempted until its step's output is applied, so in-flight steps hold disjoint requests; and
+``max_reqs`` caps the requests of one step (its share of them), so that the next step has
+some to run.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from trillm.config import CacheConfig, SchedulerConfig
 from trillm.core.errors import DuplicateRequestError, RequestTooLargeError
@@ -86,6 +92,7 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self._step_id = 0
         self.num_preemptions = 0
+        self._busy: Collection[str] = ()  # schedule()'s argument, for its helpers
 
     # ------------------------------------------------------------------ requests in
 
@@ -136,10 +143,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ P1: schedule
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: Collection[str] = (), max_reqs: int = 0) -> SchedulerOutput:
+        """``busy``: the requests of the steps still in flight (skipped, never preempted);
+        ``max_reqs`` > 0: the most requests this step may hold."""
         self._step_id += 1
-        plan = _StepPlan(self.max_num_batched_tokens)
+        plan = _StepPlan(self.max_num_batched_tokens, max_reqs)
         preemptions_before = self.num_preemptions
+        self._busy = busy
         self._schedule_running(plan)
         if self.num_preemptions == preemptions_before:
             # NOTE: after a preemption nothing is admitted: blocks are short this step.
@@ -156,8 +166,11 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Running requests in admission order; preempts when blocks run out."""
         i = 0
-        while i < len(self._running) and plan.budget > 0:
+        while i < len(self._running) and plan.has_room:
             request = self._running[i]
+            if self._busy and request.request_id in self._busy:
+                i += 1
+                continue
             n = self._chunk_size(
                 request.num_computed_tokens, request.num_tokens_with_spec, plan.budget
             )
@@ -184,11 +197,15 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         """FCFS: the newest running request. Priority: the largest priority value, then the
-        latest arrival, then the latest admitted."""
+        latest arrival, then the latest admitted. Never a busy one (the request that needs
+        room is not busy, so there is always a candidate)."""
+        candidates = self._running
+        if self._busy:
+            candidates = [r for r in self._running if r.request_id not in self._busy]
+        victim = candidates[-1]
         if not self.priority_policy:
-            return self._running[-1]
-        victim = self._running[-1]
-        for request in reversed(self._running):
+            return victim
+        for request in reversed(candidates):
             if self._waiting_key(request) > self._waiting_key(victim):
                 victim = request
         return victim
@@ -208,7 +225,7 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
-        while self._waiting and plan.budget > 0 and len(self._running) < self.max_num_seqs:
+        while self._waiting and plan.has_room and len(self._running) < self.max_num_seqs:
             head = self._next_admissible()
             if head < 0:
                 break  # only requests waiting for their grammar
@@ -376,13 +393,18 @@ class Scheduler:
 class _StepPlan:
     """What one schedule() call hands out, built up request by request."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, max_reqs: int = 0) -> None:
         self.budget = budget
+        self.max_reqs = max_reqs  # > 0: the most requests of the step
         self.num_scheduled: dict[str, int] = {}  # req_id -> num_scheduled_tokens
         self.new_reqs: list[NewRequestData] = []
         self.cached: dict[str, tuple[list[int], int]] = {}  # req_id -> (new blocks, computed)
         self.spec: dict[str, list[int]] = {}  # req_id -> draft tokens scheduled
         self.structured = 0
+
+    @property
+    def has_room(self) -> bool:
+        return self.budget > 0 and (self.max_reqs <= 0 or len(self.num_scheduled) < self.max_reqs)
 
     def _schedule(self, request: Request, n: int) -> None:
         self.num_scheduled[request.request_id] = n
