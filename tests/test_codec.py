@@ -90,6 +90,7 @@ def scheduler_outputs(draw) -> SchedulerOutput:
         scheduled_spec_decode_tokens=draw(st.dictionaries(req_id, ids, max_size=2)),
         finished_req_ids=draw(st.lists(req_id, max_size=3)),
         wait_for_bitmask=draw(st.booleans()),
+        pp_sampled_token_ids=draw(st.dictionaries(req_id, ids, max_size=3)),
     )
 
 
@@ -195,11 +196,11 @@ def test_encode_rejects_foreign_objects():
         (msgpack.packb({"a": 1}), r"expected \[tag, ...\], got dict"),
         (msgpack.packb([]), r"expected \[tag, ...\]"),
         (msgpack.packb([99, 1]), "unknown message tag 99"),
-        (msgpack.packb([0, 1, 2]), "Malformed SchedulerOutput: expected a list of 9 fields, got 3"),
+        (msgpack.packb([0, 1, 2]), "Malformed SchedulerOutput: expected a list of 10 fields, got 3"),
         (msgpack.packb([2, 1, [], [], {}, {}, 0.0]), "Malformed ModelRunnerOutput"),
         (
             msgpack.packb(
-                [0, 1, [["r", [], [], [1, 2], [], 0, None]], [[], [], []], {}, 0, {}, [], False]
+                [0, 1, [["r", [], [], [1, 2], [], 0, None]], [[], [], []], {}, 0, {}, [], False, {}]
             ),
             "Malformed SamplingParams",
         ),

@@ -1,6 +1,8 @@
 """Pipeline parallelism (issue 14): PP=2 and TP=2 x PP=2 give PP=1's greedy tokens, through the
-Python API and over HTTP; each stage builds and loads only its layers; a killed stage-1 rank
-takes the engine down cleanly; what has no pipeline path is refused by name.
+Python API and over HTTP; with two micro-batches in flight (the batch queue) under preemption,
+with mixed lengths, a single request, one batch in flight, and an abort while another batch
+is in flight; each stage builds and loads only its layers; a killed stage-1 rank takes the
+engine down cleanly; what has no pipeline path is refused by name.
 
 The Llama has 3 layers (an uneven split: 1 + 2) and a head tied to its embedding (so the last
 stage holds the embedding too); the Gemma 2 passes the residual stream as its hidden states
@@ -13,6 +15,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import httpx
@@ -29,7 +33,7 @@ from trillm.sampling_params import SamplingParams
 PROMPTS = ["Hello there, how", "The capital of France is", "1 2 3 1 2 3 1 2 3 1 2"]
 MAX_TOKENS = 8
 LIMITS = {"max_model_len": 128, "kv_cache_memory": "8MiB"}
-# n-gram drafts: the last stage broadcasts a variable number of tokens per request.
+# n-gram drafts: a variable number of the last stage's tokens per request reach stage 0.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 
 
@@ -143,6 +147,59 @@ def test_what_pp_cannot_do_is_refused_by_name(llama):
         LLM(llama, pipeline_parallel_size=0, **LIMITS)
 
 
+# ---------------------------------------------------------------- micro-batches in flight
+
+# 8 blocks of 16 tokens: one request of max_model_len fits, six of up to 40 tokens do not, so
+# requests are preempted (and recomputed) while other steps are in flight.
+TINY_KV = {"max_model_len": 128, "num_gpu_blocks_override": 8}
+MIXED_MAX_TOKENS = [24, 5, 24, 12, 2, 24]  # some finish while other batches are in flight
+
+
+def mixed_params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MIXED_MAX_TOKENS]
+
+
+def run_queued(llm: LLM, prompts: list[str], params) -> tuple[list[list[int]], int]:
+    """-> (each prompt's tokens, the most steps in flight at once during the call)."""
+    core = llm.engine.core
+    before = Counter(core.batch_queue_depths)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    depths = core.batch_queue_depths - before
+    return [o.outputs[0].token_ids for o in outs], max(depths, default=0)
+
+
+def test_micro_batches_in_flight_match_pp1_under_preemption(llama):
+    """PP=2 keeps two steps in flight over disjoint requests: six concurrent requests of mixed
+    lengths under a cache too small for them (preemptions) give PP=1's greedy tokens under
+    the same cache; a single request (fewer than two batches' worth) runs one step at a time
+    and gives its PP=1 tokens too."""
+    prompts = PROMPTS * 2
+    with LLM(llama, distributed_executor_backend="uni", **TINY_KV) as llm:
+        outs = llm.generate(prompts, mixed_params(), use_tqdm=False)
+        reference = [o.outputs[0].token_ids for o in outs]
+    assert [len(t) for t in reference] == MIXED_MAX_TOKENS
+    with LLM(llama, pipeline_parallel_size=2, **TINY_KV) as llm:
+        got, depth = run_queued(llm, prompts, mixed_params())
+        assert got == reference
+        assert depth == 2
+        assert llm.engine.core.scheduler.get_stats().num_preemptions > 0
+        got, depth = run_queued(llm, prompts[:1], mixed_params()[0])
+        assert got == reference[:1]
+        assert depth == 1  # the only request is in the step in flight
+
+
+def test_one_batch_in_flight_when_asked(llama, pp1_tokens, monkeypatch):
+    """TRILLM_PP_MICRO_BATCHES=1 (the comparison the benchmark makes): the same tokens, never
+    two steps in flight; a number outside 1..pipeline_parallel_size is refused by name."""
+    monkeypatch.setenv("TRILLM_PP_MICRO_BATCHES", "1")
+    with LLM(llama, pipeline_parallel_size=2, **LIMITS) as llm:
+        got, depth = run_queued(llm, PROMPTS, greedy())
+    assert (got, depth) == (pp1_tokens, 1)
+    monkeypatch.setenv("TRILLM_PP_MICRO_BATCHES", "3")
+    with pytest.raises(ValueError, match="TRILLM_PP_MICRO_BATCHES='3': must be an integer"):
+        LLM(llama, pipeline_parallel_size=2, **LIMITS)
+
+
 # ---------------------------------------------------------------- HTTP, then a killed stage
 
 
@@ -159,6 +216,31 @@ def server(llama, tmp_path_factory):
 
 def test_http_pp2_matches_pp1_token_for_token(server, pp1_tokens):
     assert http_greedy_tokens(server.base_url, PROMPTS, MAX_TOKENS) == pp1_tokens
+
+
+def test_http_abort_while_another_batch_is_in_flight(server, pp1_tokens):
+    """A stream whose client leaves mid-generation is aborted while the other requests' steps
+    are in flight; they still get PP=1's tokens, and the server serves on."""
+    streamed = open_request(
+        server, "/v1/completions",
+        {"prompt": "x", "max_tokens": 100, "ignore_eos": True, "stream": True},
+    )  # fmt: skip
+    read_until(streamed, b"data: {")
+
+    def one(prompt: str) -> list[int]:
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        r = httpx.post(server.base_url + "/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(one, p) for p in PROMPTS]
+        time.sleep(0.3)
+        streamed.close()  # the client leaves: the server aborts its request
+        got = [f.result() for f in futures]
+    assert got == pp1_tokens
+    assert one(PROMPTS[0]) == pp1_tokens[0]
 
 
 def test_killed_stage1_rank_fails_requests_then_the_server_exits_clean(server):

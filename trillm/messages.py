@@ -104,6 +104,10 @@ class SchedulerOutput:
     # True when some scheduled request uses structured output: the worker then waits for a
     # SampleRequest carrying the bitmask before P3; otherwise it samples straight away.
     wait_for_bitmask: bool = False
+    # Pipeline parallelism only: req_id -> the tokens the last stage sampled for it since the
+    # last step sent (its outputs the engine core applied); the other stages append them to
+    # their batches before this step's inputs (vLLM sends them the same way). Empty otherwise.
+    pp_sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -6,14 +6,15 @@ global rank ``g`` is tensor-parallel rank ``g % N`` of stage ``g // N`` (vLLM's 
 the last stage the final norm and the LM head (and the embedding too when the head is tied to
 it). Each rank builds, loads and caches only its stage's layers.
 
-One step, one batch in flight: every rank reads the step from the ring and prepares the same
-inputs; stage 0 embeds and runs its layers, then sends the hidden states (and the Llama
-decoders' residual stream), ``[T, H]`` each, to the same tensor-parallel rank of the next stage
-(``torch.distributed`` point-to-point ``send`` / ``recv``: gloo on CPU, NCCL on GPU); the last
-stage computes the logits and samples, then broadcasts each request's new tokens to every rank
-so that each rank's batch appends them (the next step's input ids on stage 0).
+Every rank reads each step from the ring and prepares the same inputs; stage 0 embeds and runs
+its layers, then sends the hidden states (and the Llama decoders' residual stream), ``[T, H]``
+each, to the same tensor-parallel rank of the next stage (``torch.distributed`` point-to-point
+``send`` / ``recv``: gloo on CPU, NCCL on GPU); the last stage computes the logits and samples.
+The other stages get its tokens with a later step (``trillm/worker/pipeline_tokens.py``), so
+no stage waits for a later one: with the engine core's batch queue, stage 0 runs step i + 1
+while stage 1 runs step i (one micro-batch per stage in flight).
 
-A ``send``/``recv``/``broadcast`` that fails (a peer rank died) or does not complete within the
+A ``send``/``recv`` that fails (a peer rank died) or does not complete within the
 group's timeout raises ``CollectiveTimeoutError``, which the worker treats as fatal.
 """
 
@@ -115,12 +116,6 @@ class PipelineGroup:
             self._run("recv", dist.recv, t, src)
             out.append(t)
         return out
-
-    def broadcast_from_last(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` of the last stage's tensor-parallel rank 0, on every rank (in place)."""
-        src = (self.num_stages - 1) * self.tp_size
-        self._run("broadcast", dist.broadcast, t, src)
-        return t
 
     def _run(self, op: str, fn: Callable[..., object], t: torch.Tensor, peer: int) -> None:
         start = time.perf_counter()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter, deque
+from collections.abc import Collection
 
 import trio
 
@@ -63,6 +65,16 @@ class EngineCore:
         # req_id -> time.time() of its first P1, until its first output carries it.
         self._scheduled_at: dict[str, float] = {}
         self.num_steps = 0
+        # Pipeline parallelism: the batch queue (steps sent, oldest first, at most
+        # max_batches), the tokens the other stages have not been sent yet (req_id -> tokens;
+        # None without pipeline stages) and how many steps were in flight after each send.
+        self.max_batches = 1
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._pp_tokens: dict[str, list[int]] | None = None
+        if getattr(executor, "num_pipeline_stages", 1) > 1:  # (test stubs lack the property)
+            self.max_batches = executor.max_concurrent_batches
+            self._pp_tokens = {}
+        self.batch_queue_depths: Counter[int] = Counter()
 
     # ------------------------------------------------------------------ inputs
     def handle_input(self, msg: EngineCoreInput) -> None:
@@ -103,18 +115,11 @@ class EngineCore:
 
     # ------------------------------------------------------------------ step
     async def step(self) -> EngineCoreOutputs | None:
+        if self._pp_tokens is not None:
+            return await self._step_with_batch_queue()
         t0 = time.perf_counter()
-        if self.structured_output is not None and self.structured_output.has_pending:
-            self._poll_grammars()
-        if self.lora is not None:
-            get = self.scheduler.get_request
-            for req in self.lora.release(lambda req_id: get(req_id) is not None):
-                self._add_request(req)
-        refused, self._refused = self._refused, []
-        sched = self.scheduler.schedule()  # P1
-        if self.lora is not None:
-            self.lora.attach(sched.scheduled_new_reqs)
-        self._note_scheduled(sched)
+        refused = self._before_schedule()
+        sched = self._schedule()  # P1
         if sched.total_num_scheduled_tokens == 0:
             self._unsent_finished.extend(sched.finished_req_ids)
             if refused or sched.finished_req_ids:  # aborts changed the stats: publish them
@@ -130,9 +135,42 @@ class EngineCore:
             runner_out = await self.executor.sample_tokens(sample_req)  # P3
         except ModelExecutionError as exc:
             return self._fail_step(sched, exc, refused)
+        return self._apply_output(sched, runner_out, refused, t0)
+
+    def _before_schedule(self) -> list[EngineCoreOutput]:
+        """Grammars compiled, LoRA-held requests admitted; -> the refused outputs to publish."""
+        if self.structured_output is not None and self.structured_output.has_pending:
+            self._poll_grammars()
+        if self.lora is not None:
+            get = self.scheduler.get_request
+            for req in self.lora.release(lambda req_id: get(req_id) is not None):
+                self._add_request(req)
+        refused, self._refused = self._refused, []
+        return refused
+
+    def _schedule(self, busy: Collection[str] = (), max_reqs: int = 0) -> SchedulerOutput:
+        if busy or max_reqs:
+            sched = self.scheduler.schedule(busy, max_reqs)
+        else:
+            sched = self.scheduler.schedule()
+        if self.lora is not None:
+            self.lora.attach(sched.scheduled_new_reqs)
+        self._note_scheduled(sched)
+        return sched
+
+    def _apply_output(
+        self,
+        sched: SchedulerOutput,
+        runner_out: ModelRunnerOutput,
+        refused: list[EngineCoreOutput],
+        t0: float,
+    ) -> EngineCoreOutputs:
+        """P4: the step's tokens into the scheduler, the grammars and the drafts."""
         if runner_out.failed:
             refused += self._fail_requests(runner_out.failed, "taken by the worker")
         outputs = self.scheduler.update_from_output(sched, runner_out)  # P4
+        if self._pp_tokens is not None:
+            self._keep_pp_tokens(runner_out)
         if self.structured_output is not None and self.structured_output.matchers:
             self._advance_grammars(outputs)
         self._stamp_scheduled(outputs)
@@ -150,6 +188,66 @@ class EngineCore:
             model_time_s=runner_out.model_time_s,
             num_scheduled_tokens=sched.total_num_scheduled_tokens,
         )
+
+    # ------------------------------------------------------------------ batch queue (PP)
+    @property
+    def num_in_flight(self) -> int:
+        """Steps sent whose outputs are not applied yet (pipeline parallelism only)."""
+        return len(self._in_flight)
+
+    async def _step_with_batch_queue(self) -> EngineCoreOutputs | None:
+        """Pipeline parallelism (vLLM's batch queue): while fewer than
+        ``max_concurrent_batches`` steps are in flight, schedule one over the requests that no
+        in-flight step holds and send it; once the queue is full, or nothing more could be
+        scheduled, wait for the oldest step and apply its output (outputs in step order)."""
+        t0 = time.perf_counter()
+        refused = self._before_schedule()
+        sent, finished = False, False
+        if len(self._in_flight) < self.max_batches:
+            busy = {r for s in self._in_flight for r in s.num_scheduled_tokens}
+            # One step's share of the live requests, so that the next step has some to run.
+            share = -(-sum(self.scheduler.get_request_counts()) // self.max_batches)
+            sched = self._schedule(busy, share)  # P1
+            finished = bool(sched.finished_req_ids)
+            if sched.total_num_scheduled_tokens == 0:
+                self._unsent_finished.extend(sched.finished_req_ids)
+            else:
+                sent = await self._submit(sched, refused)
+        if self._in_flight and (not sent or len(self._in_flight) >= self.max_batches):
+            sched = self._in_flight.popleft()
+            try:
+                runner_out = await self.executor.collect_step()  # P3
+            except ModelExecutionError as exc:
+                return self._fail_step(sched, exc, refused)
+            return self._apply_output(sched, runner_out, refused, t0)
+        if refused or finished:  # aborts changed the stats: publish them
+            return EngineCoreOutputs(refused, time.monotonic(), self._stats())
+        return None
+
+    async def _submit(self, sched: SchedulerOutput, refused: list[EngineCoreOutput]) -> bool:
+        """P2 and P3's trigger of one step, which joins the queue; the other stages get the
+        tokens sampled since the last step with it. -> False when every request of it was
+        refused (nothing was sent)."""
+        self._attach_unsent_finished(sched)
+        tokens, self._pp_tokens = self._pp_tokens or {}, {}
+        sched.pp_sampled_token_ids = tokens
+        refused += await self._execute(sched)  # P2, runs in the workers
+        if sched.total_num_scheduled_tokens == 0:
+            self._unsent_finished.extend(sched.finished_req_ids)
+            self._pp_tokens = tokens
+            return False
+        await self.executor.start_sampling(self._grammar_bitmask(sched))
+        self._in_flight.append(sched)
+        self.batch_queue_depths[len(self._in_flight)] += 1
+        return True
+
+    def _keep_pp_tokens(self, runner_out: ModelRunnerOutput) -> None:
+        """The tokens the last stage appended, for the other stages, of requests still live."""
+        assert self._pp_tokens is not None
+        get = self.scheduler.get_request
+        for req_id, tokens in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+            if tokens and get(req_id) is not None:
+                self._pp_tokens.setdefault(req_id, []).extend(tokens)
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
         """The first P1 of each request (vLLM's SCHEDULED event): queue time ends here."""
@@ -230,8 +328,11 @@ class EngineCore:
             self._count_drafts(drafts, out)
         get = self.scheduler.get_request
         running = [get(req_id) for req_id in self.scheduler.running_req_ids()]
-        # NOTE: only requests past their prompt: a prefill chunk has no token to extend yet.
-        ready = [r for r in running if r is not None and r.num_computed_tokens + 1 >= r.num_tokens]
+        busy = {r for s in self._in_flight for r in s.num_scheduled_tokens}
+        # NOTE: only requests past their prompt: a prefill chunk has no token to extend yet;
+        # none of a step in flight (its output clears the drafts it would get now).
+        ready = [r for r in running if r is not None and r.num_computed_tokens + 1 >= r.num_tokens
+                 and r.request_id not in busy]  # fmt: skip
         if self.proposer.in_worker:
             new_drafts = self.proposer.take(ready, out.draft_token_ids)
         else:
@@ -341,12 +442,15 @@ async def run_engine_core(
     task_status.started()
     async with outputs:
         while True:
-            if not core.scheduler.has_unfinished_requests() and not core.has_refused:
+            idle = not (core.scheduler.has_unfinished_requests() or core.num_in_flight)
+            if idle and not core.has_refused:
                 core.handle_input(await inputs.receive())
             _drain(core, inputs)
             result = await core.step()
             if result is None:
-                await trio.sleep(_IDLE_BACKOFF_S if core.scheduler.has_unfinished_requests() else 0)
+                # NOTE: no back-off right after a step joined the batch queue: the next is due.
+                stuck = core.scheduler.has_unfinished_requests() and not core.num_in_flight
+                await trio.sleep(_IDLE_BACKOFF_S if stuck else 0)
                 continue
             if result.outputs or result.scheduler_stats is not None:
                 result.engine_index = engine_index

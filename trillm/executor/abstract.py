@@ -51,6 +51,26 @@ class Executor(abc.ABC):
         then means "no mask"); it must be None otherwise.
         """
 
+    # Pipeline parallelism (multiprocess executor only): the engine core's batch queue.
+    @property
+    def num_pipeline_stages(self) -> int:
+        return 1
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps ``execute_model`` may have in flight before ``collect_step`` (the engine core
+        keeps a batch queue of this depth when there are pipeline stages)."""
+        return 1
+
+    async def start_sampling(self, req: SampleRequest | None) -> None:
+        """The first half of ``sample_tokens``: P3's trigger for the step last passed to
+        ``execute_model`` (its bitmask), without waiting for any output."""
+        raise NotImplementedError(f"{type(self).__name__} has no batch queue.")
+
+    async def collect_step(self) -> ModelRunnerOutput:
+        """The second half: the output of the oldest step whose sampling was started."""
+        raise NotImplementedError(f"{type(self).__name__} has no batch queue.")
+
     @abc.abstractmethod
     def check_health(self) -> None:
         """Raise ``EngineDeadError`` if a worker is gone (or the executor was shut down)."""

@@ -5,7 +5,13 @@
 
 Every rank receives every message and answers every step; ``sample_tokens`` returns the
 output of the last pipeline stage's first rank (rank 0 without pipeline parallelism; it holds
-the logprobs) and checks the others for errors, and that they returned its tokens. With
+the logprobs) and checks the others for errors, and that the last stage's other ranks returned
+its tokens (the earlier stages sample nothing). With pipeline stages up to
+``max_concurrent_batches`` steps are in flight at once (the engine core's batch queue:
+``execute_model`` + ``start_sampling`` per step, ``collect_step`` for the oldest), so that
+stage 0 computes step i + 1 while the next stage computes step i. ``TRILLM_PP_MICRO_BATCHES``
+(1 .. pipeline_parallel_size; default pipeline_parallel_size) sets that number, for
+comparisons. With
 ``tensor_parallel_size > 1`` each rank runs its shard of the model and the ranks meet in
 ``torch.distributed`` collectives (``trillm/distributed/``), at a loopback port picked here.
 A rank whose collective times out (a peer stopped answering) reports it and exits; the
@@ -26,6 +32,7 @@ import os
 import signal
 import socket
 import sys
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -56,6 +63,20 @@ SHUTDOWN_GRACE_S = 5.0
 # After a rank reports a timed-out collective, how long the others get to report theirs:
 # the ranks that have not by then are the ones that stopped answering.
 COLLECTIVE_REPORT_GRACE_S = 2.0
+
+
+def micro_batches(num_stages: int) -> int:
+    """Steps in flight at once: ``TRILLM_PP_MICRO_BATCHES`` (1 .. num_stages) when set, else one
+    per pipeline stage (1 without pipeline parallelism)."""
+    text = os.environ.get("TRILLM_PP_MICRO_BATCHES", "").strip()
+    if not text:
+        return num_stages
+    if not text.isdigit() or not 1 <= int(text) <= num_stages:
+        raise ValueError(
+            f"TRILLM_PP_MICRO_BATCHES={text!r}: must be an integer from 1 to "
+            f"pipeline_parallel_size={num_stages}."
+        )
+    return int(text)
 
 
 def free_loopback_port() -> int:
@@ -192,7 +213,9 @@ class MultiprocExecutor(Executor):
         self.processes: list[trio.Process] = []
         self.segment_names: list[str] = []
         self._ipc: _Ipc | None = None
-        self._pending: SchedulerOutput | None = None
+        self._pending: deque[SchedulerOutput] = deque()  # sent, not collected; oldest first
+        self._unsampled: SchedulerOutput | None = None  # sent, its P3 trigger not yet
+        self._max_batches = micro_batches(parallel.pipeline_parallel_size)
         self._dead: EngineDeadError | None = None
         self._inflight: set[trio.CancelScope] = set()
         self._reported: dict[int, WorkerFailed] = {}  # rank -> its last words, read by _collect
@@ -202,6 +225,14 @@ class MultiprocExecutor(Executor):
         self._stop = trio.Event()
         self._stopped = trio.Event()
         self._failed = trio.Event()  # a worker is gone (not a shutdown)
+
+    @property
+    def num_pipeline_stages(self) -> int:
+        return self.config.parallel.pipeline_parallel_size
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self._max_batches
 
     @property
     def ipc(self) -> _Ipc:
@@ -414,27 +445,38 @@ class MultiprocExecutor(Executor):
 
     async def execute_model(self, sched: SchedulerOutput) -> None:
         self.check_health()
-        if self._pending is not None:
+        if self._unsampled is not None or len(self._pending) >= self._max_batches:
             raise RuntimeError("execute_model called twice without sample_tokens in between.")
         frame = codec.encode(sched)
-        self._pending = sched
+        self._pending.append(sched)
+        self._unsampled = sched
         what = f"take step {sched.step_id}"
         await self._guarded(self.ipc.requests.send, self.step_timeout_s, what, frame, shield=True)
 
     async def sample_tokens(self, req: SampleRequest | None) -> ModelRunnerOutput:
+        await self.start_sampling(req)
+        return await self.collect_step()
+
+    async def start_sampling(self, req: SampleRequest | None) -> None:
         self.check_health()
-        sched = self._pending
+        sched = self._unsampled
         if sched is None:
             raise RuntimeError("sample_tokens called without execute_model.")
         if req is not None and not sched.wait_for_bitmask:
             raise ValueError("A SampleRequest was given for a step without wait_for_bitmask.")
-        self._pending = None
+        self._unsampled = None
         if sched.wait_for_bitmask:
             frame = codec.encode(req or SampleRequest(sched.step_id))
             what = f"sample step {sched.step_id}"
             await self._guarded(
                 self.ipc.requests.send, self.step_timeout_s, what, frame, shield=True
             )
+
+    async def collect_step(self) -> ModelRunnerOutput:
+        self.check_health()
+        if not self._pending or self._pending[0] is self._unsampled:
+            raise RuntimeError("collect_step called without a step whose sampling started.")
+        sched = self._pending.popleft()
         what = f"answer step {sched.step_id}"
         outputs = await self._guarded(self._collect, self.step_timeout_s, what, sched.step_id)
         for rank, out in enumerate(outputs):
@@ -449,10 +491,11 @@ class MultiprocExecutor(Executor):
         return outputs[self.output_rank]
 
     def _check_ranks_agree(self, outputs: list[ModelRunnerOutput]) -> None:
-        """A rank whose tokens differ from the output rank's would compute the next steps on
-        other inputs (its KV cache no longer matches): fatal, said at once."""
+        """A rank of the last stage whose tokens differ from the output rank's would compute
+        the next steps on other inputs (its KV cache no longer matches): fatal, said at once.
+        (The earlier stages sample nothing: they get the tokens with the next step.)"""
         first, src = outputs[self.output_rank], self.output_rank
-        for rank, out in enumerate(outputs):
+        for rank, out in enumerate(outputs[src:], start=src):
             if out.sampled_token_ids != first.sampled_token_ids or out.req_ids != first.req_ids:
                 raise self._fail(
                     EngineDeadError(

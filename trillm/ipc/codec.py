@@ -117,11 +117,12 @@ def _enc_sched(s: SchedulerOutput) -> list[Any]:
         s.scheduled_spec_decode_tokens,
         s.finished_req_ids,
         s.wait_for_bitmask,
+        s.pp_sampled_token_ids,
     ]
 
 
 def _dec_sched(v: list[Any]) -> SchedulerOutput:
-    _check_arity(v, 9, "SchedulerOutput")
+    _check_arity(v, 10, "SchedulerOutput")
     _check_arity(v[3], 3, "CachedRequestData")
     return SchedulerOutput(
         step_id=v[1],
@@ -132,6 +133,7 @@ def _dec_sched(v: list[Any]) -> SchedulerOutput:
         scheduled_spec_decode_tokens=v[6],
         finished_req_ids=v[7],
         wait_for_bitmask=v[8],
+        pp_sampled_token_ids=v[9],
     )
 
 

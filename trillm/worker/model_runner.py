@@ -19,8 +19,9 @@ collective per step (the executor checks that every rank returned rank 0's token
 Pipeline parallelism (``pipeline_parallel_size`` M > 1, ``trillm/distributed/pipeline.py``):
 the runner of global rank g holds stage g // N's layers and KV cache only; a stage after the
 first receives the hidden states before its layers, a stage before the last sends them after;
-only the last stage computes logits and samples, then broadcasts the new tokens, which every
-other rank appends to its batch (``pipeline_tokens.py``). One step is in flight at a time.
+only the last stage computes logits and samples; the other ranks append its tokens when the
+engine core sends them with a later step (``pipeline_tokens.py``), so that several steps can be
+in flight, one per stage.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from trillm.sample.sampler import Sampler, SamplerOutput, SamplingState
 from trillm.spec_decode.draft_model import DraftModelProposer
 from trillm.worker.input_batch import InputBatch, StepInputs
-from trillm.worker.pipeline_tokens import broadcast_sampled, receive_sampled
+from trillm.worker.pipeline_tokens import append_sampled
 from trillm.worker.spec_verify import DraftStep, accept_drafts, expand_rows, num_drafts_of
 from trillm.worker.step_program import StepPrograms
 
@@ -280,6 +281,8 @@ class ModelRunner:
         """Applies the step's diffs; returns the new requests that could not be taken
         (req_id -> why): the step runs without them, and only they fail."""
         failed: dict[str, str] = {}
+        if sched.pp_sampled_token_ids and not self.pp.is_last:  # before a drop or a re-send
+            append_sampled(sched.pp_sampled_token_ids, self.batch, self.sampling_state)
         for req_id in sched.finished_req_ids:
             self._drop(req_id)
         for new in sched.scheduled_new_reqs:
@@ -399,7 +402,7 @@ class ModelRunner:
             raise RuntimeError("sample_tokens called without a successful execute_model.")
         self._pending = None
         if not self.pp.is_last:
-            return self._output_of_last_stage(pending)
+            return self._output_before_last_stage(pending)
         inputs = pending.inputs
         sampled_lists: list[list[int]] = [[] for _ in pending.req_ids]
         logprobs: dict[str, LogprobsLists] = {}
@@ -420,8 +423,6 @@ class ModelRunner:
             for i, token in zip(rows.tolist(), tokens.tolist()):
                 sampled_lists[i] = [token]
             logprobs = self._sample_logprobs(out.logprobs, sample_req_ids, sample_slots)
-        if self.pp.num_stages > 1:
-            broadcast_sampled(self.pp, sampled_lists, pending.drafts, self.device)
         refused = pending.failed  # new requests the batch never took (not in req_ids)
         drafts = {} if self.drafter is None else self._propose(pending, sampled_lists)
         return ModelRunnerOutput(
@@ -456,16 +457,15 @@ class ModelRunner:
             self.drafter.forget_cache([slot for _, slot in candidates])
             return {}
 
-    def _output_of_last_stage(self, pending: _PendingStep) -> ModelRunnerOutput:
-        """A stage before the last: the last stage's tokens, appended here too (no logprobs:
-        the executor returns the last stage's output)."""
-        sampled = receive_sampled(self.pp, pending.req_ids, pending.drafts, self.batch,
-                                  self.sampling_state, self.device)  # fmt: skip
+    def _output_before_last_stage(self, pending: _PendingStep) -> ModelRunnerOutput:
+        """A stage before the last samples nothing: its output only says the step ran (the
+        executor returns the last stage's; its tokens come with a later step)."""
         refused = pending.failed
+        nothing: list[list[int]] = [[] for _ in range(len(pending.req_ids) + len(refused))]
         return ModelRunnerOutput(
             step_id=pending.step_id,
             req_ids=pending.req_ids + list(refused),
-            sampled_token_ids=sampled + [[] for _ in refused],
+            sampled_token_ids=nothing,
             model_time_s=time.perf_counter() - pending.start_time,
             failed=dict(refused),
         )
