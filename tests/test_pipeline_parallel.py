@@ -149,9 +149,9 @@ def test_what_pp_cannot_do_is_refused_by_name(llama):
 
 # ---------------------------------------------------------------- micro-batches in flight
 
-# 8 blocks of 16 tokens: one request of max_model_len fits, six of up to 40 tokens do not, so
+# 4 blocks of 16 tokens: one request of max_model_len fits, three of over 16 tokens do not, so
 # requests are preempted (and recomputed) while other steps are in flight.
-TINY_KV = {"max_model_len": 128, "num_gpu_blocks_override": 8}
+TINY_KV = {"max_model_len": 64, "num_gpu_blocks_override": 4}
 MIXED_MAX_TOKENS = [24, 5, 24, 12, 2, 24]  # some finish while other batches are in flight
 
 
