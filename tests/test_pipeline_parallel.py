@@ -193,7 +193,7 @@ def test_one_batch_in_flight_when_asked(llama, pp1_tokens, monkeypatch):
     two steps in flight; a number outside 1..pipeline_parallel_size is refused by name."""
     monkeypatch.setenv("TRILLM_PP_MICRO_BATCHES", "1")
     with LLM(llama, pipeline_parallel_size=2, **LIMITS) as llm:
-        got, depth = run_queued(llm, PROMPTS, greedy())
+        got, depth = run_queued(llm, PROMPTS, greedy(MAX_TOKENS))
     assert (got, depth) == (pp1_tokens, 1)
     monkeypatch.setenv("TRILLM_PP_MICRO_BATCHES", "3")
     with pytest.raises(ValueError, match="TRILLM_PP_MICRO_BATCHES='3': must be an integer"):
