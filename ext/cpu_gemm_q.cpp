@@ -1,14 +1,16 @@
-// GEMM with block-quantized weights kept quantized (GGUF's Q4_0, Q4_1, Q8_0, Q4_K, and Q4_G,
+// GEMM with block-quantized weights kept quantized (GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, and Q4_G,
 // trillm's form of AWQ / GPTQ 4-bit groups: blocks of 32 values along K, one fp16 scale per
 // block, Q4_1 an fp16 minimum too, Q4_G a 4-bit zero point, Q4_K its super-block's fp16 d and
-// dmin with the block's 6-bit scale and minimum): y[M, N] = x[M, K] . W[N, K]^T (+ bias), x fp32
+// dmin with the block's 6-bit scale and minimum, Q6_K its super-block's fp16 d with an int8
+// scale for each half of the block): y[M, N] = x[M, K] . W[N, K]^T (+ bias), x fp32
 // or bf16, y fp32 or bf16, products summed in fp32.
 //
 // Numerics: those of dequantize-then-matmul in fp32. Per block b and column n the kernel sums
 // s = sum_k x[k] * q[n][k] in fp32 over the block's raw integers (0..15 for Q4, -128..127 for Q8,
 // exact as floats), then adds d * s (Q4_0: d * (s - 8 * sum_k x[k]); Q4_1: d * s + m * sum_k
 // x[k]; Q4_G: d * (s - z * sum_k x[k]), z the block's zero point of this column; Q4_K:
-// (d * sc) * s - (dmin * mn) * sum_k x[k], both products exact in fp32). Only the
+// (d * sc) * s - (dmin * mn) * sum_k x[k], both products exact in fp32; Q6_K: (d * sc) * s per
+// half block of 16, s over that half). Only the
 // order of the fp32 additions differs from F.linear on the dequantized weight.
 // Activations are not quantized by default: a GGUF model served in fp32 keeps the greedy output
 // of the same model dequantized. `int8_activations` (AVX512-VNNI) rounds them to int8 per block
@@ -21,7 +23,10 @@
 //                q[c][2j + 1] << 4, then d[16] fp16, then (Q4_1) m[16] fp16, (Q4_G) z[16]
 //                uint8, (Q4_K) dmin[16] fp16, sc[16] uint8, mn[16] uint8 (d and dmin repeat
 //                over the 8 blocks of a super-block: 5.5 bits a weight against the file's 4.5);
-//   Q8_0:        8 quads x 16 columns x 4 int8, byte [j][c][i] = q[c][4j + i], then d[16] fp16.
+//   Q8_0 / Q6_K: 8 quads x 16 columns x 4 int8, byte [j][c][i] = q[c][4j + i], then d[16]
+//                fp16, then (Q6_K, q - 32 stored) sc[2][16] int8, the scales of k 0..15 and
+//                16..31 (9 bits a weight against the file's 6.56: one byte a value keeps the
+//                int8 kernels' loads; d repeats over the 8 blocks of a super-block);
 // Q4: one 16-byte load and a zero-extension give 16 columns' integers for two k. Q8: one 64-byte
 // load gives 16 columns' integers for four k, each column's four in one 32-bit lane: the operand
 // `vpdpbusd` multiplies as it is (int8 path), two shifts sign-extend one k of it (fp32 path).
@@ -52,10 +57,13 @@ constexpr int kRows = 4;        // rows of x per register tile (x 2 panels)
 constexpr int kRowBlock = 64;   // rows of x per work item
 
 // GGML's type ids; Q4_G is trillm's (not a GGML type): AWQ / GPTQ groups cut into blocks of 32.
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ4_G = 100 };
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_G = 100 };
+
+// Types whose values are stored one signed byte each (in quads), not as nibble pairs.
+constexpr bool byte_values(int qtype) { return qtype == kQ8_0 || qtype == kQ6_K; }
 
 constexpr int quant_bytes(int qtype) {
-  return qtype == kQ8_0 ? kBlock * kCols : kBlock / 2 * kCols;
+  return byte_values(qtype) ? kBlock * kCols : kBlock / 2 * kCols;
 }
 
 // Bytes of the values and per-column parameters of one (panel, block) record.
@@ -63,14 +71,17 @@ constexpr int param_bytes(int qtype) {
   return 2 * kCols + (qtype == kQ4_1   ? 2 * kCols
                       : qtype == kQ4_G ? kCols
                       : qtype == kQ4_K ? 4 * kCols
+                      : qtype == kQ6_K ? 2 * kCols
                                        : 0);
 }
 
 // Bytes of one (panel, block) record.
 int record_bytes(int qtype) {
-  if (qtype != kQ4_0 && qtype != kQ4_1 && qtype != kQ8_0 && qtype != kQ4_K && qtype != kQ4_G)
+  if (qtype != kQ4_0 && qtype != kQ4_1 && qtype != kQ8_0 && qtype != kQ4_K && qtype != kQ6_K &&
+      qtype != kQ4_G)
     throw std::invalid_argument(
-        "quantized GEMM: type must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) or Q4_G (100)");
+        "quantized GEMM: type must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q6_K (14) or "
+        "Q4_G (100)");
   return quant_bytes(qtype) + param_bytes(qtype);
 }
 
@@ -98,6 +109,7 @@ struct Gemm {
   const int8_t* xq;  // int8 path (cpu_gemm_q_vnni.h): x rounded to int8 [M][K]; else null
   const float* dx;   // int8 path: per row, per block, the scale of xq [M][nb]
   const int32_t* qx;  // int8 path: per row, per block, the sum of xq [M][nb]
+  const int32_t* qxh;  // int8 path: per row, per half block, the sum of xq [M][2 nb]
   const uint8_t* packed;
   const float* bias;  // null: none
   void* y;
@@ -122,13 +134,23 @@ inline float from_bf16(uint16_t h) {
   return f;
 }
 
+// Q6_K: acc + (d * sc[half]) * s for 16 columns, s the sums of x * q over that half block.
+TRILLM_Q_TARGET inline __m512 add_half(__m512 acc, __m512 s, const uint8_t* params, int half) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
+  const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + (2 + half) * kCols))));
+  return _mm512_fmadd_ps(_mm512_mul_ps(d, sc), s, acc);
+}
+
 // acc + one block's share of 16 columns: d * (s - 8 sx) (Q4_0), d * s + m * sx (Q4_1),
-// d * (s - z sx) (Q4_G), d * s (Q8_0), (d sc) * s - (dmin mn) * sx (Q4_K); s the block's sums
+// d * (s - z sx) (Q4_G), d * s (Q8_0), (d sc) * s - (dmin mn) * sx (Q4_K), (d sc[1]) * s (Q6_K:
+// the second half, s its sums; add_half took the first); s the block's sums
 // of x * q, sx its sum of x, `params` the record's d[16] fp16 (then m[16] fp16, z[16] uint8 or
 // dmin[16] fp16, sc[16] uint8, mn[16] uint8).
 template <int QT>
 TRILLM_Q_TARGET inline __m512 add_block(__m512 acc, __m512 s, float sx, const uint8_t* params) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
+  if constexpr (QT == kQ6_K) return add_half(acc, s, params, 1);
   if constexpr (QT == kQ4_K) {
     const __m512 dmin = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
@@ -194,8 +216,16 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
     for (int r = 0; r < R; ++r)
       se[r][0] = se[r][1] = so[r][0] = so[r][1] = _mm512_setzero_ps();
     const float* xb = x + b * kBlock;
-    if constexpr (QT == kQ8_0) {
+    if constexpr (byte_values(QT)) {
       for (int k = 0; k < kBlock; k += 4) {  // one quad: lane c holds q[c][k .. k + 3]
+        if (QT == kQ6_K && k == kBlock / 2) {  // the first half has its own scale: fold it in
+          for (int p = 0; p < 2; ++p)
+            for (int r = 0; r < R; ++r) {
+              const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
+              acc[r][p] = add_half(acc[r][p], _mm512_add_ps(se[r][p], so[r][p]), params, 0);
+              se[r][p] = so[r][p] = _mm512_setzero_ps();
+            }
+        }
         for (int p = 0; p < 2; ++p) {
           const __m512i v = _mm512_loadu_si512(panel[p] + static_cast<int64_t>(b) * rec + k * kCols);
           for (int i = 0; i < 4; i += 2) {  // byte i of each lane, sign-extended
@@ -226,7 +256,7 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
     for (int p = 0; p < 2; ++p) {
       const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
       for (int r = 0; r < R; ++r) {
-        const float sx = QT == kQ8_0 ? 0.0f : g.sx[(m + r) * nb + b];
+        const float sx = byte_values(QT) ? 0.0f : g.sx[(m + r) * nb + b];
         acc[r][p] = add_block<QT>(acc[r][p], _mm512_add_ps(se[r][p], so[r][p]), sx, params);
       }
     }
@@ -272,6 +302,8 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
                      : rows_for_pair<kQ4_G, false>(g, m0, m1, pair); break;
     case kQ4_K: int8 ? rows_for_pair<kQ4_K, true>(g, m0, m1, pair)
                      : rows_for_pair<kQ4_K, false>(g, m0, m1, pair); break;
+    case kQ6_K: int8 ? rows_for_pair<kQ6_K, true>(g, m0, m1, pair)
+                     : rows_for_pair<kQ6_K, false>(g, m0, m1, pair); break;
     default: int8 ? rows_for_pair<kQ8_0, true>(g, m0, m1, pair)
                   : rows_for_pair<kQ8_0, false>(g, m0, m1, pair); break;
   }
@@ -307,7 +339,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   QuantizedRows rows;
   if (int8_activations) {
     rows = quantize_rows(xf, ld, M, K);
-  } else if (qtype != kQ8_0) {
+  } else if (!byte_values(qtype)) {
     sums.resize(static_cast<size_t>(M) * nb);
     for (int r = 0; r < M; ++r)
       for (int b = 0; b < nb; ++b) {
@@ -318,6 +350,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   }
   const float* sx = int8_activations ? rows.sx.data() : sums.empty() ? nullptr : sums.data();
   Gemm g{xf, ld, sx, int8_activations ? rows.xq.data() : nullptr, rows.dx.data(), rows.qx.data(),
+         rows.qxh.data(),
          reinterpret_cast<const uint8_t*>(packed), reinterpret_cast<const float*>(bias),
          reinterpret_cast<void*>(y), ldy, M, N, K, qtype, y_bf16};
   const int pairs = num_panels(N) / 2;
@@ -337,7 +370,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
 }  // namespace
 
 void register_cpu_gemm_q(py::module_& m) {
-  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_K/Q4_G block-quantized weights (AVX-512, fp32 sums).";
+  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K/Q4_G block-quantized weights (AVX-512, fp32 sums).";
   m.attr("PANEL") = kCols;
   m.attr("BLOCK") = kBlock;
   m.def("supported", &cpu_has_avx512, "Whether this CPU has AVX512F/BW/VL.");

@@ -1,4 +1,4 @@
-// The int8-activation path of ext/cpu_gemm_q.cpp (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0), on CPUs with
+// The int8-activation path of ext/cpu_gemm_q.cpp (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0, Q6_K), on CPUs with
 // AVX512-VNNI; included there, inside its anonymous namespace, after `tile`.
 //
 // Each row of x is rounded per block of 32 to int8: dx = absmax / 127, xq = round(x / dx) (half
@@ -15,7 +15,8 @@
 // instructions for 16 columns and 4 k. Q8_0: that layout is the packed one, but its weights are
 // signed and `vpdpbusd` takes unsigned bytes on that side: flipping the sign bit gives q + 128
 // (0..255), whose dot product with xq is sum(q xq) + 128 sum(xq); the block's integer sum of xq
-// (`qx`) takes the excess back out, exactly, before the one conversion to fp32.
+// (`qx`) takes the excess back out, exactly, before the one conversion to fp32. Q6_K (q - 32
+// stored as Q8_0's bytes) does the same per half block, each half with its own scale (`qxh`).
 
 #define TRILLM_VNNI_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
@@ -30,11 +31,11 @@ bool cpu_has_vnni() {
 }
 
 // Rows of int8 activations: xq [M][K], dx [M][nb], sx [M][nb] = dx * the block's sum of xq,
-// qx [M][nb] that sum as an integer.
+// qx [M][nb] that sum as an integer, qxh [M][2 nb] the sums of each half block.
 struct QuantizedRows {
   std::vector<int8_t> xq;
   std::vector<float> dx, sx;
-  std::vector<int32_t> qx;
+  std::vector<int32_t> qx, qxh;
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t ld, int M, int K) {
@@ -42,7 +43,8 @@ QuantizedRows quantize_rows(const float* x, int64_t ld, int M, int K) {
   QuantizedRows out{std::vector<int8_t>(static_cast<size_t>(M) * K),
                     std::vector<float>(static_cast<size_t>(M) * nb),
                     std::vector<float>(static_cast<size_t>(M) * nb),
-                    std::vector<int32_t>(static_cast<size_t>(M) * nb)};
+                    std::vector<int32_t>(static_cast<size_t>(M) * nb),
+                    std::vector<int32_t>(static_cast<size_t>(M) * 2 * nb)};
   for (int r = 0; r < M; ++r) {
     for (int b = 0; b < nb; ++b) {
       const float* xb = x + r * ld + b * kBlock;
@@ -50,12 +52,16 @@ QuantizedRows quantize_rows(const float* x, int64_t ld, int M, int K) {
       for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
       const float dx = amax / 127.0f;
       int8_t* q = out.xq.data() + static_cast<size_t>(r) * K + b * kBlock;
-      int sum = 0;
+      int sum = 0, half = 0;
       for (int k = 0; k < kBlock; ++k) {
         const float v = dx > 0.0f ? std::nearbyint(xb[k] / dx) : 0.0f;
         q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
         sum += q[k];
+        if (k == kBlock / 2 - 1) half = sum;
       }
+      const size_t i = static_cast<size_t>(r) * nb + b;
+      out.qxh[2 * i] = half;
+      out.qxh[2 * i + 1] = sum - half;
       out.dx[static_cast<size_t>(r) * nb + b] = dx;
       out.sx[static_cast<size_t>(r) * nb + b] = dx * static_cast<float>(sum);
       out.qx[static_cast<size_t>(r) * nb + b] = sum;
@@ -80,12 +86,24 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
     __m512i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
     for (int j = 0; j < kBlock / 2; j += 2) {  // k = 2j .. 2j + 3
+      if (QT == kQ6_K && j == kBlock / 4) {  // the first half has its own scale: fold it in
+        for (int p = 0; p < 2; ++p)
+          for (int r = 0; r < R; ++r) {
+            const int64_t i = static_cast<int64_t>(m + r) * nb + b;
+            const __m512i exact =
+                _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(128 * g.qxh[2 * i]));
+            const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(g.dx[i]));
+            const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
+            acc[r][p] = add_half(acc[r][p], s, params, 0);
+            dot[r][p] = _mm512_setzero_si512();
+          }
+      }
       int32_t xw[R];  // four int8 activations of row r, as one word
       for (int r = 0; r < R; ++r)
         std::memcpy(&xw[r], g.xq + static_cast<int64_t>(m + r) * g.K + b * kBlock + 2 * j, 4);
       for (int p = 0; p < 2; ++p) {
         const uint8_t* q = panel[p] + static_cast<int64_t>(b) * rec + j * kCols;
-        if constexpr (QT == kQ8_0) {  // quad j / 2: 64 bytes, sign bits flipped (q + 128)
+        if constexpr (byte_values(QT)) {  // quad j / 2: 64 bytes, sign bits flipped (q + 128)
           const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(q + j * kCols), sign);
           for (int r = 0; r < R; ++r)
             dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], w, _mm512_set1_epi32(xw[r]));
@@ -108,6 +126,8 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
         const int64_t i = static_cast<int64_t>(m + r) * nb + b;
         if constexpr (QT == kQ8_0)  // sum(q xq): the excess 128 sum(xq) taken out
           dot[r][p] = _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(128 * g.qx[i]));
+        if constexpr (QT == kQ6_K)  // the second half's
+          dot[r][p] = _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(128 * g.qxh[2 * i + 1]));
         const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][p]), _mm512_set1_ps(g.dx[i]));
         acc[r][p] = add_block<QT>(acc[r][p], s, g.sx[i], params);
       }

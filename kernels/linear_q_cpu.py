@@ -1,11 +1,13 @@
-"""Linear layers with GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K weights, or AWQ / GPTQ 4-bit groups, kept
-quantized on CPU.
+"""Linear layers with GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights, or AWQ / GPTQ 4-bit
+groups, kept quantized on CPU.
 
 A weight arrives as GGML blocks (32 values along K a block; per block an fp16 scale ``d``,
 Q4_1 an fp16 minimum ``m`` too; values ``(q - 8) * d`` for Q4_0, ``q * d + m`` for Q4_1,
 ``q * d`` for Q8_0 with q signed; Q4_K: super-blocks of 256 values, ``(d * sc) * q - dmin * mn``
 with fp16 d / dmin per super-block and 6-bit sc / mn per block of 32, each block becoming one
-record with d / dmin repeated), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
+record with d / dmin repeated; Q6_K: super-blocks of 256, ``(d * sc) * (q - 32)`` with an int8
+sc per 16 values, each block of 32 one record of Q8_0's bytes (q - 32) with d repeated and two
+scales), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
 scale and a 4-bit zero point per group of ``g`` values along K, values ``(q - z) * s``), which
 become Q4_G: each group cut into blocks of 32 that repeat its scale and zero point (exact).
 ``QuantizedWeight`` repacks the blocks once, at load, into
@@ -37,12 +39,13 @@ from . import recording
 
 BLOCK = 32  # values per block along K
 PANEL = 16  # output columns per panel of the packed layout
-Q4_0, Q4_1, Q8_0, Q4_K = 2, 3, 8, 12  # GGML's type ids (gguf.GGMLQuantizationType)
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14  # GGML's type ids (gguf.GGMLQuantizationType)
 Q4_G = 100  # trillm's: AWQ / GPTQ 4-bit groups as blocks of 32 with an fp16 scale, a zero point
-QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q4_G: "Q4_G"}
+QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K", Q4_G: "Q4_G"}
 # Bytes of one GGML block: fp16 d (+ fp16 m), then the values.
 GGML_BLOCK_BYTES = {Q4_0: 2 + 16, Q4_1: 4 + 16, Q8_0: 2 + 32}
-QK_K, Q4_K_BYTES = 256, 144  # Q4_K: values per super-block, bytes of one
+QK_K = 256  # K-quants: values per super-block
+KQUANT_BYTES = {Q4_K: 144, Q6_K: 210}  # bytes of one super-block
 
 
 @functools.cache
@@ -85,14 +88,20 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [M, K] fp32 -> [M,
     return (q * dx).reshape(m, k)
 
 
+def _byte_values(qtype: int) -> bool:
+    """Whether ``qtype``'s values are packed a signed byte each (else as nibble pairs)."""
+    return qtype in (Q8_0, Q6_K)
+
+
 def _values_bytes(qtype: int) -> int:
-    return PANEL * (BLOCK if qtype == Q8_0 else BLOCK // 2)
+    return PANEL * (BLOCK if _byte_values(qtype) else BLOCK // 2)
 
 
 def record_bytes(qtype: int) -> int:
     """Bytes of one (panel, block) record: the values, then d[16] fp16 (then Q4_1's m[16] fp16,
-    Q4_G's z[16] uint8, or Q4_K's dmin[16] fp16, sc[16] uint8, mn[16] uint8)."""
-    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL, Q4_K: 4 * PANEL}.get(qtype, 0)
+    Q4_G's z[16] uint8, Q4_K's dmin[16] fp16, sc[16] uint8, mn[16] uint8, or Q6_K's sc[2][16]
+    int8)."""
+    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL, Q4_K: 4 * PANEL, Q6_K: 2 * PANEL}.get(qtype, 0)
     return _values_bytes(qtype) + 2 * PANEL + extra
 
 
@@ -103,10 +112,11 @@ def num_panels(n: int) -> int:
 
 def unpack_ggml(raw: np.ndarray, qtype: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
     """GGML rows [N, K / 32 * block bytes] uint8 -> (q [N, K] uint8 or int8, the per-block
-    parameters [N, K/32] each: d fp16, then Q4_1's m fp16 or Q4_K's dmin fp16, sc uint8, mn
-    uint8). Q4 nibbles: value j of a block is byte j's low half, value j + 16 its high half."""
-    if qtype == Q4_K:
-        return _unpack_q4_k(raw, k)
+    parameters [N, K/32] each: d fp16, then Q4_1's m fp16, Q4_K's dmin fp16, sc uint8, mn
+    uint8, or Q6_K's two int8 scales). Q4 nibbles: value j of a block is byte j's low half,
+    value j + 16 its high half."""
+    if qtype in KQUANT_BYTES:
+        return _unpack_kquant(raw, qtype, k)
     if qtype not in GGML_BLOCK_BYTES:
         raise ValueError(f"unsupported quantized type id {qtype}")
     if k % BLOCK:
@@ -126,13 +136,32 @@ def unpack_ggml(raw: np.ndarray, qtype: int, k: int) -> tuple[np.ndarray, list[n
     return q, params
 
 
-def _unpack_q4_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Q4_K super-blocks (``gguf_kquants``' layout) -> q [N, K] uint8 and per block of 32:
-    d, dmin fp16 (the super-block's, repeated), sc, mn uint8 (the 6-bit fields unpacked)."""
+def _unpack_kquant(raw: np.ndarray, qtype: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
     if k % QK_K:
-        raise ValueError(f"K={k} is not a multiple of {QK_K} (Q4_K super-blocks)")
+        raise ValueError(f"K={k} is not a multiple of {QK_K} ({QTYPE_NAMES[qtype]} super-blocks)")
     n, ns = raw.shape[0], k // QK_K
-    blocks = np.ascontiguousarray(raw).reshape(n, ns, Q4_K_BYTES)
+    blocks = np.ascontiguousarray(raw).reshape(n, ns, KQUANT_BYTES[qtype])
+    return (_unpack_q4_k if qtype == Q4_K else _unpack_q6_k)(blocks, n, k)
+
+
+def _unpack_q6_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Q6_K super-blocks [N, K/256, 210] (``gguf_kquants``' layout) -> q - 32 [N, K] int8 and
+    per block of 32: d fp16 (the super-block's, repeated), the int8 scales of its two halves."""
+    ns = k // QK_K
+    ql, qh = blocks[..., 0:128].reshape(n, ns, 2, 1, 2, 32), blocks[..., 128:192]
+    low = np.concatenate([ql & 0xF, ql >> 4], axis=3).reshape(n, ns, 2, 4, 32)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    high = (qh.reshape(n, ns, 2, 1, 32) >> shifts) & 3  # half h, group g: field g of qh[32h + l]
+    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+    scales = blocks[..., 192:208].copy().view(np.int8).reshape(n, k // 16)  # one per 16 values
+    d = np.repeat(blocks[..., 208:210].copy().view(np.float16).reshape(n, ns), 8, axis=1)
+    return q, [d, scales[:, 0::2], scales[:, 1::2]]
+
+
+def _unpack_q4_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Q4_K super-blocks [N, K/256, 144] (``gguf_kquants``' layout) -> q [N, K] uint8 and per
+    block of 32: d, dmin fp16 (the super-block's, repeated), sc, mn uint8 (the 6-bit fields)."""
+    ns = k // QK_K
     d, dmin = (blocks[:, :, a : a + 2].copy().view(np.float16).reshape(n, ns) for a in (0, 2))
     s = blocks[:, :, 4:16]
     first, second, third = s[..., 0:4], s[..., 4:8], s[..., 8:12]  # see gguf_kquants
@@ -145,7 +174,7 @@ def _unpack_q4_k(raw: np.ndarray, k: int) -> tuple[np.ndarray, list[np.ndarray]]
 
 
 class QuantizedWeight:
-    """A [N, K] Q4_0 / Q4_1 / Q8_0 / Q4_K weight from GGML rows (or Q4_G: ``from_groups``),
+    """A [N, K] Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weight from GGML rows (or Q4_G: ``from_groups``),
     repacked for the kernel."""
 
     def __init__(self, raw: np.ndarray, qtype: int, out_features: int, in_features: int) -> None:
@@ -189,7 +218,7 @@ def _pack(q: np.ndarray, params: list[np.ndarray], qtype: int) -> np.ndarray:
     q = np.pad(q, ((0, pad), (0, 0)))
     scales = [np.pad(s, ((0, pad), (0, 0))) for s in params]
     values: np.ndarray
-    if qtype == Q8_0:
+    if _byte_values(qtype):
         # [P, 16 cols, nb, 32 k] -> [P, nb, 32 k, 16 cols]
         # [P, 16 cols, nb, 8 quads, 4 k] -> [P, nb, 8 quads, 16 cols, 4 k]: a column's four k
         # in one 32-bit lane, as vpdpbusd reads them (ext/cpu_gemm_q.cpp)
@@ -213,7 +242,7 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
     records = weight.data.view(panels, nb, record_bytes(qtype))
     values_bytes = _values_bytes(qtype)
     values = records[:, :, :values_bytes]
-    if qtype == Q8_0:
+    if _byte_values(qtype):
         quads = values.reshape(panels, nb, BLOCK // 4, PANEL, 4).view(torch.int8)
         q = quads.permute(0, 1, 2, 4, 3).reshape(panels, nb, BLOCK, PANEL).to(torch.float32)
     else:
@@ -222,7 +251,11 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
         q = q.to(torch.float32)  # [P, nb, 32 k, 16 cols]
     params = records[:, :, values_bytes:]
     d = params[:, :, : 2 * PANEL].contiguous().view(torch.float16).to(torch.float32).unsqueeze(2)
-    if qtype == Q4_K:  # (d * sc) * q - dmin * mn, as gguf_kquants' reference dequantizer
+    if qtype == Q6_K:  # (d * sc) * q for each half block, as gguf_kquants' dequantizer
+        sc = params[:, :, 2 * PANEL :].contiguous().view(torch.int8).float()  # [P, nb, 32]
+        halves = q.view(panels, nb, 2, BLOCK // 2, PANEL)
+        w = ((d * sc.view(panels, nb, 2, PANEL)).unsqueeze(3) * halves).view(q.shape)
+    elif qtype == Q4_K:  # (d * sc) * q - dmin * mn, as gguf_kquants' reference dequantizer
         dmin = params[:, :, 2 * PANEL : 4 * PANEL].contiguous().view(torch.float16).float()
         sc, mn = (params[:, :, a : a + PANEL].float() for a in (4 * PANEL, 5 * PANEL))
         w = (d * sc.unsqueeze(2)) * q - (dmin * mn).unsqueeze(2)

@@ -1,9 +1,9 @@
-"""GGUF K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): Q4_K kept quantized (issue 13), the others
-dequantized at load (issue 15).
+"""GGUF K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): Q4_K and Q6_K kept quantized (issue 13), the
+others dequantized at load (issue 15).
 
 trillm's dequantizer (``gguf_kquants``) equals the gguf package's bit for bit on random blocks
 (every bit pattern is a valid block); a tiny llama GGUF mixing every K-quant with Q4_0 / Q8_0
-and F16 (Q4_0 and a Q4_K layer kept quantized) gives transformers' greedy output on the same
+and F16 (Q4_0, Q4_K and Q6_K layers kept quantized) gives transformers' greedy output on the same
 weights.
 """
 
@@ -50,10 +50,10 @@ def test_dequantize_refuses_partial_blocks_and_other_types():
 
 
 # q/k/v mix K-quants with Q8_0 (the Q8_0 shard cannot stay quantized alone: the layer runs
-# dequantized); gate/up are Q4_0 and o Q4_K (kept quantized); the rest are K-quants and F16
+# dequantized); gate/up Q4_0, o Q4_K and down Q6_K are kept quantized; the rest are K-quants
 TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "Q4_K",
-         "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q3_K", "output": "Q2_K",
-         "token_embd": "Q6_K"}  # fmt: skip
+         "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q6_K", "output": "Q2_K",
+         "token_embd": "Q3_K"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def kquant_gguf(tmp_path_factory):
 
 
 def test_k_quant_gguf_greedy_equals_transformers(kquant_gguf):
-    """K-quant layers dequantized beside Q4_0 / Q4_K blocks kept quantized (the default for a
+    """K-quant layers dequantized beside Q4_0 / Q4_K / Q6_K blocks kept quantized (the default for a
     file holding both); an all-dequantized run differs only in those layers (tests/test_gguf.py)."""
     file = gguf_loader.GGUFFile(kquant_gguf)
     assert set(file.tensor_types.values()) >= {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
@@ -82,18 +82,22 @@ def test_k_quant_gguf_greedy_equals_transformers(kquant_gguf):
 
 def test_k_quant_layers_load_as_floats_beside_kept_blocks(kquant_gguf):
     cfg = load_model_config(EngineArgs(model=str(kquant_gguf), device="cpu"))
-    assert cfg.quantization == "gguf"  # the Q4_0 / Q8_0 / Q4_K tensors stay quantized
+    assert cfg.quantization == "gguf"  # the Q4_0 / Q8_0 / Q4_K / Q6_K tensors stay quantized
     model = build_model(cfg, None, "cpu")
     layer = model.model.layers[0]
     assert layer.mlp.gate_up_proj.quantized_weight.qtype == 2  # Q4_0 blocks, kept
     o_proj = layer.self_attn.o_proj  # Q4_K, kept: 5.5 bits a value, no float weight
     assert o_proj.quantized_weight.qtype == 12 and o_proj.weight.numel() == 0
     assert o_proj.quantized_weight.nbytes == o_proj.out_features * o_proj.in_features * 11 // 16
-    for module in (layer.self_attn.qkv_proj, layer.mlp.down_proj):
+    down = layer.mlp.down_proj  # Q6_K, kept: 9 bits a value (one byte each, scales)
+    assert down.quantized_weight.qtype == 14 and down.weight.numel() == 0
+    assert down.quantized_weight.nbytes == down.out_features * down.in_features * 9 // 8
+    for module in (layer.self_attn.qkv_proj,):
         assert not hasattr(module, "quantized_weight")  # K-quants (and the Q8_0 v beside them)
         assert module.weight.shape == (module.out_features, module.in_features)
     folder = kquant_gguf.parent / "dequantized"
     from safetensors.torch import load_file
 
-    want = load_file(str(folder / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
-    torch.testing.assert_close(layer.mlp.down_proj.weight.float(), want, rtol=0, atol=0)
+    want = load_file(str(folder / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
+    got = layer.self_attn.qkv_proj.weight[: want.shape[0]]  # the Q4_K q shard, dequantized
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=0)

@@ -1,4 +1,4 @@
-"""kernels/linear_q_cpu.py: GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K weights kept quantized (issue 13).
+"""kernels/linear_q_cpu.py: GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights kept quantized (issue 13).
 
 The repacked layout is checked against the gguf package's own dequantizer (an independent
 reader of GGML blocks); the native kernel against dequantize-then-F.linear on random blocks,
@@ -191,35 +191,43 @@ def test_int8_q8_0_kernel_is_exact_at_the_extremes():
     assert torch.equal(got, ref)
 
 
-# ---------------------------------------------------------------- Q4_K (super-blocks of 256)
+# ---------------------------------------------------------------- Q4_K, Q6_K (super-blocks of 256)
+
+# type -> (its id, offsets of its fp16 d (and dmin), their magnitude for O(1) values, bits a
+# value once packed)
+KQUANTS = {"Q4_K": (linear_q_cpu.Q4_K, (0, 2), 2e-3, 5.5),
+           "Q6_K": (linear_q_cpu.Q6_K, (208,), 5e-4, 9)}  # fmt: skip
 
 
-def _q4_k_weight(n: int, k: int, seed: int = 0):
-    """Random Q4_K blocks (every bit pattern is valid), d / dmin of either sign chosen so the
+def _kquant_weight(type_name: str, n: int, k: int, seed: int = 0):
+    """Random K-quant blocks (every bit pattern is valid), d / dmin of either sign chosen so the
     values are O(1), and their values as the gguf package dequantizes them."""
-    raw = random_kquant_blocks("Q4_K", n, k, seed)
-    blocks = raw.reshape(-1, 144)
+    _, offsets, scale, _ = KQUANTS[type_name]
+    raw = random_kquant_blocks(type_name, n, k, seed)
+    blocks = raw.reshape(n * k // 256, -1)
     rng = np.random.default_rng(seed + 1)
-    for at in (0, 2):  # d, dmin
-        d = rng.uniform(-2e-3, 2e-3, len(blocks)).astype(np.float16)
+    for at in offsets:
+        d = rng.uniform(-scale, scale, len(blocks)).astype(np.float16)
         blocks[:, at : at + 2] = d.view(np.uint8).reshape(-1, 2)
-    values = quants.dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float32)
+    values = quants.dequantize(raw, GGMLQuantizationType[type_name]).astype(np.float32)
     return raw, torch.from_numpy(values)
 
 
+@pytest.mark.parametrize("type_name", list(KQUANTS))
 @pytest.mark.parametrize("n", [1, 17, 33])
-def test_q4_k_packed_layout_dequantizes_like_gguf(n):
-    raw, expected = _q4_k_weight(n, 512, seed=n)
-    weight = linear_q_cpu.QuantizedWeight(raw, linear_q_cpu.Q4_K, n, 512)
-    assert weight.nbytes == linear_q_cpu.num_panels(n) * 16 * 512 * 11 // 16  # 5.5 bits a value
+def test_kquant_packed_layout_dequantizes_like_gguf(type_name, n):
+    qtype, _, _, bits = KQUANTS[type_name]
+    raw, expected = _kquant_weight(type_name, n, 512, seed=n)
+    weight = linear_q_cpu.QuantizedWeight(raw, qtype, n, 512)
+    assert weight.nbytes == linear_q_cpu.num_panels(n) * 16 * 512 * bits / 8
     assert torch.equal(linear_q_cpu.dequantize(weight), expected)
     with pytest.raises(ValueError, match="multiple of 256"):
-        linear_q_cpu.QuantizedWeight(raw.reshape(2 * n, -1), linear_q_cpu.Q4_K, 2 * n, 256 + 32)
+        linear_q_cpu.QuantizedWeight(raw.reshape(2 * n, -1), qtype, 2 * n, 256 + 32)
 
 
-def _check_q4_k(m, n, k, int8, out_dtype=torch.float32, bias=False):
-    raw, w = _q4_k_weight(n, k, seed=m + n)
-    weight = linear_q_cpu.QuantizedWeight(raw, linear_q_cpu.Q4_K, n, k)
+def _check_kquant(type_name, m, n, k, int8, out_dtype=torch.float32, bias=False):
+    raw, w = _kquant_weight(type_name, n, k, seed=m + n)
+    weight = linear_q_cpu.QuantizedWeight(raw, KQUANTS[type_name][0], n, k)
     gen = torch.Generator().manual_seed(m * 3 + n)
     x = torch.randn(m, k, generator=gen)
     b = torch.randn(n, generator=gen) if bias else None
@@ -232,20 +240,23 @@ def _check_q4_k(m, n, k, int8, out_dtype=torch.float32, bias=False):
 
 
 @needs_kernel
+@pytest.mark.parametrize("type_name", list(KQUANTS))
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 131])
 @pytest.mark.parametrize("n", [15, 70])
-def test_q4_k_kernel_matches_dequantize_then_matmul(m, n):
-    _check_q4_k(m, n, 512 if m == 131 else 256, int8=False, bias=n % 2 == 1)
+def test_kquant_kernel_matches_dequantize_then_matmul(type_name, m, n):
+    _check_kquant(type_name, m, n, 512 if m == 131 else 256, int8=False, bias=n % 2 == 1)
 
 
 @needs_vnni
+@pytest.mark.parametrize("type_name", list(KQUANTS))
 @pytest.mark.parametrize("m", [1, 5, 16, 131])
-def test_q4_k_int8_kernel_is_the_rounded_activations_times_the_weight(m):
-    _check_q4_k(m, 37, 512, int8=True, bias=True)
-    _check_q4_k(m, 37, 256, int8=True, out_dtype=torch.bfloat16)
+def test_kquant_int8_kernel_is_the_rounded_activations_times_the_weight(type_name, m):
+    _check_kquant(type_name, m, 37, 512, int8=True, bias=True)
+    _check_kquant(type_name, m, 37, 256, int8=True, out_dtype=torch.bfloat16)
 
 
-def test_q4_k_portable_path_without_extensions(monkeypatch):
+@pytest.mark.parametrize("type_name", list(KQUANTS))
+def test_kquant_portable_path_without_extensions(type_name, monkeypatch):
     monkeypatch.setenv("TRILLM_NO_EXTENSIONS", "1")
-    _check_q4_k(3, 20, 256, int8=False, bias=True)
-    _check_q4_k(3, 20, 256, int8=True)
+    _check_kquant(type_name, 3, 20, 256, int8=False, bias=True)
+    _check_kquant(type_name, 3, 20, 256, int8=True)

@@ -5,9 +5,9 @@ model in the file: the config from the GGUF metadata (``llama``, ``qwen2`` and `
 architectures: Llama, SmolLM2, Mistral, Qwen2, Qwen3 as llama.cpp converts them), the tokenizer
 and chat template from the file (``engine/config_builder.load_tokenizer``), the weights here.
 
-Tensors: F32 / F16 / BF16 are loaded in the run's dtype; Q4_0, Q4_1, Q8_0 and Q4_K are kept
-quantized (``layers/quantized_linear.py``, a native kernel on CPU) unless ``dequantize_gguf``
-asks for them in the run's dtype; the other K-quants (Q2_K, Q3_K, Q5_K, Q6_K,
+Tensors: F32 / F16 / BF16 are loaded in the run's dtype; Q4_0, Q4_1, Q8_0, Q4_K and Q6_K are
+kept quantized (``layers/quantized_linear.py``, a native kernel on CPU) unless
+``dequantize_gguf`` asks for them in the run's dtype; the other K-quants (Q2_K, Q3_K, Q5_K,
 ``gguf_kquants.py``) are dequantized to the run's dtype at load; any other GGML type is refused
 naming it before anything loads.
 llama.cpp stores a ``llama`` model's q/k projection rows permuted for its rotary layout
@@ -35,7 +35,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # kept quantized (unless dequantize_gguf)
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # kept (unless dequantize_gguf)
 KQUANT_TYPES = tuple(gguf_kquants.BLOCK_BYTES)  # dequantized by gguf_kquants when dequantized
 DEQUANTIZED_TYPES = tuple(t for t in KQUANT_TYPES if t not in QUANTIZED_TYPES)  # always
 

@@ -1,5 +1,5 @@
-"""Linear layers whose weights stay quantized on CPU: GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K, AWQ /
-GPTQ 4-bit groups.
+"""Linear layers whose weights stay quantized on CPU: GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K,
+AWQ / GPTQ 4-bit groups.
 
 ``load_gguf(model, cfg)`` streams a GGUF file into a model built by ``loader.build_model``.
 Float tensors load as usual; a quantized projection's GGML blocks (the stacked q/k/v and
@@ -40,7 +40,7 @@ from trillm.model_executor.gguf_loader import GGUFTensor
 EMBEDDING = "model.embed_tokens.weight"
 _T = TypeVar("_T")
 _QTYPE_IDS = {"Q4_0": linear_q_cpu.Q4_0, "Q4_1": linear_q_cpu.Q4_1, "Q8_0": linear_q_cpu.Q8_0,
-              "Q4_K": linear_q_cpu.Q4_K}  # fmt: skip
+              "Q4_K": linear_q_cpu.Q4_K, "Q6_K": linear_q_cpu.Q6_K}  # fmt: skip
 
 
 def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
