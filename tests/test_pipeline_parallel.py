@@ -162,9 +162,9 @@ def mixed_params() -> list[SamplingParams]:
 def run_queued(llm: LLM, prompts: list[str], params) -> tuple[list[list[int]], int]:
     """-> (each prompt's tokens, the most steps in flight at once during the call)."""
     core = llm.engine.core
-    before = Counter(core.batch_queue_depths)
+    before = Counter(core.batch_queue.depths)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    depths = core.batch_queue_depths - before
+    depths = core.batch_queue.depths - before
     return [o.outputs[0].token_ids for o in outs], max(depths, default=0)
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
 from collections.abc import Collection
 
 import trio
 
+from trillm.engine.batch_queue import BatchQueue
 from trillm.errors import CodecError, ModelExecutionError
 from trillm.ipc import codec
 from trillm.messages import (
@@ -65,16 +65,10 @@ class EngineCore:
         # req_id -> time.time() of its first P1, until its first output carries it.
         self._scheduled_at: dict[str, float] = {}
         self.num_steps = 0
-        # Pipeline parallelism: the batch queue (steps sent, oldest first, at most
-        # max_batches), the tokens the other stages have not been sent yet (req_id -> tokens;
-        # None without pipeline stages) and how many steps were in flight after each send.
-        self.max_batches = 1
-        self._in_flight: deque[SchedulerOutput] = deque()
-        self._pp_tokens: dict[str, list[int]] | None = None
+        # Pipeline parallelism: several steps in flight (None without pipeline stages).
+        self.batch_queue: BatchQueue | None = None
         if getattr(executor, "num_pipeline_stages", 1) > 1:  # (test stubs lack the property)
-            self.max_batches = executor.max_concurrent_batches
-            self._pp_tokens = {}
-        self.batch_queue_depths: Counter[int] = Counter()
+            self.batch_queue = BatchQueue(executor.max_concurrent_batches)
 
     # ------------------------------------------------------------------ inputs
     def handle_input(self, msg: EngineCoreInput) -> None:
@@ -115,8 +109,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ step
     async def step(self) -> EngineCoreOutputs | None:
-        if self._pp_tokens is not None:
-            return await self._step_with_batch_queue()
+        if self.batch_queue is not None:
+            return await self._step_with_batch_queue(self.batch_queue)
         t0 = time.perf_counter()
         refused = self._before_schedule()
         sched = self._schedule()  # P1
@@ -166,11 +160,14 @@ class EngineCore:
         t0: float,
     ) -> EngineCoreOutputs:
         """P4: the step's tokens into the scheduler, the grammars and the drafts."""
-        if runner_out.failed:
-            refused += self._fail_requests(runner_out.failed, "taken by the worker")
+        failed = runner_out.failed
+        if failed and self.batch_queue is not None:  # not a replaced request's (batch_queue.py)
+            failed = {r: why for r, why in failed.items() if r in sched.num_scheduled_tokens}
+        if failed:
+            refused += self._fail_requests(failed, "taken by the worker")
         outputs = self.scheduler.update_from_output(sched, runner_out)  # P4
-        if self._pp_tokens is not None:
-            self._keep_pp_tokens(runner_out)
+        if self.batch_queue is not None:
+            self.batch_queue.keep_tokens(sched, runner_out, self.scheduler.get_request)
         if self.structured_output is not None and self.structured_output.matchers:
             self._advance_grammars(outputs)
         self._stamp_scheduled(outputs)
@@ -193,61 +190,52 @@ class EngineCore:
     @property
     def num_in_flight(self) -> int:
         """Steps sent whose outputs are not applied yet (pipeline parallelism only)."""
-        return len(self._in_flight)
+        return 0 if self.batch_queue is None else len(self.batch_queue)
 
-    async def _step_with_batch_queue(self) -> EngineCoreOutputs | None:
+    async def _step_with_batch_queue(self, queue: BatchQueue) -> EngineCoreOutputs | None:
         """Pipeline parallelism (vLLM's batch queue): while fewer than
-        ``max_concurrent_batches`` steps are in flight, schedule one over the requests that no
-        in-flight step holds and send it; once the queue is full, or nothing more could be
-        scheduled, wait for the oldest step and apply its output (outputs in step order)."""
+        ``max_concurrent_batches`` steps are in flight, schedule one over its share of the
+        requests that no in-flight step holds and send it; once the queue is full, or nothing
+        more could be scheduled, wait for the oldest step and apply its output (outputs in
+        step order)."""
         t0 = time.perf_counter()
         refused = self._before_schedule()
         sent, finished = False, False
-        if len(self._in_flight) < self.max_batches:
-            busy = {r for s in self._in_flight for r in s.num_scheduled_tokens}
-            # One step's share of the live requests, so that the next step has some to run.
-            share = -(-sum(self.scheduler.get_request_counts()) // self.max_batches)
-            sched = self._schedule(busy, share)  # P1
+        if not queue.full:
+            live = sum(self.scheduler.get_request_counts())
+            sched = self._schedule(queue.busy(), queue.share(live))  # P1
             finished = bool(sched.finished_req_ids)
             if sched.total_num_scheduled_tokens == 0:
                 self._unsent_finished.extend(sched.finished_req_ids)
             else:
-                sent = await self._submit(sched, refused)
-        if self._in_flight and (not sent or len(self._in_flight) >= self.max_batches):
-            sched = self._in_flight.popleft()
-            try:
+                sent = await self._submit(queue, sched, refused)
+        if len(queue) and (not sent or queue.full):
+            get = self.scheduler.get_request
+            try:  # NOTE: the oldest step stays in the queue (and in flight) until it answers
                 runner_out = await self.executor.collect_step()  # P3
             except ModelExecutionError as exc:
-                return self._fail_step(sched, exc, refused)
-            return self._apply_output(sched, runner_out, refused, t0)
+                return self._fail_step(queue.pop_oldest(get), exc, refused)
+            return self._apply_output(queue.pop_oldest(get), runner_out, refused, t0)
         if refused or finished:  # aborts changed the stats: publish them
             return EngineCoreOutputs(refused, time.monotonic(), self._stats())
         return None
 
-    async def _submit(self, sched: SchedulerOutput, refused: list[EngineCoreOutput]) -> bool:
+    async def _submit(
+        self, queue: BatchQueue, sched: SchedulerOutput, refused: list[EngineCoreOutput]
+    ) -> bool:
         """P2 and P3's trigger of one step, which joins the queue; the other stages get the
         tokens sampled since the last step with it. -> False when every request of it was
         refused (nothing was sent)."""
         self._attach_unsent_finished(sched)
-        tokens, self._pp_tokens = self._pp_tokens or {}, {}
-        sched.pp_sampled_token_ids = tokens
+        sched.pp_sampled_token_ids = queue.take_tokens()
         refused += await self._execute(sched)  # P2, runs in the workers
         if sched.total_num_scheduled_tokens == 0:
             self._unsent_finished.extend(sched.finished_req_ids)
-            self._pp_tokens = tokens
+            queue.give_back_tokens(sched.pp_sampled_token_ids)
             return False
         await self.executor.start_sampling(self._grammar_bitmask(sched))
-        self._in_flight.append(sched)
-        self.batch_queue_depths[len(self._in_flight)] += 1
+        queue.push(sched, self.scheduler.get_request)
         return True
-
-    def _keep_pp_tokens(self, runner_out: ModelRunnerOutput) -> None:
-        """The tokens the last stage appended, for the other stages, of requests still live."""
-        assert self._pp_tokens is not None
-        get = self.scheduler.get_request
-        for req_id, tokens in zip(runner_out.req_ids, runner_out.sampled_token_ids):
-            if tokens and get(req_id) is not None:
-                self._pp_tokens.setdefault(req_id, []).extend(tokens)
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
         """The first P1 of each request (vLLM's SCHEDULED event): queue time ends here."""
@@ -328,7 +316,7 @@ class EngineCore:
             self._count_drafts(drafts, out)
         get = self.scheduler.get_request
         running = [get(req_id) for req_id in self.scheduler.running_req_ids()]
-        busy = {r for s in self._in_flight for r in s.num_scheduled_tokens}
+        busy = set() if self.batch_queue is None else self.batch_queue.busy()
         # NOTE: only requests past their prompt: a prefill chunk has no token to extend yet;
         # none of a step in flight (its output clears the drafts it would get now).
         ready = [r for r in running if r is not None and r.num_computed_tokens + 1 >= r.num_tokens
