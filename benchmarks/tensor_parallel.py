@@ -79,7 +79,7 @@ class InFlightProbe:
         else:
             self.done.set()
             self.thread.join()
-        return {"sends": dict(core.batch_queue_depths), "samples": dict(self.samples)}
+        return {"sends": dict(core.batch_queue.depths), "samples": dict(self.samples)}
 
     def _sample(self, core: Any) -> None:  # the engine core runs in the LLM's own thread
         while not self.done.wait(0.002):
