@@ -13,6 +13,7 @@ reference runs in-process ("uni").
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections import Counter
@@ -28,7 +29,7 @@ from test_executor import pid_alive
 from test_tensor_parallel import _shm_segments, _worker_ranks
 
 from trillm.engine.llm import LLM
-from trillm.sampling_params import SamplingParams
+from trillm.sampling_params import SamplingParams, StructuredOutputsParams
 
 PROMPTS = ["Hello there, how", "The capital of France is", "1 2 3 1 2 3 1 2 3 1 2"]
 MAX_TOKENS = 8
@@ -153,10 +154,15 @@ def test_what_pp_cannot_do_is_refused_by_name(llama):
 # requests are preempted (and recomputed) while other steps are in flight.
 TINY_KV = {"max_model_len": 64, "num_gpu_blocks_override": 4}
 MIXED_MAX_TOKENS = [24, 5, 24, 12, 2, 24]  # some finish while other batches are in flight
+CONSTRAINED = 3  # this request's output follows a regex (its bitmask rides on its step)
 
 
 def mixed_params() -> list[SamplingParams]:
-    return [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MIXED_MAX_TOKENS]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MIXED_MAX_TOKENS
+    ]
+    params[CONSTRAINED].structured_outputs = StructuredOutputsParams(regex="[a-c]{3,6}")
+    return params
 
 
 def run_queued(llm: LLM, prompts: list[str], params) -> tuple[list[list[int]], int]:
@@ -170,14 +176,16 @@ def run_queued(llm: LLM, prompts: list[str], params) -> tuple[list[list[int]], i
 
 def test_micro_batches_in_flight_match_pp1_under_preemption(llama):
     """PP=2 keeps two steps in flight over disjoint requests: six concurrent requests of mixed
-    lengths under a cache too small for them (preemptions) give PP=1's greedy tokens under
-    the same cache; a single request (fewer than two batches' worth) runs one step at a time
-    and gives its PP=1 tokens too."""
+    lengths, one of them constrained by a regex, under a cache too small for them
+    (preemptions) give PP=1's greedy tokens under the same cache; a single request (fewer than
+    two batches' worth) runs one step at a time and gives its PP=1 tokens too."""
     prompts = PROMPTS * 2
     with LLM(llama, distributed_executor_backend="uni", **TINY_KV) as llm:
         outs = llm.generate(prompts, mixed_params(), use_tqdm=False)
         reference = [o.outputs[0].token_ids for o in outs]
-    assert [len(t) for t in reference] == MIXED_MAX_TOKENS
+    assert re.fullmatch("[a-c]{3,6}", outs[CONSTRAINED].outputs[0].text)
+    lengths = [len(t) for i, t in enumerate(reference) if i != CONSTRAINED]
+    assert lengths == [n for i, n in enumerate(MIXED_MAX_TOKENS) if i != CONSTRAINED]
     with LLM(llama, pipeline_parallel_size=2, **TINY_KV) as llm:
         got, depth = run_queued(llm, prompts, mixed_params())
         assert got == reference
