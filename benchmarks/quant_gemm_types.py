@@ -1,0 +1,95 @@
+"""The quantized GEMM by GGML type at the same shapes: Q4_1 / Q4_K (4-bit) and Q8_0 / Q6_K (byte
+records), fp32 activations (FMA) and int8 (VNNI), random weights.
+
+For each type, one "step" multiplies ``--batch`` rows by every weight of a 1B-class Llama layer
+stack (TinyLlama-1.1B's: per layer qkv 2560x2048, o 2048x2048, gate_up 11264x2048, down
+2048x5632; ``--layers`` of them), K a multiple of 256 so the K-quants apply. Weights are random
+blocks (every bit pattern of a K-quant block is valid; Q4_1 / Q8_0 from the gguf package's
+quantizer); the variants are alternated round by round; step ms, median (min) of the steps, and
+the packed weight bytes read per step (trillm's layouts: Q4_K 5.5 bits a weight, Q6_K 9).
+
+    python benchmarks/quant_gemm_types.py [--batches 1 16] [--layers 2] [--steps 5]
+        [--rounds 3] [--threads N] [--out x.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import common  # noqa: F401 - puts the repository root on sys.path
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, quants
+from trillm.kernels import linear_q_cpu
+
+from trillm.testing.gguf_models import random_kquant_blocks
+
+SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))  # (N, K) per layer
+TYPES = ("Q4_1", "Q4_K", "Q8_0", "Q6_K")
+
+
+def make_weight(type_name: str, n: int, k: int, seed: int) -> linear_q_cpu.QuantizedWeight:
+    kind = GGMLQuantizationType[type_name]
+    if type_name in ("Q4_K", "Q6_K"):
+        raw = random_kquant_blocks(type_name, n, k, seed)
+    else:
+        w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32) * 0.02
+        raw = quants.quantize(w, kind)
+    return linear_q_cpu.QuantizedWeight(raw, int(kind), n, k)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    assert linear_q_cpu.int8_available(), "needs the native kernel and AVX512-VNNI"
+    weights = {
+        t: [make_weight(t, n, k, seed=i) for i, (n, k) in enumerate(SHAPES * args.layers)]
+        for t in TYPES
+    }
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in args.batches:
+        xs = {k: torch.randn(batch, k, generator=gen) for _, k in SHAPES}
+        times: dict[tuple[str, bool], list[float]] = {}
+        for _ in range(args.rounds):
+            for t, ws in weights.items():
+                for int8 in (False, True):
+                    for step in range(args.steps + 1):  # the first one warms up
+                        start = time.perf_counter()
+                        for w in ws:
+                            linear_q_cpu.linear(xs[w.in_features], w, int8_activations=int8)
+                        if step:
+                            times.setdefault((t, int8), []).append(time.perf_counter() - start)
+        for (t, int8), samples in times.items():
+            rows.append(dict(type=t, batch=batch, int8=int8,
+                             step_ms=statistics.median(samples) * 1e3,
+                             min_ms=min(samples) * 1e3,
+                             weight_mb=sum(w.nbytes for w in weights[t]) / 1e6))  # fmt: skip
+    print(f"{torch.get_num_threads()} threads, {args.layers} layers, {args.rounds} rounds x "
+          f"{args.steps} steps; step ms, median (min)")  # fmt: skip
+    print(f"{'type':<5} {'batch':>5} {'weights MB':>10} {'fp32-FMA':>18} {'int8-VNNI':>18}")
+    for t in TYPES:
+        for batch in args.batches:
+            fma, vnni = (next(r for r in rows if (r["type"], r["batch"], r["int8"]) == (t, batch, i))
+                         for i in (False, True))  # fmt: skip
+            print(f"{t:<5} {batch:>5} {fma['weight_mb']:>10.1f} "
+                  f"{fma['step_ms']:>9.2f} ({fma['min_ms']:>6.2f}) "
+                  f"{vnni['step_ms']:>9.2f} ({vnni['min_ms']:>6.2f})")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(dict(threads=torch.get_num_threads(), rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()
