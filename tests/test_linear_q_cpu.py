@@ -260,3 +260,24 @@ def test_kquant_portable_path_without_extensions(type_name, monkeypatch):
     monkeypatch.setenv("TRILLM_NO_EXTENSIONS", "1")
     _check_kquant(type_name, 3, 20, 256, int8=False, bias=True)
     _check_kquant(type_name, 3, 20, 256, int8=True)
+
+
+@needs_vnni
+def test_q6_k_int8_kernel_at_the_extremes():
+    # Q6_K's int8 path weighs each half block's integer sum by its int8 scale in integers: the
+    # largest products (q = -32, scale -128, xq = -127) must neither overflow nor round before
+    # the conversion. d = 1 and x on the int8 grid (dx = 1): every block sum is an integer.
+    rng = np.random.default_rng(9)
+    n, k = 20, 512
+    blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    blocks[:3, :, 0:192] = 0  # q = -32 throughout
+    blocks[:3, :, 192:208] = 0x80  # scales -128
+    blocks[:, :, 208:210] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    weight = linear_q_cpu.QuantizedWeight(blocks.reshape(n, -1), linear_q_cpu.Q6_K, n, k)
+    x = torch.from_numpy(rng.integers(-127, 128, (5, k)).astype(np.float32))
+    x.view(5, k // 32, 32)[:, :, 0] = 127.0  # every block's absmax is 127: dx = 1, xq = x
+    x[2] = -127.0
+    got = linear_q_cpu.linear(x, weight, int8_activations=True)
+    ref = F.linear(x.double(), linear_q_cpu.dequantize(weight).double())
+    assert ref[2, 0] == -32 * 128 * 127 * k  # the extreme row and column
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
