@@ -136,7 +136,9 @@ _VLLM_FLAGS = {
     # Already so in trillm, or meaningless without CUDA graphs / swapping / several ranks:
     # accepted, and the log says so once at startup.
     "--enable-chunked-prefill": ids(MOOT, VF + "test_bad_values_refused_with_the_flag_named"),
-    "--enforce-eager": ids(MOOT, VF + "test_logs_stats_notes_once_and_no_prompt_by_default"),
+    "--enforce-eager": ids(FEE + "test_enforce_eager_reaches_the_runner_from_the_serve_flag",
+                           "tests/test_step_program.py::test_enforce_eager_turns_programs_off",
+                           MOOT, VF + "test_logs_stats_notes_once_and_no_prompt_by_default"),
     "--swap-space": ids(MOOT, VF + "test_logs_stats_notes_once_and_no_prompt_by_default"),
     "--disable-log-requests": ids(MOOT),
     "--enable-prompt-tokens-details": ids(MOOT, FE + "test_cache_salt_separates_prefix_cache_hits"),
