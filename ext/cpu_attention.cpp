@@ -13,7 +13,8 @@
 // with an online softmax in fp32. No gather, no padding, no mask tensor. Items run on a small
 // persistent thread pool (the caller's thread included); the GIL is released meanwhile. fp32
 // and bf16 tensors; the cache fp32, bf16 or fp8 e4m3 (--kv-cache-dtype), widened exactly to
-// fp32 as it is read; math in fp32.
+// fp32 as it is read; math in fp32 (bf16 q: the scores rounded to bf16 first, see
+// kBf16Scores).
 //
 // Per layer, optionally: a sliding window (window > 0: a row at position p sees positions
 // > p - window; its keys before that are neither read nor scored) and logit soft-capping
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -66,6 +68,24 @@ TRILLM_INLINE void soft_cap(float* s, int n, float softcap) {
   for (int u = 0; u < n; ++u) s[u] = softcap * std::tanh(s[u] / softcap);
 }
 
+// bf16 q (a bf16 model): the scores take transformers' bf16 rounding points, q . k rounded to
+// bf16 (a bf16 matmul with fp32 sums), then times the scale, rounded again; the softmax stays
+// fp32. The roundings move a score by up to half a bf16 step (0.4%), enough to flip near-tied
+// greedy tokens against a bf16 reference; fp32 q keeps the scale folded into q, unrounded.
+template <typename T>
+constexpr bool kBf16Scores = std::is_same<T, Bf16>::value;
+
+template <typename T>
+TRILLM_INLINE float q_scale(const Problem& p) {
+  return kBf16Scores<T> ? 1.0f : p.scale;
+}
+
+template <typename T>
+TRILLM_INLINE v8f finish_scores(v8f sums, const Problem& p) {
+  if (!kBf16Scores<T>) return sums;  // already scaled through q
+  return round_bf16(round_bf16(sums) * splat(p.scale));
+}
+
 struct Item {
   int req, row_begin, row_end;  // rows relative to the request's first query row
   int head_begin, head_end;     // kv heads
@@ -93,7 +113,7 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Per-thread scratch: large stack frames would be probed page by page on every item.
-  alignas(32) static thread_local v8f qv[kMaxLanes];   // [nvec][NV], pre-scaled by p.scale
+  alignas(32) static thread_local v8f qv[kMaxLanes];   // [nvec][NV], times q_scale<T>
   alignas(32) static thread_local v8f acc[kMaxLanes];  // [nvec][NV]
   float m[kMaxVectors], l[kMaxVectors];
   int limit[kMaxVectors];    // last key position vector v may see
@@ -105,7 +125,7 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
     const int head = it.head_begin * group + v % per_row;
     const T* src = q + (q0 + row) * p.q_token_stride + head * p.q_head_stride;
     for (int j = 0; j < NV; ++j) {
-      qv[v * NV + j] = load8(src + 8 * j) * splat(p.scale);
+      qv[v * NV + j] = load8(src + 8 * j) * splat(q_scale<T>(p));
       acc[v * NV + j] = splat(0.0f);
     }
     m[v] = neg_inf;
@@ -163,7 +183,7 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
           const v8f qj = qrow[j];
           for (int i = 0; i < 8; ++i) a[i] += qj * load8(k[i] + 8 * j);
         }
-        const v8f sums = sum_lanes8(a);
+        const v8f sums = finish_scores<T>(sum_lanes8(a), p);
         std::memcpy(s + t, &sums, sizeof(sums));
       }
       // Causal limit, and -inf padding up to the chunk size; the window's lower bound.
@@ -245,7 +265,7 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int groups = (key_end - key_begin + kDecodeGroup - 1) / kDecodeGroup;
 
-  alignas(32) static thread_local v8f qv[kMaxLanes];   // [nvec][NV], pre-scaled by p.scale
+  alignas(32) static thread_local v8f qv[kMaxLanes];   // [nvec][NV], times q_scale<T>
   alignas(32) static thread_local v8f acc[kMaxLanes];  // [nvec][NV]
   alignas(32) static thread_local float scores[kMaxVectors * kDecodeChunk];  // [nvec][chunk]
   float m[kMaxVectors], l[kMaxVectors];
@@ -253,7 +273,7 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   for (int v = 0; v < nvec; ++v) {
     const T* src = q + (it.head_begin * group + v) * p.q_head_stride;
     for (int j = 0; j < NV; ++j) {
-      qv[v * NV + j] = load8(src + 8 * j) * splat(p.scale);
+      qv[v * NV + j] = load8(src + 8 * j) * splat(q_scale<T>(p));
       acc[v * NV + j] = splat(0.0f);
     }
     m[v] = neg_inf;
@@ -299,7 +319,7 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
           for (int j = 1; j < NV; ++j) x += qr[j] * load8(k + 8 * j);
           a[i] = x;
         }
-        const v8f sums = sum_lanes8(a);
+        const v8f sums = finish_scores<T>(sum_lanes8(a), p);
         std::memcpy(scores + v * kDecodeChunk + c * kDecodeGroup, &sums, sizeof(sums));
       }
     }

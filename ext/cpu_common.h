@@ -233,6 +233,16 @@ TRILLM_INLINE void store(Fp8* p, float x) {
 
 TRILLM_INLINE v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
+// Each lane rounded to bf16 (nearest even, like torch's cast) and widened back: where a bf16
+// reference rounds an intermediate (transformers' bf16 attention scores), so do the kernels.
+TRILLM_INLINE v8f round_bf16(v8f x) {
+  v8u32 u;
+  std::memcpy(&u, &x, sizeof(u));
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+
 TRILLM_INLINE float hsum(v8f v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }

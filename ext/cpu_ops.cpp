@@ -217,15 +217,17 @@ struct Rotary {
     int64_t cache_stride, half;
   };
   // x1 = x[:half], x2 = x[half:2 half] -> (x1 c - x2 s, x2 c + x1 s); the rest of the head stays.
+  // In bf16, HF's rounding points: cos, sin and each product rounded to bf16, then the sum
+  // (``q * cos + rotate_half(q) * sin`` with cos/sin cast to q's dtype); fp32: no rounding.
   static TRILLM_INLINE void rotate_heads(const Rows<T>& t, int64_t token, const float* cos,
                                          const float* sin, int64_t half) {
     for (int64_t h = 0; h < t.inner; ++h) {
       T* x = t.at(token, h);
       for_chunks(half, [&](int64_t i, int m) __attribute__((always_inline)) {
         const v8f x1 = load_n(x + i, m), x2 = load_n(x + half + i, m);
-        const v8f c = load_n(cos + i, m), s = load_n(sin + i, m);
-        store_n(x + i, x1 * c - x2 * s, m);
-        store_n(x + half + i, x2 * c + x1 * s, m);
+        const v8f c = round_to<T>(load_n(cos + i, m)), s = round_to<T>(load_n(sin + i, m));
+        store_n(x + i, round_to<T>(x1 * c) - round_to<T>(x2 * s), m);
+        store_n(x + half + i, round_to<T>(x2 * c) + round_to<T>(x1 * s), m);
       });
     }
   }

@@ -8,6 +8,9 @@ already in the paged cache, this step's included.
 Optional per layer: a sliding ``window`` (row at ``p`` sees only positions ``> p - window``, as
 transformers' sliding-window layers do) and a logit ``softcap`` (``softcap * tanh(s / softcap)``
 on the scaled scores before the softmax, Gemma 2).
+
+bf16 queries: the scores take transformers' bf16 rounding points (q . k rounded to bf16, then
+times the scale, rounded again), the softmax and the weighted sum stay fp32.
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ def _attend_one(
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)  # [Lk, Hq, D]
     v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [Hq, Lq, Lk]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k)  # [Hq, Lq, Lk]
+    if q.dtype == torch.bfloat16:
+        # transformers' bf16 attention: q . k rounded to bf16, times the scale, rounded again
+        scores = (scores.to(q.dtype) * scale).to(q.dtype).float()
+    else:
+        scores = scores * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     q_pos = context_len + torch.arange(q.shape[0])[:, None]

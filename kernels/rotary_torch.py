@@ -11,7 +11,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x32 = x.float()
     x1, x2 = x32[..., :half], x32[..., half : 2 * half]
     c, s = cos[:, None, :], sin[:, None, :]
-    rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, x32[..., 2 * half :]], dim=-1)
+    if x.dtype == torch.bfloat16:
+        # HF's bf16 rotary: cos/sin cast to bf16, each product rounded, then the sum
+        def r(t: torch.Tensor) -> torch.Tensor:
+            return t.to(x.dtype).float()
+
+        c, s = r(c), r(s)
+        first, second = r(x1 * c) - r(x2 * s), r(x2 * c) + r(x1 * s)
+    else:
+        first, second = x1 * c - x2 * s, x2 * c + x1 * s
+    rotated = torch.cat([first, second, x32[..., 2 * half :]], dim=-1)
     return rotated.to(x.dtype)
 
 

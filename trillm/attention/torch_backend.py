@@ -4,8 +4,9 @@ requests.
 On CPU with the native extension built (``ext/cpu_attention.cpp``, fp32/bf16), every request
 that has context in the cache (decode rows, later prefill chunks, prefix-cache hits) attends
 with that kernel, which reads K/V in place from the blocks: no gather, no padding, no mask.
-Fresh prompts take the native causal kernel of ``ext/cpu_prefill_attention.cpp`` there (fp32),
-else the ``is_causal`` fast path below. Elsewhere (CUDA, fp16,
+Fresh prompts take the native causal kernel of ``ext/cpu_prefill_attention.cpp`` there (fp32;
+bf16 ones take the paged kernel, which rounds bf16 scores as transformers' bf16 attention
+does), else the ``is_causal`` fast path below. Elsewhere (CUDA, fp16,
 ``TRILLM_NO_EXTENSIONS=1``) it is one scatter to write K/V, one gather per request group, one
 ``scaled_dot_product_attention`` per group:
 
@@ -217,8 +218,11 @@ class TorchAttentionBackend:
                 self._groups = [_decode_group(meta, reqs, block_size)]
             return
         # NOTE: a chunk whose query is its whole sequence has no context: a fresh prompt.
+        # A bf16 one goes to the paged kernel with the rest: it rounds the scores where
+        # transformers' bf16 attention does (SDPA and the fp32 prefill kernel do not).
         lens = list(zip(meta.query_lens_cpu, meta.seq_lens_cpu))
-        fresh = [i for i, (q, s) in enumerate(lens) if q == s > 1]
+        paged_only = native and q.dtype == torch.bfloat16
+        fresh = [] if paged_only else [i for i, (q, s) in enumerate(lens) if q == s > 1]
         if fresh:
             starts = [0, *itertools.accumulate(meta.query_lens_cpu)]  # host copy: no device sync
             self._fresh = [(starts[i], starts[i + 1]) for i in fresh]
@@ -227,7 +231,7 @@ class TorchAttentionBackend:
                     [(a, b - a) for a, b in self._fresh], dtype=torch.int32
                 )
         if native:
-            rest = [i for i, (q, s) in enumerate(lens) if not q == s > 1]
+            rest = [i for i, (q, s) in enumerate(lens) if paged_only or not q == s > 1]
             if rest:
                 self._native = native_plan(torch.tensor(rest, dtype=torch.int32))
             return
