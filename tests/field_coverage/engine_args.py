@@ -21,6 +21,7 @@ from field_coverage.ids import (
     MN,
     OPENAI,
     OUTPUT,
+    PA,
     POOL,
     PP,
     SCHED,
@@ -53,7 +54,8 @@ ENGINE: dict[str, tuple[str, ...]] = {
         ENGINE_REFUSED, TP + "test_python_api_tp2_matches_tp1",
         TP + "test_http_tp2_matches_tp1_token_for_token",
         TP + "test_tp_size_the_model_cannot_split_is_refused",
-        DP + "test_http_dp2_tp2_matches_dp1_token_for_token",
+        DP + "test_http_dp2_tp2_matches_dp1_token_for_token", PA + "test_tp2_matches_tp1",
+        PA + "test_tp_on_a_family_without_a_split_is_refused_by_name",
     ),  # fmt: skip
     "data_parallel_size": ids(
         DP + "test_python_api_dp2_matches_dp1_and_spreads_the_requests",
@@ -67,6 +69,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
     "pipeline_parallel_size": ids(
         PP + "test_python_api_pp2_matches_pp1", PP + "test_http_pp2_matches_pp1_token_for_token",
         PP + "test_tp2_x_pp2_matches_pp1", PP + "test_what_pp_cannot_do_is_refused_by_name",
+        PA + "test_pp2_matches_pp1",
     ),  # fmt: skip
     "kv_cache_memory": ids(CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"),
     "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),

@@ -1,0 +1,83 @@
+"""Tensor and pipeline parallelism on every supported architecture (issue 14): TP=2 and PP=2
+greedy tokens equal the single-rank ("uni") engine's, token for token, on each family that
+tests/test_tensor_parallel.py (Llama) and tests/test_pipeline_parallel.py (Llama, Gemma 2) do
+not already cover; the families whose layers have no tensor-parallel split yet are refused by
+name at startup.
+
+Every model has 2 layers (PP=2 puts one on each stage; Qwen2-MoE's sparse layer 0 and its
+dense ``mlp_only_layers`` layer 1 land on different stages), 4 query heads and 2 KV heads (one per rank
+under TP=2; GPT-NeoX has 4), a vocabulary of 4096 (an even split). Gemma 2 and 3 get a
+smaller weight scale: with the default one their greedy tokens repeat the prompt's last token,
+which would hide a wrong shard (each reference is checked for that). An engine start costs
+seconds on 2 cores, so each family runs one TP=2 and one PP=2 engine, 3 prompts x 8 tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from parallel_reference import greedy, reference_tokens
+
+from trillm.engine.llm import LLM
+
+PROMPTS = ["Hello there, how", "The capital of France is", "1 2 3 4 5"]
+MAX_TOKENS = 8
+LIMITS = {"max_model_len": 64, "kv_cache_memory": "4MiB"}
+
+# Families with a tensor-parallel split (trillm.distributed.sharding.ARCHITECTURES), Llama aside.
+TP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
+# Every family but Llama and Gemma 2 (tests/test_pipeline_parallel.py).
+PP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "olmo2", "gpt_neox",
+             "mixtral", "qwen2_moe", "qwen3_moe"]  # fmt: skip
+# Families refused under TP, with the architecture name the refusal must give.
+TP_REFUSED = {
+    "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
+    "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}  # fmt: skip
+OVERRIDES: dict[str, dict[str, Any]] = {  # beyond num_hidden_layers=2
+    "gemma2": {"initializer_range": 0.05},
+    "gemma3": {"initializer_range": 0.02},
+}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    def make(arch: str) -> str:
+        overrides = {"num_hidden_layers": 2, **OVERRIDES.get(arch, {})}
+        return tiny_model_factory(arch, **overrides)
+
+    return make
+
+
+def parallel_tokens(path: str, **parallel: int) -> list[list[int]]:
+    with LLM(path, **LIMITS, **parallel) as llm:
+        outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def reference(path: str) -> list[list[int]]:
+    tokens = reference_tokens(path, PROMPTS, MAX_TOKENS, **LIMITS)
+    # A reference that only repeats one token per prompt could not tell a wrong shard apart.
+    assert all(len(set(t)) > 1 for t in tokens), tokens
+    return tokens
+
+
+@pytest.mark.parametrize("arch", TP_ARCHES)
+def test_tp2_matches_tp1(model, arch):
+    path = model(arch)
+    assert parallel_tokens(path, tensor_parallel_size=2) == reference(path)
+
+
+@pytest.mark.parametrize("arch", PP_ARCHES)
+def test_pp2_matches_pp1(model, arch):
+    path = model(arch)
+    assert parallel_tokens(path, pipeline_parallel_size=2) == reference(path)
+
+
+@pytest.mark.parametrize("arch", sorted(TP_REFUSED))
+def test_tp_on_a_family_without_a_split_is_refused_by_name(model, arch):
+    """Refused before any worker starts, naming the parallelism and the architecture."""
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size=2: .*{TP_REFUSED[arch]}"):
+        LLM(model(arch), tensor_parallel_size=2, **LIMITS)
