@@ -1,6 +1,8 @@
 """Which slice of each checkpoint tensor a tensor-parallel rank holds (Megatron's layout).
 
     q_proj, k_proj, v_proj, gate_proj, up_proj   column-parallel: rows split (dim 0)
+    qkv_proj, gate_up_proj                       fused column-parallel (Phi-3): the rank's
+                                                 rows of each part, concatenated
     o_proj, down_proj                            row-parallel: columns split (dim 1); the
                                                  partial sums are all-reduced, so a bias is
                                                  held by rank 0 alone (zeros elsewhere)
@@ -25,14 +27,15 @@ from trillm.config import ModelConfig
 
 _ROW = ("o_proj", "down_proj")
 _VOCAB = ("embed_tokens", "lm_head")
+_FUSED = ("qkv_proj", "gate_up_proj")  # column-parallel, fused in the checkpoint (Phi-3)
 
 
-# The families whose layers shard this way. Not yet (issue 14): Phi-3 (q/k/v and gate/up fused
-# in the checkpoint), OLMo 2 (q/k norms over all heads at once), GPT-NeoX (per-head interleaved
-# query_key_value, parallel residual).
+# The families whose layers shard this way (Phi-3's checkpoint fuses q/k/v and gate/up: each
+# rank reads its rows of every part). Not yet (issue 14): OLMo 2 (q/k norms over all heads at
+# once), GPT-NeoX (per-head interleaved query_key_value, parallel residual), the MoE families.
 ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
 )  # fmt: skip
 
 
@@ -114,10 +117,25 @@ class RankShapes:
             return 0, self.vocab_start, self.vocab_end - self.vocab_start
         return None
 
+    def fused_rows(self, cfg: ModelConfig, proj: str) -> list[tuple[int, int]]:
+        """(start, length) of this rank's rows in each part of a fused checkpoint weight:
+        q, k, v of ``qkv_proj``; gate, up of ``gate_up_proj`` (the parts' order is the one
+        the model stacks them in, so the rank's rows concatenate to its fused parameter)."""
+        d, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        if proj == "qkv_proj":
+            k_rows = (self.kv_head_start * d, self.num_kv_heads * d)
+            return [(self.head_start * d, self.num_heads * d),
+                    (heads * d + k_rows[0], k_rows[1]), ((heads + kv) * d + k_rows[0], k_rows[1])]  # fmt: skip
+        inter = cfg.intermediate_size
+        return [(self.inter_start, self.inter_size), (inter + self.inter_start, self.inter_size)]
+
     def read_shard(self, cfg: ModelConfig, name: str, source: Any) -> torch.Tensor:
         """This rank's part of ``name`` from ``source`` (a safetensors slice or a tensor):
         only the rank's rows/columns are read."""
         proj = name.rpartition(".")[0].rpartition(".")[2]
+        if proj in _FUSED:  # fused in the checkpoint (Phi-3): this rank's rows of each part
+            return torch.cat([source[start : start + length]
+                              for start, length in self.fused_rows(cfg, proj)])  # fmt: skip
         split = self.split_of(cfg, name)
         if split is None:
             tensor = source[:] if not isinstance(source, torch.Tensor) else source
