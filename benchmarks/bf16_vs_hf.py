@@ -148,7 +148,16 @@ def main() -> None:
         help="transformers' tokens and top logits: read from here if present (same prompts "
         "and length), else computed and written here (its run is the slow half)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-bf16-kernel", action="store_true",
+        help="every bf16 linear through torch's F.linear, as transformers runs them (the "
+        "engine runs in this process: distributed_executor_backend='uni')",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.no_bf16_kernel:
+        from trillm.kernels import linear_cpu
+
+        linear_cpu.available_bf16 = lambda: False  # read when the weights are packed at load
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = str(Path(args.model).expanduser())
@@ -187,7 +196,8 @@ def main() -> None:
     if args.out:
         summary = {
             "command": " ".join(sys.argv), "equal": equal, "equal_first_32": equal32, "prompts": len(rows),
-            "new_tokens": args.new_tokens, "max_num_seqs": args.max_num_seqs, "rows": rows,
+            "new_tokens": args.new_tokens, "max_num_seqs": args.max_num_seqs,
+            "no_bf16_kernel": args.no_bf16_kernel, "rows": rows,
         }  # fmt: skip
         args.out.write_text(json.dumps(summary, indent=1) + "\n")
 
