@@ -5,10 +5,12 @@ not already cover; the families whose layers have no tensor-parallel split yet a
 name at startup.
 
 Every model has 2 layers (PP=2 puts one on each stage; Qwen2-MoE's sparse layer 0 and its
-dense ``mlp_only_layers`` layer 1 land on different stages), 4 query heads and 2 KV heads (one per rank
-under TP=2; GPT-NeoX has 4; Phi-3's checkpoint fuses q/k/v and gate/up), a vocabulary of 4096 (an even split). Gemma 2 and 3 get a
-smaller weight scale: with the default one their greedy tokens repeat the prompt's last token,
-which would hide a wrong shard (each reference is checked for that). An engine start costs
+dense ``mlp_only_layers`` layer 1 land on different stages), 4 query heads and 2 KV heads (one
+per rank under TP=2; GPT-NeoX has 4; OLMo 2 has 1, replicated on both ranks, so that its k norm
+over all KV heads spans a replicated head; Phi-3's checkpoint fuses q/k/v and gate/up), and a
+vocabulary of 4096 (an even split). Gemma 2 and 3 get a smaller weight scale: with the default
+one their greedy tokens repeat the prompt's last token, which would hide a wrong shard (each
+reference is checked for that). An engine start costs
 seconds on 2 cores, so each family runs one TP=2 and one PP=2 engine, 3 prompts x 8 tokens.
 """
 
@@ -26,18 +28,20 @@ MAX_TOKENS = 8
 LIMITS = {"max_model_len": 64, "kv_cache_memory": "4MiB"}
 
 # Families with a tensor-parallel split (trillm.distributed.sharding.ARCHITECTURES), Llama aside.
-TP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3"]
+TP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
+             "olmo2"]  # fmt: skip
 # Every family but Llama and Gemma 2 (tests/test_pipeline_parallel.py).
 PP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "olmo2", "gpt_neox",
              "mixtral", "qwen2_moe", "qwen3_moe"]  # fmt: skip
 # Families refused under TP, with the architecture name the refusal must give.
 TP_REFUSED = {
-    "olmo2": "Olmo2ForCausalLM", "gpt_neox": "GPTNeoXForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM", "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
 }  # fmt: skip
 OVERRIDES: dict[str, dict[str, Any]] = {  # beyond num_hidden_layers=2
     "gemma2": {"initializer_range": 0.05},
     "gemma3": {"initializer_range": 0.02},
+    "olmo2": {"num_key_value_heads": 1},
 }
 
 

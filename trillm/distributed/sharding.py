@@ -8,7 +8,8 @@
                                                  held by rank 0 alone (zeros elsewhere)
     embed_tokens, lm_head                        vocab-parallel: rows split, padded to
                                                  ceil(V / N) rows per rank
-    norms                                        replicated
+    norms                                        replicated (OLMo 2's q/k norms, over all
+                                                 heads at once: split as q_proj / k_proj)
 
 Attention heads split evenly; KV heads too when there are at least as many as ranks, else each
 KV head is replicated on N / Hkv consecutive ranks (the ranks whose query heads use it).
@@ -28,14 +29,17 @@ from trillm.config import ModelConfig
 _ROW = ("o_proj", "down_proj")
 _VOCAB = ("embed_tokens", "lm_head")
 _FUSED = ("qkv_proj", "gate_up_proj")  # column-parallel, fused in the checkpoint (Phi-3)
+# q/k norms over all heads at once: their weights split like q_proj / k_proj's rows.
+_WHOLE_QK_NORM = ("Olmo2ForCausalLM",)
 
 
 # The families whose layers shard this way (Phi-3's checkpoint fuses q/k/v and gate/up: each
-# rank reads its rows of every part). Not yet (issue 14): OLMo 2 (q/k norms over all heads at
-# once), GPT-NeoX (per-head interleaved query_key_value, parallel residual), the MoE families.
+# rank reads its rows of every part; OLMo 2's q/k norms span all heads: split like q/k). Not
+# yet (issue 14): GPT-NeoX (per-head interleaved query_key_value), the MoE families.
 ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+    "Olmo2ForCausalLM",
 )  # fmt: skip
 
 
@@ -103,6 +107,8 @@ class RankShapes:
         module_path, _, kind = name.rpartition(".")
         proj = module_path.rpartition(".")[2]
         d = cfg.head_dim
+        if proj in ("q_norm", "k_norm") and cfg.architecture in _WHOLE_QK_NORM:
+            proj = proj[0] + "_proj"
         if proj in ("q_proj",):
             return 0, self.head_start * d, self.num_heads * d
         if proj in ("k_proj", "v_proj"):
