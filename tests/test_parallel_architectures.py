@@ -1,8 +1,9 @@
 """Tensor and pipeline parallelism on every supported architecture (issue 14): TP=2 and PP=2
 greedy tokens equal the single-rank ("uni") engine's, token for token, on each family that
 tests/test_tensor_parallel.py (Llama) and tests/test_pipeline_parallel.py (Llama, Gemma 2) do
-not already cover; the families whose layers have no tensor-parallel split yet are refused by
-name at startup.
+not already cover; the families whose layers have no tensor-parallel split yet (the
+mixtures of experts) are refused by name at startup. GPT-NeoX and Qwen2 get random biases, so
+that a row-parallel bias added on every rank (not once) changes the tokens.
 
 Every model has 2 layers (PP=2 puts one on each stage; Qwen2-MoE's sparse layer 0 and its
 dense ``mlp_only_layers`` layer 1 land on different stages), 4 query heads and 2 KV heads (one
@@ -10,16 +11,20 @@ per rank under TP=2; GPT-NeoX has 4; OLMo 2 has 1, replicated on both ranks, so 
 over all KV heads spans a replicated head; Phi-3's checkpoint fuses q/k/v and gate/up), and a
 vocabulary of 4096 (an even split). Gemma 2 and 3 get a smaller weight scale: with the default
 one their greedy tokens repeat the prompt's last token, which would hide a wrong shard (each
-reference is checked for that). An engine start costs
-seconds on 2 cores, so each family runs one TP=2 and one PP=2 engine, 3 prompts x 8 tokens.
+reference is checked for that). An engine start costs seconds on 2 cores, so each family runs
+one TP=2 and one PP=2 engine, 3 prompts x 8 tokens.
 """
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from parallel_reference import greedy, reference_tokens
+from safetensors.torch import load_file, save_file
 
 from trillm.engine.llm import LLM
 
@@ -29,15 +34,13 @@ LIMITS = {"max_model_len": 64, "kv_cache_memory": "4MiB"}
 
 # Families with a tensor-parallel split (trillm.distributed.sharding.ARCHITECTURES), Llama aside.
 TP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-             "olmo2"]  # fmt: skip
+             "olmo2", "gpt_neox"]  # fmt: skip
 # Every family but Llama and Gemma 2 (tests/test_pipeline_parallel.py).
 PP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "olmo2", "gpt_neox",
              "mixtral", "qwen2_moe", "qwen3_moe"]  # fmt: skip
 # Families refused under TP, with the architecture name the refusal must give.
-TP_REFUSED = {
-    "gpt_neox": "GPTNeoXForCausalLM", "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-}  # fmt: skip
+TP_REFUSED = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
 OVERRIDES: dict[str, dict[str, Any]] = {  # beyond num_hidden_layers=2
     "gemma2": {"initializer_range": 0.05},
     "gemma3": {"initializer_range": 0.02},
@@ -45,13 +48,39 @@ OVERRIDES: dict[str, dict[str, Any]] = {  # beyond num_hidden_layers=2
 }
 
 
+# Families whose checkpoints get random biases (transformers initialises them to zero), so that
+# a row-parallel bias added on every rank instead of once would change the tokens.
+BIASED = ("gpt_neox", "qwen2")
+
+
 @pytest.fixture(scope="module")
-def model(tiny_model_factory):
+def model(tiny_model_factory, tmp_path_factory):
+    biased: dict[str, str] = {}  # arch -> the copy with random biases (the factory's is shared)
+
     def make(arch: str) -> str:
         overrides = {"num_hidden_layers": 2, **OVERRIDES.get(arch, {})}
-        return tiny_model_factory(arch, **overrides)
+        path = tiny_model_factory(arch, **overrides)
+        if arch not in BIASED:
+            return path
+        if arch not in biased:
+            copy = tmp_path_factory.mktemp(f"biased-{arch}")
+            shutil.copytree(path, copy, dirs_exist_ok=True)
+            with_random_biases(copy)
+            biased[arch] = str(copy)
+        return biased[arch]
 
     return make
+
+
+def with_random_biases(folder: Path) -> None:
+    """Every projection bias of the checkpoint in ``folder`` drawn at random (norms keep theirs)."""
+    (file,) = folder.glob("*.safetensors")
+    weights = load_file(file)
+    gen = torch.Generator().manual_seed(0)
+    for name, tensor in weights.items():
+        if name.endswith(".bias") and "norm" not in name:
+            weights[name] = 0.2 * torch.randn(tensor.shape, generator=gen)  # [out]
+    save_file(weights, file, metadata={"format": "pt"})
 
 
 def parallel_tokens(path: str, **parallel: int) -> list[list[int]]:

@@ -8,6 +8,8 @@
                                                  held by rank 0 alone (zeros elsewhere)
     embed_tokens, lm_head                        vocab-parallel: rows split, padded to
                                                  ceil(V / N) rows per rank
+    GPT-NeoX's query_key_value, dense_h_to_4h    column-parallel (q/k/v interleaved per head)
+    GPT-NeoX's attention.dense, dense_4h_to_h    row-parallel
     norms                                        replicated (OLMo 2's q/k norms, over all
                                                  heads at once: split as q_proj / k_proj)
 
@@ -26,20 +28,23 @@ import torch
 
 from trillm.config import ModelConfig
 
-_ROW = ("o_proj", "down_proj")
-_VOCAB = ("embed_tokens", "lm_head")
+_ROW = ("o_proj", "down_proj", "dense", "dense_4h_to_h")  # GPT-NeoX: attention.dense, MLP out
+_VOCAB = ("embed_tokens", "lm_head", "embed_in", "embed_out")
 _FUSED = ("qkv_proj", "gate_up_proj")  # column-parallel, fused in the checkpoint (Phi-3)
 # q/k norms over all heads at once: their weights split like q_proj / k_proj's rows.
 _WHOLE_QK_NORM = ("Olmo2ForCausalLM",)
+# GPT-NeoX's projections that split as Llama's do.
+_NEOX_AS_LLAMA = {"dense_h_to_4h": "up_proj", "dense": "o_proj", "dense_4h_to_h": "down_proj"}
 
 
 # The families whose layers shard this way (Phi-3's checkpoint fuses q/k/v and gate/up: each
-# rank reads its rows of every part; OLMo 2's q/k norms span all heads: split like q/k). Not
-# yet (issue 14): GPT-NeoX (per-head interleaved query_key_value), the MoE families.
+# rank reads its rows of every part; OLMo 2's q/k norms span all heads: split like q/k;
+# GPT-NeoX's query_key_value interleaves q/k/v per head: a rank's heads are one block of rows).
+# Not yet (issue 14): the MoE families.
 ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-    "Olmo2ForCausalLM",
+    "Olmo2ForCausalLM", "GPTNeoXForCausalLM",
 )  # fmt: skip
 
 
@@ -109,6 +114,9 @@ class RankShapes:
         d = cfg.head_dim
         if proj in ("q_norm", "k_norm") and cfg.architecture in _WHOLE_QK_NORM:
             proj = proj[0] + "_proj"
+        if proj == "query_key_value":  # GPT-NeoX: rows [Hq, (q|k|v), D], a rank's heads together
+            return 0, self.head_start * 3 * d, self.num_heads * 3 * d
+        proj = _NEOX_AS_LLAMA.get(proj, proj)
         if proj in ("q_proj",):
             return 0, self.head_start * d, self.num_heads * d
         if proj in ("k_proj", "v_proj"):

@@ -19,7 +19,12 @@ from trillm.attention.backend import AttentionBackend, AttentionMetadata
 from trillm.config import ModelConfig
 from trillm.model_executor.layers.rotary import RotaryEmbedding
 from trillm.model_executor.models.decoder import ResidualStreamCausalLM
-from trillm.model_executor.models.llama import DecoderStack, LlamaAttention, LlamaDecoderFlags
+from trillm.model_executor.models.llama import (
+    DecoderStack,
+    LlamaAttention,
+    LlamaDecoderFlags,
+    rank_shapes,
+)
 
 # checkpoint name fragment -> trillm's (applied in order, first match per fragment)
 _RENAMES = (
@@ -35,13 +40,16 @@ _BUFFERS = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
 
 
 class NeoXMLP(nn.Module):
+    """Column-parallel in, row-parallel out (this rank's I / TP columns), then the all-reduce."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.dense_4h_to_h = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.tp, shapes = rank_shapes(cfg)
+        self.dense_h_to_4h = nn.Linear(cfg.hidden_size, shapes.inter_size)
+        self.dense_4h_to_h = nn.Linear(shapes.inter_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H] via [T, I]
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H] via [T, I / TP]
+        return self.tp.all_reduce(self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x))))
 
 
 class NeoXLayer(nn.Module):
@@ -88,7 +96,8 @@ class GPTNeoXForCausalLM(ResidualStreamCausalLM):
     def _renamed(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        heads, head_dim = self.config.num_attention_heads, self.config.head_dim
+        heads = rank_shapes(self.config)[1].num_heads  # this rank's (all at TP=1)
+        head_dim = self.config.head_dim
         for name, tensor in weights:
             if name.endswith(_BUFFERS):
                 continue
