@@ -2,7 +2,7 @@
 greedy tokens equal the single-rank ("uni") engine's, token for token, on each family that
 tests/test_tensor_parallel.py (Llama) and tests/test_pipeline_parallel.py (Llama, Gemma 2) do
 not already cover; the families whose layers have no tensor-parallel split yet (the
-mixtures of experts) are refused by name at startup. GPT-NeoX and Qwen2 get random biases, so
+Qwen mixtures of experts) are refused by name at startup. GPT-NeoX and Qwen2 get random biases, so
 that a row-parallel bias added on every rank (not once) changes the tokens.
 
 Every model has 2 layers (PP=2 puts one on each stage; Qwen2-MoE's sparse layer 0 and its
@@ -34,13 +34,12 @@ LIMITS = {"max_model_len": 64, "kv_cache_memory": "4MiB"}
 
 # Families with a tensor-parallel split (trillm.distributed.sharding.ARCHITECTURES), Llama aside.
 TP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-             "olmo2", "gpt_neox"]  # fmt: skip
+             "olmo2", "gpt_neox", "mixtral"]  # fmt: skip
 # Every family but Llama and Gemma 2 (tests/test_pipeline_parallel.py).
 PP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "olmo2", "gpt_neox",
              "mixtral", "qwen2_moe", "qwen3_moe"]  # fmt: skip
 # Families refused under TP, with the architecture name the refusal must give.
-TP_REFUSED = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-              "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+TP_REFUSED = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 OVERRIDES: dict[str, dict[str, Any]] = {  # beyond num_hidden_layers=2
     "gemma2": {"initializer_range": 0.05},
     "gemma3": {"initializer_range": 0.02},

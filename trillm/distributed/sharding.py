@@ -33,18 +33,20 @@ _VOCAB = ("embed_tokens", "lm_head", "embed_in", "embed_out")
 _FUSED = ("qkv_proj", "gate_up_proj")  # column-parallel, fused in the checkpoint (Phi-3)
 # q/k norms over all heads at once: their weights split like q_proj / k_proj's rows.
 _WHOLE_QK_NORM = ("Olmo2ForCausalLM",)
-# GPT-NeoX's projections that split as Llama's do.
-_NEOX_AS_LLAMA = {"dense_h_to_4h": "up_proj", "dense": "o_proj", "dense_4h_to_h": "down_proj"}
+# GPT-NeoX's projections and Mixtral's experts' (each expert's I split) that split as Llama's do.
+_AS_LLAMA = {"dense_h_to_4h": "up_proj", "dense": "o_proj", "dense_4h_to_h": "down_proj",
+             "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # fmt: skip
 
 
 # The families whose layers shard this way (Phi-3's checkpoint fuses q/k/v and gate/up: each
 # rank reads its rows of every part; OLMo 2's q/k norms span all heads: split like q/k;
 # GPT-NeoX's query_key_value interleaves q/k/v per head: a rank's heads are one block of rows).
-# Not yet (issue 14): the MoE families.
+# Mixtral's experts split each expert's intermediate rows/columns, the router replicated. Not
+# yet (issue 14): the Qwen MoE families (moe_intermediate_size, fused expert tensors).
 ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-    "Olmo2ForCausalLM", "GPTNeoXForCausalLM",
+    "Olmo2ForCausalLM", "GPTNeoXForCausalLM", "MixtralForCausalLM",
 )  # fmt: skip
 
 
@@ -116,7 +118,7 @@ class RankShapes:
             proj = proj[0] + "_proj"
         if proj == "query_key_value":  # GPT-NeoX: rows [Hq, (q|k|v), D], a rank's heads together
             return 0, self.head_start * 3 * d, self.num_heads * 3 * d
-        proj = _NEOX_AS_LLAMA.get(proj, proj)
+        proj = _AS_LLAMA.get(proj, proj)
         if proj in ("q_proj",):
             return 0, self.head_start * d, self.num_heads * d
         if proj in ("k_proj", "v_proj"):

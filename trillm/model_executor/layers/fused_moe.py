@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from trillm.config import ModelConfig
+from trillm.distributed.parallel_state import get_tp_group
 from trillm.kernels import fused_moe_cpu, fused_moe_torch
 from trillm.kernels.fused_moe_torch import select_experts
 from trillm.model_executor.models.llama import LlamaMLP
@@ -106,8 +107,11 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, num_experts: int, top_k: int, inter: int,
                  renormalize: bool, shared_inter: int = 0) -> None:  # fmt: skip
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden_size, num_experts, bias=False)
-        self.experts = FusedMoE(num_experts, top_k, cfg.hidden_size, inter, renormalize)
+        self.gate = nn.Linear(cfg.hidden_size, num_experts, bias=False)  # replicated
+        # Tensor parallelism: every rank holds every expert's share of its I (sharding.py).
+        self.tp = get_tp_group()
+        self.experts = FusedMoE(num_experts, top_k, cfg.hidden_size,
+                                inter // self.tp.world_size, renormalize)  # fmt: skip
         self.shared_expert: nn.Module | None = None
         if shared_inter:
             shared_cfg = dataclasses.replace(cfg, intermediate_size=shared_inter)
@@ -115,7 +119,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        out = self.experts(x, self.gate(x))
+        out = self.tp.all_reduce(self.experts(x, self.gate(x)))  # the ranks' partial sums
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
