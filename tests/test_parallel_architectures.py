@@ -1,9 +1,10 @@
 """Tensor and pipeline parallelism on every supported architecture (issue 14): TP=2 and PP=2
 greedy tokens equal the single-rank ("uni") engine's, token for token, on each family that
 tests/test_tensor_parallel.py (Llama) and tests/test_pipeline_parallel.py (Llama, Gemma 2) do
-not already cover; the families whose layers have no tensor-parallel split yet (the
-Qwen mixtures of experts) are refused by name at startup. GPT-NeoX and Qwen2 get random biases, so
-that a row-parallel bias added on every rank (not once) changes the tokens.
+not already cover (every registered architecture); expert sizes TP does not divide are
+refused at startup, and fused expert tensors shard as per-expert ones do. GPT-NeoX and Qwen2
+get random biases, so that a row-parallel bias added on every rank (not once) changes the
+tokens.
 
 Every model has 2 layers (PP=2 puts one on each stage; Qwen2-MoE's sparse layer 0 and its
 dense ``mlp_only_layers`` layer 1 land on different stages), 4 query heads and 2 KV heads (one
@@ -34,12 +35,10 @@ LIMITS = {"max_model_len": 64, "kv_cache_memory": "4MiB"}
 
 # Families with a tensor-parallel split (trillm.distributed.sharding.ARCHITECTURES), Llama aside.
 TP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-             "olmo2", "gpt_neox", "mixtral"]  # fmt: skip
+             "olmo2", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe"]  # fmt: skip
 # Every family but Llama and Gemma 2 (tests/test_pipeline_parallel.py).
 PP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "olmo2", "gpt_neox",
              "mixtral", "qwen2_moe", "qwen3_moe"]  # fmt: skip
-# Families refused under TP, with the architecture name the refusal must give.
-TP_REFUSED = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 OVERRIDES: dict[str, dict[str, Any]] = {  # beyond num_hidden_layers=2
     "gemma2": {"initializer_range": 0.05},
     "gemma3": {"initializer_range": 0.02},
@@ -107,8 +106,40 @@ def test_pp2_matches_pp1(model, arch):
     assert parallel_tokens(path, pipeline_parallel_size=2) == reference(path)
 
 
-@pytest.mark.parametrize("arch", sorted(TP_REFUSED))
-def test_tp_on_a_family_without_a_split_is_refused_by_name(model, arch):
-    """Refused before any worker starts, naming the parallelism and the architecture."""
-    with pytest.raises(ValueError, match=rf"tensor_parallel_size=2: .*{TP_REFUSED[arch]}"):
-        LLM(model(arch), tensor_parallel_size=2, **LIMITS)
+def test_tp_size_that_does_not_divide_an_expert_size_is_refused(tiny_model_factory):
+    """Refused before any worker starts, naming the size it does not divide."""
+    path = tiny_model_factory("qwen2_moe", num_hidden_layers=1, moe_intermediate_size=50,
+                              shared_expert_intermediate_size=81)  # fmt: skip
+    match = r"tensor_parallel_size=2 does not divide .*shared_expert_intermediate_size=81"
+    with pytest.raises(ValueError, match=match):
+        LLM(path, tensor_parallel_size=2, **LIMITS)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide .*=50"):
+        LLM(path, tensor_parallel_size=4, **LIMITS)
+
+
+def test_fused_expert_tensors_shard_like_the_per_expert_ones(model):
+    """Checkpoints that fuse the experts (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``down_proj`` [E, H, I]) give each rank the same rows and columns as the per-expert
+    names: the rank's gate rows, then its up rows; its down columns."""
+    from trillm.config import EngineArgs
+    from trillm.distributed.sharding import RankShapes
+    from trillm.model_executor.loader import load_model_config, safetensors_files
+    from trillm.model_executor.models.moe import num_experts
+
+    path = model("qwen3_moe")
+    cfg = load_model_config(EngineArgs(path))
+    whole = load_file(safetensors_files(path)[0])
+    experts = "model.layers.0.mlp.experts."
+    num = num_experts(cfg.hf_config)
+    part = {p: torch.stack([whole[f"{experts}{e}.{p}_proj.weight"] for e in range(num)])
+            for p in ("gate", "up", "down")}  # fmt: skip
+    gate_up = torch.cat([part["gate"], part["up"]], 1)  # [E, 2I, H]
+    for rank in (0, 1):
+        shapes = RankShapes.of(cfg, rank, 2)
+        per_expert = {p: torch.stack([shapes.read_shard(cfg, f"{experts}{e}.{p}_proj.weight",
+                                                         whole[f"{experts}{e}.{p}_proj.weight"])
+                                      for e in range(num)]) for p in ("gate", "up", "down")}  # fmt: skip
+        fused = shapes.read_shard(cfg, experts + "gate_up_proj", gate_up)
+        assert torch.equal(fused, torch.cat([per_expert["gate"], per_expert["up"]], 1))
+        down = shapes.read_shard(cfg, experts + "down_proj", part["down"])
+        assert torch.equal(down, per_expert["down"]) and down.shape[2] == 16  # I = 32 over 2

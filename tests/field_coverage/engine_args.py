@@ -55,7 +55,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
         TP + "test_http_tp2_matches_tp1_token_for_token",
         TP + "test_tp_size_the_model_cannot_split_is_refused",
         DP + "test_http_dp2_tp2_matches_dp1_token_for_token", PA + "test_tp2_matches_tp1",
-        PA + "test_tp_on_a_family_without_a_split_is_refused_by_name",
+        PA + "test_tp_size_that_does_not_divide_an_expert_size_is_refused",
     ),  # fmt: skip
     "data_parallel_size": ids(
         DP + "test_python_api_dp2_matches_dp1_and_spreads_the_requests",

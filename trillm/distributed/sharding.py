@@ -41,13 +41,27 @@ _AS_LLAMA = {"dense_h_to_4h": "up_proj", "dense": "o_proj", "dense_4h_to_h": "do
 # The families whose layers shard this way (Phi-3's checkpoint fuses q/k/v and gate/up: each
 # rank reads its rows of every part; OLMo 2's q/k norms span all heads: split like q/k;
 # GPT-NeoX's query_key_value interleaves q/k/v per head: a rank's heads are one block of rows).
-# Mixtral's experts split each expert's intermediate rows/columns, the router replicated. Not
-# yet (issue 14): the Qwen MoE families (moe_intermediate_size, fused expert tensors).
+# The MoE families split each expert's intermediate rows/columns (Qwen MoE: its own
+# moe_intermediate_size, the shared expert's), the router replicated.
 ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-    "Olmo2ForCausalLM", "GPTNeoXForCausalLM", "MixtralForCausalLM",
+    "Olmo2ForCausalLM", "GPTNeoXForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )  # fmt: skip
+
+
+_MOE_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def intermediate_of(cfg: ModelConfig, name: str) -> int:
+    """The whole intermediate size of the MLP that checkpoint tensor ``name`` belongs to."""
+    hf = cfg.hf_config
+    if ".shared_expert." in name:
+        return int(hf["shared_expert_intermediate_size"])
+    if ".experts." in name and hf.get("moe_intermediate_size"):
+        return int(hf["moe_intermediate_size"])
+    return cfg.intermediate_size
 
 
 class TensorParallelConfigError(ValueError):
@@ -67,8 +81,9 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         problems.append(f"num_attention_heads={heads}")
     if kv % size and size % kv:
         problems.append(f"num_key_value_heads={kv} (nor is {size} a multiple of it)")
-    if inter % size:
-        problems.append(f"intermediate_size={inter}")
+    sizes = {"intermediate_size": inter, **{key: int(cfg.hf_config[key]) for key in _MOE_SIZES
+                                            if cfg.hf_config.get(key)}}  # fmt: skip
+    problems += [f"{key}={value}" for key, value in sizes.items() if value % size]
     if problems:
         raise TensorParallelConfigError(
             f"tensor_parallel_size={size} does not divide the model's "
@@ -124,14 +139,19 @@ class RankShapes:
         if proj in ("k_proj", "v_proj"):
             return 0, self.kv_head_start * d, self.num_kv_heads * d
         if proj in ("gate_proj", "up_proj"):
-            return 0, self.inter_start, self.inter_size
+            return 0, *self.inter_rows(cfg, name)
         if proj == "o_proj" and kind == "weight":
             return 1, self.head_start * d, self.num_heads * d
         if proj == "down_proj" and kind == "weight":
-            return 1, self.inter_start, self.inter_size
+            return 1, *self.inter_rows(cfg, name)
         if proj in _VOCAB:
             return 0, self.vocab_start, self.vocab_end - self.vocab_start
         return None
+
+    def inter_rows(self, cfg: ModelConfig, name: str) -> tuple[int, int]:
+        """(start, length) of this rank's share of ``name``'s intermediate dimension."""
+        per = intermediate_of(cfg, name) // self.size
+        return self.rank * per, per
 
     def fused_rows(self, cfg: ModelConfig, proj: str) -> list[tuple[int, int]]:
         """(start, length) of this rank's rows in each part of a fused checkpoint weight:
@@ -149,6 +169,12 @@ class RankShapes:
         """This rank's part of ``name`` from ``source`` (a safetensors slice or a tensor):
         only the rank's rows/columns are read."""
         proj = name.rpartition(".")[0].rpartition(".")[2]
+        if proj == "experts":  # fused experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+            start, length = self.inter_rows(cfg, name)
+            if name.endswith(".down_proj"):
+                return source[:, :, start : start + length]
+            up = intermediate_of(cfg, name) + start
+            return torch.cat([source[:, start : start + length], source[:, up : up + length]], 1)
         if proj in _FUSED:  # fused in the checkpoint (Phi-3): this rank's rows of each part
             return torch.cat([source[start : start + length]
                               for start, length in self.fused_rows(cfg, proj)])  # fmt: skip
