@@ -53,11 +53,12 @@ def test_native_kernel_reads_the_cache_dtype_in_place(case, cache_dtype, q_dtype
     q, kv, qsl, seq_lens, table = _problem(*CASES[case], cache_dtype, q_dtype, head_dim=head_dim)
     scale = head_dim**-0.5
     out = paged_attention_cpu.paged_attention(q, kv, qsl, seq_lens, table, scale)
-    # the reference: the same stored values widened to fp32 (exact), fp32 attention
-    ref = paged_attention_torch.paged_attention(q.float(), kv.float(), qsl, seq_lens, table, scale)
+    # the reference: the same stored values widened to fp32 (exact), the torch twin's attention
+    # with the kernel's rounding points for q's dtype (bf16 queries: bf16-rounded scores)
+    ref = paged_attention_torch.paged_attention(q, kv.float(), qsl, seq_lens, table, scale)
     assert out.dtype == q_dtype
     tol = 1e-5 if q_dtype == torch.float32 else 1e-2  # values up to ~10: fp32 sums reordered
-    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
 @needs_kernel
