@@ -108,21 +108,17 @@ async def _round(engine: Any, constrained: bool, tokens: int, tag: str) -> dict[
 
 
 def worker_side_ms(rows: dict[str, bytes], vocab: int, repeats: int = 50) -> float:
-    """The worker's share, timed alone: ``ModelRunner._bitmask_tensor`` masking [64, vocab]
+    """The worker's share, timed alone: ``step_sampling.bitmask_tensor`` masking [64, vocab]
     fp32 logits with the step's rows (what the sampler then sees)."""
-    from types import SimpleNamespace
-
     import torch
 
-    from trillm.worker.model_runner import ModelRunner
+    from trillm.worker.step_sampling import bitmask_tensor
 
-    runner = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(vocab_size=vocab)),
-                             device=torch.device("cpu"))  # fmt: skip
     ids = list(rows)
     logits = torch.randn(len(ids), vocab)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        ModelRunner._bitmask_tensor(runner, rows, ids, logits)  # type: ignore[arg-type]
+        bitmask_tensor(rows, ids, logits, vocab, torch.device("cpu"))
     return 1e3 * (time.perf_counter() - t0) / repeats
 
 

@@ -182,6 +182,11 @@ class TorchAttentionBackend:
         self._all_groups: list[_Group] | None = None
         self._native_all: paged_attention_cpu.PagedAttentionPlan | None = None
 
+    @property
+    def native_available(self) -> bool:
+        """Whether the native CPU kernel serves this backend's steps (where it applies)."""
+        return self._native_available
+
     def plan(self, meta: AttentionMetadata) -> None:
         """Forget the last step's indices; the first layer builds this step's (it knows the
         cache's block size)."""

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from trillm.attention.backend import AttentionMetadata
 from trillm.attention.selector import get_attention_backend
+from trillm.attention.torch_backend import TorchAttentionBackend
 from trillm.config import TrillmConfig
 from trillm.distributed.pipeline import IntermediateTensors, get_pp_group
 from trillm.distributed.sharding import RankShapes
@@ -44,13 +44,22 @@ from trillm.lora.request import LoRARequest
 from trillm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.registry import CausalLM
-from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
+from trillm.sample.logprobs import LogprobsTensors
 from trillm.sample.sampler import Sampler, SamplerOutput, SamplingState
 from trillm.spec_decode.draft_model import DraftModelProposer
 from trillm.worker.input_batch import InputBatch, StepInputs
 from trillm.worker.pipeline_tokens import append_sampled
 from trillm.worker.spec_verify import DraftStep, accept_drafts, expand_rows, num_drafts_of
 from trillm.worker.step_program import StepPrograms
+from trillm.worker.step_sampling import (
+    Bitmask,
+    PendingStep,
+    PromptLogprobsWork,
+    bitmask_tensor,
+    prompt_logprobs,
+    sample_isolated,
+    sample_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,34 +73,6 @@ KV_CACHE_TORCH_DTYPES = {
 
 class KVCacheTooSmallError(ValueError):
     """The KV cache budget cannot hold even one max_model_len request."""
-
-
-@dataclass
-class _PromptLogprobsWork:
-    req_id: str
-    rows: slice  # rows of the pending prompt logits
-    num_logprobs: int
-
-
-@dataclass
-class _PendingStep:
-    """What P2 leaves for P3."""
-
-    step_id: int
-    req_ids: list[str]  # batch order
-    inputs: StepInputs
-    sample_logits: torch.Tensor  # [n, V] float32, rows of inputs.sample_reqs
-    prompt_logits: torch.Tensor | None  # [m, V] float32
-    prompt_targets: torch.Tensor | None  # [m] long, the prompt token each row scores
-    prompt_work: list[_PromptLogprobsWork] = field(default_factory=list)
-    start_time: float = 0.0
-    failed: dict[str, str] = field(default_factory=dict)  # new requests the batch refused
-    # Speculative decoding: req_id -> drafts verified this step; per sampling request its
-    # draft count [n], and per logits row its request (index into the n) and offset [N].
-    drafts: dict[str, list[int]] = field(default_factory=dict)
-    num_drafts: np.ndarray | None = None
-    row_owner: np.ndarray | None = None
-    row_offset: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -129,7 +110,7 @@ class ModelRunner:
         )
         self.sampling_state = SamplingState(self.max_num_reqs, model_cfg.vocab_size, self.device)
         self.sampler = Sampler()
-        self._pending: _PendingStep | None = None
+        self._pending: PendingStep | None = None
         self.lora: LoRAManager | None = None  # with --enable-lora, once the model is loaded
         self.step_programs: StepPrograms | None = None  # small decode steps replayed (CPU)
         # speculative_config's draft_model: proposes each step's next drafts after P3.
@@ -162,7 +143,8 @@ class ModelRunner:
             or self.device.type != "cpu"
             or self.world_size > 1
             or self.lora is not None
-            or not getattr(self.attn_backend, "_native_available", False)
+            or not isinstance(self.attn_backend, TorchAttentionBackend)
+            or not self.attn_backend.native_available
         ):
             return None
         return StepPrograms(self.model)
@@ -244,7 +226,7 @@ class ModelRunner:
         if not req_ids:
             empty = torch.empty(0, self.config.model.vocab_size, device=self.device)
             inputs = self.batch.prepare(np.zeros(0, np.int64), np.zeros(0, np.int64))
-            self._pending = _PendingStep(
+            self._pending = PendingStep(
                 sched.step_id, [], inputs, empty, None, None, start_time=start, failed=failed
             )
             return
@@ -259,7 +241,7 @@ class ModelRunner:
         self._num_steps += 1
         if hidden is None:  # not the last pipeline stage: it samples, we take its tokens
             empty = torch.empty(0, self.config.model.vocab_size, device=self.device)
-            self._pending = _PendingStep(sched.step_id, req_ids, inputs, empty, None, None,
+            self._pending = PendingStep(sched.step_id, req_ids, inputs, empty, None, None,
                                          start_time=start, failed=failed, drafts=drafts)  # fmt: skip
             return
         rows = inputs.sample_rows
@@ -269,7 +251,7 @@ class ModelRunner:
             rows, row_owner, row_offset = expand_rows(rows, num_drafts)
         sample_rows = torch.from_numpy(rows).to(self.device)
         sample_logits = self.model.compute_logits(hidden.index_select(0, sample_rows)).float()
-        pending = _PendingStep(
+        pending = PendingStep(
             sched.step_id, req_ids, inputs, sample_logits, None, None, start_time=start,
             failed=failed, drafts=drafts, num_drafts=num_drafts, row_owner=row_owner,
             row_offset=row_offset,
@@ -361,7 +343,7 @@ class ModelRunner:
         )
 
     def _prompt_logprobs_inputs(
-        self, pending: _PendingStep, hidden: torch.Tensor, num_scheduled: np.ndarray
+        self, pending: PendingStep, hidden: torch.Tensor, num_scheduled: np.ndarray
     ) -> None:
         """Logits of this step's prompt rows for requests with prompt_logprobs (row p scores
         prompt token p + 1)."""
@@ -381,7 +363,7 @@ class ModelRunner:
             first_row = int(inputs.query_start_loc[i])
             rows.append(np.arange(first_row, first_row + end - start))
             targets.append(self.batch.token_ids[slot, start + 1 : end + 1])
-            work = _PromptLogprobsWork(
+            work = PromptLogprobsWork(
                 pending.req_ids[i], slice(offset, offset + end - start), params.prompt_logprobs
             )
             pending.prompt_work.append(work)
@@ -396,7 +378,7 @@ class ModelRunner:
     # ------------------------------------------------------------ P3
 
     @torch.inference_mode()
-    def sample_tokens(self, bitmask: dict[str, bytes | list[int]] | None) -> ModelRunnerOutput:
+    def sample_tokens(self, bitmask: Bitmask | None) -> ModelRunnerOutput:
         pending = self._pending
         if pending is None:
             raise RuntimeError("sample_tokens called without a successful execute_model.")
@@ -430,15 +412,13 @@ class ModelRunner:
             req_ids=pending.req_ids + list(refused),
             sampled_token_ids=sampled_lists + [[] for _ in refused],
             logprobs=logprobs,
-            prompt_logprobs=self._prompt_logprobs(pending),
+            prompt_logprobs=prompt_logprobs(pending),
             model_time_s=time.perf_counter() - pending.start_time,
             failed={**refused, **failed},
             draft_token_ids=drafts,
         )
 
-    def _propose(
-        self, pending: _PendingStep, sampled: list[list[int]]
-    ) -> dict[str, list[int]]:
+    def _propose(self, pending: PendingStep, sampled: list[list[int]]) -> dict[str, list[int]]:
         """The draft model's drafts for the next step, after recording how this step's fared
         (its back-off): for every request that sampled."""
         assert self.drafter is not None
@@ -457,7 +437,7 @@ class ModelRunner:
             self.drafter.forget_cache([slot for _, slot in candidates])
             return {}
 
-    def _output_before_last_stage(self, pending: _PendingStep) -> ModelRunnerOutput:
+    def _output_before_last_stage(self, pending: PendingStep) -> ModelRunnerOutput:
         """A stage before the last samples nothing: its output only says the step ran (the
         executor returns the last stage's; its tokens come with a later step)."""
         refused = pending.failed
@@ -471,7 +451,7 @@ class ModelRunner:
         )
 
     def _verify(
-        self, pending: _PendingStep, bitmask: dict[str, bytes | list[int]] | None
+        self, pending: PendingStep, bitmask: Bitmask | None
     ) -> tuple[list[list[int]], dict[str, LogprobsLists], dict[str, str]]:
         """P3 with drafts: every drafted position sampled at once (a seeded row with the
         noise of its own output position), then ``spec_verify.accept_drafts``."""
@@ -495,33 +475,7 @@ class ModelRunner:
         req_ids: list[str],
         offsets: list[int] | None = None,
     ) -> tuple[SamplerOutput, np.ndarray, dict[str, str]]:
-        """The batch sampled at once; if that raises, row by row, so that a row whose request
-        makes the sampler fail fails alone -> (output of the kept rows, kept row indices,
-        req_id -> why for the failed ones)."""
-        slots_t = torch.from_numpy(slots)
-        try:
-            out = self._call_sampler(logits, slots_t, mask, offsets)
-            return out, np.arange(len(req_ids)), {}
-        except Exception:
-            logger.exception("sampling a batch of %d failed; sampling row by row", len(req_ids))
-        outs: list[SamplerOutput] = []
-        kept: list[int] = []
-        failed: dict[str, str] = {}
-        for i, req_id in enumerate(req_ids):
-            row_mask = None if mask is None else mask[i : i + 1]
-            try:
-                outs.append(
-                    self._call_sampler(
-                        logits[i : i + 1],
-                        slots_t[i : i + 1],
-                        row_mask,
-                        None if offsets is None else offsets[i : i + 1],
-                    )  # fmt: skip
-                )
-                kept.append(i)
-            except Exception as exc:
-                failed[req_id] = f"{type(exc).__name__}: {exc}"
-        return _concat_outputs(outs), np.array(kept, dtype=np.int64), failed
+        return sample_isolated(self._call_sampler, logits, slots, mask, req_ids, offsets)
 
     def _call_sampler(
         self,
@@ -535,77 +489,12 @@ class ModelRunner:
         return self.sampler(logits, self.sampling_state, slots, mask, step_offsets=offsets)
 
     def _bitmask_tensor(
-        self,
-        bitmask: dict[str, bytes | list[int]] | None,
-        req_ids: list[str],
-        logits: torch.Tensor,
-    ) -> torch.Tensor | None:  # [n, ceil(V / 32)] int32, all bits set for unconstrained rows
-        """The grammar rows of the sampled requests, applied first (before any processor,
-        and before logprobs, as vLLM). fp32 logits on the CPU are masked here, in place, with
-        numpy (one single-threaded pass: torch's elementwise ops wake its thread pool, several
-        ms on a busy CPU) and None is returned; otherwise the words go to the sampler."""
-        if not bitmask:
-            return None
-        rows = [(i, bitmask[r]) for i, r in enumerate(req_ids) if r in bitmask]
-        if not rows:
-            return None
-        vocab = logits.shape[1]
-        words = -(-self.config.model.vocab_size // 32)
-        packed = np.zeros((len(rows), words), dtype=np.int32)  # absent words: nothing allowed
-        for k, (_, row) in enumerate(rows):
-            # A row is the int32 words' bytes (what the engine sends) or a list of words.
-            if isinstance(row, bytes | bytearray | memoryview):
-                got = np.frombuffer(row, dtype=np.int32)
-            else:
-                got = np.asarray(row, dtype=np.int64).astype(np.int32)
-            n = min(words, len(got))  # a tokenizer larger than the model: cut
-            packed[k, :n] = got[:n]
-        if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            allowed = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-            lg = logits.numpy()
-            if len(rows) == len(req_ids):
-                np.putmask(lg, allowed == 0, np.float32(-np.inf))
-            else:
-                for k, (i, _) in enumerate(rows):
-                    np.putmask(lg[i], allowed[k] == 0, np.float32(-np.inf))
-            return None
-        mask = np.full((len(req_ids), words), -1, dtype=np.int32)
-        mask[[i for i, _ in rows]] = packed
-        return torch.from_numpy(mask).to(self.device)
+        self, bitmask: Bitmask | None, req_ids: list[str], logits: torch.Tensor
+    ) -> torch.Tensor | None:
+        return bitmask_tensor(bitmask, req_ids, logits, self.config.model.vocab_size, self.device)
 
     def _sample_logprobs(
         self, tensors: LogprobsTensors | None, req_ids: list[str], slots: np.ndarray
     ) -> dict[str, LogprobsLists]:
-        if tensors is None:
-            return {}
-        tensors = tensors.cpu()
-        result = {}
-        for i, (req_id, slot) in enumerate(zip(req_ids, slots.tolist())):
-            k = self.batch.params[slot].logprobs
-            if k is not None:
-                result[req_id] = tensors.select([i], k).tolists()
-        return result
-
-    def _prompt_logprobs(self, pending: _PendingStep) -> dict[str, LogprobsLists]:
-        if pending.prompt_logits is None or pending.prompt_targets is None:
-            return {}
-        k = max(w.num_logprobs for w in pending.prompt_work)
-        tensors = compute_topk_logprobs(pending.prompt_logits, pending.prompt_targets, k).cpu()
-        return {
-            w.req_id: tensors.select(w.rows, w.num_logprobs).tolists() for w in pending.prompt_work
-        }
-
-
-def _concat_outputs(outs: list[SamplerOutput]) -> SamplerOutput:
-    """Row-by-row sampler outputs as one (logprobs: every row has the same k, the state's)."""
-    if not outs:
-        return SamplerOutput(torch.empty(0, dtype=torch.long), None)
-    lps = [o.logprobs for o in outs if o.logprobs is not None]
-    logprobs = None
-    if lps:
-        logprobs = LogprobsTensors(
-            token_ids=torch.cat([lp.token_ids for lp in lps]),
-            logprobs=torch.cat([lp.logprobs for lp in lps]),
-            ranks=torch.cat([lp.ranks for lp in lps]),
-        )
-    return SamplerOutput(torch.cat([o.sampled_token_ids for o in outs]), logprobs)
+        asked = [self.batch.params[slot].logprobs for slot in slots.tolist()]
+        return sample_logprobs(tensors, req_ids, asked)
