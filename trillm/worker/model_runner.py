@@ -395,8 +395,8 @@ class ModelRunner:
             rows = inputs.sample_reqs
             sample_req_ids = [pending.req_ids[i] for i in rows.tolist()]
             mask = self._bitmask_tensor(bitmask, sample_req_ids, pending.sample_logits)
-            out, kept, failed = self._sample(pending.sample_logits, inputs.slots[rows], mask,
-                                             sample_req_ids)  # fmt: skip
+            out, kept, failed = sample_isolated(self._call_sampler, pending.sample_logits,
+                                                inputs.slots[rows], mask, sample_req_ids)  # fmt: skip
             rows, sample_req_ids = rows[kept], [sample_req_ids[i] for i in kept.tolist()]
             sample_slots = inputs.slots[rows]
             tokens = out.sampled_token_ids.cpu().numpy()
@@ -460,22 +460,17 @@ class ModelRunner:
         batch_index = inputs.sample_reqs[owner]  # [N] each row's index in the batch
         row_req_ids = [pending.req_ids[i] for i in batch_index.tolist()]
         mask = self._bitmask_tensor(bitmask, row_req_ids, pending.sample_logits)
-        out, kept, failed = self._sample(
-            pending.sample_logits, inputs.slots[batch_index], mask, row_req_ids, offset.tolist()
+        out, kept, failed = sample_isolated(
+            self._call_sampler,
+            pending.sample_logits,
+            inputs.slots[batch_index],
+            mask,
+            row_req_ids,
+            offset.tolist(),
         )
         step = DraftStep(inputs, pending.req_ids, pending.drafts, pending.num_drafts, row_req_ids)
         sampled, logprobs = accept_drafts(self.batch, self.sampling_state, step, out, kept, failed)
         return sampled, logprobs, failed
-
-    def _sample(
-        self,
-        logits: torch.Tensor,  # [n, V]
-        slots: np.ndarray,  # [n]
-        mask: torch.Tensor | None,  # [n, W] or None
-        req_ids: list[str],
-        offsets: list[int] | None = None,
-    ) -> tuple[SamplerOutput, np.ndarray, dict[str, str]]:
-        return sample_isolated(self._call_sampler, logits, slots, mask, req_ids, offsets)
 
     def _call_sampler(
         self,
