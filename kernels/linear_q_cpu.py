@@ -10,6 +10,9 @@ sc per 16 values, each block of 32 one record of Q8_0's bytes (q - 32) with d re
 scales), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
 scale and a 4-bit zero point per group of ``g`` values along K, values ``(q - z) * s``), which
 become Q4_G: each group cut into blocks of 32 that repeat its scale and zero point (exact).
+A stacked layer whose shards come in different types (a GGUF ``Q4_K_M`` qkv: q/k Q4_K, v Q6_K)
+is a ``StackedQuantizedWeight`` of one ``QuantizedWeight`` per type: ``linear`` makes one kernel
+call per part, each writing its columns of the one output (row stride N).
 ``QuantizedWeight`` repacks the blocks once, at load, into
 ``ext/cpu_gemm_q.cpp``'s panel layout (the comment there); ``linear`` multiplies by it:
 x fp32 or bf16, output fp32 or bf16, fp32 sums, the numerics of dequantize-then-matmul.
@@ -71,7 +74,7 @@ def int8_available() -> bool:
 INT8_MIN_ROWS = 16
 
 
-def use_int8(weight: QuantizedWeight, rows: int) -> bool:
+def use_int8(weight: AnyQuantizedWeight, rows: int) -> bool:
     """Whether a model's layer multiplies ``rows`` rows by ``weight`` with int8 activations:
     the native VNNI kernel and at least ``INT8_MIN_ROWS`` rows."""
     return rows >= INT8_MIN_ROWS and int8_available()
@@ -211,6 +214,34 @@ class QuantizedWeight:
         return self.data.numel()
 
 
+class StackedQuantizedWeight:
+    """A [N, K] weight whose row blocks come in different types: a GGUF layer that stacks
+    projections (q/k/v, gate/up) stored in different GGML types, as llama.cpp's mixed formats
+    (``Q4_K_M``: v and down in Q6_K, the rest Q4_K) store them. Each part keeps its own type;
+    ``linear`` runs one kernel call per part, each writing its columns of the one output."""
+
+    def __init__(self, parts: list[QuantizedWeight]) -> None:
+        if not parts or len({p.in_features for p in parts}) != 1:
+            raise ValueError("stacked quantized weight: parts must share in_features")
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.offsets = [0]  # first output column of each part, then N
+        for part in parts:
+            self.offsets.append(self.offsets[-1] + part.out_features)
+        self.out_features = self.offsets[-1]
+
+    @property
+    def qtypes(self) -> tuple[int, ...]:
+        return tuple(p.qtype for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+AnyQuantizedWeight = QuantizedWeight | StackedQuantizedWeight
+
+
 def _pack(q: np.ndarray, params: list[np.ndarray], qtype: int) -> np.ndarray:
     n, k = q.shape
     nb, panels = k // BLOCK, num_panels(n)
@@ -235,8 +266,10 @@ def _pack(q: np.ndarray, params: list[np.ndarray], qtype: int) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
 
 
-def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(weight: AnyQuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The [N, K] values of ``weight`` (from the packed copy), in ``dtype``: the reference."""
+    if isinstance(weight, StackedQuantizedWeight):
+        return torch.cat([dequantize(p, dtype) for p in weight.parts], dim=0)
     n, k, qtype = weight.out_features, weight.in_features, weight.qtype
     nb, panels = k // BLOCK, num_panels(n)
     records = weight.data.view(panels, nb, record_bytes(qtype))
@@ -277,7 +310,7 @@ _IO = (torch.float32, torch.bfloat16)
 
 def linear(
     x: torch.Tensor,  # [..., K] fp32 or bf16 CPU
-    weight: QuantizedWeight,
+    weight: AnyQuantizedWeight,
     bias: torch.Tensor | None = None,  # [N] fp32, added to the fp32 sums
     out_dtype: torch.dtype | None = None,  # fp32 or bf16; None: x's dtype
     int8_activations: bool = False,  # x rounded to int8 per block (module doc)
@@ -305,11 +338,16 @@ def linear(
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, dtype=out_dtype)
-    recording.call(
-        ext.linear,
-        rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
-        weight.data.data_ptr(), weight.qtype, n, 0 if bias is None else bias.data_ptr(),
-        out.data_ptr(), out_dtype == torch.bfloat16, n, torch.get_num_threads(),
-        int8_activations,
-    )  # fmt: skip
+    parts = weight.parts if isinstance(weight, StackedQuantizedWeight) else [weight]
+    column = 0
+    for part in parts:  # each part fills its columns of out (row stride n)
+        recording.call(
+            ext.linear,
+            rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
+            part.data.data_ptr(), part.qtype, part.out_features,
+            0 if bias is None else bias.data_ptr() + 4 * column,
+            out.data_ptr() + out.element_size() * column, out_dtype == torch.bfloat16, n,
+            torch.get_num_threads(), int8_activations,
+        )  # fmt: skip
+        column += part.out_features
     return out.view(*x.shape[:-1], n)

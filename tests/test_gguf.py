@@ -34,7 +34,7 @@ TYPES = {
               "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0", "output": "F16",
               "token_embd": "Q8_0"},
     # qwen2: tied Q8_0 embedding (the head multiplies by its blocks), q/k/v biases, and q/k/v
-    # in two types (that layer loads dequantized)
+    # in two types (kept quantized, a part per type)
     "qwen2": {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_1", "attn_output": "Q4_1",
               "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q4_0", "token_embd": "Q8_0"},
 }  # fmt: skip
@@ -125,7 +125,8 @@ def test_quantized_layers_hold_only_their_blocks(ggufs):
         assert module.weight.numel() == 0, name
         assert module.quantized_weight.nbytes < module.out_features * module.in_features, name
     assert layer.mlp.gate_up_proj.quantized_weight.qtype == 2  # Q4_0, gate and up together
-    assert not hasattr(layer.self_attn.qkv_proj, "quantized_weight")  # Q8_0 + Q4_1 shards
+    qkv = layer.self_attn.qkv_proj.quantized_weight  # q/k Q8_0 and v Q4_1: a part each
+    assert qkv.qtypes == (8, 3) and layer.self_attn.qkv_proj.weight.numel() == 0
     assert model.lm_head.quantized_weight.qtype == 8  # the tied Q8_0 embedding's blocks
     assert model.model.embed_tokens.weight.shape == (cfg.vocab_size, cfg.hidden_size)
     deq = load_model_config(EngineArgs(model=str(ggufs["qwen2"]), device="cpu",

@@ -49,8 +49,9 @@ def test_dequantize_refuses_partial_blocks_and_other_types():
         gguf_kquants.dequantize(torch.zeros(22, dtype=torch.uint8), "Q5_0")
 
 
-# q/k/v mix K-quants with Q8_0 (the Q8_0 shard cannot stay quantized alone: the layer runs
-# dequantized); gate/up Q4_0, o Q4_K and down Q6_K are kept quantized; the rest are K-quants
+# q/k/v mix K-quants with Q8_0 (its Q5_K shard is not a kept type: the layer runs dequantized,
+# tests/test_gguf_mixed.py keeps mixes of kept types); gate/up Q4_0, o Q4_K and down Q6_K are
+# kept quantized; the rest are K-quants
 TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "Q4_K",
          "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q6_K", "output": "Q2_K",
          "token_embd": "Q3_K"}  # fmt: skip

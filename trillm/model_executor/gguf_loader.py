@@ -6,8 +6,9 @@ architectures: Llama, SmolLM2, Mistral, Qwen2, Qwen3 as llama.cpp converts them)
 and chat template from the file (``engine/config_builder.load_tokenizer``), the weights here.
 
 Tensors: F32 / F16 / BF16 are loaded in the run's dtype; Q4_0, Q4_1, Q8_0, Q4_K and Q6_K are
-kept quantized (``layers/quantized_linear.py``, a native kernel on CPU) unless
-``dequantize_gguf`` asks for them in the run's dtype; the other K-quants (Q2_K, Q3_K, Q5_K,
+kept quantized (``layers/quantized_linear.py``, a native kernel on CPU; a stacked layer
+mixing them keeps each shard's type) unless ``dequantize_gguf`` asks for them in the run's
+dtype; the other K-quants (Q2_K, Q3_K, Q5_K,
 ``gguf_kquants.py``) are dequantized to the run's dtype at load; any other GGML type is refused
 naming it before anything loads.
 llama.cpp stores a ``llama`` model's q/k projection rows permuted for its rotary layout

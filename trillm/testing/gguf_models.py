@@ -2,7 +2,8 @@
 way llama.cpp's converter lays it out, and the same weights dequantized as an HF folder.
 
 ``write_tiny_gguf(hf_dir, out_dir, types)`` quantizes each 2-D weight in the GGML type that
-``types`` gives its GGUF name (``attn_q``, ``ffn_down``, ``token_embd``, ...; F32 when absent),
+``types`` gives its GGUF name (``attn_q``, ``ffn_down``, ``token_embd``, ...; F32 when absent;
+a layer's own name such as ``blk.1.attn_v`` first, as llama.cpp's mixed formats vary by layer),
 permutes a llama model's q/k rows as llama.cpp does, stores the tokenizer (a byte-level BPE:
 ``gpt2`` in GGUF terms) and chat template in the metadata, and writes ``out_dir/model.gguf``
 and ``out_dir/dequantized/`` (config, tokenizer, and the weights after quantize-dequantize in
@@ -89,7 +90,8 @@ def write_tiny_gguf(hf_dir: str | Path, out_dir: str | Path, types: dict[str, st
     for hf, tensor in state.items():
         name = gguf_name(hf)
         values = tensor.to(torch.float32).numpy()
-        kind = gguf.GGMLQuantizationType[types.get(name.split(".")[-2], "F32")]
+        base = name.rpartition(".")[0]  # blk.N.attn_v: one layer's tensor, before attn_v's
+        kind = gguf.GGMLQuantizationType[types.get(base, types.get(name.split(".")[-2], "F32"))]
         if values.ndim == 2 and kind.name in _KQUANT_FIELDS:
             rows, cols = values.shape
             raw = random_kquant_blocks(kind.name, rows, cols, seed=len(dequantized))

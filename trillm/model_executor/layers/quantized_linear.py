@@ -8,8 +8,11 @@ gate/up concatenated by rows, in shard order) are repacked once into a
 the native kernel, or dequantize-then-``F.linear`` without it); its float weight is dropped, so
 the model's linear weights take their quantized size in memory. The embedding is looked up, so
 it is loaded dequantized; a tied ``lm_head`` multiplies by the embedding's quantized blocks, as
-llama.cpp does. A stacked layer whose shards come in different GGML types is loaded
-dequantized (the kernel takes one type per layer). ``cfg.quantization`` None (``dequantize_gguf``)
+llama.cpp does. A stacked layer whose shards come in different kept types (llama.cpp's mixed
+formats: ``Q4_K_M`` stores q/k in Q4_K and v in Q6_K) keeps each in its own type
+(``linear_q_cpu.StackedQuantizedWeight``: one kernel call per part, each writing its columns of
+the output); one whose shards include a type that is not kept (Q2_K, Q3_K, Q5_K) loads
+dequantized, with a warning naming the layer. ``cfg.quantization`` None (``dequantize_gguf``)
 loads every quantized tensor dequantized to the run's dtype.
 
 ``load_group_quantized(model, weights, cfg)`` loads an AWQ / GPTQ checkpoint the same way: each
@@ -23,6 +26,7 @@ decode) rounds its activations to int8 and runs the VNNI kernel, where that is f
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Iterator
 from typing import TypeVar
@@ -37,6 +41,7 @@ from trillm.kernels import linear_q_cpu
 from trillm.model_executor import awq_gptq, gguf_loader
 from trillm.model_executor.gguf_loader import GGUFTensor
 
+logger = logging.getLogger(__name__)
 EMBEDDING = "model.embed_tokens.weight"
 _T = TypeVar("_T")
 _QTYPE_IDS = {"Q4_0": linear_q_cpu.Q4_0, "Q4_1": linear_q_cpu.Q4_1, "Q8_0": linear_q_cpu.Q8_0,
@@ -44,7 +49,7 @@ _QTYPE_IDS = {"Q4_0": linear_q_cpu.Q4_0, "Q4_1": linear_q_cpu.Q4_1, "Q8_0": line
 
 
 def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    weight: linear_q_cpu.QuantizedWeight = self.quantized_weight  # type: ignore[assignment]
+    weight: linear_q_cpu.AnyQuantizedWeight = self.quantized_weight  # type: ignore[assignment]
     bias: torch.Tensor | None = self.quantized_bias  # type: ignore[assignment]
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         int8 = linear_q_cpu.use_int8(weight, x.numel() // max(x.shape[-1], 1))
@@ -53,7 +58,7 @@ def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 
-def quantize_module(module: nn.Linear, weight: linear_q_cpu.QuantizedWeight) -> None:
+def quantize_module(module: nn.Linear, weight: linear_q_cpu.AnyQuantizedWeight) -> None:
     """Make ``module`` multiply by ``weight``; its float weight is dropped (unless shared with
     the embedding, which still needs it)."""
     module.quantized_weight = weight
@@ -126,20 +131,34 @@ def _attach(model: nn.Module, quantized: dict[str, GGUFTensor]) -> None:
 
     paths = {name.removesuffix(".weight"): t for name, t in quantized.items()}
     for module, path, parts, shards in _by_module(model, paths):
-        kinds = {t.type_name for t in parts}
-        # a shard of a K-quant type was loaded as floats: the layer is not all blocks
-        complete = len(parts) == len(getattr(module, "shard_offsets", [""]))
-        if len(kinds) > 1 or not complete:  # one kernel call, one type: the layer runs dequantized
+        # a shard of a type not kept (Q2_K, Q3_K, Q5_K) was loaded as floats: the layer is not
+        # all blocks, so its kept shards are dequantized beside it
+        if len(parts) != len(getattr(module, "shard_offsets", [""])):
+            assert isinstance(module, StackedLinear)
+            logger.warning("GGUF layer %s mixes kept and dequantized tensor types; it runs "
+                           "dequantized in %s", path, module.weight.dtype)  # fmt: skip
             for shard, t in shards.items():
-                assert isinstance(module, StackedLinear)
                 module.load_shard(shard, "weight", gguf_loader.dequantized_tensor(t))
             continue
-        raw = np.concatenate([np.asarray(t.data) for t in parts], axis=0)  # [N, bytes]
-        weight = linear_q_cpu.QuantizedWeight(
-            raw, _QTYPE_IDS[parts[0].type_name], module.out_features, module.in_features
-        )
-        quantize_module(module, weight)
+        quantize_module(module, _gguf_weight(parts, module.in_features))
         _drop_float_weight(model, module, path)
+
+
+def _gguf_weight(parts: list[GGUFTensor], k: int) -> linear_q_cpu.AnyQuantizedWeight:
+    """The blocks of a layer's shards (in shard order): one weight when they share a type,
+    else one per run of shards of the same type (q and k Q4_K, v Q6_K: two parts)."""
+    runs: list[list[GGUFTensor]] = []
+    for t in parts:
+        if runs and runs[-1][0].type_name == t.type_name:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    weights = []
+    for run in runs:
+        raw = np.concatenate([np.asarray(t.data) for t in run], axis=0)  # [n, bytes]
+        n = sum(t.shape[0] for t in run)
+        weights.append(linear_q_cpu.QuantizedWeight(raw, _QTYPE_IDS[run[0].type_name], n, k))
+    return weights[0] if len(weights) == 1 else linear_q_cpu.StackedQuantizedWeight(weights)
 
 
 def load_group_quantized(
