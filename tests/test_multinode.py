@@ -1,11 +1,13 @@
 """Several nodes (issue 14): two "nodes" as two separate process trees on loopback.
 
-Node 0 is ``trillm serve ... --nnodes 2`` (HTTP, the engine core and rank 0); node 1 is
-``trillm serve ... --headless --node-rank 1`` in a session of its own (rank 1 only), joined
-through the torch.distributed TCP rendezvous at --master-addr:--master-port. Rank 0 relays
-each step to rank 1 over gloo (``trillm/distributed/node_link.py``). TP=2 across the two
-gives TP=1's greedy tokens over HTTP; killing node 1 ends node 0's requests with an error,
-/health 503 and node 0's exit, with no process of either node left behind.
+Node 0 is ``trillm serve ... --nnodes 2`` (HTTP, the engine core and the first half of the
+ranks); node 1 is ``trillm serve ... --headless --node-rank 1`` in a session of its own (the
+other half), joined through the torch.distributed TCP rendezvous at --master-addr:--master-port.
+Rank 0 relays each step to node 1's ranks over gloo (``trillm/distributed/node_link.py``).
+Three layouts: TP=2 (rank 1 on node 1), PP=2 (stage 1 on node 1: the hidden states cross the
+node link) and TP=2 x PP=2 (stage 1's two tensor-parallel ranks on node 1). Each gives TP=1's
+greedy tokens over HTTP; killing node 1 ends node 0's requests with an error naming node 1's
+ranks, /health 503 and node 0's exit, with no process of either node left behind.
 """
 
 from __future__ import annotations
@@ -50,10 +52,19 @@ def _worker_pids(pid: int) -> list[int]:
             if b"trillm.worker.worker_main" in open(f"/proc/{c}/cmdline", "rb").read()]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def nodes(llama, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("two-nodes")
-    common = [llama, "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr",
+# layout -> (its flags, the ranks on node 1)
+LAYOUTS = {
+    "tp2": (["--tensor-parallel-size", "2"], [1]),
+    "pp2": (["--pipeline-parallel-size", "2"], [1]),
+    "tp2xpp2": (["-tp", "2", "-pp", "2"], [2, 3]),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def nodes(request, llama, tmp_path_factory):
+    flags, node1_ranks = LAYOUTS[request.param]
+    logs = tmp_path_factory.mktemp(f"two-nodes-{request.param}")
+    common = [llama, *flags, "--nnodes", "2", "--master-addr",
               "127.0.0.1", "--master-port", str(free_port()), *limit_flags()]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     node1_log = open(logs / "node1.log", "wb")  # noqa: SIM115
@@ -68,7 +79,7 @@ def nodes(llama, tmp_path_factory):
     except BaseException:
         node1.kill()
         raise
-    yield node0, node1, logs / "node1.log"
+    yield node0, node1, logs / "node1.log", node1_ranks
     for proc in (node0.proc, node1):
         if proc is not None and proc.poll() is None:
             proc.kill()
@@ -76,12 +87,17 @@ def nodes(llama, tmp_path_factory):
     node1_log.close()
 
 
-def test_tp2_across_two_nodes_matches_tp1_over_http(nodes, tp1_tokens):
-    node0, node1, _ = nodes
-    # Node 0 holds rank 0 alone; node 1's tree (another session) holds rank 1.
-    assert len(_worker_pids(node0.proc.pid)) == 1
-    (rank1,) = _worker_pids(node1.pid)
-    assert b"--rank\x001\x00" in open(f"/proc/{rank1}/cmdline", "rb").read()
+def _rank_of(pid: int) -> int:
+    argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\x00")
+    return int(argv[argv.index(b"--rank") + 1])
+
+
+def test_ranks_across_two_nodes_match_tp1_over_http(nodes, tp1_tokens):
+    node0, node1, _, node1_ranks = nodes
+    # Node 0 holds the first half of the ranks; node 1's tree (another session) the rest.
+    node0_ranks = sorted(_rank_of(p) for p in _worker_pids(node0.proc.pid))
+    assert node0_ranks == list(range(len(node1_ranks)))
+    assert sorted(_rank_of(p) for p in _worker_pids(node1.pid)) == node1_ranks
     assert os.getsid(node1.pid) != os.getsid(node0.proc.pid)
     assert http_greedy_tokens(node0.base_url) == tp1_tokens
 
@@ -90,24 +106,24 @@ def test_killed_node1_fails_node0s_requests_and_leaves_no_process(nodes):
     """Node 1 killed mid-generation (its supervisor SIGKILLed; its rank exits on the parent
     death pipe): node 0's stream ends with an error naming rank 1, /health is 503, node 0
     exits 1, and neither node's worker survives."""
-    node0, node1, node1_log = nodes
-    (rank0,) = _worker_pids(node0.proc.pid)
-    (rank1,) = _worker_pids(node1.pid)
+    node0, node1, node1_log, node1_ranks = nodes
+    workers = [*_worker_pids(node0.proc.pid), *_worker_pids(node1.pid)]
     body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
     streamed = open_request(node0, "/v1/completions", {**body, "stream": True})
     read_until(streamed, b"data: {")
     os.kill(node1.pid, signal.SIGKILL)
     tail = read_until(streamed, b"[DONE]")
-    assert b"ServiceUnavailableError" in tail and b"rank(s) [1]" in tail, tail[-600:]
+    named = f"rank(s) {node1_ranks}".encode()
+    assert b"ServiceUnavailableError" in tail and named in tail, tail[-600:]
     try:
         assert httpx.get(node0.url + "/health", timeout=5).status_code == 503
     except httpx.ConnectError:
         pass  # already past the grace period and gone
     assert node0.proc.wait(timeout=30) == 1, node0.log()
     deadline = time.monotonic() + 10
-    while (pid_alive(rank0) or pid_alive(rank1)) and time.monotonic() < deadline:
+    while any(map(pid_alive, workers)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not pid_alive(rank0) and not pid_alive(rank1), node1_log.read_text()[-3000:]
+    assert not any(map(pid_alive, workers)), node1_log.read_text()[-3000:]
 
 
 # ---------------------------------------------------------------- refusals and flags
@@ -153,11 +169,14 @@ def test_node_flags_reach_the_config_and_bad_ones_are_refused(llama, capsys):
             check_node_flags(args.serve_parser, args)
         assert words in capsys.readouterr().err
     for kwargs, words in (
-        ({"tensor_parallel_size": 3, "nnodes": 2}, "nnodes=2 must divide tensor_parallel_size=3"),
+        ({"tensor_parallel_size": 3, "nnodes": 2},
+         "nnodes=2 must divide tensor_parallel_size=3 x pipeline_parallel_size=1"),
+        ({"pipeline_parallel_size": 2, "nnodes": 4},
+         "nnodes=4 must divide tensor_parallel_size=1 x pipeline_parallel_size=2"),
         ({"nnodes": 2, "node_rank": 2}, "node_rank must be an integer in [0, nnodes=2)"),
         ({"distributed_timeout_seconds": 0}, "distributed_timeout_seconds must be a number > 0"),
         ({"master_port": 70000}, "master_port must be a TCP port"),
-    ):
+    ):  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(words)):
             EngineArgs(llama, **kwargs)
     with pytest.raises(ValueError, match="node_rank=1: the engine runs on node 0"):

@@ -137,8 +137,6 @@ def test_what_pp_cannot_do_is_refused_by_name(llama):
         LLM(llama, pipeline_parallel_size=2, enable_lora=True, **LIMITS)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 with a pooling runner"):
         LLM(llama, pipeline_parallel_size=2, runner="pooling", **LIMITS)
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 with nnodes > 1"):
-        LLM(llama, pipeline_parallel_size=2, tensor_parallel_size=2, nnodes=2, **LIMITS)
     draft = {"method": "draft_model", "model": llama, "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 with a draft model \("):
         LLM(llama, pipeline_parallel_size=2, speculative_config=draft, **LIMITS)

@@ -155,15 +155,16 @@ DEFAULT_MASTER_PORT = 29500  # torchrun's
 
 def check_nodes(args: EngineArgs) -> None:
     """Refuse node settings that cannot form the world: ValueError naming the field."""
-    nnodes, node_rank, tp = args.nnodes, args.node_rank, args.tensor_parallel_size
+    nnodes, node_rank = args.nnodes, args.node_rank
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
         raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}.")
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
         raise ValueError(f"node_rank must be an integer in [0, nnodes={nnodes}), got {node_rank!r}.")
-    if tp % nnodes:
+    if (tp * pp) % nnodes:
         raise ValueError(
-            f"nnodes={nnodes} must divide tensor_parallel_size={tp} (each node runs "
-            "tensor_parallel_size / nnodes ranks)."
+            f"nnodes={nnodes} must divide tensor_parallel_size={tp} x pipeline_parallel_size="
+            f"{pp} (each node runs tensor_parallel_size x pipeline_parallel_size / nnodes ranks)."
         )
     if nnodes > 1 and args.distributed_executor_backend != "mp":
         raise ValueError("nnodes > 1 needs distributed_executor_backend='mp'.")

@@ -69,7 +69,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
     "pipeline_parallel_size": ids(
         PP + "test_python_api_pp2_matches_pp1", PP + "test_http_pp2_matches_pp1_token_for_token",
         PP + "test_tp2_x_pp2_matches_pp1", PP + "test_what_pp_cannot_do_is_refused_by_name",
-        PA + "test_pp2_matches_pp1",
+        PA + "test_pp2_matches_pp1", MN + "test_ranks_across_two_nodes_match_tp1_over_http",
     ),  # fmt: skip
     "kv_cache_memory": ids(CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"),
     "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),
@@ -83,7 +83,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
     "attention_backend": ids(CONFIG, FEE + "test_unknown_attention_backend_is_refused_at_startup"),
     "distributed_executor_backend": ids(CONFIG, FEE + "test_temperature_seed_n"),
     **dict.fromkeys(("nnodes", "node_rank", "master_addr", "master_port"), ids(
-        MN + "test_tp2_across_two_nodes_matches_tp1_over_http",
+        MN + "test_ranks_across_two_nodes_match_tp1_over_http",
         MN + "test_killed_node1_fails_node0s_requests_and_leaves_no_process",
         MN + "test_node_flags_reach_the_config_and_bad_ones_are_refused",
     )),  # fmt: skip

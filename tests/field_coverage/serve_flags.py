@@ -25,7 +25,7 @@ from field_coverage.ids import (
 
 # ``trillm serve`` flags: how each reaches the engine or the server, and what it then does.
 _FLAGS = {
-    "--headless": ids(MN + "test_tp2_across_two_nodes_matches_tp1_over_http",
+    "--headless": ids(MN + "test_ranks_across_two_nodes_match_tp1_over_http",
                       MN + "test_killed_node1_fails_node0s_requests_and_leaves_no_process",
                       MN + "test_a_headless_node_with_other_engine_flags_is_refused",
                       MN + "test_node_flags_reach_the_config_and_bad_ones_are_refused"),

@@ -46,7 +46,7 @@ def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
     stage = rank // tp
     start, end = stage_layers(config.model.num_hidden_layers, pp, stage)
     set_pp_group(PipelineGroup(stage, pp, rank % tp, tp, start, end, timeout))
-    if get_tp_group().world_size > 1:
+    if torch.distributed.is_initialized():  # rank 0 of several nodes (tp_size may be 1)
         return device
     init_tensor_parallel(
         rank, parallel.world_size, parallel.master_port, device.type, timeout,

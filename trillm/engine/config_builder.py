@@ -186,7 +186,7 @@ def _check_pipeline_parallel(model_config: ModelConfig, args: EngineArgs, device
 
     spec = parse_speculative_config(args.speculative_config)
     draft = spec is not None and spec.method == "draft_model"
-    for name, given in (("nnodes > 1", args.nnodes > 1), ("enable_lora", args.enable_lora),
+    for name, given in (("enable_lora", args.enable_lora),
                         ("a pooling runner", is_pooling(args.runner, args.convert)),
                         ("a draft model (speculative_config)", draft),
                         (f"quantization={model_config.quantization!r}",
@@ -197,10 +197,12 @@ def _check_pipeline_parallel(model_config: ModelConfig, args: EngineArgs, device
     if device == "cuda":
         import torch
 
-        if torch.cuda.device_count() < world:
+        local = world // args.nnodes  # the ranks on this node
+        if torch.cuda.device_count() < local:
             raise ValueError(
-                f"tensor_parallel_size x pipeline_parallel_size = {world} ranks needs {world} "
-                f"GPUs (one per rank), {torch.cuda.device_count()} visible."
+                f"tensor_parallel_size x pipeline_parallel_size = {world} ranks over "
+                f"nnodes={args.nnodes} needs {local} GPUs on this node (one per rank), "
+                f"{torch.cuda.device_count()} visible."
             )
 
 

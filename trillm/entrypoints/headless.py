@@ -1,7 +1,7 @@
 """``trillm serve --headless --nnodes N --node-rank K ...``: node K's worker ranks, nothing else.
 
 Node 0 runs the HTTP server, the engine core and ranks [0, L); node K runs ranks
-[K * L, (K + 1) * L) (L = tensor_parallel_size / nnodes) as worker subprocesses of this
+[K * L, (K + 1) * L) (L = tensor x pipeline ranks / nnodes) as worker subprocesses of this
 process, which join the torch.distributed world at ``--master-addr:--master-port`` and hear
 the executor through rank 0 (``trillm/distributed/node_link.py``).
 
@@ -44,7 +44,8 @@ def run_headless(model: str | None, engine_kwargs: dict[str, Any]) -> int:
         raise ValueError("--headless runs a node other than node 0: give --nnodes >= 2 and "
                          "--node-rank >= 1.")  # fmt: skip
     build_config(args)  # refuse bad flags or a missing model before any worker starts
-    ranks = node_ranks(args.nnodes, args.node_rank, args.tensor_parallel_size)
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    ranks = node_ranks(args.nnodes, args.node_rank, world)
     death_r, death_w = os.pipe()
     procs: dict[int, subprocess.Popen[bytes]] = {}
     stop = _install_signal_handlers()

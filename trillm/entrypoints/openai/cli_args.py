@@ -145,8 +145,8 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("several nodes (torchrun's names)")
     g.add_argument(
         "--nnodes", type=_positive_int,
-        help="Machines the tensor-parallel ranks run on; each runs tensor_parallel_size / "
-        "nnodes of them (default: 1).",
+        help="Machines the ranks (tensor x pipeline parallel) run on; each runs "
+        "tensor_parallel_size x pipeline_parallel_size / nnodes of them (default: 1).",
     )  # fmt: skip
     g.add_argument(
         "--node-rank", type=_non_negative_int,
