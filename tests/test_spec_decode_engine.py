@@ -82,6 +82,24 @@ def test_same_output_with_speculation_and_drafts_accepted(pair, fields):
     assert accepted > 0  # speculation really ran
 
 
+def test_steps_that_verify_drafts_replay_as_step_programs(pair):
+    """A verifying step (queries of 1 + drafts tokens, all with cached context) runs as a step
+    program like a decode step: replays checked against the eager forward, none given up."""
+    eager = LLM(None, speculative_config=NGRAM, enforce_eager=True, **SMALL)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+        want = eager.generate([PROMPT], params, use_tqdm=False)[0]
+    finally:
+        eager.shutdown()
+    (_, got), accepted = accepted_during(pair[1], lambda: both(pair, logprobs=2))
+    assert accepted > 0
+    assert_same(want, got)
+    programs = pair[1].engine.executor.runner.step_programs
+    assert programs is not None and programs.reason is None
+    verify = [t for t, p in programs.programs.items() if False in p.checked]
+    assert verify, "no verifying step replayed"
+
+
 def test_cut_at_max_tokens_stop_token_and_stop_string_exactly(pair):
     ref, _ = both(pair, max_tokens=60)
     tokens, text = ref.outputs[0].token_ids, ref.outputs[0].text

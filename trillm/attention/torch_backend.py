@@ -237,7 +237,9 @@ class TorchAttentionBackend:
                 )
         if native:
             rest = [i for i, (q, s) in enumerate(lens) if paged_only or not q == s > 1]
-            if rest:
+            if len(rest) == meta.num_reqs:  # every request (a step program's plan too)
+                self._native = native_plan(None)
+            elif rest:
                 self._native = native_plan(torch.tensor(rest, dtype=torch.int32))
             return
         self._groups = self._build_groups(meta, lens, block_size)

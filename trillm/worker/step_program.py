@@ -3,9 +3,10 @@
 At batch 1 a decode step of a 30-layer model is ~360 native kernel calls, and the Python around
 them (module calls, argument checks, views, allocations) took as long as the kernels on the
 CPU (benchmarks/RESULTS.md, section 19). A ``StepProgram`` is the CPU counterpart of a CUDA
-graph: the forward of a pure decode step with T tokens runs once with a
+graph: the forward of a step with T tokens whose requests all attend cached context (a decode
+step, or one that verifies speculative drafts; no fresh prompt) runs once with a
 ``kernels.recording.Recording`` active; the program keeps every tensor that forward made, and
-later decode steps with T tokens copy their inputs (embeddings, positions, slots) into the
+later such steps with T tokens copy their inputs (embeddings, positions, slots) into the
 captured buffers, build the step's attention plan and call the recorded kernels again, in
 order, with the same arguments. Same kernels, same arguments: the same bits as the eager path.
 
@@ -17,7 +18,8 @@ each of which drops the program and keeps the eager path (``reason`` says why):
   the K/V cache writes must read the refreshed slot mapping;
 - at most one attention plan ran (the step's, rebuilt by the replay from its metadata);
 - the capture's output equals the eager forward's on the same step, and the first replay's equals
-  the eager forward's on that later step (bit for bit), before a program is trusted.
+  the eager forward's on that later step (bit for bit), before a program is trusted; again on
+  the first replay of the other kind of step (decode vs longer queries).
 ``enforce_eager`` (``--enforce-eager``) turns programs off, as it turns off CUDA graphs in vLLM.
 """
 
@@ -143,7 +145,12 @@ class StepProgram:
     plan_keys: list[tuple[Any, ...]]  # the attention plans' shapes (``PagedAttentionPlan.key``)
     keep: list[torch.Tensor] = field(default_factory=list)  # every buffer the calls point into
     nbytes: int = 0  # of the buffers the captured forward allocated (not the caches' views)
-    verified: bool = False  # a replay has matched the eager forward
+    # The kinds of step (decode_only) on which a replay has matched the eager forward.
+    checked: set[bool] = field(default_factory=set)
+
+    @property
+    def verified(self) -> bool:
+        return bool(self.checked)
 
     def replay(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -177,7 +184,15 @@ class StepPrograms:
         self.reason: str | None = None  # why programs are off, once they are
 
     def applies(self, meta: AttentionMetadata) -> bool:
-        return self.reason is None and meta.decode_only and meta.num_tokens <= MAX_ROWS
+        """A step of at most MAX_ROWS tokens whose requests all attend their cached context
+        through the paged kernel: decode steps, and steps that verify drafts or continue a
+        chunk (not fresh prompts, which go through the prefill kernel)."""
+        if self.reason is not None or meta.num_tokens > MAX_ROWS:
+            return False
+        if meta.decode_only:
+            return True
+        lens = zip(meta.query_lens_cpu, meta.seq_lens_cpu)
+        return not any(q == s > 1 for q, s in lens)
 
     def forward(
         self,
@@ -192,14 +207,15 @@ class StepPrograms:
                 return self.model(input_ids, positions, kv_caches, meta)
             return self._capture(input_ids, positions, kv_caches, meta)
         out = program.replay(input_ids, positions, meta)
-        if not program.verified:
-            # Once per program, on a step other than the captured one: the eager forward
-            # (which rewrites the same K/V rows) must agree bit for bit.
+        if meta.decode_only not in program.checked:
+            # Once per program and kind of step (decode, or queries longer than one token), on
+            # a step other than the captured one: the eager forward (which rewrites the same
+            # K/V rows) must agree bit for bit.
             eager = self.model(input_ids, positions, kv_caches, meta)
             if not torch.equal(eager, out):
                 self._give_up("a replay differs from the eager forward")
                 return eager
-            program.verified = True
+            program.checked.add(meta.decode_only)
         return out
 
     def _capture(
