@@ -13,8 +13,9 @@
 // with an online softmax in fp32. No gather, no padding, no mask tensor. Items run on a small
 // persistent thread pool (the caller's thread included); the GIL is released meanwhile. fp32
 // and bf16 tensors; the cache fp32, bf16 or fp8 e4m3 (--kv-cache-dtype), widened exactly to
-// fp32 as it is read; math in fp32 (bf16 q: the scores rounded to bf16 first, see
-// kBf16Scores).
+// fp32 as it is read; math in fp32. bf16 q computes what transformers' bf16 eager attention
+// computes instead: scores rounded to bf16 (kBf16Scores), then two passes, not an online
+// softmax (rounded_softmax_pv).
 //
 // Per layer, optionally: a sliding window (window > 0: a row at position p sees positions
 // > p - window; its keys before that are neither read nor scored) and logit soft-capping
@@ -69,9 +70,10 @@ TRILLM_INLINE void soft_cap(float* s, int n, float softcap) {
 }
 
 // bf16 q (a bf16 model): the scores take transformers' bf16 rounding points, q . k rounded to
-// bf16 (a bf16 matmul with fp32 sums), then times the scale, rounded again; the softmax stays
-// fp32. The roundings move a score by up to half a bf16 step (0.4%), enough to flip near-tied
-// greedy tokens against a bf16 reference; fp32 q keeps the scale folded into q, unrounded.
+// bf16 (a bf16 matmul with fp32 sums), then times the scale, rounded again; the softmax is
+// fp32 and its probabilities are rounded to bf16 (rounded_softmax_pv). The roundings move a
+// score by up to half a bf16 step (0.4%), enough to flip near-tied greedy tokens against a bf16
+// reference; fp32 q keeps the scale folded into q, unrounded, and the online softmax.
 template <typename T>
 constexpr bool kBf16Scores = std::is_same<T, Bf16>::value;
 
@@ -90,6 +92,87 @@ struct Item {
   int req, row_begin, row_end;  // rows relative to the request's first query row
   int head_begin, head_end;     // kv heads
 };
+
+// Per-thread rows of every score of an item (bf16 q): [nvec][stride], grown, never shrunk.
+TRILLM_INLINE float* score_rows(int nvec, int stride) {
+  static thread_local std::vector<float> rows;
+  const size_t need = static_cast<size_t>(nvec) * stride;
+  if (rows.size() < need) rows.resize(need);
+  return rows.data();
+}
+
+// The eight scores row[i .. i+8) of which only the first n < 8 exist; the rest -inf.
+TRILLM_INLINE v8f load_tail(const float* row, int n) {
+  alignas(32) float t[8];
+  for (int u = 0; u < 8; ++u) t[u] = u < n ? row[u] : -std::numeric_limits<float>::infinity();
+  return load8(t);
+}
+
+// bf16 q, once every score of an item is known: transformers' eager attention from there on,
+// `softmax(scores, dtype=float32).to(bf16)` then `P @ V` as a bf16 matmul (fp32 sums, one
+// rounding at the store): p = exp(s - max) * (1 / sum exp), rounded to bf16 (torch's softmax
+// multiplies by the reciprocal), acc = sum_t p_t v_t in fp32. An online softmax cannot round p:
+// the normaliser is known only after the last key, hence two passes.
+// s: [nvec][stride] scores of keys key_begin + i; vector v sees keys lo[v] .. hi[v] (absolute
+// positions, inclusive) and reads their values at value_rows(start, n, rows)[u] + off[v].
+// acc [nvec][NV] is overwritten with the output (no division left).
+template <typename C, int NV_FIXED, typename Rows>
+TRILLM_INLINE void rounded_softmax_pv(const Problem& p, int nvec, float* s, int stride,
+                                      int key_begin, int key_end, const int* lo, const int* hi,
+                                      const int64_t* off, v8f* acc, Rows value_rows) {
+  const int NV = NV_FIXED > 0 ? NV_FIXED : p.head_dim / 8;
+  for (int v = 0; v < nvec; ++v) {
+    float* row = s + static_cast<int64_t>(v) * stride + (lo[v] - key_begin);
+    const int n = hi[v] - lo[v] + 1;  // >= 1: a row always sees its own key
+    if (p.softcap > 0.0f) soft_cap(row, n, p.softcap);
+    const int full = n & ~7;
+    v8f mx = splat(-std::numeric_limits<float>::infinity());
+    for (int i = 0; i < full; i += 8) {
+      const v8f x = load8(row + i);
+      mx = mx > x ? mx : x;
+    }
+    if (full < n) {
+      const v8f x = load_tail(row + full, n - full);
+      mx = mx > x ? mx : x;
+    }
+    const v8f shift = splat(hmax(mx));
+    v8f sum = splat(0.0f);
+    alignas(32) float tail[8];
+    for (int i = 0; i < n; i += 8) {  // the tail's -inf lanes: exactly 0
+      const v8f e = exp_nonpositive((i < full ? load8(row + i) : load_tail(row + i, n - i)) - shift);
+      if (i < full) std::memcpy(row + i, &e, sizeof(e));
+      else std::memcpy(tail, &e, sizeof(e));
+      sum += e;
+    }
+    const v8f inv = splat(1.0f / hsum(sum));
+    for (int i = 0; i < n; i += 8) {
+      const v8f w = round_bf16((i < full ? load8(row + i) : load8(tail)) * inv);
+      if (i < full) std::memcpy(row + i, &w, sizeof(w));
+      else std::memcpy(row + i, &w, (n - i) * sizeof(float));
+    }
+    for (int j = 0; j < NV; ++j) acc[v * NV + j] = splat(0.0f);
+  }
+  // P @ V a chunk of keys at a time: the chunk's value rows serve every vector that reads them.
+  const C* vr[kKeyChunk];
+  for (int start = key_begin; start < key_end; start += kKeyChunk) {
+    const int n = std::min(kKeyChunk, key_end - start);
+    value_rows(start, n, vr);
+    for (int v = 0; v < nvec; ++v) {
+      const int u0 = std::max(0, lo[v] - start), u1 = std::min(n, hi[v] - start + 1);
+      if (u0 >= u1) continue;
+      const float* w = s + static_cast<int64_t>(v) * stride + (start - key_begin);
+      v8f r[NV_FIXED > 0 ? NV_FIXED : kMaxHeadDim / 8];
+      v8f* a = acc + v * NV;
+      for (int j = 0; j < NV; ++j) r[j] = a[j];
+      for (int u = u0; u < u1; ++u) {
+        const v8f wu = splat(w[u]);
+        const C* val = vr[u] + off[v];
+        for (int j = 0; j < NV; ++j) r[j] += wu * load8(val + 8 * j);
+      }
+      for (int j = 0; j < NV; ++j) a[j] = r[j];
+    }
+  }
+}
 
 // NV = head_dim / 8 when known at compile time (register-resident rows), 0 = read at run time.
 template <typename T, typename C, int NV_FIXED>
@@ -154,6 +237,9 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
   const int head_bytes = static_cast<int>(D * sizeof(C));
   // The window's start for the tile's first row: keys before it no row of the tile sees.
   const int key_begin = p.window > 0 ? std::max(0, context + it.row_begin - p.window + 1) : 0;
+  // bf16 q: every score kept for the second pass ([nvec][stride], keys key_begin + i).
+  const int stride = key_end - key_begin;
+  float* all = kBf16Scores<T> ? score_rows(nvec, stride) : nullptr;
   for (int start = key_begin; start < key_end; start += kKeyChunk) {
     const int n = std::min(kKeyChunk, key_end - start);
     slot_rows(start, n, kp, vp);
@@ -186,6 +272,11 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
         const v8f sums = finish_scores<T>(sum_lanes8(a), p);
         std::memcpy(s + t, &sums, sizeof(sums));
       }
+      if (kBf16Scores<T>) {  // softmax and P @ V after the last chunk
+        std::memcpy(all + static_cast<int64_t>(v) * stride + (start - key_begin), s,
+                    n * sizeof(float));
+        continue;
+      }
       // Causal limit, and -inf padding up to the chunk size; the window's lower bound.
       const int visible = std::max(0, std::min(n, limit[v] - start + 1));
       const int hidden = std::min(visible, std::max(0, lower[v] - start));
@@ -215,6 +306,14 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
       }
       for (int j = 0; j < NV; ++j) a[j] = r[j];
     }
+  }
+  if (kBf16Scores<T>) {
+    rounded_softmax_pv<C, NV_FIXED>(p, nvec, all, stride, key_begin, key_end, lower, limit, off,
+                                    acc, [&](int start, int n, const C** vr) {
+                                      const C* kr[kKeyChunk];
+                                      slot_rows(start, n, kr, vr);
+                                    });
+    for (int v = 0; v < nvec; ++v) l[v] = 1.0f;  // acc is the output
   }
 
   T* out = static_cast<T*>(p.out);
@@ -264,6 +363,9 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   const C* vc = static_cast<const C*>(p.v_cache) + first;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int groups = (key_end - key_begin + kDecodeGroup - 1) / kDecodeGroup;
+  // bf16 q: every score kept for the second pass ([nvec][stride], keys key_begin + i).
+  const int stride = groups * kDecodeGroup;
+  float* all = kBf16Scores<T> ? score_rows(nvec, stride) : nullptr;
 
   alignas(32) static thread_local v8f qv[kMaxLanes];   // [nvec][NV], times q_scale<T>
   alignas(32) static thread_local v8f acc[kMaxLanes];  // [nvec][NV]
@@ -320,9 +422,13 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
           a[i] = x;
         }
         const v8f sums = finish_scores<T>(sum_lanes8(a), p);
-        std::memcpy(scores + v * kDecodeChunk + c * kDecodeGroup, &sums, sizeof(sums));
+        float* dst = kBf16Scores<T> ? all + static_cast<int64_t>(v) * stride +
+                                          (g0 + c) * kDecodeGroup
+                                    : scores + v * kDecodeChunk + c * kDecodeGroup;
+        std::memcpy(dst, &sums, sizeof(sums));
       }
     }
+    if (kBf16Scores<T>) continue;  // softmax and P @ V after the last chunk
     const int valid = std::min(width, key_end - key_begin - g0 * kDecodeGroup);
     for (int v = 0; v < nvec; ++v) {
       // (2) Online softmax over the chunk.
@@ -359,6 +465,20 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
       }
       for (int j = 0; j < NV; ++j) acc[v * NV + j] = r[j];
     }
+  }
+  if (kBf16Scores<T>) {
+    int lo[kMaxVectors], hi[kMaxVectors];
+    int64_t off[kMaxVectors];
+    for (int v = 0; v < nvec; ++v) lo[v] = key_begin, hi[v] = key_end - 1, off[v] = (v / group) * D;
+    rounded_softmax_pv<C, NV>(p, nvec, all, stride, key_begin, key_end, lo, hi, off, acc,
+                              [&](int start, int n, const C** vr) {
+                                for (int t = 0; t < n; ++t) {
+                                  const int key = start + t;
+                                  vr[t] = vc + (static_cast<int64_t>(blocks[key / p.block_size]) *
+                                                    p.block_size + key % p.block_size) * slot_elems;
+                                }
+                              });
+    for (int v = 0; v < nvec; ++v) l[v] = 1.0f;  // acc is the output
   }
 
   T* out = static_cast<T*>(p.out) + (q0 + row) * p.out_token_stride;

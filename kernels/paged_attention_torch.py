@@ -9,8 +9,9 @@ Optional per layer: a sliding ``window`` (row at ``p`` sees only positions ``> p
 transformers' sliding-window layers do) and a logit ``softcap`` (``softcap * tanh(s / softcap)``
 on the scaled scores before the softmax, Gemma 2).
 
-bf16 queries: the scores take transformers' bf16 rounding points (q . k rounded to bf16, then
-times the scale, rounded again), the softmax and the weighted sum stay fp32.
+bf16 queries: transformers' bf16 eager attention, rounding where it rounds: q . k rounded to
+bf16, times the scale, rounded again; the softmax in fp32, its probabilities rounded to bf16; the
+weighted sum in fp32, rounded once at the end.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def _attend_one(
         hidden |= k_pos <= q_pos - window
     scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    if q.dtype == torch.bfloat16:
+        probs = probs.to(q.dtype).float()  # transformers' softmax(..., dtype=fp32).to(bf16)
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
 
