@@ -74,6 +74,25 @@ def test_target_copy_as_draft_is_accepted_and_output_is_exact(engines, caplog):
     assert copy.engine.num_blocks == base.engine.num_blocks // 2
 
 
+def test_draft_and_verify_steps_replay_as_step_programs(engines, models):
+    """The draft model's small steps and the target's verifying steps run as step programs:
+    the same output as with --enforce-eager, replays checked, none given up."""
+    target, _ = models
+    copy = engines[1]
+    eager = LLM(target, speculative_config=draft_config(target), enforce_eager=True, **SMALL)
+    try:
+        want = run(eager, GREEDY)
+    finally:
+        eager.shutdown()
+    for x, y in zip(want, run(copy, GREEDY)):
+        assert_same(x, y)
+    runner = copy.engine.executor.runner
+    for programs in (runner.step_programs, runner.drafter.step_programs):
+        assert programs is not None and programs.reason is None
+        assert any(p.checked for p in programs.programs.values())
+    assert any(False in p.checked for p in runner.step_programs.programs.values())
+
+
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy-logprobs", "seeded-n2"])
 def test_random_draft_output_is_exact(engines, params):
     base, _, rand = engines

@@ -33,6 +33,7 @@ from trillm.model_executor.registry import CausalLM
 from trillm.spec_decode.backoff import SpecBackoff
 from trillm.spec_decode.policy import draft_room, may_speculate
 from trillm.worker.input_batch import InputBatch
+from trillm.worker.step_program import StepPrograms, step_programs_for
 
 
 @dataclass
@@ -64,6 +65,8 @@ class DraftModelProposer:
         self._num_shared = 0
         self.backoff = SpecBackoff(self.k)
         self._slot_req: dict[int, str] = {}
+        self.config = config
+        self.step_programs: StepPrograms | None = None  # its small steps replayed (CPU)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -71,6 +74,9 @@ class DraftModelProposer:
         from trillm.model_executor.loader import build_model
 
         self._model = build_model(self.cfg, self.attn_backend, str(self.device))
+        self.step_programs = step_programs_for(
+            self._model, self.config, self.device, self.attn_backend
+        )
 
     @property
     def model(self) -> CausalLM:
@@ -193,7 +199,13 @@ class DraftModelProposer:
         )  # fmt: skip
         self.attn_backend.plan(meta)
         input_ids = self._dev(np.concatenate(feed.tokens).astype(np.int64))
-        hidden = self.model(input_ids, self._dev(positions), self.kv_caches, meta)  # [T, H]
+        pos = self._dev(positions)
+        programs = self.step_programs
+        hidden = (
+            programs.forward(input_ids, pos, self.kv_caches, meta)  # [T, H]
+            if programs is not None and programs.applies(meta)
+            else self.model(input_ids, pos, self.kv_caches, meta)
+        )
         assert isinstance(hidden, torch.Tensor)  # one stage: a draft model with -pp is refused
         last = self._dev(qsl[1:].astype(np.int64) - 1)
         return self.model.compute_logits(hidden.index_select(0, last)).float()

@@ -34,7 +34,6 @@ import torch
 
 from trillm.attention.backend import AttentionMetadata
 from trillm.attention.selector import get_attention_backend
-from trillm.attention.torch_backend import TorchAttentionBackend
 from trillm.config import TrillmConfig
 from trillm.distributed.pipeline import IntermediateTensors, get_pp_group
 from trillm.distributed.sharding import RankShapes
@@ -50,7 +49,7 @@ from trillm.spec_decode.draft_model import DraftModelProposer
 from trillm.worker.input_batch import InputBatch, StepInputs
 from trillm.worker.pipeline_tokens import append_sampled
 from trillm.worker.spec_verify import DraftStep, accept_drafts, expand_rows, num_drafts_of
-from trillm.worker.step_program import StepPrograms
+from trillm.worker.step_program import StepPrograms, step_programs_for
 from trillm.worker.step_sampling import (
     Bitmask,
     PendingStep,
@@ -133,21 +132,9 @@ class ModelRunner:
         if lora is not None:
             self.lora = LoRAManager(self._model, self.config.model, lora.max_loras,
                                     lora.max_lora_rank, self.device, self.dtype)  # fmt: skip
-        self.step_programs = self._step_programs()
-
-    def _step_programs(self) -> StepPrograms | None:
-        """Replay of small decode steps (``step_program.py``): CPU, one rank, no LoRA, the
-        native attention kernel; not with enforce_eager."""
-        if (
-            self.config.enforce_eager
-            or self.device.type != "cpu"
-            or self.world_size > 1
-            or self.lora is not None
-            or not isinstance(self.attn_backend, TorchAttentionBackend)
-            or not self.attn_backend.native_available
-        ):
-            return None
-        return StepPrograms(self.model)
+        self.step_programs = step_programs_for(
+            self.model, self.config, self.device, self.attn_backend, self.lora is not None
+        )
 
     @property
     def model(self) -> CausalLM:

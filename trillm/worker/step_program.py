@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trillm.attention.backend import AttentionMetadata
+from trillm.config import TrillmConfig
 from trillm.kernels import paged_attention_cpu, recording
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,29 @@ class StepProgram:
         return self.output
 
 
+def step_programs_for(
+    model: Callable[..., Any],
+    config: TrillmConfig,
+    device: torch.device,
+    attn_backend: object,
+    lora: bool = False,
+) -> StepPrograms | None:
+    """Programs for a model's forward where they apply: CPU, one rank, no LoRA, the torch
+    backend with its native attention kernel; not with enforce_eager (None otherwise)."""
+    from trillm.attention.torch_backend import TorchAttentionBackend
+
+    if (
+        config.enforce_eager
+        or device.type != "cpu"
+        or config.parallel.world_size > 1
+        or lora
+        or not isinstance(attn_backend, TorchAttentionBackend)
+        or not attn_backend.native_available
+    ):
+        return None
+    return StepPrograms(model)
+
+
 class StepPrograms:
     """The runner's programs by token count, captured on first use; off for good (``reason``)
     when the model's forward turns out not to be replayable."""
@@ -303,7 +327,9 @@ def _step_inputs(meta: AttentionMetadata) -> list[torch.Tensor]:
 
 
 def _check_pointers(
-    calls: list[recording.Call], step_inputs: list[torch.Tensor], refreshed: tuple[torch.Tensor, ...]
+    calls: list[recording.Call],
+    step_inputs: list[torch.Tensor],
+    refreshed: tuple[torch.Tensor, ...],
 ) -> None:
     """No recorded argument may point into a step input that a replay does not refresh."""
     fresh = {t.data_ptr() for t in refreshed}
