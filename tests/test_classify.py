@@ -61,6 +61,18 @@ def test_llm_classify_equals_transformers(classifier):
     assert (refs[0][1] - refs[1][1]).abs().max() > 0.1  # the inputs are told apart
 
 
+def test_pp2_classifies_as_transformers_does(classifier):
+    """Pipeline parallelism (issue 14): only the last stage holds the score head (its LM
+    head's place) and applies it to the prompt's last row."""
+    path, refs = classifier
+    with LLM(str(path), max_model_len=128, kv_cache_memory="8MiB",
+             pipeline_parallel_size=2) as llm:  # fmt: skip
+        outs = llm.classify(TEXTS, use_tqdm=False)
+    for out, (ids, want) in zip(outs, refs, strict=True):
+        assert out.prompt_token_ids == ids
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), want, rtol=1e-5, atol=1e-6)
+
+
 def test_one_label_is_a_sigmoid_and_more_a_softmax():
     torch.testing.assert_close(class_probs(torch.tensor([0.3])), torch.sigmoid(torch.tensor([0.3])))
     logits = torch.tensor([1.0, -2.0, 0.5])

@@ -132,6 +132,18 @@ def test_llm_embed_equals_transformers(model, hf, override):
         np.testing.assert_allclose(out.outputs.embedding, want, rtol=1e-4, atol=1e-5)
 
 
+def test_pp2_embeds_as_transformers_does(model, hf):
+    """Pipeline parallelism (issue 14): stage 0 runs layer 0 and hands its hidden states on;
+    the last stage pools (mean, normalized) what its final norm gives, in prefill chunks."""
+    with LLM(str(model), runner="pooling", pipeline_parallel_size=2, max_num_batched_tokens=16,
+             max_model_len=128, kv_cache_memory="8MiB") as llm:  # fmt: skip
+        outs = llm.embed(TEXTS, use_tqdm=False)
+    for text, out in zip(TEXTS, outs, strict=True):
+        ids, want = reference(hf, text, "MEAN", True)
+        assert out.prompt_token_ids == ids
+        np.testing.assert_allclose(out.outputs.embedding, want, rtol=1e-4, atol=1e-5)
+
+
 def test_convert_embed_is_the_pooling_runner(model, hf):
     llm = LLM(str(model), convert="embed", distributed_executor_backend="uni")
     try:

@@ -70,6 +70,8 @@ ENGINE: dict[str, tuple[str, ...]] = {
         PP + "test_python_api_pp2_matches_pp1", PP + "test_http_pp2_matches_pp1_token_for_token",
         PP + "test_tp2_x_pp2_matches_pp1", PP + "test_what_pp_cannot_do_is_refused_by_name",
         PA + "test_pp2_matches_pp1", MN + "test_ranks_across_two_nodes_match_tp1_over_http",
+        AWQ + "test_pp2_matches_pp1_on_a_quantized_checkpoint",
+        POOL + "test_pp2_embeds_as_transformers_does", CLS + "test_pp2_classifies_as_transformers_does",
     ),  # fmt: skip
     "kv_cache_memory": ids(CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"),
     "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),

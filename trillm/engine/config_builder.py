@@ -181,16 +181,10 @@ def _check_pipeline_parallel(model_config: ModelConfig, args: EngineArgs, device
         raise ValueError(
             f"pipeline_parallel_size={size} is more stages than the model's {layers} layers."
         )
-    from trillm.config import is_pooling
-    from trillm.model_executor.quantization import CHECKPOINT_METHODS
-
     spec = parse_speculative_config(args.speculative_config)
     draft = spec is not None and spec.method == "draft_model"
     for name, given in (("enable_lora", args.enable_lora),
-                        ("a pooling runner", is_pooling(args.runner, args.convert)),
-                        ("a draft model (speculative_config)", draft),
-                        (f"quantization={model_config.quantization!r}",
-                         model_config.quantization in CHECKPOINT_METHODS)):  # fmt: skip
+                        ("a draft model (speculative_config)", draft)):  # fmt: skip
         if given:
             raise ValueError(f"pipeline_parallel_size={size} with {name} is not implemented.")
     world = size * args.tensor_parallel_size

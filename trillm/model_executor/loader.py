@@ -400,11 +400,15 @@ def load_weights(model: CausalLM, folder: str | Path, cfg: ModelConfig | None = 
     shard = None
     if tp.world_size > 1 and cfg is not None:
         shard = (cfg, RankShapes.of(cfg, tp.rank, tp.world_size))
-    wanted = None
-    if (pp := get_pp_group()).num_stages > 1 and cfg is not None:
-        tied = cfg.tie_word_embeddings
-        wanted = partial(pp.wants_weight, tied=tied)
+    wanted = stage_filter(cfg) if cfg is not None else None
     model.load_weights(iterate_weights(folder, shard=shard, wanted=wanted))
+
+
+def stage_filter(cfg: ModelConfig) -> Callable[[str], bool] | None:
+    """Which checkpoint names this rank's pipeline stage reads (None: all, one stage)."""
+    if (pp := get_pp_group()).num_stages == 1:
+        return None
+    return partial(pp.wants_weight, tied=cfg.tie_word_embeddings)
 
 
 def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
@@ -427,10 +431,12 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
         if cfg.quantization is not None:
             raise ValueError(f"A quantized ({cfg.quantization}) sequence classifier is not "
                              "implemented.")  # fmt: skip
-        classification.attach_score_head(model, len(classification.labels(cfg.hf_config)))
-        causal_lm.load_weights(classification.rename_score(iterate_weights(cfg.model)))
+        if get_pp_group().is_last:  # the score head stands where the LM head is
+            classification.attach_score_head(model, len(classification.labels(cfg.hf_config)))
+        weights = iterate_weights(cfg.model, wanted=stage_filter(cfg))
+        causal_lm.load_weights(classification.rename_score(weights))
     elif cfg.quantization in CHECKPOINT_METHODS:
-        load_group_quantized(model, iterate_weights(cfg.model), cfg)
+        load_group_quantized(model, iterate_weights(cfg.model, wanted=stage_filter(cfg)), cfg)
     else:
         load_weights(causal_lm, cfg.model, cfg)
     model.eval()

@@ -7,7 +7,8 @@ A prompt may arrive in several chunks: each step adds its rows to the request's 
 and remembers the first and last row; the step that completes the prompt finishes the vector
 and returns it (``ModelRunnerOutput.pooler_output``, float32 bytes) with one placeholder token,
 which ends the request (the engine gives pooling requests ``max_tokens=1``). No logits and no
-sampling: the LM head never runs.
+sampling: the LM head never runs. With pipeline stages only the last stage pools (the earlier
+ones run their layers and hand the hidden states on); the executor returns its output.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ class PoolingModelRunner(ModelRunner):
             slots = np.array([self.batch.slot_of(r) for r in req_ids], dtype=np.int64)
             num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], np.int64)
             inputs = self.batch.prepare(slots, num_scheduled)
-            hidden = self._forward(inputs)  # [T, H]
-            assert hidden is not None  # pooling runs without pipeline stages (refused)
+            hidden = self._forward(inputs)  # [T, H]; None: not the last pipeline stage
+            if hidden is None:  # the last stage pools; this one only sent its hidden states
+                self._step = _PoolingStep(sched.step_id, req_ids, {}, failed, start)
+                return
             starts = inputs.query_start_loc
             for i, req_id in enumerate(req_ids):
                 self._add_rows(req_id, hidden[int(starts[i]) : int(starts[i + 1])])

@@ -121,7 +121,9 @@ def _by_module(
 
 
 def _drop_float_weight(model: nn.Module, module: nn.Linear, path: str) -> None:
-    if path != "lm_head" or module.weight is not model.get_submodule("model.embed_tokens").weight:
+    # NOTE: getattr: a pipeline stage without the embedding holds a PPMissingLayer there.
+    embedding = getattr(model.get_submodule("model.embed_tokens"), "weight", None)
+    if path != "lm_head" or module.weight is not embedding:
         module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype),
                                      requires_grad=False)  # fmt: skip
 
