@@ -24,9 +24,9 @@ from pathlib import Path
 
 import common  # noqa: F401 - puts the repository root on sys.path
 import torch
+from trillm.kernels import linear_q_cpu
 
 from trillm.config import EngineArgs
-from trillm.kernels import linear_q_cpu
 from trillm.model_executor.loader import build_model, load_model_config
 from trillm.testing.gguf_models import write_tiny_gguf
 from trillm.testing.tiny_models import build_tiny_model

@@ -21,34 +21,29 @@ import time
 from pathlib import Path
 
 import common  # noqa: F401 - puts the repository root on sys.path
-import numpy as np
 import torch
 from trillm.kernels import linear_q_cpu
 
 from trillm.model_executor import gguf_loader
+from trillm.model_executor.layers.quantized_linear import gguf_weight
 
 STACKS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
-def load_weights(path: Path) -> list[linear_q_cpu.QuantizedWeight]:
+def load_weights(path: Path) -> list[linear_q_cpu.AnyQuantizedWeight]:
     by_name = {t.name: t for t in gguf_loader.GGUFFile(path).tensors()}
-    type_ids = {name: qtype for qtype, name in linear_q_cpu.QTYPE_NAMES.items()}
     weights = []
     layer = 0
     while f"model.layers.{layer}.self_attn.q_proj.weight" in by_name:
         for stack in STACKS:
             block = "mlp" if stack[0] in ("gate_proj", "down_proj") else "self_attn"
             parts = [by_name[f"model.layers.{layer}.{block}.{s}.weight"] for s in stack]
-            kinds = {t.type_name for t in parts}
-            assert len(kinds) == 1, kinds  # one type per stacked layer, as trillm runs it
-            raw = np.concatenate([np.asarray(t.data) for t in parts], axis=0)  # [N, bytes]
-            n, k = sum(t.shape[0] for t in parts), parts[0].shape[1]
-            weights.append(linear_q_cpu.QuantizedWeight(raw, type_ids[kinds.pop()], n, k))
+            weights.append(gguf_weight(parts, parts[0].shape[1]))  # a part per type, as served
         layer += 1
     return weights
 
 
-def step(weights: list[linear_q_cpu.QuantizedWeight], xs: dict[int, torch.Tensor], int8: bool):
+def step(weights: list[linear_q_cpu.AnyQuantizedWeight], xs: dict[int, torch.Tensor], int8: bool):
     for w in weights:
         linear_q_cpu.linear(xs[w.in_features], w, int8_activations=int8)
 

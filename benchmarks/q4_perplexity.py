@@ -2,14 +2,17 @@
 
 Each variant scores the same text with ``prompt_logprobs`` (teacher forcing, one forward over the
 whole text: the prefill, where int8 activations apply from ``INT8_MIN_ROWS`` rows) and reports
-exp(-mean log p) over its tokens. Variants: the f32 GGUF, the quantized GGUF (Q4_0 / Q4_1 /
-Q8_0) with fp32 activations (``INT8_MIN_ROWS`` raised past the text), and the quantized GGUF as
-served (int8 activations).
+exp(-mean log p) over its tokens. Variants: the f32 GGUF, then for each quantized GGUF (Q4_0 /
+Q4_1 / Q8_0 / K-quants) fp32 activations (``INT8_MIN_ROWS`` raised past the text) and int8
+activations as served.
 
-    python benchmarks/q4_perplexity.py --f32 F32.gguf --quantized Q4_1.gguf [--text FILE]
-        [--out x.json]
+    python benchmarks/q4_perplexity.py --f32 F32.gguf --quantized Q8_0.gguf Q4_1.gguf \
+        [--text FILE [--max-chars N]] [--out x.json]
 
-``--text`` scores a file's text instead of the built-in paragraph (its first 2,000 characters).
+``--text`` scores a file's text instead of the built-in paragraph (187 tokens of SmolLM2's
+tokenizer): ``benchmarks/perplexity_text.txt`` is 2,722 tokens of prose written for this
+(narrative, a recipe, letters, a little mathematics); ``--max-chars`` keeps the first N
+characters.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ TEXT = (
 
 def perplexity(model: str, int8_min_rows: int, text: str = TEXT) -> tuple[float, int]:
     linear_q_cpu.INT8_MIN_ROWS = int8_min_rows  # the engine runs in this process ("uni")
-    llm = LLM(model, dtype="float32", max_model_len=1024, kv_cache_memory="64MiB",
+    llm = LLM(model, dtype="float32", max_model_len=4096, kv_cache_memory="512MiB",
               distributed_executor_backend="uni")  # fmt: skip
     try:
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
@@ -53,20 +56,28 @@ def perplexity(model: str, int8_min_rows: int, text: str = TEXT) -> tuple[float,
     return math.exp(-sum(logps) / len(logps)), len(logps)
 
 
+def _gguf_kind(path: Path) -> str:
+    """The GGML type of the file's first-layer gate projection: its format, for the table."""
+    from trillm.model_executor.gguf_loader import GGUFFile
+
+    return GGUFFile(path).tensor_types.get("blk.0.ffn_gate.weight", path.name)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--f32", type=Path, required=True)
-    p.add_argument("--quantized", "--q4", dest="quantized", type=Path, required=True)
+    p.add_argument("--quantized", "--q4", dest="quantized", type=Path, nargs="+", required=True)
     p.add_argument("--text", type=Path, default=None)
+    p.add_argument("--max-chars", type=int, default=None)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    text = args.text.read_text()[:2000] if args.text else TEXT
+    text = args.text.read_text()[: args.max_chars] if args.text else TEXT
     default = linear_q_cpu.INT8_MIN_ROWS
-    variants = {
-        "f32": (args.f32, default),
-        "quantized, fp32 activations": (args.quantized, 1 << 30),
-        f"quantized, int8 activations (from {default} rows)": (args.quantized, default),
-    }
+    variants = {"f32": (args.f32, default)}
+    for path in args.quantized:
+        kind = _gguf_kind(path)
+        variants[f"{kind}, fp32 activations"] = (path, 1 << 30)
+        variants[f"{kind}, int8 activations (from {default} rows)"] = (path, default)
     rows = []
     for name, (model, min_rows) in variants.items():
         ppl, tokens = perplexity(str(model), min_rows, text)
@@ -74,7 +85,7 @@ def main() -> None:
     base = rows[0]["perplexity"]
     for r in rows:
         r["vs_f32"] = r["perplexity"] / base - 1
-        print(f"{r['variant']:<42} ppl {r['perplexity']:8.3f} ({r['vs_f32']:+.2%}) "
+        print(f"{r['variant']:<44} ppl {r['perplexity']:8.3f} ({r['vs_f32']:+.2%}) "
               f"over {r['tokens']} tokens")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))

@@ -142,11 +142,11 @@ def _attach(model: nn.Module, quantized: dict[str, GGUFTensor]) -> None:
             for shard, t in shards.items():
                 module.load_shard(shard, "weight", gguf_loader.dequantized_tensor(t))
             continue
-        quantize_module(module, _gguf_weight(parts, module.in_features))
+        quantize_module(module, gguf_weight(parts, module.in_features))
         _drop_float_weight(model, module, path)
 
 
-def _gguf_weight(parts: list[GGUFTensor], k: int) -> linear_q_cpu.AnyQuantizedWeight:
+def gguf_weight(parts: list[GGUFTensor], k: int) -> linear_q_cpu.AnyQuantizedWeight:
     """The blocks of a layer's shards (in shard order): one weight when they share a type,
     else one per run of shards of the same type (q and k Q4_K, v Q6_K: two parts)."""
     runs: list[list[GGUFTensor]] = []
