@@ -13,6 +13,8 @@ from collections.abc import Collection
 import trio
 
 from trillm.engine.batch_queue import BatchQueue
+from trillm.engine.core_grammars import CoreGrammars
+from trillm.engine.core_speculation import CoreSpeculation
 from trillm.errors import CodecError, ModelExecutionError
 from trillm.ipc import codec
 from trillm.messages import (
@@ -23,12 +25,10 @@ from trillm.messages import (
     EngineCoreRequest,
     FinishReason,
     ModelRunnerOutput,
-    SampleRequest,
     SchedulerOutput,
     SchedulerStats,
     SpecDecodingStats,
 )
-from trillm.spec_decode.backoff import SpecBackoff
 
 logger = logging.getLogger(__name__)
 
@@ -47,21 +47,15 @@ class EngineCore:
         self.lora = lora
         self.executor = executor
         # NgramProposer or DraftModelDrafts (trillm/spec_decode/) or None: drafts for the
-        # next step, after P4. The n-gram proposer's back-off is owned here; the draft
-        # model's runs in the worker, where its drafts are made.
-        self.proposer = proposer
-        self.spec_stats: SpecDecodingStats | None = None
-        self.backoff: SpecBackoff | None = None
-        if proposer is not None:
-            self.spec_stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * proposer.k)
-            if not proposer.in_worker:
-                self.backoff = SpecBackoff(proposer.k)
+        # next step, after P4 (core_speculation.py: the counters and the n-gram back-off).
+        self.speculation = None if proposer is None else CoreSpeculation(proposer)
         # StructuredOutputManager (trillm/structured_output/): the grammar matchers, or None
         # when the engine was built without a tokenizer for them.
         self.structured_output = structured_output
         # Ids the worker must drop that rode on a step that scheduled nothing.
         self._unsent_finished: list[str] = []
-        self._refused: list[EngineCoreOutput] = []
+        self._refused: list[EngineCoreOutput] = []  # ended by the engine, to publish
+        self.grammars = CoreGrammars(scheduler, structured_output, self._refused_append)
         # req_id -> time.time() of its first P1, until its first output carries it.
         self._scheduled_at: dict[str, float] = {}
         self.num_steps = 0
@@ -69,6 +63,13 @@ class EngineCore:
         self.batch_queue: BatchQueue | None = None
         if getattr(executor, "num_pipeline_stages", 1) > 1:  # (test stubs lack the property)
             self.batch_queue = BatchQueue(executor.max_concurrent_batches)
+
+    @property
+    def spec_stats(self) -> SpecDecodingStats | None:
+        return None if self.speculation is None else self.speculation.stats
+
+    def _refused_append(self, out: EngineCoreOutput) -> None:
+        self._refused.append(out)
 
     # ------------------------------------------------------------------ inputs
     def handle_input(self, msg: EngineCoreInput) -> None:
@@ -100,7 +101,7 @@ class EngineCore:
             )
         else:
             if msg.sampling_params.structured_outputs is not None:
-                self._add_grammar(msg)
+                self.grammars.add(msg)
 
     @property
     def has_refused(self) -> bool:
@@ -124,7 +125,7 @@ class EngineCore:
         if sched.total_num_scheduled_tokens == 0:  # every request of the step was refused
             self._unsent_finished.extend(sched.finished_req_ids)
             return EngineCoreOutputs(refused, time.monotonic(), self._stats())
-        sample_req = self._grammar_bitmask(sched)  # overlaps P2
+        sample_req = self.grammars.bitmask(sched)  # overlaps P2
         try:
             runner_out = await self.executor.sample_tokens(sample_req)  # P3
         except ModelExecutionError as exc:
@@ -133,8 +134,7 @@ class EngineCore:
 
     def _before_schedule(self) -> list[EngineCoreOutput]:
         """Grammars compiled, LoRA-held requests admitted; -> the refused outputs to publish."""
-        if self.structured_output is not None and self.structured_output.has_pending:
-            self._poll_grammars()
+        self.grammars.poll()
         if self.lora is not None:
             get = self.scheduler.get_request
             for req in self.lora.release(lambda req_id: get(req_id) is not None):
@@ -168,14 +168,14 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(sched, runner_out)  # P4
         if self.batch_queue is not None:
             self.batch_queue.keep_tokens(sched, runner_out, self.scheduler.get_request)
-        if self.structured_output is not None and self.structured_output.matchers:
-            self._advance_grammars(outputs)
+        self.grammars.advance(outputs)
         self._stamp_scheduled(outputs)
         if runner_out.pooler_output:
             for out in outputs:
                 out.pooled = runner_out.pooler_output.get(out.request_id)
-        if self.proposer is not None:
-            self._speculate(sched, runner_out)
+        if self.speculation is not None:
+            busy = () if self.batch_queue is None else self.batch_queue.busy()
+            self.speculation.after_step(self.scheduler, sched, runner_out, busy)
         self.num_steps += 1
         return EngineCoreOutputs(
             outputs=refused + outputs if refused else outputs,
@@ -233,7 +233,7 @@ class EngineCore:
             self._unsent_finished.extend(sched.finished_req_ids)
             queue.give_back_tokens(sched.pp_sampled_token_ids)
             return False
-        await self.executor.start_sampling(self._grammar_bitmask(sched))
+        await self.executor.start_sampling(self.grammars.bitmask(sched))
         queue.push(sched, self.scheduler.get_request)
         return True
 
@@ -298,123 +298,14 @@ class EngineCore:
             stats.running_lora_adapters, stats.waiting_lora_adapters = self.lora.adapter_counts(
                 self.scheduler.running_req_ids(), self.scheduler.waiting_req_ids()
             )
-        if self.spec_stats is not None:
-            spec = self.spec_stats
-            stats.spec_decoding = SpecDecodingStats(
-                spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                list(spec.num_accepted_tokens_per_pos),
-            )  # fmt: skip
+        if self.speculation is not None:
+            stats.spec_decoding = self.speculation.snapshot()
         return stats
-
-    # ------------------------------------------------------------------ speculative decoding
-    def _speculate(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        """Counts how this step's drafts fared, then sets the next step's drafts for the
-        running requests (the scheduler counts them in its token budget): the n-gram
-        proposer's, under the back-off, or those the worker's draft model proposed."""
-        drafts = sched.scheduled_spec_decode_tokens
-        if drafts:
-            self._count_drafts(drafts, out)
-        get = self.scheduler.get_request
-        running = [get(req_id) for req_id in self.scheduler.running_req_ids()]
-        busy = set() if self.batch_queue is None else self.batch_queue.busy()
-        # NOTE: only requests past their prompt: a prefill chunk has no token to extend yet;
-        # none of a step in flight (its output clears the drafts it would get now).
-        ready = [r for r in running if r is not None and r.num_computed_tokens + 1 >= r.num_tokens
-                 and r.request_id not in busy]  # fmt: skip
-        if self.proposer.in_worker:
-            new_drafts = self.proposer.take(ready, out.draft_token_ids)
-        else:
-            if self.backoff is not None:
-                self.backoff.retain({r.request_id for r in running if r is not None})
-            new_drafts = self.proposer.propose(ready, self.backoff and self.backoff.limit)
-        if new_drafts:
-            self.scheduler.update_draft_token_ids(new_drafts)
-
-    def _count_drafts(self, drafts: dict[str, list[int]], out: ModelRunnerOutput) -> None:
-        spec = self.spec_stats
-        assert spec is not None
-        for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
-            proposed = drafts.get(req_id)
-            if not proposed or not sampled:
-                continue
-            accepted = len(sampled) - 1  # the last token is the target's own
-            spec.num_drafts += 1
-            spec.num_draft_tokens += len(proposed)
-            spec.num_accepted_tokens += accepted
-            for pos in range(accepted):
-                spec.num_accepted_tokens_per_pos[pos] += 1
-            if self.backoff is not None:
-                self.backoff.record(req_id, len(proposed), accepted)
 
     def _attach_unsent_finished(self, sched: SchedulerOutput) -> None:
         if self._unsent_finished:
             sched.finished_req_ids = self._unsent_finished + list(sched.finished_req_ids)
             self._unsent_finished = []
-
-    # ------------------------------------------------------------------ structured outputs
-    def _add_grammar(self, msg: EngineCoreRequest) -> None:
-        """Stage 4 -> 5: a matcher now when the grammar is compiled (the frontend compiled
-        it), else the request waits in WAITING_FOR_GRAMMAR without holding others back."""
-        so = self.structured_output
-        if so is None:
-            self._end_grammar_request(msg.request_id, "no structured-output support")
-            return
-        try:
-            # The prompt tells a reasoning model's request whether it starts past reasoning.
-            ready = so.add_request(
-                msg.request_id, msg.sampling_params.structured_outputs, msg.prompt_token_ids
-            )
-        except Exception as exc:  # one request's grammar: never the engine
-            so.remove(msg.request_id)
-            self._end_grammar_request(msg.request_id, f"{type(exc).__name__}: {exc}")
-            return
-        if not ready:
-            self.scheduler.set_waiting_for_grammar(msg.request_id)
-
-    def _poll_grammars(self) -> None:
-        ready, failed = self.structured_output.poll()
-        for req_id in ready:
-            self.scheduler.grammar_ready(req_id)
-        for req_id, why in failed:
-            self._end_grammar_request(req_id, why)
-
-    def _end_grammar_request(self, req_id: str, why: str) -> None:
-        # NOTE: the frontend compiles first and answers 400, so this is a cache eviction race
-        # or a caller that bypassed it: the request ends, the engine goes on.
-        logger.error("request %s: its grammar cannot be used: %s", req_id, why)
-        self.scheduler.finish_requests([req_id], FinishReason.ABORT)
-        self._refused.append(EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT))
-
-    def _grammar_bitmask(self, sched: SchedulerOutput) -> SampleRequest | None:
-        """P2 overlap: the bitmask rows of this step's constrained requests that sample.
-        None (no SampleRequest at all) for a step without one."""
-        if not sched.wait_for_bitmask:
-            return None
-        so = self.structured_output
-        if so is None:
-            return SampleRequest(step_id=sched.step_id)
-        get = self.scheduler.get_request
-
-        def samples(req_id: str) -> bool:  # the step reaches the end of its tokens
-            r = get(req_id)
-            return r is not None and r.num_computed_tokens >= r.num_tokens
-
-        return so.fill_bitmask(sched, samples)
-
-    def _advance_grammars(self, outputs: list[EngineCoreOutput]) -> None:
-        """P4: accepted tokens advance the matchers; a terminated grammar finishes its
-        request with ``stop``, a token outside it (cannot happen under the bitmask) aborts."""
-        so = self.structured_output
-        for out in outputs:
-            if not out.new_token_ids or out.request_id not in so.matchers:
-                continue
-            ok, terminated = so.accept_tokens(out.request_id, out.new_token_ids)
-            if out.finish_reason is None and (terminated or not ok):
-                reason = FinishReason.STOP if ok else FinishReason.ABORT
-                self.scheduler.finish_requests([out.request_id], reason)
-                out.finish_reason = reason
-        get = self.scheduler.get_request
-        so.retain(lambda req_id: get(req_id) is not None)
 
 
 async def run_engine_core(
