@@ -101,6 +101,20 @@ def test_more_adapters_than_max_loras_wait_and_rotate(adapters, references):
         assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
 
 
+def test_pp2_mixed_batch_equals_peft(adapters, references):
+    """Pipeline parallelism (issue 14): each stage attaches the adapters' A/B of its own layers
+    only; a batch mixing the three adapters and the base model over two stages equals
+    transformers + PEFT."""
+    model, paths = adapters
+    jobs = [(p, n) for p in PROMPTS[:2] for n in [None, *paths]]
+    engine = {**ENGINE, "distributed_executor_backend": "mp"}
+    with LLM(model, enable_lora=True, max_loras=3, pipeline_parallel_size=2, **engine) as llm:
+        outs = llm.generate([p for p, _ in jobs], _params(), use_tqdm=False,
+                            lora_request=[_lora(paths, n) for _, n in jobs])  # fmt: skip
+    for (prompt, name), out in zip(jobs, outs, strict=True):
+        assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
+
+
 def test_prefix_cache_is_not_shared_across_adapters(adapters, llm):
     _, paths = adapters
     prompt = "word " * 40  # several blocks of 16

@@ -133,8 +133,6 @@ def test_tp2_x_pp2_matches_pp1(llama, pp1_tokens):
 def test_what_pp_cannot_do_is_refused_by_name(llama):
     with pytest.raises(ValueError, match="pipeline_parallel_size=4 is more stages than"):
         LLM(llama, pipeline_parallel_size=4, **LIMITS)
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 with enable_lora"):
-        LLM(llama, pipeline_parallel_size=2, enable_lora=True, **LIMITS)
     draft = {"method": "draft_model", "model": llama, "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 with a draft model \("):
         LLM(llama, pipeline_parallel_size=2, speculative_config=draft, **LIMITS)

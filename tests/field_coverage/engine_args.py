@@ -72,6 +72,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
         PA + "test_pp2_matches_pp1", MN + "test_ranks_across_two_nodes_match_tp1_over_http",
         AWQ + "test_pp2_matches_pp1_on_a_quantized_checkpoint",
         POOL + "test_pp2_embeds_as_transformers_does", CLS + "test_pp2_classifies_as_transformers_does",
+        LORA + "test_pp2_mixed_batch_equals_peft",
     ),  # fmt: skip
     "kv_cache_memory": ids(CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"),
     "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),
@@ -115,7 +116,8 @@ ENGINE: dict[str, tuple[str, ...]] = {
     "dequantize_gguf": ids(GGUF + "test_greedy_output_equals_transformers_on_the_dequantized_weights",
                            GGUF + "test_quantized_layers_hold_only_their_blocks"),
     "enable_lora": ids(LORA + "test_mixed_batch_equals_peft_and_single_runs",
-                       LORA + "test_adapter_for_another_model_and_lora_off_are_refused"),
+                       LORA + "test_adapter_for_another_model_and_lora_off_are_refused",
+                       LORA + "test_pp2_mixed_batch_equals_peft"),  # fmt: skip
     "max_loras": ids(LORA + "test_more_adapters_than_max_loras_wait_and_rotate",
                      LORA + "test_adapter_for_another_model_and_lora_off_are_refused"),
     "max_lora_rank": ids(LORA + "test_unimplemented_adapters_are_refused_naming_it"),

@@ -183,10 +183,11 @@ def _check_pipeline_parallel(model_config: ModelConfig, args: EngineArgs, device
         )
     spec = parse_speculative_config(args.speculative_config)
     draft = spec is not None and spec.method == "draft_model"
-    for name, given in (("enable_lora", args.enable_lora),
-                        ("a draft model (speculative_config)", draft)):  # fmt: skip
-        if given:
-            raise ValueError(f"pipeline_parallel_size={size} with {name} is not implemented.")
+    if draft:
+        raise ValueError(
+            f"pipeline_parallel_size={size} with a draft model (speculative_config) is not "
+            "implemented."
+        )
     world = size * args.tensor_parallel_size
     if device == "cuda":
         import torch

@@ -131,12 +131,17 @@ class LoRALinear:
 def attach_lora(model: object, step: StepSlots, max_rank: int) -> dict[tuple[int, str],
                                                                        LoRALinear]:  # fmt: skip
     """Wraps every targetable linear of the decoder -> (layer, module path) -> its state.
-    Runs after the weights are loaded and packed (the wrapped forward is the packed one)."""
+    Runs after the weights are loaded and packed (the wrapped forward is the packed one).
+    A pipeline stage wraps only its own layers (the others are ``PPMissingLayer``)."""
+    from trillm.distributed.pipeline import PPMissingLayer
+
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"{type(model).__name__} has no decoder layers: LoRA cannot run on it.")
     wrapped: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(layers):
+        if isinstance(layer, PPMissingLayer):
+            continue
         for path in dict.fromkeys(p for p, _ in TARGET_MODULES.values()):
             module = layer.get_submodule(path)
             if not isinstance(module, nn.Linear):

@@ -82,7 +82,9 @@ class LoRAManager:
             per_module.setdefault((layer, path), []).append((shard, a, b))
         slot = min(set(range(self.max_loras)) - set(self._slot.values()))
         for key, parts in per_module.items():
-            self.linears[key].set_adapter(slot, self.max_loras, parts, self.dtype, self.device)
+            if key in self.linears:  # NOTE: not there: a layer of another pipeline stage
+                self.linears[key].set_adapter(slot, self.max_loras, parts, self.dtype,
+                                              self.device)  # fmt: skip
         self.step_slots.scales[slot] = weights.config.scale
         self._slot[lora.lora_int_id] = slot
         self.resident[lora.lora_int_id] = lora
