@@ -22,6 +22,7 @@ from field_coverage.ids import (
     OPENAI,
     OUTPUT,
     PA,
+    PAH,
     POOL,
     PP,
     SCHED,
@@ -56,6 +57,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
         TP + "test_tp_size_the_model_cannot_split_is_refused",
         DP + "test_http_dp2_tp2_matches_dp1_token_for_token", PA + "test_tp2_matches_tp1",
         PA + "test_tp_size_that_does_not_divide_an_expert_size_is_refused",
+        PAH + "test_tp2_x_pp2_over_http_matches_tp1",
     ),  # fmt: skip
     "data_parallel_size": ids(
         DP + "test_python_api_dp2_matches_dp1_and_spreads_the_requests",
@@ -72,7 +74,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
         PA + "test_pp2_matches_pp1", MN + "test_ranks_across_two_nodes_match_tp1_over_http",
         AWQ + "test_pp2_matches_pp1_on_a_quantized_checkpoint",
         POOL + "test_pp2_embeds_as_transformers_does", CLS + "test_pp2_classifies_as_transformers_does",
-        LORA + "test_pp2_mixed_batch_equals_peft",
+        LORA + "test_pp2_mixed_batch_equals_peft", PAH + "test_tp2_x_pp2_over_http_matches_tp1",
     ),  # fmt: skip
     "kv_cache_memory": ids(CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"),
     "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),

@@ -1,0 +1,47 @@
+"""TP=2 x PP=2 over HTTP on every registered architecture (issue 14): one ``trillm serve -tp 2
+-pp 2`` per family (4 ranks: two stages of two tensor-parallel ranks each), whose greedy tokens
+for one /v1/completions request of two prompts equal the single-rank Python API's ("uni"),
+token for token. Llama's is tests/test_multinode.py's TP=2 x PP=2 server (over two nodes).
+
+The models are tests/test_parallel_architectures.py's (2 layers: one per stage; its overrides
+and random biases), so a wrong shard or a wrong stage hand-off changes the tokens; each
+reference is checked to be more than one repeated token. A file of its own so that xdist runs
+it beside that one; 4 ranks on 2 cores are slow, so 2 prompts x 8 tokens.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from parallel_reference import limit_flags, reference_tokens
+from server_harness import ServerProcess
+from test_parallel_architectures import LIMITS, MAX_TOKENS, PROMPTS, model  # noqa: F401
+
+from trillm.testing.tiny_models import ARCHES
+
+TWO_PROMPTS = PROMPTS[:2]
+ARCHITECTURES = sorted(set(ARCHES) - {"llama"})  # Llama: tests/test_multinode.py
+
+
+def served_tokens(server: ServerProcess) -> list[list[int]]:
+    """Greedy tokens of both prompts, from one request."""
+    body = {"prompt": TWO_PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    r = httpx.post(server.base_url + "/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    return [c["token_ids"] for c in choices]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_tp2_x_pp2_over_http_matches_tp1(model, arch, tmp_path):  # noqa: F811
+    path = model(arch)
+    expected = reference_tokens(path, TWO_PROMPTS, MAX_TOKENS, **LIMITS)
+    # A reference that only repeats one token per prompt could not tell a wrong shard apart.
+    assert all(len(set(t)) > 1 for t in expected), expected
+    flags = [path, "-tp", "2", "-pp", "2", *limit_flags(LIMITS)]
+    server = ServerProcess(flags, tmp_path / "server.log").start()
+    try:
+        assert served_tokens(server) == expected, server.log()
+    finally:
+        server.stop()
