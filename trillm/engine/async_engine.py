@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import numpy as np
 import trio
 
 from trillm.config import EngineArgs, TrillmConfig
@@ -35,9 +34,10 @@ from trillm.engine.chat_template import load_chat_template
 from trillm.engine.dp_router import core_configs
 from trillm.engine.engine_cores import EngineCores, structured_output_manager
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET, OutputProcessor
+from trillm.engine.pooling_requests import pool
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
 from trillm.engine.request_stream import RequestStream
-from trillm.errors import EngineDeadError, RequestFailedError
+from trillm.errors import EngineDeadError
 from trillm.lora.checker import LoRAChecker
 from trillm.lora.request import LoRARequest
 from trillm.messages import (
@@ -47,14 +47,7 @@ from trillm.messages import (
     OutputHandlerInput,
     SchedulerStats,
 )
-from trillm.outputs import (
-    ClassificationOutput,
-    ClassificationRequestOutput,
-    EmbeddingOutput,
-    PoolingRequestOutput,
-    RequestOutput,
-    pooling_params,
-)
+from trillm.outputs import ClassificationOutput, ClassificationRequestOutput, PoolingRequestOutput
 from trillm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -274,7 +267,8 @@ class AsyncEngine:
         if self.is_pooling and not _pooling:
             raise InvalidRequestError(
                 "This is a pooling model (runner='pooling'): it embeds prompts "
-                "(encode / LLM.embed / /v1/embeddings) and does not generate text.", "model"
+                "(encode / LLM.embed / /v1/embeddings) and does not generate text.",
+                "model",
             )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         return RequestStream(
@@ -293,38 +287,12 @@ class AsyncEngine:
         *,
         truncate_prompt_tokens: int | None = None,
         priority: int = 0,
-        _task: str = "embed",
     ) -> PoolingRequestOutput:
         """A pooling model's vector of one prompt (vLLM's ``encode`` / ``embed``).
 
         ``prompt``: as for ``generate``, or a ``PreparedPrompt`` built with
         ``outputs.pooling_params`` (the HTTP layer's)."""
-        if not self.is_pooling:
-            raise InvalidRequestError(
-                "This model generates text: start it with runner='pooling' (or "
-                "convert='embed') to embed prompts.", "model"
-            )
-        task = self.config.pooler.task if self.config.pooler is not None else "embed"
-        if task != _task:
-            raise InvalidRequestError(
-                f"This pooling model's task is {task!r} ("
-                + ("classify / LLM.classify / /classify" if task == "classify" else
-                   "embed / LLM.embed / /v1/embeddings")
-                + f"), not {_task!r}.", "model",
-            )  # fmt: skip
-        if not isinstance(prompt, PreparedPrompt):
-            prompt = await self.preprocessor.prepare(
-                prompt, pooling_params(truncate_prompt_tokens), priority=priority
-            )
-        final: RequestOutput | None = None
-        async with self.generate(prompt, request_id=request_id, _pooling=True) as outputs:
-            async for out in outputs:
-                final = out
-        if final is None or final.pooled is None:  # aborted (a worker refused it, a shutdown)
-            raise RequestFailedError(f"Pooling request {request_id} ended without its vector.")
-        vector = np.frombuffer(final.pooled, dtype=np.float32).tolist()
-        return PoolingRequestOutput(final.request_id, list(prompt.prompt_token_ids),
-                                    EmbeddingOutput(vector))  # fmt: skip
+        return await pool(self, prompt, request_id, truncate_prompt_tokens, priority, "embed")
 
     async def classify(
         self,
@@ -335,8 +303,7 @@ class AsyncEngine:
         priority: int = 0,
     ) -> ClassificationRequestOutput:
         """A sequence classifier's class probabilities for one prompt (vLLM's ``classify``)."""
-        out = await self.encode(prompt, request_id, truncate_prompt_tokens=truncate_prompt_tokens,
-                                priority=priority, _task="classify")  # fmt: skip
+        out = await pool(self, prompt, request_id, truncate_prompt_tokens, priority, "classify")
         return ClassificationRequestOutput(out.request_id, out.prompt_token_ids,
                                            ClassificationOutput(out.outputs.embedding))  # fmt: skip
 
