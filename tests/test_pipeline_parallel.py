@@ -124,6 +124,20 @@ def test_python_api_pp2_matches_pp1(llama, gemma2, pp1_tokens):
     assert generate(gemma2, pipeline_parallel_size=2) == reference
 
 
+def test_draft_model_on_the_last_stage_drafts_verified_across_stages(llama, pp1_tokens):
+    """A draft model (the target's copy: its drafts are what the target samples) runs whole on
+    the last stage, which proposes after sampling; every stage runs the verifying step's
+    1 + d rows, and the accepted tokens reach stage 0 with a later step. Greedy tokens equal
+    PP=1's, and the drafts were accepted."""
+    draft = {"method": "draft_model", "model": llama, "num_speculative_tokens": 2}
+    with LLM(llama, pipeline_parallel_size=2, speculative_config=draft, **LIMITS) as llm:
+        outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
+        spec = llm.engine.get_stats().spec_decoding
+    assert [o.outputs[0].token_ids for o in outs] == pp1_tokens
+    assert spec.num_draft_tokens >= 6, spec
+    assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens, spec
+
+
 def test_tp2_x_pp2_matches_pp1(llama, pp1_tokens):
     """4 ranks: two stages of two tensor-parallel ranks each (slow on 2 cores: few tokens)."""
     got = generate(llama, tensor_parallel_size=2, pipeline_parallel_size=2)
@@ -133,9 +147,6 @@ def test_tp2_x_pp2_matches_pp1(llama, pp1_tokens):
 def test_what_pp_cannot_do_is_refused_by_name(llama):
     with pytest.raises(ValueError, match="pipeline_parallel_size=4 is more stages than"):
         LLM(llama, pipeline_parallel_size=4, **LIMITS)
-    draft = {"method": "draft_model", "model": llama, "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 with a draft model \("):
-        LLM(llama, pipeline_parallel_size=2, speculative_config=draft, **LIMITS)
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1 needs .*'mp'"):
         LLM(llama, pipeline_parallel_size=2, distributed_executor_backend="uni", **LIMITS)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):

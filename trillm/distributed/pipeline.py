@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -144,6 +145,18 @@ def get_pp_group() -> PipelineGroup:
 def set_pp_group(group: PipelineGroup) -> None:
     global _group
     _group = group
+
+
+@contextmanager
+def whole_model() -> Iterator[None]:
+    """Models built (and loaded) inside see one stage: every layer, their own head. The draft
+    model runs whole on the last stage, beside that stage's layers of the target."""
+    saved = _group
+    set_pp_group(PipelineGroup())
+    try:
+        yield
+    finally:
+        set_pp_group(saved)
 
 
 def prune_to_stage(model: nn.Module, pp: PipelineGroup, tied: bool) -> None:

@@ -172,7 +172,7 @@ def _check_data_parallel(args: EngineArgs, device: str) -> None:
 
 def _check_pipeline_parallel(model_config: ModelConfig, args: EngineArgs, device: str) -> None:
     """Refuse a pipeline_parallel_size with more stages than layers, or than GPUs for every
-    rank (tensor x pipeline), or with what has no pipeline path yet (named)."""
+    rank (tensor x pipeline)."""
     size = args.pipeline_parallel_size
     if size == 1:
         return
@@ -180,13 +180,6 @@ def _check_pipeline_parallel(model_config: ModelConfig, args: EngineArgs, device
     if size > layers:
         raise ValueError(
             f"pipeline_parallel_size={size} is more stages than the model's {layers} layers."
-        )
-    spec = parse_speculative_config(args.speculative_config)
-    draft = spec is not None and spec.method == "draft_model"
-    if draft:
-        raise ValueError(
-            f"pipeline_parallel_size={size} with a draft model (speculative_config) is not "
-            "implemented."
         )
     world = size * args.tensor_parallel_size
     if device == "cuda":

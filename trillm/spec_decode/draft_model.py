@@ -71,9 +71,11 @@ class DraftModelProposer:
     # ------------------------------------------------------------ lifecycle
 
     def load(self) -> None:
+        from trillm.distributed.pipeline import whole_model
         from trillm.model_executor.loader import build_model
 
-        self._model = build_model(self.cfg, self.attn_backend, str(self.device))
+        with whole_model():  # on the last pipeline stage: the draft is not split
+            self._model = build_model(self.cfg, self.attn_backend, str(self.device))
         self.step_programs = step_programs_for(
             self._model, self.config, self.device, self.attn_backend
         )
@@ -206,7 +208,7 @@ class DraftModelProposer:
             if programs is not None and programs.applies(meta)
             else self.model(input_ids, pos, self.kv_caches, meta)
         )
-        assert isinstance(hidden, torch.Tensor)  # one stage: a draft model with -pp is refused
+        assert isinstance(hidden, torch.Tensor)  # the draft is built whole (``whole_model``)
         last = self._dev(qsl[1:].astype(np.int64) - 1)
         return self.model.compute_logits(hidden.index_select(0, last)).float()
 

@@ -112,9 +112,10 @@ class ModelRunner:
         self._pending: PendingStep | None = None
         self.lora: LoRAManager | None = None  # with --enable-lora, once the model is loaded
         self.step_programs: StepPrograms | None = None  # small decode steps replayed (CPU)
-        # speculative_config's draft_model: proposes each step's next drafts after P3.
+        # speculative_config's draft_model: proposes each step's next drafts after P3 (on the
+        # last pipeline stage, which samples; the drafts reach the others with a later step).
         self.drafter: DraftModelProposer | None = None
-        if config.draft_model is not None:
+        if config.draft_model is not None and self.pp.is_last:
             self.drafter = DraftModelProposer(config, self.device, self.kv_dtype)
 
     # ------------------------------------------------------------ lifecycle
