@@ -9,7 +9,7 @@ matmul per pair. Same layouts and result as ``fused_moe_torch.fused_moe`` (fp32)
 from __future__ import annotations
 
 import torch
-from trillm.kernels import linear_cpu, silu_and_mul
+from trillm.kernels import linear_cpu, recording, silu_and_mul
 
 
 def available() -> bool:
@@ -40,13 +40,26 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:  # [T, H]
+    out = torch.empty_like(x)
+    # One opaque call for a step program: the grouping by expert depends on the data.
+    recording.opaque(_fused_moe_into, out, x, packed, topk_weights, topk_ids)
+    return out
+
+
+def _fused_moe_into(
+    out: torch.Tensor,  # [T, H], written
+    x: torch.Tensor,
+    packed: PackedExperts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
     tokens = order // k  # [T * k] the token of each sorted pair
     weights = topk_weights.reshape(-1)[order].to(x.dtype)
     counts = torch.bincount(flat, minlength=len(packed.w13)).tolist()
-    out = torch.zeros_like(x)
+    out.zero_()
     start = 0
     for expert, n in enumerate(counts):
         if n == 0:
@@ -58,4 +71,3 @@ def fused_moe(
         y.mul_(weights[start : start + n, None])
         out.index_add_(0, rows, y)
         start += n
-    return out

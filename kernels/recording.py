@@ -31,6 +31,7 @@ class Recording:
 
 class _State(threading.local):
     active: Recording | None = None
+    opaque: bool = False  # inside an ``opaque`` call: the step program's torch-op watch looks away
 
 
 # Per thread: in-process engine cores (data parallelism with the "uni" executor) run their
@@ -65,3 +66,26 @@ def attention(plan: Any, native_plan: Any, **kwargs: Any) -> None:
     active = _state.active
     if active is not None:
         active.calls.append((None, (plan.key,), kwargs))
+
+
+def opaque(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """``fn(*args, **kwargs)`` recorded as one call: a Python function of the tensors it is
+    given that writes its results into tensors it is given (data-dependent work, e.g. a
+    mixture-of-experts layer's routing by expert). Inside it nothing is recorded and the step
+    program's watch of torch ops looks away (``in_opaque``); a replay calls it again on the
+    same buffers, so its data-dependent choices are made again for the new data."""
+    active = _state.active
+    if active is None:
+        fn(*args, **kwargs)
+        return
+    _state.active, _state.opaque = None, True
+    try:
+        fn(*args, **kwargs)
+    finally:
+        _state.active, _state.opaque = active, False
+    active.calls.append((fn, args, kwargs))
+
+
+def in_opaque() -> bool:
+    """Whether this thread is inside an ``opaque`` call of a recording."""
+    return _state.opaque

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPT_LENS = [3, 29, 12, 41, 8]
 # Layouts that differ in what their forward runs: biases (qwen2), q/k norms (qwen3), an
 # embedding scale, windows and soft-caps (gemma2), partial rotary and a fused qkv (phi3),
-# LayerNorm and parallel residuals (gpt_neox).
-ARCHES = ["llama", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox"]
+# LayerNorm and parallel residuals (gpt_neox), experts chosen per token (mixtral; qwen2_moe with
+# its gated shared expert: the grouping by expert is one opaque call that a replay repeats).
+ARCHES = ["llama", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "mixtral", "qwen2_moe"]
 
 
 def _runner(path, *, eager: bool = False, dtype: str = "float32") -> ModelRunner:

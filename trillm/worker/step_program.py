@@ -107,6 +107,8 @@ class _Watch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if recording.in_opaque():  # recorded as one call, which a replay repeats as a whole
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         outputs = _tensors(out if isinstance(out, (list, tuple)) else [out])
         self.made.extend(outputs)
@@ -340,6 +342,8 @@ def _check_pointers(
     ]
     for _, args, kwargs in calls:
         for v in (*args, *kwargs.values()):
+            if isinstance(v, torch.Tensor) and v.numel():  # an opaque call's tensors
+                v = v.data_ptr()
             if isinstance(v, int) and not isinstance(v, bool):
                 if any(lo <= v < hi for lo, hi in spans):
                     raise NotReplayable("a kernel reads a step input that a replay cannot refresh")
