@@ -2,7 +2,8 @@
 ``paged_attention_torch.paged_attention`` (its reference) but reading K/V in place from the
 block-paged cache: no gather into dense copies, no padding, no mask tensor.
 
-fp32 and bf16 (math in fp32), the cache also fp8 e4m3 (``--kv-cache-dtype fp8``); the work is spread over ``num_threads()`` threads of the thread
+fp32 and bf16 (math in fp32; bf16 rounds scores and probabilities where transformers' bf16
+eager attention does), the cache also fp8 e4m3 (``--kv-cache-dtype fp8``); the work is spread over ``num_threads()`` threads of the thread
 pool of ``trillm._ext.cpu_kernels`` (shared by the native CPU kernels). A step builds one
 ``PagedAttentionPlan`` (metadata checked, work items made) and every layer runs it.
 ``available()`` is False when the extension is not built or ``TRILLM_NO_EXTENSIONS=1``; callers
