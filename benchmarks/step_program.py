@@ -23,6 +23,7 @@ from decode_step import BLOCK_SIZE, time_decode
 
 from trillm.config import EngineArgs
 from trillm.engine.config_builder import build_config
+from trillm.worker import step_program
 from trillm.worker.model_runner import ModelRunner
 
 
@@ -48,6 +49,7 @@ def main() -> None:
     runner = ModelRunner(build_config(engine_args))
     runner.load_model()
     runner.initialize_kv_cache(runner.determine_num_blocks())
+    step_program.CAPTURE_AFTER = 1  # every size at its first step (times[2:] skip it)
     programs = runner.step_programs
     if programs is None:
         raise SystemExit("step programs do not apply to this runner (see ModelRunner)")

@@ -21,7 +21,14 @@ from trillm.worker import step_program
 from trillm.worker.model_runner import ModelRunner
 from trillm.worker.step_program import NotReplayable, StepPrograms, _check_pointers
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "capture_at_once")
+
+
+@pytest.fixture
+def capture_at_once(monkeypatch):
+    """Each size captured at its first step (the default waits for a size's 4th): these
+    requests meet each batch size for 3 steps."""
+    monkeypatch.setattr(step_program, "CAPTURE_AFTER", 1)
 
 PROMPT_LENS = [3, 29, 12, 41, 8]
 # Layouts that differ in what their forward runs: biases (qwen2), q/k norms (qwen3), an
@@ -91,6 +98,27 @@ def test_replay_gives_the_eager_bits_and_replaces_the_eager_forward(arch_model):
     # Per token count: the capture, its eager twin, one verifying eager forward; every other
     # decode step of the 4 + 7 + 10 + 13 + 16 - 5 = 45 is a replay.
     assert counting.calls == 3 * len(sizes)
+
+
+@pytest.mark.parametrize("after", [2, 4])
+def test_a_size_is_captured_at_its_capture_after_th_step(tmp_path, monkeypatch, after):
+    """Sizes met fewer than CAPTURE_AFTER times run eagerly (no capture cost for a size a
+    draining batch passes through); at the CAPTURE_AFTER-th step the size is captured."""
+    monkeypatch.setattr(step_program, "CAPTURE_AFTER", after)
+    path = build_tiny_model("llama", tmp_path / "llama")
+    eager = _decode(_runner(path, eager=True))
+    runner = _runner(path)
+    programs = runner.step_programs
+    assert programs is not None
+    counting = programs.model = _Counting(programs.model)
+    assert _decode(runner) == eager
+    # Each of the sizes 5 .. 1 decodes 3 steps.
+    if after == 2:  # step 1 eager, step 2 the capture and its twin, step 3 a checked replay
+        assert sorted(programs.programs) == [1, 2, 3, 4, 5]
+        assert counting.calls == 5 * (1 + 2 + 1)
+    else:
+        assert programs.programs == {} and programs.seen == {n: 3 for n in range(1, 6)}
+        assert counting.calls == 5 * 3
 
 
 def test_seeded_sampling_and_bf16_replay_exactly(tmp_path):
