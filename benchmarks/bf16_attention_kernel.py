@@ -1,6 +1,7 @@
 """One layer's bf16 paged attention (``ext/cpu_attention.cpp``) at the real model's shapes
 (SmolLM2-135M: 9 query / 3 kv heads of 64, block size 16): 16 fresh 256-token prompts, and a
-decode step of 16 rows over 256 keys. One thread; median thread CPU time of ``--repeats`` calls
+decode step of 16 rows over 256 keys; and the 16 prompts through the fresh-prompt kernel
+(``ext/cpu_prefill_attention.cpp``) where it takes bf16. One thread; median thread CPU time of ``--repeats`` calls
 (steadier than wall time on a shared machine).
 
 Two builds compare by alternating processes, one tree each (issue 13: the two-pass bf16 path
@@ -42,6 +43,22 @@ def median_ms(query_len: int, repeats: int, g: torch.Generator) -> float:
     return statistics.median(times) * 1e3
 
 
+def prefill_kernel_ms(repeats: int, g: torch.Generator) -> float | None:
+    """The same 16 fresh prompts through the fresh-prompt kernel (None where it has no bf16)."""
+    if not hasattr(paged_attention_cpu, "prefill_supports_layout"):
+        return None
+    q = torch.randn(N * L, HQ, D, generator=g).to(torch.bfloat16)  # [T, Hq, D]
+    k, v = (torch.randn(N * L, HKV, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    segments = torch.tensor([(i * L, L) for i in range(N)], dtype=torch.int32)
+    out = torch.empty_like(q)
+    times = []
+    for _ in range(repeats):
+        t = time.thread_time()
+        paged_attention_cpu.causal_prefill(q, k, v, segments, D**-0.5, out)
+        times.append(time.thread_time() - t)
+    return statistics.median(times) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -50,7 +67,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prefill = median_ms(L, args.repeats, g)
     decode = median_ms(1, args.repeats, g)
-    print(f"prefill 16 x 256: {prefill:.1f} ms   decode 16 rows x 256 keys: {decode:.3f} ms")
+    fresh = prefill_kernel_ms(args.repeats, g)
+    print(f"prefill 16 x 256: {prefill:.1f} ms   decode 16 rows x 256 keys: {decode:.3f} ms"
+          + ("" if fresh is None else f"   fresh-prompt kernel 16 x 256: {fresh:.1f} ms"))  # fmt: skip
 
 
 if __name__ == "__main__":

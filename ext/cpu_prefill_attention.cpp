@@ -17,6 +17,12 @@
 // Contract (trillm/attention/backend.py): segment s owns rows start_s .. start_s + len_s of q,
 // k, v and out; row i of it attends to rows 0 .. i of the same segment; query head h reads kv
 // head h / (Hq / Hkv). AVX2 + FMA only (`prefill_supported()`); callers fall back to SDPA.
+//
+// bf16 q/k/v/out (a bf16 model): what transformers' bf16 eager attention computes, as the
+// paged kernel's bf16 path does (ext/cpu_attention.cpp): scores q . k rounded to bf16, times
+// the scale, rounded again; then two passes instead of the online softmax, every score of the
+// item kept: per row max, sum of exp, p = exp * (1 / sum) rounded to bf16, then O = P . V in
+// fp32 rounded once at the store (attend_item_bf16).
 #include <pybind11/pybind11.h>
 
 #include <immintrin.h>
@@ -40,10 +46,10 @@ constexpr int kMaxVectors = 96;   // query vectors (positions x heads of the gro
 constexpr int kMaxHeadDim = 256;  // head_dim: a multiple of 16 up to this
 
 struct Problem {
-  const float* q;
-  const float* k;
-  const float* v;
-  float* out;
+  const void* q;  // float or Bf16, as k, v and out
+  const void* k;
+  const void* v;
+  void* out;
   int64_t q_token_stride, q_head_stride;
   int64_t k_token_stride, k_head_stride;
   int64_t v_token_stride, v_head_stride;
@@ -60,6 +66,9 @@ struct Item {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+
+inline __attribute__((always_inline)) __m256 ld8(const float* x) { return _mm256_loadu_ps(x); }
+inline __attribute__((always_inline)) __m256 ld8(const Bf16* x) { return load8(x); }
 
 inline __attribute__((always_inline)) void transpose8(__m256* r) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
@@ -85,14 +94,15 @@ inline __attribute__((always_inline)) void transpose8(__m256* r) {
 }
 
 // Keys 0 .. n-1 (rows of `k`, stride ld) -> panels [ceil(n/16)][D][16], zero past n.
-inline void pack_keys(const float* k, int64_t ld, int n, int D, float* packed) {
+template <typename T>
+inline void pack_keys(const T* k, int64_t ld, int n, int D, float* packed) {
   for (int key0 = 0; key0 < n; key0 += 8) {
     const int panel = key0 / kPanel, col = key0 % kPanel;
     float* dst = packed + static_cast<int64_t>(panel) * D * kPanel + col;
     for (int d = 0; d < D; d += 8) {
       __m256 r[8];
       for (int t = 0; t < 8; ++t)
-        r[t] = key0 + t < n ? _mm256_loadu_ps(k + (key0 + t) * ld + d) : _mm256_setzero_ps();
+        r[t] = key0 + t < n ? ld8(k + (key0 + t) * ld + d) : _mm256_setzero_ps();
       transpose8(r);
       for (int t = 0; t < 8; ++t) _mm256_storeu_ps(dst + (d + t) * kPanel, r[t]);
     }
@@ -105,20 +115,21 @@ inline void pack_keys(const float* k, int64_t ld, int n, int D, float* packed) {
 
 // Values 0 .. n-1 (rows of `v`, stride ld) -> panels [D/16][n][16]: the rows' strided copies
 // (4 KiB apart in a fused qkv) would fight over a few L1 sets, the packed tile streams.
-inline void pack_values(const float* v, int64_t ld, int n, int D, float* packed) {
+template <typename T>
+inline void pack_values(const T* v, int64_t ld, int n, int D, float* packed) {
   for (int j = 0; j < n; ++j) {
     for (int c = 0; c < D; c += kPanel) {
       float* dst = packed + static_cast<int64_t>(c) * n + j * kPanel;
-      _mm256_storeu_ps(dst, _mm256_loadu_ps(v + j * ld + c));
-      _mm256_storeu_ps(dst + 8, _mm256_loadu_ps(v + j * ld + c + 8));
+      _mm256_storeu_ps(dst, ld8(v + j * ld + c));
+      _mm256_storeu_ps(dst + 8, ld8(v + j * ld + c + 8));
     }
   }
 }
 
-// s[i][0..16) = q[i] . panel for R query vectors (q rows of D floats, s rows of kKeyTile).
+// s[i][0..16) = q[i] . panel for R query vectors (q rows of D floats, s rows of lds).
 template <int R>
 inline __attribute__((always_inline)) void scores(const float* q, int D, const float* panel,
-                                                  float* s) {
+                                                  float* s, int lds = kKeyTile) {
   __m256 acc[R][2];
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int d = 0; d < D; ++d) {
@@ -131,17 +142,17 @@ inline __attribute__((always_inline)) void scores(const float* q, int D, const f
     }
   }
   for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(s + i * kKeyTile, acc[i][0]);
-    _mm256_storeu_ps(s + i * kKeyTile + 8, acc[i][1]);
+    _mm256_storeu_ps(s + i * lds, acc[i][0]);
+    _mm256_storeu_ps(s + i * lds + 8, acc[i][1]);
   }
 }
 
 // o[i][0..16) = o[i][0..16) * corr[i] + sum_j p[i][j] v[j][0..16) for R query vectors
-// (p rows of kKeyTile weights, o rows of D floats, v rows of stride ld).
+// (p rows of ldp weights, o rows of D floats, v rows of stride ld).
 template <int R>
 inline __attribute__((always_inline)) void accumulate(const float* p, const float* v, int64_t ld,
                                                       int n, const float* corr, float* o,
-                                                      int D) {
+                                                      int D, int ldp = kKeyTile) {
   __m256 acc[R][2];
   for (int i = 0; i < R; ++i) {
     const __m256 c = _mm256_broadcast_ss(corr + i);
@@ -152,7 +163,7 @@ inline __attribute__((always_inline)) void accumulate(const float* p, const floa
     const __m256 v0 = _mm256_loadu_ps(v + j * ld);
     const __m256 v1 = _mm256_loadu_ps(v + j * ld + 8);
     for (int i = 0; i < R; ++i) {
-      const __m256 pi = _mm256_broadcast_ss(p + i * kKeyTile + j);
+      const __m256 pi = _mm256_broadcast_ss(p + i * ldp + j);
       acc[i][0] = _mm256_fmadd_ps(pi, v0, acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(pi, v1, acc[i][1]);
     }
@@ -196,7 +207,8 @@ void attend_item(const Problem& p, const Item& it) {
   for (int i = 0; i < M; ++i) {
     pos[i] = it.first + i / group;
     const int head = it.kv_head * group + i % group;
-    const float* src = p.q + (it.start + pos[i]) * p.q_token_stride + head * p.q_head_stride;
+    const float* src = static_cast<const float*>(p.q) + (it.start + pos[i]) * p.q_token_stride +
+                       head * p.q_head_stride;
     for (int d = 0; d < D; d += 8) {
       _mm256_store_ps(qs + i * D + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), scale));
       _mm256_store_ps(acc + i * D + d, _mm256_setzero_ps());
@@ -204,8 +216,10 @@ void attend_item(const Problem& p, const Item& it) {
     m[i] = neg_inf;
     l[i] = 0.0f;
   }
-  const float* k = p.k + it.start * p.k_token_stride + it.kv_head * p.k_head_stride;
-  const float* v = p.v + it.start * p.v_token_stride + it.kv_head * p.v_head_stride;
+  const float* k = static_cast<const float*>(p.k) + it.start * p.k_token_stride +
+                   it.kv_head * p.k_head_stride;
+  const float* v = static_cast<const float*>(p.v) + it.start * p.v_token_stride +
+                   it.kv_head * p.v_head_stride;
 
   for (int key0 = 0; key0 < it.last; key0 += kKeyTile) {
     const int n = std::min(kKeyTile, it.last - key0);
@@ -280,10 +294,122 @@ void attend_item(const Problem& p, const Item& it) {
 
   for (int i = 0; i < M; ++i) {
     const int head = it.kv_head * group + i % group;
-    float* dst = p.out + (it.start + pos[i]) * p.out_token_stride + head * p.out_head_stride;
+    float* dst = static_cast<float*>(p.out) + (it.start + pos[i]) * p.out_token_stride +
+                 head * p.out_head_stride;
     const __m256 inv = _mm256_set1_ps(1.0f / l[i]);  // l >= 1: a row always sees its own key
     for (int d = 0; d < D; d += 8)
       _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(acc + i * D + d), inv));
+  }
+}
+
+// The eight values row[0 .. 8) of which only the first n < 8 exist; the rest `fill`.
+inline __attribute__((always_inline)) v8f load_part(const float* row, int n, float fill) {
+  alignas(32) float t[8];
+  for (int u = 0; u < 8; ++u) t[u] = u < n ? row[u] : fill;
+  return load8(t);
+}
+
+// bf16: every score of the item first ([M][stride], keys 0 .. last - 1), then per row the
+// rounded softmax, then O = P . V (see the header).
+void attend_item_bf16(const Problem& p, const Item& it) {
+  const int D = p.head_dim;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int M = (it.last - it.first) * group;  // vector i: position first + i / group
+  const int stride = (it.last + kPanel - 1) / kPanel * kPanel;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  alignas(32) static thread_local float qs[kMaxVectors * kMaxHeadDim];   // [M][D], unscaled
+  alignas(32) static thread_local float acc[kMaxVectors * kMaxHeadDim];  // [M][D]
+  alignas(32) static thread_local float kp[kKeyTile * kMaxHeadDim];      // K^T panels
+  alignas(32) static thread_local float vp[kKeyTile * kMaxHeadDim];      // V panels
+  static thread_local std::vector<float> all;                            // [M][stride]: S, P
+  if (all.size() < static_cast<size_t>(M) * stride) all.resize(static_cast<size_t>(M) * stride);
+  float* S = all.data();
+  float ones[kMaxVectors];
+  int pos[kMaxVectors];
+
+  const Bf16* q = static_cast<const Bf16*>(p.q);
+  for (int i = 0; i < M; ++i) {
+    pos[i] = it.first + i / group;
+    const int head = it.kv_head * group + i % group;
+    const Bf16* src = q + (it.start + pos[i]) * p.q_token_stride + head * p.q_head_stride;
+    for (int d = 0; d < D; d += 8) {
+      _mm256_store_ps(qs + i * D + d, load8(src + d));
+      _mm256_store_ps(acc + i * D + d, _mm256_setzero_ps());
+    }
+    ones[i] = 1.0f;
+  }
+  const Bf16* k = static_cast<const Bf16*>(p.k) + it.start * p.k_token_stride +
+                  it.kv_head * p.k_head_stride;
+  const Bf16* v = static_cast<const Bf16*>(p.v) + it.start * p.v_token_stride +
+                  it.kv_head * p.v_head_stride;
+
+  // (1) S = Q . K^T over the panels some vector of a block sees.
+  for (int key0 = 0; key0 < it.last; key0 += kKeyTile) {
+    const int n = std::min(kKeyTile, it.last - key0);
+    const int width = (n + kPanel - 1) / kPanel * kPanel;
+    pack_keys(k + key0 * p.k_token_stride, p.k_token_stride, n, D, kp);
+    for (int i = 0; i < M; i += kRows) {
+      const int rows = std::min(kRows, M - i);
+      const int seen = std::min(width, pos[i + rows - 1] - key0 + 1);
+      with_rows(rows, [&](auto r) {
+        for (int c = 0; c < seen; c += kPanel)
+          scores<decltype(r)::value>(qs + i * D, D, kp + c * D, S + i * stride + key0 + c,
+                                     stride);
+      });
+    }
+  }
+  // (2) Per row: the scores' roundings, max, sum of exp, p rounded; 0 past the row's position
+  // (a block's later vectors read those columns).
+  const v8f scale = splat(p.scale);
+  for (int i = 0; i < M; ++i) {
+    float* row = S + static_cast<int64_t>(i) * stride;
+    const int n = pos[i] + 1;
+    const int full = n & ~7;
+    v8f mx = splat(neg_inf);
+    for (int c = 0; c < n; c += 8) {
+      const v8f x = c < full ? load8(row + c) : load_part(row + c, n - c, 0.0f);
+      const v8f r = round_bf16(round_bf16(x) * scale);
+      std::memcpy(row + c, &r, sizeof(r));  // the tail's lanes past n: finite, zeroed below
+      const v8f m = c < full ? r : load_part(row + c, n - c, neg_inf);
+      mx = mx > m ? mx : m;
+    }
+    const v8f shift = splat(hmax(mx));
+    v8f sum = splat(0.0f);
+    for (int c = 0; c < n; c += 8) {
+      const v8f x = c < full ? load8(row + c) : load_part(row + c, n - c, neg_inf);
+      const v8f e = exp_nonpositive(x - shift);  // -inf lanes: exactly 0
+      std::memcpy(row + c, &e, sizeof(e));
+      sum += e;
+    }
+    const v8f inv = splat(1.0f / hsum(sum));
+    for (int c = 0; c < n; c += 8) {
+      const v8f w = round_bf16(load8(row + c) * inv);
+      std::memcpy(row + c, &w, sizeof(w));
+    }
+    for (int c = (n + 7) & ~7; c < stride; ++c) row[c] = 0.0f;
+  }
+  // (3) O = P . V over the keys the block's last vector sees.
+  for (int key0 = 0; key0 < it.last; key0 += kKeyTile) {
+    const int n = std::min(kKeyTile, it.last - key0);
+    pack_values(v + key0 * p.v_token_stride, p.v_token_stride, n, D, vp);
+    for (int i = 0; i < M; i += kRows) {
+      const int rows = std::min(kRows, M - i);
+      const int keys = std::min(n, pos[i + rows - 1] - key0 + 1);
+      if (keys <= 0) continue;
+      with_rows(rows, [&](auto r) {
+        for (int c = 0; c < D; c += kPanel)
+          accumulate<decltype(r)::value>(S + i * stride + key0, vp + c * n, kPanel, keys,
+                                         ones + i, acc + i * D + c, D, stride);
+      });
+    }
+  }
+
+  for (int i = 0; i < M; ++i) {
+    const int head = it.kv_head * group + i % group;
+    Bf16* dst = static_cast<Bf16*>(p.out) + (it.start + pos[i]) * p.out_token_stride +
+                head * p.out_head_stride;
+    for (int d = 0; d < D; ++d) store(dst + d, acc[i * D + d]);
   }
 }
 
@@ -297,7 +423,7 @@ void causal_prefill(uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintpt
                     int64_t k_token_stride, int64_t k_head_stride, int64_t v_token_stride,
                     int64_t v_head_stride, int64_t out_token_stride, int64_t out_head_stride,
                     int num_heads, int num_kv_heads, int head_dim, float scale,
-                    int num_threads) {
+                    int num_threads, int dtype) {
   static const bool avx2 = cpu_has_avx2();
   if (!avx2) throw std::runtime_error("causal_prefill needs a CPU with AVX2 and FMA");
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0)
@@ -306,8 +432,9 @@ void causal_prefill(uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintpt
   if (group > kMaxVectors) throw std::invalid_argument("more than 96 query heads per kv head");
   if (head_dim <= 0 || head_dim > kMaxHeadDim || head_dim % kPanel != 0)
     throw std::invalid_argument("head_dim must be a multiple of 16 in 16..256");
-  const Problem p{reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(k),
-                  reinterpret_cast<const float*>(v), reinterpret_cast<float*>(out),
+  if (dtype != 0 && dtype != 1) throw std::invalid_argument("dtype must be float32 or bfloat16");
+  const Problem p{reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k),
+                  reinterpret_cast<const void*>(v), reinterpret_cast<void*>(out),
                   q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride,
                   v_head_stride, out_token_stride, out_head_stride, num_heads, num_kv_heads,
                   head_dim, scale};
@@ -329,7 +456,10 @@ void causal_prefill(uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintpt
   });
   const int n = static_cast<int>(items.size());
   py::gil_scoped_release release;
-  run_items(num_threads, n, [&](int i) { attend_item(p, items[i]); });
+  if (dtype == 1)
+    run_items(num_threads, n, [&](int i) { attend_item_bf16(p, items[i]); });
+  else
+    run_items(num_threads, n, [&](int i) { attend_item(p, items[i]); });
 }
 
 }  // namespace
@@ -342,5 +472,5 @@ void register_cpu_prefill_attention(py::module_& m) {
         py::arg("q_head_stride"), py::arg("k_token_stride"), py::arg("k_head_stride"),
         py::arg("v_token_stride"), py::arg("v_head_stride"), py::arg("out_token_stride"),
         py::arg("out_head_stride"), py::arg("num_heads"), py::arg("num_kv_heads"),
-        py::arg("head_dim"), py::arg("scale"), py::arg("num_threads"));
+        py::arg("head_dim"), py::arg("scale"), py::arg("num_threads"), py::arg("dtype") = 0);
 }

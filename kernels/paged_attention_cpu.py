@@ -14,7 +14,8 @@ kernel reads only those) and a logit ``softcap`` to ``run``. ``causal_prefill`` 
 such layers attend fresh prompts with the paged kernel too.
 
 ``causal_prefill`` is the fresh-prompt twin (``ext/cpu_prefill_attention.cpp``): prompt chunks
-with no context attend causally over this step's own q/k/v rows, fp32, GEMM-shaped tiles.
+with no context attend causally over this step's own q/k/v rows, fp32 or bf16 (rounded like the
+paged kernel), GEMM-shaped tiles.
 """
 
 from __future__ import annotations
@@ -179,25 +180,36 @@ def paged_attention(
     return plan.run(q, kv_cache, scale, out, window, softcap)
 
 
-def prefill_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether ``causal_prefill`` handles these tensors: CPU fp32, head_dim a multiple of 16
+def prefill_supports_layout(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether ``causal_prefill`` handles this layout: fp32 or bf16, head_dim a multiple of 16
     up to 256, at most 96 query heads per kv head, a CPU with AVX2 and FMA."""
     ext = cpu_kernels("attention")
     return (
         ext is not None
         and ext.prefill_supported()
-        and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k, v))
-        and q.shape[-1] % 16 == 0
-        and q.shape[-1] <= 256
+        and dtype in _DTYPES
+        and head_dim % 16 == 0
+        and head_dim <= 256
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= 96
+    )
+
+
+def prefill_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``causal_prefill`` handles these tensors: on CPU, one dtype, a layout
+    ``prefill_supports_layout`` accepts."""
+    return (
+        all(t.device.type == "cpu" and t.dtype == q.dtype for t in (q, k, v))
         and k.shape == v.shape
         and k.shape[-1] == q.shape[-1]
-        and q.shape[1] % k.shape[1] == 0
-        and q.shape[1] // k.shape[1] <= 96
+        and prefill_supports_layout(q.dtype, q.shape[1], k.shape[1], q.shape[-1])
     )
 
 
 def causal_prefill(
-    q: torch.Tensor,  # [T, Hq, D] fp32, rows may be strided (a view of a fused qkv)
+    q: torch.Tensor,  # [T, Hq, D] fp32 or bf16, rows may be strided (a view of a fused qkv)
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
     segments: torch.Tensor,  # [n, 2] int32: (first row, length) of each fresh prompt chunk
@@ -206,7 +218,8 @@ def causal_prefill(
 ) -> torch.Tensor:
     """Causal self-attention of prompt chunks with no context in the cache: segment rows attend
     to the segment's rows up to their own, read from this step's q/k/v (no cache, no mask).
-    The native kernel of ``ext/cpu_prefill_attention.cpp``; check ``prefill_supports`` first."""
+    The native kernel of ``ext/cpu_prefill_attention.cpp``; check ``prefill_supports`` first.
+    bf16 rounds where transformers' bf16 eager attention does, as the paged kernel."""
     if not prefill_supports(q, k, v):
         raise ValueError("causal_prefill: unsupported device, dtype or head layout.")
     if k.shape[0] != q.shape[0] or out.shape != q.shape or out.dtype != q.dtype:
@@ -233,6 +246,6 @@ def causal_prefill(
         v_token_stride=v.stride(0), v_head_stride=v.stride(1),
         out_token_stride=out.stride(0), out_head_stride=out.stride(1),
         num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
-        scale=float(scale), num_threads=num_threads(),
+        scale=float(scale), num_threads=num_threads(), dtype=_DTYPES[q.dtype],
     )  # fmt: skip
     return out

@@ -104,7 +104,8 @@ def test_unsupported_inputs_are_refused():
     q, k, v, segments = _problem([10])
     out = torch.empty_like(q)
     assert not paged_attention_cpu.prefill_supports(q.double(), k.double(), v.double())
-    assert not paged_attention_cpu.prefill_supports(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert not paged_attention_cpu.prefill_supports(q.half(), k.half(), v.half())
+    assert not paged_attention_cpu.prefill_supports(q.bfloat16(), k, v)  # mixed dtypes
     q8, k8, v8, _ = _problem([10], head_dim=8)
     assert not paged_attention_cpu.prefill_supports(q8, k8, v8)
     assert not paged_attention_cpu.prefill_supports(q, k[:, :3], v[:, :3])  # 8 % 3 != 0

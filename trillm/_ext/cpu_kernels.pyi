@@ -28,6 +28,7 @@ class _Attention(Protocol):
         q_token_stride: int, q_head_stride: int, k_token_stride: int, k_head_stride: int,
         v_token_stride: int, v_head_stride: int, out_token_stride: int, out_head_stride: int,
         num_heads: int, num_kv_heads: int, head_dim: int, scale: float, num_threads: int,
+        dtype: int = 0,
     ) -> None: ...
     def prefill_supported(self) -> bool: ...
 

@@ -4,9 +4,10 @@ requests.
 On CPU with the native extension built (``ext/cpu_attention.cpp``, fp32/bf16), every request
 that has context in the cache (decode rows, later prefill chunks, prefix-cache hits) attends
 with that kernel, which reads K/V in place from the blocks: no gather, no padding, no mask.
-Fresh prompts take the native causal kernel of ``ext/cpu_prefill_attention.cpp`` there (fp32;
-bf16 ones take the paged kernel, which rounds bf16 scores as transformers' bf16 attention
-does), else the ``is_causal`` fast path below. Elsewhere (CUDA, fp16,
+Fresh prompts take the native causal kernel of ``ext/cpu_prefill_attention.cpp`` there (fp32
+and bf16; both native kernels round bf16 where transformers' bf16 eager attention does, so a
+bf16 layout the prefill kernel lacks goes to the paged one), else the ``is_causal`` fast path
+below. Elsewhere (CUDA, fp16,
 ``TRILLM_NO_EXTENSIONS=1``) it is one scatter to write K/V, one gather per request group, one
 ``scaled_dot_product_attention`` per group:
 
@@ -223,10 +224,16 @@ class TorchAttentionBackend:
                 self._groups = [_decode_group(meta, reqs, block_size)]
             return
         # NOTE: a chunk whose query is its whole sequence has no context: a fresh prompt.
-        # A bf16 one goes to the paged kernel with the rest: it rounds the scores where
-        # transformers' bf16 attention does (SDPA and the fp32 prefill kernel do not).
+        # A bf16 one goes to a native kernel, which rounds where transformers' bf16 attention
+        # does (SDPA does not): the prefill kernel, else the paged one with the rest.
         lens = list(zip(meta.query_lens_cpu, meta.seq_lens_cpu))
-        paged_only = native and q.dtype == torch.bfloat16
+        paged_only = (
+            native
+            and q.dtype == torch.bfloat16
+            and not paged_attention_cpu.prefill_supports_layout(
+                q.dtype, q.shape[1], kv_cache.shape[3], q.shape[2]
+            )
+        )
         fresh = [] if paged_only else [i for i, (q, s) in enumerate(lens) if q == s > 1]
         if fresh:
             starts = [0, *itertools.accumulate(meta.query_lens_cpu)]  # host copy: no device sync
