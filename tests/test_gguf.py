@@ -88,6 +88,19 @@ def test_greedy_output_equals_transformers_on_the_dequantized_weights(
         assert out.outputs[0].token_ids == hf_greedy(str(folder), prompt, MAX_TOKENS)
 
 
+def test_pp2_on_a_gguf_equals_one_rank(ggufs, engine):
+    """Pipeline parallelism (issue 14): each stage reads (and dequantizes) only its tensors
+    of the file; the tied Q8_0 embedding is stage 0's embedding and the last stage's head
+    (its blocks), never a head on stage 0. Greedy tokens equal the one-rank engine's."""
+    path = ggufs["qwen2"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in engine(path).generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(str(path), max_model_len=256, kv_cache_memory="8MiB",
+             pipeline_parallel_size=2) as llm:  # fmt: skip
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == want
+
+
 def test_transformers_reads_the_gguf_as_the_dequantized_folder(ggufs):
     # transformers' own GGUF reader (it undoes llama.cpp's q/k permutation too) gives the same
     # logits as the folder: the file is laid out as llama.cpp lays it out.

@@ -76,6 +76,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
         POOL + "test_pp2_embeds_as_transformers_does", CLS + "test_pp2_classifies_as_transformers_does",
         LORA + "test_pp2_mixed_batch_equals_peft", PAH + "test_tp2_x_pp2_over_http_matches_tp1",
         PP + "test_draft_model_on_the_last_stage_drafts_verified_across_stages",
+        GGUF + "test_pp2_on_a_gguf_equals_one_rank",
     ),  # fmt: skip
     "kv_cache_memory": ids(CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"),
     "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import numpy as np
@@ -67,21 +67,32 @@ def quantize_module(module: nn.Linear, weight: linear_q_cpu.AnyQuantizedWeight) 
     module.forward = types.MethodType(_quantized_forward, module)  # type: ignore[method-assign]
 
 
-def load_gguf(model: nn.Module, cfg: ModelConfig) -> None:
+def load_gguf(
+    model: nn.Module, cfg: ModelConfig, wanted: Callable[[str], bool] | None = None
+) -> None:
     """Load ``cfg.model`` (a GGUF file) into ``model``; keep Q4/Q8 projections quantized
-    when ``cfg.quantization == "gguf"``."""
+    when ``cfg.quantization == "gguf"``. ``wanted``: the names a pipeline stage reads."""
+    from trillm.distributed.pipeline import is_missing
+
     file = gguf_loader.GGUFFile(cfg.model)
     keep = cfg.quantization == "gguf"
     quantized: dict[str, GGUFTensor] = {}
-    model.load_weights(_weights(file, keep, cfg.tie_word_embeddings, quantized))  # type: ignore[operator]
-    if keep:
-        _attach(model, quantized)
+    weights = _weights(file, keep, cfg.tie_word_embeddings, quantized, wanted)
+    model.load_weights(weights)  # type: ignore[operator]
+    if keep:  # NOTE: a stage with the tied embedding but not the head skips the head's blocks
+        _attach(model, {name: t for name, t in quantized.items() if not is_missing(model, name)})
 
 
 def _weights(
-    file: gguf_loader.GGUFFile, keep: bool, tied: bool, quantized: dict[str, GGUFTensor]
+    file: gguf_loader.GGUFFile,
+    keep: bool,
+    tied: bool,
+    quantized: dict[str, GGUFTensor],
+    wanted: Callable[[str], bool] | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for t in file.tensors():
+        if wanted is not None and not wanted(t.name):
+            continue  # another pipeline stage's: never dequantized
         if t.type_name in gguf_loader.FLOAT_TYPES:
             yield t.name, gguf_loader.float_tensor(t)
         elif not keep or t.name == EMBEDDING or t.type_name not in gguf_loader.QUANTIZED_TYPES:
