@@ -39,10 +39,13 @@ from trillm.kernels import paged_attention_cpu, recording
 
 logger = logging.getLogger(__name__)
 
-# Programs for decode steps of 1 .. MAX_ROWS tokens: at those sizes a step reads every weight
-# once whatever its rows, so the Python between kernels is a large share of it. Each program
-# keeps its forward's buffers; no program is kept once they would pass MEMORY_BUDGET bytes.
-MAX_ROWS = 64
+# Programs for steps of 1 .. MAX_ROWS tokens: at those sizes a step reads every weight once
+# whatever its rows, so the Python between kernels is a large share of it. Each program keeps
+# its forward's buffers (every layer its own, where the eager forward reuses freed, cache-warm
+# memory); past ~40 rows that costs more than the Python it saves (the 8-layer benchmark model,
+# one thread, CPU time per step eager / replay: 1.14x at 32 rows, 0.97x at 40, 0.94x at 64).
+# No program is kept once they would pass MEMORY_BUDGET bytes.
+MAX_ROWS = 32
 MEMORY_BUDGET = 256 << 20
 # A capture costs about three forwards (the recorded one, its eager twin, the first replay's
 # check) and a replay saves a share of one, so a size is captured at its CAPTURE_AFTER-th step:
