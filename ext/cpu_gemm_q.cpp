@@ -13,8 +13,8 @@
 // half block of 16, s over that half). Only the
 // order of the fp32 additions differs from F.linear on the dequantized weight.
 // Activations are not quantized by default: a GGUF model served in fp32 keeps the greedy output
-// of the same model dequantized. `int8_activations` (AVX512-VNNI) rounds them to int8 per block
-// of 32 and sums with `vpdpbusd` instead (cpu_gemm_q_vnni.h), as llama.cpp does.
+// of the same model dequantized. `int8_activations` (AVX512-VNNI) rounds them to int8 per half
+// block of 16 and sums with `vpdpbusd` instead (cpu_gemm_q_vnni.h), as llama.cpp does per 32.
 //
 // Packed layout (written by kernels/linear_q_cpu.py's pack, read here): N is cut into panels of
 // 16 output columns, their count padded to even (the kernel takes two panels at a time, zero
@@ -107,8 +107,7 @@ struct Gemm {
   int64_t ldx;
   const float* sx;  // Q4: per row, per block, the sum of x over the block [M][nb]; else null
   const int8_t* xq;  // int8 path (cpu_gemm_q_vnni.h): x rounded to int8 [M][K]; else null
-  const float* dx;   // int8 path: per row, per block, the scale of xq [M][nb]
-  const int32_t* qx;  // int8 path: per row, per block, the sum of xq [M][nb]
+  const float* dx;   // int8 path: per row, per half block, the scale of xq [M][2 nb]
   const int32_t* qxh;  // int8 path: per row, per half block, the sum of xq [M][2 nb]
   const uint8_t* packed;
   const float* bias;  // null: none
@@ -349,8 +348,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
       }
   }
   const float* sx = int8_activations ? rows.sx.data() : sums.empty() ? nullptr : sums.data();
-  Gemm g{xf, ld, sx, int8_activations ? rows.xq.data() : nullptr, rows.dx.data(), rows.qx.data(),
-         rows.qxh.data(),
+  Gemm g{xf, ld, sx, int8_activations ? rows.xq.data() : nullptr, rows.dx.data(), rows.qxh.data(),
          reinterpret_cast<const uint8_t*>(packed), reinterpret_cast<const float*>(bias),
          reinterpret_cast<void*>(y), ldy, M, N, K, qtype, y_bf16};
   const int pairs = num_panels(N) / 2;

@@ -1,22 +1,27 @@
 // The int8-activation path of ext/cpu_gemm_q.cpp (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0, Q6_K), on CPUs with
 // AVX512-VNNI; included there, inside its anonymous namespace, after `tile`.
 //
-// Each row of x is rounded per block of 32 to int8: dx = absmax / 127, xq = round(x / dx) (half
-// to even, as torch.round; a block of zeros has dx 0). The block's sum of x * q is then an
-// integer dot product: `vpdpbusd` multiplies four unsigned weight bytes (0..15) by four signed
-// activation bytes and adds the four products to an int32 lane, exact; s = dx * that sum, and
-// sx = dx * sum(xq), so the result is exactly W . x^ (x^ = xq * dx, the rounded activations)
-// up to the order of the fp32 additions (kernels/linear_q_cpu.py's `quantize_activations` is
-// the reference). Its error against W . x is bounded by the rounding of x: |x - x^| <= dx / 2.
+// Each row of x is rounded per half block of 16 to int8: dx = absmax / 127, xq = round(x / dx)
+// (half to even, as torch.round; a half of zeros has dx 0). A half block's sum of x * q is then
+// an integer dot product: `vpdpbusd` multiplies four unsigned weight bytes (0..15) by four
+// signed activation bytes and adds the four products to an int32 lane, exact; s = dx_h0 * the
+// first half's sum + dx_h1 * the second's, and sx = the same over sum(xq), so the result is
+// exactly W . x^ (x^ = xq * dx, the rounded activations) up to the order of the fp32 additions
+// (kernels/linear_q_cpu.py's `quantize_activations` is the reference). Its error against W . x
+// is bounded by the rounding of x: |x - x^| <= dx / 2. Scales per 16 rather than per 32 (the
+// weights' block, llama.cpp's choice): one large activation then coarsens 15 others, not 31.
+// On SmolLM2 Q8_0 that cut int8's own perplexity cost (over fp32 activations) on a 2,721-token
+// text from +0.54% to +0.12%, for one more int32 -> fp32 conversion per block and column
+// (Q8_0's int8 GEMMs ~20% slower, Q4_1's 3-6%; RESULTS.md section 21, addendum).
 //
 // The packed weight is the fp32 kernel's. Q4: byte [j][c] holds q[c][2j] and q[c][2j + 1]; two
 // 16-byte loads (pairs j, j + 1), widened to 32-bit lanes and merged, put column c's
 // q[2j .. 2j + 3] into the four bytes of lane c, the layout `vpdpbusd` wants, in five
 // instructions for 16 columns and 4 k. Q8_0: that layout is the packed one, but its weights are
 // signed and `vpdpbusd` takes unsigned bytes on that side: flipping the sign bit gives q + 128
-// (0..255), whose dot product with xq is sum(q xq) + 128 sum(xq); the block's integer sum of xq
-// (`qx`) takes the excess back out, exactly, before the one conversion to fp32. Q6_K (q - 32
-// stored as Q8_0's bytes) does the same per half block, each half with its own scale (`qxh`).
+// (0..255), whose dot product with xq is sum(q xq) + 128 sum(xq); each half block's integer sum
+// of xq (`qxh`) takes the excess back out, exactly, before that half's conversion to fp32. Q6_K
+// (q - 32 stored as Q8_0's bytes) does the same, each half also with its own weight scale.
 
 #define TRILLM_VNNI_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
@@ -30,41 +35,43 @@ bool cpu_has_vnni() {
 #endif
 }
 
-// Rows of int8 activations: xq [M][K], dx [M][nb], sx [M][nb] = dx * the block's sum of xq,
-// qx [M][nb] that sum as an integer, qxh [M][2 nb] the sums of each half block.
+// Rows of int8 activations: xq [M][K], dx [M][2 nb] the scale of each half block, sx [M][nb] =
+// the block's sum of x^ (dx_h0 * sum(xq_h0) + dx_h1 * sum(xq_h1)), qxh [M][2 nb] the integer
+// sums of xq over each half block.
 struct QuantizedRows {
   std::vector<int8_t> xq;
   std::vector<float> dx, sx;
-  std::vector<int32_t> qx, qxh;
+  std::vector<int32_t> qxh;
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t ld, int M, int K) {
+  constexpr int kHalf = kBlock / 2;
   const int nb = K / kBlock;
   QuantizedRows out{std::vector<int8_t>(static_cast<size_t>(M) * K),
+                    std::vector<float>(static_cast<size_t>(M) * 2 * nb),
                     std::vector<float>(static_cast<size_t>(M) * nb),
-                    std::vector<float>(static_cast<size_t>(M) * nb),
-                    std::vector<int32_t>(static_cast<size_t>(M) * nb),
                     std::vector<int32_t>(static_cast<size_t>(M) * 2 * nb)};
   for (int r = 0; r < M; ++r) {
     for (int b = 0; b < nb; ++b) {
-      const float* xb = x + r * ld + b * kBlock;
-      float amax = 0.0f;
-      for (int k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-      const float dx = amax / 127.0f;
-      int8_t* q = out.xq.data() + static_cast<size_t>(r) * K + b * kBlock;
-      int sum = 0, half = 0;
-      for (int k = 0; k < kBlock; ++k) {
-        const float v = dx > 0.0f ? std::nearbyint(xb[k] / dx) : 0.0f;
-        q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
-        sum += q[k];
-        if (k == kBlock / 2 - 1) half = sum;
-      }
       const size_t i = static_cast<size_t>(r) * nb + b;
-      out.qxh[2 * i] = half;
-      out.qxh[2 * i + 1] = sum - half;
-      out.dx[static_cast<size_t>(r) * nb + b] = dx;
-      out.sx[static_cast<size_t>(r) * nb + b] = dx * static_cast<float>(sum);
-      out.qx[static_cast<size_t>(r) * nb + b] = sum;
+      float sx = 0.0f;
+      for (int h = 0; h < 2; ++h) {
+        const float* xh = x + r * ld + b * kBlock + h * kHalf;
+        float amax = 0.0f;
+        for (int k = 0; k < kHalf; ++k) amax = std::max(amax, std::fabs(xh[k]));
+        const float dx = amax / 127.0f;
+        int8_t* q = out.xq.data() + static_cast<size_t>(r) * K + b * kBlock + h * kHalf;
+        int sum = 0;
+        for (int k = 0; k < kHalf; ++k) {
+          const float v = dx > 0.0f ? std::nearbyint(xh[k] / dx) : 0.0f;
+          q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+          sum += q[k];
+        }
+        out.qxh[2 * i + h] = sum;
+        out.dx[2 * i + h] = dx;
+        sx += dx * static_cast<float>(sum);
+      }
+      out.sx[i] = sx;
     }
   }
   return out;
@@ -84,17 +91,23 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int b = 0; b < nb; ++b) {
     __m512i dot[R][2];
+    __m512 first[R][2];  // the first half block's dx_h0 * sum(q xq_h0) (all but Q6_K)
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
     for (int j = 0; j < kBlock / 2; j += 2) {  // k = 2j .. 2j + 3
-      if (QT == kQ6_K && j == kBlock / 4) {  // the first half has its own scale: fold it in
+      if (j == kBlock / 4) {  // the first half has its own activation scale: fold it in
         for (int p = 0; p < 2; ++p)
           for (int r = 0; r < R; ++r) {
             const int64_t i = static_cast<int64_t>(m + r) * nb + b;
-            const __m512i exact =
-                _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(128 * g.qxh[2 * i]));
-            const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(g.dx[i]));
-            const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
-            acc[r][p] = add_half(acc[r][p], s, params, 0);
+            __m512i exact = dot[r][p];
+            if constexpr (byte_values(QT))  // sum(q xq): the excess 128 sum(xq) taken out
+              exact = _mm512_sub_epi32(exact, _mm512_set1_epi32(128 * g.qxh[2 * i]));
+            const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(g.dx[2 * i]));
+            if constexpr (QT == kQ6_K) {  // and its own weight scale
+              const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
+              acc[r][p] = add_half(acc[r][p], s, params, 0);
+            } else {
+              first[r][p] = s;
+            }
             dot[r][p] = _mm512_setzero_si512();
           }
       }
@@ -124,11 +137,10 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
       const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
       for (int r = 0; r < R; ++r) {
         const int64_t i = static_cast<int64_t>(m + r) * nb + b;
-        if constexpr (QT == kQ8_0)  // sum(q xq): the excess 128 sum(xq) taken out
-          dot[r][p] = _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(128 * g.qx[i]));
-        if constexpr (QT == kQ6_K)  // the second half's
+        if constexpr (byte_values(QT))  // the second half's excess
           dot[r][p] = _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(128 * g.qxh[2 * i + 1]));
-        const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][p]), _mm512_set1_ps(g.dx[i]));
+        __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][p]), _mm512_set1_ps(g.dx[2 * i + 1]));
+        if constexpr (QT != kQ6_K) s = _mm512_add_ps(first[r][p], s);
         acc[r][p] = add_block<QT>(acc[r][p], s, g.sx[i], params);
       }
     }

@@ -17,7 +17,7 @@ call per part, each writing its columns of the one output (row stride N).
 ``ext/cpu_gemm_q.cpp``'s panel layout (the comment there); ``linear`` multiplies by it:
 x fp32 or bf16, output fp32 or bf16, fp32 sums, the numerics of dequantize-then-matmul.
 
-``int8_activations=True`` rounds x per row, per block of 32, to int8 with an fp32 scale
+``int8_activations=True`` rounds x per row, per half block of 16, to int8 with an fp32 scale
 (``quantize_activations``) and multiplies by integer dot products (``vpdpbusd``, CPUs with
 AVX512-VNNI): the numerics of ``F.linear(quantize_activations(x), dequantize(W))``.
 
@@ -80,11 +80,14 @@ def use_int8(weight: AnyQuantizedWeight, rows: int) -> bool:
     return rows >= INT8_MIN_ROWS and int8_available()
 
 
+ACT_BLOCK = 16  # activation values per int8 scale: half a weight block (ext/cpu_gemm_q_vnni.h)
+
+
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [M, K] fp32 -> [M, K] fp32
-    """x rounded as the int8 path rounds it: per row, per block of 32, dx = absmax / 127 and
-    x^ = round(x / dx) * dx (half to even; a block of zeros stays zero)."""
+    """x rounded as the int8 path rounds it: per row, per half block of 16, dx = absmax / 127
+    and x^ = round(x / dx) * dx (half to even; a half block of zeros stays zero)."""
     m, k = x.shape
-    blocks = x.to(torch.float32).reshape(m, k // BLOCK, BLOCK)
+    blocks = x.to(torch.float32).reshape(m, k // ACT_BLOCK, ACT_BLOCK)
     dx = blocks.abs().amax(dim=2, keepdim=True) / 127.0  # [M, K/32, 1]
     safe = torch.where(dx > 0, dx, torch.ones_like(dx))
     q = torch.where(dx > 0, torch.round(blocks / safe), torch.zeros_like(blocks)).clamp(-127, 127)

@@ -110,11 +110,11 @@ needs_vnni = pytest.mark.skipif(
 )
 
 
-def test_quantize_activations_rounds_each_block_to_int8():
-    x = torch.randn(3, 96)
-    x[1, 32:64] = 0.0  # a block of zeros stays zeros
+def test_quantize_activations_rounds_each_half_block_to_int8():
+    x = torch.randn(3, 48)
+    x[1, 16:32] = 0.0  # a half block of zeros stays zeros
     xq = linear_q_cpu.quantize_activations(x)
-    blocks, qblocks = x.view(3, 3, 32), xq.view(3, 3, 32)
+    blocks, qblocks = x.view(3, 3, 16), xq.view(3, 3, 16)
     dx = blocks.abs().amax(dim=2, keepdim=True) / 127
     assert bool(((qblocks - blocks).abs() <= dx / 2 + 1e-7).all())
     codes = torch.where(dx > 0, qblocks / torch.where(dx > 0, dx, 1), 0)
@@ -137,8 +137,8 @@ def _check_int8(qtype, m, n, k, bias, out_dtype=torch.float32):
         return
     torch.testing.assert_close(got, ref, atol=2e-4 * k**0.5, rtol=1e-4)
     # against fp32 activations: within what rounding x can change, sum_k |W[n, k]| * dx / 2
-    dx = x.view(m, k // 32, 32).abs().amax(dim=2) / 127  # [m, K/32]
-    bound = (w.abs().view(n, k // 32, 32).sum(dim=2) @ (dx / 2).T).T  # [m, n]
+    dx = x.view(m, k // 16, 16).abs().amax(dim=2) / 127  # [m, K/16]
+    bound = (w.abs().view(n, k // 16, 16).sum(dim=2) @ (dx / 2).T).T  # [m, n]
     assert bool(((got - F.linear(x, w, b)).abs() <= bound + 1e-4).all())
 
 
@@ -184,7 +184,7 @@ def test_int8_q8_0_kernel_is_exact_at_the_extremes():
     blocks[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
     weight = linear_q_cpu.QuantizedWeight(blocks.reshape(n, -1), 8, n, k)
     x = torch.from_numpy(rng.integers(-127, 128, (7, k)).astype(np.float32))
-    x.view(7, k // 32, 32)[:, :, 0] = 127.0  # every block's absmax is 127: dx = 1, xq = x
+    x.view(7, k // 16, 16)[:, :, 0] = 127.0  # every half block's absmax is 127: dx = 1, xq = x
     x[3] = -127.0
     got = linear_q_cpu.linear(x, weight, int8_activations=True)
     ref = F.linear(x.double(), linear_q_cpu.dequantize(weight).double()).float()
@@ -275,7 +275,7 @@ def test_q6_k_int8_kernel_at_the_extremes():
     blocks[:, :, 208:210] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
     weight = linear_q_cpu.QuantizedWeight(blocks.reshape(n, -1), linear_q_cpu.Q6_K, n, k)
     x = torch.from_numpy(rng.integers(-127, 128, (5, k)).astype(np.float32))
-    x.view(5, k // 32, 32)[:, :, 0] = 127.0  # every block's absmax is 127: dx = 1, xq = x
+    x.view(5, k // 16, 16)[:, :, 0] = 127.0  # every half block's absmax is 127: dx = 1, xq = x
     x[2] = -127.0
     got = linear_q_cpu.linear(x, weight, int8_activations=True)
     ref = F.linear(x.double(), linear_q_cpu.dequantize(weight).double())
