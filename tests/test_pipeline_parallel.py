@@ -23,11 +23,13 @@ from functools import partial
 import httpx
 import pytest
 import torch
+import trio
 from parallel_reference import greedy, http_greedy_tokens, reference_tokens
 from server_harness import ServerProcess, open_request, read_until
 from test_executor import pid_alive
 from test_tensor_parallel import _shm_segments, _worker_ranks
 
+from trillm import open_engine
 from trillm.engine.llm import LLM
 from trillm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -211,6 +213,32 @@ def test_one_batch_in_flight_when_asked(llama, pp1_tokens, monkeypatch):
     monkeypatch.setenv("TRILLM_PP_MICRO_BATCHES", "3")
     with pytest.raises(ValueError, match="TRILLM_PP_MICRO_BATCHES='3': must be an integer"):
         LLM(llama, pipeline_parallel_size=2, **LIMITS)
+
+
+def test_a_step_failing_on_stage_0_fails_at_once_and_the_engine_serves_on(llama, pp1_tokens):
+    """Stage 0's forward raises (a token id past the embedding, slipped past the frontend's
+    check on purpose): it still hands stage 1 placeholder hidden states, so that step fails at
+    once, its request alone ends, and the engine serves on (stage 1 used to wait in recv until
+    the collective timeout, 120 s, and the engine then died)."""
+
+    async def main():
+        async with open_engine(llama, pipeline_parallel_size=2, **LIMITS) as engine:
+            bad = await engine.preprocessor.prepare(PROMPTS[0], greedy(MAX_TOKENS))
+            bad.prompt_token_ids[1] = 10**6  # stage 0's embedding raises IndexError
+            start = time.monotonic()
+            async with engine.generate(bad) as outputs:
+                last = [out async for out in outputs][-1]
+            elapsed = time.monotonic() - start
+            after = []
+            for prompt in PROMPTS:
+                async with engine.generate(prompt, greedy(MAX_TOKENS)) as outputs:
+                    after.append([out async for out in outputs][-1].outputs[0].token_ids)
+            return last, elapsed, after, engine.is_dead
+
+    last, elapsed, after, dead = trio.run(main)
+    assert last.outputs[0].finish_reason == "abort" and last.outputs[0].token_ids == []
+    assert elapsed < 30
+    assert after == pp1_tokens and not dead
 
 
 # ---------------------------------------------------------------- HTTP, then a killed stage

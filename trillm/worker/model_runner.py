@@ -38,6 +38,7 @@ from trillm.config import TrillmConfig
 from trillm.distributed.pipeline import IntermediateTensors, get_pp_group
 from trillm.distributed.sharding import RankShapes
 from trillm.distributed.worker import join_tensor_parallel, leave_tensor_parallel, place_rank
+from trillm.errors import CollectiveTimeoutError
 from trillm.lora.manager import LoRAManager
 from trillm.lora.request import LoRARequest
 from trillm.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -294,15 +295,31 @@ class ModelRunner:
             self.sampling_state.remove_request(slot)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:  # [T, H]; None: not last
+        received = None
+        shape = (len(inputs.input_ids), self.config.model.hidden_size)
+        count = 2 if self.model.PP_CARRIES_RESIDUAL else 1
+        if not self.pp.is_first:  # [T, H] hidden (and residual) from the stage before
+            received = IntermediateTensors(*self.pp.recv(count, shape, self.dtype, self.device))
+        try:
+            return self._run_stage(inputs, received)
+        except CollectiveTimeoutError:
+            raise  # the group is broken: nothing more can be sent
+        except Exception:
+            if not self.pp.is_last:
+                # The next stage waits in recv for this step's hidden states: placeholders of
+                # their shape end its step now (this rank's error fails the step at the
+                # executor), instead of leaving it there until the collective timeout.
+                zeros = [torch.zeros(shape, dtype=self.dtype, device=self.device)] * count
+                self.pp.send(zeros)
+            raise
+
+    def _run_stage(
+        self, inputs: StepInputs, received: IntermediateTensors | None
+    ) -> torch.Tensor | None:
         meta = self._attention_metadata(inputs)
         self.attn_backend.plan(meta)
         input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
         positions = torch.from_numpy(inputs.positions).to(self.device)
-        received = None
-        if not self.pp.is_first:  # [T, H] hidden (and residual) from the stage before
-            count = 2 if self.model.PP_CARRIES_RESIDUAL else 1
-            shape = (len(inputs.input_ids), self.config.model.hidden_size)
-            received = IntermediateTensors(*self.pp.recv(count, shape, self.dtype, self.device))
         if received is None and self.step_programs is not None and self.step_programs.applies(meta):
             return self.step_programs.forward(input_ids, positions, self.kv_caches, meta)
         out = self.model(input_ids, positions, self.kv_caches, meta, received)
