@@ -4,7 +4,7 @@ vector (the last stage's pooler, ``trillm/model_executor/pooling.py``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -12,12 +12,9 @@ from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Prompt
 from trillm.errors import RequestFailedError
 from trillm.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput, pooling_params
 
-if TYPE_CHECKING:
-    from trillm.engine.async_engine import AsyncEngine
-
 
 async def pool(
-    engine: AsyncEngine,
+    engine: Any,  # AsyncEngine (not imported: it imports this module)
     prompt: PromptType | PreparedPrompt,
     request_id: str | None,
     truncate_prompt_tokens: int | None,
@@ -38,16 +35,19 @@ async def pool(
                "embed / LLM.embed / /v1/embeddings")
             + f"), not {task!r}.", "model",
         )  # fmt: skip
-    if not isinstance(prompt, PreparedPrompt):
-        prompt = await engine.preprocessor.prepare(
+    prepared: PreparedPrompt = (
+        prompt
+        if isinstance(prompt, PreparedPrompt)
+        else await engine.preprocessor.prepare(
             prompt, pooling_params(truncate_prompt_tokens), priority=priority
         )
+    )
     final: RequestOutput | None = None
-    async with engine.generate(prompt, request_id=request_id, _pooling=True) as outputs:
+    async with engine.generate(prepared, request_id=request_id, _pooling=True) as outputs:
         async for out in outputs:
             final = out
     if final is None or final.pooled is None:  # aborted (a worker refused it, a shutdown)
         raise RequestFailedError(f"Pooling request {request_id} ended without its vector.")
     vector = np.frombuffer(final.pooled, dtype=np.float32).tolist()
-    return PoolingRequestOutput(final.request_id, list(prompt.prompt_token_ids),
+    return PoolingRequestOutput(final.request_id, list(prepared.prompt_token_ids),
                                 EmbeddingOutput(vector))  # fmt: skip
