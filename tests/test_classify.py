@@ -73,6 +73,24 @@ def test_pp2_classifies_as_transformers_does(classifier):
         torch.testing.assert_close(torch.tensor(out.outputs.probs), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_tp2_classifies_as_tp1_does(classifier, pp):
+    """Tensor parallelism (issue 14), alone and with two pipeline stages: the decoder is
+    sharded, the score head [num_labels, H] is read whole on every rank of the last stage and
+    applied to the whole last row (the all-reduces add in another order than one rank: a
+    tight tolerance, not bit equality)."""
+    path, refs = classifier
+    with LLM(str(path), max_model_len=128, kv_cache_memory="8MiB",
+             distributed_executor_backend="uni") as llm:  # fmt: skip
+        tp1 = [torch.tensor(o.outputs.probs) for o in llm.classify(TEXTS, use_tqdm=False)]
+    with LLM(str(path), max_model_len=128, kv_cache_memory="8MiB", tensor_parallel_size=2,
+             pipeline_parallel_size=pp) as llm:  # fmt: skip
+        outs = llm.classify(TEXTS, use_tqdm=False)
+    for out, want, (ids, _) in zip(outs, tp1, refs, strict=True):
+        assert out.prompt_token_ids == ids
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), want, rtol=1e-5, atol=1e-6)
+
+
 def test_one_label_is_a_sigmoid_and_more_a_softmax():
     torch.testing.assert_close(class_probs(torch.tensor([0.3])), torch.sigmoid(torch.tensor([0.3])))
     logits = torch.tensor([1.0, -2.0, 0.5])

@@ -91,7 +91,7 @@ def test_settings_trillm_cannot_honour_are_refused(args, match):
         check_runner(*args)
 
 
-@pytest.mark.parametrize("extra", [{"enable_lora": True}, {"tensor_parallel_size": 2},
+@pytest.mark.parametrize("extra", [{"enable_lora": True},
                                    {"speculative_config": {"method": "ngram",
                                                            "num_speculative_tokens": 2}}])  # fmt: skip
 def test_pooling_with_what_its_runner_does_not_do_is_refused(model, extra):
@@ -142,6 +142,45 @@ def test_pp2_embeds_as_transformers_does(model, hf):
         ids, want = reference(hf, text, "MEAN", True)
         assert out.prompt_token_ids == ids
         np.testing.assert_allclose(out.outputs.embedding, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tp1_embeddings(model) -> list[np.ndarray]:
+    with LLM(str(model), runner="pooling", max_num_batched_tokens=16, max_model_len=128,
+             kv_cache_memory="8MiB", distributed_executor_backend="uni") as llm:  # fmt: skip
+        return [np.asarray(o.outputs.embedding) for o in llm.embed(TEXTS, use_tqdm=False)]
+
+
+# The ranks' all-reduces add the partial sums in another order than one rank's GEMM: the
+# vectors agree to a few float32 ulps, not bit for bit.
+TP_TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def test_tp2_embeds_as_tp1_does(model, hf, tp1_embeddings):
+    """Tensor parallelism (issue 14): every rank's final norm sees the whole hidden states
+    (o_proj / down_proj all-reduced), so each pools the same vector; prompts in 16-token
+    chunks."""
+    with LLM(str(model), runner="pooling", tensor_parallel_size=2, max_num_batched_tokens=16,
+             max_model_len=128, kv_cache_memory="8MiB") as llm:  # fmt: skip
+        outs = llm.embed(TEXTS, use_tqdm=False)
+    for text, out, want in zip(TEXTS, outs, tp1_embeddings, strict=True):
+        assert out.prompt_token_ids == reference(hf, text, "MEAN", True)[0]
+        np.testing.assert_allclose(out.outputs.embedding, want, **TP_TOLERANCE)
+
+
+def test_tp2_v1_embeddings_over_http_as_tp1(model, tp1_embeddings, tmp_path):
+    srv = ServerProcess(["--model", str(model), "--runner", "pooling", "-tp", "2",
+                         "--max-num-batched-tokens", "16", "--max-model-len", "128",
+                         "--kv-cache-memory", "8MiB", "--disable-log-stats"],
+                        tmp_path / "server.log").start()  # fmt: skip
+    try:
+        r = httpx.post(srv.base_url + "/embeddings", json={"input": TEXTS}, timeout=60)
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert r.status_code == 200, r.text
+    got = _vectors("/v1/embeddings", r.json())
+    for vec, want in zip(got, tp1_embeddings, strict=True):
+        np.testing.assert_allclose(vec, want, **TP_TOLERANCE)
 
 
 def test_convert_embed_is_the_pooling_runner(model, hf):

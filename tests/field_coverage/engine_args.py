@@ -57,7 +57,8 @@ ENGINE: dict[str, tuple[str, ...]] = {
         TP + "test_tp_size_the_model_cannot_split_is_refused",
         DP + "test_http_dp2_tp2_matches_dp1_token_for_token", PA + "test_tp2_matches_tp1",
         PA + "test_tp_size_that_does_not_divide_an_expert_size_is_refused",
-        PAH + "test_tp2_x_pp2_over_http_matches_tp1",
+        PAH + "test_tp2_x_pp2_over_http_matches_tp1", POOL + "test_tp2_embeds_as_tp1_does",
+        POOL + "test_tp2_v1_embeddings_over_http_as_tp1", CLS + "test_tp2_classifies_as_tp1_does",
     ),  # fmt: skip
     "data_parallel_size": ids(
         DP + "test_python_api_dp2_matches_dp1_and_spreads_the_requests",
@@ -74,6 +75,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
         PA + "test_pp2_matches_pp1", MN + "test_ranks_across_two_nodes_match_tp1_over_http",
         AWQ + "test_pp2_matches_pp1_on_a_quantized_checkpoint",
         POOL + "test_pp2_embeds_as_transformers_does", CLS + "test_pp2_classifies_as_transformers_does",
+        CLS + "test_tp2_classifies_as_tp1_does",
         LORA + "test_pp2_mixed_batch_equals_peft", PAH + "test_tp2_x_pp2_over_http_matches_tp1",
         PP + "test_draft_model_on_the_last_stage_drafts_verified_across_stages",
         GGUF + "test_pp2_on_a_gguf_equals_one_rank",

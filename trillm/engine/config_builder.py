@@ -225,8 +225,7 @@ def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
                          f"runner={args.runner!r} convert={args.convert!r} is not implemented.")
     if not (is_pooling(args.runner, args.convert) or classifier):
         return None
-    for name, value in (("tensor_parallel_size", args.tensor_parallel_size > 1),
-                        ("enable_lora", args.enable_lora),
+    for name, value in (("enable_lora", args.enable_lora),
                         ("speculative_config", args.speculative_config is not None)):  # fmt: skip
         if value:
             raise ValueError(f"{name}: a pooling model (runner='pooling') with it is not "

@@ -395,12 +395,17 @@ def iterate_weights(
 def load_weights(model: CausalLM, folder: str | Path, cfg: ModelConfig | None = None) -> None:
     """Stream every checkpoint tensor (this rank's part of it; only its pipeline stage's
     tensors) into ``model.load_weights``."""
-    tp = get_tp_group()
-    shard = None
-    if tp.world_size > 1 and cfg is not None:
-        shard = (cfg, RankShapes.of(cfg, tp.rank, tp.world_size))
+    shard = rank_shard(cfg) if cfg is not None else None
     wanted = stage_filter(cfg) if cfg is not None else None
     model.load_weights(iterate_weights(folder, shard=shard, wanted=wanted))
+
+
+def rank_shard(cfg: ModelConfig) -> tuple[ModelConfig, RankShapes] | None:
+    """What ``iterate_weights`` needs to read this rank's slices (None: one rank, all)."""
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return None
+    return cfg, RankShapes.of(cfg, tp.rank, tp.world_size)
 
 
 def stage_filter(cfg: ModelConfig) -> Callable[[str], bool] | None:
@@ -432,7 +437,8 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
                              "implemented.")  # fmt: skip
         if get_pp_group().is_last:  # the score head stands where the LM head is
             classification.attach_score_head(model, len(classification.labels(cfg.hf_config)))
-        weights = iterate_weights(cfg.model, wanted=stage_filter(cfg))
+        # score.weight [num_labels, H] is read whole on every rank (no split names it)
+        weights = iterate_weights(cfg.model, shard=rank_shard(cfg), wanted=stage_filter(cfg))
         causal_lm.load_weights(classification.rename_score(weights))
     elif cfg.quantization in CHECKPOINT_METHODS:
         load_group_quantized(model, iterate_weights(cfg.model, wanted=stage_filter(cfg)), cfg)

@@ -8,7 +8,10 @@ and remembers the first and last row; the step that completes the prompt finishe
 and returns it (``ModelRunnerOutput.pooler_output``, float32 bytes) with one placeholder token,
 which ends the request (the engine gives pooling requests ``max_tokens=1``). No logits and no
 sampling: the LM head never runs. With pipeline stages only the last stage pools (the earlier
-ones run their layers and hand the hidden states on); the executor returns its output.
+ones run their layers and hand the hidden states on); the executor returns its output. With
+tensor parallelism every rank of the last stage holds the whole hidden states (the row-parallel
+o / down projections are all-reduced) and the whole score head, so each pools the same vector
+(up to the all-reduce's summation order); the executor returns its first rank's.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class PoolingModelRunner(ModelRunner):
             num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], np.int64)
             inputs = self.batch.prepare(slots, num_scheduled)
             hidden = self._forward(inputs)  # [T, H]; None: not the last pipeline stage
+            self._num_steps += 1
             if hidden is None:  # the last stage pools; this one only sent its hidden states
                 self._step = _PoolingStep(sched.step_id, req_ids, {}, failed, start)
                 return
