@@ -2,14 +2,33 @@
 -pp 2`` per family (4 ranks: two stages of two tensor-parallel ranks each), whose greedy tokens
 for one /v1/completions request of two prompts equal the single-rank Python API's ("uni"),
 token for token. Llama's is tests/test_multinode.py's TP=2 x PP=2 server (over two nodes).
+``served_matches_uni`` is shared with the TP=2 alone and PP=2 alone servers
+(tests/test_parallel_architectures_http_tp2.py, tests/test_parallel_architectures_http_pp2.py).
+
+The issue-14 matrix (greedy tokens equal TP=1's, token for token; non-Llama families use the
+2-layer models of tests/test_parallel_architectures.py, Llama its own):
+
+=============  =======================================  =======================================
+layout         Python API                               HTTP (``trillm serve``)
+=============  =======================================  =======================================
+TP=2           test_parallel_architectures.py;          test_parallel_architectures_http_tp2.py;
+               Llama: test_tensor_parallel.py           Llama: test_tensor_parallel.py
+PP=2           test_parallel_architectures.py;          test_parallel_architectures_http_pp2.py;
+               Llama, Gemma 2: test_pipeline_parallel   Llama: test_pipeline_parallel.py
+TP=2 x PP=2    test_parallel_architectures_tp2xpp2.py;  this file;
+               Llama: test_pipeline_parallel.py         Llama: test_multinode.py (two nodes)
+=============  =======================================  =======================================
 
 The models are tests/test_parallel_architectures.py's (2 layers: one per stage; its overrides
 and random biases), so a wrong shard or a wrong stage hand-off changes the tokens; each
-reference is checked to be more than one repeated token. A file of its own so that xdist runs
-it beside that one; 4 ranks on 2 cores are slow, so 2 prompts x 8 tokens.
+reference is checked to be more than one repeated token. A file per layout so that xdist
+(``--dist loadfile``) runs them beside each other; 4 ranks on 2 cores are slow, so 2 prompts x
+8 tokens, one server per family.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +39,7 @@ from test_parallel_architectures import LIMITS, MAX_TOKENS, PROMPTS, model  # no
 from trillm.testing.tiny_models import ARCHES
 
 TWO_PROMPTS = PROMPTS[:2]
-ARCHITECTURES = sorted(set(ARCHES) - {"llama"})  # Llama: tests/test_multinode.py
+ARCHITECTURES = sorted(set(ARCHES) - {"llama"})  # Llama: see the table above
 
 
 def served_tokens(server: ServerProcess) -> list[list[int]]:
@@ -33,15 +52,18 @@ def served_tokens(server: ServerProcess) -> list[list[int]]:
     return [c["token_ids"] for c in choices]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_tp2_x_pp2_over_http_matches_tp1(model, arch, tmp_path):  # noqa: F811
-    path = model(arch)
+def served_matches_uni(path: str, parallel_flags: list[str], log: Path) -> None:
+    """``trillm serve path *parallel_flags`` answers TWO_PROMPTS with the uni engine's tokens."""
     expected = reference_tokens(path, TWO_PROMPTS, MAX_TOKENS, **LIMITS)
     # A reference that only repeats one token per prompt could not tell a wrong shard apart.
     assert all(len(set(t)) > 1 for t in expected), expected
-    flags = [path, "-tp", "2", "-pp", "2", *limit_flags(LIMITS)]
-    server = ServerProcess(flags, tmp_path / "server.log").start()
+    server = ServerProcess([path, *parallel_flags, *limit_flags(LIMITS)], log).start()
     try:
         assert served_tokens(server) == expected, server.log()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_tp2_x_pp2_over_http_matches_tp1(model, arch, tmp_path):  # noqa: F811
+    served_matches_uni(model(arch), ["-tp", "2", "-pp", "2"], tmp_path / "server.log")
