@@ -101,6 +101,28 @@ def test_python_api_tp2_matches_tp1(llama, tp1_tokens):
     assert [len(c.token_ids) for o in outs[3:] for c in o.outputs] == [MAX_TOKENS] * 3
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_draft_model_on_the_output_rank_with_tp2(llama, tp1_tokens, pp):
+    """A draft model (the target's copy) is built whole on the output rank only (the last
+    stage's first tensor-parallel rank), beside its shard of the target; every rank verifies
+    the drafts the next step carries. Greedy tokens equal TP=1's without a draft, >= 90% of
+    the drafts are accepted (the sharded target's sums differ from the whole draft's only in
+    order), and a seeded sampled request finishes (the executor fails the engine if the
+    ranks' verified tokens differ). With pp=2: TP=2 x PP=2, four ranks."""
+    draft = {"method": "draft_model", "model": llama, "num_speculative_tokens": 2}
+    seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, ignore_eos=True)
+    with LLM(llama, tensor_parallel_size=2, pipeline_parallel_size=pp, speculative_config=draft,
+             **LIMITS) as llm:  # fmt: skip
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        spec = llm.engine.get_stats().spec_decoding  # the greedy requests' (a sampled
+        # request's one-hot drafts are accepted with the target's probability, < 1)
+        (sampled,) = llm.generate(PROMPTS[:1], seeded, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == tp1_tokens
+    assert len(sampled.outputs[0].token_ids) == MAX_TOKENS
+    assert spec.num_draft_tokens >= 6, spec
+    assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens, spec
+
+
 def test_tp_size_the_model_cannot_split_is_refused(llama):
     # 4 query heads do not split over 3 ranks; refused before any worker starts.
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):

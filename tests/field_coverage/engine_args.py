@@ -59,6 +59,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
         PA + "test_tp_size_that_does_not_divide_an_expert_size_is_refused",
         PAH + "test_tp2_x_pp2_over_http_matches_tp1", POOL + "test_tp2_embeds_as_tp1_does",
         POOL + "test_tp2_v1_embeddings_over_http_as_tp1", CLS + "test_tp2_classifies_as_tp1_does",
+        TP + "test_draft_model_on_the_output_rank_with_tp2",
     ),  # fmt: skip
     "data_parallel_size": ids(
         DP + "test_python_api_dp2_matches_dp1_and_spreads_the_requests",
@@ -150,7 +151,8 @@ ENGINE: dict[str, tuple[str, ...]] = {
     "speculative_config": ids(SPEC_E + "test_same_output_with_speculation_and_drafts_accepted",
                               SPEC_D + "test_target_copy_as_draft_is_accepted_and_output_is_exact",
                               SPEC_D + "test_draft_with_another_vocabulary_is_refused_by_name",
-                              SPEC + "test_speculative_config_refused_with_the_reason"),
+                              SPEC + "test_speculative_config_refused_with_the_reason",
+                              TP + "test_draft_model_on_the_output_rank_with_tp2"),
 }  # fmt: skip
 
 ENGINE_ARGS = {f"EngineArgs.{k}": v for k, v in ENGINE.items()}

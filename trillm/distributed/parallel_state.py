@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -89,6 +90,19 @@ _group = TensorParallelGroup()
 
 def get_tp_group() -> TensorParallelGroup:
     return _group
+
+
+@contextmanager
+def unsharded() -> Iterator[None]:
+    """Models built (and loaded) inside see one rank: whole layers, no collectives (the
+    draft model on the output rank, ``pipeline.whole_model``)."""
+    global _group
+    saved = _group
+    _group = TensorParallelGroup()
+    try:
+        yield
+    finally:
+        _group = saved
 
 
 def is_loopback(addr: str) -> bool:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trillm.distributed.parallel_state import unsharded
 from trillm.errors import CollectiveTimeoutError
 
 # Checkpoint names outside the decoder layers, by who needs them (raw names; GPT-NeoX's too).
@@ -149,12 +150,14 @@ def set_pp_group(group: PipelineGroup) -> None:
 
 @contextmanager
 def whole_model() -> Iterator[None]:
-    """Models built (and loaded) inside see one stage: every layer, their own head. The draft
-    model runs whole on the last stage, beside that stage's layers of the target."""
+    """Models built (and loaded) inside see one stage of one rank: every layer, their own
+    head, no tensor-parallel split. The draft model runs whole on the output rank (the last
+    stage's first tensor-parallel rank), beside that rank's shard of the target."""
     saved = _group
     set_pp_group(PipelineGroup())
     try:
-        yield
+        with unsharded():
+            yield
     finally:
         set_pp_group(saved)
 

@@ -23,9 +23,6 @@ def build_draft_model_config(
     naming what does not match (``load_tokenizer``: path, trust_remote_code -> tokenizer)."""
     from trillm.model_executor.loader import load_model_config
 
-    if args.tensor_parallel_size > 1:
-        raise DraftModelError("speculative_config: a draft model with tensor_parallel_size > 1 "
-                              "is not implemented.")  # fmt: skip
     draft_args = EngineArgs(model=spec.model, dtype=args.dtype, device=args.device,
                             max_model_len=target.max_model_len, revision=None)  # fmt: skip
     try:

@@ -113,10 +113,11 @@ class ModelRunner:
         self._pending: PendingStep | None = None
         self.lora: LoRAManager | None = None  # with --enable-lora, once the model is loaded
         self.step_programs: StepPrograms | None = None  # small decode steps replayed (CPU)
-        # speculative_config's draft_model: proposes each step's next drafts after P3 (on the
-        # last pipeline stage, which samples; the drafts reach the others with a later step).
+        # speculative_config's draft_model: proposes each step's next drafts after P3, on the
+        # output rank only (the last pipeline stage's first tensor-parallel rank, whose output
+        # the executor returns), whole; every rank verifies the drafts the next step carries.
         self.drafter: DraftModelProposer | None = None
-        if config.draft_model is not None and self.pp.is_last:
+        if config.draft_model is not None and self.pp.is_last and self.pp.tp_rank == 0:
             self.drafter = DraftModelProposer(config, self.device, self.kv_dtype)
 
     # ------------------------------------------------------------ lifecycle
