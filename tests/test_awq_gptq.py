@@ -187,8 +187,10 @@ def test_method_must_match_the_checkpoint(checkpoints, tmp_path):
         load_model_config(EngineArgs(model=str(reference), quantization="awq"))
     with pytest.raises(UnsupportedQuantizationError, match="AWQ version 'gemv'"):
         load_model_config(EngineArgs(model=_with_config(awq, tmp_path / "v", version="gemv")))
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
-        load_model_config(EngineArgs(model=str(awq), tensor_parallel_size=2))
+    # tensor parallelism splits the packed words and groups (test_quantized_tensor_parallel.py)
+    assert (
+        load_model_config(EngineArgs(model=str(awq), tensor_parallel_size=2)).quantization == "awq"
+    )
     hf = json.loads((awq / "config.json").read_text())
     with pytest.raises(UnsupportedQuantizationError, match="CPU only"):
         resolve_quantization(None, hf, "cuda")

@@ -21,10 +21,12 @@ from trillm.distributed.parallel_state import get_tp_group
 from trillm.distributed.pipeline import get_pp_group, prune_to_stage
 from trillm.distributed.sharding import RankShapes
 from trillm.model_executor import classification, gguf_loader
+from trillm.model_executor.awq_gptq import PACKED
 from trillm.model_executor.layer_types import FULL, partial_rotary_factor
 from trillm.model_executor.layers.linear import pack_cpu_linears
 from trillm.model_executor.layers.quantized_linear import load_gguf, load_group_quantized
 from trillm.model_executor.layers.rotary import SUPPORTED_ROPE_TYPES
+from trillm.model_executor.quant_sharding import check_group_quant_split, read_packed_shard
 from trillm.model_executor.quantization import CHECKPOINT_METHODS, resolve_quantization
 from trillm.model_executor.registry import (
     CausalLM,
@@ -155,10 +157,6 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         hf = _read_json(path / "config.json")
         generation_config = read_generation_config(path, args.generation_config)
         quantization = resolve_quantization(args.quantization, hf, device)
-        if quantization in CHECKPOINT_METHODS and args.tensor_parallel_size != 1:
-            raise ValueError(f"An {quantization.upper()} checkpoint runs with "
-                             "tensor_parallel_size 1 only (its packed weights are not sharded), "
-                             f"got {args.tensor_parallel_size}.")  # fmt: skip
     architecture = _architecture(hf)
     if quantization in CHECKPOINT_METHODS and architecture not in GROUP_QUANT_ARCHITECTURES:
         raise ValueError(f"{quantization.upper()} checkpoints of {architecture} are not "
@@ -166,7 +164,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
     max_position_embeddings = int(hf.get("max_position_embeddings", 2048))
     num_heads = int(hf["num_attention_heads"])
     rope_theta, rope_scaling = parse_rope(hf)
-    return ModelConfig(
+    cfg = ModelConfig(
         model=str(path),
         tokenizer=args.tokenizer or str(path),
         served_model_name=args.served_model_name or args.model or DEFAULT_SERVED_NAME,
@@ -195,6 +193,9 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         hf_config=hf,
         quantization=quantization,
     )
+    if quantization in CHECKPOINT_METHODS:  # packed words and groups split per rank, or refused
+        check_group_quant_split(cfg, args.tensor_parallel_size)
+    return cfg
 
 
 def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> None:
@@ -387,9 +388,15 @@ def iterate_weights(
                     continue
                 if shard is None:
                     yield name, f.get_tensor(name)
+                elif _is_packed(shard[0], name):  # AWQ / GPTQ: whole words and groups
+                    yield name, read_packed_shard(shard[0], shard[1], name, f.get_slice(name))
                 else:
                     cfg, shapes = shard
                     yield name, shapes.read_shard(cfg, name, f.get_slice(name))
+
+
+def _is_packed(cfg: ModelConfig, name: str) -> bool:
+    return cfg.quantization in CHECKPOINT_METHODS and name.rpartition(".")[2] in PACKED
 
 
 def load_weights(model: CausalLM, folder: str | Path, cfg: ModelConfig | None = None) -> None:
@@ -441,7 +448,8 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
         weights = iterate_weights(cfg.model, shard=rank_shard(cfg), wanted=stage_filter(cfg))
         causal_lm.load_weights(classification.rename_score(weights))
     elif cfg.quantization in CHECKPOINT_METHODS:
-        load_group_quantized(model, iterate_weights(cfg.model, wanted=stage_filter(cfg)), cfg)
+        weights = iterate_weights(cfg.model, shard=rank_shard(cfg), wanted=stage_filter(cfg))
+        load_group_quantized(model, weights, cfg)
     else:
         load_weights(causal_lm, cfg.model, cfg)
     model.eval()

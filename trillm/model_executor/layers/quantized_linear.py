@@ -18,7 +18,8 @@ loads every quantized tensor dequantized to the run's dtype.
 ``load_group_quantized(model, weights, cfg)`` loads an AWQ / GPTQ checkpoint the same way: each
 layer's qweight / qzeros / scales (``model_executor/awq_gptq.py``) become one Q4_G
 ``QuantizedWeight`` (stacked shards concatenated by rows); layers the checkpoint keeps in float
-(the embedding, usually ``lm_head``) load as usual.
+(the embedding, usually ``lm_head``) load as usual. Under tensor parallelism ``weights``
+holds this rank's words and groups (``quant_sharding.read_packed_shard``).
 
 A quantized layer called with at least ``linear_q_cpu.INT8_MIN_ROWS`` rows (prefill, batched
 decode) rounds its activations to int8 and runs the VNNI kernel, where that is faster.
