@@ -10,7 +10,8 @@ each weight comes from memory as in a real step. The two are timed alternately, 
     python benchmarks/cpu_gemm.py --threads 2 [--rows 8 32 64 256 2048] --out results/cpu_gemm.json
 
 ``--variants`` picks what is timed (alternately, in one run): ``torch`` (fp32 ``F.linear``),
-``packed`` (the fp32 packed GEMM), ``torch_bf16`` (``F.linear`` on bf16 weights and input),
+``packed`` (the fp32 packed GEMM, its default kernel: AVX-512 where the CPU has it),
+``packed_avx2`` (the same with its AVX2 kernel, bit-identical results), ``torch_bf16`` (``F.linear`` on bf16 weights and input),
 ``packed_bf16`` (the AVX512-BF16 GEMM of ``ext/cpu_gemm_bf16.cpp``, bf16 in and out).
 ``--model smollm2`` uses SmolLM2-135M's shapes instead (30 layers x qkv 576->960, o 576->576,
 gate_up 576->3072, down 1536->576, lm_head 576->49152: 134.5 M parameters, 538 MB in fp32):
@@ -39,7 +40,7 @@ SMOLLM2_SPEC = dict(
     head_dim=64,
     vocab_size=49152,
 )
-VARIANTS = ("torch", "packed", "torch_bf16", "packed_bf16")
+VARIANTS = ("torch", "packed", "packed_avx2", "torch_bf16", "packed_bf16")
 
 
 def model_shapes(spec: dict | None = None) -> list[tuple[int, int]]:
@@ -67,14 +68,15 @@ def main() -> None:
     import torch.nn.functional as F
     from trillm.kernels import linear_cpu
 
-    if "packed" in args.variants and not linear_cpu.available():
+    if {"packed", "packed_avx2"} & set(args.variants) and not linear_cpu.available():
         raise SystemExit("trillm._ext.cpu_kernels is not built (or no AVX2/FMA here).")
     if "packed_bf16" in args.variants and not linear_cpu.available_bf16():
         raise SystemExit("trillm._ext.cpu_kernels is not built (or no AVX512-BF16 here).")
     shapes = model_shapes(SMOLLM2_SPEC if args.model == "smollm2" else None)
     weights = [torch.randn(n, k) for n, k in shapes]
     weights16 = [w.to(torch.bfloat16) for w in weights]
-    packed = [linear_cpu.PackedWeight(w) for w in weights] if "packed" in args.variants else []
+    fp32_packed = {"packed", "packed_avx2"} & set(args.variants)
+    packed = [linear_cpu.PackedWeight(w) for w in weights] if fp32_packed else []
     packed16 = (
         [linear_cpu.PackedWeightBf16(w) for w in weights16]
         if "packed_bf16" in args.variants
@@ -105,6 +107,10 @@ def main() -> None:
             for w, p in zip(weights, packed, strict=True):
                 linear_cpu.linear(inputs[w.shape[1]], p)
 
+        def packed_avx2_pass(inputs=inputs) -> None:
+            with linear_cpu.use_isa("avx2"):
+                packed_pass(inputs)
+
         def torch_bf16_pass(inputs16=inputs16) -> None:
             for w in weights16:
                 F.linear(inputs16[w.shape[1]], w)
@@ -116,6 +122,7 @@ def main() -> None:
         passes = dict(
             torch=torch_pass,
             packed=packed_pass,
+            packed_avx2=packed_avx2_pass,
             torch_bf16=torch_bf16_pass,
             packed_bf16=packed_bf16_pass,
         )
@@ -129,6 +136,8 @@ def main() -> None:
             row[f"{name}_rounds"] = rates[name]
         if "torch" in rates and "packed" in rates:
             row["speedup"] = row["packed_gflops"] / row["torch_gflops"]
+        if "packed_avx2" in rates and "packed" in rates:
+            row["vs_avx2"] = row["packed_gflops"] / row["packed_avx2_gflops"]
         if "packed_bf16" in rates:
             for base in ("torch_bf16", "packed", "torch"):
                 if base in rates:
@@ -137,7 +146,11 @@ def main() -> None:
     params = flops_per_row / 2
     print(f"{len(shapes)} weights, {params / 1e6:.1f} M params; {args.threads} threads")
     columns = [("rows", "d")] + [(f"{name}_gflops", ".1f") for name in args.variants]
-    columns += [(key, ".2f") for key in rows_out[0] if key == "speedup" or key.startswith("bf16_")]
+    columns += [
+        (key, ".2f")
+        for key in rows_out[0]
+        if key in ("speedup", "vs_avx2") or key.startswith("bf16_")
+    ]
     common.print_table(rows_out, columns)
     common.write_json(
         args.out,

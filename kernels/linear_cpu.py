@@ -3,7 +3,8 @@
 fp32 (``ext/cpu_gemm.cpp``): panels of 16 output columns, [K][16] each, instead of torch's sgemm
 packing the weight again on each call -- most of the cost at decode-step row counts. Same
 contract as ``torch.nn.functional.linear`` for fp32 CPU tensors; the torch reference is that
-function itself. ``available()`` is False when the extension is not built,
+function itself. Two kernels over one packing, bit-identical results: AVX-512 where the CPU has
+it, else AVX2 (``isa()`` says which; ``use_isa`` switches, for benchmarks and tests). ``available()`` is False when the extension is not built,
 ``TRILLM_NO_EXTENSIONS=1``, or the CPU lacks AVX2/FMA; callers then keep ``F.linear``.
 
 bf16 (``ext/cpu_gemm_bf16.cpp``, ``PackedWeightBf16`` / ``linear_bf16``): bf16 weights in panels
@@ -15,7 +16,9 @@ the extension or on a CPU without AVX512-BF16 (a run-time check): callers keep `
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -98,6 +101,26 @@ def linear(
         out.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)
+
+
+def isa() -> str:
+    """The fp32 kernel in use: ``"avx512"`` (the default where the CPU has AVX-512F) or
+    ``"avx2"``."""
+    return str(_require().get_isa())
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Run the fp32 kernel ``name`` (``"avx2"`` or ``"avx512"``) inside the block, process-wide;
+    ValueError for another name, RuntimeError where the CPU lacks it."""
+    ext, before = _require(), isa()
+    if name not in ("avx2", "avx512"):
+        raise ValueError(f"use_isa: {name!r} is not 'avx2' or 'avx512'.")
+    ext.set_isa(name)
+    try:
+        yield
+    finally:
+        ext.set_isa(before)
 
 
 @functools.cache

@@ -34,6 +34,48 @@ def test_matches_torch_linear(m, n, k, bias):
     _close(got, F.linear(x, w, b), k)
 
 
+def _cpu_has_avx512f() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return " avx512f " in f.read()
+
+
+needs_avx512 = pytest.mark.skipif(not _cpu_has_avx512f(), reason="no AVX-512F on this CPU")
+
+
+@needs_avx512
+def test_avx512_is_the_default_where_the_cpu_has_it():
+    assert linear_cpu.isa() == "avx512"
+
+
+@needs_avx512
+@pytest.mark.parametrize("m", [1, 2, 11, 12, 13, 24, 191, 192, 193, 400])
+@pytest.mark.parametrize("n,k", [(1, 1), (16, 8), (17, 33), (40, 64), (48, 70), (1000, 512)])
+def test_avx512_and_avx2_kernels_are_bit_identical(m, n, k):
+    """One sequential FMA chain over k per output in both kernels, whatever the rows' register
+    block (12 x two panels vs 6 x one), the panel pairing (an odd last panel, a part-filled
+    one) or the row block."""
+    g = torch.Generator().manual_seed(m * 7 + n * 3 + k)
+    x, w, b = (
+        torch.randn(m, k, generator=g),
+        torch.randn(n, k, generator=g),
+        torch.randn(n, generator=g),
+    )
+    packed = linear_cpu.PackedWeight(w)
+    for bias in (None, b):
+        with linear_cpu.use_isa("avx2"):
+            narrow = linear_cpu.linear(x, packed, bias)
+        with linear_cpu.use_isa("avx512"):
+            wide = linear_cpu.linear(x, packed, bias)
+        assert torch.equal(narrow, wide), (m, n, k, bias is None)
+        _close(wide, F.linear(x, w, bias), k)
+    assert linear_cpu.isa() == "avx512"  # use_isa restores the default
+
+
+def test_use_isa_refuses_an_unknown_kernel():
+    with pytest.raises(ValueError, match="'sse'"), linear_cpu.use_isa("sse"):
+        pass
+
+
 def test_strided_rows_leading_dims_and_a_strided_weight():
     g = torch.Generator().manual_seed(1)
     wide = torch.randn(2, 9, 100, generator=g)
