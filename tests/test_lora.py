@@ -115,6 +115,23 @@ def test_pp2_mixed_batch_equals_peft(adapters, references):
         assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_tp2_mixed_batch_equals_peft(adapters, references, pp):
+    """Tensor parallelism (issue 14), alone and with two pipeline stages: each rank holds its
+    part of every adapter (q/k/v/gate/up: B's rows of its heads / columns; o/down: A's
+    columns, the partial deltas summed by the base layer's all-reduce); a batch mixing the
+    three adapters and the base model equals transformers + PEFT."""
+    model, paths = adapters
+    jobs = [(p, n) for p in PROMPTS[:2] for n in [None, *paths]]
+    engine = {**ENGINE, "distributed_executor_backend": "mp"}
+    with LLM(model, enable_lora=True, max_loras=3, tensor_parallel_size=2,
+             pipeline_parallel_size=pp, **engine) as llm:  # fmt: skip
+        outs = llm.generate([p for p, _ in jobs], _params(), use_tqdm=False,
+                            lora_request=[_lora(paths, n) for _, n in jobs])  # fmt: skip
+    for (prompt, name), out in zip(jobs, outs, strict=True):
+        assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
+
+
 def test_prefix_cache_is_not_shared_across_adapters(adapters, llm):
     _, paths = adapters
     prompt = "word " * 40  # several blocks of 16

@@ -78,6 +78,32 @@ def test_model_name_selects_the_adapter(setup, server):
     assert chat.json()["choices"][0]["message"] != base_chat.json()["choices"][0]["message"]
 
 
+def test_tp2_server_mixes_adapters_as_peft(setup, tmp_path):
+    """Tensor parallelism (issue 14): a ``-tp 2`` server, adapters "a" and "b" and the base
+    model asked at once (one batch): each equals transformers (+ PEFT)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from tests.hf_reference import hf_greedy
+
+    model, paths = setup
+    srv = _serve(model, paths, tmp_path / "tp2.log", "-tp", "2")
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            outs = dict(zip(("a", "b", BASE), pool.map(lambda m: _complete(srv, m),
+                                                       ("a", "b", BASE))))  # fmt: skip
+    finally:
+        srv.stop()
+    ids = AutoTokenizer.from_pretrained(model).encode(PROMPT)
+    wants = {name: peft_greedy(model, paths[name], [ids], MAX_NEW)[0] for name in ("a", "b")}
+    wants[BASE] = hf_greedy(model, ids, MAX_NEW)
+    assert len(set(map(tuple, wants.values()))) == 3  # the adapters change the output
+    for name, r in outs.items():
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == wants[name], name
+
+
 def _lora_info(srv) -> dict[str, list]:
     """prefix -> the lora_requests_info samples of a /metrics scrape (prometheus_client's
     parser)."""

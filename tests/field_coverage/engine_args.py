@@ -18,6 +18,7 @@ from field_coverage.ids import (
     LIFE,
     LOADING,
     LORA,
+    LORA_HTTP,
     MN,
     OPENAI,
     OUTPUT,
@@ -59,7 +60,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
         PA + "test_tp_size_that_does_not_divide_an_expert_size_is_refused",
         PAH + "test_tp2_x_pp2_over_http_matches_tp1", POOL + "test_tp2_embeds_as_tp1_does",
         POOL + "test_tp2_v1_embeddings_over_http_as_tp1", CLS + "test_tp2_classifies_as_tp1_does",
-        TP + "test_draft_model_on_the_output_rank_with_tp2",
+        TP + "test_draft_model_on_the_output_rank_with_tp2", LORA + "test_tp2_mixed_batch_equals_peft",
     ),  # fmt: skip
     "data_parallel_size": ids(
         DP + "test_python_api_dp2_matches_dp1_and_spreads_the_requests",
@@ -124,7 +125,9 @@ ENGINE: dict[str, tuple[str, ...]] = {
                            GGUF + "test_quantized_layers_hold_only_their_blocks"),
     "enable_lora": ids(LORA + "test_mixed_batch_equals_peft_and_single_runs",
                        LORA + "test_adapter_for_another_model_and_lora_off_are_refused",
-                       LORA + "test_pp2_mixed_batch_equals_peft"),  # fmt: skip
+                       LORA + "test_pp2_mixed_batch_equals_peft",
+                       LORA + "test_tp2_mixed_batch_equals_peft",
+                       LORA_HTTP + "test_tp2_server_mixes_adapters_as_peft"),  # fmt: skip
     "max_loras": ids(LORA + "test_more_adapters_than_max_loras_wait_and_rotate",
                      LORA + "test_adapter_for_another_model_and_lora_off_are_refused"),
     "max_lora_rank": ids(LORA + "test_unimplemented_adapters_are_refused_naming_it"),

@@ -205,8 +205,6 @@ def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
             f"enable_lora: LoRA is not implemented for {model.architecture} (it runs on "
             f"{', '.join(sorted(LORA_ARCHITECTURES))})."
         )
-    if args.tensor_parallel_size > 1:
-        raise ValueError("enable_lora: LoRA with tensor_parallel_size > 1 is not implemented.")
     return LoRAConfig(args.max_loras, args.max_lora_rank)
 
 

@@ -4,6 +4,9 @@ At most ``max_loras`` adapters are resident, each in a slot 0 .. max_loras - 1 o
 linear's stacked weights; loading one more evicts the least recently used adapter that no
 request in the batch holds, and takes its slot. The engine core admits at most ``max_loras``
 adapters among its running requests, so a batch always fits.
+
+With tensor parallelism each rank loads its part of every adapter, split like the base
+layer it rides on (``LoRAManager._rank_part``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import numpy as np
 import torch
 
 from trillm.config import ModelConfig
+from trillm.distributed.parallel_state import get_tp_group
+from trillm.distributed.sharding import RankShapes
 from trillm.lora.layers import TARGET_MODULES, LoRALinear, StepSlots, attach_lora
 from trillm.lora.peft import load_adapter
 from trillm.lora.request import LoRARequest
@@ -46,6 +51,9 @@ class LoRAManager:
         self.linears: dict[tuple[int, str], LoRALinear] = attach_lora(
             model, self.step_slots, max_lora_rank
         )
+        tp = get_tp_group()  # tensor parallelism: each rank holds its part of every adapter
+        self.shapes = None if tp.world_size == 1 else RankShapes.of(model_cfg, tp.rank,
+                                                                     tp.world_size)  # fmt: skip
         self.resident: OrderedDict[int, LoRARequest] = OrderedDict()  # LRU first
         self._slot: dict[int, int] = {}  # resident adapter id -> its slot
         self._refs: dict[int, int] = {}  # adapter id -> requests holding it
@@ -79,6 +87,7 @@ class LoRAManager:
         per_module: dict[tuple[int, str], list[tuple[str | None, torch.Tensor, torch.Tensor]]] = {}
         for (layer, proj), (a, b) in weights.modules.items():
             path, shard = TARGET_MODULES[proj]
+            a, b = self._rank_part(layer, proj, a, b)
             per_module.setdefault((layer, path), []).append((shard, a, b))
         slot = min(set(range(self.max_loras)) - set(self._slot.values()))
         for key, parts in per_module.items():
@@ -90,6 +99,24 @@ class LoRAManager:
         self.resident[lora.lora_int_id] = lora
         logger.info("LoRA adapter %s (id %d) loaded from %s", lora.lora_name,
                     lora.lora_int_id, lora.lora_path)  # fmt: skip
+
+    def _rank_part(
+        self, layer: int, proj: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This tensor-parallel rank's part of one module's A [r, in] / B [out, r], split as
+        the base weight W = B A is (``RankShapes.split_of``): a column-parallel layer's rows
+        of W are B's rows (A whole); a row-parallel layer's columns of W are A's columns (B
+        whole), and the ranks' partial deltas x_r A_r^T B^T add up to x A^T B^T in the
+        all-reduce that follows the base layer (the delta is added to its partial output)."""
+        if self.shapes is None:
+            return a, b
+        split = self.shapes.split_of(self.model_cfg, f"model.layers.{layer}.x.{proj}.weight")
+        if split is None:  # NOTE: every LoRA target is split (sharding.RankShapes)
+            return a, b
+        dim, start, length = split
+        if dim == 0:
+            return a, b[start : start + length].contiguous()
+        return a[:, start : start + length].contiguous(), b
 
     def _evict(self, adapter_id: int) -> None:
         slot = self._slot.pop(adapter_id)
