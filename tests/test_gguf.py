@@ -173,7 +173,6 @@ def test_load_format_and_quantization_are_honoured_or_refused(ggufs):
         (dict(model=gguf_path, load_format="pt"), "load_format 'pt' is not supported"),
         (dict(model=gguf_path, quantization="fp8"), "'fp8' does not apply to a GGUF model"),
         (dict(model=gguf_path, quantization="gguf", dequantize_gguf=True), "choose one"),
-        (dict(model=gguf_path, tensor_parallel_size=2), "tensor_parallel_size 1 only"),
     ]
     for kwargs, message in refused:
         with pytest.raises(ValueError, match=message):

@@ -218,9 +218,6 @@ def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> 
             f"quantization {args.quantization!r} does not apply to a GGUF model: its tensors "
             "come quantized (quantization='gguf' keeps them so, the default)."
         )
-    if args.tensor_parallel_size != 1:  # NOTE: pipeline stages read whole tensors: they run
-        raise ValueError("A GGUF model runs with tensor_parallel_size 1 only (its weights are "
-                         f"not sharded), got {args.tensor_parallel_size}.")  # fmt: skip
     if args.load_format == "safetensors":
         raise ValueError(f"load_format='safetensors' but {str(gguf_file)!r} is a GGUF file.")
     if args.quantization == "gguf" and args.dequantize_gguf:
@@ -437,7 +434,7 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     causal_lm = cast(CausalLM, model)
     causal_lm.tie_weights()
     if gguf_loader.find_gguf(cfg.model) is not None:
-        load_gguf(model, cfg, stage_filter(cfg))
+        load_gguf(model, cfg, stage_filter(cfg), rank_shard(cfg))
     elif classification.is_sequence_classifier(cfg.hf_config):
         if cfg.quantization is not None:
             raise ValueError(f"A quantized ({cfg.quantization}) sequence classifier is not "

@@ -1,5 +1,5 @@
 """Tensor parallelism over quantized checkpoints (issues 13 and 14): a rank's slice of AWQ /
-GPTQ packed tensors, read without the rest of the tensor.
+GPTQ packed tensors and of GGUF block rows, read without the rest of the tensor.
 
 A rank's share of a layer's [N, K] weight is ``RankShapes``'s: rows of N for the
 column-parallel layers (q/k/v, gate/up; a fused checkpoint weight's rows part by part; the
@@ -11,6 +11,12 @@ layouts (``awq_gptq.py``, G groups of g inputs):
 - GPTQ: qweight [K/8, N], qzeros [G, N/8], scales [G, N], g_idx [K]. A split of N takes
   qzeros words (multiples of 8); a split of K whole groups, g_idx counted from the shard's
   first group. (Act-order checkpoints are refused whatever the parallelism: ``parse_config``.)
+- GGUF: rows [N, bytes] of blocks along K (32 values; 256 for the K-quants). A split of N
+  takes rows (the head's last shard padded with all-zero blocks, which are zeros in every
+  type); a split of K whole blocks. A split of K inside a block (hidden 576 over 2 ranks in
+  256-value blocks) is not refused: ``gguf_shard`` returns None and the loader dequantizes
+  the blocks covering the rank's columns (``gguf_dequantized_columns``) and loads them in the
+  run's dtype, with a warning naming the tensor.
 
 An AWQ / GPTQ split off a word or group boundary is refused before anything loads
 (``check_group_quant_split``), naming the layer, its sizes and tensor_parallel_size.
@@ -20,11 +26,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from trillm.config import ModelConfig
 from trillm.distributed.sharding import RankShapes, TensorParallelConfigError
-from trillm.model_executor import awq_gptq
+from trillm.model_executor import awq_gptq, gguf_loader
+from trillm.model_executor.gguf_loader import GGUFTensor
 
 _PACK = 8  # int4 values per int32 word
 _KERNEL_BLOCK = 32  # the Q4_G kernel's block along K: a rank's K must be whole blocks
@@ -127,3 +135,40 @@ def read_packed_shard(cfg: ModelConfig, shapes: RankShapes, name: str, source: A
     if g == -1:  # one group over all of K: every rank's inputs use its scale and zero
         return whole if whole is not None else source[:]
     return source[start // g : (start + length) // g]
+
+
+def gguf_shard(cfg: ModelConfig, shapes: RankShapes, t: GGUFTensor) -> GGUFTensor | None:
+    """This rank's rows / whole blocks of quantized GGUF tensor ``t`` (its data a view of the
+    file where it can be), or None where a split of K falls inside a block."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    dim, ranges = _ranges(shapes, cfg, t.name)
+    if dim == -1:
+        return t
+    n, k = t.shape
+    if dim == 1:
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]]
+        (start, length), = ranges  # fmt: skip
+        if start % block or length % block:
+            return None
+        data = t.data[:, start // block * nbytes : (start + length) // block * nbytes]
+        return GGUFTensor(t.name, t.type_name, (n, length), data)
+    rows = np.concatenate([t.data[start : start + length] for start, length in ranges])
+    if t.name.rpartition(".")[0] in ("model.embed_tokens", "lm_head"):
+        pad = shapes.vocab_per_rank - rows.shape[0]  # the last rank's padding rows
+        rows = np.concatenate([rows, np.zeros((pad, rows.shape[1]), dtype=rows.dtype)])
+    return GGUFTensor(t.name, t.type_name, (rows.shape[0], k), rows)
+
+
+def gguf_dequantized_columns(cfg: ModelConfig, shapes: RankShapes, t: GGUFTensor) -> torch.Tensor:
+    """A split of K inside ``t``'s blocks: the blocks covering this rank's inputs dequantized
+    to fp32, then its columns (never the whole tensor)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]]
+    _, [(start, length)] = _ranges(shapes, cfg, t.name)
+    first, end = start // block, -(-(start + length) // block)
+    covering = GGUFTensor(t.name, t.type_name, (t.shape[0], (end - first) * block),
+                          t.data[:, first * nbytes : end * nbytes])  # fmt: skip
+    offset = start - first * block
+    return gguf_loader.dequantized_tensor(covering)[:, offset : offset + length].contiguous()

@@ -13,7 +13,8 @@ formats: ``Q4_K_M`` stores q/k in Q4_K and v in Q6_K) keeps each in its own type
 (``linear_q_cpu.StackedQuantizedWeight``: one kernel call per part, each writing its columns of
 the output); one whose shards include a type that is not kept (Q2_K, Q3_K, Q5_K) loads
 dequantized, with a warning naming the layer. ``cfg.quantization`` None (``dequantize_gguf``)
-loads every quantized tensor dequantized to the run's dtype.
+loads every quantized tensor dequantized to the run's dtype. Under tensor parallelism each
+rank loads its rows / whole blocks of each tensor (``quant_sharding.gguf_shard``).
 
 ``load_group_quantized(model, weights, cfg)`` loads an AWQ / GPTQ checkpoint the same way: each
 layer's qweight / qzeros / scales (``model_executor/awq_gptq.py``) become one Q4_G
@@ -38,8 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from trillm.config import ModelConfig
+from trillm.distributed.sharding import RankShapes
 from trillm.kernels import linear_q_cpu
-from trillm.model_executor import awq_gptq, gguf_loader
+from trillm.model_executor import awq_gptq, gguf_loader, quant_sharding
 from trillm.model_executor.gguf_loader import GGUFTensor
 
 logger = logging.getLogger(__name__)
@@ -69,31 +71,60 @@ def quantize_module(module: nn.Linear, weight: linear_q_cpu.AnyQuantizedWeight) 
 
 
 def load_gguf(
-    model: nn.Module, cfg: ModelConfig, wanted: Callable[[str], bool] | None = None
+    model: nn.Module,
+    cfg: ModelConfig,
+    wanted: Callable[[str], bool] | None = None,
+    shard: tuple[ModelConfig, RankShapes] | None = None,
 ) -> None:
     """Load ``cfg.model`` (a GGUF file) into ``model``; keep Q4/Q8 projections quantized
-    when ``cfg.quantization == "gguf"``. ``wanted``: the names a pipeline stage reads."""
+    when ``cfg.quantization == "gguf"``. ``wanted``: the names a pipeline stage reads;
+    ``shard``: this tensor-parallel rank's shapes (``quant_sharding.gguf_shard``)."""
     from trillm.distributed.pipeline import is_missing
 
     file = gguf_loader.GGUFFile(cfg.model)
     keep = cfg.quantization == "gguf"
     quantized: dict[str, GGUFTensor] = {}
-    weights = _weights(file, keep, cfg.tie_word_embeddings, quantized, wanted)
+    # another pipeline stage's tensors are never read, dequantized or sliced
+    tensors = (t for t in file.tensors() if wanted is None or wanted(t.name))
+    sliced = tensors if shard is None else _rank_tensors(tensors, *shard)
+    weights = _weights(sliced, keep, cfg.tie_word_embeddings, quantized)
     model.load_weights(weights)  # type: ignore[operator]
     if keep:  # NOTE: a stage with the tied embedding but not the head skips the head's blocks
         _attach(model, {name: t for name, t in quantized.items() if not is_missing(model, name)})
 
 
+def _rank_tensors(
+    tensors: Iterator[GGUFTensor], cfg: ModelConfig, shapes: RankShapes
+) -> Iterator[GGUFTensor | tuple[str, torch.Tensor]]:
+    """A tensor-parallel rank's part of each tensor: its rows / whole blocks of a quantized
+    one, else (name, its slice in floats): a float tensor, or a quantized one split inside its
+    blocks (dequantized, with a warning naming it)."""
+    for t in tensors:
+        if t.type_name in gguf_loader.FLOAT_TYPES:
+            yield t.name, shapes.read_shard(cfg, t.name, gguf_loader.float_tensor(t))
+            continue
+        part = quant_sharding.gguf_shard(cfg, shapes, t)
+        if part is not None:
+            yield part
+            continue
+        if cfg.quantization == "gguf" and t.type_name in gguf_loader.QUANTIZED_TYPES:
+            logger.warning("GGUF tensor %s (%s, K=%d) does not split over "
+                           "tensor_parallel_size=%d on its blocks; this rank's part runs "
+                           "dequantized in the run's dtype",
+                           t.name, t.type_name, t.shape[1], shapes.size)  # fmt: skip
+        yield t.name, quant_sharding.gguf_dequantized_columns(cfg, shapes, t)
+
+
 def _weights(
-    file: gguf_loader.GGUFFile,
+    tensors: Iterator[GGUFTensor | tuple[str, torch.Tensor]],
     keep: bool,
     tied: bool,
     quantized: dict[str, GGUFTensor],
-    wanted: Callable[[str], bool] | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for t in file.tensors():
-        if wanted is not None and not wanted(t.name):
-            continue  # another pipeline stage's: never dequantized
+    for t in tensors:
+        if isinstance(t, tuple):  # already floats (a tensor-parallel rank's slice)
+            yield t
+            continue
         if t.type_name in gguf_loader.FLOAT_TYPES:
             yield t.name, gguf_loader.float_tensor(t)
         elif not keep or t.name == EMBEDDING or t.type_name not in gguf_loader.QUANTIZED_TYPES:
