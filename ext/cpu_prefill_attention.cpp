@@ -19,10 +19,11 @@
 // head h / (Hq / Hkv). AVX2 + FMA only (`prefill_supported()`); callers fall back to SDPA.
 //
 // bf16 q/k/v/out (a bf16 model): what transformers' bf16 eager attention computes, as the
-// paged kernel's bf16 path does (ext/cpu_attention.cpp): scores q . k rounded to bf16, times
-// the scale, rounded again; then two passes instead of the online softmax, every score of the
-// item kept: per row max, sum of exp, p = exp * (1 / sum) rounded to bf16, then O = P . V in
-// fp32 rounded once at the store (attend_item_bf16).
+// paged kernel's bf16 path does (ext/cpu_attention.cpp), with the same rounding points
+// (ext/cpu_attention_bf16.h): scores q . k rounded to bf16, times the scale, rounded again; then
+// two passes instead of the online softmax, every score of the item kept: per row max, sum of
+// exp, p = exp * (1 / sum) rounded to bf16, then O = P . V in fp32 rounded once at the store
+// (attend_item_bf16).
 #include <pybind11/pybind11.h>
 
 #include <immintrin.h>
@@ -33,6 +34,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cpu_attention_bf16.h"
 #include "cpu_common.h"
 
 namespace py = pybind11;
@@ -302,13 +304,6 @@ void attend_item(const Problem& p, const Item& it) {
   }
 }
 
-// The eight values row[0 .. 8) of which only the first n < 8 exist; the rest `fill`.
-inline __attribute__((always_inline)) v8f load_part(const float* row, int n, float fill) {
-  alignas(32) float t[8];
-  for (int u = 0; u < 8; ++u) t[u] = u < n ? row[u] : fill;
-  return load8(t);
-}
-
 // bf16: every score of the item first ([M][stride], keys 0 .. last - 1), then per row the
 // rounded softmax, then O = P . V (see the header).
 void attend_item_bf16(const Problem& p, const Item& it) {
@@ -316,15 +311,12 @@ void attend_item_bf16(const Problem& p, const Item& it) {
   const int group = p.num_heads / p.num_kv_heads;
   const int M = (it.last - it.first) * group;  // vector i: position first + i / group
   const int stride = (it.last + kPanel - 1) / kPanel * kPanel;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
 
   alignas(32) static thread_local float qs[kMaxVectors * kMaxHeadDim];   // [M][D], unscaled
   alignas(32) static thread_local float acc[kMaxVectors * kMaxHeadDim];  // [M][D]
   alignas(32) static thread_local float kp[kKeyTile * kMaxHeadDim];      // K^T panels
   alignas(32) static thread_local float vp[kKeyTile * kMaxHeadDim];      // V panels
-  static thread_local std::vector<float> all;                            // [M][stride]: S, P
-  if (all.size() < static_cast<size_t>(M) * stride) all.resize(static_cast<size_t>(M) * stride);
-  float* S = all.data();
+  float* S = score_rows(M, stride);  // [M][stride]: S, then P
   float ones[kMaxVectors];
   int pos[kMaxVectors];
 
@@ -359,35 +351,19 @@ void attend_item_bf16(const Problem& p, const Item& it) {
       });
     }
   }
-  // (2) Per row: the scores' roundings, max, sum of exp, p rounded; 0 past the row's position
-  // (a block's later vectors read those columns).
+  // (2) Per row: the scores' roundings, then the rounded softmax; 0 past the row's position (a
+  // block's later vectors read those columns).
   const v8f scale = splat(p.scale);
   for (int i = 0; i < M; ++i) {
     float* row = S + static_cast<int64_t>(i) * stride;
     const int n = pos[i] + 1;
-    const int full = n & ~7;
-    v8f mx = splat(neg_inf);
     for (int c = 0; c < n; c += 8) {
-      const v8f x = c < full ? load8(row + c) : load_part(row + c, n - c, 0.0f);
-      const v8f r = round_bf16(round_bf16(x) * scale);
-      std::memcpy(row + c, &r, sizeof(r));  // the tail's lanes past n: finite, zeroed below
-      const v8f m = c < full ? r : load_part(row + c, n - c, neg_inf);
-      mx = mx > m ? mx : m;
+      const v8f r = round_scores(c + 8 <= n ? load8(row + c) : load_part(row + c, n - c, 0.0f),
+                                 scale);
+      std::memcpy(row + c, &r, std::min(8, n - c) * sizeof(float));
     }
-    const v8f shift = splat(hmax(mx));
-    v8f sum = splat(0.0f);
-    for (int c = 0; c < n; c += 8) {
-      const v8f x = c < full ? load8(row + c) : load_part(row + c, n - c, neg_inf);
-      const v8f e = exp_nonpositive(x - shift);  // -inf lanes: exactly 0
-      std::memcpy(row + c, &e, sizeof(e));
-      sum += e;
-    }
-    const v8f inv = splat(1.0f / hsum(sum));
-    for (int c = 0; c < n; c += 8) {
-      const v8f w = round_bf16(load8(row + c) * inv);
-      std::memcpy(row + c, &w, sizeof(w));
-    }
-    for (int c = (n + 7) & ~7; c < stride; ++c) row[c] = 0.0f;
+    rounded_softmax_row(row, n);
+    for (int c = n; c < stride; ++c) row[c] = 0.0f;
   }
   // (3) O = P . V over the keys the block's last vector sees.
   for (int key0 = 0; key0 < it.last; key0 += kKeyTile) {
