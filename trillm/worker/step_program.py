@@ -160,10 +160,6 @@ class StepProgram:
     # The kinds of step (decode_only) on which a replay has matched the eager forward.
     checked: set[bool] = field(default_factory=set)
 
-    @property
-    def verified(self) -> bool:
-        return bool(self.checked)
-
     def replay(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # [T, H]
