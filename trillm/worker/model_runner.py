@@ -297,9 +297,11 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:  # [T, H]; None: not last
         received = None
+        # What one stage hands the next (IntermediateTensors): the hidden states and, where the
+        # model carries it, the residual stream, each [T, H] in the model's dtype.
         shape = (len(inputs.input_ids), self.config.model.hidden_size)
         count = 2 if self.model.PP_CARRIES_RESIDUAL else 1
-        if not self.pp.is_first:  # [T, H] hidden (and residual) from the stage before
+        if not self.pp.is_first:
             received = IntermediateTensors(*self.pp.recv(count, shape, self.dtype, self.device))
         try:
             return self._run_stage(inputs, received)
@@ -307,11 +309,14 @@ class ModelRunner:
             raise  # the group is broken: nothing more can be sent
         except Exception:
             if not self.pp.is_last:
-                # The next stage waits in recv for this step's hidden states: placeholders of
-                # their shape end its step now (this rank's error fails the step at the
-                # executor), instead of leaving it there until the collective timeout.
-                zeros = [torch.zeros(shape, dtype=self.dtype, device=self.device)] * count
-                self.pp.send(zeros)
+                # The next stage waits in recv (its own run of the call above) for this step's
+                # `count` tensors of `shape`: zero placeholders for the hidden states and the
+                # residual, made from the same description, end its step now (this rank's error
+                # fails the step at the executor), instead of leaving it there until the
+                # collective timeout.
+                self.pp.send(
+                    [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(count)]
+                )
             raise
 
     def _run_stage(
