@@ -69,6 +69,15 @@ def _params():
     return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
+def _batch_equals_peft(llm, jobs, paths, references):
+    """(prompt, adapter name or None) jobs in one generate call: each output equals
+    transformers(+PEFT)'s greedy tokens."""
+    outs = llm.generate([p for p, _ in jobs], _params(), use_tqdm=False,
+                        lora_request=[_lora(paths, n) for _, n in jobs])  # fmt: skip
+    for (prompt, name), out in zip(jobs, outs, strict=True):
+        assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
+
+
 @pytest.fixture(scope="module")
 def llm(adapters):
     with LLM(adapters[0], enable_lora=True, max_loras=3, **ENGINE) as engine:
@@ -80,10 +89,7 @@ def test_mixed_batch_equals_peft_and_single_runs(adapters, references, llm):
     to transformers + PEFT and to its own run alone."""
     _, paths = adapters
     jobs = [(p, n) for p in PROMPTS for n in [None, *paths]]
-    outs = llm.generate([p for p, _ in jobs], _params(), use_tqdm=False,
-                        lora_request=[_lora(paths, n) for _, n in jobs])  # fmt: skip
-    for (prompt, name), out in zip(jobs, outs, strict=True):
-        assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
+    _batch_equals_peft(llm, jobs, paths, references)
     for prompt, name in jobs[:5]:
         alone = llm.generate(prompt, _params(), use_tqdm=False, lora_request=_lora(paths, name))
         assert alone[0].outputs[0].token_ids == references[name][prompt]
@@ -95,10 +101,7 @@ def test_more_adapters_than_max_loras_wait_and_rotate(adapters, references):
     model, paths = adapters
     jobs = [(p, n) for p in PROMPTS[:2] for n in [*paths, None]] * 2
     with LLM(model, enable_lora=True, max_loras=2, **ENGINE) as llm:
-        outs = llm.generate([p for p, _ in jobs], _params(), use_tqdm=False,
-                            lora_request=[_lora(paths, n) for _, n in jobs])  # fmt: skip
-    for (prompt, name), out in zip(jobs, outs, strict=True):
-        assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
+        _batch_equals_peft(llm, jobs, paths, references)
 
 
 def test_pp2_mixed_batch_equals_peft(adapters, references):
@@ -109,10 +112,7 @@ def test_pp2_mixed_batch_equals_peft(adapters, references):
     jobs = [(p, n) for p in PROMPTS[:2] for n in [None, *paths]]
     engine = {**ENGINE, "distributed_executor_backend": "mp"}
     with LLM(model, enable_lora=True, max_loras=3, pipeline_parallel_size=2, **engine) as llm:
-        outs = llm.generate([p for p, _ in jobs], _params(), use_tqdm=False,
-                            lora_request=[_lora(paths, n) for _, n in jobs])  # fmt: skip
-    for (prompt, name), out in zip(jobs, outs, strict=True):
-        assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
+        _batch_equals_peft(llm, jobs, paths, references)
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -126,10 +126,7 @@ def test_tp2_mixed_batch_equals_peft(adapters, references, pp):
     engine = {**ENGINE, "distributed_executor_backend": "mp"}
     with LLM(model, enable_lora=True, max_loras=3, tensor_parallel_size=2,
              pipeline_parallel_size=pp, **engine) as llm:  # fmt: skip
-        outs = llm.generate([p for p, _ in jobs], _params(), use_tqdm=False,
-                            lora_request=[_lora(paths, n) for _, n in jobs])  # fmt: skip
-    for (prompt, name), out in zip(jobs, outs, strict=True):
-        assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
+        _batch_equals_peft(llm, jobs, paths, references)
 
 
 def test_prefix_cache_is_not_shared_across_adapters(adapters, llm):
