@@ -91,6 +91,25 @@ TRILLM_INLINE v8f finish_scores(v8f sums, const Problem& p) {
   return round_scores(sums, splat(p.scale));
 }
 
+// Query vector v's rows of qv and acc ([NV] each): its D values of q times q_scale<T>, zeros.
+template <typename T>
+TRILLM_INLINE void start_vector(const Problem& p, const T* src, int NV, v8f* qrow, v8f* arow) {
+  for (int j = 0; j < NV; ++j) {
+    qrow[j] = load8(src + 8 * j) * splat(q_scale<T>(p));
+    arow[j] = splat(0.0f);
+  }
+}
+
+// A vector's output: its acc row divided by l (>= 1), rounded to T at the store.
+template <typename T>
+TRILLM_INLINE void store_output(T* dst, const v8f* arow, int NV, float l) {
+  const v8f inv = splat(1.0f / l);
+  for (int j = 0; j < NV; ++j) {
+    const v8f x = arow[j] * inv;
+    for (int d = 0; d < 8; ++d) store(dst + 8 * j + d, x[d]);
+  }
+}
+
 struct Item {
   int req, row_begin, row_end;  // rows relative to the request's first query row
   int head_begin, head_end;     // kv heads

@@ -1,7 +1,7 @@
 // The paged-attention kernel of one-row tiles (every decode step's items; head_dim 64 or 128,
 // register-resident rows), one of the two kernels of ext/cpu_attention.cpp: included there,
-// inside its anonymous namespace, after Problem, Item and the bf16 rounding points
-// (finish_scores, rounded_softmax_pv).
+// inside its anonymous namespace, after Problem, Item, start_vector / store_output and the bf16
+// rounding points (finish_scores, rounded_softmax_pv).
 #pragma once
 
 // A one-row tile (every decode step's items). Keys are taken a chunk of kDecodeChunk at a time
@@ -48,11 +48,8 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   float m[kMaxVectors], l[kMaxVectors];
   const T* q = static_cast<const T*>(p.q) + (q0 + row) * p.q_token_stride;
   for (int v = 0; v < nvec; ++v) {
-    const T* src = q + (it.head_begin * group + v) * p.q_head_stride;
-    for (int j = 0; j < NV; ++j) {
-      qv[v * NV + j] = load8(src + 8 * j) * splat(q_scale<T>(p));
-      acc[v * NV + j] = splat(0.0f);
-    }
+    start_vector(p, q + (it.head_begin * group + v) * p.q_head_stride, NV, qv + v * NV,
+                 acc + v * NV);
     m[v] = neg_inf;
     l[v] = 0.0f;
   }
@@ -159,10 +156,6 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   T* out = static_cast<T*>(p.out) + (q0 + row) * p.out_token_stride;
   for (int v = 0; v < nvec; ++v) {
     T* dst = out + (it.head_begin * group + v) * p.out_head_stride;
-    const v8f inv = splat(1.0f / l[v]);  // l >= 1: the max's own term is exp(0)
-    for (int j = 0; j < NV; ++j) {
-      const v8f x = acc[v * NV + j] * inv;
-      for (int d = 0; d < 8; ++d) store(dst + 8 * j + d, x[d]);
-    }
+    store_output(dst, acc + v * NV, NV, l[v]);  // l >= 1: the max's own term is exp(0)
   }
 }

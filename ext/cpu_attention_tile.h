@@ -1,7 +1,8 @@
 // The paged-attention kernel of tiles of several query rows (prompt chunks with context,
 // speculative verification, and any head_dim the one-row kernel has no build for), one of the
 // two kernels of ext/cpu_attention.cpp: included there, inside its anonymous namespace, after
-// Problem, Item and the bf16 rounding points (finish_scores, rounded_softmax_pv).
+// Problem, Item, start_vector / store_output and the bf16 rounding points (finish_scores,
+// rounded_softmax_pv).
 //
 // The tile's query vectors (rows x the item's query heads) walk the request's blocks once, a
 // chunk of kKeyChunk keys at a time, each key row brought in once for all the vectors that read
@@ -42,10 +43,7 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
     const int row = it.row_begin + v / per_row;
     const int head = it.head_begin * group + v % per_row;
     const T* src = q + (q0 + row) * p.q_token_stride + head * p.q_head_stride;
-    for (int j = 0; j < NV; ++j) {
-      qv[v * NV + j] = load8(src + 8 * j) * splat(q_scale<T>(p));
-      acc[v * NV + j] = splat(0.0f);
-    }
+    start_vector(p, src, NV, qv + v * NV, acc + v * NV);
     m[v] = neg_inf;
     l[v] = 0.0f;
     limit[v] = context + row;
@@ -156,10 +154,6 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
     const int row = it.row_begin + v / per_row;
     const int head = it.head_begin * group + v % per_row;
     T* dst = out + (q0 + row) * p.out_token_stride + head * p.out_head_stride;
-    const v8f inv = splat(1.0f / l[v]);  // l >= 1: a row always sees at least its own key
-    for (int j = 0; j < NV; ++j) {
-      const v8f x = acc[v * NV + j] * inv;
-      for (int d = 0; d < 8; ++d) store(dst + 8 * j + d, x[d]);
-    }
+    store_output(dst, acc + v * NV, NV, l[v]);  // l >= 1: a row always sees its own key
   }
 }
