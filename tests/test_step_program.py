@@ -9,6 +9,10 @@ different lengths finish at different steps, so the batch shrinks through severa
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -29,6 +33,7 @@ def capture_at_once(monkeypatch):
     """Each size captured at its first step (the default waits for a size's 4th): these
     requests meet each batch size for 3 steps."""
     monkeypatch.setattr(step_program, "CAPTURE_AFTER", 1)
+
 
 PROMPT_LENS = [3, 29, 12, 41, 8]
 # Layouts that differ in what their forward runs: biases (qwen2), q/k norms (qwen3), an
@@ -224,3 +229,24 @@ def test_a_capture_that_raises_gives_up_and_the_step_runs_eagerly(tmp_path, monk
     assert _decode(runner) == eager
     assert runner.step_programs is not None
     assert runner.step_programs.reason == "the capture raised RuntimeError: no recording here"
+
+
+def test_a_capture_does_not_import_torch_dynamo(tmp_path):
+    """The recording mode tells torch it needs no dynamo guard: by default a dispatch mode's
+    first call imports torch._dynamo (about 1 s of CPU, a stall on the first capture). In a
+    fresh interpreter, since this one may have imported it already."""
+    path = build_tiny_model("llama", tmp_path / "m")
+    script = (
+        "import sys\n"
+        "from tests.test_step_program import _decode, _runner\n"
+        "from trillm.worker import step_program\n"
+        "step_program.CAPTURE_AFTER = 1\n"
+        f"runner = _runner({str(path)!r})\n"
+        "_decode(runner)\n"
+        "assert sorted(runner.step_programs.programs) == [1, 2, 3, 4, 5]\n"
+        "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["no", "dynamo"], out.stdout

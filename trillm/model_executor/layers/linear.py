@@ -4,7 +4,9 @@
 ``nn.Linear`` of the model (``StackedLinear`` included) gets a packed copy of its weight and a
 forward that multiplies by it (inference only: with autograd on, torch's GEMM on the weight).
 On the bench model's shapes with 2 threads it runs 1.3-1.7x torch's GEMM at 8-96 rows (decode
-steps) and 1.1-1.2x at 512-4096 (prefill chunks). The original weight stays (the tied
+steps) and 1.1-1.2x at 512-4096 (prefill chunks) on Zen 4 (AVX2 kernel); on an Intel core with
+two 512-bit FMA units its AVX-512 kernel runs 1.1-1.2x torch (MKL) at 64 rows and 0.9-1.0x at
+256-2048, where the AVX2 one ran 0.6-0.7x (benchmarks/RESULTS.md, section 26). The original weight stays (the tied
 embedding, state dicts and non-CPU inputs use it), so the linear weights take twice their
 memory on CPU. Weights written after packing are not seen: pack again.
 
