@@ -13,7 +13,9 @@ over all KV heads spans a replicated head; Phi-3's checkpoint fuses q/k/v and ga
 vocabulary of 4096 (an even split). Gemma 2 and 3 get a smaller weight scale: with the default
 one their greedy tokens repeat the prompt's last token, which would hide a wrong shard (each
 reference is checked for that). An engine start costs seconds on 2 cores, so each family runs
-one TP=2 and one PP=2 engine, 3 prompts x 8 tokens.
+one TP=2 and one PP=2 engine, 3 prompts x 8 tokens. TP=2 x PP=2 through the Python API, and
+every layout over HTTP, are in files of their own; tests/test_parallel_architectures_http.py's
+docstring tables where each (layout, interface) of the matrix is tested.
 """
 
 from __future__ import annotations
