@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ["TRILLM_CPU_ATTENTION_THREADS"] = "1"
 
+import common  # noqa: E402 (benchmarks/common.py)
 import torch  # noqa: E402
 from trillm.kernels import paged_attention_cpu  # noqa: E402
 
@@ -54,12 +53,7 @@ def median_ms(
     q = torch.randn(sum(qlens), HQ, D, generator=g).to(dtype)
     plan = paged_attention_cpu.PagedAttentionPlan(qsl, seq_lens, table, q.shape, cache.shape)
     out = torch.empty_like(q)
-    times = []
-    for _ in range(repeats):
-        t = time.thread_time()
-        plan.run(q, cache, D**-0.5, out)
-        times.append(time.thread_time() - t)
-    return statistics.median(times) * 1e3
+    return common.median_thread_ms(lambda: plan.run(q, cache, D**-0.5, out), repeats)
 
 
 def main() -> None:

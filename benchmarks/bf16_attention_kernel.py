@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 os.environ["TRILLM_CPU_ATTENTION_THREADS"] = "1"
 
+import common  # noqa: E402 (benchmarks/common.py)
 import torch  # noqa: E402
 from trillm.kernels import paged_attention_cpu  # noqa: E402
 
@@ -35,12 +34,7 @@ def median_ms(query_len: int, repeats: int, g: torch.Generator) -> float:
     q = torch.randn(N * query_len, HQ, D, generator=g).to(torch.bfloat16)  # [T, Hq, D]
     plan = paged_attention_cpu.PagedAttentionPlan(qsl, seq_lens, table, q.shape, cache.shape)
     out = torch.empty_like(q)
-    times = []
-    for _ in range(repeats):
-        t = time.thread_time()
-        plan.run(q, cache, D**-0.5, out)
-        times.append(time.thread_time() - t)
-    return statistics.median(times) * 1e3
+    return common.median_thread_ms(lambda: plan.run(q, cache, D**-0.5, out), repeats)
 
 
 def prefill_kernel_ms(repeats: int, g: torch.Generator) -> float | None:
@@ -51,12 +45,8 @@ def prefill_kernel_ms(repeats: int, g: torch.Generator) -> float | None:
     k, v = (torch.randn(N * L, HKV, D, generator=g).to(torch.bfloat16) for _ in range(2))
     segments = torch.tensor([(i * L, L) for i in range(N)], dtype=torch.int32)
     out = torch.empty_like(q)
-    times = []
-    for _ in range(repeats):
-        t = time.thread_time()
-        paged_attention_cpu.causal_prefill(q, k, v, segments, D**-0.5, out)
-        times.append(time.thread_time() - t)
-    return statistics.median(times) * 1e3
+    run = lambda: paged_attention_cpu.causal_prefill(q, k, v, segments, D**-0.5, out)  # noqa: E731
+    return common.median_thread_ms(run, repeats)
 
 
 def main() -> None:

@@ -151,6 +151,19 @@ def set_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def median_thread_ms(fn: Any, repeats: int) -> float:
+    """Median thread CPU time of ``repeats`` calls of ``fn()``, in ms (other load on the machine
+    barely moves it)."""
+    import statistics
+
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return statistics.median(times) * 1e3
+
+
 def matmul_gflops(m: int, k: int, n: int, min_time_s: float = 0.3) -> float:
     """fp32 ``[m, k] @ [k, n]`` rate in GFLOP/s: best of 3 timed rounds of >= min_time_s."""
     import torch
