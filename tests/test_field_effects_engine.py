@@ -269,7 +269,7 @@ def custom(tmp_path_factory):
 
 
 def test_too_few_kv_blocks_for_the_context_are_refused_at_startup():
-    from trillm.worker.model_runner import KVCacheTooSmallError
+    from trillm.worker.kv_cache_sizing import KVCacheTooSmallError
 
     with pytest.raises(KVCacheTooSmallError, match="6 blocks"):
         LLM(None, num_gpu_blocks_override=6, **SMALL)  # 96 tokens < max_model_len 256
@@ -412,12 +412,10 @@ def test_revision_reaches_the_hub_download(monkeypatch, tmp_path):
 
 
 def test_gpu_memory_utilization_sizes_the_cuda_kv_budget(monkeypatch):
-    import types
-
     import torch
 
     from trillm.engine.config_builder import build_config
-    from trillm.worker.model_runner import ModelRunner
+    from trillm.worker.kv_cache_sizing import cuda_budget
 
     total = 80 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - (2 << 30), total))
@@ -427,8 +425,7 @@ def test_gpu_memory_utilization_sizes_the_cuda_kv_budget(monkeypatch):
 
         config = build_config(EngineArgs(gpu_memory_utilization=fraction, device="cpu"))
         shapes = RankShapes.of(config.model, 0, 1)
-        runner = types.SimpleNamespace(device="cuda:0", config=config, shapes=shapes)
-        return ModelRunner._cuda_kv_budget(runner)  # type: ignore[arg-type]
+        return cuda_budget(config, "cuda:0", shapes)
 
     assert budget(0.9) - budget(0.5) == int(total * 0.9) - int(total * 0.5)
     assert budget(0.01) == 0  # less than what is in use: no room, refused at startup

@@ -47,6 +47,7 @@ from trillm.model_executor.registry import CausalLM
 from trillm.sample.logprobs import LogprobsTensors
 from trillm.sample.sampler import Sampler, SamplerOutput, SamplingState
 from trillm.spec_decode.draft_model import DraftModelProposer
+from trillm.worker import kv_cache_sizing
 from trillm.worker.input_batch import InputBatch, StepInputs
 from trillm.worker.pipeline_tokens import append_sampled
 from trillm.worker.spec_verify import DraftStep, accept_drafts, expand_rows, num_drafts_of
@@ -63,16 +64,11 @@ from trillm.worker.step_sampling import (
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # CacheConfig.cache_dtype -> the KV cache tensors' dtype (fp8: x / scale, scale 1.0).
 KV_CACHE_TORCH_DTYPES = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "fp8_e4m3": torch.float8_e4m3fn,
 }  # fmt: skip
-
-
-class KVCacheTooSmallError(ValueError):
-    """The KV cache budget cannot hold even one max_model_len request."""
 
 
 class ModelRunner:
@@ -154,42 +150,16 @@ class ModelRunner:
         return self.pp.end_layer - self.pp.start_layer
 
     def kv_block_bytes(self) -> int:
-        """Bytes of one block over this rank's layers: K and V, block_size tokens, Hkv x D
-        (and the draft model's, if any)."""
-        m = self.config.model
-        per_token = 2 * self.num_layers * self.shapes.num_kv_heads * m.head_dim
+        """Bytes of one block over this rank's layers (and the draft model's, if any)."""
         draft = 0 if self.drafter is None else self.drafter.block_bytes()
-        return per_token * self.block_size * self.kv_dtype.itemsize + draft
+        return kv_cache_sizing.block_bytes(
+            self.config, self.num_layers, self.shapes.num_kv_heads, self.kv_dtype, draft
+        )
 
     def determine_num_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_gpu_blocks_override is not None:
-            num_blocks = cache.num_gpu_blocks_override
-        elif self.device.type == "cuda":
-            num_blocks = self._cuda_kv_budget() // self.kv_block_bytes()
-        else:
-            num_blocks = cache.kv_cache_memory // self.kv_block_bytes()
-        needed = -(-self.max_model_len // self.block_size)
-        if num_blocks < needed:
-            raise KVCacheTooSmallError(
-                f"The KV cache holds {num_blocks} blocks of {self.block_size} tokens, but one "
-                f"request of max_model_len={self.max_model_len} needs {needed}; raise "
-                "--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len."
-            )
-        return int(num_blocks)
-
-    def _cuda_kv_budget(self) -> int:
-        """gpu_memory_utilization of the device, minus what is in use now, minus a reserve
-        for one step's activations (max_num_batched_tokens rows plus the sampled logits)."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        m, sched = self.config.model, self.config.scheduler
-        s = self.shapes
-        width = 4 * m.hidden_size + 3 * s.inter_size
-        width += (s.num_heads + 2 * s.num_kv_heads) * m.head_dim
-        activations = sched.max_num_batched_tokens * width * _DTYPE_BYTES[m.dtype] * 2
-        activations += sched.max_num_seqs * m.vocab_size * 4 * 4
-        used = total - free
-        return max(0, int(total * self.config.cache.gpu_memory_utilization) - used - activations)
+        return kv_cache_sizing.num_blocks(
+            self.config, self.kv_block_bytes(), self.device, self.shapes
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model

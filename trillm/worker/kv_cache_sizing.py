@@ -1,0 +1,63 @@
+"""How many KV-cache blocks a rank holds (stage 7's memory): the bytes of one block over the
+rank's layers (its pipeline stage's, its tensor-parallel share of the KV heads, the draft
+model's too), the budget they share (``--kv-cache-memory`` on CPU, ``gpu_memory_utilization`` of
+the device on CUDA, or ``num_gpu_blocks_override``), and the check that one request of
+``max_model_len`` tokens fits. The model runner asks these at startup; the engine core then
+takes the smallest count over its ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from trillm.config import TrillmConfig
+from trillm.distributed.sharding import RankShapes
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class KVCacheTooSmallError(ValueError):
+    """The KV cache budget cannot hold even one max_model_len request."""
+
+
+def block_bytes(
+    config: TrillmConfig, num_layers: int, num_kv_heads: int, kv_dtype: torch.dtype, draft: int
+) -> int:
+    """Bytes of one block: K and V of ``block_size`` tokens, ``num_kv_heads`` x head_dim, over
+    ``num_layers`` layers, plus ``draft`` (the draft model's bytes a block, 0 without one)."""
+    per_token = 2 * num_layers * num_kv_heads * config.model.head_dim
+    return per_token * config.cache.block_size * kv_dtype.itemsize + draft
+
+
+def num_blocks(
+    config: TrillmConfig, block_bytes: int, device: torch.device, shapes: RankShapes
+) -> int:
+    """The blocks the budget holds; KVCacheTooSmallError when one max_model_len request does
+    not fit (naming the flags that change it)."""
+    cache, max_model_len = config.cache, config.model.max_model_len
+    if cache.num_gpu_blocks_override is not None:
+        count = cache.num_gpu_blocks_override
+    elif device.type == "cuda":
+        count = cuda_budget(config, device, shapes) // block_bytes
+    else:
+        count = cache.kv_cache_memory // block_bytes
+    needed = -(-max_model_len // cache.block_size)
+    if count < needed:
+        raise KVCacheTooSmallError(
+            f"The KV cache holds {count} blocks of {cache.block_size} tokens, but one request "
+            f"of max_model_len={max_model_len} needs {needed}; raise --kv-cache-memory / "
+            "--gpu-memory-utilization or lower --max-model-len."
+        )
+    return int(count)
+
+
+def cuda_budget(config: TrillmConfig, device: torch.device | str, shapes: RankShapes) -> int:
+    """gpu_memory_utilization of the device, minus what is in use now, minus a reserve for one
+    step's activations (max_num_batched_tokens rows plus the sampled logits)."""
+    free, total = torch.cuda.mem_get_info(device)
+    m, sched = config.model, config.scheduler
+    width = 4 * m.hidden_size + 3 * shapes.inter_size
+    width += (shapes.num_heads + 2 * shapes.num_kv_heads) * m.head_dim
+    activations = sched.max_num_batched_tokens * width * _DTYPE_BYTES[m.dtype] * 2
+    activations += sched.max_num_seqs * m.vocab_size * 4 * 4
+    used = total - free
+    return max(0, int(total * config.cache.gpu_memory_utilization) - used - activations)
