@@ -4,8 +4,9 @@ fp32 (``ext/cpu_gemm.cpp``): panels of 16 output columns, [K][16] each, instead 
 packing the weight again on each call -- most of the cost at decode-step row counts. Same
 contract as ``torch.nn.functional.linear`` for fp32 CPU tensors; the torch reference is that
 function itself. Two kernels over one packing, bit-identical results: AVX-512 where the CPU has
-it, else AVX2 (``isa()`` says which; ``use_isa`` switches, for benchmarks and tests). ``available()`` is False when the extension is not built,
-``TRILLM_NO_EXTENSIONS=1``, or the CPU lacks AVX2/FMA; callers then keep ``F.linear``.
+it, else AVX2 (``isa()`` says which; ``use_isa`` switches, for benchmarks and tests).
+``available()`` is False when the extension is not built, ``TRILLM_NO_EXTENSIONS=1``, or the
+CPU lacks AVX2/FMA; callers then keep ``F.linear``.
 
 bf16 (``ext/cpu_gemm_bf16.cpp``, ``PackedWeightBf16`` / ``linear_bf16``): bf16 weights in panels
 of 64 columns of k-pairs, multiplied by AVX512-BF16's ``vdpbf16ps`` with fp32 sums; x fp32 or
