@@ -3,9 +3,9 @@
 A decode step at batch 1 spends as long in the Python between the native kernels (module calls,
 argument checks, views, allocations) as in the kernels themselves: 30 layers x ~12 kernels. A
 step program (``trillm/worker/step_program.py``, the CPU counterpart of a CUDA graph) runs a
-forward once with a ``Recording`` active, keeps every tensor that forward allocated, and later
-steps of the same shape call the recorded kernels again with the same arguments, which point
-into the same buffers. Each native wrapper in this package calls its kernel through ``call``
+forward once with a ``Recording`` active, keeps the buffers that forward allocated (a few
+reused slabs), and later steps of the same shape call the recorded kernels again with the same
+arguments, which point into the same buffers. Each native wrapper in this package calls its kernel through ``call``
 (or ``attention`` for the paged-attention plan, which is rebuilt for each step's metadata).
 
 Outside a recording ``call`` is one extra Python call per kernel.

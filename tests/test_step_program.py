@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, MiniScheduler, _prompts, _Req
 from trillm.config import EngineArgs
@@ -43,9 +44,9 @@ PROMPT_LENS = [3, 29, 12, 41, 8]
 ARCHES = ["llama", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "mixtral", "qwen2_moe"]
 
 
-def _runner(path, *, eager: bool = False, dtype: str = "float32") -> ModelRunner:
+def _runner(path, *, eager: bool = False, dtype: str = "float32", seqs: int = 16) -> ModelRunner:
     args = EngineArgs(
-        model=str(path), dtype=dtype, device="cpu", block_size=BLOCK_SIZE, max_num_seqs=16,
+        model=str(path), dtype=dtype, device="cpu", block_size=BLOCK_SIZE, max_num_seqs=seqs,
         max_model_len=256, num_gpu_blocks_override=NUM_BLOCKS,
         distributed_executor_backend="uni", enforce_eager=eager,
     )  # fmt: skip
@@ -104,6 +105,105 @@ def test_replay_gives_the_eager_bits_and_replaces_the_eager_forward(arch_model):
     # Per token count: the capture, its eager twin, one verifying eager forward; every other
     # decode step of the 4 + 7 + 10 + 13 + 16 - 5 = 45 is a replay.
     assert counting.calls == 3 * len(sizes)
+
+
+class _Alternating(MiniScheduler):
+    """Steps that schedule the requests of one group, then the other's, in turn (the other
+    group's requests wait): the two groups' step sizes interleave."""
+
+    def __init__(self, runner: ModelRunner, groups: list[list[_Req]]) -> None:
+        super().__init__(runner)
+        self.groups = groups
+
+    def run(self) -> None:
+        turn = 0
+        while any(r in self.active for g in self.groups for r in g):
+            group = [r for r in self.groups[turn % 2] if r in self.active]
+            turn += 1
+            if group:
+                waiting = [r for r in self.active if r not in group]
+                self.active = group
+                self.step()
+                self.active += waiting
+
+
+def _alternate(runner: ModelRunner, big: int):
+    """Tokens and logprobs of a group of ``big`` requests (most finish after 4 tokens, 6 after
+    6) decoding in turn with a group of 3 (9 tokens): step sizes big, 3, big, 3, ..., 6, 3."""
+    prompts = _prompts([2 + i % 7 for i in range(big + 3)], seed=3)
+    params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, logprobs=2)  # noqa: E731
+    a = [_Req(f"a{i}", p, params(6 if i < 6 else 4), 6 if i < 6 else 4)
+         for i, p in enumerate(prompts[:big])]  # fmt: skip
+    b = [_Req(f"b{i}", p, params(9), 9) for i, p in enumerate(prompts[big:])]
+    sched = _Alternating(runner, [a, b])
+    for req in a + b:
+        sched.add(req)
+    sched.run()
+    return [r.output for r in a + b], [r.logprobs for r in a + b]
+
+
+class _Allocations(TorchDispatchMode):
+    """Bytes of the tensors a forward allocates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes = 0
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as the step programs' watch: no torch._dynamo import
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("empty", "empty_like", "empty_strided", "new_empty"):
+            self.nbytes += out.untyped_storage().nbytes()
+        return out
+
+
+@pytest.fixture(scope="module")
+def deep_llama(tmp_path_factory):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("deep"), num_hidden_layers=6)
+
+
+def test_programs_of_the_largest_size_interleaved_with_small_ones_replay_exactly(deep_llama):
+    """Programs of MAX_ROWS tokens and of a few, replayed in turn (each program's buffers are
+    its own, so one does not disturb the other), give the eager bits."""
+    big = step_program.MAX_ROWS
+    eager = _alternate(_runner(deep_llama, eager=True, seqs=big + 3), big)
+    runner = _runner(deep_llama, seqs=big + 3)
+    programs = runner.step_programs
+    assert programs is not None
+    counting = programs.model = _Counting(programs.model)
+    assert _alternate(runner, big) == eager
+    assert programs.reason is None
+    assert sorted(programs.programs) == [3, 6, big]
+    assert all(p.checked == {True} for p in programs.programs.values())
+    # 3 forwards per size (capture, its twin, the checked replay); every other decode step of
+    # 3 + 5 + 8 replays.
+    assert counting.calls == 3 * 3
+
+
+def test_a_program_keeps_a_few_slabs_not_every_buffer_of_its_forward(deep_llama):
+    """The arena: a buffer whose tensors died during the capture serves later allocations, so
+    a program keeps a fraction of the bytes its forward allocates (6 layers: every layer's
+    buffers fit in the first one's)."""
+    runner = _runner(deep_llama)
+    programs = runner.step_programs
+    assert programs is not None
+    model, counts = programs.model, {}
+
+    def counted(input_ids, *args):
+        with _Allocations() as mode:
+            out = model(input_ids, *args)
+        counts[len(input_ids)] = mode.nbytes
+        return out
+
+    programs.model = counted
+    assert _decode(runner) == _decode(_runner(deep_llama, eager=True))
+    assert sorted(programs.programs) == [1, 2, 3, 4, 5]
+    for rows, program in programs.programs.items():
+        assert program.allocated >= counts[rows]  # and the results of torch ops it records
+        assert 0 < program.nbytes < counts[rows] / 4, (rows, program.nbytes, counts[rows])
 
 
 @pytest.mark.parametrize("after", [2, 4])

@@ -5,10 +5,13 @@ them (module calls, argument checks, views, allocations) took as long as the ker
 CPU (benchmarks/RESULTS.md, section 19). A ``StepProgram`` is the CPU counterpart of a CUDA
 graph: the forward of a step with T tokens whose requests all attend cached context (a decode
 step, or one that verifies speculative drafts; no fresh prompt) runs once with a
-``kernels.recording.Recording`` active; the program keeps every tensor that forward made, and
+``kernels.recording.Recording`` active; the program keeps the buffers that forward used, and
 later such steps with T tokens copy their inputs (embeddings, positions, slots) into the
 captured buffers, build the step's attention plan and call the recorded kernels again, in
 order, with the same arguments. Same kernels, same arguments: the same bits as the eager path.
+The capture's allocations come from the program's arena (``_Arena``): a buffer whose tensors
+have died serves a later allocation, as freed memory does in the eager forward, so a program
+keeps a few cache-warm slabs (about the buffers of one layer), not every layer's own.
 
 A forward is replayable only if everything it computes goes through recorded kernels. Checks,
 each of which drops the program and keeps the eager path (``reason`` says why):
@@ -40,12 +43,20 @@ from trillm.kernels import paged_attention_cpu, recording
 logger = logging.getLogger(__name__)
 
 # Programs for steps of 1 .. MAX_ROWS tokens: at those sizes a step reads every weight once
-# whatever its rows, so the Python between kernels is a large share of it. Each program keeps
-# its forward's buffers (every layer its own, where the eager forward reuses freed, cache-warm
-# memory); past ~40 rows that costs more than the Python it saves (the 8-layer benchmark model,
-# one thread, CPU time per step eager / replay: 1.14x at 32 rows, 0.97x at 40, 0.94x at 64).
-# No program is kept once they would pass MEMORY_BUDGET bytes.
-MAX_ROWS = 32
+# whatever its rows, so the Python between kernels is a large share of it. Before the arena a
+# program kept every layer's buffers (cache-cold, where the eager forward reuses freed memory)
+# and was held to 32 rows; with it a program keeps a few slabs (the 8-layer benchmark model:
+# 28.5 KiB per row, was 216 KiB). One thread, thread CPU time per decode step, eager / replay
+# (arena; the one-buffer-per-allocation layout in brackets), eager and both replays alternated
+# in one process, 5 rounds, 32-token prompts: 8 rows 1.20x (1.20x), 16 1.17x (1.15x),
+# 32 1.13x (1.09x), 48 1.11x (1.05x), 64 1.14x (1.11x), 96 1.10x (1.06x), 128 1.08x (1.05x);
+# 128-token prompts, 3 rounds: 48 1.11x (1.10x), 64 1.10x (1.06x). Replay pays at every size
+# measured; past 64 rows the gain per step shrinks while each program's buffers grow with its
+# rows, so larger steps stay eager (MEMORY_BUDGET is shared by all sizes, first captured first).
+MAX_ROWS = 64
+# A budget on the programs' buffers (all sizes together): their slabs scale with rows x the
+# widest layer, not with depth (benchmark model, sizes 1 .. 64: about 58 MiB; a 7B fp32 model
+# ~14 MiB at 64 rows). No program is kept once they would pass it.
 MEMORY_BUDGET = 256 << 20
 # A capture costs about three forwards (the recorded one, its eager twin, the first replay's
 # check) and a replay saves a share of one, so a size is captured at its CAPTURE_AFTER-th step:
@@ -97,17 +108,59 @@ class _TorchOp:
                 captured.copy_(value)
 
 
+def _unused(storage: torch.UntypedStorage) -> bool:
+    """No tensor or view holds ``storage`` any more: only the arena's own reference is left
+    (torch hands out one Python object per storage, so the count does not see the arena twice;
+    model code holds tensors, not storage objects)."""
+    return torch._C._storage_Use_Count(storage._cdata) == 1
+
+
+class _Arena:
+    """The storages a program's buffers live in. During the capture every allocation of the
+    forward is served from here, as the eager forward's are from freed memory: a storage none
+    of whose tensors and views is alive any more goes to the next allocation it holds (the
+    smallest such), a new storage only when none fits. The recorded native calls keep raw
+    pointers, not tensors, and a replay calls them in the captured order, so a storage's old
+    tensor has had its last use when its new one is first written: a program keeps a few
+    cache-warm slabs, not one buffer per layer. Tensors that recorded calls hold (torch ops,
+    opaque calls), the program's output and anything the model keeps stay alive, so their
+    storages are never handed on."""
+
+    def __init__(self) -> None:
+        self.storages: list[torch.UntypedStorage] = []
+        self.served = 0  # bytes of the tensors served (what the program would keep without reuse)
+
+    def like(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor of t's dtype, size and strides in one of the arena's storages."""
+        need = t.untyped_storage().nbytes()
+        self.served += need
+        best: torch.UntypedStorage | None = None
+        for s in self.storages:
+            if s.nbytes() >= need and (best is None or s.nbytes() < best.nbytes()) and _unused(s):
+                best = s
+        if best is None:
+            best = torch.UntypedStorage(need)
+            self.storages.append(best)
+        empty = torch.empty(0, dtype=t.dtype, device=t.device)
+        return empty.set_(best, t.storage_offset(), t.size(), t.stride())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.storages)
+
+
 class _Watch(TorchDispatchMode):
     """Records every torch op of the captured forward that computes (views and allocations
-    need nothing at replay), keeps every tensor it makes, and notes the first op that cannot
-    be replayed: random, data-dependent or reading a step input that a replay does not refresh."""
+    need nothing at replay), serves its allocations and the results of the ops it records from
+    the program's arena, and notes the first op that cannot be replayed: random,
+    data-dependent or reading a step input that a replay does not refresh."""
 
     def __init__(self, rec: recording.Recording, forbidden: set[int]) -> None:
         super().__init__()
         self.rec = rec
         self.forbidden = forbidden  # storages of step inputs a replay does not refresh
-        self.made: list[torch.Tensor] = []
-        self.owned: dict[int, int] = {}  # storage -> bytes, of the tensors the forward allocated
+        self.arena = _Arena()
+        self.pinned: list[torch.Tensor] = []  # new outputs of recorded ops that write an input
         self.refused: str | None = None
 
     @classmethod
@@ -118,23 +171,21 @@ class _Watch(TorchDispatchMode):
         # under this mode, so there is nothing to disable.
         return False
 
-    def _own(self, outputs: list[torch.Tensor]) -> None:
-        for t in outputs:
-            self.owned[_storage(t)] = t.untyped_storage().nbytes()
+    def _in_arena(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
+            return t
+        return self.arena.like(t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if recording.in_opaque():  # recorded as one call, which a replay repeats as a whole
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        outputs = _tensors(out if isinstance(out, (list, tuple)) else [out])
-        self.made.extend(outputs)
-        inputs = _tensors([*args, *kwargs.values()])
         if func.overloadpacket.__name__ in _ALLOCATIONS:
-            self._own(outputs)
-            return out
+            return self._in_arena(out) if isinstance(out, torch.Tensor) else out
         if self.refused is not None:
             return out
+        inputs = _tensors([*args, *kwargs.values()])
         if (
             func.overloadpacket.__name__ in _UNREPLAYABLE
             or any(tag in func.tags for tag in _UNREPLAYABLE_TAGS)
@@ -147,9 +198,26 @@ class _Watch(TorchDispatchMode):
             a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
         )
         sources = {_storage(t) for t in inputs}
-        if writes or not all(_storage(t) in sources for t in outputs):  # it computes
+        outputs = _tensors(out if isinstance(out, (list, tuple)) else [out])
+        fresh = [t for t in outputs if _storage(t) not in sources]
+        if not writes and fresh:
+            # It computes new tensors: a replay runs it again and copies its results into
+            # these, which live in the arena (the copy is exact).
+            if isinstance(out, torch.Tensor):
+                out = self._in_arena(out).copy_(out)
+                outputs = [out]
+            elif isinstance(out, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in out):
+                moved = [
+                    self._in_arena(t).copy_(t) if any(t is f for f in fresh) else t for t in out
+                ]
+                out = type(out)(moved) if isinstance(out, tuple) else moved
+                outputs = list(moved)
+            else:  # nested results: kept as they are
+                self.pinned.extend(fresh)
             self.rec.calls.append((_TorchOp(func, outputs, writes), args, kwargs))
-            self._own([t for t in outputs if _storage(t) not in sources])
+        elif writes:
+            self.rec.calls.append((_TorchOp(func, outputs, writes), args, kwargs))
+            self.pinned.extend(fresh)
         return out
 
 
@@ -163,8 +231,10 @@ class StepProgram:
     slots: torch.Tensor  # [T] int64
     output: torch.Tensor  # [T, H]: the final norm's output; valid until the next replay
     plan_keys: list[tuple[Any, ...]]  # the attention plans' shapes (``PagedAttentionPlan.key``)
-    keep: list[torch.Tensor] = field(default_factory=list)  # every buffer the calls point into
-    nbytes: int = 0  # of the buffers the captured forward allocated (not the caches' views)
+    # The storages the calls point into: the arena's, and new outputs of ops that write inputs.
+    keep: list[torch.UntypedStorage | torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0  # of those storages (not the weights' or the caches')
+    allocated: int = 0  # bytes the captured forward allocated, which the arena's storages serve
     # The kinds of step (decode_only) on which a replay has matched the eager forward.
     checked: set[bool] = field(default_factory=set)
 
@@ -325,8 +395,9 @@ class StepPrograms:
             slots=slots,
             output=out,
             plan_keys=keys,
-            keep=watch.made,
-            nbytes=sum(watch.owned.values()),
+            keep=[*watch.arena.storages, *watch.pinned],
+            nbytes=watch.arena.nbytes + sum(t.untyped_storage().nbytes() for t in watch.pinned),
+            allocated=watch.arena.served,
         )
 
     def _give_up(self, reason: str) -> None:
