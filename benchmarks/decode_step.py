@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import common  # benchmarks/common.py: the benchmark model, built once
@@ -64,10 +65,15 @@ def _sched(step_id, new, cached, scheduled, finished=()) -> SchedulerOutput:
 
 
 def time_decode(
-    runner: ModelRunner, batch: int, steps: int, first_step: int, prompt_len: int = PROMPT_LEN
+    runner: ModelRunner,
+    batch: int,
+    steps: int,
+    first_step: int,
+    prompt_len: int = PROMPT_LEN,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[float]:
     """Prefill ``batch`` prompts of ``prompt_len`` tokens, then time ``steps`` decode steps;
-    returns seconds per step."""
+    returns seconds per step (wall time, or ``time.thread_time`` for this thread's CPU time)."""
     blocks_per_req = -(-(prompt_len + steps + 2) // BLOCK_SIZE)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2)
     g = torch.Generator().manual_seed(batch)
@@ -92,10 +98,10 @@ def time_decode(
         computed = prompt_len + step
         cached = CachedRequestData(req_ids, [[] for _ in req_ids], [computed] * batch)
         sched = _sched(first_step + 1 + step, [], cached, dict.fromkeys(req_ids, 1))
-        start = time.perf_counter()
+        start = clock()
         runner.execute_model(sched)
         runner.sample_tokens(None)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     empty = _sched(first_step + steps + 1, [], CachedRequestData(), {}, finished=req_ids)
     runner.execute_model(empty)
     runner.sample_tokens(None)

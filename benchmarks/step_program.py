@@ -3,10 +3,13 @@
 One ModelRunner; rounds alternate the eager forward and the replayed one (the same runner, the
 programs switched off and on), each round a fresh set of ``batch`` requests decoding ``--steps``
 steps after a ``--prompt-len`` prompt. Reported: the median step time of each mode (median of
-the rounds' medians) and eager / replay.
+the rounds' medians), eager / replay, and the bytes the batch's program keeps against the bytes
+its forward allocates (the arena's reuse). ``--clock thread`` times this thread's CPU time
+instead of wall time (with ``--threads 1``: what other load on the machine barely moves).
+Batches past ``step_program.MAX_ROWS`` are replayed too (to see where replay stops paying).
 
     python benchmarks/step_program.py --model PATH [--dtype float32] [--batches 1 4 16]
-        [--rounds 4] [--steps 24] [--threads N] [--out x.json]
+        [--rounds 4] [--steps 24] [--threads N] [--clock wall|thread] [--out x.json]
 
 PATH may be a checkpoint folder or a .gguf file (kept quantized where trillm can).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +41,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--clock", choices=["wall", "thread"], default="wall")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.threads:
@@ -50,6 +55,8 @@ def main() -> None:
     runner.load_model()
     runner.initialize_kv_cache(runner.determine_num_blocks())
     step_program.CAPTURE_AFTER = 1  # every size at its first step (times[2:] skip it)
+    step_program.MAX_ROWS = max(step_program.MAX_ROWS, *args.batches)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     programs = runner.step_programs
     if programs is None:
         raise SystemExit("step programs do not apply to this runner (see ModelRunner)")
@@ -59,14 +66,18 @@ def main() -> None:
         for _ in range(args.rounds):
             for mode in medians:
                 runner.step_programs = programs if mode == "replay" else None
-                times = time_decode(runner, batch, args.steps, first_step, args.prompt_len)
+                times = time_decode(runner, batch, args.steps, first_step, args.prompt_len, clock)
                 first_step += args.steps + 2
                 medians[mode].append(statistics.median(times[2:]) * 1e3)  # after the capture
         eager, replay = (statistics.median(medians[m]) for m in ("eager", "replay"))
+        program = programs.programs.get(batch)
+        kept, allocated = (program.nbytes, program.allocated) if program else (0, 0)
         rows.append(dict(batch=batch, eager_ms=eager, replay_ms=replay, speedup=eager / replay,
+                         program_bytes=kept, allocated_bytes=allocated,
                          rounds=medians))  # fmt: skip
         print(f"batch {batch:>3}: eager {eager:7.2f} ms, replay {replay:7.2f} ms, "
-              f"{eager / replay:.2f}x", flush=True)  # fmt: skip
+              f"{eager / replay:.2f}x; the program keeps {kept >> 10} KiB of the "
+              f"{allocated >> 10} KiB its forward allocates", flush=True)  # fmt: skip
     if programs.reason is not None:
         print("programs off:", programs.reason)
     result = dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
