@@ -2,7 +2,11 @@
 // trillm's form of AWQ / GPTQ 4-bit groups: blocks of 32 values along K, one fp16 scale per
 // block, Q4_1 an fp16 minimum too, Q4_G a 4-bit zero point, Q4_K its super-block's fp16 d and
 // dmin with the block's 6-bit scale and minimum, Q6_K its super-block's fp16 d with an int8
-// scale for each half of the block): y[M, N] = x[M, K] . W[N, K]^T (+ bias), x fp32
+// scale for each half of the block; and Q8_KM, trillm's: byte values with the super-block's
+// fp16 d and dmin and a uint8 scale and minimum for each half of the block). GGUF's Q3_K is
+// repacked into Q6_K's form (int8 q - 4, int8 scale - 32), Q5_K (q 0..31, its 6-bit scale and
+// minimum per 32 repeated per 16) and Q2_K (q 0..3, 4-bit scale and minimum per 16) into Q8_KM's,
+// all exactly (kernels/linear_q_cpu.py): y[M, N] = x[M, K] . W[N, K]^T (+ bias), x fp32
 // or bf16, y fp32 or bf16, products summed in fp32.
 //
 // Numerics: those of dequantize-then-matmul in fp32. Per block b and column n the kernel sums
@@ -10,7 +14,8 @@
 // exact as floats), then adds d * s (Q4_0: d * (s - 8 * sum_k x[k]); Q4_1: d * s + m * sum_k
 // x[k]; Q4_G: d * (s - z * sum_k x[k]), z the block's zero point of this column; Q4_K:
 // (d * sc) * s - (dmin * mn) * sum_k x[k], both products exact in fp32; Q6_K: (d * sc) * s per
-// half block of 16, s over that half). Only the
+// half block of 16, s over that half; Q8_KM: Q4_K's per half block, sum_k x[k] over that half
+// too). Only the
 // order of the fp32 additions differs from F.linear on the dequantized weight.
 // Activations are not quantized by default: a GGUF model served in fp32 keeps the greedy output
 // of the same model dequantized. `int8_activations` (AVX512-VNNI) rounds them to int8 per half
@@ -27,6 +32,9 @@
 //                fp16, then (Q6_K, q - 32 stored) sc[2][16] int8, the scales of k 0..15 and
 //                16..31 (9 bits a weight against the file's 6.56: one byte a value keeps the
 //                int8 kernels' loads; d repeats over the 8 blocks of a super-block);
+//   Q8_KM: Q8_0's bytes (q, 0..31), then d[16] fp16, dmin[16] fp16, sc[2][16] uint8,
+//                mn[2][16] uint8 for k 0..15 and 16..31 (10 bits a weight: Q5_K's file 5.5,
+//                Q2_K's 2.625);
 // Q4: one 16-byte load and a zero-extension give 16 columns' integers for two k. Q8: one 64-byte
 // load gives 16 columns' integers for four k, each column's four in one 32-bit lane: the operand
 // `vpdpbusd` multiplies as it is (int8 path), two shifts sign-extend one k of it (fp32 path).
@@ -57,10 +65,15 @@ constexpr int kRows = 4;        // rows of x per register tile (x 2 panels)
 constexpr int kRowBlock = 64;   // rows of x per work item
 
 // GGML's type ids; Q4_G is trillm's (not a GGML type): AWQ / GPTQ groups cut into blocks of 32.
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_G = 100 };
+// Q8_KM is trillm's too: byte values with a scale and a minimum per half block of 16 (the form
+// GGUF's Q5_K and Q2_K are repacked into; Q3_K goes into Q6_K's).
+enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_G = 100, kQ8_KM = 101 };
 
 // Types whose values are stored one signed byte each (in quads), not as nibble pairs.
-constexpr bool byte_values(int qtype) { return qtype == kQ8_0 || qtype == kQ6_K; }
+constexpr bool byte_values(int qtype) { return qtype == kQ8_0 || qtype == kQ6_K || qtype == kQ8_KM; }
+
+// Types with a weight scale per half block of 16 (the first half folded in mid-block).
+constexpr bool half_scales(int qtype) { return qtype == kQ6_K || qtype == kQ8_KM; }
 
 constexpr int quant_bytes(int qtype) {
   return byte_values(qtype) ? kBlock * kCols : kBlock / 2 * kCols;
@@ -72,16 +85,17 @@ constexpr int param_bytes(int qtype) {
                       : qtype == kQ4_G ? kCols
                       : qtype == kQ4_K ? 4 * kCols
                       : qtype == kQ6_K ? 2 * kCols
-                                       : 0);
+                      : qtype == kQ8_KM ? 6 * kCols
+                                        : 0);
 }
 
 // Bytes of one (panel, block) record.
 int record_bytes(int qtype) {
   if (qtype != kQ4_0 && qtype != kQ4_1 && qtype != kQ8_0 && qtype != kQ4_K && qtype != kQ6_K &&
-      qtype != kQ4_G)
+      qtype != kQ4_G && qtype != kQ8_KM)
     throw std::invalid_argument(
-        "quantized GEMM: type must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q6_K (14) or "
-        "Q4_G (100)");
+        "quantized GEMM: type must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q6_K (14), "
+        "Q4_G (100) or Q8_KM (101)");
   return quant_bytes(qtype) + param_bytes(qtype);
 }
 
@@ -105,7 +119,8 @@ bool cpu_has_avx512() {
 struct Gemm {
   const float* x;   // fp32 rows, stride ldx
   int64_t ldx;
-  const float* sx;  // Q4: per row, per block, the sum of x over the block [M][nb]; else null
+  const float* sx;  // Q4: per row, per block, the sum of x over the block [M][nb]; Q8_KM: per
+                    // half block [M][2 nb]; else null
   const int8_t* xq;  // int8 path (cpu_gemm_q_vnni.h): x rounded to int8 [M][K]; else null
   const float* dx;   // int8 path: per row, per half block, the scale of xq [M][2 nb]
   const int32_t* qxh;  // int8 path: per row, per half block, the sum of xq [M][2 nb]
@@ -141,15 +156,33 @@ TRILLM_Q_TARGET inline __m512 add_half(__m512 acc, __m512 s, const uint8_t* para
   return _mm512_fmadd_ps(_mm512_mul_ps(d, sc), s, acc);
 }
 
+// Q8_KM: acc + (d * sc[half]) * s - (dmin * mn[half]) * sx for 16 columns, s the sums of x * q
+// over that half block, sx its sum of x; `params` d[16] fp16, dmin[16] fp16, sc[2][16] uint8,
+// mn[2][16] uint8.
+TRILLM_Q_TARGET inline __m512 add_half_min(__m512 acc, __m512 s, float sx, const uint8_t* params,
+                                           int half) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
+  const __m512 dmin = _mm512_cvtph_ps(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
+  const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + (4 + half) * kCols))));
+  const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + (6 + half) * kCols))));
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, sc), s, acc);
+  return _mm512_fnmadd_ps(_mm512_mul_ps(dmin, mn), _mm512_set1_ps(sx), acc);
+}
+
 // acc + one block's share of 16 columns: d * (s - 8 sx) (Q4_0), d * s + m * sx (Q4_1),
 // d * (s - z sx) (Q4_G), d * s (Q8_0), (d sc) * s - (dmin mn) * sx (Q4_K), (d sc[1]) * s (Q6_K:
-// the second half, s its sums; add_half took the first); s the block's sums
+// the second half, s its sums; add_half took the first), Q8_KM's second half (sx that half's
+// sum of x; add_half_min took the first); s the block's sums
 // of x * q, sx its sum of x, `params` the record's d[16] fp16 (then m[16] fp16, z[16] uint8 or
 // dmin[16] fp16, sc[16] uint8, mn[16] uint8).
 template <int QT>
 TRILLM_Q_TARGET inline __m512 add_block(__m512 acc, __m512 s, float sx, const uint8_t* params) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
   if constexpr (QT == kQ6_K) return add_half(acc, s, params, 1);
+  if constexpr (QT == kQ8_KM) return add_half_min(acc, s, sx, params, 1);
   if constexpr (QT == kQ4_K) {
     const __m512 dmin = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
@@ -217,11 +250,15 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
     const float* xb = x + b * kBlock;
     if constexpr (byte_values(QT)) {
       for (int k = 0; k < kBlock; k += 4) {  // one quad: lane c holds q[c][k .. k + 3]
-        if (QT == kQ6_K && k == kBlock / 2) {  // the first half has its own scale: fold it in
+        if (half_scales(QT) && k == kBlock / 2) {  // the first half has its own scale: fold it in
           for (int p = 0; p < 2; ++p)
             for (int r = 0; r < R; ++r) {
               const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
-              acc[r][p] = add_half(acc[r][p], _mm512_add_ps(se[r][p], so[r][p]), params, 0);
+              const __m512 s = _mm512_add_ps(se[r][p], so[r][p]);
+              if constexpr (QT == kQ8_KM)
+                acc[r][p] = add_half_min(acc[r][p], s, g.sx[(m + r) * 2 * nb + 2 * b], params, 0);
+              else
+                acc[r][p] = add_half(acc[r][p], s, params, 0);
               se[r][p] = so[r][p] = _mm512_setzero_ps();
             }
         }
@@ -255,7 +292,9 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
     for (int p = 0; p < 2; ++p) {
       const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
       for (int r = 0; r < R; ++r) {
-        const float sx = byte_values(QT) ? 0.0f : g.sx[(m + r) * nb + b];
+        const float sx = QT == kQ8_KM      ? g.sx[(m + r) * 2 * nb + 2 * b + 1]
+                         : byte_values(QT) ? 0.0f
+                                           : g.sx[(m + r) * nb + b];
         acc[r][p] = add_block<QT>(acc[r][p], _mm512_add_ps(se[r][p], so[r][p]), sx, params);
       }
     }
@@ -303,6 +342,8 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
                      : rows_for_pair<kQ4_K, false>(g, m0, m1, pair); break;
     case kQ6_K: int8 ? rows_for_pair<kQ6_K, true>(g, m0, m1, pair)
                      : rows_for_pair<kQ6_K, false>(g, m0, m1, pair); break;
+    case kQ8_KM: int8 ? rows_for_pair<kQ8_KM, true>(g, m0, m1, pair)
+                      : rows_for_pair<kQ8_KM, false>(g, m0, m1, pair); break;
     default: int8 ? rows_for_pair<kQ8_0, true>(g, m0, m1, pair)
                   : rows_for_pair<kQ8_0, false>(g, m0, m1, pair); break;
   }
@@ -320,9 +361,9 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   if (M < 0 || N <= 0 || K <= 0 || K % kBlock != 0)
     throw std::invalid_argument("quantized GEMM: bad shape (K must be a multiple of 32)");
   if (M == 0) return;
-  const int nb = K / kBlock;
   py::gil_scoped_release release;
-  // x as fp32 rows (bf16 widened exactly) and, for Q4, its per-block sums: O(M K), small
+  // x as fp32 rows (bf16 widened exactly) and, for Q4 (Q8_KM), its per-block (per-half-block)
+  // sums: O(M K), small
   // beside the O(M N K) products.
   std::vector<float> widened, sums;
   const float* xf = reinterpret_cast<const float*>(x);
@@ -338,13 +379,14 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   QuantizedRows rows;
   if (int8_activations) {
     rows = quantize_rows(xf, ld, M, K);
-  } else if (!byte_values(qtype)) {
-    sums.resize(static_cast<size_t>(M) * nb);
+  } else if (!byte_values(qtype) || qtype == kQ8_KM) {
+    const int span = qtype == kQ8_KM ? kBlock / 2 : kBlock, spans = K / span;
+    sums.resize(static_cast<size_t>(M) * spans);
     for (int r = 0; r < M; ++r)
-      for (int b = 0; b < nb; ++b) {
+      for (int b = 0; b < spans; ++b) {
         float s = 0.0f;
-        for (int k = 0; k < kBlock; ++k) s += xf[r * ld + b * kBlock + k];
-        sums[static_cast<size_t>(r) * nb + b] = s;
+        for (int k = 0; k < span; ++k) s += xf[r * ld + b * span + k];
+        sums[static_cast<size_t>(r) * spans + b] = s;
       }
   }
   const float* sx = int8_activations ? rows.sx.data() : sums.empty() ? nullptr : sums.data();
@@ -368,7 +410,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
 }  // namespace
 
 void register_cpu_gemm_q(py::module_& m) {
-  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K/Q4_G block-quantized weights (AVX-512, fp32 sums).";
+  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K/Q4_G/Q8_KM block-quantized weights (AVX-512, fp32 sums).";
   m.attr("PANEL") = kCols;
   m.attr("BLOCK") = kBlock;
   m.def("supported", &cpu_has_avx512, "Whether this CPU has AVX512F/BW/VL.");

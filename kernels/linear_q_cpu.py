@@ -1,5 +1,5 @@
-"""Linear layers with GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights, or AWQ / GPTQ 4-bit
-groups, kept quantized on CPU.
+"""Linear layers with GGUF's Q4_0 / Q4_1 / Q8_0 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K weights, or
+AWQ / GPTQ 4-bit groups, kept quantized on CPU.
 
 A weight arrives as GGML blocks (32 values along K a block; per block an fp16 scale ``d``,
 Q4_1 an fp16 minimum ``m`` too; values ``(q - 8) * d`` for Q4_0, ``q * d + m`` for Q4_1,
@@ -7,14 +7,19 @@ Q4_1 an fp16 minimum ``m`` too; values ``(q - 8) * d`` for Q4_0, ``q * d + m`` f
 with fp16 d / dmin per super-block and 6-bit sc / mn per block of 32, each block becoming one
 record with d / dmin repeated; Q6_K: super-blocks of 256, ``(d * sc) * (q - 32)`` with an int8
 sc per 16 values, each block of 32 one record of Q8_0's bytes (q - 32) with d repeated and two
-scales), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
+scales; Q3_K: ``(d * sc) * q`` with q -4..3 and a 6-bit sc - 32 per 16 values, repacked exactly
+into Q6_K's form (its kernel type); Q5_K: Q4_K's values with a fifth bit (q 0..31), and Q2_K:
+``(d * sc) * q - dmin * mn`` with q 0..3 and a 4-bit sc and mn per 16 values, both repacked into
+``Q8_KM`` (trillm's: Q8_0's bytes, d / dmin repeated, a uint8 scale and minimum per half block of
+16; Q5_K's per-32 ones repeated), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
 scale and a 4-bit zero point per group of ``g`` values along K, values ``(q - z) * s``), which
 become Q4_G: each group cut into blocks of 32 that repeat its scale and zero point (exact).
 A stacked layer whose shards come in different types (a GGUF ``Q4_K_M`` qkv: q/k Q4_K, v Q6_K)
 is a ``StackedQuantizedWeight`` of one ``QuantizedWeight`` per type: ``linear`` makes one kernel
 call per part, each writing its columns of the one output (row stride N).
 ``QuantizedWeight`` repacks the blocks once, at load, into
-``ext/cpu_gemm_q.cpp``'s panel layout (the comment there); ``linear`` multiplies by it:
+``ext/cpu_gemm_q.cpp``'s panel layout (the comment there) of its ``kernel_type`` (its ``qtype``,
+the file's, but for Q3_K / Q5_K / Q2_K); ``linear`` multiplies by it:
 x fp32 or bf16, output fp32 or bf16, fp32 sums, the numerics of dequantize-then-matmul.
 
 ``int8_activations=True`` rounds x per row, per half block of 16, to int8 with an fp32 scale
@@ -42,13 +47,18 @@ from . import recording
 
 BLOCK = 32  # values per block along K
 PANEL = 16  # output columns per panel of the packed layout
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14  # GGML's type ids (gguf.GGMLQuantizationType)
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML's type ids (gguf.GGMLQuantizationType)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 Q4_G = 100  # trillm's: AWQ / GPTQ 4-bit groups as blocks of 32 with an fp16 scale, a zero point
-QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K", Q4_G: "Q4_G"}
+Q8_KM = 101  # trillm's: byte values, a scale and minimum per 16 (Q5_K's and Q2_K's kernel type)
+QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K",
+               Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q4_G: "Q4_G", Q8_KM: "Q8_KM"}  # fmt: skip
+# a file type -> the kernel type it is repacked into (the others: itself)
+KERNEL_TYPES = {Q3_K: Q6_K, Q5_K: Q8_KM, Q2_K: Q8_KM}
 # Bytes of one GGML block: fp16 d (+ fp16 m), then the values.
 GGML_BLOCK_BYTES = {Q4_0: 2 + 16, Q4_1: 4 + 16, Q8_0: 2 + 32}
 QK_K = 256  # K-quants: values per super-block
-KQUANT_BYTES = {Q4_K: 144, Q6_K: 210}  # bytes of one super-block
+KQUANT_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes of a super-block
 
 
 @functools.cache
@@ -96,7 +106,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [M, K] fp32 -> [M,
 
 def _byte_values(qtype: int) -> bool:
     """Whether ``qtype``'s values are packed a signed byte each (else as nibble pairs)."""
-    return qtype in (Q8_0, Q6_K)
+    return qtype in (Q8_0, Q6_K, Q8_KM)
 
 
 def _values_bytes(qtype: int) -> int:
@@ -104,10 +114,12 @@ def _values_bytes(qtype: int) -> int:
 
 
 def record_bytes(qtype: int) -> int:
-    """Bytes of one (panel, block) record: the values, then d[16] fp16 (then Q4_1's m[16] fp16,
-    Q4_G's z[16] uint8, Q4_K's dmin[16] fp16, sc[16] uint8, mn[16] uint8, or Q6_K's sc[2][16]
-    int8)."""
-    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL, Q4_K: 4 * PANEL, Q6_K: 2 * PANEL}.get(qtype, 0)
+    """Bytes of one (panel, block) record of kernel type ``qtype``: the values, then d[16] fp16
+    (then Q4_1's m[16] fp16, Q4_G's z[16] uint8, Q4_K's dmin[16] fp16, sc[16] uint8, mn[16]
+    uint8, Q6_K's sc[2][16] int8, or Q8_KM's dmin[16] fp16, sc[2][16] uint8, mn[2][16] uint8)."""
+    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL, Q4_K: 4 * PANEL, Q6_K: 2 * PANEL, Q8_KM: 6 * PANEL}.get(
+        qtype, 0
+    )
     return _values_bytes(qtype) + 2 * PANEL + extra
 
 
@@ -119,8 +131,9 @@ def num_panels(n: int) -> int:
 def unpack_ggml(raw: np.ndarray, qtype: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
     """GGML rows [N, K / 32 * block bytes] uint8 -> (q [N, K] uint8 or int8, the per-block
     parameters [N, K/32] each: d fp16, then Q4_1's m fp16, Q4_K's dmin fp16, sc uint8, mn
-    uint8, or Q6_K's two int8 scales). Q4 nibbles: value j of a block is byte j's low half,
-    value j + 16 its high half."""
+    uint8, Q6_K's (and Q3_K's) two int8 scales, or Q5_K's and Q2_K's dmin fp16, two uint8
+    scales and two minimums): the values and parameters of ``KERNEL_TYPES``' form. Q4 nibbles:
+    value j of a block is byte j's low half, value j + 16 its high half."""
     if qtype in KQUANT_BYTES:
         return _unpack_kquant(raw, qtype, k)
     if qtype not in GGML_BLOCK_BYTES:
@@ -147,7 +160,58 @@ def _unpack_kquant(raw: np.ndarray, qtype: int, k: int) -> tuple[np.ndarray, lis
         raise ValueError(f"K={k} is not a multiple of {QK_K} ({QTYPE_NAMES[qtype]} super-blocks)")
     n, ns = raw.shape[0], k // QK_K
     blocks = np.ascontiguousarray(raw).reshape(n, ns, KQUANT_BYTES[qtype])
-    return (_unpack_q4_k if qtype == Q4_K else _unpack_q6_k)(blocks, n, k)
+    unpack = {Q2_K: _unpack_q2_k, Q3_K: _unpack_q3_k, Q4_K: _unpack_q4_k, Q5_K: _unpack_q5_k,
+              Q6_K: _unpack_q6_k}[qtype]  # fmt: skip
+    return unpack(blocks, n, k)
+
+
+_SHIFTS_2BIT = np.array([0, 2, 4, 6], dtype=np.uint8)
+
+
+def _unpack_q3_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Q3_K super-blocks [N, K/256, 110] (``gguf_kquants``' layout) -> Q6_K's form: q -4..3
+    [N, K] int8 and per block of 32: d fp16 (repeated), the int8 scales (sc - 32) of its halves."""
+    ns = k // QK_K
+    hmask, qs = blocks[..., 0:32], blocks[..., 32:96]
+    low = (qs.reshape(n, ns, 2, 1, 32) >> _SHIFTS_2BIT.reshape(4, 1)) & 3  # [N, ns, 2, 4, 32]
+    # value 128 h + 32 j + l takes bit 4 h + j of hmask[l]; a clear bit subtracts 4
+    bits = np.arange(8, dtype=np.uint8).reshape(2, 4, 1)
+    high = (hmask.reshape(n, ns, 1, 1, 32) >> bits) & 1
+    q = (low.astype(np.int8) - 4 * (1 - high.astype(np.int8))).reshape(n, k)
+    s = blocks[..., 96:108]  # scale i: a nibble of byte i % 8, two bits of byte 8 + i % 4
+    low_s = np.concatenate([s[..., 0:8] & 0xF, s[..., 0:8] >> 4], axis=2)  # [N, ns, 16]
+    shifts = np.array([2 * (i // 4) for i in range(16)], dtype=np.uint8)
+    high_s = (np.tile(s[..., 8:12], 4) >> shifts) & 3
+    scales = ((low_s | (high_s << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k // 16)
+    d = np.repeat(blocks[..., 108:110].copy().view(np.float16).reshape(n, ns), 8, axis=1)
+    return q, [d, scales[:, 0::2], scales[:, 1::2]]
+
+
+def _unpack_q2_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Q2_K super-blocks [N, K/256, 84] -> Q8_KM's form: q 0..3 [N, K] int8 and per block of
+    32: d, dmin fp16 (repeated), the 4-bit scales and minimums of its two halves (uint8)."""
+    ns = k // QK_K
+    qs = blocks[..., 16:80].reshape(n, ns, 2, 1, 32)
+    # value 128 h + 32 j + l: 2-bit field j of byte l of half h's qs
+    q = ((qs >> _SHIFTS_2BIT.reshape(4, 1)) & 3).astype(np.int8).reshape(n, k)
+    sc = blocks[..., 0:16].reshape(n, k // 16)  # one byte per 16 values: scale low, min high
+    d, dmin = (np.repeat(blocks[..., a : a + 2].copy().view(np.float16).reshape(n, ns), 8, axis=1)
+               for a in (80, 82))  # fmt: skip
+    scales, mins = sc & 0xF, sc >> 4
+    return q, [d, dmin, scales[:, 0::2], scales[:, 1::2], mins[:, 0::2], mins[:, 1::2]]
+
+
+def _unpack_q5_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Q5_K super-blocks [N, K/256, 176] -> Q8_KM's form: q 0..31 [N, K] int8 and per block of
+    32: d, dmin fp16 (repeated), its 6-bit scale twice and its minimum twice (both halves)."""
+    ns = k // QK_K
+    as_q4_k = np.concatenate([blocks[..., 0:16], blocks[..., 48:176]], axis=2)  # without qh
+    q4, params = _unpack_q4_k(as_q4_k, n, k)
+    qh = blocks[..., 16:48].reshape(n, ns, 1, 32)  # block j's fifth bit: bit j of qh[l]
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [N, ns, 8, 32]
+    q = (q4 | (high.reshape(n, k) << 4)).astype(np.int8)
+    d, dmin, sc, mn = params
+    return q, [d, dmin, sc, sc, mn, mn]
 
 
 def _unpack_q6_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -180,8 +244,9 @@ def _unpack_q4_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[n
 
 
 class QuantizedWeight:
-    """A [N, K] Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weight from GGML rows (or Q4_G: ``from_groups``),
-    repacked for the kernel."""
+    """A [N, K] Q4_0 / Q4_1 / Q8_0 / Q2_K .. Q6_K weight from GGML rows (or Q4_G:
+    ``from_groups``), repacked for the kernel: ``qtype`` the file's type, ``kernel_type`` the
+    packed form's."""
 
     def __init__(self, raw: np.ndarray, qtype: int, out_features: int, in_features: int) -> None:
         q, params = unpack_ggml(raw, qtype, in_features)
@@ -191,8 +256,10 @@ class QuantizedWeight:
 
     def _set(self, q: np.ndarray, params: list[np.ndarray], qtype: int) -> None:
         self.qtype = qtype
+        self.kernel_type = KERNEL_TYPES.get(qtype, qtype)
         self.out_features, self.in_features = q.shape
-        self.data = torch.from_numpy(_pack(q, params, qtype))  # [panels * nb * record] uint8
+        # [panels * nb * record] uint8
+        self.data = torch.from_numpy(_pack(q, params, self.kernel_type))
 
     @classmethod
     def from_groups(cls, q: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> QuantizedWeight:
@@ -273,7 +340,7 @@ def dequantize(weight: AnyQuantizedWeight, dtype: torch.dtype = torch.float32) -
     """The [N, K] values of ``weight`` (from the packed copy), in ``dtype``: the reference."""
     if isinstance(weight, StackedQuantizedWeight):
         return torch.cat([dequantize(p, dtype) for p in weight.parts], dim=0)
-    n, k, qtype = weight.out_features, weight.in_features, weight.qtype
+    n, k, qtype = weight.out_features, weight.in_features, weight.kernel_type
     nb, panels = k // BLOCK, num_panels(n)
     records = weight.data.view(panels, nb, record_bytes(qtype))
     values_bytes = _values_bytes(qtype)
@@ -287,7 +354,14 @@ def dequantize(weight: AnyQuantizedWeight, dtype: torch.dtype = torch.float32) -
         q = q.to(torch.float32)  # [P, nb, 32 k, 16 cols]
     params = records[:, :, values_bytes:]
     d = params[:, :, : 2 * PANEL].contiguous().view(torch.float16).to(torch.float32).unsqueeze(2)
-    if qtype == Q6_K:  # (d * sc) * q for each half block, as gguf_kquants' dequantizer
+    if qtype == Q8_KM:  # (d * sc) * q - dmin * mn for each half block, as gguf_kquants'
+        dmin = params[:, :, 2 * PANEL : 4 * PANEL].contiguous().view(torch.float16).float()
+        sc, mn = (params[:, :, a : a + 2 * PANEL].float().view(panels, nb, 2, PANEL)
+                  for a in (4 * PANEL, 6 * PANEL))  # fmt: skip
+        halves = q.view(panels, nb, 2, BLOCK // 2, PANEL)
+        dl, ml = d * sc, dmin.unsqueeze(2) * mn  # [P, nb, 2, 16]
+        w = (dl.unsqueeze(3) * halves - ml.unsqueeze(3)).view(q.shape)
+    elif qtype == Q6_K:  # (d * sc) * q for each half block, as gguf_kquants' dequantizer
         sc = params[:, :, 2 * PANEL :].contiguous().view(torch.int8).float()  # [P, nb, 32]
         halves = q.view(panels, nb, 2, BLOCK // 2, PANEL)
         w = ((d * sc.view(panels, nb, 2, PANEL)).unsqueeze(3) * halves).view(q.shape)
@@ -347,7 +421,7 @@ def linear(
         recording.call(
             ext.linear,
             rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
-            part.data.data_ptr(), part.qtype, part.out_features,
+            part.data.data_ptr(), part.kernel_type, part.out_features,
             0 if bias is None else bias.data_ptr() + 4 * column,
             out.data_ptr() + out.element_size() * column, out_dtype == torch.bfloat16, n,
             torch.get_num_threads(), int8_activations,

@@ -1,10 +1,10 @@
-"""GGUF K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): Q4_K and Q6_K kept quantized (issue 13), the
-others dequantized at load (issue 15).
+"""GGUF K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), all kept quantized (issues 13, 15).
 
-trillm's dequantizer (``gguf_kquants``) equals the gguf package's bit for bit on random blocks
-(every bit pattern is a valid block); a tiny llama GGUF mixing every K-quant with Q4_0 / Q8_0
-and F16 (Q4_0, Q4_K and Q6_K layers kept quantized) gives transformers' greedy output on the same
-weights.
+trillm's dequantizer (``gguf_kquants``, ``--dequantize-gguf``'s) equals the gguf package's bit for
+bit on random blocks (every bit pattern is a valid block); a tiny llama GGUF mixing every K-quant
+with Q4_0 / Q8_0 (a stacked qkv of Q4_K / Q5_K / Q8_0, a tied Q3_K embedding as the head) keeps
+every projection quantized at its packed size and gives transformers' greedy output on the same
+weights, and the same tokens as the file loaded dequantized.
 """
 
 from __future__ import annotations
@@ -49,56 +49,78 @@ def test_dequantize_refuses_partial_blocks_and_other_types():
         gguf_kquants.dequantize(torch.zeros(22, dtype=torch.uint8), "Q5_0")
 
 
-# q/k/v mix K-quants with Q8_0 (its Q5_K shard is not a kept type: the layer runs dequantized,
-# tests/test_gguf_mixed.py keeps mixes of kept types); gate/up Q4_0, o Q4_K and down Q6_K are
-# kept quantized; the rest are K-quants
-TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "Q4_K",
-         "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q6_K", "output": "Q2_K",
-         "token_embd": "Q3_K"}  # fmt: skip
+# q/k/v mix K-quants with Q8_0 (three parts), gate/up Q4_0 / Q3_K, o Q2_K, down Q5_K; no output
+# tensor: the head multiplies by the tied Q3_K embedding's blocks. Layer 1 puts Q6_K / Q4_K in.
+TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "Q2_K",
+         "ffn_gate": "Q4_0", "ffn_up": "Q3_K", "ffn_down": "Q5_K", "token_embd": "Q3_K",
+         "blk.1.attn_output": "Q6_K", "blk.1.ffn_down": "Q4_K"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def kquant_gguf(tmp_path_factory):
     hf = build_tiny_model("llama", tmp_path_factory.mktemp("hf"), hidden_size=256,
-                          intermediate_size=256, head_dim=64)  # rows of whole 256-value blocks
+                          intermediate_size=256, head_dim=64,
+                          tie_word_embeddings=True)  # rows of whole 256-value blocks  # fmt: skip
     return write_tiny_gguf(hf, tmp_path_factory.mktemp("gguf"), TYPES)
 
 
-def test_k_quant_gguf_greedy_equals_transformers(kquant_gguf):
-    """K-quant layers dequantized beside Q4_0 / Q4_K / Q6_K blocks kept quantized (the default for a
-    file holding both); an all-dequantized run differs only in those layers (tests/test_gguf.py)."""
+def _greedy(path, prompts: list[list[int]], **kwargs) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    with LLM(str(path), max_model_len=128, kv_cache_memory="8MiB",
+             distributed_executor_backend="uni", **kwargs) as llm:  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_k_quant_gguf_greedy_equals_transformers_and_dequantized(kquant_gguf):
+    """Every K-quant layer kept quantized (fp32 activations: the prompts are under
+    INT8_MIN_ROWS tokens together) gives transformers' tokens on the dequantized weights and
+    the tokens of the same file loaded with ``dequantize_gguf``."""
     file = gguf_loader.GGUFFile(kquant_gguf)
     assert set(file.tensor_types.values()) >= {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
     folder = kquant_gguf.parent / "dequantized"
     tok = AutoTokenizer.from_pretrained(str(folder))
     prompts = [tok(p).input_ids for p in ["In the beginning", "A"]]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    with LLM(str(kquant_gguf), max_model_len=128, kv_cache_memory="8MiB",
-             distributed_executor_backend="uni") as llm:  # fmt: skip
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    got = [o.outputs[0].token_ids for o in outs]
+    got = _greedy(kquant_gguf, prompts)
     assert got == [hf_greedy(str(folder), p, 10) for p in prompts]
+    assert got == _greedy(kquant_gguf, prompts, dequantize_gguf=True)
     assert len(set(got[0])) > 1  # not a degenerate model repeating one token
 
 
-def test_k_quant_layers_load_as_floats_beside_kept_blocks(kquant_gguf):
+def test_every_k_quant_layer_stays_quantized_at_its_packed_size(kquant_gguf):
+    from trillm.kernels import linear_q_cpu as ids
+
     cfg = load_model_config(EngineArgs(model=str(kquant_gguf), device="cpu"))
-    assert cfg.quantization == "gguf"  # the Q4_0 / Q8_0 / Q4_K / Q6_K tensors stay quantized
+    assert cfg.quantization == "gguf" and cfg.tie_word_embeddings
     model = build_model(cfg, None, "cpu")
-    layer = model.model.layers[0]
-    assert layer.mlp.gate_up_proj.quantized_weight.qtype == 2  # Q4_0 blocks, kept
-    o_proj = layer.self_attn.o_proj  # Q4_K, kept: 5.5 bits a value, no float weight
-    assert o_proj.quantized_weight.qtype == 12 and o_proj.weight.numel() == 0
-    assert o_proj.quantized_weight.nbytes == o_proj.out_features * o_proj.in_features * 11 // 16
-    down = layer.mlp.down_proj  # Q6_K, kept: 9 bits a value (one byte each, scales)
-    assert down.quantized_weight.qtype == 14 and down.weight.numel() == 0
-    assert down.quantized_weight.nbytes == down.out_features * down.in_features * 9 // 8
-    for module in (layer.self_attn.qkv_proj,):
-        assert not hasattr(module, "quantized_weight")  # K-quants (and the Q8_0 v beside them)
-        assert module.weight.shape == (module.out_features, module.in_features)
-    folder = kquant_gguf.parent / "dequantized"
+    bits = {ids.Q4_0: 4.5, ids.Q8_0: 8.5, ids.Q2_K: 10, ids.Q3_K: 9, ids.Q4_K: 5.5,
+            ids.Q5_K: 10, ids.Q6_K: 9}  # fmt: skip
+    want = {
+        "model.layers.0.self_attn.qkv_proj": (ids.Q4_K, ids.Q5_K, ids.Q8_0),
+        "model.layers.0.self_attn.o_proj": (ids.Q2_K,),
+        "model.layers.0.mlp.gate_up_proj": (ids.Q4_0, ids.Q3_K),
+        "model.layers.0.mlp.down_proj": (ids.Q5_K,),
+        "model.layers.1.self_attn.o_proj": (ids.Q6_K,),
+        "model.layers.1.mlp.down_proj": (ids.Q4_K,),
+        "lm_head": (ids.Q3_K,),  # the tied embedding's blocks
+    }
+    for path, qtypes in want.items():
+        module = model.get_submodule(path)
+        weight = module.quantized_weight
+        parts = weight.parts if isinstance(weight, ids.StackedQuantizedWeight) else [weight]
+        assert tuple(p.qtype for p in parts) == qtypes, path
+        if path != "lm_head":
+            assert module.weight.numel() == 0, path  # no float copy beside the blocks
+        # each part at its packed size (panels of 16 columns)
+        size = sum(ids.num_panels(p.out_features) * 16 * p.in_features * bits[p.qtype] / 8
+                   for p in parts)  # fmt: skip
+        assert weight.nbytes == size, path
+    # the head shares the embedding's float weight (the lookup needs it), not a copy
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     from safetensors.torch import load_file
 
-    want = load_file(str(folder / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
-    got = layer.self_attn.qkv_proj.weight[: want.shape[0]]  # the Q4_K q shard, dequantized
-    torch.testing.assert_close(got.float(), want, rtol=0, atol=0)
+    folder = kquant_gguf.parent / "dequantized"
+    want_up = load_file(str(folder / "model.safetensors"))["model.layers.0.mlp.up_proj.weight"]
+    gate_up = model.model.layers[0].mlp.gate_up_proj.quantized_weight
+    got = ids.dequantize(gate_up.parts[1])  # the Q3_K up shard, from its packed form
+    torch.testing.assert_close(got, want_up, rtol=0, atol=0)

@@ -43,7 +43,7 @@ MAX_TOKENS = 10
 
 
 def _blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
-    if type_name in ("Q4_K", "Q6_K"):
+    if type_name.endswith("_K"):
         return random_kquant_blocks(type_name, n, k, seed)
     values = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
     return gguf.quants.quantize(values, Q[type_name])
@@ -56,25 +56,28 @@ def test_stacked_parts_equal_dequantize_then_matmul(int8, out_dtype):
     if int8 and not linear_q_cpu.int8_available():
         pytest.skip("no AVX512-VNNI")
     k = 512
-    # odd part sizes: a part ends inside a panel of 16 columns and the next starts mid-row
+    # odd part sizes: a part ends inside a panel of 16 columns and the next starts mid-row;
+    # Q5_K / Q2_K (repacked as Q8_KM) and Q3_K (as Q6_K) beside the types kept as they are
+    sizes = [("Q4_K", 40), ("Q6_K", 24), ("Q8_0", 8), ("Q4_1", 50), ("Q5_K", 17), ("Q3_K", 9),
+             ("Q2_K", 30)]  # fmt: skip
     parts = [linear_q_cpu.QuantizedWeight(_blocks(t, n, k, i), int(Q[t]), n, k)
-             for i, (t, n) in enumerate([("Q4_K", 40), ("Q6_K", 24), ("Q8_0", 8), ("Q4_1", 50)])]  # fmt: skip
+             for i, (t, n) in enumerate(sizes)]  # fmt: skip
     weight = linear_q_cpu.StackedQuantizedWeight(parts)
-    assert weight.qtypes == (linear_q_cpu.Q4_K, linear_q_cpu.Q6_K, linear_q_cpu.Q8_0,
-                             linear_q_cpu.Q4_1)  # fmt: skip
-    assert weight.out_features == 122 and weight.offsets == [0, 40, 64, 72, 122]
-    x = torch.randn(5, k)  # [M, K]
-    bias = torch.randn(122)
+    assert weight.qtypes == tuple(int(Q[t]) for t, _ in sizes)
+    assert weight.out_features == 178 and weight.offsets == [0, 40, 64, 72, 122, 139, 148, 178]
+    x = torch.randn(5 if not int8 else 17, k)  # [M, K]; int8: over INT8_MIN_ROWS, as a model
+    bias = torch.randn(178)
     got = linear_q_cpu.linear(x, weight, bias, out_dtype=out_dtype, int8_activations=int8)
     xr = linear_q_cpu.quantize_activations(x) if int8 else x
     want = F.linear(xr, torch.cat([linear_q_cpu.dequantize(p) for p in parts]), bias)
-    assert got.dtype == out_dtype and got.shape == (5, 122)
+    assert got.dtype == out_dtype and got.shape == (x.shape[0], 178)
     tol = 1e-2 if out_dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     # each part's columns are its own GEMM's: the same as that part alone
-    alone = linear_q_cpu.linear(x, parts[1], bias[40:64], out_dtype=out_dtype,
-                                int8_activations=int8)  # fmt: skip
-    torch.testing.assert_close(got[:, 40:64], alone, rtol=0, atol=0)
+    for i, (start, end) in ((1, (40, 64)), (4, (122, 139))):
+        alone = linear_q_cpu.linear(x, parts[i], bias[start:end], out_dtype=out_dtype,
+                                    int8_activations=int8)  # fmt: skip
+        torch.testing.assert_close(got[:, start:end], alone, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""kernels/linear_q_cpu.py: GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weights kept quantized (issue 13).
+"""kernels/linear_q_cpu.py: GGUF Q4_0 / Q4_1 / Q8_0 / Q2_K .. Q6_K weights kept quantized (issue 13).
 
 The repacked layout is checked against the gguf package's own dequantizer (an independent
 reader of GGML blocks); the native kernel against dequantize-then-F.linear on random blocks,
@@ -191,12 +191,15 @@ def test_int8_q8_0_kernel_is_exact_at_the_extremes():
     assert torch.equal(got, ref)
 
 
-# ---------------------------------------------------------------- Q4_K, Q6_K (super-blocks of 256)
+# ---------------------------------------------------------------- K-quants (super-blocks of 256)
 
 # type -> (its id, offsets of its fp16 d (and dmin), their magnitude for O(1) values, bits a
-# value once packed)
+# value once packed). Q3_K runs as Q6_K's packed form, Q5_K and Q2_K as Q8_KM's.
 KQUANTS = {"Q4_K": (linear_q_cpu.Q4_K, (0, 2), 2e-3, 5.5),
-           "Q6_K": (linear_q_cpu.Q6_K, (208,), 5e-4, 9)}  # fmt: skip
+           "Q6_K": (linear_q_cpu.Q6_K, (208,), 5e-4, 9),
+           "Q3_K": (linear_q_cpu.Q3_K, (108,), 8e-3, 9),
+           "Q5_K": (linear_q_cpu.Q5_K, (0, 2), 1e-3, 10),
+           "Q2_K": (linear_q_cpu.Q2_K, (80, 82), 2e-2, 10)}  # fmt: skip
 
 
 def _kquant_weight(type_name: str, n: int, k: int, seed: int = 0):
@@ -219,6 +222,8 @@ def test_kquant_packed_layout_dequantizes_like_gguf(type_name, n):
     qtype, _, _, bits = KQUANTS[type_name]
     raw, expected = _kquant_weight(type_name, n, 512, seed=n)
     weight = linear_q_cpu.QuantizedWeight(raw, qtype, n, 512)
+    assert weight.qtype == qtype
+    assert weight.kernel_type == linear_q_cpu.KERNEL_TYPES.get(qtype, qtype)
     assert weight.nbytes == linear_q_cpu.num_panels(n) * 16 * 512 * bits / 8
     assert torch.equal(linear_q_cpu.dequantize(weight), expected)
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -245,6 +250,17 @@ def _check_kquant(type_name, m, n, k, int8, out_dtype=torch.float32, bias=False)
 @pytest.mark.parametrize("n", [15, 70])
 def test_kquant_kernel_matches_dequantize_then_matmul(type_name, m, n):
     _check_kquant(type_name, m, n, 512 if m == 131 else 256, int8=False, bias=n % 2 == 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("type_name", ["Q3_K", "Q5_K", "Q2_K"])
+def test_repacked_kquant_kernel_bf16_and_strided_rows(type_name):
+    _check_kquant(type_name, 9, 37, 256, int8=False, out_dtype=torch.bfloat16, bias=True)
+    raw, w = _kquant_weight(type_name, 33, 256, seed=4)
+    weight = linear_q_cpu.QuantizedWeight(raw, KQUANTS[type_name][0], 33, 256)
+    x = torch.randn(6, 512)[:, ::2].to(torch.bfloat16)  # bf16 rows with a stride
+    torch.testing.assert_close(linear_q_cpu.linear(x, weight, out_dtype=torch.float32),
+                               F.linear(x.float(), w), atol=2e-3, rtol=1e-4)  # fmt: skip
 
 
 @needs_vnni

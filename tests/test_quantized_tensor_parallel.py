@@ -5,9 +5,10 @@ Each rank's packed slices / blocks must be the same slice of the whole layer (an
 model keep them quantized); TP=2's greedy tokens must equal the one-rank engine's (Python API,
 and over HTTP) on a tiny AWQ (llama, groups of 32), GPTQ (qwen2: q/k/v biases, one group of 32
 per rank on o_proj), GGUF with legacy blocks (qwen2: a tied Q8_0 embedding, its blocks split
-by vocabulary rows as the head; TP=2 x PP=2) and GGUF with K-quants (o_proj's K=512 splits on
-256-value blocks and stays quantized; down_proj's K=768 splits inside a block and runs
-dequantized; an untied Q6_K head of 4099 rows, the last rank's padded). An AWQ / GPTQ split
+by vocabulary rows as the head; TP=2 x PP=2) and GGUF with K-quants (o_proj's K=512, Q5_K,
+splits on 256-value blocks and stays quantized; q/k/v Q4_K / Q4_K / Q3_K and gate/up Q2_K / Q6_K
+split by rows, each part kept; down_proj's K=768 splits inside a block and runs dequantized; an
+untied Q6_K head of 4099 rows, the last rank's padded). An AWQ / GPTQ split
 off a group boundary is refused by name.
 The prompts are short (a step under ``INT8_MIN_ROWS`` rows): from there the kept layers round
 their activations to int8, which the dequantized down_proj does not, so there TP=2 would not be
@@ -41,8 +42,8 @@ MAX_TOKENS = 8
 LIMITS = {"max_model_len": 128, "kv_cache_memory": "8MiB"}
 GGUF_LEGACY = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_1", "attn_output": "Q4_1",
                "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q8_0"}  # fmt: skip
-GGUF_KQUANT = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
-               "ffn_gate": "Q4_K", "ffn_up": "Q6_K", "ffn_down": "Q4_K", "token_embd": "Q8_0",
+GGUF_KQUANT = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q3_K", "attn_output": "Q5_K",
+               "ffn_gate": "Q2_K", "ffn_up": "Q6_K", "ffn_down": "Q4_K", "token_embd": "Q8_0",
                "output": "Q6_K"}  # fmt: skip
 KQUANT_SHAPES = {"hidden_size": 256, "head_dim": 128, "intermediate_size": 768,
                  "vocab_size": 4099}  # fmt: skip
@@ -146,9 +147,12 @@ def test_a_rank_keeps_its_share_quantized(models, monkeypatch):
     model = build_model(cfg, None, "cpu")
     layer = model.model.layers[0]
     o_proj, qkv = layer.self_attn.o_proj, layer.self_attn.qkv_proj
-    assert (o_proj.quantized_weight.qtype, o_proj.in_features) == (linear_q_cpu.Q4_K, 256)
-    assert qkv.quantized_weight.qtypes == (linear_q_cpu.Q4_K, linear_q_cpu.Q6_K)
+    assert (o_proj.quantized_weight.qtype, o_proj.in_features) == (linear_q_cpu.Q5_K, 256)
+    assert qkv.quantized_weight.qtypes == (linear_q_cpu.Q4_K, linear_q_cpu.Q3_K)
     assert [p.out_features for p in qkv.quantized_weight.parts] == [256 + 128, 128]
+    gate_up = layer.mlp.gate_up_proj.quantized_weight  # Q2_K gate, Q6_K up: rows 384 each
+    assert gate_up.qtypes == (linear_q_cpu.Q2_K, linear_q_cpu.Q6_K)
+    assert [p.out_features for p in gate_up.parts] == [384, 384]
     down = layer.mlp.down_proj
     assert not hasattr(down, "quantized_weight") and down.weight.shape == (256, 384)
     assert model.lm_head.quantized_weight.out_features == 2050  # 2049 rows and a zero row

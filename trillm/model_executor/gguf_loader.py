@@ -5,12 +5,11 @@ model in the file: the config from the GGUF metadata (``llama``, ``qwen2`` and `
 architectures: Llama, SmolLM2, Mistral, Qwen2, Qwen3 as llama.cpp converts them), the tokenizer
 and chat template from the file (``engine/config_builder.load_tokenizer``), the weights here.
 
-Tensors: F32 / F16 / BF16 are loaded in the run's dtype; Q4_0, Q4_1, Q8_0, Q4_K and Q6_K are
-kept quantized (``layers/quantized_linear.py``, a native kernel on CPU; a stacked layer
-mixing them keeps each shard's type) unless ``dequantize_gguf`` asks for them in the run's
-dtype; the other K-quants (Q2_K, Q3_K, Q5_K,
-``gguf_kquants.py``) are dequantized to the run's dtype at load; any other GGML type is refused
-naming it before anything loads.
+Tensors: F32 / F16 / BF16 are loaded in the run's dtype; Q4_0, Q4_1, Q8_0 and the K-quants
+(Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) are kept quantized (``layers/quantized_linear.py``, a native
+kernel on CPU; a stacked layer mixing them keeps each shard's type) unless ``dequantize_gguf``
+asks for them in the run's dtype (the K-quants through ``gguf_kquants.py``); any other GGML type
+is refused naming it before anything loads.
 llama.cpp stores a ``llama`` model's q/k projection rows permuted for its rotary layout
 (``permute`` in its converter): ``_unpermute`` puts them back in Hugging Face's order.
 """
@@ -36,9 +35,8 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # kept (unless dequantize_gguf)
 KQUANT_TYPES = tuple(gguf_kquants.BLOCK_BYTES)  # dequantized by gguf_kquants when dequantized
-DEQUANTIZED_TYPES = tuple(t for t in KQUANT_TYPES if t not in QUANTIZED_TYPES)  # always
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", *KQUANT_TYPES)  # kept (unless dequantize_gguf)
 
 # GGUF tensor name (blk.N. prefix removed) -> Hugging Face name (model.layers.N. prefix added)
 _LAYER_NAMES = {

@@ -1,5 +1,5 @@
-"""Linear layers whose weights stay quantized on CPU: GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K,
-AWQ / GPTQ 4-bit groups.
+"""Linear layers whose weights stay quantized on CPU: GGUF's Q4_0 / Q4_1 / Q8_0 and K-quants
+(Q2_K .. Q6_K), AWQ / GPTQ 4-bit groups.
 
 ``load_gguf(model, cfg)`` streams a GGUF file into a model built by ``loader.build_model``.
 Float tensors load as usual; a quantized projection's GGML blocks (the stacked q/k/v and
@@ -9,10 +9,10 @@ the native kernel, or dequantize-then-``F.linear`` without it); its float weight
 the model's linear weights take their quantized size in memory. The embedding is looked up, so
 it is loaded dequantized; a tied ``lm_head`` multiplies by the embedding's quantized blocks, as
 llama.cpp does. A stacked layer whose shards come in different kept types (llama.cpp's mixed
-formats: ``Q4_K_M`` stores q/k in Q4_K and v in Q6_K) keeps each in its own type
-(``linear_q_cpu.StackedQuantizedWeight``: one kernel call per part, each writing its columns of
-the output); one whose shards include a type that is not kept (Q2_K, Q3_K, Q5_K) loads
-dequantized, with a warning naming the layer. ``cfg.quantization`` None (``dequantize_gguf``)
+formats: ``Q4_K_M`` stores q/k in Q4_K and v in Q6_K, ``Q3_K_M`` mixes Q3_K / Q4_K / Q5_K)
+keeps each in its own type (``linear_q_cpu.StackedQuantizedWeight``: one kernel call per part,
+each writing its columns of the output); one whose shards include a float tensor (F16 beside
+Q8_0) loads dequantized, with a warning naming the layer. ``cfg.quantization`` None (``dequantize_gguf``)
 loads every quantized tensor dequantized to the run's dtype. Under tensor parallelism each
 rank loads its rows / whole blocks of each tensor (``quant_sharding.gguf_shard``).
 
@@ -47,8 +47,8 @@ from trillm.model_executor.gguf_loader import GGUFTensor
 logger = logging.getLogger(__name__)
 EMBEDDING = "model.embed_tokens.weight"
 _T = TypeVar("_T")
-_QTYPE_IDS = {"Q4_0": linear_q_cpu.Q4_0, "Q4_1": linear_q_cpu.Q4_1, "Q8_0": linear_q_cpu.Q8_0,
-              "Q4_K": linear_q_cpu.Q4_K, "Q6_K": linear_q_cpu.Q6_K}  # fmt: skip
+# GGML type name -> id (trillm's own kernel types, Q4_G and Q8_KM, are not file types)
+_QTYPE_IDS = {name: q for q, name in linear_q_cpu.QTYPE_NAMES.items() if q < linear_q_cpu.Q4_G}
 
 
 def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ def load_gguf(
     wanted: Callable[[str], bool] | None = None,
     shard: tuple[ModelConfig, RankShapes] | None = None,
 ) -> None:
-    """Load ``cfg.model`` (a GGUF file) into ``model``; keep Q4/Q8 projections quantized
+    """Load ``cfg.model`` (a GGUF file) into ``model``; keep its quantized projections so
     when ``cfg.quantization == "gguf"``. ``wanted``: the names a pipeline stage reads;
     ``shard``: this tensor-parallel rank's shapes (``quant_sharding.gguf_shard``)."""
     from trillm.distributed.pipeline import is_missing
@@ -176,8 +176,8 @@ def _attach(model: nn.Module, quantized: dict[str, GGUFTensor]) -> None:
 
     paths = {name.removesuffix(".weight"): t for name, t in quantized.items()}
     for module, path, parts, shards in _by_module(model, paths):
-        # a shard of a type not kept (Q2_K, Q3_K, Q5_K) was loaded as floats: the layer is not
-        # all blocks, so its kept shards are dequantized beside it
+        # a shard stored as floats (F16 beside Q8_0) was loaded as floats: the layer is not all
+        # blocks, so its kept shards are dequantized beside it
         if len(parts) != len(getattr(module, "shard_offsets", [""])):
             assert isinstance(module, StackedLinear)
             logger.warning("GGUF layer %s mixes kept and dequantized tensor types; it runs "
