@@ -9,9 +9,9 @@ step, or one that verifies speculative drafts; no fresh prompt) runs once with a
 later such steps with T tokens copy their inputs (embeddings, positions, slots) into the
 captured buffers, build the step's attention plan and call the recorded kernels again, in
 order, with the same arguments. Same kernels, same arguments: the same bits as the eager path.
-The capture's allocations come from the program's arena (``_Arena``): a buffer whose tensors
-have died serves a later allocation, as freed memory does in the eager forward, so a program
-keeps a few cache-warm slabs (about the buffers of one layer), not every layer's own.
+The capture's allocations come from the program's arena (``step_capture.Arena``): a buffer
+whose tensors have died serves a later allocation, as freed memory does in the eager forward,
+so a program keeps a few cache-warm slabs (about the buffers of one layer), not every layer's.
 
 A forward is replayable only if everything it computes goes through recorded kernels. Checks,
 each of which drops the program and keeps the eager path (``reason`` says why):
@@ -20,6 +20,7 @@ each of which drops the program and keeps the eager path (``reason`` says why):
 - no recorded argument may point into a step input other than the three that are refreshed;
   the K/V cache writes must read the refreshed slot mapping;
 - at most one attention plan ran (the step's, rebuilt by the replay from its metadata);
+- no buffer of the arena was resized (moved from under the recorded pointers);
 - the capture's output equals the eager forward's on the same step, and the first replay's equals
   the eager forward's on that later step (bit for bit), before a program is trusted; again on
   the first replay of the other kind of step (decode vs longer queries).
@@ -29,16 +30,16 @@ each of which drops the program and keeps the eager path (``reason`` says why):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from trillm.attention.backend import AttentionMetadata
 from trillm.config import TrillmConfig
 from trillm.kernels import paged_attention_cpu, recording
+from trillm.worker.step_capture import TorchOp, Watch, storage_ptr
 
 logger = logging.getLogger(__name__)
 
@@ -64,161 +65,10 @@ MEMORY_BUDGET = 256 << 20
 # met 45 sizes in 93 steps, 34 of them fewer than 3 times); the sizes a server keeps meeting
 # are captured within a few steps.
 CAPTURE_AFTER = 4
-_ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty"})
-# Ops a replay cannot repeat: data from Python (a constant made in the forward) or read back.
-_UNREPLAYABLE = frozenset({"lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "item"})
-_UNREPLAYABLE_TAGS = (
-    torch.Tag.nondeterministic_seeded,  # random
-    torch.Tag.dynamic_output_shape,  # the shape depends on the data
-    torch.Tag.data_dependent_output,
-)
 
 
 class NotReplayable(Exception):
     """Why a forward cannot be a step program."""
-
-
-def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out.extend(_tensors(v))
-    return out
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-class _TorchOp:
-    """A torch op of the captured forward, replayed on the captured tensors: an op that writes
-    its inputs runs again as it is; one that makes new outputs runs and its results are copied
-    into the captured outputs (which later ops read)."""
-
-    def __init__(self, func: Any, outputs: list[torch.Tensor], writes: bool) -> None:
-        self.func, self.outputs, self.writes = func, outputs, writes
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        result = self.func(*args, **kwargs)
-        if not self.writes:
-            new = _tensors(result if isinstance(result, (list, tuple)) else [result])
-            for captured, value in zip(self.outputs, new):
-                captured.copy_(value)
-
-
-def _unused(storage: torch.UntypedStorage) -> bool:
-    """No tensor or view holds ``storage`` any more: only the arena's own reference is left
-    (torch hands out one Python object per storage, so the count does not see the arena twice;
-    model code holds tensors, not storage objects)."""
-    return torch._C._storage_Use_Count(storage._cdata) == 1
-
-
-class _Arena:
-    """The storages a program's buffers live in. During the capture every allocation of the
-    forward is served from here, as the eager forward's are from freed memory: a storage none
-    of whose tensors and views is alive any more goes to the next allocation it holds (the
-    smallest such), a new storage only when none fits. The recorded native calls keep raw
-    pointers, not tensors, and a replay calls them in the captured order, so a storage's old
-    tensor has had its last use when its new one is first written: a program keeps a few
-    cache-warm slabs, not one buffer per layer. Tensors that recorded calls hold (torch ops,
-    opaque calls), the program's output and anything the model keeps stay alive, so their
-    storages are never handed on."""
-
-    def __init__(self) -> None:
-        self.storages: list[torch.UntypedStorage] = []
-        self.served = 0  # bytes of the tensors served (what the program would keep without reuse)
-
-    def like(self, t: torch.Tensor) -> torch.Tensor:
-        """A tensor of t's dtype, size and strides in one of the arena's storages."""
-        need = t.untyped_storage().nbytes()
-        self.served += need
-        best: torch.UntypedStorage | None = None
-        for s in self.storages:
-            if s.nbytes() >= need and (best is None or s.nbytes() < best.nbytes()) and _unused(s):
-                best = s
-        if best is None:
-            best = torch.UntypedStorage(need)
-            self.storages.append(best)
-        empty = torch.empty(0, dtype=t.dtype, device=t.device)
-        return empty.set_(best, t.storage_offset(), t.size(), t.stride())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes() for s in self.storages)
-
-
-class _Watch(TorchDispatchMode):
-    """Records every torch op of the captured forward that computes (views and allocations
-    need nothing at replay), serves its allocations and the results of the ops it records from
-    the program's arena, and notes the first op that cannot be replayed: random,
-    data-dependent or reading a step input that a replay does not refresh."""
-
-    def __init__(self, rec: recording.Recording, forbidden: set[int]) -> None:
-        super().__init__()
-        self.rec = rec
-        self.forbidden = forbidden  # storages of step inputs a replay does not refresh
-        self.arena = _Arena()
-        self.pinned: list[torch.Tensor] = []  # new outputs of recorded ops that write an input
-        self.refused: str | None = None
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch's documented hook: by default a mode's __torch_dispatch__ is wrapped in dynamo's
-        # disable, whose first call imports torch._dynamo (1.1 s of CPU, on the first capture:
-        # 5% of the offline benchmark's run, a one-off stall in a server). No torch.compile runs
-        # under this mode, so there is nothing to disable.
-        return False
-
-    def _in_arena(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
-            return t
-        return self.arena.like(t)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if recording.in_opaque():  # recorded as one call, which a replay repeats as a whole
-            return func(*args, **kwargs)
-        out = func(*args, **kwargs)
-        if func.overloadpacket.__name__ in _ALLOCATIONS:
-            return self._in_arena(out) if isinstance(out, torch.Tensor) else out
-        if self.refused is not None:
-            return out
-        inputs = _tensors([*args, *kwargs.values()])
-        if (
-            func.overloadpacket.__name__ in _UNREPLAYABLE
-            or any(tag in func.tags for tag in _UNREPLAYABLE_TAGS)
-            or any(_storage(t) in self.forbidden for t in inputs)
-        ):
-            self.refused = str(func)
-            return out
-        schema = func._schema
-        writes = schema.is_mutable or any(
-            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-        )
-        sources = {_storage(t) for t in inputs}
-        outputs = _tensors(out if isinstance(out, (list, tuple)) else [out])
-        fresh = [t for t in outputs if _storage(t) not in sources]
-        if not writes and fresh:
-            # It computes new tensors: a replay runs it again and copies its results into
-            # these, which live in the arena (the copy is exact).
-            if isinstance(out, torch.Tensor):
-                out = self._in_arena(out).copy_(out)
-                outputs = [out]
-            elif isinstance(out, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in out):
-                moved = [
-                    self._in_arena(t).copy_(t) if any(t is f for f in fresh) else t for t in out
-                ]
-                out = type(out)(moved) if isinstance(out, tuple) else moved
-                outputs = list(moved)
-            else:  # nested results: kept as they are
-                self.pinned.extend(fresh)
-            self.rec.calls.append((_TorchOp(func, outputs, writes), args, kwargs))
-        elif writes:
-            self.rec.calls.append((_TorchOp(func, outputs, writes), args, kwargs))
-            self.pinned.extend(fresh)
-        return out
 
 
 @dataclass
@@ -340,10 +190,10 @@ class StepPrograms:
         # The program owns its inputs: nothing it points into belongs to the runner's batch.
         ids, pos = input_ids.clone(), positions.clone()
         own = replace(meta, slot_mapping=meta.slot_mapping.clone())
-        forbidden = {_storage(t) for t in (input_ids, positions, *_step_inputs(meta))}
+        forbidden = {storage_ptr(t) for t in (input_ids, positions, *_step_inputs(meta))}
         try:
             rec = recording.start()
-            watch = _Watch(rec, forbidden)
+            watch = Watch(rec, forbidden)
             with watch:
                 out = self.model(ids, pos, kv_caches, own)
         except Exception as e:  # the eager forward below says whether the step itself fails
@@ -370,7 +220,7 @@ class StepPrograms:
     def _program(
         self,
         rec: recording.Recording,
-        watch: _Watch,
+        watch: Watch,
         refreshed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         out: Any,
@@ -379,17 +229,20 @@ class StepPrograms:
             raise NotReplayable(f"the forward runs an op a replay cannot repeat ({watch.refused})")
         if not isinstance(out, torch.Tensor):
             raise NotReplayable("the forward does not return one hidden-state tensor")
+        if watch.arena.moved():
+            raise NotReplayable("the forward resized a buffer that recorded calls point into")
         keys = list(dict.fromkeys(args[0] for kernel, args, _ in rec.calls if kernel is None))
         if not all(key[2] for key in keys):
             raise NotReplayable("an attention plan attends only some requests")
         ids, positions, slots = refreshed
-        _check_pointers(rec.calls, _step_inputs(meta), refreshed)
-        for kernel, _, kwargs in rec.calls:
-            if kernel is not None and not isinstance(kernel, _TorchOp) and "slot_mapping" in kwargs:
+        calls = watch.calls()
+        _check_pointers(calls, _step_inputs(meta), refreshed)
+        for kernel, _, kwargs in calls:
+            if kernel is not None and not isinstance(kernel, TorchOp) and "slot_mapping" in kwargs:
                 if kwargs["slot_mapping"] != slots.data_ptr():
                     raise NotReplayable("a K/V cache write reads another slot mapping")
         return StepProgram(
-            calls=rec.calls,
+            calls=calls,
             input_ids=ids,
             positions=positions,
             slots=slots,
