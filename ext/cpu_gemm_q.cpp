@@ -2,20 +2,20 @@
 // trillm's form of AWQ / GPTQ 4-bit groups: blocks of 32 values along K, one fp16 scale per
 // block, Q4_1 an fp16 minimum too, Q4_G a 4-bit zero point, Q4_K its super-block's fp16 d and
 // dmin with the block's 6-bit scale and minimum, Q6_K its super-block's fp16 d with an int8
-// scale for each half of the block; and Q8_KM, trillm's: byte values with the super-block's
-// fp16 d and dmin and a uint8 scale and minimum for each half of the block). GGUF's Q3_K is
-// repacked into Q6_K's form (int8 q - 4, int8 scale - 32), Q5_K (q 0..31, its 6-bit scale and
-// minimum per 32 repeated per 16) and Q2_K (q 0..3, 4-bit scale and minimum per 16) into Q8_KM's,
-// all exactly (kernels/linear_q_cpu.py): y[M, N] = x[M, K] . W[N, K]^T (+ bias), x fp32
-// or bf16, y fp32 or bf16, products summed in fp32.
+// scale for each half of the block; and Q8_KM / Q4_KM, trillm's: byte / nibble values with the
+// super-block's fp16 d and dmin and an int8 scale and minimum for each half of the block). GGUF's
+// Q5_K (q 0..31, its 6-bit scale and minimum per 32 repeated per 16) is repacked into Q8_KM's
+// form, Q2_K (q 0..3, 4-bit scale and minimum per 16) and Q3_K (q + 4 in 0..7, scale sc - 32,
+// dmin = d and minimum 4 (sc - 32)) into Q4_KM's, all exactly (kernels/linear_q_cpu.py):
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias), x fp32 or bf16, y fp32 or bf16, products summed in fp32.
 //
 // Numerics: those of dequantize-then-matmul in fp32. Per block b and column n the kernel sums
 // s = sum_k x[k] * q[n][k] in fp32 over the block's raw integers (0..15 for Q4, -128..127 for Q8,
 // exact as floats), then adds d * s (Q4_0: d * (s - 8 * sum_k x[k]); Q4_1: d * s + m * sum_k
 // x[k]; Q4_G: d * (s - z * sum_k x[k]), z the block's zero point of this column; Q4_K:
 // (d * sc) * s - (dmin * mn) * sum_k x[k], both products exact in fp32; Q6_K: (d * sc) * s per
-// half block of 16, s over that half; Q8_KM: Q4_K's per half block, sum_k x[k] over that half
-// too). Only the
+// half block of 16, s over that half; Q8_KM / Q4_KM: Q4_K's per half block, sum_k x[k] over
+// that half too). Only the
 // order of the fp32 additions differs from F.linear on the dequantized weight.
 // Activations are not quantized by default: a GGUF model served in fp32 keeps the greedy output
 // of the same model dequantized. `int8_activations` (AVX512-VNNI) rounds them to int8 per half
@@ -24,17 +24,18 @@
 // Packed layout (written by kernels/linear_q_cpu.py's pack, read here): N is cut into panels of
 // 16 output columns, their count padded to even (the kernel takes two panels at a time, zero
 // columns beyond N); panel p is nb = K / 32 records, one per block of 32 k, each:
-//   Q4_0 / Q4_1 / Q4_G / Q4_K: 16 k-pairs x 16 columns of bytes, byte [j][c] = q[c][2j] |
-//                q[c][2j + 1] << 4, then d[16] fp16, then (Q4_1) m[16] fp16, (Q4_G) z[16]
-//                uint8, (Q4_K) dmin[16] fp16, sc[16] uint8, mn[16] uint8 (d and dmin repeat
-//                over the 8 blocks of a super-block: 5.5 bits a weight against the file's 4.5);
+//   Q4_0 / Q4_1 / Q4_G / Q4_K / Q4_KM: 16 k-pairs x 16 columns of bytes, byte [j][c] =
+//                q[c][2j] | q[c][2j + 1] << 4, then d[16] fp16, then (Q4_1) m[16] fp16, (Q4_G)
+//                z[16] uint8, (Q4_K) dmin[16] fp16, sc[16] uint8, mn[16] uint8 (d and dmin
+//                repeat over the 8 blocks of a super-block: 5.5 bits a weight against the
+//                file's 4.5), (Q4_KM) dmin[16] fp16, sc[2][16] int8, mn[2][16] int8 for k 0..15
+//                and 16..31 (6 bits a weight: Q3_K's file 3.44, Q2_K's 2.625);
 //   Q8_0 / Q6_K: 8 quads x 16 columns x 4 int8, byte [j][c][i] = q[c][4j + i], then d[16]
 //                fp16, then (Q6_K, q - 32 stored) sc[2][16] int8, the scales of k 0..15 and
 //                16..31 (9 bits a weight against the file's 6.56: one byte a value keeps the
 //                int8 kernels' loads; d repeats over the 8 blocks of a super-block);
-//   Q8_KM: Q8_0's bytes (q, 0..31), then d[16] fp16, dmin[16] fp16, sc[2][16] uint8,
-//                mn[2][16] uint8 for k 0..15 and 16..31 (10 bits a weight: Q5_K's file 5.5,
-//                Q2_K's 2.625);
+//   Q8_KM: Q8_0's bytes (q, 0..31), then Q4_KM's parameters (10 bits a weight against Q5_K's
+//                file's 5.5);
 // Q4: one 16-byte load and a zero-extension give 16 columns' integers for two k. Q8: one 64-byte
 // load gives 16 columns' integers for four k, each column's four in one 32-bit lane: the operand
 // `vpdpbusd` multiplies as it is (int8 path), two shifts sign-extend one k of it (fp32 path).
@@ -65,15 +66,20 @@ constexpr int kRows = 4;        // rows of x per register tile (x 2 panels)
 constexpr int kRowBlock = 64;   // rows of x per work item
 
 // GGML's type ids; Q4_G is trillm's (not a GGML type): AWQ / GPTQ groups cut into blocks of 32.
-// Q8_KM is trillm's too: byte values with a scale and a minimum per half block of 16 (the form
-// GGUF's Q5_K and Q2_K are repacked into; Q3_K goes into Q6_K's).
-enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_G = 100, kQ8_KM = 101 };
+// Q8_KM and Q4_KM are trillm's too: byte / nibble values with a scale and a minimum per half
+// block of 16 (the forms GGUF's Q5_K, and Q3_K and Q2_K, are repacked into).
+enum QType : int {
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_G = 100, kQ8_KM = 101, kQ4_KM = 102
+};
 
 // Types whose values are stored one signed byte each (in quads), not as nibble pairs.
 constexpr bool byte_values(int qtype) { return qtype == kQ8_0 || qtype == kQ6_K || qtype == kQ8_KM; }
 
+// Types with a scale and a minimum per half block of 16 (fed sums of x per half block).
+constexpr bool half_min(int qtype) { return qtype == kQ8_KM || qtype == kQ4_KM; }
+
 // Types with a weight scale per half block of 16 (the first half folded in mid-block).
-constexpr bool half_scales(int qtype) { return qtype == kQ6_K || qtype == kQ8_KM; }
+constexpr bool half_scales(int qtype) { return qtype == kQ6_K || half_min(qtype); }
 
 constexpr int quant_bytes(int qtype) {
   return byte_values(qtype) ? kBlock * kCols : kBlock / 2 * kCols;
@@ -85,17 +91,17 @@ constexpr int param_bytes(int qtype) {
                       : qtype == kQ4_G ? kCols
                       : qtype == kQ4_K ? 4 * kCols
                       : qtype == kQ6_K ? 2 * kCols
-                      : qtype == kQ8_KM ? 6 * kCols
+                      : half_min(qtype) ? 6 * kCols
                                         : 0);
 }
 
 // Bytes of one (panel, block) record.
 int record_bytes(int qtype) {
   if (qtype != kQ4_0 && qtype != kQ4_1 && qtype != kQ8_0 && qtype != kQ4_K && qtype != kQ6_K &&
-      qtype != kQ4_G && qtype != kQ8_KM)
+      qtype != kQ4_G && !half_min(qtype))
     throw std::invalid_argument(
         "quantized GEMM: type must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q6_K (14), "
-        "Q4_G (100) or Q8_KM (101)");
+        "Q4_G (100), Q8_KM (101) or Q4_KM (102)");
   return quant_bytes(qtype) + param_bytes(qtype);
 }
 
@@ -119,8 +125,8 @@ bool cpu_has_avx512() {
 struct Gemm {
   const float* x;   // fp32 rows, stride ldx
   int64_t ldx;
-  const float* sx;  // Q4: per row, per block, the sum of x over the block [M][nb]; Q8_KM: per
-                    // half block [M][2 nb]; else null
+  const float* sx;  // Q4: per row, per block, the sum of x over the block [M][nb]; Q8_KM /
+                    // Q4_KM: per half block [M][2 nb]; else null
   const int8_t* xq;  // int8 path (cpu_gemm_q_vnni.h): x rounded to int8 [M][K]; else null
   const float* dx;   // int8 path: per row, per half block, the scale of xq [M][2 nb]
   const int32_t* qxh;  // int8 path: per row, per half block, the sum of xq [M][2 nb]
@@ -156,17 +162,17 @@ TRILLM_Q_TARGET inline __m512 add_half(__m512 acc, __m512 s, const uint8_t* para
   return _mm512_fmadd_ps(_mm512_mul_ps(d, sc), s, acc);
 }
 
-// Q8_KM: acc + (d * sc[half]) * s - (dmin * mn[half]) * sx for 16 columns, s the sums of x * q
-// over that half block, sx its sum of x; `params` d[16] fp16, dmin[16] fp16, sc[2][16] uint8,
-// mn[2][16] uint8.
+// Q8_KM / Q4_KM: acc + (d * sc[half]) * s - (dmin * mn[half]) * sx for 16 columns, s the sums
+// of x * q over that half block, sx its sum of x; `params` d[16] fp16, dmin[16] fp16, sc[2][16]
+// int8, mn[2][16] int8.
 TRILLM_Q_TARGET inline __m512 add_half_min(__m512 acc, __m512 s, float sx, const uint8_t* params,
                                            int half) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
   const __m512 dmin = _mm512_cvtph_ps(
       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
-  const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+  const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + (4 + half) * kCols))));
-  const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+  const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + (6 + half) * kCols))));
   acc = _mm512_fmadd_ps(_mm512_mul_ps(d, sc), s, acc);
   return _mm512_fnmadd_ps(_mm512_mul_ps(dmin, mn), _mm512_set1_ps(sx), acc);
@@ -174,15 +180,15 @@ TRILLM_Q_TARGET inline __m512 add_half_min(__m512 acc, __m512 s, float sx, const
 
 // acc + one block's share of 16 columns: d * (s - 8 sx) (Q4_0), d * s + m * sx (Q4_1),
 // d * (s - z sx) (Q4_G), d * s (Q8_0), (d sc) * s - (dmin mn) * sx (Q4_K), (d sc[1]) * s (Q6_K:
-// the second half, s its sums; add_half took the first), Q8_KM's second half (sx that half's
-// sum of x; add_half_min took the first); s the block's sums
+// the second half, s its sums; add_half took the first), Q8_KM's / Q4_KM's second half (sx that
+// half's sum of x; add_half_min took the first); s the block's sums
 // of x * q, sx its sum of x, `params` the record's d[16] fp16 (then m[16] fp16, z[16] uint8 or
 // dmin[16] fp16, sc[16] uint8, mn[16] uint8).
 template <int QT>
 TRILLM_Q_TARGET inline __m512 add_block(__m512 acc, __m512 s, float sx, const uint8_t* params) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
   if constexpr (QT == kQ6_K) return add_half(acc, s, params, 1);
-  if constexpr (QT == kQ8_KM) return add_half_min(acc, s, sx, params, 1);
+  if constexpr (half_min(QT)) return add_half_min(acc, s, sx, params, 1);
   if constexpr (QT == kQ4_K) {
     const __m512 dmin = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
@@ -255,7 +261,7 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
             for (int r = 0; r < R; ++r) {
               const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
               const __m512 s = _mm512_add_ps(se[r][p], so[r][p]);
-              if constexpr (QT == kQ8_KM)
+              if constexpr (half_min(QT))
                 acc[r][p] = add_half_min(acc[r][p], s, g.sx[(m + r) * 2 * nb + 2 * b], params, 0);
               else
                 acc[r][p] = add_half(acc[r][p], s, params, 0);
@@ -276,6 +282,15 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
       }
     } else {
       for (int j = 0; j < kBlock / 2; ++j) {
+        if (half_min(QT) && j == kBlock / 4) {  // Q4_KM: the first half's scale and minimum
+          for (int p = 0; p < 2; ++p)
+            for (int r = 0; r < R; ++r) {
+              const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
+              const __m512 s = _mm512_add_ps(se[r][p], so[r][p]);
+              acc[r][p] = add_half_min(acc[r][p], s, g.sx[(m + r) * 2 * nb + 2 * b], params, 0);
+              se[r][p] = so[r][p] = _mm512_setzero_ps();
+            }
+        }
         for (int p = 0; p < 2; ++p) {
           const uint8_t* q = panel[p] + static_cast<int64_t>(b) * rec + j * kCols;
           const __m512i v =
@@ -292,7 +307,7 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
     for (int p = 0; p < 2; ++p) {
       const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
       for (int r = 0; r < R; ++r) {
-        const float sx = QT == kQ8_KM      ? g.sx[(m + r) * 2 * nb + 2 * b + 1]
+        const float sx = half_min(QT)      ? g.sx[(m + r) * 2 * nb + 2 * b + 1]
                          : byte_values(QT) ? 0.0f
                                            : g.sx[(m + r) * nb + b];
         acc[r][p] = add_block<QT>(acc[r][p], _mm512_add_ps(se[r][p], so[r][p]), sx, params);
@@ -344,6 +359,8 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
                      : rows_for_pair<kQ6_K, false>(g, m0, m1, pair); break;
     case kQ8_KM: int8 ? rows_for_pair<kQ8_KM, true>(g, m0, m1, pair)
                       : rows_for_pair<kQ8_KM, false>(g, m0, m1, pair); break;
+    case kQ4_KM: int8 ? rows_for_pair<kQ4_KM, true>(g, m0, m1, pair)
+                      : rows_for_pair<kQ4_KM, false>(g, m0, m1, pair); break;
     default: int8 ? rows_for_pair<kQ8_0, true>(g, m0, m1, pair)
                   : rows_for_pair<kQ8_0, false>(g, m0, m1, pair); break;
   }
@@ -362,7 +379,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
     throw std::invalid_argument("quantized GEMM: bad shape (K must be a multiple of 32)");
   if (M == 0) return;
   py::gil_scoped_release release;
-  // x as fp32 rows (bf16 widened exactly) and, for Q4 (Q8_KM), its per-block (per-half-block)
+  // x as fp32 rows (bf16 widened exactly) and, for Q4 (Q8_KM, Q4_KM), its per-block (per-half-block)
   // sums: O(M K), small
   // beside the O(M N K) products.
   std::vector<float> widened, sums;
@@ -379,8 +396,8 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   QuantizedRows rows;
   if (int8_activations) {
     rows = quantize_rows(xf, ld, M, K);
-  } else if (!byte_values(qtype) || qtype == kQ8_KM) {
-    const int span = qtype == kQ8_KM ? kBlock / 2 : kBlock, spans = K / span;
+  } else if (!byte_values(qtype) || half_min(qtype)) {
+    const int span = half_min(qtype) ? kBlock / 2 : kBlock, spans = K / span;
     sums.resize(static_cast<size_t>(M) * spans);
     for (int r = 0; r < M; ++r)
       for (int b = 0; b < spans; ++b) {
@@ -410,7 +427,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
 }  // namespace
 
 void register_cpu_gemm_q(py::module_& m) {
-  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K/Q4_G/Q8_KM block-quantized weights (AVX-512, fp32 sums).";
+  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K/Q4_G/Q8_KM/Q4_KM block-quantized weights (AVX-512).";
   m.attr("PANEL") = kCols;
   m.attr("BLOCK") = kBlock;
   m.def("supported", &cpu_has_avx512, "Whether this CPU has AVX512F/BW/VL.");

@@ -22,7 +22,7 @@
 // (0..255), whose dot product with xq is sum(q xq) + 128 sum(xq); each half block's integer sum
 // of xq (`qxh`) takes the excess back out, exactly, before that half's conversion to fp32. Q6_K
 // (q - 32 stored as Q8_0's bytes) does the same, each half also with its own weight scale; Q8_KM
-// too, each half with its own scale and minimum, the minimum times that half's sum of x^
+// (and Q4_KM, nibbles as Q4's) too, each half with its own scale and minimum, the minimum times that half's sum of x^
 // (dx_h * its integer sum of xq, the term quantize_rows adds into sx).
 
 #define TRILLM_VNNI_TARGET \
@@ -93,7 +93,7 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int b = 0; b < nb; ++b) {
     __m512i dot[R][2];
-    __m512 first[R][2];  // the first half block's dx_h0 * sum(q xq_h0) (all but Q6_K, Q8_KM)
+    __m512 first[R][2];  // the first half block's dx_h0 * sum(q xq_h0) (all but half_scales)
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
     for (int j = 0; j < kBlock / 2; j += 2) {  // k = 2j .. 2j + 3
       if (j == kBlock / 4) {  // the first half has its own activation scale: fold it in
@@ -107,7 +107,7 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
             if constexpr (QT == kQ6_K) {  // and its own weight scale
               const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
               acc[r][p] = add_half(acc[r][p], s, params, 0);
-            } else if constexpr (QT == kQ8_KM) {  // and its own scale and minimum
+            } else if constexpr (half_min(QT)) {  // and its own scale and minimum
               const uint8_t* params = panel[p] + static_cast<int64_t>(b) * rec + qbytes;
               const float sxh = g.dx[2 * i] * static_cast<float>(g.qxh[2 * i]);
               acc[r][p] = add_half_min(acc[r][p], s, sxh, params, 0);
@@ -147,8 +147,8 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
           dot[r][p] = _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(128 * g.qxh[2 * i + 1]));
         __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][p]), _mm512_set1_ps(g.dx[2 * i + 1]));
         if constexpr (!half_scales(QT)) s = _mm512_add_ps(first[r][p], s);
-        // Q8_KM: the second half's sum of x^, as quantize_rows adds it into sx
-        const float sx = QT == kQ8_KM ? g.dx[2 * i + 1] * static_cast<float>(g.qxh[2 * i + 1])
+        // Q8_KM / Q4_KM: the second half's sum of x^, as quantize_rows adds it into sx
+        const float sx = half_min(QT) ? g.dx[2 * i + 1] * static_cast<float>(g.qxh[2 * i + 1])
                                       : g.sx[i];
         acc[r][p] = add_block<QT>(acc[r][p], s, sx, params);
       }

@@ -7,11 +7,12 @@ Q4_1 an fp16 minimum ``m`` too; values ``(q - 8) * d`` for Q4_0, ``q * d + m`` f
 with fp16 d / dmin per super-block and 6-bit sc / mn per block of 32, each block becoming one
 record with d / dmin repeated; Q6_K: super-blocks of 256, ``(d * sc) * (q - 32)`` with an int8
 sc per 16 values, each block of 32 one record of Q8_0's bytes (q - 32) with d repeated and two
-scales; Q3_K: ``(d * sc) * q`` with q -4..3 and a 6-bit sc - 32 per 16 values, repacked exactly
-into Q6_K's form (its kernel type); Q5_K: Q4_K's values with a fifth bit (q 0..31), and Q2_K:
-``(d * sc) * q - dmin * mn`` with q 0..3 and a 4-bit sc and mn per 16 values, both repacked into
-``Q8_KM`` (trillm's: Q8_0's bytes, d / dmin repeated, a uint8 scale and minimum per half block of
-16; Q5_K's per-32 ones repeated), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
+scales; Q5_K: Q4_K's values with a fifth bit (q 0..31), repacked into ``Q8_KM`` (trillm's:
+Q8_0's bytes, d / dmin repeated, an int8 scale and minimum per half block of 16, Q5_K's per-32
+ones repeated); Q2_K: ``(d * sc) * q - dmin * mn`` with q 0..3 and a 4-bit sc and mn per 16
+values, and Q3_K: ``(d * sc) * q`` with q -4..3 and a 6-bit sc - 32 per 16 values (stored as
+q + 4, dmin = d, mn = 4 sc: the same values), repacked into ``Q4_KM`` (``Q8_KM``'s parameters
+with nibbles), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
 scale and a 4-bit zero point per group of ``g`` values along K, values ``(q - z) * s``), which
 become Q4_G: each group cut into blocks of 32 that repeat its scale and zero point (exact).
 A stacked layer whose shards come in different types (a GGUF ``Q4_K_M`` qkv: q/k Q4_K, v Q6_K)
@@ -50,11 +51,14 @@ PANEL = 16  # output columns per panel of the packed layout
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML's type ids (gguf.GGMLQuantizationType)
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 Q4_G = 100  # trillm's: AWQ / GPTQ 4-bit groups as blocks of 32 with an fp16 scale, a zero point
-Q8_KM = 101  # trillm's: byte values, a scale and minimum per 16 (Q5_K's and Q2_K's kernel type)
+Q8_KM = 101  # trillm's: byte values, a scale and minimum per 16 (Q5_K's kernel type)
+Q4_KM = 102  # trillm's: nibbles, a scale and minimum per 16 (Q3_K's and Q2_K's kernel type)
 QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K",
-               Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q4_G: "Q4_G", Q8_KM: "Q8_KM"}  # fmt: skip
+               Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q4_G: "Q4_G", Q8_KM: "Q8_KM",
+               Q4_KM: "Q4_KM"}  # fmt: skip
 # a file type -> the kernel type it is repacked into (the others: itself)
-KERNEL_TYPES = {Q3_K: Q6_K, Q5_K: Q8_KM, Q2_K: Q8_KM}
+KERNEL_TYPES = {Q3_K: Q4_KM, Q5_K: Q8_KM, Q2_K: Q4_KM}
+_HALF_MIN = (Q8_KM, Q4_KM)  # a scale and minimum per half block
 # Bytes of one GGML block: fp16 d (+ fp16 m), then the values.
 GGML_BLOCK_BYTES = {Q4_0: 2 + 16, Q4_1: 4 + 16, Q8_0: 2 + 32}
 QK_K = 256  # K-quants: values per super-block
@@ -116,10 +120,10 @@ def _values_bytes(qtype: int) -> int:
 def record_bytes(qtype: int) -> int:
     """Bytes of one (panel, block) record of kernel type ``qtype``: the values, then d[16] fp16
     (then Q4_1's m[16] fp16, Q4_G's z[16] uint8, Q4_K's dmin[16] fp16, sc[16] uint8, mn[16]
-    uint8, Q6_K's sc[2][16] int8, or Q8_KM's dmin[16] fp16, sc[2][16] uint8, mn[2][16] uint8)."""
-    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL, Q4_K: 4 * PANEL, Q6_K: 2 * PANEL, Q8_KM: 6 * PANEL}.get(
-        qtype, 0
-    )
+    uint8, Q6_K's sc[2][16] int8, or Q8_KM's / Q4_KM's dmin[16] fp16, sc[2][16] int8, mn[2][16]
+    int8)."""
+    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL, Q4_K: 4 * PANEL, Q6_K: 2 * PANEL, Q8_KM: 6 * PANEL,
+             Q4_KM: 6 * PANEL}.get(qtype, 0)  # fmt: skip
     return _values_bytes(qtype) + 2 * PANEL + extra
 
 
@@ -131,8 +135,8 @@ def num_panels(n: int) -> int:
 def unpack_ggml(raw: np.ndarray, qtype: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
     """GGML rows [N, K / 32 * block bytes] uint8 -> (q [N, K] uint8 or int8, the per-block
     parameters [N, K/32] each: d fp16, then Q4_1's m fp16, Q4_K's dmin fp16, sc uint8, mn
-    uint8, Q6_K's (and Q3_K's) two int8 scales, or Q5_K's and Q2_K's dmin fp16, two uint8
-    scales and two minimums): the values and parameters of ``KERNEL_TYPES``' form. Q4 nibbles:
+    uint8, Q6_K's two int8 scales, or Q5_K's, Q3_K's and Q2_K's dmin fp16, two int8 scales
+    and two minimums): the values and parameters of ``KERNEL_TYPES``' form. Q4 nibbles:
     value j of a block is byte j's low half, value j + 16 its high half."""
     if qtype in KQUANT_BYTES:
         return _unpack_kquant(raw, qtype, k)
@@ -169,35 +173,38 @@ _SHIFTS_2BIT = np.array([0, 2, 4, 6], dtype=np.uint8)
 
 
 def _unpack_q3_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Q3_K super-blocks [N, K/256, 110] (``gguf_kquants``' layout) -> Q6_K's form: q -4..3
-    [N, K] int8 and per block of 32: d fp16 (repeated), the int8 scales (sc - 32) of its halves."""
+    """Q3_K super-blocks [N, K/256, 110] (``gguf_kquants``' layout) -> Q4_KM's form: q + 4 in
+    0..7 [N, K] uint8 and per block of 32: d fp16 (repeated) twice (as d and dmin), the int8
+    scales sc - 32 of its halves and their minimums 4 (sc - 32): (d sc)(q + 4) - d (4 sc) =
+    (d sc) q, exactly."""
     ns = k // QK_K
     hmask, qs = blocks[..., 0:32], blocks[..., 32:96]
     low = (qs.reshape(n, ns, 2, 1, 32) >> _SHIFTS_2BIT.reshape(4, 1)) & 3  # [N, ns, 2, 4, 32]
     # value 128 h + 32 j + l takes bit 4 h + j of hmask[l]; a clear bit subtracts 4
     bits = np.arange(8, dtype=np.uint8).reshape(2, 4, 1)
     high = (hmask.reshape(n, ns, 1, 1, 32) >> bits) & 1
-    q = (low.astype(np.int8) - 4 * (1 - high.astype(np.int8))).reshape(n, k)
+    q = (low + 4 * high).reshape(n, k)  # q + 4: a clear bit is the 4 not added
     s = blocks[..., 96:108]  # scale i: a nibble of byte i % 8, two bits of byte 8 + i % 4
     low_s = np.concatenate([s[..., 0:8] & 0xF, s[..., 0:8] >> 4], axis=2)  # [N, ns, 16]
     shifts = np.array([2 * (i // 4) for i in range(16)], dtype=np.uint8)
     high_s = (np.tile(s[..., 8:12], 4) >> shifts) & 3
     scales = ((low_s | (high_s << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k // 16)
     d = np.repeat(blocks[..., 108:110].copy().view(np.float16).reshape(n, ns), 8, axis=1)
-    return q, [d, scales[:, 0::2], scales[:, 1::2]]
+    mins = (4 * scales.astype(np.int16)).astype(np.int8)  # -128..124
+    return q, [d, d, scales[:, 0::2], scales[:, 1::2], mins[:, 0::2], mins[:, 1::2]]
 
 
 def _unpack_q2_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Q2_K super-blocks [N, K/256, 84] -> Q8_KM's form: q 0..3 [N, K] int8 and per block of
-    32: d, dmin fp16 (repeated), the 4-bit scales and minimums of its two halves (uint8)."""
+    """Q2_K super-blocks [N, K/256, 84] -> Q4_KM's form: q 0..3 [N, K] uint8 and per block of
+    32: d, dmin fp16 (repeated), the 4-bit scales and minimums of its two halves (int8)."""
     ns = k // QK_K
     qs = blocks[..., 16:80].reshape(n, ns, 2, 1, 32)
     # value 128 h + 32 j + l: 2-bit field j of byte l of half h's qs
-    q = ((qs >> _SHIFTS_2BIT.reshape(4, 1)) & 3).astype(np.int8).reshape(n, k)
+    q = ((qs >> _SHIFTS_2BIT.reshape(4, 1)) & 3).reshape(n, k)
     sc = blocks[..., 0:16].reshape(n, k // 16)  # one byte per 16 values: scale low, min high
     d, dmin = (np.repeat(blocks[..., a : a + 2].copy().view(np.float16).reshape(n, ns), 8, axis=1)
                for a in (80, 82))  # fmt: skip
-    scales, mins = sc & 0xF, sc >> 4
+    scales, mins = (sc & 0xF).view(np.int8), (sc >> 4).view(np.int8)
     return q, [d, dmin, scales[:, 0::2], scales[:, 1::2], mins[:, 0::2], mins[:, 1::2]]
 
 
@@ -210,7 +217,7 @@ def _unpack_q5_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[n
     qh = blocks[..., 16:48].reshape(n, ns, 1, 32)  # block j's fifth bit: bit j of qh[l]
     high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [N, ns, 8, 32]
     q = (q4 | (high.reshape(n, k) << 4)).astype(np.int8)
-    d, dmin, sc, mn = params
+    d, dmin, sc, mn = (params[0], params[1], params[2].view(np.int8), params[3].view(np.int8))
     return q, [d, dmin, sc, sc, mn, mn]
 
 
@@ -354,10 +361,10 @@ def dequantize(weight: AnyQuantizedWeight, dtype: torch.dtype = torch.float32) -
         q = q.to(torch.float32)  # [P, nb, 32 k, 16 cols]
     params = records[:, :, values_bytes:]
     d = params[:, :, : 2 * PANEL].contiguous().view(torch.float16).to(torch.float32).unsqueeze(2)
-    if qtype == Q8_KM:  # (d * sc) * q - dmin * mn for each half block, as gguf_kquants'
+    if qtype in _HALF_MIN:  # (d * sc) * q - dmin * mn for each half block, as gguf_kquants'
         dmin = params[:, :, 2 * PANEL : 4 * PANEL].contiguous().view(torch.float16).float()
-        sc, mn = (params[:, :, a : a + 2 * PANEL].float().view(panels, nb, 2, PANEL)
-                  for a in (4 * PANEL, 6 * PANEL))  # fmt: skip
+        sc, mn = (params[:, :, a : a + 2 * PANEL].contiguous().view(torch.int8).float()
+                  .view(panels, nb, 2, PANEL) for a in (4 * PANEL, 6 * PANEL))  # fmt: skip
         halves = q.view(panels, nb, 2, BLOCK // 2, PANEL)
         dl, ml = d * sc, dmin.unsqueeze(2) * mn  # [P, nb, 2, 16]
         w = (dl.unsqueeze(3) * halves - ml.unsqueeze(3)).view(q.shape)
