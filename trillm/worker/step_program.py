@@ -51,9 +51,10 @@ logger = logging.getLogger(__name__)
 # (arena; the one-buffer-per-allocation layout in brackets), eager and both replays alternated
 # in one process, 5 rounds, 32-token prompts: 8 rows 1.20x (1.20x), 16 1.17x (1.15x),
 # 32 1.13x (1.09x), 48 1.11x (1.05x), 64 1.14x (1.11x), 96 1.10x (1.06x), 128 1.08x (1.05x);
-# 128-token prompts, 3 rounds: 48 1.11x (1.10x), 64 1.10x (1.06x). Replay pays at every size
-# measured; past 64 rows the gain per step shrinks while each program's buffers grow with its
-# rows, so larger steps stay eager (MEMORY_BUDGET is shared by all sizes, first captured first).
+# 128-token prompts, 3 rounds: 48 1.11x (1.10x), 64 1.10x (1.06x), 96 1.08x, 128 1.05x.
+# Replay pays at every size measured, but past 64 rows its gain (the same few ms of Python a
+# step) shrinks while a program's buffers grow with its rows: larger steps stay eager, leaving
+# MEMORY_BUDGET (shared by all sizes, first captured first) to the sizes that gain most.
 MAX_ROWS = 64
 # A budget on the programs' buffers (all sizes together): their slabs scale with rows x the
 # widest layer, not with depth (benchmark model, sizes 1 .. 64: about 58 MiB; a 7B fp32 model
