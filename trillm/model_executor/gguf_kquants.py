@@ -1,9 +1,11 @@
-"""GGML's K-quant types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), dequantized in torch at load.
+"""GGML's K-quant types (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), dequantized in torch.
 
 Most GGUF files in use (``Q4_K_M``, ``Q5_K_M``, ``Q6_K``, ...) store their weights in these
-types. trillm runs them dequantized to the run's dtype (``gguf_loader.dequantized_tensor``);
-tests check every type against the ``gguf`` package's dequantizer on random blocks (every bit
-pattern is a valid block).
+types. trillm keeps their projections quantized (``kernels/linear_q_cpu.py`` repacks the blocks
+for its kernel); this dequantizer (``gguf_loader.dequantized_tensor``) serves the rest: the
+embedding's lookup table, ``dequantize_gguf``, a tensor-parallel split inside a block. Tests
+check every type against the ``gguf`` package's dequantizer on random blocks (every bit pattern
+is a valid block).
 
 A super-block holds 256 values (``QK_K``) in sub-blocks of 16 or 32 values, each with its own
 small integer scale (and minimum), which a per-super-block fp16 ``d`` (and ``dmin``) multiply.
