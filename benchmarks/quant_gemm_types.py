@@ -1,5 +1,5 @@
-"""The quantized GEMM by GGML type at the same shapes: Q4_1 / Q4_K / Q3_K / Q2_K (4-bit records)
-and Q8_0 / Q6_K / Q5_K (byte records), fp32 activations (FMA) and int8 (VNNI), random weights; ``F32``:
+"""The quantized GEMM by GGML type at the same shapes: Q4_1 / Q4_K / Q3_K / Q2_K / Q5_K (4-bit
+records, Q5_K a fifth bit beside) and Q8_0 / Q6_K (byte records), fp32 activations (FMA) and int8 (VNNI), random weights; ``F32``:
 the Q5_K weights dequantized, torch's F.linear (the path Q2_K / Q3_K / Q5_K took before they were
 kept quantized).
 
@@ -9,7 +9,7 @@ stack (TinyLlama-1.1B's: per layer qkv 2560x2048, o 2048x2048, gate_up 11264x204
 blocks (every bit pattern of a K-quant block is valid; Q4_1 / Q8_0 from the gguf package's
 quantizer); the variants are alternated round by round; step ms, median (min) of the steps, and
 the packed weight bytes read per step (trillm's layouts: Q4_K 5.5 bits a weight, Q6_K 9, Q5_K
-10, Q3_K / Q2_K 6). ``--clock thread``: the calling thread's CPU time (with ``--threads 1`` all the
+7, Q3_K / Q2_K 6). ``--clock thread``: the calling thread's CPU time (with ``--threads 1`` all the
 work is on it; a shared machine's wall time is noise).
 
     python benchmarks/quant_gemm_types.py [--batches 1 16] [--layers 2] [--steps 5]

@@ -2,9 +2,9 @@
 // trillm's form of AWQ / GPTQ 4-bit groups: blocks of 32 values along K, one fp16 scale per
 // block, Q4_1 an fp16 minimum too, Q4_G a 4-bit zero point, Q4_K its super-block's fp16 d and
 // dmin with the block's 6-bit scale and minimum, Q6_K its super-block's fp16 d with an int8
-// scale for each half of the block; and Q8_KM / Q4_KM, trillm's: byte / nibble values with the
+// scale for each half of the block; and Q4_KM / Q5_KM, trillm's: 4-bit / 5-bit values with the
 // super-block's fp16 d and dmin and an int8 scale and minimum for each half of the block). GGUF's
-// Q5_K (q 0..31, its 6-bit scale and minimum per 32 repeated per 16) is repacked into Q8_KM's
+// Q5_K (q 0..31, its 6-bit scale and minimum per 32 repeated per 16) is repacked into Q5_KM's
 // form, Q2_K (q 0..3, 4-bit scale and minimum per 16) and Q3_K (q + 4 in 0..7, scale sc - 32,
 // dmin = d and minimum 4 (sc - 32)) into Q4_KM's, all exactly (kernels/linear_q_cpu.py):
 // y[M, N] = x[M, K] . W[N, K]^T (+ bias), x fp32 or bf16, y fp32 or bf16, products summed in fp32.
@@ -14,7 +14,7 @@
 // exact as floats), then adds d * s (Q4_0: d * (s - 8 * sum_k x[k]); Q4_1: d * s + m * sum_k
 // x[k]; Q4_G: d * (s - z * sum_k x[k]), z the block's zero point of this column; Q4_K:
 // (d * sc) * s - (dmin * mn) * sum_k x[k], both products exact in fp32; Q6_K: (d * sc) * s per
-// half block of 16, s over that half; Q8_KM / Q4_KM: Q4_K's per half block, sum_k x[k] over
+// half block of 16, s over that half; Q4_KM / Q5_KM: Q4_K's per half block, sum_k x[k] over
 // that half too). Only the
 // order of the fp32 additions differs from F.linear on the dequantized weight.
 // Activations are not quantized by default: a GGUF model served in fp32 keeps the greedy output
@@ -34,9 +34,10 @@
 //                fp16, then (Q6_K, q - 32 stored) sc[2][16] int8, the scales of k 0..15 and
 //                16..31 (9 bits a weight against the file's 6.56: one byte a value keeps the
 //                int8 kernels' loads; d repeats over the 8 blocks of a super-block);
-//   Q8_KM: Q8_0's bytes (q, 0..31), then Q4_KM's parameters (10 bits a weight against Q5_K's
-//                file's 5.5);
-// Q4: one 16-byte load and a zero-extension give 16 columns' integers for two k. Q8: one 64-byte
+//   Q5_KM: Q4's nibble pairs (q & 15), then hb[32] uint16, bit c of hb[k] the fifth bit of
+//                q[c][k], then Q4_KM's parameters (7 bits a weight against Q5_K's file's 5.5);
+// Q4: one 16-byte load and a zero-extension give 16 columns' integers for two k (Q5_KM: a masked
+// OR per k puts the fifth bits in). Q8: one 64-byte
 // load gives 16 columns' integers for four k, each column's four in one 32-bit lane: the operand
 // `vpdpbusd` multiplies as it is (int8 path), two shifts sign-extend one k of it (fp32 path).
 // Work items: (block of rows, run of panel pairs) on the shared pool; the summation order per
@@ -66,23 +67,26 @@ constexpr int kRows = 4;        // rows of x per register tile (x 2 panels)
 constexpr int kRowBlock = 64;   // rows of x per work item
 
 // GGML's type ids; Q4_G is trillm's (not a GGML type): AWQ / GPTQ groups cut into blocks of 32.
-// Q8_KM and Q4_KM are trillm's too: byte / nibble values with a scale and a minimum per half
+// Q5_KM and Q4_KM are trillm's too: 5-bit / 4-bit values with a scale and a minimum per half
 // block of 16 (the forms GGUF's Q5_K, and Q3_K and Q2_K, are repacked into).
 enum QType : int {
-  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_G = 100, kQ8_KM = 101, kQ4_KM = 102
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_G = 100, kQ5_KM = 101, kQ4_KM = 102
 };
 
 // Types whose values are stored one signed byte each (in quads), not as nibble pairs.
-constexpr bool byte_values(int qtype) { return qtype == kQ8_0 || qtype == kQ6_K || qtype == kQ8_KM; }
+constexpr bool byte_values(int qtype) { return qtype == kQ8_0 || qtype == kQ6_K; }
 
 // Types with a scale and a minimum per half block of 16 (fed sums of x per half block).
-constexpr bool half_min(int qtype) { return qtype == kQ8_KM || qtype == kQ4_KM; }
+constexpr bool half_min(int qtype) { return qtype == kQ5_KM || qtype == kQ4_KM; }
+
+// Q5_KM: bytes of the fifth-bit masks after the nibbles (one uint16 over 16 columns per k).
+constexpr int kHighBytes = 2 * kBlock;
 
 // Types with a weight scale per half block of 16 (the first half folded in mid-block).
 constexpr bool half_scales(int qtype) { return qtype == kQ6_K || half_min(qtype); }
 
 constexpr int quant_bytes(int qtype) {
-  return byte_values(qtype) ? kBlock * kCols : kBlock / 2 * kCols;
+  return byte_values(qtype) ? kBlock * kCols : kBlock / 2 * kCols + (qtype == kQ5_KM ? kHighBytes : 0);
 }
 
 // Bytes of the values and per-column parameters of one (panel, block) record.
@@ -101,7 +105,7 @@ int record_bytes(int qtype) {
       qtype != kQ4_G && !half_min(qtype))
     throw std::invalid_argument(
         "quantized GEMM: type must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q6_K (14), "
-        "Q4_G (100), Q8_KM (101) or Q4_KM (102)");
+        "Q4_G (100), Q5_KM (101) or Q4_KM (102)");
   return quant_bytes(qtype) + param_bytes(qtype);
 }
 
@@ -125,8 +129,8 @@ bool cpu_has_avx512() {
 struct Gemm {
   const float* x;   // fp32 rows, stride ldx
   int64_t ldx;
-  const float* sx;  // Q4: per row, per block, the sum of x over the block [M][nb]; Q8_KM /
-                    // Q4_KM: per half block [M][2 nb]; else null
+  const float* sx;  // Q4: per row, per block, the sum of x over the block [M][nb]; Q4_KM /
+                    // Q5_KM: per half block [M][2 nb]; else null
   const int8_t* xq;  // int8 path (cpu_gemm_q_vnni.h): x rounded to int8 [M][K]; else null
   const float* dx;   // int8 path: per row, per half block, the scale of xq [M][2 nb]
   const int32_t* qxh;  // int8 path: per row, per half block, the sum of xq [M][2 nb]
@@ -162,7 +166,7 @@ TRILLM_Q_TARGET inline __m512 add_half(__m512 acc, __m512 s, const uint8_t* para
   return _mm512_fmadd_ps(_mm512_mul_ps(d, sc), s, acc);
 }
 
-// Q8_KM / Q4_KM: acc + (d * sc[half]) * s - (dmin * mn[half]) * sx for 16 columns, s the sums
+// Q4_KM / Q5_KM: acc + (d * sc[half]) * s - (dmin * mn[half]) * sx for 16 columns, s the sums
 // of x * q over that half block, sx its sum of x; `params` d[16] fp16, dmin[16] fp16, sc[2][16]
 // int8, mn[2][16] int8.
 TRILLM_Q_TARGET inline __m512 add_half_min(__m512 acc, __m512 s, float sx, const uint8_t* params,
@@ -180,7 +184,7 @@ TRILLM_Q_TARGET inline __m512 add_half_min(__m512 acc, __m512 s, float sx, const
 
 // acc + one block's share of 16 columns: d * (s - 8 sx) (Q4_0), d * s + m * sx (Q4_1),
 // d * (s - z sx) (Q4_G), d * s (Q8_0), (d sc) * s - (dmin mn) * sx (Q4_K), (d sc[1]) * s (Q6_K:
-// the second half, s its sums; add_half took the first), Q8_KM's / Q4_KM's second half (sx that
+// the second half, s its sums; add_half took the first), Q4_KM's / Q5_KM's second half (sx that
 // half's sum of x; add_half_min took the first); s the block's sums
 // of x * q, sx its sum of x, `params` the record's d[16] fp16 (then m[16] fp16, z[16] uint8 or
 // dmin[16] fp16, sc[16] uint8, mn[16] uint8).
@@ -295,8 +299,16 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
           const uint8_t* q = panel[p] + static_cast<int64_t>(b) * rec + j * kCols;
           const __m512i v =
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-          const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low4));
-          const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+          __m512i vlo = _mm512_and_si512(v, low4), vhi = _mm512_srli_epi32(v, 4);
+          if constexpr (QT == kQ5_KM) {  // the fifth bits of k = 2j, 2j + 1
+            const uint8_t* hb = panel[p] + static_cast<int64_t>(b) * rec + kBlock / 2 * kCols;
+            uint16_t m2[2];
+            std::memcpy(m2, hb + 4 * j, 4);
+            vlo = _mm512_mask_or_epi32(vlo, m2[0], vlo, _mm512_set1_epi32(16));
+            vhi = _mm512_mask_or_epi32(vhi, m2[1], vhi, _mm512_set1_epi32(16));
+          }
+          const __m512 lo = _mm512_cvtepi32_ps(vlo);
+          const __m512 hi = _mm512_cvtepi32_ps(vhi);
           for (int r = 0; r < R; ++r) {
             se[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * g.ldx + 2 * j]), lo, se[r][p]);
             so[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * g.ldx + 2 * j + 1]), hi, so[r][p]);
@@ -357,8 +369,8 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
                      : rows_for_pair<kQ4_K, false>(g, m0, m1, pair); break;
     case kQ6_K: int8 ? rows_for_pair<kQ6_K, true>(g, m0, m1, pair)
                      : rows_for_pair<kQ6_K, false>(g, m0, m1, pair); break;
-    case kQ8_KM: int8 ? rows_for_pair<kQ8_KM, true>(g, m0, m1, pair)
-                      : rows_for_pair<kQ8_KM, false>(g, m0, m1, pair); break;
+    case kQ5_KM: int8 ? rows_for_pair<kQ5_KM, true>(g, m0, m1, pair)
+                      : rows_for_pair<kQ5_KM, false>(g, m0, m1, pair); break;
     case kQ4_KM: int8 ? rows_for_pair<kQ4_KM, true>(g, m0, m1, pair)
                       : rows_for_pair<kQ4_KM, false>(g, m0, m1, pair); break;
     default: int8 ? rows_for_pair<kQ8_0, true>(g, m0, m1, pair)
@@ -379,7 +391,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
     throw std::invalid_argument("quantized GEMM: bad shape (K must be a multiple of 32)");
   if (M == 0) return;
   py::gil_scoped_release release;
-  // x as fp32 rows (bf16 widened exactly) and, for Q4 (Q8_KM, Q4_KM), its per-block (per-half-block)
+  // x as fp32 rows (bf16 widened exactly) and, for Q4 (Q4_KM, Q5_KM), its per-block (per-half-block)
   // sums: O(M K), small
   // beside the O(M N K) products.
   std::vector<float> widened, sums;
@@ -396,7 +408,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   QuantizedRows rows;
   if (int8_activations) {
     rows = quantize_rows(xf, ld, M, K);
-  } else if (!byte_values(qtype) || half_min(qtype)) {
+  } else if (!byte_values(qtype)) {
     const int span = half_min(qtype) ? kBlock / 2 : kBlock, spans = K / span;
     sums.resize(static_cast<size_t>(M) * spans);
     for (int r = 0; r < M; ++r)
@@ -427,7 +439,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
 }  // namespace
 
 void register_cpu_gemm_q(py::module_& m) {
-  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K/Q4_G/Q8_KM/Q4_KM block-quantized weights (AVX-512).";
+  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K/Q4_G/Q4_KM/Q5_KM block-quantized weights (AVX-512).";
   m.attr("PANEL") = kCols;
   m.attr("BLOCK") = kBlock;
   m.def("supported", &cpu_has_avx512, "Whether this CPU has AVX512F/BW/VL.");

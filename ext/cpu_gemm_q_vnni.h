@@ -1,5 +1,5 @@
-// The int8-activation path of ext/cpu_gemm_q.cpp (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0, Q6_K, Q8_KM), on
-// CPUs with AVX512-VNNI; included there, inside its anonymous namespace, after `tile`.
+// The int8-activation path of ext/cpu_gemm_q.cpp (Q4_0, Q4_1, Q4_G, Q4_K, Q4_KM, Q5_KM, Q8_0,
+// Q6_K), on CPUs with AVX512-VNNI; included there, inside its anonymous namespace, after `tile`.
 //
 // Each row of x is rounded per half block of 16 to int8: dx = absmax / 127, xq = round(x / dx)
 // (half to even, as torch.round; a half of zeros has dx 0). A half block's sum of x * q is then
@@ -17,13 +17,14 @@
 // The packed weight is the fp32 kernel's. Q4: byte [j][c] holds q[c][2j] and q[c][2j + 1]; two
 // 16-byte loads (pairs j, j + 1), widened to 32-bit lanes and merged, put column c's
 // q[2j .. 2j + 3] into the four bytes of lane c, the layout `vpdpbusd` wants, in five
-// instructions for 16 columns and 4 k. Q8_0: that layout is the packed one, but its weights are
+// instructions for 16 columns and 4 k (Q5_KM: four masked ORs put the fifth bits in, 0..31).
+// Q8_0: that layout is the packed one, but its weights are
 // signed and `vpdpbusd` takes unsigned bytes on that side: flipping the sign bit gives q + 128
 // (0..255), whose dot product with xq is sum(q xq) + 128 sum(xq); each half block's integer sum
 // of xq (`qxh`) takes the excess back out, exactly, before that half's conversion to fp32. Q6_K
-// (q - 32 stored as Q8_0's bytes) does the same, each half also with its own weight scale; Q8_KM
-// (and Q4_KM, nibbles as Q4's) too, each half with its own scale and minimum, the minimum times that half's sum of x^
-// (dx_h * its integer sum of xq, the term quantize_rows adds into sx).
+// (q - 32 stored as Q8_0's bytes) does the same, each half also with its own weight scale. Q4_KM
+// and Q5_KM (unsigned, no excess) fold each half with its own scale and minimum, the minimum
+// times that half's sum of x^ (dx_h * its integer sum of xq, the term quantize_rows adds into sx).
 
 #define TRILLM_VNNI_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
@@ -133,8 +134,14 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kCols)));
         const __m512i t = _mm512_or_si512(a, _mm512_slli_epi32(c, 16));  // nibble pairs at bytes 0, 2
         // bytes 0..3 = q[2j], q[2j + 1], q[2j + 2], q[2j + 3]: (t & low) | ((t << 4) & high)
-        const __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(t, low),
-                                                    _mm512_slli_epi32(t, 4), high, 0xF8);
+        __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(t, low),
+                                              _mm512_slli_epi32(t, 4), high, 0xF8);
+        if constexpr (QT == kQ5_KM) {  // bit 4 of byte i: the fifth bit of k = 2j + i
+          uint16_t m4[4];
+          std::memcpy(m4, panel[p] + static_cast<int64_t>(b) * rec + kBlock / 2 * kCols + 4 * j, 8);
+          for (int i = 0; i < 4; ++i)
+            w = _mm512_mask_or_epi32(w, m4[i], w, _mm512_set1_epi32(0x10 << (8 * i)));
+        }
         for (int r = 0; r < R; ++r)
           dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], w, _mm512_set1_epi32(xw[r]));
       }
@@ -147,7 +154,7 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
           dot[r][p] = _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(128 * g.qxh[2 * i + 1]));
         __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][p]), _mm512_set1_ps(g.dx[2 * i + 1]));
         if constexpr (!half_scales(QT)) s = _mm512_add_ps(first[r][p], s);
-        // Q8_KM / Q4_KM: the second half's sum of x^, as quantize_rows adds it into sx
+        // Q4_KM / Q5_KM: the second half's sum of x^, as quantize_rows adds it into sx
         const float sx = half_min(QT) ? g.dx[2 * i + 1] * static_cast<float>(g.qxh[2 * i + 1])
                                       : g.sx[i];
         acc[r][p] = add_block<QT>(acc[r][p], s, sx, params);

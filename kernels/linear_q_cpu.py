@@ -7,12 +7,12 @@ Q4_1 an fp16 minimum ``m`` too; values ``(q - 8) * d`` for Q4_0, ``q * d + m`` f
 with fp16 d / dmin per super-block and 6-bit sc / mn per block of 32, each block becoming one
 record with d / dmin repeated; Q6_K: super-blocks of 256, ``(d * sc) * (q - 32)`` with an int8
 sc per 16 values, each block of 32 one record of Q8_0's bytes (q - 32) with d repeated and two
-scales; Q5_K: Q4_K's values with a fifth bit (q 0..31), repacked into ``Q8_KM`` (trillm's:
-Q8_0's bytes, d / dmin repeated, an int8 scale and minimum per half block of 16, Q5_K's per-32
-ones repeated); Q2_K: ``(d * sc) * q - dmin * mn`` with q 0..3 and a 4-bit sc and mn per 16
-values, and Q3_K: ``(d * sc) * q`` with q -4..3 and a 6-bit sc - 32 per 16 values (stored as
-q + 4, dmin = d, mn = 4 sc: the same values), repacked into ``Q4_KM`` (``Q8_KM``'s parameters
-with nibbles), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
+scales; Q2_K: ``(d * sc) * q - dmin * mn`` with q 0..3 and a 4-bit sc and mn per 16 values, and
+Q3_K: ``(d * sc) * q`` with q -4..3 and a 6-bit sc - 32 per 16 values (stored as q + 4, dmin =
+d, mn = 4 sc: the same values), repacked into ``Q4_KM`` (trillm's: Q4 nibbles, d / dmin
+repeated, an int8 scale and minimum per half block of 16); Q5_K: Q4_K's values with a fifth bit
+(q 0..31), repacked into ``Q5_KM`` (Q4_KM with the fifth bits as a 16-column mask per k, Q5_K's
+per-32 scale and minimum repeated), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
 scale and a 4-bit zero point per group of ``g`` values along K, values ``(q - z) * s``), which
 become Q4_G: each group cut into blocks of 32 that repeat its scale and zero point (exact).
 A stacked layer whose shards come in different types (a GGUF ``Q4_K_M`` qkv: q/k Q4_K, v Q6_K)
@@ -51,14 +51,15 @@ PANEL = 16  # output columns per panel of the packed layout
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML's type ids (gguf.GGMLQuantizationType)
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 Q4_G = 100  # trillm's: AWQ / GPTQ 4-bit groups as blocks of 32 with an fp16 scale, a zero point
-Q8_KM = 101  # trillm's: byte values, a scale and minimum per 16 (Q5_K's kernel type)
+Q5_KM = 101  # trillm's: 5-bit values, a scale and minimum per 16 (Q5_K's kernel type)
 Q4_KM = 102  # trillm's: nibbles, a scale and minimum per 16 (Q3_K's and Q2_K's kernel type)
 QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K",
-               Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q4_G: "Q4_G", Q8_KM: "Q8_KM",
+               Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q4_G: "Q4_G", Q5_KM: "Q5_KM",
                Q4_KM: "Q4_KM"}  # fmt: skip
 # a file type -> the kernel type it is repacked into (the others: itself)
-KERNEL_TYPES = {Q3_K: Q4_KM, Q5_K: Q8_KM, Q2_K: Q4_KM}
-_HALF_MIN = (Q8_KM, Q4_KM)  # a scale and minimum per half block
+KERNEL_TYPES = {Q3_K: Q4_KM, Q5_K: Q5_KM, Q2_K: Q4_KM}
+_HALF_MIN = (Q5_KM, Q4_KM)  # a scale and minimum per half block
+_HIGH_BYTES = 2 * BLOCK  # Q5_KM: a uint16 mask of the 16 columns' fifth bits per k
 # Bytes of one GGML block: fp16 d (+ fp16 m), then the values.
 GGML_BLOCK_BYTES = {Q4_0: 2 + 16, Q4_1: 4 + 16, Q8_0: 2 + 32}
 QK_K = 256  # K-quants: values per super-block
@@ -110,19 +111,22 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [M, K] fp32 -> [M,
 
 def _byte_values(qtype: int) -> bool:
     """Whether ``qtype``'s values are packed a signed byte each (else as nibble pairs)."""
-    return qtype in (Q8_0, Q6_K, Q8_KM)
+    return qtype in (Q8_0, Q6_K)
 
 
 def _values_bytes(qtype: int) -> int:
-    return PANEL * (BLOCK if _byte_values(qtype) else BLOCK // 2)
+    if _byte_values(qtype):
+        return PANEL * BLOCK
+    return PANEL * BLOCK // 2 + (_HIGH_BYTES if qtype == Q5_KM else 0)
 
 
 def record_bytes(qtype: int) -> int:
-    """Bytes of one (panel, block) record of kernel type ``qtype``: the values, then d[16] fp16
+    """Bytes of one (panel, block) record of kernel type ``qtype``: the values (Q5_KM: nibbles,
+    then the fifth bits hb[32] uint16, bit c of hb[k] column c's), then d[16] fp16
     (then Q4_1's m[16] fp16, Q4_G's z[16] uint8, Q4_K's dmin[16] fp16, sc[16] uint8, mn[16]
-    uint8, Q6_K's sc[2][16] int8, or Q8_KM's / Q4_KM's dmin[16] fp16, sc[2][16] int8, mn[2][16]
-    int8)."""
-    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL, Q4_K: 4 * PANEL, Q6_K: 2 * PANEL, Q8_KM: 6 * PANEL,
+    uint8, Q6_K's sc[2][16] int8, or Q4_KM's / Q5_KM's dmin[16] fp16, sc[2][16] int8,
+    mn[2][16] int8)."""
+    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL, Q4_K: 4 * PANEL, Q6_K: 2 * PANEL, Q5_KM: 6 * PANEL,
              Q4_KM: 6 * PANEL}.get(qtype, 0)  # fmt: skip
     return _values_bytes(qtype) + 2 * PANEL + extra
 
@@ -209,14 +213,14 @@ def _unpack_q2_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[n
 
 
 def _unpack_q5_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Q5_K super-blocks [N, K/256, 176] -> Q8_KM's form: q 0..31 [N, K] int8 and per block of
+    """Q5_K super-blocks [N, K/256, 176] -> Q5_KM's form: q 0..31 [N, K] uint8 and per block of
     32: d, dmin fp16 (repeated), its 6-bit scale twice and its minimum twice (both halves)."""
     ns = k // QK_K
     as_q4_k = np.concatenate([blocks[..., 0:16], blocks[..., 48:176]], axis=2)  # without qh
     q4, params = _unpack_q4_k(as_q4_k, n, k)
     qh = blocks[..., 16:48].reshape(n, ns, 1, 32)  # block j's fifth bit: bit j of qh[l]
     high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [N, ns, 8, 32]
-    q = (q4 | (high.reshape(n, k) << 4)).astype(np.int8)
+    q = q4 | (high.reshape(n, k) << 4)
     d, dmin, sc, mn = (params[0], params[1], params[2].view(np.int8), params[3].view(np.int8))
     return q, [d, dmin, sc, sc, mn, mn]
 
@@ -334,9 +338,15 @@ def _pack(q: np.ndarray, params: list[np.ndarray], qtype: int) -> np.ndarray:
         values = quads.transpose(0, 2, 3, 1, 4).view(np.uint8)
     else:
         pairs = q.reshape(panels, PANEL, nb, BLOCK // 2, 2).astype(np.uint8)
-        packed = pairs[..., 0] | (pairs[..., 1] << 4)  # [P, 16 cols, nb, 16 pairs]
+        packed = (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)  # [P, 16 cols, nb, 16]
         values = packed.transpose(0, 2, 3, 1)  # [P, nb, 16 pairs, 16 cols]
     parts = [np.ascontiguousarray(values).reshape(panels, nb, -1)]
+    if qtype == Q5_KM:  # [P, 16 cols, nb, 32 k] fifth bits -> [P, nb, 32 k] uint16 masks
+        high = (q.reshape(panels, PANEL, nb, BLOCK).astype(np.uint16) >> 4) & 1
+        masks = (high << np.arange(PANEL, dtype=np.uint16).reshape(PANEL, 1, 1)).sum(
+            axis=1, dtype=np.uint16
+        )
+        parts.append(np.ascontiguousarray(masks.astype("<u2")).view(np.uint8))
     for s in scales:  # [Np, nb] fp16 or uint8 -> [P, nb, 16 cols] as bytes
         parts.append(np.ascontiguousarray(s.reshape(panels, PANEL, nb).transpose(0, 2, 1))
                      .view(np.uint8).reshape(panels, nb, -1))  # fmt: skip
@@ -356,9 +366,13 @@ def dequantize(weight: AnyQuantizedWeight, dtype: torch.dtype = torch.float32) -
         quads = values.reshape(panels, nb, BLOCK // 4, PANEL, 4).view(torch.int8)
         q = quads.permute(0, 1, 2, 4, 3).reshape(panels, nb, BLOCK, PANEL).to(torch.float32)
     else:
-        pairs = values.reshape(panels, nb, BLOCK // 2, PANEL)
+        pairs = values[:, :, : PANEL * BLOCK // 2].reshape(panels, nb, BLOCK // 2, PANEL)
         q = torch.stack([pairs & 0xF, pairs >> 4], dim=3).reshape(panels, nb, BLOCK, PANEL)
         q = q.to(torch.float32)  # [P, nb, 32 k, 16 cols]
+        if qtype == Q5_KM:  # + 16 where column c's bit of the k's mask is set
+            masks = values[:, :, PANEL * BLOCK // 2 :].contiguous().view(torch.int16).int()
+            bits = (masks.unsqueeze(3) >> torch.arange(PANEL, dtype=torch.int32)) & 1
+            q = q + 16 * bits.to(torch.float32)  # [P, nb, 32 k, 16 cols]
     params = records[:, :, values_bytes:]
     d = params[:, :, : 2 * PANEL].contiguous().view(torch.float16).to(torch.float32).unsqueeze(2)
     if qtype in _HALF_MIN:  # (d * sc) * q - dmin * mn for each half block, as gguf_kquants'

@@ -57,7 +57,7 @@ def test_stacked_parts_equal_dequantize_then_matmul(int8, out_dtype):
         pytest.skip("no AVX512-VNNI")
     k = 512
     # odd part sizes: a part ends inside a panel of 16 columns and the next starts mid-row;
-    # Q5_K (repacked as Q8_KM), Q3_K and Q2_K (as Q4_KM) beside the types kept as they are
+    # Q5_K (repacked as Q5_KM), Q3_K and Q2_K (as Q4_KM) beside the types kept as they are
     sizes = [("Q4_K", 40), ("Q6_K", 24), ("Q8_0", 8), ("Q4_1", 50), ("Q5_K", 17), ("Q3_K", 9),
              ("Q2_K", 30)]  # fmt: skip
     parts = [linear_q_cpu.QuantizedWeight(_blocks(t, n, k, i), int(Q[t]), n, k)

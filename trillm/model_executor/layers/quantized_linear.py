@@ -47,7 +47,7 @@ from trillm.model_executor.gguf_loader import GGUFTensor
 logger = logging.getLogger(__name__)
 EMBEDDING = "model.embed_tokens.weight"
 _T = TypeVar("_T")
-# GGML type name -> id (trillm's own kernel types, Q4_G and Q8_KM, are not file types)
+# GGML type name -> id (trillm's own kernel types, Q4_G, Q5_KM and Q4_KM, are not file types)
 _QTYPE_IDS = {name: q for q, name in linear_q_cpu.QTYPE_NAMES.items() if q < linear_q_cpu.Q4_G}
 
 
