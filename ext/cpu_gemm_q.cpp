@@ -34,10 +34,13 @@
 //                fp16, then (Q6_K, q - 32 stored) sc[2][16] int8, the scales of k 0..15 and
 //                16..31 (9 bits a weight against the file's 6.56: one byte a value keeps the
 //                int8 kernels' loads; d repeats over the 8 blocks of a super-block);
-//   Q5_KM: Q4's nibble pairs (q & 15), then hb[32] uint16, bit c of hb[k] the fifth bit of
-//                q[c][k], then Q4_KM's parameters (7 bits a weight against Q5_K's file's 5.5);
-// Q4: one 16-byte load and a zero-extension give 16 columns' integers for two k (Q5_KM: a masked
-// OR per k puts the fifth bits in). Q8: one 64-byte
+//   Q5_KM: Q4's nibble pairs (q & 15), then hb[8] uint64, bit 4c + i of hb[j] the fifth bit
+//                of q[c][4j + i], then Q4_KM's parameters (7 bits a weight against Q5_K's
+//                file's 5.5);
+// Q4: one 16-byte load and a zero-extension give 16 columns' integers for two k (Q5_KM: hb[j] as
+// a mask, `vpmovm2b`, gives each column's 32-bit lane 0xff in byte i where q[c][4j + i] >= 16:
+// its bit 4, shifted to a lane's low byte, is the fifth bit of one k; the int8 path ORs the
+// lanes' bit 4s into its bytes as they are). Q8: one 64-byte
 // load gives 16 columns' integers for four k, each column's four in one 32-bit lane: the operand
 // `vpdpbusd` multiplies as it is (int8 path), two shifts sign-extend one k of it (fp32 path).
 // Work items: (block of rows, run of panel pairs) on the shared pool; the summation order per
@@ -79,7 +82,7 @@ constexpr bool byte_values(int qtype) { return qtype == kQ8_0 || qtype == kQ6_K;
 // Types with a scale and a minimum per half block of 16 (fed sums of x per half block).
 constexpr bool half_min(int qtype) { return qtype == kQ5_KM || qtype == kQ4_KM; }
 
-// Q5_KM: bytes of the fifth-bit masks after the nibbles (one uint16 over 16 columns per k).
+// Q5_KM: bytes of the fifth-bit masks after the nibbles (one uint64 per quad of k).
 constexpr int kHighBytes = 2 * kBlock;
 
 // Types with a weight scale per half block of 16 (the first half folded in mid-block).
@@ -300,12 +303,16 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
           const __m512i v =
               _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
           __m512i vlo = _mm512_and_si512(v, low4), vhi = _mm512_srli_epi32(v, 4);
-          if constexpr (QT == kQ5_KM) {  // the fifth bits of k = 2j, 2j + 1
+          if constexpr (QT == kQ5_KM) {  // the fifth bits of k = 2j, 2j + 1: bytes i0, i0 + 1
             const uint8_t* hb = panel[p] + static_cast<int64_t>(b) * rec + kBlock / 2 * kCols;
-            uint16_t m2[2];
-            std::memcpy(m2, hb + 4 * j, 4);
-            vlo = _mm512_mask_or_epi32(vlo, m2[0], vlo, _mm512_set1_epi32(16));
-            vhi = _mm512_mask_or_epi32(vhi, m2[1], vhi, _mm512_set1_epi32(16));
+            __mmask64 bits;
+            std::memcpy(&bits, hb + 8 * (j / 2), 8);
+            const __m512i h = _mm512_movm_epi8(bits);
+            const __m512i sixteen = _mm512_set1_epi32(16);
+            const __m512i h0 = (j & 1) ? _mm512_srli_epi32(h, 16) : h;
+            const __m512i h1 = (j & 1) ? _mm512_srli_epi32(h, 24) : _mm512_srli_epi32(h, 8);
+            vlo = _mm512_ternarylogic_epi32(vlo, h0, sixteen, 0xF8);  // vlo | (h0 & 16)
+            vhi = _mm512_ternarylogic_epi32(vhi, h1, sixteen, 0xF8);
           }
           const __m512 lo = _mm512_cvtepi32_ps(vlo);
           const __m512 hi = _mm512_cvtepi32_ps(vhi);

@@ -17,7 +17,7 @@
 // The packed weight is the fp32 kernel's. Q4: byte [j][c] holds q[c][2j] and q[c][2j + 1]; two
 // 16-byte loads (pairs j, j + 1), widened to 32-bit lanes and merged, put column c's
 // q[2j .. 2j + 3] into the four bytes of lane c, the layout `vpdpbusd` wants, in five
-// instructions for 16 columns and 4 k (Q5_KM: four masked ORs put the fifth bits in, 0..31).
+// instructions for 16 columns and 4 k (Q5_KM: hb[j / 2] as a byte mask ORs the fifth bits in).
 // Q8_0: that layout is the packed one, but its weights are
 // signed and `vpdpbusd` takes unsigned bytes on that side: flipping the sign bit gives q + 128
 // (0..255), whose dot product with xq is sum(q xq) + 128 sum(xq); each half block's integer sum
@@ -137,10 +137,9 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
         __m512i w = _mm512_ternarylogic_epi32(_mm512_and_si512(t, low),
                                               _mm512_slli_epi32(t, 4), high, 0xF8);
         if constexpr (QT == kQ5_KM) {  // bit 4 of byte i: the fifth bit of k = 2j + i
-          uint16_t m4[4];
-          std::memcpy(m4, panel[p] + static_cast<int64_t>(b) * rec + kBlock / 2 * kCols + 4 * j, 8);
-          for (int i = 0; i < 4; ++i)
-            w = _mm512_mask_or_epi32(w, m4[i], w, _mm512_set1_epi32(0x10 << (8 * i)));
+          __mmask64 bits;
+          std::memcpy(&bits, panel[p] + static_cast<int64_t>(b) * rec + kBlock / 2 * kCols + 4 * j, 8);
+          w = _mm512_ternarylogic_epi32(w, _mm512_movm_epi8(bits), _mm512_set1_epi8(0x10), 0xF8);
         }
         for (int r = 0; r < R; ++r)
           dot[r][p] = _mm512_dpbusd_epi32(dot[r][p], w, _mm512_set1_epi32(xw[r]));

@@ -11,8 +11,8 @@ scales; Q2_K: ``(d * sc) * q - dmin * mn`` with q 0..3 and a 4-bit sc and mn per
 Q3_K: ``(d * sc) * q`` with q -4..3 and a 6-bit sc - 32 per 16 values (stored as q + 4, dmin =
 d, mn = 4 sc: the same values), repacked into ``Q4_KM`` (trillm's: Q4 nibbles, d / dmin
 repeated, an int8 scale and minimum per half block of 16); Q5_K: Q4_K's values with a fifth bit
-(q 0..31), repacked into ``Q5_KM`` (Q4_KM with the fifth bits as a 16-column mask per k, Q5_K's
-per-32 scale and minimum repeated), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
+(q 0..31), repacked into ``Q5_KM`` (Q4_KM with the fifth bits as a 64-bit mask per quad of k,
+Q5_K's per-32 scale and minimum repeated), or as AWQ / GPTQ groups (``from_groups``: 4-bit q, an fp16
 scale and a 4-bit zero point per group of ``g`` values along K, values ``(q - z) * s``), which
 become Q4_G: each group cut into blocks of 32 that repeat its scale and zero point (exact).
 A stacked layer whose shards come in different types (a GGUF ``Q4_K_M`` qkv: q/k Q4_K, v Q6_K)
@@ -59,7 +59,7 @@ QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3
 # a file type -> the kernel type it is repacked into (the others: itself)
 KERNEL_TYPES = {Q3_K: Q4_KM, Q5_K: Q5_KM, Q2_K: Q4_KM}
 _HALF_MIN = (Q5_KM, Q4_KM)  # a scale and minimum per half block
-_HIGH_BYTES = 2 * BLOCK  # Q5_KM: a uint16 mask of the 16 columns' fifth bits per k
+_HIGH_BYTES = 2 * BLOCK  # Q5_KM: a uint64 mask of the fifth bits per quad of k
 # Bytes of one GGML block: fp16 d (+ fp16 m), then the values.
 GGML_BLOCK_BYTES = {Q4_0: 2 + 16, Q4_1: 4 + 16, Q8_0: 2 + 32}
 QK_K = 256  # K-quants: values per super-block
@@ -122,7 +122,8 @@ def _values_bytes(qtype: int) -> int:
 
 def record_bytes(qtype: int) -> int:
     """Bytes of one (panel, block) record of kernel type ``qtype``: the values (Q5_KM: nibbles,
-    then the fifth bits hb[32] uint16, bit c of hb[k] column c's), then d[16] fp16
+    then the fifth bits hb[8] uint64, bit 4c + i of hb[j] that of column c, k 4j + i), then
+    d[16] fp16
     (then Q4_1's m[16] fp16, Q4_G's z[16] uint8, Q4_K's dmin[16] fp16, sc[16] uint8, mn[16]
     uint8, Q6_K's sc[2][16] int8, or Q4_KM's / Q5_KM's dmin[16] fp16, sc[2][16] int8,
     mn[2][16] int8)."""
@@ -341,12 +342,10 @@ def _pack(q: np.ndarray, params: list[np.ndarray], qtype: int) -> np.ndarray:
         packed = (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)  # [P, 16 cols, nb, 16]
         values = packed.transpose(0, 2, 3, 1)  # [P, nb, 16 pairs, 16 cols]
     parts = [np.ascontiguousarray(values).reshape(panels, nb, -1)]
-    if qtype == Q5_KM:  # [P, 16 cols, nb, 32 k] fifth bits -> [P, nb, 32 k] uint16 masks
-        high = (q.reshape(panels, PANEL, nb, BLOCK).astype(np.uint16) >> 4) & 1
-        masks = (high << np.arange(PANEL, dtype=np.uint16).reshape(PANEL, 1, 1)).sum(
-            axis=1, dtype=np.uint16
-        )
-        parts.append(np.ascontiguousarray(masks.astype("<u2")).view(np.uint8))
+    if qtype == Q5_KM:  # fifth bits [P, 16 cols, nb, 8 quads, 4 k] -> bit 4c + i of quad j's
+        high = (q.reshape(panels, PANEL, nb, BLOCK // 4, 4) >> 4) & 1
+        bits = np.ascontiguousarray(high.transpose(0, 2, 3, 1, 4)).reshape(panels, nb, -1, 64)
+        parts.append(np.packbits(bits, axis=3, bitorder="little").reshape(panels, nb, -1))
     for s in scales:  # [Np, nb] fp16 or uint8 -> [P, nb, 16 cols] as bytes
         parts.append(np.ascontiguousarray(s.reshape(panels, PANEL, nb).transpose(0, 2, 1))
                      .view(np.uint8).reshape(panels, nb, -1))  # fmt: skip
@@ -369,10 +368,11 @@ def dequantize(weight: AnyQuantizedWeight, dtype: torch.dtype = torch.float32) -
         pairs = values[:, :, : PANEL * BLOCK // 2].reshape(panels, nb, BLOCK // 2, PANEL)
         q = torch.stack([pairs & 0xF, pairs >> 4], dim=3).reshape(panels, nb, BLOCK, PANEL)
         q = q.to(torch.float32)  # [P, nb, 32 k, 16 cols]
-        if qtype == Q5_KM:  # + 16 where column c's bit of the k's mask is set
-            masks = values[:, :, PANEL * BLOCK // 2 :].contiguous().view(torch.int16).int()
-            bits = (masks.unsqueeze(3) >> torch.arange(PANEL, dtype=torch.int32)) & 1
-            q = q + 16 * bits.to(torch.float32)  # [P, nb, 32 k, 16 cols]
+        if qtype == Q5_KM:  # + 16 where bit 4c + i of quad j's mask is set (k = 4j + i)
+            masks = values[:, :, PANEL * BLOCK // 2 :].reshape(panels, nb, BLOCK // 4, 8, 1)
+            bits = (masks >> torch.arange(8, dtype=torch.uint8)) & 1  # [P, nb, 8 quads, 8, 8]
+            bits = bits.reshape(panels, nb, BLOCK // 4, PANEL, 4).permute(0, 1, 2, 4, 3)
+            q = q + 16 * bits.reshape(q.shape).to(torch.float32)  # [P, nb, 32 k, 16 cols]
     params = records[:, :, values_bytes:]
     d = params[:, :, : 2 * PANEL].contiguous().view(torch.float16).to(torch.float32).unsqueeze(2)
     if qtype in _HALF_MIN:  # (d * sc) * q - dmin * mn for each half block, as gguf_kquants'
