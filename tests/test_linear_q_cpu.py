@@ -297,3 +297,30 @@ def test_q6_k_int8_kernel_at_the_extremes():
     ref = F.linear(x.double(), linear_q_cpu.dequantize(weight).double())
     assert ref[2, 0] == -32 * 128 * 127 * k  # the extreme row and column
     torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+
+
+@needs_vnni
+@pytest.mark.parametrize("type_name", ["Q5_K", "Q3_K"])
+def test_q5_k_q3_k_int8_kernel_at_the_extremes(type_name):
+    # Q5_K with every bit set (q = 31 through the fifth-bit mask, scale and minimum 63) and Q3_K
+    # with q = -4 and scale -32 (stored as q + 4 = 0 with the minimum 4 * -32 = -128, the int8
+    # floor) in three columns, random blocks in the rest; d = dmin = 1 and x on the int8 grid
+    # (dx = 1): the block sums are integers, the kernel's must equal the reference's.
+    rng = np.random.default_rng(11)
+    n, k = 20, 512
+    size, d_at = (176, (0, 2)) if type_name == "Q5_K" else (110, (108,))
+    blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    blocks[:3] = 0xFF if type_name == "Q5_K" else 0
+    for at in d_at:
+        blocks[:, :, at : at + 2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    weight = linear_q_cpu.QuantizedWeight(blocks.reshape(n, -1), KQUANTS[type_name][0], n, k)
+    w = linear_q_cpu.dequantize(weight).double()
+    assert float(w[0, 0]) == (63 * 31 - 63 if type_name == "Q5_K" else 128)
+    x = torch.from_numpy(rng.integers(-127, 128, (5, k)).astype(np.float32))
+    x.view(5, k // 16, 16)[:, :, 0] = 127.0  # every half block's absmax is 127: dx = 1, xq = x
+    x[2] = -127.0
+    got = linear_q_cpu.linear(x, weight, int8_activations=True)
+    ref = F.linear(x.double(), w)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+    fp32 = linear_q_cpu.linear(x, weight)  # the fp32 path at the same extremes
+    torch.testing.assert_close(fp32.double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
