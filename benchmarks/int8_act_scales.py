@@ -40,7 +40,7 @@ def run(ext, weights, x: dict[int, torch.Tensor]) -> None:
         col = 0
         for p in parts:
             ext.linear(xs.data_ptr(), False, xs.shape[0], w.in_features, xs.stride(0),
-                       p.data.data_ptr(), p.qtype, p.out_features, 0,
+                       p.data.data_ptr(), p.kernel_type, p.out_features, 0,
                        out.data_ptr() + 4 * col, False, w.out_features, 1, True)  # fmt: skip
             col += p.out_features
 
