@@ -69,7 +69,7 @@ class EngineArgs:
     # structured-outputs reasoning_parser; the server's --reasoning-parser sets it too).
     reasoning_parser: str | None = None
     # Weight-only quantization (vLLM's method names): "fp8" (dynamic, CPU: quantized at load);
-    # "gguf" (implied by a .gguf model: its Q4_0/Q4_1/Q8_0 weights stay quantized); "awq" /
+    # "gguf" (implied by a .gguf model: its Q4_0/Q4_1/Q8_0/K-quant weights stay quantized); "awq" /
     # "gptq" (the checkpoint's own 4-bit method, CPU; implied by it). None: none.
     quantization: str | None = None
     # LoRA adapters (trillm/lora/): requests may name one; at most max_loras in flight at once.
@@ -77,7 +77,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     load_format: str = "auto"  # auto | safetensors | gguf (model_executor/gguf_loader.py)
-    # trillm's: load a GGUF's Q4_0/Q4_1/Q8_0 tensors dequantized to the run's dtype instead.
+    # trillm's: load a GGUF's quantized tensors dequantized to the run's dtype instead.
     dequantize_gguf: bool = False
     # KV cache storage (vLLM's names): auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (CPU).
     kv_cache_dtype: str = "auto"
@@ -212,7 +212,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     generation_config: dict[str, Any] = field(default_factory=dict)
     hf_config: dict[str, Any] = field(default_factory=dict)
-    quantization: str | None = None  # "fp8" (at load, CPU) | "gguf" (a GGUF's Q4/Q8) | awq | gptq
+    quantization: str | None = None  # "fp8" (at load, CPU) | "gguf" (a GGUF's blocks) | awq | gptq
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")

@@ -54,7 +54,7 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("max_loras", int, "most LoRA adapters resident at once"),
     ("max_lora_rank", int, "largest LoRA rank accepted"),
     ("load_format", str, "auto | safetensors | gguf"),
-    ("dequantize_gguf", bool, "load a GGUF's Q4/Q8 tensors dequantized to the run's dtype"),
+    ("dequantize_gguf", bool, "load a GGUF's quantized tensors dequantized to the run's dtype"),
     ("speculative_config", json.loads, 'speculative decoding, JSON: {"method": "ngram", ...}'),
     ("convert", str, "auto | none | embed (embed: a pooling model, as --runner pooling)"),
     ("pooler_config", json.loads, 'pooling model: {"pooling_type": "LAST|MEAN|CLS", ...}'),

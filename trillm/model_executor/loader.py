@@ -224,7 +224,7 @@ def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> 
         raise ValueError("quantization='gguf' keeps the GGUF weights quantized; "
                          "dequantize_gguf asks the opposite: choose one.")  # fmt: skip
     if device != "cpu" and not args.dequantize_gguf:
-        raise ValueError("GGUF Q4_0/Q4_1/Q8_0 weights are kept quantized on CPU only; on "
+        raise ValueError("GGUF quantized weights are kept quantized on CPU only; on "
                          f"{device}, pass dequantize_gguf (--dequantize-gguf).")  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from trillm.errors import UnsupportedQuantizationError
 
-# gguf: a .gguf model's own Q4_0/Q4_1/Q8_0 blocks (gguf_loader.py); awq / gptq: the checkpoint's
+# gguf: a .gguf model's own Q4_0/Q4_1/Q8_0/K-quant blocks (gguf_loader.py); awq / gptq: the checkpoint's
 SUPPORTED = ("fp8", "gguf", "awq", "gptq")
 CHECKPOINT_METHODS = ("awq", "gptq")  # methods a checkpoint must carry (not applied at load)
 

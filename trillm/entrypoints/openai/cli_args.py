@@ -252,7 +252,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true", default=None)
     g.add_argument(
         "--dequantize-gguf", action="store_true", default=None,
-        help="A .gguf model's Q4_0/Q4_1/Q8_0 tensors are dequantized to --dtype at load "
+        help="A .gguf model's quantized tensors (Q4_0/Q4_1/Q8_0, Q2_K..Q6_K) are dequantized to "
+        "--dtype at load "
         "(default: kept quantized, multiplied by a native CPU kernel).",
     )  # fmt: skip
     g.add_argument(

@@ -255,7 +255,7 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization", "-q", type=_quantization, default=None,
         help="fp8: linear weights quantized to fp8 e4m3 at load, a scale per output channel "
-        "(CPU); gguf: a .gguf model's Q4_0/Q4_1/Q8_0 weights stay quantized (the default for "
+        "(CPU); gguf: a .gguf model's Q4_0/Q4_1/Q8_0/Q2_K..Q6_K weights stay quantized (the default for "
         "a GGUF model); awq / gptq: the checkpoint's own 4-bit method (CPU; implied by the "
         "checkpoint, refused when it names another); vLLM's other methods are not implemented "
         "yet (issue 13): refused.",
