@@ -60,12 +60,16 @@ MAX_ROWS = 64
 # widest layer, not with depth (benchmark model, sizes 1 .. 64: about 58 MiB; a 7B fp32 model
 # ~14 MiB at 64 rows). No program is kept once they would pass it.
 MEMORY_BUDGET = 256 << 20
-# A capture costs about three forwards (the recorded one, its eager twin, the first replay's
-# check) and a replay saves a share of one, so a size is captured at its CAPTURE_AFTER-th step:
-# sizes a draining batch passes through once or twice stay eager (an offline run of 96 requests
-# met 45 sizes in 93 steps, 34 of them fewer than 3 times); the sizes a server keeps meeting
-# are captured within a few steps.
-CAPTURE_AFTER = 4
+# A capture costs three forwards and more (the recorded one under the dispatch mode, its eager
+# twin, the first replay's check) and a replay saves 10-20% of one at 1-64 rows, so a program
+# pays for itself after a few dozen replays: a size is captured at its CAPTURE_AFTER-th step.
+# Sizes a draining batch passes through once or twice stay eager (an offline run of 96 requests
+# met 45 sizes in 93 steps, 34 of them fewer than 3 times), also when the same engine runs the
+# batch again; a server's steady sizes reach it within seconds. With 4 the offline benchmark
+# (benchmarks/offline_cpu_time.py, 2 rounds on one engine, one thread, CPU s) captured sizes in
+# its second round and ran 20.90 / 21.15, 20.75 / 22.81 s against 19.09 / 20.15, 20.10 / 19.41
+# with 16 and 20.90 / 20.79, 19.77 / 20.98 without programs (alternated, 2026-12-02 15:50 UTC).
+CAPTURE_AFTER = 16
 
 
 class NotReplayable(Exception):
