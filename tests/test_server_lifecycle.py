@@ -1,14 +1,18 @@
 """Server lifecycle on a real ``trillm serve``: --api-key, clients that disconnect mid-stream
-(their requests must be aborted in the engine), and SIGTERM draining with exit code 0."""
+(their requests must be aborted in the engine), SIGTERM draining with exit code 0, and a port
+in use reported before the model loads."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
 import trio
-from server_harness import ServerProcess, metric_value
+from server_harness import REPO, ServerProcess, metric_value
 
 KEY = "sk-test-key"
 NUM_CLIENTS = 32
@@ -237,3 +241,23 @@ def test_dead_engine_answers_503(tiny_model_factory, tmp_path):
     finally:
         code = srv.stop()
     assert code == 1, srv.log()
+
+
+def test_a_port_in_use_is_reported_before_the_engine_starts(tiny_model_factory):
+    """The server binds its address before the engine starts (the engine's own processes and
+    connections take ports while it loads): a port someone else holds ends ``trillm serve`` at
+    once with exit code 1 and a message naming the address, and no engine is started."""
+    model = tiny_model_factory("llama")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "trillm", "serve", model, "--host", "127.0.0.1", "--port",
+             str(port), "--max-model-len", "256", "--kv-cache-memory", "16MiB"],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    log = done.stdout + done.stderr
+    assert done.returncode == 1, log
+    assert f"cannot serve on 127.0.0.1:{port}" in log
+    assert "engine ready" not in log and "Traceback" not in log

@@ -215,11 +215,11 @@ def test_early_answer_to_a_large_body_closes_the_connection(server):
 
 def test_timeout_keep_alive_flag_reaches_hypercorn(capsys):
     from trillm.entrypoints.cli import build_parser
-    from trillm.entrypoints.openai.api_server import _hypercorn_config
     from trillm.entrypoints.openai.cli_args import server_options
+    from trillm.entrypoints.openai.http_listener import hypercorn_config
 
     def config(*flags: str):
-        return _hypercorn_config(server_options(build_parser().parse_args(["serve", *flags])))
+        return hypercorn_config(server_options(build_parser().parse_args(["serve", *flags])))
 
     assert config().keep_alive_timeout == 5.0  # uvicorn's and vLLM's default
     assert config("--timeout-keep-alive", "2.5").keep_alive_timeout == 2.5

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import logging
 import signal
+import socket
 from functools import partial
 from typing import Any
 
@@ -48,7 +49,11 @@ from trillm.entrypoints.openai.errors import (
     internal_error,
 )
 from trillm.entrypoints.openai.exchange import CloseAtExchangeEnd
-from trillm.entrypoints.openai.http_guard import KeepAliveGuard
+from trillm.entrypoints.openai.http_listener import (
+    hypercorn_config,
+    hypercorn_serve,
+    reserve_listener,
+)
 from trillm.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trillm.entrypoints.openai.metrics import ServerMetrics
 from trillm.entrypoints.openai.protocol import (
@@ -342,14 +347,19 @@ class _Lifecycle:
 
 
 async def run_server(model: str | None, engine_args: dict[str, Any], opts: ServerOptions) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM (or the engine's death), drain; return
-    the exit code (0, or 1 when the engine died)."""
+    """Bind the address (PortUnavailableError, before anything loads), load the engine, serve
+    until SIGINT/SIGTERM (or the engine's death), drain; return the exit code (0, or 1 when the
+    engine died)."""
     life = _Lifecycle()
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as root:
-            root.start_soon(_watch_signals, signals, life, root.cancel_scope)
-            await _serve(model, engine_args, opts, life)
-            root.cancel_scope.cancel()
+    listener = reserve_listener(opts.host, opts.port)
+    try:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as root:
+                root.start_soon(_watch_signals, signals, life, root.cancel_scope)
+                await _serve(model, engine_args, opts, life, listener)
+                root.cancel_scope.cancel()
+    finally:
+        listener.close()  # a no-op once hypercorn took it over (detached)
     return life.exit_code
 
 
@@ -363,7 +373,11 @@ async def _watch_signals(signals: Any, life: _Lifecycle, root: trio.CancelScope)
 
 
 async def _serve(
-    model: str | None, engine_args: dict[str, Any], opts: ServerOptions, life: _Lifecycle
+    model: str | None,
+    engine_args: dict[str, Any],
+    opts: ServerOptions,
+    life: _Lifecycle,
+    listener: socket.socket,
 ) -> None:
     from trillm.engine.async_engine import open_engine
 
@@ -400,9 +414,8 @@ async def _serve(
                 app = vllm_flags.wrap_asgi(build_app(state, opts.api_key, log_len), opts,
                                            state.metrics)  # fmt: skip
                 shutdown = trio.Event()
-                serve = partial(
-                    _hypercorn_serve, app, _hypercorn_config(opts), shutdown_trigger=shutdown.wait
-                )
+                config = hypercorn_config(opts, listener)
+                serve = partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)
                 if opts.log_stats:  # ends with the serving (shutdown), never held up by it
                     nursery.start_soon(log_stats_periodically, engine, state.metrics,
                                        opts.log_stats_interval, shutdown)  # fmt: skip
@@ -422,41 +435,6 @@ async def _serve(
         finally:
             done.set()
     logger.info("trillm stopped.")
-
-
-async def _hypercorn_serve(app: Any, config: Any, **kwargs: Any) -> None:
-    from hypercorn.trio import serve
-
-    # NOTE: quart-trio cancels hypercorn's keep-alive bookkeeping from inside the app's last
-    # send (idle timeout lost after the first request, Connection: close and HTTP/1.0 ignored,
-    # a connection answered before its body arrived left dead). KeepAliveGuard shields that
-    # send and drains or closes; the upstream cause is written down in http_guard.py.
-    guarded: Any = KeepAliveGuard(app, drain_timeout=config.keep_alive_timeout)
-    await serve(guarded, config, **kwargs)
-
-
-def _hypercorn_config(opts: ServerOptions) -> Any:
-    from hypercorn.config import Config
-
-    config = Config()
-    host = f"[{opts.host}]" if ":" in opts.host else opts.host
-    config.bind = [f"{host}:{opts.port}"]
-    config.loglevel = opts.log_level.upper()
-    # Hypercorn's loggers propagate to the root logger ``trillm serve`` configures.
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.accesslog = (
-        logging.getLogger("hypercorn.access")
-        if opts.log_level.lower() in ("debug", "trace")
-        else None
-    )
-    config.graceful_timeout = 5.0
-    config.keep_alive_timeout = opts.keep_alive_timeout
-    # NOTE: hypercorn's default listen backlog (100) overflows when hundreds of clients connect
-    # at once: the dropped SYNs are retried after 1 s, which lands in their TTFT. 2048 as uvicorn.
-    config.backlog = 2048
-    config.include_server_header = False
-    vllm_flags.configure_hypercorn(config, opts)  # --ssl-*, --root-path
-    return config
 
 
 def _max_admitted(engine: Any, opts: ServerOptions) -> int | None:

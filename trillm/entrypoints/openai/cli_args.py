@@ -380,6 +380,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import trio
 
     from trillm.entrypoints.openai.api_server import run_server
+    from trillm.entrypoints.openai.http_listener import PortUnavailableError
     from trillm.logging_config import LoggingConfigError, configure_logging
 
     vllm_flags.check_flags(args.serve_parser, args)
@@ -403,4 +404,8 @@ def run_serve(args: argparse.Namespace) -> int:
             return run_headless(model, engine_kwargs(args))
         except ValueError as exc:  # a flag the engine refuses: exit 2, as for node 0
             args.serve_parser.error(str(exc))
-    return trio.run(run_server, model, engine_kwargs(args), server_options(args))
+    try:
+        return trio.run(run_server, model, engine_kwargs(args), server_options(args))
+    except PortUnavailableError as exc:  # the address, bound first: reported before any load
+        logging.getLogger("trillm.server").error("%s", exc)
+        return 1
