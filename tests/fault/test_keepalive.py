@@ -216,10 +216,14 @@ def test_early_answer_to_a_large_body_closes_the_connection(server):
 def test_timeout_keep_alive_flag_reaches_hypercorn(capsys):
     from trillm.entrypoints.cli import build_parser
     from trillm.entrypoints.openai.cli_args import server_options
-    from trillm.entrypoints.openai.http_listener import hypercorn_config
+    from trillm.entrypoints.openai.http_listener import hypercorn_config, reserve_listener
 
     def config(*flags: str):
-        return hypercorn_config(server_options(build_parser().parse_args(["serve", *flags])))
+        opts = server_options(build_parser().parse_args(["serve", *flags]))
+        made = hypercorn_config(opts, reserve_listener("127.0.0.1", 0))
+        fd = int(made.bind[0].removeprefix("fd://"))  # the socket hypercorn would own
+        socket.socket(fileno=fd).close()
+        return made
 
     assert config().keep_alive_timeout == 5.0  # uvicorn's and vLLM's default
     assert config("--timeout-keep-alive", "2.5").keep_alive_timeout == 2.5

@@ -253,8 +253,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dequantize-gguf", action="store_true", default=None,
         help="A .gguf model's quantized tensors (Q4_0/Q4_1/Q8_0, Q2_K..Q6_K) are dequantized to "
-        "--dtype at load "
-        "(default: kept quantized, multiplied by a native CPU kernel).",
+        "--dtype at load (default: kept quantized, multiplied by a native CPU kernel).",
     )  # fmt: skip
     g.add_argument(
         "--runner",

@@ -43,17 +43,13 @@ async def hypercorn_serve(app: Any, config: Any, **kwargs: Any) -> None:
     await serve(guarded, config, **kwargs)
 
 
-def hypercorn_config(opts: Any, listener: socket.socket | None = None) -> Any:
-    """Hypercorn's settings for ``opts`` (api_server.ServerOptions); with ``listener`` (``reserve_listener``'s socket) it serves on that
-    socket, which it then owns (detached here), else it binds opts.host / opts.port itself."""
+def hypercorn_config(opts: Any, listener: socket.socket) -> Any:
+    """Hypercorn's settings for ``opts`` (api_server.ServerOptions), serving on ``listener``
+    (``reserve_listener``'s socket), which hypercorn then owns: detached here."""
     from hypercorn.config import Config
 
     config = Config()
-    if listener is not None:
-        config.bind = [f"fd://{listener.detach()}"]
-    else:
-        host = f"[{opts.host}]" if ":" in opts.host else opts.host
-        config.bind = [f"{host}:{opts.port}"]
+    config.bind = [f"fd://{listener.detach()}"]
     config.loglevel = opts.log_level.upper()
     # Hypercorn's loggers propagate to the root logger ``trillm serve`` configures.
     config.errorlog = logging.getLogger("hypercorn.error")
