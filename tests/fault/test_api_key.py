@@ -232,8 +232,8 @@ def test_http2_prior_knowledge_needs_the_key(server):
 def test_the_check_is_constant_time():
     """A byte-by-byte ``==`` would leak the key's prefix through timing; timing itself is too
     noisy to test on a shared machine, so check what the gate compares with."""
-    from trillm.entrypoints.openai import api_server
+    from trillm.entrypoints.openai import http_app
 
-    source = inspect.getsource(api_server._install_gate)
+    source = inspect.getsource(http_app._install_gate)
     assert "hmac.compare_digest(" in source
     assert "== expected" not in source and "expected ==" not in source

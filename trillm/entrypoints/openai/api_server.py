@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: the quart-trio app and the root nursery around it.
+"""The OpenAI-compatible HTTP server's process: the root nursery around the app (``http_app``).
 
 Root nursery shape (DESIGN.md)::
 
@@ -17,7 +17,6 @@ engine is closed only after the HTTP server has stopped.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import signal
 import socket
@@ -25,269 +24,26 @@ from functools import partial
 from typing import Any
 
 import attrs
-import orjson
 import trio
-from quart import Response, request
-from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
 
-import trillm
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
-from trillm.entrypoints.openai import extra_routes, openapi, serving_lora, vllm_flags
+from trillm.entrypoints.openai import serving_lora, vllm_flags
 from trillm.entrypoints.openai.engine_supervisor import supervise_engine
-from trillm.entrypoints.openai.errors import (
-    APIError,
-    AuthenticationError,
-    BadRequestError,
-    InternalServerError,
-    MethodNotAllowedError,
-    NotFoundError,
-    PayloadTooLargeError,
-    ServiceUnavailableError,
-    UnsupportedMediaTypeError,
-    error_body,
-    internal_error,
-)
-from trillm.entrypoints.openai.exchange import CloseAtExchangeEnd
+from trillm.entrypoints.openai.http_app import build_app
 from trillm.entrypoints.openai.http_listener import (
     hypercorn_config,
     hypercorn_serve,
     reserve_listener,
 )
-from trillm.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trillm.entrypoints.openai.metrics import ServerMetrics
-from trillm.entrypoints.openai.protocol import (
-    DetokenizeRequest,
-    TokenizeRequest,
-    structure_body,
-)
-from trillm.entrypoints.openai.protocol_embedding import (
-    ClassificationRequest,
-    EmbeddingRequest,
-    PoolingRequest,
-)
 from trillm.entrypoints.openai.serving_base import ServerState, max_prompt_chars
-from trillm.entrypoints.openai.serving_classify import create_classification
-from trillm.entrypoints.openai.serving_embedding import create_embedding
-from trillm.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from trillm.entrypoints.openai.stats_logger import log_stats_periodically
 
 logger = logging.getLogger("trillm.server")
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
-RETRY_AFTER_S = 1  # the Retry-After of a 503
 # After --shutdown-timeout and the aborts, what still runs (a producer nobody reads) gets
 # this long before it is cancelled: shutdown never hangs.
 SHUTDOWN_BACKSTOP_S = 10.0
-_OPEN_PATHS = ("/health", "/ping", "/load", "/metrics", "/version", "/openapi.json")
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-# ---------------------------------------------------------------- the app
-
-
-def build_app(
-    state: ServerState, api_key: str | None = None, log_requests_max_len: int | None = None
-) -> QuartTrio:
-    """``log_requests_max_len``: --enable-log-requests with --max-log-len (None: no log)."""
-    app = QuartTrio("trillm")
-    app.config.update(
-        MAX_CONTENT_LENGTH=MAX_BODY_BYTES,
-        RESPONSE_TIMEOUT=None,  # streams last as long as generation does
-        BODY_TIMEOUT=60,
-        PROVIDE_AUTOMATIC_OPTIONS=False,
-    )
-    _install_gate(app, state, api_key)
-    _install_error_handlers(app)
-    log = None if log_requests_max_len is None else extra_routes.RequestLog(log_requests_max_len)
-    _install_routes(app, state, extra_routes.Dispatcher(state, result_response, log))
-    # What a stream whose body never ran holds is released when its exchange ends.
-    app.asgi_app = CloseAtExchangeEnd(app.asgi_app)  # type: ignore[method-assign,assignment]
-    return app
-
-
-def _install_gate(app: QuartTrio, state: ServerState, api_key: str | None) -> None:
-    expected = f"Bearer {api_key}".encode() if api_key else None
-
-    @app.before_request
-    async def gate() -> None:
-        path = request.path
-        if expected is not None and path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                raise AuthenticationError("Invalid or missing API key.")
-        if path in _OPEN_PATHS:
-            return
-        if state.draining:
-            raise ServiceUnavailableError("The server is shutting down.")
-        if state.engine.is_dead:
-            raise ServiceUnavailableError(f"The engine is not available: {state.engine.dead_error}")
-        if request.method == "POST" and path.startswith("/v1/"):
-            # A full queue refuses before the body is read; start_generation checks again
-            # with the request's real size (prompts x n).
-            state.check_capacity()
-
-    @app.after_request
-    async def retry_after(response: Response) -> Response:
-        # NOTE: every 503 here is transient (overload, shutdown, an engine being replaced):
-        # tell clients and load balancers when to come back.
-        if response.status_code == 503 and "Retry-After" not in response.headers:
-            response.headers["Retry-After"] = str(RETRY_AFTER_S)
-        return response
-
-
-def _install_error_handlers(app: QuartTrio) -> None:
-    @app.errorhandler(APIError)
-    async def api_error(err: APIError) -> Response:
-        return json_response(err.body(), err.status)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(err: HTTPException) -> Response:
-        code = err.code or 500
-        kind = {404: NotFoundError, 405: MethodNotAllowedError, 413: PayloadTooLargeError}.get(
-            code, BadRequestError if 400 <= code < 500 else InternalServerError
-        )
-        message = {
-            404: f"No route {request.path}.",
-            413: f"The request body is larger than {MAX_BODY_BYTES} bytes.",
-        }.get(code, err.description or err.name)
-        return json_response(error_body(message, kind.type, None, code), code)
-
-    @app.errorhandler(Exception)
-    async def unhandled(err: Exception) -> Response:
-        logger.error("Unhandled error in %s %s", request.method, request.path)
-        api_error = internal_error(err)
-        return json_response(api_error.body(), api_error.status)
-
-
-def _install_routes(app: QuartTrio, state: ServerState, run: extra_routes.Dispatcher) -> None:
-    @app.post("/v1/chat/completions")
-    async def chat() -> Response:
-        return await run.chat(await json_body())
-
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return await run.completion(await json_body())
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        cards = model_cards(state)
-        if state.loras is not None:
-            cards += state.loras.cards()
-        return json_response({"object": "list", "data": cards})
-
-    if state.loras is not None and state.loras.allow_updates:
-        loras = state.loras
-
-        @app.post("/v1/load_lora_adapter")
-        async def load_lora_adapter() -> Response:
-            text = await serving_lora.load_adapter(loras, state.engine, await json_body())
-            return Response(text, 200, content_type="text/plain")
-
-        @app.post("/v1/unload_lora_adapter")
-        async def unload_lora_adapter() -> Response:
-            text = serving_lora.unload_adapter(loras, state.engine, await json_body())
-            return Response(text, 200, content_type="text/plain")
-
-    @app.post("/v1/embeddings")
-    async def embeddings() -> Response:
-        body = await json_body()
-        req = await structure_body(EmbeddingRequest, body, request.content_length)
-        return json_response(await create_embedding(state, req))
-
-    @app.post("/pooling")
-    async def pooling() -> Response:
-        body = await json_body()
-        req = await structure_body(PoolingRequest, body, request.content_length)
-        return json_response(await create_embedding(state, req))
-
-    @app.post("/classify")
-    async def classify() -> Response:
-        body = await json_body()
-        req = await structure_body(ClassificationRequest, body, request.content_length)
-        return json_response(await create_classification(state, req))
-
-    @app.post("/tokenize")
-    async def tokenize_route() -> Response:
-        body = await json_body()
-        req = await structure_body(TokenizeRequest, body, request.content_length)
-        return json_response(await tokenize(state, req))
-
-    @app.post("/detokenize")
-    async def detokenize_route() -> Response:
-        body = await json_body()
-        req = await structure_body(DetokenizeRequest, body, request.content_length)
-        return json_response(await detokenize(state, req))
-
-    @app.get("/health")
-    async def health() -> Response:
-        engine = state.engine
-        if state.draining or engine.is_dead or not engine.is_running:
-            err = ServiceUnavailableError("The server is not ready or shutting down.")
-            return json_response(err.body(), err.status)
-        return Response(b"", 200)
-
-    extra_routes.install(app, state, run, json_body, health, json_response)  # /ping, ...
-
-    @app.get("/version")
-    async def version() -> Response:
-        return json_response({"version": trillm.__version__})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), 200, content_type=METRICS_CONTENT_TYPE)
-
-    @app.get("/openapi.json")
-    async def openapi_json() -> Response:
-        return json_response(openapi.build_spec())
-
-
-def model_cards(state: ServerState) -> list[dict[str, Any]]:
-    cfg = state.model_config
-    return [
-        {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "trillm",
-            "root": cfg.model,
-            "parent": None,
-            "max_model_len": cfg.max_model_len,
-        }
-        for name in state.served_model_names
-    ]
-
-
-async def json_body() -> Any:
-    """The request body as decoded JSON (an object), or a 400/413 APIError."""
-    mimetype = request.mimetype
-    if mimetype != "application/json" and not mimetype.endswith("+json"):
-        raise UnsupportedMediaTypeError(
-            f"Content-Type must be application/json, got {mimetype or 'none'!r}."
-        )
-    data = await request.get_data(cache=False)  # 413 (HTTPException) beyond MAX_CONTENT_LENGTH
-    try:
-        body = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequestError(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequestError("The request body must be a JSON object.")
-    return body
-
-
-def json_response(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status, content_type="application/json")
-
-
-def result_response(result: Any) -> Response:
-    if isinstance(result, dict):
-        return json_response(result)
-    response = Response(result, 200, content_type="text/event-stream", headers=_SSE_HEADERS)
-    response.timeout = None
-    return response
-
-
-# ---------------------------------------------------------------- the process
 
 
 @attrs.define
