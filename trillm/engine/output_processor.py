@@ -15,8 +15,9 @@ makes the handler wait on a slow reader. A stream whose reader leaves more than
 ``MAX_UNREAD_UNITS`` unread (a client that stopped reading) is aborted at the end of the step,
 with one warning: its reader gets what it left unread, then the final 'abort' output.
 
-Pieces by responsibility: stop strings (``stop_strings.py``), logprobs formatted once with
-their token texts (``logprobs.py``), stream pacing, the wake budget (``stream_pacing.py``).
+Pieces by responsibility: the per-request records and the outputs built from them
+(``output_state.py``), stop strings (``stop_strings.py``), logprobs formatted once with their
+token texts (``logprobs.py``), stream pacing, the wake budget (``stream_pacing.py``).
 """
 
 from __future__ import annotations
@@ -24,67 +25,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-from trillm.engine.detokenizer import Detokenizer, DetokenizerFactory
+from trillm.engine.detokenizer import DetokenizerFactory
 from trillm.engine.logprobs import SampleLogprobsBuilder, TokenTexts, make_logprob_dict, slice_lists
 from trillm.engine.output_collector import MAX_UNREAD_UNITS, RequestOutputCollector
+from trillm.engine.output_state import OutputGroup, OutputSample, make_output
 from trillm.engine.preprocess import InvalidRequestError
 from trillm.engine.stop_strings import StopStringMatcher
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET, StreamPacing
 from trillm.messages import EngineCoreOutput, FinishReason, LogprobsLists
-from trillm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
+from trillm.outputs import RequestMetrics, RequestOutput
 from trillm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------- per-request state
-
-
-@dataclass(slots=True, eq=False)
-class _Group:
-    """One user request: ``n`` samples sharing a collector."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    output_kind: RequestOutputKind
-    collector: RequestOutputCollector
-    metrics: RequestMetrics
-    engine_ids: list[str]
-    unfinished: set[str]
-    num_prompt_logprobs: int | None
-    prompt_logprobs: PromptLogprobs | None = None  # [None] + one dict per prompt position
-    sent_prompt_logprobs: int = 0
-    num_cached_tokens: int = 0
-    final_completions: list[CompletionOutput] = field(default_factory=list)  # FINAL_ONLY
-    slot: int = 0  # wake-budget round-robin slot
-    started: bool = False  # an output went to the collector
-    pooled: bytes | None = None  # a pooling model's vector
-
-
-@dataclass(slots=True, eq=False)
-class _Sample:
-    """One engine request (one sample of a group)."""
-
-    engine_id: str
-    index: int
-    group: _Group
-    params: SamplingParams
-    detokenizer: Detokenizer | None
-    stop: StopStringMatcher | None
-    logprobs: SampleLogprobsBuilder | None
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""  # final text, truncated at a matched stop string
-    sent_text: int = 0  # characters / tokens / logprob rows already handed to the collector
-    sent_tokens: int = 0
-    sent_logprobs: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-# ---------------------------------------------------------------- the processor
 
 
 class OutputProcessor:
@@ -101,14 +56,14 @@ class OutputProcessor:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}.")
         self.stream_interval = stream_interval
-        self._pacing: StreamPacing[_Sample] = StreamPacing(wake_budget)
+        self._pacing: StreamPacing[OutputSample] = StreamPacing(wake_budget)
         self.tokenizer = tokenizer
         self._detokenizers = DetokenizerFactory(tokenizer, native=native)
-        self._groups: dict[str, _Group] = {}  # request id -> group
-        self._samples: dict[str, _Sample] = {}  # engine request id -> sample
+        self._groups: dict[str, OutputGroup] = {}  # request id -> group
+        self._samples: dict[str, OutputSample] = {}  # engine request id -> sample
         # token id -> decode([id]): the logprob entries' texts (the HTTP layer's too)
         self.token_texts = TokenTexts(tokenizer)
-        self._unread: list[_Group] = []  # groups whose reader left too much unread this step
+        self._unread: list[OutputGroup] = []  # groups whose reader left too much unread this step
 
     # ------------------------------------------------------------ registration
     def add_request(
@@ -135,7 +90,7 @@ class OutputProcessor:
             if queue is not None
             else RequestOutputCollector(params.output_kind, self.stream_interval)
         )
-        group = _Group(
+        group = OutputGroup(
             request_id=request_id,
             prompt=prompt,
             prompt_token_ids=list(prompt_token_ids),
@@ -154,7 +109,7 @@ class OutputProcessor:
             self._samples[engine_id] = self._new_sample(engine_id, index, group, params)
         return collector
 
-    def _new_sample(self, engine_id: str, index: int, group: _Group, params: SamplingParams):
+    def _new_sample(self, engine_id: str, index: int, group: OutputGroup, params: SamplingParams):
         detokenizer = None
         stop = None
         if params.detokenize:
@@ -168,7 +123,7 @@ class OutputProcessor:
         logprobs = (
             SampleLogprobsBuilder(params.logprobs) if params.logprobs is not None else None
         )
-        return _Sample(engine_id, index, group, params, detokenizer, stop, logprobs)
+        return OutputSample(engine_id, index, group, params, detokenizer, stop, logprobs)
 
     def assign_engine(self, request_id: str, engine_index: int) -> None:
         """The engine core the router gave the request: its outputs' ``metrics`` say so (the
@@ -226,11 +181,11 @@ class OutputProcessor:
     def _release_stalled(self) -> None:
         """Held samples that got no output this step (preempted, waiting) send what they hold."""
         for sample in self._pacing.take_stalled():
-            output = self._make_output(sample, finished=False)
+            output = make_output(sample, finished=False)
             if output is not None:
                 self._put(sample.group, output)
 
-    def _record_prompt_side(self, sample: _Sample, out: EngineCoreOutput, now: float) -> None:
+    def _record_prompt_side(self, sample: OutputSample, out: EngineCoreOutput, now: float) -> None:
         group = sample.group
         group.num_cached_tokens = max(group.num_cached_tokens, out.num_cached_tokens)
         if out.scheduled_time is not None and group.metrics.first_scheduled_time is None:
@@ -250,7 +205,7 @@ class OutputProcessor:
                     row = make_logprob_dict(ids, lps, rank, k, self.token_texts)
                     group.prompt_logprobs.append(row)
 
-    def _update_sample(self, sample: _Sample, out: EngineCoreOutput) -> str | None:
+    def _update_sample(self, sample: OutputSample, out: EngineCoreOutput) -> str | None:
         """Append the new tokens (and their text and logprobs); the stop string that ended
         the sample, if any. Tokens after a stop string are dropped."""
         ids = out.new_token_ids
@@ -285,7 +240,7 @@ class OutputProcessor:
             self._append_tokens(sample, ids[-1:], out.new_logprobs, offset=len(ids) - 1)
         return None
 
-    def _check_stop(self, sample: _Sample, out: EngineCoreOutput, new_from: int) -> str | None:
+    def _check_stop(self, sample: OutputSample, out: EngineCoreOutput, new_from: int) -> str | None:
         if sample.stop is None or out.finish_reason == FinishReason.ABORT:
             return None
         if len(sample.token_ids) <= sample.params.min_tokens:
@@ -299,7 +254,7 @@ class OutputProcessor:
 
     def _append_tokens(
         self,
-        sample: _Sample,
+        sample: OutputSample,
         ids: Sequence[int],
         lists: LogprobsLists | None,
         offset: int = 0,
@@ -310,14 +265,14 @@ class OutputProcessor:
             window = slice_lists(lists, offset, offset + len(ids))
             sample.logprobs.add(window, len(ids), self.token_texts)
 
-    def _finish(self, sample: _Sample, reason: str, stop_reason: int | str | None) -> None:
+    def _finish(self, sample: OutputSample, reason: str, stop_reason: int | str | None) -> None:
         sample.finish_reason = reason
         sample.stop_reason = stop_reason
         sample.group.unfinished.discard(sample.engine_id)
         del self._samples[sample.engine_id]
 
     # ------------------------------------------------------------ outputs
-    def _deliver(self, sample: _Sample, now: float) -> None:
+    def _deliver(self, sample: OutputSample, now: float) -> None:
         group = sample.group
         finished = not group.unfinished
         if finished:
@@ -336,12 +291,12 @@ class OutputProcessor:
             self._pacing.hold(sample.engine_id, sample)
             return
         self._pacing.release(sample.engine_id)
-        output = self._make_output(sample, finished)
+        output = make_output(sample, finished)
         if output is not None:
             group.started = True
             self._put(group, output)
 
-    def _put(self, group: _Group, output: RequestOutput) -> None:
+    def _put(self, group: OutputGroup, output: RequestOutput) -> None:
         if group.collector.put(output):
             self._unread.append(group)
 
@@ -361,88 +316,6 @@ class OutputProcessor:
             self.abort_request(group.request_id)
         self._unread.clear()
         return engine_ids
-
-    def _make_output(self, sample: _Sample, finished: bool) -> RequestOutput | None:
-        group = sample.group
-        if group.output_kind == RequestOutputKind.FINAL_ONLY:
-            if sample.finish_reason is not None:
-                group.final_completions.append(self._completion(sample, delta=False))
-            if not finished:
-                return None
-            completions = sorted(group.final_completions, key=lambda c: c.index)
-            return self._request_output(group, completions, finished, delta=False)
-        delta = group.output_kind == RequestOutputKind.DELTA
-        has_news = (
-            sample.finish_reason is not None
-            or sample.sent_tokens < len(sample.token_ids)
-            or self._new_prompt_logprobs(group)
-        )
-        if not has_news:
-            return None
-        return self._request_output(group, [self._completion(sample, delta)], finished, delta)
-
-    def _request_output(
-        self, group: _Group, completions: list[CompletionOutput], finished: bool, delta: bool
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            prompt_logprobs=self._take_prompt_logprobs(group, delta),
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=group.num_cached_tokens,
-            metrics=_copy_metrics(group.metrics),
-            pooled=group.pooled,
-        )
-
-    def _completion(self, sample: _Sample, delta: bool) -> CompletionOutput:
-        end = self._visible_text_end(sample)
-        lp = sample.logprobs
-        if delta:
-            text = sample.text[sample.sent_text : end]
-            token_ids = sample.token_ids[sample.sent_tokens :]
-            logprobs = lp.rows[sample.sent_logprobs :] if lp is not None else None
-        else:
-            text = sample.text[:end]
-            token_ids = list(sample.token_ids)
-            logprobs = list(lp.rows) if lp is not None else None
-        sample.sent_text = end
-        sample.sent_tokens = len(sample.token_ids)
-        sample.sent_logprobs = len(lp.rows) if lp is not None else 0
-        return CompletionOutput(
-            index=sample.index,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=lp.cumulative if lp is not None else None,
-            logprobs=logprobs,
-            finish_reason=sample.finish_reason,
-            stop_reason=sample.stop_reason,
-        )
-
-    @staticmethod
-    def _visible_text_end(sample: _Sample) -> int:
-        """How much of the text may be sent: all of it once finished, else all but the
-        stop-string hold-back (never less than what was already sent)."""
-        if sample.finish_reason is not None or sample.stop is None:
-            return len(sample.text)
-        return max(sample.sent_text, len(sample.text) - sample.stop.hold_back)
-
-    @staticmethod
-    def _new_prompt_logprobs(group: _Group) -> bool:
-        rows = group.prompt_logprobs
-        return rows is not None and len(rows) > 1 and group.sent_prompt_logprobs < len(rows)
-
-    @staticmethod
-    def _take_prompt_logprobs(group: _Group, delta: bool) -> PromptLogprobs | None:
-        rows = group.prompt_logprobs
-        if rows is None:
-            return None
-        start = group.sent_prompt_logprobs
-        group.sent_prompt_logprobs = len(rows)
-        if delta:
-            return rows[start:] if start < len(rows) else None
-        return list(rows)
 
     # ------------------------------------------------------------ aborts and failures
     def abort_request(
@@ -472,15 +345,3 @@ class OutputProcessor:
         self._groups.clear()
         self._samples.clear()
         self._pacing.clear()
-
-
-def _copy_metrics(m: RequestMetrics) -> RequestMetrics:
-    return RequestMetrics(
-        m.arrival_time,
-        m.first_token_time,
-        m.last_token_time,
-        m.finished_time,
-        m.num_generation_tokens,
-        m.first_scheduled_time,
-        m.engine_index,
-    )
