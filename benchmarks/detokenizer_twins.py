@@ -16,7 +16,8 @@ import time
 
 from transformers import AutoTokenizer
 
-from trillm.engine.detokenizer import DetokenizerFactory, StreamDetokenizer, backend_tokenizer
+from trillm.engine.detokenizer import DetokenizerFactory, StreamDetokenizer
+from trillm.engine.vocab_spec import backend_tokenizer
 from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
 
 EXTRA = "naïve café déjà vu — 你好，世界。日本語のテキスト 🙂🚀 Ünïcödé ñandú "

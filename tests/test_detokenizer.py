@@ -14,13 +14,12 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from trillm.engine.detokenizer import (
-    DecoderScheme,
     DetokenizerFactory,
     PyIncrementalDetokenizer,
     PyVocab,
-    build_vocab_spec,
     load_native_module,
 )
+from trillm.engine.vocab_spec import DecoderScheme, build_vocab_spec
 from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
 
 NATIVE = load_native_module()
