@@ -1,6 +1,8 @@
 """The scheduler: P1 (``schedule``) and P4 (``update_from_output``) of ``EngineCore.step()``.
 
 Pure-Python twin of ``ext/scheduler.pyx``; ``trillm._native.get_scheduler_cls()`` picks one.
+Its parts: ``step_plan.py`` (what one ``schedule()`` hands out, as a ``SchedulerOutput``),
+``step_outputs.py`` (P4 per request: sampled tokens appended, finish rules, the output).
 
 No prefill/decode phases: every request has ``num_computed_tokens`` and ``num_tokens``; each
 step hands out ``{req_id: n_tokens}`` under ``max_num_batched_tokens`` and ``max_num_seqs``,
@@ -27,13 +29,13 @@ from trillm.config import CacheConfig, SchedulerConfig
 from trillm.core.errors import DuplicateRequestError, RequestTooLargeError
 from trillm.core.kv_cache_manager import KVCacheManager
 from trillm.core.request import Request, RequestStatus, finished_status
+from trillm.core.step_outputs import append_sampled, make_output
+from trillm.core.step_plan import StepPlan
 from trillm.messages import (
-    CachedRequestData,
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
@@ -147,7 +149,7 @@ class Scheduler:
         """``busy``: the requests of the steps still in flight (skipped, never preempted);
         ``max_reqs`` > 0: the most requests this step may hold."""
         self._step_id += 1
-        plan = _StepPlan(self.max_num_batched_tokens, max_reqs)
+        plan = StepPlan(self.max_num_batched_tokens, max_reqs)
         preemptions_before = self.num_preemptions
         self._busy = busy
         self._schedule_running(plan)
@@ -163,7 +165,7 @@ class Scheduler:
             n = min(n, self.long_prefill_token_threshold)
         return min(n, self.max_model_len - num_computed)
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         """Running requests in admission order; preempts when blocks run out."""
         i = 0
         while i < len(self._running) and plan.has_room:
@@ -185,7 +187,7 @@ class Scheduler:
             plan.add_cached(request, n, self.kv_cache_manager.allocate_slots(request, n))
             i += 1
 
-    def _make_room(self, request: Request, n: int, plan: _StepPlan) -> bool:
+    def _make_room(self, request: Request, n: int, plan: StepPlan) -> bool:
         """Preempt until ``request`` can get blocks for ``n`` tokens -> False when the victim
         was ``request`` itself."""
         while not self.kv_cache_manager.can_allocate(request, n):
@@ -210,7 +212,7 @@ class Scheduler:
                 victim = request
         return victim
 
-    def _preempt(self, request: Request, plan: _StepPlan) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
         self._running.remove(request)
         plan.unschedule(request)
         self.kv_cache_manager.free(request)
@@ -223,7 +225,7 @@ class Scheduler:
             request.sent_to_worker = False
         self._enqueue_waiting(request, front=True)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         kv = self.kv_cache_manager
         while self._waiting and plan.has_room and len(self._running) < self.max_num_seqs:
             head = self._next_admissible()
@@ -265,66 +267,14 @@ class Scheduler:
             if drafts and sampled:
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
             request.spec_token_ids = []
-            new_tokens, reason, stop_reason = self._append_tokens(request, sampled)
+            new_tokens, reason, stop_reason = append_sampled(request, sampled, self.max_model_len)
             self.kv_cache_manager.cache_full_blocks(request)
             if reason is not None:
                 self._finish(request, reason)
-            output = self._make_output(request, new_tokens, reason, stop_reason, out)
+            output = make_output(request, new_tokens, reason, stop_reason, out)
             if output is not None:
                 outputs.append(output)
         return outputs
-
-    def _append_tokens(
-        self, request: Request, sampled: list[int]
-    ) -> tuple[list[int], FinishReason | None, int | None]:
-        new_tokens: list[int] = []
-        for token in sampled:
-            request.append_output_token(token)
-            new_tokens.append(token)
-            reason, stop_reason = self._check_stop(request, token)
-            if reason is not None:
-                return new_tokens, reason, stop_reason
-        return new_tokens, None, None
-
-    def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
-        num_output = request.num_output_tokens
-        if request.num_tokens >= self.max_model_len or (
-            request.max_tokens is not None and num_output >= request.max_tokens
-        ):
-            return FinishReason.LENGTH, None
-        if num_output < request.min_tokens:
-            return None, None
-        if not request.ignore_eos and token == request.eos_token_id:
-            return FinishReason.STOP, None
-        if token in request.stop_token_ids:
-            return FinishReason.STOP, token
-        return None, None
-
-    def _make_output(
-        self,
-        request: Request,
-        new_tokens: list[int],
-        reason: FinishReason | None,
-        stop_reason: int | None,
-        out: ModelRunnerOutput,
-    ) -> EngineCoreOutput | None:
-        req_id = request.request_id
-        prompt_logprobs = out.prompt_logprobs.get(req_id)
-        if not new_tokens and reason is None and prompt_logprobs is None:
-            return None
-        num_cached = 0
-        if not request.first_output_sent:
-            request.first_output_sent = True
-            num_cached = request.num_cached_tokens or 0
-        return EngineCoreOutput(
-            request_id=req_id,
-            new_token_ids=new_tokens,
-            new_logprobs=out.logprobs.get(req_id),
-            new_prompt_logprobs=prompt_logprobs,
-            finish_reason=reason,
-            stop_reason=stop_reason,
-            num_cached_tokens=num_cached,
-        )
 
     # ------------------------------------------------------------------ finishing
 
@@ -387,76 +337,4 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
-        )
-
-
-class _StepPlan:
-    """What one schedule() call hands out, built up request by request."""
-
-    def __init__(self, budget: int, max_reqs: int = 0) -> None:
-        self.budget = budget
-        self.max_reqs = max_reqs  # > 0: the most requests of the step
-        self.num_scheduled: dict[str, int] = {}  # req_id -> num_scheduled_tokens
-        self.new_reqs: list[NewRequestData] = []
-        self.cached: dict[str, tuple[list[int], int]] = {}  # req_id -> (new blocks, computed)
-        self.spec: dict[str, list[int]] = {}  # req_id -> draft tokens scheduled
-        self.structured = 0
-
-    @property
-    def has_room(self) -> bool:
-        return self.budget > 0 and (self.max_reqs <= 0 or len(self.num_scheduled) < self.max_reqs)
-
-    def _schedule(self, request: Request, n: int) -> None:
-        self.num_scheduled[request.request_id] = n
-        self.budget -= n
-        if request.sampling_params.structured_outputs is not None:
-            self.structured += 1
-        request.num_computed_tokens += n
-
-    def add_cached(self, request: Request, n: int, new_blocks: list[int]) -> None:
-        num_spec = request.num_computed_tokens + n - request.num_tokens
-        if num_spec > 0:
-            self.spec[request.request_id] = request.spec_token_ids[:num_spec]
-        self.cached[request.request_id] = (new_blocks, request.num_computed_tokens)
-        self._schedule(request, n)
-
-    def add_new(self, request: Request, n: int, block_ids: list[int]) -> None:
-        self.new_reqs.append(
-            NewRequestData(
-                req_id=request.request_id,
-                prompt_token_ids=list(request.prompt_token_ids),
-                output_token_ids=list(request.output_token_ids),
-                sampling_params=request.sampling_params,
-                block_ids=block_ids,
-                num_computed_tokens=request.num_computed_tokens,
-            )
-        )
-        self._schedule(request, n)
-
-    def unschedule(self, request: Request) -> None:
-        """A request scheduled earlier in this step was preempted: give its tokens back."""
-        n = self.num_scheduled.pop(request.request_id, None)
-        if n is None:
-            return
-        self.budget += n
-        self.cached.pop(request.request_id, None)
-        self.spec.pop(request.request_id, None)
-        if request.sampling_params.structured_outputs is not None:
-            self.structured -= 1
-
-    def to_output(self, step_id: int, finished: list[str]) -> SchedulerOutput:
-        cached = CachedRequestData()
-        for req_id, (blocks, computed) in self.cached.items():
-            cached.req_ids.append(req_id)
-            cached.new_block_ids.append(blocks)
-            cached.num_computed_tokens.append(computed)
-        return SchedulerOutput(
-            step_id=step_id,
-            scheduled_new_reqs=self.new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=self.num_scheduled,
-            total_num_scheduled_tokens=sum(self.num_scheduled.values()),
-            scheduled_spec_decode_tokens=self.spec,
-            finished_req_ids=finished,
-            wait_for_bitmask=self.structured > 0,
         )
