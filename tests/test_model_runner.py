@@ -335,14 +335,14 @@ def test_a_request_that_makes_the_sampler_fail_fails_alone(tiny, reference):
     # reported failed, the others get exactly the tokens they get alone.
     path, _ = tiny
     runner = _make_runner(path)
-    real = runner.sampler
+    real = runner.token_sampler.sampler
 
     def sampler(logits, state, slots, bitmask=None):
         if runner.batch.slot_of("bad") in slots.tolist():
             raise FloatingPointError("this row's parameters broke the sampler")
         return real(logits, state, slots, bitmask)
 
-    runner.sampler = sampler
+    runner.token_sampler.sampler = sampler
     prompts = _prompts(PROMPT_LENS)
     good = _Req("good", prompts[1], _greedy(3), 3)
     bad = _Req("bad", prompts[0], _greedy(3), 3)

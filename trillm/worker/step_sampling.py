@@ -1,5 +1,5 @@
 """P3's pieces on the worker: the step P2 leaves for P3, grammar bitmasks applied to logits,
-sampling that isolates a failing row, and the logprobs lists of a step (``model_runner.py``
+sampling that isolates a failing row, and the logprobs lists of a step (``token_sampler.py``
 sequences them)."""
 
 from __future__ import annotations
