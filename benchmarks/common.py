@@ -138,10 +138,10 @@ def make_workload(
 def set_threads(n: int) -> None:
     """Torch intra-op threads here, and (via the environment) in worker subprocesses. Called
     before torch is first imported, it also gives this process the OpenMP spin count of the
-    engine's workers (``trillm.executor.multiproc.WORKER_GOMP_SPINCOUNT``), so in-process model
+    engine's workers (``trillm.executor.worker_ipc.WORKER_GOMP_SPINCOUNT``), so in-process model
     timings match what a worker does."""
     if "torch" not in sys.modules:
-        from trillm.executor.multiproc import WORKER_GOMP_SPINCOUNT
+        from trillm.executor.worker_ipc import WORKER_GOMP_SPINCOUNT
 
         os.environ.setdefault("GOMP_SPINCOUNT", WORKER_GOMP_SPINCOUNT)
     import torch

@@ -18,8 +18,9 @@ import trio
 from trillm.errors import EngineDeadError, EngineStartupError, ModelExecutionError
 from trillm.executor.abstract import FAKE_RUNNER, unwrap_group
 from trillm.executor.factory import open_executor
-from trillm.executor.multiproc import WORKER_GOMP_SPINCOUNT, MultiprocExecutor, worker_env
+from trillm.executor.multiproc import MultiprocExecutor
 from trillm.executor.uniproc import UniProcExecutor
+from trillm.executor.worker_ipc import WORKER_GOMP_SPINCOUNT, worker_env
 from trillm.messages import (
     CachedRequestData,
     ModelRunnerOutput,

@@ -37,7 +37,8 @@ def node_ranks(nnodes: int, node_rank: int, world_size: int) -> range:
 def run_headless(model: str | None, engine_kwargs: dict[str, Any]) -> int:
     from trillm.config import EngineArgs
     from trillm.engine.config_builder import build_config
-    from trillm.executor.multiproc import describe_exit, worker_env
+    from trillm.executor.worker_exits import describe_exit
+    from trillm.executor.worker_ipc import worker_env
 
     args = EngineArgs(model=model, **engine_kwargs)
     if args.nnodes < 2 or args.node_rank == 0:

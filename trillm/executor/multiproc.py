@@ -15,7 +15,9 @@ comparisons. With
 ``tensor_parallel_size > 1`` each rank runs its shard of the model and the ranks meet in
 ``torch.distributed`` collectives (``trillm/distributed/``), at a loopback port picked here.
 A rank whose collective times out (a peer stopped answering) reports it and exits; the
-executor then names the ranks that did not report (the ones that stopped).
+executor then names the ranks that did not report (the ones that stopped). The rings, fds and
+command lines of the workers: ``worker_ipc.py``; the messages that name their exits:
+``worker_exits.py``.
 
 Supervision: a task per worker awaits its process exit. An exit that is not part of
 ``shutdown`` marks the executor dead: the other workers are killed, the segments are unlinked,
@@ -27,15 +29,9 @@ this process dies (see ``trillm/worker/worker_main.py``).
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import socket
-import sys
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
@@ -43,16 +39,11 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, EngineStartupError, IPCError, ModelExecutionError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory, unwrap_group
+from trillm.executor.worker_exits import WorkerExits
+from trillm.executor.worker_ipc import WorkerIpc, free_loopback_port, worker_env
 from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
-from trillm.ipc.shm_ring import (
-    DEFAULT_NUM_SLOTS,
-    DEFAULT_SLOT_SIZE,
-    RingFds,
-    RingReader,
-    RingWriter,
-    ShmRing,
-)
+from trillm.ipc.shm_ring import DEFAULT_NUM_SLOTS, DEFAULT_SLOT_SIZE, RingReader
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 
 T = TypeVar("T")
@@ -60,9 +51,6 @@ T = TypeVar("T")
 STARTUP_TIMEOUT_S = 900.0  # model load + cache allocation
 STEP_TIMEOUT_S = 300.0
 SHUTDOWN_GRACE_S = 5.0
-# After a rank reports a timed-out collective, how long the others get to report theirs:
-# the ranks that have not by then are the ones that stopped answering.
-COLLECTIVE_REPORT_GRACE_S = 2.0
 
 
 def micro_batches(num_stages: int) -> int:
@@ -77,99 +65,6 @@ def micro_batches(num_stages: int) -> int:
             f"pipeline_parallel_size={num_stages}."
         )
     return int(text)
-
-
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the tensor-parallel rendezvous binds it next)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def describe_exit(returncode: int) -> str:
-    """``-9`` -> "killed by signal SIGKILL"; ``1`` -> "exited with code 1"."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = str(-returncode)
-        return f"killed by signal {name}"
-    return f"exited with code {returncode}"
-
-
-# OpenMP threads of torch's GOMP runtime spin this many times after a parallel region before
-# they sleep. GOMP's default (300,000, ~1 ms here) keeps torch's idle threads busy on the cores
-# through most of each layer's attention call, which runs on the CPU attention kernel's own
-# threads: on 2 cores a decode layer's attention took 4.7-5.2 ms that way against 2.9-3.1 ms
-# with 20,000, and the GEMMs around it did not slow down (benchmarks/RESULTS.md, section 2).
-WORKER_GOMP_SPINCOUNT = "20000"
-
-
-def worker_env() -> dict[str, str]:
-    """This environment, with the folder holding ``trillm`` first on PYTHONPATH, so the worker
-    imports the same package whatever its working directory, and GOMP_SPINCOUNT set (unless the
-    user set it) before the worker loads torch."""
-    root = str(Path(__file__).resolve().parents[2])  # the folder holding trillm/
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}"}
-    env.setdefault("GOMP_SPINCOUNT", WORKER_GOMP_SPINCOUNT)
-    return env
-
-
-class _Ipc:
-    """The rings, eventfds and parent-death pipe of one executor; owned by it alone."""
-
-    def __init__(self, num_workers: int, num_slots: int, slot_size: int) -> None:
-        self.request_ring = ShmRing.create(num_workers, num_slots, slot_size)
-        self.request_fds = RingFds.create(self.request_ring.name, num_workers)
-        self.result_rings = [ShmRing.create(1, num_slots, slot_size) for _ in range(num_workers)]
-        self.result_fds = [RingFds.create(r.name, 1) for r in self.result_rings]
-        # The workers hold the read end; EOF there means this process is gone.
-        self.death_r, self.death_w = os.pipe()
-        self.requests = RingWriter(self.request_ring, self.request_fds)
-        self.results = [RingReader(r, 0, f) for r, f in zip(self.result_rings, self.result_fds)]
-
-    def worker_args(self, rank: int, engine: int = 0) -> tuple[list[str], list[int]]:
-        """-> (command line, fds the worker inherits); ``engine``: the engine core (data
-        parallelism) the worker serves, on its command line so that ps tells them apart."""
-        res = self.result_fds[rank]
-        argv = [
-            sys.executable, "-m", "trillm.worker.worker_main",
-            "--rank", str(rank),
-            "--engine", str(engine),
-            "--request-ring", json.dumps(asdict(self.request_fds)),
-            "--result-ring", json.dumps(asdict(res)),
-            "--death-fd", str(self.death_r),
-            "--parent-pid", str(os.getpid()),
-        ]  # fmt: skip
-        fds = [self.request_fds.data_fds[rank], self.request_fds.space_fd, *res.all_fds()]
-        return argv, [*fds, self.death_r]
-
-    def close_death_read_end(self) -> None:
-        os.close(self.death_r)
-        self.death_r = -1
-
-    def segment_names(self) -> list[str]:
-        return [self.request_ring.name, *(r.name for r in self.result_rings)]
-
-    def unlink(self) -> None:
-        for ring in (self.request_ring, *self.result_rings):
-            ring.unlink()
-
-    def close(self) -> None:
-        """Unlink and unmap everything, close every fd (no task may be waiting on them)."""
-        self.unlink()
-        fds = [*self.request_fds.all_fds(), self.death_r, self.death_w]
-        for f in self.result_fds:
-            fds.extend(f.all_fds())
-        for fd in (fd for fd in fds if fd >= 0):
-            trio.lowlevel.notify_closing(fd)
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        for ring in (self.request_ring, *self.result_rings):
-            ring.close()
 
 
 class MultiprocExecutor(Executor):
@@ -212,14 +107,13 @@ class MultiprocExecutor(Executor):
         self.num_blocks = 0
         self.processes: list[trio.Process] = []
         self.segment_names: list[str] = []
-        self._ipc: _Ipc | None = None
+        self._ipc: WorkerIpc | None = None
         self._pending: deque[SchedulerOutput] = deque()  # sent, not collected; oldest first
         self._unsampled: SchedulerOutput | None = None  # sent, its P3 trigger not yet
         self._max_batches = micro_batches(parallel.pipeline_parallel_size)
         self._dead: EngineDeadError | None = None
         self._inflight: set[trio.CancelScope] = set()
-        self._reported: dict[int, WorkerFailed] = {}  # rank -> its last words, read by _collect
-        self._collective_reports: set[int] = set()  # ranks whose collective timed out
+        self._exits = WorkerExits(parallel, self.num_workers)  # what ended a worker, said
         self._stopping = False
         self._started = False
         self._stop = trio.Event()
@@ -235,7 +129,7 @@ class MultiprocExecutor(Executor):
         return self._max_batches
 
     @property
-    def ipc(self) -> _Ipc:
+    def ipc(self) -> WorkerIpc:
         if self._ipc is None:
             raise EngineDeadError("The executor has not been started (await nursery.start(run)).")
         return self._ipc
@@ -249,7 +143,7 @@ class MultiprocExecutor(Executor):
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self.world_size > 1 and not self.config.parallel.master_port:
             self.config.parallel.master_port = free_loopback_port()
-        self._ipc = ipc = _Ipc(self.num_workers, self.num_slots, self.slot_size)
+        self._ipc = ipc = WorkerIpc(self.num_workers, self.num_slots, self.slot_size)
         self.segment_names = ipc.segment_names()
         try:
             async with trio.open_nursery() as nursery:
@@ -302,56 +196,11 @@ class MultiprocExecutor(Executor):
         code = await proc.wait()
         if self._stopping:
             return
-        engine = self.config.parallel.data_parallel_rank
-        where = f" of engine core {engine}" if self.config.parallel.data_parallel_size > 1 else ""
-        message = f"Worker rank {rank}{where} (pid {proc.pid}) {describe_exit(code)}."
-        last_words = self._reported.pop(rank, None) or self._last_words(rank)
-        if last_words is not None:
-            message += "\n" + last_words.message
-        if last_words is not None and last_words.collective:
-            self._collective_reports.add(rank)
-            if len(self._collective_reports) > 1:
-                return  # the first rank that reported names the silent ones
-            message = await self._name_silent_ranks() + "\n" + message
+        message = await self._exits.message(self.ipc, rank, proc.pid, code)
+        if message is None:
+            return  # another rank's timed-out collective is being reported
         error_type = EngineDeadError if self._started else EngineStartupError
         self._fail(error_type(message))
-
-    def _last_words(self, rank: int) -> WorkerFailed | None:
-        """The WorkerFailed a worker left on its result ring, if any."""
-        # NOTE: synchronous, so it cannot interleave with a recv() suspended on this reader.
-        try:
-            while (frame := self.ipc.results[rank].try_recv()) is not None:
-                msg = codec.decode(frame)
-                if isinstance(msg, WorkerFailed):
-                    return msg
-        except IPCError:
-            pass
-        return None
-
-    async def _name_silent_ranks(self) -> str:
-        """A collective timed out on some rank: wait a little for the other ranks' reports;
-        -> which ranks stopped answering (no report) and which waited for them."""
-        with trio.move_on_after(COLLECTIVE_REPORT_GRACE_S):
-            while len(self._collective_reports) < self.num_workers:
-                for rank in range(self.num_workers):
-                    if rank in self._collective_reports:
-                        continue
-                    words = self._reported.get(rank) or self._last_words(rank)
-                    if words is not None and words.collective:
-                        self._reported[rank] = words  # its supervisor reads it
-                        self._collective_reports.add(rank)
-                await trio.sleep(0.05)
-        waited = sorted(self._collective_reports)
-        silent = [r for r in range(self.world_size) if r not in self._collective_reports]
-        timeout = self.config.parallel.collective_timeout_s
-        remote = [r for r in silent if r in self.remote_ranks]
-        where = ""
-        if remote:  # they cannot report here once the link is down: their node's log says
-            where = f" (rank(s) {remote} run on other nodes: see their node's log)"
-        return (
-            f"A tensor-parallel collective timed out: rank(s) {silent} stopped answering"
-            f"{where}; rank(s) {waited} waited {timeout:g} s for them."
-        )
 
     async def _stop_workers(self) -> None:
         self._stopping = True
@@ -520,7 +369,7 @@ class MultiprocExecutor(Executor):
                 # NOTE: msg.rank, not ``rank``: rank 0's ring carries its own last words where
                 # another node's reply was due.
                 if msg.collective:  # its supervisor names the silent ranks, then fails us
-                    self._reported[msg.rank] = msg
+                    self._exits.report(msg)
                     await trio.sleep_forever()
                 raise self._fail(
                     EngineDeadError(f"Worker rank {msg.rank} failed:\n{msg.message}")
