@@ -151,7 +151,8 @@ def test_constrained_tool_output_is_split_after_its_reasoning():
     # The engine constrains a required / named output only after </think> (same parser), so
     # the reasoning comes off first and the content is the constrained JSON (as in vLLM).
     from trillm.entrypoints.openai.chat_parsing import plan_tools
-    from trillm.entrypoints.openai.protocol import ChatCompletionRequest, structure
+    from trillm.entrypoints.openai.protocol import ChatCompletionRequest
+    from trillm.entrypoints.openai.structuring import structure
 
     class State:
         enable_auto_tool_choice, tool_call_parser = True, "hermes"

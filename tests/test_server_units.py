@@ -16,11 +16,8 @@ from trillm.engine.chat_template import (
 from trillm.entrypoints.cli import build_parser
 from trillm.entrypoints.openai.cli_args import engine_kwargs, server_options
 from trillm.entrypoints.openai.errors import BadRequestError
-from trillm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    structure,
-)
+from trillm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from trillm.entrypoints.openai.structuring import structure
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"

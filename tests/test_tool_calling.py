@@ -13,7 +13,8 @@ import pytest
 from trillm.engine.chat_template import ChatTemplateError, render_template
 from trillm.entrypoints.openai.chat_parsing import ChoiceParser, plan_tools
 from trillm.entrypoints.openai.errors import BadRequestError
-from trillm.entrypoints.openai.protocol import ChatCompletionRequest, structure
+from trillm.entrypoints.openai.protocol import ChatCompletionRequest
+from trillm.entrypoints.openai.structuring import structure
 from trillm.parsers.tool_parsers import (
     RequiredToolCallParser,
     get_tool_parser,

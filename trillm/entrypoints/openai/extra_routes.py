@@ -25,15 +25,12 @@ from quart import request
 
 from trillm.entrypoints.openai.errors import BadRequestError, NotFoundError
 from trillm.entrypoints.openai.exchange import at_exchange_end
-from trillm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    structure_body,
-)
+from trillm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from trillm.entrypoints.openai.protocol_responses import parse_request
 from trillm.entrypoints.openai.serving_chat import create_chat_completion
 from trillm.entrypoints.openai.serving_completion import create_completion
 from trillm.entrypoints.openai.serving_responses import create_response
+from trillm.entrypoints.openai.structuring import structure_body
 
 logger = logging.getLogger("trillm.requests")
 

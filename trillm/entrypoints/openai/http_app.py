@@ -30,11 +30,7 @@ from trillm.entrypoints.openai.errors import (
 )
 from trillm.entrypoints.openai.exchange import CloseAtExchangeEnd
 from trillm.entrypoints.openai.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from trillm.entrypoints.openai.protocol import (
-    DetokenizeRequest,
-    TokenizeRequest,
-    structure_body,
-)
+from trillm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from trillm.entrypoints.openai.protocol_embedding import (
     ClassificationRequest,
     EmbeddingRequest,
@@ -44,6 +40,7 @@ from trillm.entrypoints.openai.serving_base import ServerState
 from trillm.entrypoints.openai.serving_classify import create_classification
 from trillm.entrypoints.openai.serving_embedding import create_embedding
 from trillm.entrypoints.openai.serving_tokenize import detokenize, tokenize
+from trillm.entrypoints.openai.structuring import structure_body
 
 logger = logging.getLogger("trillm.server")
 

@@ -1,5 +1,5 @@
 """Request bodies of the pooling endpoints: ``/v1/embeddings`` (OpenAI's shape plus vLLM's
-extras), ``/pooling`` and ``/classify`` (vLLM's). Limits are checked by ``protocol.structure``."""
+extras), ``/pooling`` and ``/classify`` (vLLM's). Limits are checked by ``structuring.structure``."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from trillm.entrypoints.openai.protocol import (
     MAX_REQUEST_ID_CHARS,
     MAX_REQUEST_TIMEOUT_S,
     _f,
-    structure_body,
 )
+from trillm.entrypoints.openai.structuring import structure_body
 
 MAX_INPUT_ITEMS = 100_000
 # OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
