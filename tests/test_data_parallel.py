@@ -121,7 +121,7 @@ def test_python_api_dp2_matches_dp1_and_spreads_the_requests(llama, dp1_tokens):
 def test_abort_goes_to_the_core_that_holds_the_request(llama):
     """Two long requests land on cores 0 and 1; aborting the second sends the abort to core 1
     only; its stream ends with 'abort' while the first runs to its length."""
-    from trillm.engine.async_engine import open_engine
+    from trillm.engine.engine_startup import open_engine
 
     long = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     seen: list[list[str]] = [[], []]

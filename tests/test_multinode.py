@@ -195,7 +195,7 @@ def test_a_worker_lost_while_idle_kills_the_engine_at_once(llama):
     request (how node 0 notices a lost node while idle, after the heartbeat fails)."""
     import trio
 
-    from trillm.engine.async_engine import open_engine
+    from trillm.engine.engine_startup import open_engine
     from trillm.errors import EngineDeadError
     from trillm.executor.abstract import FAKE_RUNNER
 

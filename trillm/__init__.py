@@ -27,7 +27,7 @@ _LAZY = {
     "LLM": "trillm.engine.llm",
     "AsyncLLM": "trillm.engine.async_llm",
     "AsyncEngine": "trillm.engine.async_engine",
-    "open_engine": "trillm.engine.async_engine",
+    "open_engine": "trillm.engine.engine_startup",
     "EngineArgs": "trillm.config",
     "RequestOutput": "trillm.outputs",
     "CompletionOutput": "trillm.outputs",
@@ -39,8 +39,9 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from trillm.config import EngineArgs
-    from trillm.engine.async_engine import AsyncEngine, open_engine
+    from trillm.engine.async_engine import AsyncEngine
     from trillm.engine.async_llm import AsyncLLM
+    from trillm.engine.engine_startup import open_engine
     from trillm.engine.llm import LLM
     from trillm.errors import EngineDeadError
     from trillm.lora.request import LoRARequest

@@ -1,8 +1,7 @@
-"""Stage 4: the Trio engine API (``open_engine`` / ``AsyncEngine``).
+"""Stage 4: the Trio engine API (``AsyncEngine``; started by ``engine_startup.open_engine``).
 
-``open_engine`` builds the configuration, starts the executor (workers + KV cache), then runs
-two long-lived tasks in one nursery, both started with ``nursery.start`` so they are up when
-the caller gets the engine:
+The engine runs two long-lived tasks (``run_core``), both started with ``nursery.start`` so
+they are up when the caller gets the engine:
 
 - the engine-core task (``trillm/engine/core.py``): schedule -> execute -> sample -> update;
   with ``data_parallel_size`` K, K of them, each with its own scheduler, KV cache and
@@ -23,15 +22,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from trillm.config import EngineArgs, TrillmConfig
+from trillm.config import TrillmConfig
 from trillm.engine.chat_template import load_chat_template
-from trillm.engine.dp_router import core_configs
 from trillm.engine.engine_cores import EngineCores, structured_output_manager
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET, OutputProcessor
 from trillm.engine.pooling_requests import pool
@@ -56,7 +53,7 @@ _INBOX_SIZE = 8  # messages in flight to the output handler (engine steps, reque
 
 
 class AsyncEngine:
-    """Handle to a running engine; get one from ``open_engine``."""
+    """Handle to a running engine; get one from ``engine_startup.open_engine``."""
 
     def __init__(
         self,
@@ -382,67 +379,3 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         """Abort a request by id; its reader gets the final 'abort' output."""
         await self.send_abort(AbortRequest(request_id))
-
-
-def _require_trio() -> None:
-    """``open_engine`` is Trio code; under asyncio (or any other loop) say what to use."""
-    try:
-        trio.lowlevel.current_trio_token()
-    except RuntimeError:
-        raise RuntimeError(
-            "open_engine runs under Trio (trio.run). From asyncio code use trillm.AsyncLLM, "
-            "which runs the engine on a Trio thread of its own: "
-            "`async for out in AsyncLLM(model).generate(prompt, params, request_id)`."
-        ) from None
-
-
-@asynccontextmanager
-async def open_engine(
-    model: str | None = None,
-    *,
-    runner: str | None = None,
-    runner_kwargs: dict[str, Any] | None = None,
-    stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET,
-    **engine_args: Any,
-) -> AsyncIterator[AsyncEngine]:
-    """``async with open_engine(model, **engine_args) as engine:`` (vLLM's argument names).
-
-    ``runner``: vLLM's kind (``"pooling"`` for an embedding model) or a model runner class as
-    ``"module:Class"`` (``"trillm.worker.fake_runner:FakeModelRunner"``: a near-zero-cost
-    model for frontend tests and benchmarks). ``stream_wake_budget``: the most
-    streams woken per step for a middle output (None: no budget; see ``output_processor``)."""
-    from trillm.engine.config_builder import build_config, load_tokenizer
-    from trillm.executor.abstract import DEFAULT_RUNNER, POOLING_RUNNER
-    from trillm.executor.factory import open_executors
-
-    _require_trio()
-    if runner is not None and ":" not in runner:  # vLLM's runner kind, not a class path
-        engine_args["runner"], runner = runner, None
-    args = EngineArgs.from_kwargs(model, **engine_args)
-    config = await trio.to_thread.run_sync(build_config, args)
-    tokenizer = await trio.to_thread.run_sync(
-        load_tokenizer, config.model.tokenizer, args.trust_remote_code
-    )
-    default = POOLING_RUNNER if config.pooler is not None else DEFAULT_RUNNER
-    configs = core_configs(config)
-    async with open_executors(configs, runner or default, runner_kwargs) as executors:
-        engine = AsyncEngine(
-            configs[0], tokenizer, executors, args.stream_interval, stream_wake_budget,
-            args.chat_template,
-        )  # fmt: skip
-        logger.info(
-            "engine ready: model %s, %d engine core(s) of %d KV blocks of %d tokens, device %s, "
-            "attention %s",
-            config.model.served_model_name,
-            len(executors),
-            engine.num_blocks,
-            config.cache.block_size,
-            config.device,
-            config.attention_backend,
-        )
-        async with trio.open_nursery() as nursery:
-            await nursery.start(engine.run_core)
-            try:
-                yield engine
-            finally:
-                nursery.cancel_scope.cancel()

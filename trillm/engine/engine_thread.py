@@ -16,7 +16,8 @@ from typing import Any
 
 import trio
 
-from trillm.engine.async_engine import AsyncEngine, open_engine
+from trillm.engine.async_engine import AsyncEngine
+from trillm.engine.engine_startup import open_engine
 from trillm.errors import EngineDeadError
 
 

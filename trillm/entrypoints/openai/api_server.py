@@ -135,7 +135,7 @@ async def _serve(
     life: _Lifecycle,
     listener: socket.socket,
 ) -> None:
-    from trillm.engine.async_engine import open_engine
+    from trillm.engine.engine_startup import open_engine
 
     # NOTE: the engine's preprocessor owns the chat template (stage 2), for HTTP and Python.
     opener = partial(
