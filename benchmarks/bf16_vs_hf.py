@@ -84,6 +84,39 @@ def hf_greedy(model: Any, ids: list[int], n: int) -> tuple[list[int], list[torch
     return tokens, logits
 
 
+def hf_batched_greedy(
+    model: Any, prompt_ids: list[list[int]], n: int, pad_id: int
+) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """``hf_greedy`` for all prompts in one left-padded batch (an attention mask, positions
+    counted from each prompt's first real token, one KV cache): the same model and dtype, only
+    the batch shape differs, as it does in any batching server."""
+    from transformers import DynamicCache
+
+    width = max(len(ids) for ids in prompt_ids)
+    x = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
+    cache = DynamicCache()
+    tokens: list[list[int]] = [[] for _ in prompt_ids]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompt_ids]
+    with torch.no_grad():
+        for step in range(n):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            if step:
+                positions = positions[:, -1:]
+            out = model(
+                input_ids=x, attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True,
+            )  # fmt: skip
+            last = out.logits[:, -1].float()  # [B, V]
+            picked = last.argmax(-1)
+            for i, tok in enumerate(picked.tolist()):
+                tokens[i].append(int(tok))
+                logits[i].append(last[i].clone())
+            x = picked[:, None]
+            mask = torch.cat([mask, torch.ones(len(prompt_ids), 1, dtype=mask.dtype)], dim=1)
+    return list(zip(tokens, logits, strict=True))
+
+
 def load_reference(
     path: Path | None, prompt_ids: list[list[int]], n: int
 ) -> list[tuple[list[int], list[torch.Tensor]]] | None:
@@ -153,7 +186,20 @@ def main() -> None:
         help="every bf16 linear through torch's F.linear, as transformers runs them (the "
         "engine runs in this process: distributed_executor_backend='uni')",
     )  # fmt: skip
+    parser.add_argument(
+        "--against-hf-batched", action="store_true",
+        help="compare transformers' one-prompt-at-a-time run with transformers itself on all "
+        "prompts in one left-padded batch instead of with trillm: how far batching alone moves "
+        "bf16 greedy output",
+    )  # fmt: skip
+    parser.add_argument(
+        "--reference-batched", action="store_true",
+        help="compare trillm with transformers on all prompts in one left-padded batch (as "
+        "trillm batches them) instead of one prompt at a time",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.against_hf_batched and args.reference_batched:
+        parser.error("--against-hf-batched and --reference-batched exclude each other")
     if args.no_bf16_kernel:
         from trillm.kernels import linear_cpu
 
@@ -163,21 +209,34 @@ def main() -> None:
     model = str(Path(args.model).expanduser())
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompt_ids = [chat_ids(tokenizer, p) for p in PROMPTS]
-    t0 = time.time()
-    reference = load_reference(args.hf_cache, prompt_ids, args.new_tokens)
-    if reference is None:
-        hf = AutoModelForCausalLM.from_pretrained(
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    def load_hf() -> Any:
+        return AutoModelForCausalLM.from_pretrained(
             model, dtype=torch.bfloat16, attn_implementation="eager"
         ).eval()
-        reference = [hf_greedy(hf, ids, args.new_tokens) for ids in prompt_ids]
-        if args.hf_cache:
-            save_reference(args.hf_cache, prompt_ids, args.new_tokens, reference)
+
+    t0 = time.time()
+    if args.reference_batched:
+        reference = hf_batched_greedy(load_hf(), prompt_ids, args.new_tokens, pad)
+    else:
+        reference = load_reference(args.hf_cache, prompt_ids, args.new_tokens)
+        if reference is None:
+            hf = load_hf()
+            reference = [hf_greedy(hf, ids, args.new_tokens) for ids in prompt_ids]
+            if args.hf_cache:
+                save_reference(args.hf_cache, prompt_ids, args.new_tokens, reference)
     t1 = time.time()
-    outs = run_trillm(model, prompt_ids, args.new_tokens, args.max_num_seqs)
+    if args.against_hf_batched:
+        batched = hf_batched_greedy(load_hf(), prompt_ids, args.new_tokens, pad)
+        ours_all = [tokens for tokens, _ in batched]
+    else:
+        outs = run_trillm(model, prompt_ids, args.new_tokens, args.max_num_seqs)
+        ours_all = [list(out.outputs[0].token_ids) for out in outs]
     t2 = time.time()
     rows = []
-    for prompt, (theirs, logits), out in zip(PROMPTS, reference, outs, strict=True):
-        rows.append(compare(prompt, list(out.outputs[0].token_ids), theirs, logits))
+    for prompt, (theirs, logits), ours in zip(PROMPTS, reference, ours_all, strict=True):
+        rows.append(compare(prompt, ours, theirs, logits))
     equal = sum(r["equal"] for r in rows)
     for r in rows:
         if r["equal"]:
@@ -191,13 +250,17 @@ def main() -> None:
             )
     equal32 = sum(r["equal"] or r["step"] >= 32 for r in rows)
     print(f"{equal} / {len(rows)} equal ({args.new_tokens} tokens each; {equal32} / "
-          f"{len(rows)} over the first 32); transformers {t1 - t0:.1f} s, trillm "
+          f"{len(rows)} over the first 32); transformers{' batched' * args.reference_batched} "
+          f"{t1 - t0:.1f} s, "
+          f"{'transformers batched' if args.against_hf_batched else 'trillm'} "
           f"{t2 - t1:.1f} s")  # fmt: skip
     if args.out:
         summary = {
             "command": " ".join(sys.argv), "equal": equal, "equal_first_32": equal32, "prompts": len(rows),
             "new_tokens": args.new_tokens, "max_num_seqs": args.max_num_seqs,
-            "no_bf16_kernel": args.no_bf16_kernel, "rows": rows,
+            "no_bf16_kernel": args.no_bf16_kernel,
+            "against_hf_batched": args.against_hf_batched,
+            "reference_batched": args.reference_batched, "rows": rows,
         }  # fmt: skip
         args.out.write_text(json.dumps(summary, indent=1) + "\n")
 
