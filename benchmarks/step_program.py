@@ -49,7 +49,7 @@ def main() -> None:
     engine_args = EngineArgs(
         model=args.model, dtype=args.dtype, quantization=args.quantization, device="cpu",
         block_size=BLOCK_SIZE, max_num_seqs=max(args.batches), max_model_len=1024,
-        num_gpu_blocks_override=max(args.batches) * 24,
+        num_gpu_blocks_override=max(max(args.batches) * 24, 1024 // BLOCK_SIZE),
     )  # fmt: skip
     runner = ModelRunner(build_config(engine_args))
     runner.load_model()
