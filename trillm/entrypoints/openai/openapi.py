@@ -1,353 +1,20 @@
-"""The OpenAPI 3.1 description of the server, served at GET /openapi.json.
-
-Request schemas are generated from the attrs classes in ``protocol.py`` (types and the range
-metadata the validator enforces); response schemas are written out here.
+"""The OpenAPI 3.1 description of the server, served at GET /openapi.json: its paths and
+operations. Request schemas are generated from the attrs classes (``openapi_requests.py``);
+response schemas are written out in ``openapi_responses.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import types
-import typing
-from typing import Any, Literal, Union
-
-import attrs
+from typing import Any
 
 import trillm
-from trillm.entrypoints.openai import protocol, protocol_embedding, protocol_responses
-from trillm.sampling_params import FLOAT32_MAX, INT64_MAX, INT64_MIN
-
-_REQUESTS = {
-    "ChatCompletionRequest": protocol.ChatCompletionRequest,
-    "CompletionRequest": protocol.CompletionRequest,
-    "TokenizeRequest": protocol.TokenizeRequest,
-    "DetokenizeRequest": protocol.DetokenizeRequest,
-    "ResponsesRequest": protocol_responses.ResponsesRequest,
-    "EmbeddingRequest": protocol_embedding.EmbeddingRequest,
-    "PoolingRequest": protocol_embedding.PoolingRequest,
-    "ClassificationRequest": protocol_embedding.ClassificationRequest,
-}
-_LIMIT_KEYS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "max_chars": "maxLength"}
-
-
-# ---------------------------------------------------------------- schema from attrs classes
-
-
-def schema_of(tp: Any, components: dict[str, Any]) -> dict[str, Any]:
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return {}
-    if tp is type(None):
-        return {"type": "null"}
-    if origin is Union or origin is types.UnionType:
-        return {"anyOf": [schema_of(t, components) for t in typing.get_args(tp)]}
-    if origin is Literal:
-        return {"enum": list(typing.get_args(tp))}
-    if origin is list:
-        return {"type": "array", "items": schema_of(typing.get_args(tp)[0], components)}
-    if origin is dict:
-        return {
-            "type": "object",
-            "additionalProperties": schema_of(typing.get_args(tp)[1], components),
-        }
-    if attrs.has(tp):
-        name = tp.__name__.lstrip("_")
-        if name not in components:
-            components[name] = {}  # placeholder first: recursive types terminate
-            components[name] = _object_schema(tp, components)
-        return {"$ref": f"#/components/schemas/{name}"}
-    if tp is int:  # what the validator accepts for any integer field
-        return {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
-    if tp is float:
-        return {"type": "number", "minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX}
-    return {"type": {bool: "boolean", str: "string"}[tp]}
-
-
-def _object_schema(cls: type[Any], components: dict[str, Any]) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    props: dict[str, Any] = {}
-    required = []
-    for field in attrs.fields(cls):
-        prop = schema_of(hints[field.name], components)
-        limits = field.metadata or {}
-        for key, json_key in _LIMIT_KEYS.items():
-            if key in limits:
-                prop = {**prop, json_key: limits[key]}
-        if "max_len" in limits:
-            prop = _with_max_entries(prop, hints[field.name], limits["max_len"])
-        if "max_prompts" in limits:
-            prop = _with_max_prompts(prop, limits["max_prompts"])
-        if field.default is attrs.NOTHING:
-            required.append(field.name)
-        elif not isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
-            prop = {**prop, "default": field.default}
-        props[field.name] = prop
-    schema: dict[str, Any] = {"type": "object", "properties": props}
-    if required:
-        schema["required"] = required
-    return schema
-
-
-def _with_max_entries(prop: dict[str, Any], tp: Any, limit: int) -> dict[str, Any]:
-    """maxItems for arrays, maxProperties for objects (a field is one or the other)."""
-    kinds = {typing.get_origin(t) for t in (typing.get_args(tp) or (tp,))}
-    return {**prop, ("maxProperties" if dict in kinds else "maxItems"): limit}
-
-
-def _with_max_prompts(prop: dict[str, Any], limit: int) -> dict[str, Any]:
-    """The prompt-count limit on the array-of-prompts branches only (not on token ids)."""
-    branches = []
-    for branch in prop["anyOf"]:
-        items = branch.get("items", {})
-        if branch.get("type") == "array" and items.get("type") != "integer":
-            branch = {**branch, "maxItems": limit}
-        branches.append(branch)
-    return {**prop, "anyOf": branches}
-
-
-# ---------------------------------------------------------------- response schemas
-
-
-def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "properties": props}
-    if required:
-        schema["required"] = required
-    return schema
-
-
-_STR = {"type": "string"}
-_INT = {"type": "integer"}
-_NUM = {"type": "number"}
-_NULLABLE_STR = {"type": ["string", "null"]}
-_STOP_REASON = {"type": ["integer", "string", "null"]}
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _response_components() -> dict[str, Any]:
-    top_logprob = _obj({"token": _STR, "logprob": _NUM, "bytes": {"type": "array", "items": _INT}})
-    usage = _obj(
-        {
-            "prompt_tokens": _INT,
-            "completion_tokens": _INT,
-            "total_tokens": _INT,
-            "prompt_tokens_details": _obj({"cached_tokens": _INT}),
-        },
-        ["prompt_tokens", "completion_tokens", "total_tokens"],
-    )
-    chat_logprobs = _obj(
-        {
-            "content": {
-                "type": "array",
-                "items": _obj(
-                    {
-                        **top_logprob["properties"],
-                        "top_logprobs": {"type": "array", "items": top_logprob},
-                    }
-                ),
-            }
-        }
-    )
-    completion_logprobs = _obj(
-        {
-            "tokens": {"type": "array", "items": _STR},
-            "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
-            "top_logprobs": {"type": "array", "items": {"type": ["object", "null"]}},
-            "text_offset": {"type": "array", "items": _INT},
-        }
-    )
-    ids = {"type": "array", "items": _INT}
-    common = {"id": _STR, "object": _STR, "created": _INT, "model": _STR}
-    # Tool calls and reasoning (issue 12): a stream delta's call carries index, then id, type
-    # and name once, then argument fragments.
-    function = _obj({"name": _STR, "arguments": _STR})
-    tool_call = _obj({"index": _INT, "id": _STR, "type": _STR, "function": function})
-    parsed = {
-        "tool_calls": {"type": "array", "items": tool_call},
-        "reasoning_content": _NULLABLE_STR,
-        "reasoning": _NULLABLE_STR,
-    }
-    chat_choice = _obj(
-        {
-            "index": _INT,
-            "message": _obj({"role": _STR, "content": _NULLABLE_STR, **parsed}),
-            "logprobs": {"anyOf": [_ref("ChatLogprobs"), {"type": "null"}]},
-            "finish_reason": _NULLABLE_STR,
-            "stop_reason": _STOP_REASON,
-            "token_ids": ids,
-        },
-        ["index", "message", "finish_reason"],
-    )
-    chat_chunk_choice = _obj(
-        {
-            "index": _INT,
-            "delta": _obj({"role": _STR, "content": _NULLABLE_STR, **parsed}),
-            "logprobs": {"anyOf": [_ref("ChatLogprobs"), {"type": "null"}]},
-            "finish_reason": _NULLABLE_STR,
-            "stop_reason": _STOP_REASON,
-            "token_ids": ids,
-        },
-        ["index", "delta"],
-    )
-    completion_choice = _obj(
-        {
-            "index": _INT,
-            "text": _STR,
-            "logprobs": {"anyOf": [_ref("CompletionLogprobs"), {"type": "null"}]},
-            "finish_reason": _NULLABLE_STR,
-            "stop_reason": _STOP_REASON,
-            "prompt_token_ids": ids,
-            "token_ids": ids,
-            "prompt_logprobs": {"type": ["array", "null"]},
-        },
-        ["index", "text"],
-    )
-
-    def listing(item: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "array", "items": item}
-
-    return {
-        "Usage": usage,
-        "ChatLogprobs": chat_logprobs,
-        "CompletionLogprobs": completion_logprobs,
-        "ChatCompletionResponse": _obj(
-            {
-                **common,
-                "choices": listing(chat_choice),
-                "usage": _ref("Usage"),
-                "prompt_token_ids": ids,
-                "prompt_logprobs": {"type": ["array", "null"]},
-            },
-            ["id", "object", "created", "model", "choices", "usage"],
-        ),  # fmt: skip
-        "ChatCompletionChunk": _obj(
-            {
-                **common,
-                "choices": listing(chat_chunk_choice),
-                "usage": {"anyOf": [_ref("Usage"), {"type": "null"}]},
-            },
-            ["id", "object", "created", "model", "choices"],
-        ),  # fmt: skip
-        "CompletionResponse": _obj(
-            {**common, "choices": listing(completion_choice), "usage": _ref("Usage")},
-            ["id", "object", "created", "model", "choices", "usage"],
-        ),
-        "CompletionChunk": _obj(
-            {
-                **common,
-                "choices": listing(completion_choice),
-                "usage": {"anyOf": [_ref("Usage"), {"type": "null"}]},
-            },
-            ["id", "object", "created", "model", "choices"],
-        ),  # fmt: skip
-        "ModelList": _obj(
-            {
-                "object": _STR,
-                "data": listing(
-                    _obj(
-                        {
-                            "id": _STR,
-                            "object": _STR,
-                            "created": _INT,
-                            "owned_by": _STR,
-                            "root": _NULLABLE_STR,
-                            "max_model_len": _INT,
-                        },
-                        ["id", "object"],
-                    )  # fmt: skip
-                ),
-            },
-            ["object", "data"],
-        ),
-        "TokenizeResponse": _obj(
-            {"count": _INT, "max_model_len": _INT, "tokens": ids, "token_strs": listing(_STR)},
-            ["count", "max_model_len", "tokens"],
-        ),  # fmt: skip
-        "DetokenizeResponse": _obj({"prompt": _STR}, ["prompt"]),
-        **_embedding_components(),
-        **_responses_components(),
-        "ServerLoad": _obj({"server_load": _INT}, ["server_load"]),
-        "VersionResponse": _obj({"version": _STR}, ["version"]),
-        "Error": _obj(
-            {
-                "error": _obj(
-                    {"message": _STR, "type": _STR, "param": _NULLABLE_STR, "code": _INT},
-                    ["message", "type", "code"],
-                )
-            },
-            ["error"],
-        ),
-    }
-
-
-def _responses_components() -> dict[str, Any]:
-    """The Responses API's Response object and its stream events (serving_responses.py)."""
-    usage = _obj(
-        {
-            "input_tokens": _INT,
-            "input_tokens_details": _obj({"cached_tokens": _INT}),
-            "output_tokens": _INT,
-            "output_tokens_details": _obj({"reasoning_tokens": _INT}),
-            "total_tokens": _INT,
-        },
-        ["input_tokens", "output_tokens", "total_tokens"],
-    )
-    part = _obj({"type": {"enum": ["output_text", "reasoning_text"]}, "text": _STR}, ["type"])
-    item = _obj(
-        {
-            "id": _STR,
-            "type": {"enum": ["message", "reasoning", "function_call"]},
-            "status": _STR,
-            "role": _STR,
-            "content": {"type": "array", "items": part},
-            "summary": {"type": "array"},
-            "call_id": _STR,
-            "name": _STR,
-            "arguments": _STR,
-        },
-        ["id", "type"],
-    )
-    response = _obj(
-        {
-            "id": _STR,
-            "object": {"const": "response"},
-            "created_at": _INT,
-            "status": {"enum": ["in_progress", "completed", "incomplete"]},
-            "incomplete_details": {"type": ["object", "null"]},
-            "model": _STR,
-            "output": {"type": "array", "items": _ref("ResponseOutputItem")},
-            "usage": {"anyOf": [_ref("ResponseUsage"), {"type": "null"}]},
-            "metadata": {"type": "object", "additionalProperties": _STR},
-        },
-        ["id", "object", "created_at", "status", "model", "output"],
-    )
-    event = _obj(
-        {
-            "type": _STR,
-            "sequence_number": _INT,
-            "response": _ref("Response"),
-            "item": _ref("ResponseOutputItem"),
-            "part": part,
-            "item_id": _STR,
-            "output_index": _INT,
-            "content_index": _INT,
-            "delta": _STR,
-            "text": _STR,
-            "arguments": _STR,
-        },
-        ["type", "sequence_number"],
-    )
-    return {"ResponseUsage": usage, "ResponseOutputItem": item, "Response": response,
-            "ResponseStreamEvent": event}  # fmt: skip
-
-
-# ---------------------------------------------------------------- paths
+from trillm.entrypoints.openai.openapi_requests import add_request_schemas
+from trillm.entrypoints.openai.openapi_responses import STR, ref, response_components
 
 
 def _json(name: str) -> dict[str, Any]:
-    return {"application/json": {"schema": _ref(name)}}
+    return {"application/json": {"schema": ref(name)}}
 
 
 def _errors(*codes: int) -> dict[str, Any]:
@@ -360,7 +27,7 @@ def _sse_event(chunk: str) -> dict[str, Any]:
     # Before OpenAPI 3.2 the schema of text/event-stream describes one event (its fields),
     # not the stream as a string. Each event's data is a JSON chunk, an error after the stream
     # started, or the final [DONE].
-    payload = {"anyOf": [_ref(chunk), _ref("Error")]}
+    payload = {"anyOf": [ref(chunk), ref("Error")]}
     data = {
         "type": "string",
         "if": {"const": "[DONE]"},
@@ -393,11 +60,11 @@ def _responses_op() -> dict[str, Any]:
     event = {
         "type": "object",
         "properties": {
-            "event": _STR,
+            "event": STR,
             "data": {
                 "type": "string",
                 "contentMediaType": "application/json",
-                "contentSchema": _ref("ResponseStreamEvent"),
+                "contentSchema": ref("ResponseStreamEvent"),
             },  # fmt: skip
         },
         "required": ["event", "data"],
@@ -432,40 +99,10 @@ def _simple_post(summary: str, request: str, response: str) -> dict[str, Any]:
     }
 
 
-def _embedding_components() -> dict[str, Any]:
-    vector = {"anyOf": [{"type": "array", "items": {"type": "number"}},
-                        {"type": "string", "description": "base64 of float32 little-endian"}]}  # fmt: skip
-    usage = _obj({"prompt_tokens": _INT, "total_tokens": _INT}, ["prompt_tokens", "total_tokens"])
-
-    def listing_of(item: dict[str, Any]) -> dict[str, Any]:
-        return _obj(
-            {"id": _STR, "object": _STR, "created": _INT, "model": _STR,
-             "data": {"type": "array", "items": item}, "usage": usage},
-            ["object", "model", "data", "usage"],
-        )  # fmt: skip
-
-    return {
-        "EmbeddingResponse": listing_of(
-            _obj({"index": _INT, "object": _STR, "embedding": vector},
-                 ["index", "object", "embedding"])  # fmt: skip
-        ),
-        "PoolingResponse": listing_of(
-            _obj({"index": _INT, "object": _STR, "data": vector}, ["index", "object", "data"])
-        ),
-        "ClassificationResponse": listing_of(
-            _obj({"index": _INT, "label": _STR, "probs": {"type": "array",
-                  "items": {"type": "number"}}, "num_classes": _INT},
-                 ["index", "label", "probs", "num_classes"])  # fmt: skip
-        ),
-    }
-
-
 @functools.cache
 def build_spec() -> dict[str, Any]:
-    components = _response_components()
-    for name, cls in _REQUESTS.items():
-        schema_of(cls, components)
-        components.setdefault(name, components.get(cls.__name__, {}))
+    components = response_components()
+    add_request_schemas(components)
     text = {"text/plain": {"schema": {"type": "string"}}}
     paths = {
         "/v1/chat/completions": _generate_op(
@@ -509,7 +146,7 @@ def build_spec() -> dict[str, Any]:
             "get": {
                 "summary": "Always 404: responses are not stored ('store' must be false)",
                 "parameters": [
-                    {"name": "response_id", "in": "path", "required": True, "schema": _STR}
+                    {"name": "response_id", "in": "path", "required": True, "schema": STR}
                 ],  # fmt: skip
                 "responses": _errors(404),
             }
@@ -523,7 +160,7 @@ def build_spec() -> dict[str, Any]:
                     "content": {
                         "application/json": {
                             "schema": {
-                                "anyOf": [_ref("ChatCompletionRequest"), _ref("CompletionRequest")]
+                                "anyOf": [ref("ChatCompletionRequest"), ref("CompletionRequest")]
                             }
                         }
                     },
@@ -535,8 +172,8 @@ def build_spec() -> dict[str, Any]:
                             "application/json": {
                                 "schema": {
                                     "anyOf": [
-                                        _ref("ChatCompletionResponse"),
-                                        _ref("CompletionResponse"),
+                                        ref("ChatCompletionResponse"),
+                                        ref("CompletionResponse"),
                                     ]
                                 }
                             }

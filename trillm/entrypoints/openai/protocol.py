@@ -2,8 +2,8 @@
 endpoints, with the pieces they share.
 
 Ranges live in each field's metadata (``_f``: ``ge``/``gt``/``le``/``max_len``/``max_prompts``/
-``max_chars``) so the OpenAPI schema (``openapi.py``) is generated from the same declaration the
-validator (``structuring.py``) enforces.
+``max_chars``) so the OpenAPI schema (``openapi_requests.py``) is generated from the same
+declaration the validator (``structuring.py``) enforces.
 """
 
 from __future__ import annotations
