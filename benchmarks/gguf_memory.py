@@ -27,7 +27,8 @@ import torch
 from trillm.kernels import linear_q_cpu
 
 from trillm.config import EngineArgs
-from trillm.model_executor.loader import build_model, load_model_config
+from trillm.model_executor.loader import build_model
+from trillm.model_executor.model_config import load_model_config
 from trillm.testing.gguf_models import write_tiny_gguf
 from trillm.testing.tiny_models import build_tiny_model
 

@@ -24,7 +24,8 @@ from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
 from trillm.entrypoints.cli import build_parser
 from trillm.model_executor import awq_gptq
-from trillm.model_executor.loader import build_model, load_model_config
+from trillm.model_executor.loader import build_model
+from trillm.model_executor.model_config import load_model_config
 from trillm.model_executor.quantization import UnsupportedQuantizationError, resolve_quantization
 from trillm.testing import awq_gptq_models as packer
 from trillm.testing.tiny_models import build_tiny_model

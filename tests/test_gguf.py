@@ -21,7 +21,8 @@ from trillm.config import EngineArgs
 from trillm.entrypoints.cli import build_parser
 from trillm.entrypoints.openai.cli_args import engine_kwargs
 from trillm.model_executor import gguf_loader
-from trillm.model_executor.loader import build_model, load_model_config
+from trillm.model_executor.loader import build_model
+from trillm.model_executor.model_config import load_model_config
 from trillm.model_executor.registry import UnsupportedArchitectureError
 from trillm.testing.gguf_models import write_tiny_gguf
 from trillm.testing.tiny_models import build_tiny_model

@@ -21,7 +21,8 @@ from trillm.kernels import linear_q_cpu
 
 from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
-from trillm.model_executor.loader import build_model, load_model_config
+from trillm.model_executor.loader import build_model
+from trillm.model_executor.model_config import load_model_config
 from trillm.testing.gguf_models import random_kquant_blocks, write_tiny_gguf
 from trillm.testing.tiny_models import build_tiny_model
 

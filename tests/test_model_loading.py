@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from trillm.config import EngineArgs
-from trillm.model_executor import loader
+from trillm.model_executor import model_config
 from trillm.model_executor.layers.rotary import compute_inv_freq
-from trillm.model_executor.loader import (
+from trillm.model_executor.loader import build_model
+from trillm.model_executor.model_config import (
     ModelNotFoundError,
     UnsupportedDtypeError,
-    build_model,
     load_model_config,
     parse_rope,
     resolve_dtype,
@@ -182,7 +182,7 @@ def test_unknown_dtype_names_supported():
 @pytest.mark.parametrize("fast_bf16", [True, False])
 @pytest.mark.parametrize("checkpoint", ["float32", "bfloat16", "float16"])
 def test_auto_dtype_on_cpu(monkeypatch, fast_bf16, checkpoint):
-    monkeypatch.setattr(loader, "cpu_supports_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(model_config, "cpu_supports_bf16", lambda: fast_bf16)
     expected = "float32" if checkpoint == "float32" or not fast_bf16 else "bfloat16"
     assert resolve_dtype("auto", checkpoint, "cpu") == expected
 
@@ -194,9 +194,9 @@ def test_auto_dtype_on_gpu_keeps_checkpoint():
 
 
 def test_checkpoint_dtype_from_either_key():
-    assert loader.checkpoint_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"
-    assert loader.checkpoint_dtype({"dtype": "float16"}) == "float16"
-    assert loader.checkpoint_dtype({}) == "float32"
+    assert model_config.checkpoint_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"
+    assert model_config.checkpoint_dtype({"dtype": "float16"}) == "float16"
+    assert model_config.checkpoint_dtype({}) == "float32"
 
 
 # ---------------------------------------------------------------- limits and errors

@@ -125,7 +125,8 @@ def test_fused_expert_tensors_shard_like_the_per_expert_ones(model):
     names: the rank's gate rows, then its up rows; its down columns."""
     from trillm.config import EngineArgs
     from trillm.distributed.sharding import RankShapes
-    from trillm.model_executor.loader import load_model_config, safetensors_files
+    from trillm.model_executor.loader import safetensors_files
+    from trillm.model_executor.model_config import load_model_config
     from trillm.model_executor.models.moe import num_experts
 
     path = model("qwen3_moe")

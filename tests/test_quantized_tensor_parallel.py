@@ -30,7 +30,7 @@ from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
 from trillm.distributed.sharding import RankShapes, TensorParallelConfigError
 from trillm.model_executor import awq_gptq, gguf_loader, quant_sharding
-from trillm.model_executor.loader import load_model_config
+from trillm.model_executor.model_config import load_model_config
 from trillm.testing import awq_gptq_models as packer
 from trillm.testing.gguf_models import write_tiny_gguf
 from trillm.testing.tiny_models import build_tiny_model

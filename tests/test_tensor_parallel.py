@@ -56,7 +56,8 @@ def test_each_rank_reads_only_its_slice_of_each_tensor(llama):
 
     from trillm.config import EngineArgs
     from trillm.distributed.sharding import RankShapes
-    from trillm.model_executor.loader import iterate_weights, load_model_config, safetensors_files
+    from trillm.model_executor.loader import iterate_weights, safetensors_files
+    from trillm.model_executor.model_config import load_model_config
 
     cfg = load_model_config(EngineArgs(llama))
     whole = load_file(safetensors_files(llama)[0])

@@ -53,7 +53,7 @@ def resolve_cache_dtype(requested: str, model_dtype: str, device: str) -> str:
 
 
 def build_config(args: EngineArgs) -> TrillmConfig:
-    from trillm.model_executor.loader import load_model_config, resolve_device
+    from trillm.model_executor.model_config import load_model_config, resolve_device
 
     device = resolve_device(args.device)
     model_config = load_model_config(args)

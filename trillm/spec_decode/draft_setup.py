@@ -21,7 +21,7 @@ def build_draft_model_config(
 ) -> ModelConfig:
     """The draft's ModelConfig, in the target's dtype and max_model_len; DraftModelError
     naming what does not match (``load_tokenizer``: path, trust_remote_code -> tokenizer)."""
-    from trillm.model_executor.loader import load_model_config
+    from trillm.model_executor.model_config import load_model_config
 
     draft_args = EngineArgs(model=spec.model, dtype=args.dtype, device=args.device,
                             max_model_len=target.max_model_len, revision=None)  # fmt: skip

@@ -129,7 +129,7 @@ def _write_config(writer: Any, config: dict[str, Any]) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    from trillm.model_executor.loader import parse_rope
+    from trillm.model_executor.model_config import parse_rope
 
     writer.add_rope_freq_base(parse_rope(config)[0])  # transformers-5 rope_parameters too
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])

@@ -18,7 +18,7 @@ from trillm.config import ModelConfig
 from trillm.model_executor.layer_types import SLIDING, layer_windows
 from trillm.model_executor.layers.rotary import RotaryEmbedding
 from trillm.model_executor.layers.vocab_parallel import gather_logits
-from trillm.model_executor.loader import parse_rope
+from trillm.model_executor.model_config import parse_rope
 from trillm.model_executor.models.decoder import ResidualStreamCausalLM
 from trillm.model_executor.models.llama import (
     DecoderStack,

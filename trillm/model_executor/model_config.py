@@ -1,0 +1,342 @@
+"""Model configuration: resolve the model folder (or GGUF file) and read config.json into
+``ModelConfig`` (architecture, dtype, RoPE, context length, EOS ids, load format).
+
+``config.json`` is read with both transformers-4 keys (``torch_dtype``, ``rope_theta``,
+``rope_scaling``) and transformers-5 keys (``dtype``, ``rope_parameters``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trillm.config import EngineArgs, ModelConfig
+from trillm.model_executor import classification, gguf_loader
+from trillm.model_executor.layer_types import FULL, partial_rotary_factor
+from trillm.model_executor.layers.rotary import SUPPORTED_ROPE_TYPES
+from trillm.model_executor.quant_sharding import check_group_quant_split
+from trillm.model_executor.quantization import CHECKPOINT_METHODS, resolve_quantization
+from trillm.model_executor.registry import (
+    UnsupportedArchitectureError,
+    get_model_class,
+    is_supported,
+    supported_architectures,
+)
+
+# The float16-on-CPU warning keeps the logger name it had in loader.py.
+logger = logging.getLogger("trillm.model_executor.loader")
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {
+    "float": "float32",
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "half": "float16",
+    "fp16": "float16",
+    "float16": "float16",
+}
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+# The Llama family's loader (models/llama.py) places AWQ / GPTQ layers, stacked ones included.
+GROUP_QUANT_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+)  # fmt: skip
+LOAD_FORMATS = ("auto", "safetensors", "gguf")  # vLLM's names for what trillm reads
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """Neither a local model folder nor a hub id that could be downloaded."""
+
+
+class UnsupportedDtypeError(ValueError):
+    """A dtype trillm cannot run (unknown name, or float16 on CPU)."""
+
+
+# ---------------------------------------------------------------- locating the model
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"Unknown device {device!r}; choose auto, cpu or cuda.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA GPU is available.")
+    return device
+
+
+def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
+    """A local folder as is; ``None`` -> the embedded default model; else a hub id."""
+    if model is None:
+        from trillm.default_model import ensure_default_model
+
+        return Path(ensure_default_model())
+    path = Path(model).expanduser()
+    if model.startswith(("/", "./", "../", "~")) and not path.is_dir():
+        raise ModelNotFoundError(f"Model folder {model!r} does not exist.")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"Model folder {str(path)!r} has no config.json.")
+        return path
+    return _download_from_hub(model, revision)
+
+
+def _download_from_hub(repo_id: str, revision: str | None) -> Path:
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = huggingface_hub.snapshot_download(
+            repo_id, revision=revision, allow_patterns=_HUB_PATTERNS
+        )
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+        raise ModelNotFoundError(
+            f"Model {repo_id!r} is not a local folder and could not be downloaded from the "
+            f"Hugging Face hub (offline, or no such repository): {type(exc).__name__}: {exc}"
+        ) from exc
+    return Path(folder)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_generation_config(model_path: Path, mode: str) -> dict[str, Any]:
+    """``auto``: the model folder's generation_config.json; ``vllm``: none; else a folder/file."""
+    if mode == "vllm":
+        return {}
+    if mode == "auto":
+        path = model_path / "generation_config.json"
+        return _read_json(path) if path.is_file() else {}
+    path = Path(mode).expanduser()
+    if path.is_dir():
+        path = path / "generation_config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--generation-config {mode!r}: no generation_config.json there.")
+    return _read_json(path)
+
+
+# ---------------------------------------------------------------- config.json -> ModelConfig
+
+
+DEFAULT_SERVED_NAME = "trillm-default"  # what /v1/models lists for the embedded model
+
+
+def load_model_config(args: EngineArgs) -> ModelConfig:
+    """Resolve ``args.model`` to a folder (or a GGUF file) and read everything the runner
+    needs from it."""
+    device = resolve_device(args.device)
+    gguf_file = gguf_loader.find_gguf(args.model)
+    check_load_format(args, gguf_file, device)
+    quantization = None
+    if gguf_file is not None:
+        path, file = gguf_file, gguf_loader.GGUFFile(gguf_file)
+        hf = file.hf_config()
+        quantized = any(t in gguf_loader.QUANTIZED_TYPES for t in file.tensor_types.values())
+        quantization = "gguf" if quantized and not args.dequantize_gguf else None
+        generation_config = {} if args.generation_config in ("auto", "vllm") else (
+            read_generation_config(path, args.generation_config))  # fmt: skip
+    else:
+        path = resolve_model_path(args.model, args.revision)
+        hf = _read_json(path / "config.json")
+        generation_config = read_generation_config(path, args.generation_config)
+        quantization = resolve_quantization(args.quantization, hf, device)
+    architecture = _architecture(hf)
+    if quantization in CHECKPOINT_METHODS and architecture not in GROUP_QUANT_ARCHITECTURES:
+        raise ValueError(f"{quantization.upper()} checkpoints of {architecture} are not "
+                         f"supported; trillm runs them for {', '.join(GROUP_QUANT_ARCHITECTURES)}.")  # fmt: skip
+    max_position_embeddings = int(hf.get("max_position_embeddings", 2048))
+    num_heads = int(hf["num_attention_heads"])
+    rope_theta, rope_scaling = parse_rope(hf)
+    cfg = ModelConfig(
+        model=str(path),
+        tokenizer=args.tokenizer or str(path),
+        served_model_name=args.served_model_name or args.model or DEFAULT_SERVED_NAME,
+        architecture=architecture,
+        dtype=resolve_dtype(args.dtype, checkpoint_dtype(hf), device),
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_hidden_layers=int(hf["num_hidden_layers"]),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+        max_model_len=resolve_max_model_len(hf, architecture, args.max_model_len),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False))
+        and not classification.is_sequence_classifier(hf),  # its head is the score, not tied
+        attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
+        qk_norm=architecture == "Qwen3ForCausalLM",
+        hidden_act=_hidden_act(hf, architecture),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_token_ids(hf, generation_config),
+        generation_config=generation_config,
+        hf_config=hf,
+        quantization=quantization,
+    )
+    if quantization in CHECKPOINT_METHODS:  # packed words and groups split per rank, or refused
+        check_group_quant_split(cfg, args.tensor_parallel_size)
+    return cfg
+
+
+def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> None:
+    """vLLM's ``load_format`` / ``quantization`` for a GGUF model: honoured or refused."""
+    if args.load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format {args.load_format!r} is not supported; choose one of "
+            f"{', '.join(LOAD_FORMATS)}."
+        )
+    if gguf_file is None:
+        for given, what in ((args.load_format == "gguf", "load_format='gguf'"),
+                            (args.quantization == "gguf", "quantization='gguf'"),
+                            (args.dequantize_gguf, "dequantize_gguf")):  # fmt: skip
+            if given:
+                raise ValueError(f"{what} needs a .gguf model file (or a folder holding one), "
+                                 f"got {args.model!r}.")  # fmt: skip
+        return
+    if args.quantization not in (None, "gguf"):
+        raise ValueError(
+            f"quantization {args.quantization!r} does not apply to a GGUF model: its tensors "
+            "come quantized (quantization='gguf' keeps them so, the default)."
+        )
+    if args.load_format == "safetensors":
+        raise ValueError(f"load_format='safetensors' but {str(gguf_file)!r} is a GGUF file.")
+    if args.quantization == "gguf" and args.dequantize_gguf:
+        raise ValueError("quantization='gguf' keeps the GGUF weights quantized; "
+                         "dequantize_gguf asks the opposite: choose one.")  # fmt: skip
+    if device != "cpu" and not args.dequantize_gguf:
+        raise ValueError("GGUF quantized weights are kept quantized on CPU only; on "
+                         f"{device}, pass dequantize_gguf (--dequantize-gguf).")  # fmt: skip
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise UnsupportedArchitectureError(
+            "config.json names no architecture; supported architectures: "
+            f"{', '.join(supported_architectures())}."
+        )
+    architecture = architectures[0]
+    if architecture.endswith(classification.SUFFIX):  # the decoder, then a score head
+        architecture = classification.causal_architecture(architecture)
+    if not is_supported(architecture):
+        raise UnsupportedArchitectureError(
+            f"Model architecture {architecture!r} is not supported; supported architectures: "
+            f"{', '.join(supported_architectures())}."
+        )
+    return architecture
+
+
+def _hidden_act(hf: dict[str, Any], architecture: str) -> str:
+    """The MLP activation (Gemma 2/3 name it ``hidden_activation``), refused unless the model
+    class computes it; also refuses a partial rotary embedding the class does not apply."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    model_class = get_model_class(architecture)
+    supported = getattr(model_class, "ACTIVATIONS", ("silu",))
+    if act not in supported:
+        raise ValueError(
+            f"Activation {act!r} is not supported for {architecture}; supported: "
+            f"{', '.join(supported)}."
+        )
+    if partial_rotary_factor(hf) != 1.0 and not getattr(model_class, "PARTIAL_ROTARY", False):
+        raise ValueError(
+            f"partial_rotary_factor {partial_rotary_factor(hf)} is not supported for "
+            f"{architecture} (RoPE over the whole head only)."
+        )
+    return act
+
+
+def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from transformers-5 ``rope_parameters`` or -4 keys.
+
+    ``rope_scaling`` is ``None`` for plain RoPE, else ``{"rope_type": ..., fields...}`` with
+    ``original_max_position_embeddings`` filled in for llama3/yarn as transformers does.
+    """
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if isinstance(params.get(FULL), dict):  # per layer type (Gemma 3): the global layers'
+        return parse_rope({**hf, "rope_parameters": params[FULL]})
+    params.pop("partial_rotary_factor", None)  # see layer_types.partial_rotary_factor
+    # GPT-NeoX's transformers-4 configs name the base ``rotary_emb_base``
+    default_theta = hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0))
+    rope_theta = float(params.pop("rope_theta", default_theta))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"Unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
+        )
+    if rope_type == "default":
+        return rope_theta, None
+    if rope_type in ("llama3", "yarn"):
+        original = hf.get("original_max_position_embeddings")
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    return rope_theta, {"rope_type": rope_type, **params}
+
+
+def checkpoint_dtype(hf: dict[str, Any]) -> str:
+    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    return _DTYPE_ALIASES.get(str(name).removeprefix("torch."), "float32")
+
+
+def cpu_supports_bf16() -> bool:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "AVX512_BF16" in capability or "AMX" in capability
+
+
+def resolve_dtype(requested: str, checkpoint: str, device: str) -> str:
+    """The dtype the model runs in: explicit names as asked, ``auto`` per device."""
+    name = requested.lower().removeprefix("torch.")
+    if name != "auto" and name not in _DTYPE_ALIASES:
+        raise UnsupportedDtypeError(
+            f"Unsupported dtype {requested!r}; supported: {', '.join(SUPPORTED_DTYPES)}."
+        )
+    if name != "auto":
+        dtype = _DTYPE_ALIASES[name]
+        if dtype == "float16" and device == "cpu":
+            raise UnsupportedDtypeError(
+                "dtype float16 is not supported on CPU; use float32 or bfloat16 (or auto)."
+            )
+        return dtype
+    if device == "cuda" or checkpoint == "float32":
+        return checkpoint
+    if cpu_supports_bf16():
+        return "bfloat16"
+    if checkpoint == "float16":
+        logger.warning("float16 checkpoint on a CPU without fast bf16: running in float32.")
+    return "float32"
+
+
+def resolve_max_model_len(hf: dict[str, Any], architecture: str, requested: int | None) -> int:
+    """Default: max_position_embeddings (a sliding window does not cap it: the attention
+    backends honour the window)."""
+    limit = int(hf.get("max_position_embeddings", 2048))
+    why = "max_position_embeddings"
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} is larger than the model's {why} ({limit}).")
+    if requested < 1:
+        raise ValueError(f"max_model_len must be at least 1, got {requested}.")
+    return requested
+
+
+def eos_token_ids(hf: dict[str, Any], generation_config: dict[str, Any]) -> list[int]:
+    """Union of config.json's and generation_config.json's EOS ids, config's first."""
+    ids: list[int] = []
+    for source in (hf.get("eos_token_id"), generation_config.get("eos_token_id")):
+        for token in source if isinstance(source, list) else [source]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return ids
