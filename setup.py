@@ -62,6 +62,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_gemm_q.cpp",
                 "ext/cpu_ops.cpp",
                 "ext/cpu_lora.cpp",
+                "ext/cpu_program.cpp",
             ],
             depends=[
                 "ext/cpu_common.h",
@@ -70,6 +71,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_attention_decode.h",
                 "ext/cpu_bf16_tiles.h",
                 "ext/cpu_gemm_q_vnni.h",
+                "ext/cpu_program.h",
             ],
             cxx_std=17,
             extra_compile_args=["-O3", "-pthread", "-Wno-psabi"],

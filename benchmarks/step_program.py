@@ -1,7 +1,8 @@
 """Decode steps with and without step-program replay (trillm/worker/step_program.py).
 
-One ModelRunner; rounds alternate the eager forward and the replayed one (the same runner, the
-programs switched off and on), each round a fresh set of ``batch`` requests decoding ``--steps``
+One ModelRunner; rounds alternate the eager forward, the native replay and the replay of the same
+recorded calls from Python (``step_program.NATIVE_REPLAY``; the same runner, the programs
+switched off and on), each round a fresh set of ``batch`` requests decoding ``--steps``
 steps after a ``--prompt-len`` prompt. Reported: the median step time of each mode (median of
 the rounds' medians), eager / replay, and the bytes the batch's program keeps against the bytes
 its forward allocates (the arena's reuse). ``--clock thread`` times this thread's CPU time
@@ -62,21 +63,23 @@ def main() -> None:
         raise SystemExit("step programs do not apply to this runner (see ModelRunner)")
     rows, first_step = [], 0
     for batch in args.batches:
-        medians: dict[str, list[float]] = {"eager": [], "replay": []}
+        medians: dict[str, list[float]] = {"eager": [], "replay": [], "python_replay": []}
         for _ in range(args.rounds):
             for mode in medians:
-                runner.step_programs = programs if mode == "replay" else None
+                runner.step_programs = None if mode == "eager" else programs
+                step_program.NATIVE_REPLAY = mode == "replay"
                 times = time_decode(runner, batch, args.steps, first_step, args.prompt_len, clock)
                 first_step += args.steps + 2
                 medians[mode].append(statistics.median(times[2:]) * 1e3)  # after the capture
-        eager, replay = (statistics.median(medians[m]) for m in ("eager", "replay"))
+        eager, replay, python = (statistics.median(medians[m]) for m in medians)
         program = programs.programs.get(batch)
         kept, allocated = (program.nbytes, program.allocated) if program else (0, 0)
-        rows.append(dict(batch=batch, eager_ms=eager, replay_ms=replay, speedup=eager / replay,
-                         program_bytes=kept, allocated_bytes=allocated,
+        rows.append(dict(batch=batch, eager_ms=eager, replay_ms=replay, python_replay_ms=python,
+                         speedup=eager / replay, program_bytes=kept, allocated_bytes=allocated,
                          rounds=medians))  # fmt: skip
-        print(f"batch {batch:>3}: eager {eager:7.2f} ms, replay {replay:7.2f} ms, "
-              f"{eager / replay:.2f}x; the program keeps {kept >> 10} KiB of the "
+        print(f"batch {batch:>3}: eager {eager:7.2f} ms, replay {replay:7.2f} ms "
+              f"({eager / replay:.2f}x), the same calls replayed from Python {python:7.2f} ms "
+              f"({eager / python:.2f}x); the program keeps {kept >> 10} KiB of the "
               f"{allocated >> 10} KiB its forward allocates", flush=True)  # fmt: skip
     if programs.reason is not None:
         print("programs off:", programs.reason)

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <limits>
 #include <stdexcept>
 #include <type_traits>
@@ -36,6 +37,7 @@
 
 #include "cpu_attention_bf16.h"
 #include "cpu_common.h"
+#include "cpu_program.h"
 
 namespace py = pybind11;
 
@@ -317,6 +319,38 @@ class Plan {
   int num_threads_;
 };
 
+// The plans of one replayed step, by slot: a step program's attention calls are bound to a slot
+// (``bind_run``), and each replay sets the slots to its step's plans before the program runs.
+class PlanSlots {
+ public:
+  explicit PlanSlots(int n) : keep_(n), plans_(n, nullptr) {
+    if (n < 0) throw std::invalid_argument("a negative slot count");
+  }
+  void set(int i, const py::object& plan) {
+    check(i);
+    if (!py::isinstance<Plan>(plan)) throw py::type_error("a PlanSlots slot takes a Plan");
+    plans_[i] = plan.cast<const Plan*>();
+    keep_[i] = plan;
+  }
+  void clear() {
+    for (size_t i = 0; i < plans_.size(); ++i) keep_[i] = py::object(), plans_[i] = nullptr;
+  }
+  int size() const { return static_cast<int>(plans_.size()); }
+  const Plan& get(int i) const {
+    check(i);
+    if (plans_[i] == nullptr) throw std::runtime_error("attention plan slot not set");
+    return *plans_[i];
+  }
+
+ private:
+  void check(int i) const {
+    if (i < 0 || i >= static_cast<int>(plans_.size()))
+      throw std::out_of_range("attention plan slot out of range");
+  }
+  std::vector<py::object> keep_;
+  std::vector<const Plan*> plans_;
+};
+
 }  // namespace
 
 void register_cpu_attention(py::module_& m) {
@@ -334,4 +368,27 @@ void register_cpu_attention(py::module_& m) {
            py::arg("out_token_stride"), py::arg("out_head_stride"), py::arg("scale"),
            py::arg("dtype"), py::arg("window") = 0, py::arg("softcap") = 0.0f,
            py::arg("cache_dtype") = 0);
+  py::class_<PlanSlots, std::shared_ptr<PlanSlots>>(m, "PlanSlots")
+      .def(py::init<int>(), py::arg("n"))
+      .def("set", &PlanSlots::set, py::arg("i"), py::arg("plan"))
+      .def("clear", &PlanSlots::clear)
+      .def(
+          "bind_run",
+          [](std::shared_ptr<PlanSlots> self, int i, uintptr_t out, uintptr_t q, uintptr_t k_cache,
+             uintptr_t v_cache, int64_t q_token_stride, int64_t q_head_stride,
+             int64_t out_token_stride, int64_t out_head_stride, float scale, int dtype, int window,
+             float softcap, int cache_dtype) {
+            if (i < 0 || i >= self->size())
+              throw std::out_of_range("attention plan slot out of range");
+            return trillm_cpu::Thunk{[=]() {
+              self->get(i).run(out, q, k_cache, v_cache, q_token_stride, q_head_stride,
+                               out_token_stride, out_head_stride, scale, dtype, window, softcap,
+                               cache_dtype);
+            }};
+          },
+          py::arg("i"), py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+          py::arg("q_token_stride"), py::arg("q_head_stride"), py::arg("out_token_stride"),
+          py::arg("out_head_stride"), py::arg("scale"), py::arg("dtype"), py::arg("window") = 0,
+          py::arg("softcap") = 0.0f, py::arg("cache_dtype") = 0,
+          "Plan(i).run(...) with these arguments, bound: a step of a Program.");
 }

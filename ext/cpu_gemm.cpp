@@ -28,6 +28,7 @@
 #include <string>
 
 #include "cpu_common.h"
+#include "cpu_program.h"
 
 namespace py = pybind11;
 
@@ -282,7 +283,7 @@ void register_cpu_gemm(py::module_& m) {
   m.def("num_panels", &num_panels, py::arg("n"));
   m.def("pack", &pack, py::arg("weight"), py::arg("n"), py::arg("k"), py::arg("ldw"),
         py::arg("packed"));
-  m.def("linear", &linear, py::arg("x"), py::arg("m"), py::arg("k"), py::arg("ldx"),
+  trillm_cpu::def_kernel(m, "linear", &linear, py::arg("x"), py::arg("m"), py::arg("k"), py::arg("ldx"),
         py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("y"), py::arg("ldy"),
         py::arg("num_threads"));
 }

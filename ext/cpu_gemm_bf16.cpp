@@ -27,6 +27,7 @@
 
 #include "cpu_bf16_tiles.h"
 #include "cpu_common.h"
+#include "cpu_program.h"
 
 namespace py = pybind11;
 
@@ -156,7 +157,7 @@ void register_cpu_gemm_bf16(py::module_& m) {
   m.def("packed_size", &packed_size, py::arg("n"), py::arg("k"));
   m.def("pack", &pack, py::arg("weight"), py::arg("n"), py::arg("k"), py::arg("ldw"),
         py::arg("packed"));
-  m.def("linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),
+  trillm_cpu::def_kernel(m, "linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),
         py::arg("ldx"), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("y"),
         py::arg("y_bf16"), py::arg("ldy"), py::arg("num_threads"));
 }

@@ -33,6 +33,7 @@
 
 #include "cpu_bf16_tiles.h"
 #include "cpu_common.h"
+#include "cpu_program.h"
 
 namespace py = pybind11;
 
@@ -143,7 +144,7 @@ void register_cpu_gemm_fp8(py::module_& m) {
   m.attr("PANEL") = kPanelCols;
   m.def("supported", &cpu_has_avx512bf16, "Whether this CPU has AVX512F/BW/VL and AVX512-BF16.");
   m.def("num_panels", &num_panels, py::arg("n"));
-  m.def("linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),
+  trillm_cpu::def_kernel(m, "linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),
         py::arg("ldx"), py::arg("packed"), py::arg("n"), py::arg("scale"), py::arg("bias"),
         py::arg("y"), py::arg("y_bf16"), py::arg("ldy"), py::arg("num_threads"));
 }

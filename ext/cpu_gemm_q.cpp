@@ -59,6 +59,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_program.h"
 
 namespace py = pybind11;
 
@@ -453,7 +454,7 @@ void register_cpu_gemm_q(py::module_& m) {
   m.def("supports_int8_activations", &cpu_has_vnni, "Whether this CPU has AVX512-VNNI too.");
   m.def("num_panels", &num_panels, py::arg("n"));
   m.def("record_bytes", &record_bytes, py::arg("qtype"));
-  m.def("linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),
+  trillm_cpu::def_kernel(m, "linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),
         py::arg("ldx"), py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"),
         py::arg("y"), py::arg("y_bf16"), py::arg("ldy"), py::arg("num_threads"),
         py::arg("int8_activations") = false);

@@ -7,6 +7,7 @@
 //   .gemm_q     GEMM with Q4_0/Q4_1/Q8_0 weights kept quantized (cpu_gemm_q.cpp)
 //   .ops        fused elementwise ops: RMSNorm, rotary, silu * mul (cpu_ops.cpp)
 //   .lora       batched LoRA shrink / expand, per-token adapter slot (cpu_lora.cpp)
+//   .program    bound kernel calls run in order: native step programs (cpu_program.cpp)
 #include <pybind11/pybind11.h>
 
 #include "cpu_common.h"
@@ -21,6 +22,7 @@ void register_cpu_gemm_fp8(py::module_& m);
 void register_cpu_gemm_q(py::module_& m);
 void register_cpu_ops(py::module_& m);
 void register_cpu_lora(py::module_& m);
+void register_cpu_program(py::module_& m);
 
 namespace trillm_cpu {
 
@@ -45,6 +47,9 @@ ThreadPool* pool_for(int num_threads) {
 
 PYBIND11_MODULE(cpu_kernels, m) {
   m.doc() = "Native CPU kernels: paged attention, packed-weight GEMM, fused elementwise ops.";
+  // First: the kernels' bind_* functions return its Thunk.
+  py::module_ program = m.def_submodule("program");
+  register_cpu_program(program);
   py::module_ attention = m.def_submodule("attention");
   register_cpu_attention(attention);
   register_cpu_prefill_attention(attention);

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_program.h"
 
 namespace py = pybind11;
 
@@ -340,10 +341,10 @@ void register_cpu_lora(py::module_& m) {
   m.def("avx512", &cpu_has_avx512, "Whether this CPU has AVX-512F/BW/VL.");
   m.def("set_use_avx512", &set_use_avx512, py::arg("on"),
         "Run the AVX-512 build (the default where the CPU has it) or the generic one.");
-  m.def("shrink", &shrink, py::arg("buf"), py::arg("x"), py::arg("ldx"), py::arg("a"),
+  trillm_cpu::def_kernel(m, "shrink", &shrink, py::arg("buf"), py::arg("x"), py::arg("ldx"), py::arg("a"),
         py::arg("slots"), py::arg("scales"), py::arg("num_tokens"), py::arg("in_features"),
         py::arg("rank"), py::arg("num_slots"), py::arg("dtype"), py::arg("num_threads"));
-  m.def("expand", &expand, py::arg("y"), py::arg("ldy"), py::arg("buf"), py::arg("bt"),
+  trillm_cpu::def_kernel(m, "expand", &expand, py::arg("y"), py::arg("ldy"), py::arg("buf"), py::arg("bt"),
         py::arg("slots"), py::arg("num_tokens"), py::arg("out_features"), py::arg("rank"),
         py::arg("num_slots"), py::arg("dtype"), py::arg("num_threads"));
 }

@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "cpu_common.h"
+#include "cpu_program.h"
 
 // NOTE: no fused multiply-adds in this file: each product rounds on its own, as in the torch
 // references (rotary's x1 * cos - x2 * sin then matches them to the bit).
@@ -502,19 +503,19 @@ void register_cpu_ops(py::module_& m) {
   m.doc() =
       "Fused elementwise CPU ops of the Llama forward: RMSNorm, rotary, silu * mul, K/V cache "
       "writes.";
-  m.def("rms_norm", &rms_norm, py::arg("out"), py::arg("x"), py::arg("weight"),
+  trillm_cpu::def_kernel(m, "rms_norm", &rms_norm, py::arg("out"), py::arg("x"), py::arg("weight"),
         py::arg("num_rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),
         py::arg("num_threads"));
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, py::arg("x"), py::arg("residual"),
+  trillm_cpu::def_kernel(m, "fused_add_rms_norm", &fused_add_rms_norm, py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("num_rows"), py::arg("hidden"), py::arg("eps"),
         py::arg("dtype"), py::arg("num_threads"));
-  m.def("rotary", &rotary, py::arg("q"), py::arg("k"), py::arg("positions"),
+  trillm_cpu::def_kernel(m, "rotary", &rotary, py::arg("q"), py::arg("k"), py::arg("positions"),
         py::arg("cos_sin_cache"), py::arg("num_tokens"), py::arg("head_dim"),
         py::arg("rotary_dim"), py::arg("max_pos"), py::arg("cache_stride"), py::arg("dtype"),
         py::arg("num_threads"));
-  m.def("silu_and_mul", &silu_and_mul, py::arg("out"), py::arg("gate_up"), py::arg("num_rows"),
+  trillm_cpu::def_kernel(m, "silu_and_mul", &silu_and_mul, py::arg("out"), py::arg("gate_up"), py::arg("num_rows"),
         py::arg("width"), py::arg("dtype"), py::arg("num_threads"));
-  m.def("reshape_and_cache", &reshape_and_cache, py::arg("k"), py::arg("v"),
+  trillm_cpu::def_kernel(m, "reshape_and_cache", &reshape_and_cache, py::arg("k"), py::arg("v"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
         py::arg("num_tokens"), py::arg("head_dim"), py::arg("num_slots"), py::arg("dtype"),
         py::arg("num_threads"), py::arg("cache_fp8") = false);

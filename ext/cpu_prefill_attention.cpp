@@ -36,6 +36,7 @@
 
 #include "cpu_attention_bf16.h"
 #include "cpu_common.h"
+#include "cpu_program.h"
 
 namespace py = pybind11;
 
@@ -443,7 +444,7 @@ void causal_prefill(uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintpt
 void register_cpu_prefill_attention(py::module_& m) {
   m.def("prefill_supported", &prefill_supported,
         "Whether causal_prefill runs here (a CPU with AVX2 and FMA).");
-  m.def("causal_prefill", &causal_prefill, py::arg("out"), py::arg("q"), py::arg("k"),
+  trillm_cpu::def_kernel(m, "causal_prefill", &causal_prefill, py::arg("out"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("segments"), py::arg("num_segments"), py::arg("q_token_stride"),
         py::arg("q_head_stride"), py::arg("k_token_stride"), py::arg("k_head_stride"),
         py::arg("v_token_stride"), py::arg("v_head_stride"), py::arg("out_token_stride"),

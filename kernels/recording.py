@@ -8,7 +8,9 @@ reused slabs), and later steps of the same shape call the recorded kernels again
 arguments, which point into the same buffers. Each native wrapper in this package calls its kernel through ``call``
 (or ``attention`` for the paged-attention plan, which is rebuilt for each step's metadata).
 
-Outside a recording ``call`` is one extra Python call per kernel.
+Outside a recording ``call`` is one extra Python call per kernel. ``bind`` turns a recorded call
+into a native ``Thunk`` (the call with its arguments converted once), which a native ``Program``
+runs without Python between kernels (ext/cpu_program.h).
 """
 
 from __future__ import annotations
@@ -37,6 +39,34 @@ class _State(threading.local):
 # Per thread: in-process engine cores (data parallelism with the "uni" executor) run their
 # forwards at the same time on threads of one process, each recording only its own calls.
 _state = _State()
+
+
+def bind(call: Call, slots: Any, slot_of: dict[Any, int]) -> Any | None:
+    """The native ``Thunk`` of a recorded call, or None where it has none (a torch op or an
+    opaque Python function: a replay calls those from Python). A paged-attention run is bound to
+    its plan's slot in ``slots`` (a native ``PlanSlots``; ``slot_of``: plan key -> slot), which
+    the replay fills with its step's plans."""
+    kernel, args, kwargs = call
+    if kernel is None:
+        return slots.bind_run(slot_of[args[0]], **kwargs)
+    binder = _binders().get(id(kernel))
+    return None if binder is None else binder(*args, **kwargs)
+
+
+_BINDERS: dict[int, Callable[..., Any]] = {}
+
+
+def _binders() -> dict[int, Callable[..., Any]]:
+    """id(kernel) -> its ``bind_<name>`` for every native kernel that has one."""
+    if not _BINDERS:
+        from trillm._native import cpu_kernels
+
+        for part in ("gemm", "gemm_bf16", "gemm_fp8", "gemm_q", "ops", "attention", "lora"):
+            module = cpu_kernels(part)
+            for name in dir(module or ()):
+                if name.startswith("bind_"):
+                    _BINDERS[id(getattr(module, name[5:]))] = getattr(module, name)
+    return _BINDERS
 
 
 def start() -> Recording:

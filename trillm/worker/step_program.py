@@ -9,6 +9,8 @@ step, or one that verifies speculative drafts; no fresh prompt) runs once with a
 later such steps with T tokens copy their inputs (embeddings, positions, slots) into the
 captured buffers, build the step's attention plan and call the recorded kernels again, in
 order, with the same arguments. Same kernels, same arguments: the same bits as the eager path.
+The calls' arguments are converted once, at capture, into native thunks (``bind_native``; ext/
+cpu_program.h), so a replay runs the kernels without Python between them.
 The capture's allocations come from the program's arena (``step_capture.Arena``): a buffer
 whose tensors have died serves a later allocation, as freed memory does in the eager forward,
 so a program keeps a few cache-warm slabs (about the buffers of one layer), not every layer's.
@@ -29,6 +31,7 @@ each of which drops the program and keeps the eager path (``reason`` says why):
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -36,6 +39,7 @@ from typing import Any
 
 import torch
 
+from trillm._native import cpu_kernels
 from trillm.attention.backend import AttentionMetadata
 from trillm.config import TrillmConfig
 from trillm.kernels import paged_attention_cpu, recording
@@ -70,6 +74,9 @@ MEMORY_BUDGET = 256 << 20
 # its second round and ran 20.90 / 21.15, 20.75 / 22.81 s against 19.09 / 20.15, 20.10 / 19.41
 # with 16 and 20.90 / 20.79, 19.77 / 20.98 without programs (alternated, 2026-12-02 15:50 UTC).
 CAPTURE_AFTER = 16
+# Replay through native programs (``StepProgram.bind_native``); False replays the recorded calls
+# from Python, one pybind11 call each (what benchmarks/step_program.py compares it with).
+NATIVE_REPLAY = True
 
 
 class NotReplayable(Exception):
@@ -92,6 +99,33 @@ class StepProgram:
     allocated: int = 0  # bytes the captured forward allocated, which the arena's storages serve
     # The kinds of step (decode_only) on which a replay has matched the eager forward.
     checked: set[bool] = field(default_factory=set)
+    # The calls bound natively (``bind_native``): runs of native thunks (``Program.run``) and the
+    # calls without a thunk (torch ops, opaque functions), in order; plan_slots holds the step's
+    # attention plans while they run.
+    steps: list[Callable[[], None]] = field(default_factory=list)
+    plan_slots: Any = None
+
+    def bind_native(self) -> None:
+        """Convert every recorded call's arguments once (``recording.bind``): a replay then runs
+        the native kernels without Python between them."""
+        program = cpu_kernels("program")
+        assert program is not None
+        self.plan_slots = cpu_kernels("attention").PlanSlots(len(self.plan_keys))  # type: ignore[union-attr]
+        slot_of = {key: i for i, key in enumerate(self.plan_keys)}
+        steps: list[Callable[[], None]] = []
+        run = None
+        for call in self.calls:
+            thunk = recording.bind(call, self.plan_slots, slot_of)
+            if thunk is None:
+                kernel, args, kwargs = call
+                steps.append(functools.partial(kernel, *args, **kwargs))  # type: ignore[misc]
+                run = None
+                continue
+            if run is None:
+                run = program.Program()
+                steps.append(run.run)
+            run.append(thunk)
+        self.steps = steps
 
     def replay(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -105,6 +139,15 @@ class StepProgram:
             )
             for key in self.plan_keys
         }
+        if NATIVE_REPLAY and self.plan_slots is not None:
+            for i, key in enumerate(self.plan_keys):
+                self.plan_slots.set(i, plans[key].native)
+            try:
+                for step in self.steps:
+                    step()
+            finally:
+                self.plan_slots.clear()
+            return self.output
         for kernel, args, kwargs in self.calls:
             if kernel is None:
                 plans[args[0]].native.run(**kwargs)
@@ -246,7 +289,7 @@ class StepPrograms:
             if kernel is not None and not isinstance(kernel, TorchOp) and "slot_mapping" in kwargs:
                 if kwargs["slot_mapping"] != slots.data_ptr():
                     raise NotReplayable("a K/V cache write reads another slot mapping")
-        return StepProgram(
+        program = StepProgram(
             calls=calls,
             input_ids=ids,
             positions=positions,
@@ -257,6 +300,11 @@ class StepPrograms:
             nbytes=watch.arena.nbytes + sum(t.untyped_storage().nbytes() for t in watch.pinned),
             allocated=watch.arena.served,
         )
+        try:
+            program.bind_native()
+        except (TypeError, ValueError, RuntimeError) as e:  # a call the binder cannot convert
+            raise NotReplayable(f"a recorded call cannot be bound natively ({e})") from e
+        return program
 
     def _give_up(self, reason: str) -> None:
         self.reason = reason
