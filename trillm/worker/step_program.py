@@ -108,9 +108,10 @@ class StepProgram:
     def bind_native(self) -> None:
         """Convert every recorded call's arguments once (``recording.bind``): a replay then runs
         the native kernels without Python between them."""
-        program = cpu_kernels("program")
-        assert program is not None
-        self.plan_slots = cpu_kernels("attention").PlanSlots(len(self.plan_keys))  # type: ignore[union-attr]
+        program, attention = cpu_kernels("program"), cpu_kernels("attention")
+        if program is None or attention is None:
+            raise RuntimeError("trillm._ext.cpu_kernels is not built")
+        self.plan_slots = attention.PlanSlots(len(self.plan_keys))
         slot_of = {key: i for i, key in enumerate(self.plan_keys)}
         steps: list[Callable[[], None]] = []
         run = None
@@ -302,7 +303,8 @@ class StepPrograms:
         )
         try:
             program.bind_native()
-        except (TypeError, ValueError, RuntimeError) as e:  # a call the binder cannot convert
+        # a call the binder cannot convert; AttributeError: an extension built before cpu_program
+        except (TypeError, ValueError, RuntimeError, AttributeError) as e:
             raise NotReplayable(f"a recorded call cannot be bound natively ({e})") from e
         return program
 
