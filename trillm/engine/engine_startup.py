@@ -1,17 +1,20 @@
 """``open_engine``: the Trio engine started and closed with an ``async with`` block.
 
-It builds the configuration, loads the tokenizer, starts the executors (workers + KV cache),
-builds the ``AsyncEngine`` (``async_engine.py``) and runs its tasks (``AsyncEngine.run_core``:
-the engine cores and the output handler) in one nursery, cancelled when the block ends.
+It builds the configuration, starts the executors (workers + KV cache) while the tokenizer
+loads, builds the ``AsyncEngine`` (``async_engine.py``) and runs its tasks
+(``AsyncEngine.run_core``: the engine cores and the output handler) in one nursery, cancelled
+when the block ends.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import outcome
 import trio
 
 from trillm.config import EngineArgs
@@ -33,6 +36,30 @@ def _require_trio() -> None:
             "which runs the engine on a Trio thread of its own: "
             "`async for out in AsyncLLM(model).generate(prompt, params, request_id)`."
         ) from None
+
+
+def _load_in_background(fn: Callable[..., Any], *args: Any) -> Callable[[], Awaitable[Any]]:
+    """``fn(*args)`` started now on a daemon thread; the returned function waits for its
+    result (or raises its error). A caller that leaves before waiting (a worker failed to
+    start) leaves the thread to finish on its own: nothing waits for it."""
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+    result: list[outcome.Outcome] = []
+
+    def work() -> None:
+        result.append(outcome.capture(fn, *args))
+        try:
+            trio.from_thread.run_sync(done.set, trio_token=token)
+        except trio.RunFinishedError:  # the engine's trio.run is over: nobody waits
+            pass
+
+    threading.Thread(target=work, name="trillm-load", daemon=True).start()
+
+    async def wait() -> Any:
+        await done.wait()
+        return result[0].unwrap()
+
+    return wait
 
 
 @asynccontextmanager
@@ -59,12 +86,14 @@ async def open_engine(
         engine_args["runner"], runner = runner, None
     args = EngineArgs.from_kwargs(model, **engine_args)
     config = await trio.to_thread.run_sync(build_config, args)
-    tokenizer = await trio.to_thread.run_sync(
+    # The tokenizer loads while the workers start (transformers' import alone is seconds).
+    tokenizer_loaded = _load_in_background(
         load_tokenizer, config.model.tokenizer, args.trust_remote_code
     )
     default = POOLING_RUNNER if config.pooler is not None else DEFAULT_RUNNER
     configs = core_configs(config)
     async with open_executors(configs, runner or default, runner_kwargs) as executors:
+        tokenizer = await tokenizer_loaded()
         engine = AsyncEngine(
             configs[0], tokenizer, executors, args.stream_interval, stream_wake_budget,
             args.chat_template,

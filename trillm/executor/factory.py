@@ -14,7 +14,6 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory, unwrap_group
 from trillm.executor.multiproc import MultiprocExecutor
-from trillm.executor.uniproc import UniProcExecutor
 
 
 def make_executor(
@@ -26,6 +25,10 @@ def make_executor(
     """The executor ``config.parallel.distributed_executor_backend`` names ("mp" | "uni")."""
     backend = config.parallel.distributed_executor_backend
     if backend == "uni":
+        # NOTE: imported here, not at the top: the in-process worker brings torch, which an
+        # API server whose workers are subprocesses never needs (seconds of its startup).
+        from trillm.executor.uniproc import UniProcExecutor
+
         return UniProcExecutor(config, runner_factory, runner_kwargs, **executor_kwargs)
     if backend == "mp":
         return MultiprocExecutor(config, runner_factory, runner_kwargs, **executor_kwargs)

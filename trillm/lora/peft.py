@@ -14,10 +14,12 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from trillm.config import ModelConfig
+
+if TYPE_CHECKING:  # torch only where weights load (the worker): the API server checks shapes
+    import torch
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -139,9 +141,9 @@ def _read_weights(
     if not file.is_file():
         raise _refuse(folder, f"{WEIGHTS_NAME} not found (only safetensors adapters load).")
     shapes = module_shapes(cfg)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor | tuple[int, ...]]] = {}
+    halves: dict[tuple[int, str], dict[str, Any]] = {}  # "A"/"B": a tensor, or its shape
     try:
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(str(file), framework="pt" if load else "numpy") as f:
             for key in f.keys():
                 layer, proj, half = _parse_key(folder, key, cfg, config)
                 value = f.get_tensor(key) if load else tuple(f.get_slice(key).get_shape())
@@ -157,15 +159,15 @@ def _read_weights(
         if set(pair) != {"A", "B"}:
             raise _refuse(folder, f"layer {layer} {proj} lacks lora_A or lora_B.")
         a, b = pair["A"], pair["B"]
-        a_shape = tuple(a.shape) if isinstance(a, torch.Tensor) else a
-        b_shape = tuple(b.shape) if isinstance(b, torch.Tensor) else b
+        a_shape = a if isinstance(a, tuple) else tuple(a.shape)
+        b_shape = b if isinstance(b, tuple) else tuple(b.shape)
         fan_in, fan_out = shapes[proj]
         if a_shape != (config.rank, fan_in) or b_shape != (fan_out, config.rank):
             raise _refuse(
                 folder, f"layer {layer} {proj}: lora_A {a_shape} / lora_B {b_shape} do not fit "
                 f"the model ({config.rank}, {fan_in}) / ({fan_out}, {config.rank})."
             )  # fmt: skip
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if load:
             modules[(layer, proj)] = (a.float().contiguous(), b.float().contiguous())
     return modules
 

@@ -12,10 +12,11 @@ to the pooled (LAST) row (``model_executor/pooling.finish_classification``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # the frontend reads the config's names here without torch
+    import torch
+    from torch import nn
 
 SUFFIX = "ForSequenceClassification"
 
@@ -39,6 +40,8 @@ def labels(hf_config: dict[str, Any]) -> list[str]:
 
 def attach_score_head(model: nn.Module, num_labels: int) -> None:
     """Replace the model's LM head by the score head [num_labels, H] (same device and dtype)."""
+    from torch import nn
+
     head = model.get_submodule("lm_head")
     assert isinstance(head, nn.Linear)
     weight = head.weight
@@ -54,6 +57,8 @@ def rename_score(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[
 
 
 def class_probs(logits: torch.Tensor) -> torch.Tensor:  # [num_labels] -> [num_labels] fp32
+    import torch
+
     logits = logits.float()
     if logits.numel() == 1:
         return torch.sigmoid(logits)

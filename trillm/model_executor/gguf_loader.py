@@ -20,13 +20,14 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-from trillm.model_executor import gguf_kquants
 from trillm.model_executor.registry import UnsupportedArchitectureError
+
+if TYPE_CHECKING:  # the frontend reads a GGUF's config without torch; tensors need it
+    import torch
 
 # GGUF general.architecture -> trillm architecture
 ARCHITECTURES = {
@@ -34,8 +35,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-KQUANT_TYPES = tuple(gguf_kquants.BLOCK_BYTES)  # dequantized by gguf_kquants when dequantized
+FLOAT_TYPES = ("F32", "F16", "BF16")
+KQUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # what gguf_kquants dequantizes
 QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q8_0", *KQUANT_TYPES)  # kept (unless dequantize_gguf)
 
 # GGUF tensor name (blk.N. prefix removed) -> Hugging Face name (model.layers.N. prefix added)
@@ -205,6 +206,8 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 def float_tensor(t: GGUFTensor) -> torch.Tensor:
     """An F32 / F16 / BF16 tensor's values (a copy) in its own dtype."""
+    import torch
+
     data = np.ascontiguousarray(t.data)
     if t.type_name == "BF16":
         return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).reshape(t.shape)
@@ -214,7 +217,11 @@ def float_tensor(t: GGUFTensor) -> torch.Tensor:
 def dequantized_tensor(t: GGUFTensor) -> torch.Tensor:
     """A quantized tensor's values in fp32 (K-quants: ``gguf_kquants``; the others: the gguf
     package's dequantizer)."""
+    import torch
+
     if t.type_name in KQUANT_TYPES:
+        from trillm.model_executor import gguf_kquants
+
         raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # a copy: the file is read-only
         return gguf_kquants.dequantize(raw, t.type_name).reshape(t.shape)
     from gguf import GGMLQuantizationType, quants

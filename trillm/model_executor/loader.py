@@ -97,6 +97,31 @@ def stage_filter(cfg: ModelConfig) -> Callable[[str], bool] | None:
     return partial(pp.wants_weight, tied=cfg.tie_word_embeddings)
 
 
+def _materialize(model: torch.nn.Module, device: str) -> None:
+    """Every parameter and buffer replaced by uninitialised storage on ``device`` (what
+    ``Module.to_empty`` does; the checkpoint fills them). Built here with ``torch.empty``:
+    ``to_empty``'s ``empty_like`` of a meta tensor runs torch's Python reference, whose first
+    call imports sympy (half a second of every worker's start). A tensor shared by two modules
+    stays shared."""
+    new: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in new:
+            new[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device)
+        return new[id(t)]
+
+    params: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in params:
+                    params[id(param)] = torch.nn.Parameter(empty(param), param.requires_grad)
+                module._parameters[name] = params[id(param)]
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = empty(buf)
+
+
 def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     """Construct ``cfg.architecture`` without initialising it, then load the checkpoint."""
     model_class = get_model_class(cfg.architecture)
@@ -108,7 +133,7 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
             prune_to_stage(model, get_pp_group(), cfg.tie_word_embeddings)
     finally:
         torch.set_default_dtype(previous)
-    model.to_empty(device=device)
+    _materialize(model, device)
     causal_lm = cast(CausalLM, model)
     causal_lm.tie_weights()
     if gguf_loader.find_gguf(cfg.model) is not None:

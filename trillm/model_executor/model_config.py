@@ -7,23 +7,20 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from trillm.config import EngineArgs, ModelConfig
 from trillm.model_executor import classification, gguf_loader
-from trillm.model_executor.layer_types import FULL, partial_rotary_factor
-from trillm.model_executor.layers.rotary import SUPPORTED_ROPE_TYPES
-from trillm.model_executor.quant_sharding import check_group_quant_split
+from trillm.model_executor.layer_types import FULL, SUPPORTED_ROPE_TYPES, partial_rotary_factor
 from trillm.model_executor.quantization import CHECKPOINT_METHODS, resolve_quantization
 from trillm.model_executor.registry import (
     UnsupportedArchitectureError,
-    get_model_class,
     is_supported,
+    model_entry,
     supported_architectures,
 )
 
@@ -62,13 +59,26 @@ class UnsupportedDtypeError(ValueError):
 
 def resolve_device(device: str) -> str:
     """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
+    if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"Unknown device {device!r}; choose auto, cpu or cuda.")
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cpu":
+        return device
+    if device == "cuda" and not cuda_available():
         raise ValueError("device='cuda' was requested but no CUDA GPU is available.")
-    return device
+    return "cuda" if device == "cuda" or cuda_available() else "cpu"
+
+
+def cuda_available() -> bool:
+    """torch's answer, without importing torch (seconds, in an API server that never runs a
+    tensor) where its build says no GPU can be seen: a CPU-only wheel (``+cpu``)."""
+    try:
+        if importlib.metadata.version("torch").endswith("+cpu"):
+            return False
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
@@ -185,6 +195,8 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         quantization=quantization,
     )
     if quantization in CHECKPOINT_METHODS:  # packed words and groups split per rank, or refused
+        from trillm.model_executor.quant_sharding import check_group_quant_split  # torch
+
         check_group_quant_split(cfg, args.tensor_parallel_size)
     return cfg
 
@@ -241,14 +253,14 @@ def _hidden_act(hf: dict[str, Any], architecture: str) -> str:
     """The MLP activation (Gemma 2/3 name it ``hidden_activation``), refused unless the model
     class computes it; also refuses a partial rotary embedding the class does not apply."""
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    model_class = get_model_class(architecture)
-    supported = getattr(model_class, "ACTIVATIONS", ("silu",))
+    entry = model_entry(architecture)
+    supported = entry.activations
     if act not in supported:
         raise ValueError(
             f"Activation {act!r} is not supported for {architecture}; supported: "
             f"{', '.join(supported)}."
         )
-    if partial_rotary_factor(hf) != 1.0 and not getattr(model_class, "PARTIAL_ROTARY", False):
+    if partial_rotary_factor(hf) != 1.0 and not entry.partial_rotary:
         raise ValueError(
             f"partial_rotary_factor {partial_rotary_factor(hf)} is not supported for "
             f"{architecture} (RoPE over the whole head only)."
@@ -291,6 +303,8 @@ def checkpoint_dtype(hf: dict[str, Any]) -> str:
 
 
 def cpu_supports_bf16() -> bool:
+    import torch
+
     capability = torch.backends.cpu.get_cpu_capability()
     return "AVX512_BF16" in capability or "AMX" in capability
 

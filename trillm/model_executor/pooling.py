@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from trillm.config import PoolerConfig, PoolingConfigError
+
+if TYPE_CHECKING:  # the frontend resolves the pooler without torch; the worker pools with it
+    import torch
 
 # sentence-transformers' Pooling config key -> our type
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
@@ -77,5 +78,7 @@ def finish_pooling(
         vec = last
     vec = vec.float()
     if pooler.normalize:
+        import torch
+
         vec = torch.nn.functional.normalize(vec, p=2, dim=-1)
     return vec

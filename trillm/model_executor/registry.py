@@ -1,34 +1,45 @@
-"""Architecture name (config.json ``architectures[0]``) -> model class.
+"""Architecture name (config.json ``architectures[0]``) -> model class, and what the class
+computes that config.json may ask otherwise (its MLP activations, a partial rotary embedding).
 
-Adding an architecture is one module under ``models/`` plus one line here.
+Adding an architecture is one module under ``models/`` plus one line here. This table is read
+without importing the model modules (and so torch): the frontend checks a config with it.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-from trillm.distributed.pipeline import IntermediateTensors
+    from trillm.distributed.pipeline import IntermediateTensors
 
-# architecture -> (module under trillm.model_executor.models, class name)
-_MODELS: dict[str, tuple[str, str]] = {
-    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
-    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
-    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
-    "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),
-    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
-    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
-    "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
-    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
-    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
-    "Qwen2MoeForCausalLM": ("moe", "Qwen2MoeForCausalLM"),
-    "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
+
+class ModelEntry(NamedTuple):
+    module: str  # under trillm.model_executor.models
+    class_name: str
+    activations: tuple[str, ...] = ("silu",)  # config.json's hidden_act the MLP computes
+    partial_rotary: bool = False  # RoPE over part of each head (partial_rotary_factor < 1)
+
+
+_GEMMA_ACTS = ("gelu_pytorch_tanh", "gelu")  # models/gemma.py's _GELU: tanh-approximate, exact
+_MODELS: dict[str, ModelEntry] = {
+    "GemmaForCausalLM": ModelEntry("gemma", "GemmaForCausalLM", _GEMMA_ACTS),
+    "Gemma2ForCausalLM": ModelEntry("gemma", "Gemma2ForCausalLM", _GEMMA_ACTS),
+    "Gemma3ForCausalLM": ModelEntry("gemma", "Gemma3ForCausalLM", _GEMMA_ACTS),
+    "GPTNeoXForCausalLM": ModelEntry("gpt_neox", "GPTNeoXForCausalLM", ("gelu",), True),
+    "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ModelEntry("mistral", "MistralForCausalLM"),
+    "Olmo2ForCausalLM": ModelEntry("olmo2", "Olmo2ForCausalLM"),
+    "Phi3ForCausalLM": ModelEntry("phi3", "Phi3ForCausalLM", partial_rotary=True),
+    "MixtralForCausalLM": ModelEntry("moe", "MixtralForCausalLM"),
+    "Qwen2ForCausalLM": ModelEntry("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ModelEntry("moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ModelEntry("moe", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -65,12 +76,16 @@ def is_supported(architecture: str) -> bool:
     return architecture in _MODELS
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def model_entry(architecture: str) -> ModelEntry:
     if architecture not in _MODELS:
         raise UnsupportedArchitectureError(
             f"Model architecture {architecture!r} is not supported; supported architectures: "
             f"{', '.join(supported_architectures())}."
         )
-    module_name, class_name = _MODELS[architecture]
-    module = importlib.import_module(f"trillm.model_executor.models.{module_name}")
-    return getattr(module, class_name)
+    return _MODELS[architecture]
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    entry = model_entry(architecture)
+    module = importlib.import_module(f"trillm.model_executor.models.{entry.module}")
+    return getattr(module, entry.class_name)

@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from trillm.kernels import apply_rotary_
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+from trillm.model_executor.layer_types import SUPPORTED_ROPE_TYPES
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:  # [dim // 2]
@@ -149,7 +148,7 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], as HF computes them
         table = torch.cat([freqs.cos() * attention_factor, freqs.sin() * attention_factor], -1)
         # NOTE: a plain attribute, not a buffer: it stays float32 through a dtype cast of the
-        # model and survives ``to_empty`` after a meta-device construction.
+        # model and survives the loader's re-allocation after a meta-device construction.
         self.cos_sin_cache = table.to(device)  # [P, D] float32: cos half, then sin half
 
     def forward(

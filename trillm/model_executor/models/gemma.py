@@ -27,7 +27,7 @@ from trillm.model_executor.models.llama import (
     LlamaMLP,
 )
 
-# config.json activation name -> F.gelu's ``approximate``
+# config.json activation name -> F.gelu's ``approximate`` (registry.py lists these names)
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
 
 
@@ -118,7 +118,6 @@ class Gemma2Model(GemmaModel):
 class GemmaForCausalLM(ResidualStreamCausalLM):
     MODEL_CLASS = GemmaModel
     SCALE_EMBEDDINGS = True
-    ACTIVATIONS = tuple(_GELU)
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"

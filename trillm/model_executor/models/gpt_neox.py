@@ -87,8 +87,6 @@ class NeoXModel(DecoderStack):
 
 class GPTNeoXForCausalLM(ResidualStreamCausalLM):
     MODEL_CLASS = NeoXModel
-    ACTIVATIONS = ("gelu",)
-    PARTIAL_ROTARY = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._renamed(weights))

@@ -253,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding with the head when the checkpoint ties them (again after
-        ``to_empty``, which replaces every parameter)."""
+        the loader re-allocates every parameter: ``loader._materialize``)."""
         if self.config.tie_word_embeddings and not isinstance(self.lm_head, PPMissingLayer):
             self.lm_head.weight = self.model.embed_tokens.weight
 

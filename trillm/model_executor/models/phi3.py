@@ -10,4 +10,3 @@ from trillm.model_executor.models.llama import LlamaForCausalLM
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     O_BIAS_FOLLOWS_CONFIG = False
-    PARTIAL_ROTARY = True

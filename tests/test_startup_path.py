@@ -1,0 +1,136 @@
+"""What an engine start does before the first request, and in what order.
+
+- The frontend (the API server process) builds the configuration without importing torch:
+  the model's config, architecture, activation, rope and pooler are checked from the
+  registry's table (``registry.ModelEntry``) and config.json, so the workers start at once.
+- The tokenizer (transformers' import alone takes seconds) loads on a thread while the workers
+  start; a tokenizer that cannot load still fails the start with its own error, and the
+  workers already started are reaped.
+- A worker allocates the meta-built model with ``torch.empty`` (``loader._materialize``), not
+  ``Module.to_empty``, whose meta path imports sympy; a parameter two modules share stays
+  shared.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from trillm.engine.llm import LLM
+from trillm.model_executor import loader, registry
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_python(code: str) -> str:
+    """``code`` in a fresh interpreter (nothing imported yet); its stdout."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def test_the_frontend_builds_its_config_without_torch(tiny_model_factory):
+    """Llama and GPT-NeoX (a gelu MLP over a partial rotary embedding: the registry's
+    entries, not the model classes, say they run) configs built, the server modules imported:
+    torch is not loaded."""
+    llama = tiny_model_factory("llama")
+    neox = tiny_model_factory("gpt_neox")
+    out = run_python(f"""
+        import sys
+        import trillm.engine.engine_startup, trillm.entrypoints.openai.api_server
+        from trillm.config import EngineArgs
+        from trillm.engine.config_builder import build_config
+        for path in ({llama!r}, {neox!r}):
+            config = build_config(EngineArgs(path, max_model_len=64))
+            print(config.model.architecture, config.model.hidden_act, config.device)
+        print("torch" in sys.modules)
+    """)
+    assert out.split("\n")[:3] == ["LlamaForCausalLM silu cpu", "GPTNeoXForCausalLM gelu cpu",
+                                   "False"]  # fmt: skip
+
+
+def test_the_registry_lists_what_the_model_classes_compute():
+    """Gemma's activations are the names its MLP maps to F.gelu's ``approximate``; every
+    entry names a class that exists."""
+    from trillm.model_executor.models import gemma
+
+    for arch in ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        assert set(registry.model_entry(arch).activations) == set(gemma._GELU)
+    for arch in registry.supported_architectures():
+        assert registry.get_model_class(arch).__name__ == registry.model_entry(arch).class_name
+
+
+def test_a_tokenizer_that_cannot_load_fails_the_start_and_reaps_the_workers(
+    tiny_model_factory, tmp_path
+):
+    """The workers start while the tokenizer loads: its error is the start's error, and no
+    worker process is left behind."""
+    folder = tmp_path / "bad-tokenizer"
+    shutil.copytree(tiny_model_factory("llama"), folder)
+    (folder / "tokenizer.json").write_text("{not json")
+    before = _workers()
+    with pytest.raises(Exception, match="key must be a string at line 1 column 2"):
+        LLM(str(folder), max_model_len=64, kv_cache_memory="4MiB")
+    assert _workers() - before == set()
+
+
+def _workers() -> set[int]:
+    """Live worker processes (``trillm.worker.worker_main``) started by this one (/proc)."""
+    me, found = str(os.getpid()), set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            status = (proc / "status").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        live = not fields.get("State", "Z").startswith("Z")
+        if fields.get("PPid", "").strip() == me and live and b"worker_main" in cmdline:
+            found.add(int(proc.name))
+    return found
+
+
+def test_a_worker_builds_the_model_without_sympy(tiny_model_factory):
+    """``build_model`` in a fresh process: the model's weights equal the checkpoint's, the
+    tied head is the embedding, and sympy (``to_empty``'s meta path) was never imported."""
+    path = tiny_model_factory("llama", tie_word_embeddings=True)
+    out = run_python(f"""
+        import sys
+        import torch
+        from safetensors.torch import load_file
+        from trillm.attention.torch_backend import TorchAttentionBackend
+        from trillm.config import EngineArgs
+        from trillm.model_executor.loader import build_model, safetensors_files
+        from trillm.model_executor.model_config import load_model_config
+        cfg = load_model_config(EngineArgs({path!r}, device="cpu"))
+        model = build_model(cfg, TorchAttentionBackend(), "cpu")
+        ref = load_file(safetensors_files({path!r})[0])
+        emb = model.model.embed_tokens.weight
+        print(torch.equal(emb, ref["model.embed_tokens.weight"]),
+              model.lm_head.weight is emb,
+              all(p.device.type == "cpu" for p in model.parameters()),
+              "sympy" in sys.modules)
+    """)
+    assert out.split() == ["True", "True", "True", "False"]
+
+
+def test_materialize_keeps_a_shared_parameter_shared():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[1].weight = model[0].weight
+    loader._materialize(model, "cpu")
+    assert model[1].weight is model[0].weight
+    assert isinstance(model[0].weight, nn.Parameter) and model[0].weight.requires_grad
+    tensors = [*model.parameters(), *model.buffers()]
+    assert tensors and all(t.device.type == "cpu" for t in tensors)
+    assert model[2].running_mean.shape == (4,)
