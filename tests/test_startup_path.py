@@ -41,8 +41,8 @@ def run_python(code: str) -> str:
 
 def test_the_frontend_builds_its_config_without_torch(tiny_model_factory):
     """Llama and GPT-NeoX (a gelu MLP over a partial rotary embedding: the registry's
-    entries, not the model classes, say they run) configs built, the server modules imported:
-    torch is not loaded."""
+    entries, not the model classes, say they run) configs built for TP=2 x PP=2 (the shapes'
+    split checked), the server modules imported: torch is not loaded."""
     llama = tiny_model_factory("llama")
     neox = tiny_model_factory("gpt_neox")
     out = run_python(f"""
@@ -51,7 +51,8 @@ def test_the_frontend_builds_its_config_without_torch(tiny_model_factory):
         from trillm.config import EngineArgs
         from trillm.engine.config_builder import build_config
         for path in ({llama!r}, {neox!r}):
-            config = build_config(EngineArgs(path, max_model_len=64))
+            config = build_config(EngineArgs(path, max_model_len=64, tensor_parallel_size=2,
+                                             pipeline_parallel_size=2))
             print(config.model.architecture, config.model.hidden_act, config.device)
         print("torch" in sys.modules)
     """)

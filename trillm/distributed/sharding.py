@@ -22,11 +22,12 @@ rank reads the whole model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from trillm.config import ModelConfig
+
+if TYPE_CHECKING:  # the frontend checks a size (check_divisible) without torch
+    import torch
 
 _ROW = ("o_proj", "down_proj", "dense", "dense_4h_to_h")  # GPT-NeoX: attention.dense, MLP out
 _VOCAB = ("embed_tokens", "lm_head", "embed_in", "embed_out")
@@ -168,6 +169,8 @@ class RankShapes:
     def read_shard(self, cfg: ModelConfig, name: str, source: Any) -> torch.Tensor:
         """This rank's part of ``name`` from ``source`` (a safetensors slice or a tensor):
         only the rank's rows/columns are read."""
+        import torch
+
         proj = name.rpartition(".")[0].rpartition(".")[2]
         if proj == "experts":  # fused experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]
             start, length = self.inter_rows(cfg, name)
