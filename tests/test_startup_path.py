@@ -60,11 +60,14 @@ def test_the_frontend_builds_its_config_without_torch(tiny_model_factory):
                                    "False"]  # fmt: skip
 
 
-def test_the_registry_lists_what_the_model_classes_compute():
+def test_the_torch_free_tables_match_the_modules_they_describe():
     """Gemma's activations are the names its MLP maps to F.gelu's ``approximate``; every
-    entry names a class that exists."""
+    registry entry names a class that exists; the GGUF loader's K-quant types are the ones
+    ``gguf_kquants`` dequantizes."""
+    from trillm.model_executor import gguf_kquants, gguf_loader
     from trillm.model_executor.models import gemma
 
+    assert set(gguf_loader.KQUANT_TYPES) == set(gguf_kquants.BLOCK_BYTES)
     for arch in ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         assert set(registry.model_entry(arch).activations) == set(gemma._GELU)
     for arch in registry.supported_architectures():

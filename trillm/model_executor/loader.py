@@ -103,23 +103,18 @@ def _materialize(model: torch.nn.Module, device: str) -> None:
     ``to_empty``'s ``empty_like`` of a meta tensor runs torch's Python reference, whose first
     call imports sympy (half a second of every worker's start). A tensor shared by two modules
     stays shared."""
-    new: dict[int, torch.Tensor] = {}
-
-    def empty(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in new:
-            new[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=device)
-        return new[id(t)]
-
-    params: dict[int, torch.nn.Parameter] = {}
+    done: dict[int, torch.Tensor] = {}  # id of a meta tensor -> its replacement
     for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                if id(param) not in params:
-                    params[id(param)] = torch.nn.Parameter(empty(param), param.requires_grad)
-                module._parameters[name] = params[id(param)]
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                module._buffers[name] = empty(buf)
+        tables: list[tuple[dict[str, Any], bool]] = [(module._parameters, True),
+                                                     (module._buffers, False)]  # fmt: skip
+        for table, is_param in tables:
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in done:
+                    fresh = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    done[id(t)] = torch.nn.Parameter(fresh, t.requires_grad) if is_param else fresh
+                table[name] = done[id(t)]
 
 
 def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:

@@ -63,9 +63,10 @@ def resolve_device(device: str) -> str:
         raise ValueError(f"Unknown device {device!r}; choose auto, cpu or cuda.")
     if device == "cpu":
         return device
-    if device == "cuda" and not cuda_available():
+    available = cuda_available()
+    if device == "cuda" and not available:
         raise ValueError("device='cuda' was requested but no CUDA GPU is available.")
-    return "cuda" if device == "cuda" or cuda_available() else "cpu"
+    return "cuda" if available else "cpu"
 
 
 def cuda_available() -> bool:
