@@ -28,10 +28,12 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -180,8 +182,17 @@ TRILLM_INLINE void attend_dispatch(const Problem& p, const Item& it) {
   }
 }
 
+// On x86-64 the generic kernel only serves CPUs without AVX2; built at -O1 there, as GCC's -O3 on
+// its fully inlined tiles took half of this file's ~150 s compile (one core), the longest step of
+// a fresh install. Elsewhere (e.g. aarch64) it is the only kernel and keeps -O3.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TRILLM_FALLBACK_OPT __attribute__((optimize("O1")))
+#else
+#define TRILLM_FALLBACK_OPT
+#endif
+
 template <typename T, typename C>
-void attend_generic(const Problem& p, const Item& it) {
+TRILLM_FALLBACK_OPT void attend_generic(const Problem& p, const Item& it) {
   attend_dispatch<T, C, 2, 2>(p, it);
 }
 
@@ -194,13 +205,43 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Problem& p, const Ite
 
 using Kernel = void (*)(const Problem&, const Item&);
 
+// set_kernel("generic") runs the fallback on a CPU that has AVX2 too (tests: it is otherwise
+// never run where the suite runs).
+std::atomic<bool>& force_generic() {
+  static std::atomic<bool> force{false};
+  return force;
+}
+
 template <typename T, typename C>
 Kernel select_kernel() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool avx2 = cpu_has_avx2();
-  if (avx2) return &attend_avx2<T, C>;
+  if (avx2 && !force_generic().load(std::memory_order_relaxed)) return &attend_avx2<T, C>;
 #endif
   return &attend_generic<T, C>;
+}
+
+bool has_avx2_kernel() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return cpu_has_avx2();
+#else
+  return false;
+#endif
+}
+
+std::string get_kernel() {
+  return has_avx2_kernel() && !force_generic().load() ? "avx2" : "generic";
+}
+
+void set_kernel(const std::string& name) {
+  if (name == "generic") {
+    force_generic() = true;
+  } else if (name == "avx2") {
+    if (!has_avx2_kernel()) throw std::runtime_error("this CPU (or build) has no AVX2 kernel");
+    force_generic() = false;
+  } else {
+    throw std::invalid_argument("kernel must be 'avx2' or 'generic'");
+  }
 }
 
 // dtype (q and out): 0 float32, 1 bfloat16; cache_dtype: the same codes, 2 = fp8 e4m3.
@@ -355,6 +396,9 @@ class PlanSlots {
 
 void register_cpu_attention(py::module_& m) {
   m.doc() = "Paged attention on CPU, reading K/V in place from the block-paged cache.";
+  m.def("get_kernel", &get_kernel, "The paged kernel in use: 'avx2' or 'generic'.");
+  m.def("set_kernel", &set_kernel, py::arg("name"),
+        "Run the 'avx2' or the 'generic' (fallback) paged kernel, process-wide.");
   py::class_<Plan>(m, "Plan")
       .def(py::init<uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, int, int, int, int, int, int,
                     int64_t, int, int>(),

@@ -20,7 +20,9 @@ paged kernel), GEMM-shaped tiles.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,9 +82,7 @@ class PagedAttentionPlan:
         kv_cache_shape: tuple[int, ...] | torch.Size,  # [2, num_blocks, block_size, Hkv, D]
         reqs: torch.Tensor | None = None,  # [n] int32: attend only these requests' rows
     ) -> None:
-        ext = cpu_kernels("attention")
-        if ext is None:
-            raise RuntimeError("trillm._ext.cpu_kernels is not built.")
+        ext = _ext()
         for name, t in (
             ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
             ("block_table", block_table), ("reqs", reqs),
@@ -178,6 +178,34 @@ def paged_attention(
     """One call: a plan for this metadata, run once (layers of one step share a plan)."""
     plan = PagedAttentionPlan(query_start_loc, seq_lens, block_table, q.shape, kv_cache.shape, reqs)
     return plan.run(q, kv_cache, scale, out, window, softcap)
+
+
+def kernel() -> str:
+    """The paged kernel in use: ``"avx2"`` (where the CPU has AVX2 and FMA) or ``"generic"``
+    (the portable fallback)."""
+    return str(_ext().get_kernel())
+
+
+@contextlib.contextmanager
+def use_kernel(name: str) -> Iterator[None]:
+    """Run the paged kernel ``name`` (``"avx2"`` or ``"generic"``) inside the block,
+    process-wide: the fallback is otherwise never run on a CPU with AVX2. ValueError for another
+    name, RuntimeError where the CPU lacks AVX2."""
+    ext, before = _ext(), kernel()
+    if name not in ("avx2", "generic"):
+        raise ValueError(f"use_kernel: {name!r} is not 'avx2' or 'generic'.")
+    ext.set_kernel(name)
+    try:
+        yield
+    finally:
+        ext.set_kernel(before)
+
+
+def _ext() -> Any:
+    ext = cpu_kernels("attention")
+    if ext is None:
+        raise RuntimeError("trillm._ext.cpu_kernels is not built.")
+    return ext
 
 
 def prefill_supports_layout(

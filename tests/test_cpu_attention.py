@@ -88,6 +88,24 @@ def test_sliding_window_bfloat16_and_fresh_prompts():
            atol=1e-2)  # fmt: skip
 
 
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 1, 128), (12, 4, 80)])
+def test_generic_fallback_matches_reference(case, heads, kv_heads, head_dim):
+    # The portable kernel (CPUs without AVX2; on x86-64 built at -O1) is otherwise never run
+    # here: fp32, a window and a softcap, and bf16, decode rows and tiles, each head_dim path.
+    shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    default = paged_attention_cpu.kernel()
+    with paged_attention_cpu.use_kernel("generic"):
+        assert paged_attention_cpu.kernel() == "generic"
+        _check(*_problem(*CASES[case], **shape))
+        _check(*_problem(*CASES[case], **shape), window=5, softcap=2.0, atol=1e-5)
+        _check(*_problem(*CASES[case], **shape, dtype=torch.bfloat16), atol=1e-2)
+    assert paged_attention_cpu.kernel() == default
+    with pytest.raises(ValueError, match="'avx2' or 'generic'"):
+        with paged_attention_cpu.use_kernel("avx512"):
+            pass
+
+
 def test_bad_window_or_softcap_is_refused():
     q, kv, qsl, seq_lens, table = _problem([1], [4])
     for bad in ({"window": 0}, {"softcap": 0.0}, {"softcap": float("nan")}):

@@ -6,6 +6,8 @@ refusals."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from trillm.kernels import paged_attention_cpu, paged_attention_torch
@@ -49,10 +51,13 @@ CASES = {"decode": ([1, 1, 1], [1, 17, 300]), "mixed": ([1, 9, 3], [70, 30, 5])}
 @pytest.mark.parametrize("cache_dtype", [FP8, torch.bfloat16])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
-def test_native_kernel_reads_the_cache_dtype_in_place(case, cache_dtype, q_dtype, head_dim):
+@pytest.mark.parametrize("kernel", ["default", "generic"])  # generic: the CPUs without AVX2
+def test_native_kernel_reads_the_cache_dtype_in_place(case, cache_dtype, q_dtype, head_dim,
+                                                      kernel):  # fmt: skip
     q, kv, qsl, seq_lens, table = _problem(*CASES[case], cache_dtype, q_dtype, head_dim=head_dim)
     scale = head_dim**-0.5
-    out = paged_attention_cpu.paged_attention(q, kv, qsl, seq_lens, table, scale)
+    with paged_attention_cpu.use_kernel(kernel) if kernel != "default" else nullcontext():
+        out = paged_attention_cpu.paged_attention(q, kv, qsl, seq_lens, table, scale)
     # the reference: the same stored values widened to fp32 (exact), the torch twin's attention
     # with the kernel's rounding points for q's dtype (bf16 queries: bf16-rounded scores)
     ref = paged_attention_torch.paged_attention(q, kv.float(), qsl, seq_lens, table, scale)
