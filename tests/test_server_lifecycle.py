@@ -4,6 +4,7 @@ in use reported before the model loads."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -46,6 +47,16 @@ def aborted(srv: ServerProcess) -> float:
         if line.startswith("trillm:request_success_total") and 'finished_reason="abort"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_the_started_server_froze_its_startup_heap(server):
+    # trillm/gc_heap.py: the API server's objects at the end of its start are out of the
+    # collector before it listens (an oldest-generation collection over them paused it
+    # 160-220 ms every few seconds under load)
+    log = server.log()
+    frozen = re.search(r"API server: (\d+) startup objects frozen out of the garbage collector", log)
+    assert frozen is not None and int(frozen.group(1)) > 50_000, log
+    assert log.index("startup objects frozen") < log.index("trillm is serving"), log
 
 
 def test_api_key_guards_v1_routes(server):

@@ -138,3 +138,47 @@ def test_materialize_keeps_a_shared_parameter_shared():
     tensors = [*model.parameters(), *model.buffers()]
     assert tensors and all(t.device.type == "cpu" for t in tensors)
     assert model[2].running_mean.shape == (4,)
+
+
+def test_a_frozen_startup_heap_is_skipped_and_new_garbage_still_collected():
+    """``freeze_startup_heap`` (trillm/gc_heap.py) in a fresh process holding 200,000 tracked
+    objects: afterwards the collector's generations hold almost none of them, and a reference
+    cycle made later is still collected."""
+    out = run_python("""
+        import gc, weakref
+        from trillm.gc_heap import freeze_startup_heap
+        startup = [[i] for i in range(200_000)]  # lists are always tracked
+        before = len(gc.get_objects())
+        frozen = freeze_startup_heap("test")
+        after = len(gc.get_objects())
+        class Node: pass
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        alive = weakref.ref(a)
+        del a, b
+        gc.collect()
+        print(before, frozen, after, alive() is None, gc.isenabled(), len(startup))
+    """)
+    before, frozen, after, collected, enabled, kept = out.split()
+    assert int(before) > 200_000 and int(frozen) > 200_000, out
+    assert int(after) < int(before) // 50, out
+    assert (collected, enabled, kept) == ("True", "True", "200000"), out
+
+
+def test_a_worker_freezes_its_heap_once_its_cache_is_allocated():
+    """The worker process's last start step (``InitKVCache``) freezes its heap before it answers
+    ready: a Worker with a stand-in runner, in a fresh process."""
+    out = run_python("""
+        import gc
+        from trillm.ipc.control import InitKVCache
+        from trillm.worker.worker_main import Worker
+        class Runner:
+            def initialize_kv_cache(self, num_blocks): self.blocks = num_blocks
+        sent = []
+        worker = Worker(0, None, None, 0)
+        worker.runner, worker._send = Runner(), sent.append
+        before = gc.get_freeze_count()
+        worker._handle(InitKVCache(7))
+        print(before, gc.get_freeze_count() > 10_000, sent[0].phase, worker.runner.blocks)
+    """)
+    assert out.split() == ["0", "True", "kv_cache", "7"]

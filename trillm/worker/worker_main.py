@@ -33,6 +33,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from trillm.errors import CodecError, CollectiveTimeoutError, IPCError, RingClosedError
+from trillm.gc_heap import freeze_startup_heap
 from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
 from trillm.ipc.shm_ring import RingFds, RingReader, RingWriter, ShmRing
@@ -177,6 +178,7 @@ class Worker:
             self._send(WorkerReady(self.rank, "loaded", num_blocks))
         elif isinstance(msg, InitKVCache):
             self.runner.initialize_kv_cache(msg.num_blocks)
+            freeze_startup_heap(f"worker rank {self.rank}")  # started: the model and cache are in
             self._send(WorkerReady(self.rank, "kv_cache", msg.num_blocks))
         else:
             raise CodecError(f"Worker rank {self.rank} got unexpected {type(msg).__name__}.")

@@ -38,6 +38,7 @@ from trillm.entrypoints.openai.http_listener import (
 from trillm.entrypoints.openai.metrics import ServerMetrics
 from trillm.entrypoints.openai.serving_base import ServerState, max_prompt_chars
 from trillm.entrypoints.openai.stats_logger import log_stats_periodically
+from trillm.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger("trillm.server")
 
@@ -175,6 +176,7 @@ async def _serve(
                 if opts.log_stats:  # ends with the serving (shutdown), never held up by it
                     nursery.start_soon(log_stats_periodically, engine, state.metrics,
                                        opts.log_stats_interval, shutdown)  # fmt: skip
+                freeze_startup_heap("API server")  # the engine and app are built
                 binds = await nursery.start(serve)
                 life.serving = True
                 logger.info("trillm is serving %s on %s", names[0], ", ".join(binds))
