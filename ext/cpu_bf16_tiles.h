@@ -118,8 +118,9 @@ TRILLM_BF16_TARGET inline __attribute__((always_inline)) void tail_block(
 }
 
 // Panels [first, last) of `g`, all its rows, register block by register block. Kernel: a
-// class with `using Weight` (W), `static constexpr int kRows` (rows of its full register block)
-// and `template <int R> static void block(x, ldx, panel, K, scale, bias, y, ldy, y_bf16, cols)`
+// class with `using Weight` (W), `static constexpr int kRows` (rows of its full register block),
+// `static constexpr bool kRowPairs` (true: it has `row_pair(x, panels[2], K, bias[2], y[2],
+// y_bf16, cols[2])`, one row over two panels, used when g has one row and no scale) and `template <int R> static void block(x, ldx, panel, K, scale, bias, y, ldy, y_bf16, cols)`
 // computing y[0..R, 0..cols) of one panel (scale and bias at the panel's first column).
 template <class Kernel>
 TRILLM_BF16_TARGET void run_panels(const PanelGemm<typename Kernel::Weight>& g, int first,
@@ -127,6 +128,24 @@ TRILLM_BF16_TARGET void run_panels(const PanelGemm<typename Kernel::Weight>& g, 
   constexpr int kRows = Kernel::kRows;
   const int64_t elem = g.y_bf16 ? 2 : 4;
   const int64_t panel_size = static_cast<int64_t>((g.K + 1) / 2) * kPanelCols * 2;
+  if constexpr (Kernel::kRowPairs) {
+    if (g.M == 1 && g.scale == nullptr) {  // one row: two panels' weights stream at once
+      for (; first + 2 <= last; first += 2) {
+        const typename Kernel::Weight* panels[2];
+        const float* bias[2];
+        void* y[2];
+        int cols[2];
+        for (int i = 0; i < 2; ++i) {
+          const int col = (first + i) * kPanelCols;
+          panels[i] = g.packed + (first + i) * panel_size;
+          bias[i] = g.bias == nullptr ? nullptr : g.bias + col;
+          y[i] = static_cast<char*>(g.y) + col * elem;
+          cols[i] = g.N - col < kPanelCols ? g.N - col : kPanelCols;
+        }
+        Kernel::row_pair(g.x, panels, g.K, bias, y, g.y_bf16, cols);
+      }
+    }
+  }
   for (int p = first; p < last; ++p) {
     const typename Kernel::Weight* panel = g.packed + p * panel_size;
     const int col = p * kPanelCols;

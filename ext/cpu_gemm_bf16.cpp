@@ -51,12 +51,58 @@ bool cpu_has_amx_bf16() {
 struct Bf16Kernel {
   using Weight = uint16_t;
   static constexpr int kRows = 6;  // rows of x per register block: 6 x 4 accumulators
+  static constexpr bool kRowPairs = true;  // has row_pair: one row over two panels at once
 
   template <int R>
   TRILLM_BF16_TARGET static void block(const uint16_t* x, int64_t ldx, const uint16_t* panel,
                                        int K, const float* scale, const float* bias, void* y,
                                        int64_t ldy, bool y_bf16, int cols);
+  TRILLM_BF16_TARGET static void row_pair(const uint16_t* x, const uint16_t* const* panels, int K,
+                                          const float* const* bias, void* const* y, bool y_bf16,
+                                          const int* cols);
 };
+
+// One row (a decode step's GEMM) over two panels at once: the same products and fp32 sums as
+// block<1> on each panel (bit for bit), but two streams of weights in flight instead of one: a
+// single panel's stream leaves memory idle between its loads (one thread: 9.2 -> 11.0 GB/s in
+// a standalone test of the loop, 177 MB of panels).
+TRILLM_BF16_TARGET inline void Bf16Kernel::row_pair(const uint16_t* x,
+                                                    const uint16_t* const* panels, int K,
+                                                    const float* const* bias, void* const* y,
+                                                    bool y_bf16, const int* cols) {
+  __m512 acc[2][4];
+  for (int p = 0; p < 2; ++p)
+    for (int v = 0; v < 4; ++v) acc[p][v] = _mm512_setzero_ps();
+  const int full = K / 2;
+  for (int j = 0; j < full; ++j) {
+    int32_t pair;
+    std::memcpy(&pair, x + 2 * j, 4);
+    const __m512bh xj = (__m512bh)_mm512_set1_epi32(pair);
+    for (int p = 0; p < 2; ++p) {
+      const uint16_t* w = panels[p] + static_cast<int64_t>(j) * kPairStride;
+      for (int line = 0; line < 4; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(w + 8 * kPairStride + 32 * line), _MM_HINT_T0);
+      for (int v = 0; v < 4; ++v)
+        acc[p][v] = _mm512_dpbf16_ps(acc[p][v], xj, (__m512bh)_mm512_loadu_si512(w + 32 * v));
+    }
+  }
+  if (K & 1) {  // the last k alone: its pair's high half is zero in x and in the panel
+    const __m512bh xk = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[K - 1]));
+    for (int p = 0; p < 2; ++p) {
+      const uint16_t* w = panels[p] + static_cast<int64_t>(full) * kPairStride;
+      for (int v = 0; v < 4; ++v)
+        acc[p][v] = _mm512_dpbf16_ps(acc[p][v], xk, (__m512bh)_mm512_loadu_si512(w + 32 * v));
+    }
+  }
+  for (int p = 0; p < 2; ++p) {
+    if (bias[p] != nullptr) {
+      alignas(64) float b[kCols] = {};
+      for (int c = 0; c < cols[p]; ++c) b[c] = bias[p][c];
+      for (int v = 0; v < 4; ++v) acc[p][v] = _mm512_add_ps(acc[p][v], _mm512_load_ps(b + 16 * v));
+    }
+    store_row(acc[p], y[p], y_bf16, cols[p]);
+  }
+}
 
 // y[0..R, 0..cols) = x[0..R, :] . panel (+ bias); no scale (always null here).
 template <int R>

@@ -64,6 +64,7 @@ TRILLM_BF16_TARGET inline __attribute__((always_inline)) __m512bh widen(const ui
 struct Fp8Kernel {
   using Weight = uint8_t;
   static constexpr int kRows = 4;  // rows of x per register block (4 x 4 accumulators)
+  static constexpr bool kRowPairs = false;  // no one-row two-panel block
 
   template <int R>
   TRILLM_BF16_TARGET static void block(const uint16_t* x, int64_t ldx, const uint8_t* panel,

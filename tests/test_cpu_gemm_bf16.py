@@ -118,6 +118,32 @@ def test_strided_rows_odd_k_and_a_strided_weight(k):
 
 
 @needs_kernel
+# 1, 3 (odd: one panel alone), 3, 5 panels; 1000 at k 576 (16 panels) is split over threads
+@pytest.mark.parametrize("n", [64, 130, 192, 300, 1000])
+@pytest.mark.parametrize("k", [63, 576])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, bf16])
+def test_one_row_equals_that_row_of_a_larger_call(n, k, bias, out_dtype):
+    # One row walks two panels at once (Bf16Kernel::row_pair); more rows take the register
+    # blocks, one panel at a time: the same products and sums, so the same bits, on every
+    # thread count (a pair may straddle two threads' runs of panels).
+    x, w, b = _data(7, n, k, 4, bias=bias)
+    packed = linear_cpu.PackedWeightBf16(w)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            rows = linear_cpu.linear_bf16(x, packed, b, out_dtype=out_dtype)
+            for i in (0, 3, 6):
+                one = linear_cpu.linear_bf16(x[i : i + 1], packed, b, out_dtype=out_dtype)
+                assert torch.equal(one[0], rows[i]), (threads, i)
+    finally:
+        torch.set_num_threads(previous)
+    if out_dtype == torch.float32:
+        _close_fp32(rows, _reference(x, w, b), k)
+
+
+@needs_kernel
 def test_thread_counts_give_identical_results():
     x, w, _ = _data(97, 700, 512, 2)
     packed = linear_cpu.PackedWeightBf16(w)
