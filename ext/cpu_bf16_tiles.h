@@ -120,7 +120,8 @@ TRILLM_BF16_TARGET inline __attribute__((always_inline)) void tail_block(
 // Panels [first, last) of `g`, all its rows, register block by register block. Kernel: a
 // class with `using Weight` (W), `static constexpr int kRows` (rows of its full register block),
 // `static constexpr bool kRowPairs` (true: it has `row_pair(x, panels[2], K, bias[2], y[2],
-// y_bf16, cols[2])`, one row over two panels, used when g has one row and no scale) and `template <int R> static void block(x, ldx, panel, K, scale, bias, y, ldy, y_bf16, cols)`
+// y_bf16, cols[2])`, one row over two panels, used when g has one row and no scale) and
+// `template <int R> static void block(x, ldx, panel, K, scale, bias, y, ldy, y_bf16, cols)`
 // computing y[0..R, 0..cols) of one panel (scale and bias at the panel's first column).
 template <class Kernel>
 TRILLM_BF16_TARGET void run_panels(const PanelGemm<typename Kernel::Weight>& g, int first,

@@ -124,9 +124,10 @@ def test_strided_rows_odd_k_and_a_strided_weight(k):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.float32, bf16])
 def test_one_row_equals_that_row_of_a_larger_call(n, k, bias, out_dtype):
-    # One row walks two panels at once (Bf16Kernel::row_pair); more rows take the register
+    # One row walks two panels at once (Bf16Kernel::row_pair; the pairs start where each
+    # thread's run of panels does, an odd one left to block<1>); more rows take the register
     # blocks, one panel at a time: the same products and sums, so the same bits, on every
-    # thread count (a pair may straddle two threads' runs of panels).
+    # thread count.
     x, w, b = _data(7, n, k, 4, bias=bias)
     packed = linear_cpu.PackedWeightBf16(w)
     previous = torch.get_num_threads()
