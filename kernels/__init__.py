@@ -37,21 +37,43 @@ here.)
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.util
+import os
+import sys
 
 import torch
 
-from . import (
-    activation_cpu,
-    activation_torch,
-    lora_cpu,
-    lora_torch,
-    rms_norm_cpu,
-    rms_norm_torch,
-    rotary_cpu,
-    rotary_torch,
-)
-from .rotary_torch import build_cos_sin_cache
+
+def _load_installed_kernels() -> None:
+    """This folder imported as a top-level ``kernels``: the repository root is on sys.path
+    before site-packages (``python -m`` run from it, pytest's ``pythonpath``). That name is a
+    PyPI package's (Hugging Face's hub kernels, which transformers imports when installed):
+    load the installed one in this module's place, or fail as a missing module would."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # what the import statement returns once this file ends
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _load_installed_kernels()
+else:
+    from . import (
+        activation_cpu,
+        activation_torch,
+        lora_cpu,
+        lora_torch,
+        rms_norm_cpu,
+        rms_norm_torch,
+        rotary_cpu,
+        rotary_torch,
+    )
+    from .rotary_torch import build_cos_sin_cache
 
 __all__ = [
     "add_lora_",
