@@ -50,8 +50,9 @@ def _load_installed_kernels() -> None:
     before site-packages (``python -m`` run from it, pytest's ``pythonpath``). That name is a
     PyPI package's (Hugging Face's hub kernels, which transformers imports when installed):
     load the installed one in this module's place, or fail as a missing module would."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    # realpath: a root reached through a symlink would otherwise find this file again
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    path = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
     spec = importlib.machinery.PathFinder.find_spec("kernels", path)
     if spec is None or spec.loader is None:
         raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
