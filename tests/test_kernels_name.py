@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -20,7 +22,12 @@ def _python(code: str, *path: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=120)  # fmt: skip
 
 
-def test_import_kernels_gives_the_installed_package_not_this_folder(tmp_path):
+@pytest.mark.parametrize("via_symlink", [False, True])
+def test_import_kernels_gives_the_installed_package_not_this_folder(tmp_path, via_symlink):
+    root = ROOT
+    if via_symlink:  # the root on sys.path under another name
+        root = tmp_path / "checkout"
+        root.symlink_to(ROOT, target_is_directory=True)
     fake = tmp_path / "site" / "kernels"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('CUDAProperties = "the PyPI package"\n')
@@ -30,7 +37,7 @@ def test_import_kernels_gives_the_installed_package_not_this_folder(tmp_path):
         "print(kernels.CUDAProperties)\n"
         "print(trillm.kernels.__file__, callable(trillm.kernels.rms_norm))\n"
     )
-    result = _python(code, ROOT, tmp_path / "site")  # the root first: it would shadow
+    result = _python(code, root, tmp_path / "site")  # the root first: it would shadow
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == str(fake / "__init__.py")
