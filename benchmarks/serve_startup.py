@@ -4,12 +4,14 @@ For each layout (``uni``: one worker; ``tp2``; ``pp2``; ``tp2xpp2``) and round: 
 ``python -m trillm serve MODEL`` on a free loopback port, poll ``/health`` every 50 ms until it
 answers 200 (*ready*), send one greedy /v1/completions request of two prompts x 8 tokens
 (*first request*), then SIGTERM and wait for the process to exit (*stop*). Reported: the
-median of the rounds, per layout. ``--model`` defaults to a tiny random Qwen2 (2 layers, the
+median of the rounds, per layout, with *cpu*: the CPU seconds of the server and every process
+it waited for (its ranks), from start to exit. ``--worker-start zygote spawn`` runs each round
+under each ``TRILLM_WORKER_START`` in turn (alternated), a row per (layout, mode). ``--model`` defaults to a tiny random Qwen2 (2 layers, the
 parallelism tests' shape) built once under ``--cache``; the numbers are wall seconds on
 whatever else the machine is doing, so compare layouts or trees in one run.
 
     python benchmarks/serve_startup.py [--model PATH] [--layouts uni tp2 pp2 tp2xpp2]
-        [--rounds 3] [--out x.json]
+        [--rounds 3] [--worker-start zygote spawn] [--out x.json]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -37,13 +40,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def one_round(model: str, flags: list[str]) -> dict[str, float]:
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def one_round(model: str, flags: list[str], worker_start: str | None) -> dict[str, float]:
     port = free_port()
+    env = dict(os.environ)
+    if worker_start is not None:
+        env["TRILLM_WORKER_START"] = worker_start
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "trillm", "serve", model, *flags, *LIMITS,
             "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    start = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    cpu0, start = children_cpu_s(), time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
     try:
         while True:
             if proc.poll() is not None:
@@ -68,7 +79,7 @@ def one_round(model: str, flags: list[str]) -> dict[str, float]:
             proc.kill()
             proc.wait()
     return {"ready_s": ready - start, "first_request_s": answered - ready,
-            "stop_s": stopped - answered}  # fmt: skip
+            "stop_s": stopped - answered, "cpu_s": children_cpu_s() - cpu0}  # fmt: skip
 
 
 def tiny_model(cache: Path) -> str:
@@ -86,17 +97,24 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "trillm-bench")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--worker-start", nargs="+", default=[None], choices=["zygote", "spawn"],
+                   help="TRILLM_WORKER_START per round, alternated (default: unset)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     model = args.model or tiny_model(args.cache)
-    rows = {}
+    rows: dict[str, dict[str, object]] = {}
     for layout in args.layouts:
-        rounds = [one_round(model, LAYOUTS[layout]) for _ in range(args.rounds)]
-        rows[layout] = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
-        rows[layout]["rounds"] = rounds  # type: ignore[assignment]
-        med = rows[layout]
-        print(f"{layout:8s} ready {med['ready_s']:6.2f} s  first request "
-              f"{med['first_request_s']:5.2f} s  stop {med['stop_s']:5.2f} s", flush=True)  # fmt: skip
+        runs: dict[str | None, list[dict[str, float]]] = {mode: [] for mode in args.worker_start}
+        for _ in range(args.rounds):
+            for mode in args.worker_start:
+                runs[mode].append(one_round(model, LAYOUTS[layout], mode))
+        for mode, rounds in runs.items():
+            name = layout if mode is None else f"{layout}/{mode}"
+            med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+            rows[name] = {**med, "rounds": rounds}
+            print(f"{name:15s} ready {med['ready_s']:6.2f} s  first request "
+                  f"{med['first_request_s']:5.2f} s  stop {med['stop_s']:5.2f} s  "
+                  f"cpu {med['cpu_s']:6.2f} s", flush=True)  # fmt: skip
     if args.out is not None:
         load = os.getloadavg()[0]
         args.out.write_text(json.dumps({"model": model, "load_1min": load, "layouts": rows},

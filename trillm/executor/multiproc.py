@@ -39,8 +39,9 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, EngineStartupError, IPCError, ModelExecutionError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory, unwrap_group
+from trillm.executor.rank_launch import RankProcess, start_ranks
 from trillm.executor.worker_exits import WorkerExits
-from trillm.executor.worker_ipc import WorkerIpc, free_loopback_port, worker_env
+from trillm.executor.worker_ipc import WorkerIpc, free_loopback_port
 from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
 from trillm.ipc.shm_ring import DEFAULT_NUM_SLOTS, DEFAULT_SLOT_SIZE, RingReader
@@ -105,7 +106,7 @@ class MultiprocExecutor(Executor):
         self.startup_timeout_s = startup_timeout_s
         self.step_timeout_s = step_timeout_s
         self.num_blocks = 0
-        self.processes: list[trio.Process] = []
+        self.processes: list[RankProcess] = []
         self.segment_names: list[str] = []
         self._ipc: WorkerIpc | None = None
         self._pending: deque[SchedulerOutput] = deque()  # sent, not collected; oldest first
@@ -147,10 +148,15 @@ class MultiprocExecutor(Executor):
         self.segment_names = ipc.segment_names()
         try:
             async with trio.open_nursery() as nursery:
-                for rank in range(self.num_workers):
-                    argv, fds = ipc.worker_args(rank, self.config.parallel.data_parallel_rank)
-                    proc = await trio.lowlevel.open_process(argv, pass_fds=fds, env=worker_env())
-                    self.processes.append(proc)
+                engine = self.config.parallel.data_parallel_rank
+                specs = [ipc.worker_args(rank, engine) for rank in range(self.num_workers)]
+                with trio.move_on_after(self.startup_timeout_s) as starting:
+                    self.processes = await start_ranks(specs)
+                if starting.cancelled_caught:
+                    raise EngineStartupError(
+                        f"The worker processes did not start within {self.startup_timeout_s} s."
+                    )
+                for rank, proc in enumerate(self.processes):
                     nursery.start_soon(self._supervise, rank, proc)
                 ipc.close_death_read_end()  # the workers hold it now
                 await self._guarded(self._handshake, self.startup_timeout_s, "start up")
@@ -192,7 +198,7 @@ class MultiprocExecutor(Executor):
             raise self._fail(EngineStartupError(f"Worker rank {rank} sent {msg!r} during startup."))
         return msg
 
-    async def _supervise(self, rank: int, proc: trio.Process) -> None:
+    async def _supervise(self, rank: int, proc: RankProcess) -> None:
         code = await proc.wait()
         if self._stopping:
             return
@@ -371,9 +377,7 @@ class MultiprocExecutor(Executor):
                 if msg.collective:  # its supervisor names the silent ranks, then fails us
                     self._exits.report(msg)
                     await trio.sleep_forever()
-                raise self._fail(
-                    EngineDeadError(f"Worker rank {msg.rank} failed:\n{msg.message}")
-                )
+                raise self._fail(EngineDeadError(f"Worker rank {msg.rank} failed:\n{msg.message}"))
             if not isinstance(msg, ModelRunnerOutput) or msg.step_id != step_id:
                 got = f"step {msg.step_id}" if isinstance(msg, ModelRunnerOutput) else repr(msg)
                 raise self._fail(

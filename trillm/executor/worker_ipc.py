@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -64,11 +63,11 @@ class WorkerIpc:
         self.results = [RingReader(r, 0, f) for r, f in zip(self.result_rings, self.result_fds)]
 
     def worker_args(self, rank: int, engine: int = 0) -> tuple[list[str], list[int]]:
-        """-> (command line, fds the worker inherits); ``engine``: the engine core (data
+        """-> (the worker's arguments: its command line after ``python -m
+        trillm.worker.worker_main``, the fds it inherits); ``engine``: the engine core (data
         parallelism) the worker serves, on its command line so that ps tells them apart."""
         res = self.result_fds[rank]
         argv = [
-            sys.executable, "-m", "trillm.worker.worker_main",
             "--rank", str(rank),
             "--engine", str(engine),
             "--request-ring", json.dumps(asdict(self.request_fds)),
