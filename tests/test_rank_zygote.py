@@ -35,7 +35,11 @@ def _children() -> dict[int, list[bytes]]:
     zygote; a zombie's is empty, so it counts too)."""
     found = {}
     for task in os.listdir("/proc/self/task"):
-        for child in Path(f"/proc/self/task/{task}/children").read_text().split():
+        try:
+            kids = Path(f"/proc/self/task/{task}/children").read_text().split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        for child in kids:
             try:
                 argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
             except OSError:
