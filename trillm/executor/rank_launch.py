@@ -166,9 +166,10 @@ async def start_ranks(specs: list[RankSpec]) -> list[RankProcess]:
 
 
 async def _kill_all(procs: list[RankProcess]) -> None:
+    for proc in procs:  # every one signalled before any is waited for
+        proc.kill()
     with trio.move_on_after(CLEANUP_GRACE_S):
         for proc in procs:
-            proc.kill()
             await proc.wait()
 
 
