@@ -68,10 +68,9 @@ def set_cmdline(argv: list[str]) -> bool:
     return True
 
 
-def _await_adoption(parent_pid: int) -> bool:
+def _await_adoption(parent_pid: int, zygote: int) -> bool:
     """Wait until this child's parent is ``parent_pid`` (the zygote exits after its forks and
     the executor's process adopts its children); False if it went to any other process."""
-    zygote = os.getppid()
     while (ppid := os.getppid()) != parent_pid:
         if ppid != zygote:
             return False
@@ -79,13 +78,13 @@ def _await_adoption(parent_pid: int) -> bool:
     return True
 
 
-def _run_rank(argv: list[str], keep: list[int], others: set[int]) -> int:
+def _run_rank(argv: list[str], keep: list[int], others: set[int], zygote: int) -> int:
     for fd in others - set(keep):
         os.close(fd)
     from trillm.worker import worker_main
 
     args = worker_main._parse(argv)
-    if not _await_adoption(args.parent_pid):
+    if not _await_adoption(args.parent_pid, zygote):
         return worker_main.EXIT_PARENT_DIED
     full = [sys.executable, "-m", WORKER_MODULE, *argv]
     set_cmdline(full)
@@ -106,13 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         __import__(name)
     gc.collect()
     gc.freeze()  # the children share these pages: no collection of theirs writes to them
+    zygote = os.getpid()  # a child's parent until it is adopted
     for rank_argv, keep in ranks:
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
                 os.close(args.report_fd)
-                code = _run_rank(rank_argv, keep, inherited)
+                code = _run_rank(rank_argv, keep, inherited, zygote)
             except BaseException:
                 traceback.print_exc()
             finally:
