@@ -298,3 +298,21 @@ def test_vocab_validates_its_arguments(impl):
         vocab([b"a"], [1])
     with pytest.raises(ValueError, match="exactly one byte"):
         vocab([b"ab"], [], 1, [0], 0)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="trillm._ext.detokenizer not built")
+@pytest.mark.parametrize("impl", ["native", "python"])
+@pytest.mark.parametrize("follow", [[], [0x80], [0x41]])
+def test_a_surrogate_lead_is_final_at_once(hf_tokenizer, sp_tokenizer, impl, follow):
+    """ED A1 (a UTF-16 surrogate's lead) can never become valid: both twins emit two U+FFFD
+    at once (CPython's incremental decoder alone would wait for a third byte), byte-level and
+    byte-fallback alike, and the whole text still equals the tokenizer's decode."""
+    byte_level = {b: hf_tokenizer.convert_tokens_to_ids(c) for b, c in
+                  ((0xED, "í"), (0xA1, "¡"), (0x80, "Ā"), (0x41, "A"))}  # fmt: skip
+    fallback = {b: sp_tokenizer.token_to_id(f"<0x{b:02X}>") for b in (0xED, 0xA1, 0x80, 0x41)}
+    for tok, ids in ((hf_tokenizer, byte_level), (sp_tokenizer, fallback)):
+        detok = new_detok(tok, impl, False)
+        assert detok.add_tokens([ids[0xED], ids[0xA1]]) == "\ufffd\ufffd"
+        rest = detok.add_tokens([ids[b] for b in follow]) + detok.flush()
+        whole = [ids[0xED], ids[0xA1], *(ids[b] for b in follow)]
+        assert "\ufffd\ufffd" + rest == tok.decode(whole), (tok, follow)

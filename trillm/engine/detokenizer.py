@@ -41,6 +41,13 @@ logger = logging.getLogger(__name__)
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def surrogate_lead(pending: bytes) -> bool:
+    """True for ED A0..BF held back by an incremental UTF-8 decoder: CPython's waits for a
+    third byte there, but no byte makes a UTF-16 surrogate's encoding valid (the native twin
+    and ``bytes.decode`` take both bytes as invalid at once)."""
+    return len(pending) == 2 and pending[0] == 0xED and pending[1] >= 0xA0
+
+
 class Detokenizer(Protocol):
     """What the output processor needs from any of the implementations."""
 
@@ -125,7 +132,11 @@ class PyIncrementalDetokenizer:
             ids = [i for i in ids if i < self._vocab.size]
         if self._vocab.scheme == DecoderScheme.BYTE_LEVEL:
             table = self._vocab.table_skipping if self._skip else self._vocab.table
-            return self._utf8.decode(b"".join([table[i] for i in ids]))
+            text = self._utf8.decode(b"".join([table[i] for i in ids]))
+            if surrogate_lead(self._utf8.getstate()[0]):  # two bytes no byte can complete
+                self._utf8.reset()
+                text += REPLACEMENT_CHAR * 2
+            return text
         return self._strip("".join(self._byte_fallback_pieces(ids)))
 
     def flush(self) -> str:
@@ -157,6 +168,8 @@ class PyIncrementalDetokenizer:
         self._run.append(byte)
         try:
             self._run_check.decode(bytes([byte]))
+            if surrogate_lead(self._run_check.getstate()[0]):
+                raise UnicodeDecodeError("utf-8", bytes(self._run), 0, 2, "a surrogate")
         except UnicodeDecodeError:
             # ByteFallback turns an invalid run into one U+FFFD per byte, whatever follows.
             self._run_invalid = True
