@@ -137,12 +137,14 @@ def save_reference(
     torch.save({"prompt_ids": prompt_ids, "new_tokens": n, "runs": packed}, path)
 
 
-def run_trillm(model: str, prompt_ids: list[list[int]], n: int, max_num_seqs: int) -> list[Any]:
+def run_trillm(
+    model: str, prompt_ids: list[list[int]], n: int, max_num_seqs: int, numerics: str = "fast"
+) -> list[Any]:
     from trillm import LLM, SamplingParams
 
     engine = LLM(
         model, dtype="bfloat16", max_model_len=512, max_num_seqs=max_num_seqs,
-        distributed_executor_backend="uni",
+        distributed_executor_backend="uni", numerics=numerics,
     )  # fmt: skip
     try:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
@@ -185,6 +187,10 @@ def main() -> None:
         "--no-bf16-kernel", action="store_true",
         help="every bf16 linear through torch's F.linear, as transformers runs them (the "
         "engine runs in this process: distributed_executor_backend='uni')",
+    )  # fmt: skip
+    parser.add_argument(
+        "--numerics", choices=["fast", "transformers"], default="fast",
+        help="trillm's numerics engine argument (transformers: every op as transformers runs it)",
     )  # fmt: skip
     parser.add_argument(
         "--against-hf-batched", action="store_true",
@@ -231,7 +237,7 @@ def main() -> None:
         batched = hf_batched_greedy(load_hf(), prompt_ids, args.new_tokens, pad)
         ours_all = [tokens for tokens, _ in batched]
     else:
-        outs = run_trillm(model, prompt_ids, args.new_tokens, args.max_num_seqs)
+        outs = run_trillm(model, prompt_ids, args.new_tokens, args.max_num_seqs, args.numerics)
         ours_all = [list(out.outputs[0].token_ids) for out in outs]
     t2 = time.time()
     rows = []
@@ -258,7 +264,7 @@ def main() -> None:
         summary = {
             "command": " ".join(sys.argv), "equal": equal, "equal_first_32": equal32, "prompts": len(rows),
             "new_tokens": args.new_tokens, "max_num_seqs": args.max_num_seqs,
-            "no_bf16_kernel": args.no_bf16_kernel,
+            "no_bf16_kernel": args.no_bf16_kernel, "numerics": args.numerics,
             "against_hf_batched": args.against_hf_batched,
             "reference_batched": args.reference_batched, "rows": rows,
         }  # fmt: skip

@@ -146,8 +146,9 @@ def test_bf16_attention_long_context_near_bit_for_bit():
 def test_bf16_prefill_kernel_equals_transformers_eager(threads, monkeypatch):
     """The fresh-prompt kernel (``causal_prefill``) on bf16 prompts, q/k/v strided views of one
     fused qkv, lengths around its 64-key tiles and 6-row blocks: transformers' eager attention
-    up to a few outputs in ten thousand, each within 2^-6 (it sums q . k over the head in
-    another fp32 order than the paged kernel); rows between the segments are left alone."""
+    up to a few outputs in ten thousand (5.8 on an AVX2-only CPU, whose torch sums in yet
+    another order), each within 2^-6 (it sums q . k over the head in another fp32 order than
+    the paged kernel); rows between the segments are left alone."""
     if not paged_attention_cpu.prefill_supports_layout(torch.bfloat16, HQ, HKV, D):
         pytest.skip("the CPU has no AVX2/FMA")
     monkeypatch.setenv("TRILLM_CPU_ATTENTION_THREADS", str(threads))
@@ -165,7 +166,7 @@ def test_bf16_prefill_kernel_equals_transformers_eager(threads, monkeypatch):
     for a, n in zip(starts, lens):
         r = slice(a, a + n)
         hf = _hf_eager(q[r], k[r], v[r], 0)
-        assert _differing(out[r], hf) < 0.0005
+        assert _differing(out[r], hf) < 0.001
         assert (out[r].float() - hf.float()).abs().max() <= 2.0**-6
         if n >= 64:  # the test can fail: fp32 probabilities differ (one key: p = 1 in both)
             assert _differing(_attend(q[r], k[r], v[r], 0, rounded=True), hf) > 0.2

@@ -57,7 +57,7 @@ class EngineArgs:
     # once): fewer, larger chunks under load (vLLM's --stream-interval).
     stream_interval: int = 1
     device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str | None = None  # torch | triton | flashinfer; None = best available
+    attention_backend: str | None = None  # torch | triton | flashinfer | eager; None = best
     distributed_executor_backend: Literal["mp", "uni"] = "mp"
     generation_config: str = "auto"  # auto (from the model folder) | vllm (ignore it) | a path
     trust_remote_code: bool = False
@@ -100,6 +100,9 @@ class EngineArgs:
     master_port: int | None = None  # None: a free loopback port (one node), 29500 (several)
     # A collective that waits longer means a rank stopped answering (vLLM's name); None: 120 s.
     distributed_timeout_seconds: float | None = None
+    # trillm's: "fast" (the native kernels) or "transformers" (every op as transformers' eager
+    # forward computes it: trillm/model_executor/transformers_numerics.py).
+    numerics: str = "fast"
 
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
@@ -132,6 +135,7 @@ class EngineArgs:
 
             check_quantization(self.quantization)  # ValueError naming the method
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_numerics(self.numerics)
         check_runner(self.runner, self.convert, self.pooler_config)  # ValueError naming it
         from trillm.spec_decode.config import parse_speculative_config
 
@@ -213,9 +217,18 @@ class ModelConfig:
     generation_config: dict[str, Any] = field(default_factory=dict)
     hf_config: dict[str, Any] = field(default_factory=dict)
     quantization: str | None = None  # "fp8" (at load, CPU) | "gguf" (a GGUF's blocks) | awq | gptq
+    numerics: str = "fast"  # EngineArgs.numerics: "fast" | "transformers"
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+NUMERICS = ("fast", "transformers")
+
+
+def check_numerics(name: object) -> str:
+    """``name`` if it is one of ``NUMERICS``, else a ValueError naming it."""
+    if name not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {name!r}.")
+    return str(name)
 
 
 def check_kv_cache_dtype(name: str) -> str:

@@ -20,6 +20,7 @@ from field_coverage.ids import (
     LORA,
     LORA_HTTP,
     MN,
+    NUM,
     OPENAI,
     OUTPUT,
     PA,
@@ -91,7 +92,13 @@ ENGINE: dict[str, tuple[str, ...]] = {
     "stream_interval": ids(OUTPUT + "test_stream_interval_batches_delta_outputs",
                            LIFE + "test_stream_interval_sends_fewer_larger_chunks"),
     "device": ids(CONFIG, ENGINE_REFUSED),
-    "attention_backend": ids(CONFIG, FEE + "test_unknown_attention_backend_is_refused_at_startup"),
+    "attention_backend": ids(CONFIG, FEE + "test_unknown_attention_backend_is_refused_at_startup",
+                             NUM + "test_eager_backend_equals_transformers_eager_attention",
+                             NUM + "test_bad_values_are_refused"),
+    # every op as transformers computes it: its output to the bit; what it cannot honour refused
+    "numerics": ids(NUM + "test_output_equals_transformers_bit_for_bit",
+                    NUM + "test_the_model_runs_transformers_ops",
+                    NUM + "test_what_it_cannot_honour_is_refused", NUM + "test_bad_values_are_refused"),
     "distributed_executor_backend": ids(CONFIG, FEE + "test_temperature_seed_n"),
     **dict.fromkeys(("nnodes", "node_rank", "master_addr", "master_port"), ids(
         MN + "test_ranks_across_two_nodes_match_tp1_over_http",

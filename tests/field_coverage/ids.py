@@ -36,6 +36,7 @@ LORA_HTTP = "tests/test_lora_http.py::"
 SPEC = "tests/test_spec_decode.py::"
 SPEC_E = "tests/test_spec_decode_engine.py::"
 SPEC_D = "tests/test_spec_decode_draft.py::"
+NUM = "tests/test_transformers_numerics.py::"
 
 
 def ids(*node_ids: str) -> tuple[str, ...]:

@@ -165,7 +165,7 @@ _ENGINE_FLAG_FIELDS = {
     "--pooler-config": "pooler_config",
     "--distributed-executor-backend": "distributed_executor_backend",
     "--generation-config": "generation_config", "--trust-remote-code": "trust_remote_code",
-    "--dequantize-gguf": "dequantize_gguf",
+    "--dequantize-gguf": "dequantize_gguf", "--numerics": "numerics",
 }  # fmt: skip
 
 SERVE_FLAGS: dict[str, tuple[str, ...]] = {

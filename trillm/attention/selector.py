@@ -8,7 +8,7 @@ from trillm.attention.backend import AttentionBackend
 
 def get_attention_backend(name: str, device: str) -> AttentionBackend:
     """Backend by name: ``torch`` (CPU or GPU), ``triton`` (GPU, or CPU under the interpreter),
-    ``flashinfer`` (GPU only)."""
+    ``flashinfer`` (GPU only), ``eager`` (transformers' eager attention per request, CPU)."""
     if name == "torch":
         from trillm.attention.torch_backend import TorchAttentionBackend
 
@@ -23,4 +23,10 @@ def get_attention_backend(name: str, device: str) -> AttentionBackend:
         from trillm.attention.flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend()
-    raise ValueError(f"Unknown attention backend {name!r}; choose torch, triton or flashinfer.")
+    if name == "eager":
+        from trillm.attention.eager_backend import EagerAttentionBackend
+
+        return EagerAttentionBackend()
+    raise ValueError(
+        f"Unknown attention backend {name!r}; choose torch, triton, flashinfer or eager."
+    )

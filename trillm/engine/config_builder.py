@@ -19,6 +19,7 @@ from trillm.config import (
     TrillmConfig,
     parse_memory_size,
 )
+from trillm.model_executor import transformers_numerics
 from trillm.spec_decode.config import parse_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -26,9 +27,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 
-def resolve_attention_backend(requested: str | None, device: str) -> str:
+def resolve_attention_backend(args: EngineArgs, device: str, model_dtype: str) -> str:
+    requested = args.attention_backend
+    if requested == "eager" and (device != "cpu" or args.kv_cache_dtype != "auto"):
+        raise ValueError(
+            "The eager attention backend runs on CPU with the KV cache in the model's dtype "
+            f"({model_dtype}; kv_cache_dtype auto); got device {device}, kv_cache_dtype "
+            f"{args.kv_cache_dtype}."
+        )
     if requested is not None:
         return requested
+    if args.numerics == "transformers":
+        return "eager"
     if device == "cuda":
         try:
             import flashinfer  # noqa: F401
@@ -57,6 +67,8 @@ def build_config(args: EngineArgs) -> TrillmConfig:
 
     device = resolve_device(args.device)
     model_config = load_model_config(args)
+    transformers_numerics.check(args, model_config, device)
+    model_config.numerics = args.numerics
     max_model_len = model_config.max_model_len
     _check_tensor_parallel(model_config, args.tensor_parallel_size, device, args.nnodes)
     _check_data_parallel(args, device)
@@ -101,7 +113,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         parallel=_parallel_config(args),
         device=device,
         seed=args.seed,
-        attention_backend=resolve_attention_backend(args.attention_backend, device),
+        attention_backend=resolve_attention_backend(args, device, model_config.dtype),
         max_logprobs=args.max_logprobs,
         reasoning_parser=args.reasoning_parser,
         lora=_lora_config(args, model_config),
@@ -218,9 +230,11 @@ def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
         raise ValueError(f"convert='classify' needs a *ForSequenceClassification checkpoint (a "
                          f"score head); {model_config.architecture} has none.")  # fmt: skip
     if classifier and (args.runner == "generate" or args.convert == "embed"):
-        raise ValueError("This checkpoint is a sequence classifier: it classifies (runner "
-                         "'auto' / 'pooling', convert 'auto' / 'classify'); "
-                         f"runner={args.runner!r} convert={args.convert!r} is not implemented.")
+        raise ValueError(
+            "This checkpoint is a sequence classifier: it classifies (runner "
+            "'auto' / 'pooling', convert 'auto' / 'classify'); "
+            f"runner={args.runner!r} convert={args.convert!r} is not implemented."
+        )
     if not (is_pooling(args.runner, args.convert) or classifier):
         return None
     for name, value in (("enable_lora", args.enable_lora),

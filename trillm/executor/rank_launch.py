@@ -29,10 +29,10 @@ from typing import Any, Protocol
 import trio
 
 from trillm.errors import EngineStartupError
+from trillm.executor.rank_zygote import WORKER_MODULE
 from trillm.executor.worker_exits import describe_exit
 from trillm.executor.worker_ipc import worker_env
 
-WORKER_MODULE = "trillm.worker.worker_main"
 ZYGOTE_MODULE = "trillm.executor.rank_zygote"
 START_ENV = "TRILLM_WORKER_START"
 START_MODES = ("zygote", "spawn")

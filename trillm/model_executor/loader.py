@@ -19,7 +19,7 @@ from trillm.config import ModelConfig
 from trillm.distributed.parallel_state import get_tp_group
 from trillm.distributed.pipeline import get_pp_group, prune_to_stage
 from trillm.distributed.sharding import RankShapes
-from trillm.model_executor import classification, gguf_loader
+from trillm.model_executor import classification, gguf_loader, transformers_numerics
 from trillm.model_executor.awq_gptq import PACKED
 from trillm.model_executor.layers.linear import pack_cpu_linears
 from trillm.model_executor.layers.quantized_linear import load_gguf, load_group_quantized
@@ -148,6 +148,8 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     else:
         load_weights(causal_lm, cfg.model, cfg)
     model.eval()
-    if torch.device(device).type == "cpu":
+    if cfg.numerics == "transformers":
+        transformers_numerics.prepare(model)  # and no packed linears: F.linear, as HF
+    elif torch.device(device).type == "cpu":
         pack_cpu_linears(model, cfg.quantization)
     return causal_lm

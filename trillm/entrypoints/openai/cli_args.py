@@ -24,7 +24,7 @@ _ENGINE_FLAGS = (
     "stream_interval", "reasoning_parser", "load_format", "quantization", "dequantize_gguf",
     "enable_lora", "max_loras", "max_lora_rank", "kv_cache_dtype", "speculative_config",
     "convert", "pooler_config", "nnodes", "node_rank", "master_addr", "master_port",
-    "distributed_timeout_seconds", "enforce_eager",
+    "distributed_timeout_seconds", "enforce_eager", "numerics",
 )  # fmt: skip
 
 
@@ -241,8 +241,19 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         f"end still go at once. 0: no budget (default: {DEFAULT_WAKE_BUDGET}).",
     )  # fmt: skip
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Default: auto.")
-    g.add_argument("--attention-backend", help="torch, triton or flashinfer (default: best).")
+    g.add_argument(
+        "--attention-backend",
+        help="torch, triton, flashinfer or eager (transformers' eager attention, one request "
+        "at a time, CPU) (default: best).",
+    )
     g.add_argument("--distributed-executor-backend", choices=["mp", "uni"])
+    g.add_argument(
+        "--numerics", choices=["fast", "transformers"],
+        help="fast: trillm's native kernels (default). transformers: every op as transformers' "
+        "eager forward computes it (torch's F.linear and RMSNorm, eager attention one request at "
+        "a time), so a request's output equals transformers' own to the bit where torch's GEMM "
+        "is batch-invariant (checked at load); Llama-family models on CPU; slower.",
+    )  # fmt: skip
     _add_node_flags(p)
     g.add_argument(
         "--generation-config",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trillm.kernels import apply_rotary_
+from trillm.kernels import apply_rotary_, rotary_torch
 from trillm.model_executor.layer_types import SUPPORTED_ROPE_TYPES
 
 
@@ -150,6 +150,8 @@ class RotaryEmbedding(nn.Module):
         # NOTE: a plain attribute, not a buffer: it stays float32 through a dtype cast of the
         # model and survives the loader's re-allocation after a meta-device construction.
         self.cos_sin_cache = table.to(device)  # [P, D] float32: cos half, then sin half
+        # numerics="transformers": HF's apply_rotary_pos_emb op for op (rotary_torch).
+        self.reference = False
 
     def forward(
         self,
@@ -158,4 +160,9 @@ class RotaryEmbedding(nn.Module):
         k: torch.Tensor,  # [T, Hkv, D], likewise
     ) -> None:
         """Rotates q and k in place."""
+        if self.reference:
+            q_rot, k_rot = rotary_torch.apply_rotary(q, k, positions, self.cos_sin_cache)
+            q.copy_(q_rot)
+            k.copy_(k_rot)
+            return
         apply_rotary_(q, k, positions, self.cos_sin_cache)

@@ -27,7 +27,7 @@ from trillm.distributed.pipeline import (
     is_missing,
 )
 from trillm.distributed.sharding import RankShapes
-from trillm.kernels import silu_and_mul
+from trillm.kernels import activation_torch, silu_and_mul
 from trillm.model_executor.layer_types import layer_windows, partial_rotary_factor
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
@@ -157,9 +157,11 @@ class LlamaMLP(nn.Module):
         shards = {"gate": inter, "up": inter}
         self.gate_up_proj = StackedLinear(cfg.hidden_size, shards, bias=bias)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
+        self.reference = False  # numerics="transformers": F.silu(gate) * up, as HF's MLP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # via [T, 2I/N], [T, I/N]
+        act = activation_torch.silu_and_mul if self.reference else silu_and_mul
+        out = self.down_proj(act(self.gate_up_proj(x)))  # via [T, 2I/N], [T, I/N]
         return self.tp.all_reduce(out)
 
 
