@@ -150,10 +150,13 @@ def test_pack_quantizes_every_linear_but_the_lm_head(dtype):
     x = torch.randn(5, 64).to(dtype)
     with torch.no_grad():
         got = model.proj(x)
-        want = F.linear(x.to(bf16).float(), q.dequantize(), bias.float())
         torch.testing.assert_close(model.lm_head(got), F.linear(got, head), rtol=0.02, atol=0.02)
     assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-4)
+    if fp8._ext() is not None:  # AVX512-BF16: x in bf16, the exact weights, fp32 sums
+        want = F.linear(x.to(bf16).float(), q.dequantize(), bias.float())
+        torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-4)
+    else:  # the portable path: F.linear on the weights dequantized to x's dtype
+        assert torch.equal(got, F.linear(x, q.dequantize(dtype), bias.to(dtype)))
     with pytest.raises(ValueError, match="int4"):
         linear_layers.pack_cpu_linears(_Tiny(dtype), "int4")
 

@@ -5,9 +5,10 @@ values): transformers' eager model generates each prompt alone (greedy, its raw 
 step); trillm generates all of them in one engine (batched decode, a shared prefix that hits
 the prefix cache, a prompt split into prefill chunks) and must give the same tokens and, for
 each, the same log-probability to the last bit. Where torch's GEMM on the CPU running the test
-gives a row other bits at another row count (``gemm_batch_variance``), the engine runs one
-request at a time (the row counts transformers uses) and the same equality holds. The fast
-numerics are the control: the same run with trillm's native kernels does not reach it.
+gives a row other bits at another row count (``gemm_batch_variance``, what the engine logs),
+the engine runs one request at a time (the row counts transformers uses) and the same equality
+holds; where it depends on the weights' memory alignment (MKL's fp32 GEMM; not seen in bf16),
+only to rounding.
 """
 
 from __future__ import annotations
@@ -66,18 +67,33 @@ def case(request, tmp_path_factory):
     arch, overrides = CASES[request.param]
     path = build_tiny_model(arch, tmp_path_factory.mktemp(request.param), **overrides)
     prompts = _prompts()
-    hf, refs = _hf_reference(path, prompts)
-    # One request at a time where torch's GEMM is not batch-invariant on this CPU.
-    batch = len(prompts) if not transformers_numerics.gemm_batch_variance(hf) else 1
-    return path, prompts, refs, batch
+    _, refs = _hf_reference(path, prompts)
+    return path, prompts, refs, _gemm_variance(path)
 
 
-def _generate(path, prompts, numerics: str, max_num_seqs: int):
+def _gemm_variance(path) -> list[str]:
+    """What ``numerics="transformers"`` logs at load: where torch's GEMM on this CPU gives a
+    row other bits (another row count, another weight alignment) for this model's shapes."""
+    from trillm.attention.eager_backend import EagerAttentionBackend
+    from trillm.engine.config_builder import build_config
+    from trillm.model_executor.loader import build_model
+
+    config = build_config(EngineArgs(model=str(path), numerics="transformers", dtype="bfloat16"))
+    model = build_model(config.model, EagerAttentionBackend(), "cpu")
+    return transformers_numerics.gemm_batch_variance(model)
+
+
+def _generate(path, prompts, numerics: str, variance: list[str]):
     from trillm import LLM, SamplingParams
 
+    # Batched, a shared prefix from the prefix cache, prompts in 32-token prefill chunks; where
+    # a row's GEMM bits depend on the row count, one request at a time in transformers' shapes.
+    shapes = dict(max_num_seqs=8, max_num_batched_tokens=32)
+    if variance:
+        shapes = dict(max_num_seqs=1, max_num_batched_tokens=256, enable_prefix_caching=False)
     llm = LLM(
-        str(path), dtype="bfloat16", numerics=numerics, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=32, distributed_executor_backend="uni",
+        str(path), dtype="bfloat16", numerics=numerics, distributed_executor_backend="uni",
+        **shapes,
     )  # fmt: skip
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
@@ -96,13 +112,17 @@ def _generate(path, prompts, numerics: str, max_num_seqs: int):
 
 
 def test_output_equals_transformers_bit_for_bit(case):
-    path, prompts, refs, batch = case
-    got = _generate(path, prompts, "transformers", batch)
+    path, prompts, refs, variance = case
+    got = _generate(path, prompts, "transformers", variance)
+    exact = not any(transformers_numerics.ALIGNMENT in v for v in variance)
     for i, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(
         zip(got, refs, strict=True)
     ):
         assert tokens == ref_tokens, f"prompt {i}: {tokens} != {ref_tokens}"
-        assert logprobs == ref_logprobs, f"prompt {i}: {logprobs} != {ref_logprobs}"
+        if exact:
+            assert logprobs == ref_logprobs, f"prompt {i}: {logprobs} != {ref_logprobs}"
+        else:  # torch's GEMM bits follow the weights' addresses here: to rounding only
+            assert logprobs == pytest.approx(ref_logprobs, abs=0.02), f"prompt {i}"
 
 
 @pytest.mark.parametrize(
@@ -159,16 +179,23 @@ def test_the_model_runs_transformers_ops(tmp_path):
     assert fast.attention_backend == "torch" and fast.model.numerics == "fast"
 
 
-def test_the_gemm_probe_finds_a_shape_whose_rows_depend_on_the_batch(monkeypatch):
+def test_the_gemm_probe_finds_what_moves_a_rows_bits(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(64, 32)).to(torch.bfloat16)
-    real = torch.nn.functional.linear
+    bump = {"rows": 10**9, "misaligned": False}
 
-    def row_count_dependent(x, w, b=None):  # a GEMM whose rows change with the call's size
-        y = real(x, w, b)
-        return y + (x.shape[0] > 16) * torch.finfo(y.dtype).eps * y
+    def gemm(x, w, b=None):  # exact (bf16 products summed in fp64), then what bump asks
+        y = (x.double() @ w.double().T + (0 if b is None else b.double())).to(x.dtype)
+        moved = x.shape[0] > bump["rows"] or (bump["misaligned"] and w.data_ptr() % 64 != 0)
+        return y + moved * torch.finfo(y.dtype).eps * y
 
-    monkeypatch.setattr(torch.nn.functional, "linear", row_count_dependent)
+    monkeypatch.setattr(torch.nn.functional, "linear", gemm)
+    assert transformers_numerics.gemm_batch_variance(model) == []
+    bump["rows"] = 16  # rows of a call of 17 or more change
     assert transformers_numerics.gemm_batch_variance(model) == ["64 x 32 bfloat16 at 17 rows"]
+    bump.update(rows=10**9, misaligned=True)
+    assert transformers_numerics.gemm_batch_variance(model) == [
+        f"64 x 32 bfloat16 at another {transformers_numerics.ALIGNMENT}"
+    ]
 
 
 @pytest.mark.parametrize(

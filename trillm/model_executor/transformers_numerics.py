@@ -14,10 +14,13 @@ sections 22-24 and 30). Here the model runs transformers' ops instead, op for op
 - attention: ``attention/eager_backend.py`` (``eager_attention_forward``, one request at a time).
 
 A request's rows then meet the same ops, in the same shapes, as when transformers runs that
-request alone; the one thing batching still changes is the row count of each GEMM. Where
-torch's GEMM gives a row the same bits at any row count (``gemm_batch_variance`` checks each
-of the model's linear shapes at load, and the log says so), batched output equals transformers'
-one request at a time; where it does not, the log names the shape.
+request alone; what batching still changes is the row count of each GEMM, and the weights'
+addresses differ from transformers'. Where torch's GEMM gives a row the same bits at any row
+count and weight alignment (``gemm_batch_variance`` checks each of the model's linear shapes at
+load, and the log says so), batched output equals transformers' one request at a time: bf16 on
+the CPUs measured (benchmarks/RESULTS.md, section 37). Where the row count matters, one request
+at a time does (the log says how); MKL's fp32 GEMM follows the weights' alignment, so fp32
+output equals transformers' to rounding only.
 
 Implemented for the Llama family (Llama, Mistral, Qwen2, Qwen3) on CPU, unquantized, one
 tensor-parallel rank, the KV cache in the model's dtype, no LoRA; ``check`` refuses the rest
@@ -39,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 PROBE_ROWS = (1, 2, 3, 8, 17, 33, 64)
+ALIGNMENT = "weight memory alignment"  # MKL's fp32 GEMM: transformers' mmap'd weights differ
 
 
 def check(args: EngineArgs, model: ModelConfig, device: str) -> None:
@@ -88,23 +92,26 @@ def prepare(model: nn.Module) -> None:
     variant = gemm_batch_variance(model)
     if variant:
         logger.warning(
-            "numerics='transformers': torch's GEMM on this CPU gives a row other bits at "
-            "another row count for %s: a request's output equals transformers' for the same "
-            "batch shape, not always for the request run alone.",
-            "; ".join(variant),
-        )
+            "numerics='transformers': on this CPU torch's GEMM gives a row other bits for %s. "
+            "At another row count: one request at a time (max_num_seqs=1, "
+            "enable_prefix_caching=False, each prompt in one prefill chunk) gives transformers' "
+            "output for a request run alone. At another %s: outputs equal transformers' to "
+            "rounding, not bit for bit.",
+            "; ".join(variant), ALIGNMENT,
+        )  # fmt: skip
     else:
         logger.info(
-            "numerics='transformers': torch's GEMM gives a row the same bits at %s rows for "
-            "every linear shape of this model.",
+            "numerics='transformers': torch's GEMM gives a row the same bits at %s rows and at "
+            "any weight alignment for every linear shape of this model.",
             "-".join(str(n) for n in (PROBE_ROWS[0], PROBE_ROWS[-1])),
         )
 
 
 def gemm_batch_variance(model: nn.Module) -> list[str]:
     """For each distinct linear shape of ``model`` (random values of its dtype), where
-    ``F.linear`` of a row differs with the call's row count or with the stacked weight split
-    into its shards: a description per shape, empty when none does."""
+    ``F.linear`` of a row differs with the weight's memory alignment, the call's row count
+    or the stacked weight split into its shards: a description per shape, empty when none
+    does."""
     import torch
     from torch import nn
 
@@ -118,7 +125,7 @@ def gemm_batch_variance(model: nn.Module) -> list[str]:
         key = (tuple(weight.shape), weight.dtype, module.bias is not None, shards)
         if key not in seen:
             seen[key] = _probe(weight.shape, weight.dtype, module.bias is not None, shards, torch)
-    return [found for found in seen.values() if found]
+    return list(dict.fromkeys(found for found in seen.values() if found))
 
 
 def _probe(
@@ -131,6 +138,10 @@ def _probe(
     x = torch.randn(PROBE_ROWS[-1], in_features, generator=gen).to(dtype)
     alone = torch.nn.functional.linear(x[:1], w, b)
     where = f"{in_features} x {out_features} {str(dtype).removeprefix('torch.')}"
+    for offset in (1, 3, 6):  # the same weight at 2-24 bytes past a 64-byte boundary
+        shifted = torch.empty(w.numel() + offset, dtype=dtype)[offset:].view_as(w).copy_(w)
+        if not torch.equal(torch.nn.functional.linear(x[:1], shifted, b), alone):
+            return f"{where} at another {ALIGNMENT}"
     for rows in PROBE_ROWS[1:]:
         if not torch.equal(torch.nn.functional.linear(x[:rows], w, b)[:1], alone):
             return f"{where} at {rows} rows"

@@ -251,8 +251,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--numerics", choices=["fast", "transformers"],
         help="fast: trillm's native kernels (default). transformers: every op as transformers' "
         "eager forward computes it (torch's F.linear and RMSNorm, eager attention one request at "
-        "a time), so a request's output equals transformers' own to the bit where torch's GEMM "
-        "is batch-invariant (checked at load); Llama-family models on CPU; slower.",
+        "a time): a request's output equals transformers' own to the bit in bf16 where torch's "
+        "GEMM is batch-invariant (checked at load; fp32: to rounding); Llama-family models on "
+        "CPU; slower.",
     )  # fmt: skip
     _add_node_flags(p)
     g.add_argument(
