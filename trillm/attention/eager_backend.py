@@ -14,7 +14,7 @@ numerics-checking path, not a fast one (the torch backend's native kernels are).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,21 @@ class _Request:
     slots: torch.Tensor  # [S] int64 cache slot of each context position 0 .. S-1
     query_pos: torch.Tensor  # [L, 1] position of each query row
     key_pos: torch.Tensor  # [1, S]
+    masks: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive mask [L, S] of this request's rows (None: no key masked), built once a
+        step per window: the dtype's minimum on a future key or one out of the window."""
+        key = (window, dtype)
+        if key not in self.masks:
+            masked = self.key_pos > self.query_pos
+            if window is not None:
+                masked |= self.key_pos <= self.query_pos - window
+            self.masks[key] = None
+            if bool(masked.any()):
+                mask = torch.zeros(masked.shape, dtype=dtype)
+                self.masks[key] = mask.masked_fill_(masked, torch.finfo(dtype).min)
+        return self.masks[key]
 
 
 class EagerAttentionBackend:
@@ -113,11 +128,8 @@ def _attend(
     weights = torch.matmul(query, keys.transpose(2, 3)) * scale  # [1, Hq, L, S]
     if softcap is not None:
         weights = torch.tanh(weights / softcap) * softcap
-    masked = req.key_pos > req.query_pos  # [L, S]: a future key
-    if window is not None:
-        masked |= req.key_pos <= req.query_pos - window
-    if bool(masked.any()):
-        mask = torch.zeros(masked.shape, dtype=weights.dtype)
-        weights = weights + mask.masked_fill_(masked, torch.finfo(weights.dtype).min)
+    mask = req.mask(window, weights.dtype)
+    if mask is not None:
+        weights = weights + mask
     probs = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, values).transpose(1, 2)[0]  # [L, Hq, D]
