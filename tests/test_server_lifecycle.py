@@ -82,7 +82,8 @@ def test_trusted_request_chat_template_is_sandboxed(server):
     r = httpx.post(server.base_url + "/chat/completions", json=body, headers=server.headers(),
                    timeout=60)  # fmt: skip
     assert r.status_code == 200, r.text
-    expected = httpx.post(server.url + "/tokenize", json={"prompt": "[hello there]"}).json()
+    expected = httpx.post(server.url + "/tokenize", json={"prompt": "[hello there]"},
+                          headers=server.headers()).json()  # fmt: skip
     assert r.json()["prompt_token_ids"] == expected["tokens"]
     body["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     r = httpx.post(server.base_url + "/chat/completions", json=body, headers=server.headers())

@@ -244,14 +244,16 @@ def test_root_path_as_uvicorn(server):
 def test_ping_load_and_invocations(server):
     assert httpx.get(server.url + "/ping").status_code == 200
     assert httpx.post(server.url + "/ping").status_code == 200
-    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
-    chat = httpx.post(server.url + "/invocations", timeout=60, json={
+    auth = server.headers()  # /load and /invocations need the key like /v1 (/ping does not)
+    assert httpx.get(server.url + "/load").status_code == 401
+    assert httpx.get(server.url + "/load", headers=auth).json() == {"server_load": 0}
+    chat = httpx.post(server.url + "/invocations", timeout=60, headers=auth, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # fmt: skip
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
     completion = httpx.post(server.url + "/invocations", json={"prompt": SECRET, "max_tokens": 3},
-                            timeout=60)  # fmt: skip
+                            headers=auth, timeout=60)  # fmt: skip
     assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
-    bad = httpx.post(server.url + "/invocations", json={"input": "hi"})
+    bad = httpx.post(server.url + "/invocations", json={"input": "hi"}, headers=auth)
     assert bad.status_code == 400 and "'messages'" in bad.json()["error"]["message"]
     models = httpx.get(server.base_url + "/models", headers=server.headers()).json()
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
@@ -267,11 +269,15 @@ def test_load_counts_requests_in_flight(server):
         chunks = stream.iter_bytes()  # (kept: a dropped iterator closes the connection)
         first = next(chunks)
         assert stream.status_code == 200, first
-        assert httpx.get(server.url + "/load").json()["server_load"] >= 1
+        assert load(server) >= 1
     deadline = time.monotonic() + 10
-    while httpx.get(server.url + "/load").json()["server_load"] and time.monotonic() < deadline:
+    while load(server) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert httpx.get(server.url + "/load").json() == {"server_load": 0}
+    assert load(server) == 0
+
+
+def load(server: ServerProcess) -> int:
+    return httpx.get(server.url + "/load", headers=server.headers()).json()["server_load"]
 
 
 def test_logs_stats_notes_once_and_no_prompt_by_default(server):

@@ -132,6 +132,7 @@ def test_idle_connection_closed_after_keep_alive_timeout(server):
         b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
         b"GET /health HTTP/1.0\r\n\r\n",
         b"POST /tokenize HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\n"
         b"Content-Type: application/json\r\nContent-Length: 15\r\n\r\n"
         b'{"prompt":"hi"}',
     ],

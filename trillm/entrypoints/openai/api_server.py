@@ -28,6 +28,7 @@ import trio
 
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
 from trillm.entrypoints.openai import serving_lora, vllm_flags
+from trillm.entrypoints.openai.auth import ApiKeys
 from trillm.entrypoints.openai.engine_supervisor import supervise_engine
 from trillm.entrypoints.openai.http_app import build_app
 from trillm.entrypoints.openai.http_listener import (
@@ -36,6 +37,10 @@ from trillm.entrypoints.openai.http_listener import (
     reserve_listener,
 )
 from trillm.entrypoints.openai.metrics import ServerMetrics
+from trillm.entrypoints.openai.request_budgets import (
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    default_max_logprob_entries,
+)
 from trillm.entrypoints.openai.serving_base import ServerState, max_prompt_chars
 from trillm.entrypoints.openai.stats_logger import log_stats_periodically
 from trillm.gc_heap import freeze_startup_heap
@@ -53,7 +58,8 @@ class ServerOptions:
 
     host: str = "0.0.0.0"
     port: int = 8000
-    api_key: str | None = None
+    # --api-key (several keys: any one opens the gate); None: VLLM_API_KEY, as in vLLM.
+    api_key: list[str] | None = None
     served_model_names: list[str] | None = None
     chat_template: str | None = None
     trust_request_chat_template: bool = False
@@ -73,6 +79,9 @@ class ServerOptions:
     max_num_queued_requests: int | None = None
     # Tokens admitted at once (prompt + max_tokens per sequence); past it, 503 at once.
     max_num_admitted_tokens: int | None = None
+    # Per-request budgets (request_budgets.py); None: the default from the model's length.
+    max_logprob_entries: int | None = None
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     # On the engine's death: a new engine in the same process (else exit code 1).
     restart_on_engine_death: bool = False
     # vLLM's deployment flags (issue 16; vllm_flags.py): TLS, CORS, proxy, logs, metrics.
@@ -94,6 +103,7 @@ class ServerOptions:
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
     lora_modules: list[Any] = attrs.field(factory=list)
     allow_runtime_lora_updating: bool = False
+    lora_allowed_root: str | None = None  # runtime loads only from inside it (a real path)
 
 
 @attrs.define(eq=False)
@@ -164,11 +174,18 @@ async def _serve(
                     reasoning_parser=opts.reasoning_parser,
                     max_admitted=_max_admitted(engine, opts),
                     max_admitted_tokens=opts.max_num_admitted_tokens,
-                )
+                    max_logprob_entries=opts.max_logprob_entries
+                    or default_max_logprob_entries(engine.model_config.max_model_len,
+                                                   opts.max_logprobs),
+                    max_sequences_per_request=opts.max_sequences_per_request,
+                    max_engine_seqs_per_request=_engine_batch(engine),
+                )  # fmt: skip
                 max_prompt_chars(state)  # the tokenizer's bound, once, before any request
                 state.loras = await serving_lora.open_registry(engine, names[0], opts)
                 log_len = opts.max_log_len if opts.enable_log_requests else None
-                app = vllm_flags.wrap_asgi(build_app(state, opts.api_key, log_len), opts,
+                api_keys = ApiKeys.resolve(opts.api_key)
+                logger.info("%s", api_keys.describe())
+                app = vllm_flags.wrap_asgi(build_app(state, api_keys, log_len), opts,
                                            state.metrics)  # fmt: skip
                 shutdown = trio.Event()
                 config = hypercorn_config(opts, listener)
@@ -200,6 +217,12 @@ def _max_admitted(engine: Any, opts: ServerOptions) -> int | None:
     if opts.max_num_queued_requests is None:
         return None
     return engine.config.scheduler.max_num_seqs + opts.max_num_queued_requests
+
+
+def _engine_batch(engine: Any) -> int:
+    """Sequences the engine runs at once: --max-num-seqs on each data-parallel core."""
+    config = engine.config
+    return int(config.scheduler.max_num_seqs * config.parallel.data_parallel_size)
 
 
 async def _drain(state: ServerState, grace_s: float) -> None:

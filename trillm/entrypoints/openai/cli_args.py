@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from trillm.config import parse_memory_size
+from trillm.config import DEFAULT_GRAMMAR_CACHE_BYTES, check_grammar_cache_bytes, parse_memory_size
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
 from trillm.entrypoints.openai import config_file, serving_lora, vllm_flags
 from trillm.entrypoints.openai.api_server import ServerOptions
@@ -24,7 +24,7 @@ _ENGINE_FLAGS = (
     "stream_interval", "reasoning_parser", "load_format", "quantization", "dequantize_gguf",
     "enable_lora", "max_loras", "max_lora_rank", "kv_cache_dtype", "speculative_config",
     "convert", "pooler_config", "nnodes", "node_rank", "master_addr", "master_port",
-    "distributed_timeout_seconds", "enforce_eager", "numerics",
+    "distributed_timeout_seconds", "enforce_eager", "numerics", "structured_outputs_cache_bytes",
 )  # fmt: skip
 
 
@@ -41,6 +41,13 @@ def _json_object(value: str) -> dict:
 def _memory_size(value: str) -> int:
     try:
         return parse_memory_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _grammar_cache_bytes(value: str) -> int:
+    try:
+        return check_grammar_cache_bytes(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -95,7 +102,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="Address to listen on (default: 0.0.0.0).")
     g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
-    g.add_argument("--api-key", help="Require 'Authorization: Bearer KEY' on /v1/* routes.")
+    g.add_argument(
+        "--api-key", nargs="+", metavar="KEY", help="Require 'Authorization: Bearer KEY' (any "
+        "one of the keys given) on every route but /health, /ping, /version and /metrics. "
+        "Default: the VLLM_API_KEY environment variable; this flag wins over it.",
+    )  # fmt: skip
     g.add_argument(
         "--served-model-name", nargs="+", help="Name(s) the API accepts as 'model'; the first "
         "is reported in responses. Default: the model path.",
@@ -133,6 +144,18 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         "gets 503 with Retry-After at once, whole (all its prompts and samples, or none); one "
         "larger than N by itself, a 400. Default: no bound. (Not vLLM's --max-num-queued-tokens, "
         "which sums the prompt tokens of requests still in prefill.)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-logprob-entries", type=_positive_int,
+        help="Most logprob entries one request may ask for, over all its prompts and samples: "
+        "each prompt token counts prompt_logprobs + 1, each sampled token logprobs + 1 "
+        "(max_tokens x n). More is a 400 before the request reaches the engine. Default: "
+        "2**20, or max_model_len x (max_logprobs + 1) if larger.",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-sequences-per-request", type=_positive_int, default=1024,
+        help="Most sequences (prompts x n) in one request; more is a 400 (default: 1024). "
+        "(vLLM's VLLM_MAX_N_SEQUENCES bounds n alone.)",
     )  # fmt: skip
     g.add_argument(
         "--restart-on-engine-death", action="store_true",
@@ -239,6 +262,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "model's step time hides their writes. With more streams, each gets a chunk every "
         "ceil(streams / budget) steps carrying those steps' tokens; the first token and the "
         f"end still go at once. 0: no budget (default: {DEFAULT_WAKE_BUDGET}).",
+    )  # fmt: skip
+    g.add_argument(
+        "--structured-outputs-cache-bytes", type=_grammar_cache_bytes, metavar="SIZE",
+        help="Memory for compiled grammars (JSON schemas, regexes, ...) kept for reuse, e.g. "
+        "512MiB or a byte count; least recently used out. One grammar may take 1/4 of it: a "
+        f"larger one is refused (400) (default: {DEFAULT_GRAMMAR_CACHE_BYTES >> 20}MiB).",
     )  # fmt: skip
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Default: auto.")
     g.add_argument(
@@ -377,6 +406,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         stream_wake_budget=args.stream_wake_budget or None,
         max_num_queued_requests=args.max_num_queued_requests,
         max_num_admitted_tokens=args.max_num_admitted_tokens,
+        max_logprob_entries=args.max_logprob_entries,
+        max_sequences_per_request=args.max_sequences_per_request,
         restart_on_engine_death=args.restart_on_engine_death,
         lora_modules=args.lora_modules or [],
         allow_runtime_lora_updating=serving_lora.runtime_updating_allowed(

@@ -4,7 +4,6 @@ The process around it (the root nursery, the engine, the drain) is ``api_server`
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Any
 
@@ -15,6 +14,7 @@ from werkzeug.exceptions import HTTPException
 
 import trillm
 from trillm.entrypoints.openai import extra_routes, openapi, serving_lora
+from trillm.entrypoints.openai.auth import ApiKeys
 from trillm.entrypoints.openai.errors import (
     APIError,
     AuthenticationError,
@@ -46,12 +46,15 @@ logger = logging.getLogger("trillm.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 RETRY_AFTER_S = 1  # the Retry-After of a 503
-_OPEN_PATHS = ("/health", "/ping", "/load", "/metrics", "/version", "/openapi.json")
+# Answered whatever the engine's state (draining, dead, full); the API key is auth.py's rule.
+_ENGINE_FREE_PATHS = ("/health", "/ping", "/load", "/metrics", "/version", "/openapi.json")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(
-    state: ServerState, api_key: str | None = None, log_requests_max_len: int | None = None
+    state: ServerState,
+    api_keys: ApiKeys | None = None,
+    log_requests_max_len: int | None = None,
 ) -> QuartTrio:
     """``log_requests_max_len``: --enable-log-requests with --max-log-len (None: no log)."""
     app = QuartTrio("trillm")
@@ -61,7 +64,7 @@ def build_app(
         BODY_TIMEOUT=60,
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
-    _install_gate(app, state, api_key)
+    _install_gate(app, state, api_keys or ApiKeys())
     _install_error_handlers(app)
     log = None if log_requests_max_len is None else extra_routes.RequestLog(log_requests_max_len)
     _install_routes(app, state, extra_routes.Dispatcher(state, result_response, log))
@@ -70,17 +73,15 @@ def build_app(
     return app
 
 
-def _install_gate(app: QuartTrio, state: ServerState, api_key: str | None) -> None:
-    expected = f"Bearer {api_key}".encode() if api_key else None
-
+def _install_gate(app: QuartTrio, state: ServerState, api_keys: ApiKeys) -> None:
     @app.before_request
     async def gate() -> None:
+        # NOTE: quart runs this before routing fails, so an unknown path needs the key too.
         path = request.path
-        if expected is not None and path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+        if api_keys.needs_key(path):
+            if not api_keys.admits(request.headers.get("Authorization", "").encode()):
                 raise AuthenticationError("Invalid or missing API key.")
-        if path in _OPEN_PATHS:
+        if path in _ENGINE_FREE_PATHS:
             return
         if state.draining:
             raise ServiceUnavailableError("The server is shutting down.")
