@@ -35,13 +35,23 @@ The fix here, without patching either library:
    complete, so the body is consumed meanwhile). The connection then stays usable for the
    next request. A body too large to drain gets ``Connection: close`` on the answer instead,
    and hypercorn closes the connection after it.
+
+The guard also refuses a request framed two ways (``Content-Length`` and ``Transfer-Encoding``)
+before the app sees it: h11 reads such a body by ``Transfer-Encoding`` and keeps the connection,
+but a proxy in front may have framed it by ``Content-Length``, so what follows on the
+connection is not known to be a request (request smuggling). RFC 9112 section 6.3: the server
+may reject it and must close the connection after responding; the answer is a 400 with
+``Connection: close`` (llhttp, the parser of uvicorn's httptools mode, rejects it too).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import trio
+
+from trillm.entrypoints.openai.errors import BadRequestError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -49,6 +59,10 @@ Receive = Any  # async () -> Message
 Send = Any  # async (Message) -> None
 
 DEFAULT_DRAIN_LIMIT = 1024 * 1024
+AMBIGUOUS_FRAMING = (
+    "a request may not carry both Content-Length and Transfer-Encoding (its body's length "
+    "would be ambiguous); send one of them"
+)
 
 
 class KeepAliveGuard:
@@ -64,6 +78,11 @@ class KeepAliveGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if _framed_twice(scope):
+            with trio.move_on_after(self.drain_timeout):
+                await _drain(receive, self.drain_limit)
+            await _refuse_and_close(send, AMBIGUOUS_FRAMING)
             return
         exchange = _Exchange(scope, receive, send, self.drain_timeout, self.drain_limit)
         await self.app(scope, exchange.receive, exchange.send)
@@ -129,3 +148,37 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def _framed_twice(scope: Scope) -> bool:
+    names = {name.lower() for name, _ in scope.get("headers", ())}
+    return b"content-length" in names and b"transfer-encoding" in names
+
+
+async def _drain(receive: Receive, limit: int) -> None:
+    """Reads the request body (as h11 frames it) until its end, the client's, or ``limit``."""
+    received = 0
+    while received <= limit:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        received += len(message.get("body", b""))
+
+
+async def _refuse_and_close(send: Send, message: str) -> None:
+    """A 400 in the API's error shape with ``Connection: close``: hypercorn (h11) closes the
+    connection once it is sent, so nothing after this request on it is read as a request."""
+    # NOTE: once the answer says close, h11 takes any byte after the body as an error and
+    # hypercorn drops the connection then, cutting the answer short. The body is read first
+    # (``_drain``); one checkpoint then lets hypercorn's reader, woken by that last read, park
+    # on what follows (h11 PAUSED) before the answer starts.
+    await trio.lowlevel.checkpoint()
+    error = BadRequestError(message)
+    body = orjson.dumps(error.body())
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
