@@ -148,6 +148,7 @@ def _chat_size(req: ChatCompletionRequest) -> int:
     for m in req.messages:
         content = m.content
         size += 1 + (len(content) if isinstance(content, str) else len(content or ()) * 16)
+        size += 16 * len(m.tool_calls or ())  # each call is rendered as a block of text
     return size + 16 * len(req.tools or ())
 
 

@@ -15,6 +15,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
+import trio
+
 from trillm.entrypoints.openai.errors import APIError, BadRequestError
 from trillm.entrypoints.openai.generation import guard_stream
 from trillm.entrypoints.openai.protocol import (
@@ -40,12 +43,21 @@ from trillm.entrypoints.openai.serving_chat import start_chat
 # templates know no developer role).
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = {"input_text", "output_text", "text"}
+# An assistant turn holds as many calls as a chat message may (consecutive function_call items
+# make one turn).
+MAX_TURN_CALLS: int = attrs.fields(ChatMessage).tool_calls.metadata["max_len"]
+# Inputs of more items and content parts than this are turned into a chat on a worker thread:
+# ~2 us an item, and on the event loop that is every other request's wait.
+CONVERT_OFF_LOOP_ITEMS = 2_000
 
 
 async def create_response(
     state: ServerState, req: ResponsesRequest
 ) -> dict[str, Any] | AsyncIterator[bytes]:
-    chat = to_chat_request(req)
+    if _input_size(req.input) < CONVERT_OFF_LOOP_ITEMS:
+        chat = to_chat_request(req)
+    else:
+        chat = await trio.to_thread.run_sync(to_chat_request, req)
     try:
         ctx, gen = await start_chat(state, chat)
     except APIError as exc:
@@ -58,6 +70,17 @@ async def create_response(
 
 
 # ---------------------------------------------------------------- request -> chat request
+
+
+def _input_size(items: str | list[dict[str, Any]]) -> int:
+    """Items and content parts of ``input``, counted up to CONVERT_OFF_LOOP_ITEMS."""
+    if isinstance(items, str) or len(items) >= CONVERT_OFF_LOOP_ITEMS:
+        return 0 if isinstance(items, str) else len(items)
+    size = len(items)
+    for item in items:
+        content = item.get("content")
+        size += len(content) if isinstance(content, list) else 0
+    return size
 
 
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -123,7 +146,7 @@ def to_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
     if not items:
         raise BadRequestError("'input' must not be empty.", "input")
     messages: list[ChatMessage] = []
-    reasoning: str | None = None  # a reasoning item waiting for its assistant turn
+    reasoning: list[str] | None = None  # reasoning items waiting for their assistant turn
     for i, item in enumerate(items):
         path = f"input[{i}]"
         kind = item.get("type", "message")
@@ -131,22 +154,12 @@ def to_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
             role, content = _message(item, path)
             msg = ChatMessage(role=role, content=content)
             if role == "assistant" and reasoning is not None:
-                msg.reasoning_content, reasoning = reasoning, None
+                msg.reasoning_content, reasoning = "".join(reasoning), None
             messages.append(msg)
         elif kind == "function_call":
-            call = ToolCall(
-                id=_str(item, "call_id", path),
-                function=FunctionCall(
-                    name=_str(item, "name", path), arguments=_str(item, "arguments", path)
-                ),
-            )
-            last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant":  # one turn, several calls
-                last.tool_calls = [*(last.tool_calls or []), call]
-            else:
-                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            _add_call(messages, item, path)
             if reasoning is not None:
-                messages[-1].reasoning_content, reasoning = reasoning, None
+                messages[-1].reasoning_content, reasoning = "".join(reasoning), None
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, str):
@@ -155,7 +168,8 @@ def to_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
                 ChatMessage(role="tool", content=output, tool_call_id=_str(item, "call_id", path))
             )
         elif kind == "reasoning":
-            reasoning = (reasoning or "") + _reasoning_text(item, path)
+            reasoning = reasoning if reasoning is not None else []
+            reasoning.append(_reasoning_text(item, path))
         else:
             raise BadRequestError(
                 f"Input items of type {kind!r} are not supported (message, function_call, "
@@ -163,8 +177,36 @@ def to_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
                 f"{path}.type",
             )
     if reasoning is not None:  # reasoning of a turn with no content or calls given
-        messages.append(ChatMessage(role="assistant", content="", reasoning_content=reasoning))
+        messages.append(
+            ChatMessage(role="assistant", content="", reasoning_content="".join(reasoning))
+        )
     return messages
+
+
+def _add_call(messages: list[ChatMessage], item: dict[str, Any], path: str) -> None:
+    """A ``function_call`` item: a call of the assistant turn that ends ``messages``, or of a
+    new one."""
+    call = ToolCall(
+        id=_str(item, "call_id", path),
+        function=FunctionCall(
+            name=_str(item, "name", path), arguments=_str(item, "arguments", path)
+        ),
+    )
+    last = messages[-1] if messages else None
+    # NOTE: the turn's list is this function's own (made below), so it grows in place: a
+    # copy per call made 100,000 consecutive calls quadratic (25 s on the event loop).
+    if last is None or last.role != "assistant":
+        messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+    elif last.tool_calls is None:  # the calls of a turn given with its text
+        last.tool_calls = [call]
+    elif len(last.tool_calls) < MAX_TURN_CALLS:
+        last.tool_calls.append(call)
+    else:
+        raise BadRequestError(
+            f"At most {MAX_TURN_CALLS} consecutive function_call items (the calls of one "
+            "assistant turn) are allowed, as in a chat message's 'tool_calls'.",
+            path,
+        )
 
 
 def _str(item: dict[str, Any], name: str, path: str) -> str:
