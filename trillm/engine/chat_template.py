@@ -18,6 +18,13 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 
+from trillm.engine.template_budget import (
+    BudgetedSandbox,
+    RenderBudget,
+    TemplateBudgetError,
+    render_budgeted,
+)
+
 
 class ChatTemplateError(ValueError):
     """The chat cannot be rendered: no template, a template error, or unsupported content."""
@@ -62,15 +69,18 @@ def _tojson(
 
 
 @functools.lru_cache(maxsize=32)
-def compile_template(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
+def compile_template(source: str, budgeted: bool = False) -> jinja2.Template:
+    """``source`` compiled in the sandbox; ``budgeted``: in the metered one, to be rendered
+    with ``template_budget.render_budgeted`` (a request's own template)."""
+    sandbox = BudgetedSandbox if budgeted else jinja2.sandbox.ImmutableSandboxedEnvironment
+    env = sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     # Hugging Face's tojson: plain json.dumps (Jinja's own escapes <, >, & and ' for HTML,
     # which would change the tool schemas and call arguments the model sees).
     env.filters["tojson"] = _tojson
+    if isinstance(env, BudgetedSandbox):
+        env.finish_setup()
     try:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
@@ -217,9 +227,12 @@ def render_template(
     template_kwargs: dict[str, Any] | None = None,
     tools: list[Any] | None = None,
     documents: list[dict[str, Any]] | None = None,
+    budget: RenderBudget | None = None,
 ) -> str:
     """Render ``messages`` with the template *text* ``template``; ``tools`` and ``documents``
-    reach it as Hugging Face's ``apply_chat_template`` passes them."""
+    reach it as Hugging Face's ``apply_chat_template`` passes them. With a ``budget`` (a
+    request's own template) the render is metered (``template_budget``); past the budget it
+    raises ChatTemplateError naming ``chat_template``."""
     if template is None:
         raise ChatTemplateError(
             "The model has no chat template; start the server with --chat-template.", None
@@ -243,9 +256,14 @@ def render_template(
     if documents is not None or "documents" not in context:
         context["documents"] = documents
     try:
-        text = compile_template(template).render(**context)
+        if budget is None:
+            text = compile_template(template).render(**context)
+        else:
+            text = render_budgeted(compile_template(template, True), budget, context)
     except ChatTemplateError:
         raise
+    except TemplateBudgetError as exc:
+        raise ChatTemplateError(str(exc), "chat_template") from None
     except jinja2.TemplateError as exc:  # includes the sandbox's SecurityError
         raise ChatTemplateError(f"The chat template failed to render: {exc}", None) from exc
     except Exception as exc:  # a template can raise TypeError and friends on odd input

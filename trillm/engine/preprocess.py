@@ -35,6 +35,7 @@ from trillm.engine.chat_template import (
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
+from trillm.engine.template_budget import RenderBudget
 from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 PromptType = str | dict[str, Any]
@@ -50,6 +51,10 @@ _MIN_CHARS_PER_TOKEN = 32
 _SAFETY_FACTOR = 2
 INLINE_TOKENIZE_CHARS = 20_000  # shorter texts are tokenized on the event loop
 LARGE_TOKENIZE_CHARS = 1_000_000  # longer ones are tokenized one at a time
+# A request's own chat template (--trust-request-chat-template): its render is stopped after
+# this many seconds, or once it has built this many x max_prompt_chars() characters.
+REQUEST_TEMPLATE_SECONDS = 5.0
+REQUEST_TEMPLATE_CHARS_FACTOR = 4
 
 _EMPTY = {"prompt": "'prompt' must not be empty.", "messages": "The rendered chat is empty."}
 
@@ -127,9 +132,11 @@ class Preprocessor:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[Any] | None = None,
         documents: list[dict[str, Any]] | None = None,
+        budget: RenderBudget | None = None,
     ) -> str:
         """The prompt text of a chat. ``chat_template`` is template *text* (a request's, or a
         Python caller's already loaded); default: ``--chat-template``, else the tokenizer's.
+        ``budget``: a request's own template is rendered under ``request_template_budget()``.
         Raises ChatTemplateError."""
         template = chat_template or self.chat_template or tokenizer_chat_template(self.tokenizer)
         return render_template(
@@ -141,7 +148,16 @@ class Preprocessor:
             template_kwargs=chat_template_kwargs,
             tools=tools,
             documents=documents,
+            budget=budget,
         )
+
+    def request_template_budget(self) -> RenderBudget:
+        """What a request's own chat template may spend: REQUEST_TEMPLATE_SECONDS, and
+        REQUEST_TEMPLATE_CHARS_FACTOR x the longest prompt text the context can hold in
+        characters built and written (a template touches each message a few times: trim,
+        concatenations, the output)."""
+        chars = REQUEST_TEMPLATE_CHARS_FACTOR * self.max_prompt_chars()
+        return RenderBudget(REQUEST_TEMPLATE_SECONDS, chars)
 
     # ------------------------------------------------------------------ tokenization
     def max_prompt_chars(self) -> int:

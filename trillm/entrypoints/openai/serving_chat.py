@@ -100,11 +100,13 @@ async def _prepare(
         chat_template_kwargs=req.chat_template_kwargs,
         tools=tools.template_tools,
         documents=req.documents,
+        # A request's own template is metered: stopped past its time or size budget.
+        budget=None if req.chat_template is None else pre.request_template_budget(),
     )
     try:
-        if _chat_size(req) < INLINE_TOKENIZE_CHARS:
+        if req.chat_template is None and _chat_size(req) < INLINE_TOKENIZE_CHARS:
             text = render()
-        else:  # NOTE: a huge chat renders for up to a second: not on the event loop
+        else:  # NOTE: a huge chat, or a request's template, renders for up to seconds
             text = await trio.to_thread.run_sync(render, limiter=pre.tokenize_limiter)
     except ChatTemplateError as exc:
         raise BadRequestError(str(exc), exc.param) from exc
