@@ -35,7 +35,13 @@ _FLAGS = {
     "--model": ids(FEE + "test_model_positional_and_flag_and_bad_values"),
     "--host": ids(FE + "test_model_must_be_served"),  # every real-server test binds with it
     "--port": ids(FE + "test_model_must_be_served"),
-    "--api-key": ids(LIFE + "test_api_key_guards_v1_routes"),
+    "--api-key": ids(LIFE + "test_api_key_guards_v1_routes",
+                     "tests/fault/test_api_key_routes.py::test_the_key_opens_what_runs_the_model",
+                     "tests/fault/test_api_key_routes.py::test_the_flag_wins_over_vllm_api_key"),
+    "--health-step-timeout": ids(
+        "tests/fault/test_health_stall.py::test_a_stopped_worker_turns_health_503_and_back",
+        "tests/fault/test_health_stall.py::test_the_flag_is_validated",
+    ),
     "--served-model-name": ids(FLAG_MAP, OPENAI + "test_models"),
     "--chat-template": ids(FE + "test_server_chat_template_and_its_kwargs",
                            TOOLS_HTTP + "test_tool_history_is_rendered"),

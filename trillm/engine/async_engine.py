@@ -113,6 +113,11 @@ class AsyncEngine:
     def data_parallel_size(self) -> int:
         return len(self.cores)
 
+    def longest_running_step(self) -> tuple[float, int]:
+        """(seconds, engine core) of the step that has run longest now: a worker stopped or
+        hung mid-step shows here long before the executor's step timeout ends it."""
+        return self.engine_cores.longest_running_step()
+
     def get_stats(self) -> SchedulerStats:
         """The scheduler stats, summed over the engine cores (KV usage: their mean)."""
         return self.engine_cores.summed_stats()

@@ -59,10 +59,17 @@ class EngineCore:
         # req_id -> time.time() of its first P1, until its first output carries it.
         self._scheduled_at: dict[str, float] = {}
         self.num_steps = 0
+        # time.monotonic() when the step now awaited began (None between steps): /health
+        # reads it to tell a stopped or hung worker from a busy one (``step_running_s``).
+        self.step_started: float | None = None
         # Pipeline parallelism: several steps in flight (None without pipeline stages).
         self.batch_queue: BatchQueue | None = None
         if getattr(executor, "num_pipeline_stages", 1) > 1:  # (test stubs lack the property)
             self.batch_queue = BatchQueue(executor.max_concurrent_batches)
+
+    def step_running_s(self, now: float) -> float:
+        """How long the step now awaited has run at ``now`` (0 between steps)."""
+        return 0.0 if self.step_started is None else now - self.step_started
 
     @property
     def spec_stats(self) -> SpecDecodingStats | None:
@@ -325,7 +332,11 @@ async def run_engine_core(
             if idle and not core.has_refused:
                 core.handle_input(await inputs.receive())
             _drain(core, inputs)
-            result = await core.step()
+            core.step_started = time.monotonic()
+            try:
+                result = await core.step()
+            finally:
+                core.step_started = None
             if result is None:
                 # NOTE: no back-off right after a step joined the batch queue: the next is due.
                 stuck = core.scheduler.has_unfinished_requests() and not core.num_in_flight

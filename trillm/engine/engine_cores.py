@@ -11,6 +11,7 @@ requests (``submit``) and aborts (``send_aborts``) and notes each step's outputs
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,13 @@ class EngineCores:
     def summed_stats(self) -> SchedulerStats:
         """The scheduler stats, summed over the engine cores (KV usage: their mean)."""
         return self.stats[0] if len(self.stats) == 1 else sum_stats(self.stats)
+
+    def longest_running_step(self) -> tuple[float, int]:
+        """(seconds, core index) of the step that has run longest now; (0.0, 0) when no core
+        is inside a step."""
+        now = time.monotonic()
+        steps = [(core.step_running_s(now), i) for i, core in enumerate(self.cores)]
+        return max(steps, key=lambda step: step[0])
 
     def index_of(self, engine_ids: list[str]) -> int | None:
         """The core running the engine requests ``engine_ids`` (one user request's samples),

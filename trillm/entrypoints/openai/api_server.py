@@ -30,7 +30,7 @@ from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
 from trillm.entrypoints.openai import serving_lora, vllm_flags
 from trillm.entrypoints.openai.auth import ApiKeys
 from trillm.entrypoints.openai.engine_supervisor import supervise_engine
-from trillm.entrypoints.openai.http_app import build_app
+from trillm.entrypoints.openai.http_app import DEFAULT_HEALTH_STEP_TIMEOUT_S, build_app
 from trillm.entrypoints.openai.http_listener import (
     hypercorn_config,
     hypercorn_serve,
@@ -84,6 +84,8 @@ class ServerOptions:
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
     # On the engine's death: a new engine in the same process (else exit code 1).
     restart_on_engine_death: bool = False
+    # /health's bound on one engine step in seconds (--health-step-timeout; None: none).
+    health_step_timeout: float | None = DEFAULT_HEALTH_STEP_TIMEOUT_S
     # vLLM's deployment flags (issue 16; vllm_flags.py): TLS, CORS, proxy, logs, metrics.
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
@@ -178,15 +180,15 @@ async def _serve(
                     or default_max_logprob_entries(engine.model_config.max_model_len,
                                                    opts.max_logprobs),
                     max_sequences_per_request=opts.max_sequences_per_request,
-                    max_engine_seqs_per_request=_engine_batch(engine),
+                    max_engine_seqs_per_request=_fair_share(engine),
                 )  # fmt: skip
                 max_prompt_chars(state)  # the tokenizer's bound, once, before any request
                 state.loras = await serving_lora.open_registry(engine, names[0], opts)
                 log_len = opts.max_log_len if opts.enable_log_requests else None
                 api_keys = ApiKeys.resolve(opts.api_key)
                 logger.info("%s", api_keys.describe())
-                app = vllm_flags.wrap_asgi(build_app(state, api_keys, log_len), opts,
-                                           state.metrics)  # fmt: skip
+                app = build_app(state, api_keys, log_len, opts.health_step_timeout)
+                app = vllm_flags.wrap_asgi(app, opts, state.metrics)
                 shutdown = trio.Event()
                 config = hypercorn_config(opts, listener)
                 serve = partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)

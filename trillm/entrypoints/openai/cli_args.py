@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -11,6 +12,7 @@ from trillm.config import DEFAULT_GRAMMAR_CACHE_BYTES, check_grammar_cache_bytes
 from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
 from trillm.entrypoints.openai import config_file, serving_lora, vllm_flags
 from trillm.entrypoints.openai.api_server import ServerOptions
+from trillm.entrypoints.openai.http_app import DEFAULT_HEALTH_STEP_TIMEOUT_S
 
 # Flags whose value goes straight into EngineArgs under the same (underscored) name. Each is
 # passed only when given, so EngineArgs' defaults stay the single source of defaults.
@@ -91,6 +93,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _health_step_timeout(value: str) -> float | None:
+    seconds = float(value)
+    if seconds == 0:
+        return None
+    if not math.isfinite(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
+    return seconds
+
+
 def _positive_seconds(value: str) -> float:
     seconds = float(value)
     if not seconds > 0 or seconds == float("inf"):
@@ -156,6 +167,12 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         "--max-sequences-per-request", type=_positive_int, default=1024,
         help="Most sequences (prompts x n) in one request; more is a 400 (default: 1024). "
         "(vLLM's VLLM_MAX_N_SEQUENCES bounds n alone.)",
+    )  # fmt: skip
+    g.add_argument(
+        "--health-step-timeout", type=_health_step_timeout, default=DEFAULT_HEALTH_STEP_TIMEOUT_S,
+        metavar="SECONDS", help="/health answers 503 while an engine step has run longer than "
+        "this (a worker stopped or hung; the executor ends such a step after 300 s). 0: never. "
+        f"Default: {DEFAULT_HEALTH_STEP_TIMEOUT_S:g}.",
     )  # fmt: skip
     g.add_argument(
         "--restart-on-engine-death", action="store_true",
@@ -409,10 +426,12 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         max_logprob_entries=args.max_logprob_entries,
         max_sequences_per_request=args.max_sequences_per_request,
         restart_on_engine_death=args.restart_on_engine_death,
+        health_step_timeout=args.health_step_timeout,
         lora_modules=args.lora_modules or [],
         allow_runtime_lora_updating=serving_lora.runtime_updating_allowed(
             args.allow_runtime_lora_updating
         ),
+        lora_allowed_root=args.lora_allowed_root,
     )
 
 

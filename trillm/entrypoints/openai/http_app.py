@@ -46,6 +46,9 @@ logger = logging.getLogger("trillm.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 RETRY_AFTER_S = 1  # the Retry-After of a 503
+# /health's bound on one engine step (--health-step-timeout): far above any step of a model
+# this server runs well (a full 8,192-token prefill chunk of a 135M model: ~20 s on 2 cores).
+DEFAULT_HEALTH_STEP_TIMEOUT_S = 60.0
 # Answered whatever the engine's state (draining, dead, full); the API key is auth.py's rule.
 _ENGINE_FREE_PATHS = ("/health", "/ping", "/load", "/metrics", "/version", "/openapi.json")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -55,8 +58,10 @@ def build_app(
     state: ServerState,
     api_keys: ApiKeys | None = None,
     log_requests_max_len: int | None = None,
+    health_step_timeout: float | None = DEFAULT_HEALTH_STEP_TIMEOUT_S,
 ) -> QuartTrio:
-    """``log_requests_max_len``: --enable-log-requests with --max-log-len (None: no log)."""
+    """``log_requests_max_len``: --enable-log-requests with --max-log-len (None: no log);
+    ``health_step_timeout``: --health-step-timeout (None: /health ignores step times)."""
     app = QuartTrio("trillm")
     app.config.update(
         MAX_CONTENT_LENGTH=MAX_BODY_BYTES,
@@ -67,7 +72,8 @@ def build_app(
     _install_gate(app, state, api_keys or ApiKeys())
     _install_error_handlers(app)
     log = None if log_requests_max_len is None else extra_routes.RequestLog(log_requests_max_len)
-    _install_routes(app, state, extra_routes.Dispatcher(state, result_response, log))
+    health = _health_route(state, health_step_timeout)
+    _install_routes(app, state, extra_routes.Dispatcher(state, result_response, log), health)
     # What a stream whose body never ran holds is released when its exchange ends.
     app.asgi_app = CloseAtExchangeEnd(app.asgi_app)  # type: ignore[method-assign,assignment]
     return app
@@ -125,7 +131,38 @@ def _install_error_handlers(app: QuartTrio) -> None:
         return json_response(api_error.body(), api_error.status)
 
 
-def _install_routes(app: QuartTrio, state: ServerState, run: extra_routes.Dispatcher) -> None:
+def _health_route(state: ServerState, step_timeout: float | None) -> Any:
+    """``GET /health``: 200 while the engine serves; 503 while it starts, drains or is dead,
+    and while one of its steps has run past ``step_timeout`` (a worker stopped or hung: the
+    executor's own step timeout, 300 s, would end it much later)."""
+    stalled = False  # logged once per stall
+
+    async def health() -> Response:
+        nonlocal stalled
+        engine = state.engine
+        if state.draining or engine.is_dead or not engine.is_running:
+            err = ServiceUnavailableError("The server is not ready or shutting down.")
+            return json_response(err.body(), err.status)
+        running_s, core = (0.0, 0) if step_timeout is None else engine.longest_running_step()
+        if step_timeout is not None and running_s > step_timeout:
+            message = (f"The engine has not finished a step in {running_s:.0f} s (engine core "
+                       f"{core}; --health-step-timeout {step_timeout:g} s).")  # fmt: skip
+            if not stalled:
+                logger.warning("%s", message)
+            stalled = True
+            err = ServiceUnavailableError(message)
+            return json_response(err.body(), err.status)
+        if stalled:
+            logger.info("The engine finished its step: /health answers 200 again.")
+        stalled = False
+        return Response(b"", 200)
+
+    return health
+
+
+def _install_routes(
+    app: QuartTrio, state: ServerState, run: extra_routes.Dispatcher, health: Any
+) -> None:
     @app.post("/v1/chat/completions")
     async def chat() -> Response:
         return await run.chat(await json_body())
@@ -184,13 +221,7 @@ def _install_routes(app: QuartTrio, state: ServerState, run: extra_routes.Dispat
         req = await structure_body(DetokenizeRequest, body, request.content_length)
         return json_response(await detokenize(state, req))
 
-    @app.get("/health")
-    async def health() -> Response:
-        engine = state.engine
-        if state.draining or engine.is_dead or not engine.is_running:
-            err = ServiceUnavailableError("The server is not ready or shutting down.")
-            return json_response(err.body(), err.status)
-        return Response(b"", 200)
+    app.get("/health")(health)
 
     extra_routes.install(app, state, run, json_body, health, json_response)  # /ping, ...
 
