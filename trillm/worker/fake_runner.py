@@ -80,6 +80,7 @@ def _allowed(bitmask: list[int], token: int) -> bool:
 @dataclass
 class _Request:
     req_id: str
+    prompt_token_ids: list[int]
     prompt_len: int
     num_tokens: int  # prompt + outputs known to the worker
     sampling_params: SamplingParams
@@ -160,6 +161,7 @@ class FakeModelRunner:
         num_tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
         self.requests[new.req_id] = _Request(
             req_id=new.req_id,
+            prompt_token_ids=list(new.prompt_token_ids),
             prompt_len=len(new.prompt_token_ids),
             num_tokens=num_tokens,
             sampling_params=new.sampling_params,
@@ -198,8 +200,12 @@ class FakeModelRunner:
         req_ids: list[str] = []
         sampled: list[list[int]] = []
         logprobs: dict[str, LogprobsLists] = {}
+        prompt_logprobs: dict[str, LogprobsLists] = {}
         for req_id, n in sched.num_scheduled_tokens.items():
             req = self.requests[req_id]
+            rows = self._prompt_logprobs(req, n)
+            if rows is not None:
+                prompt_logprobs[req_id] = rows
             req.num_computed_tokens += n
             req_ids.append(req_id)
             if req.num_computed_tokens < req.num_tokens:  # a prefill chunk short of the end
@@ -217,6 +223,7 @@ class FakeModelRunner:
             req_ids=req_ids,
             sampled_token_ids=sampled,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             model_time_s=time.perf_counter() - self._step_start,
         )
 
@@ -245,3 +252,19 @@ class FakeModelRunner:
         # The sampled token is also the top-1 candidate (rank 1), so the first two columns agree.
         lps = [-0.5] + [-0.5 * (i + 1) for i in range(k)]
         return LogprobsLists([row], [lps], [1])
+
+    def _prompt_logprobs(self, req: _Request, num_scheduled: int) -> LogprobsLists | None:
+        """As the real runner: this step's prompt rows, row ``p`` scoring prompt token ``p + 1``
+        (the fake model gives each the same values as a sampled token's)."""
+        k = req.sampling_params.prompt_logprobs
+        start = req.num_computed_tokens
+        end = min(start + num_scheduled, req.prompt_len - 1)
+        if k is None or end <= start:
+            return None
+        out = LogprobsLists([], [], [])
+        for p in range(start, end):
+            one = self._logprobs(req.prompt_token_ids[p + 1], k)
+            out.token_ids += one.token_ids
+            out.logprobs += one.logprobs
+            out.ranks += one.ranks
+        return out

@@ -221,10 +221,12 @@ def _max_admitted(engine: Any, opts: ServerOptions) -> int | None:
     return engine.config.scheduler.max_num_seqs + opts.max_num_queued_requests
 
 
-def _engine_batch(engine: Any) -> int:
-    """Sequences the engine runs at once: --max-num-seqs on each data-parallel core."""
+def _fair_share(engine: Any) -> int:
+    """Fair admission: 3/4 of what the engine runs at once (--max-num-seqs on each
+    data-parallel core) for one request's sequences, so a request sent later starts at once
+    beside the largest one, which alone still keeps most of the batch."""
     config = engine.config
-    return int(config.scheduler.max_num_seqs * config.parallel.data_parallel_size)
+    return max(1, config.scheduler.max_num_seqs * config.parallel.data_parallel_size * 3 // 4)
 
 
 async def _drain(state: ServerState, grace_s: float) -> None:

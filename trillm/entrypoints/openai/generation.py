@@ -24,6 +24,7 @@ its engine request ends.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import trio
@@ -162,14 +163,13 @@ async def start_generation(
             return direct
         send, receive = trio.open_memory_channel[tuple[int, Any]](_CHANNEL_BUFFER)
         gen = fan_in = FanInGeneration(admission, receive)
-        async with send:
-            for i, prepared in enumerate(jobs):
-                job = (prepared, ids[i], timeout, lora_request)
-                scope = await state.nursery.start(_produce, admission, i, job, send.clone())
-                fan_in.scopes.append(scope)
+        job_args = [(prepared, ids[i], timeout, lora_request) for i, prepared in enumerate(jobs)]
+        slots = trio.Semaphore(_prompts_at_once(state, n, len(jobs)))
+        await state.nursery.start(_launch, fan_in, job_args, slots, send)
         # NOTE: every prompt passed the preprocessor's checks before this; what engine.generate
         # can still refuse without waiting (``task_status.started()`` does not yield, so each
-        # producer has run up to its first await) is queued before ``nursery.start`` returned.
+        # producer has run up to its first await) is queued before ``nursery.start`` returned
+        # (for the first wave; a later prompt's refusal reaches the reader as its item).
         await fan_in.raise_early_error()
         return fan_in
     except BaseException:
@@ -191,11 +191,59 @@ def guard_stream(generation: Generation, body: AsyncIterator[bytes]) -> AsyncIte
     return body
 
 
+def _prompts_at_once(state: ServerState, n: int, num_prompts: int) -> int:
+    """Fair admission: how many of a request's prompts are in the engine at once. Its
+    sequences there stay within ``max_engine_seqs_per_request`` (at least one prompt), so a
+    request that arrives later is not queued behind all of it."""
+    limit = state.max_engine_seqs_per_request
+    if limit is None:
+        return num_prompts
+    return max(1, min(num_prompts, limit // n))
+
+
+async def _launch(
+    fan_in: FanInGeneration,
+    jobs: list[tuple[PreparedPrompt, str, float | None, LoRARequest | None]],
+    slots: trio.Semaphore,
+    send: trio.MemorySendChannel[tuple[int, Any]],
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Start one producer per prompt, in order, each once a slot is free (a producer frees its
+    slot when its engine request ends). Started (``task_status``) once the first wave is
+    submitted; ``fan_in.aclose`` cancels it with the producers, and the ids of the prompts it
+    never started are released there (``release_all``). Once the server drains, no further
+    prompt is started: the reader gets ``finish_reason: "abort"`` for those.
+
+    The request's ``timeout`` runs from its arrival: a later prompt gets what is left of it."""
+    state = fan_in.admission.state
+    scope = trio.CancelScope()
+    fan_in.scopes.append(scope)
+    timeout = jobs[0][2]
+    deadline = None if timeout is None else trio.current_time() + timeout
+    started = False
+    with scope:
+        async with send:
+            for index, (prepared, rid, _, lora) in enumerate(jobs):
+                if not started and slots.value == 0:
+                    task_status.started()  # the first wave is in the engine
+                    started = True
+                await slots.acquire()
+                if state.draining:
+                    break
+                left = None if deadline is None else max(deadline - trio.current_time(), 1e-3)
+                job = (prepared, rid, left, lora)
+                producer = partial(_produce, fan_in.admission, index, job, send.clone(), slots)
+                fan_in.scopes.append(await state.nursery.start(producer))
+    if not started:
+        task_status.started()
+
+
 async def _produce(
     admission: Admission,
     index: int,
     job: tuple[PreparedPrompt, str, float | None, LoRARequest | None],
     send: trio.MemorySendChannel[tuple[int, Any]],
+    slot: trio.Semaphore,
     task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     rid = job[1]
@@ -209,6 +257,7 @@ async def _produce(
         pass  # the reader is gone (client disconnected)
     finally:
         admission.release(rid)
+        slot.release()
 
 
 async def _pump(state: ServerState, index: int, job: Any, send: Any) -> None:

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import attrs
+import orjson
 import trio
 
 from trillm.engine.logprobs import in_rank_order
@@ -21,6 +22,10 @@ from trillm.entrypoints.openai.errors import (
     ServiceUnavailableError,
 )
 from trillm.entrypoints.openai.metrics import ServerMetrics
+from trillm.entrypoints.openai.request_budgets import (
+    DEFAULT_MAX_LOGPROB_ENTRIES,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+)
 from trillm.lora.request import LoRARequest
 from trillm.outputs import Logprob
 
@@ -56,6 +61,13 @@ class ServerState:
     drained: trio.Event = attrs.field(factory=trio.Event)  # set once draining and none in flight
     # LoRA adapters served by name (serving_lora.LoRARegistry); None without --enable-lora.
     loras: Any = None
+    # Per-request budgets (request_budgets.py): logprob entries, and prompts x n.
+    max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    # Fair admission: the most sequences one request has in the engine at once (3/4 of its
+    # batch, --max-num-seqs x data-parallel size); its other prompts wait in the frontend, so
+    # a later request is not queued behind all of it. None: no bound.
+    max_engine_seqs_per_request: int | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -263,26 +275,33 @@ def position_logprobs(entry: dict[int, Logprob], token_id: int) -> tuple[float, 
     return chosen, tops
 
 
-def prompt_logprobs_json(prompt_logprobs: Any) -> list | None:
-    """vLLM's shape: ``[null | {token_id: {logprob, rank, decoded_token}}]`` per prompt token."""
+# Prompt positions serialized between two event-loop checkpoints: at 20 logprobs, ~5k entries
+# (a few ms), so a large answer never holds other requests and /health for long.
+_PROMPT_LOGPROB_POSITIONS_PER_SLICE = 256
+
+
+async def prompt_logprobs_json(prompt_logprobs: Any) -> orjson.Fragment | None:
+    """vLLM's shape, ``[null | {token_id: {logprob, rank, decoded_token}}]`` per prompt token,
+    as JSON ready to embed in the answer: serialized a slice of positions at a time, yielding
+    to the event loop between slices, and never built whole as Python dicts (~7x the JSON)."""
     if prompt_logprobs is None:
         return None
-    out: list[Any] = []
-    for entry in prompt_logprobs:
-        if entry is None:
-            out.append(None)
-            continue
-        out.append(
-            {
-                str(tid): {
-                    "logprob": lp.logprob,
-                    "rank": lp.rank,
-                    "decoded_token": lp.decoded_token,
-                }
-                for tid, lp in entry.items()
-            }
-        )
-    return out
+    pieces: list[bytes] = []
+    step = _PROMPT_LOGPROB_POSITIONS_PER_SLICE
+    for start in range(0, len(prompt_logprobs), step):
+        rows = [_prompt_position_json(entry) for entry in prompt_logprobs[start : start + step]]
+        pieces.append(orjson.dumps(rows)[1:-1])  # the rows without their brackets
+        await trio.lowlevel.checkpoint()
+    return orjson.Fragment(b"[" + b",".join(pieces) + b"]")
+
+
+def _prompt_position_json(entry: dict[int, Logprob] | None) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    return {
+        str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for tid, lp in entry.items()
+    }
 
 
 def max_prompt_chars(state: ServerState) -> int:

@@ -26,6 +26,7 @@ from trillm.entrypoints.openai.errors import (
 )
 from trillm.entrypoints.openai.generation import Generation, guard_stream, start_generation
 from trillm.entrypoints.openai.protocol import ChatCompletionRequest
+from trillm.entrypoints.openai.request_budgets import LogprobBudget, check_sequences
 from trillm.entrypoints.openai.sampling import build_sampling_params
 from trillm.entrypoints.openai.serving_base import (
     ChoiceState,
@@ -59,6 +60,8 @@ async def start_chat(
         prepared, prompt_text = await _prepare(state, req, tools)
     except ValueError as exc:  # the preprocessor's refusals name their field: 400
         raise from_engine_exception(exc) from exc
+    check_sequences(1, prepared.params.n, state.max_sequences_per_request)
+    LogprobBudget(state.max_logprob_entries, "top_logprobs", 1).spend(prepared)
     params = prepared.params
     prompt_ids = prepared.prompt_token_ids
     request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
@@ -203,9 +206,11 @@ class ChatContext(SSEStream):
         finally:
             await gen.aclose()
             self.tracker.finish(self.params.n)
-        return self._response(choices, prompt_logprobs)
+        return self._response(choices, await prompt_logprobs_json(prompt_logprobs))
 
-    def _response(self, choices: list[ChoiceState], prompt_logprobs: Any) -> dict[str, Any]:
+    def _response(
+        self, choices: list[ChoiceState], prompt_logprobs: orjson.Fragment | None
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.request_id,
             "object": "chat.completion",
@@ -215,7 +220,7 @@ class ChatContext(SSEStream):
             "usage": self.tracker.usage(),
         }
         if self.req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs)
+            body["prompt_logprobs"] = prompt_logprobs
         if self.req.return_token_ids:
             body["prompt_token_ids"] = self.prompt_ids
         return body

@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 import orjson
+import trio
 
 from trillm.engine.preprocess import PreparedPrompt
 from trillm.entrypoints.openai.errors import (
@@ -21,6 +22,7 @@ from trillm.entrypoints.openai.errors import (
 )
 from trillm.entrypoints.openai.generation import Generation, guard_stream, start_generation
 from trillm.entrypoints.openai.protocol import CompletionRequest
+from trillm.entrypoints.openai.request_budgets import LogprobBudget, check_sequences
 from trillm.entrypoints.openai.sampling import build_sampling_params
 from trillm.entrypoints.openai.serving_base import (
     ChoiceState,
@@ -54,8 +56,11 @@ async def create_completion(
             f"'logprobs' is {req.logprobs}, more than the server's limit of {state.max_logprobs}.",
             "logprobs",
         )
+    raw_prompts = split_prompts(req.prompt, "prompt")
+    check_sequences(len(raw_prompts), req.n, state.max_sequences_per_request)
+    budget = LogprobBudget(state.max_logprob_entries, "logprobs", req.n)
     try:
-        prompts = [await _prepare(state, req, p) for p in split_prompts(req.prompt, "prompt")]
+        prompts = [await _prepare(state, req, p, budget) for p in raw_prompts]
     except ValueError as exc:  # the preprocessor's refusals name their field: 400
         raise from_engine_exception(exc) from exc
     request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -76,9 +81,12 @@ def _check_unsupported(req: CompletionRequest) -> None:
         raise BadRequestError("'best_of' different from 'n' is not supported.", "best_of")
 
 
-async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | list[int]) -> _Prompt:
+async def _prepare(
+    state: ServerState, req: CompletionRequest, prompt: str | list[int], budget: LogprobBudget
+) -> _Prompt:
     """Stage 2 through the engine's preprocessor: tokenize (or check the ids), then truncate
-    and check once (context, vocabulary, KV cache) with the request's SamplingParams."""
+    and check once (context, vocabulary, KV cache) with the request's SamplingParams; then
+    spend the request's logprob budget (a 400 before the next prompt is tokenized)."""
     pre = state.preprocessor
     if isinstance(prompt, str):
         truncating = req.truncate_prompt_tokens is not None
@@ -94,6 +102,7 @@ async def _prepare(state: ServerState, req: CompletionRequest, prompt: str | lis
     prepared = pre.prepare_ids(
         ids, params, text=text, priority=req.priority, cache_salt=req.cache_salt
     )
+    budget.spend(prepared)
     echo = None
     if req.echo:  # the text of the ids served (a truncated prompt: the kept part)
         echo = prepared.text
@@ -133,16 +142,28 @@ class _CompletionContext(SSEStream):
         finally:
             await gen.aclose()
             self.tracker.finish(num)
+        # NOTE: each prompt's prompt_logprobs serialized once (shared by its n choices), in
+        # slices between event-loop checkpoints; a checkpoint after each choice too.
+        prompt_json: list[orjson.Fragment | None] = [None] * len(self.prompts)
+        if self.req.prompt_logprobs is not None:
+            prompt_json = [await prompt_logprobs_json(p) for p in prompt_logprobs]
+        body_choices = []
+        for c in choices:
+            job = c.index // self.n
+            body_choices.append(self._choice(c, prompt_logprobs[job], prompt_json[job]))
+            await trio.lowlevel.checkpoint()
         return {
             "id": self.request_id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model_name,
-            "choices": [self._choice(c, prompt_logprobs[c.index // self.n]) for c in choices],
+            "choices": body_choices,
             "usage": self.tracker.usage(),
         }
 
-    def _choice(self, c: ChoiceState, prompt_logprobs: Any) -> dict[str, Any]:
+    def _choice(
+        self, c: ChoiceState, prompt_logprobs: Any, prompt_json: orjson.Fragment | None
+    ) -> dict[str, Any]:
         prompt = self.prompts[c.index // self.n]
         echo = prompt.text if self.req.echo else None
         choice: dict[str, Any] = {
@@ -153,7 +174,7 @@ class _CompletionContext(SSEStream):
             "stop_reason": c.stop_reason,
         }
         if self.req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs)
+            choice["prompt_logprobs"] = prompt_json
         if self.req.return_token_ids:
             choice["prompt_token_ids"] = prompt.token_ids
             choice["token_ids"] = c.token_ids
