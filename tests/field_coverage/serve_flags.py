@@ -58,6 +58,14 @@ _FLAGS = {
         "tests/fault/test_token_queue_bound.py::test_token_bound_refuses_whole_requests_at_once",
         "tests/fault/test_token_queue_bound.py::test_flag_is_validated",
     ),
+    "--max-logprob-entries": ids(
+        "tests/fault/test_logprob_budget.py::test_over_the_budget_is_refused_at_once_naming_it",
+        "tests/fault/test_logprob_budget.py::test_the_flags_are_parsed_and_validated",
+    ),
+    "--max-sequences-per-request": ids(
+        "tests/fault/test_fanout_fairness.py::test_sequences_over_the_budget_are_refused_at_once",
+        "tests/fault/test_logprob_budget.py::test_the_flags_are_parsed_and_validated",
+    ),
     "--tokenizer": ids(FE + "test_add_special_tokens_and_the_tokenizer_flag"),
     "--revision": ids(FLAG_MAP, FEE + "test_revision_reaches_the_hub_download"),
     "--stream-wake-budget": ids(
