@@ -145,6 +145,12 @@ _VLLM_FLAGS = {
                            LORA + "test_unimplemented_adapters_are_refused_naming_it"),
     "--allow-runtime-lora-updating": ids(LORA_HTTP + "test_load_and_unload_at_runtime",
                                          LORA_HTTP + "test_runtime_updating_routes_need_the_opt_in"),
+    "--lora-allowed-root": ids(
+        "tests/fault/test_lora_runtime_hostile.py::test_paths_that_are_not_adapters_get_one_answer",
+        "tests/fault/test_lora_runtime_hostile.py::test_an_adapter_under_the_root_loads_and_serves",
+        "tests/fault/test_lora_runtime_hostile.py::"
+        "test_lora_allowed_root_flag_refused_with_the_flag_named",
+    ),
     "--speculative-config": ids(SPEC_E + "test_http_same_greedy_text_and_metrics_count",
                                 REFUSED_TOP),  # eagle / medusa / mtp: not yet
     # Already so in trillm, or meaningless without CUDA graphs / swapping / several ranks:

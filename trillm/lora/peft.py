@@ -17,6 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trillm.config import ModelConfig
+from trillm.lora.files import (
+    MAX_CONFIG_BYTES,
+    MAX_HEADER_BYTES,
+    read_regular_file,
+    regular_file_size,
+)
 
 if TYPE_CHECKING:  # torch only where weights load (the worker): the API server checks shapes
     import torch
@@ -63,7 +69,7 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
     folder = Path(path)
     file = folder / CONFIG_NAME
     try:
-        raw = json.loads(file.read_text())
+        raw = json.loads(read_regular_file(file, MAX_CONFIG_BYTES))
     except (OSError, ValueError) as exc:
         raise _refuse(folder, f"cannot read {CONFIG_NAME}: {exc}") from exc
     if not isinstance(raw, dict):
@@ -118,6 +124,13 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }  # fmt: skip
 
 
+def max_weights_bytes(cfg: ModelConfig, rank: int) -> int:
+    """The largest weights file an adapter of ``rank`` on this model can be: every target on
+    every layer, in float64, plus its header."""
+    per_layer = sum(fan_in + fan_out for fan_in, fan_out in module_shapes(cfg).values())
+    return cfg.num_hidden_layers * per_layer * rank * 8 + MAX_HEADER_BYTES
+
+
 def check_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int) -> AdapterConfig:
     """Config and weight names/shapes checked against the model, without reading the weights
     (the frontend's check before a request or a load is accepted)."""
@@ -138,8 +151,14 @@ def _read_weights(
     from safetensors import safe_open
 
     file = folder / WEIGHTS_NAME
-    if not file.is_file():
-        raise _refuse(folder, f"{WEIGHTS_NAME} not found (only safetensors adapters load).")
+    try:
+        regular_file_size(file, max_weights_bytes(cfg, config.rank))
+    except FileNotFoundError:
+        raise _refuse(
+            folder, f"{WEIGHTS_NAME} not found (only safetensors adapters load)."
+        ) from None
+    except OSError as exc:
+        raise _refuse(folder, f"cannot read {WEIGHTS_NAME}: {exc}") from exc
     shapes = module_shapes(cfg)
     halves: dict[tuple[int, str], dict[str, Any]] = {}  # "A"/"B": a tensor, or its shape
     try:
@@ -172,7 +191,9 @@ def _read_weights(
     return modules
 
 
-def _parse_key(folder: Path, key: str, cfg: ModelConfig, config: AdapterConfig) -> tuple[int, str, str]:
+def _parse_key(
+    folder: Path, key: str, cfg: ModelConfig, config: AdapterConfig
+) -> tuple[int, str, str]:
     m = _KEY.match(key)
     if m is None:
         raise _refuse(folder, f"weight {key!r} is not a LoRA weight of a decoder projection "

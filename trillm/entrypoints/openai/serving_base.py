@@ -92,7 +92,10 @@ class ServerState:
             return None
         lora = None if self.loras is None else self.loras.adapters.get(model)
         if lora is None:
-            raise NotFoundError(f"The model `{model}` does not exist.", "model")
+            # Served names are short: a long one is echoed only in part (a 4 MiB name would
+            # be a 4 MiB answer).
+            shown = model if len(model) <= 256 else f"{model[:256]}... ({len(model)} characters)"
+            raise NotFoundError(f"The model `{shown}` does not exist.", "model")
         return lora
 
     def check_capacity(self, seqs: int = 1, tokens: int = 1) -> None:

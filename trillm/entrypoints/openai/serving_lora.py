@@ -6,6 +6,13 @@ adapter's name runs with it (``ServerState.check_model``), ``/v1/models`` lists 
 ``parent`` = the base model. ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
 (bodies ``{"lora_name", "lora_path"}``) exist only with ``--allow-runtime-lora-updating`` or
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; otherwise they are unknown routes (404), as in vLLM.
+
+A runtime load takes a path from a client, so: names are bounded like request ids (a name is
+echoed in every chunk's ``model``); the path must be absolute, without ``..``, and (with
+``--lora-allowed-root``) inside that folder, symlinks resolved; the adapter's files are read
+off the event loop, regular files only, bounded in size (``trillm.lora.files``) and in time,
+abandoned on shutdown; and every path that is not a loadable adapter gets the same answer, so
+answers do not tell which paths exist.
 """
 
 from __future__ import annotations
@@ -13,14 +20,37 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import trio
+
 from trillm.entrypoints.openai.errors import BadRequestError, NotFoundError
+from trillm.entrypoints.openai.protocol import MAX_REQUEST_ID_CHARS
+from trillm.lora.files import MAX_CONFIG_BYTES, regular_file_size
+from trillm.lora.peft import CONFIG_NAME, WEIGHTS_NAME
 from trillm.lora.request import LoRARequest
 
+logger = logging.getLogger(__name__)
+
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# A served name is echoed in every response and chunk (``model``), as a request id is.
+MAX_LORA_NAME_CHARS = MAX_REQUEST_ID_CHARS
+MAX_LORA_PATH_CHARS = 4096  # Linux's PATH_MAX
+# A runtime load's file checks, off the event loop; past this the load is refused (a hung
+# network mount), its thread abandoned.
+ADAPTER_READ_TIMEOUT_S = 30.0
+# Threads for those checks: an abandoned thread holds its token until the read returns, so
+# loads stuck on a hung mount take these, never the threads the rest of the server uses.
+ADAPTER_READ_THREADS = 4
+NOT_AN_ADAPTER = (
+    "'lora_path' must be an absolute path, without '..', to a folder this server may load "
+    f"LoRA adapters from, holding {CONFIG_NAME} and {WEIGHTS_NAME} as regular files."
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +108,19 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
         help=f"Enable /v1/load_lora_adapter and /v1/unload_lora_adapter (also: "
         f"{RUNTIME_UPDATING_ENV}=True).",
     )  # fmt: skip
+    g.add_argument(
+        "--lora-allowed-root", type=_allowed_root, metavar="DIR",
+        help="/v1/load_lora_adapter loads adapters only from inside this folder (symlinks "
+        "resolved). Default: any absolute path, as vLLM.",
+    )  # fmt: skip
+
+
+def _allowed_root(value: str) -> str:
+    """argparse type of --lora-allowed-root: an existing folder, as its real path."""
+    real = os.path.realpath(value)
+    if not os.path.isdir(real):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a folder.")
+    return real
 
 
 def runtime_updating_allowed(flag: bool) -> bool:
@@ -93,6 +136,11 @@ def check_lora_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         if runtime_updating_allowed(args.allow_runtime_lora_updating):
             parser.error("--allow-runtime-lora-updating / VLLM_ALLOW_RUNTIME_LORA_UPDATING "
                          "needs --enable-lora.")  # fmt: skip
+    if args.lora_allowed_root is not None and not runtime_updating_allowed(
+        args.allow_runtime_lora_updating
+    ):
+        parser.error("argument --lora-allowed-root: needs --allow-runtime-lora-updating "
+                     "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING).")  # fmt: skip
     names = [m.name for m in args.lora_modules or []]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -102,9 +150,13 @@ def check_lora_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 class LoRARegistry:
     """The adapters the server knows by name (one owner: the server state)."""
 
-    def __init__(self, base_model_name: str, allow_updates: bool) -> None:
+    def __init__(
+        self, base_model_name: str, allow_updates: bool, allowed_root: str | None = None
+    ) -> None:
         self.base_model_name = base_model_name
         self.allow_updates = allow_updates
+        self.allowed_root = allowed_root  # a real path; None: any absolute path
+        self.file_threads = trio.CapacityLimiter(ADAPTER_READ_THREADS)
         self.adapters: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)  # never reused: a reload is a new adapter to the worker
 
@@ -113,6 +165,9 @@ class LoRARegistry:
         a 400, naming what is wrong) and serves it under ``name``."""
         lora = LoRARequest(name, next(self._ids), path, base)
         await engine.check_lora(lora)
+        if name in self.adapters:  # loaded meanwhile, by a request checked beside this one
+            raise BadRequestError(f"The lora adapter '{name}' has already been loaded.",
+                                  "lora_name")  # fmt: skip
         self.adapters[name] = lora
 
     def remove(self, engine: Any, name: str) -> None:
@@ -129,25 +184,71 @@ class LoRARegistry:
         ]  # fmt: skip
 
 
+class AdapterPathError(ValueError):
+    """A runtime load's path is not a loadable adapter; the reason is logged, never answered."""
+
+
 async def load_adapter(registry: LoRARegistry, engine: Any, body: dict[str, Any]) -> str:
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
         raise BadRequestError("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+    _check_name_length(name)
     if name in registry.adapters:
         raise BadRequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
     if name == registry.base_model_name:
         raise BadRequestError(f"'{name}' is the base model's name.", "lora_name")
+    with trio.move_on_after(ADAPTER_READ_TIMEOUT_S):
+        try:
+            real = await trio.to_thread.run_sync(
+                locate_adapter, path, registry.allowed_root, abandon_on_cancel=True,
+                limiter=registry.file_threads,
+            )  # fmt: skip
+            await registry.add(engine, name, real)
+        except AdapterPathError as exc:
+            logger.info("LoRA adapter %r refused: %s", name, exc)
+            raise BadRequestError(NOT_AN_ADAPTER, "lora_path") from None
+        except ValueError as exc:  # the engine's check: what is wrong with the adapter, named
+            raise BadRequestError(str(exc), "lora_path") from exc
+        return f"Success: LoRA adapter '{name}' added successfully."
+    logger.warning("LoRA adapter %r: its files were not read within %s s; refused.", name,
+                   ADAPTER_READ_TIMEOUT_S)  # fmt: skip
+    raise BadRequestError(NOT_AN_ADAPTER, "lora_path")
+
+
+def locate_adapter(path: str, allowed_root: str | None) -> str:
+    """The real path of the adapter folder ``path`` names (blocking: run on a thread), or
+    ``AdapterPathError`` with the reason (for the log)."""
+    if len(path) > MAX_LORA_PATH_CHARS or "\0" in path:
+        raise AdapterPathError("not a usable path (too long, or a NUL).")
+    if not os.path.isabs(path) or ".." in Path(path).parts:
+        raise AdapterPathError("not an absolute path without '..'.")
+    folder = Path(os.path.realpath(path))
+    for file in (folder, folder / CONFIG_NAME, folder / WEIGHTS_NAME):
+        real = os.path.realpath(file)
+        if allowed_root is not None and os.path.commonpath([real, allowed_root]) != allowed_root:
+            raise AdapterPathError(f"{real} is outside --lora-allowed-root.")
     try:
-        await registry.add(engine, name, path)
-    except ValueError as exc:  # the engine's check: what is wrong with the adapter, named
-        raise BadRequestError(str(exc), "lora_path") from exc
-    return f"Success: LoRA adapter '{name}' added successfully."
+        # The weights' size limit depends on the model: the engine's check applies it.
+        regular_file_size(folder / CONFIG_NAME, MAX_CONFIG_BYTES)
+        regular_file_size(folder / WEIGHTS_NAME, sys.maxsize)
+    except OSError as exc:
+        raise AdapterPathError(str(exc)) from None
+    return str(folder)
+
+
+def _check_name_length(name: str) -> None:
+    if len(name) > MAX_LORA_NAME_CHARS:
+        raise BadRequestError(
+            f"'lora_name' is {len(name)} characters; the limit is {MAX_LORA_NAME_CHARS}.",
+            "lora_name",
+        )
 
 
 def unload_adapter(registry: LoRARegistry, engine: Any, body: dict[str, Any]) -> str:
     name = body.get("lora_name")
     if not isinstance(name, str) or not name:
         raise BadRequestError("'lora_name' must be provided.", "lora_name")
+    _check_name_length(name)
     if name not in registry.adapters:
         raise NotFoundError(f"The lora adapter '{name}' cannot be found.", "lora_name")
     registry.remove(engine, name)
@@ -159,7 +260,9 @@ async def open_registry(engine: Any, base_model_name: str, opts: Any) -> LoRAReg
     model: a bad one stops the server with its reason). None when LoRA is off."""
     if engine.config.lora is None:
         return None
-    registry = LoRARegistry(base_model_name, opts.allow_runtime_lora_updating)
+    registry = LoRARegistry(
+        base_model_name, opts.allow_runtime_lora_updating, opts.lora_allowed_root
+    )
     for module in opts.lora_modules:
         if module.name == base_model_name:
             raise ValueError(f"--lora-modules: {module.name!r} is the base model's name.")
