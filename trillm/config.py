@@ -12,6 +12,8 @@ from trillm.spec_decode.config import SpeculativeConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # CPU: 1 GiB unless --kv-cache-memory says otherwise
+# Compiled grammars kept for reuse: vLLM's xgrammar cache default (VLLM_XGRAMMAR_CACHE_MB=512).
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
 
 
 def parse_memory_size(value: str | int | float) -> int:
@@ -68,6 +70,9 @@ class EngineArgs:
     # deepseek_r1 | qwen3: structured outputs constrain only after </think> (vLLM's
     # structured-outputs reasoning_parser; the server's --reasoning-parser sets it too).
     reasoning_parser: str | None = None
+    # Bytes of compiled grammars kept for reuse (LRU); one grammar may take 1/4 of it. A size
+    # like "512MiB" or a byte count (vLLM sizes its xgrammar cache by VLLM_XGRAMMAR_CACHE_MB).
+    structured_outputs_cache_bytes: int | str = DEFAULT_GRAMMAR_CACHE_BYTES
     # Weight-only quantization (vLLM's method names): "fp8" (dynamic, CPU: quantized at load);
     # "gguf" (implied by a .gguf model: its Q4_0/Q4_1/Q8_0/K-quant weights stay quantized); "awq" /
     # "gptq" (the checkpoint's own 4-bit method, CPU; implied by it). None: none.
@@ -135,6 +140,9 @@ class EngineArgs:
 
             check_quantization(self.quantization)  # ValueError naming the method
         check_kv_cache_dtype(self.kv_cache_dtype)
+        self.structured_outputs_cache_bytes = check_grammar_cache_bytes(
+            self.structured_outputs_cache_bytes
+        )
         check_numerics(self.numerics)
         check_runner(self.runner, self.convert, self.pooler_config)  # ValueError naming it
         from trillm.spec_decode.config import parse_speculative_config
@@ -229,6 +237,20 @@ def check_numerics(name: object) -> str:
     if name not in NUMERICS:
         raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {name!r}.")
     return str(name)
+
+
+def check_grammar_cache_bytes(value: object) -> int:
+    """A positive byte count (or a size such as "512MiB"), else a ValueError naming it."""
+    try:
+        size = parse_memory_size(value) if isinstance(value, str | int | float) else 0
+    except (ValueError, OverflowError):
+        size = 0
+    if isinstance(value, bool) or size < 1:
+        raise ValueError(
+            "structured_outputs_cache_bytes must be a size > 0 such as 512MiB or a byte "
+            f"count; got {value!r}."
+        )
+    return size
 
 
 def check_kv_cache_dtype(name: str) -> str:
@@ -377,6 +399,7 @@ class TrillmConfig:
     attention_backend: str = "torch"
     max_logprobs: int = 20
     reasoning_parser: str | None = None  # the engine core's structured outputs wait for it
+    structured_outputs_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES  # compiled grammars kept
     lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora not given)
     pooler: PoolerConfig | None = None  # set: a pooling model (embeddings), no generation
     speculative: SpeculativeConfig | None = None  # speculative_config, parsed

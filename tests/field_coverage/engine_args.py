@@ -114,6 +114,12 @@ ENGINE: dict[str, tuple[str, ...]] = {
     # the tokenizer's code; model code never runs (trillm's own model classes)
     "trust_remote_code": ids(FEE + "test_trust_remote_code_lets_the_tokenizers_code_run"),
     "skip_tokenizer_init": ids(ENGINE_REFUSED),
+    # compiled grammars kept, LRU by bytes; one grammar over 1/4 of it is a 400
+    "structured_outputs_cache_bytes": ids(
+        "tests/fault/test_grammar_cache_bytes.py::test_distinct_big_schemas_keep_memory_bounded",
+        "tests/fault/test_grammar_cache_bytes.py::test_grammar_over_its_share_is_refused",
+        "tests/fault/test_grammar_cache_bytes.py::test_flag_is_validated",
+    ),
     "enforce_eager": ids(FEE + "test_enforce_eager_reaches_the_runner_from_the_serve_flag",
                          "tests/test_step_program.py::test_enforce_eager_turns_programs_off"),
     # structured outputs constrain only after </think>; a tokenizer without it is refused

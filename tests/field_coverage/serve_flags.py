@@ -68,6 +68,7 @@ _FLAGS = {
     ),
     "--tokenizer": ids(FE + "test_add_special_tokens_and_the_tokenizer_flag"),
     "--revision": ids(FLAG_MAP, FEE + "test_revision_reaches_the_hub_download"),
+    "--structured-outputs-cache-bytes": ENGINE["structured_outputs_cache_bytes"],
     "--stream-wake-budget": ids(
         UNITS + "test_stream_wake_budget_flag",
         "tests/test_output_wake_budget.py::test_wake_budget_spreads_middle_chunks_first_and_last_at_once",

@@ -116,6 +116,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         attention_backend=resolve_attention_backend(args, device, model_config.dtype),
         max_logprobs=args.max_logprobs,
         reasoning_parser=args.reasoning_parser,
+        structured_outputs_cache_bytes=int(args.structured_outputs_cache_bytes),
         lora=_lora_config(args, model_config),
         pooler=pooler,
         speculative=speculative,

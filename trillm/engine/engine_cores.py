@@ -187,7 +187,12 @@ def structured_output_manager(config: TrillmConfig, tokenizer: Any) -> Any:
 
     if tokenizer is None:
         return None
-    cache = GrammarCache(tokenizer, config.model.vocab_size, list(config.model.eos_token_ids))
+    cache = GrammarCache(
+        tokenizer,
+        config.model.vocab_size,
+        list(config.model.eos_token_ids),
+        cache_bytes=config.structured_outputs_cache_bytes,
+    )
     return StructuredOutputManager(cache, config.reasoning_parser)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import trio
 
+from trillm.config import DEFAULT_GRAMMAR_CACHE_BYTES
 from trillm.structured_output.spec import GrammarSpec, StructuredOutputError
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,9 @@ COMPILE_TIMEOUT_S = 30.0
 # slower grammar stalls every request). Ordinary grammars take well under 1 ms; nested
 # ambiguous regexes ("(a*)*" repeated) grow cubically: 0.14 s at 300 repeats, 3 s at 1,000.
 MAX_FILL_CPU_S = 0.05
-_MAX_CACHED = 512  # compiled grammars (and compile failures) kept, least recently used out
+# One grammar may take at most this share of the cache, so the cache always holds several
+# and one request cannot claim unbounded memory (refused with a 400 before it is cached).
+GRAMMAR_SHARE_OF_CACHE = 4
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; the rest is the message.
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] [^:]+:\d+: ")
 _WHAT = {
@@ -50,7 +53,10 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 class GrammarCache:
-    """Compiled grammars by ``GrammarSpec``; compiles on a thread pool."""
+    """Compiled grammars by ``GrammarSpec``; compiles on a thread pool. Bounded in bytes
+    (``cache_bytes``: compiled grammars by xgrammar's count, plus the spec texts), least
+    recently used out; a count bound alone let one client fill memory (a schema of 3,000
+    optional properties compiles to ~16 MiB, ~21 MiB of RSS)."""
 
     def __init__(
         self,
@@ -59,16 +65,22 @@ class GrammarCache:
         stop_token_ids: list[int],
         *,
         max_threads: int = 2,
-        max_cached: int = _MAX_CACHED,
+        cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
     ) -> None:
         self.tokenizer = tokenizer
         # NOTE: the model's vocabulary can be larger than the tokenizer's (padded embeddings):
         # the bitmask covers the model's; ids past the tokenizer are never allowed.
         self.vocab_size = max(vocab_size, len(tokenizer))
         self.stop_token_ids = list(stop_token_ids)
-        self.max_cached = max_cached
+        self.cache_bytes = cache_bytes
+        self.max_grammar_bytes = cache_bytes // GRAMMAR_SHARE_OF_CACHE
         self._max_threads = max_threads
+        # NOTE: _futures, _sizes and cached_bytes change together under _cache_lock: the
+        # Trio thread submits, the grammar threads account for what they finished.
         self._futures: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._sizes: dict[GrammarSpec, int] = {}  # bytes of each finished entry
+        self.cached_bytes = 0
+        self._cache_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="trillm-grammar")
         self._lock = threading.Lock()  # guards the lazily built xgrammar compiler
         self._compiler: Any = None
@@ -86,7 +98,11 @@ class GrammarCache:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads)
+                # xgrammar's own cache is off (unbounded by default): this one, bounded in
+                # bytes, is the only owner of compiled grammars.
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=self._max_threads, cache_enabled=False
+                )
                 self._tokenizer_info = info
             return self._compiler
 
@@ -103,9 +119,11 @@ class GrammarCache:
             ) from None
         try:
             compiled = _compile(compiler, spec)
-            _check_fill_cost(compiled, spec, self.vocab_size)
+            self._check_size(compiled, spec)
+            extra = None
             if spec.kind in ("json", "json_object"):
-                self.json_safe_mask(spec.any_whitespace)  # a vocabulary walk: here, off the loop
+                extra = self.json_safe_mask(spec.any_whitespace)  # a vocabulary walk: off the loop
+            _check_first_mask(compiled, spec, self.vocab_size, extra)
             return compiled
         except StructuredOutputError:
             raise
@@ -118,6 +136,16 @@ class GrammarCache:
             raise StructuredOutputError(
                 f"structured_outputs.{spec.kind}", f"Invalid {_WHAT[spec.kind]}: {message}"
             ) from None
+
+    def _check_size(self, compiled: Any, spec: GrammarSpec) -> None:
+        size = compiled.memory_size_bytes
+        if size > self.max_grammar_bytes:
+            raise StructuredOutputError(
+                f"structured_outputs.{spec.kind}",
+                f"The {_WHAT[spec.kind]} compiles to a grammar of {_mib(size)}, more than the "
+                f"{_mib(self.max_grammar_bytes)} one grammar may take on this server (1/"
+                f"{GRAMMAR_SHARE_OF_CACHE} of --structured-outputs-cache-bytes).",
+            )
 
     def json_safe_mask(self, any_whitespace: bool) -> Any:
         """int32 words [ceil(V / 32)]: every token but those holding a raw control character
@@ -147,20 +175,52 @@ class GrammarCache:
     def submit(self, spec: GrammarSpec) -> Future:
         """The compile of ``spec``: cached (done, or still running) or started now.
         Called from the Trio thread only (frontend and engine core)."""
-        fut = self._futures.get(spec)
-        if fut is not None:
-            self._futures.move_to_end(spec)
-            return fut
-        self.num_compiles += 1
-        fut = self._pool.submit(self.compile_now, spec)
-        self._futures[spec] = fut
-        while len(self._futures) > self.max_cached:
-            self._futures.popitem(last=False)
+        with self._cache_lock:
+            fut = self._futures.get(spec)
+            if fut is not None:
+                self._futures.move_to_end(spec)
+                return fut
+            self.num_compiles += 1
+            fut = self._pool.submit(self._compile_entry, spec)
+            self._futures[spec] = fut
         return fut
+
+    def _compile_entry(self, spec: GrammarSpec) -> Any:
+        """``compile_now`` for the cache (on a grammar thread): the entry's bytes are
+        counted before its future is done: its key's text and the compiled grammar
+        (xgrammar's count; the process's RSS grows ~1.3x that), or the failure's message."""
+        try:
+            compiled = self.compile_now(spec)
+        except Exception as exc:
+            self._account(spec, len(spec.text) + len(str(exc)))
+            raise
+        self._account(spec, len(spec.text) + int(compiled.memory_size_bytes))
+        return compiled
+
+    def _account(self, spec: GrammarSpec, size: int) -> None:
+        """Count a finished entry's bytes, then evict the least recently used finished
+        entries until the cache fits ``cache_bytes``. An evicted grammar lives on in the
+        matchers of the requests using it (and in its future, for whoever awaits it), and is
+        compiled again when a new request asks for it."""
+        with self._cache_lock:
+            self._sizes[spec] = size
+            self.cached_bytes += size
+            victims = []
+            excess = self.cached_bytes - self.cache_bytes
+            for old in self._futures:  # oldest first; a running compile has no size yet
+                if excess <= 0:
+                    break
+                if old in self._sizes:
+                    victims.append(old)
+                    excess -= self._sizes[old]
+            for old in victims:
+                del self._futures[old]
+                self.cached_bytes -= self._sizes.pop(old)
 
     def get(self, spec: GrammarSpec) -> Any | None:
         """The compiled grammar when it is ready; None while compiling or after a failure."""
-        fut = self._futures.get(spec)
+        with self._cache_lock:
+            fut = self._futures.get(spec)
         if fut is None or not fut.done() or fut.exception() is not None:
             return None
         return fut.result()
@@ -198,22 +258,40 @@ class GrammarCache:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _check_fill_cost(compiled: Any, spec: GrammarSpec, vocab_size: int) -> None:
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB"
+
+
+def _check_first_mask(
+    compiled: Any, spec: GrammarSpec, vocab_size: int, extra_mask: Any | None
+) -> None:
     """Refuse a grammar whose first bitmask costs more than ``MAX_FILL_CPU_S`` of CPU (measured
-    here, on the grammar thread; xgrammar releases the GIL). A grammar cheap at its start and
-    slow later is caught per step by ``StructuredOutputManager.fill_bitmask``."""
+    here, on the grammar thread; xgrammar releases the GIL), or allows no token at all (the
+    engine could only abort it: a schema that refers to itself before any text, a regex
+    that matches nothing). ``extra_mask`` is what the engine ANDs into every row (JSON's).
+    A grammar cheap at its start and slow later is caught per step by
+    ``StructuredOutputManager.fill_bitmask``."""
     import xgrammar as xgr
 
     matcher = xgr.GrammarMatcher(compiled)
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)
     start = time.thread_time()
-    matcher.fill_next_token_bitmask(bitmask)
+    restricted = matcher.fill_next_token_bitmask(bitmask)  # False: every token is allowed
     cost = time.thread_time() - start
     if cost > MAX_FILL_CPU_S:
         raise StructuredOutputError(
             f"structured_outputs.{spec.kind}",
             f"The {_WHAT[spec.kind]} is too expensive to enforce: one token's mask takes "
             f"{cost * 1000:.0f} ms of CPU (limit {MAX_FILL_CPU_S * 1000:.0f} ms).",
+        )
+    row = bitmask.numpy()[0]
+    if extra_mask is not None:
+        row = row & extra_mask
+    if restricted and not row.any():
+        raise StructuredOutputError(
+            f"structured_outputs.{spec.kind}",
+            f"The {_WHAT[spec.kind]} cannot be satisfied: no token can start an output that "
+            "matches it.",
         )
 
 
