@@ -5,9 +5,11 @@ A parser only answers one question: how does the model's output text ``text`` (a
 follows from that answer, the same way for every parser:
 
 - non-streamed: ``extract`` joins the content pieces and lists the calls;
-- streamed: ``ToolCallStreamer`` re-splits the text after each delta and sends what grew:
+- streamed: ``ToolCallStreamer`` splits the text after each delta and sends what grew:
   content, then for each call its header (``index``, ``id``, ``type``, ``name``) once the name
-  is known, then argument fragments.
+  is known, then argument fragments. A parser that implements ``split_tail`` is split only
+  from the end of its last complete call on (a ``Resume`` point), so a stream costs time
+  linear in its length; other parsers are split from the start after every delta.
 
 For a streamed call the arguments so far must be a prefix of its final arguments, so parsers
 give the arguments as the model wrote them (the raw JSON text of the value) where they can,
@@ -30,6 +32,18 @@ class CallPiece:
     name: str | None  # None: the call has started, its name has not come yet
     arguments: str = ""  # JSON text; while streaming, a prefix of the final arguments
     complete: bool = False
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A point of the text where a streamed split goes on from: just after a complete call
+    (or content that can no longer change). Nothing before it can change whatever text
+    follows, so it is split once."""
+
+    pos: int  # in the text ``split_tail`` was given
+    pieces: int  # how many of the pieces ``split_tail`` returned lie before ``pos``
+    state: str  # the parser's own: which part of its format ``pos`` is in ("": the start)
+    after_call: bool = True  # the piece before ``pos`` is a call
 
 
 @dataclass
@@ -77,6 +91,17 @@ class ToolParser:
     def split(self, text: str, final: bool) -> list[str | CallPiece]:
         raise NotImplementedError
 
+    def split_tail(
+        self, text: str, final: bool, state: str
+    ) -> tuple[list[str | CallPiece], Resume | None] | None:
+        """``split`` of the text that follows a ``Resume`` point with this ``state`` ("": the
+        whole text), and the last ``Resume`` point in it (None: none yet). None when the text
+        shows the output is not what ``state`` assumed (a malformed call list, which makes the
+        whole output content): the caller then splits the whole text.
+
+        The default resumes nowhere: the whole text is split every time."""
+        return None if state else (self.split(text, final), None)
+
     def make_id(self) -> str:
         return f"call_{secrets.token_hex(12)}"
 
@@ -96,16 +121,19 @@ def mistral_id() -> str:
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
-def assemble(pieces: list[str | CallPiece], final: bool) -> tuple[str, list[CallPiece]]:
+def assemble(
+    pieces: list[str | CallPiece], final: bool, after_call: bool = False
+) -> tuple[str, list[CallPiece]]:
     """Content and calls from ``split``'s pieces: text beside a call loses the whitespace on
-    that side; before the end, trailing whitespace is held back (a call may follow it)."""
+    that side; before the end, trailing whitespace is held back (a call may follow it).
+    ``after_call``: the pieces follow a call (they come from ``split_tail`` after a Resume)."""
     content: list[str] = []
     calls: list[CallPiece] = []
     for i, piece in enumerate(pieces):
         if isinstance(piece, CallPiece):
             calls.append(piece)
             continue
-        if i > 0 and isinstance(pieces[i - 1], CallPiece):
+        if isinstance(pieces[i - 1], CallPiece) if i > 0 else after_call:
             piece = piece.lstrip()
         last = i == len(pieces) - 1
         if (not last and isinstance(pieces[i + 1], CallPiece)) or (last and not final):
@@ -120,15 +148,23 @@ class ToolCallStreamer:
 
     While the output is plain text (no marker of ``parser.markers`` yet, or a start-only
     format that is content for good) each delta costs its own length: only the text after
-    what was sent (held whitespace, a partial marker) is kept. Otherwise the text is split
-    again from the start."""
+    what was sent (held whitespace, a partial marker) is kept. Otherwise the text after the
+    last ``Resume`` point (the end of the last complete call) is split again: what comes
+    before it was split and sent for good."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
-        self.text = ""
-        self.sent_content = ""
+        self.text = ""  # the text after the Resume point
+        self.sent_content = ""  # the content sent for that text
         self.ids: list[str] = []  # one per call whose header went out
         self.sent_args: list[str] = []
+        # Before the Resume point: the text and the content sent for it (in pieces: joined
+        # only if the output turns out malformed), how many calls, and the parser's state.
+        self._head: list[str] = []
+        self._head_content: list[str] = []
+        self._head_calls = 0
+        self._state = ""
+        self._after_call = False
         # Plain mode: the text is content until a marker comes (None: split every delta).
         self._markers: tuple[str, ...] | None = parser.markers or None
         self._chunks: list[str] = []  # the text, while plain
@@ -175,16 +211,49 @@ class ToolCallStreamer:
         self.sent_content = self.text[: len(self.text) - len(self._pending)]
         self._markers, self._chunks, self._pending, self._window = None, [], "", ""
 
+    def _split(self, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
+        split = self.parser.split_tail(self.text, final, self._state)
+        if split is None:  # malformed after all: split the whole text from the start
+            self.text = "".join([*self._head, self.text])
+            self.sent_content = "".join([*self._head_content, self.sent_content])
+            self._head, self._head_content, self._head_calls, self._state = [], [], 0, ""
+            self._after_call = False
+            split = self.parser.split_tail(self.text, final, "")
+            assert split is not None, "a split from the start always answers"
+        return split
+
     def _diff(self, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        content, calls = assemble(self.parser.split(self.text, final), final)
+        pieces, resume = self._split(final)
+        after_call = self._after_call
+        content, calls = assemble(pieces, final, after_call)
         content_delta = ""
         # NOTE: a split that contradicts what was sent (only for output that turned malformed
         # after a call was announced) sends nothing more rather than something inconsistent.
         if content.startswith(self.sent_content):
             content_delta = content[len(self.sent_content) :]
             self.sent_content = content
+        deltas = self._call_deltas(calls, final)
+        if resume is not None:
+            self._advance(pieces[: resume.pieces], resume, after_call)
+        return content_delta, deltas
+
+    def _advance(self, settled: list[str | CallPiece], resume: Resume, after_call: bool) -> None:
+        """Moves the Resume point past ``settled`` (pieces that can no longer change), when
+        all of it went out as it is."""
+        content, calls = assemble(settled, True, after_call)
+        head_calls = self._head_calls + len(calls)
+        if not self.sent_content.startswith(content) or len(self.ids) < head_calls:
+            return  # not all sent (a contradicted split): keep splitting from here
+        self._head.append(self.text[: resume.pos])
+        self._head_content.append(content)
+        self.text = self.text[resume.pos :]
+        self.sent_content = self.sent_content[len(content) :]
+        self._head_calls, self._state = head_calls, resume.state
+        self._after_call = resume.after_call
+
+    def _call_deltas(self, calls: list[CallPiece], final: bool) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
-        for index, call in enumerate(calls):
+        for index, call in enumerate(calls, self._head_calls):
             if index == len(self.ids):
                 if call.name is None:
                     break
@@ -203,7 +272,7 @@ class ToolCallStreamer:
             if len(args) > len(sent) and args.startswith(sent):
                 deltas.append({"index": index, "function": {"arguments": args[len(sent) :]}})
                 self.sent_args[index] = args
-        return content_delta, deltas
+        return deltas
 
 
 # ---------------------------------------------------------------- scanning helpers

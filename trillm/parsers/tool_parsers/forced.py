@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trillm.parsers.tool_parsers.base import CallPiece, ToolParser, skip_ws
-from trillm.parsers.tool_parsers.json_lists import call_sequence
+from trillm.parsers.tool_parsers.base import CallPiece, Resume, ToolParser, skip_ws
+from trillm.parsers.tool_parsers.json_lists import call_sequence, resumable_call_sequence
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -60,14 +60,28 @@ class RequiredToolCallParser(ToolParser):
     name = "<required>"
 
     def split(self, text: str, final: bool) -> list[str | CallPiece]:
+        return self._split(text, final)[0]
+
+    def split_tail(
+        self, text: str, final: bool, state: str
+    ) -> tuple[list[str | CallPiece], Resume | None] | None:
+        if not state:
+            return self._split(text, final)
+        found = resumable_call_sequence(text, 0, final, ",", "]", after_call=True)
+        return None if found is None else (list(found[0]), found[1])
+
+    def _split(self, text: str, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
         start = skip_ws(text, 0)
         if start == len(text) and not final:
-            return []
+            return [], None
         if not text.startswith("[", start):
-            return [text] if final else []
-        calls = call_sequence(text, start + 1, final, ",", "]")
-        if calls is None and final:
-            # NOTE: the grammar allows only calls, so an unclosed array was cut by max_tokens:
-            # its whole items are valid calls (and were streamed as such).
-            calls = [c for c in call_sequence(text, start + 1, False, ",", "]") or [] if c.complete]
-        return list(calls or [])
+            return ([text] if final else []), None
+        found = resumable_call_sequence(text, start + 1, final, ",", "]", after_call=False)
+        if found is not None:
+            return list(found[0]), found[1]
+        if not final:
+            return [], None
+        # NOTE: the grammar allows only calls, so an unclosed array was cut by max_tokens:
+        # its whole items are valid calls (and were streamed as such).
+        calls = call_sequence(text, start + 1, False, ",", "]") or []
+        return [c for c in calls if c.complete], None

@@ -12,9 +12,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from trillm.parsers.tool_parsers.base import (
     CallPiece,
+    Resume,
     ToolParser,
     held_prefix,
     json_call,
@@ -30,28 +32,43 @@ def call_sequence(
     """Call objects from ``text[pos:]`` separated by ``sep`` (and ended by ``close``, when
     given; what follows it is ignored). None when the text is not such a list; before the
     end, the calls recognised so far."""
+    found = resumable_call_sequence(text, pos, final, sep, close, after_call=False)
+    return None if found is None else found[0]
+
+
+def resumable_call_sequence(
+    text: str, pos: int, final: bool, sep: str, close: str | None, after_call: bool
+) -> tuple[list[CallPiece], Resume | None] | None:
+    """``call_sequence`` from ``pos`` (``after_call``: just after a call, before its
+    separator), with a Resume point (state "calls") after the last whole call."""
     calls: list[CallPiece] = []
+    resume: Resume | None = None
+    expect_sep = after_call
     while True:
+        if expect_sep:
+            pos = skip_ws(text, pos)
+            if pos >= len(text):
+                return (calls, resume) if close is None or not final else None
+            if text.startswith(sep, pos):
+                pos += len(sep)
+            elif close is not None and text.startswith(close, pos):
+                return calls, resume
+            else:
+                return None
         pos = skip_ws(text, pos)
+        seen = bool(calls) or after_call
         if pos >= len(text):
-            return calls if not final or (close is None and calls) else None
+            return (calls, resume) if not final or (close is None and seen) else None
         if close is not None and text.startswith(close, pos):
-            return calls or None
+            return (calls, resume) if seen else None
         call, end = json_call(text, pos, final)
         if call is None:
-            return None if final or end is not None else calls
+            return None if final or end is not None else (calls, resume)
         calls.append(call)
         if end is None:
-            return calls
-        pos = skip_ws(text, end)
-        if pos >= len(text):
-            return calls if close is None or not final else None
-        if text.startswith(sep, pos):
-            pos += len(sep)
-        elif close is not None and text.startswith(close, pos):
-            return calls
-        else:
-            return None
+            return calls, resume
+        resume = Resume(end, len(calls), "calls")
+        pos, expect_sep = end, True
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -60,19 +77,30 @@ class Llama3JsonToolParser(ToolParser):
     TAG = "<|python_tag|>"
 
     def split(self, text: str, final: bool) -> list[str | CallPiece]:
+        return self._split(text, final)[0]
+
+    def split_tail(
+        self, text: str, final: bool, state: str
+    ) -> tuple[list[str | CallPiece], Resume | None] | None:
+        if not state:
+            return self._split(text, final)
+        found = resumable_call_sequence(text, 0, final, ";", None, after_call=True)
+        return None if found is None else (list(found[0]), found[1])
+
+    def _split(self, text: str, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
         start = skip_ws(text, 0)
         if text.startswith(self.TAG, start):
             start += len(self.TAG)
         elif not final and (start == len(text) or self.TAG.startswith(text[start:])):
-            return []  # cannot tell yet
+            return [], None  # cannot tell yet
         if not text.startswith("{", skip_ws(text, start)):
             if not final and skip_ws(text, start) == len(text):
-                return []
-            return [text]
-        calls = call_sequence(text, start, final, ";", None)
-        if calls is None:
-            return [text] if final else []
-        return list(calls)
+                return [], None
+            return [text], None
+        found = resumable_call_sequence(text, start, final, ";", None, after_call=False)
+        if found is None:
+            return ([text] if final else []), None
+        return list(found[0]), found[1]
 
 
 class MistralToolParser(ToolParser):
@@ -85,27 +113,58 @@ class MistralToolParser(ToolParser):
         return mistral_id()
 
     def split(self, text: str, final: bool) -> list[str | CallPiece]:
+        return self._split(text, final)[0]
+
+    def split_tail(
+        self, text: str, final: bool, state: str
+    ) -> tuple[list[str | CallPiece], Resume | None] | None:
+        if not state:
+            return self._split(text, final)
+        found = self._calls(text, 0, final, state, after_call=True)
+        return None if found is None else (list(found[0]), found[1])
+
+    def _split(self, text: str, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
         i = text.find(self.TAG)
         if i < 0:
-            return [text if final else text[: len(text) - held_prefix(text, self.TAG)]]
+            return [text if final else text[: len(text) - held_prefix(text, self.TAG)]], None
         rest = i + len(self.TAG)
         first = skip_ws(text, rest)
         if first == len(text) and not final:
-            return [text[:i]]
+            return [text[:i]], None
         if text.startswith("[", first):
-            calls = call_sequence(text, first + 1, final, ",", "]")
+            found = self._calls(text, first + 1, final, "array", after_call=False)
         else:
-            calls = self._v11_calls(text, rest, final)
-        if calls is None:
-            return [text] if final else [text[:i]]
-        return [text[:i], *calls]
+            found = self._calls(text, rest, final, "v11", after_call=False)
+        if found is None:
+            return ([text] if final else [text[:i]]), None
+        calls, resume = found
+        # The content before the calls is a piece before the Resume point too.
+        return [text[:i], *calls], None if resume is None else replace(
+            resume, pieces=resume.pieces + 1
+        )
 
-    def _v11_calls(self, text: str, pos: int, final: bool) -> list[CallPiece] | None:
+    def _calls(
+        self, text: str, pos: int, final: bool, form: str, after_call: bool
+    ) -> tuple[list[CallPiece], Resume | None] | None:
+        """The calls of the array ("array") or ``[TOOL_CALLS]name[ARGS]{...}`` ("v11") form."""
+        if form == "v11":
+            return self._v11_calls(text, pos, final, after_call)
+        found = resumable_call_sequence(text, pos, final, ",", "]", after_call)
+        if found is None or found[1] is None:
+            return found
+        return found[0], replace(found[1], state="array")
+
+    def _v11_calls(
+        self, text: str, pos: int, final: bool, after_call: bool
+    ) -> tuple[list[CallPiece], Resume | None] | None:
         calls: list[CallPiece] = []
-        while True:
+        resume: Resume | None = None
+        after: int | None = self._next_tag(text, pos) if after_call else pos
+        while after is not None:
+            pos = after
             a = text.find(self.ARGS, pos)
             if a < 0:
-                return None if final else calls
+                return None if final else (calls, resume)
             name = text[pos:a].strip()
             if not name or any(c in name for c in " \n[]{}"):
                 return None
@@ -116,14 +175,20 @@ class MistralToolParser(ToolParser):
                     return None
                 raw = text[start:] if text.startswith("{", start) else ""
                 calls.append(CallPiece(name, raw))
-                return calls
+                return calls, resume
             try:
                 if not isinstance(json.loads(text[start:end]), dict):
                     return None
             except json.JSONDecodeError:
                 return None
             calls.append(CallPiece(name, text[start:end], True))
-            nxt = skip_ws(text, end)
-            if not text.startswith(self.TAG, nxt):
-                return calls  # what follows the calls (an end-of-text token) is not content
-            pos = nxt + len(self.TAG)
+            resume = Resume(end, len(calls), "v11")
+            after = self._next_tag(text, end)
+        return calls, resume
+
+    def _next_tag(self, text: str, end: int) -> int | None:
+        """Where the next call starts after one ending at ``end``; None when no
+        ``[TOOL_CALLS]`` follows (what follows the calls, an end-of-text token, is not
+        content)."""
+        nxt = skip_ws(text, end)
+        return nxt + len(self.TAG) if text.startswith(self.TAG, nxt) else None

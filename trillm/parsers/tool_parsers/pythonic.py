@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from trillm.parsers.tool_parsers.base import CallPiece, ToolParser, skip_ws
+from trillm.parsers.tool_parsers.base import CallPiece, Resume, ToolParser, skip_ws
 
 _NAME = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
 _PARTIAL_NAME = re.compile(r"[A-Za-z_][\w.]*\s*$")
@@ -70,46 +70,72 @@ class PythonicToolParser(ToolParser):
     END = "<|python_end|>"
 
     def split(self, text: str, final: bool) -> list[str | CallPiece]:
+        return self._split(text, final)[0]
+
+    def split_tail(
+        self, text: str, final: bool, state: str
+    ) -> tuple[list[str | CallPiece], Resume | None] | None:
+        if not state:
+            return self._split(text, final)
+        found = self._calls(text, 0, final, after_call=True)
+        return None if found is None else (list(found[0]), found[1])
+
+    def _split(self, text: str, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
         pos = skip_ws(text, 0)
         if text.startswith(self.START, pos):
             pos = skip_ws(text, pos + len(self.START))
         elif not final and self.START.startswith(text[pos:]):
-            return []  # nothing yet, or the start of the opening tag
+            return [], None  # nothing yet, or the start of the opening tag
         if pos == len(text) and not final:
-            return []
+            return [], None
         if not text.startswith("[", pos):
-            return [text]
-        calls = self._calls(text, pos + 1, final)
-        if calls is None:
-            return [text] if final else []
-        return list(calls)
+            return [text], None
+        found = self._calls(text, pos + 1, final, after_call=False)
+        if found is None:
+            return ([text] if final else []), None
+        return list(found[0]), found[1]
 
-    def _calls(self, text: str, pos: int, final: bool) -> list[CallPiece] | None:
+    def _calls(
+        self, text: str, pos: int, final: bool, after_call: bool
+    ) -> tuple[list[CallPiece], Resume | None] | None:
+        """The calls from ``text[pos:]`` (``after_call``: just after a call, before its
+        separator) and a Resume point after the last whole one; None if not a call list."""
         calls: list[CallPiece] = []
-        while True:
-            pos = skip_ws(text, pos)
+        resume: Resume | None = None
+        after: int | None = self._separator(text, pos, final) if after_call else pos
+        while after is not None:
+            pos = skip_ws(text, after)
             if pos == len(text):
-                return None if final else calls
+                return None if final else (calls, resume)
             if text.startswith("]", pos):
-                return calls if calls and self._only_end(text, pos + 1, final) else None
+                whole = (calls or after_call) and self._only_end(text, pos + 1, final)
+                return (calls, resume) if whole else None
             m = _NAME.match(text, pos)
             if m is None:
                 partial = not final and _PARTIAL_NAME.fullmatch(text, pos)
-                return calls if partial else None
+                return (calls, resume) if partial else None
             end = _close_paren(text, m.end())
             if end is None:
                 # NOTE: announced only once whole: its arguments are known then, and a call
                 # that does not parse (positional arguments...) was never announced.
-                return None if final else calls
+                return None if final else (calls, resume)
             args = _call_arguments(text[pos:end])
             if args is None:
                 return None
             calls.append(CallPiece(m.group(1), args, True))
-            pos = skip_ws(text, end)
-            if text.startswith(",", pos):
-                pos += 1
-            elif not text.startswith("]", pos) and (final or pos < len(text)):
-                return None
+            resume = Resume(end, len(calls), "calls")
+            after = self._separator(text, end, final)
+        return None
+
+    def _separator(self, text: str, end: int, final: bool) -> int | None:
+        """Where the next call may start after a call ending at ``end``; None if no ``,`` or
+        ``]`` follows it."""
+        pos = skip_ws(text, end)
+        if text.startswith(",", pos):
+            return pos + 1
+        if not text.startswith("]", pos) and (final or pos < len(text)):
+            return None
+        return pos
 
     def _only_end(self, text: str, pos: int, final: bool) -> bool:
         rest = text[pos:].strip()
