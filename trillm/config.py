@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -14,6 +15,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # CPU: 1 GiB unless --kv-cache-memory says otherwise
 # Compiled grammars kept for reuse: vLLM's xgrammar cache default (VLLM_XGRAMMAR_CACHE_MB=512).
 DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
+GRAMMAR_CACHE_ENV = "VLLM_XGRAMMAR_CACHE_MB"
 
 
 def parse_memory_size(value: str | int | float) -> int:
@@ -71,8 +73,9 @@ class EngineArgs:
     # structured-outputs reasoning_parser; the server's --reasoning-parser sets it too).
     reasoning_parser: str | None = None
     # Bytes of compiled grammars kept for reuse (LRU); one grammar may take 1/4 of it. A size
-    # like "512MiB" or a byte count (vLLM sizes its xgrammar cache by VLLM_XGRAMMAR_CACHE_MB).
-    structured_outputs_cache_bytes: int | str = DEFAULT_GRAMMAR_CACHE_BYTES
+    # like "512MiB" or a byte count. None: vLLM's VLLM_XGRAMMAR_CACHE_MB (MiB) when set, else
+    # 512 MiB, vLLM's default.
+    structured_outputs_cache_bytes: int | str | None = None
     # Weight-only quantization (vLLM's method names): "fp8" (dynamic, CPU: quantized at load);
     # "gguf" (implied by a .gguf model: its Q4_0/Q4_1/Q8_0/K-quant weights stay quantized); "awq" /
     # "gptq" (the checkpoint's own 4-bit method, CPU; implied by it). None: none.
@@ -140,8 +143,10 @@ class EngineArgs:
 
             check_quantization(self.quantization)  # ValueError naming the method
         check_kv_cache_dtype(self.kv_cache_dtype)
-        self.structured_outputs_cache_bytes = check_grammar_cache_bytes(
-            self.structured_outputs_cache_bytes
+        self.structured_outputs_cache_bytes = (
+            grammar_cache_bytes_from_env()
+            if self.structured_outputs_cache_bytes is None
+            else check_grammar_cache_bytes(self.structured_outputs_cache_bytes)
         )
         check_numerics(self.numerics)
         check_runner(self.runner, self.convert, self.pooler_config)  # ValueError naming it
@@ -182,8 +187,8 @@ def check_nodes(args: EngineArgs) -> None:
         raise ValueError("nnodes > 1 needs distributed_executor_backend='mp'.")
     if args.data_parallel_size > 1 and (nnodes > 1 or args.master_port is not None):
         raise ValueError(
-            "data_parallel_size > 1 with nnodes > 1 or a master_port is not implemented yet "
-            "(issue 14): each engine core's ranks meet at a loopback port of their own."
+            "data_parallel_size > 1 with nnodes > 1 or a master_port is not implemented yet"
+            ": each engine core's ranks meet at a loopback port of their own."
         )
     port = args.master_port
     if port is not None and (isinstance(port, bool) or not isinstance(port, int)
@@ -239,6 +244,17 @@ def check_numerics(name: object) -> str:
     return str(name)
 
 
+def grammar_cache_bytes_from_env() -> int:
+    """vLLM's ``VLLM_XGRAMMAR_CACHE_MB`` (a positive whole number of MiB), else 512 MiB; a
+    value that is not such a number is a ValueError naming the variable."""
+    value = os.environ.get(GRAMMAR_CACHE_ENV)
+    if value is None:
+        return DEFAULT_GRAMMAR_CACHE_BYTES
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"{GRAMMAR_CACHE_ENV} must be a whole number of MiB > 0; got {value!r}.")
+    return int(value) << 20
+
+
 def check_grammar_cache_bytes(value: object) -> int:
     """A positive byte count (or a size such as "512MiB"), else a ValueError naming it."""
     try:
@@ -257,7 +273,7 @@ def check_kv_cache_dtype(name: str) -> str:
     """``name`` if trillm stores a KV cache in it, else a ValueError naming it."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(
-            f"kv_cache_dtype {name!r} is not implemented yet (issue 13); choose one of "
+            f"kv_cache_dtype {name!r} is not implemented yet; choose one of "
             f"{', '.join(KV_CACHE_DTYPES)}."
         )
     return name

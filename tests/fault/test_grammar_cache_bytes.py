@@ -138,6 +138,22 @@ def test_flag_is_validated(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--structured-outputs-cache-bytes", bad])
         assert "structured_outputs_cache_bytes must be a size > 0" in capsys.readouterr().err
-    for bad in (0, -1, "lots", None, True):
+    for bad in (0, -1, "lots", True):
         with pytest.raises(ValueError, match="structured_outputs_cache_bytes must be"):
             EngineArgs(structured_outputs_cache_bytes=bad)
+
+
+def test_vllm_xgrammar_cache_mb_sets_the_default(monkeypatch):
+    from trillm.config import DEFAULT_GRAMMAR_CACHE_BYTES, GRAMMAR_CACHE_ENV, EngineArgs
+
+    monkeypatch.delenv(GRAMMAR_CACHE_ENV, raising=False)
+    assert EngineArgs().structured_outputs_cache_bytes == DEFAULT_GRAMMAR_CACHE_BYTES
+    monkeypatch.setenv(GRAMMAR_CACHE_ENV, "64")
+    assert EngineArgs().structured_outputs_cache_bytes == 64 << 20
+    assert EngineArgs(structured_outputs_cache_bytes="8MiB").structured_outputs_cache_bytes == (
+        8 << 20
+    )  # the argument wins
+    for bad in ("0", "-5", "1.5", "lots", ""):
+        monkeypatch.setenv(GRAMMAR_CACHE_ENV, bad)
+        with pytest.raises(ValueError, match=GRAMMAR_CACHE_ENV):
+            EngineArgs()

@@ -74,7 +74,7 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
     if size > 1 and cfg.architecture not in ARCHITECTURES:
         raise TensorParallelConfigError(
             f"tensor_parallel_size={size}: tensor parallelism does not support "
-            f"{cfg.architecture} yet (issue 14); supported: {', '.join(ARCHITECTURES)}."
+            f"{cfg.architecture} yet; supported: {', '.join(ARCHITECTURES)}."
         )
     heads, kv, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
     problems = []

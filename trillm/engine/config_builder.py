@@ -17,6 +17,7 @@ from trillm.config import (
     PoolerConfig,
     SchedulerConfig,
     TrillmConfig,
+    check_grammar_cache_bytes,
     parse_memory_size,
 )
 from trillm.model_executor import transformers_numerics
@@ -56,7 +57,7 @@ def resolve_cache_dtype(requested: str, model_dtype: str, device: str) -> str:
         return model_dtype
     if device != "cpu":
         raise ValueError(
-            f"kv_cache_dtype {requested!r} runs on CPU only in trillm (issue 13), device is "
+            f"kv_cache_dtype {requested!r} runs on CPU only in trillm, device is "
             f"{device!r}; use auto."
         )
     return "fp8_e4m3" if requested in ("fp8", "fp8_e4m3") else requested
@@ -116,7 +117,9 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         attention_backend=resolve_attention_backend(args, device, model_config.dtype),
         max_logprobs=args.max_logprobs,
         reasoning_parser=args.reasoning_parser,
-        structured_outputs_cache_bytes=int(args.structured_outputs_cache_bytes),
+        structured_outputs_cache_bytes=check_grammar_cache_bytes(
+            args.structured_outputs_cache_bytes  # (resolved by EngineArgs: an int)
+        ),
         lora=_lora_config(args, model_config),
         pooler=pooler,
         speculative=speculative,

@@ -86,6 +86,6 @@ def resolve_quantization(requested: str | None, hf: dict[str, Any], device: str)
         )
     if device != "cpu":
         raise UnsupportedQuantizationError(
-            f"quantization {method!r} runs on CPU only in trillm (issue 13), device is {device!r}."
+            f"quantization {method!r} runs on CPU only in trillm, device is {device!r}."
         )
     return method

@@ -258,19 +258,19 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         "(CPU); gguf: a .gguf model's Q4_0/Q4_1/Q8_0/Q2_K..Q6_K weights stay quantized (the default for "
         "a GGUF model); awq / gptq: the checkpoint's own 4-bit method (CPU; implied by the "
         "checkpoint, refused when it names another); vLLM's other methods are not implemented "
-        "yet (issue 13): refused.",
+        "yet: refused.",
     )  # fmt: skip
     g.add_argument(
         "--speculative-config", type=speculative_config_json, metavar="JSON",
         help='Speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 4}\' (a smaller model with the same '
-        "tokenizer); eagle / medusa / mtp are not implemented yet (issue 13): refused.",
+        "tokenizer); eagle / medusa / mtp are not implemented yet: refused.",
     )  # fmt: skip
     g.add_argument(
         "--kv-cache-dtype", type=_kv_cache_dtype, default=None,
         help="auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (e4m3, scale 1.0; CPU). "
-        "Others are not implemented yet (issue 13): refused.",
+        "Others are not implemented yet: refused.",
     )  # fmt: skip
 
 
