@@ -34,7 +34,10 @@ def server(tiny_model_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("slow-reader") / "server.log"
     srv = ServerProcess(
         [tiny_model_factory("llama"), "--runner", "trillm.worker.fake_runner:FakeModelRunner",
-         "--max-model-len", "2048", "--kv-cache-memory", "256MiB"],
+         "--max-model-len", "2048", "--kv-cache-memory", "256MiB",
+         # The stuck request's 1.3 M logprob entries pass the per-request budget (2**20 by
+         # default): what is bounded here is what its reader leaves unread.
+         "--max-logprob-entries", "2000000"],
         log,
     ).start()  # fmt: skip
     yield srv

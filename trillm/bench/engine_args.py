@@ -49,6 +49,7 @@ _FLAGS: list[tuple[str, Any, str]] = [
     ("chat_template", str, "Jinja chat template file or string"),
     ("skip_tokenizer_init", bool, "token ids in and out only"),
     ("reasoning_parser", str, "deepseek_r1 | qwen3: grammars apply after the reasoning"),
+    ("structured_outputs_cache_bytes", "memory", "compiled grammars kept (LRU), e.g. 512MiB"),
     ("quantization", str, "fp8: linear weights quantized to fp8 e4m3 at load (CPU)"),
     ("kv_cache_dtype", str, "auto | bfloat16 | fp8 | fp8_e4m3 (KV cache storage, CPU)"),
     ("enable_lora", bool, "LoRA adapters (requests name them)"),
