@@ -40,7 +40,27 @@ async def hypercorn_serve(app: Any, config: Any, **kwargs: Any) -> None:
     # a connection answered before its body arrived left dead). KeepAliveGuard shields that
     # send and drains or closes; the upstream cause is written down in http_guard.py.
     guarded: Any = KeepAliveGuard(app, drain_timeout=config.keep_alive_timeout)
+    _bad_framing_answers_400()
     await serve(guarded, config, **kwargs)
+
+
+def _bad_framing_answers_400() -> None:
+    """A request h11 cannot frame (an unknown ``Transfer-Encoding`` such as gzip, ``chunked``
+    twice) is answered by hypercorn, before any app, with h11's status hint: 501 for the
+    coding, as RFC 9112 section 6.1 suggests. It is the client's error, and bad input is a 4xx
+    here (uvicorn, vLLM's server, answers 400 too): hypercorn's error answer maps 501 to 400.
+    Idempotent (a restarted server in the same process installs it once)."""
+    from hypercorn.protocol.h11 import H11Protocol
+
+    original = H11Protocol._send_error_response
+    if getattr(original, "trillm_400", False):
+        return
+
+    async def send_error_response(self: Any, status_code: int) -> None:
+        await original(self, 400 if status_code == 501 else status_code)
+
+    send_error_response.trillm_400 = True  # type: ignore[attr-defined]
+    H11Protocol._send_error_response = send_error_response  # type: ignore[method-assign]
 
 
 def hypercorn_config(opts: Any, listener: socket.socket) -> Any:
