@@ -206,7 +206,8 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--enforce-eager", action="store_true", default=None,
-        help="trillm always runs eagerly (no CUDA graphs): accepted, nothing changes.",
+        help="Run small CPU decode steps eagerly: no step-program replay (trillm's "
+        "counterpart of CUDA graphs).",
     )  # fmt: skip
     g.add_argument(
         "--swap-space", type=_non_negative_float, metavar="GiB",
