@@ -100,7 +100,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     ) as engine:  # fmt: skip
         await _run_batch(engine, min(args.batch, 8), args.prompt_len, 8, seed=1)  # warm-up
         records: list[tuple[float, float, float, int]] = []
-        _wrap_step(engine.core, records)
+        _wrap_step(engine.cores[0], records)
         start = time.perf_counter()
         tokens = await _run_batch(engine, args.batch, args.prompt_len, args.output_len, seed=2)
         wall = time.perf_counter() - start

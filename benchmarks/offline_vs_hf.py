@@ -121,7 +121,7 @@ def open_llm(folder: Path, args: argparse.Namespace) -> Any:
 
 def record_steps(llm: Any) -> list[tuple[float, float]]:
     """Wrap the engine core's ``step`` to keep (step_time_s, model_time_s) of every step."""
-    core, steps = llm.engine.core, []
+    core, steps = llm.engine.cores[0], []
     step = core.step
 
     async def timed_step() -> Any:

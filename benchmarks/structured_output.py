@@ -48,7 +48,7 @@ async def _round(engine: Any, constrained: bool, tokens: int, tag: str) -> dict[
     params = SamplingParams(
         temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True, structured_outputs=so
     )
-    core = engine.core
+    core = engine.cores[0]
     steps: list[float] = []
     fills: list[float] = []
     accepts: list[float] = []

@@ -72,7 +72,7 @@ class InFlightProbe:
         self.thread: threading.Thread | None = None
 
     def __call__(self, llm: Any) -> dict[str, Any]:
-        core = llm.engine.core
+        core = llm.engine.cores[0]
         if self.thread is None:
             self.thread = threading.Thread(target=self._sample, args=(core,), daemon=True)
             self.thread.start()

@@ -36,7 +36,7 @@ async def _idle(llm: AsyncLLM) -> None:
     for _ in range(400):  # 2 s; the requests alone would run for minutes
         if not (
             engine.output_processor.has_unfinished_requests()
-            or engine.core.scheduler.has_unfinished_requests()
+            or engine.cores[0].scheduler.has_unfinished_requests()
         ):
             return
         await asyncio.sleep(0.005)
@@ -154,7 +154,7 @@ def test_engine_failure_reaches_the_reader_and_shutdown_leaves_nothing(tiny_mode
         tiny_model_factory("llama"), runner=FAKE_RUNNER, runner_kwargs={"step_sleep_s": 0.005},
         max_model_len=2048,
     )  # fmt: skip
-    pids = list(llm.engine.executor.worker_pids)
+    pids = list(llm.engine.executors[0].worker_pids)
     assert pids and _engine_threads() - before == {llm._thread.thread}
 
     async def main() -> None:
@@ -188,7 +188,7 @@ def test_shutdown_ends_a_waiting_reader(tiny_model_factory):
         tiny_model_factory("llama"), runner=FAKE_RUNNER, runner_kwargs={"step_sleep_s": 0.005},
         max_model_len=2048,
     )  # fmt: skip
-    pids = list(llm.engine.executor.worker_pids)
+    pids = list(llm.engine.executors[0].worker_pids)
 
     async def main() -> None:
         async def reader() -> None:

@@ -14,23 +14,23 @@ import trio
 from scheduler_twin_helpers import IMPL_NAMES, FakeWorker, ecr, get_impl, make_scheduler
 
 from trillm.engine.core import EngineCore
+from trillm.executor.abstract import Executor
 from trillm.messages import AbortRequests, ModelRunnerOutput, SchedulerOutput
 
 
-class StubPipelineExecutor:
+class StubPipelineExecutor(Executor):
     """Two pipeline stages, ``depth`` steps in flight; a FakeWorker computes each step."""
 
     num_blocks = 64
-    num_pipeline_stages = 2
 
     def __init__(self, worker: FakeWorker, depth: int = 2) -> None:
         self.worker = worker
-        self.max_concurrent_batches = depth
+        self.depth = depth
         self.sent: list[SchedulerOutput] = []
         self.in_flight: deque[ModelRunnerOutput] = deque()
 
     async def execute_model(self, sched: SchedulerOutput) -> None:
-        assert len(self.in_flight) < self.max_concurrent_batches
+        assert len(self.in_flight) < self.depth
         # An id the step finishes and sends anew is a new request (an abort, then its id again).
         busy = {r for out in self.in_flight for r in out.req_ids} - set(sched.finished_req_ids)
         assert not busy & set(sched.num_scheduled_tokens), "a request in two steps in flight"
@@ -42,6 +42,27 @@ class StubPipelineExecutor:
 
     async def collect_step(self) -> ModelRunnerOutput:
         return self.in_flight.popleft()
+
+    @property
+    def num_pipeline_stages(self) -> int:
+        return 2
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.depth
+
+    async def sample_tokens(self, req) -> ModelRunnerOutput:
+        raise AssertionError("a pipeline step is sampled through start_sampling / collect_step")
+
+    # The Executor contract's service half: nothing to start or stop in-process.
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+
+    def check_health(self) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
 
 
 def scripted_worker(scripts: dict[str, list[int]]) -> FakeWorker:

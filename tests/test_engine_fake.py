@@ -98,7 +98,7 @@ def test_dead_worker_fails_in_flight_requests(model_path):
                     for i in range(8):
                         nursery.start_soon(one, i)
                     await trio.sleep(0.3)
-                    os.kill(engine.executor.worker_pids[0], signal.SIGKILL)
+                    os.kill(engine.executors[0].worker_pids[0], signal.SIGKILL)
             assert engine.is_dead
             with pytest.raises(EngineDeadError):
                 async with engine.generate("after death", params) as outputs:

@@ -201,7 +201,7 @@ def test_a_worker_lost_while_idle_kills_the_engine_at_once(llama):
 
     async def main() -> tuple[EngineDeadError | None, float]:
         async with open_engine(llama, runner=FAKE_RUNNER, max_model_len=256) as engine:
-            (worker,) = engine.executor.worker_pids
+            (worker,) = engine.executors[0].worker_pids
             os.kill(worker, signal.SIGKILL)
             start = time.monotonic()
             with trio.fail_after(20):

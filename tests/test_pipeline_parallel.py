@@ -174,7 +174,7 @@ def mixed_params() -> list[SamplingParams]:
 
 def run_queued(llm: LLM, prompts: list[str], params) -> tuple[list[list[int]], int]:
     """-> (each prompt's tokens, the most steps in flight at once during the call)."""
-    core = llm.engine.core
+    core = llm.engine.cores[0]
     before = Counter(core.batch_queue.depths)
     outs = llm.generate(prompts, params, use_tqdm=False)
     depths = core.batch_queue.depths - before
@@ -197,7 +197,7 @@ def test_micro_batches_in_flight_match_pp1_under_preemption(llama):
         got, depth = run_queued(llm, prompts, mixed_params())
         assert got == reference
         assert depth == 2
-        assert llm.engine.core.scheduler.get_stats().num_preemptions > 0
+        assert llm.engine.cores[0].scheduler.get_stats().num_preemptions > 0
         got, depth = run_queued(llm, prompts[:1], mixed_params()[0])
         assert got == reference[:1]
         assert depth == 1  # the only request is in the step in flight

@@ -45,7 +45,7 @@ async def _assert_idle(engine) -> None:
     with trio.fail_after(2):  # the request alone would run for minutes
         while (
             engine.output_processor.has_unfinished_requests()
-            or engine.core.scheduler.has_unfinished_requests()
+            or engine.cores[0].scheduler.has_unfinished_requests()
         ):
             await trio.sleep(0.005)
 

@@ -86,7 +86,7 @@ def test_draft_and_verify_steps_replay_as_step_programs(engines, models):
         eager.shutdown()
     for x, y in zip(want, run(copy, GREEDY)):
         assert_same(x, y)
-    runner = copy.engine.executor.runner
+    runner = copy.engine.executors[0].runner
     for programs in (runner.step_programs, runner.drafter.step_programs):
         assert programs is not None and programs.reason is None
         assert any(p.checked for p in programs.programs.values())

@@ -94,7 +94,7 @@ def test_steps_that_verify_drafts_replay_as_step_programs(pair):
     (_, got), accepted = accepted_during(pair[1], lambda: both(pair, logprobs=2))
     assert accepted > 0
     assert_same(want, got)
-    programs = pair[1].engine.executor.runner.step_programs
+    programs = pair[1].engine.executors[0].runner.step_programs
     assert programs is not None and programs.reason is None
     verify = [t for t, p in programs.programs.items() if False in p.checked]
     assert verify, "no verifying step replayed"

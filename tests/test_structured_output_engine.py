@@ -148,7 +148,7 @@ def test_invalid_specs_raise_value_error_and_the_engine_goes_on(fake_model_path)
                             pass
                 assert isinstance(info.value, ValueError)
                 assert info.value.param.startswith("structured_outputs.")
-            assert engine.core.scheduler.get_stats().num_waiting_reqs == 0  # never submitted
+            assert engine.cores[0].scheduler.get_stats().num_waiting_reqs == 0  # never submitted
             params = SamplingParams(max_tokens=50, structured_outputs=SO(choice=["ok", "fine"]))
             async with engine.generate("x", params) as outputs:
                 async for out in outputs:
@@ -198,7 +198,7 @@ def test_bitmask_only_for_steps_with_a_constrained_request(fake_model_path):
     async def main():
         async with open_engine(fake_model_path, runner=FAKE_RUNNER, distributed_executor_backend="mp",
                                runner_kwargs={"step_sleep_s": 0.002}) as engine:  # fmt: skip
-            executor = engine.core.executor
+            executor = engine.cores[0].executor
             real = executor.sample_tokens
 
             async def spy(req):
@@ -243,7 +243,7 @@ def test_waiting_for_grammar_holds_nobody_back_and_a_failed_grammar_ends_alone(
     async def main():
         async with open_engine(fake_model_path, runner=FAKE_RUNNER,
                                distributed_executor_backend="uni") as engine:  # fmt: skip
-            core = engine.core
+            core = engine.cores[0]
             cache = core.structured_output.cache
             real = cache.compile_now
 

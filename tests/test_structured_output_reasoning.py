@@ -173,7 +173,7 @@ def run_engine(path: str, script: list[int], requests: dict, **engine_args):
         async with open_engine(path, runner=SCRIPTED, runner_kwargs={"script": script},
                                distributed_executor_backend="uni", max_model_len=256,
                                kv_cache_memory="16MiB", **engine_args) as engine:  # fmt: skip
-            executor = engine.core.executor
+            executor = engine.cores[0].executor
             real_execute, real_sample = executor.execute_model, executor.sample_tokens
 
             async def execute(sched):

@@ -68,14 +68,12 @@ class AsyncEngine:
         self.model_config = config.model
         self.tokenizer = tokenizer
         self.executors: list[Any] = list(executor) if isinstance(executor, list) else [executor]
-        self.executor = self.executors[0]
         # The engine cores, their inputs, stats and router (``engine_cores.py``).
         self.engine_cores = EngineCores(
             config, self.executors, structured_output_manager(config, tokenizer)
         )
         self.structured_output = self.engine_cores.structured_output
         self.cores = self.engine_cores.cores
-        self.core = self.cores[0]  # the only one without data parallelism
         self.router = self.engine_cores.router
         # Stage 2 (render, tokenize, truncate, validate), shared with the HTTP layer.
         self.preprocessor = Preprocessor(config, tokenizer, self.num_blocks, chat_template)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -30,6 +31,14 @@ from trillm.messages import (
     SpecDecodingStats,
 )
 
+if TYPE_CHECKING:
+    from trillm.core.scheduler import Scheduler
+    from trillm.executor.abstract import Executor
+    from trillm.lora.admission import LoRAAdmission
+    from trillm.spec_decode.draft_setup import DraftModelDrafts
+    from trillm.spec_decode.ngram import NgramProposer
+    from trillm.structured_output import StructuredOutputManager
+
 logger = logging.getLogger(__name__)
 
 # Nothing schedulable although requests are unfinished (cannot happen with admission control
@@ -39,7 +48,12 @@ _IDLE_BACKOFF_S = 0.001
 
 class EngineCore:
     def __init__(
-        self, scheduler, executor, structured_output=None, lora=None, proposer=None
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        structured_output: StructuredOutputManager | None = None,
+        lora: LoRAAdmission | None = None,
+        proposer: NgramProposer | DraftModelDrafts | None = None,
     ) -> None:
         self.scheduler = scheduler
         # LoRAAdmission (trillm/lora/admission.py) with --enable-lora: holds requests whose
@@ -64,7 +78,7 @@ class EngineCore:
         self.step_started: float | None = None
         # Pipeline parallelism: several steps in flight (None without pipeline stages).
         self.batch_queue: BatchQueue | None = None
-        if getattr(executor, "num_pipeline_stages", 1) > 1:  # (test stubs lack the property)
+        if executor.num_pipeline_stages > 1:
             self.batch_queue = BatchQueue(executor.max_concurrent_batches)
 
     def step_running_s(self, now: float) -> float:

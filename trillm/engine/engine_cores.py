@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -27,11 +27,23 @@ from trillm.messages import (
     SchedulerStats,
 )
 
+if TYPE_CHECKING:
+    from trillm.engine.core import EngineCore
+    from trillm.executor.abstract import Executor
+    from trillm.spec_decode.draft_setup import DraftModelDrafts
+    from trillm.spec_decode.ngram import NgramProposer
+    from trillm.structured_output import StructuredOutputManager
+
 FailureHandler = Callable[[BaseException], None]
 
 
 class EngineCores:
-    def __init__(self, config: TrillmConfig, executors: list[Any], structured_output: Any) -> None:
+    def __init__(
+        self,
+        config: TrillmConfig,
+        executors: list[Executor],
+        structured_output: StructuredOutputManager | None,
+    ) -> None:
         self.config = config
         self.executors = executors
         self.structured_output = structured_output  # the first core's (None: no tokenizer)
@@ -129,15 +141,12 @@ class EngineCores:
             nursery.start_soon(self._watch_workers, executor, nursery.cancel_scope, on_failure)
 
     async def _watch_workers(
-        self, executor: Any, tasks: trio.CancelScope, on_failure: FailureHandler
+        self, executor: Executor, tasks: trio.CancelScope, on_failure: FailureHandler
     ) -> None:
         """A worker lost while no step runs (another node gone, a killed rank) kills the
         engine now, not at the next request: /health answers 503 and the server stops. The
         readers get the error as the output handler ends (``tasks``: the cores and handler)."""
-        wait_failed = getattr(executor, "wait_failed", None)
-        if wait_failed is None:  # a stand-in executor of a test
-            return
-        on_failure(await wait_failed())
+        on_failure(await executor.wait_failed())
         tasks.cancel()
 
     async def _run_core_task(
@@ -160,7 +169,7 @@ class EngineCores:
             raise
 
     # ------------------------------------------------------------------ construction
-    def _make_core(self, executor: Any, index: int) -> Any:
+    def _make_core(self, executor: Executor, index: int) -> EngineCore:
         """An engine core on ``executor``: its own scheduler, grammar matchers (over the one
         grammar cache), LoRA admission and draft proposer."""
         from trillm._native import get_scheduler_cls
@@ -181,7 +190,9 @@ class EngineCores:
         return EngineCore(scheduler, executor, structured, lora, _proposer(config))
 
 
-def structured_output_manager(config: TrillmConfig, tokenizer: Any) -> Any:
+def structured_output_manager(
+    config: TrillmConfig, tokenizer: Any
+) -> StructuredOutputManager | None:
     """The grammar cache and matchers (xgrammar needs the tokenizer's vocabulary)."""
     from trillm.structured_output import GrammarCache, StructuredOutputManager
 
@@ -196,7 +207,7 @@ def structured_output_manager(config: TrillmConfig, tokenizer: Any) -> Any:
     return StructuredOutputManager(cache, config.reasoning_parser)
 
 
-def _proposer(config: TrillmConfig) -> Any:
+def _proposer(config: TrillmConfig) -> NgramProposer | DraftModelDrafts | None:
     """The drafts' source when speculative decoding is configured, else None: the n-gram
     proposer, or the engine-side view of the worker's draft model."""
     spec = config.speculative
