@@ -60,7 +60,7 @@ def string_hash_key(s: str) -> int:
     return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
 
 
-def request_extra_keys(request) -> tuple[list[int], list[int]]:
+def request_extra_keys(request: Request) -> tuple[list[int], list[int]]:
     """(keys of the first block, keys of every later block) for a request."""
     every = [string_hash_key("x:" + k) for k in request.extra_hash_keys]
     if request.cache_salt is None:

@@ -30,10 +30,11 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.engine.chat_template import load_chat_template
 from trillm.engine.engine_cores import EngineCores, structured_output_manager
-from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET, OutputProcessor
+from trillm.engine.output_processor import OutputProcessor
 from trillm.engine.pooling_requests import pool
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
 from trillm.engine.request_stream import RequestStream
+from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
 from trillm.errors import EngineDeadError
 from trillm.lora.checker import LoRAChecker
 from trillm.lora.request import LoRARequest

@@ -255,7 +255,7 @@ def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
     return resolve_pooler(model_config.model, args.pooler_config, model_config.hf_config)
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     from pathlib import Path
 
     from transformers import AutoTokenizer

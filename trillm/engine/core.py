@@ -26,6 +26,7 @@ from trillm.messages import (
     EngineCoreRequest,
     FinishReason,
     ModelRunnerOutput,
+    OutputHandlerInput,
     SchedulerOutput,
     SchedulerStats,
     SpecDecodingStats,
@@ -331,8 +332,8 @@ class EngineCore:
 
 async def run_engine_core(
     core: EngineCore,
-    inputs: trio.MemoryReceiveChannel,
-    outputs: trio.MemorySendChannel,
+    inputs: trio.MemoryReceiveChannel[EngineCoreInput],
+    outputs: trio.MemorySendChannel[OutputHandlerInput],
     engine_index: int = 0,
     *,
     task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
@@ -361,7 +362,7 @@ async def run_engine_core(
                 await outputs.send(result)
 
 
-def _drain(core: EngineCore, inputs: trio.MemoryReceiveChannel) -> None:
+def _drain(core: EngineCore, inputs: trio.MemoryReceiveChannel[EngineCoreInput]) -> None:
     while True:
         try:
             msg = inputs.receive_nowait()

@@ -82,7 +82,8 @@ class CoreGrammars:
             r = get(req_id)
             return r is not None and r.num_computed_tokens >= r.num_tokens
 
-        return so.fill_bitmask(sched, samples)
+        mask: SampleRequest | None = so.fill_bitmask(sched, samples)
+        return mask
 
     def advance(self, outputs: list[EngineCoreOutput]) -> None:
         """P4: accepted tokens advance the matchers; a terminated grammar finishes its

@@ -255,7 +255,8 @@ class StreamDetokenizer:
         held, self._held = self._held, []
         if not held:
             return ""
-        return self._backend.decode(held, skip_special_tokens=self._skip)
+        text: str = self._backend.decode(held, skip_special_tokens=self._skip)
+        return text
 
 
 # ---------------------------------------------------------------- choosing an implementation
@@ -313,10 +314,13 @@ class DetokenizerFactory:
             )
         # The modelled decoders concatenate added tokens (never a space between them), so
         # spaces_between_special_tokens gives the same text either way, as in vLLM.
-        return self._detok_class(self._vocab, skip_special_tokens, list(prompt_token_ids))
+        detokenizer: Detokenizer = self._detok_class(
+            self._vocab, skip_special_tokens, list(prompt_token_ids)
+        )
+        return detokenizer
 
 
-def _spec_args(spec: VocabSpec) -> tuple:
+def _spec_args(spec: VocabSpec) -> tuple[Any, ...]:
     return (
         spec.table,
         spec.special_ids,

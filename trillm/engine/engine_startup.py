@@ -20,7 +20,7 @@ import trio
 from trillm.config import EngineArgs
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.dp_router import core_configs
-from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
+from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
 
 # The name the "engine ready" line has always been logged under.
 logger = logging.getLogger("trillm.engine.async_engine")
@@ -44,7 +44,7 @@ def _load_in_background(fn: Callable[..., Any], *args: Any) -> Callable[[], Awai
     start) leaves the thread to finish on its own: nothing waits for it."""
     token = trio.lowlevel.current_trio_token()
     done = trio.Event()
-    result: list[outcome.Outcome] = []
+    result: list[outcome.Outcome[Any]] = []
 
     def work() -> None:
         result.append(outcome.capture(fn, *args))

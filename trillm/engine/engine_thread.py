@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.engine_startup import open_engine
 from trillm.errors import EngineDeadError
+
+T = TypeVar("T")
 
 
 class EngineThread:
@@ -69,7 +71,7 @@ class EngineThread:
         return self.thread.is_alive()
 
     # ------------------------------------------------------------------ from other threads
-    def call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``fn(*args)`` on the engine thread; blocks this thread until it returns."""
         return trio.from_thread.run(fn, *args, trio_token=self._token)
 

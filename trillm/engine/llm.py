@@ -7,8 +7,9 @@ every request finished, returning outputs in input order (with a tqdm progress b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, TypeVar
 
 import trio
 
@@ -18,6 +19,8 @@ from trillm.engine.preprocess import PromptType
 from trillm.lora.request import LoRARequest
 from trillm.outputs import ClassificationRequestOutput, PoolingRequestOutput, RequestOutput
 from trillm.sampling_params import RequestOutputKind, SamplingParams
+
+T = TypeVar("T")
 
 
 class LLM:
@@ -168,7 +171,7 @@ class LLM:
         self.shutdown()
 
     # ------------------------------------------------------------------ internals
-    def _call(self, fn, *args):
+    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return self._thread.call(fn, *args)
 
     @staticmethod
@@ -231,7 +234,12 @@ class LLM:
         return [r for r in results if r is not None]
 
     @staticmethod
-    async def _collect(stream, index: int, results: list, bar) -> None:
+    async def _collect(
+        stream: AbstractAsyncContextManager[AsyncIterator[Any]],
+        index: int,
+        results: list[Any],
+        bar: Any,  # tqdm's bar, or its stand-in without use_tqdm
+    ) -> None:
         async with stream as outputs:
             async for out in outputs:
                 results[index] = out

@@ -109,7 +109,9 @@ class OutputProcessor:
             self._samples[engine_id] = self._new_sample(engine_id, index, group, params)
         return collector
 
-    def _new_sample(self, engine_id: str, index: int, group: OutputGroup, params: SamplingParams):
+    def _new_sample(
+        self, engine_id: str, index: int, group: OutputGroup, params: SamplingParams
+    ) -> OutputSample:
         detokenizer = None
         stop = None
         if params.detokenize:

@@ -83,7 +83,7 @@ def build_vocab_spec(tokenizer: Any) -> VocabSpec | None:
     return VocabSpec(table, special_ids, DecoderScheme.BYTE_FALLBACK, byte_ids, strip)
 
 
-def _metaspace_spec(decoder: dict, tokens: list[str], special_ids: list[int]) -> VocabSpec | None:
+def _metaspace_spec(decoder: dict[str, Any], tokens: list[str], special_ids: list[int]) -> VocabSpec | None:
     # tokenizers' Metaspace decoder: '▁' -> ' ', except in the first token, where every '▁'
     # is dropped (unless prepend_scheme is "never").
     if decoder.get("replacement", "▁") != "▁":
@@ -95,7 +95,7 @@ def _metaspace_spec(decoder: dict, tokens: list[str], special_ids: list[int]) ->
     return VocabSpec(table, special_ids, DecoderScheme.BYTE_FALLBACK, [], 0, first_table)
 
 
-def _needs_cleanup(tokenizer: Any, config: dict) -> bool:
+def _needs_cleanup(tokenizer: Any, config: dict[str, Any]) -> bool:
     # transformers 5 ignores clean_up_tokenization_spaces for BPE models (see its _decode).
     if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return False
@@ -121,7 +121,7 @@ def _byte_level_table(tokens: list[str]) -> list[bytes]:
     return table
 
 
-def _byte_fallback_steps(decoder: dict) -> tuple[bool, bool, int] | None:
+def _byte_fallback_steps(decoder: dict[str, Any]) -> tuple[bool, bool, int] | None:
     """(replace '▁', byte fallback, strip count) if ``decoder`` is a SentencePiece pipeline."""
     if decoder.get("type") != "Sequence":
         return None

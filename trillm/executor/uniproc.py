@@ -51,7 +51,7 @@ class UniProcExecutor(Executor):
     def _start_runner(self) -> int:
         runner = self._factory(self.config, 0, **self._kwargs)
         runner.load_model()
-        num_blocks = runner.determine_num_blocks()
+        num_blocks: int = runner.determine_num_blocks()
         runner.initialize_kv_cache(num_blocks)
         self.runner = runner
         return num_blocks

@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import trio
 
-from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
+from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
 from trillm.entrypoints.openai import serving_lora, vllm_flags
 from trillm.entrypoints.openai.auth import ApiKeys
 from trillm.entrypoints.openai.engine_supervisor import supervise_engine

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from trillm.config import DEFAULT_GRAMMAR_CACHE_BYTES, check_grammar_cache_bytes, parse_memory_size
-from trillm.engine.output_processor import DEFAULT_WAKE_BUDGET
+from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
 from trillm.entrypoints.openai import config_file, serving_lora, vllm_flags
 from trillm.entrypoints.openai.api_server import ServerOptions
 from trillm.entrypoints.openai.http_app import DEFAULT_HEALTH_STEP_TIMEOUT_S
