@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from trillm._native import cpu_kernels, native_available
+from trillm.utils import cdiv
 
 from . import recording
 
@@ -80,7 +81,7 @@ class Fp8Weight:
 def _pack(q: torch.Tensor) -> torch.Tensor:
     """[N, K] uint8 -> [panels, K2 / 2, 64, 2]: zero-padded to whole panels and an even K."""
     n, k = q.shape
-    panels, k2 = -(-n // PANEL), k + (k & 1)
+    panels, k2 = cdiv(n, PANEL), k + (k & 1)
     padded = torch.zeros(panels * PANEL, k2, dtype=torch.uint8)
     padded[:n, :k] = q
     return padded.view(panels, PANEL, k2 // 2, 2).permute(0, 2, 1, 3).contiguous()

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from trillm._native import cpu_kernels, native_available
+from trillm.utils import cdiv
 
 from . import recording
 from .ggml_blocks import (  # the block formats (callers also name them here)
@@ -173,7 +174,7 @@ def record_bytes(qtype: int) -> int:
 
 
 def num_panels(n: int) -> int:
-    panels = -(-n // PANEL)
+    panels = cdiv(n, PANEL)
     return panels + (panels & 1)
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from trillm.utils import cdiv
+
 
 def gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], keys or values
@@ -25,7 +27,7 @@ def gather_context(
     seq_len: int,
 ) -> torch.Tensor:  # [seq_len, Hkv, D]
     block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
+    num_blocks = cdiv(seq_len, block_size)
     blocks = cache[block_row[:num_blocks].long()]  # [num_blocks, block_size, Hkv, D]
     return blocks.flatten(0, 1)[:seq_len]
 

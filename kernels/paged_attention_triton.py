@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trillm.utils import cdiv
+
 _MIN_DOT = 16  # tl.dot needs every dim >= 16
 _FILL_PROGRAMS = 256  # programs that keep a large GPU busy (about 2 per SM)
 _MAX_SPLITS = 16
@@ -194,7 +196,7 @@ def choose_num_splits(num_programs: int, max_seq_len: int, decode_only: bool) ->
     fill the GPU: at most 16 splits, each of at least 256 positions."""
     if not decode_only or num_programs >= _FILL_PROGRAMS:
         return 1
-    return max(1, min(_MAX_SPLITS, -(-_FILL_PROGRAMS // num_programs), max_seq_len // 256))
+    return max(1, min(_MAX_SPLITS, cdiv(_FILL_PROGRAMS, num_programs), max_seq_len // 256))
 
 
 def paged_attention(
@@ -241,7 +243,7 @@ def paged_attention(
     if num_splits > 1:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        split_size = -(-max_seq_len // (num_splits * block_n)) * block_n
+        split_size = cdiv(max_seq_len, num_splits * block_n) * block_n
         part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim_pad,
                                dtype=torch.float32, device=q.device)  # fmt: skip
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from trillm.errors import EngineDeadError, EngineStartupError, ModelExecutionError
-from trillm.executor.abstract import FAKE_RUNNER, unwrap_group
+from trillm.executor.abstract import FAKE_RUNNER
 from trillm.executor.factory import open_executor
 from trillm.executor.multiproc import MultiprocExecutor
 from trillm.executor.uniproc import UniProcExecutor
@@ -29,6 +29,7 @@ from trillm.messages import (
     SchedulerOutput,
 )
 from trillm.sampling_params import SamplingParams
+from trillm.utils import unwrap_group
 from trillm.worker.fake_runner import FakeModelRunner, make_fake_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -313,7 +314,8 @@ def test_killed_worker_fails_inflight_and_later_calls():
 PARENT = textwrap.dedent(
     """
     import json, sys, trio
-    from trillm.executor.abstract import FAKE_RUNNER, unwrap_group
+    from trillm.executor.abstract import FAKE_RUNNER
+    from trillm.utils import unwrap_group
     from trillm.executor.factory import open_executor
     from trillm.worker.fake_runner import make_fake_config
 

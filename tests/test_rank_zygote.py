@@ -20,9 +20,10 @@ from parallel_reference import greedy, reference_tokens
 from trillm.engine.llm import LLM
 from trillm.errors import EngineStartupError
 from trillm.executor import rank_launch
-from trillm.executor.abstract import FAKE_RUNNER, unwrap_group
+from trillm.executor.abstract import FAKE_RUNNER
 from trillm.executor.multiproc import MultiprocExecutor
 from trillm.executor.worker_ipc import WorkerIpc
+from trillm.utils import unwrap_group
 from trillm.worker.fake_runner import make_fake_config
 
 PROMPTS = ["Hello there, how", "1 2 3 4 5"]

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from trillm.core.errors import BlockAllocationError
 from trillm.core.request import Request
+from trillm.utils import cdiv
 
 _M64 = (1 << 64) - 1
 _ROOT_LO = 0x243F6A8885A308D3  # parent "hash" of a first block (digits of pi)
@@ -144,7 +145,7 @@ class KVCacheManager:
     ) -> int:
         held = len(self._tables.get(request.request_id, ())) + num_computed_blocks
         total_tokens = request.num_computed_tokens + num_computed_blocks * self.block_size
-        needed = -(-(total_tokens + num_new_tokens) // self.block_size)
+        needed = cdiv(total_tokens + num_new_tokens, self.block_size)
         return max(0, needed - held)
 
     def can_allocate(

@@ -39,6 +39,7 @@ from trillm.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from trillm.utils import cdiv
 
 
 def check_request_fits(
@@ -63,7 +64,7 @@ def check_request_fits(
                 f"The prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is {total} "
                 f"tokens, more than max_model_len={max_model_len}."
             )
-    blocks = -(-total // block_size)
+    blocks = cdiv(total, block_size)
     if blocks > num_blocks:
         raise RequestTooLargeError(
             f"The request needs up to {total} tokens ({blocks} KV blocks of {block_size}), "

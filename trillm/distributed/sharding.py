@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trillm.config import ModelConfig
+from trillm.utils import cdiv
 
 if TYPE_CHECKING:  # the frontend checks a size (check_divisible) without torch
     import torch
@@ -118,7 +119,7 @@ class RankShapes:
         else:
             num_kv, kv_start = 1, rank // (size // kv)
         inter = cfg.intermediate_size // size
-        per = -(-cfg.vocab_size // size)
+        per = cdiv(cfg.vocab_size, size)
         start = min(rank * per, cfg.vocab_size)
         return cls(
             rank, size, rank * heads, heads, kv_start, num_kv, rank * inter, inter,

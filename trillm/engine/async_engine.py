@@ -47,6 +47,7 @@ from trillm.messages import (
 )
 from trillm.outputs import ClassificationOutput, ClassificationRequestOutput, PoolingRequestOutput
 from trillm.sampling_params import SamplingParams
+from trillm.utils import unwrap_group
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +220,7 @@ class AsyncEngine:
     def _die(self, exc: BaseException) -> None:
         if self.dead_error is not None:
             return
-        if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-            exc = exc.exceptions[0]
+        exc = unwrap_group(exc)
         if isinstance(exc, EngineDeadError):
             error = exc
         else:

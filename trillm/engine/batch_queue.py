@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
+from trillm.utils import cdiv
 
 GetRequest = Callable[[str], object]  # the scheduler's get_request
 
@@ -60,7 +61,7 @@ class BatchQueue:
 
     def share(self, num_live: int) -> int:
         """One step's share of the live requests, so that the next step has some to run."""
-        return -(-num_live // self.max_batches)
+        return cdiv(num_live, self.max_batches)
 
     def take_tokens(self) -> dict[str, list[int]]:
         """The tokens for the step about to be sent (given back if it is not sent)."""

@@ -19,6 +19,7 @@ from trillm.engine.preprocess import PromptType
 from trillm.lora.request import LoRARequest
 from trillm.outputs import ClassificationRequestOutput, PoolingRequestOutput, RequestOutput
 from trillm.sampling_params import RequestOutputKind, SamplingParams
+from trillm.utils import first_leaf
 
 T = TypeVar("T")
 
@@ -98,7 +99,7 @@ class LLM:
                 for i, prompt in enumerate(prompts):
                     nursery.start_soon(one, i, prompt)
         except ExceptionGroup as group:
-            raise _first_error(group) from group
+            raise first_leaf(group) from group
         finally:
             bar.close()
         return [r for r in results if r is not None]
@@ -228,7 +229,7 @@ class LLM:
                                              lora_request=loras[i])  # fmt: skip
                     nursery.start_soon(self._collect, stream, i, results, bar)
         except ExceptionGroup as group:
-            raise _first_error(group) from group
+            raise first_leaf(group) from group
         finally:
             bar.close()
         return [r for r in results if r is not None]
@@ -244,13 +245,4 @@ class LLM:
             async for out in outputs:
                 results[index] = out
         bar.update(1)
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """A refused request raises its own error (a ValueError naming the field, as vLLM's LLM
-    does), not the nursery's group; the other requests were cancelled with it."""
-    first: BaseException = group
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return first
 

@@ -37,6 +37,7 @@ from trillm.engine.chat_template import (
 )
 from trillm.engine.template_budget import RenderBudget
 from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from trillm.utils import cdiv
 
 PromptType = str | dict[str, Any]
 
@@ -273,7 +274,7 @@ class Preprocessor:
 
     def check_kv(self, prompt_len: int, max_tokens: int) -> None:
         """A request that could never fit the whole KV cache is refused before it waits."""
-        need = -(-(prompt_len + max_tokens) // self.block_size)
+        need = cdiv(prompt_len + max_tokens, self.block_size)
         if need > self.num_blocks:
             raise RequestTooLargeError(
                 f"The request needs {need} KV-cache blocks ({prompt_len} prompt tokens + "

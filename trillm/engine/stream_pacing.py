@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Generic, TypeVar
 
+from trillm.utils import cdiv
+
 # At least this many streams are woken per engine step for a middle output (module docstring).
 DEFAULT_WAKE_BUDGET = 32
 # What waking a stream costs the event loop (one SSE chunk through the HTTP stack), roughly: a
@@ -57,7 +59,7 @@ class StreamPacing(Generic[T]):
             return
         self._model_time_s += 0.2 * (model_time_s - self._model_time_s)
         budget = max(self.wake_budget, int(self._model_time_s / CHUNK_COST_S))
-        self._period = -(-self._streams // budget) or 1
+        self._period = cdiv(self._streams, budget) or 1
 
     def holds(self, slot: int) -> bool:
         """Whether a middle output of the stream in ``slot`` waits for a later step."""

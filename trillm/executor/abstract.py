@@ -85,10 +85,3 @@ class Executor(abc.ABC):
     async def shutdown(self) -> None:
         """Stop the workers and release shared memory; idempotent."""
 
-
-def unwrap_group(group: BaseExceptionGroup) -> BaseException:
-    """The only leaf exception of nested single-member groups, else the group itself."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc

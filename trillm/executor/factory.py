@@ -12,8 +12,9 @@ from typing import Any
 import trio
 
 from trillm.config import TrillmConfig
-from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory, unwrap_group
+from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
 from trillm.executor.multiproc import MultiprocExecutor
+from trillm.utils import unwrap_group
 
 
 def make_executor(

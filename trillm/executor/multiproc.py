@@ -38,7 +38,7 @@ import trio
 
 from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, EngineStartupError, IPCError, ModelExecutionError
-from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory, unwrap_group
+from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
 from trillm.executor.rank_launch import RankProcess, start_ranks
 from trillm.executor.worker_exits import WorkerExits
 from trillm.executor.worker_ipc import WorkerIpc, free_loopback_port
@@ -46,6 +46,7 @@ from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
 from trillm.ipc.shm_ring import DEFAULT_NUM_SLOTS, DEFAULT_SLOT_SIZE, RingReader
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
+from trillm.utils import unwrap_group
 
 T = TypeVar("T")
 

@@ -33,6 +33,7 @@ from trillm.config import ModelConfig
 from trillm.distributed.sharding import RankShapes, TensorParallelConfigError
 from trillm.model_executor import awq_gptq, gguf_loader
 from trillm.model_executor.gguf_loader import GGUFTensor
+from trillm.utils import cdiv
 
 _PACK = 8  # int4 values per int32 word
 _KERNEL_BLOCK = 32  # the Q4_G kernel's block along K: a rank's K must be whole blocks
@@ -167,7 +168,7 @@ def gguf_dequantized_columns(cfg: ModelConfig, shapes: RankShapes, t: GGUFTensor
 
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]]
     _, [(start, length)] = _ranges(shapes, cfg, t.name)
-    first, end = start // block, -(-(start + length) // block)
+    first, end = start // block, cdiv(start + length, block)
     covering = GGUFTensor(t.name, t.type_name, (t.shape[0], (end - first) * block),
                           t.data[:, first * nbytes : end * nbytes])  # fmt: skip
     offset = start - first * block

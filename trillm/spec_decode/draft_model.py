@@ -32,6 +32,7 @@ from trillm.config import ModelConfig, TrillmConfig
 from trillm.model_executor.registry import CausalLM
 from trillm.spec_decode.backoff import SpecBackoff
 from trillm.spec_decode.policy import draft_room, may_speculate
+from trillm.utils import cdiv
 from trillm.worker.input_batch import InputBatch
 from trillm.worker.step_program import StepPrograms, step_programs_for
 
@@ -61,7 +62,7 @@ class DraftModelProposer:
         self.kv_caches: list[torch.Tensor] = []
         self.num_computed = np.zeros(max_reqs, dtype=np.int64)  # tokens held, per batch slot
         # Scratch blocks per slot: a request's drafts reach k - 1 positions past its tokens.
-        self.scratch_per_slot = -(-self.k // self.block_size) + 1
+        self.scratch_per_slot = cdiv(self.k, self.block_size) + 1
         self._num_shared = 0
         self.backoff = SpecBackoff(self.k)
         self._slot_req: dict[int, str] = {}

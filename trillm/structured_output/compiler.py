@@ -24,6 +24,7 @@ import trio
 
 from trillm.config import DEFAULT_GRAMMAR_CACHE_BYTES
 from trillm.structured_output.spec import GrammarSpec, StructuredOutputError
+from trillm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ class GrammarCache:
             import numpy as np
 
             bad = set(range(0x20)) - ({0x09, 0x0A, 0x0D} if key else set())
-            words = -(-self.vocab_size // 32)
+            words = cdiv(self.vocab_size, 32)
             bits = np.ones(words * 32, dtype=np.uint8)
             self.compiler()
             vocab = self._tokenizer_info.decoded_vocab

@@ -28,6 +28,7 @@ from trillm.messages import SampleRequest, SchedulerOutput
 from trillm.parsers.reasoning import ENDED, REASONING, UNDECIDED, get_reasoning_parser
 from trillm.structured_output.compiler import MAX_FILL_CPU_S, GrammarCache
 from trillm.structured_output.spec import GrammarSpec, check_params
+from trillm.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class StructuredOutputManager:
         self._broken: set[str] = set()  # xgrammar failed on them: they end at the next P4
         # req_id -> words ANDed into its rows (JSON: no raw control characters), if any
         self._extra_masks: dict[str, Any] = {}
-        words = -(-cache.vocab_size // 32)
+        words = cdiv(cache.vocab_size, 32)
         self._rows = np.zeros((0, words), dtype=np.int32)  # reused across steps, grown
         self.num_words = words
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from trillm.messages import NewRequestData
 from trillm.sampling_params import SamplingParams
+from trillm.utils import cdiv
 
 
 class BatchFullError(RuntimeError):
@@ -130,7 +131,7 @@ class InputBatch:
         positions = context_lens[row_req] + offset_in_req  # [T]
         row_slot = slots[row_req]
         block_ids = self.block_table[row_slot, positions // self.block_size].astype(np.int64)
-        max_blocks = -(-int(seq_lens.max(initial=0)) // self.block_size)
+        max_blocks = cdiv(int(seq_lens.max(initial=0)), self.block_size)
         sample_reqs = np.nonzero(seq_lens >= self.num_tokens[slots])[0]
         return StepInputs(
             slots=slots,

@@ -11,6 +11,7 @@ import torch
 
 from trillm.config import TrillmConfig
 from trillm.distributed.sharding import RankShapes
+from trillm.utils import cdiv
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -40,7 +41,7 @@ def num_blocks(
         count = cuda_budget(config, device, shapes) // block_bytes
     else:
         count = cache.kv_cache_memory // block_bytes
-    needed = -(-max_model_len // cache.block_size)
+    needed = cdiv(max_model_len, cache.block_size)
     if count < needed:
         raise KVCacheTooSmallError(
             f"The KV cache holds {count} blocks of {cache.block_size} tokens, but one request "

@@ -47,6 +47,7 @@ from trillm.model_executor.loader import build_model
 from trillm.model_executor.registry import CausalLM
 from trillm.sample.sampler import SamplingState
 from trillm.spec_decode.draft_model import DraftModelProposer
+from trillm.utils import cdiv
 from trillm.worker import kv_cache_sizing
 from trillm.worker.input_batch import InputBatch, StepInputs
 from trillm.worker.pipeline_tokens import append_sampled
@@ -95,7 +96,7 @@ class ModelRunner:
             self.max_num_reqs,
             self.max_model_len,
             self.block_size,
-            max_blocks_per_req=-(-self.max_model_len // self.block_size),
+            max_blocks_per_req=cdiv(self.max_model_len, self.block_size),
         )
         self.sampling_state = SamplingState(self.max_num_reqs, model_cfg.vocab_size, self.device)
         self._pending: PendingStep | None = None

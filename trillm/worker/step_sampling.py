@@ -14,6 +14,7 @@ import torch
 from trillm.messages import LogprobsLists
 from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from trillm.sample.sampler import SamplerOutput
+from trillm.utils import cdiv
 from trillm.worker.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def bitmask_tensor(
     if not rows:
         return None
     vocab = logits.shape[1]
-    words = -(-vocab_size // 32)
+    words = cdiv(vocab_size, 32)
     packed = np.zeros((len(rows), words), dtype=np.int32)  # absent words: nothing allowed
     for k, (_, row) in enumerate(rows):
         # A row is the int32 words' bytes (what the engine sends) or a list of words.
