@@ -21,12 +21,12 @@ paged kernel), GEMM-shaped tiles.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from trillm import envs
 from trillm._native import cpu_kernels, native_available
 
 from . import recording
@@ -39,8 +39,8 @@ _CACHE_DTYPES = {**_DTYPES, torch.float8_e4m3fn: 2}
 
 def num_threads() -> int:
     """``TRILLM_CPU_ATTENTION_THREADS`` if set, else torch's intra-op thread count."""
-    value = os.environ.get("TRILLM_CPU_ATTENTION_THREADS", "").strip()
-    return max(1, int(value)) if value else torch.get_num_threads()
+    threads = envs.CPU_ATTENTION_THREADS.get()
+    return torch.get_num_threads() if threads is None else threads
 
 
 def available() -> bool:

@@ -4,7 +4,6 @@ twins. ``TRILLM_NO_EXTENSIONS=1`` forces the twins; both have the same API and b
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -14,7 +13,9 @@ if TYPE_CHECKING:
 
 
 def extensions_disabled() -> bool:
-    return os.environ.get("TRILLM_NO_EXTENSIONS", "").strip().lower() in ("1", "true", "yes")
+    from trillm import envs
+
+    return envs.NO_EXTENSIONS.get()
 
 
 def extensions_enabled() -> bool:

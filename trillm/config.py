@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -15,7 +14,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # CPU: 1 GiB unless --kv-cache-memory says otherwise
 # Compiled grammars kept for reuse: vLLM's xgrammar cache default (VLLM_XGRAMMAR_CACHE_MB=512).
 DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
-GRAMMAR_CACHE_ENV = "VLLM_XGRAMMAR_CACHE_MB"
+GRAMMAR_CACHE_ENV = "VLLM_XGRAMMAR_CACHE_MB"  # (trillm/envs.py reads it)
 
 
 def parse_memory_size(value: str | int | float) -> int:
@@ -247,12 +246,10 @@ def check_numerics(name: object) -> str:
 def grammar_cache_bytes_from_env() -> int:
     """vLLM's ``VLLM_XGRAMMAR_CACHE_MB`` (a positive whole number of MiB), else 512 MiB; a
     value that is not such a number is a ValueError naming the variable."""
-    value = os.environ.get(GRAMMAR_CACHE_ENV)
-    if value is None:
-        return DEFAULT_GRAMMAR_CACHE_BYTES
-    if not value.strip().isdigit() or int(value) < 1:
-        raise ValueError(f"{GRAMMAR_CACHE_ENV} must be a whole number of MiB > 0; got {value!r}.")
-    return int(value) << 20
+    from trillm import envs
+
+    mib = envs.XGRAMMAR_CACHE_MB.get()
+    return DEFAULT_GRAMMAR_CACHE_BYTES if mib is None else mib << 20
 
 
 def check_grammar_cache_bytes(value: object) -> int:

@@ -15,8 +15,9 @@ import datetime
 import json
 import logging
 import logging.config
-import os
 from typing import Any
+
+from trillm import envs
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # LogRecord attributes that are not a caller's ``extra=`` fields.
@@ -46,17 +47,11 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
-def _env(name: str) -> str | None:
-    """``TRILLM_<name>``, else vLLM's ``VLLM_<name>``."""
-    value = os.environ.get(f"TRILLM_{name}")
-    return value if value is not None else os.environ.get(f"VLLM_{name}")
-
-
 def configure_logging(level: str, log_format: str = "text") -> None:
     """Root logging for ``trillm serve`` (see the module docstring for the precedence)."""
-    if (_env("CONFIGURE_LOGGING") or "1").strip() == "0":
+    if not envs.CONFIGURE_LOGGING.get():
         return
-    path = _env("LOGGING_CONFIG_PATH")
+    path = envs.LOGGING_CONFIG_PATH.get()
     if path:
         logging.config.dictConfig(_load_dict_config(path))
         return

@@ -129,13 +129,15 @@ def test_the_flag_wins_over_vllm_api_key(tmp_path, monkeypatch):
         assert srv.stop() == 0, srv.log()
 
 
-def test_resolution_as_vllm():
-    env = {API_KEY_ENV: "e"}
-    assert ApiKeys.resolve(None, env) == ApiKeys(("e",), API_KEY_ENV)
-    assert ApiKeys.resolve(["a", "b"], env) == ApiKeys(("a", "b"), "--api-key")
-    assert ApiKeys.resolve([""], env) == ApiKeys(("e",), API_KEY_ENV)  # empty keys are none
-    assert ApiKeys.resolve(None, {API_KEY_ENV: ""}) == ApiKeys()
-    assert ApiKeys.resolve(None, {}).describe().endswith("every route is open.")
+def test_resolution_as_vllm(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "e")
+    assert ApiKeys.resolve(None) == ApiKeys(("e",), API_KEY_ENV)
+    assert ApiKeys.resolve(["a", "b"]) == ApiKeys(("a", "b"), "--api-key")
+    assert ApiKeys.resolve([""]) == ApiKeys(("e",), API_KEY_ENV)  # empty keys are none
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert ApiKeys.resolve(None) == ApiKeys()
+    monkeypatch.delenv(API_KEY_ENV)
+    assert ApiKeys.resolve(None).describe().endswith("every route is open.")
     keys = ApiKeys(("a", "b"), "--api-key")
     assert keys.admits(b"Bearer b") and not keys.admits(b"Bearer ab")
     assert not keys.admits(b"bearer a") and not keys.admits(b"Bearer a ")

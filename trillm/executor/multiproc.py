@@ -29,13 +29,13 @@ this process dies (see ``trillm/worker/worker_main.py``).
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
 
+from trillm import envs
 from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, EngineStartupError, IPCError, ModelExecutionError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
@@ -58,15 +58,15 @@ SHUTDOWN_GRACE_S = 5.0
 def micro_batches(num_stages: int) -> int:
     """Steps in flight at once: ``TRILLM_PP_MICRO_BATCHES`` (1 .. num_stages) when set, else one
     per pipeline stage (1 without pipeline parallelism)."""
-    text = os.environ.get("TRILLM_PP_MICRO_BATCHES", "").strip()
-    if not text:
+    count = envs.PP_MICRO_BATCHES.get()
+    if count is None:
         return num_stages
-    if not text.isdigit() or not 1 <= int(text) <= num_stages:
+    if count > num_stages:
         raise ValueError(
-            f"TRILLM_PP_MICRO_BATCHES={text!r}: must be an integer from 1 to "
+            f"TRILLM_PP_MICRO_BATCHES='{count}': must be an integer from 1 to "
             f"pipeline_parallel_size={num_stages}."
         )
-    return int(text)
+    return count
 
 
 class MultiprocExecutor(Executor):

@@ -28,13 +28,14 @@ from typing import Any, Protocol
 
 import trio
 
+from trillm import envs
 from trillm.errors import EngineStartupError
 from trillm.executor.rank_zygote import WORKER_MODULE
 from trillm.executor.worker_exits import describe_exit
 from trillm.executor.worker_ipc import worker_env
 
 ZYGOTE_MODULE = "trillm.executor.rank_zygote"
-START_ENV = "TRILLM_WORKER_START"
+START_ENV = envs.WORKER_START.name
 START_MODES = ("zygote", "spawn")
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 CLEANUP_GRACE_S = 5.0
@@ -99,10 +100,7 @@ class AdoptedRank:
 
 
 def start_mode() -> str:
-    mode = os.environ.get(START_ENV, "").strip() or "zygote"
-    if mode not in START_MODES:
-        raise ValueError(f"{START_ENV}={mode!r}: expected one of {', '.join(START_MODES)}.")
-    return mode
+    return envs.WORKER_START.get()
 
 
 _prctl_lock = threading.Lock()

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 
 import attrs
 
+from trillm import envs
+
 logger = logging.getLogger("trillm.server")
 
-API_KEY_ENV = "VLLM_API_KEY"
+API_KEY_ENV = envs.API_KEY.name
 # Liveness, readiness, the version and Prometheus scrapes: as open as in vLLM. Nothing here
 # runs the model or tells anything about a request.
 KEYLESS_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
@@ -32,12 +33,12 @@ class ApiKeys:
     source: str = ""  # "--api-key" or API_KEY_ENV; "" without keys
 
     @classmethod
-    def resolve(cls, cli_keys: list[str] | None, environ: dict[str, str] | None = None) -> ApiKeys:
+    def resolve(cls, cli_keys: list[str] | None) -> ApiKeys:
         """``--api-key`` wins; without it ``VLLM_API_KEY``; empty strings are no key."""
         cli = tuple(key for key in cli_keys or () if key)
         if cli:
             return cls(cli, "--api-key")
-        env_key = (os.environ if environ is None else environ).get(API_KEY_ENV, "")
+        env_key = envs.API_KEY.get()
         return cls((env_key,), API_KEY_ENV) if env_key else cls()
 
     def describe(self) -> str:

@@ -8,6 +8,7 @@ import math
 import sys
 from typing import Any
 
+from trillm import envs
 from trillm.config import DEFAULT_GRAMMAR_CACHE_BYTES, check_grammar_cache_bytes, parse_memory_size
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
 from trillm.entrypoints.openai import config_file, serving_lora, vllm_flags
@@ -447,6 +448,10 @@ def run_serve(args: argparse.Namespace) -> int:
     vllm_flags.check_flags(args.serve_parser, args)
     check_node_flags(args.serve_parser, args)
     serving_lora.check_lora_flags(args.serve_parser, args)
+    try:
+        envs.check_all()
+    except ValueError as exc:  # an environment variable set to what it does not take
+        args.serve_parser.error(str(exc))
     try:
         configure_logging(args.log_level, args.log_format)
     except (LoggingConfigError, ValueError, TypeError, AttributeError, ImportError) as exc:

@@ -29,6 +29,7 @@ from typing import Any
 
 import trio
 
+from trillm import envs
 from trillm.entrypoints.openai.errors import BadRequestError, NotFoundError
 from trillm.entrypoints.openai.protocol import MAX_REQUEST_ID_CHARS
 from trillm.lora.files import MAX_CONFIG_BYTES, regular_file_size
@@ -37,7 +38,7 @@ from trillm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
-RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+RUNTIME_UPDATING_ENV = envs.ALLOW_RUNTIME_LORA_UPDATING.name
 # A served name is echoed in every response and chunk (``model``), as a request id is.
 MAX_LORA_NAME_CHARS = MAX_REQUEST_ID_CHARS
 MAX_LORA_PATH_CHARS = 4096  # Linux's PATH_MAX
@@ -124,7 +125,7 @@ def _allowed_root(value: str) -> str:
 
 
 def runtime_updating_allowed(flag: bool) -> bool:
-    return flag or os.environ.get(RUNTIME_UPDATING_ENV, "").strip().lower() in ("1", "true")
+    return flag or envs.ALLOW_RUNTIME_LORA_UPDATING.get()
 
 
 def check_lora_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -1,0 +1,155 @@
+"""Every environment variable trillm reads, with its type and meaning: the one place that
+reads them (``tests/test_envs.py`` checks that no other module does, and that
+``docs/environment.md`` lists each).
+
+A variable vLLM defines keeps vLLM's name and meaning; trillm's own start with ``TRILLM_``.
+Where both exist (logging), ``TRILLM_<name>`` wins over ``VLLM_<name>``. A value that is not
+one the variable takes is a ``ValueError`` naming the variable, raised where it is read, so
+nothing set is silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import attrs
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class EnvVar(Generic[T]):
+    names: tuple[str, ...]  # read in this order; the first one set counts
+    meaning: str
+    parse: Callable[[str, str], T]  # (name, text) -> value, or a ValueError naming it
+    default: T  # when none is set
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def get(self) -> T:
+        for name in self.names:
+            text = os.environ.get(name)
+            if text is not None:
+                return self.parse(name, text)
+        return self.default
+
+
+def _text_or_none(name: str, text: str) -> str | None:
+    return text or None
+
+
+def _positive_int(name: str, text: str) -> int | None:
+    text = text.strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{name} must be a whole number > 0; got {text!r}.")
+    return int(text)
+
+
+def _switch(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("", "0", "false", "no"):
+        return False
+    raise ValueError(f"{name} must be 1 / true / yes or 0 / false / no; got {text!r}.")
+
+
+def _vllm_true(name: str, text: str) -> bool:
+    # vLLM's reading of its boolean variables: "1" or "true" (any case) is on, anything else off.
+    return text.strip().lower() in ("1", "true")
+
+
+def _not_zero(name: str, text: str) -> bool:
+    return text.strip() != "0"
+
+
+def _worker_start(name: str, text: str) -> str:
+    mode = text.strip() or "zygote"
+    if mode not in ("zygote", "spawn"):
+        raise ValueError(f"{name}={mode!r}: expected one of zygote, spawn.")
+    return mode
+
+
+API_KEY = EnvVar(
+    ("VLLM_API_KEY",),
+    "The API key when --api-key is not given (vLLM's): every route but /health, /ping, "
+    "/version and /metrics then needs 'Authorization: Bearer KEY'. Empty: no key.",
+    _text_or_none,
+    None,
+)
+XGRAMMAR_CACHE_MB = EnvVar(
+    ("VLLM_XGRAMMAR_CACHE_MB",),
+    "MiB of compiled grammars kept when --structured-outputs-cache-bytes is not given "
+    "(vLLM's; default 512).",
+    _positive_int,
+    None,
+)
+ALLOW_RUNTIME_LORA_UPDATING = EnvVar(
+    ("VLLM_ALLOW_RUNTIME_LORA_UPDATING",),
+    "1 / true: the /v1/load_lora_adapter and /v1/unload_lora_adapter routes (vLLM's; as "
+    "--allow-runtime-lora-updating). Any other value: off, as in vLLM.",
+    _vllm_true,
+    False,
+)
+CONFIGURE_LOGGING = EnvVar(
+    ("TRILLM_CONFIGURE_LOGGING", "VLLM_CONFIGURE_LOGGING"),
+    "0: trillm serve leaves the root logger to the embedding application.",
+    _not_zero,
+    True,
+)
+LOGGING_CONFIG_PATH = EnvVar(
+    ("TRILLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_CONFIG_PATH"),
+    "A logging.config.dictConfig JSON file for trillm serve's logging.",
+    _text_or_none,
+    None,
+)
+NO_EXTENSIONS = EnvVar(
+    ("TRILLM_NO_EXTENSIONS",),
+    "1 / true / yes: use the pure-Python twins and torch references instead of the native "
+    "extensions (scheduler, KV blocks, detokenizer, CPU kernels).",
+    _switch,
+    False,
+)
+WORKER_START = EnvVar(
+    ("TRILLM_WORKER_START",),
+    "How the ranks of a multi-rank engine start: zygote (forked from one process that "
+    "imported torch once; the default) or spawn (a process of its own each).",
+    _worker_start,
+    "zygote",
+)
+PP_MICRO_BATCHES = EnvVar(
+    ("TRILLM_PP_MICRO_BATCHES",),
+    "Steps in flight with pipeline parallelism, 1 .. pipeline_parallel_size (default: one "
+    "per stage); 1 keeps one, for comparisons.",
+    _positive_int,
+    None,
+)
+CPU_ATTENTION_THREADS = EnvVar(
+    ("TRILLM_CPU_ATTENTION_THREADS",),
+    "Threads of the native CPU attention kernel (default: torch's intra-op threads).",
+    _positive_int,
+    None,
+)
+
+ALL: tuple[EnvVar[Any], ...] = (
+    API_KEY,
+    XGRAMMAR_CACHE_MB,
+    ALLOW_RUNTIME_LORA_UPDATING,
+    CONFIGURE_LOGGING,
+    LOGGING_CONFIG_PATH,
+    NO_EXTENSIONS,
+    WORKER_START,
+    PP_MICRO_BATCHES,
+    CPU_ATTENTION_THREADS,
+)
+
+
+def check_all() -> None:
+    """Read every variable once: a value none of them takes is a ValueError now, at start-up,
+    not when the feature is first used."""
+    for var in ALL:
+        var.get()
