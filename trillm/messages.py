@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trillm.lora.request import LoRARequest
 from trillm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from trillm.engine.output_collector import RequestOutputCollector
 
 
 class FinishReason(enum.IntEnum):
@@ -228,7 +231,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     engine_requests: list[EngineCoreRequest]
-    collector: Any  # RequestOutputCollector: the request's outputs go there
+    collector: RequestOutputCollector  # the request's outputs go there
     arrival_time: float  # wall clock (RequestMetrics)
 
 
@@ -239,7 +242,7 @@ class AbortRequest:
     so a late abort never ends a newer request that reuses the id."""
 
     request_id: str
-    collector: Any = None
+    collector: RequestOutputCollector | None = None
 
 
 OutputHandlerInput = EngineCoreOutputs | AddRequest | AbortRequest

@@ -192,6 +192,9 @@ class FakeModelRunner:
 
     # ------------------------------------------------------------ P3
 
+    def shutdown(self) -> None:
+        """Nothing to leave: no tensor-parallel group, no kernels."""
+
     def sample_tokens(self, bitmask: dict[str, bytes | list[int]] | None) -> ModelRunnerOutput:
         sched = self._pending
         if sched is None:

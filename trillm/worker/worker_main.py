@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from trillm.errors import CodecError, CollectiveTimeoutError, IPCError, RingClosedError
 from trillm.gc_heap import freeze_startup_heap
+from trillm.interfaces import ModelRunnerProtocol, RunnerClass
 from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
 from trillm.ipc.shm_ring import RingFds, RingReader, RingWriter, ShmRing
@@ -50,12 +51,13 @@ class ParentDiedError(RuntimeError):
     pass
 
 
-def load_runner_class(spec: str) -> type:
+def load_runner_class(spec: str) -> RunnerClass:
     """``"package.module:ClassName"`` -> the class."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"Runner spec {spec!r} must look like 'package.module:ClassName'.")
-    return getattr(importlib.import_module(module_name), attr)
+    runner_cls: RunnerClass = getattr(importlib.import_module(module_name), attr)
+    return runner_cls
 
 
 def _watch_death_pipe(fd: int) -> None:
@@ -95,7 +97,7 @@ class Worker:
         self.parent_pid = parent_pid
         self.link = link
         self.own_config = own_config  # a remote rank's config, built from its node's flags
-        self.runner: Any = None
+        self.runner: ModelRunnerProtocol | None = None  # set by InitWorker
         self._sched: SchedulerOutput | None = None
         self._step_error: str | None = None
 
@@ -154,7 +156,7 @@ class Worker:
             except RingClosedError:
                 return EXIT_OK
             if isinstance(msg, Shutdown):
-                if self.runner is not None and hasattr(self.runner, "shutdown"):
+                if self.runner is not None:
                     self.runner.shutdown()
                 return EXIT_OK
             self._handle(msg)
@@ -171,22 +173,29 @@ class Worker:
             if self.own_config is not None:  # another node: its flags must agree with node 0's
                 check_same_config(config, self.own_config)
                 config = self.own_config
-            runner_cls = load_runner_class(msg.runner)
-            self.runner = runner_cls(config, self.rank, **msg.runner_kwargs)
-            self.runner.load_model()
-            num_blocks = self.runner.determine_num_blocks()
+            runner: ModelRunnerProtocol = load_runner_class(msg.runner)(
+                config, self.rank, **msg.runner_kwargs
+            )
+            self.runner = runner
+            runner.load_model()
+            num_blocks = runner.determine_num_blocks()
             self._send(WorkerReady(self.rank, "loaded", num_blocks))
         elif isinstance(msg, InitKVCache):
-            self.runner.initialize_kv_cache(msg.num_blocks)
+            self._loaded().initialize_kv_cache(msg.num_blocks)
             freeze_startup_heap(f"worker rank {self.rank}")  # started: the model and cache are in
             self._send(WorkerReady(self.rank, "kv_cache", msg.num_blocks))
         else:
             raise CodecError(f"Worker rank {self.rank} got unexpected {type(msg).__name__}.")
 
+    def _loaded(self) -> ModelRunnerProtocol:
+        if self.runner is None:
+            raise CodecError(f"Worker rank {self.rank} got a step before InitWorker.")
+        return self.runner
+
     def _execute(self, sched: SchedulerOutput) -> None:
         self._sched, self._step_error = sched, None
         try:
-            self.runner.execute_model(sched)
+            self._loaded().execute_model(sched)
         except CollectiveTimeoutError:
             raise  # the group is broken: fatal, not one step's failure
         except Exception:
@@ -200,7 +209,7 @@ class Worker:
         out = None
         if self._step_error is None:
             try:
-                out = self.runner.sample_tokens(bitmask)
+                out = self._loaded().sample_tokens(bitmask)
             except Exception:
                 self._step_error = traceback.format_exc()
         if out is None:

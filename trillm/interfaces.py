@@ -1,0 +1,56 @@
+"""The contracts between trillm's parts, typed, in one place.
+
+- The model runner (``ModelRunnerProtocol``, below): what a model-worker process calls on the
+  runner it loads (``trillm.worker.model_runner.ModelRunner``, the pooling runner, the fake
+  runner and the test runners all conform; mypy checks each against it).
+- The executor: ``trillm.executor.abstract.Executor``, an abstract class (it carries defaults
+  for the batch-queue and failure-watching parts); every executor, stand-ins in tests
+  included, subclasses it.
+- The scheduler: the Python twin's class, ``trillm.core.scheduler.Scheduler``; the native
+  scheduler is declared with the twin's API (``trillm/_ext/scheduler.pyi``) and checked against
+  it (``tests/test_native_contract.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from trillm.messages import ModelRunnerOutput, SchedulerOutput
+
+# req_id -> the grammar's allowed-token bitmask row: int32 words, packed (bytes) or listed
+Bitmask = dict[str, bytes | list[int]]
+
+
+class ModelRunnerProtocol(Protocol):
+    """A model-worker's runner, in the order the worker calls it: built with (config, rank,
+    **runner_kwargs); ``load_model``; ``determine_num_blocks``; ``initialize_kv_cache``; then
+    per step ``execute_model`` (P2) and ``sample_tokens`` (P3); ``shutdown`` on the way out."""
+
+    def load_model(self) -> None: ...
+
+    def determine_num_blocks(self) -> int: ...
+
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    def execute_model(self, sched: SchedulerOutput) -> None: ...
+
+    def sample_tokens(self, bitmask: Bitmask | None) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+# A runner class: (config, rank, **runner_kwargs) -> a runner.
+RunnerClass = Callable[..., ModelRunnerProtocol]
+
+if TYPE_CHECKING:  # mypy checks every runner trillm ships against the contract
+    from trillm.testing.scripted_runner import ScriptedRunner
+    from trillm.testing.slow_runner import SlowPoolingRunner
+    from trillm.worker.fake_runner import FakeModelRunner
+    from trillm.worker.model_runner import ModelRunner
+    from trillm.worker.pooling_runner import PoolingModelRunner
+
+    _RUNNERS: tuple[RunnerClass, ...] = (
+        ModelRunner, PoolingModelRunner, FakeModelRunner, ScriptedRunner, SlowPoolingRunner
+    )
