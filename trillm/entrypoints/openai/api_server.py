@@ -21,7 +21,7 @@ import logging
 import signal
 import socket
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -44,6 +44,9 @@ from trillm.entrypoints.openai.request_budgets import (
 from trillm.entrypoints.openai.serving_base import ServerState, max_prompt_chars
 from trillm.entrypoints.openai.stats_logger import log_stats_periodically
 from trillm.gc_heap import freeze_startup_heap
+
+if TYPE_CHECKING:
+    from trillm.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("trillm.server")
 
@@ -157,9 +160,10 @@ async def _serve(
     )  # fmt: skip
     done = trio.Event()  # the HTTP server has stopped: the engine may go
     async with trio.open_nursery() as engines:
-        engine = await engines.start(
+        slot = await engines.start(
             supervise_engine, opener, opts.restart_on_engine_death, life, done
         )
+        engine = slot.as_engine()
         try:
             async with trio.open_nursery() as nursery:
                 names = opts.served_model_names or [engine.model_config.served_model_name]
@@ -214,14 +218,14 @@ async def _serve(
     logger.info("trillm stopped.")
 
 
-def _max_admitted(engine: Any, opts: ServerOptions) -> int | None:
+def _max_admitted(engine: AsyncEngine, opts: ServerOptions) -> int | None:
     """--max-num-queued-requests counts requests beyond what one batch runs (--max-num-seqs)."""
     if opts.max_num_queued_requests is None:
         return None
     return engine.config.scheduler.max_num_seqs + opts.max_num_queued_requests
 
 
-def _fair_share(engine: Any) -> int:
+def _fair_share(engine: AsyncEngine) -> int:
     """Fair admission: 3/4 of what the engine runs at once (--max-num-seqs on each
     data-parallel core) for one request's sequences, so a request sent later starts at once
     beside the largest one, which alone still keeps most of the batch."""

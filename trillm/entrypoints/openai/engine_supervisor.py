@@ -17,9 +17,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
+
+if TYPE_CHECKING:
+    from trillm.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("trillm.server")
 
@@ -31,11 +34,16 @@ ENGINE_DEATH_GRACE_S = 2.0
 class EngineSlot:
     """The current engine: attribute reads go to it (``state.engine.generate``, ...)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self.current = engine
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.current, name)
+
+    def as_engine(self) -> AsyncEngine:
+        """The slot, typed as the engine it forwards to: what the server holds (the state, the
+        metrics), so that a restart swaps one reference and mypy checks every use."""
+        return cast("AsyncEngine", self)
 
 
 async def supervise_engine(

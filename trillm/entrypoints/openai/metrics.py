@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -53,6 +53,9 @@ from trillm.entrypoints.openai.request_metrics import (
     request_families,
 )
 
+if TYPE_CHECKING:
+    from trillm.engine.async_engine import AsyncEngine
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIXES = {"both": ("vllm:", "trillm:"), "vllm": ("vllm:",), "trillm": ("trillm:",)}
 
@@ -60,7 +63,7 @@ PREFIXES = {"both": ("vllm:", "trillm:"), "vllm": ("vllm:",), "trillm": ("trillm
 class _SchedulerCollector(Collector):
     """What the engine knows at scrape time."""
 
-    def __init__(self, engine: Any, labels: list[str]) -> None:
+    def __init__(self, engine: AsyncEngine, labels: list[str]) -> None:
         self.engine = engine
         self.labels = labels
 
@@ -137,7 +140,7 @@ def _stat_families(
         yield fam
 
 
-def engine_stats(engine: Any) -> list[Any]:
+def engine_stats(engine: AsyncEngine) -> list[Any]:
     """Each engine core's scheduler stats (one core: the engine's stats)."""
     per_engine = getattr(engine, "get_engine_stats", None)
     return per_engine() if per_engine is not None else [engine.get_stats()]
@@ -157,7 +160,7 @@ def lora_requests_info(max_loras: int, stats: Any) -> Metric:
     return g
 
 
-def cache_config_info(engine: Any, index: int = 0) -> dict[str, str]:
+def cache_config_info(engine: AsyncEngine, index: int = 0) -> dict[str, str]:
     """vLLM's cache_config_info labels (the fields trillm has), plus ``engine``: of engine
     core ``index``."""
     cache = getattr(getattr(engine, "config", None), "cache", None)
@@ -207,7 +210,7 @@ class ServerMetrics:
     """The metrics of one app; ``render()`` is the /metrics body."""
 
     def __init__(
-        self, engine: Any, model_name: str, prefix: str = "both", max_model_len: int | None = None
+        self, engine: AsyncEngine, model_name: str, prefix: str = "both", max_model_len: int | None = None
     ) -> None:
         self.model_name = model_name
         self.base = CollectorRegistry(auto_describe=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import orjson
@@ -29,10 +29,14 @@ from trillm.entrypoints.openai.request_budgets import (
 from trillm.lora.request import LoRARequest
 from trillm.outputs import Logprob
 
+if TYPE_CHECKING:
+    from trillm.engine.async_engine import AsyncEngine
+    from trillm.entrypoints.openai.serving_lora import LoRARegistry
+
 
 @attrs.define(eq=False)
 class ServerState:
-    engine: Any
+    engine: AsyncEngine  # (the server's EngineSlot, read as the engine it forwards to)
     served_model_names: list[str]
     metrics: ServerMetrics
     nursery: trio.Nursery
@@ -60,7 +64,7 @@ class ServerState:
     admitted_tokens: int = 0  # the sum of ``inflight_tokens``' values
     drained: trio.Event = attrs.field(factory=trio.Event)  # set once draining and none in flight
     # LoRA adapters served by name (serving_lora.LoRARegistry); None without --enable-lora.
-    loras: Any = None
+    loras: LoRARegistry | None = None
     # Per-request budgets (request_budgets.py): logprob entries, and prompts x n.
     max_logprob_entries: int = DEFAULT_MAX_LOGPROB_ENTRIES
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
@@ -70,7 +74,7 @@ class ServerState:
     max_engine_seqs_per_request: int | None = None
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Any:  # (transformers' tokenizer)
         return self.engine.tokenizer
 
     @property

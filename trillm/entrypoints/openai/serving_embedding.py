@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from trillm.config import PoolerConfig
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt
 from trillm.entrypoints.openai.errors import BadRequestError
 from trillm.entrypoints.openai.protocol_embedding import EmbeddingRequest, PoolingRequest
@@ -26,7 +27,8 @@ from trillm.entrypoints.openai.serving_base import ServerState, admitted_tokens,
 from trillm.outputs import pooling_params
 
 
-def _check_pooling_model(state: ServerState, route: str) -> None:
+def _check_pooling_model(state: ServerState, route: str) -> PoolerConfig:
+    """The server's embedding pooler, else a 400 naming what the route needs."""
     pooler = state.engine.config.pooler
     if pooler is None:
         raise BadRequestError(
@@ -37,6 +39,7 @@ def _check_pooling_model(state: ServerState, route: str) -> None:
     if pooler.task == "classify":
         raise BadRequestError(f"{route}: this server's model is a sequence classifier; it "
                               "serves /classify.", "model")  # fmt: skip
+    return pooler
 
 
 async def prepare_input(state: ServerState, truncate_prompt_tokens: int | None,
@@ -57,10 +60,9 @@ async def prepare_input(state: ServerState, truncate_prompt_tokens: int | None,
         raise BadRequestError(str(exc), exc.param) from exc
 
 
-def _dimensions(state: ServerState, req: EmbeddingRequest) -> int | None:
+def _dimensions(state: ServerState, pooler: PoolerConfig, req: EmbeddingRequest) -> int | None:
     if req.dimensions is None:
         return None
-    pooler = state.engine.config.pooler
     if not pooler.matryoshka:
         raise BadRequestError(
             "Model does not support matryoshka representation, changing output dimensions "
@@ -73,11 +75,11 @@ def _dimensions(state: ServerState, req: EmbeddingRequest) -> int | None:
     return req.dimensions
 
 
-def _vector(state: ServerState, pooled: list[float], dims: int | None) -> np.ndarray:
+def _vector(pooler: PoolerConfig, pooled: list[float], dims: int | None) -> np.ndarray:
     vec = np.asarray(pooled, dtype=np.float32)
     if dims is not None:
         vec = vec[:dims]
-        if state.engine.config.pooler.normalize:
+        if pooler.normalize:
             vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
     return vec
 
@@ -121,14 +123,14 @@ async def run_inputs(
 async def create_embedding(state: ServerState, req: EmbeddingRequest) -> dict[str, Any]:
     route = "/pooling" if isinstance(req, PoolingRequest) else "/v1/embeddings"
     state.check_model(req.model)
-    _check_pooling_model(state, route)
-    dims = _dimensions(state, req)
+    pooler = _check_pooling_model(state, route)
+    dims = _dimensions(state, pooler, req)
     request_id, prepared, results = await run_inputs(
         state, req, "embd", lambda job, rid: state.engine.encode(job, request_id=rid)
     )
     data = []
     for i, out in enumerate(results):
-        vec = _encode(_vector(state, out.outputs.embedding, dims), req.encoding_format)
+        vec = _encode(_vector(pooler, out.outputs.embedding, dims), req.encoding_format)
         if isinstance(req, PoolingRequest):
             data.append({"index": i, "object": "pooling", "data": vec})
         else:

@@ -25,7 +25,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -35,6 +35,9 @@ from trillm.entrypoints.openai.protocol import MAX_REQUEST_ID_CHARS
 from trillm.lora.files import MAX_CONFIG_BYTES, regular_file_size
 from trillm.lora.peft import CONFIG_NAME, WEIGHTS_NAME
 from trillm.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from trillm.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +164,7 @@ class LoRARegistry:
         self.adapters: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)  # never reused: a reload is a new adapter to the worker
 
-    async def add(self, engine: Any, name: str, path: str, base: str | None = None) -> None:
+    async def add(self, engine: AsyncEngine, name: str, path: str, base: str | None = None) -> None:
         """Checks the adapter against the model (engine.check_lora: InvalidRequestError,
         a 400, naming what is wrong) and serves it under ``name``."""
         lora = LoRARequest(name, next(self._ids), path, base)
@@ -171,7 +174,7 @@ class LoRARegistry:
                                   "lora_name")  # fmt: skip
         self.adapters[name] = lora
 
-    def remove(self, engine: Any, name: str) -> None:
+    def remove(self, engine: AsyncEngine, name: str) -> None:
         lora = self.adapters.pop(name)
         checker = engine.lora_checker
         if checker is not None:
@@ -189,7 +192,7 @@ class AdapterPathError(ValueError):
     """A runtime load's path is not a loadable adapter; the reason is logged, never answered."""
 
 
-async def load_adapter(registry: LoRARegistry, engine: Any, body: dict[str, Any]) -> str:
+async def load_adapter(registry: LoRARegistry, engine: AsyncEngine, body: dict[str, Any]) -> str:
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
         raise BadRequestError("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
@@ -245,7 +248,7 @@ def _check_name_length(name: str) -> None:
         )
 
 
-def unload_adapter(registry: LoRARegistry, engine: Any, body: dict[str, Any]) -> str:
+def unload_adapter(registry: LoRARegistry, engine: AsyncEngine, body: dict[str, Any]) -> str:
     name = body.get("lora_name")
     if not isinstance(name, str) or not name:
         raise BadRequestError("'lora_name' must be provided.", "lora_name")
@@ -256,7 +259,7 @@ def unload_adapter(registry: LoRARegistry, engine: Any, body: dict[str, Any]) ->
     return f"Success: LoRA adapter '{name}' removed successfully."
 
 
-async def open_registry(engine: Any, base_model_name: str, opts: Any) -> LoRARegistry | None:
+async def open_registry(engine: AsyncEngine, base_model_name: str, opts: Any) -> LoRARegistry | None:
     """The server's adapters at startup (``--lora-modules``, each checked against the
     model: a bad one stops the server with its reason). None when LoRA is off."""
     if engine.config.lora is None:

@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
+
+if TYPE_CHECKING:
+    from trillm.engine.async_engine import AsyncEngine
+    from trillm.entrypoints.openai.metrics import ServerMetrics
 
 logger = logging.getLogger("trillm.stats")
 
@@ -25,7 +29,7 @@ HIT_RATE_WINDOW = 6  # intervals (one minute at the default 10 s)
 
 
 class StatsLine:
-    def __init__(self, engine: Any, metrics: Any, now: float) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, now: float) -> None:
         self.engine = engine
         self.metrics = metrics
         self.last_time = now
@@ -69,7 +73,7 @@ class StatsLine:
 
 
 async def log_stats_periodically(
-    engine: Any, metrics: Any, interval: float, stop: trio.Event
+    engine: AsyncEngine, metrics: ServerMetrics, interval: float, stop: trio.Event
 ) -> None:
     """Until ``stop`` is set (the server stops serving): one line per interval."""
     stats = StatsLine(engine, metrics, trio.current_time())
