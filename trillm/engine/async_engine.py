@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -49,6 +49,9 @@ from trillm.outputs import ClassificationOutput, ClassificationRequestOutput, Po
 from trillm.sampling_params import SamplingParams
 from trillm.utils import unwrap_group
 
+if TYPE_CHECKING:
+    from trillm.executor.abstract import Executor
+
 logger = logging.getLogger(__name__)
 
 _INBOX_SIZE = 8  # messages in flight to the output handler (engine steps, requests, aborts)
@@ -60,8 +63,8 @@ class AsyncEngine:
     def __init__(
         self,
         config: TrillmConfig,
-        tokenizer: Any,
-        executor: Any,  # one executor, or one per engine core (data parallelism)
+        tokenizer: Any,  # transformers' tokenizer (None with skip_tokenizer_init)
+        executor: Executor | list[Executor],  # one per engine core (data parallelism)
         stream_interval: int = 1,
         stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET,
         chat_template: str | None = None,
@@ -69,7 +72,7 @@ class AsyncEngine:
         self.config = config
         self.model_config = config.model
         self.tokenizer = tokenizer
-        self.executors: list[Any] = list(executor) if isinstance(executor, list) else [executor]
+        self.executors = list(executor) if isinstance(executor, list) else [executor]
         # The engine cores, their inputs, stats and router (``engine_cores.py``).
         self.engine_cores = EngineCores(
             config, self.executors, structured_output_manager(config, tokenizer)
