@@ -116,6 +116,34 @@ class ToolParser:
         return ToolCallStreamer(self)
 
 
+class CallListParser(ToolParser):
+    """A parser whose calls follow one another (a JSON list, ``;``-joined objects, a Python
+    list): it splits the whole text with ``_split`` and, after a ``Resume`` point, reads only
+    the calls that follow with ``_calls_after``, so a stream costs time linear in its length."""
+
+    def split(self, text: str, final: bool) -> list[str | CallPiece]:
+        return self._split(text, final)[0]
+
+    def split_tail(
+        self, text: str, final: bool, state: str
+    ) -> tuple[list[str | CallPiece], Resume | None] | None:
+        if not state:
+            return self._split(text, final)
+        found = self._calls_after(text, final, state)
+        return None if found is None else (list(found[0]), found[1])
+
+    def _split(self, text: str, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
+        """The whole text's pieces and the last Resume point in it."""
+        raise NotImplementedError
+
+    def _calls_after(
+        self, text: str, final: bool, state: str
+    ) -> tuple[list[CallPiece], Resume | None] | None:
+        """The calls of ``text``, which follows a whole call (before its separator), and the
+        last Resume point; None when it shows the output is not a call list after all."""
+        raise NotImplementedError
+
+
 def mistral_id() -> str:
     """Mistral's templates check that call ids are 9 letters or digits."""
     return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from trillm.parsers.tool_parsers.base import CallPiece, Resume, ToolParser, skip_ws
+from trillm.parsers.tool_parsers.base import (
+    CallListParser,
+    CallPiece,
+    Resume,
+    ToolParser,
+    skip_ws,
+)
 from trillm.parsers.tool_parsers.json_lists import call_sequence, resumable_call_sequence
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -56,19 +62,13 @@ class NamedToolCallParser(ToolParser):
         return [CallPiece(self.function_name, text.strip(), final)]
 
 
-class RequiredToolCallParser(ToolParser):
+class RequiredToolCallParser(CallListParser):
     name = "<required>"
 
-    def split(self, text: str, final: bool) -> list[str | CallPiece]:
-        return self._split(text, final)[0]
-
-    def split_tail(
+    def _calls_after(
         self, text: str, final: bool, state: str
-    ) -> tuple[list[str | CallPiece], Resume | None] | None:
-        if not state:
-            return self._split(text, final)
-        found = resumable_call_sequence(text, 0, final, ",", "]", after_call=True)
-        return None if found is None else (list(found[0]), found[1])
+    ) -> tuple[list[CallPiece], Resume | None] | None:
+        return resumable_call_sequence(text, 0, final, ",", "]", after_call=True)
 
     def _split(self, text: str, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
         start = skip_ws(text, 0)

@@ -15,9 +15,9 @@ import json
 from dataclasses import replace
 
 from trillm.parsers.tool_parsers.base import (
+    CallListParser,
     CallPiece,
     Resume,
-    ToolParser,
     held_prefix,
     json_call,
     mistral_id,
@@ -71,21 +71,15 @@ def resumable_call_sequence(
         pos, expect_sep = end, True
 
 
-class Llama3JsonToolParser(ToolParser):
+class Llama3JsonToolParser(CallListParser):
     name = "llama3_json"
     start_only = True
     TAG = "<|python_tag|>"
 
-    def split(self, text: str, final: bool) -> list[str | CallPiece]:
-        return self._split(text, final)[0]
-
-    def split_tail(
+    def _calls_after(
         self, text: str, final: bool, state: str
-    ) -> tuple[list[str | CallPiece], Resume | None] | None:
-        if not state:
-            return self._split(text, final)
-        found = resumable_call_sequence(text, 0, final, ";", None, after_call=True)
-        return None if found is None else (list(found[0]), found[1])
+    ) -> tuple[list[CallPiece], Resume | None] | None:
+        return resumable_call_sequence(text, 0, final, ";", None, after_call=True)
 
     def _split(self, text: str, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
         start = skip_ws(text, 0)
@@ -103,7 +97,7 @@ class Llama3JsonToolParser(ToolParser):
         return list(found[0]), found[1]
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(CallListParser):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
     TAG = "[TOOL_CALLS]"
@@ -112,16 +106,10 @@ class MistralToolParser(ToolParser):
     def make_id(self) -> str:
         return mistral_id()
 
-    def split(self, text: str, final: bool) -> list[str | CallPiece]:
-        return self._split(text, final)[0]
-
-    def split_tail(
+    def _calls_after(
         self, text: str, final: bool, state: str
-    ) -> tuple[list[str | CallPiece], Resume | None] | None:
-        if not state:
-            return self._split(text, final)
-        found = self._calls(text, 0, final, state, after_call=True)
-        return None if found is None else (list(found[0]), found[1])
+    ) -> tuple[list[CallPiece], Resume | None] | None:
+        return self._calls(text, 0, final, state, after_call=True)
 
     def _split(self, text: str, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
         i = text.find(self.TAG)

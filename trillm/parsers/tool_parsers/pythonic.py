@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from trillm.parsers.tool_parsers.base import CallPiece, Resume, ToolParser, skip_ws
+from trillm.parsers.tool_parsers.base import CallListParser, CallPiece, Resume, skip_ws
 
 _NAME = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
 _PARTIAL_NAME = re.compile(r"[A-Za-z_][\w.]*\s*$")
@@ -63,22 +63,16 @@ def _call_arguments(src: str) -> str | None:
         return None
 
 
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(CallListParser):
     name = "pythonic"
     start_only = True
     START = "<|python_start|>"
     END = "<|python_end|>"
 
-    def split(self, text: str, final: bool) -> list[str | CallPiece]:
-        return self._split(text, final)[0]
-
-    def split_tail(
+    def _calls_after(
         self, text: str, final: bool, state: str
-    ) -> tuple[list[str | CallPiece], Resume | None] | None:
-        if not state:
-            return self._split(text, final)
-        found = self._calls(text, 0, final, after_call=True)
-        return None if found is None else (list(found[0]), found[1])
+    ) -> tuple[list[CallPiece], Resume | None] | None:
+        return self._calls(text, 0, final, after_call=True)
 
     def _split(self, text: str, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
         pos = skip_ws(text, 0)
