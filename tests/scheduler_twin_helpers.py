@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
+import trio
 
 from trillm import _native
 from trillm.config import CacheConfig, SchedulerConfig
 from trillm.core import kv_cache_manager as py_kv
 from trillm.core import request as py_request
 from trillm.core import scheduler as py_scheduler
+from trillm.executor.abstract import Executor
 from trillm.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from trillm.sampling_params import SamplingParams
 
@@ -212,3 +214,19 @@ def step(sched, worker: FakeWorker):
     check_output_limits(sched, out)
     runner_out = worker.execute(out)
     return out, sched.update_from_output(out, runner_out)
+
+
+class InProcessStubExecutor(Executor):
+    """A stand-in executor for engine-core tests: the Executor contract's service half (start,
+    health, shutdown) does nothing; subclasses compute the steps."""
+
+    num_blocks = 64
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+
+    def check_health(self) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass

@@ -8,12 +8,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -142,3 +146,74 @@ def wait_gauges(srv: ServerProcess, expected: tuple[float, float], within: float
     while (now := gauges(srv)) != expected:
         assert time.monotonic() < deadline, f"gauges {now}, expected {expected}"
         time.sleep(0.05)
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident memory (VmRSS), MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The model-worker processes among ``pid``'s children."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in open(f"/proc/{pid}/task/{task}/children").read().split():
+            if b"worker_main" in open(f"/proc/{child}/cmdline", "rb").read():
+                out.append(int(child))
+    return out
+
+
+def run_polling_health(
+    srv: ServerProcess,
+    work: Callable[[], T],
+    each_poll: Callable[[], None] | None = None,
+    interval: float = 0.02,
+) -> tuple[T, float, float]:
+    """``work()`` on a thread while ``/health`` is polled: (its result, its seconds, the
+    slowest ``/health``). Each poll is a new connection (a kept-alive one could time out while
+    the event loop is held); ``each_poll`` runs after each (to sample memory, say). An error of
+    ``work`` is raised here."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(exc)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=run)
+    thread.start()
+    worst = 0.0
+    while thread.is_alive():
+        polled = time.monotonic()
+        assert httpx.get(srv.url + "/health", timeout=300).status_code == 200
+        worst = max(worst, time.monotonic() - polled)
+        if each_poll is not None:
+            each_poll()
+        time.sleep(interval)
+    thread.join()
+    took = time.monotonic() - start
+    if errors:
+        raise errors[0]
+    return result[0], took, worst
+
+
+def post_polling_health(
+    srv: ServerProcess, path: str, body: dict, each_poll: Callable[[], None] | None = None
+) -> tuple[httpx.Response, float, float]:
+    """POST ``body`` to ``path`` while ``/health`` is polled: (answer, its seconds, the slowest
+    ``/health``)."""
+
+    def post() -> tuple[httpx.Response, float]:
+        start = time.monotonic()
+        answer = httpx.post(srv.url + path, json=body, timeout=300)
+        return answer, time.monotonic() - start
+
+    (answer, took), _, worst = run_polling_health(srv, post, each_poll)
+    return answer, took, worst

@@ -11,17 +11,21 @@ from collections import deque
 
 import pytest
 import trio
-from scheduler_twin_helpers import IMPL_NAMES, FakeWorker, ecr, get_impl, make_scheduler
+from scheduler_twin_helpers import (
+    IMPL_NAMES,
+    FakeWorker,
+    InProcessStubExecutor,
+    ecr,
+    get_impl,
+    make_scheduler,
+)
 
 from trillm.engine.core import EngineCore
-from trillm.executor.abstract import Executor
 from trillm.messages import AbortRequests, ModelRunnerOutput, SchedulerOutput
 
 
-class StubPipelineExecutor(Executor):
+class StubPipelineExecutor(InProcessStubExecutor):
     """Two pipeline stages, ``depth`` steps in flight; a FakeWorker computes each step."""
-
-    num_blocks = 64
 
     def __init__(self, worker: FakeWorker, depth: int = 2) -> None:
         self.worker = worker
@@ -53,16 +57,6 @@ class StubPipelineExecutor(Executor):
 
     async def sample_tokens(self, req) -> ModelRunnerOutput:
         raise AssertionError("a pipeline step is sampled through start_sampling / collect_step")
-
-    # The Executor contract's service half: nothing to start or stop in-process.
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-
-    def check_health(self) -> None:
-        pass
-
-    async def shutdown(self) -> None:
-        pass
 
 
 def scripted_worker(scripts: dict[str, list[int]]) -> FakeWorker:

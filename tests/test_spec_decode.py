@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 import trio
-from scheduler_twin_helpers import IMPL_NAMES, ecr, get_impl, make_scheduler
+from scheduler_twin_helpers import IMPL_NAMES, InProcessStubExecutor, ecr, get_impl, make_scheduler
 
 from trillm.config import EngineArgs
 from trillm.engine.core import EngineCore
-from trillm.executor.abstract import Executor
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
 from trillm.sample.sampler import Sampler, SamplingState
 from trillm.sampling_params import SamplingParams
@@ -204,10 +203,8 @@ def test_seeded_verification_emits_what_sampling_one_at_a_time_emits():
 # ---------------------------------------------------------------- engine core counters
 
 
-class StubExecutor(Executor):
+class StubExecutor(InProcessStubExecutor):
     """Accepts ``accept[req_id]`` drafts of each verified run (then a token not among them)."""
-
-    num_blocks = 64
 
     def __init__(self, accept: dict[str, int], own: dict[str, int]) -> None:
         self.accept = accept
@@ -230,16 +227,6 @@ class StubExecutor(Executor):
             ids.append(req_id)
             sampled.append(run)
         return ModelRunnerOutput(sched.step_id, ids, sampled)
-
-    # The Executor contract's service half: nothing to start or stop in-process.
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-
-    def check_health(self) -> None:
-        pass
-
-    async def shutdown(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("impl_name", IMPL_NAMES)

@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
-import time
 from collections.abc import Callable
 
 import h2.config
@@ -36,7 +34,7 @@ import h2.events
 import httpx
 import pytest
 import trio
-from server_harness import ServerProcess, wait_gauges
+from server_harness import ServerProcess, run_polling_health, wait_gauges
 
 from trillm.structured_output import COMPILE_TIMEOUT_S
 
@@ -72,29 +70,7 @@ def assert_serves(srv: ServerProcess) -> None:
 def beside_health(srv: ServerProcess, attack: Callable[[], object]) -> tuple[object, float, float]:
     """Run ``attack`` on a thread while /health is polled: (its result, its time, the slowest
     /health)."""
-    result: list[object] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(attack())
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    start = time.monotonic()
-    thread = threading.Thread(target=run)
-    thread.start()
-    worst = 0.0
-    with httpx.Client(base_url=srv.url, timeout=120) as client:
-        while thread.is_alive():
-            polled = time.monotonic()
-            assert client.get("/health").status_code == 200
-            worst = max(worst, time.monotonic() - polled)
-            time.sleep(0.02)
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0], time.monotonic() - start, worst
+    return run_polling_health(srv, attack)
 
 
 # ---------------------------------------------------------------- Jinja sandbox escapes

@@ -15,19 +15,10 @@ import time
 
 import httpx
 import pytest
-from server_harness import REPO, ServerProcess, open_request, read_until
+from server_harness import REPO, ServerProcess, open_request, read_until, worker_pids
 
 FAKE = ["--runner", "trillm.worker.fake_runner:FakeModelRunner"]
 STEP_TIMEOUT_S = 1.5
-
-
-def _workers(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        for child in open(f"/proc/{pid}/task/{task}/children").read().split():
-            if b"worker_main" in open(f"/proc/{child}/cmdline", "rb").read():
-                out.append(int(child))
-    return out
 
 
 def _health(srv: ServerProcess) -> httpx.Response:
@@ -54,7 +45,7 @@ def server(tmp_path):
 
 
 def test_a_stopped_worker_turns_health_503_and_back(server):
-    (worker,) = _workers(server.proc.pid)
+    (worker,) = worker_pids(server.proc.pid)
     body = {"prompt": "x", "max_tokens": 300, "ignore_eos": True, "stream": True}
     busy = open_request(server, "/v1/completions", body)
     read_until(busy, b"data: {")

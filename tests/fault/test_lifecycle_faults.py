@@ -16,12 +16,7 @@ import time
 
 import httpx
 import pytest
-from server_harness import (
-    ServerProcess,
-    open_request,
-    read_until,
-    wait_gauges,
-)
+from server_harness import ServerProcess, open_request, read_until, wait_gauges, worker_pids
 
 MAX_MODEL_LEN = 2048
 MAX_NUM_SEQS = 2
@@ -271,15 +266,6 @@ def test_early_disconnects_then_sigterm_exits_at_once(server):
 # ---------------------------------------------------------------- a dead engine
 
 
-def _workers(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        for child in open(f"/proc/{pid}/task/{task}/children").read().split():
-            if b"worker_main" in open(f"/proc/{child}/cmdline", "rb").read():
-                out.append(int(child))
-    return out
-
-
 def test_dead_engine_exits_non_zero(tiny_model_factory, tmp_path):
     """The worker killed under two requests: both get an error (SSE event, HTTP 503), then
     the process exits by itself with code 1 within a few seconds, saying why."""
@@ -288,7 +274,7 @@ def test_dead_engine_exits_non_zero(tiny_model_factory, tmp_path):
         [model, "--max-model-len", "1024", "--kv-cache-memory", "16MiB"], tmp_path / "s.log"
     ).start()
     try:
-        workers = _workers(srv.proc.pid)
+        workers = worker_pids(srv.proc.pid)
         assert workers, "expected a model-worker subprocess"
         body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
         streamed = open_request(srv, "/v1/completions", {**body, "stream": True})
@@ -319,7 +305,7 @@ def test_dead_engine_restarts_with_flag(tiny_model_factory, tmp_path):
         tmp_path / "s.log",
     ).start()  # fmt: skip
     try:
-        (worker,) = _workers(srv.proc.pid)
+        (worker,) = worker_pids(srv.proc.pid)
         streamed = open_request(
             srv,
             "/v1/completions",
@@ -334,7 +320,7 @@ def test_dead_engine_restarts_with_flag(tiny_model_factory, tmp_path):
             assert time.monotonic() < deadline, srv.log()
             time.sleep(0.2)
         assert "restarting it (--restart-on-engine-death)" in srv.log()
-        assert _workers(srv.proc.pid) not in ([], [worker])
+        assert worker_pids(srv.proc.pid) not in ([], [worker])
         serves(srv)
     finally:
         code = srv.stop()

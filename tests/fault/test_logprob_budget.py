@@ -12,12 +12,11 @@ llama tokenizer, --max-model-len 2048: the default budget is 2**20 entries. Befo
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import pytest
-from server_harness import ServerProcess, gauges
+from server_harness import ServerProcess, gauges, post_polling_health, rss_mib
 
 BUDGET = 1 << 20
 
@@ -32,13 +31,6 @@ def server(tiny_model_factory, tmp_path_factory):
     ).start()  # fmt: skip
     yield srv
     srv.stop()
-
-
-def rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def token_prompts(count: int, length: int) -> list[list[int]]:
@@ -79,25 +71,7 @@ def test_over_the_budget_is_refused_at_once_naming_it(server, path, body, param,
 def test_a_large_allowed_answer_leaves_health_responsive(server):
     # 2,000 prompt tokens x 21, in each of 24 choices: 1,008,000 entries (~43 MB of JSON).
     body = {"prompt": token_prompts(1, 2000), "n": 24, "max_tokens": 1, "prompt_logprobs": 20}
-    worst = 0.0
-    done = threading.Event()
-
-    def poll() -> None:
-        nonlocal worst
-        with httpx.Client(timeout=60) as client:
-            while not done.is_set():
-                start = time.monotonic()
-                assert client.get(server.url + "/health").status_code == 200
-                worst = max(worst, time.monotonic() - start)
-                time.sleep(0.02)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    start = time.monotonic()
-    r = httpx.post(server.base_url + "/completions", json=body, timeout=300)
-    seconds = time.monotonic() - start
-    done.set()
-    poller.join()
+    r, seconds, worst = post_polling_health(server, "/v1/completions", body)
     assert r.status_code == 200, r.text[:300]
     choices = r.json()["choices"]
     assert len(choices) == 24

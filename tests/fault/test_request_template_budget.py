@@ -11,13 +11,12 @@ built where it can be), the request is a 400 naming ``chat_template``.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import jinja2.sandbox
 import pytest
-from server_harness import ServerProcess
+from server_harness import ServerProcess, post_polling_health, rss_mib
 
 from trillm.engine.chat_template import ChatTemplateError, render_template
 from trillm.engine.preprocess import REQUEST_TEMPLATE_SECONDS
@@ -33,14 +32,6 @@ def server(tmp_path_factory):
     assert srv.stop() == 0, srv.log()
 
 
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hello there"},
@@ -51,27 +42,14 @@ def chat_polling_health(server, template: str) -> tuple[httpx.Response, float, f
     """A chat with ``template`` while /health is polled: (answer, its time, the slowest
     /health, the server's largest RSS growth in MiB)."""
     body = {"messages": MESSAGES, "max_tokens": 2, "chat_template": template}
-    result: list[tuple[httpx.Response, float]] = []
-
-    def heavy() -> None:
-        start = time.monotonic()
-        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
-        result.append((r, time.monotonic() - start))
-
     base = rss_mib(server.proc.pid)
-    thread = threading.Thread(target=heavy)
-    thread.start()
-    worst = growth = 0.0
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        while thread.is_alive():
-            start = time.monotonic()
-            assert client.get("/health").status_code == 200
-            worst = max(worst, time.monotonic() - start)
-            growth = max(growth, rss_mib(server.proc.pid) - base)
-            time.sleep(0.02)
-    thread.join()
-    answer, took = result[0]
-    return answer, took, worst, growth
+    growth = [0.0]
+
+    def sample() -> None:
+        growth[0] = max(growth[0], rss_mib(server.proc.pid) - base)
+
+    answer, took, worst = post_polling_health(server, "/v1/chat/completions", body, sample)
+    return answer, took, worst, growth[0]
 
 
 def test_a_runaway_loop_is_stopped_at_its_deadline(server):

@@ -9,13 +9,11 @@ is turned into a chat on a worker thread.
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any
 
 import httpx
 import pytest
-from server_harness import ServerProcess
+from server_harness import ServerProcess, post_polling_health
 
 from trillm.entrypoints.openai.serving_responses import MAX_TURN_CALLS
 
@@ -38,24 +36,7 @@ def _call(i: int) -> dict[str, Any]:
 
 def _post_watching_health(server, body: dict[str, Any]) -> tuple[httpx.Response, float, float]:
     """POST /v1/responses; returns the answer, its time and the slowest /health meanwhile."""
-    result: list[tuple[httpx.Response, float]] = []
-
-    def heavy() -> None:
-        start = time.monotonic()
-        r = httpx.post(server.url + "/v1/responses", json=body, timeout=300)
-        result.append((r, time.monotonic() - start))
-
-    thread = threading.Thread(target=heavy)
-    thread.start()
-    worst = 0.0
-    while thread.is_alive():
-        start = time.monotonic()
-        # A new connection each time: a kept-alive one may time out while the loop is held.
-        assert httpx.get(server.url + "/health", timeout=300).status_code == 200
-        worst = max(worst, time.monotonic() - start)
-        time.sleep(0.05)
-    thread.join()
-    return result[0][0], result[0][1], worst
+    return post_polling_health(server, "/v1/responses", body)
 
 
 def test_consecutive_calls_cost_what_messages_cost(server):

@@ -10,12 +10,11 @@ worker thread.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import pytest
-from server_harness import ServerProcess
+from server_harness import ServerProcess, post_polling_health
 
 from trillm.entrypoints.openai.protocol import MAX_CHAT_MESSAGES
 from trillm.entrypoints.openai.serving_tokenize import DETOKENIZE_CONTEXTS
@@ -30,29 +29,6 @@ def server(tmp_path_factory):
     srv = ServerProcess([*args, "--max-model-len", str(MAX_MODEL_LEN)], log).start()
     yield srv
     assert srv.stop() == 0, srv.log()
-
-
-def post_polling_health(server, path: str, body: dict) -> tuple[httpx.Response, float, float]:
-    """POST ``body`` while /health is polled; (answer, its time, the slowest /health)."""
-    result: list[tuple[httpx.Response, float]] = []
-
-    def heavy() -> None:
-        start = time.monotonic()
-        r = httpx.post(server.url + path, json=body, timeout=300)
-        result.append((r, time.monotonic() - start))
-
-    thread = threading.Thread(target=heavy)
-    thread.start()
-    worst = 0.0
-    with httpx.Client(base_url=server.url, timeout=120) as client:
-        while thread.is_alive():
-            start = time.monotonic()
-            assert client.get("/health").status_code == 200
-            worst = max(worst, time.monotonic() - start)
-            time.sleep(0.02)
-    thread.join()
-    answer, took = result[0]
-    return answer, took, worst
 
 
 def test_a_large_chat_renders_off_the_event_loop(server):
