@@ -153,7 +153,8 @@ def test_a_headless_node_with_other_engine_flags_is_refused(llama):
 def test_node_flags_reach_the_config_and_bad_ones_are_refused(llama, capsys):
     from trillm.engine.config_builder import build_config
     from trillm.entrypoints.cli import build_parser
-    from trillm.entrypoints.openai.cli_args import check_node_flags, engine_kwargs
+    from trillm.entrypoints.headless import check_node_flags
+    from trillm.entrypoints.openai.cli_args import engine_kwargs
 
     argv = ["serve", "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--headless",
             "--master-addr", "10.0.0.5", "--master-port", "29611",

@@ -13,6 +13,7 @@ Workers exit by themselves when this process dies (the parent-death pipe, as on 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -22,6 +23,8 @@ import sys
 import time
 from dataclasses import asdict
 from typing import Any
+
+from trillm.entrypoints.openai import flag_types
 
 logger = logging.getLogger("trillm.headless")
 
@@ -104,3 +107,49 @@ def _install_signal_handlers() -> list[int]:
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
     return got
+
+
+# ---------------------------------------------------------------- the node flags
+def add_node_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several nodes (torchrun's names)")
+    g.add_argument(
+        "--nnodes", type=flag_types.positive_int,
+        help="Machines the ranks (tensor x pipeline parallel) run on; each runs "
+        "tensor_parallel_size x pipeline_parallel_size / nnodes of them (default: 1).",
+    )  # fmt: skip
+    g.add_argument(
+        "--node-rank", type=flag_types.non_negative_int,
+        help="This machine's index: 0 serves HTTP and runs the engine; others run with "
+        "--headless (default: 0).",
+    )  # fmt: skip
+    g.add_argument(
+        "--master-addr",
+        help="Node 0's address, where the torch.distributed TCP rendezvous is (default: "
+        "127.0.0.1). Across machines gloo picks the interface of the host name, or "
+        "GLOO_SOCKET_IFNAME.",
+    )  # fmt: skip
+    g.add_argument(
+        "--master-port", type=flag_types.positive_int,
+        help="The rendezvous port on node 0 (default: 29500 with --nnodes > 1; a free "
+        "loopback port on one node).",
+    )  # fmt: skip
+    g.add_argument(
+        "--headless", action="store_true",
+        help="Run only this node's worker ranks (no HTTP server, no engine): a node other "
+        "than node 0, started with the same engine flags and its --node-rank.",
+    )  # fmt: skip
+    g.add_argument(
+        "--distributed-timeout-seconds", type=flag_types.positive_seconds,
+        help="A torch.distributed collective (or the rendezvous) that waits longer means a "
+        "rank stopped answering: the engine stops and names it (default: 120).",
+    )  # fmt: skip
+
+
+def check_node_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--node-rank > 0 runs headless; --headless runs a node other than node 0."""
+    if args.headless and not args.node_rank:
+        parser.error("argument --headless: runs the worker ranks of a node other than node 0; "
+                     "give its --node-rank (>= 1) and --nnodes.")  # fmt: skip
+    if args.node_rank and not args.headless:
+        parser.error(f"argument --node-rank: node {args.node_rank} runs only worker ranks; "
+                     "start it with --headless (node 0 serves HTTP).")  # fmt: skip

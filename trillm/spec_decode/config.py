@@ -50,7 +50,7 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
         value = {k: v for k, v in value.items() if not (k == "model" and method == "ngram")}
     if method in _NOT_IMPLEMENTED:
         raise ValueError(
-            f"speculative_config: method {method!r} is not implemented yet (issue 13); use "
+            f"speculative_config: method {method!r} is not implemented yet; use "
             '{"method": "ngram", ...} or {"method": "draft_model", "model": ...}.'
         )
     if method not in ("ngram", "draft_model"):

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from typing import Any
 
 from trillm import envs
-from trillm.config import DEFAULT_GRAMMAR_CACHE_BYTES, check_grammar_cache_bytes, parse_memory_size
+from trillm.config import DEFAULT_GRAMMAR_CACHE_BYTES
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
-from trillm.entrypoints.openai import config_file, serving_lora, vllm_flags
+from trillm.entrypoints import headless
+from trillm.entrypoints.openai import config_file, flag_types, serving_lora, vllm_flags
 from trillm.entrypoints.openai.api_server import ServerOptions
 from trillm.entrypoints.openai.http_app import DEFAULT_HEALTH_STEP_TIMEOUT_S
 
@@ -29,47 +28,6 @@ _ENGINE_FLAGS = (
     "convert", "pooler_config", "nnodes", "node_rank", "master_addr", "master_port",
     "distributed_timeout_seconds", "enforce_eager", "numerics", "structured_outputs_cache_bytes",
 )  # fmt: skip
-
-
-def _json_object(value: str) -> dict:
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return parsed
-
-
-def _memory_size(value: str) -> int:
-    try:
-        return parse_memory_size(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _grammar_cache_bytes(value: str) -> int:
-    try:
-        return check_grammar_cache_bytes(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _non_negative_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return number
-
-
-def _positive_int(value: str) -> int:
-    number = _non_negative_int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
-    return number
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -92,22 +50,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     config_file.add_config_flag(p)
     p.set_defaults(func=run_serve, serve_parser=p)
     return p
-
-
-def _health_step_timeout(value: str) -> float | None:
-    seconds = float(value)
-    if seconds == 0:
-        return None
-    if not math.isfinite(seconds) or seconds < 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
-    return seconds
-
-
-def _positive_seconds(value: str) -> float:
-    seconds = float(value)
-    if not seconds > 0 or seconds == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value}")
-    return seconds
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -139,18 +81,18 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         "them (default: 30).",
     )  # fmt: skip
     g.add_argument(
-        "--timeout-keep-alive", type=_positive_seconds, default=5.0,
+        "--timeout-keep-alive", type=flag_types.positive_seconds, default=5.0,
         help="Seconds an idle HTTP keep-alive connection stays open (default: 5, as uvicorn "
         "and vLLM, which sets it with VLLM_HTTP_TIMEOUT_KEEP_ALIVE).",
     )  # fmt: skip
     g.add_argument(
-        "--max-num-queued-requests", type=_non_negative_int,
+        "--max-num-queued-requests", type=flag_types.non_negative_int,
         help="Most requests waiting beyond the running batch (--max-num-seqs, counting each "
         "prompt and sample); past it a request gets 503 with Retry-After at once, before any "
         "work. Default: no bound.",
     )  # fmt: skip
     g.add_argument(
-        "--max-num-admitted-tokens", type=_positive_int,
+        "--max-num-admitted-tokens", type=flag_types.positive_int,
         help="Most tokens admitted at once, running or waiting: each sequence (prompt and "
         "sample) counts its prompt tokens plus its max_tokens. A request that would pass it "
         "gets 503 with Retry-After at once, whole (all its prompts and samples, or none); one "
@@ -158,19 +100,19 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         "which sums the prompt tokens of requests still in prefill.)",
     )  # fmt: skip
     g.add_argument(
-        "--max-logprob-entries", type=_positive_int,
+        "--max-logprob-entries", type=flag_types.positive_int,
         help="Most logprob entries one request may ask for, over all its prompts and samples: "
         "each prompt token counts prompt_logprobs + 1, each sampled token logprobs + 1 "
         "(max_tokens x n). More is a 400 before the request reaches the engine. Default: "
         "2**20, or max_model_len x (max_logprobs + 1) if larger.",
     )  # fmt: skip
     g.add_argument(
-        "--max-sequences-per-request", type=_positive_int, default=1024,
+        "--max-sequences-per-request", type=flag_types.positive_int, default=1024,
         help="Most sequences (prompts x n) in one request; more is a 400 (default: 1024). "
         "(vLLM's VLLM_MAX_N_SEQUENCES bounds n alone.)",
     )  # fmt: skip
     g.add_argument(
-        "--health-step-timeout", type=_health_step_timeout, default=DEFAULT_HEALTH_STEP_TIMEOUT_S,
+        "--health-step-timeout", type=flag_types.health_step_timeout, default=DEFAULT_HEALTH_STEP_TIMEOUT_S,
         metavar="SECONDS", help="/health answers 503 while an engine step has run longer than "
         "this (a worker stopped or hung; the executor ends such a step after 300 s). 0: never. "
         f"Default: {DEFAULT_HEALTH_STEP_TIMEOUT_S:g}.",
@@ -180,51 +122,6 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         help="When the engine dies (a worker killed), start a new one in this process instead "
         "of exiting with code 1 after 2 s (the default).",
     )  # fmt: skip
-
-
-def _add_node_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("several nodes (torchrun's names)")
-    g.add_argument(
-        "--nnodes", type=_positive_int,
-        help="Machines the ranks (tensor x pipeline parallel) run on; each runs "
-        "tensor_parallel_size x pipeline_parallel_size / nnodes of them (default: 1).",
-    )  # fmt: skip
-    g.add_argument(
-        "--node-rank", type=_non_negative_int,
-        help="This machine's index: 0 serves HTTP and runs the engine; others run with "
-        "--headless (default: 0).",
-    )  # fmt: skip
-    g.add_argument(
-        "--master-addr",
-        help="Node 0's address, where the torch.distributed TCP rendezvous is (default: "
-        "127.0.0.1). Across machines gloo picks the interface of the host name, or "
-        "GLOO_SOCKET_IFNAME.",
-    )  # fmt: skip
-    g.add_argument(
-        "--master-port", type=_positive_int,
-        help="The rendezvous port on node 0 (default: 29500 with --nnodes > 1; a free "
-        "loopback port on one node).",
-    )  # fmt: skip
-    g.add_argument(
-        "--headless", action="store_true",
-        help="Run only this node's worker ranks (no HTTP server, no engine): a node other "
-        "than node 0, started with the same engine flags and its --node-rank.",
-    )  # fmt: skip
-    g.add_argument(
-        "--distributed-timeout-seconds", type=_positive_seconds,
-        help="A torch.distributed collective (or the rendezvous) that waits longer means a "
-        "rank stopped answering: the engine stops and names it (default: 120).",
-    )  # fmt: skip
-
-
-def check_node_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--node-rank > 0 runs headless; --headless runs a node other than node 0."""
-    if args.headless and not args.node_rank:
-        parser.error("argument --headless: runs the worker ranks of a node other than node 0; "
-                     "give its --node-rank (>= 1) and --nnodes.")  # fmt: skip
-    if args.node_rank and not args.headless:
-        parser.error(f"argument --node-rank: node {args.node_rank} runs only worker ranks; "
-                     "start it with --headless (node 0 serves HTTP).")  # fmt: skip
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -244,23 +141,23 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="Default: fcfs.")
     g.add_argument(
-        "--tensor-parallel-size", "-tp", type=_positive_int,
+        "--tensor-parallel-size", "-tp", type=flag_types.positive_int,
         help="Tensor-parallel ranks: one worker process each, joined by torch.distributed "
              "(default: 1).",
     )  # fmt: skip
     g.add_argument(
-        "--data-parallel-size", "-dp", type=_positive_int,
+        "--data-parallel-size", "-dp", type=flag_types.positive_int,
         help="Engine cores behind the one HTTP server, each with its own scheduler, KV cache "
              "and workers; each request goes to the least-loaded one, or to the one that last "
              "took its prompt's first block (default: 1).",
     )  # fmt: skip
     g.add_argument(
-        "--pipeline-parallel-size", "-pp", type=_positive_int,
+        "--pipeline-parallel-size", "-pp", type=flag_types.positive_int,
         help="Pipeline stages: the layers split evenly over them, hidden states passed stage "
              "to stage by torch.distributed; tensor x pipeline worker processes (default: 1).",
     )  # fmt: skip
     g.add_argument(
-        "--kv-cache-memory", type=_memory_size,
+        "--kv-cache-memory", type=flag_types.memory_size,
         help="KV-cache budget on CPU, e.g. 2GiB or 512MiB (default: 1GiB).",
     )  # fmt: skip
     g.add_argument("--gpu-memory-utilization", type=float, help="GPU memory fraction (0.9).")
@@ -282,7 +179,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         f"end still go at once. 0: no budget (default: {DEFAULT_WAKE_BUDGET}).",
     )  # fmt: skip
     g.add_argument(
-        "--structured-outputs-cache-bytes", type=_grammar_cache_bytes, metavar="SIZE",
+        "--structured-outputs-cache-bytes", type=flag_types.grammar_cache_bytes, metavar="SIZE",
         help="Memory for compiled grammars (JSON schemas, regexes, ...) kept for reuse, e.g. "
         "512MiB or a byte count; least recently used out. One grammar may take 1/4 of it: a "
         f"larger one is refused (400) (default: {DEFAULT_GRAMMAR_CACHE_BYTES >> 20}MiB).",
@@ -302,7 +199,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "GEMM is batch-invariant (checked at load; fp32: to rounding); Llama-family models on "
         "CPU; slower.",
     )  # fmt: skip
-    _add_node_flags(p)
+    headless.add_node_flags(p)
     g.add_argument(
         "--generation-config",
         help="'auto' (the model's generation_config.json gives request defaults), 'vllm' "
@@ -327,7 +224,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "for such a checkpoint).",
     )  # fmt: skip
     g.add_argument(
-        "--pooler-config", type=_json_object,
+        "--pooler-config", type=flag_types.json_object,
         help='Pooling of a pooling model, JSON: {"pooling_type": "LAST"|"MEAN"|"CLS", '
         '"normalize": true|false} (default: the folder\'s sentence-transformers config, else '
         "LAST + normalize).",
@@ -446,7 +343,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from trillm.logging_config import LoggingConfigError, configure_logging
 
     vllm_flags.check_flags(args.serve_parser, args)
-    check_node_flags(args.serve_parser, args)
+    headless.check_node_flags(args.serve_parser, args)
     serving_lora.check_lora_flags(args.serve_parser, args)
     try:
         envs.check_all()

@@ -40,7 +40,7 @@ def _json_list(value: str) -> list[str]:
     return parsed
 
 
-def _not_implemented(what: str, issue: int, allowed: str | None = None) -> Any:
+def _not_implemented(what: str, allowed: str | None = None) -> Any:
     """A ``type=`` that refuses every value but ``allowed`` (the no-op setting)."""
 
     def check(value: str) -> str:
@@ -48,7 +48,7 @@ def _not_implemented(what: str, issue: int, allowed: str | None = None) -> Any:
             return allowed
         only = f"; only {allowed} is accepted" if allowed is not None else ""
         raise argparse.ArgumentTypeError(
-            f"{what} is not implemented yet (issue {issue}){only}, got {value!r}."
+            f"{what} is not implemented yet{only}, got {value!r}."
         )
 
     return check
@@ -57,16 +57,15 @@ def _not_implemented(what: str, issue: int, allowed: str | None = None) -> Any:
 class _Refuse(argparse.Action):
     """A switch whose feature is not implemented yet: an argparse error naming it."""
 
-    def __init__(self, option_strings: list[str], dest: str, what: str = "", issue: int = 0,
+    def __init__(self, option_strings: list[str], dest: str, what: str = "",
                  **kwargs: Any) -> None:  # fmt: skip
         kwargs.setdefault("nargs", 0)
         super().__init__(option_strings, dest, **kwargs)
         self.what = what
-        self.issue = issue
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
         parser.error(
-            f"argument {option_string}: {self.what} is not implemented yet (issue {self.issue})."
+            f"argument {option_string}: {self.what} is not implemented yet."
         )
 
 
@@ -231,11 +230,11 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         help="Accepted: trillm has no custom all-reduce; torch.distributed's is always used.",
     )  # fmt: skip
     g.add_argument(
-        "--tokenizer-mode", type=_not_implemented("tokenizer mode other than auto", 16, "auto"),
+        "--tokenizer-mode", type=_not_implemented("tokenizer mode other than auto", "auto"),
         help="auto (the Hugging Face fast tokenizer); slow/mistral/custom are not implemented.",
     )  # fmt: skip
     g.add_argument(
-        "--limit-mm-per-prompt", type=_not_implemented("multimodal input", 16),
+        "--limit-mm-per-prompt", type=_not_implemented("multimodal input"),
         help="Multimodal inputs are not supported: refused.",
     )  # fmt: skip
     # All --data-parallel-size engine cores run on this machine; vLLM's multi-node data
@@ -244,14 +243,14 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
                   ("--data-parallel-address", "-dpa"), ("--data-parallel-rpc-port", "-dpp"),
                   ("--data-parallel-backend", "-dpb")):  # fmt: skip
         g.add_argument(
-            *flags, type=_not_implemented("multi-node data parallelism", 14),
+            *flags, type=_not_implemented("multi-node data parallelism"),
             help="Data parallelism across machines is not implemented: refused "
             "(--data-parallel-size runs every engine core on this machine).",
         )  # fmt: skip
     for flag in ("--data-parallel-hybrid-lb", "--data-parallel-external-lb"):
         g.add_argument(
             flag, action=_Refuse, what="multi-node data parallelism (load balancing outside "
-            "this server)", issue=14, help="Not implemented: refused.",
+            "this server)", help="Not implemented: refused.",
         )  # fmt: skip
     g.add_argument(
         "--quantization", "-q", type=_quantization, default=None,
