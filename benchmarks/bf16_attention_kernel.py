@@ -58,8 +58,10 @@ def main() -> None:
     prefill = median_ms(L, args.repeats, g)
     decode = median_ms(1, args.repeats, g)
     fresh = prefill_kernel_ms(args.repeats, g)
-    print(f"prefill 16 x 256: {prefill:.1f} ms   decode 16 rows x 256 keys: {decode:.3f} ms"
-          + ("" if fresh is None else f"   fresh-prompt kernel 16 x 256: {fresh:.1f} ms"))  # fmt: skip
+    print(
+        f"prefill 16 x 256: {prefill:.1f} ms   decode 16 rows x 256 keys: {decode:.3f} ms"
+        + ("" if fresh is None else f"   fresh-prompt kernel 16 x 256: {fresh:.1f} ms")
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,12 @@ from trillm.kernels import linear_cpu, rms_norm  # noqa: E402
 from benchmarks.bf16_vs_hf import PROMPTS, chat_ids  # noqa: E402
 
 LAYERS = [0, 7, 15, 29]
-LINEARS = {"q": "self_attn.q_proj", "o": "self_attn.o_proj", "gate": "mlp.gate_proj",
-           "down": "mlp.down_proj"}  # fmt: skip
+LINEARS = {
+    "q": "self_attn.q_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "down": "mlp.down_proj",
+}
 
 
 def per_10k(a: torch.Tensor, b: torch.Tensor) -> str:

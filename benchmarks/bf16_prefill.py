@@ -39,14 +39,19 @@ def main() -> None:
     def fresh_prompts(n: int) -> list[dict]:
         # new random ids for every call: nothing for the prefix cache to reuse
         shape = (args.prompt_len,)
-        return [{"prompt_token_ids": torch.randint(100, 40000, shape, generator=g).tolist()}
-                for _ in range(n)]  # fmt: skip
+        return [
+            {"prompt_token_ids": torch.randint(100, 40000, shape, generator=g).tolist()}
+            for _ in range(n)
+        ]
 
     engine = LLM(
-        str(Path(args.model).expanduser()), dtype="bfloat16", max_model_len=args.prompt_len + 16,
-        max_num_seqs=args.prompts, max_num_batched_tokens=args.prompts * args.prompt_len,
+        str(Path(args.model).expanduser()),
+        dtype="bfloat16",
+        max_model_len=args.prompt_len + 16,
+        max_num_seqs=args.prompts,
+        max_num_batched_tokens=args.prompts * args.prompt_len,
         distributed_executor_backend="uni",
-    )  # fmt: skip
+    )
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rates: dict[str, list[float]] = {name: [] for name in variants}
     try:
@@ -62,8 +67,10 @@ def main() -> None:
         paged_attention_cpu.prefill_supports_layout = supported
         engine.shutdown()
     for name, r in rates.items():
-        print(f"{name}: prefill {statistics.median(r):,.0f} tok/s (rounds: "
-              f"{', '.join(f'{x:,.0f}' for x in r)})")  # fmt: skip
+        print(
+            f"{name}: prefill {statistics.median(r):,.0f} tok/s (rounds: "
+            f"{', '.join(f'{x:,.0f}' for x in r)})"
+        )
 
 
 if __name__ == "__main__":

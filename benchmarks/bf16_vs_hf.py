@@ -104,9 +104,12 @@ def hf_batched_greedy(
             if step:
                 positions = positions[:, -1:]
             out = model(
-                input_ids=x, attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True,
-            )  # fmt: skip
+                input_ids=x,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
             last = out.logits[:, -1].float()  # [B, V]
             picked = last.argmax(-1)
             for i, tok in enumerate(picked.tolist()):
@@ -143,9 +146,13 @@ def run_trillm(
     from trillm import LLM, SamplingParams
 
     engine = LLM(
-        model, dtype="bfloat16", max_model_len=512, max_num_seqs=max_num_seqs,
-        distributed_executor_backend="uni", numerics=numerics,
-    )  # fmt: skip
+        model,
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_seqs=max_num_seqs,
+        distributed_executor_backend="uni",
+        numerics=numerics,
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
         prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
@@ -165,10 +172,16 @@ def compare(
     top, second = float(top2.values[0]), float(top2.values[1])
     ulp = bf16_ulp(top)
     row.update(
-        step=i, ours=ours[i], hf=theirs[i], hf_top1=top, hf_top2=second,
-        hf_logit_of_ours=float(hf_logits[i][ours[i]]), gap=top - second, ulp=ulp,
+        step=i,
+        ours=ours[i],
+        hf=theirs[i],
+        hf_top1=top,
+        hf_top2=second,
+        hf_logit_of_ours=float(hf_logits[i][ours[i]]),
+        gap=top - second,
+        ulp=ulp,
         near_tie=top - second <= ulp,
-    )  # fmt: skip
+    )
     return row
 
 
@@ -179,30 +192,36 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=20, help="trillm's batch limit")
     parser.add_argument("--out", type=Path, help="write the per-prompt rows as JSON here")
     parser.add_argument(
-        "--hf-cache", type=Path,
+        "--hf-cache",
+        type=Path,
         help="transformers' tokens and top logits: read from here if present (same prompts "
         "and length), else computed and written here (its run is the slow half)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--no-bf16-kernel", action="store_true",
+        "--no-bf16-kernel",
+        action="store_true",
         help="every bf16 linear through torch's F.linear, as transformers runs them (the "
         "engine runs in this process: distributed_executor_backend='uni')",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--numerics", choices=["fast", "transformers"], default="fast",
+        "--numerics",
+        choices=["fast", "transformers"],
+        default="fast",
         help="trillm's numerics engine argument (transformers: every op as transformers runs it)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--against-hf-batched", action="store_true",
+        "--against-hf-batched",
+        action="store_true",
         help="compare transformers' one-prompt-at-a-time run with transformers itself on all "
         "prompts in one left-padded batch instead of with trillm: how far batching alone moves "
         "bf16 greedy output",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--reference-batched", action="store_true",
+        "--reference-batched",
+        action="store_true",
         help="compare trillm with transformers on all prompts in one left-padded batch (as "
         "trillm batches them) instead of one prompt at a time",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if args.against_hf_batched and args.reference_batched:
         parser.error("--against-hf-batched and --reference-batched exclude each other")
@@ -255,19 +274,27 @@ def main() -> None:
                 f"{r['hf_logit_of_ours']:.5g}"
             )
     equal32 = sum(r["equal"] or r["step"] >= 32 for r in rows)
-    print(f"{equal} / {len(rows)} equal ({args.new_tokens} tokens each; {equal32} / "
-          f"{len(rows)} over the first 32); transformers{' batched' * args.reference_batched} "
-          f"{t1 - t0:.1f} s, "
-          f"{'transformers batched' if args.against_hf_batched else 'trillm'} "
-          f"{t2 - t1:.1f} s")  # fmt: skip
+    print(
+        f"{equal} / {len(rows)} equal ({args.new_tokens} tokens each; {equal32} / "
+        f"{len(rows)} over the first 32); transformers{' batched' * args.reference_batched} "
+        f"{t1 - t0:.1f} s, "
+        f"{'transformers batched' if args.against_hf_batched else 'trillm'} "
+        f"{t2 - t1:.1f} s"
+    )
     if args.out:
         summary = {
-            "command": " ".join(sys.argv), "equal": equal, "equal_first_32": equal32, "prompts": len(rows),
-            "new_tokens": args.new_tokens, "max_num_seqs": args.max_num_seqs,
-            "no_bf16_kernel": args.no_bf16_kernel, "numerics": args.numerics,
+            "command": " ".join(sys.argv),
+            "equal": equal,
+            "equal_first_32": equal32,
+            "prompts": len(rows),
+            "new_tokens": args.new_tokens,
+            "max_num_seqs": args.max_num_seqs,
+            "no_bf16_kernel": args.no_bf16_kernel,
+            "numerics": args.numerics,
             "against_hf_batched": args.against_hf_batched,
-            "reference_batched": args.reference_batched, "rows": rows,
-        }  # fmt: skip
+            "reference_batched": args.reference_batched,
+            "rows": rows,
+        }
         args.out.write_text(json.dumps(summary, indent=1) + "\n")
 
 

@@ -269,9 +269,14 @@ def run_offline(
     prompts = [{"prompt_token_ids": j.prompt_ids} for j in jobs]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     llm = LLM(
-        args.model, device=args.device, dtype=args.dtype, kv_cache_memory=kv_cache_memory,
-        max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, **llm_kwargs,
-    )  # fmt: skip
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_memory=kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=False,
+        **llm_kwargs,
+    )
     with llm:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         before = probe(llm) if probe is not None else None
@@ -283,14 +288,30 @@ def run_offline(
     return {"seconds": seconds, "output_tokens": tokens, "probe": [before, after]}
 
 
-def run_offline_child(script: str, args: Any, extra: Sequence[str], label: str
-                      ) -> tuple[dict[str, Any], str]:  # fmt: skip
+def run_offline_child(
+    script: str, args: Any, extra: Sequence[str], label: str
+) -> tuple[dict[str, Any], str]:
     """Run ``script`` as a child (``extra``: its size options) with the workload options of
     ``args``: -> (the JSON of its last stdout line, its stderr)."""
-    argv = [sys.executable, script, *extra, "--model", args.model,
-            "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
-            "--output-len", str(args.output_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--device", args.device, "--dtype", args.dtype]  # fmt: skip
+    argv = [
+        sys.executable,
+        script,
+        *extra,
+        "--model",
+        args.model,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--output-len",
+        str(args.output_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
@@ -341,8 +362,20 @@ def trillm_server(
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m trillm serve model --port P *args``; yields (base_url, process)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "trillm", "serve", model, "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trillm",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *args,
+    ]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -377,13 +410,25 @@ def run_bench_serve(
     base_url: str, args: Sequence[str], result_file: Path, timeout_s: float = 1200
 ) -> dict[str, Any]:
     """``python -m trillm.bench serve --base-url URL *args``; returns its saved JSON record."""
-    cmd = [sys.executable, "-m", "trillm.bench", "serve", "--base-url", base_url,
-           "--disable-tqdm", "--result-dir", str(result_file.parent),
-           "--result-filename", result_file.name, *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trillm.bench",
+        "serve",
+        "--base-url",
+        base_url,
+        "--disable-tqdm",
+        "--result-dir",
+        str(result_file.parent),
+        "--result-filename",
+        result_file.name,
+        *args,
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     print("$", " ".join(cmd[1:]), flush=True)
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, timeout=timeout_s, text=True,
-                          capture_output=True)  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=REPO_ROOT, env=env, timeout=timeout_s, text=True, capture_output=True
+    )
     print(proc.stdout[-3000:])
     if proc.returncode != 0:
         raise RuntimeError(f"trillm bench serve failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -43,8 +43,9 @@ def run_child(args: argparse.Namespace) -> None:
     """One LLM at data_parallel_size ``args.child``; prints a JSON line on stdout."""
     result = common.run_offline(args, "512MiB", _routed, data_parallel_size=args.child)
     before, after = result.pop("probe")
-    result["routed"] = ([a - b for a, b in zip(after, before)] if before is not None
-                        else [args.num_prompts])  # fmt: skip
+    result["routed"] = (
+        [a - b for a, b in zip(after, before)] if before is not None else [args.num_prompts]
+    )
     print(json.dumps(result), flush=True)
 
 
@@ -68,15 +69,27 @@ def main() -> None:
     machine = common.machine_info()
     load_before = os.getloadavg()[0]
     rows = common.run_rounds(args.rounds, sizes, lambda dp: measure(args, dp))
-    columns = [("round", "d"), ("dp", "d"), ("seconds", ".2f"), ("output_tok_s", ".1f"),
-               ("routed", "s"), ("load_1m", ".1f")]  # fmt: skip
+    columns = [
+        ("round", "d"),
+        ("dp", "d"),
+        ("seconds", ".2f"),
+        ("output_tok_s", ".1f"),
+        ("routed", "s"),
+        ("load_1m", ".1f"),
+    ]
     if rows:
         common.print_table(rows, columns)
     command = "python benchmarks/data_parallel.py " + " ".join(sys.argv[1:])
     common.write_json(
-        args.out, {"machine": machine, "command": command, "args": vars(args) | {"out": None},
-                   "load_1m_before": load_before, "rows": rows},
-    )  # fmt: skip
+        args.out,
+        {
+            "machine": machine,
+            "command": command,
+            "args": vars(args) | {"out": None},
+            "load_1m_before": load_before,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

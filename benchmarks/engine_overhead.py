@@ -40,8 +40,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--backend", choices=["mp", "uni"], default="mp")
-    p.add_argument("--variants", nargs="+", choices=["native", "python"],
-                   default=["native", "python"])  # fmt: skip
+    p.add_argument(
+        "--variants", nargs="+", choices=["native", "python"], default=["native", "python"]
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -77,9 +78,11 @@ async def _run_batch(engine: Any, batch: int, prompt_len: int, output_len: int, 
     from trillm import RequestOutputKind, SamplingParams
 
     params = SamplingParams(
-        max_tokens=output_len, ignore_eos=True, temperature=0.0,
+        max_tokens=output_len,
+        ignore_eos=True,
+        temperature=0.0,
         output_kind=RequestOutputKind.DELTA,
-    )  # fmt: skip
+    )
     jobs = common.make_workload(batch, seed, (prompt_len, prompt_len), (output_len, output_len))
     counts = [0]
     async with trio.open_nursery() as nursery:
@@ -93,11 +96,16 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     folder = common.build_bench_model()
     async with open_engine(
-        str(folder), runner=FAKE_RUNNER, runner_kwargs={"step_sleep_s": 0.0},
-        dtype="float32", device="cpu", max_num_seqs=max(args.batch, 1),
+        str(folder),
+        runner=FAKE_RUNNER,
+        runner_kwargs={"step_sleep_s": 0.0},
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=max(args.batch, 1),
         max_num_batched_tokens=max(8192, args.batch * args.prompt_len),
-        enable_prefix_caching=False, distributed_executor_backend=args.backend,
-    ) as engine:  # fmt: skip
+        enable_prefix_caching=False,
+        distributed_executor_backend=args.backend,
+    ) as engine:
         await _run_batch(engine, min(args.batch, 8), args.prompt_len, 8, seed=1)  # warm-up
         records: list[tuple[float, float, float, int]] = []
         _wrap_step(engine.cores[0], records)
@@ -147,8 +155,19 @@ def run_child(args: argparse.Namespace, batch: int, variant: str) -> dict[str, A
     env.pop("TRILLM_NO_EXTENSIONS", None)
     if variant == "python":
         env["TRILLM_NO_EXTENSIONS"] = "1"
-    cmd = [sys.executable, __file__, "--child", "--batch", str(batch), "--backend", args.backend,
-           "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--batch",
+        str(batch),
+        "--backend",
+        args.backend,
+        "--prompt-len",
+        str(args.prompt_len),
+        "--output-len",
+        str(args.output_len),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -170,16 +189,28 @@ def main() -> None:
         for variant in args.variants:
             row = run_child(args, batch, variant)
             rows.append(row)
-            print(f"batch {batch:>4} {variant:>6}: core {row['core_overhead_us']:.0f} us/step, "
-                  f"period {row['period_us']:.0f} us/step, {row['tok_s']:.0f} tok/s", flush=True)  # fmt: skip
-    print(f"\nengine overhead, fake model, backend {args.backend}, prompt {args.prompt_len}, "
-          f"output {args.output_len} tokens ({machine['cpu']}, load {machine['load_avg_1m']:.1f})")  # fmt: skip
+            print(
+                f"batch {batch:>4} {variant:>6}: core {row['core_overhead_us']:.0f} us/step, "
+                f"period {row['period_us']:.0f} us/step, {row['tok_s']:.0f} tok/s",
+                flush=True,
+            )
+    print(
+        f"\nengine overhead, fake model, backend {args.backend}, prompt {args.prompt_len}, "
+        f"output {args.output_len} tokens ({machine['cpu']}, load {machine['load_avg_1m']:.1f})"
+    )
     common.print_table(
         rows,
-        [("batch", "d"), ("variant", ""), ("steady_steps", "d"), ("core_overhead_us", ".0f"),
-         ("core_us_per_token", ".1f"), ("period_us", ".0f"), ("period_us_per_token", ".1f"),
-         ("tok_s", ".0f")],
-    )  # fmt: skip
+        [
+            ("batch", "d"),
+            ("variant", ""),
+            ("steady_steps", "d"),
+            ("core_overhead_us", ".0f"),
+            ("core_us_per_token", ".1f"),
+            ("period_us", ".0f"),
+            ("period_us_per_token", ".1f"),
+            ("tok_s", ".0f"),
+        ],
+    )
     common.write_json(
         args.out,
         dict(
@@ -187,7 +218,7 @@ def main() -> None:
             machine=machine,
             args=vars(args) | {"out": str(args.out)},
             rows=rows,
-        ),  # fmt: skip
+        ),
     )
 
 

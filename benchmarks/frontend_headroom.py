@@ -45,17 +45,35 @@ def parse_args() -> argparse.Namespace:
 
 
 def serve_flags(args: argparse.Namespace) -> list[str]:
-    return ["--runner", FAKE_RUNNER, "--max-num-seqs", str(args.concurrency),
-            "--dtype", "float32", "--device", "cpu", *args.serve_args]  # fmt: skip
+    return [
+        "--runner",
+        FAKE_RUNNER,
+        "--max-num-seqs",
+        str(args.concurrency),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        *args.serve_args,
+    ]
 
 
 def bench_flags(args: argparse.Namespace, num_prompts: int) -> list[str]:
     return [
-        "--dataset-name", "random", "--num-prompts", str(num_prompts),
-        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--max-concurrency", str(args.concurrency), "--ignore-eos",
-        "--metric-percentiles", "50,99",
-    ]  # fmt: skip
+        "--dataset-name",
+        "random",
+        "--num-prompts",
+        str(num_prompts),
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--max-concurrency",
+        str(args.concurrency),
+        "--ignore-eos",
+        "--metric-percentiles",
+        "50,99",
+    ]
 
 
 # ---------------------------------------------------------------- CPU accounting
@@ -122,10 +140,23 @@ def profiled_run(url: str, server_pid: int, args: argparse.Namespace, tmp: Path)
         raise RuntimeError("py-spy is not installed (pip install py-spy)")
     raw = tmp / "server-profile.txt"
     spy = subprocess.Popen(
-        [pyspy, "record", "--pid", str(server_pid), "--subprocesses", "--nonblocking",
-         "--rate", str(args.profile_rate), "--format", "raw", "--output", str(raw)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            pyspy,
+            "record",
+            "--pid",
+            str(server_pid),
+            "--subprocesses",
+            "--nonblocking",
+            "--rate",
+            str(args.profile_rate),
+            "--format",
+            "raw",
+            "--output",
+            str(raw),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     time.sleep(1.0)
     try:
         run = measured_run(url, server_pid, args, tmp)
@@ -166,8 +197,12 @@ def summarize_profile(raw: Path) -> dict[str, Any]:
     def top(counter: collections.Counter[str]) -> list[dict[str, Any]]:
         return [dict(function=k, share=v / total) for k, v in counter.most_common(TOP_N)]
 
-    return dict(samples=total, top_self=top(self_counts), top_inclusive=top(incl_counts),
-                processes=top(process_counts))  # fmt: skip
+    return dict(
+        samples=total,
+        top_self=top(self_counts),
+        top_inclusive=top(incl_counts),
+        processes=top(process_counts),
+    )
 
 
 def print_profile(prof: dict[str, Any]) -> None:
@@ -191,28 +226,46 @@ def main() -> None:
         common.run_bench_serve(url, bench_flags(args, 32), tmp / "warmup.json")
         for r in range(args.rounds):
             runs.append(measured_run(url, proc.pid, args, tmp))
-            print(f"round {r}: {runs[-1]['tok_s']:.0f} tok/s, "
-                  f"p99 TTFT {runs[-1]['p99_ttft_ms']:.0f} ms", flush=True)  # fmt: skip
+            print(
+                f"round {r}: {runs[-1]['tok_s']:.0f} tok/s, "
+                f"p99 TTFT {runs[-1]['p99_ttft_ms']:.0f} ms",
+                flush=True,
+            )
         if args.profile:
             profile = profiled_run(url, proc.pid, args, tmp)
-    print(f"\nfrontend headroom: fake model, {args.concurrency} concurrent streams, "
-          f"{args.num_prompts} requests x {args.output_len} tokens "
-          f"({machine['cpu']}, {machine['cpus']} CPUs, load {machine['load_avg_1m']:.1f})")  # fmt: skip
+    print(
+        f"\nfrontend headroom: fake model, {args.concurrency} concurrent streams, "
+        f"{args.num_prompts} requests x {args.output_len} tokens "
+        f"({machine['cpu']}, {machine['cpus']} CPUs, load {machine['load_avg_1m']:.1f})"
+    )
     rows = runs + ([dict(profile["run"], note="under py-spy")] if profile else [])
     common.print_table(
         rows,
-        [("tok_s", ".0f"), ("duration_s", ".2f"), ("mean_ttft_ms", ".0f"), ("p99_ttft_ms", ".0f"),
-         ("mean_itl_ms", ".2f"), ("mean_tpot_ms", ".2f"), ("server_cpu_s", ".1f"),
-         ("client_cpu_s", ".1f")],
-    )  # fmt: skip
+        [
+            ("tok_s", ".0f"),
+            ("duration_s", ".2f"),
+            ("mean_ttft_ms", ".0f"),
+            ("p99_ttft_ms", ".0f"),
+            ("mean_itl_ms", ".2f"),
+            ("mean_tpot_ms", ".2f"),
+            ("server_cpu_s", ".1f"),
+            ("client_cpu_s", ".1f"),
+        ],
+    )
     if profile:
         print_profile(profile)
     common.write_json(
         args.out,
-        dict(benchmark="frontend_headroom", machine=machine,
-             args=vars(args) | {"out": str(args.out)}, serve_flags=serve_flags(args),
-             bench_flags=bench_flags(args, args.num_prompts), runs=runs, profile=profile),
-    )  # fmt: skip
+        dict(
+            benchmark="frontend_headroom",
+            machine=machine,
+            args=vars(args) | {"out": str(args.out)},
+            serve_flags=serve_flags(args),
+            bench_flags=bench_flags(args, args.num_prompts),
+            runs=runs,
+            profile=profile,
+        ),
+    )
 
 
 if __name__ == "__main__":

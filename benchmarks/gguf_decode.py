@@ -33,9 +33,15 @@ from trillm.worker.model_runner import ModelRunner
 
 
 def _runner(model: str, dtype: str, batches: list[int]) -> ModelRunner:
-    args = EngineArgs(model=model, dtype=dtype, device="cpu", block_size=decode_step.BLOCK_SIZE,
-                      max_num_seqs=max(batches), max_model_len=1024,
-                      num_gpu_blocks_override=max(batches) * 16)  # fmt: skip
+    args = EngineArgs(
+        model=model,
+        dtype=dtype,
+        device="cpu",
+        block_size=decode_step.BLOCK_SIZE,
+        max_num_seqs=max(batches),
+        max_model_len=1024,
+        num_gpu_blocks_override=max(batches) * 16,
+    )
     runner = ModelRunner(build_config(args))
     runner.load_model()
     runner.initialize_kv_cache(runner.determine_num_blocks())
@@ -83,8 +89,15 @@ def decode(args: argparse.Namespace) -> list[dict]:
     rows = []
     for (name, batch), t in times.items():
         step = statistics.median(t)
-        rows.append(dict(variant=name, batch=batch, step_ms=step * 1e3, tokens_per_s=batch / step,
-                         linear_mb=_linear_bytes(runners[name]) / 1e6))  # fmt: skip
+        rows.append(
+            dict(
+                variant=name,
+                batch=batch,
+                step_ms=step * 1e3,
+                tokens_per_s=batch / step,
+                linear_mb=_linear_bytes(runners[name]) / 1e6,
+            )
+        )
     return rows
 
 
@@ -138,14 +151,21 @@ def main() -> None:
     print(f"{torch.get_num_threads()} threads, {args.rounds} rounds x {args.steps} steps")
     print(f"{'variant':<30} {'batch':>5} {'step ms':>9} {'tok/s':>8} {'linear MB':>10}")
     for r in sorted(rows, key=lambda r: (r["batch"], r["variant"])):
-        print(f"{r['variant']:<30} {r['batch']:>5} {r['step_ms']:>9.2f} "
-              f"{r['tokens_per_s']:>8.1f} {r['linear_mb']:>10.1f}")  # fmt: skip
+        print(
+            f"{r['variant']:<30} {r['batch']:>5} {r['step_ms']:>9.2f} "
+            f"{r['tokens_per_s']:>8.1f} {r['linear_mb']:>10.1f}"
+        )
     loads = load_times(args)
     for name, seconds in loads.items():
         print(f"load: {name:<32} {seconds:7.2f} s")
     if args.out:
-        result = dict(threads=torch.get_num_threads(), steps=args.steps, rounds=args.rounds,
-                      rows=rows, load_seconds=loads)  # fmt: skip
+        result = dict(
+            threads=torch.get_num_threads(),
+            steps=args.steps,
+            rounds=args.rounds,
+            rows=rows,
+            load_seconds=loads,
+        )
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -34,8 +34,19 @@ from trillm.testing.tiny_models import build_tiny_model
 
 
 def q4_k_m_types(layers: int) -> dict[str, str]:
-    types = dict.fromkeys(("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                           "ffn_down", "token_embd"), "Q4_K")  # fmt: skip
+    types = dict.fromkeys(
+        (
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+            "token_embd",
+        ),
+        "Q4_K",
+    )
     types["output"] = "Q6_K"
     for i in range(0, layers, 2):
         types[f"blk.{i}.attn_v"] = types[f"blk.{i}.ffn_down"] = "Q6_K"
@@ -69,21 +80,32 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = build_tiny_model("llama", Path(tmp) / "hf", hidden_size=args.hidden,
-                              intermediate_size=args.intermediate, head_dim=64,
-                              num_attention_heads=args.hidden // 64, num_key_value_heads=4,
-                              num_hidden_layers=args.layers)  # fmt: skip
+        hf = build_tiny_model(
+            "llama",
+            Path(tmp) / "hf",
+            hidden_size=args.hidden,
+            intermediate_size=args.intermediate,
+            head_dim=64,
+            num_attention_heads=args.hidden // 64,
+            num_key_value_heads=4,
+            num_hidden_layers=args.layers,
+        )
         path = write_tiny_gguf(hf, Path(tmp) / "gguf", q4_k_m_types(args.layers))
         file_bytes = path.stat().st_size
         kept, extra = model_bytes(path, dequantize=False)
         fp32, _ = model_bytes(path, dequantize=True)
-    rows = {"GGUF file": file_bytes, "kept quantized": kept,
-            "mixed layers as fp32 (before)": kept + extra, "all fp32 (dequantize_gguf)": fp32}  # fmt: skip
+    rows = {
+        "GGUF file": file_bytes,
+        "kept quantized": kept,
+        "mixed layers as fp32 (before)": kept + extra,
+        "all fp32 (dequantize_gguf)": fp32,
+    }
     for name, size in rows.items():
         print(f"{name:<32} {size / 2**20:9.1f} MiB  {size / fp32:6.1%} of fp32")
     if args.out:
-        args.out.write_text(json.dumps({**vars(args), "out": str(args.out), "bytes": rows},
-                                       indent=2))  # fmt: skip
+        args.out.write_text(
+            json.dumps({**vars(args), "out": str(args.out), "bytes": rows}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -183,9 +183,14 @@ def time_decode(context_len: int, batch: int) -> None:
 
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
     q, k, v, cache, meta = make_step(
-        [1] * batch, [context_len - 1] * batch, num_heads, num_kv_heads, head_dim, block_size,
+        [1] * batch,
+        [context_len - 1] * batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
         torch.bfloat16,
-    )  # fmt: skip
+    )
     kv_bytes = 2 * batch * context_len * num_kv_heads * head_dim * cache.element_size()
     names = ["triton", "torch"]
     if _flashinfer_importable():
@@ -199,8 +204,10 @@ def time_decode(context_len: int, batch: int) -> None:
 
         ms = triton.testing.do_bench(step, warmup=25, rep=200)
         gbps = kv_bytes / (ms * 1e-3) / 1e9
-        print(f"TIME  decode batch={batch} ctx={context_len} {name:10s} {ms * 1e3:8.1f} us "
-              f"{gbps:7.0f} GB/s of KV")  # fmt: skip
+        print(
+            f"TIME  decode batch={batch} ctx={context_len} {name:10s} {ms * 1e3:8.1f} us "
+            f"{gbps:7.0f} GB/s of KV"
+        )
 
 
 def _flashinfer_importable() -> bool:

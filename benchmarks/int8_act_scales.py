@@ -39,9 +39,22 @@ def run(ext, weights, x: dict[int, torch.Tensor]) -> None:
         out = torch.empty(xs.shape[0], w.out_features)
         col = 0
         for p in parts:
-            ext.linear(xs.data_ptr(), False, xs.shape[0], w.in_features, xs.stride(0),
-                       p.data.data_ptr(), p.kernel_type, p.out_features, 0,
-                       out.data_ptr() + 4 * col, False, w.out_features, 1, True)  # fmt: skip
+            ext.linear(
+                xs.data_ptr(),
+                False,
+                xs.shape[0],
+                w.in_features,
+                xs.stride(0),
+                p.data.data_ptr(),
+                p.kernel_type,
+                p.out_features,
+                0,
+                out.data_ptr() + 4 * col,
+                False,
+                w.out_features,
+                1,
+                True,
+            )
             col += p.out_features
 
 
@@ -77,9 +90,12 @@ def main() -> None:
             row["cost"] = row["per-16"][0] / row["per-32"][0] - 1
             row["cost_min"] = row["per-16"][1] / row["per-32"][1] - 1
             rows.append(row)
-            print(f"{path.name} batch {batch}: per-32 {row['per-32'][0]:.1f} ({row['per-32'][1]:.1f}) "
-                  f"ms, per-16 {row['per-16'][0]:.1f} ({row['per-16'][1]:.1f}) ms, "
-                  f"{row['cost']:+.1%} ({row['cost_min']:+.1%})", flush=True)  # fmt: skip
+            print(
+                f"{path.name} batch {batch}: per-32 {row['per-32'][0]:.1f} ({row['per-32'][1]:.1f}) "
+                f"ms, per-16 {row['per-16'][0]:.1f} ({row['per-16'][1]:.1f}) ms, "
+                f"{row['cost']:+.1%} ({row['cost_min']:+.1%})",
+                flush=True,
+            )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
 

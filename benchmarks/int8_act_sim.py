@@ -47,8 +47,9 @@ def main() -> None:
         block, seed = (int(v) for v in spec.split(":"))
         gen = torch.Generator().manual_seed(seed)
 
-        def linear(x, weight, bias=None, out_dtype=None, int8_activations=False, block=block,
-                   gen=gen):  # fmt: skip
+        def linear(
+            x, weight, bias=None, out_dtype=None, int8_activations=False, block=block, gen=gen
+        ):
             if not int8_activations:
                 return native(x, weight, bias, out_dtype, False)
             w = cache.get(id(weight))

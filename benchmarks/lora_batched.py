@@ -44,8 +44,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--compare-torch", action="store_true",
-                    help="also run the mixed batch on the torch reference of the LoRA kernels")
+    ap.add_argument(
+        "--compare-torch",
+        action="store_true",
+        help="also run the mixed batch on the torch reference of the LoRA kernels",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     set_threads(args.threads)
@@ -56,13 +59,19 @@ def main() -> None:
     model = build_bench_model()
     tmp = Path(tempfile.mkdtemp(prefix="trillm-lora-bench-"))
     loras = [
-        LoRARequest(f"a{i}", i + 1, str(build_peft_adapter(model, tmp / f"a{i}", seed=i,
-                                                            rank=args.rank, alpha=args.rank)))
+        LoRARequest(
+            f"a{i}",
+            i + 1,
+            str(build_peft_adapter(model, tmp / f"a{i}", seed=i, rank=args.rank, alpha=args.rank)),
+        )
         for i in range(args.adapters)
-    ]  # fmt: skip
-    jobs = make_workload(args.adapters * args.prompts_per_adapter, seed=0,
-                         prompt_range=(args.prompt_len,) * 2,
-                         output_range=(args.output_len,) * 2)  # fmt: skip
+    ]
+    jobs = make_workload(
+        args.adapters * args.prompts_per_adapter,
+        seed=0,
+        prompt_range=(args.prompt_len,) * 2,
+        output_range=(args.output_len,) * 2,
+    )
     prompts = [{"prompt_token_ids": j.prompt_ids} for j in jobs]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     per = args.prompts_per_adapter
@@ -70,16 +79,23 @@ def main() -> None:
     total_tokens = len(prompts) * args.output_len
 
     backend = "uni" if args.compare_torch else "mp"
-    with LLM(str(model), enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank,
-             enable_prefix_caching=False, distributed_executor_backend=backend) as llm:  # fmt: skip
+    with LLM(
+        str(model),
+        enable_lora=True,
+        max_loras=args.adapters,
+        max_lora_rank=args.rank,
+        enable_prefix_caching=False,
+        distributed_executor_backend=backend,
+    ) as llm:
 
         def mixed() -> None:
             llm.generate(prompts, params, use_tqdm=False, lora_request=owner)
 
         def one_at_a_time() -> None:
             for k, lora in enumerate(loras):
-                llm.generate(prompts[k * per : (k + 1) * per], params, use_tqdm=False,
-                             lora_request=lora)  # fmt: skip
+                llm.generate(
+                    prompts[k * per : (k + 1) * per], params, use_tqdm=False, lora_request=lora
+                )
 
         def base() -> None:
             llm.generate(prompts, params, use_tqdm=False)
@@ -105,15 +121,27 @@ def main() -> None:
                 run()
                 times[name].append(time.perf_counter() - t0)
     rows = [
-        dict(mode=name, wall_s=statistics.median(ts),
-             output_tok_s=total_tokens / statistics.median(ts), runs=len(ts))
+        dict(
+            mode=name,
+            wall_s=statistics.median(ts),
+            output_tok_s=total_tokens / statistics.median(ts),
+            runs=len(ts),
+        )
         for name, ts in times.items()
-    ]  # fmt: skip
+    ]
     print_table(rows, [("mode", ""), ("wall_s", ".2f"), ("output_tok_s", ".1f"), ("runs", "d")])
     speedup = statistics.median(times["one_at_a_time"]) / statistics.median(times["mixed"])
     print(f"mixed batch vs one adapter at a time: {speedup:.2f}x")
-    write_json(args.out, dict(machine=machine_info(), args=vars(args), rows=rows,
-                              times=times, speedup_mixed_vs_one_at_a_time=speedup))  # fmt: skip
+    write_json(
+        args.out,
+        dict(
+            machine=machine_info(),
+            args=vars(args),
+            rows=rows,
+            times=times,
+            speedup_mixed_vs_one_at_a_time=speedup,
+        ),
+    )
 
 
 if __name__ == "__main__":

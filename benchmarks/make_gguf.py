@@ -18,8 +18,17 @@ import common  # noqa: F401 - puts the repository root on sys.path
 
 from trillm.testing.gguf_models import write_tiny_gguf
 
-PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-               "token_embd", "output")  # fmt: skip
+PROJECTIONS = (
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "token_embd",
+    "output",
+)
 
 
 def main() -> None:

@@ -53,8 +53,12 @@ def run_child(args: argparse.Namespace) -> None:
     )
     prompts = [{"prompt_token_ids": j.prompt_ids} for j in jobs]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
-    engine = {"tensor_parallel_size": 2, "kv_cache_memory": "256MiB", "max_model_len": 512,
-              "enable_prefix_caching": False}  # fmt: skip
+    engine = {
+        "tensor_parallel_size": 2,
+        "kv_cache_memory": "256MiB",
+        "max_model_len": 512,
+        "enable_prefix_caching": False,
+    }
     if args.child == "two-nodes":
         engine |= {"nnodes": 2, "master_port": args.master_port}
     with LLM(args.model, **engine) as llm:
@@ -72,19 +76,49 @@ def measure(args: argparse.Namespace, model: str, layout: str) -> dict[str, Any]
     threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
     env = {**os.environ, "PYTHONPATH": str(common.REPO_ROOT), "OMP_NUM_THREADS": threads}
     port = common.free_port()
-    argv = [sys.executable, __file__, "--child", layout, "--model", model,
-            "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
-            "--output-len", str(args.output_len)]  # fmt: skip
+    argv = [
+        sys.executable,
+        __file__,
+        "--child",
+        layout,
+        "--model",
+        model,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--output-len",
+        str(args.output_len),
+    ]
     node1 = None
     if layout == "two-nodes":
         argv += ["--master-port", str(port)]
         node1 = subprocess.Popen(
-            [sys.executable, "-m", "trillm", "serve", model, "-tp", "2", "--nnodes", "2",
-             "--node-rank", "1", "--headless", "--master-port", str(port),
-             "--kv-cache-memory", "256MiB", "--max-model-len", "512",
-             "--no-enable-prefix-caching"],
-            stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "trillm",
+                "serve",
+                model,
+                "-tp",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--headless",
+                "--master-port",
+                str(port),
+                "--kv-cache-memory",
+                "256MiB",
+                "--max-model-len",
+                "512",
+                "--no-enable-prefix-caching",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
     stderr = done.stderr
     if node1 is not None:
@@ -119,15 +153,22 @@ def main() -> None:
             row = {"round": round_, **measure(args, model, layout)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    columns = [("round", "d"), ("layout", "s"), ("seconds", ".2f"), ("output_tok_s", ".1f"),
-               ("forward_steps", "d"), ("ms_per_step", ".2f"),
-               ("comm_ms_per_step_rank0", ".2f"), ("comm_ms_per_step_rank1", ".2f")]  # fmt: skip
+    columns = [
+        ("round", "d"),
+        ("layout", "s"),
+        ("seconds", ".2f"),
+        ("output_tok_s", ".1f"),
+        ("forward_steps", "d"),
+        ("ms_per_step", ".2f"),
+        ("comm_ms_per_step_rank0", ".2f"),
+        ("comm_ms_per_step_rank1", ".2f"),
+    ]
     common.print_table(rows, columns)
     command = "python benchmarks/multinode.py " + " ".join(sys.argv[1:])
     common.write_json(
-        args.out, {"machine": machine, "command": command, "args": vars(args) | {"out": None},
-                   "rows": rows},
-    )  # fmt: skip
+        args.out,
+        {"machine": machine, "command": command, "args": vars(args) | {"out": None}, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

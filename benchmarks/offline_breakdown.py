@@ -65,8 +65,10 @@ def main() -> None:
             print(
                 f"  {name:24s} {seconds:6.2f} s {100 * seconds / total:5.1f}%  {calls[name]} calls"
             )
-        print(f"  {'(rest: Python, glue)':24s} {total - kernels:6.2f} s "
-              f"{100 * (total - kernels) / total:5.1f}%")  # fmt: skip
+        print(
+            f"  {'(rest: Python, glue)':24s} {total - kernels:6.2f} s "
+            f"{100 * (total - kernels) / total:5.1f}%"
+        )
 
 
 if __name__ == "__main__":

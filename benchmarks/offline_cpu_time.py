@@ -67,17 +67,28 @@ def main() -> None:
     with isa:
         rounds = [one_round(llm, jobs, steps, offline_vs_hf, tree.name) for _ in range(args.rounds)]
     if args.out is not None:
-        args.out.write_text(json.dumps(dict(tree=str(tree), args=vars(args) | {"out": None},
-                                            rounds=rounds), indent=1, default=str))  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                dict(tree=str(tree), args=vars(args) | {"out": None}, rounds=rounds),
+                indent=1,
+                default=str,
+            )
+        )
 
 
 def one_round(llm: Any, jobs: list, steps: list, offline_vs_hf: Any, name: str) -> dict:
     cpu0, wall0 = time.process_time(), time.perf_counter()
     result = offline_vs_hf.run_trillm(llm, jobs, steps)
-    row = dict(wall_s=time.perf_counter() - wall0, cpu_s=time.process_time() - cpu0,
-               steps=result.get("steps"), model_s=result.get("model_s_sum"))  # fmt: skip
-    print(f"{name}: wall {row['wall_s']:.2f} s, CPU {row['cpu_s']:.2f} s, {row['steps']} steps",
-          flush=True)  # fmt: skip
+    row = dict(
+        wall_s=time.perf_counter() - wall0,
+        cpu_s=time.process_time() - cpu0,
+        steps=result.get("steps"),
+        model_s=result.get("model_s_sum"),
+    )
+    print(
+        f"{name}: wall {row['wall_s']:.2f} s, CPU {row['cpu_s']:.2f} s, {row['steps']} steps",
+        flush=True,
+    )
     return row
 
 

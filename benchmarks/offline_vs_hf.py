@@ -37,9 +37,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="HF, trillm pairs")
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument(
-        "--hf-order", choices=["input", "output-len"], default="input",
+        "--hf-order",
+        choices=["input", "output-len"],
+        default="input",
         help="HF batches in workload order, or sorted by output length (less padding waste)",
-    )  # fmt: skip
+    )
     p.add_argument("--threads", type=int, default=THREADS_DEFAULT)
     p.add_argument("--backend", choices=["mp", "uni"], default="mp")
     p.add_argument("--max-num-seqs", type=int, default=128)
@@ -47,9 +49,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument(
-        "--decode-contexts", type=int, nargs="+", default=[64, 256],
+        "--decode-contexts",
+        type=int,
+        nargs="+",
+        default=[64, 256],
         help="prompt lengths the decode steps start from (the first is the headline)",
-    )  # fmt: skip
+    )
     p.add_argument("--skip-hf", action="store_true", help="trillm and roofline only")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
@@ -78,9 +83,14 @@ def hf_generate_batch(model: Any, batch: list[common.Job]) -> int:
     new = max(j.output_len for j in batch)
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-            do_sample=False, pad_token_id=0, use_cache=True,
-        )  # fmt: skip
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            use_cache=True,
+        )
     generated = out.shape[1] - width
     if generated != new:
         raise RuntimeError(f"HF generated {generated} tokens, {new} were asked for.")
@@ -163,9 +173,7 @@ def run_trillm(llm: Any, jobs: list[common.Job], steps: list | None = None) -> d
 # ---------------------------------------------------------------- decode steps
 
 
-def decode_step_times(
-    folder: Path, batch: int, steps: int, prompt_len: int
-) -> list[float]:  # fmt: skip
+def decode_step_times(folder: Path, batch: int, steps: int, prompt_len: int) -> list[float]:
     """Seconds per decode step of ``batch`` requests (contexts from ``prompt_len`` on) on an
     in-process ModelRunner."""
     import decode_step  # benchmarks/decode_step.py (the model engineer's micro-benchmark)
@@ -175,10 +183,14 @@ def decode_step_times(
     from trillm.worker.model_runner import ModelRunner
 
     engine_args = EngineArgs(
-        model=str(folder), dtype="float32", device="cpu", block_size=decode_step.BLOCK_SIZE,
-        max_num_seqs=batch, max_model_len=1024,
+        model=str(folder),
+        dtype="float32",
+        device="cpu",
+        block_size=decode_step.BLOCK_SIZE,
+        max_num_seqs=batch,
+        max_model_len=1024,
         num_gpu_blocks_override=batch * (-(-(prompt_len + steps + 16) // decode_step.BLOCK_SIZE)),
-    )  # fmt: skip
+    )
     runner = ModelRunner(build_config(engine_args))
     runner.load_model()
     runner.initialize_kv_cache(runner.determine_num_blocks())
@@ -254,8 +266,11 @@ def main() -> None:
         res = run_trillm(llm, jobs, steps)
         trillm_times.append(res["seconds"])
         trillm_steps.append(res)
-        print(f"round {r}: trillm  {res['seconds']:8.2f} s ({res['steps']} steps, model "
-              f"{res['model_s_sum']:.2f} s, engine step {res['step_s_sum']:.2f} s)", flush=True)  # fmt: skip
+        print(
+            f"round {r}: trillm  {res['seconds']:8.2f} s ({res['steps']} steps, model "
+            f"{res['model_s_sum']:.2f} s, engine step {res['step_s_sum']:.2f} s)",
+            flush=True,
+        )
     llm.shutdown()
     del hf_model
 
@@ -298,20 +313,36 @@ def main() -> None:
     print(f"\noffline throughput (HF batch size {args.hf_batch_size}, order {args.hf_order}):")
     common.print_table(
         rows,
-        [("engine", ""), ("mean_s", ".2f"), ("output_tok_s", ".1f"), ("total_tok_s", ".1f"),
-         ("achieved_gflops", ".1f"), ("mfu_vs_peak", ".1%"), ("mfu_vs_2048^3", ".1%")],
-    )  # fmt: skip
+        [
+            ("engine", ""),
+            ("mean_s", ".2f"),
+            ("output_tok_s", ".1f"),
+            ("total_tok_s", ".1f"),
+            ("achieved_gflops", ".1f"),
+            ("mfu_vs_peak", ".1%"),
+            ("mfu_vs_2048^3", ".1%"),
+        ],
+    )
     ratio = statistics.mean(hf_times) / statistics.mean(trillm_times) if hf_times else None
     if ratio is not None:
         print(f"trillm / HF tokens/s (ratio of means): {ratio:.2f}x  (target >= 4x)")
         print(f"HF generated {hf_padded} tokens incl. padding for {out_toks} requested")
-    print(f"\ndecode steps at batch {args.decode_batch} (ModelRunner, median of "
-          f"{args.decode_steps}):")  # fmt: skip
+    print(
+        f"\ndecode steps at batch {args.decode_batch} (ModelRunner, median of {args.decode_steps}):"
+    )
     common.print_table(
         decodes,
-        [("batch", "d"), ("context_start", "d"), ("step_ms_median", ".2f"), ("tok_s", ".1f"), ("achieved_gflops", ".1f"),
-         ("mfu_vs_peak", ".1%"), ("mfu_vs_2048_cubed", ".1%"), ("mfu_vs_same_shape_gemm", ".1%")],
-    )  # fmt: skip
+        [
+            ("batch", "d"),
+            ("context_start", "d"),
+            ("step_ms_median", ".2f"),
+            ("tok_s", ".1f"),
+            ("achieved_gflops", ".1f"),
+            ("mfu_vs_peak", ".1%"),
+            ("mfu_vs_2048_cubed", ".1%"),
+            ("mfu_vs_same_shape_gemm", ".1%"),
+        ],
+    )
 
     common.write_json(
         args.out,
@@ -326,7 +357,7 @@ def main() -> None:
                 output_tokens=out_toks,
                 prompt_len_range=common.PROMPT_LEN_RANGE,
                 output_len_range=common.OUTPUT_LEN_RANGE,
-            ),  # fmt: skip
+            ),
             matmul_gflops=dict(before=rates_before, after=rates_after, best=rates, peak=peak),
             offline=rows,
             trillm_step_timing=trillm_steps,

@@ -74,25 +74,43 @@ def main() -> None:
                     step(weights, xs, int8)
                     times[int8].append(time.perf_counter() - start)
         err = max(
-            float((linear_q_cpu.linear(xs[w.in_features], w, int8_activations=True)
-                   - (ref := linear_q_cpu.linear(xs[w.in_features], w))).abs().max()
-                  / ref.abs().max())
+            float(
+                (
+                    linear_q_cpu.linear(xs[w.in_features], w, int8_activations=True)
+                    - (ref := linear_q_cpu.linear(xs[w.in_features], w))
+                )
+                .abs()
+                .max()
+                / ref.abs().max()
+            )
             for w in weights
-        )  # fmt: skip
+        )
         fma, vnni = statistics.median(times[False]), statistics.median(times[True])
         fma_min, vnni_min = min(times[False]), min(times[True])
-        rows.append(dict(batch=batch, fp32_fma_ms=fma * 1e3, int8_vnni_ms=vnni * 1e3,
-                         speedup=fma / vnni, fp32_fma_min_ms=fma_min * 1e3,
-                         int8_vnni_min_ms=vnni_min * 1e3, speedup_min=fma_min / vnni_min,
-                         max_rel_err=err))  # fmt: skip
-    print(f"{torch.get_num_threads()} threads, {len(weights)} GEMMs a step, "
-          f"{args.rounds} rounds x {args.steps} steps")  # fmt: skip
+        rows.append(
+            dict(
+                batch=batch,
+                fp32_fma_ms=fma * 1e3,
+                int8_vnni_ms=vnni * 1e3,
+                speedup=fma / vnni,
+                fp32_fma_min_ms=fma_min * 1e3,
+                int8_vnni_min_ms=vnni_min * 1e3,
+                speedup_min=fma_min / vnni_min,
+                max_rel_err=err,
+            )
+        )
+    print(
+        f"{torch.get_num_threads()} threads, {len(weights)} GEMMs a step, "
+        f"{args.rounds} rounds x {args.steps} steps"
+    )
     print("step ms, median (min) of the steps")
     print(f"{'batch':>5} {'fp32-FMA':>16} {'int8-VNNI':>16} {'speedup':>12} {'max rel err':>12}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['fp32_fma_ms']:>7.2f} ({r['fp32_fma_min_ms']:>6.2f}) "
-              f"{r['int8_vnni_ms']:>7.2f} ({r['int8_vnni_min_ms']:>6.2f}) "
-              f"{r['speedup']:>5.2f} ({r['speedup_min']:>4.2f}) {r['max_rel_err']:>12.2e}")  # fmt: skip
+        print(
+            f"{r['batch']:>5} {r['fp32_fma_ms']:>7.2f} ({r['fp32_fma_min_ms']:>6.2f}) "
+            f"{r['int8_vnni_ms']:>7.2f} ({r['int8_vnni_min_ms']:>6.2f}) "
+            f"{r['speedup']:>5.2f} ({r['speedup_min']:>4.2f}) {r['max_rel_err']:>12.2e}"
+        )
     if args.out:
         args.out.write_text(json.dumps(dict(threads=torch.get_num_threads(), rows=rows), indent=2))
 

@@ -44,8 +44,13 @@ TEXT = (
 
 def perplexity(model: str, int8_min_rows: int, text: str = TEXT) -> tuple[float, int]:
     linear_q_cpu.INT8_MIN_ROWS = int8_min_rows  # the engine runs in this process ("uni")
-    llm = LLM(model, dtype="float32", max_model_len=4096, kv_cache_memory="512MiB",
-              distributed_executor_backend="uni")  # fmt: skip
+    llm = LLM(
+        model,
+        dtype="float32",
+        max_model_len=4096,
+        kv_cache_memory="512MiB",
+        distributed_executor_backend="uni",
+    )
     try:
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
         out = llm.generate([text], params, use_tqdm=False)[0]
@@ -85,8 +90,10 @@ def main() -> None:
     base = rows[0]["perplexity"]
     for r in rows:
         r["vs_f32"] = r["perplexity"] / base - 1
-        print(f"{r['variant']:<44} ppl {r['perplexity']:8.3f} ({r['vs_f32']:+.2%}) "
-              f"over {r['tokens']} tokens")  # fmt: skip
+        print(
+            f"{r['variant']:<44} ppl {r['perplexity']:8.3f} ({r['vs_f32']:+.2%}) "
+            f"over {r['tokens']} tokens"
+        )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
 

@@ -53,14 +53,20 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def make_runner(folder: str | None, dtype: str, quantization: str | None, batch: int,
-                steps: int) -> ModelRunner:  # fmt: skip
+def make_runner(
+    folder: str | None, dtype: str, quantization: str | None, batch: int, steps: int
+) -> ModelRunner:
     args = EngineArgs(
-        model=folder, dtype=dtype, quantization=quantization, device="cpu",
-        block_size=decode_step.BLOCK_SIZE, max_num_seqs=batch, max_model_len=1024,
+        model=folder,
+        dtype=dtype,
+        quantization=quantization,
+        device="cpu",
+        block_size=decode_step.BLOCK_SIZE,
+        max_num_seqs=batch,
+        max_model_len=1024,
         num_gpu_blocks_override=batch * (-(-(decode_step.PROMPT_LEN + steps + 2) // 16) + 1),
         distributed_executor_backend="uni",
-    )  # fmt: skip
+    )
     runner = ModelRunner(build_config(args))
     runner.load_model()
     runner.initialize_kv_cache(runner.determine_num_blocks())
@@ -90,28 +96,50 @@ def main() -> None:
                 t = decode_step.time_decode(runner, batch, args.steps, step_ids[name])
                 step_ids[name] += args.steps + 2
                 times.setdefault((name, batch), []).append(statistics.median(t))
-                print(f"round {round_} batch {batch} {name}: {statistics.median(t) * 1e3:.1f} ms",
-                      flush=True)  # fmt: skip
+                print(
+                    f"round {round_} batch {batch} {name}: {statistics.median(t) * 1e3:.1f} ms",
+                    flush=True,
+                )
     copy = decode_step.copy_gbps()
     rows = []
     for (name, batch), samples in times.items():
         nbytes = weight_bytes(runners[name].model)
         step = statistics.median(samples)
         bound = nbytes / (args.bandwidth_gbps * 1e9)
-        rows.append(dict(variant=name, batch=batch, step_ms=step * 1e3, weight_mb=nbytes / 1e6,
-                         bound_ms=bound * 1e3, of_bound=bound / step,
-                         rounds_ms=[s * 1e3 for s in samples]))  # fmt: skip
-    print(f"model {folder or 'embedded default'}, {torch.get_num_threads()} threads, "
-          f"copy bandwidth measured now {copy:.1f} GB/s, bound at {args.bandwidth_gbps} GB/s")  # fmt: skip
-    print(f"{'variant':<16} {'batch':>5} {'step ms':>8} {'weights MB':>10} {'bound ms':>8} "
-          f"{'of bound':>8}")  # fmt: skip
+        rows.append(
+            dict(
+                variant=name,
+                batch=batch,
+                step_ms=step * 1e3,
+                weight_mb=nbytes / 1e6,
+                bound_ms=bound * 1e3,
+                of_bound=bound / step,
+                rounds_ms=[s * 1e3 for s in samples],
+            )
+        )
+    print(
+        f"model {folder or 'embedded default'}, {torch.get_num_threads()} threads, "
+        f"copy bandwidth measured now {copy:.1f} GB/s, bound at {args.bandwidth_gbps} GB/s"
+    )
+    print(
+        f"{'variant':<16} {'batch':>5} {'step ms':>8} {'weights MB':>10} {'bound ms':>8} "
+        f"{'of bound':>8}"
+    )
     for r in sorted(rows, key=lambda r: (r["batch"], r["variant"])):
-        print(f"{r['variant']:<16} {r['batch']:>5} {r['step_ms']:>8.2f} {r['weight_mb']:>10.1f} "
-              f"{r['bound_ms']:>8.2f} {r['of_bound']:>8.1%}")  # fmt: skip
+        print(
+            f"{r['variant']:<16} {r['batch']:>5} {r['step_ms']:>8.2f} {r['weight_mb']:>10.1f} "
+            f"{r['bound_ms']:>8.2f} {r['of_bound']:>8.1%}"
+        )
     if args.out:
-        result = dict(model=folder, threads=torch.get_num_threads(), copy_gbps=copy,
-                      bandwidth_gbps=args.bandwidth_gbps, steps=args.steps, rounds=args.rounds,
-                      rows=rows)  # fmt: skip
+        result = dict(
+            model=folder,
+            threads=torch.get_num_threads(),
+            copy_gbps=copy,
+            bandwidth_gbps=args.bandwidth_gbps,
+            steps=args.steps,
+            rounds=args.rounds,
+            rows=rows,
+        )
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 

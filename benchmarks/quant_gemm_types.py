@@ -95,23 +95,36 @@ def main() -> None:
                         if step:
                             times.setdefault((t, int8), []).append(clock() - start)
         for (t, int8), samples in times.items():
-            rows.append(dict(type=t, batch=batch, int8=int8,
-                             step_ms=statistics.median(samples) * 1e3,
-                             min_ms=min(samples) * 1e3,
-                             weight_mb=sum(w.nbytes for w in weights[t]) / 1e6))  # fmt: skip
-    print(f"{torch.get_num_threads()} threads, {args.layers} layers, {args.rounds} rounds x "
-          f"{args.steps} steps; step ms ({args.clock} clock), median (min)")  # fmt: skip
+            rows.append(
+                dict(
+                    type=t,
+                    batch=batch,
+                    int8=int8,
+                    step_ms=statistics.median(samples) * 1e3,
+                    min_ms=min(samples) * 1e3,
+                    weight_mb=sum(w.nbytes for w in weights[t]) / 1e6,
+                )
+            )
+    print(
+        f"{torch.get_num_threads()} threads, {args.layers} layers, {args.rounds} rounds x "
+        f"{args.steps} steps; step ms ({args.clock} clock), median (min)"
+    )
     print(f"{'type':<5} {'batch':>5} {'weights MB':>10} {'fp32-FMA':>18} {'int8-VNNI':>18}")
     for t in args.types:
         for batch in args.batches:
-            fma, vnni = (next(r for r in rows if (r["type"], r["batch"], r["int8"]) == (t, batch, i))
-                         for i in (False, True))  # fmt: skip
-            print(f"{t:<5} {batch:>5} {fma['weight_mb']:>10.1f} "
-                  f"{fma['step_ms']:>9.2f} ({fma['min_ms']:>6.2f}) "
-                  f"{vnni['step_ms']:>9.2f} ({vnni['min_ms']:>6.2f})")  # fmt: skip
+            fma, vnni = (
+                next(r for r in rows if (r["type"], r["batch"], r["int8"]) == (t, batch, i))
+                for i in (False, True)
+            )
+            print(
+                f"{t:<5} {batch:>5} {fma['weight_mb']:>10.1f} "
+                f"{fma['step_ms']:>9.2f} ({fma['min_ms']:>6.2f}) "
+                f"{vnni['step_ms']:>9.2f} ({vnni['min_ms']:>6.2f})"
+            )
     if args.out:
-        args.out.write_text(json.dumps(dict(threads=torch.get_num_threads(), clock=args.clock,
-                                            rows=rows), indent=2))  # fmt: skip
+        args.out.write_text(
+            json.dumps(dict(threads=torch.get_num_threads(), clock=args.clock, rows=rows), indent=2)
+        )
 
 
 if __name__ == "__main__":

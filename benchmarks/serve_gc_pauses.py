@@ -47,16 +47,33 @@ from trillm.entrypoints.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 
-BENCH_KEYS = {"Request throughput (req/s):": "req_s", "P99 TTFT (ms):": "p99_ttft_ms",
-              "Mean TPOT (ms):": "mean_tpot_ms", "P99 TPOT (ms):": "p99_tpot_ms"}  # fmt: skip
+BENCH_KEYS = {
+    "Request throughput (req/s):": "req_s",
+    "P99 TTFT (ms):": "p99_ttft_ms",
+    "Mean TPOT (ms):": "mean_tpot_ms",
+    "P99 TPOT (ms):": "p99_tpot_ms",
+}
 
 
 def one_arm(model: str, freeze: bool, args: argparse.Namespace) -> dict[str, float | int]:
     port = free_port()
     log = Path(f"/tmp/serve_gc_pauses_{port}.log")
-    argv = [sys.executable, "-c", SERVER, "1" if freeze else "0", "serve", model,
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
-            "--kv-cache-memory", "64MiB"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-c",
+        SERVER,
+        "1" if freeze else "0",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "64MiB",
+    ]
     with log.open("w") as sink:
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=sink)
     deadline = time.monotonic() + 300
@@ -74,26 +91,50 @@ def one_arm(model: str, freeze: bool, args: argparse.Namespace) -> dict[str, flo
         time.sleep(0.1)
 
 
-def run_load(proc: subprocess.Popen[bytes], port: int, log: Path, model: str,
-             args: argparse.Namespace) -> dict[str, float | int]:  # fmt: skip
+def run_load(
+    proc: subprocess.Popen[bytes], port: int, log: Path, model: str, args: argparse.Namespace
+) -> dict[str, float | int]:
     try:
         began = time.time()
         bench = subprocess.run(
-            [sys.executable, "-m", "trillm", "bench", "serve", "--port", str(port), "--model",
-             model, "--num-prompts", str(args.num_prompts), "--random-input-len", "32",
-             "--random-output-len", "8", "--max-concurrency", str(args.max_concurrency),
-             "--disable-tqdm"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "trillm",
+                "bench",
+                "serve",
+                "--port",
+                str(port),
+                "--model",
+                model,
+                "--num-prompts",
+                str(args.num_prompts),
+                "--random-input-len",
+                "32",
+                "--random-output-len",
+                "8",
+                "--max-concurrency",
+                str(args.max_concurrency),
+                "--disable-tqdm",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         ended = time.time()
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    pauses = [float(line.split()[2]) for line in log.read_text().splitlines()
-              if line.startswith("GC2 ") and began <= float(line.split()[1]) <= ended]  # fmt: skip
-    row: dict[str, float | int] = {"gen2_collections": len(pauses),
-                             "max_pause_ms": max(pauses, default=0.0),
-                             "mean_pause_ms": statistics.fmean(pauses) if pauses else 0.0}  # fmt: skip
+    pauses = [
+        float(line.split()[2])
+        for line in log.read_text().splitlines()
+        if line.startswith("GC2 ") and began <= float(line.split()[1]) <= ended
+    ]
+    row: dict[str, float | int] = {
+        "gen2_collections": len(pauses),
+        "max_pause_ms": max(pauses, default=0.0),
+        "mean_pause_ms": statistics.fmean(pauses) if pauses else 0.0,
+    }
     for line in bench.stdout.splitlines():
         for label, key in BENCH_KEYS.items():
             if line.startswith(label):
@@ -119,12 +160,23 @@ def main() -> None:
     rows = []
     for r in range(args.rounds):
         for freeze in (False, True):
-            row = {"round": r, "arm": "freeze" if freeze else "no-freeze",
-                   **one_arm(model, freeze, args)}  # fmt: skip
+            row = {
+                "round": r,
+                "arm": "freeze" if freeze else "no-freeze",
+                **one_arm(model, freeze, args),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    cols = ["arm", "gen2_collections", "max_pause_ms", "mean_pause_ms", "req_s", "p99_ttft_ms",
-            "mean_tpot_ms", "p99_tpot_ms"]  # fmt: skip
+    cols = [
+        "arm",
+        "gen2_collections",
+        "max_pause_ms",
+        "mean_pause_ms",
+        "req_s",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "p99_tpot_ms",
+    ]
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in rows:
         print("| " + " | ".join(_cell(row.get(c)) for c in cols) + " |")

@@ -51,8 +51,19 @@ def one_round(model: str, flags: list[str], worker_start: str | None) -> dict[st
     if worker_start is not None:
         env["TRILLM_WORKER_START"] = worker_start
     url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "trillm", "serve", model, *flags, *LIMITS,
-            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "trillm",
+        "serve",
+        model,
+        *flags,
+        *LIMITS,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     cpu0, start = children_cpu_s(), time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
     try:
@@ -66,8 +77,12 @@ def one_round(model: str, flags: list[str], worker_start: str | None) -> dict[st
                 pass
             time.sleep(0.05)
         ready = time.monotonic()
-        body = {"prompt": ["Hello there, how", "The capital of France is"], "max_tokens": 8,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        body = {
+            "prompt": ["Hello there, how", "The capital of France is"],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         r = httpx.post(url + "/v1/completions", json=body, timeout=300)
         r.raise_for_status()
         answered = time.monotonic()
@@ -78,8 +93,12 @@ def one_round(model: str, flags: list[str], worker_start: str | None) -> dict[st
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return {"ready_s": ready - start, "first_request_s": answered - ready,
-            "stop_s": stopped - answered, "cpu_s": children_cpu_s() - cpu0}  # fmt: skip
+    return {
+        "ready_s": ready - start,
+        "first_request_s": answered - ready,
+        "stop_s": stopped - answered,
+        "cpu_s": children_cpu_s() - cpu0,
+    }
 
 
 def tiny_model(cache: Path) -> str:
@@ -97,8 +116,13 @@ def main() -> None:
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "trillm-bench")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--worker-start", nargs="+", default=[None], choices=["zygote", "spawn"],
-                   help="TRILLM_WORKER_START per round, alternated (default: unset)")  # fmt: skip
+    p.add_argument(
+        "--worker-start",
+        nargs="+",
+        default=[None],
+        choices=["zygote", "spawn"],
+        help="TRILLM_WORKER_START per round, alternated (default: unset)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     model = args.model or tiny_model(args.cache)
@@ -112,13 +136,17 @@ def main() -> None:
             name = layout if mode is None else f"{layout}/{mode}"
             med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
             rows[name] = {**med, "rounds": rounds}
-            print(f"{name:15s} ready {med['ready_s']:6.2f} s  first request "
-                  f"{med['first_request_s']:5.2f} s  stop {med['stop_s']:5.2f} s  "
-                  f"cpu {med['cpu_s']:6.2f} s", flush=True)  # fmt: skip
+            print(
+                f"{name:15s} ready {med['ready_s']:6.2f} s  first request "
+                f"{med['first_request_s']:5.2f} s  stop {med['stop_s']:5.2f} s  "
+                f"cpu {med['cpu_s']:6.2f} s",
+                flush=True,
+            )
     if args.out is not None:
         load = os.getloadavg()[0]
-        args.out.write_text(json.dumps({"model": model, "load_1min": load, "layouts": rows},
-                                       indent=1))  # fmt: skip
+        args.out.write_text(
+            json.dumps({"model": model, "load_1min": load, "layouts": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -52,22 +52,42 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def serve_flags(args: argparse.Namespace) -> list[str]:
     return [
-        "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "2GiB",
-        "--max-num-seqs", str(args.max_concurrency),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--no-enable-prefix-caching", "--distributed-executor-backend", args.backend,
-    ]  # fmt: skip
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--kv-cache-memory",
+        "2GiB",
+        "--max-num-seqs",
+        str(args.max_concurrency),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--no-enable-prefix-caching",
+        "--distributed-executor-backend",
+        args.backend,
+    ]
 
 
 def bench_flags(args: argparse.Namespace, num_prompts: int) -> list[str]:
     return [
-        "--dataset-name", "random", "--num-prompts", str(num_prompts),
-        "--random-input-len", str(args.random_input_len),
-        "--random-output-len", str(args.random_output_len),
-        "--random-range-ratio", str(args.random_range_ratio),
-        "--max-concurrency", str(args.max_concurrency), "--ignore-eos",
-        "--seed", str(args.seed), "--metric-percentiles", "50,99",
-    ]  # fmt: skip
+        "--dataset-name",
+        "random",
+        "--num-prompts",
+        str(num_prompts),
+        "--random-input-len",
+        str(args.random_input_len),
+        "--random-output-len",
+        str(args.random_output_len),
+        "--random-range-ratio",
+        str(args.random_range_ratio),
+        "--max-concurrency",
+        str(args.max_concurrency),
+        "--ignore-eos",
+        "--seed",
+        str(args.seed),
+        "--metric-percentiles",
+        "50,99",
+    ]
 
 
 def workload(args: argparse.Namespace, num_prompts: int) -> list[Any]:
@@ -75,9 +95,14 @@ def workload(args: argparse.Namespace, num_prompts: int) -> list[Any]:
     from trillm.bench.datasets import build_random
 
     return build_random(
-        num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
-        seed=args.seed, tokenizer=None, as_text=False,
-    )  # fmt: skip
+        num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        seed=args.seed,
+        tokenizer=None,
+        as_text=False,
+    )
 
 
 def run_offline(llm: Any, requests: list[Any]) -> dict[str, Any]:
@@ -103,9 +128,19 @@ def run_serve(url: str, args: argparse.Namespace, num_prompts: int, tmp: Path) -
     )
     if record["failed"]:
         raise RuntimeError(f"{record['failed']} request(s) failed in bench serve")
-    keep = ("duration", "completed", "total_output_tokens", "output_throughput",
-            "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
-            "mean_itl_ms", "p99_itl_ms")  # fmt: skip
+    keep = (
+        "duration",
+        "completed",
+        "total_output_tokens",
+        "output_throughput",
+        "mean_ttft_ms",
+        "p50_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "p99_tpot_ms",
+        "mean_itl_ms",
+        "p99_itl_ms",
+    )
     return {k: record.get(k) for k in keep}
 
 
@@ -118,10 +153,13 @@ def main() -> None:
     machine = common.machine_info()
     requests = workload(args, args.num_prompts)
     tmp = Path(tempfile.mkdtemp(prefix="serving-eff-"))
-    print(f"workload: {len(requests)} requests, "
-          f"{sum(r.prompt_len for r in requests)} prompt + "
-          f"{sum(r.expected_output_len for r in requests)} output tokens; "
-          f"{machine['cpu']}, load {machine['load_avg_1m']:.1f}", flush=True)  # fmt: skip
+    print(
+        f"workload: {len(requests)} requests, "
+        f"{sum(r.prompt_len for r in requests)} prompt + "
+        f"{sum(r.expected_output_len for r in requests)} output tokens; "
+        f"{machine['cpu']}, load {machine['load_avg_1m']:.1f}",
+        flush=True,
+    )
     llm = LLM(str(folder), **engine_kwargs(args))
     run_offline(llm, workload(args, 4))  # warm-up
     offline, served = [], []
@@ -134,8 +172,9 @@ def main() -> None:
             offline.append(run_offline(llm, requests))
             print(f"round {r}: offline {offline[-1]['output_tok_s']:.1f} output tok/s", flush=True)
             served.append(run_serve(url, args, args.num_prompts, tmp))
-            print(f"round {r}: served  {served[-1]['output_throughput']:.1f} output tok/s",
-                  flush=True)  # fmt: skip
+            print(
+                f"round {r}: served  {served[-1]['output_throughput']:.1f} output tok/s", flush=True
+            )
     llm.shutdown()
 
     offline_mean = statistics.mean(o["output_tok_s"] for o in offline)
@@ -150,7 +189,7 @@ def main() -> None:
             tok_s=s["output_throughput"],
             seconds=s["duration"],
             p99_ttft_ms=s["p99_ttft_ms"],
-        )  # fmt: skip
+        )
         for s in served
     ]
     print(f"\nserving efficiency, concurrency {args.max_concurrency}:")
@@ -171,7 +210,7 @@ def main() -> None:
             offline_mean_tok_s=offline_mean,
             served_mean_tok_s=served_mean,
             ratio=ratio,
-        ),  # fmt: skip
+        ),
     )
 
 

@@ -53,9 +53,11 @@ def main() -> None:
         rows.append({"window": window, "native_ms": round(native, 3)})
         print(f"window {window}: native {native:.3f} ms")
     result = {
-        "batch": args.batch, "context": args.context, "threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "context": args.context,
+        "threads": torch.get_num_threads(),
         "rows": rows,
-    }  # fmt: skip
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

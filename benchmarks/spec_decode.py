@@ -33,8 +33,12 @@ from common import machine_info, print_table, write_json
 from trillm import LLM, SamplingParams
 
 PEER_MODEL = Path("~/.cache/trillm-peer/smollm2-135m-instruct").expanduser()
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-        "prompt_lookup_max": 4}  # fmt: skip
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+}
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the "
@@ -55,9 +59,11 @@ REPEAT = [
     "Correct any spelling mistakes in this text and return the whole text:\n\n{}",
     "Rewrite this text exactly as it is, keeping every line:\n\n{}",
 ]
-WORDS = ("river window orange seven engine marble quiet ladder violet thunder pencil garden "
-         "copper whisper island candle frozen basket silver planet jacket meadow rocket velvet "
-         "harbor lemon anchor puzzle falcon desert mirror cotton jungle saddle canyon tulip").split()
+WORDS = (
+    "river window orange seven engine marble quiet ladder violet thunder pencil garden "
+    "copper whisper island candle frozen basket silver planet jacket meadow rocket velvet "
+    "harbor lemon anchor puzzle falcon desert mirror cotton jungle saddle canyon tulip"
+).split()
 RANDOM = [
     "Summarize the mood of these words in two sentences: "
     + " ".join(random.Random(seed).choices(WORDS, k=60))
@@ -89,8 +95,12 @@ def truncated_draft(model: str, layers: int) -> str:
     config = json.loads((src / "config.json").read_text())
     config["num_hidden_layers"] = layers
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja"):  # fmt: skip
+    for name in (
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
         if (src / name).exists():
             shutil.copy(src / name, out / name)
     save_file(keep, out / "model.safetensors", metadata={"format": "pt"})
@@ -144,11 +154,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.draft_layers is not None:
         draft = truncated_draft(args.model, args.draft_layers)
-        args.speculative_config = json.dumps({"method": "draft_model", "model": draft,
-                                              "num_speculative_tokens":
-                                              args.num_speculative_tokens})  # fmt: skip
-    kw: dict[str, Any] = {"max_model_len": 1024, "kv_cache_memory": "256MiB",
-                          "distributed_executor_backend": "uni"}  # fmt: skip
+        args.speculative_config = json.dumps(
+            {
+                "method": "draft_model",
+                "model": draft,
+                "num_speculative_tokens": args.num_speculative_tokens,
+            }
+        )
+    kw: dict[str, Any] = {
+        "max_model_len": 1024,
+        "kv_cache_memory": "256MiB",
+        "distributed_executor_backend": "uni",
+    }
     base = LLM(args.model, **kw)
     spec = LLM(args.model, speculative_config=args.speculative_config, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -156,17 +173,37 @@ def main() -> None:
     run_one(spec, "Hello", params)
     rows = []
     repeat = [t.format(text) for t in REPEAT for text in TEXTS]
-    for name, prompts in (("repeat/edit the prompt", repeat), ("free writing (control)", FREE),
-                          ("random words (control)", RANDOM)):  # fmt: skip
+    for name, prompts in (
+        ("repeat/edit the prompt", repeat),
+        ("free writing (control)", FREE),
+        ("random words (control)", RANDOM),
+    ):
         row = {"workload": name, **measure(base, spec, prompts[: args.prompts], params)}
         rows.append(row)
-    print_table(rows, [("workload", "s"), ("prompts", "d"), ("output_tokens", "d"),
-                       ("base_tok_s", ".1f"), ("spec_tok_s", ".1f"), ("speedup", ".2f"),
-                       ("acceptance_rate", ".3f"), ("tokens_per_verify", ".2f"),
-                       ("identical", "s")])  # fmt: skip
-    write_json(args.out, {"model": args.model or "embedded default", "speculative_config":
-                          json.loads(args.speculative_config), "max_tokens": args.max_tokens,
-                          "machine": machine_info(), "rows": rows})  # fmt: skip
+    print_table(
+        rows,
+        [
+            ("workload", "s"),
+            ("prompts", "d"),
+            ("output_tokens", "d"),
+            ("base_tok_s", ".1f"),
+            ("spec_tok_s", ".1f"),
+            ("speedup", ".2f"),
+            ("acceptance_rate", ".3f"),
+            ("tokens_per_verify", ".2f"),
+            ("identical", "s"),
+        ],
+    )
+    write_json(
+        args.out,
+        {
+            "model": args.model or "embedded default",
+            "speculative_config": json.loads(args.speculative_config),
+            "max_tokens": args.max_tokens,
+            "machine": machine_info(),
+            "rows": rows,
+        },
+    )
     base.shutdown()
     spec.shutdown()
 

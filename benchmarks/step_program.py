@@ -48,10 +48,15 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine_args = EngineArgs(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, device="cpu",
-        block_size=BLOCK_SIZE, max_num_seqs=max(args.batches), max_model_len=1024,
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        max_num_seqs=max(args.batches),
+        max_model_len=1024,
         num_gpu_blocks_override=max(max(args.batches) * 24, 1024 // BLOCK_SIZE),
-    )  # fmt: skip
+    )
     runner = ModelRunner(build_config(engine_args))
     runner.load_model()
     runner.initialize_kv_cache(runner.determine_num_blocks())
@@ -74,18 +79,37 @@ def main() -> None:
         eager, replay, python = (statistics.median(medians[m]) for m in medians)
         program = programs.programs.get(batch)
         kept, allocated = (program.nbytes, program.allocated) if program else (0, 0)
-        rows.append(dict(batch=batch, eager_ms=eager, replay_ms=replay, python_replay_ms=python,
-                         speedup=eager / replay, program_bytes=kept, allocated_bytes=allocated,
-                         rounds=medians))  # fmt: skip
-        print(f"batch {batch:>3}: eager {eager:7.2f} ms, replay {replay:7.2f} ms "
-              f"({eager / replay:.2f}x), the same calls replayed from Python {python:7.2f} ms "
-              f"({eager / python:.2f}x); the program keeps {kept >> 10} KiB of the "
-              f"{allocated >> 10} KiB its forward allocates", flush=True)  # fmt: skip
+        rows.append(
+            dict(
+                batch=batch,
+                eager_ms=eager,
+                replay_ms=replay,
+                python_replay_ms=python,
+                speedup=eager / replay,
+                program_bytes=kept,
+                allocated_bytes=allocated,
+                rounds=medians,
+            )
+        )
+        print(
+            f"batch {batch:>3}: eager {eager:7.2f} ms, replay {replay:7.2f} ms "
+            f"({eager / replay:.2f}x), the same calls replayed from Python {python:7.2f} ms "
+            f"({eager / python:.2f}x); the program keeps {kept >> 10} KiB of the "
+            f"{allocated >> 10} KiB its forward allocates",
+            flush=True,
+        )
     if programs.reason is not None:
         print("programs off:", programs.reason)
-    result = dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                  threads=torch.get_num_threads(), steps=args.steps, prompt_len=args.prompt_len,
-                  off_reason=programs.reason, rows=rows)  # fmt: skip
+    result = dict(
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        threads=torch.get_num_threads(),
+        steps=args.steps,
+        prompt_len=args.prompt_len,
+        off_reason=programs.reason,
+        rows=rows,
+    )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -125,9 +125,12 @@ def worker_side_ms(rows: dict[str, bytes], vocab: int, repeats: int = 50) -> flo
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     model = common.build_bench_model()
     async with open_engine(
-        str(model), max_model_len=512, max_num_seqs=BATCH, kv_cache_memory="256MiB",
+        str(model),
+        max_model_len=512,
+        max_num_seqs=BATCH,
+        kv_cache_memory="256MiB",
         enable_prefix_caching=False,
-    ) as engine:  # fmt: skip
+    ) as engine:
         await _round(engine, True, 8, "warm-c")  # compile the grammar, warm the caches
         await _round(engine, False, 8, "warm-p")
         rounds = []
@@ -182,10 +185,16 @@ def main() -> None:
     result = trio.run(run, args)
     common.print_table(
         result["rounds"],
-        [("constrained", ""), ("decode_steps_b64", "d"), ("step_ms_median", ".2f"),
-         ("fill_ms_median", ".2f"), ("accept_ms_median", ".2f"), ("wall_s", ".2f"),
-         ("all_length", "")],
-    )  # fmt: skip
+        [
+            ("constrained", ""),
+            ("decode_steps_b64", "d"),
+            ("step_ms_median", ".2f"),
+            ("fill_ms_median", ".2f"),
+            ("accept_ms_median", ".2f"),
+            ("wall_s", ".2f"),
+            ("all_length", ""),
+        ],
+    )
     print(
         f"batch-64 decode step: none {result['step_ms_none']:.2f} ms, JSON schema "
         f"{result['step_ms_json']:.2f} ms: overhead {result['overhead_pct']:+.1f}% (of the "

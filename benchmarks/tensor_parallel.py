@@ -49,9 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp-sizes", default="1,2")
     p.add_argument("--pp-sizes", default="", help="pipeline sizes to run at TP=1, e.g. 2")
-    p.add_argument("--pp-micro-batches", default="",
-                   help="steps in flight to compare at each pipeline size, e.g. 2,1 (default: "
-                        "one run at pipeline_parallel_size)")  # fmt: skip
+    p.add_argument(
+        "--pp-micro-batches",
+        default="",
+        help="steps in flight to compare at each pipeline size, e.g. 2,1 (default: "
+        "one run at pipeline_parallel_size)",
+    )
     common.add_offline_args(p)
     p.add_argument("--allreduce-rows", default="1,32,128", help="'' to skip")
     p.add_argument("--hidden", type=int, default=common.MODEL_SPEC["hidden_size"])
@@ -115,8 +118,13 @@ def allreduce_child(args: argparse.Namespace) -> None:
     rank, port = (int(x) for x in args.allreduce_child.split(","))
     backend = "nccl" if args.device == "cuda" else "gloo"
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=120),
+    )
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     medians = {}
     for rows in (int(r) for r in args.allreduce_rows.split(",")):
@@ -138,8 +146,17 @@ def allreduce_child(args: argparse.Namespace) -> None:
 def measure_allreduce(args: argparse.Namespace) -> dict[str, float]:
     port = common.free_port()
     env = {**os.environ, "PYTHONPATH": str(common.REPO_ROOT)}
-    base = [sys.executable, __file__, "--device", args.device, "--hidden", str(args.hidden),
-            "--allreduce-rows", args.allreduce_rows, "--allreduce-child"]  # fmt: skip
+    base = [
+        sys.executable,
+        __file__,
+        "--device",
+        args.device,
+        "--hidden",
+        str(args.hidden),
+        "--allreduce-rows",
+        args.allreduce_rows,
+        "--allreduce-child",
+    ]
     procs = [
         subprocess.Popen([*base, f"{r},{port}"], stdout=subprocess.PIPE, text=True, env=env)
         for r in (0, 1)
@@ -187,18 +204,33 @@ def main() -> None:
     sizes += [(1, int(s), m) for s in args.pp_sizes.split(",") if s for m in micros]
     machine = common.machine_info()
     rows = common.run_rounds(args.rounds, sizes, lambda size: measure(args, *size))
-    columns = [("round", "d"), ("tp", "d"), ("pp", "d"), ("micro_batches", "d"), ("seconds", ".2f"), ("output_tok_s", ".1f"),
-               ("forward_steps", "d"), ("ms_per_step", ".2f"),
-               ("comm_ms_per_step_rank0", ".2f"), ("comm_ms_per_step_rank1", ".2f")]  # fmt: skip
+    columns = [
+        ("round", "d"),
+        ("tp", "d"),
+        ("pp", "d"),
+        ("micro_batches", "d"),
+        ("seconds", ".2f"),
+        ("output_tok_s", ".1f"),
+        ("forward_steps", "d"),
+        ("ms_per_step", ".2f"),
+        ("comm_ms_per_step_rank0", ".2f"),
+        ("comm_ms_per_step_rank1", ".2f"),
+    ]
     if rows:
         common.print_table(rows, columns)
     allreduce = measure_allreduce(args) if args.allreduce_rows else {}
     print("all-reduce alone (median):", json.dumps(allreduce))
     command = "python benchmarks/tensor_parallel.py " + " ".join(sys.argv[1:])
     common.write_json(
-        args.out, {"machine": machine, "command": command, "args": vars(args) | {"out": None},
-                   "rows": rows, "allreduce_alone": allreduce},
-    )  # fmt: skip
+        args.out,
+        {
+            "machine": machine,
+            "command": command,
+            "args": vars(args) | {"out": None},
+            "rows": rows,
+            "allreduce_alone": allreduce,
+        },
+    )
 
 
 if __name__ == "__main__":

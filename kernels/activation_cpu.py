@@ -54,7 +54,11 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
         )
     recording.call(
         require().silu_and_mul,
-        out=rows(out), gate_up=rows(gate_up), num_rows=out.numel() // width, width=width,
-        dtype=DTYPES[gate_up.dtype], num_threads=num_threads(),
-    )  # fmt: skip
+        out=rows(out),
+        gate_up=rows(gate_up),
+        num_rows=out.numel() // width,
+        width=width,
+        dtype=DTYPES[gate_up.dtype],
+        num_threads=num_threads(),
+    )
     return out

@@ -17,12 +17,23 @@ import triton.language as tl
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w13_ptr, h_ptr, pairs_ptr, tile_expert_ptr,
-    top_k, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_hp,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w13_ptr,
+    h_ptr,
+    pairs_ptr,
+    tile_expert_ptr,
+    top_k,
+    hidden,
+    inter,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_hp,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     tile = tl.program_id(0)
     col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate columns
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
@@ -34,29 +45,47 @@ def _gate_up_kernel(
     w_base = w13_ptr + expert * stride_we
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + token[:, None] * stride_xt + ks[None, :],
-                    mask=valid[:, None] & (ks[None, :] < hidden), other=0.0)  # fmt: skip
+        x = tl.load(
+            x_ptr + token[:, None] * stride_xt + ks[None, :],
+            mask=valid[:, None] & (ks[None, :] < hidden),
+            other=0.0,
+        )
         wmask = (col[None, :] < inter) & (ks[:, None] < hidden)
         w1 = tl.load(w_base + col[None, :] * stride_wn + ks[:, None], mask=wmask, other=0.0)
-        w3 = tl.load(w_base + (col[None, :] + inter) * stride_wn + ks[:, None], mask=wmask,
-                     other=0.0)  # fmt: skip
+        w3 = tl.load(
+            w_base + (col[None, :] + inter) * stride_wn + ks[:, None], mask=wmask, other=0.0
+        )
         gate = tl.dot(x, w1, gate, input_precision=DOT_PRECISION)
         up = tl.dot(x, w3, up, input_precision=DOT_PRECISION)
     # The reference rounds silu and the product to the model's dtype; h keeps fp32 here.
     h = gate / (1.0 + tl.exp(-gate)) * up
     safe_pair = tl.where(valid, pair, 0).to(tl.int64)
-    tl.store(h_ptr + safe_pair[:, None] * stride_hp + col[None, :], h,
-             mask=valid[:, None] & (col[None, :] < inter))  # fmt: skip
+    tl.store(
+        h_ptr + safe_pair[:, None] * stride_hp + col[None, :],
+        h,
+        mask=valid[:, None] & (col[None, :] < inter),
+    )
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w2_ptr, y_ptr, weight_ptr, pairs_ptr, tile_expert_ptr,
-    hidden, inter,
-    stride_hp, stride_we, stride_wn, stride_yp,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr,
+    w2_ptr,
+    y_ptr,
+    weight_ptr,
+    pairs_ptr,
+    tile_expert_ptr,
+    hidden,
+    inter,
+    stride_hp,
+    stride_we,
+    stride_wn,
+    stride_yp,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     tile = tl.program_id(0)
     col = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden columns
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
@@ -67,15 +96,24 @@ def _down_kernel(
     w_base = w2_ptr + expert * stride_we
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        h = tl.load(h_ptr + safe_pair[:, None] * stride_hp + ks[None, :],
-                    mask=valid[:, None] & (ks[None, :] < inter), other=0.0)  # fmt: skip
-        w = tl.load(w_base + col[None, :] * stride_wn + ks[:, None],
-                    mask=(col[None, :] < hidden) & (ks[:, None] < inter), other=0.0)  # fmt: skip
+        h = tl.load(
+            h_ptr + safe_pair[:, None] * stride_hp + ks[None, :],
+            mask=valid[:, None] & (ks[None, :] < inter),
+            other=0.0,
+        )
+        w = tl.load(
+            w_base + col[None, :] * stride_wn + ks[:, None],
+            mask=(col[None, :] < hidden) & (ks[:, None] < inter),
+            other=0.0,
+        )
         acc = tl.dot(h.to(w.dtype), w, acc, input_precision=DOT_PRECISION)
     weight = tl.load(weight_ptr + safe_pair, mask=valid, other=0.0)
     acc = acc * weight[:, None]
-    tl.store(y_ptr + safe_pair[:, None] * stride_yp + col[None, :], acc,
-             mask=valid[:, None] & (col[None, :] < hidden))  # fmt: skip
+    tl.store(
+        y_ptr + safe_pair[:, None] * stride_yp + col[None, :],
+        acc,
+        mask=valid[:, None] & (col[None, :] < hidden),
+    )
 
 
 def align_pairs(
@@ -125,13 +163,39 @@ def fused_moe(
     num_tiles = len(tile_expert)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
     _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
-        x, w13, h, pairs, tile_expert, top_k, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
-    )  # fmt: skip
+        x,
+        w13,
+        h,
+        pairs,
+        tile_expert,
+        top_k,
+        hidden,
+        inter,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        h.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PRECISION=precision,
+    )
     _down_kernel[(num_tiles, triton.cdiv(hidden, block_n))](
-        h, w2, y, weights, pairs, tile_expert, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
-    )  # fmt: skip
+        h,
+        w2,
+        y,
+        weights,
+        pairs,
+        tile_expert,
+        hidden,
+        inter,
+        h.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        y.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PRECISION=precision,
+    )
     return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

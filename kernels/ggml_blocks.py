@@ -15,9 +15,19 @@ Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 Q4_G = 100  # trillm's: AWQ / GPTQ 4-bit groups as blocks of 32 with an fp16 scale, a zero point
 Q5_KM = 101  # trillm's: 5-bit values, a scale and minimum per 16 (Q5_K's kernel type)
 Q4_KM = 102  # trillm's: nibbles, a scale and minimum per 16 (Q3_K's and Q2_K's kernel type)
-QTYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K",
-               Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q4_G: "Q4_G", Q5_KM: "Q5_KM",
-               Q4_KM: "Q4_KM"}  # fmt: skip
+QTYPE_NAMES = {
+    Q4_0: "Q4_0",
+    Q4_1: "Q4_1",
+    Q8_0: "Q8_0",
+    Q2_K: "Q2_K",
+    Q3_K: "Q3_K",
+    Q4_K: "Q4_K",
+    Q5_K: "Q5_K",
+    Q6_K: "Q6_K",
+    Q4_G: "Q4_G",
+    Q5_KM: "Q5_KM",
+    Q4_KM: "Q4_KM",
+}
 # a file type -> the kernel type it is repacked into (the others: itself)
 KERNEL_TYPES = {Q3_K: Q4_KM, Q5_K: Q5_KM, Q2_K: Q4_KM}
 # Bytes of one GGML block: fp16 d (+ fp16 m), then the values.
@@ -58,8 +68,13 @@ def _unpack_kquant(raw: np.ndarray, qtype: int, k: int) -> tuple[np.ndarray, lis
         raise ValueError(f"K={k} is not a multiple of {QK_K} ({QTYPE_NAMES[qtype]} super-blocks)")
     n, ns = raw.shape[0], k // QK_K
     blocks = np.ascontiguousarray(raw).reshape(n, ns, KQUANT_BYTES[qtype])
-    unpack = {Q2_K: _unpack_q2_k, Q3_K: _unpack_q3_k, Q4_K: _unpack_q4_k, Q5_K: _unpack_q5_k,
-              Q6_K: _unpack_q6_k}[qtype]  # fmt: skip
+    unpack = {
+        Q2_K: _unpack_q2_k,
+        Q3_K: _unpack_q3_k,
+        Q4_K: _unpack_q4_k,
+        Q5_K: _unpack_q5_k,
+        Q6_K: _unpack_q6_k,
+    }[qtype]
     return unpack(blocks, n, k)
 
 
@@ -96,8 +111,10 @@ def _unpack_q2_k(blocks: np.ndarray, n: int, k: int) -> tuple[np.ndarray, list[n
     # value 128 h + 32 j + l: 2-bit field j of byte l of half h's qs
     q = ((qs >> _SHIFTS_2BIT.reshape(4, 1)) & 3).reshape(n, k)
     sc = blocks[..., 0:16].reshape(n, k // 16)  # one byte per 16 values: scale low, min high
-    d, dmin = (np.repeat(blocks[..., a : a + 2].copy().view(np.float16).reshape(n, ns), 8, axis=1)
-               for a in (80, 82))  # fmt: skip
+    d, dmin = (
+        np.repeat(blocks[..., a : a + 2].copy().view(np.float16).reshape(n, ns), 8, axis=1)
+        for a in (80, 82)
+    )
     scales, mins = (sc & 0xF).view(np.int8), (sc >> 4).view(np.int8)
     return q, [d, dmin, scales[:, 0::2], scales[:, 1::2], mins[:, 0::2], mins[:, 1::2]]
 

@@ -72,9 +72,12 @@ class PackedWeight:
         panels = ext.num_panels(self.out_features)
         self.data = torch.empty(panels * self.in_features * ext.PANEL, dtype=torch.float32)
         ext.pack(
-            weight.data_ptr(), self.out_features, self.in_features, weight.stride(0),
+            weight.data_ptr(),
+            self.out_features,
+            self.in_features,
+            weight.stride(0),
             self.data.data_ptr(),
-        )  # fmt: skip
+        )
 
 
 def linear(
@@ -98,9 +101,17 @@ def linear(
     bias_ptr = 0 if bias is None else bias.contiguous().data_ptr()
     recording.call(
         ext.linear,
-        rows.data_ptr(), rows.shape[0], k, rows.stride(0), weight.data.data_ptr(), n, bias_ptr,
-        out.data_ptr(), n, torch.get_num_threads(),
-    )  # fmt: skip
+        rows.data_ptr(),
+        rows.shape[0],
+        k,
+        rows.stride(0),
+        weight.data.data_ptr(),
+        n,
+        bias_ptr,
+        out.data_ptr(),
+        n,
+        torch.get_num_threads(),
+    )
     return out.view(*x.shape[:-1], n)
 
 
@@ -182,9 +193,12 @@ class PackedWeightBf16:
         size = ext.packed_size(self.out_features, self.in_features)
         self.data = torch.empty(size, dtype=torch.bfloat16)
         ext.pack(
-            weight.data_ptr(), self.out_features, self.in_features, weight.stride(0),
+            weight.data_ptr(),
+            self.out_features,
+            self.in_features,
+            weight.stride(0),
             self.data.data_ptr(),
-        )  # fmt: skip
+        )
 
 
 _BF16_IO = (torch.float32, torch.bfloat16)
@@ -214,8 +228,17 @@ def linear_bf16(
     out = torch.empty(rows.shape[0], n, dtype=out_dtype)
     recording.call(
         ext.linear,
-        rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
-        weight.data.data_ptr(), n, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-        out_dtype == torch.bfloat16, n, torch.get_num_threads(),
-    )  # fmt: skip
+        rows.data_ptr(),
+        rows.dtype == torch.bfloat16,
+        rows.shape[0],
+        k,
+        rows.stride(0),
+        weight.data.data_ptr(),
+        n,
+        0 if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out_dtype == torch.bfloat16,
+        n,
+        torch.get_num_threads(),
+    )
     return out.view(*x.shape[:-1], n)

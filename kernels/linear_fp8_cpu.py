@@ -48,8 +48,9 @@ class Fp8Weight:
     """A [N, K] weight as e4m3 bytes packed in panels (``data``) and fp32 per-channel scales
     (``scale`` [N]). Made by ``quantize``; the source weight is not kept."""
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, out_features: int,
-                 in_features: int) -> None:  # fmt: skip
+    def __init__(
+        self, data: torch.Tensor, scale: torch.Tensor, out_features: int, in_features: int
+    ) -> None:
         self.data = data  # [panels, K2 / 2, 64, 2] uint8 (K2 = K rounded up to even)
         self.scale = scale  # [N] fp32
         self.out_features = out_features
@@ -108,9 +109,18 @@ def linear_fp8(
     out = torch.empty(rows.shape[0], n, dtype=x.dtype)
     recording.call(
         ext.linear,
-        rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
-        weight.data.data_ptr(), n, weight.scale.data_ptr(),
-        0 if bias is None else bias.contiguous().data_ptr(), out.data_ptr(),
-        out.dtype == torch.bfloat16, n, torch.get_num_threads(),
-    )  # fmt: skip
+        rows.data_ptr(),
+        rows.dtype == torch.bfloat16,
+        rows.shape[0],
+        k,
+        rows.stride(0),
+        weight.data.data_ptr(),
+        n,
+        weight.scale.data_ptr(),
+        0 if bias is None else bias.contiguous().data_ptr(),
+        out.data_ptr(),
+        out.dtype == torch.bfloat16,
+        n,
+        torch.get_num_threads(),
+    )
     return out.view(*x.shape[:-1], n)

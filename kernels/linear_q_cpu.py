@@ -168,8 +168,14 @@ def record_bytes(qtype: int) -> int:
     (then Q4_1's m[16] fp16, Q4_G's z[16] uint8, Q4_K's dmin[16] fp16, sc[16] uint8, mn[16]
     uint8, Q6_K's sc[2][16] int8, or Q4_KM's / Q5_KM's dmin[16] fp16, sc[2][16] int8,
     mn[2][16] int8)."""
-    extra = {Q4_1: 2 * PANEL, Q4_G: PANEL, Q4_K: 4 * PANEL, Q6_K: 2 * PANEL, Q5_KM: 6 * PANEL,
-             Q4_KM: 6 * PANEL}.get(qtype, 0)  # fmt: skip
+    extra = {
+        Q4_1: 2 * PANEL,
+        Q4_G: PANEL,
+        Q4_K: 4 * PANEL,
+        Q6_K: 2 * PANEL,
+        Q5_KM: 6 * PANEL,
+        Q4_KM: 6 * PANEL,
+    }.get(qtype, 0)
     return _values_bytes(qtype) + 2 * PANEL + extra
 
 
@@ -210,8 +216,11 @@ class QuantizedWeight:
             raise ValueError("4-bit groups: values and zero points must be 0..15")
         repeat = k // groups // BLOCK  # blocks of 32 per group
         weight = cls.__new__(cls)
-        weight._set(q.astype(np.uint8), [np.repeat(scales, repeat, axis=1),
-                    np.repeat(zeros.astype(np.uint8), repeat, axis=1)], Q4_G)  # fmt: skip
+        weight._set(
+            q.astype(np.uint8),
+            [np.repeat(scales, repeat, axis=1), np.repeat(zeros.astype(np.uint8), repeat, axis=1)],
+            Q4_G,
+        )
         return weight
 
     @property
@@ -270,8 +279,11 @@ def _pack(q: np.ndarray, params: list[np.ndarray], qtype: int) -> np.ndarray:
         bits = np.ascontiguousarray(high.transpose(0, 2, 3, 1, 4)).reshape(panels, nb, -1, 64)
         parts.append(np.packbits(bits, axis=3, bitorder="little").reshape(panels, nb, -1))
     for s in scales:  # [Np, nb] fp16 or uint8 -> [P, nb, 16 cols] as bytes
-        parts.append(np.ascontiguousarray(s.reshape(panels, PANEL, nb).transpose(0, 2, 1))
-                     .view(np.uint8).reshape(panels, nb, -1))  # fmt: skip
+        parts.append(
+            np.ascontiguousarray(s.reshape(panels, PANEL, nb).transpose(0, 2, 1))
+            .view(np.uint8)
+            .reshape(panels, nb, -1)
+        )
     return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
 
 
@@ -300,8 +312,14 @@ def dequantize(weight: AnyQuantizedWeight, dtype: torch.dtype = torch.float32) -
     d = params[:, :, : 2 * PANEL].contiguous().view(torch.float16).to(torch.float32).unsqueeze(2)
     if qtype in _HALF_MIN:  # (d * sc) * q - dmin * mn for each half block, as gguf_kquants'
         dmin = params[:, :, 2 * PANEL : 4 * PANEL].contiguous().view(torch.float16).float()
-        sc, mn = (params[:, :, a : a + 2 * PANEL].contiguous().view(torch.int8).float()
-                  .view(panels, nb, 2, PANEL) for a in (4 * PANEL, 6 * PANEL))  # fmt: skip
+        sc, mn = (
+            params[:, :, a : a + 2 * PANEL]
+            .contiguous()
+            .view(torch.int8)
+            .float()
+            .view(panels, nb, 2, PANEL)
+            for a in (4 * PANEL, 6 * PANEL)
+        )
         halves = q.view(panels, nb, 2, BLOCK // 2, PANEL)
         dl, ml = d * sc, dmin.unsqueeze(2) * mn  # [P, nb, 2, 16]
         w = (dl.unsqueeze(3) * halves - ml.unsqueeze(3)).view(q.shape)
@@ -364,11 +382,20 @@ def linear(
     for part in parts:  # each part fills its columns of out (row stride n)
         recording.call(
             ext.linear,
-            rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, rows.stride(0),
-            part.data.data_ptr(), part.kernel_type, part.out_features,
+            rows.data_ptr(),
+            rows.dtype == torch.bfloat16,
+            rows.shape[0],
+            k,
+            rows.stride(0),
+            part.data.data_ptr(),
+            part.kernel_type,
+            part.out_features,
             0 if bias is None else bias.data_ptr() + 4 * column,
-            out.data_ptr() + out.element_size() * column, out_dtype == torch.bfloat16, n,
-            torch.get_num_threads(), int8_activations,
-        )  # fmt: skip
+            out.data_ptr() + out.element_size() * column,
+            out_dtype == torch.bfloat16,
+            n,
+            torch.get_num_threads(),
+            int8_activations,
+        )
         column += part.out_features
     return out.view(*x.shape[:-1], n)

@@ -55,8 +55,9 @@ def supports(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor
     )
 
 
-def _check(x: torch.Tensor, y: torch.Tensor | None, stack: torch.Tensor,
-           slots: torch.Tensor) -> None:  # fmt: skip
+def _check(
+    x: torch.Tensor, y: torch.Tensor | None, stack: torch.Tensor, slots: torch.Tensor
+) -> None:
     if slots.dtype != torch.int64 or slots.dim() != 1 or not slots.is_contiguous():
         raise ValueError("slots must be a contiguous 1-D int64 tensor.")
     if slots.shape[0] != x.shape[0]:
@@ -75,17 +76,26 @@ def shrink(
 ) -> torch.Tensor:  # [T, R] fp32
     _check(x, None, a, slots)
     if a.shape[2] != x.shape[1] or scales.shape != (a.shape[0],):
-        raise ValueError(f"a {tuple(a.shape)} / scales {tuple(scales.shape)} do not fit x "
-                         f"{tuple(x.shape)}.")  # fmt: skip
+        raise ValueError(
+            f"a {tuple(a.shape)} / scales {tuple(scales.shape)} do not fit x {tuple(x.shape)}."
+        )
     scales = scales.to(torch.float32).contiguous()
     buf = torch.empty(x.shape[0], a.shape[1], dtype=torch.float32)
     recording.call(
         _require().shrink,
-        buf=buf.data_ptr(), x=x.data_ptr(), ldx=x.stride(0), a=a.data_ptr(),
-        slots=slots.data_ptr(), scales=scales.data_ptr(), num_tokens=x.shape[0],
-        in_features=x.shape[1], rank=a.shape[1], num_slots=a.shape[0], dtype=DTYPES[x.dtype],
+        buf=buf.data_ptr(),
+        x=x.data_ptr(),
+        ldx=x.stride(0),
+        a=a.data_ptr(),
+        slots=slots.data_ptr(),
+        scales=scales.data_ptr(),
+        num_tokens=x.shape[0],
+        in_features=x.shape[1],
+        rank=a.shape[1],
+        num_slots=a.shape[0],
+        dtype=DTYPES[x.dtype],
         num_threads=num_threads(),
-    )  # fmt: skip
+    )
     return buf
 
 
@@ -97,17 +107,25 @@ def expand_(
 ) -> torch.Tensor:
     _check(y, y, bt, slots)
     if bt.shape[2] != y.shape[1] or tuple(buf.shape) != (y.shape[0], bt.shape[1]):
-        raise ValueError(f"bt {tuple(bt.shape)} / buf {tuple(buf.shape)} do not fit y "
-                         f"{tuple(y.shape)}.")  # fmt: skip
+        raise ValueError(
+            f"bt {tuple(bt.shape)} / buf {tuple(buf.shape)} do not fit y {tuple(y.shape)}."
+        )
     if buf.dtype != torch.float32 or not buf.is_contiguous():
         raise ValueError("buf must be a contiguous fp32 tensor (shrink's result).")
     recording.call(
         _require().expand,
-        y=y.data_ptr(), ldy=y.stride(0), buf=buf.data_ptr(), bt=bt.data_ptr(),
-        slots=slots.data_ptr(), num_tokens=y.shape[0], out_features=y.shape[1],
-        rank=bt.shape[1], num_slots=bt.shape[0], dtype=DTYPES[y.dtype],
+        y=y.data_ptr(),
+        ldy=y.stride(0),
+        buf=buf.data_ptr(),
+        bt=bt.data_ptr(),
+        slots=slots.data_ptr(),
+        num_tokens=y.shape[0],
+        out_features=y.shape[1],
+        rank=bt.shape[1],
+        num_slots=bt.shape[0],
+        dtype=DTYPES[y.dtype],
         num_threads=num_threads(),
-    )  # fmt: skip
+    )
     return y
 
 

@@ -24,12 +24,23 @@ BLOCK_M = 16
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, buf_ptr, scales_ptr, tokens_ptr, tile_slot_ptr,
-    num_slots, in_features, rank,
-    stride_xt, stride_al, stride_ar,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    a_ptr,
+    buf_ptr,
+    scales_ptr,
+    tokens_ptr,
+    tile_slot_ptr,
+    num_slots,
+    in_features,
+    rank,
+    stride_xt,
+    stride_al,
+    stride_ar,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
     if slot >= num_slots:  # the base-model tokens' run
@@ -42,8 +53,11 @@ def _shrink_kernel(
     a_base = a_ptr + slot * stride_al
     for k0 in range(0, in_features, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + token[:, None] * stride_xt + ks[None, :],
-                    mask=valid[:, None] & (ks[None, :] < in_features), other=0.0)  # fmt: skip
+        x = tl.load(
+            x_ptr + token[:, None] * stride_xt + ks[None, :],
+            mask=valid[:, None] & (ks[None, :] < in_features),
+            other=0.0,
+        )
         a = tl.load(
             a_base + rs[None, :] * stride_ar + ks[:, None],
             mask=(rs[None, :] < rank) & (ks[:, None] < in_features),
@@ -52,18 +66,31 @@ def _shrink_kernel(
         # fp32 operands: a bf16 value is exact in TF32 too, so TF32 products lose nothing
         acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision=DOT_PRECISION)
     acc = acc * tl.load(scales_ptr + slot)
-    tl.store(buf_ptr + token[:, None] * rank + rs[None, :], acc,
-             mask=valid[:, None] & (rs[None, :] < rank))  # fmt: skip
+    tl.store(
+        buf_ptr + token[:, None] * rank + rs[None, :],
+        acc,
+        mask=valid[:, None] & (rs[None, :] < rank),
+    )
 
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, buf_ptr, bt_ptr, tokens_ptr, tile_slot_ptr,
-    num_slots, out_features, rank,
-    stride_yt, stride_bl, stride_br,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    y_ptr,
+    buf_ptr,
+    bt_ptr,
+    tokens_ptr,
+    tile_slot_ptr,
+    num_slots,
+    out_features,
+    rank,
+    stride_yt,
+    stride_bl,
+    stride_br,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     tile = tl.program_id(0)
     slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
     if slot >= num_slots:
@@ -143,10 +170,23 @@ def shrink(
     x, a = x.contiguous(), a.contiguous()
     scales = scales.to(device=x.device, dtype=torch.float32).contiguous()
     _shrink_kernel[(len(p.tile_slot), triton.cdiv(rank, block_r))](
-        x, a, buf, scales, p.tokens, p.tile_slot, num_slots, in_features, rank,
-        x.stride(0), a.stride(0), a.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_R=block_r, BLOCK_K=block_k, DOT_PRECISION=_precision(x.dtype),
-    )  # fmt: skip
+        x,
+        a,
+        buf,
+        scales,
+        p.tokens,
+        p.tile_slot,
+        num_slots,
+        in_features,
+        rank,
+        x.stride(0),
+        a.stride(0),
+        a.stride(1),
+        BLOCK_M=BLOCK_M,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        DOT_PRECISION=_precision(x.dtype),
+    )
     return buf
 
 
@@ -167,10 +207,22 @@ def expand_(
     p = step_plan or plan(slots, num_slots)
     bt, buf = bt.contiguous(), buf.contiguous()
     _expand_kernel[(len(p.tile_slot), triton.cdiv(out_features, block_n))](
-        y, buf, bt, p.tokens, p.tile_slot, num_slots, out_features, rank,
-        y.stride(0), bt.stride(0), bt.stride(1),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, DOT_PRECISION=_precision(y.dtype),
-    )  # fmt: skip
+        y,
+        buf,
+        bt,
+        p.tokens,
+        p.tile_slot,
+        num_slots,
+        out_features,
+        rank,
+        y.stride(0),
+        bt.stride(0),
+        bt.stride(1),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        DOT_PRECISION=_precision(y.dtype),
+    )
     return y
 
 

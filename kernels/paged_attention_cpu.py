@@ -84,9 +84,11 @@ class PagedAttentionPlan:
     ) -> None:
         ext = _ext()
         for name, t in (
-            ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-            ("block_table", block_table), ("reqs", reqs),
-        ):  # fmt: skip
+            ("query_start_loc", query_start_loc),
+            ("seq_lens", seq_lens),
+            ("block_table", block_table),
+            ("reqs", reqs),
+        ):
             if t is not None:
                 _check_int32(name, t)
         num_reqs = seq_lens.shape[0]
@@ -145,7 +147,8 @@ class PagedAttentionPlan:
         if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
             raise ValueError("out must match q's shape and dtype, contiguous in its last dim.")
         recording.attention(
-            self, self._plan,
+            self,
+            self._plan,
             out=out.data_ptr(),
             q=q.data_ptr(),
             k_cache=kv_cache[0].data_ptr(),
@@ -267,13 +270,25 @@ def causal_prefill(
     assert ext is not None
     recording.call(
         ext.causal_prefill,
-        out=out.data_ptr(), q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
-        segments=segments.data_ptr(), num_segments=segments.shape[0],
-        q_token_stride=q.stride(0), q_head_stride=q.stride(1),
-        k_token_stride=k.stride(0), k_head_stride=k.stride(1),
-        v_token_stride=v.stride(0), v_head_stride=v.stride(1),
-        out_token_stride=out.stride(0), out_head_stride=out.stride(1),
-        num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
-        scale=float(scale), num_threads=num_threads(), dtype=_DTYPES[q.dtype],
-    )  # fmt: skip
+        out=out.data_ptr(),
+        q=q.data_ptr(),
+        k=k.data_ptr(),
+        v=v.data_ptr(),
+        segments=segments.data_ptr(),
+        num_segments=segments.shape[0],
+        q_token_stride=q.stride(0),
+        q_head_stride=q.stride(1),
+        k_token_stride=k.stride(0),
+        k_head_stride=k.stride(1),
+        v_token_stride=v.stride(0),
+        v_head_stride=v.stride(1),
+        out_token_stride=out.stride(0),
+        out_head_stride=out.stride(1),
+        num_heads=q.shape[1],
+        num_kv_heads=k.shape[1],
+        head_dim=q.shape[2],
+        scale=float(scale),
+        num_threads=num_threads(),
+        dtype=_DTYPES[q.dtype],
+    )
     return out

@@ -41,17 +41,43 @@ _KV_TILE_ELEMS = 4096
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_table_ptr, query_start_ptr, seq_lens_ptr, tile_req_ptr, tile_start_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
-    scale_log2, split_size, num_heads, window, softcap,
-    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    block_table_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    tile_req_ptr,
+    tile_start_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    scale_log2,
+    split_size,
+    num_heads,
+    window,
+    softcap,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)  # this program's share of the K/V positions (split-KV)
@@ -72,8 +98,9 @@ def _paged_attention_kernel(
     io_mask = row_mask[:, None] & dim_mask[None, :]
     q = tl.load(
         q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=io_mask, other=0.0,
-    )  # [BLOCK_M, HEAD_DIM_PAD]  # fmt: skip
+        mask=io_mask,
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM_PAD]
     q_pos = context_len + q_idx  # [BLOCK_M] absolute position of each row
 
     # NOTE: m_i starts finite so a row with every key masked (padding rows, or a split past the
@@ -118,8 +145,9 @@ def _paged_attention_kernel(
     if NUM_SPLITS == 1:
         tl.store(
             out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-            out.to(out_ptr.dtype.element_ty), mask=io_mask,
-        )  # fmt: skip
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_mask,
+        )
     else:
         # partials: out [T, Hq, NUM_SPLITS, HEAD_DIM_PAD] and lse [T, Hq, NUM_SPLITS], fp32,
         # log2 domain; a split that saw no key gets lse = -inf (weight 0 in the merge)
@@ -131,10 +159,17 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-):  # fmt: skip
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
     """One program per (token, query head): the softmax-weighted sum of the split partials."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -149,8 +184,9 @@ def _merge_splits_kernel(
     out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + dims,
-        out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM,
-    )  # fmt: skip
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
 def runs_interpreted() -> bool:
@@ -244,30 +280,66 @@ def paged_attention(
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         split_size = cdiv(max_seq_len, num_splits * block_n) * block_n
-        part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim_pad,
-                               dtype=torch.float32, device=q.device)  # fmt: skip
-        part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
-                               device=q.device)  # fmt: skip
+        part_out = torch.empty(
+            num_tokens, num_heads, num_splits, head_dim_pad, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device
+        )
     else:
         split_size = 2**31 - block_n  # one split covering every position
         part_out = part_lse = out  # not written
     k_cache, v_cache = kv_cache[0], kv_cache[1]  # [num_blocks, block_size, Hkv, D]
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse,
-        block_table, query_start_loc, seq_lens, schedule.tile_req, schedule.tile_start,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-        scale * math.log2(math.e), split_size, num_heads, window or 0, float(softcap or 1.0),
-        WINDOWED=window is not None, SOFTCAP=softcap is not None,
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=schedule.block_q, BLOCK_M=block_m,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_lse,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        schedule.tile_req,
+        schedule.tile_start,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_table.stride(0),
+        scale * math.log2(math.e),
+        split_size,
+        num_heads,
+        window or 0,
+        float(softcap or 1.0),
+        WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=schedule.block_q,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        PAGE_SIZE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if block_m >= 64 else 4,
-    )  # fmt: skip
+    )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        )  # fmt: skip
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+        )
     return out

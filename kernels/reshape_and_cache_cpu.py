@@ -65,9 +65,15 @@ def reshape_and_cache(
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     recording.call(
         require().reshape_and_cache,
-        k=rows(k), v=rows(v), key_cache=kv_cache[0].data_ptr(),
-        value_cache=kv_cache[1].data_ptr(), slot_mapping=slot_mapping.data_ptr(),
-        num_tokens=k.shape[0], head_dim=k.shape[2], num_slots=num_slots,
-        dtype=DTYPES[k.dtype], num_threads=num_threads(),
+        k=rows(k),
+        v=rows(v),
+        key_cache=kv_cache[0].data_ptr(),
+        value_cache=kv_cache[1].data_ptr(),
+        slot_mapping=slot_mapping.data_ptr(),
+        num_tokens=k.shape[0],
+        head_dim=k.shape[2],
+        num_slots=num_slots,
+        dtype=DTYPES[k.dtype],
+        num_threads=num_threads(),
         cache_fp8=kv_cache.dtype == torch.float8_e4m3fn,
-    )  # fmt: skip
+    )

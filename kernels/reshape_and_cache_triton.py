@@ -12,12 +12,22 @@ import triton.language as tl
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cache_slot, stride_cache_h,
-    num_kv_heads, head_dim,
-    BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_slot,
+    stride_cache_h,
+    num_kv_heads,
+    head_dim,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # a negative slot marks a padding row
@@ -49,10 +59,19 @@ def reshape_and_cache(
     if k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
         raise ValueError("reshape_and_cache needs the block and offset dims of the cache dense.")
     _reshape_and_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2),
-        num_kv_heads, head_dim,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_kv_heads,
+        head_dim,
         BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-    )  # fmt: skip
+    )

@@ -60,9 +60,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)  # x's layout when dense, else contiguous
     recording.call(
         require().rms_norm,
-        out=rows(out), x=rows(x), weight=weight.data_ptr(), num_rows=x.numel() // hidden,
-        hidden=hidden, eps=eps, dtype=DTYPES[x.dtype], num_threads=num_threads(),
-    )  # fmt: skip
+        out=rows(out),
+        x=rows(x),
+        weight=weight.data_ptr(),
+        num_rows=x.numel() // hidden,
+        hidden=hidden,
+        eps=eps,
+        dtype=DTYPES[x.dtype],
+        num_threads=num_threads(),
+    )
     return out
 
 
@@ -74,7 +80,12 @@ def fused_add_rms_norm_(
     hidden = _check(x, weight, residual)
     recording.call(
         require().fused_add_rms_norm,
-        x=rows(x), residual=rows(residual), weight=weight.data_ptr(),
-        num_rows=x.numel() // hidden, hidden=hidden, eps=eps, dtype=DTYPES[x.dtype],
+        x=rows(x),
+        residual=rows(residual),
+        weight=weight.data_ptr(),
+        num_rows=x.numel() // hidden,
+        hidden=hidden,
+        eps=eps,
+        dtype=DTYPES[x.dtype],
         num_threads=num_threads(),
-    )  # fmt: skip
+    )

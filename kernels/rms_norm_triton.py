@@ -53,13 +53,21 @@ def _launch(x, residual, weight, eps):
     block_h = triton.next_power_of_2(hidden)
     if num_rows > 0:
         _rms_norm_kernel[(num_rows,)](
-            x2, res2, out, new_res, weight,
-            x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
-            hidden, eps,
+            x2,
+            res2,
+            out,
+            new_res,
+            weight,
+            x2.stride(0),
+            res2.stride(0),
+            out.stride(0),
+            new_res.stride(0),
+            hidden,
+            eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK_H=block_h,
             num_warps=min(max(block_h // 512, 1), 16),  # about 16 elements per thread
-        )  # fmt: skip
+        )
     return out.view(x.shape), new_res.view(x.shape)
 
 

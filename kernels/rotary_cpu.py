@@ -70,8 +70,15 @@ def apply_rotary_(
     positions = positions.to(torch.int64).contiguous()
     recording.call(
         require().rotary,
-        q=rows(q), k=rows(k), positions=positions.data_ptr(),
-        cos_sin_cache=cos_sin_cache.data_ptr(), num_tokens=num_tokens, head_dim=head_dim,
-        rotary_dim=rotary_dim, max_pos=cos_sin_cache.shape[0],
-        cache_stride=cos_sin_cache.stride(0), dtype=DTYPES[q.dtype], num_threads=num_threads(),
-    )  # fmt: skip
+        q=rows(q),
+        k=rows(k),
+        positions=positions.data_ptr(),
+        cos_sin_cache=cos_sin_cache.data_ptr(),
+        num_tokens=num_tokens,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        max_pos=cos_sin_cache.shape[0],
+        cache_stride=cos_sin_cache.stride(0),
+        dtype=DTYPES[q.dtype],
+        num_threads=num_threads(),
+    )

@@ -13,9 +13,17 @@ import triton.language as tl
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, stride_t, stride_h, token, num_heads, cos, sin,
-    HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    stride_t,
+    stride_h,
+    token,
+    num_heads,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (dims < HALF)
@@ -28,12 +36,22 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, pos_ptr, cache_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
-    num_q_heads, num_k_heads,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cache,
+    num_q_heads,
+    num_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)
@@ -42,10 +60,12 @@ def _rotary_kernel(
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + dims, mask=dmask, other=0.0)
     cos = cos[None, :]
     sin = sin.to(tl.float32)[None, :]
-    _rotate_heads(q_ptr, stride_qt, stride_qh, token, num_q_heads, cos, sin,
-                  HALF, BLOCK_QH, BLOCK_HALF)  # fmt: skip
-    _rotate_heads(k_ptr, stride_kt, stride_kh, token, num_k_heads, cos, sin,
-                  HALF, BLOCK_KH, BLOCK_HALF)  # fmt: skip
+    _rotate_heads(
+        q_ptr, stride_qt, stride_qh, token, num_q_heads, cos, sin, HALF, BLOCK_QH, BLOCK_HALF
+    )
+    _rotate_heads(
+        k_ptr, stride_kt, stride_kh, token, num_k_heads, cos, sin, HALF, BLOCK_KH, BLOCK_HALF
+    )
 
 
 def apply_rotary_(
@@ -68,14 +88,22 @@ def apply_rotary_(
     if num_tokens == 0:
         return
     _rotary_kernel[(num_tokens,)](
-        q, k, positions, cos_sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        num_q_heads, k.shape[1],
+        q,
+        k,
+        positions,
+        cos_sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_sin_cache.stride(0),
+        num_q_heads,
+        k.shape[1],
         HALF=rotary_dim // 2,
         BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
         BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-    )  # fmt: skip
+    )
 
 
 def apply_rotary(

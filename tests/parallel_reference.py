@@ -23,9 +23,12 @@ LIMITS = {"max_model_len": 256, "kv_cache_memory": "16MiB"}
 # on every projection (the row-parallel biases must be added once), 4099 vocabulary rows (the
 # last rank's shard is padded) and tied embeddings (the vocabulary shard is the head's too).
 SHARDED_LLAMA: dict[str, Any] = {
-    "num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True, "vocab_size": 4099,
+    "num_key_value_heads": 1,
+    "attention_bias": True,
+    "mlp_bias": True,
+    "vocab_size": 4099,
     "tie_word_embeddings": True,
-}  # fmt: skip
+}
 
 _tokens: dict[tuple, list[list[int]]] = {}
 
@@ -50,8 +53,9 @@ def reference_tokens(
 
 def limit_flags(limits: dict[str, Any] = LIMITS) -> list[str]:
     """``limits`` as ``trillm serve`` flags."""
-    return [arg for name, value in limits.items()
-            for arg in ("--" + name.replace("_", "-"), str(value))]  # fmt: skip
+    return [
+        arg for name, value in limits.items() for arg in ("--" + name.replace("_", "-"), str(value))
+    ]
 
 
 def http_greedy_tokens(
@@ -60,8 +64,13 @@ def http_greedy_tokens(
     """Greedy tokens of each prompt from a server's /v1/completions (``base_url``: its /v1)."""
     got = []
     for prompt in prompts:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         r = httpx.post(base_url + "/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         got.append(r.json()["choices"][0]["token_ids"])

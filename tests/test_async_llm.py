@@ -24,9 +24,12 @@ LONG = SamplingParams(max_tokens=1500, ignore_eos=True)  # ends after 7 s at the
 @pytest.fixture(scope="module")
 def fake_llm(tiny_model_factory):
     llm = AsyncLLM(
-        tiny_model_factory("llama"), runner=FAKE_RUNNER, runner_kwargs={"step_sleep_s": 0.005},
-        max_model_len=2048, max_num_seqs=64,
-    )  # fmt: skip
+        tiny_model_factory("llama"),
+        runner=FAKE_RUNNER,
+        runner_kwargs={"step_sleep_s": 0.005},
+        max_model_len=2048,
+        max_num_seqs=64,
+    )
     yield llm
     llm.shutdown()
 
@@ -124,8 +127,9 @@ def test_concurrent_asyncio_readers(fake_llm):
     vocab = fake_llm.engine.model_config.vocab_size
 
     async def one(i: int) -> list[int]:
-        params = SamplingParams(max_tokens=5 + i % 4, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=5 + i % 4, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
         tokens: list[int] = []
         async for out in fake_llm.generate({"prompt_token_ids": [3, i]}, params, f"q{i}"):
             tokens.extend(out.outputs[0].token_ids)
@@ -151,9 +155,11 @@ def test_open_engine_under_asyncio_points_to_async_llm():
 def test_engine_failure_reaches_the_reader_and_shutdown_leaves_nothing(tiny_model_factory):
     before = _engine_threads()
     llm = AsyncLLM(
-        tiny_model_factory("llama"), runner=FAKE_RUNNER, runner_kwargs={"step_sleep_s": 0.005},
+        tiny_model_factory("llama"),
+        runner=FAKE_RUNNER,
+        runner_kwargs={"step_sleep_s": 0.005},
         max_model_len=2048,
-    )  # fmt: skip
+    )
     pids = list(llm.engine.executors[0].worker_pids)
     assert pids and _engine_threads() - before == {llm._thread.thread}
 
@@ -185,9 +191,11 @@ def test_engine_failure_reaches_the_reader_and_shutdown_leaves_nothing(tiny_mode
 def test_shutdown_ends_a_waiting_reader(tiny_model_factory):
     before = _engine_threads()
     llm = AsyncLLM(
-        tiny_model_factory("llama"), runner=FAKE_RUNNER, runner_kwargs={"step_sleep_s": 0.005},
+        tiny_model_factory("llama"),
+        runner=FAKE_RUNNER,
+        runner_kwargs={"step_sleep_s": 0.005},
         max_model_len=2048,
-    )  # fmt: skip
+    )
     pids = list(llm.engine.executors[0].worker_pids)
 
     async def main() -> None:

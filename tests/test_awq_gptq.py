@@ -44,8 +44,9 @@ def checkpoints(tmp_path_factory):
     out = {}
     for key, (arch, method, group, sym) in CASES.items():
         hf = build_tiny_model(arch, tmp_path_factory.mktemp(f"hf-{arch}"))
-        out[key] = packer.write_tiny_group_quantized(hf, tmp_path_factory.mktemp(key), method,
-                                                     group, sym)  # fmt: skip
+        out[key] = packer.write_tiny_group_quantized(
+            hf, tmp_path_factory.mktemp(key), method, group, sym
+        )
     return out
 
 
@@ -89,16 +90,24 @@ def _q4g(n, k, group, seed):
     return weight, torch.from_numpy(ref)
 
 
-@pytest.mark.parametrize(("m", "n", "k", "group"), [
-    (1, 8, 64, 32), (3, 40, 128, 64), (5, 33, 96, -1), (16, 72, 256, 128), (131, 96, 576, 64),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group"),
+    [
+        (1, 8, 64, 32),
+        (3, 40, 128, 64),
+        (5, 33, 96, -1),
+        (16, 72, 256, 128),
+        (131, 96, 576, 64),
+    ],
+)
 def test_q4g_kernel_matches_dequantize_then_matmul(m, n, k, group):
     weight, w = _q4g(n, k, group, seed=m + n)
     assert torch.equal(linear_q_cpu.dequantize(weight), w)  # the packed layout is exact
     gen = torch.Generator().manual_seed(m)
     x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
-    torch.testing.assert_close(linear_q_cpu.linear(x, weight, b), F.linear(x, w, b),
-                               atol=2e-4 * k**0.5, rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(
+        linear_q_cpu.linear(x, weight, b), F.linear(x, w, b), atol=2e-4 * k**0.5, rtol=1e-4
+    )
     got = linear_q_cpu.linear(x.to(torch.bfloat16), weight, out_dtype=torch.bfloat16)
     ref = F.linear(x.to(torch.bfloat16).float(), w).to(torch.bfloat16)
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
@@ -109,8 +118,7 @@ def test_q4g_portable_path_without_extensions(monkeypatch):
     assert not linear_q_cpu.available()
     weight, w = _q4g(20, 64, 32, seed=1)
     x = torch.randn(3, 64)
-    torch.testing.assert_close(linear_q_cpu.linear(x, weight), F.linear(x, w), atol=1e-4,
-                               rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(linear_q_cpu.linear(x, weight), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("key", list(CASES))
@@ -118,8 +126,13 @@ def test_greedy_output_equals_transformers_on_the_dequantized_weights(checkpoint
     quantized, reference = checkpoints[key]
     tok = AutoTokenizer.from_pretrained(str(reference))
     ids = [tok(p).input_ids for p in PROMPTS]
-    llm = LLM(str(quantized), dtype="float32", max_model_len=128, kv_cache_memory="8MiB",
-              distributed_executor_backend="uni")  # fmt: skip
+    llm = LLM(
+        str(quantized),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory="8MiB",
+        distributed_executor_backend="uni",
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
@@ -137,11 +150,14 @@ def test_pp2_matches_pp1_on_a_quantized_checkpoint(checkpoints, key):
     limits = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory": "8MiB"}
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     got = {}
-    for name, parallel in (("pp1", {"distributed_executor_backend": "uni"}),
-                           ("pp2", {"pipeline_parallel_size": 2})):  # fmt: skip
+    for name, parallel in (
+        ("pp1", {"distributed_executor_backend": "uni"}),
+        ("pp2", {"pipeline_parallel_size": 2}),
+    ):
         with LLM(str(quantized), **limits, **parallel) as llm:
-            got[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params,
-                                                                      use_tqdm=False)]  # fmt: skip
+            got[name] = [
+                o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)
+            ]
     assert got["pp2"] == got["pp1"]
     assert all(len(set(t)) > 1 for t in got["pp1"]), got  # not one repeated token
 
@@ -152,8 +168,12 @@ def test_quantized_layers_hold_only_their_groups(checkpoints):
     assert cfg.quantization == "gptq"
     model = build_model(cfg, None, "cpu")
     layer = model.model.layers[1]
-    for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                   layer.mlp.down_proj):  # fmt: skip
+    for module in (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    ):
         assert module.weight.numel() == 0
         assert module.quantized_weight.qtype == linear_q_cpu.Q4_G
         assert module.quantized_weight.nbytes < module.out_features * module.in_features
@@ -169,10 +189,15 @@ def _with_config(src, dst, **changes):
     return str(dst)
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"bits": 8}, "bits=8"), ({"desc_act": True}, "desc_act=true"),
-    ({"group_size": 16}, "group_size=16"), ({"checkpoint_format": "marlin"}, "'marlin'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"bits": 8}, "bits=8"),
+        ({"desc_act": True}, "desc_act=true"),
+        ({"group_size": 16}, "group_size=16"),
+        ({"checkpoint_format": "marlin"}, "'marlin'"),
+    ],
+)
 def test_what_the_kernel_cannot_run_is_refused_by_name(checkpoints, tmp_path, changes, message):
     folder = _with_config(checkpoints["gptq"][0], tmp_path / "m", **changes)
     with pytest.raises(UnsupportedQuantizationError, match=message):
@@ -224,8 +249,9 @@ def _greedy_and_top1(folder, monkeypatch, int8_min_rows):
     llm = LLM(str(folder), dtype="float32", **SMALL)
     try:
         greedy = llm.generate(TEXTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
-        scored = llm.generate([TEXT], SamplingParams(temperature=0, max_tokens=1,
-                                                     prompt_logprobs=1), use_tqdm=False)  # fmt: skip
+        scored = llm.generate(
+            [TEXT], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False
+        )
     finally:
         llm.shutdown()
     top1 = [min(d, key=lambda t: d[t].rank) for d in scored[0].prompt_logprobs[1:]]

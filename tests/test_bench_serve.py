@@ -168,10 +168,22 @@ def load(path: Path) -> dict:
 
 def common_args(url: str, out: Path, n: int, out_len: int, name: str = "r.json") -> list[str]:
     return [
-        "--base-url", url, "--num-prompts", str(n), "--random-input-len", "16",
-        "--random-output-len", str(out_len), "--result-dir", str(out), "--result-filename", name,
-        "--save-result", "--save-detailed", "--disable-tqdm",
-    ]  # fmt: skip
+        "--base-url",
+        url,
+        "--num-prompts",
+        str(n),
+        "--random-input-len",
+        "16",
+        "--random-output-len",
+        str(out_len),
+        "--result-dir",
+        str(out),
+        "--result-filename",
+        name,
+        "--save-result",
+        "--save-detailed",
+        "--disable-tqdm",
+    ]
 
 
 @pytest.mark.parametrize("http_client", ["h11", "httpx"])
@@ -265,11 +277,27 @@ def test_chat_sweep_goodput_and_plot(tmp_path: Path) -> None:
     args = common_args("", tmp_path, 4, 3, name="sweep.json")[2:]
     with StubServer() as stub:
         proc = run_bench(
-            ["--base-url", stub.url, "--backend", "openai-chat", *args,
-             "--tokenizer", str(REPO / "trillm" / "default_model"), "--request-rate", "10,inf",
-             "--goodput", "ttft:100000", "e2el:1", "--metric-percentiles", "50,99",
-             "--percentile-metrics", "ttft,tpot,itl,e2el", "--plot", str(png)]
-        )  # fmt: skip
+            [
+                "--base-url",
+                stub.url,
+                "--backend",
+                "openai-chat",
+                *args,
+                "--tokenizer",
+                str(REPO / "trillm" / "default_model"),
+                "--request-rate",
+                "10,inf",
+                "--goodput",
+                "ttft:100000",
+                "e2el:1",
+                "--metric-percentiles",
+                "50,99",
+                "--percentile-metrics",
+                "ttft,tpot,itl,e2el",
+                "--plot",
+                str(png),
+            ]
+        )
         chat_bodies = [b for b in stub.bodies if "messages" in b]
     assert proc.returncode == 0, proc.stderr
     assert len(chat_bodies) == 1 + 2 * 4
@@ -360,8 +388,11 @@ def test_sigint_reports_and_saves_completed_requests(tmp_path: Path) -> None:
         args = [*common_args(stub.url, tmp_path, 40, 10, name="int.json"), "--request-rate", "4"]
         proc = subprocess.Popen(
             [sys.executable, "-m", "trillm.bench", "serve", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bench_env(),
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=bench_env(),
+        )
         # Wait until the benchmark has been running long enough for some requests to finish.
         deadline = time.monotonic() + 60
         while len(stub.bodies) < 8 and time.monotonic() < deadline:
@@ -383,9 +414,16 @@ def test_sigint_reports_and_saves_completed_requests(tmp_path: Path) -> None:
 def trillm_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_factory):
     model = Path(tiny_model_factory("llama"))
     args = [
-        str(model), "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
-        "--served-model-name", "tiny",
-    ]  # fmt: skip
+        str(model),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "64MiB",
+        "--served-model-name",
+        "tiny",
+    ]
     server = ServerProcess(args, tmp_path_factory.mktemp("trillm_serve") / "server.log")
     server.start(timeout=240)
     try:
@@ -429,10 +467,23 @@ def test_real_server_takes_the_vllm_request_flags(trillm_server, tmp_path: Path)
     # request ids, penalties and min_p, --extra-body (ignore_eos: exact output lengths).
     url, _ = trillm_server
     args = common_args(url, tmp_path, 3, 4) + [
-        "--num-warmups", "2", "--request-id-prefix", "real-", "--min-p", "0.05",
-        "--repetition-penalty", "1.1", "--frequency-penalty", "0.1", "--presence-penalty", "0.1",
-        "--extra-body", '{"ignore_eos": true}', "--metadata", "run=ci",
-    ]  # fmt: skip
+        "--num-warmups",
+        "2",
+        "--request-id-prefix",
+        "real-",
+        "--min-p",
+        "0.05",
+        "--repetition-penalty",
+        "1.1",
+        "--frequency-penalty",
+        "0.1",
+        "--presence-penalty",
+        "0.1",
+        "--extra-body",
+        '{"ignore_eos": true}',
+        "--metadata",
+        "run=ci",
+    ]
     proc = run_bench(args, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = load(tmp_path / "r.json")

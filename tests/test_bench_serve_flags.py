@@ -73,8 +73,10 @@ def test_vllm_flag_count_and_the_refused_ones():
     honoured = [f for f in VLLM_FLAGS if f in ours and f not in REFUSED]
     missing = [f for f in VLLM_FLAGS if f not in ours]
     refused = [f for f in VLLM_FLAGS if f in REFUSED]
-    print(f"vllm bench serve flags honoured: {len(honoured)}/{len(VLLM_FLAGS)}; "
-          f"refused: {refused}; missing: {missing}")  # fmt: skip
+    print(
+        f"vllm bench serve flags honoured: {len(honoured)}/{len(VLLM_FLAGS)}; "
+        f"refused: {refused}; missing: {missing}"
+    )
     assert len(VLLM_FLAGS) == 86 and len(set(VLLM_FLAGS)) == 86
     assert not missing  # every one is honoured or refused with a reason
     assert len(honoured) >= 69
@@ -83,15 +85,43 @@ def test_vllm_flag_count_and_the_refused_ones():
 def test_request_shaping_flags_reach_every_body(tmp_path: Path) -> None:
     n = 4
     with StubServer(models=(MODEL, "lora-a", "lora-b")) as stub:
-        proc = run_bench([
-            *common_args(stub.url, tmp_path, n, 2), "--header", "X-Team=ml", "Y=2",
-            "--extra-body", '{"foo": 1, "temperature": 0.5}', "--request-id-prefix", "rq-",
-            "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--temperature", "0.7",
-            "--frequency-penalty", "0.2", "--presence-penalty", "0.3",
-            "--repetition-penalty", "1.1", "--logprobs", "2", "--num-warmups", "3",
-            "--lora-modules", "lora-a", "lora-b", "--lora-assignment", "round-robin",
-            "--max-concurrency", "1",
-        ])  # fmt: skip
+        proc = run_bench(
+            [
+                *common_args(stub.url, tmp_path, n, 2),
+                "--header",
+                "X-Team=ml",
+                "Y=2",
+                "--extra-body",
+                '{"foo": 1, "temperature": 0.5}',
+                "--request-id-prefix",
+                "rq-",
+                "--top-p",
+                "0.9",
+                "--top-k",
+                "5",
+                "--min-p",
+                "0.1",
+                "--temperature",
+                "0.7",
+                "--frequency-penalty",
+                "0.2",
+                "--presence-penalty",
+                "0.3",
+                "--repetition-penalty",
+                "1.1",
+                "--logprobs",
+                "2",
+                "--num-warmups",
+                "3",
+                "--lora-modules",
+                "lora-a",
+                "lora-b",
+                "--lora-assignment",
+                "round-robin",
+                "--max-concurrency",
+                "1",
+            ]
+        )
         bodies, headers = stub.bodies, stub.headers
     assert proc.returncode == 0, proc.stderr
     assert len(bodies) == 1 + 3 + n  # the test request, --num-warmups, the benchmark
@@ -104,7 +134,10 @@ def test_request_shaping_flags_reach_every_body(tmp_path: Path) -> None:
     for b in bodies:
         assert (b["top_p"], b["top_k"], b["min_p"]) == (0.9, 5, 0.1)
         assert (b["frequency_penalty"], b["presence_penalty"], b["repetition_penalty"]) == (
-            0.2, 0.3, 1.1)  # fmt: skip
+            0.2,
+            0.3,
+            1.1,
+        )
         assert b["temperature"] == 0.5 and b["foo"] == 1  # --extra-body is merged last
         assert b["logprobs"] == 2
     by_id = {b["request_id"]: b["model"] for b in timed}
@@ -113,11 +146,22 @@ def test_request_shaping_flags_reach_every_body(tmp_path: Path) -> None:
 
 def test_chat_logprobs_and_random_lora_choice(tmp_path: Path) -> None:
     with StubServer(models=("x", "y")) as stub:
-        proc = run_bench([
-            *common_args(stub.url, tmp_path, 12, 2), "--backend", "openai-chat",
-            "--tokenizer", TOKENIZER, "--logprobs", "3", "--lora-modules", "x", "y",
-            "--model", "x",
-        ])  # fmt: skip
+        proc = run_bench(
+            [
+                *common_args(stub.url, tmp_path, 12, 2),
+                "--backend",
+                "openai-chat",
+                "--tokenizer",
+                TOKENIZER,
+                "--logprobs",
+                "3",
+                "--lora-modules",
+                "x",
+                "y",
+                "--model",
+                "x",
+            ]
+        )
         bodies = stub.bodies
     assert proc.returncode == 0, proc.stderr
     assert all(b["logprobs"] is True and b["top_logprobs"] == 3 for b in bodies)
@@ -150,36 +194,89 @@ def test_ramp_up_schedule_and_its_checks(tmp_path: Path, capsys) -> None:
     with StubServer() as stub:
         args = common_args(stub.url, tmp_path, 6, 2)
         args = args[: args.index("--result-filename")] + args[args.index("--save-result") :]
-        proc = run_bench([*args, "--ramp-up-strategy", "linear", "--ramp-up-start-rps", "5",
-                          "--ramp-up-end-rps", "50"])  # fmt: skip
+        proc = run_bench(
+            [
+                *args,
+                "--ramp-up-strategy",
+                "linear",
+                "--ramp-up-start-rps",
+                "5",
+                "--ramp-up-end-rps",
+                "50",
+            ]
+        )
     assert proc.returncode == 0, proc.stderr
     (path,) = tmp_path.glob("openai-ramp-up-linear-5qps-50qps-*.json")
     r = load(path)
     assert (r["ramp_up_strategy"], r["ramp_up_start_rps"], r["ramp_up_end_rps"]) == (
-        "linear", 5, 50)  # fmt: skip
+        "linear",
+        5,
+        50,
+    )
     for bad, message in (
         (["--ramp-up-strategy", "linear"], "needs --ramp-up-start-rps"),
-        (["--ramp-up-strategy", "linear", "--ramp-up-start-rps", "1", "--ramp-up-end-rps", "2",
-          "--request-rate", "3"], "remove --request-rate"),
-        (["--ramp-up-strategy", "exponential", "--ramp-up-start-rps", "0",
-          "--ramp-up-end-rps", "2"], "cannot start at 0"),
+        (
+            [
+                "--ramp-up-strategy",
+                "linear",
+                "--ramp-up-start-rps",
+                "1",
+                "--ramp-up-end-rps",
+                "2",
+                "--request-rate",
+                "3",
+            ],
+            "remove --request-rate",
+        ),
+        (
+            [
+                "--ramp-up-strategy",
+                "exponential",
+                "--ramp-up-start-rps",
+                "0",
+                "--ramp-up-end-rps",
+                "2",
+            ],
+            "cannot start at 0",
+        ),
         (["--ramp-up-start-rps", "1"], "need --ramp-up-strategy"),
-    ):  # fmt: skip
+    ):
         assert message in parse_error(bad, capsys)
 
 
 def test_result_files_label_metadata_append_and_detail(tmp_path: Path, capsys) -> None:
     with StubServer() as stub:
-        base = ["--base-url", stub.url, "--num-prompts", "2", "--random-input-len", "4",
-                "--random-output-len", "2", "--result-dir", str(tmp_path), "--disable-tqdm"]  # fmt: skip
+        base = [
+            "--base-url",
+            stub.url,
+            "--num-prompts",
+            "2",
+            "--random-input-len",
+            "4",
+            "--random-output-len",
+            "2",
+            "--result-dir",
+            str(tmp_path),
+            "--disable-tqdm",
+        ]
         proc = run_bench([*base, "--save-result", "--label", "mylab"])
         assert proc.returncode == 0, proc.stderr
         (labelled,) = tmp_path.glob("mylab-infqps-*.json")
         r = load(labelled)
         assert r["label"] == "mylab" and "ttfts" not in r and "errors" not in r  # no detail
         for _ in range(2):
-            proc = run_bench([*base, "--result-filename", "runs.jsonl", "--append-result",
-                              "--metadata", "version=0.3", "tp=1", "--save-detailed"])  # fmt: skip
+            proc = run_bench(
+                [
+                    *base,
+                    "--result-filename",
+                    "runs.jsonl",
+                    "--append-result",
+                    "--metadata",
+                    "version=0.3",
+                    "tp=1",
+                    "--save-detailed",
+                ]
+            )
             assert proc.returncode == 0, proc.stderr
     from trillm.bench.results_io import load_json_lines
 
@@ -199,14 +296,31 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 def test_custom_dataset_template_output_len_shuffle_and_oversample(tmp_path: Path) -> None:
     prompts = [f"Question number {i}: what is {i} plus {i}?" for i in range(3)]
     data = _write_jsonl(tmp_path / "c.jsonl", [{"prompt": p} for p in prompts])
-    custom = ["--dataset-name", "custom", "--dataset-path", str(data), "--tokenizer", TOKENIZER,
-              "--custom-output-len", "7", "--max-concurrency", "1"]  # fmt: skip
+    custom = [
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(data),
+        "--tokenizer",
+        TOKENIZER,
+        "--custom-output-len",
+        "7",
+        "--max-concurrency",
+        "1",
+    ]
     with StubServer() as stub:
         proc = run_bench([*common_args(stub.url, tmp_path, 5, 2), *custom])
         oversampled = stub.bodies[1:]
         stub.bodies.clear()
-        proc2 = run_bench([*common_args(stub.url, tmp_path, 2, 2), *custom, "--no-oversample",
-                           "--disable-shuffle", "--skip-chat-template"])  # fmt: skip
+        proc2 = run_bench(
+            [
+                *common_args(stub.url, tmp_path, 2, 2),
+                *custom,
+                "--no-oversample",
+                "--disable-shuffle",
+                "--skip-chat-template",
+            ]
+        )
         plain = stub.bodies[1:]
     assert proc.returncode == 0 and proc2.returncode == 0, proc.stderr + proc2.stderr
     assert len(oversampled) == 5 and {b["max_tokens"] for b in oversampled} == {7}
@@ -227,20 +341,50 @@ def test_hf_dataset_files_on_disk(tmp_path: Path) -> None:
     ]
     _write_jsonl(root / "sub" / "train-00000.jsonl", train)
     _write_jsonl(root / "sub" / "test-00000.jsonl", [conv("A test question here?", "Yes.")])
-    hf = ["--dataset-name", "hf", "--dataset-path", str(root), "--tokenizer", TOKENIZER,
-          "--hf-subset", "sub", "--hf-split", "train", "--no-oversample"]  # fmt: skip
+    hf = [
+        "--dataset-name",
+        "hf",
+        "--dataset-path",
+        str(root),
+        "--tokenizer",
+        TOKENIZER,
+        "--hf-subset",
+        "sub",
+        "--hf-split",
+        "train",
+        "--no-oversample",
+    ]
     with StubServer() as stub:
-        proc = run_bench([*common_args(stub.url, tmp_path, 10, 2), *hf, "--hf-output-len", "4",
-                          "--hf-name", "Aeala/ShareGPT_Vicuna_unfiltered"])  # fmt: skip
+        proc = run_bench(
+            [
+                *common_args(stub.url, tmp_path, 10, 2),
+                *hf,
+                "--hf-output-len",
+                "4",
+                "--hf-name",
+                "Aeala/ShareGPT_Vicuna_unfiltered",
+            ]
+        )
         bodies = stub.bodies[1:]
     assert proc.returncode == 0, proc.stderr
-    assert sorted(b["prompt"] for b in bodies) == sorted(c["conversations"][0]["value"]
-                                                         for c in train)  # fmt: skip
+    assert sorted(b["prompt"] for b in bodies) == sorted(
+        c["conversations"][0]["value"] for c in train
+    )
     assert {b["max_tokens"] for b in bodies} == {4}
     proc = run_bench(["--base-url", "http://127.0.0.1:1", *hf, "--hf-name", "org/other"])
     assert proc.returncode == 1 and "only the ShareGPT-format" in proc.stderr
-    proc = run_bench(["--base-url", "http://127.0.0.1:1", "--dataset-name", "hf",
-                      "--dataset-path", "org/remote", "--tokenizer", TOKENIZER])  # fmt: skip
+    proc = run_bench(
+        [
+            "--base-url",
+            "http://127.0.0.1:1",
+            "--dataset-name",
+            "hf",
+            "--dataset-path",
+            "org/remote",
+            "--tokenizer",
+            TOKENIZER,
+        ]
+    )
     assert proc.returncode == 1 and "files on disk only" in proc.stderr
 
 
@@ -248,14 +392,20 @@ def test_timeline_and_dataset_stats_plots(tmp_path: Path, capsys) -> None:
     from trillm.bench.metrics import RequestResult
     from trillm.bench.timeline import COLORS, PREFILL_COLOR, timeline_segments
 
-    r = RequestResult(prompt_len=1, start_time=10.0, success=True, ttft=0.1,
-                      itl=[0.01, 0.03, 0.08])  # fmt: skip
+    r = RequestResult(prompt_len=1, start_time=10.0, success=True, ttft=0.1, itl=[0.01, 0.03, 0.08])
     (row,) = timeline_segments([r], 10.0, (25.0, 50.0))
     assert [color for *_, color in row] == [PREFILL_COLOR, *COLORS]
     assert row[-1][1] == pytest.approx(0.1 + 0.12)
     with StubServer() as stub:
-        proc = run_bench([*common_args(stub.url, tmp_path, 3, 3), "--plot-timeline",
-                          "--timeline-itl-thresholds", "1,2", "--plot-dataset-stats"])  # fmt: skip
+        proc = run_bench(
+            [
+                *common_args(stub.url, tmp_path, 3, 3),
+                "--plot-timeline",
+                "--timeline-itl-thresholds",
+                "1,2",
+                "--plot-dataset-stats",
+            ]
+        )
     assert proc.returncode == 0, proc.stderr
     page = (tmp_path / "r_timeline.html").read_text()
     assert page.count("<rect") == 3 * 3  # per request: the first-token wait and 2 gaps
@@ -296,8 +446,11 @@ def test_ready_check_waits_for_the_server(tmp_path: Path) -> None:
     args = common_args(f"http://127.0.0.1:{port}", tmp_path, 2, 2)
     proc = subprocess.Popen(
         [sys.executable, "-m", "trillm.bench", "serve", *args, "--ready-check-timeout-sec", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=bench_env(),
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=bench_env(),
+    )
     time.sleep(3.0)  # the benchmark is polling a port nobody listens on yet
     assert proc.poll() is None
     with StubServer(port=port):
@@ -308,12 +461,27 @@ def test_ready_check_waits_for_the_server(tmp_path: Path) -> None:
 
 def test_skip_tokenizer_init_and_tokenizer_mode(tmp_path: Path) -> None:
     with StubServer() as stub:
-        proc = run_bench([*common_args(stub.url, tmp_path, 2, 2), "--model", TOKENIZER,
-                          "--served-model-name", MODEL])  # fmt: skip
+        proc = run_bench(
+            [
+                *common_args(stub.url, tmp_path, 2, 2),
+                "--model",
+                TOKENIZER,
+                "--served-model-name",
+                MODEL,
+            ]
+        )
         with_tok = stub.bodies[1:]
         stub.bodies.clear()
-        proc2 = run_bench([*common_args(stub.url, tmp_path, 2, 2), "--model", TOKENIZER,
-                           "--served-model-name", MODEL, "--skip-tokenizer-init"])  # fmt: skip
+        proc2 = run_bench(
+            [
+                *common_args(stub.url, tmp_path, 2, 2),
+                "--model",
+                TOKENIZER,
+                "--served-model-name",
+                MODEL,
+                "--skip-tokenizer-init",
+            ]
+        )
         without = stub.bodies[1:]
     assert proc.returncode == 0 and proc2.returncode == 0, proc.stderr + proc2.stderr
     assert all(isinstance(b["prompt"], str) for b in with_tok)  # the tokenizer makes text

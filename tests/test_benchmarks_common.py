@@ -70,8 +70,12 @@ def test_profile_summary_self_inclusive_and_processes(tmp_path: Path) -> None:
 
 def test_overhead_summary_uses_full_batch_steps_only() -> None:
     # (start, step_time_s, model_time_s, num_outputs): a prefill of 2, then decodes of 4.
-    records = [(0.0, 0.5, 0.4, 2), (1.0, 0.003, 0.001, 4), (1.01, 0.005, 0.001, 4),
-               (1.03, 0.004, 0.002, 4)]  # fmt: skip
+    records = [
+        (0.0, 0.5, 0.4, 2),
+        (1.0, 0.003, 0.001, 4),
+        (1.01, 0.005, 0.001, 4),
+        (1.03, 0.004, 0.002, 4),
+    ]
     s = engine_overhead.summarize(records, batch=4, tokens=12, wall=2.0)
     # The last full step has no next step to measure its period, so two steady steps remain.
     assert s["steady_steps"] == 2

@@ -37,9 +37,13 @@ def _hf_eager(q, keys, values, context_len):
     mask.masked_fill_(torch.arange(s)[None, :] > q_pos, torch.finfo(q.dtype).min)
     module = SimpleNamespace(num_key_value_groups=HQ // HKV, training=False)
     out, _ = eager_attention_forward(
-        module, q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
-        values.transpose(0, 1)[None], mask[None, None], SCALE,
-    )  # fmt: skip  # [1, Lq, Hq, D]
+        module,
+        q.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        mask[None, None],
+        SCALE,
+    )  # [1, Lq, Hq, D]
     return out[0]
 
 
@@ -90,9 +94,7 @@ def _requests(context_lens, query_lens, seed=0):
 CASES = [([20, 70, 5], [1, 1, 1]), ([0, 0], [37, 9]), ([0, 30, 12], [20, 1, 7])]
 
 
-@pytest.mark.parametrize(
-    "context_lens,query_lens", CASES, ids=["decode", "fresh-prompts", "mixed"]
-)  # fmt: skip
+@pytest.mark.parametrize("context_lens,query_lens", CASES, ids=["decode", "fresh-prompts", "mixed"])
 def test_bf16_attention_equals_transformers_eager_bit_for_bit(context_lens, query_lens):
     """Through the CPU backend (decode rows, fresh bf16 prompts, later chunks; both kernel
     paths, one-row and tiled): the output equals transformers' ``eager_attention_forward`` to

@@ -68,10 +68,18 @@ def scheduler_outputs(draw) -> SchedulerOutput:
     new = draw(
         st.lists(
             st.builds(
-                NewRequestData, req_id, ids, ids, sampling_params(), ids, st.integers(0, 10**6),
-                st.none() | st.builds(LoRARequest, req_id, st.integers(1, 2**31), st.just("/a"),
-                                      st.none() | req_id),
-            ),  # fmt: skip
+                NewRequestData,
+                req_id,
+                ids,
+                ids,
+                sampling_params(),
+                ids,
+                st.integers(0, 10**6),
+                st.none()
+                | st.builds(
+                    LoRARequest, req_id, st.integers(1, 2**31), st.just("/a"), st.none() | req_id
+                ),
+            ),
             max_size=3,
         )
     )
@@ -196,7 +204,10 @@ def test_encode_rejects_foreign_objects():
         (msgpack.packb({"a": 1}), r"expected \[tag, ...\], got dict"),
         (msgpack.packb([]), r"expected \[tag, ...\]"),
         (msgpack.packb([99, 1]), "unknown message tag 99"),
-        (msgpack.packb([0, 1, 2]), "Malformed SchedulerOutput: expected a list of 10 fields, got 3"),
+        (
+            msgpack.packb([0, 1, 2]),
+            "Malformed SchedulerOutput: expected a list of 10 fields, got 3",
+        ),
         (msgpack.packb([2, 1, [], [], {}, {}, 0.0]), "Malformed ModelRunnerOutput"),
         (
             msgpack.packb(
@@ -204,7 +215,10 @@ def test_encode_rejects_foreign_objects():
             ),
             "Malformed SamplingParams",
         ),
-        (msgpack.packb([2, 1, [], [], {"r": [1, 2]}, {}, 0.0, None, {}, {}, {}]), "Malformed LogprobsLists"),
+        (
+            msgpack.packb([2, 1, [], [], {"r": [1, 2]}, {}, 0.0, None, {}, {}, {}]),
+            "Malformed LogprobsLists",
+        ),
         (msgpack.packb([3, {"model": 1}, "x", {}]), "Malformed frame for tag 3"),
     ],
 )

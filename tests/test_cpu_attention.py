@@ -16,9 +16,17 @@ pytestmark = pytest.mark.skipif(
 
 
 def _problem(
-    query_lens, seq_lens, *, heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
-    seed=0, fused_qkv=True,
-):  # fmt: skip
+    query_lens,
+    seq_lens,
+    *,
+    heads=8,
+    kv_heads=2,
+    head_dim=64,
+    block_size=16,
+    dtype=torch.float32,
+    seed=0,
+    fused_qkv=True,
+):
     g = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_needed) + 3
@@ -70,12 +78,14 @@ def test_matches_reference(case, heads, kv_heads, head_dim):
     _check(*_problem(query_lens, seq_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim))
 
 
-@pytest.mark.parametrize("window,softcap", [(1, None), (5, None), (70, None), (None, 0.8),
-                                            (33, 2.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "window,softcap", [(1, None), (5, None), (70, None), (None, 0.8), (33, 2.0)]
+)
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 1, 128), (12, 4, 80)])
-def test_sliding_window_and_softcap_match_reference(case, heads, kv_heads, head_dim, window,
-                                                     softcap):  # fmt: skip
+def test_sliding_window_and_softcap_match_reference(
+    case, heads, kv_heads, head_dim, window, softcap
+):
     # head_dim 64 / 128 take the one-row decode kernel for decode rows, 80 the generic tile
     query_lens, seq_lens = CASES[case]
     problem = _problem(query_lens, seq_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
@@ -84,8 +94,9 @@ def test_sliding_window_and_softcap_match_reference(case, heads, kv_heads, head_
 
 def test_sliding_window_bfloat16_and_fresh_prompts():
     # context 0 (a fresh prompt read back from the cache) spanning several windows
-    _check(*_problem([1, 40, 1], [70, 40, 5], dtype=torch.bfloat16), window=9, softcap=1.5,
-           atol=1e-2)  # fmt: skip
+    _check(
+        *_problem([1, 40, 1], [70, 40, 5], dtype=torch.bfloat16), window=9, softcap=1.5, atol=1e-2
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))

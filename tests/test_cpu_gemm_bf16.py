@@ -268,9 +268,13 @@ def _hf_bf16_greedy(model, prompt_ids: list[int], max_new_tokens: int):
     from transformers import GenerationConfig
 
     config = GenerationConfig(
-        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
-        output_logits=True, return_dict_in_generate=True,
-    )  # fmt: skip
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]),
@@ -300,9 +304,12 @@ def test_default_model_in_bf16_matches_transformers_bf16(monkeypatch):
     monkeypatch.setattr(linear_cpu, "linear_bf16", counted)
     n = 24
     engine = LLM(
-        None, dtype="bfloat16", max_model_len=256, kv_cache_memory="8MiB",
+        None,
+        dtype="bfloat16",
+        max_model_len=256,
+        kv_cache_memory="8MiB",
         distributed_executor_backend="uni",
-    )  # fmt: skip
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
         outs = engine.generate(PROMPTS, params, use_tqdm=False)

@@ -168,8 +168,25 @@ def test_silu_and_mul_matches_torch(dtype, width):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_extremes_strided_rows_and_out(dtype):
-    values = [0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 87.5, -87.5, 88.5, -88.5, 89.5, -89.5,
-              200.0, -200.0, float("inf"), float("-inf"), float("nan")]  # fmt: skip
+    values = [
+        0.0,
+        -0.0,
+        1e-30,
+        -1e-30,
+        20.0,
+        -20.0,
+        87.5,
+        -87.5,
+        88.5,
+        -88.5,
+        89.5,
+        -89.5,
+        200.0,
+        -200.0,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+    ]
     gate = torch.tensor(values)
     gate_up = torch.cat([gate, torch.full_like(gate, 1.5)])[None].to(dtype)  # [1, gate | up]
     expected = activation_torch.silu_and_mul(gate_up)
@@ -202,9 +219,9 @@ def test_results_do_not_depend_on_the_thread_count(dtype, monkeypatch):
         rms_norm_cpu.fused_add_rms_norm_(xs, rs, w, EPS)
         _, q, k = _fused_qkv(rows, 8, 4, 64, dtype, seed=23)
         rotary_cpu.apply_rotary_(q, k, positions, _cache(64, 500))
-        results.append([
-            rms_norm_cpu.rms_norm(x, w, EPS), xs, rs, q, k, activation_cpu.silu_and_mul(gate_up)
-        ])  # fmt: skip
+        results.append(
+            [rms_norm_cpu.rms_norm(x, w, EPS), xs, rs, q, k, activation_cpu.silu_and_mul(gate_up)]
+        )
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 

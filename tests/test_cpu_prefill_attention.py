@@ -38,9 +38,13 @@ def _reference(q, k, v, segments, scale):
     for start, n in segments.tolist():
         rows = slice(start, start + n)
         o = F.scaled_dot_product_attention(
-            q[rows].double().transpose(0, 1), k[rows].double().transpose(0, 1),
-            v[rows].double().transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True,
-        )  # fmt: skip
+            q[rows].double().transpose(0, 1),
+            k[rows].double().transpose(0, 1),
+            v[rows].double().transpose(0, 1),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
         out[rows] = o.transpose(0, 1)
     return out
 
@@ -110,8 +114,9 @@ def test_unsupported_inputs_are_refused():
     assert not paged_attention_cpu.prefill_supports(q8, k8, v8)
     assert not paged_attention_cpu.prefill_supports(q, k[:, :3], v[:, :3])  # 8 % 3 != 0
     with pytest.raises(ValueError, match="unsupported"):
-        paged_attention_cpu.causal_prefill(q.double(), k.double(), v.double(), segments, 1.0,
-                                           out.double())  # fmt: skip
+        paged_attention_cpu.causal_prefill(
+            q.double(), k.double(), v.double(), segments, 1.0, out.double()
+        )
     with pytest.raises(ValueError, match="outside"):
         bad = torch.tensor([[5, q.shape[0]]], dtype=torch.int32)
         paged_attention_cpu.causal_prefill(q, k, v, bad, 1.0, out)

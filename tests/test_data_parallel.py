@@ -171,10 +171,19 @@ def test_data_parallel_size_below_one_is_refused(llama):
 def server(llama, tmp_path_factory):
     log = tmp_path_factory.mktemp("dp-server") / "server.log"
     srv = ServerProcess(
-        [llama, "--data-parallel-size", "2", "-tp", "2", "--max-model-len", "256",
-         "--kv-cache-memory", "16MiB"],
+        [
+            llama,
+            "--data-parallel-size",
+            "2",
+            "-tp",
+            "2",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory",
+            "16MiB",
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     if srv.proc.poll() is None:
         srv.stop()
@@ -186,8 +195,11 @@ def _metrics(server) -> dict:
 
 
 def _per_engine(fams: dict, name: str, sample: str | None = None) -> dict[str, float]:
-    return {s.labels["engine"]: s.value for s in fams[name].samples
-            if s.name == (sample or name) and "engine" in s.labels}  # fmt: skip
+    return {
+        s.labels["engine"]: s.value
+        for s in fams[name].samples
+        if s.name == (sample or name) and "engine" in s.labels
+    }
 
 
 def _stream_in_flight(server, prompts: list[str], max_tokens: int = 120) -> list:
@@ -207,11 +219,17 @@ def test_http_dp2_tp2_matches_dp1_token_for_token(server, dp1_tokens):
 
 
 REQUEST_HISTOGRAMS = (
-    "e2e_request_latency_seconds", "time_to_first_token_seconds", "request_queue_time_seconds",
-    "request_prefill_time_seconds", "request_inference_time_seconds",
-    "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens",
-    "request_params_n", "request_params_max_tokens",
-)  # fmt: skip
+    "e2e_request_latency_seconds",
+    "time_to_first_token_seconds",
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_inference_time_seconds",
+    "request_decode_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "request_params_n",
+    "request_params_max_tokens",
+)
 
 
 def _successes(fams: dict) -> dict[str, float]:
@@ -243,20 +261,31 @@ def test_metrics_label_each_engine_and_show_the_spread(server):
     assert sum(served.values()) == 4, served
     for hist in REQUEST_HISTOGRAMS:
         name = "vllm:" + hist
-        counts = _grown(_per_engine(before, name, name + "_count"),
-                        _per_engine(fams, name, name + "_count"))  # fmt: skip
+        counts = _grown(
+            _per_engine(before, name, name + "_count"), _per_engine(fams, name, name + "_count")
+        )
         assert counts == served, (hist, counts, served)
     for counter in ("vllm:generation_tokens", "trillm:generation_tokens"):
-        tokens = _grown(_per_engine(before, counter, counter + "_total"),
-                        _per_engine(fams, counter, counter + "_total"))  # fmt: skip
+        tokens = _grown(
+            _per_engine(before, counter, counter + "_total"),
+            _per_engine(fams, counter, counter + "_total"),
+        )
         assert tokens == {e: 120 * n for e, n in served.items()}, (counter, tokens)
     steps = _per_engine(fams, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_count")
     assert steps["0"] > steps0.get("0", 0) and steps["1"] > steps0.get("1", 0), (steps0, steps)
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries",
-                 "vllm:num_preemptions", "trillm:num_requests_running"):  # fmt: skip
-        assert set(_per_engine(fams, name, name + "_total" if "queries" in name
-                               or "preempt" in name else None)) == {"0", "1"}, name  # fmt: skip
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries",
+        "vllm:num_preemptions",
+        "trillm:num_requests_running",
+    ):
+        assert set(
+            _per_engine(
+                fams, name, name + "_total" if "queries" in name or "preempt" in name else None
+            )
+        ) == {"0", "1"}, name
     info = _per_engine(fams, "vllm:cache_config_info")
     assert set(info) == {"0", "1"}
     running = _per_engine(fams, "vllm:num_requests_running")
@@ -309,7 +338,9 @@ def test_killed_worker_of_core_1_stops_the_server_cleanly(server):
     os.kill(workers[1, 1], signal.SIGKILL)
     for sock in socks:
         tail = read_until(sock, b"[DONE]")
-        assert b"ServiceUnavailableError" in tail and b"rank 1 of engine core 1" in tail, tail[-400:]
+        assert b"ServiceUnavailableError" in tail and b"rank 1 of engine core 1" in tail, tail[
+            -400:
+        ]
     try:
         assert httpx.get(server.url + "/health", timeout=5).status_code == 503
     except httpx.ConnectError:
@@ -367,7 +398,10 @@ def test_more_engine_cores_than_gpus_are_refused(llama, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     args = EngineArgs(llama, data_parallel_size=2, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"data_parallel_size=2 x tensor_parallel_size=2 x pipeline_parallel_size=1 needs 4 GPUs"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_parallel_size=2 x tensor_parallel_size=2 x pipeline_parallel_size=1 needs 4 GPUs",
+    ):
         config_builder._check_data_parallel(args, "cuda")
     config_builder._check_data_parallel(EngineArgs(llama, data_parallel_size=3), "cuda")  # fits
     uni = EngineArgs(llama, data_parallel_size=2, distributed_executor_backend="uni")
@@ -382,12 +416,19 @@ def test_stats_line_says_its_figures_cover_every_core():
     from trillm.entrypoints.openai.stats_logger import StatsLine
     from trillm.messages import SchedulerStats
 
-    per_core = [SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5),
-                SchedulerStats(num_running_reqs=1, num_waiting_reqs=4)]  # fmt: skip
+    per_core = [
+        SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5),
+        SchedulerStats(num_running_reqs=1, num_waiting_reqs=4),
+    ]
     from trillm.engine.dp_router import sum_stats
 
-    engine = SimpleNamespace(get_stats=lambda: sum_stats(per_core), data_parallel_size=2,
-                             get_engine_stats=lambda: per_core, model_config=None, config=None)  # fmt: skip
+    engine = SimpleNamespace(
+        get_stats=lambda: sum_stats(per_core),
+        data_parallel_size=2,
+        get_engine_stats=lambda: per_core,
+        model_config=None,
+        config=None,
+    )
     metrics = ServerMetrics(engine, "m")
     _, message = StatsLine(engine, metrics, now=0.0).line(10.0)
     assert message.startswith("Engines 000-001: ")

@@ -48,8 +48,24 @@ def build_sentencepiece_style(decoder: str = "llama") -> Tokenizer:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for b in range(256):
         vocab[f"<0x{b:02X}>"] = len(vocab)
-    pieces = ["▁", "▁▁", "▁hello", "hello", "▁world", "a", "b", "x▁y", "你", "▁你好", "世界",
-              "🙂", "▁🚀", "é", "▁naïve", "."]  # fmt: skip
+    pieces = [
+        "▁",
+        "▁▁",
+        "▁hello",
+        "hello",
+        "▁world",
+        "a",
+        "b",
+        "x▁y",
+        "你",
+        "▁你好",
+        "世界",
+        "🙂",
+        "▁🚀",
+        "é",
+        "▁naïve",
+        ".",
+    ]
     for piece in pieces:
         vocab[piece] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
@@ -61,7 +77,7 @@ def build_sentencepiece_style(decoder: str = "llama") -> Tokenizer:
                 decoders.ByteFallback(),
                 decoders.Fuse(),
                 decoders.Strip(" ", 1, 0),
-            ]  # fmt: skip
+            ]
         )
     else:
         tok.decoder = decoders.Metaspace()
@@ -307,8 +323,10 @@ def test_a_surrogate_lead_is_final_at_once(hf_tokenizer, sp_tokenizer, impl, fol
     """ED A1 (a UTF-16 surrogate's lead) can never become valid: both twins emit two U+FFFD
     at once (CPython's incremental decoder alone would wait for a third byte), byte-level and
     byte-fallback alike, and the whole text still equals the tokenizer's decode."""
-    byte_level = {b: hf_tokenizer.convert_tokens_to_ids(c) for b, c in
-                  ((0xED, "í"), (0xA1, "¡"), (0x80, "Ā"), (0x41, "A"))}  # fmt: skip
+    byte_level = {
+        b: hf_tokenizer.convert_tokens_to_ids(c)
+        for b, c in ((0xED, "í"), (0xA1, "¡"), (0x80, "Ā"), (0x41, "A"))
+    }
     fallback = {b: sp_tokenizer.token_to_id(f"<0x{b:02X}>") for b in (0xED, 0xA1, 0x80, 0x41)}
     for tok, ids in ((hf_tokenizer, byte_level), (sp_tokenizer, fallback)):
         detok = new_detok(tok, impl, False)

@@ -117,8 +117,9 @@ def test_step_token_counts_and_first_scheduled_times(model_path):
     request's first P1 between its arrival and its first token."""
 
     async def main():
-        async with open_engine(model_path, runner=FAKE_RUNNER, max_num_seqs=4,
-                               enable_prefix_caching=False) as engine:  # fmt: skip
+        async with open_engine(
+            model_path, runner=FAKE_RUNNER, max_num_seqs=4, enable_prefix_caching=False
+        ) as engine:
             steps: list[int] = []
             engine.step_observers.append(lambda n, _engine: steps.append(n))
             finals = {}
@@ -126,7 +127,9 @@ def test_step_token_counts_and_first_scheduled_times(model_path):
             async def one(i):
                 prompt = list(range(10 + 20 * i, 10 + 20 * i + 3 + i))
                 params = SamplingParams(max_tokens=4 + i, ignore_eos=True)
-                async with engine.generate({"prompt_token_ids": prompt}, params, f"s{i}") as outputs:
+                async with engine.generate(
+                    {"prompt_token_ids": prompt}, params, f"s{i}"
+                ) as outputs:
                     async for out in outputs:
                         pass
                 finals[i] = (len(prompt), out)

@@ -15,8 +15,13 @@ from trillm import envs
 
 ROOT = Path(__file__).resolve().parent.parent
 # Read for what they are, not as trillm's settings (docs/environment.md says why).
-NOT_SETTINGS = {"PYTHONPATH", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "HF_HUB_CACHE",
-                "OPENAI_API_KEY"}  # fmt: skip
+NOT_SETTINGS = {
+    "PYTHONPATH",
+    "OMP_NUM_THREADS",
+    "GLOO_SOCKET_IFNAME",
+    "HF_HUB_CACHE",
+    "OPENAI_API_KEY",
+}
 
 
 def _environment_reads(tree: ast.AST) -> list[str]:
@@ -118,7 +123,13 @@ def test_trillm_wins_over_vllm(monkeypatch):
 
 def test_serve_refuses_a_bad_value_at_start_up():
     env = {**os.environ, "TRILLM_CPU_ATTENTION_THREADS": "lots", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "trillm", "serve"], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "trillm", "serve"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert "TRILLM_CPU_ATTENTION_THREADS must be a whole number > 0; got 'lots'" in out.stderr

@@ -95,9 +95,13 @@ class Driver:
                 cached.num_computed_tokens.append(self.computed[r])
             num_sched[r] = n
         return SchedulerOutput(
-            self.step_id, new, cached, num_sched, sum(num_sched.values()),
+            self.step_id,
+            new,
+            cached,
+            num_sched,
+            sum(num_sched.values()),
             wait_for_bitmask=wait_for_bitmask,
-        )  # fmt: skip
+        )
 
     def update(self, sched: SchedulerOutput, out) -> None:
         assert out.step_id == sched.step_id

@@ -110,10 +110,18 @@ def all_keys() -> frozenset[str]:
 
 def test_the_walk_finds_the_request_models_and_the_flags():
     keys = all_keys()
-    for key in ("ChatCompletionRequest.messages", "CompletionRequest.prompt",
-                "StreamOptions.include_usage", "NamedFunction.name", "TextPart.text",
-                "StructuredOutputsParams.regex", "EngineArgs.block_size", "--block-size",
-                "MODEL", "--enable-prefix-caching"):  # fmt: skip
+    for key in (
+        "ChatCompletionRequest.messages",
+        "CompletionRequest.prompt",
+        "StreamOptions.include_usage",
+        "NamedFunction.name",
+        "TextPart.text",
+        "StructuredOutputsParams.regex",
+        "EngineArgs.block_size",
+        "--block-size",
+        "MODEL",
+        "--enable-prefix-caching",
+    ):
         assert key in keys, key
 
 

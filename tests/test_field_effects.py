@@ -57,8 +57,13 @@ def gen(srv: ServerProcess, endpoint: str, **fields) -> dict:
     out = full(srv, endpoint, **fields)
     choice = out["choices"][0]
     text = choice["text"] if endpoint == "completions" else choice["message"]["content"]
-    return {"text": text, "ids": choice.get("token_ids"), "finish": choice["finish_reason"],
-            "choice": choice, "raw": out}  # fmt: skip
+    return {
+        "text": text,
+        "ids": choice.get("token_ids"),
+        "finish": choice["finish_reason"],
+        "choice": choice,
+        "raw": out,
+    }
 
 
 def refused(srv: ServerProcess, endpoint: str, param: str, **fields) -> str:
@@ -167,8 +172,9 @@ def test_stop_strings_and_include_stop_str_in_output(server, endpoint):
     assert stop.strip()
     cut = gen(server, endpoint, max_tokens=16, ignore_eos=True, stop=[stop])
     assert cut["text"] == text[: text.find(stop)] and cut["finish"] == "stop"
-    kept = gen(server, endpoint, max_tokens=16, ignore_eos=True, stop=stop,
-               include_stop_str_in_output=True)  # fmt: skip
+    kept = gen(
+        server, endpoint, max_tokens=16, ignore_eos=True, stop=stop, include_stop_str_in_output=True
+    )
     assert kept["text"] == text[: text.find(stop) + len(stop)]
 
 
@@ -246,8 +252,11 @@ def test_truncate_prompt_tokens(server, endpoint):
     assert out["usage"]["prompt_tokens"] == 3 and prompt_ids == whole_ids[-3:]
     # a prompt longer than the context is served once truncated (refused without)
     long = PROMPT * 60
-    fields = {"prompt": long} if endpoint == "completions" else {
-        "messages": [{"role": "user", "content": long}]}  # fmt: skip
+    fields = (
+        {"prompt": long}
+        if endpoint == "completions"
+        else {"messages": [{"role": "user", "content": long}]}
+    )
     refused(server, endpoint, "", max_tokens=2, **fields)
     kept = full(server, endpoint, max_tokens=2, truncate_prompt_tokens=16, **fields)
     assert kept["usage"]["prompt_tokens"] == 16
@@ -313,12 +322,18 @@ def test_stream_and_stream_options(server, endpoint):
     events = stream_events(server, endpoint, max_tokens=6, ignore_eos=True)
     assert len(events) > 1 and "".join(chunk_text(endpoint, e) for e in events) == whole
     assert not any(e.get("usage") for e in events)
-    usage = stream_events(server, endpoint, max_tokens=6, ignore_eos=True,
-                          stream_options={"include_usage": True})  # fmt: skip
+    usage = stream_events(
+        server, endpoint, max_tokens=6, ignore_eos=True, stream_options={"include_usage": True}
+    )
     assert usage[-1]["usage"]["completion_tokens"] == 6 and usage[-1]["choices"] == []
     assert not any(e.get("usage") for e in usage[:-1])
-    every = stream_events(server, endpoint, max_tokens=6, ignore_eos=True,
-                          stream_options={"include_usage": True, "continuous_usage_stats": True})  # fmt: skip
+    every = stream_events(
+        server,
+        endpoint,
+        max_tokens=6,
+        ignore_eos=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     with_text = [e for e in every if chunk_text(endpoint, e)]
     assert with_text and all(e.get("usage") for e in with_text)
     counts = [e["usage"]["completion_tokens"] for e in with_text]
@@ -328,8 +343,12 @@ def test_stream_and_stream_options(server, endpoint):
 
 # ---------------------------------------------------------------- structured outputs
 
-DIGIT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-         "required": ["n"], "additionalProperties": False}  # fmt: skip
+DIGIT = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
 TIGHT = {"structured_outputs": {"disable_any_whitespace": True}}  # no room for endless spaces
 CLOSE = {"logit_bias": {"95": 30}}  # 95: "}"
 
@@ -341,35 +360,72 @@ def _is_digit_object(text: str) -> bool:
 
 # (fields, check on the text): each kind, in every spelling a request can use.
 STRUCTURED = {
-    "structured_outputs.choice": ({"structured_outputs": {"choice": ["alpha", "beta"]}},
-                                  lambda t: t in ("alpha", "beta")),
+    "structured_outputs.choice": (
+        {"structured_outputs": {"choice": ["alpha", "beta"]}},
+        lambda t: t in ("alpha", "beta"),
+    ),
     "guided_choice": ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
-    "structured_outputs.regex": ({"structured_outputs": {"regex": "[ab]{4}x"}},
-                                 lambda t: re.fullmatch("[ab]{4}x", t)),
+    "structured_outputs.regex": (
+        {"structured_outputs": {"regex": "[ab]{4}x"}},
+        lambda t: re.fullmatch("[ab]{4}x", t),
+    ),
     "guided_regex": ({"guided_regex": "[ab]{4}x"}, lambda t: re.fullmatch("[ab]{4}x", t)),
-    "structured_outputs.grammar": ({"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}},
-                                   lambda t: t in ("yes", "no")),
+    "structured_outputs.grammar": (
+        {"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}},
+        lambda t: t in ("yes", "no"),
+    ),
     "guided_grammar": ({"guided_grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
-    "structured_outputs.json": ({"structured_outputs": {"json": DIGIT,
-                                                        "disable_any_whitespace": True}},
-                                _is_digit_object),
+    "structured_outputs.json": (
+        {"structured_outputs": {"json": DIGIT, "disable_any_whitespace": True}},
+        _is_digit_object,
+    ),
     "guided_json": ({"guided_json": DIGIT, **TIGHT}, _is_digit_object),
-    "response_format.json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "digit", "schema": DIGIT, "strict": True}}, **TIGHT}, _is_digit_object),
+    "response_format.json_schema": (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "digit", "schema": DIGIT, "strict": True},
+            },
+            **TIGHT,
+        },
+        _is_digit_object,
+    ),
     # Any object: the random model would write keys forever, so '}' is favoured (outside the
     # grammar that bias alone gives "}}}}", not an object).
-    "response_format.json_object": ({"response_format": {"type": "json_object"}, **CLOSE},
-                                    lambda t: json.loads(t) == {}),
-    "structured_outputs.json_object": ({"structured_outputs": {"json_object": True}, **CLOSE},
-                                       lambda t: json.loads(t) == {}),
-    "response_format.structural_tag": ({"response_format": {"type": "structural_tag", "format": {
-        "type": "tag", "begin": "<n>", "content": {"type": "json_schema", "json_schema": {
-            "enum": [1, 2, 3]}}, "end": "</n>"}}},
-        lambda t: re.fullmatch("<n>[123]</n>", t)),
-    "structured_outputs.structural_tag": ({"structured_outputs": {"structural_tag": {
-        "type": "structural_tag", "format": {"type": "const_string", "value": "fixed"}}}},
-        lambda t: t == "fixed"),
-}  # fmt: skip
+    "response_format.json_object": (
+        {"response_format": {"type": "json_object"}, **CLOSE},
+        lambda t: json.loads(t) == {},
+    ),
+    "structured_outputs.json_object": (
+        {"structured_outputs": {"json_object": True}, **CLOSE},
+        lambda t: json.loads(t) == {},
+    ),
+    "response_format.structural_tag": (
+        {
+            "response_format": {
+                "type": "structural_tag",
+                "format": {
+                    "type": "tag",
+                    "begin": "<n>",
+                    "content": {"type": "json_schema", "json_schema": {"enum": [1, 2, 3]}},
+                    "end": "</n>",
+                },
+            }
+        },
+        lambda t: re.fullmatch("<n>[123]</n>", t),
+    ),
+    "structured_outputs.structural_tag": (
+        {
+            "structured_outputs": {
+                "structural_tag": {
+                    "type": "structural_tag",
+                    "format": {"type": "const_string", "value": "fixed"},
+                }
+            }
+        },
+        lambda t: t == "fixed",
+    ),
+}
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
@@ -393,8 +449,11 @@ def valid_text(check, text: str) -> bool:
 def test_structural_tag_structures_and_triggers(server):
     """The older structural_tag form: free text until a trigger; after one, its structure.
     The random model writes "<" only when made to (token 30 favoured)."""
-    tag = {"type": "structural_tag", "triggers": ["<"],
-           "structures": [{"begin": "<n>", "schema": {"enum": [1, 2]}, "end": "</n>"}]}  # fmt: skip
+    tag = {
+        "type": "structural_tag",
+        "triggers": ["<"],
+        "structures": [{"begin": "<n>", "schema": {"enum": [1, 2]}, "end": "</n>"}],
+    }
     lt = {"logit_bias": {"30": 30}, "max_tokens": 24}
     assert gen(server, "chat", **lt)["text"].startswith("<<<")  # the bias alone
     out = gen(server, "chat", response_format=tag, **lt)["text"]
@@ -407,8 +466,9 @@ def test_structural_tag_structures_and_triggers(server):
     bad = {**tag, "structures": [{"begin": "<n>", "schema": {"type": "nope"}, "end": "</n>"}]}
     # NOTE: compile errors name structured_outputs.structural_tag, the kind it maps to.
     assert "nope" in refused(server, "chat", "structural_tag", response_format=bad)
-    assert "structures" in refused(server, "chat", "response_format",
-                                   response_format={"type": "structural_tag"})  # fmt: skip
+    assert "structures" in refused(
+        server, "chat", "response_format", response_format={"type": "structural_tag"}
+    )
 
 
 # ---------------------------------------------------------------- chat rendering
@@ -423,23 +483,46 @@ SHOW_ALL = (
     "{%- for d in documents or [] %}{{ d | tojson }}{%- endfor %}{{ flavour }}"
     "{%- if add_generation_prompt %}GO{%- endif %}"
 )
-TOOL = {"type": "function", "function": {"name": "get_time", "description": "Now.",
-        "parameters": {"type": "object", "properties": {}}, "strict": True}}  # fmt: skip
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Now.",
+        "parameters": {"type": "object", "properties": {}},
+        "strict": True,
+    },
+}
 HISTORY = [
-    {"role": "system", "content": [{"type": "text", "text": "part one"},
-                                   {"type": "text", "text": "part two"}]},
+    {
+        "role": "system",
+        "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "part two"}],
+    },
     {"role": "user", "name": "alice", "content": "what time"},
-    {"role": "assistant", "content": None, "reasoning_content": "thinking it over",
-     "tool_calls": [{"id": "call-7", "type": "function",
-                     "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "thinking it over",
+        "tool_calls": [
+            {
+                "id": "call-7",
+                "type": "function",
+                "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call-7", "content": "noon"},
-]  # fmt: skip
+]
 
 
 def rendered(srv: ServerProcess, **fields) -> str:
     """The prompt a chat request renders (its prompt_token_ids, decoded)."""
-    payload = {"messages": HISTORY, "chat_template": SHOW_ALL, "max_tokens": 1,
-               "return_token_ids": True, **fields}  # fmt: skip
+    payload = {
+        "messages": HISTORY,
+        "chat_template": SHOW_ALL,
+        "max_tokens": 1,
+        "return_token_ids": True,
+        **fields,
+    }
     r = post(srv, "chat", payload)
     assert r.status_code == 200, r.text
     ids = r.json()["prompt_token_ids"]
@@ -474,8 +557,9 @@ def test_continue_final_message_leaves_the_last_message_open(server):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
     payload = {"messages": messages, "max_tokens": 1, "return_token_ids": True}
     closed = full(server, "chat", **payload)["prompt_token_ids"]
-    opened = full(server, "chat", continue_final_message=True, add_generation_prompt=False,
-                  **payload)["prompt_token_ids"]  # fmt: skip
+    opened = full(
+        server, "chat", continue_final_message=True, add_generation_prompt=False, **payload
+    )["prompt_token_ids"]
     text = httpx.post(server.url + "/detokenize", json={"tokens": opened}).json()["prompt"]
     assert text.endswith("assistant\nOnce") and len(opened) < len(closed)
 
@@ -504,7 +588,7 @@ def test_continue_final_message_leaves_the_last_message_open(server):
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content",
         ),
-    ],  # fmt: skip
+    ],
 )
 def test_tool_and_part_types_other_than_function_and_text_are_refused(server, fields, param):
     refused(server, "chat", param, **fields)
@@ -575,10 +659,14 @@ def bos_server(tmp_path_factory):
     spec = json.loads((folder / "tokenizer.json").read_text())
     bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
     seq = {"Sequence": {"id": "A", "type_id": 0}}
-    spec["post_processor"] = {"type": "TemplateProcessing", "single": [bos, seq],
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, seq],
         "pair": [bos, seq, {"Sequence": {"id": "B", "type_id": 1}}],
-        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
-                                              "tokens": ["<|endoftext|>"]}}}  # fmt: skip
+        "special_tokens": {
+            "<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}
+        },
+    }
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config.update(bos_token="<|endoftext|>", add_bos_token=True)
@@ -589,10 +677,23 @@ def bos_server(tmp_path_factory):
         "{% if add_generation_prompt %}<|im_start|>assistant\n{{ flavour }}{% endif %}"
     )
     log = tmp_path_factory.mktemp("field-effects-bos") / "server.log"
-    srv = ServerProcess(["--tokenizer", str(folder), "--max-model-len", "256",
-                         "--kv-cache-memory", "16MiB", "--log-level", "debug",
-                         "--chat-template", str(template), "--scheduling-policy", "priority"],
-                        log).start()  # fmt: skip
+    srv = ServerProcess(
+        [
+            "--tokenizer",
+            str(folder),
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory",
+            "16MiB",
+            "--log-level",
+            "debug",
+            "--chat-template",
+            str(template),
+            "--scheduling-policy",
+            "priority",
+        ],
+        log,
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -679,17 +780,33 @@ def wordpiece_server(tmp_path_factory):
     tok.save_pretrained(str(folder))
     (folder / "chat.jinja").write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
     log = tmp_path_factory.mktemp("field-effects-wordpiece") / "server.log"
-    srv = ServerProcess(["--tokenizer", str(folder), "--max-model-len", "128",
-                         "--kv-cache-memory", "16MiB", "--chat-template",
-                         str(folder / "chat.jinja")], log).start()  # fmt: skip
+    srv = ServerProcess(
+        [
+            "--tokenizer",
+            str(folder),
+            "--max-model-len",
+            "128",
+            "--kv-cache-memory",
+            "16MiB",
+            "--chat-template",
+            str(folder / "chat.jinja"),
+        ],
+        log,
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_spaces_between_special_tokens(wordpiece_server, endpoint):
-    fields = {"allowed_token_ids": [3, 4], "temperature": 1.0, "seed": 2, "ignore_eos": True,
-              "max_tokens": 6, "skip_special_tokens": False}  # fmt: skip
+    fields = {
+        "allowed_token_ids": [3, 4],
+        "temperature": 1.0,
+        "seed": 2,
+        "ignore_eos": True,
+        "max_tokens": 6,
+        "skip_special_tokens": False,
+    }
     if endpoint == "completions":
         fields["prompt"] = "hello"
     else:

@@ -136,8 +136,11 @@ def test_truncate_prompt_tokens(llm):
     assert len(run(llm, prompt=long, truncate_prompt_tokens=16).prompt_token_ids) == 16
 
 
-DIGIT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-         "required": ["n"]}  # fmt: skip
+DIGIT = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["n"],
+}
 
 
 @pytest.mark.parametrize(
@@ -162,7 +165,7 @@ DIGIT = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
             None,
             lambda t: t == "fixed",
         ),
-    ],  # fmt: skip
+    ],
 )
 def test_structured_outputs_kinds(llm, so, bias, valid):
     fields = {"max_tokens": 64, "structured_outputs": StructuredOutputsParams(**so)}
@@ -192,10 +195,15 @@ def test_disable_any_whitespace_and_disable_additional_properties(llm):
     # constraint always holds (see NO_EFFECT_BY_DESIGN in test_field_coverage.py).
     for options in ({}, {"disable_additional_properties": True}):
         assert set(json.loads(text(COMMA, disable_any_whitespace=True, **options))) == {"n"}
-    loose = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
-             "additionalProperties": True}  # fmt: skip
-    so = StructuredOutputsParams(json=loose, disable_any_whitespace=True,
-                                 disable_additional_properties=True)  # fmt: skip
+    loose = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": True,
+    }
+    so = StructuredOutputsParams(
+        json=loose, disable_any_whitespace=True, disable_additional_properties=True
+    )
     free = run(llm, max_tokens=24, logit_bias={COMMA: 8.0}, structured_outputs=so).outputs[0]
     assert "," in free.text  # what the schema says wins: more properties may follow
 
@@ -207,12 +215,25 @@ def test_engine_args_reach_the_config():
     from trillm.engine.config_builder import build_config
 
     args = EngineArgs(
-        block_size=32, max_num_seqs=7, max_num_batched_tokens=100, long_prefill_token_threshold=5,
-        enable_prefix_caching=False, scheduling_policy="priority", kv_cache_memory="3MiB",
-        gpu_memory_utilization=0.5, num_gpu_blocks_override=11, max_logprobs=3, seed=9,
-        attention_backend="torch", distributed_executor_backend="uni", max_model_len=100,
-        dtype="float32", served_model_name="named", device="cpu", generation_config="vllm",
-    )  # fmt: skip
+        block_size=32,
+        max_num_seqs=7,
+        max_num_batched_tokens=100,
+        long_prefill_token_threshold=5,
+        enable_prefix_caching=False,
+        scheduling_policy="priority",
+        kv_cache_memory="3MiB",
+        gpu_memory_utilization=0.5,
+        num_gpu_blocks_override=11,
+        max_logprobs=3,
+        seed=9,
+        attention_backend="torch",
+        distributed_executor_backend="uni",
+        max_model_len=100,
+        dtype="float32",
+        served_model_name="named",
+        device="cpu",
+        generation_config="vllm",
+    )
     config = build_config(args)
     assert (config.cache.block_size, config.cache.enable_prefix_caching) == (32, False)
     assert config.cache.kv_cache_memory == 3 << 20 and config.cache.gpu_memory_utilization == 0.5
@@ -222,7 +243,9 @@ def test_engine_args_reach_the_config():
     assert (s.policy, s.max_model_len) == ("priority", 100)
     assert (config.max_logprobs, config.seed, config.device) == (3, 9, "cpu")
     assert (config.attention_backend, config.parallel.distributed_executor_backend) == (
-        "torch", "uni")  # fmt: skip
+        "torch",
+        "uni",
+    )
     m = config.model
     assert (m.dtype, m.served_model_name, m.generation_config) == ("float32", "named", {})
     assert build_config(EngineArgs()).model.eos_token_ids == [2, 0]  # generation_config auto
@@ -260,9 +283,18 @@ def test_block_size_sets_the_prefix_cache_granularity(llm):
 @pytest.fixture(scope="module")
 def custom(tmp_path_factory):
     template = "{% for m in messages %}<<{{ m.content }}>>{% endfor %}"
-    engine = LLM(None, seed=6, chat_template=template, max_logprobs=3, block_size=16,
-                 scheduling_policy="priority", enable_prefix_caching=False,
-                 num_gpu_blocks_override=20, generation_config="vllm", **SMALL)  # fmt: skip
+    engine = LLM(
+        None,
+        seed=6,
+        chat_template=template,
+        max_logprobs=3,
+        block_size=16,
+        scheduling_policy="priority",
+        enable_prefix_caching=False,
+        num_gpu_blocks_override=20,
+        generation_config="vllm",
+        **SMALL,
+    )
     engine.first_sample = first_sample(engine)  # type: ignore[attr-defined]
     yield engine
     engine.shutdown()
@@ -285,8 +317,9 @@ def test_engine_seed_sets_unseeded_sampling(llm, custom):
 
 
 def test_engine_args_act_on_requests(llm, custom):
-    out = custom.chat([{"role": "user", "content": "x"}], SamplingParams(max_tokens=1),
-                      use_tqdm=False)[0]  # fmt: skip
+    out = custom.chat(
+        [{"role": "user", "content": "x"}], SamplingParams(max_tokens=1), use_tqdm=False
+    )[0]
     assert out.prompt == "<<x>>"  # chat_template
     with pytest.raises(ValueError, match="max_logprobs=3"):
         run(custom, logprobs=4)
@@ -380,8 +413,14 @@ def test_tool_flags_are_checked_at_startup(capsys):
     def options(*flags: str):
         return server_options(build_parser().parse_args(["serve", *flags]))
 
-    opts = options("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                   "--reasoning-parser", "qwen3", "--exclude-tools-when-tool-choice-none")  # fmt: skip
+    opts = options(
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        "--exclude-tools-when-tool-choice-none",
+    )
     assert opts.enable_auto_tool_choice and opts.tool_call_parser == "hermes"
     assert opts.reasoning_parser == "qwen3" and opts.exclude_tools_when_tool_choice_none
     for flags, words in (
@@ -454,8 +493,10 @@ def test_trust_remote_code_lets_the_tokenizers_code_run(tmp_path):
     folder.mkdir()
     (folder / "tokenizer.json").write_bytes((DEFAULT_MODEL_DIR / "tokenizer.json").read_bytes())
     config = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
-    config.update(tokenizer_class="ShoutingTokenizer",
-                  auto_map={"AutoTokenizer": [None, "shouting.ShoutingTokenizer"]})  # fmt: skip
+    config.update(
+        tokenizer_class="ShoutingTokenizer",
+        auto_map={"AutoTokenizer": [None, "shouting.ShoutingTokenizer"]},
+    )
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "shouting.py").write_text(SHOUTING)
     with pytest.raises(ValueError, match="trust_remote_code"):
@@ -482,9 +523,19 @@ def test_tls_client_certificates_and_cors_methods_reach_the_server(tmp_path, cap
     files = {name: tmp_path / f"{name}.pem" for name in ("key", "cert", "ca")}
     for path in files.values():
         path.write_text("-")
-    argv = ["serve", "--ssl-keyfile", str(files["key"]), "--ssl-certfile", str(files["cert"]),
-            "--ssl-ca-certs", str(files["ca"]), "--ssl-cert-reqs", "2",
-            "--allowed-methods", '["GET"]']  # fmt: skip
+    argv = [
+        "serve",
+        "--ssl-keyfile",
+        str(files["key"]),
+        "--ssl-certfile",
+        str(files["cert"]),
+        "--ssl-ca-certs",
+        str(files["ca"]),
+        "--ssl-cert-reqs",
+        "2",
+        "--allowed-methods",
+        '["GET"]',
+    ]
     opts = server_options(build_parser().parse_args(argv))
     config = types.SimpleNamespace()
     vllm_flags.configure_hypercorn(config, opts)
@@ -503,8 +554,10 @@ def test_tls_client_certificates_and_cors_methods_reach_the_server(tmp_path, cap
         async def receive():
             return {"type": "http.request", "body": b""}
 
-        headers = [(b"origin", b"https://a.example"),
-                   (b"access-control-request-method", method.encode())]  # fmt: skip
+        headers = [
+            (b"origin", b"https://a.example"),
+            (b"access-control-request-method", method.encode()),
+        ]
         scope = {"type": "http", "method": "OPTIONS", "path": "/v1/models", "headers": headers}
         trio.run(vllm_flags.wrap_asgi(app, opts), scope, receive, send)
         return sent[0]["status"]

@@ -45,8 +45,9 @@ def test_reference_matches_the_definition(tokens, experts, top_k, renormalize):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-needs_native = pytest.mark.skipif(not fused_moe_cpu.available(),
-                                  reason="the native packed GEMM is not available")  # fmt: skip
+needs_native = pytest.mark.skipif(
+    not fused_moe_cpu.available(), reason="the native packed GEMM is not available"
+)
 
 
 @needs_native

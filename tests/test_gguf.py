@@ -31,14 +31,30 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TYPES = {
     # llama: q/k/v in one type (one quantized qkv matmul), BF16 and F16 float tensors
-    "llama": {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "BF16",
-              "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0", "output": "F16",
-              "token_embd": "Q8_0"},
+    "llama": {
+        "attn_q": "Q4_0",
+        "attn_k": "Q4_0",
+        "attn_v": "Q4_0",
+        "attn_output": "BF16",
+        "ffn_gate": "Q4_1",
+        "ffn_up": "Q4_1",
+        "ffn_down": "Q8_0",
+        "output": "F16",
+        "token_embd": "Q8_0",
+    },
     # qwen2: tied Q8_0 embedding (the head multiplies by its blocks), q/k/v biases, and q/k/v
     # in two types (kept quantized, a part per type)
-    "qwen2": {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_1", "attn_output": "Q4_1",
-              "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q4_0", "token_embd": "Q8_0"},
-}  # fmt: skip
+    "qwen2": {
+        "attn_q": "Q8_0",
+        "attn_k": "Q8_0",
+        "attn_v": "Q4_1",
+        "attn_output": "Q4_1",
+        "ffn_gate": "Q4_0",
+        "ffn_up": "Q4_0",
+        "ffn_down": "Q4_0",
+        "token_embd": "Q8_0",
+    },
+}
 PROMPTS = ["In the beginning", "Copyright holders may", "A"]
 MAX_TOKENS = 12
 
@@ -60,8 +76,13 @@ def engine():
     def get(path, dequantize: bool = False) -> LLM:
         key = (str(path), dequantize)
         if key not in made:
-            made[key] = LLM(str(path), max_model_len=256, kv_cache_memory="8MiB",
-                            distributed_executor_backend="uni", dequantize_gguf=dequantize)  # fmt: skip
+            made[key] = LLM(
+                str(path),
+                max_model_len=256,
+                kv_cache_memory="8MiB",
+                distributed_executor_backend="uni",
+                dequantize_gguf=dequantize,
+            )
         return made[key]
 
     yield get
@@ -96,8 +117,7 @@ def test_pp2_on_a_gguf_equals_one_rank(ggufs, engine):
     path = ggufs["qwen2"]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in engine(path).generate(PROMPTS, params, use_tqdm=False)]
-    with LLM(str(path), max_model_len=256, kv_cache_memory="8MiB",
-             pipeline_parallel_size=2) as llm:  # fmt: skip
+    with LLM(str(path), max_model_len=256, kv_cache_memory="8MiB", pipeline_parallel_size=2) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == want
 
@@ -133,8 +153,11 @@ def test_quantized_layers_hold_only_their_blocks(ggufs):
     assert cfg.quantization == "gguf" and cfg.dtype == "float32" and cfg.tie_word_embeddings
     model = build_model(cfg, None, "cpu")
     layer = model.model.layers[0]
-    quantized = {"o_proj": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
-                 "down": layer.mlp.down_proj}  # fmt: skip
+    quantized = {
+        "o_proj": layer.self_attn.o_proj,
+        "gate_up": layer.mlp.gate_up_proj,
+        "down": layer.mlp.down_proj,
+    }
     for name, module in quantized.items():
         assert module.weight.numel() == 0, name
         assert module.quantized_weight.nbytes < module.out_features * module.in_features, name
@@ -143,8 +166,9 @@ def test_quantized_layers_hold_only_their_blocks(ggufs):
     assert qkv.qtypes == (8, 3) and layer.self_attn.qkv_proj.weight.numel() == 0
     assert model.lm_head.quantized_weight.qtype == 8  # the tied Q8_0 embedding's blocks
     assert model.model.embed_tokens.weight.shape == (cfg.vocab_size, cfg.hidden_size)
-    deq = load_model_config(EngineArgs(model=str(ggufs["qwen2"]), device="cpu",
-                                       dequantize_gguf=True))  # fmt: skip
+    deq = load_model_config(
+        EngineArgs(model=str(ggufs["qwen2"]), device="cpu", dequantize_gguf=True)
+    )
     assert deq.quantization is None
 
 
@@ -163,8 +187,9 @@ def test_a_folder_holding_one_gguf_is_the_model(ggufs, tmp_path):
 def test_load_format_and_quantization_are_honoured_or_refused(ggufs):
     gguf_path = str(ggufs["llama"])
     folder = str(ggufs["llama"].parent / "dequantized")
-    ok = load_model_config(EngineArgs(model=gguf_path, device="cpu", load_format="gguf",
-                                      quantization="gguf"))  # fmt: skip
+    ok = load_model_config(
+        EngineArgs(model=gguf_path, device="cpu", load_format="gguf", quantization="gguf")
+    )
     assert ok.quantization == "gguf"
     refused = [
         (dict(model=folder, load_format="gguf"), "load_format='gguf' needs a .gguf"),
@@ -203,26 +228,53 @@ def test_unsupported_architectures_and_tensor_types_are_refused_by_name(tmp_path
 
 
 def test_serve_flags_reach_the_engine_args():
-    argv = ["serve", "m.gguf", "--quantization", "gguf", "--load-format", "gguf",
-            "--dequantize-gguf"]  # fmt: skip
+    argv = [
+        "serve",
+        "m.gguf",
+        "--quantization",
+        "gguf",
+        "--load-format",
+        "gguf",
+        "--dequantize-gguf",
+    ]
     kwargs = engine_kwargs(build_parser().parse_args(argv))
     assert (kwargs["quantization"], kwargs["load_format"], kwargs["dequantize_gguf"]) == (
-        "gguf", "gguf", True)  # fmt: skip
+        "gguf",
+        "gguf",
+        True,
+    )
     assert "dequantize_gguf" not in engine_kwargs(build_parser().parse_args(["serve", "m.gguf"]))
 
 
 def test_trillm_serve_a_gguf_file_chats_with_its_template(ggufs, tmp_path):
     path = ggufs["qwen2"]
     folder = path.parent / "dequantized"
-    srv = ServerProcess([str(path), "--quantization", "gguf", "--load-format", "gguf",
-                         "--max-model-len", "256", "--kv-cache-memory", "8MiB",
-                         "--distributed-executor-backend", "uni"],
-                        tmp_path / "serve.log").start()  # fmt: skip
+    srv = ServerProcess(
+        [
+            str(path),
+            "--quantization",
+            "gguf",
+            "--load-format",
+            "gguf",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory",
+            "8MiB",
+            "--distributed-executor-backend",
+            "uni",
+        ],
+        tmp_path / "serve.log",
+    ).start()
     try:
         assert [m["id"] for m in httpx.get(srv.base_url + "/models").json()["data"]] == [str(path)]
         messages = [{"role": "user", "content": "In the beginning"}]
-        body = {"model": str(path), "messages": messages, "max_tokens": 8, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": str(path),
+            "messages": messages,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         reply = httpx.post(srv.base_url + "/chat/completions", json=body, timeout=60).json()
     finally:
         assert srv.stop() == 0
@@ -247,8 +299,17 @@ def test_lora_on_a_quantized_gguf_equals_peft_on_the_dequantized_weights(ggufs, 
     expected = peft_greedy(str(folder), adapter, ids, MAX_TOKENS)
     assert expected != [hf_greedy(str(folder), p, MAX_TOKENS) for p in ids]  # it changes them
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(str(path), enable_lora=True, max_model_len=256, kv_cache_memory="8MiB",
-             distributed_executor_backend="uni") as llm:  # fmt: skip
-        outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False,
-                            lora_request=LoRARequest("a", 1, adapter))  # fmt: skip
+    with LLM(
+        str(path),
+        enable_lora=True,
+        max_model_len=256,
+        kv_cache_memory="8MiB",
+        distributed_executor_backend="uni",
+    ) as llm:
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in ids],
+            params,
+            use_tqdm=False,
+            lora_request=LoRARequest("a", 1, adapter),
+        )
     assert [o.outputs[0].token_ids for o in outs] == expected

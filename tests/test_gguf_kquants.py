@@ -52,23 +52,42 @@ def test_dequantize_refuses_partial_blocks_and_other_types():
 
 # q/k/v mix K-quants with Q8_0 (three parts), gate/up Q4_0 / Q3_K, o Q2_K, down Q5_K; no output
 # tensor: the head multiplies by the tied Q3_K embedding's blocks. Layer 1 puts Q6_K / Q4_K in.
-TYPES = {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "Q2_K",
-         "ffn_gate": "Q4_0", "ffn_up": "Q3_K", "ffn_down": "Q5_K", "token_embd": "Q3_K",
-         "blk.1.attn_output": "Q6_K", "blk.1.ffn_down": "Q4_K"}  # fmt: skip
+TYPES = {
+    "attn_q": "Q4_K",
+    "attn_k": "Q5_K",
+    "attn_v": "Q8_0",
+    "attn_output": "Q2_K",
+    "ffn_gate": "Q4_0",
+    "ffn_up": "Q3_K",
+    "ffn_down": "Q5_K",
+    "token_embd": "Q3_K",
+    "blk.1.attn_output": "Q6_K",
+    "blk.1.ffn_down": "Q4_K",
+}
 
 
 @pytest.fixture(scope="module")
 def kquant_gguf(tmp_path_factory):
-    hf = build_tiny_model("llama", tmp_path_factory.mktemp("hf"), hidden_size=256,
-                          intermediate_size=256, head_dim=64,
-                          tie_word_embeddings=True)  # rows of whole 256-value blocks  # fmt: skip
+    hf = build_tiny_model(
+        "llama",
+        tmp_path_factory.mktemp("hf"),
+        hidden_size=256,
+        intermediate_size=256,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )  # rows of whole 256-value blocks
     return write_tiny_gguf(hf, tmp_path_factory.mktemp("gguf"), TYPES)
 
 
 def _greedy(path, prompts: list[list[int]], **kwargs) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    with LLM(str(path), max_model_len=128, kv_cache_memory="8MiB",
-             distributed_executor_backend="uni", **kwargs) as llm:  # fmt: skip
+    with LLM(
+        str(path),
+        max_model_len=128,
+        kv_cache_memory="8MiB",
+        distributed_executor_backend="uni",
+        **kwargs,
+    ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -94,8 +113,15 @@ def test_every_k_quant_layer_stays_quantized_at_its_packed_size(kquant_gguf):
     cfg = load_model_config(EngineArgs(model=str(kquant_gguf), device="cpu"))
     assert cfg.quantization == "gguf" and cfg.tie_word_embeddings
     model = build_model(cfg, None, "cpu")
-    bits = {ids.Q4_0: 4.5, ids.Q8_0: 8.5, ids.Q2_K: 6, ids.Q3_K: 6, ids.Q4_K: 5.5,
-            ids.Q5_K: 7, ids.Q6_K: 9}  # fmt: skip
+    bits = {
+        ids.Q4_0: 4.5,
+        ids.Q8_0: 8.5,
+        ids.Q2_K: 6,
+        ids.Q3_K: 6,
+        ids.Q4_K: 5.5,
+        ids.Q5_K: 7,
+        ids.Q6_K: 9,
+    }
     want = {
         "model.layers.0.self_attn.qkv_proj": (ids.Q4_K, ids.Q5_K, ids.Q8_0),
         "model.layers.0.self_attn.o_proj": (ids.Q2_K,),
@@ -113,8 +139,9 @@ def test_every_k_quant_layer_stays_quantized_at_its_packed_size(kquant_gguf):
         if path != "lm_head":
             assert module.weight.numel() == 0, path  # no float copy beside the blocks
         # each part at its packed size (panels of 16 columns)
-        size = sum(ids.num_panels(p.out_features) * 16 * p.in_features * bits[p.qtype] / 8
-                   for p in parts)  # fmt: skip
+        size = sum(
+            ids.num_panels(p.out_features) * 16 * p.in_features * bits[p.qtype] / 8 for p in parts
+        )
         assert weight.nbytes == size, path
     # the head shares the embedding's float weight (the lookup needs it), not a copy
     assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -31,14 +31,23 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 Q = gguf.GGMLQuantizationType
 # layer 0 as Q4_K_M stores it; layer 1 mixes three types in qkv and two legacy types in gate_up
 TYPES = {
-    "blk.0.attn_q": "Q4_K", "blk.0.attn_k": "Q4_K", "blk.0.attn_v": "Q6_K",
-    "blk.0.attn_output": "Q4_K", "blk.0.ffn_gate": "Q4_K", "blk.0.ffn_up": "Q4_K",
+    "blk.0.attn_q": "Q4_K",
+    "blk.0.attn_k": "Q4_K",
+    "blk.0.attn_v": "Q6_K",
+    "blk.0.attn_output": "Q4_K",
+    "blk.0.ffn_gate": "Q4_K",
+    "blk.0.ffn_up": "Q4_K",
     "blk.0.ffn_down": "Q6_K",
-    "blk.1.attn_q": "Q4_1", "blk.1.attn_k": "Q8_0", "blk.1.attn_v": "Q4_K",
-    "blk.1.attn_output": "Q6_K", "blk.1.ffn_gate": "Q8_0", "blk.1.ffn_up": "Q4_1",
+    "blk.1.attn_q": "Q4_1",
+    "blk.1.attn_k": "Q8_0",
+    "blk.1.attn_v": "Q4_K",
+    "blk.1.attn_output": "Q6_K",
+    "blk.1.ffn_gate": "Q8_0",
+    "blk.1.ffn_up": "Q4_1",
     "blk.1.ffn_down": "Q4_K",
-    "token_embd": "Q6_K", "output": "Q6_K",
-}  # fmt: skip
+    "token_embd": "Q6_K",
+    "output": "Q6_K",
+}
 PROMPTS = ["In the beginning", "A"]  # under INT8_MIN_ROWS tokens together: fp32 activations
 MAX_TOKENS = 10
 
@@ -59,10 +68,19 @@ def test_stacked_parts_equal_dequantize_then_matmul(int8, out_dtype):
     k = 512
     # odd part sizes: a part ends inside a panel of 16 columns and the next starts mid-row;
     # Q5_K (repacked as Q5_KM), Q3_K and Q2_K (as Q4_KM) beside the types kept as they are
-    sizes = [("Q4_K", 40), ("Q6_K", 24), ("Q8_0", 8), ("Q4_1", 50), ("Q5_K", 17), ("Q3_K", 9),
-             ("Q2_K", 30)]  # fmt: skip
-    parts = [linear_q_cpu.QuantizedWeight(_blocks(t, n, k, i), int(Q[t]), n, k)
-             for i, (t, n) in enumerate(sizes)]  # fmt: skip
+    sizes = [
+        ("Q4_K", 40),
+        ("Q6_K", 24),
+        ("Q8_0", 8),
+        ("Q4_1", 50),
+        ("Q5_K", 17),
+        ("Q3_K", 9),
+        ("Q2_K", 30),
+    ]
+    parts = [
+        linear_q_cpu.QuantizedWeight(_blocks(t, n, k, i), int(Q[t]), n, k)
+        for i, (t, n) in enumerate(sizes)
+    ]
     weight = linear_q_cpu.StackedQuantizedWeight(parts)
     assert weight.qtypes == tuple(int(Q[t]) for t, _ in sizes)
     assert weight.out_features == 178 and weight.offsets == [0, 40, 64, 72, 122, 139, 148, 178]
@@ -76,8 +94,9 @@ def test_stacked_parts_equal_dequantize_then_matmul(int8, out_dtype):
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     # each part's columns are its own GEMM's: the same as that part alone
     for i, (start, end) in ((1, (40, 64)), (4, (122, 139))):
-        alone = linear_q_cpu.linear(x, parts[i], bias[start:end], out_dtype=out_dtype,
-                                    int8_activations=int8)  # fmt: skip
+        alone = linear_q_cpu.linear(
+            x, parts[i], bias[start:end], out_dtype=out_dtype, int8_activations=int8
+        )
         torch.testing.assert_close(got[:, start:end], alone, rtol=0, atol=0)
 
 
@@ -108,8 +127,11 @@ def test_every_projection_of_a_mixed_gguf_stays_quantized(mixed_gguf):
     for path, qtypes in want.items():
         module = model.get_submodule(path)
         weight = module.quantized_weight
-        got = (weight.qtypes if isinstance(weight, linear_q_cpu.StackedQuantizedWeight)
-               else (weight.qtype,))  # fmt: skip
+        got = (
+            weight.qtypes
+            if isinstance(weight, linear_q_cpu.StackedQuantizedWeight)
+            else (weight.qtype,)
+        )
         assert got == qtypes, path
         assert module.weight.numel() == 0, path  # no float copy beside the blocks
         assert weight.out_features == module.out_features, path
@@ -123,13 +145,18 @@ def test_every_projection_of_a_mixed_gguf_stays_quantized(mixed_gguf):
 
 
 def _hf_greedy_from_gguf(path, prompt_ids: list[int]) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32)  # fmt: skip
-    config = GenerationConfig(do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None,
-                              pad_token_id=0)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0
+    )
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=config,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))  # fmt: skip
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            generation_config=config,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        )
     return out[0, len(prompt_ids) :].tolist()
 
 
@@ -138,8 +165,12 @@ def test_mixed_gguf_greedy_equals_transformers_reading_the_file(mixed_gguf):
     prompts = [tok(p).input_ids for p in PROMPTS]
     assert sum(map(len, prompts)) < linear_q_cpu.INT8_MIN_ROWS
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(str(mixed_gguf), max_model_len=128, kv_cache_memory="8MiB",
-             distributed_executor_backend="uni") as llm:  # fmt: skip
+    with LLM(
+        str(mixed_gguf),
+        max_model_len=128,
+        kv_cache_memory="8MiB",
+        distributed_executor_backend="uni",
+    ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
     assert got == [_hf_greedy_from_gguf(mixed_gguf, p) for p in prompts]

@@ -18,8 +18,12 @@ import torch
 from trillm.kernels import linear_q_cpu
 
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot",
-           "The three primary colors are"]  # fmt: skip
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, a small robot",
+    "The three primary colors are",
+]
 MAX_TOKENS = 16
 
 
@@ -54,8 +58,9 @@ def test_real_q4_1_model_greedy_equals_transformers_dequantized():
     expected = []
     with torch.no_grad():
         for prompt in ids:
-            out = ref.generate(torch.tensor([prompt]), do_sample=False,
-                               max_new_tokens=MAX_TOKENS, pad_token_id=0)  # fmt: skip
+            out = ref.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS, pad_token_id=0
+            )
             expected.append(out[0, len(prompt) :].tolist())
     # fp32 activations in every layer: the numerics of the dequantized model, token for token
     with pytest.MonkeyPatch.context() as patch:
@@ -79,8 +84,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def _generate():
     from trillm import LLM, SamplingParams
 
-    llm = LLM(str(GGUF), max_model_len=256, kv_cache_memory="32MiB",
-              distributed_executor_backend="uni")  # fmt: skip
+    llm = LLM(
+        str(GGUF), max_model_len=256, kv_cache_memory="32MiB", distributed_executor_backend="uni"
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         return llm.generate(PROMPTS, params, use_tqdm=False)

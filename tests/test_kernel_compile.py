@@ -20,12 +20,21 @@ import pytest
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 _INT_POINTERS = {
-    "block_table_ptr", "query_start_ptr", "seq_lens_ptr", "tile_req_ptr", "tile_start_ptr",
-}  # fmt: skip
+    "block_table_ptr",
+    "query_start_ptr",
+    "seq_lens_ptr",
+    "tile_req_ptr",
+    "tile_start_ptr",
+}
 _OTHER_TYPES = {
-    "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "slot_ptr": "*i64", "pos_ptr": "*i64",
-    "cache_ptr": "*fp32", "scale_log2": "fp32", "eps": "fp32",
-}  # fmt: skip
+    "part_out_ptr": "*fp32",
+    "part_lse_ptr": "*fp32",
+    "slot_ptr": "*i64",
+    "pos_ptr": "*i64",
+    "cache_ptr": "*fp32",
+    "scale_log2": "fp32",
+    "eps": "fp32",
+}
 
 
 def _signature(fn, dtype: str, constexprs: dict) -> dict[str, str]:
@@ -55,15 +64,25 @@ def _cases():
         # (group, head_dim, block_m, block_n, splits): prefill and decode tiles, GQA 4:1 at
         # D=128 (the engine's defaults), MHA at D=64, a padded D=24 with group 3, split-KV
         for group, head_dim, block_m, block_n, splits in (
-            (4, 128, 64, 32, 1), (4, 128, 16, 32, 1), (1, 64, 64, 64, 1), (3, 24, 64, 64, 1),
+            (4, 128, 64, 32, 1),
+            (4, 128, 16, 32, 1),
+            (1, 64, 64, 64, 1),
+            (3, 24, 64, 64, 1),
             (4, 128, 16, 32, 4),
-        ):  # fmt: skip
+        ):
             group_pad = 1 << (group - 1).bit_length()
             consts = dict(
-                GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_m // group_pad, BLOCK_M=block_m,
-                HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, 1 << (head_dim - 1).bit_length()),
-                PAGE_SIZE=16, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_PRECISION="tf32",
-            )  # fmt: skip
+                GROUP=group,
+                GROUP_PAD=group_pad,
+                BLOCK_Q=block_m // group_pad,
+                BLOCK_M=block_m,
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=max(16, 1 << (head_dim - 1).bit_length()),
+                PAGE_SIZE=16,
+                BLOCK_N=block_n,
+                NUM_SPLITS=splits,
+                DOT_PRECISION="tf32",
+            )
             yield pa._paged_attention_kernel, dtype, consts, 8 if block_m >= 64 else 4
         merge = dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128)
         yield pa._merge_splits_kernel, dtype, merge, 4
@@ -73,8 +92,18 @@ def _cases():
         yield ro._rotary_kernel, dtype, rotary, 4
         yield rc._reshape_and_cache_kernel, dtype, dict(BLOCK_HEADS=8, BLOCK_D=128), 4
     # fp32 attention uses IEEE dots (no TF32): one small case, the compile is slow
-    fp32 = dict(GROUP=3, GROUP_PAD=4, BLOCK_Q=4, BLOCK_M=16, HEAD_DIM=24, HEAD_DIM_PAD=32,
-                PAGE_SIZE=16, BLOCK_N=64, NUM_SPLITS=1, DOT_PRECISION="ieee")  # fmt: skip
+    fp32 = dict(
+        GROUP=3,
+        GROUP_PAD=4,
+        BLOCK_Q=4,
+        BLOCK_M=16,
+        HEAD_DIM=24,
+        HEAD_DIM_PAD=32,
+        PAGE_SIZE=16,
+        BLOCK_N=64,
+        NUM_SPLITS=1,
+        DOT_PRECISION="ieee",
+    )
     yield pa._paged_attention_kernel, "fp32", fp32, 4
 
 
@@ -121,8 +150,12 @@ def test_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, __file__],
-        capture_output=True, text=True, env=env, cwd=_REPO_ROOT, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=_REPO_ROOT,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("compiled ") == sum(1 for _ in _cases()), result.stdout
 

@@ -156,8 +156,12 @@ def test_importing_kernels_does_not_import_triton():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", code],
-        capture_output=True, text=True, env=env, cwd=_REPO_ROOT, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=_REPO_ROOT,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 
@@ -378,7 +382,6 @@ def test_fused_moe_alignment_pads_each_expert_run():
     assert tile_expert.tolist() == [0, 1, 2]  # expert 3 has no pairs: no tile
     runs = pairs.view(-1, 4).tolist()
     assert runs == [[1, 4, -1, -1], [3, -1, -1, -1], [0, 2, 5, -1]]  # pair = token * k + slot
-
 
 
 @needs_interpreter

@@ -25,8 +25,17 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def _problem(query_lens, seq_lens, cache_dtype, q_dtype=torch.float32, heads=8, kv_heads=2,
-             head_dim=64, block_size=16, seed=0):  # fmt: skip
+def _problem(
+    query_lens,
+    seq_lens,
+    cache_dtype,
+    q_dtype=torch.float32,
+    heads=8,
+    kv_heads=2,
+    head_dim=64,
+    block_size=16,
+    seed=0,
+):
     g = torch.Generator().manual_seed(seed)
     needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(needed) + 2
@@ -52,8 +61,7 @@ CASES = {"decode": ([1, 1, 1], [1, 17, 300]), "mixed": ([1, 9, 3], [70, 30, 5])}
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
 @pytest.mark.parametrize("kernel", ["default", "generic"])  # generic: the CPUs without AVX2
-def test_native_kernel_reads_the_cache_dtype_in_place(case, cache_dtype, q_dtype, head_dim,
-                                                      kernel):  # fmt: skip
+def test_native_kernel_reads_the_cache_dtype_in_place(case, cache_dtype, q_dtype, head_dim, kernel):
     q, kv, qsl, seq_lens, table = _problem(*CASES[case], cache_dtype, q_dtype, head_dim=head_dim)
     scale = head_dim**-0.5
     with paged_attention_cpu.use_kernel(kernel) if kernel != "default" else nullcontext():
@@ -82,13 +90,21 @@ def test_every_e4m3_code_is_read_exactly():
     q = torch.zeros(1, 1, head_dim)
     q[0, 0, 3] = 1.0  # best: the key rows with 100 at dim 3 (rows 3, 11, 19, 27), 27 the largest
     out = paged_attention_cpu.paged_attention(
-        q, kv, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([31], dtype=torch.int32),
-        torch.zeros(1, 1, dtype=torch.int32), 1e4,
-    )  # fmt: skip
+        q,
+        kv,
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([31], dtype=torch.int32),
+        torch.zeros(1, 1, dtype=torch.int32),
+        1e4,
+    )
     ref = paged_attention_torch.paged_attention(
-        q, kv.float(), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([31], dtype=torch.int32),
-        torch.zeros(1, 1, dtype=torch.int32), 1e4,
-    )  # fmt: skip
+        q,
+        kv.float(),
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([31], dtype=torch.int32),
+        torch.zeros(1, 1, dtype=torch.int32),
+        1e4,
+    )
     torch.testing.assert_close(out, ref, atol=0, rtol=1e-6)
     # all 31 value rows read back through the reference widening are the torch e4m3 values
     assert torch.equal(kv[1, 0, :31].float(), values.view(FP8).float())
@@ -106,18 +122,24 @@ def test_write_saturates_and_the_torch_path_matches_the_reference():
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     slots = torch.tensor([19, 38, 39, 40, 41])  # request 0's position 19, request 1's 6..9
     meta = AttentionMetadata(
-        num_reqs=2, num_tokens=tokens, query_start_loc=qsl, seq_lens=seq_lens,
-        context_lens=torch.tensor([19, 6], dtype=torch.int32), block_table=table,
-        slot_mapping=slots, max_query_len=4, max_seq_len=20, query_lens_cpu=[1, 4],
+        num_reqs=2,
+        num_tokens=tokens,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        context_lens=torch.tensor([19, 6], dtype=torch.int32),
+        block_table=table,
+        slot_mapping=slots,
+        max_query_len=4,
+        max_seq_len=20,
+        query_lens_cpu=[1, 4],
         seq_lens_cpu=[20, 10],
-    )  # fmt: skip
+    )
     backend = TorchAttentionBackend(native=False)
     backend.plan(meta)
     out = backend.forward(q, k, v, kv, meta, head_dim**-0.5)
     assert kv[0].view(-1, kv_heads, head_dim)[19, 0, 0].item() == 448.0
     assert kv[0].view(-1, kv_heads, head_dim)[38, 0, 0].item() == -448.0
-    torch.testing.assert_close(kv[1].view(-1, kv_heads, head_dim)[slots].float(),
-                               v.to(FP8).float())  # fmt: skip
+    torch.testing.assert_close(kv[1].view(-1, kv_heads, head_dim)[slots].float(), v.to(FP8).float())
     ref = paged_attention_torch.paged_attention(q, kv.float(), qsl, seq_lens, table, head_dim**-0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -146,9 +168,13 @@ def test_cache_dtype_sizes_the_blocks_and_unknown_values_are_refused():
 
 
 PROMPTS = [
-    "In the beginning God created", "And the LORD said unto Moses,", "Blessed are the meek: for",
-    "The king of Babylon came", "And it came to pass, when", "Thou shalt not",
-]  # fmt: skip
+    "In the beginning God created",
+    "And the LORD said unto Moses,",
+    "Blessed are the meek: for",
+    "The king of Babylon came",
+    "And it came to pass, when",
+    "Thou shalt not",
+]
 
 
 def _greedy(**kwargs):

@@ -64,10 +64,14 @@ def test_kernel_matches_dequantize_then_matmul(qtype, m, n):
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize(("x_dtype", "out_dtype"), [
-    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
-    (torch.bfloat16, torch.float32),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("x_dtype", "out_dtype"),
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
 def test_kernel_bf16_activations_and_outputs(qtype, x_dtype, out_dtype):
     _check(qtype, 9, 37, 128, x_dtype, out_dtype, bias=True)
 
@@ -80,8 +84,7 @@ def test_kernel_large_threaded_call_and_strided_rows(qtype):
     raw, w = _weight(qtype, 40, 64)
     weight = linear_q_cpu.QuantizedWeight(raw, int(qtype), 40, 64)
     x = torch.randn(6, 128)[:, ::2]  # rows with a stride, last dim not contiguous
-    torch.testing.assert_close(linear_q_cpu.linear(x, weight), F.linear(x, w), atol=2e-3,
-                               rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(linear_q_cpu.linear(x, weight), F.linear(x, w), atol=2e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
@@ -195,11 +198,13 @@ def test_int8_q8_0_kernel_is_exact_at_the_extremes():
 
 # type -> (its id, offsets of its fp16 d (and dmin), their magnitude for O(1) values, bits a
 # value once packed). Q5_K runs as the Q5_KM packed form, Q3_K and Q2_K as Q4_KM's.
-KQUANTS = {"Q4_K": (linear_q_cpu.Q4_K, (0, 2), 2e-3, 5.5),
-           "Q6_K": (linear_q_cpu.Q6_K, (208,), 5e-4, 9),
-           "Q3_K": (linear_q_cpu.Q3_K, (108,), 8e-3, 6),
-           "Q5_K": (linear_q_cpu.Q5_K, (0, 2), 1e-3, 7),
-           "Q2_K": (linear_q_cpu.Q2_K, (80, 82), 2e-2, 6)}  # fmt: skip
+KQUANTS = {
+    "Q4_K": (linear_q_cpu.Q4_K, (0, 2), 2e-3, 5.5),
+    "Q6_K": (linear_q_cpu.Q6_K, (208,), 5e-4, 9),
+    "Q3_K": (linear_q_cpu.Q3_K, (108,), 8e-3, 6),
+    "Q5_K": (linear_q_cpu.Q5_K, (0, 2), 1e-3, 7),
+    "Q2_K": (linear_q_cpu.Q2_K, (80, 82), 2e-2, 6),
+}
 
 
 def _kquant_weight(type_name: str, n: int, k: int, seed: int = 0):
@@ -259,8 +264,12 @@ def test_repacked_kquant_kernel_bf16_and_strided_rows(type_name):
     raw, w = _kquant_weight(type_name, 33, 256, seed=4)
     weight = linear_q_cpu.QuantizedWeight(raw, KQUANTS[type_name][0], 33, 256)
     x = torch.randn(6, 512)[:, ::2].to(torch.bfloat16)  # bf16 rows with a stride
-    torch.testing.assert_close(linear_q_cpu.linear(x, weight, out_dtype=torch.float32),
-                               F.linear(x.float(), w), atol=2e-3, rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(
+        linear_q_cpu.linear(x, weight, out_dtype=torch.float32),
+        F.linear(x.float(), w),
+        atol=2e-3,
+        rtol=1e-4,
+    )
 
 
 @needs_vnni

@@ -26,9 +26,15 @@ def test_json_formatter_fields_exception_and_extras():
         raise RuntimeError("boom")
     except RuntimeError:
         record = logging.getLogger("t").makeRecord(
-            "t", logging.ERROR, __file__, 1, "value %d", (7,), sys.exc_info(),
+            "t",
+            logging.ERROR,
+            __file__,
+            1,
+            "value %d",
+            (7,),
+            sys.exc_info(),
             extra={"request_id": "r1", "obj": object()},
-        )  # fmt: skip
+        )
     out = json.loads(JsonFormatter().format(record))
     assert out["level"] == "ERROR" and out["logger"] == "t" and out["message"] == "value 7"
     assert "RuntimeError: boom" in out["exception"]
@@ -37,14 +43,16 @@ def test_json_formatter_fields_exception_and_extras():
 
 
 def _one_request(srv: ServerProcess) -> None:
-    r = httpx.post(srv.base_url + "/completions", json={"prompt": "hi", "max_tokens": 2},
-                   timeout=60)  # fmt: skip
+    r = httpx.post(
+        srv.base_url + "/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
+    )
     assert r.status_code == 200, r.text
 
 
 def test_log_format_json_makes_every_record_one_json_object(tmp_path):
-    srv = ServerProcess([*FAKE, "--log-format", "json", "--enable-log-requests"],
-                        tmp_path / "server.log").start()  # fmt: skip
+    srv = ServerProcess(
+        [*FAKE, "--log-format", "json", "--enable-log-requests"], tmp_path / "server.log"
+    ).start()
     try:
         _one_request(srv)
     finally:
@@ -63,10 +71,11 @@ def test_vllm_logging_config_path_is_used_as_is(tmp_path, monkeypatch):
         "version": 1,
         "disable_existing_loggers": False,  # as in vLLM's documented example
         "formatters": {"json": {"()": "trillm.logging_config.JsonFormatter"}},
-        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(out),
-                              "formatter": "json"}},
+        "handlers": {
+            "file": {"class": "logging.FileHandler", "filename": str(out), "formatter": "json"}
+        },
         "root": {"level": "INFO", "handlers": ["file"]},
-    }  # fmt: skip
+    }
     path = tmp_path / "logging.json"
     path.write_text(json.dumps(config))
     monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(path))
@@ -83,13 +92,18 @@ def test_vllm_logging_config_path_is_used_as_is(tmp_path, monkeypatch):
 def _serve_exit(env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "trillm", "serve", *FAKE, "--port", "0"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("content,why", [(None, "cannot read"), ("[1]", "must hold"),
-                                         ("{", "not valid JSON"), ('{"version": 7}', "")])
+@pytest.mark.parametrize(
+    "content,why",
+    [(None, "cannot read"), ("[1]", "must hold"), ("{", "not valid JSON"), ('{"version": 7}', "")],
+)
 def test_an_unusable_logging_config_exits_2_naming_it(tmp_path, content, why):
     path = tmp_path / "logging.json"
     if content is not None:

@@ -32,11 +32,21 @@ def adapters(tiny_model_factory, tmp_path_factory):
     paths = {
         "all": build_peft_adapter(model, root / "all", seed=1),
         "attn-rslora": build_peft_adapter(
-            model, root / "attn", seed=2, rank=4, targets=["q_proj", "v_proj", "o_proj"],
+            model,
+            root / "attn",
+            seed=2,
+            rank=4,
+            targets=["q_proj", "v_proj", "o_proj"],
             use_rslora=True,
-        ),  # fmt: skip
-        "mlp": build_peft_adapter(model, root / "mlp", seed=3, rank=16, alpha=8,
-                                  targets=["gate_proj", "up_proj", "down_proj"]),  # fmt: skip
+        ),
+        "mlp": build_peft_adapter(
+            model,
+            root / "mlp",
+            seed=3,
+            rank=16,
+            alpha=8,
+            targets=["gate_proj", "up_proj", "down_proj"],
+        ),
     }
     return model, {name: str(p) for name, p in paths.items()}
 
@@ -72,8 +82,12 @@ def _params():
 def _batch_equals_peft(llm, jobs, paths, references):
     """(prompt, adapter name or None) jobs in one generate call: each output equals
     transformers(+PEFT)'s greedy tokens."""
-    outs = llm.generate([p for p, _ in jobs], _params(), use_tqdm=False,
-                        lora_request=[_lora(paths, n) for _, n in jobs])  # fmt: skip
+    outs = llm.generate(
+        [p for p, _ in jobs],
+        _params(),
+        use_tqdm=False,
+        lora_request=[_lora(paths, n) for _, n in jobs],
+    )
     for (prompt, name), out in zip(jobs, outs, strict=True):
         assert out.outputs[0].token_ids == references[name][prompt], (prompt, name)
 
@@ -124,8 +138,14 @@ def test_tp2_mixed_batch_equals_peft(adapters, references, pp):
     model, paths = adapters
     jobs = [(p, n) for p in PROMPTS[:2] for n in [None, *paths]]
     engine = {**ENGINE, "distributed_executor_backend": "mp"}
-    with LLM(model, enable_lora=True, max_loras=3, tensor_parallel_size=2,
-             pipeline_parallel_size=pp, **engine) as llm:  # fmt: skip
+    with LLM(
+        model,
+        enable_lora=True,
+        max_loras=3,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=pp,
+        **engine,
+    ) as llm:
         _batch_equals_peft(llm, jobs, paths, references)
 
 
@@ -170,8 +190,9 @@ def test_unimplemented_adapters_are_refused_naming_it(adapters, llm, tmp_path, c
     _, paths = adapters
     bad = _variant(tmp_path, paths["all"], **changes)
     with pytest.raises(InvalidRequestError, match=re.escape(named)):
-        llm.generate("x", _params(), use_tqdm=False,
-                     lora_request=LoRARequest("bad", 100 + len(named), bad))  # fmt: skip
+        llm.generate(
+            "x", _params(), use_tqdm=False, lora_request=LoRARequest("bad", 100 + len(named), bad)
+        )
     ok = llm.generate("A", _params(), use_tqdm=False, lora_request=_lora(paths, "all"))
     assert ok[0].outputs[0].token_ids  # the engine goes on serving
 
@@ -214,8 +235,10 @@ def test_admission_holds_the_adapter_too_many_until_one_is_free():
     assert gate.abort_held(["c", "zzz"]) == ["c"]
     assert gate.release(lambda rid: True) == []  # "a" still runs
     assert [r.request_id for r in gate.release(lambda rid: rid != "a")] == ["b"]
-    news = [NewRequestData("b", [1], [], SamplingParams(), [], 0),
-            NewRequestData("base", [1], [], SamplingParams(), [], 0)]  # fmt: skip
+    news = [
+        NewRequestData("b", [1], [], SamplingParams(), [], 0),
+        NewRequestData("base", [1], [], SamplingParams(), [], 0),
+    ]
     gate.attach(news)
     assert news[0].lora_request == LoRARequest("l2", 2, "/p") and news[1].lora_request is None
     assert gate.has_held  # a2 waits for adapter 2 to finish
@@ -245,11 +268,18 @@ def test_admission_counts_adapters_running_and_waiting():
     from trillm.engine.dp_router import sum_stats
     from trillm.messages import SchedulerStats
 
-    total = sum_stats([SchedulerStats(running_lora_adapters={"l1": 1}),
-                       SchedulerStats(running_lora_adapters={"l1": 2, "l0": 1},
-                                      waiting_lora_adapters={"l3": 1})])  # fmt: skip
+    total = sum_stats(
+        [
+            SchedulerStats(running_lora_adapters={"l1": 1}),
+            SchedulerStats(
+                running_lora_adapters={"l1": 2, "l0": 1}, waiting_lora_adapters={"l3": 1}
+            ),
+        ]
+    )
     assert (total.running_lora_adapters, total.waiting_lora_adapters) == (
-        {"l0": 1, "l1": 3}, {"l3": 1})  # fmt: skip
+        {"l0": 1, "l1": 3},
+        {"l3": 1},
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma"])

@@ -28,32 +28,60 @@ MAX_NEW = 6
 def setup(tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory("qwen2")
     root = tmp_path_factory.mktemp("http-adapters")
-    paths = {name: str(build_peft_adapter(model, root / name, seed=seed, rank=4))
-             for name, seed in (("a", 11), ("b", 12), ("c", 13))}  # fmt: skip
+    paths = {
+        name: str(build_peft_adapter(model, root / name, seed=seed, rank=4))
+        for name, seed in (("a", 11), ("b", 12), ("c", 13))
+    }
     return model, paths
 
 
 def _serve(model, paths, log, *extra):
-    args = [model, "--served-model-name", BASE, "--max-model-len", "256",
-            "--kv-cache-memory", "8MiB", "--enable-lora", "--max-loras", "2",
-            "--max-lora-rank", "8", "--lora-modules", f"a={paths['a']}",
-            json.dumps({"name": "b", "path": paths["b"], "base_model_name": "someone/else"}),
-            *extra]  # fmt: skip
+    args = [
+        model,
+        "--served-model-name",
+        BASE,
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "8MiB",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        f"a={paths['a']}",
+        json.dumps({"name": "b", "path": paths["b"], "base_model_name": "someone/else"}),
+        *extra,
+    ]
     return ServerProcess(args, log).start()
 
 
 @pytest.fixture(scope="module")
 def server(setup, tmp_path_factory):
     model, paths = setup
-    srv = _serve(model, paths, tmp_path_factory.mktemp("log") / "lora.log",
-                 "--allow-runtime-lora-updating", "--distributed-executor-backend", "uni")  # fmt: skip
+    srv = _serve(
+        model,
+        paths,
+        tmp_path_factory.mktemp("log") / "lora.log",
+        "--allow-runtime-lora-updating",
+        "--distributed-executor-backend",
+        "uni",
+    )
     yield srv
     srv.stop()
 
 
 def _complete(srv, model, **extra):
-    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_NEW, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, **extra}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": MAX_NEW,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
     return httpx.post(srv.base_url + "/completions", json=body, timeout=60)
 
 
@@ -68,12 +96,26 @@ def test_model_name_selects_the_adapter(setup, server):
         assert outs[name]["choices"][0]["token_ids"] == want, name
         assert outs[name]["model"] == name
     assert outs[BASE]["choices"][0]["token_ids"] != outs["a"]["choices"][0]["token_ids"]
-    chat = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
-        "model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-        "temperature": 0})  # fmt: skip
-    base_chat = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
-        "model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-        "temperature": 0})  # fmt: skip
+    chat = httpx.post(
+        server.base_url + "/chat/completions",
+        timeout=60,
+        json={
+            "model": "a",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        },
+    )
+    base_chat = httpx.post(
+        server.base_url + "/chat/completions",
+        timeout=60,
+        json={
+            "model": BASE,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        },
+    )
     assert chat.status_code == 200 and chat.json()["model"] == "a"
     assert chat.json()["choices"][0]["message"] != base_chat.json()["choices"][0]["message"]
 
@@ -91,8 +133,9 @@ def test_tp2_server_mixes_adapters_as_peft(setup, tmp_path):
     srv = _serve(model, paths, tmp_path / "tp2.log", "-tp", "2")
     try:
         with ThreadPoolExecutor(3) as pool:
-            outs = dict(zip(("a", "b", BASE), pool.map(lambda m: _complete(srv, m),
-                                                       ("a", "b", BASE))))  # fmt: skip
+            outs = dict(
+                zip(("a", "b", BASE), pool.map(lambda m: _complete(srv, m), ("a", "b", BASE)))
+            )
     finally:
         srv.stop()
     ids = AutoTokenizer.from_pretrained(model).encode(PROMPT)
@@ -110,15 +153,17 @@ def _lora_info(srv) -> dict[str, list]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(srv.url + "/metrics", timeout=10).text
-    return {fam.name.split(":")[0]: fam.samples for fam in text_string_to_metric_families(text)
-            if fam.name.endswith(":lora_requests_info")}  # fmt: skip
+    return {
+        fam.name.split(":")[0]: fam.samples
+        for fam in text_string_to_metric_families(text)
+        if fam.name.endswith(":lora_requests_info")
+    }
 
 
 def test_lora_requests_info_names_the_running_adapter(server):
     """vLLM's gauge under both prefixes, with vLLM's labels: "a" while a request of adapter
     "a" streams, no adapter once the client has left."""
-    body = {"model": "a", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    body = {"model": "a", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "stream": True}
     sock = open_request(server, "/v1/completions", body)
     try:
         read_until(sock, b"data: {")  # its first token: it runs
@@ -127,8 +172,11 @@ def test_lora_requests_info_names_the_running_adapter(server):
         assert set(info) == {"vllm", "trillm"}
         for samples in info.values():
             (sample,) = samples
-            assert sample.labels == {"max_lora": "2", "running_lora_adapters": "a",
-                                     "waiting_lora_adapters": ""}  # fmt: skip
+            assert sample.labels == {
+                "max_lora": "2",
+                "running_lora_adapters": "a",
+                "waiting_lora_adapters": "",
+            }
             assert sample.value >= before - 1  # vLLM's value: the time of the stats
     finally:
         sock.close()
@@ -167,8 +215,9 @@ def test_load_and_unload_at_runtime(server, setup, tmp_path):
     missing = httpx.post(load, json={"lora_name": "d"})
     assert missing.status_code == 400 and "lora_path" in missing.text
     for changes, named in (({"use_dora": True}, "DoRA"), ({"r": 16}, "max_lora_rank=8")):
-        bad = httpx.post(load, json={"lora_name": "d", "lora_path": _variant(paths["c"], tmp_path,
-                                                                             **changes)})  # fmt: skip
+        bad = httpx.post(
+            load, json={"lora_name": "d", "lora_path": _variant(paths["c"], tmp_path, **changes)}
+        )
         assert bad.status_code == 400 and named in bad.json()["error"]["message"]
     assert httpx.post(unload, json={"lora_name": "c"}).status_code == 200
     assert _complete(server, "c").status_code == 404
@@ -189,8 +238,9 @@ def test_runtime_updating_routes_need_the_opt_in(setup, tmp_path):
     # The default executor: a worker process, so the adapter crosses the ring with its request.
     srv = _serve(model, paths, tmp_path / "gated.log")
     try:
-        r = httpx.post(srv.base_url + "/load_lora_adapter",
-                       json={"lora_name": "c", "lora_path": paths["c"]})  # fmt: skip
+        r = httpx.post(
+            srv.base_url + "/load_lora_adapter", json={"lora_name": "c", "lora_path": paths["c"]}
+        )
         assert r.status_code == 404
         from transformers import AutoTokenizer
 

@@ -63,8 +63,7 @@ def test_shrink_zeroes_base_rows_and_scales_per_slot(impl):
     assert torch.equal(buf[slots < 0], torch.zeros_like(buf[slots < 0]))
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
-            torch.testing.assert_close(buf[t], scales[s] * (x[t] @ a[s].t()), rtol=1e-5,
-                                       atol=1e-6)  # fmt: skip
+            torch.testing.assert_close(buf[t], scales[s] * (x[t] @ a[s].t()), rtol=1e-5, atol=1e-6)
 
 
 needs_native = pytest.mark.skipif(not lora_cpu.available(), reason="native kernels not built")

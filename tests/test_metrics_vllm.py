@@ -57,8 +57,11 @@ def families(text: str) -> dict[str, object]:
 def value(fams: dict, name: str, suffix: str = "", **labels: str) -> float:
     fam = fams[name]
     sample_name = name if fam.type == "counter" else name + suffix
-    return sum(s.value for s in fam.samples if s.name == sample_name
-               and all(s.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+    return sum(
+        s.value
+        for s in fam.samples
+        if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +84,14 @@ def scraped(server):
     with httpx.stream("POST", url + "/completions", json=stream, timeout=60) as r:
         assert b"[DONE]" in r.read()
     # A client gone mid-stream: its two samples end as aborted.
-    gone = {"prompt": "gone", "max_tokens": 1800, "ignore_eos": True, "n": 2, "logprobs": 20,
-            "stream": True}  # fmt: skip
+    gone = {
+        "prompt": "gone",
+        "max_tokens": 1800,
+        "ignore_eos": True,
+        "n": 2,
+        "logprobs": 20,
+        "stream": True,
+    }
     with httpx.stream("POST", url + "/completions", json=gone, timeout=60) as r:
         chunks = r.iter_bytes()
         next(chunks)
@@ -122,8 +131,11 @@ def test_counting_is_per_engine_request_and_consistent(scraped):
     assert success == 8  # 1 chat + 2 prompts x n=2 + 1 stream + 2 aborted samples
     assert value(fams, "vllm:request_success_total", finished_reason="abort") == 2
     assert value(fams, "vllm:request_success_total", finished_reason="length") == 6
-    for hist in ("e2e_request_latency_seconds", "request_prompt_tokens",
-                 "request_generation_tokens"):  # fmt: skip
+    for hist in (
+        "e2e_request_latency_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert value(fams, f"vllm:{hist}", "_count") == success, hist
     assert value(fams, "vllm:generation_tokens_total") == value(
         fams, "vllm:request_generation_tokens", "_sum"
@@ -146,18 +158,16 @@ def test_counting_is_per_engine_request_and_consistent(scraped):
     # aborted ones end without an engine output) have a queue, prefill and inference time.
     for name in ("queue", "prefill", "inference"):
         assert value(fams, f"vllm:request_{name}_time_seconds", "_count") == 6, name
-    assert (value(fams, "vllm:request_queue_time_seconds", "_sum")
-            + value(fams, "vllm:request_prefill_time_seconds", "_sum")
-            <= value(fams, "vllm:e2e_request_latency_seconds", "_sum"))  # fmt: skip
+    assert value(fams, "vllm:request_queue_time_seconds", "_sum") + value(
+        fams, "vllm:request_prefill_time_seconds", "_sum"
+    ) <= value(fams, "vllm:e2e_request_latency_seconds", "_sum")
     # Each step's computed tokens: every prompt token not served by the prefix cache, plus
     # every token fed back (at least those delivered; the aborted samples may have computed
     # more than their client read).
     steps = value(fams, "vllm:iteration_tokens_total", "_count")
     assert steps > 0
     fed_back = value(fams, "vllm:generation_tokens_total") - success
-    computed = value(fams, "vllm:prompt_tokens_total") - value(
-        fams, "vllm:prefix_cache_hits_total"
-    )
+    computed = value(fams, "vllm:prompt_tokens_total") - value(fams, "vllm:prefix_cache_hits_total")
     assert value(fams, "vllm:iteration_tokens_total", "_sum") >= computed + fed_back
     info = fams["vllm:cache_config_info"].samples[0]
     assert info.value == 1 and info.labels["block_size"] == "16"
@@ -166,8 +176,9 @@ def test_counting_is_per_engine_request_and_consistent(scraped):
 
 
 def test_metrics_prefix_vllm_only(tmp_path):
-    srv = ServerProcess([*FAKE, "--metrics-prefix", "vllm", "--disable-log-stats"],
-                        tmp_path / "server.log").start()  # fmt: skip
+    srv = ServerProcess(
+        [*FAKE, "--metrics-prefix", "vllm", "--disable-log-stats"], tmp_path / "server.log"
+    ).start()
     try:
         httpx.post(srv.base_url + "/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
         fams = families(httpx.get(srv.url + "/metrics").text)
@@ -182,15 +193,25 @@ def test_http_and_process_series_as_vllm(scraped):
     """prometheus_fastapi_instrumentator's http_* series and prometheus_client's process_*."""
     fams = families(scraped)
     assert fams["http_requests_total"].type == "counter"
-    assert value(fams, "http_requests_total", handler="/v1/completions", method="POST",
-                 status="2xx") == 3  # fmt: skip
+    assert (
+        value(fams, "http_requests_total", handler="/v1/completions", method="POST", status="2xx")
+        == 3
+    )
     assert value(fams, "http_requests_total", handler="/v1/chat/completions", status="2xx") == 1
     assert value(fams, "http_requests_total", handler="/metrics", method="GET") >= 1
     durations = fams["http_request_duration_seconds"]
     assert durations.type == "histogram"
     assert {s.labels.get("handler") for s in durations.samples} >= {"/v1/completions"}
-    assert value(fams, "http_request_duration_seconds", "_count", handler="/v1/completions",
-                 method="POST") == 3  # fmt: skip
+    assert (
+        value(
+            fams,
+            "http_request_duration_seconds",
+            "_count",
+            handler="/v1/completions",
+            method="POST",
+        )
+        == 3
+    )
     assert fams["http_request_duration_highr_seconds"].type == "histogram"
     for name in ("http_request_size_bytes", "http_response_size_bytes"):
         assert fams[name].type == "summary"

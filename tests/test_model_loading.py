@@ -223,20 +223,32 @@ def test_sliding_window_no_longer_caps_max_model_len(tmp_path):
         ("MistralForCausalLM", {"sliding_window": None}, [None] * 4),
         ("LlamaForCausalLM", {"sliding_window": 8}, [None] * 4),  # transformers ignores it
         ("Gemma2ForCausalLM", {"sliding_window": 8}, [8, None, 8, None]),
-        ("Gemma3ForCausalLM", {"sliding_window": 8, "sliding_window_pattern": 2},
-         [8, None, 8, None]),
-        ("Qwen2ForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
-                              "max_window_layers": 3}, [None, None, None, 8]),
+        (
+            "Gemma3ForCausalLM",
+            {"sliding_window": 8, "sliding_window_pattern": 2},
+            [8, None, 8, None],
+        ),
+        (
+            "Qwen2ForCausalLM",
+            {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 3},
+            [None, None, None, 8],
+        ),
         ("Qwen2ForCausalLM", {"sliding_window": 8}, [None] * 4),
         ("MixtralForCausalLM", {"sliding_window": 8}, [8, 8, 8, 8]),
         ("Qwen3MoeForCausalLM", {"sliding_window": 8}, [None] * 4),
         ("Qwen3MoeForCausalLM", {"sliding_window": 8, "use_sliding_window": True}, [8] * 4),
-        ("Qwen2MoeForCausalLM", {"sliding_window": 8, "use_sliding_window": True,
-                                 "max_window_layers": 3}, [8, None, 8, None]),
-        ("Gemma2ForCausalLM", {"sliding_window": 8, "layer_types": ["full_attention"] * 3
-                               + ["sliding_attention"]}, [None, None, None, 8]),
+        (
+            "Qwen2MoeForCausalLM",
+            {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 3},
+            [8, None, 8, None],
+        ),
+        (
+            "Gemma2ForCausalLM",
+            {"sliding_window": 8, "layer_types": ["full_attention"] * 3 + ["sliding_attention"]},
+            [None, None, None, 8],
+        ),
     ],
-)  # fmt: skip
+)
 def test_layer_windows(architecture, hf, expected):
     from trillm.model_executor.layer_types import layer_windows
 
@@ -269,8 +281,7 @@ def test_unsupported_architecture(llama_dir, tmp_path):
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported for Llama"),
     ],
 )
-def test_what_the_model_class_does_not_compute_is_refused(llama_dir, tmp_path, overrides,
-                                                           message):  # fmt: skip
+def test_what_the_model_class_does_not_compute_is_refused(llama_dir, tmp_path, overrides, message):
     folder = _copy(llama_dir, tmp_path / "odd")
     _rewrite_config(folder, **overrides)
     with pytest.raises(ValueError, match=message):

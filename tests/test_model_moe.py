@@ -59,8 +59,10 @@ def test_greedy_matches_transformers(case, chunk):
 def test_logprobs_match_transformers(case):
     _, path, hf, _ = case
     sched = MiniScheduler(_make_runner(path), chunk=7)
-    reqs = [_Req(f"l{i}", p, _greedy(4, logprobs=2, prompt_logprobs=2), 4)
-            for i, p in enumerate(_prompts([17, 26], seed=11))]  # fmt: skip
+    reqs = [
+        _Req(f"l{i}", p, _greedy(4, logprobs=2, prompt_logprobs=2), 4)
+        for i, p in enumerate(_prompts([17, 26], seed=11))
+    ]
     for req in reqs:
         sched.add(req)
     sched.run()

@@ -48,8 +48,11 @@ def _children(pid: int) -> list[int]:
 
 
 def _worker_pids(pid: int) -> list[int]:
-    return [c for c in _children(pid)
-            if b"trillm.worker.worker_main" in open(f"/proc/{c}/cmdline", "rb").read()]  # fmt: skip
+    return [
+        c
+        for c in _children(pid)
+        if b"trillm.worker.worker_main" in open(f"/proc/{c}/cmdline", "rb").read()
+    ]
 
 
 # layout -> (its flags, the ranks on node 1)
@@ -66,16 +69,29 @@ def nodes(request, llama, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"two-nodes-{request.param}")
     # A 30 s collective timeout (120 s by default): where a lost peer is not reported at once
     # (seen once under heavy load), the timeout still ends the stream inside the client's 60 s.
-    common = [llama, *flags, "--nnodes", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(free_port()), "--distributed-timeout-seconds", "30",
-              *limit_flags()]  # fmt: skip
+    common = [
+        llama,
+        *flags,
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "--distributed-timeout-seconds",
+        "30",
+        *limit_flags(),
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     node1_log = open(logs / "node1.log", "wb")  # noqa: SIM115
     node1 = subprocess.Popen(
         [sys.executable, "-m", "trillm", "serve", *common, "--headless", "--node-rank", "1"],
-        cwd=REPO, env=env, stdout=node1_log, stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=env,
+        stdout=node1_log,
+        stderr=subprocess.STDOUT,
         start_new_session=True,  # a process tree of its own, as on another machine
-    )  # fmt: skip
+    )
     node0 = ServerProcess(common, logs / "node0.log")
     try:
         node0.start()
@@ -138,8 +154,12 @@ def test_a_headless_node_with_other_engine_flags_is_refused(llama):
     from trillm.engine.config_builder import build_config
     from trillm.worker.remote_rank import NodeConfigMismatchError, check_same_config
 
-    base = {"tensor_parallel_size": 2, "nnodes": 2, "max_model_len": 256,
-            "kv_cache_memory": "16MiB"}  # fmt: skip
+    base = {
+        "tensor_parallel_size": 2,
+        "nnodes": 2,
+        "max_model_len": 256,
+        "kv_cache_memory": "16MiB",
+    }
     node0 = build_config(EngineArgs(llama, **base))
     check_same_config(node0, build_config(EngineArgs(llama, node_rank=1, **base)))
     elsewhere = build_config(EngineArgs(llama, node_rank=1, **base))
@@ -156,31 +176,52 @@ def test_node_flags_reach_the_config_and_bad_ones_are_refused(llama, capsys):
     from trillm.entrypoints.headless import check_node_flags
     from trillm.entrypoints.openai.cli_args import engine_kwargs
 
-    argv = ["serve", "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--headless",
-            "--master-addr", "10.0.0.5", "--master-port", "29611",
-            "--distributed-timeout-seconds", "7.5"]  # fmt: skip
+    argv = [
+        "serve",
+        "-tp",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--headless",
+        "--master-addr",
+        "10.0.0.5",
+        "--master-port",
+        "29611",
+        "--distributed-timeout-seconds",
+        "7.5",
+    ]
     args = build_parser().parse_args(argv)
     parallel = build_config(EngineArgs(llama, **engine_kwargs(args))).parallel
-    assert (parallel.nnodes, parallel.node_rank, parallel.master_addr, parallel.master_port,
-            parallel.collective_timeout_s) == (2, 1, "10.0.0.5", 29611, 7.5)  # fmt: skip
+    assert (
+        parallel.nnodes,
+        parallel.node_rank,
+        parallel.master_addr,
+        parallel.master_port,
+        parallel.collective_timeout_s,
+    ) == (2, 1, "10.0.0.5", 29611, 7.5)
     assert (parallel.ranks_per_node, parallel.remote_ranks()) == (1, [1])
     default = build_config(EngineArgs(llama, tensor_parallel_size=2, nnodes=2)).parallel
     assert (default.master_port, default.collective_timeout_s) == (29500, 120.0)  # torchrun's
-    for bad, words in ((["--node-rank", "1"], "--headless"),
-                       (["--headless"], "--node-rank")):  # fmt: skip
+    for bad, words in ((["--node-rank", "1"], "--headless"), (["--headless"], "--node-rank")):
         args = build_parser().parse_args(["serve", "--nnodes", "2", *bad])
         with pytest.raises(SystemExit):
             check_node_flags(args.serve_parser, args)
         assert words in capsys.readouterr().err
     for kwargs, words in (
-        ({"tensor_parallel_size": 3, "nnodes": 2},
-         "nnodes=2 must divide tensor_parallel_size=3 x pipeline_parallel_size=1"),
-        ({"pipeline_parallel_size": 2, "nnodes": 4},
-         "nnodes=4 must divide tensor_parallel_size=1 x pipeline_parallel_size=2"),
+        (
+            {"tensor_parallel_size": 3, "nnodes": 2},
+            "nnodes=2 must divide tensor_parallel_size=3 x pipeline_parallel_size=1",
+        ),
+        (
+            {"pipeline_parallel_size": 2, "nnodes": 4},
+            "nnodes=4 must divide tensor_parallel_size=1 x pipeline_parallel_size=2",
+        ),
         ({"nnodes": 2, "node_rank": 2}, "node_rank must be an integer in [0, nnodes=2)"),
         ({"distributed_timeout_seconds": 0}, "distributed_timeout_seconds must be a number > 0"),
         ({"master_port": 70000}, "master_port must be a TCP port"),
-    ):  # fmt: skip
+    ):
         with pytest.raises(ValueError, match=re.escape(words)):
             EngineArgs(llama, **kwargs)
     with pytest.raises(ValueError, match="node_rank=1: the engine runs on node 0"):
@@ -250,8 +291,12 @@ def test_node_link_relays_frames_and_an_idle_rank_0_notices_a_lost_node():
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     procs = [
-        subprocess.Popen([sys.executable, "-c", _LINK_SCRIPT, str(rank), str(port)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-c", _LINK_SCRIPT, str(rank), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         for rank in (0, 1)
     ]
     out0 = procs[0].communicate(timeout=120)[0].decode()

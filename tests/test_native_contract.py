@@ -26,8 +26,10 @@ def declared_extensions() -> list[str]:
     text = (ROOT / "setup.py").read_text()
     cython = re.search(r"modules = \[([^\]]*)\]", text)
     assert cython, "setup.py's Cython module list moved: update this test"
-    return sorted(set(re.findall(r'"trillm\._ext\.(\w+)"', text))
-                  | set(re.findall(r'"(\w+)"', cython.group(1))))  # fmt: skip
+    return sorted(
+        set(re.findall(r'"trillm\._ext\.(\w+)"', text))
+        | set(re.findall(r'"(\w+)"', cython.group(1)))
+    )
 
 
 def stub_names(name: str) -> set[str]:
@@ -65,20 +67,28 @@ def test_cpu_kernel_parts_have_the_declared_functions():
     module = importlib.import_module("trillm._ext.cpu_kernels")
     tree = ast.parse((STUBS / "cpu_kernels.pyi").read_text())
     protocols = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
-    parts = {n.target.id: n.annotation.id for n in tree.body
-             if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}  # fmt: skip
+    parts = {
+        n.target.id: n.annotation.id
+        for n in tree.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
     for part, proto in parts.items():
-        members = {m.target.id if isinstance(m, ast.AnnAssign) else m.name
-                   for m in protocols[proto].body
-                   if isinstance(m, ast.FunctionDef | ast.AnnAssign)}  # fmt: skip
+        members = {
+            m.target.id if isinstance(m, ast.AnnAssign) else m.name
+            for m in protocols[proto].body
+            if isinstance(m, ast.FunctionDef | ast.AnnAssign)
+        }
         members -= {"__init__"}
         got = set(dir(getattr(module, part)))
         assert members <= got, (part, members - got)
         for fn in members:
             obj = getattr(getattr(module, part), fn)
             if callable(obj) and not inspect.isclass(obj):
-                stub = next(m for m in protocols[proto].body
-                            if isinstance(m, ast.FunctionDef) and m.name == fn)  # fmt: skip
+                stub = next(
+                    m
+                    for m in protocols[proto].body
+                    if isinstance(m, ast.FunctionDef) and m.name == fn
+                )
                 params = [a.arg for a in stub.args.args[1:]]
                 doc = obj.__doc__.splitlines()[0]
                 assert re.findall(r"(\w+): ", doc.split("->")[0]) == params, (part, fn, doc)
@@ -102,14 +112,19 @@ def test_native_classes_expose_exactly_the_twins_api(cls):
         assert callable(getattr(a, name)) == callable(getattr(b, name)), name
 
 
-@pytest.mark.parametrize("cls,twin", [("Vocab", py_detok.PyVocab),
-                                      ("IncrementalDetokenizer", py_detok.PyIncrementalDetokenizer)])
+@pytest.mark.parametrize(
+    "cls,twin",
+    [("Vocab", py_detok.PyVocab), ("IncrementalDetokenizer", py_detok.PyIncrementalDetokenizer)],
+)
 def test_the_detokenizer_twins_take_the_same_parameters(cls, twin):
     native = getattr(importlib.import_module("trillm._ext.detokenizer"), cls)
     doc = native.__init__.__doc__.splitlines()[0]
     native_params = re.findall(r"(\w+): ", doc.split("->")[0])[1:]  # without self
     assert native_params == list(inspect.signature(twin).parameters)
-    stub = next(n for n in ast.parse((STUBS / "detokenizer.pyi").read_text()).body
-                if isinstance(n, ast.ClassDef) and n.name == cls)  # fmt: skip
+    stub = next(
+        n
+        for n in ast.parse((STUBS / "detokenizer.pyi").read_text()).body
+        if isinstance(n, ast.ClassDef) and n.name == cls
+    )
     init = next(m for m in stub.body if isinstance(m, ast.FunctionDef) and m.name == "__init__")
     assert [a.arg for a in init.args.args[1:]] == native_params

@@ -27,8 +27,16 @@ pytestmark = [
 
 
 def _rms_args(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> dict:
-    return dict(out=rows(out), x=rows(x), weight=w.data_ptr(), num_rows=x.shape[0],
-                hidden=x.shape[1], eps=1e-6, dtype=0, num_threads=1)  # fmt: skip
+    return dict(
+        out=rows(out),
+        x=rows(x),
+        weight=w.data_ptr(),
+        num_rows=x.shape[0],
+        hidden=x.shape[1],
+        eps=1e-6,
+        dtype=0,
+        num_threads=1,
+    )
 
 
 def test_a_bound_call_computes_what_the_kernel_computes_on_the_buffers_at_run_time():
@@ -54,8 +62,11 @@ def test_a_program_runs_its_thunks_in_order():
     a, b = torch.empty(2, 64), torch.empty(2, 32)
     prog = program.Program()
     prog.append(ops.bind_rms_norm(**_rms_args(a, x, w)))
-    prog.append(ops.bind_silu_and_mul(out=rows(b), gate_up=rows(a), num_rows=2, width=32,
-                                      dtype=0, num_threads=1))  # fmt: skip
+    prog.append(
+        ops.bind_silu_and_mul(
+            out=rows(b), gate_up=rows(a), num_rows=2, width=32, dtype=0, num_threads=1
+        )
+    )
     assert len(prog) == 2
     prog.run()
     ref = torch.empty(2, 64)
@@ -70,10 +81,18 @@ def test_binding_checks_the_arguments_and_a_kernels_error_stops_the_run():
     positions = torch.tensor([99])  # outside a 16-position cos/sin cache
     cache = torch.randn(16, 8)
     thunk = ops.bind_rotary(
-        q=rows(q), k=rows(k),
-        positions=positions.data_ptr(), cos_sin_cache=cache.data_ptr(), num_tokens=1,
-        head_dim=8, rotary_dim=8, max_pos=16, cache_stride=8, dtype=0, num_threads=1,
-    )  # fmt: skip
+        q=rows(q),
+        k=rows(k),
+        positions=positions.data_ptr(),
+        cos_sin_cache=cache.data_ptr(),
+        num_tokens=1,
+        head_dim=8,
+        rotary_dim=8,
+        max_pos=16,
+        cache_stride=8,
+        dtype=0,
+        num_threads=1,
+    )
     x, w, out = torch.randn(1, 64), torch.randn(64), torch.zeros(1, 64)
     prog = program.Program()
     prog.append(thunk)
@@ -88,8 +107,18 @@ def test_binding_checks_the_arguments_and_a_kernels_error_stops_the_run():
 
 def test_plan_slots_are_checked_when_bound_and_when_run():
     slots = attention.PlanSlots(1)
-    kwargs = dict(out=0, q=0, k_cache=0, v_cache=0, q_token_stride=0, q_head_stride=0,
-                  out_token_stride=0, out_head_stride=0, scale=1.0, dtype=0)  # fmt: skip
+    kwargs = dict(
+        out=0,
+        q=0,
+        k_cache=0,
+        v_cache=0,
+        q_token_stride=0,
+        q_head_stride=0,
+        out_token_stride=0,
+        out_head_stride=0,
+        scale=1.0,
+        dtype=0,
+    )
     with pytest.raises(IndexError):
         slots.bind_run(1, **kwargs)
     thunk = slots.bind_run(0, **kwargs)
@@ -116,10 +145,17 @@ def test_a_bound_attention_call_runs_the_plan_in_its_slot_at_run_time():
     ]
     slots = attention.PlanSlots(1)
     out = torch.empty_like(q)
-    kwargs = dict(q=q.data_ptr(), k_cache=kv[0].data_ptr(), v_cache=kv[1].data_ptr(),
-                  q_token_stride=q.stride(0), q_head_stride=q.stride(1),
-                  out_token_stride=out.stride(0), out_head_stride=out.stride(1), scale=0.3,
-                  dtype=0)  # fmt: skip
+    kwargs = dict(
+        q=q.data_ptr(),
+        k_cache=kv[0].data_ptr(),
+        v_cache=kv[1].data_ptr(),
+        q_token_stride=q.stride(0),
+        q_head_stride=q.stride(1),
+        out_token_stride=out.stride(0),
+        out_head_stride=out.stride(1),
+        scale=0.3,
+        dtype=0,
+    )
     thunk = slots.bind_run(0, out=out.data_ptr(), **kwargs)
     results = []
     for plan in plans:
@@ -155,8 +191,12 @@ def test_native_replay_gives_the_python_replays_bits(tmp_path, monkeypatch, arch
     for prog in programs.programs.values():
         natives = [s for s in prog.steps if getattr(s, "__name__", "") == "run"]
         python = [s for s in prog.steps if s not in natives]
-        bound = sum(1 for c in prog.calls if recording.bind(c, prog.plan_slots, {
-            key: i for i, key in enumerate(prog.plan_keys)}) is not None)  # fmt: skip
+        bound = sum(
+            1
+            for c in prog.calls
+            if recording.bind(c, prog.plan_slots, {key: i for i, key in enumerate(prog.plan_keys)})
+            is not None
+        )
         assert bound + len(python) == len(prog.calls)
         if arch == "llama":  # the embedding's lookup (a torch op), then one native run
             assert len(python) == 1 and len(natives) == 1 and prog.steps[1] in natives

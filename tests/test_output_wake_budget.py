@@ -48,8 +48,10 @@ def test_wake_budget_spreads_middle_chunks_first_and_last_at_once(tok):
 
 
 def test_wake_budget_off_below_the_budget_and_when_disabled(tok):
-    for processor, n in ((OutputProcessor(tok, wake_budget=8), 8),
-                         (OutputProcessor(tok, wake_budget=None), 20)):  # fmt: skip
+    for processor, n in (
+        (OutputProcessor(tok, wake_budget=8), 8),
+        (OutputProcessor(tok, wake_budget=None), 20),
+    ):
         collectors = _streams(tok, processor, n)
         for token in ids_of(tok)[:5]:
             processor.process_outputs([step(r, [token]) for r in collectors])

@@ -36,11 +36,34 @@ MAX_TOKENS = 8
 LIMITS = {"max_model_len": 64, "kv_cache_memory": "4MiB"}
 
 # Families with a tensor-parallel split (trillm.distributed.sharding.ARCHITECTURES), Llama aside.
-TP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
-             "olmo2", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe"]  # fmt: skip
+TP_ARCHES = [
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "gpt_neox",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+]
 # Every family but Llama and Gemma 2 (tests/test_pipeline_parallel.py).
-PP_ARCHES = ["mistral", "qwen2", "qwen3", "gemma", "gemma3", "phi3", "olmo2", "gpt_neox",
-             "mixtral", "qwen2_moe", "qwen3_moe"]  # fmt: skip
+PP_ARCHES = [
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "gpt_neox",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+]
 OVERRIDES: dict[str, dict[str, Any]] = {  # beyond num_hidden_layers=2
     "gemma2": {"initializer_range": 0.05},
     "gemma3": {"initializer_range": 0.02},
@@ -110,8 +133,12 @@ def test_pp2_matches_pp1(model, arch):
 
 def test_tp_size_that_does_not_divide_an_expert_size_is_refused(tiny_model_factory):
     """Refused before any worker starts, naming the size it does not divide."""
-    path = tiny_model_factory("qwen2_moe", num_hidden_layers=1, moe_intermediate_size=50,
-                              shared_expert_intermediate_size=81)  # fmt: skip
+    path = tiny_model_factory(
+        "qwen2_moe",
+        num_hidden_layers=1,
+        moe_intermediate_size=50,
+        shared_expert_intermediate_size=81,
+    )
     match = r"tensor_parallel_size=2 does not divide .*shared_expert_intermediate_size=81"
     with pytest.raises(ValueError, match=match):
         LLM(path, tensor_parallel_size=2, **LIMITS)
@@ -134,14 +161,24 @@ def test_fused_expert_tensors_shard_like_the_per_expert_ones(model):
     whole = load_file(safetensors_files(path)[0])
     experts = "model.layers.0.mlp.experts."
     num = num_experts(cfg.hf_config)
-    part = {p: torch.stack([whole[f"{experts}{e}.{p}_proj.weight"] for e in range(num)])
-            for p in ("gate", "up", "down")}  # fmt: skip
+    part = {
+        p: torch.stack([whole[f"{experts}{e}.{p}_proj.weight"] for e in range(num)])
+        for p in ("gate", "up", "down")
+    }
     gate_up = torch.cat([part["gate"], part["up"]], 1)  # [E, 2I, H]
     for rank in (0, 1):
         shapes = RankShapes.of(cfg, rank, 2)
-        per_expert = {p: torch.stack([shapes.read_shard(cfg, f"{experts}{e}.{p}_proj.weight",
-                                                         whole[f"{experts}{e}.{p}_proj.weight"])
-                                      for e in range(num)]) for p in ("gate", "up", "down")}  # fmt: skip
+        per_expert = {
+            p: torch.stack(
+                [
+                    shapes.read_shard(
+                        cfg, f"{experts}{e}.{p}_proj.weight", whole[f"{experts}{e}.{p}_proj.weight"]
+                    )
+                    for e in range(num)
+                ]
+            )
+            for p in ("gate", "up", "down")
+        }
         fused = shapes.read_shard(cfg, experts + "gate_up_proj", gate_up)
         assert torch.equal(fused, torch.cat([per_expert["gate"], per_expert["up"]], 1))
         down = shapes.read_shard(cfg, experts + "down_proj", part["down"])

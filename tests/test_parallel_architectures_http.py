@@ -44,8 +44,13 @@ ARCHITECTURES = sorted(set(ARCHES) - {"llama"})  # Llama: see the table above
 
 def served_tokens(server: ServerProcess) -> list[list[int]]:
     """Greedy tokens of both prompts, from one request."""
-    body = {"prompt": TWO_PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": TWO_PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     r = httpx.post(server.base_url + "/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])

@@ -104,9 +104,11 @@ def test_each_stage_builds_and_loads_only_its_layers(llama):
     for stage, expected in ((0, {"0"}), (1, {"1", "2"})):
         assert layers(set(held[stage])) == layers(read[stage]) == expected
     assert others(set(held[0])) == others(read[0]) == {"model.embed_tokens.weight"}
-    assert others(set(held[1])) == others(read[1]) == {
-        "model.embed_tokens.weight", "model.norm.weight"
-    }  # fmt: skip
+    assert (
+        others(set(held[1]))
+        == others(read[1])
+        == {"model.embed_tokens.weight", "model.norm.weight"}
+    )
 
 
 # ---------------------------------------------------------------- the Python API
@@ -263,14 +265,20 @@ def test_http_abort_while_another_batch_is_in_flight(server, pp1_tokens):
     """A stream whose client leaves mid-generation is aborted while the other requests' steps
     are in flight; they still get PP=1's tokens, and the server serves on."""
     streamed = open_request(
-        server, "/v1/completions",
+        server,
+        "/v1/completions",
         {"prompt": "x", "max_tokens": 100, "ignore_eos": True, "stream": True},
-    )  # fmt: skip
+    )
     read_until(streamed, b"data: {")
 
     def one(prompt: str) -> list[int]:
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        body = {
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         r = httpx.post(server.base_url + "/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["token_ids"]

@@ -139,8 +139,10 @@ def test_http_handlers_check_the_context_once_per_prompt(model_path, context_che
 
             engine.generate = spy
             state = ServerState(engine, ["tiny"], ServerMetrics(engine, "tiny"), nursery)
-            chat = structure(ChatCompletionRequest,
-                             {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})  # fmt: skip
+            chat = structure(
+                ChatCompletionRequest,
+                {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            )
             body = await create_chat_completion(state, chat)
             assert body["usage"]["completion_tokens"] == 2
             assert len(context_checks) == 1
@@ -153,8 +155,9 @@ def test_http_handlers_check_the_context_once_per_prompt(model_path, context_che
             # What reached the engine was prepared: generate did not check it again.
             assert len(submitted) == 3 and all(isinstance(p, PreparedPrompt) for p in submitted)
             # Chat's prompt too long for the context names "messages".
-            long = structure(ChatCompletionRequest,
-                             {"messages": [{"role": "user", "content": "word " * 400}]})  # fmt: skip
+            long = structure(
+                ChatCompletionRequest, {"messages": [{"role": "user", "content": "word " * 400}]}
+            )
             with pytest.raises(BadRequestError) as info:
                 await create_chat_completion(state, long)
             assert info.value.param == "messages"

@@ -40,13 +40,28 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = ["In the beginning", "A", "Copyright holders may"]
 MAX_TOKENS = 8
 LIMITS = {"max_model_len": 128, "kv_cache_memory": "8MiB"}
-GGUF_LEGACY = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q4_1", "attn_output": "Q4_1",
-               "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q8_0"}  # fmt: skip
-GGUF_KQUANT = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q3_K", "attn_output": "Q5_K",
-               "ffn_gate": "Q2_K", "ffn_up": "Q6_K", "ffn_down": "Q4_K", "token_embd": "Q8_0",
-               "output": "Q6_K"}  # fmt: skip
-KQUANT_SHAPES = {"hidden_size": 256, "head_dim": 128, "intermediate_size": 768,
-                 "vocab_size": 4099}  # fmt: skip
+GGUF_LEGACY = {
+    "attn_q": "Q8_0",
+    "attn_k": "Q8_0",
+    "attn_v": "Q4_1",
+    "attn_output": "Q4_1",
+    "ffn_gate": "Q4_0",
+    "ffn_up": "Q4_0",
+    "ffn_down": "Q8_0",
+    "token_embd": "Q8_0",
+}
+GGUF_KQUANT = {
+    "attn_q": "Q4_K",
+    "attn_k": "Q4_K",
+    "attn_v": "Q3_K",
+    "attn_output": "Q5_K",
+    "ffn_gate": "Q2_K",
+    "ffn_up": "Q6_K",
+    "ffn_down": "Q4_K",
+    "token_embd": "Q8_0",
+    "output": "Q6_K",
+}
+KQUANT_SHAPES = {"hidden_size": 256, "head_dim": 128, "intermediate_size": 768, "vocab_size": 4099}
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +71,13 @@ def models(tmp_path_factory):
 
     out = {}
     for key, arch, method in (("awq", "llama", "awq"), ("gptq", "qwen2", "gptq")):
-        quantized, _ = packer.write_tiny_group_quantized(build_tiny_model(arch, tmp(arch)),
-                                                         tmp(key), method, 32, sym=key == "gptq")  # fmt: skip
+        quantized, _ = packer.write_tiny_group_quantized(
+            build_tiny_model(arch, tmp(arch)), tmp(key), method, 32, sym=key == "gptq"
+        )
         out[key] = str(quantized)
-    out["gguf"] = str(write_tiny_gguf(build_tiny_model("qwen2", tmp("q2")), tmp("gguf"),
-                                      GGUF_LEGACY))  # fmt: skip
+    out["gguf"] = str(
+        write_tiny_gguf(build_tiny_model("qwen2", tmp("q2")), tmp("gguf"), GGUF_LEGACY)
+    )
     hf = build_tiny_model("llama", tmp("kq"), **KQUANT_SHAPES)
     out["gguf-kquant"] = str(write_tiny_gguf(hf, tmp("gguf-kquant"), GGUF_KQUANT))
     return out
@@ -94,19 +111,25 @@ def test_rank_packed_slices_unpack_to_the_whole_layers_slice(models, key):
     whole = load_file(f"{models[key]}/model.safetensors")
     for layer, dim in (("self_attn.k_proj", 0), ("self_attn.o_proj", 1), ("mlp.down_proj", 1)):
         path = f"model.layers.1.{layer}"
-        tensors = {kind: whole[f"{path}.{kind}"] for kind in awq_gptq.PACKED
-                   if f"{path}.{kind}" in whole}  # fmt: skip
+        tensors = {
+            kind: whole[f"{path}.{kind}"] for kind in awq_gptq.PACKED if f"{path}.{kind}" in whole
+        }
         q, scales, zeros = awq_gptq.unpack(qcfg, path, tensors)  # [N, K], [N, G], [N, G]
         group = q.shape[1] // scales.shape[1]
         for rank in range(2):
             shapes = RankShapes.of(cfg, rank, 2)
-            part = {kind: quant_sharding.read_packed_shard(cfg, shapes, f"{path}.{kind}", t)
-                    for kind, t in tensors.items()}  # fmt: skip
+            part = {
+                kind: quant_sharding.read_packed_shard(cfg, shapes, f"{path}.{kind}", t)
+                for kind, t in tensors.items()
+            }
             got = awq_gptq.unpack(qcfg, path, part)
             _, start, length = shapes.split_of(cfg, f"{path}.weight")
             if dim == 0:
-                want = (q[start : start + length], scales[start : start + length],
-                        zeros[start : start + length])  # fmt: skip
+                want = (
+                    q[start : start + length],
+                    scales[start : start + length],
+                    zeros[start : start + length],
+                )
             else:
                 groups = slice(start // group, (start + length) // group)
                 want = (q[:, start : start + length], scales[:, groups], zeros[:, groups])
@@ -118,8 +141,11 @@ def test_gguf_rank_blocks_are_the_whole_tensors_slice_or_none_inside_a_block(mod
     cfg = load_model_config(EngineArgs(model=models["gguf-kquant"], device="cpu"))
     tensors = {t.name: t for t in gguf_loader.GGUFFile(cfg.model).tensors()}
     shapes = RankShapes.of(cfg, 1, 2)
-    for name in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.v_proj.weight",
-                 "lm_head.weight"):  # fmt: skip
+    for name in (
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "lm_head.weight",
+    ):
         t = tensors[name]
         whole = gguf_loader.dequantized_tensor(t)
         got = gguf_loader.dequantized_tensor(quant_sharding.gguf_shard(cfg, shapes, t))
@@ -156,8 +182,7 @@ def test_a_rank_keeps_its_share_quantized(models, monkeypatch):
     down = layer.mlp.down_proj
     assert not hasattr(down, "quantized_weight") and down.weight.shape == (256, 384)
     assert model.lm_head.quantized_weight.out_features == 2050  # 2049 rows and a zero row
-    awq = build_model(load_model_config(EngineArgs(model=models["awq"], device="cpu")), None,
-                      "cpu")  # fmt: skip
+    awq = build_model(load_model_config(EngineArgs(model=models["awq"], device="cpu")), None, "cpu")
     down = awq.model.layers[1].mlp.down_proj
     assert (down.quantized_weight.qtype, down.in_features) == (linear_q_cpu.Q4_G, 64)
 
@@ -193,9 +218,11 @@ def test_a_split_off_a_group_boundary_is_refused_by_name(models, tmp_path):
     config["quantization_config"]["group_size"] = 64  # o_proj's K=64: 32 inputs per rank
     (folder / "config.json").write_text(json.dumps(config))
     assert load_model_config(EngineArgs(model=str(folder), device="cpu")).quantization == "gptq"
-    message = (r"tensor_parallel_size=2: the GPTQ layer o_proj \(N=64 outputs, K=64 inputs; "
-               r"row-parallel\) .*32 inputs per rank from input 0, not whole groups of "
-               r"group_size=64")  # fmt: skip
+    message = (
+        r"tensor_parallel_size=2: the GPTQ layer o_proj \(N=64 outputs, K=64 inputs; "
+        r"row-parallel\) .*32 inputs per rank from input 0, not whole groups of "
+        r"group_size=64"
+    )
     with pytest.raises(TensorParallelConfigError, match=message):
         load_model_config(EngineArgs(model=str(folder), device="cpu", tensor_parallel_size=2))
     with pytest.raises(TensorParallelConfigError, match=message):

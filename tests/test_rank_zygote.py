@@ -90,8 +90,11 @@ def test_ranks_are_this_process_children_with_the_worker_command_line(model, mod
 def test_a_zygote_that_fails_is_a_startup_error_that_leaves_nothing(model, monkeypatch):
     monkeypatch.setattr(rank_launch, "ZYGOTE_MODULE", "trillm.executor.no_such_zygote")
     before = set(_children())
-    with pytest.raises(EngineStartupError, match=r"rank zygote \(pid \d+\) exited with code 1 "
-                       r"after starting 0 of 2 ranks"):  # fmt: skip
+    with pytest.raises(
+        EngineStartupError,
+        match=r"rank zygote \(pid \d+\) exited with code 1 "
+        r"after starting 0 of 2 ranks",
+    ):
         LLM(model, tensor_parallel_size=2, **LIMITS)
     assert set(_children()) <= before
     assert _subreaper() == 0
@@ -100,7 +103,9 @@ def test_a_zygote_that_fails_is_a_startup_error_that_leaves_nothing(model, monke
 @pytest.mark.parametrize("tp", [1, 2])
 def test_an_unknown_start_mode_is_refused(model, monkeypatch, tp):
     monkeypatch.setenv(rank_launch.START_ENV, "fork")
-    with pytest.raises(ValueError, match="TRILLM_WORKER_START='fork': expected one of zygote, spawn"):
+    with pytest.raises(
+        ValueError, match="TRILLM_WORKER_START='fork': expected one of zygote, spawn"
+    ):
         LLM(model, tensor_parallel_size=tp, **LIMITS)
 
 

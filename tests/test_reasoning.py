@@ -27,21 +27,45 @@ QWEN3_CLOSED_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 # (parser, rendered prompt, output, reasoning, content)
 CASES = [
-    ("deepseek_r1", "", R1_FULL,
-     "\nOkay, the user asks for 17 * 23. 17 * 20 = 340, 17 * 3 = 51, so 391.\n",
-     "\n\n17 × 23 = **391**."),
-    ("deepseek_r1", "<think>\n", R1_PROMPT_OPENED, "Okay, so 2 + 2.\nThat is 4.\n",
-     "\n\nThe answer is 4."),
+    (
+        "deepseek_r1",
+        "",
+        R1_FULL,
+        "\nOkay, the user asks for 17 * 23. 17 * 20 = 340, 17 * 3 = 51, so 391.\n",
+        "\n\n17 × 23 = **391**.",
+    ),
+    (
+        "deepseek_r1",
+        "<think>\n",
+        R1_PROMPT_OPENED,
+        "Okay, so 2 + 2.\nThat is 4.\n",
+        "\n\nThe answer is 4.",
+    ),
     ("deepseek_r1", "", R1_CUT_OFF, "\nOkay, let me think about this carefully. First", None),
-    ("qwen3", "", QWEN3_THINKING, "\nThe user greets me. I should answer politely.\n",
-     "\n\nHello! How can I help?"),
+    (
+        "qwen3",
+        "",
+        QWEN3_THINKING,
+        "\nThe user greets me. I should answer politely.\n",
+        "\n\nHello! How can I help?",
+    ),
     ("qwen3", QWEN3_CLOSED_PROMPT, QWEN3_NO_THINKING, None, QWEN3_NO_THINKING),
     ("qwen3", "", QWEN3_NO_THINKING, None, QWEN3_NO_THINKING),
-    ("qwen3", QWEN3_OPEN_PROMPT, "The user greets me.\n</think>\n\nHi!", "The user greets me.\n",
-     "\n\nHi!"),
-    ("qwen3", QWEN3_OPEN_PROMPT, "Still thinking when max_tokens", "Still thinking when max_tokens",
-     None),
-]  # fmt: skip
+    (
+        "qwen3",
+        QWEN3_OPEN_PROMPT,
+        "The user greets me.\n</think>\n\nHi!",
+        "The user greets me.\n",
+        "\n\nHi!",
+    ),
+    (
+        "qwen3",
+        QWEN3_OPEN_PROMPT,
+        "Still thinking when max_tokens",
+        "Still thinking when max_tokens",
+        None,
+    ),
+]
 
 
 def stream(name: str, prompt: str, parts: list[str]) -> tuple[str | None, str | None]:
@@ -159,8 +183,11 @@ def test_constrained_tool_output_is_split_after_its_reasoning():
         exclude_tools_when_tool_choice_none, reasoning_parser = False, "deepseek_r1"
 
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool],
-            "tool_choice": {"type": "function", "function": {"name": "f"}}}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+    }
     plan = plan_tools(State(), structure(ChatCompletionRequest, body))
     r1 = get_reasoning_parser("deepseek_r1")
     msg = ChoiceParser(plan, lambda: r1(""), True).message('plan it</think>{"a": 1}')
@@ -175,6 +202,7 @@ def test_constrained_tool_output_is_split_after_its_reasoning():
     deltas = [stream.feed(t, False) for t in ("pl", "an</th", 'ink>{"a"', ": 1}")]
     deltas.append(stream.feed("", True))
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "plan"
-    args = "".join(c["function"].get("arguments") or "" for d in deltas
-                   for c in d.get("tool_calls", []))  # fmt: skip
+    args = "".join(
+        c["function"].get("arguments") or "" for d in deltas for c in d.get("tool_calls", [])
+    )
     assert args == '{"a": 1}'

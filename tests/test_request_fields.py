@@ -113,11 +113,15 @@ def test_truncate_prompt_tokens_takes_a_text_longer_than_the_context(server):
 def test_chat_echo_prepends_the_assistants_last_message(server):
     start = "And God said"
     body = {
-        "messages": [{"role": "user", "content": "Go on."},
-                     {"role": "assistant", "content": start}],
-        "continue_final_message": True, "add_generation_prompt": False,
-        "max_tokens": 6, "temperature": 0,
-    }  # fmt: skip
+        "messages": [
+            {"role": "user", "content": "Go on."},
+            {"role": "assistant", "content": start},
+        ],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": 6,
+        "temperature": 0,
+    }
     url = server.base_url + "/chat/completions"
     plain = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]["content"]
     echoed = httpx.post(url, json={**body, "echo": True}, timeout=60).json()
@@ -130,8 +134,7 @@ def test_chat_echo_prepends_the_assistants_last_message(server):
                 streamed.append(delta.get("content") or "")
     assert "".join(streamed) == start + plain
     # A last message that is not the assistant's is not echoed.
-    user_last = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                 "temperature": 0}  # fmt: skip
+    user_last = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
     a = httpx.post(url, json=user_last, timeout=60).json()["choices"][0]["message"]["content"]
     b = httpx.post(url, json={**user_last, "echo": True}, timeout=60).json()
     assert b["choices"][0]["message"]["content"] == a

@@ -35,9 +35,12 @@ def no_gc() -> Iterator[None]:
 
 def _engine(model_path: str):
     return open_engine(
-        model_path, runner=FAKE_RUNNER, runner_kwargs={"step_sleep_s": 0.005},
-        max_model_len=2048, max_num_seqs=256,
-    )  # fmt: skip
+        model_path,
+        runner=FAKE_RUNNER,
+        runner_kwargs={"step_sleep_s": 0.005},
+        max_model_len=2048,
+        max_num_seqs=256,
+    )
 
 
 async def _assert_idle(engine) -> None:
@@ -116,8 +119,11 @@ def test_many_concurrent_streams_some_abandoned(model_path):
             vocab = engine.model_config.vocab_size
 
             async def one(i: int) -> None:
-                params = SamplingParams(max_tokens=6 if i % 2 else 1500, ignore_eos=True,
-                                        output_kind=RequestOutputKind.DELTA)  # fmt: skip
+                params = SamplingParams(
+                    max_tokens=6 if i % 2 else 1500,
+                    ignore_eos=True,
+                    output_kind=RequestOutputKind.DELTA,
+                )
                 tokens: list[int] = []
                 async with engine.generate({"prompt_token_ids": [3, i]}, params, f"m{i}") as outs:
                     async for out in outs:

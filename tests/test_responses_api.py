@@ -57,11 +57,22 @@ def server(tmp_path_factory):
     template = tmp / "template.jinja"
     template.write_text(TEMPLATE)
     srv = ServerProcess(
-        [str(model), "--chat-template", str(template), "--enable-auto-tool-choice",
-         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-         "--max-model-len", "1024", "--kv-cache-memory", "64MiB"],
+        [
+            str(model),
+            "--chat-template",
+            str(template),
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--reasoning-parser",
+            "qwen3",
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory",
+            "64MiB",
+        ],
         tmp / "server.log",
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -124,8 +135,12 @@ def test_stream_events_in_order_and_deltas_make_the_text(client):
     kinds = [e.type for e in stream]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
-                          "response.output_item.done", "response.incomplete"]  # fmt: skip
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
     assert [e.sequence_number for e in stream] == list(range(len(stream)))
     text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
@@ -160,19 +175,36 @@ def test_named_tool_gives_a_function_call_item(client):
 def test_function_call_history_is_the_chat_tool_history(client):
     items = [
         {"role": "user", "content": ASK},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
-         "arguments": '{"city": "Paris"}'},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
         {"type": "function_call_output", "call_id": "call_1", "output": "22 C and sunny"},
-    ]  # fmt: skip
+    ]
     messages = [
         {"role": "user", "content": ASK},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C and sunny"},
-    ]  # fmt: skip
+    ]
     r = respond(client, input=items, tools=[WEATHER], tool_choice="none")
-    c = chat(client, messages, tools=[{"type": "function", "function": {
-        k: v for k, v in WEATHER.items() if k != "type"}}], tool_choice="none")  # fmt: skip
+    c = chat(
+        client,
+        messages,
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        tool_choice="none",
+    )
     assert r.usage.input_tokens == c.usage.prompt_tokens
     assert r.output_text == c.choices[0].message.content
 
@@ -181,13 +213,19 @@ def test_tool_fields_reach_the_template_and_parallel_tool_calls(client):
     plain = {k: v for k, v in WEATHER.items() if k != "description"}
     base = respond(client, tools=[plain], tool_choice="none", max_output_tokens=1)
     described = respond(client, tools=[WEATHER], tool_choice="none", max_output_tokens=1)
-    strict = respond(client, tools=[{**plain, "strict": True}], tool_choice="none",
-                     max_output_tokens=1)  # fmt: skip
+    strict = respond(
+        client, tools=[{**plain, "strict": True}], tool_choice="none", max_output_tokens=1
+    )
     # the template renders each tool as JSON: its description and strict flag are in the prompt
     assert described.usage.input_tokens > base.usage.input_tokens + 3
     assert strict.usage.input_tokens > base.usage.input_tokens
-    one = respond(client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
-                  max_output_tokens=200)  # fmt: skip
+    one = respond(
+        client,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=200,
+    )
     assert [item.type for item in one.output] == ["function_call"]
     assert one.parallel_tool_calls is False and one.tool_choice == "required"
 
@@ -195,11 +233,15 @@ def test_tool_fields_reach_the_template_and_parallel_tool_calls(client):
 def test_reasoning_history_is_the_chat_reasoning_content(client):
     items = [
         {"role": "user", "content": "hi"},
-        {"type": "reasoning", "id": "rs_1", "summary": [],
-         "content": [{"type": "reasoning_text", "text": "be nice"}]},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "be nice"}],
+        },
         {"role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
         {"role": "user", "content": "and?"},
-    ]  # fmt: skip
+    ]
     messages = [
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello", "reasoning_content": "be nice"},
@@ -234,8 +276,11 @@ def test_vllm_extensions_request_id_cache_salt_priority_timeout(client):
 
 def test_reasoning_effort_gives_a_reasoning_item(client):
     r = respond(client, reasoning={"effort": "high"})
-    c = chat(client, [{"role": "user", "content": ASK}],
-             extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})  # fmt: skip
+    c = chat(
+        client,
+        [{"role": "user", "content": ASK}],
+        extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}},
+    )
     thought = c.choices[0].message.model_extra["reasoning_content"]
     assert thought  # 12 tokens inside the open <think> block
     assert r.output[0].type == "reasoning" and r.output[0].content[0].text == thought
@@ -248,20 +293,39 @@ def test_reasoning_effort_gives_a_reasoning_item(client):
 
 
 def test_text_format_json_schema_constrains_the_output(client):
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-              "additionalProperties": False}  # fmt: skip
-    fmt = {"format": {"type": "json_schema", "name": "obj", "schema": schema,
-                      "description": "an object", "strict": True}}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    fmt = {
+        "format": {
+            "type": "json_schema",
+            "name": "obj",
+            "schema": schema,
+            "description": "an object",
+            "strict": True,
+        }
+    }
     r = respond(client, text=fmt, max_output_tokens=40)
-    c = chat(client, [{"role": "user", "content": ASK}], max_tokens=40, response_format={
-        "type": "json_schema", "json_schema": {"name": "obj", "schema": schema}})  # fmt: skip
+    c = chat(
+        client,
+        [{"role": "user", "content": ASK}],
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "obj", "schema": schema}},
+    )
     assert r.output_text == c.choices[0].message.content
     if r.status == "completed":
         assert isinstance(json.loads(r.output_text)["a"], int)
     # name, description and strict are echoed (the grammar enforces the schema either way)
     echoed = r.text.format
     assert (echoed.type, echoed.name, echoed.description, echoed.strict) == (
-        "json_schema", "obj", "an object", True)  # fmt: skip
+        "json_schema",
+        "obj",
+        "an object",
+        True,
+    )
     r = respond(client, text={"format": {"type": "json_object"}}, max_output_tokens=40)
     if r.status == "completed":
         assert isinstance(json.loads(r.output_text), dict)
@@ -288,10 +352,14 @@ def test_text_format_json_schema_constrains_the_output(client):
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
-         "tool_choice.name"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-         "input[0].content[0].type"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+            "tool_choice.name",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
         ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": []}, "input"),
@@ -299,10 +367,12 @@ def test_text_format_json_schema_constrains_the_output(client):
         ({"max_output_tokens": 5000}, "max_output_tokens"),
         ({"model": "other"}, "model"),
     ],
-)  # fmt: skip
+)
 def test_refused_fields_are_named(client, body, param):
-    kw = {"input": body.pop("input", ASK), **({"model": body.pop("model")} if "model" in body
-                                              else {})}  # fmt: skip
+    kw = {
+        "input": body.pop("input", ASK),
+        **({"model": body.pop("model")} if "model" in body else {}),
+    }
     with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as info:
         client.responses.create(**kw, extra_body=body)
     assert info.value.body["param"] == param, info.value.body
@@ -320,8 +390,7 @@ def test_openapi_lists_responses_and_the_deployment_routes():
 
     spec = build_spec()
     validate(spec)
-    for path in ("/v1/responses", "/v1/responses/{response_id}", "/ping", "/invocations",
-                 "/load"):  # fmt: skip
+    for path in ("/v1/responses", "/v1/responses/{response_id}", "/ping", "/invocations", "/load"):
         assert path in spec["paths"], path
     request = spec["components"]["schemas"]["ResponsesRequest"]
     assert request["required"] == ["input"]

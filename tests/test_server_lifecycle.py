@@ -24,11 +24,23 @@ def server(tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory("llama")
     log = tmp_path_factory.mktemp("server-lifecycle") / "server.log"
     srv = ServerProcess(
-        [model, "--max-model-len", "2048", "--kv-cache-memory", "64MiB", "--max-num-seqs", "64",
-         "--shutdown-timeout", "2", "--trust-request-chat-template", "--stream-interval", "3"],
+        [
+            model,
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory",
+            "64MiB",
+            "--max-num-seqs",
+            "64",
+            "--shutdown-timeout",
+            "2",
+            "--trust-request-chat-template",
+            "--stream-interval",
+            "3",
+        ],
         log,
         api_key=KEY,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -54,7 +66,9 @@ def test_the_started_server_froze_its_startup_heap(server):
     # collector before it listens (an oldest-generation collection over them paused it
     # 160-220 ms every few seconds under load)
     log = server.log()
-    frozen = re.search(r"API server: (\d+) startup objects frozen out of the garbage collector", log)
+    frozen = re.search(
+        r"API server: (\d+) startup objects frozen out of the garbage collector", log
+    )
     assert frozen is not None and int(frozen.group(1)) > 50_000, log
     assert log.index("startup objects frozen") < log.index("trillm is serving"), log
 
@@ -77,13 +91,19 @@ def test_api_key_guards_v1_routes(server):
 
 def test_trusted_request_chat_template_is_sandboxed(server):
     messages = [{"role": "user", "content": "hello there"}]
-    body = {"messages": messages, "max_tokens": 2, "return_token_ids": True,
-            "chat_template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"}  # fmt: skip
-    r = httpx.post(server.base_url + "/chat/completions", json=body, headers=server.headers(),
-                   timeout=60)  # fmt: skip
+    body = {
+        "messages": messages,
+        "max_tokens": 2,
+        "return_token_ids": True,
+        "chat_template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}",
+    }
+    r = httpx.post(
+        server.base_url + "/chat/completions", json=body, headers=server.headers(), timeout=60
+    )
     assert r.status_code == 200, r.text
-    expected = httpx.post(server.url + "/tokenize", json={"prompt": "[hello there]"},
-                          headers=server.headers()).json()  # fmt: skip
+    expected = httpx.post(
+        server.url + "/tokenize", json={"prompt": "[hello there]"}, headers=server.headers()
+    ).json()
     assert r.json()["prompt_token_ids"] == expected["tokens"]
     body["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
     r = httpx.post(server.base_url + "/chat/completions", json=body, headers=server.headers())
@@ -92,8 +112,13 @@ def test_trusted_request_chat_template_is_sandboxed(server):
 
 
 async def _stream_then_leave(client, i, started, leave):
-    body = {"prompt": f"client {i} says", "max_tokens": 1500, "stream": True,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    body = {
+        "prompt": f"client {i} says",
+        "max_tokens": 1500,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         events = 0
@@ -144,9 +169,11 @@ def test_disconnected_streams_are_aborted(server):
     assert aborted(server) - aborted_before == NUM_CLIENTS
     # The engine still serves.
     ok = httpx.post(
-        server.base_url + "/completions", json={"prompt": "after", "max_tokens": 3},
-        headers=server.headers(), timeout=60,
-    )  # fmt: skip
+        server.base_url + "/completions",
+        json={"prompt": "after", "max_tokens": 3},
+        headers=server.headers(),
+        timeout=60,
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
 
 
@@ -155,16 +182,24 @@ def test_stream_interval_sends_fewer_larger_chunks(server):
     end; the streamed text equals the non-streamed one."""
     import json
 
-    body = {"prompt": "In the", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": "In the",
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     full = httpx.post(
         server.base_url + "/completions", json=body, headers=server.headers(), timeout=60
     ).json()["choices"][0]
     sizes, text = [], ""
     with httpx.stream(
-        "POST", server.base_url + "/completions", json={**body, "stream": True},
-        headers=server.headers(), timeout=60,
-    ) as r:  # fmt: skip
+        "POST",
+        server.base_url + "/completions",
+        json={**body, "stream": True},
+        headers=server.headers(),
+        timeout=60,
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 choice = json.loads(line[6:])["choices"][0]
@@ -190,9 +225,10 @@ def test_sigterm_drains_then_aborts_and_exits_0(server):
         time.sleep(0.3)
         assert httpx.get(server.url + "/health").status_code == 503
         refused = httpx.post(
-            server.base_url + "/completions", json={"prompt": "x", "max_tokens": 2},
+            server.base_url + "/completions",
+            json={"prompt": "x", "max_tokens": 2},
             headers=server.headers(),
-        )  # fmt: skip
+        )
         assert refused.status_code == 503
         assert refused.json()["error"]["type"] == "ServiceUnavailableError"
         rest = [line for line in lines if line.startswith("data: ")]
@@ -228,9 +264,10 @@ def test_dead_engine_answers_503(tiny_model_factory, tmp_path):
     ).start()
     try:
         workers = [
-            p for p in _children(srv.proc.pid)
+            p
+            for p in _children(srv.proc.pid)
             if b"worker_main" in open(f"/proc/{p}/cmdline", "rb").read()
-        ]  # fmt: skip
+        ]
         assert workers, "expected a model-worker subprocess"
         body = {"prompt": "x", "max_tokens": 1000, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=60) as r:
@@ -265,10 +302,26 @@ def test_a_port_in_use_is_reported_before_the_engine_starts(tiny_model_factory):
         holder.listen()
         port = holder.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "trillm", "serve", model, "--host", "127.0.0.1", "--port",
-             str(port), "--max-model-len", "256", "--kv-cache-memory", "16MiB"],
-            cwd=REPO, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "trillm",
+                "serve",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--max-model-len",
+                "256",
+                "--kv-cache-memory",
+                "16MiB",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     log = done.stdout + done.stderr
     assert done.returncode == 1, log
     assert f"cannot serve on 127.0.0.1:{port}" in log

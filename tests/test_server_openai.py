@@ -23,10 +23,21 @@ def model_path(tiny_model_factory):
 def server(model_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-openai") / "server.log"
     srv = ServerProcess(
-        [model_path, "--served-model-name", NAME, "--max-model-len", "512",
-         "--kv-cache-memory", "32MiB", "--max-num-seqs", "16", "--block-size", "16"],
+        [
+            model_path,
+            "--served-model-name",
+            NAME,
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "32MiB",
+            "--max-num-seqs",
+            "16",
+            "--block-size",
+            "16",
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -138,9 +149,11 @@ def test_logprobs_match_transformers(client, tokenizer, model_path):
 
 def test_chat_logprobs(client):
     resp = client.chat.completions.create(
-        messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2,
+        messages=[{"role": "user", "content": "hi"}],
+        logprobs=True,
+        top_logprobs=2,
         **greedy_kwargs(),
-    )  # fmt: skip
+    )
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens == MAX_NEW
     assert "".join(c.token for c in content) == resp.choices[0].message.content
@@ -186,8 +199,9 @@ def test_chat_stream_equals_full(client):
     usage = chunks[-1].usage
     assert chunks[-1].choices == []
     assert (usage.prompt_tokens, usage.completion_tokens) == (
-        full.usage.prompt_tokens, full.usage.completion_tokens,
-    )  # fmt: skip
+        full.usage.prompt_tokens,
+        full.usage.completion_tokens,
+    )
 
 
 def test_stream_raw_sse_framing(server):
@@ -207,9 +221,14 @@ def test_stream_raw_sse_framing(server):
 def test_n_and_seed(client):
     def sample(seed):
         resp = client.completions.create(
-            model=NAME, prompt="Random words:", n=3, temperature=1.0, seed=seed, max_tokens=8,
+            model=NAME,
+            prompt="Random words:",
+            n=3,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=8,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
         assert sorted(c.index for c in resp.choices) == [0, 1, 2]
         assert resp.usage.completion_tokens == 24
         return [c.text for c in sorted(resp.choices, key=lambda c: c.index)]
@@ -249,9 +268,11 @@ def test_response_format_is_accepted(client):
         {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
     ):
         resp = client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "json"}], max_tokens=3,
+            model=NAME,
+            messages=[{"role": "user", "content": "json"}],
+            max_tokens=3,
             response_format=fmt,
-        )  # fmt: skip
+        )
         assert resp.choices[0].finish_reason in ("stop", "length")
 
 
@@ -299,8 +320,16 @@ def test_version_and_openapi(server):
     assert httpx.get(server.url + "/version").json() == {"version": trillm.__version__}
     spec = httpx.get(server.url + "/openapi.json").json()
     validate(spec)
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize",
-                 "/detokenize", "/health", "/version", "/metrics"):  # fmt: skip
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/health",
+        "/version",
+        "/metrics",
+    ):
         assert path in spec["paths"]
     post = spec["paths"]["/v1/chat/completions"]["post"]
     assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(

@@ -31,9 +31,14 @@ TEMPLATE = (
 def test_structure_accepts_unknown_fields_and_unions():
     req = structure(
         ChatCompletionRequest,
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
-         "stop": "x", "temperature": 1, "tools": [], "metadata": {"k": "v"}},
-    )  # fmt: skip
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+            "stop": "x",
+            "temperature": 1,
+            "tools": [],
+            "metadata": {"k": "v"},
+        },
+    )
     assert req.stop == "x" and req.temperature == 1.0 and isinstance(req.temperature, float)
     assert req.messages[0].content[0].text == "a"
     prompts = structure(CompletionRequest, {"prompt": [[1, 2], [3]]}).prompt
@@ -80,8 +85,9 @@ def test_continue_final_message_drops_the_closing_tokens():
     )
     assert text == "<user>q</user><assistant>The ans"
     with pytest.raises(ChatTemplateError):
-        render_template(TEMPLATE, messages[:1], add_generation_prompt=False,
-                        continue_final_message=True)  # fmt: skip
+        render_template(
+            TEMPLATE, messages[:1], add_generation_prompt=False, continue_final_message=True
+        )
 
 
 @pytest.mark.parametrize(
@@ -128,19 +134,54 @@ def test_serve_flags_map_to_engine_args():
     from trillm.config import EngineArgs
 
     args = build_parser().parse_args(
-        ["serve", "/m", "--port", "9001", "--served-model-name", "a", "b", "--dtype", "float32",
-         "--max-model-len", "128", "--kv-cache-memory", "2GiB", "--no-enable-prefix-caching",
-         "--scheduling-policy", "priority", "-tp", "1", "--max-logprobs", "5", "--log-level",
-         "warning", "--shutdown-timeout", "4", "--trust-request-chat-template",
-         "--attention-backend", "torch", "--generation-config", "vllm", "--seed", "3"],
-    )  # fmt: skip
+        [
+            "serve",
+            "/m",
+            "--port",
+            "9001",
+            "--served-model-name",
+            "a",
+            "b",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--kv-cache-memory",
+            "2GiB",
+            "--no-enable-prefix-caching",
+            "--scheduling-policy",
+            "priority",
+            "-tp",
+            "1",
+            "--max-logprobs",
+            "5",
+            "--log-level",
+            "warning",
+            "--shutdown-timeout",
+            "4",
+            "--trust-request-chat-template",
+            "--attention-backend",
+            "torch",
+            "--generation-config",
+            "vllm",
+            "--seed",
+            "3",
+        ],
+    )
     kwargs = engine_kwargs(args)
     assert kwargs == {
-        "dtype": "float32", "seed": 3, "max_model_len": 128, "kv_cache_memory": 2 << 30,
-        "enable_prefix_caching": False, "scheduling_policy": "priority",
-        "tensor_parallel_size": 1, "max_logprobs": 5, "attention_backend": "torch",
-        "generation_config": "vllm", "served_model_name": "a",
-    }  # fmt: skip
+        "dtype": "float32",
+        "seed": 3,
+        "max_model_len": 128,
+        "kv_cache_memory": 2 << 30,
+        "enable_prefix_caching": False,
+        "scheduling_policy": "priority",
+        "tensor_parallel_size": 1,
+        "max_logprobs": 5,
+        "attention_backend": "torch",
+        "generation_config": "vllm",
+        "served_model_name": "a",
+    }
     EngineArgs.from_kwargs(args.model_tag, **kwargs)  # every name is an EngineArgs field
     opts = server_options(args)
     assert (opts.port, opts.served_model_names, opts.log_level) == (9001, ["a", "b"], "warning")
@@ -184,16 +225,37 @@ def test_bad_memory_size_is_a_usage_error(capsys):
 
 def test_serve_help_documents_the_flags():
     out = subprocess.run(
-        [sys.executable, "-m", "trillm", "serve", "--help"], capture_output=True, text=True,
+        [sys.executable, "-m", "trillm", "serve", "--help"],
+        capture_output=True,
+        text=True,
         check=True,
-    ).stdout  # fmt: skip
-    for flag in ("--host", "--port", "--served-model-name", "--dtype", "--seed",
-                 "--max-model-len", "--block-size", "--max-num-seqs", "--max-num-batched-tokens",
-                 "--enable-prefix-caching", "--no-enable-prefix-caching", "--scheduling-policy",
-                 "--tensor-parallel-size", "--api-key", "--chat-template", "--generation-config",
-                 "--max-logprobs", "--kv-cache-memory", "--gpu-memory-utilization",
-                 "--uvicorn-log-level", "--log-level", "--shutdown-timeout",
-                 "--trust-request-chat-template", "--attention-backend"):  # fmt: skip
+    ).stdout
+    for flag in (
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--dtype",
+        "--seed",
+        "--max-model-len",
+        "--block-size",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--scheduling-policy",
+        "--tensor-parallel-size",
+        "--api-key",
+        "--chat-template",
+        "--generation-config",
+        "--max-logprobs",
+        "--kv-cache-memory",
+        "--gpu-memory-utilization",
+        "--uvicorn-log-level",
+        "--log-level",
+        "--shutdown-timeout",
+        "--trust-request-chat-template",
+        "--attention-backend",
+    ):
         assert flag in out, flag
 
 
@@ -243,8 +305,9 @@ def test_generation_config_gives_defaults_the_request_overrides():
     params = build_sampling_params(state, req, max_tokens=4, logprobs=None)
     assert (params.temperature, params.top_k) == (1.0, 0)
     plain = _params_state({})
-    params = build_sampling_params(plain, structure(ChatCompletionRequest, {"messages": []}),
-                                   max_tokens=4, logprobs=None)  # fmt: skip
+    params = build_sampling_params(
+        plain, structure(ChatCompletionRequest, {"messages": []}), max_tokens=4, logprobs=None
+    )
     assert params.temperature == 1.0
     assert resolve_max_tokens(plain, None, 30) == 70  # max_model_len - prompt
 

@@ -65,11 +65,15 @@ def test_proposer_caps_drafts_and_skips_history_dependent_sampling():
             self.sampling_params = SamplingParams(**params)
             self.max_tokens = self.sampling_params.max_tokens
 
-    got = proposer.propose([
-        R("free", [], max_tokens=10), R("near_end", [], max_tokens=2),
-        R("penalty", [], max_tokens=10, presence_penalty=0.5),
-        R("min_tokens", [], max_tokens=10, min_tokens=2), R("at_end", [], max_tokens=1),
-    ])  # fmt: skip
+    got = proposer.propose(
+        [
+            R("free", [], max_tokens=10),
+            R("near_end", [], max_tokens=2),
+            R("penalty", [], max_tokens=10, presence_penalty=0.5),
+            R("min_tokens", [], max_tokens=10, min_tokens=2),
+            R("at_end", [], max_tokens=1),
+        ]
+    )
     # near_end: 2 tokens left, the step's own token is one of them -> 1 draft.
     assert got == {"free": [3, 4, 5, 1], "near_end": [3]}
 
@@ -81,8 +85,9 @@ def test_speculative_config_parsing_and_defaults():
     assert parse_speculative_config(None) is None
     cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
     assert cfg == SpeculativeConfig("ngram", 3, 5, 5)  # vLLM's 5..5 when neither is given
-    cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
-                                    "prompt_lookup_max": 4})  # fmt: skip
+    cfg = parse_speculative_config(
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}
+    )
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)
     # As vLLM: a model without a method is a draft model; "[ngram]" names the n-gram method.
     cfg = parse_speculative_config({"model": "/m", "num_speculative_tokens": 3})
@@ -95,8 +100,10 @@ def test_speculative_config_parsing_and_defaults():
     ("value", "named"),
     [
         ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),
-        ('{"model": "x", "num_speculative_tokens": 2, "prompt_lookup_min": 2}',
-         "prompt_lookup_min are not supported with draft_model"),
+        (
+            '{"model": "x", "num_speculative_tokens": 2, "prompt_lookup_min": 2}',
+            "prompt_lookup_min are not supported with draft_model",
+        ),
         ('{"method": "medusa", "model": "x", "num_speculative_tokens": 2}', "medusa"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
@@ -233,8 +240,9 @@ class StubExecutor(InProcessStubExecutor):
 def test_engine_core_counts_drafts_and_rolls_back(impl_name):
     sched = make_scheduler(get_impl(impl_name), block_size=4)
     executor = StubExecutor({"a": 2, "b": 0}, {"a": 1, "b": 5})
-    core = EngineCore(sched, executor, proposer=NgramProposer(SpeculativeConfig("ngram", 3, 1, 1),
-                                                              256))  # fmt: skip
+    core = EngineCore(
+        sched, executor, proposer=NgramProposer(SpeculativeConfig("ngram", 3, 1, 1), 256)
+    )
     # A prompt that repeats: the proposer always finds the last token earlier.
     core.handle_input(ecr("a", [1, 2, 3, 4, 1, 2, 3, 4, 1], max_tokens=12))
     core.handle_input(ecr("b", [5, 6, 7, 5, 6, 7, 5], max_tokens=12))

@@ -16,13 +16,26 @@ from trillm.spec_decode.backoff import MAX_PAUSE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SMALL = {"max_model_len": 256, "kv_cache_memory": "8MiB", "distributed_executor_backend": "uni",
-         "block_size": 8}  # fmt: skip
-PROMPTS = ["a b c d a b c d a b c", "The license grants the license grants the", "hello",
-           "The license grants the right to"]  # fmt: skip (two share a prefix: cached blocks)
+SMALL = {
+    "max_model_len": 256,
+    "kv_cache_memory": "8MiB",
+    "distributed_executor_backend": "uni",
+    "block_size": 8,
+}
+PROMPTS = [
+    "a b c d a b c d a b c",
+    "The license grants the license grants the",
+    "hello",
+    "The license grants the right to",
+]  # two share a prefix: cached blocks
 # One layer, half the width: a draft that knows nothing of the target.
-RANDOM_DRAFT = {"seed": 1, "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
-                "head_dim": 16}  # fmt: skip
+RANDOM_DRAFT = {
+    "seed": 1,
+    "num_hidden_layers": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "head_dim": 16,
+}
 
 
 def draft_config(path: str, k: int = 3) -> dict:
@@ -54,8 +67,9 @@ def run(engine: LLM, params: SamplingParams):
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
-SEEDED = SamplingParams(temperature=1.0, seed=7, top_k=50, max_tokens=30, ignore_eos=True, n=2,
-                        logprobs=1)  # fmt: skip
+SEEDED = SamplingParams(
+    temperature=1.0, seed=7, top_k=50, max_tokens=30, ignore_eos=True, n=2, logprobs=1
+)
 
 
 def test_target_copy_as_draft_is_accepted_and_output_is_exact(engines, caplog):
@@ -150,14 +164,20 @@ def test_small_budget_and_preemption_keep_output_exact(engines, models, caplog):
     cache): still the base output, and the copy's drafts still accepted."""
     base, _, _ = engines
     target, _ = models
-    tight = {**SMALL, "max_num_batched_tokens": 16, "num_gpu_blocks_override": 24,
-             "max_model_len": 128}  # fmt: skip
+    tight = {
+        **SMALL,
+        "max_num_batched_tokens": 16,
+        "num_gpu_blocks_override": 24,
+        "max_model_len": 128,
+    }
     engine = LLM(target, speculative_config=draft_config(target), **tight)
     try:
         prompts = [p * 3 for p in PROMPTS]  # 20-40 tokens each: several budget-sized chunks
         params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-        for x, y in zip(base.generate(prompts, params, use_tqdm=False),
-                        engine.generate(prompts, params, use_tqdm=False)):  # fmt: skip
+        for x, y in zip(
+            base.generate(prompts, params, use_tqdm=False),
+            engine.generate(prompts, params, use_tqdm=False),
+        ):
             assert_same(x, y)
         s = stats(engine)
         assert engine.engine.get_stats().num_preemptions > 0

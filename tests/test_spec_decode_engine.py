@@ -14,13 +14,23 @@ from trillm.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}  # fmt: skip
-SMALL = {"max_model_len": 256, "kv_cache_memory": "16MiB", "distributed_executor_backend": "uni",
-         "block_size": 8}  # fmt: skip
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+SMALL = {
+    "max_model_len": 256,
+    "kv_cache_memory": "16MiB",
+    "distributed_executor_backend": "uni",
+    "block_size": 8,
+}
 # Output that repeats its prompt: the default model continues the verse it has seen.
-PROMPT = ("And God said, Let there be light: and there was light. And God saw the light, that "
-          "it was good: and God divided the light from the darkness. And God said, Let there be")  # fmt: skip
+PROMPT = (
+    "And God said, Let there be light: and there was light. And God saw the light, that "
+    "it was good: and God divided the light from the darkness. And God said, Let there be"
+)
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +160,10 @@ def test_every_architecture_same_greedy_and_seeded_output(tiny_model_factory, ar
             SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1),
             SamplingParams(temperature=1.0, seed=3, max_tokens=30, ignore_eos=True),
         ):
-            for x, y in zip(base.generate(prompts, params, use_tqdm=False),
-                            spec.generate(prompts, params, use_tqdm=False)):  # fmt: skip
+            for x, y in zip(
+                base.generate(prompts, params, use_tqdm=False),
+                spec.generate(prompts, params, use_tqdm=False),
+            ):
                 assert_same(x, y)
         assert spec_stats(spec).num_drafts > 0
     finally:
@@ -167,8 +179,17 @@ def server(tmp_path_factory):
     import json
 
     log = tmp_path_factory.mktemp("spec-http") / "server.log"
-    args = ["--max-model-len", "256", "--kv-cache-memory", "16MiB", "--block-size", "8",
-            "--speculative-config", json.dumps(NGRAM), "--disable-log-stats"]  # fmt: skip
+    args = [
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory",
+        "16MiB",
+        "--block-size",
+        "8",
+        "--speculative-config",
+        json.dumps(NGRAM),
+        "--disable-log-stats",
+    ]
     srv = ServerProcess(args, log).start()
     yield srv
     assert srv.stop() == 0, srv.log()
@@ -176,13 +197,15 @@ def server(tmp_path_factory):
 
 def test_http_same_greedy_text_and_metrics_count(server, pair):
     base = pair[0]
-    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
-            "logprobs": 2}  # fmt: skip
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 2}
     r = httpx.post(server.base_url + "/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    ref = base.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
-                                                 logprobs=2), use_tqdm=False)[0].outputs[0]  # fmt: skip
+    ref = base.generate(
+        [PROMPT],
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert choice["text"] == ref.text
     ref_lps = [d[t].logprob for d, t in zip(ref.logprobs, ref.token_ids)]
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(ref_lps, abs=1e-4)
@@ -204,7 +227,8 @@ def accepted_per_position(page: str) -> dict[int, float]:
     for line in page.splitlines():
         if line.startswith(name):
             labels, value = line[len(name) :].rsplit("} ", 1)
-            pos = next(p.split("=")[1].strip('"') for p in labels.split(",")
-                       if p.startswith("position="))  # fmt: skip
+            pos = next(
+                p.split("=")[1].strip('"') for p in labels.split(",") if p.startswith("position=")
+            )
             found[int(pos)] = float(value)
     return found

@@ -33,8 +33,14 @@ REPO = Path(__file__).resolve().parent.parent
 def run_python(code: str) -> str:
     """``code`` in a fresh interpreter (nothing imported yet); its stdout."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=env, cwd=REPO, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
 
@@ -56,8 +62,11 @@ def test_the_frontend_builds_its_config_without_torch(tiny_model_factory):
             print(config.model.architecture, config.model.hidden_act, config.device)
         print("torch" in sys.modules)
     """)
-    assert out.split("\n")[:3] == ["LlamaForCausalLM silu cpu", "GPTNeoXForCausalLM gelu cpu",
-                                   "False"]  # fmt: skip
+    assert out.split("\n")[:3] == [
+        "LlamaForCausalLM silu cpu",
+        "GPTNeoXForCausalLM gelu cpu",
+        "False",
+    ]
 
 
 def test_the_torch_free_tables_match_the_modules_they_describe():

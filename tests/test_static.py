@@ -1,4 +1,5 @@
-"""Lint and types are part of the test command: ruff (with the ASYNC rules) and mypy."""
+"""Lint, format and types are part of the test command: ruff (with the ASYNC rules), ruff's
+formatter and mypy."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ def run(*cmd: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is in the test extras")
 def test_ruff_lint_is_clean():
     result = run("ruff", "check", "trillm", "kernels", "tests", "benchmarks", "setup.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is in the test extras")
+def test_ruff_format_is_applied():
+    result = run(
+        "ruff", "format", "--check", "trillm", "kernels", "tests", "benchmarks", "setup.py"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -48,10 +48,16 @@ ARCHES = ["llama", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "mixtral", "q
 
 def _runner(path, *, eager: bool = False, dtype: str = "float32", seqs: int = 16) -> ModelRunner:
     args = EngineArgs(
-        model=str(path), dtype=dtype, device="cpu", block_size=BLOCK_SIZE, max_num_seqs=seqs,
-        max_model_len=256, num_gpu_blocks_override=NUM_BLOCKS,
-        distributed_executor_backend="uni", enforce_eager=eager,
-    )  # fmt: skip
+        model=str(path),
+        dtype=dtype,
+        device="cpu",
+        block_size=BLOCK_SIZE,
+        max_num_seqs=seqs,
+        max_model_len=256,
+        num_gpu_blocks_override=NUM_BLOCKS,
+        distributed_executor_backend="uni",
+        enforce_eager=eager,
+    )
     runner = ModelRunner(build_config(args))
     runner.load_model()
     runner.initialize_kv_cache(runner.determine_num_blocks())
@@ -67,8 +73,9 @@ def _decode(runner: ModelRunner, lens=PROMPT_LENS, seed: int | None = None):
         if seed is None:
             params = SamplingParams(temperature=0.0, max_tokens=n, logprobs=3)
         else:
-            params = SamplingParams(temperature=1.0, top_p=0.9, seed=seed + i, max_tokens=n,
-                                    logprobs=3)  # fmt: skip
+            params = SamplingParams(
+                temperature=1.0, top_p=0.9, seed=seed + i, max_tokens=n, logprobs=3
+            )
         reqs.append(_Req(f"r{i}", prompt, params, n))
         sched.add(reqs[-1])
     sched.run()
@@ -134,8 +141,10 @@ def _alternate(runner: ModelRunner, big: int):
     6) decoding in turn with a group of 3 (9 tokens): step sizes big, 3, big, 3, ..., 6, 3."""
     prompts = _prompts([2 + i % 7 for i in range(big + 3)], seed=3)
     params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, logprobs=2)  # noqa: E731
-    a = [_Req(f"a{i}", p, params(6 if i < 6 else 4), 6 if i < 6 else 4)
-         for i, p in enumerate(prompts[:big])]  # fmt: skip
+    a = [
+        _Req(f"a{i}", p, params(6 if i < 6 else 4), 6 if i < 6 else 4)
+        for i, p in enumerate(prompts[:big])
+    ]
     b = [_Req(f"b{i}", p, params(9), 9) for i, p in enumerate(prompts[big:])]
     sched = _Alternating(runner, [a, b])
     for req in a + b:
@@ -365,7 +374,12 @@ def test_a_capture_does_not_import_torch_dynamo(tmp_path):
         "assert sorted(runner.step_programs.programs) == [1, 2, 3, 4, 5]\n"
         "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-2:] == ["no", "dynamo"], out.stdout

@@ -120,7 +120,7 @@ def test_spec_key_and_options():
             SO(structural_tag={"type": "structural_tag", "format": {"type": "nope"}}),
             "Invalid structural tag",
         ),
-    ],  # fmt: skip
+    ],
 )
 def test_invalid_specs_name_the_problem(cache, so, match):
     async def main():
@@ -184,9 +184,13 @@ def _sched(step_id: int, req_ids: list[str]) -> SchedulerOutput:
     from trillm.messages import CachedRequestData
 
     return SchedulerOutput(
-        step_id, [], CachedRequestData(), {r: 1 for r in req_ids}, len(req_ids),
+        step_id,
+        [],
+        CachedRequestData(),
+        {r: 1 for r in req_ids},
+        len(req_ids),
         wait_for_bitmask=True,
-    )  # fmt: skip
+    )
 
 
 def _allowed(row: bytes, vocab: int) -> list[int]:
@@ -343,8 +347,10 @@ def test_twins_agree_with_grammar_waits(seed):
         for _ in range(rng.choice((0, 0, 1, 2))):
             rid = f"r{step}-{rng.randrange(1000)}"
             structured = rng.random() < 0.5
-            params = SP(max_tokens=rng.randint(1, 12),
-                        structured_outputs=SO(regex="a+") if structured else None)  # fmt: skip
+            params = SP(
+                max_tokens=rng.randint(1, 12),
+                structured_outputs=SO(regex="a+") if structured else None,
+            )
             prompt = [rng.randrange(50) for _ in range(rng.randint(1, 20))]
             req = EngineCoreRequest(rid, prompt, params, float(step), priority=rng.randrange(3))
             for sched in twins:
@@ -388,6 +394,7 @@ def test_bitmask_rows_cross_the_codec_compactly():
     back = codec.decode(frame)
     assert isinstance(back, SampleRequest) and back.step_id == 7 and back.bitmask == rows
     assert len(frame) < 64 * (4 * 128 + 16)  # ~4 bytes a word, plus a few per row
-    as_lists = codec.encode(SampleRequest(7, {k: np.frombuffer(v, np.int32).tolist()
-                                              for k, v in rows.items()}))  # fmt: skip
+    as_lists = codec.encode(
+        SampleRequest(7, {k: np.frombuffer(v, np.int32).tolist() for k, v in rows.items()})
+    )
     assert len(frame) < len(as_lists)

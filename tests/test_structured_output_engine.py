@@ -40,18 +40,24 @@ EBNF_RE = r"\((?:[1-9][0-9]?|0)(?:,(?:[1-9][0-9]?|0))*\)"
 
 # (params, check(text)): each kind with a validator that does not trust the engine.
 CASES = {
-    "json": (SO(json=PERSON, disable_any_whitespace=True),
-             lambda t: jsonschema.validate(json.loads(t), PERSON)),
-    "json_text_ws": (SO(json=json.dumps(PERSON)),
-                     lambda t: jsonschema.validate(json.loads(t), PERSON)),
+    "json": (
+        SO(json=PERSON, disable_any_whitespace=True),
+        lambda t: jsonschema.validate(json.loads(t), PERSON),
+    ),
+    "json_text_ws": (
+        SO(json=json.dumps(PERSON)),
+        lambda t: jsonschema.validate(json.loads(t), PERSON),
+    ),
     # NOTE: any JSON object: its strings are unbounded, so the test biases '"' and '}' (the
     # bias applies after the grammar's mask) for the random model to close them.
-    "json_object": (SO(json_object=True, disable_any_whitespace=True),
-                    lambda t: _assert(isinstance(json.loads(t), dict))),
+    "json_object": (
+        SO(json_object=True, disable_any_whitespace=True),
+        lambda t: _assert(isinstance(json.loads(t), dict)),
+    ),
     "regex": (SO(regex=REGEX), lambda t: _assert(re.fullmatch(REGEX, t))),
     "choice": (SO(choice=CHOICES), lambda t: _assert(t in CHOICES)),
     "grammar": (SO(grammar=EBNF), lambda t: _assert(re.fullmatch(EBNF_RE, t))),
-}  # fmt: skip
+}
 
 
 def _assert(ok) -> None:
@@ -98,16 +104,25 @@ def test_every_kind_validates_in_one_mixed_batch(llm, temperature):
     tok = llm.get_tokenizer()
     closers = {tok.encode(c, add_special_tokens=False)[0]: 8.0 for c in ('"', "}")}
     params = [
-        SamplingParams(temperature=temperature, max_tokens=400, seed=i, n=1 if i % 2 else 2,
-                       structured_outputs=CASES[k][0],
-                       logit_bias=closers if k == "json_object" else None)
+        SamplingParams(
+            temperature=temperature,
+            max_tokens=400,
+            seed=i,
+            n=1 if i % 2 else 2,
+            structured_outputs=CASES[k][0],
+            logit_bias=closers if k == "json_object" else None,
+        )
         for i, k in enumerate(kinds)
-    ]  # fmt: skip
+    ]
     plain = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True)
     # The padded ids (4096..4132) have no text (the grammar's rows never allow them): a
     # neighbour sampling only those gets empty text and harms nobody.
-    padded = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True,
-                            allowed_token_ids=list(range(4096, 4133)))  # fmt: skip
+    padded = SamplingParams(
+        temperature=temperature,
+        max_tokens=20,
+        ignore_eos=True,
+        allowed_token_ids=list(range(4096, 4133)),
+    )
     prompts = [f"Answer {k}:" for k in kinds] + ["plain one", "plain two"]
     outs = llm.generate(prompts, params + [plain, padded], use_tqdm=False)
     for kind, out in zip(kinds, outs, strict=False):
@@ -120,8 +135,9 @@ def test_every_kind_validates_in_one_mixed_batch(llm, temperature):
 
 
 def test_many_sampled_json_outputs_validate(llm):
-    params = SamplingParams(temperature=1.2, max_tokens=400, n=6, seed=3,
-                            structured_outputs=CASES["json"][0])  # fmt: skip
+    params = SamplingParams(
+        temperature=1.2, max_tokens=400, n=6, seed=3, structured_outputs=CASES["json"][0]
+    )
     outs = llm.generate(["a", "b", "c"], params, use_tqdm=False)
     for out in outs:
         _check("json", out)
@@ -134,8 +150,9 @@ def test_invalid_specs_raise_value_error_and_the_engine_goes_on(fake_model_path)
         SamplingParams(structured_outputs=SO(regex="a", choice=["a"]))
 
     async def main():
-        async with open_engine(fake_model_path, runner=FAKE_RUNNER,
-                               distributed_executor_backend="uni") as engine:  # fmt: skip
+        async with open_engine(
+            fake_model_path, runner=FAKE_RUNNER, distributed_executor_backend="uni"
+        ) as engine:
             for so, match in [
                 (SO(regex="[z-a]"), "Invalid regex"),
                 (SO(json={"type": "object", "properties": {"a": {"type": "nope"}}}), "nope"),
@@ -154,8 +171,9 @@ def test_invalid_specs_raise_value_error_and_the_engine_goes_on(fake_model_path)
                 async for out in outputs:
                     pass
             # ignore_eos: the scheduler does not stop at EOS, the terminated grammar does
-            params = SamplingParams(max_tokens=50, ignore_eos=True,
-                                    structured_outputs=SO(choice=["ok", "fine"]))  # fmt: skip
+            params = SamplingParams(
+                max_tokens=50, ignore_eos=True, structured_outputs=SO(choice=["ok", "fine"])
+            )
             async with engine.generate("y", params) as outputs:
                 async for out2 in outputs:
                     pass
@@ -169,12 +187,19 @@ def test_streaming_deltas_concatenate_to_valid_json(model_path):
     from trillm.sampling_params import RequestOutputKind
 
     async def main():
-        async with open_engine(model_path, max_model_len=1024, kv_cache_memory="16MiB",
-                               distributed_executor_backend="uni") as engine:  # fmt: skip
+        async with open_engine(
+            model_path,
+            max_model_len=1024,
+            kv_cache_memory="16MiB",
+            distributed_executor_backend="uni",
+        ) as engine:
             params = SamplingParams(
-                temperature=0.8, seed=1, max_tokens=400, output_kind=RequestOutputKind.DELTA,
+                temperature=0.8,
+                seed=1,
+                max_tokens=400,
+                output_kind=RequestOutputKind.DELTA,
                 structured_outputs=CASES["json"][0],
-            )  # fmt: skip
+            )
             pieces, last = [], None
             async with engine.generate("stream:", params) as outputs:
                 async for out in outputs:
@@ -196,8 +221,12 @@ def test_bitmask_only_for_steps_with_a_constrained_request(fake_model_path):
     seen: list[SampleRequest | None] = []
 
     async def main():
-        async with open_engine(fake_model_path, runner=FAKE_RUNNER, distributed_executor_backend="mp",
-                               runner_kwargs={"step_sleep_s": 0.002}) as engine:  # fmt: skip
+        async with open_engine(
+            fake_model_path,
+            runner=FAKE_RUNNER,
+            distributed_executor_backend="mp",
+            runner_kwargs={"step_sleep_s": 0.002},
+        ) as engine:
             executor = engine.cores[0].executor
             real = executor.sample_tokens
 
@@ -241,8 +270,9 @@ def test_waiting_for_grammar_holds_nobody_back_and_a_failed_grammar_ends_alone(
     WAITING_FOR_GRAMMAR while others run; a grammar that fails there aborts its request only."""
 
     async def main():
-        async with open_engine(fake_model_path, runner=FAKE_RUNNER,
-                               distributed_executor_backend="uni") as engine:  # fmt: skip
+        async with open_engine(
+            fake_model_path, runner=FAKE_RUNNER, distributed_executor_backend="uni"
+        ) as engine:
             core = engine.cores[0]
             cache = core.structured_output.cache
             real = cache.compile_now
@@ -255,16 +285,33 @@ def test_waiting_for_grammar_holds_nobody_back_and_a_failed_grammar_ends_alone(
             tok = engine.tokenizer
             so = SO(regex="x{3}y")
             prompt = tok.encode("go")
-            core.handle_input(EngineCoreRequest("g", prompt, SamplingParams(max_tokens=20,
-                              structured_outputs=so), 0.0, eos_token_id=2))  # fmt: skip
-            core.handle_input(EngineCoreRequest("bad", prompt, SamplingParams(max_tokens=20,
-                              structured_outputs=SO(regex="((")), 0.0))  # fmt: skip
+            core.handle_input(
+                EngineCoreRequest(
+                    "g",
+                    prompt,
+                    SamplingParams(max_tokens=20, structured_outputs=so),
+                    0.0,
+                    eos_token_id=2,
+                )
+            )
+            core.handle_input(
+                EngineCoreRequest(
+                    "bad",
+                    prompt,
+                    SamplingParams(max_tokens=20, structured_outputs=SO(regex="((")),
+                    0.0,
+                )
+            )
             mutated = SO(regex="a")
             mutated.regex = 5  # type: ignore[assignment]  # changed after its checks
-            core.handle_input(EngineCoreRequest("mut", prompt, SamplingParams(max_tokens=5,
-                              structured_outputs=mutated), 0.0))  # fmt: skip
-            core.handle_input(EngineCoreRequest("p", prompt, SamplingParams(max_tokens=5,
-                              ignore_eos=True), 0.0))  # fmt: skip
+            core.handle_input(
+                EngineCoreRequest(
+                    "mut", prompt, SamplingParams(max_tokens=5, structured_outputs=mutated), 0.0
+                )
+            )
+            core.handle_input(
+                EngineCoreRequest("p", prompt, SamplingParams(max_tokens=5, ignore_eos=True), 0.0)
+            )
             done: dict[str, list[int]] = {}
             reasons: dict[str, FinishReason] = {}
             order = []
@@ -282,8 +329,12 @@ def test_waiting_for_grammar_holds_nobody_back_and_a_failed_grammar_ends_alone(
             return tok, done, reasons, order
 
     tok, done, reasons, order = trio.run(main)
-    assert reasons == {"p": FinishReason.LENGTH, "bad": FinishReason.ABORT,
-                       "g": FinishReason.STOP, "mut": FinishReason.ABORT}  # fmt: skip
+    assert reasons == {
+        "p": FinishReason.LENGTH,
+        "bad": FinishReason.ABORT,
+        "g": FinishReason.STOP,
+        "mut": FinishReason.ABORT,
+    }
     first = [r for r, _ in order if r != "mut"][0]  # ("mut" is refused at once)
     assert first == "p" and dict(order)["p"] < 0.5  # it did not wait for the compiles
     assert tok.decode(done["g"], skip_special_tokens=True) == "xxxy"
@@ -292,10 +343,15 @@ def test_waiting_for_grammar_holds_nobody_back_and_a_failed_grammar_ends_alone(
 def test_structural_tag(llm):
     """A structural tag (xgrammar's format): a tagged JSON payload, nothing else."""
     payload = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}
-    tag = {"type": "structural_tag", "format": {
-        "type": "tag", "begin": "<call>", "end": "</call>",
-        "content": {"type": "json_schema", "json_schema": payload},
-    }}  # fmt: skip
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<call>",
+            "end": "</call>",
+            "content": {"type": "json_schema", "json_schema": payload},
+        },
+    }
     params = SamplingParams(
         temperature=1.0,
         seed=4,

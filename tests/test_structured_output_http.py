@@ -40,10 +40,19 @@ class City(BaseModel):
 def server(tiny_model_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-so") / "server.log"
     srv = ServerProcess(
-        [tiny_model_factory("llama"), "--served-model-name", NAME, "--max-model-len", "1024",
-         "--kv-cache-memory", "32MiB", "--max-num-seqs", "32"],
+        [
+            tiny_model_factory("llama"),
+            "--served-model-name",
+            NAME,
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory",
+            "32MiB",
+            "--max-num-seqs",
+            "32",
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -60,9 +69,15 @@ def json_schema_format(schema=SCHEMA):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_response_format_json_schema(client, temperature):
     resp = client.chat.completions.create(
-        model=NAME, messages=MSGS, max_tokens=300, temperature=temperature, n=2, seed=5,
-        response_format=json_schema_format(), extra_body=COMPACT,
-    )  # fmt: skip
+        model=NAME,
+        messages=MSGS,
+        max_tokens=300,
+        temperature=temperature,
+        n=2,
+        seed=5,
+        response_format=json_schema_format(),
+        extra_body=COMPACT,
+    )
     for choice in resp.choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
@@ -70,9 +85,15 @@ def test_response_format_json_schema(client, temperature):
 
 def test_response_format_json_schema_streamed(client):
     stream = client.chat.completions.create(
-        model=NAME, messages=MSGS, max_tokens=300, temperature=0.9, seed=11, stream=True,
-        response_format=json_schema_format(), extra_body=COMPACT,
-    )  # fmt: skip
+        model=NAME,
+        messages=MSGS,
+        max_tokens=300,
+        temperature=0.9,
+        seed=11,
+        stream=True,
+        response_format=json_schema_format(),
+        extra_body=COMPACT,
+    )
     text, finish = "", None
     for chunk in stream:
         if chunk.choices:
@@ -86,9 +107,13 @@ def test_parse_with_a_pydantic_model(client):
     parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
     for temperature in (0.0, 1.0):
         resp = parse(
-            model=NAME, messages=MSGS, response_format=City, max_tokens=300,
-            temperature=temperature, extra_body=COMPACT,
-        )  # fmt: skip
+            model=NAME,
+            messages=MSGS,
+            response_format=City,
+            max_tokens=300,
+            temperature=temperature,
+            extra_body=COMPACT,
+        )
         parsed = resp.choices[0].message.parsed
         assert isinstance(parsed, City) and 1 <= parsed.rank <= 99
 
@@ -99,9 +124,15 @@ def test_json_object(client, server):
     # model to close them (logit_bias applies after the grammar's mask).
     bias = {str(t): 8 for t in tok_ids["tokens"]}
     resp = client.chat.completions.create(
-        model=NAME, messages=MSGS, max_tokens=300, temperature=0.7, seed=2, logit_bias=bias,
-        response_format={"type": "json_object"}, extra_body=COMPACT,
-    )  # fmt: skip
+        model=NAME,
+        messages=MSGS,
+        max_tokens=300,
+        temperature=0.7,
+        seed=2,
+        logit_bias=bias,
+        response_format={"type": "json_object"},
+        extra_body=COMPACT,
+    )
     assert resp.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(resp.choices[0].message.content), dict)
 
@@ -121,7 +152,7 @@ def test_json_object(client, server):
             lambda t: re.fullmatch("(yes|no), [0-9]", t),
         ),
         ({"structured_outputs": {"choice": ["x", "y"]}}, lambda t: t in ("x", "y")),
-    ],  # fmt: skip
+    ],
 )
 def test_structured_outputs_and_guided_aliases_on_completions(client, body, check):
     resp = client.completions.create(
@@ -140,21 +171,31 @@ def test_structured_outputs_and_guided_aliases_on_completions(client, body, chec
 def test_concurrent_mix_of_constrained_and_plain(server):
     async def main():
         results = []
-        async with openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0,
-                                      timeout=120) as aclient:  # fmt: skip
+        async with openai.AsyncOpenAI(
+            base_url=server.base_url, api_key="x", max_retries=0, timeout=120
+        ) as aclient:
 
             async def constrained(i):
                 r = await aclient.chat.completions.create(
-                    model=NAME, messages=MSGS, max_tokens=300, temperature=1.0, seed=i,
-                    response_format=json_schema_format(), extra_body=COMPACT,
-                )  # fmt: skip
+                    model=NAME,
+                    messages=MSGS,
+                    max_tokens=300,
+                    temperature=1.0,
+                    seed=i,
+                    response_format=json_schema_format(),
+                    extra_body=COMPACT,
+                )
                 results.append(("json", r.choices[0]))
 
             async def plain(i):
                 r = await aclient.completions.create(
-                    model=NAME, prompt=f"plain {i}", max_tokens=24, temperature=1.0, seed=i,
+                    model=NAME,
+                    prompt=f"plain {i}",
+                    max_tokens=24,
+                    temperature=1.0,
+                    seed=i,
                     extra_body={"ignore_eos": True},
-                )  # fmt: skip
+                )
                 results.append(("plain", r.choices[0]))
 
             async with trio.open_nursery() as nursery:
@@ -216,7 +257,7 @@ def _deep(levels: int) -> str:
             "required",
         ),
         ({"response_format": {"type": "structural_tag"}}, "response_format", "structures"),
-    ],  # fmt: skip
+    ],
 )
 def test_bad_specs_are_400s_naming_the_problem(server, extra, param, message):
     body = {"model": NAME, "messages": MSGS, "max_tokens": 5, **extra}
@@ -232,8 +273,12 @@ def test_deeply_nested_schema_is_a_400(server, levels):
     fmt = '{"type": "json_schema", "json_schema": {"name": "d", "schema": ' + _deep(levels) + "}}"
     head = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "x"}]})
     body = head[:-1] + ', "max_tokens": 5, "response_format": ' + fmt + "}"
-    resp = httpx.post(server.base_url + "/chat/completions", content=body, timeout=60,
-                      headers={"content-type": "application/json"})  # fmt: skip
+    resp = httpx.post(
+        server.base_url + "/chat/completions",
+        content=body,
+        timeout=60,
+        headers={"content-type": "application/json"},
+    )
     assert resp.status_code == 400, resp.text
     assert "depth" in resp.json()["error"]["message"] or "nests deeper" in resp.text
     assert httpx.get(server.url + "/health").status_code == 200

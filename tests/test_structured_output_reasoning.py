@@ -78,8 +78,9 @@ def rows(mgr: StructuredOutputManager, *req_ids: str) -> dict:
 
 
 def allows(row: bytes, token: int) -> bool:
-    return bool((int.from_bytes(row[4 * (token >> 5) : 4 * (token >> 5) + 4], "little")
-                 >> (token & 31)) & 1)  # fmt: skip
+    return bool(
+        (int.from_bytes(row[4 * (token >> 5) : 4 * (token >> 5) + 4], "little") >> (token & 31)) & 1
+    )
 
 
 def test_no_row_and_no_matcher_input_while_reasoning(think_model):
@@ -170,9 +171,15 @@ def run_engine(path: str, script: list[int], requests: dict, **engine_args):
     seen: dict[str, list[bool]] = {name: [] for name in requests}
 
     async def main():
-        async with open_engine(path, runner=SCRIPTED, runner_kwargs={"script": script},
-                               distributed_executor_backend="uni", max_model_len=256,
-                               kv_cache_memory="16MiB", **engine_args) as engine:  # fmt: skip
+        async with open_engine(
+            path,
+            runner=SCRIPTED,
+            runner_kwargs={"script": script},
+            distributed_executor_backend="uni",
+            max_model_len=256,
+            kv_cache_memory="16MiB",
+            **engine_args,
+        ) as engine:
             executor = engine.cores[0].executor
             real_execute, real_sample = executor.execute_model, executor.sample_tokens
 
@@ -206,12 +213,17 @@ def test_engine_constrains_only_after_the_reasoning(think_model):
     script = [start, *ids(tok, THINKING), end, *ids(tok, ANSWER)]
     mk = lambda so: SamplingParams(max_tokens=40, structured_outputs=so)  # noqa: E731
     q = ids(tok, "q")
-    out, seen = run_engine(path, script, {
-        "json": (q, mk(SO(json=CITY))),  # no tag in the prompt: <think> allowed first
-        "choice": ([*q, start], mk(SO(choice=["no"]))),  # the prompt opened reasoning
-        "closed": ([*q, start, end], mk(SO(choice=["no"]))),  # ... and closed it
-        "plain": (q, SamplingParams(max_tokens=len(script) + 3)),
-    }, reasoning_parser="qwen3")  # fmt: skip
+    out, seen = run_engine(
+        path,
+        script,
+        {
+            "json": (q, mk(SO(json=CITY))),  # no tag in the prompt: <think> allowed first
+            "choice": ([*q, start], mk(SO(choice=["no"]))),  # the prompt opened reasoning
+            "closed": ([*q, start, end], mk(SO(choice=["no"]))),  # ... and closed it
+            "plain": (q, SamplingParams(max_tokens=len(script) + 3)),
+        },
+        reasoning_parser="qwen3",
+    )
     # The whole script, reasoning unconstrained, the JSON after it allowed; EOS ends it.
     assert out["json"].token_ids[:-1] == script and out["json"].finish_reason == "stop"
     jsonschema.validate(json.loads(out["json"].text.split(THINKING)[-1]), CITY)
@@ -235,12 +247,18 @@ def test_real_model_first_token_unconstrained_then_grammar(think_model):
     regex = r"[0-9]{3}-[a-z]{2}"
     # The bias (applied after the mask) picks </think> while nothing constrains it; then
     # the grammar's mask excludes it.
-    params = SamplingParams(max_tokens=30, temperature=0, logit_bias={end: 100.0},
-                            structured_outputs=SO(regex=regex))  # fmt: skip
+    params = SamplingParams(
+        max_tokens=30, temperature=0, logit_bias={end: 100.0}, structured_outputs=SO(regex=regex)
+    )
 
     async def main():
-        async with open_engine(path, distributed_executor_backend="uni", max_model_len=256,
-                               kv_cache_memory="16MiB", reasoning_parser="deepseek_r1") as engine:  # fmt: skip
+        async with open_engine(
+            path,
+            distributed_executor_backend="uni",
+            max_model_len=256,
+            kv_cache_memory="16MiB",
+            reasoning_parser="deepseek_r1",
+        ) as engine:
             got = []
             for prompt in ([*ids(tok, "q"), start], [*ids(tok, "q"), start, end]):
                 async with engine.generate({"prompt_token_ids": prompt}, params) as outputs:
@@ -264,8 +282,13 @@ def test_llm_engine_argument_and_refusal(think_model, tiny_model_factory):
         EngineArgs(reasoning_parser="nope")
 
     async def start(path):
-        async with open_engine(path, runner=SCRIPTED, distributed_executor_backend="uni",
-                               reasoning_parser="qwen3", max_model_len=256):  # fmt: skip
+        async with open_engine(
+            path,
+            runner=SCRIPTED,
+            distributed_executor_backend="uni",
+            reasoning_parser="qwen3",
+            max_model_len=256,
+        ):
             pass
 
     with pytest.raises(ValueError, match="Reasoning parser 'qwen3'"):
@@ -274,8 +297,15 @@ def test_llm_engine_argument_and_refusal(think_model, tiny_model_factory):
     # trillm.LLM passes it to the engine: the reasoning is not constrained, then "no" is.
     path, tok, start_id, end_id = think_model
     script = [*ids(tok, "hm"), end_id, *ids(tok, "yes")]
-    llm = LLM(path, runner=SCRIPTED, runner_kwargs={"script": script}, reasoning_parser="deepseek_r1",
-              distributed_executor_backend="uni", max_model_len=256, kv_cache_memory="16MiB")  # fmt: skip
+    llm = LLM(
+        path,
+        runner=SCRIPTED,
+        runner_kwargs={"script": script},
+        reasoning_parser="deepseek_r1",
+        distributed_executor_backend="uni",
+        max_model_len=256,
+        kv_cache_memory="16MiB",
+    )
     try:
         params = SamplingParams(max_tokens=20, structured_outputs=SO(choice=["no"]))
         (out,) = llm.generate([{"prompt_token_ids": ids(tok, "q")}], params, use_tqdm=False)
@@ -299,8 +329,20 @@ def server(think_model, tmp_path_factory):
     with open(f"{path}/{SCRIPT_FILE}", "w") as f:
         json.dump(script, f)
     log = tmp_path_factory.mktemp("server-reasoning") / "server.log"
-    srv = ServerProcess([path, "--runner", SCRIPTED, "--reasoning-parser", "qwen3",
-                         "--max-model-len", "512", "--kv-cache-memory", "16MiB"], log).start()  # fmt: skip
+    srv = ServerProcess(
+        [
+            path,
+            "--runner",
+            SCRIPTED,
+            "--reasoning-parser",
+            "qwen3",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "16MiB",
+        ],
+        log,
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -309,15 +351,24 @@ def test_http_reasoning_content_then_schema_content(server):
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
     ask = [{"role": "user", "content": "Where?"}]
-    r = client.chat.completions.create(model=None, messages=ask, response_format=fmt,  # type: ignore[arg-type]
-                                       max_tokens=40)  # fmt: skip
+    r = client.chat.completions.create(
+        model=None,
+        messages=ask,
+        response_format=fmt,  # type: ignore[arg-type]
+        max_tokens=40,
+    )
     msg = r.choices[0].message
     assert (msg.model_extra or {})["reasoning_content"] == THINKING
     jsonschema.validate(json.loads(msg.content or ""), CITY)
     assert r.choices[0].finish_reason == "stop"
     reasoning = content = ""
-    for chunk in client.chat.completions.create(model=None, messages=ask, response_format=fmt,  # type: ignore[arg-type]
-                                                max_tokens=40, stream=True):  # fmt: skip
+    for chunk in client.chat.completions.create(
+        model=None,
+        messages=ask,
+        response_format=fmt,  # type: ignore[arg-type]
+        max_tokens=40,
+        stream=True,
+    ):
         if chunk.choices:
             reasoning += (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
             content += chunk.choices[0].delta.content or ""
@@ -325,16 +376,20 @@ def test_http_reasoning_content_then_schema_content(server):
     # A named tool: reasoning first, then its arguments are the constrained JSON.
     tool = {"type": "function", "function": {"name": "where", "parameters": CITY}}
     r = client.chat.completions.create(
-        model=None, messages=ask, max_tokens=40, tools=[tool],  # type: ignore[arg-type,list-item]
+        model=None,
+        messages=ask,
+        max_tokens=40,
+        tools=[tool],  # type: ignore[arg-type,list-item]
         tool_choice={"type": "function", "function": {"name": "where"}},
-    )  # fmt: skip
+    )
     msg = r.choices[0].message
     assert (msg.model_extra or {})["reasoning_content"] == THINKING
     assert msg.tool_calls and json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}
 
 
 def test_http_server_refuses_a_tokenizer_without_the_tags(tmp_path):
-    srv = ServerProcess(["--reasoning-parser", "qwen3", "--kv-cache-memory", "16MiB"],
-                        tmp_path / "server.log")  # fmt: skip
+    srv = ServerProcess(
+        ["--reasoning-parser", "qwen3", "--kv-cache-memory", "16MiB"], tmp_path / "server.log"
+    )
     with pytest.raises(RuntimeError, match="Reasoning parser 'qwen3' needs <think> and"):
         srv.start(timeout=120)

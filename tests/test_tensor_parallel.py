@@ -84,7 +84,7 @@ def test_each_rank_reads_only_its_slice_of_each_tensor(llama):
         assert emb.shape[0] == 2050
         rows = whole["model.embed_tokens.weight"][rank * 2050 : (rank + 1) * 2050]
         assert torch.equal(emb[: len(rows)], rows) and not emb[len(rows) :].any()
-        assert sum(t.numel() for t in part.values()) < 0.6 * sum(t.numel() for t in whole.values())  # fmt: skip
+        assert sum(t.numel() for t in part.values()) < 0.6 * sum(t.numel() for t in whole.values())
 
 
 # ---------------------------------------------------------------- the Python API
@@ -94,8 +94,10 @@ def test_python_api_tp2_matches_tp1(llama, tp1_tokens):
     """Greedy tokens equal TP=1's. Seeded and unseeded sampled requests ride in the same
     batch: every rank samples, and the executor fails the engine if any rank's tokens differ
     from rank 0's, so their finishing shows the ranks stayed in step."""
-    sampled = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, ignore_eos=True),
-               SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, n=2, ignore_eos=True)]  # fmt: skip
+    sampled = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, n=2, ignore_eos=True),
+    ]
     with LLM(llama, tensor_parallel_size=2, **LIMITS) as llm:
         outs = llm.generate(PROMPTS + PROMPTS[:2], [greedy()] * 3 + sampled, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[:3]] == tp1_tokens
@@ -112,8 +114,9 @@ def test_draft_model_on_the_output_rank_with_tp2(llama, tp1_tokens, pp):
     ranks' verified tokens differ). With pp=2: TP=2 x PP=2, four ranks."""
     draft = {"method": "draft_model", "model": llama, "num_speculative_tokens": 2}
     seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7, ignore_eos=True)
-    with LLM(llama, tensor_parallel_size=2, pipeline_parallel_size=pp, speculative_config=draft,
-             **LIMITS) as llm:  # fmt: skip
+    with LLM(
+        llama, tensor_parallel_size=2, pipeline_parallel_size=pp, speculative_config=draft, **LIMITS
+    ) as llm:
         outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
         spec = llm.engine.get_stats().spec_decoding  # the greedy requests' (a sampled
         # request's one-hot drafts are accepted with the target's probability, < 1)
@@ -137,10 +140,17 @@ def test_tp_size_the_model_cannot_split_is_refused(llama):
 def server(llama, tmp_path_factory):
     log = tmp_path_factory.mktemp("tp-server") / "server.log"
     srv = ServerProcess(
-        [llama, "--tensor-parallel-size", "2", "--max-model-len", "256",
-         "--kv-cache-memory", "16MiB"],
+        [
+            llama,
+            "--tensor-parallel-size",
+            "2",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory",
+            "16MiB",
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     if srv.proc.poll() is None:
         srv.stop()

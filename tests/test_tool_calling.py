@@ -67,45 +67,99 @@ LLAMA4_PYTHONIC = '<|python_start|>[get_weather(location="Paris")]<|python_end|>
 
 # (parser, output, content, [(name, arguments as an object)])
 CASES = [
-    ("hermes", QWEN25_TWO_CALLS, None, [
-        ("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"}),
-        ("get_temperature_date",
-         {"location": "San Francisco, CA, USA", "date": "2024-10-01", "unit": "celsius"}),
-    ]),
-    ("hermes", QWEN3_TEXT_THEN_CALL, "I'll look that up for you.",
-     [("run_code", {"code": 'if (x) { return [1, "}"]; }', "city": "Zürich"})]),
+    (
+        "hermes",
+        QWEN25_TWO_CALLS,
+        None,
+        [
+            ("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"}),
+            (
+                "get_temperature_date",
+                {"location": "San Francisco, CA, USA", "date": "2024-10-01", "unit": "celsius"},
+            ),
+        ],
+    ),
+    (
+        "hermes",
+        QWEN3_TEXT_THEN_CALL,
+        "I'll look that up for you.",
+        [("run_code", {"code": 'if (x) { return [1, "}"]; }', "city": "Zürich"})],
+    ),
     ("hermes", HERMES2_ARGS_FIRST, None, [("get_stock_fundamentals", {"symbol": "TSLA"})]),
-    ("hermes", "The capital of France is Paris. Use <b>bold</b> here.\n",
-     "The capital of France is Paris. Use <b>bold</b> here.\n", []),
-    ("llama3_json", LLAMA31_JSON, None,
-     [("get_current_conditions", {"location": "San Francisco, CA", "unit": "Fahrenheit"})]),
-    ("llama3_json", LLAMA32_TAGGED_TWO, None,
-     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})]),
+    (
+        "hermes",
+        "The capital of France is Paris. Use <b>bold</b> here.\n",
+        "The capital of France is Paris. Use <b>bold</b> here.\n",
+        [],
+    ),
+    (
+        "llama3_json",
+        LLAMA31_JSON,
+        None,
+        [("get_current_conditions", {"location": "San Francisco, CA", "unit": "Fahrenheit"})],
+    ),
+    (
+        "llama3_json",
+        LLAMA32_TAGGED_TWO,
+        None,
+        [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})],
+    ),
     ("llama3_json", "Paris is sunny today.", "Paris is sunny today.", []),
-    ("llama3_json", '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}',
-     None, [("get_weather", {"city": "Paris"})]),
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>', None,
-     [("f", {"a": 1})]),  # arguments as a JSON string
-    ("mistral", MISTRAL_V3, None, [
-        ("get_current_weather", {"location": "Paris, France", "format": "celsius"}),
-        ("get_time", {}),
-    ]),
-    ("mistral", MISTRAL_V11, "Let me check.",
-     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
+    (
+        "llama3_json",
+        '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}',
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>',
+        None,
+        [("f", {"a": 1})],
+    ),  # arguments as a JSON string
+    (
+        "mistral",
+        MISTRAL_V3,
+        None,
+        [
+            ("get_current_weather", {"location": "Paris, France", "format": "celsius"}),
+            ("get_time", {}),
+        ],
+    ),
+    (
+        "mistral",
+        MISTRAL_V11,
+        "Let me check.",
+        [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})],
+    ),
     ("mistral", "No tools [needed] here.", "No tools [needed] here.", []),
-    ("mistral", MISTRAL_V11 + "</s>", "Let me check.",  # special tokens kept: EOS text follows
-     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]),
-    ("mistral", MISTRAL_V3 + "</s>", None, [
-        ("get_current_weather", {"location": "Paris, France", "format": "celsius"}),
-        ("get_time", {}),
-    ]),
-    ("pythonic", LLAMA32_PYTHONIC, None, [
-        ("get_weather", {"city": "San Francisco", "metric": "celsius", "days": [1, 2]}),
-        ("get_time", {"timezone": "PST", "exact": True, "note": None}),
-    ]),
+    (
+        "mistral",
+        MISTRAL_V11 + "</s>",
+        "Let me check.",  # special tokens kept: EOS text follows
+        [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})],
+    ),
+    (
+        "mistral",
+        MISTRAL_V3 + "</s>",
+        None,
+        [
+            ("get_current_weather", {"location": "Paris, France", "format": "celsius"}),
+            ("get_time", {}),
+        ],
+    ),
+    (
+        "pythonic",
+        LLAMA32_PYTHONIC,
+        None,
+        [
+            ("get_weather", {"city": "San Francisco", "metric": "celsius", "days": [1, 2]}),
+            ("get_time", {"timezone": "PST", "exact": True, "note": None}),
+        ],
+    ),
     ("pythonic", LLAMA4_PYTHONIC, None, [("get_weather", {"location": "Paris"})]),
     ("pythonic", "It is 20 degrees.", "It is 20 degrees.", []),
-]  # fmt: skip
+]
 
 MALFORMED = [
     ("hermes", "<tool_call>\nI will call get_weather now.\n</tool_call>"),
@@ -203,11 +257,20 @@ def test_mistral_ids_are_nine_alphanumerics():
 # ---------------------------------------------------------------- tool_choice: required / named
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
-     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                    "required": ["city"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather now.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
     {"type": "function", "function": {"name": "get_time"}},
-]  # fmt: skip
+]
 
 
 def test_required_schema_lists_each_tool_with_its_parameters():
@@ -289,15 +352,23 @@ def test_auto_without_parallel_tool_calls_keeps_the_first_call():
     "state,body,param,words",
     [
         (_State(False, None), {"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
-        (_State(), {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "tool_choice.function.name", "nope"),
+        (
+            _State(),
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+            "nope",
+        ),
         (_State(), {"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
         (_State(), {"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "sometimes"),
         (_State(), {"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name", "twice"),
-        (_State(), {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-         "tool_choice", "response_format"),
+        (
+            _State(),
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "response_format",
+        ),
     ],
-)  # fmt: skip
+)
 def test_plan_refusals_name_the_field(state, body, param, words):
     with pytest.raises(BadRequestError) as info:
         plan_tools(state, _request(**body))
@@ -341,10 +412,22 @@ QWEN_LIKE = (
 )
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "note": "<&>"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "arguments": '{"city": "Paris", "note": "<&>"}',
+                },
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"},
-]  # fmt: skip
+]
 
 
 def test_tools_reach_the_template():
@@ -366,8 +449,15 @@ def test_tool_history_reaches_the_template_with_arguments_as_objects():
 
 
 def test_tool_history_with_bad_arguments_is_refused():
-    bad = [HISTORY[0], {**HISTORY[1], "tool_calls": [{"type": "function",
-           "function": {"name": "f", "arguments": "{not json"}}]}]  # fmt: skip
+    bad = [
+        HISTORY[0],
+        {
+            **HISTORY[1],
+            "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": "{not json"}}
+            ],
+        },
+    ]
     with pytest.raises(ChatTemplateError) as info:
         render_template(QWEN_LIKE, bad)
     assert info.value.param == "messages[1].tool_calls[0].function.arguments"

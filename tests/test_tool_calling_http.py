@@ -50,9 +50,18 @@ WEATHER = {
         },
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"type": "string", "enum": ["CET", "UTC"]}},
-    "required": ["tz"], "additionalProperties": False}}}  # fmt: skip
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string", "enum": ["CET", "UTC"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
@@ -77,12 +86,23 @@ def server(template_file, tmp_path_factory):
     )
     log = tmp_path_factory.mktemp("server-tools") / "server.log"
     srv = ServerProcess(
-        [str(model), "--chat-template", template_file, "--enable-auto-tool-choice",
-         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-         "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
-         "--trust-request-chat-template"],
+        [
+            str(model),
+            "--chat-template",
+            template_file,
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--reasoning-parser",
+            "qwen3",
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory",
+            "64MiB",
+            "--trust-request-chat-template",
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -96,9 +116,12 @@ def client(server):
 def constrained(client):
     """Whether the engine enforces structured outputs (else those checks skip)."""
     r = client.chat.completions.create(
-        model=None, messages=ASK, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+        model=None,
+        messages=ASK,
+        max_tokens=8,
+        temperature=0,  # type: ignore[arg-type]
         extra_body={"structured_outputs": {"regex": "abc"}},
-    )  # fmt: skip
+    )
     return r.choices[0].message.content == "abc"
 
 
@@ -167,10 +190,13 @@ def test_auto_parses_a_hermes_call_streamed_and_not(client, constrained):
     two = {"structured_outputs": {"regex": call + "\\n" + call.replace("Paris", "Rome")}}
     r = create(client, tools=TOOLS, max_tokens=400, extra_body=two)
     assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == [
-        "Paris", "Rome"]  # fmt: skip
+        "Paris",
+        "Rome",
+    ]
     r = create(client, tools=TOOLS, max_tokens=400, extra_body=two, parallel_tool_calls=False)
     assert [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls] == [
-        "Paris"]  # fmt: skip
+        "Paris"
+    ]
 
 
 def test_named_function_gives_that_call(client, constrained):
@@ -189,8 +215,7 @@ def test_named_function_gives_that_call(client, constrained):
 
 def test_each_choice_parses_its_own_calls(client, constrained):
     need(constrained)
-    r = create(client, tools=TOOLS, tool_choice=NAMED, n=3, temperature=1.0, seed=3,
-               max_tokens=120)  # fmt: skip
+    r = create(client, tools=TOOLS, tool_choice=NAMED, n=3, temperature=1.0, seed=3, max_tokens=120)
     ids = set()
     for choice in r.choices:
         (call,) = choice.message.tool_calls
@@ -208,8 +233,9 @@ def _check_calls(calls):
 
 def test_required_gives_valid_calls(client, constrained):
     need(constrained)
-    r = create(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-               max_tokens=200)  # fmt: skip
+    r = create(
+        client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=200
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     assert choice.message.content is None
@@ -221,8 +247,9 @@ def test_required_gives_valid_calls(client, constrained):
     assert finish == "tool_calls" and [tuple(c) for c in streamed_calls] == calls
     # Parallel: the random model may list calls until max_tokens; each one listed is whole.
     for seed in (1, 2):
-        r = create(client, tools=TOOLS, tool_choice="required", max_tokens=150,
-                   temperature=1.0, seed=seed)  # fmt: skip
+        r = create(
+            client, tools=TOOLS, tool_choice="required", max_tokens=150, temperature=1.0, seed=seed
+        )
         assert r.choices[0].finish_reason in ("tool_calls", "length")
         assert r.choices[0].message.tool_calls
         _check_calls(
@@ -233,15 +260,35 @@ def test_required_gives_valid_calls(client, constrained):
 def test_tool_history_is_rendered(client, server):
     history = [
         *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "22 C and sunny"},
-    ]  # fmt: skip
+    ]
     short = create(client, messages=history[:1], tools=TOOLS, tool_choice="none")
     full = create(client, messages=history, tools=TOOLS, tool_choice="none")
     assert full.usage.prompt_tokens > short.usage.prompt_tokens + 20
-    bad = [*history[:1], {**history[1], "tool_calls": [{"id": "c", "type": "function",
-           "function": {"name": "get_weather", "arguments": "{oops"}}]}]  # fmt: skip
+    bad = [
+        *history[:1],
+        {
+            **history[1],
+            "tool_calls": [
+                {
+                    "id": "c",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{oops"},
+                }
+            ],
+        },
+    ]
     r = httpx.post(server.base_url + "/chat/completions", json={"messages": bad}, timeout=60)
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages[1].tool_calls[0].function.arguments"
@@ -260,9 +307,17 @@ def test_documents_and_reasoning_history_reach_the_template(server):
         {"role": "user", "content": "and?"},
     ]
     docs = [{"title": "Paris", "text": "the capital of France"}]
-    r = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
-        "messages": messages, "documents": docs, "chat_template": template, "max_tokens": 1,
-        "return_token_ids": True})  # fmt: skip
+    r = httpx.post(
+        server.base_url + "/chat/completions",
+        timeout=60,
+        json={
+            "messages": messages,
+            "documents": docs,
+            "chat_template": template,
+            "max_tokens": 1,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     ids = r.json()["prompt_token_ids"]
     text = httpx.post(server.url + "/detokenize", json={"tokens": ids}, timeout=60).json()
@@ -278,23 +333,54 @@ def test_documents_and_reasoning_history_reach_the_template(server):
 @pytest.mark.parametrize(
     "body,param",
     [
-        ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
-         "tools[0].function.name"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "tool_choice.function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+            "tools[0].function.name",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
         ({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools[0].type"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-         "tool_choice"),
-        ({"tools": [TIME, {"type": "function", "function": {"name": "f", "parameters": {
-            "type": "nonsense"}}}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
-         "tools[1].function.parameters"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"a": {"$ref": "#/defs/missing"}}}}}],
-          "tool_choice": "required"}, "tools"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [
+                    TIME,
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "nonsense"}},
+                    },
+                ],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "tools[1].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"$ref": "#/defs/missing"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_specs_are_400s(client, body, param):
     with pytest.raises(openai.BadRequestError) as info:
         create(client, extra_body=body)
@@ -315,10 +401,18 @@ def test_auto_without_the_flag_is_a_400_and_plugins_load(template_file, tmp_path
     plugin = tmp_path / "shout.py"
     plugin.write_text(PLUGIN)
     srv = ServerProcess(
-        ["--chat-template", template_file, "--runner", "trillm.worker.fake_runner:FakeModelRunner",
-         "--tool-parser-plugin", str(plugin), "--tool-call-parser", "shout"],
+        [
+            "--chat-template",
+            template_file,
+            "--runner",
+            "trillm.worker.fake_runner:FakeModelRunner",
+            "--tool-parser-plugin",
+            str(plugin),
+            "--tool-call-parser",
+            "shout",
+        ],
         tmp_path / "server.log",
-    ).start()  # fmt: skip
+    ).start()
     try:
         client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
         with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
@@ -341,8 +435,10 @@ def test_auto_without_the_flag_is_a_400_and_plugins_load(template_file, tmp_path
 def test_bad_parser_flags_stop_the_cli(flags, words):
     proc = subprocess.run(
         [sys.executable, "-m", "trillm", "serve", *flags],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
 
 

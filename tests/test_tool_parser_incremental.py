@@ -150,15 +150,21 @@ ODD = {
         '{"name": "g", "arguments": {}}</tool_call> end <tool_ca  ',
         'a\n\n<tool_call>nope</tool_call> b  <tool_call>{"name": "f", "arguments": {}}',
     ],
-    "llama3_json": ['{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}} x',
-                    '{"name": "f", "parameters": {}}; {"name": "g", "para'],
-    "mistral": ['hi [TOOL_CALLS][{"name": "f", "arguments": {}}, 7]',
-                'hi [TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "argu',
-                '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS][1]',
-                '[TOOL_CALLS]f[ARGS]{"a": 1}  [TOOL_CA'],
-    "required": ['[{"name": "f", "parameters": {}}, {"name": "f", "parameters": {"x"',
-                 '[{"name": "f", "parameters": {}}, 5]'],
-}  # fmt: skip
+    "llama3_json": [
+        '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}} x',
+        '{"name": "f", "parameters": {}}; {"name": "g", "para',
+    ],
+    "mistral": [
+        'hi [TOOL_CALLS][{"name": "f", "arguments": {}}, 7]',
+        'hi [TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "argu',
+        '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS][1]',
+        '[TOOL_CALLS]f[ARGS]{"a": 1}  [TOOL_CA',
+    ],
+    "required": [
+        '[{"name": "f", "parameters": {}}, {"name": "f", "parameters": {"x"',
+        '[{"name": "f", "parameters": {}}, 5]',
+    ],
+}
 
 
 @pytest.mark.parametrize(("fmt", "text"), [(f, t) for f, texts in ODD.items() for t in texts])

@@ -115,10 +115,16 @@ def _run(path: str | None, context_lens, query_lens, seed=0, window=None, softca
         ([40, 0, 3], [30, 1, 20]),  # long chunk after a prefix: several row tiles
     ],
     ids=[
-        "decode", "prefill", "mixed", "fresh", "fresh-decode", "all-kinds", "single",
+        "decode",
+        "prefill",
+        "mixed",
+        "fresh",
+        "fresh-decode",
+        "all-kinds",
+        "single",
         "long-chunks",
     ],
-)  # fmt: skip
+)
 def test_matches_reference(path, context_lens, query_lens):
     _run(path, context_lens, query_lens)
 
@@ -131,8 +137,9 @@ def test_matches_reference(path, context_lens, query_lens):
     [([10, 0, 4, 17, 2], [1, 9, 1, 5, 1]), ([0, 0], [13, 3]), ([40, 0, 3], [30, 1, 20])],
     ids=["mixed", "fresh", "long-chunks"],
 )
-def test_sliding_window_and_softcap_match_reference(path, context_lens, query_lens, window,
-                                                     softcap):  # fmt: skip
+def test_sliding_window_and_softcap_match_reference(
+    path, context_lens, query_lens, window, softcap
+):
     _run(path, context_lens, query_lens, window=window, softcap=softcap)
 
 

@@ -51,8 +51,12 @@ def _hf_reference(path, prompts):
     refs = []
     with torch.no_grad():
         for prompt in prompts:
-            out = hf.generate(torch.tensor([prompt]), generation_config=gen, output_logits=True,
-                              return_dict_in_generate=True)  # fmt: skip
+            out = hf.generate(
+                torch.tensor([prompt]),
+                generation_config=gen,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
             tokens = out.sequences[0, len(prompt) :].tolist()
             logprobs = [
                 float(torch.log_softmax(step[0].float(), dim=-1)[tok])
@@ -92,9 +96,12 @@ def _generate(path, prompts, numerics: str, variance: list[str]):
     if variance:
         shapes = dict(max_num_seqs=1, max_num_batched_tokens=256, enable_prefix_caching=False)
     llm = LLM(
-        str(path), dtype="bfloat16", numerics=numerics, distributed_executor_backend="uni",
+        str(path),
+        dtype="bfloat16",
+        numerics=numerics,
+        distributed_executor_backend="uni",
         **shapes,
-    )  # fmt: skip
+    )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -127,10 +134,14 @@ def test_output_equals_transformers_bit_for_bit(case):
 
 @pytest.mark.parametrize(
     ("context_lens", "query_lens"),
-    [([20, 70, 5], [1, 1, 1]), ([0, 0], [37, 9]), ([0, 30, 12], [20, 1, 7]),
-     ([300, 1000, 0], [1, 1, 160])],
+    [
+        ([20, 70, 5], [1, 1, 1]),
+        ([0, 0], [37, 9]),
+        ([0, 30, 12], [20, 1, 7]),
+        ([300, 1000, 0], [1, 1, 160]),
+    ],
     ids=["decode", "fresh-prompts", "mixed", "long"],
-)  # fmt: skip
+)
 def test_eager_backend_equals_transformers_eager_attention(context_lens, query_lens):
     """The backend against transformers' own ``eager_attention_forward``, request by request:
     equal to the bit on decode rows, fresh prompts, chunks after a context and long rows (a

@@ -132,8 +132,9 @@ def reference_forward(q, k, v, cache, meta, scale, window=None, softcap=None):
 @needs_interpreter
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 16), (4, 2, 24), (4, 1, 64)])
 def test_backend_matches_reference_on_mixed_step(num_heads, num_kv_heads, head_dim):
-    q, k, v, cache, meta = random_step([1, 6, 1, 9], [11, 3, 0, 22], num_heads, num_kv_heads,
-                                       head_dim, seed=20)  # fmt: skip
+    q, k, v, cache, meta = random_step(
+        [1, 6, 1, 9], [11, 3, 0, 22], num_heads, num_kv_heads, head_dim, seed=20
+    )
     expected_cache = cache.clone()
     expected = reference_forward(q, k, v, expected_cache, meta, 0.2)
     backend = triton_backend.TritonAttentionBackend(block_n=32)
@@ -163,8 +164,9 @@ def test_backend_decode_step_with_split_kv_matches_reference():
     [([1, 6, 1, 30], [11, 3, 0, 22], 1), ([1, 1, 1], [300, 7, 129], 3)],
     ids=["mixed", "split-kv"],
 )
-def test_sliding_window_and_softcap_match_reference(query_lens, context_lens, num_splits,
-                                                     window, softcap):  # fmt: skip
+def test_sliding_window_and_softcap_match_reference(
+    query_lens, context_lens, num_splits, window, softcap
+):
     q, k, v, cache, meta = random_step(query_lens, context_lens, 4, 2, 16, seed=27)
     expected_cache = cache.clone()
     expected = reference_forward(q, k, v, expected_cache, meta, 0.3, window, softcap)
@@ -225,9 +227,13 @@ def test_backend_steps_of_chunked_prefill_and_decode_match_dense_attention():
             offset += b - a
     for i, seq in enumerate(seqs):
         dense = F.scaled_dot_product_attention(
-            seq["q"].transpose(0, 1), seq["k"].transpose(0, 1), seq["v"].transpose(0, 1),
-            is_causal=True, enable_gqa=True, scale=scale,
-        ).transpose(0, 1)  # fmt: skip
+            seq["q"].transpose(0, 1),
+            seq["k"].transpose(0, 1),
+            seq["v"].transpose(0, 1),
+            is_causal=True,
+            enable_gqa=True,
+            scale=scale,
+        ).transpose(0, 1)
         torch.testing.assert_close(outputs[i], dense, atol=1e-5, rtol=1e-5)
 
 
@@ -262,8 +268,12 @@ def test_backend_on_cpu_without_interpreter_says_why():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, "-c", code],
-        capture_output=True, text=True, env=env, cwd=_REPO_ROOT, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=_REPO_ROOT,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "needs CUDA tensors, or TRITON_INTERPRET=1" in result.stdout
 

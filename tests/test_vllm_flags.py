@@ -22,28 +22,50 @@ FAKE = ["--runner", "trillm.worker.fake_runner:FakeModelRunner"]
 
 # vLLM's 35 most-set `vllm serve` flags (issue 16) with a typical value.
 TOP35_ACCEPTED = [
-    ["--host", "0.0.0.0"], ["--port", "8001"], ["--model", "m"], ["--served-model-name", "a"],
-    ["--max-model-len", "4096"], ["--dtype", "bfloat16"], ["--tensor-parallel-size", "1"],
-    ["--gpu-memory-utilization", "0.85"], ["--max-num-seqs", "64"],
-    ["--max-num-batched-tokens", "8192"], ["--enable-prefix-caching"], ["--api-key", "k"],
-    ["--chat-template", "t.jinja"], ["--trust-remote-code"], ["--seed", "1"],
-    ["--block-size", "16"], ["--uvicorn-log-level", "warning"], ["--generation-config", "vllm"],
-    ["--tokenizer", "tok"], ["--enable-chunked-prefill"], ["--enforce-eager"],
-    ["--enable-auto-tool-choice"], ["--tool-call-parser", "hermes"],
-    ["--reasoning-parser", "qwen3"], ["--disable-log-requests"], ["--swap-space", "4"],
-    ["--load-format", "safetensors"], ["--download-dir", "/tmp/x"], ["--enable-lora"],
-    ["--lora-modules", "a=/p"], ["--data-parallel-size", "2"],
+    ["--host", "0.0.0.0"],
+    ["--port", "8001"],
+    ["--model", "m"],
+    ["--served-model-name", "a"],
+    ["--max-model-len", "4096"],
+    ["--dtype", "bfloat16"],
+    ["--tensor-parallel-size", "1"],
+    ["--gpu-memory-utilization", "0.85"],
+    ["--max-num-seqs", "64"],
+    ["--max-num-batched-tokens", "8192"],
+    ["--enable-prefix-caching"],
+    ["--api-key", "k"],
+    ["--chat-template", "t.jinja"],
+    ["--trust-remote-code"],
+    ["--seed", "1"],
+    ["--block-size", "16"],
+    ["--uvicorn-log-level", "warning"],
+    ["--generation-config", "vllm"],
+    ["--tokenizer", "tok"],
+    ["--enable-chunked-prefill"],
+    ["--enforce-eager"],
+    ["--enable-auto-tool-choice"],
+    ["--tool-call-parser", "hermes"],
+    ["--reasoning-parser", "qwen3"],
+    ["--disable-log-requests"],
+    ["--swap-space", "4"],
+    ["--load-format", "safetensors"],
+    ["--download-dir", "/tmp/x"],
+    ["--enable-lora"],
+    ["--lora-modules", "a=/p"],
+    ["--data-parallel-size", "2"],
     ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
-    ["--speculative-config", '{"method": "draft_model", "model": "m", '
-     '"num_speculative_tokens": 3}'],
+    [
+        "--speculative-config",
+        '{"method": "draft_model", "model": "m", "num_speculative_tokens": 3}',
+    ],
     ["--pipeline-parallel-size", "2"],
-]  # fmt: skip
+]
 # Features of other open issues: refused with the flag named, never accepted and ignored.
 TOP35_REFUSED = [
     ["--quantization", "awq_marlin"],
     ["--kv-cache-dtype", "fp8_e5m2"],
     ["--speculative-config", '{"method": "eagle", "model": "m", "num_speculative_tokens": 3}'],
-]  # fmt: skip
+]
 
 
 def parse(*argv: str):
@@ -66,15 +88,27 @@ def test_top35_flag_of_another_issue_refused(argv, capsys):
 
 
 # More vLLM flags deployments set: accepted (said once where moot) or refused by name.
-MORE_ACCEPTED = [["--disable-uvicorn-access-log"], ["--enable-prompt-tokens-details"],
-                 ["--max-seq-len-to-capture", "8192"], ["--disable-custom-all-reduce"],
-                 ["--tokenizer-mode", "auto"], ["--enable-server-load-tracking"],
-                 ["--disable-log-stats"], ["--enable-log-requests"]]  # fmt: skip
-MORE_REFUSED = [["--tokenizer-mode", "mistral"], ["--limit-mm-per-prompt", '{"image": 2}'],
-                ["--data-parallel-size-local", "2"], ["--data-parallel-start-rank", "1"],
-                ["--data-parallel-address", "10.0.0.1"], ["--data-parallel-rpc-port", "13345"],
-                ["--data-parallel-backend", "ray"], ["--data-parallel-hybrid-lb"],
-                ["--data-parallel-external-lb"]]  # fmt: skip
+MORE_ACCEPTED = [
+    ["--disable-uvicorn-access-log"],
+    ["--enable-prompt-tokens-details"],
+    ["--max-seq-len-to-capture", "8192"],
+    ["--disable-custom-all-reduce"],
+    ["--tokenizer-mode", "auto"],
+    ["--enable-server-load-tracking"],
+    ["--disable-log-stats"],
+    ["--enable-log-requests"],
+]
+MORE_REFUSED = [
+    ["--tokenizer-mode", "mistral"],
+    ["--limit-mm-per-prompt", '{"image": 2}'],
+    ["--data-parallel-size-local", "2"],
+    ["--data-parallel-start-rank", "1"],
+    ["--data-parallel-address", "10.0.0.1"],
+    ["--data-parallel-rpc-port", "13345"],
+    ["--data-parallel-backend", "ray"],
+    ["--data-parallel-hybrid-lb"],
+    ["--data-parallel-external-lb"],
+]
 
 
 @pytest.mark.parametrize("argv", MORE_ACCEPTED, ids=lambda a: a[0])
@@ -96,12 +130,20 @@ def test_top35_table_is_35_flags():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--load-format", "pt"], ["--quantization", "fp4"], ["--no-enable-chunked-prefill"],
-     ["--allowed-origins", "*"], ["--swap-space", "-1"], ["--log-stats-interval", "0"],
-     ["--max-loras", "0"], ["--ssl-keyfile", "/nonexistent.pem"], ["--root-path", "api"],
-     ["--ssl-cert-reqs", "2"]],
+    [
+        ["--load-format", "pt"],
+        ["--quantization", "fp4"],
+        ["--no-enable-chunked-prefill"],
+        ["--allowed-origins", "*"],
+        ["--swap-space", "-1"],
+        ["--log-stats-interval", "0"],
+        ["--max-loras", "0"],
+        ["--ssl-keyfile", "/nonexistent.pem"],
+        ["--root-path", "api"],
+        ["--ssl-cert-reqs", "2"],
+    ],
     ids=lambda a: a[0],
-)  # fmt: skip
+)
 def test_bad_values_refused_with_the_flag_named(argv, capsys):
     from trillm.entrypoints.openai import vllm_flags
 
@@ -121,15 +163,28 @@ def test_value_one_is_the_no_op_for_parallel_sizes():
 def test_moot_flags_say_so_once():
     from trillm.entrypoints.openai.vllm_flags import startup_notes
 
-    notes = startup_notes(parse("--enforce-eager", "--swap-space", "4",
-                                "--enable-chunked-prefill", "--disable-log-requests",
-                                "--max-seq-len-to-capture", "8", "--disable-custom-all-reduce",
-                                "--enable-prompt-tokens-details"))  # fmt: skip
+    notes = startup_notes(
+        parse(
+            "--enforce-eager",
+            "--swap-space",
+            "4",
+            "--enable-chunked-prefill",
+            "--disable-log-requests",
+            "--max-seq-len-to-capture",
+            "8",
+            "--disable-custom-all-reduce",
+            "--enable-prompt-tokens-details",
+        )
+    )
     assert [n.split(":")[0] for n in notes] == [
-        "--enable-chunked-prefill", "--enforce-eager", "--swap-space 4",
-        "--disable-log-requests", "--enable-prompt-tokens-details", "--max-seq-len-to-capture",
+        "--enable-chunked-prefill",
+        "--enforce-eager",
+        "--swap-space 4",
+        "--disable-log-requests",
+        "--enable-prompt-tokens-details",
+        "--max-seq-len-to-capture",
         "--disable-custom-all-reduce",
-    ]  # fmt: skip
+    ]
     assert startup_notes(parse()) == []
 
 
@@ -194,27 +249,51 @@ SECRET = "the-secret-prompt-" + "x" * 100
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-flags") / "server.log"
     srv = ServerProcess(
-        [*FAKE, "--allowed-origins", json.dumps([ORIGIN]), "--allow-credentials",
-         "--allowed-headers", '["authorization", "content-type"]', "--log-stats-interval", "0.5",
-         "--enforce-eager", "--swap-space", "4", "--root-path", "/proxy"],
-        log, api_key=KEY,
-    ).start()  # fmt: skip
+        [
+            *FAKE,
+            "--allowed-origins",
+            json.dumps([ORIGIN]),
+            "--allow-credentials",
+            "--allowed-headers",
+            '["authorization", "content-type"]',
+            "--log-stats-interval",
+            "0.5",
+            "--enforce-eager",
+            "--swap-space",
+            "4",
+            "--root-path",
+            "/proxy",
+        ],
+        log,
+        api_key=KEY,
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
 
 def test_preflight_needs_no_api_key_and_names_what_is_disallowed(server):
     url = server.base_url + "/chat/completions"
-    ok = httpx.options(url, headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-                                     "Access-Control-Request-Headers": "authorization"})  # fmt: skip
+    ok = httpx.options(
+        url,
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization",
+        },
+    )
     assert ok.status_code == 200
     assert ok.headers["access-control-allow-origin"] == ORIGIN
     assert ok.headers["access-control-allow-credentials"] == "true"
     assert "POST" in ok.headers["access-control-allow-methods"]
     assert "authorization" in ok.headers["access-control-allow-headers"]
-    bad = httpx.options(url, headers={"Origin": "https://evil.example",
-                                      "Access-Control-Request-Method": "POST",
-                                      "Access-Control-Request-Headers": "x-custom"})  # fmt: skip
+    bad = httpx.options(
+        url,
+        headers={
+            "Origin": "https://evil.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "x-custom",
+        },
+    )
     assert bad.status_code == 400 and bad.text == "Disallowed CORS origin, headers"
 
 
@@ -225,12 +304,17 @@ def test_cors_headers_on_answers_and_errors(server):
     assert models.headers["vary"] == "Origin"
     denied = httpx.get(server.base_url + "/models", headers={"Origin": ORIGIN})
     assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == ORIGIN
-    other = httpx.get(server.base_url + "/models",
-                      headers={"Origin": "https://evil.example", **server.headers()})  # fmt: skip
+    other = httpx.get(
+        server.base_url + "/models", headers={"Origin": "https://evil.example", **server.headers()}
+    )
     assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
     body = {"prompt": "hi", "max_tokens": 3, "stream": True}
-    with httpx.stream("POST", server.base_url + "/completions", json=body,
-                      headers={"Origin": ORIGIN, **server.headers()}) as stream:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        server.base_url + "/completions",
+        json=body,
+        headers={"Origin": ORIGIN, **server.headers()},
+    ) as stream:
         assert stream.headers["access-control-allow-origin"] == ORIGIN
         assert b"[DONE]" in stream.read()
 
@@ -247,11 +331,19 @@ def test_ping_load_and_invocations(server):
     auth = server.headers()  # /load and /invocations need the key like /v1 (/ping does not)
     assert httpx.get(server.url + "/load").status_code == 401
     assert httpx.get(server.url + "/load", headers=auth).json() == {"server_load": 0}
-    chat = httpx.post(server.url + "/invocations", timeout=60, headers=auth, json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # fmt: skip
+    chat = httpx.post(
+        server.url + "/invocations",
+        timeout=60,
+        headers=auth,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+    )
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
-    completion = httpx.post(server.url + "/invocations", json={"prompt": SECRET, "max_tokens": 3},
-                            headers=auth, timeout=60)  # fmt: skip
+    completion = httpx.post(
+        server.url + "/invocations",
+        json={"prompt": SECRET, "max_tokens": 3},
+        headers=auth,
+        timeout=60,
+    )
     assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
     bad = httpx.post(server.url + "/invocations", json={"input": "hi"}, headers=auth)
     assert bad.status_code == 400 and "'messages'" in bad.json()["error"]["message"]
@@ -262,10 +354,10 @@ def test_ping_load_and_invocations(server):
 def test_load_counts_requests_in_flight(server):
     # A stream counts until its last byte is sent (vLLM's rule): one larger than the socket
     # buffers, left unread, is still being sent.
-    body = {"prompt": "hi", "max_tokens": 1500, "ignore_eos": True, "logprobs": 20,
-            "stream": True}  # fmt: skip
-    with httpx.stream("POST", server.base_url + "/completions", json=body,
-                      headers=server.headers(), timeout=60) as stream:  # fmt: skip
+    body = {"prompt": "hi", "max_tokens": 1500, "ignore_eos": True, "logprobs": 20, "stream": True}
+    with httpx.stream(
+        "POST", server.base_url + "/completions", json=body, headers=server.headers(), timeout=60
+    ) as stream:
         chunks = stream.iter_bytes()  # (kept: a dropped iterator closes the connection)
         first = next(chunks)
         assert stream.status_code == 200, first
@@ -281,8 +373,12 @@ def load(server: ServerProcess) -> int:
 
 
 def test_logs_stats_notes_once_and_no_prompt_by_default(server):
-    httpx.post(server.base_url + "/completions", json={"prompt": SECRET, "max_tokens": 4},
-               headers=server.headers(), timeout=60)  # fmt: skip
+    httpx.post(
+        server.base_url + "/completions",
+        json={"prompt": SECRET, "max_tokens": 4},
+        headers=server.headers(),
+        timeout=60,
+    )
     deadline = time.monotonic() + 10
     while "Avg generation throughput" not in server.log() and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -310,18 +406,27 @@ def _self_signed(tmp_path):
     import ipaddress
 
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
         .sign(key, hashes.SHA256())
-    )  # fmt: skip
+    )
     key_file, cert_file = tmp_path / "key.pem", tmp_path / "cert.pem"
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return key_file, cert_file
 
@@ -332,13 +437,33 @@ def test_tls_and_request_log(tmp_path):
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trillm", "serve", *FAKE, "--host", "127.0.0.1", "--port",
-             str(port), "--ssl-keyfile", str(key_file), "--ssl-certfile", str(cert_file),
-             "--enable-log-requests", "--max-log-len", "24", "--disable-log-stats",
-             "--log-level", "debug", "--disable-uvicorn-access-log"],
-            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=log,
+            [
+                sys.executable,
+                "-m",
+                "trillm",
+                "serve",
+                *FAKE,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--ssl-keyfile",
+                str(key_file),
+                "--ssl-certfile",
+                str(cert_file),
+                "--enable-log-requests",
+                "--max-log-len",
+                "24",
+                "--disable-log-stats",
+                "--log-level",
+                "debug",
+                "--disable-uvicorn-access-log",
+            ],
+            cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            stdout=log,
             stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        )
     url = f"https://127.0.0.1:{port}"
     try:
         with httpx.Client(verify=str(cert_file), timeout=60) as client:
@@ -353,12 +478,19 @@ def test_tls_and_request_log(tmp_path):
                     time.sleep(0.25)
             with pytest.raises(httpx.HTTPError):
                 httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)  # plain HTTP: no
-            r = client.post(url + "/v1/completions", json={"prompt": SECRET, "max_tokens": 3,
-                                                           "temperature": 0})  # fmt: skip
+            r = client.post(
+                url + "/v1/completions", json={"prompt": SECRET, "max_tokens": 3, "temperature": 0}
+            )
             assert r.status_code == 200, r.text
-            with client.stream("POST", url + "/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": "streamed"}], "max_tokens": 2,
-                    "stream": True}) as stream:  # fmt: skip
+            with client.stream(
+                "POST",
+                url + "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "streamed"}],
+                    "max_tokens": 2,
+                    "stream": True,
+                },
+            ) as stream:
                 stream.read()
     finally:
         proc.terminate()
@@ -423,8 +555,12 @@ def test_cors_rules():
         async def receive():
             return {"type": "http.request", "body": b""}
 
-        scope = {"type": "http", "method": method, "path": "/v1/models",
-                 "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}  # fmt: skip
+        scope = {
+            "type": "http",
+            "method": method,
+            "path": "/v1/models",
+            "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+        }
         trio.run(mw, scope, receive, send)
         return sent[0]["status"], dict(sent[0]["headers"])
 

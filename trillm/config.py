@@ -154,8 +154,10 @@ class EngineArgs:
         parse_speculative_config(self.speculative_config)  # ValueError naming the key
         # Accepted with vLLM's meaning where nothing here differs; said once in the log.
         if self.trust_remote_code:
-            logger.info("trust_remote_code: the checkpoint's tokenizer code may run; its model "
-                        "code never does (trillm's own model implementations are used).")  # fmt: skip
+            logger.info(
+                "trust_remote_code: the checkpoint's tokenizer code may run; its model "
+                "code never does (trillm's own model implementations are used)."
+            )
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
@@ -176,7 +178,9 @@ def check_nodes(args: EngineArgs) -> None:
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
         raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}.")
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
-        raise ValueError(f"node_rank must be an integer in [0, nnodes={nnodes}), got {node_rank!r}.")
+        raise ValueError(
+            f"node_rank must be an integer in [0, nnodes={nnodes}), got {node_rank!r}."
+        )
     if (tp * pp) % nnodes:
         raise ValueError(
             f"nnodes={nnodes} must divide tensor_parallel_size={tp} x pipeline_parallel_size="
@@ -190,12 +194,16 @@ def check_nodes(args: EngineArgs) -> None:
             ": each engine core's ranks meet at a loopback port of their own."
         )
     port = args.master_port
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int)
-                             or not 0 < port < 65536):  # fmt: skip
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+    ):
         raise ValueError(f"master_port must be a TCP port in [1, 65535], got {port!r}.")
     timeout = args.distributed_timeout_seconds
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 < timeout < float("inf")):  # fmt: skip
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < float("inf")
+    ):
         raise ValueError(f"distributed_timeout_seconds must be a number > 0, got {timeout!r}.")
 
 
@@ -363,32 +371,39 @@ class PoolerConfig:
         """vLLM's ``pooler_config`` keys that trillm honours; others are refused."""
         unknown = set(cfg) - {"pooling_type", "normalize"}
         if unknown:
-            raise PoolingConfigError(f"pooler_config: unsupported key(s) {sorted(unknown)}; "
-                                     "supported: pooling_type, normalize.")  # fmt: skip
+            raise PoolingConfigError(
+                f"pooler_config: unsupported key(s) {sorted(unknown)}; "
+                "supported: pooling_type, normalize."
+            )
         kind = str(cfg.get("pooling_type", "LAST")).upper()
         if kind not in POOLING_TYPES:
-            raise PoolingConfigError(f"pooler_config.pooling_type must be one of "
-                                     f"{', '.join(POOLING_TYPES)}, got {kind!r}.")  # fmt: skip
+            raise PoolingConfigError(
+                f"pooler_config.pooling_type must be one of "
+                f"{', '.join(POOLING_TYPES)}, got {kind!r}."
+            )
         normalize = cfg.get("normalize", True)
         if not isinstance(normalize, bool):
-            raise PoolingConfigError(f"pooler_config.normalize must be true or false, got "
-                                     f"{normalize!r}.")  # fmt: skip
+            raise PoolingConfigError(
+                f"pooler_config.normalize must be true or false, got {normalize!r}."
+            )
         return cls(pooling_type=kind, normalize=normalize)  # type: ignore[arg-type]
 
 
 def check_runner(runner: str, convert: str, pooler_config: dict[str, Any] | None) -> None:
     if runner not in RUNNERS:
         extra = " ('draft' models are part of speculative decoding)" if runner == "draft" else ""
-        raise PoolingConfigError(f"runner must be one of {', '.join(RUNNERS)}, got "
-                                 f"{runner!r}{extra}.")  # fmt: skip
+        raise PoolingConfigError(
+            f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}{extra}."
+        )
     if convert not in CONVERTS:
         raise PoolingConfigError(
             f"convert must be one of {', '.join(CONVERTS)} (reward models are not "
             f"implemented), got {convert!r}."
         )
     if runner == "generate" and convert in ("embed", "classify"):
-        raise PoolingConfigError(f"convert={convert!r} makes a pooling model: it contradicts "
-                                 "runner='generate'.")  # fmt: skip
+        raise PoolingConfigError(
+            f"convert={convert!r} makes a pooling model: it contradicts runner='generate'."
+        )
     if pooler_config is not None:
         if not isinstance(pooler_config, dict):
             raise PoolingConfigError("pooler_config must be a JSON object.")

@@ -52,5 +52,9 @@ if TYPE_CHECKING:  # mypy checks every runner trillm ships against the contract
     from trillm.worker.pooling_runner import PoolingModelRunner
 
     _RUNNERS: tuple[RunnerClass, ...] = (
-        ModelRunner, PoolingModelRunner, FakeModelRunner, ScriptedRunner, SlowPoolingRunner
+        ModelRunner,
+        PoolingModelRunner,
+        FakeModelRunner,
+        ScriptedRunner,
+        SlowPoolingRunner,
     )

@@ -56,7 +56,9 @@ def configure_logging(level: str, log_format: str = "text") -> None:
         logging.config.dictConfig(_load_dict_config(path))
         return
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(
+        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper() if level != "trace" else "DEBUG")

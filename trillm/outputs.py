@@ -166,5 +166,9 @@ def pooling_params(truncate_prompt_tokens: int | None = None) -> Any:
     (the runner returns one placeholder token with the vector; it is never detokenized)."""
     from trillm.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                          truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
+    return SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        detokenize=False,
+        truncate_prompt_tokens=truncate_prompt_tokens,
+    )

@@ -200,8 +200,13 @@ def test_http2_prior_knowledge_needs_the_key(server):
     def get(path: str, extra: list[tuple[str, str]]) -> tuple[int, bytes]:
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         conn.initiate_connection()
-        headers = [(":method", "GET"), (":scheme", "http"), (":authority", "127.0.0.1"),
-                   (":path", path), *extra]  # fmt: skip
+        headers = [
+            (":method", "GET"),
+            (":scheme", "http"),
+            (":authority", "127.0.0.1"),
+            (":path", path),
+            *extra,
+        ]
         conn.send_headers(1, headers, end_stream=True)
         status, body = 0, b""
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:

@@ -51,8 +51,13 @@ PROTECTED = [
     ("GET", "/health/", None),
     ("GET", "/metrics/x", None),
 ]
-KEYLESS = [("GET", "/health"), ("GET", "/ping"), ("POST", "/ping"), ("GET", "/version"),
-           ("GET", "/metrics")]  # fmt: skip
+KEYLESS = [
+    ("GET", "/health"),
+    ("GET", "/ping"),
+    ("POST", "/ping"),
+    ("GET", "/version"),
+    ("GET", "/metrics"),
+]
 
 
 def send(srv: ServerProcess, method: str, path: str, body: dict | None, key: str | None):

@@ -51,10 +51,17 @@ ATTACK_BOUND_S = 60.0
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("attacks-that-held") / "server.log"
     srv = ServerProcess(
-        ["--runner", "trillm.worker.fake_runner:FakeModelRunner", "--max-model-len", "512",
-         "--trust-request-chat-template", "--timeout-keep-alive", str(KEEP_ALIVE_S)],
+        [
+            "--runner",
+            "trillm.worker.fake_runner:FakeModelRunner",
+            "--max-model-len",
+            "512",
+            "--trust-request-chat-template",
+            "--timeout-keep-alive",
+            str(KEEP_ALIVE_S),
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -104,14 +111,26 @@ ESCAPES = {
 }
 # What a successful escape prints (reprs of classes, functions, modules, dicts of globals, the
 # output of ``id``, a line of /etc/passwd).
-LEAKS = ("<class", "<function", "<module", "<Context", "__builtins__", "'__name__'", "uid=",
-         "root:x:")  # fmt: skip
+LEAKS = (
+    "<class",
+    "<function",
+    "<module",
+    "<Context",
+    "__builtins__",
+    "'__name__'",
+    "uid=",
+    "root:x:",
+)
 CONTENT = "hello there"
 
 
 def chat_with_template(srv: ServerProcess, template: str) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": CONTENT}], "max_tokens": 2,
-            "chat_template": template, "return_token_ids": True}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": CONTENT}],
+        "max_tokens": 2,
+        "chat_template": template,
+        "return_token_ids": True,
+    }
     return httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
 
 
@@ -157,9 +176,15 @@ def _structures(n: int) -> list[dict]:
 
 
 def _triggered_tags(n: int) -> dict:
-    tags = [{"type": "tag", "begin": f"<t{i}>", "end": f"</t{i}>",
-             "content": {"type": "json_schema", "json_schema": {"type": "object"}}}
-            for i in range(n)]  # fmt: skip
+    tags = [
+        {
+            "type": "tag",
+            "begin": f"<t{i}>",
+            "end": f"</t{i}>",
+            "content": {"type": "json_schema", "json_schema": {"type": "object"}},
+        }
+        for i in range(n)
+    ]
     return {"type": "triggered_tags", "triggers": ["<t"], "tags": tags}
 
 
@@ -172,23 +197,43 @@ GRAMMARS = {
     "json minItems 1e6": {
         "guided_json": {"type": "array", "items": {"type": "integer"}, "minItems": 1_000_000}
     },
-    "json min=maxItems 1e6": {"structured_outputs": {"json": {
-        "type": "array", "items": {"type": "string"}, "minItems": 1_000_000,
-        "maxItems": 1_000_000}}},  # fmt: skip
+    "json min=maxItems 1e6": {
+        "structured_outputs": {
+            "json": {
+                "type": "array",
+                "items": {"type": "string"},
+                "minItems": 1_000_000,
+                "maxItems": 1_000_000,
+            }
+        }
+    },
     "json minLength 1e6": {"guided_json": {"type": "string", "minLength": 1_000_000}},
     "guided_regex a{0,50000}": {"guided_regex": "a{0,50000}"},
-    "structured_outputs.regex (ab|cd){0,50000}": {"structured_outputs": {"regex": "(ab|cd){0,50000}"}},
+    "structured_outputs.regex (ab|cd){0,50000}": {
+        "structured_outputs": {"regex": "(ab|cd){0,50000}"}
+    },
     "regex (a{0,1000}){0,1000}": {"guided_regex": "(a{0,1000}){0,1000}"},
     "ebnf a{0,100000}": {"guided_grammar": 'root ::= "a"{0,100000}'},
     "ebnf nested repeats": {"guided_grammar": 'root ::= ("a"{0,1000}){0,1000}'},
     "ebnf 5,000 chained rules": {"guided_grammar": EBNF_CHAIN},
-    "1,024 structures": {"response_format": {
-        "type": "structural_tag", "structures": _structures(1024), "triggers": ["<t"]}},
-    "1,024 triggered tags": {"response_format": {
-        "type": "structural_tag", "format": _triggered_tags(1024)}},
-    "1,025 structures (over the limit)": {"response_format": {
-        "type": "structural_tag", "structures": _structures(1025), "triggers": ["<t"]}},
-}  # fmt: skip
+    "1,024 structures": {
+        "response_format": {
+            "type": "structural_tag",
+            "structures": _structures(1024),
+            "triggers": ["<t"],
+        }
+    },
+    "1,024 triggered tags": {
+        "response_format": {"type": "structural_tag", "format": _triggered_tags(1024)}
+    },
+    "1,025 structures (over the limit)": {
+        "response_format": {
+            "type": "structural_tag",
+            "structures": _structures(1025),
+            "triggers": ["<t"],
+        }
+    },
+}
 
 
 @pytest.mark.parametrize("name", list(GRAMMARS))
@@ -271,10 +316,9 @@ def exchange(srv: ServerProcess, data: bytes, within: float = 10.0) -> tuple[byt
 
 @pytest.mark.parametrize(
     "data",
-    [*MALFORMED.values(),
-     *UNKNOWN_CODING.values()],
+    [*MALFORMED.values(), *UNKNOWN_CODING.values()],
     ids=[*MALFORMED, *UNKNOWN_CODING],
-)  # fmt: skip
+)
 def test_malformed_http_is_refused_and_the_connection_closed(server, data):
     received, closed = exchange(server, data + PIPELINED)
     assert closed, f"connection left open: {received[:300]!r}"
@@ -352,8 +396,11 @@ def h2_get(conn: h2.connection.H2Connection, sock: socket.socket, path: str) -> 
     """A GET on a new stream of an open h2 connection: its status, or None if the server ended
     the connection (GOAWAY) instead."""
     stream = conn.get_next_available_stream_id()
-    conn.send_headers(stream, [(":method", "GET"), (":scheme", "http"),
-                               (":authority", "127.0.0.1"), (":path", path)], end_stream=True)  # fmt: skip
+    conn.send_headers(
+        stream,
+        [(":method", "GET"), (":scheme", "http"), (":authority", "127.0.0.1"), (":path", path)],
+        end_stream=True,
+    )
     sock.sendall(conn.data_to_send())
     status = 0
     while data := sock.recv(65536):
@@ -373,9 +420,14 @@ def h2_get(conn: h2.connection.H2Connection, sock: socket.socket, path: str) -> 
 def test_h2c_rapid_reset_leaves_the_server_as_it_was(server):
     """CVE-2023-44487's shape: 1,000 completion streams, each cancelled (RST_STREAM) at once."""
     body = json.dumps({"prompt": "hi", "max_tokens": 50}).encode()
-    headers = [(":method", "POST"), (":scheme", "http"), (":authority", "127.0.0.1"),
-               (":path", "/v1/completions"), ("content-type", "application/json"),
-               ("content-length", str(len(body)))]  # fmt: skip
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":authority", "127.0.0.1"),
+        (":path", "/v1/completions"),
+        ("content-type", "application/json"),
+        ("content-length", str(len(body))),
+    ]
     conn, sock = h2_connect(server)
     with sock:
 
@@ -416,8 +468,13 @@ async def _concurrent_streams(srv: ServerProcess, count: int, fds_before: int) -
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         nonlocal started
-        body = {"prompt": f"client {i}", "max_tokens": 16, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "prompt": f"client {i}",
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         tokens, done = 0, False
         async with client.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200

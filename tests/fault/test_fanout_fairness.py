@@ -21,8 +21,13 @@ from server_harness import ServerProcess, gauges, open_request, read_until, wait
 
 MAX_NUM_SEQS = 16
 PROMPTS, N, TOKENS = 24, 4, 120  # the fan-out: 96 sequences, 6 x the batch
-FAN_OUT = {"prompt": [f"fan out prompt {i}" for i in range(PROMPTS)], "n": N,
-           "max_tokens": TOKENS, "ignore_eos": True, "request_id": "fan-out-1"}  # fmt: skip
+FAN_OUT = {
+    "prompt": [f"fan out prompt {i}" for i in range(PROMPTS)],
+    "n": N,
+    "max_tokens": TOKENS,
+    "ignore_eos": True,
+    "request_id": "fan-out-1",
+}
 SMALL = {"prompt": "a short request", "max_tokens": 8, "ignore_eos": True}
 
 
@@ -30,11 +35,19 @@ SMALL = {"prompt": "a short request", "max_tokens": 8, "ignore_eos": True}
 def server(tiny_model_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("fanout") / "server.log"
     srv = ServerProcess(
-        [tiny_model_factory("llama"), "--runner", "trillm.worker.fake_runner:FakeModelRunner",
-         "--max-model-len", "2048", "--kv-cache-memory", "256MiB",
-         "--max-num-seqs", str(MAX_NUM_SEQS)],
+        [
+            tiny_model_factory("llama"),
+            "--runner",
+            "trillm.worker.fake_runner:FakeModelRunner",
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory",
+            "256MiB",
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     srv.stop()
 

@@ -32,10 +32,14 @@ PIPELINED = b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n"
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("framing") / "server.log"
     srv = ServerProcess(
-        ["--runner", "trillm.worker.fake_runner:FakeModelRunner",
-         "--timeout-keep-alive", str(KEEP_ALIVE_S)],
+        [
+            "--runner",
+            "trillm.worker.fake_runner:FakeModelRunner",
+            "--timeout-keep-alive",
+            str(KEEP_ALIVE_S),
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -121,8 +125,10 @@ def test_body_sent_later_still_refused_and_closed(server):
 
 def test_one_framing_keeps_the_connection(server):
     """Either header alone is served as before, and the connection serves the next request."""
-    for framing, body in ((b"Transfer-Encoding: chunked", CHUNKED),
-                          (b"Content-Length: " + str(len(BODY)).encode(), BODY)):  # fmt: skip
+    for framing, body in (
+        (b"Transfer-Encoding: chunked", CHUNKED),
+        (b"Content-Length: " + str(len(BODY)).encode(), BODY),
+    ):
         received, closed_after = read_until_closed(server, post_head(framing) + body + PIPELINED)
         assert closed_after is None, "a well-framed request closed its connection"
         assert received.count(b"HTTP/1.1 200") == 2, received

@@ -75,8 +75,9 @@ def test_a_stopped_worker_turns_health_503_and_back(server):
     assert log.count("has not finished a step in") == 1, log  # one warning per stall
     assert "/health answers 200 again" in log
     # The server kept serving throughout: a plain request now.
-    done = httpx.post(server.base_url + "/completions", json={"prompt": "x", "max_tokens": 4},
-                      timeout=60)  # fmt: skip
+    done = httpx.post(
+        server.base_url + "/completions", json={"prompt": "x", "max_tokens": 4}, timeout=60
+    )
     assert done.status_code == 200 and json.loads(done.text)["choices"][0]["text"]
 
 
@@ -84,6 +85,9 @@ def test_a_stopped_worker_turns_health_503_and_back(server):
 def test_the_flag_is_validated(value):
     out = subprocess.run(
         [sys.executable, "-m", "trillm", "serve", "--health-step-timeout", value],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "--health-step-timeout" in out.stderr, out.stderr

@@ -68,8 +68,13 @@ def test_huge_ids_do_not_slow_others(server):
     answers: list[int] = []
 
     def hostile(i: int) -> None:
-        body = {"prompt": "x", "request_id": f"{i}" + "a" * 1_000_000, "max_tokens": 300,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "prompt": "x",
+            "request_id": f"{i}" + "a" * 1_000_000,
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "stream": True,
+        }
         answers.append(
             httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code
         )

@@ -62,8 +62,9 @@ def _stream_tokens(
     """The streamed text and finish reason; ``first_chunk`` is set when the first chunk came
     (the request is then in flight on the server)."""
     text, reason = [], None
-    with httpx.stream("POST", srv.base_url + "/completions", json={**body, "stream": True},
-                      timeout=120) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", srv.base_url + "/completions", json={**body, "stream": True}, timeout=120
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):

@@ -25,11 +25,15 @@ pytestmark = pytest.mark.timeout(180)
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("keepalive") / "server.log"
     srv = ServerProcess(
-        ["--runner", "trillm.worker.fake_runner:FakeModelRunner",
-         "--timeout-keep-alive", str(KEEP_ALIVE_S)],
+        [
+            "--runner",
+            "trillm.worker.fake_runner:FakeModelRunner",
+            "--timeout-keep-alive",
+            str(KEEP_ALIVE_S),
+        ],
         log,
         api_key=KEY,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -155,16 +159,24 @@ def test_server_closes_when_asked(server, request_bytes):
 BODY = b'{"model": "x", "prompt": "hello", "max_tokens": 2}'
 EARLY = {
     # name: (request head without Content-Length/end, expected status)
-    "401-api-key": (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
-                    b"Content-Type: application/json\r\n", 401),
-    "405-method": (b"PUT /v1/completions HTTP/1.1\r\nHost: t\r\n"
-                   b"Authorization: Bearer " + KEY.encode() + b"\r\n"
-                   b"Content-Type: application/json\r\n", 405),
+    "401-api-key": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n",
+        401,
+    ),
+    "405-method": (
+        b"PUT /v1/completions HTTP/1.1\r\nHost: t\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+        b"Content-Type: application/json\r\n",
+        405,
+    ),
     # a body that is not JSON: 400, as OpenAI answers
-    "400-content-type": (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
-                         b"Authorization: Bearer " + KEY.encode() + b"\r\n"
-                         b"Content-Type: text/plain\r\n", 400),
-}  # fmt: skip
+    "400-content-type": (
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+        b"Content-Type: text/plain\r\n",
+        400,
+    ),
+}
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])

@@ -39,10 +39,18 @@ PROMPTS = [
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("kv-oversubscription") / "server.log"
     srv = ServerProcess(
-        ["--num-gpu-blocks-override", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
-         "--max-model-len", str(NUM_BLOCKS * BLOCK_SIZE), "--max-num-seqs", "16"],
+        [
+            "--num-gpu-blocks-override",
+            str(NUM_BLOCKS),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-model-len",
+            str(NUM_BLOCKS * BLOCK_SIZE),
+            "--max-num-seqs",
+            "16",
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     assert srv.stop() == 0, srv.log()
 

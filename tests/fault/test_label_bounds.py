@@ -78,8 +78,12 @@ def test_unknown_methods_share_one_label(server):
     assert len(after) - len(before) < GROWTH_BOUND, f"/metrics grew {len(before)} -> {len(after)}"
     assert label_values(after, "method") <= METHODS | {"other"}
     assert "other" in label_values(after, "method")
-    longest = max(len(v) for f in text_string_to_metric_families(after) for s in f.samples
-                  for v in s.labels.values())  # fmt: skip
+    longest = max(
+        len(v)
+        for f in text_string_to_metric_families(after)
+        for s in f.samples
+        for v in s.labels.values()
+    )
     assert longest < 200, "a label value longer than any the server names"
 
 

@@ -29,11 +29,21 @@ def server(tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory("llama")
     log = tmp_path_factory.mktemp("lifecycle-faults") / "server.log"
     srv = ServerProcess(
-        [model, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "64MiB",
-         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-queued-requests", str(MAX_QUEUED),
-         "--shutdown-timeout", "120"],
+        [
+            model,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--kv-cache-memory",
+            "64MiB",
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--max-num-queued-requests",
+            str(MAX_QUEUED),
+            "--shutdown-timeout",
+            "120",
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     if srv.proc.poll() is None:
         srv.proc.kill()
@@ -51,8 +61,9 @@ def rss_kib(pid: int) -> int:
 
 
 def serves(srv: ServerProcess) -> None:
-    ok = httpx.post(srv.base_url + "/completions", json={"prompt": "hi", "max_tokens": 3},
-                    timeout=60)  # fmt: skip
+    ok = httpx.post(
+        srv.base_url + "/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60
+    )
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] == 3
 
@@ -150,9 +161,11 @@ def test_generate_timeout_python_api(tiny_model_factory):
 
     async def main() -> None:
         async with open_engine(
-            tiny_model_factory("llama"), runner=FAKE_RUNNER,
-            runner_kwargs={"step_sleep_s": 0.01}, max_model_len=2048,
-        ) as engine:  # fmt: skip
+            tiny_model_factory("llama"),
+            runner=FAKE_RUNNER,
+            runner_kwargs={"step_sleep_s": 0.01},
+            max_model_len=2048,
+        ) as engine:
             params = SamplingParams(max_tokens=1000, ignore_eos=True, n=2)
             start = trio.current_time()
             stream = engine.generate({"prompt_token_ids": [1, 2]}, params, timeout=0.3)
@@ -173,8 +186,9 @@ def test_generate_timeout_python_api(tiny_model_factory):
 
 def test_timeout_is_validated(server):
     for bad in (0, -1, 1e9, "soon"):
-        r = httpx.post(server.base_url + "/completions",
-                       json={"prompt": "x", "timeout": bad}, timeout=60)  # fmt: skip
+        r = httpx.post(
+            server.base_url + "/completions", json={"prompt": "x", "timeout": bad}, timeout=60
+        )
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"] == "timeout"
 
@@ -186,14 +200,17 @@ def test_full_queue_answers_503_at_once(server):
     """2 running + 7 waiting of 10 admitted: n=2 and two prompts are refused whole, one more
     request is admitted; then a full queue refuses even a body it never reads."""
     limit = MAX_NUM_SEQS + MAX_QUEUED
-    socks = [open_request(server, "/v1/completions", {"prompt": f"fill {i}", "stream": True,
-                                                      **LONG})
-             for i in range(limit - 1)]  # fmt: skip
+    socks = [
+        open_request(server, "/v1/completions", {"prompt": f"fill {i}", "stream": True, **LONG})
+        for i in range(limit - 1)
+    ]
     try:
         wait_gauges(server, (MAX_NUM_SEQS, limit - 1 - MAX_NUM_SEQS))
         url = server.base_url + "/completions"
-        for body in ({"prompt": "pair", "n": 2, "max_tokens": 2},
-                     {"prompt": ["one", "two"], "max_tokens": 2}):  # fmt: skip
+        for body in (
+            {"prompt": "pair", "n": 2, "max_tokens": 2},
+            {"prompt": ["one", "two"], "max_tokens": 2},
+        ):
             start = time.monotonic()
             r = httpx.post(url, json=body, timeout=60)
             assert time.monotonic() - start < 1.0
@@ -202,13 +219,18 @@ def test_full_queue_answers_503_at_once(server):
             assert r.json()["error"]["type"] == "ServiceUnavailableError"
             assert "overloaded" in r.json()["error"]["message"]
         # The last place: admitted (it waits, and its own timeout ends it there).
-        last = open_request(server, "/v1/completions",
-                            {"prompt": "last", "timeout": 3, "stream": True, **LONG})  # fmt: skip
+        last = open_request(
+            server, "/v1/completions", {"prompt": "last", "timeout": 3, "stream": True, **LONG}
+        )
         socks.append(last)
         wait_gauges(server, (MAX_NUM_SEQS, limit - MAX_NUM_SEQS))
         start = time.monotonic()
-        r = httpx.post(url, content=b'{"not": "a request"}', timeout=60,
-                       headers={"Content-Type": "application/json"})  # fmt: skip
+        r = httpx.post(
+            url,
+            content=b'{"not": "a request"}',
+            timeout=60,
+            headers={"Content-Type": "application/json"},
+        )
         assert time.monotonic() - start < 1.0
         assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
         assert b'"finish_reason":"timeout"' in read_until(last, b"[DONE]")
@@ -226,9 +248,10 @@ def test_early_disconnects_then_sigterm_exits_at_once(server):
     """Last test of the module: clients that leave before their first token (one prompt and
     several, streamed and not) leave nothing behind; SIGTERM on the idle server then exits
     with 0 at once, not after --shutdown-timeout (120 s)."""
-    blockers = [open_request(server, "/v1/completions", {"prompt": f"b{i}", "stream": True,
-                                                         **LONG})
-                for i in range(MAX_NUM_SEQS)]  # fmt: skip
+    blockers = [
+        open_request(server, "/v1/completions", {"prompt": f"b{i}", "stream": True, **LONG})
+        for i in range(MAX_NUM_SEQS)
+    ]
     for sock in blockers:
         read_until(sock, b"data: {")
     early = [
@@ -300,10 +323,16 @@ def test_dead_engine_restarts_with_flag(tiny_model_factory, tmp_path):
     worker) comes up in the same process and serves; SIGTERM then exits with 0."""
     model = tiny_model_factory("llama")
     srv = ServerProcess(
-        [model, "--max-model-len", "1024", "--kv-cache-memory", "16MiB",
-         "--restart-on-engine-death"],
+        [
+            model,
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory",
+            "16MiB",
+            "--restart-on-engine-death",
+        ],
         tmp_path / "s.log",
-    ).start()  # fmt: skip
+    ).start()
     try:
         (worker,) = worker_pids(srv.proc.pid)
         streamed = open_request(

@@ -25,10 +25,17 @@ BUDGET = 1 << 20
 def server(tiny_model_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("logprob-budget") / "server.log"
     srv = ServerProcess(
-        [tiny_model_factory("llama"), "--runner", "trillm.worker.fake_runner:FakeModelRunner",
-         "--max-model-len", "2048", "--kv-cache-memory", "256MiB"],
+        [
+            tiny_model_factory("llama"),
+            "--runner",
+            "trillm.worker.fake_runner:FakeModelRunner",
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory",
+            "256MiB",
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     srv.stop()
 
@@ -41,19 +48,40 @@ def token_prompts(count: int, length: int) -> list[list[int]]:
     ("path", "body", "param", "entries"),
     [
         # The attack: 256 prompts x 2,000 tokens x 21, each field within its limit.
-        ("/v1/completions", {"prompt": token_prompts(256, 2000), "max_tokens": 1,
-                             "prompt_logprobs": 20}, "prompt_logprobs", 1_050_000),
+        (
+            "/v1/completions",
+            {"prompt": token_prompts(256, 2000), "max_tokens": 1, "prompt_logprobs": 20},
+            "prompt_logprobs",
+            1_050_000,
+        ),
         # Sample logprobs: 2 prompts x n 16 x 2,000 tokens x 21.
-        ("/v1/completions", {"prompt": token_prompts(2, 10), "n": 16, "max_tokens": 2000,
-                             "logprobs": 20}, "logprobs", 1_344_000),
+        (
+            "/v1/completions",
+            {"prompt": token_prompts(2, 10), "n": 16, "max_tokens": 2000, "logprobs": 20},
+            "logprobs",
+            1_344_000,
+        ),
         # Each completion choice repeats its prompt's logprobs: 1 prompt x n 64 x 1,000 x 21.
-        ("/v1/completions", {"prompt": token_prompts(1, 1000), "n": 64, "max_tokens": 1,
-                             "prompt_logprobs": 20}, "prompt_logprobs", 1_344_000),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 32,
-                                  "max_tokens": 1900, "logprobs": True, "top_logprobs": 20},
-         "top_logprobs", 1_276_800),
+        (
+            "/v1/completions",
+            {"prompt": token_prompts(1, 1000), "n": 64, "max_tokens": 1, "prompt_logprobs": 20},
+            "prompt_logprobs",
+            1_344_000,
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "n": 32,
+                "max_tokens": 1900,
+                "logprobs": True,
+                "top_logprobs": 20,
+            },
+            "top_logprobs",
+            1_276_800,
+        ),
     ],
-)  # fmt: skip
+)
 def test_over_the_budget_is_refused_at_once_naming_it(server, path, body, param, entries):
     rss = rss_mib(server.proc.pid)
     start = time.monotonic()

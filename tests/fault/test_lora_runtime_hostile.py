@@ -47,14 +47,29 @@ def adapters(tiny_model_factory, tmp_path_factory):
     shutil.copy(good / "adapter_model.safetensors", root / "fifo")
     os.mkfifo(root / "fifo" / "adapter_config.json")
     (root / "escape").symlink_to(outside / "good")
-    return {"model": model, "root": root, "good": good, "outside": outside / "good",
-            "fifo": root / "fifo", "escape": root / "escape"}  # fmt: skip
+    return {
+        "model": model,
+        "root": root,
+        "good": good,
+        "outside": outside / "good",
+        "fifo": root / "fifo",
+        "escape": root / "escape",
+    }
 
 
 def _serve(adapters, log, *extra: str) -> ServerProcess:
-    args = [adapters["model"], "--runner", "trillm.worker.fake_runner:FakeModelRunner",
-            "--max-model-len", "256", "--enable-lora", "--max-lora-rank", "8",
-            "--allow-runtime-lora-updating", *extra]  # fmt: skip
+    args = [
+        adapters["model"],
+        "--runner",
+        "trillm.worker.fake_runner:FakeModelRunner",
+        "--max-model-len",
+        "256",
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--allow-runtime-lora-updating",
+        *extra,
+    ]
     return ServerProcess(args, log).start()
 
 
@@ -75,8 +90,9 @@ def test_long_names_are_refused_and_not_echoed(server, adapters):
     r = _load(server, "n" * HUGE, str(adapters["good"]))
     assert r.status_code == 400, r.text[:300]
     assert r.json()["error"]["param"] == "lora_name" and len(r.content) < 1000
-    gone = httpx.post(server.base_url + "/unload_lora_adapter", json={"lora_name": "n" * HUGE},
-                      timeout=20)  # fmt: skip
+    gone = httpx.post(
+        server.base_url + "/unload_lora_adapter", json={"lora_name": "n" * HUGE}, timeout=20
+    )
     assert gone.status_code == 400 and len(gone.content) < 1000
     longest = "n" * MAX_LORA_NAME_CHARS
     assert _load(server, longest, str(adapters["good"])).status_code == 200
@@ -99,14 +115,27 @@ def test_unknown_long_model_is_not_echoed_whole(server):
 def test_paths_that_are_not_adapters_get_one_answer(server, adapters):
     """Missing, not a folder, relative, ``..``, a NUL, outside the root (directly or through a
     symlink), a folder without an adapter: the same 400, which names no errno."""
-    paths = ["/etc/passwd", "/nonexistent/x", "relative/path", "/tmp/../etc", "/etc\0passwd",
-             str(adapters["outside"]), str(adapters["escape"]), str(adapters["root"]),
-             str(adapters["root"] / "good" / ".." / "good"), "/" + "x" * 5000]  # fmt: skip
+    paths = [
+        "/etc/passwd",
+        "/nonexistent/x",
+        "relative/path",
+        "/tmp/../etc",
+        "/etc\0passwd",
+        str(adapters["outside"]),
+        str(adapters["escape"]),
+        str(adapters["root"]),
+        str(adapters["root"] / "good" / ".." / "good"),
+        "/" + "x" * 5000,
+    ]
     for path in paths:
         r = _load(server, "probe", path)
         assert r.status_code == 400, (path, r.text)
-        assert r.json()["error"] == {"message": NOT_AN_ADAPTER, "type": "BadRequestError",
-                                     "param": "lora_path", "code": 400}, path  # fmt: skip
+        assert r.json()["error"] == {
+            "message": NOT_AN_ADAPTER,
+            "type": "BadRequestError",
+            "param": "lora_path",
+            "code": 400,
+        }, path
 
 
 def test_fifo_config_is_refused_at_once(server, adapters):
@@ -124,8 +153,10 @@ def test_an_adapter_under_the_root_loads_and_serves(server, adapters):
     assert r.status_code == 200 and r.json()["model"] == "good"
     cards = {m["id"] for m in httpx.get(server.base_url + "/models").json()["data"]}
     assert "good" in cards
-    assert httpx.post(server.base_url + "/unload_lora_adapter",
-                      json={"lora_name": "good"}).status_code == 200  # fmt: skip
+    assert (
+        httpx.post(server.base_url + "/unload_lora_adapter", json={"lora_name": "good"}).status_code
+        == 200
+    )
 
 
 def test_without_a_root_any_absolute_path_and_sigterm_never_waits(adapters, tmp_path):
@@ -137,8 +168,10 @@ def test_without_a_root_any_absolute_path_and_sigterm_never_waits(adapters, tmp_
         refused = _load(srv, "fifo", str(adapters["fifo"]), timeout=15)
         assert refused.status_code == 400, refused.text
         assert _load(srv, "rel", "relative/path").json()["error"]["message"] == NOT_AN_ADAPTER
-        loads = [threading.Thread(target=_load_ignoring_errors, args=(srv, str(adapters["fifo"])))
-                 for _ in range(4)]  # fmt: skip
+        loads = [
+            threading.Thread(target=_load_ignoring_errors, args=(srv, str(adapters["fifo"])))
+            for _ in range(4)
+        ]
         for t in loads:
             t.start()
         time.sleep(0.05)
@@ -171,8 +204,9 @@ def test_a_load_stuck_past_its_time_is_refused(monkeypatch):
 
     async def main() -> None:
         with pytest.raises(BadRequestError) as exc:
-            await serving_lora.load_adapter(registry, StuckEngine(), {"lora_name": "x",
-                                                                      "lora_path": "/a"})  # fmt: skip
+            await serving_lora.load_adapter(
+                registry, StuckEngine(), {"lora_name": "x", "lora_path": "/a"}
+            )
         assert str(exc.value) == NOT_AN_ADAPTER and "x" not in registry.adapters
 
     trio.run(main)
@@ -181,11 +215,13 @@ def test_a_load_stuck_past_its_time_is_refused(monkeypatch):
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        (["--lora-allowed-root", "/nonexistent/x", "--allow-runtime-lora-updating"],
-         "is not a folder"),
+        (
+            ["--lora-allowed-root", "/nonexistent/x", "--allow-runtime-lora-updating"],
+            "is not a folder",
+        ),
         (["--lora-allowed-root", "/tmp"], "--lora-allowed-root: needs --allow-runtime-lora"),
     ],
-)  # fmt: skip
+)
 def test_lora_allowed_root_flag_refused_with_the_flag_named(argv, named, capsys, monkeypatch):
     from trillm.entrypoints.cli import build_parser
     from trillm.entrypoints.openai.serving_lora import check_lora_flags

@@ -77,8 +77,12 @@ def test_an_ordinary_template_renders_as_plain_jinja(server):
         "{% if not loop.last %}\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    body = {"messages": MESSAGES, "max_tokens": 2, "chat_template": template,
-            "return_token_ids": True}  # fmt: skip
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 2,
+        "chat_template": template,
+        "return_token_ids": True,
+    }
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     ids = r.json()["prompt_token_ids"]

@@ -82,6 +82,7 @@ def test_a_turn_of_the_most_calls_is_answered(server):
     items: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
     items += [_call(i) for i in range(MAX_TURN_CALLS)]
     items += [{"type": "function_call_output", "call_id": "c0", "output": "ok"}]
-    r = httpx.post(server.url + "/v1/responses", json={"input": items, "max_output_tokens": 2},
-                   timeout=120)  # fmt: skip
+    r = httpx.post(
+        server.url + "/v1/responses", json={"input": items, "max_output_tokens": 2}, timeout=120
+    )
     assert r.status_code == 200, r.text

@@ -23,8 +23,15 @@ from server_harness import ServerProcess, metric_value
 from trillm.engine.output_collector import MAX_UNREAD_UNITS
 
 STUCK_ID = "stuck-reader-1"
-STUCK = {"prompt": "tell me everything", "n": 32, "logprobs": 20, "max_tokens": 2000,
-         "ignore_eos": True, "stream": True, "request_id": STUCK_ID}  # fmt: skip
+STUCK = {
+    "prompt": "tell me everything",
+    "n": 32,
+    "logprobs": 20,
+    "max_tokens": 2000,
+    "ignore_eos": True,
+    "stream": True,
+    "request_id": STUCK_ID,
+}
 # What the stuck request would produce in all (units: tokens x (1 + logprobs)).
 STUCK_UNITS = 32 * 2000 * 21
 
@@ -33,13 +40,21 @@ STUCK_UNITS = 32 * 2000 * 21
 def server(tiny_model_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("slow-reader") / "server.log"
     srv = ServerProcess(
-        [tiny_model_factory("llama"), "--runner", "trillm.worker.fake_runner:FakeModelRunner",
-         "--max-model-len", "2048", "--kv-cache-memory", "256MiB",
-         # The stuck request's 1.3 M logprob entries pass the per-request budget (2**20 by
-         # default): what is bounded here is what its reader leaves unread.
-         "--max-logprob-entries", "2000000"],
+        [
+            tiny_model_factory("llama"),
+            "--runner",
+            "trillm.worker.fake_runner:FakeModelRunner",
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory",
+            "256MiB",
+            # The stuck request's 1.3 M logprob entries pass the per-request budget (2**20 by
+            # default): what is bounded here is what its reader leaves unread.
+            "--max-logprob-entries",
+            "2000000",
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     srv.stop()
 
@@ -83,8 +98,9 @@ def read_to_end(sock: socket.socket) -> bytes:
 def test_stuck_reader_is_aborted_and_memory_stays_bounded(server):
     assert STUCK_UNITS > 8 * MAX_UNREAD_UNITS  # held to the end, it would pass the bound
     url = server.base_url + "/completions"
-    warm = httpx.post(url, json={"prompt": "warm up", "max_tokens": 50, "logprobs": 20, "n": 8},
-                      timeout=60)  # fmt: skip
+    warm = httpx.post(
+        url, json={"prompt": "warm up", "max_tokens": 50, "logprobs": 20, "n": 8}, timeout=60
+    )
     assert warm.status_code == 200, warm.text
     pid = server.proc.pid
     baseline = rss_mib(pid)
@@ -102,8 +118,14 @@ def test_stuck_reader_is_aborted_and_memory_stays_bounded(server):
     stuck = open_stuck_stream(server)
     try:
         # Another client streams normally meanwhile and gets all of its tokens.
-        normal = {"prompt": "a normal client", "max_tokens": 300, "ignore_eos": True,
-                  "logprobs": 5, "n": 2, "stream": True}  # fmt: skip
+        normal = {
+            "prompt": "a normal client",
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "logprobs": 5,
+            "n": 2,
+            "stream": True,
+        }
         chunks = 0
         reasons: list[str] = []
         with httpx.stream("POST", url, json=normal, timeout=60) as r:
@@ -146,8 +168,15 @@ def test_a_reading_client_is_never_cut(server):
     """The heavy end of what a reading client asks (n=64, 20 logprobs: 1,344 units a step, 4x
     the bound in all) on a model with no cost, so the output side is the bottleneck: the
     client keeps up and gets every token."""
-    body = {"prompt": "read it all", "n": 64, "logprobs": 20, "max_tokens": 400,
-            "ignore_eos": True, "stream": True, "request_id": "heavy-reader"}  # fmt: skip
+    body = {
+        "prompt": "read it all",
+        "n": 64,
+        "logprobs": 20,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+        "request_id": "heavy-reader",
+    }
     assert 64 * 400 * 21 > 4 * MAX_UNREAD_UNITS
     tokens = [0] * 64
     reasons: list[str] = []

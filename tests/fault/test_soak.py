@@ -131,9 +131,14 @@ class Traffic:
     def client_loop(self, seed: int) -> None:
         rng = random.Random(seed)
         kinds = [
-            self.completion, self.completion_stream, self.chat, self.chat_stream,
-            self.disconnect, self.bad, self.tokenize,
-        ]  # fmt: skip
+            self.completion,
+            self.completion_stream,
+            self.chat,
+            self.chat_stream,
+            self.disconnect,
+            self.bad,
+            self.tokenize,
+        ]
         with httpx.Client(base_url=self.srv.url, timeout=60) as client:
             while not self.stop.is_set():
                 kind = rng.choice(kinds)
@@ -276,10 +281,18 @@ def settled_fds(pid: int, within: float = 20.0) -> int:
 
 def test_soak(tmp_path: Path):
     srv = ServerProcess(
-        ["--kv-cache-memory", "64MiB", "--max-num-seqs", "16", "--max-model-len", "512",
-         "--timeout-keep-alive", str(KEEP_ALIVE_S)],
+        [
+            "--kv-cache-memory",
+            "64MiB",
+            "--max-num-seqs",
+            "16",
+            "--max-model-len",
+            "512",
+            "--timeout-keep-alive",
+            str(KEEP_ALIVE_S),
+        ],
         tmp_path / "server.log",
-    ).start()  # fmt: skip
+    ).start()
     shm_after_warmup: set[str] = set()
     try:
         pid = srv.proc.pid

@@ -33,17 +33,31 @@ def server(tiny_model_factory, tmp_path_factory):
     model = tiny_model_factory("llama")
     log = tmp_path_factory.mktemp("token-queue") / "server.log"
     srv = ServerProcess(
-        [model, "--max-model-len", "2048", "--kv-cache-memory", "64MiB",
-         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-admitted-tokens", str(LIMIT)],
+        [
+            model,
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory",
+            "64MiB",
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--max-num-admitted-tokens",
+            str(LIMIT),
+        ],
         log,
-    ).start()  # fmt: skip
+    ).start()
     yield srv
     srv.stop()
 
 
 def completion(prompt, max_tokens: int, **extra) -> dict:
-    return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            **extra}  # fmt: skip
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        **extra,
+    }
 
 
 def assert_overloaded(r: httpx.Response, started: float) -> None:
@@ -59,8 +73,10 @@ def test_token_bound_refuses_whole_requests_at_once(server):
     url = server.base_url + "/completions"
     with httpx.Client(timeout=60) as client:
         # 4,500 of 6,000 tokens taken: one prompt, then two (a fan-in), streamed.
-        socks = [open_request(server, "/v1/completions", completion(prompt, FULL, stream=True))
-                 for prompt in (PROMPT, [PROMPT, PROMPT])]  # fmt: skip
+        socks = [
+            open_request(server, "/v1/completions", completion(prompt, FULL, stream=True))
+            for prompt in (PROMPT, [PROMPT, PROMPT])
+        ]
         try:
             # (the fan-in has one prompt in the engine at a time here, the other waits in the
             # frontend: fair admission, 3/4 of --max-num-seqs 2; its tokens are admitted whole)
@@ -83,8 +99,9 @@ def test_token_bound_refuses_whole_requests_at_once(server):
             wait_gauges(server, (MAX_NUM_SEQS, 1))
             # Full: even one more token is refused in the gate, before the body is read.
             started = time.monotonic()
-            r = client.post(url, content=b'{"not": "a request"}',
-                            headers={"Content-Type": "application/json"})  # fmt: skip
+            r = client.post(
+                url, content=b'{"not": "a request"}', headers={"Content-Type": "application/json"}
+            )
             assert_overloaded(r, started)
             assert b'"finish_reason":"timeout"' in read_until(last, b"[DONE]")
         finally:

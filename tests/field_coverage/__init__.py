@@ -1,2 +1,1 @@
 """The sections of tests/field_coverage_table.py, one module each."""
-

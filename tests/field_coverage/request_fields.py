@@ -222,28 +222,35 @@ _RESPONSES = {
 }
 
 _EMBEDDING = {
-    "input": ids(POOL + "test_v1_embeddings_with_the_openai_client",
-                 POOL + "test_token_id_input_and_encoding_format",
-                 POOL + "test_what_the_pooling_routes_refuse"),
+    "input": ids(
+        POOL + "test_v1_embeddings_with_the_openai_client",
+        POOL + "test_token_id_input_and_encoding_format",
+        POOL + "test_what_the_pooling_routes_refuse",
+    ),
     "model": ids(POOL + "test_what_the_pooling_routes_refuse"),
     "encoding_format": ids(POOL + "test_token_id_input_and_encoding_format"),
     "dimensions": ids(POOL + "test_what_the_pooling_routes_refuse"),
     "truncate_prompt_tokens": ids(POOL + "test_truncate_prompt_tokens_keeps_the_last_tokens"),
-}  # fmt: skip
+}
 
 _CLASSIFY = {
-    "input": ids(CLS + "test_classify_route_answers_in_vllms_shape",
-                 CLS + "test_what_the_classify_server_refuses"),
+    "input": ids(
+        CLS + "test_classify_route_answers_in_vllms_shape",
+        CLS + "test_what_the_classify_server_refuses",
+    ),
     "model": ids(CLS + "test_what_the_classify_server_refuses"),
     "truncate_prompt_tokens": ids(CLS + "test_truncate_prompt_tokens_keeps_the_last_tokens"),
-}  # fmt: skip
+}
 
 REQUEST_FIELDS: dict[str, tuple[str, ...]] = {
     **{f"ChatCompletionRequest.{k}": v for k, v in {**_SAMPLING, **_CHAT}.items()},
     **{f"CompletionRequest.{k}": v for k, v in {**_SAMPLING, **_COMPLETION}.items()},
     **_NESTED,
     **_RESPONSES,
-    **{f"{cls}.{k}": v for cls in ("EmbeddingRequest", "PoolingRequest")
-       for k, v in _EMBEDDING.items()},
+    **{
+        f"{cls}.{k}": v
+        for cls in ("EmbeddingRequest", "PoolingRequest")
+        for k, v in _EMBEDDING.items()
+    },
     **{f"ClassificationRequest.{k}": v for k, v in _CLASSIFY.items()},
-}  # fmt: skip
+}

@@ -12,22 +12,38 @@ from field_coverage.ids import (
 
 _PARAMS = {
     "n": ids(FEE + "test_temperature_seed_n"),
-    "presence_penalty": ids(FEE + "test_penalties_make_a_repetitive_output_less_repetitive",
-                            SAMPLER + "test_penalties_follow_the_formulas"),
-    "frequency_penalty": ids(FEE + "test_penalties_make_a_repetitive_output_less_repetitive",
-                             SAMPLER + "test_penalties_follow_the_formulas"),
-    "repetition_penalty": ids(FEE + "test_penalties_make_a_repetitive_output_less_repetitive",
-                              SAMPLER + "test_penalties_follow_the_formulas"),
-    "temperature": ids(FEE + "test_temperature_seed_n",
-                       SAMPLER + "test_temperature_matches_softmax_of_scaled_logits"),
-    "top_p": ids(FEE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output",
-                 SAMPLER + "test_top_p_never_emits_outside_the_nucleus"),
-    "top_k": ids(FEE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output",
-                 SAMPLER + "test_top_k_never_emits_outside_the_top_k"),
-    "min_p": ids(FEE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output",
-                 SAMPLER + "test_min_p_drops_tokens_below_the_scaled_top_probability"),
-    "seed": ids(FEE + "test_temperature_seed_n",
-                SAMPLER + "test_seeded_requests_reproduce_across_batches_and_slots"),
+    "presence_penalty": ids(
+        FEE + "test_penalties_make_a_repetitive_output_less_repetitive",
+        SAMPLER + "test_penalties_follow_the_formulas",
+    ),
+    "frequency_penalty": ids(
+        FEE + "test_penalties_make_a_repetitive_output_less_repetitive",
+        SAMPLER + "test_penalties_follow_the_formulas",
+    ),
+    "repetition_penalty": ids(
+        FEE + "test_penalties_make_a_repetitive_output_less_repetitive",
+        SAMPLER + "test_penalties_follow_the_formulas",
+    ),
+    "temperature": ids(
+        FEE + "test_temperature_seed_n",
+        SAMPLER + "test_temperature_matches_softmax_of_scaled_logits",
+    ),
+    "top_p": ids(
+        FEE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output",
+        SAMPLER + "test_top_p_never_emits_outside_the_nucleus",
+    ),
+    "top_k": ids(
+        FEE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output",
+        SAMPLER + "test_top_k_never_emits_outside_the_top_k",
+    ),
+    "min_p": ids(
+        FEE + "test_top_k_top_p_min_p_that_keep_one_token_give_the_greedy_output",
+        SAMPLER + "test_min_p_drops_tokens_below_the_scaled_top_probability",
+    ),
+    "seed": ids(
+        FEE + "test_temperature_seed_n",
+        SAMPLER + "test_seeded_requests_reproduce_across_batches_and_slots",
+    ),
     "stop": ids(FEE + "test_stop_stop_token_ids_include_stop_str_in_output"),
     "stop_token_ids": ids(FEE + "test_stop_stop_token_ids_include_stop_str_in_output"),
     "bad_words": ids(FEE + "test_logit_bias_allowed_token_ids_bad_words"),
@@ -36,21 +52,24 @@ _PARAMS = {
     "min_tokens": ids(FEE + "test_eos_fields_and_detokenize"),
     "logprobs": ids(FEE + "test_logprobs_and_prompt_logprobs"),
     "prompt_logprobs": ids(FEE + "test_logprobs_and_prompt_logprobs"),
-    "detokenize": ids(FEE + "test_eos_fields_and_detokenize",
-                      OUTPUT + "test_detokenize_false_gives_no_text"),
+    "detokenize": ids(
+        FEE + "test_eos_fields_and_detokenize", OUTPUT + "test_detokenize_false_gives_no_text"
+    ),
     "skip_special_tokens": ids(FEE + "test_eos_fields_and_detokenize"),
     "include_stop_str_in_output": ids(FEE + "test_stop_stop_token_ids_include_stop_str_in_output"),
     "spaces_between_special_tokens": ids(FEE + "test_spaces_between_special_tokens"),
     "logit_bias": ids(FEE + "test_logit_bias_allowed_token_ids_bad_words"),
     "allowed_token_ids": ids(FEE + "test_logit_bias_allowed_token_ids_bad_words"),
     "truncate_prompt_tokens": ids(FEE + "test_truncate_prompt_tokens"),
-    "output_kind": ids(OUTPUT + "test_final_only_gives_one_output",
-                       OUTPUT + "test_stalled_reader_gets_merged_outputs"),
+    "output_kind": ids(
+        OUTPUT + "test_final_only_gives_one_output",
+        OUTPUT + "test_stalled_reader_gets_merged_outputs",
+    ),
     "structured_outputs": ids(FEE + "test_structured_outputs_kinds"),
     # Filled by the input processor, read by the sampler.
     "bad_words_token_ids": ids(SAMPLER + "test_bad_words_single_and_multi_token"),
     "all_stop_token_ids": ids(SAMPLER + "test_min_tokens_suppresses_stop_ids_until_reached"),
-}  # fmt: skip
+}
 
 _SO_PARAMS = {
     kind: ids(FEE + "test_structured_outputs_kinds")

@@ -96,8 +96,9 @@ class EagerAttentionBackend:
         value_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for req in self._plan(meta, kv_cache.shape[2]):
-            out[req.rows] = _attend(q[req.rows], key_cache, value_cache, req, scale, window,
-                                    softcap)  # fmt: skip
+            out[req.rows] = _attend(
+                q[req.rows], key_cache, value_cache, req, scale, window, softcap
+            )
         return out
 
 

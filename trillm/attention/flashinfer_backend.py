@@ -109,8 +109,17 @@ class FlashInferAttentionBackend:
         # NOTE: indptrs and last-page lengths stay on the host (plan reads them there without a
         # device sync); the page indices are read by the kernels, on the device.
         self._wrapper.plan(
-            qo_indptr, indptr, indices.to(device), last_page_len,
-            key.num_heads, key.num_kv_heads, key.head_dim, key.page_size,
-            causal=True, sm_scale=key.scale, q_data_type=key.q_dtype, kv_data_type=key.kv_dtype,
-        )  # fmt: skip
+            qo_indptr,
+            indptr,
+            indices.to(device),
+            last_page_len,
+            key.num_heads,
+            key.num_kv_heads,
+            key.head_dim,
+            key.page_size,
+            causal=True,
+            sm_scale=key.scale,
+            q_data_type=key.q_dtype,
+            kv_data_type=key.kv_dtype,
+        )
         self._planned = key

@@ -212,9 +212,13 @@ class TorchAttentionBackend:
 
         def native_plan(reqs: torch.Tensor | None) -> paged_attention_cpu.PagedAttentionPlan:
             return paged_attention_cpu.PagedAttentionPlan(
-                meta.query_start_loc, meta.seq_lens, meta.block_table, q.shape, kv_cache.shape,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_table,
+                q.shape,
+                kv_cache.shape,
                 reqs,
-            )  # fmt: skip
+            )
 
         if meta.decode_only:
             if native:
@@ -285,8 +289,9 @@ class TorchAttentionBackend:
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
         self._write_cache(k, v, kv_cache, key_cache, value_cache, meta.slot_mapping)
         if window is not None or softcap is not None:
-            return self._forward_masked(q, key_cache, value_cache, kv_cache, meta, scale,
-                                        window, softcap)  # fmt: skip
+            return self._forward_masked(
+                q, key_cache, value_cache, kv_cache, meta, scale, window, softcap
+            )
         if len(self._groups) == 1 and self._groups[0].covers_all:
             return self._attend(self._groups[0], q, key_cache, value_cache, scale)
         out = torch.empty_like(q)
@@ -367,9 +372,13 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:  # [L, Hq, D]
         # NOTE: 4-D inputs: with 3-D ones torch's CPU SDPA takes the (3x slower) math path.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=True,
-        )  # fmt: skip  # [1, Hq, L, D]
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, Hq, L, D]
         return out[0].transpose(0, 1)
 
     @staticmethod

@@ -58,10 +58,19 @@ class TritonAttentionBackend:
             schedule.tile_req.numel() * k.shape[1], meta.max_seq_len, meta.decode_only
         )
         return paged_attention_triton.paged_attention(
-            q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale,
-            schedule=schedule, block_n=self.block_n, num_splits=num_splits,
-            max_seq_len=meta.max_seq_len, window=window, softcap=softcap,
-        )  # fmt: skip
+            q,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            scale,
+            schedule=schedule,
+            block_n=self.block_n,
+            num_splits=num_splits,
+            max_seq_len=meta.max_seq_len,
+            window=window,
+            softcap=softcap,
+        )
 
     def _schedule(
         self, meta: AttentionMetadata, group: int, device: torch.device

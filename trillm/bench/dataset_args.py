@@ -52,21 +52,36 @@ def build_file_dataset(
     shuffle = not args.disable_shuffle
     if name == "sharegpt":
         requests = datasets.build_sharegpt(
-            args.dataset_path, args.num_prompts, tokenizer, output_len=args.sharegpt_output_len,
-            seed=args.seed, shuffle=shuffle,
-        )  # fmt: skip
+            args.dataset_path,
+            args.num_prompts,
+            tokenizer,
+            output_len=args.sharegpt_output_len,
+            seed=args.seed,
+            shuffle=shuffle,
+        )
     elif name == "custom":
         template = not (args.skip_chat_template or chat)  # a chat endpoint renders it itself
         requests = build_custom(
-            args.dataset_path, args.num_prompts, tokenizer, args.custom_output_len,
-            chat_template=template, seed=args.seed, shuffle=shuffle,
-        )  # fmt: skip
+            args.dataset_path,
+            args.num_prompts,
+            tokenizer,
+            args.custom_output_len,
+            chat_template=template,
+            seed=args.seed,
+            shuffle=shuffle,
+        )
     else:
         requests = build_hf(
-            args.dataset_path, args.num_prompts, tokenizer, output_len=args.hf_output_len,
-            subset=args.hf_subset, split=args.hf_split, name=args.hf_name, seed=args.seed,
+            args.dataset_path,
+            args.num_prompts,
+            tokenizer,
+            output_len=args.hf_output_len,
+            subset=args.hf_subset,
+            split=args.hf_split,
+            name=args.hf_name,
+            seed=args.seed,
             shuffle=shuffle,
-        )  # fmt: skip
+        )
     if args.no_oversample:
         return requests
     return oversample(requests, args.num_prompts, args.seed)

@@ -103,9 +103,12 @@ def _data_files(path: Path, subset: str | None, split: str | None) -> list[Path]
     if root.is_file():
         return [root]
     files = sorted(
-        f for f in root.rglob("*") if f.is_file() and f.suffix in _DATA_SUFFIXES
+        f
+        for f in root.rglob("*")
+        if f.is_file()
+        and f.suffix in _DATA_SUFFIXES
         and (split is None or f.name.startswith(split))
-    )  # fmt: skip
+    )
     if not files:
         other = sorted(f.suffix for f in root.rglob("*") if f.suffix in (".parquet", ".arrow"))
         hint = " (Parquet/Arrow files need pyarrow, which is not used here)" if other else ""

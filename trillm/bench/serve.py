@@ -119,9 +119,15 @@ async def _one(
     # starts when it gets a slot, while the arrival schedule keeps running.
     async with limiter if limiter is not None else contextlib.nullcontext():
         result = await send_request(
-            client, spec, req.prompt, req.prompt_len, req.expected_output_len, ctx.tokenizer,
-            index if state is not None else None, model,
-        )  # fmt: skip
+            client,
+            spec,
+            req.prompt,
+            req.prompt_len,
+            req.expected_output_len,
+            ctx.tokenizer,
+            index if state is not None else None,
+            model,
+        )
     if state is not None:
         state.results.append(result)
         ctx.progress.update(1)
@@ -214,10 +220,12 @@ def prepare(args: argparse.Namespace) -> ServeContext:
         None
         if args.skip_tokenizer_init
         else datasets.find_tokenizer(
-            args.tokenizer, args.model, mode=args.tokenizer_mode,
+            args.tokenizer,
+            args.model,
+            mode=args.tokenizer_mode,
             trust_remote_code=args.trust_remote_code,
         )
-    )  # fmt: skip
+    )
     chat = is_chat(args)
     if args.dataset_name in ("random", "prefix-repetition") and chat and tokenizer is None:
         raise BenchSetupError("The chat endpoint needs text prompts: pass --tokenizer PATH.")
@@ -249,8 +257,14 @@ def base_url(args: argparse.Namespace) -> str:
 
 def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     params = {"temperature": 0.0 if args.temperature is None else args.temperature}
-    for name in ("top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty"):  # fmt: skip
+    for name in (
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+    ):
         value = getattr(args, name)
         if value is not None:
             params[name] = value

@@ -46,8 +46,13 @@ class _Refuse(argparse.Action):
         kwargs.pop("nargs", None)
         super().__init__(option_strings, dest, nargs="?", **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any,
-                 option_string: str | None = None) -> None:  # fmt: skip
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: Any,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         flag = option_string or self.option_strings[0]
         parser.error(f"{flag} is not supported by trillm bench serve: {REFUSED[flag]}.")
 
@@ -57,58 +62,118 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--label", default=None, help="prefix of the result file name (default: --backend)"
     )
-    p.add_argument("--header", metavar="KEY=VALUE", nargs="*", default=None,
-                   help="headers sent with every request")  # fmt: skip
-    p.add_argument("--input-len", type=int, default=None,
-                   help="the dataset's input length (--random-input-len)")  # fmt: skip
-    p.add_argument("--output-len", type=int, default=None,
-                   help="the dataset's output length (--random-output-len, --custom-output-len, "
-                   "--hf-output-len, --sharegpt-output-len, --prefix-repetition-output-len)")  # fmt: skip
-    p.add_argument("--num-warmups", type=int, default=0,
-                   help="requests sent (and not measured) before the benchmark")  # fmt: skip
-    p.add_argument("--save-detailed", action="store_true",
-                   help="keep the per-request lists (ttfts, itls, texts, errors) in the result")  # fmt: skip
-    p.add_argument("--append-result", action="store_true",
-                   help="append the result to the result file (one JSON object a line)")  # fmt: skip
-    p.add_argument("--metadata", metavar="KEY=VALUE", nargs="*", default=None,
-                   help="saved in the result JSON")  # fmt: skip
-    p.add_argument("--request-id-prefix", default=f"bench-{uuid.uuid4().hex[:8]}-",
-                   help="request ids are PREFIX + index (x-request-id header and request_id)")  # fmt: skip
-    p.add_argument("--extra-body", type=json.loads, default=None,
-                   help="a JSON object merged into every request body")  # fmt: skip
+    p.add_argument(
+        "--header",
+        metavar="KEY=VALUE",
+        nargs="*",
+        default=None,
+        help="headers sent with every request",
+    )
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=None,
+        help="the dataset's input length (--random-input-len)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="the dataset's output length (--random-output-len, --custom-output-len, "
+        "--hf-output-len, --sharegpt-output-len, --prefix-repetition-output-len)",
+    )
+    p.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        help="requests sent (and not measured) before the benchmark",
+    )
+    p.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="keep the per-request lists (ttfts, itls, texts, errors) in the result",
+    )
+    p.add_argument(
+        "--append-result",
+        action="store_true",
+        help="append the result to the result file (one JSON object a line)",
+    )
+    p.add_argument(
+        "--metadata", metavar="KEY=VALUE", nargs="*", default=None, help="saved in the result JSON"
+    )
+    p.add_argument(
+        "--request-id-prefix",
+        default=f"bench-{uuid.uuid4().hex[:8]}-",
+        help="request ids are PREFIX + index (x-request-id header and request_id)",
+    )
+    p.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default=None,
+        help="a JSON object merged into every request body",
+    )
     p.add_argument("--logprobs", type=int, default=None, help="logprobs per token to request")
     p.add_argument("--ramp-up-strategy", choices=RAMP_UP_STRATEGIES, default=None)
     p.add_argument("--ramp-up-start-rps", type=int, default=None)
     p.add_argument("--ramp-up-end-rps", type=int, default=None)
-    p.add_argument("--ready-check-timeout-sec", type=int, default=0,
-                   help="wait up to this long for the server to answer (0: no wait)")  # fmt: skip
-    p.add_argument("--lora-modules", nargs="+", default=None,
-                   help="model names (LoRA adapters) sent as 'model', one per request")  # fmt: skip
+    p.add_argument(
+        "--ready-check-timeout-sec",
+        type=int,
+        default=0,
+        help="wait up to this long for the server to answer (0: no wait)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="model names (LoRA adapters) sent as 'model', one per request",
+    )
     p.add_argument("--lora-assignment", choices=["random", "round-robin"], default="random")
-    p.add_argument("--insecure", action="store_true",
-                   help="do not verify TLS certificates (with --http-client httpx)")  # fmt: skip
-    p.add_argument("--plot-timeline", action="store_true",
-                   help="an HTML timeline of the requests next to the result JSON")  # fmt: skip
-    p.add_argument("--timeline-itl-thresholds", default="25,50",
-                   help="two ITL thresholds (ms) that color the timeline")  # fmt: skip
-    p.add_argument("--plot-dataset-stats", action="store_true",
-                   help="a PNG of the dataset's prompt and output lengths next to the result")  # fmt: skip
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="do not verify TLS certificates (with --http-client httpx)",
+    )
+    p.add_argument(
+        "--plot-timeline",
+        action="store_true",
+        help="an HTML timeline of the requests next to the result JSON",
+    )
+    p.add_argument(
+        "--timeline-itl-thresholds",
+        default="25,50",
+        help="two ITL thresholds (ms) that color the timeline",
+    )
+    p.add_argument(
+        "--plot-dataset-stats",
+        action="store_true",
+        help="a PNG of the dataset's prompt and output lengths next to the result",
+    )
     p.add_argument("--tokenizer-mode", choices=TOKENIZER_MODES, default="auto")
     p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="load no tokenizer (token-id prompts; output tokens from usage)")  # fmt: skip
+    p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer (token-id prompts; output tokens from usage)",
+    )
     s = p.add_argument_group("sampling parameters (beside --temperature --top-p --top-k)")
-    for flag in ("--min-p", "--frequency-penalty", "--presence-penalty",
-                 "--repetition-penalty"):  # fmt: skip
+    for flag in ("--min-p", "--frequency-penalty", "--presence-penalty", "--repetition-penalty"):
         s.add_argument(flag, type=float, default=None)
     d = p.add_argument_group("file datasets (sharegpt, custom, hf)")
-    d.add_argument("--no-oversample", action="store_true",
-                   help="fewer prompts than --num-prompts when the file has fewer")  # fmt: skip
+    d.add_argument(
+        "--no-oversample",
+        action="store_true",
+        help="fewer prompts than --num-prompts when the file has fewer",
+    )
     d.add_argument("--disable-shuffle", action="store_true", help="the file's order")
-    d.add_argument("--skip-chat-template", action="store_true",
-                   help="custom dataset: send the prompt as is to /v1/completions")  # fmt: skip
-    d.add_argument("--no-stream", action="store_true",
-                   help="load the dataset whole (always so: local files)")  # fmt: skip
+    d.add_argument(
+        "--skip-chat-template",
+        action="store_true",
+        help="custom dataset: send the prompt as is to /v1/completions",
+    )
+    d.add_argument(
+        "--no-stream", action="store_true", help="load the dataset whole (always so: local files)"
+    )
     d.add_argument("--custom-output-len", type=int, default=256)
     d.add_argument("--hf-subset", default=None, help="a sub-folder of --dataset-path")
     d.add_argument("--hf-split", default=None, help="the data files whose name starts so")

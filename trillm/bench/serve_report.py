@@ -90,9 +90,11 @@ def make_record(
     if args.label is not None:
         record["label"] = args.label
     if args.ramp_up_strategy is not None:
-        record.update(ramp_up_strategy=args.ramp_up_strategy,
-                      ramp_up_start_rps=args.ramp_up_start_rps,
-                      ramp_up_end_rps=args.ramp_up_end_rps)  # fmt: skip
+        record.update(
+            ramp_up_strategy=args.ramp_up_strategy,
+            ramp_up_start_rps=args.ramp_up_start_rps,
+            ramp_up_end_rps=args.ramp_up_end_rps,
+        )
     record.update(args.metadata_pairs)  # --metadata KEY=VALUE, as vLLM saves it
     if args.save_detailed:  # vLLM keeps the per-request lists only when asked
         record.update(metrics.per_request_lists(state.results))

@@ -60,8 +60,10 @@ def write_timeline(
         for start, stop, color in row:
             x, w = LEFT_PX + start * scale, max((stop - start) * scale, 0.5)
             tip = html.escape(f"request {i}: {start:.3f}-{stop:.3f} s")
-            parts.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{ROW_PX - 1}" '
-                         f'fill="{color}"><title>{tip}</title></rect>')  # fmt: skip
+            parts.append(
+                f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{ROW_PX - 1}" '
+                f'fill="{color}"><title>{tip}</title></rect>'
+            )
     parts.append("</svg>")
     legend = (
         f"grey: waiting for the first token; ITL green &lt; {thresholds[0]:g} ms, orange &lt; "
@@ -85,9 +87,10 @@ def plot_dataset_stats(path: Path, requests: list[Any]) -> None:
     outputs = [r.expected_output_len for r in requests]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, values, title in zip(
-        axes, (prompts, outputs, [p + o for p, o in zip(prompts, outputs)]),
+        axes,
+        (prompts, outputs, [p + o for p, o in zip(prompts, outputs)]),
         ("prompt tokens", "output tokens", "prompt + output tokens"),
-    ):  # fmt: skip
+    ):
         ax.hist(values, bins=min(50, max(len(set(values)), 1)))
         ax.set_title(f"{title} (n={len(values)})")
     fig.tight_layout()

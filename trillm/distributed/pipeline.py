@@ -107,8 +107,9 @@ class PipelineGroup:
         for t in tensors:
             self._run("send", dist.send, t.contiguous(), dst)
 
-    def recv(self, count: int, shape: tuple[int, ...], dtype: torch.dtype,
-             device: torch.device) -> list[torch.Tensor]:  # fmt: skip
+    def recv(
+        self, count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor]:
         """``count`` tensors of ``shape`` from the same tensor-parallel rank of the stage
         before."""
         src = self.rank - self.tp_size

@@ -36,8 +36,14 @@ _FUSED = ("qkv_proj", "gate_up_proj")  # column-parallel, fused in the checkpoin
 # q/k norms over all heads at once: their weights split like q_proj / k_proj's rows.
 _WHOLE_QK_NORM = ("Olmo2ForCausalLM",)
 # GPT-NeoX's projections and Mixtral's experts' (each expert's I split) that split as Llama's do.
-_AS_LLAMA = {"dense_h_to_4h": "up_proj", "dense": "o_proj", "dense_4h_to_h": "down_proj",
-             "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # fmt: skip
+_AS_LLAMA = {
+    "dense_h_to_4h": "up_proj",
+    "dense": "o_proj",
+    "dense_4h_to_h": "down_proj",
+    "w1": "gate_proj",
+    "w3": "up_proj",
+    "w2": "down_proj",
+}
 
 
 # The families whose layers shard this way (Phi-3's checkpoint fuses q/k/v and gate/up: each
@@ -46,11 +52,20 @@ _AS_LLAMA = {"dense_h_to_4h": "up_proj", "dense": "o_proj", "dense_4h_to_h": "do
 # The MoE families split each expert's intermediate rows/columns (Qwen MoE: its own
 # moe_intermediate_size, the shared expert's), the router replicated.
 ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-    "Olmo2ForCausalLM", "GPTNeoXForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "GPTNeoXForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
-)  # fmt: skip
+)
 
 
 _MOE_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size")
@@ -83,8 +98,10 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         problems.append(f"num_attention_heads={heads}")
     if kv % size and size % kv:
         problems.append(f"num_key_value_heads={kv} (nor is {size} a multiple of it)")
-    sizes = {"intermediate_size": inter, **{key: int(cfg.hf_config[key]) for key in _MOE_SIZES
-                                            if cfg.hf_config.get(key)}}  # fmt: skip
+    sizes = {
+        "intermediate_size": inter,
+        **{key: int(cfg.hf_config[key]) for key in _MOE_SIZES if cfg.hf_config.get(key)},
+    }
     problems += [f"{key}={value}" for key, value in sizes.items() if value % size]
     if problems:
         raise TensorParallelConfigError(
@@ -122,9 +139,18 @@ class RankShapes:
         per = cdiv(cfg.vocab_size, size)
         start = min(rank * per, cfg.vocab_size)
         return cls(
-            rank, size, rank * heads, heads, kv_start, num_kv, rank * inter, inter,
-            start, min(start + per, cfg.vocab_size), per,
-        )  # fmt: skip
+            rank,
+            size,
+            rank * heads,
+            heads,
+            kv_start,
+            num_kv,
+            rank * inter,
+            inter,
+            start,
+            min(start + per, cfg.vocab_size),
+            per,
+        )
 
     def split_of(self, cfg: ModelConfig, name: str) -> tuple[int, int, int] | None:
         """(dim, start, length) of checkpoint tensor ``name`` on this rank; None = whole."""
@@ -162,8 +188,11 @@ class RankShapes:
         d, heads, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         if proj == "qkv_proj":
             k_rows = (self.kv_head_start * d, self.num_kv_heads * d)
-            return [(self.head_start * d, self.num_heads * d),
-                    (heads * d + k_rows[0], k_rows[1]), ((heads + kv) * d + k_rows[0], k_rows[1])]  # fmt: skip
+            return [
+                (self.head_start * d, self.num_heads * d),
+                (heads * d + k_rows[0], k_rows[1]),
+                ((heads + kv) * d + k_rows[0], k_rows[1]),
+            ]
         inter = cfg.intermediate_size
         return [(self.inter_start, self.inter_size), (inter + self.inter_start, self.inter_size)]
 
@@ -180,8 +209,9 @@ class RankShapes:
             up = intermediate_of(cfg, name) + start
             return torch.cat([source[:, start : start + length], source[:, up : up + length]], 1)
         if proj in _FUSED:  # fused in the checkpoint (Phi-3): this rank's rows of each part
-            return torch.cat([source[start : start + length]
-                              for start, length in self.fused_rows(cfg, proj)])  # fmt: skip
+            return torch.cat(
+                [source[start : start + length] for start, length in self.fused_rows(cfg, proj)]
+            )
         split = self.split_of(cfg, name)
         if split is None:
             tensor = source[:] if not isinstance(source, torch.Tensor) else source

@@ -49,9 +49,15 @@ def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
     if torch.distributed.is_initialized():  # rank 0 of several nodes (tp_size may be 1)
         return device
     init_tensor_parallel(
-        rank, parallel.world_size, parallel.master_port, device.type, timeout,
-        master_addr=parallel.master_addr, remote_ranks=parallel.remote_ranks(), tp_size=tp,
-    )  # fmt: skip
+        rank,
+        parallel.world_size,
+        parallel.master_port,
+        device.type,
+        timeout,
+        master_addr=parallel.master_addr,
+        remote_ranks=parallel.remote_ranks(),
+        tp_size=tp,
+    )
     return device
 
 

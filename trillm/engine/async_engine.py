@@ -196,9 +196,14 @@ class AsyncEngine:
         engine_ids = [r.request_id for r in msg.engine_requests]
         try:
             self.output_processor.add_request(
-                msg.request_id, msg.prompt, msg.prompt_token_ids, msg.params, engine_ids,
-                queue=msg.collector, arrival_time=msg.arrival_time,
-            )  # fmt: skip
+                msg.request_id,
+                msg.prompt,
+                msg.prompt_token_ids,
+                msg.params,
+                engine_ids,
+                queue=msg.collector,
+                arrival_time=msg.arrival_time,
+            )
         except InvalidRequestError as exc:  # an id already in flight: this request alone
             msg.collector.put_error(exc)
             return
@@ -276,9 +281,15 @@ class AsyncEngine:
             )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         return RequestStream(
-            self, prompt, params, request_id,
-            priority=priority, cache_salt=cache_salt, timeout=timeout, lora_request=lora_request,
-        )  # fmt: skip
+            self,
+            prompt,
+            params,
+            request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            timeout=timeout,
+            lora_request=lora_request,
+        )
 
     @property
     def is_pooling(self) -> bool:
@@ -308,8 +319,9 @@ class AsyncEngine:
     ) -> ClassificationRequestOutput:
         """A sequence classifier's class probabilities for one prompt (vLLM's ``classify``)."""
         out = await pool(self, prompt, request_id, truncate_prompt_tokens, priority, "classify")
-        return ClassificationRequestOutput(out.request_id, out.prompt_token_ids,
-                                           ClassificationOutput(out.outputs.embedding))  # fmt: skip
+        return ClassificationRequestOutput(
+            out.request_id, out.prompt_token_ids, ClassificationOutput(out.outputs.embedding)
+        )
 
     async def check_lora(self, lora: LoRARequest) -> None:
         """InvalidRequestError (a 400) unless LoRA is on and the adapter fits the model."""

@@ -231,8 +231,10 @@ def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
 
     classifier = classification.is_sequence_classifier(model_config.hf_config)
     if args.convert == "classify" and not classifier:
-        raise ValueError(f"convert='classify' needs a *ForSequenceClassification checkpoint (a "
-                         f"score head); {model_config.architecture} has none.")  # fmt: skip
+        raise ValueError(
+            f"convert='classify' needs a *ForSequenceClassification checkpoint (a "
+            f"score head); {model_config.architecture} has none."
+        )
     if classifier and (args.runner == "generate" or args.convert == "embed"):
         raise ValueError(
             "This checkpoint is a sequence classifier: it classifies (runner "
@@ -241,17 +243,26 @@ def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
         )
     if not (is_pooling(args.runner, args.convert) or classifier):
         return None
-    for name, value in (("enable_lora", args.enable_lora),
-                        ("speculative_config", args.speculative_config is not None)):  # fmt: skip
+    for name, value in (
+        ("enable_lora", args.enable_lora),
+        ("speculative_config", args.speculative_config is not None),
+    ):
         if value:
-            raise ValueError(f"{name}: a pooling model (runner='pooling') with it is not "
-                             "implemented yet.")  # fmt: skip
+            raise ValueError(
+                f"{name}: a pooling model (runner='pooling') with it is not implemented yet."
+            )
     if classifier:
         if args.pooler_config is not None:
-            raise ValueError("pooler_config with a sequence classifier is not implemented (it "
-                             "pools the last token).")  # fmt: skip
-        return PoolerConfig(pooling_type="LAST", normalize=False, task="classify",
-                            labels=classification.labels(model_config.hf_config))  # fmt: skip
+            raise ValueError(
+                "pooler_config with a sequence classifier is not implemented (it "
+                "pools the last token)."
+            )
+        return PoolerConfig(
+            pooling_type="LAST",
+            normalize=False,
+            task="classify",
+            labels=classification.labels(model_config.hf_config),
+        )
     return resolve_pooler(model_config.model, args.pooler_config, model_config.hf_config)
 
 

@@ -103,8 +103,9 @@ class EngineCore:
             ids = msg.request_ids
             if self.lora is not None and self.lora.has_held:
                 held = self.lora.abort_held(ids)
-                self._refused += [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT)
-                                  for r in held]  # fmt: skip
+                self._refused += [
+                    EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in held
+                ]
             self.scheduler.finish_requests(ids, FinishReason.ABORT)
         else:  # pragma: no cover - messages are typed
             raise TypeError(f"unexpected engine input {type(msg).__name__}")
@@ -280,8 +281,11 @@ class EngineCore:
             await self.executor.execute_model(sched)
             return []
         except CodecError:
-            bad = {r.req_id: "encoded" for r in sched.scheduled_new_reqs
-                   if not codec.new_request_encodes(r)}  # fmt: skip
+            bad = {
+                r.req_id: "encoded"
+                for r in sched.scheduled_new_reqs
+                if not codec.new_request_encodes(r)
+            }
             if not bad:
                 raise  # not one request's fault: the engine cannot go on
         failed = self._fail_requests(bad, "encoded")

@@ -19,9 +19,12 @@ class CoreSpeculation:
         self.backoff: SpecBackoff | None = None if proposer.in_worker else SpecBackoff(proposer.k)
 
     def after_step(
-        self, scheduler: Any, sched: SchedulerOutput, out: ModelRunnerOutput,
+        self,
+        scheduler: Any,
+        sched: SchedulerOutput,
+        out: ModelRunnerOutput,
         busy: Collection[str],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Counts this step's drafts, then proposes the next step's for the running requests
         that have a token to extend and no step in flight (``busy``: pipeline parallelism)."""
         drafts = sched.scheduled_spec_decode_tokens
@@ -31,8 +34,13 @@ class CoreSpeculation:
         running = [get(req_id) for req_id in scheduler.running_req_ids()]
         # NOTE: only requests past their prompt: a prefill chunk has no token to extend yet;
         # none of a step in flight (its output clears the drafts it would get now).
-        ready = [r for r in running if r is not None and r.num_computed_tokens + 1 >= r.num_tokens
-                 and r.request_id not in busy]  # fmt: skip
+        ready = [
+            r
+            for r in running
+            if r is not None
+            and r.num_computed_tokens + 1 >= r.num_tokens
+            and r.request_id not in busy
+        ]
         if self.proposer.in_worker:
             new_drafts = self.proposer.take(ready, out.draft_token_ids)
         else:
@@ -60,5 +68,9 @@ class CoreSpeculation:
     def snapshot(self) -> SpecDecodingStats:
         """A copy of the counters for one step's stats."""
         s = self.stats
-        return SpecDecodingStats(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
-                                 list(s.num_accepted_tokens_per_pos))  # fmt: skip
+        return SpecDecodingStats(
+            s.num_drafts,
+            s.num_draft_tokens,
+            s.num_accepted_tokens,
+            list(s.num_accepted_tokens_per_pos),
+        )

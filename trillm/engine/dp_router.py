@@ -105,10 +105,11 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     specs = [s.spec_decoding for s in stats if s.spec_decoding is not None]
     if specs:
         total.spec_decoding = SpecDecodingStats(
-            sum(s.num_drafts for s in specs), sum(s.num_draft_tokens for s in specs),
+            sum(s.num_drafts for s in specs),
+            sum(s.num_draft_tokens for s in specs),
             sum(s.num_accepted_tokens for s in specs),
             [sum(pos) for pos in zip(*(s.num_accepted_tokens_per_pos for s in specs))],
-        )  # fmt: skip
+        )
     return total
 
 

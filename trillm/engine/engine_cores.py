@@ -51,8 +51,9 @@ class EngineCores:
         # Which core takes each request (None with one core: everything goes to it).
         self.router = (
             DataParallelRouter(len(self.cores), config.cache.block_size)
-            if len(self.cores) > 1 else None
-        )  # fmt: skip
+            if len(self.cores) > 1
+            else None
+        )
         # Each core's input (new requests, aborts), written only by the output handler:
         # unbounded, yet what one holds is bounded by what came through the handler's bounded
         # inbox since the core last drained it (every step).
@@ -161,9 +162,12 @@ class EngineCores:
 
         try:
             await run_engine_core(
-                self.cores[index], self._input_recvs[index], outputs, index,
+                self.cores[index],
+                self._input_recvs[index],
+                outputs,
+                index,
                 task_status=task_status,
-            )  # fmt: skip
+            )
         except Exception as exc:
             on_failure(exc)  # before the nursery cancels the handler: its readers get this
             raise

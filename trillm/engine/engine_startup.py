@@ -95,9 +95,13 @@ async def open_engine(
     async with open_executors(configs, runner or default, runner_kwargs) as executors:
         tokenizer = await tokenizer_loaded()
         engine = AsyncEngine(
-            configs[0], tokenizer, executors, args.stream_interval, stream_wake_budget,
+            configs[0],
+            tokenizer,
+            executors,
+            args.stream_interval,
+            stream_wake_budget,
             args.chat_template,
-        )  # fmt: skip
+        )
         logger.info(
             "engine ready: model %s, %d engine core(s) of %d KV blocks of %d tokens, device %s, "
             "attention %s",

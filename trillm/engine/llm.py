@@ -75,11 +75,15 @@ class LLM:
         order; needs a ``*ForSequenceClassification`` checkpoint."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return self._call(self._embed_all, list(prompts), truncate_prompt_tokens, use_tqdm,
-                          "classify")  # fmt: skip
+        return self._call(
+            self._embed_all, list(prompts), truncate_prompt_tokens, use_tqdm, "classify"
+        )
 
     async def _embed_all(
-        self, prompts: list[PromptType], truncate: int | None, use_tqdm: bool,
+        self,
+        prompts: list[PromptType],
+        truncate: int | None,
+        use_tqdm: bool,
         task: str = "embed",
     ) -> list[Any]:  # PoolingRequestOutput (embed) or ClassificationRequestOutput (classify)
         from tqdm.auto import tqdm
@@ -90,8 +94,9 @@ class LLM:
         call = self.engine.classify if task == "classify" else self.engine.encode
 
         async def one(i: int, prompt: PromptType) -> None:
-            results[i] = await call(prompt, f"{task}-{id(results)}-{i}",
-                                    truncate_prompt_tokens=truncate)  # fmt: skip
+            results[i] = await call(
+                prompt, f"{task}-{id(results)}-{i}", truncate_prompt_tokens=truncate
+            )
             bar.update(1)
 
         try:
@@ -205,8 +210,9 @@ class LLM:
             return [lora] * n
         loras = list(lora)
         if len(loras) != n:
-            raise ValueError(f"Got {len(loras)} lora_request for {n} prompts; pass one, or "
-                             "one per prompt.")  # fmt: skip
+            raise ValueError(
+                f"Got {len(loras)} lora_request for {n} prompts; pass one, or one per prompt."
+            )
         return loras
 
     async def _generate_all(
@@ -225,8 +231,9 @@ class LLM:
             async with trio.open_nursery() as nursery:
                 loras = loras or [None] * len(prompts)
                 for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                    stream = engine.generate(prompt, params, request_id=f"llm-{id(results)}-{i}",
-                                             lora_request=loras[i])  # fmt: skip
+                    stream = engine.generate(
+                        prompt, params, request_id=f"llm-{id(results)}-{i}", lora_request=loras[i]
+                    )
                     nursery.start_soon(self._collect, stream, i, results, bar)
         except ExceptionGroup as group:
             raise first_leaf(group) from group
@@ -245,4 +252,3 @@ class LLM:
             async for out in outputs:
                 results[index] = out
         bar.update(1)
-

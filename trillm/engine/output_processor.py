@@ -122,9 +122,7 @@ class OutputProcessor:
             )
             if params.stop:
                 stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
-        logprobs = (
-            SampleLogprobsBuilder(params.logprobs) if params.logprobs is not None else None
-        )
+        logprobs = SampleLogprobsBuilder(params.logprobs) if params.logprobs is not None else None
         return OutputSample(engine_id, index, group, params, detokenizer, stop, logprobs)
 
     def assign_engine(self, request_id: str, engine_index: int) -> None:

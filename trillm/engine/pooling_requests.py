@@ -25,16 +25,21 @@ async def pool(
     if not engine.is_pooling:
         raise InvalidRequestError(
             "This model generates text: start it with runner='pooling' (or "
-            "convert='embed') to embed prompts.", "model"
-        )  # fmt: skip
+            "convert='embed') to embed prompts.",
+            "model",
+        )
     own = engine.config.pooler.task if engine.config.pooler is not None else "embed"
     if own != task:
         raise InvalidRequestError(
             f"This pooling model's task is {own!r} ("
-            + ("classify / LLM.classify / /classify" if own == "classify" else
-               "embed / LLM.embed / /v1/embeddings")
-            + f"), not {task!r}.", "model",
-        )  # fmt: skip
+            + (
+                "classify / LLM.classify / /classify"
+                if own == "classify"
+                else "embed / LLM.embed / /v1/embeddings"
+            )
+            + f"), not {task!r}.",
+            "model",
+        )
     prepared: PreparedPrompt = (
         prompt
         if isinstance(prompt, PreparedPrompt)
@@ -49,5 +54,6 @@ async def pool(
     if final is None or final.pooled is None:  # aborted (a worker refused it, a shutdown)
         raise RequestFailedError(f"Pooling request {request_id} ended without its vector.")
     vector = np.frombuffer(final.pooled, dtype=np.float32).tolist()
-    return PoolingRequestOutput(final.request_id, list(prepared.prompt_token_ids),
-                                EmbeddingOutput(vector))  # fmt: skip
+    return PoolingRequestOutput(
+        final.request_id, list(prepared.prompt_token_ids), EmbeddingOutput(vector)
+    )

@@ -83,7 +83,9 @@ def build_vocab_spec(tokenizer: Any) -> VocabSpec | None:
     return VocabSpec(table, special_ids, DecoderScheme.BYTE_FALLBACK, byte_ids, strip)
 
 
-def _metaspace_spec(decoder: dict[str, Any], tokens: list[str], special_ids: list[int]) -> VocabSpec | None:
+def _metaspace_spec(
+    decoder: dict[str, Any], tokens: list[str], special_ids: list[int]
+) -> VocabSpec | None:
     # tokenizers' Metaspace decoder: '▁' -> ' ', except in the first token, where every '▁'
     # is dropped (unless prepend_scheme is "never").
     if decoder.get("replacement", "▁") != "▁":

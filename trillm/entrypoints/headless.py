@@ -45,8 +45,9 @@ def run_headless(model: str | None, engine_kwargs: dict[str, Any]) -> int:
 
     args = EngineArgs(model=model, **engine_kwargs)
     if args.nnodes < 2 or args.node_rank == 0:
-        raise ValueError("--headless runs a node other than node 0: give --nnodes >= 2 and "
-                         "--node-rank >= 1.")  # fmt: skip
+        raise ValueError(
+            "--headless runs a node other than node 0: give --nnodes >= 2 and --node-rank >= 1."
+        )
     build_config(args)  # refuse bad flags or a missing model before any worker starts
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     ranks = node_ranks(args.nnodes, args.node_rank, world)
@@ -56,15 +57,29 @@ def run_headless(model: str | None, engine_kwargs: dict[str, Any]) -> int:
     try:
         for rank in ranks:
             argv = [
-                sys.executable, "-m", "trillm.worker.worker_main", "--rank", str(rank),
-                "--engine-args", json.dumps(asdict(args)), "--death-fd", str(death_r),
-                "--parent-pid", str(os.getpid()),
-            ]  # fmt: skip
+                sys.executable,
+                "-m",
+                "trillm.worker.worker_main",
+                "--rank",
+                str(rank),
+                "--engine-args",
+                json.dumps(asdict(args)),
+                "--death-fd",
+                str(death_r),
+                "--parent-pid",
+                str(os.getpid()),
+            ]
             procs[rank] = subprocess.Popen(argv, pass_fds=[death_r], env=worker_env())
         os.close(death_r)
-        logger.info("node %d of %d: ranks %s started (pids %s); rendezvous at %s:%s",
-                    args.node_rank, args.nnodes, list(ranks), [p.pid for p in procs.values()],
-                    args.master_addr, args.master_port or "29500")  # fmt: skip
+        logger.info(
+            "node %d of %d: ranks %s started (pids %s); rendezvous at %s:%s",
+            args.node_rank,
+            args.nnodes,
+            list(ranks),
+            [p.pid for p in procs.values()],
+            args.master_addr,
+            args.master_port or "29500",
+        )
         while not stop:
             for rank, proc in procs.items():
                 code = proc.poll()
@@ -113,43 +128,52 @@ def _install_signal_handlers() -> list[int]:
 def add_node_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("several nodes (torchrun's names)")
     g.add_argument(
-        "--nnodes", type=flag_types.positive_int,
+        "--nnodes",
+        type=flag_types.positive_int,
         help="Machines the ranks (tensor x pipeline parallel) run on; each runs "
         "tensor_parallel_size x pipeline_parallel_size / nnodes of them (default: 1).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--node-rank", type=flag_types.non_negative_int,
+        "--node-rank",
+        type=flag_types.non_negative_int,
         help="This machine's index: 0 serves HTTP and runs the engine; others run with "
         "--headless (default: 0).",
-    )  # fmt: skip
+    )
     g.add_argument(
         "--master-addr",
         help="Node 0's address, where the torch.distributed TCP rendezvous is (default: "
         "127.0.0.1). Across machines gloo picks the interface of the host name, or "
         "GLOO_SOCKET_IFNAME.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--master-port", type=flag_types.positive_int,
+        "--master-port",
+        type=flag_types.positive_int,
         help="The rendezvous port on node 0 (default: 29500 with --nnodes > 1; a free "
         "loopback port on one node).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--headless", action="store_true",
+        "--headless",
+        action="store_true",
         help="Run only this node's worker ranks (no HTTP server, no engine): a node other "
         "than node 0, started with the same engine flags and its --node-rank.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--distributed-timeout-seconds", type=flag_types.positive_seconds,
+        "--distributed-timeout-seconds",
+        type=flag_types.positive_seconds,
         help="A torch.distributed collective (or the rendezvous) that waits longer means a "
         "rank stopped answering: the engine stops and names it (default: 120).",
-    )  # fmt: skip
+    )
 
 
 def check_node_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--node-rank > 0 runs headless; --headless runs a node other than node 0."""
     if args.headless and not args.node_rank:
-        parser.error("argument --headless: runs the worker ranks of a node other than node 0; "
-                     "give its --node-rank (>= 1) and --nnodes.")  # fmt: skip
+        parser.error(
+            "argument --headless: runs the worker ranks of a node other than node 0; "
+            "give its --node-rank (>= 1) and --nnodes."
+        )
     if args.node_rank and not args.headless:
-        parser.error(f"argument --node-rank: node {args.node_rank} runs only worker ranks; "
-                     "start it with --headless (node 0 serves HTTP).")  # fmt: skip
+        parser.error(
+            f"argument --node-rank: node {args.node_rank} runs only worker ranks; "
+            "start it with --headless (node 0 serves HTTP)."
+        )

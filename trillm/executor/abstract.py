@@ -84,4 +84,3 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Stop the workers and release shared memory; idempotent."""
-

@@ -179,8 +179,15 @@ async def _read_to_eof(stream: trio.lowlevel.FdStream, into: bytearray) -> None:
 async def _fork_from_zygote(specs: list[RankSpec]) -> list[AdoptedRank]:
     report_r, report_w = os.pipe()
     fds = sorted({fd for _, kept in specs for fd in kept})
-    argv = [sys.executable, "-m", ZYGOTE_MODULE, "--report-fd", str(report_w),
-            "--ranks", json.dumps([[a, f] for a, f in specs])]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        ZYGOTE_MODULE,
+        "--report-fd",
+        str(report_w),
+        "--ranks",
+        json.dumps([[a, f] for a, f in specs]),
+    ]
     report = bytearray()
     with child_subreaper():
         try:

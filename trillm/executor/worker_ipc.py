@@ -68,13 +68,19 @@ class WorkerIpc:
         parallelism) the worker serves, on its command line so that ps tells them apart."""
         res = self.result_fds[rank]
         argv = [
-            "--rank", str(rank),
-            "--engine", str(engine),
-            "--request-ring", json.dumps(asdict(self.request_fds)),
-            "--result-ring", json.dumps(asdict(res)),
-            "--death-fd", str(self.death_r),
-            "--parent-pid", str(os.getpid()),
-        ]  # fmt: skip
+            "--rank",
+            str(rank),
+            "--engine",
+            str(engine),
+            "--request-ring",
+            json.dumps(asdict(self.request_fds)),
+            "--result-ring",
+            json.dumps(asdict(res)),
+            "--death-fd",
+            str(self.death_r),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         fds = [self.request_fds.data_fds[rank], self.request_fds.space_fd, *res.all_fds()]
         return argv, [*fds, self.death_r]
 

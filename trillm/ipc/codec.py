@@ -91,9 +91,10 @@ def _enc_new_req(r: NewRequestData) -> list[Any]:
         _enc_sampling(r.sampling_params),
         r.block_ids,
         r.num_computed_tokens,
-        None if (lo := r.lora_request) is None
+        None
+        if (lo := r.lora_request) is None
         else [lo.lora_name, lo.lora_int_id, lo.lora_path, lo.base_model_name],
-    ]  # fmt: skip
+    ]
 
 
 def _dec_new_req(v: list[Any]) -> NewRequestData:
@@ -171,8 +172,16 @@ def _enc_output(o: ModelRunnerOutput) -> list[Any]:
 def _dec_output(v: list[Any]) -> ModelRunnerOutput:
     _check_arity(v, 11, "ModelRunnerOutput")
     return ModelRunnerOutput(
-        v[1], v[2], v[3], _dec_logprobs(v[4]), _dec_logprobs(v[5]), float(v[6]), v[7], v[8],
-        v[9], v[10],
+        v[1],
+        v[2],
+        v[3],
+        _dec_logprobs(v[4]),
+        _dec_logprobs(v[5]),
+        float(v[6]),
+        v[7],
+        v[8],
+        v[9],
+        v[10],
     )
 
 

@@ -41,9 +41,12 @@ class LoRAChecker:
             # Abandoned when cancelled (a client gone, shutdown): a read stuck in the kernel
             # (a hung network mount) must not hold either.
             config = await trio.to_thread.run_sync(
-                check_adapter, lora.lora_path, self.model, self.max_lora_rank,
+                check_adapter,
+                lora.lora_path,
+                self.model,
+                self.max_lora_rank,
                 abandon_on_cancel=True,
-            )  # fmt: skip
+            )
         except LoRAAdapterError as exc:
             raise InvalidRequestError(str(exc), "lora_request") from exc
         self._checked[lora.lora_int_id] = (lora, config)

@@ -87,15 +87,17 @@ class LoRALinear:
         offsets: dict[str, tuple[int, int]] = self.module.shard_offsets  # type: ignore[assignment]
         return offsets[shard]
 
-    def _stacks(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> tuple[
-        torch.Tensor, torch.Tensor
-    ]:  # fmt: skip
+    def _stacks(
+        self, num_slots: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.a is None or self.bt is None:
             rank = len(self.shards) * self.max_rank
-            self.a = torch.zeros(num_slots, rank, self.module.in_features, dtype=dtype,
-                                 device=device)  # fmt: skip
-            self.bt = torch.zeros(num_slots, rank, self.module.out_features, dtype=dtype,
-                                  device=device)  # fmt: skip
+            self.a = torch.zeros(
+                num_slots, rank, self.module.in_features, dtype=dtype, device=device
+            )
+            self.bt = torch.zeros(
+                num_slots, rank, self.module.out_features, dtype=dtype, device=device
+            )
         return self.a, self.bt
 
     def set_adapter(
@@ -116,8 +118,9 @@ class LoRALinear:
             r0 = self.shards.index(shard) * self.max_rank
             start, size = self.out_rows(shard)
             a[slot, r0 : r0 + rank] = a_part.to(device=device, dtype=dtype)
-            bt[slot, r0 : r0 + rank, start : start + size] = b_part.t().to(device=device,
-                                                                           dtype=dtype)  # fmt: skip
+            bt[slot, r0 : r0 + rank, start : start + size] = b_part.t().to(
+                device=device, dtype=dtype
+            )
         self.present.add(slot)
 
     def clear(self, slot: int) -> None:
@@ -128,8 +131,7 @@ class LoRALinear:
         self.present.discard(slot)
 
 
-def attach_lora(model: object, step: StepSlots, max_rank: int) -> dict[tuple[int, str],
-                                                                       LoRALinear]:  # fmt: skip
+def attach_lora(model: object, step: StepSlots, max_rank: int) -> dict[tuple[int, str], LoRALinear]:
     """Wraps every targetable linear of the decoder -> (layer, module path) -> its state.
     Runs after the weights are loaded and packed (the wrapped forward is the packed one).
     A pipeline stage wraps only its own layers (the others are ``PPMissingLayer``)."""

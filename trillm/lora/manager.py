@@ -52,8 +52,9 @@ class LoRAManager:
             model, self.step_slots, max_lora_rank
         )
         tp = get_tp_group()  # tensor parallelism: each rank holds its part of every adapter
-        self.shapes = None if tp.world_size == 1 else RankShapes.of(model_cfg, tp.rank,
-                                                                     tp.world_size)  # fmt: skip
+        self.shapes = (
+            None if tp.world_size == 1 else RankShapes.of(model_cfg, tp.rank, tp.world_size)
+        )
         self.resident: OrderedDict[int, LoRARequest] = OrderedDict()  # LRU first
         self._slot: dict[int, int] = {}  # resident adapter id -> its slot
         self._refs: dict[int, int] = {}  # adapter id -> requests holding it
@@ -92,13 +93,16 @@ class LoRAManager:
         slot = min(set(range(self.max_loras)) - set(self._slot.values()))
         for key, parts in per_module.items():
             if key in self.linears:  # NOTE: not there: a layer of another pipeline stage
-                self.linears[key].set_adapter(slot, self.max_loras, parts, self.dtype,
-                                              self.device)  # fmt: skip
+                self.linears[key].set_adapter(slot, self.max_loras, parts, self.dtype, self.device)
         self.step_slots.scales[slot] = weights.config.scale
         self._slot[lora.lora_int_id] = slot
         self.resident[lora.lora_int_id] = lora
-        logger.info("LoRA adapter %s (id %d) loaded from %s", lora.lora_name,
-                    lora.lora_int_id, lora.lora_path)  # fmt: skip
+        logger.info(
+            "LoRA adapter %s (id %d) loaded from %s",
+            lora.lora_name,
+            lora.lora_int_id,
+            lora.lora_path,
+        )
 
     def _rank_part(
         self, layer: int, proj: str, a: torch.Tensor, b: torch.Tensor

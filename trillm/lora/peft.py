@@ -30,10 +30,17 @@ if TYPE_CHECKING:  # torch only where weights load (the worker): the API server 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 # Decoders whose q/k/v/o and gate/up/down projections are LlamaAttention's and the gated MLP's.
-LORA_ARCHITECTURES = frozenset({
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-})  # fmt: skip
+LORA_ARCHITECTURES = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "GemmaForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+    }
+)
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
 _KEY = re.compile(
@@ -106,9 +113,10 @@ def read_adapter_config(path: str | Path, max_lora_rank: int) -> AdapterConfig:
     bad = sorted(set(targets) - set(SUPPORTED_TARGETS))
     if bad:
         raise _refuse(
-            folder, f"target module(s) {bad} are not supported (LoRA runs on "
-            f"{', '.join(SUPPORTED_TARGETS)})."
-        )  # fmt: skip
+            folder,
+            f"target module(s) {bad} are not supported (LoRA runs on "
+            f"{', '.join(SUPPORTED_TARGETS)}).",
+        )
     alpha = float(raw.get("lora_alpha", 8))
     scale = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
     return AdapterConfig(rank, scale, tuple(sorted(targets)))
@@ -119,9 +127,14 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size
     return {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-    }  # fmt: skip
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
 
 
 def max_weights_bytes(cfg: ModelConfig, rank: int) -> int:
@@ -183,9 +196,10 @@ def _read_weights(
         fan_in, fan_out = shapes[proj]
         if a_shape != (config.rank, fan_in) or b_shape != (fan_out, config.rank):
             raise _refuse(
-                folder, f"layer {layer} {proj}: lora_A {a_shape} / lora_B {b_shape} do not fit "
-                f"the model ({config.rank}, {fan_in}) / ({fan_out}, {config.rank})."
-            )  # fmt: skip
+                folder,
+                f"layer {layer} {proj}: lora_A {a_shape} / lora_B {b_shape} do not fit "
+                f"the model ({config.rank}, {fan_in}) / ({fan_out}, {config.rank}).",
+            )
         if load:
             modules[(layer, proj)] = (a.float().contiguous(), b.float().contiguous())
     return modules
@@ -196,8 +210,9 @@ def _parse_key(
 ) -> tuple[int, str, str]:
     m = _KEY.match(key)
     if m is None:
-        raise _refuse(folder, f"weight {key!r} is not a LoRA weight of a decoder projection "
-                              "trillm supports.")  # fmt: skip
+        raise _refuse(
+            folder, f"weight {key!r} is not a LoRA weight of a decoder projection trillm supports."
+        )
     layer, block, proj, half = int(m.group(1)), m.group(2), m.group(3), m.group(4)
     expected = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
     if proj not in SUPPORTED_TARGETS or block != expected:

@@ -45,8 +45,9 @@ def attach_score_head(model: nn.Module, num_labels: int) -> None:
     head = model.get_submodule("lm_head")
     assert isinstance(head, nn.Linear)
     weight = head.weight
-    score = nn.Linear(head.in_features, num_labels, bias=False, device=weight.device,
-                      dtype=weight.dtype)  # fmt: skip
+    score = nn.Linear(
+        head.in_features, num_labels, bias=False, device=weight.device, dtype=weight.dtype
+    )
     model.lm_head = score  # type: ignore[assignment]
 
 

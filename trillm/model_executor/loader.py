@@ -105,8 +105,10 @@ def _materialize(model: torch.nn.Module, device: str) -> None:
     stays shared."""
     done: dict[int, torch.Tensor] = {}  # id of a meta tensor -> its replacement
     for module in model.modules():
-        tables: list[tuple[dict[str, Any], bool]] = [(module._parameters, True),
-                                                     (module._buffers, False)]  # fmt: skip
+        tables: list[tuple[dict[str, Any], bool]] = [
+            (module._parameters, True),
+            (module._buffers, False),
+        ]
         for table, is_param in tables:
             for name, t in table.items():
                 if t is None:
@@ -135,8 +137,9 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
         load_gguf(model, cfg, stage_filter(cfg), rank_shard(cfg))
     elif classification.is_sequence_classifier(cfg.hf_config):
         if cfg.quantization is not None:
-            raise ValueError(f"A quantized ({cfg.quantization}) sequence classifier is not "
-                             "implemented.")  # fmt: skip
+            raise ValueError(
+                f"A quantized ({cfg.quantization}) sequence classifier is not implemented."
+            )
         if get_pp_group().is_last:  # the score head stands where the LM head is
             classification.attach_score_head(model, len(classification.labels(cfg.hf_config)))
         # score.weight [num_labels, H] is read whole on every rank (no split names it)

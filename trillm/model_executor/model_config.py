@@ -41,8 +41,11 @@ _DTYPE_ALIASES = {
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 # The Llama family's loader (models/llama.py) places AWQ / GPTQ layers, stacked ones included.
 GROUP_QUANT_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-)  # fmt: skip
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 LOAD_FORMATS = ("auto", "safetensors", "gguf")  # vLLM's names for what trillm reads
 
 
@@ -152,8 +155,11 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         hf = file.hf_config()
         quantized = any(t in gguf_loader.QUANTIZED_TYPES for t in file.tensor_types.values())
         quantization = "gguf" if quantized and not args.dequantize_gguf else None
-        generation_config = {} if args.generation_config in ("auto", "vllm") else (
-            read_generation_config(path, args.generation_config))  # fmt: skip
+        generation_config = (
+            {}
+            if args.generation_config in ("auto", "vllm")
+            else (read_generation_config(path, args.generation_config))
+        )
     else:
         path = resolve_model_path(args.model, args.revision)
         hf = _read_json(path / "config.json")
@@ -161,8 +167,10 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         quantization = resolve_quantization(args.quantization, hf, device)
     architecture = _architecture(hf)
     if quantization in CHECKPOINT_METHODS and architecture not in GROUP_QUANT_ARCHITECTURES:
-        raise ValueError(f"{quantization.upper()} checkpoints of {architecture} are not "
-                         f"supported; trillm runs them for {', '.join(GROUP_QUANT_ARCHITECTURES)}.")  # fmt: skip
+        raise ValueError(
+            f"{quantization.upper()} checkpoints of {architecture} are not "
+            f"supported; trillm runs them for {', '.join(GROUP_QUANT_ARCHITECTURES)}."
+        )
     max_position_embeddings = int(hf.get("max_position_embeddings", 2048))
     num_heads = int(hf["num_attention_heads"])
     rope_theta, rope_scaling = parse_rope(hf)
@@ -210,12 +218,16 @@ def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> 
             f"{', '.join(LOAD_FORMATS)}."
         )
     if gguf_file is None:
-        for given, what in ((args.load_format == "gguf", "load_format='gguf'"),
-                            (args.quantization == "gguf", "quantization='gguf'"),
-                            (args.dequantize_gguf, "dequantize_gguf")):  # fmt: skip
+        for given, what in (
+            (args.load_format == "gguf", "load_format='gguf'"),
+            (args.quantization == "gguf", "quantization='gguf'"),
+            (args.dequantize_gguf, "dequantize_gguf"),
+        ):
             if given:
-                raise ValueError(f"{what} needs a .gguf model file (or a folder holding one), "
-                                 f"got {args.model!r}.")  # fmt: skip
+                raise ValueError(
+                    f"{what} needs a .gguf model file (or a folder holding one), "
+                    f"got {args.model!r}."
+                )
         return
     if args.quantization not in (None, "gguf"):
         raise ValueError(
@@ -225,11 +237,15 @@ def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> 
     if args.load_format == "safetensors":
         raise ValueError(f"load_format='safetensors' but {str(gguf_file)!r} is a GGUF file.")
     if args.quantization == "gguf" and args.dequantize_gguf:
-        raise ValueError("quantization='gguf' keeps the GGUF weights quantized; "
-                         "dequantize_gguf asks the opposite: choose one.")  # fmt: skip
+        raise ValueError(
+            "quantization='gguf' keeps the GGUF weights quantized; "
+            "dequantize_gguf asks the opposite: choose one."
+        )
     if device != "cpu" and not args.dequantize_gguf:
-        raise ValueError("GGUF quantized weights are kept quantized on CPU only; on "
-                         f"{device}, pass dequantize_gguf (--dequantize-gguf).")  # fmt: skip
+        raise ValueError(
+            "GGUF quantized weights are kept quantized on CPU only; on "
+            f"{device}, pass dequantize_gguf (--dequantize-gguf)."
+        )
 
 
 def _architecture(hf: dict[str, Any]) -> str:

@@ -21,10 +21,16 @@ if TYPE_CHECKING:  # the frontend resolves the pooler without torch; the worker 
     import torch
 
 # sentence-transformers' Pooling config key -> our type
-_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
-             "pooling_mode_cls_token": "CLS"}  # fmt: skip
-_ST_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
-                   "pooling_mode_weightedmean_tokens")  # fmt: skip
+_ST_MODES = {
+    "pooling_mode_lasttoken": "LAST",
+    "pooling_mode_mean_tokens": "MEAN",
+    "pooling_mode_cls_token": "CLS",
+}
+_ST_UNSUPPORTED = (
+    "pooling_mode_max_tokens",
+    "pooling_mode_mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens",
+)
 
 
 def resolve_pooler(
@@ -53,8 +59,10 @@ def _from_sentence_transformers(folder: Path) -> PoolerConfig | None:
     cfg = json.loads((folder / pooling.get("path", "") / "config.json").read_text())
     for key in _ST_UNSUPPORTED:
         if cfg.get(key):
-            raise PoolingConfigError(f"The model's sentence-transformers pooling {key} is not "
-                                     "implemented (LAST, MEAN and CLS are).")  # fmt: skip
+            raise PoolingConfigError(
+                f"The model's sentence-transformers pooling {key} is not "
+                "implemented (LAST, MEAN and CLS are)."
+            )
     chosen = [kind for key, kind in _ST_MODES.items() if cfg.get(key)]
     if len(chosen) != 1:
         raise PoolingConfigError(
@@ -65,7 +73,10 @@ def _from_sentence_transformers(folder: Path) -> PoolerConfig | None:
 
 
 def finish_pooling(
-    pooler: PoolerConfig, summed: torch.Tensor, count: int, first: torch.Tensor,
+    pooler: PoolerConfig,
+    summed: torch.Tensor,
+    count: int,
+    first: torch.Tensor,
     last: torch.Tensor,
 ) -> torch.Tensor:  # [H] float32
     """One prompt's vector from what its chunks accumulated (the sum and number of rows, the

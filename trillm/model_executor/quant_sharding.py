@@ -39,10 +39,14 @@ _PACK = 8  # int4 values per int32 word
 _KERNEL_BLOCK = 32  # the Q4_G kernel's block along K: a rank's K must be whole blocks
 # layer -> its path in a decoder layer (the name its split is computed from)
 _LAYERS = {
-    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
     "down_proj": "mlp.down_proj",
-}  # fmt: skip
+}
 _FUSED = ("qkv_proj", "gate_up_proj")
 
 
@@ -64,11 +68,15 @@ def _misaligned(group_size: int, dim: int, ranges: list[tuple[int, int]]) -> str
     """Why these ranges do not fall on the packed layout's boundaries (None: they do)."""
     for start, length in ranges:
         if dim == 0 and (start % _PACK or length % _PACK):
-            return (f"{length} outputs per rank from output {start}, not whole int32 words of "
-                    f"{_PACK} 4-bit values")  # fmt: skip
+            return (
+                f"{length} outputs per rank from output {start}, not whole int32 words of "
+                f"{_PACK} 4-bit values"
+            )
         if dim == 1 and group_size != -1 and (start % group_size or length % group_size):
-            return (f"{length} inputs per rank from input {start}, not whole groups of "
-                    f"group_size={group_size}")  # fmt: skip
+            return (
+                f"{length} inputs per rank from input {start}, not whole groups of "
+                f"group_size={group_size}"
+            )
         if dim == 1 and length % _KERNEL_BLOCK:
             return f"{length} inputs per rank, not a multiple of {_KERNEL_BLOCK}"
     return None
@@ -100,8 +108,15 @@ def _layer_shape(cfg: ModelConfig, layer: str) -> tuple[int, int]:
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     h, i = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}[layer]  # fmt: skip
+    return {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (i, h),
+        "up_proj": (i, h),
+        "down_proj": (h, i),
+    }[layer]
 
 
 def read_packed_shard(cfg: ModelConfig, shapes: RankShapes, name: str, source: Any) -> torch.Tensor:
@@ -124,8 +139,9 @@ def read_packed_shard(cfg: ModelConfig, shapes: RankShapes, name: str, source: A
             return whole if whole is not None else source[:]
         per_word = kind == "qzeros" or (kind == "qweight" and qcfg.method == "awq")
         unit = _PACK if per_word else 1
-        return torch.cat([source[:, start // unit : (start + length) // unit]
-                          for start, length in ranges], dim=1)  # fmt: skip
+        return torch.cat(
+            [source[:, start // unit : (start + length) // unit] for start, length in ranges], dim=1
+        )
     (start, length), g = ranges[0], qcfg.group_size
     if kind == "qweight":  # inputs: AWQ's rows, GPTQ's words of 8 rows
         unit = 1 if qcfg.method == "awq" else _PACK
@@ -149,7 +165,7 @@ def gguf_shard(cfg: ModelConfig, shapes: RankShapes, t: GGUFTensor) -> GGUFTenso
     n, k = t.shape
     if dim == 1:
         block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]]
-        (start, length), = ranges  # fmt: skip
+        ((start, length),) = ranges
         if start % block or length % block:
             return None
         data = t.data[:, start // block * nbytes : (start + length) // block * nbytes]
@@ -169,7 +185,11 @@ def gguf_dequantized_columns(cfg: ModelConfig, shapes: RankShapes, t: GGUFTensor
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]]
     _, [(start, length)] = _ranges(shapes, cfg, t.name)
     first, end = start // block, cdiv(start + length, block)
-    covering = GGUFTensor(t.name, t.type_name, (t.shape[0], (end - first) * block),
-                          t.data[:, first * nbytes : end * nbytes])  # fmt: skip
+    covering = GGUFTensor(
+        t.name,
+        t.type_name,
+        (t.shape[0], (end - first) * block),
+        t.data[:, first * nbytes : end * nbytes],
+    )
     offset = start - first * block
     return gguf_loader.dequantized_tensor(covering)[:, offset : offset + length].contiguous()

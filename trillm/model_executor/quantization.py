@@ -22,11 +22,33 @@ CHECKPOINT_METHODS = ("awq", "gptq")  # methods a checkpoint must carry (not app
 
 # vLLM's other method names: refused as "not implemented yet", not as unknown.
 VLLM_METHODS = (
-    "aqlm", "awq_marlin", "bitblas", "bitsandbytes", "compressed-tensors", "deepspeedfp",
-    "experts_int8", "fbgemm_fp8", "fp_quant", "gptq_bitblas", "gptq_marlin",
-    "gptq_marlin_24", "hqq", "inc", "ipex", "marlin", "modelopt", "modelopt_fp4", "moe_wna16",
-    "mxfp4", "petit_nvfp4", "ptpc_fp8", "quark", "rtn", "torchao", "tpu_int8",
-)  # fmt: skip
+    "aqlm",
+    "awq_marlin",
+    "bitblas",
+    "bitsandbytes",
+    "compressed-tensors",
+    "deepspeedfp",
+    "experts_int8",
+    "fbgemm_fp8",
+    "fp_quant",
+    "gptq_bitblas",
+    "gptq_marlin",
+    "gptq_marlin_24",
+    "hqq",
+    "inc",
+    "ipex",
+    "marlin",
+    "modelopt",
+    "modelopt_fp4",
+    "moe_wna16",
+    "mxfp4",
+    "petit_nvfp4",
+    "ptpc_fp8",
+    "quark",
+    "rtn",
+    "torchao",
+    "tpu_int8",
+)
 
 
 def check_quantization(method: str) -> str:

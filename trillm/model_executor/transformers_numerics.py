@@ -97,8 +97,9 @@ def prepare(model: nn.Module) -> None:
             "enable_prefix_caching=False, each prompt in one prefill chunk) gives transformers' "
             "output for a request run alone. At another %s: outputs equal transformers' to "
             "rounding, not bit for bit.",
-            "; ".join(variant), ALIGNMENT,
-        )  # fmt: skip
+            "; ".join(variant),
+            ALIGNMENT,
+        )
     else:
         logger.info(
             "numerics='transformers': torch's GEMM gives a row the same bits at %s rows and at "

@@ -75,8 +75,10 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     if method == "draft_model":
         model = value.get("model")
         if not isinstance(model, str) or not model:
-            raise ValueError("speculative_config: draft_model needs \"model\": the draft "
-                             "model's folder or .gguf file.")  # fmt: skip
+            raise ValueError(
+                'speculative_config: draft_model needs "model": the draft '
+                "model's folder or .gguf file."
+            )
         return SpeculativeConfig("draft_model", k, model=model)
     lo = _positive_int(value, "prompt_lookup_min")
     hi = _positive_int(value, "prompt_lookup_max")

@@ -98,8 +98,10 @@ class DraftModelProposer:
         self._num_shared = num_blocks
         total = num_blocks + len(self.num_computed) * self.scratch_per_slot
         shape = (2, total, self.block_size, m.num_key_value_heads, m.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(m.num_hidden_layers)]  # fmt: skip
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            for _ in range(m.num_hidden_layers)
+        ]
 
     def add(self, slot: int, req_id: str) -> None:
         """A request took ``slot`` (new, or re-sent after a preemption): nothing held."""
@@ -132,8 +134,11 @@ class DraftModelProposer:
         if not wanted:
             return {}
         feed = self._catch_up_feed(batch, wanted)
-        ready = [s for s, start, t in zip(feed.slots, feed.starts, feed.tokens)
-                 if start + len(t) == batch.num_tokens[s]]  # fmt: skip
+        ready = [
+            s
+            for s, start, t in zip(feed.slots, feed.starts, feed.tokens)
+            if start + len(t) == batch.num_tokens[s]
+        ]
         logits_rows = self._forward(batch, feed)  # [R, V], each request's last row
         self._mark_held(batch, feed)
         last = logits_rows.argmax(dim=-1).cpu().numpy()
@@ -141,8 +146,11 @@ class DraftModelProposer:
         drafts = {s: [int(last[row_of[s]])] for s in ready}
         for step in range(1, max((wanted[s] for s in ready), default=0)):
             going = [s for s in ready if wanted[s] > step]
-            one = _Feed(going, [int(batch.num_tokens[s]) + step - 1 for s in going],
-                        [np.array([drafts[s][-1]]) for s in going])  # fmt: skip
+            one = _Feed(
+                going,
+                [int(batch.num_tokens[s]) + step - 1 for s in going],
+                [np.array([drafts[s][-1]]) for s in going],
+            )
             nxt = self._forward(batch, one).argmax(dim=-1).cpu().tolist()
             for s, token in zip(going, nxt):
                 drafts[s].append(int(token))
@@ -193,13 +201,18 @@ class DraftModelProposer:
         row_req = np.repeat(np.arange(len(counts)), counts)
         blocks = table[row_req, positions // self.block_size].astype(np.int64)
         meta = AttentionMetadata(
-            num_reqs=len(counts), num_tokens=int(qsl[-1]),
-            query_start_loc=self._dev(qsl), seq_lens=self._dev(seq_lens.astype(np.int32)),
-            context_lens=self._dev(starts.astype(np.int32)), block_table=self._dev(table),
+            num_reqs=len(counts),
+            num_tokens=int(qsl[-1]),
+            query_start_loc=self._dev(qsl),
+            seq_lens=self._dev(seq_lens.astype(np.int32)),
+            context_lens=self._dev(starts.astype(np.int32)),
+            block_table=self._dev(table),
             slot_mapping=self._dev(blocks * self.block_size + positions % self.block_size),
-            max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
-            query_lens_cpu=counts.tolist(), seq_lens_cpu=seq_lens.tolist(),
-        )  # fmt: skip
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=counts.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
         self.attn_backend.plan(meta)
         input_ids = self._dev(np.concatenate(feed.tokens).astype(np.int64))
         pos = self._dev(positions)
@@ -224,8 +237,10 @@ class DraftModelProposer:
             table[i, :n] = batch.block_table[slot, :n]
             extra = want - n
             if extra > self.scratch_per_slot:
-                raise RuntimeError(f"draft positions reach {extra} blocks past slot {slot}'s "
-                                   "allocation; the scratch holds fewer")  # fmt: skip
+                raise RuntimeError(
+                    f"draft positions reach {extra} blocks past slot {slot}'s "
+                    "allocation; the scratch holds fewer"
+                )
             first = self._num_shared + slot * self.scratch_per_slot
             table[i, n:want] = np.arange(first, first + extra)
         return table

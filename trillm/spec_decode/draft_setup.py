@@ -23,8 +23,13 @@ def build_draft_model_config(
     naming what does not match (``load_tokenizer``: path, trust_remote_code -> tokenizer)."""
     from trillm.model_executor.model_config import load_model_config
 
-    draft_args = EngineArgs(model=spec.model, dtype=args.dtype, device=args.device,
-                            max_model_len=target.max_model_len, revision=None)  # fmt: skip
+    draft_args = EngineArgs(
+        model=spec.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=target.max_model_len,
+        revision=None,
+    )
     try:
         draft = load_model_config(draft_args)
     except (ValueError, OSError, KeyError) as exc:
@@ -35,13 +40,15 @@ def build_draft_model_config(
             f"{draft.vocab_size} tokens, the target {target.vocab_size}: the draft must use "
             "the target's tokenizer."
         )
-    _check_same_tokenizer(spec.model or "", draft, target, args.trust_remote_code,
-                          load_tokenizer)  # fmt: skip
+    _check_same_tokenizer(spec.model or "", draft, target, args.trust_remote_code, load_tokenizer)
     return draft
 
 
 def _check_same_tokenizer(
-    name: str, draft: ModelConfig, target: ModelConfig, trust_remote_code: bool,
+    name: str,
+    draft: ModelConfig,
+    target: ModelConfig,
+    trust_remote_code: bool,
     load_tokenizer: Callable,
 ) -> None:
     """The draft's tokenizer (when its folder has one) maps every token as the target's."""
@@ -76,8 +83,13 @@ class DraftModelDrafts:
             found = proposed.get(request.request_id)
             if not found:
                 continue
-            room = draft_room(self.k, self.max_model_len, request.num_tokens, request.max_tokens,
-                              request.num_output_tokens)  # fmt: skip
+            room = draft_room(
+                self.k,
+                self.max_model_len,
+                request.num_tokens,
+                request.max_tokens,
+                request.num_output_tokens,
+            )
             if room > 0 and may_speculate(request.sampling_params, request.num_output_tokens):
                 drafts[request.request_id] = found[:room]
         return drafts

@@ -51,8 +51,13 @@ class NgramProposer:
         self.max_model_len = max_model_len
 
     def _room(self, request: Any) -> int:
-        return draft_room(self.k, self.max_model_len, request.num_tokens, request.max_tokens,
-                          request.num_output_tokens)  # fmt: skip
+        return draft_room(
+            self.k,
+            self.max_model_len,
+            request.num_tokens,
+            request.max_tokens,
+            request.num_output_tokens,
+        )
 
     def propose(
         self, requests: Iterable[Any], limit: Callable[[str], int] | None = None

@@ -76,20 +76,28 @@ def pack_gptq_cols(values: np.ndarray) -> torch.Tensor:
     return _to_int32(words)
 
 
-def _packed(method: str, q: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
-            group_size: int) -> dict[str, torch.Tensor]:  # fmt: skip
+def _packed(
+    method: str, q: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group_size: int
+) -> dict[str, torch.Tensor]:
     if method == "awq":
-        return {"qweight": pack_awq(q.T), "qzeros": pack_awq(zeros.T),
-                "scales": torch.from_numpy(scales.T.copy())}  # fmt: skip
+        return {
+            "qweight": pack_awq(q.T),
+            "qzeros": pack_awq(zeros.T),
+            "scales": torch.from_numpy(scales.T.copy()),
+        }
     k = q.shape[1]
     g = k if group_size == -1 else group_size
-    return {"qweight": pack_gptq_rows(q.T), "qzeros": pack_gptq_cols(zeros.T.astype(np.int64) - 1),
-            "scales": torch.from_numpy(scales.T.copy()),
-            "g_idx": torch.arange(k, dtype=torch.int32) // g}  # fmt: skip
+    return {
+        "qweight": pack_gptq_rows(q.T),
+        "qzeros": pack_gptq_cols(zeros.T.astype(np.int64) - 1),
+        "scales": torch.from_numpy(scales.T.copy()),
+        "g_idx": torch.arange(k, dtype=torch.int32) // g,
+    }
 
 
-def write_tiny_group_quantized(hf_dir: str | Path, out_dir: str | Path, method: str,
-                               group_size: int, sym: bool = False) -> tuple[Path, Path]:  # fmt: skip
+def write_tiny_group_quantized(
+    hf_dir: str | Path, out_dir: str | Path, method: str, group_size: int, sym: bool = False
+) -> tuple[Path, Path]:
     """-> (quantized folder, dequantized reference folder)."""
     from safetensors.torch import load_file, save_file
 
@@ -107,7 +115,8 @@ def write_tiny_group_quantized(hf_dir: str | Path, out_dir: str | Path, method: 
             quantized[f"{path}.{part}"] = value.contiguous()
         g = q.shape[1] // scales.shape[1]
         w = (q.astype(np.float32) - np.repeat(zeros, g, axis=1)) * np.repeat(
-            scales.astype(np.float32), g, axis=1)  # fmt: skip
+            scales.astype(np.float32), g, axis=1
+        )
         reference[name] = torch.from_numpy(w)
     folders = (out / "quantized", out / "dequantized")
     for folder in folders:
@@ -117,8 +126,11 @@ def write_tiny_group_quantized(hf_dir: str | Path, out_dir: str | Path, method: 
     config = json.loads((hf_dir / "config.json").read_text())
     config["torch_dtype"] = "float16"
     qc = {"quant_method": method, "bits": 4, "group_size": group_size}
-    qc.update({"version": "gemm", "zero_point": True} if method == "awq" else
-              {"sym": sym, "desc_act": False, "checkpoint_format": "gptq"})  # fmt: skip
+    qc.update(
+        {"version": "gemm", "zero_point": True}
+        if method == "awq"
+        else {"sym": sym, "desc_act": False, "checkpoint_format": "gptq"}
+    )
     config["quantization_config"] = qc
     (folders[0] / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folders

@@ -24,15 +24,20 @@ from typing import Any
 
 import numpy as np
 
-ARCH_NAMES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-              "Qwen3ForCausalLM": "qwen3"}  # fmt: skip
+ARCH_NAMES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 _GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
-}  # fmt: skip
+}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
@@ -55,9 +60,12 @@ def permute(rows: np.ndarray, heads: int) -> np.ndarray:
 # K-quant type -> (block bytes, offsets of its fp16 d / dmin, their magnitude): d * largest
 # scale * largest quant stays near 0.1-0.5, small weights like a trained model's
 _KQUANT_FIELDS = {
-    "Q2_K": (84, (80, 82), 2e-3), "Q3_K": (110, (108,), 7e-4), "Q4_K": (144, (0, 2), 1e-4),
-    "Q5_K": (176, (0, 2), 5e-5), "Q6_K": (210, (208,), 3e-5),
-}  # fmt: skip
+    "Q2_K": (84, (80, 82), 2e-3),
+    "Q3_K": (110, (108,), 7e-4),
+    "Q4_K": (144, (0, 2), 1e-4),
+    "Q5_K": (176, (0, 2), 5e-5),
+    "Q6_K": (210, (208,), 3e-5),
+}
 
 
 def random_kquant_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -103,8 +111,7 @@ def write_tiny_gguf(hf_dir: str | Path, out_dir: str | Path, types: dict[str, st
             raw, kind = values, gguf.GGMLQuantizationType.F32
         dequantized[hf] = torch.from_numpy(np.ascontiguousarray(values))
         if arch == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = config["num_attention_heads" if "attn_q" in name
-                           else "num_key_value_heads"]  # fmt: skip
+            heads = config["num_attention_heads" if "attn_q" in name else "num_key_value_heads"]
             raw = permute(raw, heads)
         writer.add_tensor(name, np.ascontiguousarray(raw), raw_dtype=kind)
     writer.write_header_to_file()
@@ -147,8 +154,10 @@ def _write_tokenizer(writer: Any, hf_dir: Path, config: dict[str, Any]) -> None:
     tokens = [""] * config["vocab_size"]
     for text, i in vocab.items():
         tokens[i] = text
-    types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-             for i in range(len(tokens))]  # fmt: skip
+    types = [
+        gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+        for i in range(len(tokens))
+    ]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -160,7 +169,8 @@ def _write_tokenizer(writer: Any, hf_dir: Path, config: dict[str, Any]) -> None:
     writer.add_add_bos_token(False)
     tok_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
     template_file = hf_dir / "chat_template.jinja"
-    template = (template_file.read_text() if template_file.is_file()
-                else tok_config.get("chat_template"))  # fmt: skip
+    template = (
+        template_file.read_text() if template_file.is_file() else tok_config.get("chat_template")
+    )
     if template:
         writer.add_chat_template(template)

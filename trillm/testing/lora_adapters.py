@@ -31,9 +31,14 @@ def build_peft_adapter(
 
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     config = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=targets or ALL_TARGETS, lora_dropout=0.0,
-        bias="none", task_type="CAUSAL_LM", **lora_kwargs,
-    )  # fmt: skip
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=targets or ALL_TARGETS,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        **lora_kwargs,
+    )
     model = get_peft_model(base, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -45,8 +50,9 @@ def build_peft_adapter(
     return out
 
 
-def peft_greedy(model_dir: str | Path, adapter_dir: str | Path, prompts: list[list[int]],
-                max_new_tokens: int) -> list[list[int]]:  # fmt: skip
+def peft_greedy(
+    model_dir: str | Path, adapter_dir: str | Path, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
     """transformers + PEFT greedy continuations of each prompt (EOS ignored, as
     ``ignore_eos``)."""
     import torch

@@ -65,14 +65,22 @@ ARCHES: dict[str, dict[str, Any]] = {
     # Mixture-of-experts: more experts than top_k, so routing matters.
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-        shared_expert_intermediate_size=80, num_hidden_layers=3, mlp_only_layers=[1],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
         qkv_bias=True,
-    ),  # fmt: skip
+    ),
     "qwen3_moe": dict(
-        head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-        norm_topk_prob=True, tie_word_embeddings=False,
-    ),  # fmt: skip
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
 }
 
 CONFIG_CLASSES = {

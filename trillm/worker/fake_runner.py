@@ -51,14 +51,30 @@ def make_fake_config(
     ``num_blocks`` becomes ``num_gpu_blocks_override`` (None: sized from ``kv_cache_memory``).
     """
     model = ModelConfig(
-        model="fake", tokenizer="fake", served_model_name="fake", architecture="FakeForCausalLM",
-        dtype="float32", vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-        max_position_embeddings=max_model_len, max_model_len=max_model_len,
-        tie_word_embeddings=False, attention_bias=False, qk_norm=False, hidden_act="silu",
-        bos_token_id=None, eos_token_ids=list(eos_token_ids),
-    )  # fmt: skip
+        model="fake",
+        tokenizer="fake",
+        served_model_name="fake",
+        architecture="FakeForCausalLM",
+        dtype="float32",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=max_model_len,
+        max_model_len=max_model_len,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        hidden_act="silu",
+        bos_token_id=None,
+        eos_token_ids=list(eos_token_ids),
+    )
     return TrillmConfig(
         model=model,
         cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),

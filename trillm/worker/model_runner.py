@@ -60,9 +60,11 @@ logger = logging.getLogger(__name__)
 
 # CacheConfig.cache_dtype -> the KV cache tensors' dtype (fp8: x / scale, scale 1.0).
 KV_CACHE_TORCH_DTYPES = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
     "fp8_e4m3": torch.float8_e4m3fn,
-}  # fmt: skip
+}
 
 
 class ModelRunner:
@@ -125,8 +127,14 @@ class ModelRunner:
             self.drafter.load()
         lora = self.config.lora
         if lora is not None:
-            self.lora = LoRAManager(self._model, self.config.model, lora.max_loras,
-                                    lora.max_lora_rank, self.device, self.dtype)  # fmt: skip
+            self.lora = LoRAManager(
+                self._model,
+                self.config.model,
+                lora.max_loras,
+                lora.max_lora_rank,
+                self.device,
+                self.dtype,
+            )
         self.step_programs = step_programs_for(
             self.model, self.config, self.device, self.attn_backend, self.lora is not None
         )
@@ -197,8 +205,17 @@ class ModelRunner:
         self._num_steps += 1
         if hidden is None:  # not the last pipeline stage: it samples, we take its tokens
             empty = torch.empty(0, self.config.model.vocab_size, device=self.device)
-            self._pending = PendingStep(sched.step_id, req_ids, inputs, empty, None, None,
-                                         start_time=start, failed=failed, drafts=drafts)  # fmt: skip
+            self._pending = PendingStep(
+                sched.step_id,
+                req_ids,
+                inputs,
+                empty,
+                None,
+                None,
+                start_time=start,
+                failed=failed,
+                drafts=drafts,
+            )
             return
         rows = inputs.sample_rows
         num_drafts = row_owner = row_offset = None
@@ -208,10 +225,19 @@ class ModelRunner:
         sample_rows = torch.from_numpy(rows).to(self.device)
         sample_logits = self.model.compute_logits(hidden.index_select(0, sample_rows)).float()
         pending = PendingStep(
-            sched.step_id, req_ids, inputs, sample_logits, None, None, start_time=start,
-            failed=failed, drafts=drafts, num_drafts=num_drafts, row_owner=row_owner,
+            sched.step_id,
+            req_ids,
+            inputs,
+            sample_logits,
+            None,
+            None,
+            start_time=start,
+            failed=failed,
+            drafts=drafts,
+            num_drafts=num_drafts,
+            row_owner=row_owner,
             row_offset=row_offset,
-        )  # fmt: skip
+        )
         self._prompt_logprobs_inputs(pending, hidden, num_scheduled)
         self._pending = pending
 

@@ -88,8 +88,7 @@ class PoolingModelRunner(ModelRunner):
                     logits = self._model.lm_head(acc.last[None])[0]  # type: ignore[union-attr]
                     vec = class_probs(logits)  # [num_labels]
                 else:
-                    vec = finish_pooling(self.pooler, acc.summed, acc.count, acc.first,
-                                         acc.last)  # fmt: skip
+                    vec = finish_pooling(self.pooler, acc.summed, acc.count, acc.first, acc.last)
                 pooled[req_ids[i]] = vec.cpu().numpy().astype(np.float32).tobytes()
         self._step = _PoolingStep(sched.step_id, req_ids, pooled, failed, start)
 

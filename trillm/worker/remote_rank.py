@@ -14,9 +14,15 @@ from trillm.distributed.node_link import NodeLink
 # Per node, not per world: the node's own rank, and the folders of the model and the draft
 # (the same checkpoint may live at another path on another machine; its config.json must
 # still agree) with the name the API reports by default (the path; node 0's alone is used).
-_NODE_FIELDS = ("parallel.node_rank", "model.model", "model.tokenizer",
-                "model.served_model_name", "draft_model.model", "draft_model.tokenizer",
-                "draft_model.served_model_name")  # fmt: skip
+_NODE_FIELDS = (
+    "parallel.node_rank",
+    "model.model",
+    "model.tokenizer",
+    "model.served_model_name",
+    "draft_model.model",
+    "draft_model.tokenizer",
+    "draft_model.served_model_name",
+)
 
 
 class NodeConfigMismatchError(ValueError):

@@ -318,9 +318,10 @@ class StepPrograms:
 def _step_inputs(meta: AttentionMetadata) -> list[torch.Tensor]:
     """The step's metadata tensors: new every step, read by the attention plan only."""
     return [
-        t for t in (meta.query_start_loc, meta.seq_lens, meta.context_lens, meta.block_table)
+        t
+        for t in (meta.query_start_loc, meta.seq_lens, meta.context_lens, meta.block_table)
         if isinstance(t, torch.Tensor)
-    ]  # fmt: skip
+    ]
 
 
 def _check_pointers(

@@ -78,8 +78,14 @@ def sample_isolated(
     for i, req_id in enumerate(req_ids):
         row = slice(i, i + 1)
         try:
-            outs.append(sample(logits[row], slots_t[row], None if mask is None else mask[row],
-                               None if offsets is None else offsets[row]))  # fmt: skip
+            outs.append(
+                sample(
+                    logits[row],
+                    slots_t[row],
+                    None if mask is None else mask[row],
+                    None if offsets is None else offsets[row],
+                )
+            )
             kept.append(i)
         except Exception as exc:
             failed[req_id] = f"{type(exc).__name__}: {exc}"

@@ -63,8 +63,9 @@ class TokenSampler:
             rows = inputs.sample_reqs
             sample_req_ids = [pending.req_ids[i] for i in rows.tolist()]
             mask = self._bitmask_tensor(bitmask, sample_req_ids, pending.sample_logits)
-            out, kept, failed = sample_isolated(self._call_sampler, pending.sample_logits,
-                                                inputs.slots[rows], mask, sample_req_ids)  # fmt: skip
+            out, kept, failed = sample_isolated(
+                self._call_sampler, pending.sample_logits, inputs.slots[rows], mask, sample_req_ids
+            )
             rows, sample_req_ids = rows[kept], [sample_req_ids[i] for i in kept.tolist()]
             sample_slots = inputs.slots[rows]
             tokens = out.sampled_token_ids.cpu().numpy()

@@ -227,9 +227,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-ring", help="JSON RingFds; this rank reads it")
     p.add_argument("--result-ring", help="JSON RingFds; this rank writes it")
     p.add_argument(
-        "--engine-args", help="JSON EngineArgs of a headless node: this rank is on another "
+        "--engine-args",
+        help="JSON EngineArgs of a headless node: this rank is on another "
         "node than the executor and talks to it through rank 0 (no rings)",
-    )  # fmt: skip
+    )
     p.add_argument("--death-fd", type=int, required=True, help="read end of the parent pipe")
     p.add_argument("--parent-pid", type=int, required=True)
     return p.parse_args(argv)

@@ -155,9 +155,12 @@ async def _serve(
 
     # NOTE: the engine's preprocessor owns the chat template (stage 2), for HTTP and Python.
     opener = partial(
-        open_engine, model, stream_wake_budget=opts.stream_wake_budget,
-        chat_template=opts.chat_template, **engine_args,
-    )  # fmt: skip
+        open_engine,
+        model,
+        stream_wake_budget=opts.stream_wake_budget,
+        chat_template=opts.chat_template,
+        **engine_args,
+    )
     done = trio.Event()  # the HTTP server has stopped: the engine may go
     async with trio.open_nursery() as engines:
         slot = await engines.start(
@@ -181,11 +184,12 @@ async def _serve(
                     max_admitted=_max_admitted(engine, opts),
                     max_admitted_tokens=opts.max_num_admitted_tokens,
                     max_logprob_entries=opts.max_logprob_entries
-                    or default_max_logprob_entries(engine.model_config.max_model_len,
-                                                   opts.max_logprobs),
+                    or default_max_logprob_entries(
+                        engine.model_config.max_model_len, opts.max_logprobs
+                    ),
                     max_sequences_per_request=opts.max_sequences_per_request,
                     max_engine_seqs_per_request=_fair_share(engine),
-                )  # fmt: skip
+                )
                 max_prompt_chars(state)  # the tokenizer's bound, once, before any request
                 state.loras = await serving_lora.open_registry(engine, names[0], opts)
                 log_len = opts.max_log_len if opts.enable_log_requests else None
@@ -197,8 +201,13 @@ async def _serve(
                 config = hypercorn_config(opts, listener)
                 serve = partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)
                 if opts.log_stats:  # ends with the serving (shutdown), never held up by it
-                    nursery.start_soon(log_stats_periodically, engine, state.metrics,
-                                       opts.log_stats_interval, shutdown)  # fmt: skip
+                    nursery.start_soon(
+                        log_stats_periodically,
+                        engine,
+                        state.metrics,
+                        opts.log_stats_interval,
+                        shutdown,
+                    )
                 freeze_startup_heap("API server")  # the engine and app are built
                 binds = await nursery.start(serve)
                 life.serving = True
@@ -210,8 +219,9 @@ async def _serve(
                 # end with their aborted requests. Anything left is cancelled, never waited on.
                 nursery.cancel_scope.deadline = trio.current_time() + SHUTDOWN_BACKSTOP_S
             if nursery.cancel_scope.cancelled_caught:
-                logger.warning("Shutdown cancelled what was still running after %.0f s.",
-                               SHUTDOWN_BACKSTOP_S)  # fmt: skip
+                logger.warning(
+                    "Shutdown cancelled what was still running after %.0f s.", SHUTDOWN_BACKSTOP_S
+                )
             logger.info("HTTP server stopped; shutting the engine down.")
         finally:
             done.set()

@@ -49,8 +49,7 @@ class ApiKeys:
             )
         count = f"{len(self.keys)} keys" if len(self.keys) > 1 else "1 key"
         open_paths = ", ".join(sorted(KEYLESS_PATHS))
-        return (f"API key: required on every route but {open_paths} "
-                f"({count} from {self.source}).")  # fmt: skip
+        return f"API key: required on every route but {open_paths} ({count} from {self.source})."
 
     def needs_key(self, path: str) -> bool:
         return bool(self.keys) and path not in KEYLESS_PATHS

@@ -17,17 +17,51 @@ from trillm.entrypoints.openai.http_app import DEFAULT_HEALTH_STEP_TIMEOUT_S
 # Flags whose value goes straight into EngineArgs under the same (underscored) name. Each is
 # passed only when given, so EngineArgs' defaults stay the single source of defaults.
 _ENGINE_FLAGS = (
-    "tokenizer", "revision", "dtype", "seed", "max_model_len", "block_size", "max_num_seqs",
-    "max_num_batched_tokens", "long_prefill_token_threshold", "enable_prefix_caching",
-    "scheduling_policy", "tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size",
-    "kv_cache_memory", "gpu_memory_utilization",
-    "num_gpu_blocks_override", "max_logprobs", "device", "attention_backend",
-    "distributed_executor_backend", "generation_config", "trust_remote_code", "runner",
-    "stream_interval", "reasoning_parser", "load_format", "quantization", "dequantize_gguf",
-    "enable_lora", "max_loras", "max_lora_rank", "kv_cache_dtype", "speculative_config",
-    "convert", "pooler_config", "nnodes", "node_rank", "master_addr", "master_port",
-    "distributed_timeout_seconds", "enforce_eager", "numerics", "structured_outputs_cache_bytes",
-)  # fmt: skip
+    "tokenizer",
+    "revision",
+    "dtype",
+    "seed",
+    "max_model_len",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "long_prefill_token_threshold",
+    "enable_prefix_caching",
+    "scheduling_policy",
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "pipeline_parallel_size",
+    "kv_cache_memory",
+    "gpu_memory_utilization",
+    "num_gpu_blocks_override",
+    "max_logprobs",
+    "device",
+    "attention_backend",
+    "distributed_executor_backend",
+    "generation_config",
+    "trust_remote_code",
+    "runner",
+    "stream_interval",
+    "reasoning_parser",
+    "load_format",
+    "quantization",
+    "dequantize_gguf",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "kv_cache_dtype",
+    "speculative_config",
+    "convert",
+    "pooler_config",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "distributed_timeout_seconds",
+    "enforce_eager",
+    "numerics",
+    "structured_outputs_cache_bytes",
+)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -57,71 +91,93 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="0.0.0.0", help="Address to listen on (default: 0.0.0.0).")
     g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
     g.add_argument(
-        "--api-key", nargs="+", metavar="KEY", help="Require 'Authorization: Bearer KEY' (any "
+        "--api-key",
+        nargs="+",
+        metavar="KEY",
+        help="Require 'Authorization: Bearer KEY' (any "
         "one of the keys given) on every route but /health, /ping, /version and /metrics. "
         "Default: the VLLM_API_KEY environment variable; this flag wins over it.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--served-model-name", nargs="+", help="Name(s) the API accepts as 'model'; the first "
+        "--served-model-name",
+        nargs="+",
+        help="Name(s) the API accepts as 'model'; the first "
         "is reported in responses. Default: the model path.",
-    )  # fmt: skip
+    )
     g.add_argument("--chat-template", help="Chat template: a Jinja file path or the template.")
     g.add_argument(
-        "--trust-request-chat-template", action="store_true",
+        "--trust-request-chat-template",
+        action="store_true",
         help="Accept a 'chat_template' sent in a request (refused with 400 otherwise).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--uvicorn-log-level", "--log-level", dest="log_level", default="info",
+        "--uvicorn-log-level",
+        "--log-level",
+        dest="log_level",
+        default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="Log level (default: info; debug/trace also log every request).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--shutdown-timeout", type=float, default=30.0,
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
         help="On SIGINT/SIGTERM, seconds to let running requests finish before aborting "
         "them (default: 30).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--timeout-keep-alive", type=flag_types.positive_seconds, default=5.0,
+        "--timeout-keep-alive",
+        type=flag_types.positive_seconds,
+        default=5.0,
         help="Seconds an idle HTTP keep-alive connection stays open (default: 5, as uvicorn "
         "and vLLM, which sets it with VLLM_HTTP_TIMEOUT_KEEP_ALIVE).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--max-num-queued-requests", type=flag_types.non_negative_int,
+        "--max-num-queued-requests",
+        type=flag_types.non_negative_int,
         help="Most requests waiting beyond the running batch (--max-num-seqs, counting each "
         "prompt and sample); past it a request gets 503 with Retry-After at once, before any "
         "work. Default: no bound.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--max-num-admitted-tokens", type=flag_types.positive_int,
+        "--max-num-admitted-tokens",
+        type=flag_types.positive_int,
         help="Most tokens admitted at once, running or waiting: each sequence (prompt and "
         "sample) counts its prompt tokens plus its max_tokens. A request that would pass it "
         "gets 503 with Retry-After at once, whole (all its prompts and samples, or none); one "
         "larger than N by itself, a 400. Default: no bound. (Not vLLM's --max-num-queued-tokens, "
         "which sums the prompt tokens of requests still in prefill.)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--max-logprob-entries", type=flag_types.positive_int,
+        "--max-logprob-entries",
+        type=flag_types.positive_int,
         help="Most logprob entries one request may ask for, over all its prompts and samples: "
         "each prompt token counts prompt_logprobs + 1, each sampled token logprobs + 1 "
         "(max_tokens x n). More is a 400 before the request reaches the engine. Default: "
         "2**20, or max_model_len x (max_logprobs + 1) if larger.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--max-sequences-per-request", type=flag_types.positive_int, default=1024,
+        "--max-sequences-per-request",
+        type=flag_types.positive_int,
+        default=1024,
         help="Most sequences (prompts x n) in one request; more is a 400 (default: 1024). "
         "(vLLM's VLLM_MAX_N_SEQUENCES bounds n alone.)",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--health-step-timeout", type=flag_types.health_step_timeout, default=DEFAULT_HEALTH_STEP_TIMEOUT_S,
-        metavar="SECONDS", help="/health answers 503 while an engine step has run longer than "
+        "--health-step-timeout",
+        type=flag_types.health_step_timeout,
+        default=DEFAULT_HEALTH_STEP_TIMEOUT_S,
+        metavar="SECONDS",
+        help="/health answers 503 while an engine step has run longer than "
         "this (a worker stopped or hung; the executor ends such a step after 300 s). 0: never. "
         f"Default: {DEFAULT_HEALTH_STEP_TIMEOUT_S:g}.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--restart-on-engine-death", action="store_true",
+        "--restart-on-engine-death",
+        action="store_true",
         help="When the engine dies (a worker killed), start a new one in this process instead "
         "of exiting with code 1 after 2 s (the default).",
-    )  # fmt: skip
+    )
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -136,54 +192,70 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, help="Token budget of one step.")
     g.add_argument("--long-prefill-token-threshold", type=int, help="Per-request prefill cap.")
     g.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="Reuse KV blocks of shared prompt prefixes (default: on).",
-    )  # fmt: skip
+    )
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="Default: fcfs.")
     g.add_argument(
-        "--tensor-parallel-size", "-tp", type=flag_types.positive_int,
+        "--tensor-parallel-size",
+        "-tp",
+        type=flag_types.positive_int,
         help="Tensor-parallel ranks: one worker process each, joined by torch.distributed "
-             "(default: 1).",
-    )  # fmt: skip
+        "(default: 1).",
+    )
     g.add_argument(
-        "--data-parallel-size", "-dp", type=flag_types.positive_int,
+        "--data-parallel-size",
+        "-dp",
+        type=flag_types.positive_int,
         help="Engine cores behind the one HTTP server, each with its own scheduler, KV cache "
-             "and workers; each request goes to the least-loaded one, or to the one that last "
-             "took its prompt's first block (default: 1).",
-    )  # fmt: skip
+        "and workers; each request goes to the least-loaded one, or to the one that last "
+        "took its prompt's first block (default: 1).",
+    )
     g.add_argument(
-        "--pipeline-parallel-size", "-pp", type=flag_types.positive_int,
+        "--pipeline-parallel-size",
+        "-pp",
+        type=flag_types.positive_int,
         help="Pipeline stages: the layers split evenly over them, hidden states passed stage "
-             "to stage by torch.distributed; tensor x pipeline worker processes (default: 1).",
-    )  # fmt: skip
+        "to stage by torch.distributed; tensor x pipeline worker processes (default: 1).",
+    )
     g.add_argument(
-        "--kv-cache-memory", type=flag_types.memory_size,
+        "--kv-cache-memory",
+        type=flag_types.memory_size,
         help="KV-cache budget on CPU, e.g. 2GiB or 512MiB (default: 1GiB).",
-    )  # fmt: skip
+    )
     g.add_argument("--gpu-memory-utilization", type=float, help="GPU memory fraction (0.9).")
     g.add_argument("--num-gpu-blocks-override", type=int, help="Force the KV block count.")
     g.add_argument(
-        "--max-logprobs", type=int, default=20,
+        "--max-logprobs",
+        type=int,
+        default=20,
         help="Most logprobs / top_logprobs a request may ask for (default: 20).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--stream-interval", type=int,
+        "--stream-interval",
+        type=int,
         help="Streamed responses send a chunk every N tokens; the first token and the end "
         "go at once (default: 1).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--stream-wake-budget", type=int, default=DEFAULT_WAKE_BUDGET,
+        "--stream-wake-budget",
+        type=int,
+        default=DEFAULT_WAKE_BUDGET,
         help="Streams woken per engine step for a middle chunk: at least N, more when the "
         "model's step time hides their writes. With more streams, each gets a chunk every "
         "ceil(streams / budget) steps carrying those steps' tokens; the first token and the "
         f"end still go at once. 0: no budget (default: {DEFAULT_WAKE_BUDGET}).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--structured-outputs-cache-bytes", type=flag_types.grammar_cache_bytes, metavar="SIZE",
+        "--structured-outputs-cache-bytes",
+        type=flag_types.grammar_cache_bytes,
+        metavar="SIZE",
         help="Memory for compiled grammars (JSON schemas, regexes, ...) kept for reuse, e.g. "
         "512MiB or a byte count; least recently used out. One grammar may take 1/4 of it: a "
         f"larger one is refused (400) (default: {DEFAULT_GRAMMAR_CACHE_BYTES >> 20}MiB).",
-    )  # fmt: skip
+    )
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Default: auto.")
     g.add_argument(
         "--attention-backend",
@@ -192,13 +264,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--distributed-executor-backend", choices=["mp", "uni"])
     g.add_argument(
-        "--numerics", choices=["fast", "transformers"],
+        "--numerics",
+        choices=["fast", "transformers"],
         help="fast: trillm's native kernels (default). transformers: every op as transformers' "
         "eager forward computes it (torch's F.linear and RMSNorm, eager attention one request at "
         "a time): a request's output equals transformers' own to the bit in bf16 where torch's "
         "GEMM is batch-invariant (checked at load; fp32: to rounding); Llama-family models on "
         "CPU; slower.",
-    )  # fmt: skip
+    )
     headless.add_node_flags(p)
     g.add_argument(
         "--generation-config",
@@ -207,10 +280,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--trust-remote-code", action="store_true", default=None)
     g.add_argument(
-        "--dequantize-gguf", action="store_true", default=None,
+        "--dequantize-gguf",
+        action="store_true",
+        default=None,
         help="A .gguf model's quantized tensors (Q4_0/Q4_1/Q8_0, Q2_K..Q6_K) are dequantized to "
         "--dtype at load (default: kept quantized, multiplied by a native CPU kernel).",
-    )  # fmt: skip
+    )
     g.add_argument(
         "--runner",
         help="vLLM's runner: auto | generate | pooling (embeddings: /v1/embeddings, /pooling); "
@@ -218,13 +293,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "(a near-zero-cost model for measuring serving overhead).",
     )
     g.add_argument(
-        "--convert", choices=["auto", "none", "embed", "classify"],
+        "--convert",
+        choices=["auto", "none", "embed", "classify"],
         help="embed: serve a generative checkpoint as an embedding model (= --runner pooling); "
         "classify: a *ForSequenceClassification checkpoint's classifier (/classify; the default "
         "for such a checkpoint).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--pooler-config", type=flag_types.json_object,
+        "--pooler-config",
+        type=flag_types.json_object,
         help='Pooling of a pooling model, JSON: {"pooling_type": "LAST"|"MEAN"|"CLS", '
         '"normalize": true|false} (default: the folder\'s sentence-transformers config, else '
         "LAST + normalize).",
@@ -234,29 +311,34 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 def _add_tool_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("tool calling and reasoning")
     g.add_argument(
-        "--enable-auto-tool-choice", action="store_true",
+        "--enable-auto-tool-choice",
+        action="store_true",
         help="Parse tool calls from the output when tool_choice is 'auto' (the default when a "
         "request has tools); needs --tool-call-parser.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--tool-call-parser", metavar="NAME",
+        "--tool-call-parser",
+        metavar="NAME",
         help="The model family's tool-call format: hermes (Qwen2.5/Qwen3), llama3_json, "
         "mistral, pythonic, or one a --tool-parser-plugin registers.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--tool-parser-plugin", metavar="PATH",
+        "--tool-parser-plugin",
+        metavar="PATH",
         help="A Python file that registers tool parsers (trillm.parsers.tool_parsers."
         "register_tool_parser).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--exclude-tools-when-tool-choice-none", action="store_true",
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
         help="With tool_choice 'none', do not render the tools into the prompt.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--reasoning-parser", metavar="NAME",
+        "--reasoning-parser",
+        metavar="NAME",
         help="Separate the <think> section into reasoning_content: deepseek_r1 or qwen3; "
         "structured outputs then constrain only the output after </think>.",
-    )  # fmt: skip
+    )
 
 
 def check_tool_flags(args: argparse.Namespace) -> None:

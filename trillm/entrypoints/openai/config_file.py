@@ -73,7 +73,9 @@ def _value_tokens(flag: str, action: argparse.Action, value: Any) -> list[str]:
 def add_config_flag(p: argparse.ArgumentParser) -> None:
     p.set_defaults(config_model=None)
     p.add_argument(
-        "--config", action=_ConfigFile, metavar="FILE.yaml",
+        "--config",
+        action=_ConfigFile,
+        metavar="FILE.yaml",
         help="Read flags from a YAML file (keys are flag names, e.g. max-model-len: 2048; "
         "model: for MODEL); flags on the command line override the file.",
-    )  # fmt: skip
+    )

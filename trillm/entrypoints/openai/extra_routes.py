@@ -37,8 +37,14 @@ logger = logging.getLogger("trillm.requests")
 # Body fields a request log line leaves out: the prompt itself (shown truncated apart) and
 # the bulky structures (only their size is shown).
 _PROMPT_FIELDS = ("prompt", "messages", "input", "instructions")
-_BULKY_FIELDS = ("tools", "response_format", "structured_outputs", "logit_bias",
-                 "chat_template", "documents")  # fmt: skip
+_BULKY_FIELDS = (
+    "tools",
+    "response_format",
+    "structured_outputs",
+    "logit_bias",
+    "chat_template",
+    "documents",
+)
 
 
 # The sampling fields are logged up to this many characters even with a short --max-log-len
@@ -67,9 +73,13 @@ class RequestLog:
         for name in _BULKY_FIELDS:
             if name in body:
                 params[name] = f"<{len(orjson.dumps(body[name]))} bytes>"
-        logger.info("Received request #%d (%s): prompt: %r, params: %s", number, kind,
-                    self.truncate(shown), self.truncate(orjson.dumps(params).decode(),
-                                                        max(self.max_len, PARAMS_LOG_LEN)))  # fmt: skip
+        logger.info(
+            "Received request #%d (%s): prompt: %r, params: %s",
+            number,
+            kind,
+            self.truncate(shown),
+            self.truncate(orjson.dumps(params).decode(), max(self.max_len, PARAMS_LOG_LEN)),
+        )
         return number
 
     def finished(self, number: int, result: Any, start: float) -> None:
@@ -78,8 +88,14 @@ class RequestLog:
             reasons = [c.get("finish_reason") for c in result.get("choices", [])] or [
                 result.get("status")  # a /v1/responses body
             ]
-            logger.info("Finished request #%d %s: finish_reason %s, usage %s, %.3f s", number,
-                        result.get("id"), reasons, result.get("usage"), elapsed)  # fmt: skip
+            logger.info(
+                "Finished request #%d %s: finish_reason %s, usage %s, %.3f s",
+                number,
+                result.get("id"),
+                reasons,
+                result.get("usage"),
+                elapsed,
+            )
         else:
             logger.info("Finished request #%d: stream ended after %.3f s", number, elapsed)
 
@@ -128,7 +144,8 @@ class Dispatcher:
             routes = "/classify" if pooler.task == "classify" else "/v1/embeddings and /pooling"
             raise BadRequestError(
                 f"This server runs a pooling model: it serves {routes}, not "
-                f"{kind} requests (start it without --runner pooling to generate).", "model"
+                f"{kind} requests (start it without --runner pooling to generate).",
+                "model",
             )
         number, start = (
             (self.log.received(kind, body), time.perf_counter()) if self.log else (0, 0.0)
@@ -148,8 +165,9 @@ class Dispatcher:
             return self.respond(result)
         return self.respond(self._tracked_stream(result, number, start))
 
-    def _tracked_stream(self, stream: AsyncIterator[bytes], number: int, start: float
-                        ) -> AsyncIterator[bytes]:  # fmt: skip
+    def _tracked_stream(
+        self, stream: AsyncIterator[bytes], number: int, start: float
+    ) -> AsyncIterator[bytes]:
         """The stream, counted in ``load`` until it ends (read to the end, the client gone,
         or never started: then when the HTTP exchange ends), logged at its end with the
         request log."""
@@ -178,8 +196,14 @@ class Dispatcher:
         return body()
 
 
-def install(app: Any, state: Any, dispatcher: Dispatcher, json_body: Callable[[], Any],
-            health: Callable[[], Awaitable[Any]], json_response: Callable[..., Any]) -> None:  # fmt: skip
+def install(
+    app: Any,
+    state: Any,
+    dispatcher: Dispatcher,
+    json_body: Callable[[], Any],
+    health: Callable[[], Awaitable[Any]],
+    json_response: Callable[..., Any],
+) -> None:
     """/ping, /invocations, /load and /v1/responses on ``app``."""
 
     @app.post("/v1/responses")

@@ -145,8 +145,10 @@ def _health_route(state: ServerState, step_timeout: float | None) -> Any:
             return json_response(err.body(), err.status)
         running_s, core = (0.0, 0) if step_timeout is None else engine.longest_running_step()
         if step_timeout is not None and running_s > step_timeout:
-            message = (f"The engine has not finished a step in {running_s:.0f} s (engine core "
-                       f"{core}; --health-step-timeout {step_timeout:g} s).")  # fmt: skip
+            message = (
+                f"The engine has not finished a step in {running_s:.0f} s (engine core "
+                f"{core}; --health-step-timeout {step_timeout:g} s)."
+            )
             if not stalled:
                 logger.warning("%s", message)
             stalled = True

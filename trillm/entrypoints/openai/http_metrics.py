@@ -31,9 +31,28 @@ from trillm.entrypoints.openai.request_metrics import Hist
 
 _DURATION_BUCKETS = (0.1, 0.5, 1.0)  # the instrumentator's default latency_lowr_buckets
 _HIGHR_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5,
-    5.0, 7.5, 10.0, 30.0, 60.0,
-)  # fmt: skip
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    3.5,
+    4.0,
+    4.5,
+    5.0,
+    7.5,
+    10.0,
+    30.0,
+    60.0,
+)
 METHODS = frozenset(
     ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH")
 )
@@ -122,17 +141,19 @@ class HTTPMetrics(Collector):
         finally:
             self._record(scope, handler, status, sent, time.perf_counter() - start)
 
-    def _record(self, scope: dict[str, Any], handler: str, status: int, sent: int, took: float
-                ) -> None:  # fmt: skip
+    def _record(
+        self, scope: dict[str, Any], handler: str, status: int, sent: int, took: float
+    ) -> None:
         method = method_label(scope["method"])
         key = (handler, method, f"{status // 100}xx")
         self.requests[key] = self.requests.get(key, 0) + 1
         hist = self.durations.get((handler, method))
         if hist is None:
             hist = self.durations[(handler, method)] = Hist(
-                "http_request_duration_seconds", "Latency with only few buckets by handler.",
+                "http_request_duration_seconds",
+                "Latency with only few buckets by handler.",
                 _DURATION_BUCKETS,
-            )  # fmt: skip
+            )
         hist.observe(took)
         self.highr.observe(took)
         size = self.sizes.setdefault(handler, [0, 0, 0])
@@ -141,8 +162,11 @@ class HTTPMetrics(Collector):
         size[2] += sent
 
     def collect(self) -> Iterable[Metric]:
-        total = CounterMetricFamily("http_requests", "Total number of requests by method, "
-                                    "status and handler.", labels=["handler", "method", "status"])  # fmt: skip
+        total = CounterMetricFamily(
+            "http_requests",
+            "Total number of requests by method, status and handler.",
+            labels=["handler", "method", "status"],
+        )
         for labels, count in self.requests.items():
             total.add_metric(list(labels), float(count))
         yield total
@@ -160,8 +184,9 @@ class HTTPMetrics(Collector):
             ("http_request_size_bytes", "Content length of incoming requests by handler.", 1),
             ("http_response_size_bytes", "Content length of outgoing responses by handler.", 2),
         ):
-            summary = SummaryMetricFamily(name, doc + " Only value of header is respected.",
-                                          labels=["handler"])  # fmt: skip
+            summary = SummaryMetricFamily(
+                name, doc + " Only value of header is respected.", labels=["handler"]
+            )
             for handler, size in self.sizes.items():
                 summary.add_metric([handler], count_value=size[0], sum_value=size[index])
             yield summary

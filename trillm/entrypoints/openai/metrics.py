@@ -71,27 +71,46 @@ class _SchedulerCollector(Collector):
         per_engine = engine_stats(self.engine)
         labels = [[self.labels[0], str(i)] for i in range(len(per_engine))]
         gauges = (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.",
-             "num_running_reqs"),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-             "num_waiting_reqs"),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-             "kv_cache_usage"),
-        )  # fmt: skip
+            (
+                "vllm:num_requests_running",
+                "Number of requests in model execution batches.",
+                "num_running_reqs",
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Number of requests waiting to be processed.",
+                "num_waiting_reqs",
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage. 1 means 100 percent usage.",
+                "kv_cache_usage",
+            ),
+        )
         yield from _stat_families(GaugeMetricFamily, gauges, list(zip(labels, per_engine)))
         counters = (
-            ("vllm:prefix_cache_queries",
-             "Prefix cache queries, in terms of number of queried tokens.",
-             "prefix_cache_queries"),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-             "prefix_cache_hits"),
-            ("vllm:num_preemptions",
-             "Cumulative number of preemption from the engine (recomputed later).",
-             "num_preemptions"),
-        )  # fmt: skip
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                "prefix_cache_queries",
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                "prefix_cache_hits",
+            ),
+            (
+                "vllm:num_preemptions",
+                "Cumulative number of preemption from the engine (recomputed later).",
+                "num_preemptions",
+            ),
+        )
         yield from _stat_families(CounterMetricFamily, counters, list(zip(labels, per_engine)))
-        specs = [(values, s.spec_decoding) for values, s in zip(labels, per_engine)
-                 if s.spec_decoding is not None]  # fmt: skip
+        specs = [
+            (values, s.spec_decoding)
+            for values, s in zip(labels, per_engine)
+            if s.spec_decoding is not None
+        ]
         if specs:
             yield from self._spec_decoding(specs)
         lora = getattr(getattr(self.engine, "config", None), "lora", None)
@@ -99,9 +118,10 @@ class _SchedulerCollector(Collector):
             yield lora_requests_info(lora.max_loras, self.engine.get_stats())
         infos = [cache_config_info(self.engine, index) for index in range(len(per_engine))]
         g = GaugeMetricFamily(
-            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
             labels=list(infos[0]),
-        )  # fmt: skip
+        )
         for info in infos:
             g.add_metric(list(info.values()), 1.0)
         yield g
@@ -110,16 +130,19 @@ class _SchedulerCollector(Collector):
         """vLLM v1's speculative-decoding counters (only with a speculative_config)."""
         counters = (
             ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
-            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
-             "num_draft_tokens"),
-            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-             "num_accepted_tokens"),
-        )  # fmt: skip
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
+            (
+                "vllm:spec_decode_num_accepted_tokens",
+                "Number of accepted tokens.",
+                "num_accepted_tokens",
+            ),
+        )
         yield from _stat_families(CounterMetricFamily, counters, specs)
         per_pos = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position.", labels=[*LABELS, "position"],
-        )  # fmt: skip
+            "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
+        )
         for values, spec in specs:
             for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
                 per_pos.add_metric([*values, str(pos)], float(count))
@@ -151,9 +174,10 @@ def lora_requests_info(max_loras: int, stats: Any) -> Metric:
     running and waiting requests (comma-separated) and max_lora; its value is the time of the
     stats (vLLM: ``set_to_current_time``), here the scrape's."""
     g = GaugeMetricFamily(
-        "vllm:lora_requests_info", "Running stats on lora requests.",
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
         labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-    )  # fmt: skip
+    )
     waiting = ",".join(stats.waiting_lora_adapters)
     running = ",".join(stats.running_lora_adapters)
     g.add_metric([str(max_loras), waiting, running], time.time())
@@ -165,8 +189,13 @@ def cache_config_info(engine: AsyncEngine, index: int = 0) -> dict[str, str]:
     core ``index``."""
     cache = getattr(getattr(engine, "config", None), "cache", None)
     info = {"engine": str(index), "cache_dtype": "auto"}
-    for name in ("block_size", "enable_prefix_caching", "gpu_memory_utilization",
-                 "num_gpu_blocks_override", "kv_cache_memory"):  # fmt: skip
+    for name in (
+        "block_size",
+        "enable_prefix_caching",
+        "gpu_memory_utilization",
+        "num_gpu_blocks_override",
+        "kv_cache_memory",
+    ):
         info[name] = str(getattr(cache, name, None))
     executors = getattr(engine, "executors", None)
     blocks = executors[index].num_blocks if executors else getattr(engine, "num_blocks", None)
@@ -202,15 +231,23 @@ class _RequestCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         m = self.metrics
         yield from request_families(m.per_engine, m.model_name)
-        yield merged_families([hist.family([m.model_name, str(index)])
-                               for index, hist in enumerate(m.iteration_tokens)])  # fmt: skip
+        yield merged_families(
+            [
+                hist.family([m.model_name, str(index)])
+                for index, hist in enumerate(m.iteration_tokens)
+            ]
+        )
 
 
 class ServerMetrics:
     """The metrics of one app; ``render()`` is the /metrics body."""
 
     def __init__(
-        self, engine: AsyncEngine, model_name: str, prefix: str = "both", max_model_len: int | None = None
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        prefix: str = "both",
+        max_model_len: int | None = None,
     ) -> None:
         self.model_name = model_name
         self.base = CollectorRegistry(auto_describe=False)
@@ -232,10 +269,13 @@ class ServerMetrics:
         self.per_engine = [RequestSeries(length_buckets) for _ in range(cores)]
         # One per engine core (engine-scoped), observed with each step's core index.
         self.iteration_tokens = [
-            Hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                 sorted(set(buckets_1_2_5(step_tokens) + [step_tokens])))
+            Hist(
+                "vllm:iteration_tokens_total",
+                "Histogram of number of tokens per engine_step.",
+                sorted(set(buckets_1_2_5(step_tokens) + [step_tokens])),
+            )
             for _ in range(cores)
-        ]  # fmt: skip
+        ]
         observers = getattr(engine, "step_observers", None)
         if observers is not None:
             observers.append(self.observe_step)
@@ -245,15 +285,17 @@ class ServerMetrics:
 
     def token_totals(self) -> tuple[int, int]:
         """(prompt, generation) tokens so far, over the engine cores."""
-        return (sum(s.prompt_tokens.value for s in self.per_engine),
-                sum(s.generation_tokens.value for s in self.per_engine))  # fmt: skip
+        return (
+            sum(s.prompt_tokens.value for s in self.per_engine),
+            sum(s.generation_tokens.value for s in self.per_engine),
+        )
 
-    def timer(self, start: float, params: tuple[int, int | None, int] | None = None
-              ) -> RequestTimer:  # fmt: skip
+    def timer(
+        self, start: float, params: tuple[int, int | None, int] | None = None
+    ) -> RequestTimer:
         """A RequestTimer for one HTTP request started at ``start`` (``time.perf_counter``);
         ``params``: its (n, max_tokens, prompts) for request_params_*."""
         return RequestTimer(self.per_engine, start, params)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-

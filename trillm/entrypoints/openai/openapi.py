@@ -18,8 +18,14 @@ def _json(name: str) -> dict[str, Any]:
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    text = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model",
-            413: "Body too large", 500: "Engine failure", 503: "Not ready, draining or engine dead"}  # fmt: skip
+    text = {
+        400: "Invalid request",
+        401: "Missing or wrong API key",
+        404: "Unknown model",
+        413: "Body too large",
+        500: "Engine failure",
+        503: "Not ready, draining or engine dead",
+    }
     return {str(c): {"description": text[c], "content": _json("Error")} for c in codes}
 
 
@@ -65,7 +71,7 @@ def _responses_op() -> dict[str, Any]:
                 "type": "string",
                 "contentMediaType": "application/json",
                 "contentSchema": ref("ResponseStreamEvent"),
-            },  # fmt: skip
+            },
         },
         "required": ["event", "data"],
     }
@@ -94,7 +100,7 @@ def _simple_post(summary: str, request: str, response: str) -> dict[str, Any]:
             "responses": {
                 "200": {"description": "OK", "content": _json(response)},
                 **_errors(400, 404, 413, 503),
-            },  # fmt: skip
+            },
         }
     }
 
@@ -110,7 +116,7 @@ def build_spec() -> dict[str, Any]:
             "ChatCompletionRequest",
             "ChatCompletionResponse",
             "ChatCompletionChunk",
-        ),  # fmt: skip
+        ),
         "/v1/completions": _generate_op(
             "Text completion", "CompletionRequest", "CompletionResponse", "CompletionChunk"
         ),
@@ -120,34 +126,35 @@ def build_spec() -> dict[str, Any]:
                 "responses": {
                     "200": {"description": "OK", "content": _json("ModelList")},
                     **_errors(401),
-                },  # fmt: skip
+                },
             }
         },
         "/tokenize": _simple_post(
             "Tokenize a prompt or a chat", "TokenizeRequest", "TokenizeResponse"
-        ),  # fmt: skip
-        "/detokenize": _simple_post(
-            "Token ids to text", "DetokenizeRequest", "DetokenizeResponse"
-        ),  # fmt: skip
+        ),
+        "/detokenize": _simple_post("Token ids to text", "DetokenizeRequest", "DetokenizeResponse"),
         "/v1/embeddings": _simple_post(
-            "Embeddings of a pooling model (--runner pooling)", "EmbeddingRequest",
+            "Embeddings of a pooling model (--runner pooling)",
+            "EmbeddingRequest",
             "EmbeddingResponse",
-        ),  # fmt: skip
+        ),
         "/pooling": _simple_post(
-            "Pooled vectors of a pooling model (vLLM's /pooling)", "PoolingRequest",
+            "Pooled vectors of a pooling model (vLLM's /pooling)",
+            "PoolingRequest",
             "PoolingResponse",
-        ),  # fmt: skip
+        ),
         "/classify": _simple_post(
             "Class probabilities of a sequence classifier (vLLM's /classify)",
-            "ClassificationRequest", "ClassificationResponse",
-        ),  # fmt: skip
+            "ClassificationRequest",
+            "ClassificationResponse",
+        ),
         "/v1/responses": _responses_op(),
         "/v1/responses/{response_id}": {
             "get": {
                 "summary": "Always 404: responses are not stored ('store' must be false)",
                 "parameters": [
                     {"name": "response_id", "in": "path", "required": True, "schema": STR}
-                ],  # fmt: skip
+                ],
                 "responses": _errors(404),
             }
         },
@@ -164,7 +171,7 @@ def build_spec() -> dict[str, Any]:
                             }
                         }
                     },
-                },  # fmt: skip
+                },
                 "responses": {
                     "200": {
                         "description": "As /v1/chat/completions or /v1/completions",
@@ -178,7 +185,7 @@ def build_spec() -> dict[str, Any]:
                                 }
                             }
                         },
-                    },  # fmt: skip
+                    },
                     **_errors(400, 404, 413, 503),
                 },
             }
@@ -223,7 +230,7 @@ def build_spec() -> dict[str, Any]:
                         "content": {"application/json": {"schema": {"type": "object"}}},
                     }
                 },
-            }  # fmt: skip
+            }
         },
     }
     return {

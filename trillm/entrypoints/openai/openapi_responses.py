@@ -122,7 +122,7 @@ def response_components() -> dict[str, Any]:
                 "prompt_logprobs": {"type": ["array", "null"]},
             },
             ["id", "object", "created", "model", "choices", "usage"],
-        ),  # fmt: skip
+        ),
         "ChatCompletionChunk": _obj(
             {
                 **common,
@@ -130,7 +130,7 @@ def response_components() -> dict[str, Any]:
                 "usage": {"anyOf": [ref("Usage"), {"type": "null"}]},
             },
             ["id", "object", "created", "model", "choices"],
-        ),  # fmt: skip
+        ),
         "CompletionResponse": _obj(
             {**common, "choices": listing(completion_choice), "usage": ref("Usage")},
             ["id", "object", "created", "model", "choices", "usage"],
@@ -142,7 +142,7 @@ def response_components() -> dict[str, Any]:
                 "usage": {"anyOf": [ref("Usage"), {"type": "null"}]},
             },
             ["id", "object", "created", "model", "choices"],
-        ),  # fmt: skip
+        ),
         "ModelList": _obj(
             {
                 "object": STR,
@@ -157,7 +157,7 @@ def response_components() -> dict[str, Any]:
                             "max_model_len": _INT,
                         },
                         ["id", "object"],
-                    )  # fmt: skip
+                    )
                 ),
             },
             ["object", "data"],
@@ -165,7 +165,7 @@ def response_components() -> dict[str, Any]:
         "TokenizeResponse": _obj(
             {"count": _INT, "max_model_len": _INT, "tokens": ids, "token_strs": listing(STR)},
             ["count", "max_model_len", "tokens"],
-        ),  # fmt: skip
+        ),
         "DetokenizeResponse": _obj({"prompt": STR}, ["prompt"]),
         **_embedding_components(),
         **_responses_components(),
@@ -240,33 +240,55 @@ def _responses_components() -> dict[str, Any]:
         },
         ["type", "sequence_number"],
     )
-    return {"ResponseUsage": usage, "ResponseOutputItem": item, "Response": response,
-            "ResponseStreamEvent": event}  # fmt: skip
+    return {
+        "ResponseUsage": usage,
+        "ResponseOutputItem": item,
+        "Response": response,
+        "ResponseStreamEvent": event,
+    }
 
 
 def _embedding_components() -> dict[str, Any]:
-    vector = {"anyOf": [{"type": "array", "items": {"type": "number"}},
-                        {"type": "string", "description": "base64 of float32 little-endian"}]}  # fmt: skip
+    vector = {
+        "anyOf": [
+            {"type": "array", "items": {"type": "number"}},
+            {"type": "string", "description": "base64 of float32 little-endian"},
+        ]
+    }
     usage = _obj({"prompt_tokens": _INT, "total_tokens": _INT}, ["prompt_tokens", "total_tokens"])
 
     def listing_of(item: dict[str, Any]) -> dict[str, Any]:
         return _obj(
-            {"id": STR, "object": STR, "created": _INT, "model": STR,
-             "data": {"type": "array", "items": item}, "usage": usage},
+            {
+                "id": STR,
+                "object": STR,
+                "created": _INT,
+                "model": STR,
+                "data": {"type": "array", "items": item},
+                "usage": usage,
+            },
             ["object", "model", "data", "usage"],
-        )  # fmt: skip
+        )
 
     return {
         "EmbeddingResponse": listing_of(
-            _obj({"index": _INT, "object": STR, "embedding": vector},
-                 ["index", "object", "embedding"])  # fmt: skip
+            _obj(
+                {"index": _INT, "object": STR, "embedding": vector},
+                ["index", "object", "embedding"],
+            )
         ),
         "PoolingResponse": listing_of(
             _obj({"index": _INT, "object": STR, "data": vector}, ["index", "object", "data"])
         ),
         "ClassificationResponse": listing_of(
-            _obj({"index": _INT, "label": STR, "probs": {"type": "array",
-                  "items": {"type": "number"}}, "num_classes": _INT},
-                 ["index", "label", "probs", "num_classes"])  # fmt: skip
+            _obj(
+                {
+                    "index": _INT,
+                    "label": STR,
+                    "probs": {"type": "array", "items": {"type": "number"}},
+                    "num_classes": _INT,
+                },
+                ["index", "label", "probs", "num_classes"],
+            )
         ),
     }

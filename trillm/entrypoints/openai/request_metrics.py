@@ -28,17 +28,73 @@ LABELS = ["model_name", "engine"]
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 _TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-)  # fmt: skip
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 _TOKEN_LATENCY_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0,
-)  # fmt: skip
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _REQUEST_LATENCY_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
-)  # fmt: skip
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 _N_BUCKETS = (1, 2, 5, 10, 20)
 
 
@@ -123,24 +179,28 @@ class RequestSeries:
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", length_buckets
         )
         self.request_generation_tokens = hist(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
             length_buckets,
-        )  # fmt: skip
+        )
         self.params_n = hist(
             "vllm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS
         )
         self.params_max_tokens = hist(
-            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
             length_buckets,
-        )  # fmt: skip
+        )
         self.ttft = hist(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
             _TTFT_BUCKETS,
-        )  # fmt: skip
+        )
         self.itl = hist(
-            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
             _TOKEN_LATENCY_BUCKETS,
-        )  # fmt: skip
+        )
         self.tpot = hist(
             "vllm:request_time_per_output_token_seconds",
             "Histogram of time_per_output_token_seconds per request.",
@@ -165,8 +225,10 @@ class RequestSeries:
             "vllm:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase for request.",
         )
-        self.decode = phase("vllm:request_decode_time_seconds",
-                            "Histogram of time spent in DECODE phase for request.")  # fmt: skip
+        self.decode = phase(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+        )
 
     def request_finished(self, reason: str) -> None:
         self.success[reason] = self.success.get(reason, 0) + 1
@@ -194,7 +256,9 @@ def request_families(per_engine: list[RequestSeries], model_name: str) -> Iterab
             fam.add_metric([*values, reason], float(count))
     yield fam
     for i in range(len(per_engine[0].histograms)):
-        yield merged_families([s.histograms[i].family(values) for s, values in zip(per_engine, labels)])
+        yield merged_families(
+            [s.histograms[i].family(values) for s, values in zip(per_engine, labels)]
+        )
 
 
 def merged_families(families: list[Metric]) -> Metric:

@@ -51,7 +51,7 @@ class ResponseBuilder:
             "reasoning": {
                 "effort": req.reasoning.effort if req.reasoning else None,
                 "summary": None,
-            },  # fmt: skip
+            },
             "service_tier": "default",
             "store": False,
             "temperature": req.temperature,
@@ -66,7 +66,7 @@ class ResponseBuilder:
                     "strict": t.strict,
                 }
                 for t in req.tools or []
-            ],  # fmt: skip
+            ],
             "top_p": req.top_p,
             "truncation": "disabled",
             "usage": usage,
@@ -107,7 +107,7 @@ class ResponseBuilder:
             output.append(
                 function_call_item(
                     new_id("fc"), call["id"], fn["name"], fn["arguments"], "completed"
-                )  # fmt: skip
+                )
             )
         usage = self.usage(chat["usage"], reasoning)
         return self.body("completed", output, usage, choice["finish_reason"])
@@ -127,21 +127,31 @@ def reasoning_part(text: str) -> dict[str, Any]:
 
 def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     content = [] if text is None else [text_part(text)]
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": content}  # fmt: skip
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": content,
+    }
 
 
 def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     content = [] if text is None else [reasoning_part(text)]
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": content,
-            "status": status}  # fmt: skip
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
 def function_call_item(
     item_id: str, call_id: str, name: str, arguments: str, status: str
 ) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}  # fmt: skip
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def _format_json(fmt: Any) -> dict[str, Any]:
@@ -149,8 +159,13 @@ def _format_json(fmt: Any) -> dict[str, Any]:
         return {"type": "text"}
     if fmt.type != "json_schema":
         return {"type": fmt.type}
-    return {"type": "json_schema", "name": fmt.name or "response", "schema": fmt.schema,
-            "description": fmt.description, "strict": fmt.strict}  # fmt: skip
+    return {
+        "type": "json_schema",
+        "name": fmt.name or "response",
+        "schema": fmt.schema,
+        "description": fmt.description,
+        "strict": fmt.strict,
+    }
 
 
 def _tool_choice_json(req: ResponsesRequest) -> Any:

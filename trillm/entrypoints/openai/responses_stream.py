@@ -74,8 +74,10 @@ class ResponseStream:
     async def events(self, gen: Generation) -> AsyncIterator[bytes]:
         ctx = self.ctx
         start = self.built.body("in_progress", [], None)
-        parts = [self.event("response.created", response=start),
-                 self.event("response.in_progress", response=start)]  # fmt: skip
+        parts = [
+            self.event("response.created", response=start),
+            self.event("response.in_progress", response=start),
+        ]
         parser = ctx.parser() if ctx.parser is not None else None
         finish_reason: str | None = None
         try:
@@ -104,8 +106,11 @@ class ResponseStream:
             yield b"".join(parts)
         except APIError as err:
             error = err.body()["error"]
-            parts.append(self.event("error", code=str(error["code"]), message=error["message"],
-                                    param=error["param"]))  # fmt: skip
+            parts.append(
+                self.event(
+                    "error", code=str(error["code"]), message=error["message"], param=error["param"]
+                )
+            )
             yield b"".join(parts)
         finally:
             await gen.aclose()
@@ -120,14 +125,19 @@ class ResponseStream:
         for call in delta.get("tool_calls") or []:
             fn = call.get("function") or {}
             if "id" in call:  # a new call: its header (id, name), then argument fragments
-                self._open(_Item("function_call", len(self.output), call["id"], fn["name"]),
-                           parts)  # fmt: skip
+                self._open(_Item("function_call", len(self.output), call["id"], fn["name"]), parts)
             args = fn.get("arguments") or ""
             item = self.open
             if args and item is not None and item.kind == "function_call":
                 item.text += args
-                parts.append(self.event("response.function_call_arguments.delta",
-                                        item_id=item.id, output_index=item.index, delta=args))  # fmt: skip
+                parts.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item.id,
+                        output_index=item.index,
+                        delta=args,
+                    )
+                )
         content = delta.get("content")
         if content:
             self._text("message", content, parts)
@@ -144,19 +154,32 @@ class ResponseStream:
             "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         )
         extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
-        parts.append(self.event(name, item_id=item.id, output_index=item.index,
-                                content_index=0, delta=text, **extra))  # fmt: skip
+        parts.append(
+            self.event(
+                name, item_id=item.id, output_index=item.index, content_index=0, delta=text, **extra
+            )
+        )
 
     def _open(self, item: _Item, parts: list[bytes]) -> None:
         self._close(parts)
         item.index = len(self.output)
         self.open = item
-        parts.append(self.event("response.output_item.added", output_index=item.index,
-                                item=item.json("in_progress")))  # fmt: skip
+        parts.append(
+            self.event(
+                "response.output_item.added", output_index=item.index, item=item.json("in_progress")
+            )
+        )
         if item.kind != "function_call":
             part = text_part("") if item.kind == "message" else reasoning_part("")
-            parts.append(self.event("response.content_part.added", item_id=item.id,
-                                    output_index=item.index, content_index=0, part=part))  # fmt: skip
+            parts.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=item.id,
+                    output_index=item.index,
+                    content_index=0,
+                    part=part,
+                )
+            )
 
     def _close(self, parts: list[bytes]) -> None:
         item, self.open = self.open, None
@@ -164,19 +187,36 @@ class ResponseStream:
             return
         where = {"item_id": item.id, "output_index": item.index}
         if item.kind == "function_call":
-            parts.append(self.event("response.function_call_arguments.done", **where,
-                                    name=item.name, arguments=item.text))  # fmt: skip
+            parts.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    **where,
+                    name=item.name,
+                    arguments=item.text,
+                )
+            )
         else:
             if item.kind == "message":
-                parts.append(self.event("response.output_text.done", **where, content_index=0,
-                                        text=item.text, logprobs=[]))  # fmt: skip
+                parts.append(
+                    self.event(
+                        "response.output_text.done",
+                        **where,
+                        content_index=0,
+                        text=item.text,
+                        logprobs=[],
+                    )
+                )
                 part = text_part(item.text)
             else:
-                parts.append(self.event("response.reasoning_text.done", **where,
-                                        content_index=0, text=item.text))  # fmt: skip
+                parts.append(
+                    self.event(
+                        "response.reasoning_text.done", **where, content_index=0, text=item.text
+                    )
+                )
                 part = reasoning_part(item.text)
-            parts.append(self.event("response.content_part.done", **where, content_index=0,
-                                    part=part))  # fmt: skip
+            parts.append(
+                self.event("response.content_part.done", **where, content_index=0, part=part)
+            )
         done = item.json("completed")
         self.output.append(done)
         parts.append(self.event("response.output_item.done", output_index=item.index, item=done))

@@ -79,8 +79,9 @@ def _check_request(req: Any) -> None:
             "'stream_options' can only be set when 'stream' is true.", "stream_options"
         )
     if req.use_beam_search:
-        raise BadRequestError("Beam search is not supported; 'use_beam_search' must be false.",
-                              "use_beam_search")  # fmt: skip
+        raise BadRequestError(
+            "Beam search is not supported; 'use_beam_search' must be false.", "use_beam_search"
+        )
     stop = req.stop
     _check_strings("stop", [stop] if isinstance(stop, str) else stop or [])
     _check_strings("bad_words", req.bad_words or [])
@@ -165,8 +166,11 @@ def _response_format_kind(fmt: Any) -> tuple[str, str, Any] | None:
         return ("response_format", "json_object", True)
     if fmt.type == "structural_tag":
         if fmt.format is not None:
-            return ("response_format.format", "structural_tag",
-                    {"type": "structural_tag", "format": fmt.format})  # fmt: skip
+            return (
+                "response_format.format",
+                "structural_tag",
+                {"type": "structural_tag", "format": fmt.format},
+            )
         if fmt.structures is None:
             raise BadRequestError(
                 "'response_format' of type 'structural_tag' needs 'format' or 'structures'.",

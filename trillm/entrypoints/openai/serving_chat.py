@@ -129,9 +129,14 @@ async def _prepare(
     if keeps_special_tokens(state.tokenizer, tools, state.reasoning_parser is not None):
         params.skip_special_tokens = False  # the parsers' markers are special tokens
     prepared = pre.prepare_ids(
-        ids, params, text=text, priority=req.priority, cache_salt=req.cache_salt,
-        prompt_param="messages", max_tokens_param=param,
-    )  # fmt: skip
+        ids,
+        params,
+        text=text,
+        priority=req.priority,
+        cache_salt=req.cache_salt,
+        prompt_param="messages",
+        max_tokens_param=param,
+    )
     return prepared, text
 
 
@@ -281,8 +286,7 @@ class ChatContext(SSEStream):
     def opening(self) -> tuple[bytes, list[bytes]]:
         # NOTE: the role events (and an echo) go with the first output (already there: the
         # request was primed): fewer, larger writes; the same events at the same moments.
-        self._fast = not (self.req.logprobs or self.req.return_token_ids
-                          or self._continuous_usage)  # fmt: skip
+        self._fast = not (self.req.logprobs or self.req.return_token_ids or self._continuous_usage)
         self._parsers = [self.parser() for _ in range(self.params.n)] if self.parser else None
         parts = [self._role_chunk(i) for i in range(self.params.n)]
         if self.echo:
@@ -295,14 +299,18 @@ class ChatContext(SSEStream):
             delta = p.feed(c.text, c.finish_reason is not None)
             reason = p.finish_reason(c.finish_reason)
             if delta or reason is not None or (c.token_ids and not self._fast):
-                parts.append(self._chunk(c.index, delta, c.token_ids, c.logprobs, reason,
-                                         c.stop_reason))  # fmt: skip
+                parts.append(
+                    self._chunk(c.index, delta, c.token_ids, c.logprobs, reason, c.stop_reason)
+                )
         elif self._fast and c.finish_reason is None:
             if c.text:
                 parts.append(self._content_chunk(c.index, c.text))
         elif c.text or c.token_ids or c.finish_reason is not None:
-            parts.append(self._chunk(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason,
-                                     c.stop_reason))  # fmt: skip
+            parts.append(
+                self._chunk(
+                    c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason
+                )
+            )
         return c.index
 
     def abort_event(self, index: int) -> bytes:
@@ -332,9 +340,13 @@ class ChatContext(SSEStream):
     def _content_chunk(self, index: int, text: str) -> bytes:
         # NOTE: the hot path of streaming: no dict, one orjson call for the text.
         return (
-            self.head + b'{"index":' + str(index).encode() + b',"delta":{"content":'
-            + orjson.dumps(text) + b'},"logprobs":null,"finish_reason":null}]}\n\n'
-        )  # fmt: skip
+            self.head
+            + b'{"index":'
+            + str(index).encode()
+            + b',"delta":{"content":'
+            + orjson.dumps(text)
+            + b'},"logprobs":null,"finish_reason":null}]}\n\n'
+        )
 
     def _chunk(
         self,

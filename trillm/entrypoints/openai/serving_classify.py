@@ -19,8 +19,9 @@ def _check_classifier(state: ServerState) -> list[str]:
     if pooler is None or pooler.task != "classify":
         raise BadRequestError(
             "/classify needs a sequence classifier (a *ForSequenceClassification checkpoint); "
-            "this server's model does not classify.", "model",
-        )  # fmt: skip
+            "this server's model does not classify.",
+            "model",
+        )
     return pooler.labels
 
 
@@ -34,8 +35,7 @@ async def create_classification(state: ServerState, req: ClassificationRequest) 
     for i, out in enumerate(results):
         probs = out.outputs.probs
         best = max(range(len(probs)), key=probs.__getitem__)
-        data.append({"index": i, "label": labels[best], "probs": probs,
-                     "num_classes": len(probs)})  # fmt: skip
+        data.append({"index": i, "label": labels[best], "probs": probs, "num_classes": len(probs)})
     tokens = sum(len(p.prompt_token_ids) for p in prepared)
     return {
         "id": request_id,
@@ -43,6 +43,10 @@ async def create_classification(state: ServerState, req: ClassificationRequest) 
         "created": int(time.time()),
         "model": req.model or state.served_model_names[0],
         "data": data,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
-                  "prompt_tokens_details": None},
-    }  # fmt: skip
+        "usage": {
+            "prompt_tokens": tokens,
+            "total_tokens": tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": None,
+        },
+    }

@@ -121,8 +121,9 @@ class _CompletionContext(SSEStream):
         self.request_id = request_id
         self.n = req.n
         self.created = int(time.time())
-        self.tracker = RequestTracker(state, sum(len(p.token_ids) for p in prompts),
-                                      (req.n, req.max_tokens, len(prompts)))  # fmt: skip
+        self.tracker = RequestTracker(
+            state, sum(len(p.token_ids) for p in prompts), (req.n, req.max_tokens, len(prompts))
+        )
         self.model_name = state.model_name  # the adapter's name when the request names one
 
     # ------------------------------------------------------------ non-streaming
@@ -262,13 +263,22 @@ class _CompletionContext(SSEStream):
     def _text_chunk(self, index: int, text: str) -> bytes:
         # NOTE: the hot path of streaming: no dict, one orjson call for the text.
         return (
-            self.head + b'{"index":' + str(index).encode() + b',"text":' + orjson.dumps(text)
+            self.head
+            + b'{"index":'
+            + str(index).encode()
+            + b',"text":'
+            + orjson.dumps(text)
             + b',"logprobs":null,"finish_reason":null}]}\n\n'
-        )  # fmt: skip
+        )
 
     def _end_chunk(self, index: int, reason: str) -> bytes:
-        choice = {"index": index, "text": "", "logprobs": None, "finish_reason": reason,
-                  "stop_reason": None}  # fmt: skip
+        choice = {
+            "index": index,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": reason,
+            "stop_reason": None,
+        }
         return self.head + orjson.dumps(choice) + b"]}\n\n"
 
     def _chunk(self, index: int, c: Any, offsets: list[int]) -> bytes:

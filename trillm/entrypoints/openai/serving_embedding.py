@@ -37,13 +37,15 @@ def _check_pooling_model(state: ServerState, route: str) -> PoolerConfig:
             "model",
         )
     if pooler.task == "classify":
-        raise BadRequestError(f"{route}: this server's model is a sequence classifier; it "
-                              "serves /classify.", "model")  # fmt: skip
+        raise BadRequestError(
+            f"{route}: this server's model is a sequence classifier; it serves /classify.", "model"
+        )
     return pooler
 
 
-async def prepare_input(state: ServerState, truncate_prompt_tokens: int | None,
-                        item: str | list[int]) -> PreparedPrompt:  # fmt: skip
+async def prepare_input(
+    state: ServerState, truncate_prompt_tokens: int | None, item: str | list[int]
+) -> PreparedPrompt:
     """One input (text or token ids) tokenized, truncated and checked as a pooling request."""
     pre = state.preprocessor
     params = pooling_params(truncate_prompt_tokens)
@@ -66,12 +68,14 @@ def _dimensions(state: ServerState, pooler: PoolerConfig, req: EmbeddingRequest)
     if not pooler.matryoshka:
         raise BadRequestError(
             "Model does not support matryoshka representation, changing output dimensions "
-            "will lead to poor results.", "dimensions",
-        )  # fmt: skip
+            "will lead to poor results.",
+            "dimensions",
+        )
     hidden = state.model_config.hidden_size
     if req.dimensions > hidden:
-        raise BadRequestError(f"dimensions must be at most {hidden}, got {req.dimensions}.",
-                              "dimensions")  # fmt: skip
+        raise BadRequestError(
+            f"dimensions must be at most {hidden}, got {req.dimensions}.", "dimensions"
+        )
     return req.dimensions
 
 

@@ -96,27 +96,41 @@ def _positive_int(value: str) -> int:
 
 def add_lora_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA adapters")
-    g.add_argument("--enable-lora", action="store_true", default=None,
-                   help="Serve LoRA adapters (PEFT folders).")  # fmt: skip
     g.add_argument(
-        "--lora-modules", nargs="+", type=parse_lora_module, metavar="NAME=PATH",
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="Serve LoRA adapters (PEFT folders).",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        metavar="NAME=PATH",
         help='Adapters served under their names: name=path or {"name": .., "path": .., '
         '"base_model_name": ..}.',
-    )  # fmt: skip
-    g.add_argument("--max-loras", type=_positive_int,
-                   help="Adapters in flight (and resident on the worker) at once (default: 1).")  # fmt: skip
-    g.add_argument("--max-lora-rank", type=_positive_int,
-                   help="Highest adapter rank accepted (default: 16).")  # fmt: skip
+    )
     g.add_argument(
-        "--allow-runtime-lora-updating", action="store_true",
+        "--max-loras",
+        type=_positive_int,
+        help="Adapters in flight (and resident on the worker) at once (default: 1).",
+    )
+    g.add_argument(
+        "--max-lora-rank", type=_positive_int, help="Highest adapter rank accepted (default: 16)."
+    )
+    g.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
         help=f"Enable /v1/load_lora_adapter and /v1/unload_lora_adapter (also: "
         f"{RUNTIME_UPDATING_ENV}=True).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--lora-allowed-root", type=_allowed_root, metavar="DIR",
+        "--lora-allowed-root",
+        type=_allowed_root,
+        metavar="DIR",
         help="/v1/load_lora_adapter loads adapters only from inside this folder (symlinks "
         "resolved). Default: any absolute path, as vLLM.",
-    )  # fmt: skip
+    )
 
 
 def _allowed_root(value: str) -> str:
@@ -138,13 +152,17 @@ def check_lora_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             if getattr(args, flag) is not None:
                 parser.error(f"argument --{flag.replace('_', '-')}: needs --enable-lora.")
         if runtime_updating_allowed(args.allow_runtime_lora_updating):
-            parser.error("--allow-runtime-lora-updating / VLLM_ALLOW_RUNTIME_LORA_UPDATING "
-                         "needs --enable-lora.")  # fmt: skip
+            parser.error(
+                "--allow-runtime-lora-updating / VLLM_ALLOW_RUNTIME_LORA_UPDATING "
+                "needs --enable-lora."
+            )
     if args.lora_allowed_root is not None and not runtime_updating_allowed(
         args.allow_runtime_lora_updating
     ):
-        parser.error("argument --lora-allowed-root: needs --allow-runtime-lora-updating "
-                     "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING).")  # fmt: skip
+        parser.error(
+            "argument --lora-allowed-root: needs --allow-runtime-lora-updating "
+            "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING)."
+        )
     names = [m.name for m in args.lora_modules or []]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -170,8 +188,9 @@ class LoRARegistry:
         lora = LoRARequest(name, next(self._ids), path, base)
         await engine.check_lora(lora)
         if name in self.adapters:  # loaded meanwhile, by a request checked beside this one
-            raise BadRequestError(f"The lora adapter '{name}' has already been loaded.",
-                                  "lora_name")  # fmt: skip
+            raise BadRequestError(
+                f"The lora adapter '{name}' has already been loaded.", "lora_name"
+            )
         self.adapters[name] = lora
 
     def remove(self, engine: AsyncEngine, name: str) -> None:
@@ -182,10 +201,16 @@ class LoRARegistry:
 
     def cards(self) -> list[dict[str, Any]]:
         return [
-            {"id": name, "object": "model", "created": 0, "owned_by": "trillm",
-             "root": lora.lora_path, "parent": lora.base_model_name or self.base_model_name}
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "trillm",
+                "root": lora.lora_path,
+                "parent": lora.base_model_name or self.base_model_name,
+            }
             for name, lora in self.adapters.items()
-        ]  # fmt: skip
+        ]
 
 
 class AdapterPathError(ValueError):
@@ -204,9 +229,12 @@ async def load_adapter(registry: LoRARegistry, engine: AsyncEngine, body: dict[s
     with trio.move_on_after(ADAPTER_READ_TIMEOUT_S):
         try:
             real = await trio.to_thread.run_sync(
-                locate_adapter, path, registry.allowed_root, abandon_on_cancel=True,
+                locate_adapter,
+                path,
+                registry.allowed_root,
+                abandon_on_cancel=True,
                 limiter=registry.file_threads,
-            )  # fmt: skip
+            )
             await registry.add(engine, name, real)
         except AdapterPathError as exc:
             logger.info("LoRA adapter %r refused: %s", name, exc)
@@ -214,8 +242,11 @@ async def load_adapter(registry: LoRARegistry, engine: AsyncEngine, body: dict[s
         except ValueError as exc:  # the engine's check: what is wrong with the adapter, named
             raise BadRequestError(str(exc), "lora_path") from exc
         return f"Success: LoRA adapter '{name}' added successfully."
-    logger.warning("LoRA adapter %r: its files were not read within %s s; refused.", name,
-                   ADAPTER_READ_TIMEOUT_S)  # fmt: skip
+    logger.warning(
+        "LoRA adapter %r: its files were not read within %s s; refused.",
+        name,
+        ADAPTER_READ_TIMEOUT_S,
+    )
     raise BadRequestError(NOT_AN_ADAPTER, "lora_path")
 
 
@@ -259,7 +290,9 @@ def unload_adapter(registry: LoRARegistry, engine: AsyncEngine, body: dict[str, 
     return f"Success: LoRA adapter '{name}' removed successfully."
 
 
-async def open_registry(engine: AsyncEngine, base_model_name: str, opts: Any) -> LoRARegistry | None:
+async def open_registry(
+    engine: AsyncEngine, base_model_name: str, opts: Any
+) -> LoRARegistry | None:
     """The server's adapters at startup (``--lora-modules``, each checked against the
     model: a bad one stops the server with its reason). None when LoRA is off."""
     if engine.config.lora is None:

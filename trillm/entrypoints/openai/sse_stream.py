@@ -53,10 +53,16 @@ class SSEStream:
     # ------------------------------------------------------------ the stream
     async def stream(self, gen: Generation) -> AsyncIterator[bytes]:
         self.head = (
-            b'data: {"id":' + orjson.dumps(self.request_id) + b',"object":"' + self.OBJECT
-            + b'","created":' + str(self.created).encode()
-            + b',"model":' + orjson.dumps(self.model_name) + b',"choices":['
-        )  # fmt: skip
+            b'data: {"id":'
+            + orjson.dumps(self.request_id)
+            + b',"object":"'
+            + self.OBJECT
+            + b'","created":'
+            + str(self.created).encode()
+            + b',"model":'
+            + orjson.dumps(self.model_name)
+            + b',"choices":['
+        )
         num = self.num_choices()
         finished: set[int] = set()
         now, parts = self.opening()

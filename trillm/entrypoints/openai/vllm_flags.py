@@ -47,9 +47,7 @@ def _not_implemented(what: str, allowed: str | None = None) -> Any:
         if allowed is not None and value.strip() == allowed:
             return allowed
         only = f"; only {allowed} is accepted" if allowed is not None else ""
-        raise argparse.ArgumentTypeError(
-            f"{what} is not implemented yet{only}, got {value!r}."
-        )
+        raise argparse.ArgumentTypeError(f"{what} is not implemented yet{only}, got {value!r}.")
 
     return check
 
@@ -57,16 +55,13 @@ def _not_implemented(what: str, allowed: str | None = None) -> Any:
 class _Refuse(argparse.Action):
     """A switch whose feature is not implemented yet: an argparse error naming it."""
 
-    def __init__(self, option_strings: list[str], dest: str, what: str = "",
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(self, option_strings: list[str], dest: str, what: str = "", **kwargs: Any) -> None:
         kwargs.setdefault("nargs", 0)
         super().__init__(option_strings, dest, **kwargs)
         self.what = what
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
-        parser.error(
-            f"argument {option_string}: {self.what} is not implemented yet."
-        )
+        parser.error(f"argument {option_string}: {self.what} is not implemented yet.")
 
 
 def _quantization(value: str) -> str:
@@ -119,159 +114,211 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-certfile", help="TLS certificate file (PEM): serve HTTPS.")
     g.add_argument("--ssl-ca-certs", help="CA certificates file to verify client certificates.")
     g.add_argument(
-        "--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
         help="Client certificates: 0 none (default), 1 optional, 2 required (Python's "
         "ssl.CERT_* values, as vLLM).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--allowed-origins", type=_json_list, default=["*"],
+        "--allowed-origins",
+        type=_json_list,
+        default=["*"],
         help='CORS: origins allowed, a JSON list (default: ["*"], as vLLM).',
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--allowed-methods", type=_json_list, default=["*"],
+        "--allowed-methods",
+        type=_json_list,
+        default=["*"],
         help='CORS: methods allowed, a JSON list (default: ["*"]).',
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--allowed-headers", type=_json_list, default=["*"],
+        "--allowed-headers",
+        type=_json_list,
+        default=["*"],
         help='CORS: request headers allowed, a JSON list (default: ["*"]).',
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--allow-credentials", action="store_true",
+        "--allow-credentials",
+        action="store_true",
         help="CORS: allow credentials (cookies, Authorization) in cross-origin requests.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--root-path", default="",
+        "--root-path",
+        default="",
         help="The path prefix a path-based routing proxy serves this server under.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--enable-server-load-tracking", action="store_true",
+        "--enable-server-load-tracking",
+        action="store_true",
         help="Accepted for vLLM compatibility: trillm always tracks the in-flight requests "
         "/load reports.",
-    )  # fmt: skip
+    )
 
 
 def add_logging_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and metrics")
     g.add_argument(
-        "--enable-log-requests", action="store_true",
+        "--enable-log-requests",
+        action="store_true",
         help="Log one line per request received (prompt truncated to --max-log-len) and "
         "one when it finishes. Off by default: prompts are never logged unless asked.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--disable-log-requests", action="store_true",
+        "--disable-log-requests",
+        action="store_true",
         help="Do not log requests (the default; vLLM's older flag).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--max-log-len", type=int, default=256,
+        "--max-log-len",
+        type=int,
+        default=256,
         help="Characters of a prompt (and prompt token ids) a request log line shows "
         "(default: 256).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--disable-log-stats", action="store_true",
+        "--disable-log-stats",
+        action="store_true",
         help="Do not log the periodic stats line (throughput, running/waiting, KV usage, "
         "prefix-cache hit rate).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--log-stats-interval", type=_positive_float, default=10.0,
+        "--log-stats-interval",
+        type=_positive_float,
+        default=10.0,
         help="Seconds between stats lines; a line is logged only after activity (default: 10).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--log-format", choices=["text", "json"], default="text",
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
         help="text (default) or json: one JSON object per log record (time, level, logger, "
         "message, exception). TRILLM_LOGGING_CONFIG_PATH / VLLM_LOGGING_CONFIG_PATH (a "
         "dictConfig JSON file) and TRILLM_CONFIGURE_LOGGING=0 / VLLM_CONFIGURE_LOGGING=0 "
         "take precedence.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--disable-uvicorn-access-log", action="store_true",
+        "--disable-uvicorn-access-log",
+        action="store_true",
         help="No HTTP access log lines, even at --log-level debug.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--enable-prompt-tokens-details", action="store_true",
+        "--enable-prompt-tokens-details",
+        action="store_true",
         help="Accepted: usage.prompt_tokens_details (cached_tokens) is always reported.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--metrics-prefix", choices=["both", "vllm", "trillm"], default="both",
+        "--metrics-prefix",
+        choices=["both", "vllm", "trillm"],
+        default="both",
         help="/metrics names: vllm:* (for vLLM's dashboards), trillm:*, or both (default).",
-    )  # fmt: skip
+    )
 
 
 def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vLLM engine flags")
     g.add_argument(
-        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="trillm always chunks long prefills within --max-num-batched-tokens; "
         "--no-enable-chunked-prefill is not implemented yet.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--enforce-eager", action="store_true", default=None,
+        "--enforce-eager",
+        action="store_true",
+        default=None,
         help="Run small CPU decode steps eagerly: no step-program replay (trillm's "
         "counterpart of CUDA graphs).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--swap-space", type=_non_negative_float, metavar="GiB",
+        "--swap-space",
+        type=_non_negative_float,
+        metavar="GiB",
         help="CPU swap space per GPU in vLLM; trillm preempts by recomputation and never "
         "swaps, so the value is unused (accepted, said once in the log).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--load-format", type=_load_format, default=None,
+        "--load-format",
+        type=_load_format,
+        default=None,
         help="auto, safetensors or gguf (a .gguf model; auto picks it too); others are refused.",
-    )  # fmt: skip
+    )
     g.add_argument(
         "--download-dir",
         help="Where hub downloads go and are looked up (default: the Hugging Face cache).",
     )
     g.add_argument(
-        "--max-seq-len-to-capture", type=int, metavar="N",
+        "--max-seq-len-to-capture",
+        type=int,
+        metavar="N",
         help="CUDA-graph capture length in vLLM; trillm captures no graphs (unused, said once).",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--disable-custom-all-reduce", action="store_true",
+        "--disable-custom-all-reduce",
+        action="store_true",
         help="Accepted: trillm has no custom all-reduce; torch.distributed's is always used.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--tokenizer-mode", type=_not_implemented("tokenizer mode other than auto", "auto"),
+        "--tokenizer-mode",
+        type=_not_implemented("tokenizer mode other than auto", "auto"),
         help="auto (the Hugging Face fast tokenizer); slow/mistral/custom are not implemented.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--limit-mm-per-prompt", type=_not_implemented("multimodal input"),
+        "--limit-mm-per-prompt",
+        type=_not_implemented("multimodal input"),
         help="Multimodal inputs are not supported: refused.",
-    )  # fmt: skip
+    )
     # All --data-parallel-size engine cores run on this machine; vLLM's multi-node data
     # parallelism (a core per node, external or hybrid load balancing) is refused by name.
-    for flags in (("--data-parallel-size-local", "-dpl"), ("--data-parallel-start-rank", "-dpr"),
-                  ("--data-parallel-address", "-dpa"), ("--data-parallel-rpc-port", "-dpp"),
-                  ("--data-parallel-backend", "-dpb")):  # fmt: skip
+    for flags in (
+        ("--data-parallel-size-local", "-dpl"),
+        ("--data-parallel-start-rank", "-dpr"),
+        ("--data-parallel-address", "-dpa"),
+        ("--data-parallel-rpc-port", "-dpp"),
+        ("--data-parallel-backend", "-dpb"),
+    ):
         g.add_argument(
-            *flags, type=_not_implemented("multi-node data parallelism"),
+            *flags,
+            type=_not_implemented("multi-node data parallelism"),
             help="Data parallelism across machines is not implemented: refused "
             "(--data-parallel-size runs every engine core on this machine).",
-        )  # fmt: skip
+        )
     for flag in ("--data-parallel-hybrid-lb", "--data-parallel-external-lb"):
         g.add_argument(
-            flag, action=_Refuse, what="multi-node data parallelism (load balancing outside "
-            "this server)", help="Not implemented: refused.",
-        )  # fmt: skip
+            flag,
+            action=_Refuse,
+            what="multi-node data parallelism (load balancing outside this server)",
+            help="Not implemented: refused.",
+        )
     g.add_argument(
-        "--quantization", "-q", type=_quantization, default=None,
+        "--quantization",
+        "-q",
+        type=_quantization,
+        default=None,
         help="fp8: linear weights quantized to fp8 e4m3 at load, a scale per output channel "
         "(CPU); gguf: a .gguf model's Q4_0/Q4_1/Q8_0/Q2_K..Q6_K weights stay quantized (the default for "
         "a GGUF model); awq / gptq: the checkpoint's own 4-bit method (CPU; implied by the "
         "checkpoint, refused when it names another); vLLM's other methods are not implemented "
         "yet: refused.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--speculative-config", type=speculative_config_json, metavar="JSON",
+        "--speculative-config",
+        type=speculative_config_json,
+        metavar="JSON",
         help='Speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 4}\' (a smaller model with the same '
         "tokenizer); eagle / medusa / mtp are not implemented yet: refused.",
-    )  # fmt: skip
+    )
     g.add_argument(
-        "--kv-cache-dtype", type=_kv_cache_dtype, default=None,
+        "--kv-cache-dtype",
+        type=_kv_cache_dtype,
+        default=None,
         help="auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (e4m3, scale 1.0; CPU). "
         "Others are not implemented yet: refused.",
-    )  # fmt: skip
+    )
 
 
 def speculative_config_json(value: str) -> dict[str, Any]:
@@ -295,8 +342,10 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         parser.error("--ssl-keyfile and --ssl-certfile go together.")
     if (args.ssl_ca_certs or args.ssl_cert_reqs) and not args.ssl_certfile:
-        parser.error("--ssl-ca-certs / --ssl-cert-reqs verify clients of an HTTPS server: they "
-                     "need --ssl-keyfile and --ssl-certfile.")  # fmt: skip
+        parser.error(
+            "--ssl-ca-certs / --ssl-cert-reqs verify clients of an HTTPS server: they "
+            "need --ssl-keyfile and --ssl-certfile."
+        )
     for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
         path = getattr(args, name)
         if path and not Path(path).is_file():
@@ -313,28 +362,40 @@ def startup_notes(args: argparse.Namespace) -> list[str]:
     """What the accepted-but-moot flags do here: logged once at startup, never silent."""
     notes = []
     if args.enable_chunked_prefill:
-        notes.append("--enable-chunked-prefill: trillm always chunks long prefills (within "
-                     "--max-num-batched-tokens); nothing to change.")  # fmt: skip
+        notes.append(
+            "--enable-chunked-prefill: trillm always chunks long prefills (within "
+            "--max-num-batched-tokens); nothing to change."
+        )
     if args.enforce_eager:
-        notes.append("--enforce-eager: small CPU decode steps run eagerly (no step-program "
-                     "replay, trillm's counterpart of CUDA graphs).")  # fmt: skip
+        notes.append(
+            "--enforce-eager: small CPU decode steps run eagerly (no step-program "
+            "replay, trillm's counterpart of CUDA graphs)."
+        )
     if args.swap_space is not None:
-        notes.append(f"--swap-space {args.swap_space:g}: trillm preempts by recomputation and "
-                     "never swaps KV blocks to CPU memory; the value is unused.")  # fmt: skip
+        notes.append(
+            f"--swap-space {args.swap_space:g}: trillm preempts by recomputation and "
+            "never swaps KV blocks to CPU memory; the value is unused."
+        )
     if args.disable_log_requests:
         notes.append("--disable-log-requests: requests are not logged (the default).")
     if args.enable_prompt_tokens_details:
-        notes.append("--enable-prompt-tokens-details: trillm always reports "
-                     "usage.prompt_tokens_details.cached_tokens.")  # fmt: skip
+        notes.append(
+            "--enable-prompt-tokens-details: trillm always reports "
+            "usage.prompt_tokens_details.cached_tokens."
+        )
     if args.max_seq_len_to_capture is not None:
-        notes.append("--max-seq-len-to-capture: trillm captures no CUDA graphs; the value is "
-                     "unused.")  # fmt: skip
+        notes.append(
+            "--max-seq-len-to-capture: trillm captures no CUDA graphs; the value is unused."
+        )
     if args.disable_custom_all_reduce:
-        notes.append("--disable-custom-all-reduce: trillm has no custom all-reduce "
-                     "(torch.distributed's is always used); nothing to change.")  # fmt: skip
+        notes.append(
+            "--disable-custom-all-reduce: trillm has no custom all-reduce "
+            "(torch.distributed's is always used); nothing to change."
+        )
     if args.enable_server_load_tracking:
-        notes.append("--enable-server-load-tracking: /load always reports the in-flight "
-                     "requests in trillm.")  # fmt: skip
+        notes.append(
+            "--enable-server-load-tracking: /load always reports the in-flight requests in trillm."
+        )
     return notes
 
 
@@ -375,9 +436,12 @@ def wrap_asgi(app: Any, opts: Any, metrics: Any = None) -> Any:
         app = HTTPMetrics(app, [rule.rule for rule in app.url_map.iter_rules()])
         metrics.registry.register(app)
     wrapped: Any = CORSMiddleware(
-        app, opts.allowed_origins, opts.allowed_methods, opts.allowed_headers,
+        app,
+        opts.allowed_origins,
+        opts.allowed_methods,
+        opts.allowed_headers,
         opts.allow_credentials,
-    )  # fmt: skip
+    )
     if opts.root_path:
         wrapped = RootPath(wrapped, opts.root_path.rstrip("/"))
     return wrapped
@@ -397,6 +461,10 @@ class RootPath:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket"):
             raw = scope.get("raw_path") or scope["path"].encode()
-            scope = {**scope, "root_path": self.root_path, "path": self.root_path + scope["path"],
-                     "raw_path": self.raw_root + raw}  # fmt: skip
+            scope = {
+                **scope,
+                "root_path": self.root_path,
+                "path": self.root_path + scope["path"],
+                "raw_path": self.raw_root + raw,
+            }
         await self.app(scope, receive, send)

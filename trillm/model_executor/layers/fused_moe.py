@@ -29,16 +29,23 @@ from trillm.kernels.fused_moe_torch import select_experts
 from trillm.model_executor.models.llama import LlamaMLP
 
 # Checkpoint names of one expert's projections -> the part of w13 / w2 they fill.
-EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down",
-                "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}  # fmt: skip
+EXPERT_PARTS = {
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
 
 
 class FusedMoE(nn.Module):
     w13: torch.Tensor  # [E, 2I, H] buffer: each expert's gate rows, then its up rows
     w2: torch.Tensor  # [E, H, I] buffer
 
-    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int,
-                 renormalize: bool) -> None:  # fmt: skip
+    def __init__(
+        self, num_experts: int, top_k: int, hidden: int, inter: int, renormalize: bool
+    ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}.")
@@ -60,8 +67,10 @@ class FusedMoE(nn.Module):
             start = 0 if part == "gate" else self.inter
             target = self.w13[expert, start : start + self.inter]
         if tensor.shape != target.shape:
-            raise ValueError(f"Expert {expert} {part} has shape {tuple(tensor.shape)}, the "
-                             f"model expects {tuple(target.shape)}.")  # fmt: skip
+            raise ValueError(
+                f"Expert {expert} {part} has shape {tuple(tensor.shape)}, the "
+                f"model expects {tuple(target.shape)}."
+            )
         with torch.no_grad():
             target.copy_(tensor)
         self._loaded.add((expert, part))
@@ -69,19 +78,26 @@ class FusedMoE(nn.Module):
 
     def load_fused(self, name: str, tensor: torch.Tensor) -> None:
         """The fused tensors (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])."""
-        target, parts = (self.w13, ("gate", "up")) if name == "gate_up_proj" else (
-            self.w2, ("down",))  # fmt: skip
+        target, parts = (
+            (self.w13, ("gate", "up")) if name == "gate_up_proj" else (self.w2, ("down",))
+        )
         if tensor.shape != target.shape:
-            raise ValueError(f"experts.{name} has shape {tuple(tensor.shape)}, the model "
-                             f"expects {tuple(target.shape)}.")  # fmt: skip
+            raise ValueError(
+                f"experts.{name} has shape {tuple(tensor.shape)}, the model "
+                f"expects {tuple(target.shape)}."
+            )
         with torch.no_grad():
             target.copy_(tensor)
         self._loaded.update((e, p) for e in range(self.num_experts) for p in parts)
         self._packed = None
 
     def missing(self) -> list[str]:
-        return [f"{e}.{p}" for e in range(self.num_experts)
-                for p in ("gate", "up", "down") if (e, p) not in self._loaded]  # fmt: skip
+        return [
+            f"{e}.{p}"
+            for e in range(self.num_experts)
+            for p in ("gate", "up", "down")
+            if (e, p) not in self._loaded
+        ]
 
     # ------------------------------------------------------------ forward
     def forward(
@@ -104,14 +120,22 @@ class FusedMoE(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router + experts (+ Qwen2-MoE's gated shared expert); HF's module names."""
 
-    def __init__(self, cfg: ModelConfig, num_experts: int, top_k: int, inter: int,
-                 renormalize: bool, shared_inter: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_experts: int,
+        top_k: int,
+        inter: int,
+        renormalize: bool,
+        shared_inter: int = 0,
+    ) -> None:
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, num_experts, bias=False)  # replicated
         # Tensor parallelism: every rank holds every expert's share of its I (sharding.py).
         self.tp = get_tp_group()
-        self.experts = FusedMoE(num_experts, top_k, cfg.hidden_size,
-                                inter // self.tp.world_size, renormalize)  # fmt: skip
+        self.experts = FusedMoE(
+            num_experts, top_k, cfg.hidden_size, inter // self.tp.world_size, renormalize
+        )
         self.shared_expert: nn.Module | None = None
         if shared_inter:
             shared_cfg = dataclasses.replace(cfg, intermediate_size=shared_inter)

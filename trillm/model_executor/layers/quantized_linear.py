@@ -108,10 +108,15 @@ def _rank_tensors(
             yield part
             continue
         if cfg.quantization == "gguf" and t.type_name in gguf_loader.QUANTIZED_TYPES:
-            logger.warning("GGUF tensor %s (%s, K=%d) does not split over "
-                           "tensor_parallel_size=%d on its blocks; this rank's part runs "
-                           "dequantized in the run's dtype",
-                           t.name, t.type_name, t.shape[1], shapes.size)  # fmt: skip
+            logger.warning(
+                "GGUF tensor %s (%s, K=%d) does not split over "
+                "tensor_parallel_size=%d on its blocks; this rank's part runs "
+                "dequantized in the run's dtype",
+                t.name,
+                t.type_name,
+                t.shape[1],
+                shapes.size,
+            )
         yield t.name, quant_sharding.gguf_dequantized_columns(cfg, shapes, t)
 
 
@@ -167,8 +172,7 @@ def _drop_float_weight(model: nn.Module, module: nn.Linear, path: str) -> None:
     # NOTE: getattr: a pipeline stage without the embedding holds a PPMissingLayer there.
     embedding = getattr(model.get_submodule("model.embed_tokens"), "weight", None)
     if path != "lm_head" or module.weight is not embedding:
-        module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype),
-                                     requires_grad=False)  # fmt: skip
+        module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
 
 
 def _attach(model: nn.Module, quantized: dict[str, GGUFTensor]) -> None:
@@ -180,8 +184,11 @@ def _attach(model: nn.Module, quantized: dict[str, GGUFTensor]) -> None:
         # blocks, so its kept shards are dequantized beside it
         if len(parts) != len(getattr(module, "shard_offsets", [""])):
             assert isinstance(module, StackedLinear)
-            logger.warning("GGUF layer %s mixes kept and dequantized tensor types; it runs "
-                           "dequantized in %s", path, module.weight.dtype)  # fmt: skip
+            logger.warning(
+                "GGUF layer %s mixes kept and dequantized tensor types; it runs dequantized in %s",
+                path,
+                module.weight.dtype,
+            )
             for shard, t in shards.items():
                 module.load_shard(shard, "weight", gguf_loader.dequantized_tensor(t))
             continue
@@ -230,7 +237,9 @@ def load_group_quantized(
         groups = [awq_gptq.unpack(qcfg, path, tensors) for tensors in parts]
         q, scales, zeros = (np.concatenate(arrays, axis=0) for arrays in zip(*groups, strict=True))
         if q.shape != (module.out_features, module.in_features):
-            raise ValueError(f"{path}: quantized weight {q.shape} for a layer of "
-                             f"{(module.out_features, module.in_features)}")  # fmt: skip
+            raise ValueError(
+                f"{path}: quantized weight {q.shape} for a layer of "
+                f"{(module.out_features, module.in_features)}"
+            )
         quantize_module(module, linear_q_cpu.QuantizedWeight.from_groups(q, scales, zeros))
         _drop_float_weight(model, module, path)

@@ -70,10 +70,14 @@ class GemmaDecoderLayer(nn.Module):
         hf = cfg.hf_config
         scalar = hf.get("query_pre_attn_scalar")
         self.self_attn = LlamaAttention(
-            cfg, backend, flags, window,
+            cfg,
+            backend,
+            flags,
+            window,
             scale=None if scalar is None else float(scalar) ** -0.5,
-            softcap=hf.get("attn_logit_softcapping"), norm=GemmaRMSNorm,
-        )  # fmt: skip
+            softcap=hf.get("attn_logit_softcapping"),
+            norm=GemmaRMSNorm,
+        )
         self.mlp = GeluMLP(cfg, _GELU[cfg.hidden_act])
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
@@ -155,6 +159,10 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
         else:  # transformers 4: a plain base for the local layers
             theta, scaling = float(cfg.hf_config.get("rope_local_base_freq", 10000.0)), None
         self.local_rotary = RotaryEmbedding(
-            cfg.head_dim, theta, scaling, cfg.max_position_embeddings,
-            max_positions=cfg.max_model_len, device=device,
-        )  # fmt: skip
+            cfg.head_dim,
+            theta,
+            scaling,
+            cfg.max_position_embeddings,
+            max_positions=cfg.max_model_len,
+            device=device,
+        )

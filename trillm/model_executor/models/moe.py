@@ -48,8 +48,9 @@ class MoEForCausalLM(LlamaForCausalLM):
     MODEL_CLASS = MoEModel
     RENAMES: tuple[tuple[str, str], ...] = ()  # checkpoint name part -> ours
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
-                 device: torch.device | str = "cpu") -> None:  # fmt: skip
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
+    ) -> None:
         if cfg.quantization is not None:
             # NOTE: the experts are not nn.Linear layers: the method would skip most weights.
             raise UnsupportedQuantizationError(
@@ -68,8 +69,12 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._route_experts(weights))
-        missing = [f"{name}.{m}" for name, module in self.named_modules()
-                   if isinstance(module, FusedMoE) for m in module.missing()]  # fmt: skip
+        missing = [
+            f"{name}.{m}"
+            for name, module in self.named_modules()
+            if isinstance(module, FusedMoE)
+            for m in module.missing()
+        ]
         if missing:
             raise MissingWeightsError(
                 f"Checkpoint is missing {len(missing)} expert weight(s), e.g. {missing[:5]}."
@@ -111,8 +116,13 @@ class MixtralForCausalLM(MoEForCausalLM):
     @classmethod
     def moe_block(cls, cfg: ModelConfig) -> SparseMoeBlock:
         hf = cfg.hf_config
-        return SparseMoeBlock(cfg, num_experts(hf), int(hf["num_experts_per_tok"]),
-                              cfg.intermediate_size, renormalize=True)  # fmt: skip
+        return SparseMoeBlock(
+            cfg,
+            num_experts(hf),
+            int(hf["num_experts_per_tok"]),
+            cfg.intermediate_size,
+            renormalize=True,
+        )
 
 
 class _QwenMoE(MoEForCausalLM):
@@ -130,11 +140,15 @@ class _QwenMoE(MoEForCausalLM):
     def moe_block(cls, cfg: ModelConfig) -> SparseMoeBlock:
         hf = cfg.hf_config
         return SparseMoeBlock(
-            cfg, num_experts(hf), int(hf["num_experts_per_tok"]),
-            int(hf["moe_intermediate_size"]), renormalize=bool(hf.get("norm_topk_prob", False)),
+            cfg,
+            num_experts(hf),
+            int(hf["num_experts_per_tok"]),
+            int(hf["moe_intermediate_size"]),
+            renormalize=bool(hf.get("norm_topk_prob", False)),
             shared_inter=int(hf.get("shared_expert_intermediate_size", 0) or 0)
-            if cls.SHARED_EXPERT else 0,
-        )  # fmt: skip
+            if cls.SHARED_EXPERT
+            else 0,
+        )
 
     SHARED_EXPERT = False
 
