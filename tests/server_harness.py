@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TypeVar
 
 import httpx
@@ -217,3 +218,28 @@ def post_polling_health(
 
     (answer, took), _, worst = run_polling_health(srv, post, each_poll)
     return answer, took, worst
+
+
+def stats_engine(per_core: list) -> SimpleNamespace:
+    """A stand-in engine for the metrics and stats-line units: what they read of an
+    ``AsyncEngine`` (each core's ``SchedulerStats`` given), the rest at ordinary values."""
+    from trillm.engine.dp_router import sum_stats
+
+    cache = SimpleNamespace(
+        block_size=16,
+        enable_prefix_caching=True,
+        gpu_memory_utilization=0.9,
+        num_gpu_blocks_override=None,
+        kv_cache_memory=1 << 30,
+    )
+    return SimpleNamespace(
+        get_stats=lambda: per_core[0] if len(per_core) == 1 else sum_stats(per_core),
+        get_engine_stats=lambda: list(per_core),
+        data_parallel_size=len(per_core),
+        model_config=SimpleNamespace(max_model_len=2048),
+        config=SimpleNamespace(
+            lora=None, cache=cache, scheduler=SimpleNamespace(max_num_batched_tokens=8192)
+        ),
+        executors=[SimpleNamespace(num_blocks=64) for _ in per_core],
+        step_observers=[],
+    )

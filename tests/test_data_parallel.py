@@ -31,7 +31,7 @@ from parallel_reference import (
     reference_tokens,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from server_harness import ServerProcess, open_request, read_until
+from server_harness import ServerProcess, open_request, read_until, stats_engine
 from test_executor import pid_alive
 
 from trillm.engine.dp_router import AFFINITY_SLACK, DataParallelRouter
@@ -410,8 +410,6 @@ def test_more_engine_cores_than_gpus_are_refused(llama, monkeypatch):
 
 
 def test_stats_line_says_its_figures_cover_every_core():
-    from types import SimpleNamespace
-
     from trillm.entrypoints.openai.metrics import ServerMetrics
     from trillm.entrypoints.openai.stats_logger import StatsLine
     from trillm.messages import SchedulerStats
@@ -420,15 +418,7 @@ def test_stats_line_says_its_figures_cover_every_core():
         SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5),
         SchedulerStats(num_running_reqs=1, num_waiting_reqs=4),
     ]
-    from trillm.engine.dp_router import sum_stats
-
-    engine = SimpleNamespace(
-        get_stats=lambda: sum_stats(per_core),
-        data_parallel_size=2,
-        get_engine_stats=lambda: per_core,
-        model_config=None,
-        config=None,
-    )
+    engine = stats_engine(per_core)
     metrics = ServerMetrics(engine, "m")
     _, message = StatsLine(engine, metrics, now=0.0).line(10.0)
     assert message.startswith("Engines 000-001: ")

@@ -512,14 +512,15 @@ def test_tls_and_request_log(tmp_path):
 
 def test_stats_line_info_after_activity_debug_when_idle():
     import logging
-    from types import SimpleNamespace
+
+    from server_harness import stats_engine
 
     from trillm.entrypoints.openai.metrics import ServerMetrics
     from trillm.entrypoints.openai.stats_logger import StatsLine
     from trillm.messages import SchedulerStats
 
     stats = SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25)
-    engine = SimpleNamespace(get_stats=lambda: stats, model_config=None, config=None)
+    engine = stats_engine([stats])
     metrics = ServerMetrics(engine, "m")
     line = StatsLine(engine, metrics, now=0.0)
     metrics.per_engine[0].prompt_tokens.value += 100

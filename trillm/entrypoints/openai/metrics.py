@@ -113,7 +113,7 @@ class _SchedulerCollector(Collector):
         ]
         if specs:
             yield from self._spec_decoding(specs)
-        lora = getattr(getattr(self.engine, "config", None), "lora", None)
+        lora = self.engine.config.lora
         if lora is not None:
             yield lora_requests_info(lora.max_loras, self.engine.get_stats())
         infos = [cache_config_info(self.engine, index) for index in range(len(per_engine))]
@@ -165,8 +165,7 @@ def _stat_families(
 
 def engine_stats(engine: AsyncEngine) -> list[Any]:
     """Each engine core's scheduler stats (one core: the engine's stats)."""
-    per_engine = getattr(engine, "get_engine_stats", None)
-    return per_engine() if per_engine is not None else [engine.get_stats()]
+    return engine.get_engine_stats()
 
 
 def lora_requests_info(max_loras: int, stats: Any) -> Metric:
@@ -187,7 +186,7 @@ def lora_requests_info(max_loras: int, stats: Any) -> Metric:
 def cache_config_info(engine: AsyncEngine, index: int = 0) -> dict[str, str]:
     """vLLM's cache_config_info labels (the fields trillm has), plus ``engine``: of engine
     core ``index``."""
-    cache = getattr(getattr(engine, "config", None), "cache", None)
+    cache = engine.config.cache
     info = {"engine": str(index), "cache_dtype": "auto"}
     for name in (
         "block_size",
@@ -196,10 +195,8 @@ def cache_config_info(engine: AsyncEngine, index: int = 0) -> dict[str, str]:
         "num_gpu_blocks_override",
         "kv_cache_memory",
     ):
-        info[name] = str(getattr(cache, name, None))
-    executors = getattr(engine, "executors", None)
-    blocks = executors[index].num_blocks if executors else getattr(engine, "num_blocks", None)
-    info["num_gpu_blocks"] = str(blocks)
+        info[name] = str(getattr(cache, name))
+    info["num_gpu_blocks"] = str(engine.executors[index].num_blocks)
     return info
 
 
@@ -260,11 +257,10 @@ class ServerMetrics:
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         if max_model_len is None:
-            max_model_len = getattr(getattr(engine, "model_config", None), "max_model_len", 0)
-        length_buckets = buckets_1_2_5(max(int(max_model_len or 0), 1))
-        sched = getattr(getattr(engine, "config", None), "scheduler", None)
-        step_tokens = int(getattr(sched, "max_num_batched_tokens", 0) or 8192)
-        cores = int(getattr(engine, "data_parallel_size", 1))
+            max_model_len = engine.model_config.max_model_len
+        length_buckets = buckets_1_2_5(max(max_model_len, 1))
+        step_tokens = engine.config.scheduler.max_num_batched_tokens
+        cores = engine.data_parallel_size
         # The request series, one set per engine core (request_metrics.py).
         self.per_engine = [RequestSeries(length_buckets) for _ in range(cores)]
         # One per engine core (engine-scoped), observed with each step's core index.
@@ -276,9 +272,7 @@ class ServerMetrics:
             )
             for _ in range(cores)
         ]
-        observers = getattr(engine, "step_observers", None)
-        if observers is not None:
-            observers.append(self.observe_step)
+        engine.step_observers.append(self.observe_step)
 
     def observe_step(self, num_tokens: int, engine_index: int = 0) -> None:
         self.iteration_tokens[engine_index].observe(num_tokens)

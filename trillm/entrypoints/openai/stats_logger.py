@@ -68,7 +68,7 @@ class StatsLine:
     def _engines(self) -> str:
         """vLLM's "Engine 000"; with data parallelism the figures are summed over the cores
         (KV usage: their mean), and the line says so."""
-        size = int(getattr(self.engine, "data_parallel_size", 1))
+        size = self.engine.data_parallel_size
         return "Engine 000" if size == 1 else f"Engines 000-{size - 1:03d}"
 
 
