@@ -5,11 +5,22 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from trillm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
+
+# The values of EngineArgs' enumerated fields, each spelled once: the tuples the checks use
+# are derived from these (``get_args``).
+Device = Literal["auto", "cpu", "cuda"]
+AttentionBackendName = Literal["torch", "triton", "flashinfer", "eager"]
+LoadFormat = Literal["auto", "safetensors", "gguf"]  # vLLM's names for what trillm reads
+KVCacheDtype = Literal["auto", "bfloat16", "fp8", "fp8_e4m3"]
+Convert = Literal["auto", "none", "embed", "classify"]
+DEVICES: tuple[str, ...] = get_args(Device)
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackendName)
+LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # CPU: 1 GiB unless --kv-cache-memory says otherwise
 # Compiled grammars kept for reuse: vLLM's xgrammar cache default (VLLM_XGRAMMAR_CACHE_MB=512).
@@ -59,8 +70,8 @@ class EngineArgs:
     # Streamed (DELTA) outputs wake their reader every N tokens (first token and finish at
     # once): fewer, larger chunks under load (vLLM's --stream-interval).
     stream_interval: int = 1
-    device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str | None = None  # torch | triton | flashinfer | eager; None = best
+    device: Device = "auto"
+    attention_backend: AttentionBackendName | None = None  # None: the best available
     distributed_executor_backend: Literal["mp", "uni"] = "mp"
     generation_config: str = "auto"  # auto (from the model folder) | vllm (ignore it) | a path
     trust_remote_code: bool = False
@@ -83,15 +94,15 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
-    load_format: str = "auto"  # auto | safetensors | gguf (model_executor/gguf_loader.py)
+    load_format: LoadFormat = "auto"  # (model_executor/gguf_loader.py)
     # trillm's: load a GGUF's quantized tensors dequantized to the run's dtype instead.
     dequantize_gguf: bool = False
     # KV cache storage (vLLM's names): auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (CPU).
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: KVCacheDtype = "auto"
     # vLLM's runner / convert: "pooling" (or convert="embed") serves embeddings instead of
     # generating (``trillm.model_executor.pooling``); "auto" / "generate": generation.
     runner: str = "auto"
-    convert: str = "auto"
+    convert: Convert = "auto"
     # vLLM's PoolerConfig fields: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool};
     # None: the model folder's sentence-transformers config, else LAST + normalize.
     pooler_config: dict[str, Any] | None = None
@@ -240,7 +251,7 @@ class ModelConfig:
     numerics: str = "fast"  # EngineArgs.numerics: "fast" | "transformers"
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 NUMERICS = ("fast", "transformers")
 
 
@@ -345,7 +356,7 @@ class LoRAConfig:
 
 
 RUNNERS = ("auto", "generate", "pooling")
-CONVERTS = ("auto", "none", "embed", "classify")
+CONVERTS: tuple[str, ...] = get_args(Convert)
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 

@@ -4,6 +4,7 @@ which the backends import, so that the interface imports none of them."""
 from __future__ import annotations
 
 from trillm.attention.backend import AttentionBackend
+from trillm.config import ATTENTION_BACKENDS
 
 
 def get_attention_backend(name: str, device: str) -> AttentionBackend:
@@ -27,6 +28,4 @@ def get_attention_backend(name: str, device: str) -> AttentionBackend:
         from trillm.attention.eager_backend import EagerAttentionBackend
 
         return EagerAttentionBackend()
-    raise ValueError(
-        f"Unknown attention backend {name!r}; choose torch, triton, flashinfer or eager."
-    )
+    raise ValueError(f"Unknown attention backend {name!r}; choose {', '.join(ATTENTION_BACKENDS)}.")

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from trillm.config import EngineArgs, ModelConfig
+from trillm.config import DEVICES, LOAD_FORMATS, EngineArgs, ModelConfig
 from trillm.model_executor import classification, gguf_loader
 from trillm.model_executor.layer_types import FULL, SUPPORTED_ROPE_TYPES, partial_rotary_factor
 from trillm.model_executor.quantization import CHECKPOINT_METHODS, resolve_quantization
@@ -46,7 +46,6 @@ GROUP_QUANT_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-LOAD_FORMATS = ("auto", "safetensors", "gguf")  # vLLM's names for what trillm reads
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -62,8 +61,8 @@ class UnsupportedDtypeError(ValueError):
 
 def resolve_device(device: str) -> str:
     """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"Unknown device {device!r}; choose auto, cpu or cuda.")
+    if device not in DEVICES:
+        raise ValueError(f"Unknown device {device!r}; choose {', '.join(DEVICES)}.")
     if device == "cpu":
         return device
     available = cuda_available()

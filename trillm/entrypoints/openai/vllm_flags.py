@@ -22,9 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-# Load formats trillm reads (EngineArgs.load_format; model_executor/model_config.check_load_format):
-# auto / safetensors: the folder's *.safetensors files; gguf (auto too, for a .gguf model).
-LOAD_FORMATS = ("auto", "safetensors", "gguf")
+from trillm.config import LOAD_FORMATS  # auto / safetensors: *.safetensors; gguf (auto too)
 
 
 def _json_list(value: str) -> list[str]:
