@@ -243,3 +243,18 @@ def stats_engine(per_core: list) -> SimpleNamespace:
         executors=[SimpleNamespace(num_blocks=64) for _ in per_core],
         step_observers=[],
     )
+
+
+def fake_llama_args(model: str, *more: str) -> list[str]:
+    """``trillm serve`` flags of a fake-runner server over a tiny Llama folder (its tokenizer and
+    config; no forward pass): a 2,048-token context and a 256 MiB KV cache, then ``more``."""
+    return [
+        model,
+        "--runner",
+        "trillm.worker.fake_runner:FakeModelRunner",
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory",
+        "256MiB",
+        *more,
+    ]

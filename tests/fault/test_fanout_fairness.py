@@ -17,7 +17,14 @@ import time
 
 import httpx
 import pytest
-from server_harness import ServerProcess, gauges, open_request, read_until, wait_gauges
+from server_harness import (
+    ServerProcess,
+    fake_llama_args,
+    gauges,
+    open_request,
+    read_until,
+    wait_gauges,
+)
 
 MAX_NUM_SEQS = 16
 PROMPTS, N, TOKENS = 24, 4, 120  # the fan-out: 96 sequences, 6 x the batch
@@ -35,17 +42,7 @@ SMALL = {"prompt": "a short request", "max_tokens": 8, "ignore_eos": True}
 def server(tiny_model_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("fanout") / "server.log"
     srv = ServerProcess(
-        [
-            tiny_model_factory("llama"),
-            "--runner",
-            "trillm.worker.fake_runner:FakeModelRunner",
-            "--max-model-len",
-            "2048",
-            "--kv-cache-memory",
-            "256MiB",
-            "--max-num-seqs",
-            str(MAX_NUM_SEQS),
-        ],
+        fake_llama_args(tiny_model_factory("llama"), "--max-num-seqs", str(MAX_NUM_SEQS)),
         log,
     ).start()
     yield srv

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from server_harness import ServerProcess, gauges, post_polling_health, rss_mib
+from server_harness import ServerProcess, fake_llama_args, gauges, post_polling_health, rss_mib
 
 BUDGET = 1 << 20
 
@@ -25,15 +25,7 @@ BUDGET = 1 << 20
 def server(tiny_model_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("logprob-budget") / "server.log"
     srv = ServerProcess(
-        [
-            tiny_model_factory("llama"),
-            "--runner",
-            "trillm.worker.fake_runner:FakeModelRunner",
-            "--max-model-len",
-            "2048",
-            "--kv-cache-memory",
-            "256MiB",
-        ],
+        fake_llama_args(tiny_model_factory("llama")),
         log,
     ).start()
     yield srv

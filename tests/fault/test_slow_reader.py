@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from server_harness import ServerProcess, metric_value
+from server_harness import ServerProcess, fake_llama_args, metric_value
 
 from trillm.engine.output_collector import MAX_UNREAD_UNITS
 
@@ -40,19 +40,9 @@ STUCK_UNITS = 32 * 2000 * 21
 def server(tiny_model_factory, tmp_path_factory):
     log = tmp_path_factory.mktemp("slow-reader") / "server.log"
     srv = ServerProcess(
-        [
-            tiny_model_factory("llama"),
-            "--runner",
-            "trillm.worker.fake_runner:FakeModelRunner",
-            "--max-model-len",
-            "2048",
-            "--kv-cache-memory",
-            "256MiB",
-            # The stuck request's 1.3 M logprob entries pass the per-request budget (2**20 by
-            # default): what is bounded here is what its reader leaves unread.
-            "--max-logprob-entries",
-            "2000000",
-        ],
+        # The stuck request's 1.3 M logprob entries pass the per-request budget (2**20 by
+        # default): what is bounded here is what its reader leaves unread.
+        fake_llama_args(tiny_model_factory("llama"), "--max-logprob-entries", "2000000"),
         log,
     ).start()
     yield srv
