@@ -22,7 +22,7 @@ from trillm.kernels import linear_q_cpu
 from tests.hf_reference import hf_greedy
 from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
-from trillm.entrypoints.cli import build_parser
+from trillm.entrypoints.cli.main import build_parser
 from trillm.model_executor import awq_gptq
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.model_config import load_model_config

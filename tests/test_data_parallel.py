@@ -410,8 +410,8 @@ def test_more_engine_cores_than_gpus_are_refused(llama, monkeypatch):
 
 
 def test_stats_line_says_its_figures_cover_every_core():
-    from trillm.entrypoints.openai.metrics import ServerMetrics
-    from trillm.entrypoints.openai.stats_logger import StatsLine
+    from trillm.entrypoints.openai.metrics.prometheus import ServerMetrics
+    from trillm.entrypoints.openai.metrics.stats_logger import StatsLine
     from trillm.messages import SchedulerStats
 
     per_core = [

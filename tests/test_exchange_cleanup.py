@@ -10,7 +10,7 @@ import gc
 import pytest
 import trio
 
-from trillm.entrypoints.openai.exchange import CloseAtExchangeEnd, at_exchange_end
+from trillm.entrypoints.openai.http.exchange import CloseAtExchangeEnd, at_exchange_end
 
 
 def _app(ran: list[str], ending: str):

@@ -2,7 +2,7 @@
 ``trillm serve`` flag is mapped to tests that show its effect or its refusal (issue 12).
 
 The fields are walked, not listed: every attrs class reachable from the request models in
-``trillm/entrypoints/openai/protocol.py``, the dataclasses reachable from ``SamplingParams``,
+``trillm/entrypoints/openai/schemas/protocol.py``, the dataclasses reachable from ``SamplingParams``,
 ``EngineArgs``, and the argparse actions of ``trillm serve``. Each must appear in exactly one
 of COVERAGE (test node ids; each test was read to confirm it observes the field's effect or
 its refusal, not just acceptance), NO_EFFECT_BY_DESIGN (reason given; vLLM does the same) or
@@ -74,7 +74,7 @@ FLAG_SPELLINGS: dict[str, list[str]] = {}
 
 def serve_flags() -> set[str]:
     """Each ``trillm serve`` option by its first long name; a positional by its metavar."""
-    from trillm.entrypoints.cli import build_parser
+    from trillm.entrypoints.cli.main import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for action in sub.choices["serve"]._actions:
@@ -89,7 +89,7 @@ def serve_flags() -> set[str]:
 @functools.cache
 def all_keys() -> frozenset[str]:
     from trillm.config import EngineArgs
-    from trillm.entrypoints.openai import protocol, protocol_embedding, protocol_responses
+    from trillm.entrypoints.openai.schemas import pooling, protocol, responses
     from trillm.sampling_params import SamplingParams
 
     requests = _fields(
@@ -97,10 +97,10 @@ def all_keys() -> frozenset[str]:
         protocol.CompletionRequest,
         protocol.TokenizeRequest,
         protocol.DetokenizeRequest,
-        protocol_responses.ResponsesRequest,
-        protocol_embedding.EmbeddingRequest,
-        protocol_embedding.PoolingRequest,
-        protocol_embedding.ClassificationRequest,
+        responses.ResponsesRequest,
+        pooling.EmbeddingRequest,
+        pooling.PoolingRequest,
+        pooling.ClassificationRequest,
     )
     return frozenset(requests | _fields(SamplingParams) | _fields(EngineArgs) | serve_flags())
 

@@ -13,8 +13,8 @@ import pytest
 
 from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
-from trillm.entrypoints.cli import build_parser
-from trillm.entrypoints.openai.cli_args import engine_kwargs, server_options
+from trillm.entrypoints.cli.main import build_parser
+from trillm.entrypoints.cli.serve_args import engine_kwargs, server_options
 from trillm.sampling_params import StructuredOutputsParams
 
 PROMPT = "And God said, Let there be light"
@@ -381,7 +381,7 @@ def test_engine_flags_reach_the_engine(flag):
 
 def test_model_positional_and_flag_and_bad_values(monkeypatch, capsys):
     import trillm.entrypoints.openai.api_server as api_server
-    from trillm.entrypoints.openai.cli_args import run_serve
+    from trillm.entrypoints.cli.serve_args import run_serve
 
     seen = {}
 
@@ -518,7 +518,7 @@ def test_tls_client_certificates_and_cors_methods_reach_the_server(tmp_path, cap
 
     import trio
 
-    from trillm.entrypoints.openai import vllm_flags
+    from trillm.entrypoints.cli import vllm_flags
 
     files = {name: tmp_path / f"{name}.pem" for name in ("key", "cert", "ca")}
     for path in files.values():
@@ -604,8 +604,8 @@ def test_enforce_eager_reaches_the_runner_from_the_serve_flag():
     # vLLM's default (False) replays small CPU decode steps (tests/test_step_program.py);
     # --enforce-eager turns that off in the runner's config.
     from trillm.engine.config_builder import build_config
-    from trillm.entrypoints.cli import build_parser
-    from trillm.entrypoints.openai.cli_args import engine_kwargs
+    from trillm.entrypoints.cli.main import build_parser
+    from trillm.entrypoints.cli.serve_args import engine_kwargs
 
     given = engine_kwargs(build_parser().parse_args(["serve", "--enforce-eager"]))
     assert given["enforce_eager"] is True

@@ -18,8 +18,8 @@ from tests.hf_reference import hf_greedy
 from tests.server_harness import ServerProcess
 from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
-from trillm.entrypoints.cli import build_parser
-from trillm.entrypoints.openai.cli_args import engine_kwargs
+from trillm.entrypoints.cli.main import build_parser
+from trillm.entrypoints.cli.serve_args import engine_kwargs
 from trillm.model_executor import gguf_loader
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.model_config import load_model_config

@@ -172,9 +172,9 @@ def test_a_headless_node_with_other_engine_flags_is_refused(llama):
 
 def test_node_flags_reach_the_config_and_bad_ones_are_refused(llama, capsys):
     from trillm.engine.config_builder import build_config
-    from trillm.entrypoints.cli import build_parser
-    from trillm.entrypoints.headless import check_node_flags
-    from trillm.entrypoints.openai.cli_args import engine_kwargs
+    from trillm.entrypoints.cli.headless import check_node_flags
+    from trillm.entrypoints.cli.main import build_parser
+    from trillm.entrypoints.cli.serve_args import engine_kwargs
 
     argv = [
         "serve",

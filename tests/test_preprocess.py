@@ -119,13 +119,13 @@ def test_python_api_checks_the_context_once_per_request(model_path, context_chec
 
 
 def test_http_handlers_check_the_context_once_per_prompt(model_path, context_checks):
-    from trillm.entrypoints.openai.errors import BadRequestError
-    from trillm.entrypoints.openai.metrics import ServerMetrics
-    from trillm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-    from trillm.entrypoints.openai.serving_base import ServerState
-    from trillm.entrypoints.openai.serving_chat import create_chat_completion
-    from trillm.entrypoints.openai.serving_completion import create_completion
-    from trillm.entrypoints.openai.structuring import structure
+    from trillm.entrypoints.openai.endpoints.base import ServerState
+    from trillm.entrypoints.openai.endpoints.chat import create_chat_completion
+    from trillm.entrypoints.openai.endpoints.completion import create_completion
+    from trillm.entrypoints.openai.http.errors import BadRequestError
+    from trillm.entrypoints.openai.metrics.prometheus import ServerMetrics
+    from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest, CompletionRequest
+    from trillm.entrypoints.openai.schemas.structuring import structure
 
     submitted: list[Any] = []
 

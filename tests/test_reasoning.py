@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from trillm.entrypoints.openai.chat_parsing import ChoiceParser, ToolPlan
+from trillm.entrypoints.openai.endpoints.chat_parsing import ChoiceParser, ToolPlan
 from trillm.parsers.reasoning import get_reasoning_parser, reasoning_parser_names
 from trillm.parsers.tool_parsers import get_tool_parser
 
@@ -174,9 +174,9 @@ def test_include_reasoning_false_drops_it():
 def test_constrained_tool_output_is_split_after_its_reasoning():
     # The engine constrains a required / named output only after </think> (same parser), so
     # the reasoning comes off first and the content is the constrained JSON (as in vLLM).
-    from trillm.entrypoints.openai.chat_parsing import plan_tools
-    from trillm.entrypoints.openai.protocol import ChatCompletionRequest
-    from trillm.entrypoints.openai.structuring import structure
+    from trillm.entrypoints.openai.endpoints.chat_parsing import plan_tools
+    from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest
+    from trillm.entrypoints.openai.schemas.structuring import structure
 
     class State:
         enable_auto_tool_choice, tool_call_parser = True, "hermes"

@@ -386,7 +386,7 @@ def test_nothing_is_stored(server):
 def test_openapi_lists_responses_and_the_deployment_routes():
     from openapi_spec_validator import validate
 
-    from trillm.entrypoints.openai.openapi import build_spec
+    from trillm.entrypoints.openai.schemas.openapi import build_spec
 
     spec = build_spec()
     validate(spec)

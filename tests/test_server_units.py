@@ -13,11 +13,11 @@ from trillm.engine.chat_template import (
     render_chat,
     render_template,
 )
-from trillm.entrypoints.cli import build_parser
-from trillm.entrypoints.openai.cli_args import engine_kwargs, server_options
-from trillm.entrypoints.openai.errors import BadRequestError
-from trillm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from trillm.entrypoints.openai.structuring import structure
+from trillm.entrypoints.cli.main import build_parser
+from trillm.entrypoints.cli.serve_args import engine_kwargs, server_options
+from trillm.entrypoints.openai.http.errors import BadRequestError
+from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest, CompletionRequest
+from trillm.entrypoints.openai.schemas.structuring import structure
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
@@ -262,7 +262,7 @@ def test_serve_help_documents_the_flags():
 def test_openapi_spec_is_valid():
     from openapi_spec_validator import validate
 
-    from trillm.entrypoints.openai.openapi import build_spec
+    from trillm.entrypoints.openai.schemas.openapi import build_spec
 
     spec = build_spec()
     validate(spec)
@@ -287,7 +287,7 @@ def _params_state(generation_config):
 
 def test_generation_config_gives_defaults_the_request_overrides():
     from trillm.engine.preprocess import Preprocessor
-    from trillm.entrypoints.openai.sampling import build_sampling_params
+    from trillm.entrypoints.openai.endpoints.sampling import build_sampling_params
     from trillm.worker.fake_runner import make_fake_config
 
     def resolve_max_tokens(state, requested, prompt_len):
@@ -313,7 +313,7 @@ def test_generation_config_gives_defaults_the_request_overrides():
 
 
 def test_response_format_maps_to_structured_outputs():
-    from trillm.entrypoints.openai.sampling import build_sampling_params
+    from trillm.entrypoints.openai.endpoints.sampling import build_sampling_params
 
     state = _params_state({})
 
@@ -332,7 +332,7 @@ def test_response_format_maps_to_structured_outputs():
 
 
 def test_internal_errors_name_no_internals(caplog):
-    from trillm.entrypoints.openai.errors import from_engine_exception
+    from trillm.entrypoints.openai.http.errors import from_engine_exception
 
     err = from_engine_exception(RuntimeError("/secret/path/model.safetensors is corrupt"))
     assert err.status == 500

@@ -11,10 +11,10 @@ import attrs
 import pytest
 
 from trillm.engine.chat_template import ChatTemplateError, render_template
-from trillm.entrypoints.openai.chat_parsing import ChoiceParser, plan_tools
-from trillm.entrypoints.openai.errors import BadRequestError
-from trillm.entrypoints.openai.protocol import ChatCompletionRequest
-from trillm.entrypoints.openai.structuring import structure
+from trillm.entrypoints.openai.endpoints.chat_parsing import ChoiceParser, plan_tools
+from trillm.entrypoints.openai.http.errors import BadRequestError
+from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest
+from trillm.entrypoints.openai.schemas.structuring import structure
 from trillm.parsers.tool_parsers import (
     RequiredToolCallParser,
     get_tool_parser,
@@ -384,7 +384,7 @@ def test_a_tool_without_a_function_name_is_refused_when_structured():
 def test_special_token_markers_keep_special_tokens(tok):
     from types import SimpleNamespace
 
-    from trillm.entrypoints.openai.chat_parsing import keeps_special_tokens
+    from trillm.entrypoints.openai.endpoints.chat_parsing import keeps_special_tokens
 
     mistral_like = SimpleNamespace(all_special_tokens=["</s>", "[TOOL_CALLS]", "[ARGS]"])
     auto = plan_tools(_State(tool_call_parser="mistral"), _request(tools=TOOLS))

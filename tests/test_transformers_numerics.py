@@ -230,8 +230,8 @@ def test_what_it_cannot_honour_is_refused(tmp_path, arch, kwargs, named):
 
 def test_bad_values_are_refused(tmp_path):
     from trillm.engine.config_builder import build_config
-    from trillm.entrypoints.cli import build_parser
-    from trillm.entrypoints.openai.cli_args import engine_kwargs
+    from trillm.entrypoints.cli.main import build_parser
+    from trillm.entrypoints.cli.serve_args import engine_kwargs
 
     with pytest.raises(ValueError, match="numerics must be one of fast, transformers; got 'exact'"):
         EngineArgs(numerics="exact")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from server_harness import REPO, ServerProcess, free_port
 
-from trillm.entrypoints.cli import build_parser
+from trillm.entrypoints.cli.main import build_parser
 
 FAKE = ["--runner", "trillm.worker.fake_runner:FakeModelRunner"]
 
@@ -145,7 +145,7 @@ def test_top35_table_is_35_flags():
     ids=lambda a: a[0],
 )
 def test_bad_values_refused_with_the_flag_named(argv, capsys):
-    from trillm.entrypoints.openai import vllm_flags
+    from trillm.entrypoints.cli import vllm_flags
 
     with pytest.raises(SystemExit) as exc:
         args = parse(*argv)
@@ -161,7 +161,7 @@ def test_value_one_is_the_no_op_for_parallel_sizes():
 
 
 def test_moot_flags_say_so_once():
-    from trillm.entrypoints.openai.vllm_flags import startup_notes
+    from trillm.entrypoints.cli.vllm_flags import startup_notes
 
     notes = startup_notes(
         parse(
@@ -225,7 +225,7 @@ def test_download_dir_is_the_hub_cache(tmp_path):
     (tmp_path / "dl" / "models--org--tiny" / "refs").mkdir()
     (tmp_path / "dl" / "models--org--tiny" / "refs" / "main").write_text("abc123")
     code = (
-        "from trillm.entrypoints.openai.vllm_flags import apply_download_dir\n"
+        "from trillm.entrypoints.cli.vllm_flags import apply_download_dir\n"
         "from trillm.model_executor.model_config import resolve_model_path\n"
         f"apply_download_dir({str(tmp_path / 'dl')!r})\n"
         "import os; print(resolve_model_path('org/tiny')); print(os.environ['HF_HUB_CACHE'])\n"
@@ -515,8 +515,8 @@ def test_stats_line_info_after_activity_debug_when_idle():
 
     from server_harness import stats_engine
 
-    from trillm.entrypoints.openai.metrics import ServerMetrics
-    from trillm.entrypoints.openai.stats_logger import StatsLine
+    from trillm.entrypoints.openai.metrics.prometheus import ServerMetrics
+    from trillm.entrypoints.openai.metrics.stats_logger import StatsLine
     from trillm.messages import SchedulerStats
 
     stats = SchedulerStats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25)
@@ -541,7 +541,7 @@ def test_stats_line_info_after_activity_debug_when_idle():
 def test_cors_rules():
     import trio
 
-    from trillm.entrypoints.openai.cors import CORSMiddleware
+    from trillm.entrypoints.openai.http.cors import CORSMiddleware
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

@@ -2,6 +2,6 @@
 
 import sys
 
-from trillm.entrypoints.cli import main
+from trillm.entrypoints.cli.main import main
 
 sys.exit(main())

@@ -237,9 +237,9 @@ def test_http2_prior_knowledge_needs_the_key(server):
 def test_the_check_is_constant_time():
     """A byte-by-byte ``==`` would leak the key's prefix through timing; timing itself is too
     noisy to test on a shared machine, so check what the gate compares with."""
-    from trillm.entrypoints.openai import auth, http_app
+    from trillm.entrypoints.openai.http import app, auth
 
-    assert "api_keys.admits(" in inspect.getsource(http_app._install_gate)
+    assert "api_keys.admits(" in inspect.getsource(app._install_gate)
     source = inspect.getsource(auth.ApiKeys.admits)
     assert "hmac.compare_digest(" in source
     assert "==" not in source and "break" not in source and "return True" not in source

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_harness import ServerProcess
 
-from trillm.entrypoints.openai.auth import API_KEY_ENV, ApiKeys
+from trillm.entrypoints.openai.http.auth import API_KEY_ENV, ApiKeys
 
 FAKE = ["--runner", "trillm.worker.fake_runner:FakeModelRunner"]
 KEY, SECOND_KEY = "route-key-7c1e", "second-key-90aa"

@@ -124,8 +124,8 @@ def test_cache_evicts_least_recently_used_by_bytes():
 
 def test_flag_is_validated(capsys):
     from trillm.config import EngineArgs
-    from trillm.entrypoints.cli import build_parser
-    from trillm.entrypoints.openai.cli_args import engine_kwargs
+    from trillm.entrypoints.cli.main import build_parser
+    from trillm.entrypoints.cli.serve_args import engine_kwargs
 
     def kwargs(*flags: str) -> dict:
         return engine_kwargs(build_parser().parse_args(["serve", *flags]))

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from server_harness import ServerProcess, post_polling_health
 
-from trillm.entrypoints.openai.protocol import MAX_REQUEST_ID_CHARS
+from trillm.entrypoints.openai.schemas.protocol import MAX_REQUEST_ID_CHARS
 
 
 @pytest.fixture(scope="module")

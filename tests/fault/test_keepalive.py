@@ -227,9 +227,9 @@ def test_early_answer_to_a_large_body_closes_the_connection(server):
 
 
 def test_timeout_keep_alive_flag_reaches_hypercorn(capsys):
-    from trillm.entrypoints.cli import build_parser
-    from trillm.entrypoints.openai.cli_args import server_options
-    from trillm.entrypoints.openai.http_listener import hypercorn_config, reserve_listener
+    from trillm.entrypoints.cli.main import build_parser
+    from trillm.entrypoints.cli.serve_args import server_options
+    from trillm.entrypoints.openai.http.listener import hypercorn_config, reserve_listener
 
     def config(*flags: str):
         opts = server_options(build_parser().parse_args(["serve", *flags]))

@@ -105,9 +105,9 @@ def test_a_large_allowed_answer_leaves_health_responsive(server):
 
 
 def test_the_flags_are_parsed_and_validated(capsys):
-    from trillm.entrypoints.cli import build_parser
-    from trillm.entrypoints.openai.cli_args import server_options
-    from trillm.entrypoints.openai.request_budgets import default_max_logprob_entries
+    from trillm.entrypoints.cli.main import build_parser
+    from trillm.entrypoints.cli.serve_args import server_options
+    from trillm.entrypoints.openai.endpoints.budgets import default_max_logprob_entries
 
     def options(*flags: str):
         return server_options(build_parser().parse_args(["serve", *flags]))

@@ -22,13 +22,13 @@ import pytest
 import trio
 from server_harness import ServerProcess
 
-from trillm.entrypoints.openai import serving_lora
-from trillm.entrypoints.openai.errors import BadRequestError
-from trillm.entrypoints.openai.serving_lora import (
+from trillm.entrypoints.openai.endpoints import lora
+from trillm.entrypoints.openai.endpoints.lora import (
     MAX_LORA_NAME_CHARS,
     NOT_AN_ADAPTER,
     LoRARegistry,
 )
+from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.testing.lora_adapters import build_peft_adapter
 
 HUGE = 4 << 20  # a 4 MiB name
@@ -198,15 +198,13 @@ def test_a_load_stuck_past_its_time_is_refused(monkeypatch):
         async def check_lora(self, lora: object) -> None:
             await trio.sleep_forever()
 
-    monkeypatch.setattr(serving_lora, "ADAPTER_READ_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(serving_lora, "locate_adapter", lambda path, root: path)
+    monkeypatch.setattr(lora, "ADAPTER_READ_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(lora, "locate_adapter", lambda path, root: path)
     registry = LoRARegistry("base", allow_updates=True)
 
     async def main() -> None:
         with pytest.raises(BadRequestError) as exc:
-            await serving_lora.load_adapter(
-                registry, StuckEngine(), {"lora_name": "x", "lora_path": "/a"}
-            )
+            await lora.load_adapter(registry, StuckEngine(), {"lora_name": "x", "lora_path": "/a"})
         assert str(exc.value) == NOT_AN_ADAPTER and "x" not in registry.adapters
 
     trio.run(main)
@@ -223,8 +221,8 @@ def test_a_load_stuck_past_its_time_is_refused(monkeypatch):
     ],
 )
 def test_lora_allowed_root_flag_refused_with_the_flag_named(argv, named, capsys, monkeypatch):
-    from trillm.entrypoints.cli import build_parser
-    from trillm.entrypoints.openai.serving_lora import check_lora_flags
+    from trillm.entrypoints.cli.main import build_parser
+    from trillm.entrypoints.openai.endpoints.lora import check_lora_flags
 
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
     with pytest.raises(SystemExit) as exc:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_harness import ServerProcess, post_polling_health
 
-from trillm.entrypoints.openai.serving_responses import MAX_TURN_CALLS
+from trillm.entrypoints.openai.endpoints.responses import MAX_TURN_CALLS
 
 ITEMS = 60_000
 

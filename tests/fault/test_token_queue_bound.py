@@ -118,8 +118,8 @@ def test_token_bound_refuses_whole_requests_at_once(server):
 
 
 def test_flag_is_validated(capsys):
-    from trillm.entrypoints.cli import build_parser
-    from trillm.entrypoints.openai.cli_args import server_options
+    from trillm.entrypoints.cli.main import build_parser
+    from trillm.entrypoints.cli.serve_args import server_options
 
     def options(*flags: str):
         return server_options(build_parser().parse_args(["serve", *flags]))

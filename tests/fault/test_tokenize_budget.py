@@ -16,8 +16,8 @@ import httpx
 import pytest
 from server_harness import ServerProcess, post_polling_health
 
-from trillm.entrypoints.openai.protocol import MAX_CHAT_MESSAGES
-from trillm.entrypoints.openai.serving_tokenize import DETOKENIZE_CONTEXTS
+from trillm.entrypoints.openai.endpoints.tokenization import DETOKENIZE_CONTEXTS
+from trillm.entrypoints.openai.schemas.protocol import MAX_CHAT_MESSAGES
 
 MAX_MODEL_LEN = 2048
 

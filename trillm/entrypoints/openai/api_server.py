@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server's process: the root nursery around the app (``http_app``).
+"""The OpenAI-compatible HTTP server's process: the root nursery around the app (``http/app.py``).
 
 Root nursery shape (DESIGN.md)::
 
@@ -27,22 +27,23 @@ import attrs
 import trio
 
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
-from trillm.entrypoints.openai import serving_lora, vllm_flags
-from trillm.entrypoints.openai.auth import ApiKeys
+from trillm.entrypoints.cli import vllm_flags
+from trillm.entrypoints.openai.endpoints import lora
+from trillm.entrypoints.openai.endpoints.base import ServerState, max_prompt_chars
+from trillm.entrypoints.openai.endpoints.budgets import (
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    default_max_logprob_entries,
+)
 from trillm.entrypoints.openai.engine_supervisor import supervise_engine
-from trillm.entrypoints.openai.http_app import DEFAULT_HEALTH_STEP_TIMEOUT_S, build_app
-from trillm.entrypoints.openai.http_listener import (
+from trillm.entrypoints.openai.http.app import DEFAULT_HEALTH_STEP_TIMEOUT_S, build_app
+from trillm.entrypoints.openai.http.auth import ApiKeys
+from trillm.entrypoints.openai.http.listener import (
     hypercorn_config,
     hypercorn_serve,
     reserve_listener,
 )
-from trillm.entrypoints.openai.metrics import ServerMetrics
-from trillm.entrypoints.openai.request_budgets import (
-    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
-    default_max_logprob_entries,
-)
-from trillm.entrypoints.openai.serving_base import ServerState, max_prompt_chars
-from trillm.entrypoints.openai.stats_logger import log_stats_periodically
+from trillm.entrypoints.openai.metrics.prometheus import ServerMetrics
+from trillm.entrypoints.openai.metrics.stats_logger import log_stats_periodically
 from trillm.gc_heap import freeze_startup_heap
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class ServerOptions:
     keep_alive_timeout: float = 5.0
     # Streams woken per engine step for a middle chunk (None: every stream, every step).
     stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET
-    # Tool calling and reasoning (issue 12; cli_args._add_tool_flags).
+    # Tool calling and reasoning (cli/serve_args._add_tool_flags).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
@@ -89,7 +90,7 @@ class ServerOptions:
     restart_on_engine_death: bool = False
     # /health's bound on one engine step in seconds (--health-step-timeout; None: none).
     health_step_timeout: float | None = DEFAULT_HEALTH_STEP_TIMEOUT_S
-    # vLLM's deployment flags (issue 16; vllm_flags.py): TLS, CORS, proxy, logs, metrics.
+    # vLLM's deployment flags (vllm_flags.py): TLS, CORS, proxy, logs, metrics.
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
@@ -104,7 +105,7 @@ class ServerOptions:
     log_stats: bool = True
     log_stats_interval: float = 10.0
     metrics_prefix: str = "both"
-    # LoRA adapters served by name (--lora-modules: serving_lora.LoRAModulePath), and whether
+    # LoRA adapters served by name (--lora-modules: lora.LoRAModulePath), and whether
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
     lora_modules: list[Any] = attrs.field(factory=list)
     allow_runtime_lora_updating: bool = False
@@ -191,7 +192,7 @@ async def _serve(
                     max_engine_seqs_per_request=_fair_share(engine),
                 )
                 max_prompt_chars(state)  # the tokenizer's bound, once, before any request
-                state.loras = await serving_lora.open_registry(engine, names[0], opts)
+                state.loras = await lora.open_registry(engine, names[0], opts)
                 log_len = opts.max_log_len if opts.enable_log_requests else None
                 api_keys = ApiKeys.resolve(opts.api_key)
                 logger.info("%s", api_keys.describe())

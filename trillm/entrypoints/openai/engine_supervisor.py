@@ -1,4 +1,4 @@
-"""The server's engine, watched (issue 11, defect 8).
+"""The server's engine, watched.
 
 When the engine dies (a worker killed, the engine core failing), the engine itself fails every
 in-flight request at once, and ``/health`` and new requests answer 503. The supervisor then

@@ -1,0 +1,64 @@
+"""The ``trillm`` command: one parser, subcommands registered by the modules that own them.
+
+``serve`` lives in ``trillm.entrypoints.cli.serve_args``; ``bench`` in ``trillm.bench.cli``
+(``add_bench_parser(subparsers)``), added when that module exists. A subcommand's parser sets
+``func`` (``parser.set_defaults(func=...)``): a callable taking the parsed args and returning
+the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+# (module, function) pairs; a module that is not installed is skipped.
+SUBCOMMANDS = (
+    ("trillm.entrypoints.cli.serve_args", "add_serve_parser"),
+    ("trillm.bench.cli", "add_bench_parser"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import trillm
+
+    parser = argparse.ArgumentParser(prog="trillm", description="trillm: LLM inference on Trio.")
+    parser.add_argument("--version", action="version", version=f"trillm {trillm.__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name, function in SUBCOMMANDS:
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        getattr(importlib.import_module(module_name), function)(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    code = int(func(args) or 0)
+    if args.command == "serve":
+        exit_without_finalizing(code)
+    return code
+
+
+def exit_without_finalizing(code: int) -> None:
+    """End the process now, its logs and output flushed. A server that has stopped (its
+    workers reaped, its rings unlinked) needs nothing from interpreter finalization, whose
+    last garbage collection over torch's and transformers' objects takes about a second."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""vLLM's deployment endpoints, /v1/responses and the per-request log.
+
+- ``/ping`` (GET and POST): SageMaker's health check, the same answer as ``/health``;
+- ``/invocations`` (POST): SageMaker's one inference route: a body with ``messages`` is a chat
+  completion, one with ``prompt`` a completion (vLLM's rule), anything else a 400;
+- ``/v1/responses`` (POST): OpenAI's Responses API (``serving_responses.py``); GET
+  ``/v1/responses/{id}`` is a 404 that says why (nothing is stored);
+- ``/load`` (GET): ``{"server_load": N}``, the generation requests in flight, a stream until
+  its last byte (vLLM's load endpoint);
+- ``--enable-log-requests``: a line when a generation request is accepted (prompt or
+  messages truncated to ``--max-log-len`` characters, sampling fields) and one when it ends.
+  Off by default: prompts are never logged unless asked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+from quart import request
+
+from trillm.entrypoints.openai.endpoints.chat import create_chat_completion
+from trillm.entrypoints.openai.endpoints.completion import create_completion
+from trillm.entrypoints.openai.endpoints.responses import create_response
+from trillm.entrypoints.openai.http.errors import BadRequestError, NotFoundError
+from trillm.entrypoints.openai.http.exchange import at_exchange_end
+from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest, CompletionRequest
+from trillm.entrypoints.openai.schemas.responses import parse_request
+from trillm.entrypoints.openai.schemas.structuring import structure_body
+
+logger = logging.getLogger("trillm.requests")
+
+# Body fields a request log line leaves out: the prompt itself (shown truncated apart) and
+# the bulky structures (only their size is shown).
+_PROMPT_FIELDS = ("prompt", "messages", "input", "instructions")
+_BULKY_FIELDS = (
+    "tools",
+    "response_format",
+    "structured_outputs",
+    "logit_bias",
+    "chat_template",
+    "documents",
+)
+
+
+# The sampling fields are logged up to this many characters even with a short --max-log-len
+# (which is about the prompt, the private part).
+PARAMS_LOG_LEN = 1024
+
+
+class RequestLog:
+    """``--enable-log-requests``: one line per accepted request, one when it ends."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.ids = itertools.count(1)
+
+    def truncate(self, text: str, limit: int | None = None) -> str:
+        limit = self.max_len if limit is None else limit
+        if len(text) <= limit:
+            return text
+        return f"{text[:limit]}... ({len(text)} characters)"
+
+    def received(self, kind: str, body: dict[str, Any]) -> int:
+        number = next(self.ids)
+        prompt = body.get("messages", body.get("prompt", body.get("input")))
+        shown = prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
+        params = {k: v for k, v in body.items() if k not in _PROMPT_FIELDS + _BULKY_FIELDS}
+        for name in _BULKY_FIELDS:
+            if name in body:
+                params[name] = f"<{len(orjson.dumps(body[name]))} bytes>"
+        logger.info(
+            "Received request #%d (%s): prompt: %r, params: %s",
+            number,
+            kind,
+            self.truncate(shown),
+            self.truncate(orjson.dumps(params).decode(), max(self.max_len, PARAMS_LOG_LEN)),
+        )
+        return number
+
+    def finished(self, number: int, result: Any, start: float) -> None:
+        elapsed = time.perf_counter() - start
+        if isinstance(result, dict):
+            reasons = [c.get("finish_reason") for c in result.get("choices", [])] or [
+                result.get("status")  # a /v1/responses body
+            ]
+            logger.info(
+                "Finished request #%d %s: finish_reason %s, usage %s, %.3f s",
+                number,
+                result.get("id"),
+                reasons,
+                result.get("usage"),
+                elapsed,
+            )
+        else:
+            logger.info("Finished request #%d: stream ended after %.3f s", number, elapsed)
+
+    def failed(self, number: int, exc: BaseException) -> None:
+        logger.info("Request #%d refused or failed: %s: %s", number, type(exc).__name__, exc)
+
+
+class Dispatcher:
+    """Runs the chat / completion handlers for the routes, with the request log and the
+    server load around them."""
+
+    def __init__(self, state: Any, respond: Callable[[Any], Any], log: RequestLog | None) -> None:
+        self.state = state
+        self.respond = respond
+        self.log = log
+        # Generation requests in flight, streams until their last byte: /load (vLLM's
+        # server_load_metrics).
+        self.load = 0
+
+    async def chat(self, body: dict[str, Any]) -> Any:
+        req = await structure_body(ChatCompletionRequest, body, request.content_length)
+        return await self._run("chat", body, create_chat_completion(self.state, req))
+
+    async def completion(self, body: dict[str, Any]) -> Any:
+        req = await structure_body(CompletionRequest, body, request.content_length)
+        return await self._run("completion", body, create_completion(self.state, req))
+
+    async def responses(self, body: dict[str, Any]) -> Any:
+        req = await parse_request(body, request.content_length)
+        return await self._run("responses", body, create_response(self.state, req))
+
+    async def invocation(self, body: dict[str, Any]) -> Any:
+        """SageMaker's /invocations: the body's shape picks the API, as vLLM does."""
+        if "messages" in body:
+            return await self.chat(body)
+        if "prompt" in body:
+            return await self.completion(body)
+        raise BadRequestError(
+            "An /invocations body must be a chat completion request (with 'messages') or a "
+            "completion request (with 'prompt')."
+        )
+
+    async def _run(self, kind: str, body: dict[str, Any], work: Awaitable[Any]) -> Any:
+        pooler = self.state.engine.config.pooler
+        if pooler is not None:
+            routes = "/classify" if pooler.task == "classify" else "/v1/embeddings and /pooling"
+            raise BadRequestError(
+                f"This server runs a pooling model: it serves {routes}, not "
+                f"{kind} requests (start it without --runner pooling to generate).",
+                "model",
+            )
+        number, start = (
+            (self.log.received(kind, body), time.perf_counter()) if self.log else (0, 0.0)
+        )
+        self.load += 1
+        try:
+            result = await work
+        except BaseException as exc:
+            self.load -= 1
+            if self.log:
+                self.log.failed(number, exc)
+            raise
+        if isinstance(result, dict):
+            self.load -= 1
+            if self.log is not None:
+                self.log.finished(number, result, start)
+            return self.respond(result)
+        return self.respond(self._tracked_stream(result, number, start))
+
+    def _tracked_stream(
+        self, stream: AsyncIterator[bytes], number: int, start: float
+    ) -> AsyncIterator[bytes]:
+        """The stream, counted in ``load`` until it ends (read to the end, the client gone,
+        or never started: then when the HTTP exchange ends), logged at its end with the
+        request log."""
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self.load -= 1
+                if self.log is not None:
+                    self.log.finished(number, None, start)
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                end()
+                await stream.aclose()  # type: ignore[attr-defined]
+
+        async def end_unless_ended() -> None:  # a response body never iterated
+            end()
+
+        at_exchange_end(end_unless_ended)
+        return body()
+
+
+def install(
+    app: Any,
+    state: Any,
+    dispatcher: Dispatcher,
+    json_body: Callable[[], Any],
+    health: Callable[[], Awaitable[Any]],
+    json_response: Callable[..., Any],
+) -> None:
+    """/ping, /invocations, /load and /v1/responses on ``app``."""
+
+    @app.post("/v1/responses")
+    async def responses() -> Any:
+        return await dispatcher.responses(await json_body())
+
+    @app.get("/v1/responses/<response_id>")
+    async def get_response(response_id: str) -> Any:
+        raise NotFoundError(
+            f"No response {response_id!r}: responses are not stored on this server ('store' "
+            "must be false), so none can be retrieved.",
+            "response_id",
+        )
+
+    @app.route("/ping", methods=["GET", "POST"])
+    async def ping() -> Any:
+        return await health()
+
+    @app.post("/invocations")
+    async def invocations() -> Any:
+        return await dispatcher.invocation(await json_body())
+
+    @app.get("/load")
+    async def load() -> Any:
+        return json_response({"server_load": dispatcher.load})

@@ -1,0 +1,1 @@
+"""Request schemas (attrs classes), their strict structuring from JSON, and the OpenAPI description built from them."""

@@ -1,0 +1,244 @@
+"""The OpenAPI 3.1 description of the server, served at GET /openapi.json: its paths and
+operations. Request schemas are generated from the attrs classes (``openapi_requests.py``);
+response schemas are written out in ``openapi_responses.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import trillm
+from trillm.entrypoints.openai.schemas.openapi_request_schemas import add_request_schemas
+from trillm.entrypoints.openai.schemas.openapi_response_schemas import STR, ref, response_components
+
+
+def _json(name: str) -> dict[str, Any]:
+    return {"application/json": {"schema": ref(name)}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    text = {
+        400: "Invalid request",
+        401: "Missing or wrong API key",
+        404: "Unknown model",
+        413: "Body too large",
+        500: "Engine failure",
+        503: "Not ready, draining or engine dead",
+    }
+    return {str(c): {"description": text[c], "content": _json("Error")} for c in codes}
+
+
+def _sse_event(chunk: str) -> dict[str, Any]:
+    # Before OpenAPI 3.2 the schema of text/event-stream describes one event (its fields),
+    # not the stream as a string. Each event's data is a JSON chunk, an error after the stream
+    # started, or the final [DONE].
+    payload = {"anyOf": [ref(chunk), ref("Error")]}
+    data = {
+        "type": "string",
+        "if": {"const": "[DONE]"},
+        "else": {"contentMediaType": "application/json", "contentSchema": payload},
+    }
+    return {"type": "object", "properties": {"data": data}, "required": ["data"]}
+
+
+def _generate_op(summary: str, request: str, response: str, chunk: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {
+                "200": {
+                    "description": f"A {response}, or with stream=true an SSE stream of "
+                    f"`data: <{chunk}>` events ending with `data: [DONE]`.",
+                    "content": {
+                        **_json(response),
+                        "text/event-stream": {"schema": _sse_event(chunk)},
+                    },
+                },
+                **_errors(400, 401, 404, 413, 500, 503),
+            },
+        }
+    }
+
+
+def _responses_op() -> dict[str, Any]:
+    event = {
+        "type": "object",
+        "properties": {
+            "event": STR,
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": ref("ResponseStreamEvent"),
+            },
+        },
+        "required": ["event", "data"],
+    }
+    return {
+        "post": {
+            "summary": "OpenAI Responses API (text, function tools, reasoning items)",
+            "requestBody": {"required": True, "content": _json("ResponsesRequest")},
+            "responses": {
+                "200": {
+                    "description": "A Response, or with stream=true an SSE stream of typed "
+                    "events (response.created ... response.completed), each with its "
+                    "sequence_number; no [DONE].",
+                    "content": {**_json("Response"), "text/event-stream": {"schema": event}},
+                },
+                **_errors(400, 401, 404, 413, 500, 503),
+            },
+        }
+    }
+
+
+def _simple_post(summary: str, request: str, response: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {
+                "200": {"description": "OK", "content": _json(response)},
+                **_errors(400, 404, 413, 503),
+            },
+        }
+    }
+
+
+@functools.cache
+def build_spec() -> dict[str, Any]:
+    components = response_components()
+    add_request_schemas(components)
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    paths = {
+        "/v1/chat/completions": _generate_op(
+            "Chat completion",
+            "ChatCompletionRequest",
+            "ChatCompletionResponse",
+            "ChatCompletionChunk",
+        ),
+        "/v1/completions": _generate_op(
+            "Text completion", "CompletionRequest", "CompletionResponse", "CompletionChunk"
+        ),
+        "/v1/models": {
+            "get": {
+                "summary": "The served model(s)",
+                "responses": {
+                    "200": {"description": "OK", "content": _json("ModelList")},
+                    **_errors(401),
+                },
+            }
+        },
+        "/tokenize": _simple_post(
+            "Tokenize a prompt or a chat", "TokenizeRequest", "TokenizeResponse"
+        ),
+        "/detokenize": _simple_post("Token ids to text", "DetokenizeRequest", "DetokenizeResponse"),
+        "/v1/embeddings": _simple_post(
+            "Embeddings of a pooling model (--runner pooling)",
+            "EmbeddingRequest",
+            "EmbeddingResponse",
+        ),
+        "/pooling": _simple_post(
+            "Pooled vectors of a pooling model (vLLM's /pooling)",
+            "PoolingRequest",
+            "PoolingResponse",
+        ),
+        "/classify": _simple_post(
+            "Class probabilities of a sequence classifier (vLLM's /classify)",
+            "ClassificationRequest",
+            "ClassificationResponse",
+        ),
+        "/v1/responses": _responses_op(),
+        "/v1/responses/{response_id}": {
+            "get": {
+                "summary": "Always 404: responses are not stored ('store' must be false)",
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": STR}
+                ],
+                "responses": _errors(404),
+            }
+        },
+        "/invocations": {
+            "post": {
+                "summary": "SageMaker's inference route: a chat completion body (with "
+                "'messages') or a completion body (with 'prompt')",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "application/json": {
+                            "schema": {
+                                "anyOf": [ref("ChatCompletionRequest"), ref("CompletionRequest")]
+                            }
+                        }
+                    },
+                },
+                "responses": {
+                    "200": {
+                        "description": "As /v1/chat/completions or /v1/completions",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "anyOf": [
+                                        ref("ChatCompletionResponse"),
+                                        ref("CompletionResponse"),
+                                    ]
+                                }
+                            }
+                        },
+                    },
+                    **_errors(400, 404, 413, 503),
+                },
+            }
+        },
+        "/ping": {
+            op: {
+                "summary": "SageMaker's health check: the same answer as /health",
+                "responses": {"200": {"description": "Ready"}, **_errors(503)},
+            }
+            for op in ("get", "post")
+        },
+        "/load": {
+            "get": {
+                "summary": "The generation requests in flight (streams until their last byte)",
+                "responses": {"200": {"description": "OK", "content": _json("ServerLoad")}},
+            }
+        },
+        "/health": {
+            "get": {
+                "summary": "200 once the engine is serving; 503 while not ready or draining",
+                "responses": {"200": {"description": "Ready"}, **_errors(503)},
+            }
+        },
+        "/version": {
+            "get": {
+                "summary": "The trillm version",
+                "responses": {"200": {"description": "OK", "content": _json("VersionResponse")}},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics (text exposition format)",
+                "responses": {"200": {"description": "OK", "content": text}},
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This document",
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    }
+                },
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "trillm OpenAI-compatible API", "version": trillm.__version__},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

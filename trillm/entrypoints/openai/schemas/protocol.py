@@ -1,0 +1,238 @@
+"""Request schemas (attrs classes) of the chat, completion, ``/tokenize`` and ``/detokenize``
+endpoints, with the pieces they share.
+
+Ranges live in each field's metadata (``_f``: ``ge``/``gt``/``le``/``max_len``/``max_prompts``/
+``max_chars``) so the OpenAPI schema (``openapi_requests.py``) is generated from the same
+declaration the validator (``structuring.py``) enforces.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import attrs
+
+from trillm.sampling_params import INT64_MAX, INT64_MIN
+
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_PROMPTS = 1024
+MAX_BAD_WORDS = 256
+MAX_REQUEST_TIMEOUT_S = 86_400.0  # a request's ``timeout``: at most a day
+# A client's request_id travels with every engine step (scheduler, worker messages, every
+# output): three 1 MB ids slowed a 200-token request beside them from 0.3 s to 14 s.
+MAX_REQUEST_ID_CHARS = 256
+MAX_CHAT_MESSAGES = 100_000  # a chat's messages, in chat completions and /tokenize
+
+
+def _f(default: Any = attrs.NOTHING, **limits: Any) -> Any:
+    """A field with range limits in its metadata (checked by ``structuring.structure``)."""
+    if isinstance(default, (list, dict)):
+        return attrs.field(factory=lambda: type(default)(default), metadata=limits)
+    return attrs.field(default=default, metadata=limits)
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+@attrs.define
+class StreamOptions:
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+@attrs.define
+class JsonSchemaSpec:
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+@attrs.define
+class ResponseFormat:
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaSpec | None = None
+    # type "structural_tag" (vLLM): {"format": ...}, or the older {"structures", "triggers"}
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = _f(None, max_len=1024)
+    triggers: list[str] | None = _f(None, max_len=1024)
+
+
+@attrs.define
+class StructuredOutputs:
+    """vLLM's ``structured_outputs`` extension: exactly one kind set (``response_format``
+    may supply it), plus the options."""
+
+    json: Union[str, dict[str, Any], None] = None  # noqa: UP007
+    regex: str | None = None
+    choice: list[str] | None = _f(None, max_len=4096)
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Union[str, dict[str, Any], None] = None  # noqa: UP007
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
+@attrs.define
+class TextPart:
+    type: str
+    text: str | None = None
+
+
+# ---------------------------------------------------------------- tools
+
+
+@attrs.define
+class FunctionDefinition:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+@attrs.define
+class ChatTool:
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+@attrs.define
+class NamedFunction:
+    name: str
+
+
+@attrs.define
+class NamedToolChoice:
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+@attrs.define
+class FunctionCall:
+    name: str
+    # A JSON string (OpenAI); an object is accepted too and given to templates as is.
+    arguments: Union[str, dict[str, Any]] = "{}"  # noqa: UP007
+
+
+@attrs.define
+class ToolCall:
+    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] = "function"
+
+
+@attrs.define
+class ChatMessage:
+    role: str
+    content: Union[str, list[TextPart], None] = None  # noqa: UP007
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = _f(None, max_len=1024)
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+# ---------------------------------------------------------------- sampling fields, both APIs
+
+
+@attrs.define(kw_only=True)
+class _SamplingFields:
+    model: str | None = None
+    n: int = _f(1, ge=1, le=MAX_N)
+    temperature: float | None = _f(None, ge=0.0)
+    top_p: float | None = _f(None, gt=0.0, le=1.0)
+    presence_penalty: float | None = _f(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = _f(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = _f(None, max_len=4096)
+    seed: int | None = _f(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Union[str, list[str], None] = _f(None, max_len=MAX_STOP_STRINGS)  # noqa: UP007
+    max_tokens: int | None = _f(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = _f(None, ge=-1)
+    min_p: float | None = _f(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = _f(None, gt=0.0)
+    stop_token_ids: list[int] | None = _f(None, max_len=1024)
+    ignore_eos: bool = False
+    min_tokens: int = _f(0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = _f(None, ge=0)
+    priority: int = 0
+    cache_salt: str | None = None
+    return_token_ids: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = _f(None, max_len=MAX_BAD_WORDS)
+    # Keep the last k prompt tokens (-1: the context length), before the length check.
+    truncate_prompt_tokens: int | None = _f(None, ge=-1)
+    # Logprob tokens as "token_id:<id>" (for tokens that are not valid UTF-8 alone).
+    return_tokens_as_token_ids: bool = False
+    use_beam_search: bool = False  # refused when true: no beam search here
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names for structured_outputs.{json, regex, choice, grammar}
+    guided_json: Union[str, dict[str, Any], None] = None  # noqa: UP007
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = _f(None, max_len=4096)
+    guided_grammar: str | None = None
+    request_id: str | None = _f(None, max_chars=MAX_REQUEST_ID_CHARS)
+    # trillm extension: seconds until the request ends with finish_reason "timeout".
+    timeout: float | None = _f(None, gt=0.0, le=MAX_REQUEST_TIMEOUT_S)
+
+
+@attrs.define(kw_only=True)
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = _f(max_len=MAX_CHAT_MESSAGES)
+    logprobs: bool = False
+    top_logprobs: int | None = _f(None, ge=0)
+    max_completion_tokens: int | None = _f(None, ge=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # vLLM: the reply is prepended with the last message when that is the assistant's too.
+    echo: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling and reasoning; checked in endpoints/chat.py / parsers.
+    tools: list[ChatTool] | None = _f(None, max_len=1024)
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    tool_choice: Union[str, NamedToolChoice, None] = None  # noqa: UP007
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
+    documents: list[dict[str, Any]] | None = _f(None, max_len=1024)
+
+
+@attrs.define(kw_only=True)
+class CompletionRequest(_SamplingFields):
+    # NOTE: MAX_PROMPTS bounds a list of prompts, never the token ids of one prompt (the
+    # context length bounds those).
+    prompt: Union[str, list[str], list[int], list[list[int]]] = _f(max_prompts=MAX_PROMPTS)  # noqa: UP007
+    max_tokens: int | None = _f(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = _f(None, ge=0)
+    suffix: str | None = None
+    best_of: int | None = _f(None, ge=1)
+    add_special_tokens: bool = True
+
+
+@attrs.define(kw_only=True)
+class TokenizeRequest:
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = _f(None, max_len=MAX_CHAT_MESSAGES)
+    # None: vLLM's defaults, true for a prompt, false for messages (the template writes them).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+@attrs.define(kw_only=True)
+class DetokenizeRequest:
+    tokens: list[int]
+    model: str | None = None
