@@ -1,1 +1,0 @@
-"""The sections of tests/field_coverage_table.py, one module each."""

@@ -1,0 +1,1 @@
+"""The sections of tests/support/field_coverage_table.py, one module each."""

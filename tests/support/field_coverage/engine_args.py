@@ -1,0 +1,220 @@
+"""Coverage of EngineArgs fields (``ENGINE``: field -> node ids; the serve flags of the same
+name reuse it)."""
+
+from __future__ import annotations
+
+from field_coverage.ids import (
+    ACT,
+    AWQ,
+    CLS,
+    CONFIG,
+    DP,
+    ENGINE_REFUSED,
+    FE,
+    FEE,
+    FP8,
+    GGUF,
+    KV_DTYPE,
+    LIFE,
+    LOADING,
+    LORA,
+    LORA_HTTP,
+    MN,
+    NUM,
+    OPENAI,
+    OUTPUT,
+    PA,
+    PAH,
+    POOL,
+    PP,
+    SCHED,
+    SO_REASONING,
+    SPEC,
+    SPEC_D,
+    SPEC_E,
+    TP,
+    ids,
+)
+
+ENGINE: dict[str, tuple[str, ...]] = {
+    "model": ids(ENGINE_REFUSED, LOADING + "test_default_model"),
+    "tokenizer": ids(FE + "test_add_special_tokens_and_the_tokenizer_flag"),
+    "served_model_name": ids(CONFIG, OPENAI + "test_models"),
+    "revision": ids(FEE + "test_revision_reaches_the_hub_download"),
+    "dtype": ids(CONFIG, ENGINE_REFUSED, LOADING + "test_explicit_float16_on_cpu_is_an_error"),
+    "seed": ids(FEE + "test_engine_seed_sets_unseeded_sampling"),
+    "max_model_len": ids(
+        CONFIG, FEE + "test_truncate_prompt_tokens", LOADING + "test_max_model_len"
+    ),
+    "block_size": ids(FEE + "test_block_size_sets_the_prefix_cache_granularity", ENGINE_REFUSED),
+    "max_num_seqs": ids(CONFIG, ENGINE_REFUSED, SCHED + "test_max_num_seqs"),
+    "max_num_batched_tokens": ids(CONFIG, SCHED + "test_token_budget_and_chunked_prefill"),
+    "long_prefill_token_threshold": ids(CONFIG, SCHED + "test_long_prefill_token_threshold"),
+    "enable_prefix_caching": ids(ACT, CONFIG),
+    "scheduling_policy": ids(
+        CONFIG,
+        FE + "test_priority_needs_the_priority_policy",
+        SCHED + "test_priority_preemption_of_a_request_scheduled_earlier_in_the_step",
+    ),
+    "tensor_parallel_size": ids(
+        ENGINE_REFUSED,
+        TP + "test_python_api_tp2_matches_tp1",
+        TP + "test_http_tp2_matches_tp1_token_for_token",
+        TP + "test_tp_size_the_model_cannot_split_is_refused",
+        DP + "test_http_dp2_tp2_matches_dp1_token_for_token",
+        PA + "test_tp2_matches_tp1",
+        PA + "test_tp_size_that_does_not_divide_an_expert_size_is_refused",
+        PAH + "test_tp2_x_pp2_over_http_matches_tp1",
+        POOL + "test_tp2_embeds_as_tp1_does",
+        POOL + "test_tp2_v1_embeddings_over_http_as_tp1",
+        CLS + "test_tp2_classifies_as_tp1_does",
+        TP + "test_draft_model_on_the_output_rank_with_tp2",
+        LORA + "test_tp2_mixed_batch_equals_peft",
+    ),
+    "data_parallel_size": ids(
+        DP + "test_python_api_dp2_matches_dp1_and_spreads_the_requests",
+        DP + "test_abort_goes_to_the_core_that_holds_the_request",
+        DP + "test_data_parallel_size_below_one_is_refused",
+        DP + "test_more_engine_cores_than_gpus_are_refused",
+        DP + "test_http_dp2_tp2_matches_dp1_token_for_token",
+        DP + "test_metrics_label_each_engine_and_show_the_spread",
+        DP + "test_prefix_affinity_keeps_a_shared_prefix_on_one_core",
+    ),
+    "pipeline_parallel_size": ids(
+        PP + "test_python_api_pp2_matches_pp1",
+        PP + "test_http_pp2_matches_pp1_token_for_token",
+        PP + "test_tp2_x_pp2_matches_pp1",
+        PP + "test_what_pp_cannot_do_is_refused_by_name",
+        PA + "test_pp2_matches_pp1",
+        MN + "test_ranks_across_two_nodes_match_tp1_over_http",
+        AWQ + "test_pp2_matches_pp1_on_a_quantized_checkpoint",
+        POOL + "test_pp2_embeds_as_transformers_does",
+        CLS + "test_pp2_classifies_as_transformers_does",
+        CLS + "test_tp2_classifies_as_tp1_does",
+        LORA + "test_pp2_mixed_batch_equals_peft",
+        PAH + "test_tp2_x_pp2_over_http_matches_tp1",
+        PP + "test_draft_model_on_the_last_stage_drafts_verified_across_stages",
+        GGUF + "test_pp2_on_a_gguf_equals_one_rank",
+    ),
+    "kv_cache_memory": ids(
+        CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"
+    ),
+    "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),
+    "num_gpu_blocks_override": ids(
+        ACT, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"
+    ),
+    "max_logprobs": ids(ACT, FEE + "test_logprobs_and_prompt_logprobs"),
+    "stream_interval": ids(
+        OUTPUT + "test_stream_interval_batches_delta_outputs",
+        LIFE + "test_stream_interval_sends_fewer_larger_chunks",
+    ),
+    "device": ids(CONFIG, ENGINE_REFUSED),
+    "attention_backend": ids(
+        CONFIG,
+        FEE + "test_unknown_attention_backend_is_refused_at_startup",
+        NUM + "test_eager_backend_equals_transformers_eager_attention",
+        NUM + "test_bad_values_are_refused",
+    ),
+    # every op as transformers computes it: its output to the bit; what it cannot honour refused
+    "numerics": ids(
+        NUM + "test_output_equals_transformers_bit_for_bit",
+        NUM + "test_the_model_runs_transformers_ops",
+        NUM + "test_what_it_cannot_honour_is_refused",
+        NUM + "test_bad_values_are_refused",
+    ),
+    "distributed_executor_backend": ids(CONFIG, FEE + "test_temperature_seed_n"),
+    **dict.fromkeys(
+        ("nnodes", "node_rank", "master_addr", "master_port"),
+        ids(
+            MN + "test_ranks_across_two_nodes_match_tp1_over_http",
+            MN + "test_killed_node1_fails_node0s_requests_and_leaves_no_process",
+            MN + "test_node_flags_reach_the_config_and_bad_ones_are_refused",
+        ),
+    ),
+    "distributed_timeout_seconds": ids(
+        TP + "test_stuck_rank_times_out_the_collective_and_is_named",
+        MN + "test_node_flags_reach_the_config_and_bad_ones_are_refused",
+    ),
+    "generation_config": ids(ACT, CONFIG),
+    "chat_template": ids(ACT),
+    # the tokenizer's code; model code never runs (trillm's own model classes)
+    "trust_remote_code": ids(FEE + "test_trust_remote_code_lets_the_tokenizers_code_run"),
+    "skip_tokenizer_init": ids(ENGINE_REFUSED),
+    # compiled grammars kept, LRU by bytes; one grammar over 1/4 of it is a 400
+    "structured_outputs_cache_bytes": ids(
+        "tests/fault/test_grammar_cache_bytes.py::test_distinct_big_schemas_keep_memory_bounded",
+        "tests/fault/test_grammar_cache_bytes.py::test_grammar_over_its_share_is_refused",
+        "tests/fault/test_grammar_cache_bytes.py::test_flag_is_validated",
+    ),
+    "enforce_eager": ids(
+        FEE + "test_enforce_eager_reaches_the_runner_from_the_serve_flag",
+        "tests/worker/test_step_program.py::test_enforce_eager_turns_programs_off",
+    ),
+    # structured outputs constrain only after </think>; a tokenizer without it is refused
+    "reasoning_parser": ids(
+        SO_REASONING + "test_engine_constrains_only_after_the_reasoning",
+        SO_REASONING + "test_llm_engine_argument_and_refusal",
+    ),
+    # fp8 weights change the output (close to, not equal to, unquantized); others refused
+    "quantization": ids(
+        FP8 + "test_quantized_model_stays_close_to_the_unquantized_one",
+        FP8 + "test_pack_quantizes_every_linear_but_the_lm_head",
+        FP8 + "test_methods_trillm_cannot_run_are_refused",
+        GGUF + "test_load_format_and_quantization_are_honoured_or_refused",
+        GGUF + "test_quantized_layers_hold_only_their_blocks",
+        AWQ + "test_method_must_match_the_checkpoint",
+        AWQ + "test_greedy_output_equals_transformers_on_the_dequantized_weights",
+    ),
+    "load_format": ids(GGUF + "test_load_format_and_quantization_are_honoured_or_refused"),
+    "dequantize_gguf": ids(
+        GGUF + "test_greedy_output_equals_transformers_on_the_dequantized_weights",
+        GGUF + "test_quantized_layers_hold_only_their_blocks",
+    ),
+    "enable_lora": ids(
+        LORA + "test_mixed_batch_equals_peft_and_single_runs",
+        LORA + "test_adapter_for_another_model_and_lora_off_are_refused",
+        LORA + "test_pp2_mixed_batch_equals_peft",
+        LORA + "test_tp2_mixed_batch_equals_peft",
+        LORA_HTTP + "test_tp2_server_mixes_adapters_as_peft",
+    ),
+    "max_loras": ids(
+        LORA + "test_more_adapters_than_max_loras_wait_and_rotate",
+        LORA + "test_adapter_for_another_model_and_lora_off_are_refused",
+    ),
+    "max_lora_rank": ids(LORA + "test_unimplemented_adapters_are_refused_naming_it"),
+    # the cache's storage: block bytes, kernels reading it, output close to auto's; refusals
+    "kv_cache_dtype": ids(
+        KV_DTYPE + "test_cache_dtype_sizes_the_blocks_and_unknown_values_are_refused",
+        KV_DTYPE + "test_native_kernel_reads_the_cache_dtype_in_place",
+        KV_DTYPE + "test_engine_output_with_a_bf16_and_an_fp8_cache_stays_close",
+    ),
+    # pooling models: the vector equals transformers' pooled hidden states; refusals named
+    "runner": ids(
+        POOL + "test_llm_embed_equals_transformers",
+        POOL + "test_a_generative_engine_refuses_to_embed",
+        POOL + "test_settings_trillm_cannot_honour_are_refused",
+    ),
+    "convert": ids(
+        POOL + "test_convert_embed_is_the_pooling_runner",
+        POOL + "test_settings_trillm_cannot_honour_are_refused",
+        CLS + "test_classify_route_answers_in_vllms_shape",
+        CLS + "test_convert_classify_needs_a_score_head",
+        CLS + "test_what_a_classifier_does_not_do_is_refused",
+    ),
+    "pooler_config": ids(
+        POOL + "test_llm_embed_equals_transformers",
+        POOL + "test_the_folder_says_how_to_pool_and_an_override_wins",
+        POOL + "test_settings_trillm_cannot_honour_are_refused",
+    ),
+    # n-gram / draft-model drafts verified in one forward: same output, fewer forwards; bad
+    # configs and drafts with another vocabulary refused
+    "speculative_config": ids(
+        SPEC_E + "test_same_output_with_speculation_and_drafts_accepted",
+        SPEC_D + "test_target_copy_as_draft_is_accepted_and_output_is_exact",
+        SPEC_D + "test_draft_with_another_vocabulary_is_refused_by_name",
+        SPEC + "test_speculative_config_refused_with_the_reason",
+        TP + "test_draft_model_on_the_output_rank_with_tp2",
+    ),
+}
+
+ENGINE_ARGS = {f"EngineArgs.{k}": v for k, v in ENGINE.items()}

@@ -1,0 +1,53 @@
+"""Node-id prefixes and shared test ids the coverage sections name (tests/support/field_coverage_table.py)."""
+
+from __future__ import annotations
+
+FE = "tests/entrypoints/test_field_effects.py::"
+FEE = "tests/entrypoints/test_field_effects_engine.py::"
+OPENAI = "tests/entrypoints/test_server_openai.py::"
+TOOLS_HTTP = "tests/entrypoints/test_tool_calling_http.py::"
+TOOLS = "tests/parsers/test_tool_calling.py::"
+SAMPLER = "tests/sample/test_sampler.py::"
+SCHED = "tests/core/test_scheduler.py::"
+OUTPUT = "tests/engine/test_output_processor.py::"
+LIFE = "tests/entrypoints/test_server_lifecycle.py::"
+FAULTS = "tests/fault/test_lifecycle_faults.py::"
+HOSTILE = "tests/fault/test_hostile_requests.py::"
+UNITS = "tests/entrypoints/test_server_units.py::"
+SO_UNIT = "tests/structured_output/test_structured_output.py::"
+REQ = "tests/entrypoints/test_request_fields.py::"
+LOADING = "tests/models/test_model_loading.py::"
+FP8 = "tests/models/test_quantization_fp8.py::"
+KV_DTYPE = "tests/models/test_kv_cache_dtype.py::"
+SO_REASONING = "tests/structured_output/test_structured_output_reasoning.py::"
+POOL = "tests/models/test_pooling.py::"
+CLS = "tests/models/test_classify.py::"
+RESP = "tests/entrypoints/test_responses_api.py::"
+TP = "tests/parallel/test_tensor_parallel.py::"
+DP = "tests/parallel/test_data_parallel.py::"
+MN = "tests/parallel/test_multinode.py::"
+PP = "tests/parallel/test_pipeline_parallel.py::"
+PA = "tests/parallel/test_parallel_architectures.py::"
+PAH = "tests/parallel/test_parallel_architectures_http.py::"
+LORA = "tests/lora/test_lora.py::"
+GGUF = "tests/models/test_gguf.py::"
+AWQ = "tests/models/test_awq_gptq.py::"
+LORA_HTTP = "tests/entrypoints/test_lora_http.py::"
+SPEC = "tests/spec_decode/test_spec_decode.py::"
+SPEC_E = "tests/spec_decode/test_spec_decode_engine.py::"
+SPEC_D = "tests/spec_decode/test_spec_decode_draft.py::"
+NUM = "tests/models/test_transformers_numerics.py::"
+
+
+def ids(*node_ids: str) -> tuple[str, ...]:
+    return node_ids
+
+
+STRUCTURED = FE + "test_structured_outputs_constrain_the_text"
+MESSAGES = FE + "test_message_and_tool_fields_reach_the_template"
+REFUSED_TYPES = FE + "test_tool_and_part_types_other_than_function_and_text_are_refused"
+TOKENIZE = FE + "test_tokenize_and_detokenize_fields"
+FLAG_MAP = FEE + "test_engine_flags_reach_the_engine"
+CONFIG = FEE + "test_engine_args_reach_the_config"
+ENGINE_REFUSED = FEE + "test_engine_args_that_cannot_be_honoured_are_refused"
+ACT = FEE + "test_engine_args_act_on_requests"

@@ -1,0 +1,264 @@
+"""Coverage of ``trillm serve`` flags (first long name, or the metavar) -> node ids."""
+
+from __future__ import annotations
+
+from field_coverage.engine_args import ENGINE
+from field_coverage.ids import (
+    FAULTS,
+    FE,
+    FEE,
+    FLAG_MAP,
+    GGUF,
+    LIFE,
+    LORA,
+    LORA_HTTP,
+    MN,
+    OPENAI,
+    POOL,
+    SO_REASONING,
+    SPEC_E,
+    TOOLS,
+    TOOLS_HTTP,
+    UNITS,
+    ids,
+)
+
+# ``trillm serve`` flags: how each reaches the engine or the server, and what it then does.
+_FLAGS = {
+    "--headless": ids(
+        MN + "test_ranks_across_two_nodes_match_tp1_over_http",
+        MN + "test_killed_node1_fails_node0s_requests_and_leaves_no_process",
+        MN + "test_a_headless_node_with_other_engine_flags_is_refused",
+        MN + "test_node_flags_reach_the_config_and_bad_ones_are_refused",
+    ),
+    **{
+        f"--{name.replace('_', '-')}": ENGINE[name]
+        for name in (
+            "nnodes",
+            "node_rank",
+            "master_addr",
+            "master_port",
+            "distributed_timeout_seconds",
+        )
+    },
+    "MODEL": ids(FEE + "test_model_positional_and_flag_and_bad_values"),
+    "--model": ids(FEE + "test_model_positional_and_flag_and_bad_values"),
+    "--host": ids(FE + "test_model_must_be_served"),  # every real-server test binds with it
+    "--port": ids(FE + "test_model_must_be_served"),
+    "--api-key": ids(
+        LIFE + "test_api_key_guards_v1_routes",
+        "tests/fault/test_api_key_routes.py::test_the_key_opens_what_runs_the_model",
+        "tests/fault/test_api_key_routes.py::test_the_flag_wins_over_vllm_api_key",
+    ),
+    "--health-step-timeout": ids(
+        "tests/fault/test_health_stall.py::test_a_stopped_worker_turns_health_503_and_back",
+        "tests/fault/test_health_stall.py::test_the_flag_is_validated",
+    ),
+    "--served-model-name": ids(FLAG_MAP, OPENAI + "test_models"),
+    "--chat-template": ids(
+        FE + "test_server_chat_template_and_its_kwargs",
+        TOOLS_HTTP + "test_tool_history_is_rendered",
+    ),
+    "--trust-request-chat-template": ids(
+        FE + "test_chat_template_in_a_request_replaces_the_servers",
+        FE + "test_log_level_and_request_chat_templates",
+    ),
+    "--uvicorn-log-level": ids(FE + "test_log_level_and_request_chat_templates"),
+    "--shutdown-timeout": ids(LIFE + "test_sigterm_drains_then_aborts_and_exits_0"),
+    "--timeout-keep-alive": ids(
+        "tests/fault/test_keepalive.py::test_timeout_keep_alive_flag_reaches_hypercorn"
+    ),
+    "--max-num-queued-requests": ids(
+        FAULTS + "test_full_queue_answers_503_at_once",
+        POOL + "test_embedding_inputs_hold_queue_places_until_done",
+    ),
+    "--max-num-admitted-tokens": ids(
+        "tests/fault/test_token_queue_bound.py::test_token_bound_refuses_whole_requests_at_once",
+        "tests/fault/test_token_queue_bound.py::test_flag_is_validated",
+    ),
+    "--max-logprob-entries": ids(
+        "tests/fault/test_logprob_budget.py::test_over_the_budget_is_refused_at_once_naming_it",
+        "tests/fault/test_logprob_budget.py::test_the_flags_are_parsed_and_validated",
+    ),
+    "--max-sequences-per-request": ids(
+        "tests/fault/test_fanout_fairness.py::test_sequences_over_the_budget_are_refused_at_once",
+        "tests/fault/test_logprob_budget.py::test_the_flags_are_parsed_and_validated",
+    ),
+    "--tokenizer": ids(FE + "test_add_special_tokens_and_the_tokenizer_flag"),
+    "--revision": ids(FLAG_MAP, FEE + "test_revision_reaches_the_hub_download"),
+    "--structured-outputs-cache-bytes": ENGINE["structured_outputs_cache_bytes"],
+    "--stream-wake-budget": ids(
+        UNITS + "test_stream_wake_budget_flag",
+        "tests/engine/test_output_wake_budget.py::test_wake_budget_spreads_middle_chunks_first_and_last_at_once",
+    ),
+    "--runner": ids(
+        FLAG_MAP,
+        TOOLS_HTTP + "test_auto_without_the_flag_is_a_400_and_plugins_load",
+        POOL + "test_v1_embeddings_with_the_openai_client",
+    ),
+    "--enable-auto-tool-choice": ids(
+        TOOLS_HTTP + "test_auto_parses_a_hermes_call_streamed_and_not",
+        TOOLS_HTTP + "test_auto_without_the_flag_is_a_400_and_plugins_load",
+    ),
+    "--tool-call-parser": ids(
+        TOOLS_HTTP + "test_auto_parses_a_hermes_call_streamed_and_not",
+        TOOLS_HTTP + "test_bad_parser_flags_stop_the_cli",
+    ),
+    "--tool-parser-plugin": ids(
+        TOOLS_HTTP + "test_auto_without_the_flag_is_a_400_and_plugins_load",
+        TOOLS_HTTP + "test_bad_parser_flags_stop_the_cli",
+    ),
+    "--exclude-tools-when-tool-choice-none": ids(
+        FEE + "test_tool_flags_are_checked_at_startup",
+        TOOLS + "test_plan_required_and_auto_and_none",
+    ),
+    "--reasoning-parser": ids(
+        TOOLS_HTTP + "test_enable_thinking_puts_the_output_in_reasoning",
+        TOOLS_HTTP + "test_bad_parser_flags_stop_the_cli",
+        SO_REASONING + "test_http_reasoning_content_then_schema_content",
+    ),
+}
+
+# vLLM's serve flags (issue 16): honoured, refused naming the flag (features of other open
+# issues), or, where what they ask is already so / means nothing here, said once in the log.
+VF = "tests/entrypoints/test_vllm_flags.py::"
+REFUSED_TOP = VF + "test_top35_flag_of_another_issue_refused"
+MOOT = VF + "test_moot_flags_say_so_once"
+TLS = VF + "test_tls_and_request_log"
+CORS = ids(
+    VF + "test_preflight_needs_no_api_key_and_names_what_is_disallowed",
+    VF + "test_cors_headers_on_answers_and_errors",
+)
+_VLLM_FLAGS = {
+    "--allowed-origins": CORS,
+    "--allow-credentials": CORS,
+    "--allowed-headers": CORS,
+    "--allowed-methods": ids(
+        FEE + "test_tls_client_certificates_and_cors_methods_reach_the_server"
+    ),
+    "--ssl-keyfile": ids(TLS, VF + "test_bad_values_refused_with_the_flag_named"),
+    "--ssl-certfile": ids(TLS),
+    "--ssl-ca-certs": ids(FEE + "test_tls_client_certificates_and_cors_methods_reach_the_server"),
+    "--ssl-cert-reqs": ids(FEE + "test_tls_client_certificates_and_cors_methods_reach_the_server"),
+    "--root-path": ids(VF + "test_root_path_as_uvicorn"),
+    "--config": ids(VF + "test_config_yaml_and_command_line_precedence"),
+    "--download-dir": ids(VF + "test_download_dir_is_the_hub_cache"),
+    "--enable-log-requests": ids(TLS),
+    "--max-log-len": ids(TLS),
+    "--disable-log-stats": ids(TLS),
+    "--disable-uvicorn-access-log": ids(TLS),
+    "--log-stats-interval": ids(VF + "test_logs_stats_notes_once_and_no_prompt_by_default"),
+    "--log-format": ids(
+        "tests/entrypoints/test_logging_config.py::test_log_format_json_makes_every_record_one_json_object"
+    ),
+    "--metrics-prefix": ids(
+        "tests/entrypoints/test_metrics_vllm.py::test_metrics_prefix_vllm_only"
+    ),
+    "--restart-on-engine-death": ids(FAULTS + "test_dead_engine_restarts_with_flag"),
+    "--load-format": ids(
+        VF + "test_bad_values_refused_with_the_flag_named",
+        GGUF + "test_serve_flags_reach_the_engine_args",
+        GGUF + "test_trillm_serve_a_gguf_file_chats_with_its_template",
+    ),
+    "--tokenizer-mode": ids(VF + "test_more_vllm_flags_refused"),
+    "--limit-mm-per-prompt": ids(VF + "test_more_vllm_flags_refused"),
+    "--data-parallel-size-local": ids(VF + "test_more_vllm_flags_refused"),
+    "--data-parallel-start-rank": ids(VF + "test_more_vllm_flags_refused"),
+    "--data-parallel-address": ids(VF + "test_more_vllm_flags_refused"),
+    "--data-parallel-rpc-port": ids(VF + "test_more_vllm_flags_refused"),
+    "--data-parallel-backend": ids(VF + "test_more_vllm_flags_refused"),
+    "--data-parallel-hybrid-lb": ids(VF + "test_more_vllm_flags_refused"),
+    "--data-parallel-external-lb": ids(VF + "test_more_vllm_flags_refused"),
+    "--quantization": ids(
+        REFUSED_TOP,
+        FLAG_MAP,
+        *ENGINE["quantization"],
+        GGUF + "test_serve_flags_reach_the_engine_args",
+        GGUF + "test_trillm_serve_a_gguf_file_chats_with_its_template",
+    ),
+    "--kv-cache-dtype": ids(REFUSED_TOP, FLAG_MAP, *ENGINE["kv_cache_dtype"]),
+    # LoRA (tests/entrypoints/test_lora_http.py: a real server; the engine arguments in tests/lora/test_lora.py)
+    "--enable-lora": ids(
+        LORA_HTTP + "test_model_name_selects_the_adapter",
+        LORA_HTTP + "test_lora_flags_refused_with_the_flag_named",
+    ),
+    "--lora-modules": ids(
+        LORA_HTTP + "test_model_name_selects_the_adapter",
+        LORA_HTTP + "test_models_lists_adapters_with_their_parent",
+        LORA_HTTP + "test_lora_flags_refused_with_the_flag_named",
+    ),
+    "--max-loras": ids(
+        VF + "test_bad_values_refused_with_the_flag_named",
+        LORA + "test_more_adapters_than_max_loras_wait_and_rotate",
+    ),
+    "--max-lora-rank": ids(
+        LORA_HTTP + "test_load_and_unload_at_runtime",
+        LORA + "test_unimplemented_adapters_are_refused_naming_it",
+    ),
+    "--allow-runtime-lora-updating": ids(
+        LORA_HTTP + "test_load_and_unload_at_runtime",
+        LORA_HTTP + "test_runtime_updating_routes_need_the_opt_in",
+    ),
+    "--lora-allowed-root": ids(
+        "tests/fault/test_lora_runtime_hostile.py::test_paths_that_are_not_adapters_get_one_answer",
+        "tests/fault/test_lora_runtime_hostile.py::test_an_adapter_under_the_root_loads_and_serves",
+        "tests/fault/test_lora_runtime_hostile.py::"
+        "test_lora_allowed_root_flag_refused_with_the_flag_named",
+    ),
+    "--speculative-config": ids(
+        SPEC_E + "test_http_same_greedy_text_and_metrics_count", REFUSED_TOP
+    ),  # eagle / medusa / mtp: not yet
+    # Already so in trillm, or meaningless without CUDA graphs / swapping / several ranks:
+    # accepted, and the log says so once at startup.
+    "--enable-chunked-prefill": ids(MOOT, VF + "test_bad_values_refused_with_the_flag_named"),
+    "--enforce-eager": ids(
+        FEE + "test_enforce_eager_reaches_the_runner_from_the_serve_flag",
+        "tests/worker/test_step_program.py::test_enforce_eager_turns_programs_off",
+        MOOT,
+        VF + "test_logs_stats_notes_once_and_no_prompt_by_default",
+    ),
+    "--swap-space": ids(MOOT, VF + "test_logs_stats_notes_once_and_no_prompt_by_default"),
+    "--disable-log-requests": ids(MOOT),
+    "--enable-prompt-tokens-details": ids(MOOT, FE + "test_cache_salt_separates_prefix_cache_hits"),
+    "--max-seq-len-to-capture": ids(MOOT),
+    "--disable-custom-all-reduce": ids(MOOT),
+    "--enable-server-load-tracking": ids(
+        VF + "test_ping_load_and_invocations", VF + "test_more_vllm_flags_accepted"
+    ),
+}
+
+# Engine flags: parsed into the EngineArgs field of the same name, whose tests show the effect.
+_ENGINE_FLAG_FIELDS = {
+    "--dtype": "dtype",
+    "--seed": "seed",
+    "--max-model-len": "max_model_len",
+    "--block-size": "block_size",
+    "--max-num-seqs": "max_num_seqs",
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--long-prefill-token-threshold": "long_prefill_token_threshold",
+    "--enable-prefix-caching": "enable_prefix_caching",
+    "--scheduling-policy": "scheduling_policy",
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "--kv-cache-memory": "kv_cache_memory",
+    "--data-parallel-size": "data_parallel_size",
+    "--pipeline-parallel-size": "pipeline_parallel_size",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--num-gpu-blocks-override": "num_gpu_blocks_override",
+    "--max-logprobs": "max_logprobs",
+    "--stream-interval": "stream_interval",
+    "--device": "device",
+    "--attention-backend": "attention_backend",
+    "--convert": "convert",
+    "--pooler-config": "pooler_config",
+    "--distributed-executor-backend": "distributed_executor_backend",
+    "--generation-config": "generation_config",
+    "--trust-remote-code": "trust_remote_code",
+    "--dequantize-gguf": "dequantize_gguf",
+    "--numerics": "numerics",
+}
+
+SERVE_FLAGS: dict[str, tuple[str, ...]] = {
+    **_FLAGS,
+    **_VLLM_FLAGS,
+    **{flag: (FLAG_MAP, *ENGINE[field]) for flag, field in _ENGINE_FLAG_FIELDS.items()},
+}

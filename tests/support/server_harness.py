@@ -1,0 +1,260 @@
+"""A real ``trillm serve`` subprocess for the server tests (test_server_*.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TypeVar
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``trillm serve ARGS`` on 127.0.0.1:<free port>; ``start()`` waits for /health 200."""
+
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        api_key: str | None = None,
+        launcher: list[str] | None = None,
+    ) -> None:
+        # ``launcher``: how the program is started (default ``python -m trillm``).
+        self.launcher = launcher or [sys.executable, "-m", "trillm"]
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        self.api_key = api_key
+        self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
+        if api_key:
+            self.args += ["--api-key", api_key]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300.0) -> ServerProcess:
+        env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [*self.launcher, "serve", *self.args],
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"trillm serve exited with {self.proc.returncode}:\n{self.log()}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.proc.kill()
+        raise TimeoutError(f"trillm serve not healthy after {timeout} s:\n{self.log()}")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def terminate(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.terminate()
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._log.close()
+        return code
+
+
+def metric_value(text: str, name: str) -> float:
+    """The sum of the samples of ``name`` (any labels) in a Prometheus text page."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        raise KeyError(name)
+    return total
+
+
+def open_request(srv: ServerProcess, path: str, body: dict) -> socket.socket:
+    """Send a POST on a raw socket and return the socket, unread (the client can leave)."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes) -> bytes:
+    """Read a raw socket until ``marker`` arrives (fails if the server closes first)."""
+    seen = b""
+    while marker not in seen:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before {marker!r}: {seen[-300:]!r}"
+        seen += chunk
+    return seen
+
+
+def gauges(srv: ServerProcess) -> tuple[float, float]:
+    """(running, waiting) requests from the server's /metrics."""
+    text = httpx.get(srv.url + "/metrics", timeout=10).text
+    running, waiting = (
+        metric_value(text, f"trillm:num_requests_{name}") for name in ("running", "waiting")
+    )
+    return running, waiting
+
+
+def wait_gauges(srv: ServerProcess, expected: tuple[float, float], within: float = 20) -> None:
+    deadline = time.monotonic() + within
+    while (now := gauges(srv)) != expected:
+        assert time.monotonic() < deadline, f"gauges {now}, expected {expected}"
+        time.sleep(0.05)
+
+
+def rss_mib(pid: int) -> float:
+    """A process's resident memory (VmRSS), MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The model-worker processes among ``pid``'s children."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in open(f"/proc/{pid}/task/{task}/children").read().split():
+            if b"worker_main" in open(f"/proc/{child}/cmdline", "rb").read():
+                out.append(int(child))
+    return out
+
+
+def run_polling_health(
+    srv: ServerProcess,
+    work: Callable[[], T],
+    each_poll: Callable[[], None] | None = None,
+    interval: float = 0.02,
+) -> tuple[T, float, float]:
+    """``work()`` on a thread while ``/health`` is polled: (its result, its seconds, the
+    slowest ``/health``). Each poll is a new connection (a kept-alive one could time out while
+    the event loop is held); ``each_poll`` runs after each (to sample memory, say). An error of
+    ``work`` is raised here."""
+    result: list[T] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+            errors.append(exc)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=run)
+    thread.start()
+    worst = 0.0
+    while thread.is_alive():
+        polled = time.monotonic()
+        assert httpx.get(srv.url + "/health", timeout=300).status_code == 200
+        worst = max(worst, time.monotonic() - polled)
+        if each_poll is not None:
+            each_poll()
+        time.sleep(interval)
+    thread.join()
+    took = time.monotonic() - start
+    if errors:
+        raise errors[0]
+    return result[0], took, worst
+
+
+def post_polling_health(
+    srv: ServerProcess, path: str, body: dict, each_poll: Callable[[], None] | None = None
+) -> tuple[httpx.Response, float, float]:
+    """POST ``body`` to ``path`` while ``/health`` is polled: (answer, its seconds, the slowest
+    ``/health``)."""
+
+    def post() -> tuple[httpx.Response, float]:
+        start = time.monotonic()
+        answer = httpx.post(srv.url + path, json=body, timeout=300)
+        return answer, time.monotonic() - start
+
+    (answer, took), _, worst = run_polling_health(srv, post, each_poll)
+    return answer, took, worst
+
+
+def stats_engine(per_core: list) -> SimpleNamespace:
+    """A stand-in engine for the metrics and stats-line units: what they read of an
+    ``AsyncEngine`` (each core's ``SchedulerStats`` given), the rest at ordinary values."""
+    from trillm.engine.dp_router import sum_stats
+
+    cache = SimpleNamespace(
+        block_size=16,
+        enable_prefix_caching=True,
+        gpu_memory_utilization=0.9,
+        num_gpu_blocks_override=None,
+        kv_cache_memory=1 << 30,
+    )
+    return SimpleNamespace(
+        get_stats=lambda: per_core[0] if len(per_core) == 1 else sum_stats(per_core),
+        get_engine_stats=lambda: list(per_core),
+        data_parallel_size=len(per_core),
+        model_config=SimpleNamespace(max_model_len=2048),
+        config=SimpleNamespace(
+            lora=None, cache=cache, scheduler=SimpleNamespace(max_num_batched_tokens=8192)
+        ),
+        executors=[SimpleNamespace(num_blocks=64) for _ in per_core],
+        step_observers=[],
+    )
+
+
+def fake_llama_args(model: str, *more: str) -> list[str]:
+    """``trillm serve`` flags of a fake-runner server over a tiny Llama folder (its tokenizer and
+    config; no forward pass): a 2,048-token context and a 256 MiB KV cache, then ``more``."""
+    return [
+        model,
+        "--runner",
+        "trillm.worker.fake_runner:FakeModelRunner",
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory",
+        "256MiB",
+        *more,
+    ]
