@@ -1,14 +1,15 @@
-"""Shared helpers of the side-by-side benchmarks in ``benchmarks/``.
+"""Shared helpers of the benchmark scripts in ``benchmarks/<group>/``.
 
 - the benchmark model (a ~28M-parameter random Llama, fp32) and its parameter counts;
 - the workload (mixed prompt and output lengths, token-id prompts);
 - the fp32 matmul rate of this machine, measured at the model's GEMM shapes and at 2048^3;
-- machine facts for RESULTS.md, a table printer, JSON output;
+- machine facts for the results files, a table printer, JSON output;
 - a ``trillm serve`` subprocess that is up (``/health`` 200) when the ``with`` body starts.
 
-Importing this module puts the repository root on ``sys.path``: a script run as
-``python benchmarks/x.py`` has ``benchmarks/`` there, not the root, and the editable install
-only maps ``trillm.kernels``.
+A script run as ``python benchmarks/GROUP/x.py`` has its group folder on ``sys.path``, not
+the repository root (and the editable install only maps ``trillm.kernels``), so each script
+puts the root there before ``from benchmarks import common``; this module does it too, for
+code that imports it some other way.
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def write_json(path: Path | None, result: dict[str, Any]) -> None:
 
 def add_offline_args(p: Any) -> None:
     """The options of a benchmark that times one ``LLM`` per parallel size on a fixed-length
-    workload, each size in a fresh child process (``benchmarks/tensor_parallel.py``,
+    workload, each size in a fresh child process (``benchmarks/parallel/tensor_parallel.py``,
     ``data_parallel.py``); ``p``: an argparse parser."""
     import argparse
 
