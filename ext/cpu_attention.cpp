@@ -168,7 +168,7 @@ TRILLM_INLINE void rounded_softmax_pv(const Problem& p, int nvec, float* s, int 
 // KB / JB: the tile kernel's blocks of accumulators (keys x group, value lanes x group), sized
 // to AVX2's 16 vector registers. (An AVX-512VL build of the same 8-lane code with 32 registers
 // and blocks of 4 x 4 gave the same bits but ran slower: 14.4 against 14.1 ms on
-// benchmarks/attention_tile.py's 256-token chunk over 1024 keys.)
+// benchmarks/kernels/attention_tile.py's 256-token chunk over 1024 keys.)
 template <typename T, typename C, int KB, int JB>
 TRILLM_INLINE void attend_dispatch(const Problem& p, const Item& it) {
   const bool one_row = it.row_end - it.row_begin == 1;

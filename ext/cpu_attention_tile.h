@@ -18,7 +18,7 @@
 // alone over the rest of its own. Only the loop nest changed from one vector at a time: every
 // score and every output lane is accumulated in the same order as before (bit-identical
 // outputs, checked over 2,575 configurations at 1 and 2 threads, AVX2 and generic builds). One
-// thread, benchmarks/attention_tile.py (8 / 4 heads of 64): a 256-token chunk over 0, 256 and
+// thread, benchmarks/kernels/attention_tile.py (8 / 4 heads of 64): a 256-token chunk over 0, 256 and
 // 1024 keys took 1.64 / 4.56 / 14.2 ms against 1.92 / 5.46 / 17.1 before (x0.85 / 0.83 / 0.83).
 #pragma once
 

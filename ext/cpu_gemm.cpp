@@ -4,7 +4,7 @@
 // (one row per running request, tens to a few hundred) that packing is a large part of the
 // call; with the weights packed at load time, a register-blocked FMA kernel runs at 1.3-1.7x the
 // rate of torch.nn.functional.linear at 8-96 rows on the bench model's shapes (2 threads) and
-// 1.1-1.2x at prefill sizes (benchmarks/RESULTS.md, section 2).
+// 1.1-1.2x at prefill sizes (benchmarks/archive/RESULTS-journal.md, section 2).
 //
 // Packed layout: N is cut into panels of 16 output columns (the last one zero-padded); panel p
 // holds W[16p .. 16p+15, k] for k = 0 .. K-1 as [K][16], so the kernel reads it sequentially.

@@ -12,7 +12,7 @@
 // weights' block, llama.cpp's choice): one large activation then coarsens 15 others, not 31.
 // On SmolLM2 Q8_0 that cut int8's own perplexity cost (over fp32 activations) on a 2,721-token
 // text from +0.54% to +0.12%, for one more int32 -> fp32 conversion per block and column
-// (Q8_0's int8 GEMMs ~20% slower, Q4_1's 3-6%; RESULTS.md section 21, addendum).
+// (Q8_0's int8 GEMMs ~20% slower, Q4_1's 3-6%; benchmarks/archive/RESULTS-journal.md, section 21, addendum).
 //
 // The packed weight is the fp32 kernel's. Q4: byte [j][c] holds q[c][2j] and q[c][2j + 1]; two
 // 16-byte loads (pairs j, j + 1), widened to 32-bit lanes and merged, put column c's

@@ -5,7 +5,7 @@
 // itself, ``bind_<name>`` takes the same arguments (same names, same defaults) and returns a
 // ``Thunk``, the call with its arguments converted and kept. A ``Program`` runs its thunks in
 // order. At batch 1 the argument conversion of ~360 calls (keyword matching, tuples) was most of
-// the Python left in a replayed step (benchmarks/RESULTS.md, section 31).
+// the Python left in a replayed step (benchmarks/archive/RESULTS-journal.md, section 31).
 #pragma once
 
 #include <functional>

@@ -158,7 +158,7 @@ def _require_bf16() -> ModuleType:
 # kernel's rate once the rows fill its 16-row tiles; below that the kernel wins (no per-call
 # weight reordering, half the weight bytes of fp32). SmolLM2-135M's 121 weights a pass, 2
 # threads, alternated (2026-12-01 20:06 UTC): kernel / torch 1.80x at 1 row, 1.45x at 4, 1.29x
-# at 8, 0.94x at 16, 0.25x at 256. benchmarks/RESULTS.md, section 6.
+# at 8, 0.94x at 16, 0.25x at 256. benchmarks/archive/RESULTS-journal.md, section 6.
 AMX_KERNEL_MAX_ROWS = 8
 
 

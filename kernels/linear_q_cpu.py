@@ -124,7 +124,7 @@ def int8_available() -> bool:
     return ext is not None and bool(ext.supports_int8_activations())
 
 
-# benchmarks/q4_int8.py (RESULTS.md), SmolLM2's Q4_1 GEMMs: int8 1.2-1.3x faster at 16 rows,
+# benchmarks/kernels/q4_int8.py (benchmarks/archive/RESULTS-journal.md), SmolLM2's Q4_1 GEMMs: int8 1.2-1.3x faster at 16 rows,
 # 1.45x at 64; at 1-4 rows (memory-bound) within this busy machine's noise, so those keep fp32
 # activations and a small batch keeps the dequantized model's exact numerics.
 INT8_MIN_ROWS = 16

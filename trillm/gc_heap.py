@@ -3,7 +3,7 @@
 A server process ends its start with a few hundred thousand long-lived objects (torch,
 transformers, the app), and Python's oldest-generation collection walks every one of them: in
 ``trillm serve``'s process under load that was a 160-220 ms pause every few seconds
-(benchmarks/RESULTS.md, section 34), a stall of every stream it serves. ``gc.freeze()`` moves
+(benchmarks/archive/RESULTS-journal.md, section 34), a stall of every stream it serves. ``gc.freeze()`` moves
 what exists at the end of the start into the permanent generation, which collections skip;
 objects made afterwards are collected as before. The young generations are collected first
 (cheap); a full collection is not (it would cost a pause of its own on every start), so

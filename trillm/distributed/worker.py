@@ -62,7 +62,7 @@ def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
 
 
 def leave_tensor_parallel(rank: int, num_steps: int) -> None:
-    """Say how long this rank spent in collectives (benchmarks/tp_bench.py reads the line),
+    """Say how long this rank spent in collectives (benchmarks/parallel/tensor_parallel.py reads the line),
     then leave the group."""
     spent = get_tp_group().take_comm_time() + get_pp_group().comm_time_s  # + stage hand-offs
     per_step = 1e3 * spent / max(1, num_steps)

@@ -7,7 +7,7 @@ zygote's children are adopted: this process is a child subreaper (``PR_SET_CHILD
 from the zygote's start until it has exited, so the ranks it forked and left come to this
 process rather than to init; each is then waited on and signalled through a pidfd
 (``AdoptedRank``, the same interface the executor uses on ``trio.Process``). A zygote start
-saves a 4-rank start ~11 s of CPU on 2 cores (benchmarks/RESULTS.md, section 36).
+saves a 4-rank start ~11 s of CPU on 2 cores (benchmarks/archive/RESULTS-journal.md, section 36).
 
 ``TRILLM_WORKER_START``: ``zygote`` (the default: several ranks from one zygote, one rank as a
 process of its own) or ``spawn`` (every rank its own process, as before the zygote); Linux

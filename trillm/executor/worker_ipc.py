@@ -34,7 +34,7 @@ def free_loopback_port() -> int:
 # they sleep. GOMP's default (300,000, ~1 ms here) keeps torch's idle threads busy on the cores
 # through most of each layer's attention call, which runs on the CPU attention kernel's own
 # threads: on 2 cores a decode layer's attention took 4.7-5.2 ms that way against 2.9-3.1 ms
-# with 20,000, and the GEMMs around it did not slow down (benchmarks/RESULTS.md, section 2).
+# with 20,000, and the GEMMs around it did not slow down (benchmarks/archive/RESULTS-journal.md, section 2).
 WORKER_GOMP_SPINCOUNT = "20000"
 
 

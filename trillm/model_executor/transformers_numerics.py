@@ -3,7 +3,7 @@ computes it, so that a request's output equals transformers' own, bit for bit.
 
 trillm's native kernels (packed GEMMs, fused add-and-norm, the paged and fresh-prompt attention
 kernels) give the model's values up to summation order; in bf16 one value rounded the other way
-spreads to every later layer and moves greedy tokens at near-ties (benchmarks/RESULTS.md,
+spreads to every later layer and moves greedy tokens at near-ties (benchmarks/archive/RESULTS-journal.md,
 sections 22-24 and 30). Here the model runs transformers' ops instead, op for op:
 
 - linears: torch's ``F.linear`` on the unpacked weights (``build_model`` does not pack them);
@@ -18,7 +18,7 @@ request alone; what batching still changes is the row count of each GEMM, and th
 addresses differ from transformers'. Where torch's GEMM gives a row the same bits at any row
 count and weight alignment (``gemm_batch_variance`` checks each of the model's linear shapes at
 load, and the log says so), batched output equals transformers' one request at a time: bf16 on
-the CPUs measured (benchmarks/RESULTS.md, section 37). Where the row count matters, one request
+the CPUs measured (benchmarks/archive/RESULTS-journal.md, section 37). Where the row count matters, one request
 at a time does (the log says how); MKL's fp32 GEMM follows the weights' alignment, so fp32
 output equals transformers' to rounding only.
 
