@@ -1,9 +1,12 @@
 """Build script for trillm's native extensions (ext/).
 
 The Python package metadata lives in pyproject.toml; this file only declares the native
-extensions (Cython and pybind11 C++) and maps the repository's top-level ``kernels/`` folder
-into the installed package as ``trillm.kernels`` (a top-level ``kernels`` import name would
-clash with an unrelated PyPI package).
+extensions (Cython and pybind11 C++) and the packages. The repository's top-level ``kernels/``
+folder is the package ``trillm.kernels``: ``trillm/kernels`` is a link to it, and it has no
+``__init__.py`` (a namespace package), so the folder, on sys.path when Python starts in the
+checkout's root, never shadows the PyPI package ``kernels`` that transformers probes for.
+Installed, editable or not, it is found through the link (setuptools' editable finder cannot
+map a namespace package below a regular one to another folder).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 
 from Cython.Build import cythonize
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, find_namespace_packages, setup
 
 # The sources of one extension compile side by side, one per core (cpu_kernels has ten C++
 # files; serially they were most of a fresh `pip install`); TRILLM_BUILD_JOBS=N caps it.
@@ -86,11 +89,9 @@ def pybind_extensions() -> list[Extension]:
     ]
 
 
-packages = find_packages(include=["trillm", "trillm.*"]) + ["trillm.kernels"]
-
 setup(
-    packages=packages,
-    package_dir={"trillm.kernels": "kernels"},
+    # namespace packages too: trillm.kernels (trillm/kernels -> kernels/) has no __init__.py
+    packages=find_namespace_packages(include=["trillm", "trillm.*"]),
     ext_modules=cython_extensions() + pybind_extensions(),
     # and the extensions themselves build side by side
     options={"build_ext": {"parallel": os.cpu_count() or 1}},

@@ -9,7 +9,9 @@ matmul per pair. Same layouts and result as ``fused_moe_torch.fused_moe`` (fp32)
 from __future__ import annotations
 
 import torch
-from trillm.kernels import linear_cpu, recording, silu_and_mul
+
+from trillm.kernels import linear_cpu, recording
+from trillm.kernels.dispatch import silu_and_mul
 
 
 def available() -> bool:

@@ -1,14 +1,14 @@
 """The native CPU elementwise ops (ext/cpu_ops.cpp: RMSNorm, fused add + RMSNorm, rotary,
 silu * mul, the K/V cache write) against their torch references: fp32 and bf16, widths with a
 partial 8-lane tail, strided rows, rotary on the q/k views of a fused qkv buffer, thread counts,
-in-place semantics, bad inputs, and the dispatch in ``trillm.kernels`` (native, or the reference
-under autograd or ``TRILLM_NO_EXTENSIONS=1``)."""
+in-place semantics, bad inputs, and the dispatch in ``trillm.kernels.dispatch`` (native, or the
+reference under autograd or ``TRILLM_NO_EXTENSIONS=1``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import trillm.kernels as dispatch
+import trillm.kernels.dispatch as dispatch
 from trillm.kernels import (
     activation_cpu,
     activation_torch,
@@ -302,7 +302,7 @@ def test_dispatch_under_autograd_takes_the_torch_reference():
 
 def test_extensions_switch_falls_back_to_torch(python_without_extensions):
     code = (
-        "import torch, trillm.kernels as k\n"
+        "import torch, trillm.kernels.dispatch as k\n"
         "from trillm.kernels import rms_norm_cpu, rotary_cpu, activation_cpu\n"
         "assert not (rms_norm_cpu.available() or rotary_cpu.available()"
         " or activation_cpu.available())\n"

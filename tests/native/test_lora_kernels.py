@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import trillm.kernels as dispatch
+import trillm.kernels.dispatch as dispatch
 from trillm.kernels import lora_cpu, lora_torch
 
 

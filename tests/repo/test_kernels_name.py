@@ -1,30 +1,52 @@
-"""The repository's ``kernels/`` folder is trillm's (installed as ``trillm.kernels``); the
-top-level name ``kernels`` belongs to a PyPI package (Hugging Face's hub kernels, which
-transformers >= 5.25 requires and imports). With the repository root on sys.path before
-site-packages (pytest's ``pythonpath``, ``python -m`` run from the root), ``import kernels``
-must still give that package, or fail as a missing module does: never this folder."""
+"""The repository's ``kernels/`` folder is trillm's (``trillm.kernels``, through the
+``trillm/kernels`` link); the top-level name ``kernels`` belongs to a PyPI package (Hugging
+Face's hub kernels, which transformers probes for and imports). The folder has no
+``__init__.py``: with the repository root on sys.path before site-packages (pytest's
+``pythonpath``, ``python -m`` run from the root), it is only a namespace portion, so a regular
+package ``kernels`` anywhere on the path wins, and without one transformers' probe sees a
+namespace package and says "not installed". Each case runs a Python started in the root."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+# the repository root, wherever below tests/ this file sits
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "setup.py").exists())
+SITE = Path(sysconfig.get_paths()["purelib"])
 
 
-def _python(code: str, *path: Path) -> subprocess.CompletedProcess:
+def _python(code: str, *path: Path, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in path)}
     return subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, *flags, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
+def _lines(result: subprocess.CompletedProcess) -> list[str]:
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_the_folder_is_a_namespace_portion():
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    assert (ROOT / "trillm" / "kernels").resolve() == (ROOT / "kernels").resolve()
+
+
 @pytest.mark.parametrize("via_symlink", [False, True])
-def test_import_kernels_gives_the_installed_package_not_this_folder(tmp_path, via_symlink):
+def test_a_regular_kernels_package_wins_over_the_folder(tmp_path, via_symlink):
     root = ROOT
     if via_symlink:  # the root on sys.path under another name
         root = tmp_path / "checkout"
@@ -33,35 +55,95 @@ def test_import_kernels_gives_the_installed_package_not_this_folder(tmp_path, vi
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('CUDAProperties = "the PyPI package"\n')
     code = (
-        "import kernels, trillm.kernels\n"
+        "import kernels, trillm.kernels.dispatch as dispatch\n"
         "print(kernels.__file__)\n"
         "print(kernels.CUDAProperties)\n"
-        "print(trillm.kernels.__file__, callable(trillm.kernels.rms_norm))\n"
+        "print(dispatch.__name__, callable(dispatch.rms_norm))\n"
+        "print(dispatch.__file__)\n"
     )
-    result = _python(code, root, tmp_path / "site")  # the root first: it would shadow
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[0] == str(fake / "__init__.py")
-    assert lines[1] == "the PyPI package"
-    assert lines[2] == f"{ROOT / 'kernels' / '__init__.py'} True"  # trillm's own, unchanged
+    lines = _lines(_python(code, root, tmp_path / "site"))  # the root first: it would shadow
+    assert lines[:3] == [
+        str(fake / "__init__.py"),
+        "the PyPI package",
+        "trillm.kernels.dispatch True",
+    ]
+    assert Path(lines[3]).resolve() == ROOT / "kernels" / "dispatch.py"  # trillm's own
 
 
-def test_import_kernels_without_the_package_is_a_missing_module():
+# transformers' probe (transformers.utils.import_utils._is_package_available), step by step:
+# find_spec; the distribution's version; else import it, and a module with neither __version__
+# nor __file__ is a PEP 420 namespace package on sys.path, "not installed".
+_PROBE = """
+import importlib, importlib.metadata, importlib.util
+spec = importlib.util.find_spec("kernels")
+print(spec is not None)
+try:
+    print(importlib.metadata.version("kernels"))
+except importlib.metadata.PackageNotFoundError:
+    print("no distribution")
+module = importlib.import_module("kernels")
+print(getattr(module, "__file__", None), getattr(module, "__version__", None))
+print(sorted(set(getattr(module, "__path__", []))))  # "" (the cwd) and the root: one folder
+"""
+
+
+def _site_without_kernels(tmp_path: Path) -> Path:
+    """site-packages as links, less the PyPI ``kernels`` and its distribution metadata."""
+    view = tmp_path / "site-packages"
+    view.mkdir()
+    for entry in SITE.iterdir():
+        if entry.name == "kernels" or entry.name.lower().startswith("kernels-"):
+            continue
+        (view / entry.name).symlink_to(entry)
+    return view
+
+
+def test_probe_without_the_pypi_package_sees_a_namespace_package(tmp_path):
+    view = _site_without_kernels(tmp_path)
+    # -S: no site-packages but the view (so neither the PyPI package nor its metadata)
+    lines = _lines(_python(_PROBE, ROOT, view, flags=("-S",)))
+    assert lines == ["True", "no distribution", "None None", f"[{str(ROOT / 'kernels')!r}]"]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("kernels") is None, reason="the PyPI kernels is not installed"
+)
+def test_probe_with_the_pypi_package_finds_it():
+    lines = _lines(_python(_PROBE, ROOT))
+    assert lines[:2] == ["True", importlib.metadata.version("kernels")]
+    file, version = lines[2].split()
+    assert Path(file).is_relative_to(SITE) and version != "None"
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)
+def test_transformers_probe_without_the_pypi_package_says_not_available(tmp_path):
+    view = _site_without_kernels(tmp_path)
     code = (
-        "import importlib.metadata, sys\n"
-        "try:\n"
-        "    importlib.metadata.version('kernels')\n"
-        "    sys.exit(3)\n"  # the PyPI package is installed here: the test above covers it
-        "except importlib.metadata.PackageNotFoundError:\n"
-        "    pass\n"
-        "import kernels\n"
+        "from transformers.utils import import_utils\n"
+        "print(import_utils._is_package_available('kernels', return_version=True))\n"
+        "print(import_utils.is_kernels_available())\n"
+    )
+    lines = _lines(_python(code, ROOT, view, flags=("-S",)))
+    assert lines == ["(False, 'N/A')", "False"]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)
+def test_transformers_from_the_root_never_sees_the_folder():
+    code = (
+        "import importlib, transformers\n"
+        "from transformers.utils import import_utils\n"
+        "print(import_utils._is_package_available('kernels', return_version=True))\n"
+        "import_utils.is_kernels_available()\n"
+        "print(getattr(importlib.import_module('kernels'), '__file__', None))\n"
     )
     result = _python(code, ROOT)
-    if result.returncode == 3:
-        installed = _python(
-            f"import kernels; print(kernels.__file__.startswith({str(ROOT / 'kernels')!r}))", ROOT
-        )
-        assert installed.returncode == 0 and installed.stdout.strip() == "False", installed
+    if importlib.util.find_spec("kernels") is None:
+        assert result.stdout.splitlines()[0] == "(False, 'N/A')", result.stderr
         return
-    assert result.returncode == 1
-    assert "ModuleNotFoundError: No module named 'kernels'" in result.stderr
+    probe, file = _lines(result)
+    assert probe == f"(True, {importlib.metadata.version('kernels')!r})"
+    assert Path(file).is_relative_to(SITE)  # the PyPI package, never the folder

@@ -33,5 +33,6 @@ def test_ruff_format_is_applied():
 
 def test_mypy_is_clean():
     pytest.importorskip("mypy")
-    result = run(sys.executable, "-m", "mypy", "trillm", "kernels")
+    # kernels/ is checked as trillm.kernels, through the trillm/kernels link
+    result = run(sys.executable, "-m", "mypy", "trillm")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -3,7 +3,7 @@
 Each targeted linear (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj`` of every layer)
 keeps its forward and gains a delta, Punica-style: every resident adapter has a slot, the
 step gives each token its adapter's slot (-1 for base-model tokens), and one shrink / expand
-pair (``trillm.kernels.add_lora_``: native on CPU, Triton on GPU) computes
+pair (``trillm.kernels.dispatch.add_lora_``: native on CPU, Triton on GPU) computes
 ``y[t] += scale[s] * (x[t] @ A[s]^T) @ B[s]^T`` for all tokens at once. Base-model rows are not
 touched.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from trillm.kernels import add_lora_
+from trillm.kernels.dispatch import add_lora_
 
 # HF projection -> (module path inside a decoder layer, shard of a stacked module or None)
 TARGET_MODULES: dict[str, tuple[str, str | None]] = {

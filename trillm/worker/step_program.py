@@ -119,6 +119,7 @@ class StepProgram:
             thunk = recording.bind(call, self.plan_slots, slot_of)
             if thunk is None:
                 kernel, args, kwargs = call
+                assert kernel is not None  # a plan run (kernel None) always binds
                 steps.append(functools.partial(kernel, *args, **kwargs))  # type: ignore[misc]
                 run = None
                 continue

@@ -55,7 +55,8 @@ def _pack_fp32(module: nn.Linear) -> bool:
         return False
     if module.bias is not None and module.bias.dtype != torch.float32:
         return False
-    module.packed_weight = linear_cpu.PackedWeight(weight)
+    # a native object as a plain attribute (torch types Module.__setattr__ as Tensor | Module)
+    module.packed_weight = linear_cpu.PackedWeight(weight)  # type: ignore[assignment]
     module.forward = types.MethodType(_packed_forward, module)  # type: ignore[method-assign]
     return True
 
@@ -67,7 +68,7 @@ def _pack_bf16(module: nn.Linear) -> bool:
     bias = module.bias
     if bias is not None and bias.dtype not in (torch.bfloat16, torch.float32):
         return False
-    module.packed_weight = linear_cpu.PackedWeightBf16(weight)
+    module.packed_weight = linear_cpu.PackedWeightBf16(weight)  # type: ignore[assignment]
     # fp32 once here, not per call: the kernel adds the bias to its fp32 sums (exact for bf16).
     module.packed_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
     module.forward = types.MethodType(_packed_forward_bf16, module)  # type: ignore[method-assign]
@@ -82,7 +83,7 @@ def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _quantize_fp8(module: nn.Linear) -> None:
     """The weight becomes e4m3 bytes + per-channel scales; the original is dropped (the point
     is a quarter of fp32's bytes in memory too)."""
-    module.fp8_weight = linear_fp8_cpu.Fp8Weight.quantize(module.weight.detach())
+    module.fp8_weight = linear_fp8_cpu.Fp8Weight.quantize(module.weight.detach())  # type: ignore[assignment]
     bias = module.bias
     module.packed_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
     module.register_parameter("weight", None)

@@ -1,12 +1,13 @@
-"""RMSNorm as HF LlamaRMSNorm computes it (fp32, cast back), via ``trillm.kernels``, optionally
-with the residual add before it fused in."""
+"""RMSNorm as HF LlamaRMSNorm computes it (fp32, cast back), via ``trillm.kernels.dispatch``,
+optionally with the residual add before it fused in."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from trillm.kernels import fused_add_rms_norm_, rms_norm, rms_norm_torch
+from trillm.kernels import rms_norm_torch
+from trillm.kernels.dispatch import fused_add_rms_norm_, rms_norm
 
 
 class RMSNorm(nn.Module):

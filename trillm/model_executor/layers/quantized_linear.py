@@ -64,7 +64,7 @@ def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def quantize_module(module: nn.Linear, weight: linear_q_cpu.AnyQuantizedWeight) -> None:
     """Make ``module`` multiply by ``weight``; its float weight is dropped (unless shared with
     the embedding, which still needs it)."""
-    module.quantized_weight = weight
+    module.quantized_weight = weight  # type: ignore[assignment]
     bias = module.bias
     module.quantized_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
     module.forward = types.MethodType(_quantized_forward, module)  # type: ignore[method-assign]

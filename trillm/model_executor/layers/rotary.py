@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from trillm.kernels import apply_rotary_, rotary_torch
+from trillm.kernels import rotary_torch
+from trillm.kernels.dispatch import apply_rotary_
 from trillm.model_executor.layer_types import SUPPORTED_ROPE_TYPES
 
 
@@ -129,7 +130,7 @@ def compute_inv_freq(
 
 class RotaryEmbedding(nn.Module):
     """A precomputed cos|sin table [max_positions, head_dim], applied in place by
-    ``trillm.kernels``."""
+    ``trillm.kernels.dispatch``."""
 
     def __init__(
         self,

@@ -27,7 +27,8 @@ from trillm.distributed.pipeline import (
     is_missing,
 )
 from trillm.distributed.sharding import RankShapes
-from trillm.kernels import activation_torch, silu_and_mul
+from trillm.kernels import activation_torch
+from trillm.kernels.dispatch import silu_and_mul
 from trillm.model_executor.layer_types import layer_windows, partial_rotary_factor
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding

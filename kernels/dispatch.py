@@ -1,5 +1,11 @@
-"""Kernels, installed as ``trillm.kernels``: per op a torch reference, a Triton kernel and a
-native CPU kernel.
+"""What model code calls from the kernels: per op, dispatch to the Triton kernel, the native
+CPU kernel or the torch reference.
+
+The repository's ``kernels/`` folder is installed as ``trillm.kernels`` (setup.py's
+``package_dir``). It has no ``__init__.py`` on purpose: a folder named ``kernels`` in the
+checkout's root, which is on sys.path when Python starts there, is then only a namespace
+portion, so it can never shadow the PyPI package ``kernels`` (which transformers probes for);
+import its modules by their full names, ``trillm.kernels.<module>``.
 
 Layout: one op per file per backend -- ``<op>_torch.py`` is the obviously-correct reference
 (CPU or GPU), ``<op>_triton.py`` the Triton kernel and ``<op>_cpu.py`` the wrapper of a native
@@ -25,11 +31,11 @@ Every native call goes through ``recording.call`` (``recording.attention`` for a
 plan), so that a step program (``trillm/worker/step_program.py``) can record a forward's kernel
 calls and replay them.
 
-The functions below are what model code calls: they run the Triton kernel for CUDA tensors
-when triton is importable, the native kernel for CPU tensors when it is built (and
+The functions of this module are what model code calls: they run the Triton kernel for CUDA
+tensors when triton is importable, the native kernel for CPU tensors when it is built (and
 ``TRILLM_NO_EXTENSIONS`` is unset) and handles them, and the torch reference otherwise -- also
 when autograd would record the op (the native kernels are not differentiable). Triton is
-optional: importing this package never imports it; the Triton modules are imported on first
+optional: importing this module never imports it; the Triton modules are imported on first
 CUDA use. (The attention kernels are called through ``trillm.attention``'s backends, not from
 here.)
 """
@@ -37,44 +43,21 @@ here.)
 from __future__ import annotations
 
 import functools
-import importlib.machinery
 import importlib.util
-import os
-import sys
 
 import torch
 
-
-def _load_installed_kernels() -> None:
-    """This folder imported as a top-level ``kernels``: the repository root is on sys.path
-    before site-packages (``python -m`` run from it, pytest's ``pythonpath``). That name is a
-    PyPI package's (Hugging Face's hub kernels, which transformers imports when installed):
-    load the installed one in this module's place, or fail as a missing module would."""
-    # realpath: a root reached through a symlink would otherwise find this file again
-    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    path = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
-    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
-    if spec is None or spec.loader is None:
-        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernels"] = module  # what the import statement returns once this file ends
-    spec.loader.exec_module(module)
-
-
-if __name__ == "kernels":
-    _load_installed_kernels()
-else:
-    from . import (
-        activation_cpu,
-        activation_torch,
-        lora_cpu,
-        lora_torch,
-        rms_norm_cpu,
-        rms_norm_torch,
-        rotary_cpu,
-        rotary_torch,
-    )
-    from .rotary_torch import build_cos_sin_cache
+from trillm.kernels import (
+    activation_cpu,
+    activation_torch,
+    lora_cpu,
+    lora_torch,
+    rms_norm_cpu,
+    rms_norm_torch,
+    rotary_cpu,
+    rotary_torch,
+)
+from trillm.kernels.rotary_torch import build_cos_sin_cache
 
 __all__ = [
     "add_lora_",
@@ -127,7 +110,7 @@ def _native_rotary(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., H], weight: [H] -> [..., H] in x's dtype (normalised in fp32, like HF Llama)."""
     if _use_triton(x):
-        from . import rms_norm_triton
+        from trillm.kernels import rms_norm_triton
 
         return rms_norm_triton.rms_norm(x, weight, eps)
     if _native_rms_norm(x, weight, None):
@@ -142,7 +125,7 @@ def fused_add_rms_norm(
 
     Out of place: neither input is modified."""
     if _use_triton(x):
-        from . import rms_norm_triton
+        from trillm.kernels import rms_norm_triton
 
         return rms_norm_triton.fused_add_rms_norm(x, residual, weight, eps)
     if _native_rms_norm(x, weight, residual):
@@ -176,7 +159,7 @@ def apply_rotary(
     """Neox / HF ``rotate_half`` rotary embedding; returns rotated copies of q and k (fp32 math,
     cast back to their dtype). Dims ``rotary_dim .. D`` pass through unrotated."""
     if _use_triton(q):
-        from . import rotary_triton
+        from trillm.kernels import rotary_triton
 
         return rotary_triton.apply_rotary(q, k, positions, cos_sin_cache)
     if _native_rotary(q, k, positions, cos_sin_cache):
@@ -194,7 +177,7 @@ def apply_rotary_(
 ) -> None:
     """``apply_rotary`` in place: q and k are overwritten with their rotated values."""
     if _use_triton(q):
-        from . import rotary_triton
+        from trillm.kernels import rotary_triton
 
         rotary_triton.apply_rotary_(q, k, positions, cos_sin_cache)
     elif _native_rotary(q, k, positions, cos_sin_cache):
@@ -234,7 +217,7 @@ def add_lora_(
     """Batched LoRA: ``y[t] += scales[s] * (x[t] @ a[s]^T) @ bt[s]`` for every token t with a
     slot s >= 0 (summed in fp32, y rounded once); returns y."""
     if _use_triton(x):
-        from . import lora_triton
+        from trillm.kernels import lora_triton
 
         plan = lora_triton.step_plan(slots, a.shape[0])
         return lora_triton.add_lora_(y, x, a, bt, slots, scales, plan)
