@@ -7,7 +7,9 @@ Layout (the request lifecycle of docs/architecture.md, stage by stage):
   executor/      worker subprocesses and the shared-memory rings that feed them (ipc/)
   worker/        P2 and P3: model runner, persistent batch, KV cache
   model_executor/ model loading and the model definitions
-  attention/     attention backends behind one interface; kernels/ holds the Triton kernels
+  attention/     attention backends behind one interface
+  kernels/       a link to the repository's kernels/ (Triton, native CPU and torch kernels per op;
+                 no __init__.py, model code calls trillm.kernels.dispatch)
   sample/        the batched sampler
   lora/          LoRA adapters: PEFT loading, batched deltas, admission
   bench/         ``trillm bench``
