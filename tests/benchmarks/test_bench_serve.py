@@ -463,7 +463,7 @@ def test_real_server_chat_with_tokenizer(trillm_server, tmp_path: Path) -> None:
 
 
 def test_real_server_takes_the_vllm_request_flags(trillm_server, tmp_path: Path) -> None:
-    # The bodies these flags shape (tests/test_bench_serve_flags.py) are ones trillm serves:
+    # The bodies these flags shape (tests/benchmarks/test_bench_serve_flags.py) are ones trillm serves:
     # request ids, penalties and min_p, --extra-body (ignore_eos: exact output lengths).
     url, _ = trillm_server
     args = common_args(url, tmp_path, 3, 4) + [
