@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from trillm.spec_decode.config import SpeculativeConfig
 
@@ -18,6 +18,7 @@ AttentionBackendName = Literal["torch", "triton", "flashinfer", "eager"]
 LoadFormat = Literal["auto", "safetensors", "gguf"]  # vLLM's names for what trillm reads
 KVCacheDtype = Literal["auto", "bfloat16", "fp8", "fp8_e4m3"]
 Convert = Literal["auto", "none", "embed", "classify"]
+Numerics = Literal["fast", "transformers"]
 DEVICES: tuple[str, ...] = get_args(Device)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackendName)
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
@@ -41,86 +42,290 @@ def parse_memory_size(value: str | int | float) -> int:
     return int(number * base**power)
 
 
+# How an EngineArgs field is spelled on the command line: ``trillm serve`` and ``trillm bench
+# latency|throughput`` add one flag per field from this (trillm/entrypoints/cli/engine_flags.py),
+# its type from the annotation (int, float, str, bool: --x/--no-x, a Literal: its choices)
+# unless ``value`` names one of the parsers in flag_types.py.
+FlagValue = Literal[
+    "positive_int",
+    "non_negative_int",
+    "positive_seconds",
+    "memory_size",
+    "grammar_cache_bytes",
+    "json_object",
+    "quantization",
+    "kv_cache_dtype",
+    "load_format",
+    "speculative_config",
+]
+
+
+@dataclass(frozen=True)
+class Flag:
+    help: str
+    aliases: tuple[str, ...] = ()  # short spellings, e.g. "-tp"
+    value: FlagValue | None = None  # None: the annotation's type
+    metavar: str | None = None
+    several: bool = False  # nargs="+"; the field takes the first (served_model_name)
+
+
+T = TypeVar("T")
+
+
+def flag(default: T, help: str, **spec: Any) -> T:
+    """An EngineArgs field that is an engine flag (``--`` + its name, dashed)."""
+    return field(default=default, metadata={"flag": Flag(help, **spec)})
+
+
+def not_a_flag(default: T, why: str) -> T:
+    """An EngineArgs field that no engine flag sets, and why."""
+    return field(default=default, metadata={"not_a_flag": why})
+
+
 @dataclass
 class EngineArgs:
-    """What a user passes to ``trillm serve``, ``open_engine`` or ``LLM`` (vLLM's names)."""
+    """What a user passes to ``trillm serve``, ``open_engine`` or ``LLM`` (vLLM's names).
 
-    model: str | None = None  # None: the embedded default model
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    revision: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = True
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    tensor_parallel_size: int = 1
+    Each field's ``flag(default, help)`` is its command-line flag; ``not_a_flag`` says why not.
+    """
+
+    model: str | None = not_a_flag(
+        None,  # None: the embedded default model
+        "each command spells it: serve's MODEL or --model, bench's MODEL or --model",
+    )
+    tokenizer: str | None = flag(None, "Tokenizer folder, if not the model's.")
+    served_model_name: str | None = flag(
+        None,
+        "Name(s) the API accepts as 'model'; the first is reported in responses. Default: the "
+        "model path.",
+        several=True,
+    )
+    revision: str | None = flag(None, "Hub revision of the model.")
+    dtype: str = flag("auto", "auto, float32, bfloat16 or float16 (default: auto).")
+    seed: int = flag(0, "Random seed of the engine (default: 0).")
+    max_model_len: int | None = flag(None, "Context length (default: the model's).")
+    block_size: int = flag(16, "Tokens per KV-cache block (default: 16).")
+    max_num_seqs: int = flag(256, "Most requests in a batch (default: 256).")
+    max_num_batched_tokens: int | None = flag(None, "Token budget of one step.")
+    long_prefill_token_threshold: int = flag(
+        0, "Most prefill tokens of one request in a step (default: 0, no cap but the budget)."
+    )
+    enable_prefix_caching: bool = flag(
+        True, "Reuse KV blocks of shared prompt prefixes (default: on)."
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = flag(
+        "fcfs", "Waiting requests in arrival order, or by their priority (default: fcfs)."
+    )
+    tensor_parallel_size: int = flag(
+        1,
+        "Tensor-parallel ranks: one worker process each, joined by torch.distributed (default: 1).",
+        aliases=("-tp",),
+        value="positive_int",
+    )
     # Engine cores behind the one frontend, each with its own scheduler, KV cache and workers
     # (trillm/engine/dp_router.py routes requests among them).
-    data_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    kv_cache_memory: int | str | None = None  # CPU budget for the KV cache
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    max_logprobs: int = 20
+    data_parallel_size: int = flag(
+        1,
+        "Engine cores behind the one HTTP server, each with its own scheduler, KV cache "
+        "and workers; each request goes to the least-loaded one, or to the one that last "
+        "took its prompt's first block (default: 1).",
+        aliases=("-dp",),
+        value="positive_int",
+    )
+    pipeline_parallel_size: int = flag(
+        1,
+        "Pipeline stages: the layers split evenly over them, hidden states passed stage "
+        "to stage by torch.distributed; tensor x pipeline worker processes (default: 1).",
+        aliases=("-pp",),
+        value="positive_int",
+    )
+    kv_cache_memory: int | str | None = flag(
+        None,
+        "KV-cache budget on CPU, e.g. 2GiB or 512MiB (default: 1GiB).",
+        value="memory_size",
+    )
+    gpu_memory_utilization: float = flag(
+        0.9, "Fraction of GPU memory for weights and KV cache (default: 0.9)."
+    )
+    num_gpu_blocks_override: int | None = flag(None, "Force the KV block count.")
+    max_logprobs: int = flag(
+        20, "Most logprobs / top_logprobs a request may ask for (default: 20)."
+    )
     # Streamed (DELTA) outputs wake their reader every N tokens (first token and finish at
     # once): fewer, larger chunks under load (vLLM's --stream-interval).
-    stream_interval: int = 1
-    device: Device = "auto"
-    attention_backend: AttentionBackendName | None = None  # None: the best available
-    distributed_executor_backend: Literal["mp", "uni"] = "mp"
-    generation_config: str = "auto"  # auto (from the model folder) | vllm (ignore it) | a path
-    trust_remote_code: bool = False
-    # True: no step-program replay of small CPU decode steps (vLLM: no CUDA graphs).
-    enforce_eager: bool = False
-    chat_template: str | None = None
-    skip_tokenizer_init: bool = False
-    # deepseek_r1 | qwen3: structured outputs constrain only after </think> (vLLM's
-    # structured-outputs reasoning_parser; the server's --reasoning-parser sets it too).
-    reasoning_parser: str | None = None
+    stream_interval: int = flag(
+        1,
+        "Streamed responses send a chunk every N tokens; the first token and the end "
+        "go at once (default: 1).",
+    )
+    device: Device = flag("auto", "Where the model runs (default: auto).")
+    attention_backend: AttentionBackendName | None = flag(
+        None,  # None: the best available
+        "torch, triton, flashinfer or eager (transformers' eager attention, one request "
+        "at a time, CPU) (default: best).",
+    )
+    distributed_executor_backend: Literal["mp", "uni"] = flag(
+        "mp", "mp: a worker process per rank; uni: one rank in this process (default: mp)."
+    )
+    generation_config: str = flag(
+        "auto",
+        "'auto' (the model's generation_config.json gives request defaults), 'vllm' "
+        "(ignore it) or a folder path.",
+    )
+    trust_remote_code: bool = flag(
+        False,
+        "The checkpoint's tokenizer code may run; its model code never does (trillm's own "
+        "model implementations are used).",
+    )
+    enforce_eager: bool = flag(
+        False,
+        "Run small CPU decode steps eagerly: no step-program replay (trillm's "
+        "counterpart of CUDA graphs).",
+    )
+    chat_template: str | None = flag(None, "Chat template: a Jinja file path or the template.")
+    skip_tokenizer_init: bool = flag(
+        False,
+        "Not supported (refused): the engine needs the tokenizer (stop strings, "
+        "detokenization, chat templates).",
+    )
+    # vLLM's structured-outputs reasoning_parser; the server also separates reasoning_content
+    # by it.
+    reasoning_parser: str | None = flag(
+        None,
+        "Separate the <think> section into reasoning_content: deepseek_r1 or qwen3; "
+        "structured outputs then constrain only the output after </think>.",
+        metavar="NAME",
+    )
     # Bytes of compiled grammars kept for reuse (LRU); one grammar may take 1/4 of it. A size
     # like "512MiB" or a byte count. None: vLLM's VLLM_XGRAMMAR_CACHE_MB (MiB) when set, else
     # 512 MiB, vLLM's default.
-    structured_outputs_cache_bytes: int | str | None = None
+    structured_outputs_cache_bytes: int | str | None = flag(
+        None,
+        "Memory for compiled grammars (JSON schemas, regexes, ...) kept for reuse, e.g. "
+        "512MiB or a byte count; least recently used out. One grammar may take 1/4 of it: a "
+        f"larger one is refused (400) (default: {DEFAULT_GRAMMAR_CACHE_BYTES >> 20}MiB).",
+        value="grammar_cache_bytes",
+        metavar="SIZE",
+    )
     # Weight-only quantization (vLLM's method names): "fp8" (dynamic, CPU: quantized at load);
     # "gguf" (implied by a .gguf model: its Q4_0/Q4_1/Q8_0/K-quant weights stay quantized); "awq" /
     # "gptq" (the checkpoint's own 4-bit method, CPU; implied by it). None: none.
-    quantization: str | None = None
+    quantization: str | None = flag(
+        None,
+        "fp8: linear weights quantized to fp8 e4m3 at load, a scale per output channel "
+        "(CPU); gguf: a .gguf model's Q4_0/Q4_1/Q8_0/Q2_K..Q6_K weights stay quantized (the "
+        "default for a GGUF model); awq / gptq: the checkpoint's own 4-bit method (CPU; implied "
+        "by the checkpoint, refused when it names another); vLLM's other methods are not "
+        "implemented yet: refused.",
+        aliases=("-q",),
+        value="quantization",
+    )
     # LoRA adapters (trillm/lora/): requests may name one; at most max_loras in flight at once.
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    load_format: LoadFormat = "auto"  # (model_executor/gguf_loader.py)
+    enable_lora: bool = flag(False, "Serve LoRA adapters (PEFT folders).")
+    max_loras: int = flag(
+        1,
+        "Adapters in flight (and resident on the worker) at once (default: 1).",
+        value="positive_int",
+    )
+    max_lora_rank: int = flag(
+        16, "Highest adapter rank accepted (default: 16).", value="positive_int"
+    )
+    load_format: LoadFormat = flag(  # (model_executor/gguf_loader.py)
+        "auto",
+        "auto, safetensors or gguf (a .gguf model; auto picks it too); others are refused.",
+        value="load_format",
+    )
     # trillm's: load a GGUF's quantized tensors dequantized to the run's dtype instead.
-    dequantize_gguf: bool = False
+    dequantize_gguf: bool = flag(
+        False,
+        "A .gguf model's quantized tensors (Q4_0/Q4_1/Q8_0, Q2_K..Q6_K) are dequantized to "
+        "--dtype at load (default: kept quantized, multiplied by a native CPU kernel).",
+    )
     # KV cache storage (vLLM's names): auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (CPU).
-    kv_cache_dtype: KVCacheDtype = "auto"
+    kv_cache_dtype: KVCacheDtype = flag(
+        "auto",
+        "auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (e4m3, scale 1.0; CPU). "
+        "Others are not implemented yet: refused.",
+        value="kv_cache_dtype",
+    )
     # vLLM's runner / convert: "pooling" (or convert="embed") serves embeddings instead of
     # generating (``trillm.model_executor.pooling``); "auto" / "generate": generation.
-    runner: str = "auto"
-    convert: Convert = "auto"
+    runner: str = flag(
+        "auto",
+        "vLLM's runner: auto | generate | pooling (embeddings: /v1/embeddings, /pooling); "
+        "or a model runner as module:Class, e.g. trillm.worker.fake_runner:FakeModelRunner "
+        "(a near-zero-cost model for measuring serving overhead).",
+    )
+    convert: Convert = flag(
+        "auto",
+        "embed: serve a generative checkpoint as an embedding model (= --runner pooling); "
+        "classify: a *ForSequenceClassification checkpoint's classifier (/classify; the default "
+        "for such a checkpoint).",
+    )
     # vLLM's PoolerConfig fields: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool};
     # None: the model folder's sentence-transformers config, else LAST + normalize.
-    pooler_config: dict[str, Any] | None = None
+    pooler_config: dict[str, Any] | None = flag(
+        None,
+        'Pooling of a pooling model, JSON: {"pooling_type": "LAST"|"MEAN"|"CLS", '
+        '"normalize": true|false} (default: the folder\'s sentence-transformers config, else '
+        "LAST + normalize).",
+        value="json_object",
+    )
     # vLLM's JSON shape: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b} (a dict, or that JSON as a string).
-    speculative_config: dict[str, Any] | str | None = None
+    speculative_config: dict[str, Any] | str | None = flag(
+        None,
+        'Speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
+        '"model": PATH, "num_speculative_tokens": 4}\' (a smaller model with the same '
+        "tokenizer); eagle / medusa / mtp are not implemented yet: refused.",
+        value="speculative_config",
+        metavar="JSON",
+    )
     # Ranks on several machines (torchrun's names): node 0 runs the engine and its share of
     # the ranks; ``trillm serve --headless --node-rank k`` runs node k's share. The
     # torch.distributed TCP rendezvous is at master_addr:master_port (node 0's address).
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free loopback port (one node), 29500 (several)
+    nnodes: int = flag(
+        1,
+        "Machines the ranks (tensor x pipeline parallel) run on; each runs "
+        "tensor_parallel_size x pipeline_parallel_size / nnodes of them (default: 1).",
+        value="positive_int",
+    )
+    node_rank: int = flag(
+        0,
+        "This machine's index: 0 serves HTTP and runs the engine; others run with "
+        "--headless (default: 0).",
+        value="non_negative_int",
+    )
+    master_addr: str = flag(
+        "127.0.0.1",
+        "Node 0's address, where the torch.distributed TCP rendezvous is (default: "
+        "127.0.0.1). Across machines gloo picks the interface of the host name, or "
+        "GLOO_SOCKET_IFNAME.",
+    )
+    master_port: int | None = flag(  # None: a free loopback port (one node), 29500 (several)
+        None,
+        "The rendezvous port on node 0 (default: 29500 with --nnodes > 1; a free "
+        "loopback port on one node).",
+        value="positive_int",
+    )
     # A collective that waits longer means a rank stopped answering (vLLM's name); None: 120 s.
-    distributed_timeout_seconds: float | None = None
+    distributed_timeout_seconds: float | None = flag(
+        None,
+        "A torch.distributed collective (or the rendezvous) that waits longer means a "
+        "rank stopped answering: the engine stops and names it (default: 120).",
+        value="positive_seconds",
+    )
     # trillm's: "fast" (the native kernels) or "transformers" (every op as transformers' eager
     # forward computes it: trillm/model_executor/transformers_numerics.py).
-    numerics: str = "fast"
+    numerics: Numerics = flag(
+        "fast",
+        "fast: trillm's native kernels (default). transformers: every op as transformers' "
+        "eager forward computes it (torch's F.linear and RMSNorm, eager attention one request "
+        "at a time): a request's output equals transformers' own to the bit in bf16 where "
+        "torch's GEMM is batch-invariant (checked at load; fp32: to rounding); Llama-family "
+        "models on CPU; slower.",
+    )
 
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
@@ -252,7 +457,7 @@ class ModelConfig:
 
 
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
-NUMERICS = ("fast", "transformers")
+NUMERICS: tuple[str, ...] = get_args(Numerics)
 
 
 def check_numerics(name: object) -> str:

@@ -187,7 +187,9 @@ def test_serve_flags_map_to_engine_args():
     assert (opts.port, opts.served_model_names, opts.log_level) == (9001, ["a", "b"], "warning")
     assert opts.trust_request_chat_template and opts.shutdown_timeout == 4.0
     defaults = build_parser().parse_args(["serve"])
-    assert defaults.model_tag is None and engine_kwargs(defaults) == {"max_logprobs": 20}
+    # Only flags given reach EngineArgs: its defaults are the only ones (the server's too).
+    assert defaults.model_tag is None and engine_kwargs(defaults) == {}
+    assert server_options(defaults).max_logprobs == 20
 
 
 def test_flags_for_what_is_not_implemented_are_refused(capsys):

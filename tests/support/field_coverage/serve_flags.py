@@ -55,6 +55,10 @@ _FLAGS = {
         "tests/fault/test_health_stall.py::test_the_flag_is_validated",
     ),
     "--served-model-name": ids(FLAG_MAP, OPENAI + "test_models"),
+    "--skip-tokenizer-init": ids(
+        "tests/entrypoints/test_engine_flags.py::"
+        "test_skip_tokenizer_init_flag_is_refused_by_the_engine_args"
+    ),
     "--chat-template": ids(
         FE + "test_server_chat_template_and_its_kwargs",
         TOOLS_HTTP + "test_tool_history_is_rendered",

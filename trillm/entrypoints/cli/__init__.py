@@ -1,1 +1,1 @@
-"""The ``trillm`` command: its subcommands (``main``), ``trillm serve``'s flags (``serve_args``, ``flag_types``, ``vllm_flags``, ``config_file``) and headless nodes."""
+"""The ``trillm`` command: its subcommands (``main``), ``trillm serve``'s flags (``serve_args``; ``engine_flags``, one per EngineArgs field, shared with ``trillm bench``; ``flag_types``, ``vllm_flags``, ``config_file``) and headless nodes."""

@@ -1,14 +1,22 @@
 """The values ``trillm serve``'s flags take: argparse ``type=`` functions, each an
-``ArgumentTypeError`` (a usage error naming the flag) for anything else."""
+``ArgumentTypeError`` (a usage error naming the flag) for anything else. ``ENGINE_VALUES``:
+those an EngineArgs field's ``Flag.value`` names (``trillm/config.py``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
-from trillm.config import check_grammar_cache_bytes, parse_memory_size
+from trillm.config import (
+    LOAD_FORMATS,
+    FlagValue,
+    check_grammar_cache_bytes,
+    check_kv_cache_dtype,
+    parse_memory_size,
+)
 
 
 def json_object(value: str) -> dict[str, Any]:
@@ -66,3 +74,53 @@ def positive_seconds(value: str) -> float:
     if not seconds > 0 or seconds == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value}")
     return seconds
+
+
+def quantization(value: str) -> str:
+    from trillm.model_executor.quantization import UnsupportedQuantizationError, check_quantization
+
+    try:
+        return check_quantization(value)
+    except UnsupportedQuantizationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def kv_cache_dtype(value: str) -> str:
+    try:
+        return check_kv_cache_dtype(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def load_format(value: str) -> str:
+    if value not in LOAD_FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"load format {value!r} is not implemented yet; trillm reads safetensors "
+            f"checkpoints and GGUF files: choose one of {', '.join(LOAD_FORMATS)}."
+        )
+    return value
+
+
+def speculative_config(value: str) -> dict[str, Any]:
+    """``--speculative-config`` JSON -> the dict EngineArgs takes (checked here: exit 2)."""
+    from trillm.spec_decode.config import parse_speculative_config
+
+    try:
+        parse_speculative_config(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return json.loads(value)
+
+
+ENGINE_VALUES: dict[FlagValue, Callable[[str], Any]] = {
+    "positive_int": positive_int,
+    "non_negative_int": non_negative_int,
+    "positive_seconds": positive_seconds,
+    "memory_size": memory_size,
+    "grammar_cache_bytes": grammar_cache_bytes,
+    "json_object": json_object,
+    "quantization": quantization,
+    "kv_cache_dtype": kv_cache_dtype,
+    "load_format": load_format,
+    "speculative_config": speculative_config,
+}

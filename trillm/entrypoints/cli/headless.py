@@ -24,8 +24,6 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from trillm.entrypoints.cli import flag_types
-
 logger = logging.getLogger("trillm.headless")
 
 POLL_S = 0.2
@@ -126,42 +124,13 @@ def _install_signal_handlers() -> list[int]:
 
 # ---------------------------------------------------------------- the node flags
 def add_node_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("several nodes (torchrun's names)")
-    g.add_argument(
-        "--nnodes",
-        type=flag_types.positive_int,
-        help="Machines the ranks (tensor x pipeline parallel) run on; each runs "
-        "tensor_parallel_size x pipeline_parallel_size / nnodes of them (default: 1).",
-    )
-    g.add_argument(
-        "--node-rank",
-        type=flag_types.non_negative_int,
-        help="This machine's index: 0 serves HTTP and runs the engine; others run with "
-        "--headless (default: 0).",
-    )
-    g.add_argument(
-        "--master-addr",
-        help="Node 0's address, where the torch.distributed TCP rendezvous is (default: "
-        "127.0.0.1). Across machines gloo picks the interface of the host name, or "
-        "GLOO_SOCKET_IFNAME.",
-    )
-    g.add_argument(
-        "--master-port",
-        type=flag_types.positive_int,
-        help="The rendezvous port on node 0 (default: 29500 with --nnodes > 1; a free "
-        "loopback port on one node).",
-    )
-    g.add_argument(
+    """--headless; the node flags themselves (--nnodes, --node-rank, --master-addr, ...) are
+    EngineArgs fields, added with the other engine flags."""
+    p.add_argument(
         "--headless",
         action="store_true",
         help="Run only this node's worker ranks (no HTTP server, no engine): a node other "
         "than node 0, started with the same engine flags and its --node-rank.",
-    )
-    g.add_argument(
-        "--distributed-timeout-seconds",
-        type=flag_types.positive_seconds,
-        help="A torch.distributed collective (or the rendezvous) that waits longer means a "
-        "rank stopped answering: the engine stops and names it (default: 120).",
     )
 
 

@@ -7,61 +7,12 @@ import sys
 from typing import Any
 
 from trillm import envs
-from trillm.config import DEFAULT_GRAMMAR_CACHE_BYTES
+from trillm.config import EngineArgs
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
-from trillm.entrypoints.cli import config_file, flag_types, headless, vllm_flags
+from trillm.entrypoints.cli import config_file, engine_flags, flag_types, headless, vllm_flags
 from trillm.entrypoints.openai.api_server import ServerOptions
 from trillm.entrypoints.openai.endpoints import lora
 from trillm.entrypoints.openai.http.app import DEFAULT_HEALTH_STEP_TIMEOUT_S
-
-# Flags whose value goes straight into EngineArgs under the same (underscored) name. Each is
-# passed only when given, so EngineArgs' defaults stay the single source of defaults.
-_ENGINE_FLAGS = (
-    "tokenizer",
-    "revision",
-    "dtype",
-    "seed",
-    "max_model_len",
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "long_prefill_token_threshold",
-    "enable_prefix_caching",
-    "scheduling_policy",
-    "tensor_parallel_size",
-    "data_parallel_size",
-    "pipeline_parallel_size",
-    "kv_cache_memory",
-    "gpu_memory_utilization",
-    "num_gpu_blocks_override",
-    "max_logprobs",
-    "device",
-    "attention_backend",
-    "distributed_executor_backend",
-    "generation_config",
-    "trust_remote_code",
-    "runner",
-    "stream_interval",
-    "reasoning_parser",
-    "load_format",
-    "quantization",
-    "dequantize_gguf",
-    "enable_lora",
-    "max_loras",
-    "max_lora_rank",
-    "kv_cache_dtype",
-    "speculative_config",
-    "convert",
-    "pooler_config",
-    "nnodes",
-    "node_rank",
-    "master_addr",
-    "master_port",
-    "distributed_timeout_seconds",
-    "enforce_eager",
-    "numerics",
-    "structured_outputs_cache_bytes",
-)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -74,7 +25,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="Model folder or hub id.")
     p.add_argument("--model", dest="model_opt", help="Same as the positional MODEL.")
     _add_server_flags(p)
-    _add_engine_flags(p)
+    engine_flags.add_engine_flags(p)  # one per EngineArgs field
+    headless.add_node_flags(p)
     _add_tool_flags(p)
     lora.add_lora_flags(p)
     # vLLM's deployment flags: TLS, CORS, proxy, logging, metrics, --config.
@@ -98,13 +50,6 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         "one of the keys given) on every route but /health, /ping, /version and /metrics. "
         "Default: the VLLM_API_KEY environment variable; this flag wins over it.",
     )
-    g.add_argument(
-        "--served-model-name",
-        nargs="+",
-        help="Name(s) the API accepts as 'model'; the first "
-        "is reported in responses. Default: the model path.",
-    )
-    g.add_argument("--chat-template", help="Chat template: a Jinja file path or the template.")
     g.add_argument(
         "--trust-request-chat-template",
         action="store_true",
@@ -178,67 +123,6 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
         help="When the engine dies (a worker killed), start a new one in this process instead "
         "of exiting with code 1 after 2 s (the default).",
     )
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--tokenizer", help="Tokenizer folder, if not the model's.")
-    g.add_argument("--revision", help="Hub revision of the model.")
-    g.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (default: auto).")
-    g.add_argument("--seed", type=int, help="Random seed of the engine (default: 0).")
-    g.add_argument("--max-model-len", type=int, help="Context length (default: the model's).")
-    g.add_argument("--block-size", type=int, help="Tokens per KV-cache block (default: 16).")
-    g.add_argument("--max-num-seqs", type=int, help="Most requests in a batch (default: 256).")
-    g.add_argument("--max-num-batched-tokens", type=int, help="Token budget of one step.")
-    g.add_argument("--long-prefill-token-threshold", type=int, help="Per-request prefill cap.")
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="Reuse KV blocks of shared prompt prefixes (default: on).",
-    )
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], help="Default: fcfs.")
-    g.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=flag_types.positive_int,
-        help="Tensor-parallel ranks: one worker process each, joined by torch.distributed "
-        "(default: 1).",
-    )
-    g.add_argument(
-        "--data-parallel-size",
-        "-dp",
-        type=flag_types.positive_int,
-        help="Engine cores behind the one HTTP server, each with its own scheduler, KV cache "
-        "and workers; each request goes to the least-loaded one, or to the one that last "
-        "took its prompt's first block (default: 1).",
-    )
-    g.add_argument(
-        "--pipeline-parallel-size",
-        "-pp",
-        type=flag_types.positive_int,
-        help="Pipeline stages: the layers split evenly over them, hidden states passed stage "
-        "to stage by torch.distributed; tensor x pipeline worker processes (default: 1).",
-    )
-    g.add_argument(
-        "--kv-cache-memory",
-        type=flag_types.memory_size,
-        help="KV-cache budget on CPU, e.g. 2GiB or 512MiB (default: 1GiB).",
-    )
-    g.add_argument("--gpu-memory-utilization", type=float, help="GPU memory fraction (0.9).")
-    g.add_argument("--num-gpu-blocks-override", type=int, help="Force the KV block count.")
-    g.add_argument(
-        "--max-logprobs",
-        type=int,
-        default=20,
-        help="Most logprobs / top_logprobs a request may ask for (default: 20).",
-    )
-    g.add_argument(
-        "--stream-interval",
-        type=int,
-        help="Streamed responses send a chunk every N tokens; the first token and the end "
-        "go at once (default: 1).",
-    )
     g.add_argument(
         "--stream-wake-budget",
         type=int,
@@ -247,64 +131,6 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         "model's step time hides their writes. With more streams, each gets a chunk every "
         "ceil(streams / budget) steps carrying those steps' tokens; the first token and the "
         f"end still go at once. 0: no budget (default: {DEFAULT_WAKE_BUDGET}).",
-    )
-    g.add_argument(
-        "--structured-outputs-cache-bytes",
-        type=flag_types.grammar_cache_bytes,
-        metavar="SIZE",
-        help="Memory for compiled grammars (JSON schemas, regexes, ...) kept for reuse, e.g. "
-        "512MiB or a byte count; least recently used out. One grammar may take 1/4 of it: a "
-        f"larger one is refused (400) (default: {DEFAULT_GRAMMAR_CACHE_BYTES >> 20}MiB).",
-    )
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="Default: auto.")
-    g.add_argument(
-        "--attention-backend",
-        help="torch, triton, flashinfer or eager (transformers' eager attention, one request "
-        "at a time, CPU) (default: best).",
-    )
-    g.add_argument("--distributed-executor-backend", choices=["mp", "uni"])
-    g.add_argument(
-        "--numerics",
-        choices=["fast", "transformers"],
-        help="fast: trillm's native kernels (default). transformers: every op as transformers' "
-        "eager forward computes it (torch's F.linear and RMSNorm, eager attention one request at "
-        "a time): a request's output equals transformers' own to the bit in bf16 where torch's "
-        "GEMM is batch-invariant (checked at load; fp32: to rounding); Llama-family models on "
-        "CPU; slower.",
-    )
-    headless.add_node_flags(p)
-    g.add_argument(
-        "--generation-config",
-        help="'auto' (the model's generation_config.json gives request defaults), 'vllm' "
-        "(ignore it) or a folder path.",
-    )
-    g.add_argument("--trust-remote-code", action="store_true", default=None)
-    g.add_argument(
-        "--dequantize-gguf",
-        action="store_true",
-        default=None,
-        help="A .gguf model's quantized tensors (Q4_0/Q4_1/Q8_0, Q2_K..Q6_K) are dequantized to "
-        "--dtype at load (default: kept quantized, multiplied by a native CPU kernel).",
-    )
-    g.add_argument(
-        "--runner",
-        help="vLLM's runner: auto | generate | pooling (embeddings: /v1/embeddings, /pooling); "
-        "or a model runner as module:Class, e.g. trillm.worker.fake_runner:FakeModelRunner "
-        "(a near-zero-cost model for measuring serving overhead).",
-    )
-    g.add_argument(
-        "--convert",
-        choices=["auto", "none", "embed", "classify"],
-        help="embed: serve a generative checkpoint as an embedding model (= --runner pooling); "
-        "classify: a *ForSequenceClassification checkpoint's classifier (/classify; the default "
-        "for such a checkpoint).",
-    )
-    g.add_argument(
-        "--pooler-config",
-        type=flag_types.json_object,
-        help='Pooling of a pooling model, JSON: {"pooling_type": "LAST"|"MEAN"|"CLS", '
-        '"normalize": true|false} (default: the folder\'s sentence-transformers config, else '
-        "LAST + normalize).",
     )
 
 
@@ -333,12 +159,6 @@ def _add_tool_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="With tool_choice 'none', do not render the tools into the prompt.",
     )
-    g.add_argument(
-        "--reasoning-parser",
-        metavar="NAME",
-        help="Separate the <think> section into reasoning_content: deepseek_r1 or qwen3; "
-        "structured outputs then constrain only the output after </think>.",
-    )
 
 
 def check_tool_flags(args: argparse.Namespace) -> None:
@@ -362,10 +182,8 @@ def check_tool_flags(args: argparse.Namespace) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineArgs fields from the parsed flags (only those given)."""
-    kwargs = {name: getattr(args, name) for name in _ENGINE_FLAGS}
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    if args.served_model_name:
-        kwargs["served_model_name"] = args.served_model_name[0]
+    kwargs = engine_flags.engine_kwargs(args)
+    kwargs.pop("chat_template", None)  # the server hands it over (ServerOptions.chat_template)
     return kwargs
 
 
@@ -396,7 +214,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         served_model_names=args.served_model_name,
         chat_template=args.chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
-        max_logprobs=args.max_logprobs,
+        max_logprobs=EngineArgs.max_logprobs if args.max_logprobs is None else args.max_logprobs,
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
         keep_alive_timeout=args.timeout_keep_alive,

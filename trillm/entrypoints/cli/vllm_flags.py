@@ -7,11 +7,10 @@ Three kinds, never a flag accepted and ignored in silence:
 - accepted where trillm has no such mechanism (``--enable-chunked-prefill``,
   ``--enforce-eager``, ``--swap-space``): what they ask is already so, or means nothing here,
   and ``startup_notes`` says so once in the log;
-- refused (argparse error, exit 2) where the feature belongs to another open issue:
-  quantization methods other than fp8 / gguf / awq / gptq,
-  KV-cache dtypes beyond bf16 / fp8, speculative decoding other than n-gram and a draft model
-  (``--speculative-config`` with ``"method": "ngram"`` or ``"draft_model"`` is honoured;
-  eagle / medusa / mtp are refused; LoRA: endpoints/lora.py).
+- refused (argparse error, exit 2) where the feature is not implemented yet: tokenizer modes,
+  multimodal input, multi-node data parallelism. (Quantization methods, KV-cache dtypes,
+  load formats and speculative decoding methods are EngineArgs fields: their flags, with the
+  same refusals, come from ``engine_flags.py`` and ``flag_types.py``.)
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ import json
 import os
 from pathlib import Path
 from typing import Any
-
-from trillm.config import LOAD_FORMATS  # auto / safetensors: *.safetensors; gguf (auto too)
 
 
 def _json_list(value: str) -> list[str]:
@@ -60,33 +57,6 @@ class _Refuse(argparse.Action):
 
     def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
         parser.error(f"argument {option_string}: {self.what} is not implemented yet.")
-
-
-def _quantization(value: str) -> str:
-    from trillm.model_executor.quantization import UnsupportedQuantizationError, check_quantization
-
-    try:
-        return check_quantization(value)
-    except UnsupportedQuantizationError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _kv_cache_dtype(value: str) -> str:
-    from trillm.config import check_kv_cache_dtype
-
-    try:
-        return check_kv_cache_dtype(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _load_format(value: str) -> str:
-    if value not in LOAD_FORMATS:
-        raise argparse.ArgumentTypeError(
-            f"load format {value!r} is not implemented yet; trillm reads safetensors "
-            f"checkpoints and GGUF files: choose one of {', '.join(LOAD_FORMATS)}."
-        )
-    return value
 
 
 def _non_negative_float(value: str) -> float:
@@ -224,24 +194,11 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         "--no-enable-chunked-prefill is not implemented yet.",
     )
     g.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=None,
-        help="Run small CPU decode steps eagerly: no step-program replay (trillm's "
-        "counterpart of CUDA graphs).",
-    )
-    g.add_argument(
         "--swap-space",
         type=_non_negative_float,
         metavar="GiB",
         help="CPU swap space per GPU in vLLM; trillm preempts by recomputation and never "
         "swaps, so the value is unused (accepted, said once in the log).",
-    )
-    g.add_argument(
-        "--load-format",
-        type=_load_format,
-        default=None,
-        help="auto, safetensors or gguf (a .gguf model; auto picks it too); others are refused.",
     )
     g.add_argument(
         "--download-dir",
@@ -290,44 +247,6 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
             what="multi-node data parallelism (load balancing outside this server)",
             help="Not implemented: refused.",
         )
-    g.add_argument(
-        "--quantization",
-        "-q",
-        type=_quantization,
-        default=None,
-        help="fp8: linear weights quantized to fp8 e4m3 at load, a scale per output channel "
-        "(CPU); gguf: a .gguf model's Q4_0/Q4_1/Q8_0/Q2_K..Q6_K weights stay quantized (the default for "
-        "a GGUF model); awq / gptq: the checkpoint's own 4-bit method (CPU; implied by the "
-        "checkpoint, refused when it names another); vLLM's other methods are not implemented "
-        "yet: refused.",
-    )
-    g.add_argument(
-        "--speculative-config",
-        type=speculative_config_json,
-        metavar="JSON",
-        help='Speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
-        '"model": PATH, "num_speculative_tokens": 4}\' (a smaller model with the same '
-        "tokenizer); eagle / medusa / mtp are not implemented yet: refused.",
-    )
-    g.add_argument(
-        "--kv-cache-dtype",
-        type=_kv_cache_dtype,
-        default=None,
-        help="auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (e4m3, scale 1.0; CPU). "
-        "Others are not implemented yet: refused.",
-    )
-
-
-def speculative_config_json(value: str) -> dict[str, Any]:
-    """``--speculative-config`` JSON -> the dict EngineArgs takes (checked here: exit 2)."""
-    from trillm.spec_decode.config import parse_speculative_config
-
-    try:
-        parse_speculative_config(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return json.loads(value)
 
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

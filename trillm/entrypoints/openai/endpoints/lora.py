@@ -84,24 +84,8 @@ def parse_lora_module(value: str) -> LoRAModulePath:
     return LoRAModulePath(name, path)
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}.")
-    return number
-
-
 def add_lora_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("LoRA adapters")
-    g.add_argument(
-        "--enable-lora",
-        action="store_true",
-        default=None,
-        help="Serve LoRA adapters (PEFT folders).",
-    )
     g.add_argument(
         "--lora-modules",
         nargs="+",
@@ -109,14 +93,6 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help='Adapters served under their names: name=path or {"name": .., "path": .., '
         '"base_model_name": ..}.',
-    )
-    g.add_argument(
-        "--max-loras",
-        type=_positive_int,
-        help="Adapters in flight (and resident on the worker) at once (default: 1).",
-    )
-    g.add_argument(
-        "--max-lora-rank", type=_positive_int, help="Highest adapter rank accepted (default: 16)."
     )
     g.add_argument(
         "--allow-runtime-lora-updating",
