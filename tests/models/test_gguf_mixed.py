@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-from trillm.kernels import linear_q_cpu
 
 from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
+from trillm.kernels import linear_q_cpu
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.model_config import load_model_config
 from trillm.testing.gguf_models import random_kquant_blocks, write_tiny_gguf

@@ -10,13 +10,13 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from trillm.kernels import paged_attention_cpu, paged_attention_torch
 
 from trillm import LLM, SamplingParams
 from trillm.attention.backend import AttentionMetadata
 from trillm.attention.torch_backend import TorchAttentionBackend, to_fp8
 from trillm.config import EngineArgs
 from trillm.engine.config_builder import build_config, resolve_cache_dtype
+from trillm.kernels import paged_attention_cpu, paged_attention_torch
 from trillm.worker.model_runner import ModelRunner
 
 FP8 = torch.float8_e4m3fn

@@ -8,6 +8,7 @@ import multiprocessing
 
 import pytest
 import torch
+
 from trillm.kernels import paged_attention_cpu, paged_attention_torch
 
 pytestmark = pytest.mark.skipif(

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from trillm.kernels import linear_cpu
 
+from trillm.kernels import linear_cpu
 from trillm.model_executor.layers import linear as linear_layers
 
 pytestmark = pytest.mark.skipif(

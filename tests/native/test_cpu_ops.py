@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 import trillm.kernels.dispatch as dispatch
 from trillm.kernels import (
     activation_cpu,

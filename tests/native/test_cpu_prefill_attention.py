@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from trillm.kernels import paged_attention_cpu
 
 pytestmark = pytest.mark.skipif(

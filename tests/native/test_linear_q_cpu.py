@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
-from trillm.kernels import linear_q_cpu
 
+from trillm.kernels import linear_q_cpu
 from trillm.testing.gguf_models import random_kquant_blocks
 
 QTYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trillm.kernels import paged_attention_cpu
 
 from trillm.attention.backend import AttentionMetadata
 from trillm.attention.torch_backend import TorchAttentionBackend
+from trillm.kernels import paged_attention_cpu
 
 HQ, HKV, D, BS, NUM_BLOCKS = 8, 2, 16, 4, 64
 
