@@ -6,23 +6,24 @@ they are up when the caller gets the engine:
 - the engine-core task (``trillm/engine/core.py``): schedule -> execute -> sample -> update;
   with ``data_parallel_size`` K, K of them, each with its own scheduler, KV cache and
   executor (workers), held with their inputs, stats and router by ``engine_cores.py``;
-- the output handler: EngineCoreOutputs -> detokenize, stop strings, logprobs -> collectors.
-
-Only the output handler touches the output processor: engine outputs, new requests
-(``AddRequest``) and aborts reach it, in order, over one bounded inbox. It hands each new
-request to the engine core the router picks (``dp_router.py``) and each abort to the core
-that holds the request.
+- the output handler (``output_handler.py``): EngineCoreOutputs -> detokenize, stop strings,
+  logprobs -> collectors; and, in the same task because only it touches the output
+  processor, admission: new requests (``AddRequest``) and aborts reach it, in order, over one
+  bounded inbox, each new request going to the engine core the router picks
+  (``dp_router.py``), each abort to the core that holds the request.
 
 ``async with engine.generate(...) as outputs: async for out in outputs`` submits one request
-and reads its ``RequestOutput``s from a per-request collector (``request_stream.py``). Leaving
-the block before the final output (break, exception, cancellation) aborts the request.
+and reads its ``RequestOutput``s from a per-request collector; ``generate_many`` does the same
+for several prompts as one parent request (``request_stream.py``: the one submit path of every
+front). Leaving the block before the final output (break, exception, cancellation) aborts
+the request.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -30,10 +31,11 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.engine.chat_template import load_chat_template
 from trillm.engine.engine_cores import EngineCores, structured_output_manager
+from trillm.engine.output_handler import OutputHandler
 from trillm.engine.output_processor import OutputProcessor
 from trillm.engine.pooling_requests import pool
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
-from trillm.engine.request_stream import RequestStream
+from trillm.engine.request_stream import ParentRequest, RequestStream
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
 from trillm.errors import EngineDeadError
 from trillm.lora.checker import LoRAChecker
@@ -41,7 +43,6 @@ from trillm.lora.request import LoRARequest
 from trillm.messages import (
     AbortRequest,
     AddRequest,
-    EngineCoreOutputs,
     OutputHandlerInput,
     SchedulerStats,
 )
@@ -138,7 +139,14 @@ class AsyncEngine:
         send_outputs = self._inbox_send.clone()  # the engine core's outputs share the inbox
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self._run_output_handler, self._inbox_recv)
+                handler = OutputHandler(
+                    self.output_processor,
+                    self.engine_cores,
+                    self.step_observers,
+                    self._die,
+                    lambda: self.dead_error,
+                )
+                await nursery.start(handler.run, self._inbox_recv)
                 await self.engine_cores.start(nursery, send_outputs, self._die)
                 await send_outputs.aclose()
                 self.is_running = True
@@ -147,83 +155,6 @@ class AsyncEngine:
             self._die(exc)
         finally:
             self.is_running = False
-
-    async def _run_output_handler(
-        self,
-        inbox: trio.MemoryReceiveChannel[OutputHandlerInput],
-        *,
-        task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """The only task that touches the output processor: engine outputs, new requests and
-        aborts arrive, in order, on one bounded inbox."""
-        task_status.started()
-        try:
-            async for msg in inbox:
-                self._handle(msg)
-                # NOTE: everything already queued (parked senders included) is handled
-                # before yielding again: a burst of new requests costs one scheduling round,
-                # not one per request.
-                while True:
-                    try:
-                        msg = inbox.receive_nowait()
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                    self._handle(msg)
-        except Exception as exc:
-            self._die(exc)
-            raise
-        finally:
-            self._fail_readers(inbox)
-
-    def _handle(self, msg: OutputHandlerInput) -> None:
-        processor = self.output_processor
-        if isinstance(msg, EngineCoreOutputs):
-            self.engine_cores.note_outputs(msg)
-            if msg.num_scheduled_tokens:
-                for observe in self.step_observers:
-                    observe(msg.num_scheduled_tokens, msg.engine_index)
-            to_abort = processor.process_outputs(msg.outputs, model_time_s=msg.model_time_s)
-            if to_abort:
-                self.engine_cores.send_aborts(to_abort)
-        elif isinstance(msg, AddRequest):
-            self._add_request(msg)
-        else:
-            ids = processor.child_ids(msg.request_id)
-            if processor.abort_request(msg.request_id, msg.collector):
-                self.engine_cores.send_aborts(ids)
-
-    def _add_request(self, msg: AddRequest) -> None:
-        engine_ids = [r.request_id for r in msg.engine_requests]
-        try:
-            self.output_processor.add_request(
-                msg.request_id,
-                msg.prompt,
-                msg.prompt_token_ids,
-                msg.params,
-                engine_ids,
-                queue=msg.collector,
-                arrival_time=msg.arrival_time,
-            )
-        except InvalidRequestError as exc:  # an id already in flight: this request alone
-            msg.collector.put_error(exc)
-            return
-        index = self.engine_cores.submit(msg.engine_requests)
-        if index:
-            self.output_processor.assign_engine(msg.request_id, index)
-
-    def _fail_readers(self, inbox: trio.MemoryReceiveChannel[OutputHandlerInput]) -> None:
-        """The handler ends (engine failure or shutdown): every reader gets the error, those
-        whose request is still in the inbox included; later sends fail at once."""
-        error = self.dead_error or EngineDeadError("The engine has shut down.")
-        self.output_processor.fail_all(error)
-        while True:
-            try:
-                msg = inbox.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            if isinstance(msg, AddRequest):
-                msg.collector.put_error(error)
-        inbox.close()
 
     def _die(self, exc: BaseException) -> None:
         if self.dead_error is not None:
@@ -273,12 +204,8 @@ class AsyncEngine:
         ``finish_reason == "timeout"`` (what it produced until then is kept).
         ``lora_request``: the adapter to run with (needs ``enable_lora``). Leaving the block
         before the final output aborts the request (``request_stream.py``)."""
-        if self.is_pooling and not _pooling:
-            raise InvalidRequestError(
-                "This is a pooling model (runner='pooling'): it embeds prompts "
-                "(encode / LLM.embed / /v1/embeddings) and does not generate text.",
-                "model",
-            )
+        if not _pooling:
+            self._refuse_pooling()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         return RequestStream(
             self,
@@ -290,6 +217,57 @@ class AsyncEngine:
             timeout=timeout,
             lora_request=lora_request,
         )
+
+    def generate_many(
+        self,
+        prompts: Sequence[PromptType | PreparedPrompt],
+        params: SamplingParams | Sequence[SamplingParams | None] | None = None,
+        request_ids: Sequence[str] | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline, not this call's
+        lora_requests: Sequence[LoRARequest | None] | None = None,
+        max_in_flight: int | None = None,
+        may_start: Callable[[], bool] | None = None,
+    ) -> ParentRequest:
+        """Several prompts as one request: ``async with engine.generate_many(prompts, params)
+        as items: async for index, out in items`` (``out``: a ``RequestOutput``, or the
+        exception that ended that prompt alone).
+
+        ``params``: one for all, or one per prompt; ``request_ids``: one per prompt (default:
+        ``<id>-<index>``); ``timeout``: the whole request's deadline; ``max_in_flight``: at most
+        this many prompts in the engine at once, the next submitted as one ends, while
+        ``may_start()`` says so."""
+        self._refuse_pooling()
+        n = len(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list: list[SamplingParams | None] = [params] * n
+        else:
+            params_list = list(params)
+        if request_ids is None:
+            base = f"req-{next(self._ids)}"
+            request_ids = [f"{base}-{i}" for i in range(n)]
+        return ParentRequest(
+            self,
+            prompts,
+            params_list,
+            request_ids,
+            priority=priority,
+            cache_salt=cache_salt,
+            timeout=timeout,
+            lora_requests=lora_requests,
+            max_in_flight=max_in_flight,
+            may_start=may_start,
+        )
+
+    def _refuse_pooling(self) -> None:
+        if self.is_pooling:
+            raise InvalidRequestError(
+                "This is a pooling model (runner='pooling'): it embeds prompts "
+                "(encode / LLM.embed / /v1/embeddings) and does not generate text.",
+                "model",
+            )
 
     @property
     def is_pooling(self) -> bool:

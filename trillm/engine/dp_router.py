@@ -1,6 +1,6 @@
 """Data parallelism: which engine core takes a new request, and which core holds each one.
 
-Owned by the output handler (``AsyncEngine._run_output_handler``), the one task that submits
+Owned by the output handler (``output_handler.OutputHandler``), the one task that submits
 requests and aborts, so its counts need no lock and are never stale: a core's load is the
 engine requests the frontend sent it that have not finished (its waiting + running queues,
 plus those still on their way), ties broken by its last reported KV-cache usage.

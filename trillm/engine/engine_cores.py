@@ -2,7 +2,7 @@
 of them, each with its own scheduler, KV cache, grammar matchers, LoRA admission and draft
 proposer), their input channels, their last stats, and which core holds each request.
 
-Owned by the output handler (``AsyncEngine._run_output_handler``): it alone submits
+Owned by the output handler (``output_handler.OutputHandler``): it alone submits
 requests (``submit``) and aborts (``send_aborts``) and notes each step's outputs
 (``note_outputs``), so the router's counts and the inputs need no lock. The core tasks
 (``run_engine_core``) read their inputs and write their outputs to the handler's inbox.

@@ -7,8 +7,7 @@ every request finished, returning outputs in input order (with a tqdm progress b
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import trio
@@ -222,33 +221,24 @@ class LLM:
         use_tqdm: bool,
         loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """The prompts as one parent request (``AsyncEngine.generate_many``); the first
+        prompt that fails fails the call."""
         from tqdm.auto import tqdm
 
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
-        engine = self.engine
+        ids = [f"llm-{id(results)}-{i}" for i in range(len(prompts))]
         try:
-            async with trio.open_nursery() as nursery:
-                loras = loras or [None] * len(prompts)
-                for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-                    stream = engine.generate(
-                        prompt, params, request_id=f"llm-{id(results)}-{i}", lora_request=loras[i]
-                    )
-                    nursery.start_soon(self._collect, stream, i, results, bar)
-        except ExceptionGroup as group:
-            raise first_leaf(group) from group
+            request = self.engine.generate_many(
+                prompts, params_list, ids, lora_requests=loras or None
+            )
+            async with request as items:
+                async for index, out in items:
+                    if isinstance(out, Exception):
+                        raise out
+                    results[index] = out
+                    if out.finished:
+                        bar.update(1)
         finally:
             bar.close()
         return [r for r in results if r is not None]
-
-    @staticmethod
-    async def _collect(
-        stream: AbstractAsyncContextManager[AsyncIterator[Any]],
-        index: int,
-        results: list[Any],
-        bar: Any,  # tqdm's bar, or its stand-in without use_tqdm
-    ) -> None:
-        async with stream as outputs:
-            async for out in outputs:
-                results[index] = out
-        bar.update(1)

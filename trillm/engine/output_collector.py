@@ -10,6 +10,8 @@ client that stopped reading its stream must not make the server hold ever more o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 from trillm.outputs import RequestOutput
@@ -53,6 +55,9 @@ class RequestOutputCollector:
         self._delivered_any = False
         self.unread_units = 0  # DELTA only: the size of the pending output (output_units)
         self.overflowed = False  # the reader left MAX_UNREAD_UNITS unread once
+        # Called whenever the reader may take something (a parent request reading several
+        # collectors in one task: ``request_stream.ParentRequest``).
+        self.on_ready: Callable[[], None] | None = None
 
     def put(self, output: RequestOutput) -> bool:
         """Never blocks: merges into the pending output when the reader has not taken it.
@@ -79,6 +84,8 @@ class RequestOutputCollector:
             ):
                 return over
         self._ready.set()
+        if self.on_ready is not None:
+            self.on_ready()
         return over
 
     def put_error(self, error: BaseException) -> None:
@@ -88,6 +95,13 @@ class RequestOutputCollector:
             return
         self._error = error
         self._ready.set()
+        if self.on_ready is not None:
+            self.on_ready()
+
+    @property
+    def has_error(self) -> bool:
+        """An error waits to be raised (after the pending output, if any)."""
+        return self._error is not None
 
     def get_nowait(self) -> RequestOutput | None:
         """The pending output (None if there is none); raises the error once drained."""

@@ -1,22 +1,40 @@
-"""Stage 4's reader side: one request's outputs as a stream that Trio owns.
+"""Stage 4's one submit path: a user request as a parent of its prompts, read in the caller's
+task.
 
-    async with engine.generate(prompt, params) as outputs:
+    async with engine.generate(prompt, params) as outputs:         # one prompt
         async for out in outputs:
             ...
 
-``__aenter__`` prepares the prompt (when it is not a ``PreparedPrompt`` already), compiles a
-structured-output grammar, and sends one ``AddRequest`` over the output handler's bounded
-inbox: the handler registers the request in the output processor (which only it mutates) and
-submits the engine requests. Reading takes the outputs from the request's collector in the
-caller's own task (no task per request). Leaving the block in any way before the final output
-(``break``, an exception, a cancellation) sends an ``AbortRequest`` under a shield, so the
-request is aborted at once and never depends on the garbage collector.
+    async with engine.generate_many(prompts, params) as items:     # several prompts
+        async for index, out_or_error in items:
+            ...
+
+A ``ParentRequest`` holds a request's prompts (its children). Each child is prepared once
+(``Preprocessor.prepare``; a ``PreparedPrompt`` is taken as it is), its grammar compiled, and
+submitted as one ``AddRequest`` over the output handler's bounded inbox: the output processor
+registers it as one output group of ``n`` samples (``fan_out``: one engine request per sample)
+sharing one collector. ``n`` and several prompts are the two levels of one design: samples
+of a prompt within its group, prompts within the parent.
+
+Admission: at most ``max_in_flight`` children are in the engine at once (all of them without a
+limit); the next is submitted as one finishes, while ``may_start()`` allows (a draining server
+says no). The deadline (``timeout``) is the parent's: a child submitted after it passed is
+aborted at once, and every "abort" that the deadline caused reads "timeout".
+
+Reading takes outputs from the children's collectors in the caller's own task (no task per
+request or prompt), round robin, one scheduling point per output. Leaving the block in any way
+(``break``, an exception, a cancellation) aborts every unfinished child under a shield, so
+nothing depends on the garbage collector.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from functools import partial
 from types import TracebackType
 from typing import Protocol
 
@@ -31,7 +49,7 @@ from trillm.sampling_params import SamplingParams
 
 
 class StreamEngine(Protocol):
-    """What a stream needs of ``AsyncEngine`` (named here: no import cycle)."""
+    """What a request needs of ``AsyncEngine`` (named here: no import cycle)."""
 
     preprocessor: Preprocessor
     stream_interval: int
@@ -47,8 +65,252 @@ class StreamEngine(Protocol):
     async def send_abort(self, msg: AbortRequest) -> None: ...
 
 
-class RequestStream:
-    """One request; use it only as ``async with engine.generate(...) as outputs``."""
+@dataclasses.dataclass
+class _Child:
+    """One prompt of a parent request."""
+
+    index: int
+    request_id: str
+    prompt: PromptType | PreparedPrompt
+    params: SamplingParams | None
+    lora: LoRARequest | None
+    collector: RequestOutputCollector | None = None  # set once the handler has it
+    error: Exception | None = None  # its submission failed (read as its item)
+    done: bool = False  # its final output or error was read (or it was aborted)
+    queued: bool = False  # in the parent's ready queue
+
+
+class ParentRequest:
+    """A request of one or more prompts; use it as ``async with engine.generate_many(...)``.
+    Items are ``(prompt index, RequestOutput | Exception)``: a prompt's failure is its item,
+    the others go on."""
+
+    def __init__(
+        self,
+        engine: StreamEngine,
+        prompts: Sequence[PromptType | PreparedPrompt],
+        params: Sequence[SamplingParams | None],
+        request_ids: Sequence[str],
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline
+        lora_requests: Sequence[LoRARequest | None] | None = None,
+        max_in_flight: int | None = None,
+        may_start: Callable[[], bool] | None = None,
+    ) -> None:
+        if not prompts or not len(prompts) == len(params) == len(request_ids):
+            raise ValueError("A request needs prompts, with one params and one id each.")
+        loras = lora_requests if lora_requests is not None else [None] * len(prompts)
+        self._children = [
+            _Child(i, rid, prompt, p, lora)
+            for i, (prompt, p, rid, lora) in enumerate(
+                zip(prompts, params, request_ids, loras, strict=True)
+            )
+        ]
+        self._engine = engine
+        self._priority = priority
+        self._cache_salt = cache_salt
+        self._timeout = timeout
+        self._max_in_flight = max(1, max_in_flight) if max_in_flight is not None else None
+        self._may_start = may_start
+        self._deadline = math.inf
+        self._expired = False  # the deadline passed: aborts read "timeout"
+        self._next = 0  # the next child to submit
+        self._in_flight = 0  # children submitted and not done
+        self._ready: deque[_Child] = deque()  # children with news, in the order it came
+        self._entered = False
+        self._closed = False
+        self._woken = trio.Event()  # set when a child joins the ready queue
+
+    # ------------------------------------------------------------------ the block
+    async def __aenter__(self) -> ParentRequest:
+        if self._entered:
+            raise RuntimeError("A request can be entered only once.")
+        self._entered = True
+        self._engine.check_alive()
+        self._deadline = _deadline(self._timeout)
+        try:
+            while self._may_submit():  # the first wave: its failures are the caller's
+                await self._submit(self._children[self._next])
+                self._next += 1
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Abort every unfinished child. Completes even in a cancelled scope; once only."""
+        if self._closed:
+            return
+        self._closed = True
+        with trio.CancelScope(shield=True):  # the handler drains its inbox without waiting
+            for child in self._children[: self._next]:
+                if child.collector is not None and not child.done:
+                    self._finish(child)
+                    await self._engine.send_abort(AbortRequest(child.request_id, child.collector))
+
+    # ------------------------------------------------------------------ submitting
+    def _may_submit(self) -> bool:
+        if self._next >= len(self._children) or self._closed:
+            return False
+        if self._max_in_flight is not None and self._in_flight >= self._max_in_flight:
+            return False
+        return self._may_start is None or self._may_start()
+
+    async def _submit(self, child: _Child) -> None:
+        """Prepare (unless prepared), check the adapter, compile the grammar, and hand the
+        prompt's output group to the output handler."""
+        engine = self._engine
+        if child.lora is not None:
+            await engine.check_lora(child.lora)
+        prompt = child.prompt
+        if isinstance(prompt, PreparedPrompt):
+            prepared = prompt
+        else:
+            prepared = await engine.preprocessor.prepare(
+                prompt,
+                child.params or SamplingParams(),
+                priority=self._priority,
+                cache_salt=self._cache_salt,
+            )
+        params = prepared.params
+        if params.structured_outputs is not None:
+            await engine.compile_grammar(params)
+        request = EngineCoreRequest(
+            request_id=child.request_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling_params=params,
+            arrival_time=time.monotonic(),
+            eos_token_id=engine.preprocessor.eos_token_id,
+            priority=prepared.priority,
+            cache_salt=prepared.cache_salt,
+            extra_hash_keys=[] if child.lora is None else [child.lora.hash_key],
+            lora_request=child.lora,
+        )
+        collector = RequestOutputCollector(params.output_kind, engine.stream_interval)
+        collector.on_ready = partial(self._note_ready, child)
+        message = AddRequest(
+            request_id=child.request_id,
+            prompt=prepared.text,
+            prompt_token_ids=request.prompt_token_ids,
+            params=params,
+            engine_requests=fan_out(request),
+            collector=collector,
+            arrival_time=time.time(),
+        )
+        await engine.send_to_handler(message)
+        # Set only once the handler has the request: leaving before this aborts nothing.
+        child.collector = collector
+        self._in_flight += 1
+        if self._expired:
+            await engine.send_abort(AbortRequest(child.request_id, collector))
+
+    async def _submit_more(self) -> None:
+        """Children finished: start the next ones (a failure is that child's item)."""
+        while self._may_submit():
+            child = self._children[self._next]
+            self._next += 1
+            try:
+                await self._submit(child)
+            except Exception as exc:
+                child.error = exc
+                self._note_ready(child)
+
+    def _note_ready(self, child: _Child) -> None:
+        """A child's collector has news for the reader (or its submission failed)."""
+        if not child.queued:
+            child.queued = True
+            self._ready.append(child)
+            self._woken.set()
+
+    def _finish(self, child: _Child) -> None:
+        if not child.done:
+            child.done = True
+            if child.collector is not None:
+                self._in_flight -= 1
+
+    # ------------------------------------------------------------------ reading
+    def __aiter__(self) -> ParentRequest:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput | Exception]:
+        if not self._entered:
+            raise RuntimeError(
+                "Read a request's outputs inside `async with engine.generate(...) as outputs:`."
+            )
+        while True:
+            # NOTE: a fresh event before the scan: news arriving after it sets this one.
+            self._woken = trio.Event()
+            item = self._take()
+            if item is not None:
+                if self._children[item[0]].done:
+                    await self._submit_more()
+                await trio.lowlevel.checkpoint()  # one scheduling point per output
+                return item
+            if not self._in_flight and not self._ready:
+                if self._closed or not self._may_submit():
+                    raise StopAsyncIteration
+                await self._submit_more()
+                continue
+            if self._deadline == math.inf or self._expired:
+                await self._woken.wait()
+                continue
+            # NOTE: the deadline's scope covers only the wait, never the caller's work.
+            with trio.move_on_at(self._deadline):
+                await self._woken.wait()
+            if trio.current_time() >= self._deadline:
+                await self._expire()
+
+    def _take(self) -> tuple[int, RequestOutput | Exception] | None:
+        """The next child with news, in the order the news came."""
+        while self._ready:
+            child = self._ready.popleft()
+            child.queued = False
+            if child.done:
+                continue
+            if child.error is not None:
+                self._finish(child)
+                return child.index, child.error
+            assert child.collector is not None
+            try:
+                out = child.collector.get_nowait()
+            except Exception as exc:  # the engine failed or refused it: nothing to abort
+                self._finish(child)
+                return child.index, exc
+            if out is None:
+                continue
+            if self._expired:
+                for c in out.outputs:
+                    if c.finish_reason == "abort":
+                        c.finish_reason = "timeout"
+            if out.finished:
+                self._finish(child)
+            elif child.collector.has_error:
+                self._note_ready(child)  # the error is read next
+            return child.index, out
+        return None
+
+    async def _expire(self) -> None:
+        """The deadline passed: abort the children in the engine; what they produced until
+        then is kept, and their final outputs say "timeout"."""
+        self._expired = True
+        for child in self._children[: self._next]:
+            if child.collector is not None and not child.done:
+                await self._engine.send_abort(AbortRequest(child.request_id, child.collector))
+
+
+class RequestStream(ParentRequest):
+    """One prompt: ``async with engine.generate(...) as outputs: async for out in outputs``
+    reads ``RequestOutput``s, and a failure is raised."""
 
     def __init__(
         self,
@@ -62,126 +324,34 @@ class RequestStream:
         timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline
         lora_request: LoRARequest | None = None,
     ) -> None:
+        super().__init__(
+            engine,
+            [prompt],
+            [params],
+            [request_id],
+            priority=priority,
+            cache_salt=cache_salt,
+            timeout=timeout,
+            lora_requests=[lora_request],
+        )
         self.request_id = request_id
-        self._engine = engine
-        self._prompt = prompt
-        self._params = params
-        self._priority = priority
-        self._cache_salt = cache_salt
-        self._timeout = timeout
-        self._lora = lora_request
-        self._deadline = math.inf
-        self._collector: RequestOutputCollector | None = None
-        self._finished = False  # the final output was read (or the request failed)
 
-    # ------------------------------------------------------------------ the block
     async def __aenter__(self) -> RequestStream:
-        if self._collector is not None:
-            raise RuntimeError("A request stream can be entered only once.")
-        engine = self._engine
-        engine.check_alive()
-        self._deadline = _deadline(self._timeout)
-        lora = self._lora
-        if lora is not None:
-            await engine.check_lora(lora)
-        prompt = self._prompt
-        if isinstance(prompt, PreparedPrompt):
-            prepared = prompt
-        else:
-            prepared = await engine.preprocessor.prepare(
-                prompt,
-                self._params or SamplingParams(),
-                priority=self._priority,
-                cache_salt=self._cache_salt,
-            )
-        params = prepared.params
-        if params.structured_outputs is not None:
-            await engine.compile_grammar(params)
-        request = EngineCoreRequest(
-            request_id=self.request_id,
-            prompt_token_ids=prepared.prompt_token_ids,
-            sampling_params=params,
-            arrival_time=time.monotonic(),
-            eos_token_id=engine.preprocessor.eos_token_id,
-            priority=prepared.priority,
-            cache_salt=prepared.cache_salt,
-            extra_hash_keys=[] if lora is None else [lora.hash_key],
-            lora_request=lora,
-        )
-        collector = RequestOutputCollector(params.output_kind, engine.stream_interval)
-        message = AddRequest(
-            request_id=self.request_id,
-            prompt=prepared.text,
-            prompt_token_ids=request.prompt_token_ids,
-            params=params,
-            engine_requests=fan_out(request),
-            collector=collector,
-            arrival_time=time.time(),
-        )
-        await engine.send_to_handler(message)
-        # Set only once the handler has the request: leaving before this aborts nothing.
-        self._collector = collector
+        await super().__aenter__()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Abort the request unless it finished. Completes even in a cancelled scope."""
-        if self._collector is None or self._finished:
-            return
-        self._finished = True
-        with trio.CancelScope(shield=True):  # the handler drains its inbox without waiting
-            await self._engine.send_abort(AbortRequest(self.request_id, self._collector))
-
-    # ------------------------------------------------------------------ reading
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
-        collector = self._collector
-        if collector is None:
-            raise RuntimeError(
-                "Read a request's outputs inside `async with engine.generate(...) as outputs:`."
-            )
-        if self._finished:
-            raise StopAsyncIteration
-        try:
-            if self._deadline == math.inf:  # (no cancel scope on the common path)
-                out = await collector.get()
-            else:
-                # NOTE: the deadline's scope covers only the wait, never the caller's work.
-                got: RequestOutput | None = None
-                with trio.move_on_at(self._deadline):
-                    got = await collector.get()
-                out = got or await self._expire(collector)
-        except Exception:
-            self._finished = True  # the engine failed or refused it: nothing left to abort
-            raise
-        if out.finished:
-            self._finished = True
-        return out
-
-    async def _expire(self, collector: RequestOutputCollector) -> RequestOutput:
-        """The deadline passed: abort; the final output says "timeout" where it says "abort"
-        (what the request produced until then is kept)."""
-        await self._engine.send_abort(AbortRequest(self.request_id, collector))
-        out = await collector.get()
-        for c in out.outputs:
-            if c.finish_reason == "abort":
-                c.finish_reason = "timeout"
+    async def __anext__(self) -> RequestOutput:  # type: ignore[override]
+        _, out = await super().__anext__()
+        if isinstance(out, Exception):
+            raise out
         return out
 
 
 def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
     """n > 1: one engine request per sample (seeded ones get seed + index)."""
-    import dataclasses
-
     params = request.sampling_params
     if params.n == 1:
         return [request]
