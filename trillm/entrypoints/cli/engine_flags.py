@@ -1,5 +1,5 @@
 """The engine flags of ``trillm serve`` and ``trillm bench latency|throughput``: one per
-EngineArgs field, spelled by the field's ``flag(...)`` metadata (``trillm/config.py``).
+EngineArgs field, spelled by the field's ``flag(...)`` metadata (``trillm/config/engine_args.py``).
 
 Every flag defaults to None, and ``engine_kwargs`` passes only the flags given, so EngineArgs'
 own defaults remain the only defaults.

@@ -1,6 +1,6 @@
 """The values ``trillm serve``'s flags take: argparse ``type=`` functions, each an
 ``ArgumentTypeError`` (a usage error naming the flag) for anything else. ``ENGINE_VALUES``:
-those an EngineArgs field's ``Flag.value`` names (``trillm/config.py``)."""
+those an EngineArgs field's ``Flag.value`` names (``trillm/config/engine_args.py``)."""
 
 from __future__ import annotations
 

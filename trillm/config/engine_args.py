@@ -1,85 +1,30 @@
-"""Engine arguments (vLLM's names) and the resolved configuration they produce."""
+"""``EngineArgs``: what a user passes to ``trillm serve``, ``open_engine`` or ``LLM`` (vLLM's
+names), each field with its flag, and the node checks."""
 
 from __future__ import annotations
 
 import logging
-import re
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal, TypeVar, get_args
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
-from trillm.spec_decode.config import SpeculativeConfig
+from trillm.config.pooling import check_runner
+from trillm.config.values import (
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    AttentionBackendName,
+    Convert,
+    Device,
+    KVCacheDtype,
+    LoadFormat,
+    Numerics,
+    check_grammar_cache_bytes,
+    check_kv_cache_dtype,
+    check_numerics,
+    flag,
+    grammar_cache_bytes_from_env,
+    not_a_flag,
+)
 
 logger = logging.getLogger(__name__)
-
-# The values of EngineArgs' enumerated fields, each spelled once: the tuples the checks use
-# are derived from these (``get_args``).
-Device = Literal["auto", "cpu", "cuda"]
-AttentionBackendName = Literal["torch", "triton", "flashinfer", "eager"]
-LoadFormat = Literal["auto", "safetensors", "gguf"]  # vLLM's names for what trillm reads
-KVCacheDtype = Literal["auto", "bfloat16", "fp8", "fp8_e4m3"]
-Convert = Literal["auto", "none", "embed", "classify"]
-Numerics = Literal["fast", "transformers"]
-DEVICES: tuple[str, ...] = get_args(Device)
-ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackendName)
-LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
-
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # CPU: 1 GiB unless --kv-cache-memory says otherwise
-# Compiled grammars kept for reuse: vLLM's xgrammar cache default (VLLM_XGRAMMAR_CACHE_MB=512).
-DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
-GRAMMAR_CACHE_ENV = "VLLM_XGRAMMAR_CACHE_MB"  # (trillm/envs.py reads it)
-
-
-def parse_memory_size(value: str | int | float) -> int:
-    """'2GiB', '512MB', '1e9' or a byte count -> bytes."""
-    if isinstance(value, (int, float)):
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", value, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"Cannot parse memory size {value!r}; use e.g. 2GiB, 512MiB or bytes.")
-    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
-    base = 1024 if binary or unit == "" else 1000
-    power = " KMGT".index(unit) if unit else 0
-    return int(number * base**power)
-
-
-# How an EngineArgs field is spelled on the command line: ``trillm serve`` and ``trillm bench
-# latency|throughput`` add one flag per field from this (trillm/entrypoints/cli/engine_flags.py),
-# its type from the annotation (int, float, str, bool: --x/--no-x, a Literal: its choices)
-# unless ``value`` names one of the parsers in flag_types.py.
-FlagValue = Literal[
-    "positive_int",
-    "non_negative_int",
-    "positive_seconds",
-    "memory_size",
-    "grammar_cache_bytes",
-    "json_object",
-    "quantization",
-    "kv_cache_dtype",
-    "load_format",
-    "speculative_config",
-]
-
-
-@dataclass(frozen=True)
-class Flag:
-    help: str
-    aliases: tuple[str, ...] = ()  # short spellings, e.g. "-tp"
-    value: FlagValue | None = None  # None: the annotation's type
-    metavar: str | None = None
-    several: bool = False  # nargs="+"; the field takes the first (served_model_name)
-
-
-T = TypeVar("T")
-
-
-def flag(default: T, help: str, **spec: Any) -> T:
-    """An EngineArgs field that is an engine flag (``--`` + its name, dashed)."""
-    return field(default=default, metadata={"flag": Flag(help, **spec)})
-
-
-def not_a_flag(default: T, why: str) -> T:
-    """An EngineArgs field that no engine flag sets, and why."""
-    return field(default=default, metadata={"not_a_flag": why})
 
 
 @dataclass
@@ -421,234 +366,3 @@ def check_nodes(args: EngineArgs) -> None:
         or not 0 < timeout < float("inf")
     ):
         raise ValueError(f"distributed_timeout_seconds must be a number > 0, got {timeout!r}.")
-
-
-@dataclass
-class ModelConfig:
-    """The model as the runner needs it, read from config.json (transformers 4 or 5 keys)."""
-
-    model: str  # local folder holding config.json, weights and tokenizer; or a .gguf file
-    tokenizer: str
-    served_model_name: str
-    architecture: str  # e.g. "LlamaForCausalLM"
-    dtype: str  # "float32" | "bfloat16" | "float16"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    max_model_len: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
-    hidden_act: str
-    bos_token_id: int | None
-    eos_token_ids: list[int]
-    generation_config: dict[str, Any] = field(default_factory=dict)
-    hf_config: dict[str, Any] = field(default_factory=dict)
-    quantization: str | None = None  # "fp8" (at load, CPU) | "gguf" (a GGUF's blocks) | awq | gptq
-    numerics: str = "fast"  # EngineArgs.numerics: "fast" | "transformers"
-
-
-KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
-NUMERICS: tuple[str, ...] = get_args(Numerics)
-
-
-def check_numerics(name: object) -> str:
-    """``name`` if it is one of ``NUMERICS``, else a ValueError naming it."""
-    if name not in NUMERICS:
-        raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}; got {name!r}.")
-    return str(name)
-
-
-def grammar_cache_bytes_from_env() -> int:
-    """vLLM's ``VLLM_XGRAMMAR_CACHE_MB`` (a positive whole number of MiB), else 512 MiB; a
-    value that is not such a number is a ValueError naming the variable."""
-    from trillm import envs
-
-    mib = envs.XGRAMMAR_CACHE_MB.get()
-    return DEFAULT_GRAMMAR_CACHE_BYTES if mib is None else mib << 20
-
-
-def check_grammar_cache_bytes(value: object) -> int:
-    """A positive byte count (or a size such as "512MiB"), else a ValueError naming it."""
-    try:
-        size = parse_memory_size(value) if isinstance(value, str | int | float) else 0
-    except (ValueError, OverflowError):
-        size = 0
-    if isinstance(value, bool) or size < 1:
-        raise ValueError(
-            "structured_outputs_cache_bytes must be a size > 0 such as 512MiB or a byte "
-            f"count; got {value!r}."
-        )
-    return size
-
-
-def check_kv_cache_dtype(name: str) -> str:
-    """``name`` if trillm stores a KV cache in it, else a ValueError naming it."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype {name!r} is not implemented yet; choose one of "
-            f"{', '.join(KV_CACHE_DTYPES)}."
-        )
-    return name
-
-
-@dataclass
-class CacheConfig:
-    block_size: int = 16
-    # The KV cache's storage: "float32" | "bfloat16" | "float16" | "fp8_e4m3" (resolved from
-    # kv_cache_dtype; "auto" is the model's dtype). fp8 values are stored as x / scale with
-    # the scale 1.0 (vLLM's default when no scales are calculated or loaded).
-    cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    num_blocks: int = 0  # set once the worker has sized the cache
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 2048
-    long_prefill_token_threshold: int = 0  # 0 = no per-request cap beyond the budget
-    policy: Literal["fcfs", "priority"] = "fcfs"
-
-
-# A collective that waits longer than this means a rank stopped answering; below the
-# executor's step timeout, so the rank that waited reports it first.
-COLLECTIVE_TIMEOUT_S = 120.0
-
-
-@dataclass
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: Literal["mp", "uni"] = "mp"
-    master_port: int = 0  # the ranks' TCP rendezvous (0: the executor picks a loopback port)
-    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
-    data_parallel_size: int = 1  # engine cores (each gets its own copy of the config)
-    data_parallel_rank: int = 0  # which engine core this config's workers serve
-    nnodes: int = 1  # node k runs ranks [k * L, (k + 1) * L), L = ranks_per_node
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    pipeline_parallel_size: int = 1  # stages; world = tensor x pipeline ranks
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.world_size // self.nnodes
-
-    def remote_ranks(self) -> list[int]:
-        """The ranks not on node 0 (rank 0 forwards the executor's messages to them)."""
-        return list(range(self.ranks_per_node, self.world_size))
-
-
-@dataclass
-class LoRAConfig:
-    max_loras: int = 1  # adapters resident on a worker (and in flight in the engine)
-    max_lora_rank: int = 16
-
-
-RUNNERS = ("auto", "generate", "pooling")
-CONVERTS: tuple[str, ...] = get_args(Convert)
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
-
-
-class PoolingConfigError(ValueError):
-    """A runner / convert / pooler setting trillm cannot honour."""
-
-
-@dataclass
-class PoolerConfig:
-    """How a pooling model turns a prompt's hidden states into one vector
-    (``trillm/model_executor/pooling.py``)."""
-
-    pooling_type: Literal["LAST", "MEAN", "CLS"] = "LAST"
-    normalize: bool = True
-    matryoshka: bool = False  # the model may be truncated to fewer ``dimensions``
-    # "classify": a *ForSequenceClassification model (model_executor/classification.py): the
-    # pooled LAST row through its score head, softmax over ``labels``
-    task: Literal["embed", "classify"] = "embed"
-    labels: list[str] = field(default_factory=list)
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> PoolerConfig:
-        """vLLM's ``pooler_config`` keys that trillm honours; others are refused."""
-        unknown = set(cfg) - {"pooling_type", "normalize"}
-        if unknown:
-            raise PoolingConfigError(
-                f"pooler_config: unsupported key(s) {sorted(unknown)}; "
-                "supported: pooling_type, normalize."
-            )
-        kind = str(cfg.get("pooling_type", "LAST")).upper()
-        if kind not in POOLING_TYPES:
-            raise PoolingConfigError(
-                f"pooler_config.pooling_type must be one of "
-                f"{', '.join(POOLING_TYPES)}, got {kind!r}."
-            )
-        normalize = cfg.get("normalize", True)
-        if not isinstance(normalize, bool):
-            raise PoolingConfigError(
-                f"pooler_config.normalize must be true or false, got {normalize!r}."
-            )
-        return cls(pooling_type=kind, normalize=normalize)  # type: ignore[arg-type]
-
-
-def check_runner(runner: str, convert: str, pooler_config: dict[str, Any] | None) -> None:
-    if runner not in RUNNERS:
-        extra = " ('draft' models are part of speculative decoding)" if runner == "draft" else ""
-        raise PoolingConfigError(
-            f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}{extra}."
-        )
-    if convert not in CONVERTS:
-        raise PoolingConfigError(
-            f"convert must be one of {', '.join(CONVERTS)} (reward models are not "
-            f"implemented), got {convert!r}."
-        )
-    if runner == "generate" and convert in ("embed", "classify"):
-        raise PoolingConfigError(
-            f"convert={convert!r} makes a pooling model: it contradicts runner='generate'."
-        )
-    if pooler_config is not None:
-        if not isinstance(pooler_config, dict):
-            raise PoolingConfigError("pooler_config must be a JSON object.")
-        PoolerConfig.from_dict(pooler_config)
-
-
-def is_pooling(runner: str, convert: str) -> bool:
-    return runner == "pooling" or convert in ("embed", "classify")
-
-
-@dataclass
-class TrillmConfig:
-    """Everything resolved: handed to the engine core and (as plain data) to every worker."""
-
-    model: ModelConfig
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    parallel: ParallelConfig
-    device: str  # "cpu" | "cuda"
-    seed: int = 0
-    attention_backend: str = "torch"
-    max_logprobs: int = 20
-    reasoning_parser: str | None = None  # the engine core's structured outputs wait for it
-    structured_outputs_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES  # compiled grammars kept
-    lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora not given)
-    pooler: PoolerConfig | None = None  # set: a pooling model (embeddings), no generation
-    speculative: SpeculativeConfig | None = None  # speculative_config, parsed
-    # speculative_config's draft_model: the draft (same tokenizer), run beside the target by
-    # the worker (trillm/spec_decode/draft_model.py); None without one.
-    draft_model: ModelConfig | None = None
-    # No step programs (trillm/worker/step_program.py): every step runs the eager forward.
-    enforce_eager: bool = False
