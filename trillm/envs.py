@@ -1,5 +1,5 @@
 """Every environment variable trillm reads, with its type and meaning: the one place that
-reads them (``tests/test_envs.py`` checks that no other module does, and that
+reads them (``tests/repo/test_envs.py`` checks that no other module does, and that
 ``docs/environment.md`` lists each).
 
 A variable vLLM defines keeps vLLM's name and meaning; trillm's own start with ``TRILLM_``.

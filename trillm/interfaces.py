@@ -8,7 +8,7 @@
   included, subclasses it.
 - The scheduler: the Python twin's class, ``trillm.core.scheduler.Scheduler``; the native
   scheduler is declared with the twin's API (``trillm/_ext/scheduler.pyi``) and checked against
-  it (``tests/test_native_contract.py``).
+  it (``tests/native/test_native_contract.py``).
 """
 
 from __future__ import annotations
