@@ -51,6 +51,8 @@ from trillm.sampling_params import SamplingParams
 from trillm.utils import unwrap_group
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from trillm.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
@@ -64,7 +66,7 @@ class AsyncEngine:
     def __init__(
         self,
         config: TrillmConfig,
-        tokenizer: Any,  # transformers' tokenizer (None with skip_tokenizer_init)
+        tokenizer: PreTrainedTokenizerBase | None,  # None with skip_tokenizer_init
         executor: Executor | list[Executor],  # one per engine core (data parallelism)
         stream_interval: int = 1,
         stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET,

@@ -3,10 +3,12 @@
 Three kinds, never a flag accepted and ignored in silence:
 
 - honoured with vLLM's meaning: TLS (``--ssl-*``), CORS (``--allowed-*``), ``--root-path``,
-  ``--download-dir``, request and stats logging, ``--config FILE.yaml``;
+  ``--download-dir``, request and stats logging, ``--config FILE.yaml`` (and
+  ``--enforce-eager``, an EngineArgs field: no step-program replay of small CPU decode steps,
+  which ``startup_notes`` logs);
 - accepted where trillm has no such mechanism (``--enable-chunked-prefill``,
-  ``--enforce-eager``, ``--swap-space``): what they ask is already so, or means nothing here,
-  and ``startup_notes`` says so once in the log;
+  ``--swap-space``): what they ask is already so, or means nothing here, and
+  ``startup_notes`` says so once in the log;
 - refused (argparse error, exit 2) where the feature is not implemented yet: tokenizer modes,
   multimodal input, multi-node data parallelism. (Quantization methods, KV-cache dtypes,
   load formats and speculative decoding methods are EngineArgs fields: their flags, with the

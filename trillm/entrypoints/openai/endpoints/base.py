@@ -30,7 +30,11 @@ from trillm.lora.request import LoRARequest
 from trillm.outputs import Logprob
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from trillm.config import ModelConfig
     from trillm.engine.async_engine import AsyncEngine
+    from trillm.engine.preprocess import Preprocessor
     from trillm.entrypoints.openai.endpoints.lora import LoRARegistry
 
 
@@ -74,16 +78,16 @@ class ServerState:
     max_engine_seqs_per_request: int | None = None
 
     @property
-    def tokenizer(self) -> Any:  # (transformers' tokenizer)
+    def tokenizer(self) -> PreTrainedTokenizerBase:  # (the routes that use it need one)
         return self.engine.tokenizer
 
     @property
-    def model_config(self) -> Any:
+    def model_config(self) -> ModelConfig:
         return self.engine.model_config
 
     @property
-    def preprocessor(self) -> Any:
-        """Stage 2 (``trillm.engine.preprocess.Preprocessor``) of the current engine."""
+    def preprocessor(self) -> Preprocessor:
+        """Stage 2 of the current engine."""
         return self.engine.preprocessor
 
     @property
