@@ -16,7 +16,8 @@ import trio
 import trio.testing
 
 from trillm.errors import MessageTooLargeError, RingClosedError, RingCorruptError
-from trillm.ipc.shm_ring import RingFds, RingReader, RingWriter, ShmRing
+from trillm.ipc.shm_ring import RingReader, RingWriter
+from trillm.ipc.shm_segment import RingFds, ShmRing
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 READER = textwrap.dedent(
     """
     import hashlib, json, sys
-    from trillm.ipc.shm_ring import RingFds, RingReader, ShmRing
+    from trillm.ipc.shm_ring import RingReader
+    from trillm.ipc.shm_segment import RingFds, ShmRing
     fds = RingFds(**json.loads(sys.argv[1]))
     index, count = int(sys.argv[2]), int(sys.argv[3])
     reader = RingReader(ShmRing.attach(fds.name), index, fds)
@@ -42,7 +44,8 @@ READER = textwrap.dedent(
 WRITER = textwrap.dedent(
     """
     import json, sys, time
-    from trillm.ipc.shm_ring import RingFds, RingWriter, ShmRing
+    from trillm.ipc.shm_ring import RingWriter
+    from trillm.ipc.shm_segment import RingFds, ShmRing
     fds = RingFds(**json.loads(sys.argv[1]))
     writer = RingWriter(ShmRing.attach(fds.name), fds)
     time.sleep(0.3)

@@ -44,7 +44,8 @@ from trillm.executor.worker_exits import WorkerExits
 from trillm.executor.worker_ipc import WorkerIpc, free_loopback_port
 from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
-from trillm.ipc.shm_ring import DEFAULT_NUM_SLOTS, DEFAULT_SLOT_SIZE, RingReader
+from trillm.ipc.shm_ring import RingReader
+from trillm.ipc.shm_segment import DEFAULT_NUM_SLOTS, DEFAULT_SLOT_SIZE
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 from trillm.utils import unwrap_group
 

@@ -20,7 +20,8 @@ import trio
 from trillm.errors import IPCError
 from trillm.ipc import codec
 from trillm.ipc.control import WorkerFailed
-from trillm.ipc.shm_ring import RingFds, RingReader, RingWriter, ShmRing
+from trillm.ipc.shm_ring import RingReader, RingWriter
+from trillm.ipc.shm_segment import RingFds, ShmRing
 
 
 def free_loopback_port() -> int:

@@ -37,7 +37,8 @@ from trillm.gc_heap import freeze_startup_heap
 from trillm.interfaces import ModelRunnerProtocol, RunnerClass
 from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
-from trillm.ipc.shm_ring import RingFds, RingReader, RingWriter, ShmRing
+from trillm.ipc.shm_ring import RingReader, RingWriter
+from trillm.ipc.shm_segment import RingFds, ShmRing
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 from trillm.worker.remote_rank import check_same_config, join_from_node
 
