@@ -10,14 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from trillm.parsers.tool_parsers.base import (
-    CallListParser,
-    CallPiece,
-    Resume,
-    ToolParser,
-    skip_ws,
-)
+from trillm.parsers.tool_parsers.base import CallListParser, CallPiece, Resume, ToolParser
 from trillm.parsers.tool_parsers.json_lists import call_sequence, resumable_call_sequence
+from trillm.parsers.tool_parsers.json_scan import skip_ws
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 

@@ -15,13 +15,8 @@ call when its object is complete.
 
 from __future__ import annotations
 
-from trillm.parsers.tool_parsers.base import (
-    CallPiece,
-    Resume,
-    ToolParser,
-    held_prefix,
-    json_call,
-)
+from trillm.parsers.tool_parsers.base import CallPiece, Resume, ToolParser, held_prefix
+from trillm.parsers.tool_parsers.json_scan import json_call
 
 START = "<tool_call>"
 END = "</tool_call>"

@@ -19,11 +19,9 @@ from trillm.parsers.tool_parsers.base import (
     CallPiece,
     Resume,
     held_prefix,
-    json_call,
     mistral_id,
-    scan_json_value,
-    skip_ws,
 )
+from trillm.parsers.tool_parsers.json_scan import json_call, scan_json_value, skip_ws
 
 
 def call_sequence(

@@ -15,7 +15,8 @@ import json
 import re
 from typing import Any
 
-from trillm.parsers.tool_parsers.base import CallListParser, CallPiece, Resume, skip_ws
+from trillm.parsers.tool_parsers.base import CallListParser, CallPiece, Resume
+from trillm.parsers.tool_parsers.json_scan import skip_ws
 
 _NAME = re.compile(r"([A-Za-z_][\w.]*)\s*\(")
 _PARTIAL_NAME = re.compile(r"[A-Za-z_][\w.]*\s*$")
