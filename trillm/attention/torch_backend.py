@@ -11,11 +11,11 @@ below. Elsewhere (CUDA, fp16,
 ``TRILLM_NO_EXTENSIONS=1``) it is one scatter to write K/V, one gather per request group, one
 ``scaled_dot_product_attention`` per group:
 
-A step's requests fall in at most two groups, planned once per step (``plan``) and reused by
-every layer: decode rows (query length 1, the fast path: no query padding, a padding-only
-mask) and prefill rows (queries padded to the longest chunk, causal mask offset by each
-request's context length). Splitting them keeps one long prefill from padding every decode
-row to its length.
+A step's requests fall in at most two groups (``torch_groups``), planned once per step
+(``plan``) and reused by every layer: decode rows (query length 1, the fast path: no query
+padding, a padding-only mask) and prefill rows (queries padded to the longest chunk, causal
+mask offset by each request's context length). Splitting them keeps one long prefill from
+padding every decode row to its length.
 
 Fast path: a prefill chunk with no context before it (a fresh prompt, the common case) attends
 causally over its own rows with ``is_causal`` (no gather, no mask, no padding to the longest
@@ -32,87 +32,13 @@ torch ops (SDPA has no softcap).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from trillm.attention.backend import AttentionMetadata
+from trillm.attention.torch_groups import Group, build_groups, decode_group, windowed_mask
 from trillm.kernels import paged_attention_cpu, reshape_and_cache_cpu
-
-
-@dataclass
-class _Group:
-    """Requests attended together: their padded query rows and gathered context slots."""
-
-    query_index: torch.Tensor  # decode: [Rg]; prefill: [Rg, Lq] rows of this step's q
-    out_index: torch.Tensor  # prefill: [Tg] row of the flat padded output per token
-    token_rows: torch.Tensor  # [Tg] rows of q/out this group owns, in order
-    gather_slots: torch.Tensor  # [Rg, S] cache slot of each context position
-    mask: torch.Tensor  # [Rg, 1, Lq, S] bool, True = attend
-    query_pos: torch.Tensor  # [Rg, Lq] position of each query row (for a sliding window)
-    decode: bool
-    covers_all: bool = False  # the group is the whole step, rows in order
-
-
-def _context_slots(
-    block_table: torch.Tensor,  # [R, max_blocks] int32
-    block_size: int,
-    max_len: int,
-) -> torch.Tensor:  # [R, max_len] int64
-    pos = torch.arange(max_len, device=block_table.device)
-    blocks = block_table[:, : (max_len + block_size - 1) // block_size].long()
-    return blocks[:, pos // block_size] * block_size + pos % block_size
-
-
-def _decode_group(meta: AttentionMetadata, reqs: torch.Tensor, block_size: int) -> _Group:
-    seq_lens = meta.seq_lens[reqs].long()  # [Rg]
-    if len(reqs) == meta.num_reqs:
-        max_len = meta.max_seq_len
-    else:
-        max_len = max(meta.seq_lens_cpu[i] for i in reqs.tolist())
-    pos = torch.arange(max_len, device=seq_lens.device)
-    mask = (pos[None, :] < seq_lens[:, None])[:, None, None, :]  # [Rg, 1, 1, S]
-    rows = meta.query_start_loc[reqs].long()  # [Rg], one row each
-    return _Group(
-        query_index=rows,
-        out_index=torch.arange(len(rows), device=rows.device),
-        token_rows=rows,
-        gather_slots=_context_slots(meta.block_table[reqs], block_size, max_len),
-        mask=mask,
-        query_pos=seq_lens[:, None] - 1,
-        decode=True,
-        covers_all=len(reqs) == meta.num_reqs,
-    )
-
-
-def _prefill_group(meta: AttentionMetadata, reqs: torch.Tensor, block_size: int) -> _Group:
-    device = meta.seq_lens.device
-    starts = meta.query_start_loc[reqs].long()  # [Rg]
-    query_lens = meta.query_start_loc[reqs + 1].long() - starts
-    context_lens = meta.context_lens[reqs].long()
-    seq_lens = meta.seq_lens[reqs].long()
-    reqs_cpu = reqs.tolist()
-    max_q = max(meta.query_lens_cpu[i] for i in reqs_cpu)
-    max_len = max(meta.seq_lens_cpu[i] for i in reqs_cpu)
-    offsets = torch.arange(max_q, device=device)  # [Lq]
-    # Padded query rows point at row 0 of the request; their outputs are dropped.
-    valid = offsets[None, :] < query_lens[:, None]  # [Rg, Lq]
-    query_index = torch.where(valid, starts[:, None] + offsets[None, :], starts[:, None])
-    pos = torch.arange(max_len, device=device)  # [S]
-    causal = pos[None, None, :] <= (context_lens[:, None] + offsets[None, :])[:, :, None]
-    mask = (causal & (pos[None, None, :] < seq_lens[:, None, None]))[:, None]  # [Rg,1,Lq,S]
-    flat = torch.arange(len(reqs_cpu), device=device)[:, None] * max_q + offsets[None, :]
-    return _Group(
-        query_index=query_index,
-        out_index=flat[valid],  # [Tg] in token order (requests are in batch order)
-        token_rows=query_index[valid],
-        gather_slots=_context_slots(meta.block_table[reqs], block_size, max_len),
-        mask=mask,
-        query_pos=context_lens[:, None] + offsets[None, :],
-        decode=False,
-    )
-
 
 # fp8 KV caches (--kv-cache-dtype fp8): e4m3 values of x / scale with the scale 1.0, as vLLM
 # stores them when no scales are calculated or loaded; beyond +-448 they saturate.
@@ -135,15 +61,6 @@ def _take(
         rows = source.index_select(0, index.reshape(-1))
     rows = rows if dtype is None else rows.to(dtype)
     return rows.view(*index.shape, *source.shape[1:])
-
-
-def _windowed(group: _Group, window: int | None) -> torch.Tensor:  # [Rg, 1, Lq, S] bool
-    """The group's mask, narrowed to the last ``window`` positions up to each row's own."""
-    if window is None:
-        return group.mask
-    pos = torch.arange(group.mask.shape[-1], device=group.mask.device)  # [S]
-    inside = pos[None, None, :] > (group.query_pos - window)[:, :, None]  # [Rg, Lq, S]
-    return group.mask & inside[:, None]
 
 
 def _softcapped_attention(
@@ -171,7 +88,7 @@ class TorchAttentionBackend:
         """``native``: use the native CPU kernel where it applies (None: when it is built)."""
         self._planned: AttentionMetadata | None = None
         self._cache_shape: tuple[int, ...] = ()  # the plan's cache layout
-        self._groups: list[_Group] = []
+        self._groups: list[Group] = []
         self._fresh: list[tuple[int, int]] = []  # row ranges of prefill chunks without context
         # The same as [n, 2] int32 (first row, length) for the native kernel, when it is used.
         self._fresh_segments: torch.Tensor | None = None
@@ -180,7 +97,7 @@ class TorchAttentionBackend:
         self._native_available = paged_attention_cpu.available() if native is None else native
         # Every request by the gather path, for windowed / softcapped layers (built lazily),
         # or by the native kernel.
-        self._all_groups: list[_Group] | None = None
+        self._all_groups: list[Group] | None = None
         self._native_all: paged_attention_cpu.PagedAttentionPlan | None = None
 
     @property
@@ -225,7 +142,7 @@ class TorchAttentionBackend:
                 self._native = native_plan(None)
             else:
                 reqs = torch.arange(meta.num_reqs, device=meta.seq_lens.device)
-                self._groups = [_decode_group(meta, reqs, block_size)]
+                self._groups = [decode_group(meta, reqs, block_size)]
             return
         # NOTE: a chunk whose query is its whole sequence has no context: a fresh prompt.
         # A bf16 one goes to a native kernel, which rounds where transformers' bf16 attention
@@ -253,20 +170,9 @@ class TorchAttentionBackend:
             elif rest:
                 self._native = native_plan(torch.tensor(rest, dtype=torch.int32))
             return
-        self._groups = self._build_groups(meta, lens, block_size)
-
-    def _build_groups(
-        self, meta: AttentionMetadata, lens: list[tuple[int, int]], block_size: int
-    ) -> list[_Group]:
-        device = meta.seq_lens.device
         decode = [i for i, (q, s) in enumerate(lens) if q == 1]
         prefill = [i for i, (q, s) in enumerate(lens) if 1 < q < s]
-        groups = []
-        if decode:
-            groups.append(_decode_group(meta, torch.tensor(decode, device=device), block_size))
-        if prefill:
-            groups.append(_prefill_group(meta, torch.tensor(prefill, device=device), block_size))
-        return groups
+        self._groups = build_groups(meta, decode, prefill, block_size)
 
     def forward(
         self,
@@ -331,13 +237,7 @@ class TorchAttentionBackend:
         if self._all_groups is None:
             decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
             prefill = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
-            self._all_groups, device, block_size = [], meta.seq_lens.device, kv_cache.shape[2]
-            if decode:
-                reqs = torch.tensor(decode, device=device)
-                self._all_groups.append(_decode_group(meta, reqs, block_size))
-            if prefill:
-                reqs = torch.tensor(prefill, device=device)
-                self._all_groups.append(_prefill_group(meta, reqs, block_size))
+            self._all_groups = build_groups(meta, decode, prefill, kv_cache.shape[2])
         out = torch.empty_like(q)
         for group in self._all_groups:
             rows = self._attend(group, q, key_cache, value_cache, scale, window, softcap)
@@ -383,7 +283,7 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _attend(
-        group: _Group,
+        group: Group,
         q: torch.Tensor,  # [T, Hq, D]
         key_cache: torch.Tensor,  # [num_slots, Hkv, D]
         value_cache: torch.Tensor,
@@ -398,7 +298,7 @@ class TorchAttentionBackend:
             queries = q.index_select(0, group.query_index).unsqueeze(2)  # [Rg, Hq, 1, D]
         else:
             queries = _take(q, group.query_index).transpose(1, 2)  # [Rg, Hq, Lq, D]
-        mask = _windowed(group, window)
+        mask = windowed_mask(group, window)
         if softcap is not None:
             out = _softcapped_attention(queries, keys, values, mask, scale, softcap)
         else:
