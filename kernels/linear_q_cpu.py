@@ -18,9 +18,9 @@ become Q4_G: each group cut into blocks of 32 that repeat its scale and zero poi
 A stacked layer whose shards come in different types (a GGUF ``Q4_K_M`` qkv: q/k Q4_K, v Q6_K)
 is a ``StackedQuantizedWeight`` of one ``QuantizedWeight`` per type: ``linear`` makes one kernel
 call per part, each writing its columns of the one output (row stride N).
-``QuantizedWeight`` repacks the blocks once, at load, into
-``ext/cpu_gemm_q.cpp``'s panel layout (the comment there) of its ``kernel_type`` (its ``qtype``,
-the file's, but for Q3_K / Q5_K / Q2_K); ``linear`` multiplies by it:
+``QuantizedWeight`` repacks the blocks once, at load, into ``ext/cpu_gemm_q.cpp``'s panel
+layout (the comment there; written and read back by ``q_panels``) of its ``kernel_type`` (its
+``qtype``, the file's, but for Q3_K / Q5_K / Q2_K); ``linear`` multiplies by it:
 x fp32 or bf16, output fp32 or bf16, fp32 sums, the numerics of dequantize-then-matmul.
 
 ``int8_activations=True`` rounds x per row, per half block of 16, to int8 with an fp32 scale
@@ -43,9 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from trillm._native import cpu_kernels, native_available
-from trillm.utils import cdiv
 
-from . import recording
+from . import q_panels, recording
 from .ggml_blocks import (  # the block formats (callers also name them here)
     BLOCK,
     GGML_BLOCK_BYTES,
@@ -75,7 +74,6 @@ __all__ = [
     "INT8_MIN_ROWS",
     "KERNEL_TYPES",
     "KQUANT_BYTES",
-    "PANEL",
     "Q2_K",
     "Q3_K",
     "Q4_0",
@@ -95,16 +93,10 @@ __all__ = [
     "dequantize",
     "int8_available",
     "linear",
-    "num_panels",
     "quantize_activations",
-    "record_bytes",
     "unpack_ggml",
     "use_int8",
 ]
-
-PANEL = 16  # output columns per panel of the packed layout
-_HALF_MIN = (Q5_KM, Q4_KM)  # a scale and minimum per half block
-_HIGH_BYTES = 2 * BLOCK  # Q5_KM: a uint64 mask of the fifth bits per quad of k
 
 
 @functools.cache
@@ -150,40 +142,6 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [M, K] fp32 -> [M,
     return (q * dx).reshape(m, k)
 
 
-def _byte_values(qtype: int) -> bool:
-    """Whether ``qtype``'s values are packed a signed byte each (else as nibble pairs)."""
-    return qtype in (Q8_0, Q6_K)
-
-
-def _values_bytes(qtype: int) -> int:
-    if _byte_values(qtype):
-        return PANEL * BLOCK
-    return PANEL * BLOCK // 2 + (_HIGH_BYTES if qtype == Q5_KM else 0)
-
-
-def record_bytes(qtype: int) -> int:
-    """Bytes of one (panel, block) record of kernel type ``qtype``: the values (Q5_KM: nibbles,
-    then the fifth bits hb[8] uint64, bit 4c + i of hb[j] that of column c, k 4j + i), then
-    d[16] fp16
-    (then Q4_1's m[16] fp16, Q4_G's z[16] uint8, Q4_K's dmin[16] fp16, sc[16] uint8, mn[16]
-    uint8, Q6_K's sc[2][16] int8, or Q4_KM's / Q5_KM's dmin[16] fp16, sc[2][16] int8,
-    mn[2][16] int8)."""
-    extra = {
-        Q4_1: 2 * PANEL,
-        Q4_G: PANEL,
-        Q4_K: 4 * PANEL,
-        Q6_K: 2 * PANEL,
-        Q5_KM: 6 * PANEL,
-        Q4_KM: 6 * PANEL,
-    }.get(qtype, 0)
-    return _values_bytes(qtype) + 2 * PANEL + extra
-
-
-def num_panels(n: int) -> int:
-    panels = cdiv(n, PANEL)
-    return panels + (panels & 1)
-
-
 class QuantizedWeight:
     """A [N, K] Q4_0 / Q4_1 / Q8_0 / Q2_K .. Q6_K weight from GGML rows (or Q4_G:
     ``from_groups``), repacked for the kernel: ``qtype`` the file's type, ``kernel_type`` the
@@ -200,7 +158,7 @@ class QuantizedWeight:
         self.kernel_type = KERNEL_TYPES.get(qtype, qtype)
         self.out_features, self.in_features = q.shape
         # [panels * nb * record] uint8
-        self.data = torch.from_numpy(_pack(q, params, self.kernel_type))
+        self.data = torch.from_numpy(q_panels.pack(q, params, self.kernel_type))
 
     @classmethod
     def from_groups(cls, q: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> QuantizedWeight:
@@ -256,92 +214,13 @@ class StackedQuantizedWeight:
 AnyQuantizedWeight = QuantizedWeight | StackedQuantizedWeight
 
 
-def _pack(q: np.ndarray, params: list[np.ndarray], qtype: int) -> np.ndarray:
-    n, k = q.shape
-    nb, panels = k // BLOCK, num_panels(n)
-    pad = panels * PANEL - n  # zero columns: q 0, d 0 (z 0), so they add nothing
-    q = np.pad(q, ((0, pad), (0, 0)))
-    scales = [np.pad(s, ((0, pad), (0, 0))) for s in params]
-    values: np.ndarray
-    if _byte_values(qtype):
-        # [P, 16 cols, nb, 32 k] -> [P, nb, 32 k, 16 cols]
-        # [P, 16 cols, nb, 8 quads, 4 k] -> [P, nb, 8 quads, 16 cols, 4 k]: a column's four k
-        # in one 32-bit lane, as vpdpbusd reads them (ext/cpu_gemm_q.cpp)
-        quads = q.reshape(panels, PANEL, nb, BLOCK // 4, 4)
-        values = quads.transpose(0, 2, 3, 1, 4).view(np.uint8)
-    else:
-        pairs = q.reshape(panels, PANEL, nb, BLOCK // 2, 2).astype(np.uint8)
-        packed = (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)  # [P, 16 cols, nb, 16]
-        values = packed.transpose(0, 2, 3, 1)  # [P, nb, 16 pairs, 16 cols]
-    parts = [np.ascontiguousarray(values).reshape(panels, nb, -1)]
-    if qtype == Q5_KM:  # fifth bits [P, 16 cols, nb, 8 quads, 4 k] -> bit 4c + i of quad j's
-        high = (q.reshape(panels, PANEL, nb, BLOCK // 4, 4) >> 4) & 1
-        bits = np.ascontiguousarray(high.transpose(0, 2, 3, 1, 4)).reshape(panels, nb, -1, 64)
-        parts.append(np.packbits(bits, axis=3, bitorder="little").reshape(panels, nb, -1))
-    for s in scales:  # [Np, nb] fp16 or uint8 -> [P, nb, 16 cols] as bytes
-        parts.append(
-            np.ascontiguousarray(s.reshape(panels, PANEL, nb).transpose(0, 2, 1))
-            .view(np.uint8)
-            .reshape(panels, nb, -1)
-        )
-    return np.ascontiguousarray(np.concatenate(parts, axis=2)).reshape(-1)
-
-
 def dequantize(weight: AnyQuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The [N, K] values of ``weight`` (from the packed copy), in ``dtype``: the reference."""
     if isinstance(weight, StackedQuantizedWeight):
         return torch.cat([dequantize(p, dtype) for p in weight.parts], dim=0)
-    n, k, qtype = weight.out_features, weight.in_features, weight.kernel_type
-    nb, panels = k // BLOCK, num_panels(n)
-    records = weight.data.view(panels, nb, record_bytes(qtype))
-    values_bytes = _values_bytes(qtype)
-    values = records[:, :, :values_bytes]
-    if _byte_values(qtype):
-        quads = values.reshape(panels, nb, BLOCK // 4, PANEL, 4).view(torch.int8)
-        q = quads.permute(0, 1, 2, 4, 3).reshape(panels, nb, BLOCK, PANEL).to(torch.float32)
-    else:
-        pairs = values[:, :, : PANEL * BLOCK // 2].reshape(panels, nb, BLOCK // 2, PANEL)
-        q = torch.stack([pairs & 0xF, pairs >> 4], dim=3).reshape(panels, nb, BLOCK, PANEL)
-        q = q.to(torch.float32)  # [P, nb, 32 k, 16 cols]
-        if qtype == Q5_KM:  # + 16 where bit 4c + i of quad j's mask is set (k = 4j + i)
-            masks = values[:, :, PANEL * BLOCK // 2 :].reshape(panels, nb, BLOCK // 4, 8, 1)
-            bits = (masks >> torch.arange(8, dtype=torch.uint8)) & 1  # [P, nb, 8 quads, 8, 8]
-            bits = bits.reshape(panels, nb, BLOCK // 4, PANEL, 4).permute(0, 1, 2, 4, 3)
-            q = q + 16 * bits.reshape(q.shape).to(torch.float32)  # [P, nb, 32 k, 16 cols]
-    params = records[:, :, values_bytes:]
-    d = params[:, :, : 2 * PANEL].contiguous().view(torch.float16).to(torch.float32).unsqueeze(2)
-    if qtype in _HALF_MIN:  # (d * sc) * q - dmin * mn for each half block, as gguf_kquants'
-        dmin = params[:, :, 2 * PANEL : 4 * PANEL].contiguous().view(torch.float16).float()
-        sc, mn = (
-            params[:, :, a : a + 2 * PANEL]
-            .contiguous()
-            .view(torch.int8)
-            .float()
-            .view(panels, nb, 2, PANEL)
-            for a in (4 * PANEL, 6 * PANEL)
-        )
-        halves = q.view(panels, nb, 2, BLOCK // 2, PANEL)
-        dl, ml = d * sc, dmin.unsqueeze(2) * mn  # [P, nb, 2, 16]
-        w = (dl.unsqueeze(3) * halves - ml.unsqueeze(3)).view(q.shape)
-    elif qtype == Q6_K:  # (d * sc) * q for each half block, as gguf_kquants' dequantizer
-        sc = params[:, :, 2 * PANEL :].contiguous().view(torch.int8).float()  # [P, nb, 32]
-        halves = q.view(panels, nb, 2, BLOCK // 2, PANEL)
-        w = ((d * sc.view(panels, nb, 2, PANEL)).unsqueeze(3) * halves).view(q.shape)
-    elif qtype == Q4_K:  # (d * sc) * q - dmin * mn, as gguf_kquants' reference dequantizer
-        dmin = params[:, :, 2 * PANEL : 4 * PANEL].contiguous().view(torch.float16).float()
-        sc, mn = (params[:, :, a : a + PANEL].float() for a in (4 * PANEL, 5 * PANEL))
-        w = (d * sc.unsqueeze(2)) * q - (dmin * mn).unsqueeze(2)
-    elif qtype == Q4_G:  # [P, nb, 1, 16] zero points, then (q - z) * d: exact in fp32
-        w = (q - params[:, :, 2 * PANEL :].to(torch.float32).unsqueeze(2)) * d
-    elif qtype == Q4_0:
-        w = (q - 8.0) * d
-    elif qtype == Q4_1:
-        m = params[:, :, 2 * PANEL :].contiguous().view(torch.float16).to(torch.float32)
-        w = q * d + m.unsqueeze(2)
-    else:
-        w = q * d
-    w = w.permute(0, 3, 1, 2).reshape(panels * PANEL, k)[:n]  # [N, K]
-    return w.to(dtype)
+    return q_panels.unpack(
+        weight.data, weight.kernel_type, weight.out_features, weight.in_features, dtype
+    )
 
 
 _IO = (torch.float32, torch.bfloat16)

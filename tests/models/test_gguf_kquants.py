@@ -109,6 +109,7 @@ def test_k_quant_gguf_greedy_equals_transformers_and_dequantized(kquant_gguf):
 
 def test_every_k_quant_layer_stays_quantized_at_its_packed_size(kquant_gguf):
     from trillm.kernels import linear_q_cpu as ids
+    from trillm.kernels.q_panels import num_panels
 
     cfg = load_model_config(EngineArgs(model=str(kquant_gguf), device="cpu"))
     assert cfg.quantization == "gguf" and cfg.tie_word_embeddings
@@ -140,7 +141,7 @@ def test_every_k_quant_layer_stays_quantized_at_its_packed_size(kquant_gguf):
             assert module.weight.numel() == 0, path  # no float copy beside the blocks
         # each part at its packed size (panels of 16 columns)
         size = sum(
-            ids.num_panels(p.out_features) * 16 * p.in_features * bits[p.qtype] / 8 for p in parts
+            num_panels(p.out_features) * 16 * p.in_features * bits[p.qtype] / 8 for p in parts
         )
         assert weight.nbytes == size, path
     # the head shares the embedding's float weight (the lookup needs it), not a copy

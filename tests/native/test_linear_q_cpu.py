@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from trillm.kernels import linear_q_cpu
+from trillm.kernels import linear_q_cpu, q_panels
 from trillm.testing.gguf_models import random_kquant_blocks
 
 QTYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
@@ -229,7 +229,7 @@ def test_kquant_packed_layout_dequantizes_like_gguf(type_name, n):
     weight = linear_q_cpu.QuantizedWeight(raw, qtype, n, 512)
     assert weight.qtype == qtype
     assert weight.kernel_type == linear_q_cpu.KERNEL_TYPES.get(qtype, qtype)
-    assert weight.nbytes == linear_q_cpu.num_panels(n) * 16 * 512 * bits / 8
+    assert weight.nbytes == q_panels.num_panels(n) * 16 * 512 * bits / 8
     assert torch.equal(linear_q_cpu.dequantize(weight), expected)
     with pytest.raises(ValueError, match="multiple of 256"):
         linear_q_cpu.QuantizedWeight(raw.reshape(2 * n, -1), qtype, 2 * n, 256 + 32)
