@@ -21,7 +21,7 @@
 // of the same model dequantized. `int8_activations` (AVX512-VNNI) rounds them to int8 per half
 // block of 16 and sums with `vpdpbusd` instead (cpu_gemm_q_vnni.h), as llama.cpp does per 32.
 //
-// Packed layout (written by kernels/linear_q_cpu.py's pack, read here): N is cut into panels of
+// Packed layout (written by kernels/q_panels.py's pack, read here): N is cut into panels of
 // 16 output columns, their count padded to even (the kernel takes two panels at a time, zero
 // columns beyond N); panel p is nb = K / 32 records, one per block of 32 k, each:
 //   Q4_0 / Q4_1 / Q4_G / Q4_K / Q4_KM: 16 k-pairs x 16 columns of bytes, byte [j][c] =
