@@ -80,3 +80,19 @@ def python_without_extensions():
         return result.stdout.strip()
 
     return run
+
+
+# Tiers by folder (see the markers in pyproject.toml): ``-m "not parallel and not fault"`` skips
+# the multi-process layouts and the hostile clients; ``-m "not server"`` every module that starts
+# a ``trillm serve``. The default command selects everything.
+FOLDER_MARKERS = {"native": "native", "parallel": "parallel", "fault": "fault"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = item.path.parent.name
+        if folder in FOLDER_MARKERS:
+            item.add_marker(FOLDER_MARKERS[folder])
+        module = getattr(item, "module", None)
+        if module is not None and hasattr(module, "ServerProcess"):
+            item.add_marker("server")

@@ -516,6 +516,7 @@ def test_slot_errors():
 # ---------------------------------------------------------------------------- device
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_cpu_for_greedy_logprobs_and_penalties():
     vocab, n = 1000, 8
@@ -534,6 +535,7 @@ def test_cuda_matches_cpu_for_greedy_logprobs_and_penalties():
     torch.testing.assert_close(outs[0].logprobs.logprobs, outs[1].logprobs.logprobs.cpu())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_seeded_request_reproduces_in_other_batches():
     assert run_seeded_on(torch.device("cuda"), 3, n=1) == run_seeded_on(
