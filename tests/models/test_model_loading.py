@@ -100,9 +100,10 @@ def test_rope_parameters_fill_original_max():
 
 
 def test_unknown_rope_type():
-    with pytest.raises(ValueError, match="Unsupported rope type 'longrope'; supported: default"):
-        parse_rope({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}})
-    with pytest.raises(ValueError, match="Unsupported rope type 'su'"):  # Phi-3's older name
+    with pytest.raises(ValueError, match="Unsupported rope type 'dynamic_ntk'; supported: default"):
+        parse_rope({"rope_parameters": {"rope_type": "dynamic_ntk", "rope_theta": 1.0}})
+    # Phi-3's older name, its longrope only in a Phi-3 config (tests/models/test_longrope.py)
+    with pytest.raises(ValueError, match="Unsupported rope type 'su'"):
         parse_rope({"rope_scaling": {"type": "su", "short_factor": [1.0]}})
 
 

@@ -94,12 +94,17 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     if pooler is not None and args.enable_prefix_caching:
         # NOTE: a pooled vector needs every prompt row's hidden state: no cached prefixes.
         logger.info("pooling model: prefix caching is off (every prompt row is pooled).")
+    longrope = (model_config.rope_scaling or {}).get("rope_type") == "longrope"
+    if longrope and args.enable_prefix_caching:
+        # NOTE: a block's K/V depend on its request's length there (short or long table), and
+        # a request growing past the original context computes its blocks again in place.
+        logger.info("longrope model: prefix caching is off (K/V depend on the request's length).")
     return TrillmConfig(
         model=model_config,
         cache=CacheConfig(
             block_size=args.block_size,
             cache_dtype=resolve_cache_dtype(args.kv_cache_dtype, model_config.dtype, device),
-            enable_prefix_caching=args.enable_prefix_caching and pooler is None,
+            enable_prefix_caching=args.enable_prefix_caching and pooler is None and not longrope,
             kv_cache_memory=kv_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override,

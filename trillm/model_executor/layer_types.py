@@ -13,7 +13,7 @@ from typing import Any
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 # The rope scalings layers/rotary.py computes (kept here, torch-free: the frontend checks them).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def _default_layer_types(hf: dict[str, Any], architecture: str, num_layers: int) -> list[str]:

@@ -284,11 +284,20 @@ def _hidden_act(hf: dict[str, Any], architecture: str) -> str:
     return act
 
 
+# transformers' Phi3Config default for ``original_max_position_embeddings``.
+PHI3_ORIGINAL_MAX_POSITIONS = 4096
+
+
 def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from transformers-5 ``rope_parameters`` or -4 keys.
 
     ``rope_scaling`` is ``None`` for plain RoPE, else ``{"rope_type": ..., fields...}`` with
-    ``original_max_position_embeddings`` filled in for llama3/yarn as transformers does.
+    ``original_max_position_embeddings`` filled in for llama3/yarn/longrope as transformers does.
+
+    longrope is Phi-3's (``model_type`` "phi3", transformers' ``Phi3Config``; refused for
+    others, whose ``generate`` keeps a cache across the switch of tables, see layers/rotary.py):
+    "su" and "yarn" are its older names, and ``original_max_position_embeddings`` is the
+    top-level key (4096 when absent), whatever the rope dict says, as transformers reads it.
     """
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if isinstance(params.get(FULL), dict):  # per layer type (Gemma 3): the global layers'
@@ -299,6 +308,9 @@ def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_theta = float(params.pop("rope_theta", default_theta))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
+    phi3 = hf.get("model_type") == "phi3"
+    if phi3 and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"Unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}."
@@ -310,6 +322,14 @@ def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if original is not None:
             params["original_max_position_embeddings"] = original
         params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    if rope_type == "longrope":
+        if not phi3:
+            raise ValueError(
+                "longrope rope scaling is supported for Phi-3 models (model_type 'phi3') only, "
+                f"got model_type {hf.get('model_type')!r}."
+            )
+        original = hf.get("original_max_position_embeddings", PHI3_ORIGINAL_MAX_POSITIONS)
+        params["original_max_position_embeddings"] = int(original)
     return rope_theta, {"rope_type": rope_type, **params}
 
 

@@ -43,6 +43,7 @@ from trillm.errors import CollectiveTimeoutError
 from trillm.lora.manager import LoRAManager
 from trillm.lora.request import LoRARequest
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
+from trillm.model_executor.layers.rotary import LongRopeIndex, longrope_index
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.registry import CausalLM
 from trillm.sample.sampler import SamplingState
@@ -104,6 +105,10 @@ class ModelRunner:
         self._pending: PendingStep | None = None
         self.lora: LoRAManager | None = None  # with --enable-lora, once the model is loaded
         self.step_programs: StepPrograms | None = None  # small decode steps replayed (CPU)
+        # A longrope model's table rows per token (short or long, per request); None: positions.
+        self.longrope: LongRopeIndex | None = None
+        # Per slot: its cached K/V were computed on the long table (longrope only).
+        self.rope_long = np.zeros(self.max_num_reqs, dtype=bool)
         # speculative_config's draft_model: proposes each step's next drafts after P3, on the
         # output rank only (the last pipeline stage's first tensor-parallel rank, whose output
         # the executor returns), whole; every rank verifies the drafts the next step carries.
@@ -123,6 +128,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self._model = build_model(self.config.model, self.attn_backend, self.config.device)
+        self.longrope = longrope_index(self._model)
         if self.drafter is not None:
             self.drafter.load()
         lora = self.config.lora
@@ -196,6 +202,9 @@ class ModelRunner:
             return
         slots = np.array([self.batch.slot_of(r) for r in req_ids], dtype=np.int64)
         num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], np.int64)
+        recomputed = np.zeros(len(slots), dtype=bool)
+        if self.longrope is not None:
+            num_scheduled, recomputed = self._longrope_switch(slots, num_scheduled)
         inputs = self.batch.prepare(slots, num_scheduled)
         if self.lora is None:
             hidden = self._forward(inputs)  # [T, H]
@@ -238,7 +247,7 @@ class ModelRunner:
             row_owner=row_owner,
             row_offset=row_offset,
         )
-        self._prompt_logprobs_inputs(pending, hidden, num_scheduled)
+        self._prompt_logprobs_inputs(pending, hidden, num_scheduled, recomputed)
         self._pending = pending
 
     def _update_batch(self, sched: SchedulerOutput) -> dict[str, str]:
@@ -253,6 +262,7 @@ class ModelRunner:
             self._drop(new.req_id)  # re-sent after a preemption
             try:
                 slot = self.batch.add_request(new)
+                self.rope_long[slot] = False  # nothing of it computed by this runner yet
                 if self.drafter is not None:
                     self.drafter.add(slot, new.req_id)
                 self.sampling_state.add_request(
@@ -317,7 +327,7 @@ class ModelRunner:
         meta = self._attention_metadata(inputs)
         self.attn_backend.plan(meta)
         input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
-        positions = torch.from_numpy(inputs.positions).to(self.device)
+        positions = torch.from_numpy(self._rope_positions(inputs)).to(self.device)
         if received is None and self.step_programs is not None and self.step_programs.applies(meta):
             return self.step_programs.forward(input_ids, positions, self.kv_caches, meta)
         out = self.model(input_ids, positions, self.kv_caches, meta, received)
@@ -325,6 +335,34 @@ class ModelRunner:
             self.pp.send(out.tensors())
             return None
         return out
+
+    def _longrope_switch(
+        self, slots: np.ndarray, num_scheduled: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Longrope: a request that grows past the original context this step while its cached
+        tokens were computed on the short table is computed again from position 0, in this
+        step, on the long table (transformers' Phi-3 ``generate`` drops its cache there).
+        Returns the step's token counts (those requests' widened) and which requests they are.
+
+        NOTE: their K/V blocks are written again in place, so they must be this request's own:
+        the engine keeps prefix caching off for longrope models (config_builder)."""
+        assert self.longrope is not None
+        computed = self.batch.num_computed[slots]
+        long = self.longrope.is_long(self.batch.num_tokens[slots], computed + num_scheduled)
+        recomputed = long & ~self.rope_long[slots] & (computed > 0)
+        self.rope_long[slots] = long
+        if not recomputed.any():
+            return num_scheduled, recomputed
+        self.batch.num_computed[slots[recomputed]] = 0
+        return num_scheduled + computed * recomputed, recomputed
+
+    def _rope_positions(self, inputs: StepInputs) -> np.ndarray:  # [T] int64
+        """What the model's rotary embedding indexes: the positions, or for longrope each
+        token's row in the [short; long] table, by its request's length."""
+        if self.longrope is None:
+            return inputs.positions
+        num_tokens = np.repeat(self.batch.num_tokens[inputs.slots], np.diff(inputs.query_start_loc))
+        return self.longrope.rope_positions(inputs.positions, num_tokens)
 
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         def dev(a: np.ndarray) -> torch.Tensor:
@@ -346,7 +384,11 @@ class ModelRunner:
         )
 
     def _prompt_logprobs_inputs(
-        self, pending: PendingStep, hidden: torch.Tensor, num_scheduled: np.ndarray
+        self,
+        pending: PendingStep,
+        hidden: torch.Tensor,
+        num_scheduled: np.ndarray,
+        recomputed: np.ndarray,  # [R] bool: past their prompt, computed again (longrope)
     ) -> None:
         """Logits of this step's prompt rows for requests with prompt_logprobs (row p scores
         prompt token p + 1)."""
@@ -357,7 +399,7 @@ class ModelRunner:
         for i in np.nonzero(self.batch.wants_prompt_logprobs[inputs.slots])[0].tolist():
             slot = int(inputs.slots[i])
             params = self.batch.params[slot]
-            if params is None or params.prompt_logprobs is None:
+            if params is None or params.prompt_logprobs is None or recomputed[i]:
                 continue
             start = int(inputs.context_lens[i])
             end = min(start + int(num_scheduled[i]), int(self.batch.num_prompt_tokens[slot]) - 1)
