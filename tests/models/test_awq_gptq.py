@@ -234,8 +234,8 @@ def test_act_order_g_idx_is_refused(checkpoints):
 
 
 def _greedy_and_top1(folder, monkeypatch, int8_min_rows):
-    from tests.models.test_quantization_fp8 import PROMPTS as TEXTS
-    from tests.models.test_quantization_fp8 import SMALL, TEXT
+    from embedded_prompts import PROMPTS as TEXTS
+    from embedded_prompts import SMALL, TEXT
 
     monkeypatch.setattr(linear_q_cpu, "INT8_MIN_ROWS", int8_min_rows)  # the engine is in-process
     calls = []

@@ -10,17 +10,17 @@ prompt / sample logprobs are close.
 from __future__ import annotations
 
 import pytest
-
-from tests.worker.test_model_runner import (
+from runner_harness import (
     MiniScheduler,
-    _greedy,
-    _hf_greedy,
-    _load_hf,
-    _make_runner,
-    _prompts,
-    _Req,
+    Req,
     check_logprobs,
+    greedy_params,
+    load_hf,
+    make_runner,
+    random_prompts,
+    transformers_greedy,
 )
+
 from trillm.testing.tiny_models import build_tiny_model
 
 MAX_NEW = 10
@@ -48,18 +48,19 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def case(request, tmp_path_factory):
     arch, overrides = CASES[request.param]
     path = build_tiny_model(arch, tmp_path_factory.mktemp(request.param), **overrides)
-    hf = _load_hf(path)
+    hf = load_hf(path)
     hf.generation_config.eos_token_id = None  # references run to MAX_NEW, past any EOS
-    reference = [_hf_greedy(hf, p, MAX_NEW)[0] for p in _prompts(PROMPT_LENS)]
+    reference = [transformers_greedy(hf, p, MAX_NEW)[0] for p in random_prompts(PROMPT_LENS)]
     return path, hf, reference
 
 
 @pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "chunk7"])
 def test_greedy_matches_transformers(case, chunk):
     path, _, reference = case
-    sched = MiniScheduler(_make_runner(path), chunk=chunk)
+    sched = MiniScheduler(make_runner(path), chunk=chunk)
     reqs = [
-        _Req(f"r{i}", p, _greedy(MAX_NEW), MAX_NEW) for i, p in enumerate(_prompts(PROMPT_LENS))
+        Req(f"r{i}", p, greedy_params(MAX_NEW), MAX_NEW)
+        for i, p in enumerate(random_prompts(PROMPT_LENS))
     ]
     for req in reqs:
         sched.add(req)
@@ -73,10 +74,10 @@ def test_logprobs_match_transformers(case, request):
         # at fp32 noise on this checkpoint; its greedy runs above cover the window.
         pytest.skip("a tail rank tie at fp32 noise, not a window effect")
     path, hf, _ = case
-    sched = MiniScheduler(_make_runner(path), chunk=7)
-    prompts = _prompts([19, 30], seed=11)
+    sched = MiniScheduler(make_runner(path), chunk=7)
+    prompts = random_prompts([19, 30], seed=11)
     reqs = [
-        _Req(f"l{i}", p, _greedy(5, logprobs=2, prompt_logprobs=2), 5)
+        Req(f"l{i}", p, greedy_params(5, logprobs=2, prompt_logprobs=2), 5)
         for i, p in enumerate(prompts)
     ]
     for req in reqs:

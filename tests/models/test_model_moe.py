@@ -6,17 +6,17 @@ token for token (whole prompts and 7-token prefill chunks), logprobs close."""
 from __future__ import annotations
 
 import pytest
-
-from tests.worker.test_model_runner import (
+from runner_harness import (
     MiniScheduler,
-    _greedy,
-    _hf_greedy,
-    _load_hf,
-    _make_runner,
-    _prompts,
-    _Req,
+    Req,
     check_logprobs,
+    greedy_params,
+    load_hf,
+    make_runner,
+    random_prompts,
+    transformers_greedy,
 )
+
 from trillm.model_executor.layers.fused_moe import FusedMoE
 from trillm.testing.tiny_models import build_tiny_model
 
@@ -29,14 +29,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
 def case(request, tmp_path_factory):
     path = build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
-    hf = _load_hf(path)
-    reference = [_hf_greedy(hf, p, MAX_NEW)[0] for p in _prompts(PROMPT_LENS)]
+    hf = load_hf(path)
+    reference = [transformers_greedy(hf, p, MAX_NEW)[0] for p in random_prompts(PROMPT_LENS)]
     return request.param, path, hf, reference
 
 
 def test_the_model_routes_through_fused_experts(case):
     arch, path, _, _ = case
-    model = _make_runner(path).model
+    model = make_runner(path).model
     sparse = [m for m in model.modules() if isinstance(m, FusedMoE)]
     layers = len(model.model.layers)
     assert len(sparse) == (layers - 1 if arch == "qwen2_moe" else layers)  # mlp_only_layers=[1]
@@ -46,9 +46,10 @@ def test_the_model_routes_through_fused_experts(case):
 @pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "chunk7"])
 def test_greedy_matches_transformers(case, chunk):
     _, path, _, reference = case
-    sched = MiniScheduler(_make_runner(path), chunk=chunk)
+    sched = MiniScheduler(make_runner(path), chunk=chunk)
     reqs = [
-        _Req(f"r{i}", p, _greedy(MAX_NEW), MAX_NEW) for i, p in enumerate(_prompts(PROMPT_LENS))
+        Req(f"r{i}", p, greedy_params(MAX_NEW), MAX_NEW)
+        for i, p in enumerate(random_prompts(PROMPT_LENS))
     ]
     for req in reqs:
         sched.add(req)
@@ -58,10 +59,10 @@ def test_greedy_matches_transformers(case, chunk):
 
 def test_logprobs_match_transformers(case):
     _, path, hf, _ = case
-    sched = MiniScheduler(_make_runner(path), chunk=7)
+    sched = MiniScheduler(make_runner(path), chunk=7)
     reqs = [
-        _Req(f"l{i}", p, _greedy(4, logprobs=2, prompt_logprobs=2), 4)
-        for i, p in enumerate(_prompts([17, 26], seed=11))
+        Req(f"l{i}", p, greedy_params(4, logprobs=2, prompt_logprobs=2), 4)
+        for i, p in enumerate(random_prompts([17, 26], seed=11))
     ]
     for req in reqs:
         sched.add(req)
@@ -77,7 +78,7 @@ def test_a_checkpoint_missing_an_expert_is_refused(tmp_path):
     del weights["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.3\.down"):
-        _make_runner(path)
+        make_runner(path)
 
 
 def test_fp8_quantization_of_an_moe_model_is_refused(case):
@@ -87,7 +88,7 @@ def test_fp8_quantization_of_an_moe_model_is_refused(case):
     from trillm.model_executor.quantization import UnsupportedQuantizationError
 
     _, path, _, _ = case
-    runner = _make_runner(path)
+    runner = make_runner(path)
     cfg = dataclasses.replace(runner.config.model, quantization="fp8")
     with pytest.raises(UnsupportedQuantizationError, match="mixture-of-experts"):
         type(runner.model)(cfg, runner.attn_backend)

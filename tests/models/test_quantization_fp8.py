@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from embedded_prompts import PROMPTS, SMALL, TEXT
 from torch import nn
 
 from trillm import LLM, SamplingParams
@@ -162,21 +163,6 @@ def test_pack_quantizes_every_linear_but_the_lm_head(dtype):
 
 
 # ------------------------------------------------------------ the embedded model, end to end
-
-SMALL = {"max_model_len": 256, "kv_cache_memory": "16MiB", "distributed_executor_backend": "uni"}
-PROMPTS = [
-    "In the beginning God created",
-    "And the LORD said unto Moses,",
-    "Blessed are the meek: for",
-    "The king of Babylon came",
-    "And it came to pass, when",
-    "Thou shalt not",
-    "Then Jesus answered and said",
-    "Let every soul be subject unto",
-]
-TEXT = " ".join(PROMPTS) + (
-    " And he went up into the mountain, and called unto him whom he would: and they came unto him."
-)
 
 
 def _run(**kwargs):

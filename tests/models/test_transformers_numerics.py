@@ -147,11 +147,12 @@ def test_eager_backend_equals_transformers_eager_attention(context_lens, query_l
     equal to the bit on decode rows, fresh prompts, chunks after a context and long rows (a
     1000-key decode row, a 160-row prompt), where the native kernel's fp32 sums, in another
     order, leave a few outputs in ten thousand rounded the other way."""
-    from tests.native.test_bf16_attention_rounding import HKV, SCALE, _hf_eager, _requests
+    from paged_batches import HKV, SCALE, hf_eager_attention, paged_bf16_batch
+
     from trillm.attention.eager_backend import EagerAttentionBackend
     from trillm.attention.torch_backend import TorchAttentionBackend
 
-    meta, cache, q, k, v, per_request = _requests(context_lens, query_lens, seed=2)
+    meta, cache, q, k, v, per_request = paged_bf16_batch(context_lens, query_lens, seed=2)
     outs = {}
     for name, backend in (("eager", EagerAttentionBackend()), ("native", TorchAttentionBackend())):
         step_cache = cache.clone()
@@ -163,7 +164,7 @@ def test_eager_backend_equals_transformers_eager_attention(context_lens, query_l
         keys = step_cache[0].view(-1, HKV, q.shape[-1])[slots]
         values = step_cache[1].view(-1, HKV, q.shape[-1])[slots]
         rows = slice(starts[i], starts[i + 1])
-        hf = _hf_eager(q[rows], keys, values, ctx)
+        hf = hf_eager_attention(q[rows], keys, values, ctx)
         assert torch.equal(outs["eager"][rows], hf), f"request {i}"
         native_equal &= torch.equal(outs["native"][rows], hf)
     if context_lens[1] == 1000:  # the control: the native kernel's long rows are not exact

@@ -9,42 +9,16 @@ functions where they exist; the unrounded math, what the kernels did before, is 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from paged_batches import HKV, HQ, SCALE, D, hf_eager_attention, paged_bf16_batch
 
-from tests.native.test_torch_attention import BS, _metadata  # its block size: 4
 from trillm.attention.torch_backend import TorchAttentionBackend
 from trillm.kernels import paged_attention_cpu
 
 pytestmark = pytest.mark.skipif(
     not paged_attention_cpu.available(), reason="trillm._ext.cpu_kernels is not built"
 )
-
-HQ, HKV, D = 6, 2, 64
-SCALE = D**-0.5
-
-
-def _hf_eager(q, keys, values, context_len):
-    """transformers' bf16 eager attention of one request: q [Lq, Hq, D], keys/values
-    [S, Hkv, D] bf16 -> [Lq, Hq, D] bf16."""
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    lq, s = q.shape[0], keys.shape[0]
-    q_pos = context_len + torch.arange(lq)[:, None]
-    mask = torch.zeros(lq, s, dtype=q.dtype)
-    mask.masked_fill_(torch.arange(s)[None, :] > q_pos, torch.finfo(q.dtype).min)
-    module = SimpleNamespace(num_key_value_groups=HQ // HKV, training=False)
-    out, _ = eager_attention_forward(
-        module,
-        q.transpose(0, 1)[None],
-        keys.transpose(0, 1)[None],
-        values.transpose(0, 1)[None],
-        mask[None, None],
-        SCALE,
-    )  # [1, Lq, Hq, D]
-    return out[0]
 
 
 def _attend(q, keys, values, context_len, *, rounded, rounded_probs=False):
@@ -70,27 +44,6 @@ def _differing(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a != b).float().mean().item()
 
 
-def _requests(context_lens, query_lens, seed=0):
-    """A paged bf16 batch: (metadata, cache [2, blocks, BS, Hkv, D], q [T, Hq, D], k, v [T, Hkv,
-    D], per request (context length, the keys and values of its positions [S, Hkv, D]))."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = [-(-(c + q) // BS) for c, q in zip(context_lens, query_lens)]
-    perm = torch.randperm(sum(blocks) + 2, generator=g).tolist()
-    tables = [perm[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(len(blocks))]
-    meta = _metadata(context_lens, query_lens, tables)
-    cache = (1.5 * torch.randn(2, sum(blocks) + 2, BS, HKV, D, generator=g)).to(torch.bfloat16)
-    t = meta.num_tokens
-    q, k, v = ((1.5 * torch.randn(t, h, D, generator=g)).to(torch.bfloat16) for h in (HQ, HKV, HKV))
-    # this step's keys/values land in the cache when the backend runs; the references read the
-    # cache after that
-    per_request = []
-    for i, (ctx, table) in enumerate(zip(context_lens, tables)):
-        seq = ctx + query_lens[i]
-        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(seq)])
-        per_request.append((ctx, slots))
-    return meta, cache, q, k, v, per_request
-
-
 CASES = [([20, 70, 5], [1, 1, 1]), ([0, 0], [37, 9]), ([0, 30, 12], [20, 1, 7])]
 
 
@@ -102,7 +55,7 @@ def test_bf16_attention_equals_transformers_eager_bit_for_bit(context_lens, quer
     softmax the kernel had) change a fifth or more of the outputs, fp32 scores more."""
     from trillm.kernels import paged_attention_torch
 
-    meta, cache, q, k, v, per_request = _requests(context_lens, query_lens)
+    meta, cache, q, k, v, per_request = paged_bf16_batch(context_lens, query_lens)
     backend = TorchAttentionBackend(native=True)
     backend.plan(meta)
     out = backend.forward(q, k, v, cache, meta, SCALE)  # [T, Hq, D]
@@ -114,7 +67,7 @@ def test_bf16_attention_equals_transformers_eager_bit_for_bit(context_lens, quer
         keys = cache[0].view(-1, HKV, D)[slots]
         values = cache[1].view(-1, HKV, D)[slots]
         rows = slice(starts[i], starts[i + 1])
-        hf = _hf_eager(q[rows], keys, values, ctx)
+        hf = hf_eager_attention(q[rows], keys, values, ctx)
         assert torch.equal(out[rows], hf)
         assert torch.equal(twin[rows], hf)
         fp32_probs = _attend(q[rows], keys, values, ctx, rounded=True)
@@ -127,7 +80,7 @@ def test_bf16_attention_long_context_near_bit_for_bit():
     """Long rows (several key chunks of both kernels, a 1000-key decode row, a 160-row prompt):
     outside the bit-equal cases only fp32 summation order differs (torch's softmax and GEMM sum
     in another order), a few outputs in ten thousand; fp32 probabilities change a third."""
-    meta, cache, q, k, v, per_request = _requests([300, 1000, 0], [1, 1, 160], seed=2)
+    meta, cache, q, k, v, per_request = paged_bf16_batch([300, 1000, 0], [1, 1, 160], seed=2)
     backend = TorchAttentionBackend(native=True)
     backend.plan(meta)
     out = backend.forward(q, k, v, cache, meta, SCALE)  # [T, Hq, D]
@@ -136,7 +89,7 @@ def test_bf16_attention_long_context_near_bit_for_bit():
         keys = cache[0].view(-1, HKV, D)[slots]
         values = cache[1].view(-1, HKV, D)[slots]
         rows = slice(starts[i], starts[i + 1])
-        hf = _hf_eager(q[rows], keys, values, ctx)
+        hf = hf_eager_attention(q[rows], keys, values, ctx)
         assert _differing(out[rows], hf) < 0.005
         # and by little: a probability or an output rounded the other way at a near-tie (the
         # outputs are O(1); an error in the softmax or the sum would be far larger)
@@ -167,7 +120,7 @@ def test_bf16_prefill_kernel_equals_transformers_eager(threads, monkeypatch):
     paged_attention_cpu.causal_prefill(q, k, v, segments, SCALE, out)
     for a, n in zip(starts, lens):
         r = slice(a, a + n)
-        hf = _hf_eager(q[r], k[r], v[r], 0)
+        hf = hf_eager_attention(q[r], k[r], v[r], 0)
         assert _differing(out[r], hf) < 0.001
         assert (out[r].float() - hf.float()).abs().max() <= 2.0**-6
         if n >= 64:  # the test can fail: fp32 probabilities differ (one key: p = 1 in both)

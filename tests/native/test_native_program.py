@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_runs import decode_shrinking_batch, step_runner
 
-from tests.worker.test_step_program import _decode, _runner
 from trillm._native import cpu_kernels
 from trillm.kernels import paged_attention_cpu, recording
 from trillm.kernels._cpu_ops import rows
@@ -178,12 +178,12 @@ def test_native_replay_gives_the_python_replays_bits(tmp_path, monkeypatch, arch
     recorded calls and the eager forward agree on every token and logprob."""
     monkeypatch.setattr(step_program, "CAPTURE_AFTER", 1)
     path = build_tiny_model(arch, tmp_path / arch)
-    eager = _decode(_runner(path, eager=True))
+    eager = decode_shrinking_batch(step_runner(path, eager=True))
     results = {}
     for native in (True, False):
         monkeypatch.setattr(step_program, "NATIVE_REPLAY", native)
-        runner = _runner(path)
-        results[native] = _decode(runner)
+        runner = step_runner(path)
+        results[native] = decode_shrinking_batch(runner)
         programs = runner.step_programs
         assert programs is not None and programs.reason is None
         assert sorted(programs.programs) == [1, 2, 3, 4, 5]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_batches import attention_metadata
 
-from trillm.attention.backend import AttentionMetadata
 from trillm.attention.torch_backend import TorchAttentionBackend
 from trillm.kernels import paged_attention_cpu
 
@@ -15,31 +15,6 @@ HQ, HKV, D, BS, NUM_BLOCKS = 8, 2, 16, 4, 64
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _metadata(context_lens, query_lens, block_tables) -> AttentionMetadata:
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    qsl = torch.tensor([0] + query_lens).cumsum(0).int()
-    width = max(len(b) for b in block_tables)
-    table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.int32)
-    slots = [
-        table[i, p // BS].item() * BS + p % BS
-        for i, (c, s) in enumerate(zip(context_lens, seq_lens))
-        for p in range(c, s)
-    ]
-    return AttentionMetadata(
-        num_reqs=len(query_lens),
-        num_tokens=sum(query_lens),
-        query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32),
-        block_table=table,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=seq_lens,
-    )
 
 
 def _reference(q, k, v, cache_before, meta, block_tables, scale, window=None, softcap=None):
@@ -81,7 +56,7 @@ def _run(path: str | None, context_lens, query_lens, seed=0, window=None, softca
         n = -(-(c + q) // BS)
         block_tables.append(perm[used : used + n])
         used += n
-    meta = _metadata(context_lens, query_lens, block_tables)
+    meta = attention_metadata(context_lens, query_lens, block_tables)
     cache = torch.randn(2, NUM_BLOCKS, BS, HKV, D, generator=g)
     before = cache.clone()
     t = meta.num_tokens

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from runner_harness import MiniScheduler, Req, random_prompts
+from step_runs import decode_shrinking_batch, step_runner
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.worker.test_model_runner import BLOCK_SIZE, NUM_BLOCKS, MiniScheduler, _prompts, _Req
-from trillm.config import EngineArgs
-from trillm.engine.config_builder import build_config
 from trillm.kernels import recording
 from trillm.sampling_params import SamplingParams
 from trillm.testing.tiny_models import build_tiny_model
@@ -38,48 +37,11 @@ def capture_at_once(monkeypatch):
     monkeypatch.setattr(step_program, "CAPTURE_AFTER", 1)
 
 
-PROMPT_LENS = [3, 29, 12, 41, 8]
 # Layouts that differ in what their forward runs: biases (qwen2), q/k norms (qwen3), an
 # embedding scale, windows and soft-caps (gemma2), partial rotary and a fused qkv (phi3),
 # LayerNorm and parallel residuals (gpt_neox), experts chosen per token (mixtral; qwen2_moe with
 # its gated shared expert: the grouping by expert is one opaque call that a replay repeats).
 ARCHES = ["llama", "qwen2", "qwen3", "gemma2", "phi3", "gpt_neox", "mixtral", "qwen2_moe"]
-
-
-def _runner(path, *, eager: bool = False, dtype: str = "float32", seqs: int = 16) -> ModelRunner:
-    args = EngineArgs(
-        model=str(path),
-        dtype=dtype,
-        device="cpu",
-        block_size=BLOCK_SIZE,
-        max_num_seqs=seqs,
-        max_model_len=256,
-        num_gpu_blocks_override=NUM_BLOCKS,
-        distributed_executor_backend="uni",
-        enforce_eager=eager,
-    )
-    runner = ModelRunner(build_config(args))
-    runner.load_model()
-    runner.initialize_kv_cache(runner.determine_num_blocks())
-    return runner
-
-
-def _decode(runner: ModelRunner, lens=PROMPT_LENS, seed: int | None = None):
-    """Each request's tokens and per-step logprobs (greedy, or seeded sampling)."""
-    sched = MiniScheduler(runner)
-    reqs = []
-    for i, prompt in enumerate(_prompts(lens)):
-        n = 4 + 3 * i  # the batch shrinks as they finish
-        if seed is None:
-            params = SamplingParams(temperature=0.0, max_tokens=n, logprobs=3)
-        else:
-            params = SamplingParams(
-                temperature=1.0, top_p=0.9, seed=seed + i, max_tokens=n, logprobs=3
-            )
-        reqs.append(_Req(f"r{i}", prompt, params, n))
-        sched.add(reqs[-1])
-    sched.run()
-    return [r.output for r in reqs], [r.logprobs for r in reqs]
 
 
 class _Counting:
@@ -99,12 +61,12 @@ def arch_model(request, tmp_path_factory):
 
 
 def test_replay_gives_the_eager_bits_and_replaces_the_eager_forward(arch_model):
-    eager = _decode(_runner(arch_model, eager=True))
-    runner = _runner(arch_model)
+    eager = decode_shrinking_batch(step_runner(arch_model, eager=True))
+    runner = step_runner(arch_model)
     programs = runner.step_programs
     assert programs is not None
     counting = programs.model = _Counting(programs.model)
-    replayed = _decode(runner)
+    replayed = decode_shrinking_batch(runner)
     assert replayed == eager  # tokens and logprobs, exactly
     assert programs.reason is None
     sizes = sorted(programs.programs)
@@ -120,7 +82,7 @@ class _Alternating(MiniScheduler):
     """Steps that schedule the requests of one group, then the other's, in turn (the other
     group's requests wait): the two groups' step sizes interleave."""
 
-    def __init__(self, runner: ModelRunner, groups: list[list[_Req]]) -> None:
+    def __init__(self, runner: ModelRunner, groups: list[list[Req]]) -> None:
         super().__init__(runner)
         self.groups = groups
 
@@ -139,13 +101,13 @@ class _Alternating(MiniScheduler):
 def _alternate(runner: ModelRunner, big: int):
     """Tokens and logprobs of a group of ``big`` requests (most finish after 4 tokens, 6 after
     6) decoding in turn with a group of 3 (9 tokens): step sizes big, 3, big, 3, ..., 6, 3."""
-    prompts = _prompts([2 + i % 7 for i in range(big + 3)], seed=3)
+    prompts = random_prompts([2 + i % 7 for i in range(big + 3)], seed=3)
     params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, logprobs=2)  # noqa: E731
     a = [
-        _Req(f"a{i}", p, params(6 if i < 6 else 4), 6 if i < 6 else 4)
+        Req(f"a{i}", p, params(6 if i < 6 else 4), 6 if i < 6 else 4)
         for i, p in enumerate(prompts[:big])
     ]
-    b = [_Req(f"b{i}", p, params(9), 9) for i, p in enumerate(prompts[big:])]
+    b = [Req(f"b{i}", p, params(9), 9) for i, p in enumerate(prompts[big:])]
     sched = _Alternating(runner, [a, b])
     for req in a + b:
         sched.add(req)
@@ -194,8 +156,8 @@ def test_programs_of_the_largest_size_interleaved_with_small_ones_replay_exactly
     """Programs of MAX_ROWS tokens and of a few, replayed in turn (each program's buffers are
     its own, so one does not disturb the other), give the eager bits."""
     big = step_program.MAX_ROWS
-    eager = _alternate(_runner(deep_llama, eager=True, seqs=big + 3), big)
-    runner = _runner(deep_llama, seqs=big + 3)
+    eager = _alternate(step_runner(deep_llama, eager=True, seqs=big + 3), big)
+    runner = step_runner(deep_llama, seqs=big + 3)
     programs = runner.step_programs
     assert programs is not None
     counting = programs.model = _Counting(programs.model)
@@ -213,7 +175,7 @@ def test_a_program_keeps_a_few_slabs_not_every_buffer_of_its_forward(deep_model)
     a program keeps a fraction of the bytes its forward allocates (6 layers: every layer's
     buffers fit in the first one's), also where recorded torch ops and opaque calls hold
     buffers (by place while the capture runs)."""
-    runner = _runner(deep_model)
+    runner = step_runner(deep_model)
     programs = runner.step_programs
     assert programs is not None
     model, counts = programs.model, {}
@@ -226,7 +188,9 @@ def test_a_program_keeps_a_few_slabs_not_every_buffer_of_its_forward(deep_model)
         return out
 
     programs.model = counted
-    assert _decode(runner) == _decode(_runner(deep_model, eager=True))
+    assert decode_shrinking_batch(runner) == decode_shrinking_batch(
+        step_runner(deep_model, eager=True)
+    )
     assert programs.reason is None and sorted(programs.programs) == [1, 2, 3, 4, 5]
     for rows, program in programs.programs.items():
         assert program.allocated == counts[rows]
@@ -239,12 +203,12 @@ def test_a_size_is_captured_at_its_capture_after_th_step(tmp_path, monkeypatch, 
     draining batch passes through); at the CAPTURE_AFTER-th step the size is captured."""
     monkeypatch.setattr(step_program, "CAPTURE_AFTER", after)
     path = build_tiny_model("llama", tmp_path / "llama")
-    eager = _decode(_runner(path, eager=True))
-    runner = _runner(path)
+    eager = decode_shrinking_batch(step_runner(path, eager=True))
+    runner = step_runner(path)
     programs = runner.step_programs
     assert programs is not None
     counting = programs.model = _Counting(programs.model)
-    assert _decode(runner) == eager
+    assert decode_shrinking_batch(runner) == eager
     # Each of the sizes 5 .. 1 decodes 3 steps.
     if after == 2:  # step 1 eager, step 2 the capture and its twin, step 3 a checked replay
         assert sorted(programs.programs) == [1, 2, 3, 4, 5]
@@ -256,9 +220,13 @@ def test_a_size_is_captured_at_its_capture_after_th_step(tmp_path, monkeypatch, 
 
 def test_seeded_sampling_and_bf16_replay_exactly(tmp_path):
     path = build_tiny_model("llama", tmp_path / "llama")
-    assert _decode(_runner(path), seed=7) == _decode(_runner(path, eager=True), seed=7)
-    bf16 = _runner(path, dtype="bfloat16")
-    assert _decode(bf16) == _decode(_runner(path, eager=True, dtype="bfloat16"))
+    assert decode_shrinking_batch(step_runner(path), seed=7) == decode_shrinking_batch(
+        step_runner(path, eager=True), seed=7
+    )
+    bf16 = step_runner(path, dtype="bfloat16")
+    assert decode_shrinking_batch(bf16) == decode_shrinking_batch(
+        step_runner(path, eager=True, dtype="bfloat16")
+    )
     assert bf16.step_programs is not None and bf16.step_programs.reason is None
     assert sorted(bf16.step_programs.programs) == [1, 2, 3, 4, 5]
 
@@ -268,13 +236,13 @@ def test_a_forward_that_cannot_be_replayed_runs_eagerly(tmp_path, monkeypatch):
     torch.tensor in the MLP) cannot be repeated by a replay: the programs give up, naming it,
     and the output is the eager forward's."""
     path = build_tiny_model("llama", tmp_path / "llama")
-    eager = _decode(_runner(path, eager=True))
-    runner = _runner(path)
+    eager = decode_shrinking_batch(step_runner(path, eager=True))
+    runner = step_runner(path)
     for layer in runner.model.model.layers:
         mlp = layer.mlp
         forward = mlp.forward
         monkeypatch.setattr(mlp, "forward", lambda x, f=forward: f(x) * torch.tensor(1.0))
-    assert _decode(runner) == eager
+    assert decode_shrinking_batch(runner) == eager
     assert runner.step_programs is not None
     assert "aten.lift_fresh" in (runner.step_programs.reason or "")
     assert runner.step_programs.programs == {}
@@ -285,8 +253,8 @@ def test_a_replay_that_differs_from_eager_turns_programs_off(tmp_path):
     program whose recorded calls no longer compute the forward (one call dropped here) is
     thrown away and the step's output is the eager one."""
     path = build_tiny_model("llama", tmp_path / "llama")
-    eager = _decode(_runner(path, eager=True))
-    runner = _runner(path)
+    eager = decode_shrinking_batch(step_runner(path, eager=True))
+    runner = step_runner(path)
     programs = runner.step_programs
     assert programs is not None
     capture = programs._capture
@@ -299,15 +267,15 @@ def test_a_replay_that_differs_from_eager_turns_programs_off(tmp_path):
         return out
 
     programs._capture = capture_then_break
-    assert _decode(runner) == eager
+    assert decode_shrinking_batch(runner) == eager
     assert programs.reason == "a replay differs from the eager forward"
 
 
 def test_steps_past_the_largest_program_run_eagerly(tmp_path, monkeypatch):
     monkeypatch.setattr(step_program, "MAX_ROWS", 3)
     path = build_tiny_model("llama", tmp_path / "llama")
-    runner = _runner(path)
-    assert _decode(runner) == _decode(_runner(path, eager=True))
+    runner = step_runner(path)
+    assert decode_shrinking_batch(runner) == decode_shrinking_batch(step_runner(path, eager=True))
     assert runner.step_programs is not None
     assert sorted(runner.step_programs.programs) == [1, 2, 3]
 
@@ -317,14 +285,14 @@ def test_programs_stop_at_the_memory_budget(tmp_path, monkeypatch):
     captured (the batch shrinks 5 -> 1, so the first capture is the largest); the steps of
     other sizes run eagerly, with the same output."""
     path = build_tiny_model("llama", tmp_path / "llama")
-    probe = _runner(path)
-    _decode(probe)
+    probe = step_runner(path)
+    decode_shrinking_batch(probe)
     assert probe.step_programs is not None
     sizes = {n: p.nbytes for n, p in probe.step_programs.programs.items()}
     assert sizes[5] > sizes[4] > sizes[1] > 0
     monkeypatch.setattr(step_program, "MEMORY_BUDGET", sizes[5] + sizes[4] // 2)
-    runner = _runner(path)
-    assert _decode(runner) == _decode(_runner(path, eager=True))
+    runner = step_runner(path)
+    assert decode_shrinking_batch(runner) == decode_shrinking_batch(step_runner(path, eager=True))
     programs = runner.step_programs
     assert programs is not None and programs.full
     assert sorted(programs.programs) == [5] and programs.nbytes == sizes[5]
@@ -332,8 +300,8 @@ def test_programs_stop_at_the_memory_budget(tmp_path, monkeypatch):
 
 def test_enforce_eager_turns_programs_off(tmp_path):
     path = build_tiny_model("llama", tmp_path / "llama")
-    assert _runner(path, eager=True).step_programs is None
-    assert isinstance(_runner(path).step_programs, StepPrograms)
+    assert step_runner(path, eager=True).step_programs is None
+    assert isinstance(step_runner(path).step_programs, StepPrograms)
 
 
 def test_a_kernel_reading_a_step_input_that_is_not_refreshed_is_refused():
@@ -347,14 +315,14 @@ def test_a_kernel_reading_a_step_input_that_is_not_refreshed_is_refused():
 
 def test_a_capture_that_raises_gives_up_and_the_step_runs_eagerly(tmp_path, monkeypatch):
     path = build_tiny_model("llama", tmp_path / "llama")
-    eager = _decode(_runner(path, eager=True))
-    runner = _runner(path)
+    eager = decode_shrinking_batch(step_runner(path, eager=True))
+    runner = step_runner(path)
 
     def refuse():
         raise RuntimeError("no recording here")
 
     monkeypatch.setattr(step_program.recording, "start", refuse)
-    assert _decode(runner) == eager
+    assert decode_shrinking_batch(runner) == eager
     assert runner.step_programs is not None
     assert runner.step_programs.reason == "the capture raised RuntimeError: no recording here"
 
@@ -366,11 +334,12 @@ def test_a_capture_does_not_import_torch_dynamo(tmp_path):
     path = build_tiny_model("llama", tmp_path / "m")
     script = (
         "import sys\n"
-        "from tests.worker.test_step_program import _decode, _runner\n"
+        "sys.path.insert(0, 'tests/support')\n"  # the cwd is the repository root
+        "from step_runs import decode_shrinking_batch, step_runner\n"
         "from trillm.worker import step_program\n"
         "step_program.CAPTURE_AFTER = 1\n"
-        f"runner = _runner({str(path)!r})\n"
-        "_decode(runner)\n"
+        f"runner = step_runner({str(path)!r})\n"
+        "decode_shrinking_batch(runner)\n"
         "assert sorted(runner.step_programs.programs) == [1, 2, 3, 4, 5]\n"
         "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n"
     )
