@@ -21,8 +21,6 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.env
     _share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     os.environ["OMP_NUM_THREADS"] = str(max(1, _share))
 
-ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
-
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):

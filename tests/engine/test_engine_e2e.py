@@ -11,11 +11,12 @@ import pytest
 import trio
 from hf_reference import hf_greedy
 
-from tests.conftest import ARCHES
 from trillm import SamplingParams, open_engine
 
 NUM_REQUESTS = 16
 MAX_TOKENS = 12
+
+ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 
 
 def make_prompts(seed: int, vocab: int = 4096) -> list[list[int]]:
