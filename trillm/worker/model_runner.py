@@ -43,7 +43,7 @@ from trillm.errors import CollectiveTimeoutError
 from trillm.lora.manager import LoRAManager
 from trillm.lora.request import LoRARequest
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
-from trillm.model_executor.layers.rotary import LongRopeIndex, longrope_index
+from trillm.model_executor.layers.rotary import longrope_index
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.registry import CausalLM
 from trillm.sample.sampler import SamplingState
@@ -51,10 +51,11 @@ from trillm.spec_decode.draft_model import DraftModelProposer
 from trillm.utils import cdiv
 from trillm.worker import kv_cache_sizing
 from trillm.worker.input_batch import InputBatch, StepInputs
+from trillm.worker.longrope_state import LongRopeState
 from trillm.worker.pipeline_tokens import append_sampled
 from trillm.worker.spec_verify import expand_rows, num_drafts_of
 from trillm.worker.step_program import StepPrograms, step_programs_for
-from trillm.worker.step_sampling import Bitmask, PendingStep, PromptLogprobsWork
+from trillm.worker.step_sampling import Bitmask, PendingStep, prompt_logprobs_inputs
 from trillm.worker.token_sampler import TokenSampler, output_before_last_stage
 
 logger = logging.getLogger(__name__)
@@ -105,10 +106,8 @@ class ModelRunner:
         self._pending: PendingStep | None = None
         self.lora: LoRAManager | None = None  # with --enable-lora, once the model is loaded
         self.step_programs: StepPrograms | None = None  # small decode steps replayed (CPU)
-        # A longrope model's table rows per token (short or long, per request); None: positions.
-        self.longrope: LongRopeIndex | None = None
-        # Per slot: its cached K/V were computed on the long table (longrope only).
-        self.rope_long = np.zeros(self.max_num_reqs, dtype=bool)
+        # A longrope model's tables per token and crossing step (longrope_state.py).
+        self.longrope: LongRopeState | None = None
         # speculative_config's draft_model: proposes each step's next drafts after P3, on the
         # output rank only (the last pipeline stage's first tensor-parallel rank, whose output
         # the executor returns), whole; every rank verifies the drafts the next step carries.
@@ -128,7 +127,9 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self._model = build_model(self.config.model, self.attn_backend, self.config.device)
-        self.longrope = longrope_index(self._model)
+        index = longrope_index(self._model)
+        if index is not None:
+            self.longrope = LongRopeState(index, self.max_num_reqs)
         if self.drafter is not None:
             self.drafter.load()
         lora = self.config.lora
@@ -247,7 +248,7 @@ class ModelRunner:
             row_owner=row_owner,
             row_offset=row_offset,
         )
-        self._prompt_logprobs_inputs(pending, hidden, num_scheduled, recomputed)
+        prompt_logprobs_inputs(self.batch, self.model, pending, hidden, num_scheduled, recomputed)
         self._pending = pending
 
     def _update_batch(self, sched: SchedulerOutput) -> dict[str, str]:
@@ -262,7 +263,8 @@ class ModelRunner:
             self._drop(new.req_id)  # re-sent after a preemption
             try:
                 slot = self.batch.add_request(new)
-                self.rope_long[slot] = False  # nothing of it computed by this runner yet
+                if self.longrope is not None:
+                    self.longrope.reset(slot)
                 if self.drafter is not None:
                     self.drafter.add(slot, new.req_id)
                 self.sampling_state.add_request(
@@ -339,18 +341,14 @@ class ModelRunner:
     def _longrope_switch(
         self, slots: np.ndarray, num_scheduled: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Longrope: a request that grows past the original context this step while its cached
-        tokens were computed on the short table is computed again from position 0, in this
-        step, on the long table (transformers' Phi-3 ``generate`` drops its cache there).
-        Returns the step's token counts (those requests' widened) and which requests they are.
-
-        NOTE: their K/V blocks are written again in place, so they must be this request's own:
-        the engine keeps prefix caching off for longrope models (config_builder)."""
+        """Longrope: requests crossing to the long table with short-table K/V cached are
+        computed again from position 0 this step (``longrope_state.py``). -> the step's token
+        counts (theirs widened) and which requests they are."""
         assert self.longrope is not None
         computed = self.batch.num_computed[slots]
-        long = self.longrope.is_long(self.batch.num_tokens[slots], computed + num_scheduled)
-        recomputed = long & ~self.rope_long[slots] & (computed > 0)
-        self.rope_long[slots] = long
+        recomputed = self.longrope.switch(
+            slots, self.batch.num_tokens[slots], computed, num_scheduled
+        )
         if not recomputed.any():
             return num_scheduled, recomputed
         self.batch.num_computed[slots[recomputed]] = 0
@@ -382,43 +380,6 @@ class ModelRunner:
             query_lens_cpu=query_lens.tolist(),
             seq_lens_cpu=inputs.seq_lens.tolist(),
         )
-
-    def _prompt_logprobs_inputs(
-        self,
-        pending: PendingStep,
-        hidden: torch.Tensor,
-        num_scheduled: np.ndarray,
-        recomputed: np.ndarray,  # [R] bool: past their prompt, computed again (longrope)
-    ) -> None:
-        """Logits of this step's prompt rows for requests with prompt_logprobs (row p scores
-        prompt token p + 1)."""
-        inputs = pending.inputs
-        rows: list[np.ndarray] = []
-        targets: list[np.ndarray] = []
-        offset = 0
-        for i in np.nonzero(self.batch.wants_prompt_logprobs[inputs.slots])[0].tolist():
-            slot = int(inputs.slots[i])
-            params = self.batch.params[slot]
-            if params is None or params.prompt_logprobs is None or recomputed[i]:
-                continue
-            start = int(inputs.context_lens[i])
-            end = min(start + int(num_scheduled[i]), int(self.batch.num_prompt_tokens[slot]) - 1)
-            if end <= start:
-                continue
-            first_row = int(inputs.query_start_loc[i])
-            rows.append(np.arange(first_row, first_row + end - start))
-            targets.append(self.batch.token_ids[slot, start + 1 : end + 1])
-            work = PromptLogprobsWork(
-                pending.req_ids[i], slice(offset, offset + end - start), params.prompt_logprobs
-            )
-            pending.prompt_work.append(work)
-            offset += end - start
-        if not rows:
-            return
-        row_index = torch.from_numpy(np.concatenate(rows)).to(self.device)
-        pending.prompt_logits = self.model.compute_logits(hidden.index_select(0, row_index)).float()
-        prompt_targets = np.concatenate(targets).astype(np.int64)
-        pending.prompt_targets = torch.from_numpy(prompt_targets).to(self.device)
 
     # ------------------------------------------------------------ P3
 

@@ -12,10 +12,11 @@ import numpy as np
 import torch
 
 from trillm.messages import LogprobsLists
+from trillm.model_executor.registry import CausalLM
 from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
 from trillm.sample.sampler import SamplerOutput
 from trillm.utils import cdiv
-from trillm.worker.input_batch import StepInputs
+from trillm.worker.input_batch import InputBatch, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -169,3 +170,42 @@ def concat_outputs(outs: list[SamplerOutput]) -> SamplerOutput:
             ranks=torch.cat([lp.ranks for lp in lps]),
         )
     return SamplerOutput(torch.cat([o.sampled_token_ids for o in outs]), logprobs)
+
+
+def prompt_logprobs_inputs(
+    batch: InputBatch,
+    model: CausalLM,
+    pending: PendingStep,
+    hidden: torch.Tensor,  # [T, H] the step's last hidden states
+    num_scheduled: np.ndarray,  # [R]
+    recomputed: np.ndarray,  # [R] bool: past their prompt, computed again (longrope)
+) -> None:
+    """Logits of this step's prompt rows for requests with prompt_logprobs (row p scores
+    prompt token p + 1), into ``pending``."""
+    inputs = pending.inputs
+    rows: list[np.ndarray] = []
+    targets: list[np.ndarray] = []
+    offset = 0
+    for i in np.nonzero(batch.wants_prompt_logprobs[inputs.slots])[0].tolist():
+        slot = int(inputs.slots[i])
+        params = batch.params[slot]
+        if params is None or params.prompt_logprobs is None or recomputed[i]:
+            continue
+        start = int(inputs.context_lens[i])
+        end = min(start + int(num_scheduled[i]), int(batch.num_prompt_tokens[slot]) - 1)
+        if end <= start:
+            continue
+        first_row = int(inputs.query_start_loc[i])
+        rows.append(np.arange(first_row, first_row + end - start))
+        targets.append(batch.token_ids[slot, start + 1 : end + 1])
+        work = PromptLogprobsWork(
+            pending.req_ids[i], slice(offset, offset + end - start), params.prompt_logprobs
+        )
+        pending.prompt_work.append(work)
+        offset += end - start
+    if not rows:
+        return
+    row_index = torch.from_numpy(np.concatenate(rows)).to(hidden.device)
+    pending.prompt_logits = model.compute_logits(hidden.index_select(0, row_index)).float()
+    prompt_targets = np.concatenate(targets).astype(np.int64)
+    pending.prompt_targets = torch.from_numpy(prompt_targets).to(hidden.device)
