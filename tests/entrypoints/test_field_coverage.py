@@ -198,12 +198,17 @@ def _test_functions(path: str) -> dict[str, str]:
 
 @functools.cache
 def _module_text(path: str) -> str:
-    """A test module's source plus the tests/ helpers it imports (the server harness)."""
-    text = (REPO / path).read_text()
-    for helper in re.findall(r"^from (\w+) import", text, re.MULTILINE):
-        candidate = REPO / "tests" / "support" / f"{helper}.py"
-        if candidate.is_file():
-            text += candidate.read_text()
+    """A test module's source plus the tests/support helpers it imports, and theirs (the server
+    harness)."""
+    text, seen = (REPO / path).read_text(), set()
+    pending = re.findall(r"^from (\w+) import", text, re.MULTILINE)
+    while pending:
+        candidate = REPO / "tests" / "support" / f"{pending.pop()}.py"
+        if candidate.is_file() and candidate not in seen:
+            seen.add(candidate)
+            helper = candidate.read_text()
+            text += helper
+            pending += re.findall(r"^from (\w+) import", helper, re.MULTILINE)
     return text
 
 

@@ -11,6 +11,7 @@ from field_coverage.ids import (
     DP,
     ENGINE_REFUSED,
     FE,
+    FEC,
     FEE,
     FP8,
     GGUF,
@@ -38,7 +39,7 @@ from field_coverage.ids import (
 
 ENGINE: dict[str, tuple[str, ...]] = {
     "model": ids(ENGINE_REFUSED, LOADING + "test_default_model"),
-    "tokenizer": ids(FE + "test_add_special_tokens_and_the_tokenizer_flag"),
+    "tokenizer": ids(FEC + "test_add_special_tokens_and_the_tokenizer_flag"),
     "served_model_name": ids(CONFIG, OPENAI + "test_models"),
     "revision": ids(FEE + "test_revision_reaches_the_hub_download"),
     "dtype": ids(CONFIG, ENGINE_REFUSED, LOADING + "test_explicit_float16_on_cpu_is_an_error"),
@@ -53,7 +54,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
     "enable_prefix_caching": ids(ACT, CONFIG),
     "scheduling_policy": ids(
         CONFIG,
-        FE + "test_priority_needs_the_priority_policy",
+        FEC + "test_priority_needs_the_priority_policy",
         SCHED + "test_priority_preemption_of_a_request_scheduled_earlier_in_the_step",
     ),
     "tensor_parallel_size": ids(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 FE = "tests/entrypoints/test_field_effects.py::"
+FEC = "tests/entrypoints/test_field_effects_chat.py::"
 FEE = "tests/entrypoints/test_field_effects_engine.py::"
 OPENAI = "tests/entrypoints/test_server_openai.py::"
 TOOLS_HTTP = "tests/entrypoints/test_tool_calling_http.py::"
@@ -44,9 +45,9 @@ def ids(*node_ids: str) -> tuple[str, ...]:
 
 
 STRUCTURED = FE + "test_structured_outputs_constrain_the_text"
-MESSAGES = FE + "test_message_and_tool_fields_reach_the_template"
-REFUSED_TYPES = FE + "test_tool_and_part_types_other_than_function_and_text_are_refused"
-TOKENIZE = FE + "test_tokenize_and_detokenize_fields"
+MESSAGES = FEC + "test_message_and_tool_fields_reach_the_template"
+REFUSED_TYPES = FEC + "test_tool_and_part_types_other_than_function_and_text_are_refused"
+TOKENIZE = FEC + "test_tokenize_and_detokenize_fields"
 FLAG_MAP = FEE + "test_engine_flags_reach_the_engine"
 CONFIG = FEE + "test_engine_args_reach_the_config"
 ENGINE_REFUSED = FEE + "test_engine_args_that_cannot_be_honoured_are_refused"

@@ -6,6 +6,7 @@ from field_coverage.ids import (
     CLS,
     FAULTS,
     FE,
+    FEC,
     HOSTILE,
     MESSAGES,
     OPENAI,
@@ -44,9 +45,9 @@ _SAMPLING = {
     "min_tokens": ids(FE + "test_eos_fields_ignore_eos_min_tokens_skip_special_tokens"),
     "skip_special_tokens": ids(FE + "test_eos_fields_ignore_eos_min_tokens_skip_special_tokens"),
     "include_stop_str_in_output": ids(FE + "test_stop_strings_and_include_stop_str_in_output"),
-    "spaces_between_special_tokens": ids(FE + "test_spaces_between_special_tokens"),
+    "spaces_between_special_tokens": ids(FEC + "test_spaces_between_special_tokens"),
     "prompt_logprobs": ids(FE + "test_return_token_ids_and_prompt_logprobs"),
-    "priority": ids(FE + "test_priority_needs_the_priority_policy"),
+    "priority": ids(FEC + "test_priority_needs_the_priority_policy"),
     "cache_salt": ids(FE + "test_cache_salt_separates_prefix_cache_hits"),
     "return_token_ids": ids(FE + "test_return_token_ids_and_prompt_logprobs"),
     "allowed_token_ids": ids(FE + "test_allowed_token_ids_and_bad_words"),
@@ -73,12 +74,12 @@ _CHAT = {
     "top_logprobs": ids(FE + "test_logprobs_and_return_tokens_as_token_ids"),
     "max_completion_tokens": ids(FE + "test_max_completion_tokens_is_chats_max_tokens"),
     "add_generation_prompt": ids(MESSAGES),
-    "continue_final_message": ids(FE + "test_continue_final_message_leaves_the_last_message_open"),
+    "continue_final_message": ids(FEC + "test_continue_final_message_leaves_the_last_message_open"),
     "chat_template": ids(
-        FE + "test_chat_template_in_a_request_replaces_the_servers",
-        FE + "test_log_level_and_request_chat_templates",
+        FEC + "test_chat_template_in_a_request_replaces_the_servers",
+        FEC + "test_log_level_and_request_chat_templates",
     ),
-    "chat_template_kwargs": ids(MESSAGES, FE + "test_server_chat_template_and_its_kwargs"),
+    "chat_template_kwargs": ids(MESSAGES, FEC + "test_server_chat_template_and_its_kwargs"),
     "tools": ids(MESSAGES, TOOLS_HTTP + "test_tool_choice_none_renders_tools_and_parses_nothing"),
     "tool_choice": ids(
         TOOLS_HTTP + "test_tool_choice_none_renders_tools_and_parses_nothing",
@@ -98,16 +99,16 @@ _CHAT = {
 }
 
 _COMPLETION = {
-    "prompt": ids(FE + "test_prompt_as_text_ids_and_lists"),
+    "prompt": ids(FEC + "test_prompt_as_text_ids_and_lists"),
     "max_tokens": ids(FE + "test_max_tokens"),
-    "echo": ids(FE + "test_echo_suffix_best_of", OPENAI + "test_echo"),
+    "echo": ids(FEC + "test_echo_suffix_best_of", OPENAI + "test_echo"),
     "logprobs": ids(
         FE + "test_logprobs_and_return_tokens_as_token_ids",
         OPENAI + "test_logprobs_match_transformers",
     ),
-    "suffix": ids(FE + "test_echo_suffix_best_of"),
-    "best_of": ids(FE + "test_echo_suffix_best_of"),
-    "add_special_tokens": ids(FE + "test_add_special_tokens_and_the_tokenizer_flag"),
+    "suffix": ids(FEC + "test_echo_suffix_best_of"),
+    "best_of": ids(FEC + "test_echo_suffix_best_of"),
+    "add_special_tokens": ids(FEC + "test_add_special_tokens_and_the_tokenizer_flag"),
 }
 
 _NESTED = {
@@ -159,11 +160,11 @@ _NESTED = {
     "TokenizeRequest.prompt": ids(TOKENIZE),
     "TokenizeRequest.messages": ids(TOKENIZE),
     "TokenizeRequest.add_special_tokens": ids(
-        FE + "test_add_special_tokens_and_the_tokenizer_flag"
+        FEC + "test_add_special_tokens_and_the_tokenizer_flag"
     ),
     "TokenizeRequest.add_generation_prompt": ids(TOKENIZE),
     "TokenizeRequest.continue_final_message": ids(TOKENIZE),
-    "TokenizeRequest.chat_template_kwargs": ids(FE + "test_server_chat_template_and_its_kwargs"),
+    "TokenizeRequest.chat_template_kwargs": ids(FEC + "test_server_chat_template_and_its_kwargs"),
     "TokenizeRequest.return_token_strs": ids(TOKENIZE),
     "DetokenizeRequest.tokens": ids(TOKENIZE),
     "DetokenizeRequest.model": ids(TOKENIZE),

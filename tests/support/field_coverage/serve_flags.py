@@ -6,6 +6,7 @@ from field_coverage.engine_args import ENGINE
 from field_coverage.ids import (
     FAULTS,
     FE,
+    FEC,
     FEE,
     FLAG_MAP,
     GGUF,
@@ -60,14 +61,14 @@ _FLAGS = {
         "test_skip_tokenizer_init_flag_is_refused_by_the_engine_args"
     ),
     "--chat-template": ids(
-        FE + "test_server_chat_template_and_its_kwargs",
+        FEC + "test_server_chat_template_and_its_kwargs",
         TOOLS_HTTP + "test_tool_history_is_rendered",
     ),
     "--trust-request-chat-template": ids(
-        FE + "test_chat_template_in_a_request_replaces_the_servers",
-        FE + "test_log_level_and_request_chat_templates",
+        FEC + "test_chat_template_in_a_request_replaces_the_servers",
+        FEC + "test_log_level_and_request_chat_templates",
     ),
-    "--uvicorn-log-level": ids(FE + "test_log_level_and_request_chat_templates"),
+    "--uvicorn-log-level": ids(FEC + "test_log_level_and_request_chat_templates"),
     "--shutdown-timeout": ids(LIFE + "test_sigterm_drains_then_aborts_and_exits_0"),
     "--timeout-keep-alive": ids(
         "tests/fault/test_keepalive.py::test_timeout_keep_alive_flag_reaches_hypercorn"
@@ -88,7 +89,7 @@ _FLAGS = {
         "tests/fault/test_fanout_fairness.py::test_sequences_over_the_budget_are_refused_at_once",
         "tests/fault/test_logprob_budget.py::test_the_flags_are_parsed_and_validated",
     ),
-    "--tokenizer": ids(FE + "test_add_special_tokens_and_the_tokenizer_flag"),
+    "--tokenizer": ids(FEC + "test_add_special_tokens_and_the_tokenizer_flag"),
     "--revision": ids(FLAG_MAP, FEE + "test_revision_reaches_the_hub_download"),
     "--structured-outputs-cache-bytes": ENGINE["structured_outputs_cache_bytes"],
     "--stream-wake-budget": ids(
