@@ -10,7 +10,6 @@ from field_coverage.ids import (
     CONFIG,
     DP,
     ENGINE_REFUSED,
-    FE,
     FEC,
     FEE,
     FP8,
