@@ -38,6 +38,18 @@ class FinishReason(enum.IntEnum):
 
 
 @dataclass(slots=True)
+class MultiModalItem:
+    """One processed input item (an image's pixel values) and the prompt tokens it fills."""
+
+    modality: str  # "image"
+    content_hash: str  # of the processed data: the encoder cache's key, in extra_hash_keys
+    offset: int  # the first placeholder token's position in the prompt
+    length: int  # placeholder tokens = the encoder's output rows
+    data: bytes  # the processed tensor, float32, C order
+    shape: list[int]  # e.g. [3, H, W]
+
+
+@dataclass(slots=True)
 class EngineCoreRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -49,6 +61,8 @@ class EngineCoreRequest:
     # Extra keys mixed into every block hash of this request (LoRA name, multimodal hashes).
     extra_hash_keys: list[str] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # its hash_key is in extra_hash_keys
+    # Multimodal items in prompt order (their hashes are in extra_hash_keys).
+    mm_items: list[MultiModalItem] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -78,6 +92,8 @@ class NewRequestData:
     # The adapter the request runs with (None: the base model); the schedulers leave it None,
     # the engine core fills it from the EngineCoreRequest.
     lora_request: LoRARequest | None = None
+    # Its multimodal items (the engine core fills them, as lora_request).
+    mm_items: list[MultiModalItem] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from trillm.messages import (
     CachedRequestData,
     LogprobsLists,
     ModelRunnerOutput,
+    MultiModalItem,
     NewRequestData,
     SampleRequest,
     SchedulerOutput,
@@ -181,6 +182,13 @@ def test_enum_and_int_keys_survive():
     assert back.logit_bias == {7: 1.5}
 
 
+def test_multimodal_items_round_trip():
+    item = MultiModalItem("image", "ab12", 6, 16, b"\x00\x01" * 6, [3, 1, 2])
+    new = NewRequestData("r", [1], [], SamplingParams(), [0], 0, None, [item])
+    sched = SchedulerOutput(1, [new], CachedRequestData(), {"r": 1}, 1)
+    assert codec.decode(codec.encode(sched)).scheduled_new_reqs[0].mm_items == [item]
+
+
 def test_unencodable_contents_raise_codec_error():
     sp = SamplingParams()
     sp.extra_args = {"big": 2**70}  # SamplingParams refuses it; the codec must still not crash
@@ -211,7 +219,18 @@ def test_encode_rejects_foreign_objects():
         (msgpack.packb([2, 1, [], [], {}, {}, 0.0]), "Malformed ModelRunnerOutput"),
         (
             msgpack.packb(
-                [0, 1, [["r", [], [], [1, 2], [], 0, None]], [[], [], []], {}, 0, {}, [], False, {}]
+                [
+                    0,
+                    1,
+                    [["r", [], [], [1, 2], [], 0, None, []]],
+                    [[], [], []],
+                    {},
+                    0,
+                    {},
+                    [],
+                    False,
+                    {},
+                ]
             ),
             "Malformed SamplingParams",
         ),

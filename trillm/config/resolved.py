@@ -42,6 +42,9 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict)
     quantization: str | None = None  # "fp8" (at load, CPU) | "gguf" (a GGUF's blocks) | awq | gptq
     numerics: str = "fast"  # EngineArgs.numerics: "fast" | "transformers"
+    # A vision-language model's whole config.json (vision tower, projector, placeholder
+    # token); the fields above are its language model's (text_config). None: a text model.
+    mm_config: dict[str, Any] | None = None
 
 
 @dataclass
@@ -126,3 +129,6 @@ class TrillmConfig:
     draft_model: ModelConfig | None = None
     # No step programs (trillm/worker/step_program.py): every step runs the eager forward.
     enforce_eager: bool = False
+    # Most items of each modality per prompt (trillm/config/multimodal.py); empty: a text-only
+    # model, which takes none.
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)

@@ -15,6 +15,7 @@ import trio
 
 from trillm.engine.batch_queue import BatchQueue
 from trillm.engine.core_grammars import CoreGrammars
+from trillm.engine.core_multimodal import CoreMultimodal
 from trillm.engine.core_speculation import CoreSpeculation
 from trillm.errors import CodecError, ModelExecutionError
 from trillm.ipc import codec
@@ -60,6 +61,7 @@ class EngineCore:
         # LoRAAdmission (trillm/lora/admission.py) with --enable-lora: holds requests whose
         # adapter would exceed max_loras, and attaches adapters to scheduled new requests.
         self.lora = lora
+        self.mm = CoreMultimodal()  # multimodal items, attached to scheduled new requests
         self.executor = executor
         # NgramProposer or DraftModelDrafts (trillm/spec_decode/) or None: drafts for the
         # next step, after P4 (core_speculation.py: the counters and the n-gram back-off).
@@ -123,6 +125,7 @@ class EngineCore:
                 EngineCoreOutput(msg.request_id, [], None, None, FinishReason.ABORT, None)
             )
         else:
+            self.mm.add(msg)
             if msg.sampling_params.structured_outputs is not None:
                 self.grammars.add(msg)
 
@@ -158,6 +161,7 @@ class EngineCore:
     def _before_schedule(self) -> list[EngineCoreOutput]:
         """Grammars compiled, LoRA-held requests admitted; -> the refused outputs to publish."""
         self.grammars.poll()
+        self.mm.release(lambda req_id: self.scheduler.get_request(req_id) is not None)
         if self.lora is not None:
             get = self.scheduler.get_request
             for req in self.lora.release(lambda req_id: get(req_id) is not None):
@@ -172,6 +176,7 @@ class EngineCore:
             sched = self.scheduler.schedule()
         if self.lora is not None:
             self.lora.attach(sched.scheduled_new_reqs)
+        self.mm.attach(sched.scheduled_new_reqs)
         self._note_scheduled(sched)
         return sched
 

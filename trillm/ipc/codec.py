@@ -28,6 +28,7 @@ from trillm.messages import (
     CachedRequestData,
     LogprobsLists,
     ModelRunnerOutput,
+    MultiModalItem,
     NewRequestData,
     SampleRequest,
     SchedulerOutput,
@@ -94,16 +95,21 @@ def _enc_new_req(r: NewRequestData) -> list[Any]:
         None
         if (lo := r.lora_request) is None
         else [lo.lora_name, lo.lora_int_id, lo.lora_path, lo.base_model_name],
+        [[m.modality, m.content_hash, m.offset, m.length, m.data, m.shape] for m in r.mm_items],
     ]
 
 
 def _dec_new_req(v: list[Any]) -> NewRequestData:
-    _check_arity(v, 7, "NewRequestData")
+    _check_arity(v, 8, "NewRequestData")
     lora = None
     if v[6] is not None:
         _check_arity(v[6], 4, "LoRARequest")
         lora = LoRARequest(*v[6])
-    return NewRequestData(v[0], v[1], v[2], _dec_sampling(v[3]), v[4], v[5], lora)
+    items = []
+    for m in v[7]:
+        _check_arity(m, 6, "MultiModalItem")
+        items.append(MultiModalItem(*m))
+    return NewRequestData(v[0], v[1], v[2], _dec_sampling(v[3]), v[4], v[5], lora, items)
 
 
 def _enc_sched(s: SchedulerOutput) -> list[Any]:

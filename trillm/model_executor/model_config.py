@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trillm.config import DEVICES, LOAD_FORMATS, EngineArgs, ModelConfig
-from trillm.model_executor import classification, gguf_loader
+from trillm.model_executor import classification, gguf_loader, multimodal_config
 from trillm.model_executor.layer_types import FULL, SUPPORTED_ROPE_TYPES, partial_rotary_factor
 from trillm.model_executor.quantization import CHECKPOINT_METHODS, resolve_quantization
 from trillm.model_executor.registry import (
@@ -165,6 +165,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         generation_config = read_generation_config(path, args.generation_config)
         quantization = resolve_quantization(args.quantization, hf, device)
     architecture = _architecture(hf)
+    hf, mm_config = multimodal_config.split_config(hf, architecture)  # text_config's fields
     if quantization in CHECKPOINT_METHODS and architecture not in GROUP_QUANT_ARCHITECTURES:
         raise ValueError(
             f"{quantization.upper()} checkpoints of {architecture} are not "
@@ -201,6 +202,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         generation_config=generation_config,
         hf_config=hf,
         quantization=quantization,
+        mm_config=mm_config,
     )
     if quantization in CHECKPOINT_METHODS:  # packed words and groups split per rank, or refused
         from trillm.model_executor.quant_sharding import check_group_quant_split  # torch

@@ -23,6 +23,9 @@ class ModelEntry(NamedTuple):
     class_name: str
     activations: tuple[str, ...] = ("silu",)  # config.json's hidden_act the MLP computes
     partial_rotary: bool = False  # RoPE over part of each head (partial_rotary_factor < 1)
+    # The input modalities besides text (a vision-language model: ("image",)); config.json
+    # nests the language model's fields under ``text_config`` (model_config.py reads them).
+    modalities: tuple[str, ...] = ()
 
 
 _GEMMA_ACTS = ("gelu_pytorch_tanh", "gelu")  # models/gemma.py's _GELU: tanh-approximate, exact
@@ -32,6 +35,9 @@ _MODELS: dict[str, ModelEntry] = {
     "Gemma3ForCausalLM": ModelEntry("gemma", "Gemma3ForCausalLM", _GEMMA_ACTS),
     "GPTNeoXForCausalLM": ModelEntry("gpt_neox", "GPTNeoXForCausalLM", ("gelu",), True),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM"),
+    "LlavaForConditionalGeneration": ModelEntry(
+        "llava", "LlavaForConditionalGeneration", modalities=("image",)
+    ),
     "MistralForCausalLM": ModelEntry("mistral", "MistralForCausalLM"),
     "Olmo2ForCausalLM": ModelEntry("olmo2", "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": ModelEntry("phi3", "Phi3ForCausalLM", partial_rotary=True),

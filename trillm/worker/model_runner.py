@@ -52,6 +52,7 @@ from trillm.utils import cdiv
 from trillm.worker import kv_cache_sizing
 from trillm.worker.input_batch import InputBatch, StepInputs
 from trillm.worker.longrope_state import LongRopeState
+from trillm.worker.mm_inputs import MultiModalInputs, add_items, drop_items, set_mm_rows
 from trillm.worker.pipeline_tokens import append_sampled
 from trillm.worker.spec_verify import expand_rows, num_drafts_of
 from trillm.worker.step_program import StepPrograms, step_programs_for
@@ -106,6 +107,7 @@ class ModelRunner:
         self._pending: PendingStep | None = None
         self.lora: LoRAManager | None = None  # with --enable-lora, once the model is loaded
         self.step_programs: StepPrograms | None = None  # small decode steps replayed (CPU)
+        self.mm: MultiModalInputs | None = None  # a vision-language model's items and encoder
         # A longrope model's tables per token and crossing step (longrope_state.py).
         self.longrope: LongRopeState | None = None
         # speculative_config's draft_model: proposes each step's next drafts after P3, on the
@@ -127,6 +129,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self._model = build_model(self.config.model, self.attn_backend, self.config.device)
+        self.mm = MultiModalInputs.for_model(self._model, self.device)
         index = longrope_index(self._model)
         if index is not None:
             self.longrope = LongRopeState(index, self.max_num_reqs)
@@ -263,6 +266,7 @@ class ModelRunner:
             self._drop(new.req_id)  # re-sent after a preemption
             try:
                 slot = self.batch.add_request(new)
+                add_items(self.mm, slot, new.mm_items)
                 if self.longrope is not None:
                     self.longrope.reset(slot)
                 if self.drafter is not None:
@@ -294,6 +298,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.remove_request(req_id)
         slot = self.batch.remove_request(req_id)
+        drop_items(self.mm, slot)
         if slot is not None and self.drafter is not None:
             self.drafter.drop(slot)
         if slot is not None and self.sampling_state.holds(slot):
@@ -330,8 +335,9 @@ class ModelRunner:
         self.attn_backend.plan(meta)
         input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
         positions = torch.from_numpy(self._rope_positions(inputs)).to(self.device)
-        if received is None and self.step_programs is not None and self.step_programs.applies(meta):
-            return self.step_programs.forward(input_ids, positions, self.kv_caches, meta)
+        programs = None if set_mm_rows(self.mm, self.model, inputs) else self.step_programs
+        if received is None and programs is not None and programs.applies(meta):
+            return programs.forward(input_ids, positions, self.kv_caches, meta)
         out = self.model(input_ids, positions, self.kv_caches, meta, received)
         if isinstance(out, IntermediateTensors):
             self.pp.send(out.tensors())

@@ -233,6 +233,8 @@ class LlamaForCausalLM(nn.Module):
     MODEL_CLASS: type[DecoderStack] = LlamaModel  # the decoder stack (Gemma, OLMo 2: their own)
     # Pipeline parallelism: a stage hands the next the residual stream besides the hidden states.
     PP_CARRIES_RESIDUAL = True
+    # Parameters ``load_weights`` leaves to a subclass (LLaVA's vision tower and projector).
+    NON_DECODER_PREFIXES: tuple[str, ...] = ()
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
@@ -279,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
         intermediate: IntermediateTensors | None = None,  # from the stage before (not stage 0)
     ) -> torch.Tensor | IntermediateTensors:  # [T, H]; what the next stage needs if any
         if intermediate is None:
-            hidden, residual = self.model.embed_tokens(input_ids), None
+            hidden, residual = self.embed_input_ids(input_ids), None
         else:
             hidden, residual = intermediate.hidden, intermediate.residual
         for layer, kv_cache in zip(self.stage_layers(), kv_caches):
@@ -287,6 +289,10 @@ class LlamaForCausalLM(nn.Module):
         if not self.pp.is_last:
             return IntermediateTensors(hidden, residual)
         return self.model.norm(hidden, residual)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        """The first layer's input (LLaVA writes image features over its placeholders)."""
+        return self.model.embed_tokens(input_ids)
 
     def stage_layers(self) -> list[nn.Module]:
         """The decoder layers this rank runs (all of them without pipeline parallelism)."""
@@ -297,7 +303,8 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raises MissingWeightsError naming what is missing."""
-        params = dict(self.named_parameters())
+        skip = self.NON_DECODER_PREFIXES
+        params = {n: p for n, p in self.named_parameters() if not n.startswith(skip)}
         loaded: set[str] = set()
         shards_seen: dict[str, set[str]] = {}  # stacked param name -> shards loaded
         for name, tensor in weights:

@@ -1,0 +1,62 @@
+"""A vision-language checkpoint's config.json: the language model's fields under
+``text_config`` (what ``ModelConfig`` reads, as for a text model) and the rest (vision tower,
+projector, placeholder token), kept whole in ``ModelConfig.mm_config`` for the worker's
+encoder and the frontend's processor. What trillm cannot run yet is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trillm.model_executor.registry import model_entry
+
+# The language models and vision towers a LLaVA checkpoint may name, as implemented.
+LLAVA_TEXT_MODELS = ("llama",)
+LLAVA_VISION_MODELS = ("clip_vision_model",)
+VISION_FEATURE_STRATEGIES = ("default", "full")
+# Top-level keys that hold for the whole checkpoint (its dtype), copied into the text config.
+_SHARED_KEYS = ("dtype", "torch_dtype")
+
+
+def split_config(hf: dict[str, Any], architecture: str) -> tuple[dict[str, Any], dict | None]:
+    """(the language model's config, the multimodal config or None for a text model)."""
+    if not model_entry(architecture).modalities:
+        return hf, None
+    text = dict(hf.get("text_config") or {})
+    vision = hf.get("vision_config") or {}
+    text_type = text.get("model_type", "llama")
+    vision_type = vision.get("model_type", "clip_vision_model")
+    if text_type not in LLAVA_TEXT_MODELS:
+        raise ValueError(
+            f"{architecture} with a {text_type!r} language model is not supported yet; "
+            f"supported: {', '.join(LLAVA_TEXT_MODELS)}."
+        )
+    if vision_type not in LLAVA_VISION_MODELS:
+        raise ValueError(
+            f"{architecture} with a {vision_type!r} vision tower is not supported yet; "
+            f"supported: {', '.join(LLAVA_VISION_MODELS)}."
+        )
+    strategy = hf.get("vision_feature_select_strategy", "default")
+    if strategy not in VISION_FEATURE_STRATEGIES:
+        raise ValueError(
+            f"vision_feature_select_strategy {strategy!r} is not supported; supported: "
+            f"{', '.join(VISION_FEATURE_STRATEGIES)}."
+        )
+    if hf.get("image_grid_pinpoints") or hf.get("multimodal_projector_type", "mlp") != "mlp":
+        raise ValueError(f"{architecture}: any-resolution tiling is not supported yet.")
+    for key in _SHARED_KEYS:
+        if key in hf and key not in text:
+            text[key] = hf[key]
+    return text, hf
+
+
+def image_token_id(mm_config: dict[str, Any]) -> int:
+    """The placeholder token an image's features replace (LLaVA's ``image_token_index``)."""
+    return int(mm_config.get("image_token_index", mm_config.get("image_token_id", 32000)))
+
+
+def num_image_tokens(mm_config: dict[str, Any], height: int, width: int) -> int:
+    """Feature vectors (and so placeholder tokens) of one image of ``height`` x ``width``
+    pixels after processing: one per patch, plus the CLS vector with the "full" strategy."""
+    patch = int(mm_config["vision_config"].get("patch_size", 32))
+    full = mm_config.get("vision_feature_select_strategy", "default") == "full"
+    return (height // patch) * (width // patch) + (1 if full else 0)

@@ -1,0 +1,110 @@
+"""The worker's multimodal inputs: each batch slot's items (``NewRequestData.mm_items``) and
+the encoder's outputs, cached by content hash while a request holding the item lives.
+
+An item is encoded (``model.encode_image``: vision tower + projector) the first time a step's
+tokens reach its placeholder range, once however many chunks its prefill takes and however
+many requests hold the same image; each step then gets the rows its tokens cover
+(``step_embeddings``), which the model writes over the placeholders' token embeddings. A
+request whose prefix-cache hit covers an item never encodes it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+
+from trillm.messages import MultiModalItem
+from trillm.worker.input_batch import StepInputs
+
+
+class MultiModalInputs:
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self._items: dict[int, list[MultiModalItem]] = {}  # slot -> its items
+        self._refs: Counter[str] = Counter()  # content hash -> slots holding it
+        self._cache: dict[str, torch.Tensor] = {}  # content hash -> [length, H]
+        self.encoder_calls = 0
+
+    @classmethod
+    def for_model(cls, model: Any, device: torch.device) -> MultiModalInputs | None:
+        return cls(model, device) if hasattr(model, "encode_image") else None
+
+    def add(self, slot: int, items: list[MultiModalItem]) -> None:
+        for item in items:
+            if item.modality != "image":
+                raise ValueError(f"{item.modality} inputs are not implemented yet.")
+            self._refs[item.content_hash] += 1
+        if items:
+            self._items[slot] = items
+
+    def drop(self, slot: int) -> None:
+        for item in self._items.pop(slot, []):
+            self._refs[item.content_hash] -= 1
+            if not self._refs[item.content_hash]:
+                del self._refs[item.content_hash]
+                self._cache.pop(item.content_hash, None)
+
+    def _encode(self, item: MultiModalItem) -> torch.Tensor:
+        cached = self._cache.get(item.content_hash)
+        if cached is None:
+            pixels = torch.from_numpy(
+                np.frombuffer(item.data, np.float32).reshape(item.shape).copy()
+            )
+            cached = self.model.encode_image(pixels.to(self.device))
+            self.encoder_calls += 1
+            if cached.shape[0] != item.length:
+                raise ValueError(
+                    f"The image has {cached.shape[0]} feature rows for {item.length} "
+                    "placeholder tokens."
+                )
+            self._cache[item.content_hash] = cached
+        return cached
+
+    def step_embeddings(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the step's rows inside placeholder ranges, their embeddings) or None."""
+        if not self._items:
+            return None
+        rows: list[np.ndarray] = []
+        parts: list[torch.Tensor] = []
+        starts = inputs.query_start_loc
+        for i, slot in enumerate(inputs.slots.tolist()):
+            items = self._items.get(slot)
+            if not items:
+                continue
+            start, end = int(starts[i]), int(starts[i + 1])
+            first = int(inputs.positions[start])  # the step's first position of this request
+            for item in items:
+                lo = max(first, item.offset)
+                hi = min(first + end - start, item.offset + item.length)
+                if lo < hi:
+                    rows.append(np.arange(start + lo - first, start + hi - first))
+                    parts.append(self._encode(item)[lo - item.offset : hi - item.offset])
+        if not rows:
+            return None
+        return torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(parts)
+
+
+def add_items(mm: MultiModalInputs | None, slot: int, items: list[MultiModalItem]) -> None:
+    """A new request's items into the batch; a model without an encoder refuses them."""
+    if mm is not None:
+        mm.add(slot, items)
+    elif items:
+        raise ValueError("This model takes no multimodal inputs.")
+
+
+def drop_items(mm: MultiModalInputs | None, slot: int | None) -> None:
+    if mm is not None and slot is not None:
+        mm.drop(slot)
+
+
+def set_mm_rows(mm: MultiModalInputs | None, model: Any, inputs: StepInputs) -> bool:
+    """Hands the model the step's image rows; -> whether there were any (the forward that
+    writes them then runs eager: a step program replays token embeddings only)."""
+    rows = None if mm is None else mm.step_embeddings(inputs)
+    if rows is not None:
+        model.set_step_embeddings(*rows)
+    return rows is not None
