@@ -89,6 +89,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "kv_cache_dtype": ("fp8_e5m2", "not implemented yet"),
     "load_format": ("pt", "not implemented yet"),
     "speculative_config": ('{"method": "eagle"}', "not implemented yet"),
+    "limit_mm_per_prompt": ('{"video": 1}', "not implemented yet"),
 }
 
 
@@ -130,6 +131,7 @@ SAMPLES = [
         ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
         {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
     ),
+    (["--limit-mm-per-prompt", '{"image": 2}'], {"limit_mm_per_prompt": {"image": 2}}),
     (
         ["--served-model-name", "a", "b", "--dtype", "float32"],
         {"served_model_name": "a", "dtype": "float32"},

@@ -100,7 +100,6 @@ MORE_ACCEPTED = [
 ]
 MORE_REFUSED = [
     ["--tokenizer-mode", "mistral"],
-    ["--limit-mm-per-prompt", '{"image": 2}'],
     ["--data-parallel-size-local", "2"],
     ["--data-parallel-start-rank", "1"],
     ["--data-parallel-address", "10.0.0.1"],

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from trillm.config.multimodal import check_limit_mm_per_prompt
 from trillm.config.pooling import check_runner
 from trillm.config.values import (
     DEFAULT_GRAMMAR_CACHE_BYTES,
@@ -261,6 +262,16 @@ class EngineArgs:
         "rank stopped answering: the engine stops and names it (default: 120).",
         value="positive_seconds",
     )
+    # vLLM's: the most items of each modality one prompt may carry, {"image": N}; None: 1 per
+    # modality the model takes (trillm/config/multimodal.py). 0 disables a modality.
+    limit_mm_per_prompt: dict[str, int] | None = flag(
+        None,
+        "Most multimodal items per prompt, e.g. '{\"image\": 2}' (default: 1 of each "
+        "modality the model takes; 0 disables it); video and audio are not implemented yet: "
+        "refused.",
+        value="limit_mm_per_prompt",
+        metavar="JSON",
+    )
     # trillm's: "fast" (the native kernels) or "transformers" (every op as transformers' eager
     # forward computes it: trillm/model_executor/transformers_numerics.py).
     numerics: Numerics = flag(
@@ -309,6 +320,7 @@ class EngineArgs:
             else check_grammar_cache_bytes(self.structured_outputs_cache_bytes)
         )
         check_numerics(self.numerics)
+        self.limit_mm_per_prompt = check_limit_mm_per_prompt(self.limit_mm_per_prompt)
         check_runner(self.runner, self.convert, self.pooler_config)  # ValueError naming it
         from trillm.spec_decode.config import parse_speculative_config
 

@@ -60,6 +60,7 @@ FlagValue = Literal[
     "kv_cache_dtype",
     "load_format",
     "speculative_config",
+    "limit_mm_per_prompt",
 ]
 
 

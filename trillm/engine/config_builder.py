@@ -20,6 +20,7 @@ from trillm.config import (
     check_grammar_cache_bytes,
     parse_memory_size,
 )
+from trillm.config.multimodal import resolve_limits
 from trillm.model_executor import transformers_numerics
 from trillm.spec_decode.config import parse_speculative_config
 
@@ -74,6 +75,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     _check_tensor_parallel(model_config, args.tensor_parallel_size, device, args.nnodes)
     _check_data_parallel(args, device)
     _check_pipeline_parallel(model_config, args, device)
+    limit_mm = _multimodal_limits(args, model_config)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {args.block_size}.")
     max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -130,7 +132,28 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         speculative=speculative,
         enforce_eager=args.enforce_eager,
         draft_model=draft_model,
+        limit_mm_per_prompt=limit_mm,
     )
+
+
+def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str, int]:
+    """``limit_mm_per_prompt`` resolved for the model; what its inputs cannot run with yet
+    is refused by name."""
+    from trillm.model_executor.registry import model_entry
+
+    arch = model_config.architecture
+    limits = resolve_limits(args.limit_mm_per_prompt, model_entry(arch).modalities, arch)
+    if model_config.mm_config is None:
+        return limits
+    for name, unsupported in (
+        ("tensor_parallel_size", args.tensor_parallel_size > 1),
+        ("pipeline_parallel_size", args.pipeline_parallel_size > 1),
+        ("runner", args.runner == "pooling"),
+        ("convert", args.convert not in ("auto", "none")),
+    ):
+        if unsupported:
+            raise ValueError(f"{arch}: {name}={getattr(args, name)!r} is not supported yet.")
+    return limits
 
 
 def _parallel_config(args: EngineArgs) -> ParallelConfig:

@@ -22,7 +22,7 @@ check's ``RequestTooLargeError``, SamplingParams' ``SamplingParamsError`` and th
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -35,7 +35,9 @@ from trillm.engine.chat_template import (
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
+from trillm.engine.multimodal import MultiModalInputError, processor_for
 from trillm.engine.template_budget import RenderBudget
+from trillm.messages import MultiModalItem
 from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from trillm.utils import cdiv
 
@@ -88,6 +90,7 @@ class PreparedPrompt:
     text: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    mm_items: list[MultiModalItem] = field(default_factory=list)  # in prompt order
 
 
 class Preprocessor:
@@ -121,6 +124,7 @@ class Preprocessor:
         self.tokenize_limiter = trio.CapacityLimiter(max(1, min(4, os.cpu_count() or 1)))
         self.large_tokenize_limiter = trio.CapacityLimiter(1)
         self._max_prompt_chars: int | None = None
+        self.multimodal = processor_for(config, tokenizer, self.tokenize_limiter)  # None: text
 
     # ------------------------------------------------------------------ rendering
     def render_chat(
@@ -304,8 +308,35 @@ class Preprocessor:
         """The Python API's stage 2: tokenize (long texts off the event loop) and check."""
         self.check_priority(priority)  # (O(1), again in prepare_ids) before any tokenizing
         truncating = params.truncate_prompt_tokens is not None
-        text, ids = await self.prompt_token_ids(prompt, truncating)
-        return self.prepare_ids(ids, params, text=text, priority=priority, cache_salt=cache_salt)
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        text, ids = await self.prompt_token_ids(prompt, truncating and mm_data is None)
+        items: list[MultiModalItem] = []
+        if mm_data is not None:
+            ids, items = await self._multimodal(ids, mm_data, truncating)
+        out = self.prepare_ids(ids, params, text=text, priority=priority, cache_salt=cache_salt)
+        out.mm_items = items
+        return out
+
+    async def _multimodal(
+        self, ids: list[int], data: object, truncating: bool
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """Stage 3 (``trillm/engine/multimodal.py``): placeholders expanded, items processed."""
+        if self.multimodal is None:
+            why = (
+                "image inputs are off (limit_mm_per_prompt)"
+                if self.model_config.mm_config is not None
+                else f"{self.model_config.architecture} takes no image (multimodal) inputs"
+            )
+            raise InvalidRequestError(f"multi_modal_data: {why}.", "multi_modal_data")
+        if truncating:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens with multi_modal_data is not supported yet.",
+                "truncate_prompt_tokens",
+            )
+        try:
+            return await self.multimodal.process(ids, data)
+        except MultiModalInputError as exc:
+            raise InvalidRequestError(str(exc), exc.param) from None
 
     def prepare_ids(
         self,

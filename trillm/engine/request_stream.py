@@ -183,6 +183,10 @@ class ParentRequest:
                 cache_salt=self._cache_salt,
             )
         params = prepared.params
+        if prepared.mm_items and child.lora is not None:
+            raise InvalidRequestError(
+                "A LoRA adapter with multi_modal_data is not supported yet.", "lora_request"
+            )
         if params.structured_outputs is not None:
             await engine.compile_grammar(params)
         request = EngineCoreRequest(
@@ -193,8 +197,10 @@ class ParentRequest:
             eos_token_id=engine.preprocessor.eos_token_id,
             priority=prepared.priority,
             cache_salt=prepared.cache_salt,
-            extra_hash_keys=[] if child.lora is None else [child.lora.hash_key],
+            extra_hash_keys=([] if child.lora is None else [child.lora.hash_key])
+            + [f"mm:{m.modality}:{m.content_hash}" for m in prepared.mm_items],
             lora_request=child.lora,
+            mm_items=prepared.mm_items,
         )
         collector = RequestOutputCollector(params.output_kind, engine.stream_interval)
         collector.on_ready = partial(self._note_ready, child)

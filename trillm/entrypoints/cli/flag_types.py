@@ -112,6 +112,18 @@ def speculative_config(value: str) -> dict[str, Any]:
     return json.loads(value)
 
 
+def limit_mm_per_prompt(value: str) -> dict[str, int]:
+    """``--limit-mm-per-prompt`` JSON -> the dict EngineArgs takes (checked here: exit 2)."""
+    from trillm.config.multimodal import check_limit_mm_per_prompt
+
+    try:
+        limits = check_limit_mm_per_prompt(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert limits is not None
+    return limits
+
+
 ENGINE_VALUES: dict[FlagValue, Callable[[str], Any]] = {
     "positive_int": positive_int,
     "non_negative_int": non_negative_int,
@@ -123,4 +135,5 @@ ENGINE_VALUES: dict[FlagValue, Callable[[str], Any]] = {
     "kv_cache_dtype": kv_cache_dtype,
     "load_format": load_format,
     "speculative_config": speculative_config,
+    "limit_mm_per_prompt": limit_mm_per_prompt,
 }

@@ -222,11 +222,6 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
         type=_not_implemented("tokenizer mode other than auto", "auto"),
         help="auto (the Hugging Face fast tokenizer); slow/mistral/custom are not implemented.",
     )
-    g.add_argument(
-        "--limit-mm-per-prompt",
-        type=_not_implemented("multimodal input"),
-        help="Multimodal inputs are not supported: refused.",
-    )
     # All --data-parallel-size engine cores run on this machine; vLLM's multi-node data
     # parallelism (a core per node, external or hybrid load balancing) is refused by name.
     for flags in (

@@ -1,0 +1,207 @@
+"""LLaVA (CLIP tower + projector + Llama) through the Python API: the expanded prompt equals
+transformers' processor's, greedy tokens equal transformers' ``generate`` with the same pixel
+values (one image, two images, mixed with text-only requests, prefill chunked across the
+image span), the encoder runs once per item, the prefix cache never shares blocks across
+images, and bad image input is refused by name."""
+
+from __future__ import annotations
+
+import io
+from functools import cache
+
+import numpy as np
+import pytest
+import trio
+from PIL import Image
+
+from trillm import LLM, SamplingParams
+from trillm.engine.preprocess import InvalidRequestError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPT = "Describe <image> now"  # 6 text tokens, 16 image tokens, 2 text tokens
+BUDGET = 16  # max_num_batched_tokens: the 24-token prompt is prefilled in two chunks
+
+
+def image(seed: int, size: tuple[int, int] = (50, 40)) -> Image.Image:
+    pixels = np.random.RandomState(seed).rand(size[1], size[0], 3) * 255
+    return Image.fromarray(pixels.astype("uint8"))
+
+
+@pytest.fixture(scope="module")
+def llava_path(tmp_path_factory):
+    from trillm.testing.tiny_llava import build_tiny_llava
+
+    return str(build_tiny_llava(tmp_path_factory.mktemp("tiny-llava")))
+
+
+@cache
+def _hf(path: str):
+    from transformers import LlavaForConditionalGeneration, LlavaProcessor
+
+    model = LlavaForConditionalGeneration.from_pretrained(path).eval()
+    return model, LlavaProcessor.from_pretrained(path)
+
+
+def hf_greedy(path: str, text: str, images: list[Image.Image], n: int = 8):
+    """(transformers' expanded prompt ids, its greedy continuation)."""
+    import torch
+
+    model, processor = _hf(path)
+    enc = processor(images=images or None, text=text, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=n, do_sample=False)
+    ids = enc["input_ids"][0].tolist()
+    return ids, out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def llm(llava_path):
+    engine = LLM(
+        llava_path,
+        max_model_len=256,
+        kv_cache_memory="8MiB",
+        max_num_batched_tokens=BUDGET,
+        limit_mm_per_prompt={"image": 2},
+        distributed_executor_backend="uni",
+    )
+    yield engine
+    engine.shutdown()
+
+
+def encoder_calls(engine: LLM) -> int:
+    return engine.engine.cores[0].executor.runner.mm.encoder_calls
+
+
+def test_image_prompt_equals_transformers_processor_and_generate(llm, llava_path):
+    img = image(0)
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": img}}, GREEDY)[0]
+    ids, tokens = hf_greedy(llava_path, PROMPT, [img])
+    assert out.prompt_token_ids == ids and ids.count(4096) == 16
+    assert out.outputs[0].token_ids == tokens
+    assert out.prompt == PROMPT
+
+
+def test_two_images_in_one_prompt(llm, llava_path):
+    text = "<image> first, then <image> second"
+    imgs = [image(1), image(2, (32, 64))]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, GREEDY)[0]
+    ids, tokens = hf_greedy(llava_path, text, imgs)
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == tokens
+
+
+def test_a_batch_mixing_image_and_text_requests(llm, llava_path):
+    prompts = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": image(3)}},
+        "The license grants",
+        {"prompt": "Look: <image>", "multi_modal_data": {"image": [image(4)]}},
+    ]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    refs = [
+        hf_greedy(llava_path, PROMPT, [image(3)]),
+        hf_greedy(llava_path, "The license grants", []),
+        hf_greedy(llava_path, "Look: <image>", [image(4)]),
+    ]
+    assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs] == refs
+
+
+def test_chunked_prefill_encodes_each_image_once(llm, llava_path):
+    # The prompt's 24 tokens take two steps of BUDGET tokens; the image span (positions 6-21)
+    # crosses the boundary: both chunks take their rows from one encoder call.
+    img = image(5)
+    before = encoder_calls(llm)
+    out = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": img}}, GREEDY)[0]
+    assert encoder_calls(llm) == before + 1
+    assert out.outputs[0].token_ids == hf_greedy(llava_path, PROMPT, [img])[1]
+    # Two requests holding the same image at once share one encoding.
+    before = encoder_calls(llm)
+    both = {"prompt": "Twice <image>", "multi_modal_data": {"image": image(6)}}
+    outs = llm.generate([both, both], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert encoder_calls(llm) == before + 1
+
+
+def test_prefix_cache_keys_include_the_image(llm):
+    text = "A long enough text for one whole block of tokens, then <image> and more"
+    first = llm.generate({"prompt": text, "multi_modal_data": {"image": image(7)}}, GREEDY)[0]
+    other = llm.generate({"prompt": text, "multi_modal_data": {"image": image(8)}}, GREEDY)[0]
+    same = llm.generate({"prompt": text, "multi_modal_data": {"image": image(7)}}, GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert other.num_cached_tokens == 0  # same text, another image: nothing shared
+    assert same.num_cached_tokens >= 16  # same text and image: its full blocks
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_bad_image_input_is_refused_by_name(llm):
+    truncated = Image.open(io.BytesIO(_png(image(9))[:200]))  # a header, then too little data
+    cases = [
+        ({"image": [image(0)] * 3}, "at most 2 per prompt"),
+        ({"image": "not an image"}, "is not an image"),
+        ({"image": truncated}, "cannot be decoded"),
+        ({"video": [image(0)]}, "video and audio inputs are not implemented yet"),
+        ({"image": [image(0), image(1)]}, "2 image(s)"),  # one placeholder, two images
+    ]
+    for data, words in cases:
+        with pytest.raises(InvalidRequestError, match=None) as info:
+            llm.generate({"prompt": PROMPT, "multi_modal_data": data}, GREEDY)
+        assert words in str(info.value), (words, str(info.value))
+    processor = llm.engine.preprocessor.multimodal
+    processor.max_pixels = 100
+    try:
+        with pytest.raises(InvalidRequestError, match="more than the limit of 100"):
+            llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image(0)}}, GREEDY)
+    finally:
+        processor.max_pixels = 4096 * 4096
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
+        params = SamplingParams(max_tokens=2, truncate_prompt_tokens=4)
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image(0)}}, params)
+    # the engine still serves
+    assert len(llm.generate("still here", GREEDY)[0].outputs[0].token_ids) == 8
+
+
+def test_text_models_and_disabled_images_refuse_image_input(tiny_model_factory, llava_path):
+    from transformers import AutoTokenizer
+
+    from trillm.config import EngineArgs
+    from trillm.engine.config_builder import build_config
+    from trillm.engine.preprocess import Preprocessor
+
+    text_model = tiny_model_factory("llama")
+    with pytest.raises(ValueError, match="LlamaForCausalLM takes no image inputs"):
+        build_config(EngineArgs(text_model, limit_mm_per_prompt={"image": 1}))
+    for path, kwargs, words in [
+        (text_model, {}, "LlamaForCausalLM takes no image"),
+        (llava_path, {"limit_mm_per_prompt": {"image": 0}}, "image inputs are off"),
+    ]:
+        config = build_config(EngineArgs(path, **kwargs))
+        pre = Preprocessor(config, AutoTokenizer.from_pretrained(path), num_blocks=64)
+        prompt = {"prompt": "x <image>", "multi_modal_data": {"image": image(0)}}
+        with pytest.raises(InvalidRequestError, match=words):
+            trio.run(pre.prepare, prompt, SamplingParams(max_tokens=2))
+    assert build_config(EngineArgs(llava_path)).limit_mm_per_prompt == {"image": 1}
+    with pytest.raises(ValueError, match="does not support LlavaForConditionalGeneration yet"):
+        build_config(EngineArgs(llava_path, tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="convert='embed' is not supported yet"):
+        build_config(EngineArgs(llava_path, convert="embed"))
+
+
+def test_limit_mm_per_prompt_values():
+    from trillm.config import EngineArgs
+
+    assert EngineArgs(limit_mm_per_prompt='{"image": 3}').limit_mm_per_prompt == {"image": 3}
+    for bad, words in [
+        ({"video": 1}, "video inputs are not implemented yet"),
+        ({"image": -1}, "integer >= 0"),
+        ({"smell": 1}, "unknown modality"),
+        ([1], "must be an object"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            EngineArgs(limit_mm_per_prompt=bad)
+    assert EngineArgs(limit_mm_per_prompt={"audio": 0}).limit_mm_per_prompt == {"audio": 0}

@@ -1,0 +1,164 @@
+"""Stage 3, multimodal inputs: ``{"prompt": ..., "multi_modal_data": {"image": ...}}``.
+
+Each image is checked (a PIL image; its pixel count from the header against ``max_pixels``
+before any decoding; the item count against ``limit_mm_per_prompt``), then processed by the
+model folder's image processor (transformers' PIL path: torchvision is not needed) in a worker
+thread, bounded like tokenization. The prompt's placeholder token (LLaVA's ``<image>``) is
+expanded to one token per feature row, as the Hugging Face processor does, and each item
+becomes a ``MultiModalItem``: its pixel values as bytes, its placeholder range, and a content
+hash that keys the worker's encoder cache and the prefix cache (``extra_hash_keys``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from trillm.config import TrillmConfig
+from trillm.messages import MultiModalItem
+from trillm.model_executor.multimodal_config import image_token_id, num_image_tokens
+
+# The most pixels one image may have (its header is read first: decompression bombs are
+# refused before decoding). PIL's own bomb limit is higher (~89 M).
+MAX_IMAGE_PIXELS = 4096 * 4096
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+_NOT_KWARGS = ("image_processor_type", "processor_class", "_processor_class")
+
+
+class MultiModalInputError(ValueError):
+    """Bad multimodal input; ``param`` names the field (the HTTP layer answers 400)."""
+
+    def __init__(self, message: str, param: str = "multi_modal_data") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def content_hash(pixels: np.ndarray) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr((pixels.dtype.str, pixels.shape)).encode())
+    digest.update(np.ascontiguousarray(pixels).data)
+    return digest.hexdigest()
+
+
+def load_image_processor(folder: str) -> Any:
+    """The folder's CLIP image processor, on its PIL path."""
+    from transformers.models.clip import CLIPImageProcessorPil
+
+    for name in _PROCESSOR_FILES:
+        path = Path(folder) / name
+        if path.is_file():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data = data.get("image_processor", data)
+            return CLIPImageProcessorPil(**{k: v for k, v in data.items() if k not in _NOT_KWARGS})
+    raise ValueError(f"The model folder {folder!r} has no image processor config.")
+
+
+class MultiModalProcessor:
+    """One per engine, for a model that takes images (``TrillmConfig.limit_mm_per_prompt``)."""
+
+    def __init__(self, config: TrillmConfig, tokenizer: Any, limiter: trio.CapacityLimiter):
+        mm_config = config.model.mm_config
+        assert mm_config is not None
+        self.mm_config = mm_config
+        self.folder = config.model.model
+        self.limits = dict(config.limit_mm_per_prompt)
+        self.architecture = config.model.architecture
+        self.image_token_id = image_token_id(mm_config)
+        self.max_pixels = MAX_IMAGE_PIXELS
+        self.limiter = limiter
+        self._image_processor: Any = None
+
+    @property
+    def image_processor(self) -> Any:
+        if self._image_processor is None:
+            self._image_processor = load_image_processor(self.folder)
+        return self._image_processor
+
+    def images(self, data: Any) -> list[Any]:
+        """``multi_modal_data`` -> its images, checked (type, count, pixels) before decoding."""
+        from PIL import Image
+
+        if not isinstance(data, dict):
+            raise MultiModalInputError("multi_modal_data must be a dict like {'image': image}.")
+        for modality in data:
+            if modality != "image":
+                raise MultiModalInputError(
+                    f"multi_modal_data[{modality!r}]: {self.architecture} takes images only "
+                    "(video and audio inputs are not implemented yet)."
+                )
+        value = data.get("image")
+        images = [] if value is None else value if isinstance(value, list) else [value]
+        limit = self.limits.get("image", 0)
+        if len(images) > limit:
+            raise MultiModalInputError(
+                f"multi_modal_data['image']: {len(images)} images, at most {limit} per prompt "
+                "(limit_mm_per_prompt)."
+            )
+        for i, image in enumerate(images):
+            if not isinstance(image, Image.Image):
+                raise MultiModalInputError(
+                    f"multi_modal_data['image'][{i}] is not an image (a PIL.Image.Image), got "
+                    f"{type(image).__name__}."
+                )
+            width, height = image.size  # from the header: nothing decoded yet
+            if width * height > self.max_pixels:
+                raise MultiModalInputError(
+                    f"multi_modal_data['image'][{i}] has {width}x{height} pixels, more than the "
+                    f"limit of {self.max_pixels}."
+                )
+        return images
+
+    def _pixel_values(self, images: list[Any]) -> list[np.ndarray]:
+        out = []
+        for i, image in enumerate(images):
+            try:
+                rgb = image.convert("RGB")  # decodes
+                batch = self.image_processor(images=rgb, return_tensors="np")["pixel_values"]
+            except (OSError, ValueError, SyntaxError) as exc:  # PIL: truncated, corrupt
+                raise MultiModalInputError(
+                    f"multi_modal_data['image'][{i}] cannot be decoded: {exc}"
+                ) from None
+            out.append(np.ascontiguousarray(batch[0], dtype=np.float32))
+        return out
+
+    async def process(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalItem]]:
+        """The prompt's ids with each placeholder expanded, and its items in prompt order."""
+        images = self.images(data)
+        pixels = await trio.to_thread.run_sync(self._pixel_values, images, limiter=self.limiter)
+        slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(slots) != len(pixels):
+            raise MultiModalInputError(
+                f"The prompt has {len(slots)} image placeholder(s) but multi_modal_data has "
+                f"{len(pixels)} image(s); put one placeholder per image where it belongs.",
+                "prompt",
+            )
+        out: list[int] = []
+        items: list[MultiModalItem] = []
+        start = 0
+        for slot, values in zip(slots, pixels, strict=True):
+            out += ids[start:slot]
+            length = num_image_tokens(self.mm_config, values.shape[-2], values.shape[-1])
+            items.append(
+                MultiModalItem(
+                    "image", content_hash(values), len(out), length, values.tobytes(),
+                    list(values.shape),
+                )
+            )  # fmt: skip
+            out += [self.image_token_id] * length
+            start = slot + 1
+        out += ids[start:]
+        return out, items
+
+
+def processor_for(
+    config: TrillmConfig, tokenizer: Any, limiter: trio.CapacityLimiter
+) -> MultiModalProcessor | None:
+    """The engine's processor (None: a text-only model)."""
+    if config.model.mm_config is None or not any(config.limit_mm_per_prompt.values()):
+        return None
+    return MultiModalProcessor(config, tokenizer, limiter)
