@@ -7,11 +7,11 @@ images, and bad image input is refused by name."""
 from __future__ import annotations
 
 import io
-from functools import cache
 
-import numpy as np
 import pytest
 import trio
+from llava_reference import hf_llava_greedy as hf_greedy
+from llava_reference import image, png
 from PIL import Image
 
 from trillm import LLM, SamplingParams
@@ -24,36 +24,11 @@ PROMPT = "Describe <image> now"  # 6 text tokens, 16 image tokens, 2 text tokens
 BUDGET = 16  # max_num_batched_tokens: the 24-token prompt is prefilled in two chunks
 
 
-def image(seed: int, size: tuple[int, int] = (50, 40)) -> Image.Image:
-    pixels = np.random.RandomState(seed).rand(size[1], size[0], 3) * 255
-    return Image.fromarray(pixels.astype("uint8"))
-
-
 @pytest.fixture(scope="module")
 def llava_path(tmp_path_factory):
     from trillm.testing.tiny_llava import build_tiny_llava
 
     return str(build_tiny_llava(tmp_path_factory.mktemp("tiny-llava")))
-
-
-@cache
-def _hf(path: str):
-    from transformers import LlavaForConditionalGeneration, LlavaProcessor
-
-    model = LlavaForConditionalGeneration.from_pretrained(path).eval()
-    return model, LlavaProcessor.from_pretrained(path)
-
-
-def hf_greedy(path: str, text: str, images: list[Image.Image], n: int = 8):
-    """(transformers' expanded prompt ids, its greedy continuation)."""
-    import torch
-
-    model, processor = _hf(path)
-    enc = processor(images=images or None, text=text, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=n, do_sample=False)
-    ids = enc["input_ids"][0].tolist()
-    return ids, out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -133,14 +108,8 @@ def test_prefix_cache_keys_include_the_image(llm):
     assert same.outputs[0].token_ids == first.outputs[0].token_ids
 
 
-def _png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def test_bad_image_input_is_refused_by_name(llm):
-    truncated = Image.open(io.BytesIO(_png(image(9))[:200]))  # a header, then too little data
+    truncated = Image.open(io.BytesIO(png(image(9))[:200]))  # a header, then too little data
     cases = [
         ({"image": [image(0)] * 3}, "at most 2 per prompt"),
         ({"image": "not an image"}, "is not an image"),

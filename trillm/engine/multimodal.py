@@ -69,6 +69,8 @@ class MultiModalProcessor:
         self.limits = dict(config.limit_mm_per_prompt)
         self.architecture = config.model.architecture
         self.image_token_id = image_token_id(mm_config)
+        # What a chat's image part becomes in the prompt text (LLaVA's "<image>")
+        self.image_placeholder = str(tokenizer.convert_ids_to_tokens(self.image_token_id))
         self.max_pixels = MAX_IMAGE_PIXELS
         self.limiter = limiter
         self._image_processor: Any = None

@@ -312,12 +312,12 @@ class Preprocessor:
         text, ids = await self.prompt_token_ids(prompt, truncating and mm_data is None)
         items: list[MultiModalItem] = []
         if mm_data is not None:
-            ids, items = await self._multimodal(ids, mm_data, truncating)
+            ids, items = await self.multimodal_ids(ids, mm_data, truncating)
         out = self.prepare_ids(ids, params, text=text, priority=priority, cache_salt=cache_salt)
         out.mm_items = items
         return out
 
-    async def _multimodal(
+    async def multimodal_ids(
         self, ids: list[int], data: object, truncating: bool
     ) -> tuple[list[int], list[MultiModalItem]]:
         """Stage 3 (``trillm/engine/multimodal.py``): placeholders expanded, items processed."""

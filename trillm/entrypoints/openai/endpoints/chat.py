@@ -34,6 +34,7 @@ from trillm.entrypoints.openai.endpoints.generation import (
     guard_stream,
     start_generation,
 )
+from trillm.entrypoints.openai.endpoints.media import split_images
 from trillm.entrypoints.openai.endpoints.sampling import build_sampling_params
 from trillm.entrypoints.openai.endpoints.sse_stream import SSEStream
 from trillm.entrypoints.openai.http.errors import (
@@ -41,6 +42,7 @@ from trillm.entrypoints.openai.http.errors import (
     from_engine_exception,
 )
 from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest
+from trillm.messages import MultiModalItem
 from trillm.sampling_params import SamplingParams
 
 
@@ -98,9 +100,10 @@ async def _prepare(
     if not req.messages:
         raise BadRequestError("'messages' must not be empty.", "messages")
     pre = state.preprocessor
+    messages, images = await split_images(pre, req.messages)  # image parts: placeholders
     render = partial(
         pre.render_chat,
-        req.messages,
+        messages,
         chat_template=req.chat_template,  # None: the engine's --chat-template or the model's
         add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
         continue_final_message=req.continue_final_message,
@@ -120,6 +123,9 @@ async def _prepare(
     # NOTE: the template writes the special tokens itself (BOS included where the model has one).
     truncating = req.truncate_prompt_tokens is not None
     ids = await pre.tokenize(text, False, param="messages", truncating=truncating)
+    items: list[MultiModalItem] = []
+    if images:  # stage 3: placeholders expanded, images processed
+        ids, items = await pre.multimodal_ids(ids, {"image": images}, truncating)
     max_tokens, param = (
         (req.max_completion_tokens, "max_completion_tokens")
         if req.max_completion_tokens is not None
@@ -141,6 +147,7 @@ async def _prepare(
         prompt_param="messages",
         max_tokens_param=param,
     )
+    prepared.mm_items = items
     return prepared, text
 
 

@@ -76,9 +76,18 @@ class StructuredOutputs:
 
 
 @attrs.define
+class ImageURL:
+    url: str | None = None  # a data: URL (base64); other schemes are refused by name
+    detail: str | None = None
+
+
+@attrs.define
 class TextPart:
+    """A chat content part: ``text``, or ``image_url`` for a model that takes images."""
+
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 # ---------------------------------------------------------------- tools

@@ -1,0 +1,53 @@
+"""transformers' LLaVA as the reference for the image tests: seeded test images, and the
+processor's expanded prompt with the model's greedy continuation (EOS ignored, as
+``ignore_eos``)."""
+
+from __future__ import annotations
+
+import base64
+import io
+from functools import cache
+
+import numpy as np
+from PIL import Image
+
+
+def image(seed: int, size: tuple[int, int] = (50, 40)) -> Image.Image:
+    """A random RGB image of ``size`` (width, height)."""
+    pixels = np.random.RandomState(seed).rand(size[1], size[0], 3) * 255
+    return Image.fromarray(pixels.astype("uint8"))
+
+
+def png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+@cache
+def _hf(path: str):
+    from transformers import LlavaForConditionalGeneration, LlavaProcessor
+
+    model = LlavaForConditionalGeneration.from_pretrained(path).eval()
+    model.generation_config.eos_token_id = None  # references run to max_new_tokens
+    return model, LlavaProcessor.from_pretrained(path)
+
+
+def hf_llava_greedy(
+    path: str, text: str, images: list[Image.Image], n: int = 8
+) -> tuple[list[int], list[int]]:
+    """(transformers' expanded prompt ids, its greedy continuation of ``n`` tokens)."""
+    import torch
+
+    model, processor = _hf(path)
+    enc = processor(images=images or None, text=text, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    ids = enc["input_ids"][0].tolist()
+    tokens = out[0, len(ids) :].tolist()
+    assert len(tokens) == n, "the reference must not stop at EOS"
+    return ids, tokens
