@@ -20,6 +20,8 @@ from field_coverage.ids import (
     ids,
 )
 
+LLAVA_HTTP = "tests/entrypoints/test_llava_http.py::"
+
 # Fields both /v1/completions and /v1/chat/completions take; the tests run on both endpoints.
 _SAMPLING = {
     "model": ids(FE + "test_model_must_be_served"),
@@ -131,6 +133,15 @@ _NESTED = {
         REFUSED_TYPES, "tests/entrypoints/test_server_units.py::test_non_text_parts_are_refused"
     ),
     "TextPart.text": ids(MESSAGES),
+    # data: URL images for a model that takes them; other URLs and bad data refused by name
+    "TextPart.image_url": ids(
+        LLAVA_HTTP + "test_data_url_image_is_greedy_exact",
+        LLAVA_HTTP + "test_bad_image_parts_are_400_naming_them",
+    ),
+    "ImageURL.url": ids(
+        LLAVA_HTTP + "test_data_url_image_is_greedy_exact",
+        LLAVA_HTTP + "test_bad_image_parts_are_400_naming_them",
+    ),
     "ChatMessage.role": ids(MESSAGES),
     "ChatMessage.content": ids(MESSAGES),
     "ChatMessage.name": ids(MESSAGES),

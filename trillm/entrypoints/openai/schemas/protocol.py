@@ -77,8 +77,9 @@ class StructuredOutputs:
 
 @attrs.define
 class ImageURL:
-    url: str | None = None  # a data: URL (base64); other schemes are refused by name
-    detail: str | None = None
+    # A data: URL (base64); other schemes are refused by name. OpenAI's ``detail`` is not
+    # declared: vLLM ignores it too (logged as an unknown field).
+    url: str | None = None
 
 
 @attrs.define
