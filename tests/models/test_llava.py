@@ -81,6 +81,26 @@ def test_a_batch_mixing_image_and_text_requests(llm, llava_path):
     assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs] == refs
 
 
+def test_the_trio_api_takes_the_same_dict(llava_path):
+    from trillm import open_engine
+
+    img = image(13)
+    prompt = {"prompt": PROMPT, "multi_modal_data": {"image": [img]}}
+
+    async def main():
+        async with open_engine(
+            llava_path,
+            max_model_len=256,
+            kv_cache_memory="8MiB",
+            distributed_executor_backend="uni",
+        ) as engine:
+            async with engine.generate(prompt, GREEDY) as outputs:
+                return [out async for out in outputs][-1]
+
+    out = trio.run(main)
+    assert (out.prompt_token_ids, out.outputs[0].token_ids) == hf_greedy(llava_path, PROMPT, [img])
+
+
 def test_chunked_prefill_encodes_each_image_once(llm, llava_path):
     # The prompt's 24 tokens take two steps of BUDGET tokens; the image span (positions 6-21)
     # crosses the boundary: both chunks take their rows from one encoder call.
