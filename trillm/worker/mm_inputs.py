@@ -1,11 +1,11 @@
 """The worker's multimodal inputs: each batch slot's items (``NewRequestData.mm_items``) and
 the encoder's outputs, cached by content hash while a request holding the item lives.
 
-An item is encoded (``model.encode_image``: vision tower + projector) the first time a step's
-tokens reach its placeholder range, once however many chunks its prefill takes and however
-many requests hold the same image; each step then gets the rows its tokens cover
-(``step_embeddings``), which the model writes over the placeholders' token embeddings. A
-request whose prefix-cache hit covers an item never encodes it.
+An item is encoded (``model.encode_image``: vision tower + projector) when its request joins
+the batch (so an item the encoder refuses fails that request alone), once however many
+chunks its prefill takes and however many requests hold the same image; each step then gets
+the rows its tokens cover (``step_embeddings``), which the model writes over the
+placeholders' token embeddings.
 """
 
 from __future__ import annotations
@@ -34,9 +34,20 @@ class MultiModalInputs:
         return cls(model, device) if hasattr(model, "encode_image") else None
 
     def add(self, slot: int, items: list[MultiModalItem]) -> None:
+        """A new request's items, encoded now (cache hits aside): an item the encoder cannot
+        take fails its own request in ``_update_batch``, not the step."""
         for item in items:
             if item.modality != "image":
                 raise ValueError(f"{item.modality} inputs are not implemented yet.")
+        try:
+            for item in items:
+                self._encode(item)
+        except Exception:
+            for item in items:  # encoded for this request alone: not kept
+                if not self._refs[item.content_hash]:
+                    self._cache.pop(item.content_hash, None)
+            raise
+        for item in items:
             self._refs[item.content_hash] += 1
         if items:
             self._items[slot] = items
@@ -104,7 +115,8 @@ def drop_items(mm: MultiModalInputs | None, slot: int | None) -> None:
 def set_mm_rows(mm: MultiModalInputs | None, model: Any, inputs: StepInputs) -> bool:
     """Hands the model the step's image rows; -> whether there were any (the forward that
     writes them then runs eager: a step program replays token embeddings only)."""
-    rows = None if mm is None else mm.step_embeddings(inputs)
-    if rows is not None:
-        model.set_step_embeddings(*rows)
+    if mm is None:
+        return False
+    rows = mm.step_embeddings(inputs)
+    model.set_step_embeddings(rows)  # None clears what a failed forward left
     return rows is not None

@@ -201,9 +201,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             states = [s[:, 1:] for s in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))[0]
 
-    def set_step_embeddings(self, rows: torch.Tensor, embeddings: torch.Tensor) -> None:
-        """The next forward's multimodal rows (consumed by it)."""
-        self._step_embeddings = (rows, embeddings)
+    def set_step_embeddings(self, rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The next forward's multimodal rows and their embeddings (consumed by it)."""
+        self._step_embeddings = rows
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)

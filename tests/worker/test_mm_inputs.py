@@ -1,0 +1,70 @@
+"""The worker's multimodal inputs on a stand-in encoder: rows sliced per prefill chunk from
+one encoding, the cache shared by requests holding the same image and freed with the last,
+and an item the encoder refuses failing its own request without leaving anything behind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trillm.messages import MultiModalItem
+from trillm.worker.input_batch import StepInputs
+from trillm.worker.mm_inputs import MultiModalInputs, set_mm_rows
+
+
+class Encoder:
+    """``encode_image``: row r of an image is its first pixel + r (so slices are checkable)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.calls, self.step = rows, 0, "unset"
+
+    def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return pixels.flatten()[0] + torch.arange(self.rows, dtype=torch.float32)[:, None]
+
+    def set_step_embeddings(self, rows):
+        self.step = rows
+
+
+def item(value: float, offset: int, length: int = 4) -> MultiModalItem:
+    data = np.full((1, 2, 2), value, np.float32)
+    return MultiModalItem("image", f"h{value}", offset, length, data.tobytes(), [1, 2, 2])
+
+
+def step(slots: list[int], firsts: list[int], counts: list[int]) -> StepInputs:
+    positions = np.concatenate([np.arange(f, f + c) for f, c in zip(firsts, counts)])
+    loc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    empty = np.zeros(0, np.int64)
+    return StepInputs(
+        np.array(slots), positions, positions, positions, loc, empty, empty, empty, empty, empty
+    )
+
+
+def test_chunks_take_their_rows_from_one_encoding():
+    model = Encoder(4)
+    mm = MultiModalInputs(model, torch.device("cpu"))
+    mm.add(0, [item(10.0, offset=2)])  # placeholders at positions 2..5
+    mm.add(1, [item(10.0, offset=0)])  # the same image: no second encoding
+    assert model.calls == 1
+    # slot 0: positions 0..3 (rows 2, 3 of the step take image rows 0, 1); slot 1: 0..1
+    rows, emb = mm.step_embeddings(step([0, 1], [0, 0], [4, 2]))
+    assert rows.tolist() == [2, 3, 4, 5] and emb[:, 0].tolist() == [10, 11, 10, 11]
+    rows, emb = mm.step_embeddings(step([0], [4], [3]))  # the next chunk: image rows 2, 3
+    assert rows.tolist() == [0, 1] and emb[:, 0].tolist() == [12, 13]
+    assert mm.step_embeddings(step([0], [6], [1])) is None  # past the image: decode
+    assert set_mm_rows(mm, model, step([0], [6], [1])) is False and model.step is None
+    mm.drop(0)
+    assert mm._cache  # slot 1 still holds it
+    mm.drop(1)
+    assert not mm._cache and not mm._refs and model.calls == 1
+
+
+def test_an_item_the_encoder_refuses_fails_alone_and_leaves_nothing():
+    model = Encoder(3)
+    mm = MultiModalInputs(model, torch.device("cpu"))
+    with pytest.raises(ValueError, match="3 feature rows for 4 placeholder tokens"):
+        mm.add(0, [item(1.0, 0, length=3), item(2.0, 5, length=4)])
+    assert not mm._cache and not mm._refs and not mm._items
+    mm.add(1, [item(1.0, 0, length=3)])
+    assert mm.step_embeddings(step([1], [0], [3]))[1][:, 0].tolist() == [1, 2, 3]
