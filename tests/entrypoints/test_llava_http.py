@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from llava_reference import data_url, hf_llava_greedy, image, png
+from llava_reference import data_url, hf_llava_greedy, image, png, png_claiming
 from server_harness import ServerProcess
 
 NAME = "tiny-llava"
@@ -25,7 +25,15 @@ def llava_path(tmp_path_factory):
 def client(llava_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-llava") / "server.log"
     args = [llava_path, "--served-model-name", NAME, "--max-model-len", "256"]
-    srv = ServerProcess([*args, "--kv-cache-memory", "8MiB", "--max-num-seqs", "4"], log).start()
+    args += [
+        "--kv-cache-memory",
+        "8MiB",
+        "--max-num-seqs",
+        "4",
+        "--distributed-executor-backend",
+        "uni",
+    ]
+    srv = ServerProcess(args, log).start()
     yield openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
     assert srv.stop() == 0, srv.log()
 
@@ -71,6 +79,8 @@ def test_bad_image_parts_are_400_naming_them(client):
         (data_url(good, "text/plain"), "is not an image"),
         (data_url(b"\x00garbage bytes"), "cannot be read as an image"),
         (data_url(good[:200]), "cannot be decoded"),  # a PNG header, then too little data
+        (data_url(png_claiming(4200, 4200)), "more than the limit of 16777216"),
+        (data_url(png_claiming(50_000, 50_000)), "more pixels than the limit"),  # PIL's bomb
     ]
     for url, words in cases:
         with pytest.raises(openai.BadRequestError) as info:

@@ -24,6 +24,18 @@ def png(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
+def png_claiming(width: int, height: int) -> bytes:
+    """A small PNG whose header claims ``width`` x ``height`` pixels (a decompression bomb's
+    shape: the size is read before any pixel is decoded)."""
+    import struct
+    import zlib
+
+    data = bytearray(png(image(0, (8, 8))))
+    data[16:24] = struct.pack(">II", width, height)  # IHDR's width and height
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))  # its CRC
+    return bytes(data)
+
+
 def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 

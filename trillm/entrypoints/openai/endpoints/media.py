@@ -60,6 +60,8 @@ def _open_data_url(url: str, param: str) -> Any:
         raise BadRequestError("The image data: URL is not valid base64.", param) from None
     try:
         return Image.open(io.BytesIO(data))  # the header only: decoding comes later
+    except Image.DecompressionBombError as exc:  # PIL's own limit, above stage 3's
+        raise BadRequestError(f"The image has more pixels than the limit: {exc}", param) from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise BadRequestError(f"The image data cannot be read as an image: {exc}", param) from None
 
