@@ -16,6 +16,7 @@ from field_coverage.ids import (
     GGUF,
     KV_DTYPE,
     LIFE,
+    LLAVA,
     LOADING,
     LORA,
     LORA_HTTP,
@@ -214,6 +215,14 @@ ENGINE: dict[str, tuple[str, ...]] = {
         SPEC_D + "test_draft_with_another_vocabulary_is_refused_by_name",
         SPEC + "test_speculative_config_refused_with_the_reason",
         TP + "test_draft_model_on_the_output_rank_with_tp2",
+    ),
+    # images per prompt: honoured (too many refused), 0 disables, text models and other
+    # modalities refused by name
+    "limit_mm_per_prompt": ids(
+        LLAVA + "test_bad_image_input_is_refused_by_name",
+        LLAVA + "test_two_images_in_one_prompt",
+        LLAVA + "test_text_models_and_disabled_images_refuse_image_input",
+        LLAVA + "test_limit_mm_per_prompt_values",
     ),
 }
 

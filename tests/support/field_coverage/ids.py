@@ -38,6 +38,7 @@ SPEC = "tests/spec_decode/test_spec_decode.py::"
 SPEC_E = "tests/spec_decode/test_spec_decode_engine.py::"
 SPEC_D = "tests/spec_decode/test_spec_decode_draft.py::"
 NUM = "tests/models/test_transformers_numerics.py::"
+LLAVA = "tests/models/test_llava.py::"
 
 
 def ids(*node_ids: str) -> tuple[str, ...]:
