@@ -49,6 +49,12 @@ def _positive_int(name: str, text: str) -> int | None:
     return int(text)
 
 
+def _seconds(name: str, text: str) -> int:
+    value = _positive_int(name, text)
+    assert value is not None
+    return value
+
+
 def _switch(name: str, text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes"):
@@ -134,6 +140,13 @@ CPU_ATTENTION_THREADS = EnvVar(
     _positive_int,
     None,
 )
+IMAGE_FETCH_TIMEOUT = EnvVar(
+    ("VLLM_IMAGE_FETCH_TIMEOUT",),
+    "Seconds an http(s) image URL of a chat may take to fetch, redirects included (vLLM's; "
+    "default 5); past it the request is answered 400.",
+    _seconds,
+    5,
+)
 
 ALL: tuple[EnvVar[Any], ...] = (
     API_KEY,
@@ -145,6 +158,7 @@ ALL: tuple[EnvVar[Any], ...] = (
     WORKER_START,
     PP_MICRO_BATCHES,
     CPU_ATTENTION_THREADS,
+    IMAGE_FETCH_TIMEOUT,
 )
 
 

@@ -90,6 +90,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "load_format": ("pt", "not implemented yet"),
     "speculative_config": ('{"method": "eagle"}', "not implemented yet"),
     "limit_mm_per_prompt": ('{"video": 1}', "not implemented yet"),
+    "host": ("https://example.com/", "is not a host name"),
 }
 
 
@@ -132,6 +133,14 @@ SAMPLES = [
         {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
     ),
     (["--limit-mm-per-prompt", '{"image": 2}'], {"limit_mm_per_prompt": {"image": 2}}),
+    (
+        ["--allowed-local-media-path", "/tmp", "--allowed-media-domains", "a.org", "B.org"],
+        {"allowed_local_media_path": "/tmp", "allowed_media_domains": ["a.org", "b.org"]},
+    ),
+    (
+        ["--mm-processor-kwargs", '{"do_normalize": false}'],
+        {"mm_processor_kwargs": {"do_normalize": False}},
+    ),
     (
         ["--served-model-name", "a", "b", "--dtype", "float32"],
         {"served_model_name": "a", "dtype": "float32"},

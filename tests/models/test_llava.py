@@ -10,8 +10,9 @@ import io
 
 import pytest
 import trio
+from image_server import ImageServer
+from llava_reference import chat_text, data_url, image, png
 from llava_reference import hf_llava_greedy as hf_greedy
-from llava_reference import image, png
 from PIL import Image
 
 from trillm import LLM, SamplingParams
@@ -81,11 +82,20 @@ def test_a_batch_mixing_image_and_text_requests(llm, llava_path):
     assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs] == refs
 
 
-def test_the_trio_api_takes_the_same_dict(llava_path):
+def test_the_trio_api_takes_the_same_dict_and_chat_parts(llava_path):
+    # The engine's mm_processor_kwargs reach the image processor; a request's own win.
     from trillm import open_engine
 
     img = image(13)
     prompt = {"prompt": PROMPT, "multi_modal_data": {"image": [img]}}
+    parts = [
+        {"type": "image_url", "image_url": {"url": data_url(png(img))}},
+        {"type": "text", "text": "What is this?"},
+    ]
+
+    async def last(stream):
+        async with stream as outputs:
+            return [out async for out in outputs][-1]
 
     async def main():
         async with open_engine(
@@ -93,12 +103,70 @@ def test_the_trio_api_takes_the_same_dict(llava_path):
             max_model_len=256,
             kv_cache_memory="8MiB",
             distributed_executor_backend="uni",
+            mm_processor_kwargs={"do_normalize": False},
         ) as engine:
-            async with engine.generate(prompt, GREEDY) as outputs:
-                return [out async for out in outputs][-1]
+            messages = [{"role": "user", "content": parts}]
+            kwargs = {"do_normalize": True}
+            return [
+                await last(engine.generate(prompt, GREEDY)),
+                await last(engine.chat(messages, GREEDY, mm_processor_kwargs=kwargs)),
+            ]
 
-    out = trio.run(main)
-    assert (out.prompt_token_ids, out.outputs[0].token_ids) == hf_greedy(llava_path, PROMPT, [img])
+    raw, chat = trio.run(main)
+    assert (raw.prompt_token_ids, raw.outputs[0].token_ids) == hf_greedy(
+        llava_path, PROMPT, [img], do_normalize=False
+    )
+    reference = hf_greedy(llava_path, chat_text(llava_path, "<image>\nWhat is this?"), [img])
+    assert (chat.prompt_token_ids, chat.outputs[0].token_ids) == reference
+
+
+def test_llm_chat_takes_image_url_and_image_pil_parts(llm, llava_path):
+    a, b = image(20), image(21, (64, 32))
+    with ImageServer(png(b)) as server:  # http(s): any host without allowed_media_domains
+        for second in [
+            {"type": "image_pil", "image_pil": b},
+            {"type": "image_url", "image_url": {"url": server.url("/redirect/2")}},
+        ]:
+            parts = [
+                {"type": "image_url", "image_url": {"url": data_url(png(a))}},
+                {"type": "text", "text": "and"},
+                second,
+            ]
+            out = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
+            text = chat_text(llava_path, "<image>\nand\n<image>")
+            assert (out.prompt_token_ids, out.outputs[0].token_ids) == hf_greedy(
+                llava_path, text, [a, b]
+            )
+
+
+def test_llm_chat_mm_processor_kwargs_and_refusals(llm, llava_path):
+    img = image(22)
+    parts = [{"type": "image_pil", "image_pil": img}, {"type": "text", "text": "Say"}]
+    messages = [{"role": "user", "content": parts}]
+    kwargs = {"do_normalize": False, "resample": 2}
+    out = llm.chat(messages, GREEDY, use_tqdm=False, mm_processor_kwargs=kwargs)[0]
+    text = chat_text(llava_path, "<image>\nSay")
+    assert out.outputs[0].token_ids == hf_greedy(llava_path, text, [img], **kwargs)[1]
+    for kwargs, words in [
+        ({"bogus": 1, "do_normalize": True}, "'bogus' not taken by this model's image processor"),
+        ({"return_tensors": "pt"}, "'return_tensors' not taken"),
+        ({"crop_size": {"height": 64, "width": 64}}, "the vision tower takes 32x32"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            llm.chat(messages, GREEDY, use_tqdm=False, mm_processor_kwargs=kwargs)
+    for url, words in [
+        ("file:///etc/hostname", "need --allowed-local-media-path \\(allowed_local_media_path"),
+        ("ftp://example.com/a.png", "must be a data: URL"),
+    ]:
+        part = {"type": "image_url", "image_url": {"url": url}}
+        with pytest.raises(ValueError, match=words):
+            llm.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False)
+    from trillm.config import EngineArgs
+
+    with pytest.raises(ValueError, match="allowed_local_media_path '/no/such/dir' is not a dir"):
+        EngineArgs(allowed_local_media_path="/no/such/dir")
+    with pytest.raises(ValueError, match="allowed_media_domains must be a list of host names"):
+        EngineArgs(allowed_media_domains="example.com")
 
 
 def test_chunked_prefill_encodes_each_image_once(llm, llava_path):
@@ -179,6 +247,10 @@ def test_text_models_and_disabled_images_refuse_image_input(tiny_model_factory, 
         build_config(EngineArgs(llava_path, tensor_parallel_size=2))
     with pytest.raises(ValueError, match="convert='embed' is not supported yet"):
         build_config(EngineArgs(llava_path, convert="embed"))
+    with pytest.raises(ValueError, match="'bogus' not taken by this model's image processor"):
+        build_config(EngineArgs(llava_path, mm_processor_kwargs='{"bogus": 1}'))
+    with pytest.raises(ValueError, match="mm_processor_kwargs: LlamaForCausalLM takes no"):
+        build_config(EngineArgs(text_model, mm_processor_kwargs={"do_normalize": False}))
 
 
 def test_limit_mm_per_prompt_values():

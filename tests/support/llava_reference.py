@@ -50,16 +50,27 @@ def _hf(path: str):
 
 
 def hf_llava_greedy(
-    path: str, text: str, images: list[Image.Image], n: int = 8
+    path: str, text: str, images: list[Image.Image], n: int = 8, **processor_kwargs: object
 ) -> tuple[list[int], list[int]]:
-    """(transformers' expanded prompt ids, its greedy continuation of ``n`` tokens)."""
+    """(transformers' expanded prompt ids, its greedy continuation of ``n`` tokens);
+    ``processor_kwargs`` reach the image processor (as ``mm_processor_kwargs``)."""
     import torch
 
     model, processor = _hf(path)
-    enc = processor(images=images or None, text=text, return_tensors="pt")
+    enc = processor(images=images or None, text=text, return_tensors="pt", **processor_kwargs)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=0)
     ids = enc["input_ids"][0].tolist()
     tokens = out[0, len(ids) :].tolist()
     assert len(tokens) == n, "the reference must not stop at EOS"
     return ids, tokens
+
+
+def chat_text(path: str, content: str) -> str:
+    """One user message rendered by the model's chat template (the generation prompt added):
+    what trillm renders for a chat whose image parts became ``<image>``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": content}]
+    return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from trillm.config.multimodal import check_limit_mm_per_prompt
+from trillm.config.multimodal import check_limit_mm_per_prompt, check_media_args
 from trillm.config.pooling import check_runner
 from trillm.config.values import (
     DEFAULT_GRAMMAR_CACHE_BYTES,
@@ -272,6 +272,18 @@ class EngineArgs:
         value="limit_mm_per_prompt",
         metavar="JSON",
     )
+    # vLLM's: where chat image URLs may come from (trillm/engine/media.py), and the image
+    # processor's keywords for every request.
+    allowed_local_media_path: str = flag(
+        "", "Directory file:// image URLs may read from (default: none; file:// refused)."
+    )
+    allowed_media_domains: list[str] | None = flag(
+        None, "Hosts http(s) image URLs may name (default: any).", value="host", several=True
+    )
+    mm_processor_kwargs: dict[str, Any] | None = flag(
+        None, "The image processor's keywords, e.g. '{\"do_normalize\": false}'.",
+        value="json_object", metavar="JSON",
+    )  # fmt: skip
     # trillm's: "fast" (the native kernels) or "transformers" (every op as transformers' eager
     # forward computes it: trillm/model_executor/transformers_numerics.py).
     numerics: Numerics = flag(
@@ -321,6 +333,11 @@ class EngineArgs:
         )
         check_numerics(self.numerics)
         self.limit_mm_per_prompt = check_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        self.allowed_local_media_path, self.allowed_media_domains, self.mm_processor_kwargs = (
+            check_media_args(
+                self.allowed_local_media_path, self.allowed_media_domains, self.mm_processor_kwargs
+            )
+        )
         check_runner(self.runner, self.convert, self.pooler_config)  # ValueError naming it
         from trillm.spec_decode.config import parse_speculative_config
 

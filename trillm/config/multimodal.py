@@ -63,3 +63,38 @@ def resolve_limits(
                 f"{modality} inputs."
             )
     return {m: given.get(m, DEFAULT_ITEMS_PER_PROMPT) for m in model_modalities}
+
+
+def check_media_args(
+    allowed_local_media_path: Any, allowed_media_domains: Any, mm_processor_kwargs: Any
+) -> tuple[str, list[str] | None, dict[str, Any] | None]:
+    """vLLM's ``allowed_local_media_path`` (a directory, or "" for none),
+    ``allowed_media_domains`` (host names; None: any host) and ``mm_processor_kwargs`` (an
+    object, or its JSON); ValueError naming the argument. Whether the model's image processor
+    takes each key is checked when the engine starts."""
+    from pathlib import Path
+
+    if not isinstance(allowed_local_media_path, str):
+        raise ValueError(
+            f"allowed_local_media_path must be a directory path, got {allowed_local_media_path!r}."
+        )
+    if allowed_local_media_path and not Path(allowed_local_media_path).is_dir():
+        raise ValueError(
+            f"allowed_local_media_path {allowed_local_media_path!r} is not a directory."
+        )
+    domains = allowed_media_domains
+    if domains is not None:
+        if isinstance(domains, str) or not all(isinstance(d, str) and d for d in domains):
+            raise ValueError(
+                f"allowed_media_domains must be a list of host names, got {domains!r}."
+            )
+        domains = list(domains)
+    kwargs = mm_processor_kwargs
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"mm_processor_kwargs is not valid JSON: {exc}") from None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError(f"mm_processor_kwargs must be an object, got {kwargs!r}.")
+    return allowed_local_media_path, domains, kwargs

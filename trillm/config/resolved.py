@@ -132,3 +132,9 @@ class TrillmConfig:
     # Most items of each modality per prompt (trillm/config/multimodal.py); empty: a text-only
     # model, which takes none.
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
+    # Chat image URLs (trillm/engine/media.py): the directory file:// URLs may name ("": none),
+    # the hosts http(s) URLs may name (None: any); the image processor's keywords for every
+    # request (mm_processor_kwargs; a request's own win).
+    allowed_local_media_path: str = ""
+    allowed_media_domains: list[str] | None = None
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)

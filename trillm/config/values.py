@@ -61,6 +61,7 @@ FlagValue = Literal[
     "load_format",
     "speculative_config",
     "limit_mm_per_prompt",
+    "host",
 ]
 
 

@@ -31,6 +31,7 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.engine.chat_template import load_chat_template
 from trillm.engine.engine_cores import EngineCores, structured_output_manager
+from trillm.engine.media import split_chat_images
 from trillm.engine.output_handler import OutputHandler
 from trillm.engine.output_processor import OutputProcessor
 from trillm.engine.pooling_requests import pool
@@ -353,6 +354,7 @@ class AsyncEngine:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> RequestStream:
         """``async with engine.chat(messages, params) as outputs`` (the chat rendered now)."""
@@ -366,14 +368,28 @@ class AsyncEngine:
             chat_template_kwargs=chat_template_kwargs,
             tools=tools,
             documents=documents,
+            mm_processor_kwargs=mm_processor_kwargs,
         )
         return self.generate(prompt, params, request_id, **kwargs)
 
     def render_chat(self, messages: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
-        """The chat as a prompt for ``generate``; ``chat_template``: a path or the text."""
+        """The chat as a prompt for ``generate``; ``chat_template``: a path or the text.
+        ``image_url`` / ``image_pil`` parts become the model's placeholder and the prompt's
+        ``multi_modal_data`` (URLs opened by ``generate``, off the event loop);
+        ``mm_processor_kwargs`` goes with them (vLLM's)."""
         template = load_chat_template(options.pop("chat_template", None))
+        mm_kwargs = options.pop("mm_processor_kwargs", None)
+        images: list[Any] = []
+        if self.preprocessor.multimodal is not None:  # (else stage 2 refuses image parts)
+            placeholder = self.preprocessor.multimodal.image_placeholder
+            messages, images = split_chat_images(messages, placeholder)
         text = self.preprocessor.render_chat(messages, chat_template=template, **options)
-        return {"prompt": text, "add_special_tokens": False}
+        prompt: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        if mm_kwargs is not None:
+            prompt["mm_processor_kwargs"] = mm_kwargs
+        return prompt
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by id; its reader gets the final 'abort' output."""

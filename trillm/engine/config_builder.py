@@ -133,6 +133,9 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         enforce_eager=args.enforce_eager,
         draft_model=draft_model,
         limit_mm_per_prompt=limit_mm,
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=args.allowed_media_domains,
+        mm_processor_kwargs=dict(args.mm_processor_kwargs or {}),
     )
 
 
@@ -144,6 +147,8 @@ def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str,
     arch = model_config.architecture
     limits = resolve_limits(args.limit_mm_per_prompt, model_entry(arch).modalities, arch)
     if model_config.mm_config is None:
+        if args.mm_processor_kwargs:
+            raise ValueError(f"mm_processor_kwargs: {arch} takes no multimodal inputs.")
         return limits
     for name, unsupported in (
         ("tensor_parallel_size", args.tensor_parallel_size > 1),
@@ -153,6 +158,11 @@ def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str,
     ):
         if unsupported:
             raise ValueError(f"{arch}: {name}={getattr(args, name)!r} is not supported yet.")
+    if args.mm_processor_kwargs:  # each key one the folder's image processor takes
+        from trillm.engine.multimodal import check_keywords, load_image_processor
+
+        processor = load_image_processor(model_config.model)
+        check_keywords(processor, args.mm_processor_kwargs, "mm_processor_kwargs")
     return limits
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import trio
 
 from trillm.config import TrillmConfig
+from trillm.engine.media import ImageSource, MediaConnector, MultiModalInputError
 from trillm.messages import MultiModalItem
 from trillm.model_executor.multimodal_config import image_token_id, num_image_tokens
 
@@ -28,14 +29,8 @@ from trillm.model_executor.multimodal_config import image_token_id, num_image_to
 MAX_IMAGE_PIXELS = 4096 * 4096
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 _NOT_KWARGS = ("image_processor_type", "processor_class", "_processor_class")
-
-
-class MultiModalInputError(ValueError):
-    """Bad multimodal input; ``param`` names the field (the HTTP layer answers 400)."""
-
-    def __init__(self, message: str, param: str = "multi_modal_data") -> None:
-        super().__init__(message)
-        self.param = param
+# The image processor's keywords that are not the caller's to set (mm_processor_kwargs).
+_RESERVED_KWARGS = ("return_tensors", "device", "data_format", "input_data_format")
 
 
 def content_hash(pixels: np.ndarray) -> str:
@@ -58,6 +53,18 @@ def load_image_processor(folder: str) -> Any:
     raise ValueError(f"The model folder {folder!r} has no image processor config.")
 
 
+def check_keywords(processor: Any, kwargs: dict[str, Any], param: str) -> None:
+    """Each key of ``kwargs`` one the image processor takes; else an error naming them."""
+    valid = set(processor.valid_kwargs.__annotations__) - set(_RESERVED_KWARGS)
+    unknown = sorted(k for k in kwargs if k not in valid)
+    if unknown:
+        raise MultiModalInputError(
+            f"{param}: {', '.join(map(repr, unknown))} not taken by this model's image "
+            f"processor ({type(processor).__name__}); it takes {', '.join(sorted(valid))}.",
+            param,
+        )
+
+
 class MultiModalProcessor:
     """One per engine, for a model that takes images (``TrillmConfig.limit_mm_per_prompt``)."""
 
@@ -74,6 +81,10 @@ class MultiModalProcessor:
         self.max_pixels = MAX_IMAGE_PIXELS
         self.limiter = limiter
         self._image_processor: Any = None
+        self.connector = MediaConnector(
+            config.allowed_local_media_path, config.allowed_media_domains
+        )
+        self.processor_kwargs = self.check_kwargs(config.mm_processor_kwargs, "mm_processor_kwargs")
 
     @property
     def image_processor(self) -> Any:
@@ -81,8 +92,18 @@ class MultiModalProcessor:
             self._image_processor = load_image_processor(self.folder)
         return self._image_processor
 
-    def images(self, data: Any) -> list[Any]:
-        """``multi_modal_data`` -> its images, checked (type, count, pixels) before decoding."""
+    def check_kwargs(self, kwargs: Any, param: str) -> dict[str, Any]:
+        """``mm_processor_kwargs``: each key one the image processor takes (vLLM's field)."""
+        if kwargs is None:
+            return {}
+        if not isinstance(kwargs, dict):
+            raise MultiModalInputError(f"{param} must be an object, got {kwargs!r}.", param)
+        check_keywords(self.image_processor, kwargs, param)
+        return dict(kwargs)
+
+    async def images(self, data: Any) -> list[Any]:
+        """``multi_modal_data`` -> its images: the count checked, URLs opened (their headers
+        read), each a PIL image whose pixels (from the header) are within the budget."""
         from PIL import Image
 
         if not isinstance(data, dict):
@@ -101,6 +122,10 @@ class MultiModalProcessor:
                 f"multi_modal_data['image']: {len(images)} images, at most {limit} per prompt "
                 "(limit_mm_per_prompt)."
             )
+        images = list(images)
+        for i, image in enumerate(images):  # chat image_url parts: opened now, off the loop
+            if isinstance(image, ImageSource):
+                images[i] = await self.connector.open(image, self.limiter)
         for i, image in enumerate(images):
             if not isinstance(image, Image.Image):
                 raise MultiModalInputError(
@@ -115,23 +140,37 @@ class MultiModalProcessor:
                 )
         return images
 
-    def _pixel_values(self, images: list[Any]) -> list[np.ndarray]:
+    def _pixel_values(self, images: list[Any], kwargs: dict[str, Any]) -> list[np.ndarray]:
         out = []
         for i, image in enumerate(images):
             try:
                 rgb = image.convert("RGB")  # decodes
-                batch = self.image_processor(images=rgb, return_tensors="np")["pixel_values"]
+                processed = self.image_processor(images=rgb, return_tensors="np", **kwargs)
+                batch = processed["pixel_values"]
             except (OSError, ValueError, SyntaxError) as exc:  # PIL: truncated, corrupt
                 raise MultiModalInputError(
                     f"multi_modal_data['image'][{i}] cannot be decoded: {exc}"
                 ) from None
+            side = self.mm_config["vision_config"].get("image_size")
+            if side is not None and tuple(batch.shape[-2:]) != (side, side):
+                raise MultiModalInputError(
+                    f"mm_processor_kwargs: the processed image is {batch.shape[-2]}x"
+                    f"{batch.shape[-1]} pixels; the vision tower takes {side}x{side}.",
+                    "mm_processor_kwargs",
+                )
             out.append(np.ascontiguousarray(batch[0], dtype=np.float32))
         return out
 
-    async def process(self, ids: list[int], data: Any) -> tuple[list[int], list[MultiModalItem]]:
-        """The prompt's ids with each placeholder expanded, and its items in prompt order."""
-        images = self.images(data)
-        pixels = await trio.to_thread.run_sync(self._pixel_values, images, limiter=self.limiter)
+    async def process(
+        self, ids: list[int], data: Any, kwargs: dict[str, Any] | None = None
+    ) -> tuple[list[int], list[MultiModalItem]]:
+        """The prompt's ids with each placeholder expanded, and its items in prompt order;
+        ``kwargs``: the request's ``mm_processor_kwargs`` (over the engine's)."""
+        merged = {**self.processor_kwargs, **self.check_kwargs(kwargs, "mm_processor_kwargs")}
+        images = await self.images(data)
+        pixels = await trio.to_thread.run_sync(
+            self._pixel_values, images, merged, limiter=self.limiter
+        )
         slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(slots) != len(pixels):
             raise MultiModalInputError(

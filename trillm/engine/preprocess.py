@@ -35,7 +35,8 @@ from trillm.engine.chat_template import (
     tokenizer_chat_template,
     tokenizer_special_tokens,
 )
-from trillm.engine.multimodal import MultiModalInputError, processor_for
+from trillm.engine.media import MultiModalInputError
+from trillm.engine.multimodal import processor_for
 from trillm.engine.template_budget import RenderBudget
 from trillm.messages import MultiModalItem
 from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -312,13 +313,14 @@ class Preprocessor:
         text, ids = await self.prompt_token_ids(prompt, truncating and mm_data is None)
         items: list[MultiModalItem] = []
         if mm_data is not None:
-            ids, items = await self.multimodal_ids(ids, mm_data, truncating)
+            kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
+            ids, items = await self.multimodal_ids(ids, mm_data, truncating, kwargs)
         out = self.prepare_ids(ids, params, text=text, priority=priority, cache_salt=cache_salt)
         out.mm_items = items
         return out
 
     async def multimodal_ids(
-        self, ids: list[int], data: object, truncating: bool
+        self, ids: list[int], data: object, truncating: bool, kwargs: Any = None
     ) -> tuple[list[int], list[MultiModalItem]]:
         """Stage 3 (``trillm/engine/multimodal.py``): placeholders expanded, items processed."""
         if self.multimodal is None:
@@ -334,7 +336,7 @@ class Preprocessor:
                 "truncate_prompt_tokens",
             )
         try:
-            return await self.multimodal.process(ids, data)
+            return await self.multimodal.process(ids, data, kwargs)
         except MultiModalInputError as exc:
             raise InvalidRequestError(str(exc), exc.param) from None
 

@@ -224,6 +224,21 @@ ENGINE: dict[str, tuple[str, ...]] = {
         LLAVA + "test_text_models_and_disabled_images_refuse_image_input",
         LLAVA + "test_limit_mm_per_prompt_values",
     ),
+    # file:// image URLs read only inside the directory (symlinks resolved first), none
+    # without it
+    "allowed_local_media_path": ids(
+        LLAVA + "test_llm_chat_mm_processor_kwargs_and_refusals",
+    ),
+    # http(s) image URLs only from these hosts, every redirect hop checked; any without it
+    "allowed_media_domains": ids(
+        LLAVA + "test_llm_chat_takes_image_url_and_image_pil_parts",
+    ),
+    # the image processor's keywords for every request (a request's own win); keys it does
+    # not take, and text-only models, refused by name
+    "mm_processor_kwargs": ids(
+        LLAVA + "test_the_trio_api_takes_the_same_dict_and_chat_parts",
+        LLAVA + "test_text_models_and_disabled_images_refuse_image_input",
+    ),
 }
 
 ENGINE_ARGS = {f"EngineArgs.{k}": v for k, v in ENGINE.items()}

@@ -37,7 +37,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for f, spec in flag_fields():
         value = getattr(args, f.name, None)
         if value is not None:
-            kwargs[f.name] = value[0] if spec.several else value
+            # several: a list field takes them all, another the first (served_model_name)
+            first = spec.several and get_origin(_flag_type(f.name)) is not list
+            kwargs[f.name] = value[0] if first else value
     return kwargs
 
 

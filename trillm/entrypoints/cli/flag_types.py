@@ -124,6 +124,15 @@ def limit_mm_per_prompt(value: str) -> dict[str, int]:
     return limits
 
 
+def host(value: str) -> str:
+    """One of ``--allowed-media-domains``: a host name as a URL spells it (no scheme, path)."""
+    if not value or any(c in value for c in "/:@ ?#"):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a host name (e.g. upload.wikimedia.org: no scheme, port or path)."
+        )
+    return value.lower()
+
+
 ENGINE_VALUES: dict[FlagValue, Callable[[str], Any]] = {
     "positive_int": positive_int,
     "non_negative_int": non_negative_int,
@@ -136,4 +145,5 @@ ENGINE_VALUES: dict[FlagValue, Callable[[str], Any]] = {
     "load_format": load_format,
     "speculative_config": speculative_config,
     "limit_mm_per_prompt": limit_mm_per_prompt,
+    "host": host,
 }

@@ -1,0 +1,303 @@
+"""Where a chat's images come from (vLLM's names and rules), read off the event loop:
+
+- ``data:`` URLs (``data:image/png;base64,...``): decoded from base64;
+- ``file://`` URLs only with ``allowed_local_media_path`` (``--allowed-local-media-path``):
+  the path resolved (symlinks followed) must lie inside that directory, be a regular file and
+  hold at most MAX_IMAGE_BYTES;
+- ``http(s)`` URLs: fetched in a worker thread within ``VLLM_IMAGE_FETCH_TIMEOUT`` seconds
+  (vLLM's, default 5; the whole fetch, redirects included), at most MAX_IMAGE_BYTES, an
+  ``image/*`` content type, at most MAX_REDIRECTS redirects; with ``allowed_media_domains``
+  (``--allowed-media-domains``) every hop's host must be one of them (without it any host
+  is fetched, as vLLM does).
+
+Each source gives a PIL image whose header alone has been read: stage 3 checks its pixels
+before decoding (``trillm/engine/multimodal.py``). Every refusal is a ``MultiModalInputError``
+naming the content part (a 400 over HTTP, a ValueError in Python).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import http.client
+import io
+import time
+import urllib.parse
+import urllib.request
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from trillm import envs
+
+MAX_IMAGE_BYTES = 32 * 1024 * 1024  # the most bytes one image URL or file may bring
+MAX_REDIRECTS = 5
+_FETCH_THREADS = 8  # fetches at once (they wait on the network, not the CPU)
+_REDIRECTS = (301, 302, 303, 307, 308)
+
+
+class MultiModalInputError(ValueError):
+    """Bad multimodal input; ``param`` names the field (the HTTP layer answers 400)."""
+
+    def __init__(self, message: str, param: str = "multi_modal_data") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@attrs.frozen
+class ImageSource:
+    """An ``image_url`` part's URL, opened by stage 3 (``MediaConnector.open``)."""
+
+    url: str
+    param: str  # e.g. messages[0].content[1].image_url
+
+
+def _short(url: str) -> str:
+    return url if len(url) <= 120 else url[:117] + "..."
+
+
+def open_image_bytes(data: bytes, param: str) -> Any:
+    """Bytes -> a PIL image whose header alone has been read."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(io.BytesIO(data))  # the header only: decoding comes later
+    except Image.DecompressionBombError as exc:  # PIL's own limit, above stage 3's
+        raise MultiModalInputError(
+            f"The image has more pixels than the limit: {exc}", param
+        ) from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise MultiModalInputError(
+            f"The image data cannot be read as an image: {exc}", param
+        ) from None
+
+
+def _data_url(url: str, param: str) -> bytes:
+    header, sep, payload = url[5:].partition(",")
+    mime, _, encoding = header.partition(";")
+    if not sep or encoding.lower() != "base64":
+        raise MultiModalInputError(
+            "An image data: URL must be base64 (data:<mime>;base64,...).", param
+        )
+    if not mime.lower().startswith("image/"):
+        raise MultiModalInputError(f"The data: URL's media type {mime!r} is not an image.", param)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise MultiModalInputError("The image data: URL is not valid base64.", param) from None
+
+
+class MediaConnector:
+    """Opens image URLs by the engine's media settings (one per engine)."""
+
+    def __init__(
+        self,
+        allowed_local_media_path: str = "",
+        allowed_media_domains: list[str] | None = None,
+    ) -> None:
+        self.local_root = (
+            Path(allowed_local_media_path).resolve(strict=True)
+            if allowed_local_media_path
+            else None
+        )
+        self.domains = None if allowed_media_domains is None else set(allowed_media_domains)
+        self.fetch_timeout = float(envs.IMAGE_FETCH_TIMEOUT.get())
+        self.fetch_limiter = trio.CapacityLimiter(_FETCH_THREADS)
+
+    async def open(self, source: ImageSource, limiter: trio.CapacityLimiter) -> Any:
+        """The source's image (header read); http(s) within the fetch timeout, whatever the
+        server does (a hanging thread is abandoned and ends at its own deadline)."""
+        url, param = source.url, source.param
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme not in ("http", "https"):
+            return await trio.to_thread.run_sync(self.open_local, url, param, limiter=limiter)
+        deadline = time.monotonic() + self.fetch_timeout
+        with trio.move_on_after(self.fetch_timeout + 0.1):
+            data = await trio.to_thread.run_sync(
+                partial(self._fetch, url, param, deadline),
+                limiter=self.fetch_limiter,
+                abandon_on_cancel=True,
+            )
+            return await trio.to_thread.run_sync(open_image_bytes, data, param, limiter=limiter)
+        raise MultiModalInputError(self._timed_out(url), param)
+
+    def open_local(self, url: str, param: str) -> Any:
+        """A ``data:`` or ``file://`` URL's image (blocking)."""
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data":
+            return open_image_bytes(_data_url(url, param), param)
+        if scheme == "file":
+            return open_image_bytes(self._read_file(url, param), param)
+        raise MultiModalInputError(
+            "An image URL must be a data: URL (data:image/png;base64,...), an http(s) URL or "
+            "a file:// URL (with --allowed-local-media-path).",
+            param,
+        )
+
+    # ------------------------------------------------------------------ file://
+    def _read_file(self, url: str, param: str) -> bytes:
+        if self.local_root is None:
+            raise MultiModalInputError(
+                "file:// image URLs need --allowed-local-media-path (allowed_local_media_path) "
+                "naming the directory they may come from.",
+                param,
+            )
+        parts = urllib.parse.urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise MultiModalInputError(f"A file:// URL names no host; got {parts.netloc!r}.", param)
+        path = Path(urllib.request.url2pathname(parts.path))
+        try:
+            resolved = path.resolve(strict=True)  # symlinks followed: where it really is
+        except (OSError, RuntimeError):
+            raise MultiModalInputError(
+                f"The image file {str(path)!r} does not exist.", param
+            ) from None
+        if self.local_root not in resolved.parents:
+            raise MultiModalInputError(
+                f"The image file {str(path)!r} is not inside --allowed-local-media-path "
+                f"{str(self.local_root)!r}.",
+                param,
+            )
+        if not resolved.is_file():
+            raise MultiModalInputError(
+                f"The image path {str(path)!r} is not a regular file.", param
+            )
+        with open(resolved, "rb") as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+        if len(data) > MAX_IMAGE_BYTES:
+            raise MultiModalInputError(
+                f"The image file {str(path)!r} is larger than {MAX_IMAGE_BYTES} bytes.", param
+            )
+        return data
+
+    # ------------------------------------------------------------------ http(s)
+    def _timed_out(self, url: str) -> str:
+        return (
+            f"Fetching the image URL {_short(url)!r} took longer than {self.fetch_timeout:g} s "
+            "(VLLM_IMAGE_FETCH_TIMEOUT)."
+        )
+
+    def _check_host(self, url: str, param: str) -> urllib.parse.SplitResult:
+        parts = urllib.parse.urlsplit(url)
+        try:
+            parts.port  # noqa: B018 (a port that is not a number raises here)
+        except ValueError:
+            raise MultiModalInputError(
+                f"The image URL {_short(url)!r} has a bad port.", param
+            ) from None
+        if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+            raise MultiModalInputError(
+                f"The image URL {_short(url)!r} is not an http(s) URL.", param
+            )
+        if self.domains is not None and parts.hostname not in self.domains:
+            raise MultiModalInputError(
+                f"The image URL {_short(url)!r}: its host {parts.hostname!r} is not one of "
+                "--allowed-media-domains.",
+                param,
+            )
+        return parts
+
+    def _fetch(self, url: str, param: str, deadline: float) -> bytes:
+        """GET the URL (blocking): redirects followed (each hop's host checked), the body read
+        up to MAX_IMAGE_BYTES, every socket wait bounded by what is left of the deadline."""
+        for _ in range(MAX_REDIRECTS + 1):
+            parts = self._check_host(url, param)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MultiModalInputError(self._timed_out(url), param)
+            cls = (
+                http.client.HTTPSConnection
+                if parts.scheme.lower() == "https"
+                else http.client.HTTPConnection
+            )
+            conn = cls(parts.hostname or "", parts.port, timeout=left)
+            try:
+                target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+                conn.request("GET", target, headers={"Accept": "image/*", "User-Agent": "trillm"})
+                resp = conn.getresponse()
+                if resp.status in _REDIRECTS:
+                    location = resp.getheader("Location")
+                    if not location:
+                        raise MultiModalInputError(
+                            f"The image URL {_short(url)!r} redirects without a Location.", param
+                        )
+                    url = urllib.parse.urljoin(url, location)
+                    continue
+                return self._body(conn, resp, url, param, deadline)
+            except (OSError, http.client.HTTPException) as exc:
+                if time.monotonic() >= deadline:
+                    raise MultiModalInputError(self._timed_out(url), param) from None
+                raise MultiModalInputError(
+                    f"Fetching the image URL {_short(url)!r} failed: {exc}", param
+                ) from None
+            finally:
+                conn.close()
+        raise MultiModalInputError(
+            f"The image URL redirects more than {MAX_REDIRECTS} times.", param
+        )
+
+    def _body(self, conn: Any, resp: Any, url: str, param: str, deadline: float) -> bytes:
+        if resp.status != 200:
+            raise MultiModalInputError(
+                f"Fetching the image URL {_short(url)!r} answered HTTP {resp.status}.", param
+            )
+        ctype = (resp.getheader("Content-Type") or "").split(";")[0].strip().lower()
+        if not ctype.startswith("image/"):
+            raise MultiModalInputError(
+                f"The image URL {_short(url)!r} has content type {ctype or 'none'!r}, not an image.",
+                param,
+            )
+        length = resp.getheader("Content-Length")
+        too_big = f"The image URL {_short(url)!r} brings more than {MAX_IMAGE_BYTES} bytes."
+        if length is not None and length.strip().isdigit() and int(length) > MAX_IMAGE_BYTES:
+            raise MultiModalInputError(too_big, param)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MultiModalInputError(self._timed_out(url), param)
+            if conn.sock is not None:
+                conn.sock.settimeout(left)
+            chunk = resp.read1(1 << 16)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > MAX_IMAGE_BYTES:
+                raise MultiModalInputError(too_big, param)
+            chunks.append(chunk)
+
+
+def split_chat_images(messages: list[Any], placeholder: str) -> tuple[list[Any], list[Any]]:
+    """A Python caller's chat (dict messages): each ``image_url`` part (its URL opened by stage
+    3) and ``image_pil`` part (vLLM's ``{"type": "image_pil", "image_pil": image}``) becomes a
+    text part holding the model's placeholder where it stands. Returns (the messages, the
+    images in order)."""
+    out: list[Any] = []
+    images: list[Any] = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts: list[Any] = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            param = f"messages[{i}].content[{j}].{kind}"
+            if kind == "image_url":
+                spec = part.get("image_url")
+                url = spec.get("url") if isinstance(spec, dict) else spec
+                if not isinstance(url, str):
+                    raise MultiModalInputError("An image_url part needs its image_url.url.", param)
+                images.append(ImageSource(url, param))
+            elif kind == "image_pil":
+                images.append(part.get("image_pil"))  # stage 3 checks it is a PIL image
+            else:
+                parts.append(part)
+                continue
+            parts.append({"type": "text", "text": placeholder})
+        out.append({**m, "content": parts})
+    return out, images
