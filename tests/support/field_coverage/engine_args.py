@@ -17,6 +17,7 @@ from field_coverage.ids import (
     KV_DTYPE,
     LIFE,
     LLAVA,
+    LLAVA_HTTP,
     LOADING,
     LORA,
     LORA_HTTP,
@@ -227,10 +228,14 @@ ENGINE: dict[str, tuple[str, ...]] = {
     # file:// image URLs read only inside the directory (symlinks resolved first), none
     # without it
     "allowed_local_media_path": ids(
+        LLAVA_HTTP + "test_file_and_http_urls_answer_as_the_data_url_does",
+        LLAVA_HTTP + "test_bad_urls_are_400_within_the_limit_while_a_stream_runs",
         LLAVA + "test_llm_chat_mm_processor_kwargs_and_refusals",
     ),
     # http(s) image URLs only from these hosts, every redirect hop checked; any without it
     "allowed_media_domains": ids(
+        LLAVA_HTTP + "test_bad_image_parts_are_400_naming_them",
+        LLAVA_HTTP + "test_bad_urls_are_400_within_the_limit_while_a_stream_runs",
         LLAVA + "test_llm_chat_takes_image_url_and_image_pil_parts",
     ),
     # the image processor's keywords for every request (a request's own win); keys it does

@@ -39,6 +39,7 @@ SPEC_E = "tests/spec_decode/test_spec_decode_engine.py::"
 SPEC_D = "tests/spec_decode/test_spec_decode_draft.py::"
 NUM = "tests/models/test_transformers_numerics.py::"
 LLAVA = "tests/models/test_llava.py::"
+LLAVA_HTTP = "tests/entrypoints/test_llava_http.py::"
 
 
 def ids(*node_ids: str) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ from field_coverage.ids import (
     FE,
     FEC,
     HOSTILE,
+    LLAVA_HTTP,
     MESSAGES,
     OPENAI,
     POOL,
@@ -19,8 +20,6 @@ from field_coverage.ids import (
     TOOLS_HTTP,
     ids,
 )
-
-LLAVA_HTTP = "tests/entrypoints/test_llava_http.py::"
 
 # Fields both /v1/completions and /v1/chat/completions take; the tests run on both endpoints.
 _SAMPLING = {
@@ -70,6 +69,9 @@ _SAMPLING = {
 }
 
 _CHAT = {
+    # the image processor's keywords: greedy-exact vs transformers with them; unknown keys and
+    # sizes the vision tower cannot take refused by name
+    "mm_processor_kwargs": ids(LLAVA_HTTP + "test_mm_processor_kwargs_per_request"),
     "max_tokens": ids(FE + "test_max_tokens"),
     "messages": ids(MESSAGES),
     "logprobs": ids(FE + "test_logprobs_and_return_tokens_as_token_ids"),
@@ -133,14 +135,20 @@ _NESTED = {
         REFUSED_TYPES, "tests/entrypoints/test_server_units.py::test_non_text_parts_are_refused"
     ),
     "TextPart.text": ids(MESSAGES),
-    # data: URL images for a model that takes them; other URLs and bad data refused by name
+    # data:, file:// and http(s) URL images for a model that takes them (the same answer);
+    # bad data, paths outside the allowed directory, hosts outside the allowed domains and
+    # fetches that hang, run over the size or bring no image refused by name
     "TextPart.image_url": ids(
         LLAVA_HTTP + "test_data_url_image_is_greedy_exact",
         LLAVA_HTTP + "test_bad_image_parts_are_400_naming_them",
+        LLAVA_HTTP + "test_file_and_http_urls_answer_as_the_data_url_does",
+        LLAVA_HTTP + "test_bad_urls_are_400_within_the_limit_while_a_stream_runs",
     ),
     "ImageURL.url": ids(
         LLAVA_HTTP + "test_data_url_image_is_greedy_exact",
         LLAVA_HTTP + "test_bad_image_parts_are_400_naming_them",
+        LLAVA_HTTP + "test_file_and_http_urls_answer_as_the_data_url_does",
+        LLAVA_HTTP + "test_bad_urls_are_400_within_the_limit_while_a_stream_runs",
     ),
     "ChatMessage.role": ids(MESSAGES),
     "ChatMessage.content": ids(MESSAGES),
@@ -177,6 +185,9 @@ _NESTED = {
     "TokenizeRequest.continue_final_message": ids(TOKENIZE),
     "TokenizeRequest.chat_template_kwargs": ids(FEC + "test_server_chat_template_and_its_kwargs"),
     "TokenizeRequest.return_token_strs": ids(TOKENIZE),
+    "TokenizeRequest.mm_processor_kwargs": ids(
+        LLAVA_HTTP + "test_tokenize_gives_the_expanded_prompt"
+    ),
     "DetokenizeRequest.tokens": ids(TOKENIZE),
     "DetokenizeRequest.model": ids(TOKENIZE),
 }

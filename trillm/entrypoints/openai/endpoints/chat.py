@@ -34,7 +34,7 @@ from trillm.entrypoints.openai.endpoints.generation import (
     guard_stream,
     start_generation,
 )
-from trillm.entrypoints.openai.endpoints.media import split_images
+from trillm.entrypoints.openai.endpoints.media import check_mm_kwargs, split_images
 from trillm.entrypoints.openai.endpoints.sampling import build_sampling_params
 from trillm.entrypoints.openai.endpoints.sse_stream import SSEStream
 from trillm.entrypoints.openai.http.errors import (
@@ -100,7 +100,7 @@ async def _prepare(
     if not req.messages:
         raise BadRequestError("'messages' must not be empty.", "messages")
     pre = state.preprocessor
-    messages, images = await split_images(pre, req.messages)  # image parts: placeholders
+    messages, images = split_images(pre, req.messages)  # image parts: placeholders
     render = partial(
         pre.render_chat,
         messages,
@@ -125,7 +125,10 @@ async def _prepare(
     ids = await pre.tokenize(text, False, param="messages", truncating=truncating)
     items: list[MultiModalItem] = []
     if images:  # stage 3: placeholders expanded, images processed
-        ids, items = await pre.multimodal_ids(ids, {"image": images}, truncating)
+        kwargs = req.mm_processor_kwargs
+        ids, items = await pre.multimodal_ids(ids, {"image": images}, truncating, kwargs)
+    else:
+        check_mm_kwargs(pre, req.mm_processor_kwargs)
     max_tokens, param = (
         (req.max_completion_tokens, "max_completion_tokens")
         if req.max_completion_tokens is not None

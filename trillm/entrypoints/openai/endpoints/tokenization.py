@@ -18,6 +18,7 @@ import trio
 from trillm.engine.chat_template import ChatTemplateError
 from trillm.engine.preprocess import INLINE_TOKENIZE_CHARS, InvalidRequestError
 from trillm.entrypoints.openai.endpoints.base import ServerState
+from trillm.entrypoints.openai.endpoints.media import check_mm_kwargs, split_images
 from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.entrypoints.openai.schemas.protocol import (
     ChatMessage,
@@ -36,8 +37,11 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise BadRequestError("Give exactly one of 'prompt' and 'messages'.", "prompt")
+    pre = state.preprocessor
+    images: list[Any] = []
     if req.messages is not None:
-        text = await _render(state, req, req.messages)
+        messages, images = split_images(pre, req.messages)  # image parts: placeholders
+        text = await _render(state, req, messages)
         # The template writes the special tokens; true adds the tokenizer's on top (vLLM).
         add_special = bool(req.add_special_tokens)
         param = "messages"
@@ -49,7 +53,12 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
     # vLLM): a text too long for the context is refused before tokenizing, and long texts
     # wait for one of a few tokenizer threads.
     try:
-        ids = await state.preprocessor.tokenize(text, add_special, param=param)
+        ids = await pre.tokenize(text, add_special, param=param)
+        if images:  # the expanded prompt, as a completion sees it (placeholders counted)
+            kwargs = req.mm_processor_kwargs
+            ids, _ = await pre.multimodal_ids(ids, {"image": images}, False, kwargs)
+        else:
+            check_mm_kwargs(pre, req.mm_processor_kwargs)
     except InvalidRequestError as exc:
         raise BadRequestError(str(exc), exc.param) from exc
     body: dict[str, Any] = {

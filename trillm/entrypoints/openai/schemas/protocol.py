@@ -77,8 +77,8 @@ class StructuredOutputs:
 
 @attrs.define
 class ImageURL:
-    # A data: URL (base64); other schemes are refused by name. OpenAI's ``detail`` is not
-    # declared: vLLM ignores it too (logged as an unknown field).
+    # data:, file:// (--allowed-local-media-path) or http(s) (trillm/engine/media.py).
+    # OpenAI's ``detail`` is not declared: vLLM ignores it too (logged as an unknown field).
     url: str | None = None
 
 
@@ -207,6 +207,8 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # The image processor's keywords for this request's images (vLLM's; over the engine's)
+    mm_processor_kwargs: dict[str, Any] | None = None
     # Tool calling and reasoning; checked in endpoints/chat.py / parsers.
     tools: list[ChatTool] | None = _f(None, max_len=1024)
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
@@ -239,6 +241,7 @@ class TokenizeRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # the image processor's (vLLM's)
     return_token_strs: bool = False
 
 
