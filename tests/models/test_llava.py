@@ -150,7 +150,10 @@ def test_llm_chat_mm_processor_kwargs_and_refusals(llm, llava_path):
     for kwargs, words in [
         ({"bogus": 1, "do_normalize": True}, "'bogus' not taken by this model's image processor"),
         ({"return_tensors": "pt"}, "'return_tensors' not taken"),
-        ({"crop_size": {"height": 64, "width": 64}}, "the vision tower takes 32x32"),
+        ({"crop_size": {"height": 64, "width": 64}}, r"sizes are whole numbers in \[1, 32\]"),
+        ({"do_center_crop": False, "size": {"height": 16, "width": 16}}, "tower takes 32x32"),
+        ({"resample": 99}, "the image processor refused them: Unknown resampling filter"),
+        ({"do_normalize": "yes"}, "the image processor refused them"),
     ]:
         with pytest.raises(ValueError, match=words):
             llm.chat(messages, GREEDY, use_tqdm=False, mm_processor_kwargs=kwargs)
@@ -204,6 +207,7 @@ def test_bad_image_input_is_refused_by_name(llm):
         ({"image": truncated}, "cannot be decoded"),
         ({"video": [image(0)]}, "video and audio inputs are not implemented yet"),
         ({"image": [image(0), image(1)]}, "2 image(s)"),  # one placeholder, two images
+        ({"image": image(0, (4020, 20))}, "an aspect ratio over 200"),  # resizing: 3.2 GB
     ]
     for data, words in cases:
         with pytest.raises(InvalidRequestError, match=None) as info:

@@ -31,6 +31,10 @@ _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 _NOT_KWARGS = ("image_processor_type", "processor_class", "_processor_class")
 # The image processor's keywords that are not the caller's to set (mm_processor_kwargs).
 _RESERVED_KWARGS = ("return_tensors", "device", "data_format", "input_data_format")
+_GEOMETRY_KWARGS = ("size", "crop_size", "pad_size")
+# The longest side over the shortest an image may have (Qwen2-VL's processor's bound): the
+# processor scales the short side to the tower's, and the long side with it.
+MAX_ASPECT_RATIO = 200
 
 
 def content_hash(pixels: np.ndarray) -> str:
@@ -99,6 +103,17 @@ class MultiModalProcessor:
         if not isinstance(kwargs, dict):
             raise MultiModalInputError(f"{param} must be an object, got {kwargs!r}.", param)
         check_keywords(self.image_processor, kwargs, param)
+        side = int(self.mm_config["vision_config"].get("image_size", 0)) or None
+        for key in _GEOMETRY_KWARGS:  # sizes bound what resizing, cropping, padding allocate
+            sizes = kwargs.get(key)
+            values = list(sizes.values()) if isinstance(sizes, dict) else [sizes]
+            if sizes is not None and side is not None:
+                if not all(isinstance(v, int) and 0 < v <= side for v in values):
+                    raise MultiModalInputError(
+                        f"{param}[{key!r}]: sizes are whole numbers in [1, {side}] (the vision "
+                        f"tower's side), got {sizes!r}.",
+                        param,
+                    )
         return dict(kwargs)
 
     async def images(self, data: Any) -> list[Any]:
@@ -138,6 +153,12 @@ class MultiModalProcessor:
                     f"multi_modal_data['image'][{i}] has {width}x{height} pixels, more than the "
                     f"limit of {self.max_pixels}."
                 )
+            # NOTE: resizing the short side up multiplies the pixels by the aspect ratio
+            if max(width, height) > MAX_ASPECT_RATIO * max(1, min(width, height)):
+                raise MultiModalInputError(
+                    f"multi_modal_data['image'][{i}] is {width}x{height} pixels, an aspect "
+                    f"ratio over {MAX_ASPECT_RATIO}."
+                )
         return images
 
     def _pixel_values(self, images: list[Any], kwargs: dict[str, Any]) -> list[np.ndarray]:
@@ -145,12 +166,20 @@ class MultiModalProcessor:
         for i, image in enumerate(images):
             try:
                 rgb = image.convert("RGB")  # decodes
-                processed = self.image_processor(images=rgb, return_tensors="np", **kwargs)
-                batch = processed["pixel_values"]
             except (OSError, ValueError, SyntaxError) as exc:  # PIL: truncated, corrupt
                 raise MultiModalInputError(
                     f"multi_modal_data['image'][{i}] cannot be decoded: {exc}"
                 ) from None
+            try:
+                processed = self.image_processor(images=rgb, return_tensors="np", **kwargs)
+            except Exception as exc:  # a value the processor refuses (transformers' checks)
+                if not kwargs:
+                    raise
+                raise MultiModalInputError(
+                    f"mm_processor_kwargs: the image processor refused them: {exc}",
+                    "mm_processor_kwargs",
+                ) from None
+            batch = processed["pixel_values"]
             side = self.mm_config["vision_config"].get("image_size")
             if side is not None and tuple(batch.shape[-2:]) != (side, side):
                 raise MultiModalInputError(
