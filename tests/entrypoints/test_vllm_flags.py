@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -465,7 +466,9 @@ def test_tls_and_request_log(tmp_path):
         )
     url = f"https://127.0.0.1:{port}"
     try:
-        with httpx.Client(verify=str(cert_file), timeout=60) as client:
+        with httpx.Client(
+            verify=ssl.create_default_context(cafile=str(cert_file)), timeout=60
+        ) as client:
             deadline = time.monotonic() + 120
             while True:
                 assert proc.poll() is None, log_path.read_text()
