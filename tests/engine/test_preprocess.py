@@ -131,13 +131,13 @@ def test_http_handlers_check_the_context_once_per_prompt(model_path, context_che
 
     async def main():
         async with _engine(model_path) as engine, trio.open_nursery() as nursery:
-            original = engine.generate
+            original = engine.generate_many  # the HTTP layer's one submit path
 
-            def spy(prompt, *args, **kwargs):
-                submitted.append(prompt)
-                return original(prompt, *args, **kwargs)
+            def spy(prompts, *args, **kwargs):
+                submitted.extend(prompts)
+                return original(prompts, *args, **kwargs)
 
-            engine.generate = spy
+            engine.generate_many = spy
             state = ServerState(engine, ["tiny"], ServerMetrics(engine, "tiny"), nursery)
             chat = structure(
                 ChatCompletionRequest,
