@@ -71,7 +71,10 @@ def server(llava_path, media, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+    with openai.OpenAI(
+        base_url=server.base_url, api_key="unused", max_retries=0, timeout=120
+    ) as client:
+        yield client
 
 
 def chat(client, parts, max_tokens=MAX_NEW, extra_body=None, **kwargs):

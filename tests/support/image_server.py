@@ -24,7 +24,8 @@ class ImageServer:
                 server.route(self)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd.daemon_threads = False  # server_close() joins the handlers (sockets closed)
+        self.httpd.block_on_close = True
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
