@@ -164,6 +164,8 @@ def test_llm_chat_mm_processor_kwargs_and_refusals(llm, llava_path):
         part = {"type": "image_url", "image_url": {"url": url}}
         with pytest.raises(ValueError, match=words):
             llm.chat([{"role": "user", "content": [part]}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="'bogus' not taken"):  # a prompt dict's, no image
+        llm.generate({"prompt": "no image", "mm_processor_kwargs": {"bogus": 1}}, GREEDY)
     from trillm.config import EngineArgs
 
     with pytest.raises(ValueError, match="allowed_local_media_path '/no/such/dir' is not a dir"):

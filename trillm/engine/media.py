@@ -103,7 +103,9 @@ class MediaConnector:
             if allowed_local_media_path
             else None
         )
-        self.domains = None if allowed_media_domains is None else set(allowed_media_domains)
+        self.domains = (
+            None if allowed_media_domains is None else {d.lower() for d in allowed_media_domains}
+        )
         self.fetch_timeout = float(envs.IMAGE_FETCH_TIMEOUT.get())
         self.fetch_limiter = trio.CapacityLimiter(_FETCH_THREADS)
 
@@ -115,14 +117,16 @@ class MediaConnector:
         if scheme not in ("http", "https"):
             return await trio.to_thread.run_sync(self.open_local, url, param, limiter=limiter)
         deadline = time.monotonic() + self.fetch_timeout
+        data: bytes | None = None
         with trio.move_on_after(self.fetch_timeout + 0.1):
             data = await trio.to_thread.run_sync(
                 partial(self._fetch, url, param, deadline),
                 limiter=self.fetch_limiter,
                 abandon_on_cancel=True,
             )
-            return await trio.to_thread.run_sync(open_image_bytes, data, param, limiter=limiter)
-        raise MultiModalInputError(self._timed_out(url), param)
+        if data is None:
+            raise MultiModalInputError(self._timed_out(url), param)
+        return await trio.to_thread.run_sync(open_image_bytes, data, param, limiter=limiter)
 
     def open_local(self, url: str, param: str) -> Any:
         """A ``data:`` or ``file://`` URL's image (blocking)."""

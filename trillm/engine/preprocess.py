@@ -310,11 +310,11 @@ class Preprocessor:
         self.check_priority(priority)  # (O(1), again in prepare_ids) before any tokenizing
         truncating = params.truncate_prompt_tokens is not None
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
         text, ids = await self.prompt_token_ids(prompt, truncating and mm_data is None)
         items: list[MultiModalItem] = []
-        if mm_data is not None:
-            kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
-            ids, items = await self.multimodal_ids(ids, mm_data, truncating, kwargs)
+        if mm_data is not None or kwargs is not None:  # (kwargs alone: their keys checked)
+            ids, items = await self.multimodal_ids(ids, mm_data or {}, truncating, kwargs)
         out = self.prepare_ids(ids, params, text=text, priority=priority, cache_salt=cache_salt)
         out.mm_items = items
         return out
