@@ -6,6 +6,8 @@
 - The executor: ``trillm.executor.abstract.Executor``, an abstract class (it carries defaults
   for the batch-queue and failure-watching parts); every executor, stand-ins in tests
   included, subclasses it.
+- The engine as a request sees it (``RequestEngine``, below): what ``request_stream.py``'s
+  parent requests call on ``trillm.engine.async_engine.AsyncEngine`` to submit and abort.
 - The scheduler: the Python twin's class, ``trillm.core.scheduler.Scheduler``; the native
   scheduler is declared with the twin's API (``trillm/_ext/scheduler.pyi``) and checked against
   it (``tests/native/test_native_contract.py``).
@@ -17,7 +19,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from trillm.messages import ModelRunnerOutput, SchedulerOutput
+    from trillm.engine.preprocess import Preprocessor
+    from trillm.lora.request import LoRARequest
+    from trillm.messages import AbortRequest, AddRequest, ModelRunnerOutput, SchedulerOutput
+    from trillm.sampling_params import SamplingParams
 
 # req_id -> the grammar's allowed-token bitmask row: int32 words, packed (bytes) or listed
 Bitmask = dict[str, bytes | list[int]]
@@ -58,3 +63,23 @@ if TYPE_CHECKING:  # mypy checks every runner trillm ships against the contract
         ScriptedRunner,
         SlowPoolingRunner,
     )
+
+
+class RequestEngine(Protocol):
+    """What a request needs of the engine (``AsyncEngine``): stage 2, the adapter and grammar
+    checks, and the output handler's inbox."""
+
+    preprocessor: Preprocessor
+    stream_interval: int
+
+    def check_alive(self) -> None: ...
+
+    async def check_lora(self, lora: LoRARequest) -> None: ...
+
+    async def compile_grammar(self, params: SamplingParams) -> None: ...
+
+    def try_send_to_handler(self, msg: AddRequest) -> bool: ...
+
+    async def send_to_handler(self, msg: AddRequest) -> None: ...
+
+    async def send_abort(self, msg: AbortRequest) -> None: ...

@@ -236,12 +236,10 @@ class AsyncEngine:
     ) -> ParentRequest:
         """Several prompts as one request: ``async with engine.generate_many(prompts, params)
         as items: async for index, out in items`` (``out``: a ``RequestOutput``, or the
-        exception that ended that prompt alone).
-
-        ``params``: one for all, or one per prompt; ``request_ids``: one per prompt (default:
-        ``<id>-<index>``); ``timeout``: the whole request's deadline; ``max_in_flight``: at most
-        this many prompts in the engine at once, the next submitted as one ends, while
-        ``may_start()`` says so."""
+        exception that ended that prompt alone). ``params``: one, or one per prompt;
+        ``request_ids``: one per prompt (default ``<id>-<index>``); ``timeout``: the whole
+        request's deadline; ``max_in_flight``: prompts in the engine at once at most, the next
+        submitted as one ends, while ``may_start()`` says so."""
         self._refuse_pooling()
         n = len(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -313,6 +311,17 @@ class AsyncEngine:
             )
         await self.lora_checker.check(lora)
 
+    def try_send_to_handler(self, msg: AddRequest) -> bool:
+        """Hand a new request to the output handler without waiting: False when its inbox
+        is full."""
+        try:
+            self._inbox_send.send_nowait(msg)
+        except trio.WouldBlock:
+            return False
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise self.dead_error or EngineDeadError("The engine has shut down.") from None
+        return True
+
     async def send_to_handler(self, msg: AddRequest) -> None:
         """Hand a new request to the output handler (waits while its inbox is full)."""
         try:
@@ -328,19 +337,13 @@ class AsyncEngine:
             pass
 
     async def compile_grammar(self, params: SamplingParams) -> None:
-        """Structured outputs: compile (off the event loop, time-limited, cached) before the
-        engine sees the request, so a bad schema / regex / grammar is refused here (a 400).
-        A cached grammar costs no await."""
-        from trillm.structured_output import check_params
-
+        """Structured outputs: compiled before the engine sees the request, so a bad spec is
+        refused here, a 400 (``StructuredOutputManager.precompile``)."""
         if self.structured_output is None:
             raise InvalidRequestError(
                 "Structured outputs need the model's tokenizer.", "structured_outputs"
             )
-        spec = check_params(params.structured_outputs)
-        cache = self.structured_output.cache
-        if cache.get(spec) is None:
-            await cache.compile(spec)
+        await self.structured_output.precompile(params.structured_outputs)
 
     def chat(
         self,

@@ -36,33 +36,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from types import TracebackType
-from typing import Protocol
 
 import trio
 
 from trillm.engine.output_collector import RequestOutputCollector
-from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
+from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, PromptType
+from trillm.interfaces import RequestEngine
 from trillm.lora.request import LoRARequest
 from trillm.messages import AbortRequest, AddRequest, EngineCoreRequest
 from trillm.outputs import RequestOutput
 from trillm.sampling_params import SamplingParams
-
-
-class StreamEngine(Protocol):
-    """What a request needs of ``AsyncEngine`` (named here: no import cycle)."""
-
-    preprocessor: Preprocessor
-    stream_interval: int
-
-    def check_alive(self) -> None: ...
-
-    async def check_lora(self, lora: LoRARequest) -> None: ...
-
-    async def compile_grammar(self, params: SamplingParams) -> None: ...
-
-    async def send_to_handler(self, msg: AddRequest) -> None: ...
-
-    async def send_abort(self, msg: AbortRequest) -> None: ...
 
 
 @dataclasses.dataclass
@@ -87,7 +70,7 @@ class ParentRequest:
 
     def __init__(
         self,
-        engine: StreamEngine,
+        engine: RequestEngine,
         prompts: Sequence[PromptType | PreparedPrompt],
         params: Sequence[SamplingParams | None],
         request_ids: Sequence[str],
@@ -131,9 +114,7 @@ class ParentRequest:
         self._engine.check_alive()
         self._deadline = _deadline(self._timeout)
         try:
-            while self._may_submit():  # the first wave: its failures are the caller's
-                await self._submit(self._children[self._next])
-                self._next += 1
+            await self._first_wave()  # its failures are the caller's
         except BaseException:
             await self.aclose()
             raise
@@ -166,9 +147,41 @@ class ParentRequest:
             return False
         return self._may_start is None or self._may_start()
 
+    async def _first_wave(self) -> None:
+        """The children that may start now, prepared first, then handed over back to back:
+        the output handler admits them in one round, so they enter the engine's same step
+        (as separate requests sent at once would)."""
+        wave: list[tuple[_Child, AddRequest]] = []
+        room = len(self._children)
+        if self._max_in_flight is not None:
+            room = min(room, self._max_in_flight)
+        if self._may_start is not None and not self._may_start():
+            room = 0
+        for child in self._children[:room]:
+            wave.append((child, await self._message(child)))
+        engine = self._engine
+        for child, message in wave:
+            if not engine.try_send_to_handler(message):  # the inbox is full: wait for room
+                await engine.send_to_handler(message)
+            self._next += 1
+            await self._sent(child, message)
+        await trio.lowlevel.checkpoint()
+
     async def _submit(self, child: _Child) -> None:
-        """Prepare (unless prepared), check the adapter, compile the grammar, and hand the
-        prompt's output group to the output handler."""
+        message = await self._message(child)
+        await self._engine.send_to_handler(message)
+        await self._sent(child, message)
+
+    async def _sent(self, child: _Child, message: AddRequest) -> None:
+        # Set only once the handler has the request: leaving before this aborts nothing.
+        child.collector = message.collector
+        self._in_flight += 1
+        if self._expired:
+            await self._engine.send_abort(AbortRequest(child.request_id, message.collector))
+
+    async def _message(self, child: _Child) -> AddRequest:
+        """Prepare (unless prepared), check the adapter, compile the grammar: the prompt's
+        output group for the output handler."""
         engine = self._engine
         if child.lora is not None:
             await engine.check_lora(child.lora)
@@ -204,7 +217,7 @@ class ParentRequest:
         )
         collector = RequestOutputCollector(params.output_kind, engine.stream_interval)
         collector.on_ready = partial(self._note_ready, child)
-        message = AddRequest(
+        return AddRequest(
             request_id=child.request_id,
             prompt=prepared.text,
             prompt_token_ids=request.prompt_token_ids,
@@ -213,12 +226,6 @@ class ParentRequest:
             collector=collector,
             arrival_time=time.time(),
         )
-        await engine.send_to_handler(message)
-        # Set only once the handler has the request: leaving before this aborts nothing.
-        child.collector = collector
-        self._in_flight += 1
-        if self._expired:
-            await engine.send_abort(AbortRequest(child.request_id, collector))
 
     async def _submit_more(self) -> None:
         """Children finished: start the next ones (a failure is that child's item)."""
@@ -320,7 +327,7 @@ class RequestStream(ParentRequest):
 
     def __init__(
         self,
-        engine: StreamEngine,
+        engine: RequestEngine,
         prompt: PromptType | PreparedPrompt,
         params: SamplingParams | None,
         request_id: str,

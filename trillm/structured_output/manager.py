@@ -55,6 +55,14 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ requests
 
+    async def precompile(self, spec: Any) -> None:
+        """A request's structured_outputs compiled off the event loop (time-limited, cached)
+        before the engine sees it, so a bad schema / regex / grammar is refused at once. A
+        cached grammar costs no await."""
+        checked = check_params(spec)
+        if self.cache.get(checked) is None:
+            await self.cache.compile(checked)
+
     def add_request(self, req_id: str, params: Any, prompt_token_ids: Any = ()) -> bool:
         """Start tracking ``req_id``: True when its matcher is ready now, False when the
         grammar is still compiling (or failed: ``poll`` reports it)."""
