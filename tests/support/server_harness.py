@@ -62,6 +62,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._log.close()  # a server that never started is never stopped
                 raise RuntimeError(
                     f"trillm serve exited with {self.proc.returncode}:\n{self.log()}"
                 )
@@ -72,6 +73,8 @@ class ServerProcess:
                 pass
             time.sleep(0.25)
         self.proc.kill()
+        self.proc.wait()
+        self._log.close()
         raise TimeoutError(f"trillm serve not healthy after {timeout} s:\n{self.log()}")
 
     def headers(self) -> dict[str, str]:
