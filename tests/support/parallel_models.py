@@ -63,7 +63,9 @@ def with_random_biases(folder: Path) -> None:
 
 
 TWO_PROMPTS = PROMPTS[:2]
-ARCHITECTURES = sorted(set(ARCHES) - {"llama"})  # Llama: see the table above
+# Llama: see the table above. gpt-oss: tensor parallelism refuses it (its sinks and
+# interleaved experts have no split yet; tests/models/test_gpt_oss.py checks the refusal).
+ARCHITECTURES = sorted(set(ARCHES) - {"llama", "gpt_oss"})
 
 
 def served_tokens(server: ServerProcess) -> list[list[int]]:

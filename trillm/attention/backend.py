@@ -37,6 +37,16 @@ def check_backend_supports(
         )
 
 
+def check_backend_supports_sinks(backend: AttentionBackend) -> None:
+    """Refuse, when the model is built, attention sinks (gpt-oss) on a backend that lacks them."""
+    if not getattr(backend, "supports_sinks", False):
+        raise UnsupportedAttentionFeatureError(
+            f"The {backend.name} attention backend does not implement attention sinks (a "
+            "learned per-head logit in the softmax), which this model uses; use "
+            "--attention-backend torch or eager."
+        )
+
+
 @dataclass
 class AttentionMetadata:
     num_reqs: int
@@ -75,5 +85,8 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int | None = None,  # sliding window: a row at p sees positions > p - window
         softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
+        # [num_heads] a learned logit per head in the softmax's denominator, attending to no
+        # value (gpt-oss); only backends with ``supports_sinks`` take one
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -6,9 +6,10 @@ is gathered into the layout transformers' ``DynamicCache`` holds ([1, Hkv, S, D]
 repeated per query head as ``repeat_kv`` does, and attended with the ops transformers runs, in
 the same shapes: ``matmul(q, k^T) * scale``, the soft-cap, the additive mask (the dtype's
 minimum where a key is in the future or out of the window), ``softmax`` in fp32 cast back to
-the model's dtype, ``matmul(p, v)``. The rows of a request are those transformers computes for
-it run alone, so in bf16 they round where and as transformers' do: no online softmax, no
-fp32 scores kept. A Python loop over requests and a gather per request and layer: a
+the model's dtype (gpt-oss: its attention sinks as one more column, the row's maximum
+subtracted, the softmax in the scores' dtype), ``matmul(p, v)``. The rows of a request are
+those transformers computes for it run alone, so in bf16 they round where and as
+transformers' do: no online softmax, no fp32 scores kept. A Python loop over requests and a gather per request and layer: a
 numerics-checking path, not a fast one (the torch backend's native kernels are).
 """
 
@@ -48,6 +49,7 @@ class _Request:
 class EagerAttentionBackend:
     name = "eager"
     supports_window_and_softcap = True
+    supports_sinks = True
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
@@ -83,6 +85,7 @@ class EagerAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [Hq]
     ) -> torch.Tensor:  # [T, Hq, D]
         if kv_cache.dtype != q.dtype:
             raise ValueError(
@@ -97,7 +100,7 @@ class EagerAttentionBackend:
         out = torch.empty_like(q)
         for req in self._plan(meta, kv_cache.shape[2]):
             out[req.rows] = _attend(
-                q[req.rows], key_cache, value_cache, req, scale, window, softcap
+                q[req.rows], key_cache, value_cache, req, scale, window, softcap, sinks
             )
         return out
 
@@ -121,6 +124,7 @@ def _attend(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:  # [L, Hq, D]
     num_rows, num_heads, head_dim = q.shape
     keys = _heads_first(key_cache, req.slots, num_heads)
@@ -132,5 +136,20 @@ def _attend(
     mask = req.mask(window, weights.dtype)
     if mask is not None:
         weights = weights + mask
-    probs = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        probs = _softmax_with_sinks(weights, sinks).to(q.dtype)
     return torch.matmul(probs, values).transpose(1, 2)[0]  # [L, Hq, D]
+
+
+def _softmax_with_sinks(
+    weights: torch.Tensor,  # [1, Hq, L, S] masked scores
+    sinks: torch.Tensor,  # [Hq]
+) -> torch.Tensor:  # [1, Hq, L, S]
+    """transformers' gpt-oss eager attention: the sink logit as a last column, the row's
+    maximum subtracted, a softmax in the scores' dtype, the sink's column dropped."""
+    sink = sinks.reshape(1, -1, 1, 1).expand(1, -1, weights.shape[2], 1).to(weights.dtype)
+    combined = torch.cat([weights, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]

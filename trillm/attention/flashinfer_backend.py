@@ -80,11 +80,13 @@ class FlashInferAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # refused when the model is built (no supports_sinks)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        if window is not None or softcap is not None:
+        if window is not None or softcap is not None or sinks is not None:
             raise UnsupportedAttentionFeatureError(
-                "The flashinfer attention backend does not implement sliding-window attention or "
-                "attention logit soft-capping; use --attention-backend triton or torch."
+                "The flashinfer attention backend does not implement sliding-window attention, "
+                "attention logit soft-capping or attention sinks; use --attention-backend "
+                "triton or torch."
             )
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"The flashinfer attention backend needs fp16 or bf16, not {q.dtype}.")

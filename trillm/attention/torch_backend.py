@@ -26,7 +26,8 @@ every request, fresh prompts included, with one plan built on the first such lay
 on CPU the native paged kernel (it reads only the window's keys; the fresh-prompt kernel and
 the ``is_causal`` fast path have no window), elsewhere the gather path with a decode group and
 one prefill group, the window narrowing the mask and a softcap computing the softmax in plain
-torch ops (SDPA has no softcap).
+torch ops (SDPA has no softcap). Layers with attention ``sinks`` (gpt-oss) always take that
+gather path, the sinks as one more softmax column: no native kernel has them.
 """
 
 from __future__ import annotations
@@ -63,26 +64,36 @@ def _take(
     return rows.view(*index.shape, *source.shape[1:])
 
 
-def _softcapped_attention(
+def _explicit_attention(
     queries: torch.Tensor,  # [Rg, Hq, Lq, D]
     keys: torch.Tensor,  # [Rg, Hkv, S, D]
     values: torch.Tensor,  # [Rg, Hkv, S, D]
     mask: torch.Tensor,  # [Rg, 1, Lq, S] bool
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,  # [Hq]
 ) -> torch.Tensor:  # [Rg, Hq, Lq, D]
-    """SDPA's math with ``softcap * tanh(s / softcap)`` on the scaled scores, fp32 inside."""
+    """SDPA's math, fp32 inside, with what SDPA lacks: ``softcap * tanh(s / softcap)`` on the
+    scaled scores, and a sink logit per head as one more softmax column that has no value (it
+    only takes its share of the probability mass, as transformers' gpt-oss attention does)."""
     group = queries.shape[1] // keys.shape[1]
     keys = keys.float().repeat_interleave(group, dim=1)  # [Rg, Hq, S, D]
     values = values.float().repeat_interleave(group, dim=1)
     scores = queries.float() @ keys.transpose(-1, -2) * scale  # [Rg, Hq, Lq, S]
-    scores = softcap * torch.tanh(scores / softcap)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)  # [Rg, Hq, Lq, 1]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return (probs @ values).to(queries.dtype)
 
 
 class TorchAttentionBackend:
     name = "torch"
+    supports_sinks = True  # by the gather path (the native kernels have none)
 
     def __init__(self, native: bool | None = None) -> None:
         """``native``: use the native CPU kernel where it applies (None: when it is built)."""
@@ -184,6 +195,7 @@ class TorchAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [Hq]
     ) -> torch.Tensor:  # [T, Hq, D]
         planned = self._groups or self._fresh or self._native is not None
         if meta is not self._planned or kv_cache.shape != self._cache_shape or not planned:
@@ -194,9 +206,9 @@ class TorchAttentionBackend:
         key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
         self._write_cache(k, v, kv_cache, key_cache, value_cache, meta.slot_mapping)
-        if window is not None or softcap is not None:
+        if window is not None or softcap is not None or sinks is not None:
             return self._forward_masked(
-                q, key_cache, value_cache, kv_cache, meta, scale, window, softcap
+                q, key_cache, value_cache, kv_cache, meta, scale, window, softcap, sinks
             )
         if len(self._groups) == 1 and self._groups[0].covers_all:
             return self._attend(self._groups[0], q, key_cache, value_cache, scale)
@@ -225,10 +237,12 @@ class TorchAttentionBackend:
         scale: float,
         window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Every request at once, with the window and the softcap: the native kernel where it
-        applies, else the gather path with the window in the mask."""
-        if self._native_available and paged_attention_cpu.supports(q, kv_cache):
+        """Every request at once, with the window, the softcap and the sinks: the native
+        kernel where it applies (it has no sinks), else the gather path with the window in the
+        mask."""
+        if sinks is None and self._native_available and paged_attention_cpu.supports(q, kv_cache):
             if self._native_all is None:
                 self._native_all = paged_attention_cpu.PagedAttentionPlan(
                     meta.query_start_loc, meta.seq_lens, meta.block_table, q.shape, kv_cache.shape
@@ -240,7 +254,7 @@ class TorchAttentionBackend:
             self._all_groups = build_groups(meta, decode, prefill, kv_cache.shape[2])
         out = torch.empty_like(q)
         for group in self._all_groups:
-            rows = self._attend(group, q, key_cache, value_cache, scale, window, softcap)
+            rows = self._attend(group, q, key_cache, value_cache, scale, window, softcap, sinks)
             out.index_copy_(0, group.token_rows, rows)
         return out
 
@@ -290,6 +304,7 @@ class TorchAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [Tg, Hq, D]
         # NOTE: index_select, not advanced indexing: on CPU it is ~100x faster here.
         keys = _take(key_cache, group.gather_slots, q.dtype).transpose(1, 2)  # [Rg, Hkv, S, D]
@@ -299,8 +314,8 @@ class TorchAttentionBackend:
         else:
             queries = _take(q, group.query_index).transpose(1, 2)  # [Rg, Hq, Lq, D]
         mask = windowed_mask(group, window)
-        if softcap is not None:
-            out = _softcapped_attention(queries, keys, values, mask, scale, softcap)
+        if softcap is not None or sinks is not None:
+            out = _explicit_attention(queries, keys, values, mask, scale, softcap, sinks)
         else:
             out = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True

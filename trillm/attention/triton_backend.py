@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from trillm.attention.backend import AttentionMetadata
+from trillm.attention.backend import AttentionMetadata, UnsupportedAttentionFeatureError
 from trillm.kernels import paged_attention_triton, reshape_and_cache_triton
 
 
@@ -44,7 +44,13 @@ class TritonAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # refused when the model is built (no supports_sinks)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if sinks is not None:
+            raise UnsupportedAttentionFeatureError(
+                "The triton attention backend does not implement attention sinks; use "
+                "--attention-backend torch or eager."
+            )
         if not q.is_cuda and not paged_attention_triton.runs_interpreted():
             raise RuntimeError(
                 "The triton attention backend needs CUDA tensors, or TRITON_INTERPRET=1 set "

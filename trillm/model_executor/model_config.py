@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trillm.config import DEVICES, LOAD_FORMATS, EngineArgs, ModelConfig
-from trillm.model_executor import classification, gguf_loader, multimodal_config
+from trillm.model_executor import classification, gguf_loader, gpt_oss_config, multimodal_config
 from trillm.model_executor.layer_types import FULL, SUPPORTED_ROPE_TYPES, partial_rotary_factor
 from trillm.model_executor.quantization import CHECKPOINT_METHODS, resolve_quantization
 from trillm.model_executor.registry import (
@@ -166,6 +166,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         quantization = resolve_quantization(args.quantization, hf, device)
     architecture = _architecture(hf)
     hf, mm_config = multimodal_config.split_config(hf, architecture)  # text_config's fields
+    hf = gpt_oss_config.prepare(hf, architecture)  # its defaults; MXFP4 for gpt-oss only
     if quantization in CHECKPOINT_METHODS and architecture not in GROUP_QUANT_ARCHITECTURES:
         raise ValueError(
             f"{quantization.upper()} checkpoints of {architecture} are not "

@@ -92,6 +92,15 @@ def resolve_quantization(requested: str | None, hf: dict[str, Any], device: str)
                 "(config.json's quantization_config); pass that, or nothing."
             )
         requested = stored
+    elif stored is not None and stored.lower() == "mxfp4":
+        # gpt-oss's MXFP4 experts, dequantized at load by its model (gpt_oss_config.py refuses
+        # the format for other architectures): the model runs unquantized.
+        if requested not in (None, "mxfp4"):
+            raise UnsupportedQuantizationError(
+                f"quantization {requested!r} does not match the checkpoint, which is 'mxfp4' "
+                "(config.json's quantization_config); pass that, or nothing."
+            )
+        return None
     elif stored is not None:
         raise UnsupportedQuantizationError(
             f"The checkpoint is quantized ({stored!r}, config.json's quantization_config): "

@@ -34,6 +34,7 @@ _MODELS: dict[str, ModelEntry] = {
     "Gemma2ForCausalLM": ModelEntry("gemma", "Gemma2ForCausalLM", _GEMMA_ACTS),
     "Gemma3ForCausalLM": ModelEntry("gemma", "Gemma3ForCausalLM", _GEMMA_ACTS),
     "GPTNeoXForCausalLM": ModelEntry("gpt_neox", "GPTNeoXForCausalLM", ("gelu",), True),
+    "GptOssForCausalLM": ModelEntry("gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM"),
     "LlavaForConditionalGeneration": ModelEntry(
         "llava", "LlavaForConditionalGeneration", modalities=("image",)

@@ -81,6 +81,26 @@ ARCHES: dict[str, dict[str, Any]] = {
         norm_topk_prob=True,
         tie_word_embeddings=False,
     ),
+    # gpt-oss: windows of 8 on its even layers, YaRN (factor 4), a SwiGLU clamp that
+    # bites (its sinks and expert biases are drawn larger than transformers' init: below).
+    "gpt_oss": dict(
+        head_dim=16,
+        num_hidden_layers=3,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,  # MXFP4 groups: 32 inputs
+        sliding_window=8,
+        swiglu_limit=2.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 512,  # x factor = max_position_embeddings
+        },
+    ),
 }
 
 CONFIG_CLASSES = {
@@ -97,6 +117,7 @@ CONFIG_CLASSES = {
     "mixtral": "MixtralConfig",
     "qwen2_moe": "Qwen2MoeConfig",
     "qwen3_moe": "Qwen3MoeConfig",
+    "gpt_oss": "GptOssConfig",
 }
 MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
@@ -112,6 +133,7 @@ MODEL_CLASSES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -138,9 +160,24 @@ def build_tiny_model(
     config = getattr(transformers, CONFIG_CLASSES[arch])(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, MODEL_CLASSES[arch])(config)
+    if arch == "gpt_oss":
+        _draw_gpt_oss_extras(model)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     gen = {"eos_token_id": EOS_IDS, "pad_token_id": 0}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     copy_tokenizer(out)
     return out
+
+
+def _draw_gpt_oss_extras(model: Any) -> None:
+    """Sinks and expert biases large enough to matter (transformers' init: sinks N(0, 0.2),
+    expert biases zero), so a path that drops them fails the comparison."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                param.normal_(0.0, 2.0)
+            elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                param.normal_(0.0, 0.5)
