@@ -20,9 +20,11 @@ import numpy as np
 import trio
 
 from trillm.config import TrillmConfig
+from trillm.engine import qwen2_vl_inputs as qwen2_vl
 from trillm.engine.media import ImageSource, MediaConnector, MultiModalInputError
 from trillm.messages import MultiModalItem
 from trillm.model_executor.multimodal_config import image_token_id, num_image_tokens
+from trillm.model_executor.qwen2_vl_config import is_qwen2_vl
 
 # The most pixels one image may have (its header is read first: decompression bombs are
 # refused before decoding). PIL's own bomb limit is higher (~89 M).
@@ -45,7 +47,7 @@ def content_hash(pixels: np.ndarray) -> str:
 
 
 def load_image_processor(folder: str) -> Any:
-    """The folder's CLIP image processor, on its PIL path."""
+    """The folder's CLIP (or Qwen2-VL) image processor, on its PIL path."""
     from transformers.models.clip import CLIPImageProcessorPil
 
     for name in _PROCESSOR_FILES:
@@ -53,7 +55,10 @@ def load_image_processor(folder: str) -> Any:
         if path.is_file():
             data = json.loads(path.read_text(encoding="utf-8"))
             data = data.get("image_processor", data)
-            return CLIPImageProcessorPil(**{k: v for k, v in data.items() if k not in _NOT_KWARGS})
+            kwargs = {k: v for k, v in data.items() if k not in _NOT_KWARGS}
+            if qwen2_vl.is_qwen2_vl_processor(data):
+                return qwen2_vl.load_processor(kwargs)
+            return CLIPImageProcessorPil(**kwargs)
     raise ValueError(f"The model folder {folder!r} has no image processor config.")
 
 
@@ -82,6 +87,11 @@ class MultiModalProcessor:
         self.image_token_id = image_token_id(mm_config)
         # What a chat's image part becomes in the prompt text (LLaVA's "<image>")
         self.image_placeholder = str(tokenizer.convert_ids_to_tokens(self.image_token_id))
+        self.qwen2_vl = is_qwen2_vl(mm_config)
+        if self.qwen2_vl:
+            self.image_placeholder = qwen2_vl.image_placeholder(
+                mm_config, tokenizer, self.image_token_id
+            )
         self.max_pixels = MAX_IMAGE_PIXELS
         self.limiter = limiter
         self._image_processor: Any = None
@@ -103,6 +113,8 @@ class MultiModalProcessor:
         if not isinstance(kwargs, dict):
             raise MultiModalInputError(f"{param} must be an object, got {kwargs!r}.", param)
         check_keywords(self.image_processor, kwargs, param)
+        if self.qwen2_vl:
+            qwen2_vl.check_kwargs(kwargs, param, self.max_pixels)
         side = int(self.mm_config["vision_config"].get("image_size", 0)) or None
         for key in _GEOMETRY_KWARGS:  # sizes bound what resizing, cropping, padding allocate
             sizes = kwargs.get(key)
@@ -170,6 +182,8 @@ class MultiModalProcessor:
                 raise MultiModalInputError(
                     f"multi_modal_data['image'][{i}] cannot be decoded: {exc}"
                 ) from None
+            if self.qwen2_vl:
+                kwargs = qwen2_vl.processor_kwargs(self.image_processor, kwargs)
             try:
                 processed = self.image_processor(images=rgb, return_tensors="np", **kwargs)
             except Exception as exc:  # a value the processor refuses (transformers' checks)
@@ -179,6 +193,9 @@ class MultiModalProcessor:
                     f"mm_processor_kwargs: the image processor refused them: {exc}",
                     "mm_processor_kwargs",
                 ) from None
+            if self.qwen2_vl:
+                out.append(qwen2_vl.patches(processed))
+                continue
             batch = processed["pixel_values"]
             side = self.mm_config["vision_config"].get("image_size")
             if side is not None and tuple(batch.shape[-2:]) != (side, side):
@@ -212,7 +229,7 @@ class MultiModalProcessor:
         start = 0
         for slot, values in zip(slots, pixels, strict=True):
             out += ids[start:slot]
-            length = num_image_tokens(self.mm_config, values.shape[-2], values.shape[-1])
+            length = num_image_tokens(self.mm_config, list(values.shape))
             items.append(
                 MultiModalItem(
                     "image", content_hash(values), len(out), length, values.tobytes(),

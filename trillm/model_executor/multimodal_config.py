@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from trillm.model_executor.qwen2_vl_config import (
+    QWEN2_VL_ARCHITECTURES,
+    is_qwen2_vl,
+    qwen2_vl_image_tokens,
+    qwen2_vl_text_config,
+)
 from trillm.model_executor.registry import model_entry
 
 # The language models and vision towers a LLaVA checkpoint may name, as implemented.
@@ -21,6 +27,8 @@ def split_config(hf: dict[str, Any], architecture: str) -> tuple[dict[str, Any],
     """(the language model's config, the multimodal config or None for a text model)."""
     if not model_entry(architecture).modalities:
         return hf, None
+    if architecture in QWEN2_VL_ARCHITECTURES:
+        return qwen2_vl_text_config(hf, architecture), hf
     text = dict(hf.get("text_config") or {})
     vision = hf.get("vision_config") or {}
     text_type = text.get("model_type", "llama")
@@ -54,9 +62,13 @@ def image_token_id(mm_config: dict[str, Any]) -> int:
     return int(mm_config.get("image_token_index", mm_config.get("image_token_id", 32000)))
 
 
-def num_image_tokens(mm_config: dict[str, Any], height: int, width: int) -> int:
-    """Feature vectors (and so placeholder tokens) of one image of ``height`` x ``width``
-    pixels after processing: one per patch, plus the CLS vector with the "full" strategy."""
+def num_image_tokens(mm_config: dict[str, Any], shape: list[int]) -> int:
+    """Feature vectors (and so placeholder tokens) of one processed image of ``shape``: LLaVA's
+    [3, H, W] one per patch, plus the CLS vector with the "full" strategy; Qwen2-VL's
+    [t, h, w, patch_dim] one per merged block of patches."""
+    if is_qwen2_vl(mm_config):
+        return qwen2_vl_image_tokens(mm_config, shape)
+    height, width = shape[-2:]
     patch = int(mm_config["vision_config"].get("patch_size", 32))
     full = mm_config.get("vision_feature_select_strategy", "default") == "full"
     return (height // patch) * (width // patch) + (1 if full else 0)

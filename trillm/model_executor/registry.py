@@ -44,6 +44,12 @@ _MODELS: dict[str, ModelEntry] = {
     "Phi3ForCausalLM": ModelEntry("phi3", "Phi3ForCausalLM", partial_rotary=True),
     "MixtralForCausalLM": ModelEntry("moe", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ModelEntry("qwen2", "Qwen2ForCausalLM"),
+    "Qwen2VLForConditionalGeneration": ModelEntry(
+        "qwen2_vl", "Qwen2VLForConditionalGeneration", modalities=("image",)
+    ),
+    "Qwen2_5_VLForConditionalGeneration": ModelEntry(
+        "qwen2_vl", "Qwen2_5_VLForConditionalGeneration", modalities=("image",)
+    ),
     "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3ForCausalLM"),
     "Qwen2MoeForCausalLM": ModelEntry("moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ModelEntry("moe", "Qwen3MoeForCausalLM"),

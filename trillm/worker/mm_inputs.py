@@ -6,6 +6,10 @@ the batch (so an item the encoder refuses fails that request alone), once howeve
 chunks its prefill takes and however many requests hold the same image; each step then gets
 the rows its tokens cover (``step_embeddings``), which the model writes over the
 placeholders' token embeddings.
+
+M-RoPE models (Qwen2-VL: the model's ``mrope_merge_size``) rotate by [3, T] positions
+(``rope_positions``, ``mrope.py``): computed per step from each request's items, so chunked
+prefill, preemption (a re-sent request's items come again) and decoding need no other state.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from trillm.messages import MultiModalItem
 from trillm.worker.input_batch import StepInputs
+from trillm.worker.mrope_positions import mrope_positions
 
 
 class MultiModalInputs:
@@ -28,6 +33,8 @@ class MultiModalInputs:
         self._refs: Counter[str] = Counter()  # content hash -> slots holding it
         self._cache: dict[str, torch.Tensor] = {}  # content hash -> [length, H]
         self.encoder_calls = 0
+        # An M-RoPE model's spatial merge (None: the model rotates by plain positions)
+        self.mrope_merge: int | None = getattr(model, "mrope_merge_size", None)
 
     @classmethod
     def for_model(cls, model: Any, device: torch.device) -> MultiModalInputs | None:
@@ -98,6 +105,20 @@ class MultiModalInputs:
             return None
         return torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(parts)
 
+    def rope_positions(self, inputs: StepInputs) -> np.ndarray:  # [T] or [3, T] int64
+        """What the rotary embedding takes: the positions, or for M-RoPE each token's (time,
+        row, column); a request without images has its position three times."""
+        if self.mrope_merge is None:
+            return inputs.positions
+        out = np.repeat(inputs.positions[None], 3, axis=0)
+        starts = inputs.query_start_loc
+        for i, slot in enumerate(inputs.slots.tolist()):
+            items = self._items.get(slot)
+            if items:
+                rows = slice(int(starts[i]), int(starts[i + 1]))
+                out[:, rows] = mrope_positions(items, inputs.positions[rows], self.mrope_merge)
+        return out
+
 
 def add_items(mm: MultiModalInputs | None, slot: int, items: list[MultiModalItem]) -> None:
     """A new request's items into the batch; a model without an encoder refuses them."""
@@ -113,10 +134,11 @@ def drop_items(mm: MultiModalInputs | None, slot: int | None) -> None:
 
 
 def set_mm_rows(mm: MultiModalInputs | None, model: Any, inputs: StepInputs) -> bool:
-    """Hands the model the step's image rows; -> whether there were any (the forward that
-    writes them then runs eager: a step program replays token embeddings only)."""
+    """Hands the model the step's image rows; -> whether the forward must run eager: there
+    were rows to write, or the model rotates by M-RoPE positions (a step program replays
+    token embeddings and [T] positions only)."""
     if mm is None:
         return False
     rows = mm.step_embeddings(inputs)
     model.set_step_embeddings(rows)  # None clears what a failed forward left
-    return rows is not None
+    return rows is not None or mm.mrope_merge is not None

@@ -360,11 +360,11 @@ class ModelRunner:
         self.batch.num_computed[slots[recomputed]] = 0
         return num_scheduled + computed * recomputed, recomputed
 
-    def _rope_positions(self, inputs: StepInputs) -> np.ndarray:  # [T] int64
+    def _rope_positions(self, inputs: StepInputs) -> np.ndarray:  # [T] (M-RoPE: [3, T]) int64
         """What the model's rotary embedding indexes: the positions, or for longrope each
         token's row in the [short; long] table, by its request's length."""
-        if self.longrope is None:
-            return inputs.positions
+        if self.longrope is None:  # M-RoPE (Qwen2-VL): [3, T] from the requests' images
+            return inputs.positions if self.mm is None else self.mm.rope_positions(inputs)
         num_tokens = np.repeat(self.batch.num_tokens[inputs.slots], np.diff(inputs.query_start_loc))
         return self.longrope.rope_positions(inputs.positions, num_tokens)
 
