@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import trillm.model_executor.deepseek_config as deepseek_config
 from trillm.config import DEVICES, LOAD_FORMATS, EngineArgs, ModelConfig
 from trillm.model_executor import classification, gguf_loader, gpt_oss_config, multimodal_config
 from trillm.model_executor.layer_types import FULL, SUPPORTED_ROPE_TYPES, partial_rotary_factor
@@ -167,6 +168,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
     architecture = _architecture(hf)
     hf, mm_config = multimodal_config.split_config(hf, architecture)  # text_config's fields
     hf = gpt_oss_config.prepare(hf, architecture)  # its defaults; MXFP4 for gpt-oss only
+    hf = deepseek_config.prepare(hf, architecture)  # its defaults, MLA and routing checked
     if quantization in CHECKPOINT_METHODS and architecture not in GROUP_QUANT_ARCHITECTURES:
         raise ValueError(
             f"{quantization.upper()} checkpoints of {architecture} are not "

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from trillm.attention.kv_layout import KVCacheLayout
+    from trillm.config import ModelConfig
     from trillm.distributed.pipeline import IntermediateTensors
 
 
@@ -30,6 +32,8 @@ class ModelEntry(NamedTuple):
 
 _GEMMA_ACTS = ("gelu_pytorch_tanh", "gelu")  # models/gemma.py's _GELU: tanh-approximate, exact
 _MODELS: dict[str, ModelEntry] = {
+    "DeepseekV2ForCausalLM": ModelEntry("deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ModelEntry("deepseek", "DeepseekV3ForCausalLM"),
     "GemmaForCausalLM": ModelEntry("gemma", "GemmaForCausalLM", _GEMMA_ACTS),
     "Gemma2ForCausalLM": ModelEntry("gemma", "Gemma2ForCausalLM", _GEMMA_ACTS),
     "Gemma3ForCausalLM": ModelEntry("gemma", "Gemma3ForCausalLM", _GEMMA_ACTS),
@@ -65,12 +69,15 @@ class CausalLM(Protocol):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # per stage layer [2, num_blocks, block_size, Hkv, D]
+        kv_caches: list[torch.Tensor],  # per stage layer, kv_cache_layout().shape(...)
         meta: Any,  # AttentionMetadata
         intermediate: IntermediateTensors | None = None,  # from the stage before
     ) -> torch.Tensor | IntermediateTensors: ...  # [T, H]; to the next stage if not last
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, H] -> [n, V]
+
+    @classmethod
+    def kv_cache_layout(cls, cfg: ModelConfig, num_kv_heads: int) -> KVCacheLayout: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -96,6 +103,14 @@ def model_entry(architecture: str) -> ModelEntry:
             f"{', '.join(supported_architectures())}."
         )
     return _MODELS[architecture]
+
+
+def kv_cache_layout(cfg: ModelConfig, num_kv_heads: int) -> KVCacheLayout:
+    """One layer's KV cache per token as the model class declares it (``CausalLM``), for a
+    rank holding ``num_kv_heads`` KV heads; known before the model is built."""
+    model_class: Any = get_model_class(cfg.architecture)
+    layout: KVCacheLayout = model_class.kv_cache_layout(cfg, num_kv_heads)
+    return layout
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -29,7 +29,7 @@ import torch
 from trillm.attention.backend import AttentionMetadata
 from trillm.attention.selector import get_attention_backend
 from trillm.config import ModelConfig, TrillmConfig
-from trillm.model_executor.registry import CausalLM
+from trillm.model_executor.registry import CausalLM, kv_cache_layout
 from trillm.spec_decode.backoff import SpecBackoff
 from trillm.spec_decode.policy import draft_room, may_speculate
 from trillm.utils import cdiv
@@ -88,19 +88,19 @@ class DraftModelProposer:
         return self._model
 
     def block_bytes(self) -> int:
-        """Bytes of one shared block over the draft's layers (K and V)."""
-        m = self.cfg
-        per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim
+        """Bytes of one shared block over the draft's layers (its model's cache layout)."""
+        layout = kv_cache_layout(self.cfg, self.cfg.num_key_value_heads)
+        per_token = self.cfg.num_hidden_layers * layout.elements_per_token
         return per_token * self.block_size * self.kv_dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        m = self.cfg
         self._num_shared = num_blocks
         total = num_blocks + len(self.num_computed) * self.scratch_per_slot
-        shape = (2, total, self.block_size, m.num_key_value_heads, m.head_dim)
+        layout = kv_cache_layout(self.cfg, self.cfg.num_key_value_heads)
+        shape = layout.shape(total, self.block_size)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            for _ in range(m.num_hidden_layers)
+            for _ in range(self.cfg.num_hidden_layers)
         ]
 
     def add(self, slot: int, req_id: str) -> None:

@@ -1,14 +1,16 @@
 """How many KV-cache blocks a rank holds (stage 7's memory): the bytes of one block over the
-rank's layers (its pipeline stage's, its tensor-parallel share of the KV heads, the draft
-model's too), the budget they share (``--kv-cache-memory`` on CPU, ``gpu_memory_utilization`` of
-the device on CUDA, or ``num_gpu_blocks_override``), and the check that one request of
-``max_model_len`` tokens fits. The model runner asks these at startup; the engine core then
-takes the smallest count over its ranks."""
+rank's layers (its pipeline stage's, in the layout its model declares: its tensor-parallel
+share of the KV heads, or MLA's latent; the draft model's too), the budget they share
+(``--kv-cache-memory`` on CPU, ``gpu_memory_utilization`` of the device on CUDA, or
+``num_gpu_blocks_override``), and the check that one request of ``max_model_len`` tokens fits.
+The model runner asks these at startup; the engine core then takes the smallest count over its
+ranks."""
 
 from __future__ import annotations
 
 import torch
 
+from trillm.attention.kv_layout import KVCacheLayout
 from trillm.config import TrillmConfig
 from trillm.distributed.sharding import RankShapes
 from trillm.utils import cdiv
@@ -21,11 +23,16 @@ class KVCacheTooSmallError(ValueError):
 
 
 def block_bytes(
-    config: TrillmConfig, num_layers: int, num_kv_heads: int, kv_dtype: torch.dtype, draft: int
+    config: TrillmConfig,
+    num_layers: int,
+    layout: KVCacheLayout,
+    kv_dtype: torch.dtype,
+    draft: int,
 ) -> int:
-    """Bytes of one block: K and V of ``block_size`` tokens, ``num_kv_heads`` x head_dim, over
-    ``num_layers`` layers, plus ``draft`` (the draft model's bytes a block, 0 without one)."""
-    per_token = 2 * num_layers * num_kv_heads * config.model.head_dim
+    """Bytes of one block: ``block_size`` tokens of the model's per-layer ``layout`` (K and V
+    of this rank's KV heads; MLA's latent) over ``num_layers`` layers, plus ``draft`` (the
+    draft model's bytes a block, 0 without one)."""
+    per_token = num_layers * layout.elements_per_token
     return per_token * config.cache.block_size * kv_dtype.itemsize + draft
 
 

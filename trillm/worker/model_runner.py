@@ -45,7 +45,7 @@ from trillm.lora.request import LoRARequest
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
 from trillm.model_executor.layers.rotary import longrope_index
 from trillm.model_executor.loader import build_model
-from trillm.model_executor.registry import CausalLM
+from trillm.model_executor.registry import CausalLM, kv_cache_layout
 from trillm.sample.sampler import SamplingState
 from trillm.spec_decode.draft_model import DraftModelProposer
 from trillm.utils import cdiv
@@ -79,6 +79,7 @@ class ModelRunner:
         self.tp_size = config.parallel.tensor_parallel_size
         self.world_size = config.parallel.world_size
         self.shapes = RankShapes.of(model_cfg, rank % self.tp_size, self.tp_size)
+        self.kv_layout = kv_cache_layout(model_cfg, self.shapes.num_kv_heads)  # a layer's, a token
         self._num_steps = 0
         if self.world_size > 1:
             self.device = join_tensor_parallel(config, rank)
@@ -167,7 +168,7 @@ class ModelRunner:
         """Bytes of one block over this rank's layers (and the draft model's, if any)."""
         draft = 0 if self.drafter is None else self.drafter.block_bytes()
         return kv_cache_sizing.block_bytes(
-            self.config, self.num_layers, self.shapes.num_kv_heads, self.kv_dtype, draft
+            self.config, self.num_layers, self.kv_layout, self.kv_dtype, draft
         )
 
     def determine_num_blocks(self) -> int:
@@ -176,8 +177,7 @@ class ModelRunner:
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        m = self.config.model
-        shape = (2, num_blocks, self.block_size, self.shapes.num_kv_heads, m.head_dim)
+        shape = self.kv_layout.shape(num_blocks, self.block_size)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for _ in range(self.num_layers)

@@ -105,7 +105,14 @@ class FusedMoE(nn.Module):
         x: torch.Tensor,  # [T, H]
         router_logits: torch.Tensor,  # [T, E]
     ) -> torch.Tensor:  # [T, H]
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.run(x, *select_experts(router_logits, self.top_k, self.renormalize))
+
+    def run(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, k] fp32, each token's routing weights
+        ids: torch.Tensor,  # [T, k] int64, its experts (a model's own router: DeepSeek's)
+    ) -> torch.Tensor:  # [T, H]
         if fused_moe_cpu.supports(x, self.w13):
             if self._packed is None:
                 self._packed = fused_moe_cpu.PackedExperts(self.w13, self.w2)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from trillm.attention.backend import AttentionBackend, AttentionMetadata, check_backend_supports
+from trillm.attention.kv_layout import KVCacheLayout
 from trillm.config import ModelConfig
 from trillm.distributed.parallel_state import TensorParallelGroup, get_tp_group
 from trillm.distributed.pipeline import (
@@ -300,6 +301,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V]
         return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
+
+    @classmethod
+    def kv_cache_layout(cls, cfg: ModelConfig, num_kv_heads: int) -> KVCacheLayout:
+        """One layer's cache per token: K and V of a rank's ``num_kv_heads`` heads."""
+        return KVCacheLayout.key_value(num_kv_heads, cfg.head_dim)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in; raises MissingWeightsError naming what is missing."""

@@ -18,6 +18,7 @@ from trillm.attention.backend import AttentionBackend
 from trillm.config import ModelConfig
 from trillm.model_executor.layers.fused_moe import EXPERT_PARTS, FusedMoE, SparseMoeBlock
 from trillm.model_executor.models.llama import (
+    DecoderStack,
     LlamaDecoderFlags,
     LlamaForCausalLM,
     LlamaModel,
@@ -45,7 +46,7 @@ class MoEModel(LlamaModel):
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    MODEL_CLASS = MoEModel
+    MODEL_CLASS: type[DecoderStack] = MoEModel  # DeepSeek: its own
     RENAMES: tuple[tuple[str, str], ...] = ()  # checkpoint name part -> ours
 
     def __init__(
