@@ -217,6 +217,9 @@ def test_config_fields_trillm_cannot_run_are_refused(paths, tmp_path):
         (folder / "config.json").write_text(json.dumps(data))
         with pytest.raises(ValueError, match=words):
             LLM(str(folder), kv_cache_memory="8MiB", distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="'merge_size' is the vision tower's own"):
+        kwargs = {"kv_cache_memory": "8MiB", "distributed_executor_backend": "uni"}
+        LLM(paths["2"], mm_processor_kwargs={"merge_size": 1}, **kwargs)
     with pytest.raises(ValueError, match="does not support Qwen2VLForConditionalGeneration yet"):
         build_config(EngineArgs(paths["2"], tensor_parallel_size=2))
     with pytest.raises(InvalidRequestError, match="video and audio inputs are not implemented"):

@@ -41,7 +41,7 @@ def check_kwargs(kwargs: dict[str, Any], param: str, max_pixels: int) -> None:
     if fixed:
         raise MultiModalInputError(
             f"{param}: {', '.join(map(repr, fixed))} is the vision tower's own (its weights "
-            "fix it); it cannot be set per request.",
+            "fix it); it cannot be set.",
             param,
         )
     size = kwargs.get("size")
