@@ -27,7 +27,6 @@ from trillm.attention.backend import AttentionBackend, AttentionMetadata
 from trillm.attention.kv_layout import KVCacheLayout
 from trillm.config import ModelConfig
 from trillm.distributed.parallel_state import get_tp_group
-from trillm.distributed.pipeline import get_pp_group
 from trillm.model_executor.deepseek_config import V3
 from trillm.model_executor.layers.fused_moe import FusedMoE
 from trillm.model_executor.layers.norm import RMSNorm
@@ -45,17 +44,18 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekRouter(nn.Module):
-    """HF's ``mlp.gate``: ``weight`` [E, H] (and V3's ``e_score_correction_bias`` [E]), scored
-    in fp32 as transformers does."""
+    """HF's ``mlp.gate``: ``weight`` [E, H] (and V3's ``e_score_correction_bias`` [E]), kept
+    and scored in fp32 whatever the model's dtype, as transformers does."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hf = cfg.hf_config
         self.v3 = cfg.architecture == V3
         self.num_experts, self.top_k = int(hf["n_routed_experts"]), int(hf["num_experts_per_tok"])
-        self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size))
+        fp32 = torch.float32
+        self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size, dtype=fp32))
         if self.v3:
-            bias = torch.zeros(self.num_experts)
+            bias = torch.zeros(self.num_experts, dtype=fp32)
             self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
         grouped = self.v3 or hf.get("topk_method") == "group_limited_greedy"
         self.num_groups = int(hf["n_group"]) if grouped else 1
@@ -66,10 +66,10 @@ class DeepseekRouter(nn.Module):
     def forward(
         self, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] -> weights [T, k] fp32, ids [T, k]
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = F.linear(x.float(), self.weight)  # [T, E]
         if self.v3:
             scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias.float()
+            choice = scores + self.e_score_correction_bias
         else:
             scores = choice = logits.softmax(dim=-1)
         if self.num_groups > 1 or self.v3:
@@ -157,12 +157,11 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
     ) -> None:
-        for name, value in (
-            ("tensor_parallel_size", get_tp_group().world_size),
-            ("pipeline_parallel_size", get_pp_group().num_stages),
-        ):
-            if value > 1:
-                raise ValueError(f"{cfg.architecture}: {name}={value} is not supported yet.")
+        if get_tp_group().world_size > 1:  # NOTE: config_builder refuses it first
+            size = get_tp_group().world_size
+            raise ValueError(
+                f"{cfg.architecture}: tensor_parallel_size={size} is not supported yet."
+            )
         if cfg.numerics == "transformers":
             raise ValueError(
                 f"{cfg.architecture}: numerics='transformers' is not supported (its MLA "
