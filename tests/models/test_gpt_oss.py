@@ -35,6 +35,7 @@ from trillm.attention.backend import UnsupportedAttentionFeatureError
 from trillm.config import EngineArgs
 from trillm.engine.config_builder import build_config
 from trillm.model_executor import gpt_oss_config, mxfp4
+from trillm.parsers.reasoning import get_reasoning_parser
 from trillm.worker.model_runner import ModelRunner
 
 MAX_NEW = 8
@@ -310,3 +311,57 @@ def test_tensor_parallelism_is_refused_by_name(case):
 
     with pytest.raises(ValueError, match="tensor parallelism does not support GptOssForCausalLM"):
         check_divisible(build_config(EngineArgs(model=str(case[0]))).model, 2)
+
+
+# ---------------------------------------------------------------- harmony chat
+
+
+def test_chat_renders_the_harmony_template_and_matches_transformers(tmp_path):
+    """``LLM.chat`` renders the folder's harmony template (transformers renders the same
+    prompt), keeps the special tokens for the harmony parsers, and greedy-decodes as
+    transformers does from that prompt."""
+    from transformers import AutoTokenizer
+
+    from trillm import LLM
+    from trillm.testing.tiny_harmony import build_harmony_gpt_oss
+
+    path = build_harmony_gpt_oss(tmp_path / "harmony")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather now.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    tok = AutoTokenizer.from_pretrained(str(path))
+    prompt = tok.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith("<|end|><|start|>assistant") and "namespace functions {" in prompt
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(
+        str(path), dtype="float32", max_model_len=256, distributed_executor_backend="uni"
+    ) as llm:
+        (out,) = llm.chat(
+            messages,
+            params,
+            use_tqdm=False,
+            tools=tools,
+            tool_parser="openai",
+            reasoning_parser="openai_gptoss",
+        )
+    assert out.prompt == prompt and out.prompt_token_ids == ids
+    (choice,) = out.outputs
+    assert list(choice.token_ids) == hf_greedy(str(path), ids, MAX_NEW)
+    # the parsers' markers are special tokens: they stay in the text
+    assert choice.text == tok.decode(choice.token_ids, skip_special_tokens=False)
+    parsed = get_reasoning_parser("openai_gptoss")(prompt).extract(choice.text)
+    assert (choice.reasoning_content, choice.content) == parsed

@@ -7,6 +7,8 @@ output becomes ``reasoning_content`` (and vLLM's newer ``reasoning``), the rest 
 - ``qwen3``: the output starts in reasoning when it begins with ``<think>`` or the rendered
   prompt ends inside an open ``<think>`` (Qwen3.5 / thinking-2507 templates); otherwise it is
   all content (``enable_thinking: false`` renders a closed ``<think></think>`` in the prompt).
+- ``openai_gptoss`` (also ``gpt_oss``): gpt-oss's harmony channels, analysis as reasoning
+  (``GptOssReasoningParser`` below).
 
 ``extract`` splits a finished output; ``streamer()`` splits it delta by delta, holding back a
 possibly partial tag, and the deltas add up to ``extract``'s result.
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, ClassVar
+
+from trillm.parsers import harmony
 
 START = "<think>"
 END = "</think>"
@@ -43,6 +47,8 @@ class ReasoningParser:
     name: ClassVar[str] = ""
     # Where an output starts when its prompt holds neither tag (``prompt_state``).
     untagged_prompt_state: ClassVar[str] = REASONING
+    # Whether the engine can hold a grammar back until the reasoning ends (one end token).
+    structured_outputs: ClassVar[bool] = True
 
     def __init__(self, prompt: str = "", chat_template_kwargs: dict[str, Any] | None = None):
         self.prompt = prompt
@@ -167,9 +173,77 @@ class Qwen3ReasoningParser(ReasoningParser):
         return at >= 0 and self.prompt.find(END, at) < 0
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss's harmony channels (``parsers/harmony.py``): the ``analysis`` messages are the
+    reasoning (joined by newlines); ``final`` and recipient-less ``commentary`` messages (the
+    model's preambles) are the content; a message to a tool stays in the content as the model
+    wrote it, where the ``openai`` tool parser finds it. Streamed by splitting the whole text
+    again after each delta (``ResplitStreamer``). vLLM's name, and ``gpt_oss``."""
+
+    name = "openai_gptoss"
+    # NOTE: reasoning ends at a multi-token header (``<|channel|>final<|message|>``), which the
+    # engine's grammar gate (one end token) cannot see: structured outputs are refused.
+    structured_outputs = False
+
+    def starts_in_reasoning(self) -> bool:
+        return True
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        for item in harmony.parse(text, final):
+            if isinstance(item, harmony.Loose):
+                content.append(item.text)
+            elif item.recipient is not None:
+                content.append(item.raw)
+            elif item.channel == harmony.ANALYSIS:
+                reasoning.append(item.body)
+            else:
+                content.append(item.body)
+        return "\n".join(reasoning), "".join(content)
+
+    def streamer(self) -> ReasoningStreamer:
+        return ResplitStreamer(self)
+
+    @classmethod
+    def token_ids(cls, tokenizer: Any) -> tuple[int, int]:
+        return -1, -1  # no single tokens (structured outputs are refused instead)
+
+    @classmethod
+    def prompt_state(cls, prompt_ids: Any, ids: tuple[int, int]) -> str:
+        return REASONING
+
+
+class ResplitStreamer(ReasoningStreamer):
+    """The whole text split again after each delta, the growth of each part sent: for
+    parsers whose ``split`` of a text is a prefix of the split of any longer text."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        super().__init__(parser)
+        self.text = ""
+        self.sent = ("", "")
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        self.text += delta
+        return self._grown(False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._grown(True)
+
+    def _grown(self, final: bool) -> tuple[str, str]:
+        parts = self.parser.split(self.text, final)
+        grown = tuple(
+            now[len(sent) :] if now.startswith(sent) else ""
+            for now, sent in zip(parts, self.sent, strict=True)
+        )
+        self.sent = parts
+        return grown[0], grown[1]
+
+
 _REGISTRY: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GptOssReasoningParser)
 }
+_REGISTRY["gpt_oss"] = GptOssReasoningParser
 
 
 def register_reasoning_parser(

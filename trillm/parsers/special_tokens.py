@@ -7,7 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-REASONING_MARKERS = ("<think>", "</think>")
+from trillm.parsers import harmony
+
+# The think tags, and harmony's (gpt-oss): its channels are told apart by special tokens only.
+REASONING_MARKERS = ("<think>", "</think>", *harmony.SPECIAL)
 
 
 def markers_are_special(tokenizer: Any, markers: Sequence[str], reasoning: bool = False) -> bool:

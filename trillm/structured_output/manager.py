@@ -27,7 +27,7 @@ import numpy as np
 from trillm.messages import SampleRequest, SchedulerOutput
 from trillm.parsers.reasoning import ENDED, REASONING, UNDECIDED, get_reasoning_parser
 from trillm.structured_output.compiler import MAX_FILL_CPU_S, GrammarCache
-from trillm.structured_output.spec import GrammarSpec, check_params
+from trillm.structured_output.spec import GrammarSpec, StructuredOutputError, check_params
 from trillm.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,13 @@ class StructuredOutputManager:
         before the engine sees it, so a bad schema / regex / grammar is refused at once. A
         cached grammar costs no await."""
         checked = check_params(spec)
+        if self.reasoner is not None and not self.reasoner.structured_outputs:
+            raise StructuredOutputError(
+                "structured_outputs",
+                f"Structured outputs with the {self.reasoner.name} reasoning parser are not "
+                "implemented yet (its reasoning ends at a multi-token header the engine cannot "
+                "wait for).",
+            )
         if self.cache.get(checked) is None:
             await self.cache.compile(checked)
 

@@ -32,6 +32,7 @@ from trillm.parsers.tool_parsers.forced import (
 )
 from trillm.parsers.tool_parsers.hermes import HermesToolParser
 from trillm.parsers.tool_parsers.json_lists import Llama3JsonToolParser, MistralToolParser
+from trillm.parsers.tool_parsers.openai import OpenAIToolParser
 from trillm.parsers.tool_parsers.pythonic import PythonicToolParser
 
 __all__ = [
@@ -100,5 +101,11 @@ def load_tool_parser_plugin(path: str) -> None:
         raise ValueError(f"--tool-parser-plugin {path!r} failed to load: {exc!r}") from exc
 
 
-for _parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser):
+for _parser in (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    OpenAIToolParser,
+    PythonicToolParser,
+):
     register_tool_parser(_parser.name, _parser)
