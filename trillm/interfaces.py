@@ -7,7 +7,8 @@
   for the batch-queue and failure-watching parts); every executor, stand-ins in tests
   included, subclasses it.
 - The engine as a request sees it (``RequestEngine``, below): what ``request_stream.py``'s
-  parent requests call on ``trillm.engine.async_engine.AsyncEngine`` to submit and abort.
+  parent requests call to submit and abort (``trillm.engine.request_inbox.RequestInbox``,
+  which ``AsyncEngine`` hands them).
 - The scheduler: the Python twin's class, ``trillm.core.scheduler.Scheduler``; the native
   scheduler is declared with the twin's API (``trillm/_ext/scheduler.pyi``) and checked against
   it (``tests/native/test_native_contract.py``).
@@ -66,7 +67,7 @@ if TYPE_CHECKING:  # mypy checks every runner trillm ships against the contract
 
 
 class RequestEngine(Protocol):
-    """What a request needs of the engine (``AsyncEngine``): stage 2, the adapter and grammar
+    """What a request needs of the engine (``RequestInbox``): stage 2, the adapter and grammar
     checks, and the output handler's inbox."""
 
     preprocessor: Preprocessor

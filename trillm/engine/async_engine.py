@@ -36,6 +36,7 @@ from trillm.engine.output_handler import OutputHandler
 from trillm.engine.output_processor import OutputProcessor
 from trillm.engine.pooling_requests import pool
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor, PromptType
+from trillm.engine.request_inbox import RequestInbox
 from trillm.engine.request_stream import ParentRequest, RequestStream
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
 from trillm.errors import EngineDeadError
@@ -43,7 +44,6 @@ from trillm.lora.checker import LoRAChecker
 from trillm.lora.request import LoRARequest
 from trillm.messages import (
     AbortRequest,
-    AddRequest,
     OutputHandlerInput,
     SchedulerStats,
 )
@@ -89,24 +89,36 @@ class AsyncEngine:
         self.output_processor = OutputProcessor(
             tokenizer, stream_interval=stream_interval, wake_budget=stream_wake_budget
         )
-        # Adapters checked against the model (trillm/lora/checker.py), with --enable-lora.
-        self.lora_checker = None if config.lora is None else LoRAChecker(config)
         # Engine outputs, new requests and aborts, in order, to the output handler. Bounded:
         # the engine cores wait when the handler is _INBOX_SIZE messages behind, and so do
         # callers submitting requests.
         self._inbox_send, self._inbox_recv = trio.open_memory_channel[OutputHandlerInput](
             _INBOX_SIZE
         )
+        # Adapters checked against the model (trillm/lora/checker.py), with --enable-lora.
+        self.lora_checker = None if config.lora is None else LoRAChecker(config)
+        # What each request submits through (request_inbox.py).
+        self.inbox = RequestInbox(
+            self._inbox_send,
+            self.preprocessor,
+            stream_interval,
+            self.lora_checker,
+            self.structured_output,
+        )
         self.stream_interval = stream_interval
         # Called with each step's computed-token count and its engine core's index (the
         # metrics' iteration_tokens_total).
         self.step_observers: list[Callable[[int, int], None]] = []
         self._ids = itertools.count()
-        self.dead_error: EngineDeadError | None = None
         self.died = trio.Event()  # set with dead_error (the server exits on it)
         self.is_running = False
 
     # ------------------------------------------------------------------ status
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """What the engine died of (None while it runs)."""
+        return self.inbox.dead_error
+
     @property
     def is_dead(self) -> bool:
         return self.dead_error is not None
@@ -169,14 +181,10 @@ class AsyncEngine:
             logger.exception("engine core failed", exc_info=exc)
             error = EngineDeadError(f"The engine core failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-        self.dead_error = error
+        self.inbox.dead_error = error
         self.died.set()
 
     # ------------------------------------------------------------------ requests
-    def check_alive(self) -> None:
-        if self.dead_error is not None:
-            raise self.dead_error
-
     def token_text(self, token_id: int) -> str:
         """``decode([token_id])``, from the cache the logprob entries' texts come from."""
         return self.output_processor.token_texts(token_id)
@@ -211,7 +219,7 @@ class AsyncEngine:
             self._refuse_pooling()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         return RequestStream(
-            self,
+            self.inbox,
             prompt,
             params,
             request_id,
@@ -250,7 +258,7 @@ class AsyncEngine:
             base = f"req-{next(self._ids)}"
             request_ids = [f"{base}-{i}" for i in range(n)]
         return ParentRequest(
-            self,
+            self.inbox,
             prompts,
             params_list,
             request_ids,
@@ -304,46 +312,7 @@ class AsyncEngine:
 
     async def check_lora(self, lora: LoRARequest) -> None:
         """InvalidRequestError (a 400) unless LoRA is on and the adapter fits the model."""
-        if self.lora_checker is None:
-            raise InvalidRequestError(
-                "LoRA adapters need the engine started with enable_lora (--enable-lora).",
-                "lora_request",
-            )
-        await self.lora_checker.check(lora)
-
-    def try_send_to_handler(self, msg: AddRequest) -> bool:
-        """Hand a new request to the output handler without waiting: False when its inbox
-        is full."""
-        try:
-            self._inbox_send.send_nowait(msg)
-        except trio.WouldBlock:
-            return False
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise self.dead_error or EngineDeadError("The engine has shut down.") from None
-        return True
-
-    async def send_to_handler(self, msg: AddRequest) -> None:
-        """Hand a new request to the output handler (waits while its inbox is full)."""
-        try:
-            await self._inbox_send.send(msg)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise self.dead_error or EngineDeadError("The engine has shut down.") from None
-
-    async def send_abort(self, msg: AbortRequest) -> None:
-        """Abort through the output handler; nothing to do once the engine is gone."""
-        try:
-            await self._inbox_send.send(msg)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-
-    async def compile_grammar(self, params: SamplingParams) -> None:
-        """Structured outputs: compiled before the engine sees the request, so a bad spec is
-        refused here, a 400 (``StructuredOutputManager.precompile``)."""
-        if self.structured_output is None:
-            raise InvalidRequestError(
-                "Structured outputs need the model's tokenizer.", "structured_outputs"
-            )
-        await self.structured_output.precompile(params.structured_outputs)
+        await self.inbox.check_lora(lora)
 
     def chat(
         self,
@@ -396,4 +365,4 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request by id; its reader gets the final 'abort' output."""
-        await self.send_abort(AbortRequest(request_id))
+        await self.inbox.send_abort(AbortRequest(request_id))

@@ -10,7 +10,7 @@ client that stopped reading its stream must not make the server hold ever more o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import deque
 
 import trio
 
@@ -55,9 +55,9 @@ class RequestOutputCollector:
         self._delivered_any = False
         self.unread_units = 0  # DELTA only: the size of the pending output (output_units)
         self.overflowed = False  # the reader left MAX_UNREAD_UNITS unread once
-        # Called whenever the reader may take something (a parent request reading several
-        # collectors in one task: ``request_stream.ParentRequest``).
-        self.on_ready: Callable[[], None] | None = None
+        # Noted whenever the reader may take something: (the parent request's queue, this
+        # prompt's index), for a parent reading several collectors in one task.
+        self.ready_queue: tuple[ReadyQueue, int] | None = None
 
     def put(self, output: RequestOutput) -> bool:
         """Never blocks: merges into the pending output when the reader has not taken it.
@@ -83,9 +83,7 @@ class RequestOutputCollector:
                 and not over
             ):
                 return over
-        self._ready.set()
-        if self.on_ready is not None:
-            self.on_ready()
+        self._wake()
         return over
 
     def put_error(self, error: BaseException) -> None:
@@ -94,9 +92,13 @@ class RequestOutputCollector:
         if self._output is not None and self._output.finished:
             return
         self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
         self._ready.set()
-        if self.on_ready is not None:
-            self.on_ready()
+        if self.ready_queue is not None:
+            queue, index = self.ready_queue
+            queue.note(index)
 
     @property
     def has_error(self) -> bool:
@@ -126,3 +128,38 @@ class RequestOutputCollector:
             output = self.get_nowait()
             if output is not None:
                 return output
+
+
+class ReadyQueue:
+    """Which prompts of a parent request (``request_stream.ParentRequest``, reading several
+    collectors in one task) have news for its reader, in the order the news came. Collectors
+    note their prompt here as the output handler fills them: a call down into this module,
+    never back up into the parent request."""
+
+    __slots__ = ("_order", "_queued", "woken")
+
+    def __init__(self) -> None:
+        self._order: deque[int] = deque()  # prompt indexes
+        self._queued: set[int] = set()  # those in ``_order``
+        self.woken = trio.Event()  # set when a prompt joins the queue
+
+    def note(self, index: int) -> None:
+        if index not in self._queued:
+            self._queued.add(index)
+            self._order.append(index)
+            self.woken.set()
+
+    def pop(self) -> int | None:
+        """The prompt with the oldest news (None when none has any)."""
+        if not self._order:
+            return None
+        index = self._order.popleft()
+        self._queued.discard(index)
+        return index
+
+    def __bool__(self) -> bool:
+        return bool(self._order)
+
+    def rearm(self) -> None:
+        """A fresh ``woken`` before the reader scans: news arriving after it sets this one."""
+        self.woken = trio.Event()

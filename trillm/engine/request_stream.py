@@ -32,14 +32,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from functools import partial
 from types import TracebackType
 
 import trio
 
-from trillm.engine.output_collector import RequestOutputCollector
+from trillm.engine.output_collector import ReadyQueue, RequestOutputCollector
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, PromptType
 from trillm.interfaces import RequestEngine
 from trillm.lora.request import LoRARequest
@@ -60,7 +58,6 @@ class _Child:
     collector: RequestOutputCollector | None = None  # set once the handler has it
     error: Exception | None = None  # its submission failed (read as its item)
     done: bool = False  # its final output or error was read (or it was aborted)
-    queued: bool = False  # in the parent's ready queue
 
 
 class ParentRequest:
@@ -101,10 +98,9 @@ class ParentRequest:
         self._expired = False  # the deadline passed: aborts read "timeout"
         self._next = 0  # the next child to submit
         self._in_flight = 0  # children submitted and not done
-        self._ready: deque[_Child] = deque()  # children with news, in the order it came
+        self._ready = ReadyQueue()  # children with news (their indexes), in the order it came
         self._entered = False
         self._closed = False
-        self._woken = trio.Event()  # set when a child joins the ready queue
 
     # ------------------------------------------------------------------ the block
     async def __aenter__(self) -> ParentRequest:
@@ -216,7 +212,7 @@ class ParentRequest:
             mm_items=prepared.mm_items,
         )
         collector = RequestOutputCollector(params.output_kind, engine.stream_interval)
-        collector.on_ready = partial(self._note_ready, child)
+        collector.ready_queue = (self._ready, child.index)
         return AddRequest(
             request_id=child.request_id,
             prompt=prepared.text,
@@ -236,14 +232,7 @@ class ParentRequest:
                 await self._submit(child)
             except Exception as exc:
                 child.error = exc
-                self._note_ready(child)
-
-    def _note_ready(self, child: _Child) -> None:
-        """A child's collector has news for the reader (or its submission failed)."""
-        if not child.queued:
-            child.queued = True
-            self._ready.append(child)
-            self._woken.set()
+                self._ready.note(child.index)
 
     def _finish(self, child: _Child) -> None:
         if not child.done:
@@ -262,7 +251,7 @@ class ParentRequest:
             )
         while True:
             # NOTE: a fresh event before the scan: news arriving after it sets this one.
-            self._woken = trio.Event()
+            self._ready.rearm()
             item = self._take()
             if item is not None:
                 if self._children[item[0]].done:
@@ -275,19 +264,18 @@ class ParentRequest:
                 await self._submit_more()
                 continue
             if self._deadline == math.inf or self._expired:
-                await self._woken.wait()
+                await self._ready.woken.wait()
                 continue
             # NOTE: the deadline's scope covers only the wait, never the caller's work.
             with trio.move_on_at(self._deadline):
-                await self._woken.wait()
+                await self._ready.woken.wait()
             if trio.current_time() >= self._deadline:
                 await self._expire()
 
     def _take(self) -> tuple[int, RequestOutput | Exception] | None:
         """The next child with news, in the order the news came."""
-        while self._ready:
-            child = self._ready.popleft()
-            child.queued = False
+        while (index := self._ready.pop()) is not None:
+            child = self._children[index]
             if child.done:
                 continue
             if child.error is not None:
@@ -308,7 +296,7 @@ class ParentRequest:
             if out.finished:
                 self._finish(child)
             elif child.collector.has_error:
-                self._note_ready(child)  # the error is read next
+                self._ready.note(child.index)  # the error is read next
             return child.index, out
         return None
 
