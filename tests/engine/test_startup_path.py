@@ -5,7 +5,8 @@
   registry's table (``registry.ModelEntry``) and config.json, so the workers start at once.
 - The tokenizer (transformers' import alone takes seconds) loads on a thread while the workers
   start; a tokenizer that cannot load still fails the start with its own error, and the
-  workers already started are reaped.
+  workers already started are reaped; a worker that refuses to start fails it only once the
+  tokenizer's thread has ended (none is left importing transformers behind the caller).
 - A worker allocates the meta-built model with ``torch.empty`` (``loader._materialize``), not
   ``Module.to_empty``, whose meta path imports sympy; a parameter two modules share stays
   shared.
@@ -18,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +97,49 @@ def test_a_tokenizer_that_cannot_load_fails_the_start_and_reaps_the_workers(
     with pytest.raises(Exception, match="key must be a string at line 1 column 2"):
         LLM(str(folder), max_model_len=64, kv_cache_memory="4MiB")
     assert _workers() - before == set()
+
+
+def test_a_refused_start_leaves_no_tokenizer_load_behind():
+    """A worker that refuses to start (too few KV blocks for the context) fails the start once
+    the tokenizer's thread has ended. Left running, that thread's first import of transformers,
+    half done, broke the caller's next one (``cannot import name ... from 'transformers'``)."""
+    out = run_python("""
+        import threading
+        from trillm import LLM
+        from trillm.worker.kv_cache_sizing import KVCacheTooSmallError
+        try:
+            LLM(None, num_gpu_blocks_override=6, max_model_len=256, kv_cache_memory="16MiB",
+                distributed_executor_backend="uni")
+        except KVCacheTooSmallError:
+            print([t.name for t in threading.enumerate() if t.name == "trillm-load"])
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        print("imported")
+    """)
+    assert out.split("\n")[:2] == ["[]", "imported"]
+
+
+def test_the_start_fails_only_after_the_tokenizer_load_ended(monkeypatch):
+    """The same order in this process, with a load slower than the refusal (torch imported)."""
+    from trillm.engine import config_builder
+    from trillm.worker.kv_cache_sizing import KVCacheTooSmallError
+
+    real, ended = config_builder.load_tokenizer, []
+
+    def slow_load(*args: object) -> object:
+        time.sleep(2)
+        ended.append(True)
+        return real(*args)
+
+    monkeypatch.setattr(config_builder, "load_tokenizer", slow_load)
+    with pytest.raises(KVCacheTooSmallError):
+        LLM(
+            None,
+            num_gpu_blocks_override=6,
+            max_model_len=256,
+            kv_cache_memory="16MiB",
+            distributed_executor_backend="uni",
+        )
+    assert ended == [True]
 
 
 def _workers() -> set[int]:

@@ -38,28 +38,35 @@ def _require_trio() -> None:
         ) from None
 
 
-def _load_in_background(fn: Callable[..., Any], *args: Any) -> Callable[[], Awaitable[Any]]:
-    """``fn(*args)`` started now on a daemon thread; the returned function waits for its
-    result (or raises its error). A caller that leaves before waiting (a worker failed to
-    start) leaves the thread to finish on its own: nothing waits for it."""
+@asynccontextmanager
+async def _load_in_background(
+    fn: Callable[..., Any], *args: Any
+) -> AsyncIterator[Callable[[], Awaitable[Any]]]:
+    """``fn(*args)`` started on a thread while the block runs; the block gets a function that
+    waits for its result (or raises its error). Leaving the block waits for the thread, also
+    when the block fails or is cancelled (a worker refused to start): a load left running
+    outlives the engine, and its first import of transformers, half done, breaks the caller's
+    own (``cannot import name 'AutoTokenizer' from 'transformers'``)."""
     token = trio.lowlevel.current_trio_token()
     done = trio.Event()
     result: list[outcome.Outcome[Any]] = []
 
     def work() -> None:
         result.append(outcome.capture(fn, *args))
-        try:
-            trio.from_thread.run_sync(done.set, trio_token=token)
-        except trio.RunFinishedError:  # the engine's trio.run is over: nobody waits
-            pass
+        trio.from_thread.run_sync(done.set, trio_token=token)
 
+    # daemon: a load that never returns does not keep the interpreter from exiting
     threading.Thread(target=work, name="trillm-load", daemon=True).start()
 
     async def wait() -> Any:
         await done.wait()
         return result[0].unwrap()
 
-    return wait
+    try:
+        yield wait
+    finally:
+        with trio.CancelScope(shield=True):
+            await done.wait()
 
 
 @asynccontextmanager
@@ -86,13 +93,15 @@ async def open_engine(
         engine_args["runner"], runner = runner, None
     args = EngineArgs.from_kwargs(model, **engine_args)
     config = await trio.to_thread.run_sync(build_config, args)
-    # The tokenizer loads while the workers start (transformers' import alone is seconds).
-    tokenizer_loaded = _load_in_background(
-        load_tokenizer, config.model.tokenizer, args.trust_remote_code
-    )
     default = POOLING_RUNNER if config.pooler is not None else DEFAULT_RUNNER
     configs = core_configs(config)
-    async with open_executors(configs, runner or default, runner_kwargs) as executors:
+    # The tokenizer loads while the workers start (transformers' import alone is seconds).
+    async with (
+        _load_in_background(
+            load_tokenizer, config.model.tokenizer, args.trust_remote_code
+        ) as tokenizer_loaded,
+        open_executors(configs, runner or default, runner_kwargs) as executors,
+    ):
         tokenizer = await tokenizer_loaded()
         engine = AsyncEngine(
             configs[0],
