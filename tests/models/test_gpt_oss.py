@@ -306,13 +306,6 @@ def test_mxfp4_of_another_architecture_is_refused(tiny_model_factory, tmp_path):
         _runner(path)
 
 
-def test_tensor_parallelism_is_refused_by_name(case):
-    from trillm.distributed.sharding import check_divisible
-
-    with pytest.raises(ValueError, match="tensor parallelism does not support GptOssForCausalLM"):
-        check_divisible(build_config(EngineArgs(model=str(case[0]))).model, 2)
-
-
 # ---------------------------------------------------------------- harmony chat
 
 

@@ -64,7 +64,8 @@ def with_random_biases(folder: Path) -> None:
 
 TWO_PROMPTS = PROMPTS[:2]
 # Llama: see the table above. gpt-oss: tensor parallelism refuses it (its sinks and
-# interleaved experts have no split yet; tests/models/test_gpt_oss.py checks the refusal).
+# interleaved experts have no split yet): tests/parallel/test_gpt_oss_parallel.py checks the
+# refusal and PP=2.
 ARCHITECTURES = sorted(set(ARCHES) - {"llama", "gpt_oss"})
 
 
