@@ -127,23 +127,19 @@ def test_a_prefix_cache_hit_reads_the_latent_blocks(built):
 
 def test_engine_preempts_chunks_and_hits_the_prefix_cache(built):
     path, _, _ = built("v2")
-    prompts = random_prompts([40, 9, 33, 25, 50, 17], seed=3)
+    prompts = random_prompts([40, 9, 33, 25, 50, 17, 30, 12], seed=3)
     prompts = [prompts[0][:24] + p if i % 2 else p for i, p in enumerate(prompts)]  # shared
-    expected = [hf_greedy(str(path), p, MAX_NEW) for p in prompts]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    new = 2 * MAX_NEW  # decode grows every request past its blocks: the cache runs out
+    expected = [hf_greedy(str(path), p, new) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
 
     async def wave(engine) -> list[list[int]]:
+        """All prompts in one request: they enter the same step (no arrival-order luck)."""
         results: dict[int, list[int]] = {}
-
-        async def one(i: int) -> None:
-            prompt = {"prompt_token_ids": prompts[i]}
-            async with engine.generate(prompt, params, f"r{i}") as outputs:
-                async for out in outputs:
-                    results[i] = out.outputs[0].token_ids
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(one, i)
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        async with engine.generate_many(batch, params) as items:
+            async for index, out in items:
+                results[index] = out.outputs[0].token_ids
         return [results[i] for i in range(len(prompts))]
 
     async def main():
@@ -151,7 +147,7 @@ def test_engine_preempts_chunks_and_hits_the_prefix_cache(built):
             str(path),
             max_model_len=128,
             block_size=BLOCK_SIZE,
-            num_gpu_blocks_override=17,  # 6 requests need ~30 blocks: forces preemption
+            num_gpu_blocks_override=16,  # 8 requests need ~50 blocks: forces preemption
             max_num_batched_tokens=32,  # long prompts are chunked
             distributed_executor_backend="uni",
         ) as engine:
