@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trillm.errors import CodecError, CollectiveTimeoutError, IPCError, RingClosedError
 from trillm.gc_heap import freeze_startup_heap
@@ -43,6 +43,7 @@ from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 from trillm.worker.remote_rank import check_same_config, join_from_node
 
 if TYPE_CHECKING:
+    from trillm.config import TrillmConfig
     from trillm.distributed.node_link import NodeLink
 
 EXIT_OK, EXIT_FAILED, EXIT_PARENT_DIED = 0, 1, 3
@@ -90,7 +91,7 @@ class Worker:
         results: RingWriter | None,
         parent_pid: int,
         link: NodeLink | None = None,
-        own_config: Any = None,
+        own_config: TrillmConfig | None = None,
     ):
         self.rank = rank
         self.requests = requests
@@ -111,7 +112,7 @@ class Worker:
         if self.link is not None:
             self.link.heartbeat_if_idle()
 
-    def _send(self, msg: Any, timeout: float | None = None) -> None:
+    def _send(self, msg: codec.Message, timeout: float | None = None) -> None:
         """This rank's reply (and, on a relaying rank 0, the other nodes' replies after it)."""
         frame = codec.encode(msg)
         if self.results is None:
@@ -131,7 +132,7 @@ class Worker:
         elif self.link is not None and not msg.collective:
             self.link.send_reply(frame)
 
-    def _recv(self) -> Any:
+    def _recv(self) -> codec.Message:
         if self.requests is None:
             assert self.link is not None
             return codec.decode(self.link.receive())
@@ -162,7 +163,7 @@ class Worker:
                 return EXIT_OK
             self._handle(msg)
 
-    def _handle(self, msg: Any) -> None:
+    def _handle(self, msg: codec.Message) -> None:
         if isinstance(msg, SchedulerOutput):
             self._execute(msg)
             if not msg.wait_for_bitmask:
