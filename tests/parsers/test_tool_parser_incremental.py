@@ -48,6 +48,15 @@ def _pythonic(n: int) -> str:
     return "[" + ", ".join(f'f{i}(x={i}, s="a, (b)", l=[1, 2])' for i in range(n)) + "]"
 
 
+def _deepseek_v3(n: int) -> str:
+    calls = "".join(
+        f'<｜tool▁call▁begin｜>function<｜tool▁sep｜>f{i}\n```json\n{{"x": {i}, "s": "`"}}\n```'
+        "<｜tool▁call▁end｜>"
+        for i in range(n)
+    )
+    return "Let me check.<｜tool▁calls▁begin｜>" + calls + "<｜tool▁calls▁end｜>"
+
+
 def _required(n: int) -> str:
     return "[" + ", ".join(f'{{"name": "f", "parameters": {{"x": {i}}}}}' for i in range(n)) + "]"
 
@@ -59,6 +68,7 @@ FORMATS = {
     "mistral": (get_tool_parser("mistral"), _mistral_array),
     "mistral_v11": (get_tool_parser("mistral"), _mistral_v11),
     "pythonic": (get_tool_parser("pythonic"), _pythonic),
+    "deepseek_v3": (get_tool_parser("deepseek_v3"), _deepseek_v3),
     "required": (RequiredToolCallParser, _required),
 }
 
@@ -159,6 +169,12 @@ ODD = {
         'hi [TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g", "argu',
         '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS][1]',
         '[TOOL_CALLS]f[ARGS]{"a": 1}  [TOOL_CA',
+    ],
+    "deepseek_v3": [
+        'a<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n```'
+        "<｜tool▁call▁end｜> nope<｜tool▁calls▁end｜>",
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": 1}\n```'
+        "<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{\"b",
     ],
     "required": [
         '[{"name": "f", "parameters": {}}, {"name": "f", "parameters": {"x"',

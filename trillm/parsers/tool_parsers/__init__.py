@@ -24,6 +24,7 @@ from trillm.parsers.tool_parsers.base import (
     ToolCallStreamer,
     ToolParser,
 )
+from trillm.parsers.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from trillm.parsers.tool_parsers.forced import (
     NamedToolCallParser,
     RequiredToolCallParser,
@@ -102,6 +103,7 @@ def load_tool_parser_plugin(path: str) -> None:
 
 
 for _parser in (
+    DeepSeekV3ToolParser,
     HermesToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
