@@ -1,7 +1,9 @@
-"""DeepSeek (MLA's latent cache, dense and mixture-of-experts layers) under pipeline
-parallelism: PP=2 greedy tokens equal the single-rank engine's (which equals transformers:
-tests/models/test_deepseek.py); tensor parallelism is refused by name before any worker
-starts (MLA's heads and the latent are not split yet)."""
+"""DeepSeek (MLA's latent cache, dense and mixture-of-experts layers) split over ranks: TP=2
+and PP=2 greedy tokens equal the single-rank engine's (which equals transformers:
+tests/models/test_deepseek.py). Under TP each rank holds its heads' rows of q / q_b and kv_b
+and columns of o_proj, every expert's half of its intermediate size and the shared experts'
+half, and the whole latent cache (every head reads it); a size that does not divide the
+heads is refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -17,19 +19,40 @@ LIMITS = {"max_model_len": 64, "kv_cache_memory": "4MiB"}
 
 
 @pytest.fixture(scope="module")
-def v3(tmp_path_factory):
-    # 2 layers: stage 0 holds the dense layer, stage 1 the mixture-of-experts one
-    return str(build_tiny_deepseek("v3", tmp_path_factory.mktemp("v3"), num_hidden_layers=2))
+def tiny(tmp_path_factory):
+    paths: dict[str, str] = {}
+
+    def get(case: str) -> str:
+        # 2 layers: under PP=2 stage 0 holds the dense layer, stage 1 the experts' one
+        if case not in paths:
+            folder = tmp_path_factory.mktemp(case)
+            paths[case] = str(build_tiny_deepseek(case, folder, num_hidden_layers=2))
+        return paths[case]
+
+    return get
 
 
-def test_pp2_matches_pp1(v3):
-    reference = reference_tokens(v3, PROMPTS, MAX_TOKENS, **LIMITS)
+def parallel_tokens(path: str, **parallel: int) -> list[list[int]]:
+    reference = reference_tokens(path, PROMPTS, MAX_TOKENS, **LIMITS)
     assert all(len(set(t)) > 1 for t in reference), reference  # not a repeated token
-    with LLM(v3, **LIMITS, pipeline_parallel_size=2) as llm:
+    with LLM(path, **LIMITS, **parallel) as llm:
         outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == reference
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_tp2_is_refused_by_name(v3):
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: tensor parallelism does not"):
-        LLM(v3, **LIMITS, tensor_parallel_size=2)
+@pytest.mark.parametrize("case", ["v2_lite", "v3"])  # q_proj; q-LoRA with noaux_tc
+def test_tp2_matches_tp1(tiny, case):
+    path = tiny(case)
+    expected = reference_tokens(path, PROMPTS, MAX_TOKENS, **LIMITS)
+    assert parallel_tokens(path, tensor_parallel_size=2) == expected
+
+
+def test_pp2_matches_pp1(tiny):
+    path = tiny("v3")
+    expected = reference_tokens(path, PROMPTS, MAX_TOKENS, **LIMITS)
+    assert parallel_tokens(path, pipeline_parallel_size=2) == expected
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_is_refused(tiny):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
+        LLM(tiny("v3"), **LIMITS, tensor_parallel_size=3)

@@ -12,6 +12,8 @@
     GPT-NeoX's attention.dense, dense_4h_to_h    row-parallel
     norms                                        replicated (OLMo 2's q/k norms, over all
                                                  heads at once: split as q_proj / k_proj)
+    MLA's q_proj / q_b_proj, kv_b_proj           column-parallel by heads (DeepSeek); its
+                                                 q_a_proj, kv_a_proj_with_mqa replicated
 
 Attention heads split evenly; KV heads too when there are at least as many as ranks, else each
 KV head is replicated on N / Hkv consecutive ranks (the ranks whose query heads use it).
@@ -65,10 +67,20 @@ ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 
 
 _MOE_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size")
+# MLA (DeepSeek): each head's rows of q_proj / q_b_proj and kv_b_proj, columns of o_proj; the
+# low-rank down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated.
+_MLA_HEAD_WIDTHS = {
+    "q_proj": ("qk_nope_head_dim", "qk_rope_head_dim"),
+    "q_b_proj": ("qk_nope_head_dim", "qk_rope_head_dim"),
+    "kv_b_proj": ("qk_nope_head_dim", "v_head_dim"),
+    "o_proj": ("v_head_dim",),
+}
 
 
 def intermediate_of(cfg: ModelConfig, name: str) -> int:
@@ -76,6 +88,8 @@ def intermediate_of(cfg: ModelConfig, name: str) -> int:
     hf = cfg.hf_config
     if ".shared_expert." in name:
         return int(hf["shared_expert_intermediate_size"])
+    if ".shared_experts." in name:  # DeepSeek: n_shared_experts experts' worth, as one MLP
+        return int(hf["moe_intermediate_size"]) * int(hf["n_shared_experts"])
     if ".experts." in name and hf.get("moe_intermediate_size"):
         return int(hf["moe_intermediate_size"])
     return cfg.intermediate_size
@@ -162,6 +176,11 @@ class RankShapes:
         if proj == "query_key_value":  # GPT-NeoX: rows [Hq, (q|k|v), D], a rank's heads together
             return 0, self.head_start * 3 * d, self.num_heads * 3 * d
         proj = _AS_LLAMA.get(proj, proj)
+        if proj in _MLA_HEAD_WIDTHS and "kv_lora_rank" in cfg.hf_config:  # DeepSeek's MLA
+            if kind != "weight":  # o_proj's bias: replicated, summed once (read_shard)
+                return None
+            width = sum(int(cfg.hf_config[key]) for key in _MLA_HEAD_WIDTHS[proj])
+            return int(proj == "o_proj"), self.head_start * width, self.num_heads * width
         if proj in ("q_proj",):
             return 0, self.head_start * d, self.num_heads * d
         if proj in ("k_proj", "v_proj"):

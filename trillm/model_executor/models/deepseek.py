@@ -100,16 +100,23 @@ class DeepseekMoE(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         inter = int(hf["moe_intermediate_size"])
-        self.gate = DeepseekRouter(cfg)
+        self.gate = DeepseekRouter(cfg)  # replicated
+        # Tensor parallelism: every rank holds every expert's share of its I (sharding.py).
+        self.tp = get_tp_group()
         self.experts = FusedMoE(
-            self.gate.num_experts, self.gate.top_k, cfg.hidden_size, inter, renormalize=False
+            self.gate.num_experts,
+            self.gate.top_k,
+            cfg.hidden_size,
+            inter // self.tp.world_size,
+            renormalize=False,
         )
         shared = dataclasses.replace(cfg, intermediate_size=inter * int(hf["n_shared_experts"]))
         self.shared_experts = LlamaMLP(shared, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = self.gate(x)
-        return self.experts.run(x, weights, ids) + self.shared_experts(x)
+        routed = self.tp.all_reduce(self.experts.run(x, weights, ids))  # the ranks' partial sums
+        return routed + self.shared_experts(x)  # LlamaMLP all-reduces its own
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -157,11 +164,6 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
     ) -> None:
-        if get_tp_group().world_size > 1:  # NOTE: config_builder refuses it first
-            size = get_tp_group().world_size
-            raise ValueError(
-                f"{cfg.architecture}: tensor_parallel_size={size} is not supported yet."
-            )
         if cfg.numerics == "transformers":
             raise ValueError(
                 f"{cfg.architecture}: numerics='transformers' is not supported (its MLA "

@@ -31,6 +31,7 @@ from trillm.attention.torch_groups import Group, build_groups
 from trillm.config import ModelConfig
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
+from trillm.model_executor.models.llama import rank_shapes
 
 FP8_KV = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value: stored as x / scale with the scale 1.0
@@ -73,7 +74,10 @@ class MLAAttention(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         self.plan, self.interleaved = plan, interleaved
-        self.num_heads = cfg.num_attention_heads
+        # Tensor parallelism: a rank holds its heads' rows of q and kv_b, columns of o_proj
+        # (all-reduced), and the whole latent (every head reads it).
+        self.tp, shapes = rank_shapes(cfg)
+        self.num_heads = shapes.num_heads
         self.nope_dim, self.rope_dim = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
         self.v_dim, self.latent_dim = int(hf["v_head_dim"]), int(hf["kv_lora_rank"])
         self.q_dim = self.nope_dim + self.rope_dim
@@ -118,7 +122,8 @@ class MLAAttention(nn.Module):
         groups = self.plan.groups(meta, kv_cache.shape[2])
         out_latent = self._attend(query, cache, groups)  # [T, Hq, L]
         out = torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2))  # [Hq, T, Dv]
-        return self.o_proj(out.transpose(0, 1).reshape(-1, self.num_heads * self.v_dim))
+        out = self.o_proj(out.transpose(0, 1).reshape(-1, self.num_heads * self.v_dim))
+        return self.tp.all_reduce(out)
 
     def _rope(
         self,
