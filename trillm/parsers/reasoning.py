@@ -4,6 +4,8 @@ output becomes ``reasoning_content`` (and vLLM's newer ``reasoning``), the rest 
 - ``deepseek_r1``: the output starts in reasoning (R1's template opens ``<think>`` in the
   prompt; a ``<think>`` the model writes itself is dropped); everything before ``</think>`` is
   reasoning, and all of it when ``</think>`` never comes (cut off while thinking).
+- ``deepseek_v3``: DeepSeek-V3.1 / V3.2's hybrid thinking: ``deepseek_r1`` when the request's
+  ``chat_template_kwargs`` has ``thinking: true``, else the whole output is content.
 - ``qwen3``: the output starts in reasoning when it begins with ``<think>`` or the rendered
   prompt ends inside an open ``<think>`` (Qwen3.5 / thinking-2507 templates); otherwise it is
   all content (``enable_thinking: false`` renders a closed ``<think></think>`` in the prompt).
@@ -164,6 +166,36 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
         return self.prompt.rfind(END) <= self.prompt.rfind(START)
 
 
+class DeepSeekV3ReasoningParser(DeepSeekR1ReasoningParser):
+    """DeepSeek-V3.1 / V3.2, thinking or not by the request's ``chat_template_kwargs``
+    ``thinking`` (their template's switch): with it, R1's split; without it, the whole output
+    is content, tags and all (vLLM's identity parser). The engine side reads the prompt's
+    last tag, which these templates render (``<think>`` or ``</think>``); untagged: content."""
+
+    name = "deepseek_v3"
+    untagged_prompt_state = ENDED
+
+    @property
+    def thinking(self) -> bool:
+        return bool(self.chat_template_kwargs.get("thinking", False))
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        return super().split(text, final) if self.thinking else ("", text)
+
+    def streamer(self) -> ReasoningStreamer:
+        return ReasoningStreamer(self) if self.thinking else _ContentStreamer(self)
+
+
+class _ContentStreamer(ReasoningStreamer):
+    """Every delta is content."""
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        return "", delta
+
+    def finish(self) -> tuple[str, str]:
+        return "", ""
+
+
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
     untagged_prompt_state = UNDECIDED
@@ -241,7 +273,13 @@ class ResplitStreamer(ReasoningStreamer):
 
 
 _REGISTRY: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GptOssReasoningParser)
+    p.name: p
+    for p in (
+        DeepSeekR1ReasoningParser,
+        DeepSeekV3ReasoningParser,
+        Qwen3ReasoningParser,
+        GptOssReasoningParser,
+    )
 }
 _REGISTRY["gpt_oss"] = GptOssReasoningParser
 
