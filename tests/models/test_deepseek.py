@@ -320,6 +320,24 @@ def test_defaults_are_transformers(tmp_path):
         assert ours["head_dim"] == theirs.head_dim == theirs.qk_rope_head_dim
 
 
+def test_mla_attends_in_its_own_torch_path(built):
+    """The default backend of these models is torch on every device (MLA's own attention);
+    naming another is refused when the model is built, not ignored."""
+    from trillm.engine.config_builder import resolve_attention_backend
+
+    for device in ("cpu", "cuda"):
+        resolved = resolve_attention_backend(
+            EngineArgs(), device, "bfloat16", "DeepseekV3ForCausalLM"
+        )
+        assert resolved == "torch"
+    assert (
+        resolve_attention_backend(EngineArgs(), "cuda", "bfloat16", "LlamaForCausalLM") != "torch"
+    )
+    path, _, _ = built("v2_lite")
+    with pytest.raises(ValueError, match="attention-backend eager is not supported"):
+        _runner(path, attention_backend="eager")
+
+
 def test_numerics_transformers_is_refused(built):
     path, _, _ = built("v2_lite")
     runner = make_runner(path)

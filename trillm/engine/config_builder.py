@@ -21,7 +21,7 @@ from trillm.config import (
     parse_memory_size,
 )
 from trillm.config.multimodal import resolve_limits
-from trillm.model_executor import transformers_numerics
+from trillm.model_executor import deepseek_config, transformers_numerics
 from trillm.spec_decode.config import parse_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 
-def resolve_attention_backend(args: EngineArgs, device: str, model_dtype: str) -> str:
+def resolve_attention_backend(
+    args: EngineArgs, device: str, model_dtype: str, architecture: str = ""
+) -> str:
     requested = args.attention_backend
     if requested == "eager" and (device != "cpu" or args.kv_cache_dtype != "auto"):
         raise ValueError(
@@ -41,6 +43,8 @@ def resolve_attention_backend(args: EngineArgs, device: str, model_dtype: str) -
         return requested
     if args.numerics == "transformers":
         return "eager"
+    if architecture in deepseek_config.ARCHITECTURES:  # MLA attends in its own torch ops
+        return "torch"
     if device == "cuda":
         try:
             import flashinfer  # noqa: F401
@@ -121,7 +125,9 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         parallel=_parallel_config(args),
         device=device,
         seed=args.seed,
-        attention_backend=resolve_attention_backend(args, device, model_config.dtype),
+        attention_backend=resolve_attention_backend(
+            args, device, model_config.dtype, model_config.architecture
+        ),
         max_logprobs=args.max_logprobs,
         reasoning_parser=args.reasoning_parser,
         structured_outputs_cache_bytes=check_grammar_cache_bytes(

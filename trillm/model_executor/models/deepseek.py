@@ -164,6 +164,12 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
     ) -> None:
+        if backend.name != "torch":
+            raise ValueError(
+                f"{cfg.architecture}: --attention-backend {backend.name} is not supported: MLA "
+                "attends over its latent cache in its own torch ops (the default for these "
+                "models); use --attention-backend torch."
+            )
         if cfg.numerics == "transformers":
             raise ValueError(
                 f"{cfg.architecture}: numerics='transformers' is not supported (its MLA "
