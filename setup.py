@@ -12,6 +12,9 @@ map a namespace package below a regular one to another folder).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 from Cython.Build import cythonize
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
@@ -24,31 +27,53 @@ ParallelCompile("TRILLM_BUILD_JOBS", default=0).install()
 CXX_FLAGS = ["-O3", "-std=c++17"]
 
 
+def stage_declarations(include_dir: str) -> list[str]:
+    """Copies each ext/<name>.pxd to <include_dir>/trillm/_ext/<name>.pxd; returns the copied.
+
+    Cython looks a module's .pxd up by its qualified name only (trillm/_ext/<name>.pxd on the
+    include path), for the module's own declarations and for a cimport alike; it never looks
+    beside a .pyx whose path is not its module name (ext/<name>.pyx builds trillm._ext.<name>).
+    The declarations live beside their .pyx and are staged at that name for the compile.
+    """
+    package = Path(include_dir, "trillm", "_ext")
+    package.mkdir(parents=True)
+    pxds = sorted(Path("ext").glob("*.pxd"))
+    for pxd in pxds:
+        # copy2 keeps the mtime: cythonize regenerates a .cpp when a .pxd is newer than it
+        shutil.copy2(pxd, package / pxd.name)
+    return [str(pxd) for pxd in pxds]
+
+
 def cython_extensions() -> list[Extension]:
     # ext/<name>.pyx -> trillm._ext.<name>. The KV manager's types are declared in
-    # trillm/_ext/kv_cache_manager.pxd (found from the repository root, the include path):
-    # compiled once, in trillm._ext.kv_cache_manager; the scheduler cimports them.
+    # ext/kv_cache_manager.pxd: compiled once, in trillm._ext.kv_cache_manager; the scheduler
+    # cimports them as trillm._ext.kv_cache_manager.
     modules = ["kv_cache_manager", "scheduler"]
-    exts = [
-        Extension(
-            f"trillm._ext.{name}",
-            [f"ext/{name}.pyx"],
-            language="c++",
-            extra_compile_args=CXX_FLAGS,
+    with tempfile.TemporaryDirectory() as include_dir:
+        pxds = stage_declarations(include_dir)
+        exts = [
+            Extension(
+                f"trillm._ext.{name}",
+                [f"ext/{name}.pyx"],
+                # cythonize swaps the .pyx for its .cpp in the sources: named here, the .pyx
+                # and the .pxd files go into the sdist (a wheel built from it compiles them)
+                depends=[f"ext/{name}.pyx", *pxds],
+                language="c++",
+                extra_compile_args=CXX_FLAGS,
+            )
+            for name in modules
+        ]
+        return cythonize(
+            exts,
+            compiler_directives={
+                "language_level": "3",
+                "boundscheck": False,
+                "wraparound": False,
+                "initializedcheck": False,
+            },
+            include_path=[include_dir],
+            quiet=True,
         )
-        for name in modules
-    ]
-    return cythonize(
-        exts,
-        compiler_directives={
-            "language_level": "3",
-            "boundscheck": False,
-            "wraparound": False,
-            "initializedcheck": False,
-        },
-        include_path=["."],
-        quiet=True,
-    )
 
 
 def pybind_extensions() -> list[Extension]:

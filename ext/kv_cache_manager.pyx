@@ -1,7 +1,8 @@
 # distutils: language = c++
 """Native KV block manager and request record: trillm._ext.kv_cache_manager (twins:
 trillm/core/kv_cache_manager.py, trillm/core/request.py). Declared in
-trillm/_ext/kv_cache_manager.pxd, which ext/scheduler.pyx cimports: compiled once, here."""
+ext/kv_cache_manager.pxd (beside this file), which ext/scheduler.pyx cimports: compiled once,
+here."""
 
 from cython.operator cimport dereference as cython_deref
 
