@@ -23,8 +23,9 @@
 // ext/cpu_attention_decode.h (one row: decode steps).
 //
 // Per layer, optionally: a sliding window (window > 0: a row at position p sees positions
-// > p - window; its keys before that are neither read nor scored) and logit soft-capping
-// (softcap > 0: scores -> softcap * tanh(scores / softcap), Gemma 2).
+// > p - window; its keys before that are neither read nor scored), logit soft-capping
+// (softcap > 0: scores -> softcap * tanh(scores / softcap), Gemma 2) and, fp32 only,
+// attention sinks (a learned logit per query head in the softmax's denominator, gpt-oss).
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -69,7 +70,20 @@ struct Problem {
   float scale;
   int window;     // 0: none
   float softcap;  // 0: none
+  const float* sinks;  // [num_heads] fp32 attention sinks (gpt-oss); nullptr: none
 };
+
+// An attention sink: one more logit in a query head's softmax, attending to no value. Folded
+// into a finished online softmax (running max m, sum l, unnormalised acc): with
+// m' = max(m, sink) and c = exp(m - m'), acc *= c and l = l * c + exp(sink - m').
+TRILLM_INLINE void add_sink(float sink, float& m, float& l, v8f* arow, int NV) {
+  const float top = std::max(m, sink);
+  const float c = std::exp(m - top);
+  l = l * c + std::exp(sink - top);
+  const v8f cv = splat(c);
+  for (int j = 0; j < NV; ++j) arow[j] = arow[j] * cv;
+  m = top;
+}
 
 // softcap * tanh(s / softcap) on the first n scores (already scaled).
 TRILLM_INLINE void soft_cap(float* s, int n, float softcap) {
@@ -329,12 +343,14 @@ class Plan {
   void run(uintptr_t out, uintptr_t q, uintptr_t k_cache, uintptr_t v_cache,
            int64_t q_token_stride, int64_t q_head_stride, int64_t out_token_stride,
            int64_t out_head_stride, float scale, int dtype, int window, float softcap,
-           int cache_dtype) const {
+           int cache_dtype, uintptr_t sinks) const {
     if (dtype != 0 && dtype != 1) throw std::invalid_argument("dtype must be float32 or bfloat16");
     if (window < 0 || !(softcap >= 0.0f))
       throw std::invalid_argument("window and softcap must be >= 0 (0: none)");
     if (cache_dtype < 0 || cache_dtype > 2)
       throw std::invalid_argument("cache_dtype must be float32, bfloat16 or fp8");
+    if (sinks != 0 && dtype != 0)
+      throw std::invalid_argument("attention sinks are implemented for float32 only");
     Problem p = p_;
     p.q = reinterpret_cast<const void*>(q);
     p.out = reinterpret_cast<void*>(out);
@@ -347,6 +363,7 @@ class Plan {
     p.scale = scale;
     p.window = window;
     p.softcap = softcap;
+    p.sinks = reinterpret_cast<const float*>(sinks);
     const Kernel kernel =
         dtype == 0 ? select_for_cache<float>(cache_dtype) : select_for_cache<Bf16>(cache_dtype);
     const int n = static_cast<int>(items_.size());
@@ -411,7 +428,7 @@ void register_cpu_attention(py::module_& m) {
            py::arg("v_cache"), py::arg("q_token_stride"), py::arg("q_head_stride"),
            py::arg("out_token_stride"), py::arg("out_head_stride"), py::arg("scale"),
            py::arg("dtype"), py::arg("window") = 0, py::arg("softcap") = 0.0f,
-           py::arg("cache_dtype") = 0);
+           py::arg("cache_dtype") = 0, py::arg("sinks") = 0);
   py::class_<PlanSlots, std::shared_ptr<PlanSlots>>(m, "PlanSlots")
       .def(py::init<int>(), py::arg("n"))
       .def("set", &PlanSlots::set, py::arg("i"), py::arg("plan"))
@@ -421,18 +438,18 @@ void register_cpu_attention(py::module_& m) {
           [](std::shared_ptr<PlanSlots> self, int i, uintptr_t out, uintptr_t q, uintptr_t k_cache,
              uintptr_t v_cache, int64_t q_token_stride, int64_t q_head_stride,
              int64_t out_token_stride, int64_t out_head_stride, float scale, int dtype, int window,
-             float softcap, int cache_dtype) {
+             float softcap, int cache_dtype, uintptr_t sinks) {
             if (i < 0 || i >= self->size())
               throw std::out_of_range("attention plan slot out of range");
             return trillm_cpu::Thunk{[=]() {
               self->get(i).run(out, q, k_cache, v_cache, q_token_stride, q_head_stride,
                                out_token_stride, out_head_stride, scale, dtype, window, softcap,
-                               cache_dtype);
+                               cache_dtype, sinks);
             }};
           },
           py::arg("i"), py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
           py::arg("q_token_stride"), py::arg("q_head_stride"), py::arg("out_token_stride"),
           py::arg("out_head_stride"), py::arg("scale"), py::arg("dtype"), py::arg("window") = 0,
-          py::arg("softcap") = 0.0f, py::arg("cache_dtype") = 0,
+          py::arg("softcap") = 0.0f, py::arg("cache_dtype") = 0, py::arg("sinks") = 0,
           "Plan(i).run(...) with these arguments, bound: a step of a Program.");
 }

@@ -155,7 +155,10 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
 
   T* out = static_cast<T*>(p.out) + (q0 + row) * p.out_token_stride;
   for (int v = 0; v < nvec; ++v) {
-    T* dst = out + (it.head_begin * group + v) * p.out_head_stride;
-    store_output(dst, acc + v * NV, NV, l[v]);  // l >= 1: the max's own term is exp(0)
+    const int head = it.head_begin * group + v;
+    if (!kBf16Scores<T> && p.sinks != nullptr)
+      add_sink(p.sinks[head], m[v], l[v], acc + v * NV, NV);
+    T* dst = out + head * p.out_head_stride;
+    store_output(dst, acc + v * NV, NV, l[v]);  // l > 0: the max's own term is exp(0)
   }
 }

@@ -296,7 +296,9 @@ TRILLM_INLINE void attend_item(const Problem& p, const Item& it) {
   for (int v = 0; v < nvec; ++v) {
     const int row = it.row_begin + v / per_row;
     const int head = it.head_begin * group + v % per_row;
+    if (!kBf16Scores<T> && p.sinks != nullptr)
+      add_sink(p.sinks[head], m[v], l[v], acc + v * NV, NV);
     T* dst = out + (q0 + row) * p.out_token_stride + head * p.out_head_stride;
-    store_output(dst, acc + v * NV, NV, l[v]);  // l >= 1: a row always sees its own key
+    store_output(dst, acc + v * NV, NV, l[v]);  // l > 0: a row always sees its own key
   }
 }

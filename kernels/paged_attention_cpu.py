@@ -10,8 +10,9 @@ pool of ``trillm._ext.cpu_kernels`` (shared by the native CPU kernels). A step b
 then use the torch path.
 
 A layer may pass a sliding ``window`` (a row at ``p`` sees positions ``> p - window``; the
-kernel reads only those) and a logit ``softcap`` to ``run``. ``causal_prefill`` has neither:
-such layers attend fresh prompts with the paged kernel too.
+kernel reads only those), a logit ``softcap`` and, with fp32 queries, attention ``sinks``
+(``[Hq]`` fp32 logits folded into each row's softmax, gpt-oss) to ``run``. ``causal_prefill``
+has none of them: such layers attend fresh prompts with the paged kernel too.
 
 ``causal_prefill`` is the fresh-prompt twin (``ext/cpu_prefill_attention.cpp``): prompt chunks
 with no context attend causally over this step's own q/k/v rows, fp32 or bf16 (rounded like the
@@ -59,6 +60,18 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         and q.shape[-1] % 8 == 0
         and q.shape[1] % kv_cache.shape[3] == 0
         and q.shape[1] // kv_cache.shape[3] <= 64
+    )
+
+
+def supports_sinks(q: torch.Tensor, sinks: torch.Tensor) -> bool:
+    """Whether ``run`` takes these attention sinks: fp32 q (the bf16 path rounds its
+    probabilities as transformers does, where the sinks have no place yet), fp32 [Hq] sinks."""
+    return (
+        q.dtype == torch.float32
+        and sinks.dtype == torch.float32
+        and sinks.device.type == "cpu"
+        and sinks.shape == (q.shape[1],)
+        and sinks.is_contiguous()
     )
 
 
@@ -133,9 +146,12 @@ class PagedAttentionPlan:
         out: torch.Tensor | None = None,  # [num_tokens, Hq, D]
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [Hq] fp32, fp32 q only (``supports_sinks``)
     ) -> torch.Tensor:  # [num_tokens, Hq, D]
         if (window is not None and window < 1) or (softcap is not None and not softcap > 0):
             raise ValueError("window must be >= 1 and softcap > 0 (or None).")
+        if sinks is not None and not supports_sinks(q, sinks):
+            raise ValueError("sinks must be a contiguous [Hq] float32 tensor, q float32.")
         if q.shape != self.q_shape or kv_cache.shape != self.kv_cache_shape:
             raise ValueError("q or kv_cache has another shape than the plan was made for.")
         if not supports(q, kv_cache):
@@ -162,6 +178,7 @@ class PagedAttentionPlan:
             window=window or 0,
             softcap=float(softcap or 0.0),
             cache_dtype=_CACHE_DTYPES[kv_cache.dtype],
+            sinks=0 if sinks is None else sinks.data_ptr(),
         )
         return out
 
@@ -177,10 +194,11 @@ def paged_attention(
     reqs: torch.Tensor | None = None,  # [n] int32: attend only these requests' rows
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
     """One call: a plan for this metadata, run once (layers of one step share a plan)."""
     plan = PagedAttentionPlan(query_start_loc, seq_lens, block_table, q.shape, kv_cache.shape, reqs)
-    return plan.run(q, kv_cache, scale, out, window, softcap)
+    return plan.run(q, kv_cache, scale, out, window, softcap, sinks)
 
 
 def kernel() -> str:

@@ -7,7 +7,8 @@ already in the paged cache, this step's included.
 
 Optional per layer: a sliding ``window`` (row at ``p`` sees only positions ``> p - window``, as
 transformers' sliding-window layers do) and a logit ``softcap`` (``softcap * tanh(s / softcap)``
-on the scaled scores before the softmax, Gemma 2).
+on the scaled scores before the softmax, Gemma 2); attention ``sinks`` ([Hq], gpt-oss): a
+logit per query head that joins each row's softmax and attends to no value.
 
 bf16 queries: transformers' bf16 eager attention, rounding where it rounds: q . k rounded to
 bf16, times the scale, rounded again; the softmax in fp32, its probabilities rounded to bf16; the
@@ -33,7 +34,14 @@ def gather_context(
 
 
 def _attend_one(
-    q, k, v, context_len: int, scale: float, window: int | None, softcap: float | None
+    q,
+    k,
+    v,
+    context_len: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # q: [Lq, Hq, D]; k, v: [Lk, Hkv, D] with Lk = context_len + Lq -> [Lq, Hq, D]
     group = q.shape[1] // k.shape[1]
@@ -53,7 +61,11 @@ def _attend_one(
     if window is not None:
         hidden |= k_pos <= q_pos - window
     scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.float()[:, None, None].expand(*scores.shape[:2], 1)  # [Hq, Lq, 1]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     if q.dtype == torch.bfloat16:
         probs = probs.to(q.dtype).float()  # transformers' softmax(..., dtype=fp32).to(bf16)
     return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
@@ -68,6 +80,7 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
     out = torch.empty_like(q)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -77,6 +90,6 @@ def paged_attention(
         v_i = gather_context(kv_cache[1], block_table[i], seq_len)
         context_len = seq_len - q_i.shape[0]
         out[starts[i] : starts[i + 1]] = _attend_one(
-            q_i, k_i, v_i, context_len, scale, window, softcap
+            q_i, k_i, v_i, context_len, scale, window, softcap, sinks
         )
     return out

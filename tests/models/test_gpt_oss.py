@@ -34,6 +34,7 @@ from trillm import SamplingParams, open_engine
 from trillm.attention.backend import UnsupportedAttentionFeatureError
 from trillm.config import EngineArgs
 from trillm.engine.config_builder import build_config
+from trillm.kernels import paged_attention_cpu
 from trillm.model_executor import gpt_oss_config, mxfp4
 from trillm.parsers.reasoning import get_reasoning_parser
 from trillm.worker.model_runner import ModelRunner
@@ -87,6 +88,20 @@ def _greedy(runner: ModelRunner, chunk: int | None) -> list[list[int]]:
 def test_greedy_matches_transformers(case, backend, chunk):
     path, _, reference = case
     assert _greedy(_runner(path, attention_backend=backend), chunk) == reference
+
+
+@pytest.mark.skipif(not paged_attention_cpu.available(), reason="cpu_kernels is not built")
+def test_fp32_sinks_run_in_the_native_kernel(case, monkeypatch):
+    seen: list[bool] = []
+    run = paged_attention_cpu.PagedAttentionPlan.run
+
+    def spy(self, q, kv_cache, scale, out=None, window=None, softcap=None, sinks=None):
+        seen.append(sinks is not None)
+        return run(self, q, kv_cache, scale, out, window, softcap, sinks)
+
+    monkeypatch.setattr(paged_attention_cpu.PagedAttentionPlan, "run", spy)
+    assert _greedy(_runner(case[0]), 5) == case[2]
+    assert seen and all(seen)
 
 
 def test_logprobs_match_transformers(case):

@@ -26,8 +26,9 @@ every request, fresh prompts included, with one plan built on the first such lay
 on CPU the native paged kernel (it reads only the window's keys; the fresh-prompt kernel and
 the ``is_causal`` fast path have no window), elsewhere the gather path with a decode group and
 one prefill group, the window narrowing the mask and a softcap computing the softmax in plain
-torch ops (SDPA has no softcap). Layers with attention ``sinks`` (gpt-oss) always take that
-gather path, the sinks as one more softmax column: no native kernel has them.
+torch ops (SDPA has no softcap). Layers with attention ``sinks`` (gpt-oss) take the same
+route: the native paged kernel in fp32 (it folds each head's sink into its finished online
+softmax), else (bf16) the gather path with the sinks as one more softmax column.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def _explicit_attention(
 
 class TorchAttentionBackend:
     name = "torch"
-    supports_sinks = True  # by the gather path (the native kernels have none)
+    supports_sinks = True  # the native paged kernel (fp32) or the gather path
 
     def __init__(self, native: bool | None = None) -> None:
         """``native``: use the native CPU kernel where it applies (None: when it is built)."""
@@ -240,14 +241,18 @@ class TorchAttentionBackend:
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Every request at once, with the window, the softcap and the sinks: the native
-        kernel where it applies (it has no sinks), else the gather path with the window in the
+        kernel where it applies (sinks: fp32 only), else the gather path with the window in the
         mask."""
-        if sinks is None and self._native_available and paged_attention_cpu.supports(q, kv_cache):
+        if (
+            self._native_available
+            and paged_attention_cpu.supports(q, kv_cache)
+            and (sinks is None or paged_attention_cpu.supports_sinks(q, sinks))
+        ):
             if self._native_all is None:
                 self._native_all = paged_attention_cpu.PagedAttentionPlan(
                     meta.query_start_loc, meta.seq_lens, meta.block_table, q.shape, kv_cache.shape
                 )
-            return self._native_all.run(q, kv_cache, scale, None, window, softcap)
+            return self._native_all.run(q, kv_cache, scale, None, window, softcap, sinks)
         if self._all_groups is None:
             decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
             prefill = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
