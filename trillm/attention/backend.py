@@ -47,6 +47,16 @@ def check_backend_supports_sinks(backend: AttentionBackend) -> None:
         )
 
 
+def check_backend_supports_bidirectional(backend: AttentionBackend) -> None:
+    """Refuse, when the model is built, a backend without bidirectional attention among an
+    image's tokens (Gemma 3's image spans: ``AttentionMetadata.bidirectional_spans``)."""
+    if not getattr(backend, "supports_bidirectional_spans", False):
+        raise UnsupportedAttentionFeatureError(
+            f"The {backend.name} attention backend does not implement bidirectional attention "
+            "among an image's tokens, which this model uses; use --attention-backend torch."
+        )
+
+
 @dataclass
 class AttentionMetadata:
     num_reqs: int
@@ -61,6 +71,9 @@ class AttentionMetadata:
     # CPU copies of the lengths, for backends that plan on the host (no device sync needed).
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Per request, position ranges [start, end) whose tokens attend to each other both ways
+    # inside the causal attention (Gemma 3's images); None: causal only
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None
 
     @property
     def decode_only(self) -> bool:

@@ -28,7 +28,10 @@ the ``is_causal`` fast path have no window), elsewhere the gather path with a de
 one prefill group, the window narrowing the mask and a softcap computing the softmax in plain
 torch ops (SDPA has no softcap). Layers with attention ``sinks`` (gpt-oss) take the same
 route: the native paged kernel in fp32 (it folds each head's sink into its finished online
-softmax), else (bf16) the gather path with the sinks as one more softmax column.
+softmax), else (bf16) the gather path with the sinks as one more softmax column. So does every
+layer of a step with image tokens of a model whose images attend both ways inside
+(``bidirectional_spans``, Gemma 3): the spans are OR'ed into the prefill group's causal mask
+before the window narrows it, as transformers composes them.
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ import torch
 import torch.nn.functional as F
 
 from trillm.attention.backend import AttentionMetadata
-from trillm.attention.torch_groups import Group, build_groups, decode_group, windowed_mask
+from trillm.attention.torch_groups import (
+    Group,
+    build_groups,
+    decode_group,
+    windowed_mask,
+    with_bidirectional_spans,
+)
 from trillm.kernels import paged_attention_cpu, reshape_and_cache_cpu
 
 # fp8 KV caches (--kv-cache-dtype fp8): e4m3 values of x / scale with the scale 1.0, as vLLM
@@ -95,6 +104,7 @@ def _explicit_attention(
 class TorchAttentionBackend:
     name = "torch"
     supports_sinks = True  # the native paged kernel (fp32) or the gather path
+    supports_bidirectional_spans = True  # the same
 
     def __init__(self, native: bool | None = None) -> None:
         """``native``: use the native CPU kernel where it applies (None: when it is built)."""
@@ -207,7 +217,8 @@ class TorchAttentionBackend:
         key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, Hkv, D]
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
         self._write_cache(k, v, kv_cache, key_cache, value_cache, meta.slot_mapping)
-        if window is not None or softcap is not None or sinks is not None:
+        spans = meta.bidirectional_spans
+        if window is not None or softcap is not None or sinks is not None or spans:
             return self._forward_masked(
                 q, key_cache, value_cache, kv_cache, meta, scale, window, softcap, sinks
             )
@@ -243,11 +254,10 @@ class TorchAttentionBackend:
         """Every request at once, with the window, the softcap and the sinks: the native
         kernel where it applies (sinks: fp32 only), else the gather path with the window in the
         mask."""
-        if (
-            self._native_available
-            and paged_attention_cpu.supports(q, kv_cache)
-            and (sinks is None or paged_attention_cpu.supports_sinks(q, sinks))
-        ):
+        native = not meta.bidirectional_spans and (  # (no native kernel has them)
+            sinks is None or paged_attention_cpu.supports_sinks(q, sinks)  # fp32 only
+        )
+        if native and self._native_available and paged_attention_cpu.supports(q, kv_cache):
             if self._native_all is None:
                 self._native_all = paged_attention_cpu.PagedAttentionPlan(
                     meta.query_start_loc, meta.seq_lens, meta.block_table, q.shape, kv_cache.shape
@@ -257,6 +267,9 @@ class TorchAttentionBackend:
             decode = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
             prefill = [i for i, n in enumerate(meta.query_lens_cpu) if n > 1]
             self._all_groups = build_groups(meta, decode, prefill, kv_cache.shape[2])
+            if meta.bidirectional_spans and prefill:  # (a decode row sees its whole past)
+                spans = [meta.bidirectional_spans[i] for i in prefill]
+                self._all_groups[-1] = with_bidirectional_spans(self._all_groups[-1], spans)
         out = torch.empty_like(q)
         for group in self._all_groups:
             rows = self._attend(group, q, key_cache, value_cache, scale, window, softcap, sinks)

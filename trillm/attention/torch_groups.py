@@ -7,7 +7,7 @@ step and reused by every layer; ``torch_backend`` attends with them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -108,3 +108,21 @@ def windowed_mask(group: Group, window: int | None) -> torch.Tensor:  # [Rg, 1, 
     pos = torch.arange(group.mask.shape[-1], device=group.mask.device)  # [S]
     inside = pos[None, None, :] > (group.query_pos - window)[:, :, None]  # [Rg, Lq, S]
     return group.mask & inside[:, None]
+
+
+def with_bidirectional_spans(
+    group: Group,
+    spans: list[list[tuple[int, int]]],  # per request of the group, position ranges
+) -> Group:
+    """The prefill group whose rows inside a span also see that span's later keys: the span's
+    tokens attend both ways (transformers' blockwise overlay, OR'ed with the causal mask)."""
+    device = group.mask.device
+    max_len = group.mask.shape[-1]
+    key_ids = torch.full((len(spans), max_len), -1, dtype=torch.int64)  # [Rg, S] span index
+    for row, ranges in enumerate(spans):
+        for index, (start, end) in enumerate(ranges):
+            key_ids[row, start:end] = index
+    key_ids = key_ids.to(device)
+    query_ids = key_ids.gather(1, group.query_pos.clamp(max=max_len - 1))  # [Rg, Lq]
+    same = (query_ids[:, :, None] == key_ids[:, None, :]) & (query_ids >= 0)[:, :, None]
+    return replace(group, mask=group.mask | same[:, None])

@@ -129,6 +129,13 @@ class EngineArgs:
         "counterpart of CUDA graphs).",
     )
     chat_template: str | None = flag(None, "Chat template: a Jinja file path or the template.")
+    # vLLM's: how message content reaches the chat template (trillm/engine/chat_template.py)
+    chat_template_content_format: Literal["auto", "string", "openai"] = flag(
+        "auto",
+        "How message content reaches the chat template: string (the parts' text joined by "
+        "newlines), openai (the list of parts, an image as {'type': 'image'}), auto (openai "
+        "when the template loops over a message's content, else string).",
+    )
     skip_tokenizer_init: bool = flag(
         False,
         "Not supported (refused): the engine needs the tokenizer (stop strings, "

@@ -138,3 +138,5 @@ class TrillmConfig:
     allowed_local_media_path: str = ""
     allowed_media_domains: list[str] | None = None
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    # How message content reaches the chat template: "auto", "string" or "openai" (vLLM's)
+    chat_template_content_format: str = "auto"

@@ -28,6 +28,7 @@ from collections.abc import Collection, Iterable
 from trillm.config import CacheConfig, SchedulerConfig
 from trillm.core.errors import DuplicateRequestError, RequestTooLargeError
 from trillm.core.kv_cache_manager import KVCacheManager
+from trillm.core.mm_spans import clamp_to_spans
 from trillm.core.request import Request, RequestStatus, finished_status
 from trillm.core.step_outputs import append_sampled, make_output
 from trillm.core.step_plan import StepPlan
@@ -96,6 +97,9 @@ class Scheduler:
         self._step_id = 0
         self.num_preemptions = 0
         self._busy: Collection[str] = ()  # schedule()'s argument, for its helpers
+        # Image spans a prefill chunk may not end inside (mm_spans.py; Gemma 3), by request
+        self.keep_mm_spans_whole = False
+        self._mm_spans: dict[str, list[tuple[int, int]]] = {}
 
     # ------------------------------------------------------------------ requests in
 
@@ -106,6 +110,8 @@ class Scheduler:
         check_request_fits(req, self.max_model_len, kv.num_blocks, kv.block_size)
         request = Request.from_engine_core_request(req)
         self.requests[req.request_id] = request
+        if self.keep_mm_spans_whole and req.mm_items:
+            self._mm_spans[req.request_id] = [(m.offset, m.offset + m.length) for m in req.mm_items]
         self._enqueue_waiting(request, front=False)
 
     def _waiting_key(self, request: Request) -> tuple[int, float]:
@@ -160,11 +166,13 @@ class Scheduler:
         finished, self._finished_req_ids = self._finished_req_ids, []
         return plan.to_output(self._step_id, finished)
 
-    def _chunk_size(self, num_computed: int, num_tokens: int, budget: int) -> int:
+    def _chunk_size(self, request: Request, num_computed: int, num_tokens: int, budget: int) -> int:
         n = min(num_tokens - num_computed, budget)
         if self.long_prefill_token_threshold > 0:
             n = min(n, self.long_prefill_token_threshold)
-        return min(n, self.max_model_len - num_computed)
+        n = min(n, self.max_model_len - num_computed)
+        spans = self._mm_spans.get(request.request_id) if self._mm_spans else None
+        return n if spans is None else clamp_to_spans(num_computed, n, spans)
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Running requests in admission order; preempts when blocks run out."""
@@ -175,7 +183,7 @@ class Scheduler:
                 i += 1
                 continue
             n = self._chunk_size(
-                request.num_computed_tokens, request.num_tokens_with_spec, plan.budget
+                request, request.num_computed_tokens, request.num_tokens_with_spec, plan.budget
             )
             if n <= 0:
                 i += 1
@@ -234,8 +242,8 @@ class Scheduler:
                 break  # only requests waiting for their grammar
             request = self._waiting[head]
             computed_blocks, num_hit = kv.get_computed_blocks(request)
-            n = self._chunk_size(num_hit, request.num_tokens, plan.budget)
-            if not kv.can_allocate(request, n, computed_blocks):
+            n = self._chunk_size(request, num_hit, request.num_tokens, plan.budget)
+            if n <= 0 or not kv.can_allocate(request, n, computed_blocks):
                 break  # NOTE: strict queue order: nothing overtakes the head
             kv.allocate_slots(request, n, computed_blocks)
             self._waiting.pop(head)
@@ -296,6 +304,7 @@ class Scheduler:
         request.status = finished_status(reason)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._mm_spans.pop(request.request_id, None)
         if request.sent_to_worker:
             self._finished_req_ids.append(request.request_id)
             request.sent_to_worker = False

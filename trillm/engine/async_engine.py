@@ -353,8 +353,7 @@ class AsyncEngine:
         mm_kwargs = options.pop("mm_processor_kwargs", None)
         images: list[Any] = []
         if self.preprocessor.multimodal is not None:  # (else stage 2 refuses image parts)
-            placeholder = self.preprocessor.multimodal.image_placeholder
-            messages, images = split_chat_images(messages, placeholder)
+            messages, images = split_chat_images(messages)
         text = self.preprocessor.render_chat(messages, chat_template=template, **options)
         prompt: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
         if images:

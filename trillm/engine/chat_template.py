@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
+import jinja2.nodes
 import jinja2.sandbox
 
 from trillm.engine.template_budget import (
@@ -24,6 +25,8 @@ from trillm.engine.template_budget import (
     TemplateBudgetError,
     render_budgeted,
 )
+
+IMAGE_PART = "image"  # an image content part as templates see it: {"type": "image"}
 
 
 class ChatTemplateError(ValueError):
@@ -87,39 +90,92 @@ def compile_template(source: str, budgeted: bool = False) -> jinja2.Template:
         raise ChatTemplateError(f"The chat template does not compile: {exc}", None) from exc
 
 
-def content_text(content: Any, index: int) -> str:
-    """A message's content as one string: a string, or a list of ``{type: text}`` parts."""
+def content_parts(content: Any, index: int, images: bool = False) -> list[dict[str, str]]:
+    """A message's content as the parts a template iterates (vLLM's "openai" content format):
+    ``{"type": "text", "text": ...}`` and, where ``images``, ``{"type": "image"}`` (an image
+    part, its placeholder left to the template); a string is one text part."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
-    texts = []
+        return [{"type": "text", "text": content}]
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
         text = part.get("text") if isinstance(part, dict) else getattr(part, "text", None)
-        if kind != "text" or not isinstance(text, str):
+        if kind == IMAGE_PART and images:
+            parts.append({"type": IMAGE_PART})
+        elif kind == "text" and isinstance(text, str):
+            parts.append({"type": "text", "text": text})
+        else:
             raise ChatTemplateError(
                 f"Only text content parts are supported; messages[{index}].content[{j}] has "
                 f"type {kind!r}.",
                 f"messages[{index}].content[{j}].type",
             )
-        texts.append(text)
-    return "\n".join(texts)
+    return parts
+
+
+def content_text(content: Any, index: int, image_placeholder: str | None = None) -> str:
+    """A message's content as one string (vLLM's "string" content format): a string, or its
+    parts joined by newlines, an image part as the model's ``image_placeholder``."""
+    if isinstance(content, str):
+        return content
+    parts = content_parts(content, index, image_placeholder is not None)
+    return "\n".join(p["text"] if p["type"] == "text" else str(image_placeholder) for p in parts)
+
+
+def detect_content_format(template: str) -> str:
+    """vLLM's ``--chat-template-content-format auto``: "openai" when the template loops over
+    a message's content (``{% for part in message['content'] %}``, directly or through a
+    variable set to it), else "string"."""
+    return _detect_content_format(template)
+
+
+@functools.lru_cache(maxsize=32)
+def _detect_content_format(template: str) -> str:
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"  # (rendering reports the error)
+    aliases = {
+        node.target.name
+        for node in tree.find_all(jinja2.nodes.Assign)
+        if isinstance(node.target, jinja2.nodes.Name) and _is_content(node.node, set())
+    }
+    loops = tree.find_all(jinja2.nodes.For)
+    return "openai" if any(_is_content(loop.iter, aliases) for loop in loops) else "string"
+
+
+def _is_content(node: jinja2.nodes.Node, aliases: set[str]) -> bool:
+    """``node`` is ``x['content']`` / ``x.content`` (through filters), or a name set to it."""
+    while isinstance(node, jinja2.nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    return isinstance(node, jinja2.nodes.Name) and node.name in aliases
 
 
 def _get(obj: Any, key: str) -> Any:
     return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
 
 
-def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """Messages (dicts or protocol objects) as plain dicts with string content, keeping what
-    templates read besides: ``name``, an assistant's ``tool_calls`` (arguments as objects, as
-    Hugging Face templates expect), a tool message's ``tool_call_id``, ``reasoning_content``."""
+def normalize_messages(
+    messages: list[Any], content_format: str = "string", image_placeholder: str | None = None
+) -> list[dict[str, Any]]:
+    """Messages (dicts or protocol objects) as plain dicts with string content (the "string"
+    content format; "openai": a list of parts), keeping what templates read besides:
+    ``name``, an assistant's ``tool_calls`` (arguments as objects, as Hugging Face templates
+    expect), a tool message's ``tool_call_id``, ``reasoning_content``."""
     out = []
     for i, m in enumerate(messages):
+        content = _get(m, "content")
         msg: dict[str, Any] = {
             "role": _get(m, "role"),
-            "content": content_text(_get(m, "content"), i),
+            "content": content_parts(content, i, image_placeholder is not None)
+            if content_format == "openai"
+            else content_text(content, i, image_placeholder),
         }
         for key in ("name", "tool_call_id"):
             value = _get(m, key)
@@ -228,11 +284,16 @@ def render_template(
     tools: list[Any] | None = None,
     documents: list[dict[str, Any]] | None = None,
     budget: RenderBudget | None = None,
+    content_format: str = "string",
+    image_placeholder: str | None = None,
 ) -> str:
     """Render ``messages`` with the template *text* ``template``; ``tools`` and ``documents``
     reach it as Hugging Face's ``apply_chat_template`` passes them. With a ``budget`` (a
     request's own template) the render is metered (``template_budget``); past the budget it
-    raises ChatTemplateError naming ``chat_template``."""
+    raises ChatTemplateError naming ``chat_template``. ``content_format`` (vLLM's
+    ``--chat-template-content-format``: auto, string, openai) is how message content reaches
+    the template; ``image_placeholder``: what an image part is in the "string" format (None:
+    image parts are refused)."""
     if template is None:
         raise ChatTemplateError(
             "The model has no chat template; start the server with --chat-template.", None
@@ -242,7 +303,9 @@ def render_template(
             "add_generation_prompt and continue_final_message cannot both be true.",
             "continue_final_message",
         )
-    msgs = normalize_messages(messages)
+    if content_format == "auto":
+        content_format = detect_content_format(template)
+    msgs = normalize_messages(messages, content_format, image_placeholder)
     if continue_final_message and (not msgs or msgs[-1]["role"] != "assistant"):
         raise ChatTemplateError(
             "continue_final_message needs a final assistant message.", "continue_final_message"
@@ -269,7 +332,10 @@ def render_template(
     except Exception as exc:  # a template can raise TypeError and friends on odd input
         raise ChatTemplateError(f"The chat template failed to render: {exc}", None) from exc
     if continue_final_message:
-        text = _cut_after_final_message(text, msgs[-1]["content"])
+        final = msgs[-1]["content"]
+        if isinstance(final, list):  # the "openai" format: its last text part ends it
+            final = next((p["text"] for p in reversed(final) if p["type"] == "text"), "")
+        text = _cut_after_final_message(text, final)
     return text
 
 

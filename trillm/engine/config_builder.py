@@ -142,6 +142,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=args.allowed_media_domains,
         mm_processor_kwargs=dict(args.mm_processor_kwargs or {}),
+        chat_template_content_format=args.chat_template_content_format,
     )
 
 

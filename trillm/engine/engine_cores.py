@@ -176,11 +176,11 @@ class EngineCores:
     def _make_core(self, executor: Executor, index: int) -> EngineCore:
         """An engine core on ``executor``: its own scheduler, grammar matchers (over the one
         grammar cache), LoRA admission and draft proposer."""
-        from trillm._native import get_scheduler_cls
+        from trillm.core.mm_spans import scheduler_for
         from trillm.engine.core import EngineCore
 
         config = self.config
-        scheduler = get_scheduler_cls()(config.scheduler, config.cache, executor.num_blocks)
+        scheduler = scheduler_for(config, executor.num_blocks)
         structured = self.structured_output
         if structured is not None and index > 0:
             from trillm.structured_output import StructuredOutputManager

@@ -32,6 +32,7 @@ import attrs
 import trio
 
 from trillm import envs
+from trillm.engine.chat_template import IMAGE_PART
 
 MAX_IMAGE_BYTES = 32 * 1024 * 1024  # the most bytes one image URL or file may bring
 MAX_REDIRECTS = 5
@@ -275,11 +276,12 @@ class MediaConnector:
             chunks.append(chunk)
 
 
-def split_chat_images(messages: list[Any], placeholder: str) -> tuple[list[Any], list[Any]]:
+def split_chat_images(messages: list[Any]) -> tuple[list[Any], list[Any]]:
     """A Python caller's chat (dict messages): each ``image_url`` part (its URL opened by stage
-    3) and ``image_pil`` part (vLLM's ``{"type": "image_pil", "image_pil": image}``) becomes a
-    text part holding the model's placeholder where it stands. Returns (the messages, the
-    images in order)."""
+    3) and ``image_pil`` part (vLLM's ``{"type": "image_pil", "image_pil": image}``) becomes an
+    ``{"type": "image"}`` part where it stands (the chat template writes the model's
+    placeholder, or stage 2 does: ``chat_template.py``). Returns (the messages, the images in
+    order)."""
     out: list[Any] = []
     images: list[Any] = []
     for i, m in enumerate(messages):
@@ -302,6 +304,6 @@ def split_chat_images(messages: list[Any], placeholder: str) -> tuple[list[Any],
             else:
                 parts.append(part)
                 continue
-            parts.append({"type": "text", "text": placeholder})
+            parts.append({"type": IMAGE_PART})  # the template's (or the placeholder text)
         out.append({**m, "content": parts})
     return out, images

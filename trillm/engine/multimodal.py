@@ -20,9 +20,11 @@ import numpy as np
 import trio
 
 from trillm.config import TrillmConfig
+from trillm.engine import gemma3_inputs as gemma3
 from trillm.engine import qwen2_vl_inputs as qwen2_vl
 from trillm.engine.media import ImageSource, MediaConnector, MultiModalInputError
 from trillm.messages import MultiModalItem
+from trillm.model_executor.gemma3_mm_config import is_gemma3_mm
 from trillm.model_executor.multimodal_config import image_token_id, num_image_tokens
 from trillm.model_executor.qwen2_vl_config import is_qwen2_vl
 
@@ -58,6 +60,8 @@ def load_image_processor(folder: str) -> Any:
             kwargs = {k: v for k, v in data.items() if k not in _NOT_KWARGS}
             if qwen2_vl.is_qwen2_vl_processor(data):
                 return qwen2_vl.load_processor(kwargs)
+            if gemma3.is_gemma3_processor(data):
+                return gemma3.load_processor(kwargs)
             return CLIPImageProcessorPil(**kwargs)
     raise ValueError(f"The model folder {folder!r} has no image processor config.")
 
@@ -92,6 +96,17 @@ class MultiModalProcessor:
             self.image_placeholder = qwen2_vl.image_placeholder(
                 mm_config, tokenizer, self.image_token_id
             )
+        # The placeholder's id in the prompt, and the ids around an image's feature tokens
+        self.slot_id = self.image_token_id
+        self.before: list[int] = []
+        self.after: list[int] = []
+        self.gemma3 = is_gemma3_mm(mm_config)
+        self.end_id: int | None = None  # Gemma 3's <end_of_image>, after prompt_text
+        if self.gemma3:
+            self.slot_id, self.before, self.after = gemma3.expansion(mm_config, tokenizer)
+            self.image_placeholder = str(tokenizer.convert_ids_to_tokens(self.slot_id))
+            self.end_id = self.after[0]
+            self.end_text = str(tokenizer.convert_ids_to_tokens(self.end_id))
         self.max_pixels = MAX_IMAGE_PIXELS
         self.limiter = limiter
         self._image_processor: Any = None
@@ -115,6 +130,8 @@ class MultiModalProcessor:
         check_keywords(self.image_processor, kwargs, param)
         if self.qwen2_vl:
             qwen2_vl.check_kwargs(kwargs, param, self.max_pixels)
+        if self.gemma3:
+            gemma3.check_kwargs(kwargs, param)
         side = int(self.mm_config["vision_config"].get("image_size", 0)) or None
         for key in _GEOMETRY_KWARGS:  # sizes bound what resizing, cropping, padding allocate
             sizes = kwargs.get(key)
@@ -127,6 +144,13 @@ class MultiModalProcessor:
                         param,
                     )
         return dict(kwargs)
+
+    def prompt_text(self, text: str) -> str:
+        """A prompt text with images, as the model's processor writes it before tokenizing
+        (Gemma 3: newlines and the end token around each image)."""
+        if not self.gemma3:
+            return text
+        return gemma3.prompt_text(text, self.image_placeholder, self.end_text)
 
     async def images(self, data: Any) -> list[Any]:
         """``multi_modal_data`` -> its images: the count checked, URLs opened (their headers
@@ -217,7 +241,7 @@ class MultiModalProcessor:
         pixels = await trio.to_thread.run_sync(
             self._pixel_values, images, merged, limiter=self.limiter
         )
-        slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        slots = [i for i, t in enumerate(ids) if t == self.slot_id]
         if len(slots) != len(pixels):
             raise MultiModalInputError(
                 f"The prompt has {len(slots)} image placeholder(s) but multi_modal_data has "
@@ -228,7 +252,10 @@ class MultiModalProcessor:
         items: list[MultiModalItem] = []
         start = 0
         for slot, values in zip(slots, pixels, strict=True):
-            out += ids[start:slot]
+            before, after, skip = self.before, self.after, 1
+            if self.end_id is not None and gemma3.is_expanded(ids, slot, self.end_id):
+                before, after, skip = [self.slot_id], [self.end_id], 2  # newlines in the text
+            out += ids[start:slot] + before
             length = num_image_tokens(self.mm_config, list(values.shape))
             items.append(
                 MultiModalItem(
@@ -236,8 +263,8 @@ class MultiModalProcessor:
                     list(values.shape),
                 )
             )  # fmt: skip
-            out += [self.image_token_id] * length
-            start = slot + 1
+            out += [self.image_token_id] * length + after
+            start = slot + skip
         out += ids[start:]
         return out, items
 
@@ -249,3 +276,27 @@ def processor_for(
     if config.model.mm_config is None or not any(config.limit_mm_per_prompt.values()):
         return None
     return MultiModalProcessor(config, tokenizer, limiter)
+
+
+def content_options(content_format: str, processor: MultiModalProcessor | None) -> dict[str, Any]:
+    """How a chat's content reaches the template (``render_template``'s keywords): vLLM's
+    content format, and what an image part is in the "string" one (None: images refused)."""
+    placeholder = None if processor is None else processor.image_placeholder
+    return {"content_format": content_format, "image_placeholder": placeholder}
+
+
+def processor_text(processor: MultiModalProcessor | None, text: str) -> str:
+    """A prompt text with images as the model's processor writes it before tokenizing
+    (Gemma 3: newlines around each image)."""
+    return text if processor is None else processor.prompt_text(text)
+
+
+async def prompt_ids(pre: Any, prompt: Any, truncating: bool) -> tuple[str | None, list[int]]:
+    """``Preprocessor.prompt_token_ids`` of a prompt, the text of a prompt dict with images as
+    the model's processor writes it (``processor_text``); the text returned is the caller's."""
+    given = prompt.get("prompt") if isinstance(prompt, dict) else None
+    if isinstance(given, str) and prompt.get("multi_modal_data") is not None:
+        if "prompt_token_ids" not in prompt:
+            prompt = {**prompt, "prompt": processor_text(pre.multimodal, given)}
+    text, ids = await pre.prompt_token_ids(prompt, truncating)
+    return (given if isinstance(given, str) else text), ids

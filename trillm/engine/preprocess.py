@@ -36,7 +36,7 @@ from trillm.engine.chat_template import (
     tokenizer_special_tokens,
 )
 from trillm.engine.media import MultiModalInputError
-from trillm.engine.multimodal import processor_for
+from trillm.engine.multimodal import content_options, processor_for, prompt_ids
 from trillm.engine.template_budget import RenderBudget
 from trillm.messages import MultiModalItem
 from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -126,6 +126,7 @@ class Preprocessor:
         self.large_tokenize_limiter = trio.CapacityLimiter(1)
         self._max_prompt_chars: int | None = None
         self.multimodal = processor_for(config, tokenizer, self.tokenize_limiter)  # None: text
+        self.content_format = config.chat_template_content_format  # auto, string, openai
 
     # ------------------------------------------------------------------ rendering
     def render_chat(
@@ -155,6 +156,7 @@ class Preprocessor:
             tools=tools,
             documents=documents,
             budget=budget,
+            **content_options(self.content_format, self.multimodal),
         )
 
     def request_template_budget(self) -> RenderBudget:
@@ -311,7 +313,7 @@ class Preprocessor:
         truncating = params.truncate_prompt_tokens is not None
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
-        text, ids = await self.prompt_token_ids(prompt, truncating and mm_data is None)
+        text, ids = await prompt_ids(self, prompt, truncating and mm_data is None)
         items: list[MultiModalItem] = []
         if mm_data is not None or kwargs is not None:  # (kwargs alone: their keys checked)
             ids, items = await self.multimodal_ids(ids, mm_data or {}, truncating, kwargs)

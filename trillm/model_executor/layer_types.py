@@ -16,10 +16,13 @@ FULL = "full_attention"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+
+
 def _default_layer_types(hf: dict[str, Any], architecture: str, num_layers: int) -> list[str]:
     if architecture == "Gemma2ForCausalLM":  # every other layer, the first one sliding
         return [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
-    if architecture == "Gemma3ForCausalLM":  # every ``sliding_window_pattern``-th layer global
+    if architecture in GEMMA3_ARCHITECTURES:  # every ``sliding_window_pattern``-th layer global
         pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
         return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
     if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):

@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from trillm.model_executor.gemma3_mm_config import (
+    GEMMA3_MM_ARCHITECTURE,
+    gemma3_text_config,
+    gemma3_token,
+    is_gemma3_mm,
+)
 from trillm.model_executor.qwen2_vl_config import (
     QWEN2_VL_ARCHITECTURES,
     is_qwen2_vl,
@@ -29,6 +35,8 @@ def split_config(hf: dict[str, Any], architecture: str) -> tuple[dict[str, Any],
         return hf, None
     if architecture in QWEN2_VL_ARCHITECTURES:
         return qwen2_vl_text_config(hf, architecture), hf
+    if architecture == GEMMA3_MM_ARCHITECTURE:
+        return gemma3_text_config(hf), hf
     text = dict(hf.get("text_config") or {})
     vision = hf.get("vision_config") or {}
     text_type = text.get("model_type", "llama")
@@ -68,7 +76,14 @@ def num_image_tokens(mm_config: dict[str, Any], shape: list[int]) -> int:
     [t, h, w, patch_dim] one per merged block of patches."""
     if is_qwen2_vl(mm_config):
         return qwen2_vl_image_tokens(mm_config, shape)
+    if is_gemma3_mm(mm_config):
+        return gemma3_token(mm_config, "mm_tokens_per_image")
     height, width = shape[-2:]
     patch = int(mm_config["vision_config"].get("patch_size", 32))
     full = mm_config.get("vision_feature_select_strategy", "default") == "full"
     return (height // patch) * (width // patch) + (1 if full else 0)
+
+
+def bidirectional_image_tokens(mm_config: dict[str, Any]) -> int:
+    """An image's tokens when they attend to each other both ways (Gemma 3), else 0."""
+    return gemma3_token(mm_config, "mm_tokens_per_image") if is_gemma3_mm(mm_config) else 0

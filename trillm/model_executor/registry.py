@@ -37,6 +37,9 @@ _MODELS: dict[str, ModelEntry] = {
     "GemmaForCausalLM": ModelEntry("gemma", "GemmaForCausalLM", _GEMMA_ACTS),
     "Gemma2ForCausalLM": ModelEntry("gemma", "Gemma2ForCausalLM", _GEMMA_ACTS),
     "Gemma3ForCausalLM": ModelEntry("gemma", "Gemma3ForCausalLM", _GEMMA_ACTS),
+    "Gemma3ForConditionalGeneration": ModelEntry(
+        "gemma3_mm", "Gemma3ForConditionalGeneration", _GEMMA_ACTS, modalities=("image",)
+    ),
     "GPTNeoXForCausalLM": ModelEntry("gpt_neox", "GPTNeoXForCausalLM", ("gelu",), True),
     "GptOssForCausalLM": ModelEntry("gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM"),

@@ -35,6 +35,8 @@ class MultiModalInputs:
         self.encoder_calls = 0
         # An M-RoPE model's spatial merge (None: the model rotates by plain positions)
         self.mrope_merge: int | None = getattr(model, "mrope_merge_size", None)
+        # Whether an image's tokens attend to each other both ways (Gemma 3)
+        self.bidirectional = bool(getattr(model, "bidirectional_image_spans", False))
 
     @classmethod
     def for_model(cls, model: Any, device: torch.device) -> MultiModalInputs | None:
@@ -104,6 +106,23 @@ class MultiModalInputs:
         if not rows:
             return None
         return torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(parts)
+
+    def bidirectional_spans(self, inputs: StepInputs) -> list[list[tuple[int, int]]] | None:
+        """Per request of the step, its images' position ranges, for a model whose image
+        tokens attend both ways; None when no row of the step is an image token (the
+        attention keeps its causal fast paths). The scheduler keeps a span in one chunk."""
+        if not self.bidirectional or not self._items:
+            return None
+        out: list[list[tuple[int, int]]] = []
+        inside = False
+        starts = inputs.query_start_loc
+        for i, slot in enumerate(inputs.slots.tolist()):
+            first = int(inputs.positions[int(starts[i])])
+            last = first + int(starts[i + 1]) - int(starts[i])  # one past the step's last
+            spans = [(m.offset, m.offset + m.length) for m in self._items.get(slot, [])]
+            inside = inside or any(a < last and first < b for a, b in spans)
+            out.append(spans)
+        return out if inside else None
 
     def rope_positions(self, inputs: StepInputs) -> np.ndarray:  # [T] or [3, T] int64
         """What the rotary embedding takes: the positions, or for M-RoPE each token's (time,

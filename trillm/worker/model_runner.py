@@ -332,6 +332,8 @@ class ModelRunner:
         self, inputs: StepInputs, received: IntermediateTensors | None
     ) -> torch.Tensor | None:
         meta = self._attention_metadata(inputs)
+        if self.mm is not None:  # Gemma 3: an image's tokens attend both ways
+            meta.bidirectional_spans = self.mm.bidirectional_spans(inputs)
         self.attn_backend.plan(meta)
         input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
         positions = torch.from_numpy(self._rope_positions(inputs)).to(self.device)

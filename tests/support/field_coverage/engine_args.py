@@ -139,6 +139,13 @@ ENGINE: dict[str, tuple[str, ...]] = {
     ),
     "generation_config": ids(ACT, CONFIG),
     "chat_template": ids(ACT),
+    # how message content reaches the template: the parts list where the template loops over
+    # it (auto / openai), the parts' text joined by newlines (string)
+    "chat_template_content_format": ids(
+        "tests/models/test_gemma3_vision.py::test_chat_parts_reach_the_template_as_a_list",
+        "tests/models/test_gemma3_vision.py::test_the_string_content_format_joins_the_parts",
+        "tests/engine/test_chat_content_format.py::test_auto_detects_templates_that_loop_over_content",
+    ),
     # the tokenizer's code; model code never runs (trillm's own model classes)
     "trust_remote_code": ids(FEE + "test_trust_remote_code_lets_the_tokenizers_code_run"),
     "skip_tokenizer_init": ids(ENGINE_REFUSED),

@@ -34,14 +34,19 @@ class ResidualStreamCausalLM(LlamaForCausalLM):
         if intermediate is not None:
             hidden = intermediate.hidden
         else:
-            hidden = self.model.embed_tokens(input_ids)
-            if self.SCALE_EMBEDDINGS:
-                hidden = hidden * self._embedding_scale(hidden.dtype)
+            hidden = self.embed_input_ids(input_ids)
         for layer, kv_cache in zip(self.stage_layers(), kv_caches):
             hidden = layer(positions, hidden, self.rotary_for(layer), kv_cache, meta)
         if not self.pp.is_last:
             return IntermediateTensors(hidden)
         return self.model.norm(hidden)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        """The first layer's input (Gemma 3 writes image features over it, unscaled)."""
+        hidden = self.model.embed_tokens(input_ids)
+        if self.SCALE_EMBEDDINGS:
+            hidden = hidden * self._embedding_scale(hidden.dtype)
+        return hidden
 
     def _embedding_scale(self, dtype: torch.dtype) -> torch.Tensor:
         """``sqrt(hidden_size)`` rounded to the run's dtype, as HF does; made once (a tensor

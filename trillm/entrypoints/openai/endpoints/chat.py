@@ -12,6 +12,7 @@ import orjson
 import trio
 
 from trillm.engine.chat_template import ChatTemplateError
+from trillm.engine.multimodal import processor_text
 from trillm.engine.preprocess import INLINE_TOKENIZE_CHARS, PreparedPrompt
 from trillm.entrypoints.openai.endpoints.base import (
     ChoiceState,
@@ -122,7 +123,9 @@ async def _prepare(
         raise BadRequestError(str(exc), exc.param) from exc
     # NOTE: the template writes the special tokens itself (BOS included where the model has one).
     truncating = req.truncate_prompt_tokens is not None
-    ids = await pre.tokenize(text, False, param="messages", truncating=truncating)
+    # with images: as the model's processor writes it (Gemma 3: newlines around each image)
+    tokenized = processor_text(pre.multimodal, text) if images else text
+    ids = await pre.tokenize(tokenized, False, param="messages", truncating=truncating)
     items: list[MultiModalItem] = []
     if images:  # stage 3: placeholders expanded, images processed
         kwargs = req.mm_processor_kwargs

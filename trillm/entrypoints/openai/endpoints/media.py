@@ -1,5 +1,6 @@
-"""A chat's ``image_url`` content parts: each becomes the model's placeholder text in its
-message (where the part was, joined to the text parts as they are joined) and an
+"""A chat's ``image_url`` content parts: each becomes an ``{"type": "image"}`` part in its
+message (where the part was; the chat template, or stage 2 where the template takes strings,
+writes the model's placeholder: ``trillm/engine/chat_template.py``) and an
 ``ImageSource`` for ``multi_modal_data``, which stage 3 opens off the event loop
 (``trillm/engine/media.py``: ``data:`` URLs, ``file://`` under ``--allowed-local-media-path``,
 ``http(s)`` within the fetch limits and ``--allowed-media-domains``)."""
@@ -10,10 +11,11 @@ from typing import Any
 
 import attrs
 
+from trillm.engine.chat_template import IMAGE_PART
 from trillm.engine.media import ImageSource, MultiModalInputError
 from trillm.engine.preprocess import Preprocessor
 from trillm.entrypoints.openai.http.errors import BadRequestError
-from trillm.entrypoints.openai.schemas.protocol import ChatMessage, TextPart
+from trillm.entrypoints.openai.schemas.protocol import ChatMessage
 
 
 def has_images(messages: list[ChatMessage]) -> bool:
@@ -26,17 +28,16 @@ def has_images(messages: list[ChatMessage]) -> bool:
 def split_images(
     pre: Preprocessor, messages: list[ChatMessage]
 ) -> tuple[list[ChatMessage], list[Any]]:
-    """(the messages with each image part as the model's placeholder text, their sources)."""
+    """(the messages with each image part as ``{"type": "image"}``, their sources)."""
     if pre.multimodal is None:
         return messages, []  # stage 2 refuses the parts, naming them
-    placeholder = pre.multimodal.image_placeholder
     out: list[ChatMessage] = []
     images: list[Any] = []
     for i, m in enumerate(messages):
         if not isinstance(m.content, list):
             out.append(m)
             continue
-        parts: list[TextPart] = []
+        parts: list[Any] = []
         for j, part in enumerate(m.content):
             if part.type != "image_url":
                 parts.append(part)
@@ -45,7 +46,7 @@ def split_images(
             if part.image_url is None or part.image_url.url is None:
                 raise BadRequestError("An image_url part needs its image_url.url.", param)
             images.append(ImageSource(part.image_url.url, param))
-            parts.append(TextPart(type="text", text=placeholder))
+            parts.append({"type": IMAGE_PART})  # the template's (or the placeholder text)
         out.append(attrs.evolve(m, content=parts))
     return out, images
 

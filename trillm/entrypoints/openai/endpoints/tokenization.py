@@ -16,6 +16,7 @@ from typing import Any
 import trio
 
 from trillm.engine.chat_template import ChatTemplateError
+from trillm.engine.multimodal import processor_text
 from trillm.engine.preprocess import INLINE_TOKENIZE_CHARS, InvalidRequestError
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.media import check_mm_kwargs, split_images
@@ -42,6 +43,8 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
     if req.messages is not None:
         messages, images = split_images(pre, req.messages)  # image parts: placeholders
         text = await _render(state, req, messages)
+        if images:  # as the model's processor writes it (Gemma 3: newlines around each image)
+            text = processor_text(pre.multimodal, text)
         # The template writes the special tokens; true adds the tokenizer's on top (vLLM).
         add_special = bool(req.add_special_tokens)
         param = "messages"
