@@ -90,7 +90,7 @@ def test_logprobs_match_transformers(built, case):
             prompt_logits = hf(torch.tensor([req.prompt])).logits[0, :-1].float()  # [P - 1, V]
         worst = max(worst, _check_rows(req.prompt_logprobs, prompt_logits, req.prompt[1:]))
         worst = max(worst, _check_rows(req.logprobs, gen_logits, tokens))
-    assert worst < 1e-4  # measured: 3.4e-6 (v3) and below
+    assert worst < 1e-4  # measured: 6.7e-6 at most (v2_lite, v3)
 
 
 def _check_rows(chunks, logits: torch.Tensor, targets: list[int], k: int = 2) -> float:

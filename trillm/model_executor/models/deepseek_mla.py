@@ -23,7 +23,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trillm.attention.backend import AttentionMetadata
@@ -146,25 +145,41 @@ class MLAAttention(nn.Module):
         cache: torch.Tensor,  # [num_slots, L + R]
         groups: list[Group],
     ) -> torch.Tensor:  # [T, Hq, L]
-        out = query.new_empty(query.shape[0], self.num_heads, self.latent_dim)
+        heads, width = self.num_heads, query.shape[-1]
+        out = query.new_empty(query.shape[0], heads, self.latent_dim)
         for group in groups:
-            rows = _read_rows(cache, group.gather_slots, query.dtype)  # [Rg, S, L + R]
-            keys = rows[:, None]  # [Rg, 1, S, L + R]: one key head for every query head
+            # NOTE: one key "head" for all query heads: the heads are rows of one query (a
+            # request's Lq x Hq rows), so nothing is repeated per head.
+            keys = _read_rows(cache, group.gather_slots, query.dtype)[:, None]  # [Rg, 1, S, L+R]
             values = keys[..., : self.latent_dim]  # [Rg, 1, S, L]
-            if group.decode:
-                queries = query.index_select(0, group.query_index)[:, :, None]  # [Rg, Hq, 1, .]
-            else:
-                index = group.query_index
-                queries = query.index_select(0, index.reshape(-1))  # [Rg * Lq, Hq, L + R]
-                queries = queries.view(*index.shape, *query.shape[1:]).transpose(1, 2)
-            attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=group.mask, scale=self.scale, enable_gqa=True
-            )  # [Rg, Hq, Lq, L]
-            flat = attended.transpose(1, 2).reshape(-1, self.num_heads, self.latent_dim)
+            rows = group.query_index.reshape(-1)  # [Rg] or [Rg * Lq]
+            queries = query.index_select(0, rows).view(len(group.gather_slots), 1, -1, width)
+            mask = group.mask  # [Rg, 1, Lq, S]: each of a row's heads alike
+            if not group.decode:
+                mask = mask.repeat_interleave(heads, dim=2)  # [Rg, 1, Lq * Hq, S]
+            attended = _latent_attention(queries, keys, values, mask, self.scale)
+            flat = attended.reshape(-1, heads, self.latent_dim)  # [Rg * Lq, Hq, L]
             if not group.decode:
                 flat = flat.index_select(0, group.out_index)
             out.index_copy_(0, group.token_rows, flat)
         return out
+
+
+def _latent_attention(
+    queries: torch.Tensor,  # [Rg, 1, Lq * Hq, L + R]
+    keys: torch.Tensor,  # [Rg, 1, S, L + R]
+    values: torch.Tensor,  # [Rg, 1, S, L]: a view of the keys
+    mask: torch.Tensor,  # [Rg, 1, Lq * Hq or 1, S] bool, True = attend
+    scale: float,
+) -> torch.Tensor:  # [Rg, 1, Lq * Hq, L]
+    """Softmax attention in plain matmuls: SDPA's CPU path scales (copies) every key and
+    copies the values' strided view, the bulk of a decode step here; this scales the scores
+    and reads the values in place (fp32: no copy at all). Sums and softmax in fp32 (bf16: the
+    latents widened, as SDPA's CPU path computes)."""
+    keys, values = keys.float(), values.float()
+    scores = torch.matmul(queries.float(), keys.transpose(-1, -2)) * scale  # [Rg, 1, LqHq, S]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, values).to(queries.dtype)
 
 
 def _write_rows(
