@@ -13,8 +13,11 @@ into parts; each part writes an fp32 partial output and log-sum-exp, and a secon
 them. ``choose_num_splits`` turns it on for decode steps too small to fill the GPU.
 
 Per layer, optionally: a sliding ``window`` (a row at position ``p`` sees positions
-``> p - window``; the K/V loop starts at the tile's first visible position) and a logit
-``softcap`` (``softcap * tanh(s / softcap)`` on the scaled scores).
+``> p - window``; the K/V loop starts at the tile's first visible position), a logit
+``softcap`` (``softcap * tanh(s / softcap)`` on the scaled scores) and attention ``sinks``
+(gpt-oss: a logit per query head in each row's softmax that attends to no value; folded into
+the finished online softmax, or with split-KV into the merge, as one more partial whose output
+is zero).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def _paged_attention_kernel(
     block_table_ptr,
     query_start_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     tile_req_ptr,
     tile_start_ptr,
     stride_qt,
@@ -67,6 +71,7 @@ def _paged_attention_kernel(
     softcap,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -140,6 +145,12 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if SINKS and NUM_SPLITS == 1:  # (split partials: the merge adds the sink)
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=-1.0e30).to(tl.float32) * _LOG2E
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
@@ -161,27 +172,37 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
+    sinks_ptr,
     out_ptr,
     stride_ot,
     stride_oh,
     num_heads,
+    SINKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
 ):
-    """One program per (token, query head): the softmax-weighted sum of the split partials."""
+    """One program per (token, query head): the softmax-weighted sum of the split partials
+    (and of the head's sink, a partial with a zero output)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     row0 = (token * num_heads + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + row0 + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, axis=0))  # [SPLITS_PAD]; split 0 always saw a key
+    top = tl.max(lse, axis=0)  # split 0 always saw a key
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(lse - top)  # [SPLITS_PAD]
+    total = tl.sum(weight, axis=0)
+    if SINKS:
+        total += tl.exp2(sink - top)
     part_mask = (splits[:, None] < NUM_SPLITS) & (dims[None, :] < HEAD_DIM)
     offs = (row0 + splits[:, None]) * HEAD_DIM_PAD + dims[None, :]
     parts = tl.load(part_out_ptr + offs, mask=part_mask, other=0.0)  # [SPLITS_PAD, D_PAD]
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    out = tl.sum(parts * weight[:, None], axis=0) / total
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + dims,
         out.to(out_ptr.dtype.element_ty),
@@ -248,6 +269,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [num_tokens, Hq, D]
     """Same contract as ``paged_attention_torch.paged_attention``.
 
@@ -261,6 +283,8 @@ def paged_attention(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}.")
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("paged_attention needs a unit stride on the last dim of q and the cache.")
+    if sinks is not None and (sinks.shape != (num_heads,) or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be a contiguous [{num_heads}] tensor.")
     group = num_heads // num_kv_heads
     if schedule is None:
         query_lens = torch.diff(query_start_loc).tolist()
@@ -300,6 +324,7 @@ def paged_attention(
         block_table,
         query_start_loc,
         seq_lens,
+        q if sinks is None else sinks,  # not read without sinks
         schedule.tile_req,
         schedule.tile_start,
         q.stride(0),
@@ -317,6 +342,7 @@ def paged_attention(
         float(softcap or 1.0),
         WINDOWED=window is not None,
         SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=schedule.block_q,
@@ -333,10 +359,12 @@ def paged_attention(
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out,
             part_lse,
+            q if sinks is None else sinks,
             out,
             out.stride(0),
             out.stride(1),
             num_heads,
+            SINKS=sinks is not None,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,

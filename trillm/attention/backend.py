@@ -43,7 +43,7 @@ def check_backend_supports_sinks(backend: AttentionBackend) -> None:
         raise UnsupportedAttentionFeatureError(
             f"The {backend.name} attention backend does not implement attention sinks (a "
             "learned per-head logit in the softmax), which this model uses; use "
-            "--attention-backend torch or eager."
+            "--attention-backend torch, triton or eager."
         )
 
 

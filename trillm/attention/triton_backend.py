@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from trillm.attention.backend import AttentionMetadata, UnsupportedAttentionFeatureError
+from trillm.attention.backend import AttentionMetadata
 from trillm.kernels import paged_attention_triton, reshape_and_cache_triton
 
 
 class TritonAttentionBackend:
     name = "triton"
+    supports_sinks = True
 
     def __init__(
         self,
@@ -44,13 +45,8 @@ class TritonAttentionBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
-        sinks: torch.Tensor | None = None,  # refused when the model is built (no supports_sinks)
+        sinks: torch.Tensor | None = None,  # [num_heads]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        if sinks is not None:
-            raise UnsupportedAttentionFeatureError(
-                "The triton attention backend does not implement attention sinks; use "
-                "--attention-backend torch or eager."
-            )
         if not q.is_cuda and not paged_attention_triton.runs_interpreted():
             raise RuntimeError(
                 "The triton attention backend needs CUDA tensors, or TRITON_INTERPRET=1 set "
@@ -76,6 +72,7 @@ class TritonAttentionBackend:
             max_seq_len=meta.max_seq_len,
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
     def _schedule(
