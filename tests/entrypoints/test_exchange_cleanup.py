@@ -10,7 +10,8 @@ import gc
 import pytest
 import trio
 
-from trillm.entrypoints.openai.http.exchange import CloseAtExchangeEnd, at_exchange_end
+from trillm.entrypoints.openai.http.exchange import CloseAtExchangeEnd
+from trillm.entrypoints.openai.http.exchange_cleanups import at_exchange_end
 
 
 def _app(ran: list[str], ending: str):

@@ -1,33 +1,27 @@
-"""What the chat and completion endpoints share: the server state, per-request usage and
-metrics bookkeeping, logprob formatting. Tokenization and request checks are the engine's
-(``trillm/engine/preprocess.py``, ``state.preprocessor``).
+"""The server's state, which every stage of a route reads: the engine it forwards to, the
+served names, the limits, and the admission counts (changed only by ``admission.py``).
+
+It is the bottom of the endpoints' layers, below the engine too (which asks
+``accepts_prompts``): it calls nothing but the error types. Each stage's helpers
+live in that stage's module (``admission``, ``budgets``, ``usage``, ``logprob_json``, ...).
 """
 
 from __future__ import annotations
 
-import math
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
-import orjson
 import trio
 
-from trillm.engine.logprobs import in_rank_order
-from trillm.engine.preprocess import PreparedPrompt
 from trillm.entrypoints.openai.endpoints.budgets import (
     DEFAULT_MAX_LOGPROB_ENTRIES,
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
 )
 from trillm.entrypoints.openai.http.errors import (
-    APIError,
-    BadRequestError,
     NotFoundError,
-    ServiceUnavailableError,
 )
 from trillm.entrypoints.openai.metrics.prometheus import ServerMetrics
 from trillm.lora.request import LoRARequest
-from trillm.outputs import Logprob
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -106,213 +100,10 @@ class ServerState:
             raise NotFoundError(f"The model `{shown}` does not exist.", "model")
         return lora
 
-    def check_capacity(self, seqs: int = 1, tokens: int = 1) -> None:
-        """503 (the caller adds Retry-After) when ``seqs`` more sequences or ``tokens`` more
-        tokens would overfill the queue: all of a request's prompts and samples are admitted
-        together or not at all. (The defaults ask whether any request at all fits.)"""
-        limit = self.max_admitted
-        if limit is not None and self.admitted + seqs > limit:
-            raise ServiceUnavailableError(
-                f"The server is overloaded ({self.admitted} sequences running or queued, the "
-                f"limit is {limit}); this request needs {seqs}. Retry later."
-            )
-        token_limit = self.max_admitted_tokens
-        if token_limit is not None and tokens > token_limit:
-            # Never admitted, however long the client waits: a 400, not a 503 to retry.
-            raise BadRequestError(
-                f"This request needs {tokens} tokens (prompt tokens plus max_tokens, for each "
-                f"prompt and sample), more than this server admits at once ({token_limit}, "
-                "--max-num-admitted-tokens). Lower max_tokens or n, or send fewer prompts.",
-                "max_tokens",
-            )
-        if token_limit is not None and self.admitted_tokens + tokens > token_limit:
-            raise ServiceUnavailableError(
-                f"The server is overloaded ({self.admitted_tokens} tokens running or queued, "
-                f"the limit is {token_limit}); this request needs {tokens} (prompt tokens plus "
-                "max_tokens, for each prompt and sample). Retry later."
-            )
-
-    def admit(
-        self, request_ids: list[str], seqs_each: int, tokens: list[int] | None = None
-    ) -> Admission:
-        """Reserve the request's sequences (and ``tokens``: per id, its prompt plus max_tokens
-        times its sequences); the Admission must be released on every path out."""
-        token_counts = tokens if tokens is not None else [0] * len(request_ids)
-        self.check_capacity(len(request_ids) * seqs_each, sum(token_counts))
-        for rid in request_ids:
-            if rid in self.inflight:
-                raise BadRequestError(
-                    f"A request with id {rid!r} is already running.", "request_id"
-                )
-        for rid, count in zip(request_ids, token_counts, strict=True):
-            self.inflight[rid] = seqs_each
-            self.inflight_tokens[rid] = count
-        self.admitted += len(request_ids) * seqs_each
-        self.admitted_tokens += sum(token_counts)
-        return Admission(self, request_ids)
-
-    def _release(self, request_id: str) -> None:
-        self.admitted -= self.inflight.pop(request_id)
-        self.admitted_tokens -= self.inflight_tokens.pop(request_id)
-        if self.draining and not self.inflight:
-            self.drained.set()
-
-    def token_text(self, token_id: int) -> str:
-        """A token's text, from the engine's cache (the one the logprob entries use)."""
-        return self.engine.token_text(token_id)
-
-
-def split_prompts(value: str | list[Any], param: str) -> list[str | list[int]]:
-    """A request's ``prompt`` / ``input`` as its prompts: a text, a list of texts, token ids
-    (one prompt) or a list of token-id lists; empty: a 400 naming ``param``."""
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise BadRequestError(f"'{param}' must not be empty.", param)
-    if isinstance(value[0], int):
-        return [value]  # one prompt as token ids
-    return list(value)
-
-
-def admitted_tokens(job: PreparedPrompt) -> int:
-    """What one prepared prompt counts against --max-num-admitted-tokens: each of its
-    sequences may come to hold the prompt and max_tokens in the KV cache."""
-    return job.params.n * (len(job.prompt_token_ids) + (job.params.max_tokens or 0))
-
-
-class Admission:
-    """A request's place in ``ServerState.inflight``: each id is released exactly once, by
-    ``release`` (one id, when its engine request ends) or ``release_all`` (the request's
-    owner leaving by any path: finish, error, disconnect, cancellation, shutdown)."""
-
-    __slots__ = ("state", "pending")
-
-    def __init__(self, state: ServerState, request_ids: list[str]) -> None:
-        self.state = state
-        self.pending = set(request_ids)
-
-    def release(self, request_id: str) -> None:
-        if request_id in self.pending:
-            self.pending.discard(request_id)
-            self.state._release(request_id)
-
-    def release_all(self) -> None:
-        for request_id in list(self.pending):
-            self.release(request_id)
-
-
-# ---------------------------------------------------------------- outputs
-
-
-@attrs.define(eq=False)
-class ChoiceState:
-    """Accumulated output of one choice (non-streaming) or its bookkeeping (streaming)."""
-
-    index: int
-    texts: list[str] = attrs.field(factory=list)
-    token_ids: list[int] = attrs.field(factory=list)
-    logprobs: list[Any] = attrs.field(factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    def add(self, c: Any) -> None:
-        if c.text:
-            self.texts.append(c.text)
-        self.token_ids.extend(c.token_ids)
-        if c.logprobs:
-            self.logprobs.extend(c.logprobs)
-        if c.finish_reason is not None:
-            self.finish_reason = str(c.finish_reason)
-            self.stop_reason = c.stop_reason
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
-
-
-class RequestTracker:
-    """Per-request counters for usage and metrics across its prompts and choices."""
-
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "timer", "reasons")
-
-    def __init__(
-        self,
-        state: ServerState,
-        prompt_tokens: int,
-        params: tuple[int, int | None, int] | None = None,  # n, max_tokens, prompts
-    ) -> None:
-        self.prompt_tokens = prompt_tokens
-        self.cached_tokens: dict[int, int] = {}  # job index -> prompt tokens from the cache
-        self.completion_tokens = 0
-        self.timer = state.metrics.timer(time.perf_counter(), params)
-        self.reasons: list[str] = []
-
-    def observe(self, out: Any, job: int = 0) -> None:
-        count = 0
-        for c in out.outputs:
-            count += len(c.token_ids)
-            if c.finish_reason is not None:
-                self.reasons.append(str(c.finish_reason))
-        self.completion_tokens += count
-        self.timer.output(time.perf_counter(), out, job)  # metrics per engine request
-        if out.num_cached_tokens:
-            self.cached_tokens[job] = out.num_cached_tokens
-
-    def finish(self, num_choices: int) -> None:
-        missing = num_choices - len(self.reasons)
-        self.reasons.extend(["abort"] * max(missing, 0))
-        self.timer.finished(time.perf_counter(), self.prompt_tokens, self.reasons)
-
-    def usage(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
-        }
-
-
-def raise_if_error(item: Any) -> Any:
-    if isinstance(item, APIError):
-        raise item
-    return item
-
-
-def position_logprobs(entry: dict[int, Logprob], token_id: int) -> tuple[float, list]:
-    """One position's logprobs, as the output processor formatted them: the chosen token's
-    value and ``[(id, text, logprob)]`` by rank (``in_rank_order``: no sorting here)."""
-    chosen = entry[token_id].logprob if token_id in entry else -math.inf
-    tops = [(tid, lp.decoded_token or "", lp.logprob) for tid, lp in in_rank_order(entry)]
-    return chosen, tops
-
-
-# Prompt positions serialized between two event-loop checkpoints: at 20 logprobs, ~5k entries
-# (a few ms), so a large answer never holds other requests and /health for long.
-_PROMPT_LOGPROB_POSITIONS_PER_SLICE = 256
-
-
-async def prompt_logprobs_json(prompt_logprobs: Any) -> orjson.Fragment | None:
-    """vLLM's shape, ``[null | {token_id: {logprob, rank, decoded_token}}]`` per prompt token,
-    as JSON ready to embed in the answer: serialized a slice of positions at a time, yielding
-    to the event loop between slices, and never built whole as Python dicts (~7x the JSON)."""
-    if prompt_logprobs is None:
-        return None
-    pieces: list[bytes] = []
-    step = _PROMPT_LOGPROB_POSITIONS_PER_SLICE
-    for start in range(0, len(prompt_logprobs), step):
-        rows = [_prompt_position_json(entry) for entry in prompt_logprobs[start : start + step]]
-        pieces.append(orjson.dumps(rows)[1:-1])  # the rows without their brackets
-        await trio.lowlevel.checkpoint()
-    return orjson.Fragment(b"[" + b",".join(pieces) + b"]")
-
-
-def _prompt_position_json(entry: dict[int, Logprob] | None) -> dict[str, Any] | None:
-    if entry is None:
-        return None
-    return {
-        str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-        for tid, lp in entry.items()
-    }
+    def accepts_prompts(self) -> bool:
+        """Whether a request's next prompt may enter the engine (fair admission asks, as
+        ``may_start``): not once the server drains."""
+        return not self.draining
 
 
 def max_prompt_chars(state: ServerState) -> int:

@@ -12,9 +12,12 @@ for in all its prompts and samples together, where each field alone is within it
   requests).
 
 Both are 400s naming the budget and the fields that spend it: the request can never fit.
+The prompts they count come from ``split_prompts`` (a request's ``prompt`` / ``input``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from trillm.engine.preprocess import PreparedPrompt
 from trillm.entrypoints.openai.http.errors import BadRequestError
@@ -85,3 +88,15 @@ def check_sequences(num_prompts: int, n: int, limit: int) -> None:
             "(--max-sequences-per-request). Lower n, or send fewer prompts per request.",
             "n",
         )
+
+
+def split_prompts(value: str | list[Any], param: str) -> list[str | list[int]]:
+    """A request's ``prompt`` / ``input`` as its prompts: a text, a list of texts, token ids
+    (one prompt) or a list of token-id lists; empty: a 400 naming ``param``."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise BadRequestError(f"'{param}' must not be empty.", param)
+    if isinstance(value[0], int):
+        return [value]  # one prompt as token ids
+    return list(value)

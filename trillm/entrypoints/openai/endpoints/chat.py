@@ -1,28 +1,26 @@
-"""POST /v1/chat/completions: render the chat, tokenize, generate, answer JSON or SSE."""
+"""POST /v1/chat/completions: render the chat, tokenize, generate, answer JSON or SSE.
+
+The endpoint calls each stage below it once, top to bottom: the tools and parsers
+(``chat_parsing.py``), stage 2 (rendering and the engine's preprocessor, with the request's
+SamplingParams from ``sampling.py``), the budgets, the generation (``generation.py``), then the
+answer (``chat_output.py``: read here for JSON, or handed to the SSE driver, ``sse_stream.py``).
+"""
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
-import orjson
 import trio
 
 from trillm.engine.chat_template import ChatTemplateError
 from trillm.engine.multimodal import processor_text
 from trillm.engine.preprocess import INLINE_TOKENIZE_CHARS, PreparedPrompt
-from trillm.entrypoints.openai.endpoints.base import (
-    ChoiceState,
-    RequestTracker,
-    ServerState,
-    position_logprobs,
-    prompt_logprobs_json,
-    raise_if_error,
-)
+from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.budgets import LogprobBudget, check_sequences
+from trillm.entrypoints.openai.endpoints.chat_output import ChatAnswer
 from trillm.entrypoints.openai.endpoints.chat_parsing import (
     ChoiceParser,
     ToolPlan,
@@ -37,30 +35,31 @@ from trillm.entrypoints.openai.endpoints.generation import (
 )
 from trillm.entrypoints.openai.endpoints.media import check_mm_kwargs, split_images
 from trillm.entrypoints.openai.endpoints.sampling import build_sampling_params
-from trillm.entrypoints.openai.endpoints.sse_stream import SSEStream
+from trillm.entrypoints.openai.endpoints.sse_stream import sse_stream
 from trillm.entrypoints.openai.http.errors import (
     BadRequestError,
     from_engine_exception,
 )
 from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest
 from trillm.messages import MultiModalItem
-from trillm.sampling_params import SamplingParams
 
 
 async def create_chat_completion(
     state: ServerState, req: ChatCompletionRequest
 ) -> dict[str, Any] | AsyncIterator[bytes]:
-    ctx, gen = await start_chat(state, req)
+    answer, gen = await start_chat(state, req)
     if req.stream:
-        return guard_stream(gen, ctx.stream(gen))
-    return await ctx.full(gen)
+        opts = req.stream_options
+        include_usage = opts is not None and opts.include_usage
+        return guard_stream(gen, sse_stream(gen, answer, answer.tracker, include_usage))
+    return await answer.full(gen)
 
 
 async def start_chat(
     state: ServerState, req: ChatCompletionRequest
-) -> tuple[ChatContext, Generation]:
-    """Check, render, tokenize and submit a chat; the context reads the generation (its
-    ``full`` or ``stream``, or another API's reader: /v1/responses)."""
+) -> tuple[ChatAnswer, Generation]:
+    """Check, render, tokenize and submit a chat; the answer reads the generation (its
+    ``full``, the SSE driver, or another API's reader: /v1/responses)."""
     lora = state.check_model(req.model)  # the adapter req.model names, if any
     tools = plan_tools(state, req)
     try:
@@ -72,19 +71,21 @@ async def start_chat(
     params = prepared.params
     prompt_ids = prepared.prompt_token_ids
     request_id = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    ctx = ChatContext(state, req, params, request_id, prompt_ids)
-    if lora is not None:
-        ctx.model_name = lora.lora_name
+    model_name = state.model_name if lora is None else lora.lora_name
     reasoning = reasoning_factory(state, req, prompt_text)
+    parser = None
     if tools.parser is not None or reasoning is not None:
-        ctx.parser = lambda: ChoiceParser(tools, reasoning, req.include_reasoning)
+        # NOTE: a partial, not a lambda: the answer builds its parsers from chat_parsing
+        # without calling back into this module.
+        parser = partial(ChoiceParser, tools, reasoning, req.include_reasoning)
+    answer = ChatAnswer(state, req, params, request_id, prompt_ids, model_name, parser)
     try:
         gen = await start_generation(
             state, [prepared], request_id, timeout=req.timeout, lora_request=lora
         )
     except BadRequestError as exc:
         raise tools.blame(exc) from None  # a tool schema that does not compile names the tool
-    return ctx, gen
+    return answer, gen
 
 
 async def _prepare(
@@ -177,216 +178,3 @@ def _chat_size(req: ChatCompletionRequest) -> int:
         size += 1 + (len(content) if isinstance(content, str) else len(content or ()) * 16)
         size += 16 * len(m.tool_calls or ())  # each call is rendered as a block of text
     return size + 16 * len(req.tools or ())
-
-
-def _echo_text(req: ChatCompletionRequest) -> str:
-    """``echo``: the last message's text when it is the assistant's (the reply's role)."""
-    last = req.messages[-1] if req.echo and req.messages else None
-    if last is None or last.role != "assistant" or last.content is None:
-        return ""
-    if isinstance(last.content, str):
-        return last.content
-    return "".join(part.text or "" for part in last.content if part.type == "text")
-
-
-class ChatContext(SSEStream):
-    def __init__(
-        self,
-        state: ServerState,
-        req: ChatCompletionRequest,
-        params: SamplingParams,
-        request_id: str,
-        prompt_ids: list[int],
-    ) -> None:
-        self.state = state
-        self.req = req
-        self.params = params
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.created = int(time.time())
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        self.tracker = RequestTracker(state, len(prompt_ids), (req.n, max_tokens, 1))
-        self.top_n = req.top_logprobs or 0
-        # Per-choice reasoning / tool-call parsing (chat_parsing.py); None: the text as is.
-        self.parser: Callable[[], ChoiceParser] | None = None
-        self.echo = _echo_text(req)
-        self.model_name = state.model_name  # the adapter's name when the request names one
-
-    # ------------------------------------------------------------ non-streaming
-
-    async def full(self, gen: Generation) -> dict[str, Any]:
-        choices = [ChoiceState(i) for i in range(self.params.n)]
-        prompt_logprobs = None
-        try:
-            async for _, item in gen:
-                out = raise_if_error(item)
-                self.tracker.observe(out)
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs = out.prompt_logprobs
-                for c in out.outputs:
-                    choices[c.index].add(c)
-        finally:
-            await gen.aclose()
-            self.tracker.finish(self.params.n)
-        return self._response(choices, await prompt_logprobs_json(prompt_logprobs))
-
-    def _response(
-        self, choices: list[ChoiceState], prompt_logprobs: orjson.Fragment | None
-    ) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self.request_id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model_name,
-            "choices": [self._choice(c) for c in choices],
-            "usage": self.tracker.usage(),
-        }
-        if self.req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs
-        if self.req.return_token_ids:
-            body["prompt_token_ids"] = self.prompt_ids
-        return body
-
-    def _choice(self, c: ChoiceState) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        finish_reason = c.finish_reason or "abort"
-        if self.parser is not None:
-            parser = self.parser()
-            message = parser.message(c.text)
-            finish_reason = parser.finish_reason(finish_reason) or finish_reason
-        if self.echo:
-            message["content"] = self.echo + (message.get("content") or "")
-        choice: dict[str, Any] = {
-            "index": c.index,
-            "message": message,
-            "logprobs": self._logprobs(c.token_ids, c.logprobs),
-            "finish_reason": finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-        if self.req.return_token_ids:
-            choice["token_ids"] = c.token_ids
-        return choice
-
-    def _text(self, entry: Any, tid: int) -> str:
-        lp = entry.get(tid)
-        return (lp.decoded_token or "") if lp is not None else self.state.token_text(tid)
-
-    def _logprobs(self, token_ids: list[int], logprobs: Any) -> dict[str, Any] | None:
-        if not self.req.logprobs:
-            return None
-        content = []
-        # return_tokens_as_token_ids: "token_id:<id>" for tokens that are not UTF-8 alone.
-        as_ids = self.req.return_tokens_as_token_ids
-        for tid, entry in zip(token_ids, logprobs or []):
-            chosen, tops = position_logprobs(entry, tid)
-            text = f"token_id:{tid}" if as_ids else self._text(entry, tid)
-            top = [(f"token_id:{i}" if as_ids else t, lp) for i, t, lp in tops[: self.top_n]]
-            content.append(
-                {
-                    "token": text,
-                    "logprob": chosen,
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [
-                        {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top
-                    ],
-                }
-            )
-        return {"content": content}
-
-    # ------------------------------------------------------------ streaming
-
-    OBJECT = b"chat.completion.chunk"
-
-    def num_choices(self) -> int:
-        return self.params.n
-
-    def opening(self) -> tuple[bytes, list[bytes]]:
-        # NOTE: the role events (and an echo) go with the first output (already there: the
-        # request was primed): fewer, larger writes; the same events at the same moments.
-        self._fast = not (self.req.logprobs or self.req.return_token_ids or self._continuous_usage)
-        self._parsers = [self.parser() for _ in range(self.params.n)] if self.parser else None
-        parts = [self._role_chunk(i) for i in range(self.params.n)]
-        if self.echo:
-            parts += [self._content_chunk(i, self.echo) for i in range(self.params.n)]
-        return b"", parts
-
-    def add_events(self, parts: list[bytes], job: int, c: Any) -> int:
-        if self._parsers is not None:
-            p = self._parsers[c.index]
-            delta = p.feed(c.text, c.finish_reason is not None)
-            reason = p.finish_reason(c.finish_reason)
-            if delta or reason is not None or (c.token_ids and not self._fast):
-                parts.append(
-                    self._chunk(c.index, delta, c.token_ids, c.logprobs, reason, c.stop_reason)
-                )
-        elif self._fast and c.finish_reason is None:
-            if c.text:
-                parts.append(self._content_chunk(c.index, c.text))
-        elif c.text or c.token_ids or c.finish_reason is not None:
-            parts.append(
-                self._chunk(
-                    c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason
-                )
-            )
-        return c.index
-
-    def abort_event(self, index: int) -> bytes:
-        rest = self._parsers[index].feed("", True) if self._parsers is not None else ""
-        return self._chunk(index, rest, [], None, "abort", None)
-
-    @property
-    def _continuous_usage(self) -> bool:
-        opts = self.req.stream_options
-        return opts is not None and opts.continuous_usage_stats
-
-    def _role_chunk(self, index: int) -> bytes:
-        choice: dict[str, Any] = {
-            "index": index,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        if self.req.return_token_ids and index == 0:
-            return (
-                self.head
-                + orjson.dumps(choice)
-                + (b'],"prompt_token_ids":' + orjson.dumps(self.prompt_ids) + b"}\n\n")
-            )
-        return self.head + orjson.dumps(choice) + b"]}\n\n"
-
-    def _content_chunk(self, index: int, text: str) -> bytes:
-        # NOTE: the hot path of streaming: no dict, one orjson call for the text.
-        return (
-            self.head
-            + b'{"index":'
-            + str(index).encode()
-            + b',"delta":{"content":'
-            + orjson.dumps(text)
-            + b'},"logprobs":null,"finish_reason":null}]}\n\n'
-        )
-
-    def _chunk(
-        self,
-        index: int,
-        text: str | dict[str, Any],  # the new text, or a parsed delta (chat_parsing.py)
-        token_ids: list[int],
-        logprobs: Any,
-        finish_reason: str | None,
-        stop_reason: int | str | None,
-    ) -> bytes:
-        delta: dict[str, Any] = (
-            text if isinstance(text, dict) else {"content": text} if text else {}
-        )
-        choice: dict[str, Any] = {
-            "index": index,
-            "delta": delta,
-            "logprobs": self._logprobs(token_ids, logprobs),
-            "finish_reason": finish_reason,
-            "stop_reason": stop_reason,
-        }
-        if self.req.return_token_ids:
-            choice["token_ids"] = token_ids
-        tail = b"]}\n\n"
-        if self._continuous_usage:
-            tail = b'],"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
-        return self.head + orjson.dumps(choice) + tail

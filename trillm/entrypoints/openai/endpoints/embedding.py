@@ -4,7 +4,7 @@ preprocessor tokenizes, truncates and checks it); the engine pools its prompt
 (``AsyncEngine.encode``). ``dimensions`` truncates a matryoshka model's vectors (then
 renormalizes when the model normalizes); other models refuse it, as vLLM does.
 
-Admission as for generation (``ServerState.admit``): a request holds one sequence per input,
+Admission as for generation (``admission.admit``): a request holds one sequence per input,
 and its tokens, against ``--max-num-queued-requests`` / ``--max-num-admitted-tokens`` from
 before it reaches the engine until it ends by any path (done, error, client gone)."""
 
@@ -21,7 +21,9 @@ import trio
 
 from trillm.config import PoolerConfig
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt
-from trillm.entrypoints.openai.endpoints.base import ServerState, admitted_tokens, split_prompts
+from trillm.entrypoints.openai.endpoints.admission import admit, admitted_tokens, check_capacity
+from trillm.entrypoints.openai.endpoints.base import ServerState
+from trillm.entrypoints.openai.endpoints.budgets import split_prompts
 from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.entrypoints.openai.schemas.pooling import EmbeddingRequest, PoolingRequest
 from trillm.outputs import pooling_params
@@ -99,14 +101,14 @@ async def run_inputs(
 ) -> tuple[str, list[PreparedPrompt], list[Any]]:
     """A pooling request's inputs (``req.input``, ``req.truncate_prompt_tokens``), each one
     engine request, ``run(prepared, request_id)``, in its own task; all admitted together
-    (``ServerState.admit``), each place released when its input ends, the rest on any way
+    (``admission.admit``), each place released when its input ends, the rest on any way
     out (a sibling failed, the client left). -> (request id, prepared inputs, results)."""
     inputs = split_prompts(req.input, "input")
-    state.check_capacity(seqs=len(inputs))  # refuse a full queue before tokenizing
+    check_capacity(state, seqs=len(inputs))  # refuse a full queue before tokenizing
     prepared = [await prepare_input(state, req.truncate_prompt_tokens, item) for item in inputs]
     request_id = f"{kind}-{uuid.uuid4().hex}"
     ids = [f"{request_id}-{i}" for i in range(len(prepared))]
-    admission = state.admit(ids, 1, [admitted_tokens(p) for p in prepared])
+    admission = admit(state, ids, 1, [admitted_tokens(p) for p in prepared])
     results: list[Any] = [None] * len(prepared)
 
     async def one(i: int) -> None:

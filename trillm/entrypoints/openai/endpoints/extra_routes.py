@@ -23,11 +23,13 @@ from typing import Any
 import orjson
 from quart import request
 
+from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.chat import create_chat_completion
 from trillm.entrypoints.openai.endpoints.completion import create_completion
 from trillm.entrypoints.openai.endpoints.responses import create_response
+from trillm.entrypoints.openai.http.bodies import json_body, json_response, result_response
 from trillm.entrypoints.openai.http.errors import BadRequestError, NotFoundError
-from trillm.entrypoints.openai.http.exchange import at_exchange_end
+from trillm.entrypoints.openai.http.exchange_cleanups import at_exchange_end
 from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest, CompletionRequest
 from trillm.entrypoints.openai.schemas.responses import parse_request
 from trillm.entrypoints.openai.schemas.structuring import structure_body
@@ -107,9 +109,8 @@ class Dispatcher:
     """Runs the chat / completion handlers for the routes, with the request log and the
     server load around them."""
 
-    def __init__(self, state: Any, respond: Callable[[Any], Any], log: RequestLog | None) -> None:
+    def __init__(self, state: ServerState, log: RequestLog | None) -> None:
         self.state = state
-        self.respond = respond
         self.log = log
         # Generation requests in flight, streams until their last byte: /load (vLLM's
         # server_load_metrics).
@@ -162,8 +163,8 @@ class Dispatcher:
             self.load -= 1
             if self.log is not None:
                 self.log.finished(number, result, start)
-            return self.respond(result)
-        return self.respond(self._tracked_stream(result, number, start))
+            return result_response(result)
+        return result_response(self._tracked_stream(result, number, start))
 
     def _tracked_stream(
         self, stream: AsyncIterator[bytes], number: int, start: float
@@ -196,14 +197,7 @@ class Dispatcher:
         return body()
 
 
-def install(
-    app: Any,
-    state: Any,
-    dispatcher: Dispatcher,
-    json_body: Callable[[], Any],
-    health: Callable[[], Awaitable[Any]],
-    json_response: Callable[..., Any],
-) -> None:
+def install(app: Any, dispatcher: Dispatcher, health: Callable[[], Awaitable[Any]]) -> None:
     """/ping, /invocations, /load and /v1/responses on ``app``."""
 
     @app.post("/v1/responses")

@@ -2,7 +2,7 @@
 (``AsyncEngine.generate_many``, ``trillm/engine/request_stream.py``), read in the handler's
 own task (or its SSE generator's) as ``(prompt index, RequestOutput | APIError)``.
 
-``start_generation`` reserves the request's sequences and tokens (``ServerState.admit``, 503
+``start_generation`` reserves the request's sequences and tokens (``admission.admit``, 503
 past ``--max-num-queued-requests`` or ``--max-num-admitted-tokens``), enters the parent
 request and waits for its first item, so that what the engine refuses before any output
 (a request larger than the KV cache, ...) is an HTTP error, not an SSE event. Fair admission:
@@ -30,9 +30,10 @@ import trio
 
 from trillm.engine.preprocess import PreparedPrompt
 from trillm.engine.request_stream import ParentRequest
-from trillm.entrypoints.openai.endpoints.base import Admission, ServerState, admitted_tokens
+from trillm.entrypoints.openai.endpoints.admission import Admission, admit, admitted_tokens
+from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.http.errors import APIError, from_engine_exception
-from trillm.entrypoints.openai.http.exchange import at_exchange_end
+from trillm.entrypoints.openai.http.exchange_cleanups import at_exchange_end
 from trillm.lora.request import LoRARequest
 from trillm.outputs import RequestOutput
 
@@ -108,7 +109,7 @@ async def start_generation(
     """
     n = jobs[0].params.n
     ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
-    admission = state.admit(ids, n, [admitted_tokens(job) for job in jobs])
+    admission = admit(state, ids, n, [admitted_tokens(job) for job in jobs])
     try:
         request = state.engine.generate_many(
             jobs,
@@ -117,7 +118,7 @@ async def start_generation(
             timeout=timeout,
             lora_requests=[lora_request] * len(jobs),
             max_in_flight=_prompts_at_once(state, n, len(jobs)),
-            may_start=lambda: not state.draining,
+            may_start=state.accepts_prompts,
         )
     except BaseException:
         admission.release_all()
@@ -132,6 +133,13 @@ async def start_generation(
             await gen.aclose()
         raise
     return gen
+
+
+def raise_if_error(item: RequestOutput | APIError) -> RequestOutput:
+    """A generation's item as its output; a prompt's failure raised as its APIError."""
+    if isinstance(item, APIError):
+        raise item
+    return item
 
 
 def guard_stream(generation: Generation, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

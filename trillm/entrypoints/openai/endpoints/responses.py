@@ -59,13 +59,13 @@ async def create_response(
     else:
         chat = await trio.to_thread.run_sync(to_chat_request, req)
     try:
-        ctx, gen = await start_chat(state, chat)
+        answer, gen = await start_chat(state, chat)
     except APIError as exc:
         raise rename_param(exc) from None
-    built = ResponseBuilder(state, req, ctx.request_id)
+    built = ResponseBuilder(state, req, answer.request_id)
     if req.stream:
-        return guard_stream(gen, ResponseStream(built, ctx).events(gen))
-    body = await ctx.full(gen)
+        return guard_stream(gen, ResponseStream(built, answer).events(gen))
+    body = await answer.full(gen)
     return built.from_chat(body)
 
 

@@ -20,9 +20,8 @@ from typing import Any
 
 import orjson
 
-from trillm.entrypoints.openai.endpoints.base import raise_if_error
-from trillm.entrypoints.openai.endpoints.chat import ChatContext
-from trillm.entrypoints.openai.endpoints.generation import Generation
+from trillm.entrypoints.openai.endpoints.chat_output import ChatAnswer
+from trillm.entrypoints.openai.endpoints.generation import Generation, raise_if_error
 from trillm.entrypoints.openai.endpoints.responses_output import (
     ResponseBuilder,
     function_call_item,
@@ -58,7 +57,7 @@ class _Item:
 
 
 class ResponseStream:
-    def __init__(self, built: ResponseBuilder, ctx: ChatContext) -> None:
+    def __init__(self, built: ResponseBuilder, ctx: ChatAnswer) -> None:
         self.built = built
         self.ctx = ctx
         self.seq = 0

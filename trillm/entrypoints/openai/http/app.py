@@ -7,18 +7,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import orjson
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 import trillm
 from trillm.entrypoints.openai.endpoints import extra_routes, lora
+from trillm.entrypoints.openai.endpoints.admission import check_capacity
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.classify import create_classification
 from trillm.entrypoints.openai.endpoints.embedding import create_embedding
 from trillm.entrypoints.openai.endpoints.tokenization import detokenize, tokenize
 from trillm.entrypoints.openai.http.auth import ApiKeys
+from trillm.entrypoints.openai.http.bodies import json_body, json_response
 from trillm.entrypoints.openai.http.errors import (
     APIError,
     AuthenticationError,
@@ -28,7 +29,6 @@ from trillm.entrypoints.openai.http.errors import (
     NotFoundError,
     PayloadTooLargeError,
     ServiceUnavailableError,
-    UnsupportedMediaTypeError,
     error_body,
     internal_error,
 )
@@ -52,7 +52,6 @@ RETRY_AFTER_S = 1  # the Retry-After of a 503
 DEFAULT_HEALTH_STEP_TIMEOUT_S = 60.0
 # Answered whatever the engine's state (draining, dead, full); the API key is auth.py's rule.
 _ENGINE_FREE_PATHS = ("/health", "/ping", "/load", "/metrics", "/version", "/openapi.json")
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(
@@ -74,7 +73,7 @@ def build_app(
     _install_error_handlers(app)
     log = None if log_requests_max_len is None else extra_routes.RequestLog(log_requests_max_len)
     health = _health_route(state, health_step_timeout)
-    _install_routes(app, state, extra_routes.Dispatcher(state, result_response, log), health)
+    _install_routes(app, state, extra_routes.Dispatcher(state, log), health)
     # What a stream whose body never ran holds is released when its exchange ends.
     app.asgi_app = CloseAtExchangeEnd(app.asgi_app)  # type: ignore[method-assign,assignment]
     return app
@@ -97,7 +96,7 @@ def _install_gate(app: QuartTrio, state: ServerState, api_keys: ApiKeys) -> None
         if request.method == "POST" and path.startswith("/v1/"):
             # A full queue refuses before the body is read; start_generation checks again
             # with the request's real size (prompts x n).
-            state.check_capacity()
+            check_capacity(state)
 
     @app.after_request
     async def retry_after(response: Response) -> Response:
@@ -226,7 +225,7 @@ def _install_routes(
 
     app.get("/health")(health)
 
-    extra_routes.install(app, state, run, json_body, health, json_response)  # /ping, ...
+    extra_routes.install(app, run, health)  # /ping, ...
 
     @app.get("/version")
     async def version() -> Response:
@@ -255,32 +254,3 @@ def model_cards(state: ServerState) -> list[dict[str, Any]]:
         }
         for name in state.served_model_names
     ]
-
-
-async def json_body() -> Any:
-    """The request body as decoded JSON (an object), or a 400/413 APIError."""
-    mimetype = request.mimetype
-    if mimetype != "application/json" and not mimetype.endswith("+json"):
-        raise UnsupportedMediaTypeError(
-            f"Content-Type must be application/json, got {mimetype or 'none'!r}."
-        )
-    data = await request.get_data(cache=False)  # 413 (HTTPException) beyond MAX_CONTENT_LENGTH
-    try:
-        body = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequestError(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequestError("The request body must be a JSON object.")
-    return body
-
-
-def json_response(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status, content_type="application/json")
-
-
-def result_response(result: Any) -> Response:
-    if isinstance(result, dict):
-        return json_response(result)
-    response = Response(result, 200, content_type="text/event-stream", headers=_SSE_HEADERS)
-    response.timeout = None
-    return response

@@ -1,6 +1,7 @@
 """Clean-up that must run when an HTTP exchange ends, in any way, never left to the garbage
 collector: an ASGI wrapper around the app (``CloseAtExchangeEnd``) gives each exchange a list
-of callbacks (``at_exchange_end``) and runs them, shielded, when the app's call returns.
+of callbacks (``exchange_cleanups.at_exchange_end``) and runs them, shielded, when the app's
+call returns.
 
 Why: a streamed response's body is an async generator that quart iterates (and closes) only
 once the response starts. A client gone before that (or a server shutting down) leaves the
@@ -12,26 +13,13 @@ idempotent: after a body that ran, they find nothing left to do.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from contextvars import ContextVar
 from typing import Any
 
 import trio
 
+from trillm.entrypoints.openai.http.exchange_cleanups import Cleanup, collecting_into
+
 logger = logging.getLogger(__name__)
-
-Cleanup = Callable[[], Awaitable[None]]
-
-# The current exchange's callbacks; the handler's tasks inherit the list (context copies).
-_CLEANUPS: ContextVar[list[Cleanup] | None] = ContextVar("trillm_exchange_cleanups", default=None)
-
-
-def at_exchange_end(cleanup: Cleanup) -> None:
-    """Run ``cleanup()`` when the current HTTP exchange ends."""
-    cleanups = _CLEANUPS.get()
-    if cleanups is None:
-        raise RuntimeError("at_exchange_end needs the CloseAtExchangeEnd ASGI wrapper.")
-    cleanups.append(cleanup)
 
 
 class CloseAtExchangeEnd:
@@ -45,11 +33,10 @@ class CloseAtExchangeEnd:
             await self.app(scope, receive, send)
             return
         cleanups: list[Cleanup] = []
-        token = _CLEANUPS.set(cleanups)
         try:
-            await self.app(scope, receive, send)
+            with collecting_into(cleanups):
+                await self.app(scope, receive, send)
         finally:
-            _CLEANUPS.reset(token)
             with trio.CancelScope(shield=True):
                 for cleanup in cleanups:
                     try:

@@ -1,0 +1,242 @@
+"""What a completion's answer says (stage 11 of POST /v1/completions): its JSON body, read
+from the generation here, and its SSE chunks, which the driver (``sse_stream.py``) asks for
+output by output. Choice ``i * n + j`` is sample ``j`` of prompt ``i``, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import orjson
+import trio
+
+from trillm.engine.preprocess import PreparedPrompt
+from trillm.entrypoints.openai.endpoints.answer_json import (
+    chunk_head,
+    position_logprobs,
+    prompt_logprobs_json,
+)
+from trillm.entrypoints.openai.endpoints.base import ServerState
+from trillm.entrypoints.openai.endpoints.generation import Generation, raise_if_error
+from trillm.entrypoints.openai.endpoints.usage import ChoiceState, RequestTracker
+from trillm.entrypoints.openai.schemas.protocol import CompletionRequest
+from trillm.outputs import CompletionOutput, Logprob, PromptLogprobs, SampleLogprobs
+
+
+@attrs.define
+class CompletionPrompt:
+    prepared: PreparedPrompt  # checked by the engine's preprocessor, submitted as is
+    text: str | None  # the prompt text when echo needs it
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prepared.prompt_token_ids
+
+
+class CompletionAnswer:
+    """One completion request's answer: ``full`` reads the generation into the JSON body;
+    the other methods are the driver's ``Chunks``."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        req: CompletionRequest,
+        prompts: list[CompletionPrompt],
+        request_id: str,
+        model_name: str,  # the served name, or the adapter's when the request names one
+    ) -> None:
+        self.state = state
+        self.req = req
+        self.prompts = prompts
+        self.request_id = request_id
+        self.n = req.n
+        self.created = int(time.time())
+        self.model_name = model_name
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        params = (req.n, req.max_tokens, len(prompts))
+        self.tracker = RequestTracker(state.metrics, prompt_tokens, params)
+        self.head = chunk_head(request_id, b"text_completion", self.created, model_name)
+        self._fast = req.logprobs is None and not req.return_token_ids
+        self._offsets = [0] * self.num_choices()  # each choice's text offset so far
+
+    # ------------------------------------------------------------ non-streaming
+
+    async def full(self, gen: Generation) -> dict[str, Any]:
+        num = len(self.prompts) * self.n
+        choices = [ChoiceState(i) for i in range(num)]
+        prompt_logprobs: list[PromptLogprobs | None] = [None] * len(self.prompts)
+        try:
+            async for job, item in gen:
+                out = raise_if_error(item)
+                self.tracker.observe(out, job)
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[job] = out.prompt_logprobs
+                for c in out.outputs:
+                    choices[job * self.n + c.index].add(c)
+        finally:
+            await gen.aclose()
+            self.tracker.finish(num)
+        # NOTE: each prompt's prompt_logprobs serialized once (shared by its n choices), in
+        # slices between event-loop checkpoints; a checkpoint after each choice too.
+        prompt_json: list[orjson.Fragment | None] = [None] * len(self.prompts)
+        if self.req.prompt_logprobs is not None:
+            prompt_json = [await prompt_logprobs_json(p) for p in prompt_logprobs]
+        body_choices = []
+        for state in choices:
+            job = state.index // self.n
+            body_choices.append(self._choice(state, prompt_logprobs[job], prompt_json[job]))
+            await trio.lowlevel.checkpoint()
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model_name,
+            "choices": body_choices,
+            "usage": self.tracker.usage(),
+        }
+
+    def _choice(
+        self,
+        c: ChoiceState,
+        prompt_logprobs: PromptLogprobs | None,
+        prompt_json: orjson.Fragment | None,
+    ) -> dict[str, Any]:
+        prompt = self.prompts[c.index // self.n]
+        echo = prompt.text if self.req.echo else None
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "text": (echo or "") + c.text,
+            "logprobs": self._logprobs(prompt, c.token_ids, c.logprobs, prompt_logprobs),
+            "finish_reason": c.finish_reason or "abort",
+            "stop_reason": c.stop_reason,
+        }
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_json
+        if self.req.return_token_ids:
+            choice["prompt_token_ids"] = prompt.token_ids
+            choice["token_ids"] = c.token_ids
+        return choice
+
+    def _logprobs(
+        self,
+        prompt: CompletionPrompt,
+        token_ids: list[int],
+        logprobs: SampleLogprobs | None,
+        prompt_logprobs: PromptLogprobs | None = None,
+        offset: int = 0,
+    ) -> dict[str, Any] | None:
+        if self.req.logprobs is None:
+            return None
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        if self.req.echo and prompt_logprobs is not None:
+            for tid, entry in zip(prompt.token_ids, prompt_logprobs):
+                self._position(tid, entry, tokens, values, tops)
+        for tid, sampled in zip(token_ids, logprobs or []):
+            self._position(tid, sampled, tokens, values, tops)
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def _position(
+        self,
+        tid: int,
+        entry: dict[int, Logprob] | None,
+        tokens: list[str],
+        values: list[float | None],
+        tops: list[dict[str, float] | None],
+    ) -> None:
+        as_ids = self.req.return_tokens_as_token_ids
+        # (the first prompt token has no entry: its text from the same cache)
+        lp = entry.get(tid) if entry is not None else None
+        text = (lp.decoded_token or "") if lp is not None else self.state.engine.token_text(tid)
+        tokens.append(f"token_id:{tid}" if as_ids else text)
+        if entry is None:  # the first prompt token: nothing predicts it
+            values.append(None)
+            tops.append(None)
+            return
+        chosen, ranked = position_logprobs(entry, tid)
+        values.append(chosen)
+        top = ranked[: self.req.logprobs]
+        tops.append({(f"token_id:{i}" if as_ids else t): lp for i, t, lp in top})
+
+    # ------------------------------------------------------------ streaming (Chunks)
+
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def single_job(self) -> bool:
+        return len(self.prompts) == 1
+
+    def opening(self) -> tuple[bytes, list[bytes]]:
+        echo = b""
+        if self.req.echo:
+            echo = b"".join(self._echo_chunk(i) for i in range(self.num_choices()))
+        return echo, []
+
+    def add_events(self, parts: list[bytes], job: int, c: CompletionOutput) -> int:
+        index = job * self.n + c.index
+        if self._fast and c.finish_reason is None:
+            if c.text:
+                parts.append(self._text_chunk(index, c.text))
+        elif c.text or c.token_ids or c.finish_reason is not None:
+            parts.append(self._chunk(index, c))
+        return index
+
+    def abort_event(self, index: int) -> bytes:
+        return self._end_chunk(index, "abort")
+
+    def _echo_chunk(self, index: int) -> bytes:
+        text = self.prompts[index // self.n].text or ""
+        self._offsets[index] = len(text)
+        return self._text_chunk(index, text)
+
+    def _text_chunk(self, index: int, text: str) -> bytes:
+        # NOTE: the hot path of streaming: no dict, one orjson call for the text.
+        return (
+            self.head
+            + b'{"index":'
+            + str(index).encode()
+            + b',"text":'
+            + orjson.dumps(text)
+            + b',"logprobs":null,"finish_reason":null}]}\n\n'
+        )
+
+    def _end_chunk(self, index: int, reason: str) -> bytes:
+        choice = {
+            "index": index,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": reason,
+            "stop_reason": None,
+        }
+        return self.head + orjson.dumps(choice) + b"]}\n\n"
+
+    def _chunk(self, index: int, c: CompletionOutput) -> bytes:
+        prompt = self.prompts[index // self.n]
+        offset = self._offsets[index]
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": c.text,
+            "logprobs": self._logprobs(prompt, c.token_ids, c.logprobs, offset=offset),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        self._offsets[index] += len(c.text)
+        if self.req.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        tail = b"]}\n\n"
+        opts = self.req.stream_options
+        if opts is not None and opts.continuous_usage_stats:
+            tail = b'],"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
+        return self.head + orjson.dumps(choice) + tail

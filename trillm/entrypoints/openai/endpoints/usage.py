@@ -1,0 +1,80 @@
+"""What a generation's reader keeps while it reads (stage 11, chat and completions): each
+choice's accumulated output for a JSON answer, and the request's usage and metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+
+from trillm.entrypoints.openai.metrics.prometheus import ServerMetrics
+from trillm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+
+
+@attrs.define(eq=False)
+class ChoiceState:
+    """Accumulated output of one choice (a JSON answer's)."""
+
+    index: int
+    texts: list[str] = attrs.field(factory=list)
+    token_ids: list[int] = attrs.field(factory=list)
+    logprobs: SampleLogprobs = attrs.field(factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, c: CompletionOutput) -> None:
+        if c.text:
+            self.texts.append(c.text)
+        self.token_ids.extend(c.token_ids)
+        if c.logprobs:
+            self.logprobs.extend(c.logprobs)
+        if c.finish_reason is not None:
+            self.finish_reason = str(c.finish_reason)
+            self.stop_reason = c.stop_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+class RequestTracker:
+    """Per-request counters for usage and metrics across its prompts and choices."""
+
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "timer", "reasons")
+
+    def __init__(
+        self,
+        metrics: ServerMetrics,
+        prompt_tokens: int,
+        params: tuple[int, int | None, int] | None = None,  # n, max_tokens, prompts
+    ) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens: dict[int, int] = {}  # job index -> prompt tokens from the cache
+        self.completion_tokens = 0
+        self.timer = metrics.timer(time.perf_counter(), params)
+        self.reasons: list[str] = []
+
+    def observe(self, out: RequestOutput, job: int = 0) -> None:
+        count = 0
+        for c in out.outputs:
+            count += len(c.token_ids)
+            if c.finish_reason is not None:
+                self.reasons.append(str(c.finish_reason))
+        self.completion_tokens += count
+        self.timer.output(time.perf_counter(), out, job)  # metrics per engine request
+        if out.num_cached_tokens:
+            self.cached_tokens[job] = out.num_cached_tokens
+
+    def finish(self, num_choices: int) -> None:
+        missing = num_choices - len(self.reasons)
+        self.reasons.extend(["abort"] * max(missing, 0))
+        self.timer.finished(time.perf_counter(), self.prompt_tokens, self.reasons)
+
+    def usage(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }

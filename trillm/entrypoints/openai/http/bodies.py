@@ -1,0 +1,43 @@
+"""Request and response bodies: a request's JSON object (400 / 413 / 415 as APIErrors), and
+an answer as a JSON response or an SSE stream. Below the app and the routes, which both use
+it, so that neither calls back into the other to read or answer a body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from quart import Response, request
+
+from trillm.entrypoints.openai.http.errors import BadRequestError, UnsupportedMediaTypeError
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def json_body() -> Any:
+    """The request body as decoded JSON (an object), or a 400/413 APIError."""
+    mimetype = request.mimetype
+    if mimetype != "application/json" and not mimetype.endswith("+json"):
+        raise UnsupportedMediaTypeError(
+            f"Content-Type must be application/json, got {mimetype or 'none'!r}."
+        )
+    data = await request.get_data(cache=False)  # 413 (HTTPException) beyond MAX_CONTENT_LENGTH
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequestError(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequestError("The request body must be a JSON object.")
+    return body
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status, content_type="application/json")
+
+
+def result_response(result: Any) -> Response:
+    if isinstance(result, dict):
+        return json_response(result)
+    response = Response(result, 200, content_type="text/event-stream", headers=_SSE_HEADERS)
+    response.timeout = None
+    return response
