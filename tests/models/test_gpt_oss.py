@@ -10,6 +10,7 @@ against transformers' own dequantized forward. The checkpoint is sensitive to ea
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
 
@@ -56,14 +57,13 @@ def case(tiny_model_factory):
 def _runner(path, **overrides) -> ModelRunner:
     args = EngineArgs(
         model=str(path),
-        dtype="float32",
         device="cpu",
         block_size=BLOCK_SIZE,
         max_num_seqs=16,
         max_model_len=256,
         num_gpu_blocks_override=NUM_BLOCKS,
         distributed_executor_backend="uni",
-        **overrides,
+        **{"dtype": "float32", **overrides},
     )
     runner = ModelRunner(build_config(args))
     runner.load_model()
@@ -115,6 +115,20 @@ def test_logprobs_match_transformers(case):
         sched.add(req)
     sched.run()
     check_logprobs(hf, reqs, 4, k_prompt=2, k=2)  # within 1e-4, ranks equal
+
+
+def test_bf16_eager_backend_equals_transformers_bf16(tmp_path):
+    """In bf16 the eager backend runs transformers' gpt-oss attention op for op (the sink
+    column, the max subtracted, a bf16 softmax): the same greedy tokens."""
+    import transformers
+
+    from trillm.testing.tiny_models import build_tiny_model
+
+    path = build_tiny_model("gpt_oss", tmp_path / "bf16", dtype="bfloat16")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    reference = [transformers_greedy(hf, p, MAX_NEW)[0] for p in random_prompts(PROMPT_LENS)]
+    runner = _runner(path, attention_backend="eager", dtype="bfloat16")
+    assert _greedy(runner, 5) == reference
 
 
 def test_each_mechanism_changes_the_reference(case):
@@ -330,45 +344,99 @@ def test_mxfp4_of_another_architecture_is_refused(tiny_model_factory, tmp_path):
 # ---------------------------------------------------------------- harmony chat
 
 
-def test_chat_renders_the_harmony_template_and_matches_transformers(tmp_path):
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather now.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    """The harmony checkpoint, its chat prompt as transformers renders it, and its ids."""
+    from transformers import AutoTokenizer
+
+    from trillm.testing.tiny_harmony import build_harmony_gpt_oss
+
+    path = build_harmony_gpt_oss(tmp_path_factory.mktemp("harmony") / "model")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    prompt = tok.apply_chat_template(
+        MESSAGES, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    return path, tok, prompt, tok(prompt, add_special_tokens=False).input_ids
+
+
+def test_http_chat_with_the_harmony_parsers_matches_transformers(harmony, tmp_path):
+    """``trillm serve`` with vLLM's gpt-oss flags: the chat renders the folder's template,
+    greedy tokens equal transformers', the parsed message has its reasoning field, and the
+    stream's deltas add up to the same message."""
+    import httpx
+    from server_harness import ServerProcess
+
+    path, tok, prompt, ids = harmony
+    flags = ["--dtype", "float32", "--max-model-len", "256", "--disable-log-stats"]
+    parsers = ["--enable-auto-tool-choice", "--tool-call-parser", "openai"]
+    parsers += ["--reasoning-parser", "openai_gptoss"]
+    srv = ServerProcess(["--model", str(path), *flags, *parsers], tmp_path / "log").start()
+    try:
+        body = {
+            "model": str(path),
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "temperature": 0,
+            "max_tokens": MAX_NEW,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        r = httpx.post(srv.base_url + "/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        (choice,) = answer["choices"]
+        assert answer["prompt_token_ids"] == ids
+        assert choice["token_ids"] == hf_greedy(str(path), ids, MAX_NEW)
+        text = tok.decode(choice["token_ids"], skip_special_tokens=False)
+        reasoning, content = get_reasoning_parser("openai_gptoss")(prompt).extract(text)
+        assert choice["message"]["reasoning_content"] == reasoning
+        assert choice["message"]["content"] == content
+        streamed = ""
+        with httpx.stream(
+            "POST", srv.base_url + "/chat/completions", json={**body, "stream": True}, timeout=120
+        ) as events:
+            for line in events.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        streamed += c["delta"].get("content") or ""
+        assert streamed == (content or "")
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_llm_chat_renders_the_harmony_template_and_matches_transformers(harmony):
     """``LLM.chat`` renders the folder's harmony template (transformers renders the same
     prompt), keeps the special tokens for the harmony parsers, and greedy-decodes as
     transformers does from that prompt."""
-    from transformers import AutoTokenizer
-
     from trillm import LLM
-    from trillm.testing.tiny_harmony import build_harmony_gpt_oss
 
-    path = build_harmony_gpt_oss(tmp_path / "harmony")
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is the weather in Paris?"},
-    ]
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "The weather now.",
-                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-            },
-        }
-    ]
-    tok = AutoTokenizer.from_pretrained(str(path))
-    prompt = tok.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=True
-    )
+    path, tok, prompt, ids = harmony
     assert prompt.endswith("<|end|><|start|>assistant") and "namespace functions {" in prompt
-    ids = tok(prompt, add_special_tokens=False).input_ids
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     with LLM(
         str(path), dtype="float32", max_model_len=256, distributed_executor_backend="uni"
     ) as llm:
         (out,) = llm.chat(
-            messages,
+            MESSAGES,
             params,
             use_tqdm=False,
-            tools=tools,
+            tools=TOOLS,
             tool_parser="openai",
             reasoning_parser="openai_gptoss",
         )
