@@ -197,3 +197,46 @@ def test_a_token_prompt_gets_the_newlines_tokens_around_the_image(path, llm):
     out = llm.generate(prompt, GREEDY)[0]
     expected, tokens, _ = hf_greedy(path, text, images)
     assert (out.prompt_token_ids, out.outputs[0].token_ids) == (expected, tokens)
+
+
+def test_a_prefix_cache_hit_inside_an_image_computes_its_rest_both_ways(path, llm):
+    # The cache's first block ends inside the image (tokens 8..23 of "Describe" + image): the
+    # second request takes it and computes the image's rest in one chunk, its tokens still
+    # seeing the cached ones of the image and each other
+    text, images = CASES[0]
+    ids, tokens, logprobs = hf_greedy(path, text, images)
+    assert ids.index(SOFT_TOKEN) < 16 < ids.index(SOFT_TOKEN) + TOKENS_PER_IMAGE
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    llm.generate(as_prompt(text, images), GREEDY)
+    out = llm.generate(as_prompt(text, images), params)[0]
+    assert out.num_cached_tokens == 16
+    assert out.outputs[0].token_ids == tokens
+    seq = ids + tokens
+    for i, entry in enumerate(out.outputs[0].logprobs):  # row len(ids) - 1 + i scores token i
+        ref = float(logprobs[len(ids) - 1 + i, seq[len(ids) + i]])
+        assert abs(entry[seq[len(ids) + i]].logprob - ref) < 1e-4
+
+
+def test_a_hub_config_with_transformers_defaults_left_out_loads_the_same_model(path, tmp_path):
+    # Hub folders' text_config omits what equals Gemma3TextConfig's defaults and keeps
+    # transformers 4's rope keys (rope_scaling, rope_theta, rope_local_base_freq)
+    import json
+    import shutil
+
+    folder = tmp_path / "hub"
+    shutil.copytree(path, folder)
+    data = json.loads((folder / "config.json").read_text())
+    text = data["text_config"]
+    for key in ("hidden_activation", "rms_norm_eps", "final_logit_softcapping", "layer_types"):
+        text.pop(key)
+    rope = text.pop("rope_parameters")
+    text["rope_scaling"] = {"type": "linear", "factor": rope["full_attention"]["factor"]}
+    text["rope_theta"] = rope["full_attention"]["rope_theta"]
+    assert rope["sliding_attention"]["rope_theta"] == 10000.0  # the default: left out
+    (folder / "config.json").write_text(json.dumps(data))
+    llm = LLM(str(folder), distributed_executor_backend="uni", **ENGINE)
+    try:
+        out = llm.generate(as_prompt(*CASES[2]), GREEDY)[0]
+    finally:
+        llm.shutdown()
+    assert out.outputs[0].token_ids == hf_greedy(path, *CASES[2])[1]

@@ -17,6 +17,24 @@ DEFAULTS = {
     "eoi_token_index": 256_000,
     "image_token_index": 262_144,
 }
+# transformers' Gemma3TextConfig defaults (hub folders' text_config leaves most of them out)
+TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+}
+GLOBAL_ROPE_THETA, LOCAL_ROPE_THETA = 1_000_000.0, 10_000.0
 _SHARED_KEYS = ("dtype", "torch_dtype")
 
 
@@ -27,7 +45,7 @@ def is_gemma3_mm(mm_config: dict[str, Any]) -> bool:
 def gemma3_text_config(hf: dict[str, Any]) -> dict[str, Any]:
     """The decoder's config (with the checkpoint's dtype and tied head); the vision tower and
     the image-token geometry checked."""
-    text = dict(hf.get("text_config") or {})
+    text = {**TEXT_DEFAULTS, **(hf.get("text_config") or {})}
     text_type = text.get("model_type", "gemma3_text")
     if text_type != "gemma3_text":
         raise ValueError(
@@ -43,8 +61,25 @@ def gemma3_text_config(hf: dict[str, Any]) -> dict[str, Any]:
         if key in hf and key not in text:
             text[key] = hf[key]
     text["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
+    if not text.get("rope_parameters"):
+        text["rope_parameters"] = _rope_parameters(text)
     _check_vision(hf)
     return text
+
+
+def _rope_parameters(text: dict[str, Any]) -> dict[str, Any]:
+    """transformers 4's keys (``rope_scaling`` and ``rope_theta`` for the global layers,
+    ``rope_local_base_freq`` for the sliding ones) as 5's per-layer-type parameters."""
+    full = dict(text.pop("rope_scaling", None) or {})
+    if "type" in full:
+        full["rope_type"] = full.pop("type")
+    full = {"rope_type": "default", **full}
+    full.setdefault("rope_theta", float(text.pop("rope_theta", GLOBAL_ROPE_THETA)))
+    local = float(text.pop("rope_local_base_freq", LOCAL_ROPE_THETA))
+    return {
+        "sliding_attention": {"rope_type": "default", "rope_theta": local},
+        "full_attention": full,
+    }
 
 
 def _check_vision(hf: dict[str, Any]) -> None:
