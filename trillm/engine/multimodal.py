@@ -102,6 +102,7 @@ class MultiModalProcessor:
         self.after: list[int] = []
         self.gemma3 = is_gemma3_mm(mm_config)
         self.end_id: int | None = None  # Gemma 3's <end_of_image>, after prompt_text
+        self.end_text = ""
         if self.gemma3:
             self.slot_id, self.before, self.after = gemma3.expansion(mm_config, tokenizer)
             self.image_placeholder = str(tokenizer.convert_ids_to_tokens(self.slot_id))
