@@ -63,10 +63,7 @@ def with_random_biases(folder: Path) -> None:
 
 
 TWO_PROMPTS = PROMPTS[:2]
-# Llama: see the table above. gpt-oss: tensor parallelism refuses it (its sinks and
-# interleaved experts have no split yet): tests/parallel/test_gpt_oss_parallel.py checks the
-# refusal and PP=2.
-ARCHITECTURES = sorted(set(ARCHES) - {"llama", "gpt_oss"})
+ARCHITECTURES = sorted(set(ARCHES) - {"llama"})  # Llama: see the table above
 
 
 def served_tokens(server: ServerProcess) -> list[list[int]]:

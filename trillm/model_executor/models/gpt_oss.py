@@ -31,6 +31,7 @@ from trillm.attention.backend import (
     check_backend_supports_sinks,
 )
 from trillm.config import ModelConfig
+from trillm.distributed.parallel_state import get_tp_group
 from trillm.errors import UnsupportedQuantizationError
 from trillm.model_executor import mxfp4
 from trillm.model_executor.gpt_oss_config import MXFP4
@@ -42,6 +43,7 @@ from trillm.model_executor.models.llama import (
     LlamaForCausalLM,
     LlamaModel,
     MissingWeightsError,
+    rank_shapes,
 )
 from trillm.model_executor.models.moe import num_experts
 from trillm.model_executor.quantization import checkpoint_method
@@ -75,16 +77,19 @@ class GptOssAttention(LlamaAttention):
         out = self.backend.forward(
             q, k, v, kv_cache, meta, self.scale, window=self.window, sinks=self.sinks
         )  # [T, Hq, D]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class GptOssExperts(nn.Module):
-    """Every expert's projections in transformers' layout and names (``[E, in, out]``)."""
+    """Every expert's projections in transformers' layout and names (``[E, in, out]``); under
+    tensor parallelism this rank's share of each expert's intermediate size (its gate/up
+    column pairs, its down rows: ``sharding.RankShapes._gpt_oss_shard``)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hf = cfg.hf_config
-        experts, hidden, inter = num_experts(hf), cfg.hidden_size, cfg.intermediate_size
+        experts, hidden = num_experts(hf), cfg.hidden_size
+        inter = rank_shapes(cfg)[1].inter_size
         self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inter))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter))
         self.down_proj = nn.Parameter(torch.empty(experts, inter, hidden))
@@ -120,12 +125,14 @@ class GptOssMoE(nn.Module):
         experts, self.top_k = num_experts(cfg.hf_config), int(cfg.hf_config["num_experts_per_tok"])
         if not 0 < self.top_k <= experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be in 1..{experts}.")
-        self.router = nn.Linear(cfg.hidden_size, experts, bias=True)
+        self.router = nn.Linear(cfg.hidden_size, experts, bias=True)  # replicated
         self.experts = GptOssExperts(cfg)
+        self.tp = get_tp_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         top, ids = torch.topk(self.router(x), self.top_k, dim=-1)  # [T, k] each
-        return self.experts(x, torch.softmax(top, dim=-1), ids)
+        out = self.experts(x, torch.softmax(top, dim=-1), ids)
+        return self.tp.all_reduce(out)  # the ranks' partial sums
 
 
 class GptOssModel(LlamaModel):
