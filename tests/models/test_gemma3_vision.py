@@ -86,6 +86,24 @@ def test_one_image_alone_in_one_step_equals_transformers(path):
     assert max_logprob_diff(out, ids, logprobs) < 1e-4
 
 
+def test_the_eager_backend_equals_transformers_too(path):
+    llm = LLM(
+        path,
+        attention_backend="eager",
+        max_num_batched_tokens=BUDGET,
+        distributed_executor_backend="uni",
+        **ENGINE,
+    )
+    try:
+        outs = llm.generate([as_prompt(t, i) for t, i in CASES], SCORED, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for (text, images), out in zip(CASES, outs, strict=True):
+        ids, tokens, logprobs = hf_greedy(path, text, images)
+        assert out.outputs[0].token_ids == tokens
+        assert max_logprob_diff(out, ids, logprobs) < 1e-4
+
+
 def test_preempted_image_requests_resume_the_same(path):
     from trillm import open_engine
 
@@ -137,9 +155,8 @@ def test_what_the_model_cannot_run_is_refused(path, tmp_path):
     kwargs = dict(distributed_executor_backend="uni", **ENGINE)
     with pytest.raises(ValueError, match="max_num_batched_tokens=12 is less than an image's 16"):
         LLM(path, max_num_batched_tokens=12, **kwargs)
-    for backend in ("triton", "eager"):
-        with pytest.raises(ValueError, match="bidirectional attention among an image's tokens"):
-            LLM(path, attention_backend=backend, **kwargs)
+    with pytest.raises(ValueError, match="bidirectional attention among an image's tokens"):
+        LLM(path, attention_backend="triton", **kwargs)
     for change, words in [
         ({"mm_tokens_per_image": 15}, "mm_tokens_per_image 15 must be a square"),
         ({"vision_config": {"model_type": "clip_vision_model"}}, "'clip_vision_model' vision"),

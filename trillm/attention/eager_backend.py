@@ -29,6 +29,8 @@ class _Request:
     slots: torch.Tensor  # [S] int64 cache slot of each context position 0 .. S-1
     query_pos: torch.Tensor  # [L, 1] position of each query row
     key_pos: torch.Tensor  # [1, S]
+    # position ranges whose tokens attend to each other both ways (Gemma 3's images)
+    spans: list[tuple[int, int]] = field(default_factory=list)
     masks: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict)
 
     def mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -37,6 +39,8 @@ class _Request:
         key = (window, dtype)
         if key not in self.masks:
             masked = self.key_pos > self.query_pos
+            if self.spans:  # transformers' blockwise overlay, OR'ed with the causal mask
+                masked &= ~self._same_span()
             if window is not None:
                 masked |= self.key_pos <= self.query_pos - window
             self.masks[key] = None
@@ -45,11 +49,19 @@ class _Request:
                 self.masks[key] = mask.masked_fill_(masked, torch.finfo(dtype).min)
         return self.masks[key]
 
+    def _same_span(self) -> torch.Tensor:  # [L, S] bool: query and key in one span
+        ids = torch.full((self.key_pos.shape[1],), -1, dtype=torch.int64)
+        for index, (start, end) in enumerate(self.spans):
+            ids[start:end] = index
+        query_ids = ids[self.query_pos[:, 0]]
+        return (query_ids[:, None] == ids[None, :]) & (query_ids >= 0)[:, None]
+
 
 class EagerAttentionBackend:
     name = "eager"
     supports_window_and_softcap = True
     supports_sinks = True
+    supports_bidirectional_spans = True
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
@@ -69,9 +81,9 @@ class EagerAttentionBackend:
             start, end = starts[i], starts[i + 1]
             pos = torch.arange(seq_len)
             slots = tables[i, pos // block_size] * block_size + pos % block_size
-            requests.append(
-                _Request(slice(start, end), slots, pos[seq_len - (end - start) :, None], pos[None])
-            )
+            spans = meta.bidirectional_spans[i] if meta.bidirectional_spans else []
+            query_pos = pos[seq_len - (end - start) :, None]
+            requests.append(_Request(slice(start, end), slots, query_pos, pos[None], spans))
         self._meta, self._block_size, self._requests = meta, block_size, requests
         return requests
 
