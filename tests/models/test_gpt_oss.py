@@ -447,3 +447,17 @@ def test_llm_chat_renders_the_harmony_template_and_matches_transformers(harmony)
     assert choice.text == tok.decode(choice.token_ids, skip_special_tokens=False)
     parsed = get_reasoning_parser("openai_gptoss")(prompt).extract(choice.text)
     assert (choice.reasoning_content, choice.content) == parsed
+
+
+def test_an_activation_other_than_silu_is_refused(case, tmp_path):
+    import shutil
+
+    path = tmp_path / "gelu"
+    shutil.copytree(case[0], path)
+    config = json.loads((path / "config.json").read_text())
+    config["hidden_act"] = "gelu"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match="Activation 'gelu' is not supported for GptOssForCausalLM"
+    ):
+        build_config(EngineArgs(model=str(path)))

@@ -58,7 +58,9 @@ FIELDS: dict[str, str] = {
     "eos_token_id": _READ,
     "bos_token_id": _READ,
     "pad_token_id": "read by the tokenizer side, as in transformers' generate",
-    "hidden_act": "not read by transformers' gpt-oss (its experts' clamped SwiGLU is fixed)",
+    # transformers' gpt-oss does not read it (its experts' clamped SwiGLU is fixed); trillm
+    # refuses a value other than silu by name (registry.py), rather than run it silently
+    "hidden_act": "silu, else refused by name",
     "dtype": "read (--dtype auto)",
     "architectures": _READ,
     "initializer_range": _INERT,
