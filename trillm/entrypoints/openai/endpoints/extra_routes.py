@@ -1,6 +1,5 @@
 """vLLM's deployment endpoints, /v1/responses and the per-request log.
 
-- ``/ping`` (GET and POST): SageMaker's health check, the same answer as ``/health``;
 - ``/invocations`` (POST): SageMaker's one inference route: a body with ``messages`` is a chat
   completion, one with ``prompt`` a completion (vLLM's rule), anything else a 400;
 - ``/v1/responses`` (POST): OpenAI's Responses API (``serving_responses.py``); GET
@@ -17,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import orjson
@@ -197,8 +196,8 @@ class Dispatcher:
         return body()
 
 
-def install(app: Any, dispatcher: Dispatcher, health: Callable[[], Awaitable[Any]]) -> None:
-    """/ping, /invocations, /load and /v1/responses on ``app``."""
+def install(app: Any, dispatcher: Dispatcher) -> None:
+    """/invocations, /load and /v1/responses on ``app``."""
 
     @app.post("/v1/responses")
     async def responses() -> Any:
@@ -211,10 +210,6 @@ def install(app: Any, dispatcher: Dispatcher, health: Callable[[], Awaitable[Any
             "must be false), so none can be retrieved.",
             "response_id",
         )
-
-    @app.route("/ping", methods=["GET", "POST"])
-    async def ping() -> Any:
-        return await health()
 
     @app.post("/invocations")
     async def invocations() -> Any:

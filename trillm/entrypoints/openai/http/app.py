@@ -224,8 +224,10 @@ def _install_routes(
         return json_response(await detokenize(state, req))
 
     app.get("/health")(health)
+    # SageMaker's health check: the same answer as /health.
+    app.route("/ping", methods=["GET", "POST"])(health)
 
-    extra_routes.install(app, run, health)  # /ping, ...
+    extra_routes.install(app, run)  # /invocations, /load, /v1/responses
 
     @app.get("/version")
     async def version() -> Response:
