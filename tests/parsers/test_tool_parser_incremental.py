@@ -171,10 +171,10 @@ ODD = {
         '[TOOL_CALLS]f[ARGS]{"a": 1}  [TOOL_CA',
     ],
     "deepseek_v3": [
-        'a<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n```'
+        "a<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n```"
         "<｜tool▁call▁end｜> nope<｜tool▁calls▁end｜>",
         '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": 1}\n```'
-        "<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{\"b",
+        '<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{"b',
     ],
     "required": [
         '[{"name": "f", "parameters": {}}, {"name": "f", "parameters": {"x"',
