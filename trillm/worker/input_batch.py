@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from trillm.attention.backend import AttentionMetadata
 from trillm.messages import NewRequestData
 from trillm.sampling_params import SamplingParams
 from trillm.utils import cdiv
@@ -34,6 +36,27 @@ class StepInputs:
     block_table: np.ndarray  # [R, max_blocks_this_step] int32
     sample_reqs: np.ndarray  # [n] int64: batch indices of requests that sample this step
     sample_rows: np.ndarray  # [n] int64: their last row in the flat batch
+
+    def attention_metadata(self, device: torch.device) -> AttentionMetadata:
+        """The step's attention metadata: its index arrays on ``device``, lengths on the host."""
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+        query_lens = np.diff(self.query_start_loc)
+        return AttentionMetadata(
+            num_reqs=len(self.slots),
+            num_tokens=len(self.input_ids),
+            query_start_loc=dev(self.query_start_loc),
+            seq_lens=dev(self.seq_lens),
+            context_lens=dev(self.context_lens),
+            block_table=dev(self.block_table),
+            slot_mapping=dev(self.slot_mapping),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(self.seq_lens.max()),
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=self.seq_lens.tolist(),
+        )
 
 
 class InputBatch:

@@ -1,7 +1,7 @@
-"""How many KV-cache blocks a rank holds (stage 7's memory): the bytes of one block over the
-rank's layers (its pipeline stage's, in the layout its model declares: its tensor-parallel
-share of the KV heads, or MLA's latent; the draft model's too), the budget they share
-(``--kv-cache-memory`` on CPU, ``gpu_memory_utilization`` of the device on CUDA, or
+"""How many KV-cache blocks a rank holds (stage 7's memory): the cache's dtype, the bytes of one
+block over the rank's layers (its pipeline stage's, in the layout its model declares: its
+tensor-parallel share of the KV heads, or MLA's latent; the draft model's too), the budget they
+share (``--kv-cache-memory`` on CPU, ``gpu_memory_utilization`` of the device on CUDA, or
 ``num_gpu_blocks_override``), and the check that one request of ``max_model_len`` tokens fits.
 The model runner asks these at startup; the engine core then takes the smallest count over its
 ranks."""
@@ -17,9 +17,23 @@ from trillm.utils import cdiv
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+# CacheConfig.cache_dtype -> the KV cache tensors' dtype (fp8: x / scale, scale 1.0).
+_KV_CACHE_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
 
 class KVCacheTooSmallError(ValueError):
     """The KV cache budget cannot hold even one max_model_len request."""
+
+
+def kv_cache_dtype(config: TrillmConfig) -> torch.dtype:
+    """The KV cache's element dtype: ``--kv-cache-dtype``, or the model's with ``auto``."""
+    cache_dtype = config.cache.cache_dtype
+    return _KV_CACHE_TORCH_DTYPES[config.model.dtype if cache_dtype == "auto" else cache_dtype]
 
 
 def block_bytes(

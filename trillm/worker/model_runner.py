@@ -33,7 +33,6 @@ import time
 import numpy as np
 import torch
 
-from trillm.attention.backend import AttentionMetadata
 from trillm.attention.selector import get_attention_backend
 from trillm.config import TrillmConfig
 from trillm.distributed.pipeline import IntermediateTensors, get_pp_group
@@ -61,14 +60,6 @@ from trillm.worker.token_sampler import TokenSampler, output_before_last_stage
 
 logger = logging.getLogger(__name__)
 
-# CacheConfig.cache_dtype -> the KV cache tensors' dtype (fp8: x / scale, scale 1.0).
-KV_CACHE_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8_e4m3": torch.float8_e4m3fn,
-}
-
 
 class ModelRunner:
     def __init__(self, config: TrillmConfig, rank: int = 0) -> None:
@@ -87,10 +78,7 @@ class ModelRunner:
             self.device = place_rank(config, rank)  # engine core d's GPU, or its CPU share
         self.pp = get_pp_group()  # this rank's pipeline stage (the whole model with one)
         self.dtype = getattr(torch, model_cfg.dtype)
-        cache_dtype = config.cache.cache_dtype
-        self.kv_dtype = KV_CACHE_TORCH_DTYPES[
-            model_cfg.dtype if cache_dtype == "auto" else cache_dtype
-        ]
+        self.kv_dtype = kv_cache_sizing.kv_cache_dtype(config)
         self.block_size = config.cache.block_size
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_model_len = model_cfg.max_model_len
@@ -331,7 +319,7 @@ class ModelRunner:
     def _run_stage(
         self, inputs: StepInputs, received: IntermediateTensors | None
     ) -> torch.Tensor | None:
-        meta = self._attention_metadata(inputs)
+        meta = inputs.attention_metadata(self.device)
         if self.mm is not None:  # Gemma 3: an image's tokens attend both ways
             meta.bidirectional_spans = self.mm.bidirectional_spans(inputs)
         self.attn_backend.plan(meta)
@@ -369,25 +357,6 @@ class ModelRunner:
             return inputs.positions if self.mm is None else self.mm.rope_positions(inputs)
         num_tokens = np.repeat(self.batch.num_tokens[inputs.slots], np.diff(inputs.query_start_loc))
         return self.longrope.rope_positions(inputs.positions, num_tokens)
-
-    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
-
-        query_lens = np.diff(inputs.query_start_loc)
-        return AttentionMetadata(
-            num_reqs=len(inputs.slots),
-            num_tokens=len(inputs.input_ids),
-            query_start_loc=dev(inputs.query_start_loc),
-            seq_lens=dev(inputs.seq_lens),
-            context_lens=dev(inputs.context_lens),
-            block_table=dev(inputs.block_table),
-            slot_mapping=dev(inputs.slot_mapping),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(inputs.seq_lens.max()),
-            query_lens_cpu=query_lens.tolist(),
-            seq_lens_cpu=inputs.seq_lens.tolist(),
-        )
 
     # ------------------------------------------------------------ P3
 
