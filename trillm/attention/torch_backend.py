@@ -31,7 +31,9 @@ route: the native paged kernel in fp32 (it folds each head's sink into its finis
 softmax), else (bf16) the gather path with the sinks as one more softmax column. So does every
 layer of a step with image tokens of a model whose images attend both ways inside
 (``bidirectional_spans``, Gemma 3): the spans are OR'ed into the prefill group's causal mask
-before the window narrows it, as transformers composes them.
+before the window narrows it, as transformers composes them. Llama 4's chunked local attention
+(``chunk``: a row sees the keys of its own ``chunk``-sized piece of the sequence, by absolute
+position) always takes the gather path, its mask narrowed like a window's.
 """
 
 from __future__ import annotations
@@ -207,6 +209,7 @@ class TorchAttentionBackend:
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # [Hq]
+        chunk: int | None = None,  # chunked local attention: a row sees only its chunk
     ) -> torch.Tensor:  # [T, Hq, D]
         planned = self._groups or self._fresh or self._native is not None
         if meta is not self._planned or kv_cache.shape != self._cache_shape or not planned:
@@ -218,9 +221,9 @@ class TorchAttentionBackend:
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
         self._write_cache(k, v, kv_cache, key_cache, value_cache, meta.slot_mapping)
         spans = meta.bidirectional_spans
-        if window is not None or softcap is not None or sinks is not None or spans:
+        if window is not None or softcap is not None or sinks is not None or spans or chunk:
             return self._forward_masked(
-                q, key_cache, value_cache, kv_cache, meta, scale, window, softcap, sinks
+                q, key_cache, value_cache, kv_cache, meta, scale, window, softcap, sinks, chunk
             )
         if len(self._groups) == 1 and self._groups[0].covers_all:
             return self._attend(self._groups[0], q, key_cache, value_cache, scale)
@@ -250,13 +253,13 @@ class TorchAttentionBackend:
         window: int | None,
         softcap: float | None,
         sinks: torch.Tensor | None,
+        chunk: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Every request at once, with the window, the softcap and the sinks: the native
         kernel where it applies (sinks: fp32 only), else the gather path with the window in the
-        mask."""
-        native = not meta.bidirectional_spans and (  # (no native kernel has them)
-            sinks is None or paged_attention_cpu.supports_sinks(q, sinks)  # fp32 only
-        )
+        mask. Chunked local attention always takes the gather path (no native kernel has it)."""
+        native = chunk is None and not meta.bidirectional_spans  # (no native kernel has either)
+        native = native and (sinks is None or paged_attention_cpu.supports_sinks(q, sinks))
         if native and self._native_available and paged_attention_cpu.supports(q, kv_cache):
             if self._native_all is None:
                 self._native_all = paged_attention_cpu.PagedAttentionPlan(
@@ -272,7 +275,9 @@ class TorchAttentionBackend:
                 self._all_groups[-1] = with_bidirectional_spans(self._all_groups[-1], spans)
         out = torch.empty_like(q)
         for group in self._all_groups:
-            rows = self._attend(group, q, key_cache, value_cache, scale, window, softcap, sinks)
+            rows = self._attend(
+                group, q, key_cache, value_cache, scale, window, softcap, sinks, chunk
+            )
             out.index_copy_(0, group.token_rows, rows)
         return out
 
@@ -323,6 +328,7 @@ class TorchAttentionBackend:
         window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> torch.Tensor:  # [Tg, Hq, D]
         # NOTE: index_select, not advanced indexing: on CPU it is ~100x faster here.
         keys = _take(key_cache, group.gather_slots, q.dtype).transpose(1, 2)  # [Rg, Hkv, S, D]
@@ -331,7 +337,7 @@ class TorchAttentionBackend:
             queries = q.index_select(0, group.query_index).unsqueeze(2)  # [Rg, Hq, 1, D]
         else:
             queries = _take(q, group.query_index).transpose(1, 2)  # [Rg, Hq, Lq, D]
-        mask = windowed_mask(group, window)
+        mask = windowed_mask(group, window, chunk)
         if softcap is not None or sinks is not None:
             out = _explicit_attention(queries, keys, values, mask, scale, softcap, sinks)
         else:

@@ -101,12 +101,21 @@ def build_groups(
     return groups
 
 
-def windowed_mask(group: Group, window: int | None) -> torch.Tensor:  # [Rg, 1, Lq, S] bool
-    """The group's mask, narrowed to the last ``window`` positions up to each row's own."""
-    if window is None:
+def windowed_mask(
+    group: Group, window: int | None, chunk: int | None = None
+) -> torch.Tensor:  # [Rg, 1, Lq, S] bool
+    """The group's mask, narrowed to the last ``window`` positions up to each row's own, or
+    (chunked local attention, Llama 4) to the positions of the row's own ``chunk``-sized
+    chunk of the sequence: absolute positions, whatever prefill chunks the step holds."""
+    if window is None and chunk is None:
         return group.mask
     pos = torch.arange(group.mask.shape[-1], device=group.mask.device)  # [S]
-    inside = pos[None, None, :] > (group.query_pos - window)[:, :, None]  # [Rg, Lq, S]
+    if chunk is not None:
+        first = group.query_pos - group.query_pos % chunk  # [Rg, Lq]: the chunk's first
+        inside = pos[None, None, :] >= first[:, :, None]  # [Rg, Lq, S]
+    else:
+        assert window is not None
+        inside = pos[None, None, :] > (group.query_pos - window)[:, :, None]
     return group.mask & inside[:, None]
 
 

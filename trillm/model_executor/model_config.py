@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import trillm.model_executor.deepseek_config as deepseek_config
+import trillm.model_executor.llama4_config as llama4_config
 from trillm.config import DEVICES, LOAD_FORMATS, EngineArgs, ModelConfig
 from trillm.model_executor import classification, gguf_loader, gpt_oss_config, multimodal_config
 from trillm.model_executor.layer_types import FULL, SUPPORTED_ROPE_TYPES, partial_rotary_factor
@@ -169,6 +170,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
     hf, mm_config = multimodal_config.split_config(hf, architecture)  # text_config's fields
     hf = gpt_oss_config.prepare(hf, architecture)  # its defaults; MXFP4 for gpt-oss only
     hf = deepseek_config.prepare(hf, architecture)  # its defaults, MLA and routing checked
+    hf = llama4_config.prepare(hf, architecture)  # its defaults and per-layer lists
     if quantization in CHECKPOINT_METHODS and architecture not in GROUP_QUANT_ARCHITECTURES:
         raise ValueError(
             f"{quantization.upper()} checkpoints of {architecture} are not "

@@ -43,6 +43,7 @@ _MODELS: dict[str, ModelEntry] = {
     "GPTNeoXForCausalLM": ModelEntry("gpt_neox", "GPTNeoXForCausalLM", ("gelu",), True),
     "GptOssForCausalLM": ModelEntry("gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM"),
+    "Llama4ForCausalLM": ModelEntry("llama4", "Llama4ForCausalLM"),
     "LlavaForConditionalGeneration": ModelEntry(
         "llava", "LlavaForConditionalGeneration", modalities=("image",)
     ),

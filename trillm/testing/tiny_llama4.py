@@ -1,0 +1,63 @@
+"""A tiny random Llama 4 text checkpoint (``Llama4ForCausalLM``) in Hugging Face format, as
+``tiny_models.build_tiny_model`` writes the other families.
+
+Four layers: RoPE layers 0-2 with chunked local attention over 12-token chunks (not a multiple
+of the tests' 8-token KV blocks, nor of their prefill chunks) and the qk norm, NoPE layer 3
+with full attention and the temperature tuning (``floor_scale`` 4: it moves from position 3 on);
+dense MLPs on layers 0 and 2, experts with a shared expert on 1 and 3; llama3 RoPE scaling.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trillm.testing.tiny_models import EOS_IDS, copy_tokenizer
+
+CHUNK = 12  # attention_chunk_size
+CONFIG: dict[str, Any] = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=32,  # each expert's and the shared expert's
+    intermediate_size_mlp=96,  # the dense layers'
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=2,
+    attention_chunk_size=CHUNK,
+    floor_scale=4,
+    attn_scale=0.5,
+    max_position_embeddings=256,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    initializer_range=0.2,  # peaky logits: fewer near-ties between greedy candidates
+    bos_token_id=None,
+    eos_token_id=EOS_IDS[0],
+    pad_token_id=0,
+)
+
+
+def build_tiny_llama4(out_dir: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """Write the random checkpoint (``CONFIG`` with ``overrides``) to ``out_dir``."""
+    import torch
+    import transformers
+
+    config = transformers.Llama4TextConfig(**{**CONFIG, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.Llama4ForCausalLM(config)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    gen = {"eos_token_id": EOS_IDS, "pad_token_id": 0}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    copy_tokenizer(out)
+    return out
