@@ -111,3 +111,7 @@ for _parser in (
     PythonicToolParser,
 ):
     register_tool_parser(_parser.name, _parser)
+# vLLM's names for Llama 4's tool-call formats: pythonic calls (in <|python_start|> tags or
+# not) and Llama 3's JSON objects, which these parsers read already.
+register_tool_parser("llama4_pythonic", PythonicToolParser)
+register_tool_parser("llama4_json", Llama3JsonToolParser)
