@@ -105,6 +105,16 @@ def _runner(path, **kw) -> ModelRunner:
     return runner
 
 
+def test_the_default_backend_is_torch_on_every_device():
+    """The one backend that masks chunked local attention, also where the default would be
+    triton or flashinfer (CUDA)."""
+    from trillm.engine.config_builder import resolve_attention_backend
+
+    for device in ("cpu", "cuda"):
+        resolved = resolve_attention_backend(EngineArgs(), device, "bfloat16", "Llama4ForCausalLM")
+        assert resolved == "torch"
+
+
 @pytest.mark.parametrize("backend", ["eager", "triton"])
 def test_a_backend_without_chunked_attention_is_refused(model, backend):
     with pytest.raises(UnsupportedAttentionFeatureError, match=f"{backend}.*chunked local"):
@@ -168,6 +178,12 @@ def _rows_diff(chunks, logits: torch.Tensor, targets: list[int], k: int = 2) -> 
 def test_logprobs_match_transformers(model):
     path, hf, _ = model
     assert _worst_logprob_diff(make_runner(path), hf) < TOLERANCE  # measured: 5.5e-6
+
+
+def test_top2_routing_matches_transformers(tmp_path):
+    """Two experts a token, each on the input scaled by its own score, summed."""
+    path = build_tiny_llama4(tmp_path, seed=1, num_experts_per_tok=2)
+    assert _worst_logprob_diff(make_runner(path), load_hf(path), chunk=5) < TOLERANCE
 
 
 def _no_chunks(runner: ModelRunner) -> None:

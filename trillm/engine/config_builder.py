@@ -21,7 +21,7 @@ from trillm.config import (
     parse_memory_size,
 )
 from trillm.config.multimodal import resolve_limits
-from trillm.model_executor import deepseek_config, transformers_numerics
+from trillm.model_executor import deepseek_config, llama4_config, transformers_numerics
 from trillm.spec_decode.config import parse_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ def resolve_attention_backend(
     if args.numerics == "transformers":
         return "eager"
     if architecture in deepseek_config.ARCHITECTURES:  # MLA attends in its own torch ops
+        return "torch"
+    if architecture == llama4_config.ARCHITECTURE:  # only torch masks chunked attention
         return "torch"
     if device == "cuda":
         try:
