@@ -180,9 +180,25 @@ def test_logprobs_match_transformers(model):
     assert _worst_logprob_diff(make_runner(path), hf) < TOLERANCE  # measured: 5.5e-6
 
 
-def test_top2_routing_matches_transformers(tmp_path):
-    """Two experts a token, each on the input scaled by its own score, summed."""
-    path = build_tiny_llama4(tmp_path, seed=1, num_experts_per_tok=2)
+VARIANTS = {
+    # two experts a token, each on the input scaled by its own score, summed
+    "top2": dict(num_experts_per_tok=2),
+    # biased projections, no qk norm, explicit per-layer lists, no temperature tuning
+    "explicit": dict(
+        attention_bias=True,
+        use_qk_norm=False,
+        no_rope_layers=[0, 1, 0, 1],
+        moe_layers=[0],
+        attn_temperature_tuning=False,
+    ),
+    # no attention_chunk_size: every layer attends to the whole sequence
+    "unchunked": dict(attention_chunk_size=None, interleave_moe_layer_step=1),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_config_variants_match_transformers(tmp_path, variant):
+    path = build_tiny_llama4(tmp_path, seed=1, **VARIANTS[variant])
     assert _worst_logprob_diff(make_runner(path), load_hf(path), chunk=5) < TOLERANCE
 
 

@@ -55,6 +55,10 @@ def build_tiny_llama4(out_dir: str | Path, *, seed: int = 0, **overrides: Any) -
     config = transformers.Llama4TextConfig(**{**CONFIG, **overrides})
     torch.manual_seed(seed)
     model = transformers.Llama4ForCausalLM(config)
+    with torch.no_grad():  # transformers' init zeroes them: draw ones a dropped bias shows
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0.0, 0.5)
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     gen = {"eos_token_id": EOS_IDS, "pad_token_id": 0}
