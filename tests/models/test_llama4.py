@@ -307,12 +307,3 @@ def test_tensor_parallelism_is_refused_before_any_worker_starts(model):
     args = EngineArgs(model=str(model[0]), device="cpu", tensor_parallel_size=2)
     with pytest.raises(TensorParallelConfigError, match="does not support Llama4ForCausalLM"):
         build_config(args)
-
-
-def test_pipeline_parallelism_is_refused_when_the_model_is_built(model, monkeypatch):
-    from trillm.model_executor.models import llama4
-
-    stages = type("Stage", (), {"num_stages": 2})()
-    monkeypatch.setattr(llama4, "get_pp_group", lambda: stages)
-    with pytest.raises(ValueError, match="Llama4ForCausalLM does not run under pipeline"):
-        _runner(model[0])

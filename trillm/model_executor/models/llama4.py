@@ -18,7 +18,8 @@ mixture of experts, as transformers' ``modeling_llama4`` computes them.
   ``intermediate_size`` plus routed experts: the router's top-k logits through a sigmoid
   scale the *input* of their expert), else a dense MLP of ``intermediate_size_mlp``.
 
-Tensor and pipeline parallelism are refused by name (not built for this family yet).
+Pipeline parallelism splits the layers as for Llama; tensor parallelism is refused by name
+before any worker starts (not built for this family's experts yet).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from trillm.attention.backend import (
 )
 from trillm.attention.torch_backend import TorchAttentionBackend
 from trillm.config import ModelConfig
-from trillm.distributed.pipeline import get_pp_group
+from trillm.distributed.pipeline import is_missing
 from trillm.errors import UnsupportedQuantizationError
 from trillm.model_executor.layers.fused_moe import FusedMoE
 from trillm.model_executor.layers.norm import RMSNorm
@@ -199,12 +200,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
                 f"--quantization {cfg.quantization} does not cover {ARCHITECTURE}'s experts; "
                 "serve this model unquantized."
             )
-        # (tensor parallelism is refused before any worker starts: distributed/sharding.py)
-        if get_pp_group().num_stages > 1:
-            raise ValueError(
-                f"{ARCHITECTURE} does not run under pipeline parallelism yet; serve it with "
-                "--pipeline-parallel-size 1."
-            )
+        # NOTE: tensor parallelism is refused before any worker starts (distributed/sharding.py)
         super().__init__(cfg, backend, device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -226,6 +222,8 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         """Loads the experts' ``[E, in, out]`` tensors into their FusedMoE (``[E, out, in]``);
         yields every other tensor, q/k rows reordered for the half-split rotation."""
         for name, tensor in weights:
+            if self.pp.num_stages > 1 and is_missing(self, name):
+                continue  # another pipeline stage's
             if match := _EXPERTS.match(name):
                 experts = self.get_submodule(match.group(1))
                 if not isinstance(experts, FusedMoE):
