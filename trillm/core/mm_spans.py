@@ -6,7 +6,7 @@ A chunk that would end inside a span ends at the span's start instead; one that 
 after a prefix-cache hit, inside) a span and cannot take the rest of it this step takes nothing
 and waits for a step with the budget (``--max-num-batched-tokens`` is checked at start to hold
 a whole image). Only the Python scheduler keeps spans whole: the engine picks it for such a
-model (``scheduler_for``)."""
+model (``engine_cores.make_scheduler``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trillm.config import TrillmConfig
-    from trillm.core.scheduler import Scheduler
 
 
 def clamp_to_spans(num_computed: int, n: int, spans: list[tuple[int, int]]) -> int:
@@ -34,21 +33,6 @@ def whole_span_tokens(config: TrillmConfig) -> int:
     if mm_config is None or not config.limit_mm_per_prompt.get("image"):
         return 0
     return bidirectional_image_tokens(mm_config)
-
-
-def scheduler_for(config: TrillmConfig, num_blocks: int) -> Scheduler:
-    """The engine core's scheduler: the native one, or the Python one keeping image spans
-    whole when the model needs it."""
-    from trillm._native import get_scheduler_cls
-    from trillm.core.scheduler import Scheduler
-
-    span = whole_span_tokens(config)
-    if not span:
-        return get_scheduler_cls()(config.scheduler, config.cache, num_blocks)
-    check_budget(config, span)
-    scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
-    scheduler.keep_mm_spans_whole = True
-    return scheduler
 
 
 def check_budget(config: Any, span: int) -> None:

@@ -28,6 +28,7 @@ from trillm.messages import (
 )
 
 if TYPE_CHECKING:
+    from trillm.core.scheduler import Scheduler
     from trillm.engine.core import EngineCore
     from trillm.executor.abstract import Executor
     from trillm.spec_decode.draft_setup import DraftModelDrafts
@@ -176,11 +177,10 @@ class EngineCores:
     def _make_core(self, executor: Executor, index: int) -> EngineCore:
         """An engine core on ``executor``: its own scheduler, grammar matchers (over the one
         grammar cache), LoRA admission and draft proposer."""
-        from trillm.core.mm_spans import scheduler_for
         from trillm.engine.core import EngineCore
 
         config = self.config
-        scheduler = scheduler_for(config, executor.num_blocks)
+        scheduler = make_scheduler(config, executor.num_blocks)
         structured = self.structured_output
         if structured is not None and index > 0:
             from trillm.structured_output import StructuredOutputManager
@@ -192,6 +192,22 @@ class EngineCores:
 
             lora = LoRAAdmission(config.lora.max_loras)
         return EngineCore(scheduler, executor, structured, lora, _proposer(config))
+
+
+def make_scheduler(config: TrillmConfig, num_blocks: int) -> Scheduler:
+    """An engine core's scheduler: the native one, or the Python one keeping image spans
+    whole when the model's image tokens attend both ways (``core/mm_spans.py``)."""
+    from trillm._native import get_scheduler_cls
+    from trillm.core.mm_spans import check_budget, whole_span_tokens
+    from trillm.core.scheduler import Scheduler
+
+    span = whole_span_tokens(config)
+    if not span:
+        return get_scheduler_cls()(config.scheduler, config.cache, num_blocks)
+    check_budget(config, span)
+    scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+    scheduler.keep_mm_spans_whole = True
+    return scheduler
 
 
 def structured_output_manager(
