@@ -138,6 +138,16 @@ cdef void _remove(vector[PyObject*]& queue, Request r) except *:
     queue.erase(queue.begin() + _index_of(queue, r))
 
 
+cdef long long _clamp_to_spans(long long num_computed, long long n, list spans):
+    """trillm.core.mm_spans.clamp_to_spans: ``n`` tokens from ``num_computed``, cut so that the
+    chunk does not end inside an image's span (it ends at the span's start, or takes 0)."""
+    cdef long long end = num_computed + n, start, stop
+    for start, stop in spans:
+        if start < end < stop:
+            return start - num_computed if start > num_computed else 0
+    return n
+
+
 cdef inline cbool _key_greater(Request a, Request b):
     """(priority, arrival_time) of a > that of b."""
     if a.priority != b.priority:
@@ -165,6 +175,9 @@ cdef class Scheduler:
     cdef long long _step_id
     cdef public long long num_preemptions
     cdef object _busy  # schedule()'s argument, for its helpers
+    # Image spans a prefill chunk may not end inside (trillm/core/mm_spans.py; Gemma 3)
+    cdef public cbool keep_mm_spans_whole
+    cdef dict _mm_spans  # req_id -> [(start, stop)], only requests with images
 
     def __init__(self, scheduler_config, cache_config, int num_blocks):
         self.scheduler_config = scheduler_config
@@ -183,6 +196,8 @@ cdef class Scheduler:
         self._step_id = 0
         self.num_preemptions = 0
         self._busy = ()
+        self.keep_mm_spans_whole = False
+        self._mm_spans = {}
 
     # ------------------------------------------------------------------ requests in
 
@@ -193,6 +208,8 @@ cdef class Scheduler:
                            self.kv_cache_manager.block_size)
         cdef Request r = Request.from_engine_core_request(req)
         self.requests[r.request_id] = r
+        if self.keep_mm_spans_whole and req.mm_items:
+            self._mm_spans[r.request_id] = [(m.offset, m.offset + m.length) for m in req.mm_items]
         self._enqueue_waiting(r, False)
 
     cdef void _enqueue_waiting(self, Request r, cbool front):
@@ -252,8 +269,8 @@ cdef class Scheduler:
         self._finished_req_ids = []
         return plan.to_output(self._step_id, finished)
 
-    cdef inline long long _chunk_size(self, long long num_computed, long long num_tokens,
-                                      long long budget):
+    cdef inline long long _chunk_size(self, Request r, long long num_computed,
+                                      long long num_tokens, long long budget) except? -1:
         cdef long long n = num_tokens - num_computed
         if budget < n:
             n = budget
@@ -261,7 +278,10 @@ cdef class Scheduler:
             n = self.long_prefill_token_threshold
         if self.max_model_len - num_computed < n:
             n = self.max_model_len - num_computed
-        return n
+        if not self._mm_spans:
+            return n
+        spans = self._mm_spans.get(r.request_id)
+        return n if spans is None else _clamp_to_spans(num_computed, n, spans)
 
     cdef void _schedule_running(self, _StepPlan plan) except *:
         cdef KVCacheManager kv = self.kv_cache_manager
@@ -275,7 +295,7 @@ cdef class Scheduler:
             if self._busy and r.request_id in self._busy:
                 i += 1
                 continue
-            n = self._chunk_size(r.num_computed_tokens,
+            n = self._chunk_size(r, r.num_computed_tokens,
                                  <long long>(r.tokens.size() + r.spec.size()), plan.budget)
             if n <= 0:
                 i += 1
@@ -345,8 +365,8 @@ cdef class Scheduler:
                 break  # only requests waiting for their grammar
             r = <Request>self.waiting[head]
             num_hit = kv._lookup(r, computed)
-            n = self._chunk_size(num_hit, <long long>r.tokens.size(), plan.budget)
-            if not kv._can_allocate(r, n, computed):
+            n = self._chunk_size(r, num_hit, <long long>r.tokens.size(), plan.budget)
+            if n <= 0 or not kv._can_allocate(r, n, computed):
                 break  # NOTE: strict queue order: nothing overtakes the head
             kv._allocate(r, n, computed, True, new_blocks)
             self.waiting.erase(self.waiting.begin() + head)
@@ -460,6 +480,7 @@ cdef class Scheduler:
         r.status_ = <int>finished_status(reason)
         self.kv_cache_manager.free(r)
         del self.requests[r.request_id]
+        self._mm_spans.pop(r.request_id, None)
         if r.sent_to_worker:
             self._finished_req_ids.append(r.request_id)
             r.sent_to_worker = False

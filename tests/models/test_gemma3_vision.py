@@ -61,7 +61,7 @@ def as_prompt(text: str, images: list) -> object:
 
 def test_mixed_batch_equals_transformers_tokens_and_logprobs(path, llm):
     runner = llm.engine.cores[0].executor.runner
-    assert llm.engine.cores[0].scheduler.keep_mm_spans_whole  # the Python scheduler's rule
+    assert llm.engine.cores[0].scheduler.keep_mm_spans_whole  # either twin keeps the rule
     before = runner.mm.encoder_calls
     outs = llm.generate([as_prompt(t, i) for t, i in CASES], SCORED, use_tqdm=False)
     assert runner.mm.encoder_calls == before + 3  # once per image

@@ -5,7 +5,8 @@ span's later tokens, so the whole rest of a span is computed in one step.
 A chunk that would end inside a span ends at the span's start instead; one that starts at (or,
 after a prefix-cache hit, inside) a span and cannot take the rest of it this step takes nothing
 and waits for a step with the budget (``--max-num-batched-tokens`` is checked at start to hold
-a whole image). Only the Python scheduler keeps spans whole: the engine picks it for such a
+a whole image). Both scheduler twins keep spans whole (``keep_mm_spans_whole``; the native
+one's copy of ``clamp_to_spans`` is in ext/scheduler.pyx); the engine turns it on for such a
 model (``engine_cores.make_scheduler``)."""
 
 from __future__ import annotations

@@ -195,18 +195,16 @@ class EngineCores:
 
 
 def make_scheduler(config: TrillmConfig, num_blocks: int) -> Scheduler:
-    """An engine core's scheduler: the native one, or the Python one keeping image spans
-    whole when the model's image tokens attend both ways (``core/mm_spans.py``)."""
+    """An engine core's scheduler (the native one when built, else its twin), keeping image
+    spans whole when the model's image tokens attend both ways (``core/mm_spans.py``)."""
     from trillm._native import get_scheduler_cls
     from trillm.core.mm_spans import check_budget, whole_span_tokens
-    from trillm.core.scheduler import Scheduler
 
+    scheduler = get_scheduler_cls()(config.scheduler, config.cache, num_blocks)
     span = whole_span_tokens(config)
-    if not span:
-        return get_scheduler_cls()(config.scheduler, config.cache, num_blocks)
-    check_budget(config, span)
-    scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
-    scheduler.keep_mm_spans_whole = True
+    if span:
+        check_budget(config, span)
+        scheduler.keep_mm_spans_whole = True
     return scheduler
 
 
