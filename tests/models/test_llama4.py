@@ -301,9 +301,17 @@ def test_engine_preempts_chunks_and_hits_the_prefix_cache(model):
     assert stats.prefix_cache_hits > 0, "the second wave should hit the prefix cache"
 
 
-def test_tensor_parallelism_is_refused_before_any_worker_starts(model):
+def test_a_tp_size_that_does_not_divide_the_dense_mlp_is_refused(model, tmp_path):
+    """Refused before any worker starts, naming intermediate_size_mlp (the dense layers')."""
+    import json
+    import shutil
+
     from trillm.distributed.sharding import TensorParallelConfigError
 
-    args = EngineArgs(model=str(model[0]), device="cpu", tensor_parallel_size=2)
-    with pytest.raises(TensorParallelConfigError, match="does not support Llama4ForCausalLM"):
+    path = tmp_path / "odd"
+    shutil.copytree(model[0], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "intermediate_size_mlp": 95}))
+    args = EngineArgs(model=str(path), device="cpu", tensor_parallel_size=2)
+    with pytest.raises(TensorParallelConfigError, match="intermediate_size_mlp=95"):
         build_config(args)

@@ -14,6 +14,8 @@
                                                  heads at once: split as q_proj / k_proj)
     MLA's q_proj / q_b_proj, kv_b_proj           column-parallel by heads (DeepSeek); its
                                                  q_a_proj, kv_a_proj_with_mqa replicated
+    Llama 4's experts.gate_up_proj, down_proj    [E, H, 2I] / [E, I, H]: each expert's
+                                                 gate and up columns, down rows split
 
 Attention heads split evenly; KV heads too when there are at least as many as ranks, else each
 KV head is replicated on N / Hkv consecutive ranks (the ranks whose query heads use it).
@@ -70,11 +72,14 @@ ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",
+    "Llama4ForCausalLM",
 )
 _GPT_OSS = "GptOssForCausalLM"
+_LLAMA4 = "Llama4ForCausalLM"
 
 
-_MOE_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size")
+# (and Llama 4's dense layers' intermediate_size_mlp)
+_MOE_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp")
 # MLA (DeepSeek): each head's rows of q_proj / q_b_proj and kv_b_proj, columns of o_proj; the
 # low-rank down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated.
 _MLA_HEAD_WIDTHS = {
@@ -88,6 +93,9 @@ _MLA_HEAD_WIDTHS = {
 def intermediate_of(cfg: ModelConfig, name: str) -> int:
     """The whole intermediate size of the MLP that checkpoint tensor ``name`` belongs to."""
     hf = cfg.hf_config
+    if cfg.architecture == _LLAMA4:  # experts and shared expert: intermediate_size
+        routed = ".experts." in name or ".shared_expert." in name
+        return cfg.intermediate_size if routed else int(hf["intermediate_size_mlp"])
     if ".shared_expert." in name:
         return int(hf["shared_expert_intermediate_size"])
     if ".shared_experts." in name:  # DeepSeek: n_shared_experts experts' worth, as one MLP
@@ -223,6 +231,18 @@ class RankShapes:
             return torch.zeros_like(tensor)
         return tensor  # the attention projections' own names never end here
 
+    def _llama4_experts_shard(self, cfg: ModelConfig, name: str, source: Any) -> torch.Tensor:
+        """Llama 4's experts in transformers' ``[E, in, out]`` layout: this rank's columns of
+        gate and of up (``gate_up_proj`` [E, H, 2I], gate's I columns first), its rows of
+        ``down_proj`` [E, I, H]."""
+        import torch
+
+        start, length = self.inter_rows(cfg, name)
+        if name.endswith(".down_proj"):
+            return source[:, start : start + length]
+        up = cfg.intermediate_size + start
+        return torch.cat([source[:, :, start : start + length], source[:, :, up : up + length]], 2)
+
     def inter_rows(self, cfg: ModelConfig, name: str) -> tuple[int, int]:
         """(start, length) of this rank's share of ``name``'s intermediate dimension."""
         per = intermediate_of(cfg, name) // self.size
@@ -251,6 +271,8 @@ class RankShapes:
         proj = name.rpartition(".")[0].rpartition(".")[2]
         if cfg.architecture == _GPT_OSS and proj in ("experts", "self_attn"):
             return self._gpt_oss_shard(name.rpartition(".")[2], source)
+        if cfg.architecture == _LLAMA4 and proj == "experts":
+            return self._llama4_experts_shard(cfg, name, source)
         if proj == "experts":  # fused experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]
             start, length = self.inter_rows(cfg, name)
             if name.endswith(".down_proj"):

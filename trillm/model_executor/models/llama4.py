@@ -18,8 +18,8 @@ mixture of experts, as transformers' ``modeling_llama4`` computes them.
   ``intermediate_size`` plus routed experts: the router's top-k logits through a sigmoid
   scale the *input* of their expert), else a dense MLP of ``intermediate_size_mlp``.
 
-Pipeline parallelism splits the layers as for Llama; tensor parallelism is refused by name
-before any worker starts (not built for this family's experts yet).
+Tensor parallelism splits heads and every MLP's intermediate size as for Llama, and each
+expert's (``sharding.py``), the router replicated; pipeline parallelism splits the layers.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from trillm.model_executor.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     MissingWeightsError,
+    rank_shapes,
 )
 
 _QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
@@ -130,19 +131,21 @@ class Llama4MoE(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         experts, self.top_k = int(hf["num_local_experts"]), int(hf["num_experts_per_tok"])
-        self.router = nn.Linear(cfg.hidden_size, experts, bias=False)
-        self.experts = FusedMoE(experts, self.top_k, cfg.hidden_size, cfg.intermediate_size, False)
-        self.shared_expert = LlamaMLP(cfg, bias=False)
+        self.router = nn.Linear(cfg.hidden_size, experts, bias=False)  # replicated
+        # Tensor parallelism: every rank holds every expert's share of its I (sharding.py).
+        self.tp, shapes = rank_shapes(cfg)
+        self.experts = FusedMoE(experts, self.top_k, cfg.hidden_size, shapes.inter_size, False)
+        self.shared_expert = LlamaMLP(cfg, bias=False)  # all-reduced inside
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         top, ids = torch.topk(self.router(x), self.top_k, dim=-1)  # [T, k] each
         scores = torch.sigmoid(top.float()).to(x.dtype)  # [T, k]
         ones = torch.ones_like(scores[:, :1], dtype=torch.float32)  # [T, 1]
-        out = self.shared_expert(x)
+        routed = torch.zeros_like(x)
         # NOTE: the score scales the expert's input, not its output: one expert at a time.
         for slot in range(self.top_k):
-            out = out + self.experts.run(x * scores[:, slot, None], ones, ids[:, slot, None])
-        return out
+            routed = routed + self.experts.run(x * scores[:, slot, None], ones, ids[:, slot, None])
+        return self.shared_expert(x) + self.tp.all_reduce(routed)  # the ranks' partial sums
 
 
 class Llama4DecoderLayer(nn.Module):
@@ -200,7 +203,6 @@ class Llama4ForCausalLM(LlamaForCausalLM):
                 f"--quantization {cfg.quantization} does not cover {ARCHITECTURE}'s experts; "
                 "serve this model unquantized."
             )
-        # NOTE: tensor parallelism is refused before any worker starts (distributed/sharding.py)
         super().__init__(cfg, backend, device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
