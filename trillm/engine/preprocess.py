@@ -13,10 +13,10 @@ engine's ``--chat-template``); tokenization (a text longer than the context coul
 refused before any work; short texts inline, long ones in a few threads so the event loop keeps
 serving); ``truncate_prompt_tokens``; token-id, vocabulary, priority, context-length (one
 function: ``resolve_max_tokens``) and KV-cache admission checks; the tokenizer-derived sampling
-fields (stop ids that ``min_tokens`` suppresses, bad-words token ids). Errors are
-``InvalidRequestError`` (a ValueError naming the field; HTTP answers it with a 400), the KV
-check's ``RequestTooLargeError``, SamplingParams' ``SamplingParamsError`` and the template's
-``ChatTemplateError``.
+fields (``sampling_fields.py``: stop ids that ``min_tokens`` suppresses, bad-words token ids).
+Errors are ``InvalidRequestError`` (a ValueError naming the field; HTTP answers it with a 400),
+the KV check's ``RequestTooLargeError``, SamplingParams' ``SamplingParamsError`` and the
+template's ``ChatTemplateError``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from trillm.engine.chat_template import (
 )
 from trillm.engine.media import MultiModalInputError
 from trillm.engine.multimodal import content_options, processor_for, prompt_ids
+from trillm.engine.sampling_fields import apply_stop_ids, bad_words_token_ids
 from trillm.engine.template_budget import RenderBudget
 from trillm.messages import MultiModalItem
 from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -376,25 +377,7 @@ class Preprocessor:
             )
         params.max_tokens = max_tokens
         self.check_kv(len(ids), max_tokens)
-        self._apply_stop_ids(params)
+        apply_stop_ids(params, self.eos_token_id, self.extra_eos_ids)
         if params.bad_words:
-            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         return PreparedPrompt(list(ids), params, text, priority, cache_salt)
-
-    def _apply_stop_ids(self, params: SamplingParams) -> None:
-        stop_ids = list(params.stop_token_ids or [])
-        if not params.ignore_eos:
-            stop_ids += [t for t in self.extra_eos_ids if t not in stop_ids]
-        params.stop_token_ids = stop_ids
-        eos = [self.eos_token_id] if self.eos_token_id is not None else []
-        params.all_stop_token_ids = sorted(set(stop_ids + eos))
-
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
-        out: list[list[int]] = []
-        for word in words:
-            # A word can appear at the start of the text or after a space: ban both spellings.
-            for variant in (word, " " + word.lstrip()):
-                ids = list(self.tokenizer.encode(variant, add_special_tokens=False))
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
