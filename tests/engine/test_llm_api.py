@@ -58,6 +58,36 @@ def test_chat_renders_the_template(llm):
     assert out.prompt_token_ids == engine.get_tokenizer().encode(rendered)
 
 
+# Renders "True" per message whose content reaches it as a string, "False" for a parts list.
+CONTENT_IS_STRING = "{% for m in messages %}{{ m['content'] is string }}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    "content_format,rendered", [("string", "True"), ("openai", "False"), ("auto", "True")]
+)
+def test_chat_takes_vllms_chat_template_content_format(llm, content_format, rendered):
+    _, engine = llm
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]
+    out = engine.chat(
+        messages,
+        SamplingParams(max_tokens=1),
+        use_tqdm=False,
+        chat_template=CONTENT_IS_STRING,
+        chat_template_content_format=content_format,
+    )[0]
+    assert out.prompt == rendered
+
+
+def test_chat_refuses_an_unknown_content_format(llm):
+    _, engine = llm
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        engine.chat(
+            [{"role": "user", "content": "Hi"}],
+            use_tqdm=False,
+            chat_template_content_format="parts",
+        )
+
+
 def test_bad_inputs_raise_clear_errors(tiny_model_factory):
     path = tiny_model_factory("qwen2")
 

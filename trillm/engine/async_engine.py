@@ -327,6 +327,7 @@ class AsyncEngine:
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        chat_template_content_format: str | None = None,
         **kwargs: Any,
     ) -> RequestStream:
         """``async with engine.chat(messages, params) as outputs`` (the chat rendered now)."""
@@ -341,6 +342,7 @@ class AsyncEngine:
             tools=tools,
             documents=documents,
             mm_processor_kwargs=mm_processor_kwargs,
+            chat_template_content_format=chat_template_content_format,
         )
         return self.generate(prompt, params, request_id, **kwargs)
 

@@ -29,6 +29,10 @@ from trillm.engine.template_budget import (
 IMAGE_PART = "image"  # an image content part as templates see it: {"type": "image"}
 
 
+# vLLM's --chat-template-content-format values (and LLM.chat's chat_template_content_format).
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
 class ChatTemplateError(ValueError):
     """The chat cannot be rendered: no template, a template error, or unsupported content."""
 
@@ -302,6 +306,12 @@ def render_template(
         raise ChatTemplateError(
             "add_generation_prompt and continue_final_message cannot both be true.",
             "continue_final_message",
+        )
+    if content_format not in CONTENT_FORMATS:
+        raise ChatTemplateError(
+            f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, got "
+            f"{content_format!r}.",
+            "chat_template_content_format",
         )
     if content_format == "auto":
         content_format = detect_content_format(template)

@@ -126,7 +126,10 @@ class LLM:
         ``tool_calls`` (OpenAI's shape, ``[]`` when none) and ``content`` (the text without
         the calls); with ``reasoning_parser`` (``deepseek_r1``, ``qwen3``; default: the
         engine's),
-        ``reasoning_content`` and ``content`` without it. ``text`` stays the raw output."""
+        ``reasoning_content`` and ``content`` without it. ``text`` stays the raw output.
+        ``chat_options``: vLLM's ``chat_template``, ``chat_template_content_format`` (default:
+        the engine's), ``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template_kwargs``, ``documents``, ``mm_processor_kwargs``."""
         from trillm.parsers.reasoning import get_reasoning_parser
         from trillm.parsers.special_tokens import markers_are_special
         from trillm.parsers.tool_parsers import get_tool_parser

@@ -141,11 +141,13 @@ class Preprocessor:
         tools: list[Any] | None = None,
         documents: list[dict[str, Any]] | None = None,
         budget: RenderBudget | None = None,
+        chat_template_content_format: str | None = None,
     ) -> str:
         """The prompt text of a chat. ``chat_template`` is template *text* (a request's, or a
         Python caller's already loaded); default: ``--chat-template``, else the tokenizer's.
         ``budget``: a request's own template is rendered under ``request_template_budget()``.
-        Raises ChatTemplateError."""
+        ``chat_template_content_format`` (vLLM's ``LLM.chat`` keyword): default the engine's
+        ``--chat-template-content-format``. Raises ChatTemplateError."""
         template = chat_template or self.chat_template or tokenizer_chat_template(self.tokenizer)
         return render_template(
             template,
@@ -157,7 +159,7 @@ class Preprocessor:
             tools=tools,
             documents=documents,
             budget=budget,
-            **content_options(self.content_format, self.multimodal),
+            **content_options(chat_template_content_format or self.content_format, self.multimodal),
         )
 
     def request_template_budget(self) -> RenderBudget:
