@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -266,7 +267,7 @@ def test_dead_engine_answers_503(tiny_model_factory, tmp_path):
         workers = [
             p
             for p in _children(srv.proc.pid)
-            if b"worker_main" in open(f"/proc/{p}/cmdline", "rb").read()
+            if b"worker_main" in Path(f"/proc/{p}/cmdline").read_bytes()
         ]
         assert workers, "expected a model-worker subprocess"
         body = {"prompt": "x", "max_tokens": 1000, "stream": True, "ignore_eos": True}

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -54,7 +55,7 @@ def server(tiny_model_factory, tmp_path_factory):
 
 
 def rss_kib(pid: int) -> int:
-    for line in open(f"/proc/{pid}/status"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -315,8 +316,8 @@ def _workers(pid: int) -> dict[tuple[int, int], int]:
     """(engine core index, rank) -> pid of the server's model worker."""
     found = {}
     for task in os.listdir(f"/proc/{pid}/task"):
-        for child in open(f"/proc/{pid}/task/{task}/children").read().split():
-            argv = open(f"/proc/{child}/cmdline", "rb").read().split(b"\0")
+        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
             if b"trillm.worker.worker_main" in argv:
                 engine = int(argv[argv.index(b"--engine") + 1])
                 found[engine, int(argv[argv.index(b"--rank") + 1])] = int(child)

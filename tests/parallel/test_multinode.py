@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -43,7 +44,7 @@ def tp1_tokens(llama) -> list[list[int]]:
 def _children(pid: int) -> list[int]:
     kids = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        kids += [int(c) for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+        kids += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
     return kids
 
 
@@ -51,7 +52,7 @@ def _worker_pids(pid: int) -> list[int]:
     return [
         c
         for c in _children(pid)
-        if b"trillm.worker.worker_main" in open(f"/proc/{c}/cmdline", "rb").read()
+        if b"trillm.worker.worker_main" in Path(f"/proc/{c}/cmdline").read_bytes()
     ]
 
 
@@ -107,7 +108,7 @@ def nodes(request, llama, tmp_path_factory):
 
 
 def _rank_of(pid: int) -> int:
-    argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\x00")
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\x00")
     return int(argv[argv.index(b"--rank") + 1])
 
 

@@ -4,6 +4,7 @@ lives, a server's model workers by rank, the shared-memory segments it maps."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def pid_alive(pid: int) -> bool:
@@ -23,8 +24,8 @@ def worker_ranks(pid: int) -> dict[int, int]:
     """rank -> pid of the server's model workers."""
     ranks = {}
     for task in os.listdir(f"/proc/{pid}/task"):
-        for child in open(f"/proc/{pid}/task/{task}/children").read().split():
-            argv = open(f"/proc/{child}/cmdline", "rb").read().split(b"\0")
+        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
             if b"trillm.worker.worker_main" in argv:
                 ranks[int(argv[argv.index(b"--rank") + 1])] = int(child)
     return ranks
