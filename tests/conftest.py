@@ -5,6 +5,7 @@ with the native extensions switched off."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -53,6 +54,27 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
+def shared_server(tmp_path_factory):
+    """``shared_server(args) -> ServerProcess``: one ``trillm serve ARGS`` per distinct flags for
+    the whole session of this worker (tests/support/shared_servers.py says which modules may)."""
+    from shared_servers import ServerPool
+
+    pool = ServerPool(tmp_path_factory.mktemp("shared-servers"))
+    yield pool.get
+    failures = pool.close()
+    assert not failures, "\n".join(failures)
+
+
+@pytest.fixture(autouse=True)
+def _close_open_requests():
+    """The raw client sockets a test left open (server_harness.open_request) closed after it."""
+    yield
+    harness = sys.modules.get("server_harness")
+    if harness is not None:
+        harness.close_open_requests()
+
+
+@pytest.fixture(scope="session")
 def tok():
     """The embedded default model's tokenizer (real, loaded once)."""
     from transformers import AutoTokenizer
@@ -86,11 +108,19 @@ def python_without_extensions():
 FOLDER_MARKERS = {"native": "native", "parallel": "parallel", "fault": "fault"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        # A file runs on one worker (its module fixtures start once), unless it names the
+        # group it shares a server with (tests/support/shared_servers.py).
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(
+                pytest.mark.xdist_group(item.path.relative_to(config.rootpath).as_posix())
+            )
         folder = item.path.parent.name
         if folder in FOLDER_MARKERS:
             item.add_marker(FOLDER_MARKERS[folder])
         module = getattr(item, "module", None)
-        if module is not None and hasattr(module, "ServerProcess"):
+        starts_one = module is not None and hasattr(module, "ServerProcess")
+        if starts_one or "shared_server" in getattr(item, "fixturenames", ()):
             item.add_marker("server")

@@ -18,18 +18,17 @@ import time
 import httpx
 import pytest
 from server_harness import ServerProcess
+from shared_servers import FAKE_256, FAKE_256_GROUP
 
 from trillm.structured_output.compiler import MAX_FILL_CPU_S
 
+# The server is shared with the other modules of its group (tests/support/shared_servers.py).
+pytestmark = pytest.mark.xdist_group(FAKE_256_GROUP)
+
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("grammar-cost") / "server.log"
-    srv = ServerProcess(
-        ["--runner", "trillm.worker.fake_runner:FakeModelRunner", "--max-model-len", "256"], log
-    ).start()
-    yield srv
-    assert srv.stop() == 0, srv.log()
+def server(shared_server):
+    return shared_server(FAKE_256)
 
 
 def others_are_served(srv: ServerProcess, busy: threading.Thread) -> list[float]:

@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_harness import ServerProcess
+from shared_servers import FAKE_256, FAKE_256_GROUP
 
 SELF_REFERENCE = {"allOf": [{"$ref": "#"}], "type": "object"}
 NOTHING = "[^\\x00-\\U0010FFFF]"  # no character at all
 
 
+# The server is shared with the other modules of its group (tests/support/shared_servers.py).
+pytestmark = pytest.mark.xdist_group(FAKE_256_GROUP)
+
+
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    log = tmp_path_factory.mktemp("grammar-unsat") / "server.log"
-    srv = ServerProcess(
-        ["--runner", "trillm.worker.fake_runner:FakeModelRunner", "--max-model-len", "256"], log
-    ).start()
-    with httpx.Client(base_url=srv.url, timeout=60) as c:
+def client(shared_server):
+    with httpx.Client(base_url=shared_server(FAKE_256).url, timeout=60) as c:
         yield c
-    assert srv.stop() == 0, srv.log()
 
 
 def json_format(schema: dict) -> dict:

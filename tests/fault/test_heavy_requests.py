@@ -16,19 +16,18 @@ import time
 
 import httpx
 import pytest
-from server_harness import ServerProcess, post_polling_health
+from server_harness import post_polling_health
+from shared_servers import FAKE_512_TEMPLATES, FAKE_512_TEMPLATES_GROUP
 
 from trillm.entrypoints.openai.schemas.protocol import MAX_REQUEST_ID_CHARS
 
+# The server is shared with the other modules of its group (tests/support/shared_servers.py).
+pytestmark = pytest.mark.xdist_group(FAKE_512_TEMPLATES_GROUP)
+
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("request-id") / "server.log"
-    srv = ServerProcess(
-        ["--runner", "trillm.worker.fake_runner:FakeModelRunner", "--max-model-len", "512"], log
-    ).start()
-    yield srv
-    assert srv.stop() == 0, srv.log()
+def server(shared_server):
+    return shared_server(FAKE_512_TEMPLATES)
 
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

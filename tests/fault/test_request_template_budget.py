@@ -16,20 +16,20 @@ import time
 import httpx
 import jinja2.sandbox
 import pytest
-from server_harness import ServerProcess, post_polling_health, rss_mib
+from server_harness import post_polling_health, rss_mib
+from shared_servers import FAKE_512_TEMPLATES, FAKE_512_TEMPLATES_GROUP
 
 from trillm.engine.chat_template import ChatTemplateError, render_template
 from trillm.engine.preprocess import REQUEST_TEMPLATE_SECONDS
 from trillm.engine.template_budget import RenderBudget
 
+# The server is shared with the other modules of its group (tests/support/shared_servers.py).
+pytestmark = pytest.mark.xdist_group(FAKE_512_TEMPLATES_GROUP)
+
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("template-budget") / "server.log"
-    args = ["--runner", "trillm.worker.fake_runner:FakeModelRunner", "--max-model-len", "512"]
-    srv = ServerProcess([*args, "--trust-request-chat-template"], log).start()
-    yield srv
-    assert srv.stop() == 0, srv.log()
+def server(shared_server):
+    return shared_server(FAKE_512_TEMPLATES)
 
 
 MESSAGES = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 from typing import TypeVar
 
 import httpx
+from serve_zygote import Zygote, ZygoteChild
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -25,6 +27,56 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def server_env() -> dict[str, str]:
+    """The environment a server starts with: this process's, the checkout importable (less
+    the name of the test running, which pytest keeps in it)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
+
+
+# The session's environment, as the test modules found it (before any test changed it): a
+# server asked for in it, or in it with other values of variables that trillm reads only when
+# it needs them (trillm/envs.py), is forked from the zygote; one in another environment (say,
+# TRILLM_NO_EXTENSIONS, read once at import) is started afresh, since a module the zygote
+# imported may have read it.
+_SESSION_ENV = server_env()
+_READ_WHEN_NEEDED = {
+    "VLLM_API_KEY",
+    "VLLM_XGRAMMAR_CACHE_MB",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    "VLLM_CONFIGURE_LOGGING",
+    "TRILLM_CONFIGURE_LOGGING",
+    "VLLM_LOGGING_CONFIG_PATH",
+    "TRILLM_LOGGING_CONFIG_PATH",
+    "VLLM_IMAGE_FETCH_TIMEOUT",
+    "TRILLM_WORKER_START",
+    "TRILLM_PP_MICRO_BATCHES",
+    "TRILLM_CPU_ATTENTION_THREADS",
+    # torch sets it in the test's process at its first compiled step (for its subprocesses)
+    "TORCHINDUCTOR_CACHE_DIR",
+}
+
+
+def env_changes(env: dict[str, str]) -> set[str]:
+    """The variables ``env`` sets otherwise than the session did."""
+    return {k for k in env.keys() | _SESSION_ENV.keys() if env.get(k) != _SESSION_ENV.get(k)}
+
+
+def _forkable(env: dict[str, str]) -> bool:
+    return env_changes(env) <= _READ_WHEN_NEEDED
+
+
+_ZYGOTE: list[Zygote] = []
+
+
+def _zygote() -> Zygote:
+    if not _ZYGOTE:
+        _ZYGOTE.append(Zygote(REPO, _SESSION_ENV))
+        atexit.register(_ZYGOTE[0].close)
+    return _ZYGOTE[0]
 
 
 class ServerProcess:
@@ -37,8 +89,9 @@ class ServerProcess:
         api_key: str | None = None,
         launcher: list[str] | None = None,
     ) -> None:
-        # ``launcher``: how the program is started (default ``python -m trillm``).
-        self.launcher = launcher or [sys.executable, "-m", "trillm"]
+        # ``launcher``: how the program is started (default ``python -m trillm``, forked from
+        # this worker's zygote where the environment is the session's: serve_zygote.py).
+        self.launcher = launcher
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
@@ -47,22 +100,26 @@ class ServerProcess:
         if api_key:
             self.args += ["--api-key", api_key]
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ZygoteChild | None = None
 
     def start(self, timeout: float = 300.0) -> ServerProcess:
-        env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-        self._log = open(self.log_path, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [*self.launcher, "serve", *self.args],
-            cwd=REPO,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        env = server_env()
+        if self.launcher is None and _forkable(env):
+            self.proc = _zygote().spawn(["serve", *self.args], env, self.log_path)
+        else:
+            # The child writes the log through its own descriptor; this process keeps none.
+            launcher = self.launcher or [sys.executable, "-m", "trillm"]
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(
+                    [*launcher, "serve", *self.args],
+                    cwd=REPO,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self._log.close()  # a server that never started is never stopped
                 raise RuntimeError(
                     f"trillm serve exited with {self.proc.returncode}:\n{self.log()}"
                 )
@@ -74,7 +131,6 @@ class ServerProcess:
             time.sleep(0.25)
         self.proc.kill()
         self.proc.wait()
-        self._log.close()
         raise TimeoutError(f"trillm serve not healthy after {timeout} s:\n{self.log()}")
 
     def headers(self) -> dict[str, str]:
@@ -97,7 +153,6 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
-        self._log.close()
         return code
 
 
@@ -114,14 +169,25 @@ def metric_value(text: str, name: str) -> float:
     return total
 
 
+# The sockets open_request has handed out; the test's teardown closes those it left open.
+_OPEN_REQUESTS: list[socket.socket] = []
+
+
+def close_open_requests() -> None:
+    while _OPEN_REQUESTS:
+        _OPEN_REQUESTS.pop().close()
+
+
 def open_request(srv: ServerProcess, path: str, body: dict) -> socket.socket:
-    """Send a POST on a raw socket and return the socket, unread (the client can leave)."""
+    """Send a POST on a raw socket and return the socket, unread (the client can leave; the
+    socket is closed when the test ends)."""
     data = json.dumps(body).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(data)}\r\n\r\n"
     )
     sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+    _OPEN_REQUESTS.append(sock)
     sock.sendall(head.encode() + data)
     return sock
 
@@ -165,8 +231,8 @@ def worker_pids(pid: int) -> list[int]:
     """The model-worker processes among ``pid``'s children."""
     out = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        for child in open(f"/proc/{pid}/task/{task}/children").read().split():
-            if b"worker_main" in open(f"/proc/{child}/cmdline", "rb").read():
+        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+            if b"worker_main" in Path(f"/proc/{child}/cmdline").read_bytes():
                 out.append(int(child))
     return out
 
