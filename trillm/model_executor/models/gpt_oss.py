@@ -32,7 +32,6 @@ from trillm.attention.backend import (
 )
 from trillm.config import ModelConfig
 from trillm.distributed.parallel_state import get_tp_group
-from trillm.errors import UnsupportedQuantizationError
 from trillm.model_executor import mxfp4
 from trillm.model_executor.gpt_oss_config import MXFP4
 from trillm.model_executor.layer_types import layer_windows
@@ -45,7 +44,7 @@ from trillm.model_executor.models.llama import (
     MissingWeightsError,
     rank_shapes,
 )
-from trillm.model_executor.models.moe import num_experts
+from trillm.model_executor.models.moe import num_experts, refuse_quantized_experts
 from trillm.model_executor.quantization import checkpoint_method
 
 
@@ -150,12 +149,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
     ) -> None:
-        if cfg.quantization is not None:
-            # NOTE: the experts are not nn.Linear layers: the method would skip most weights.
-            raise UnsupportedQuantizationError(
-                f"--quantization {cfg.quantization} does not cover gpt-oss's experts; serve "
-                "this model unquantized (an MXFP4 checkpoint is dequantized at load)."
-            )
+        refuse_quantized_experts(
+            cfg, "gpt-oss's experts", " (an MXFP4 checkpoint is dequantized at load)"
+        )
         super().__init__(cfg, backend, device)
         method = checkpoint_method(cfg.hf_config)
         self.mxfp4 = method is not None and method.lower() == MXFP4

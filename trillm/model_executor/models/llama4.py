@@ -39,7 +39,6 @@ from trillm.attention.backend import (
 from trillm.attention.torch_backend import TorchAttentionBackend
 from trillm.config import ModelConfig
 from trillm.distributed.pipeline import is_missing
-from trillm.errors import UnsupportedQuantizationError
 from trillm.model_executor.layers.fused_moe import FusedMoE
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
@@ -53,6 +52,7 @@ from trillm.model_executor.models.llama import (
     MissingWeightsError,
     rank_shapes,
 )
+from trillm.model_executor.models.moe import check_experts_loaded, refuse_quantized_experts
 
 _QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
 _EXPERTS = re.compile(r"^(model\.layers\.\d+\.feed_forward\.experts)\.(gate_up_proj|down_proj)$")
@@ -197,26 +197,12 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
     ) -> None:
-        if cfg.quantization is not None:
-            # NOTE: the experts are not nn.Linear layers: the method would skip most weights.
-            raise UnsupportedQuantizationError(
-                f"--quantization {cfg.quantization} does not cover {ARCHITECTURE}'s experts; "
-                "serve this model unquantized."
-            )
+        refuse_quantized_experts(cfg, f"{ARCHITECTURE}'s experts")
         super().__init__(cfg, backend, device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._route_experts(weights))
-        missing = [
-            f"{name}.{part}"
-            for name, module in self.named_modules()
-            if isinstance(module, FusedMoE)
-            for part in module.missing()
-        ]
-        if missing:
-            raise MissingWeightsError(
-                f"Checkpoint is missing {len(missing)} expert weight(s), e.g. {missing[:5]}."
-            )
+        check_experts_loaded(self)
 
     def _route_experts(
         self, weights: Iterable[tuple[str, torch.Tensor]]

@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 
 from trillm.attention.backend import AttentionBackend
 from trillm.config import ModelConfig
@@ -36,6 +37,30 @@ def num_experts(hf: dict) -> int:
     return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
 
 
+def refuse_quantized_experts(cfg: ModelConfig, subject: str, note: str = "") -> None:
+    """A --quantization method replaces nn.Linear layers; experts are not ones, so it would
+    skip most weights: refused, naming ``subject`` (the layers it does not cover)."""
+    if cfg.quantization is not None:
+        raise UnsupportedQuantizationError(
+            f"--quantization {cfg.quantization} does not cover {subject}; serve this model "
+            f"unquantized{note}."
+        )
+
+
+def check_experts_loaded(model: nn.Module) -> None:
+    """Raises naming the first few expert weights that no checkpoint tensor filled."""
+    missing = [
+        f"{name}.{part}"
+        for name, module in model.named_modules()
+        if isinstance(module, FusedMoE)
+        for part in module.missing()
+    ]
+    if missing:
+        raise MissingWeightsError(
+            f"Checkpoint is missing {len(missing)} expert weight(s), e.g. {missing[:5]}."
+        )
+
+
 class MoEModel(LlamaModel):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, flags: LlamaDecoderFlags):
         super().__init__(cfg, backend, flags)
@@ -52,12 +77,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
     ) -> None:
-        if cfg.quantization is not None:
-            # NOTE: the experts are not nn.Linear layers: the method would skip most weights.
-            raise UnsupportedQuantizationError(
-                f"--quantization {cfg.quantization} does not cover mixture-of-experts layers "
-                f"yet ({cfg.architecture}); serve this model unquantized."
-            )
+        refuse_quantized_experts(cfg, f"mixture-of-experts layers yet ({cfg.architecture})")
         super().__init__(cfg, backend, device)
 
     @classmethod
@@ -70,16 +90,7 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._route_experts(weights))
-        missing = [
-            f"{name}.{m}"
-            for name, module in self.named_modules()
-            if isinstance(module, FusedMoE)
-            for m in module.missing()
-        ]
-        if missing:
-            raise MissingWeightsError(
-                f"Checkpoint is missing {len(missing)} expert weight(s), e.g. {missing[:5]}."
-            )
+        check_experts_loaded(self)
 
     def _route_experts(
         self, weights: Iterable[tuple[str, torch.Tensor]]
