@@ -18,7 +18,7 @@ and 5's (``model.language_model.*``, ``model.vision_tower.*``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,8 @@ from torch import nn
 from trillm.attention.backend import AttentionBackend, check_backend_supports_bidirectional
 from trillm.config import ModelConfig
 from trillm.model_executor.models.gemma import Gemma3ForCausalLM, GemmaRMSNorm
-from trillm.model_executor.models.llama import MissingWeightsError
 from trillm.model_executor.models.llava import _checkpoint_name
+from trillm.model_executor.models.multimodal import ImageEmbeddingsMixin
 from trillm.model_executor.models.siglip import SiglipVisionTower
 
 # The tower's attention-pooling head: its pooled output is not what Gemma 3 reads
@@ -55,7 +55,7 @@ class Gemma3MultiModalProjector(nn.Module):
         return torch.matmul(normed, self.mm_input_projection_weight).type_as(x)
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(ImageEmbeddingsMixin, Gemma3ForCausalLM):
     NON_DECODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
     # The runner hands the attention each request's image spans (bidirectional inside)
     bidirectional_image_spans = True
@@ -70,43 +70,16 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             raise ValueError("Gemma3ForConditionalGeneration needs its config's vision_config.")
         self.vision_tower = SiglipVisionTower(mm["vision_config"])
         self.multi_modal_projector = Gemma3MultiModalProjector(mm, cfg.hidden_size)
-        # (rows of the step's tokens, their embeddings [rows, H]) for the next forward
-        self._step_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:  # [3, H, W] -> [N, H_text]
         return self.multi_modal_projector(self.vision_tower(pixels.unsqueeze(0)))[0]
 
-    def set_step_embeddings(self, rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """The next forward's multimodal rows and their embeddings (consumed by it)."""
-        self._step_embeddings = rows
-
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = super().embed_input_ids(input_ids)
-        if self._step_embeddings is not None:
-            rows, embeddings = self._step_embeddings
-            self._step_embeddings = None
-            hidden[rows] = embeddings.to(hidden.dtype)
-        return hidden
+        return self.merge_step_embeddings(super().embed_input_ids(input_ids))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         own = dict(self.vision_tower.named_parameters(prefix="vision_tower"))
         own.update(self.multi_modal_projector.named_parameters(prefix="multi_modal_projector"))
-        loaded: set[str] = set()
-
-        def text_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for raw, tensor in weights:
-                name = _checkpoint_name(raw)
-                if name.startswith(_UNUSED_PREFIX):
-                    continue
-                if name.startswith(self.NON_DECODER_PREFIXES):
-                    self._load_plain(own, name, tensor)  # type: ignore[arg-type]
-                    loaded.add(name)
-                elif not name.endswith("position_ids"):
-                    yield name, tensor
-
-        super().load_weights(text_weights())
-        missing = set(own) - loaded
-        if missing:
-            raise MissingWeightsError(
-                f"Checkpoint is missing {len(missing)} vision weight(s), e.g. {sorted(missing)[:5]}."
-            )
+        self.load_vision_and_text(
+            super().load_weights, weights, own, _checkpoint_name, unused=(_UNUSED_PREFIX,)
+        )

@@ -15,7 +15,7 @@ Checkpoint names: both transformers' layouts (``language_model.model.*`` /
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,8 @@ from torch import nn
 
 from trillm.attention.backend import AttentionBackend
 from trillm.config import ModelConfig
-from trillm.model_executor.models.llama import LlamaForCausalLM, MissingWeightsError
+from trillm.model_executor.models.llama import LlamaForCausalLM
+from trillm.model_executor.models.multimodal import ImageEmbeddingsMixin
 
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +172,7 @@ def _checkpoint_name(name: str) -> str:
     return name.replace("vision_tower.vision_model.", "vision_tower.", 1)
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(ImageEmbeddingsMixin, LlamaForCausalLM):
     NON_DECODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
     def __init__(
@@ -192,8 +193,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             mm.get("projector_hidden_act", "gelu"),
             bool(mm.get("multimodal_projector_bias", True)),
         )
-        # (rows of the step's tokens, their embeddings [rows, H]) for the next forward
-        self._step_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:  # [3, H, W] -> [N, H_text]
         states = self.vision_tower.hidden_states(pixels.unsqueeze(0), self.feature_layers)
@@ -201,35 +200,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             states = [s[:, 1:] for s in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))[0]
 
-    def set_step_embeddings(self, rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """The next forward's multimodal rows and their embeddings (consumed by it)."""
-        self._step_embeddings = rows
-
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        if self._step_embeddings is not None:
-            rows, embeddings = self._step_embeddings
-            self._step_embeddings = None
-            hidden[rows] = embeddings.to(hidden.dtype)
-        return hidden
+        return self.merge_step_embeddings(self.model.embed_tokens(input_ids))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         own = dict(self.vision_tower.named_parameters(prefix="vision_tower"))
         own.update(self.multi_modal_projector.named_parameters(prefix="multi_modal_projector"))
-        loaded: set[str] = set()
-
-        def text_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for raw, tensor in weights:
-                name = _checkpoint_name(raw)
-                if name.startswith(("vision_tower.", "multi_modal_projector.")):
-                    self._load_plain(own, name, tensor)  # type: ignore[arg-type]
-                    loaded.add(name)
-                elif not name.endswith("position_ids"):
-                    yield name, tensor
-
-        super().load_weights(text_weights())
-        missing = set(own) - loaded
-        if missing:
-            raise MissingWeightsError(
-                f"Checkpoint is missing {len(missing)} vision weight(s), e.g. {sorted(missing)[:5]}."
-            )
+        self.load_vision_and_text(super().load_weights, weights, own, _checkpoint_name)

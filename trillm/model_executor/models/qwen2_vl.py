@@ -14,14 +14,14 @@ Checkpoint names: ``model.*`` + ``visual.*`` (hub folders) and ``model.language_
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
 from trillm.attention.backend import AttentionBackend
 from trillm.config import ModelConfig
 from trillm.model_executor.layers.mrope import MRotaryEmbedding
-from trillm.model_executor.models.llama import MissingWeightsError
+from trillm.model_executor.models.multimodal import ImageEmbeddingsMixin
 from trillm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from trillm.model_executor.models.qwen2_vl_vision import Qwen2VisionTower, Qwen25VisionTower
 
@@ -35,7 +35,7 @@ def _checkpoint_name(name: str) -> str:
     return name
 
 
-class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
+class Qwen2VLForConditionalGeneration(ImageEmbeddingsMixin, Qwen2ForCausalLM):
     NON_DECODER_PREFIXES = ("visual.",)
     TOWER: type[Qwen2VisionTower] = Qwen2VisionTower
 
@@ -53,8 +53,6 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         self.rotary = MRotaryEmbedding(
             cfg.head_dim, cfg.rope_theta, list(section), cfg.max_model_len, device
         )
-        # (rows of the step's tokens, their embeddings [rows, H]) for the next forward
-        self._step_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def encode_image(self, pixels: torch.Tensor) -> torch.Tensor:  # [t, h, w, P] -> [N, H]
         if pixels.dim() != 4 or pixels.shape[-1] != self.visual.patch_embed.patch_dim:
@@ -64,37 +62,14 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
             )
         return self.visual(pixels)
 
-    def set_step_embeddings(self, rows: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """The next forward's multimodal rows and their embeddings (consumed by it)."""
-        self._step_embeddings = rows
-
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        if self._step_embeddings is not None:
-            rows, embeddings = self._step_embeddings
-            self._step_embeddings = None
-            hidden[rows] = embeddings.to(hidden.dtype)
-        return hidden
+        return self.merge_step_embeddings(self.model.embed_tokens(input_ids))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         own = dict(self.visual.named_parameters(prefix="visual"))
-        loaded: set[str] = set()
-
-        def text_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for raw, tensor in weights:
-                name = _checkpoint_name(raw)
-                if name.startswith("visual."):
-                    self._load_plain(own, name, tensor)  # type: ignore[arg-type]
-                    loaded.add(name)
-                else:
-                    yield name, tensor
-
-        super().load_weights(text_weights())
-        missing = set(own) - loaded
-        if missing:
-            raise MissingWeightsError(
-                f"Checkpoint is missing {len(missing)} vision weight(s), e.g. {sorted(missing)[:5]}."
-            )
+        self.load_vision_and_text(
+            super().load_weights, weights, own, _checkpoint_name, drop_position_ids=False
+        )
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801 (HF's)

@@ -1,0 +1,67 @@
+"""What the vision-language models (LLaVA, Qwen2-VL, Gemma 3) do alike around their own
+vision towers: a step's image embeddings written over the placeholder tokens' text
+embeddings, and a checkpoint split into the tower's tensors and the decoder's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from trillm.model_executor.models.llama import LlamaForCausalLM, MissingWeightsError
+
+Weights = Iterable[tuple[str, torch.Tensor]]
+# (rows of the step's tokens, their embeddings [rows, H])
+StepRows = tuple[torch.Tensor, torch.Tensor]
+
+
+class ImageEmbeddingsMixin:
+    """Holds the next forward's image rows (``trillm/worker/mm_inputs.py`` hands them over)
+    until the model's ``embed_input_ids`` merges them, once."""
+
+    NON_DECODER_PREFIXES: tuple[str, ...]  # the vision side's checkpoint names
+    _step_embeddings: StepRows | None = None
+
+    def set_step_embeddings(self, rows: StepRows | None) -> None:
+        """The next forward's multimodal rows and their embeddings (consumed by it)."""
+        self._step_embeddings = rows
+
+    def merge_step_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._step_embeddings is not None:
+            rows, embeddings = self._step_embeddings
+            self._step_embeddings = None
+            hidden[rows] = embeddings.to(hidden.dtype)
+        return hidden
+
+    def load_vision_and_text(
+        self,
+        load_text: Callable[[Weights], None],
+        weights: Weights,
+        own: dict[str, nn.Parameter],
+        rename: Callable[[str], str],
+        unused: tuple[str, ...] = (),
+        drop_position_ids: bool = True,
+    ) -> None:
+        """Loads the ``NON_DECODER_PREFIXES`` tensors (renamed) into ``own`` and hands the rest
+        to ``load_text``; ``unused`` prefixes are the checkpoint's parts no forward reads, and
+        ``drop_position_ids`` drops the decoder's stored position ids (recomputed here)."""
+        loaded: set[str] = set()
+
+        def text_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for raw, tensor in weights:
+                name = rename(raw)
+                if unused and name.startswith(unused):
+                    continue
+                if name.startswith(self.NON_DECODER_PREFIXES):
+                    LlamaForCausalLM._load_plain(own, name, tensor)
+                    loaded.add(name)
+                elif not (drop_position_ids and name.endswith("position_ids")):
+                    yield name, tensor
+
+        load_text(text_weights())
+        missing = set(own) - loaded
+        if missing:
+            raise MissingWeightsError(
+                f"Checkpoint is missing {len(missing)} vision weight(s), e.g. {sorted(missing)[:5]}."
+            )
