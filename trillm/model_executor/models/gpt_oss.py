@@ -68,15 +68,12 @@ class GptOssAttention(LlamaAttention):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.split_heads(q, k)  # [T, Hq, D], [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(hidden)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         rotary(positions, q, k)  # in place: q and k are views of the qkv buffer
         out = self.backend.forward(
             q, k, v, kv_cache, meta, self.scale, window=self.window, sinks=self.sinks
         )  # [T, Hq, D]
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        return self.project_out(out)
 
 
 class GptOssExperts(nn.Module):

@@ -132,6 +132,21 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k
 
+    def project_qkv(
+        self,
+        hidden: torch.Tensor,  # [T, H]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [T, Hq, D], [T, Hkv, D] twice
+        """q, k, v per head; q and k are views of the qkv buffer (or the norms' outputs), so the
+        rotary embedding can turn them in place."""
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.split_heads(q, k)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:  # [T, Hq, D] -> [T, H]
+        """o_proj over this rank's heads, summed over the tensor-parallel ranks."""
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+
     def forward(
         self,
         positions: torch.Tensor,  # [T]
@@ -140,15 +155,12 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.split_heads(q, k)  # [T, Hq, D], [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(hidden)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         rotary(positions, q, k)  # in place: q and k are views of the qkv buffer (or the norms')
         out = self.backend.forward(
             q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap
         )  # [T, Hq, D]
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        return self.project_out(out)
 
 
 class LlamaMLP(nn.Module):

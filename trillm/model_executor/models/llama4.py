@@ -88,10 +88,7 @@ class Llama4Attention(LlamaAttention):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.split_heads(q, k)  # [T, Hq, D], [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(hidden)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
         if self.use_rope:
             rotary(positions, q, k)  # in place: q and k are views of the qkv buffer
         if self.l2_norm:
@@ -102,7 +99,7 @@ class Llama4Attention(LlamaAttention):
             out = self.torch_backend.forward(q, k, v, kv_cache, meta, self.scale, chunk=self.chunk)
         else:
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        return self.project_out(out)
 
     def _rms(self, x: torch.Tensor) -> torch.Tensor:  # [T, h, D], each head over its RMS
         xf = x.float()
