@@ -23,17 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trillm.attention.backend import AttentionBackend, AttentionMetadata
+from trillm.attention.backend import AttentionBackend
 from trillm.attention.kv_layout import KVCacheLayout
 from trillm.config import ModelConfig
 from trillm.distributed.parallel_state import get_tp_group
 from trillm.model_executor.deepseek_config import V3
 from trillm.model_executor.layers.fused_moe import FusedMoE
 from trillm.model_executor.layers.norm import RMSNorm
-from trillm.model_executor.layers.rotary import RotaryEmbedding
 from trillm.model_executor.models.deepseek_mla import MLAAttention, MLAPlan
 from trillm.model_executor.models.llama import (
     DecoderStack,
+    FoldedResidualLayer,
     LlamaDecoderFlags,
     LlamaMLP,
     StackedLinear,
@@ -119,7 +119,7 @@ class DeepseekMoE(nn.Module):
         return routed + self.shared_experts(x)  # LlamaMLP all-reduces its own
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(FoldedResidualLayer):
     """MLA and a dense or mixture-of-experts MLP, with the Llama layer's folded residual."""
 
     def __init__(self, cfg: ModelConfig, plan: MLAPlan, index: int) -> None:
@@ -131,23 +131,6 @@ class DeepseekDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, bias=False) if dense else DeepseekMoE(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, H]: the previous layer's MLP output (the embeddings first)
-        residual: torch.Tensor | None,  # [T, H]: the residual stream so far (None: first layer)
-        rotary: RotaryEmbedding,
-        kv_cache: torch.Tensor,  # [1, num_blocks, block_size, 1, L + R]
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), as LlamaDecoderLayer
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, rotary, kv_cache, meta)
-        hidden = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekModel(DecoderStack):

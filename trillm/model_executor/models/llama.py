@@ -179,19 +179,18 @@ class LlamaMLP(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        backend: AttentionBackend,
-        flags: LlamaDecoderFlags,
-        window: int | None = None,
-    ):
-        super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, flags, window)
-        self.mlp = LlamaMLP(cfg, flags.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class FoldedResidualLayer(nn.Module):
+    """A pre-norm decoder layer (attention, then a feed-forward) with Llama's folded residual
+    adds; subclasses build its modules under their checkpoint's names."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+
+    def feed(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        """The feed-forward sublayer (Llama 4 names it ``feed_forward``)."""
+        return self.mlp(hidden)
 
     def forward(
         self,
@@ -213,7 +212,22 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, rotary, kv_cache, meta)
         hidden = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.feed(hidden), residual
+
+
+class LlamaDecoderLayer(FoldedResidualLayer):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        flags: LlamaDecoderFlags,
+        window: int | None = None,
+    ):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend, flags, window)
+        self.mlp = LlamaMLP(cfg, flags.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderStack(nn.Module):

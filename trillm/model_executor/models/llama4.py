@@ -45,6 +45,7 @@ from trillm.model_executor.layers.rotary import RotaryEmbedding
 from trillm.model_executor.llama4_config import ARCHITECTURE, CHUNKED
 from trillm.model_executor.models.llama import (
     DecoderStack,
+    FoldedResidualLayer,
     LlamaAttention,
     LlamaDecoderFlags,
     LlamaForCausalLM,
@@ -145,7 +146,7 @@ class Llama4MoE(nn.Module):
         return self.shared_expert(x) + self.tp.all_reduce(routed)  # the ranks' partial sums
 
 
-class Llama4DecoderLayer(nn.Module):
+class Llama4DecoderLayer(FoldedResidualLayer):
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, flags: LlamaDecoderFlags, layer: int
     ) -> None:
@@ -161,24 +162,8 @@ class Llama4DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        positions: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, H]
-        residual: torch.Tensor | None,  # [T, H] (None: first layer)
-        rotary: RotaryEmbedding,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (feed-forward output, residual stream)
-        """The Llama layer's folded residual adds (``LlamaDecoderLayer.forward``)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, rotary, kv_cache, meta)
-        hidden = self.post_attention_layernorm(hidden, residual)
-        return self.feed_forward(hidden), residual
+    def feed(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(hidden)
 
 
 class Llama4Model(DecoderStack):
