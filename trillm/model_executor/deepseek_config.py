@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trillm.model_executor.config_fields import COMMON_FIELDS, INERT, READ
+
 V2, V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
 ARCHITECTURES = (V2, V3)
 
@@ -55,12 +57,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 _TOPK_METHODS = {V2: ("greedy", "group_limited_greedy"), V3: ("noaux_tc",)}
 _SCORING = {V2: "softmax", V3: "sigmoid"}
 
-_READ = "read"
-_INERT = "no effect on inference in transformers either"
 # Every field -> what trillm does with it.
 FIELDS: dict[str, str] = {
-    **dict.fromkeys(_DEFAULTS[V2], _READ),
-    **dict.fromkeys(_DEFAULTS[V3], _READ),
+    **dict.fromkeys(_DEFAULTS[V2], READ),
+    **dict.fromkeys(_DEFAULTS[V3], READ),
     **dict.fromkeys(
         (
             "vocab_size",
@@ -77,13 +77,11 @@ FIELDS: dict[str, str] = {
             "num_experts_per_tok",
             "architectures",
         ),
-        _READ,
+        READ,
     ),
     "rope_parameters": "read (default, linear, dynamic, llama3, yarn with mscale / "
     "mscale_all_dim folded into the softmax scale; others refused by name)",
-    "dtype": "read (--dtype auto)",
     "hidden_act": "read (silu; others refused by name)",
-    "pad_token_id": "read by the tokenizer side, as in transformers' generate",
     "head_dim": "set to qk_rope_head_dim, as transformers does",
     "qk_head_dim": "derived (qk_nope_head_dim + qk_rope_head_dim), as transformers does",
     "num_key_value_heads": "must equal num_attention_heads (MLA has no KV-head groups)",
@@ -96,20 +94,9 @@ FIELDS: dict[str, str] = {
     "does (deepseek_mtp speculation is not implemented)",
     "num_nextn_predict_layers": "as num_mtp_layers",
     "ep_size": "expert parallelism in DeepSeek's own code; no effect on the output",
-    "aux_loss_alpha": _INERT,
-    "seq_aux": _INERT,
-    "initializer_range": _INERT,
-    "attention_dropout": _INERT,
-    "output_router_logits": _INERT,
-    "use_cache": _INERT,
-    "output_hidden_states": _INERT,
-    "return_dict": _INERT,
-    "chunk_size_feed_forward": _INERT,
-    "transformers_version": _INERT,
-    "is_encoder_decoder": "must be false: refused otherwise",
-    "id2label": "read for sequence classifiers only",
-    "label2id": _INERT,
-    "problem_type": _INERT,
+    "aux_loss_alpha": INERT,
+    "seq_aux": INERT,
+    **COMMON_FIELDS,
 }
 
 

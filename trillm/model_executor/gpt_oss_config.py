@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trillm.model_executor.config_fields import COMMON_FIELDS, INERT, READ
 from trillm.model_executor.layer_types import FULL, SLIDING
 from trillm.model_executor.quantization import checkpoint_method
 
@@ -48,34 +49,18 @@ _DEFAULT_ROPE: dict[str, Any] = {
     "original_max_position_embeddings": 4096,
 }
 
-_READ = "read"
-_INERT = "no effect on inference in transformers either"
 # Every GptOssConfig field -> what trillm does with it.
 FIELDS: dict[str, str] = {
-    **dict.fromkeys(_DEFAULTS, _READ),
+    **dict.fromkeys(_DEFAULTS, READ),
     "rope_parameters": "read (default, linear, dynamic, llama3, yarn; others refused by name)",
     "layer_types": "read (sliding_attention / full_attention; others refused by name)",
-    "eos_token_id": _READ,
-    "bos_token_id": _READ,
-    "pad_token_id": "read by the tokenizer side, as in transformers' generate",
+    "eos_token_id": READ,
+    "bos_token_id": READ,
     # transformers' gpt-oss does not read it (its experts' clamped SwiGLU is fixed); trillm
     # refuses a value other than silu by name (registry.py), rather than run it silently
     "hidden_act": "silu, else refused by name",
-    "dtype": "read (--dtype auto)",
-    "architectures": _READ,
-    "initializer_range": _INERT,
-    "attention_dropout": _INERT,
-    "router_aux_loss_coef": _INERT,
-    "output_router_logits": _INERT,
-    "use_cache": _INERT,
-    "output_hidden_states": _INERT,
-    "return_dict": _INERT,
-    "chunk_size_feed_forward": _INERT,
-    "transformers_version": _INERT,
-    "is_encoder_decoder": "must be false: refused otherwise",
-    "id2label": "read for sequence classifiers only",
-    "label2id": _INERT,
-    "problem_type": _INERT,
+    "router_aux_loss_coef": INERT,
+    **COMMON_FIELDS,
 }
 
 

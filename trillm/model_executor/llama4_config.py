@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trillm.model_executor.config_fields import COMMON_FIELDS, INERT, READ
 from trillm.model_executor.layer_types import FULL
 
 ARCHITECTURE = "Llama4ForCausalLM"
@@ -47,33 +48,17 @@ _DEFAULTS: dict[str, Any] = {
 }
 _DEFAULT_ROPE: dict[str, Any] = {"rope_type": "default", "rope_theta": 500000.0}
 
-_READ = "read"
-_INERT = "no effect on inference in transformers either"
 # Every Llama4TextConfig field -> what trillm does with it.
 FIELDS: dict[str, str] = {
-    **dict.fromkeys(_DEFAULTS, _READ),
+    **dict.fromkeys(_DEFAULTS, READ),
     "moe_layers": "read (else every interleave_moe_layer_step-th layer, as transformers)",
     "no_rope_layers": "read: 0 = a NoPE layer (else every no_rope_layer_interval-th)",
     "layer_types": "read (chunked_attention / full_attention; others refused by name)",
     "rope_parameters": "read (default, linear, dynamic, llama3, yarn; others refused by name)",
     "hidden_act": "silu, else refused by name",
-    "pad_token_id": "read by the tokenizer side, as in transformers' generate",
-    "dtype": "read (--dtype auto)",
-    "architectures": _READ,
-    "initializer_range": _INERT,
-    "attention_dropout": _INERT,
-    "router_aux_loss_coef": _INERT,
-    "router_jitter_noise": _INERT,  # transformers' Llama4Router never reads it
-    "output_router_logits": _INERT,
-    "use_cache": _INERT,
-    "output_hidden_states": _INERT,
-    "return_dict": _INERT,
-    "chunk_size_feed_forward": _INERT,
-    "transformers_version": _INERT,
-    "is_encoder_decoder": "must be false: refused otherwise",
-    "id2label": "read for sequence classifiers only",
-    "label2id": _INERT,
-    "problem_type": _INERT,
+    "router_aux_loss_coef": INERT,
+    "router_jitter_noise": INERT,  # transformers' Llama4Router never reads it
+    **COMMON_FIELDS,
 }
 
 
