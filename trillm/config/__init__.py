@@ -1,12 +1,10 @@
 """Engine arguments (vLLM's names) and the resolved configuration they produce: the values
-and flag spelling (``values.py``), ``EngineArgs`` (``engine_args.py``), the runner and pooling
-(``pooling.py``), ``TrillmConfig`` and its parts (``resolved.py``)."""
+and flag spelling (``values.py``), ``EngineArgs`` (``engine_args.py``; its parallel world's
+checks: ``parallel.py``), the runner and pooling (``pooling.py``), ``TrillmConfig`` and its
+parts (``resolved.py``)."""
 
-from trillm.config.engine_args import (
-    DEFAULT_MASTER_PORT,
-    EngineArgs,
-    check_nodes,
-)
+from trillm.config.engine_args import EngineArgs
+from trillm.config.parallel import DEFAULT_MASTER_PORT, check_nodes
 from trillm.config.pooling import (
     POOLING_TYPES,
     RUNNERS,

@@ -1,5 +1,6 @@
 """``EngineArgs``: what a user passes to ``trillm serve``, ``open_engine`` or ``LLM`` (vLLM's
-names), each field with its flag, and the node checks."""
+names), each field with its flag, checked when made (the parallel world's checks in
+``parallel.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from trillm.config.multimodal import check_limit_mm_per_prompt, check_media_args
+from trillm.config.parallel import check_parallel
 from trillm.config.pooling import check_runner
 from trillm.config.values import (
     DEFAULT_GRAMMAR_CACHE_BYTES,
@@ -308,17 +310,7 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(self, name) > 1 and self.distributed_executor_backend == "uni":
-                raise ValueError(
-                    f"{name} > 1 needs distributed_executor_backend='mp' (one worker "
-                    "process per rank); 'uni' runs one rank in this process."
-                )
-        check_nodes(self)
+        check_parallel(self)
         if self.skip_tokenizer_init:
             raise ValueError(
                 "skip_tokenizer_init is not supported: the engine needs the tokenizer "
@@ -363,42 +355,3 @@ class EngineArgs:
         if unknown:
             raise TypeError(f"Unknown engine argument(s): {', '.join(unknown)}")
         return cls(model=model, **kwargs)
-
-
-DEFAULT_MASTER_PORT = 29500  # torchrun's
-
-
-def check_nodes(args: EngineArgs) -> None:
-    """Refuse node settings that cannot form the world: ValueError naming the field."""
-    nnodes, node_rank = args.nnodes, args.node_rank
-    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 1:
-        raise ValueError(f"nnodes must be an integer >= 1, got {nnodes!r}.")
-    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
-        raise ValueError(
-            f"node_rank must be an integer in [0, nnodes={nnodes}), got {node_rank!r}."
-        )
-    if (tp * pp) % nnodes:
-        raise ValueError(
-            f"nnodes={nnodes} must divide tensor_parallel_size={tp} x pipeline_parallel_size="
-            f"{pp} (each node runs tensor_parallel_size x pipeline_parallel_size / nnodes ranks)."
-        )
-    if nnodes > 1 and args.distributed_executor_backend != "mp":
-        raise ValueError("nnodes > 1 needs distributed_executor_backend='mp'.")
-    if args.data_parallel_size > 1 and (nnodes > 1 or args.master_port is not None):
-        raise ValueError(
-            "data_parallel_size > 1 with nnodes > 1 or a master_port is not implemented yet"
-            ": each engine core's ranks meet at a loopback port of their own."
-        )
-    port = args.master_port
-    if port is not None and (
-        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
-    ):
-        raise ValueError(f"master_port must be a TCP port in [1, 65535], got {port!r}.")
-    timeout = args.distributed_timeout_seconds
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or not 0 < timeout < float("inf")
-    ):
-        raise ValueError(f"distributed_timeout_seconds must be a number > 0, got {timeout!r}.")
