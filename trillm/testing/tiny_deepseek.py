@@ -9,11 +9,10 @@ drawn large enough to change the choice, interleaved RoPE, YaRN with ``mscale`` 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from trillm.testing.tiny_models import EOS_IDS, copy_tokenizer
+from trillm.testing.tiny_models import EOS_IDS, save_text_checkpoint
 
 # kv_lora_rank 32 + rope 8 = 40 cached values a token and layer; a Llama of the same width
 # (4 heads of 16) caches 2 x 4 x 16 = 128.
@@ -89,9 +88,4 @@ def build_tiny_deepseek(case: str, out_dir: str | Path, *, seed: int = 0, **over
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.5)
-    out = Path(out_dir)
-    model.save_pretrained(out, safe_serialization=True)
-    gen = {"eos_token_id": EOS_IDS, "pad_token_id": 0}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    copy_tokenizer(out)
-    return out
+    return save_text_checkpoint(model, out_dir)

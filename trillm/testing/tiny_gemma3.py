@@ -6,11 +6,10 @@ message's content parts as Gemma 3's does (an image part writes ``<start_of_imag
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from trillm.testing.tiny_models import ARCHES, BASE, DEFAULT_MODEL_DIR, EOS_IDS
+from trillm.testing.tiny_models import ARCHES, BASE, DEFAULT_MODEL_DIR, write_generation_config
 
 IMAGE_SIZE = 32
 TOKENS_PER_IMAGE = 16  # the tower's 8x8 patches average-pooled 2x2
@@ -71,6 +70,5 @@ def build_tiny_gemma3(out_dir: str | Path, *, seed: int = 0) -> Path:
     size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     Gemma3ImageProcessorPil(size=size).save_pretrained(out)  # preprocessor_config.json
     tok.save_pretrained(out)
-    gen = {"eos_token_id": EOS_IDS, "pad_token_id": 0}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_generation_config(out)
     return out

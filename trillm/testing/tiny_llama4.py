@@ -9,11 +9,10 @@ dense MLPs on layers 0 and 2, experts with a shared expert on 1 and 3; llama3 Ro
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from trillm.testing.tiny_models import EOS_IDS, copy_tokenizer
+from trillm.testing.tiny_models import EOS_IDS, save_text_checkpoint
 
 CHUNK = 12  # attention_chunk_size
 CONFIG: dict[str, Any] = dict(
@@ -59,9 +58,4 @@ def build_tiny_llama4(out_dir: str | Path, *, seed: int = 0, **overrides: Any) -
         for name, param in model.named_parameters():
             if name.endswith("_proj.bias"):
                 param.normal_(0.0, 0.5)
-    out = Path(out_dir)
-    model.save_pretrained(out, safe_serialization=True)
-    gen = {"eos_token_id": EOS_IDS, "pad_token_id": 0}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    copy_tokenizer(out)
-    return out
+    return save_text_checkpoint(model, out_dir)

@@ -4,11 +4,10 @@ config the folder's ``processor_config.json`` holds, exactly as a hub LLaVA fold
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from trillm.testing.tiny_models import BASE, DEFAULT_MODEL_DIR, EOS_IDS
+from trillm.testing.tiny_models import BASE, DEFAULT_MODEL_DIR, write_generation_config
 
 IMAGE_SIZE = 32
 PATCH_SIZE = 8
@@ -71,6 +70,5 @@ def build_tiny_llava(
         num_additional_image_tokens=1,  # CLIP's CLS vector ("default" drops it again)
     )
     processor.save_pretrained(out)
-    gen = {"eos_token_id": EOS_IDS, "pad_token_id": 0}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_generation_config(out)
     return out

@@ -142,6 +142,22 @@ def copy_tokenizer(out_dir: Path) -> None:
         shutil.copy(DEFAULT_MODEL_DIR / name, out_dir / name)
 
 
+def write_generation_config(out_dir: Path) -> None:
+    """The tiny checkpoints' generation_config.json: every EOS id, pad 0."""
+    gen = {"eos_token_id": EOS_IDS, "pad_token_id": 0}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def save_text_checkpoint(model: Any, out_dir: str | Path) -> Path:
+    """A transformers text model saved as a checkpoint folder: weights, config, generation
+    config and the shipped tokenizer."""
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    write_generation_config(out)
+    copy_tokenizer(out)
+    return out
+
+
 def build_tiny_model(
     arch: str,
     out_dir: str | Path,
@@ -162,12 +178,7 @@ def build_tiny_model(
     model = getattr(transformers, MODEL_CLASSES[arch])(config)
     if arch == "gpt_oss":
         _draw_gpt_oss_extras(model)
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(out, safe_serialization=True)
-    gen = {"eos_token_id": EOS_IDS, "pad_token_id": 0}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    copy_tokenizer(out)
-    return out
+    return save_text_checkpoint(model.to(getattr(torch, dtype)), out)
 
 
 def _draw_gpt_oss_extras(model: Any) -> None:

@@ -6,11 +6,10 @@ folder has them (no video processor: transformers' needs torchvision, and so doe
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from trillm.testing.tiny_models import BASE, DEFAULT_MODEL_DIR, EOS_IDS
+from trillm.testing.tiny_models import BASE, DEFAULT_MODEL_DIR, write_generation_config
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 PATCH_SIZE = 4
@@ -62,8 +61,7 @@ def build_tiny_qwen2_vl(out_dir: str | Path, *, version: str = "2", seed: int = 
     )
     images.save_pretrained(out)  # preprocessor_config.json
     tok.save_pretrained(out)
-    gen = {"eos_token_id": EOS_IDS, "pad_token_id": 0}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_generation_config(out)
     return out
 
 
