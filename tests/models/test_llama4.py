@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-import trio
+from engine_waves import two_waves
 from hf_reference import hf_greedy
 from runner_harness import (
     BLOCK_SIZE,
@@ -28,7 +28,7 @@ from runner_harness import (
     transformers_greedy,
 )
 
-from trillm import SamplingParams, open_engine
+from trillm import SamplingParams
 from trillm.attention.backend import UnsupportedAttentionFeatureError
 from trillm.config import EngineArgs
 from trillm.engine.config_builder import build_config
@@ -273,29 +273,16 @@ def test_engine_preempts_chunks_and_hits_the_prefix_cache(model):
     new = 2 * MAX_NEW  # decode grows every request past its blocks: the cache runs out
     expected = [hf_greedy(str(path), p, new) for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-
-    async def wave(engine) -> list[list[int]]:
-        """All prompts in one request: they enter the same step (no arrival-order luck)."""
-        results: dict[int, list[int]] = {}
-        batch = [{"prompt_token_ids": p} for p in prompts]
-        async with engine.generate_many(batch, params) as items:
-            async for index, out in items:
-                results[index] = out.outputs[0].token_ids
-        return [results[i] for i in range(len(prompts))]
-
-    async def main():
-        async with open_engine(
-            str(path),
-            max_model_len=128,
-            block_size=BLOCK_SIZE,
-            num_gpu_blocks_override=16,  # 8 requests need ~50 blocks: forces preemption
-            max_num_batched_tokens=30,  # long prompts are chunked (not at attention chunks)
-            distributed_executor_backend="uni",
-        ) as engine:
-            first, second = await wave(engine), await wave(engine)
-            return first, second, engine.get_stats()
-
-    first, second, stats = trio.run(main)
+    first, second, stats = two_waves(
+        str(path),
+        prompts,
+        params,
+        max_model_len=128,
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks_override=16,  # 8 requests need ~50 blocks: forces preemption
+        max_num_batched_tokens=30,  # long prompts are chunked (not at attention chunks)
+        distributed_executor_backend="uni",
+    )
     assert first == expected and second == expected
     assert stats.num_preemptions > 0, "the small KV cache should have forced preemption"
     assert stats.prefix_cache_hits > 0, "the second wave should hit the prefix cache"
