@@ -8,7 +8,7 @@ resumes the same, and what the model cannot run is refused by name."""
 from __future__ import annotations
 
 import pytest
-import trio
+from engine_waves import concurrent_requests
 from gemma3_reference import IMAGE, hf_greedy
 from llava_reference import image
 from qwen2_vl_reference import max_logprob_diff
@@ -105,35 +105,21 @@ def test_the_eager_backend_equals_transformers_too(path):
 
 
 def test_preempted_image_requests_resume_the_same(path):
-    from trillm import open_engine
-
     cases = [CASES[0], CASES[2], (f"Then {IMAGE}", [image(5, (32, 48))]), CASES[1]]
     expected = [hf_greedy(path, t, i, n=24)[1] for t, i in cases]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
-    async def main():
-        async with open_engine(
-            path,
-            max_model_len=128,
-            block_size=16,
-            num_gpu_blocks_override=8,  # 4 requests need 16 blocks: forces preemption
-            max_num_batched_tokens=32,
-            limit_mm_per_prompt={"image": 2},
-            distributed_executor_backend="uni",
-        ) as engine:
-            results: dict[int, list[int]] = {}
-
-            async def one(i: int) -> None:
-                async with engine.generate(as_prompt(*cases[i]), params, f"r{i}") as outputs:
-                    async for out in outputs:
-                        results[i] = out.outputs[0].token_ids
-
-            async with trio.open_nursery() as nursery:
-                for i in range(len(cases)):
-                    nursery.start_soon(one, i)
-            return [results[i] for i in range(len(cases))], engine.get_stats()
-
-    got, stats = trio.run(main)
+    got, stats = concurrent_requests(
+        path,
+        [as_prompt(*case) for case in cases],
+        params,
+        max_model_len=128,
+        block_size=16,
+        num_gpu_blocks_override=8,  # 4 requests need 16 blocks: forces preemption
+        max_num_batched_tokens=32,
+        limit_mm_per_prompt={"image": 2},
+        distributed_executor_backend="uni",
+    )
     assert got == expected
     assert stats.num_preemptions > 0, "the small KV cache should have forced preemption"
 

@@ -1,6 +1,6 @@
-"""An engine run twice over the same prompts, each time all of them in one request (so they
-enter the same step, with no arrival-order luck): what the model tests use to check greedy
-outputs under preemption, chunked prefill and prefix-cache hits (the second wave's)."""
+"""Engine runs for the model tests' preemption checks: the same prompts twice, all of them in
+one request each time (they enter the same step, with no arrival-order luck; the second wave
+hits the prefix cache), or each prompt its own request, all started at once."""
 
 from __future__ import annotations
 
@@ -29,5 +29,28 @@ def two_waves(
         async with open_engine(path, **engine_args) as engine:
             first, second = await wave(engine, prompts, params), await wave(engine, prompts, params)
             return first, second, engine.get_stats()
+
+    return trio.run(main)
+
+
+def concurrent_requests(
+    path: str, prompts: list[dict], params: SamplingParams, **engine_args: Any
+) -> tuple[list[list[int]], Any]:
+    """Each prompt (an engine prompt dict, images included) its own request ``r<i>``, all
+    started at once; their token ids and the engine's stats after them."""
+
+    async def main():
+        async with open_engine(path, **engine_args) as engine:
+            results: dict[int, list[int]] = {}
+
+            async def one(i: int) -> None:
+                async with engine.generate(prompts[i], params, f"r{i}") as outputs:
+                    async for out in outputs:
+                        results[i] = out.outputs[0].token_ids
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+            return [results[i] for i in range(len(prompts))], engine.get_stats()
 
     return trio.run(main)
