@@ -23,6 +23,7 @@ from runner_harness import (
     load_hf,
     make_runner,
     random_prompts,
+    run_requests,
     transformers_greedy,
 )
 
@@ -60,28 +61,22 @@ def built(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_transformers(built, case, chunk):
     path, _, reference = built(case)
-    sched = MiniScheduler(make_runner(path), chunk=chunk)
-    reqs = [
-        Req(f"r{i}", p, greedy_params(MAX_NEW), MAX_NEW)
-        for i, p in enumerate(random_prompts(PROMPT_LENS))
-    ]
-    for req in reqs:
-        sched.add(req)
-    sched.run()
+    reqs = run_requests(make_runner(path), random_prompts(PROMPT_LENS), MAX_NEW, chunk=chunk)
     assert [r.output for r in reqs] == reference
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logprobs_match_transformers(built, case):
     path, hf, _ = built(case)
-    sched = MiniScheduler(make_runner(path), chunk=7)
-    reqs = [
-        Req(f"l{i}", p, greedy_params(4, logprobs=2, prompt_logprobs=2), 4)
-        for i, p in enumerate(random_prompts([17, 26], seed=11))
-    ]
-    for req in reqs:
-        sched.add(req)
-    sched.run()
+    reqs = run_requests(
+        make_runner(path),
+        random_prompts([17, 26], seed=11),
+        4,
+        chunk=7,
+        tag="l",
+        logprobs=2,
+        prompt_logprobs=2,
+    )
     worst = 0.0
     for req in reqs:
         tokens, gen_logits = transformers_greedy(hf, req.prompt, 4)

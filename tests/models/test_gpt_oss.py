@@ -22,12 +22,10 @@ from mxfp4_checkpoint import write_mxfp4_copy
 from runner_harness import (
     BLOCK_SIZE,
     NUM_BLOCKS,
-    MiniScheduler,
-    Req,
     check_logprobs,
-    greedy_params,
     load_hf,
     random_prompts,
+    run_requests,
     transformers_greedy,
 )
 
@@ -72,14 +70,7 @@ def _runner(path, **overrides) -> ModelRunner:
 
 
 def _greedy(runner: ModelRunner, chunk: int | None) -> list[list[int]]:
-    sched = MiniScheduler(runner, chunk=chunk)
-    reqs = [
-        Req(f"r{i}", p, greedy_params(MAX_NEW), MAX_NEW)
-        for i, p in enumerate(random_prompts(PROMPT_LENS))
-    ]
-    for req in reqs:
-        sched.add(req)
-    sched.run()
+    reqs = run_requests(runner, random_prompts(PROMPT_LENS), MAX_NEW, chunk=chunk)
     return [r.output for r in reqs]
 
 
@@ -106,14 +97,15 @@ def test_fp32_sinks_run_in_the_native_kernel(case, monkeypatch):
 
 def test_logprobs_match_transformers(case):
     path, hf, _ = case
-    sched = MiniScheduler(_runner(path), chunk=5)
-    reqs = [
-        Req(f"l{i}", p, greedy_params(4, logprobs=2, prompt_logprobs=2), 4)
-        for i, p in enumerate(random_prompts([17, 26], seed=11))
-    ]
-    for req in reqs:
-        sched.add(req)
-    sched.run()
+    reqs = run_requests(
+        _runner(path),
+        random_prompts([17, 26], seed=11),
+        4,
+        chunk=5,
+        tag="l",
+        logprobs=2,
+        prompt_logprobs=2,
+    )
     check_logprobs(hf, reqs, 4, k_prompt=2, k=2)  # within 1e-4, ranks equal
 
 
@@ -256,14 +248,15 @@ def test_mxfp4_checkpoint_matches_transformers_dequantized(case, mxfp4_case, cap
     # 3 layers x 4 experts x 3 x 64 x 32 weights: 288 KiB in fp32, 4.25 bits each in the file
     assert "dequantized to float32" in message and "288.0 KiB" in message
     assert "(7.5x)" in message
-    sched = MiniScheduler(runner, chunk=5)
-    reqs = [
-        Req(f"m{i}", p, greedy_params(MAX_NEW, logprobs=2, prompt_logprobs=2), MAX_NEW)
-        for i, p in enumerate(random_prompts(PROMPT_LENS[1:]))
-    ]
-    for req in reqs:
-        sched.add(req)
-    sched.run()
+    reqs = run_requests(
+        runner,
+        random_prompts(PROMPT_LENS[1:]),
+        MAX_NEW,
+        chunk=5,
+        tag="m",
+        logprobs=2,
+        prompt_logprobs=2,
+    )
     check_logprobs(hf, reqs, MAX_NEW, k_prompt=2, k=2)
     assert [r.output for r in reqs] != case[2][1:]  # 4-bit experts: other tokens than fp32
 

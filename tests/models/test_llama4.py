@@ -25,6 +25,7 @@ from runner_harness import (
     load_hf,
     make_runner,
     random_prompts,
+    run_requests,
     transformers_greedy,
 )
 
@@ -132,28 +133,22 @@ def test_fp8_quantization_is_refused(model):
 @pytest.mark.parametrize("chunk", [None, 7, 5], ids=["whole", "chunk7", "chunk5"])
 def test_greedy_matches_transformers(model, chunk):
     path, _, reference = model
-    sched = MiniScheduler(make_runner(path), chunk=chunk)
-    reqs = [
-        Req(f"r{i}", p, greedy_params(MAX_NEW), MAX_NEW)
-        for i, p in enumerate(random_prompts(PROMPT_LENS))
-    ]
-    for req in reqs:
-        sched.add(req)
-    sched.run()
+    reqs = run_requests(make_runner(path), random_prompts(PROMPT_LENS), MAX_NEW, chunk=chunk)
     assert [r.output for r in reqs] == reference
 
 
 def _worst_logprob_diff(runner: ModelRunner, hf, chunk: int = 7) -> float:
     """Prompt and sample logprobs (the target's and the top 2) of two batched prompts that
     cross the attention chunks, against transformers': the largest difference."""
-    sched = MiniScheduler(runner, chunk=chunk)
-    reqs = [
-        Req(f"l{i}", p, greedy_params(4, logprobs=2, prompt_logprobs=2), 4)
-        for i, p in enumerate(random_prompts([17, 38], seed=11))
-    ]
-    for req in reqs:
-        sched.add(req)
-    sched.run()
+    reqs = run_requests(
+        runner,
+        random_prompts([17, 38], seed=11),
+        4,
+        chunk=chunk,
+        tag="l",
+        logprobs=2,
+        prompt_logprobs=2,
+    )
     worst = 0.0
     for req in reqs:
         tokens, gen_logits = transformers_greedy(hf, req.prompt, 4)

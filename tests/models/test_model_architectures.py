@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import pytest
 from runner_harness import (
-    MiniScheduler,
-    Req,
     check_logprobs,
-    greedy_params,
     load_hf,
     make_runner,
     random_prompts,
+    run_requests,
     transformers_greedy,
 )
 
@@ -57,14 +55,7 @@ def case(request, tmp_path_factory):
 @pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "chunk7"])
 def test_greedy_matches_transformers(case, chunk):
     path, _, reference = case
-    sched = MiniScheduler(make_runner(path), chunk=chunk)
-    reqs = [
-        Req(f"r{i}", p, greedy_params(MAX_NEW), MAX_NEW)
-        for i, p in enumerate(random_prompts(PROMPT_LENS))
-    ]
-    for req in reqs:
-        sched.add(req)
-    sched.run()
+    reqs = run_requests(make_runner(path), random_prompts(PROMPT_LENS), MAX_NEW, chunk=chunk)
     assert [r.output for r in reqs] == reference
 
 
@@ -74,13 +65,8 @@ def test_logprobs_match_transformers(case, request):
         # at fp32 noise on this checkpoint; its greedy runs above cover the window.
         pytest.skip("a tail rank tie at fp32 noise, not a window effect")
     path, hf, _ = case
-    sched = MiniScheduler(make_runner(path), chunk=7)
     prompts = random_prompts([19, 30], seed=11)
-    reqs = [
-        Req(f"l{i}", p, greedy_params(5, logprobs=2, prompt_logprobs=2), 5)
-        for i, p in enumerate(prompts)
-    ]
-    for req in reqs:
-        sched.add(req)
-    sched.run()
+    reqs = run_requests(
+        make_runner(path), prompts, 5, chunk=7, tag="l", logprobs=2, prompt_logprobs=2
+    )
     check_logprobs(hf, reqs, 5, k_prompt=2, k=2)

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import pytest
 from runner_harness import (
-    MiniScheduler,
-    Req,
     check_logprobs,
-    greedy_params,
     load_hf,
     make_runner,
     random_prompts,
+    run_requests,
     transformers_greedy,
 )
 
@@ -46,27 +44,21 @@ def test_the_model_routes_through_fused_experts(case):
 @pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "chunk7"])
 def test_greedy_matches_transformers(case, chunk):
     _, path, _, reference = case
-    sched = MiniScheduler(make_runner(path), chunk=chunk)
-    reqs = [
-        Req(f"r{i}", p, greedy_params(MAX_NEW), MAX_NEW)
-        for i, p in enumerate(random_prompts(PROMPT_LENS))
-    ]
-    for req in reqs:
-        sched.add(req)
-    sched.run()
+    reqs = run_requests(make_runner(path), random_prompts(PROMPT_LENS), MAX_NEW, chunk=chunk)
     assert [r.output for r in reqs] == reference
 
 
 def test_logprobs_match_transformers(case):
     _, path, hf, _ = case
-    sched = MiniScheduler(make_runner(path), chunk=7)
-    reqs = [
-        Req(f"l{i}", p, greedy_params(4, logprobs=2, prompt_logprobs=2), 4)
-        for i, p in enumerate(random_prompts([17, 26], seed=11))
-    ]
-    for req in reqs:
-        sched.add(req)
-    sched.run()
+    reqs = run_requests(
+        make_runner(path),
+        random_prompts([17, 26], seed=11),
+        4,
+        chunk=7,
+        tag="l",
+        logprobs=2,
+        prompt_logprobs=2,
+    )
     check_logprobs(hf, reqs, 4, k_prompt=2, k=2)
 
 

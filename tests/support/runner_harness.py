@@ -163,6 +163,29 @@ def greedy_params(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
+def run_requests(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    max_new: int,
+    *,
+    chunk: int | None = None,
+    tag: str = "r",
+    **params,
+) -> list[Req]:
+    """Each prompt a greedy request (``greedy_params(max_new, **params)``, id tag + index),
+    all added at once to a MiniScheduler over ``runner`` (prefill in ``chunk``-token pieces)
+    and run to the end."""
+    sched = MiniScheduler(runner, chunk=chunk)
+    reqs = [
+        Req(f"{tag}{i}", p, greedy_params(max_new, **params), max_new)
+        for i, p in enumerate(prompts)
+    ]
+    for req in reqs:
+        sched.add(req)
+    sched.run()
+    return reqs
+
+
 def check_logprobs(hf, reqs: list[Req], max_new: int, k_prompt: int, k: int) -> None:
     """Each request's greedy tokens, sample and prompt logprobs (top-k, ranks) equal
     transformers' on the same prompt."""
