@@ -21,6 +21,7 @@ from runner_harness import (
     Req,
     greedy_params,
     load_hf,
+    load_runner,
     make_runner,
     random_prompts,
     run_requests,
@@ -143,17 +144,7 @@ def test_engine_preempts_chunks_and_hits_the_prefix_cache(built):
 
 
 def _runner(path, **kw) -> ModelRunner:
-    args = EngineArgs(
-        model=str(path),
-        dtype="float32",
-        device="cpu",
-        block_size=BLOCK_SIZE,
-        max_model_len=128,
-        **kw,
-    )
-    runner = ModelRunner(build_config(args))
-    runner.load_model()
-    return runner
+    return load_runner(path, max_model_len=128, **kw)
 
 
 def test_the_cache_holds_the_latent_not_full_kv(built, tmp_path):

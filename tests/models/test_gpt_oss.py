@@ -20,10 +20,9 @@ import trio
 from hf_reference import hf_greedy
 from mxfp4_checkpoint import write_mxfp4_copy
 from runner_harness import (
-    BLOCK_SIZE,
-    NUM_BLOCKS,
     check_logprobs,
     load_hf,
+    make_runner,
     random_prompts,
     run_requests,
     transformers_greedy,
@@ -52,23 +51,6 @@ def case(tiny_model_factory):
     return path, hf, reference
 
 
-def _runner(path, **overrides) -> ModelRunner:
-    args = EngineArgs(
-        model=str(path),
-        device="cpu",
-        block_size=BLOCK_SIZE,
-        max_num_seqs=16,
-        max_model_len=256,
-        num_gpu_blocks_override=NUM_BLOCKS,
-        distributed_executor_backend="uni",
-        **{"dtype": "float32", **overrides},
-    )
-    runner = ModelRunner(build_config(args))
-    runner.load_model()
-    runner.initialize_kv_cache(runner.determine_num_blocks())
-    return runner
-
-
 def _greedy(runner: ModelRunner, chunk: int | None) -> list[list[int]]:
     reqs = run_requests(runner, random_prompts(PROMPT_LENS), MAX_NEW, chunk=chunk)
     return [r.output for r in reqs]
@@ -78,7 +60,7 @@ def _greedy(runner: ModelRunner, chunk: int | None) -> list[list[int]]:
 @pytest.mark.parametrize("chunk", [None, 5], ids=["whole", "chunk5"])
 def test_greedy_matches_transformers(case, backend, chunk):
     path, _, reference = case
-    assert _greedy(_runner(path, attention_backend=backend), chunk) == reference
+    assert _greedy(make_runner(path, attention_backend=backend), chunk) == reference
 
 
 @pytest.mark.skipif(not paged_attention_cpu.available(), reason="cpu_kernels is not built")
@@ -91,14 +73,14 @@ def test_fp32_sinks_run_in_the_native_kernel(case, monkeypatch):
         return run(self, q, kv_cache, scale, out, window, softcap, sinks)
 
     monkeypatch.setattr(paged_attention_cpu.PagedAttentionPlan, "run", spy)
-    assert _greedy(_runner(case[0]), 5) == case[2]
+    assert _greedy(make_runner(case[0]), 5) == case[2]
     assert seen and all(seen)
 
 
 def test_logprobs_match_transformers(case):
     path, hf, _ = case
     reqs = run_requests(
-        _runner(path),
+        make_runner(path),
         random_prompts([17, 26], seed=11),
         4,
         chunk=5,
@@ -119,7 +101,7 @@ def test_bf16_eager_backend_equals_transformers_bf16(tmp_path):
     path = build_tiny_model("gpt_oss", tmp_path / "bf16", dtype="bfloat16")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     reference = [transformers_greedy(hf, p, MAX_NEW)[0] for p in random_prompts(PROMPT_LENS)]
-    runner = _runner(path, attention_backend="eager", dtype="bfloat16")
+    runner = make_runner(path, attention_backend="eager", dtype="bfloat16")
     assert _greedy(runner, 5) == reference
 
 
@@ -243,7 +225,7 @@ def test_mxfp4_dequantization_equals_transformers(mxfp4_case):
 def test_mxfp4_checkpoint_matches_transformers_dequantized(case, mxfp4_case, caplog):
     path, hf = mxfp4_case
     with caplog.at_level(logging.WARNING, logger="trillm.model_executor.mxfp4"):
-        runner = _runner(path)
+        runner = make_runner(path)
     (message,) = [r.getMessage() for r in caplog.records if r.name.endswith("mxfp4")]
     # 3 layers x 4 experts x 3 x 64 x 32 weights: 288 KiB in fp32, 4.25 bits each in the file
     assert "dequantized to float32" in message and "288.0 KiB" in message
@@ -272,7 +254,7 @@ def test_mxfp4_blocks_without_scales_are_refused(mxfp4_case, tmp_path):
     del weights["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.down_proj_blocks without"):
-        _runner(path)
+        make_runner(path)
 
 
 # ---------------------------------------------------------------- config and refusals
@@ -313,12 +295,12 @@ def test_triton_backend_matches_transformers(case):
     if not paged_attention_triton.runs_interpreted():
         pytest.skip("the Triton kernels were defined without TRITON_INTERPRET (no GPU here)")
     path, _, reference = case
-    assert _greedy(_runner(path, attention_backend="triton"), 5) == reference
+    assert _greedy(make_runner(path, attention_backend="triton"), 5) == reference
 
 
 def test_fp8_quantization_is_refused(case):
     with pytest.raises(ValueError, match="fp8 does not cover gpt-oss's experts"):
-        _runner(case[0], quantization="fp8")
+        make_runner(case[0], quantization="fp8")
 
 
 def test_mxfp4_of_another_architecture_is_refused(tiny_model_factory, tmp_path):
@@ -331,7 +313,7 @@ def test_mxfp4_of_another_architecture_is_refused(tiny_model_factory, tmp_path):
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="MXFP4 checkpoints are supported for GptOssForCausalLM"):
-        _runner(path)
+        make_runner(path)
 
 
 # ---------------------------------------------------------------- harmony chat

@@ -23,6 +23,7 @@ from runner_harness import (
     Req,
     greedy_params,
     load_hf,
+    load_runner,
     make_runner,
     random_prompts,
     run_requests,
@@ -99,13 +100,6 @@ def test_other_models_configs_pass_unchanged():
     assert llama4_config.prepare(hf, "LlamaForCausalLM") is hf
 
 
-def _runner(path, **kw) -> ModelRunner:
-    args = EngineArgs(model=str(path), dtype="float32", device="cpu", block_size=BLOCK_SIZE, **kw)
-    runner = ModelRunner(build_config(args))
-    runner.load_model()
-    return runner
-
-
 def test_the_default_backend_is_torch_on_every_device():
     """The one backend that masks chunked local attention, also where the default would be
     triton or flashinfer (CUDA)."""
@@ -119,12 +113,12 @@ def test_the_default_backend_is_torch_on_every_device():
 @pytest.mark.parametrize("backend", ["eager", "triton"])
 def test_a_backend_without_chunked_attention_is_refused(model, backend):
     with pytest.raises(UnsupportedAttentionFeatureError, match=f"{backend}.*chunked local"):
-        _runner(model[0], attention_backend=backend)
+        load_runner(model[0], attention_backend=backend)
 
 
 def test_fp8_quantization_is_refused(model):
     with pytest.raises(ValueError, match="fp8 does not cover Llama4ForCausalLM's experts"):
-        _runner(model[0], quantization="fp8")
+        load_runner(model[0], quantization="fp8")
 
 
 # ---------------------------------------------------------------- numerics vs transformers

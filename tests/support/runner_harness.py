@@ -142,19 +142,27 @@ def transformers_greedy(hf, prompt: list[int], max_new: int) -> tuple[list[int],
     return tokens, torch.cat(out.logits).float()  # [max_new, V]
 
 
-def make_runner(path) -> ModelRunner:
-    args = EngineArgs(
-        model=str(path),
-        dtype="float32",
-        device="cpu",
-        block_size=BLOCK_SIZE,
-        max_num_seqs=16,
-        max_model_len=256,
-        num_gpu_blocks_override=NUM_BLOCKS,
-        distributed_executor_backend="uni",
-    )
-    runner = ModelRunner(build_config(args))
+def load_runner(path, **overrides) -> ModelRunner:
+    """A CPU fp32 runner with the model loaded and no KV cache yet; ``overrides`` are
+    EngineArgs fields (dtype included)."""
+    fields = {"dtype": "float32", "device": "cpu", "block_size": BLOCK_SIZE, **overrides}
+    runner = ModelRunner(build_config(EngineArgs(model=str(path), **fields)))
     runner.load_model()
+    return runner
+
+
+def make_runner(path, **overrides) -> ModelRunner:
+    """``load_runner`` with room for 16 sequences of 256 tokens and its KV cache allocated."""
+    runner = load_runner(
+        path,
+        **{
+            "max_num_seqs": 16,
+            "max_model_len": 256,
+            "num_gpu_blocks_override": NUM_BLOCKS,
+            "distributed_executor_backend": "uni",
+            **overrides,
+        },
+    )
     runner.initialize_kv_cache(runner.determine_num_blocks())
     return runner
 
