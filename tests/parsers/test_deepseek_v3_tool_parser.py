@@ -5,9 +5,8 @@ checked with the other parsers' (test_tool_parser_incremental.py)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from tool_call_streams import parse_calls, stream_calls
 
 from trillm.parsers.tool_parsers import get_tool_parser, tool_parser_names
 
@@ -44,25 +43,7 @@ MALFORMED = [
 ]
 
 
-def parse(text: str):
-    result = get_tool_parser("deepseek_v3")().extract(text)
-    return result.content, [(c.name, json.loads(c.arguments)) for c in result.tool_calls]
-
-
-def stream(parts: list[str]):
-    """Content and calls rebuilt from the stream's deltas (headers before arguments)."""
-    streamer = get_tool_parser("deepseek_v3")().streamer()
-    content, calls = "", []
-    for part in [*parts, None]:
-        text, deltas = streamer.feed(part) if part is not None else streamer.finish()
-        content += text
-        for d in deltas:
-            if "id" in d:
-                assert d["index"] == len(calls) and d["function"]["arguments"] == "", d
-                calls.append([d["function"]["name"], ""])
-            else:
-                calls[d["index"]][1] += d["function"]["arguments"]
-    return content or None, [(n, json.loads(a)) for n, a in calls]
+PARSER = "deepseek_v3"
 
 
 def test_registered_under_vllms_name():
@@ -71,24 +52,24 @@ def test_registered_under_vllms_name():
 
 @pytest.mark.parametrize(("text", "content", "calls"), CASES)
 def test_calls_non_streamed_and_streamed_at_every_split(text, content, calls):
-    assert parse(text) == (content, calls)
-    assert stream(list(text)) == (content, calls)
+    assert parse_calls(PARSER, text) == (content, calls)
+    assert stream_calls(PARSER, list(text)) == (content, calls)
     for k in range(len(text) + 1):
-        assert stream([text[:k], text[k:]]) == (content, calls), k
+        assert stream_calls(PARSER, [text[:k], text[k:]]) == (content, calls), k
 
 
 @pytest.mark.parametrize("text", MALFORMED)
 def test_what_does_not_read_as_calls_stays_content(text):
-    assert parse(text) == (text, [])
+    assert parse_calls(PARSER, text) == (text, [])
     for k in range(len(text) + 1):
-        assert stream([text[:k], text[k:]]) == (text, []), k
+        assert stream_calls(PARSER, [text[:k], text[k:]]) == (text, []), k
 
 
 def test_a_call_cut_off_by_max_tokens():
     """Non-streamed the output is content (vLLM's rule for the other parsers too); streamed,
     the call was announced with its name and cannot be taken back."""
     text = "Sure." + BEGIN + call("get_weather", '{"city": "Paris"}')[:-25]
-    assert parse(text) == (text, [])
+    assert parse_calls(PARSER, text) == (text, [])
     streamer = get_tool_parser("deepseek_v3")().streamer()
     deltas = streamer.feed(text)[1] + streamer.finish()[1]
     assert deltas[0]["function"]["name"] == "get_weather"

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import trio
+from tool_call_streams import parse_calls, stream_calls
 
 from trillm.entrypoints.openai.endpoints.chat_parsing import (
     ChoiceParser,
@@ -70,26 +71,6 @@ def stream_reasoning(name: str, parts: list[str]) -> tuple[str | None, str | Non
         reasoning, content = reasoning + r, content + c
     r, c = streamer.finish()
     return (reasoning + r) or None, (content + c) or None
-
-
-def parse_calls(name: str, text: str):
-    out = get_tool_parser(name)().extract(text)
-    return out.content, [(c.name, json.loads(c.arguments)) for c in out.tool_calls]
-
-
-def stream_calls(name: str, parts: list[str]):
-    streamer = get_tool_parser(name)().streamer()
-    content, calls = "", []
-    for part in [*parts, None]:
-        text, deltas = streamer.feed(part) if part is not None else streamer.finish()
-        content += text
-        for d in deltas:
-            if "id" in d:
-                assert d["index"] == len(calls) and d["function"]["arguments"] == "", d
-                calls.append([d["function"]["name"], ""])
-            else:
-                calls[d["index"]][1] += d["function"]["arguments"]
-    return content or None, [(n, json.loads(a)) for n, a in calls]
 
 
 def test_both_names_are_registered():

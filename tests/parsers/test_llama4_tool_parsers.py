@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tool_call_streams import stream_calls
 
 from trillm.parsers.tool_parsers import get_tool_parser, tool_parser_names
 
@@ -45,15 +46,6 @@ def test_whole_output(name, text, content, calls):
 
 @pytest.mark.parametrize(("name", "text", "content", "calls"), CASES)
 def test_streamed_a_character_at_a_time(name, text, content, calls):
-    streamer = get_tool_parser(name)().streamer()
-    streamed, found = "", []
-    for part in [*text, None]:
-        piece, deltas = streamer.feed(part) if part is not None else streamer.finish()
-        streamed += piece
-        for delta in deltas:
-            if "id" in delta:
-                found.append([delta["function"]["name"], ""])
-            else:
-                found[delta["index"]][1] += delta["function"]["arguments"]
-    assert (streamed or None) == content
-    assert [(n, json.loads(a)) for n, a in found] == calls
+    streamed, found = stream_calls(name, list(text))
+    assert streamed == content
+    assert found == calls

@@ -9,6 +9,7 @@ import json
 
 import attrs
 import pytest
+from tool_call_streams import parse_calls, stream_calls
 
 from trillm.engine.chat_template import ChatTemplateError, render_template
 from trillm.entrypoints.openai.endpoints.chat_parsing import ChoiceParser, plan_tools
@@ -172,43 +173,19 @@ MALFORMED = [
 ]
 
 
-def parse(name: str, text: str):
-    result = get_tool_parser(name)().extract(text)
-    return result.content, [(c.name, json.loads(c.arguments)) for c in result.tool_calls]
-
-
-def stream(name: str, parts: list[str]):
-    """Feed ``parts``; rebuild content and calls from the deltas, checking OpenAI's shape."""
-    streamer = get_tool_parser(name)().streamer()
-    content, calls = "", []
-    for i, part in enumerate([*parts, None]):
-        text, deltas = streamer.feed(part) if part is not None else streamer.finish()
-        content += text
-        for d in deltas:
-            if "id" in d:  # the header: index, id, type and name, before any argument
-                assert d["index"] == len(calls) and d["type"] == "function", d
-                assert d["id"] and d["function"]["arguments"] == "", d
-                calls.append([d["function"]["name"], "", d["id"]])
-            else:
-                assert set(d) == {"index", "function"} and d["index"] < len(calls), d
-                calls[d["index"]][1] += d["function"]["arguments"]
-    assert len({c[2] for c in calls}) == len(calls)  # ids are unique
-    return content or None, [(n, json.loads(a)) for n, a, _ in calls]
-
-
 @pytest.mark.parametrize("name,text,content,calls", CASES)
 def test_parser_on_recorded_output(name, text, content, calls):
-    assert parse(name, text) == (content, calls)
+    assert parse_calls(name, text) == (content, calls)
 
 
 @pytest.mark.parametrize("name,text,content,calls", CASES)
 def test_streamed_at_every_split_point_equals_non_streamed(name, text, content, calls):
     expected = (content, calls)
-    assert stream(name, list(text)) == expected  # one character a delta
+    assert stream_calls(name, list(text)) == expected  # one character a delta
     for k in range(len(text) + 1):
-        assert stream(name, [text[:k], text[k:]]) == expected, k
+        assert stream_calls(name, [text[:k], text[k:]]) == expected, k
     for k in range(0, len(text), 7):  # three-way splits
-        assert stream(name, [text[:k], text[k : k + 5], text[k + 5 :]]) == expected, k
+        assert stream_calls(name, [text[:k], text[k : k + 5], text[k + 5 :]]) == expected, k
 
 
 def test_streamed_arguments_come_in_fragments_after_the_header():
@@ -224,27 +201,27 @@ def test_streamed_arguments_come_in_fragments_after_the_header():
 
 @pytest.mark.parametrize("name,text", MALFORMED)
 def test_malformed_calls_stay_content(name, text):
-    assert parse(name, text) == (text, [])
-    assert stream(name, list(text)) == (text, [])
+    assert parse_calls(name, text) == (text, [])
+    assert stream_calls(name, list(text)) == (text, [])
     for k in range(len(text) + 1):
-        assert stream(name, [text[:k], text[k:]]) == (text, []), k
+        assert stream_calls(name, [text[:k], text[k:]]) == (text, []), k
 
 
 def test_output_that_breaks_after_a_call_was_announced():
     """Non-streamed, the whole output is content (vLLM's rule); streamed, a call announced
     cannot be taken back: it stands, and the rest comes as content."""
     text = '{"name": "get_weather", "parameters": {"city": "Paris"}} and more text'
-    assert parse("llama3_json", text) == (text, [])
-    content, calls = stream("llama3_json", list(text))
+    assert parse_calls("llama3_json", text) == (text, [])
+    content, calls = stream_calls("llama3_json", list(text))
     assert calls == [("get_weather", {"city": "Paris"})]
 
 
 def test_a_call_cut_off_by_max_tokens_is_content_when_not_streamed():
     text = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
-    assert parse("hermes", text) == (text, [])
+    assert parse_calls("hermes", text) == (text, [])
     # The closing tag may be what max_tokens cut: a whole object is still a call.
     whole = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-    assert parse("hermes", whole) == (None, [("get_weather", {"city": "Paris"})])
+    assert parse_calls("hermes", whole) == (None, [("get_weather", {"city": "Paris"})])
 
 
 def test_mistral_ids_are_nine_alphanumerics():
@@ -490,8 +467,8 @@ def test_registry_has_the_builtin_parsers_and_takes_plugins(tmp_path):
         "        return [text]\n"
     )
     load_tool_parser_plugin(str(plugin))
-    assert parse("shout", "CALL ping") == (None, [("ping", {})])
-    assert parse("shout", "hello") == ("hello", [])
+    assert parse_calls("shout", "CALL ping") == (None, [("ping", {})])
+    assert parse_calls("shout", "hello") == ("hello", [])
     with pytest.raises(ValueError, match="Unknown tool-call parser 'nope'"):
         get_tool_parser("nope")
     with pytest.raises(ValueError, match="not a file"):
