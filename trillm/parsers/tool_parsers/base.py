@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import secrets
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -137,9 +138,10 @@ class CallListParser(ToolParser):
 
     def _calls_after(
         self, text: str, final: bool, state: str
-    ) -> tuple[list[CallPiece], Resume | None] | None:
-        """The calls of ``text``, which follows a whole call (before its separator), and the
-        last Resume point; None when it shows the output is not a call list after all."""
+    ) -> tuple[Sequence[str | CallPiece], Resume | None] | None:
+        """The calls of ``text``, which follows a whole call (before its separator; with any
+        text after the calls), and the last Resume point; None when it shows the output is not
+        a call list after all."""
         raise NotImplementedError
 
 

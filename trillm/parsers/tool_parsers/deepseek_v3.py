@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from trillm.parsers.tool_parsers.base import CallPiece, Resume, ToolParser, held_prefix
+from trillm.parsers.tool_parsers.base import CallListParser, CallPiece, Resume, held_prefix
 from trillm.parsers.tool_parsers.json_scan import skip_ws
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -34,18 +34,13 @@ class _Malformed(Exception):
     """The calls' block does not read as calls: the output is content."""
 
 
-class DeepSeekV3ToolParser(ToolParser):
+class DeepSeekV3ToolParser(CallListParser):
     name = "deepseek_v3"
     markers = (CALLS_BEGIN,)
 
-    def split(self, text: str, final: bool) -> list[str | CallPiece]:
-        return self._split(text, final)[0]
-
-    def split_tail(
+    def _calls_after(
         self, text: str, final: bool, state: str
     ) -> tuple[list[str | CallPiece], Resume | None] | None:
-        if not state:
-            return self._split(text, final)
         try:  # the text after a whole call, inside the calls' block
             return self._calls(text, 0, final, 0)
         except _Malformed:
