@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_batches import sink_problem
 
 from trillm.kernels import paged_attention_cpu, paged_attention_torch
 
@@ -21,18 +22,8 @@ CASES = {
 }
 
 
-def _problem(query_lens, seq_lens, heads, kv_heads, head_dim, block_size=8, dtype=torch.float32):
-    g = torch.Generator().manual_seed(3)
-    blocks = [-(-s // block_size) for s in seq_lens]
-    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-    perm = torch.randperm(sum(blocks), generator=g, dtype=torch.int32)
-    for i, n in enumerate(blocks):
-        table[i, :n] = perm[sum(blocks[:i]) : sum(blocks[:i]) + n]
-    kv = torch.randn(2, sum(blocks), block_size, kv_heads, head_dim, generator=g).to(dtype)
-    q = (2 * torch.randn(sum(query_lens), heads, head_dim, generator=g)).to(dtype)
-    qsl = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    sinks = 2 * torch.randn(heads, generator=g)  # large enough to take much of the mass
-    return q, kv, qsl, torch.tensor(seq_lens, dtype=torch.int32), table, sinks
+def _problem(query_lens, seq_lens, heads, kv_heads, head_dim):
+    return sink_problem(query_lens, seq_lens, heads, kv_heads, head_dim, block_size=8, seed=3)
 
 
 def _both(q, kv, qsl, seq_lens, table, sinks, window=None):

@@ -14,6 +14,8 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
+from paged_batches import sink_problem  # noqa: E402
+
 from trillm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from trillm.kernels import paged_attention_torch, paged_attention_triton  # noqa: E402
 
@@ -31,17 +33,7 @@ HQ, HKV, D, BLOCK = 4, 2, 16, 8
 
 
 def _problem(query_lens, seq_lens):
-    g = torch.Generator().manual_seed(5)
-    blocks = [-(-s // BLOCK) for s in seq_lens]
-    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-    perm = torch.randperm(sum(blocks), generator=g, dtype=torch.int32)
-    for i, n in enumerate(blocks):
-        table[i, :n] = perm[sum(blocks[:i]) : sum(blocks[:i]) + n]
-    kv = torch.randn(2, sum(blocks), BLOCK, HKV, D, generator=g)
-    q = 2 * torch.randn(sum(query_lens), HQ, D, generator=g)
-    qsl = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    sinks = 2 * torch.randn(HQ, generator=g)
-    return q, kv, qsl, torch.tensor(seq_lens, dtype=torch.int32), table, sinks
+    return sink_problem(query_lens, seq_lens, HQ, HKV, D, block_size=BLOCK, seed=5)
 
 
 @pytest.mark.parametrize(

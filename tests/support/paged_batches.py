@@ -57,6 +57,25 @@ def paged_bf16_batch(context_lens, query_lens, seed=0):
     return meta, cache, q, k, v, per_request
 
 
+def sink_problem(
+    query_lens, seq_lens, heads, kv_heads, head_dim, block_size, seed, dtype=torch.float32
+):
+    """A random paged batch for the attention-sink kernels: (q [T, Hq, D], cache [2, blocks,
+    block_size, Hkv, D], query start locations, sequence lengths, shuffled block tables, sinks
+    [Hq] large enough to take much of the mass)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-s // block_size) for s in seq_lens]
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    perm = torch.randperm(sum(blocks), generator=g, dtype=torch.int32)
+    for i, n in enumerate(blocks):
+        table[i, :n] = perm[sum(blocks[:i]) : sum(blocks[:i]) + n]
+    kv = torch.randn(2, sum(blocks), block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = (2 * torch.randn(sum(query_lens), heads, head_dim, generator=g)).to(dtype)
+    qsl = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    sinks = 2 * torch.randn(heads, generator=g)
+    return q, kv, qsl, torch.tensor(seq_lens, dtype=torch.int32), table, sinks
+
+
 def attention_metadata(context_lens, query_lens, block_tables) -> AttentionMetadata:
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     qsl = torch.tensor([0] + query_lens).cumsum(0).int()
