@@ -192,13 +192,15 @@ def _merge_splits_kernel(
     row0 = (token * num_heads + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + row0 + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
     top = tl.max(lse, axis=0)  # split 0 always saw a key
+    # (One branch defines everything it uses: the compiler scopes a name to its branch.)
     if SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
         top = tl.maximum(top, sink)
-    weight = tl.exp2(lse - top)  # [SPLITS_PAD]
-    total = tl.sum(weight, axis=0)
-    if SINKS:
-        total += tl.exp2(sink - top)
+        weight = tl.exp2(lse - top)  # [SPLITS_PAD]
+        total = tl.sum(weight, axis=0) + tl.exp2(sink - top)
+    else:
+        weight = tl.exp2(lse - top)  # [SPLITS_PAD]
+        total = tl.sum(weight, axis=0)
     part_mask = (splits[:, None] < NUM_SPLITS) & (dims[None, :] < HEAD_DIM)
     offs = (row0 + splits[:, None]) * HEAD_DIM_PAD + dims[None, :]
     parts = tl.load(part_out_ptr + offs, mask=part_mask, other=0.0)  # [SPLITS_PAD, D_PAD]
