@@ -276,6 +276,7 @@ def test_workers_exit_when_the_parent_is_killed():
     finally:
         parent.kill()
         parent.wait()
+        parent.stdout.close()
     deadline = time.monotonic() + 10
     while any(pid_alive(pid) for pid in info["pids"]) and time.monotonic() < deadline:
         time.sleep(0.05)
