@@ -6,7 +6,7 @@ pytest worker, started at its first server) imports them once, then forks a chil
 server: the child takes the flags, the environment, the working directory and the log of the
 server asked for, and runs ``trillm``'s ``main`` as ``python -m trillm serve ...`` would, so
 the server itself (its HTTP listener, its engine, its worker processes) is the real one. The
-zygote runs no model code and starts no threads before it forks (tests check it has one).
+zygote runs no model code and starts no threads before it forks (it asserts it has one).
 
 The test side is ``Zygote.spawn(...) -> ZygoteChild``, whose ``pid``, ``poll``, ``wait``,
 ``send_signal``, ``terminate``, ``kill`` and ``returncode`` are ``subprocess.Popen``'s: the
