@@ -19,6 +19,8 @@ from typing import TypeVar
 import httpx
 from serve_zygote import Zygote, ZygoteChild
 
+from trillm import envs
+
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
@@ -44,20 +46,11 @@ def server_env() -> dict[str, str]:
 # imported may have read it.
 _SESSION_ENV = server_env()
 _READ_WHEN_NEEDED = {
-    "VLLM_API_KEY",
-    "VLLM_XGRAMMAR_CACHE_MB",
-    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
-    "VLLM_CONFIGURE_LOGGING",
-    "TRILLM_CONFIGURE_LOGGING",
-    "VLLM_LOGGING_CONFIG_PATH",
-    "TRILLM_LOGGING_CONFIG_PATH",
-    "VLLM_IMAGE_FETCH_TIMEOUT",
-    "TRILLM_WORKER_START",
-    "TRILLM_PP_MICRO_BATCHES",
-    "TRILLM_CPU_ATTENTION_THREADS",
-    # torch sets it in the test's process at its first compiled step (for its subprocesses)
-    "TORCHINDUCTOR_CACHE_DIR",
-}
+    name
+    for var in vars(envs).values()
+    if isinstance(var, envs.EnvVar) and var is not envs.NO_EXTENSIONS
+    for name in var.names
+} | {"TORCHINDUCTOR_CACHE_DIR"}  # torch sets it in the test's process (for its subprocesses)
 
 
 def env_changes(env: dict[str, str]) -> set[str]:
