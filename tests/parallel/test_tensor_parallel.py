@@ -218,3 +218,37 @@ def test_stuck_rank_times_out_the_collective_and_is_named(llama):
     assert "all_reduce" in message
     assert procs[1].returncode == -signal.SIGKILL
     assert not any(pid_alive(p.pid) for p in procs)
+
+
+def test_the_rendezvous_port_is_held_from_its_pick_until_rank_0_serves_it(
+    llama, tp1_tokens, monkeypatch
+):
+    """The executor binds the rendezvous port and rank 0 inherits the listening socket: no
+    other program can take the port between its pick and rank 0's store (a port picked, closed
+    and bound again later once lost that race under a busy test run: EADDRINUSE at startup).
+    Here a second socket tries to take the port the moment it is picked, and fails; the
+    engine starts anyway and gives TP=1's tokens."""
+    import errno
+    import socket
+
+    from trillm.executor import multiproc
+
+    picked, refused = [], []
+    real = multiproc.rendezvous_listener
+
+    def listener_then_thief() -> socket.socket:
+        sock = real()
+        port = sock.getsockname()[1]
+        picked.append(port)
+        with socket.socket() as thief:
+            try:
+                thief.bind(("127.0.0.1", port))
+            except OSError as exc:
+                refused.append(exc.errno)
+        return sock
+
+    monkeypatch.setattr(multiproc, "rendezvous_listener", listener_then_thief)
+    with LLM(llama, tensor_parallel_size=2, **LIMITS) as llm:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert len(picked) == 1 and refused == [errno.EADDRINUSE]
+    assert [o.outputs[0].token_ids for o in outs] == tp1_tokens

@@ -25,10 +25,38 @@ REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
 
 
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Each xdist worker draws the ports its servers listen on from its own block below the
+# kernel's ephemeral range: a port picked here is closed again before the server binds it,
+# and in that gap the kernel could hand an ephemeral port to any connection on the machine
+# (another test's client, a tensor-parallel group's sockets) but never one of these.
+_PORTS_PER_WORKER = 400
+_next_port = [0]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, from this xdist worker's block below the ephemeral range."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdigit() else 0
+    first = max(1024, _ephemeral_start() - _PORTS_PER_WORKER * (index % 16 + 1))
+    for _ in range(_PORTS_PER_WORKER):
+        port = first + _next_port[0] % _PORTS_PER_WORKER
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the whole block taken: any free port
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def server_env() -> dict[str, str]:

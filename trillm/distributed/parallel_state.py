@@ -105,6 +105,19 @@ def unsharded() -> Iterator[None]:
         _group = saved
 
 
+# The listening socket of the rendezvous, bound by the executor before it started the ranks
+# and inherited by rank 0 (``adopt_rendezvous_listener``): the port cannot be taken by another
+# program between the executor picking it and rank 0 listening on it.
+_inherited_listener: int | None = None
+
+
+def adopt_rendezvous_listener(fd: int) -> None:
+    """Rank 0 serves the rendezvous store on ``fd`` (a TCP socket already listening on
+    ``master_port``) instead of binding the port itself."""
+    global _inherited_listener
+    _inherited_listener = fd
+
+
 def is_loopback(addr: str) -> bool:
     return addr == "localhost" or addr.startswith("127.") or addr == "::1"
 
@@ -138,13 +151,17 @@ def init_tensor_parallel(
         # name. Across machines it does (or GLOO_SOCKET_IFNAME, as for torchrun).
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{port}",
-        rank=rank,
-        world_size=world_size,
+    listener = _inherited_listener if rank == 0 else None
+    store = dist.TCPStore(
+        master_addr,
+        port,
+        world_size,
+        is_master=rank == 0,
         timeout=timeout,
+        wait_for_workers=False,  # init_process_group waits for every rank itself
+        master_listen_fd=listener,
     )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     control = None
     if remote_ranks:
         control = dist.new_group([0, *remote_ranks], timeout=timeout, backend="gloo")

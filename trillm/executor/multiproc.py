@@ -41,7 +41,7 @@ from trillm.errors import EngineDeadError, EngineStartupError, IPCError, ModelEx
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
 from trillm.executor.rank_launch import RankProcess, start_ranks
 from trillm.executor.worker_exits import WorkerExits
-from trillm.executor.worker_ipc import WorkerIpc, free_loopback_port
+from trillm.executor.worker_ipc import WorkerIpc, rendezvous_listener
 from trillm.ipc import codec
 from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
 from trillm.ipc.shm_ring import RingReader
@@ -144,9 +144,17 @@ class MultiprocExecutor(Executor):
     # ------------------------------------------------------------ service
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        listener = None
         if self.world_size > 1 and not self.config.parallel.master_port:
-            self.config.parallel.master_port = free_loopback_port()
-        self._ipc = ipc = WorkerIpc(self.num_workers, self.num_slots, self.slot_size)
+            listener = rendezvous_listener()
+            self.config.parallel.master_port = listener.getsockname()[1]
+        try:
+            ipc = WorkerIpc(self.num_workers, self.num_slots, self.slot_size, listener)
+        except BaseException:
+            if listener is not None:
+                listener.close()
+            raise
+        self._ipc = ipc
         self.segment_names = ipc.segment_names()
         try:
             async with trio.open_nursery() as nursery:

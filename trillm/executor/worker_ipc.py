@@ -3,8 +3,8 @@
 ``WorkerIpc`` owns one executor's shared-memory rings, their eventfds and the parent-death
 pipe, and builds each worker's command line (``trillm/worker/worker_main.py`` parses it) with
 the fds it inherits; ``worker_env`` is the environment every worker starts with (``trillm
-serve --headless`` starts its node's workers with it too); ``free_loopback_port`` picks the
-tensor-parallel rendezvous port.
+serve --headless`` starts its node's workers with it too); ``rendezvous_listener`` binds the
+tensor-parallel rendezvous port, which rank 0 inherits.
 """
 
 from __future__ import annotations
@@ -24,11 +24,18 @@ from trillm.ipc.shm_ring import RingReader, RingWriter
 from trillm.ipc.shm_segment import RingFds, ShmRing
 
 
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the tensor-parallel rendezvous binds it next)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def rendezvous_listener() -> socket.socket:
+    """A TCP socket listening on a free loopback port: rank 0 inherits it and serves the
+    tensor-parallel rendezvous on it (a port picked, closed and bound again later could be
+    taken in between by anything else on the machine)."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 # OpenMP threads of torch's GOMP runtime spin this many times after a parallel region before
@@ -53,7 +60,15 @@ def worker_env() -> dict[str, str]:
 class WorkerIpc:
     """The rings, eventfds and parent-death pipe of one executor; owned by it alone."""
 
-    def __init__(self, num_workers: int, num_slots: int, slot_size: int) -> None:
+    def __init__(
+        self,
+        num_workers: int,
+        num_slots: int,
+        slot_size: int,
+        rendezvous: socket.socket | None = None,
+    ) -> None:
+        # The rendezvous port's listening socket, for rank 0 (closed here once it has started).
+        self.rendezvous = rendezvous
         self.request_ring = ShmRing.create(num_workers, num_slots, slot_size)
         self.request_fds = RingFds.create(self.request_ring.name, num_workers)
         self.result_rings = [ShmRing.create(1, num_slots, slot_size) for _ in range(num_workers)]
@@ -83,11 +98,21 @@ class WorkerIpc:
             str(os.getpid()),
         ]
         fds = [self.request_fds.data_fds[rank], self.request_fds.space_fd, *res.all_fds()]
+        if rank == 0 and self.rendezvous is not None:
+            argv += ["--rendezvous-fd", str(self.rendezvous.fileno())]
+            fds.append(self.rendezvous.fileno())
         return argv, [*fds, self.death_r]
 
     def close_death_read_end(self) -> None:
+        """The workers hold the death pipe's read end (and rank 0 the rendezvous socket) now."""
         os.close(self.death_r)
         self.death_r = -1
+        self.close_rendezvous()
+
+    def close_rendezvous(self) -> None:
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+            self.rendezvous = None
 
     def segment_names(self) -> list[str]:
         return [self.request_ring.name, *(r.name for r in self.result_rings)]
@@ -111,6 +136,7 @@ class WorkerIpc:
     def close(self) -> None:
         """Unlink and unmap everything, close every fd (no task may be waiting on them)."""
         self.unlink()
+        self.close_rendezvous()
         fds = [*self.request_fds.all_fds(), self.death_r, self.death_w]
         for f in self.result_fds:
             fds.extend(f.all_fds())

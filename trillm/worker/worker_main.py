@@ -32,6 +32,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING
 
+from trillm.distributed.parallel_state import adopt_rendezvous_listener
 from trillm.errors import CodecError, CollectiveTimeoutError, IPCError, RingClosedError
 from trillm.gc_heap import freeze_startup_heap
 from trillm.interfaces import ModelRunnerProtocol, RunnerClass
@@ -235,6 +236,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--death-fd", type=int, required=True, help="read end of the parent pipe")
     p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument(
+        "--rendezvous-fd",
+        type=int,
+        help="rank 0: a TCP socket already listening on the tensor-parallel rendezvous port",
+    )
     return p.parse_args(argv)
 
 
@@ -252,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     _watch_death_pipe(args.death_fd)
     if os.getppid() != args.parent_pid:
         return EXIT_PARENT_DIED
+    if args.rendezvous_fd is not None:
+        adopt_rendezvous_listener(args.rendezvous_fd)
     worker = Worker(args.rank, None, None, args.parent_pid)
     try:
         if args.engine_args is not None:
