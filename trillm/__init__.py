@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trillm.sampling_params import RequestOutputKind, SamplingParams
+from trillm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,8 @@ _LAZY = {
     "open_engine": "trillm.engine.engine_startup",
     "EngineArgs": "trillm.config",
     "RequestOutput": "trillm.outputs",
+    "BeamSearchOutput": "trillm.outputs",
+    "BeamSearchSequence": "trillm.outputs",
     "CompletionOutput": "trillm.outputs",
     "Logprob": "trillm.outputs",
     "PoolingRequestOutput": "trillm.outputs",
@@ -47,7 +49,14 @@ if TYPE_CHECKING:
     from trillm.engine.llm import LLM
     from trillm.errors import EngineDeadError
     from trillm.lora.request import LoRARequest
-    from trillm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
+    from trillm.outputs import (
+        BeamSearchOutput,
+        BeamSearchSequence,
+        CompletionOutput,
+        Logprob,
+        PoolingRequestOutput,
+        RequestOutput,
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -62,6 +71,9 @@ __all__ = [
     "LLM",
     "AsyncEngine",
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineArgs",
     "EngineDeadError",

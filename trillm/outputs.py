@@ -120,6 +120,27 @@ class RequestOutput:
             self.prompt_logprobs = later.prompt_logprobs
 
 
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One beam of ``LLM.beam_search`` (vLLM's shape): ``tokens`` is the prompt and the
+    output, ``logprobs`` one entry per output token (the top candidates it was chosen
+    among), ``cum_logprob`` the output's summed logprob (before any length penalty)."""
+
+    tokens: list[int]
+    logprobs: SampleLogprobs
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # 'stop' (EOS or a stop string) | 'length' | 'abort'
+    stop_reason: int | str | None = None  # the EOS id or stop string that ended it
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """A prompt's beams, best first (by length-penalized score)."""
+
+    sequences: list[BeamSearchSequence]
+
+
 # ---------------------------------------------------------------- pooling models
 
 

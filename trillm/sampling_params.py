@@ -329,3 +329,53 @@ def _check_plain_data(value: Any, name: str, depth: int = 0) -> None:
     raise SamplingParamsError(
         name, f"{name} must hold plain data (JSON-like), got {type(value).__name__}."
     )
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's beam search parameters (``LLM.beam_search``; ``use_beam_search`` over HTTP),
+    searched as transformers' ``generate(num_beams=beam_width, do_sample=False)`` does
+    (``trillm/engine/beam_search.py``). ``length_penalty``: a finished beam scores its
+    cumulative logprob / generated length ** length_penalty. ``early_stopping``
+    (transformers'): True ends once ``beam_width`` beams finished; False once no running beam
+    can beat the worst finished one at its current length; ``"never"`` at the longest length
+    it could still reach. ``stop``: strings that finish a beam, as EOS does. Beam search is
+    deterministic, so ``temperature`` must be 0."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+    stop: list[str] | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks: list[tuple[str, bool, str]] = [
+            ("beam_width", _is_int(self.beam_width) and self.beam_width >= 1, "at least 1"),
+            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "at least 1"),
+            ("temperature", self.temperature == 0, "0 (beam search does not sample)"),
+            ("length_penalty", _is_finite(self.length_penalty), "a finite number"),
+            (
+                "early_stopping",
+                isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+                'a bool or "never"',
+            ),
+            ("stop", all(isinstance(s, str) and s for s in self.stop or ()), "non-empty strings"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                value = getattr(self, name)
+                raise SamplingParamsError(name, f"{name} must be {rule}, got {value!r}.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value <= INT32_MAX
+
+
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

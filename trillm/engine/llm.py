@@ -13,11 +13,17 @@ from typing import Any, TypeVar
 import trio
 
 from trillm.engine.async_engine import AsyncEngine
+from trillm.engine.beam_request import BeamSearchRequest
 from trillm.engine.engine_thread import EngineThread
 from trillm.engine.preprocess import PromptType
 from trillm.lora.request import LoRARequest
-from trillm.outputs import ClassificationRequestOutput, PoolingRequestOutput, RequestOutput
-from trillm.sampling_params import RequestOutputKind, SamplingParams
+from trillm.outputs import (
+    BeamSearchOutput,
+    ClassificationRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from trillm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from trillm.utils import first_leaf
 
 T = TypeVar("T")
@@ -49,6 +55,44 @@ class LLM:
         params_list = self._params_list(sampling_params, len(prompts))
         loras = self._lora_list(lora_request, len(prompts))
         return self._call(self._generate_all, prompts, params_list, use_tqdm, loras)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt its ``beam_width`` beams, best first, each
+        with ``tokens`` (prompt and output), ``text`` (the prompt's and the output's),
+        ``cum_logprob`` and per output token its candidates' ``logprobs``; searched as
+        transformers' ``generate(num_beams=..., do_sample=False)`` (``beam_request.py``).
+        ``use_tqdm``: a bar of search steps (the prompts advance together)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        loras = self._lora_list(lora_request, len(prompts))
+        return self._call(self._beam_search_all, prompts, params, loras, use_tqdm)
+
+    async def _beam_search_all(
+        self,
+        prompts: list[PromptType],
+        params: BeamSearchParams,
+        loras: list[LoRARequest | None],
+        use_tqdm: bool,
+    ) -> list[BeamSearchOutput]:
+        from tqdm.auto import tqdm
+
+        # Checked as n = beam_width sequences of max_tokens each: what the search can hold.
+        whole = SamplingParams(n=params.beam_width, max_tokens=params.max_tokens, temperature=0)
+        prepared = [await self.engine.preprocessor.prepare(p, whole) for p in prompts]
+        ids = [f"beam-{id(prepared)}-{i}" for i in range(len(prompts))]
+        request = BeamSearchRequest(
+            self.engine, prepared, params, ids, lora_requests=loras, keep_logprobs=True
+        )
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as bar:
+            await request.run(on_step=lambda: bar.update(1))
+        return request.outputs()
 
     def embed(
         self,
