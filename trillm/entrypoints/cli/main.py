@@ -1,7 +1,8 @@
 """The ``trillm`` command: one parser, subcommands registered by the modules that own them.
 
-``serve`` lives in ``trillm.entrypoints.cli.serve_args``; ``bench`` in ``trillm.bench.cli``
-(``add_bench_parser(subparsers)``), added when that module exists. A subcommand's parser sets
+``serve`` lives in ``trillm.entrypoints.cli.serve_args``, ``run-batch`` in ``run_batch_args``,
+``chat`` and ``complete`` in ``client``, ``collect-env`` in ``collect_env``; ``bench`` in
+``trillm.bench.cli`` (``add_bench_parser(subparsers)``), added when that module exists. A subcommand's parser sets
 ``func`` (``parser.set_defaults(func=...)``): a callable taking the parsed args and returning
 the exit code.
 """
@@ -17,6 +18,9 @@ from collections.abc import Sequence
 # (module, function) pairs; a module that is not installed is skipped.
 SUBCOMMANDS = (
     ("trillm.entrypoints.cli.serve_args", "add_serve_parser"),
+    ("trillm.entrypoints.cli.run_batch_args", "add_run_batch_parser"),
+    ("trillm.entrypoints.cli.client", "add_client_parsers"),
+    ("trillm.entrypoints.cli.collect_env", "add_collect_env_parser"),
     ("trillm.bench.cli", "add_bench_parser"),
 )
 

@@ -22,6 +22,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Serve MODEL (a local Hugging Face folder or a hub id) over an "
         "OpenAI-compatible HTTP API. Without MODEL, the embedded default model is served.",
     )
+    add_serve_flags(p)
+    p.set_defaults(func=run_serve, serve_parser=p)
+    return p
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """MODEL and every flag of ``trillm serve`` (``trillm run-batch`` takes them too)."""
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="Model folder or hub id.")
     p.add_argument("--model", dest="model_opt", help="Same as the positional MODEL.")
     _add_server_flags(p)
@@ -34,8 +41,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     vllm_flags.add_logging_flags(p)
     vllm_flags.add_engine_compat_flags(p)
     config_file.add_config_flag(p)
-    p.set_defaults(func=run_serve, serve_parser=p)
-    return p
 
 
 def _add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -238,6 +243,27 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from trillm.entrypoints.openai.api_server import run_server
     from trillm.entrypoints.openai.http.listener import PortUnavailableError
+
+    model = prepare(args)
+    if args.headless:
+        from trillm.entrypoints.cli.headless import run_headless
+
+        try:
+            return run_headless(model, engine_kwargs(args))
+        except ValueError as exc:  # a flag the engine refuses: exit 2, as for node 0
+            args.serve_parser.error(str(exc))
+    try:
+        return trio.run(run_server, model, engine_kwargs(args), server_options(args))
+    except PortUnavailableError as exc:  # the address, bound first: reported before any load
+        logging.getLogger("trillm.server").error("%s", exc)
+        return 1
+
+
+def prepare(args: argparse.Namespace) -> str | None:
+    """Check the flags together (exit 2 naming one that is wrong), set up logging and the
+    download folder; -> the model (None: the embedded default)."""
+    import logging
+
     from trillm.logging_config import LoggingConfigError, configure_logging
 
     vllm_flags.check_flags(args.serve_parser, args)
@@ -257,16 +283,5 @@ def run_serve(args: argparse.Namespace) -> int:
     vllm_flags.apply_download_dir(args.download_dir)
     if args.disable_uvicorn_access_log:
         logging.getLogger("hypercorn.access").disabled = True
-    model = args.model_opt or args.model_tag or args.config_model  # --config's model last
-    if args.headless:
-        from trillm.entrypoints.cli.headless import run_headless
-
-        try:
-            return run_headless(model, engine_kwargs(args))
-        except ValueError as exc:  # a flag the engine refuses: exit 2, as for node 0
-            args.serve_parser.error(str(exc))
-    try:
-        return trio.run(run_server, model, engine_kwargs(args), server_options(args))
-    except PortUnavailableError as exc:  # the address, bound first: reported before any load
-        logging.getLogger("trillm.server").error("%s", exc)
-        return 1
+    model: str | None = args.model_opt or args.model_tag or args.config_model  # --config's last
+    return model

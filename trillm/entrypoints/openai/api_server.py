@@ -170,29 +170,8 @@ async def _serve(
         engine = slot.as_engine()
         try:
             async with trio.open_nursery() as nursery:
-                names = opts.served_model_names or [engine.model_config.served_model_name]
-                state = ServerState(
-                    engine=engine,
-                    served_model_names=names,
-                    metrics=ServerMetrics(engine, names[0], opts.metrics_prefix),
-                    nursery=nursery,
-                    trust_request_chat_template=opts.trust_request_chat_template,
-                    max_logprobs=opts.max_logprobs,
-                    enable_auto_tool_choice=opts.enable_auto_tool_choice,
-                    tool_call_parser=opts.tool_call_parser,
-                    exclude_tools_when_tool_choice_none=opts.exclude_tools_when_tool_choice_none,
-                    reasoning_parser=opts.reasoning_parser,
-                    max_admitted=_max_admitted(engine, opts),
-                    max_admitted_tokens=opts.max_num_admitted_tokens,
-                    max_logprob_entries=opts.max_logprob_entries
-                    or default_max_logprob_entries(
-                        engine.model_config.max_model_len, opts.max_logprobs
-                    ),
-                    max_sequences_per_request=opts.max_sequences_per_request,
-                    max_engine_seqs_per_request=_fair_share(engine),
-                )
-                max_prompt_chars(state)  # the tokenizer's bound, once, before any request
-                state.loras = await lora.open_registry(engine, names[0], opts)
+                state = await open_server_state(engine, opts, nursery)
+                names = state.served_model_names
                 log_len = opts.max_log_len if opts.enable_log_requests else None
                 api_keys = ApiKeys.resolve(opts.api_key)
                 logger.info("%s", api_keys.describe())
@@ -227,6 +206,35 @@ async def _serve(
         finally:
             done.set()
     logger.info("trillm stopped.")
+
+
+async def open_server_state(
+    engine: AsyncEngine, opts: ServerOptions, nursery: trio.Nursery
+) -> ServerState:
+    """What every route reads (``ServerState``) for ``engine`` under ``opts``; the requests'
+    producers run in ``nursery``. ``trillm serve`` and ``trillm run-batch`` share it."""
+    names = opts.served_model_names or [engine.model_config.served_model_name]
+    state = ServerState(
+        engine=engine,
+        served_model_names=names,
+        metrics=ServerMetrics(engine, names[0], opts.metrics_prefix),
+        nursery=nursery,
+        trust_request_chat_template=opts.trust_request_chat_template,
+        max_logprobs=opts.max_logprobs,
+        enable_auto_tool_choice=opts.enable_auto_tool_choice,
+        tool_call_parser=opts.tool_call_parser,
+        exclude_tools_when_tool_choice_none=opts.exclude_tools_when_tool_choice_none,
+        reasoning_parser=opts.reasoning_parser,
+        max_admitted=_max_admitted(engine, opts),
+        max_admitted_tokens=opts.max_num_admitted_tokens,
+        max_logprob_entries=opts.max_logprob_entries
+        or default_max_logprob_entries(engine.model_config.max_model_len, opts.max_logprobs),
+        max_sequences_per_request=opts.max_sequences_per_request,
+        max_engine_seqs_per_request=_fair_share(engine),
+    )
+    max_prompt_chars(state)  # the tokenizer's bound, once, before any request
+    state.loras = await lora.open_registry(engine, names[0], opts)
+    return state
 
 
 def _max_admitted(engine: AsyncEngine, opts: ServerOptions) -> int | None:
