@@ -14,9 +14,12 @@ block ``block_table[i, p // block_size]`` at offset ``p % block_size``; ``slot_m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from trillm.attention.ssm_state import SSMStep
 
 
 class UnsupportedAttentionFeatureError(ValueError):
@@ -74,6 +77,8 @@ class AttentionMetadata:
     # Per request, position ranges [start, end) whose tokens attend to each other both ways
     # inside the causal attention (Gemma 3's images); None: causal only
     bidirectional_spans: list[list[tuple[int, int]]] | None = None
+    # A hybrid state-space model's Mamba layers: the step's requests' states (ssm_state.py)
+    ssm: SSMStep | None = None
 
     @property
     def decode_only(self) -> bool:

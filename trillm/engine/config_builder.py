@@ -21,7 +21,7 @@ from trillm.config import (
     parse_memory_size,
 )
 from trillm.config.multimodal import resolve_limits
-from trillm.model_executor import deepseek_config, llama4_config, transformers_numerics
+from trillm.model_executor import deepseek_config, hybrid_ssm, llama4_config, transformers_numerics
 from trillm.spec_decode.config import parse_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         from trillm.spec_decode.draft_setup import build_draft_model_config
 
         draft_model = build_draft_model_config(args, speculative, model_config, load_tokenizer)
+    hybrid = hybrid_ssm.check_engine_args(args, model_config, draft_model)
     if pooler is not None and args.enable_prefix_caching:
         # NOTE: a pooled vector needs every prompt row's hidden state: no cached prefixes.
         logger.info("pooling model: prefix caching is off (every prompt row is pooled).")
@@ -112,7 +113,8 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         cache=CacheConfig(
             block_size=args.block_size,
             cache_dtype=resolve_cache_dtype(args.kv_cache_dtype, model_config.dtype, device),
-            enable_prefix_caching=args.enable_prefix_caching and pooler is None and not longrope,
+            enable_prefix_caching=args.enable_prefix_caching
+            and not (pooler is not None or longrope or hybrid),
             kv_cache_memory=kv_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override,

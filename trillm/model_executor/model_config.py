@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import trillm.model_executor.bamba_config as bamba_config
 import trillm.model_executor.deepseek_config as deepseek_config
 import trillm.model_executor.llama4_config as llama4_config
 from trillm.config import DEVICES, LOAD_FORMATS, EngineArgs, ModelConfig
@@ -145,8 +146,7 @@ DEFAULT_SERVED_NAME = "trillm-default"  # what /v1/models lists for the embedded
 
 
 def load_model_config(args: EngineArgs) -> ModelConfig:
-    """Resolve ``args.model`` to a folder (or a GGUF file) and read everything the runner
-    needs from it."""
+    """Resolve ``args.model`` (a folder or a GGUF file); read all the runner needs from it."""
     device = resolve_device(args.device)
     gguf_file = gguf_loader.find_gguf(args.model)
     check_load_format(args, gguf_file, device)
@@ -171,6 +171,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
     hf = gpt_oss_config.prepare(hf, architecture)  # its defaults; MXFP4 for gpt-oss only
     hf = deepseek_config.prepare(hf, architecture)  # its defaults, MLA and routing checked
     hf = llama4_config.prepare(hf, architecture)  # its defaults and per-layer lists
+    hf = bamba_config.prepare(hf, architecture)  # its defaults, Mamba-2 fields checked
     if quantization in CHECKPOINT_METHODS and architecture not in GROUP_QUANT_ARCHITECTURES:
         raise ValueError(
             f"{quantization.upper()} checkpoints of {architecture} are not "
@@ -376,8 +377,7 @@ def resolve_dtype(requested: str, checkpoint: str, device: str) -> str:
 
 
 def resolve_max_model_len(hf: dict[str, Any], architecture: str, requested: int | None) -> int:
-    """Default: max_position_embeddings (a sliding window does not cap it: the attention
-    backends honour the window)."""
+    """Default: max_position_embeddings (a sliding window does not cap it: backends honour it)."""
     limit = int(hf.get("max_position_embeddings", 2048))
     why = "max_position_embeddings"
     if requested is None:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from trillm.attention.kv_layout import KVCacheLayout
+    from trillm.attention.ssm_state import SSMStateLayout
     from trillm.config import ModelConfig
     from trillm.distributed.pipeline import IntermediateTensors
 
@@ -28,10 +29,15 @@ class ModelEntry(NamedTuple):
     # The input modalities besides text (a vision-language model: ("image",)); config.json
     # nests the language model's fields under ``text_config`` (model_config.py reads them).
     modalities: tuple[str, ...] = ()
+    # Hybrid state-space: its Mamba layers keep a per-request state (``ssm_state_layout``).
+    ssm_state: bool = False
 
 
 _GEMMA_ACTS = ("gelu_pytorch_tanh", "gelu")  # models/gemma.py's _GELU: tanh-approximate, exact
 _MODELS: dict[str, ModelEntry] = {
+    "BambaForCausalLM": ModelEntry(
+        "bamba", "BambaForCausalLM", partial_rotary=True, ssm_state=True
+    ),
     "DeepseekV2ForCausalLM": ModelEntry("deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ModelEntry("deepseek", "DeepseekV3ForCausalLM"),
     "GemmaForCausalLM": ModelEntry("gemma", "GemmaForCausalLM", _GEMMA_ACTS),
@@ -115,6 +121,14 @@ def kv_cache_layout(cfg: ModelConfig, num_kv_heads: int) -> KVCacheLayout:
     model_class: Any = get_model_class(cfg.architecture)
     layout: KVCacheLayout = model_class.kv_cache_layout(cfg, num_kv_heads)
     return layout
+
+
+def ssm_state_layout(cfg: ModelConfig) -> SSMStateLayout | None:
+    """A hybrid state-space model's per-request state (its class's ``ssm_state_layout``);
+    None for a model whose layers all keep the paged KV cache."""
+    model_class: Any = get_model_class(cfg.architecture)
+    layout_of = getattr(model_class, "ssm_state_layout", None)
+    return None if layout_of is None else layout_of(cfg)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -51,23 +51,31 @@ def block_bytes(
 
 
 def num_blocks(
-    config: TrillmConfig, block_bytes: int, device: torch.device, shapes: RankShapes
+    config: TrillmConfig,
+    block_bytes: int,
+    device: torch.device,
+    shapes: RankShapes,
+    state_bytes: int = 0,
 ) -> int:
-    """The blocks the budget holds; KVCacheTooSmallError when one max_model_len request does
-    not fit (naming the flags that change it)."""
+    """The blocks the budget holds once ``state_bytes`` (a hybrid model's per-request states,
+    ``attention/ssm_state.py``) are taken from it; KVCacheTooSmallError when one max_model_len
+    request does not fit (naming the flags that change it)."""
     cache, max_model_len = config.cache, config.model.max_model_len
+    needed = cdiv(max_model_len, cache.block_size)
     if cache.num_gpu_blocks_override is not None:
         count = cache.num_gpu_blocks_override
+    elif block_bytes == 0:  # no attention layer: blocks only count tokens
+        count = needed * config.scheduler.max_num_seqs
     elif device.type == "cuda":
-        count = cuda_budget(config, device, shapes) // block_bytes
+        count = max(0, cuda_budget(config, device, shapes) - state_bytes) // block_bytes
     else:
-        count = cache.kv_cache_memory // block_bytes
-    needed = cdiv(max_model_len, cache.block_size)
+        count = max(0, cache.kv_cache_memory - state_bytes) // block_bytes
     if count < needed:
+        states = f" (besides {state_bytes} bytes of --max-num-seqs states)" if state_bytes else ""
         raise KVCacheTooSmallError(
-            f"The KV cache holds {count} blocks of {cache.block_size} tokens, but one request "
-            f"of max_model_len={max_model_len} needs {needed}; raise --kv-cache-memory / "
-            "--gpu-memory-utilization or lower --max-model-len."
+            f"The KV cache holds {count} blocks of {cache.block_size} tokens{states}, but one "
+            f"request of max_model_len={max_model_len} needs {needed}; raise --kv-cache-memory "
+            "/ --gpu-memory-utilization or lower --max-model-len."
         )
     return int(count)
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from trillm.attention.selector import get_attention_backend
+from trillm.attention.ssm_state import SSMStateCache
 from trillm.config import TrillmConfig
 from trillm.distributed.pipeline import IntermediateTensors, get_pp_group
 from trillm.distributed.sharding import RankShapes
@@ -44,7 +45,7 @@ from trillm.lora.request import LoRARequest
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
 from trillm.model_executor.layers.rotary import longrope_index
 from trillm.model_executor.loader import build_model
-from trillm.model_executor.registry import CausalLM, kv_cache_layout
+from trillm.model_executor.registry import CausalLM, kv_cache_layout, ssm_state_layout
 from trillm.sample.sampler import SamplingState
 from trillm.spec_decode.draft_model import DraftModelProposer
 from trillm.utils import cdiv
@@ -71,6 +72,8 @@ class ModelRunner:
         self.world_size = config.parallel.world_size
         self.shapes = RankShapes.of(model_cfg, rank % self.tp_size, self.tp_size)
         self.kv_layout = kv_cache_layout(model_cfg, self.shapes.num_kv_heads)  # a layer's, a token
+        self.ssm_layout = ssm_state_layout(model_cfg)  # a hybrid's Mamba layers, a request
+        self.ssm: SSMStateCache | None = None  # their states, one row per batch slot
         self._num_steps = 0
         if self.world_size > 1:
             self.device = join_tensor_parallel(config, rank)
@@ -134,9 +137,10 @@ class ModelRunner:
                 self.device,
                 self.dtype,
             )
-        self.step_programs = step_programs_for(
-            self.model, self.config, self.device, self.attn_backend, self.lora is not None
-        )
+        if self.ssm_layout is None:  # NOTE: a replay would not see the step's state rows
+            self.step_programs = step_programs_for(
+                self.model, self.config, self.device, self.attn_backend, self.lora is not None
+            )
 
     @property
     def model(self) -> CausalLM:
@@ -152,24 +156,37 @@ class ModelRunner:
             return m.num_hidden_layers
         return self.pp.end_layer - self.pp.start_layer
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers holding the paged KV cache (a hybrid's attention layers only)."""
+        return self.num_layers if self.ssm_layout is None else self.ssm_layout.kv_layers
+
     def kv_block_bytes(self) -> int:
         """Bytes of one block over this rank's layers (and the draft model's, if any)."""
         draft = 0 if self.drafter is None else self.drafter.block_bytes()
         return kv_cache_sizing.block_bytes(
-            self.config, self.num_layers, self.kv_layout, self.kv_dtype, draft
+            self.config, self.num_kv_layers, self.kv_layout, self.kv_dtype, draft
         )
+
+    def ssm_state_bytes(self) -> int:
+        """Bytes of every batch slot's Mamba states (0 without Mamba layers)."""
+        if self.ssm_layout is None:
+            return 0
+        return self.ssm_layout.bytes_per_request(self.dtype) * self.max_num_reqs
 
     def determine_num_blocks(self) -> int:
         return kv_cache_sizing.num_blocks(
-            self.config, self.kv_block_bytes(), self.device, self.shapes
+            self.config, self.kv_block_bytes(), self.device, self.shapes, self.ssm_state_bytes()
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.kv_layout.shape(num_blocks, self.block_size)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            for _ in range(self.num_layers)
+            for _ in range(self.num_kv_layers)
         ]
+        if self.ssm_layout is not None:
+            self.ssm = SSMStateCache(self.ssm_layout, self.max_num_reqs, self.dtype, self.device)
         self.config.cache.num_blocks = num_blocks
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
@@ -322,6 +339,8 @@ class ModelRunner:
         meta = inputs.attention_metadata(self.device)
         if self.mm is not None:  # Gemma 3: an image's tokens attend both ways
             meta.bidirectional_spans = self.mm.bidirectional_spans(inputs)
+        if self.ssm is not None:
+            meta.ssm = self.ssm.step(inputs.slots, inputs.context_lens, inputs.query_start_loc)
         self.attn_backend.plan(meta)
         input_ids = torch.from_numpy(inputs.input_ids).to(self.device)
         positions = torch.from_numpy(self._rope_positions(inputs)).to(self.device)

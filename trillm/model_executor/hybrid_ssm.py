@@ -1,0 +1,52 @@
+"""What a hybrid state-space model (Mamba layers beside attention: Bamba) can run with, checked
+when the engine is configured, torch-free.
+
+Its Mamba layers keep one state per request in the request's batch slot
+(``trillm/attention/ssm_state.py``), built token by token from position 0. So prefix caching
+is off for these models (a cached prefix's KV blocks come without the state after them), and
+what would run the layers without that state, or split them over pipeline stages, is refused
+by name (tensor parallelism's own check refuses the architecture).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from trillm.config import EngineArgs, ModelConfig
+from trillm.model_executor.registry import model_entry
+
+logger = logging.getLogger(__name__)
+
+
+def is_hybrid(model_config: ModelConfig) -> bool:
+    return model_entry(model_config.architecture).ssm_state
+
+
+def check_engine_args(
+    args: EngineArgs, model_config: ModelConfig, draft: ModelConfig | None
+) -> bool:
+    """Refuses what a hybrid target or draft model cannot run with; -> whether the target is
+    one (its prefix caching is then off)."""
+    if draft is not None and is_hybrid(draft):
+        raise ValueError(
+            f"speculative_config: the draft model {draft.architecture} keeps a per-request "
+            "Mamba state, which draft models do not support."
+        )
+    if not is_hybrid(model_config):
+        return False
+    arch = model_config.architecture
+    for name, unsupported in (
+        ("pipeline_parallel_size", args.pipeline_parallel_size > 1),
+        ("speculative_config", args.speculative_config is not None),
+        ("enable_lora", args.enable_lora),
+        ("numerics", args.numerics == "transformers"),
+    ):
+        if unsupported:
+            raise ValueError(
+                f"{arch} (hybrid Mamba / attention): {name}={getattr(args, name)!r} is not "
+                "supported."
+            )
+    if args.enable_prefix_caching:
+        # NOTE: the KV blocks of a cached prefix come without the Mamba state after it.
+        logger.info("%s: prefix caching is off (its Mamba layers keep a per-request state).", arch)
+    return True
