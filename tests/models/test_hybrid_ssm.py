@@ -167,16 +167,18 @@ def test_engine_preempts_and_chunks(built):
 
 
 def test_engine_abort_then_the_slot_serves_the_next_request(built):
-    """One state slot (max_num_seqs=1): a stream left after 3 tokens is aborted, and the next
-    request, in the same slot, equals transformers'."""
+    """One state slot (max_num_seqs=1): a stream left after 3 of its 90 tokens is aborted
+    (its slot held a decoded state), and the next request, in the same slot, equals
+    transformers'."""
     path, _ = built
     first, second = random_prompts([30, 12], seed=9)
+    long = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
     async def main():
         async with open_engine(path, max_num_seqs=1, **ENGINE) as engine:
             seen = 0
-            async with engine.generate({"prompt_token_ids": first}, params, "left") as outputs:
+            async with engine.generate({"prompt_token_ids": first}, long, "left") as outputs:
                 async for out in outputs:
                     seen = len(out.outputs[0].token_ids)
                     if seen >= 3:
@@ -187,7 +189,7 @@ def test_engine_abort_then_the_slot_serves_the_next_request(built):
             return seen, tokens
 
     seen, tokens = trio.run(main)
-    assert 3 <= seen < MAX_NEW
+    assert 3 <= seen < 90
     assert tokens == _references(path, [second], MAX_NEW)[0]
 
 
