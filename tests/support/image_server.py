@@ -11,7 +11,8 @@ from trillm.engine.media import MAX_IMAGE_BYTES
 
 
 class ImageServer:
-    def __init__(self, image: bytes) -> None:
+    def __init__(self, image: bytes, audio: bytes = b"") -> None:
+        self.audio = audio  # served as /audio.wav (audio/wav)
         self.image = image
         self.release = threading.Event()  # set when stopping: the hanging handler returns
         server = self
@@ -45,6 +46,8 @@ class ImageServer:
         path = h.path
         if path == "/img.png":
             self._send(h, 200, "image/png", self.image)
+        elif path == "/audio.wav":
+            self._send(h, 200, "audio/wav", self.audio)
         elif path == "/text":
             self._send(h, 200, "text/html; charset=utf-8", b"<html>not an image</html>")
         elif path == "/missing":

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 MODALITIES = ("image", "video", "audio")
-IMPLEMENTED_MODALITIES = ("image",)  # the others are refused by name until implemented
+IMPLEMENTED_MODALITIES = ("image", "audio")  # the others are refused by name until implemented
 DEFAULT_ITEMS_PER_PROMPT = 1  # vLLM's default for a modality the model takes
 
 

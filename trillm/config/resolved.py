@@ -46,6 +46,7 @@ class ModelConfig:
     # token); the fields above are its language model's (text_config). None: a text model.
     mm_config: dict[str, Any] | None = None
 
+    load_format: str = "auto"  # EngineArgs.load_format; "dummy": random weights, none read
 
 @dataclass
 class CacheConfig:

@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeVar, get_args
 # are derived from these (``get_args``).
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["torch", "triton", "flashinfer", "eager"]
-LoadFormat = Literal["auto", "safetensors", "gguf"]  # vLLM's names for what trillm reads
+LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]  # vLLM's names trillm reads
 KVCacheDtype = Literal["auto", "bfloat16", "fp8", "fp8_e4m3"]
 Convert = Literal["auto", "none", "embed", "classify"]
 Numerics = Literal["fast", "transformers"]

@@ -31,7 +31,7 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.engine.chat_template import load_chat_template
 from trillm.engine.engine_cores import EngineCores, structured_output_manager
-from trillm.engine.media import split_chat_images
+from trillm.engine.media import multi_modal_data, split_chat_images
 from trillm.engine.output_handler import OutputHandler
 from trillm.engine.output_processor import OutputProcessor
 from trillm.engine.pooling_requests import pool
@@ -359,7 +359,7 @@ class AsyncEngine:
         text = self.preprocessor.render_chat(messages, chat_template=template, **options)
         prompt: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
         if images:
-            prompt["multi_modal_data"] = {"image": images}
+            prompt["multi_modal_data"] = multi_modal_data(images)
         if mm_kwargs is not None:
             prompt["mm_processor_kwargs"] = mm_kwargs
         return prompt

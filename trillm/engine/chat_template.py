@@ -27,6 +27,7 @@ from trillm.engine.template_budget import (
 )
 
 IMAGE_PART = "image"  # an image content part as templates see it: {"type": "image"}
+AUDIO_PART = "audio"  # an audio content part as templates see it: {"type": "audio"}
 
 
 # vLLM's --chat-template-content-format values (and LLM.chat's chat_template_content_format).
@@ -94,10 +95,13 @@ def compile_template(source: str, budgeted: bool = False) -> jinja2.Template:
         raise ChatTemplateError(f"The chat template does not compile: {exc}", None) from exc
 
 
-def content_parts(content: Any, index: int, images: bool = False) -> list[dict[str, str]]:
+def content_parts(
+    content: Any, index: int, images: bool = False, audio: bool = False
+) -> list[dict[str, str]]:
     """A message's content as the parts a template iterates (vLLM's "openai" content format):
     ``{"type": "text", "text": ...}`` and, where ``images``, ``{"type": "image"}`` (an image
-    part, its placeholder left to the template); a string is one text part."""
+    part, its placeholder left to the template; ``audio``: ``{"type": "audio"}`` alike); a
+    string is one text part."""
     if content is None:
         return []
     if isinstance(content, str):
@@ -106,8 +110,8 @@ def content_parts(content: Any, index: int, images: bool = False) -> list[dict[s
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
         text = part.get("text") if isinstance(part, dict) else getattr(part, "text", None)
-        if kind == IMAGE_PART and images:
-            parts.append({"type": IMAGE_PART})
+        if (kind == IMAGE_PART and images) or (kind == AUDIO_PART and audio):
+            parts.append({"type": kind})
         elif kind == "text" and isinstance(text, str):
             parts.append({"type": "text", "text": text})
         else:
@@ -119,13 +123,24 @@ def content_parts(content: Any, index: int, images: bool = False) -> list[dict[s
     return parts
 
 
-def content_text(content: Any, index: int, image_placeholder: str | None = None) -> str:
+def content_text(
+    content: Any,
+    index: int,
+    image_placeholder: str | None = None,
+    audio_placeholder: str | None = None,
+) -> str:
     """A message's content as one string (vLLM's "string" content format): a string, or its
-    parts joined by newlines, an image part as the model's ``image_placeholder``."""
+    parts joined by newlines, an image (audio) part as the model's ``image_placeholder``
+    (``audio_placeholder``)."""
     if isinstance(content, str):
         return content
-    parts = content_parts(content, index, image_placeholder is not None)
-    return "\n".join(p["text"] if p["type"] == "text" else str(image_placeholder) for p in parts)
+    placeholders = {IMAGE_PART: image_placeholder, AUDIO_PART: audio_placeholder}
+    parts = content_parts(
+        content, index, image_placeholder is not None, audio_placeholder is not None
+    )
+    return "\n".join(
+        p["text"] if p["type"] == "text" else str(placeholders[p["type"]]) for p in parts
+    )
 
 
 def detect_content_format(template: str) -> str:
@@ -166,7 +181,10 @@ def _get(obj: Any, key: str) -> Any:
 
 
 def normalize_messages(
-    messages: list[Any], content_format: str = "string", image_placeholder: str | None = None
+    messages: list[Any],
+    content_format: str = "string",
+    image_placeholder: str | None = None,
+    audio_placeholder: str | None = None,
 ) -> list[dict[str, Any]]:
     """Messages (dicts or protocol objects) as plain dicts with string content (the "string"
     content format; "openai": a list of parts), keeping what templates read besides:
@@ -177,9 +195,11 @@ def normalize_messages(
         content = _get(m, "content")
         msg: dict[str, Any] = {
             "role": _get(m, "role"),
-            "content": content_parts(content, i, image_placeholder is not None)
+            "content": content_parts(
+                content, i, image_placeholder is not None, audio_placeholder is not None
+            )
             if content_format == "openai"
-            else content_text(content, i, image_placeholder),
+            else content_text(content, i, image_placeholder, audio_placeholder),
         }
         for key in ("name", "tool_call_id"):
             value = _get(m, key)
@@ -290,14 +310,15 @@ def render_template(
     budget: RenderBudget | None = None,
     content_format: str = "string",
     image_placeholder: str | None = None,
+    audio_placeholder: str | None = None,
 ) -> str:
     """Render ``messages`` with the template *text* ``template``; ``tools`` and ``documents``
     reach it as Hugging Face's ``apply_chat_template`` passes them. With a ``budget`` (a
     request's own template) the render is metered (``template_budget``); past the budget it
     raises ChatTemplateError naming ``chat_template``. ``content_format`` (vLLM's
     ``--chat-template-content-format``: auto, string, openai) is how message content reaches
-    the template; ``image_placeholder``: what an image part is in the "string" format (None:
-    image parts are refused)."""
+    the template; ``image_placeholder`` (``audio_placeholder``): what an image (audio) part is
+    in the "string" format (None: such parts are refused)."""
     if template is None:
         raise ChatTemplateError(
             "The model has no chat template; start the server with --chat-template.", None
@@ -315,7 +336,7 @@ def render_template(
         )
     if content_format == "auto":
         content_format = detect_content_format(template)
-    msgs = normalize_messages(messages, content_format, image_placeholder)
+    msgs = normalize_messages(messages, content_format, image_placeholder, audio_placeholder)
     if continue_final_message and (not msgs or msgs[-1]["role"] != "assistant"):
         raise ChatTemplateError(
             "continue_final_message needs a final assistant message.", "continue_final_message"

@@ -169,6 +169,8 @@ def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str,
     ):
         if unsupported:
             raise ValueError(f"{arch}: {name}={getattr(args, name)!r} is not supported yet.")
+    if args.mm_processor_kwargs and "audio" in model_entry(arch).modalities:
+        raise ValueError(f"mm_processor_kwargs: not supported for {arch}'s audio inputs yet.")
     if args.mm_processor_kwargs:  # each key one the folder's image processor takes
         from trillm.engine.multimodal import check_keywords, load_image_processor
 

@@ -1,4 +1,5 @@
-"""Where a chat's images come from (vLLM's names and rules), read off the event loop:
+"""Where a chat's images and audio come from (vLLM's names and rules), read off the event
+loop (audio: the same rules with ``audio/*`` for ``image/*``, decoded by ``audio_inputs.py``):
 
 - ``data:`` URLs (``data:image/png;base64,...``): decoded from base64;
 - ``file://`` URLs only with ``allowed_local_media_path`` (``--allowed-local-media-path``):
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import http.client
 import io
 import time
@@ -29,15 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import trio
 
 from trillm import envs
-from trillm.engine.chat_template import IMAGE_PART
+from trillm.engine.chat_template import AUDIO_PART, IMAGE_PART
 
 MAX_IMAGE_BYTES = 32 * 1024 * 1024  # the most bytes one image URL or file may bring
 MAX_REDIRECTS = 5
+INPUT_AUDIO_FORMATS = ("wav",)  # mp3 needs a decoder that is not a dependency
 _FETCH_THREADS = 8  # fetches at once (they wait on the network, not the CPU)
 _REDIRECTS = (301, 302, 303, 307, 308)
+AUDIO_PARTS = ("input_audio", "audio_url")  # a chat's audio content parts (OpenAI's, vLLM's)
 
 
 class MultiModalInputError(ValueError):
@@ -54,6 +59,44 @@ class ImageSource:
 
     url: str
     param: str  # e.g. messages[0].content[1].image_url
+
+
+def content_hash(values: np.ndarray) -> str:
+    """The key of an item's processed values (the encoder cache's and the prefix cache's)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr((values.dtype.str, values.shape)).encode())
+    digest.update(np.ascontiguousarray(values).data)
+    return digest.hexdigest()
+
+
+@attrs.frozen
+class AudioSource:
+    """A chat's audio part, decoded by stage 3: ``input_audio`` (base64 ``data`` and its
+    ``format``) or ``audio_url`` (``url``)."""
+
+    param: str  # e.g. messages[0].content[1].input_audio
+    data: str | None = None
+    format: str = "wav"
+    url: str | None = None
+
+
+def input_audio_source(spec: Any, param: str) -> AudioSource:
+    """An ``input_audio`` part's ``{"data": base64, "format": "wav"}`` (OpenAI's shape)."""
+    data = spec.get("data") if isinstance(spec, dict) else getattr(spec, "data", None)
+    fmt = spec.get("format") if isinstance(spec, dict) else getattr(spec, "format", None)
+    if not isinstance(data, str):
+        raise MultiModalInputError("An input_audio part needs its input_audio.data.", param)
+    if fmt not in INPUT_AUDIO_FORMATS:
+        raise MultiModalInputError(
+            f"input_audio.format {fmt!r} is not supported; supported: "
+            f"{', '.join(INPUT_AUDIO_FORMATS)} (mp3 needs a decoder trillm does not ship).",
+            param,
+        )
+    if len(data) > MAX_IMAGE_BYTES // 3 * 4 + 4:  # bounded before decoding
+        raise MultiModalInputError(
+            f"input_audio.data holds more than {MAX_IMAGE_BYTES} bytes.", param
+        )
+    return AudioSource(param, data=data, format=fmt)
 
 
 def _short(url: str) -> str:
@@ -76,19 +119,31 @@ def open_image_bytes(data: bytes, param: str) -> Any:
         ) from None
 
 
-def _data_url(url: str, param: str) -> bytes:
+def _data_url(url: str, param: str, kind: str = "image") -> bytes:
     header, sep, payload = url[5:].partition(",")
     mime, _, encoding = header.partition(";")
     if not sep or encoding.lower() != "base64":
         raise MultiModalInputError(
-            "An image data: URL must be base64 (data:<mime>;base64,...).", param
+            f"An {kind} data: URL must be base64 (data:<mime>;base64,...).", param
         )
-    if not mime.lower().startswith("image/"):
-        raise MultiModalInputError(f"The data: URL's media type {mime!r} is not an image.", param)
+    if not mime.lower().startswith(f"{kind}/"):
+        raise MultiModalInputError(f"The data: URL's media type {mime!r} is not {_a(kind)}.", param)
+    if len(payload) > MAX_IMAGE_BYTES // 3 * 4 + 4:  # its bytes bounded before decoding
+        raise MultiModalInputError(
+            f"The {kind} data: URL holds more than {MAX_IMAGE_BYTES} bytes.", param
+        )
+    return b64decode(payload, param, f"The {kind} data: URL")
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
+def b64decode(payload: str, param: str, what: str) -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise MultiModalInputError("The image data: URL is not valid base64.", param) from None
+        raise MultiModalInputError(f"{what} is not valid base64.", param) from None
 
 
 class MediaConnector:
@@ -111,42 +166,48 @@ class MediaConnector:
         self.fetch_limiter = trio.CapacityLimiter(_FETCH_THREADS)
 
     async def open(self, source: ImageSource, limiter: trio.CapacityLimiter) -> Any:
-        """The source's image (header read); http(s) within the fetch timeout, whatever the
-        server does (a hanging thread is abandoned and ends at its own deadline)."""
-        url, param = source.url, source.param
+        """The source's image (header read)."""
+        data = await self.read(source.url, source.param, limiter)
+        return await trio.to_thread.run_sync(open_image_bytes, data, source.param, limiter=limiter)
+
+    async def read(
+        self, url: str, param: str, limiter: trio.CapacityLimiter, kind: str = "image"
+    ) -> bytes:
+        """The bytes of an ``kind`` URL; http(s) within the fetch timeout, whatever the server
+        does (a hanging thread is abandoned and ends at its own deadline)."""
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme not in ("http", "https"):
-            return await trio.to_thread.run_sync(self.open_local, url, param, limiter=limiter)
+            return await trio.to_thread.run_sync(self.read_local, url, param, kind, limiter=limiter)
         deadline = time.monotonic() + self.fetch_timeout
         data: bytes | None = None
         with trio.move_on_after(self.fetch_timeout + 0.1):
             data = await trio.to_thread.run_sync(
-                partial(self._fetch, url, param, deadline),
+                partial(self._fetch, url, param, deadline, kind),
                 limiter=self.fetch_limiter,
                 abandon_on_cancel=True,
             )
         if data is None:
-            raise MultiModalInputError(self._timed_out(url), param)
-        return await trio.to_thread.run_sync(open_image_bytes, data, param, limiter=limiter)
+            raise MultiModalInputError(self._timed_out(url, kind), param)
+        return data
 
-    def open_local(self, url: str, param: str) -> Any:
-        """A ``data:`` or ``file://`` URL's image (blocking)."""
+    def read_local(self, url: str, param: str, kind: str = "image") -> bytes:
+        """A ``data:`` or ``file://`` URL's bytes (blocking)."""
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme == "data":
-            return open_image_bytes(_data_url(url, param), param)
+            return _data_url(url, param, kind)
         if scheme == "file":
-            return open_image_bytes(self._read_file(url, param), param)
+            return self._read_file(url, param, kind)
         raise MultiModalInputError(
-            "An image URL must be a data: URL (data:image/png;base64,...), an http(s) URL or "
-            "a file:// URL (with --allowed-local-media-path).",
+            f"An {kind} URL must be a data: URL (data:{kind}/...;base64,...), an http(s) URL "
+            "or a file:// URL (with --allowed-local-media-path).",
             param,
         )
 
     # ------------------------------------------------------------------ file://
-    def _read_file(self, url: str, param: str) -> bytes:
+    def _read_file(self, url: str, param: str, kind: str) -> bytes:
         if self.local_root is None:
             raise MultiModalInputError(
-                "file:// image URLs need --allowed-local-media-path (allowed_local_media_path) "
+                f"file:// {kind} URLs need --allowed-local-media-path (allowed_local_media_path) "
                 "naming the directory they may come from.",
                 param,
             )
@@ -158,61 +219,61 @@ class MediaConnector:
             resolved = path.resolve(strict=True)  # symlinks followed: where it really is
         except (OSError, RuntimeError):
             raise MultiModalInputError(
-                f"The image file {str(path)!r} does not exist.", param
+                f"The {kind} file {str(path)!r} does not exist.", param
             ) from None
         if self.local_root not in resolved.parents:
             raise MultiModalInputError(
-                f"The image file {str(path)!r} is not inside --allowed-local-media-path "
+                f"The {kind} file {str(path)!r} is not inside --allowed-local-media-path "
                 f"{str(self.local_root)!r}.",
                 param,
             )
         if not resolved.is_file():
             raise MultiModalInputError(
-                f"The image path {str(path)!r} is not a regular file.", param
+                f"The {kind} path {str(path)!r} is not a regular file.", param
             )
         with open(resolved, "rb") as f:
             data = f.read(MAX_IMAGE_BYTES + 1)
         if len(data) > MAX_IMAGE_BYTES:
             raise MultiModalInputError(
-                f"The image file {str(path)!r} is larger than {MAX_IMAGE_BYTES} bytes.", param
+                f"The {kind} file {str(path)!r} is larger than {MAX_IMAGE_BYTES} bytes.", param
             )
         return data
 
     # ------------------------------------------------------------------ http(s)
-    def _timed_out(self, url: str) -> str:
+    def _timed_out(self, url: str, kind: str) -> str:
         return (
-            f"Fetching the image URL {_short(url)!r} took longer than {self.fetch_timeout:g} s "
+            f"Fetching the {kind} URL {_short(url)!r} took longer than {self.fetch_timeout:g} s "
             "(VLLM_IMAGE_FETCH_TIMEOUT)."
         )
 
-    def _check_host(self, url: str, param: str) -> urllib.parse.SplitResult:
+    def _check_host(self, url: str, param: str, kind: str) -> urllib.parse.SplitResult:
         parts = urllib.parse.urlsplit(url)
         try:
             parts.port  # noqa: B018 (a port that is not a number raises here)
         except ValueError:
             raise MultiModalInputError(
-                f"The image URL {_short(url)!r} has a bad port.", param
+                f"The {kind} URL {_short(url)!r} has a bad port.", param
             ) from None
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
             raise MultiModalInputError(
-                f"The image URL {_short(url)!r} is not an http(s) URL.", param
+                f"The {kind} URL {_short(url)!r} is not an http(s) URL.", param
             )
         if self.domains is not None and parts.hostname not in self.domains:
             raise MultiModalInputError(
-                f"The image URL {_short(url)!r}: its host {parts.hostname!r} is not one of "
+                f"The {kind} URL {_short(url)!r}: its host {parts.hostname!r} is not one of "
                 "--allowed-media-domains.",
                 param,
             )
         return parts
 
-    def _fetch(self, url: str, param: str, deadline: float) -> bytes:
+    def _fetch(self, url: str, param: str, deadline: float, kind: str = "image") -> bytes:
         """GET the URL (blocking): redirects followed (each hop's host checked), the body read
         up to MAX_IMAGE_BYTES, every socket wait bounded by what is left of the deadline."""
         for _ in range(MAX_REDIRECTS + 1):
-            parts = self._check_host(url, param)
+            parts = self._check_host(url, param, kind)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise MultiModalInputError(self._timed_out(url), param)
+                raise MultiModalInputError(self._timed_out(url, kind), param)
             cls = (
                 http.client.HTTPSConnection
                 if parts.scheme.lower() == "https"
@@ -221,42 +282,45 @@ class MediaConnector:
             conn = cls(parts.hostname or "", parts.port, timeout=left)
             try:
                 target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-                conn.request("GET", target, headers={"Accept": "image/*", "User-Agent": "trillm"})
+                conn.request("GET", target, headers={"Accept": f"{kind}/*", "User-Agent": "trillm"})
                 resp = conn.getresponse()
                 if resp.status in _REDIRECTS:
                     location = resp.getheader("Location")
                     if not location:
                         raise MultiModalInputError(
-                            f"The image URL {_short(url)!r} redirects without a Location.", param
+                            f"The {kind} URL {_short(url)!r} redirects without a Location.", param
                         )
                     url = urllib.parse.urljoin(url, location)
                     continue
-                return self._body(conn, resp, url, param, deadline)
+                return self._body(conn, resp, url, param, deadline, kind)
             except (OSError, http.client.HTTPException) as exc:
                 if time.monotonic() >= deadline:
-                    raise MultiModalInputError(self._timed_out(url), param) from None
+                    raise MultiModalInputError(self._timed_out(url, kind), param) from None
                 raise MultiModalInputError(
-                    f"Fetching the image URL {_short(url)!r} failed: {exc}", param
+                    f"Fetching the {kind} URL {_short(url)!r} failed: {exc}", param
                 ) from None
             finally:
                 conn.close()
         raise MultiModalInputError(
-            f"The image URL redirects more than {MAX_REDIRECTS} times.", param
+            f"The {kind} URL redirects more than {MAX_REDIRECTS} times.", param
         )
 
-    def _body(self, conn: Any, resp: Any, url: str, param: str, deadline: float) -> bytes:
+    def _body(
+        self, conn: Any, resp: Any, url: str, param: str, deadline: float, kind: str
+    ) -> bytes:
         if resp.status != 200:
             raise MultiModalInputError(
-                f"Fetching the image URL {_short(url)!r} answered HTTP {resp.status}.", param
+                f"Fetching the {kind} URL {_short(url)!r} answered HTTP {resp.status}.", param
             )
         ctype = (resp.getheader("Content-Type") or "").split(";")[0].strip().lower()
-        if not ctype.startswith("image/"):
+        if not ctype.startswith(f"{kind}/"):
             raise MultiModalInputError(
-                f"The image URL {_short(url)!r} has content type {ctype or 'none'!r}, not an image.",
+                f"The {kind} URL {_short(url)!r} has content type {ctype or 'none'!r}, not "
+                f"{_a(kind)}.",
                 param,
             )
         length = resp.getheader("Content-Length")
-        too_big = f"The image URL {_short(url)!r} brings more than {MAX_IMAGE_BYTES} bytes."
+        too_big = f"The {kind} URL {_short(url)!r} brings more than {MAX_IMAGE_BYTES} bytes."
         if length is not None and length.strip().isdigit() and int(length) > MAX_IMAGE_BYTES:
             raise MultiModalInputError(too_big, param)
         chunks: list[bytes] = []
@@ -264,7 +328,7 @@ class MediaConnector:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise MultiModalInputError(self._timed_out(url), param)
+                raise MultiModalInputError(self._timed_out(url, kind), param)
             if conn.sock is not None:
                 conn.sock.settimeout(left)
             chunk = resp.read1(1 << 16)
@@ -280,8 +344,9 @@ def split_chat_images(messages: list[Any]) -> tuple[list[Any], list[Any]]:
     """A Python caller's chat (dict messages): each ``image_url`` part (its URL opened by stage
     3) and ``image_pil`` part (vLLM's ``{"type": "image_pil", "image_pil": image}``) becomes an
     ``{"type": "image"}`` part where it stands (the chat template writes the model's
-    placeholder, or stage 2 does: ``chat_template.py``). Returns (the messages, the images in
-    order)."""
+    placeholder, or stage 2 does: ``chat_template.py``), each ``input_audio`` / ``audio_url``
+    part an ``{"type": "audio"}`` part. Returns (the messages, the sources in order:
+    ``multi_modal_data`` groups them)."""
     out: list[Any] = []
     images: list[Any] = []
     for i, m in enumerate(messages):
@@ -301,9 +366,32 @@ def split_chat_images(messages: list[Any]) -> tuple[list[Any], list[Any]]:
                 images.append(ImageSource(url, param))
             elif kind == "image_pil":
                 images.append(part.get("image_pil"))  # stage 3 checks it is a PIL image
+            elif kind in AUDIO_PARTS:
+                images.append(audio_part_source(part.get(kind), kind, param))
+                parts.append({"type": AUDIO_PART})
+                continue
             else:
                 parts.append(part)
                 continue
             parts.append({"type": IMAGE_PART})  # the template's (or the placeholder text)
         out.append({**m, "content": parts})
     return out, images
+
+
+def audio_part_source(spec: Any, kind: str, param: str) -> AudioSource:
+    """An ``input_audio`` part's ``{"data", "format"}`` or an ``audio_url`` part's ``{"url"}``
+    (a dict or the HTTP schema's object)."""
+    if kind == "input_audio":
+        return input_audio_source(spec, param)
+    url = spec.get("url") if isinstance(spec, dict) else getattr(spec, "url", spec)
+    if not isinstance(url, str):
+        raise MultiModalInputError("An audio_url part needs its audio_url.url.", param)
+    return AudioSource(param, url=url)
+
+
+def multi_modal_data(sources: list[Any]) -> dict[str, list[Any]]:
+    """A chat's media sources in order as ``multi_modal_data``: audio and images apart."""
+    data: dict[str, list[Any]] = {}
+    for source in sources:
+        data.setdefault("audio" if isinstance(source, AudioSource) else "image", []).append(source)
+    return data

@@ -11,7 +11,6 @@ hash that keys the worker's encoder cache and the prefix cache (``extra_hash_key
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,12 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.engine import gemma3_inputs as gemma3
 from trillm.engine import qwen2_vl_inputs as qwen2_vl
-from trillm.engine.media import ImageSource, MediaConnector, MultiModalInputError
+from trillm.engine.audio_inputs import AudioProcessor
+from trillm.engine.media import ImageSource, MediaConnector, MultiModalInputError, content_hash
 from trillm.messages import MultiModalItem
 from trillm.model_executor.gemma3_mm_config import is_gemma3_mm
 from trillm.model_executor.multimodal_config import image_token_id, num_image_tokens
+from trillm.model_executor.qwen2_audio_config import is_qwen2_audio
 from trillm.model_executor.qwen2_vl_config import is_qwen2_vl
 
 # The most pixels one image may have (its header is read first: decompression bombs are
@@ -39,13 +40,6 @@ _GEOMETRY_KWARGS = ("size", "crop_size", "pad_size")
 # The longest side over the shortest an image may have (Qwen2-VL's processor's bound): the
 # processor scales the short side to the tower's, and the long side with it.
 MAX_ASPECT_RATIO = 200
-
-
-def content_hash(pixels: np.ndarray) -> str:
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr((pixels.dtype.str, pixels.shape)).encode())
-    digest.update(np.ascontiguousarray(pixels).data)
-    return digest.hexdigest()
 
 
 def load_image_processor(folder: str) -> Any:
@@ -80,6 +74,8 @@ def check_keywords(processor: Any, kwargs: dict[str, Any], param: str) -> None:
 
 class MultiModalProcessor:
     """One per engine, for a model that takes images (``TrillmConfig.limit_mm_per_prompt``)."""
+
+    audio_placeholder: str | None = None  # (audio models: ``AudioProcessor``)
 
     def __init__(self, config: TrillmConfig, tokenizer: Any, limiter: trio.CapacityLimiter):
         mm_config = config.model.mm_config
@@ -270,23 +266,32 @@ class MultiModalProcessor:
         return out, items
 
 
+Processor = MultiModalProcessor | AudioProcessor
+
+
 def processor_for(
     config: TrillmConfig, tokenizer: Any, limiter: trio.CapacityLimiter
-) -> MultiModalProcessor | None:
+) -> Processor | None:
     """The engine's processor (None: a text-only model)."""
-    if config.model.mm_config is None or not any(config.limit_mm_per_prompt.values()):
+    mm_config = config.model.mm_config
+    if mm_config is None or not any(config.limit_mm_per_prompt.values()):
         return None
+    if is_qwen2_audio(mm_config):
+        return AudioProcessor(config, limiter)
     return MultiModalProcessor(config, tokenizer, limiter)
 
 
-def content_options(content_format: str, processor: MultiModalProcessor | None) -> dict[str, Any]:
+def content_options(content_format: str, processor: Processor | None) -> dict[str, Any]:
     """How a chat's content reaches the template (``render_template``'s keywords): vLLM's
-    content format, and what an image part is in the "string" one (None: images refused)."""
-    placeholder = None if processor is None else processor.image_placeholder
-    return {"content_format": content_format, "image_placeholder": placeholder}
+    content format, and what an image (audio) part is in the "string" one (None: refused)."""
+    return {
+        "content_format": content_format,
+        "image_placeholder": None if processor is None else processor.image_placeholder,
+        "audio_placeholder": None if processor is None else processor.audio_placeholder,
+    }
 
 
-def processor_text(processor: MultiModalProcessor | None, text: str) -> str:
+def processor_text(processor: Processor | None, text: str) -> str:
     """A prompt text with images as the model's processor writes it before tokenizing
     (Gemma 3: newlines around each image)."""
     return text if processor is None else processor.prompt_text(text)

@@ -119,6 +119,29 @@ def _materialize(model: torch.nn.Module, device: str) -> None:
                 table[name] = done[id(t)]
 
 
+# vLLM's dummy weights: small uniform values (a forward stays finite), the same on every run.
+DUMMY_RANGE = 1e-3
+DUMMY_SEED = 1234
+
+
+def dummy_weights(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """``load_format='dummy'``: every parameter and buffer uniform in [-1e-3, 1e-3], seeded,
+    nothing read (benchmarks at real shapes without the weights). Checkpoint-quantized models
+    are refused: their packed integer words have no meaningful random value."""
+    if cfg.quantization in CHECKPOINT_METHODS:
+        raise ValueError(
+            f"load_format='dummy' with a {cfg.quantization.upper()} checkpoint is not "
+            "implemented (its packed weights and scales are read from the files)."
+        )
+    if classification.is_sequence_classifier(cfg.hf_config) and get_pp_group().is_last:
+        classification.attach_score_head(model, len(classification.labels(cfg.hf_config)))
+    generator = torch.Generator().manual_seed(DUMMY_SEED)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_floating_point():
+            values = torch.rand(tensor.shape, generator=generator, dtype=torch.float32)
+            tensor.data.copy_(values.mul_(2 * DUMMY_RANGE).sub_(DUMMY_RANGE))
+
+
 def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     """Construct ``cfg.architecture`` without initialising it, then load the checkpoint."""
     model_class = get_model_class(cfg.architecture)
@@ -133,7 +156,9 @@ def build_model(cfg: ModelConfig, attn_backend: Any, device: str) -> CausalLM:
     _materialize(model, device)
     causal_lm = cast(CausalLM, model)
     causal_lm.tie_weights()
-    if gguf_loader.find_gguf(cfg.model) is not None:
+    if cfg.load_format == "dummy":
+        dummy_weights(model, cfg)
+    elif gguf_loader.find_gguf(cfg.model) is not None:
         load_gguf(model, cfg, stage_filter(cfg), rank_shard(cfg))
     elif classification.is_sequence_classifier(cfg.hf_config):
         if cfg.quantization is not None:

@@ -153,7 +153,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
     quantization = None
     if gguf_file is not None:
         path, file = gguf_file, gguf_loader.GGUFFile(gguf_file)
-        hf = file.hf_config()
+        hf = apply_hf_overrides(file.hf_config(), args.hf_overrides)
         quantized = any(t in gguf_loader.QUANTIZED_TYPES for t in file.tensor_types.values())
         quantization = "gguf" if quantized and not args.dequantize_gguf else None
         generation_config = (
@@ -163,7 +163,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         )
     else:
         path = resolve_model_path(args.model, args.revision)
-        hf = _read_json(path / "config.json")
+        hf = apply_hf_overrides(_read_json(path / "config.json"), args.hf_overrides)
         generation_config = read_generation_config(path, args.generation_config)
         quantization = resolve_quantization(args.quantization, hf, device)
     architecture = _architecture(hf)
@@ -210,6 +210,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         quantization=quantization,
         mm_config=mm_config,
     )
+        load_format=args.load_format,
     if quantization in CHECKPOINT_METHODS:  # packed words and groups split per rank, or refused
         from trillm.model_executor.quant_sharding import check_group_quant_split  # torch
 
@@ -218,6 +219,22 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
 
 
 def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> None:
+def apply_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """``hf_overrides`` laid over config.json as vLLM does: a key replaces the file's, except
+    that an object given for a key whose value is an object (a sub-config) merges into it."""
+    if not overrides:
+        return hf
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object, got {overrides!r}.")
+    merged = dict(hf)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = apply_hf_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
     """vLLM's ``load_format`` / ``quantization`` for a GGUF model: honoured or refused."""
     if args.load_format not in LOAD_FORMATS:
         raise ValueError(
@@ -225,6 +242,11 @@ def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> 
             f"{', '.join(LOAD_FORMATS)}."
         )
     if gguf_file is None:
+    if args.load_format == "dummy" and gguf_file is not None:
+        raise ValueError(
+            "load_format='dummy' builds random weights from a config.json; "
+            f"{str(gguf_file)!r} is a GGUF file (its weights are its config)."
+        )
         for given, what in (
             (args.load_format == "gguf", "load_format='gguf'"),
             (args.quantization == "gguf", "quantization='gguf'"),

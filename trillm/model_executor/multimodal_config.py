@@ -13,6 +13,10 @@ from trillm.model_executor.gemma3_mm_config import (
     gemma3_token,
     is_gemma3_mm,
 )
+from trillm.model_executor.qwen2_audio_config import (
+    QWEN2_AUDIO_ARCHITECTURE,
+    qwen2_audio_text_config,
+)
 from trillm.model_executor.qwen2_vl_config import (
     QWEN2_VL_ARCHITECTURES,
     is_qwen2_vl,
@@ -37,6 +41,8 @@ def split_config(hf: dict[str, Any], architecture: str) -> tuple[dict[str, Any],
         return qwen2_vl_text_config(hf, architecture), hf
     if architecture == GEMMA3_MM_ARCHITECTURE:
         return gemma3_text_config(hf), hf
+    if architecture == QWEN2_AUDIO_ARCHITECTURE:
+        return qwen2_audio_text_config(hf), hf
     text = dict(hf.get("text_config") or {})
     vision = hf.get("vision_config") or {}
     text_type = text.get("model_type", "llama")

@@ -64,6 +64,9 @@ _MODELS: dict[str, ModelEntry] = {
     "Qwen2_5_VLForConditionalGeneration": ModelEntry(
         "qwen2_vl", "Qwen2_5_VLForConditionalGeneration", modalities=("image",)
     ),
+    "Qwen2AudioForConditionalGeneration": ModelEntry(
+        "qwen2_audio", "Qwen2AudioForConditionalGeneration", modalities=("audio",)
+    ),
     "Qwen3ForCausalLM": ModelEntry("qwen3", "Qwen3ForCausalLM"),
     "Qwen2MoeForCausalLM": ModelEntry("moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ModelEntry("moe", "Qwen3MoeForCausalLM"),

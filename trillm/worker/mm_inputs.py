@@ -40,14 +40,15 @@ class MultiModalInputs:
 
     @classmethod
     def for_model(cls, model: Any, device: torch.device) -> MultiModalInputs | None:
-        return cls(model, device) if hasattr(model, "encode_image") else None
+        takes = hasattr(model, "encode_image") or hasattr(model, "encode_audio")
+        return cls(model, device) if takes else None
 
     def add(self, slot: int, items: list[MultiModalItem]) -> None:
         """A new request's items, encoded now (cache hits aside): an item the encoder cannot
         take fails its own request in ``_update_batch``, not the step."""
-        for item in items:
-            if item.modality != "image":
-                raise ValueError(f"{item.modality} inputs are not implemented yet.")
+        for item in items:  # the model's encoder of each: encode_image, encode_audio
+            if not hasattr(self.model, f"encode_{item.modality}"):
+                raise ValueError(f"{item.modality} inputs are not implemented for this model.")
         try:
             for item in items:
                 self._encode(item)
@@ -71,15 +72,15 @@ class MultiModalInputs:
     def _encode(self, item: MultiModalItem) -> torch.Tensor:
         cached = self._cache.get(item.content_hash)
         if cached is None:
-            pixels = torch.from_numpy(
+            values = torch.from_numpy(
                 np.frombuffer(item.data, np.float32).reshape(item.shape).copy()
             )
-            cached = self.model.encode_image(pixels.to(self.device))
+            cached = getattr(self.model, f"encode_{item.modality}")(values.to(self.device))
             self.encoder_calls += 1
             if cached.shape[0] != item.length:
                 raise ValueError(
-                    f"The image has {cached.shape[0]} feature rows for {item.length} "
-                    "placeholder tokens."
+                    f"The {item.modality} has {cached.shape[0]} feature rows for "
+                    f"{item.length} placeholder tokens."
                 )
             self._cache[item.content_hash] = cached
         return cached

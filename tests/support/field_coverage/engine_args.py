@@ -174,7 +174,15 @@ ENGINE: dict[str, tuple[str, ...]] = {
         AWQ + "test_method_must_match_the_checkpoint",
         AWQ + "test_greedy_output_equals_transformers_on_the_dequantized_weights",
     ),
-    "load_format": ids(GGUF + "test_load_format_and_quantization_are_honoured_or_refused"),
+    "load_format": ids(
+        GGUF + "test_load_format_and_quantization_are_honoured_or_refused",
+        "tests/models/test_load_overrides.py::test_dummy_weights_need_no_checkpoint",
+        "tests/models/test_load_overrides.py::test_dummy_is_refused_for_a_gguf_file",
+    ),
+    "hf_overrides": ids(
+        "tests/models/test_load_overrides.py::test_an_override_acts_as_editing_config_json",
+        "tests/models/test_load_overrides.py::test_overrides_replace_keys_and_merge_into_sub_configs",
+    ),
     "dequantize_gguf": ids(
         GGUF + "test_greedy_output_equals_transformers_on_the_dequantized_weights",
         GGUF + "test_quantized_layers_hold_only_their_blocks",

@@ -40,6 +40,7 @@ SPEC_D = "tests/spec_decode/test_spec_decode_draft.py::"
 NUM = "tests/models/test_transformers_numerics.py::"
 LLAVA = "tests/models/test_llava.py::"
 LLAVA_HTTP = "tests/entrypoints/test_llava_http.py::"
+AUDIO_HTTP = "tests/entrypoints/test_qwen2_audio_http.py::"
 
 
 def ids(*node_ids: str) -> tuple[str, ...]:

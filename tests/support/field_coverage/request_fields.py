@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from field_coverage.ids import (
+    AUDIO_HTTP,
     CLS,
     FAULTS,
     FE,
@@ -150,6 +151,21 @@ _NESTED = {
         LLAVA_HTTP + "test_file_and_http_urls_answer_as_the_data_url_does",
         LLAVA_HTTP + "test_bad_urls_are_400_within_the_limit_while_a_stream_runs",
     ),
+    # base64 WAV (and audio_url's data:, file:// and http(s) URLs) for a model that takes
+    # audio, greedy-exact; mp3, bad data, long clips and disallowed hosts refused by name
+    "TextPart.input_audio": ids(
+        AUDIO_HTTP + "test_input_audio_is_greedy_exact_and_audio_urls_answer_the_same",
+        AUDIO_HTTP + "test_bad_audio_is_400_naming_it_while_a_stream_runs",
+    ),
+    "TextPart.audio_url": ids(
+        AUDIO_HTTP + "test_input_audio_is_greedy_exact_and_audio_urls_answer_the_same",
+        AUDIO_HTTP + "test_bad_audio_is_400_naming_it_while_a_stream_runs",
+    ),
+    "InputAudio.data": ids(
+        AUDIO_HTTP + "test_input_audio_is_greedy_exact_and_audio_urls_answer_the_same",
+        AUDIO_HTTP + "test_bad_audio_is_400_naming_it_while_a_stream_runs",
+    ),
+    "InputAudio.format": ids(AUDIO_HTTP + "test_bad_audio_is_400_naming_it_while_a_stream_runs"),
     "ChatMessage.role": ids(MESSAGES),
     "ChatMessage.content": ids(MESSAGES),
     "ChatMessage.name": ids(MESSAGES),

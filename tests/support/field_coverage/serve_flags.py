@@ -258,6 +258,7 @@ _ENGINE_FLAG_FIELDS = {
     "--allowed-local-media-path": "allowed_local_media_path",
     "--allowed-media-domains": "allowed_media_domains",
     "--mm-processor-kwargs": "mm_processor_kwargs",
+    "--hf-overrides": "hf_overrides",
     "--chat-template-content-format": "chat_template_content_format",
     "--distributed-executor-backend": "distributed_executor_backend",
     "--generation-config": "generation_config",

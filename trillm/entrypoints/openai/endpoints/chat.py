@@ -16,6 +16,7 @@ from typing import Any
 import trio
 
 from trillm.engine.chat_template import ChatTemplateError
+from trillm.engine.media import multi_modal_data
 from trillm.engine.multimodal import processor_text
 from trillm.engine.preprocess import INLINE_TOKENIZE_CHARS, PreparedPrompt
 from trillm.entrypoints.openai.endpoints.base import ServerState
@@ -130,7 +131,7 @@ async def _prepare(
     items: list[MultiModalItem] = []
     if images:  # stage 3: placeholders expanded, images processed
         kwargs = req.mm_processor_kwargs
-        ids, items = await pre.multimodal_ids(ids, {"image": images}, truncating, kwargs)
+        ids, items = await pre.multimodal_ids(ids, multi_modal_data(images), truncating, kwargs)
     else:
         check_mm_kwargs(pre, req.mm_processor_kwargs)
     max_tokens, param = (

@@ -3,7 +3,8 @@ message (where the part was; the chat template, or stage 2 where the template ta
 writes the model's placeholder: ``trillm/engine/chat_template.py``) and an
 ``ImageSource`` for ``multi_modal_data``, which stage 3 opens off the event loop
 (``trillm/engine/media.py``: ``data:`` URLs, ``file://`` under ``--allowed-local-media-path``,
-``http(s)`` within the fetch limits and ``--allowed-media-domains``)."""
+``http(s)`` within the fetch limits and ``--allowed-media-domains``). ``input_audio`` and
+``audio_url`` parts become ``{"type": "audio"}`` parts and ``AudioSource``s alike."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ from typing import Any
 
 import attrs
 
-from trillm.engine.chat_template import IMAGE_PART
-from trillm.engine.media import ImageSource, MultiModalInputError
+from trillm.engine.chat_template import AUDIO_PART, IMAGE_PART
+from trillm.engine.media import (
+    AUDIO_PARTS,
+    ImageSource,
+    MultiModalInputError,
+    audio_part_source,
+)
 from trillm.engine.preprocess import Preprocessor
 from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.entrypoints.openai.schemas.protocol import ChatMessage
@@ -39,6 +45,11 @@ def split_images(
             continue
         parts: list[Any] = []
         for j, part in enumerate(m.content):
+            if part.type in AUDIO_PARTS:
+                param = f"messages[{i}].content[{j}].{part.type}"
+                images.append(_audio_source(part, param))
+                parts.append({"type": AUDIO_PART})
+                continue
             if part.type != "image_url":
                 parts.append(part)
                 continue
@@ -49,6 +60,13 @@ def split_images(
             parts.append({"type": IMAGE_PART})  # the template's (or the placeholder text)
         out.append(attrs.evolve(m, content=parts))
     return out, images
+
+
+def _audio_source(part: Any, param: str) -> Any:
+    try:
+        return audio_part_source(getattr(part, part.type), part.type, param)
+    except MultiModalInputError as exc:
+        raise BadRequestError(str(exc), exc.param) from None
 
 
 def check_mm_kwargs(pre: Preprocessor, kwargs: dict[str, Any] | None) -> None:

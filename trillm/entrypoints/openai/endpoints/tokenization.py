@@ -16,6 +16,7 @@ from typing import Any
 import trio
 
 from trillm.engine.chat_template import ChatTemplateError
+from trillm.engine.media import multi_modal_data
 from trillm.engine.multimodal import processor_text
 from trillm.engine.preprocess import INLINE_TOKENIZE_CHARS, InvalidRequestError
 from trillm.entrypoints.openai.endpoints.base import ServerState
@@ -59,7 +60,7 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
         ids = await pre.tokenize(text, add_special, param=param)
         if images:  # the expanded prompt, as a completion sees it (placeholders counted)
             kwargs = req.mm_processor_kwargs
-            ids, _ = await pre.multimodal_ids(ids, {"image": images}, False, kwargs)
+            ids, _ = await pre.multimodal_ids(ids, multi_modal_data(images), False, kwargs)
         else:
             check_mm_kwargs(pre, req.mm_processor_kwargs)
     except InvalidRequestError as exc:

@@ -83,12 +83,23 @@ class ImageURL:
 
 
 @attrs.define
+class InputAudio:
+    """OpenAI's ``input_audio``: base64 ``data`` of a ``format`` file (wav; mp3 refused)."""
+
+    data: str | None = None
+    format: str | None = None
+
+
+@attrs.define
 class TextPart:
-    """A chat content part: ``text``, or ``image_url`` for a model that takes images."""
+    """A chat content part: ``text``, ``image_url`` for a model that takes images,
+    ``input_audio`` / ``audio_url`` (vLLM's) for one that takes audio."""
 
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
+    audio_url: ImageURL | None = None  # (the same {"url": ...} shape)
 
 
 # ---------------------------------------------------------------- tools
