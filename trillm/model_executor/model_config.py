@@ -218,6 +218,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
     return cfg
 
 
+def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> None:
 def apply_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     """``hf_overrides`` laid over config.json as vLLM does: a key replaces the file's, except
     that an object given for a key whose value is an object (a sub-config) merges into it."""
@@ -235,19 +236,18 @@ def apply_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any] | None) -> 
 
 
     """vLLM's ``load_format`` / ``quantization`` for a GGUF model: honoured or refused."""
-def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> None:
     if args.load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format {args.load_format!r} is not supported; choose one of "
             f"{', '.join(LOAD_FORMATS)}."
         )
+    if gguf_file is None:
     if args.load_format == "dummy" and gguf_file is not None:
         raise ValueError(
             "load_format='dummy' builds random weights from a config.json; "
             f"{str(gguf_file)!r} is a GGUF file (its weights are its config)."
         )
         for given, what in (
-    if gguf_file is None:
             (args.load_format == "gguf", "load_format='gguf'"),
             (args.quantization == "gguf", "quantization='gguf'"),
             (args.dequantize_gguf, "dequantize_gguf"),
