@@ -191,10 +191,6 @@ class EngineArgs:
         "read: random values in the checkpoint's shapes, for benchmarks); others are refused.",
         value="load_format",
     )
-    # trillm's: load a GGUF's quantized tensors dequantized to the run's dtype instead.
-    dequantize_gguf: bool = flag(
-        False,
-        "A .gguf model's quantized tensors (Q4_0/Q4_1/Q8_0, Q2_K..Q6_K) are dequantized to "
     # vLLM's: keys laid over config.json before anything reads it (a nested object merges
     # into the sub-config of its name, e.g. text_config).
     hf_overrides: dict[str, Any] | None = flag(
@@ -204,6 +200,10 @@ class EngineArgs:
         value="json_object",
         metavar="JSON",
     )
+    # trillm's: load a GGUF's quantized tensors dequantized to the run's dtype instead.
+    dequantize_gguf: bool = flag(
+        False,
+        "A .gguf model's quantized tensors (Q4_0/Q4_1/Q8_0, Q2_K..Q6_K) are dequantized to "
         "--dtype at load (default: kept quantized, multiplied by a native CPU kernel).",
     )
     # KV cache storage (vLLM's names): auto (the model's dtype), bfloat16, fp8 / fp8_e4m3 (CPU).

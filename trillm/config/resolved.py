@@ -45,8 +45,8 @@ class ModelConfig:
     # A vision-language model's whole config.json (vision tower, projector, placeholder
     # token); the fields above are its language model's (text_config). None: a text model.
     mm_config: dict[str, Any] | None = None
-
     load_format: str = "auto"  # EngineArgs.load_format; "dummy": random weights, none read
+
 
 @dataclass
 class CacheConfig:

@@ -209,8 +209,8 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         hf_config=hf,
         quantization=quantization,
         mm_config=mm_config,
-    )
         load_format=args.load_format,
+    )
     if quantization in CHECKPOINT_METHODS:  # packed words and groups split per rank, or refused
         from trillm.model_executor.quant_sharding import check_group_quant_split  # torch
 
@@ -218,7 +218,6 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
     return cfg
 
 
-def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> None:
 def apply_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     """``hf_overrides`` laid over config.json as vLLM does: a key replaces the file's, except
     that an object given for a key whose value is an object (a sub-config) merges into it."""
@@ -235,18 +234,19 @@ def apply_hf_overrides(hf: dict[str, Any], overrides: dict[str, Any] | None) -> 
     return merged
 
 
+def check_load_format(args: EngineArgs, gguf_file: Path | None, device: str) -> None:
     """vLLM's ``load_format`` / ``quantization`` for a GGUF model: honoured or refused."""
     if args.load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format {args.load_format!r} is not supported; choose one of "
             f"{', '.join(LOAD_FORMATS)}."
         )
-    if gguf_file is None:
     if args.load_format == "dummy" and gguf_file is not None:
         raise ValueError(
             "load_format='dummy' builds random weights from a config.json; "
             f"{str(gguf_file)!r} is a GGUF file (its weights are its config)."
         )
+    if gguf_file is None:
         for given, what in (
             (args.load_format == "gguf", "load_format='gguf'"),
             (args.quantization == "gguf", "quantization='gguf'"),
@@ -399,7 +399,8 @@ def resolve_dtype(requested: str, checkpoint: str, device: str) -> str:
 
 
 def resolve_max_model_len(hf: dict[str, Any], architecture: str, requested: int | None) -> int:
-    """Default: max_position_embeddings (a sliding window does not cap it: backends honour it)."""
+    """Default: max_position_embeddings (a sliding window does not cap it: the attention
+    backends honour the window)."""
     limit = int(hf.get("max_position_embeddings", 2048))
     why = "max_position_embeddings"
     if requested is None:
