@@ -65,7 +65,7 @@ TOP35_ACCEPTED = [
 TOP35_REFUSED = [
     ["--quantization", "awq_marlin"],
     ["--kv-cache-dtype", "fp8_e5m2"],
-    ["--speculative-config", '{"method": "eagle", "model": "m", "num_speculative_tokens": 3}'],
+    ["--speculative-config", '{"method": "mtp", "model": "m", "num_speculative_tokens": 3}'],
 ]
 
 

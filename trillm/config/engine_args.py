@@ -243,7 +243,9 @@ class EngineArgs:
         'Speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
         '"model": PATH, "num_speculative_tokens": 4}\' (a smaller model with the same '
-        "tokenizer); eagle / medusa / mtp are not implemented yet: refused.",
+        'tokenizer) or \'{"method": "eagle3", "model": HEAD, "num_speculative_tokens": '
+        "3}' (an EAGLE / EAGLE-3 head, method eagle or eagle3); medusa / mtp are not "
+        "implemented yet: refused.",
         value="speculative_config",
         metavar="JSON",
     )

@@ -95,7 +95,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     pooler = _pooler(args, model_config)
     speculative = parse_speculative_config(args.speculative_config)
     draft_model = None
-    if speculative is not None and speculative.method == "draft_model" and pooler is None:
+    if speculative is not None and speculative.method != "ngram" and pooler is None:
         from trillm.spec_decode.draft_setup import build_draft_model_config
 
         draft_model = build_draft_model_config(args, speculative, model_config, load_tokenizer)

@@ -228,10 +228,12 @@ def structured_output_manager(
 def _proposer(config: TrillmConfig) -> NgramProposer | DraftModelDrafts | None:
     """The drafts' source when speculative decoding is configured, else None: the n-gram
     proposer, or the engine-side view of the worker's draft model."""
+    from trillm.spec_decode.config import MODEL_METHODS
+
     spec = config.speculative
     if spec is None or config.pooler is not None:  # pooling: nothing to decode
         return None
-    if spec.method == "draft_model":
+    if spec.method in MODEL_METHODS:  # a draft model or an EAGLE head, in the worker
         from trillm.spec_decode.draft_setup import DraftModelDrafts
 
         return DraftModelDrafts(spec, config.scheduler.max_model_len)

@@ -9,18 +9,21 @@ from typing import Any
 # Drafts per step past this cost more forward rows than they can save on any workload.
 MAX_SPECULATIVE_TOKENS = 32
 _NGRAM_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-_DRAFT_KEYS = {"method", "model", "num_speculative_tokens"}
-_NOT_IMPLEMENTED = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp")
+_MODEL_KEYS = {"method", "model", "num_speculative_tokens"}
+_NOT_IMPLEMENTED = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp")
+# Methods whose "model" is a folder the worker runs beside the target (a draft, an EAGLE head).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 _DEFAULT_LOOKUP = 5  # vLLM's default n-gram length when neither bound is given
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft_model"
+    method: str  # "ngram" | "draft_model" | "eagle" | "eagle3"
     num_speculative_tokens: int  # k: drafts proposed per request and step
     prompt_lookup_min: int = 0  # ngram: shortest suffix n-gram that is looked up
     prompt_lookup_max: int = 0  # ngram: longest one (tried first)
-    model: str | None = None  # draft_model: the draft's folder (or .gguf), same tokenizer
+    # draft_model: the draft's folder (or .gguf), same tokenizer; eagle / eagle3: the head's folder
+    model: str | None = None
 
 
 def _positive_int(spec: dict[str, Any], key: str) -> int | None:
@@ -51,13 +54,15 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     if method in _NOT_IMPLEMENTED:
         raise ValueError(
             f"speculative_config: method {method!r} is not implemented yet; use "
-            '{"method": "ngram", ...} or {"method": "draft_model", "model": ...}.'
+            '{"method": "ngram", ...}, {"method": "draft_model", "model": ...} or '
+            '{"method": "eagle" | "eagle3", "model": ...}.'
         )
-    if method not in ("ngram", "draft_model"):
+    if method != "ngram" and method not in MODEL_METHODS:
         raise ValueError(
-            f"speculative_config: unknown method {method!r}; supported: ngram, draft_model."
+            f"speculative_config: unknown method {method!r}; supported: ngram, "
+            f"{', '.join(MODEL_METHODS)}."
         )
-    allowed = _NGRAM_KEYS if method == "ngram" else _DRAFT_KEYS
+    allowed = _NGRAM_KEYS if method == "ngram" else _MODEL_KEYS
     unknown = sorted(set(value) - allowed)
     if unknown:
         raise ValueError(
@@ -72,14 +77,16 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
             f"speculative_config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
             f"got {k}."
         )
-    if method == "draft_model":
+    if method in MODEL_METHODS:
         model = value.get("model")
         if not isinstance(model, str) or not model:
-            raise ValueError(
-                'speculative_config: draft_model needs "model": the draft '
-                "model's folder or .gguf file."
+            what = (
+                "the draft model's folder or .gguf file"
+                if method == "draft_model"
+                else "the EAGLE head's folder"
             )
-        return SpeculativeConfig("draft_model", k, model=model)
+            raise ValueError(f'speculative_config: {method} needs "model": {what}.')
+        return SpeculativeConfig(method, k, model=model)
     lo = _positive_int(value, "prompt_lookup_min")
     hi = _positive_int(value, "prompt_lookup_max")
     # As vLLM: one bound given sets the other; neither gives 5..5.

@@ -27,13 +27,14 @@ import numpy as np
 import torch
 
 from trillm.attention.backend import AttentionMetadata
+from trillm.attention.kv_layout import KVCacheLayout
 from trillm.attention.selector import get_attention_backend
 from trillm.config import ModelConfig, TrillmConfig
 from trillm.model_executor.registry import CausalLM, kv_cache_layout
 from trillm.spec_decode.backoff import SpecBackoff
 from trillm.spec_decode.policy import draft_room, may_speculate
 from trillm.utils import cdiv
-from trillm.worker.input_batch import InputBatch
+from trillm.worker.input_batch import InputBatch, StepInputs
 from trillm.worker.step_program import StepPrograms, step_programs_for
 
 
@@ -47,6 +48,8 @@ class _Feed:
 
 
 class DraftModelProposer:
+    hooks_target = False  # an EAGLE-3 head reads the target's layers (no replayed steps)
+
     def __init__(self, config: TrillmConfig, device: torch.device, kv_dtype: torch.dtype) -> None:
         assert config.draft_model is not None and config.speculative is not None
         self.cfg: ModelConfig = config.draft_model
@@ -71,7 +74,9 @@ class DraftModelProposer:
 
     # ------------------------------------------------------------ lifecycle
 
-    def load(self) -> None:
+    def load(self, target: CausalLM) -> None:
+        """Builds the draft (``target``: the model it drafts for, which an EAGLE head reads;
+        a draft model runs apart from it)."""
         from trillm.distributed.pipeline import whole_model
         from trillm.model_executor.loader import build_model
 
@@ -87,17 +92,19 @@ class DraftModelProposer:
             raise RuntimeError("DraftModelProposer.load() has not been called.")
         return self._model
 
+    def cache_layout(self) -> KVCacheLayout:
+        """One draft layer's cache per token (its model's layout)."""
+        return kv_cache_layout(self.cfg, self.cfg.num_key_value_heads)
+
     def block_bytes(self) -> int:
-        """Bytes of one shared block over the draft's layers (its model's cache layout)."""
-        layout = kv_cache_layout(self.cfg, self.cfg.num_key_value_heads)
-        per_token = self.cfg.num_hidden_layers * layout.elements_per_token
+        """Bytes of one shared block over the draft's layers."""
+        per_token = self.cfg.num_hidden_layers * self.cache_layout().elements_per_token
         return per_token * self.block_size * self.kv_dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._num_shared = num_blocks
         total = num_blocks + len(self.num_computed) * self.scratch_per_slot
-        layout = kv_cache_layout(self.cfg, self.cfg.num_key_value_heads)
-        shape = layout.shape(total, self.block_size)
+        shape = self.cache_layout().shape(total, self.block_size)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for _ in range(self.cfg.num_hidden_layers)
@@ -118,6 +125,10 @@ class DraftModelProposer:
             self.backoff.forget(req_id)
 
     # ------------------------------------------------------------ proposing
+
+    def observe(self, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """P2 on the target: its hidden states [T, H] of the step's rows (an EAGLE head reads
+        them; a draft model feeds its own tokens)."""
 
     def record(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self.backoff.record(req_id, num_drafts, num_accepted)
@@ -191,6 +202,22 @@ class DraftModelProposer:
 
     def _forward(self, batch: InputBatch, feed: _Feed) -> torch.Tensor:  # [R, V] float
         """One draft forward over ``feed``; the logits of each request's last row."""
+        meta, positions, last = self._metadata(batch, feed)
+        input_ids = self._dev(np.concatenate(feed.tokens).astype(np.int64))
+        programs = self.step_programs
+        hidden = (
+            programs.forward(input_ids, positions, self.kv_caches, meta)  # [T, H]
+            if programs is not None and programs.applies(meta)
+            else self.model(input_ids, positions, self.kv_caches, meta)
+        )
+        assert isinstance(hidden, torch.Tensor)  # the draft is built whole (``whole_model``)
+        return self.model.compute_logits(hidden.index_select(0, last)).float()
+
+    def _metadata(
+        self, batch: InputBatch, feed: _Feed
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        """A forward over ``feed``: its planned attention metadata, positions [T] and the row
+        of each request's last token [R] (on the device)."""
         counts = np.array([len(t) for t in feed.tokens], dtype=np.int64)
         qsl = np.zeros(len(counts) + 1, dtype=np.int32)
         np.cumsum(counts, out=qsl[1:])
@@ -214,17 +241,7 @@ class DraftModelProposer:
             seq_lens_cpu=seq_lens.tolist(),
         )
         self.attn_backend.plan(meta)
-        input_ids = self._dev(np.concatenate(feed.tokens).astype(np.int64))
-        pos = self._dev(positions)
-        programs = self.step_programs
-        hidden = (
-            programs.forward(input_ids, pos, self.kv_caches, meta)  # [T, H]
-            if programs is not None and programs.applies(meta)
-            else self.model(input_ids, pos, self.kv_caches, meta)
-        )
-        assert isinstance(hidden, torch.Tensor)  # the draft is built whole (``whole_model``)
-        last = self._dev(qsl[1:].astype(np.int64) - 1)
-        return self.model.compute_logits(hidden.index_select(0, last)).float()
+        return meta, self._dev(positions), self._dev(qsl[1:].astype(np.int64) - 1)
 
     def _block_table(self, batch: InputBatch, slots: list[int], seq_lens: np.ndarray) -> np.ndarray:
         """[R, B] int32: each request's shared blocks, then its slot's scratch blocks for its

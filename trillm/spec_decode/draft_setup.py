@@ -20,8 +20,14 @@ def build_draft_model_config(
     args: EngineArgs, spec: SpeculativeConfig, target: ModelConfig, load_tokenizer: Callable
 ) -> ModelConfig:
     """The draft's ModelConfig, in the target's dtype and max_model_len; DraftModelError
-    naming what does not match (``load_tokenizer``: path, trust_remote_code -> tokenizer)."""
+    naming what does not match (``load_tokenizer``: path, trust_remote_code -> tokenizer).
+    An EAGLE head's: ``eagle_config.py``."""
     from trillm.model_executor.model_config import load_model_config
+
+    if spec.method != "draft_model":
+        from trillm.spec_decode.eagle_config import build_eagle_head_config
+
+        return build_eagle_head_config(args, spec, target)
 
     draft_args = EngineArgs(
         model=spec.model,

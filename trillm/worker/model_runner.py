@@ -48,6 +48,7 @@ from trillm.model_executor.loader import build_model
 from trillm.model_executor.registry import CausalLM, kv_cache_layout, ssm_state_layout
 from trillm.sample.sampler import SamplingState
 from trillm.spec_decode.draft_model import DraftModelProposer
+from trillm.spec_decode.drafter import new_drafter
 from trillm.utils import cdiv
 from trillm.worker import kv_cache_sizing
 from trillm.worker.input_batch import InputBatch, StepInputs
@@ -107,7 +108,7 @@ class ModelRunner:
         # the executor returns), whole; every rank verifies the drafts the next step carries.
         self.drafter: DraftModelProposer | None = None
         if config.draft_model is not None and self.pp.is_last and self.pp.tp_rank == 0:
-            self.drafter = DraftModelProposer(config, self.device, self.kv_dtype)
+            self.drafter = new_drafter(config, self.device, self.kv_dtype)
         self.token_sampler = TokenSampler(  # P3 on the last stage
             self.batch, self.sampling_state, self.drafter, model_cfg.vocab_size, self.device
         )
@@ -126,7 +127,7 @@ class ModelRunner:
         if index is not None:
             self.longrope = LongRopeState(index, self.max_num_reqs)
         if self.drafter is not None:
-            self.drafter.load()
+            self.drafter.load(self._model)
         lora = self.config.lora
         if lora is not None:
             self.lora = LoRAManager(
@@ -137,7 +138,9 @@ class ModelRunner:
                 self.device,
                 self.dtype,
             )
-        if self.ssm_layout is None:  # NOTE: a replay would not see the step's state rows
+        # NOTE: a replay would not see the step's state rows, nor run an EAGLE-3 head's hooks
+        hooks = self.drafter is not None and self.drafter.hooks_target
+        if self.ssm_layout is None and not hooks:
             self.step_programs = step_programs_for(
                 self.model, self.config, self.device, self.attn_backend, self.lora is not None
             )
@@ -235,6 +238,8 @@ class ModelRunner:
                 drafts=drafts,
             )
             return
+        if self.drafter is not None:  # an EAGLE head reads the target's states of the step
+            self.drafter.observe(inputs, hidden)
         rows = inputs.sample_rows
         num_drafts = row_owner = row_offset = None
         if drafts:  # every drafted position of a request samples: its last d + 1 rows
