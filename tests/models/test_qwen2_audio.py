@@ -75,6 +75,18 @@ def test_mixed_batch_equals_transformers_tokens_and_logprobs(llm, path):
     assert outs[2].prompt_token_ids.count(AUDIO_ID) == 25 + 7
 
 
+def test_prefix_cache_keys_include_the_clip(llm):
+    text = f"A text long enough to fill one whole block of tokens, then {AUDIO} and more"
+    first, other, same = (
+        llm.generate(as_prompt(text, [tone(seed, 0.4)]), GREEDY, use_tqdm=False)[0]
+        for seed in (10, 11, 10)
+    )
+    assert first.num_cached_tokens == 0
+    assert other.num_cached_tokens == 0  # same text, another clip: nothing shared
+    assert same.num_cached_tokens >= 16  # same text and clip: its full blocks
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("seconds", [0.0201, 0.0399, 0.06, 0.2, 0.99, 1.0])
 def test_placeholder_expansion_equals_the_processors(llm, path, seconds):
     clip = tone(3, seconds)
@@ -101,6 +113,44 @@ def test_chat_input_audio_parts_decode_any_wav(llm, path):
         text = f"<|im_start|>user\nAudio 1: {AUDIO}\nWhat is it?<|im_end|>\n<|im_start|>assistant\n"
         ids, tokens, _ = hf_greedy(path, text, [samples])
         assert (out.prompt_token_ids, out.outputs[0].token_ids) == (ids, tokens)
+
+
+def mp3(samples: np.ndarray, rate: int = RATE) -> bytes:
+    import io
+
+    soundfile = pytest.importorskip("soundfile")
+    out = io.BytesIO()
+    soundfile.write(out, samples, rate, format="MP3")
+    return out.getvalue()
+
+
+def test_chat_mp3_with_soundfile_and_refused_without(llm, path, monkeypatch):
+    # MP3 (the optional audio extra): decoded by soundfile, then as a WAV's samples are;
+    # too long a stream is refused from its header; without soundfile, a 400 naming it.
+    import io
+
+    import soundfile
+
+    data = mp3(tone(12, 0.6, 22050), 22050)
+    samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    parts = [{"type": "input_audio", "input_audio": {"data": b64(data), "format": "mp3"}}]
+    out = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
+    text = f"<|im_start|>user\nAudio 1: {AUDIO}\n<|im_end|>\n<|im_start|>assistant\n"
+    ids, tokens, _ = hf_greedy(path, text, [audio_decode.resample(samples, rate, RATE)])
+    assert (out.prompt_token_ids, out.outputs[0].token_ids) == (ids, tokens)
+    long_part = {"data": b64(mp3(tone(13, 1.5))), "format": "mp3"}
+    with pytest.raises(InvalidRequestError, match="s long; this model takes at most 1 s"):
+        llm.chat(
+            [{"role": "user", "content": [{"type": "input_audio", "input_audio": long_part}]}],
+            GREEDY,
+        )
+    monkeypatch.setattr("trillm.engine.audio_mp3._soundfile", lambda: None)
+    for fmt in ("mp3", "wav"):  # named by the format, or found by the bytes
+        parts[0]["input_audio"]["format"] = fmt
+        with pytest.raises(
+            (InvalidRequestError, ValueError), match="optional dependency soundfile"
+        ):
+            llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)
 
 
 def _decoded(data: bytes) -> np.ndarray:
@@ -186,8 +236,8 @@ def test_bad_audio_is_refused_by_name(llm):
         ({"data": b64(long_wav), "format": "wav"}, "1.01 s long; this model takes at most 1 s"),
         ({"data": "not base64!", "format": "wav"}, "not valid base64"),
         ({"data": b64(b"RIFF....WAVEjunk"), "format": "wav"}, "no fmt or data chunk"),
-        ({"data": b64(b"ID3\x03" + bytes(64)), "format": "wav"}, "MP3 audio is not supported"),
-        ({"data": b64(wav(clip[0])), "format": "mp3"}, "format 'mp3' is not supported"),
+        ({"data": b64(b"ID3\x03" + bytes(64)), "format": "mp3"}, "cannot be read"),
+        ({"data": b64(wav(clip[0])), "format": "flac"}, "format 'flac' is not supported"),
     ]:
         parts = [{"type": "input_audio", "input_audio": spec}]
         with pytest.raises((InvalidRequestError, ValueError)) as info:
@@ -207,7 +257,7 @@ def test_config_and_limits(path, tmp_path):
     off = LLM(path, limit_mm_per_prompt={"audio": 0}, kv_cache_memory="8MiB",
               distributed_executor_backend="uni")  # fmt: skip
     try:
-        with pytest.raises(InvalidRequestError, match="inputs are off"):
+        with pytest.raises(InvalidRequestError, match="audio inputs are off"):
             off.generate(as_prompt(AUDIO, [tone(9, 0.2)]), GREEDY)
     finally:
         off.shutdown()

@@ -23,7 +23,7 @@ import numpy as np
 import trio
 
 from trillm.config import TrillmConfig
-from trillm.engine import audio_decode
+from trillm.engine import audio_decode, audio_mp3
 from trillm.engine.media import (
     AudioSource,
     MediaConnector,
@@ -33,8 +33,6 @@ from trillm.engine.media import (
 )
 from trillm.messages import MultiModalItem
 from trillm.model_executor.qwen2_audio_config import CONTEXT_FRAMES, audio_token_id, audio_tokens
-
-_MP3_MAGIC = (b"ID3", b"\xff\xfb", b"\xff\xf3", b"\xff\xf2")
 
 
 def load_feature_extractor(folder: str) -> Any:
@@ -56,26 +54,34 @@ def load_feature_extractor(folder: str) -> Any:
 
 
 def decode_bytes(raw: bytes, param: str, rate: int, max_samples: int) -> np.ndarray:
-    """A WAV file -> mono float32 samples at ``rate``; its length checked from the header."""
-    if raw.startswith(_MP3_MAGIC):
-        raise MultiModalInputError("MP3 audio is not supported (no MP3 decoder); send WAV.", param)
+    """A WAV (or MP3) file -> mono float32 samples at ``rate``; its length checked from the
+    header before the samples are decoded."""
     try:
-        header = audio_decode.read_wav_header(raw)
+        if audio_mp3.is_mp3(raw):
+            samples, source_rate = audio_mp3.read_mp3(raw, max_samples / rate)
+        else:
+            header = audio_decode.read_wav_header(raw)
+            check_length(header.frames, header.rate, rate, max_samples, param)
+            samples, source_rate = audio_decode.wav_samples(header), header.rate
+    except audio_mp3.TooLong as exc:
+        raise MultiModalInputError(_too_long(exc.seconds, max_samples / rate), param) from None
     except audio_decode.AudioDecodeError as exc:
         raise MultiModalInputError(f"The audio cannot be read: {exc}.", param) from None
-    check_length(header.frames, header.rate, rate, max_samples, param)
-    samples = audio_decode.wav_samples(header)
-    return checked_samples(audio_decode.resample(samples, header.rate, rate), param)
+    check_length(len(samples), source_rate, rate, max_samples, param)
+    return checked_samples(audio_decode.resample(samples, source_rate, rate), param)
+
+
+def _too_long(seconds: float, limit: float) -> str:
+    return (
+        f"The audio is {seconds:.2f} s long; this model takes at most {limit:g} s (its "
+        "feature extractor's chunk_length)."
+    )
 
 
 def check_length(frames: int, source_rate: int, rate: int, max_samples: int, param: str) -> None:
     """Refuses a clip longer than the encoder's window, before its samples are converted."""
     if -(-frames * rate // source_rate) > max_samples:
-        raise MultiModalInputError(
-            f"The audio is {frames / source_rate:.2f} s long; this model takes at most "
-            f"{max_samples / rate:g} s (its feature extractor's chunk_length).",
-            param,
-        )
+        raise MultiModalInputError(_too_long(frames / source_rate, max_samples / rate), param)
 
 
 def checked_samples(samples: np.ndarray, param: str) -> np.ndarray:

@@ -35,11 +35,12 @@ import numpy as np
 import trio
 
 from trillm import envs
+from trillm.engine import audio_mp3
 from trillm.engine.chat_template import AUDIO_PART, IMAGE_PART
 
 MAX_IMAGE_BYTES = 32 * 1024 * 1024  # the most bytes one image URL or file may bring
 MAX_REDIRECTS = 5
-INPUT_AUDIO_FORMATS = ("wav",)  # mp3 needs a decoder that is not a dependency
+INPUT_AUDIO_FORMATS = ("wav", "mp3")  # OpenAI's (mp3: with the optional soundfile)
 _FETCH_THREADS = 8  # fetches at once (they wait on the network, not the CPU)
 _REDIRECTS = (301, 302, 303, 307, 308)
 AUDIO_PARTS = ("input_audio", "audio_url")  # a chat's audio content parts (OpenAI's, vLLM's)
@@ -89,9 +90,11 @@ def input_audio_source(spec: Any, param: str) -> AudioSource:
     if fmt not in INPUT_AUDIO_FORMATS:
         raise MultiModalInputError(
             f"input_audio.format {fmt!r} is not supported; supported: "
-            f"{', '.join(INPUT_AUDIO_FORMATS)} (mp3 needs a decoder trillm does not ship).",
+            f"{', '.join(INPUT_AUDIO_FORMATS)}.",
             param,
         )
+    if fmt == "mp3" and not audio_mp3.available():
+        raise MultiModalInputError(f"input_audio.format 'mp3': {audio_mp3.MISSING}.", param)
     if len(data) > MAX_IMAGE_BYTES // 3 * 4 + 4:  # bounded before decoding
         raise MultiModalInputError(
             f"input_audio.data holds more than {MAX_IMAGE_BYTES} bytes.", param

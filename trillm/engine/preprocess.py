@@ -40,6 +40,7 @@ from trillm.engine.multimodal import content_options, processor_for, prompt_ids
 from trillm.engine.sampling_fields import apply_stop_ids, bad_words_token_ids
 from trillm.engine.template_budget import RenderBudget
 from trillm.messages import MultiModalItem
+from trillm.model_executor.registry import model_entry
 from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from trillm.utils import cdiv
 
@@ -329,8 +330,9 @@ class Preprocessor:
     ) -> tuple[list[int], list[MultiModalItem]]:
         """Stage 3 (``trillm/engine/multimodal.py``): placeholders expanded, items processed."""
         if self.multimodal is None:
+            taken = "/".join(model_entry(self.model_config.architecture).modalities)
             why = (
-                "image inputs are off (limit_mm_per_prompt)"
+                f"{taken} inputs are off (limit_mm_per_prompt)"
                 if self.model_config.mm_config is not None
                 else f"{self.model_config.architecture} takes no image (multimodal) inputs"
             )
