@@ -18,6 +18,8 @@ import math
 import pytest
 import torch
 import trio
+from engine_waves import two_waves
+from hf_reference import hf_greedy
 from runner_harness import (
     MiniScheduler,
     Req,
@@ -130,39 +132,24 @@ ENGINE = dict(
     dtype="float32",
     max_model_len=128,
     block_size=8,
-    enable_prefix_caching=False,
     distributed_executor_backend="uni",
 )
-
-
-def _references(path: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    from hf_reference import hf_greedy
-
-    return [hf_greedy(path, p, max_new) for p in prompts]
 
 
 def test_engine_preempts_and_chunks(built):
     """Seven requests at once in 16 KV blocks (they need ~30): preempted requests are computed
     again from their prompt and outputs, from a zero state; 16-token budgets chunk the
-    prompts, each chunk continuing from the state the previous one left."""
+    prompts, each chunk continuing from the state the previous one left. The second wave
+    takes the slots the first left."""
     path, _ = built
     prompts = random_prompts([40, 9, 33, 1, 25, 17, 30], seed=3)  # 1: a one-token scan
     new = 2 * MAX_NEW
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-
-    async def main():
-        async with open_engine(
-            path, num_gpu_blocks_override=16, max_num_batched_tokens=16, **ENGINE
-        ) as engine:
-            results: dict[int, list[int]] = {}
-            batch = [{"prompt_token_ids": p} for p in prompts]
-            async with engine.generate_many(batch, params) as items:
-                async for index, out in items:
-                    results[index] = list(out.outputs[0].token_ids)
-            return [results[i] for i in range(len(prompts))], engine.get_stats()
-
-    outputs, stats = trio.run(main)
-    assert outputs == _references(path, prompts, new)
+    first, second, stats = two_waves(
+        path, prompts, params, num_gpu_blocks_override=16, max_num_batched_tokens=16, **ENGINE
+    )
+    expected = [hf_greedy(path, p, new) for p in prompts]
+    assert first == expected and second == expected
     assert stats.num_preemptions > 0, "the small KV cache should have forced preemption"
 
 
@@ -190,7 +177,7 @@ def test_engine_abort_then_the_slot_serves_the_next_request(built):
 
     seen, tokens = trio.run(main)
     assert 3 <= seen < 90
-    assert tokens == _references(path, [second], MAX_NEW)[0]
+    assert tokens == hf_greedy(path, second, MAX_NEW)
 
 
 # ---------------------------------------------------------------- memory and configuration
@@ -228,6 +215,7 @@ def test_prefix_caching_is_off_and_the_rest_refused(built):
         ("enable_lora", True),
         ("pipeline_parallel_size", 2),
         ("tensor_parallel_size", 2),
+        ("quantization", "fp8"),
     ):
         args = EngineArgs(model=path, device="cpu", max_model_len=128, **{name: value})
         with pytest.raises(ValueError, match=rf"BambaForCausalLM .*{name}=|{name}=.*Bamba"):

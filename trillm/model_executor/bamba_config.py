@@ -1,5 +1,6 @@
 """Bamba's config.json (transformers' ``BambaConfig``: Mamba-2 layers with a few attention
-layers) as trillm reads it, torch-free (the frontend checks a config with it).
+layers) as trillm reads it, torch-free (the frontend checks a config with it); its Mamba-2
+fields' checks (``check_mamba``) serve GraniteMoeHybrid too (``granitemoehybrid_config.py``).
 
 ``prepare`` fills absent keys with transformers' defaults, resolves ``mamba_d_head: "auto"`` and
 the partial rotary factor (transformers hard-codes 0.5) as transformers does, and refuses by
@@ -18,8 +19,8 @@ ARCHITECTURE = "BambaForCausalLM"
 MAMBA = "linear_attention"  # transformers' layer type of a Mamba-2 layer
 ATTENTION = "full_attention"
 
-_DEFAULTS: dict[str, Any] = {
-    "attn_layer_indices": None,
+# The Mamba-2 fields and their defaults (BambaConfig's and GraniteMoeHybridConfig's alike).
+MAMBA_DEFAULTS: dict[str, Any] = {
     "mamba_n_heads": 128,
     "mamba_d_head": "auto",
     "mamba_n_groups": 1,
@@ -30,6 +31,10 @@ _DEFAULTS: dict[str, Any] = {
     "mamba_conv_bias": True,
     "mamba_proj_bias": False,
     "time_step_limit": [0.0, math.inf],
+}
+_DEFAULTS: dict[str, Any] = {
+    **MAMBA_DEFAULTS,
+    "attn_layer_indices": None,
     "rms_norm_eps": 1e-5,
     "attention_bias": False,
     "mlp_bias": False,
@@ -38,6 +43,10 @@ _DEFAULTS: dict[str, Any] = {
 # transformers' BambaConfig.__post_init__ sets it whatever config.json says.
 PARTIAL_ROTARY_FACTOR = 0.5
 
+TIME_STEP_LIMIT = (
+    "must be (0.0, inf): transformers clamps dt with it in a prompt's chunked scan but not in "
+    "a single-token step, which trillm does not mirror"
+)
 FIELDS: dict[str, str] = {
     **dict.fromkeys(_DEFAULTS, READ),
     **dict.fromkeys(
@@ -59,8 +68,7 @@ FIELDS: dict[str, str] = {
     "rope_parameters": "read (default, linear, dynamic, llama3, yarn; others refused by name); "
     "partial_rotary_factor set to 0.5 as transformers does",
     "hidden_act": "read for the MLP and the Mamba-2 convolution (silu; others refused by name)",
-    "time_step_limit": "must be (0.0, inf): transformers clamps dt with it in a prompt's "
-    "chunked scan but not in a single-token step, which trillm does not mirror",
+    "time_step_limit": TIME_STEP_LIMIT,
     "layer_types": "derived from attn_layer_indices as transformers does; a different list "
     "is refused",
     "layers_block_type": "as layer_types",
@@ -71,11 +79,11 @@ FIELDS: dict[str, str] = {
 
 
 class BambaConfigError(ValueError):
-    """A Bamba config.json field trillm does not run as transformers would."""
+    """A hybrid Mamba-2 model's config.json field trillm does not run as transformers would."""
 
 
-def _refuse(field: str, value: Any, why: str) -> BambaConfigError:
-    return BambaConfigError(f"{ARCHITECTURE}: {field}={value!r} is not supported ({why}).")
+def refuse(arch: str, field: str, value: Any, why: str) -> BambaConfigError:
+    return BambaConfigError(f"{arch}: {field}={value!r} is not supported ({why}).")
 
 
 def prepare(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
@@ -87,32 +95,35 @@ def prepare(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
     rope = dict(out.get("rope_parameters") or {})
     rope["partial_rotary_factor"] = PARTIAL_ROTARY_FACTOR
     out["rope_parameters"] = rope
-    out["mamba_d_head"] = _d_head(out)
-    _check_mamba(out)
+    check_mamba(out, ARCHITECTURE)
     out["layer_types"] = _layer_types(out)
     return out
 
 
-def _d_head(hf: dict[str, Any]) -> int:
+def check_mamba(hf: dict[str, Any], arch: str) -> None:
+    """Resolves ``mamba_d_head: "auto"`` in ``hf`` and refuses Mamba-2 fields by name."""
+    hf["mamba_d_head"] = _d_head(hf, arch)
+    heads, groups = int(hf["mamba_n_heads"]), int(hf["mamba_n_groups"] or 0)
+    if groups < 1 or heads % groups:
+        raise refuse(arch, "mamba_n_groups", groups, f"a divisor of mamba_n_heads={heads}")
+    for field in ("mamba_d_state", "mamba_chunk_size", "mamba_d_conv"):
+        if int(hf[field] or 0) < 1:
+            raise refuse(arch, field, hf[field], "at least 1")
+    if not _default_time_step_limit(hf["time_step_limit"]):
+        raise refuse(arch, "time_step_limit", hf["time_step_limit"], TIME_STEP_LIMIT)
+
+
+def _d_head(hf: dict[str, Any], arch: str) -> int:
     inner, heads = int(hf["mamba_expand"]) * int(hf["hidden_size"]), int(hf["mamba_n_heads"])
     if inner % heads:
-        raise _refuse("mamba_n_heads", heads, f"must divide mamba_expand * hidden_size = {inner}")
+        raise refuse(
+            arch, "mamba_n_heads", heads, f"must divide mamba_expand * hidden_size = {inner}"
+        )
     d_head = hf["mamba_d_head"]
     d_head = inner // heads if d_head == "auto" else int(d_head)
     if d_head * heads != inner:
-        raise _refuse("mamba_d_head", d_head, f"mamba_d_head * mamba_n_heads must be {inner}")
+        raise refuse(arch, "mamba_d_head", d_head, f"mamba_d_head * mamba_n_heads must be {inner}")
     return d_head
-
-
-def _check_mamba(hf: dict[str, Any]) -> None:
-    heads, groups = int(hf["mamba_n_heads"]), int(hf["mamba_n_groups"] or 0)
-    if groups < 1 or heads % groups:
-        raise _refuse("mamba_n_groups", groups, f"a divisor of mamba_n_heads={heads}")
-    for field in ("mamba_d_state", "mamba_chunk_size", "mamba_d_conv"):
-        if int(hf[field] or 0) < 1:
-            raise _refuse(field, hf[field], "at least 1")
-    if not _default_time_step_limit(hf["time_step_limit"]):
-        raise _refuse("time_step_limit", hf["time_step_limit"], FIELDS["time_step_limit"])
 
 
 def _default_time_step_limit(limit: Any) -> bool:
@@ -133,10 +144,12 @@ def _layer_types(hf: dict[str, Any]) -> list[str]:
     num_layers = int(hf["num_hidden_layers"])
     indices = set(hf["attn_layer_indices"] or ())
     if not indices <= set(range(num_layers)):
-        raise _refuse("attn_layer_indices", sorted(indices), f"indices below {num_layers}")
+        raise refuse(ARCHITECTURE, "attn_layer_indices", sorted(indices), f"below {num_layers}")
     derived = [ATTENTION if i in indices else MAMBA for i in range(num_layers)]
     for field in ("layer_types", "layers_block_type"):
         given = hf.get(field)
         if given is not None and list(given) != derived:
-            raise _refuse(field, given, "transformers derives it from attn_layer_indices")
+            raise refuse(
+                ARCHITECTURE, field, given, "transformers derives it from attn_layer_indices"
+            )
     return derived

@@ -1,5 +1,6 @@
-"""What a hybrid state-space model (Mamba layers beside attention: Bamba) can run with, checked
-when the engine is configured, torch-free.
+"""What a hybrid state-space model (Mamba layers beside attention: Bamba, GraniteMoeHybrid) can
+run with, checked when the engine is configured, torch-free; and its config.json read by its
+family's reader (``prepare``).
 
 Its Mamba layers keep one state per request in the request's batch slot
 (``trillm/attention/ssm_state.py``), built token by token from position 0. So prefix caching
@@ -11,11 +12,26 @@ by name (tensor parallelism's own check refuses the architecture).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from trillm.config import EngineArgs, ModelConfig
+from trillm.model_executor import bamba_config, granitemoehybrid_config
 from trillm.model_executor.registry import model_entry
 
 logger = logging.getLogger(__name__)
+
+# Each family's config.json reader: its defaults filled in, its fields checked.
+_PREPARE: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
+    bamba_config.ARCHITECTURE: bamba_config.prepare,
+    granitemoehybrid_config.ARCHITECTURE: granitemoehybrid_config.prepare,
+}
+
+
+def prepare(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """config.json of a hybrid model as its family reads it (other models: unchanged)."""
+    family = _PREPARE.get(architecture)
+    return hf if family is None else family(hf, architecture)
 
 
 def is_hybrid(model_config: ModelConfig) -> bool:
@@ -35,16 +51,16 @@ def check_engine_args(
     if not is_hybrid(model_config):
         return False
     arch = model_config.architecture
-    for name, unsupported in (
-        ("pipeline_parallel_size", args.pipeline_parallel_size > 1),
-        ("speculative_config", args.speculative_config is not None),
-        ("enable_lora", args.enable_lora),
-        ("numerics", args.numerics == "transformers"),
+    for name, value, unsupported in (
+        ("pipeline_parallel_size", args.pipeline_parallel_size, args.pipeline_parallel_size > 1),
+        ("speculative_config", args.speculative_config, args.speculative_config is not None),
+        ("enable_lora", args.enable_lora, args.enable_lora),
+        ("numerics", args.numerics, args.numerics == "transformers"),
+        ("quantization", model_config.quantization, model_config.quantization is not None),
     ):
         if unsupported:
             raise ValueError(
-                f"{arch} (hybrid Mamba / attention): {name}={getattr(args, name)!r} is not "
-                "supported."
+                f"{arch} (hybrid Mamba / attention): {name}={value!r} is not supported."
             )
     if args.enable_prefix_caching:
         # NOTE: the KV blocks of a cached prefix come without the Mamba state after it.

@@ -13,8 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import trillm.model_executor.bamba_config as bamba_config
 import trillm.model_executor.deepseek_config as deepseek_config
+import trillm.model_executor.hybrid_ssm as hybrid_ssm
 import trillm.model_executor.llama4_config as llama4_config
 from trillm.config import DEVICES, LOAD_FORMATS, EngineArgs, ModelConfig
 from trillm.model_executor import classification, gguf_loader, gpt_oss_config, multimodal_config
@@ -171,7 +171,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
     hf = gpt_oss_config.prepare(hf, architecture)  # its defaults; MXFP4 for gpt-oss only
     hf = deepseek_config.prepare(hf, architecture)  # its defaults, MLA and routing checked
     hf = llama4_config.prepare(hf, architecture)  # its defaults and per-layer lists
-    hf = bamba_config.prepare(hf, architecture)  # its defaults, Mamba-2 fields checked
+    hf = hybrid_ssm.prepare(hf, architecture)  # Bamba, GraniteMoeHybrid: Mamba-2 fields checked
     if quantization in CHECKPOINT_METHODS and architecture not in GROUP_QUANT_ARCHITECTURES:
         raise ValueError(
             f"{quantization.upper()} checkpoints of {architecture} are not "

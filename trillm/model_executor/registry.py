@@ -41,6 +41,9 @@ _MODELS: dict[str, ModelEntry] = {
     "DeepseekV2ForCausalLM": ModelEntry("deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ModelEntry("deepseek", "DeepseekV3ForCausalLM"),
     "GemmaForCausalLM": ModelEntry("gemma", "GemmaForCausalLM", _GEMMA_ACTS),
+    "GraniteMoeHybridForCausalLM": ModelEntry(
+        "granitemoehybrid", "GraniteMoeHybridForCausalLM", ssm_state=True
+    ),
     "Gemma2ForCausalLM": ModelEntry("gemma", "Gemma2ForCausalLM", _GEMMA_ACTS),
     "Gemma3ForCausalLM": ModelEntry("gemma", "Gemma3ForCausalLM", _GEMMA_ACTS),
     "Gemma3ForConditionalGeneration": ModelEntry(

@@ -1,5 +1,5 @@
-"""Tiny random Bamba checkpoints (Mamba-2 layers around one attention layer) in Hugging Face
-format, as ``tiny_models.build_tiny_model`` writes the other families.
+"""Tiny random Bamba and GraniteMoeHybrid checkpoints (Mamba-2 layers around one attention
+layer) in Hugging Face format, as ``tiny_models.build_tiny_model`` writes the other families.
 
 Two SSD chunks of 8 positions are crossed by any prompt longer than 8 tokens; 2 groups of
 4 heads (so B and C are shared per group); a conv kernel of 4 (3 positions of history).
@@ -36,13 +36,38 @@ BASE: dict[str, Any] = dict(
 )
 
 
+# GraniteMoeHybrid: the same Mamba-2 shapes; 4 experts (top 2) of 32 and a shared MLP of 48;
+# multipliers away from 1 so that a path that drops one changes the output.
+GRANITE: dict[str, Any] = dict(
+    {k: v for k, v in BASE.items() if k != "attn_layer_indices"},
+    intermediate_size=32,
+    shared_intermediate_size=48,
+    layer_types=["mamba", "attention", "mamba"],
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    position_embedding_type="rope",
+    embedding_multiplier=2.0,
+    residual_multiplier=0.7,
+    attention_multiplier=0.2,
+    logits_scaling=0.5,
+)
+
+
 def build_tiny_bamba(out_dir: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
+    return _build("Bamba", {**BASE, **overrides}, out_dir, seed)
+
+
+def build_tiny_granite_hybrid(out_dir: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
+    return _build("GraniteMoeHybrid", {**GRANITE, **overrides}, out_dir, seed)
+
+
+def _build(family: str, fields: dict[str, Any], out_dir: str | Path, seed: int) -> Path:
     import torch
     import transformers
 
-    config = transformers.BambaConfig(**{**BASE, **overrides})
+    config = getattr(transformers, f"{family}Config")(**fields)
     torch.manual_seed(seed)
-    model = transformers.BambaForCausalLM(config)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("mamba.A_log"):

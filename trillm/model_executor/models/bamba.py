@@ -16,7 +16,6 @@ from trillm.attention.backend import AttentionBackend, AttentionMetadata
 from trillm.attention.ssm_state import SSMStateLayout
 from trillm.config import ModelConfig
 from trillm.distributed.pipeline import IntermediateTensors
-from trillm.model_executor.bamba_config import ATTENTION
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
 from trillm.model_executor.layers.vocab_parallel import VocabParallelEmbedding
@@ -27,7 +26,7 @@ from trillm.model_executor.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
 )
-from trillm.model_executor.models.mamba2 import Mamba2Mixer, mamba_state_layout
+from trillm.model_executor.models.mamba2 import Mamba2Mixer, hybrid_state_layout, mixer_rows
 
 
 class BambaDecoderLayer(nn.Module):
@@ -81,22 +80,9 @@ class BambaModel(DecoderStack):  # its final norm is ``final_layernorm``
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg, cfg.hidden_size)
-        kinds = cfg.hf_config["layer_types"]
-        mixer_rows = _mixer_rows(kinds)
-        self.layers = nn.ModuleList(
-            BambaDecoderLayer(cfg, backend, flags, row) for row in mixer_rows
-        )
+        rows = mixer_rows(cfg.hf_config["layer_types"])
+        self.layers = nn.ModuleList(BambaDecoderLayer(cfg, backend, flags, row) for row in rows)
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-def _mixer_rows(kinds: list[str]) -> list[int | None]:
-    """Each layer's row among the Mamba-2 layers (None for an attention layer)."""
-    rows: list[int | None] = []
-    count = 0
-    for kind in kinds:
-        rows.append(None if kind == ATTENTION else count)
-        count += kind != ATTENTION
-    return rows
 
 
 class BambaForCausalLM(LlamaForCausalLM):
@@ -121,6 +107,4 @@ class BambaForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def ssm_state_layout(cls, cfg: ModelConfig) -> SSMStateLayout:
-        kinds = cfg.hf_config["layer_types"]
-        attention = kinds.count(ATTENTION)
-        return mamba_state_layout(cfg, len(kinds) - attention, attention)
+        return hybrid_state_layout(cfg)

@@ -16,18 +16,32 @@ from torch import nn
 
 from trillm.attention.ssm_state import Chunk, SSMStateLayout, SSMStep
 from trillm.config import ModelConfig
+from trillm.model_executor.bamba_config import ATTENTION
 
 
-def mamba_state_layout(cfg: ModelConfig, num_layers: int, kv_layers: int) -> SSMStateLayout:
+def hybrid_state_layout(cfg: ModelConfig) -> SSMStateLayout:
+    """A request's state in a model whose ``layer_types`` (as ``bamba_config`` names them)
+    mix Mamba-2 and attention layers."""
     hf = cfg.hf_config
+    kv_layers = hf["layer_types"].count(ATTENTION)
     inner, groups, state = _inner(cfg), int(hf["mamba_n_groups"]), int(hf["mamba_d_state"])
     conv_channels = inner + 2 * groups * state
     return SSMStateLayout(
         conv=(conv_channels, int(hf["mamba_d_conv"]) - 1),
         ssm=(int(hf["mamba_n_heads"]), int(hf["mamba_d_head"]), state),
-        num_layers=num_layers,
+        num_layers=len(hf["layer_types"]) - kv_layers,
         kv_layers=kv_layers,
     )
+
+
+def mixer_rows(kinds: list[str]) -> list[int | None]:
+    """Each layer's row among the Mamba-2 layers (None for an attention layer)."""
+    rows: list[int | None] = []
+    count = 0
+    for kind in kinds:
+        rows.append(None if kind == ATTENTION else count)
+        count += kind != ATTENTION
+    return rows
 
 
 def _inner(cfg: ModelConfig) -> int:
