@@ -274,3 +274,20 @@ def test_config_and_limits(path, tmp_path):
     (folder / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="a 'llama' language model is not supported"):
         build_config(EngineArgs(str(folder)))
+
+
+def test_audio_parts_reach_the_template_as_vllm_passes_them():
+    # "openai" content format: {"type": "audio"} where the part was (vLLM's shape); "string":
+    # the model's placeholder in the text; a model without audio refuses the part by name.
+    from trillm.engine.chat_template import ChatTemplateError, render_template
+
+    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "hi"}]}]
+    parts = "{% for p in messages[0]['content'] %}[{{ p['type'] }}]{% endfor %}"
+    assert render_template(parts, messages, content_format="openai", audio_placeholder=AUDIO) == (
+        "[audio][text]"
+    )
+    whole = "{{ messages[0]['content'] }}"
+    got = render_template(whole, messages, content_format="string", audio_placeholder=AUDIO)
+    assert got == f"{AUDIO}\nhi"
+    with pytest.raises(ChatTemplateError, match="has type 'audio'"):
+        render_template(whole, messages, content_format="string", image_placeholder="<image>")
