@@ -129,6 +129,7 @@ _FLAGS = {
 VF = "tests/entrypoints/test_vllm_flags.py::"
 REFUSED_TOP = VF + "test_top35_flag_of_another_issue_refused"
 MOOT = VF + "test_moot_flags_say_so_once"
+SOCK = "tests/entrypoints/test_socket_and_process_flags.py::"
 TLS = VF + "test_tls_and_request_log"
 CORS = ids(
     VF + "test_preflight_needs_no_api_key_and_names_what_is_disallowed",
@@ -146,6 +147,15 @@ _VLLM_FLAGS = {
     "--ssl-ca-certs": ids(FEE + "test_tls_client_certificates_and_cors_methods_reach_the_server"),
     "--ssl-cert-reqs": ids(FEE + "test_tls_client_certificates_and_cors_methods_reach_the_server"),
     "--root-path": ids(VF + "test_root_path_as_uvicorn"),
+    "--uds": ids(
+        SOCK + "test_uds_serves_on_the_socket_file_and_replaces_a_stale_one",
+        SOCK + "test_uds_over_a_regular_file_is_refused_before_loading",
+        SOCK + "test_uds_with_a_port_is_refused",
+    ),
+    "--api-server-count": ids(SOCK + "test_api_server_count_one_is_accepted_more_refused_by_name"),
+    "--show-hidden-metrics-for-version": ids(
+        SOCK + "test_show_hidden_metrics_for_version_is_said_once"
+    ),
     "--config": ids(VF + "test_config_yaml_and_command_line_precedence"),
     "--download-dir": ids(VF + "test_download_dir_is_the_hub_cache"),
     "--enable-log-requests": ids(TLS),
