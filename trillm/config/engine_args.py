@@ -8,6 +8,10 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from trillm.config.mm_processor_cache import (
+    DEFAULT_MM_PROCESSOR_CACHE_GB,
+    check_mm_processor_cache_gb,
+)
 from trillm.config.multimodal import check_limit_mm_per_prompt, check_media_args
 from trillm.config.parallel import check_parallel
 from trillm.config.pooling import check_runner
@@ -305,6 +309,20 @@ class EngineArgs:
         None, "The image processor's keywords, e.g. '{\"do_normalize\": false}'.",
         value="json_object", metavar="JSON",
     )  # fmt: skip
+    # vLLM's: the frontend's cache of processed images (trillm/engine/mm_processor_cache.py)
+    mm_processor_cache_gb: float = flag(
+        DEFAULT_MM_PROCESSOR_CACHE_GB,
+        "GiB of processed images kept, so an image sent again skips the image processor "
+        "(default: 4; 0 disables the cache).",
+        metavar="GiB",
+    )
+    # vLLM's: skip the encoder's share of the start-up memory profile. trillm runs no
+    # profiling forward at start (the KV cache is sized from the budget), so it is moot.
+    skip_mm_profiling: bool = flag(
+        False,
+        "Accepted: trillm runs no memory-profiling pass at start, for the encoder or "
+        "otherwise (said once in the log).",
+    )
     # trillm's: "fast" (the native kernels) or "transformers" (every op as transformers' eager
     # forward computes it: trillm/model_executor/transformers_numerics.py).
     numerics: Numerics = flag(
@@ -349,6 +367,7 @@ class EngineArgs:
                 self.allowed_local_media_path, self.allowed_media_domains, self.mm_processor_kwargs
             )
         )
+        self.mm_processor_cache_gb = check_mm_processor_cache_gb(self.mm_processor_cache_gb)
         check_runner(self.runner, self.convert, self.pooler_config)  # ValueError naming it
         from trillm.spec_decode.config import parse_speculative_config
 
@@ -358,6 +377,11 @@ class EngineArgs:
             logger.info(
                 "trust_remote_code: the checkpoint's tokenizer code may run; its model "
                 "code never does (trillm's own model implementations are used)."
+            )
+        if self.skip_mm_profiling:
+            logger.info(
+                "skip_mm_profiling: trillm runs no memory-profiling pass at start (the "
+                "encoder's or any other); nothing to skip."
             )
 
     @classmethod

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trillm.config.mm_processor_cache import DEFAULT_MM_PROCESSOR_CACHE_GB
 from trillm.config.pooling import PoolerConfig
 from trillm.config.values import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_KV_CACHE_MEMORY
 from trillm.spec_decode.config import SpeculativeConfig
@@ -139,5 +140,7 @@ class TrillmConfig:
     allowed_local_media_path: str = ""
     allowed_media_domains: list[str] | None = None
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    # GiB of processed images the frontend keeps (trillm/engine/mm_processor_cache.py); 0: none
+    mm_processor_cache_gb: float = DEFAULT_MM_PROCESSOR_CACHE_GB
     # How message content reaches the chat template: "auto", "string" or "openai" (vLLM's)
     chat_template_content_format: str = "auto"

@@ -146,6 +146,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         allowed_local_media_path=args.allowed_local_media_path,
         allowed_media_domains=args.allowed_media_domains,
         mm_processor_kwargs=dict(args.mm_processor_kwargs or {}),
+        mm_processor_cache_gb=args.mm_processor_cache_gb,
         chat_template_content_format=args.chat_template_content_format,
     )
 

@@ -23,6 +23,7 @@ from trillm.engine import gemma3_inputs as gemma3
 from trillm.engine import qwen2_vl_inputs as qwen2_vl
 from trillm.engine.audio_inputs import AudioProcessor
 from trillm.engine.media import ImageSource, MediaConnector, MultiModalInputError, content_hash
+from trillm.engine.mm_processor_cache import ProcessorCache, item_key
 from trillm.messages import MultiModalItem
 from trillm.model_executor.gemma3_mm_config import is_gemma3_mm
 from trillm.model_executor.multimodal_config import image_token_id, num_image_tokens
@@ -111,6 +112,8 @@ class MultiModalProcessor:
             config.allowed_local_media_path, config.allowed_media_domains
         )
         self.processor_kwargs = self.check_kwargs(config.mm_processor_kwargs, "mm_processor_kwargs")
+        # Processed images by pixels and keywords (None: --mm-processor-cache-gb 0)
+        self.cache = ProcessorCache.from_gb(config.mm_processor_cache_gb)
 
     @property
     def image_processor(self) -> Any:
@@ -196,6 +199,8 @@ class MultiModalProcessor:
 
     def _pixel_values(self, images: list[Any], kwargs: dict[str, Any]) -> list[np.ndarray]:
         out = []
+        if self.qwen2_vl:
+            kwargs = qwen2_vl.processor_kwargs(self.image_processor, kwargs)
         for i, image in enumerate(images):
             try:
                 rgb = image.convert("RGB")  # decodes
@@ -203,30 +208,40 @@ class MultiModalProcessor:
                 raise MultiModalInputError(
                     f"multi_modal_data['image'][{i}] cannot be decoded: {exc}"
                 ) from None
-            if self.qwen2_vl:
-                kwargs = qwen2_vl.processor_kwargs(self.image_processor, kwargs)
-            try:
-                processed = self.image_processor(images=rgb, return_tensors="np", **kwargs)
-            except Exception as exc:  # a value the processor refuses (transformers' checks)
-                if not kwargs:
-                    raise
-                raise MultiModalInputError(
-                    f"mm_processor_kwargs: the image processor refused them: {exc}",
-                    "mm_processor_kwargs",
-                ) from None
-            if self.qwen2_vl:
-                out.append(qwen2_vl.patches(processed))
+            if self.cache is None:
+                out.append(self._processed(rgb, kwargs))
                 continue
-            batch = processed["pixel_values"]
-            side = self.mm_config["vision_config"].get("image_size")
-            if side is not None and tuple(batch.shape[-2:]) != (side, side):
-                raise MultiModalInputError(
-                    f"mm_processor_kwargs: the processed image is {batch.shape[-2]}x"
-                    f"{batch.shape[-1]} pixels; the vision tower takes {side}x{side}.",
-                    "mm_processor_kwargs",
-                )
-            out.append(np.ascontiguousarray(batch[0], dtype=np.float32))
+            key = item_key(np.asarray(rgb), kwargs)
+            values = self.cache.get(key)
+            if values is None:
+                values = self._processed(rgb, kwargs)
+                self.cache.put(key, values)
+            out.append(values)
         return out
+
+    def _processed(self, rgb: Any, kwargs: dict[str, Any]) -> np.ndarray:
+        """One decoded image through the image processor: its pixel values (Qwen2-VL: its
+        patches)."""
+        try:
+            processed = self.image_processor(images=rgb, return_tensors="np", **kwargs)
+        except Exception as exc:  # a value the processor refuses (transformers' checks)
+            if not kwargs:
+                raise
+            raise MultiModalInputError(
+                f"mm_processor_kwargs: the image processor refused them: {exc}",
+                "mm_processor_kwargs",
+            ) from None
+        if self.qwen2_vl:
+            return qwen2_vl.patches(processed)
+        batch = processed["pixel_values"]
+        side = self.mm_config["vision_config"].get("image_size")
+        if side is not None and tuple(batch.shape[-2:]) != (side, side):
+            raise MultiModalInputError(
+                f"mm_processor_kwargs: the processed image is {batch.shape[-2]}x"
+                f"{batch.shape[-1]} pixels; the vision tower takes {side}x{side}.",
+                "mm_processor_kwargs",
+            )
+        return np.ascontiguousarray(batch[0], dtype=np.float32)
 
     async def process(
         self, ids: list[int], data: Any, kwargs: dict[str, Any] | None = None

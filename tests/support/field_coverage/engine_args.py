@@ -38,6 +38,9 @@ from field_coverage.ids import (
     ids,
 )
 
+MM_CACHE = "tests/models/test_mm_processor_cache.py::"
+MM_METRICS = "tests/entrypoints/test_mm_cache_metrics.py::"
+
 ENGINE: dict[str, tuple[str, ...]] = {
     "model": ids(ENGINE_REFUSED, LOADING + "test_default_model"),
     "tokenizer": ids(FEC + "test_add_special_tokens_and_the_tokenizer_flag"),
@@ -258,6 +261,19 @@ ENGINE: dict[str, tuple[str, ...]] = {
     "mm_processor_kwargs": ids(
         LLAVA + "test_the_trio_api_takes_the_same_dict_and_chat_parts",
         LLAVA + "test_text_models_and_disabled_images_refuse_image_input",
+    ),
+    # processed images kept by pixels and keywords (a repeat skips the processor), LRU within
+    # the byte budget, 0 disables it; bad budgets refused by name; its hits in /metrics
+    "mm_processor_cache_gb": ids(
+        MM_CACHE + "test_a_repeated_image_is_processed_once_and_answers_the_same",
+        MM_CACHE + "test_zero_gib_disables_the_cache_and_the_output_is_unchanged",
+        MM_CACHE + "test_bad_budgets_are_refused_by_name",
+        MM_METRICS + "test_a_repeated_image_is_a_hit_in_metrics",
+    ),
+    # no memory-profiling pass exists to skip: accepted and said in the log
+    "skip_mm_profiling": ids(
+        MM_CACHE + "test_skip_mm_profiling_is_accepted_and_said_in_the_log",
+        MM_METRICS + "test_skip_mm_profiling_is_said_in_the_log",
     ),
 }
 

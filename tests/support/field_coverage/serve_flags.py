@@ -271,6 +271,8 @@ _ENGINE_FLAG_FIELDS = {
     "--allowed-local-media-path": "allowed_local_media_path",
     "--allowed-media-domains": "allowed_media_domains",
     "--mm-processor-kwargs": "mm_processor_kwargs",
+    "--mm-processor-cache-gb": "mm_processor_cache_gb",
+    "--skip-mm-profiling": "skip_mm_profiling",
     "--hf-overrides": "hf_overrides",
     "--chat-template-content-format": "chat_template_content_format",
     "--distributed-executor-backend": "distributed_executor_backend",

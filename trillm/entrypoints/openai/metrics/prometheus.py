@@ -10,6 +10,7 @@ renamed at scrape time, so a second prefix costs nothing per request.
 
 Sources:
 - scheduler gauges (running, waiting, KV usage), the prefix-cache and preemption counters,
+  the multimodal processor cache's counters (``vllm:mm_cache_queries`` / ``_hits``),
   ``cache_config_info`` and (with --enable-lora) ``lora_requests_info`` are read from the
   engine at scrape time; ``lora_requests_info`` has vLLM's labels only (``max_lora``,
   ``waiting_lora_adapters``, ``running_lora_adapters``), summed over the engine cores;
@@ -106,6 +107,7 @@ class _SchedulerCollector(Collector):
             ),
         )
         yield from _stat_families(CounterMetricFamily, counters, list(zip(labels, per_engine)))
+        yield from _mm_cache_families(self.engine, labels[0])
         specs = [
             (values, s.spec_decoding)
             for values, s in zip(labels, per_engine)
@@ -161,6 +163,20 @@ def _stat_families(
         for values, stats in per_engine:
             fam.add_metric(values, float(getattr(stats, attr)))
         yield fam
+
+
+def _mm_cache_families(engine: AsyncEngine, labels: list[str]) -> Iterable[Metric]:
+    """vLLM's multimodal cache counters, in items: the frontend's processed-image cache
+    (``--mm-processor-cache-gb``), one for all engine cores, so under the first core's labels;
+    0 without one (a text-only model, a cache of 0 GiB), as vLLM always has the series."""
+    cache = getattr(engine.preprocessor.multimodal, "cache", None)
+    for name, doc, attr in (
+        ("vllm:mm_cache_queries", "Multi-modal cache queries, in items.", "queries"),
+        ("vllm:mm_cache_hits", "Multi-modal cache hits, in items.", "hits"),
+    ):
+        family = CounterMetricFamily(name, doc, labels=LABELS)
+        family.add_metric(labels, float(0 if cache is None else getattr(cache, attr)))
+        yield family
 
 
 def engine_stats(engine: AsyncEngine) -> list[Any]:
