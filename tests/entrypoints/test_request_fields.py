@@ -84,7 +84,6 @@ def test_refused_fields_name_themselves(server, path):
         else {"messages": [{"role": "user", "content": "Hi"}]}
     )
     cases = [
-        ({"use_beam_search": True}, "use_beam_search"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"bad_words": [""]}, "bad_words"),
         ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),

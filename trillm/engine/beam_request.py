@@ -15,6 +15,7 @@ The search runs in the reader's task, at its first read; each step is one
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ class BeamSearchRequest:
         )
         ends = self._end_rule()
         self.runs = [
-            _PromptRun(i, p, PromptSearch(params, self.num_eos, ends, keep_logprobs))
+            _PromptRun(i, p, PromptSearch(_own(params, p), self.num_eos, ends, keep_logprobs))
             for i, p in enumerate(prompts)
         ]
         self._items: list[tuple[int, RequestOutput | Exception]] | None = None
@@ -285,6 +286,15 @@ class BeamSearchRequest:
             finish_reason=h.beam.finish_reason,
             stop_reason=h.beam.stop_reason,
         )
+
+
+def _own(params: BeamSearchParams, prompt: PreparedPrompt) -> BeamSearchParams:
+    """A prompt's params: its ``max_tokens`` as its preparation resolved it, when smaller
+    (HTTP: the room its context leaves)."""
+    limit = prompt.params.max_tokens
+    if limit is None or limit >= params.max_tokens:
+        return params
+    return dataclasses.replace(params, max_tokens=limit)
 
 
 def _check_request(

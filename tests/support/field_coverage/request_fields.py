@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from field_coverage.ids import (
     AUDIO_HTTP,
+    BEAM,
     CLS,
     FAULTS,
     FE,
@@ -56,7 +57,16 @@ _SAMPLING = {
     "bad_words": ids(FE + "test_allowed_token_ids_and_bad_words"),
     "truncate_prompt_tokens": ids(FE + "test_truncate_prompt_tokens"),
     "return_tokens_as_token_ids": ids(FE + "test_logprobs_and_return_tokens_as_token_ids"),
-    "use_beam_search": ids(REQ + "test_refused_fields_name_themselves"),
+    # n beams as the choices, equal to LLM.beam_search (itself equal to transformers')
+    "use_beam_search": ids(BEAM + "test_completion_choices_are_the_beams"),
+    "length_penalty": ids(
+        BEAM + "test_completion_choices_are_the_beams",
+        BEAM + "test_what_cannot_combine_is_refused_by_name",
+    ),
+    "early_stopping": ids(
+        BEAM + "test_completion_choices_are_the_beams",
+        BEAM + "test_what_cannot_combine_is_refused_by_name",
+    ),
     "structured_outputs": ids(STRUCTURED),
     "guided_json": ids(STRUCTURED),
     "guided_regex": ids(STRUCTURED),

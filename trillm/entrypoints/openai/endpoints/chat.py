@@ -20,6 +20,7 @@ from trillm.engine.media import multi_modal_data
 from trillm.engine.multimodal import processor_text
 from trillm.engine.preprocess import INLINE_TOKENIZE_CHARS, PreparedPrompt
 from trillm.entrypoints.openai.endpoints.base import ServerState
+from trillm.entrypoints.openai.endpoints.beam_search import beam_params
 from trillm.entrypoints.openai.endpoints.budgets import LogprobBudget, check_sequences
 from trillm.entrypoints.openai.endpoints.chat_output import ChatAnswer
 from trillm.entrypoints.openai.endpoints.chat_parsing import (
@@ -80,9 +81,10 @@ async def start_chat(
         # without calling back into this module.
         parser = partial(ChoiceParser, tools, reasoning, req.include_reasoning)
     answer = ChatAnswer(state, req, params, request_id, prompt_ids, model_name, parser)
+    beam = beam_params(req, [prepared])
     try:
         gen = await start_generation(
-            state, [prepared], request_id, timeout=req.timeout, lora_request=lora
+            state, [prepared], request_id, timeout=req.timeout, lora_request=lora, beam=beam
         )
     except BadRequestError as exc:
         raise tools.blame(exc) from None  # a tool schema that does not compile names the tool

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from trillm.entrypoints.openai.endpoints.base import ServerState
+from trillm.entrypoints.openai.endpoints.beam_search import beam_params
 from trillm.entrypoints.openai.endpoints.budgets import (
     LogprobBudget,
     check_sequences,
@@ -54,7 +55,10 @@ async def create_completion(
     model_name = state.model_name if lora is None else lora.lora_name
     answer = CompletionAnswer(state, req, prompts, request_id, model_name)
     jobs = [p.prepared for p in prompts]
-    gen = await start_generation(state, jobs, request_id, timeout=req.timeout, lora_request=lora)
+    beam = beam_params(req, jobs)
+    gen = await start_generation(
+        state, jobs, request_id, timeout=req.timeout, lora_request=lora, beam=beam
+    )
     if req.stream:
         opts = req.stream_options
         include_usage = opts is not None and opts.include_usage

@@ -28,6 +28,7 @@ from contextlib import AsyncExitStack
 
 import trio
 
+from trillm.engine.beam_request import BeamSearchRequest
 from trillm.engine.preprocess import PreparedPrompt
 from trillm.engine.request_stream import ParentRequest
 from trillm.entrypoints.openai.endpoints.admission import Admission, admit, admitted_tokens
@@ -36,13 +37,19 @@ from trillm.entrypoints.openai.http.errors import APIError, from_engine_exceptio
 from trillm.entrypoints.openai.http.exchange_cleanups import at_exchange_end
 from trillm.lora.request import LoRARequest
 from trillm.outputs import RequestOutput
+from trillm.sampling_params import BeamSearchParams
 
 
 class Generation:
     """One HTTP request's prompts in the engine, read as ``(prompt index, RequestOutput |
     APIError)``; a prompt's failure is its item, the others go on."""
 
-    def __init__(self, admission: Admission, request_ids: list[str], request: ParentRequest):
+    def __init__(
+        self,
+        admission: Admission,
+        request_ids: list[str],
+        request: ParentRequest | BeamSearchRequest,
+    ):
         self.admission = admission
         self.request_ids = request_ids
         self.request = request
@@ -97,6 +104,7 @@ async def start_generation(
     request_id: str,
     timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline
     lora_request: LoRARequest | None = None,
+    beam: BeamSearchParams | None = None,
 ) -> Generation:
     """Submit the request's prompts, each prepared (checked) by the engine's preprocessor: the
     engine submits them without checking them again.
@@ -106,20 +114,26 @@ async def start_generation(
     when the queue is full (``--max-num-queued-requests``, ``--max-num-admitted-tokens``).
     ``timeout``: seconds until the request ends with finish_reason "timeout".
     ``lora_request``: the adapter the request's ``model`` names (None: the base model).
+    ``beam``: a beam search of the prompts instead (``use_beam_search``), admitted as ``n``
+    sequences each; its items come when the search is over.
     """
     n = jobs[0].params.n
     ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
     admission = admit(state, ids, n, [admitted_tokens(job) for job in jobs])
     try:
-        request = state.engine.generate_many(
-            jobs,
-            None,
-            ids,
-            timeout=timeout,
-            lora_requests=[lora_request] * len(jobs),
-            max_in_flight=_prompts_at_once(state, n, len(jobs)),
-            may_start=state.accepts_prompts,
-        )
+        request: ParentRequest | BeamSearchRequest
+        if beam is not None:
+            request = _beam_search(state, jobs, beam, ids, timeout, lora_request)
+        else:
+            request = state.engine.generate_many(
+                jobs,
+                None,
+                ids,
+                timeout=timeout,
+                lora_requests=[lora_request] * len(jobs),
+                max_in_flight=_prompts_at_once(state, n, len(jobs)),
+                may_start=state.accepts_prompts,
+            )
     except BaseException:
         admission.release_all()
         raise
@@ -148,6 +162,29 @@ def guard_stream(generation: Generation, body: AsyncIterator[bytes]) -> AsyncIte
     before the response started)."""
     at_exchange_end(generation.aclose)
     return body
+
+
+def _beam_search(
+    state: ServerState,
+    jobs: list[PreparedPrompt],
+    beam: BeamSearchParams,
+    ids: list[str],
+    timeout: float | None,  # noqa: ASYNC109 - the request's deadline
+    lora_request: LoRARequest | None,
+) -> BeamSearchRequest:
+    try:
+        return BeamSearchRequest(
+            state.engine,
+            jobs,
+            beam,
+            ids,
+            timeout=timeout,
+            lora_requests=[lora_request] * len(jobs),
+            max_in_flight=state.max_engine_seqs_per_request,  # beams: one sequence each
+            may_start=state.accepts_prompts,
+        )
+    except ValueError as exc:  # what the search cannot serve (its width, images): a 400
+        raise from_engine_exception(exc) from exc
 
 
 def _prompts_at_once(state: ServerState, n: int, num_prompts: int) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from trillm.entrypoints.openai.endpoints.beam_search import check_beam_fields
 from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.entrypoints.openai.schemas.protocol import MAX_STOP_STRING_LEN
 from trillm.sampling_params import (
@@ -78,10 +79,7 @@ def _check_request(req: Any) -> None:
         raise BadRequestError(
             "'stream_options' can only be set when 'stream' is true.", "stream_options"
         )
-    if req.use_beam_search:
-        raise BadRequestError(
-            "Beam search is not supported; 'use_beam_search' must be false.", "use_beam_search"
-        )
+    check_beam_fields(req)
     stop = req.stop
     _check_strings("stop", [stop] if isinstance(stop, str) else stop or [])
     _check_strings("bad_words", req.bad_words or [])

@@ -194,7 +194,10 @@ class _SamplingFields:
     truncate_prompt_tokens: int | None = _f(None, ge=-1)
     # Logprob tokens as "token_id:<id>" (for tokens that are not valid UTF-8 alone).
     return_tokens_as_token_ids: bool = False
-    use_beam_search: bool = False  # refused when true: no beam search here
+    # Beam search (endpoints/beam_search.py): n beams; the other two act on it only.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
     structured_outputs: StructuredOutputs | None = None
     # vLLM's older names for structured_outputs.{json, regex, choice, grammar}
     guided_json: Union[str, dict[str, Any], None] = None  # noqa: UP007
