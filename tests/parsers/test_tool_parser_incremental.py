@@ -57,6 +57,52 @@ def _deepseek_v3(n: int) -> str:
     return "Let me check.<｜tool▁calls▁begin｜>" + calls + "<｜tool▁calls▁end｜>"
 
 
+def _qwen3_coder(n: int) -> str:
+    calls = "".join(
+        f"<tool_call>\n<function=f{i}>\n<parameter=x>\n{i}\n</parameter>\n</function>\n</tool_call>\n"
+        for i in range(n)
+    )
+    return "Let me check.\n" + calls
+
+
+def _glm45(n: int) -> str:
+    return "".join(
+        f"<tool_call>f{i}\n<arg_key>x</arg_key>\n<arg_value>{i}</arg_value>\n</tool_call>"
+        for i in range(n)
+    )
+
+
+def _minimax_m2(n: int) -> str:
+    calls = "".join(
+        f'<invoke name="f{i}">\n<parameter name="x">{i}</parameter>\n</invoke>\n' for i in range(n)
+    )
+    return "<minimax:tool_call>\n" + calls + "</minimax:tool_call>"
+
+
+def _kimi_k2(n: int) -> str:
+    calls = "".join(
+        f'<|tool_call_begin|>functions.f{i}:{i}<|tool_call_argument_begin|>{{"x": {i}}}<|tool_call_end|>'
+        for i in range(n)
+    )
+    return "Sure.<|tool_calls_section_begin|>" + calls + "<|tool_calls_section_end|>"
+
+
+def _deepseek_v31(n: int) -> str:
+    calls = "".join(
+        f'<｜tool▁call▁begin｜>f{i}<｜tool▁sep｜>{{"x": {i}, "s": "}}"}}<｜tool▁call▁end｜>'
+        for i in range(n)
+    )
+    return "<｜tool▁calls▁begin｜>" + calls + "<｜tool▁calls▁end｜>"
+
+
+def _granite(n: int) -> str:
+    return (
+        "<|tool_call|>["
+        + ", ".join(f'{{"name": "f{i}", "arguments": {{"x": {i}}}}}' for i in range(n))
+        + "]"
+    )
+
+
 def _required(n: int) -> str:
     return "[" + ", ".join(f'{{"name": "f", "parameters": {{"x": {i}}}}}' for i in range(n)) + "]"
 
@@ -69,6 +115,12 @@ FORMATS = {
     "mistral_v11": (get_tool_parser("mistral"), _mistral_v11),
     "pythonic": (get_tool_parser("pythonic"), _pythonic),
     "deepseek_v3": (get_tool_parser("deepseek_v3"), _deepseek_v3),
+    "qwen3_coder": (get_tool_parser("qwen3_coder"), _qwen3_coder),
+    "glm45": (get_tool_parser("glm45"), _glm45),
+    "minimax_m2": (get_tool_parser("minimax_m2"), _minimax_m2),
+    "kimi_k2": (get_tool_parser("kimi_k2"), _kimi_k2),
+    "deepseek_v31": (get_tool_parser("deepseek_v31"), _deepseek_v31),
+    "granite": (get_tool_parser("granite"), _granite),
     "required": (RequiredToolCallParser, _required),
 }
 
@@ -175,6 +227,21 @@ ODD = {
         "<｜tool▁call▁end｜> nope<｜tool▁calls▁end｜>",
         '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": 1}\n```'
         '<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{"b',
+    ],
+    "minimax_m2": [
+        '<minimax:tool_call>\n<invoke name="f">\n<parameter name="x">1</parameter>\n</invoke>\n'
+        "nope</minimax:tool_call>",
+        '<minimax:tool_call>\n<invoke name="f">\n<parameter name="x">1</parameter>\n</invoke>\n'
+        '<invoke name="g">\n<parameter name="y">2</param',
+        '<minimax:tool_call><invoke name="f"></invoke></minimax:tool_call> x <minimax:tool_call>'
+        '<invoke name="g"><parameter name="y">2</parameter></invoke></minimax:tool_call>',
+    ],
+    "qwen3_coder": [
+        "a <tool_call>\n<function=f>\n</function>\n</tool_call> b <tool_call>nope</tool_call> c"
+    ],
+    "kimi_k2": [
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
+        "<|tool_call_end|> nope<|tool_calls_section_end|>",
     ],
     "required": [
         '[{"name": "f", "parameters": {}}, {"name": "f", "parameters": {"x"',

@@ -8,14 +8,14 @@ import json
 from trillm.parsers.tool_parsers import get_tool_parser
 
 
-def parse_calls(name: str, text: str):
-    result = get_tool_parser(name)().extract(text)
+def parse_calls(name: str, text: str, tools: list | None = None):
+    result = get_tool_parser(name)(tools).extract(text)
     return result.content, [(c.name, json.loads(c.arguments)) for c in result.tool_calls]
 
 
-def stream_calls(name: str, parts: list[str]):
+def stream_calls(name: str, parts: list[str], tools: list | None = None):
     """Feed ``parts``; rebuild content and calls from the deltas, checking OpenAI's shape."""
-    streamer = get_tool_parser(name)().streamer()
+    streamer = get_tool_parser(name)(tools).streamer()
     content, calls = "", []
     for part in [*parts, None]:
         text, deltas = streamer.feed(part) if part is not None else streamer.finish()
@@ -30,3 +30,12 @@ def stream_calls(name: str, parts: list[str]):
                 calls[d["index"]][1] += d["function"]["arguments"]
     assert len({c[2] for c in calls}) == len(calls)  # ids are unique
     return content or None, [(n, json.loads(a)) for n, a, _ in calls]
+
+
+def check_every_split(name: str, text: str, expected, tools: list | None = None) -> None:
+    """``text`` parses to ``expected`` (content, [(name, arguments)]) whole, streamed a
+    character at a time, and streamed in two parts split at every point."""
+    assert parse_calls(name, text, tools) == expected
+    assert stream_calls(name, list(text), tools) == expected
+    for k in range(len(text) + 1):
+        assert stream_calls(name, [text[:k], text[k:]], tools) == expected, k

@@ -25,16 +25,27 @@ from trillm.parsers.tool_parsers.base import (
     ToolParser,
 )
 from trillm.parsers.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from trillm.parsers.tool_parsers.deepseek_v31 import DeepSeekV31ToolParser
 from trillm.parsers.tool_parsers.forced import (
     NamedToolCallParser,
     RequiredToolCallParser,
     named_schema,
     required_schema,
 )
-from trillm.parsers.tool_parsers.hermes import HermesToolParser
-from trillm.parsers.tool_parsers.json_lists import Llama3JsonToolParser, MistralToolParser
+from trillm.parsers.tool_parsers.glm45 import Glm45ToolParser
+from trillm.parsers.tool_parsers.hermes import HermesToolParser, InternLMToolParser
+from trillm.parsers.tool_parsers.jamba import JambaToolParser
+from trillm.parsers.tool_parsers.json_lists import (
+    GraniteToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    Phi4MiniJsonToolParser,
+)
+from trillm.parsers.tool_parsers.kimi_k2 import KimiK2ToolParser
+from trillm.parsers.tool_parsers.minimax_m2 import MiniMaxM2ToolParser
 from trillm.parsers.tool_parsers.openai import OpenAIToolParser
 from trillm.parsers.tool_parsers.pythonic import PythonicToolParser
+from trillm.parsers.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 __all__ = [
     "CallPiece",
@@ -87,31 +98,32 @@ def tool_parser_names() -> list[str]:
 
 def load_tool_parser_plugin(path: str) -> None:
     """Run the Python file ``path`` (which registers its parsers). Raises ValueError."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--tool-parser-plugin {path!r} is not a file.")
-    module_name = f"trillm_tool_parser_plugin_{file.stem}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"--tool-parser-plugin {path!r} cannot be loaded as Python.")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ValueError(f"--tool-parser-plugin {path!r} failed to load: {exc!r}") from exc
+    from trillm.parsers.plugin_files import run_plugin_file
+
+    run_plugin_file(path, "--tool-parser-plugin")
 
 
 for _parser in (
     DeepSeekV3ToolParser,
+    DeepSeekV31ToolParser,
+    Glm45ToolParser,
+    GraniteToolParser,
     HermesToolParser,
+    InternLMToolParser,
+    JambaToolParser,
+    KimiK2ToolParser,
     Llama3JsonToolParser,
+    MiniMaxM2ToolParser,
     MistralToolParser,
     OpenAIToolParser,
+    Phi4MiniJsonToolParser,
     PythonicToolParser,
+    Qwen3CoderToolParser,
 ):
     register_tool_parser(_parser.name, _parser)
 # vLLM's names for Llama 4's tool-call formats: pythonic calls (in <|python_start|> tags or
 # not) and Llama 3's JSON objects, which these parsers read already.
 register_tool_parser("llama4_pythonic", PythonicToolParser)
 register_tool_parser("llama4_json", Llama3JsonToolParser)
+# vLLM's second parser for Qwen3-Coder's XML calls (the same format, another implementation).
+register_tool_parser("qwen3_xml", Qwen3CoderToolParser)

@@ -32,6 +32,7 @@ class CallPiece:
     name: str | None  # None: the call has started, its name has not come yet
     arguments: str = ""  # JSON text; while streaming, a prefix of the final arguments
     complete: bool = False
+    call_id: str | None = None  # the model's own id for the call (Kimi K2's), else made up
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,9 @@ class ToolParser:
     def extract(self, text: str) -> ExtractedToolCalls:
         content, calls = assemble(self.split(text, True), True)
         tool_calls = [
-            ToolCall(c.name, c.arguments or "{}", self.make_id()) for c in calls if c.name
+            ToolCall(c.name, c.arguments or "{}", c.call_id or self.make_id())
+            for c in calls
+            if c.name
         ]
         return ExtractedToolCalls(content or None, tool_calls)
 
@@ -286,7 +289,7 @@ class ToolCallStreamer:
             if index == len(self.ids):
                 if call.name is None:
                     break
-                self.ids.append(self.parser.make_id())
+                self.ids.append(call.call_id or self.parser.make_id())
                 self.sent_args.append("")
                 deltas.append(
                     {

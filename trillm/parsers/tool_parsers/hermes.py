@@ -15,67 +15,37 @@ call when its object is complete.
 
 from __future__ import annotations
 
-from trillm.parsers.tool_parsers.base import CallPiece, Resume, ToolParser, held_prefix
+from trillm.parsers.tool_parsers.base import CallPiece
 from trillm.parsers.tool_parsers.json_scan import json_call
-
-START = "<tool_call>"
-END = "</tool_call>"
+from trillm.parsers.tool_parsers.tagged import TaggedBlockParser
 
 
-class HermesToolParser(ToolParser):
+class HermesToolParser(TaggedBlockParser):
     name = "hermes"
+    START = "<tool_call>"
+    END = "</tool_call>"
     markers = (START,)
 
-    def split(self, text: str, final: bool) -> list[str | CallPiece]:
-        return self._split(text, final, settle_text=False)[0]
+    def _calls(self, body: str, final: bool, closed: bool) -> list[CallPiece] | None:
+        # One call object a block (what follows it in the block is ignored).
+        call, _ = json_call(body, 0, final or closed)
+        if call is None:
+            return None
+        if final:  # cut off before the closing tag, but the object is whole
+            call.complete = True
+        return [call]
 
-    def split_tail(
-        self, text: str, final: bool, state: str
-    ) -> tuple[list[str | CallPiece], Resume | None]:
-        # The text after a call (or after content) reads as a whole output.
-        return self._split(text, final, settle_text=True)
 
-    def _split(
-        self, text: str, final: bool, settle_text: bool
-    ) -> tuple[list[str | CallPiece], Resume | None]:
-        """The pieces, and a Resume point after the last closed block that is a call or
-        (``settle_text``) after the content that ends the text, but for what it holds back."""
-        pieces: list[str | CallPiece] = []
-        resume: Resume | None = None
-        pos = 0
-        pending = ""  # text of blocks that turned out not to be calls, joined with the next
-        while True:
-            i = text.find(START, pos)
-            if i < 0:
-                tail = text[pos:]
-                if final:
-                    return [*pieces, pending + tail], resume
-                tail = tail[: len(tail) - held_prefix(tail, START)]
-                # NOTE: content up to its last non-space character stays as it is whatever
-                # follows: a piece of its own, split once (a long text after a call).
-                settled = len(tail.rstrip()) if settle_text else 0
-                if settled == 0:
-                    return [*pieces, pending + tail], resume
-                pieces += [pending + tail[:settled], tail[settled:]]
-                return pieces, Resume(pos + settled, len(pieces) - 1, "text", after_call=False)
-            body_start = i + len(START)
-            j = text.find(END, body_start)
-            if j < 0:
-                call, _ = json_call(text, body_start, final)
-                if call is None and final:
-                    pieces.append(pending + text[pos:])  # not a call: all content
-                    return pieces, resume
-                pieces.append(pending + text[pos:i])
-                if call is not None:
-                    if final:  # cut off before the closing tag, but the object is whole
-                        call.complete = True
-                    pieces.append(call)
-                return pieces, resume
-            call, end = json_call(text[:j], body_start, True)
-            if call is None:
-                pending += text[pos : j + len(END)]
-            else:
-                pieces += [pending + text[pos:i], call]
-                pending = ""
-                resume = Resume(j + len(END), len(pieces), "calls")
-            pos = j + len(END)
+class InternLMToolParser(HermesToolParser):
+    """InternLM2 / 2.5's calls (vLLM's ``internlm``): Hermes' call object (``parameters`` or
+    ``arguments``) in InternLM's plugin action tags::
+
+        Let me check.<|action_start|><|plugin|>
+        {"name": "get_weather", "parameters": {"city": "Paris"}}<|action_end|>
+    """
+
+    name = "internlm"
+    START = "<|action_start|><|plugin|>"
+    END = "<|action_end|>"
+    # One special token of the tokenizer (the server keeps special tokens for the parser).
+    markers = ("<|action_start|>",)

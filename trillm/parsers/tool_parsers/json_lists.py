@@ -7,6 +7,10 @@
   ``{"name": ..., "arguments": {...}}`` (tokenizer v3-v7), or ``[TOOL_CALLS]name[ARGS]{...}``
   repeated (v11 and later). These markers are special tokens: the server keeps special
   tokens in the text for this parser, and text after the calls (``</s>``) is dropped.
+- ``granite`` (Granite 3.x): the output is a JSON array of calls, optionally after
+  ``<|tool_call|>`` (3.0) or ``<tool_call>`` (3.1); anything else is content.
+- ``phi4_mini_json`` (Phi-4-mini): content, then ``functools`` and a JSON array of calls
+  (text after the array is dropped, as for mistral).
 """
 
 from __future__ import annotations
@@ -178,3 +182,53 @@ class MistralToolParser(CallListParser):
         content)."""
         nxt = skip_ws(text, end)
         return nxt + len(self.TAG) if text.startswith(self.TAG, nxt) else None
+
+
+class GraniteToolParser(CallListParser):
+    name = "granite"
+    start_only = True
+    TAGS = ("<|tool_call|>", "<tool_call>")
+
+    def _calls_after(
+        self, text: str, final: bool, state: str
+    ) -> tuple[list[CallPiece], Resume | None] | None:
+        return resumable_call_sequence(text, 0, final, ",", "]", after_call=True)
+
+    def _split(self, text: str, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
+        start = skip_ws(text, 0)
+        for tag in self.TAGS:  # in this order, as vLLM strips them
+            if text.startswith(tag, start):
+                start = skip_ws(text, start + len(tag))
+        rest = text[start:]
+        if not final and (not rest or any(t.startswith(rest) for t in self.TAGS)):
+            return [], None  # cannot tell yet
+        if not rest.startswith("["):
+            return [text], None
+        found = resumable_call_sequence(text, start + 1, final, ",", "]", after_call=False)
+        if found is None:
+            return [text], None
+        return list(found[0]), found[1]
+
+
+class Phi4MiniJsonToolParser(CallListParser):
+    name = "phi4_mini_json"
+    TAG = "functools["
+    markers = (TAG,)
+
+    def _calls_after(
+        self, text: str, final: bool, state: str
+    ) -> tuple[list[CallPiece], Resume | None] | None:
+        return resumable_call_sequence(text, 0, final, ",", "]", after_call=True)
+
+    def _split(self, text: str, final: bool) -> tuple[list[str | CallPiece], Resume | None]:
+        i = text.find(self.TAG)
+        if i < 0:
+            return [text if final else text[: len(text) - held_prefix(text, self.TAG)]], None
+        found = resumable_call_sequence(text, i + len(self.TAG), final, ",", "]", False)
+        if found is None:
+            return [text], None
+        calls, resume = found
+        # The content before the calls is a piece before the Resume point too.
+        return [text[:i], *calls], None if resume is None else replace(
+            resume, pieces=resume.pieces + 1
+        )
