@@ -11,6 +11,7 @@ output becomes ``reasoning_content`` (and vLLM's newer ``reasoning``), the rest 
   all content (``enable_thinking: false`` renders a closed ``<think></think>`` in the prompt).
 - ``openai_gptoss`` (also ``gpt_oss``): gpt-oss's harmony channels, analysis as reasoning
   (``GptOssReasoningParser`` below).
+- glm45, step3, kimi_k2, mistral, hunyuan_a13b, granite: ``reasoning_families.py``.
 
 ``extract`` splits a finished output; ``streamer()`` splits it delta by delta, holding back a
 possibly partial tag, and the deltas add up to ``extract``'s result.
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from trillm.parsers import harmony
+from trillm.parsers.tool_parsers.base import held_prefix
 
 START = "<think>"
 END = "</think>"
@@ -38,19 +40,17 @@ REASONING = "reasoning"  # inside it: unconstrained until </think>
 UNDECIDED = "undecided"  # its first token is <think> (then reasoning) or content
 
 
-def _held(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
-
-
 class ReasoningParser:
     name: ClassVar[str] = ""
     # Where an output starts when its prompt holds neither tag (``prompt_state``).
     untagged_prompt_state: ClassVar[str] = REASONING
     # Whether the engine can hold a grammar back until the reasoning ends (one end token).
     structured_outputs: ClassVar[bool] = True
+    start_tag: ClassVar[str] = START
+    end_tag: ClassVar[str] = END
+    # Text that ends the reasoning as ``end_tag`` does but belongs to the content (Kimi K2's
+    # tool-call section, which may follow reasoning without an end tag).
+    content_tags: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, prompt: str = "", chat_template_kwargs: dict[str, Any] | None = None):
         self.prompt = prompt
@@ -63,18 +63,32 @@ class ReasoningParser:
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of ``text``; before the end, a possibly partial tag is held."""
         body = text.lstrip()
-        if body.startswith(START):
-            body = body[len(START) :]
-        elif not final and START.startswith(body):
+        if body.startswith(self.start_tag):
+            body = body[len(self.start_tag) :]
+        elif not final and self.start_tag.startswith(body):
             return "", ""  # nothing yet, or the start of <think>
         elif not self.starts_in_reasoning():
             return "", text
-        end = body.find(END)
-        if end >= 0:
-            return body[:end], body[end + len(END) :]
+        found = self.reasoning_end(body)
+        if found is not None:
+            return body[: found[0]], body[found[1] :]
         if not final:
-            body = body[: len(body) - _held(body, END)]
+            body = body[: len(body) - self.held_end(body)]
         return body, ""
+
+    def reasoning_end(self, text: str) -> tuple[int, int] | None:
+        """(where the reasoning in ``text`` ends, where the content starts), or None."""
+        end = text.find(self.end_tag)
+        found = (end, end + len(self.end_tag)) if end >= 0 else None
+        for tag in self.content_tags:
+            at = text.find(tag)
+            if at >= 0 and (found is None or at < found[0]):
+                found = (at, at)
+        return found
+
+    def held_end(self, text: str) -> int:
+        """Length of the end of ``text`` that may begin what ends the reasoning."""
+        return max(held_prefix(text, tag) for tag in (self.end_tag, *self.content_tags))
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         reasoning, content = self.split(text, True)
@@ -90,11 +104,12 @@ class ReasoningParser:
         """(``<think>`` id, ``</think>`` id) in ``tokenizer``; ValueError naming the parser when
         either is not one token (the engine could not see where reasoning ends)."""
         vocab = tokenizer.get_vocab()
-        ids = vocab.get(START), vocab.get(END)
+        tags = cls.start_tag, cls.end_tag
+        ids = vocab.get(tags[0]), vocab.get(tags[1])
         if ids[0] is None or ids[1] is None:
-            missing = " and ".join(t for t, i in zip((START, END), ids) if i is None)
+            missing = " and ".join(t for t, i in zip(tags, ids) if i is None)
             raise ValueError(
-                f"Reasoning parser {cls.name!r} needs {START} and {END} as single tokens of the "
+                f"Reasoning parser {cls.name!r} needs {tags[0]} and {tags[1]} as single tokens of the "
                 f"tokenizer (structured outputs start where reasoning ends); this tokenizer has "
                 f"no {missing} token."
             )
@@ -129,9 +144,10 @@ class ReasoningStreamer:
             return self._reasoning(delta)
         self.held += delta
         body = self.held.lstrip()
-        if body.startswith(START):
-            body = body[len(START) :]
-        elif START.startswith(body):
+        start = self.parser.start_tag
+        if body.startswith(start):
+            body = body[len(start) :]
+        elif start.startswith(body):
             return "", ""  # nothing yet, or the start of <think>
         elif not self.parser.starts_in_reasoning():
             self.state = "content"
@@ -148,11 +164,11 @@ class ReasoningStreamer:
 
     def _reasoning(self, delta: str) -> tuple[str, str]:
         text = self.held + delta
-        end = text.find(END)
-        if end >= 0:
+        found = self.parser.reasoning_end(text)
+        if found is not None:
             self.state, self.held = "content", ""
-            return text[:end], text[end + len(END) :]
-        keep = _held(text, END)
+            return text[: found[0]], text[found[1] :]
+        keep = self.parser.held_end(text)
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], ""
 
@@ -183,10 +199,10 @@ class DeepSeekV3ReasoningParser(DeepSeekR1ReasoningParser):
         return super().split(text, final) if self.thinking else ("", text)
 
     def streamer(self) -> ReasoningStreamer:
-        return ReasoningStreamer(self) if self.thinking else _ContentStreamer(self)
+        return ReasoningStreamer(self) if self.thinking else ContentStreamer(self)
 
 
-class _ContentStreamer(ReasoningStreamer):
+class ContentStreamer(ReasoningStreamer):
     """Every delta is content."""
 
     def feed(self, delta: str) -> tuple[str, str]:
@@ -305,3 +321,7 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
 
 def reasoning_parser_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+# The other families' parsers register themselves (they build on the classes above).
+from trillm.parsers import reasoning_families  # noqa: E402, F401

@@ -9,8 +9,16 @@ from typing import Any
 
 from trillm.parsers import harmony
 
-# The think tags, and harmony's (gpt-oss): its channels are told apart by special tokens only.
-REASONING_MARKERS = ("<think>", "</think>", *harmony.SPECIAL)
+# The think tags (Magistral's, and Kimi K2's tool-call section, which ends its reasoning too),
+# and harmony's (gpt-oss): its channels are told apart by special tokens only.
+REASONING_MARKERS: tuple[str, ...] = (
+    "<think>",
+    "</think>",
+    "[THINK]",
+    "[/THINK]",
+    "<|tool_calls_section_begin|>",
+)
+REASONING_MARKERS += harmony.SPECIAL
 
 
 def markers_are_special(tokenizer: Any, markers: Sequence[str], reasoning: bool = False) -> bool:

@@ -1,0 +1,163 @@
+"""Reasoning parsers of more model families (vLLM's names; ``reasoning.py`` has the think-tag
+machinery and the registry these join):
+
+- ``glm45``: GLM-4.5 / 4.6 / 4.7, ``<think>...</think>`` as ``qwen3`` reads it (reasoning when
+  the output begins with ``<think>`` or the prompt ends inside an open one).
+- ``step3``: Step3, whose template opens the reasoning in the prompt: everything before
+  ``</think>`` is reasoning (all of it when ``</think>`` never comes).
+- ``kimi_k2``: Kimi K2 (thinking), reasoning until ``</think>`` or until the tool-call
+  section begins (which belongs to the content); with the request's ``chat_template_kwargs``
+  ``thinking: false`` the whole output is content.
+- ``mistral``: Magistral's ``[THINK]...[/THINK]`` special tokens; text outside them is
+  content (no ``[THINK]``: all content, a stray ``[/THINK]`` dropped).
+- ``hunyuan_a13b``: Hunyuan-A13B's ``<think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>``:
+  the answer is the content (its closing tag and what follows dropped).
+- ``granite``: Granite 3.2's plain-text sections, ``Here is my thought process:`` (or
+  ``Here's``) then ``Here is my response:``.
+
+An output cut off while reasoning is reasoning for all of them, streamed or not. The last
+three end their reasoning at text the engine cannot wait for as one token (several tokens, or
+text that is not special): structured outputs are refused with them, and they are streamed by
+splitting the whole text again after each delta (``ResplitStreamer``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from trillm.parsers.reasoning import (
+    REASONING,
+    UNDECIDED,
+    ContentStreamer,
+    Qwen3ReasoningParser,
+    ReasoningParser,
+    ReasoningStreamer,
+    ResplitStreamer,
+    register_reasoning_parser,
+)
+from trillm.parsers.tool_parsers.base import held_prefix
+
+
+@register_reasoning_parser("glm45")
+class Glm45ReasoningParser(Qwen3ReasoningParser):
+    name = "glm45"
+
+
+@register_reasoning_parser("step3")
+class Step3ReasoningParser(ReasoningParser):
+    name = "step3"
+
+    def starts_in_reasoning(self) -> bool:
+        return True
+
+
+@register_reasoning_parser("kimi_k2")
+class KimiK2ReasoningParser(ReasoningParser):
+    name = "kimi_k2"
+    content_tags = ("<|tool_calls_section_begin|>",)
+
+    @property
+    def thinking(self) -> bool:
+        return bool(self.chat_template_kwargs.get("thinking", True))
+
+    def starts_in_reasoning(self) -> bool:
+        return True
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        return super().split(text, final) if self.thinking else ("", text)
+
+    def streamer(self) -> ReasoningStreamer:
+        return ReasoningStreamer(self) if self.thinking else ContentStreamer(self)
+
+
+class _ResplitParser(ReasoningParser):
+    """A parser whose reasoning ends at text the engine cannot wait for as one token."""
+
+    structured_outputs = False
+
+    def streamer(self) -> ReasoningStreamer:
+        return ResplitStreamer(self)
+
+    @classmethod
+    def token_ids(cls, tokenizer: Any) -> tuple[int, int]:
+        return -1, -1  # not single tokens (structured outputs are refused instead)
+
+    @classmethod
+    def prompt_state(cls, prompt_ids: Any, ids: tuple[int, int]) -> str:
+        return REASONING
+
+
+@register_reasoning_parser("mistral")
+class MistralReasoningParser(ReasoningParser):
+    """The think tags are special tokens: the engine waits for ``[/THINK]``; an output that
+    does not begin with ``[THINK]`` is content from its first token on."""
+
+    name = "mistral"
+    start_tag = "[THINK]"
+    end_tag = "[/THINK]"
+    untagged_prompt_state = UNDECIDED
+
+    def starts_in_reasoning(self) -> bool:
+        return False
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        before, start, after = text.partition(self.start_tag)
+        if start:
+            reasoning, end, rest = after.partition(self.end_tag)
+            if end:
+                return reasoning, before + rest
+            return (
+                after if final else after[: len(after) - held_prefix(after, self.end_tag)]
+            ), before
+        if not final:
+            held = max(held_prefix(text, self.start_tag), held_prefix(text, self.end_tag))
+            text = text[: len(text) - held]
+        return "", "".join(text.partition(self.end_tag)[::2])
+
+    def streamer(self) -> ReasoningStreamer:
+        return ResplitStreamer(self)
+
+
+@register_reasoning_parser("hunyuan_a13b")
+class HunyuanA13BReasoningParser(_ResplitParser):
+    name = "hunyuan_a13b"
+    start_tag = "<think>\n"
+    end_tag = "\n</think>\n<answer>\n"
+    ANSWER_END: ClassVar[str] = "\n</answer>"
+
+    def starts_in_reasoning(self) -> bool:
+        return False
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        reasoning, content = super().split(text, final)
+        answer, end, _ = content.partition(self.ANSWER_END)
+        if not end and not final:
+            answer = answer[: len(answer) - held_prefix(answer, self.ANSWER_END)]
+        return reasoning, answer
+
+
+@register_reasoning_parser("granite")
+class GraniteReasoningParser(_ResplitParser):
+    name = "granite"
+    STARTS: ClassVar[tuple[str, ...]] = (
+        "Here is my thought process:",
+        "Here's my thought process:",
+    )
+    ENDS: ClassVar[tuple[str, ...]] = ("Here is my response:", "Here's my response:")
+
+    def starts_in_reasoning(self) -> bool:
+        return False
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        start = next((s for s in self.STARTS if text.startswith(s)), None)
+        if start is None:
+            undecided = not final and any(s.startswith(text) for s in self.STARTS)
+            return "", "" if undecided else text
+        body = text[len(start) :]
+        ends = [(body.find(e), e) for e in self.ENDS if e in body]
+        if ends:
+            at, end = min(ends)
+            return body[:at], body[at + len(end) :]
+        if not final:
+            body = body[: len(body) - max(held_prefix(body, e) for e in self.ENDS)]
+        return body, ""
