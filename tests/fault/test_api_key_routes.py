@@ -39,6 +39,8 @@ PROTECTED = [
     ("POST", "/cohere/v2/rerank", {"query": "a", "documents": ["b"]}),
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("POST", "/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
     ("GET", "/load", None),
     ("GET", "/openapi.json", None),
     ("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"}),

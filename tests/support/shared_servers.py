@@ -47,3 +47,53 @@ FAKE_512_TEMPLATES = [*FAKE_RUNNER, "--max-model-len", "512", "--trust-request-c
 FAKE_512_TEMPLATES_GROUP = "shared-server-fake-512-templates"
 FAKE_256 = [*FAKE_RUNNER, "--max-model-len", "256"]
 FAKE_256_GROUP = "shared-server-fake-256"
+
+# The tool-calling server with an API key (tests/entrypoints/test_anthropic_messages.py): the
+# default model with <think> tokens, a Hermes-style template (thinking closed unless
+# ``enable_thinking``), hermes tool calls, the qwen3 reasoning parser.
+TOOLS_KEY = "tools-key-5d2a"
+TOOLS_GROUP = "shared-server-tools"
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for tc in m.tool_calls or [] %}\n<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}'
+    "\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking %}<think>\n"
+    "{%- else %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}"
+)
+
+
+def tools_server_args(base: Path) -> list[str]:
+    """The tool server's flags; its model and template are built under ``base`` (the
+    session's temporary root) once, so every module asking gets the same flags."""
+    from trillm.testing.reasoning_model import build_reasoning_model
+    from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
+
+    root = base / "shared-tools-server"
+    model, template = root / "model", root / "template.jinja"
+    if not template.exists():
+        build_reasoning_model(DEFAULT_MODEL_DIR, model)
+        template.write_text(TOOLS_TEMPLATE)
+    return [
+        str(model),
+        "--chat-template",
+        str(template),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-memory",
+        "64MiB",
+        "--api-key",
+        TOOLS_KEY,
+    ]

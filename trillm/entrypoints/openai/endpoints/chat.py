@@ -96,6 +96,37 @@ async def _prepare(
 ) -> tuple[PreparedPrompt, str]:
     """Stage 2 through the engine's preprocessor: render, tokenize, then truncate and check
     once (context, vocabulary, KV cache). Returns the prepared prompt and the rendered text."""
+    ids, items, text = await prompt_tokens(state, req, tools)
+    max_tokens, param = (
+        (req.max_completion_tokens, "max_completion_tokens")
+        if req.max_completion_tokens is not None
+        else (req.max_tokens, "max_tokens")
+    )
+    params = build_sampling_params(
+        state, req, max_tokens=max_tokens, logprobs=_top_logprobs(state, req)
+    )
+    if tools.structured_outputs is not None:  # "required" / named tool_choice
+        params.structured_outputs = tools.structured_outputs
+    if keeps_special_tokens(state.tokenizer, tools, state.reasoning_parser is not None):
+        params.skip_special_tokens = False  # the parsers' markers are special tokens
+    prepared = state.preprocessor.prepare_ids(
+        ids,
+        params,
+        text=text,
+        priority=req.priority,
+        cache_salt=req.cache_salt,
+        prompt_param="messages",
+        max_tokens_param=param,
+    )
+    prepared.mm_items = items
+    return prepared, text
+
+
+async def prompt_tokens(
+    state: ServerState, req: ChatCompletionRequest, tools: ToolPlan
+) -> tuple[list[int], list[MultiModalItem], str]:
+    """The chat's prompt as the model sees it: its token ids (images expanded), its images
+    (processed) and the rendered text. /v1/messages/count_tokens counts the same ids."""
     if req.chat_template is not None and not state.trust_request_chat_template:
         raise BadRequestError(
             "Chat templates in requests are refused; start the server with "
@@ -136,29 +167,7 @@ async def _prepare(
         ids, items = await pre.multimodal_ids(ids, multi_modal_data(images), truncating, kwargs)
     else:
         check_mm_kwargs(pre, req.mm_processor_kwargs)
-    max_tokens, param = (
-        (req.max_completion_tokens, "max_completion_tokens")
-        if req.max_completion_tokens is not None
-        else (req.max_tokens, "max_tokens")
-    )
-    params = build_sampling_params(
-        state, req, max_tokens=max_tokens, logprobs=_top_logprobs(state, req)
-    )
-    if tools.structured_outputs is not None:  # "required" / named tool_choice
-        params.structured_outputs = tools.structured_outputs
-    if keeps_special_tokens(state.tokenizer, tools, state.reasoning_parser is not None):
-        params.skip_special_tokens = False  # the parsers' markers are special tokens
-    prepared = pre.prepare_ids(
-        ids,
-        params,
-        text=text,
-        priority=req.priority,
-        cache_salt=req.cache_salt,
-        prompt_param="messages",
-        max_tokens_param=param,
-    )
-    prepared.mm_items = items
-    return prepared, text
+    return ids, items, text
 
 
 def _top_logprobs(state: ServerState, req: ChatCompletionRequest) -> int | None:

@@ -4,6 +4,8 @@
   completion, one with ``prompt`` a completion (vLLM's rule), anything else a 400;
 - ``/v1/responses`` (POST): OpenAI's Responses API (``serving_responses.py``); GET
   ``/v1/responses/{id}`` is a 404 that says why (nothing is stored);
+- ``/v1/messages`` and ``/v1/messages/count_tokens`` (POST): Anthropic's Messages API
+  (``anthropic_messages.py``);
 - ``/load`` (GET): ``{"server_load": N}``, the generation requests in flight, a stream until
   its last byte (vLLM's load endpoint);
 - ``--enable-log-requests``: a line when a generation request is accepted (prompt or
@@ -22,6 +24,7 @@ from typing import Any
 import orjson
 from quart import request
 
+from trillm.entrypoints.openai.endpoints.anthropic_messages import count_tokens, create_message
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.chat import create_chat_completion
 from trillm.entrypoints.openai.endpoints.completion import create_completion
@@ -29,6 +32,7 @@ from trillm.entrypoints.openai.endpoints.responses import create_response
 from trillm.entrypoints.openai.http.bodies import json_body, json_response, result_response
 from trillm.entrypoints.openai.http.errors import BadRequestError, NotFoundError
 from trillm.entrypoints.openai.http.exchange_cleanups import at_exchange_end
+from trillm.entrypoints.openai.schemas.anthropic import parse_count_tokens, parse_messages
 from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest, CompletionRequest
 from trillm.entrypoints.openai.schemas.responses import parse_request
 from trillm.entrypoints.openai.schemas.structuring import structure_body
@@ -37,7 +41,7 @@ logger = logging.getLogger("trillm.requests")
 
 # Body fields a request log line leaves out: the prompt itself (shown truncated apart) and
 # the bulky structures (only their size is shown).
-_PROMPT_FIELDS = ("prompt", "messages", "input", "instructions")
+_PROMPT_FIELDS = ("prompt", "messages", "input", "instructions", "system")
 _BULKY_FIELDS = (
     "tools",
     "response_format",
@@ -87,7 +91,7 @@ class RequestLog:
         elapsed = time.perf_counter() - start
         if isinstance(result, dict):
             reasons = [c.get("finish_reason") for c in result.get("choices", [])] or [
-                result.get("status")  # a /v1/responses body
+                result.get("status", result.get("stop_reason"))  # /v1/responses, /v1/messages
             ]
             logger.info(
                 "Finished request #%d %s: finish_reason %s, usage %s, %.3f s",
@@ -126,6 +130,10 @@ class Dispatcher:
     async def responses(self, body: dict[str, Any]) -> Any:
         req = await parse_request(body, request.content_length)
         return await self._run("responses", body, create_response(self.state, req))
+
+    async def messages(self, body: dict[str, Any]) -> Any:
+        req = await parse_messages(body, request.content_length)
+        return await self._run("messages", body, create_message(self.state, req))
 
     async def invocation(self, body: dict[str, Any]) -> Any:
         """SageMaker's /invocations: the body's shape picks the API, as vLLM does."""
@@ -197,7 +205,7 @@ class Dispatcher:
 
 
 def install(app: Any, dispatcher: Dispatcher) -> None:
-    """/invocations, /load and /v1/responses on ``app``."""
+    """/invocations, /load, /v1/responses and /v1/messages on ``app``."""
 
     @app.post("/v1/responses")
     async def responses() -> Any:
@@ -210,6 +218,15 @@ def install(app: Any, dispatcher: Dispatcher) -> None:
             "must be false), so none can be retrieved.",
             "response_id",
         )
+
+    @app.post("/v1/messages")
+    async def messages() -> Any:
+        return await dispatcher.messages(await json_body())
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens() -> Any:
+        req = await parse_count_tokens(await json_body(), request.content_length)
+        return json_response(await count_tokens(dispatcher.state, req))
 
     @app.post("/invocations")
     async def invocations() -> Any:

@@ -29,8 +29,10 @@ from trillm.entrypoints.openai.http.errors import (
     NotFoundError,
     PayloadTooLargeError,
     ServiceUnavailableError,
+    anthropic_error_body,
     error_body,
     internal_error,
+    is_anthropic_route,
 )
 from trillm.entrypoints.openai.http.exchange import CloseAtExchangeEnd
 from trillm.entrypoints.openai.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -85,7 +87,10 @@ def _install_gate(app: QuartTrio, state: ServerState, api_keys: ApiKeys) -> None
         # NOTE: quart runs this before routing fails, so an unknown path needs the key too.
         path = request.path
         if api_keys.needs_key(path):
-            if not api_keys.admits(request.headers.get("Authorization", "").encode()):
+            authorization = request.headers.get("Authorization", "").encode()
+            # Anthropic's clients send the key as x-api-key; vLLM's routes take Bearer only.
+            x_api_key = request.headers.get("x-api-key", "") if is_anthropic_route(path) else ""
+            if not api_keys.admits(authorization, x_api_key.encode()):
                 raise AuthenticationError("Invalid or missing API key.")
         if path in _ENGINE_FREE_PATHS:
             return
@@ -110,7 +115,7 @@ def _install_gate(app: QuartTrio, state: ServerState, api_keys: ApiKeys) -> None
 def _install_error_handlers(app: QuartTrio) -> None:
     @app.errorhandler(APIError)
     async def api_error(err: APIError) -> Response:
-        return json_response(err.body(), err.status)
+        return _error_response(err.body(), err.status)
 
     @app.errorhandler(HTTPException)
     async def http_error(err: HTTPException) -> Response:
@@ -122,13 +127,20 @@ def _install_error_handlers(app: QuartTrio) -> None:
             404: f"No route {request.path}.",
             413: f"The request body is larger than {MAX_BODY_BYTES} bytes.",
         }.get(code, err.description or err.name)
-        return json_response(error_body(message, kind.type, None, code), code)
+        return _error_response(error_body(message, kind.type, None, code), code)
 
     @app.errorhandler(Exception)
     async def unhandled(err: Exception) -> Response:
         logger.error("Unhandled error in %s %s", request.method, request.path)
         api_error = internal_error(err)
-        return json_response(api_error.body(), api_error.status)
+        return _error_response(api_error.body(), api_error.status)
+
+
+def _error_response(body: dict[str, Any], status: int) -> Response:
+    """An error in OpenAI's shape, or in Anthropic's on Anthropic's routes."""
+    if is_anthropic_route(request.path):
+        body = anthropic_error_body(body["error"]["message"], status)
+    return json_response(body, status)
 
 
 def _health_route(state: ServerState, step_timeout: float | None) -> Any:
@@ -227,7 +239,7 @@ def _install_routes(
     # SageMaker's health check: the same answer as /health.
     app.route("/ping", methods=["GET", "POST"])(health)
 
-    extra_routes.install(app, run)  # /invocations, /load, /v1/responses
+    extra_routes.install(app, run)  # /invocations, /load, /v1/responses, /v1/messages
 
     @app.get("/version")
     async def version() -> Response:

@@ -1,11 +1,14 @@
 """The API key: which keys are in force, and which requests need one.
 
 vLLM reads ``--api-key`` (one or more keys) and otherwise the ``VLLM_API_KEY`` environment
-variable; empty values count as none. Where vLLM then guards only the path prefixes ``/v1``,
-``/v2``, ``/inference`` and ``/cohere`` (so ``/invocations``, ``/tokenize``, ``/pooling`` ... run
-open), trillm inverts the rule: with a key in force every request needs it except the few
-routes a load balancer or a metrics scraper probes without credentials (``KEYLESS_PATHS``),
-matched exactly, so no spelling of another path, known or not, gets past the gate.
+variable; empty values count as none. A request carries the key as vLLM's clients send it,
+``Authorization: Bearer KEY``; on Anthropic's Messages routes also as Anthropic's clients do,
+``x-api-key: KEY`` (the gate hands it over only there). Where vLLM then guards only the path
+prefixes ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` (so ``/invocations``, ``/tokenize``,
+``/pooling`` ... run open), trillm inverts the rule: with a key in force every request needs
+it except the few routes a load balancer or a metrics scraper probes without credentials
+(``KEYLESS_PATHS``), matched exactly, so no spelling of another path, known or not, gets past
+the gate.
 """
 
 from __future__ import annotations
@@ -54,10 +57,13 @@ class ApiKeys:
     def needs_key(self, path: str) -> bool:
         return bool(self.keys) and path not in KEYLESS_PATHS
 
-    def admits(self, authorization: bytes) -> bool:
-        """Whether an ``Authorization`` header value is ``Bearer KEY`` for a key in force. Every
-        key is compared (``hmac.compare_digest``), so the time does not tell which came close."""
+    def admits(self, authorization: bytes, x_api_key: bytes = b"") -> bool:
+        """Whether an ``Authorization`` header value is ``Bearer KEY``, or an ``x-api-key``
+        header value (Anthropic's clients send it) is ``KEY``, for a key in force. Every key is
+        compared (``hmac.compare_digest``), so the time does not tell which came close."""
         matched = False
         for key in self.keys:
-            matched |= hmac.compare_digest(authorization, b"Bearer " + key.encode())
+            raw = key.encode()
+            matched |= hmac.compare_digest(authorization, b"Bearer " + raw)
+            matched |= hmac.compare_digest(x_api_key, raw)  # never empty: keys are not
         return matched

@@ -1,7 +1,8 @@
 """The HTTP error shape (OpenAI's) and the mapping from internal failures to status codes.
 
 Every error the server answers has the body
-``{"error": {"message": str, "type": str, "param": str | None, "code": int}}``.
+``{"error": {"message": str, "type": str, "param": str | None, "code": int}}``, but on
+Anthropic's Messages routes, which answer in Anthropic's shape (``anthropic_error_body``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,29 @@ class ServiceUnavailableError(APIError):
 
 def error_body(message: str, type_: str, param: str | None, code: int) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# Anthropic's Messages routes answer errors in Anthropic's shape,
+# ``{"type": "error", "error": {"type": str, "message": str}}``, its type named by the status.
+ANTHROPIC_ROUTE = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def is_anthropic_route(path: str) -> bool:
+    return path == ANTHROPIC_ROUTE or path.startswith(ANTHROPIC_ROUTE + "/")
+
+
+def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def sse_error_event(error: APIError) -> bytes:

@@ -105,6 +105,34 @@ def _simple_post(summary: str, request: str, response: str) -> dict[str, Any]:
     }
 
 
+def _anthropic_op(summary: str, request: str, answer: str, stream: bool) -> dict[str, Any]:
+    """A Messages API route: its answers (and errors) in Anthropic's shapes."""
+    obj = {"type": "object"}
+    content: dict[str, Any] = {"application/json": {"schema": obj}}
+    if stream:  # each event an `event: <type>` line and a `data: <JSON>` line
+        event = {"type": "object", "properties": {"event": STR, "data": STR}}
+        content["text/event-stream"] = {"schema": {**event, "required": ["event", "data"]}}
+    error = {"content": {"application/json": {"schema": obj}}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _json(request)},
+            "responses": {
+                "200": {"description": answer, "content": content},
+                **{
+                    str(code): {"description": f"An Anthropic error ({text})", **error}
+                    for code, text in (
+                        (400, "invalid_request_error"),
+                        (401, "authentication_error"),
+                        (404, "not_found_error"),
+                        (503, "overloaded_error"),
+                    )
+                },
+            },
+        }
+    }
+
+
 @functools.cache
 def build_spec() -> dict[str, Any]:
     components = response_components()
@@ -158,6 +186,19 @@ def build_spec() -> dict[str, Any]:
                 "responses": _errors(404),
             }
         },
+        "/v1/messages": _anthropic_op(
+            "Anthropic Messages API (text, images, client tools, thinking blocks)",
+            "AnthropicMessagesRequest",
+            "A message, or with stream=true Anthropic's SSE events (message_start ... "
+            "message_stop).",
+            stream=True,
+        ),
+        "/v1/messages/count_tokens": _anthropic_op(
+            "The input tokens of a Messages request",
+            "AnthropicCountTokensRequest",
+            '{"input_tokens": N}',
+            stream=False,
+        ),
         "/invocations": {
             "post": {
                 "summary": "SageMaker's inference route: a chat completion body (with "

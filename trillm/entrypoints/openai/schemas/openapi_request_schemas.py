@@ -1,5 +1,5 @@
 """Request schemas of the OpenAPI description, generated from the attrs classes in
-``protocol.py``, ``responses.py`` and ``pooling.py``: their types and the
+``protocol.py``, ``responses.py``, ``pooling.py`` and ``anthropic.py``: their types and the
 range metadata (``_f``) the validator (``structuring.py``) enforces.
 """
 
@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 
 import attrs
 
-from trillm.entrypoints.openai.schemas import pooling, protocol, responses
+from trillm.entrypoints.openai.schemas import anthropic, pooling, protocol, responses
 from trillm.sampling_params import FLOAT32_MAX, INT64_MAX, INT64_MIN
 
 _REQUESTS = {
@@ -23,6 +23,8 @@ _REQUESTS = {
     "EmbeddingRequest": pooling.EmbeddingRequest,
     "PoolingRequest": pooling.PoolingRequest,
     "ClassificationRequest": pooling.ClassificationRequest,
+    "AnthropicMessagesRequest": anthropic.MessagesRequest,
+    "AnthropicCountTokensRequest": anthropic.CountTokensRequest,
 }
 _LIMIT_KEYS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "max_chars": "maxLength"}
 
@@ -91,7 +93,8 @@ def _object_schema(cls: type[Any], components: dict[str, Any]) -> dict[str, Any]
 
 def _with_max_entries(prop: dict[str, Any], tp: Any, limit: int) -> dict[str, Any]:
     """maxItems for arrays, maxProperties for objects (a field is one or the other)."""
-    kinds = {typing.get_origin(t) for t in (typing.get_args(tp) or (tp,))}
+    union = typing.get_origin(tp) in (Union, types.UnionType)
+    kinds = {typing.get_origin(t) for t in (typing.get_args(tp) if union else (tp,))}
     return {**prop, ("maxProperties" if dict in kinds else "maxItems"): limit}
 
 
