@@ -144,6 +144,14 @@ def test_request_shaping_flags_reach_every_body(tmp_path: Path) -> None:
     assert [by_id[f"rq-{i}"] for i in range(n)] == ["lora-a", "lora-b"] * 2
 
 
+def test_use_beam_search_reaches_every_body(tmp_path: Path) -> None:
+    with StubServer(models=(MODEL,)) as stub:
+        proc = run_bench([*common_args(stub.url, tmp_path, 2, 2), "--use-beam-search"])
+        bodies = stub.bodies
+    assert proc.returncode == 0, proc.stderr
+    assert bodies and all(b["use_beam_search"] is True for b in bodies)
+
+
 def test_chat_logprobs_and_random_lora_choice(tmp_path: Path) -> None:
     with StubServer(models=("x", "y")) as stub:
         proc = run_bench(
@@ -417,7 +425,6 @@ def test_timeline_and_dataset_stats_plots(tmp_path: Path, capsys) -> None:
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--use-beam-search"], "no beam search"),
         (["--profile"], "/start_profile"),
         (["--sonnet-input-len", "5"], "sonnet dataset is not implemented"),
         (["--random-mm-bucket-config", "{}"], "multimodal"),

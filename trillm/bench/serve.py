@@ -268,6 +268,8 @@ def sampling_params(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name)
         if value is not None:
             params[name] = value
+    if args.use_beam_search:
+        params["use_beam_search"] = True
     return params
 
 

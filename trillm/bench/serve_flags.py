@@ -3,7 +3,7 @@ request shaping (headers, extra body, request ids, sampling, logprobs, LoRA name
 ramp-up, result files (label, metadata, detailed, append), plots, the file datasets (custom,
 hf, their output lengths, shuffling, oversampling) and the tokenizer options.
 
-Flags whose mechanism trillm does not have (beam search, the server profiler, multimodal and
+Flags whose mechanism trillm does not have (the server profiler, multimodal and
 embedding datasets, ...) are still registered so that using one stops at once with an argparse
 error that says why (``REFUSED``), never a silent no-op.
 """
@@ -17,7 +17,6 @@ from typing import Any
 
 # flag -> why trillm bench serve cannot honour it (the argparse error's text)
 REFUSED = {
-    "--use-beam-search": "trillm has no beam search (requests with use_beam_search are refused)",
     "--profile": "trillm serve has no /start_profile and /stop_profile endpoints",
     "--probe-request-rate": "probe requests beside the workload are not implemented",
     "--self-timed": "trace replay (timed_trace) is not implemented",
@@ -113,6 +112,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         help="a JSON object merged into every request body",
     )
     p.add_argument("--logprobs", type=int, default=None, help="logprobs per token to request")
+    p.add_argument(
+        "--use-beam-search",
+        action="store_true",
+        help="send use_beam_search: true (greedy beams; the server answers when they end)",
+    )
     p.add_argument("--ramp-up-strategy", choices=RAMP_UP_STRATEGIES, default=None)
     p.add_argument("--ramp-up-start-rps", type=int, default=None)
     p.add_argument("--ramp-up-end-rps", type=int, default=None)
