@@ -491,3 +491,25 @@ def test_a_tool_result_after_text_splits_the_turn():
             takes_images=False,
         )
     assert info.value.param == "messages[0].content[0].type"
+
+
+def test_image_blocks_become_image_parts_for_a_model_that_takes_images():
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+    }
+    url = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    req = MessagesRequest(
+        model="m",
+        max_tokens=1,
+        messages=[{"role": "user", "content": [image, url, {"type": "text", "text": "what?"}]}],
+    )
+    (user,) = to_chat_request(req, "msg_3", takes_images=True).messages
+    assert [(p.type, p.image_url.url if p.image_url else p.text) for p in user.content] == [
+        ("image_url", "data:image/png;base64,AA=="),
+        ("image_url", "https://example.com/a.png"),
+        ("text", "what?"),
+    ]
+    with pytest.raises(BadRequestError) as info:
+        to_chat_request(req, "msg_4", takes_images=False)
+    assert info.value.param == "messages[0].content[0].type"
