@@ -182,6 +182,22 @@ class ClassificationRequestOutput:
     finished: bool = True
 
 
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float  # a cross-encoder's score, or the cosine similarity of two embeddings
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """One text pair's score (vLLM's ``ScoringRequestOutput`` shape): ``prompt_token_ids``
+    is the pair's prompt (a cross-encoder), or both texts' ids one after the other."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+
 def pooling_params(truncate_prompt_tokens: int | None = None) -> Any:
     """The SamplingParams a pooling request travels with: the prompt's one step, then done
     (the runner returns one placeholder token with the vector; it is never detokenized)."""

@@ -145,6 +145,7 @@ def test_what_cannot_combine_is_refused_by_name(server, path):
         ({**beam, "temperature": 0.7}, "temperature"),
         ({**beam, "top_p": 0.5}, "top_p"),
         ({**beam, "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({**beam, "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ({**beam, **logprobs}, "logprobs"),
         ({**beam, "response_format": {"type": "json_object"}}, "response_format"),
         ({**beam, "n": 7}, "n"),  # 7 beams x 3 candidates: over --max-logprobs (20)

@@ -89,7 +89,7 @@ def serve_flags() -> set[str]:
 @functools.cache
 def all_keys() -> frozenset[str]:
     from trillm.config import EngineArgs
-    from trillm.entrypoints.openai.schemas import pooling, protocol, responses
+    from trillm.entrypoints.openai.schemas import pooling, protocol, responses, score
     from trillm.sampling_params import SamplingParams
 
     requests = _fields(
@@ -101,6 +101,8 @@ def all_keys() -> frozenset[str]:
         pooling.EmbeddingRequest,
         pooling.PoolingRequest,
         pooling.ClassificationRequest,
+        score.ScoreRequest,
+        score.RerankRequest,
     )
     return frozenset(requests | _fields(SamplingParams) | _fields(EngineArgs) | serve_flags())
 

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 from eagle_heads import damped_target, eagle3_head, eagle_head
+from eagle_reference import reference_drafts
 from server_harness import ServerProcess, metric_value
 from spec_compare import assert_same
 
@@ -152,6 +153,41 @@ def test_chunked_prefill_and_preemption_keep_the_output(base, targets, heads, me
         assert stats(engine).num_accepted_tokens > 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("method", HEADS)
+def test_drafts_are_the_dense_references(tiny_model_factory, tmp_path, method):
+    """Random heads on a random target, four prompts at once: every proposal equals a dense
+    reference's (transformers' hidden states, the head's whole sequence recomputed with
+    causal attention) for the request's tokens at that step, through prefill and verified
+    steps with drafts rejected."""
+    target = tiny_model_factory("llama", num_hidden_layers=4)
+    head = HEADS[method](target, tmp_path / "head", agree=False)
+    engine = LLM(target, speculative_config=spec(method, head), **SMALL)
+    seen: list[tuple[list[int], list[int]]] = []  # (the request's tokens, its drafts)
+    drafter = engine.engine.executors[0].runner.drafter
+    propose = drafter.propose
+
+    def recording(batch, candidates):
+        tokens = {r: batch.token_ids[s, : batch.num_tokens[s]].tolist() for r, s in candidates}
+        drafts = propose(batch, candidates)
+        seen.extend((tokens[r], d) for r, d in drafts.items())
+        return drafts
+
+    drafter.propose = recording
+    try:
+        run(engine, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    # Each request proposes after its prefill, and again right after that proposal's
+    # verification (a head fed the rejected drafts' rows would not be caught up then).
+    firsts = [tokens for tokens, _ in seen[: len(PROMPTS)]]
+    assert all(any(t[:-1] == first for t, _ in seen) for first in firsts)
+    for tokens, drafts in seen:
+        assert (
+            drafts
+            == reference_drafts(target, head, method, tokens[:-1], tokens[-1], K)[: len(drafts)]
+        )
 
 
 def test_eagle3_reads_the_residual_stream_before_its_layers(targets, heads, tmp_path):

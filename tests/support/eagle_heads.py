@@ -65,31 +65,41 @@ def _head_config(target: dict, **fields) -> dict:
     }
 
 
-def _layer(prefix: str, width: int, h: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random q/k/v and gate/up over ``width`` inputs; o_proj and down_proj zero."""
+def _layer(
+    prefix: str, width: int, h: int, gen: torch.Generator, agree: bool
+) -> dict[str, torch.Tensor]:
+    """Random q/k/v and gate/up over ``width`` inputs; o_proj and down_proj zero where the
+    head is to agree (its layer adds nothing), else random too."""
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * 0.2
 
+    out = torch.zeros if agree else rand
     return {
         f"{prefix}.self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, width),
         f"{prefix}.self_attn.k_proj.weight": rand(HEADS * HEAD_DIM, width),
         f"{prefix}.self_attn.v_proj.weight": rand(HEADS * HEAD_DIM, width),
-        f"{prefix}.self_attn.o_proj.weight": torch.zeros(h, HEADS * HEAD_DIM),
+        f"{prefix}.self_attn.o_proj.weight": out(h, HEADS * HEAD_DIM),
         f"{prefix}.mlp.gate_proj.weight": rand(96, h),
         f"{prefix}.mlp.up_proj.weight": rand(96, h),
-        f"{prefix}.mlp.down_proj.weight": torch.zeros(h, 96),
-        f"{prefix}.post_attention_layernorm.weight": torch.ones(h),
+        f"{prefix}.mlp.down_proj.weight": out(h, 96),
+        f"{prefix}.post_attention_layernorm.weight": torch.ones(h) if agree else 1 + rand(h),
     }
 
 
-def eagle_head(target_folder: str, out: Path) -> str:
-    """An EAGLE head whose output is embed(token p + 1): fc = [I, 0], the layer adds 0."""
+def eagle_head(target_folder: str, out: Path, agree: bool = True) -> str:
+    """An EAGLE head whose output is embed(token p + 1) (fc = [I, 0], the layer adds 0), or
+    with ``agree=False`` a random one."""
     target, tw = _target(target_folder)
     h = target["hidden_size"]
     out.mkdir(parents=True)
-    weights = _layer("layers.0", h, h, torch.Generator().manual_seed(1))
-    weights["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    gen = torch.Generator().manual_seed(1)
+    weights = _layer("layers.0", h, h, gen, agree)
+    weights["fc.weight"] = (
+        torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+        if agree
+        else torch.randn(h, 2 * h, generator=gen) * 0.2
+    )
     weights["embed_tokens.weight"] = tw["model.embed_tokens.weight"].clone()
     torch.save(weights, out / "pytorch_model.bin")
     cfg = _head_config(target, architectures=["LlamaForCausalLM"], bias=False)
@@ -104,26 +114,27 @@ def _reachable(tw: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.unique((normed @ tw["lm_head.weight"].T).argmax(-1))
 
 
-def eagle3_head(target_folder: str, out: Path, **config) -> str:
-    """An EAGLE-3 head that attends to its own row and reads norm(embed(token p + 1)) there;
-    its vocabulary: the tokens a bigram target can produce (d2t maps them back)."""
+def eagle3_head(target_folder: str, out: Path, agree: bool = True) -> str:
+    """An EAGLE-3 head that attends to its own row and reads norm(embed(token p + 1)) there
+    (``norm_before_residual``), or with ``agree=False`` a random one (the residual taken
+    before hidden_norm); its vocabulary: the tokens a bigram target can produce (d2t maps
+    them back)."""
     target, tw = _target(target_folder)
     h = target["hidden_size"]
     out.mkdir(parents=True)
-    weights = _layer("midlayer", 2 * h, h, torch.Generator().manual_seed(2))
-    weights["midlayer.self_attn.q_proj.weight"].zero_()
-    weights["midlayer.self_attn.k_proj.weight"].zero_()
-    weights["midlayer.self_attn.q_proj.bias"] = torch.full((HEADS * HEAD_DIM,), 8.0)
-    weights["midlayer.self_attn.k_proj.bias"] = torch.full((HEADS * HEAD_DIM,), 8.0)
-    weights["midlayer.self_attn.v_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], 1)
-    weights["midlayer.self_attn.v_proj.bias"] = torch.zeros(h)
-    weights["midlayer.self_attn.o_proj.weight"] = torch.eye(h)
-    weights["midlayer.self_attn.o_proj.bias"] = torch.zeros(h)
-    weights["midlayer.input_layernorm.weight"] = torch.ones(h)
-    # norm_before_residual: the residual is hidden_norm's output, kept small by its weight
-    weights["midlayer.hidden_norm.weight"] = torch.full((h,), 1e-3)
-    weights["norm.weight"] = torch.ones(h)
-    weights["fc.weight"] = torch.randn(h, 3 * h, generator=torch.Generator().manual_seed(3)) * 0.2
+    gen = torch.Generator().manual_seed(2)
+    weights = _layer("midlayer", 2 * h, h, gen, agree)
+    if agree:
+        _attend_to_self(weights, h)
+    else:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            weights[f"midlayer.self_attn.{name}.bias"] = torch.randn(
+                HEADS * HEAD_DIM, generator=gen
+            )
+        weights["midlayer.self_attn.o_proj.bias"] = torch.randn(h, generator=gen) * 0.2
+        for name in ("midlayer.input_layernorm", "midlayer.hidden_norm", "norm"):
+            weights[f"{name}.weight"] = 1 + torch.randn(h, generator=gen) * 0.2
+    weights["fc.weight"] = torch.randn(h, 3 * h, generator=gen) * 0.2
     vocab = _reachable(tw)
     weights["lm_head.weight"] = tw["lm_head.weight"][vocab].clone()
     weights["d2t"] = vocab - torch.arange(len(vocab))
@@ -138,8 +149,25 @@ def eagle3_head(target_folder: str, out: Path, **config) -> str:
         attention_bias=True,
         rope_theta=2.0,
         target_hidden_size=h,
-        norm_before_residual=True,
-        **config,
+        norm_before_residual=agree,
     )
     (out / "config.json").write_text(json.dumps(cfg))
     return str(out)
+
+
+def _attend_to_self(weights: dict[str, torch.Tensor], h: int) -> None:
+    """q = k = a large bias: with RoPE at theta 2 distance 0 outscores every other by about
+    70 in the softmax; V = o_proj's input = the normed embeddings; the residual (hidden_norm's
+    output) made small by that norm's weight."""
+    attn = "midlayer.self_attn"
+    weights[f"{attn}.q_proj.weight"].zero_()
+    weights[f"{attn}.k_proj.weight"].zero_()
+    weights[f"{attn}.q_proj.bias"] = torch.full((HEADS * HEAD_DIM,), 8.0)
+    weights[f"{attn}.k_proj.bias"] = torch.full((HEADS * HEAD_DIM,), 8.0)
+    weights[f"{attn}.v_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], 1)
+    weights[f"{attn}.v_proj.bias"] = torch.zeros(h)
+    weights[f"{attn}.o_proj.weight"] = torch.eye(h)
+    weights[f"{attn}.o_proj.bias"] = torch.zeros(h)
+    weights["midlayer.input_layernorm.weight"] = torch.ones(h)
+    weights["midlayer.hidden_norm.weight"] = torch.full((h,), 1e-3)
+    weights["norm.weight"] = torch.ones(h)

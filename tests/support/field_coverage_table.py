@@ -16,10 +16,12 @@ from __future__ import annotations
 from field_coverage.engine_args import ENGINE_ARGS
 from field_coverage.request_fields import REQUEST_FIELDS
 from field_coverage.sampling_params import SAMPLING_PARAMS
+from field_coverage.score_fields import SCORE_FIELDS
 from field_coverage.serve_flags import SERVE_FLAGS
 
 COVERAGE: dict[str, tuple[str, ...]] = {
     **REQUEST_FIELDS,
+    **SCORE_FIELDS,
     **SAMPLING_PARAMS,
     **ENGINE_ARGS,
     **SERVE_FLAGS,

@@ -282,6 +282,7 @@ def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
     from trillm.model_executor.pooling import resolve_pooler
 
     classifier = classification.is_sequence_classifier(model_config.hf_config)
+    encoder = _check_encoder(args, model_config)
     if args.convert == "classify" and not classifier:
         raise ValueError(
             f"convert='classify' needs a *ForSequenceClassification checkpoint (a "
@@ -293,7 +294,7 @@ def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
             "'auto' / 'pooling', convert 'auto' / 'classify'); "
             f"runner={args.runner!r} convert={args.convert!r} is not implemented."
         )
-    if not (is_pooling(args.runner, args.convert) or classifier):
+    if not (is_pooling(args.runner, args.convert) or classifier or encoder):
         return None
     for name, value in (
         ("enable_lora", args.enable_lora),
@@ -315,7 +316,32 @@ def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
             task="classify",
             labels=classification.labels(model_config.hf_config),
         )
-    return resolve_pooler(model_config.model, args.pooler_config, model_config.hf_config)
+    default = "CLS" if encoder else "LAST"  # vLLM's defaults for BERT / decoder embedders
+    return resolve_pooler(model_config.model, args.pooler_config, model_config.hf_config, default)
+
+
+def _check_encoder(args: EngineArgs, model_config: Any) -> bool:
+    """An encoder-only model pools (the runner picks itself, as vLLM's ``auto``); what it
+    cannot run with is refused by name (tensor parallelism by its own check, which names
+    the architectures it runs). -> whether the model is one."""
+    from trillm.model_executor import encoder_config
+
+    arch = model_config.architecture
+    if not encoder_config.is_encoder(arch):
+        return False
+    encoder_config.check(model_config.hf_config, arch)
+    for name, unsupported in (
+        ("runner", args.runner == "generate"),
+        ("pipeline_parallel_size", args.pipeline_parallel_size > 1),
+        ("data_parallel_size", args.data_parallel_size > 1),
+        ("quantization", model_config.quantization is not None),
+    ):
+        if unsupported:
+            raise ValueError(
+                f"{arch} is an encoder-only model (embeddings, scores): "
+                f"{name}={getattr(args, name)!r} is not supported."
+            )
+    return True
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:

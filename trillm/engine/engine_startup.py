@@ -85,8 +85,9 @@ async def open_engine(
     model for frontend tests and benchmarks). ``stream_wake_budget``: the most
     streams woken per step for a middle output (None: no budget; see ``output_processor``)."""
     from trillm.engine.config_builder import build_config, load_tokenizer
-    from trillm.executor.abstract import DEFAULT_RUNNER, POOLING_RUNNER
+    from trillm.executor.abstract import DEFAULT_RUNNER, ENCODER_RUNNER, POOLING_RUNNER
     from trillm.executor.factory import open_executors
+    from trillm.model_executor.encoder_config import is_encoder
 
     _require_trio()
     if runner is not None and ":" not in runner:  # vLLM's runner kind, not a class path
@@ -94,6 +95,8 @@ async def open_engine(
     args = EngineArgs.from_kwargs(model, **engine_args)
     config = await trio.to_thread.run_sync(build_config, args)
     default = POOLING_RUNNER if config.pooler is not None else DEFAULT_RUNNER
+    if is_encoder(config.model.architecture):
+        default = ENCODER_RUNNER
     configs = core_configs(config)
     # The tokenizer loads while the workers start (transformers' import alone is seconds).
     async with (

@@ -15,13 +15,14 @@ import trio
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.beam_request import BeamSearchRequest
 from trillm.engine.engine_thread import EngineThread
-from trillm.engine.preprocess import PromptType
+from trillm.engine.preprocess import PreparedPrompt, PromptType
 from trillm.lora.request import LoRARequest
 from trillm.outputs import (
     BeamSearchOutput,
     ClassificationRequestOutput,
     PoolingRequestOutput,
     RequestOutput,
+    ScoringRequestOutput,
 )
 from trillm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from trillm.utils import first_leaf
@@ -121,6 +122,52 @@ class LLM:
         return self._call(
             self._embed_all, list(prompts), truncate_prompt_tokens, use_tqdm, "classify"
         )
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """Each pair's score (``outputs.score``; 1:1, 1:N or N:N, ``engine/scoring.py``): a
+        cross-encoder's, or the cosine similarity of an embedding model's vectors."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        return self._call(self._score_all, firsts, seconds, truncate_prompt_tokens, use_tqdm)
+
+    async def _score_all(
+        self, texts_1: list[str], texts_2: list[str], truncate: int | None, use_tqdm: bool
+    ) -> list[ScoringRequestOutput]:
+        from tqdm.auto import tqdm
+
+        from trillm.engine.scoring import score_pairs
+
+        engine = self.engine
+
+        async def run(prepared: list[PreparedPrompt], task: str) -> list[Any]:
+            call = engine.classify if task == "classify" else engine.encode
+            results: list[Any] = [None] * len(prepared)
+            bar = tqdm(total=len(prepared), desc="Scored prompts", disable=not use_tqdm)
+
+            async def one(i: int) -> None:
+                results[i] = await call(prepared[i])
+                bar.update(1)
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(prepared)):
+                        nursery.start_soon(one, i)
+            except ExceptionGroup as group:
+                raise first_leaf(group) from group
+            finally:
+                bar.close()
+            return results
+
+        pre = engine.preprocessor
+        outs, _ = await score_pairs(engine.config, pre, texts_1, texts_2, truncate, run)
+        return outs
 
     async def _embed_all(
         self,

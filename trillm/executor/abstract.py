@@ -26,6 +26,7 @@ from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 DEFAULT_RUNNER = "trillm.worker.model_runner:ModelRunner"
 FAKE_RUNNER = "trillm.worker.fake_runner:FakeModelRunner"
 POOLING_RUNNER = "trillm.worker.pooling_runner:PoolingModelRunner"
+ENCODER_RUNNER = "trillm.worker.encoder_runner:EncoderModelRunner"
 
 # "package.module:ClassName", or (UniProcExecutor only) a callable (config, rank, **kw) -> runner
 RunnerFactory = str | Callable[..., Any]

@@ -27,7 +27,12 @@ def is_sequence_classifier(hf_config: dict[str, Any]) -> bool:
 
 
 def causal_architecture(architecture: str) -> str:
-    """``Qwen2ForSequenceClassification`` -> ``Qwen2ForCausalLM`` (the decoder class)."""
+    """``Qwen2ForSequenceClassification`` -> ``Qwen2ForCausalLM`` (the decoder class); an
+    encoder's cross-encoder keeps its name (``models/bert.py`` computes its head)."""
+    from trillm.model_executor.encoder_config import is_encoder
+
+    if is_encoder(architecture):
+        return architecture
     return architecture.removesuffix(SUFFIX) + "ForCausalLM"
 
 

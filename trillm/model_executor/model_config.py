@@ -18,6 +18,7 @@ import trillm.model_executor.hybrid_ssm as hybrid_ssm
 import trillm.model_executor.llama4_config as llama4_config
 from trillm.config import DEVICES, LOAD_FORMATS, EngineArgs, ModelConfig
 from trillm.model_executor import classification, gguf_loader, gpt_oss_config, multimodal_config
+from trillm.model_executor.encoder_config import position_offset
 from trillm.model_executor.layer_types import FULL, SUPPORTED_ROPE_TYPES, partial_rotary_factor
 from trillm.model_executor.quantization import CHECKPOINT_METHODS, resolve_quantization
 from trillm.model_executor.registry import (
@@ -401,7 +402,7 @@ def resolve_dtype(requested: str, checkpoint: str, device: str) -> str:
 def resolve_max_model_len(hf: dict[str, Any], architecture: str, requested: int | None) -> int:
     """Default: max_position_embeddings (a sliding window does not cap it: the attention
     backends honour the window)."""
-    limit = int(hf.get("max_position_embeddings", 2048))
+    limit = int(hf.get("max_position_embeddings", 2048)) - position_offset(hf, architecture)
     why = "max_position_embeddings"
     if requested is None:
         return limit

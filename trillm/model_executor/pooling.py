@@ -34,14 +34,19 @@ _ST_UNSUPPORTED = (
 
 
 def resolve_pooler(
-    folder: str, override: dict[str, Any] | None, hf_config: dict[str, Any]
+    folder: str,
+    override: dict[str, Any] | None,
+    hf_config: dict[str, Any],
+    default_type: str = "LAST",
 ) -> PoolerConfig:
-    """The override, else the folder's sentence-transformers config, else LAST + normalize."""
+    """The override, else the folder's sentence-transformers config, else ``default_type``
+    (LAST for a decoder, CLS for an encoder, as vLLM) + normalize."""
     matryoshka = bool(hf_config.get("is_matryoshka") or hf_config.get("matryoshka_dimensions"))
     if override is not None:
         pooler = PoolerConfig.from_dict(override)
     else:
-        pooler = _from_sentence_transformers(Path(folder)) or PoolerConfig()
+        default = PoolerConfig(pooling_type=default_type)  # type: ignore[arg-type]
+        pooler = _from_sentence_transformers(Path(folder)) or default
     pooler.matryoshka = matryoshka
     return pooler
 

@@ -11,6 +11,9 @@ import importlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from trillm.model_executor.encoder_config import ACTIVATIONS as ENCODER_ACTIVATIONS
+from trillm.model_executor.encoder_config import ARCHITECTURES as ENCODERS
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -35,6 +38,7 @@ class ModelEntry(NamedTuple):
 
 _GEMMA_ACTS = ("gelu_pytorch_tanh", "gelu")  # models/gemma.py's _GELU: tanh-approximate, exact
 _MODELS: dict[str, ModelEntry] = {
+    **{arch: ModelEntry("bert", "BertEncoder", ENCODER_ACTIVATIONS) for arch in ENCODERS},
     "BambaForCausalLM": ModelEntry(
         "bamba", "BambaForCausalLM", partial_rotary=True, ssm_state=True
     ),

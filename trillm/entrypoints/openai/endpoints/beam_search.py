@@ -47,6 +47,8 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("min_tokens", _truthy),
     ("allowed_token_ids", _set),
     ("bad_words", _truthy),
+    # the beams' texts are decoded whole, by the tokenizer, which spaces special tokens its way
+    ("spaces_between_special_tokens", lambda v: v is False),
     ("prompt_logprobs", _set),
     ("structured_outputs", _set),
     ("guided_json", _set),

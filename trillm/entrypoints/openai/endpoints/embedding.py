@@ -107,6 +107,16 @@ async def run_inputs(
     check_capacity(state, seqs=len(inputs))  # refuse a full queue before tokenizing
     prepared = [await prepare_input(state, req.truncate_prompt_tokens, item) for item in inputs]
     request_id = f"{kind}-{uuid.uuid4().hex}"
+    return request_id, prepared, await run_prepared(state, request_id, prepared, run)
+
+
+async def run_prepared(
+    state: ServerState,
+    request_id: str,
+    prepared: list[PreparedPrompt],
+    run: Callable[[PreparedPrompt, str], Awaitable[Any]],
+) -> list[Any]:
+    """Prepared prompts admitted together and each run as ``run_inputs`` says."""
     ids = [f"{request_id}-{i}" for i in range(len(prepared))]
     admission = admit(state, ids, 1, [admitted_tokens(p) for p in prepared])
     results: list[Any] = [None] * len(prepared)
@@ -123,7 +133,7 @@ async def run_inputs(
                 nursery.start_soon(one, i)
     finally:
         admission.release_all()  # inputs never started
-    return request_id, prepared, results
+    return results
 
 
 async def create_embedding(state: ServerState, req: EmbeddingRequest) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from trillm.entrypoints.openai.endpoints.admission import check_capacity
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.classify import create_classification
 from trillm.entrypoints.openai.endpoints.embedding import create_embedding
+from trillm.entrypoints.openai.endpoints.score import create_rerank, create_score
 from trillm.entrypoints.openai.endpoints.tokenization import detokenize, tokenize
 from trillm.entrypoints.openai.http.auth import ApiKeys
 from trillm.entrypoints.openai.http.bodies import json_body, json_response
@@ -43,6 +44,7 @@ from trillm.entrypoints.openai.schemas.pooling import (
     PoolingRequest,
 )
 from trillm.entrypoints.openai.schemas.protocol import DetokenizeRequest, TokenizeRequest
+from trillm.entrypoints.openai.schemas.score import RerankRequest, ScoreRequest
 from trillm.entrypoints.openai.schemas.structuring import structure_body
 
 logger = logging.getLogger("trillm.server")
@@ -222,6 +224,21 @@ def _install_routes(
         body = await json_body()
         req = await structure_body(ClassificationRequest, body, request.content_length)
         return json_response(await create_classification(state, req))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score() -> Response:
+        body = await json_body()
+        req = await structure_body(ScoreRequest, body, request.content_length)
+        return json_response(await create_score(state, req))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank() -> Response:
+        body = await json_body()
+        req = await structure_body(RerankRequest, body, request.content_length)
+        return json_response(await create_rerank(state, req))
 
     @app.post("/tokenize")
     async def tokenize_route() -> Response:

@@ -176,6 +176,24 @@ def build_spec() -> dict[str, Any]:
             "ClassificationRequest",
             "ClassificationResponse",
         ),
+        **{
+            path: _simple_post(
+                "Scores of text pairs: a cross-encoder's, or an embedding model's cosine "
+                "similarity (vLLM's /score)",
+                "ScoreRequest",
+                "ScoreResponse",
+            )
+            for path in ("/score", "/v1/score")
+        },
+        **{
+            path: _simple_post(
+                "Documents ranked by their score against a query (vLLM's Jina / Cohere-"
+                "compatible /rerank)",
+                "RerankRequest",
+                "RerankResponse",
+            )
+            for path in ("/rerank", "/v1/rerank", "/v2/rerank")
+        },
         "/v1/responses": _responses_op(),
         "/v1/responses/{response_id}": {
             "get": {

@@ -12,6 +12,7 @@ from typing import Any, Literal, Union
 import attrs
 
 from trillm.entrypoints.openai.schemas import anthropic, pooling, protocol, responses
+from trillm.entrypoints.openai.schemas import score as score_schemas
 from trillm.sampling_params import FLOAT32_MAX, INT64_MAX, INT64_MIN
 
 _REQUESTS = {
@@ -23,6 +24,8 @@ _REQUESTS = {
     "EmbeddingRequest": pooling.EmbeddingRequest,
     "PoolingRequest": pooling.PoolingRequest,
     "ClassificationRequest": pooling.ClassificationRequest,
+    "ScoreRequest": score_schemas.ScoreRequest,
+    "RerankRequest": score_schemas.RerankRequest,
     "AnthropicMessagesRequest": anthropic.MessagesRequest,
     "AnthropicCountTokensRequest": anthropic.CountTokensRequest,
 }

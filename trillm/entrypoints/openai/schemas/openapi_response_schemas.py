@@ -256,6 +256,7 @@ def _embedding_components() -> dict[str, Any]:
         ]
     }
     usage = _obj({"prompt_tokens": _INT, "total_tokens": _INT}, ["prompt_tokens", "total_tokens"])
+    number = {"type": "number"}
 
     def listing_of(item: dict[str, Any]) -> dict[str, Any]:
         return _obj(
@@ -290,5 +291,27 @@ def _embedding_components() -> dict[str, Any]:
                 },
                 ["index", "label", "probs", "num_classes"],
             )
+        ),
+        "ScoreResponse": listing_of(
+            _obj({"index": _INT, "object": STR, "score": number}, ["index", "object", "score"])
+        ),
+        "RerankResponse": _obj(
+            {
+                "id": STR,
+                "model": STR,
+                "usage": usage,
+                "results": {
+                    "type": "array",
+                    "items": _obj(
+                        {
+                            "index": _INT,
+                            "relevance_score": number,
+                            "document": _obj({"text": STR}, ["text"]),
+                        },
+                        ["index", "relevance_score"],
+                    ),
+                },
+            },
+            ["id", "model", "usage", "results"],
         ),
     }

@@ -1,0 +1,149 @@
+"""Tiny BERT-family checkpoints for tests: random weights from a transformers config and a
+tokenizer trained here with ``tokenizers`` on a few sentences (WordPiece for BERT with
+``[CLS] a [SEP] b [SEP]`` and segment ids 0 / 1; Unigram for XLM-R with
+``<s> a </s></s> b </s>``, one segment), optionally with sentence-transformers' pooling files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CORPUS = [
+    "In the beginning God created the heaven and the earth.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France and a city of art.",
+    "Machine learning models turn text into vectors for search.",
+    "A cross encoder scores a query and a document together.",
+    "Copyright holders may grant permission to copy and modify software.",
+    "The weather today is sunny with a light breeze from the west.",
+    "Embeddings of similar sentences lie close to each other.",
+] * 4
+SIZES = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "initializer_range": 0.2,  # transformers' 0.02 makes every text's [CLS] row alike
+}
+
+
+def _bert_tokenizer() -> Any:
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=special, show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+    )
+    names = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
+    return tok, names
+
+
+def _xlmr_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=300, special_tokens=special, unk_token="<unk>", show_progress=False
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>",
+        pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[("<s>", bos), ("</s>", eos)],
+    )
+    names = {"pad": "<pad>", "unk": "<unk>", "cls": "<s>", "sep": "</s>", "mask": "<mask>"}
+    return tok, names
+
+
+def _save_tokenizer(tok: Any, names: dict[str, str], out: Path, roberta: bool) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    inputs = ["input_ids", "attention_mask"]  # XLM-R's: one segment
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        model_input_names=inputs if roberta else ["input_ids", "token_type_ids", *inputs[1:]],
+        **{f"{k}_token": v for k, v in names.items()},
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def write_pooling_files(out: Path, mode: str, normalize: bool) -> None:
+    """sentence-transformers' modules.json and 1_Pooling/config.json (``mode``: mean, cls,
+    lasttoken)."""
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
+    if normalize:
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize",
+             "type": "sentence_transformers.models.Normalize"}
+        )  # fmt: skip
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    keys = ("mean_tokens", "cls_token", "lasttoken", "max_tokens")
+    cfg = {f"pooling_mode_{k}": k.startswith(mode) for k in keys}
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, **cfg})
+    )
+
+
+def build_tiny_encoder(
+    architecture: str, out_dir: str | Path, *, seed: int = 0, **overrides: Any
+) -> Path:
+    """``BertModel``, ``XLMRobertaModel`` or their ``*ForSequenceClassification`` (one label
+    unless ``num_labels`` says otherwise), random weights, saved with its tokenizer."""
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    roberta = architecture.startswith("XLMRoberta")
+    tok, names = _xlmr_tokenizer() if roberta else _bert_tokenizer()
+    fast = _save_tokenizer(tok, names, out, roberta)
+    family = {"pad_token_id": fast.pad_token_id, "vocab_size": tok.get_vocab_size()}
+    if roberta:
+        family |= {"max_position_embeddings": 130, "type_vocab_size": 1}
+    else:
+        family |= {"max_position_embeddings": 128, "type_vocab_size": 2}
+    if architecture.endswith("ForSequenceClassification"):
+        family["num_labels"] = 1
+    config_class = transformers.XLMRobertaConfig if roberta else transformers.BertConfig
+    config = config_class(**{**SIZES, **family, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config)
+    if architecture.endswith("ForSequenceClassification"):
+        with torch.no_grad():  # transformers' init is tiny: spread the scores
+            for p in model.classifier.parameters():
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
