@@ -334,6 +334,25 @@ def test_count_tokens_is_the_prompt(client, model):
             model=model, messages=[{"role": "user", "content": ASK}], **kw
         )
         assert counted.input_tokens == message(client, model, **kw).usage.input_tokens > 0
+    ask = [{"role": "user", "content": ASK}]
+    plain = client.messages.count_tokens(model=model, messages=ask).input_tokens
+    # The template's variables reach the count as they reach the prompt (an open think block).
+    kw = {"chat_template_kwargs": {"enable_thinking": True}}
+    thinking = client.messages.count_tokens(model=model, messages=ask, extra_body=kw)
+    assert thinking.input_tokens == message(client, model, extra_body=kw).usage.input_tokens
+    assert thinking.input_tokens < plain
+    marked = client.messages.count_tokens(
+        model=model, messages=ask, cache_control={"type": "ephemeral", "ttl": "1h"}
+    )
+    assert marked.input_tokens == plain
+    for kw, fragment in (
+        ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "'thinking' is not supported"),
+        ({"cache_control": {"type": "forever"}}, "'cache_control' must be"),
+        ({"extra_body": {"max_tokens": 5}}, "Unknown field 'max_tokens'"),
+    ):
+        with pytest.raises(anthropic.BadRequestError, match=fragment):
+            client.messages.count_tokens(model=model, messages=ask, **kw)
 
 
 # ---------------------------------------------------------------- auth and errors
@@ -370,6 +389,7 @@ BAD = [
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "'thinking' is not supported"),
     ({"metadata": {"team": "a"}}, "metadata.team"),
     ({"service_tier": "priority"}, "service_tier"),
+    ({"cache_control": {"type": "forever"}}, "'cache_control' must be"),
     ({"messages": [{"role": "system", "content": "x"}]}, "top-level 'system'"),
     (
         {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},

@@ -89,7 +89,7 @@ def serve_flags() -> set[str]:
 @functools.cache
 def all_keys() -> frozenset[str]:
     from trillm.config import EngineArgs
-    from trillm.entrypoints.openai.schemas import pooling, protocol, responses, score
+    from trillm.entrypoints.openai.schemas import anthropic, pooling, protocol, responses, score
     from trillm.sampling_params import SamplingParams
 
     requests = _fields(
@@ -103,6 +103,8 @@ def all_keys() -> frozenset[str]:
         pooling.ClassificationRequest,
         score.ScoreRequest,
         score.RerankRequest,
+        anthropic.MessagesRequest,
+        anthropic.CountTokensRequest,
     )
     return frozenset(requests | _fields(SamplingParams) | _fields(EngineArgs) | serve_flags())
 

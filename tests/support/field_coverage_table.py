@@ -13,6 +13,7 @@ an error that names it), not only that a request holding it is accepted.
 
 from __future__ import annotations
 
+from field_coverage.anthropic_fields import ANTHROPIC_FIELDS
 from field_coverage.engine_args import ENGINE_ARGS
 from field_coverage.request_fields import REQUEST_FIELDS
 from field_coverage.sampling_params import SAMPLING_PARAMS
@@ -22,6 +23,7 @@ from field_coverage.serve_flags import SERVE_FLAGS
 COVERAGE: dict[str, tuple[str, ...]] = {
     **REQUEST_FIELDS,
     **SCORE_FIELDS,
+    **ANTHROPIC_FIELDS,
     **SAMPLING_PARAMS,
     **ENGINE_ARGS,
     **SERVE_FLAGS,

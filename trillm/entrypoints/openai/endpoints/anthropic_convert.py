@@ -63,8 +63,8 @@ def to_chat_request(
         chat_template_kwargs=req.chat_template_kwargs,
         request_id=request_id,
     )
+    _check_cache_control(req.cache_control, "")
     if isinstance(req, MessagesRequest):
-        _check_cache_control(req.cache_control, "")
         chat.max_tokens = req.max_tokens
         chat.stop = req.stop_sequences
         chat.temperature = req.temperature

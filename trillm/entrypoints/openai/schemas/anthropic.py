@@ -39,7 +39,8 @@ class CountTokensRequest:
     tool_choice: dict[str, Any] | None = None
     # vLLM's extension, as on chat completions: the chat template's extra variables.
     chat_template_kwargs: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # only {"type": "disabled"} (REFUSED_FIELDS)
+    thinking: dict[str, Any] | None = None  # only {"type": "disabled"} (check_values)
+    cache_control: dict[str, Any] | None = None  # a caching mark (anthropic_convert.py)
 
 
 @attrs.define(kw_only=True)
@@ -53,7 +54,6 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: dict[str, Any] | None = None  # {"user_id": str}
     service_tier: str | None = None  # "auto" / "standard_only": one tier here
-    cache_control: dict[str, Any] | None = None  # a caching mark (anthropic_convert.py)
 
 
 # Fields of Anthropic's API this server does not implement, and why (the 400's text). Their
