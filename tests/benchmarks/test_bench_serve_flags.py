@@ -427,7 +427,6 @@ def test_timeline_and_dataset_stats_plots(tmp_path: Path, capsys) -> None:
     [
         (["--profile"], "/start_profile"),
         (["--sonnet-input-len", "5"], "sonnet dataset is not implemented"),
-        (["--random-mm-bucket-config", "{}"], "multimodal"),
         (["--no-reranker"], "reranker"),
         (["--tokenizer-mode", "mistral"], "invalid choice"),
         (["--extra-body", "[1]"], "JSON object"),

@@ -39,7 +39,15 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument(
         "--dataset-name",
-        choices=["random", "sharegpt", "custom", "hf", "prefix-repetition", "prefix_repetition"],
+        choices=[
+            "random",
+            "random-mm",
+            "sharegpt",
+            "custom",
+            "hf",
+            "prefix-repetition",
+            "prefix_repetition",
+        ],
         default="random",
     )
     g.add_argument(

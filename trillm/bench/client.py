@@ -53,7 +53,7 @@ class RequestSpec:
 
 def build_payload(
     spec: RequestSpec,
-    prompt: str | list[int],
+    prompt: str | list[int] | list[dict[str, Any]],
     max_tokens: int,
     index: int | None = None,
     model: str | None = None,
@@ -153,7 +153,7 @@ def _finish(state: _StreamState, tokenizer: Any) -> None:
 async def send_request(
     transport: H11Transport | HttpxTransport,
     spec: RequestSpec,
-    prompt: str | list[int],
+    prompt: str | list[int] | list[dict[str, Any]],
     prompt_len: int,
     max_tokens: int,
     tokenizer: Any = None,

@@ -1,6 +1,7 @@
-"""``trillm bench serve``'s dataset flags -> its prompts (``build_dataset``): random and
-prefix-repetition built here, sharegpt / custom / hf from files, shuffled unless
---disable-shuffle and oversampled to --num-prompts unless --no-oversample (vLLM's rules)."""
+"""``trillm bench serve``'s dataset flags -> its prompts (``build_dataset``): random,
+random-mm (``mm_dataset.py``) and prefix-repetition built here, sharegpt / custom / hf from
+files, shuffled unless --disable-shuffle and oversampled to --num-prompts unless
+--no-oversample (vLLM's rules)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 
 from trillm.bench import datasets
 from trillm.bench.file_datasets import build_custom, build_hf, oversample
+from trillm.bench.mm_dataset import build_random_mm
 
 
 def build_dataset(
@@ -25,6 +27,8 @@ def build_dataset(
             args.random_prefix_len,
             **common,
         )
+    if args.dataset_name == "random-mm":
+        return build_random_mm(args, tokenizer, chat)
     if args.dataset_name == "prefix-repetition":
         return datasets.build_prefix_repetition(
             args.num_prompts,

@@ -40,6 +40,14 @@ class BenchRequest:
     prompt: str | list[int]  # text, or token ids for the completions endpoint
     prompt_len: int
     expected_output_len: int
+    # chat content parts after the text (random-mm's images: image_url data URLs)
+    mm_content: tuple[dict[str, Any], ...] = ()
+
+    def content(self) -> str | list[int] | list[dict[str, Any]]:
+        """What the request sends: the prompt, or a chat message's parts (text, then items)."""
+        if not self.mm_content:
+            return self.prompt
+        return [{"type": "text", "text": self.prompt}, *self.mm_content]
 
 
 def sample_range(rng: np.random.Generator, length: int, ratio: float, n: int) -> np.ndarray:

@@ -121,7 +121,7 @@ async def _one(
         result = await send_request(
             client,
             spec,
-            req.prompt,
+            req.content(),
             req.prompt_len,
             req.expected_output_len,
             ctx.tokenizer,
@@ -198,7 +198,7 @@ async def check_server(args: argparse.Namespace, model: str | None) -> str:
 
 async def probe_request(client: Transport, spec: RequestSpec, req: datasets.BenchRequest) -> None:
     """One short request before the clock starts: a bad model name or endpoint fails here."""
-    result = await send_request(client, spec, req.prompt, req.prompt_len, TEST_MAX_TOKENS)
+    result = await send_request(client, spec, req.content(), req.prompt_len, TEST_MAX_TOKENS)
     if not result.success:
         raise BenchSetupError(
             f"The test request to {spec.api_url} failed: {result.error}\n"
@@ -227,7 +227,8 @@ def prepare(args: argparse.Namespace) -> ServeContext:
         )
     )
     chat = is_chat(args)
-    if args.dataset_name in ("random", "prefix-repetition") and chat and tokenizer is None:
+    text_datasets = ("random", "random-mm", "prefix-repetition")
+    if args.dataset_name in text_datasets and chat and tokenizer is None:
         raise BenchSetupError("The chat endpoint needs text prompts: pass --tokenizer PATH.")
     metrics_list = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     unknown = [m for m in metrics_list if m not in metrics.METRICS]

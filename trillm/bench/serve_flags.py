@@ -3,9 +3,9 @@ request shaping (headers, extra body, request ids, sampling, logprobs, LoRA name
 ramp-up, result files (label, metadata, detailed, append), plots, the file datasets (custom,
 hf, their output lengths, shuffling, oversampling) and the tokenizer options.
 
-Flags whose mechanism trillm does not have (the server profiler, multimodal and
-embedding datasets, ...) are still registered so that using one stops at once with an argparse
-error that says why (``REFUSED``), never a silent no-op.
+Flags whose mechanism trillm does not have (the server profiler, embedding datasets, ...)
+are still registered so that using one stops at once with an argparse error that says why
+(``REFUSED``), never a silent no-op.
 """
 
 from __future__ import annotations
@@ -23,11 +23,6 @@ REFUSED = {
     "--chat-template-kwargs": "no dataset here renders a chat template with extra kwargs",
     "--random-batch-size": "embedding benchmarks are not implemented (no embeddings endpoint)",
     "--no-reranker": "reranker benchmarks are not implemented (no rerank endpoint)",
-    "--random-mm-base-items-per-request": "multimodal datasets are not implemented "
-    "(text-only models)",
-    "--random-mm-num-mm-items-range-ratio": "multimodal datasets are not implemented",
-    "--random-mm-limit-mm-per-prompt": "multimodal datasets are not implemented",
-    "--random-mm-bucket-config": "multimodal datasets are not implemented",
     "--blazedit-min-distance": "the blazedit dataset (Hugging Face Hub) is not available offline",
     "--blazedit-max-distance": "the blazedit dataset (Hugging Face Hub) is not available offline",
     "--spec-bench-output-len": "the spec_bench dataset is not implemented",
@@ -163,6 +158,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("sampling parameters (beside --temperature --top-p --top-k)")
     for flag in ("--min-p", "--frequency-penalty", "--presence-penalty", "--repetition-penalty"):
         s.add_argument(flag, type=float, default=None)
+    _add_random_mm_flags(p)
     d = p.add_argument_group("file datasets (sharegpt, custom, hf)")
     d.add_argument(
         "--no-oversample",
@@ -185,6 +181,30 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument("--hf-output-len", type=int, default=None)
     for flag in REFUSED:
         p.add_argument(flag, action=_Refuse, help=argparse.SUPPRESS)
+
+
+def _add_random_mm_flags(p: argparse.ArgumentParser) -> None:
+    """vLLM's random-mm dataset (``mm_dataset.py``): its flags and defaults."""
+    from trillm.bench.mm_dataset import DEFAULT_BUCKETS, DEFAULT_LIMITS
+
+    g = p.add_argument_group("random-mm dataset (random prompts with random images)")
+    g.add_argument("--random-mm-base-items-per-request", type=int, default=1)
+    g.add_argument(
+        "--random-mm-num-mm-items-range-ratio",
+        type=float,
+        default=0.0,
+        help="items a request within this ratio of the base, in [0, 1]",
+    )
+    g.add_argument(
+        "--random-mm-limit-mm-per-prompt",
+        default=DEFAULT_LIMITS,
+        help="JSON: the most items of each modality a request carries",
+    )
+    g.add_argument(
+        "--random-mm-bucket-config",
+        default=DEFAULT_BUCKETS,
+        help="(height, width, frames) -> probability; one frame: an image (videos refused)",
+    )
 
 
 def _pairs(items: list[str] | None, flag: str) -> dict[str, str]:
