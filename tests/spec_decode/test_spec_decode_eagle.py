@@ -26,8 +26,7 @@ from spec_compare import assert_same
 from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
 from trillm.model_executor.model_config import load_model_config
-from trillm.spec_decode.config import parse_speculative_config
-from trillm.spec_decode.draft_setup import DraftModelError
+from trillm.spec_decode.config import DraftModelError, parse_speculative_config
 from trillm.spec_decode.eagle_config import build_eagle_head_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -16,6 +16,11 @@ MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 _DEFAULT_LOOKUP = 5  # vLLM's default n-gram length when neither bound is given
 
 
+class DraftModelError(ValueError):
+    """The draft model or EAGLE head cannot serve this target (vocabulary, fields,
+    parallelism)."""
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str  # "ngram" | "draft_model" | "eagle" | "eagle3"

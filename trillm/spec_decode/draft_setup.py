@@ -8,12 +8,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from trillm.config import EngineArgs, ModelConfig
-from trillm.spec_decode.config import SpeculativeConfig
+from trillm.spec_decode.config import DraftModelError, SpeculativeConfig
 from trillm.spec_decode.policy import draft_room, may_speculate
-
-
-class DraftModelError(ValueError):
-    """The draft model cannot serve this target (vocabulary, length, parallelism)."""
 
 
 def build_draft_model_config(

@@ -22,8 +22,7 @@ from trillm.model_executor.model_config import (
     parse_rope,
     resolve_model_path,
 )
-from trillm.spec_decode.config import SpeculativeConfig
-from trillm.spec_decode.draft_setup import DraftModelError
+from trillm.spec_decode.config import DraftModelError, SpeculativeConfig
 
 ARCHITECTURES = {
     "eagle": ("LlamaForCausalLM", "EagleLlamaForCausalLM", "LlamaForCausalLMEagle"),
