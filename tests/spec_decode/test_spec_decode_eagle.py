@@ -154,14 +154,23 @@ def test_chunked_prefill_and_preemption_keep_the_output(base, targets, heads, me
         engine.shutdown()
 
 
-@pytest.mark.parametrize("method", HEADS)
-def test_drafts_are_the_dense_references(tiny_model_factory, tmp_path, method):
+@pytest.mark.parametrize(
+    ("method", "shape"),
+    [
+        ("eagle", {}),
+        ("eagle", {"para_norms": True, "layers": 2}),
+        ("eagle3", {}),
+        ("eagle3", {"layers": 2}),
+    ],
+    ids=["eagle", "eagle-hass-2-layers", "eagle3", "eagle3-2-layers"],
+)
+def test_drafts_are_the_dense_references(tiny_model_factory, tmp_path, method, shape):
     """Random heads on a random target, four prompts at once: every proposal equals a dense
     reference's (transformers' hidden states, the head's whole sequence recomputed with
     causal attention) for the request's tokens at that step, through prefill and verified
     steps with drafts rejected."""
     target = tiny_model_factory("llama", num_hidden_layers=4)
-    head = HEADS[method](target, tmp_path / "head", agree=False)
+    head = HEADS[method](target, tmp_path / "head", agree=False, **shape)
     engine = LLM(target, speculative_config=spec(method, head), **SMALL)
     seen: list[tuple[list[int], list[int]]] = []  # (the request's tokens, its drafts)
     drafter = engine.engine.executors[0].runner.drafter

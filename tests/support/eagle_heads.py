@@ -87,9 +87,23 @@ def _layer(
     }
 
 
-def eagle_head(target_folder: str, out: Path, agree: bool = True) -> str:
+def _more_layers(
+    weights: dict[str, torch.Tensor], layers: int, h: int, gen: torch.Generator, bias: bool
+) -> None:
+    """Random plain Llama layers 1 .. layers - 1 after the head's first (``bias``: the
+    config's attention_bias, on q/k/v and o)."""
+    for i in range(1, layers):
+        weights.update(_layer(f"layers.{i}", h, h, gen, agree=False))
+        weights[f"layers.{i}.input_layernorm.weight"] = 1 + torch.randn(h, generator=gen) * 0.2
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj") if bias else ():
+            weights[f"layers.{i}.self_attn.{proj}.bias"] = torch.randn(h, generator=gen) * 0.2
+
+
+def eagle_head(
+    target_folder: str, out: Path, agree: bool = True, layers: int = 1, para_norms: bool = False
+) -> str:
     """An EAGLE head whose output is embed(token p + 1) (fc = [I, 0], the layer adds 0), or
-    with ``agree=False`` a random one."""
+    with ``agree=False`` a random one (``layers`` deep; HASS's norms with ``para_norms``)."""
     target, tw = _target(target_folder)
     h = target["hidden_size"]
     out.mkdir(parents=True)
@@ -101,8 +115,17 @@ def eagle_head(target_folder: str, out: Path, agree: bool = True) -> str:
         else torch.randn(h, 2 * h, generator=gen) * 0.2
     )
     weights["embed_tokens.weight"] = tw["model.embed_tokens.weight"].clone()
+    _more_layers(weights, layers, h, gen, bias=False)
+    for name in ("embedding_layernorm", "hidden_states_layernorm") if para_norms else ():
+        weights[f"{name}.weight"] = 1 + torch.randn(h, generator=gen) * 0.2
     torch.save(weights, out / "pytorch_model.bin")
-    cfg = _head_config(target, architectures=["LlamaForCausalLM"], bias=False)
+    cfg = _head_config(
+        target,
+        architectures=["LlamaForCausalLM"],
+        bias=False,
+        num_hidden_layers=layers,
+        add_para_norm=para_norms,
+    )
     (out / "config.json").write_text(json.dumps(cfg))
     return str(out)
 
@@ -114,7 +137,7 @@ def _reachable(tw: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.unique((normed @ tw["lm_head.weight"].T).argmax(-1))
 
 
-def eagle3_head(target_folder: str, out: Path, agree: bool = True) -> str:
+def eagle3_head(target_folder: str, out: Path, agree: bool = True, layers: int = 1) -> str:
     """An EAGLE-3 head that attends to its own row and reads norm(embed(token p + 1)) there
     (``norm_before_residual``), or with ``agree=False`` a random one (the residual taken
     before hidden_norm); its vocabulary: the tokens a bigram target can produce (d2t maps
@@ -135,6 +158,7 @@ def eagle3_head(target_folder: str, out: Path, agree: bool = True) -> str:
         for name in ("midlayer.input_layernorm", "midlayer.hidden_norm", "norm"):
             weights[f"{name}.weight"] = 1 + torch.randn(h, generator=gen) * 0.2
     weights["fc.weight"] = torch.randn(h, 3 * h, generator=gen) * 0.2
+    _more_layers(weights, layers, h, gen, bias=True)
     vocab = _reachable(tw)
     weights["lm_head.weight"] = tw["lm_head.weight"][vocab].clone()
     weights["d2t"] = vocab - torch.arange(len(vocab))
@@ -150,6 +174,7 @@ def eagle3_head(target_folder: str, out: Path, agree: bool = True) -> str:
         rope_theta=2.0,
         target_hidden_size=h,
         norm_before_residual=agree,
+        num_hidden_layers=layers,
     )
     (out / "config.json").write_text(json.dumps(cfg))
     return str(out)

@@ -69,6 +69,9 @@ class _Head:
     def forward(self, ids, hidden, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (for the logits, to feed back), as the heads define them."""
         e = self.embed(ids)
+        if getattr(self.cfg, "add_para_norm", False):  # HASS
+            e = self.norm("embedding_layernorm.weight", e)
+            hidden = self.norm("hidden_states_layernorm.weight", hidden)
         if self.eagle3:
             normed = self.norm("layers.0.hidden_norm.weight", hidden)
             residual = normed if self.cfg.norm_before_residual else hidden
@@ -79,6 +82,11 @@ class _Head:
         residual = residual + self.attention("layers.0.self_attn", x, positions)
         x = self.norm("layers.0.post_attention_layernorm.weight", residual)
         residual = residual + self.mlp("layers.0.mlp", x)
+        for i in range(1, self.cfg.num_hidden_layers):  # plain pre-norm Llama layers
+            x = self.norm(f"layers.{i}.input_layernorm.weight", residual)
+            residual = residual + self.attention(f"layers.{i}.self_attn", x, positions)
+            x = self.norm(f"layers.{i}.post_attention_layernorm.weight", residual)
+            residual = residual + self.mlp(f"layers.{i}.mlp", x)
         if not self.eagle3:
             return residual, residual
         return self.norm("norm.weight", residual), residual
