@@ -359,7 +359,8 @@ class BeamSearchParams:
             ("beam_width", _is_int(self.beam_width) and self.beam_width >= 1, "at least 1"),
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "at least 1"),
             ("temperature", self.temperature == 0, "0 (beam search does not sample)"),
-            ("length_penalty", _is_finite(self.length_penalty), "a finite number"),
+            # NOTE: a length ** penalty must stay a finite, non-zero float for any length.
+            ("length_penalty", _is_penalty(self.length_penalty), "a number in [-20, 20]"),
             (
                 "early_stopping",
                 isinstance(self.early_stopping, bool) or self.early_stopping == "never",
@@ -377,5 +378,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value <= INT32_MAX
 
 
-def _is_finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _is_penalty(value: Any) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and -20 <= value <= 20

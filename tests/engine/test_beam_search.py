@@ -154,6 +154,8 @@ def test_refusals_name_their_field(eos_model):
         BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="always")
     with pytest.raises(SamplingParamsError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(SamplingParamsError, match=r"length_penalty must be a number in \[-20"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=1e308)  # 2 ** 1e308: inf
     # 7 beams x 3 (two EOS ids) = 21 candidates per beam, over --max-logprobs (20).
     with pytest.raises(InvalidRequestError, match="max_logprobs") as err:
         engine.beam_search(["A"], BeamSearchParams(beam_width=7, max_tokens=4))
@@ -190,3 +192,25 @@ def test_cancelled_search_aborts_its_beams(eos_model):
                     await trio.sleep(0.01)
 
     trio.run(main)
+
+
+def test_timeout_ends_the_search_with_its_beams_as_they_stand(eos_model):
+    """The request's deadline (HTTP ``timeout``) ends the search: the beams it holds then
+    come back with finish_reason "timeout" (240 tokens at 0.1 s would take 2,400 steps/s)."""
+    path, _ = eos_model
+
+    async def main() -> list[tuple[int, str | None]]:
+        async with open_engine(
+            path, max_model_len=256, kv_cache_memory="8MiB", distributed_executor_backend="uni"
+        ) as engine:
+            whole = SamplingParams(n=2, max_tokens=240, temperature=0)
+            prompt = await engine.preprocessor.prepare("A", whole)
+            params = BeamSearchParams(2, 240, ignore_eos=True)
+            search = BeamSearchRequest(engine, [prompt], params, ["late"], timeout=0.1)
+            async with search as items:
+                _, out = await items.__anext__()
+            assert not isinstance(out, Exception)
+            return [(len(c.token_ids), c.finish_reason) for c in out.outputs]
+
+    beams = trio.run(main)
+    assert beams and all(n < 240 and reason == "timeout" for n, reason in beams)

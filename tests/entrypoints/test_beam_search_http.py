@@ -148,6 +148,7 @@ def test_what_cannot_combine_is_refused_by_name(server, path):
         ({**beam, "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ({**beam, **logprobs}, "logprobs"),
         ({**beam, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**beam, "length_penalty": -1e308}, "length_penalty"),  # 2 ** -1e308 == 0
         ({**beam, "n": 7}, "n"),  # 7 beams x 3 candidates: over --max-logprobs (20)
         ({"length_penalty": 0.5}, "length_penalty"),
         ({"early_stopping": True}, "early_stopping"),
