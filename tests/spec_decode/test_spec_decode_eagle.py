@@ -235,6 +235,38 @@ def head_with(tmp_path, source: str, **fields) -> str:
     return str(head)
 
 
+# The fields of the published heads' config.json (yuhuili/EAGLE-LLaMA3-Instruct-8B,
+# yuhuili/EAGLE3-LLaMA3.1-Instruct-8B) besides the ones the tiny heads already carry.
+PUBLISHED = {
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "initializer_range": 0.02,
+    "pad_token_id": 0,
+    "pretraining_tp": 1,
+    "rope_scaling": {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "transformers_version": "4.28.1",
+    "use_cache": True,
+    "torch_dtype": "float16",
+}
+
+
+@pytest.mark.parametrize("method", HEADS)
+def test_published_head_configs_are_read(heads, target_config, tmp_path, method):
+    head = head_with(tmp_path, heads[method][0], **PUBLISHED)
+    cfg = build_eagle_head_config(
+        EngineArgs(), parse_speculative_config(spec(method, head)), target_config
+    )
+    assert (cfg.rope_theta, cfg.rope_scaling["rope_type"]) == (500000.0, "llama3")
+    assert cfg.dtype == target_config.dtype  # the target's, as vLLM runs a head
+
+
 def test_eagle3_default_layers_are_vllms(heads, target_config):
     config = parse_speculative_config(spec("eagle3", heads["eagle3"][0]))
     head = build_eagle_head_config(EngineArgs(), config, target_config)
