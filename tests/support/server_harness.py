@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,8 +37,10 @@ def _ephemeral_start() -> int:
 # kernel's ephemeral range: a port picked here is closed again before the server binds it,
 # and in that gap the kernel could hand an ephemeral port to any connection on the machine
 # (another test's client, a tensor-parallel group's sockets) but never one of these.
+# A process starts at a random place in its block: pytest sessions run side by side without
+# xdist (each its worker "gw0") then rarely try the same port in the same second.
 _PORTS_PER_WORKER = 400
-_next_port = [0]
+_next_port = [random.randrange(_PORTS_PER_WORKER)]
 
 
 def free_port() -> int:
