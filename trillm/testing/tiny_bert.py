@@ -1,7 +1,8 @@
 """Tiny BERT-family checkpoints for tests: random weights from a transformers config and a
-tokenizer trained here with ``tokenizers`` on a few sentences (WordPiece for BERT with
-``[CLS] a [SEP] b [SEP]`` and segment ids 0 / 1; Unigram for XLM-R with
-``<s> a </s></s> b </s>``, one segment), optionally with sentence-transformers' pooling files.
+tokenizer built here with ``tokenizers`` from a few sentences' words and characters
+(WordPiece for BERT with ``[CLS] a [SEP] b [SEP]`` and segment ids 0 / 1; Unigram for XLM-R
+with ``<s> a </s></s> b </s>``, one segment), the same on every run; optionally with
+sentence-transformers' pooling files.
 """
 
 from __future__ import annotations
@@ -29,24 +30,29 @@ SIZES = {
 }
 
 
+def _words(pre_tokenizer: Any, lowercase: bool) -> list[str]:
+    """The corpus' pre-tokenized pieces, sorted: the vocabulary is built from them, not
+    trained (``tokenizers``' trainers order ties by hash, so each run would differ)."""
+    pieces = set()
+    for text in CORPUS:
+        pieces |= {
+            w for w, _ in pre_tokenizer.pre_tokenize_str(text.lower() if lowercase else text)
+        }
+    return sorted(pieces)
+
+
 def _bert_tokenizer() -> Any:
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    words = _words(pre_tokenizers.BertPreTokenizer(), lowercase=True)
+    chars = sorted({c for w in words for c in w})
+    pieces = [*special, *chars, *(f"##{c}" for c in chars), "##s", "##ing", "##ed"]
+    pieces += [w for w in words if w not in pieces]
+    tok = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=special, show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer=trainer)
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
@@ -58,16 +64,17 @@ def _bert_tokenizer() -> Any:
 
 
 def _xlmr_tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-    tok = Tokenizer(models.Unigram())
+    words = _words(pre_tokenizers.Metaspace(), lowercase=False)
+    chars = sorted({c for w in words for c in w})
+    # a whole word scores above its pieces; characters cover the rest
+    vocab = [(p, 0.0) for p in special] + [(c, -8.0) for c in chars]
+    vocab += [(w, -2.0 - 0.1 * len(w)) for w in words if w not in chars]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=special.index("<unk>")))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    trainer = trainers.UnigramTrainer(
-        vocab_size=300, special_tokens=special, unk_token="<unk>", show_progress=False
-    )
-    tok.train_from_iterator(CORPUS, trainer=trainer)
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>",
@@ -144,6 +151,6 @@ def build_tiny_encoder(
     if architecture.endswith("ForSequenceClassification"):
         with torch.no_grad():  # transformers' init is tiny: spread the scores
             for p in model.classifier.parameters():
-                p.normal_(0.0, 0.5)
+                p.normal_(0.0, 0.15)
     model.save_pretrained(out, safe_serialization=True)
     return out
