@@ -249,8 +249,8 @@ def test_text_models_and_disabled_images_refuse_image_input(tiny_model_factory, 
         with pytest.raises(InvalidRequestError, match=words):
             trio.run(pre.prepare, prompt, SamplingParams(max_tokens=2))
     assert build_config(EngineArgs(llava_path)).limit_mm_per_prompt == {"image": 1}
-    with pytest.raises(ValueError, match="does not support LlavaForConditionalGeneration yet"):
-        build_config(EngineArgs(llava_path, tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported yet"):
+        build_config(EngineArgs(llava_path, pipeline_parallel_size=2))
     with pytest.raises(ValueError, match="convert='embed' is not supported yet"):
         build_config(EngineArgs(llava_path, convert="embed"))
     with pytest.raises(ValueError, match="'bogus' not taken by this model's image processor"):
@@ -272,3 +272,26 @@ def test_limit_mm_per_prompt_values():
         with pytest.raises(ValueError, match=words):
             EngineArgs(limit_mm_per_prompt=bad)
     assert EngineArgs(limit_mm_per_prompt={"audio": 0}).limit_mm_per_prompt == {"audio": 0}
+
+
+def test_llama_32_vision_is_refused_naming_the_architecture(tmp_path):
+    # Its cross-attention layers (text attending to the vision states) are not implemented.
+    import json
+
+    config = {
+        "architectures": ["MllamaForConditionalGeneration"],
+        "model_type": "mllama",
+        "text_config": {"model_type": "mllama_text_model", "cross_attention_layers": [1]},
+        "vision_config": {"model_type": "mllama_vision_model"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from trillm.config import EngineArgs
+    from trillm.engine.config_builder import build_config
+
+    with pytest.raises(ValueError) as info:
+        build_config(EngineArgs(str(tmp_path)))
+    assert str(info.value).startswith(
+        "Model architecture 'MllamaForConditionalGeneration' is not supported (Llama 3.2 "
+        "Vision: its cross-attention layers (text attending to the vision encoder's states) "
+        "are not implemented); supported architectures: "
+    )

@@ -73,7 +73,11 @@ ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "GptOssForCausalLM",
     "Llama4ForCausalLM",
+    "LlavaForConditionalGeneration",
 )
+# A vision-language model's tower and projector: whole on every rank (each rank encodes an
+# image itself; the text embeddings they overwrite are whole after the vocabulary reduce).
+_REPLICATED_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 _GPT_OSS = "GptOssForCausalLM"
 _LLAMA4 = "Llama4ForCausalLM"
 
@@ -268,6 +272,8 @@ class RankShapes:
         only the rank's rows/columns are read."""
         import torch
 
+        if name.removeprefix("model.").startswith(_REPLICATED_PREFIXES):
+            return source if isinstance(source, torch.Tensor) else source[:]
         proj = name.rpartition(".")[0].rpartition(".")[2]
         if cfg.architecture == _GPT_OSS and proj in ("experts", "self_attn"):
             return self._gpt_oss_shard(name.rpartition(".")[2], source)

@@ -163,7 +163,6 @@ def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str,
             raise ValueError(f"mm_processor_kwargs: {arch} takes no multimodal inputs.")
         return limits
     for name, unsupported in (
-        ("tensor_parallel_size", args.tensor_parallel_size > 1),
         ("pipeline_parallel_size", args.pipeline_parallel_size > 1),
         ("runner", args.runner == "pooling"),
         ("convert", args.convert not in ("auto", "none")),

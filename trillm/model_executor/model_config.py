@@ -23,7 +23,6 @@ from trillm.model_executor.layer_types import FULL, SUPPORTED_ROPE_TYPES, partia
 from trillm.model_executor.quantization import CHECKPOINT_METHODS, resolve_quantization
 from trillm.model_executor.registry import (
     UnsupportedArchitectureError,
-    is_supported,
     model_entry,
     supported_architectures,
 )
@@ -288,11 +287,7 @@ def _architecture(hf: dict[str, Any]) -> str:
     architecture = architectures[0]
     if architecture.endswith(classification.SUFFIX):  # the decoder, then a score head
         architecture = classification.causal_architecture(architecture)
-    if not is_supported(architecture):
-        raise UnsupportedArchitectureError(
-            f"Model architecture {architecture!r} is not supported; supported architectures: "
-            f"{', '.join(supported_architectures())}."
-        )
+    model_entry(architecture)  # an UnsupportedArchitectureError naming it (and why, if known)
     return architecture
 
 

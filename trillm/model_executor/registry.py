@@ -108,19 +108,23 @@ class UnsupportedArchitectureError(ValueError):
     """config.json names an architecture trillm has no model for."""
 
 
+# Architectures people ask for that need what trillm cannot run yet: the refusal says why.
+_NOT_IMPLEMENTED = {
+    "MllamaForConditionalGeneration": "Llama 3.2 Vision: its cross-attention layers (text "
+    "attending to the vision encoder's states) are not implemented",
+}
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def is_supported(architecture: str) -> bool:
-    return architecture in _MODELS
-
-
 def model_entry(architecture: str) -> ModelEntry:
     if architecture not in _MODELS:
+        why = f" ({_NOT_IMPLEMENTED[architecture]})" if architecture in _NOT_IMPLEMENTED else ""
         raise UnsupportedArchitectureError(
-            f"Model architecture {architecture!r} is not supported; supported architectures: "
-            f"{', '.join(supported_architectures())}."
+            f"Model architecture {architecture!r} is not supported{why}; supported "
+            f"architectures: {', '.join(supported_architectures())}."
         )
     return _MODELS[architecture]
 
