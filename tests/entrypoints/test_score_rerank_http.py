@@ -184,6 +184,21 @@ def test_what_the_scoring_routes_refuse(ce_server, path, body, status, param):
     assert error["param"] == param and error["message"], error
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_an_encoder_refuses_generation_naming_its_task(ce_server, path, body):
+    r = _post(ce_server, path, body)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "task 'classify'" in message and "encoder-only model: it cannot generate" in message
+    assert "/score, /rerank" in message
+
+
 def test_the_api_key_guards_the_scoring_routes(ce_server):
     for path, body in (
         ("/score", {"text_1": "a", "text_2": "b"}),

@@ -36,6 +36,7 @@ from trillm.entrypoints.openai.schemas.anthropic import parse_count_tokens, pars
 from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest, CompletionRequest
 from trillm.entrypoints.openai.schemas.responses import parse_request
 from trillm.entrypoints.openai.schemas.structuring import structure_body
+from trillm.model_executor.encoder_config import is_encoder
 
 logger = logging.getLogger("trillm.requests")
 
@@ -147,12 +148,21 @@ class Dispatcher:
         )
 
     async def _run(self, kind: str, body: dict[str, Any], work: Awaitable[Any]) -> Any:
-        pooler = self.state.engine.config.pooler
+        config = self.state.engine.config
+        pooler = config.pooler
         if pooler is not None:
-            routes = "/classify" if pooler.task == "classify" else "/v1/embeddings and /pooling"
+            encoder = is_encoder(config.model.architecture)
+            routes = "/classify" if pooler.task == "classify" else "/v1/embeddings, /pooling"
+            if encoder or pooler.task == "embed":
+                routes += ", /score, /rerank"
+            hint = (
+                f"{config.model.architecture} is an encoder-only model: it cannot generate"
+                if encoder
+                else "start it without --runner pooling to generate"
+            )
             raise BadRequestError(
-                f"This server runs a pooling model: it serves {routes}, not "
-                f"{kind} requests (start it without --runner pooling to generate).",
+                f"This server runs a pooling model (task {pooler.task!r}): it serves {routes}, "
+                f"not {kind} requests ({hint}).",
                 "model",
             )
         number, start = (
