@@ -31,9 +31,9 @@ def llava_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(llava_path):
-    from transformers import AutoTokenizer
+    from trillm.bench.datasets import BenchTokenizer
 
-    return AutoTokenizer.from_pretrained(llava_path)
+    return BenchTokenizer(llava_path)  # what --tokenizer PATH gives
 
 
 def dataset_args(**overrides: object) -> argparse.Namespace:
@@ -69,11 +69,19 @@ def test_requests_carry_images_of_the_bucket_sizes(tokenizer):
     assert content[0] == {"type": "text", "text": reqs[0].prompt} and content[1:] == [
         reqs[0].mm_content[0]
     ]
-    # the texts are random's own (same seed): the images draw from another stream
+    assert all(r.prompt_len == len(tokenizer.encode(r.prompt)) for r in reqs)
+
+
+def test_texts_never_hold_a_special_token(tokenizer):
+    # random's ids span the whole vocabulary, <image> (the last id) included: a prompt holding
+    # it would ask for an image it does not carry (the server's 400)
     from trillm.bench.datasets import build_random
 
-    texts = build_random(6, 8, 4, seed=0, tokenizer=tokenizer, as_text=True)
-    assert [(r.prompt, r.prompt_len) for r in reqs] == [(t.prompt, t.prompt_len) for t in texts]
+    texts = build_random(300, 32, 4, seed=0, tokenizer=tokenizer, as_text=True)
+    assert any("<image>" in t.prompt for t in texts)
+    args = dataset_args(num_prompts=300, random_input_len=32)
+    reqs = mm_dataset.build_random_mm(args, tokenizer, chat=True)
+    assert not any("<image>" in r.prompt for r in reqs)
 
 
 def test_items_per_request_follow_the_base_ratio_and_limits(tokenizer):

@@ -241,6 +241,13 @@ class BenchTokenizer:
         else:
             raise DatasetError(f"Tokenizer folder not found: {path}")
 
+    def special_ids(self) -> set[int]:
+        """The ids of the special tokens (a multimodal model's placeholders among them)."""
+        if self._fast is not None:
+            added = self._fast.get_added_tokens_decoder()
+            return {i for i, token in added.items() if token.special}
+        return set(self._hf.all_special_ids)
+
     def encode(self, text: str) -> list[int]:
         if self._fast is not None:
             return self._fast.encode(text, add_special_tokens=False).ids

@@ -142,6 +142,23 @@ def image_part(rng: np.random.Generator, height: int, width: int) -> dict[str, A
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+class _PlainText:
+    """The tokenizer, its special tokens never decoded into a prompt: a random text holding
+    a model's image placeholder would ask for an image the request does not carry."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size
+        special = getattr(tokenizer, "special_ids", None)
+        self.special = special() if special else set(tokenizer.all_special_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode([i for i in ids if i not in self.special]))
+
+
 def build_random_mm(args: Any, tokenizer: TokenizerLike | None, chat: bool) -> list[BenchRequest]:
     """The random prompts (``--random-input-len`` ...) with their images."""
     if not chat:
@@ -159,7 +176,7 @@ def build_random_mm(args: Any, tokenizer: TokenizerLike | None, chat: bool) -> l
         args.random_range_ratio,
         args.random_prefix_len,
         seed=args.seed,
-        tokenizer=tokenizer,
+        tokenizer=None if tokenizer is None else _PlainText(tokenizer),
         as_text=True,
     )
     rng = np.random.default_rng(args.seed + 1)  # its own stream: the texts equal random's
