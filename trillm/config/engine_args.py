@@ -155,6 +155,20 @@ class EngineArgs:
         "structured outputs then constrain only the output after </think>.",
         metavar="NAME",
     )
+    # vLLM's engine-wide structured-outputs settings (trillm/config/structured_outputs.py):
+    # backend, whitespace and additionalProperties defaults, the reasoning parser and its
+    # plugin, constraining inside the reasoning.
+    structured_outputs_config: dict[str, Any] | None = flag(
+        None,
+        'Structured outputs for every request, e.g. \'{"backend": "xgrammar", '
+        '"disable_any_whitespace": true}\' (or --structured-outputs-config.KEY VALUE): '
+        "backend auto/xgrammar/guidance/outlines/lm-format-enforcer (all compiled by xgrammar; "
+        "grammars only as xgrammar's EBNF), disable_fallback, disable_any_whitespace, "
+        "disable_additional_properties, reasoning_parser, reasoning_parser_plugin, "
+        "enable_in_reasoning.",
+        value="json_object",
+        metavar="JSON",
+    )
     # Bytes of compiled grammars kept for reuse (LRU); one grammar may take 1/4 of it. A size
     # like "512MiB" or a byte count. None: vLLM's VLLM_XGRAMMAR_CACHE_MB (MiB) when set, else
     # 512 MiB, vLLM's default.
@@ -334,6 +348,24 @@ class EngineArgs:
         "models on CPU; slower.",
     )
 
+    def _take_structured_outputs_config(self) -> None:
+        """Check ``structured_outputs_config``; load its reasoning parser plugin; its
+        reasoning_parser is ``reasoning_parser`` (the two must agree when both are given)."""
+        from trillm.config.structured_outputs import parse_structured_outputs_config
+
+        so = parse_structured_outputs_config(self.structured_outputs_config)
+        if so.reasoning_parser_plugin:
+            from trillm.parsers.plugin_files import run_plugin_file
+
+            run_plugin_file(so.reasoning_parser_plugin, "reasoning_parser_plugin")
+        if so.reasoning_parser:
+            if self.reasoning_parser not in (None, so.reasoning_parser):
+                raise ValueError(
+                    f"reasoning_parser {self.reasoning_parser!r} and structured_outputs_config."
+                    f"reasoning_parser {so.reasoning_parser!r} disagree: give one."
+                )
+            self.reasoning_parser = so.reasoning_parser
+
     def __post_init__(self) -> None:
         # Honour or refuse: what trillm cannot do yet is refused before anything loads.
         for name in ("max_loras", "max_lora_rank"):
@@ -346,6 +378,7 @@ class EngineArgs:
                 "skip_tokenizer_init is not supported: the engine needs the tokenizer "
                 "(stop strings, detokenization, chat templates)."
             )
+        self._take_structured_outputs_config()
         if self.reasoning_parser is not None:
             from trillm.parsers.reasoning import get_reasoning_parser
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from trillm.config.mm_processor_cache import DEFAULT_MM_PROCESSOR_CACHE_GB
 from trillm.config.pooling import PoolerConfig
+from trillm.config.structured_outputs import StructuredOutputsConfig
 from trillm.config.values import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_KV_CACHE_MEMORY
 from trillm.spec_decode.config import SpeculativeConfig
 
@@ -122,6 +123,8 @@ class TrillmConfig:
     attention_backend: str = "torch"
     max_logprobs: int = 20
     reasoning_parser: str | None = None  # the engine core's structured outputs wait for it
+    # structured_outputs_config: backend, engine-wide request defaults, enable_in_reasoning
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     structured_outputs_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES  # compiled grammars kept
     lora: LoRAConfig | None = None  # None: LoRA off (--enable-lora not given)
     pooler: PoolerConfig | None = None  # set: a pooling model (embeddings), no generation

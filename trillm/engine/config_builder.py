@@ -21,6 +21,7 @@ from trillm.config import (
     parse_memory_size,
 )
 from trillm.config.multimodal import resolve_limits
+from trillm.config.structured_outputs import parse_structured_outputs_config
 from trillm.model_executor import deepseek_config, hybrid_ssm, llama4_config, transformers_numerics
 from trillm.spec_decode.config import parse_speculative_config
 
@@ -134,6 +135,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         ),
         max_logprobs=args.max_logprobs,
         reasoning_parser=args.reasoning_parser,
+        structured_outputs=parse_structured_outputs_config(args.structured_outputs_config),
         structured_outputs_cache_bytes=check_grammar_cache_bytes(
             args.structured_outputs_cache_bytes  # (resolved by EngineArgs: an int)
         ),

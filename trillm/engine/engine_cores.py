@@ -185,7 +185,9 @@ class EngineCores:
         if structured is not None and index > 0:
             from trillm.structured_output import StructuredOutputManager
 
-            structured = StructuredOutputManager(structured.cache, config.reasoning_parser)
+            structured = StructuredOutputManager(
+                structured.cache, config.reasoning_parser, config.structured_outputs
+            )
         lora = None
         if config.lora is not None:
             from trillm.lora.admission import LoRAAdmission
@@ -222,7 +224,7 @@ def structured_output_manager(
         list(config.model.eos_token_ids),
         cache_bytes=config.structured_outputs_cache_bytes,
     )
-    return StructuredOutputManager(cache, config.reasoning_parser)
+    return StructuredOutputManager(cache, config.reasoning_parser, config.structured_outputs)
 
 
 def _proposer(config: TrillmConfig) -> NgramProposer | DraftModelDrafts | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from trillm.config.structured_outputs import StructuredOutputsConfig
 from trillm.messages import SampleRequest, SchedulerOutput
 from trillm.parsers.reasoning import ENDED, REASONING, UNDECIDED, get_reasoning_parser
 from trillm.structured_output.compiler import MAX_FILL_CPU_S, GrammarCache
@@ -34,8 +35,14 @@ logger = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
-    def __init__(self, cache: GrammarCache, reasoning_parser: str | None = None) -> None:
+    def __init__(
+        self,
+        cache: GrammarCache,
+        reasoning_parser: str | None = None,
+        config: StructuredOutputsConfig | None = None,
+    ) -> None:
         self.cache = cache
+        self.config = config or StructuredOutputsConfig()
         # The reasoning parser and its (<think>, </think>) ids: refused here, at engine start,
         # when the tokenizer lacks them.
         self.reasoner = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
@@ -59,7 +66,7 @@ class StructuredOutputManager:
         """A request's structured_outputs compiled off the event loop (time-limited, cached)
         before the engine sees it, so a bad schema / regex / grammar is refused at once. A
         cached grammar costs no await."""
-        checked = check_params(spec)
+        checked = check_params(spec, self.config)
         if self.reasoner is not None and not self.reasoner.structured_outputs:
             raise StructuredOutputError(
                 "structured_outputs",
@@ -73,9 +80,9 @@ class StructuredOutputManager:
     def add_request(self, req_id: str, params: Any, prompt_token_ids: Any = ()) -> bool:
         """Start tracking ``req_id``: True when its matcher is ready now, False when the
         grammar is still compiling (or failed: ``poll`` reports it)."""
-        spec: GrammarSpec = check_params(params)
+        spec: GrammarSpec = check_params(params, self.config)
         fut = self.cache.submit(spec)
-        if self.reasoner is not None:
+        if self.reasoner is not None and not self.config.enable_in_reasoning:
             state = self.reasoner.prompt_state(prompt_token_ids, self.think_ids)
             if state != ENDED:
                 self._thinking[req_id] = state

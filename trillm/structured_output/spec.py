@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from trillm.config.structured_outputs import StructuredOutputsConfig
+
 # The kinds, in vLLM's names; exactly one is set on a request.
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -111,8 +113,10 @@ def set_no_additional_properties(schema: Any) -> Any:
     return root
 
 
-def check_params(so: Any) -> GrammarSpec:
-    """``StructuredOutputsParams`` -> ``GrammarSpec``; ``StructuredOutputError`` if malformed."""
+def check_params(so: Any, config: StructuredOutputsConfig | None = None) -> GrammarSpec:
+    """``StructuredOutputsParams`` -> ``GrammarSpec``; ``StructuredOutputError`` if malformed.
+    ``config`` (structured_outputs_config): its whitespace and additionalProperties settings
+    apply to every request as if the request set them; its backend may refuse a grammar."""
     chosen = [k for k in KINDS if getattr(so, k) is not None]
     if len(chosen) != 1:
         raise StructuredOutputError(
@@ -123,14 +127,15 @@ def check_params(so: Any) -> GrammarSpec:
     kind = chosen[0]
     value = getattr(so, kind)
     param = f"structured_outputs.{kind}"
-    any_ws = not so.disable_any_whitespace
+    config = config or StructuredOutputsConfig()
+    any_ws = not (so.disable_any_whitespace or config.disable_any_whitespace)
     if kind == "json":
         if not isinstance(value, dict | str):
             raise StructuredOutputError(param, "The JSON schema must be an object or a string.")
         schema = _check_json_value(param, value, "JSON schema")
         if not isinstance(schema, dict | bool):
             raise StructuredOutputError(param, "The JSON schema must be a JSON object.")
-        if so.disable_additional_properties:
+        if so.disable_additional_properties or config.disable_additional_properties:
             schema = set_no_additional_properties(schema)
         return GrammarSpec("json", json.dumps(schema), any_ws)
     if kind == "json_object":
@@ -154,5 +159,7 @@ def check_params(so: Any) -> GrammarSpec:
         text = _check_text(param, value, "structural tag")
         _check_json_value(param, text, "structural tag")
         return GrammarSpec("structural_tag", text, any_ws)
+    if kind == "grammar" and (refusal := config.grammar_refusal()) is not None:
+        raise StructuredOutputError(param, refusal)
     what = {"regex": "regex", "grammar": "grammar"}[kind]
     return GrammarSpec(kind, _check_text(param, value, what), any_ws)

@@ -182,6 +182,13 @@ ENGINE: dict[str, tuple[str, ...]] = {
         "tests/models/test_load_overrides.py::test_dummy_weights_need_no_checkpoint",
         "tests/models/test_load_overrides.py::test_dummy_is_refused_for_a_gguf_file",
     ),
+    "structured_outputs_config": ids(
+        "tests/structured_output/test_structured_outputs_config.py::test_bad_values_are_refused_by_name",
+        "tests/structured_output/test_structured_outputs_config.py::test_engine_wide_defaults_apply_as_if_the_request_set_them",
+        "tests/structured_output/test_structured_outputs_config.py::test_through_the_engine_output_follows_the_backend_and_whitespace_settings",
+        "tests/structured_output/test_structured_outputs_config.py::test_enable_in_reasoning_constrains_from_the_first_token",
+        "tests/structured_output/test_structured_outputs_config.py::test_reasoning_parser_and_its_plugin_through_the_config",
+    ),
     "hf_overrides": ids(
         "tests/models/test_load_overrides.py::test_an_override_acts_as_editing_config_json",
         "tests/models/test_load_overrides.py::test_overrides_replace_keys_and_merge_into_sub_configs",

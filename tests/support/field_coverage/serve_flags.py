@@ -274,6 +274,7 @@ _ENGINE_FLAG_FIELDS = {
     "--mm-processor-cache-gb": "mm_processor_cache_gb",
     "--skip-mm-profiling": "skip_mm_profiling",
     "--hf-overrides": "hf_overrides",
+    "--structured-outputs-config": "structured_outputs_config",
     "--chat-template-content-format": "chat_template_content_format",
     "--distributed-executor-backend": "distributed_executor_backend",
     "--generation-config": "generation_config",

@@ -39,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from trillm.entrypoints.cli.dotted_flags import expand_dotted_flags
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expand_dotted_flags(list(sys.argv[1:] if argv is None else argv)))
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
