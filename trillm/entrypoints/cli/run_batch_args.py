@@ -18,6 +18,7 @@ from trillm.entrypoints.cli import serve_args
 HTTP_ONLY = (
     ("host", "--host"),
     ("port", "--port"),
+    ("uds", "--uds"),
     ("api_key", "--api-key"),
     ("ssl_keyfile", "--ssl-keyfile"),
     ("ssl_certfile", "--ssl-certfile"),

@@ -215,6 +215,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         reasoning_parser=args.reasoning_parser,
         host=args.host,
         port=args.port,
+        uds=args.uds,
         api_key=args.api_key,
         served_model_names=args.served_model_name,
         chat_template=args.chat_template,

@@ -115,6 +115,12 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
         help="CORS: allow credentials (cookies, Authorization) in cross-origin requests.",
     )
     g.add_argument(
+        "--uds",
+        metavar="PATH",
+        help="Serve on a Unix domain socket at PATH instead of --host / --port (a socket file "
+        "left there by an earlier server is replaced).",
+    )
+    g.add_argument(
         "--root-path",
         default="",
         help="The path prefix a path-based routing proxy serves this server under.",
@@ -188,6 +194,20 @@ def add_logging_flags(p: argparse.ArgumentParser) -> None:
 
 def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vLLM engine flags")
+    g.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=_not_implemented("more than one API server process", "1"),
+        metavar="N",
+        help="API server processes: trillm serves HTTP from one process (1, the default); "
+        "more are not implemented (refused).",
+    )
+    g.add_argument(
+        "--show-hidden-metrics-for-version",
+        metavar="VERSION",
+        help="vLLM shows metrics it deprecated after VERSION; trillm hides none, so every "
+        "metric is already shown (accepted, said once in the log).",
+    )
     g.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
@@ -264,6 +284,13 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         path = getattr(args, name)
         if path and not Path(path).is_file():
             parser.error(f"argument --{name.replace('_', '-')}: no such file {path!r}.")
+    if args.uds and (args.host, args.port) != (
+        parser.get_default("host"),
+        parser.get_default("port"),
+    ):
+        parser.error(
+            "argument --uds: the server listens on the socket file only; drop --host / --port."
+        )
     if args.root_path and not args.root_path.startswith("/"):
         parser.error(f"argument --root-path: must start with '/', got {args.root_path!r}.")
     if args.enable_log_requests and args.disable_log_requests:
@@ -305,6 +332,11 @@ def startup_notes(args: argparse.Namespace) -> list[str]:
         notes.append(
             "--disable-custom-all-reduce: trillm has no custom all-reduce "
             "(torch.distributed's is always used); nothing to change."
+        )
+    if args.show_hidden_metrics_for_version is not None:
+        notes.append(
+            f"--show-hidden-metrics-for-version {args.show_hidden_metrics_for_version}: "
+            "trillm hides no metrics; all of them are on /metrics."
         )
     if args.enable_server_load_tracking:
         notes.append(

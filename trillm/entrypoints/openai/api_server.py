@@ -62,6 +62,7 @@ class ServerOptions:
 
     host: str = "0.0.0.0"
     port: int = 8000
+    uds: str | None = None  # --uds: a Unix domain socket instead of host:port
     # --api-key (several keys: any one opens the gate); None: VLLM_API_KEY, as in vLLM.
     api_key: list[str] | None = None
     served_model_names: list[str] | None = None
@@ -124,7 +125,7 @@ async def run_server(model: str | None, engine_args: dict[str, Any], opts: Serve
     until SIGINT/SIGTERM (or the engine's death), drain; return the exit code (0, or 1 when the
     engine died)."""
     life = _Lifecycle()
-    listener = reserve_listener(opts.host, opts.port)
+    listener = reserve_listener(opts.host, opts.port, opts.uds)
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as root:

@@ -12,10 +12,7 @@ A plugin (``--tool-parser-plugin PATH``) is a Python file that registers its par
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from trillm.parsers.tool_parsers.base import (
     CallPiece,

@@ -3,8 +3,11 @@ starts (``reserve_listener``), hypercorn serves on that socket once the engine i
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import socket
+import stat
 from typing import Any
 
 from trillm.entrypoints.cli import vllm_flags
@@ -15,11 +18,14 @@ class PortUnavailableError(OSError):
     """The server's address cannot be bound (in use, not this host's, no permission)."""
 
 
-def reserve_listener(host: str, port: int) -> socket.socket:
+def reserve_listener(host: str, port: int, uds: str | None = None) -> socket.socket:
     """The server's socket, bound before the engine starts: the engine's processes open
     connections of their own while the model loads, and one of them could otherwise take the
     port (an ephemeral one) before the server binds it. Hypercorn listens on it once the engine
-    is up; a port in use is reported at once, before anything loads."""
+    is up; a port in use is reported at once, before anything loads. ``uds`` (--uds): a Unix
+    domain socket at that path instead of host:port."""
+    if uds is not None:
+        return _reserve_unix(uds)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -29,6 +35,26 @@ def reserve_listener(host: str, port: int) -> socket.socket:
         sock.close()
         message = f"cannot serve on {host}:{port}: {exc.strerror}"
         raise PortUnavailableError(exc.errno, message) from exc
+    return sock
+
+
+def _reserve_unix(path: str) -> socket.socket:
+    """A Unix socket bound at ``path``; a socket file left there by an earlier server is
+    replaced (as uvicorn and hypercorn do), any other file is not."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise PortUnavailableError(
+                errno.EEXIST, f"cannot serve on --uds {path}: a file that is not a socket is there"
+            )
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise PortUnavailableError(
+            exc.errno, f"cannot serve on --uds {path}: {exc.strerror}"
+        ) from exc
     return sock
 
 
