@@ -1,6 +1,7 @@
-"""Reasoning parsers of more model families (vLLM's names; ``reasoning.py`` has the think-tag
-machinery and the registry these join):
+"""Reasoning parsers of more model families (vLLM's names; ``reasoning_base.py`` has the
+think-tag machinery, ``reasoning.py`` the registry these join):
 
+- ``qwen3``: described in ``reasoning.py``.
 - ``glm45``: GLM-4.5 / 4.6 / 4.7, ``<think>...</think>`` as ``qwen3`` reads it (reasoning when
   the output begins with ``<think>`` or the prompt ends inside an open one).
 - ``step3``: Step3, whose template opens the reasoning in the prompt: everything before
@@ -25,25 +26,32 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from trillm.parsers.reasoning import (
+from trillm.parsers.reasoning_base import (
+    END,
     REASONING,
+    START,
     UNDECIDED,
     ContentStreamer,
-    Qwen3ReasoningParser,
     ReasoningParser,
     ReasoningStreamer,
     ResplitStreamer,
-    register_reasoning_parser,
 )
 from trillm.parsers.tool_parsers.base import held_prefix
 
 
-@register_reasoning_parser("glm45")
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+    untagged_prompt_state = UNDECIDED
+
+    def starts_in_reasoning(self) -> bool:
+        at = self.prompt.rfind(START)
+        return at >= 0 and self.prompt.find(END, at) < 0
+
+
 class Glm45ReasoningParser(Qwen3ReasoningParser):
     name = "glm45"
 
 
-@register_reasoning_parser("step3")
 class Step3ReasoningParser(ReasoningParser):
     name = "step3"
 
@@ -51,7 +59,6 @@ class Step3ReasoningParser(ReasoningParser):
         return True
 
 
-@register_reasoning_parser("kimi_k2")
 class KimiK2ReasoningParser(ReasoningParser):
     name = "kimi_k2"
     content_tags = ("<|tool_calls_section_begin|>",)
@@ -87,7 +94,6 @@ class _ResplitParser(ReasoningParser):
         return REASONING
 
 
-@register_reasoning_parser("mistral")
 class MistralReasoningParser(ReasoningParser):
     """The think tags are special tokens: the engine waits for ``[/THINK]``; an output that
     does not begin with ``[THINK]`` is content from its first token on."""
@@ -118,7 +124,6 @@ class MistralReasoningParser(ReasoningParser):
         return ResplitStreamer(self)
 
 
-@register_reasoning_parser("hunyuan_a13b")
 class HunyuanA13BReasoningParser(_ResplitParser):
     name = "hunyuan_a13b"
     start_tag = "<think>\n"
@@ -136,7 +141,6 @@ class HunyuanA13BReasoningParser(_ResplitParser):
         return reasoning, answer
 
 
-@register_reasoning_parser("granite")
 class GraniteReasoningParser(_ResplitParser):
     name = "granite"
     STARTS: ClassVar[tuple[str, ...]] = (
@@ -161,3 +165,14 @@ class GraniteReasoningParser(_ResplitParser):
         if not final:
             body = body[: len(body) - max(held_prefix(body, e) for e in self.ENDS)]
         return body, ""
+
+
+FAMILIES: tuple[type[ReasoningParser], ...] = (
+    Qwen3ReasoningParser,
+    Glm45ReasoningParser,
+    Step3ReasoningParser,
+    KimiK2ReasoningParser,
+    MistralReasoningParser,
+    HunyuanA13BReasoningParser,
+    GraniteReasoningParser,
+)
