@@ -151,8 +151,9 @@ class EngineArgs:
     # by it.
     reasoning_parser: str | None = flag(
         None,
-        "Separate the <think> section into reasoning_content: deepseek_r1 or qwen3; "
-        "structured outputs then constrain only the output after </think>.",
+        "Separate the reasoning section into reasoning_content (vLLM's names): deepseek_r1, "
+        "deepseek_v3, qwen3, glm45, step3, kimi_k2, mistral, hunyuan_a13b, granite, "
+        "openai_gptoss; structured outputs then constrain only the output after it.",
         metavar="NAME",
     )
     # vLLM's engine-wide structured-outputs settings (trillm/config/structured_outputs.py):

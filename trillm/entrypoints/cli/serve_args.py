@@ -150,8 +150,11 @@ def _add_tool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tool-call-parser",
         metavar="NAME",
-        help="The model family's tool-call format: hermes (Qwen2.5/Qwen3), llama3_json, "
-        "mistral, pythonic, or one a --tool-parser-plugin registers.",
+        help="The model family's tool-call format (vLLM's names): hermes (Qwen2.5/Qwen3), "
+        "qwen3_coder / qwen3_xml (Qwen3-Coder), glm45, kimi_k2, deepseek_v3, deepseek_v31, "
+        "minimax_m2, granite, internlm, jamba, phi4_mini_json, llama3_json, llama4_json, "
+        "llama4_pythonic, mistral, pythonic, openai (gpt-oss), or one a --tool-parser-plugin "
+        "registers.",
     )
     g.add_argument(
         "--tool-parser-plugin",
