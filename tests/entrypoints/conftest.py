@@ -11,7 +11,14 @@ from server_harness import ServerProcess
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("field-effects") / "server.log"
     srv = ServerProcess(
-        ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--trust-request-chat-template"],
+        [
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "64MiB",
+            "--trust-request-chat-template",
+            "--enable-prompt-tokens-details",  # usage's cached_tokens (the cache_salt test)
+        ],
         log,
     ).start()
     yield srv

@@ -186,7 +186,7 @@ def test_tokenize_and_detokenize_fields(server):
     ids = tokenize(prompt=PROMPT)["tokens"]
     strs = tokenize(prompt=PROMPT, return_token_strs=True)["token_strs"]
     assert len(strs) == len(ids) and strs[0] == "An"
-    assert "token_strs" not in tokenize(prompt=PROMPT)
+    assert tokenize(prompt=PROMPT)["token_strs"] is None  # vLLM: null unless asked
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
     with_prompt = tokenize(messages=msgs)["tokens"]
     without = tokenize(messages=msgs, add_generation_prompt=False)["tokens"]

@@ -35,6 +35,7 @@ def server(model_path, tmp_path_factory):
             "16",
             "--block-size",
             "16",
+            "--enable-prompt-tokens-details",
         ],
         log,
     ).start()

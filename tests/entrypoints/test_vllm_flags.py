@@ -65,7 +65,7 @@ TOP35_ACCEPTED = [
 TOP35_REFUSED = [
     ["--quantization", "awq_marlin"],
     ["--kv-cache-dtype", "fp8_e5m2"],
-    ["--speculative-config", '{"method": "mtp", "model": "m", "num_speculative_tokens": 3}'],
+    ["--speculative-config", '{"method": "medusa", "model": "m", "num_speculative_tokens": 3}'],
 ]
 
 
@@ -173,7 +173,7 @@ def test_moot_flags_say_so_once():
             "--max-seq-len-to-capture",
             "8",
             "--disable-custom-all-reduce",
-            "--enable-prompt-tokens-details",
+            "--enable-prompt-tokens-details",  # honoured (test_vllm_conformance): no note
         )
     )
     assert [n.split(":")[0] for n in notes] == [
@@ -181,7 +181,6 @@ def test_moot_flags_say_so_once():
         "--enforce-eager",
         "--swap-space 4",
         "--disable-log-requests",
-        "--enable-prompt-tokens-details",
         "--max-seq-len-to-capture",
         "--disable-custom-all-reduce",
     ]

@@ -135,7 +135,15 @@ CORS = ids(
     VF + "test_preflight_needs_no_api_key_and_names_what_is_disallowed",
     VF + "test_cors_headers_on_answers_and_errors",
 )
+CONFORM = "tests/entrypoints/test_vllm_conformance.py::"
 _VLLM_FLAGS = {
+    # What the OpenAI routes' answers carry (vLLM's frontend flags).
+    "--enable-prompt-tokens-details": ids(
+        CONFORM + "test_prompt_tokens_details_with_the_flag",
+        CONFORM + "test_unasked_keys_are_null",
+        FE + "test_cache_salt_separates_prefix_cache_hits",
+    ),
+    "--enable-force-include-usage": ids(CONFORM + "test_force_include_usage"),
     "--allowed-origins": CORS,
     "--allow-credentials": CORS,
     "--allowed-headers": CORS,
@@ -236,7 +244,6 @@ _VLLM_FLAGS = {
     ),
     "--swap-space": ids(MOOT, VF + "test_logs_stats_notes_once_and_no_prompt_by_default"),
     "--disable-log-requests": ids(MOOT),
-    "--enable-prompt-tokens-details": ids(MOOT, FE + "test_cache_salt_separates_prefix_cache_hits"),
     "--max-seq-len-to-capture": ids(MOOT),
     "--disable-custom-all-reduce": ids(MOOT),
     "--enable-server-load-tracking": ids(

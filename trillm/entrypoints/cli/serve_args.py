@@ -9,7 +9,14 @@ from typing import Any
 from trillm import envs
 from trillm.config import EngineArgs
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
-from trillm.entrypoints.cli import config_file, engine_flags, flag_types, headless, vllm_flags
+from trillm.entrypoints.cli import (
+    answer_flags,
+    config_file,
+    engine_flags,
+    flag_types,
+    headless,
+    vllm_flags,
+)
 from trillm.entrypoints.openai.api_server import ServerOptions
 from trillm.entrypoints.openai.endpoints import lora
 from trillm.entrypoints.openai.http.app import DEFAULT_HEALTH_STEP_TIMEOUT_S
@@ -40,6 +47,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     vllm_flags.add_http_flags(p)
     vllm_flags.add_logging_flags(p)
     vllm_flags.add_engine_compat_flags(p)
+    answer_flags.add_answer_flags(p)
     config_file.add_config_flag(p)
 
 
@@ -216,6 +224,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         tool_call_parser=args.tool_call_parser,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         reasoning_parser=args.reasoning_parser,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
         host=args.host,
         port=args.port,
         uds=args.uds,

@@ -180,11 +180,6 @@ def add_logging_flags(p: argparse.ArgumentParser) -> None:
         help="No HTTP access log lines, even at --log-level debug.",
     )
     g.add_argument(
-        "--enable-prompt-tokens-details",
-        action="store_true",
-        help="Accepted: usage.prompt_tokens_details (cached_tokens) is always reported.",
-    )
-    g.add_argument(
         "--metrics-prefix",
         choices=["both", "vllm", "trillm"],
         default="both",
@@ -319,11 +314,6 @@ def startup_notes(args: argparse.Namespace) -> list[str]:
         )
     if args.disable_log_requests:
         notes.append("--disable-log-requests: requests are not logged (the default).")
-    if args.enable_prompt_tokens_details:
-        notes.append(
-            "--enable-prompt-tokens-details: trillm always reports "
-            "usage.prompt_tokens_details.cached_tokens."
-        )
     if args.max_seq_len_to_capture is not None:
         notes.append(
             "--max-seq-len-to-capture: trillm captures no CUDA graphs; the value is unused."

@@ -80,6 +80,9 @@ class ServerOptions:
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
     reasoning_parser: str | None = None
+    # What answers carry (cli/answer_flags.py): usage.prompt_tokens_details; usage on streams.
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
     # Requests waiting beyond the running batch (--max-num-seqs); past it, 503 at once.
     max_num_queued_requests: int | None = None
     # Tokens admitted at once (prompt + max_tokens per sequence); past it, 503 at once.
@@ -226,6 +229,8 @@ async def open_server_state(
         tool_call_parser=opts.tool_call_parser,
         exclude_tools_when_tool_choice_none=opts.exclude_tools_when_tool_choice_none,
         reasoning_parser=opts.reasoning_parser,
+        enable_prompt_tokens_details=opts.enable_prompt_tokens_details,
+        enable_force_include_usage=opts.enable_force_include_usage,
         max_admitted=_max_admitted(engine, opts),
         max_admitted_tokens=opts.max_num_admitted_tokens,
         max_logprob_entries=opts.max_logprob_entries

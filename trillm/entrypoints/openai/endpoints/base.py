@@ -45,6 +45,9 @@ class ServerState:
     tool_call_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
     reasoning_parser: str | None = None
+    # --enable-prompt-tokens-details, --enable-force-include-usage (cli/answer_flags.py).
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
     draining: bool = False
     # Engine sequences admitted at once (--max-num-seqs + --max-num-queued-requests); None:
     # no bound. Past it a request gets 503 + Retry-After before it reaches the engine.

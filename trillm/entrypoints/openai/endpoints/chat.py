@@ -51,9 +51,8 @@ async def create_chat_completion(
 ) -> dict[str, Any] | AsyncIterator[bytes]:
     answer, gen = await start_chat(state, req)
     if req.stream:
-        opts = req.stream_options
-        include_usage = opts is not None and opts.include_usage
-        return guard_stream(gen, sse_stream(gen, answer, answer.tracker, include_usage))
+        usage = answer.include_usage
+        return guard_stream(gen, sse_stream(gen, answer, answer.tracker, usage))
     return await answer.full(gen)
 
 

@@ -20,7 +20,11 @@ from trillm.entrypoints.openai.endpoints.answer_json import (
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.chat_parsing import ChoiceParser
 from trillm.entrypoints.openai.endpoints.generation import Generation, raise_if_error
-from trillm.entrypoints.openai.endpoints.usage import ChoiceState, RequestTracker
+from trillm.entrypoints.openai.endpoints.usage import (
+    ChoiceState,
+    RequestTracker,
+    stream_usage,
+)
 from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest
 from trillm.outputs import CompletionOutput, Logprob, PromptLogprobs, SampleLogprobs
 from trillm.sampling_params import SamplingParams
@@ -58,7 +62,14 @@ class ChatAnswer:
         self.prompt_ids = prompt_ids
         self.created = int(time.time())
         max_tokens = req.max_completion_tokens or req.max_tokens
-        self.tracker = RequestTracker(state.metrics, len(prompt_ids), (req.n, max_tokens, 1))
+        self.tracker = RequestTracker(
+            state.metrics,
+            len(prompt_ids),
+            (req.n, max_tokens, 1),
+            details=state.enable_prompt_tokens_details,
+        )
+        force = state.enable_force_include_usage
+        self.include_usage, self._continuous_usage = stream_usage(req.stream_options, force)
         self.top_n = req.top_logprobs or 0
         self.parser = parser
         self.echo = _echo_text(req)
@@ -93,11 +104,10 @@ class ChatAnswer:
             "model": self.model_name,
             "choices": [self._choice(c) for c in choices],
             "usage": self.tracker.usage(),
+            # vLLM's keys, null unless asked for.
+            "prompt_logprobs": prompt_logprobs if self.req.prompt_logprobs is not None else None,
+            "prompt_token_ids": self.prompt_ids if self.req.return_token_ids else None,
         }
-        if self.req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs
-        if self.req.return_token_ids:
-            body["prompt_token_ids"] = self.prompt_ids
         return body
 
     def _choice(self, c: ChoiceState) -> dict[str, Any]:
@@ -115,9 +125,8 @@ class ChatAnswer:
             "logprobs": self._logprobs(c.token_ids, c.logprobs),
             "finish_reason": finish_reason,
             "stop_reason": c.stop_reason,
+            "token_ids": c.token_ids if self.req.return_token_ids else None,
         }
-        if self.req.return_token_ids:
-            choice["token_ids"] = c.token_ids
         return choice
 
     def _text(self, entry: dict[int, Logprob], tid: int) -> str:
@@ -190,11 +199,6 @@ class ChatAnswer:
         rest = self._parsers[index].feed("", True) if self._parsers is not None else ""
         return self._chunk(index, rest, [], None, "abort", None)
 
-    @property
-    def _continuous_usage(self) -> bool:
-        opts = self.req.stream_options
-        return opts is not None and opts.continuous_usage_stats
-
     def _role_chunk(self, index: int) -> bytes:
         choice: dict[str, Any] = {
             "index": index,
@@ -202,13 +206,10 @@ class ChatAnswer:
             "logprobs": None,
             "finish_reason": None,
         }
+        tail = self._tail()
         if self.req.return_token_ids and index == 0:
-            return (
-                self.head
-                + orjson.dumps(choice)
-                + (b'],"prompt_token_ids":' + orjson.dumps(self.prompt_ids) + b"}\n\n")
-            )
-        return self.head + orjson.dumps(choice) + b"]}\n\n"
+            tail = b',"prompt_token_ids":' + orjson.dumps(self.prompt_ids) + tail
+        return self.head + orjson.dumps(choice) + b"]" + tail
 
     def _content_chunk(self, index: int, text: str) -> bytes:
         # NOTE: the hot path of streaming: no dict, one orjson call for the text.
@@ -218,8 +219,15 @@ class ChatAnswer:
             + str(index).encode()
             + b',"delta":{"content":'
             + orjson.dumps(text)
-            + b'},"logprobs":null,"finish_reason":null}]}\n\n'
+            + b'},"logprobs":null,"finish_reason":null}]'
+            + self._tail()
         )
+
+    def _tail(self) -> bytes:
+        """A chunk's end after its choices: with the usage so far under continuous usage."""
+        if self._continuous_usage:
+            return b',"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
+        return b"}\n\n"
 
     def _chunk(
         self,
@@ -242,7 +250,4 @@ class ChatAnswer:
         }
         if self.req.return_token_ids:
             choice["token_ids"] = token_ids
-        tail = b"]}\n\n"
-        if self._continuous_usage:
-            tail = b'],"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
-        return self.head + orjson.dumps(choice) + tail
+        return self.head + orjson.dumps(choice) + b"]" + self._tail()

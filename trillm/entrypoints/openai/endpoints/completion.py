@@ -60,9 +60,8 @@ async def create_completion(
         state, jobs, request_id, timeout=req.timeout, lora_request=lora, beam=beam
     )
     if req.stream:
-        opts = req.stream_options
-        include_usage = opts is not None and opts.include_usage
-        return guard_stream(gen, sse_stream(gen, answer, answer.tracker, include_usage))
+        usage = answer.include_usage
+        return guard_stream(gen, sse_stream(gen, answer, answer.tracker, usage))
     return await answer.full(gen)
 
 

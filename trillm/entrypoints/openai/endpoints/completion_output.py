@@ -20,7 +20,11 @@ from trillm.entrypoints.openai.endpoints.answer_json import (
 )
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.generation import Generation, raise_if_error
-from trillm.entrypoints.openai.endpoints.usage import ChoiceState, RequestTracker
+from trillm.entrypoints.openai.endpoints.usage import (
+    ChoiceState,
+    RequestTracker,
+    stream_usage,
+)
 from trillm.entrypoints.openai.schemas.protocol import CompletionRequest
 from trillm.outputs import CompletionOutput, Logprob, PromptLogprobs, SampleLogprobs
 
@@ -56,9 +60,13 @@ class CompletionAnswer:
         self.model_name = model_name
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         params = (req.n, req.max_tokens, len(prompts))
-        self.tracker = RequestTracker(state.metrics, prompt_tokens, params)
+        details = state.enable_prompt_tokens_details
+        self.tracker = RequestTracker(state.metrics, prompt_tokens, params, details=details)
+        force = state.enable_force_include_usage
+        self.include_usage, self._continuous_usage = stream_usage(req.stream_options, force)
         self.head = chunk_head(request_id, b"text_completion", self.created, model_name)
-        self._fast = req.logprobs is None and not req.return_token_ids
+        plain = req.logprobs is None and not req.return_token_ids
+        self._fast = plain and not self._continuous_usage
         self._offsets = [0] * self.num_choices()  # each choice's text offset so far
 
     # ------------------------------------------------------------ non-streaming
@@ -111,12 +119,11 @@ class CompletionAnswer:
             "logprobs": self._logprobs(prompt, c.token_ids, c.logprobs, prompt_logprobs),
             "finish_reason": c.finish_reason or "abort",
             "stop_reason": c.stop_reason,
+            # vLLM's keys, null unless asked for.
+            "prompt_logprobs": prompt_json if self.req.prompt_logprobs is not None else None,
+            "prompt_token_ids": prompt.token_ids if self.req.return_token_ids else None,
+            "token_ids": c.token_ids if self.req.return_token_ids else None,
         }
-        if self.req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_json
-        if self.req.return_token_ids:
-            choice["prompt_token_ids"] = prompt.token_ids
-            choice["token_ids"] = c.token_ids
         return choice
 
     def _logprobs(
@@ -167,7 +174,9 @@ class CompletionAnswer:
             return
         chosen, ranked = position_logprobs(entry, tid)
         values.append(chosen)
-        top = ranked[: self.req.logprobs]
+        # As vLLM (and OpenAI's API): the top ``logprobs`` and the chosen token, by rank.
+        n = self.req.logprobs or 0
+        top = [r for k, r in enumerate(ranked) if k < n or r[0] == tid]
         tops.append({(f"token_id:{i}" if as_ids else t): lp for i, t, lp in top})
 
     # ------------------------------------------------------------ streaming (Chunks)
@@ -209,8 +218,15 @@ class CompletionAnswer:
             + str(index).encode()
             + b',"text":'
             + orjson.dumps(text)
-            + b',"logprobs":null,"finish_reason":null}]}\n\n'
+            + b',"logprobs":null,"finish_reason":null}]'
+            + self._tail()
         )
+
+    def _tail(self) -> bytes:
+        """A chunk's end after its choices: with the usage so far under continuous usage."""
+        if self._continuous_usage:
+            return b',"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
+        return b"}\n\n"
 
     def _end_chunk(self, index: int, reason: str) -> bytes:
         choice = {
@@ -220,7 +236,7 @@ class CompletionAnswer:
             "finish_reason": reason,
             "stop_reason": None,
         }
-        return self.head + orjson.dumps(choice) + b"]}\n\n"
+        return self.head + orjson.dumps(choice) + b"]" + self._tail()
 
     def _chunk(self, index: int, c: CompletionOutput) -> bytes:
         prompt = self.prompts[index // self.n]
@@ -235,8 +251,4 @@ class CompletionAnswer:
         self._offsets[index] += len(c.text)
         if self.req.return_token_ids:
             choice["token_ids"] = c.token_ids
-        tail = b"]}\n\n"
-        opts = self.req.stream_options
-        if opts is not None and opts.continuous_usage_stats:
-            tail = b'],"usage":' + orjson.dumps(self.tracker.usage()) + b"}\n\n"
-        return self.head + orjson.dumps(choice) + tail
+        return self.head + orjson.dumps(choice) + b"]" + self._tail()

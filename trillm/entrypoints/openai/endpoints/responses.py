@@ -66,7 +66,7 @@ async def create_response(
     if req.stream:
         return guard_stream(gen, ResponseStream(built, answer).events(gen))
     body = await answer.full(gen)
-    return built.from_chat(body)
+    return built.from_chat(body, answer.tracker.cached_total())
 
 
 # ---------------------------------------------------------------- request -> chat request

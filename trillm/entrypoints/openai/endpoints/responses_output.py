@@ -75,7 +75,9 @@ class ResponseBuilder:
             "background": False,
         }
 
-    def usage(self, chat_usage: dict[str, Any], reasoning_text: str) -> dict[str, Any]:
+    def usage(
+        self, chat_usage: dict[str, Any], reasoning_text: str, cached_tokens: int
+    ) -> dict[str, Any]:
         # NOTE: the reasoning's token count is its text re-tokenized: the parser splits text,
         # not token ids (the count can differ by a token at the boundary).
         reasoning_tokens = (
@@ -85,15 +87,13 @@ class ResponseBuilder:
         )
         return {
             "input_tokens": chat_usage["prompt_tokens"],
-            "input_tokens_details": {
-                "cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]
-            },
+            "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": chat_usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": chat_usage["total_tokens"],
         }
 
-    def from_chat(self, chat: dict[str, Any]) -> dict[str, Any]:
+    def from_chat(self, chat: dict[str, Any], cached_tokens: int) -> dict[str, Any]:
         choice = chat["choices"][0]
         message = choice["message"]
         output: list[dict[str, Any]] = []
@@ -109,7 +109,7 @@ class ResponseBuilder:
                     new_id("fc"), call["id"], fn["name"], fn["arguments"], "completed"
                 )
             )
-        usage = self.usage(chat["usage"], reasoning)
+        usage = self.usage(chat["usage"], reasoning, cached_tokens)
         return self.body("completed", output, usage, choice["finish_reason"])
 
 

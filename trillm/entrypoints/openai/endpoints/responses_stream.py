@@ -98,7 +98,8 @@ class ResponseStream:
                     self._delta(parser.feed("", True), parts)
                 finish_reason = "abort"
             self._close(parts)
-            usage = self.built.usage(ctx.tracker.usage(), self.reasoning)
+            tracker = ctx.tracker
+            usage = self.built.usage(tracker.usage(), self.reasoning, tracker.cached_total())
             body = self.built.body("completed", self.output, usage, finish_reason)
             kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
             parts.append(self.event(kind, response=body))

@@ -69,6 +69,7 @@ async def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
         "count": len(ids),
         "max_model_len": state.model_config.max_model_len,
         "tokens": ids,
+        "token_strs": None,  # vLLM's key, null unless return_token_strs
     }
     if req.return_token_strs:
         body["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)

@@ -9,7 +9,18 @@ from typing import Any
 import attrs
 
 from trillm.entrypoints.openai.metrics.prometheus import ServerMetrics
+from trillm.entrypoints.openai.schemas.protocol import StreamOptions
 from trillm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+
+
+def stream_usage(opts: StreamOptions | None, force: bool) -> tuple[bool, bool]:
+    """vLLM's ``should_include_usage``: (a usage chunk ends the stream, usage on every chunk).
+    ``continuous_usage_stats`` counts only with ``include_usage``; ``force``
+    (--enable-force-include-usage) turns both on."""
+    if force:
+        return True, True
+    include = opts is not None and opts.include_usage
+    return include, include and opts is not None and opts.continuous_usage_stats
 
 
 @attrs.define(eq=False)
@@ -41,15 +52,24 @@ class ChoiceState:
 class RequestTracker:
     """Per-request counters for usage and metrics across its prompts and choices."""
 
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "timer", "reasons")
+    __slots__ = (
+        "prompt_tokens",
+        "cached_tokens",
+        "completion_tokens",
+        "timer",
+        "reasons",
+        "details",
+    )
 
     def __init__(
         self,
         metrics: ServerMetrics,
         prompt_tokens: int,
         params: tuple[int, int | None, int] | None = None,  # n, max_tokens, prompts
+        details: bool = False,  # --enable-prompt-tokens-details
     ) -> None:
         self.prompt_tokens = prompt_tokens
+        self.details = details
         self.cached_tokens: dict[int, int] = {}  # job index -> prompt tokens from the cache
         self.completion_tokens = 0
         self.timer = metrics.timer(time.perf_counter(), params)
@@ -71,10 +91,16 @@ class RequestTracker:
         self.reasons.extend(["abort"] * max(missing, 0))
         self.timer.finished(time.perf_counter(), self.prompt_tokens, self.reasons)
 
+    def cached_total(self) -> int:
+        """Prompt tokens read from the prefix cache, over the request's prompts."""
+        return sum(self.cached_tokens.values())
+
     def usage(self) -> dict[str, Any]:
+        # As vLLM: prompt_tokens_details is null unless --enable-prompt-tokens-details.
+        details = {"cached_tokens": self.cached_total()} if self.details else None
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+            "prompt_tokens_details": details,
         }

@@ -34,7 +34,8 @@ def response_components() -> dict[str, Any]:
             "prompt_tokens": _INT,
             "completion_tokens": _INT,
             "total_tokens": _INT,
-            "prompt_tokens_details": _obj({"cached_tokens": _INT}),
+            # null unless --enable-prompt-tokens-details, as in vLLM
+            "prompt_tokens_details": {"anyOf": [_obj({"cached_tokens": _INT}), {"type": "null"}]},
         },
         ["prompt_tokens", "completion_tokens", "total_tokens"],
     )
@@ -60,6 +61,7 @@ def response_components() -> dict[str, Any]:
         }
     )
     ids = {"type": "array", "items": _INT}
+    ids_or_null = {"type": ["array", "null"], "items": _INT}  # an answer's unasked-for ids
     common = {"id": STR, "object": STR, "created": _INT, "model": STR}
     # Tool calls and reasoning: a stream delta's call carries index, then id, type
     # and name once, then argument fragments.
@@ -77,7 +79,7 @@ def response_components() -> dict[str, Any]:
             "logprobs": {"anyOf": [ref("ChatLogprobs"), {"type": "null"}]},
             "finish_reason": _NULLABLE_STR,
             "stop_reason": _STOP_REASON,
-            "token_ids": ids,
+            "token_ids": ids_or_null,
         },
         ["index", "message", "finish_reason"],
     )
@@ -99,8 +101,8 @@ def response_components() -> dict[str, Any]:
             "logprobs": {"anyOf": [ref("CompletionLogprobs"), {"type": "null"}]},
             "finish_reason": _NULLABLE_STR,
             "stop_reason": _STOP_REASON,
-            "prompt_token_ids": ids,
-            "token_ids": ids,
+            "prompt_token_ids": ids_or_null,
+            "token_ids": ids_or_null,
             "prompt_logprobs": {"type": ["array", "null"]},
         },
         ["index", "text"],
@@ -118,7 +120,7 @@ def response_components() -> dict[str, Any]:
                 **common,
                 "choices": listing(chat_choice),
                 "usage": ref("Usage"),
-                "prompt_token_ids": ids,
+                "prompt_token_ids": ids_or_null,
                 "prompt_logprobs": {"type": ["array", "null"]},
             },
             ["id", "object", "created", "model", "choices", "usage"],
@@ -163,7 +165,12 @@ def response_components() -> dict[str, Any]:
             ["object", "data"],
         ),
         "TokenizeResponse": _obj(
-            {"count": _INT, "max_model_len": _INT, "tokens": ids, "token_strs": listing(STR)},
+            {
+                "count": _INT,
+                "max_model_len": _INT,
+                "tokens": ids,
+                "token_strs": {**listing(STR), "type": ["array", "null"]},
+            },
             ["count", "max_model_len", "tokens"],
         ),
         "DetokenizeResponse": _obj({"prompt": STR}, ["prompt"]),

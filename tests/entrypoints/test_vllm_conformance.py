@@ -1,0 +1,156 @@
+"""What vLLM's own server tests (tests/entrypoints/openai in vLLM's repository) expect of the
+OpenAI routes' shapes, checked against ``trillm serve`` with the fake runner: ``logprobs: 0``,
+the keys vLLM always sends (null when not asked), and usage in streams (vLLM's
+``should_include_usage``, ``--enable-prompt-tokens-details``, ``--enable-force-include-usage``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from shared_servers import FAKE_256, FAKE_256_GROUP
+
+# The default-flags server is shared with the other modules of its group.
+pytestmark = pytest.mark.xdist_group(FAKE_256_GROUP)
+
+USAGE_FLAGS = [*FAKE_256, "--enable-prompt-tokens-details", "--enable-force-include-usage"]
+CHAT = {"messages": [{"role": "user", "content": "Hello there"}]}
+COMPLETION = {"prompt": "Hello there"}
+BODIES = {"completions": COMPLETION, "chat/completions": CHAT}
+
+
+@pytest.fixture(scope="module")
+def server(shared_server):
+    return shared_server(FAKE_256)
+
+
+@pytest.fixture(scope="module")
+def usage_server(shared_server):
+    return shared_server(USAGE_FLAGS)
+
+
+def post(srv, route: str, **fields) -> dict:
+    r = httpx.post(f"{srv.url}/v1/{route}", json={**BODIES[route], **fields}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_chunks(srv, route: str, **fields) -> list[dict]:
+    body = {**BODIES[route], "stream": True, "max_tokens": 4, **fields}
+    r = httpx.post(f"{srv.url}/v1/{route}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+# ---------------------------------------------------------------- logprobs: 0
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_logprobs_zero_gives_the_chosen_token(server, echo):
+    client = openai.OpenAI(base_url=server.base_url, api_key="none")
+    out = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt="Hello there",
+        max_tokens=3,
+        logprobs=0,
+        echo=echo,
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert len(lp.tokens) > 3 if echo else len(lp.tokens) == 3
+    first = 1 if echo else 0  # an echoed prompt's first token: nothing predicts it
+    if echo:
+        assert lp.top_logprobs[0] is None and lp.token_logprobs[0] is None
+    for token, value, top in zip(
+        lp.tokens[first:], lp.token_logprobs[first:], lp.top_logprobs[first:]
+    ):
+        assert top == {token: value}  # vLLM: the chosen token's entry, never {}
+
+
+def test_logprobs_n_gives_n_entries_with_the_chosen_one(server):
+    lp = post(server, "completions", max_tokens=3, logprobs=2)["choices"][0]["logprobs"]
+    for token, top in zip(lp["tokens"], lp["top_logprobs"]):
+        assert len(top) == 2 and token in top  # (the fake model's choice is its top-1)
+
+
+# ---------------------------------------------------------------- keys sent as null
+
+
+def test_unasked_keys_are_null(server):
+    completion = post(server, "completions", max_tokens=2)
+    choice = completion["choices"][0]
+    for key in ("prompt_logprobs", "prompt_token_ids", "token_ids"):
+        assert key in choice and choice[key] is None, key
+    assert completion["usage"]["prompt_tokens_details"] is None  # no --enable-prompt-...
+    chat = post(server, "chat/completions", max_tokens=2)
+    assert chat["prompt_logprobs"] is None and chat["prompt_token_ids"] is None
+    assert "token_ids" in chat["choices"][0] and chat["choices"][0]["token_ids"] is None
+    assert chat["usage"]["prompt_tokens_details"] is None
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello there"}, timeout=30)
+    assert "token_strs" in r.json() and r.json()["token_strs"] is None
+
+
+def test_asked_keys_are_filled(server):
+    choice = post(server, "completions", max_tokens=2, return_token_ids=True, prompt_logprobs=1)[
+        "choices"
+    ][0]
+    assert len(choice["token_ids"]) == 2 and choice["prompt_token_ids"]
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) > 1
+
+
+# ---------------------------------------------------------------- usage in streams
+
+
+@pytest.mark.parametrize("route", BODIES)
+def test_continuous_usage_needs_include_usage(server, route):
+    opts = {"include_usage": False, "continuous_usage_stats": True}
+    chunks = stream_chunks(server, route, stream_options=opts)
+    assert chunks and all("usage" not in c or c["usage"] is None for c in chunks)
+
+
+@pytest.mark.parametrize("route", BODIES)
+def test_continuous_usage_on_every_chunk(server, route):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = stream_chunks(server, route, stream_options=opts)
+    *with_choices, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+    assert with_choices  # (chat: the role chunk first, usage with 0 completion tokens)
+    for chunk in with_choices:
+        usage = chunk["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert with_choices[-1]["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("route", BODIES)
+def test_include_usage_alone_gives_one_usage_chunk(server, route):
+    chunks = stream_chunks(server, route, stream_options={"include_usage": True})
+    assert [c.get("usage") is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+@pytest.mark.parametrize("route", BODIES)
+def test_force_include_usage(usage_server, route):
+    """--enable-force-include-usage: usage on every chunk and a usage chunk at the end, with
+    no stream_options (vLLM's should_include_usage)."""
+    chunks = stream_chunks(usage_server, route)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all(c["usage"] is not None for c in chunks)
+
+
+@pytest.mark.parametrize("route", BODIES)
+def test_prompt_tokens_details_with_the_flag(usage_server, route):
+    long = " ".join(f"w{i}" for i in range(60)) + route  # several full KV blocks
+    text = (
+        {"prompt": long}
+        if route == "completions"
+        else {"messages": [{"role": "user", "content": long}]}
+    )
+    first = post(usage_server, route, max_tokens=2, **text)["usage"]
+    again = post(usage_server, route, max_tokens=2, **text)["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < again["prompt_tokens"]
