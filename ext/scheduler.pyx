@@ -514,6 +514,23 @@ cdef class Scheduler:
     def reset_prefix_cache(self):
         self.kv_cache_manager.reset_prefix_cache()
 
+    def preempt_running(self):
+        """Every running request back to the waiting queue's head, its blocks freed, its
+        tokens to be computed again (sleep mode discards the KV cache) -> the ids the workers
+        hold, for the caller to drop there now: no later step reports them finished (a step
+        never lists a request both finished and new)."""
+        cdef _StepPlan plan = _StepPlan(0)
+        cdef Request r
+        cdef list held = []
+        while self.running.size():
+            r = <Request>self.running.back()  # the newest first: the oldest ends first
+            if r.sent_to_worker:
+                held.append(r.request_id)
+            self._preempt(r, plan)
+        for req_id in held:
+            self._finished_req_ids.remove(req_id)
+        return held
+
     def get_stats(self):
         kv = self.kv_cache_manager
         return SchedulerStats(

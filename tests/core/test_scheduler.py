@@ -167,6 +167,29 @@ def test_preempted_request_goes_to_the_front(impl):
     assert sched.waiting_req_ids() == ["b", "c"]
 
 
+def test_preempt_running_frees_every_block_and_keeps_the_order(impl):
+    """Sleep mode: every running request back to the queue's head, oldest first, its blocks
+    freed and its tokens computed again; the ids the worker holds are returned (dropped with
+    the sleep), not reported finished by a later step."""
+    sched = make_scheduler(impl)
+    for i, name in enumerate("abc"):
+        sched.add_request(ecr(name, prompt(i, 6), max_tokens=10, arrival=i))
+    worker = FakeWorker()
+    step(sched, worker)
+    sched.add_request(ecr("d", prompt(3, 6), max_tokens=10, arrival=3))
+    free = sched.kv_cache_manager.num_free_blocks
+    assert sorted(sched.preempt_running()) == ["a", "b", "c"]  # the worker holds them
+    assert sched.running_req_ids() == [] and sched.waiting_req_ids() == ["a", "b", "c", "d"]
+    assert sched.kv_cache_manager.num_free_blocks == free + 6
+    assert all(sched.get_request(r).num_computed_tokens == 0 for r in "abc")
+    for req_id in "abc":  # what the engine core has the workers drop with the sleep
+        del worker.reqs[req_id]
+    out, _ = step(sched, worker)
+    assert out.finished_req_ids == []  # dropped already: never finished and new at once
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["a", "b", "c", "d"]
+    check_scheduler_invariants(sched, worker)
+
+
 # ---------------------------------------------------------------- abort
 
 

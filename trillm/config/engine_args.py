@@ -134,6 +134,12 @@ class EngineArgs:
         "Run small CPU decode steps eagerly: no step-program replay (trillm's "
         "counterpart of CUDA graphs).",
     )
+    # vLLM's sleep mode (trillm/engine/core_control.py): LLM.sleep / wake_up, /sleep, /wake_up.
+    enable_sleep_mode: bool = flag(
+        False,
+        "Allow sleep(level=1|2) / wake_up(): level 1 frees the KV cache (weights kept), "
+        "level 2 also drops the weights and reloads them from disk at wake-up.",
+    )
     chat_template: str | None = flag(None, "Chat template: a Jinja file path or the template.")
     # vLLM's: how message content reaches the chat template (trillm/engine/chat_template.py)
     chat_template_content_format: Literal["auto", "string", "openai"] = flag(

@@ -134,6 +134,8 @@ class TrillmConfig:
     draft_model: ModelConfig | None = None
     # No step programs (trillm/worker/step_program.py): every step runs the eager forward.
     enforce_eager: bool = False
+    # vLLM's --enable-sleep-mode: sleep(level) / wake_up(tags) allowed (engine/core_control.py).
+    enable_sleep_mode: bool = False
     # Most items of each modality per prompt (trillm/config/multimodal.py); empty: a text-only
     # model, which takes none.
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)

@@ -338,6 +338,21 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
 
+    def preempt_running(self) -> list[str]:
+        """Every running request back to the waiting queue's head, its blocks freed, its
+        tokens to be computed again (sleep mode discards the KV cache) -> the ids the workers
+        hold, for the caller to drop there now: no later step reports them finished (a step
+        never lists a request both finished and new)."""
+        plan = StepPlan(0)  # nothing is scheduled: the preemptions give no budget back
+        held = []
+        for request in list(reversed(self._running)):  # the newest first: the oldest ends first
+            if request.sent_to_worker:
+                held.append(request.request_id)
+            self._preempt(request, plan)
+        for req_id in held:
+            self._finished_req_ids.remove(req_id)
+        return held
+
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(

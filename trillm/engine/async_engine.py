@@ -30,6 +30,7 @@ import trio
 
 from trillm.config import TrillmConfig
 from trillm.engine.chat_template import load_chat_template
+from trillm.engine.engine_control import EngineControl
 from trillm.engine.engine_cores import EngineCores, structured_output_manager
 from trillm.engine.media import multi_modal_data, split_chat_images
 from trillm.engine.output_handler import OutputHandler
@@ -61,8 +62,9 @@ logger = logging.getLogger(__name__)
 _INBOX_SIZE = 8  # messages in flight to the output handler (engine steps, requests, aborts)
 
 
-class AsyncEngine:
-    """Handle to a running engine; get one from ``engine_startup.open_engine``."""
+class AsyncEngine(EngineControl):
+    """Handle to a running engine; get one from ``engine_startup.open_engine``. Sleep mode,
+    pause and ``collective_rpc``: ``engine_control.py``."""
 
     def __init__(
         self,

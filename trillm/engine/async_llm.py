@@ -26,6 +26,7 @@ import trio
 
 from trillm.config import EngineArgs
 from trillm.engine.engine_thread import EngineThread
+from trillm.engine.llm_control import AsyncLLMControl
 from trillm.engine.preprocess import PromptType
 from trillm.errors import EngineDeadError
 from trillm.outputs import RequestOutput
@@ -87,8 +88,9 @@ def _set_future(fut: asyncio.Future[Any], value: Any, error: BaseException | Non
         fut.set_result(value)
 
 
-class AsyncLLM:
-    """The engine for asyncio code; see the module docstring."""
+class AsyncLLM(AsyncLLMControl):
+    """The engine for asyncio code; see the module docstring (sleep mode, pause and
+    collective_rpc: ``llm_control.py``)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """Starts the engine (blocks until it is ready, as vLLM's constructor does)."""

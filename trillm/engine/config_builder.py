@@ -143,6 +143,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         pooler=pooler,
         speculative=speculative,
         enforce_eager=args.enforce_eager,
+        enable_sleep_mode=args.enable_sleep_mode,
         draft_model=draft_model,
         limit_mm_per_prompt=limit_mm,
         allowed_local_media_path=args.allowed_local_media_path,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from trillm.engine.batch_queue import BatchQueue
+from trillm.engine.core_control import CoreCall, CoreControl, between_steps, drain_inputs
 from trillm.engine.core_grammars import CoreGrammars
 from trillm.engine.core_multimodal import CoreMultimodal
 from trillm.engine.core_speculation import CoreSpeculation
@@ -62,6 +63,7 @@ class EngineCore:
         # adapter would exceed max_loras, and attaches adapters to scheduled new requests.
         self.lora = lora
         self.mm = CoreMultimodal()  # multimodal items, attached to scheduled new requests
+        self.control = CoreControl()  # sleep, pause and the frontend's calls (core_control.py)
         self.executor = executor
         # NgramProposer or DraftModelDrafts (trillm/spec_decode/) or None: drafts for the
         # next step, after P4 (core_speculation.py: the counters and the n-gram back-off).
@@ -96,8 +98,10 @@ class EngineCore:
         self._refused.append(out)
 
     # ------------------------------------------------------------------ inputs
-    def handle_input(self, msg: EngineCoreInput) -> None:
-        if isinstance(msg, EngineCoreRequest):
+    def handle_input(self, msg: EngineCoreInput | CoreCall) -> None:
+        if isinstance(msg, CoreCall):
+            self.control.pending.append(msg)  # run between steps by run_engine_core
+        elif isinstance(msg, EngineCoreRequest):
             if self.lora is not None and not self.lora.offer(msg):
                 return  # held until one of the running adapters is free
             self._add_request(msg)
@@ -341,7 +345,7 @@ class EngineCore:
 
 async def run_engine_core(
     core: EngineCore,
-    inputs: trio.MemoryReceiveChannel[EngineCoreInput],
+    inputs: trio.MemoryReceiveChannel[EngineCoreInput | CoreCall],
     outputs: trio.MemorySendChannel[OutputHandlerInput],
     engine_index: int = 0,
     *,
@@ -352,10 +356,14 @@ async def run_engine_core(
     task_status.started()
     async with outputs:
         while True:
+            if core.control.pending or core.control.holds:
+                await between_steps(core, inputs, outputs, engine_index)
+                if core.control.holds:
+                    continue
             idle = not (core.scheduler.has_unfinished_requests() or core.num_in_flight)
             if idle and not core.has_refused:
                 core.handle_input(await inputs.receive())
-            _drain(core, inputs)
+            drain_inputs(core, inputs)
             core.step_started = time.monotonic()
             try:
                 result = await core.step()
@@ -369,12 +377,3 @@ async def run_engine_core(
             if result.outputs or result.scheduler_stats is not None:
                 result.engine_index = engine_index
                 await outputs.send(result)
-
-
-def _drain(core: EngineCore, inputs: trio.MemoryReceiveChannel[EngineCoreInput]) -> None:
-    while True:
-        try:
-            msg = inputs.receive_nowait()
-        except trio.WouldBlock:
-            return
-        core.handle_input(msg)

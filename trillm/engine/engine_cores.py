@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from trillm.config import TrillmConfig
+from trillm.engine.core_control import CoreCall
 from trillm.engine.dp_router import DataParallelRouter, sum_stats
 from trillm.messages import (
     AbortRequests,
@@ -127,6 +128,14 @@ class EngineCores:
         for out in msg.outputs:
             if out.finish_reason is not None:
                 router.release(out.request_id)
+
+    def post_calls(self, fn: Callable[[EngineCore], Awaitable[Any]]) -> list[CoreCall]:
+        """``fn(core)`` to be run by every engine core between its steps; -> the calls, by
+        core, each answered once its ``done`` is set (core_control.py)."""
+        calls = [CoreCall(fn) for _ in self.cores]
+        for send, call in zip(self._input_sends, calls, strict=True):
+            send.send_nowait(call)
+        return calls
 
     # ------------------------------------------------------------------ tasks
     async def start(

@@ -15,6 +15,7 @@ import trio
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.beam_request import BeamSearchRequest
 from trillm.engine.engine_thread import EngineThread
+from trillm.engine.llm_control import LLMControl
 from trillm.engine.preprocess import PreparedPrompt, PromptType
 from trillm.lora.request import LoRARequest
 from trillm.outputs import (
@@ -30,7 +31,9 @@ from trillm.utils import first_leaf
 T = TypeVar("T")
 
 
-class LLM:
+class LLM(LLMControl):
+    """Sleep mode and collective_rpc: ``llm_control.py``."""
+
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self._thread = EngineThread(model, engine_args, name="trillm-engine")
 

@@ -73,6 +73,14 @@ class Executor(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no batch queue.")
 
     @abc.abstractmethod
+    async def collective_rpc(
+        self, method: str, args: list[Any], kwargs: dict[str, Any]
+    ) -> list[Any]:
+        """``method`` on every rank's runner (``trillm/worker/worker_rpc.py``), between steps
+        (the engine core calls it with no step in flight): -> each rank's result, by rank.
+        A rank's failure raises ``WorkerCallError`` naming it; the workers carry on."""
+
+    @abc.abstractmethod
     def check_health(self) -> None:
         """Raise ``EngineDeadError`` if a worker is gone (or the executor was shut down)."""
 

@@ -40,10 +40,18 @@ from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, EngineStartupError, IPCError, ModelExecutionError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
 from trillm.executor.rank_launch import RankProcess, start_ranks
+from trillm.executor.worker_calls import WorkerCallProtocolError, collect_call_results
 from trillm.executor.worker_exits import WorkerExits
 from trillm.executor.worker_ipc import WorkerIpc, rendezvous_listener
 from trillm.ipc import codec
-from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
+from trillm.ipc.control import (
+    InitKVCache,
+    InitWorker,
+    Shutdown,
+    WorkerCall,
+    WorkerFailed,
+    WorkerReady,
+)
 from trillm.ipc.shm_ring import RingReader
 from trillm.ipc.shm_segment import DEFAULT_NUM_SLOTS, DEFAULT_SLOT_SIZE
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
@@ -395,6 +403,24 @@ class MultiprocExecutor(Executor):
                 )
             outputs[rank] = msg
         return [outputs[rank] for rank in range(self.world_size)]
+
+    # ------------------------------------------------------------ collective_rpc
+
+    async def collective_rpc(
+        self, method: str, args: list[Any], kwargs: dict[str, Any]
+    ) -> list[Any]:
+        if self._pending:
+            raise RuntimeError("collective_rpc called with steps in flight.")
+        frame = codec.encode(WorkerCall(method, list(args), dict(kwargs)))
+        what = f"answer collective_rpc {method!r}"
+        await self._guarded(self.ipc.requests.send, self.step_timeout_s, what, frame, shield=True)
+        try:
+            return await self._guarded(self._collect_calls, self.step_timeout_s, what)
+        except WorkerCallProtocolError as exc:
+            raise self._fail(EngineDeadError(str(exc))) from None
+
+    async def _collect_calls(self) -> list[Any]:
+        return await collect_call_results(self._reader, self._read_order, self.world_size)
 
     async def shutdown(self) -> None:
         self._stop.set()

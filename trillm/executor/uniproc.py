@@ -17,6 +17,7 @@ from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, ModelExecutionError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
+from trillm.worker import worker_rpc
 from trillm.worker.worker_main import load_runner_class
 
 
@@ -106,6 +107,15 @@ class UniProcExecutor(Executor):
             rank=0,
             step_id=step.sched.step_id,
         )
+
+    async def collective_rpc(
+        self, method: str, args: list[Any], kwargs: dict[str, Any]
+    ) -> list[Any]:
+        self.check_health()
+        value = await trio.to_thread.run_sync(
+            lambda: worker_rpc.call(self.runner, method, args, kwargs)
+        )
+        return [value]
 
     def check_health(self) -> None:
         if self._dead is not None:

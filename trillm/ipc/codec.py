@@ -22,7 +22,15 @@ import msgpack
 
 from trillm.config import TrillmConfig
 from trillm.errors import CodecError
-from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
+from trillm.ipc.control import (
+    InitKVCache,
+    InitWorker,
+    Shutdown,
+    WorkerCall,
+    WorkerCallResult,
+    WorkerFailed,
+    WorkerReady,
+)
 from trillm.lora.request import LoRARequest
 from trillm.messages import (
     CachedRequestData,
@@ -44,6 +52,8 @@ Message = (
     | Shutdown
     | WorkerReady
     | WorkerFailed
+    | WorkerCall
+    | WorkerCallResult
 )
 
 _converter = cattrs.Converter()
@@ -54,6 +64,7 @@ _SP_OUTPUT_KIND = _SP_FIELDS.index("output_kind")
 _SP_STRUCTURED = _SP_FIELDS.index("structured_outputs")
 
 _T_SCHED, _T_SAMPLE, _T_OUTPUT, _T_INIT, _T_INIT_KV, _T_SHUTDOWN, _T_READY, _T_FAILED = range(8)
+_T_CALL, _T_CALL_RESULT = 8, 9
 
 
 # ---------------------------------------------------------------- sampling params
@@ -217,6 +228,8 @@ _CONTROL_TAGS: dict[type, int] = {
     Shutdown: _T_SHUTDOWN,
     WorkerReady: _T_READY,
     WorkerFailed: _T_FAILED,
+    WorkerCall: _T_CALL,
+    WorkerCallResult: _T_CALL_RESULT,
 }
 
 _DECODERS = {
@@ -228,6 +241,8 @@ _DECODERS = {
     _T_SHUTDOWN: lambda v: _dec_plain(Shutdown, v),
     _T_READY: lambda v: _dec_plain(WorkerReady, v),
     _T_FAILED: lambda v: _dec_plain(WorkerFailed, v),
+    _T_CALL: lambda v: _dec_plain(WorkerCall, v),
+    _T_CALL_RESULT: lambda v: _dec_plain(WorkerCallResult, v),
 }
 
 

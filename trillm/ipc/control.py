@@ -8,7 +8,8 @@ Startup handshake, per worker (every rank reads every request-ring message):
   worker   -> ``WorkerReady(phase="loaded", num_blocks=runner.determine_num_blocks())``
   executor -> ``InitKVCache(min over ranks)``   worker ``initialize_kv_cache(n)``,
   worker   -> ``WorkerReady(phase="kv_cache")``
-then steps, then ``Shutdown`` (the worker exits 0). A fatal worker error is answered with
+then steps (and between them ``WorkerCall``s, each answered by every rank with a
+``WorkerCallResult``: ``collective_rpc``, sleep mode), then ``Shutdown`` (the worker exits 0). A fatal worker error is answered with
 ``WorkerFailed`` (before the worker exits 1); a per-step error travels as
 ``ModelRunnerOutput.error``.
 """
@@ -36,6 +37,22 @@ class InitKVCache:
 @dataclass(slots=True)
 class Shutdown:
     pass
+
+
+@dataclass(slots=True)
+class WorkerCall:
+    """``collective_rpc``: ``method`` called on every rank's runner (``worker/worker_rpc.py``)."""
+
+    method: str
+    args: list[Any] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class WorkerCallResult:
+    rank: int
+    value: Any = None  # the method's result (plain data)
+    error: str | None = None  # what it raised, formatted (the rank carries on)
 
 
 @dataclass(slots=True)

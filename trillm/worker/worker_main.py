@@ -6,6 +6,7 @@ as plain data and the runner spec), then serves steps until ``Shutdown``:
 
     SchedulerOutput  -> runner.execute_model(sched); unless wait_for_bitmask, sample at once
     SampleRequest    -> runner.sample_tokens(bitmask)
+    WorkerCall       -> worker_rpc.call(runner, ...) -> WorkerCallResult (between steps)
     every sample     -> ModelRunnerOutput on this rank's result ring
 
 A step whose execute or sample raises is answered with ``ModelRunnerOutput.error`` (the
@@ -37,10 +38,19 @@ from trillm.errors import CodecError, CollectiveTimeoutError, IPCError, RingClos
 from trillm.gc_heap import freeze_startup_heap
 from trillm.interfaces import ModelRunnerProtocol, RunnerClass
 from trillm.ipc import codec
-from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, WorkerReady
+from trillm.ipc.control import (
+    InitKVCache,
+    InitWorker,
+    Shutdown,
+    WorkerCall,
+    WorkerCallResult,
+    WorkerFailed,
+    WorkerReady,
+)
 from trillm.ipc.shm_ring import RingReader, RingWriter
 from trillm.ipc.shm_segment import RingFds, ShmRing
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
+from trillm.worker import worker_rpc
 from trillm.worker.remote_rank import check_same_config, join_from_node
 
 if TYPE_CHECKING:
@@ -171,6 +181,8 @@ class Worker:
                 self._sample(None)
         elif isinstance(msg, SampleRequest):
             self._sample(msg.bitmask)
+        elif isinstance(msg, WorkerCall):
+            self._send(self._call(msg))
         elif isinstance(msg, InitWorker):
             config = msg.config
             if self.own_config is not None:  # another node: its flags must agree with node 0's
@@ -189,6 +201,21 @@ class Worker:
             self._send(WorkerReady(self.rank, "kv_cache", msg.num_blocks))
         else:
             raise CodecError(f"Worker rank {self.rank} got unexpected {type(msg).__name__}.")
+
+    def _call(self, msg: WorkerCall) -> WorkerCallResult:
+        """One collective_rpc call; its failure is answered, the rank carries on."""
+        try:
+            value = worker_rpc.call(self._loaded(), msg.method, msg.args, msg.kwargs)
+        except CollectiveTimeoutError:
+            raise
+        except Exception as exc:
+            return WorkerCallResult(self.rank, None, f"{type(exc).__name__}: {exc}")
+        result = WorkerCallResult(self.rank, value)
+        try:
+            codec.encode(result)
+        except CodecError as exc:  # a result that is not plain data
+            return WorkerCallResult(self.rank, None, f"collective_rpc {msg.method!r}: {exc}")
+        return result
 
     def _loaded(self) -> ModelRunnerProtocol:
         if self.runner is None:

@@ -1,0 +1,165 @@
+"""Calls the frontend makes on an engine core between its steps (vLLM's utility calls): sleep
+mode, pause / resume, reset_prefix_cache, collective_rpc.
+
+A call travels as a ``CoreCall`` on the core's input channel, so it runs in the core's own
+task, between two steps, when no step is in flight; the caller waits on its ``done`` event.
+While the core sleeps or is paused it holds: it takes inputs (new requests wait in the
+scheduler's queue, aborts end theirs) but schedules nothing until ``wake_up`` / ``resume``.
+
+Sleep (vLLM's ``sleep(level, mode)``): the requests in flight are aborted (``mode="abort"``,
+vLLM's default) or kept (``"keep"``: preempted, their tokens computed again after the
+wake-up, greedy outputs unchanged); the prefix cache is forgotten, then every worker frees
+its KV cache (level 1; on CPU the weights stay where they are) and at level 2 its model too,
+read again from disk at ``wake_up`` (``trillm/worker/worker_rpc.py``). The core sleeps until
+every tag (``weights``, ``kv_cache``) is awake again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import trio
+
+from trillm.messages import (
+    EngineCoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    OutputHandlerInput,
+)
+from trillm.worker.worker_rpc import SLEEP_TAGS
+
+if TYPE_CHECKING:
+    from trillm.engine.core import EngineCore
+
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES = ("abort", "keep")  # "wait" is refused (see check_pause_mode)
+SLEEP_LEVELS = (1, 2)
+
+
+@dataclass(slots=True, eq=False)
+class CoreCall:
+    """One call on a core's control, answered (``result`` or ``error``, then ``done``) once
+    the core has run it."""
+
+    fn: Callable[[EngineCore], Awaitable[Any]]
+    done: trio.Event = field(default_factory=trio.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+def check_pause_mode(mode: str) -> None:
+    if mode == "wait":
+        raise ValueError(
+            "pause mode 'wait' (finish the requests in flight first) is not supported; "
+            "use 'abort' or 'keep'."
+        )
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode={mode!r}: expected one of abort, keep.")
+
+
+def check_wake_tags(tags: list[str] | None) -> None:
+    for tag in tags or ():
+        if tag not in SLEEP_TAGS:
+            raise ValueError(f"wake_up tag {tag!r}: expected weights or kv_cache.")
+
+
+class CoreControl:
+    """One core's sleep and pause state, and the calls waiting for its next pause between
+    steps. Touched only by the core's task (the calls run there)."""
+
+    def __init__(self) -> None:
+        self.pending: list[CoreCall] = []
+        self.paused = False
+        self.sleeping_tags: set[str] = set()  # what is asleep: weights, kv_cache
+        # Outputs of the requests a call aborted, for the core's loop to publish.
+        self.aborted: list[EngineCoreOutput] = []
+
+    @property
+    def holds(self) -> bool:
+        """No step may run: paused, or something asleep."""
+        return self.paused or bool(self.sleeping_tags)
+
+    async def run_pending(self, core: EngineCore) -> None:
+        calls, self.pending = self.pending, []
+        for call in calls:
+            try:
+                call.result = await call.fn(core)
+            except Exception as exc:
+                call.error = exc
+            finally:
+                call.done.set()
+
+    def take_aborted(self, core: EngineCore) -> EngineCoreOutputs | None:
+        if not self.aborted:
+            return None
+        outputs, self.aborted = self.aborted, []
+        return EngineCoreOutputs(outputs, time.monotonic(), core._stats())
+
+    # ------------------------------------------------------------------ the calls
+    def pause(self, core: EngineCore, mode: str, clear_cache: bool) -> None:
+        """vLLM's pause_scheduler: hold; the requests in flight aborted or kept."""
+        self.paused = True
+        self._settle(core, mode)
+        if clear_cache:
+            core.scheduler.reset_prefix_cache()
+
+    def resume(self) -> None:
+        self.paused = False
+
+    async def sleep(self, core: EngineCore, level: int, mode: str) -> None:
+        if self.sleeping_tags:
+            return  # already asleep (vLLM: a warning, nothing done)
+        self._settle(core, mode)
+        preempted = core.scheduler.preempt_running()  # "keep": their KV cache is about to go
+        core.scheduler.reset_prefix_cache()
+        await core.executor.collective_rpc("sleep", [level, preempted], {})
+        self.sleeping_tags = set(SLEEP_TAGS)
+
+    async def wake_up(self, core: EngineCore, tags: list[str] | None) -> None:
+        waking = [t for t in (tags or SLEEP_TAGS) if t in self.sleeping_tags]
+        if waking:
+            await core.executor.collective_rpc("wake_up", [waking], {})
+            self.sleeping_tags.difference_update(waking)
+
+    def _settle(self, core: EngineCore, mode: str) -> None:
+        """``abort``: every request in the scheduler ends now (finish_reason abort)."""
+        if mode != "abort":
+            return
+        scheduler = core.scheduler
+        ids = scheduler.running_req_ids() + scheduler.waiting_req_ids()
+        scheduler.finish_requests(ids, FinishReason.ABORT)
+        self.aborted += [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in ids]
+
+
+async def between_steps(
+    core: EngineCore,
+    inputs: trio.MemoryReceiveChannel[EngineCoreInput | CoreCall],
+    outputs: trio.MemorySendChannel[OutputHandlerInput],
+    engine_index: int,
+) -> None:
+    """The frontend's calls; then, while the core holds (asleep or paused), what it aborted is
+    published and it waits for the next input instead of stepping (``run_engine_core``)."""
+    await core.control.run_pending(core)
+    aborted = core.control.take_aborted(core)
+    if aborted is not None:
+        aborted.engine_index = engine_index
+        await outputs.send(aborted)
+    if core.control.holds and not core.control.pending:
+        core.handle_input(await inputs.receive())
+        drain_inputs(core, inputs)
+
+
+def drain_inputs(
+    core: EngineCore, inputs: trio.MemoryReceiveChannel[EngineCoreInput | CoreCall]
+) -> None:
+    """Every input already queued, handled now (never waits)."""
+    while True:
+        try:
+            msg = inputs.receive_nowait()
+        except trio.WouldBlock:
+            return
+        core.handle_input(msg)

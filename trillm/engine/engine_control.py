@@ -1,0 +1,165 @@
+"""vLLM's RL and dev-mode hooks on the Trio engine (``AsyncEngine`` inherits them): sleep mode
+(``sleep`` / ``wake_up`` / ``is_sleeping``, with ``enable_sleep_mode``), ``pause_generation`` /
+``resume_generation`` / ``is_paused``, ``reset_prefix_cache`` and ``collective_rpc``.
+
+Each is run by every engine core between two of its steps (``core_control.py``); the caller
+waits for all of them, or for the engine's death, which it raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from trillm.engine.core_control import (
+    SLEEP_LEVELS,
+    CoreCall,
+    PauseMode,
+    check_pause_mode,
+    check_wake_tags,
+)
+from trillm.errors import EngineDeadError
+
+if TYPE_CHECKING:
+    from trillm.config import TrillmConfig
+    from trillm.engine.core import EngineCore
+    from trillm.engine.engine_cores import EngineCores
+
+
+class EngineControl:
+    """The hooks; the engine supplies its config, cores, death event and error."""
+
+    config: TrillmConfig
+    engine_cores: EngineCores
+    died: trio.Event
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        raise NotImplementedError  # the engine's
+
+    # ------------------------------------------------------------------ sleep mode
+    async def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
+        """vLLM's sleep: ``mode`` says what becomes of the requests in flight (abort, or keep:
+        they finish after the wake-up); level 1 frees the KV cache, level 2 also the weights
+        (read again from disk at wake-up). Requests sent meanwhile wait for the wake-up."""
+        self._check_sleep_mode("sleep")
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level={level!r}: expected 1 or 2.")
+        check_pause_mode(mode)
+        self._check_no_pipeline("sleep")
+        await self._on_each_core(lambda core: core.control.sleep(core, level, mode))
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """``tags``: what to restore, ``weights`` and/or ``kv_cache`` (None: both); the engine
+        runs again once both are awake."""
+        self._check_sleep_mode("wake_up")
+        wanted = None if tags is None else list(tags)
+        check_wake_tags(wanted)
+        await self._on_each_core(lambda core: core.control.wake_up(core, wanted))
+
+    async def is_sleeping(self) -> bool:
+        return any(core.control.sleeping_tags for core in self.engine_cores.cores)
+
+    # ------------------------------------------------------------------ pause
+    async def pause_generation(
+        self, *, mode: PauseMode = "abort", clear_cache: bool = True
+    ) -> None:
+        """vLLM's: no step runs until ``resume_generation``; the requests in flight are
+        aborted or kept (``mode``); ``clear_cache`` forgets the prefix cache."""
+        check_pause_mode(mode)
+        self._check_no_pipeline("pause")
+
+        async def pause(core: EngineCore) -> None:
+            core.control.pause(core, mode, clear_cache)
+
+        await self._on_each_core(pause)
+
+    async def resume_generation(self) -> None:
+        async def resume(core: EngineCore) -> None:
+            core.control.resume()
+
+        await self._on_each_core(resume)
+
+    async def is_paused(self) -> bool:
+        return any(core.control.paused for core in self.engine_cores.cores)
+
+    # ------------------------------------------------------------------ caches and RPC
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix; ``reset_running_requests``: preempt the running
+        requests first (their tokens computed again). -> True (vLLM's success flag)."""
+
+        async def reset(core: EngineCore) -> None:
+            if reset_running_requests:
+                preempted = core.scheduler.preempt_running()
+                await core.executor.collective_rpc("drop_requests", [preempted], {})
+            core.scheduler.reset_prefix_cache()
+
+        await self._on_each_core(reset)
+        return True
+
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - vLLM's signature
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """``method`` (a name: code is never sent to the workers) on every worker's model
+        runner, between steps -> each rank's result, engine core by engine core."""
+        if not isinstance(method, str):
+            raise TypeError(
+                "collective_rpc: method must be a method name (str); callables are not "
+                "sent to the workers."
+            )
+        call_args, call_kwargs = list(args), dict(kwargs or {})
+
+        async def rpc(core: EngineCore) -> list[Any]:
+            return await core.executor.collective_rpc(method, call_args, call_kwargs)
+
+        try:
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                per_core = await self._on_each_core(rpc)
+        except trio.TooSlowError:
+            raise TimeoutError(
+                f"collective_rpc {method!r}: no answer within {timeout} s."
+            ) from None
+        return [value for values in per_core for value in values]
+
+    # ------------------------------------------------------------------ helpers
+    def _check_sleep_mode(self, what: str) -> None:
+        if not self.config.enable_sleep_mode:
+            raise ValueError(
+                f"{what}: sleep mode is off; start the engine with --enable-sleep-mode "
+                "(enable_sleep_mode=True)."
+            )
+
+    def _check_no_pipeline(self, what: str) -> None:
+        if self.config.parallel.pipeline_parallel_size > 1:
+            raise ValueError(f"{what} is not supported with pipeline parallelism.")
+
+    async def _on_each_core(self, fn: Callable[[EngineCore], Awaitable[Any]]) -> list[Any]:
+        if self.dead_error is not None:
+            raise self.dead_error
+        calls = self.engine_cores.post_calls(fn)
+        for call in calls:
+            await self._answer(call)
+        return [call.result for call in calls]
+
+    async def _answer(self, call: CoreCall) -> None:
+        """Waits for ``call`` (or the engine's death); raises what it raised."""
+        async with trio.open_nursery() as nursery:
+
+            async def watch_death() -> None:
+                await self.died.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch_death)
+            await call.done.wait()
+            nursery.cancel_scope.cancel()
+        if not call.done.is_set():
+            raise self.dead_error or EngineDeadError("The engine stopped.")
+        if call.error is not None:
+            raise call.error

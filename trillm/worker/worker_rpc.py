@@ -1,0 +1,89 @@
+"""A worker's side of ``collective_rpc`` (vLLM's): a method called by name on every rank's runner.
+
+Sleep mode's two calls live here too, as vLLM's worker has them: ``sleep(level)`` frees this
+rank's KV cache (level 1; on CPU the weights stay where they are, the point being the memory
+of the device) and the step programs captured over it (their replays point into it), and at
+level 2 also drops the model, whose weights ``wake_up(["weights"])``
+reads again from disk; ``wake_up(["kv_cache"])`` allocates the cache again, zeroed (the engine
+core preempted every request before the sleep, so nothing it held is needed).
+
+Only plain data crosses the process boundary: a method is named, never sent as code; its
+arguments and result must encode as msgpack.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+from trillm.worker.step_program import StepPrograms
+
+SLEEP_TAGS = ("weights", "kv_cache")
+
+
+class WorkerCallError(ValueError):
+    """A collective_rpc method that no runner has, or arguments it refused."""
+
+
+def kv_cache_bytes(runner: Any) -> int:
+    """Bytes this rank's paged KV cache holds now (0 while asleep)."""
+    return sum(t.numel() * t.element_size() for t in runner.kv_caches)
+
+
+def drop_requests(runner: Any, req_ids: list[str]) -> None:
+    """Forget requests the engine core preempted outside a step (``preempt_running``)."""
+    drop = getattr(runner, "_drop", None)
+    if drop is None:
+        raise WorkerCallError(f"{type(runner).__name__} cannot drop requests between steps.")
+    for req_id in req_ids:
+        drop(req_id)
+
+
+def sleep(runner: Any, level: int, preempted: list[str]) -> int:
+    """Forgets the ``preempted`` requests, frees the KV cache (and at level 2 the model);
+    -> the KV bytes freed."""
+    drop_requests(runner, preempted)
+    freed = kv_cache_bytes(runner)
+    runner.kv_caches = []
+    runner.ssm = None
+    if runner.step_programs is not None:  # its captures point into the freed cache
+        runner.step_programs = StepPrograms(runner.step_programs.model)
+    if level == 2:
+        runner._model = None
+        runner.step_programs = None
+        runner.mm = None
+        runner.lora = None
+    gc.collect()  # the tensors' last references may sit in cycles (the model's modules)
+    return freed
+
+
+def wake_up(runner: Any, tags: list[str] | None) -> None:
+    """``tags``: what to restore (None: both); weights first, the cache beside them."""
+    wanted = SLEEP_TAGS if tags is None else tags
+    if "weights" in wanted and runner._model is None:
+        runner.load_model()
+    if "kv_cache" in wanted and not runner.kv_caches:
+        runner.initialize_kv_cache(runner.config.cache.num_blocks)
+
+
+_BUILTINS: dict[str, Callable[..., Any]] = {
+    "sleep": sleep,
+    "wake_up": wake_up,
+    "kv_cache_bytes": kv_cache_bytes,
+    "drop_requests": drop_requests,
+}
+
+
+def call(runner: Any, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """``method`` on ``runner`` (a builtin above first, else the runner's public method)."""
+    builtin = _BUILTINS.get(method)
+    if builtin is not None:
+        return builtin(runner, *args, **kwargs)
+    fn = None if method.startswith("_") else getattr(runner, method, None)
+    if not callable(fn):
+        raise WorkerCallError(
+            f"collective_rpc: the worker has no method {method!r} (a method is named; "
+            "callables are not sent to workers)."
+        )
+    return fn(*args, **kwargs)
