@@ -20,6 +20,7 @@ import trio
 
 from trillm.config import TrillmConfig
 from trillm.engine import gemma3_inputs as gemma3
+from trillm.engine import onevision_inputs as onevision
 from trillm.engine import qwen2_vl_inputs as qwen2_vl
 from trillm.engine.audio_inputs import AudioProcessor
 from trillm.engine.media import ImageSource, MediaConnector, MultiModalInputError, content_hash
@@ -27,6 +28,7 @@ from trillm.engine.mm_processor_cache import ProcessorCache, item_key
 from trillm.messages import MultiModalItem
 from trillm.model_executor.gemma3_mm_config import is_gemma3_mm
 from trillm.model_executor.multimodal_config import image_token_id, num_image_tokens
+from trillm.model_executor.onevision_config import is_onevision
 from trillm.model_executor.qwen2_audio_config import is_qwen2_audio
 from trillm.model_executor.qwen2_vl_config import is_qwen2_vl
 
@@ -105,9 +107,12 @@ class MultiModalProcessor:
             self.image_placeholder = str(tokenizer.convert_ids_to_tokens(self.slot_id))
             self.end_id = self.after[0]
             self.end_text = str(tokenizer.convert_ids_to_tokens(self.end_id))
+        self.onevision = is_onevision(mm_config)  # any-resolution tiles
         self.max_pixels = MAX_IMAGE_PIXELS
         self.limiter = limiter
         self._image_processor: Any = None
+        if self.onevision:  # its tiling checked against the model's at start
+            self._image_processor = onevision.load_processor(self.folder, mm_config)
         self.connector = MediaConnector(
             config.allowed_local_media_path, config.allowed_media_domains
         )
@@ -132,6 +137,8 @@ class MultiModalProcessor:
             qwen2_vl.check_kwargs(kwargs, param, self.max_pixels)
         if self.gemma3:
             gemma3.check_kwargs(kwargs, param)
+        if self.onevision:
+            onevision.check_kwargs(kwargs, param)
         side = int(self.mm_config["vision_config"].get("image_size", 0)) or None
         for key in _GEOMETRY_KWARGS:  # sizes bound what resizing, cropping, padding allocate
             sizes = kwargs.get(key)
@@ -233,6 +240,8 @@ class MultiModalProcessor:
             ) from None
         if self.qwen2_vl:
             return qwen2_vl.patches(processed)
+        if self.onevision:
+            return onevision.item_values(processed)
         batch = processed["pixel_values"]
         side = self.mm_config["vision_config"].get("image_size")
         if side is not None and tuple(batch.shape[-2:]) != (side, side):
@@ -243,12 +252,20 @@ class MultiModalProcessor:
             )
         return np.ascontiguousarray(batch[0], dtype=np.float32)
 
+    def item_length(self, values: np.ndarray) -> int:
+        """Placeholder tokens of one processed image (OneVision's from its size and grid)."""
+        if self.onevision:
+            return onevision.image_tokens(self.mm_config, values)
+        return num_image_tokens(self.mm_config, list(values.shape))
+
     async def process(
         self, ids: list[int], data: Any, kwargs: dict[str, Any] | None = None
     ) -> tuple[list[int], list[MultiModalItem]]:
         """The prompt's ids with each placeholder expanded, and its items in prompt order;
         ``kwargs``: the request's ``mm_processor_kwargs`` (over the engine's)."""
         merged = {**self.processor_kwargs, **self.check_kwargs(kwargs, "mm_processor_kwargs")}
+        if self.onevision:
+            onevision.check_prompt(self.mm_config, ids)
         images = await self.images(data)
         pixels = await trio.to_thread.run_sync(
             self._pixel_values, images, merged, limiter=self.limiter
@@ -268,7 +285,7 @@ class MultiModalProcessor:
             if self.end_id is not None and gemma3.is_expanded(ids, slot, self.end_id):
                 before, after, skip = [self.slot_id], [self.end_id], 2  # newlines in the text
             out += ids[start:slot] + before
-            length = num_image_tokens(self.mm_config, list(values.shape))
+            length = self.item_length(values)
             items.append(
                 MultiModalItem(
                     "image", content_hash(values), len(out), length, values.tobytes(),

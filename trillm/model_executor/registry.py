@@ -60,6 +60,9 @@ _MODELS: dict[str, ModelEntry] = {
     "LlavaForConditionalGeneration": ModelEntry(
         "llava", "LlavaForConditionalGeneration", modalities=("image",)
     ),
+    "LlavaOnevisionForConditionalGeneration": ModelEntry(
+        "llava_onevision", "LlavaOnevisionForConditionalGeneration", modalities=("image",)
+    ),
     "MistralForCausalLM": ModelEntry("mistral", "MistralForCausalLM"),
     "Olmo2ForCausalLM": ModelEntry("olmo2", "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": ModelEntry("phi3", "Phi3ForCausalLM", partial_rotary=True),

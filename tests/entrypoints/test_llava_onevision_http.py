@@ -1,0 +1,63 @@
+"""LLaVA-OneVision over HTTP with the official openai client: a chat with two data: URL images
+of different aspect ratios (each tiled at its own grid) is greedy-exact vs transformers, its
+usage counts the expanded prompt, and a video part is a 400 naming it."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from llava_reference import chat_text, data_url, image, png
+from onevision_reference import IMAGE, hf_greedy
+from server_harness import ServerProcess
+
+NAME = "tiny-onevision"
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    from trillm.testing.tiny_llava_onevision import build_tiny_llava_onevision
+
+    return str(build_tiny_llava_onevision(tmp_path_factory.mktemp("tiny-onevision-http")))
+
+
+@pytest.fixture(scope="module")
+def client(path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server-onevision") / "server.log"
+    args = [path, "--served-model-name", NAME, "--max-model-len", "512"]
+    args += ["--kv-cache-memory", "8MiB", "--max-num-batched-tokens", "32"]
+    args += ["--limit-mm-per-prompt", '{"image": 2}', "--distributed-executor-backend", "uni"]
+    srv = ServerProcess(args, log).start()
+    with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0) as client:
+        yield client
+    assert srv.stop() == 0, srv.log()
+
+
+def chat(client, parts):
+    return client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=MAX_NEW,
+        temperature=0.0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+
+
+def test_two_images_of_different_aspect_ratios_are_greedy_exact(client, path):
+    imgs = [image(30, (90, 64)), image(31, (40, 90))]
+    parts = [{"type": "image_url", "image_url": {"url": data_url(png(i))}} for i in imgs]
+    parts.append({"type": "text", "text": "Compare them."})
+    out = chat(client, parts)
+    ids, tokens, _ = hf_greedy(path, chat_text(path, f"{IMAGE}\n{IMAGE}\nCompare them."), imgs)
+    assert out.model_extra["prompt_token_ids"] == ids
+    assert out.choices[0].model_extra["token_ids"] == tokens
+    assert out.usage.prompt_tokens == len(ids)  # the placeholders counted
+    assert ids.count(4096) == 76 + 100
+
+
+def test_a_video_part_is_a_400_naming_it(client):
+    part = {"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}
+    with pytest.raises(openai.BadRequestError, match="has type 'video_url'"):
+        chat(client, [part, {"type": "text", "text": "What happens?"}])
+    out = chat(client, [{"type": "text", "text": "still serving"}])
+    assert len(out.choices[0].model_extra["token_ids"]) == MAX_NEW

@@ -1,0 +1,181 @@
+"""LLaVA-OneVision (SigLIP tower + projector + any-resolution tiling + Qwen2) through the
+Python API: the expanded prompt equals transformers' processor's for images of several sizes
+and aspect ratios, greedy tokens and prompt / sample log-probabilities equal transformers' on
+a batch mixing image and text-only requests with prefill chunked across the image spans, a
+preempted image request resumes, and what the model cannot run is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from engine_waves import concurrent_requests
+from llava_reference import image
+from onevision_reference import IMAGE, hf_greedy, hf_inputs
+from qwen2_vl_reference import max_logprob_diff
+
+from trillm import LLM, SamplingParams
+from trillm.engine.preprocess import InvalidRequestError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+SCORED = SamplingParams(
+    temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1
+)
+BUDGET = 16  # max_num_batched_tokens: each image's 36-100 placeholders span several chunks
+# (width, height) -> grid: 50x40 2x2 tiles; 40x90 3x2, unpadded left and right; 100x30 1x3,
+# unpadded above and below; 32x32 one tile; 90x64 2x3, its 8x12 features shrunk to 6x9
+# (over anyres_max_4's 4 tiles' worth)
+SIZES = [(50, 40), (40, 90), (100, 30), (32, 32), (20, 200), (90, 64)]
+IMAGE_ID = 4096
+CASES = [
+    (f"Describe {IMAGE} now", [image(0)]),
+    ("The license grants", []),
+    (f"{IMAGE} first, then {IMAGE} second", [image(1, (90, 64)), image(2, (100, 30))]),
+    (f"Small {IMAGE}", [image(3, (32, 32))]),
+]
+UNI = {"kv_cache_memory": "8MiB", "distributed_executor_backend": "uni"}
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    from trillm.testing.tiny_llava_onevision import build_tiny_llava_onevision
+
+    return str(build_tiny_llava_onevision(tmp_path_factory.mktemp("tiny-onevision")))
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    engine = LLM(
+        path,
+        max_model_len=512,
+        max_num_batched_tokens=BUDGET,
+        limit_mm_per_prompt={"image": 2},
+        **UNI,
+    )
+    yield engine
+    engine.shutdown()
+
+
+def encoder_calls(engine: LLM) -> int:
+    return engine.engine.cores[0].executor.runner.mm.encoder_calls
+
+
+def as_prompt(text: str, images: list) -> object:
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def test_placeholder_counts_equal_the_processors(llm, path):
+    counts = []
+    for size in SIZES:
+        img = image(7, size)
+        out = llm.generate(as_prompt(f"See {IMAGE}", [img]), GREEDY)[0]
+        ids = hf_inputs(path, f"See {IMAGE}", [img])["input_ids"][0].tolist()
+        assert out.prompt_token_ids == ids
+        counts.append(ids.count(IMAGE_ID))
+    assert counts == [70, 100, 68, 36, 52, 76]
+
+
+def test_mixed_batch_equals_transformers_tokens_and_logprobs(llm, path):
+    before = encoder_calls(llm)
+    outs = llm.generate([as_prompt(t, i) for t, i in CASES], SCORED, use_tqdm=False)
+    assert encoder_calls(llm) == before + 4  # once per image, however many chunks
+    worst = 0.0
+    for (text, images), out in zip(CASES, outs, strict=True):
+        ids, tokens, logprobs = hf_greedy(path, text, images)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == tokens
+        worst = max(worst, max_logprob_diff(out, ids, logprobs))
+    assert worst < 1e-4
+
+
+def test_chat_image_parts_become_the_image_token(llm, path):
+    img = image(4, (64, 40))
+    parts = [{"type": "image_pil", "image_pil": img}, {"type": "text", "text": "What?"}]
+    out = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
+    from llava_reference import chat_text
+
+    ids, tokens, _ = hf_greedy(path, chat_text(path, f"{IMAGE}\nWhat?"), [img])
+    assert (out.prompt_token_ids, out.outputs[0].token_ids) == (ids, tokens)
+
+
+def test_mm_processor_kwargs(llm, path):
+    img = image(5, (48, 40))
+    prompt = {**as_prompt(f"See {IMAGE}", [img]), "mm_processor_kwargs": {"do_normalize": False}}
+    out = llm.generate(prompt, GREEDY)[0]
+    ids, tokens, _ = hf_greedy(path, f"See {IMAGE}", [img], do_normalize=False)
+    assert (out.prompt_token_ids, out.outputs[0].token_ids) == (ids, tokens)
+    for kwargs in [{"image_grid_pinpoints": [[32, 32]]}, {"size": {"height": 16, "width": 16}}]:
+        prompt = {**as_prompt(f"See {IMAGE}", [img]), "mm_processor_kwargs": kwargs}
+        with pytest.raises(InvalidRequestError, match="is the model's tiling"):
+            llm.generate(prompt, GREEDY)
+
+
+def test_video_input_is_refused_by_name(llm):
+    with pytest.raises(InvalidRequestError, match="video and audio inputs are not implemented"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"video": [image(0)]}}, GREEDY)
+    prompt = {"prompt": f"<video> {IMAGE}", "multi_modal_data": {"image": [image(0)]}}
+    with pytest.raises(InvalidRequestError, match="video placeholder; video inputs are not"):
+        llm.generate(prompt, GREEDY)
+    from trillm.config import EngineArgs
+
+    with pytest.raises(ValueError, match="video inputs are not implemented yet"):
+        EngineArgs(path, limit_mm_per_prompt={"video": 1})
+
+
+def test_preempted_image_requests_resume(path):
+    cases = [CASES[0], CASES[2], CASES[1], CASES[3]]
+    expected = [hf_greedy(path, t, i, n=24)[1] for t, i in cases]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got, stats = concurrent_requests(
+        path,
+        [as_prompt(*case) for case in cases],
+        params,
+        max_model_len=256,
+        block_size=16,
+        num_gpu_blocks_override=16,  # 4 requests need 24 blocks: forces preemption
+        max_num_batched_tokens=64,
+        limit_mm_per_prompt={"image": 2},
+        distributed_executor_backend="uni",
+    )
+    assert got == expected
+    assert stats.num_preemptions > 0, "the small KV cache should have forced preemption"
+
+
+def _folder(path: str, tmp_path, change: dict, where: str | None = None) -> str:
+    folder = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+    shutil.copytree(path, folder)
+    data = json.loads((folder / "config.json").read_text())
+    (data[where] if where else data).update(change)
+    (folder / "config.json").write_text(json.dumps(data))
+    return str(folder)
+
+
+def test_config_fields_trillm_cannot_run_are_refused(path, tmp_path):
+    from trillm.config import EngineArgs
+    from trillm.engine.config_builder import build_config
+
+    assert build_config(EngineArgs(path)).limit_mm_per_prompt == {"image": 1}
+    for kwargs, words in [
+        ({"tensor_parallel_size": 2}, "does not support LlavaOnevisionForConditionalGeneration"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported yet"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            build_config(EngineArgs(path, **kwargs))
+    for change, where, words in [
+        ({"vision_feature_select_strategy": "default"}, None, "strategy 'default' is not"),
+        ({"vision_aspect_ratio": "pad"}, None, "vision_aspect_ratio 'pad' is not supported"),
+        ({"image_grid_pinpoints": [[32, 40]]}, None, "whole tiles of the tower's image_size"),
+        ({"use_sliding_window": True}, "text_config", "use_sliding_window is not supported"),
+        ({"model_type": "llama"}, "text_config", "a 'llama' language model is not supported"),
+        ({"model_type": "clip_vision_model"}, "vision_config", "'clip_vision_model' vision"),
+        ({"projector_hidden_act": "bogus"}, None, "projector_hidden_act 'bogus'"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            LLM(_folder(path, tmp_path, change, where), **UNI)
+    with pytest.raises(ValueError, match="image_grid_pinpoints differ from config.json's"):
+        LLM(_folder(path, tmp_path, {"image_grid_pinpoints": [[32, 32]]}), **UNI)
+    with pytest.raises(ValueError, match="is the model's tiling"):
+        LLM(path, mm_processor_kwargs={"do_pad": False}, **UNI)
