@@ -1,7 +1,8 @@
 """What vLLM's own server tests (tests/entrypoints/openai in vLLM's repository) expect of the
 OpenAI routes' shapes, checked against ``trillm serve`` with the fake runner: ``logprobs: 0``,
 the keys vLLM always sends (null when not asked), and usage in streams (vLLM's
-``should_include_usage``, ``--enable-prompt-tokens-details``, ``--enable-force-include-usage``).
+``should_include_usage``, ``--enable-prompt-tokens-details``, ``--enable-force-include-usage``),
+``--return-tokens-as-token-ids`` and ``GET /tokenizer_info``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,18 @@ from shared_servers import FAKE_256, FAKE_256_GROUP
 # The default-flags server is shared with the other modules of its group.
 pytestmark = pytest.mark.xdist_group(FAKE_256_GROUP)
 
-USAGE_FLAGS = [*FAKE_256, "--enable-prompt-tokens-details", "--enable-force-include-usage"]
+KEY = "conformance-key"
+# One server for the answer flags (each shown on its own route or field).
+FLAGS_ON = [
+    *FAKE_256,
+    "--enable-prompt-tokens-details",
+    "--enable-force-include-usage",
+    "--return-tokens-as-token-ids",
+    "--enable-tokenizer-info-endpoint",
+    "--api-key",
+    KEY,
+]
+AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}]}
 COMPLETION = {"prompt": "Hello there"}
 BODIES = {"completions": COMPLETION, "chat/completions": CHAT}
@@ -29,18 +41,19 @@ def server(shared_server):
 
 @pytest.fixture(scope="module")
 def usage_server(shared_server):
-    return shared_server(USAGE_FLAGS)
+    return shared_server(FLAGS_ON)
 
 
 def post(srv, route: str, **fields) -> dict:
-    r = httpx.post(f"{srv.url}/v1/{route}", json={**BODIES[route], **fields}, timeout=60)
+    body = {**BODIES[route], **fields}
+    r = httpx.post(f"{srv.url}/v1/{route}", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def stream_chunks(srv, route: str, **fields) -> list[dict]:
     body = {**BODIES[route], "stream": True, "max_tokens": 4, **fields}
-    r = httpx.post(f"{srv.url}/v1/{route}", json=body, timeout=60)
+    r = httpx.post(f"{srv.url}/v1/{route}", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -73,7 +86,9 @@ def test_logprobs_zero_gives_the_chosen_token(server, echo):
 
 
 def test_logprobs_n_gives_n_entries_with_the_chosen_one(server):
-    lp = post(server, "completions", max_tokens=3, logprobs=2)["choices"][0]["logprobs"]
+    # (as ids: two byte tokens would both read '\ufffd' and share one key)
+    fields = {"max_tokens": 3, "logprobs": 2, "return_tokens_as_token_ids": True}
+    lp = post(server, "completions", **fields)["choices"][0]["logprobs"]
     for token, top in zip(lp["tokens"], lp["top_logprobs"]):
         assert len(top) == 2 and token in top  # (the fake model's choice is its top-1)
 
@@ -154,3 +169,43 @@ def test_prompt_tokens_details_with_the_flag(usage_server, route):
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
     cached = again["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < again["prompt_tokens"]
+
+
+# ---------------------------------------------------------------- token ids, tokenizer info
+
+
+def test_return_tokens_as_token_ids_flag(usage_server):
+    lp = post(usage_server, "completions", max_tokens=3, logprobs=1, return_token_ids=True)
+    choice = lp["choices"][0]
+    names = [f"token_id:{i}" for i in choice["token_ids"]]
+    assert choice["logprobs"]["tokens"] == names
+    assert [next(iter(top)) for top in choice["logprobs"]["top_logprobs"]] == names
+    chat = post(
+        usage_server,
+        "chat/completions",
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=1,
+        return_token_ids=True,
+    )["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{i}" for i in chat["token_ids"]]
+    assert [c["top_logprobs"][0]["token"] for c in content] == [c["token"] for c in content]
+    # A request's own field wins over the flag.
+    mine = post(
+        usage_server, "completions", max_tokens=3, logprobs=1, return_tokens_as_token_ids=False
+    )["choices"][0]["logprobs"]["tokens"]
+    assert not any(t.startswith("token_id:") for t in mine)
+
+
+def test_tokenizer_info(usage_server, server):
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 404  # without the flag
+    assert httpx.get(usage_server.url + "/tokenizer_info").status_code == 401  # the key
+    r = httpx.get(usage_server.url + "/tokenizer_info", headers=AUTH)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert isinstance(info["tokenizer_class"], str) and info["tokenizer_class"]
+    assert "vocab_file" not in info and "merges_file" not in info
+    tok = httpx.post(usage_server.url + "/tokenize", json={"prompt": "Hi"}, headers=AUTH).json()
+    assert info.get("model_max_length") is None or info["model_max_length"] > 0
+    assert tok["count"] > 0

@@ -144,6 +144,8 @@ _VLLM_FLAGS = {
         FE + "test_cache_salt_separates_prefix_cache_hits",
     ),
     "--enable-force-include-usage": ids(CONFORM + "test_force_include_usage"),
+    "--return-tokens-as-token-ids": ids(CONFORM + "test_return_tokens_as_token_ids_flag"),
+    "--enable-tokenizer-info-endpoint": ids(CONFORM + "test_tokenizer_info"),
     "--allowed-origins": CORS,
     "--allow-credentials": CORS,
     "--allowed-headers": CORS,

@@ -20,3 +20,15 @@ def add_answer_flags(p: argparse.ArgumentParser) -> None:
         help="Every stream carries usage, as if stream_options asked include_usage and "
         "continuous_usage_stats: on each chunk, and a usage chunk at the end.",
     )
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="Logprob tokens as 'token_id:N' (chat and completions) unless a request sets "
+        "return_tokens_as_token_ids itself.",
+    )
+    g.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="Serve GET /tokenizer_info: the tokenizer's configuration (tokenizer_config.json's "
+        "fields, its class, the chat template). Behind --api-key like the other routes.",
+    )

@@ -37,6 +37,7 @@ HTTP_ONLY = (
     ("headless", "--headless"),
     ("disable_uvicorn_access_log", "--disable-uvicorn-access-log"),
     ("enable_server_load_tracking", "--enable-server-load-tracking"),
+    ("enable_tokenizer_info_endpoint", "--enable-tokenizer-info-endpoint"),
 )
 
 

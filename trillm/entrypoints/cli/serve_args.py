@@ -226,6 +226,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         reasoning_parser=args.reasoning_parser,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_force_include_usage=args.enable_force_include_usage,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         host=args.host,
         port=args.port,
         uds=args.uds,

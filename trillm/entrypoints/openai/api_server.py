@@ -83,6 +83,8 @@ class ServerOptions:
     # What answers carry (cli/answer_flags.py): usage.prompt_tokens_details; usage on streams.
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
+    return_tokens_as_token_ids: bool = False  # the default of the request field
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info
     # Requests waiting beyond the running batch (--max-num-seqs); past it, 503 at once.
     max_num_queued_requests: int | None = None
     # Tokens admitted at once (prompt + max_tokens per sequence); past it, 503 at once.
@@ -231,6 +233,8 @@ async def open_server_state(
         reasoning_parser=opts.reasoning_parser,
         enable_prompt_tokens_details=opts.enable_prompt_tokens_details,
         enable_force_include_usage=opts.enable_force_include_usage,
+        return_tokens_as_token_ids=opts.return_tokens_as_token_ids,
+        enable_tokenizer_info_endpoint=opts.enable_tokenizer_info_endpoint,
         max_admitted=_max_admitted(engine, opts),
         max_admitted_tokens=opts.max_num_admitted_tokens,
         max_logprob_entries=opts.max_logprob_entries

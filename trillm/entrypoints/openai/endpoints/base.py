@@ -48,6 +48,9 @@ class ServerState:
     # --enable-prompt-tokens-details, --enable-force-include-usage (cli/answer_flags.py).
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
+    # --return-tokens-as-token-ids (a request's own field wins), --enable-tokenizer-info-endpoint.
+    return_tokens_as_token_ids: bool = False
+    enable_tokenizer_info_endpoint: bool = False
     draining: bool = False
     # Engine sequences admitted at once (--max-num-seqs + --max-num-queued-requests); None:
     # no bound. Past it a request gets 503 + Retry-After before it reaches the engine.

@@ -70,6 +70,8 @@ class ChatAnswer:
         )
         force = state.enable_force_include_usage
         self.include_usage, self._continuous_usage = stream_usage(req.stream_options, force)
+        as_ids = req.return_tokens_as_token_ids
+        self._as_ids = state.return_tokens_as_token_ids if as_ids is None else as_ids
         self.top_n = req.top_logprobs or 0
         self.parser = parser
         self.echo = _echo_text(req)
@@ -140,7 +142,7 @@ class ChatAnswer:
             return None
         content = []
         # return_tokens_as_token_ids: "token_id:<id>" for tokens that are not UTF-8 alone.
-        as_ids = self.req.return_tokens_as_token_ids
+        as_ids = self._as_ids
         for tid, entry in zip(token_ids, logprobs or []):
             chosen, tops = position_logprobs(entry, tid)
             text = f"token_id:{tid}" if as_ids else self._text(entry, tid)

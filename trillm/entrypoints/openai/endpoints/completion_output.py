@@ -64,6 +64,8 @@ class CompletionAnswer:
         self.tracker = RequestTracker(state.metrics, prompt_tokens, params, details=details)
         force = state.enable_force_include_usage
         self.include_usage, self._continuous_usage = stream_usage(req.stream_options, force)
+        as_ids = req.return_tokens_as_token_ids
+        self._as_ids = state.return_tokens_as_token_ids if as_ids is None else as_ids
         self.head = chunk_head(request_id, b"text_completion", self.created, model_name)
         plain = req.logprobs is None and not req.return_token_ids
         self._fast = plain and not self._continuous_usage
@@ -163,7 +165,7 @@ class CompletionAnswer:
         values: list[float | None],
         tops: list[dict[str, float] | None],
     ) -> None:
-        as_ids = self.req.return_tokens_as_token_ids
+        as_ids = self._as_ids
         # (the first prompt token has no entry: its text from the same cache)
         lp = entry.get(tid) if entry is not None else None
         text = (lp.decoded_token or "") if lp is not None else self.state.engine.token_text(tid)

@@ -19,6 +19,7 @@ from trillm.entrypoints.openai.endpoints.classify import create_classification
 from trillm.entrypoints.openai.endpoints.embedding import create_embedding
 from trillm.entrypoints.openai.endpoints.score import create_rerank, create_score
 from trillm.entrypoints.openai.endpoints.tokenization import detokenize, tokenize
+from trillm.entrypoints.openai.endpoints.tokenizer_info import tokenizer_info
 from trillm.entrypoints.openai.http.auth import ApiKeys
 from trillm.entrypoints.openai.http.bodies import json_body, json_response
 from trillm.entrypoints.openai.http.errors import (
@@ -245,6 +246,12 @@ def _install_routes(
         body = await json_body()
         req = await structure_body(TokenizeRequest, body, request.content_length)
         return json_response(await tokenize(state, req))
+
+    if state.enable_tokenizer_info_endpoint:  # vLLM's: no route without the flag
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info_route() -> Response:
+            return json_response(tokenizer_info(state))
 
     @app.post("/detokenize")
     async def detokenize_route() -> Response:

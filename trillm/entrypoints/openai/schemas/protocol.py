@@ -192,8 +192,9 @@ class _SamplingFields:
     bad_words: list[str] | None = _f(None, max_len=MAX_BAD_WORDS)
     # Keep the last k prompt tokens (-1: the context length), before the length check.
     truncate_prompt_tokens: int | None = _f(None, ge=-1)
-    # Logprob tokens as "token_id:<id>" (for tokens that are not valid UTF-8 alone).
-    return_tokens_as_token_ids: bool = False
+    # Logprob tokens as "token_id:<id>" (for tokens that are not valid UTF-8 alone); None:
+    # the server's --return-tokens-as-token-ids.
+    return_tokens_as_token_ids: bool | None = None
     # Beam search (endpoints/beam_search.py): n beams; the other two act on it only.
     use_beam_search: bool = False
     length_penalty: float = 1.0
