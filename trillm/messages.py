@@ -37,11 +37,16 @@ class FinishReason(enum.IntEnum):
 # ---------------------------------------------------------------- frontend -> engine core
 
 
+# A MultiModalItem of this modality is a prompt given as input embeddings (whole prompt,
+# its rows written as given: trillm/engine/prompt_embeds.py).
+PROMPT_EMBEDS_MODALITY = "prompt_embeds"
+
+
 @dataclass(slots=True)
 class MultiModalItem:
     """One processed input item (an image's pixel values) and the prompt tokens it fills."""
 
-    modality: str  # "image"
+    modality: str  # "image", "audio", PROMPT_EMBEDS_MODALITY
     content_hash: str  # of the processed data: the encoder cache's key, in extra_hash_keys
     offset: int  # the first placeholder token's position in the prompt
     length: int  # placeholder tokens = the encoder's output rows

@@ -148,6 +148,12 @@ class EngineArgs:
         "newlines), openai (the list of parts, an image as {'type': 'image'}), auto (openai "
         "when the template loops over a message's content, else string).",
     )
+    # vLLM's: /v1/completions' prompt_embeds and LLM.generate({"prompt_embeds": tensor})
+    enable_prompt_embeds: bool = flag(
+        False,
+        "Accept prompts given as input embeddings [num_tokens, hidden_size] (prompt_embeds: "
+        "a base64 torch.save'd tensor over HTTP) instead of tokens.",
+    )
     skip_tokenizer_init: bool = flag(
         False,
         "Not supported (refused): the engine needs the tokenizer (stop strings, "

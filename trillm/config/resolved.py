@@ -122,6 +122,8 @@ class TrillmConfig:
     seed: int = 0
     attention_backend: str = "torch"
     max_logprobs: int = 20
+    # --enable-prompt-embeds: prompts may be input embeddings (trillm/engine/prompt_embeds.py)
+    enable_prompt_embeds: bool = False
     reasoning_parser: str | None = None  # the engine core's structured outputs wait for it
     # structured_outputs_config: backend, engine-wide request defaults, enable_in_reasoning
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

@@ -27,6 +27,7 @@ import trio
 from trillm.engine.beam_search import Beam, End, EndRule, Hypothesis, PromptSearch
 from trillm.engine.beam_search import candidates_per_beam as candidates_per_beam
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt
+from trillm.engine.prompt_embeds import inputs_field
 from trillm.lora.request import LoRARequest
 from trillm.outputs import (
     BeamSearchOutput,
@@ -308,7 +309,8 @@ def _check_request(
             "beam width (n) or raise --max-logprobs.",
             "n",
         )
-    if any(p.mm_items for p in prompts):
-        raise InvalidRequestError(
-            "Beam search does not take images (multi_modal_data).", "use_beam_search"
-        )
+    for p in prompts:
+        if p.mm_items:  # (vLLM refuses prompt embeddings too)
+            given = inputs_field(p.mm_items)
+            what = "images (multi_modal_data)" if given == "multi_modal_data" else given
+            raise InvalidRequestError(f"Beam search does not take {what}.", "use_beam_search")

@@ -134,6 +134,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
             args, device, model_config.dtype, model_config.architecture
         ),
         max_logprobs=args.max_logprobs,
+        enable_prompt_embeds=_prompt_embeds(args, model_config, pooler, speculative),
         reasoning_parser=args.reasoning_parser,
         structured_outputs=parse_structured_outputs_config(args.structured_outputs_config),
         structured_outputs_cache_bytes=check_grammar_cache_bytes(
@@ -180,6 +181,30 @@ def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str,
         processor = load_image_processor(model_config.model)
         check_keywords(processor, args.mm_processor_kwargs, "mm_processor_kwargs")
     return limits
+
+
+def _prompt_embeds(
+    args: EngineArgs, model_config: ModelConfig, pooler: Any, speculative: Any
+) -> bool:
+    """--enable-prompt-embeds, refused by name where the embeddings could not reach the
+    model's first layer as given."""
+    if not args.enable_prompt_embeds:
+        return False
+    from trillm.model_executor.registry import get_model_class
+
+    arch = model_config.architecture
+    why = None
+    if pooler is not None:
+        why = "pooling models take token prompts only"
+    elif speculative is not None:
+        why = "speculative decoding proposes from token ids"
+    elif args.pipeline_parallel_size > 1:
+        why = "pipeline parallelism is not supported with it yet"
+    elif not getattr(get_model_class(arch), "ACCEPTS_PROMPT_EMBEDS", False):
+        why = f"{arch} does not take prompt embeddings in trillm yet"
+    if why is not None:
+        raise ValueError(f"--enable-prompt-embeds: {why}.")
+    return True
 
 
 def _parallel_config(args: EngineArgs) -> ParallelConfig:

@@ -37,6 +37,7 @@ from trillm.engine.chat_template import (
 )
 from trillm.engine.media import MultiModalInputError
 from trillm.engine.multimodal import content_options, processor_for, prompt_ids
+from trillm.engine.prompt_embeds import embeds_prompt
 from trillm.engine.sampling_fields import apply_stop_ids, bad_words_token_ids
 from trillm.engine.template_budget import RenderBudget
 from trillm.messages import MultiModalItem
@@ -112,6 +113,7 @@ class Preprocessor:
         self.block_size = config.cache.block_size
         self.num_blocks = num_blocks
         self.priority_policy = config.scheduler.policy == "priority"
+        self.enable_prompt_embeds = config.enable_prompt_embeds  # prompt_embeds.py
         # --chat-template (a path or the text), loaded once; None: the tokenizer's.
         self.chat_template = load_chat_template(chat_template)
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -314,6 +316,11 @@ class Preprocessor:
     ) -> PreparedPrompt:
         """The Python API's stage 2: tokenize (long texts off the event loop) and check."""
         self.check_priority(priority)  # (O(1), again in prepare_ids) before any tokenizing
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:  # prompt_embeds.py
+            ids, item = embeds_prompt(prompt, params, self.enable_prompt_embeds, self.model_config)
+            out = self.prepare_ids(ids, params, priority=priority, cache_salt=cache_salt)
+            out.mm_items = [item]
+            return out
         truncating = params.truncate_prompt_tokens is not None
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None

@@ -39,6 +39,7 @@ import trio
 
 from trillm.engine.output_collector import ReadyQueue, RequestOutputCollector
 from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, PromptType
+from trillm.engine.prompt_embeds import inputs_field
 from trillm.interfaces import RequestEngine
 from trillm.lora.request import LoRARequest
 from trillm.messages import AbortRequest, AddRequest, EngineCoreRequest
@@ -194,7 +195,8 @@ class ParentRequest:
         params = prepared.params
         if prepared.mm_items and child.lora is not None:
             raise InvalidRequestError(
-                "A LoRA adapter with multi_modal_data is not supported yet.", "lora_request"
+                f"A LoRA adapter with {inputs_field(prepared.mm_items)} is not supported yet.",
+                "lora_request",
             )
         if params.structured_outputs is not None:
             await engine.compile_grammar(params)

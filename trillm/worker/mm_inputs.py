@@ -7,6 +7,9 @@ chunks its prefill takes and however many requests hold the same image; each ste
 the rows its tokens cover (``step_embeddings``), which the model writes over the
 placeholders' token embeddings.
 
+Prompt embeddings (``--enable-prompt-embeds``) are one item of modality ``prompt_embeds``
+over the whole prompt whose rows are written as given: no encoder runs.
+
 M-RoPE models (Qwen2-VL: the model's ``mrope_merge_size``) rotate by [3, T] positions
 (``rope_positions``, ``mrope.py``): computed per step from each request's items, so chunked
 prefill, preemption (a re-sent request's items come again) and decoding need no other state.
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trillm.messages import PROMPT_EMBEDS_MODALITY as PROMPT_EMBEDS
 from trillm.messages import MultiModalItem
 from trillm.worker.input_batch import StepInputs
 from trillm.worker.mrope_positions import mrope_positions
@@ -39,15 +43,20 @@ class MultiModalInputs:
         self.bidirectional = bool(getattr(model, "bidirectional_image_spans", False))
 
     @classmethod
-    def for_model(cls, model: Any, device: torch.device) -> MultiModalInputs | None:
+    def for_model(
+        cls, model: Any, device: torch.device, prompt_embeds: bool = False
+    ) -> MultiModalInputs | None:
+        """None for a text model, unless it takes prompt embeddings (--enable-prompt-embeds)."""
         takes = hasattr(model, "encode_image") or hasattr(model, "encode_audio")
-        return cls(model, device) if takes else None
+        return cls(model, device) if takes or prompt_embeds else None
 
     def add(self, slot: int, items: list[MultiModalItem]) -> None:
         """A new request's items, encoded now (cache hits aside): an item the encoder cannot
         take fails its own request in ``_update_batch``, not the step."""
         for item in items:  # the model's encoder of each: encode_image, encode_audio
-            if not hasattr(self.model, f"encode_{item.modality}"):
+            if item.modality != PROMPT_EMBEDS and not hasattr(
+                self.model, f"encode_{item.modality}"
+            ):
                 raise ValueError(f"{item.modality} inputs are not implemented for this model.")
         try:
             for item in items:
@@ -74,8 +83,11 @@ class MultiModalInputs:
         if cached is None:
             values = torch.from_numpy(
                 np.frombuffer(item.data, np.float32).reshape(item.shape).copy()
-            )
-            cached = getattr(self.model, f"encode_{item.modality}")(values.to(self.device))
+            ).to(self.device)
+            if item.modality == PROMPT_EMBEDS:  # the rows themselves
+                self._cache[item.content_hash] = values
+                return values
+            cached = getattr(self.model, f"encode_{item.modality}")(values)
             self.encoder_calls += 1
             if cached.shape[0] != item.length:
                 raise ValueError(

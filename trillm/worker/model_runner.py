@@ -122,7 +122,9 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self._model = build_model(self.config.model, self.attn_backend, self.config.device)
-        self.mm = MultiModalInputs.for_model(self._model, self.device)
+        self.mm = MultiModalInputs.for_model(
+            self._model, self.device, self.config.enable_prompt_embeds
+        )
         index = longrope_index(self._model)
         if index is not None:
             self.longrope = LongRopeState(index, self.max_num_reqs)

@@ -152,6 +152,13 @@ ENGINE: dict[str, tuple[str, ...]] = {
     # the tokenizer's code; model code never runs (trillm's own model classes)
     "trust_remote_code": ids(FEE + "test_trust_remote_code_lets_the_tokenizers_code_run"),
     "skip_tokenizer_init": ids(ENGINE_REFUSED),
+    # prompts as input embeddings: equal to their tokens; refused without it / where unsupported
+    "enable_prompt_embeds": ids(
+        "tests/engine/test_prompt_embeds.py::"
+        "test_embeds_equal_their_tokens_batched_chunked_and_preempted",
+        "tests/engine/test_prompt_embeds.py::"
+        "test_refused_without_the_flag_and_where_the_model_cannot_take_them",
+    ),
     # compiled grammars kept, LRU by bytes; one grammar over 1/4 of it is a 400
     "structured_outputs_cache_bytes": ids(
         "tests/fault/test_grammar_cache_bytes.py::test_distinct_big_schemas_keep_memory_bounded",

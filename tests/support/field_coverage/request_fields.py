@@ -124,6 +124,11 @@ _COMPLETION = {
     "suffix": ids(FEC + "test_echo_suffix_best_of"),
     "best_of": ids(FEC + "test_echo_suffix_best_of"),
     "add_special_tokens": ids(FEC + "test_add_special_tokens_and_the_tokenizer_flag"),
+    # --enable-prompt-embeds: equal to the token prompt; bad tensors, echo, prompt_logprobs 400
+    "prompt_embeds": ids(
+        "tests/entrypoints/test_prompt_embeds_http.py::test_embeds_equal_the_token_prompt",
+        "tests/entrypoints/test_prompt_embeds_http.py::test_bad_inputs_are_400s_naming_the_field",
+    ),
 }
 
 _NESTED = {

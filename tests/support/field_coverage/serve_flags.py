@@ -56,6 +56,11 @@ _FLAGS = {
         "tests/fault/test_health_stall.py::test_the_flag_is_validated",
     ),
     "--served-model-name": ids(FLAG_MAP, OPENAI + "test_models"),
+    "--enable-prompt-embeds": ids(
+        "tests/entrypoints/test_prompt_embeds_http.py::test_embeds_equal_the_token_prompt",
+        "tests/entrypoints/test_prompt_embeds_http.py::"
+        "test_a_server_without_the_flag_refuses_naming_it",
+    ),
     "--skip-tokenizer-init": ids(
         "tests/entrypoints/test_engine_flags.py::"
         "test_skip_tokenizer_init_flag_is_refused_by_the_engine_args"

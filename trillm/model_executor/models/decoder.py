@@ -18,6 +18,8 @@ from trillm.model_executor.models.llama import LlamaForCausalLM
 class ResidualStreamCausalLM(LlamaForCausalLM):
     SCALE_EMBEDDINGS = False  # Gemma: embeddings times sqrt(hidden_size)
     PP_CARRIES_RESIDUAL = False  # the hidden states are the residual stream
+    # Its embed path (a scaled lookup) does not merge given rows: prompt embeddings refused.
+    ACCEPTS_PROMPT_EMBEDS = False
 
     def rotary_for(self, layer: nn.Module) -> RotaryEmbedding:
         """The RoPE table of a layer (Gemma 3: its sliding-window layers have their own)."""

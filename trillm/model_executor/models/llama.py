@@ -252,6 +252,10 @@ class LlamaModel(DecoderStack):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+# (rows of the step's tokens, their embeddings [rows, H])
+StepRows = tuple[torch.Tensor, torch.Tensor]
+
+
 class LlamaForCausalLM(nn.Module):
     # Family flags; Mistral/Qwen2/Qwen3 override them in their own modules.
     QKV_BIAS_ALWAYS = False  # Qwen2: q/k/v carry a bias whatever the config says
@@ -262,6 +266,12 @@ class LlamaForCausalLM(nn.Module):
     PP_CARRIES_RESIDUAL = True
     # Parameters ``load_weights`` leaves to a subclass (LLaVA's vision tower and projector).
     NON_DECODER_PREFIXES: tuple[str, ...] = ()
+    # --enable-prompt-embeds: given rows replace the token embeddings where transformers'
+    # ``inputs_embeds`` enter (Gemma scales after its lookup, so not there yet).
+    ACCEPTS_PROMPT_EMBEDS = True
+    # The next forward's rows written over its token embeddings (prompt embeddings, image
+    # features; ``trillm/worker/mm_inputs.py`` hands them over), consumed by it.
+    _step_embeddings: StepRows | None = None
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
@@ -318,8 +328,19 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden, residual)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        """The first layer's input (LLaVA writes image features over its placeholders)."""
-        return self.model.embed_tokens(input_ids)
+        """The first layer's input, with the step's prompt-embedding rows written over it."""
+        return self.merge_step_embeddings(self.model.embed_tokens(input_ids))
+
+    def set_step_embeddings(self, rows: StepRows | None) -> None:
+        """The next forward's given rows and their embeddings (consumed by it)."""
+        self._step_embeddings = rows
+
+    def merge_step_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]
+        if self._step_embeddings is not None:
+            rows, embeddings = self._step_embeddings
+            self._step_embeddings = None
+            hidden[rows] = embeddings.to(hidden.dtype)
+        return hidden
 
     def stage_layers(self) -> list[nn.Module]:
         """The decoder layers this rank runs (all of them without pipeline parallelism)."""

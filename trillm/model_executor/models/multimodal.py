@@ -12,27 +12,16 @@ from torch import nn
 from trillm.model_executor.models.llama import LlamaForCausalLM, MissingWeightsError
 
 Weights = Iterable[tuple[str, torch.Tensor]]
-# (rows of the step's tokens, their embeddings [rows, H])
-StepRows = tuple[torch.Tensor, torch.Tensor]
 
 
 class ImageEmbeddingsMixin:
-    """Holds the next forward's image rows (``trillm/worker/mm_inputs.py`` hands them over)
-    until the model's ``embed_input_ids`` merges them, once."""
+    """The vision-language models' shared pieces; the step's image rows are held and merged
+    by ``LlamaForCausalLM`` (``set_step_embeddings`` / ``merge_step_embeddings``), which each
+    model's ``embed_input_ids`` calls after its own token lookup."""
 
     NON_DECODER_PREFIXES: tuple[str, ...]  # the vision side's checkpoint names
-    _step_embeddings: StepRows | None = None
-
-    def set_step_embeddings(self, rows: StepRows | None) -> None:
-        """The next forward's multimodal rows and their embeddings (consumed by it)."""
-        self._step_embeddings = rows
-
-    def merge_step_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._step_embeddings is not None:
-            rows, embeddings = self._step_embeddings
-            self._step_embeddings = None
-            hidden[rows] = embeddings.to(hidden.dtype)
-        return hidden
+    # Prompt embeddings with placeholder-driven inputs (M-RoPE, image spans): not yet.
+    ACCEPTS_PROMPT_EMBEDS = False
 
     def load_vision_and_text(
         self,

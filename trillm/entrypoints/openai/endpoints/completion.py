@@ -18,7 +18,12 @@ from trillm.entrypoints.openai.endpoints.beam_search import beam_params
 from trillm.entrypoints.openai.endpoints.budgets import (
     LogprobBudget,
     check_sequences,
-    split_prompts,
+)
+from trillm.entrypoints.openai.endpoints.completion_embeds import (
+    Embeds,
+    RawPrompt,
+    prepare_embeds_prompt,
+    raw_prompts,
 )
 from trillm.entrypoints.openai.endpoints.completion_output import (
     CompletionAnswer,
@@ -44,11 +49,11 @@ async def create_completion(
             f"'logprobs' is {req.logprobs}, more than the server's limit of {state.max_logprobs}.",
             "logprobs",
         )
-    raw_prompts = split_prompts(req.prompt, "prompt")
-    check_sequences(len(raw_prompts), req.n, state.max_sequences_per_request)
+    raw = raw_prompts(state, req)  # its prompt_embeds first, then its prompts
+    check_sequences(len(raw), req.n, state.max_sequences_per_request)
     budget = LogprobBudget(state.max_logprob_entries, "logprobs", req.n)
     try:
-        prompts = [await _prepare(state, req, p, budget) for p in raw_prompts]
+        prompts = [await _prepare(state, req, p, budget) for p in raw]
     except ValueError as exc:  # the preprocessor's refusals name their field: 400
         raise from_engine_exception(exc) from exc
     request_id = req.request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -73,11 +78,13 @@ def _check_unsupported(req: CompletionRequest) -> None:
 
 
 async def _prepare(
-    state: ServerState, req: CompletionRequest, prompt: str | list[int], budget: LogprobBudget
+    state: ServerState, req: CompletionRequest, prompt: RawPrompt, budget: LogprobBudget
 ) -> CompletionPrompt:
     """Stage 2 through the engine's preprocessor: tokenize (or check the ids), then truncate
     and check once (context, vocabulary, KV cache) with the request's SamplingParams; then
     spend the request's logprob budget (a 400 before the next prompt is tokenized)."""
+    if isinstance(prompt, Embeds):
+        return await prepare_embeds_prompt(state, req, prompt, budget)
     pre = state.preprocessor
     if isinstance(prompt, str):
         truncating = req.truncate_prompt_tokens is not None

@@ -237,7 +237,13 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     # NOTE: MAX_PROMPTS bounds a list of prompts, never the token ids of one prompt (the
     # context length bounds those).
-    prompt: Union[str, list[str], list[int], list[list[int]]] = _f(max_prompts=MAX_PROMPTS)  # noqa: UP007
+    # None: prompt_embeds alone (one of the two is required).
+    prompt: Union[str, list[str], list[int], list[list[int]], None] = _f(  # noqa: UP007
+        None, max_prompts=MAX_PROMPTS
+    )
+    # --enable-prompt-embeds: base64 torch.save'd [num_tokens, hidden] tensors, served
+    # before the prompts (trillm/engine/prompt_embeds.py).
+    prompt_embeds: str | list[str] | None = _f(None, max_len=MAX_PROMPTS)
     max_tokens: int | None = _f(16, ge=1)
     echo: bool = False
     logprobs: int | None = _f(None, ge=0)
