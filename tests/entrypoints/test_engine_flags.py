@@ -88,7 +88,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "quantization": ("awq_marlin", "not implemented yet"),
     "kv_cache_dtype": ("fp8_e5m2", "not implemented yet"),
     "load_format": ("pt", "not implemented yet"),
-    "speculative_config": ('{"method": "mtp"}', "not implemented yet"),
+    "speculative_config": ('{"method": "medusa"}', "not implemented yet"),
     "limit_mm_per_prompt": ('{"video": 1}', "not implemented yet"),
     "host": ("https://example.com/", "is not a host name"),
 }

@@ -106,7 +106,14 @@ def test_speculative_config_parsing_and_defaults():
         ),
         ('{"method": "medusa", "model": "x", "num_speculative_tokens": 2}', "medusa"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', 'eagle needs "model"'),
-        ('{"method": "mtp", "model": "x", "num_speculative_tokens": 2}', "'mtp'"),
+        (
+            '{"method": "mlp_speculator", "model": "x", "num_speculative_tokens": 2}',
+            "'mlp_speculator'",
+        ),
+        (
+            '{"method": "mtp", "model": 3, "num_speculative_tokens": 2}',
+            'mtp "model" must be a folder',
+        ),
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 99}', "<= 32"),

@@ -91,8 +91,9 @@ FIELDS: dict[str, str] = {
     "scoring_func": "must be softmax (V2) or sigmoid (V3): refused otherwise",
     "moe_layer_freq": "must be 1 (every layer after first_k_dense_replace sparse)",
     "num_mtp_layers": "the multi-token-prediction layers' weights are skipped, as transformers "
-    "does (deepseek_mtp speculation is not implemented)",
-    "num_nextn_predict_layers": "as num_mtp_layers",
+    "does",
+    "num_nextn_predict_layers": "as num_mtp_layers; with speculative_config method mtp (one "
+    "layer) it drafts (spec_decode/mtp_config.py)",
     "ep_size": "expert parallelism in DeepSeek's own code; no effect on the output",
     "aux_loss_alpha": INERT,
     "seq_aux": INERT,

@@ -10,9 +10,12 @@ from typing import Any
 MAX_SPECULATIVE_TOKENS = 32
 _NGRAM_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
 _MODEL_KEYS = {"method", "model", "num_speculative_tokens"}
-_NOT_IMPLEMENTED = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp")
-# Methods whose "model" is a folder the worker runs beside the target (a draft, an EAGLE head).
-MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+_NOT_IMPLEMENTED = ("medusa", "mlp_speculator")
+# Methods whose "model" is a folder the worker runs beside the target (a draft, an EAGLE head,
+# the target's own MTP layers).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+# vLLM's names for the MTP layers a checkpoint ships, which it runs as method "mtp".
+_MTP_ALIASES = ("mtp", "deepseek_mtp")
 _DEFAULT_LOOKUP = 5  # vLLM's default n-gram length when neither bound is given
 
 
@@ -23,11 +26,12 @@ class DraftModelError(ValueError):
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft_model" | "eagle" | "eagle3"
+    method: str  # "ngram" | "draft_model" | "eagle" | "eagle3" | "mtp"
     num_speculative_tokens: int  # k: drafts proposed per request and step
     prompt_lookup_min: int = 0  # ngram: shortest suffix n-gram that is looked up
     prompt_lookup_max: int = 0  # ngram: longest one (tried first)
-    # draft_model: the draft's folder (or .gguf), same tokenizer; eagle / eagle3: the head's folder
+    # draft_model: the draft's folder (or .gguf), same tokenizer; eagle / eagle3: the head's folder;
+    # mtp: None (the target's own folder) or that folder
     model: str | None = None
 
 
@@ -60,8 +64,10 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
         raise ValueError(
             f"speculative_config: method {method!r} is not implemented yet; use "
             '{"method": "ngram", ...}, {"method": "draft_model", "model": ...} or '
-            '{"method": "eagle" | "eagle3", "model": ...}.'
+            '{"method": "eagle" | "eagle3", "model": ...} or {"method": "mtp", ...}.'
         )
+    if method in _MTP_ALIASES:
+        method = "mtp"
     if method != "ngram" and method not in MODEL_METHODS:
         raise ValueError(
             f"speculative_config: unknown method {method!r}; supported: ngram, "
@@ -82,6 +88,11 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
             f"speculative_config: num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
             f"got {k}."
         )
+    if method == "mtp":  # as vLLM: the layers are the target's own, "model" may be left out
+        model = value.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f'speculative_config: mtp "model" must be a folder, got {model!r}.')
+        return SpeculativeConfig(method, k, model=model)
     if method in MODEL_METHODS:
         model = value.get("model")
         if not isinstance(model, str) or not model:

@@ -17,9 +17,13 @@ def build_draft_model_config(
 ) -> ModelConfig:
     """The draft's ModelConfig, in the target's dtype and max_model_len; DraftModelError
     naming what does not match (``load_tokenizer``: path, trust_remote_code -> tokenizer).
-    An EAGLE head's: ``eagle_config.py``."""
+    An EAGLE head's: ``eagle_config.py``; MTP layers': ``mtp_config.py``."""
     from trillm.model_executor.model_config import load_model_config
 
+    if spec.method == "mtp":
+        from trillm.spec_decode.mtp_config import build_mtp_config
+
+        return build_mtp_config(args, spec, target)
     if spec.method != "draft_model":
         from trillm.spec_decode.eagle_config import build_eagle_head_config
 

@@ -1,5 +1,6 @@
-"""The worker's drafter for ``speculative_config``: a draft model (``draft_model.py``) or an
-EAGLE / EAGLE-3 head (``eagle_proposer.py``), which share one interface."""
+"""The worker's drafter for ``speculative_config``: a draft model (``draft_model.py``), an
+EAGLE / EAGLE-3 head (``eagle_proposer.py``) or the target's MTP layer (``mtp_proposer.py``),
+which share one interface."""
 
 from __future__ import annotations
 
@@ -17,4 +18,8 @@ def new_drafter(
         from trillm.spec_decode.eagle_proposer import EagleProposer
 
         return EagleProposer(config, device, kv_dtype)
+    if config.speculative.method == "mtp":
+        from trillm.spec_decode.mtp_proposer import MtpProposer
+
+        return MtpProposer(config, device, kv_dtype)
     return DraftModelProposer(config, device, kv_dtype)

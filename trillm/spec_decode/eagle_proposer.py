@@ -23,18 +23,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 from torch import nn
 
+from trillm.attention.backend import AttentionMetadata
 from trillm.attention.kv_layout import KVCacheLayout
 from trillm.config import TrillmConfig
 from trillm.model_executor.registry import CausalLM
 from trillm.spec_decode.draft_model import DraftModelProposer, _Feed
 from trillm.spec_decode.eagle_head import EagleHead, normalized_weights
 from trillm.worker.input_batch import InputBatch, StepInputs
+
+
+class DraftHead(Protocol):
+    """What the proposer runs: an EAGLE head (``eagle_head.py``) or an MTP layer
+    (``mtp_head.py``)."""
+
+    d2t: torch.Tensor | None  # draft id -> target id - draft id; None: the target's ids
+
+    def __call__(
+        self,
+        embeds: torch.Tensor,  # [T, H]
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # (for the logits, to feed back)
+
+    def combine(self, aux: list[torch.Tensor]) -> torch.Tensor: ...  # EAGLE-3's
 
 
 class EagleProposer(DraftModelProposer):
@@ -45,7 +64,7 @@ class EagleProposer(DraftModelProposer):
         self.hooks_target = bool(self.aux_layers)
         self._aux: list[torch.Tensor] = []  # [T, H] per auxiliary layer, this step's
         self._step: tuple[StepInputs, torch.Tensor] | None = None  # P2's rows and states
-        self._head: EagleHead | None = None
+        self._head: DraftHead | None = None
         self._embed: Callable[[torch.Tensor], torch.Tensor] | None = None  # [T] -> [T, H]
         self._logits: Callable[[torch.Tensor], torch.Tensor] | None = None  # [n, H] -> [n, V']
 
@@ -71,7 +90,7 @@ class EagleProposer(DraftModelProposer):
         self._head = head
 
     @property
-    def head(self) -> EagleHead:
+    def head(self) -> DraftHead:
         if self._head is None:
             raise RuntimeError("EagleProposer.load() has not been called.")
         return self._head

@@ -240,7 +240,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
         POOL + "test_the_folder_says_how_to_pool_and_an_override_wins",
         POOL + "test_settings_trillm_cannot_honour_are_refused",
     ),
-    # n-gram / draft-model / EAGLE drafts verified in one forward: same output, fewer
+    # n-gram / draft-model / EAGLE / MTP drafts verified in one forward: same output, fewer
     # forwards; bad configs, drafts with another vocabulary and head fields refused
     "speculative_config": ids(
         SPEC_E + "test_same_output_with_speculation_and_drafts_accepted",
@@ -250,6 +250,9 @@ ENGINE: dict[str, tuple[str, ...]] = {
         "test_a_head_that_agrees_is_accepted_k_drafts_at_a_time",
         "tests/spec_decode/test_spec_decode_eagle.py::"
         "test_head_fields_it_cannot_honour_are_refused_by_name",
+        "tests/spec_decode/test_spec_decode_mtp.py::"
+        "test_an_agreeing_layer_is_accepted_k_drafts_at_a_time",
+        "tests/spec_decode/test_spec_decode_mtp.py::test_what_it_cannot_serve_is_refused_by_name",
         SPEC + "test_speculative_config_refused_with_the_reason",
         TP + "test_draft_model_on_the_output_rank_with_tp2",
     ),

@@ -238,8 +238,10 @@ _VLLM_FLAGS = {
         SPEC_E + "test_http_same_greedy_text_and_metrics_count",
         "tests/spec_decode/test_spec_decode_eagle.py::"
         "test_http_eagle3_same_text_and_acceptance_counted",
+        "tests/spec_decode/test_spec_decode_mtp.py::"
+        "test_http_same_text_and_acceptance_counted_per_position",
         REFUSED_TOP,
-    ),  # medusa / mtp: not yet
+    ),  # medusa / mlp_speculator: not yet
     # Already so in trillm, or meaningless without CUDA graphs / swapping / several ranks:
     # accepted, and the log says so once at startup.
     "--enable-chunked-prefill": ids(MOOT, VF + "test_bad_values_refused_with_the_flag_named"),
