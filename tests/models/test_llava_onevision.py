@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from engine_waves import concurrent_requests
@@ -179,3 +180,47 @@ def test_config_fields_trillm_cannot_run_are_refused(path, tmp_path):
         LLM(_folder(path, tmp_path, {"image_grid_pinpoints": [[32, 32]]}), **UNI)
     with pytest.raises(ValueError, match="is the model's tiling"):
         LLM(path, mm_processor_kwargs={"do_pad": False}, **UNI)
+    folder = _folder(path, tmp_path, {})
+    fields = json.loads((tmp_path / folder / "processor_config.json").read_text())
+    fields["vision_aspect_ratio"] = "anyres_max_9"
+    (tmp_path / folder / "processor_config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match="vision_aspect_ratio 'anyres_max_9' is not the model's"):
+        LLM(folder, **UNI)
+
+
+def test_transformers_defaults_fill_what_config_json_leaves_out(path):
+    from trillm.model_executor.multimodal_config import split_config
+
+    data = json.loads((Path(path) / "config.json").read_text())
+    for key in ("image_token_index", "video_token_index", "vision_aspect_ratio"):
+        del data[key]
+    _, mm = split_config(data, "LlavaOnevisionForConditionalGeneration")
+    assert (mm["image_token_index"], mm["video_token_index"]) == (151_646, 151_647)
+    assert mm["vision_aspect_ratio"] == "anyres_max_9"
+
+
+def test_transformers_new_checkpoint_layout_loads_the_same_model(llm, path, tmp_path):
+    # model.language_model.* / model.vision_tower.vision_model.* / model.image_newline / lm_head
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(_folder(path, tmp_path, {}))
+    tensors = load_file(folder / "model.safetensors")
+    renamed = {}
+    for name, tensor in tensors.items():
+        if name.startswith("language_model.lm_head."):
+            name = name.removeprefix("language_model.")
+        elif name.startswith("language_model.model."):
+            name = "model.language_model." + name.removeprefix("language_model.model.")
+        elif name.startswith("vision_tower."):
+            name = "model.vision_tower.vision_model." + name.removeprefix("vision_tower.")
+        else:
+            name = "model." + name
+        renamed[name] = tensor
+    save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+    text, images = CASES[2]
+    other = LLM(str(folder), max_model_len=512, limit_mm_per_prompt={"image": 2}, **UNI)
+    try:
+        got = other.generate(as_prompt(text, images), GREEDY)[0].outputs[0].token_ids
+    finally:
+        other.shutdown()
+    assert got == llm.generate(as_prompt(text, images), GREEDY)[0].outputs[0].token_ids

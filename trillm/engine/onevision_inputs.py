@@ -34,6 +34,7 @@ def load_processor(folder: str, mm_config: dict[str, Any]) -> Any:
     ``processor_config.json``), its tiling checked against the model's."""
     from transformers.models.llava_onevision import LlavaOnevisionImageProcessorPil
 
+    check_processor_fields(Path(folder), mm_config)
     data = _processor_data(Path(folder))
     kwargs = {k: v for k, v in data.items() if k not in _NOT_KWARGS}
     processor = LlavaOnevisionImageProcessorPil(**kwargs)
@@ -51,6 +52,29 @@ def load_processor(folder: str, mm_config: dict[str, Any]) -> Any:
             f"vision tower's {tile}x{tile}."
         )
     return processor
+
+
+def check_processor_fields(folder: Path, mm_config: dict[str, Any]) -> None:
+    """``processor_config.json``'s own fields agree with config.json (transformers' processor
+    counts placeholders by them, its model packs features by config.json's)."""
+    path = folder / "processor_config.json"
+    fields = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    vc = mm_config["vision_config"]
+    side = int(vc.get("image_size", 384)) // int(vc.get("patch_size", 14))
+    expected = {
+        "num_image_tokens": side * side,
+        "vision_feature_select_strategy": onevision_field(
+            mm_config, "vision_feature_select_strategy"
+        ),
+        "vision_aspect_ratio": onevision_field(mm_config, "vision_aspect_ratio"),
+    }
+    for key, value in expected.items():
+        if fields.get(key, value) != value:
+            raise ValueError(
+                f"{ONEVISION_ARCHITECTURE}: processor_config.json's {key} {fields[key]!r} is not "
+                f"the model's {value!r} (config.json); the placeholders would not match the "
+                "features."
+            )
 
 
 def _processor_data(folder: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from trillm.model_executor.gemma3_mm_config import (
     gemma3_token,
     is_gemma3_mm,
 )
+from trillm.model_executor.onevision_config import DEFAULTS as ONEVISION_DEFAULTS
 from trillm.model_executor.onevision_config import ONEVISION_ARCHITECTURE, onevision_text_config
 from trillm.model_executor.qwen2_audio_config import (
     QWEN2_AUDIO_ARCHITECTURE,
@@ -44,8 +45,8 @@ def split_config(hf: dict[str, Any], architecture: str) -> tuple[dict[str, Any],
         return gemma3_text_config(hf), hf
     if architecture == QWEN2_AUDIO_ARCHITECTURE:
         return qwen2_audio_text_config(hf), hf
-    if architecture == ONEVISION_ARCHITECTURE:
-        return onevision_text_config(hf), hf
+    if architecture == ONEVISION_ARCHITECTURE:  # its defaults (token ids) made explicit
+        return onevision_text_config(hf), {**ONEVISION_DEFAULTS, **hf}
     text = dict(hf.get("text_config") or {})
     vision = hf.get("vision_config") or {}
     text_type = text.get("model_type", "llama")
