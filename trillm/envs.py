@@ -101,6 +101,14 @@ ALLOW_RUNTIME_LORA_UPDATING = EnvVar(
     _vllm_true,
     False,
 )
+SERVER_DEV_MODE = EnvVar(
+    ("VLLM_SERVER_DEV_MODE",),
+    "1 / true: the development routes (vLLM's): /sleep, /wake_up, /is_sleeping, "
+    "/reset_prefix_cache, /pause, /resume, /is_paused, /collective_rpc. Any other value: "
+    "off, as in vLLM (the routes are 404).",
+    _vllm_true,
+    False,
+)
 CONFIGURE_LOGGING = EnvVar(
     ("TRILLM_CONFIGURE_LOGGING", "VLLM_CONFIGURE_LOGGING"),
     "0: trillm serve leaves the root logger to the embedding application.",
@@ -152,6 +160,7 @@ ALL: tuple[EnvVar[Any], ...] = (
     API_KEY,
     XGRAMMAR_CACHE_MB,
     ALLOW_RUNTIME_LORA_UPDATING,
+    SERVER_DEV_MODE,
     CONFIGURE_LOGGING,
     LOGGING_CONFIG_PATH,
     NO_EXTENSIONS,

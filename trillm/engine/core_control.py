@@ -93,9 +93,9 @@ class CoreControl:
             finally:
                 call.done.set()
 
-    def take_aborted(self, core: EngineCore) -> EngineCoreOutputs | None:
-        if not self.aborted:
-            return None
+    def take_outputs(self, core: EngineCore) -> EngineCoreOutputs:
+        """What the calls aborted, with the scheduler's stats (a held core runs no step to
+        publish them: /metrics shows the requests waiting for the wake-up)."""
         outputs, self.aborted = self.aborted, []
         return EngineCoreOutputs(outputs, time.monotonic(), core._stats())
 
@@ -141,16 +141,24 @@ async def between_steps(
     outputs: trio.MemorySendChannel[OutputHandlerInput],
     engine_index: int,
 ) -> None:
-    """The frontend's calls; then, while the core holds (asleep or paused), what it aborted is
-    published and it waits for the next input instead of stepping (``run_engine_core``)."""
-    await core.control.run_pending(core)
-    aborted = core.control.take_aborted(core)
-    if aborted is not None:
-        aborted.engine_index = engine_index
-        await outputs.send(aborted)
+    """The frontend's calls, then what they aborted and the stats; while the core holds
+    (asleep or paused) it then waits for the next input instead of stepping, and publishes
+    the stats again once it has come (``run_engine_core``)."""
+    if core.control.pending:
+        await core.control.run_pending(core)
+        await _publish(core, outputs, engine_index)
     if core.control.holds and not core.control.pending:
         core.handle_input(await inputs.receive())
         drain_inputs(core, inputs)
+        await _publish(core, outputs, engine_index)
+
+
+async def _publish(
+    core: EngineCore, outputs: trio.MemorySendChannel[OutputHandlerInput], engine_index: int
+) -> None:
+    message = core.control.take_outputs(core)
+    message.engine_index = engine_index
+    await outputs.send(message)
 
 
 def drain_inputs(

@@ -165,6 +165,11 @@ ENGINE: dict[str, tuple[str, ...]] = {
         "tests/fault/test_grammar_cache_bytes.py::test_grammar_over_its_share_is_refused",
         "tests/fault/test_grammar_cache_bytes.py::test_flag_is_validated",
     ),
+    # sleep(level) frees the KV cache (level 2: the weights too); refused without the flag
+    "enable_sleep_mode": ids(
+        "tests/engine/test_sleep_mode.py::test_sleep_frees_the_kv_cache_and_outputs_stay_equal",
+        "tests/engine/test_sleep_mode.py::test_refusals_name_what_is_refused",
+    ),
     "enforce_eager": ids(
         FEE + "test_enforce_eager_reaches_the_runner_from_the_serve_flag",
         "tests/worker/test_step_program.py::test_enforce_eager_turns_programs_off",

@@ -224,6 +224,10 @@ _VLLM_FLAGS = {
         LORA_HTTP + "test_load_and_unload_at_runtime",
         LORA + "test_unimplemented_adapters_are_refused_naming_it",
     ),
+    "--enable-sleep-mode": ids(
+        "tests/entrypoints/test_dev_routes.py::test_sleep_and_wake_up_keep_greedy_completions",
+        "tests/entrypoints/test_dev_routes.py::test_sleep_without_enable_sleep_mode_is_refused",
+    ),
     "--allow-runtime-lora-updating": ids(
         LORA_HTTP + "test_load_and_unload_at_runtime",
         LORA_HTTP + "test_runtime_updating_routes_need_the_opt_in",

@@ -12,7 +12,8 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 import trillm
-from trillm.entrypoints.openai.endpoints import extra_routes, lora
+from trillm import envs
+from trillm.entrypoints.openai.endpoints import dev_mode, extra_routes, lora
 from trillm.entrypoints.openai.endpoints.admission import check_capacity
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.classify import create_classification
@@ -258,6 +259,9 @@ def _install_routes(
         body = await json_body()
         req = await structure_body(DetokenizeRequest, body, request.content_length)
         return json_response(await detokenize(state, req))
+
+    if envs.SERVER_DEV_MODE.get():  # vLLM's: these routes do not exist without it
+        dev_mode.install(app, state)
 
     app.get("/health")(health)
     # SageMaker's health check: the same answer as /health.
