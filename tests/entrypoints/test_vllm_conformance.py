@@ -209,3 +209,49 @@ def test_tokenizer_info(usage_server, server):
     tok = httpx.post(usage_server.url + "/tokenize", json={"prompt": "Hi"}, headers=AUTH).json()
     assert info.get("model_max_length") is None or info["model_max_length"] > 0
     assert tok["count"] > 0
+
+
+# ---------------------------------------------------------------- /v1/chat/completions/batch
+
+
+def batch(srv, **fields) -> httpx.Response:
+    convs = [[{"role": "user", "content": "Hello there"}], [{"role": "user", "content": "Bye"}]]
+    body = {"messages": convs, "max_tokens": 3, "ignore_eos": True, **fields}
+    return httpx.post(srv.url + "/v1/chat/completions/batch", json=body, timeout=60)
+
+
+def test_chat_batch_answers_each_conversation(server):
+    r = batch(server, request_id="conform-batch")
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion" and [c["index"] for c in out["choices"]] == [0, 1]
+    singles = []
+    for i, text in enumerate(["Hello there", "Bye"]):
+        messages = [{"role": "user", "content": text}]
+        one = post(
+            server,
+            "chat/completions",
+            messages=messages,
+            max_tokens=3,
+            ignore_eos=True,
+            request_id=f"conform-batch_{i}",
+        )
+        singles.append(one)
+        assert out["choices"][i]["message"] == one["choices"][0]["message"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert out["usage"][key] == sum(s["usage"][key] for s in singles)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"stream": True}, "stream"),
+        ({"n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "flat"}]}, "messages"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ],
+)
+def test_chat_batch_refusals(server, fields, param):
+    r = batch(server, **fields)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

@@ -27,6 +27,10 @@ from quart import request
 from trillm.entrypoints.openai.endpoints.anthropic_messages import count_tokens, create_message
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.chat import create_chat_completion
+from trillm.entrypoints.openai.endpoints.chat_batch import (
+    batch_requests,
+    create_batch_chat_completion,
+)
 from trillm.entrypoints.openai.endpoints.completion import create_completion
 from trillm.entrypoints.openai.endpoints.responses import create_response
 from trillm.entrypoints.openai.http.bodies import json_body, json_response, result_response
@@ -123,6 +127,10 @@ class Dispatcher:
     async def chat(self, body: dict[str, Any]) -> Any:
         req = await structure_body(ChatCompletionRequest, body, request.content_length)
         return await self._run("chat", body, create_chat_completion(self.state, req))
+
+    async def chat_batch(self, body: dict[str, Any]) -> Any:
+        reqs = await batch_requests(self.state, body, request.content_length)
+        return await self._run("chat", body, create_batch_chat_completion(self.state, reqs))
 
     async def completion(self, body: dict[str, Any]) -> Any:
         req = await structure_body(CompletionRequest, body, request.content_length)

@@ -185,6 +185,10 @@ def _install_routes(
     async def chat() -> Response:
         return await run.chat(await json_body())
 
+    @app.post("/v1/chat/completions/batch")
+    async def chat_batch() -> Response:
+        return await run.chat_batch(await json_body())
+
     @app.post("/v1/completions")
     async def completions() -> Response:
         return await run.completion(await json_body())
