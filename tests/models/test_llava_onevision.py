@@ -173,6 +173,9 @@ def test_config_fields_trillm_cannot_run_are_refused(path, tmp_path):
         ({"model_type": "llama"}, "text_config", "a 'llama' language model is not supported"),
         ({"model_type": "clip_vision_model"}, "vision_config", "'clip_vision_model' vision"),
         ({"projector_hidden_act": "bogus"}, None, "projector_hidden_act 'bogus'"),
+        ({"hidden_act": "bogus"}, "vision_config", "vision hidden_act 'bogus'"),
+        ({"num_channels": 4}, "vision_config", "num_channels 4 is not supported"),
+        ({"is_encoder_decoder": True}, None, "is_encoder_decoder=true is not a"),
     ]:
         with pytest.raises(ValueError, match=words):
             LLM(_folder(path, tmp_path, change, where), **UNI)
@@ -186,6 +189,19 @@ def test_config_fields_trillm_cannot_run_are_refused(path, tmp_path):
     (tmp_path / folder / "processor_config.json").write_text(json.dumps(fields))
     with pytest.raises(ValueError, match="vision_aspect_ratio 'anyres_max_9' is not the model's"):
         LLM(folder, **UNI)
+
+
+def test_fields_name_every_onevision_and_siglip_config_field():
+    import dataclasses
+
+    from transformers import LlavaOnevisionConfig, SiglipVisionConfig
+
+    from trillm.model_executor import onevision_config
+
+    fields = {f.name for f in dataclasses.fields(LlavaOnevisionConfig)}
+    assert fields - set(onevision_config.FIELDS) == set()
+    vision = {f.name for f in dataclasses.fields(SiglipVisionConfig)}
+    assert vision - set(onevision_config.VISION_FIELDS) == set()
 
 
 def test_transformers_defaults_fill_what_config_json_leaves_out(path):

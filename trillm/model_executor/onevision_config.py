@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from trillm.model_executor.config_fields import COMMON_FIELDS, INERT, READ
+
 ONEVISION_ARCHITECTURE = "LlavaOnevisionForConditionalGeneration"
 # transformers' LlavaOnevisionConfig defaults
 DEFAULTS: dict[str, Any] = {
@@ -20,6 +22,35 @@ DEFAULTS: dict[str, Any] = {
 DEFAULT_TILE = 384  # the default pinpoints' unit (SigLIP-so400m's image_size)
 _ASPECT_RATIO = re.compile(r"anyres_max_([1-9][0-9]*)")
 _SHARED_KEYS = ("dtype", "torch_dtype")
+
+# Every LlavaOnevisionConfig field -> what trillm does with it (a test checks it names them all)
+FIELDS: dict[str, str] = {
+    "text_config": "read: a qwen2 language model, others refused by name",
+    "vision_config": "read: a siglip_vision_model tower (VISION_FIELDS), others refused by name",
+    "image_token_index": READ,
+    "video_token_index": "read: a prompt holding it is refused (video not implemented)",
+    "projector_hidden_act": "read; one trillm has no activation for is refused by name",
+    "multimodal_projector_bias": READ,
+    "vision_feature_layer": "read (an index or a list of them)",
+    "vision_feature_select_strategy": "full; default refused by name",
+    "vision_aspect_ratio": "anyres_max_N; other forms refused by name",
+    "image_grid_pinpoints": "read; not whole tiles, or not the image processor's: refused",
+    "tie_word_embeddings": "read (either level ties the head, as transformers)",
+    "is_encoder_decoder": "must be false: refused otherwise",
+    **COMMON_FIELDS,
+}
+# Every SiglipVisionConfig field -> what trillm does with it
+VISION_FIELDS: dict[str, str] = {
+    **dict.fromkeys(
+        ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"), READ
+    ),
+    **dict.fromkeys(("image_size", "patch_size", "layer_norm_eps"), READ),
+    "hidden_act": "read; one trillm has no activation for is refused by name",
+    "num_channels": "3 (the processor's RGB), else refused by name",
+    "vision_use_head": "its pooling head makes the pooled output, which is not read: skipped",
+    "attention_dropout": INERT,
+    **COMMON_FIELDS,
+}
 
 
 def is_onevision(mm_config: dict[str, Any]) -> bool:
@@ -54,6 +85,8 @@ def max_tiles(mm_config: dict[str, Any]) -> int:
 def onevision_text_config(hf: dict[str, Any]) -> dict[str, Any]:
     """The decoder's config (with the checkpoint's dtype and tied head); the tower, the
     tiling and the feature selection checked."""
+    if hf.get("is_encoder_decoder"):
+        raise ValueError(f"is_encoder_decoder=true is not a {ONEVISION_ARCHITECTURE} config.")
     text = dict(hf.get("text_config") or {})
     text_type = text.get("model_type", "qwen2")
     if text_type != "qwen2":
@@ -82,6 +115,11 @@ def _check_vision(hf: dict[str, Any]) -> None:
         raise ValueError(
             f"{ONEVISION_ARCHITECTURE} with a {vision_type!r} vision tower is not supported; "
             "supported: siglip_vision_model."
+        )
+    if int(vc.get("num_channels", 3)) != 3:
+        raise ValueError(
+            f"{ONEVISION_ARCHITECTURE}: vision_config num_channels {vc['num_channels']} is not "
+            "supported; the image processor gives RGB (3)."
         )
     strategy = onevision_field(hf, "vision_feature_select_strategy")
     if strategy != "full":
