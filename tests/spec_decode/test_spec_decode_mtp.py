@@ -186,6 +186,13 @@ def test_http_same_text_and_acceptance_counted_per_position(base, pairs, tmp_pat
 # ---------------------------------------------------------------- refusals
 
 
+def test_vllms_spellings_and_defaults():
+    """deepseek_mtp is mtp; "model" defaults to the target's folder and num_speculative_tokens
+    to its one MTP layer, as vLLM."""
+    config = parse_speculative_config({"method": "deepseek_mtp"})
+    assert (config.method, config.model, config.num_speculative_tokens) == ("mtp", None, 1)
+
+
 def _with_config(source: Path, out: Path, **fields) -> Path:
     shutil.copytree(source, out)
     cfg = {**json.loads((out / "config.json").read_text()), **fields}
@@ -197,7 +204,7 @@ def _with_config(source: Path, out: Path, **fields) -> Path:
     ("which", "spec", "args", "named"),
     [
         ("plain", {}, {}, "no weights for its MTP layer .*model.layers.3"),
-        ("no-layers", {}, {}, "num_nextn_predict_layers 0"),
+        ("no-layers", {}, {}, r"no MTP layers \(num_nextn_predict_layers 0\)"),
         ("two-layers", {}, {}, "num_nextn_predict_layers 2"),
         ("damped", {"model": "/elsewhere"}, {}, "not the target's folder"),
         ("damped", {}, {"tensor_parallel_size": 2}, "tensor_parallel_size"),

@@ -81,6 +81,9 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
             f"(supported: {', '.join(sorted(allowed))})."
         )
     k = _positive_int(value, "num_speculative_tokens")
+    if k is None and method == "mtp":
+        # As vLLM: the model's MTP layer count, 1 for every model mtp_config.py accepts.
+        k = 1
     if k is None:
         raise ValueError("speculative_config: num_speculative_tokens is required.")
     if k > MAX_SPECULATIVE_TOKENS:

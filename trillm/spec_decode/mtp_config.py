@@ -46,6 +46,8 @@ def build_mtp_config(args: EngineArgs, spec: SpeculativeConfig, target: ModelCon
             'the target\'s own checkpoint (leave "model" out).'
         )
     count = int(target.hf_config.get("num_nextn_predict_layers") or 0)
+    if count == 0:
+        raise _refuse("the model has no MTP layers (num_nextn_predict_layers 0).")
     if count != 1:
         raise _refuse(
             f"the model has num_nextn_predict_layers {count}; trillm runs checkpoints with "
