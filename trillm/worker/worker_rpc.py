@@ -1,11 +1,12 @@
 """A worker's side of ``collective_rpc`` (vLLM's): a method called by name on every rank's runner.
 
 Sleep mode's two calls live here too, as vLLM's worker has them: ``sleep(level)`` frees this
-rank's KV cache (level 1; on CPU the weights stay where they are, the point being the memory
-of the device) and the step programs captured over it (their replays point into it), and at
-level 2 also drops the model, whose weights ``wake_up(["weights"])``
-reads again from disk; ``wake_up(["kv_cache"])`` allocates the cache again, zeroed (the engine
-core preempted every request before the sleep, so nothing it held is needed).
+rank's KV cache and the step programs captured over it (their replays point into it); at
+level 1 the weights go to host memory on an accelerator (``weight_offload.py``; on CPU they
+stay where they are, the point being the device's memory), at level 2 the model is dropped
+and ``wake_up(["weights"])`` reads it again from disk; ``wake_up(["kv_cache"])`` allocates
+the cache again, zeroed (the engine core preempted or aborted every request before the
+sleep, so nothing it held is needed).
 
 Only plain data crosses the process boundary: a method is named, never sent as code; its
 arguments and result must encode as msgpack.
@@ -17,6 +18,7 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
+from trillm.worker import weight_offload
 from trillm.worker.step_program import StepPrograms
 
 SLEEP_TAGS = ("weights", "kv_cache")
@@ -49,6 +51,8 @@ def sleep(runner: Any, level: int, preempted: list[str]) -> int:
     runner.ssm = None
     if runner.step_programs is not None:  # its captures point into the freed cache
         runner.step_programs = StepPrograms(runner.step_programs.model)
+    if level == 1 and runner.device.type != "cpu":
+        runner.sleep_host_weights = weight_offload.offload(runner.model)
     if level == 2:
         runner._model = None
         runner.step_programs = None
@@ -61,6 +65,10 @@ def sleep(runner: Any, level: int, preempted: list[str]) -> int:
 def wake_up(runner: Any, tags: list[str] | None) -> None:
     """``tags``: what to restore (None: both); weights first, the cache beside them."""
     wanted = SLEEP_TAGS if tags is None else tags
+    host = getattr(runner, "sleep_host_weights", None)
+    if "weights" in wanted and host is not None:
+        weight_offload.restore(runner.model, host, runner.device)
+        runner.sleep_host_weights = None
     if "weights" in wanted and runner._model is None:
         runner.load_model()
     if "kv_cache" in wanted and not runner.kv_caches:
