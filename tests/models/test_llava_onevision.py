@@ -126,6 +126,27 @@ def test_video_input_is_refused_by_name(llm):
         EngineArgs(path, limit_mm_per_prompt={"video": 1})
 
 
+def test_feature_layers_and_the_pooling_head(tmp_path):
+    # Two layers' states concatenated (the projector twice as wide, the embeddings' 0 among
+    # them); the tower's pooling head is in the checkpoint, unread.
+    from trillm.testing.tiny_llava_onevision import build_tiny_llava_onevision
+
+    folder = str(
+        build_tiny_llava_onevision(
+            tmp_path, seed=1, vision_feature_layer=[0, -2], vision_use_head=True
+        )
+    )
+    text, images = CASES[2]
+    other = LLM(folder, max_model_len=512, limit_mm_per_prompt={"image": 2}, **UNI)
+    try:
+        out = other.generate(as_prompt(text, images), SCORED)[0]
+    finally:
+        other.shutdown()
+    ids, tokens, logprobs = hf_greedy(folder, text, images)
+    assert (out.prompt_token_ids, out.outputs[0].token_ids) == (ids, tokens)
+    assert max_logprob_diff(out, ids, logprobs) < 1e-4
+
+
 def test_preempted_image_requests_resume(path):
     cases = [CASES[0], CASES[2], CASES[1], CASES[3]]
     expected = [hf_greedy(path, t, i, n=24)[1] for t, i in cases]

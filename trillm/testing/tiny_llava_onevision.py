@@ -33,6 +33,7 @@ def build_tiny_llava_onevision(
     seed: int = 0,
     vision_feature_layer: int | list[int] = -1,
     vision_aspect_ratio: str = "anyres_max_4",
+    vision_use_head: bool = False,
 ) -> Path:
     """Write the checkpoint, tokenizer and processor to ``out_dir``."""
     import torch
@@ -52,7 +53,7 @@ def build_tiny_llava_onevision(
     image_id, video_id = tok.convert_tokens_to_ids(list(TOKENS))
     text = Qwen2Config(**{**BASE, "vocab_size": 4104, "head_dim": 16})
     config = LlavaOnevisionConfig(
-        vision_config=SiglipVisionConfig(**VISION),
+        vision_config=SiglipVisionConfig(**{**VISION, "vision_use_head": vision_use_head}),
         text_config=text,
         image_token_index=image_id,
         video_token_index=video_id,
