@@ -91,6 +91,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "speculative_config": ('{"method": "medusa"}', "not implemented yet"),
     "limit_mm_per_prompt": ('{"video": 1}', "not implemented yet"),
     "host": ("https://example.com/", "is not a host name"),
+    "class_name": ("not a class", "is not a class name"),
 }
 
 

@@ -47,8 +47,6 @@ NO_EFFECT_BY_DESIGN: dict[str, str] = {
     "disable_additional_properties shows the constraint holds.",
     "StructuredOutputsParams.disable_additional_properties": "as StructuredOutputs."
     "disable_additional_properties: xgrammar's strict schemas already forbid extra properties.",
-    "SamplingParams.extra_args": "vLLM's carrier for custom sampling plugins ('not used by any "
-    "in-tree sampling implementation'); checked as plain data and carried to the worker.",
 }
 
 # Accepted but not honoured yet: each is a bug to fix (honour it, or refuse it naming it).

@@ -350,6 +350,17 @@ class EngineArgs:
         "Accepted: trillm runs no memory-profiling pass at start, for the encoder or "
         "otherwise (said once in the log).",
     )
+    # vLLM's custom logits processors, classes or names (trillm/config/logits_processors.py)
+    logits_processors: list[Any] | None = flag(
+        None,
+        "Custom logits processors (vLLM's LogitsProcessor interface), as pkg.module:ClassName "
+        "or pkg.module.ClassName; applied to every request, which turn them on through "
+        "extra_args (vllm_xargs over HTTP). Plugins of the vllm.logits_processors entry-point "
+        "group are always loaded.",
+        several=True,
+        value="class_name",
+        metavar="CLASS",
+    )
     # trillm's: "fast" (the native kernels) or "transformers" (every op as transformers' eager
     # forward computes it: trillm/model_executor/transformers_numerics.py).
     numerics: Numerics = flag(

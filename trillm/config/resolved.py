@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from trillm.config.logits_processors import LogitsProcessorSpec
 from trillm.config.mm_processor_cache import DEFAULT_MM_PROCESSOR_CACHE_GB
 from trillm.config.pooling import PoolerConfig
 from trillm.config.structured_outputs import StructuredOutputsConfig
@@ -151,3 +152,5 @@ class TrillmConfig:
     mm_processor_cache_gb: float = DEFAULT_MM_PROCESSOR_CACHE_GB
     # How message content reaches the chat template: "auto", "string" or "openai" (vLLM's)
     chat_template_content_format: str = "auto"
+    # --logits-processors and the vllm.logits_processors plugins (config/logits_processors.py)
+    logits_processors: list[LogitsProcessorSpec] = field(default_factory=list)

@@ -62,6 +62,7 @@ FlagValue = Literal[
     "speculative_config",
     "limit_mm_per_prompt",
     "host",
+    "class_name",
 ]
 
 

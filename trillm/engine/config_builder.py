@@ -152,7 +152,25 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         mm_processor_kwargs=dict(args.mm_processor_kwargs or {}),
         mm_processor_cache_gb=args.mm_processor_cache_gb,
         chat_template_content_format=args.chat_template_content_format,
+        logits_processors=_logits_processors(args, pooler, speculative),
     )
+
+
+def _logits_processors(args: EngineArgs, pooler: Any, speculative: Any) -> list[Any]:
+    """--logits-processors (and the installed plugins) as specs; refused, as in vLLM, for
+    pooling models and with speculative decoding (drafts are verified row by row)."""
+    from trillm.config.logits_processors import resolve_logits_processors
+
+    specs = resolve_logits_processors(args.logits_processors)
+    why = None
+    if specs and pooler is not None:
+        why = "pooling models do not sample, so they take no logits processors"
+    elif specs and speculative is not None:
+        why = "not supported with speculative decoding (as in vLLM)"
+    if why is not None:
+        names = ", ".join(spec.name for spec in specs)
+        raise ValueError(f"logits_processors (--logits-processors) {names}: {why}.")
+    return specs
 
 
 def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str, int]:

@@ -28,6 +28,7 @@ from typing import Any
 import trio
 
 from trillm.config import TrillmConfig
+from trillm.config.logits_processors import load_logits_processors, request_refusal
 from trillm.core.errors import RequestTooLargeError
 from trillm.engine.chat_template import (
     load_chat_template,
@@ -131,6 +132,7 @@ class Preprocessor:
         self._max_prompt_chars: int | None = None
         self.multimodal = processor_for(config, tokenizer, self.tokenize_limiter)  # None: text
         self.content_format = config.chat_template_content_format  # auto, string, openai
+        self.logits_processors = load_logits_processors(config.logits_processors)
 
     # ------------------------------------------------------------------ rendering
     def render_chat(
@@ -377,6 +379,8 @@ class Preprocessor:
             raise InvalidRequestError(_EMPTY.get(prompt_param, _EMPTY["prompt"]), prompt_param)
         params = params.clone()
         params.verify_vocab(self.vocab_size, self.max_logprobs)
+        if (why := request_refusal(self.logits_processors, params)) is not None:
+            raise InvalidRequestError(why)
         max_tokens = self.resolve_max_tokens(
             len(ids), params.max_tokens, param=max_tokens_param, prompt_param=prompt_param
         )

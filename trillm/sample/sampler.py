@@ -1,8 +1,9 @@
 """P3: turn the model's last-position logits into sampled tokens (stage 8 of the lifecycle).
 
 Order, as vLLM's: structured-output bitmask -> allowed_token_ids -> bad words -> logit_bias ->
-min_tokens -> penalties -> (logprobs of the raw logits) -> greedy argmax, or temperature ->
-min_p -> top_k -> top_p -> exponential-race sample. Everything is batched over the rows; the only
+min_tokens -> custom logits processors that may change the argmax -> penalties -> (logprobs of
+the raw logits) -> greedy argmax, or temperature -> min_p -> argmax-invariant custom ones ->
+top_k -> top_p -> exponential-race sample. Everything is batched over the rows; the only
 per-request host loops are the bad-words match and the seeded generators, and they only visit
 requests that use them. Flags on ``SamplingState`` skip the stages no active request asked for.
 """
@@ -55,6 +56,7 @@ def _any_processor(state: SamplingState) -> bool:
         or state.any_logit_bias
         or state.any_min_tokens
         or state.any_penalties
+        or state.custom is not None
     )
 
 
@@ -121,6 +123,8 @@ class Sampler:
             logits.scatter_add_(1, state.bias_ids[slots], state.bias_values[slots])
         if state.any_min_tokens:
             _suppress_stop_tokens(logits, state, slots)
+        if state.custom is not None:  # --logits-processors, vLLM's place for them
+            logits = state.custom.apply_argmax_changing(logits, slot_list.get())
         if state.any_penalties:
             logits = _penalise(logits, state, slots)
         return logits
@@ -155,6 +159,8 @@ class Sampler:
     ) -> torch.Tensor:
         if state.any_min_p:
             apply_min_p(logits, state.min_p[slots])
+        if state.custom is not None:  # the argmax-invariant ones: after min_p, as vLLM
+            logits = state.custom.apply_argmax_invariant(logits)
         if state.any_top_p:
             top_k = state.top_k[slots] if state.any_top_k else None
             logits = apply_top_k_top_p(logits, top_k, state.top_p[slots])

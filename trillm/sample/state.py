@@ -22,6 +22,7 @@ import torch
 
 from trillm.sample.bad_words import banned_tokens
 from trillm.sample.bitmask import num_words, pack_token_ids
+from trillm.sample.custom_batch import CustomLogitsProcessors
 from trillm.sampling_params import SamplingParams
 
 _COUNT_DTYPE = torch.int16
@@ -79,6 +80,8 @@ class SamplingState:
         self._history: dict[int, list[int]] = {}  # slot -> output ids (bad-words slots only)
         self._occupied: set[int] = set()
         self._slots_with: dict[str, set[int]] = {name: set() for name in _FEATURES}
+        # --logits-processors: told of every request and token (set by the model runner)
+        self.custom: CustomLogitsProcessors | None = None
 
     def _full(self, shape: tuple[int, ...], value: float, dtype: torch.dtype) -> torch.Tensor:
         return torch.full(shape, value, dtype=dtype, device=self.device)
@@ -177,6 +180,8 @@ class SamplingState:
         self._set_logit_bias(slot, params.logit_bias or {})
         self._num_output[slot] = 0
         self.num_output[slot] = 0
+        if self.custom is not None:  # before append_tokens fills its output list
+            self.custom.add_request(slot, params, prompt_token_ids)
         if slot in self._slots_with["penalties"]:
             self.output_counts[slot].zero_()
         if output_token_ids:
@@ -197,6 +202,8 @@ class SamplingState:
             per_slot.pop(slot, None)
         self._bad_words.pop(slot, None)
         self._history.pop(slot, None)
+        if self.custom is not None:
+            self.custom.remove_request(slot)
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_num_reqs:
@@ -319,6 +326,9 @@ class SamplingState:
     def _update_host(self, slot_list: list[int], tokens) -> None:
         for slot in slot_list:
             self._num_output[slot] += 1
+        if self.custom is not None:
+            token_list = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+            self.custom.append_tokens(slot_list, token_list)
         for slot in self._min_tokens.keys() & set(slot_list):
             if self._num_output[slot] >= self._min_tokens[slot]:
                 del self._min_tokens[slot]

@@ -46,6 +46,7 @@ from trillm.messages import ModelRunnerOutput, SchedulerOutput
 from trillm.model_executor.layers.rotary import longrope_index
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.registry import CausalLM, kv_cache_layout, ssm_state_layout
+from trillm.sample.custom_batch import build_custom_processors
 from trillm.sample.sampler import SamplingState
 from trillm.spec_decode.draft_model import DraftModelProposer
 from trillm.spec_decode.drafter import new_drafter
@@ -97,6 +98,7 @@ class ModelRunner:
             max_blocks_per_req=cdiv(self.max_model_len, self.block_size),
         )
         self.sampling_state = SamplingState(self.max_num_reqs, model_cfg.vocab_size, self.device)
+        self.sampling_state.custom = build_custom_processors(config, self.device)
         self._pending: PendingStep | None = None
         self.lora: LoRAManager | None = None  # with --enable-lora, once the model is loaded
         self.step_programs: StepPrograms | None = None  # small decode steps replayed (CPU)

@@ -8,6 +8,7 @@ from field_coverage.ids import (
     AWQ,
     CLS,
     CONFIG,
+    CUSTOM_LP,
     DP,
     ENGINE_REFUSED,
     FEC,
@@ -295,6 +296,14 @@ ENGINE: dict[str, tuple[str, ...]] = {
         MM_CACHE + "test_zero_gib_disables_the_cache_and_the_output_is_unchanged",
         MM_CACHE + "test_bad_budgets_are_refused_by_name",
         MM_METRICS + "test_a_repeated_image_is_a_hit_in_metrics",
+    ),
+    # vLLM's custom logits processors: classes or names, loaded in the frontend (admission's
+    # validate_params) and the workers; what does not import, or with pooling / speculative
+    # decoding, refused by name
+    "logits_processors": ids(
+        CUSTOM_LP + "test_targeted_requests_output_their_token_others_unchanged",
+        CUSTOM_LP + "test_refused_at_start_naming_the_flag",
+        CUSTOM_LP + "test_names_resolve_both_spellings",
     ),
     # no memory-profiling pass exists to skip: accepted and said in the log
     "skip_mm_profiling": ids(

@@ -6,6 +6,7 @@ from field_coverage.ids import (
     AUDIO_HTTP,
     BEAM,
     CLS,
+    CUSTOM_LP,
     FAULTS,
     FE,
     FEC,
@@ -77,6 +78,11 @@ _SAMPLING = {
         HOSTILE + "test_a_duplicate_request_id_is_refused_and_the_original_runs_on",
     ),
     "timeout": ids(FE + "test_timeout_ends_the_request", FAULTS + "test_timeout_ends_request"),
+    # extra_args of the request: a custom logits processor's target token on both endpoints;
+    # what the processor's validate_params refuses, and values not strings/numbers, are 400s
+    "vllm_xargs": ids(
+        CUSTOM_LP + "test_vllm_xargs_over_http", CUSTOM_LP + "test_bad_vllm_xargs_are_400s"
+    ),
 }
 
 _CHAT = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from field_coverage.ids import (
+    CUSTOM_LP,
     FEE,
     OUTPUT,
     SAMPLER,
@@ -66,6 +67,11 @@ _PARAMS = {
         OUTPUT + "test_stalled_reader_gets_merged_outputs",
     ),
     "structured_outputs": ids(FEE + "test_structured_outputs_kinds"),
+    # read by custom logits processors (vLLM's DummyLogitsProcessor's target_token)
+    "extra_args": ids(
+        CUSTOM_LP + "test_targeted_requests_output_their_token_others_unchanged",
+        CUSTOM_LP + "test_validate_params_refuses_at_admission",
+    ),
     # Filled by the input processor, read by the sampler.
     "bad_words_token_ids": ids(SAMPLER + "test_bad_words_single_and_multi_token"),
     "all_stop_token_ids": ids(SAMPLER + "test_min_tokens_suppresses_stop_ids_until_reached"),

@@ -292,6 +292,7 @@ _ENGINE_FLAG_FIELDS = {
     "--allowed-media-domains": "allowed_media_domains",
     "--mm-processor-kwargs": "mm_processor_kwargs",
     "--mm-processor-cache-gb": "mm_processor_cache_gb",
+    "--logits-processors": "logits_processors",
     "--skip-mm-profiling": "skip_mm_profiling",
     "--hf-overrides": "hf_overrides",
     "--structured-outputs-config": "structured_outputs_config",

@@ -133,6 +133,16 @@ def host(value: str) -> str:
     return value.lower()
 
 
+def class_name(value: str) -> str:
+    """One of ``--logits-processors``: ``pkg.module:ClassName`` or ``pkg.module.ClassName``
+    (imported when the engine is built, which refuses one that does not import)."""
+    if not value.strip() or " " in value.strip():
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a class name like 'pkg.module:ClassName'."
+        )
+    return value.strip()
+
+
 ENGINE_VALUES: dict[FlagValue, Callable[[str], Any]] = {
     "positive_int": positive_int,
     "non_negative_int": non_negative_int,
@@ -146,4 +156,5 @@ ENGINE_VALUES: dict[FlagValue, Callable[[str], Any]] = {
     "speculative_config": speculative_config,
     "limit_mm_per_prompt": limit_mm_per_prompt,
     "host": host,
+    "class_name": class_name,
 }

@@ -66,6 +66,7 @@ def build_sampling_params(
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         output_kind=RequestOutputKind.DELTA,
         structured_outputs=_structured_outputs(req),
+        extra_args=_xargs(req.vllm_xargs),
     )
     try:
         return SamplingParams(**kwargs)
@@ -108,6 +109,24 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
                 f"'logit_bias' keys must be token ids, got {key!r}.", "logit_bias"
             ) from None
     return out
+
+
+_XARG_SCALARS = (str, int, float)  # bool is an int, as in vLLM's schema
+
+
+def _xargs(xargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``vllm_xargs`` -> ``extra_args``: values are strings, numbers or lists of them."""
+    if not xargs:
+        return None
+    for key, value in xargs.items():
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(item, _XARG_SCALARS) for item in items):
+            raise BadRequestError(
+                f"'vllm_xargs' values must be strings, numbers or lists of them; {key!r} "
+                f"is {value!r}.",
+                "vllm_xargs",
+            )
+    return dict(xargs)
 
 
 _SO_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
