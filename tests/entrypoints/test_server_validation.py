@@ -100,13 +100,13 @@ CASES = [
     ("logit_bias_out_of_vocab", "POST", C, chat(logit_bias={str(VOCAB + 5): 1}), 400, "logit_bias"),
     ("top_logprobs_over_cap", "POST", C, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     ("top_logprobs_without_logprobs", "POST", C, chat(top_logprobs=2), 400, "top_logprobs"),
-    ("logprobs_not_bool", "POST", C, chat(logprobs="yes"), 400, "logprobs"),
-    ("stream_not_bool", "POST", C, chat(stream="yes"), 400, "stream"),
+    ("logprobs_not_bool", "POST", C, chat(logprobs="maybe"), 400, "logprobs"),
+    ("stream_not_bool", "POST", C, chat(stream="maybe"), 400, "stream"),
     (
         "include_usage_not_bool",
         "POST",
         C,
-        chat(stream=True, stream_options={"include_usage": 1}),
+        chat(stream=True, stream_options={"include_usage": 2}),  # (0 / 1: lax booleans)
         400,
         "stream_options.include_usage",
     ),

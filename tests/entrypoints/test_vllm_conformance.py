@@ -255,3 +255,34 @@ def test_chat_batch_refusals(server, fields, param):
     r = batch(server, **fields)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+# ---------------------------------------------------------------- validation as vLLM's
+
+
+def test_lax_booleans_as_pydantic(server):
+    out = post(server, "chat/completions", max_tokens=2, logprobs="true", top_logprobs=1)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and len(content[0]["top_logprobs"]) == 1
+    assert (
+        post(server, "chat/completions", max_tokens=2, logprobs=0)["choices"][0]["logprobs"] is None
+    )
+
+
+def test_top_logprobs_minus_one_is_the_vocabulary(server):
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={**CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": -1},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text  # the vocabulary passes --max-logprobs (20)
+    error = r.json()["error"]
+    assert error["param"] == "top_logprobs" and "whole vocabulary" in error["message"]
+    assert post(server, "chat/completions", max_tokens=2, top_logprobs=0)["choices"]
+
+
+def test_out_of_vocabulary_wording(server):
+    r = httpx.post(
+        server.url + "/v1/completions", json={"prompt": [1, 10**9], "max_tokens": 2}, timeout=60
+    )
+    assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"], r.text

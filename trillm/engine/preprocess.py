@@ -227,7 +227,7 @@ class Preprocessor:
         for t in ids:
             if not 0 <= t < vocab:
                 raise InvalidRequestError(
-                    f"Token id {t} in '{param}' is outside the vocabulary [0, {vocab}).", param
+                    f"Token id {t} in '{param}' is out of vocabulary [0, {vocab}).", param
                 )
 
     async def prompt_token_ids(

@@ -170,15 +170,19 @@ async def prompt_tokens(
 
 
 def _top_logprobs(state: ServerState, req: ChatCompletionRequest) -> int | None:
-    if req.top_logprobs is not None and not req.logprobs:
+    top = req.top_logprobs
+    if top and not req.logprobs:  # (0 without logprobs asks nothing, as in vLLM)
         raise BadRequestError("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
-    if req.top_logprobs is not None and req.top_logprobs > state.max_logprobs:
+    if top == -1:  # vLLM's: the whole vocabulary
+        top = state.preprocessor.vocab_size
+    if top is not None and top > state.max_logprobs:
+        whole = " (-1: the whole vocabulary)" if req.top_logprobs == -1 else ""
         raise BadRequestError(
-            f"'top_logprobs' is {req.top_logprobs}, more than the server's limit of "
-            f"{state.max_logprobs}.",
+            f"'top_logprobs' is {top}{whole}, more than the server's limit of "
+            f"{state.max_logprobs} (--max-logprobs).",
             "top_logprobs",
         )
-    return (req.top_logprobs or 0) if req.logprobs else None
+    return (top or 0) if req.logprobs else None
 
 
 def _chat_size(req: ChatCompletionRequest) -> int:

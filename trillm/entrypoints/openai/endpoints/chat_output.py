@@ -72,7 +72,7 @@ class ChatAnswer:
         self.include_usage, self._continuous_usage = stream_usage(req.stream_options, force)
         as_ids = req.return_tokens_as_token_ids
         self._as_ids = state.return_tokens_as_token_ids if as_ids is None else as_ids
-        self.top_n = req.top_logprobs or 0
+        self.top_n = params.logprobs or 0  # top_logprobs as resolved (-1: the vocabulary)
         self.parser = parser
         self.echo = _echo_text(req)
         self.model_name = model_name

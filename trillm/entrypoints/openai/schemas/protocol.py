@@ -217,7 +217,7 @@ class _SamplingFields:
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = _f(max_len=MAX_CHAT_MESSAGES)
     logprobs: bool = False
-    top_logprobs: int | None = _f(None, ge=0)
+    top_logprobs: int | None = _f(None, ge=-1)  # -1: the whole vocabulary (vLLM's)
     max_completion_tokens: int | None = _f(None, ge=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -169,10 +169,21 @@ def _shallow_match(value: Any, tp: Any) -> bool:
     return True
 
 
+_LAX_BOOLS = {
+    **dict.fromkeys(("1", "on", "t", "true", "y", "yes"), True),
+    **dict.fromkeys(("0", "off", "f", "false", "n", "no"), False),
+}
+
+
 def _structure_scalar(value: Any, tp: Any, path: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
+        # As vLLM's pydantic models (lax mode): "true"/"yes"/"on"/"1"... and 0 / 1.
+        if isinstance(value, str) and value.lower() in _LAX_BOOLS:
+            return _LAX_BOOLS[value.lower()]
+        if type(value) is int and value in (0, 1):
+            return bool(value)
         raise _type_error(path, "a boolean", value)
     if tp is int:
         # NOTE: JSON integers past 64 bits arrive as floats (rounded: -2**63 - 1 becomes
