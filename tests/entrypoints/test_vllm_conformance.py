@@ -8,6 +8,7 @@ the keys vLLM always sends (null when not asked), and usage in streams (vLLM's
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -286,3 +287,35 @@ def test_out_of_vocabulary_wording(server):
         server.url + "/v1/completions", json={"prompt": [1, 10**9], "max_tokens": 2}, timeout=60
     )
     assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"], r.text
+
+
+# ---------------------------------------------------------------- ORCA load report
+
+
+def load_report(srv, route: str, fmt: str | None, **fields) -> str | None:
+    headers = {} if fmt is None else {"endpoint-load-metrics-format": fmt}
+    body = {**BODIES[route], "max_tokens": 2, **fields}
+    r = httpx.post(f"{srv.url}/v1/{route}", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.headers.get("endpoint-load-metrics")
+
+
+@pytest.mark.parametrize("route", BODIES)
+def test_orca_load_report_header(server, route):
+    text = load_report(server, route, "TEXT")
+    names = re.fullmatch(
+        r"TEXT named_metrics\.kv_cache_usage_perc=([0-9.e-]+), "
+        r"named_metrics\.num_requests_waiting=([0-9.]+)",
+        text or "",
+    )
+    assert names, text
+    assert 0.0 <= float(names[1]) <= 1.0
+    report = load_report(server, route, "json")
+    assert report is not None and report.startswith("JSON ")
+    assert set(json.loads(report[5:])["named_metrics"]) == {
+        "kv_cache_usage_perc",
+        "num_requests_waiting",
+    }
+    assert load_report(server, route, None) is None  # not asked
+    assert load_report(server, route, "BIN") is None  # (vLLM: TEXT and JSON only)
+    assert load_report(server, route, "TEXT", stream=True) is None  # a stream: none

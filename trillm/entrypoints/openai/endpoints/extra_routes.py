@@ -32,6 +32,7 @@ from trillm.entrypoints.openai.endpoints.chat_batch import (
     create_batch_chat_completion,
 )
 from trillm.entrypoints.openai.endpoints.completion import create_completion
+from trillm.entrypoints.openai.endpoints.orca import add_load_report
 from trillm.entrypoints.openai.endpoints.responses import create_response
 from trillm.entrypoints.openai.http.bodies import json_body, json_response, result_response
 from trillm.entrypoints.openai.http.errors import BadRequestError, NotFoundError
@@ -126,7 +127,8 @@ class Dispatcher:
 
     async def chat(self, body: dict[str, Any]) -> Any:
         req = await structure_body(ChatCompletionRequest, body, request.content_length)
-        return await self._run("chat", body, create_chat_completion(self.state, req))
+        answer = await self._run("chat", body, create_chat_completion(self.state, req))
+        return add_load_report(self.state, answer)
 
     async def chat_batch(self, body: dict[str, Any]) -> Any:
         reqs = await batch_requests(self.state, body, request.content_length)
@@ -134,7 +136,8 @@ class Dispatcher:
 
     async def completion(self, body: dict[str, Any]) -> Any:
         req = await structure_body(CompletionRequest, body, request.content_length)
-        return await self._run("completion", body, create_completion(self.state, req))
+        answer = await self._run("completion", body, create_completion(self.state, req))
+        return add_load_report(self.state, answer)
 
     async def responses(self, body: dict[str, Any]) -> Any:
         req = await parse_request(body, request.content_length)
