@@ -13,6 +13,7 @@ import random
 import openai
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from trillm import LLM, EngineArgs, SamplingParams
 from trillm.engine.preprocess import InvalidRequestError
@@ -397,9 +398,9 @@ def client(model_path, tmp_path_factory):
     assert server.stop() == 0, server.log()
 
 
-def test_vllm_xargs_over_http(client, plain_outputs):
-    """Completions and chat: a request whose vllm_xargs carry target_token outputs only it;
-    one without equals the run without processors."""
+def test_vllm_xargs_over_http(client, plain_outputs, model_path):
+    """Completions, chat and responses: a request whose vllm_xargs carry target_token
+    outputs only it; one without equals the run without processors."""
     targeted = client.completions.create(
         model=NAME,
         prompt=TEXTS[0],
@@ -424,6 +425,15 @@ def test_vllm_xargs_over_http(client, plain_outputs):
         extra_body={"vllm_xargs": {"target_token": 9}, "return_token_ids": True},
     )
     assert chat.choices[0].model_extra["token_ids"] == [9] * 5
+    tok = AutoTokenizer.from_pretrained(model_path)
+    response = client.responses.create(
+        model=NAME,
+        input="Hi",
+        max_output_tokens=4,
+        temperature=0.0,
+        extra_body={"vllm_xargs": {"target_token": 9}},
+    )
+    assert response.output_text == tok.decode([9] * 4, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize(

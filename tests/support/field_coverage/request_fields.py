@@ -255,6 +255,7 @@ _RESPONSES = {
     "ResponsesRequest.reasoning": ids(_R_REASONING),
     "ResponsesRequest.metadata": ids(_R_SAMPLING),
     "ResponsesRequest.user": ids(_R_SAMPLING),
+    "ResponsesRequest.vllm_xargs": ids(CUSTOM_LP + "test_vllm_xargs_over_http"),
     "ResponsesRequest.store": ids(_R_REFUSED),
     "ResponsesRequest.truncation": ids(_R_REFUSED),
     "ResponsesRequest.service_tier": ids(_R_REFUSED),

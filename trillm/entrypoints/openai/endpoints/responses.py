@@ -117,6 +117,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         priority=req.priority,
         cache_salt=req.cache_salt,
         timeout=req.timeout,
+        vllm_xargs=req.vllm_xargs,
     )
 
 
