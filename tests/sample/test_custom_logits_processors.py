@@ -437,17 +437,19 @@ def test_vllm_xargs_over_http(client, plain_outputs, model_path):
 
 
 @pytest.mark.parametrize(
-    ("xargs", "message"),
+    ("body", "message"),
     [
-        ({"target_token": "x"}, "target_token value x is not int"),
-        ({"target_token": {"nested": 1}}, "'vllm_xargs' values must be strings, numbers"),
+        ({"vllm_xargs": {"target_token": "x"}}, "target_token value x is not int"),
+        ({"vllm_xargs": {"k": {"nested": 1}}}, "'vllm_xargs' values must be strings, numbers"),
+        (
+            {"vllm_xargs": {"target_token": 9}, "use_beam_search": True},
+            "'vllm_xargs' cannot be combined with 'use_beam_search'",
+        ),
     ],
 )
-def test_bad_vllm_xargs_are_400s(client, xargs, message):
+def test_bad_vllm_xargs_are_400s(client, body, message):
     with pytest.raises(openai.BadRequestError, match=message):
-        client.completions.create(
-            model=NAME, prompt="Hi", max_tokens=2, extra_body={"vllm_xargs": xargs}
-        )
+        client.completions.create(model=NAME, prompt="Hi", max_tokens=2, extra_body=body)
 
 
 # ---------------------------------------------------------------- refused at start

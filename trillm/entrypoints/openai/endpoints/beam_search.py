@@ -59,6 +59,8 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     # completions: an int; chat: true, or top_logprobs
     ("logprobs", lambda v: v is not None and v is not False),
     ("top_logprobs", _set),
+    # the beams' one-token requests carry no extra_args (nor do vLLM's): no custom processor
+    ("vllm_xargs", _truthy),
 )
 
 
