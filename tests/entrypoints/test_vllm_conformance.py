@@ -319,3 +319,14 @@ def test_orca_load_report_header(server, route):
     assert load_report(server, route, None) is None  # not asked
     assert load_report(server, route, "BIN") is None  # (vLLM: TEXT and JSON only)
     assert load_report(server, route, "TEXT", stream=True) is None  # a stream: none
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**64])
+def test_seed_past_64_bits_is_too_big_not_a_float(server, seed):
+    body = {"prompt": "Hi", "max_tokens": 1, "seed": seed}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "seed" and "must be a 64-bit integer" in error["message"]
+    assert "e+" not in error["message"]  # never shown as the float JSON parsing made of it
+    assert post(server, "completions", max_tokens=1, seed=2**63 - 1)["choices"]

@@ -162,6 +162,12 @@ def _shallow_match(value: Any, tp: Any) -> bool:
         return isinstance(value, dict)
     if tp is Any:
         return True
+    # Numbers by their JSON kind alone: a number out of range is the branch's error to tell
+    # (a seed past 64 bits is an integer too big, not "not an integer").
+    if tp is int:
+        return _is_json_integer(value)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
     try:
         _structure_scalar(value, tp, "")
     except BadRequestError:
@@ -191,10 +197,10 @@ def _structure_scalar(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, float) and value.is_integer() and -(2.0**63) < value < 2.0**63:
             value = int(value)
         elif isinstance(value, float) and value.is_integer():
-            raise BadRequestError(f"'{path}' must fit in 64 bits, got {value}.", path)
+            raise _int64_error(path, "an integer beyond that")  # (its digits: lost in JSON)
         if isinstance(value, int) and not isinstance(value, bool):
             if not INT64_MIN <= value <= INT64_MAX:
-                raise BadRequestError(f"'{path}' must fit in 64 bits, got {value}.", path)
+                raise _int64_error(path, str(value))
             return value
         raise _type_error(path, "an integer", value)
     if tp is float:
@@ -228,6 +234,18 @@ def _type_error(path: str, expected: str, value: Any) -> BadRequestError:
     if len(shown) > 40:
         shown = shown[:37] + "..."
     return BadRequestError(f"'{path}' must be {expected}, got {shown}.", path)
+
+
+def _is_json_integer(value: Any) -> bool:
+    if isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int64_error(path: str, shown: str) -> BadRequestError:
+    return BadRequestError(
+        f"'{path}' must be a 64-bit integer, from {INT64_MIN} to {INT64_MAX}; got {shown}.", path
+    )
 
 
 def _all_int64(values: list[Any]) -> bool:
