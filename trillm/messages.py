@@ -216,6 +216,9 @@ class SpecDecodingStats:
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    # Of the waiting: held until their grammar compiles (vLLM's waiting reason "deferred";
+    # the others wait for capacity).
+    num_deferred_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
     prefix_cache_queries: int = 0  # tokens looked up (cumulative)
     prefix_cache_hits: int = 0  # tokens found (cumulative)

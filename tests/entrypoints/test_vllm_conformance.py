@@ -330,3 +330,21 @@ def test_seed_past_64_bits_is_too_big_not_a_float(server, seed):
     assert error["param"] == "seed" and "must be a 64-bit integer" in error["message"]
     assert "e+" not in error["message"]  # never shown as the float JSON parsing made of it
     assert post(server, "completions", max_tokens=1, seed=2**63 - 1)["choices"]
+
+
+# ---------------------------------------------------------------- waiting by reason
+
+
+def test_waiting_by_reason_splits_the_waiting():
+    from trillm.entrypoints.openai.metrics.prometheus import waiting_by_reason
+    from trillm.messages import SchedulerStats
+
+    stats = SchedulerStats(num_waiting_reqs=5, num_deferred_waiting_reqs=2)
+    fam = waiting_by_reason([(["m", "0"], stats)])
+    assert {s.labels["reason"]: s.value for s in fam.samples} == {"capacity": 3, "deferred": 2}
+
+
+def test_waiting_by_reason_on_metrics(server):
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    found = re.findall(r'vllm:num_requests_waiting_by_reason\{[^}]*reason="(\w+)"\} (\S+)', text)
+    assert sorted(reason for reason, _ in found) == ["capacity", "deferred"]

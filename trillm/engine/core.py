@@ -329,6 +329,7 @@ class EngineCore:
         """The scheduler's stats, with the LoRA adapters and the speculative-decoding counters
         when configured."""
         stats = self.scheduler.get_stats()
+        stats.num_deferred_waiting_reqs = self.grammars.num_waiting()
         if self.lora is not None:
             stats.running_lora_adapters, stats.waiting_lora_adapters = self.lora.adapter_counts(
                 self.scheduler.running_req_ids(), self.scheduler.waiting_req_ids()

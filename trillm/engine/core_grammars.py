@@ -51,6 +51,10 @@ class CoreGrammars:
         if not ready:
             self.scheduler.set_waiting_for_grammar(msg.request_id)
 
+    def num_waiting(self) -> int:
+        """Requests held in the scheduler until their grammar compiles."""
+        return 0 if self.manager is None else int(self.manager.num_pending)
+
     def poll(self) -> None:
         """Grammars compiled since the last step release their requests."""
         if self.manager is None or not self.manager.has_pending:

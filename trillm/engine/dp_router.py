@@ -95,6 +95,7 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     total = SchedulerStats(
         num_running_reqs=sum(s.num_running_reqs for s in stats),
         num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+        num_deferred_waiting_reqs=sum(s.num_deferred_waiting_reqs for s in stats),
         kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),

@@ -119,6 +119,11 @@ class StructuredOutputManager:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    @property
+    def num_pending(self) -> int:
+        """Requests whose grammar is still compiling (each waits in the scheduler)."""
+        return len(self._pending)
+
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
         self._pending.pop(req_id, None)

@@ -89,6 +89,7 @@ class _SchedulerCollector(Collector):
             ),
         )
         yield from _stat_families(GaugeMetricFamily, gauges, list(zip(labels, per_engine)))
+        yield waiting_by_reason(list(zip(labels, per_engine)))
         counters = (
             (
                 "vllm:prefix_cache_queries",
@@ -163,6 +164,22 @@ def _stat_families(
         for values, stats in per_engine:
             fam.add_metric(values, float(getattr(stats, attr)))
         yield fam
+
+
+def waiting_by_reason(per_engine: list[tuple[list[str], Any]]) -> Metric:
+    """vLLM's vllm:num_requests_waiting_by_reason: the waiting requests of each core, as
+    ``deferred`` (held until their grammar compiles) and ``capacity`` (the rest: waiting for
+    room in the batch or the KV cache)."""
+    fam = GaugeMetricFamily(
+        "vllm:num_requests_waiting_by_reason",
+        "Number of requests waiting, by the reason they wait.",
+        labels=[*LABELS, "reason"],
+    )
+    for values, stats in per_engine:
+        deferred = stats.num_deferred_waiting_reqs
+        fam.add_metric([*values, "capacity"], float(stats.num_waiting_reqs - deferred))
+        fam.add_metric([*values, "deferred"], float(deferred))
+    return fam
 
 
 def _mm_cache_families(engine: AsyncEngine, labels: list[str]) -> Iterable[Metric]:
