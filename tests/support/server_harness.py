@@ -335,6 +335,7 @@ def stats_engine(per_core: list) -> SimpleNamespace:
         ),
         executors=[SimpleNamespace(num_blocks=64) for _ in per_core],
         step_observers=[],
+        preprocessor=SimpleNamespace(multimodal=SimpleNamespace(cache=None)),  # text-only
     )
 
 
