@@ -174,6 +174,56 @@ def test_sleep_and_pause_abort_the_requests_in_flight(tiny_model_factory):
     trio.run(main)
 
 
+@pytest.mark.parametrize("hold", ["pause", "sleep"])
+def test_mode_wait_finishes_the_requests_in_flight_first(hold, tiny_model_factory):
+    """vLLM's mode wait: the running request ends (all its tokens) before the pause or sleep
+    returns; one sent meanwhile is held and runs after the resume or wake-up."""
+    path = tiny_model_factory("llama")
+    long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    async def run(engine: AsyncEngine, prompt: list[int], req_id: str, started: trio.Event, got):
+        async with engine.generate({"prompt_token_ids": prompt}, long, req_id) as outs:
+            async for out in outs:
+                started.set()
+        got[req_id] = (out.outputs[0].finish_reason, list(out.outputs[0].token_ids))
+
+    async def main():
+        async with open_engine(path, **_args(distributed_executor_backend="uni")) as engine:
+            reference: dict = {}
+            await run(engine, PROMPTS[0], "ref0", trio.Event(), reference)
+            await run(engine, PROMPTS[1], "ref1", trio.Event(), reference)
+            got: dict = {}
+            held = trio.Event()
+
+            async def hold_engine() -> None:
+                if hold == "sleep":
+                    await engine.sleep(1, mode="wait")
+                else:
+                    await engine.pause_generation(mode="wait")
+                held.set()
+
+            async with trio.open_nursery() as nursery:
+                first = trio.Event()
+                nursery.start_soon(run, engine, PROMPTS[0], "r0", first, got)
+                await first.wait()
+                nursery.start_soon(hold_engine)
+                while engine.cores[0].control.draining is None:  # the drain has begun
+                    await trio.sleep(0.001)
+                nursery.start_soon(run, engine, PROMPTS[1], "r1", trio.Event(), got)
+                await held.wait()
+                assert got == {"r0": reference["ref0"]}  # finished first, all 24 tokens
+                assert await engine.is_paused() == (hold == "pause")
+                await trio.testing.wait_all_tasks_blocked()
+                assert "r1" not in got  # held until the resume / wake-up
+                if hold == "sleep":
+                    await engine.wake_up()
+                else:
+                    await engine.resume_generation()
+            assert got == {"r0": reference["ref0"], "r1": reference["ref1"]}
+
+    trio.run(main)
+
+
 def test_refusals_name_what_is_refused(tiny_model_factory):
     path = tiny_model_factory("llama")
 
@@ -184,8 +234,6 @@ def test_refusals_name_what_is_refused(tiny_model_factory):
                 await engine.sleep(1)
             with pytest.raises(ValueError, match="--enable-sleep-mode"):
                 await engine.wake_up()
-            with pytest.raises(ValueError, match="pause mode 'wait'"):
-                await engine.pause_generation(mode="wait")
             with pytest.raises(ValueError, match="'nap'"):
                 await engine.pause_generation(mode="nap")
             with pytest.raises(ValueError, match="has no method 'no_such_method'"):

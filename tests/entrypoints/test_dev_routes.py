@@ -129,7 +129,7 @@ def test_reset_prefix_cache_and_collective_rpc(server):
     [
         ("POST", "/sleep?level=3", None, "sleep level=3"),
         ("POST", "/sleep?level=one", None, "level='one'"),
-        ("POST", "/pause?mode=wait", None, "pause mode 'wait'"),
+        ("POST", "/pause?mode=nap", None, "mode='nap'"),
         ("POST", "/pause?clear_cache=maybe", None, "clear_cache='maybe'"),
         ("POST", "/wake_up?tags=optimizer", None, "wake_up tag 'optimizer'"),
         ("POST", "/reset_prefix_cache?reset_external=true", None, "'reset_external'"),

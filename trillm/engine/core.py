@@ -102,11 +102,14 @@ class EngineCore:
         if isinstance(msg, CoreCall):
             self.control.pending.append(msg)  # run between steps by run_engine_core
         elif isinstance(msg, EngineCoreRequest):
+            if self.control.hold(msg):
+                return  # pause(mode="wait") is draining: admitted at the resume
             if self.lora is not None and not self.lora.offer(msg):
                 return  # held until one of the running adapters is free
             self._add_request(msg)
         elif isinstance(msg, AbortRequests):
             ids = msg.request_ids
+            self.control.forget_held(ids)
             if self.lora is not None and self.lora.has_held:
                 held = self.lora.abort_held(ids)
                 self._refused += [
@@ -357,6 +360,7 @@ async def run_engine_core(
     task_status.started()
     async with outputs:
         while True:
+            core.control.check_drained(core)  # pause(mode="wait") ends once nothing runs
             if core.control.pending or core.control.holds:
                 await between_steps(core, inputs, outputs, engine_index)
                 if core.control.holds:

@@ -6,8 +6,10 @@ task, between two steps, when no step is in flight; the caller waits on its ``do
 While the core sleeps or is paused it holds: it takes inputs (new requests wait in the
 scheduler's queue, aborts end theirs) but schedules nothing until ``wake_up`` / ``resume``.
 
-Sleep (vLLM's ``sleep(level, mode)``): the requests in flight are aborted (``mode="abort"``,
-vLLM's default) or kept (``"keep"``: preempted, their tokens computed again after the
+Pause (vLLM's ``pause_scheduler(mode)``): the requests in flight are aborted (``"abort"``,
+vLLM's default), kept (``"keep"``: frozen where they are) or waited for (``"wait"``: they run
+to their end while new ones are held, then the core pauses). Sleep (``sleep(level, mode)``)
+settles them the same way, then preempts what is left (their tokens computed again after the
 wake-up, greedy outputs unchanged); the prefix cache is forgotten, then every worker frees
 its KV cache (level 1; on CPU the weights stay where they are) and at level 2 its model too,
 read again from disk at ``wake_up`` (``trillm/worker/worker_rpc.py``). The core sleeps until
@@ -27,6 +29,7 @@ from trillm.messages import (
     EngineCoreInput,
     EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreRequest,
     FinishReason,
     OutputHandlerInput,
 )
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
     from trillm.engine.core import EngineCore
 
 PauseMode = Literal["abort", "wait", "keep"]
-PAUSE_MODES = ("abort", "keep")  # "wait" is refused (see check_pause_mode)
+PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_LEVELS = (1, 2)
 
 
@@ -52,13 +55,8 @@ class CoreCall:
 
 
 def check_pause_mode(mode: str) -> None:
-    if mode == "wait":
-        raise ValueError(
-            "pause mode 'wait' (finish the requests in flight first) is not supported; "
-            "use 'abort' or 'keep'."
-        )
     if mode not in PAUSE_MODES:
-        raise ValueError(f"mode={mode!r}: expected one of abort, keep.")
+        raise ValueError(f"mode={mode!r}: expected one of abort, wait, keep.")
 
 
 def check_wake_tags(tags: list[str] | None) -> None:
@@ -77,6 +75,10 @@ class CoreControl:
         self.sleeping_tags: set[str] = set()  # what is asleep: weights, kv_cache
         # Outputs of the requests a call aborted, for the core's loop to publish.
         self.aborted: list[EngineCoreOutput] = []
+        # pause(mode="wait"): set once the requests in flight are done (the core then pauses);
+        # the requests that come meanwhile are held here, admitted at the resume.
+        self.draining: trio.Event | None = None
+        self.held: list[EngineCoreRequest] = []
 
     @property
     def holds(self) -> bool:
@@ -92,6 +94,7 @@ class CoreControl:
                 call.error = exc
             finally:
                 call.done.set()
+        self.check_drained(core)
 
     def take_outputs(self, core: EngineCore) -> EngineCoreOutputs:
         """What the calls aborted, with the scheduler's stats (a held core runs no step to
@@ -107,8 +110,41 @@ class CoreControl:
         if clear_cache:
             core.scheduler.reset_prefix_cache()
 
-    def resume(self) -> None:
+    def resume(self, core: EngineCore) -> None:
+        """Steps again; a drain still under way ends (its pause call returns)."""
         self.paused = False
+        if self.draining is not None:
+            self.draining.set()
+            self.draining = None
+        held, self.held = self.held, []
+        for request in held:
+            core.handle_input(request)
+
+    def drain(self) -> trio.Event:
+        """pause(mode="wait"): the requests in flight run to their end, new ones are held;
+        -> set once the core has paused."""
+        if self.draining is None:
+            self.draining = trio.Event()
+        return self.draining
+
+    def hold(self, request: EngineCoreRequest) -> bool:
+        """A new request, held while the core drains -> whether it was."""
+        if self.draining is None:
+            return False
+        self.held.append(request)
+        return True
+
+    def forget_held(self, req_ids: list[str]) -> None:
+        if self.held:
+            dropped = set(req_ids)
+            self.held = [r for r in self.held if r.request_id not in dropped]
+
+    def check_drained(self, core: EngineCore) -> None:
+        """A drain ends, and the core pauses, once it holds no request."""
+        if self.draining is not None and not core.scheduler.has_unfinished_requests():
+            self.paused = True
+            self.draining.set()
+            self.draining = None
 
     async def sleep(self, core: EngineCore, level: int, mode: str) -> None:
         if self.sleeping_tags:

@@ -16,7 +16,6 @@ import trio
 
 from trillm.engine.core_control import (
     SLEEP_LEVELS,
-    CoreCall,
     PauseMode,
     check_pause_mode,
     check_wake_tags,
@@ -42,15 +41,24 @@ class EngineControl:
 
     # ------------------------------------------------------------------ sleep mode
     async def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
-        """vLLM's sleep: ``mode`` says what becomes of the requests in flight (abort, or keep:
-        they finish after the wake-up); level 1 frees the KV cache, level 2 also the weights
-        (read again from disk at wake-up). Requests sent meanwhile wait for the wake-up."""
+        """vLLM's sleep: ``mode`` says what becomes of the requests in flight (abort; keep:
+        they finish after the wake-up; wait: they finish first); level 1 frees the KV cache,
+        level 2 also the weights (read again from disk at wake-up). Requests sent meanwhile
+        wait for the wake-up."""
         self._check_sleep_mode("sleep")
         if level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level={level!r}: expected 1 or 2.")
         check_pause_mode(mode)
         self._check_no_pipeline("sleep")
-        await self._on_each_core(lambda core: core.control.sleep(core, level, mode))
+        if mode == "wait":
+            await self._drain_each_core()
+
+        async def sleep(core: EngineCore) -> None:
+            await core.control.sleep(core, level, mode)
+            if mode == "wait":
+                core.control.resume(core)  # the held requests wait for the wake-up
+
+        await self._on_each_core(sleep)
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """``tags``: what to restore, ``weights`` and/or ``kv_cache`` (None: both); the engine
@@ -68,9 +76,12 @@ class EngineControl:
         self, *, mode: PauseMode = "abort", clear_cache: bool = True
     ) -> None:
         """vLLM's: no step runs until ``resume_generation``; the requests in flight are
-        aborted or kept (``mode``); ``clear_cache`` forgets the prefix cache."""
+        aborted, kept, or waited for (``mode``: abort, keep, wait; new requests wait for the
+        resume); ``clear_cache`` forgets the prefix cache."""
         check_pause_mode(mode)
         self._check_no_pipeline("pause")
+        if mode == "wait":
+            await self._drain_each_core()
 
         async def pause(core: EngineCore) -> None:
             core.control.pause(core, mode, clear_cache)
@@ -79,7 +90,7 @@ class EngineControl:
 
     async def resume_generation(self) -> None:
         async def resume(core: EngineCore) -> None:
-            core.control.resume()
+            core.control.resume(core)
 
         await self._on_each_core(resume)
 
@@ -140,16 +151,27 @@ class EngineControl:
         if self.config.parallel.pipeline_parallel_size > 1:
             raise ValueError(f"{what} is not supported with pipeline parallelism.")
 
+    async def _drain_each_core(self) -> None:
+        """pause(mode="wait"): every core runs its requests to their end, then pauses."""
+
+        async def drain(core: EngineCore) -> trio.Event:
+            return core.control.drain()
+
+        for drained in await self._on_each_core(drain):
+            await self._wait(drained)
+
     async def _on_each_core(self, fn: Callable[[EngineCore], Awaitable[Any]]) -> list[Any]:
         if self.dead_error is not None:
             raise self.dead_error
         calls = self.engine_cores.post_calls(fn)
         for call in calls:
-            await self._answer(call)
+            await self._wait(call.done)
+            if call.error is not None:
+                raise call.error
         return [call.result for call in calls]
 
-    async def _answer(self, call: CoreCall) -> None:
-        """Waits for ``call`` (or the engine's death); raises what it raised."""
+    async def _wait(self, event: trio.Event) -> None:
+        """Waits for ``event``, or raises the engine's death."""
         async with trio.open_nursery() as nursery:
 
             async def watch_death() -> None:
@@ -157,9 +179,7 @@ class EngineControl:
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch_death)
-            await call.done.wait()
+            await event.wait()
             nursery.cancel_scope.cancel()
-        if not call.done.is_set():
+        if not event.is_set():
             raise self.dead_error or EngineDeadError("The engine stopped.")
-        if call.error is not None:
-            raise call.error

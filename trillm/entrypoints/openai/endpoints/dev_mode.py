@@ -1,9 +1,13 @@
 """vLLM's development routes, served only with ``VLLM_SERVER_DEV_MODE=1`` (404 otherwise, as
 in vLLM); the API key guards them as any other route (``http/auth.py``).
 
-    POST /sleep?level=1|2&mode=abort|keep     POST /wake_up[?tags=weights&tags=kv_cache]
-    GET  /is_sleeping -> {"is_sleeping": b}   POST /reset_prefix_cache[?reset_running_requests=true]
-    POST /pause?mode=abort|keep&clear_cache=b POST /resume    GET /is_paused -> {"is_paused": b}
+    POST /sleep?level=1|2&mode=abort|keep|wait
+    POST /wake_up[?tags=weights&tags=kv_cache]
+    GET  /is_sleeping -> {"is_sleeping": bool}
+    POST /reset_prefix_cache[?reset_running_requests=true]
+    POST /pause?mode=abort|keep|wait&clear_cache=true|false
+    POST /resume
+    GET  /is_paused -> {"is_paused": bool}
     POST /collective_rpc {"method", "args", "kwargs", "timeout"} -> {"results": [...]}
 
 Each is the engine's call of the same name (``trillm/engine/engine_control.py``); what it
