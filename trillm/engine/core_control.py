@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import trio
 
@@ -32,15 +32,29 @@ from trillm.messages import (
     EngineCoreRequest,
     FinishReason,
     OutputHandlerInput,
+    SchedulerStats,
 )
 from trillm.worker.worker_rpc import SLEEP_TAGS
 
 if TYPE_CHECKING:
-    from trillm.engine.core import EngineCore
+    from trillm.core.scheduler import Scheduler
+    from trillm.executor.abstract import Executor
 
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_LEVELS = (1, 2)
+
+
+class ControlledCore(Protocol):
+    """What the calls use of an engine core (``trillm/engine/core.py``'s ``EngineCore``)."""
+
+    scheduler: Scheduler
+    executor: Executor
+    control: CoreControl
+
+    def handle_input(self, msg: EngineCoreInput | CoreCall) -> None: ...
+
+    def _stats(self) -> SchedulerStats: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -48,7 +62,7 @@ class CoreCall:
     """One call on a core's control, answered (``result`` or ``error``, then ``done``) once
     the core has run it."""
 
-    fn: Callable[[EngineCore], Awaitable[Any]]
+    fn: Callable[[ControlledCore], Awaitable[Any]]
     done: trio.Event = field(default_factory=trio.Event)
     result: Any = None
     error: BaseException | None = None
@@ -85,7 +99,7 @@ class CoreControl:
         """No step may run: paused, or something asleep."""
         return self.paused or bool(self.sleeping_tags)
 
-    async def run_pending(self, core: EngineCore) -> None:
+    async def run_pending(self, core: ControlledCore) -> None:
         calls, self.pending = self.pending, []
         for call in calls:
             try:
@@ -96,21 +110,21 @@ class CoreControl:
                 call.done.set()
         self.check_drained(core)
 
-    def take_outputs(self, core: EngineCore) -> EngineCoreOutputs:
+    def take_outputs(self, core: ControlledCore) -> EngineCoreOutputs:
         """What the calls aborted, with the scheduler's stats (a held core runs no step to
         publish them: /metrics shows the requests waiting for the wake-up)."""
         outputs, self.aborted = self.aborted, []
         return EngineCoreOutputs(outputs, time.monotonic(), core._stats())
 
     # ------------------------------------------------------------------ the calls
-    def pause(self, core: EngineCore, mode: str, clear_cache: bool) -> None:
+    def pause(self, core: ControlledCore, mode: str, clear_cache: bool) -> None:
         """vLLM's pause_scheduler: hold; the requests in flight aborted or kept."""
         self.paused = True
         self._settle(core, mode)
         if clear_cache:
             core.scheduler.reset_prefix_cache()
 
-    def resume(self, core: EngineCore) -> None:
+    def resume(self, core: ControlledCore) -> None:
         """Steps again; a drain still under way ends (its pause call returns)."""
         self.paused = False
         if self.draining is not None:
@@ -139,14 +153,14 @@ class CoreControl:
             dropped = set(req_ids)
             self.held = [r for r in self.held if r.request_id not in dropped]
 
-    def check_drained(self, core: EngineCore) -> None:
+    def check_drained(self, core: ControlledCore) -> None:
         """A drain ends, and the core pauses, once it holds no request."""
         if self.draining is not None and not core.scheduler.has_unfinished_requests():
             self.paused = True
             self.draining.set()
             self.draining = None
 
-    async def sleep(self, core: EngineCore, level: int, mode: str) -> None:
+    async def sleep(self, core: ControlledCore, level: int, mode: str) -> None:
         if self.sleeping_tags:
             return  # already asleep (vLLM: a warning, nothing done)
         self._settle(core, mode)
@@ -155,13 +169,13 @@ class CoreControl:
         await core.executor.collective_rpc("sleep", [level, preempted], {})
         self.sleeping_tags = set(SLEEP_TAGS)
 
-    async def wake_up(self, core: EngineCore, tags: list[str] | None) -> None:
+    async def wake_up(self, core: ControlledCore, tags: list[str] | None) -> None:
         waking = [t for t in (tags or SLEEP_TAGS) if t in self.sleeping_tags]
         if waking:
             await core.executor.collective_rpc("wake_up", [waking], {})
             self.sleeping_tags.difference_update(waking)
 
-    def _settle(self, core: EngineCore, mode: str) -> None:
+    def _settle(self, core: ControlledCore, mode: str) -> None:
         """``abort``: every request in the scheduler ends now (finish_reason abort)."""
         if mode != "abort":
             return
@@ -172,7 +186,7 @@ class CoreControl:
 
 
 async def between_steps(
-    core: EngineCore,
+    core: ControlledCore,
     inputs: trio.MemoryReceiveChannel[EngineCoreInput | CoreCall],
     outputs: trio.MemorySendChannel[OutputHandlerInput],
     engine_index: int,
@@ -190,7 +204,7 @@ async def between_steps(
 
 
 async def _publish(
-    core: EngineCore, outputs: trio.MemorySendChannel[OutputHandlerInput], engine_index: int
+    core: ControlledCore, outputs: trio.MemorySendChannel[OutputHandlerInput], engine_index: int
 ) -> None:
     message = core.control.take_outputs(core)
     message.engine_index = engine_index
@@ -198,7 +212,7 @@ async def _publish(
 
 
 def drain_inputs(
-    core: EngineCore, inputs: trio.MemoryReceiveChannel[EngineCoreInput | CoreCall]
+    core: ControlledCore, inputs: trio.MemoryReceiveChannel[EngineCoreInput | CoreCall]
 ) -> None:
     """Every input already queued, handled now (never waits)."""
     while True:

@@ -16,6 +16,7 @@ import trio
 
 from trillm.engine.core_control import (
     SLEEP_LEVELS,
+    ControlledCore,
     PauseMode,
     check_pause_mode,
     check_wake_tags,
@@ -24,7 +25,6 @@ from trillm.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from trillm.config import TrillmConfig
-    from trillm.engine.core import EngineCore
     from trillm.engine.engine_cores import EngineCores
 
 
@@ -53,7 +53,7 @@ class EngineControl:
         if mode == "wait":
             await self._drain_each_core()
 
-        async def sleep(core: EngineCore) -> None:
+        async def sleep(core: ControlledCore) -> None:
             await core.control.sleep(core, level, mode)
             if mode == "wait":
                 core.control.resume(core)  # the held requests wait for the wake-up
@@ -83,13 +83,13 @@ class EngineControl:
         if mode == "wait":
             await self._drain_each_core()
 
-        async def pause(core: EngineCore) -> None:
+        async def pause(core: ControlledCore) -> None:
             core.control.pause(core, mode, clear_cache)
 
         await self._on_each_core(pause)
 
     async def resume_generation(self) -> None:
-        async def resume(core: EngineCore) -> None:
+        async def resume(core: ControlledCore) -> None:
             core.control.resume(core)
 
         await self._on_each_core(resume)
@@ -102,7 +102,7 @@ class EngineControl:
         """Forget every cached prefix; ``reset_running_requests``: preempt the running
         requests first (their tokens computed again). -> True (vLLM's success flag)."""
 
-        async def reset(core: EngineCore) -> None:
+        async def reset(core: ControlledCore) -> None:
             if reset_running_requests:
                 preempted = core.scheduler.preempt_running()
                 await core.executor.collective_rpc("drop_requests", [preempted], {})
@@ -127,7 +127,7 @@ class EngineControl:
             )
         call_args, call_kwargs = list(args), dict(kwargs or {})
 
-        async def rpc(core: EngineCore) -> list[Any]:
+        async def rpc(core: ControlledCore) -> list[Any]:
             return await core.executor.collective_rpc(method, call_args, call_kwargs)
 
         try:
@@ -154,13 +154,13 @@ class EngineControl:
     async def _drain_each_core(self) -> None:
         """pause(mode="wait"): every core runs its requests to their end, then pauses."""
 
-        async def drain(core: EngineCore) -> trio.Event:
+        async def drain(core: ControlledCore) -> trio.Event:
             return core.control.drain()
 
         for drained in await self._on_each_core(drain):
             await self._wait(drained)
 
-    async def _on_each_core(self, fn: Callable[[EngineCore], Awaitable[Any]]) -> list[Any]:
+    async def _on_each_core(self, fn: Callable[[ControlledCore], Awaitable[Any]]) -> list[Any]:
         if self.dead_error is not None:
             raise self.dead_error
         calls = self.engine_cores.post_calls(fn)

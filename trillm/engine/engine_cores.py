@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from trillm.config import TrillmConfig
-from trillm.engine.core_control import CoreCall
+from trillm.engine.core_control import ControlledCore, CoreCall
 from trillm.engine.dp_router import DataParallelRouter, sum_stats
 from trillm.messages import (
     AbortRequests,
@@ -129,7 +129,7 @@ class EngineCores:
             if out.finish_reason is not None:
                 router.release(out.request_id)
 
-    def post_calls(self, fn: Callable[[EngineCore], Awaitable[Any]]) -> list[CoreCall]:
+    def post_calls(self, fn: Callable[[ControlledCore], Awaitable[Any]]) -> list[CoreCall]:
         """``fn(core)`` to be run by every engine core between its steps; -> the calls, by
         core, each answered once its ``done`` is set (core_control.py)."""
         calls = [CoreCall(fn) for _ in self.cores]
