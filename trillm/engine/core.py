@@ -11,10 +11,8 @@ import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
-import trio
-
 from trillm.engine.batch_queue import BatchQueue
-from trillm.engine.core_control import CoreCall, CoreControl, between_steps, drain_inputs
+from trillm.engine.core_control import CoreCall, CoreControl
 from trillm.engine.core_grammars import CoreGrammars
 from trillm.engine.core_multimodal import CoreMultimodal
 from trillm.engine.core_speculation import CoreSpeculation
@@ -28,7 +26,6 @@ from trillm.messages import (
     EngineCoreRequest,
     FinishReason,
     ModelRunnerOutput,
-    OutputHandlerInput,
     SchedulerOutput,
     SchedulerStats,
     SpecDecodingStats,
@@ -43,10 +40,6 @@ if TYPE_CHECKING:
     from trillm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
-
-# Nothing schedulable although requests are unfinished (cannot happen with admission control
-# and preemption, but never spin hot if it does).
-_IDLE_BACKOFF_S = 0.001
 
 
 class EngineCore:
@@ -345,40 +338,3 @@ class EngineCore:
         if self._unsent_finished:
             sched.finished_req_ids = self._unsent_finished + list(sched.finished_req_ids)
             self._unsent_finished = []
-
-
-async def run_engine_core(
-    core: EngineCore,
-    inputs: trio.MemoryReceiveChannel[EngineCoreInput | CoreCall],
-    outputs: trio.MemorySendChannel[OutputHandlerInput],
-    engine_index: int = 0,
-    *,
-    task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """The busy loop: drain inputs, step while there is work, sleep on the channel when idle.
-    ``engine_index``: this core's index (data parallelism), stamped on its outputs."""
-    task_status.started()
-    async with outputs:
-        while True:
-            core.control.check_drained(core)  # pause(mode="wait") ends once nothing runs
-            if core.control.pending or core.control.holds:
-                await between_steps(core, inputs, outputs, engine_index)
-                if core.control.holds:
-                    continue
-            idle = not (core.scheduler.has_unfinished_requests() or core.num_in_flight)
-            if idle and not core.has_refused:
-                core.handle_input(await inputs.receive())
-            drain_inputs(core, inputs)
-            core.step_started = time.monotonic()
-            try:
-                result = await core.step()
-            finally:
-                core.step_started = None
-            if result is None:
-                # NOTE: no back-off right after a step joined the batch queue: the next is due.
-                stuck = core.scheduler.has_unfinished_requests() and not core.num_in_flight
-                await trio.sleep(_IDLE_BACKOFF_S if stuck else 0)
-                continue
-            if result.outputs or result.scheduler_stats is not None:
-                result.engine_index = engine_index
-                await outputs.send(result)

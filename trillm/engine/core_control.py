@@ -26,12 +26,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import trio
 
 from trillm.messages import (
-    EngineCoreInput,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
-    OutputHandlerInput,
     SchedulerStats,
 )
 from trillm.worker.worker_rpc import SLEEP_TAGS
@@ -51,10 +49,6 @@ class ControlledCore(Protocol):
     scheduler: Scheduler
     executor: Executor
     control: CoreControl
-
-    def handle_input(self, msg: EngineCoreInput | CoreCall) -> None: ...
-
-    def _stats(self) -> SchedulerStats: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -93,6 +87,7 @@ class CoreControl:
         # the requests that come meanwhile are held here, admitted at the resume.
         self.draining: trio.Event | None = None
         self.held: list[EngineCoreRequest] = []
+        self.released: list[EngineCoreRequest] = []  # held ones a resume let go
 
     @property
     def holds(self) -> bool:
@@ -110,11 +105,16 @@ class CoreControl:
                 call.done.set()
         self.check_drained(core)
 
-    def take_outputs(self, core: ControlledCore) -> EngineCoreOutputs:
-        """What the calls aborted, with the scheduler's stats (a held core runs no step to
-        publish them: /metrics shows the requests waiting for the wake-up)."""
+    def take_outputs(self, stats: SchedulerStats) -> EngineCoreOutputs:
+        """What the calls aborted, with the scheduler's ``stats`` (a held core runs no step
+        to publish them: /metrics shows the requests waiting for the wake-up)."""
         outputs, self.aborted = self.aborted, []
-        return EngineCoreOutputs(outputs, time.monotonic(), core._stats())
+        return EngineCoreOutputs(outputs, time.monotonic(), stats)
+
+    def take_released(self) -> list[EngineCoreRequest]:
+        """The requests a resume released, for the core to admit (``core_loop.py``)."""
+        released, self.released = self.released, []
+        return released
 
     # ------------------------------------------------------------------ the calls
     def pause(self, core: ControlledCore, mode: str, clear_cache: bool) -> None:
@@ -124,15 +124,14 @@ class CoreControl:
         if clear_cache:
             core.scheduler.reset_prefix_cache()
 
-    def resume(self, core: ControlledCore) -> None:
+    def resume(self) -> None:
         """Steps again; a drain still under way ends (its pause call returns)."""
         self.paused = False
         if self.draining is not None:
             self.draining.set()
             self.draining = None
-        held, self.held = self.held, []
-        for request in held:
-            core.handle_input(request)
+        self.released += self.held
+        self.held = []
 
     def drain(self) -> trio.Event:
         """pause(mode="wait"): the requests in flight run to their end, new ones are held;
@@ -183,41 +182,3 @@ class CoreControl:
         ids = scheduler.running_req_ids() + scheduler.waiting_req_ids()
         scheduler.finish_requests(ids, FinishReason.ABORT)
         self.aborted += [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in ids]
-
-
-async def between_steps(
-    core: ControlledCore,
-    inputs: trio.MemoryReceiveChannel[EngineCoreInput | CoreCall],
-    outputs: trio.MemorySendChannel[OutputHandlerInput],
-    engine_index: int,
-) -> None:
-    """The frontend's calls, then what they aborted and the stats; while the core holds
-    (asleep or paused) it then waits for the next input instead of stepping, and publishes
-    the stats again once it has come (``run_engine_core``)."""
-    if core.control.pending:
-        await core.control.run_pending(core)
-        await _publish(core, outputs, engine_index)
-    if core.control.holds and not core.control.pending:
-        core.handle_input(await inputs.receive())
-        drain_inputs(core, inputs)
-        await _publish(core, outputs, engine_index)
-
-
-async def _publish(
-    core: ControlledCore, outputs: trio.MemorySendChannel[OutputHandlerInput], engine_index: int
-) -> None:
-    message = core.control.take_outputs(core)
-    message.engine_index = engine_index
-    await outputs.send(message)
-
-
-def drain_inputs(
-    core: ControlledCore, inputs: trio.MemoryReceiveChannel[EngineCoreInput | CoreCall]
-) -> None:
-    """Every input already queued, handled now (never waits)."""
-    while True:
-        try:
-            msg = inputs.receive_nowait()
-        except trio.WouldBlock:
-            return
-        core.handle_input(msg)

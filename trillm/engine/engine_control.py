@@ -56,7 +56,7 @@ class EngineControl:
         async def sleep(core: ControlledCore) -> None:
             await core.control.sleep(core, level, mode)
             if mode == "wait":
-                core.control.resume(core)  # the held requests wait for the wake-up
+                core.control.resume()  # the held requests wait for the wake-up
 
         await self._on_each_core(sleep)
 
@@ -90,7 +90,7 @@ class EngineControl:
 
     async def resume_generation(self) -> None:
         async def resume(core: ControlledCore) -> None:
-            core.control.resume(core)
+            core.control.resume()
 
         await self._on_each_core(resume)
 

@@ -5,7 +5,7 @@ proposer), their input channels, their last stats, and which core holds each req
 Owned by the output handler (``output_handler.OutputHandler``): it alone submits
 requests (``submit``) and aborts (``send_aborts``) and notes each step's outputs
 (``note_outputs``), so the router's counts and the inputs need no lock. The core tasks
-(``run_engine_core``) read their inputs and write their outputs to the handler's inbox.
+(``core_loop.run_engine_core``) read their inputs and write their outputs to the handler's inbox.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class EngineCores:
         *,
         task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        from trillm.engine.core import run_engine_core
+        from trillm.engine.core_loop import run_engine_core
 
         try:
             await run_engine_core(

@@ -72,13 +72,13 @@ class Executor(abc.ABC):
         """The second half: the output of the oldest step whose sampling was started."""
         raise NotImplementedError(f"{type(self).__name__} has no batch queue.")
 
-    @abc.abstractmethod
     async def collective_rpc(
         self, method: str, args: list[Any], kwargs: dict[str, Any]
     ) -> list[Any]:
         """``method`` on every rank's runner (``trillm/worker/worker_rpc.py``), between steps
         (the engine core calls it with no step in flight): -> each rank's result, by rank.
         A rank's failure raises ``WorkerCallError`` naming it; the workers carry on."""
+        raise NotImplementedError(f"{type(self).__name__} runs no collective_rpc.")
 
     @abc.abstractmethod
     def check_health(self) -> None:

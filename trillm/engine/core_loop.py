@@ -1,0 +1,97 @@
+"""An engine core's task (``run_engine_core``): drain inputs, step while there is work, sleep
+on the input channel when idle; between two steps, the frontend's calls (sleep, pause,
+collective_rpc: ``core_control.py``), and while the core holds (asleep or paused) no step."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from trillm.engine.core_control import CoreCall
+from trillm.messages import EngineCoreInput, OutputHandlerInput
+
+if TYPE_CHECKING:
+    from trillm.engine.core import EngineCore
+
+# Nothing schedulable although requests are unfinished (cannot happen with admission control
+# and preemption, but never spin hot if it does).
+_IDLE_BACKOFF_S = 0.001
+
+Inputs = trio.MemoryReceiveChannel[EngineCoreInput | CoreCall]
+
+
+async def run_engine_core(
+    core: EngineCore,
+    inputs: Inputs,
+    outputs: trio.MemorySendChannel[OutputHandlerInput],
+    engine_index: int = 0,
+    *,
+    task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The busy loop: drain inputs, step while there is work, sleep on the channel when idle.
+    ``engine_index``: this core's index (data parallelism), stamped on its outputs."""
+    task_status.started()
+    async with outputs:
+        while True:
+            core.control.check_drained(core)  # pause(mode="wait") ends once nothing runs
+            if core.control.pending or core.control.holds:
+                await _between_steps(core, inputs, outputs, engine_index)
+                if core.control.holds:
+                    continue
+            idle = not (core.scheduler.has_unfinished_requests() or core.num_in_flight)
+            if idle and not core.has_refused:
+                core.handle_input(await inputs.receive())
+            _drain(core, inputs)
+            core.step_started = time.monotonic()
+            try:
+                result = await core.step()
+            finally:
+                core.step_started = None
+            if result is None:
+                # NOTE: no back-off right after a step joined the batch queue: the next is due.
+                stuck = core.scheduler.has_unfinished_requests() and not core.num_in_flight
+                await trio.sleep(_IDLE_BACKOFF_S if stuck else 0)
+                continue
+            if result.outputs or result.scheduler_stats is not None:
+                result.engine_index = engine_index
+                await outputs.send(result)
+
+
+async def _between_steps(
+    core: EngineCore,
+    inputs: Inputs,
+    outputs: trio.MemorySendChannel[OutputHandlerInput],
+    engine_index: int,
+) -> None:
+    """The frontend's calls, then what they aborted and the stats; while the core holds it
+    then waits for the next input instead of stepping, and publishes the stats again once it
+    has come."""
+    control = core.control
+    if control.pending:
+        await control.run_pending(core)
+        for request in control.take_released():  # held by a drain, let go by a resume
+            core.handle_input(request)
+        await _publish(core, outputs, engine_index)
+    if control.holds and not control.pending:
+        core.handle_input(await inputs.receive())
+        _drain(core, inputs)
+        await _publish(core, outputs, engine_index)
+
+
+async def _publish(
+    core: EngineCore, outputs: trio.MemorySendChannel[OutputHandlerInput], engine_index: int
+) -> None:
+    message = core.control.take_outputs(core._stats())
+    message.engine_index = engine_index
+    await outputs.send(message)
+
+
+def _drain(core: EngineCore, inputs: Inputs) -> None:
+    while True:
+        try:
+            msg = inputs.receive_nowait()
+        except trio.WouldBlock:
+            return
+        core.handle_input(msg)
