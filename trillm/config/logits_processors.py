@@ -16,9 +16,10 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trillm.sample.logits_processor import LogitsProcessor
+if TYPE_CHECKING:  # the frontend builds its config without torch (tests/engine/test_startup_path)
+    from trillm.sample.logits_processor import LogitsProcessor
 
 ENTRY_POINT_GROUP = "vllm.logits_processors"  # vLLM's group, so its plugins load unchanged
 _FLAG = "logits_processors (--logits-processors)"
@@ -79,13 +80,13 @@ def _given(item: Any) -> type[LogitsProcessor]:
     try:
         cls = _attribute(importlib.import_module(module), qualname)
     except Exception as exc:
-        raise ValueError(
-            f"{_FLAG}: cannot import {item!r}: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise ValueError(f"{_FLAG}: cannot import {item!r}: {type(exc).__name__}: {exc}") from exc
     return _checked(cls, item)
 
 
 def _checked(cls: Any, name: str) -> type[LogitsProcessor]:
+    from trillm.sample.logits_processor import LogitsProcessor
+
     if not isinstance(cls, type) or not issubclass(cls, LogitsProcessor):
         raise ValueError(
             f"{_FLAG}: {name} is not a subclass of LogitsProcessor "

@@ -18,17 +18,18 @@ import base64
 import binascii
 import hashlib
 import io
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from trillm.config import ModelConfig
 from trillm.messages import PROMPT_EMBEDS_MODALITY as MODALITY
 from trillm.messages import MultiModalItem
 from trillm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:  # torch is imported where a tensor is read: the frontend starts without it
+    import torch
+
 PLACEHOLDER_ID = 0  # the scheduler's stand-in token id for each row (vLLM's as well)
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 # torch.save's zip container around the raw bytes (names, pickled metadata): a few KB.
 _CONTAINER_BYTES = 64 * 1024
 _FLAG = "prompt_embeds needs the server started with --enable-prompt-embeds"
@@ -77,6 +78,8 @@ def max_encoded_chars(max_model_len: int, hidden_size: int) -> int:
 
 def decode_prompt_embeds(text: Any, hidden_size: int, max_model_len: int) -> torch.Tensor:
     """One base64 ``torch.save``d tensor -> the checked [n, hidden_size] tensor."""
+    import torch
+
     if not isinstance(text, str):
         raise PromptEmbedsError("prompt_embeds must be a base64 string or a list of them.")
     limit = max_encoded_chars(max_model_len, hidden_size)
@@ -98,9 +101,11 @@ def decode_prompt_embeds(text: Any, hidden_size: int, max_model_len: int) -> tor
 
 def check_prompt_embeds(tensor: Any, hidden_size: int, max_model_len: int) -> torch.Tensor:
     """A dense, finite [n, hidden_size] float32/bfloat16/float16 tensor, 1 <= n <= the context."""
+    import torch
+
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
         raise PromptEmbedsError("prompt_embeds must be a dense torch tensor.")
-    if tensor.dtype not in _DTYPES:
+    if str(tensor.dtype).removeprefix("torch.") not in _DTYPES:
         raise PromptEmbedsError(
             f"prompt_embeds must be float32, bfloat16 or float16, got {tensor.dtype}."
         )
@@ -122,6 +127,8 @@ def check_prompt_embeds(tensor: Any, hidden_size: int, max_model_len: int) -> to
 
 def embeds_item(tensor: torch.Tensor) -> MultiModalItem:
     """The prompt's one item: float32 rows (exact for the three dtypes), hashed by content."""
+    import torch
+
     rows = tensor.to(torch.float32).contiguous()
     data = rows.numpy().tobytes()
     shape = list(rows.shape)

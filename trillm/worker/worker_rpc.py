@@ -18,9 +18,8 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
-from trillm.worker import weight_offload
-from trillm.worker.step_program import StepPrograms
-
+# NOTE: weight_offload and step_program (torch) are imported where used: the engine core
+# reads SLEEP_TAGS from here, and the frontend starts without torch.
 SLEEP_TAGS = ("weights", "kv_cache")
 
 
@@ -50,8 +49,12 @@ def sleep(runner: Any, level: int, preempted: list[str]) -> int:
     runner.kv_caches = []
     runner.ssm = None
     if runner.step_programs is not None:  # its captures point into the freed cache
+        from trillm.worker.step_program import StepPrograms
+
         runner.step_programs = StepPrograms(runner.step_programs.model)
     if level == 1 and runner.device.type != "cpu":
+        from trillm.worker import weight_offload
+
         runner.sleep_host_weights = weight_offload.offload(runner.model)
     if level == 2:
         runner._model = None
@@ -67,6 +70,8 @@ def wake_up(runner: Any, tags: list[str] | None) -> None:
     wanted = SLEEP_TAGS if tags is None else tags
     host = getattr(runner, "sleep_host_weights", None)
     if "weights" in wanted and host is not None:
+        from trillm.worker import weight_offload
+
         weight_offload.restore(runner.model, host, runner.device)
         runner.sleep_host_weights = None
     if "weights" in wanted and runner._model is None:
