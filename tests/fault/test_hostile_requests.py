@@ -30,7 +30,7 @@ HOSTILE = [
     ("n_2_64", {"n": 2**64}, "n"),
     ("logprobs_2_64", {"logprobs": 2**64}, "logprobs"),
     ("prompt_logprobs_2_64", {"prompt_logprobs": 2**64}, "prompt_logprobs"),
-    ("stop_token_ids_2_64", {"stop_token_ids": [2**64]}, "stop_token_ids"),
+    ("stop_token_ids_2_64", {"stop_token_ids": [2**64]}, "stop_token_ids[0]"),
     ("token_id_prompt_2_64", {"prompt": [1, 2**64]}, "prompt[1]"),
     ("temperature_1e39", {"temperature": 1e39}, "temperature"),
     ("repetition_penalty_1e39", {"repetition_penalty": 1e39}, "repetition_penalty"),
