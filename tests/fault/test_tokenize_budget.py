@@ -79,4 +79,6 @@ def test_millions_of_ids_are_refused_without_stalling_others(server):
     r, took, worst = post_polling_health(server, "/detokenize", {"tokens": [5] * 3_000_000})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "tokens"
-    assert worst < max(0.5 * took, 0.5), (worst, took)
+    # /health waits at most for the body's JSON decoding, never for the ids' detokenization
+    # (before: ~1.3 s); 1 s of floor for a loaded 2-core machine running two test workers.
+    assert worst < max(0.5 * took, 1.0), (worst, took)
