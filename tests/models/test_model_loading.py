@@ -348,7 +348,7 @@ def test_missing_weight_is_reported(llama_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from trillm.attention.torch_backend import TorchAttentionBackend
-    from trillm.model_executor.models.llama import MissingWeightsError
+    from trillm.model_executor.models.stacked_weights import MissingWeightsError
 
     folder = _copy(llama_dir, tmp_path / "broken")
     tensors = load_file(folder / "model.safetensors")

@@ -27,14 +27,16 @@ from trillm.config import ModelConfig
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
 from trillm.model_executor.models.llama import (
-    STACKED_PARAMS,
     FoldedResidualLayer,
     LlamaAttention,
     LlamaDecoderFlags,
     LlamaDecoderLayer,
     LlamaMLP,
+)
+from trillm.model_executor.models.stacked_weights import (
     MissingWeightsError,
     StackedLinear,
+    StackedWeightLoader,
 )
 
 _SKIPPED = ("t2d",)  # the target ids the draft vocabulary holds: d2t says it all
@@ -158,35 +160,11 @@ class EagleHead(nn.Module):
         params = dict(self.named_parameters())
         if self.d2t is not None:
             params["d2t"] = self.d2t  # type: ignore[assignment]  # a buffer, loaded alike
-        loaded: set[str] = set()
-        shards_seen: dict[str, set[str]] = {}  # stacked param name -> shards loaded
+        loader = StackedWeightLoader(self, params, "EAGLE head checkpoint")
         for name, tensor in weights:
-            if name in _SKIPPED:
-                continue
-            module_path, _, kind = name.rpartition(".")
-            parent, _, proj = module_path.rpartition(".")
-            if proj in STACKED_PARAMS:
-                stacked, shard = STACKED_PARAMS[proj]
-                module = self.get_submodule(f"{parent}.{stacked}")
-                assert isinstance(module, StackedLinear)
-                module.load_shard(shard, kind, tensor)
-                shards_seen.setdefault(f"{parent}.{stacked}.{kind}", set()).add(shard)
-                continue
-            target = params.get(name)
-            if target is None or target.shape != tensor.shape:
-                raise MissingWeightsError(
-                    f"EAGLE head weight {name!r} {tuple(tensor.shape)} does not fit the head."
-                )
-            target.data.copy_(tensor)
-            loaded.add(name)
-        for pname, shards in shards_seen.items():
-            module = self.get_submodule(pname.rpartition(".")[0])
-            assert isinstance(module, StackedLinear)
-            if shards == set(module.shard_offsets):
-                loaded.add(pname)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise MissingWeightsError(f"EAGLE head checkpoint lacks {missing[:5]}.")
+            if name not in _SKIPPED:
+                loader.load(name, tensor)
+        loader.check_complete()
 
 
 def normalized_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -26,10 +26,10 @@ from trillm.config import ModelConfig
 from trillm.model_executor.layers.fused_moe import EXPERT_PARTS, FusedMoE
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
-from trillm.model_executor.models.deepseek import DeepseekDecoderLayer
+from trillm.model_executor.models.deepseek import DeepseekDecoderLayer, DeepseekV2ForCausalLM
 from trillm.model_executor.models.deepseek_mla import MLAPlan
-from trillm.model_executor.models.llama import STACKED_PARAMS, MissingWeightsError, StackedLinear
 from trillm.model_executor.models.moe import check_experts_loaded
+from trillm.model_executor.models.stacked_weights import MissingWeightsError, StackedWeightLoader
 
 _EXPERT = re.compile(r"^(layer\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
 
@@ -92,39 +92,16 @@ class MtpHead(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Names as ``mtp_weights`` gives them; MissingWeightsError naming the gaps."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        shards_seen: dict[str, set[str]] = {}  # stacked param name -> shards loaded
+        loader = StackedWeightLoader(self, params, "The MTP layer's checkpoint")
         for name, tensor in weights:
             if match := _EXPERT.match(name):
                 experts = self.get_submodule(match.group(1))
                 if not isinstance(experts, FusedMoE) or match.group(3) not in EXPERT_PARTS:
                     raise MissingWeightsError(f"MTP weight {name!r} does not fit the layer.")
                 experts.load_expert(int(match.group(2)), EXPERT_PARTS[match.group(3)], tensor)
-                continue
-            module_path, _, kind = name.rpartition(".")
-            parent, _, proj = module_path.rpartition(".")
-            if proj in STACKED_PARAMS and ".self_attn." not in name:  # MLA's q_proj is its own
-                stacked, shard = STACKED_PARAMS[proj]
-                module = self.get_submodule(f"{parent}.{stacked}")
-                assert isinstance(module, StackedLinear)
-                module.load_shard(shard, kind, tensor)
-                shards_seen.setdefault(f"{parent}.{stacked}.{kind}", set()).add(shard)
-                continue
-            target = params.get(name)
-            if target is None or target.shape != tensor.shape:
-                raise MissingWeightsError(
-                    f"MTP weight {name!r} {tuple(tensor.shape)} does not fit the layer."
-                )
-            target.data.copy_(tensor)
-            loaded.add(name)
-        for pname, shards in shards_seen.items():
-            module = self.get_submodule(pname.rpartition(".")[0])
-            assert isinstance(module, StackedLinear)
-            if shards == set(module.shard_offsets):
-                loaded.add(pname)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise MissingWeightsError(f"The MTP layer's checkpoint lacks {missing[:5]}.")
+            else:
+                loader.load(name, tensor, stacked=not DeepseekV2ForCausalLM.own_projection(name))
+        loader.check_complete()
         check_experts_loaded(self)
 
 

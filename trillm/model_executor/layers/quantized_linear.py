@@ -43,6 +43,7 @@ from trillm.distributed.sharding import RankShapes
 from trillm.kernels import linear_q_cpu
 from trillm.model_executor import awq_gptq, gguf_loader, quant_sharding
 from trillm.model_executor.gguf_loader import GGUFTensor
+from trillm.model_executor.models.stacked_weights import STACKED_PARAMS, StackedLinear
 
 logger = logging.getLogger(__name__)
 EMBEDDING = "model.embed_tokens.weight"
@@ -147,8 +148,6 @@ def _by_module(
     """Checkpoint layer path -> item, regrouped by the model's linear modules: (module, its
     path, its items in shard order (the shards that have one), items by shard ("" for a plain
     layer))."""
-    from trillm.model_executor.models.llama import STACKED_PARAMS, StackedLinear
-
     groups: dict[str, dict[str, _T]] = {}  # module path -> shard (or "") -> item
     for path, item in paths.items():
         parent, _, proj = path.rpartition(".")
@@ -176,8 +175,6 @@ def _drop_float_weight(model: nn.Module, module: nn.Linear, path: str) -> None:
 
 
 def _attach(model: nn.Module, quantized: dict[str, GGUFTensor]) -> None:
-    from trillm.model_executor.models.llama import StackedLinear
-
     paths = {name.removesuffix(".weight"): t for name, t in quantized.items()}
     for module, path, parts, shards in _by_module(model, paths):
         # a shard stored as floats (F16 beside Q8_0) was loaded as floats: the layer is not all

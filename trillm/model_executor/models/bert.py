@@ -21,7 +21,7 @@ from trillm.attention.kv_layout import KVCacheLayout
 from trillm.config import ModelConfig
 from trillm.model_executor import classification
 from trillm.model_executor.encoder_config import CROSS_ENCODERS, is_roberta, position_offset
-from trillm.model_executor.models.llama import MissingWeightsError
+from trillm.model_executor.models.stacked_weights import MissingWeightsError
 
 _ACTIVATIONS = {
     "gelu": F.gelu,

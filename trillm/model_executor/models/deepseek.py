@@ -36,7 +36,6 @@ from trillm.model_executor.models.llama import (
     FoldedResidualLayer,
     LlamaDecoderFlags,
     LlamaMLP,
-    StackedLinear,
 )
 from trillm.model_executor.models.moe import MoEForCausalLM
 
@@ -179,11 +178,10 @@ class DeepseekV2ForCausalLM(MoEForCausalLM):
             if match is None or int(match.group(1)) < self.config.num_hidden_layers:
                 yield name, tensor
 
-    def _stacked_target(self, name: str) -> tuple[str, StackedLinear, str, str] | None:
+    @classmethod
+    def own_projection(cls, name: str) -> bool:
         """MLA's ``q_proj`` is its own projection, not a share of a stacked q/k/v."""
-        if ".self_attn." in name:
-            return None
-        return super()._stacked_target(name)
+        return ".self_attn." in name
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

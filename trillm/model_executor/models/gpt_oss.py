@@ -41,10 +41,10 @@ from trillm.model_executor.models.llama import (
     LlamaDecoderFlags,
     LlamaForCausalLM,
     LlamaModel,
-    MissingWeightsError,
     rank_shapes,
 )
 from trillm.model_executor.models.moe import num_experts, refuse_quantized_experts
+from trillm.model_executor.models.stacked_weights import MissingWeightsError
 from trillm.model_executor.quantization import checkpoint_method
 
 

@@ -5,8 +5,8 @@ columns of gate/up and rows of down, its vocabulary rows of the embedding and he
 (``RankShapes``); o_proj's and down_proj's partial sums are all-reduced.
 
 Parameter names match Hugging Face's (``model.layers.N.self_attn.q_proj.weight``, ...) except
-that q/k/v and gate/up are stacked into one matmul each; ``STACKED_PARAMS`` maps the HF names
-onto the stacked shards, so safetensors load by name.
+that q/k/v and gate/up are stacked into one matmul each; ``stacked_weights.py`` maps the HF
+names onto the stacked shards, so safetensors load by name.
 """
 
 from __future__ import annotations
@@ -34,43 +34,10 @@ from trillm.model_executor.layer_types import layer_windows, partial_rotary_fact
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
 from trillm.model_executor.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
+from trillm.model_executor.models.stacked_weights import StackedLinear, StackedWeightLoader
 
-# HF parameter suffix -> (stacked parameter suffix, shard name)
-STACKED_PARAMS: dict[str, tuple[str, str]] = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
 # Checkpoint entries that are not parameters (old exports carry the rotary buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-class MissingWeightsError(ValueError):
-    """The checkpoint lacks parameters the model needs (or has ones it does not know)."""
-
-
-class StackedLinear(nn.Linear):
-    """One matmul for several HF projections; ``shards`` maps a shard name to its out rows."""
-
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shards.values()), bias=bias)
-        self.shard_offsets: dict[str, tuple[int, int]] = {}
-        start = 0
-        for name, size in shards.items():
-            self.shard_offsets[name] = (start, size)
-            start += size
-
-    def load_shard(self, shard: str, param_kind: str, tensor: torch.Tensor) -> None:
-        start, size = self.shard_offsets[shard]
-        target = self.weight if param_kind == "weight" else self.bias
-        if target is None or tensor.shape[0] != size:
-            raise MissingWeightsError(
-                f"Shard {shard!r} {param_kind} of shape {tuple(tensor.shape)} does not fit "
-                f"{size} rows (or the layer has no {param_kind})."
-            )
-        target.data[start : start + size].copy_(tensor)
 
 
 @dataclass(frozen=True)
@@ -358,8 +325,7 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors in; raises MissingWeightsError naming what is missing."""
         skip = self.NON_DECODER_PREFIXES
         params = {n: p for n, p in self.named_parameters() if not n.startswith(skip)}
-        loaded: set[str] = set()
-        shards_seen: dict[str, set[str]] = {}  # stacked param name -> shards loaded
+        loader = StackedWeightLoader(self, params, "Checkpoint")
         for name, tensor in weights:
             if name.endswith(IGNORED_SUFFIXES):
                 continue
@@ -367,47 +333,11 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding is the head
             if self.pp.num_stages > 1 and is_missing(self, name):
                 continue  # another pipeline stage's
-            stacked = self._stacked_target(name)
-            if stacked is None:
-                self._load_plain(params, name, tensor)
-                loaded.add(name)
-                continue
-            param_name, module, shard, kind = stacked
-            module.load_shard(shard, kind, tensor)
-            shards_seen.setdefault(param_name, set()).add(shard)
-        for param_name, shards in shards_seen.items():
-            module = self._stacked_module(param_name.rpartition(".")[0])
-            if shards == set(module.shard_offsets):
-                loaded.add(param_name)
-        missing = set(params) - loaded
-        if missing:
-            raise MissingWeightsError(
-                f"Checkpoint is missing {len(missing)} weight(s), e.g. {sorted(missing)[:5]}."
-            )
+            loader.load(name, tensor, stacked=not self.own_projection(name))
+        loader.check_complete()
 
-    def _stacked_target(self, name: str) -> tuple[str, StackedLinear, str, str] | None:
-        """(stacked param name, its module, shard, weight|bias) for a q/k/v/gate/up name."""
-        module_path, _, kind = name.rpartition(".")
-        parent, _, proj = module_path.rpartition(".")
-        if proj not in STACKED_PARAMS:
-            return None
-        stacked, shard = STACKED_PARAMS[proj]
-        module = self._stacked_module(f"{parent}.{stacked}")
-        return f"{parent}.{stacked}.{kind}", module, shard, kind
-
-    def _stacked_module(self, path: str) -> StackedLinear:
-        module = self.get_submodule(path)
-        if not isinstance(module, StackedLinear):
-            raise MissingWeightsError(f"{path!r} is not a stacked projection.")
-        return module
-
-    @staticmethod
-    def _load_plain(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
-        if name not in params:
-            raise MissingWeightsError(f"Checkpoint has an unexpected weight {name!r}.")
-        param = params[name]
-        if param.shape != tensor.shape:
-            raise MissingWeightsError(
-                f"Weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}."
-            )
-        param.data.copy_(tensor)
+    @classmethod
+    def own_projection(cls, name: str) -> bool:
+        """Whether ``name`` is a projection of its own though it reads like a share of a
+        stacked q/k/v or gate/up (none in Llama)."""
+        return False

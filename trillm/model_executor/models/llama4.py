@@ -50,10 +50,10 @@ from trillm.model_executor.models.llama import (
     LlamaDecoderFlags,
     LlamaForCausalLM,
     LlamaMLP,
-    MissingWeightsError,
     rank_shapes,
 )
 from trillm.model_executor.models.moe import check_experts_loaded, refuse_quantized_experts
+from trillm.model_executor.models.stacked_weights import MissingWeightsError
 
 _QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
 _EXPERTS = re.compile(r"^(model\.layers\.\d+\.feed_forward\.experts)\.(gate_up_proj|down_proj)$")

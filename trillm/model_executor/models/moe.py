@@ -23,8 +23,8 @@ from trillm.model_executor.models.llama import (
     LlamaDecoderFlags,
     LlamaForCausalLM,
     LlamaModel,
-    MissingWeightsError,
 )
+from trillm.model_executor.models.stacked_weights import MissingWeightsError
 from trillm.model_executor.quantization import UnsupportedQuantizationError
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")

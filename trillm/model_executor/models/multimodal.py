@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from trillm.model_executor.models.llama import LlamaForCausalLM, MissingWeightsError
+from trillm.model_executor.models.stacked_weights import MissingWeightsError, load_plain
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 
@@ -43,7 +43,7 @@ class ImageEmbeddingsMixin:
                 if unused and name.startswith(unused):
                     continue
                 if name.startswith(self.NON_DECODER_PREFIXES):
-                    LlamaForCausalLM._load_plain(own, name, tensor)
+                    load_plain(own, name, tensor)
                     loaded.add(name)
                 elif not (drop_position_ids and name.endswith("position_ids")):
                     yield name, tensor
