@@ -129,10 +129,10 @@ def test_bad_budgets_are_refused_by_name():
 
 
 def test_skip_mm_profiling_is_accepted_and_said_in_the_log(caplog):
-    with caplog.at_level(logging.INFO, logger="trillm.config.engine_args"):
+    with caplog.at_level(logging.INFO, logger="trillm.config.engine_checks"):
         EngineArgs(skip_mm_profiling=True)
     assert "skip_mm_profiling: trillm runs no memory-profiling pass at start" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="trillm.config.engine_args"):
+    with caplog.at_level(logging.INFO, logger="trillm.config.engine_checks"):
         EngineArgs()
     assert "skip_mm_profiling" not in caplog.text

@@ -1,20 +1,14 @@
 """``EngineArgs``: what a user passes to ``trillm serve``, ``open_engine`` or ``LLM`` (vLLM's
-names), each field with its flag, checked when made (the parallel world's checks in
-``parallel.py``)."""
+names), each field with its flag, checked when made (``engine_checks.py``; the parallel
+world's checks in ``parallel.py``)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from trillm.config.mm_processor_cache import (
-    DEFAULT_MM_PROCESSOR_CACHE_GB,
-    check_mm_processor_cache_gb,
-)
-from trillm.config.multimodal import check_limit_mm_per_prompt, check_media_args
-from trillm.config.parallel import check_parallel
-from trillm.config.pooling import check_runner
+from trillm.config.engine_checks import check_engine_args
+from trillm.config.mm_processor_cache import DEFAULT_MM_PROCESSOR_CACHE_GB
 from trillm.config.values import (
     DEFAULT_GRAMMAR_CACHE_BYTES,
     AttentionBackendName,
@@ -372,74 +366,8 @@ class EngineArgs:
         "models on CPU; slower.",
     )
 
-    def _take_structured_outputs_config(self) -> None:
-        """Check ``structured_outputs_config``; load its reasoning parser plugin; its
-        reasoning_parser is ``reasoning_parser`` (the two must agree when both are given)."""
-        from trillm.config.structured_outputs import parse_structured_outputs_config
-
-        so = parse_structured_outputs_config(self.structured_outputs_config)
-        if so.reasoning_parser_plugin:
-            from trillm.parsers.plugin_files import run_plugin_file
-
-            run_plugin_file(so.reasoning_parser_plugin, "reasoning_parser_plugin")
-        if so.reasoning_parser:
-            if self.reasoning_parser not in (None, so.reasoning_parser):
-                raise ValueError(
-                    f"reasoning_parser {self.reasoning_parser!r} and structured_outputs_config."
-                    f"reasoning_parser {so.reasoning_parser!r} disagree: give one."
-                )
-            self.reasoning_parser = so.reasoning_parser
-
     def __post_init__(self) -> None:
-        # Honour or refuse: what trillm cannot do yet is refused before anything loads.
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        check_parallel(self)
-        if self.skip_tokenizer_init:
-            raise ValueError(
-                "skip_tokenizer_init is not supported: the engine needs the tokenizer "
-                "(stop strings, detokenization, chat templates)."
-            )
-        self._take_structured_outputs_config()
-        if self.reasoning_parser is not None:
-            from trillm.parsers.reasoning import get_reasoning_parser
-
-            get_reasoning_parser(self.reasoning_parser)  # ValueError naming the known ones
-        if self.quantization is not None:
-            from trillm.model_executor.quantization import check_quantization
-
-            check_quantization(self.quantization)  # ValueError naming the method
-        check_kv_cache_dtype(self.kv_cache_dtype)
-        self.structured_outputs_cache_bytes = (
-            grammar_cache_bytes_from_env()
-            if self.structured_outputs_cache_bytes is None
-            else check_grammar_cache_bytes(self.structured_outputs_cache_bytes)
-        )
-        check_numerics(self.numerics)
-        self.limit_mm_per_prompt = check_limit_mm_per_prompt(self.limit_mm_per_prompt)
-        self.allowed_local_media_path, self.allowed_media_domains, self.mm_processor_kwargs = (
-            check_media_args(
-                self.allowed_local_media_path, self.allowed_media_domains, self.mm_processor_kwargs
-            )
-        )
-        self.mm_processor_cache_gb = check_mm_processor_cache_gb(self.mm_processor_cache_gb)
-        check_runner(self.runner, self.convert, self.pooler_config)  # ValueError naming it
-        from trillm.spec_decode.config import parse_speculative_config
-
-        parse_speculative_config(self.speculative_config)  # ValueError naming the key
-        # Accepted with vLLM's meaning where nothing here differs; said once in the log.
-        if self.trust_remote_code:
-            logger.info(
-                "trust_remote_code: the checkpoint's tokenizer code may run; its model "
-                "code never does (trillm's own model implementations are used)."
-            )
-        if self.skip_mm_profiling:
-            logger.info(
-                "skip_mm_profiling: trillm runs no memory-profiling pass at start (the "
-                "encoder's or any other); nothing to skip."
-            )
+        check_engine_args(self)  # honour or refuse, before anything loads
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
