@@ -21,11 +21,8 @@ from trillm.config.values import (
     check_kv_cache_dtype,
     check_numerics,
     flag,
-    grammar_cache_bytes_from_env,
     not_a_flag,
 )
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
