@@ -17,9 +17,6 @@ from trillm.config.values import (
     KVCacheDtype,
     LoadFormat,
     Numerics,
-    check_grammar_cache_bytes,
-    check_kv_cache_dtype,
-    check_numerics,
     flag,
     not_a_flag,
 )
