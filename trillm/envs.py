@@ -16,6 +16,8 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
+from trillm import vllm_env
+
 T = TypeVar("T")
 
 
@@ -176,3 +178,15 @@ def check_all() -> None:
     not when the feature is first used."""
     for var in ALL:
         var.get()
+    check_vllm_variables()
+
+
+def check_vllm_variables() -> None:
+    """A ValueError naming the first variable of ``vllm_env.REFUSED`` set to a value that asks
+    for what trillm does not do (vLLM's default asks nothing and passes)."""
+    for name, refused in vllm_env.REFUSED.items():
+        text = os.environ.get(name)
+        if text is not None and refused.asks(text):
+            raise ValueError(
+                f"{name}={text!r} is not supported: {refused.reason}. Unset {name} to start."
+            )

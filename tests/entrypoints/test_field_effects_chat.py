@@ -276,6 +276,11 @@ def test_add_special_tokens_and_the_tokenizer_flag(bos_server, server):
     chat = httpx.post(bos_server.url + "/tokenize", json=msgs).json()["tokens"]
     assert chat[0] != 0
     assert tokens(bos_server, prompt=None, add_special_tokens=True, **msgs) == [0, *chat]
+    # chat completions: the same, off by default (vLLM's)
+    rendered = full(bos_server, "chat")["prompt_token_ids"]
+    assert rendered[0] != 0
+    with_bos = full(bos_server, "chat", add_special_tokens=True)["prompt_token_ids"]
+    assert with_bos == [0, *rendered]
 
 
 def test_server_chat_template_and_its_kwargs(bos_server):

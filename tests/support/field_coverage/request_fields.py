@@ -21,6 +21,7 @@ from field_coverage.ids import (
     STRUCTURED,
     TOKENIZE,
     TOOLS_HTTP,
+    VLLM_LIST,
     ids,
 )
 
@@ -117,6 +118,11 @@ _CHAT = {
     ),
     "documents": ids(MESSAGES),
     "echo": ids(REQ + "test_chat_echo_prepends_the_assistants_last_message"),
+    # the template's reasoning_effort and enable_thinking, as vLLM renders them
+    "reasoning_effort": ids(
+        VLLM_LIST + "test_reasoning_effort_reaches_the_template_as_vllm_renders_it"
+    ),
+    "add_special_tokens": ids(FEC + "test_add_special_tokens_and_the_tokenizer_flag"),
 }
 
 _COMPLETION = {

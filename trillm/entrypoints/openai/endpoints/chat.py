@@ -42,7 +42,10 @@ from trillm.entrypoints.openai.http.errors import (
     BadRequestError,
     from_engine_exception,
 )
-from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest
+from trillm.entrypoints.openai.schemas.protocol import (
+    CHAT_REASONING_EFFORTS,
+    ChatCompletionRequest,
+)
 from trillm.messages import MultiModalItem
 
 
@@ -142,7 +145,7 @@ async def prompt_tokens(
         chat_template=req.chat_template,  # None: the engine's --chat-template or the model's
         add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
         continue_final_message=req.continue_final_message,
-        chat_template_kwargs=req.chat_template_kwargs,
+        chat_template_kwargs=_template_kwargs(req),
         tools=tools.template_tools,
         documents=req.documents,
         # A request's own template is metered: stopped past its time or size budget.
@@ -155,11 +158,14 @@ async def prompt_tokens(
             text = await trio.to_thread.run_sync(render, limiter=pre.tokenize_limiter)
     except ChatTemplateError as exc:
         raise BadRequestError(str(exc), exc.param) from exc
-    # NOTE: the template writes the special tokens itself (BOS included where the model has one).
+    # NOTE: the template writes the special tokens itself (BOS included where the model has
+    # one); add_special_tokens (vLLM's, off by default) adds the tokenizer's on top.
     truncating = req.truncate_prompt_tokens is not None
     # with images: as the model's processor writes it (Gemma 3: newlines around each image)
     tokenized = processor_text(pre.multimodal, text) if images else text
-    ids = await pre.tokenize(tokenized, False, param="messages", truncating=truncating)
+    ids = await pre.tokenize(
+        tokenized, req.add_special_tokens, param="messages", truncating=truncating
+    )
     items: list[MultiModalItem] = []
     if images:  # stage 3: placeholders expanded, images processed
         kwargs = req.mm_processor_kwargs
@@ -167,6 +173,23 @@ async def prompt_tokens(
     else:
         check_mm_kwargs(pre, req.mm_processor_kwargs)
     return ids, items, text
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The template's keywords: the request's, with ``reasoning_effort`` over them and
+    ``enable_thinking`` (any effort but "none") unless they set it, as vLLM renders them."""
+    effort = req.reasoning_effort
+    if effort is None:
+        return req.chat_template_kwargs
+    if effort not in CHAT_REASONING_EFFORTS:
+        raise BadRequestError(
+            f"'reasoning_effort' must be one of {', '.join(CHAT_REASONING_EFFORTS)}, got "
+            f"{effort!r}.",
+            "reasoning_effort",
+        )
+    kwargs = {**(req.chat_template_kwargs or {}), "reasoning_effort": effort}
+    kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs
 
 
 def _top_logprobs(state: ServerState, req: ChatCompletionRequest) -> int | None:

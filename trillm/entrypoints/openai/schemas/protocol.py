@@ -24,6 +24,8 @@ MAX_REQUEST_TIMEOUT_S = 86_400.0  # a request's ``timeout``: at most a day
 # output): three 1 MB ids slowed a 200-token request beside them from 0.3 s to 14 s.
 MAX_REQUEST_ID_CHARS = 256
 MAX_CHAT_MESSAGES = 100_000  # a chat's messages, in chat completions and /tokenize
+# vLLM's reasoning efforts of a chat completion ("max": DeepSeek V4's templates)
+CHAT_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def _f(default: Any = attrs.NOTHING, **limits: Any) -> Any:
@@ -233,6 +235,11 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Union[str, NamedToolChoice, None] = None  # noqa: UP007
     parallel_tool_calls: bool | None = True
     include_reasoning: bool = True
+    # vLLM's: the template's ``reasoning_effort`` (and ``enable_thinking``: any effort but
+    # "none", unless chat_template_kwargs sets it); one of CHAT_REASONING_EFFORTS
+    reasoning_effort: str | None = None
+    # vLLM's: the tokenizer's special tokens (BOS) on top of those the template writes
+    add_special_tokens: bool = False
     documents: list[dict[str, Any]] | None = _f(None, max_len=1024)
 
 

@@ -1,9 +1,10 @@
 """Strict structuring of decoded JSON into the request schemas (``protocol.py`` and its
 siblings).
 
-Unknown fields are accepted and ignored (OpenAI clients send extras); known fields are checked
-for type and range, and the first bad one is reported with its path as ``param``
-(``temperature``, ``messages[1].content``). Ranges come from each field's metadata
+Unknown fields are accepted and ignored (OpenAI clients send extras), but for vLLM's fields this
+server does not implement (``vllm_refused``: a 400 naming one that asks for something). Known
+fields are checked for type and range, and the first bad one is reported with its path as
+``param`` (``temperature``, ``messages[1].content``). Ranges come from each field's metadata
 (``protocol._f``), the declaration the OpenAPI schema is generated from too.
 
 Every integer must fit 64 bits and every number be a finite float32 value, whatever the field:
@@ -23,6 +24,7 @@ import attrs
 import trio
 
 from trillm.entrypoints.openai.http.errors import BadRequestError
+from trillm.entrypoints.openai.schemas.vllm_refused import refusal
 from trillm.sampling_params import FLOAT32_MAX, INT64_MAX, INT64_MIN
 
 # The name the unknown-fields warning has always been logged under.
@@ -81,6 +83,8 @@ def _structure_attrs(cls: type[Any], data: Any, path: str) -> Any:
         raise BadRequestError(f"{where}must be a JSON object.", path or None)
     hints = _hints(cls)
     if not data.keys() <= hints.keys():
+        if not path:
+            _refuse_vllm_fields(cls, data, hints)
         extra = _UNKNOWN.get(None)
         if extra is not None and len(extra) < _MAX_LOGGED_UNKNOWN:
             extra.extend(f"{path}.{k}" if path else k for k in data if k not in hints)
@@ -98,6 +102,16 @@ def _structure_attrs(cls: type[Any], data: Any, path: str) -> Any:
         _check_limits(value, field.metadata, fpath)
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def _refuse_vllm_fields(cls: type[Any], data: dict[str, Any], hints: dict[str, Any]) -> None:
+    """A vLLM field this schema does not declare is a 400 when its value asks for something
+    (``vllm_refused``); any other unknown field is ignored, as vLLM ignores it."""
+    for key in data:
+        if key not in hints:
+            message = refusal(cls.__name__, key, data[key])
+            if message is not None:
+                raise BadRequestError(message, key)
 
 
 def _structure(value: Any, tp: Any, path: str) -> Any:
