@@ -60,16 +60,21 @@ def _add_query_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-class Client:
-    """One server: its base URL, key and model."""
+def _http_client(args: argparse.Namespace) -> httpx.Client:
+    """The connection pool to the server at ``--url``, with its key."""
+    key = args.api_key or os.environ.get("OPENAI_API_KEY", "EMPTY")
+    return httpx.Client(
+        base_url=args.url.rstrip("/"),
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=httpx.Timeout(600.0, connect=10.0),
+    )
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        key = args.api_key or os.environ.get("OPENAI_API_KEY", "EMPTY")
-        self.http = httpx.Client(
-            base_url=args.url.rstrip("/"),
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=httpx.Timeout(600.0, connect=10.0),
-        )
+
+class Client:
+    """One server's model, asked over ``http`` (which the caller owns and closes)."""
+
+    def __init__(self, args: argparse.Namespace, http: httpx.Client) -> None:
+        self.http = http
         self.stats = args.stats
         self.model = args.model_name or self._first_model()
         print(f"Using model: {self.model}", flush=True)
@@ -155,8 +160,8 @@ def run_complete(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, session: Any) -> int:
     try:
-        client = Client(args)
-        session(client, args)
+        with _http_client(args) as http:
+            session(Client(args, http), args)
     except (ServerError, httpx.HTTPError) as exc:
         print(f"trillm {args.command}: {exc}", file=sys.stderr)
         return 1
