@@ -489,6 +489,7 @@ def test_tls_client_certificates_and_cors_methods_reach_the_server(tmp_path, cap
     import trio
 
     from trillm.entrypoints.cli import vllm_flags
+    from trillm.entrypoints.openai.http.deployment import configure_hypercorn, wrap_asgi
 
     files = {name: tmp_path / f"{name}.pem" for name in ("key", "cert", "ca")}
     for path in files.values():
@@ -508,7 +509,7 @@ def test_tls_client_certificates_and_cors_methods_reach_the_server(tmp_path, cap
     ]
     opts = server_options(build_parser().parse_args(argv))
     config = types.SimpleNamespace()
-    vllm_flags.configure_hypercorn(config, opts)
+    configure_hypercorn(config, opts)
     assert config.ca_certs == str(files["ca"]) and config.verify_mode == ssl.CERT_REQUIRED
 
     async def app(scope, receive, send):
@@ -529,7 +530,7 @@ def test_tls_client_certificates_and_cors_methods_reach_the_server(tmp_path, cap
             (b"access-control-request-method", method.encode()),
         ]
         scope = {"type": "http", "method": "OPTIONS", "path": "/v1/models", "headers": headers}
-        trio.run(vllm_flags.wrap_asgi(app, opts), scope, receive, send)
+        trio.run(wrap_asgi(app, opts), scope, receive, send)
         return sent[0]["status"]
 
     assert (preflight("GET"), preflight("POST")) == (200, 400)

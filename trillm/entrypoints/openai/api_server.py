@@ -27,7 +27,6 @@ import attrs
 import trio
 
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
-from trillm.entrypoints.cli import vllm_flags
 from trillm.entrypoints.openai.endpoints import lora
 from trillm.entrypoints.openai.endpoints.base import ServerState, max_prompt_chars
 from trillm.entrypoints.openai.endpoints.budgets import (
@@ -37,6 +36,7 @@ from trillm.entrypoints.openai.endpoints.budgets import (
 from trillm.entrypoints.openai.engine_supervisor import supervise_engine
 from trillm.entrypoints.openai.http.app import DEFAULT_HEALTH_STEP_TIMEOUT_S, build_app
 from trillm.entrypoints.openai.http.auth import ApiKeys
+from trillm.entrypoints.openai.http.deployment import wrap_asgi
 from trillm.entrypoints.openai.http.listener import (
     hypercorn_config,
     hypercorn_serve,
@@ -96,7 +96,8 @@ class ServerOptions:
     restart_on_engine_death: bool = False
     # /health's bound on one engine step in seconds (--health-step-timeout; None: none).
     health_step_timeout: float | None = DEFAULT_HEALTH_STEP_TIMEOUT_S
-    # vLLM's deployment flags (vllm_flags.py): TLS, CORS, proxy, logs, metrics.
+    # vLLM's deployment flags (cli/vllm_flags.py, http/deployment.py): TLS, CORS, proxy, logs,
+    # metrics.
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
@@ -182,7 +183,7 @@ async def _serve(
                 api_keys = ApiKeys.resolve(opts.api_key)
                 logger.info("%s", api_keys.describe())
                 app = build_app(state, api_keys, log_len, opts.health_step_timeout)
-                app = vllm_flags.wrap_asgi(app, opts, state.metrics)
+                app = wrap_asgi(app, opts, state.metrics)
                 shutdown = trio.Event()
                 config = hypercorn_config(opts, listener)
                 serve = partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)

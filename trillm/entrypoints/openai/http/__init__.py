@@ -1,1 +1,1 @@
-"""The HTTP layer of the OpenAI-compatible server: the app and its gate (``app``, ``auth``), the listener, keep-alive, CORS, exchange clean-up and the error shape."""
+"""The HTTP layer of the OpenAI-compatible server: the app and its gate (``app``, ``auth``), the listener, keep-alive, CORS and the deployment flags around the app (``deployment``), exchange clean-up and the error shape."""

@@ -10,7 +10,7 @@ import socket
 import stat
 from typing import Any
 
-from trillm.entrypoints.cli import vllm_flags
+from trillm.entrypoints.openai.http.deployment import configure_hypercorn
 from trillm.entrypoints.openai.http.keepalive import KeepAliveGuard
 
 
@@ -110,5 +110,5 @@ def hypercorn_config(opts: Any, listener: socket.socket) -> Any:
     # at once: the dropped SYNs are retried after 1 s, which lands in their TTFT. 2048 as uvicorn.
     config.backlog = 2048
     config.include_server_header = False
-    vllm_flags.configure_hypercorn(config, opts)  # --ssl-*, --root-path
+    configure_hypercorn(config, opts)  # --ssl-* (--root-path: deployment.RootPath)
     return config
