@@ -46,12 +46,15 @@ PROMPT_EMBEDS_MODALITY = "prompt_embeds"
 class MultiModalItem:
     """One processed input item (an image's pixel values) and the prompt tokens it fills."""
 
-    modality: str  # "image", "audio", PROMPT_EMBEDS_MODALITY
+    modality: str  # "image", "video", "audio", PROMPT_EMBEDS_MODALITY
     content_hash: str  # of the processed data: the encoder cache's key, in extra_hash_keys
     offset: int  # the first placeholder token's position in the prompt
     length: int  # placeholder tokens = the encoder's output rows
     data: bytes  # the processed tensor, float32, C order
     shape: list[int]  # e.g. [3, H, W]
+    # M-RoPE: a video's time step per temporal patch (Qwen2.5-VL: tokens_per_second * its
+    # seconds; transformers floors k * time_interval)
+    time_interval: float = 1.0
 
 
 @dataclass(slots=True)

@@ -89,7 +89,7 @@ BAD_VALUES: dict[str, tuple[str, str]] = {
     "kv_cache_dtype": ("fp8_e5m2", "not implemented yet"),
     "load_format": ("pt", "not implemented yet"),
     "speculative_config": ('{"method": "medusa"}', "not implemented yet"),
-    "limit_mm_per_prompt": ('{"video": 1}', "not implemented yet"),
+    "limit_mm_per_prompt": ('{"video": -1}', "integer >= 0"),
     "host": ("https://example.com/", "is not a host name"),
     "class_name": ("not a class", "is not a class name"),
 }

@@ -114,16 +114,17 @@ def test_mm_processor_kwargs(llm, path):
             llm.generate(prompt, GREEDY)
 
 
-def test_video_input_is_refused_by_name(llm):
-    with pytest.raises(InvalidRequestError, match="video and audio inputs are not implemented"):
+def test_video_input_is_refused_by_name(llm, path):
+    with pytest.raises(InvalidRequestError, match="takes no video inputs"):
         llm.generate({"prompt": "x", "multi_modal_data": {"video": [image(0)]}}, GREEDY)
     prompt = {"prompt": f"<video> {IMAGE}", "multi_modal_data": {"image": [image(0)]}}
     with pytest.raises(InvalidRequestError, match="video placeholder; video inputs are not"):
         llm.generate(prompt, GREEDY)
     from trillm.config import EngineArgs
+    from trillm.engine.config_builder import build_config
 
-    with pytest.raises(ValueError, match="video inputs are not implemented yet"):
-        EngineArgs(path, limit_mm_per_prompt={"video": 1})
+    with pytest.raises(ValueError, match=r"\['video'\]=1: LlavaOnevision.* takes no video"):
+        build_config(EngineArgs(path, limit_mm_per_prompt={"video": 1}))
 
 
 def test_feature_layers_and_the_pooling_head(tmp_path):

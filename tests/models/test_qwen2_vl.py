@@ -190,7 +190,7 @@ def test_config_fields_trillm_cannot_run_are_refused(paths, tmp_path):
 
     config = build_config(EngineArgs(paths["2"]))
     assert config.model.hf_config["rope_parameters"]["mrope_section"] == [2, 3, 3]
-    assert config.limit_mm_per_prompt == {"image": 1}
+    assert config.limit_mm_per_prompt == {"image": 1, "video": 1}
     for change, words in [
         ({"use_sliding_window": True}, "use_sliding_window is not supported"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type 'yarn'"),
@@ -208,9 +208,9 @@ def test_config_fields_trillm_cannot_run_are_refused(paths, tmp_path):
         LLM(paths["2"], mm_processor_kwargs={"merge_size": 1}, **kwargs)
     with pytest.raises(ValueError, match="does not support Qwen2VLForConditionalGeneration yet"):
         build_config(EngineArgs(paths["2"], tensor_parallel_size=2))
-    with pytest.raises(InvalidRequestError, match="video and audio inputs are not implemented"):
+    with pytest.raises(InvalidRequestError, match="takes no audio inputs"):
         llm = LLM(paths["2.5"], kv_cache_memory="8MiB", distributed_executor_backend="uni")
         try:
-            llm.generate({"prompt": "x", "multi_modal_data": {"video": [image(0)]}}, GREEDY)
+            llm.generate({"prompt": "x", "multi_modal_data": {"audio": [image(0)]}}, GREEDY)
         finally:
             llm.shutdown()

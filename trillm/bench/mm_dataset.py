@@ -9,7 +9,7 @@ within ``--random-mm-num-mm-items-range-ratio`` (0.0) of it and clamped to the s
 0.0}': (height, width, frames) -> probability; one frame is an image, more a video). When a
 modality reaches its limit its buckets leave the draw and the others' probabilities are
 renormalised. Videos (buckets of more than one frame with a probability above 0) and audio
-are refused: trillm serves no video inputs yet.
+are refused: the benchmark does not send videos yet.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def check_buckets(buckets: dict[Bucket, float]) -> None:
         if p > 0 and frames != 1:
             raise DatasetError(
                 f"--random-mm-bucket-config: ({height}, {width}, {frames}) is a video bucket; "
-                "trillm serves no video inputs yet (give it probability 0)."
+                "the benchmark's video requests are not implemented yet (give it probability 0)."
             )
         if p > 0 and not (0 < height <= MAX_SIDE and 0 < width <= MAX_SIDE):
             raise DatasetError(

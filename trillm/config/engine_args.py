@@ -307,7 +307,7 @@ class EngineArgs:
     limit_mm_per_prompt: dict[str, int] | None = flag(
         None,
         "Most multimodal items per prompt, e.g. '{\"image\": 2}' (default: 1 of each "
-        "modality the model takes; 0 disables it); video and audio are not implemented yet: "
+        "modality the model takes; 0 disables it); a modality the model does not take is "
         "refused.",
         value="limit_mm_per_prompt",
         metavar="JSON",

@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 MODALITIES = ("image", "video", "audio")
-IMPLEMENTED_MODALITIES = ("image", "audio")  # the others are refused by name until implemented
 DEFAULT_ITEMS_PER_PROMPT = 1  # vLLM's default for a modality the model takes
 
 
@@ -41,11 +40,6 @@ def check_limit_mm_per_prompt(value: dict[str, Any] | str | None) -> dict[str, i
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(
                 f"limit_mm_per_prompt[{modality!r}] must be an integer >= 0, got {count!r}."
-            )
-        if count and modality not in IMPLEMENTED_MODALITIES:
-            raise ValueError(
-                f"limit_mm_per_prompt: {modality} inputs are not implemented yet (only "
-                f"{', '.join(IMPLEMENTED_MODALITIES)}); set it to 0 or leave it out."
             )
         limits[modality] = count
     return limits

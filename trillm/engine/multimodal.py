@@ -22,6 +22,7 @@ from trillm.config import TrillmConfig
 from trillm.engine import gemma3_inputs as gemma3
 from trillm.engine import onevision_inputs as onevision
 from trillm.engine import qwen2_vl_inputs as qwen2_vl
+from trillm.engine import video_inputs as video
 from trillm.engine.audio_inputs import AudioProcessor
 from trillm.engine.media import ImageSource, MediaConnector, MultiModalInputError, content_hash
 from trillm.engine.mm_processor_cache import ProcessorCache, item_key
@@ -91,6 +92,8 @@ class MultiModalProcessor:
         # What a chat's image part becomes in the prompt text (LLaVA's "<image>")
         self.image_placeholder = str(tokenizer.convert_ids_to_tokens(self.image_token_id))
         self.qwen2_vl = is_qwen2_vl(mm_config)
+        self.modalities = ("image", "video") if self.qwen2_vl else ("image",)
+        self.video_token_id = int(mm_config.get("video_token_id") or -1)  # Qwen2-VL's
         if self.qwen2_vl:
             self.image_placeholder = qwen2_vl.image_placeholder(
                 mm_config, tokenizer, self.image_token_id
@@ -167,10 +170,10 @@ class MultiModalProcessor:
         if not isinstance(data, dict):
             raise MultiModalInputError("multi_modal_data must be a dict like {'image': image}.")
         for modality in data:
-            if modality != "image":
+            if modality not in self.modalities:
                 raise MultiModalInputError(
-                    f"multi_modal_data[{modality!r}]: {self.architecture} takes images only "
-                    "(video and audio inputs are not implemented yet)."
+                    f"multi_modal_data[{modality!r}]: {self.architecture} takes no "
+                    f"{modality} inputs (it takes {' and '.join(self.modalities)})."
                 )
         value = data.get("image")
         images = [] if value is None else value if isinstance(value, list) else [value]
@@ -203,6 +206,40 @@ class MultiModalProcessor:
                     f"ratio over {MAX_ASPECT_RATIO}."
                 )
         return images
+
+    async def videos(self, data: Any, kwargs: dict[str, Any]) -> list[tuple[np.ndarray, float]]:
+        """``multi_modal_data["video"]`` -> each video's patches and M-RoPE time interval: the
+        count and sizes checked first, then processed in a tokenization thread."""
+        clips = video.as_list(data.get("video"))
+        if not clips:
+            return []
+        limit = self.limits.get("video", 0)
+        if len(clips) > limit:
+            raise MultiModalInputError(
+                f"multi_modal_data['video']: {len(clips)} videos, at most {limit} per prompt "
+                "(limit_mm_per_prompt)."
+            )
+        for i, clip in enumerate(clips):
+            video.check_video(clip, f"multi_modal_data['video'][{i}]", self.max_pixels)
+        kwargs = qwen2_vl.processor_kwargs(self.image_processor, kwargs)
+        return await trio.to_thread.run_sync(
+            self._video_values, clips, kwargs, limiter=self.limiter
+        )
+
+    def _video_values(self, clips: list[Any], kwargs: dict[str, Any]) -> list[Any]:
+        processor = self.image_processor
+        tp = int(processor.temporal_patch_size)
+        interval = video.time_interval(self.mm_config, tp, video.BARE_FRAMES_FPS)
+        return [
+            (video.video_patches(processor, video.rgb_frames(c), kwargs), interval) for c in clips
+        ]
+
+    def _video_item(self, values: np.ndarray, offset: int, interval: float) -> MultiModalItem:
+        length = self.item_length(values)
+        return MultiModalItem(
+            "video", content_hash(values), offset, length, values.tobytes(), list(values.shape),
+            interval,
+        )  # fmt: skip
 
     def _pixel_values(self, images: list[Any], kwargs: dict[str, Any]) -> list[np.ndarray]:
         out = []
@@ -270,17 +307,22 @@ class MultiModalProcessor:
         pixels = await trio.to_thread.run_sync(
             self._pixel_values, images, merged, limiter=self.limiter
         )
-        slots = [i for i, t in enumerate(ids) if t == self.slot_id]
-        if len(slots) != len(pixels):
-            raise MultiModalInputError(
-                f"The prompt has {len(slots)} image placeholder(s) but multi_modal_data has "
-                f"{len(pixels)} image(s); put one placeholder per image where it belongs.",
-                "prompt",
-            )
+        videos = await self.videos(data, merged)  # [(patches, M-RoPE time interval)]
+        slots = _slots(ids, self.slot_id, len(pixels), "image")
+        entries = [(slot, values, 1.0) for slot, values in zip(slots, pixels, strict=True)]
+        video_slots = _slots(ids, self.video_token_id, len(videos), "video")
+        entries += [(slot, *v) for slot, v in zip(video_slots, videos, strict=True)]
+        entries.sort(key=lambda entry: entry[0])
         out: list[int] = []
         items: list[MultiModalItem] = []
         start = 0
-        for slot, values in zip(slots, pixels, strict=True):
+        for slot, values, interval in entries:
+            if ids[slot] == self.video_token_id:  # Qwen2-VL: <|video_pad|> expanded alone
+                out += ids[start:slot]
+                items.append(self._video_item(values, len(out), interval))
+                out += [self.video_token_id] * items[-1].length
+                start = slot + 1
+                continue
             before, after, skip = self.before, self.after, 1
             if self.end_id is not None and gemma3.is_expanded(ids, slot, self.end_id):
                 before, after, skip = [self.slot_id], [self.end_id], 2  # newlines in the text
@@ -296,6 +338,18 @@ class MultiModalProcessor:
             start = slot + skip
         out += ids[start:]
         return out, items
+
+
+def _slots(ids: list[int], token_id: int, count: int, kind: str) -> list[int]:
+    """Where the prompt's ``kind`` placeholders are: one per item."""
+    slots = [i for i, t in enumerate(ids) if t == token_id]
+    if len(slots) != count:
+        raise MultiModalInputError(
+            f"The prompt has {len(slots)} {kind} placeholder(s) but multi_modal_data has "
+            f"{count} {kind}(s); put one placeholder per {kind} where it belongs.",
+            "prompt",
+        )
+    return slots
 
 
 Processor = MultiModalProcessor | AudioProcessor

@@ -106,7 +106,10 @@ def _enc_new_req(r: NewRequestData) -> list[Any]:
         None
         if (lo := r.lora_request) is None
         else [lo.lora_name, lo.lora_int_id, lo.lora_path, lo.base_model_name],
-        [[m.modality, m.content_hash, m.offset, m.length, m.data, m.shape] for m in r.mm_items],
+        [
+            [m.modality, m.content_hash, m.offset, m.length, m.data, m.shape, m.time_interval]
+            for m in r.mm_items
+        ],
     ]
 
 
@@ -118,7 +121,7 @@ def _dec_new_req(v: list[Any]) -> NewRequestData:
         lora = LoRARequest(*v[6])
     items = []
     for m in v[7]:
-        _check_arity(m, 6, "MultiModalItem")
+        _check_arity(m, 7, "MultiModalItem")
         items.append(MultiModalItem(*m))
     return NewRequestData(v[0], v[1], v[2], _dec_sampling(v[3]), v[4], v[5], lora, items)
 

@@ -69,10 +69,10 @@ _MODELS: dict[str, ModelEntry] = {
     "MixtralForCausalLM": ModelEntry("moe", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ModelEntry("qwen2", "Qwen2ForCausalLM"),
     "Qwen2VLForConditionalGeneration": ModelEntry(
-        "qwen2_vl", "Qwen2VLForConditionalGeneration", modalities=("image",)
+        "qwen2_vl", "Qwen2VLForConditionalGeneration", modalities=("image", "video")
     ),
     "Qwen2_5_VLForConditionalGeneration": ModelEntry(
-        "qwen2_vl", "Qwen2_5_VLForConditionalGeneration", modalities=("image",)
+        "qwen2_vl", "Qwen2_5_VLForConditionalGeneration", modalities=("image", "video")
     ),
     "Qwen2AudioForConditionalGeneration": ModelEntry(
         "qwen2_audio", "Qwen2AudioForConditionalGeneration", modalities=("audio",)

@@ -2,8 +2,9 @@
 ``Qwen2_5_VLForConditionalGeneration``): a vision tower (``qwen2_vl_vision.py``) in front of
 the Qwen2 decoder, whose rotary embedding is M-RoPE (``layers/mrope.py``).
 
-An image's patches [t, h, w, patch_dim] go through the tower once (``encode_image``): one row
-per placeholder token (``<|image_pad|>``), written over the placeholders' token embeddings as
+An image's patches [t, h, w, patch_dim] go through the tower once (``encode_image``; a
+video's, t > 1, likewise: ``encode_video``): one row per placeholder token (``<|image_pad|>``,
+``<|video_pad|>``), written over the placeholders' token embeddings as
 LLaVA's are (``trillm/worker/mm_inputs.py`` hands each step its rows). The runner gives the
 decoder [3, T] positions (``MultiModalInputs.rope_positions``): an image's tokens at (time,
 row, column) of its merged grid, the text after it continuing from the largest + 1.
@@ -61,6 +62,11 @@ class Qwen2VLForConditionalGeneration(ImageEmbeddingsMixin, Qwen2ForCausalLM):
                 f"[t, h, w, {self.visual.patch_embed.patch_dim}]."
             )
         return self.visual(pixels)
+
+    def encode_video(self, pixels: torch.Tensor) -> torch.Tensor:  # [t, h, w, P] -> [N, H]
+        """A video's temporal patches (``temporal_patch_size`` frames each) through the tower:
+        an image is a video of one temporal patch."""
+        return self.encode_image(pixels)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.merge_step_embeddings(self.model.embed_tokens(input_ids))
