@@ -175,7 +175,7 @@ ALL: tuple[EnvVar[Any], ...] = (
 
 def check_all() -> None:
     """Read every variable once: a value none of them takes is a ValueError now, at start-up,
-    not when the feature is first used."""
+    not when the feature is first used; so is a vLLM variable trillm cannot honour."""
     for var in ALL:
         var.get()
     check_vllm_variables()

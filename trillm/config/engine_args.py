@@ -204,6 +204,12 @@ class EngineArgs:
     max_lora_rank: int = flag(
         16, "Highest adapter rank accepted (default: 16).", value="positive_int"
     )
+    max_cpu_loras: int | None = flag(
+        None,
+        "Adapters kept read in CPU memory, at least --max-loras (default: --max-loras); one "
+        "asked for again after its slot was taken is not read from disk again.",
+        value="positive_int",
+    )
     load_format: LoadFormat = flag(  # (model_executor/gguf_loader.py)
         "auto",
         "auto, safetensors, gguf (a .gguf model; auto picks it too) or dummy (no weights "

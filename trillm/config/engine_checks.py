@@ -30,6 +30,7 @@ class CheckedArgs(ParallelArgs, Protocol):
 
     max_loras: int
     max_lora_rank: int
+    max_cpu_loras: int | None
     skip_tokenizer_init: bool
     structured_outputs_config: dict[str, Any] | None
     reasoning_parser: str | None
@@ -56,6 +57,11 @@ def check_engine_args(args: CheckedArgs) -> None:
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    cpu = args.max_cpu_loras
+    if cpu is not None and (not isinstance(cpu, int) or cpu < args.max_loras):
+        raise ValueError(  # (vLLM's rule: the adapters in slots are in the CPU cache too)
+            f"max_cpu_loras must be an integer >= max_loras ({args.max_loras}), got {cpu!r}."
+        )
     check_parallel(args)
     if args.skip_tokenizer_init:
         raise ValueError(

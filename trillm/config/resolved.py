@@ -109,6 +109,7 @@ class ParallelConfig:
 class LoRAConfig:
     max_loras: int = 1  # adapters resident on a worker (and in flight in the engine)
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept read in CPU memory; None: max_loras
 
 
 @dataclass

@@ -318,7 +318,7 @@ def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
             f"enable_lora: LoRA is not implemented for {model.architecture} (it runs on "
             f"{', '.join(sorted(LORA_ARCHITECTURES))})."
         )
-    return LoRAConfig(args.max_loras, args.max_lora_rank)
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
 def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:

@@ -2,7 +2,9 @@
 
 At most ``max_loras`` adapters are resident, each in a slot 0 .. max_loras - 1 of every LoRA
 linear's stacked weights; loading one more evicts the least recently used adapter that no
-request in the batch holds, and takes its slot. The engine core admits at most ``max_loras``
+request in the batch holds, and takes its slot. Up to ``max_cpu_loras`` adapters (vLLM's
+``--max-cpu-loras``, at least ``max_loras``) stay read in CPU memory, least recently used
+dropped first: one evicted from its slot and asked for again is not read from disk again. The engine core admits at most ``max_loras``
 adapters among its running requests, so a batch always fits.
 
 With tensor parallelism each rank loads its part of every adapter, split like the base
@@ -23,7 +25,7 @@ from trillm.config import ModelConfig
 from trillm.distributed.parallel_state import get_tp_group
 from trillm.distributed.sharding import RankShapes
 from trillm.lora.layers import TARGET_MODULES, LoRALinear, StepSlots, attach_lora
-from trillm.lora.peft import load_adapter
+from trillm.lora.peft import AdapterWeights, load_adapter
 from trillm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -42,9 +44,13 @@ class LoRAManager:
         max_lora_rank: int,
         device: torch.device,
         dtype: torch.dtype,
+        max_cpu_loras: int | None = None,  # None: max_loras
     ) -> None:
         self.model_cfg = model_cfg
         self.max_loras = max_loras
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        # (adapter id, path) -> its weights as read, LRU first
+        self._cpu: OrderedDict[tuple[int, str], AdapterWeights] = OrderedDict()
         self.max_lora_rank = max_lora_rank
         self.device, self.dtype = device, dtype
         self.step_slots = StepSlots(torch.zeros(max_loras, dtype=torch.float32, device=device))
@@ -84,7 +90,7 @@ class LoRAManager:
                     f"all {self.max_loras} resident LoRA adapters (max_loras) are in use."
                 )
             self._evict(victim)
-        weights = load_adapter(lora.lora_path, self.model_cfg, self.max_lora_rank)
+        weights = self._read(lora)
         per_module: dict[tuple[int, str], list[tuple[str | None, torch.Tensor, torch.Tensor]]] = {}
         for (layer, proj), (a, b) in weights.modules.items():
             path, shard = TARGET_MODULES[proj]
@@ -103,6 +109,17 @@ class LoRAManager:
             lora.lora_int_id,
             lora.lora_path,
         )
+
+    def _read(self, lora: LoRARequest) -> AdapterWeights:
+        """The adapter's weights: from the CPU cache, else from its files (then cached)."""
+        key = (lora.lora_int_id, lora.lora_path)
+        weights = self._cpu.pop(key, None)
+        if weights is None:
+            weights = load_adapter(lora.lora_path, self.model_cfg, self.max_lora_rank)
+        self._cpu[key] = weights  # the most recently used
+        while len(self._cpu) > self.max_cpu_loras:
+            self._cpu.popitem(last=False)
+        return weights
 
     def _rank_part(
         self, layer: int, proj: str, a: torch.Tensor, b: torch.Tensor

@@ -141,6 +141,7 @@ class ModelRunner:
                 lora.max_lora_rank,
                 self.device,
                 self.dtype,
+                max_cpu_loras=lora.max_cpu_loras,
             )
         # NOTE: a replay would not see the step's state rows, nor run an EAGLE-3 head's hooks
         hooks = self.drafter is not None and self.drafter.hooks_target

@@ -21,6 +21,7 @@ from field_coverage.ids import (
     LLAVA_HTTP,
     LOADING,
     LORA,
+    LORA_CPU,
     LORA_HTTP,
     MN,
     NUM,
@@ -222,6 +223,11 @@ ENGINE: dict[str, tuple[str, ...]] = {
         LORA + "test_adapter_for_another_model_and_lora_off_are_refused",
     ),
     "max_lora_rank": ids(LORA + "test_unimplemented_adapters_are_refused_naming_it"),
+    # an adapter kept in CPU memory comes back without its files; fewer than max_loras refused
+    "max_cpu_loras": ids(
+        LORA_CPU + "test_an_adapter_kept_in_cpu_memory_comes_back_without_its_files",
+        LORA_CPU + "test_fewer_than_max_loras_is_refused",
+    ),
     # the cache's storage: block bytes, kernels reading it, output close to auto's; refusals
     "kv_cache_dtype": ids(
         KV_DTYPE + "test_cache_dtype_sizes_the_blocks_and_unknown_values_are_refused",

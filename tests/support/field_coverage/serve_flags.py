@@ -12,6 +12,7 @@ from field_coverage.ids import (
     GGUF,
     LIFE,
     LORA,
+    LORA_CPU,
     LORA_HTTP,
     MN,
     OPENAI,
@@ -223,6 +224,10 @@ _VLLM_FLAGS = {
     "--max-lora-rank": ids(
         LORA_HTTP + "test_load_and_unload_at_runtime",
         LORA + "test_unimplemented_adapters_are_refused_naming_it",
+    ),
+    "--max-cpu-loras": ids(
+        LORA_CPU + "test_an_adapter_kept_in_cpu_memory_comes_back_without_its_files",
+        LORA_CPU + "test_fewer_than_max_loras_is_refused",
     ),
     "--enable-sleep-mode": ids(
         "tests/entrypoints/test_dev_routes.py::test_sleep_and_wake_up_keep_greedy_completions",
