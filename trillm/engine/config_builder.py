@@ -46,7 +46,7 @@ def resolve_attention_backend(
         return "eager"
     if architecture in deepseek_config.ARCHITECTURES:  # MLA attends in its own torch ops
         return "torch"
-    if architecture == llama4_config.ARCHITECTURE:  # only torch masks chunked attention
+    if architecture in llama4_config.ARCHITECTURES:  # only torch masks chunked attention
         return "torch"
     if device == "cuda":
         try:

@@ -18,6 +18,10 @@ from trillm.model_executor.config_fields import COMMON_FIELDS, INERT, READ
 from trillm.model_executor.layer_types import FULL
 
 ARCHITECTURE = "Llama4ForCausalLM"
+# A multimodal Llama 4 checkpoint (Scout, Maverick): its language model under ``text_config``
+# and ``language_model.*``, served on text alone (no vision encoder yet).
+CONDITIONAL = "Llama4ForConditionalGeneration"
+ARCHITECTURES = (ARCHITECTURE, CONDITIONAL)
 CHUNKED = "chunked_attention"
 
 # Llama4TextConfig's defaults, for keys a config.json may leave out.
@@ -69,7 +73,7 @@ class Llama4ConfigError(ValueError):
 def prepare(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
     """``hf`` with Llama4TextConfig's defaults and derived per-layer lists filled in for a
     Llama 4 text model; any other model's config is returned as it is."""
-    if architecture != ARCHITECTURE:
+    if architecture not in ARCHITECTURES:
         return hf
     if hf.get("is_encoder_decoder"):
         raise Llama4ConfigError(f"is_encoder_decoder=true is not a {ARCHITECTURE} config.")
@@ -94,6 +98,28 @@ def prepare(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
         ]
     _check_layer_types(out["layer_types"], num_layers, chunk)
     return out
+
+
+def conditional_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A ``Llama4ForConditionalGeneration`` config.json's ``text_config`` (the checkpoint's
+    dtype copied in); the vision side's fields (``vision_config``, the image token ids) only
+    serve images, which are refused. A tied top-level ``tie_word_embeddings`` is refused."""
+    text = dict(hf.get("text_config") or {})
+    text_type = text.get("model_type", "llama4_text")
+    if text_type != "llama4_text":
+        raise Llama4ConfigError(
+            f"{CONDITIONAL} with a {text_type!r} language model is not supported; supported: "
+            "llama4_text."
+        )
+    if hf.get("tie_word_embeddings"):
+        raise Llama4ConfigError(
+            f"{CONDITIONAL}: tie_word_embeddings=true at the top level is not supported (the "
+            "language model's text_config decides its own)."
+        )
+    for key in ("dtype", "torch_dtype"):
+        if key in hf and key not in text:
+            text[key] = hf[key]
+    return text
 
 
 def _per_layer(hf: dict[str, Any], key: str, num_layers: int) -> list[int]:

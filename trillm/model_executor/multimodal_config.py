@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trillm.model_executor import llama4_config
 from trillm.model_executor.gemma3_mm_config import (
     GEMMA3_MM_ARCHITECTURE,
     gemma3_text_config,
@@ -37,6 +38,8 @@ _SHARED_KEYS = ("dtype", "torch_dtype")
 
 def split_config(hf: dict[str, Any], architecture: str) -> tuple[dict[str, Any], dict | None]:
     """(the language model's config, the multimodal config or None for a text model)."""
+    if architecture == llama4_config.CONDITIONAL:  # its language model alone
+        return llama4_config.conditional_text_config(hf), None
     if not model_entry(architecture).modalities:
         return hf, None
     if architecture in QWEN2_VL_ARCHITECTURES:

@@ -57,6 +57,8 @@ _MODELS: dict[str, ModelEntry] = {
     "GptOssForCausalLM": ModelEntry("gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM"),
     "Llama4ForCausalLM": ModelEntry("llama4", "Llama4ForCausalLM"),
+    # its language model alone (TEXT_SIDE_ONLY)
+    "Llama4ForConditionalGeneration": ModelEntry("llama4", "Llama4ForConditionalGeneration"),
     "LlavaForConditionalGeneration": ModelEntry(
         "llava", "LlavaForConditionalGeneration", modalities=("image",)
     ),
@@ -116,6 +118,20 @@ _NOT_IMPLEMENTED = {
     "MllamaForConditionalGeneration": "Llama 3.2 Vision: its cross-attention layers (text "
     "attending to the vision encoder's states) are not implemented",
 }
+
+
+# Multimodal checkpoints served on text alone: why their image inputs are refused.
+TEXT_SIDE_ONLY = {
+    "Llama4ForConditionalGeneration": "Llama 4's vision encoder is not implemented in trillm; "
+    "its language model serves text prompts",
+}
+
+
+def no_images_reason(architecture: str) -> str:
+    """`` (why)`` for a model served on text alone (``TEXT_SIDE_ONLY``), else ``""``: the tail
+    of a refusal of image inputs."""
+    why = TEXT_SIDE_ONLY.get(architecture)
+    return f" ({why})" if why else ""
 
 
 def supported_architectures() -> list[str]:

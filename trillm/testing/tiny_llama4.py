@@ -59,3 +59,34 @@ def build_tiny_llama4(out_dir: str | Path, *, seed: int = 0, **overrides: Any) -
             if name.endswith("_proj.bias"):
                 param.normal_(0.0, 0.5)
     return save_text_checkpoint(model, out_dir)
+
+
+# A vision tower as small as Llama4VisionConfig allows: its tensors are in the checkpoint (and
+# skipped by trillm, which serves the language model alone).
+TINY_VISION: dict[str, Any] = dict(
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=64,
+    vision_output_dim=32,
+    image_size=28,
+    patch_size=14,
+    projector_input_dim=32,
+    projector_output_dim=32,
+)
+
+
+def build_tiny_llama4_conditional(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """A ``Llama4ForConditionalGeneration`` checkpoint: ``CONFIG`` as its ``text_config``
+    (``language_model.*``), ``TINY_VISION`` as its vision tower and projector."""
+    import torch
+    import transformers
+
+    config = transformers.Llama4Config(text_config=CONFIG, vision_config=TINY_VISION)
+    torch.manual_seed(seed)
+    model = transformers.Llama4ForConditionalGeneration(config)
+    with torch.no_grad():  # as build_tiny_llama4: biases a dropped one would show
+        for name, param in model.language_model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0.0, 0.5)
+    return save_text_checkpoint(model, out_dir)

@@ -38,11 +38,12 @@ from trillm.attention.backend import (
 )
 from trillm.attention.torch_backend import TorchAttentionBackend
 from trillm.config import ModelConfig
-from trillm.distributed.pipeline import is_missing
+from trillm.distributed.parallel_state import get_tp_group
+from trillm.distributed.pipeline import get_pp_group, is_missing
 from trillm.model_executor.layers.fused_moe import FusedMoE
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
-from trillm.model_executor.llama4_config import ARCHITECTURE, CHUNKED
+from trillm.model_executor.llama4_config import ARCHITECTURE, CHUNKED, CONDITIONAL
 from trillm.model_executor.models.llama import (
     DecoderStack,
     FoldedResidualLayer,
@@ -56,6 +57,7 @@ from trillm.model_executor.models.moe import check_experts_loaded, refuse_quanti
 from trillm.model_executor.models.stacked_weights import MissingWeightsError
 
 _QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
+_VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")  # not implemented: skipped
 _EXPERTS = re.compile(r"^(model\.layers\.\d+\.feed_forward\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -211,3 +213,32 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         order = torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])
         heads = rows.view(-1, dim, *rows.shape[1:])
         return heads.index_select(1, order.to(rows.device)).reshape(rows.shape)
+
+
+class Llama4ForConditionalGeneration(Llama4ForCausalLM):
+    """A multimodal Llama 4 checkpoint's language model (``language_model.*``), as
+    transformers' ``Llama4ForConditionalGeneration`` computes text-only prompts. The vision
+    encoder and projector are not implemented: their tensors are skipped at load and image
+    inputs are refused (``registry.TEXT_SIDE_ONLY``)."""
+
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
+    ) -> None:
+        # NOTE: the ranks' weight slices and stages are chosen by the checkpoint's names,
+        # which carry the language_model. prefix here.
+        if get_tp_group().world_size > 1 or get_pp_group().num_stages > 1:
+            raise ValueError(
+                f"{CONDITIONAL}: tensor and pipeline parallelism are not supported yet."
+            )
+        super().__init__(cfg, backend, device)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._language_model(weights))
+
+    @staticmethod
+    def _language_model(
+        weights: Iterable[tuple[str, torch.Tensor]],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if not name.startswith(_VISION_PREFIXES):
+                yield name.removeprefix("language_model."), tensor
