@@ -178,6 +178,9 @@ cdef class Scheduler:
     # Image spans a prefill chunk may not end inside (trillm/core/mm_spans.py; Gemma 3)
     cdef public cbool keep_mm_spans_whole
     cdef dict _mm_spans  # req_id -> [(start, stop)], only requests with images
+    # The encoder budget and cache of a multimodal model (trillm/core/encoder_cache.py, one
+    # object for both twins), else None
+    cdef public object encoder_cache
 
     def __init__(self, scheduler_config, cache_config, int num_blocks):
         self.scheduler_config = scheduler_config
@@ -198,6 +201,7 @@ cdef class Scheduler:
         self._busy = ()
         self.keep_mm_spans_whole = False
         self._mm_spans = {}
+        self.encoder_cache = None
 
     # ------------------------------------------------------------------ requests in
 
@@ -210,6 +214,8 @@ cdef class Scheduler:
         self.requests[r.request_id] = r
         if self.keep_mm_spans_whole and req.mm_items:
             self._mm_spans[r.request_id] = [(m.offset, m.offset + m.length) for m in req.mm_items]
+        if self.encoder_cache is not None and req.mm_items:
+            self.encoder_cache.add_request(r.request_id, req.mm_items)
         self._enqueue_waiting(r, False)
 
     cdef void _enqueue_waiting(self, Request r, cbool front):
@@ -261,13 +267,18 @@ cdef class Scheduler:
         cdef _StepPlan plan = _StepPlan(self.max_num_batched_tokens, max_reqs)
         cdef long long preemptions_before = self.num_preemptions
         self._busy = busy
+        if self.encoder_cache is not None:
+            self.encoder_cache.new_step()
         self._schedule_running(plan)
         if self.num_preemptions == preemptions_before:
             # NOTE: after a preemption nothing is admitted: blocks are short this step.
             self._schedule_waiting(plan)
         finished = self._finished_req_ids
         self._finished_req_ids = []
-        return plan.to_output(self._step_id, finished)
+        out = plan.to_output(self._step_id, finished)
+        if self.encoder_cache is not None:
+            out.free_encoder_mm_hashes = self.encoder_cache.end_step()
+        return out
 
     cdef inline long long _chunk_size(self, Request r, long long num_computed,
                                       long long num_tokens, long long budget) except? -1:
@@ -278,10 +289,13 @@ cdef class Scheduler:
             n = self.long_prefill_token_threshold
         if self.max_model_len - num_computed < n:
             n = self.max_model_len - num_computed
-        if not self._mm_spans:
-            return n
-        spans = self._mm_spans.get(r.request_id)
-        return n if spans is None else _clamp_to_spans(num_computed, n, spans)
+        if self._mm_spans:
+            spans = self._mm_spans.get(r.request_id)
+            if spans is not None:
+                n = _clamp_to_spans(num_computed, n, spans)
+        if self.encoder_cache is not None and n > 0:  # NOTE: last: it holds what n reaches
+            n = self.encoder_cache.cut(r.request_id, num_computed, n)
+        return n
 
     cdef void _schedule_running(self, _StepPlan plan) except *:
         cdef KVCacheManager kv = self.kv_cache_manager
@@ -298,6 +312,7 @@ cdef class Scheduler:
             n = self._chunk_size(r, r.num_computed_tokens,
                                  <long long>(r.tokens.size() + r.spec.size()), plan.budget)
             if n <= 0:
+                self._unschedule_items(r)
                 i += 1
                 continue
             num_running = self.running.size()
@@ -341,6 +356,9 @@ cdef class Scheduler:
     cdef void _preempt(self, Request r, _StepPlan plan) except *:
         _remove(self.running, r)
         plan.unschedule(r)
+        self._unschedule_items(r)
+        if self.encoder_cache is not None:
+            self.encoder_cache.free_request(r.request_id)
         self.kv_cache_manager.free(r)
         r.status_ = ST_PREEMPTED
         r.num_computed_tokens = 0
@@ -367,6 +385,7 @@ cdef class Scheduler:
             num_hit = kv._lookup(r, computed)
             n = self._chunk_size(r, num_hit, <long long>r.tokens.size(), plan.budget)
             if n <= 0 or not kv._can_allocate(r, n, computed):
+                self._unschedule_items(r)
                 break  # NOTE: strict queue order: nothing overtakes the head
             kv._allocate(r, n, computed, True, new_blocks)
             self.waiting.erase(self.waiting.begin() + head)
@@ -378,6 +397,11 @@ cdef class Scheduler:
             r.sent_to_worker = True
             self.running.push_back(<PyObject*>r)
             plan.add_new(r, n)
+
+    cdef void _unschedule_items(self, Request r) except *:
+        """What _chunk_size took in the encoder cache for a request left out this step."""
+        if self.encoder_cache is not None:
+            self.encoder_cache.unschedule(r.request_id)
 
     cdef Py_ssize_t _next_admissible(self):
         """Index of the first waiting request not waiting for its grammar, or -1."""
@@ -481,6 +505,8 @@ cdef class Scheduler:
         self.kv_cache_manager.free(r)
         del self.requests[r.request_id]
         self._mm_spans.pop(r.request_id, None)
+        if self.encoder_cache is not None:
+            self.encoder_cache.remove_request(r.request_id)
         if r.sent_to_worker:
             self._finished_req_ids.append(r.request_id)
             r.sent_to_worker = False

@@ -135,6 +135,9 @@ class SchedulerOutput:
     # last step sent (its outputs the engine core applied); the other stages append them to
     # their batches before this step's inputs (vLLM sends them the same way). Empty otherwise.
     pp_sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Content hashes of the encoder outputs the scheduler's encoder cache evicted this step
+    # (core/encoder_cache.py): the worker drops them before encoding this step's items.
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

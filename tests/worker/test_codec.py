@@ -214,7 +214,7 @@ def test_encode_rejects_foreign_objects():
         (msgpack.packb([99, 1]), "unknown message tag 99"),
         (
             msgpack.packb([0, 1, 2]),
-            "Malformed SchedulerOutput: expected a list of 10 fields, got 3",
+            "Malformed SchedulerOutput: expected a list of 11 fields, got 3",
         ),
         (msgpack.packb([2, 1, [], [], {}, {}, 0.0]), "Malformed ModelRunnerOutput"),
         (
@@ -230,6 +230,7 @@ def test_encode_rejects_foreign_objects():
                     [],
                     False,
                     {},
+                    [],
                 ]
             ),
             "Malformed SamplingParams",

@@ -1,16 +1,17 @@
-"""The worker's multimodal inputs on a stand-in encoder: rows sliced per prefill chunk from
-one encoding, the cache shared by requests holding the same image and freed with the last,
-and an item the encoder refuses failing its own request without leaving anything behind."""
+"""The worker's multimodal inputs on a stand-in encoder: an item encoded by the first step that
+reaches it, rows sliced per prefill chunk from that one encoding, the cache shared by requests
+holding the same image and kept after they end until the scheduler evicts it (then encoded
+again), an item the encoder refuses failing its own request without leaving anything behind,
+and no encoding on a pipeline stage after the first."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
-from trillm.messages import MultiModalItem
+from trillm.messages import CachedRequestData, MultiModalItem, SchedulerOutput
 from trillm.worker.input_batch import StepInputs
-from trillm.worker.mm_inputs import MultiModalInputs, set_mm_rows
+from trillm.worker.mm_inputs import MultiModalInputs, encode_step, set_mm_rows
 
 
 class Encoder:
@@ -41,12 +42,35 @@ def step(slots: list[int], firsts: list[int], counts: list[int]) -> StepInputs:
     )
 
 
+class Batch:
+    """What ``encode_step`` reads of the persistent batch: each request's slot and computed
+    tokens."""
+
+    def __init__(self, computed: dict[str, tuple[int, int]]) -> None:
+        self.slots = {r: slot for r, (slot, _) in computed.items()}
+        self.num_computed = np.zeros(4, np.int64)
+        for slot, done in computed.values():
+            self.num_computed[slot] = done
+
+    def slot_of(self, req_id: str) -> int:
+        return self.slots[req_id]
+
+
+def sched(scheduled: dict[str, int], evicted: tuple[str, ...] = ()) -> SchedulerOutput:
+    total = sum(scheduled.values())
+    out = SchedulerOutput(1, [], CachedRequestData(), scheduled, total)
+    out.free_encoder_mm_hashes = list(evicted)
+    return out
+
+
 def test_chunks_take_their_rows_from_one_encoding():
     model = Encoder(4)
     mm = MultiModalInputs(model, torch.device("cpu"))
     mm.add(0, [item(10.0, offset=2)])  # placeholders at positions 2..5
     mm.add(1, [item(10.0, offset=0)])  # the same image: no second encoding
-    assert model.calls == 1
+    batch = Batch({"a": (0, 0), "b": (1, 0)})
+    assert encode_step(mm, sched({"a": 2}), batch, {}) == {} and model.calls == 0  # not reached
+    assert encode_step(mm, sched({"a": 4, "b": 2}), batch, {}) == {} and model.calls == 1
     # slot 0: positions 0..3 (rows 2, 3 of the step take image rows 0, 1); slot 1: 0..1
     rows, emb = mm.step_embeddings(step([0, 1], [0, 0], [4, 2]))
     assert rows.tolist() == [2, 3, 4, 5] and emb[:, 0].tolist() == [10, 11, 10, 11]
@@ -55,16 +79,31 @@ def test_chunks_take_their_rows_from_one_encoding():
     assert mm.step_embeddings(step([0], [6], [1])) is None  # past the image: decode
     assert set_mm_rows(mm, model, step([0], [6], [1])) is False and model.step is None
     mm.drop(0)
-    assert mm._cache  # slot 1 still holds it
     mm.drop(1)
-    assert not mm._cache and not mm._refs and model.calls == 1
+    mm.add(2, [item(10.0, offset=0)])  # after its requests: still cached
+    encode_step(mm, sched({"c": 4}), Batch({"c": (2, 0)}), {})
+    assert model.calls == 1
+    mm.add(3, [item(10.0, offset=0)])  # evicted by the scheduler: encoded again
+    encode_step(mm, sched({"d": 4}, evicted=("h10.0",)), Batch({"d": (3, 0)}), {})
+    assert model.calls == 2
 
 
 def test_an_item_the_encoder_refuses_fails_alone_and_leaves_nothing():
     model = Encoder(3)
     mm = MultiModalInputs(model, torch.device("cpu"))
-    with pytest.raises(ValueError, match="3 feature rows for 4 placeholder tokens"):
-        mm.add(0, [item(1.0, 0, length=3), item(2.0, 5, length=4)])
-    assert not mm._cache and not mm._refs and not mm._items
+    mm.add(0, [item(1.0, 0, length=3), item(2.0, 5, length=4)])
     mm.add(1, [item(1.0, 0, length=3)])
+    batch = Batch({"a": (0, 0), "b": (1, 0)})
+    refused = encode_step(mm, sched({"a": 9, "b": 3}), batch, {})
+    assert list(refused) == ["a"] and "3 feature rows for 4 placeholder tokens" in refused["a"]
+    assert set(mm._cache) == {"h1.0"}  # b's image, which b's step needs
     assert mm.step_embeddings(step([1], [0], [3]))[1][:, 0].tolist() == [1, 2, 3]
+    assert encode_step(mm, sched({"a": 9}), batch, {"a": "refused at add"}) == {}
+
+
+def test_a_later_pipeline_stage_encodes_nothing():
+    model = Encoder(4)
+    mm = MultiModalInputs(model, torch.device("cpu"), encodes=False)
+    mm.add(0, [item(10.0, offset=0)])
+    assert encode_step(mm, sched({"a": 4}), Batch({"a": (0, 0)}), {}) == {}
+    assert model.calls == 0 and mm.step_embeddings(step([0], [0], [4])) is None

@@ -26,6 +26,7 @@ import bisect
 from collections.abc import Collection, Iterable
 
 from trillm.config import CacheConfig, SchedulerConfig
+from trillm.core.encoder_cache import EncoderCache
 from trillm.core.errors import DuplicateRequestError, RequestTooLargeError
 from trillm.core.kv_cache_manager import KVCacheManager
 from trillm.core.mm_spans import clamp_to_spans
@@ -100,6 +101,8 @@ class Scheduler:
         # Image spans a prefill chunk may not end inside (mm_spans.py; Gemma 3), by request
         self.keep_mm_spans_whole = False
         self._mm_spans: dict[str, list[tuple[int, int]]] = {}
+        # The encoder budget and cache of a multimodal model (encoder_cache.py), else None
+        self.encoder_cache: EncoderCache | None = None
 
     # ------------------------------------------------------------------ requests in
 
@@ -112,6 +115,8 @@ class Scheduler:
         self.requests[req.request_id] = request
         if self.keep_mm_spans_whole and req.mm_items:
             self._mm_spans[req.request_id] = [(m.offset, m.offset + m.length) for m in req.mm_items]
+        if self.encoder_cache is not None and req.mm_items:
+            self.encoder_cache.add_request(req.request_id, req.mm_items)
         self._enqueue_waiting(request, front=False)
 
     def _waiting_key(self, request: Request) -> tuple[int, float]:
@@ -159,12 +164,17 @@ class Scheduler:
         plan = StepPlan(self.max_num_batched_tokens, max_reqs)
         preemptions_before = self.num_preemptions
         self._busy = busy
+        if self.encoder_cache is not None:
+            self.encoder_cache.new_step()
         self._schedule_running(plan)
         if self.num_preemptions == preemptions_before:
             # NOTE: after a preemption nothing is admitted: blocks are short this step.
             self._schedule_waiting(plan)
         finished, self._finished_req_ids = self._finished_req_ids, []
-        return plan.to_output(self._step_id, finished)
+        out = plan.to_output(self._step_id, finished)
+        if self.encoder_cache is not None:
+            out.free_encoder_mm_hashes = self.encoder_cache.end_step()
+        return out
 
     def _chunk_size(self, request: Request, num_computed: int, num_tokens: int, budget: int) -> int:
         n = min(num_tokens - num_computed, budget)
@@ -172,7 +182,11 @@ class Scheduler:
             n = min(n, self.long_prefill_token_threshold)
         n = min(n, self.max_model_len - num_computed)
         spans = self._mm_spans.get(request.request_id) if self._mm_spans else None
-        return n if spans is None else clamp_to_spans(num_computed, n, spans)
+        if spans is not None:
+            n = clamp_to_spans(num_computed, n, spans)
+        if self.encoder_cache is not None and n > 0:  # NOTE: last: it holds what n reaches
+            n = self.encoder_cache.cut(request.request_id, num_computed, n)
+        return n
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Running requests in admission order; preempts when blocks run out."""
@@ -186,6 +200,7 @@ class Scheduler:
                 request, request.num_computed_tokens, request.num_tokens_with_spec, plan.budget
             )
             if n <= 0:
+                self._unschedule_items(request)
                 i += 1
                 continue
             num_running = len(self._running)
@@ -224,6 +239,9 @@ class Scheduler:
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self._running.remove(request)
         plan.unschedule(request)
+        self._unschedule_items(request)
+        if self.encoder_cache is not None:
+            self.encoder_cache.free_request(request.request_id)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -244,6 +262,7 @@ class Scheduler:
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             n = self._chunk_size(request, num_hit, request.num_tokens, plan.budget)
             if n <= 0 or not kv.can_allocate(request, n, computed_blocks):
+                self._unschedule_items(request)
                 break  # NOTE: strict queue order: nothing overtakes the head
             kv.allocate_slots(request, n, computed_blocks)
             self._waiting.pop(head)
@@ -254,6 +273,11 @@ class Scheduler:
             request.sent_to_worker = True
             self._running.append(request)
             plan.add_new(request, n, kv.get_block_ids(request.request_id))
+
+    def _unschedule_items(self, request: Request) -> None:
+        """What ``_chunk_size`` took in the encoder cache for a request left out this step."""
+        if self.encoder_cache is not None:
+            self.encoder_cache.unschedule(request.request_id)
 
     def _next_admissible(self) -> int:
         """Index of the first waiting request not waiting for its grammar, or -1."""
@@ -305,6 +329,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._mm_spans.pop(request.request_id, None)
+        if self.encoder_cache is not None:
+            self.encoder_cache.remove_request(request.request_id)
         if request.sent_to_worker:
             self._finished_req_ids.append(request.request_id)
             request.sent_to_worker = False

@@ -206,12 +206,15 @@ class EngineCores:
 
 
 def make_scheduler(config: TrillmConfig, num_blocks: int) -> Scheduler:
-    """An engine core's scheduler (the native one when built, else its twin), keeping image
+    """An engine core's scheduler (the native one when built, else its twin), with the
+    encoder budget and cache of a multimodal model (``core/encoder_cache.py``), keeping image
     spans whole when the model's image tokens attend both ways (``core/mm_spans.py``)."""
     from trillm._native import get_scheduler_cls
+    from trillm.core.encoder_cache import encoder_cache_for
     from trillm.core.mm_spans import check_budget, whole_span_tokens
 
     scheduler = get_scheduler_cls()(config.scheduler, config.cache, num_blocks)
+    scheduler.encoder_cache = encoder_cache_for(config)
     span = whole_span_tokens(config)
     if span:
         check_budget(config, span)

@@ -139,11 +139,12 @@ def _enc_sched(s: SchedulerOutput) -> list[Any]:
         s.finished_req_ids,
         s.wait_for_bitmask,
         s.pp_sampled_token_ids,
+        s.free_encoder_mm_hashes,
     ]
 
 
 def _dec_sched(v: list[Any]) -> SchedulerOutput:
-    _check_arity(v, 10, "SchedulerOutput")
+    _check_arity(v, 11, "SchedulerOutput")
     _check_arity(v[3], 3, "CachedRequestData")
     return SchedulerOutput(
         step_id=v[1],
@@ -155,6 +156,7 @@ def _dec_sched(v: list[Any]) -> SchedulerOutput:
         finished_req_ids=v[7],
         wait_for_bitmask=v[8],
         pp_sampled_token_ids=v[9],
+        free_encoder_mm_hashes=v[10],
     )
 
 

@@ -1,11 +1,15 @@
 """The worker's multimodal inputs: each batch slot's items (``NewRequestData.mm_items``) and
-the encoder's outputs, cached by content hash while a request holding the item lives.
+the encoder's outputs, cached by content hash as the scheduler's encoder cache says.
 
-An item is encoded (``model.encode_image``: vision tower + projector) when its request joins
-the batch (so an item the encoder refuses fails that request alone), once however many
-chunks its prefill takes and however many requests hold the same image; each step then gets
-the rows its tokens cover (``step_embeddings``), which the model writes over the
-placeholders' token embeddings.
+An item is encoded (``model.encode_image``: vision tower + projector) by the first step whose
+tokens reach it (``encode_step``; an item the encoder refuses fails that request alone), once
+however many chunks its prefill takes and however many requests hold the same image; each
+step then gets the rows its tokens cover (``step_embeddings``), which the model writes over
+the placeholders' token embeddings. An output stays cached after its requests end, until the
+scheduler evicts it (``SchedulerOutput.free_encoder_mm_hashes``; ``core/encoder_cache.py``
+bounds the rows and the encoder work per step): an item needed again after that is encoded
+again. With pipeline parallelism only the first stage, which holds the tower and the token
+embeddings, encodes (``encodes``); the later stages keep the items for their positions.
 
 Prompt embeddings (``--enable-prompt-embeds``) are one item of modality ``prompt_embeds``
 over the whole prompt whose rows are written as given: no encoder runs.
@@ -17,24 +21,27 @@ prefill, preemption (a re-sent request's items come again) and decoding need no 
 
 from __future__ import annotations
 
-from collections import Counter
+import logging
 from typing import Any
 
 import numpy as np
 import torch
 
 from trillm.messages import PROMPT_EMBEDS_MODALITY as PROMPT_EMBEDS
-from trillm.messages import MultiModalItem
-from trillm.worker.input_batch import StepInputs
+from trillm.messages import MultiModalItem, SchedulerOutput
+from trillm.worker.input_batch import InputBatch, StepInputs
 from trillm.worker.mrope_positions import mrope_positions
+
+logger = logging.getLogger(__name__)
 
 
 class MultiModalInputs:
-    def __init__(self, model: Any, device: torch.device) -> None:
+    def __init__(self, model: Any, device: torch.device, encodes: bool = True) -> None:
         self.model = model
         self.device = device
+        self.encodes = encodes  # False on a pipeline stage after the first
         self._items: dict[int, list[MultiModalItem]] = {}  # slot -> its items
-        self._refs: Counter[str] = Counter()  # content hash -> slots holding it
+        self._given: dict[int, dict[int, torch.Tensor]] = {}  # slot -> offset -> prompt embeds
         self._cache: dict[str, torch.Tensor] = {}  # content hash -> [length, H]
         self.encoder_calls = 0
         # An M-RoPE model's spatial merge (None: the model rotates by plain positions)
@@ -44,62 +51,59 @@ class MultiModalInputs:
 
     @classmethod
     def for_model(
-        cls, model: Any, device: torch.device, prompt_embeds: bool = False
+        cls, model: Any, device: torch.device, prompt_embeds: bool = False, encodes: bool = True
     ) -> MultiModalInputs | None:
         """None for a text model, unless it takes prompt embeddings (--enable-prompt-embeds)."""
         takes = hasattr(model, "encode_image") or hasattr(model, "encode_audio")
-        return cls(model, device) if takes or prompt_embeds else None
+        return cls(model, device, encodes) if takes or prompt_embeds else None
 
     def add(self, slot: int, items: list[MultiModalItem]) -> None:
-        """A new request's items, encoded now (cache hits aside): an item the encoder cannot
-        take fails its own request in ``_update_batch``, not the step."""
+        """A new request's items (encoded by the steps that reach them)."""
         for item in items:  # the model's encoder of each: encode_image, encode_audio
             if item.modality != PROMPT_EMBEDS and not hasattr(
                 self.model, f"encode_{item.modality}"
             ):
                 raise ValueError(f"{item.modality} inputs are not implemented for this model.")
-        try:
-            for item in items:
-                self._encode(item)
-        except Exception:
-            for item in items:  # encoded for this request alone: not kept
-                if not self._refs[item.content_hash]:
-                    self._cache.pop(item.content_hash, None)
-            raise
-        for item in items:
-            self._refs[item.content_hash] += 1
+        given = {m.offset: _values(m, self.device) for m in items if m.modality == PROMPT_EMBEDS}
+        if given and self.encodes:
+            self._given[slot] = given
         if items:
             self._items[slot] = items
 
     def drop(self, slot: int) -> None:
-        for item in self._items.pop(slot, []):
-            self._refs[item.content_hash] -= 1
-            if not self._refs[item.content_hash]:
-                del self._refs[item.content_hash]
-                self._cache.pop(item.content_hash, None)
+        self._items.pop(slot, None)
+        self._given.pop(slot, None)
 
-    def _encode(self, item: MultiModalItem) -> torch.Tensor:
-        cached = self._cache.get(item.content_hash)
-        if cached is None:
-            values = torch.from_numpy(
-                np.frombuffer(item.data, np.float32).reshape(item.shape).copy()
-            ).to(self.device)
-            if item.modality == PROMPT_EMBEDS:  # the rows themselves
-                self._cache[item.content_hash] = values
-                return values
-            cached = getattr(self.model, f"encode_{item.modality}")(values)
-            self.encoder_calls += 1
-            if cached.shape[0] != item.length:
-                raise ValueError(
-                    f"The {item.modality} has {cached.shape[0]} feature rows for "
-                    f"{item.length} placeholder tokens."
-                )
-            self._cache[item.content_hash] = cached
-        return cached
+    def evict(self, content_hashes: list[str]) -> None:
+        for content_hash in content_hashes:
+            self._cache.pop(content_hash, None)
+
+    def encode_chunk(self, slot: int, first: int, count: int) -> None:
+        """Encodes the items that positions [first, first + count) of ``slot`` reach and the
+        cache lacks."""
+        for item in self._items.get(slot, ()):
+            reached = item.offset < first + count and first < item.offset + item.length
+            if reached and item.modality != PROMPT_EMBEDS and item.content_hash not in self._cache:
+                self._cache[item.content_hash] = self._encode(item)
+
+    def _encode(self, item: MultiModalItem) -> torch.Tensor:  # [length, H]
+        rows = getattr(self.model, f"encode_{item.modality}")(_values(item, self.device))
+        self.encoder_calls += 1
+        if rows.shape[0] != item.length:
+            raise ValueError(
+                f"The {item.modality} has {rows.shape[0]} feature rows for "
+                f"{item.length} placeholder tokens."
+            )
+        return rows
+
+    def _rows(self, slot: int, item: MultiModalItem) -> torch.Tensor:  # [length, H]
+        if item.modality == PROMPT_EMBEDS:
+            return self._given[slot][item.offset]
+        return self._cache[item.content_hash]
 
     def step_embeddings(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the step's rows inside placeholder ranges, their embeddings) or None."""
-        if not self._items:
+        if not self._items or not self.encodes:
             return None
         rows: list[np.ndarray] = []
         parts: list[torch.Tensor] = []
@@ -115,7 +119,7 @@ class MultiModalInputs:
                 hi = min(first + end - start, item.offset + item.length)
                 if lo < hi:
                     rows.append(np.arange(start + lo - first, start + hi - first))
-                    parts.append(self._encode(item)[lo - item.offset : hi - item.offset])
+                    parts.append(self._rows(slot, item)[lo - item.offset : hi - item.offset])
         if not rows:
             return None
         return torch.from_numpy(np.concatenate(rows)).to(self.device), torch.cat(parts)
@@ -158,6 +162,33 @@ def add_items(mm: MultiModalInputs | None, slot: int, items: list[MultiModalItem
         mm.add(slot, items)
     elif items:
         raise ValueError("This model takes no multimodal inputs.")
+
+
+def _values(item: MultiModalItem, device: torch.device) -> torch.Tensor:
+    """The item's processed tensor (pixels, features, or prompt embeddings)."""
+    values = np.frombuffer(item.data, np.float32).reshape(item.shape).copy()
+    return torch.from_numpy(values).to(device)
+
+
+def encode_step(
+    mm: MultiModalInputs | None, sched: SchedulerOutput, batch: InputBatch, failed: dict[str, str]
+) -> dict[str, str]:
+    """Drops what the scheduler evicted, then encodes what the step's requests reach ->
+    the requests whose item the encoder refused (req_id -> why): only they fail."""
+    if mm is None or not mm.encodes:
+        return {}
+    mm.evict(sched.free_encoder_mm_hashes)
+    refused: dict[str, str] = {}
+    for req_id, count in sched.num_scheduled_tokens.items():
+        if req_id in failed:
+            continue
+        slot = batch.slot_of(req_id)
+        try:
+            mm.encode_chunk(slot, int(batch.num_computed[slot]), count)
+        except Exception as exc:  # NOTE: one request's item, not the step's fault
+            logger.warning("request %s: its item could not be encoded: %r", req_id, exc)
+            refused[req_id] = f"{type(exc).__name__}: {exc}"
+    return refused
 
 
 def drop_items(mm: MultiModalInputs | None, slot: int | None) -> None:

@@ -51,7 +51,7 @@ from trillm.sample.sampler import SamplingState
 from trillm.spec_decode.draft_model import DraftModelProposer
 from trillm.spec_decode.drafter import new_drafter
 from trillm.utils import cdiv
-from trillm.worker import kv_cache_sizing
+from trillm.worker import kv_cache_sizing, mm_inputs
 from trillm.worker.input_batch import InputBatch, StepInputs
 from trillm.worker.longrope_state import LongRopeState
 from trillm.worker.mm_inputs import MultiModalInputs, add_items, drop_items, set_mm_rows
@@ -124,8 +124,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self._model = build_model(self.config.model, self.attn_backend, self.config.device)
-        self.mm = MultiModalInputs.for_model(
-            self._model, self.device, self.config.enable_prompt_embeds
+        self.mm = MultiModalInputs.for_model(  # the tower runs on the first stage only
+            self._model, self.device, self.config.enable_prompt_embeds, self.pp.is_first
         )
         index = longrope_index(self._model)
         if index is not None:
@@ -302,7 +302,7 @@ class ModelRunner:
             slot = self.batch.slot_of(req_id)
             self.batch.append_blocks(slot, blocks)
             self.batch.num_computed[slot] = computed
-        return failed
+        return failed | mm_inputs.encode_step(self.mm, sched, self.batch, failed)
 
     def _add_lora(self, req_id: str, lora: LoRARequest) -> None:
         if self.lora is None:
