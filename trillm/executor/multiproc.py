@@ -17,7 +17,8 @@ comparisons. With
 A rank whose collective times out (a peer stopped answering) reports it and exits; the
 executor then names the ranks that did not report (the ones that stopped). The rings, fds and
 command lines of the workers: ``worker_ipc.py``; the messages that name their exits:
-``worker_exits.py``.
+``worker_exits.py``; every rank's output for a step, and what in it is fatal:
+``worker_steps.py``.
 
 Supervision: a task per worker awaits its process exit. An exit that is not part of
 ``shutdown`` marks the executor dead: the other workers are killed, the segments are unlinked,
@@ -35,14 +36,20 @@ from typing import Any, TypeVar
 
 import trio
 
-from trillm import envs
 from trillm.config import TrillmConfig
-from trillm.errors import EngineDeadError, EngineStartupError, IPCError, ModelExecutionError
+from trillm.errors import EngineDeadError, EngineStartupError, IPCError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
 from trillm.executor.rank_launch import RankProcess, start_ranks
 from trillm.executor.worker_calls import WorkerCallProtocolError, collect_call_results
 from trillm.executor.worker_exits import WorkerExits
 from trillm.executor.worker_ipc import WorkerIpc, rendezvous_listener
+from trillm.executor.worker_steps import (
+    WorkerStepProtocolError,
+    collect_step_outputs,
+    divergence,
+    micro_batches,
+    raise_model_errors,
+)
 from trillm.ipc import codec
 from trillm.ipc.control import (
     InitKVCache,
@@ -62,20 +69,6 @@ T = TypeVar("T")
 STARTUP_TIMEOUT_S = 900.0  # model load + cache allocation
 STEP_TIMEOUT_S = 300.0
 SHUTDOWN_GRACE_S = 5.0
-
-
-def micro_batches(num_stages: int) -> int:
-    """Steps in flight at once: ``TRILLM_PP_MICRO_BATCHES`` (1 .. num_stages) when set, else one
-    per pipeline stage (1 without pipeline parallelism)."""
-    count = envs.PP_MICRO_BATCHES.get()
-    if count is None:
-        return num_stages
-    if count > num_stages:
-        raise ValueError(
-            f"TRILLM_PP_MICRO_BATCHES='{count}': must be an integer from 1 to "
-            f"pipeline_parallel_size={num_stages}."
-        )
-    return count
 
 
 class MultiprocExecutor(Executor):
@@ -351,58 +344,20 @@ class MultiprocExecutor(Executor):
             raise RuntimeError("collect_step called without a step whose sampling started.")
         sched = self._pending.popleft()
         what = f"answer step {sched.step_id}"
-        outputs = await self._guarded(self._collect, self.step_timeout_s, what, sched.step_id)
-        for rank, out in enumerate(outputs):
-            if out.error is not None:
-                raise ModelExecutionError(
-                    f"Step {out.step_id} failed in worker rank {rank}:\n{out.error}",
-                    rank=rank,
-                    step_id=out.step_id,
-                    output=out,
-                )
-        self._check_ranks_agree(outputs)
+        try:
+            outputs = await self._guarded(self._collect, self.step_timeout_s, what, sched.step_id)
+        except WorkerStepProtocolError as exc:
+            raise self._fail(EngineDeadError(str(exc))) from None
+        raise_model_errors(outputs)
+        diverged = divergence(outputs, self.output_rank)
+        if diverged is not None:
+            raise self._fail(EngineDeadError(diverged))
         return outputs[self.output_rank]
 
-    def _check_ranks_agree(self, outputs: list[ModelRunnerOutput]) -> None:
-        """A rank of the last stage whose tokens differ from the output rank's would compute
-        the next steps on other inputs (its KV cache no longer matches): fatal, said at once.
-        (The earlier stages sample nothing: they get the tokens with the next step.)"""
-        first, src = outputs[self.output_rank], self.output_rank
-        for rank, out in enumerate(outputs[src:], start=src):
-            if out.sampled_token_ids != first.sampled_token_ids or out.req_ids != first.req_ids:
-                raise self._fail(
-                    EngineDeadError(
-                        f"Rank {rank} sampled other tokens than rank {src} in step "
-                        f"{first.step_id}: the ranks diverged."
-                    )
-                )
-
     async def _collect(self, step_id: int) -> list[ModelRunnerOutput]:
-        """Every rank's output for ``step_id``.
-
-        Outputs of earlier steps are skipped: they belong to a ``sample_tokens`` call that its
-        caller cancelled (the step's requests are then the engine's to clean up).
-        """
-        outputs: dict[int, ModelRunnerOutput] = {}
-        for rank in self._read_order:
-            reader = self._reader(rank)
-            msg = codec.decode(await reader.recv())
-            while isinstance(msg, ModelRunnerOutput) and msg.step_id < step_id:
-                msg = codec.decode(await reader.recv())
-            if isinstance(msg, WorkerFailed):
-                # NOTE: msg.rank, not ``rank``: rank 0's ring carries its own last words where
-                # another node's reply was due.
-                if msg.collective:  # its supervisor names the silent ranks, then fails us
-                    self._exits.report(msg)
-                    await trio.sleep_forever()
-                raise self._fail(EngineDeadError(f"Worker rank {msg.rank} failed:\n{msg.message}"))
-            if not isinstance(msg, ModelRunnerOutput) or msg.step_id != step_id:
-                got = f"step {msg.step_id}" if isinstance(msg, ModelRunnerOutput) else repr(msg)
-                raise self._fail(
-                    EngineDeadError(f"Worker rank {rank} sent {got}, expected {step_id}.")
-                )
-            outputs[rank] = msg
-        return [outputs[rank] for rank in range(self.world_size)]
+        return await collect_step_outputs(
+            self._reader, self._read_order, self.world_size, step_id, self._exits
+        )
 
     # ------------------------------------------------------------ collective_rpc
 
