@@ -249,8 +249,8 @@ def test_text_models_and_disabled_images_refuse_image_input(tiny_model_factory, 
         with pytest.raises(InvalidRequestError, match=words):
             trio.run(pre.prepare, prompt, SamplingParams(max_tokens=2))
     assert build_config(EngineArgs(llava_path)).limit_mm_per_prompt == {"image": 1}
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported yet"):
-        build_config(EngineArgs(llava_path, pipeline_parallel_size=2))
+    pp2 = build_config(EngineArgs(llava_path, pipeline_parallel_size=2))  # the tower on stage 0
+    assert pp2.parallel.pipeline_parallel_size == 2
     with pytest.raises(ValueError, match="convert='embed' is not supported yet"):
         build_config(EngineArgs(llava_path, convert="embed"))
     with pytest.raises(ValueError, match="'bogus' not taken by this model's image processor"):

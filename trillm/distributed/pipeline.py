@@ -33,9 +33,29 @@ from torch import nn
 from trillm.distributed.parallel_state import unsharded
 from trillm.errors import CollectiveTimeoutError
 
-# Checkpoint names outside the decoder layers, by who needs them (raw names; GPT-NeoX's too).
-_EMBEDDING = ("model.embed_tokens.", "gpt_neox.embed_in.")
-_HEAD = ("lm_head.", "embed_out.", "model.norm.", "gpt_neox.final_layer_norm.")
+# Checkpoint names outside the decoder layers, by who needs them (raw names; GPT-NeoX's and
+# LLaVA's language model's too; LLaVA's vision side, read by the first stage only).
+_EMBEDDING = (
+    "model.embed_tokens.",
+    "gpt_neox.embed_in.",
+    "language_model.model.embed_tokens.",
+    "model.language_model.embed_tokens.",
+)
+_HEAD = (
+    "lm_head.",
+    "embed_out.",
+    "model.norm.",
+    "gpt_neox.final_layer_norm.",
+    "language_model.lm_head.",
+    "language_model.model.norm.",
+    "model.language_model.norm.",
+)
+_FIRST_STAGE = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -93,6 +113,8 @@ class PipelineGroup:
         """Whether this stage loads checkpoint tensor ``name`` (read before any byte is)."""
         if self.num_stages == 1:
             return True
+        if name.startswith(_FIRST_STAGE):  # before _LAYER: the tower has layers too
+            return self.is_first
         if m := _LAYER.search(name):
             return self.owns_layer(int(m.group(1)))
         if name.startswith(_EMBEDDING):
@@ -167,7 +189,8 @@ def prune_to_stage(model: nn.Module, pp: PipelineGroup, tied: bool) -> None:
     """Replace the modules of other stages (built on the meta device) by ``PPMissingLayer``,
     before any memory is allocated for them: ``model.model.layers[i]`` outside the stage, the
     embedding off stage 0 (kept on the last stage when the head is tied to it), the final norm
-    and the head off the last stage."""
+    and the head off the last stage, a vision-language model's ``FIRST_STAGE_MODULES`` (its
+    tower: images are encoded and merged into the embeddings on stage 0) off the others."""
     if pp.num_stages == 1:
         return
     stack = model.model
@@ -179,6 +202,9 @@ def prune_to_stage(model: nn.Module, pp: PipelineGroup, tied: bool) -> None:
             layers[i] = PPMissingLayer()
     if not (pp.is_first or (tied and pp.is_last)):
         stack.embed_tokens = PPMissingLayer()
+    if not pp.is_first:
+        for name in getattr(model, "FIRST_STAGE_MODULES", ()):
+            setattr(model, name, PPMissingLayer())
     if not pp.is_last:
         stack.norm = PPMissingLayer()
         model.lm_head = PPMissingLayer()

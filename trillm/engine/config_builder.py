@@ -184,8 +184,9 @@ def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str,
         if args.mm_processor_kwargs:
             raise ValueError(f"mm_processor_kwargs: {arch} takes no multimodal inputs.")
         return limits
+    pipeline = arch != "LlavaForConditionalGeneration"  # the tower on the first stage: LLaVA's
     for name, unsupported in (
-        ("pipeline_parallel_size", args.pipeline_parallel_size > 1),
+        ("pipeline_parallel_size", pipeline and args.pipeline_parallel_size > 1),
         ("runner", args.runner == "pooling"),
         ("convert", args.convert not in ("auto", "none")),
     ):

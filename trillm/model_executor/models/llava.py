@@ -174,6 +174,9 @@ def _checkpoint_name(name: str) -> str:
 
 class LlavaForConditionalGeneration(ImageEmbeddingsMixin, LlamaForCausalLM):
     NON_DECODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+    # Pipeline parallelism: the tower and projector live on the first stage, beside the token
+    # embeddings the image rows are written over (distributed/pipeline.prune_to_stage).
+    FIRST_STAGE_MODULES = ("vision_tower", "multi_modal_projector")
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
