@@ -153,8 +153,10 @@ def bench_env() -> dict[str, str]:
 
 
 def run_bench(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    # ResourceWarnings shown (Python hides them by default): what the harness leaves to the
+    # garbage collector appears in its stderr.
     return subprocess.run(
-        [sys.executable, "-m", "trillm.bench", "serve", *args],
+        [sys.executable, "-W", "always::ResourceWarning", "-m", "trillm.bench", "serve", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -195,6 +197,7 @@ def test_stub_completions_metrics_match_known_delays(tmp_path: Path, http_client
         )
         bodies = stub.bodies
     assert proc.returncode == 0, proc.stderr
+    assert "ResourceWarning" not in proc.stderr, proc.stderr  # each stream closed, not collected
     assert "============ Serving Benchmark Result ============" in proc.stdout
     # the client's own heap is out of the collector before the load (its pauses would be
     # measured as the server's latency)

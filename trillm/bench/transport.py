@@ -300,10 +300,13 @@ class HttpxTransport:
             async with self.client.stream("POST", url, content=body, headers=headers) as response:
                 if response.status_code != 200:
                     return response.status_code, await response.aread()
-                lines = _LineSplitter()
+                lines, done = _LineSplitter(), False
+                # NOTE: read to the body's end, as H11Transport does: left at [DONE], httpx's
+                # nested async generators would be collected unfinished (a ResourceWarning
+                # each) and the connection closed instead of kept alive.
                 async for data in response.aiter_bytes():
-                    if feed_sse_lines(lines.feed(data), on_data):
-                        break
+                    if not done:
+                        done = feed_sse_lines(lines.feed(data), on_data)
                 return 200, b""
         except httpx.HTTPError as e:
             raise TransportError(f"{type(e).__name__}: {e}") from None
