@@ -100,6 +100,7 @@ def scheduler_outputs(draw) -> SchedulerOutput:
         finished_req_ids=draw(st.lists(req_id, max_size=3)),
         wait_for_bitmask=draw(st.booleans()),
         pp_sampled_token_ids=draw(st.dictionaries(req_id, ids, max_size=3)),
+        free_encoder_mm_hashes=draw(st.lists(st.text(max_size=16), max_size=3)),
     )
 
 
