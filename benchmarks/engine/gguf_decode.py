@@ -31,7 +31,8 @@ import torch
 
 from benchmarks.engine import decode_step  # benchmarks/engine/decode_step.py: time_decode
 from trillm.config import EngineArgs
-from trillm.engine.config_builder import build_config, load_tokenizer
+from trillm.engine.config_builder import build_config
+from trillm.engine.tokenizer_loader import load_tokenizer
 from trillm.worker.model_runner import ModelRunner
 
 

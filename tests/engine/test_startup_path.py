@@ -120,17 +120,17 @@ def test_a_refused_start_leaves_no_tokenizer_load_behind():
 
 def test_the_start_fails_only_after_the_tokenizer_load_ended(monkeypatch):
     """The same order in this process, with a load slower than the refusal (torch imported)."""
-    from trillm.engine import config_builder
+    from trillm.engine import tokenizer_loader
     from trillm.worker.kv_cache_sizing import KVCacheTooSmallError
 
-    real, ended = config_builder.load_tokenizer, []
+    real, ended = tokenizer_loader.load_tokenizer, []
 
     def slow_load(*args: object) -> object:
         time.sleep(2)
         ended.append(True)
         return real(*args)
 
-    monkeypatch.setattr(config_builder, "load_tokenizer", slow_load)
+    monkeypatch.setattr(tokenizer_loader, "load_tokenizer", slow_load)
     with pytest.raises(KVCacheTooSmallError):
         LLM(
             None,

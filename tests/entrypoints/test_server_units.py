@@ -288,6 +288,8 @@ def _params_state(generation_config):
 
 
 def test_generation_config_gives_defaults_the_request_overrides():
+    from types import SimpleNamespace
+
     from trillm.engine.preprocess import Preprocessor
     from trillm.entrypoints.openai.endpoints.sampling import build_sampling_params
     from trillm.worker.fake_runner import make_fake_config
@@ -295,7 +297,8 @@ def test_generation_config_gives_defaults_the_request_overrides():
     def resolve_max_tokens(state, requested, prompt_len):
         config = make_fake_config(max_model_len=100)
         config.model.generation_config = state.model_config.generation_config
-        return Preprocessor(config, None, 100).resolve_max_tokens(prompt_len, requested)
+        tokenizer = SimpleNamespace(eos_token_id=None)  # all a text model's Preprocessor reads
+        return Preprocessor(config, tokenizer, 100).resolve_max_tokens(prompt_len, requested)
 
     state = _params_state({"temperature": 0.3, "top_k": 5, "top_p": 0.9, "max_new_tokens": 7})
     req = structure(ChatCompletionRequest, {"messages": []})

@@ -141,7 +141,9 @@ def test_a_choice_through_both_parsers():
 
 
 def test_harmony_markers_keep_special_tokens():
-    tokenizer = SimpleNamespace(all_special_tokens=["<|start|>", "<|channel|>", "<|message|>"])
+    tokenizer = SimpleNamespace(
+        all_special_tokens=["<|start|>", "<|channel|>", "<|message|>"], added_tokens_decoder={}
+    )
     openai = ToolPlan("auto", [], lambda: get_tool_parser("openai")())
     assert keeps_special_tokens(tokenizer, openai, reasoning=False)
     assert keeps_special_tokens(tokenizer, ToolPlan(), reasoning=True)

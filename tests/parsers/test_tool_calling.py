@@ -363,7 +363,9 @@ def test_special_token_markers_keep_special_tokens(tok):
 
     from trillm.entrypoints.openai.endpoints.chat_parsing import keeps_special_tokens
 
-    mistral_like = SimpleNamespace(all_special_tokens=["</s>", "[TOOL_CALLS]", "[ARGS]"])
+    mistral_like = SimpleNamespace(
+        all_special_tokens=["</s>", "[TOOL_CALLS]", "[ARGS]"], added_tokens_decoder={}
+    )
     auto = plan_tools(_State(tool_call_parser="mistral"), _request(tools=TOOLS))
     assert keeps_special_tokens(mistral_like, auto, reasoning=False)
     hermes = plan_tools(_State(), _request(tools=TOOLS))

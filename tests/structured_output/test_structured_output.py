@@ -44,7 +44,7 @@ def deep_schema(levels: int) -> dict:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from trillm.engine.config_builder import load_tokenizer
+    from trillm.engine.tokenizer_loader import load_tokenizer
     from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
 
     return load_tokenizer(str(DEFAULT_MODEL_DIR))

@@ -53,9 +53,8 @@ from trillm.sampling_params import SamplingParams
 from trillm.utils import unwrap_group
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from trillm.executor.abstract import Executor
+    from trillm.interfaces import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class AsyncEngine(EngineControl):
     def __init__(
         self,
         config: TrillmConfig,
-        tokenizer: PreTrainedTokenizerBase | None,  # None with skip_tokenizer_init
+        tokenizer: Tokenizer,
         executor: Executor | list[Executor],  # one per engine core (data parallelism)
         stream_interval: int = 1,
         stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET,

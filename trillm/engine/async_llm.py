@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -31,6 +31,9 @@ from trillm.engine.preprocess import PromptType
 from trillm.errors import EngineDeadError
 from trillm.outputs import RequestOutput
 from trillm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 _END = object()  # the stream ended without a final output (cannot happen; closes the reader)
 
@@ -120,7 +123,7 @@ class AsyncLLM(AsyncLLMControl):
         if self.errored:
             raise self.dead_error
 
-    async def get_tokenizer(self) -> Any:
+    async def get_tokenizer(self) -> Tokenizer:
         return self._thread.engine.tokenizer
 
     # ------------------------------------------------------------------ requests

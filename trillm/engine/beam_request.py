@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -78,14 +78,8 @@ class BeamSearchRequest:
         self.num_eos = 0 if params.ignore_eos else len(self.eos_ids)
         self.k = candidates_per_beam(params.beam_width, self.num_eos)
         _check_request(prompts, params, self.k, pre.max_logprobs)
-        if engine.tokenizer is None:
-            raise InvalidRequestError(
-                "Beam search needs the tokenizer (for EOS, stop strings and texts); the engine "
-                "runs with skip_tokenizer_init.",
-                "use_beam_search",
-            )
         self.engine = engine
-        self.tokenizer: Any = engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.params = params
         self.request_ids = list(request_ids)
         self.loras = list(lora_requests) if lora_requests else [None] * len(prompts)
@@ -227,7 +221,7 @@ class BeamSearchRequest:
 
     def _decode(self, tokens: list[int]) -> str:
         skip = self.params.skip_special_tokens
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=skip))
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip)
 
     def output_text(self, beam: Beam) -> str:
         """The beam's text: its EOS or stop string left out unless

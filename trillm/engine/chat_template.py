@@ -13,7 +13,7 @@ import functools
 import json
 import os
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.nodes
@@ -25,6 +25,9 @@ from trillm.engine.template_budget import (
     TemplateBudgetError,
     render_budgeted,
 )
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 IMAGE_PART = "image"  # an image content part as templates see it: {"type": "image"}
 AUDIO_PART = "audio"  # an audio content part as templates see it: {"type": "audio"}
@@ -267,7 +270,7 @@ def normalize_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
 
 
 def render_chat(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     messages: list[Any],
     *,
     chat_template: str | None = None,
@@ -292,8 +295,9 @@ def render_chat(
     )
 
 
-def tokenizer_chat_template(tokenizer: Any) -> str | None:
-    template = getattr(tokenizer, "chat_template", None)
+def tokenizer_chat_template(tokenizer: Tokenizer) -> str | None:
+    """The tokenizer's template; None without one, or with named ones (a dict)."""
+    template = tokenizer.chat_template
     return template if isinstance(template, str) else None
 
 
@@ -386,7 +390,11 @@ def _cut_after_final_message(text: str, final: str) -> str:
     return text[: at + len(final)]
 
 
-def tokenizer_special_tokens(tokenizer: Any) -> dict[str, Any]:
+def tokenizer_special_tokens(tokenizer: Tokenizer) -> dict[str, str]:
     """bos/eos/pad/unk tokens as templates expect them (``{{ bos_token }}``)."""
-    names = ("bos_token", "eos_token", "pad_token", "unk_token")
-    return {n: getattr(tokenizer, n, None) or "" for n in names}
+    return {
+        "bos_token": tokenizer.bos_token or "",
+        "eos_token": tokenizer.eos_token or "",
+        "pad_token": tokenizer.pad_token or "",
+        "unk_token": tokenizer.unk_token or "",
+    }

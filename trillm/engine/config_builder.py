@@ -22,6 +22,7 @@ from trillm.config import (
 )
 from trillm.config.multimodal import resolve_limits
 from trillm.config.structured_outputs import parse_structured_outputs_config
+from trillm.engine.tokenizer_loader import load_tokenizer
 from trillm.model_executor import deepseek_config, hybrid_ssm, llama4_config, transformers_numerics
 from trillm.spec_decode.config import parse_speculative_config
 
@@ -388,15 +389,3 @@ def _check_encoder(args: EngineArgs, model_config: Any) -> bool:
                 f"{name}={getattr(args, name)!r} is not supported."
             )
     return True
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    if path.endswith(".gguf"):  # a GGUF model's own tokenizer and chat template (its metadata)
-        file = Path(path).expanduser()
-        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-    # trust_remote_code: a tokenizer class shipped with the checkpoint may run (vLLM's meaning).
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

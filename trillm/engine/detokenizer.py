@@ -32,9 +32,14 @@ from __future__ import annotations
 import codecs
 import logging
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trillm.engine.vocab_spec import DecoderScheme, VocabSpec, backend_tokenizer, build_vocab_spec
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    from trillm.interfaces import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +216,7 @@ class StreamDetokenizer:
 
     def __init__(
         self,
-        backend: Any,
+        backend: BackendTokenizer,
         skip_special_tokens: bool,
         prompt_token_ids: Sequence[int] = (),
         spaces_between_special_tokens: bool = True,
@@ -282,7 +287,9 @@ class DetokenizerFactory:
     ``kind`` is "native" (C++), "python" (the twin) or "stream" (DecodeStream fallback).
     """
 
-    def __init__(self, tokenizer: Any, *, native: bool | None = None) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | BackendTokenizer, *, native: bool | None = None
+    ) -> None:
         self._backend = backend_tokenizer(tokenizer)
         self.spec = build_vocab_spec(tokenizer)
         want_native = native_enabled() if native is None else native

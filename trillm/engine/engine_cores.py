@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from trillm.core.scheduler import Scheduler
     from trillm.engine.core import EngineCore
     from trillm.executor.abstract import Executor
+    from trillm.interfaces import Tokenizer
     from trillm.spec_decode.draft_setup import DraftModelDrafts
     from trillm.spec_decode.ngram import NgramProposer
     from trillm.structured_output import StructuredOutputManager
@@ -44,11 +45,11 @@ class EngineCores:
         self,
         config: TrillmConfig,
         executors: list[Executor],
-        structured_output: StructuredOutputManager | None,
+        structured_output: StructuredOutputManager,
     ) -> None:
         self.config = config
         self.executors = executors
-        self.structured_output = structured_output  # the first core's (None: no tokenizer)
+        self.structured_output = structured_output  # the first core's
         self.cores = [self._make_core(ex, i) for i, ex in enumerate(executors)]
         # Which core takes each request (None with one core: everything goes to it).
         self.router = (
@@ -191,7 +192,7 @@ class EngineCores:
         config = self.config
         scheduler = make_scheduler(config, executor.num_blocks)
         structured = self.structured_output
-        if structured is not None and index > 0:
+        if index > 0:
             from trillm.structured_output import StructuredOutputManager
 
             structured = StructuredOutputManager(
@@ -223,13 +224,11 @@ def make_scheduler(config: TrillmConfig, num_blocks: int) -> Scheduler:
 
 
 def structured_output_manager(
-    config: TrillmConfig, tokenizer: Any
-) -> StructuredOutputManager | None:
+    config: TrillmConfig, tokenizer: Tokenizer
+) -> StructuredOutputManager:
     """The grammar cache and matchers (xgrammar needs the tokenizer's vocabulary)."""
     from trillm.structured_output import GrammarCache, StructuredOutputManager
 
-    if tokenizer is None:
-        return None
     cache = GrammarCache(
         tokenizer,
         config.model.vocab_size,

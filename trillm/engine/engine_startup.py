@@ -84,7 +84,8 @@ async def open_engine(
     ``"module:Class"`` (``"trillm.worker.fake_runner:FakeModelRunner"``: a near-zero-cost
     model for frontend tests and benchmarks). ``stream_wake_budget``: the most
     streams woken per step for a middle output (None: no budget; see ``output_processor``)."""
-    from trillm.engine.config_builder import build_config, load_tokenizer
+    from trillm.engine.config_builder import build_config
+    from trillm.engine.tokenizer_loader import load_tokenizer
     from trillm.executor.abstract import DEFAULT_RUNNER, ENCODER_RUNNER, POOLING_RUNNER
     from trillm.executor.factory import open_executors
     from trillm.model_executor.encoder_config import is_encoder

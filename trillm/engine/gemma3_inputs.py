@@ -13,10 +13,13 @@ newlines' own tokens on both sides (``expansion``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trillm.engine.media import MultiModalInputError
 from trillm.model_executor.gemma3_mm_config import gemma3_token
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 _NEWLINES = "\n\n"
 
@@ -45,7 +48,7 @@ def check_kwargs(kwargs: dict[str, Any], param: str) -> None:
         )
 
 
-def expansion(mm_config: dict[str, Any], tokenizer: Any) -> tuple[int, list[int], list[int]]:
+def expansion(mm_config: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, list[int], list[int]]:
     """(the placeholder's id, the ids before an image's soft tokens, the ids after them), for
     a prompt given as token ids."""
     boi = gemma3_token(mm_config, "boi_token_index")

@@ -8,7 +8,7 @@ every request finished, returning outputs in input order (with a tqdm progress b
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
@@ -28,6 +28,9 @@ from trillm.outputs import (
 from trillm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from trillm.utils import first_leaf
 
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
+
 T = TypeVar("T")
 
 
@@ -42,7 +45,7 @@ class LLM(LLMControl):
     def engine(self) -> AsyncEngine:
         return self._thread.engine
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trillm.messages import LogprobsLists
 from trillm.outputs import Logprob, SampleLogprobs
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 
 class TokenTexts:
     """``decode([token_id])`` per token id, cached (the texts of logprob entries)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -32,6 +32,9 @@ from trillm.model_executor.multimodal_config import image_token_id, num_image_to
 from trillm.model_executor.onevision_config import is_onevision
 from trillm.model_executor.qwen2_audio_config import is_qwen2_audio
 from trillm.model_executor.qwen2_vl_config import is_qwen2_vl
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 # The most pixels one image may have (its header is read first: decompression bombs are
 # refused before decoding). PIL's own bomb limit is higher (~89 M).
@@ -81,7 +84,7 @@ class MultiModalProcessor:
 
     audio_placeholder: str | None = None  # (audio models: ``AudioProcessor``)
 
-    def __init__(self, config: TrillmConfig, tokenizer: Any, limiter: trio.CapacityLimiter):
+    def __init__(self, config: TrillmConfig, tokenizer: Tokenizer, limiter: trio.CapacityLimiter):
         mm_config = config.model.mm_config
         assert mm_config is not None
         self.mm_config = mm_config
@@ -356,7 +359,7 @@ Processor = MultiModalProcessor | AudioProcessor
 
 
 def processor_for(
-    config: TrillmConfig, tokenizer: Any, limiter: trio.CapacityLimiter
+    config: TrillmConfig, tokenizer: Tokenizer, limiter: trio.CapacityLimiter
 ) -> Processor | None:
     """The engine's processor (None: a text-only model)."""
     mm_config = config.model.mm_config

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trillm.engine.detokenizer import DetokenizerFactory
 from trillm.engine.logprobs import SampleLogprobsBuilder, TokenTexts, make_logprob_dict, slice_lists
@@ -39,6 +39,9 @@ from trillm.messages import EngineCoreOutput, FinishReason, LogprobsLists
 from trillm.outputs import RequestMetrics, RequestOutput
 from trillm.sampling_params import RequestOutputKind, SamplingParams
 
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,7 +50,7 @@ class OutputProcessor:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         native: bool | None = None,
         stream_interval: int = 1,

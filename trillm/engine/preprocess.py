@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -45,6 +45,9 @@ from trillm.messages import MultiModalItem
 from trillm.model_executor.registry import model_entry
 from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from trillm.utils import cdiv
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 PromptType = str | dict[str, Any]
 
@@ -102,7 +105,7 @@ class Preprocessor:
     def __init__(
         self,
         config: TrillmConfig,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         num_blocks: int,
         chat_template: str | None = None,
     ) -> None:
@@ -117,7 +120,7 @@ class Preprocessor:
         self.enable_prompt_embeds = config.enable_prompt_embeds  # prompt_embeds.py
         # --chat-template (a path or the text), loaded once; None: the tokenizer's.
         self.chat_template = load_chat_template(chat_template)
-        eos = getattr(tokenizer, "eos_token_id", None)
+        eos = tokenizer.eos_token_id
         eos_ids = list(config.model.eos_token_ids)
         self.eos_token_id: int | None = (
             eos if eos is not None else (eos_ids[0] if eos_ids else None)
@@ -179,10 +182,8 @@ class Preprocessor:
     def max_prompt_chars(self) -> int:
         """The longest text (in characters) that could tokenize to at most max_model_len tokens."""
         if self._max_prompt_chars is None:
-            tok = self.tokenizer
-            longest = max((len(k) for k in tok.get_vocab()), default=1)
-            added = getattr(tok, "added_tokens_decoder", None) or {}
-            longest = max([longest, *(len(str(t)) for t in added.values())])
+            added = (str(t) for t in self.tokenizer.added_tokens_decoder.values())
+            longest = max(map(len, [*self.tokenizer.get_vocab(), *added]), default=1)
             per_token = max(longest, _MIN_CHARS_PER_TOKEN) * _SAFETY_FACTOR
             self._max_prompt_chars = self.max_model_len * per_token
         return self._max_prompt_chars

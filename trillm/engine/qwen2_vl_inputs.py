@@ -7,11 +7,14 @@ patches), its patches kept as [t, h, w, patch_dim] (the grid transformers calls
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from trillm.engine.media import MultiModalInputError
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 # The processor's keys that are the vision tower's geometry (fixed by its weights)
 _TOWER_KWARGS = ("patch_size", "temporal_patch_size", "merge_size")
@@ -28,7 +31,7 @@ def load_processor(kwargs: dict[str, Any]) -> Any:
     return Qwen2VLImageProcessorPil(**kwargs)
 
 
-def image_placeholder(mm_config: dict[str, Any], tokenizer: Any, image_token_id: int) -> str:
+def image_placeholder(mm_config: dict[str, Any], tokenizer: Tokenizer, image_token_id: int) -> str:
     ids = [mm_config.get("vision_start_token_id"), image_token_id]
     ids.append(mm_config.get("vision_end_token_id"))
     return "".join(str(tokenizer.convert_ids_to_tokens(int(i))) for i in ids if i is not None)

@@ -33,7 +33,7 @@ class RequestInbox:
         preprocessor: Preprocessor,
         stream_interval: int,
         lora_checker: LoRAChecker | None,  # None without --enable-lora
-        structured_output: StructuredOutputManager | None,  # None without a tokenizer
+        structured_output: StructuredOutputManager,
     ) -> None:
         self._send = send
         self.preprocessor = preprocessor
@@ -58,10 +58,6 @@ class RequestInbox:
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Structured outputs: compiled before the engine sees the request, so a bad spec is
         refused here, a 400 (``StructuredOutputManager.precompile``)."""
-        if self._structured_output is None:
-            raise InvalidRequestError(
-                "Structured outputs need the model's tokenizer.", "structured_outputs"
-            )
         await self._structured_output.precompile(params.structured_outputs)
 
     def try_send_to_handler(self, msg: AddRequest) -> bool:

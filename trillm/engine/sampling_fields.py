@@ -3,9 +3,12 @@ stop ids a request ends on, and the token ids of its bad words."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trillm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 
 def apply_stop_ids(
@@ -22,7 +25,7 @@ def apply_stop_ids(
     params.all_stop_token_ids = sorted(set(stop_ids + eos))
 
 
-def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
     out: list[list[int]] = []
     for word in words:
         # A word can appear at the start of the text or after a space: ban both spellings.

@@ -12,7 +12,7 @@ budgets first, ``LLM.score`` runs them as they are.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -83,9 +83,10 @@ async def pair_prompt(
         )
     limit = None if truncate is None else (pre.max_model_len if truncate == -1 else truncate)
 
-    def work() -> Any:
-        kwargs = {} if limit is None else {"truncation": True, "max_length": limit}
-        return pre.tokenizer(text_1, text_2, **kwargs)
+    def work() -> Mapping[str, list[int]]:
+        if limit is None:
+            return pre.tokenizer(text_1, text_2)
+        return pre.tokenizer(text_1, text_2, truncation=True, max_length=limit)
 
     enc = await trio.to_thread.run_sync(work, limiter=pre.tokenize_limiter)
     types = list(enc.get("token_type_ids") or [])

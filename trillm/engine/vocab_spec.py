@@ -14,7 +14,12 @@ import enum
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    from trillm.interfaces import Tokenizer
 
 _BYTE_TOKEN_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -50,18 +55,21 @@ def _gpt2_unicode_to_byte() -> dict[str, int]:
     return mapping
 
 
-def backend_tokenizer(tokenizer: Any) -> Any:
+def backend_tokenizer(tokenizer: Tokenizer | BackendTokenizer) -> BackendTokenizer:
     """The ``tokenizers.Tokenizer`` behind a transformers tokenizer (or the object itself)."""
+    from tokenizers import Tokenizer as Backend
+
+    if isinstance(tokenizer, Backend):
+        return tokenizer
+    # A fast tokenizer's backend (no member of ``Tokenizer``: a slow one has none).
     for attr in ("backend_tokenizer", "_tokenizer"):
         backend = getattr(tokenizer, attr, None)
-        if backend is not None and hasattr(backend, "to_str"):
+        if isinstance(backend, Backend):
             return backend
-    if hasattr(tokenizer, "to_str") and hasattr(tokenizer, "id_to_token"):
-        return tokenizer
     raise TypeError(f"{type(tokenizer).__name__} is not backed by a `tokenizers` tokenizer.")
 
 
-def build_vocab_spec(tokenizer: Any) -> VocabSpec | None:
+def build_vocab_spec(tokenizer: Tokenizer | BackendTokenizer) -> VocabSpec | None:
     """The table for ``tokenizer``, or None when its decoder is not one we model exactly."""
     backend = backend_tokenizer(tokenizer)
     config = json.loads(backend.to_str())
@@ -97,14 +105,17 @@ def _metaspace_spec(
     return VocabSpec(table, special_ids, DecoderScheme.BYTE_FALLBACK, [], 0, first_table)
 
 
-def _needs_cleanup(tokenizer: Any, config: dict[str, Any]) -> bool:
-    # transformers 5 ignores clean_up_tokenization_spaces for BPE models (see its _decode).
-    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+def _needs_cleanup(tokenizer: Tokenizer | BackendTokenizer, config: dict[str, Any]) -> bool:
+    from tokenizers import Tokenizer as Backend
+
+    # transformers 5 ignores clean_up_tokenization_spaces for BPE models (see its _decode);
+    # a bare ``tokenizers`` tokenizer never cleans up.
+    if isinstance(tokenizer, Backend) or not tokenizer.clean_up_tokenization_spaces:
         return False
     return (config.get("model") or {}).get("type") != "BPE"
 
 
-def _token_strings(backend: Any) -> list[str]:
+def _token_strings(backend: BackendTokenizer) -> list[str]:
     size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
     return [backend.id_to_token(i) or "" for i in range(size)]
 

@@ -26,8 +26,8 @@ prompt, undecided until the first token (``<think>`` or content).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from trillm.parsers import harmony
 from trillm.parsers.reasoning_base import (
@@ -45,6 +45,9 @@ from trillm.parsers.reasoning_families import (
     FAMILIES,
     Qwen3ReasoningParser,
 )
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 __all__ = [
     "ENDED",
@@ -121,11 +124,11 @@ class GptOssReasoningParser(ReasoningParser):
         return ResplitStreamer(self)
 
     @classmethod
-    def token_ids(cls, tokenizer: Any) -> tuple[int, int]:
+    def token_ids(cls, tokenizer: Tokenizer) -> tuple[int, int]:
         return -1, -1  # no single tokens (structured outputs are refused instead)
 
     @classmethod
-    def prompt_state(cls, prompt_ids: Any, ids: tuple[int, int]) -> str:
+    def prompt_state(cls, prompt_ids: Sequence[int], ids: tuple[int, int]) -> str:
         return REASONING
 
 

@@ -5,9 +5,13 @@ structured outputs start)."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from trillm.parsers.tool_parsers.base import held_prefix
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 START = "<think>"
 END = "</think>"
@@ -78,7 +82,7 @@ class ReasoningParser:
     # ------------------------------------------------------------ engine side (token ids)
 
     @classmethod
-    def token_ids(cls, tokenizer: Any) -> tuple[int, int]:
+    def token_ids(cls, tokenizer: Tokenizer) -> tuple[int, int]:
         """(``<think>`` id, ``</think>`` id) in ``tokenizer``; ValueError naming the parser when
         either is not one token (the engine could not see where reasoning ends)."""
         vocab = tokenizer.get_vocab()
@@ -94,7 +98,7 @@ class ReasoningParser:
         return ids[0], ids[1]
 
     @classmethod
-    def prompt_state(cls, prompt_ids: Any, ids: tuple[int, int]) -> str:
+    def prompt_state(cls, prompt_ids: Sequence[int], ids: tuple[int, int]) -> str:
         """Where the output of ``prompt_ids`` starts: the prompt's last tag decides (a
         rendered ``<think>\\n\\n</think>`` has ended reasoning, an open ``<think>`` has not)."""
         start, end = ids

@@ -24,7 +24,8 @@ splitting the whole text again after each delta (``ResplitStreamer``).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 from trillm.parsers.reasoning_base import (
     END,
@@ -37,6 +38,9 @@ from trillm.parsers.reasoning_base import (
     ResplitStreamer,
 )
 from trillm.parsers.tool_parsers.base import held_prefix
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 
 class Qwen3ReasoningParser(ReasoningParser):
@@ -86,11 +90,11 @@ class _ResplitParser(ReasoningParser):
         return ResplitStreamer(self)
 
     @classmethod
-    def token_ids(cls, tokenizer: Any) -> tuple[int, int]:
+    def token_ids(cls, tokenizer: Tokenizer) -> tuple[int, int]:
         return -1, -1  # not single tokens (structured outputs are refused instead)
 
     @classmethod
-    def prompt_state(cls, prompt_ids: Any, ids: tuple[int, int]) -> str:
+    def prompt_state(cls, prompt_ids: Sequence[int], ids: tuple[int, int]) -> str:
         return REASONING
 
 

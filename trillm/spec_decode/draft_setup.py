@@ -5,15 +5,24 @@ hands the drafts the worker's draft model proposed (``draft_model.py``) to the s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trillm.config import EngineArgs, ModelConfig
 from trillm.spec_decode.config import DraftModelError, SpeculativeConfig
 from trillm.spec_decode.policy import draft_room, may_speculate
 
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
+
+# engine/tokenizer_loader.load_tokenizer: (path, trust_remote_code) -> the tokenizer
+TokenizerLoader = Callable[[str, bool], "Tokenizer"]
+
 
 def build_draft_model_config(
-    args: EngineArgs, spec: SpeculativeConfig, target: ModelConfig, load_tokenizer: Callable
+    args: EngineArgs,
+    spec: SpeculativeConfig,
+    target: ModelConfig,
+    load_tokenizer: TokenizerLoader,
 ) -> ModelConfig:
     """The draft's ModelConfig, in the target's dtype and max_model_len; DraftModelError
     naming what does not match (``load_tokenizer``: path, trust_remote_code -> tokenizer).
@@ -55,7 +64,7 @@ def _check_same_tokenizer(
     draft: ModelConfig,
     target: ModelConfig,
     trust_remote_code: bool,
-    load_tokenizer: Callable,
+    load_tokenizer: TokenizerLoader,
 ) -> None:
     """The draft's tokenizer (when its folder has one) maps every token as the target's."""
     try:

@@ -18,13 +18,16 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from trillm.config import DEFAULT_GRAMMAR_CACHE_BYTES
 from trillm.structured_output.spec import GrammarSpec, StructuredOutputError
 from trillm.utils import cdiv
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +64,7 @@ class GrammarCache:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         vocab_size: int,
         stop_token_ids: list[int],
         *,

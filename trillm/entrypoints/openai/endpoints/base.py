@@ -24,12 +24,11 @@ from trillm.entrypoints.openai.metrics.prometheus import ServerMetrics
 from trillm.lora.request import LoRARequest
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from trillm.config import ModelConfig
     from trillm.engine.async_engine import AsyncEngine
     from trillm.engine.preprocess import Preprocessor
     from trillm.entrypoints.openai.endpoints.lora import LoRARegistry
+    from trillm.interfaces import Tokenizer
 
 
 @attrs.define(eq=False)
@@ -78,7 +77,7 @@ class ServerState:
     max_engine_seqs_per_request: int | None = None
 
     @property
-    def tokenizer(self) -> PreTrainedTokenizerBase:  # (the routes that use it need one)
+    def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     @property

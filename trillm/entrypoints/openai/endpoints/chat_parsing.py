@@ -11,7 +11,7 @@ constrain the output with a JSON schema (structured outputs), so the calls are v
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -29,6 +29,9 @@ from trillm.parsers.tool_parsers import (
     required_schema,
 )
 from trillm.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from trillm.interfaces import Tokenizer
 
 
 @attrs.define
@@ -137,7 +140,7 @@ def _refuse_other_constraints(req: Any) -> None:
         )
 
 
-def keeps_special_tokens(tokenizer: Any, tools: ToolPlan, reasoning: bool) -> bool:
+def keeps_special_tokens(tokenizer: Tokenizer, tools: ToolPlan, reasoning: bool) -> bool:
     """Whether the output must keep special tokens for its parsers to see their markers
     (vLLM's adjust_request): Mistral's ``[TOOL_CALLS]`` is a special token, Qwen's
     ``<tool_call>`` and ``<think>`` are not."""

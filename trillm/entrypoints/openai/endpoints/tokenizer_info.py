@@ -12,7 +12,7 @@ _FILE_PATH_KEYS = ("vocab_file", "merges_file")
 
 
 def tokenizer_info(state: ServerState) -> dict[str, Any]:
-    kwargs = dict(getattr(state.tokenizer, "init_kwargs", None) or {})
+    kwargs = dict(state.tokenizer.init_kwargs)
     for key in _FILE_PATH_KEYS:
         kwargs.pop(key, None)
     info: dict[str, Any] = {key: _plain(value) for key, value in kwargs.items()}
@@ -23,7 +23,7 @@ def tokenizer_info(state: ServerState) -> dict[str, Any]:
     return info
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """``value`` as JSON: a special token (``AddedToken``) as its text, as vLLM writes it;
     anything else JSON cannot hold as its ``str`` (never a 500 for one odd kwarg)."""
     if hasattr(value, "content"):
