@@ -32,7 +32,7 @@ def test_an_install_without_the_weights_is_refused_not_served_random(tmp_path, m
 
 def test_resolving_the_default_model_imports_no_test_helpers():
     code = (
-        "import sys; from trillm.model_executor.model_config import resolve_model_path; "
+        "import sys; from trillm.model_executor.model_files import resolve_model_path; "
         "resolve_model_path(None); print('trillm.testing' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -407,7 +407,7 @@ def test_tool_flags_are_checked_at_startup(capsys):
 def test_revision_reaches_the_hub_download(monkeypatch, tmp_path):
     import huggingface_hub
 
-    from trillm.model_executor.model_config import resolve_model_path
+    from trillm.model_executor.model_files import resolve_model_path
 
     asked = {}
 

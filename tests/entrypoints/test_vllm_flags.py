@@ -225,7 +225,7 @@ def test_download_dir_is_the_hub_cache(tmp_path):
     (tmp_path / "dl" / "models--org--tiny" / "refs" / "main").write_text("abc123")
     code = (
         "from trillm.entrypoints.cli.vllm_flags import apply_download_dir\n"
-        "from trillm.model_executor.model_config import resolve_model_path\n"
+        "from trillm.model_executor.model_files import resolve_model_path\n"
         f"apply_download_dir({str(tmp_path / 'dl')!r})\n"
         "import os; print(resolve_model_path('org/tiny')); print(os.environ['HF_HUB_CACHE'])\n"
     )

@@ -13,12 +13,12 @@ from trillm.model_executor import model_config
 from trillm.model_executor.layers.rotary import compute_inv_freq
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.model_config import (
-    ModelNotFoundError,
     UnsupportedDtypeError,
     load_model_config,
     parse_rope,
     resolve_dtype,
 )
+from trillm.model_executor.model_files import ModelNotFoundError
 from trillm.model_executor.registry import UnsupportedArchitectureError
 from trillm.testing.tiny_models import build_tiny_model
 

@@ -23,7 +23,7 @@ from trillm.model_executor import classification, gguf_loader, transformers_nume
 from trillm.model_executor.awq_gptq import PACKED
 from trillm.model_executor.layers.linear import pack_cpu_linears
 from trillm.model_executor.layers.quantized_linear import load_gguf, load_group_quantized
-from trillm.model_executor.model_config import ModelNotFoundError
+from trillm.model_executor.model_files import ModelNotFoundError
 from trillm.model_executor.quant_sharding import read_packed_shard
 from trillm.model_executor.quantization import CHECKPOINT_METHODS
 from trillm.model_executor.registry import CausalLM, get_model_class

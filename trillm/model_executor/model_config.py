@@ -1,5 +1,6 @@
-"""Model configuration: resolve the model folder (or GGUF file) and read config.json into
-``ModelConfig`` (architecture, dtype, RoPE, context length, EOS ids, load format).
+"""Model configuration: read the model folder's config.json (the folder: ``model_files.py``) or
+a GGUF file's metadata into ``ModelConfig`` (architecture, dtype, RoPE, context length, EOS
+ids, load format).
 
 ``config.json`` is read with both transformers-4 keys (``torch_dtype``, ``rope_theta``,
 ``rope_scaling``) and transformers-5 keys (``dtype``, ``rope_parameters``).
@@ -8,7 +9,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from trillm.config import DEVICES, LOAD_FORMATS, EngineArgs, ModelConfig
 from trillm.model_executor import classification, gguf_loader, gpt_oss_config, multimodal_config
 from trillm.model_executor.encoder_config import position_offset
 from trillm.model_executor.layer_types import FULL, SUPPORTED_ROPE_TYPES, partial_rotary_factor
+from trillm.model_executor.model_files import read_generation_config, read_json, resolve_model_path
 from trillm.model_executor.quantization import CHECKPOINT_METHODS, resolve_quantization
 from trillm.model_executor.registry import (
     UnsupportedArchitectureError,
@@ -41,7 +42,6 @@ _DTYPE_ALIASES = {
     "fp16": "float16",
     "float16": "float16",
 }
-_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 # The Llama family's loader (models/llama.py) places AWQ / GPTQ layers, stacked ones included.
 GROUP_QUANT_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -51,15 +51,11 @@ GROUP_QUANT_ARCHITECTURES = (
 )
 
 
-class ModelNotFoundError(FileNotFoundError):
-    """Neither a local model folder nor a hub id that could be downloaded."""
-
-
 class UnsupportedDtypeError(ValueError):
     """A dtype trillm cannot run (unknown name, or float16 on CPU)."""
 
 
-# ---------------------------------------------------------------- locating the model
+# ---------------------------------------------------------------- the device
 
 
 def resolve_device(device: str) -> str:
@@ -87,58 +83,6 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def resolve_model_path(model: str | None, revision: str | None = None) -> Path:
-    """A local folder as is; ``None`` -> the embedded default model; else a hub id."""
-    if model is None:
-        from trillm.default_model import ensure_default_model
-
-        return Path(ensure_default_model())
-    path = Path(model).expanduser()
-    if model.startswith(("/", "./", "../", "~")) and not path.is_dir():
-        raise ModelNotFoundError(f"Model folder {model!r} does not exist.")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"Model folder {str(path)!r} has no config.json.")
-        return path
-    return _download_from_hub(model, revision)
-
-
-def _download_from_hub(repo_id: str, revision: str | None) -> Path:
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        folder = huggingface_hub.snapshot_download(
-            repo_id, revision=revision, allow_patterns=_HUB_PATTERNS
-        )
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
-        raise ModelNotFoundError(
-            f"Model {repo_id!r} is not a local folder and could not be downloaded from the "
-            f"Hugging Face hub (offline, or no such repository): {type(exc).__name__}: {exc}"
-        ) from exc
-    return Path(folder)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def read_generation_config(model_path: Path, mode: str) -> dict[str, Any]:
-    """``auto``: the model folder's generation_config.json; ``vllm``: none; else a folder/file."""
-    if mode == "vllm":
-        return {}
-    if mode == "auto":
-        path = model_path / "generation_config.json"
-        return _read_json(path) if path.is_file() else {}
-    path = Path(mode).expanduser()
-    if path.is_dir():
-        path = path / "generation_config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"--generation-config {mode!r}: no generation_config.json there.")
-    return _read_json(path)
-
-
 # ---------------------------------------------------------------- config.json -> ModelConfig
 
 
@@ -163,7 +107,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         )
     else:
         path = resolve_model_path(args.model, args.revision)
-        hf = apply_hf_overrides(_read_json(path / "config.json"), args.hf_overrides)
+        hf = apply_hf_overrides(read_json(path / "config.json"), args.hf_overrides)
         generation_config = read_generation_config(path, args.generation_config)
         quantization = resolve_quantization(args.quantization, hf, device)
     architecture = _architecture(hf)

@@ -18,10 +18,8 @@ from typing import Any
 
 from trillm.config import EngineArgs, ModelConfig
 from trillm.model_executor.config_fields import COMMON_FIELDS, READ
-from trillm.model_executor.model_config import (
-    parse_rope,
-    resolve_model_path,
-)
+from trillm.model_executor.model_config import parse_rope
+from trillm.model_executor.model_files import resolve_model_path
 from trillm.spec_decode.config import DraftModelError, SpeculativeConfig
 
 ARCHITECTURES = {
