@@ -83,8 +83,11 @@ def hf_video_values(path: str, frames: Any) -> dict[str, Any]:
         return dict(processor(videos=[frames], return_tensors="pt"))
 
 
-def hf_mixed_inputs(path: str, text: str, images: list[Any], videos: list[Any]) -> dict[str, Any]:
-    """The processor's outputs for a prompt with images and videos, each pad expanded."""
+def hf_mixed_inputs(
+    path: str, text: str, images: list[Any], videos: list[Any], fps: float = BARE_FPS
+) -> dict[str, Any]:
+    """The processor's outputs for a prompt with images and videos (sampled at ``fps``), each
+    pad expanded."""
     _, tok, image_processor = hf_parts(path)
     enc: dict[str, Any] = {}
     merge = image_processor.merge_size**2
@@ -95,7 +98,7 @@ def hf_mixed_inputs(path: str, text: str, images: list[Any], videos: list[Any]) 
         enc["pixel_values_videos"] = torch.cat([p["pixel_values_videos"] for p in parts])
         enc["video_grid_thw"] = torch.cat([p["video_grid_thw"] for p in parts])
         tp = image_processor.temporal_patch_size
-        enc["second_per_grid_ts"] = torch.tensor([tp / BARE_FPS] * len(videos))
+        enc["second_per_grid_ts"] = torch.tensor([tp / fps] * len(videos))
     for pad, key in ((IMAGE_PAD, "image_grid_thw"), (VIDEO_PAD, "video_grid_thw")):
         if key in enc:
             counts = (enc[key].prod(-1) // merge).tolist()
@@ -109,11 +112,11 @@ def hf_mixed_inputs(path: str, text: str, images: list[Any], videos: list[Any]) 
 
 
 def hf_mixed_greedy(
-    path: str, text: str, images: list[Any], videos: list[Any], n: int = 8
+    path: str, text: str, images: list[Any], videos: list[Any], n: int = 8, fps: float = BARE_FPS
 ) -> tuple[list[int], list[int], Any]:
     """(the expanded prompt ids, the greedy continuation, log-softmax rows [P + n, V])."""
     model = hf_parts(path)[0]
-    enc = hf_mixed_inputs(path, text, images, videos)
+    enc = hf_mixed_inputs(path, text, images, videos, fps)
     if "second_per_grid_ts" in enc and "Qwen2VL" in type(model).__name__:
         del enc["second_per_grid_ts"]  # Qwen2-VL's time step is 1
     with torch.no_grad():

@@ -72,13 +72,13 @@ def content_hash(values: np.ndarray) -> str:
 
 @attrs.frozen
 class AudioSource:
-    """A chat's audio part, decoded by stage 3: ``input_audio`` (base64 ``data`` and its
-    ``format``) or ``audio_url`` (``url``)."""
+    """A chat's audio part, decoded by stage 3: ``input_audio`` (base64 ``data``, ``format``)."""
 
     param: str  # e.g. messages[0].content[1].input_audio
     data: str | None = None
     format: str = "wav"
-    url: str | None = None
+    url: str | None = None  # an ``audio_url`` part's
+    modality = "audio"  # its multi_modal_data key
 
 
 def input_audio_source(spec: Any, param: str) -> AudioSource:
@@ -393,8 +393,8 @@ def audio_part_source(spec: Any, kind: str, param: str) -> AudioSource:
 
 
 def multi_modal_data(sources: list[Any]) -> dict[str, list[Any]]:
-    """A chat's media sources in order as ``multi_modal_data``: audio and images apart."""
+    """A chat's media sources in order as ``multi_modal_data``, each under its modality."""
     data: dict[str, list[Any]] = {}
-    for source in sources:
-        data.setdefault("audio" if isinstance(source, AudioSource) else "image", []).append(source)
+    for source in sources:  # an image source: an ImageSource or a PIL image
+        data.setdefault(getattr(source, "modality", "image"), []).append(source)
     return data

@@ -22,6 +22,7 @@ from trillm.config import TrillmConfig
 from trillm.engine import gemma3_inputs as gemma3
 from trillm.engine import onevision_inputs as onevision
 from trillm.engine import qwen2_vl_inputs as qwen2_vl
+from trillm.engine import video_decode
 from trillm.engine import video_inputs as video
 from trillm.engine.audio_inputs import AudioProcessor
 from trillm.engine.media import ImageSource, MediaConnector, MultiModalInputError, content_hash
@@ -97,10 +98,13 @@ class MultiModalProcessor:
         self.qwen2_vl = is_qwen2_vl(mm_config)
         self.modalities = ("image", "video") if self.qwen2_vl else ("image",)
         self.video_token_id = int(mm_config.get("video_token_id") or -1)  # Qwen2-VL's
+        self.video_placeholder: str | None = None  # what a chat's video part becomes
         if self.qwen2_vl:
             self.image_placeholder = qwen2_vl.image_placeholder(
                 mm_config, tokenizer, self.image_token_id
             )
+            placeholder = qwen2_vl.image_placeholder(mm_config, tokenizer, self.video_token_id)
+            self.video_placeholder = placeholder
         # The placeholder's id in the prompt, and the ids around an image's feature tokens
         self.slot_id = self.image_token_id
         self.before: list[int] = []
@@ -212,18 +216,13 @@ class MultiModalProcessor:
 
     async def videos(self, data: Any, kwargs: dict[str, Any]) -> list[tuple[np.ndarray, float]]:
         """``multi_modal_data["video"]`` -> each video's patches and M-RoPE time interval: the
-        count and sizes checked first, then processed in a tokenization thread."""
-        clips = video.as_list(data.get("video"))
+        count and sizes checked first (``video_decode.open_videos``), then processed in a
+        tokenization thread."""
+        limit = self.limits.get("video", 0)
+        args = (limit, self.connector, self.limiter, self.max_pixels)
+        clips = await video_decode.open_videos(data.get("video"), *args)
         if not clips:
             return []
-        limit = self.limits.get("video", 0)
-        if len(clips) > limit:
-            raise MultiModalInputError(
-                f"multi_modal_data['video']: {len(clips)} videos, at most {limit} per prompt "
-                "(limit_mm_per_prompt)."
-            )
-        for i, clip in enumerate(clips):
-            video.check_video(clip, f"multi_modal_data['video'][{i}]", self.max_pixels)
         kwargs = qwen2_vl.processor_kwargs(self.image_processor, kwargs)
         return await trio.to_thread.run_sync(
             self._video_values, clips, kwargs, limiter=self.limiter
@@ -232,9 +231,12 @@ class MultiModalProcessor:
     def _video_values(self, clips: list[Any], kwargs: dict[str, Any]) -> list[Any]:
         processor = self.image_processor
         tp = int(processor.temporal_patch_size)
-        interval = video.time_interval(self.mm_config, tp, video.BARE_FRAMES_FPS)
         return [
-            (video.video_patches(processor, video.rgb_frames(c), kwargs), interval) for c in clips
+            (
+                video.video_patches(processor, video.rgb_frames(frames), kwargs),
+                video.time_interval(self.mm_config, tp, fps),
+            )
+            for frames, fps in clips
         ]
 
     def _video_item(self, values: np.ndarray, offset: int, interval: float) -> MultiModalItem:

@@ -188,6 +188,11 @@ _NESTED = {
         AUDIO_HTTP + "test_input_audio_is_greedy_exact_and_audio_urls_answer_the_same",
         AUDIO_HTTP + "test_bad_audio_is_400_naming_it_while_a_stream_runs",
     ),
+    # an MP4 data: URL greedy-exact on the tiny Qwen2.5-VL; a bomb, bad data refused by name
+    "TextPart.video_url": ids(
+        "tests/entrypoints/test_qwen2_vl_video_http.py::test_data_url_video_is_greedy_exact",
+        "tests/entrypoints/test_qwen2_vl_video_http.py::test_bad_videos_are_400_naming_them",
+    ),
     "InputAudio.data": ids(
         AUDIO_HTTP + "test_input_audio_is_greedy_exact_and_audio_urls_answer_the_same",
         AUDIO_HTTP + "test_bad_audio_is_400_naming_it_while_a_stream_runs",

@@ -4,7 +4,8 @@ writes the model's placeholder: ``trillm/engine/chat_template.py``) and an
 ``ImageSource`` for ``multi_modal_data``, which stage 3 opens off the event loop
 (``trillm/engine/media.py``: ``data:`` URLs, ``file://`` under ``--allowed-local-media-path``,
 ``http(s)`` within the fetch limits and ``--allowed-media-domains``). ``input_audio`` and
-``audio_url`` parts become ``{"type": "audio"}`` parts and ``AudioSource``s alike."""
+``audio_url`` parts become ``{"type": "audio"}`` parts and ``AudioSource``s alike; a
+``video_url`` part (Qwen2-VL) becomes its placeholder's text and a ``VideoSource``."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from trillm.engine.media import (
     audio_part_source,
 )
 from trillm.engine.preprocess import Preprocessor
+from trillm.engine.video_decode import VideoSource
 from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.entrypoints.openai.schemas.protocol import ChatMessage
 from trillm.model_executor.registry import no_images_reason
@@ -52,6 +54,13 @@ def split_images(
                 images.append(_audio_source(part, param))
                 parts.append({"type": AUDIO_PART})
                 continue
+            if part.type == "video_url":
+                param = f"messages[{i}].content[{j}].video_url"
+                source, placeholder = _video_source(pre, part, param)
+                images.append(source)
+                # NOTE: the model's placeholder as text: the chat template never sees a video
+                parts.append({"type": "text", "text": placeholder})
+                continue
             if part.type != "image_url":
                 parts.append(part)
                 continue
@@ -74,6 +83,17 @@ def _refuse_text_side_only(architecture: str, messages: list[ChatMessage]) -> No
             if part.type == "image_url":
                 param = f"messages[{i}].content[{j}].image_url"
                 raise BadRequestError(f"{architecture} takes no image inputs{why}.", param)
+
+
+def _video_source(pre: Preprocessor, part: Any, param: str) -> tuple[VideoSource, str]:
+    """A ``video_url`` part's source and placeholder, for a model that takes videos."""
+    placeholder = getattr(pre.multimodal, "video_placeholder", None)
+    if placeholder is None:
+        arch = pre.model_config.architecture
+        raise BadRequestError(f"{arch} takes no video inputs (video_url).", param)
+    if part.video_url is None or part.video_url.url is None:
+        raise BadRequestError("A video_url part needs its video_url.url.", param)
+    return VideoSource(part.video_url.url, param), placeholder
 
 
 def _audio_source(part: Any, param: str) -> Any:

@@ -95,13 +95,15 @@ class InputAudio:
 @attrs.define
 class TextPart:
     """A chat content part: ``text``, ``image_url`` for a model that takes images,
-    ``input_audio`` / ``audio_url`` (vLLM's) for one that takes audio."""
+    ``video_url`` (vLLM's) for one that takes videos, ``input_audio`` / ``audio_url`` (vLLM's)
+    for one that takes audio."""
 
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
     input_audio: InputAudio | None = None
     audio_url: ImageURL | None = None  # (the same {"url": ...} shape)
+    video_url: ImageURL | None = None  # (likewise)
 
 
 # ---------------------------------------------------------------- tools
