@@ -1,17 +1,26 @@
 """Train a small EAGLE head (EAGLE-1 layout) for a model on text the model generates itself, and
 write it where ``--speculative-config '{"method": "eagle", "model": HEAD, ...}'`` reads it.
 
-No trained head can be downloaded here, so this makes one: the model answers chat prompts
-(trillm, all at once; greedy by default, as spec_decode.py decodes), transformers gives its
-final hidden states over them, and the head (``fc`` over [embedding of token t+1, hidden state at t], then one Llama layer
-without input norm, initialized from the model's last layer) learns EAGLE's objective: the
-model's hidden state at t+1 (smooth L1) and, through the model's own lm_head, its token t+2
-(cross-entropy, weight 0.1). The head is written in the published format (config.json,
-pytorch_model.bin) outside the repo; benchmark it with spec_decode.py:
+No trained head can be downloaded here, so this makes one, in minutes on two CPU cores:
 
-    python benchmarks/engine/eagle_train.py [--model PATH] [--steps 300]
-    python benchmarks/engine/spec_decode.py --speculative-config \\
-        '{"method": "eagle", "model": "~/.cache/trillm-eagle/<model>", "num_speculative_tokens": 3}'
+1. the model answers ``--sequences`` distinct chat prompts (trillm, all at once; greedy and
+   ``ignore_eos`` by default, as the benchmarks then decode: ``--max-tokens`` each);
+2. transformers gives its final hidden states over prompt + answer: the output of the final
+   norm, which is what trillm's model runner hands the head (``observe`` after P2);
+3. the head (``fc`` over [embedding of token t+1, hidden state at t], then one Llama layer
+   without input norm, initialized from the model's last layer; the model's embeddings and
+   lm_head shared) learns EAGLE's objective for ``--minutes``: the model's hidden state at
+   t+1 (smooth L1) and, through the model's lm_head, its token t+2 (cross-entropy, weight 0.1,
+   on a random quarter of the rows: the lm_head is most of the cost);
+4. the head is written in the published format (config.json, pytorch_model.bin) outside the
+   repository (``~/.cache/trillm-eagle/<model>-eagle`` by default).
+
+The benchmark prompts (``spec_decode.py``'s, ``spec_decode_served.py``'s) are not among the
+training prompts. For SmolLM2-135M-Instruct (``make_smollm2.py`` of the peer scripts):
+
+    python benchmarks/engine/eagle_train.py --model ~/.cache/trillm-eagle/smollm2-135m-instruct
+    python benchmarks/serving/spec_decode_served.py --model ~/.cache/trillm-eagle/smollm2-135m-instruct \\
+        --speculative-config '{"method": "eagle", "model": "HEAD", "num_speculative_tokens": 3}'
 """
 
 from __future__ import annotations
@@ -28,27 +37,49 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*, trillm
 
-from benchmarks.engine.spec_decode import FREE, PEER_MODEL, RANDOM, REPEAT, TEXTS
 from trillm import LLM, SamplingParams
 from trillm.default_model import ensure_default_model
 
+SMOLLM2 = Path("~/.cache/trillm-eagle/smollm2-135m-instruct").expanduser()
 TOPICS = (
-    "the sea, a city at night, a recipe, a train journey, a garden, a robot, a library, "
-    "winter, a football match, a market, the moon, a mountain, a letter to a friend, a museum"
+    "the sea, a city at night, a recipe for soup, a train journey, a garden in spring, a robot, "
+    "a library, winter, a football match, a market, the moon, a mountain, a museum, volcanoes, "
+    "bees, the internet, a bicycle, rain forests, a birthday party, the human heart, electricity, "
+    "a desert, chess, a small bakery, the ocean tides, a violin, a storm, a lost cat, "
+    "the first day at school, a space station, recycling, a castle, dinosaurs, a farm"
 ).split(", ")
-ASKS = ["Write a short story about {}.", "Describe {} in detail.", "Explain {} to a child."]
+ASKS = [
+    "Write a short story about {}.",
+    "Describe {} in detail.",
+    "Explain {} to a child.",
+    "Write a poem about {}.",
+    "Give me five facts about {}.",
+    "Write a blog post about {}.",
+    "What would a day with {} be like?",
+    "Write a letter to a friend about {}.",
+    "List the pros and cons of {}.",
+    "Write a news report about {}.",
+]
+CE_FRACTION = 0.25  # of the rows whose token t+2 is scored by cross-entropy, each step
+
+
+def training_prompts(n: int, seed: int) -> list[str]:
+    prompts = [a.format(t) for a in ASKS for t in TOPICS]
+    random.Random(seed).shuffle(prompts)
+    if n > len(prompts):
+        raise SystemExit(f"--sequences {n}: only {len(prompts)} distinct prompts")
+    return prompts[:n]
 
 
 def self_generated(
     model: str, n: int, max_tokens: int, temperature: float, seed: int
 ) -> list[list[int]]:
     """Prompt + answer token ids of ``n`` chats the model answers itself."""
-    prompts = [a.format(t) for a in ASKS for t in TOPICS] + FREE + RANDOM
-    prompts += [r.format(t) for r in REPEAT for t in TEXTS]
-    random.Random(seed).shuffle(prompts)
-    llm = LLM(model, max_model_len=1024, kv_cache_memory="256MiB")
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-    chats = [[{"role": "user", "content": p}] for p in (prompts * n)[:n]]
+    llm = LLM(model, max_model_len=1024, kv_cache_memory="512MiB")
+    params = SamplingParams(
+        temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True
+    )
+    chats = [[{"role": "user", "content": p}] for p in training_prompts(n, seed)]
     outs = llm.chat(chats, params, use_tqdm=False)
     llm.shutdown()
     return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
@@ -81,33 +112,67 @@ class EagleHead(torch.nn.Module):
         return {k: v.detach().clone().contiguous() for k, v in state.items()}
 
 
-def train(model: str, sequences: list[list[int]], steps: int, batch: int) -> EagleHead:
+def padded(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [N, L] and their lengths [N]: under causal attention a row never sees
+    the padding after it, so no attention mask is needed, only a loss mask."""
+    lengths = torch.tensor([len(s) for s in sequences])
+    ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.int64)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s)
+    return ids, lengths
+
+
+@torch.no_grad()
+def final_states(target: transformers.LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """The final norm's output over ``ids`` [N, L] -> [N, L, H], a few rows at a time."""
+    return torch.cat([target.model(chunk).last_hidden_state for chunk in ids.split(8)])
+
+
+def step_loss(
+    head: EagleHead,
+    target: transformers.LlamaForCausalLM,
+    ids: torch.Tensor,  # [B, L]
+    hidden: torch.Tensor,  # [B, L, H]
+    valid: torch.Tensor,  # [B, L - 2] bool: row t has a token t + 2
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # (loss, feature loss, top-1)
+    # row t: token t + 1 and hidden t -> hidden t + 1 and token t + 2
+    out = head(ids[:, 1:-1], hidden[:, :-2])[valid]  # [R, H]
+    feature = torch.nn.functional.smooth_l1_loss(out, hidden[:, 1:-1][valid])
+    scored = torch.rand(out.shape[0], generator=gen) < CE_FRACTION
+    logits = target.lm_head(out[scored])
+    wanted = ids[:, 2:][valid][scored]
+    ce = torch.nn.functional.cross_entropy(logits, wanted)
+    top1 = (logits.argmax(-1) == wanted).float().mean()
+    return feature + 0.1 * ce, feature, top1
+
+
+def train(model: str, sequences: list[list[int]], minutes: float, batch: int) -> EagleHead:
     target = transformers.LlamaForCausalLM.from_pretrained(model, dtype=torch.float32)
     target.requires_grad_(False)
     head = EagleHead(target)
     head.embed.requires_grad_(False)
-    length = sorted(len(s) for s in sequences)[len(sequences) // 4]  # 3/4 of them reach it
-    kept = [s[:length] for s in sequences if len(s) >= length]
-    with torch.no_grad():
-        ids = torch.tensor(kept)  # [N, L]
-        hidden = target(ids, output_hidden_states=True).hidden_states[-1]  # [N, L, H] normed
+    ids, lengths = padded(sequences)
+    start = time.perf_counter()
+    hidden = final_states(target, ids)
+    print(f"hidden states of {int(lengths.sum())} tokens in {time.perf_counter() - start:.0f} s")
+    valid = torch.arange(ids.shape[1] - 2)[None] < (lengths - 2)[:, None]  # [N, L - 2]
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
-    for step in range(steps):
-        rows = torch.randint(0, len(kept), (batch,), generator=gen)
-        # row t: token t + 1 and hidden t -> hidden t + 1 and token t + 2
-        out = head(ids[rows, 1:-1], hidden[rows, :-2])
-        feature = torch.nn.functional.smooth_l1_loss(out, hidden[rows, 1:-1])
-        logits = target.lm_head(out)
-        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[rows, 2:].flatten())
-        loss = feature + 0.1 * ce
+    start, step = time.perf_counter(), 0
+    while time.perf_counter() - start < 60 * minutes:
+        rows = torch.randint(0, len(sequences), (batch,), generator=gen)
+        loss, feature, top1 = step_loss(head, target, ids[rows], hidden[rows], valid[rows], gen)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            top1 = (logits.argmax(-1) == ids[rows, 2:]).float().mean()
-            print(f"step {step}: feature {feature:.4f} ce {ce:.3f} top-1 {top1:.3f}", flush=True)
+        if step % 20 == 0:
+            print(
+                f"step {step}: loss {loss:.4f} feature {feature:.4f} top-1 {top1:.3f}", flush=True
+            )
+        step += 1
+    print(f"{step} steps of {batch} sequences in {time.perf_counter() - start:.0f} s")
     return head
 
 
@@ -117,8 +182,8 @@ def write_head(head: EagleHead, model: str, out: Path) -> None:
     cfg = json.loads((Path(model) / "config.json").read_text())
     keep = (
         "vocab_size hidden_size intermediate_size num_attention_heads num_key_value_heads "
-        "head_dim hidden_act rms_norm_eps rope_theta rope_scaling max_position_embeddings "
-        "attention_bias mlp_bias"
+        "head_dim hidden_act rms_norm_eps rope_theta rope_scaling rope_parameters "
+        "max_position_embeddings attention_bias mlp_bias"
     ).split()
     head_cfg = {k: cfg[k] for k in keep if k in cfg}
     head_cfg.update(
@@ -132,15 +197,15 @@ def write_head(head: EagleHead, model: str, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = str(PEER_MODEL if PEER_MODEL.is_dir() else ensure_default_model())
+    default = str(SMOLLM2 if SMOLLM2.is_dir() else ensure_default_model())
     parser.add_argument("--model", default=default)
-    parser.add_argument("--sequences", type=int, default=96)
-    parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--steps", type=int, default=300)
-    # 0: the model's greedy answers, what spec_decode.py then decodes (a head learns the
+    parser.add_argument("--sequences", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--minutes", type=float, default=6.0, help="of training steps")
+    # 0: the model's greedy answers, what the benchmarks decode (a head learns the
     # continuations it will be asked to predict)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(f"~/.cache/trillm-eagle/{Path(args.model).name}-eagle").expanduser()
@@ -149,7 +214,7 @@ def main() -> None:
         args.model, args.sequences, args.max_tokens, args.temperature, seed=0
     )
     print(f"{len(sequences)} sequences in {time.perf_counter() - start:.0f} s", flush=True)
-    head = train(args.model, sequences, args.steps, args.batch)
+    head = train(args.model, sequences, args.minutes, args.batch)
     write_head(head, args.model, out)
     print(f"head written to {out} ({time.perf_counter() - start:.0f} s in all)")
 
