@@ -46,6 +46,7 @@ BATCH_URLS = (
     "/v2/rerank",
 )
 MAX_LINE_BYTES = 64 * 2**20  # one request line (a request body is bounded by the app too)
+READ_CHUNK_BYTES = 2**20  # a local input file is read this much at a time
 
 
 class BatchLineError(ValueError):
@@ -122,18 +123,45 @@ async def _input_lines(path_or_url: str) -> AsyncIterator[AsyncIterator[str]]:
             client.stream("GET", path_or_url) as response,
         ):
             response.raise_for_status()
-            yield _nonblank(response.aiter_lines())
+            yield _nonblank(response.aiter_bytes())
     else:
-        async with await trio.open_file(path_or_url, encoding="utf-8") as f:
-            yield _nonblank(f)
+        async with await trio.open_file(path_or_url, "rb") as f:
+            yield _nonblank(_file_chunks(f))
 
 
-async def _nonblank(lines: Any) -> AsyncIterator[str]:
-    async for line in lines:
-        if len(line) > MAX_LINE_BYTES:
-            raise ValueError(f"An input line is longer than {MAX_LINE_BYTES} bytes.")
-        if line.strip():
-            yield line.strip()
+async def _file_chunks(f: Any) -> AsyncIterator[bytes]:
+    while chunk := await f.read(READ_CHUNK_BYTES):
+        yield chunk
+
+
+async def _nonblank(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The stripped non-blank lines of a byte stream. A line longer than MAX_LINE_BYTES is
+    refused as soon as that many bytes of it have arrived, never read whole first."""
+    pending = bytearray()
+    async for chunk in chunks:
+        start = 0
+        while (end := chunk.find(b"\n", start)) != -1:
+            pending += chunk[start:end]
+            start = end + 1
+            line = _line(pending)
+            pending = bytearray()
+            if line:
+                yield line
+        pending += chunk[start:]
+        _line_size(pending)
+    line = _line(pending)
+    if line:
+        yield line
+
+
+def _line(data: bytearray) -> str:
+    _line_size(data)
+    return data.decode("utf-8").strip()
+
+
+def _line_size(data: bytearray) -> None:
+    if len(data) > MAX_LINE_BYTES:
+        raise ValueError(f"An input line is longer than {MAX_LINE_BYTES} bytes.")
 
 
 async def _upload(url: str, path: str) -> None:
