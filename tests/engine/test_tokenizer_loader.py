@@ -1,5 +1,5 @@
 """The tokenizer ``load_tokenizer`` returns keeps the ``Tokenizer`` protocol
-(``trillm/interfaces.py``) at run time: mypy sees transformers' objects as ``Any``, so only
+(``trillm/tokenizer_protocol.py``) at run time: mypy sees transformers' objects as ``Any``, so only
 this test holds the protocol's members and types to what transformers gives. Every member of
 the protocol has a check here (a member added without one fails), run on the default model's
 byte-level BPE tokenizer and on a tiny BERT's WordPiece one (segment ids, a pair)."""
@@ -15,8 +15,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from trillm.engine.tokenizer_loader import load_tokenizer
 from trillm.engine.vocab_spec import backend_tokenizer
-from trillm.interfaces import Tokenizer
 from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
+from trillm.tokenizer_protocol import Tokenizer
 
 
 @pytest.fixture(scope="module", params=["default", "bert"])

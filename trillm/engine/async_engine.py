@@ -54,7 +54,7 @@ from trillm.utils import unwrap_group
 
 if TYPE_CHECKING:
     from trillm.executor.abstract import Executor
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
 

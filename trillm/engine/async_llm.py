@@ -33,7 +33,7 @@ from trillm.outputs import RequestOutput
 from trillm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 _END = object()  # the stream ended without a final output (cannot happen; closes the reader)
 

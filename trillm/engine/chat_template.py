@@ -27,7 +27,7 @@ from trillm.engine.template_budget import (
 )
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 IMAGE_PART = "image"  # an image content part as templates see it: {"type": "image"}
 AUDIO_PART = "audio"  # an audio content part as templates see it: {"type": "audio"}

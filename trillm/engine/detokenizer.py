@@ -39,7 +39,7 @@ from trillm.engine.vocab_spec import DecoderScheme, VocabSpec, backend_tokenizer
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as BackendTokenizer
 
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ if TYPE_CHECKING:
     from trillm.core.scheduler import Scheduler
     from trillm.engine.core import EngineCore
     from trillm.executor.abstract import Executor
-    from trillm.interfaces import Tokenizer
     from trillm.spec_decode.draft_setup import DraftModelDrafts
     from trillm.spec_decode.ngram import NgramProposer
     from trillm.structured_output import StructuredOutputManager
+    from trillm.tokenizer_protocol import Tokenizer
 
 FailureHandler = Callable[[BaseException], None]
 

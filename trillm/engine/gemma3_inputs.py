@@ -19,7 +19,7 @@ from trillm.engine.media import MultiModalInputError
 from trillm.model_executor.gemma3_mm_config import gemma3_token
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 _NEWLINES = "\n\n"
 

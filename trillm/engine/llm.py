@@ -29,7 +29,7 @@ from trillm.sampling_params import BeamSearchParams, RequestOutputKind, Sampling
 from trillm.utils import first_leaf
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 T = TypeVar("T")
 

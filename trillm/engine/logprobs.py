@@ -16,7 +16,7 @@ from trillm.messages import LogprobsLists
 from trillm.outputs import Logprob, SampleLogprobs
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 
 class TokenTexts:

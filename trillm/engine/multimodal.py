@@ -35,7 +35,7 @@ from trillm.model_executor.qwen2_audio_config import is_qwen2_audio
 from trillm.model_executor.qwen2_vl_config import is_qwen2_vl
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 # The most pixels one image may have (its header is read first: decompression bombs are
 # refused before decoding). PIL's own bomb limit is higher (~89 M).

@@ -40,7 +40,7 @@ from trillm.outputs import RequestMetrics, RequestOutput
 from trillm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from trillm.utils import cdiv
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 PromptType = str | dict[str, Any]
 

@@ -14,7 +14,7 @@ import numpy as np
 from trillm.engine.media import MultiModalInputError
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 # The processor's keys that are the vision tower's geometry (fixed by its weights)
 _TOWER_KWARGS = ("patch_size", "temporal_patch_size", "merge_size")

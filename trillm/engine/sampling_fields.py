@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from trillm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 
 def apply_stop_ids(

@@ -47,7 +47,7 @@ from trillm.parsers.reasoning_families import (
 )
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 __all__ = [
     "ENDED",

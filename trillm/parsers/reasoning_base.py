@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from trillm.parsers.tool_parsers.base import held_prefix
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 START = "<think>"
 END = "</think>"

@@ -40,7 +40,7 @@ from trillm.parsers.reasoning_base import (
 from trillm.parsers.tool_parsers.base import held_prefix
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 
 class Qwen3ReasoningParser(ReasoningParser):

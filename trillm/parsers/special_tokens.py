@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from trillm.parsers import harmony
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 # The think tags (Magistral's, and Kimi K2's tool-call section, which ends its reasoning too),
 # and harmony's (gpt-oss): its channels are told apart by special tokens only.

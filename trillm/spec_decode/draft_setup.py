@@ -12,7 +12,7 @@ from trillm.spec_decode.config import DraftModelError, SpeculativeConfig
 from trillm.spec_decode.policy import draft_room, may_speculate
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 # engine/tokenizer_loader.load_tokenizer: (path, trust_remote_code) -> the tokenizer
 TokenizerLoader = Callable[[str, bool], "Tokenizer"]

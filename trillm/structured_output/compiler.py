@@ -27,7 +27,7 @@ from trillm.structured_output.spec import GrammarSpec, StructuredOutputError
 from trillm.utils import cdiv
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
 

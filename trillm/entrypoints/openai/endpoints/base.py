@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from trillm.engine.async_engine import AsyncEngine
     from trillm.engine.preprocess import Preprocessor
     from trillm.entrypoints.openai.endpoints.lora import LoRARegistry
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 
 @attrs.define(eq=False)

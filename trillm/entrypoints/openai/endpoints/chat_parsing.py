@@ -31,7 +31,7 @@ from trillm.parsers.tool_parsers import (
 from trillm.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from trillm.interfaces import Tokenizer
+    from trillm.tokenizer_protocol import Tokenizer
 
 
 @attrs.define
