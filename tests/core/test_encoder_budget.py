@@ -149,12 +149,14 @@ def random_request(rng: random.Random, req_id: str):
     return image_request(req_id, items, n=n, max_tokens=rng.randrange(1, 6))
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("seed", range(3))
-def test_the_twins_decide_alike_within_the_budgets(seed):
+def test_the_twins_decide_alike_within_the_budgets(seed, policy):
     # same requests, aborts and steps: identical messages each step (evictions included),
-    # with preemption (few blocks); the worker's mirror never passes either budget
+    # with preemption (few blocks; under priority a victim may have been scheduled earlier in
+    # the step); the worker's mirror never passes either budget
     rng = random.Random(seed)
-    config = {"num_blocks": 16, "max_num_batched_tokens": 12, "max_num_seqs": 4}
+    config = {"num_blocks": 16, "max_num_batched_tokens": 12, "max_num_seqs": 4, "policy": policy}
     twins = [budget_scheduler(get_impl(name), 12, 9, **config) for name in IMPL_NAMES]
     workers = [FakeWorker(seed=seed) for _ in twins]
     mirror = CacheMirror(12, 9)
@@ -163,6 +165,7 @@ def test_the_twins_decide_alike_within_the_budgets(seed):
         roll = rng.random()
         if roll < 0.2:
             req = random_request(rng, f"r{i}")
+            req.priority, req.arrival_time = rng.randrange(3), float(i)
             mirror.items[req.request_id] = req.mm_items
             for sched in twins:
                 sched.add_request(req)
