@@ -137,3 +137,29 @@ def test_chat_echo_prepends_the_assistants_last_message(server):
     a = httpx.post(url, json=user_last, timeout=60).json()["choices"][0]["message"]["content"]
     b = httpx.post(url, json={**user_last, "echo": True}, timeout=60).json()
     assert b["choices"][0]["message"]["content"] == a
+
+
+def test_streamed_echo_with_logprobs_sends_the_prompts_first_as_vllm(server):
+    """echo + logprobs streamed: the first chunk of each choice is the prompt's text and
+    logprobs followed by the first output's (vLLM's shape); the chunks add up to the
+    non-streamed answer."""
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "echo": True, "logprobs": 2}
+    whole = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    expected = whole["choices"][0]
+    chunks = []
+    url = server.base_url + "/completions"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks += json.loads(line[6:])["choices"]
+    first = chunks[0]
+    assert first["text"].startswith(PROMPT) and len(first["text"]) > len(PROMPT)
+    prompt_len = whole["usage"]["prompt_tokens"]
+    assert len(first["logprobs"]["tokens"]) == prompt_len + 1  # the prompt's, then 1 token
+    assert first["logprobs"]["token_logprobs"][0] is None  # nothing predicts the first token
+    assert "".join(c["text"] for c in chunks) == expected["text"]
+    for key in ("tokens", "top_logprobs", "text_offset"):
+        streamed = [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
+        assert streamed == expected["logprobs"][key], key
+    values = [v for c in chunks if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+    assert values[1:] == pytest.approx(expected["logprobs"]["token_logprobs"][1:], abs=1e-5)

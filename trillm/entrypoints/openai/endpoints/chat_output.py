@@ -177,7 +177,13 @@ class ChatAnswer:
     def single_job(self) -> bool:
         return True  # one prompt
 
-    def add_events(self, parts: list[bytes], job: int, c: CompletionOutput) -> int:
+    def add_events(
+        self,
+        parts: list[bytes],
+        job: int,
+        c: CompletionOutput,
+        prompt_logprobs: PromptLogprobs | None,  # (a chat's echo carries no logprobs)
+    ) -> int:
         if self._parsers is not None:
             p = self._parsers[c.index]
             delta = p.feed(c.text, c.finish_reason is not None)

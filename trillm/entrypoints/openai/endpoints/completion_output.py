@@ -70,6 +70,10 @@ class CompletionAnswer:
         plain = req.logprobs is None and not req.return_token_ids
         self._fast = plain and not self._continuous_usage
         self._offsets = [0] * self.num_choices()  # each choice's text offset so far
+        # echo with logprobs: as vLLM, the echo goes with each choice's first output, its
+        # logprobs the prompt's then the output's (the prompt's arrive with the first output)
+        self._echo_pending = [bool(req.echo and req.logprobs is not None)] * self.num_choices()
+        self._prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
 
     # ------------------------------------------------------------ non-streaming
 
@@ -191,13 +195,24 @@ class CompletionAnswer:
 
     def opening(self) -> tuple[bytes, list[bytes]]:
         echo = b""
-        if self.req.echo:
+        if self.req.echo and self.req.logprobs is None:
             echo = b"".join(self._echo_chunk(i) for i in range(self.num_choices()))
         return echo, []
 
-    def add_events(self, parts: list[bytes], job: int, c: CompletionOutput) -> int:
+    def add_events(
+        self,
+        parts: list[bytes],
+        job: int,
+        c: CompletionOutput,
+        prompt_logprobs: PromptLogprobs | None,
+    ) -> int:
         index = job * self.n + c.index
-        if self._fast and c.finish_reason is None:
+        if prompt_logprobs is not None:
+            self._prompt_logprobs[job] = prompt_logprobs
+        if self._echo_pending[index]:
+            self._echo_pending[index] = False
+            parts.append(self._chunk(index, c, echo=True))
+        elif self._fast and c.finish_reason is None:
             if c.text:
                 parts.append(self._text_chunk(index, c.text))
         elif c.text or c.token_ids or c.finish_reason is not None:
@@ -240,17 +255,23 @@ class CompletionAnswer:
         }
         return self.head + orjson.dumps(choice) + b"]" + self._tail()
 
-    def _chunk(self, index: int, c: CompletionOutput) -> bytes:
-        prompt = self.prompts[index // self.n]
+    def _chunk(self, index: int, c: CompletionOutput, echo: bool = False) -> bytes:
+        """Choice ``index``'s chunk for output ``c``; ``echo``: the prompt's text and logprobs
+        before the output's."""
+        job = index // self.n
+        prompt = self.prompts[job]
+        prompt_logprobs = self._prompt_logprobs[job] if echo else None
         offset = self._offsets[index]
+        text = (prompt.text or "") + c.text if echo else c.text
+        logprobs = self._logprobs(prompt, c.token_ids, c.logprobs, prompt_logprobs, offset)
         choice: dict[str, Any] = {
             "index": index,
-            "text": c.text,
-            "logprobs": self._logprobs(prompt, c.token_ids, c.logprobs, offset=offset),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
-        self._offsets[index] += len(c.text)
+        self._offsets[index] += len(text)
         if self.req.return_token_ids:
             choice["token_ids"] = c.token_ids
         return self.head + orjson.dumps(choice) + b"]" + self._tail()

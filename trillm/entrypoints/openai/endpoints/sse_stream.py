@@ -18,7 +18,7 @@ import orjson
 from trillm.entrypoints.openai.endpoints.generation import Generation, raise_if_error
 from trillm.entrypoints.openai.endpoints.usage import RequestTracker
 from trillm.entrypoints.openai.http.errors import APIError, sse_error_event
-from trillm.outputs import CompletionOutput
+from trillm.outputs import CompletionOutput, PromptLogprobs
 
 DONE = b"data: [DONE]\n\n"
 
@@ -38,8 +38,15 @@ class Chunks(Protocol):
         """(written at once, written with the first output)."""
         ...
 
-    def add_events(self, parts: list[bytes], job: int, c: CompletionOutput) -> int:
-        """Append the events of choice ``c`` of prompt ``job``; -> the choice's index."""
+    def add_events(
+        self,
+        parts: list[bytes],
+        job: int,
+        c: CompletionOutput,
+        prompt_logprobs: PromptLogprobs | None,
+    ) -> int:
+        """Append the events of choice ``c`` of prompt ``job`` (``prompt_logprobs``: the
+        prompt's, on the output that carries them); -> the choice's index."""
         ...
 
     def abort_event(self, index: int) -> bytes: ...
@@ -59,7 +66,7 @@ async def sse_stream(
             out = raise_if_error(item)
             tracker.observe(out, job)
             for c in out.outputs:
-                index = chunks.add_events(parts, job, c)
+                index = chunks.add_events(parts, job, c, out.prompt_logprobs)
                 if c.finish_reason is not None:
                     finished.add(index)
             if out.finished and chunks.single_job():
