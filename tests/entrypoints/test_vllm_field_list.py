@@ -12,6 +12,7 @@ shared fake-runner server: every refusal is decided before the model runs.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -222,6 +223,32 @@ def test_reasoning_effort_reaches_the_template_as_vllm_renders_it(server):
     assert rendered(reasoning_effort="low", chat_template_kwargs=kwargs) == "hi|low|False"
     r = post(server, "chat", {**minimal_body("chat", ""), "reasoning_effort": "huge"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_stream_interval_gives_chunks_of_that_many_tokens(server, endpoint):
+    """Every chunk but the first and the last carries at least stream_interval tokens (a
+    slow reader only makes them larger); without it each carries one token or so."""
+    body = {
+        **minimal_body(endpoint, ""),
+        "max_tokens": 13,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_interval": 4,
+    }
+    sizes = []
+    with httpx.stream("POST", server.url + ENDPOINTS[endpoint]["route"], json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0].get("token_ids"):
+                    sizes.append(len(choices[0]["token_ids"]))
+    assert sum(sizes) == 13 and len(sizes) <= 5, sizes
+    assert all(size >= 4 for size in sizes[1:-1]), sizes
+    r = post(server, endpoint, {**minimal_body(endpoint, ""), "stream_interval": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_interval"
 
 
 # ---------------------------------------------------------------- VLLM_* variables

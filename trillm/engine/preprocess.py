@@ -99,6 +99,9 @@ class PreparedPrompt:
     priority: int = 0
     cache_salt: str | None = None
     mm_items: list[MultiModalItem] = field(default_factory=list)  # in prompt order
+    # vLLM's per-request stream_interval: a stream's chunks every this many tokens, never
+    # fewer than the server's --stream-interval (None: the server's)
+    stream_interval: int | None = None
 
 
 class Preprocessor:

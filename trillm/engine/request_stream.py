@@ -213,7 +213,8 @@ class ParentRequest:
             lora_request=child.lora,
             mm_items=prepared.mm_items,
         )
-        collector = RequestOutputCollector(params.output_kind, engine.stream_interval)
+        interval = max(engine.stream_interval, prepared.stream_interval or 1)
+        collector = RequestOutputCollector(params.output_kind, interval)
         collector.ready_queue = (self._ready, child.index)
         return AddRequest(
             request_id=child.request_id,

@@ -79,6 +79,7 @@ _SAMPLING = {
         HOSTILE + "test_a_duplicate_request_id_is_refused_and_the_original_runs_on",
     ),
     "timeout": ids(FE + "test_timeout_ends_the_request", FAULTS + "test_timeout_ends_request"),
+    "stream_interval": ids(VLLM_LIST + "test_stream_interval_gives_chunks_of_that_many_tokens"),
     # extra_args of the request: a custom logits processor's target token on both endpoints;
     # what the processor's validate_params refuses, and values not strings/numbers, are 400s
     "vllm_xargs": ids(

@@ -86,7 +86,13 @@ async def start_chat(
     beam = beam_params(req, [prepared])
     try:
         gen = await start_generation(
-            state, [prepared], request_id, timeout=req.timeout, lora_request=lora, beam=beam
+            state,
+            [prepared],
+            request_id,
+            timeout=req.timeout,
+            lora_request=lora,
+            beam=beam,
+            stream_interval=req.stream_interval,
         )
     except BadRequestError as exc:
         raise tools.blame(exc) from None  # a tool schema that does not compile names the tool

@@ -62,7 +62,13 @@ async def create_completion(
     jobs = [p.prepared for p in prompts]
     beam = beam_params(req, jobs)
     gen = await start_generation(
-        state, jobs, request_id, timeout=req.timeout, lora_request=lora, beam=beam
+        state,
+        jobs,
+        request_id,
+        timeout=req.timeout,
+        lora_request=lora,
+        beam=beam,
+        stream_interval=req.stream_interval,
     )
     if req.stream:
         usage = answer.include_usage

@@ -105,6 +105,7 @@ async def start_generation(
     timeout: float | None = None,  # noqa: ASYNC109 - the request's deadline
     lora_request: LoRARequest | None = None,
     beam: BeamSearchParams | None = None,
+    stream_interval: int | None = None,
 ) -> Generation:
     """Submit the request's prompts, each prepared (checked) by the engine's preprocessor: the
     engine submits them without checking them again.
@@ -116,7 +117,10 @@ async def start_generation(
     ``lora_request``: the adapter the request's ``model`` names (None: the base model).
     ``beam``: a beam search of the prompts instead (``use_beam_search``), admitted as ``n``
     sequences each; its items come when the search is over.
+    ``stream_interval``: the request's (vLLM's field), raising --stream-interval for it.
     """
+    for job in jobs:
+        job.stream_interval = stream_interval
     n = jobs[0].params.n
     ids = [request_id] if len(jobs) == 1 else [f"{request_id}-{i}" for i in range(len(jobs))]
     admission = admit(state, ids, n, [admitted_tokens(job) for job in jobs])

@@ -212,6 +212,9 @@ class _SamplingFields:
     request_id: str | None = _f(None, max_chars=MAX_REQUEST_ID_CHARS)
     # trillm extension: seconds until the request ends with finish_reason "timeout".
     timeout: float | None = _f(None, gt=0.0, le=MAX_REQUEST_TIMEOUT_S)
+    # vLLM's: a stream's chunks every this many tokens (first and last at once), at least the
+    # server's --stream-interval
+    stream_interval: int | None = _f(None, ge=1)
     # vLLM's: arguments of custom extensions (strings, numbers or lists of them), the
     # request's SamplingParams.extra_args; custom logits processors read them.
     vllm_xargs: dict[str, Any] | None = _f(None, max_len=256)

@@ -65,12 +65,6 @@ _GENERATION = {
         "routed_experts_prompt_start",
         asks_nothing=(None, 0),
     ),
-    **_group(
-        "a per-request stream interval is not implemented; the server's --stream-interval "
-        "applies to every stream",
-        "stream_interval",
-        asks_nothing=(None, 1),  # (1: never above the server's, which vLLM clamps it up to)
-    ),
     **_group("sessions are not tracked (no session-scoped caching or routing)", "session_id"),
 }
 _CHAT_TEMPLATE_OPTIONS = _group(
