@@ -37,9 +37,8 @@ def _out(step_id: int, tokens: list[list[int]], error: str | None = None) -> Mod
 
 def _collect(rings: dict[int, _Ring], step_id: int) -> list[ModelRunnerOutput]:
     async def main() -> list[ModelRunnerOutput]:
-        order = sorted(rings)
         # no WorkerExits: no rank here reports a timed-out collective
-        return await collect_step_outputs(rings.__getitem__, order, len(order), step_id, None)
+        return await collect_step_outputs(sorted(rings.items()), len(rings), step_id, None)
 
     return trio.run(main)
 

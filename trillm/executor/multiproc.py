@@ -355,9 +355,9 @@ class MultiprocExecutor(Executor):
         return outputs[self.output_rank]
 
     async def _collect(self, step_id: int) -> list[ModelRunnerOutput]:
-        return await collect_step_outputs(
-            self._reader, self._read_order, self.world_size, step_id, self._exits
-        )
+        # NOTE: the rings, not a callback: worker_steps never calls back into this module
+        rings = [(rank, self._reader(rank)) for rank in self._read_order]
+        return await collect_step_outputs(rings, self.world_size, step_id, self._exits)
 
     # ------------------------------------------------------------ collective_rpc
 

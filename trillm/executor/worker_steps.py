@@ -3,8 +3,6 @@ every rank's output for one, and what in those outputs is fatal."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import trio
 
 from trillm import envs
@@ -35,20 +33,16 @@ def micro_batches(num_stages: int) -> int:
 
 
 async def collect_step_outputs(
-    reader: Callable[[int], RingReader],
-    read_order: list[int],
-    world_size: int,
-    step_id: int,
-    exits: WorkerExits,
+    rings: list[tuple[int, RingReader]], world_size: int, step_id: int, exits: WorkerExits
 ) -> list[ModelRunnerOutput]:
-    """Every rank's output for ``step_id`` (read in ``read_order``), by rank.
+    """Every rank's output for ``step_id``, by rank; ``rings``: (rank, the ring its reply
+    arrives on), in the order the replies arrive.
 
     Outputs of earlier steps are skipped: they belong to a ``sample_tokens`` call that its
     caller cancelled (the step's requests are then the engine's to clean up).
     """
     outputs: dict[int, ModelRunnerOutput] = {}
-    for rank in read_order:
-        ring = reader(rank)
+    for rank, ring in rings:
         msg = codec.decode(await ring.recv())
         while isinstance(msg, ModelRunnerOutput) and msg.step_id < step_id:
             msg = codec.decode(await ring.recv())
