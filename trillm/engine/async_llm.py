@@ -33,6 +33,7 @@ from trillm.outputs import RequestOutput
 from trillm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from trillm.engine.async_engine import AsyncEngine
     from trillm.tokenizer_protocol import Tokenizer
 
 _END = object()  # the stream ended without a final output (cannot happen; closes the reader)
@@ -107,7 +108,7 @@ class AsyncLLM(AsyncLLMControl):
 
     # ------------------------------------------------------------------ status
     @property
-    def engine(self) -> Any:
+    def engine(self) -> AsyncEngine:
         """The Trio ``AsyncEngine`` (read-only use from asyncio: its config, tokenizer)."""
         return self._thread.engine
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trillm.messages import (
     EngineCoreOutput,
@@ -18,14 +18,18 @@ from trillm.messages import (
     SchedulerOutput,
 )
 
+if TYPE_CHECKING:
+    from trillm.core.scheduler import Scheduler
+    from trillm.structured_output import StructuredOutputManager
+
 logger = logging.getLogger(__name__)
 
 
 class CoreGrammars:
     def __init__(
         self,
-        scheduler: Any,
-        manager: Any,  # StructuredOutputManager, or None without a tokenizer for grammars
+        scheduler: Scheduler,
+        manager: StructuredOutputManager | None,  # None: a core built without grammars
         refuse: Callable[[EngineCoreOutput], None],  # publishes a request the engine ended
     ) -> None:
         self.scheduler = scheduler

@@ -6,10 +6,13 @@ draft model's runs in the worker, where its drafts are made (``trillm/spec_decod
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trillm.messages import ModelRunnerOutput, SchedulerOutput, SpecDecodingStats
 from trillm.spec_decode.backoff import SpecBackoff
+
+if TYPE_CHECKING:
+    from trillm.core.scheduler import Scheduler
 
 
 class CoreSpeculation:
@@ -20,7 +23,7 @@ class CoreSpeculation:
 
     def after_step(
         self,
-        scheduler: Any,
+        scheduler: Scheduler,
         sched: SchedulerOutput,
         out: ModelRunnerOutput,
         busy: Collection[str],

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -27,6 +27,9 @@ from trillm.structured_output.spec import GrammarSpec, StructuredOutputError
 from trillm.utils import cdiv
 
 if TYPE_CHECKING:
+    import numpy as np
+    import xgrammar as xgr
+
     from trillm.tokenizer_protocol import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -81,20 +84,22 @@ class GrammarCache:
         self._max_threads = max_threads
         # NOTE: _futures, _sizes and cached_bytes change together under _cache_lock: the
         # Trio thread submits, the grammar threads account for what they finished.
-        self._futures: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._futures: OrderedDict[GrammarSpec, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._sizes: dict[GrammarSpec, int] = {}  # bytes of each finished entry
         self.cached_bytes = 0
         self._cache_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_threads, thread_name_prefix="trillm-grammar")
         self._lock = threading.Lock()  # guards the lazily built xgrammar compiler
-        self._compiler: Any = None
-        self._tokenizer_info: Any = None
-        self._json_masks: dict[bool, Any] = {}
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._tokenizer_info: xgr.TokenizerInfo | None = (
+            None  # the vocabulary, as xgrammar reads it
+        )
+        self._json_masks: dict[bool, np.ndarray] = {}
         self.num_compiles = 0  # compilations started (cache misses)
 
     # ------------------------------------------------------------------ xgrammar
 
-    def compiler(self) -> Any:
+    def compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 import xgrammar as xgr
@@ -110,7 +115,7 @@ class GrammarCache:
                 self._tokenizer_info = info
             return self._compiler
 
-    def compile_now(self, spec: GrammarSpec) -> Any:
+    def compile_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """Compile in the calling thread -> ``xgr.CompiledGrammar``; ``StructuredOutputError``
         naming the problem when xgrammar refuses the spec."""
         try:
@@ -141,7 +146,7 @@ class GrammarCache:
                 f"structured_outputs.{spec.kind}", f"Invalid {_WHAT[spec.kind]}: {message}"
             ) from None
 
-    def _check_size(self, compiled: Any, spec: GrammarSpec) -> None:
+    def _check_size(self, compiled: xgr.CompiledGrammar, spec: GrammarSpec) -> None:
         size = compiled.memory_size_bytes
         if size > self.max_grammar_bytes:
             raise StructuredOutputError(
@@ -151,7 +156,7 @@ class GrammarCache:
                 f"{GRAMMAR_SHARE_OF_CACHE} of --structured-outputs-cache-bytes).",
             )
 
-    def json_safe_mask(self, any_whitespace: bool) -> Any:
+    def json_safe_mask(self, any_whitespace: bool) -> np.ndarray:
         """int32 words [ceil(V / 32)]: every token but those holding a raw control character
         (U+0000-U+001F, less tab/newline/return when whitespace is free). ANDed into the rows
         of JSON grammars: JSON never has such characters raw, but xgrammar's rule for strings
@@ -166,6 +171,7 @@ class GrammarCache:
             words = cdiv(self.vocab_size, 32)
             bits = np.ones(words * 32, dtype=np.uint8)
             self.compiler()
+            assert self._tokenizer_info is not None  # built with the compiler
             vocab = self._tokenizer_info.decoded_vocab
             for token_id, piece in enumerate(vocab):
                 if not bad.isdisjoint(piece):
@@ -176,7 +182,7 @@ class GrammarCache:
 
     # ------------------------------------------------------------------ cache
 
-    def submit(self, spec: GrammarSpec) -> Future:
+    def submit(self, spec: GrammarSpec) -> Future[xgr.CompiledGrammar]:
         """The compile of ``spec``: cached (done, or still running) or started now.
         Called from the Trio thread only (frontend and engine core)."""
         with self._cache_lock:
@@ -189,7 +195,7 @@ class GrammarCache:
             self._futures[spec] = fut
         return fut
 
-    def _compile_entry(self, spec: GrammarSpec) -> Any:
+    def _compile_entry(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """``compile_now`` for the cache (on a grammar thread): the entry's bytes are
         counted before its future is done: its key's text and the compiled grammar
         (xgrammar's count; the process's RSS grows ~1.3x that), or the failure's message."""
@@ -221,7 +227,7 @@ class GrammarCache:
                 del self._futures[old]
                 self.cached_bytes -= self._sizes.pop(old)
 
-    def get(self, spec: GrammarSpec) -> Any | None:
+    def get(self, spec: GrammarSpec) -> xgr.CompiledGrammar | None:
         """The compiled grammar when it is ready; None while compiling or after a failure."""
         with self._cache_lock:
             fut = self._futures.get(spec)
@@ -229,7 +235,9 @@ class GrammarCache:
             return None
         return fut.result()
 
-    async def compile(self, spec: GrammarSpec, timeout_s: float = COMPILE_TIMEOUT_S) -> Any:
+    async def compile(
+        self, spec: GrammarSpec, timeout_s: float = COMPILE_TIMEOUT_S
+    ) -> xgr.CompiledGrammar:
         """Wait (without blocking the event loop) for ``spec`` to compile, at most
         ``timeout_s``; raises ``StructuredOutputError`` for a bad spec or a timeout."""
         fut = self.submit(spec)
@@ -237,7 +245,7 @@ class GrammarCache:
             done = trio.Event()
             token = trio.lowlevel.current_trio_token()
 
-            def wake(_: Future) -> None:
+            def wake(_: Future[xgr.CompiledGrammar]) -> None:
                 try:
                     token.run_sync_soon(done.set)
                 except trio.RunFinishedError:  # pragma: no cover - the loop is gone
@@ -267,7 +275,7 @@ def _mib(size: int) -> str:
 
 
 def _check_first_mask(
-    compiled: Any, spec: GrammarSpec, vocab_size: int, extra_mask: Any | None
+    compiled: xgr.CompiledGrammar, spec: GrammarSpec, vocab_size: int, extra_mask: np.ndarray | None
 ) -> None:
     """Refuse a grammar whose first bitmask costs more than ``MAX_FILL_CPU_S`` of CPU (measured
     here, on the grammar thread; xgrammar releases the GIL), or allows no token at all (the
@@ -299,7 +307,7 @@ def _check_first_mask(
         )
 
 
-def _compile(compiler: Any, spec: GrammarSpec) -> Any:
+def _compile(compiler: xgr.GrammarCompiler, spec: GrammarSpec) -> xgr.CompiledGrammar:
     import xgrammar as xgr
 
     kind, text = spec.kind, spec.text
