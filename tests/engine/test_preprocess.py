@@ -18,12 +18,8 @@ import trio
 
 import trillm
 from trillm import SamplingParams, open_engine
-from trillm.engine.preprocess import (
-    INLINE_TOKENIZE_CHARS,
-    InvalidRequestError,
-    PreparedPrompt,
-    Preprocessor,
-)
+from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Preprocessor
+from trillm.engine.text_tokenizer import INLINE_TOKENIZE_CHARS
 from trillm.executor.abstract import FAKE_RUNNER
 
 PACKAGE = Path(trillm.__file__).parent

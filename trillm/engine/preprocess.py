@@ -11,9 +11,10 @@ Both front doors go through the engine's ``Preprocessor`` (``AsyncEngine.preproc
 What happens here: chat-template rendering (tools, documents, chat_template_kwargs, the
 engine's ``--chat-template``); tokenization (a text longer than the context could hold is
 refused before any work; short texts inline, long ones in a few threads so the event loop keeps
-serving); ``truncate_prompt_tokens``; token-id, vocabulary, priority, context-length (one
-function: ``resolve_max_tokens``) and KV-cache admission checks; the tokenizer-derived sampling
-fields (``sampling_fields.py``: stop ids that ``min_tokens`` suppresses, bad-words token ids).
+serving: ``text_tokenizer.py``); ``truncate_prompt_tokens``; token-id, vocabulary, priority,
+context-length (one function: ``resolve_max_tokens``) and KV-cache admission checks; the
+tokenizer-derived sampling fields (``sampling_fields.py``: stop ids that ``min_tokens``
+suppresses, bad-words token ids).
 Errors are ``InvalidRequestError`` (a ValueError naming the field; HTTP answers it with a 400),
 the KV check's ``RequestTooLargeError``, SamplingParams' ``SamplingParamsError`` and the
 template's ``ChatTemplateError``.
@@ -21,11 +22,8 @@ template's ``ChatTemplateError``.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import trio
 
 from trillm.config import TrillmConfig
 from trillm.config.logits_processors import load_logits_processors, request_refusal
@@ -41,6 +39,7 @@ from trillm.engine.multimodal import content_options, processor_for, prompt_ids
 from trillm.engine.prompt_embeds import embeds_prompt
 from trillm.engine.sampling_fields import apply_stop_ids, bad_words_token_ids
 from trillm.engine.template_budget import RenderBudget
+from trillm.engine.text_tokenizer import TokenizeThreads, max_text_chars
 from trillm.messages import MultiModalItem
 from trillm.model_executor.registry import model_entry
 from trillm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -51,17 +50,6 @@ if TYPE_CHECKING:
 
 PromptType = str | dict[str, Any]
 
-# NOTE: the text one token can stand for is at most its vocabulary entry (byte-level BPE
-# entries spell one character per byte; SentencePiece and WordPiece entries spell their text,
-# plus markers), so a prompt longer than max_model_len x the longest entry cannot fit. The x2
-# covers pre-tokenizers that drop a separator between tokens (BERT's whitespace split); only
-# texts mostly made of characters a tokenizer deletes (long whitespace runs for such
-# tokenizers, control characters) could fit yet be refused. The floor of 32 keeps the bound
-# generous for character-level vocabularies.
-_MIN_CHARS_PER_TOKEN = 32
-_SAFETY_FACTOR = 2
-INLINE_TOKENIZE_CHARS = 20_000  # shorter texts are tokenized on the event loop
-LARGE_TOKENIZE_CHARS = 1_000_000  # longer ones are tokenized one at a time
 # A request's own chat template (--trust-request-chat-template): its render is stopped after
 # this many seconds, or once it has built this many x max_prompt_chars() characters.
 REQUEST_TEMPLATE_SECONDS = 5.0
@@ -130,11 +118,8 @@ class Preprocessor:
         )
         # Further EOS ids from generation_config stop generation like stop_token_ids do.
         self.extra_eos_ids = [t for t in eos_ids if t != self.eos_token_id]
-        # Long texts are tokenized in threads; each can take many times the text's size in
-        # memory while it runs, so only a few at once (the rest wait their turn), and texts of
-        # LARGE_TOKENIZE_CHARS and more (hundreds of MB of working memory) one at a time.
-        self.tokenize_limiter = trio.CapacityLimiter(max(1, min(4, os.cpu_count() or 1)))
-        self.large_tokenize_limiter = trio.CapacityLimiter(1)
+        self.threads = TokenizeThreads()  # long texts tokenized off the event loop
+        self.tokenize_limiter = self.threads.limiter  # stage 2's other thread work shares it
         self._max_prompt_chars: int | None = None
         self.multimodal = processor_for(config, tokenizer, self.tokenize_limiter)  # None: text
         self.content_format = config.chat_template_content_format  # auto, string, openai
@@ -185,10 +170,7 @@ class Preprocessor:
     def max_prompt_chars(self) -> int:
         """The longest text (in characters) that could tokenize to at most max_model_len tokens."""
         if self._max_prompt_chars is None:
-            added = (str(t) for t in self.tokenizer.added_tokens_decoder.values())
-            longest = max(map(len, [*self.tokenizer.get_vocab(), *added]), default=1)
-            per_token = max(longest, _MIN_CHARS_PER_TOKEN) * _SAFETY_FACTOR
-            self._max_prompt_chars = self.max_model_len * per_token
+            self._max_prompt_chars = max_text_chars(self.tokenizer, self.max_model_len)
         return self._max_prompt_chars
 
     async def tokenize(
@@ -211,20 +193,8 @@ class Preprocessor:
                 f"{limit} characters for this tokenizer). Please reduce the length of the input.",
                 param,
             )
-        encode = self.tokenizer.encode
-        if len(text) < INLINE_TOKENIZE_CHARS:
-            return list(encode(text, add_special_tokens=add_special_tokens))
-
-        # NOTE: long prompts are tokenized off the event loop so streams keep flowing, a few at
-        # a time (a tokenizer's working memory is many times the text's size: ~150 bytes a
-        # character for a fast tokenizer), the largest one at a time.
-        def work() -> list[int]:
-            return list(encode(text, add_special_tokens=add_special_tokens))
-
-        if len(text) < LARGE_TOKENIZE_CHARS:
-            return await trio.to_thread.run_sync(work, limiter=self.tokenize_limiter)
-        async with self.large_tokenize_limiter:
-            return await trio.to_thread.run_sync(work, limiter=self.tokenize_limiter)
+        # NOTE: long prompts off the event loop, so that streams keep flowing
+        return await self.threads.encode(self.tokenizer.encode, text, add_special_tokens)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.vocab_size

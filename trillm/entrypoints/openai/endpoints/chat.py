@@ -18,7 +18,8 @@ import trio
 from trillm.engine.chat_template import ChatTemplateError
 from trillm.engine.media import multi_modal_data
 from trillm.engine.multimodal import processor_text
-from trillm.engine.preprocess import INLINE_TOKENIZE_CHARS, PreparedPrompt
+from trillm.engine.preprocess import PreparedPrompt
+from trillm.engine.text_tokenizer import INLINE_TOKENIZE_CHARS
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.beam_search import beam_params
 from trillm.entrypoints.openai.endpoints.budgets import LogprobBudget, check_sequences

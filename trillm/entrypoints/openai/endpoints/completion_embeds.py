@@ -9,8 +9,8 @@ from typing import Any
 
 import trio
 
-from trillm.engine.preprocess import INLINE_TOKENIZE_CHARS
 from trillm.engine.prompt_embeds import decode_prompt_embeds, refuse_disabled
+from trillm.engine.text_tokenizer import INLINE_TOKENIZE_CHARS
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.budgets import LogprobBudget, split_prompts
 from trillm.entrypoints.openai.endpoints.completion_output import CompletionPrompt

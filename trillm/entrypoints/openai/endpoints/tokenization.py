@@ -18,7 +18,8 @@ import trio
 from trillm.engine.chat_template import ChatTemplateError
 from trillm.engine.media import multi_modal_data
 from trillm.engine.multimodal import processor_text
-from trillm.engine.preprocess import INLINE_TOKENIZE_CHARS, InvalidRequestError
+from trillm.engine.preprocess import InvalidRequestError
+from trillm.engine.text_tokenizer import INLINE_TOKENIZE_CHARS
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.media import check_mm_kwargs, split_images
 from trillm.entrypoints.openai.http.errors import BadRequestError
