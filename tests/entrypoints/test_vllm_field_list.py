@@ -251,6 +251,24 @@ def test_stream_interval_gives_chunks_of_that_many_tokens(server, endpoint):
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_interval"
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_truncation_side_picks_the_end_that_is_kept(server, endpoint):
+    text = "And God said, Let there be light: and there was light."
+    base = {**minimal_body(endpoint, ""), "return_token_ids": True}
+    base.update(
+        {"prompt": text} if endpoint == "completions" else {"messages": [HI[0] | {"content": text}]}
+    )
+    whole = prompt_of(post(server, endpoint, base).json())
+    assert len(whole) > 10
+    for side, kept in ((None, whole[-5:]), ("left", whole[-5:]), ("right", whole[:5])):
+        body = {**base, "truncate_prompt_tokens": 5, "truncation_side": side}
+        r = post(server, endpoint, body)
+        assert r.status_code == 200, r.text
+        assert prompt_of(r.json()) == kept, side
+    r = post(server, endpoint, {**base, "truncate_prompt_tokens": 5, "truncation_side": "middle"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncation_side"
+
+
 # ---------------------------------------------------------------- VLLM_* variables
 
 

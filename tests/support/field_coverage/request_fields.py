@@ -80,6 +80,7 @@ _SAMPLING = {
     ),
     "timeout": ids(FE + "test_timeout_ends_the_request", FAULTS + "test_timeout_ends_request"),
     "stream_interval": ids(VLLM_LIST + "test_stream_interval_gives_chunks_of_that_many_tokens"),
+    "truncation_side": ids(VLLM_LIST + "test_truncation_side_picks_the_end_that_is_kept"),
     # extra_args of the request: a custom logits processor's target token on both endpoints;
     # what the processor's validate_params refuses, and values not strings/numbers, are 400s
     "vllm_xargs": ids(

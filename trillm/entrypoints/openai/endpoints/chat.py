@@ -37,7 +37,7 @@ from trillm.entrypoints.openai.endpoints.generation import (
     start_generation,
 )
 from trillm.entrypoints.openai.endpoints.media import check_mm_kwargs, split_images
-from trillm.entrypoints.openai.endpoints.sampling import build_sampling_params
+from trillm.entrypoints.openai.endpoints.sampling import build_sampling_params, truncate_right
 from trillm.entrypoints.openai.endpoints.sse_stream import sse_stream
 from trillm.entrypoints.openai.http.errors import (
     BadRequestError,
@@ -106,6 +106,11 @@ async def _prepare(
     """Stage 2 through the engine's preprocessor: render, tokenize, then truncate and check
     once (context, vocabulary, KV cache). Returns the prepared prompt and the rendered text."""
     ids, items, text = await prompt_tokens(state, req, tools)
+    kept = truncate_right(req, ids, state.preprocessor.max_model_len)
+    if kept is not None and items:
+        raise BadRequestError(
+            "truncation_side 'right' with images or audio is not supported.", "truncation_side"
+        )
     max_tokens, param = (
         (req.max_completion_tokens, "max_completion_tokens")
         if req.max_completion_tokens is not None
@@ -119,9 +124,9 @@ async def _prepare(
     if keeps_special_tokens(state.tokenizer, tools, state.reasoning_parser is not None):
         params.skip_special_tokens = False  # the parsers' markers are special tokens
     prepared = state.preprocessor.prepare_ids(
-        ids,
+        ids if kept is None else kept,
         params,
-        text=text,
+        text=text if kept is None or len(kept) == len(ids) else None,
         priority=req.priority,
         cache_salt=req.cache_salt,
         prompt_param="messages",

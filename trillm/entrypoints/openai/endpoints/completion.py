@@ -30,7 +30,7 @@ from trillm.entrypoints.openai.endpoints.completion_output import (
     CompletionPrompt,
 )
 from trillm.entrypoints.openai.endpoints.generation import guard_stream, start_generation
-from trillm.entrypoints.openai.endpoints.sampling import build_sampling_params
+from trillm.entrypoints.openai.endpoints.sampling import build_sampling_params, truncate_right
 from trillm.entrypoints.openai.endpoints.sse_stream import sse_stream
 from trillm.entrypoints.openai.http.errors import (
     BadRequestError,
@@ -99,6 +99,9 @@ async def _prepare(
     else:
         pre.check_token_ids(prompt, "prompt")
         ids, text = prompt, None
+    kept = truncate_right(req, ids, pre.max_model_len)
+    if kept is not None and len(kept) != len(ids):
+        ids, text = kept, None  # the text no longer matches the ids
     params = build_sampling_params(state, req, max_tokens=req.max_tokens, logprobs=req.logprobs)
     if req.echo and req.logprobs is not None:
         # Echoed prompt tokens carry their logprobs too: ask the engine for them.

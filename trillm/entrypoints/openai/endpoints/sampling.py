@@ -201,3 +201,18 @@ def _response_format_kind(fmt: Any) -> tuple[str, str, Any] | None:
             "response_format.json_schema",
         )
     return ("response_format.json_schema.schema", "json", fmt.json_schema.schema)
+
+
+def truncate_right(req: Any, ids: list[int], max_model_len: int) -> list[int] | None:
+    """vLLM's ``truncation_side``: "right" keeps the first ``truncate_prompt_tokens`` ids (then
+    the engine's own truncation, from the left, keeps them all); None (vLLM's default) and
+    "left" leave it to the engine, which keeps the last ones: None is returned."""
+    side = req.truncation_side
+    if side not in (None, "left", "right"):
+        raise BadRequestError(
+            f"'truncation_side' must be 'left' or 'right', got {side!r}.", "truncation_side"
+        )
+    keep = req.truncate_prompt_tokens
+    if side != "right" or keep is None:
+        return None
+    return ids[: max_model_len if keep == -1 else keep]

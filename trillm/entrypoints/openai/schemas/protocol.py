@@ -196,6 +196,9 @@ class _SamplingFields:
     bad_words: list[str] | None = _f(None, max_len=MAX_BAD_WORDS)
     # Keep the last k prompt tokens (-1: the context length), before the length check.
     truncate_prompt_tokens: int | None = _f(None, ge=-1)
+    # vLLM's: which end truncate_prompt_tokens cuts, "left" (keeps the last tokens; the
+    # default) or "right" (keeps the first)
+    truncation_side: str | None = None
     # Logprob tokens as "token_id:<id>" (for tokens that are not valid UTF-8 alone); None:
     # the server's --return-tokens-as-token-ids.
     return_tokens_as_token_ids: bool | None = None

@@ -44,7 +44,6 @@ _TRUNCATION_SIDE = _group(
 )
 _GENERATION = {
     **_DISAGG,
-    **_TRUNCATION_SIDE,
     **_group(
         "per-token logprobs of chosen token ids are not computed; use logprobs / top_logprobs",
         "logprob_token_ids",
