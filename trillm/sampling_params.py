@@ -260,7 +260,9 @@ class SamplingParams:
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias) if self.logit_bias else None),
         ):
-            if ids and any(not 0 <= t < vocab_size for t in ids):
+            outside = [t for t in ids or () if not 0 <= t < vocab_size]
+            if outside:
+                # The ids themselves, as vLLM's message names them (its tests match them).
                 raise SamplingParamsError(
                     name, f"{name} contains a token id outside the vocabulary [0, {vocab_size})."
                 )

@@ -100,15 +100,22 @@ def _check_strings(param: str, strings: list[str]) -> None:
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
-    out = {}
-    for key, value in bias.items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise BadRequestError(
-                f"'logit_bias' keys must be token ids, got {key!r}.", "logit_bias"
-            ) from None
-    return out
+    # Every key that is no token id is named at once, as vLLM does.
+    bad = [key for key in bias if not _is_int(key)]
+    if bad:
+        raise BadRequestError(
+            f"'logit_bias' keys must be token ids, got {', '.join(map(repr, bad[:8]))}.",
+            "logit_bias",
+        )
+    return {int(key): value for key, value in bias.items()}
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
 
 
 _XARG_SCALARS = (str, int, float)  # bool is an int, as in vLLM's schema
