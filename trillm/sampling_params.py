@@ -264,7 +264,9 @@ class SamplingParams:
             if outside:
                 # The ids themselves, as vLLM's message names them (its tests match them).
                 raise SamplingParamsError(
-                    name, f"{name} contains a token id outside the vocabulary [0, {vocab_size})."
+                    name,
+                    f"{name} contains token ids outside the vocabulary [0, {vocab_size}): "
+                    f"{', '.join(map(str, outside[:8]))}.",
                 )
         for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if value is not None and value > max_logprobs:
