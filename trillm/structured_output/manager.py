@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +31,11 @@ from trillm.parsers.reasoning import ENDED, REASONING, UNDECIDED, get_reasoning_
 from trillm.structured_output.compiler import MAX_FILL_CPU_S, GrammarCache
 from trillm.structured_output.spec import GrammarSpec, StructuredOutputError, check_params
 from trillm.utils import cdiv
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+    from trillm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +57,19 @@ class StructuredOutputManager:
         )
         # req_id -> REASONING or UNDECIDED while its output is not past the reasoning
         self._thinking: dict[str, str] = {}
-        self.matchers: dict[str, Any] = {}  # req_id -> xgr.GrammarMatcher
-        self._pending: dict[str, Future] = {}  # req_id -> its grammar's compile, running
+        self.matchers: dict[str, xgr.GrammarMatcher] = {}
+        # req_id -> its grammar's compile, running
+        self._pending: dict[str, Future[xgr.CompiledGrammar]] = {}
         self._broken: set[str] = set()  # xgrammar failed on them: they end at the next P4
         # req_id -> words ANDed into its rows (JSON: no raw control characters), if any
-        self._extra_masks: dict[str, Any] = {}
+        self._extra_masks: dict[str, np.ndarray] = {}
         words = cdiv(cache.vocab_size, 32)
         self._rows = np.zeros((0, words), dtype=np.int32)  # reused across steps, grown
         self.num_words = words
 
     # ------------------------------------------------------------------ requests
 
-    async def precompile(self, spec: Any) -> None:
+    async def precompile(self, spec: StructuredOutputsParams | None) -> None:
         """A request's structured_outputs compiled off the event loop (time-limited, cached)
         before the engine sees it, so a bad schema / regex / grammar is refused at once. A
         cached grammar costs no await."""
@@ -77,7 +84,12 @@ class StructuredOutputManager:
         if self.cache.get(checked) is None:
             await self.cache.compile(checked)
 
-    def add_request(self, req_id: str, params: Any, prompt_token_ids: Any = ()) -> bool:
+    def add_request(
+        self,
+        req_id: str,
+        params: StructuredOutputsParams | None,
+        prompt_token_ids: Sequence[int] = (),
+    ) -> bool:
         """Start tracking ``req_id``: True when its matcher is ready now, False when the
         grammar is still compiling (or failed: ``poll`` reports it)."""
         spec: GrammarSpec = check_params(params, self.config)
@@ -131,7 +143,7 @@ class StructuredOutputManager:
         self._extra_masks.pop(req_id, None)
         self._thinking.pop(req_id, None)
 
-    def retain(self, live: Any) -> None:
+    def retain(self, live: Callable[[str], bool]) -> None:
         """Drop the state of every request for which ``live(req_id)`` is false (aborted,
         failed or finished by another path)."""
         for req_id in [r for r in self.matchers if not live(r)]:
@@ -145,14 +157,14 @@ class StructuredOutputManager:
             self._thinking.pop(req_id, None)
 
     @staticmethod
-    def _matcher(compiled: Any) -> Any:
+    def _matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled)
 
     # ------------------------------------------------------------------ P2: bitmask
 
-    def fill_bitmask(self, sched: SchedulerOutput, samples: Any) -> SampleRequest:
+    def fill_bitmask(self, sched: SchedulerOutput, samples: Callable[[str], bool]) -> SampleRequest:
         """The bitmask rows of ``sched``'s constrained requests for which ``samples(req_id)``
         is true (the step reaches the end of their tokens, so the worker samples them); none
         for a request still reasoning."""
