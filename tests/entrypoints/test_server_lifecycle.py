@@ -4,6 +4,7 @@ in use reported before the model loads."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -112,24 +113,32 @@ def test_trusted_request_chat_template_is_sandboxed(server):
     assert "chat template" in r.json()["error"]["message"]
 
 
-async def _stream_then_leave(client, i, started, leave):
-    body = {
-        "prompt": f"client {i} says",
-        "max_tokens": 1500,
-        "stream": True,
-        "ignore_eos": True,
-        "temperature": 0,
-    }
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        events = 0
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                events += 1
-                if events == 3:
-                    started()
-                    await leave.wait()
-                    return  # leaving the block closes the connection mid-stream
+async def _stream_then_leave(srv: ServerProcess, i: int, started, leave: trio.Event) -> None:
+    """A streamed completion on a raw connection, closed after its third event. Raw: an
+    httpx stream left midway leaves its nested async generators to the garbage collector."""
+    body = json.dumps(
+        {
+            "prompt": f"client {i} says",
+            "max_tokens": 1500,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+    ).encode()
+    fields = {"Host": "127.0.0.1", "Content-Type": "application/json", **srv.headers()}
+    head = "".join(f"{k}: {v}\r\n" for k, v in fields.items())
+    request = f"POST /v1/completions HTTP/1.1\r\n{head}Content-Length: {len(body)}\r\n\r\n"
+    async with await trio.open_tcp_stream("127.0.0.1", srv.port) as stream:
+        await stream.send_all(request.encode() + body)
+        seen = b""
+        while seen.count(b"data: {") < 3:
+            chunk = await stream.receive_some()
+            assert chunk, f"closed before the third event: {seen[-300:]!r}"
+            seen += chunk
+        assert seen.startswith(b"HTTP/1.1 200 "), seen[:300]
+        started()
+        await leave.wait()
+    # leaving the block closed the connection mid-stream
 
 
 def test_disconnected_streams_are_aborted(server):
@@ -147,17 +156,13 @@ def test_disconnected_streams_are_aborted(server):
             if count == NUM_CLIENTS:
                 all_started.set()
 
-        limits = httpx.Limits(max_connections=NUM_CLIENTS + 4)
-        async with httpx.AsyncClient(
-            base_url=server.url, headers=server.headers(), timeout=120, limits=limits
-        ) as client:
-            async with trio.open_nursery() as nursery:
-                for i in range(NUM_CLIENTS):
-                    nursery.start_soon(_stream_then_leave, client, i, started, leave)
-                with trio.fail_after(120):
-                    await all_started.wait()
-                seen["mid"] = await trio.to_thread.run_sync(scheduler_gauges, server)
-                leave.set()
+        async with trio.open_nursery() as nursery:
+            for i in range(NUM_CLIENTS):
+                nursery.start_soon(_stream_then_leave, server, i, started, leave)
+            with trio.fail_after(120):
+                await all_started.wait()
+            seen["mid"] = await trio.to_thread.run_sync(scheduler_gauges, server)
+            leave.set()
 
     trio.run(main)
     running, waiting, kv = seen["mid"]
