@@ -84,27 +84,27 @@ def nodes(request, llama, tmp_path_factory):
         *limit_flags(),
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    node1_log = open(logs / "node1.log", "wb")  # noqa: SIM115
-    node1 = subprocess.Popen(
-        [sys.executable, "-m", "trillm", "serve", *common, "--headless", "--node-rank", "1"],
-        cwd=REPO,
-        env=env,
-        stdout=node1_log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # a process tree of its own, as on another machine
-    )
+    with open(logs / "node1.log", "wb") as node1_log:  # the child writes through its own copy
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "trillm", "serve", *common, "--headless", "--node-rank", "1"],
+            cwd=REPO,
+            env=env,
+            stdout=node1_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a process tree of its own, as on another machine
+        )
     node0 = ServerProcess(common, logs / "node0.log")
     try:
         node0.start()
     except BaseException:
         node1.kill()
+        node1.wait()  # reaped: a Popen collected while its child runs warns
         raise
     yield node0, node1, logs / "node1.log", node1_ranks
     for proc in (node0.proc, node1):
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
-    node1_log.close()
 
 
 def _rank_of(pid: int) -> int:
