@@ -164,8 +164,13 @@ def _bad_cases(path: str) -> dict[str, tuple[dict, str, str]]:
             "prompt_embeds",
             "base64 characters, more than [64, 64]",
         ),
-        "no prompt at all": ({}, "prompt", "Either 'prompt' or 'prompt_embeds'"),
-        "an empty list": ({"prompt_embeds": []}, "prompt_embeds", "must not be empty"),
+        "no prompt at all": ({}, "prompt", "Either prompt or prompt_embeds must be provided"),
+        "an empty list": ({"prompt_embeds": []}, "prompt", "must be provided and non-empty"),
+        "an empty list beside a prompt": (
+            {"prompt": "Hi", "prompt_embeds": []},
+            "prompt_embeds",
+            "must not be empty",
+        ),
         "echo": ({"prompt_embeds": ok, "echo": True}, "echo", "not supported with prompt_embeds"),
         "prompt_logprobs": (
             {"prompt_embeds": ok, "prompt_logprobs": 1},

@@ -32,6 +32,11 @@ RawPrompt = str | list[int] | Embeds
 def raw_prompts(state: ServerState, req: CompletionRequest) -> list[RawPrompt]:
     """The request's prompt_embeds, then its prompts; an empty prompt beside prompt_embeds is
     no prompt (the openai client requires the field; vLLM's tests send "")."""
+    if req.prompt in (None, "") and req.prompt_embeds in (None, []):
+        # vLLM's rule and words, before whether prompt_embeds is enabled (its tests match them)
+        raise BadRequestError(
+            "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"
+        )
     embeds: list[RawPrompt] = []
     if req.prompt_embeds is not None:
         if not state.preprocessor.enable_prompt_embeds:

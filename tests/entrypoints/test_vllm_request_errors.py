@@ -1,8 +1,9 @@
-"""The 400s vLLM's own server tests match for token ids (tests/entrypoints/openai/chat_completion/
-test_chat_logit_bias_validation.py and test_chat_stop_token_ids_validation.py in vLLM's
-repository, run by benchmarks/peers/vllm_server_tests.py): the message names each offending
-token id and the vocabulary size, and every ``logit_bias`` key that is no token id at once.
-Checked against ``trillm serve`` with the fake runner.
+"""The 400s vLLM's own server tests match (tests/entrypoints/openai in vLLM's repository, run by
+benchmarks/peers/vllm_server_tests.py): for token ids (chat_completion/
+test_chat_logit_bias_validation.py, test_chat_stop_token_ids_validation.py) the message names
+each offending token id and the vocabulary size, and every ``logit_bias`` key that is no token
+id at once; a completion without prompt or prompt_embeds gets vLLM's words
+(completion/test_prompt_validation.py). Checked against ``trillm serve`` with the fake runner.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from shared_servers import FAKE_256, FAKE_256_GROUP
@@ -59,3 +61,14 @@ def test_out_of_vocab_ids_are_named_with_the_vocab_size(client, vocab_size, fiel
 def test_every_logit_bias_key_that_is_no_token_id_is_named(client):
     message = bad_request(client, logit_bias={"bad1": 50.0, "7": 1.0, "bad2": 20.0})
     assert "bad1" in message and "bad2" in message and "logit_bias" in message
+
+
+@pytest.mark.parametrize("body", [{"prompt_embeds": []}, {"prompt": ""}, {}])
+def test_no_prompt_is_refused_in_vllms_words(shared_server, body):
+    # (a server without --enable-prompt-embeds: the rule comes before that refusal, as in vLLM)
+    server = shared_server(FAKE_256)
+    r = httpx.post(f"{server.url}/v1/completions", json={"max_tokens": 2, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt"
+    assert error["message"] == "Either prompt or prompt_embeds must be provided and non-empty."
