@@ -48,8 +48,6 @@ def raw_prompts(state: ServerState, req: CompletionRequest) -> list[RawPrompt]:
         if not embeds:
             raise BadRequestError("'prompt_embeds' must not be empty.", "prompt_embeds")
     if req.prompt is None or (embeds and req.prompt in ("", [])):
-        if not embeds:
-            raise BadRequestError("Either 'prompt' or 'prompt_embeds' must be given.", "prompt")
         return embeds
     return [*embeds, *split_prompts(req.prompt, "prompt")]
 
