@@ -157,6 +157,20 @@ IMAGE_FETCH_TIMEOUT = EnvVar(
     _seconds,
     5,
 )
+VIDEO_FETCH_TIMEOUT = EnvVar(
+    ("VLLM_VIDEO_FETCH_TIMEOUT",),
+    "Seconds an http(s) video URL may take to fetch, redirects included (vLLM's; default 30); "
+    "past it the request is answered 400.",
+    _seconds,
+    30,
+)
+AUDIO_FETCH_TIMEOUT = EnvVar(
+    ("VLLM_AUDIO_FETCH_TIMEOUT",),
+    "Seconds an http(s) audio URL may take to fetch, redirects included (vLLM's; default 10); "
+    "past it the request is answered 400.",
+    _seconds,
+    10,
+)
 
 ALL: tuple[EnvVar[Any], ...] = (
     API_KEY,
@@ -170,6 +184,8 @@ ALL: tuple[EnvVar[Any], ...] = (
     PP_MICRO_BATCHES,
     CPU_ATTENTION_THREADS,
     IMAGE_FETCH_TIMEOUT,
+    VIDEO_FETCH_TIMEOUT,
+    AUDIO_FETCH_TIMEOUT,
 )
 
 

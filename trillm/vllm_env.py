@@ -72,10 +72,6 @@ REFUSED: dict[str, Refused] = {
     "VLLM_CPU_KVCACHE_SPACE": Refused(
         "the KV cache on CPU is sized by --kv-cache-memory (e.g. 4GiB)", _not("0")
     ),
-    "VLLM_VIDEO_FETCH_TIMEOUT": Refused("video URLs are not fetched by trillm serve", _set),
-    "VLLM_AUDIO_FETCH_TIMEOUT": Refused(
-        "audio URLs are fetched within VLLM_IMAGE_FETCH_TIMEOUT's seconds", _set
-    ),
     "VLLM_PLUGINS": Refused("vLLM's plugins are not loaded", _set),
     "VLLM_MODEL_REDIRECT_PATH": Refused(
         "model names are not redirected; give the path as the model", _set

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from trillm.config import TrillmConfig
+from trillm.engine.chat_media import multi_modal_data, split_chat_images
 from trillm.engine.chat_template import load_chat_template
 from trillm.engine.engine_control import EngineControl
 from trillm.engine.engine_cores import EngineCores, structured_output_manager
-from trillm.engine.media import multi_modal_data, split_chat_images
 from trillm.engine.output_handler import OutputHandler
 from trillm.engine.output_processor import OutputProcessor
 from trillm.engine.pooling_requests import pool

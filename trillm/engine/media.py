@@ -6,7 +6,9 @@ loop (audio: the same rules with ``audio/*`` for ``image/*``, decoded by ``audio
   the path resolved (symlinks followed) must lie inside that directory, be a regular file and
   hold at most MAX_IMAGE_BYTES;
 - ``http(s)`` URLs: fetched in a worker thread within ``VLLM_IMAGE_FETCH_TIMEOUT`` seconds
-  (vLLM's, default 5; the whole fetch, redirects included), at most MAX_IMAGE_BYTES, an
+  (vLLM's, default 5; the whole fetch, redirects included; a video within
+  ``VLLM_VIDEO_FETCH_TIMEOUT``, 30, an audio clip within ``VLLM_AUDIO_FETCH_TIMEOUT``, 10),
+  at most MAX_IMAGE_BYTES, an
   ``image/*`` content type, at most MAX_REDIRECTS redirects; with ``allowed_media_domains``
   (``--allowed-media-domains``) every hop's host must be one of them (without it any host
   is fetched, as vLLM does).
@@ -36,7 +38,6 @@ import trio
 
 from trillm import envs
 from trillm.engine import audio_mp3
-from trillm.engine.chat_template import AUDIO_PART, IMAGE_PART
 
 MAX_IMAGE_BYTES = 32 * 1024 * 1024  # the most bytes one image URL or file may bring
 MAX_REDIRECTS = 5
@@ -165,7 +166,15 @@ class MediaConnector:
         self.domains = (
             None if allowed_media_domains is None else {d.lower() for d in allowed_media_domains}
         )
-        self.fetch_timeout = float(envs.IMAGE_FETCH_TIMEOUT.get())
+        # seconds an http(s) fetch of each kind may take, and the variable that says so
+        self.fetch_timeouts = {
+            kind: (float(var.get()), var.names[0])
+            for kind, var in (
+                ("image", envs.IMAGE_FETCH_TIMEOUT),
+                ("video", envs.VIDEO_FETCH_TIMEOUT),
+                ("audio", envs.AUDIO_FETCH_TIMEOUT),
+            )
+        }
         self.fetch_limiter = trio.CapacityLimiter(_FETCH_THREADS)
 
     async def open(self, source: ImageSource, limiter: trio.CapacityLimiter) -> Any:
@@ -181,9 +190,10 @@ class MediaConnector:
         scheme = url.split(":", 1)[0].lower() if ":" in url else ""
         if scheme not in ("http", "https"):
             return await trio.to_thread.run_sync(self.read_local, url, param, kind, limiter=limiter)
-        deadline = time.monotonic() + self.fetch_timeout
+        timeout = self.fetch_timeouts[kind][0]
+        deadline = time.monotonic() + timeout
         data: bytes | None = None
-        with trio.move_on_after(self.fetch_timeout + 0.1):
+        with trio.move_on_after(timeout + 0.1):
             data = await trio.to_thread.run_sync(
                 partial(self._fetch, url, param, deadline, kind),
                 limiter=self.fetch_limiter,
@@ -244,9 +254,9 @@ class MediaConnector:
 
     # ------------------------------------------------------------------ http(s)
     def _timed_out(self, url: str, kind: str) -> str:
+        timeout, variable = self.fetch_timeouts[kind]
         return (
-            f"Fetching the {kind} URL {_short(url)!r} took longer than {self.fetch_timeout:g} s "
-            "(VLLM_IMAGE_FETCH_TIMEOUT)."
+            f"Fetching the {kind} URL {_short(url)!r} took longer than {timeout:g} s ({variable})."
         )
 
     def _check_host(self, url: str, param: str, kind: str) -> urllib.parse.SplitResult:
@@ -341,60 +351,3 @@ class MediaConnector:
             if size > MAX_IMAGE_BYTES:
                 raise MultiModalInputError(too_big, param)
             chunks.append(chunk)
-
-
-def split_chat_images(messages: list[Any]) -> tuple[list[Any], list[Any]]:
-    """A Python caller's chat (dict messages): each ``image_url`` part (its URL opened by stage
-    3) and ``image_pil`` part (vLLM's ``{"type": "image_pil", "image_pil": image}``) becomes an
-    ``{"type": "image"}`` part where it stands (the chat template writes the model's
-    placeholder, or stage 2 does: ``chat_template.py``), each ``input_audio`` / ``audio_url``
-    part an ``{"type": "audio"}`` part. Returns (the messages, the sources in order:
-    ``multi_modal_data`` groups them)."""
-    out: list[Any] = []
-    images: list[Any] = []
-    for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        if not isinstance(content, list):
-            out.append(m)
-            continue
-        parts: list[Any] = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            param = f"messages[{i}].content[{j}].{kind}"
-            if kind == "image_url":
-                spec = part.get("image_url")
-                url = spec.get("url") if isinstance(spec, dict) else spec
-                if not isinstance(url, str):
-                    raise MultiModalInputError("An image_url part needs its image_url.url.", param)
-                images.append(ImageSource(url, param))
-            elif kind == "image_pil":
-                images.append(part.get("image_pil"))  # stage 3 checks it is a PIL image
-            elif kind in AUDIO_PARTS:
-                images.append(audio_part_source(part.get(kind), kind, param))
-                parts.append({"type": AUDIO_PART})
-                continue
-            else:
-                parts.append(part)
-                continue
-            parts.append({"type": IMAGE_PART})  # the template's (or the placeholder text)
-        out.append({**m, "content": parts})
-    return out, images
-
-
-def audio_part_source(spec: Any, kind: str, param: str) -> AudioSource:
-    """An ``input_audio`` part's ``{"data", "format"}`` or an ``audio_url`` part's ``{"url"}``
-    (a dict or the HTTP schema's object)."""
-    if kind == "input_audio":
-        return input_audio_source(spec, param)
-    url = spec.get("url") if isinstance(spec, dict) else getattr(spec, "url", spec)
-    if not isinstance(url, str):
-        raise MultiModalInputError("An audio_url part needs its audio_url.url.", param)
-    return AudioSource(param, url=url)
-
-
-def multi_modal_data(sources: list[Any]) -> dict[str, list[Any]]:
-    """A chat's media sources in order as ``multi_modal_data``, each under its modality."""
-    data: dict[str, list[Any]] = {}
-    for source in sources:  # an image source: an ImageSource or a PIL image
-        data.setdefault(getattr(source, "modality", "image"), []).append(source)
-    return data

@@ -75,6 +75,14 @@ ENV_EFFECTS: dict[str, tuple[str, ...]] = {
         "tests/entrypoints/test_llava_http.py::"
         "test_bad_urls_are_400_within_the_limit_while_a_stream_runs",
     ),
+    "VLLM_VIDEO_FETCH_TIMEOUT": (
+        "tests/engine/test_media_fetch_timeouts.py::"
+        "test_video_fetch_timeout_and_audio_fetch_timeout_are_read",
+    ),
+    "VLLM_AUDIO_FETCH_TIMEOUT": (
+        "tests/engine/test_media_fetch_timeouts.py::"
+        "test_video_fetch_timeout_and_audio_fetch_timeout_are_read",
+    ),
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 
+from trillm.engine.chat_media import multi_modal_data
 from trillm.engine.chat_template import ChatTemplateError
 from trillm.engine.media import multi_modal_data
 from trillm.engine.multimodal import processor_text

@@ -13,13 +13,9 @@ from typing import Any
 
 import attrs
 
+from trillm.engine.chat_media import audio_part_source
 from trillm.engine.chat_template import AUDIO_PART, IMAGE_PART
-from trillm.engine.media import (
-    AUDIO_PARTS,
-    ImageSource,
-    MultiModalInputError,
-    audio_part_source,
-)
+from trillm.engine.media import AUDIO_PARTS, ImageSource, MultiModalInputError
 from trillm.engine.preprocess import Preprocessor
 from trillm.engine.video_decode import VideoSource
 from trillm.entrypoints.openai.http.errors import BadRequestError
