@@ -17,7 +17,6 @@ import trio
 
 from trillm.engine.chat_media import multi_modal_data
 from trillm.engine.chat_template import ChatTemplateError
-from trillm.engine.media import multi_modal_data
 from trillm.engine.multimodal import processor_text
 from trillm.engine.preprocess import InvalidRequestError
 from trillm.engine.text_tokenizer import INLINE_TOKENIZE_CHARS
