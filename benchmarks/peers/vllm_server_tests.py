@@ -1,0 +1,283 @@
+"""vLLM's own server tests (``tests/entrypoints/openai`` in vLLM's repository) run against
+``trillm serve`` -- or, with ``--server vllm``, against vLLM's CPU build as the control -- on
+SmolLM2-135M-Instruct, with every model name the tests use mapped to that folder.
+
+The tests are read from an export of vLLM's test tree (``--tests-dir``, default
+``~/.cache/vllm-tests``, laid out as in vLLM's repository, with a ``MANIFEST.json`` naming the
+commit each file came from). Each chosen file runs in its own pytest process (the client: vLLM's
+venv when present, so the tests' ``from vllm... import`` helpers resolve) in a scratch folder
+where ``tests/utils.py`` is ``vllm_test_shim.py``: its ``RemoteOpenAIServer`` starts the chosen
+server with the test's flags unchanged. Model names resolve through an offline hub cache whose
+snapshots are the SmolLM2 folder. Per-test outcomes (from pytest's JUnit XML), each server start
+(command, ready or the log's last lines) and the files left out, with the reason, go to ``--out``
+(JSON) and a markdown summary beside it.
+
+    python benchmarks/peers/vllm_server_tests.py --out benchmarks/peers/results/vllm_server_tests_trillm.json
+    python benchmarks/peers/vllm_server_tests.py --server vllm --out .../vllm_server_tests_vllm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent.parent
+SHIM = HERE / "vllm_test_shim.py"
+CACHE = Path.home() / ".cache"
+DEFAULT_MODEL = CACHE / "trillm-eagle" / "smollm2-135m-instruct"
+DEFAULT_VLLM_VENV = CACHE / "trillm-peer" / "vllm-venv"
+
+# Files under tests/entrypoints/openai that start a server on a text chat model (paths as in
+# vLLM's tree, ``file::test`` for one test of a file); each runs when the export has it.
+CHOSEN = [
+    "basic/test_basic.py",
+    "basic/test_return_token_ids.py",
+    "chat_completion/test_chat_echo.py",
+    "chat_completion/test_chat_logit_bias_validation.py",
+    "chat_completion/test_chat_stop_token_ids_validation.py",
+    "chat_completion/test_enable_force_include_usage.py",
+    "chat_completion/test_root_path.py",
+    "completion/test_prompt_validation.py::test_empty_prompt",
+    "completion/test_prompt_validation.py::test_out_of_vocab_token_ids",
+    "completion/test_usage_policy.py",
+]
+# Files left out, and why (recorded in the results).
+NOT_RUN = {
+    "chat_completion/test_non_object_body_validation.py": "tests vLLM's Python request classes, no server",
+    "completion/test_empty_prompt_list.py": "tests vLLM's Python request classes, no server",
+    "chat_completion/test_system_fingerprint_none.py": "tests vLLM's Python response classes, no server",
+    "completion/test_completion_text_offset.py": "drives vLLM's OpenAIServingCompletion in process",
+    "chat_completion/test_serving_chat.py": "drives vLLM's serving classes in process with mocks",
+    "completion/test_serving_completion.py": "drives vLLM's serving classes in process with mocks",
+    "chat_completion/test_vision.py": "needs a vision model (Phi-3.5-vision), not SmolLM2",
+    "chat_completion/test_audio.py": "needs an audio model (Ultravox)",
+    "chat_completion/test_video.py": "needs a video model",
+    "chat_completion/test_harmony.py": "needs gpt-oss (harmony format)",
+    "correctness/test_lmeval.py": "accuracy run on a GPU-sized model",
+    "correctness/test_transcription_api_correctness.py": "needs Whisper",
+}
+MODEL_NAME_RE = re.compile(r"""(?:MODEL_NAME|model_name|MODEL)\s*=\s*["']([\w.-]+/[\w.-]+)["']""")
+
+
+def export_files(tests_dir: Path, files: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The chosen files the export holds, and the reason for each one it lacks."""
+    base = tests_dir / "tests" / "entrypoints" / "openai"
+    present = [f for f in files if (base / f.split("::")[0]).is_file()]
+    missing = {f: "not in the export" for f in files if f not in present}
+    return present, missing
+
+
+def make_run_root(tests_dir: Path, hub: Path) -> Path:
+    """A scratch tree: vLLM's tests as exported, with the shim as ``tests/utils.py``."""
+    root = Path(tempfile.mkdtemp(prefix="vllm-server-tests-"))
+    shutil.copytree(tests_dir / "tests", root / "tests")
+    # Packages throughout, as vLLM's conftests import ``....utils`` relatively.
+    for folder in [root / "tests", *(root / "tests").rglob("*")]:
+        if folder.is_dir():
+            (folder / "__init__.py").touch()
+    shutil.copy(SHIM, root / "tests" / "utils.py")
+    (root / "pytest.ini").write_text(
+        "[pytest]\nasyncio_default_fixture_loop_scope = function\n"
+        "markers =\n    asyncio\n    skip_global_cleanup\n    core_model\n    cpu_model\n"
+    )
+    hub.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def map_names(root: Path, files: list[str], model_dir: Path, hub: Path) -> list[str]:
+    """Map the model names the files assign (``MODEL_NAME = "org/name"``) before any test runs,
+    for helpers that read a tokenizer or config before a server starts."""
+    sys.path.insert(0, str(HERE))
+    from vllm_test_shim import map_model_name
+
+    names = set()
+    for f in files:
+        text = (root / "tests/entrypoints/openai" / f.split("::")[0]).read_text()
+        names.update(MODEL_NAME_RE.findall(text))
+    for name in sorted(names):
+        map_model_name(name, model_dir, hub)
+    return sorted(names)
+
+
+def server_cmd(args: argparse.Namespace) -> str:
+    if args.server == "trillm":
+        return shlex.join([sys.executable, "-m", "trillm"])
+    python = args.vllm_venv / "bin" / "python"
+    return shlex.join([str(python), "-m", "vllm.entrypoints.openai.api_server"])
+
+
+def run_file(args: argparse.Namespace, root: Path, rel: str, env: dict[str, str]) -> dict[str, Any]:
+    junit = root / "junit" / (re.sub(r"[/:]", "_", rel) + ".xml")
+    cmd = [
+        str(args.client_python), "-m", "pytest", f"tests/entrypoints/openai/{rel}",
+        "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist",
+        f"--junitxml={junit}", "-o", "junit_family=xunit1",
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=root, env=env, capture_output=True, text=True, timeout=args.file_timeout
+        )
+        tail = proc.stdout[-3000:]
+    except subprocess.TimeoutExpired:
+        tail = f"timed out after {args.file_timeout} s"
+    tests = parse_junit(junit, rel) if junit.is_file() else []
+    return {"file": rel, "seconds": round(time.monotonic() - t0, 1), "tests": tests, "tail": tail}
+
+
+def parse_junit(path: Path, rel: str) -> list[dict[str, str]]:
+    out = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = key_line(node.get("message") or "", node.text or "")
+                break
+        name = f"{rel.split('::')[0]}::{case.get('name')}"
+        out.append({"id": name, "outcome": outcome, "message": message})
+    return out
+
+
+def key_line(message: str, text: str) -> str:
+    """The message's first line; for a server that did not start, the log's last error line
+    (the shim puts the log's tail in the exception), which names a refused flag."""
+    first = next((ln.strip() for ln in message.splitlines() if ln.strip()), "")
+    if "Server exited unexpectedly" not in first and "did not become ready" not in first:
+        return first[:400]
+    # (pytest prefixes the lines with "E", the log's traceback groups with "|")
+    lines = [re.sub(r"^(E\s+)?[|\s]*", "", ln) for ln in text.splitlines()]
+    errors = [ln for ln in lines if re.search(r"Error\b|error:", ln)]
+    errors = [ln for ln in errors if "Server exited" not in ln and "did not become" not in ln]
+    return ("server did not start: " + (errors[-1] if errors else first))[:400]
+
+
+def server_starts(log_dir: Path) -> list[dict[str, Any]]:
+    """Each server the shim started: its command and, for those that never became ready, the
+    last lines of its log (a refused flag shows there)."""
+    starts = []
+    for log in sorted(log_dir.glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        errors = [ln for ln in lines if re.search(r"error|refus|unrecogni|not supported", ln, re.I)]
+        starts.append(
+            {"command": lines[0][2:] if lines else "", "log": str(log), "errors": errors[-3:]}
+        )
+    return starts
+
+
+def summary(results: dict[str, Any]) -> str:
+    t = results["totals"]
+    rows = [
+        f"# vLLM's server tests on {results['server']} ({results['model']})",
+        "",
+        f"`{results['command']}`",
+        "",
+        f"passed {t['passed']}, failed {t['failed']}, error {t['error']}, skipped {t['skipped']}",
+        "",
+        "| test | outcome | message |",
+        "|---|---|---|",
+    ]
+    for f in results["files"]:
+        for case in f["tests"]:
+            msg = case["message"].replace("|", "\\|")[:200]
+            rows.append(f"| `{case['id']}` | {case['outcome']} | {msg} |")
+    rows += ["", "Files not run:", ""]
+    rows += [f"- `{f}`: {why}" for f, why in results["not_run"].items()]
+    return "\n".join(rows) + "\n"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--server", choices=["trillm", "vllm"], default="trillm")
+    p.add_argument("--tests-dir", type=Path, default=CACHE / "vllm-tests")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the SmolLM2 folder")
+    p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
+    p.add_argument("--client-python", type=Path, default=None,
+                   help="python that runs pytest (default: the vLLM venv's, else this one)")  # fmt: skip
+    p.add_argument(
+        "--files", nargs="*", default=CHOSEN, help="paths under tests/entrypoints/openai"
+    )
+    p.add_argument("--file-timeout", type=int, default=900)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    if args.client_python is None:
+        venv_python = args.vllm_venv / "bin" / "python"
+        args.client_python = venv_python if venv_python.exists() else Path(sys.executable)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    files, not_run = export_files(args.tests_dir, args.files)
+    not_run.update({f: why for f, why in NOT_RUN.items() if f not in files})
+    scratch = Path(tempfile.mkdtemp(prefix="vllm-tests-hub-"))
+    root = make_run_root(args.tests_dir, scratch / "hub")
+    names = map_names(root, files, args.model, scratch / "hub")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "HF_HUB_CACHE": str(scratch / "hub"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_TESTS_SERVER": args.server,
+        "VLLM_TESTS_SERVER_CMD": server_cmd(args),
+        "VLLM_TESTS_SERVER_PYTHONPATH": str(REPO_ROOT) if args.server == "trillm" else "",
+        "VLLM_TESTS_MODEL_DIR": str(args.model),
+        "VLLM_TESTS_LOG_DIR": str(scratch / "logs"),
+        # vLLM's CPU backend: 2 GiB of KV cache, as run_compare.sh gives it (default 4 GiB)
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+    }
+    per_file = []
+    for rel in files:
+        per_file.append(run_file(args, root, rel, env))
+        done = per_file[-1]
+        print(f"{rel}: {len(done['tests'])} tests, {done['seconds']} s", flush=True)
+    outcomes = [c["outcome"] for f in per_file for c in f["tests"]]
+    results = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "server": args.server,
+        "trillm_commit": git_head(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average": os.getloadavg(),
+        "model": str(args.model),
+        "mapped_model_names": names,
+        "client_python": str(args.client_python),
+        "manifest": read_manifest(args.tests_dir),
+        "totals": {k: outcomes.count(k) for k in ("passed", "failed", "error", "skipped")},
+        "files": per_file,
+        "not_run": not_run,
+        "server_starts": server_starts(scratch / "logs"),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(summary(results))
+    print(summary(results))
+
+
+def git_head() -> str:
+    out = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    return out.stdout.strip()
+
+
+def read_manifest(tests_dir: Path) -> dict[str, str]:
+    path = tests_dir / "MANIFEST.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+if __name__ == "__main__":
+    main()

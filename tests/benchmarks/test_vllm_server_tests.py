@@ -1,0 +1,62 @@
+"""benchmarks/peers/vllm_server_tests.py's own pieces: a test model name resolves offline to the
+mapped folder through the hub cache (what lets ``trillm serve NAME`` and vLLM's helpers load
+SmolLM2 under the tests' names), and the per-test outcome read from pytest's JUnit XML names
+the flag a server refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import huggingface_hub
+import huggingface_hub.constants
+import huggingface_hub.errors
+import pytest
+
+from benchmarks.peers import vllm_server_tests
+from benchmarks.peers.vllm_test_shim import map_model_name
+
+
+def test_a_mapped_name_resolves_offline_to_the_folder(tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model / "DONE").touch()
+    hub = tmp_path / "hub"
+    map_model_name("Qwen/Qwen3-0.6B", model, hub)
+    map_model_name("Qwen/Qwen3-0.6B", model, hub)  # a second mapping keeps the first
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    folder = Path(huggingface_hub.snapshot_download("Qwen/Qwen3-0.6B", cache_dir=hub))
+    assert json.loads((folder / "config.json").read_text()) == {"model_type": "llama"}
+    assert not (folder / "DONE").exists()
+    with pytest.raises(huggingface_hub.errors.LocalEntryNotFoundError):
+        huggingface_hub.snapshot_download("Qwen/Other", cache_dir=hub)
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest">
+<testcase classname="t" name="test_ok" />
+<testcase classname="t" name="test_bad"><failure message="AssertionError: assert 1 == 2&#10;more">trace</failure></testcase>
+<testcase classname="t" name="test_start"><error message="failed on setup with &quot;RuntimeError: Server exited unexpectedly:&#10;$ tr">E   RuntimeError: Server exited unexpectedly:
+E   $ trillm serve m --x
+E   trillm: error: unrecognized arguments: --x</error></testcase>
+<testcase classname="t" name="test_skip"><skipped message="needs a GPU" /></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_outcomes_and_the_refused_flag_come_from_the_junit_file(tmp_path):
+    path = tmp_path / "junit.xml"
+    path.write_text(JUNIT)
+    cases = vllm_server_tests.parse_junit(path, "chat_completion/test_x.py::test_ok")
+    assert [(c["id"], c["outcome"], c["message"]) for c in cases] == [
+        ("chat_completion/test_x.py::test_ok", "passed", ""),
+        ("chat_completion/test_x.py::test_bad", "failed", "AssertionError: assert 1 == 2"),
+        (
+            "chat_completion/test_x.py::test_start",
+            "error",
+            "server did not start: trillm: error: unrecognized arguments: --x",
+        ),
+        ("chat_completion/test_x.py::test_skip", "skipped", "needs a GPU"),
+    ]
