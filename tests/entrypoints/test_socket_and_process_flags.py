@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,12 +31,23 @@ def _serve(*args: str, log) -> subprocess.Popen:
     )
 
 
-def _wait_healthy(client: httpx.Client, proc: subprocess.Popen, log_path) -> None:
+def _accepts(path: Path) -> bool:
+    """Whether a server listens on the Unix socket at ``path`` (a probe of our own: httpcore
+    leaves the socket of a Unix connection that fails to the garbage collector)."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+        return True
+
+
+def _wait_healthy(client: httpx.Client, path: Path, proc: subprocess.Popen, log_path) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         assert proc.poll() is None, log_path.read_text()[-3000:]
         try:
-            if client.get("/health", timeout=2).status_code == 200:
+            if _accepts(path) and client.get("/health", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -45,8 +58,6 @@ def _wait_healthy(client: httpx.Client, proc: subprocess.Popen, log_path) -> Non
 def test_uds_serves_on_the_socket_file_and_replaces_a_stale_one(tmp_path):
     """A stale socket file at the path is replaced; the server answers a completion through
     the socket and says where it serves; SIGTERM stops it cleanly."""
-    import socket
-
     path = tmp_path / "trillm.sock"
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(path))
@@ -57,7 +68,7 @@ def test_uds_serves_on_the_socket_file_and_replaces_a_stale_one(tmp_path):
     transport = httpx.HTTPTransport(uds=str(path))
     try:
         with httpx.Client(transport=transport, base_url="http://trillm", timeout=120) as client:
-            _wait_healthy(client, proc, log_path)
+            _wait_healthy(client, path, proc, log_path)
             body = {"model": "trillm-default", "prompt": "Hello", "max_tokens": 3}
             answer = client.post("/v1/completions", json=body)
             assert answer.status_code == 200, answer.text
