@@ -199,6 +199,26 @@ def summary(results: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def compare(trillm_json: Path, vllm_json: Path) -> str:
+    """Each test's outcome on both servers, those that pass on vLLM and not on trillm first."""
+    outcomes = {}
+    for server, path in (("trillm", trillm_json), ("vllm", vllm_json)):
+        for f in json.loads(path.read_text())["files"]:
+            for case in f["tests"]:
+                outcomes.setdefault(case["id"], {})[server] = case
+    rows = ["| test | vLLM | trillm | trillm's message |", "|---|---|---|---|"]
+    for test_id, by in sorted(outcomes.items(), key=lambda kv: _gap_first(kv[1])):
+        v, t = by.get("vllm", {}), by.get("trillm", {})
+        msg = t.get("message", "").replace("|", "\\|")[:160]
+        rows.append(f"| `{test_id}` | {v.get('outcome', '-')} | {t.get('outcome', '-')} | {msg} |")
+    return "\n".join(rows) + "\n"
+
+
+def _gap_first(by: dict[str, dict[str, str]]) -> int:
+    passed_on_vllm = by.get("vllm", {}).get("outcome") == "passed"
+    return 0 if passed_on_vllm and by.get("trillm", {}).get("outcome") != "passed" else 1
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--server", choices=["trillm", "vllm"], default="trillm")
@@ -212,6 +232,8 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--file-timeout", type=int, default=900)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--compare", type=Path, nargs=2, metavar=("TRILLM_JSON", "VLLM_JSON"),
+                   help="no run: write the two runs' outcomes side by side to --out (markdown)")  # fmt: skip
     args = p.parse_args()
     if args.client_python is None:
         venv_python = args.vllm_venv / "bin" / "python"
@@ -221,6 +243,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.compare:
+        args.out.write_text(compare(*args.compare))
+        return
     files, not_run = export_files(args.tests_dir, args.files)
     not_run.update({f: why for f, why in NOT_RUN.items() if f not in files})
     scratch = Path(tempfile.mkdtemp(prefix="vllm-tests-hub-"))

@@ -60,3 +60,22 @@ def test_outcomes_and_the_refused_flag_come_from_the_junit_file(tmp_path):
         ),
         ("chat_completion/test_x.py::test_skip", "skipped", "needs a GPU"),
     ]
+
+
+def test_compare_lists_what_passes_on_vllm_only_first(tmp_path):
+    runs = {
+        "trillm": {"a::t1": "passed", "a::t2": "error", "a::t3": "failed"},
+        "vllm": {"a::t1": "passed", "a::t2": "failed", "a::t3": "passed"},
+    }
+    paths = []
+    for server, outcomes in runs.items():
+        cases = [{"id": i, "outcome": o, "message": f"{server} {o}"} for i, o in outcomes.items()]
+        path = tmp_path / f"{server}.json"
+        path.write_text(json.dumps({"files": [{"tests": cases}]}))
+        paths.append(path)
+    rows = vllm_server_tests.compare(*paths).splitlines()[2:]
+    assert rows[0] == "| `a::t3` | passed | failed | trillm failed |"
+    assert sorted(rows[1:]) == [
+        "| `a::t1` | passed | passed | trillm passed |",
+        "| `a::t2` | failed | error | trillm error |",
+    ]
