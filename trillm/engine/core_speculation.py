@@ -6,17 +6,19 @@ draft model's runs in the worker, where its drafts are made (``trillm/spec_decod
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trillm.messages import ModelRunnerOutput, SchedulerOutput, SpecDecodingStats
 from trillm.spec_decode.backoff import SpecBackoff
 
 if TYPE_CHECKING:
     from trillm.core.scheduler import Scheduler
+    from trillm.spec_decode.draft_setup import DraftModelDrafts
+    from trillm.spec_decode.ngram import NgramProposer
 
 
 class CoreSpeculation:
-    def __init__(self, proposer: Any) -> None:  # NgramProposer or DraftModelDrafts
+    def __init__(self, proposer: NgramProposer | DraftModelDrafts) -> None:
         self.proposer = proposer
         self.stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * proposer.k)
         self.backoff: SpecBackoff | None = None if proposer.in_worker else SpecBackoff(proposer.k)
@@ -44,12 +46,14 @@ class CoreSpeculation:
             and r.num_computed_tokens + 1 >= r.num_tokens
             and r.request_id not in busy
         ]
-        if self.proposer.in_worker:
+        if self.proposer.in_worker:  # narrows the union: in_worker is a Literal tag
             new_drafts = self.proposer.take(ready, out.draft_token_ids)
         else:
+            limit = None
             if self.backoff is not None:
                 self.backoff.retain({r.request_id for r in running if r is not None})
-            new_drafts = self.proposer.propose(ready, self.backoff and self.backoff.limit)
+                limit = self.backoff.limit
+            new_drafts = self.proposer.propose(ready, limit)
         if new_drafts:
             scheduler.update_draft_token_ids(new_drafts)
 

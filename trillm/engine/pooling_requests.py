@@ -4,7 +4,7 @@ vector (the last stage's pooler, ``trillm/model_executor/pooling.py``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -12,9 +12,38 @@ from trillm.engine.preprocess import InvalidRequestError, PreparedPrompt, Prompt
 from trillm.errors import RequestFailedError
 from trillm.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput, pooling_params
 
+if TYPE_CHECKING:
+    from trillm.config import TrillmConfig
+    from trillm.engine.preprocess import Preprocessor
+    from trillm.engine.request_stream import RequestStream
+    from trillm.sampling_params import SamplingParams
+
+
+class PoolingEngine(Protocol):
+    """What ``pool`` uses of ``AsyncEngine``, which imports this module (so its class is not
+    named here: that would close an import cycle)."""
+
+    @property
+    def config(self) -> TrillmConfig: ...
+
+    @property
+    def preprocessor(self) -> Preprocessor: ...
+
+    @property
+    def is_pooling(self) -> bool: ...
+
+    def generate(
+        self,
+        prompt: PromptType | PreparedPrompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        _pooling: bool = False,
+    ) -> RequestStream: ...
+
 
 async def pool(
-    engine: Any,  # AsyncEngine (not imported: it imports this module)
+    engine: PoolingEngine,
     prompt: PromptType | PreparedPrompt,
     request_id: str | None,
     truncate_prompt_tokens: int | None,

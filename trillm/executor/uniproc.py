@@ -8,7 +8,6 @@ thread). The Trio loop stays responsive throughout.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -16,6 +15,7 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, ModelExecutionError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
+from trillm.interfaces import ModelRunnerProtocol, RunnerClass
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 from trillm.worker import worker_rpc
 from trillm.worker.worker_main import load_runner_class
@@ -39,11 +39,11 @@ class UniProcExecutor(Executor):
     ) -> None:
         self.config = config
         self.num_blocks = 0
-        self._factory: Callable[..., Any] = (
+        self._factory: RunnerClass = (
             load_runner_class(runner_factory) if isinstance(runner_factory, str) else runner_factory
         )
         self._kwargs = runner_kwargs or {}
-        self.runner: Any = None
+        self._runner: ModelRunnerProtocol | None = None  # set once run() has loaded it
         self._step: _Step | None = None
         self._nursery: trio.Nursery | None = None
         self._stop = trio.Event()
@@ -52,10 +52,19 @@ class UniProcExecutor(Executor):
     def _start_runner(self) -> int:
         runner = self._factory(self.config, 0, **self._kwargs)
         runner.load_model()
-        num_blocks: int = runner.determine_num_blocks()
+        num_blocks = runner.determine_num_blocks()
         runner.initialize_kv_cache(num_blocks)
-        self.runner = runner
+        self._runner = runner
         return num_blocks
+
+    @property
+    def runner(self) -> ModelRunnerProtocol:
+        """The loaded runner; RuntimeError before ``run()`` has loaded it."""
+        if self._runner is None:
+            raise RuntimeError(
+                "The executor's model runner is not loaded yet (await nursery.start(run))."
+            )
+        return self._runner
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.num_blocks = await trio.to_thread.run_sync(self._start_runner)

@@ -5,7 +5,7 @@ hands the drafts the worker's draft model proposed (``draft_model.py``) to the s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from trillm.config import EngineArgs, ModelConfig
 from trillm.spec_decode.config import DraftModelError, SpeculativeConfig
@@ -83,7 +83,7 @@ class DraftModelDrafts:
     """The engine core's view of a draft model: drafts arrive with the worker's output and
     are trimmed to each request's room (the worker's back-off already chose how many)."""
 
-    in_worker = True
+    in_worker: Literal[True] = True  # drafted in the worker, taken from its output
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.k = config.num_speculative_tokens

@@ -12,7 +12,7 @@ Which requests get drafts and how many: ``policy.py``; the per-request back-off
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -42,7 +42,7 @@ def find_ngram_drafts(tokens: np.ndarray, lo: int, hi: int, k: int) -> list[int]
 
 
 class NgramProposer:
-    in_worker = False  # proposes in the engine core
+    in_worker: Literal[False] = False  # proposes in the engine core
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.k = config.num_speculative_tokens
