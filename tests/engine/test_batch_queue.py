@@ -11,6 +11,7 @@ from collections import deque
 
 import pytest
 import trio
+from grammar_manager import grammar_manager
 from scheduler_twin_helpers import (
     IMPL_NAMES,
     FakeWorker,
@@ -82,7 +83,7 @@ def test_two_steps_in_flight_over_disjoint_requests(impl_name):
     scripts = {name: [10 * i + k for k in range(5)] for i, name in enumerate("abcd")}
     sched = make_scheduler(get_impl(impl_name))
     executor = StubPipelineExecutor(scripted_worker(scripts))
-    core = EngineCore(sched, executor)
+    core = EngineCore(sched, executor, grammar_manager())
     for i, name in enumerate(scripts):
         core.handle_input(ecr(name, [i + 1] * 3, max_tokens=5, arrival=i))
     outputs: dict[str, list[int]] = {}
@@ -107,7 +108,7 @@ def test_id_reused_after_an_abort_in_flight_gets_only_its_own_tokens(impl_name):
     sched = make_scheduler(get_impl(impl_name))
     worker = scripted_worker({"a": [999, 1, 2, 3], "b": [7, 8, 9]})
     executor = StubPipelineExecutor(worker)
-    core = EngineCore(sched, executor)
+    core = EngineCore(sched, executor, grammar_manager())
     core.handle_input(ecr("a", [1, 2, 3], max_tokens=3))
     outputs: dict[str, list[int]] = {}
 

@@ -10,8 +10,9 @@ import pytest
 from trillm.engine.chat_template import (
     ChatTemplateError,
     load_chat_template,
-    render_chat,
     render_template,
+    tokenizer_chat_template,
+    tokenizer_special_tokens,
 )
 from trillm.entrypoints.cli.main import build_parser
 from trillm.entrypoints.cli.serve_args import engine_kwargs, server_options
@@ -111,6 +112,8 @@ def test_non_text_parts_are_refused():
 
 
 def test_render_chat_with_the_tokenizer_template(tmp_path):
+    """The pieces ``Preprocessor.render_chat`` renders with: the tokenizer's template and
+    special tokens, or a ``--chat-template`` file's text."""
     from transformers import AutoTokenizer
 
     from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
@@ -118,11 +121,14 @@ def test_render_chat_with_the_tokenizer_template(tmp_path):
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
     messages = [{"role": "user", "content": "hi"}]
     expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert render_chat(tok, messages) == expected
+    special = tokenizer_special_tokens(tok)
+    rendered = render_template(tokenizer_chat_template(tok), messages, special_tokens=special)
+    assert rendered == expected
     path = tmp_path / "t.jinja"
     path.write_text(TEMPLATE)
-    assert load_chat_template(str(path)) == TEMPLATE
-    assert render_chat(tok, messages, chat_template=str(path)) == "<user>hi</user><assistant>"
+    own = load_chat_template(str(path))
+    assert own == TEMPLATE
+    assert render_template(own, messages, special_tokens=special) == "<user>hi</user><assistant>"
     with pytest.raises(ChatTemplateError):
         load_chat_template("no-such-file-and-no-jinja")
 

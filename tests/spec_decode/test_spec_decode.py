@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import trio
+from grammar_manager import grammar_manager
 from scheduler_twin_helpers import IMPL_NAMES, InProcessStubExecutor, ecr, get_impl, make_scheduler
 
 from trillm.config import EngineArgs
@@ -248,9 +249,8 @@ class StubExecutor(InProcessStubExecutor):
 def test_engine_core_counts_drafts_and_rolls_back(impl_name):
     sched = make_scheduler(get_impl(impl_name), block_size=4)
     executor = StubExecutor({"a": 2, "b": 0}, {"a": 1, "b": 5})
-    core = EngineCore(
-        sched, executor, proposer=NgramProposer(SpeculativeConfig("ngram", 3, 1, 1), 256)
-    )
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, 1, 1), 256)
+    core = EngineCore(sched, executor, grammar_manager(), proposer=proposer)
     # A prompt that repeats: the proposer always finds the last token earlier.
     core.handle_input(ecr("a", [1, 2, 3, 4, 1, 2, 3, 4, 1], max_tokens=12))
     core.handle_input(ecr("b", [5, 6, 7, 5, 6, 7, 5], max_tokens=12))
@@ -330,7 +330,7 @@ def test_engine_core_backs_off_a_request_whose_drafts_keep_failing(impl_name):
     sched = make_scheduler(get_impl(impl_name), block_size=4)
     executor = StubExecutor({"a": 3, "b": 0}, {"a": 1, "b": 5})
     proposer = NgramProposer(SpeculativeConfig("ngram", 3, 1, 1), 512)
-    core = EngineCore(sched, executor, proposer=proposer)
+    core = EngineCore(sched, executor, grammar_manager(), proposer=proposer)
     core.handle_input(ecr("a", [1, 2, 3, 4, 1, 2, 3, 4, 1], max_tokens=120))
     core.handle_input(ecr("b", [5, 6, 7, 5, 6, 7, 5], max_tokens=200))
 

@@ -269,32 +269,6 @@ def normalize_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     return out
 
 
-def render_chat(
-    tokenizer: Tokenizer,
-    messages: list[Any],
-    *,
-    chat_template: str | None = None,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    tools: list[Any] | None = None,
-    documents: list[dict[str, Any]] | None = None,
-) -> str:
-    """Render ``messages`` with ``chat_template`` (a path or template text; default: the
-    tokenizer's) to the prompt text the model expects. Raises ChatTemplateError."""
-    template = load_chat_template(chat_template) or tokenizer_chat_template(tokenizer)
-    return render_template(
-        template,
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        special_tokens=tokenizer_special_tokens(tokenizer),
-        template_kwargs=chat_template_kwargs,
-        tools=tools,
-        documents=documents,
-    )
-
-
 def tokenizer_chat_template(tokenizer: Tokenizer) -> str | None:
     """The tokenizer's template; None without one, or with named ones (a dict)."""
     template = tokenizer.chat_template

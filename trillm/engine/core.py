@@ -47,7 +47,7 @@ class EngineCore:
         self,
         scheduler: Scheduler,
         executor: Executor,
-        structured_output: StructuredOutputManager | None = None,
+        structured_output: StructuredOutputManager,
         lora: LoRAAdmission | None = None,
         proposer: NgramProposer | DraftModelDrafts | None = None,
     ) -> None:
@@ -61,8 +61,7 @@ class EngineCore:
         # NgramProposer or DraftModelDrafts (trillm/spec_decode/) or None: drafts for the
         # next step, after P4 (core_speculation.py: the counters and the n-gram back-off).
         self.speculation = None if proposer is None else CoreSpeculation(proposer)
-        # StructuredOutputManager (trillm/structured_output/): the grammar matchers, or None
-        # when the engine was built without a tokenizer for them.
+        # StructuredOutputManager (trillm/structured_output/): the grammar matchers.
         self.structured_output = structured_output
         # Ids the worker must drop that rode on a step that scheduled nothing.
         self._unsent_finished: list[str] = []

@@ -29,7 +29,7 @@ class CoreGrammars:
     def __init__(
         self,
         scheduler: Scheduler,
-        manager: StructuredOutputManager | None,  # None: a core built without grammars
+        manager: StructuredOutputManager,
         refuse: Callable[[EngineCoreOutput], None],  # publishes a request the engine ended
     ) -> None:
         self.scheduler = scheduler
@@ -40,9 +40,6 @@ class CoreGrammars:
         """Stage 4 -> 5: a matcher now when the grammar is compiled (the frontend compiled
         it), else the request waits in WAITING_FOR_GRAMMAR without holding others back."""
         so = self.manager
-        if so is None:
-            self._end_request(msg.request_id, "no structured-output support")
-            return
         try:
             # The prompt tells a reasoning model's request whether it starts past reasoning.
             ready = so.add_request(
@@ -57,11 +54,11 @@ class CoreGrammars:
 
     def num_waiting(self) -> int:
         """Requests held in the scheduler until their grammar compiles."""
-        return 0 if self.manager is None else int(self.manager.num_pending)
+        return int(self.manager.num_pending)
 
     def poll(self) -> None:
         """Grammars compiled since the last step release their requests."""
-        if self.manager is None or not self.manager.has_pending:
+        if not self.manager.has_pending:
             return
         ready, failed = self.manager.poll()
         for req_id in ready:
@@ -82,8 +79,6 @@ class CoreGrammars:
         if not sched.wait_for_bitmask:
             return None
         so = self.manager
-        if so is None:
-            return SampleRequest(step_id=sched.step_id)
         get = self.scheduler.get_request
 
         def samples(req_id: str) -> bool:  # the step reaches the end of its tokens
@@ -97,7 +92,7 @@ class CoreGrammars:
         """P4: accepted tokens advance the matchers; a terminated grammar finishes its
         request with ``stop``, a token outside it (cannot happen under the bitmask) aborts."""
         so = self.manager
-        if so is None or not so.matchers:
+        if not so.matchers:
             return
         for out in outputs:
             if not out.new_token_ids or out.request_id not in so.matchers:
