@@ -349,14 +349,15 @@ class AsyncEngine(EngineControl):
 
     def render_chat(self, messages: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
         """The chat as a prompt for ``generate``; ``chat_template``: a path or the text.
-        ``image_url`` / ``image_pil`` parts become the model's placeholder and the prompt's
-        ``multi_modal_data`` (URLs opened by ``generate``, off the event loop);
+        ``image_url`` / ``image_pil`` / ``video_url`` parts become the model's placeholder and
+        the prompt's ``multi_modal_data`` (URLs opened by ``generate``, off the event loop);
         ``mm_processor_kwargs`` goes with them (vLLM's)."""
         template = load_chat_template(options.pop("chat_template", None))
         mm_kwargs = options.pop("mm_processor_kwargs", None)
         images: list[Any] = []
         if self.preprocessor.multimodal is not None:  # (else stage 2 refuses image parts)
-            messages, images = split_chat_images(messages)
+            video = getattr(self.preprocessor.multimodal, "video_placeholder", None)
+            messages, images = split_chat_images(messages, video)
         text = self.preprocessor.render_chat(messages, chat_template=template, **options)
         prompt: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
         if images:

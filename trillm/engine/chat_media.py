@@ -1,6 +1,6 @@
-"""A Python caller's chat and its media: which content parts carry images and audio, and the
-sources they name grouped as ``multi_modal_data`` (the sources are opened by stage 3 through
-``media.MediaConnector``)."""
+"""A Python caller's chat and its media: which content parts carry images, audio and videos,
+and the sources they name grouped as ``multi_modal_data`` (the sources are opened by stage 3
+through ``media.MediaConnector``)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,19 @@ from trillm.engine.media import (
     MultiModalInputError,
     input_audio_source,
 )
+from trillm.engine.video_decode import VideoSource
 
 
-def split_chat_images(messages: list[Any]) -> tuple[list[Any], list[Any]]:
+def split_chat_images(
+    messages: list[Any], video_placeholder: str | None = None
+) -> tuple[list[Any], list[Any]]:
     """A Python caller's chat (dict messages): each ``image_url`` part (its URL opened by stage
     3) and ``image_pil`` part (vLLM's ``{"type": "image_pil", "image_pil": image}``) becomes an
     ``{"type": "image"}`` part where it stands (the chat template writes the model's
     placeholder, or stage 2 does: ``chat_template.py``), each ``input_audio`` / ``audio_url``
-    part an ``{"type": "audio"}`` part. Returns (the messages, the sources in order:
+    part an ``{"type": "audio"}`` part, each ``video_url`` part the model's
+    ``video_placeholder`` as text (as the HTTP chat writes it; None: the model takes no
+    videos). Returns (the messages, the sources in order:
     ``multi_modal_data`` groups them)."""
     out: list[Any] = []
     images: list[Any] = []
@@ -42,6 +47,11 @@ def split_chat_images(messages: list[Any]) -> tuple[list[Any], list[Any]]:
                 images.append(ImageSource(url, param))
             elif kind == "image_pil":
                 images.append(part.get("image_pil"))  # stage 3 checks it is a PIL image
+            elif kind == "video_url":
+                images.append(video_part_source(part.get(kind), video_placeholder, param))
+                # NOTE: the model's placeholder as text: the chat template never sees a video
+                parts.append({"type": "text", "text": video_placeholder})
+                continue
             elif kind in AUDIO_PARTS:
                 images.append(audio_part_source(part.get(kind), kind, param))
                 parts.append({"type": AUDIO_PART})
@@ -52,6 +62,16 @@ def split_chat_images(messages: list[Any]) -> tuple[list[Any], list[Any]]:
             parts.append({"type": IMAGE_PART})  # the template's (or the placeholder text)
         out.append({**m, "content": parts})
     return out, images
+
+
+def video_part_source(spec: Any, placeholder: str | None, param: str) -> VideoSource:
+    """A ``video_url`` part's ``{"url"}``, for a model that takes videos."""
+    if placeholder is None:
+        raise MultiModalInputError("This model takes no video inputs (video_url).", param)
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str):
+        raise MultiModalInputError("A video_url part needs its video_url.url.", param)
+    return VideoSource(url, param)
 
 
 def audio_part_source(spec: Any, kind: str, param: str) -> AudioSource:

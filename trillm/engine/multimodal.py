@@ -27,6 +27,7 @@ from trillm.engine import video_inputs as video
 from trillm.engine.audio_inputs import AudioProcessor
 from trillm.engine.media import ImageSource, MediaConnector, MultiModalInputError, content_hash
 from trillm.engine.mm_processor_cache import ProcessorCache, item_key
+from trillm.engine.video_sampling import without_frame_kwargs
 from trillm.messages import MultiModalItem
 from trillm.model_executor.gemma3_mm_config import is_gemma3_mm
 from trillm.model_executor.multimodal_config import image_token_id, num_image_tokens
@@ -142,7 +143,9 @@ class MultiModalProcessor:
             return {}
         if not isinstance(kwargs, dict):
             raise MultiModalInputError(f"{param} must be an object, got {kwargs!r}.", param)
-        check_keywords(self.image_processor, kwargs, param)
+        # Qwen2-VL: the frame keys are the video processor's (video_sampling.py)
+        shown = without_frame_kwargs(kwargs) if self.qwen2_vl else kwargs
+        check_keywords(self.image_processor, shown, param)
         if self.qwen2_vl:
             qwen2_vl.check_kwargs(kwargs, param, self.max_pixels)
         if self.gemma3:
@@ -219,25 +222,14 @@ class MultiModalProcessor:
         count and sizes checked first (``video_decode.open_videos``), then processed in a
         tokenization thread."""
         limit = self.limits.get("video", 0)
-        args = (limit, self.connector, self.limiter, self.max_pixels)
+        tp = int(self.image_processor.temporal_patch_size)
+        args = (limit, self.connector, self.limiter, self.max_pixels, kwargs, tp)
         clips = await video_decode.open_videos(data.get("video"), *args)
         if not clips:
             return []
         kwargs = qwen2_vl.processor_kwargs(self.image_processor, kwargs)
-        return await trio.to_thread.run_sync(
-            self._video_values, clips, kwargs, limiter=self.limiter
-        )
-
-    def _video_values(self, clips: list[Any], kwargs: dict[str, Any]) -> list[Any]:
-        processor = self.image_processor
-        tp = int(processor.temporal_patch_size)
-        return [
-            (
-                video.video_patches(processor, video.rgb_frames(frames), kwargs),
-                video.time_interval(self.mm_config, tp, fps),
-            )
-            for frames, fps in clips
-        ]
+        values = (self.image_processor, self.mm_config, clips, kwargs)
+        return await trio.to_thread.run_sync(video.clip_values, *values, limiter=self.limiter)
 
     def _video_item(self, values: np.ndarray, offset: int, interval: float) -> MultiModalItem:
         length = self.item_length(values)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from trillm.engine import video_sampling
 from trillm.engine.media import MultiModalInputError
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ def check_kwargs(kwargs: dict[str, Any], param: str, max_pixels: int) -> None:
             "fix it); it cannot be set.",
             param,
         )
+    video_sampling.check(kwargs, param)
     size = kwargs.get("size")
     values = [kwargs.get(k) for k in _PIXEL_BUDGET_KWARGS if k in kwargs]
     if size is not None:
@@ -61,7 +63,8 @@ def check_kwargs(kwargs: dict[str, Any], param: str, max_pixels: int) -> None:
 
 def processor_kwargs(processor: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``min_pixels`` / ``max_pixels`` (vLLM's keys) as the ``size`` they set: the processor
-    deprecates them at call time."""
+    deprecates them at call time; the frame keys left out (applied before: video_sampling)."""
+    kwargs = video_sampling.without_frame_kwargs(kwargs)
     if not any(k in kwargs for k in _PIXEL_BUDGET_KWARGS):
         return kwargs
     out = dict(kwargs)

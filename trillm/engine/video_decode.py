@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import trio
 
-from trillm.engine import video_inputs
+from trillm.engine import video_inputs, video_sampling
 from trillm.engine.media import MediaConnector, MultiModalInputError
 
 NUM_FRAMES = 32  # vLLM's VideoMediaIO default
@@ -42,24 +42,33 @@ async def open_videos(
     connector: MediaConnector,
     limiter: trio.CapacityLimiter,
     max_frame_pixels: int,
+    processor_kwargs: dict[str, Any],
+    temporal_patch_size: int,
 ) -> list[tuple[Any, float]]:
     """``multi_modal_data["video"]`` -> each video's frames and the fps they were sampled at:
-    the count checked, ``VideoSource``s read and decoded (in a thread), the sizes checked."""
+    the count checked, ``VideoSource``s read and decoded (in a thread), the sizes checked,
+    then the frames ``processor_kwargs`` sample (``video_sampling.py``)."""
     videos = video_inputs.as_list(value)
     if len(videos) > limit:
         raise MultiModalInputError(
             f"multi_modal_data['video']: {len(videos)} videos, at most {limit} per prompt "
             "(limit_mm_per_prompt)."
         )
+    sampling = video_sampling.from_kwargs(processor_kwargs)
     out: list[tuple[Any, float]] = []
     for i, clip in enumerate(videos):
+        frames, fps, param = clip, None, f"multi_modal_data['video'][{i}]"
         if isinstance(clip, VideoSource):
             raw = await connector.read(clip.url, clip.param, limiter, "video")
             decode = partial(decode_video, raw, clip.param, max_frame_pixels)
-            out.append(await trio.to_thread.run_sync(decode, limiter=limiter))
-            continue
-        video_inputs.check_video(clip, f"multi_modal_data['video'][{i}]", max_frame_pixels)
-        out.append((clip, video_inputs.BARE_FRAMES_FPS))
+            (frames, fps), param = (
+                await trio.to_thread.run_sync(decode, limiter=limiter),
+                clip.param,
+            )
+        else:  # frames without their rate: transformers' metadata has no fps
+            video_inputs.check_video(clip, param, max_frame_pixels)
+        frames, fps = video_sampling.sampled(sampling, frames, fps, temporal_patch_size, param)
+        out.append((frames, video_inputs.BARE_FRAMES_FPS if fps is None else fps))
     return out
 
 

@@ -118,6 +118,17 @@ def video_patches(processor: Any, frames: np.ndarray, kwargs: dict[str, Any]) ->
     return np.ascontiguousarray(grouped.reshape(t, *grid, -1), dtype=np.float32)
 
 
+def clip_values(
+    processor: Any, mm_config: dict[str, Any], clips: list[Any], kwargs: dict[str, Any]
+) -> list[tuple[np.ndarray, float]]:
+    """Each (frames, fps) clip's patches and M-RoPE time interval (a tokenization thread's)."""
+    tp = int(processor.temporal_patch_size)
+    return [
+        (video_patches(processor, rgb_frames(frames), kwargs), time_interval(mm_config, tp, fps))
+        for frames, fps in clips
+    ]
+
+
 def time_interval(mm_config: dict[str, Any], temporal_patch_size: int, fps: float) -> float:
     """A temporal patch's M-RoPE time step: Qwen2.5-VL's ``tokens_per_second`` times the
     seconds a temporal patch spans; Qwen2-VL's 1."""
