@@ -40,7 +40,9 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testcase classname="t" name="test_bad"><failure message="AssertionError: assert 1 == 2&#10;more">trace</failure></testcase>
 <testcase classname="t" name="test_start"><error message="failed on setup with &quot;RuntimeError: Server exited unexpectedly:&#10;$ tr">E   RuntimeError: Server exited unexpectedly:
 E   $ trillm serve m --x
-E   trillm: error: unrecognized arguments: --x</error></testcase>
+E   trillm: error: unrecognized arguments: --x
+
+tests/utils.py:127: RuntimeError</error></testcase>
 <testcase classname="t" name="test_skip"><skipped message="needs a GPU" /></testcase>
 </testsuite></testsuites>
 """
