@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -93,7 +94,7 @@ def bench_args(model: str, prompts_file: Path, args: argparse.Namespace) -> list
         "--custom-output-len",
         str(args.output_len),
         "--num-prompts",
-        str(len(PROMPTS)),
+        str(args.prompts),
         "--max-concurrency",
         "1",
         "--ignore-eos",
@@ -110,7 +111,8 @@ def server_order(rounds: int) -> Iterator[tuple[int, list[str]]]:
 
 def round_row(r: int, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     base, spec = runs["base"], runs["spec"]
-    same = sum(a == b for a, b in zip(base["generated_texts"], spec["generated_texts"]))
+    # trillm bench serve lists the texts in no fixed prompt order: compare them as multisets
+    same = sum((Counter(base["generated_texts"]) & Counter(spec["generated_texts"])).values())
     return {
         "round": r,
         "base_median_tpot_ms": base["median_tpot_ms"],
@@ -126,7 +128,8 @@ def round_row(r: int, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prompts_file = work / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    prompts = PROMPTS[: args.prompts]
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     common = ["--max-model-len", "1024", "--kv-cache-memory", "512MiB", "--seed", "0"]
     spec_flags = ["--speculative-config", args.speculative_config]
     with ExitStack() as stack:
@@ -157,6 +160,7 @@ def main() -> None:
     parser.add_argument("--speculative-config", required=True, help="JSON, as trillm serve's")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N of them")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="spec-served-") as work:
@@ -189,7 +193,7 @@ def main() -> None:
             "model": args.model,
             "speculative_config": json.loads(args.speculative_config),
             "output_len": args.output_len,
-            "prompts": PROMPTS,
+            "prompts": PROMPTS[: args.prompts],
             "machine": machine_info(),
             "median_tok_s_ratio": median_ratio,
             **result,
