@@ -124,3 +124,40 @@ def pytest_collection_modifyitems(config, items):
         starts_one = module is not None and hasattr(module, "ServerProcess")
         if starts_one or "shared_server" in getattr(item, "fixturenames", ()):
             item.add_marker("server")
+    items[:] = longest_groups_first(items)
+
+
+def item_group(item) -> str:
+    """The xdist group of a test, named as pytest-xdist names its work unit."""
+    names = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+    return "_".join(names)
+
+
+def longest_groups_first(items):
+    """The tests, their groups ordered by recorded duration, longest first (stable within a
+    group). pytest-xdist hands groups out in collection order (``--no-loadscope-reorder``), so
+    the long groups start while others are still queued and no long group is left for the end,
+    when the other workers would wait idle (the longest-processing-time-first rule). A group
+    without a recorded duration (a new file) goes first: starting it early never lengthens the
+    tail, ending with it might."""
+    from group_durations import load_durations
+
+    seconds = load_durations()
+    order = {}
+    for item in items:
+        order.setdefault(item_group(item), len(order))
+    unknown = float("inf")
+    return sorted(
+        items,
+        key=lambda item: (-seconds.get(item_group(item), unknown), order[item_group(item)]),
+    )
+
+
+def pytest_configure(config):
+    """``TRILLM_RECORD_GROUP_DURATIONS=PATH``: the controller writes each group's total time
+    (setup + call + teardown of its tests) to PATH at the end (tests/support/group_durations.py)."""
+    import group_durations
+
+    path = os.environ.get("TRILLM_RECORD_GROUP_DURATIONS")
+    if path and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(group_durations.Recorder(path), "group-durations-recorder")
