@@ -8,20 +8,7 @@ spans, under the encoder budget of one image per step."""
 from __future__ import annotations
 
 import pytest
-from llava_reference import hf_llava_greedy, image
-
-from trillm.engine.llm import LLM
-from trillm.sampling_params import SamplingParams
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
-PROMPTS = [
-    {"prompt": "Describe <image> now", "multi_modal_data": {"image": image(0)}},
-    "The license grants",
-    {
-        "prompt": "<image> a <image> b",
-        "multi_modal_data": {"image": [image(1), image(2, (64, 32))]},
-    },
-]
+from llava_parallel import parallel_equals_uni
 
 
 @pytest.fixture(scope="module")
@@ -29,27 +16,6 @@ def llava_path(tmp_path_factory):
     from trillm.testing.tiny_llava import build_tiny_llava
 
     return str(build_tiny_llava(tmp_path_factory.mktemp("tiny-llava-pp")))
-
-
-def run(path: str, **kwargs: object) -> list[tuple[list[int], list[int], list[float]]]:
-    """(prompt ids, greedy tokens, their log-probs) of each prompt."""
-    with LLM(
-        path,
-        max_model_len=128,
-        kv_cache_memory="4MiB",
-        max_num_batched_tokens=16,  # the image prompts' spans cross chunk boundaries
-        limit_mm_per_prompt={"image": 2},
-        **kwargs,
-    ) as llm:
-        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    return [
-        (
-            list(o.prompt_token_ids),
-            list(o.outputs[0].token_ids),
-            [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
-        )
-        for o in outs
-    ]
 
 
 def test_only_the_first_stage_reads_and_builds_the_vision_side(llava_path):
@@ -84,11 +50,5 @@ def _keys(file: str) -> list[str]:
 
 
 def test_pp2_equals_pp1_and_transformers_with_images(llava_path):
-    one = run(llava_path, distributed_executor_backend="uni")
-    two = run(llava_path, pipeline_parallel_size=2)
-    assert [r[:2] for r in two] == [r[:2] for r in one]
-    diff = max(abs(a - b) for r1, r2 in zip(one, two) for a, b in zip(r1[2], r2[2]))
-    assert diff < 1e-4, diff
-    reference = hf_llava_greedy(llava_path, "Describe <image> now", [image(0)], n=6)
-    assert two[0][:2] == (reference[0], reference[1])
+    diff = parallel_equals_uni(llava_path, pipeline_parallel_size=2)
     print(f"max |logprob diff| PP=2 vs PP=1: {diff:.2e}")

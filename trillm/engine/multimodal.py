@@ -222,7 +222,9 @@ class MultiModalProcessor:
         count and sizes checked first (``video_decode.open_videos``), then processed in a
         tokenization thread."""
         limit = self.limits.get("video", 0)
-        tp = int(self.image_processor.temporal_patch_size)
+        # frames per temporal patch: Qwen2-VL's processors; a model without videos (limit 0)
+        # refuses any by their count before they are grouped
+        tp = int(getattr(self.image_processor, "temporal_patch_size", 1))
         args = (limit, self.connector, self.limiter, self.max_pixels, kwargs, tp)
         clips = await video_decode.open_videos(data.get("video"), *args)
         if not clips:
