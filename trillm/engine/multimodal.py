@@ -221,6 +221,8 @@ class MultiModalProcessor:
         """``multi_modal_data["video"]`` -> each video's patches and M-RoPE time interval: the
         count and sizes checked first (``video_decode.open_videos``), then processed in a
         tokenization thread."""
+        if data.get("video") is None:
+            return []
         limit = self.limits.get("video", 0)
         # frames per temporal patch: Qwen2-VL's processors; a model without videos (limit 0)
         # refuses any by their count before they are grouped
