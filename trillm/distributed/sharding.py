@@ -16,6 +16,7 @@
                                                  q_a_proj, kv_a_proj_with_mqa replicated
     Llama 4's experts.gate_up_proj, down_proj    [E, H, 2I] / [E, I, H]: each expert's
                                                  gate and up columns, down rows split
+    Bamba's / GraniteMoeHybrid's Mamba-2 layers  by heads (hybrid_sharding.py)
 
 Attention heads split evenly; KV heads too when there are at least as many as ranks, else each
 KV head is replicated on N / Hkv consecutive ranks (the ranks whose query heads use it).
@@ -29,6 +30,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trillm.config import ModelConfig
+from trillm.distributed.hybrid_sharding import (
+    HYBRID_ARCHITECTURES,
+    hybrid_problems,
+    read_hybrid_shard,
+)
 from trillm.utils import cdiv
 
 if TYPE_CHECKING:  # the frontend checks a size (check_divisible) without torch
@@ -74,6 +80,7 @@ ARCHITECTURES = (
     "GptOssForCausalLM",
     "Llama4ForCausalLM",
     "LlavaForConditionalGeneration",
+    *HYBRID_ARCHITECTURES,  # their Mamba-2 layers: hybrid_sharding.py
 )
 # A vision-language model's tower and projector: whole on every rank (each rank encodes an
 # image itself; the text embeddings they overwrite are whole after the vocabulary reduce).
@@ -131,6 +138,8 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         **{key: int(cfg.hf_config[key]) for key in _MOE_SIZES if cfg.hf_config.get(key)},
     }
     problems += [f"{key}={value}" for key, value in sizes.items() if value % size]
+    if cfg.architecture in HYBRID_ARCHITECTURES:
+        problems += hybrid_problems(cfg.hf_config, size)
     quant = cfg.hf_config.get("quantization_config") or {}
     if size > 1 and cfg.architecture == _GPT_OSS and quant.get("quant_method") == "mxfp4":
         raise TensorParallelConfigError(
@@ -275,6 +284,10 @@ class RankShapes:
         if name.removeprefix("model.").startswith(_REPLICATED_PREFIXES):
             return source if isinstance(source, torch.Tensor) else source[:]
         proj = name.rpartition(".")[0].rpartition(".")[2]
+        if cfg.architecture in HYBRID_ARCHITECTURES:
+            hybrid = read_hybrid_shard(cfg.hf_config, self.rank, self.size, name, source)
+            if hybrid is not None:
+                return hybrid
         if cfg.architecture == _GPT_OSS and proj in ("experts", "self_attn"):
             return self._gpt_oss_shard(name.rpartition(".")[2], source)
         if cfg.architecture == _LLAMA4 and proj == "experts":

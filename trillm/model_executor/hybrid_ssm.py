@@ -6,7 +6,7 @@ Its Mamba layers keep one state per request in the request's batch slot
 (``trillm/attention/ssm_state.py``), built token by token from position 0. So prefix caching
 is off for these models (a cached prefix's KV blocks come without the state after them), and
 what would run the layers without that state, or split them over pipeline stages, is refused
-by name (tensor parallelism's own check refuses the architecture).
+by name. Tensor parallelism splits them by heads (``trillm/distributed/hybrid_sharding.py``).
 """
 
 from __future__ import annotations

@@ -156,12 +156,12 @@ def kv_cache_layout(cfg: ModelConfig, num_kv_heads: int) -> KVCacheLayout:
     return layout
 
 
-def ssm_state_layout(cfg: ModelConfig) -> SSMStateLayout | None:
-    """A hybrid state-space model's per-request state (its class's ``ssm_state_layout``);
-    None for a model whose layers all keep the paged KV cache."""
+def ssm_state_layout(cfg: ModelConfig, tp_size: int = 1) -> SSMStateLayout | None:
+    """A hybrid state-space model's per-request state on one of ``tp_size`` ranks (its class's
+    ``ssm_state_layout``); None for a model whose layers all keep the paged KV cache."""
     model_class: Any = get_model_class(cfg.architecture)
     layout_of = getattr(model_class, "ssm_state_layout", None)
-    return None if layout_of is None else layout_of(cfg)
+    return None if layout_of is None else layout_of(cfg, tp_size)
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:

@@ -74,7 +74,7 @@ class ModelRunner:
         self.world_size = config.parallel.world_size
         self.shapes = RankShapes.of(model_cfg, rank % self.tp_size, self.tp_size)
         self.kv_layout = kv_cache_layout(model_cfg, self.shapes.num_kv_heads)  # a layer's, a token
-        self.ssm_layout = ssm_state_layout(model_cfg)  # a hybrid's Mamba layers, a request
+        self.ssm_layout = ssm_state_layout(model_cfg, self.tp_size)  # a hybrid's, a request
         self.ssm: SSMStateCache | None = None  # their states, one row per batch slot
         self._num_steps = 0
         if self.world_size > 1:

@@ -3,8 +3,9 @@ at ``attn_layer_indices``, each layer followed by a SwiGLU MLP, pre-norm residua
 
 The attention layers are Llama's (RoPE over half of each head, as transformers hard-codes) and
 alone hold the paged KV cache, in their order; the Mamba-2 layers hold a per-request state
-instead (``ssm_state_layout``, ``trillm/attention/ssm_state.py``). One rank only: tensor and
-pipeline parallelism are refused when the engine is configured.
+instead (``ssm_state_layout``, ``trillm/attention/ssm_state.py``). Tensor parallelism splits
+the Mamba-2 layers by heads (``mamba2.py``); pipeline parallelism is refused when the engine is
+configured.
 """
 
 from __future__ import annotations
@@ -106,5 +107,5 @@ class BambaForCausalLM(LlamaForCausalLM):
         return self.model.final_layernorm(hidden, residual)
 
     @classmethod
-    def ssm_state_layout(cls, cfg: ModelConfig) -> SSMStateLayout:
-        return hybrid_state_layout(cfg)
+    def ssm_state_layout(cls, cfg: ModelConfig, tp_size: int = 1) -> SSMStateLayout:
+        return hybrid_state_layout(cfg, tp_size)

@@ -9,7 +9,9 @@ output times ``residual_multiplier`` before its residual add; attention scaled b
 same weights as a softmax over all, renormalized); the logits divided by ``logits_scaling``.
 The checkpoint's fused expert tensors (``input_linear`` [E, 2I, H]: gate rows then up rows,
 ``output_linear`` [E, H, I]) are ``FusedMoE``'s layout. Like Bamba, only the attention layers
-hold the paged KV cache; one rank only.
+hold the paged KV cache. Tensor parallelism: each rank holds its share of the experts' and
+the shared MLP's intermediate size (``trillm/distributed/hybrid_sharding.py``); their partial
+sums are all-reduced together, once per layer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from trillm.attention.backend import AttentionBackend, AttentionMetadata
 from trillm.attention.ssm_state import SSMStateLayout
 from trillm.config import ModelConfig
+from trillm.distributed.parallel_state import get_tp_group
 from trillm.distributed.pipeline import IntermediateTensors
 from trillm.kernels.dispatch import silu_and_mul
 from trillm.model_executor.layers.fused_moe import FusedMoE
@@ -56,7 +59,8 @@ class GraniteAttention(LlamaAttention):
 
 
 class SharedMLP(nn.Module):
-    """``output_linear(silu(gate) * up)`` with gate | up the halves of ``input_linear``."""
+    """``output_linear(silu(gate) * up)`` with gate | up the halves of ``input_linear``
+    (``inter``: this rank's share; the caller all-reduces the output)."""
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
@@ -80,8 +84,9 @@ class GraniteMoE(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         num_experts, top_k = int(hf["num_local_experts"]), int(hf["num_experts_per_tok"])
-        self.router = Router(cfg.hidden_size, num_experts)
-        self.experts = FusedMoE(num_experts, top_k, cfg.hidden_size, cfg.intermediate_size, True)
+        self.router = Router(cfg.hidden_size, num_experts)  # replicated
+        inter = cfg.intermediate_size // get_tp_group().world_size  # this rank's share
+        self.experts = FusedMoE(num_experts, top_k, cfg.hidden_size, inter, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.experts(x, self.router.layer(x))
@@ -106,7 +111,9 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         else:
             self.mamba = Mamba2Mixer(cfg, mixer_index)
         self.block_sparse_moe = GraniteMoE(cfg) if int(hf["num_local_experts"]) else None
-        self.shared_mlp = SharedMLP(cfg.hidden_size, int(hf["shared_intermediate_size"]))
+        self.tp = get_tp_group()
+        shared = int(hf["shared_intermediate_size"]) // self.tp.world_size
+        self.shared_mlp = SharedMLP(cfg.hidden_size, shared)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -136,7 +143,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         out = self.shared_mlp(hidden)
         if self.block_sparse_moe is not None:
             out = self.block_sparse_moe(hidden) + out
-        return out, residual
+        return self.tp.all_reduce(out), residual  # the ranks' partial sums
 
 
 class GraniteMoeHybridModel(DecoderStack):
@@ -206,5 +213,5 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
         check_experts_loaded(self)
 
     @classmethod
-    def ssm_state_layout(cls, cfg: ModelConfig) -> SSMStateLayout:
-        return hybrid_state_layout(cfg)
+    def ssm_state_layout(cls, cfg: ModelConfig, tp_size: int = 1) -> SSMStateLayout:
+        return hybrid_state_layout(cfg, tp_size)

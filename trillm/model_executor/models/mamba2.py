@@ -6,6 +6,10 @@ kernels): in_proj -> gate | x,B,C | dt; a depthwise causal convolution over x,B,
 the selective scan; a gated, grouped RMSNorm; out_proj. A request's chunk of several tokens
 (or its first token) runs the SSD chunked scan from its state; a decode token the recurrent
 update, batched over the step's decode requests; both leave the request's state in its row.
+
+Tensor parallelism: each rank holds its heads (their x, gate, dt, conv channels and state) and
+its groups of B and C (``trillm/distributed/hybrid_sharding.py``); out_proj's partial sums are
+all-reduced, and so is the norm's mean square when its one group spans the ranks.
 """
 
 from __future__ import annotations
@@ -16,19 +20,20 @@ from torch import nn
 
 from trillm.attention.ssm_state import Chunk, SSMStateLayout, SSMStep
 from trillm.config import ModelConfig
+from trillm.distributed.hybrid_sharding import MambaShapes
+from trillm.distributed.parallel_state import TensorParallelGroup, get_tp_group
 from trillm.model_executor.bamba_config import ATTENTION
 
 
-def hybrid_state_layout(cfg: ModelConfig) -> SSMStateLayout:
-    """A request's state in a model whose ``layer_types`` (as ``bamba_config`` names them)
-    mix Mamba-2 and attention layers."""
+def hybrid_state_layout(cfg: ModelConfig, tp_size: int = 1) -> SSMStateLayout:
+    """A request's state on one of ``tp_size`` ranks (its heads and groups) in a model whose
+    ``layer_types`` (as ``bamba_config`` names them) mix Mamba-2 and attention layers."""
     hf = cfg.hf_config
     kv_layers = hf["layer_types"].count(ATTENTION)
-    inner, groups, state = _inner(cfg), int(hf["mamba_n_groups"]), int(hf["mamba_d_state"])
-    conv_channels = inner + 2 * groups * state
+    shapes = MambaShapes.of(hf, 0, tp_size)  # every rank's share has these sizes
     return SSMStateLayout(
-        conv=(conv_channels, int(hf["mamba_d_conv"]) - 1),
-        ssm=(int(hf["mamba_n_heads"]), int(hf["mamba_d_head"]), state),
+        conv=(shapes.conv_dim, int(hf["mamba_d_conv"]) - 1),
+        ssm=(shapes.heads, shapes.head_dim, shapes.state),
         num_layers=len(hf["layer_types"]) - kv_layers,
         kv_layers=kv_layers,
     )
@@ -44,22 +49,26 @@ def mixer_rows(kinds: list[str]) -> list[int | None]:
     return rows
 
 
-def _inner(cfg: ModelConfig) -> int:
-    return int(cfg.hf_config["mamba_expand"]) * cfg.hidden_size
-
-
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over groups of ``group`` channels of ``x * silu(gate)``, in float32."""
+    """RMSNorm over groups of ``group`` channels of ``x * silu(gate)``, in float32; with
+    ``spanning`` (tensor parallelism), one group of ``group`` channels split over its ranks."""
 
-    def __init__(self, size: int, group: int, eps: float) -> None:
+    def __init__(
+        self, size: int, group: int, eps: float, spanning: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.group, self.eps = group, eps
+        self.group, self.eps, self.spanning = group, eps, spanning
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [T, I] twice
         x = x.float() * F.silu(gate.float())
-        groups = x.view(x.shape[0], -1, self.group)  # [T, G, I / G]
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.spanning is None:
+            groups = x.view(x.shape[0], -1, self.group)  # [T, G, I / G]
+            variance = groups.pow(2).mean(-1, keepdim=True)
+        else:  # this rank's channels of the one group: the ranks' squares summed
+            groups = x[:, None]  # [T, 1, I / N]
+            variance = self.spanning.all_reduce(groups.pow(2).sum(-1, keepdim=True)) / self.group
+        groups = groups * torch.rsqrt(variance + self.eps)
         return self.weight * groups.view_as(x).to(self.weight.dtype)
 
 
@@ -68,11 +77,13 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         self.index = index  # its row in the state cache's per-layer lists
-        self.num_heads, self.head_dim = int(hf["mamba_n_heads"]), int(hf["mamba_d_head"])
-        self.groups, self.state_size = int(hf["mamba_n_groups"]), int(hf["mamba_d_state"])
+        self.tp = get_tp_group()
+        shapes = MambaShapes.of(hf, self.tp.rank, self.tp.world_size)  # this rank's share
+        self.num_heads, self.head_dim = shapes.heads, shapes.head_dim
+        self.groups, self.state_size = shapes.groups, shapes.state
         self.chunk_size = int(hf["mamba_chunk_size"])
-        self.inner = _inner(cfg)
-        self.conv_dim = self.inner + 2 * self.groups * self.state_size
+        self.inner = shapes.inner
+        self.conv_dim = shapes.conv_dim
         bias = bool(hf["mamba_proj_bias"])
         self.in_proj = nn.Linear(
             cfg.hidden_size, self.inner + self.conv_dim + self.num_heads, bias=bias
@@ -88,7 +99,9 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = GatedRMSNorm(self.inner, self.inner // self.groups, cfg.rms_norm_eps)
+        group = shapes.whole_heads * self.head_dim // shapes.whole_groups
+        spanning = self.tp if shapes.norm_spans_ranks else None
+        self.norm = GatedRMSNorm(self.inner, group, cfg.rms_norm_eps, spanning)
         self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=bias)
 
     def forward(self, hidden: torch.Tensor, step: SSMStep) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -101,7 +114,7 @@ class Mamba2Mixer(nn.Module):
         for chunk in step.chunks:
             rows_of = slice(chunk.start, chunk.end)
             out[rows_of] = self._chunk(xbc[rows_of], dt[rows_of], step, chunk)
-        return self.out_proj(self.norm(out, gate).to(hidden.dtype))
+        return self.tp.all_reduce(self.out_proj(self.norm(out, gate).to(hidden.dtype)))
 
     def _split(
         self, xbc: torch.Tensor

@@ -1,0 +1,89 @@
+"""Tensor parallelism on the hybrid state-space families (Mamba-2 layers beside attention):
+TP=2 greedy tokens equal the one-rank engine's for Bamba (2 groups of B and C: one per rank)
+and GraniteMoeHybrid with RoPE and experts (1 group: replicated on both ranks, the gated norm's
+one group spanning them), 2 prompts longer than an SSD chunk (8 positions) x 8 tokens. Sizes
+TP cannot split exactly are refused by name before any worker starts; pipeline parallelism
+stays refused (tests/models/test_hybrid_ssm.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parallel_models import MAX_TOKENS
+from parallel_reference import greedy, reference_tokens
+from safetensors.torch import load_file
+
+from trillm.config import EngineArgs
+from trillm.engine.config_builder import build_config
+from trillm.engine.llm import LLM
+from trillm.testing.tiny_bamba import build_tiny_bamba, build_tiny_granite_hybrid
+
+# Both longer than one SSD chunk of 8 positions, of different lengths.
+PROMPTS = [
+    "The capital of France is a city on the river Seine",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14",
+]
+# Few batch slots: each holds a request's Mamba states, taken from the KV cache's budget.
+LIMITS = {"max_model_len": 64, "kv_cache_memory": "4MiB", "max_num_seqs": 4}
+BUILDERS = {
+    "bamba": lambda out: build_tiny_bamba(out),
+    "granite_one_group": lambda out: build_tiny_granite_hybrid(out, mamba_n_groups=1),
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    paths: dict[str, str] = {}
+
+    def build(name: str) -> str:
+        if name not in paths:
+            paths[name] = str(BUILDERS[name](tmp_path_factory.mktemp(name)))
+        return paths[name]
+
+    return build
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_tp2_matches_tp1(hybrid, name):
+    path = hybrid(name)
+    expected = reference_tokens(path, PROMPTS, MAX_TOKENS, **LIMITS)
+    # A reference that only repeats one token per prompt could not tell a wrong shard apart.
+    assert all(len(set(t)) > 1 for t in expected), expected
+    with LLM(path, tensor_parallel_size=2, **LIMITS) as llm:
+        outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+def test_each_rank_reads_its_heads_and_groups(hybrid):
+    """The two ranks' gate, x, B, C and dt rows of in_proj are the halves of the whole
+    tensor's; with one group, each rank reads B and C whole."""
+    from trillm.distributed.sharding import RankShapes
+    from trillm.model_executor.loader import iterate_weights, safetensors_files
+
+    name = "model.layers.0.mamba.in_proj.weight"
+    for model, groups_split in (("bamba", True), ("granite_one_group", False)):
+        path = hybrid(model)
+        cfg = build_config(EngineArgs(path, tensor_parallel_size=2)).model
+        hf = cfg.hf_config
+        inner, bc = 2 * cfg.hidden_size, int(hf["mamba_n_groups"]) * int(hf["mamba_d_state"])
+        heads = int(hf["mamba_n_heads"])
+        whole = load_file(safetensors_files(path)[0])[name].split([inner, inner, bc, bc, heads])
+        rank_bc = bc // 2 if groups_split else bc
+        sizes = [inner // 2, inner // 2, rank_bc, rank_bc, heads // 2]
+        ranks = [
+            dict(iterate_weights(path, shard=(cfg, RankShapes.of(cfg, r, 2))))[name].split(sizes)
+            for r in (0, 1)
+        ]
+        for i, part in enumerate(whole):
+            if sizes[i] == part.shape[0]:  # B or C of the one group: whole on each rank
+                assert torch.equal(ranks[0][i], part) and torch.equal(ranks[1][i], part)
+            else:
+                assert torch.equal(torch.cat([ranks[0][i], ranks[1][i]]), part)
+
+
+def test_sizes_tp_cannot_split_are_refused(hybrid):
+    """2 groups of B and C over 4 ranks: neither split nor one group to share."""
+    args = EngineArgs(hybrid("bamba"), device="cpu", tensor_parallel_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .*mamba_n_groups=2"):
+        build_config(args)
