@@ -6,13 +6,19 @@ No trained head can be downloaded here, so this makes one, in minutes on two CPU
 1. the model answers ``--sequences`` distinct chat prompts (trillm, all at once; greedy and
    ``ignore_eos`` by default, as the benchmarks then decode: ``--max-tokens`` each);
 2. transformers gives its final hidden states over prompt + answer: the output of the final
-   norm, which is what trillm's model runner hands the head (``observe`` after P2);
+   norm, which is what trillm's model runner hands the head (``observe`` after P2). Steps 1-2
+   are the slow part: their result is saved (``--data``, beside the head by default) and reused
+   by a later run with the same model and generation settings;
 3. the head (``fc`` over [embedding of token t+1, hidden state at t], then one Llama layer
    without input norm, initialized from the model's last layer; the model's embeddings and
-   lm_head shared) learns EAGLE's objective for ``--minutes``: the model's hidden state at
-   t+1 (smooth L1) and, through the model's lm_head, its token t+2 (cross-entropy, weight 0.1,
-   on a random quarter of the rows: the lm_head is most of the cost);
-4. the head is written in the published format (config.json, pytorch_model.bin) outside the
+   lm_head shared) starts as the least-squares linear map from [embedding, state at t] to the
+   state at t+1 (``fc``; the layer's two output projections zeroed, so the layer passes it
+   through) and learns EAGLE's objective for ``--minutes``: the model's hidden state at t+1
+   (smooth L1) and, through the model's lm_head, its token t+2 (cross-entropy, weight 0.1, on
+   a random quarter of the rows: the lm_head is most of the cost);
+4. the last ``--held-out`` answers are not trained on: the head's teacher-forced top-1 over
+   their answer tokens (its first draft's hit rate) is printed for the fit and after training;
+5. the head is written in the published format (config.json, pytorch_model.bin) outside the
    repository (``~/.cache/trillm-eagle/<model>-eagle`` by default).
 
 The benchmark prompts (``spec_decode.py``'s, ``spec_decode_served.py``'s) are not among the
@@ -73,8 +79,9 @@ def training_prompts(n: int, seed: int) -> list[str]:
 
 def self_generated(
     model: str, n: int, max_tokens: int, temperature: float, seed: int
-) -> list[list[int]]:
-    """Prompt + answer token ids of ``n`` chats the model answers itself."""
+) -> tuple[list[list[int]], list[int]]:
+    """Prompt + answer token ids of ``n`` chats the model answers itself, and the prompts'
+    lengths."""
     llm = LLM(model, max_model_len=1024, kv_cache_memory="512MiB")
     params = SamplingParams(
         temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True
@@ -82,7 +89,8 @@ def self_generated(
     chats = [[{"role": "user", "content": p}] for p in training_prompts(n, seed)]
     outs = llm.chat(chats, params, use_tqdm=False)
     llm.shutdown()
-    return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    return sequences, [len(o.prompt_token_ids) for o in outs]
 
 
 class EagleHead(torch.nn.Module):
@@ -104,6 +112,22 @@ class EagleHead(torch.nn.Module):
         positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
         out = self.layer(x, position_embeddings=self.rotary(x, positions), position_ids=positions)
         return out[0] if isinstance(out, tuple) else out
+
+    @torch.no_grad()
+    def start_from_linear_fit(
+        self, ids: torch.Tensor, hidden: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """``fc`` := the ridge least-squares map from [embedding of t+1, state at t] to the
+        state at t+1 over the ``rows`` [N, L - 2] of ``ids`` [N, L] / ``hidden`` [N, L, H], and
+        the layer's output projections zeroed: the head starts as that linear map (the
+        layer's residual passes it through), trained from there."""
+        x = torch.cat([self.embed(ids[:, 1:-1]), hidden[:, :-2]], -1)[rows].double()
+        y = hidden[:, 1:-1][rows].double()
+        gram = x.T @ x
+        gram += 1e-3 * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+        self.fc.weight.copy_(torch.linalg.solve(gram, x.T @ y).T)
+        self.layer.self_attn.o_proj.weight.zero_()
+        self.layer.mlp.down_proj.weight.zero_()
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
         state = {"fc.weight": self.fc.weight}
@@ -147,22 +171,78 @@ def step_loss(
     return feature + 0.1 * ce, feature, top1
 
 
-def train(model: str, sequences: list[list[int]], minutes: float, batch: int) -> EagleHead:
+def target_model(model: str) -> transformers.LlamaForCausalLM:
     target = transformers.LlamaForCausalLM.from_pretrained(model, dtype=torch.float32)
-    target.requires_grad_(False)
-    head = EagleHead(target)
-    head.embed.requires_grad_(False)
+    return target.requires_grad_(False)
+
+
+def dataset(model: str, args: argparse.Namespace, path: Path) -> dict[str, torch.Tensor]:
+    """Padded ids, lengths, prompt lengths and final states of the self-generated answers:
+    read from ``path`` when it was made with the same settings, else made and saved there."""
+    settings = torch.tensor([args.sequences, args.max_tokens, int(1000 * args.temperature)])
+    if path.is_file():
+        data = torch.load(path)
+        if torch.equal(data["settings"], settings):
+            print(f"answers and states read from {path}", flush=True)
+            return data
+    start = time.perf_counter()
+    sequences, prompt_lengths = self_generated(
+        model, args.sequences, args.max_tokens, args.temperature, seed=0
+    )
+    print(f"{len(sequences)} sequences in {time.perf_counter() - start:.0f} s", flush=True)
     ids, lengths = padded(sequences)
     start = time.perf_counter()
-    hidden = final_states(target, ids)
+    hidden = final_states(target_model(model), ids)
     print(f"hidden states of {int(lengths.sum())} tokens in {time.perf_counter() - start:.0f} s")
-    valid = torch.arange(ids.shape[1] - 2)[None] < (lengths - 2)[:, None]  # [N, L - 2]
+    data = {
+        "settings": settings,
+        "ids": ids,
+        "lengths": lengths,
+        "prompt_lengths": torch.tensor(prompt_lengths),
+        "hidden": hidden,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+def rows_with_target(lengths: torch.Tensor, width: int, first: torch.Tensor) -> torch.Tensor:
+    """[N, width] bool: row t has a token t + 2 within the sequence, and t + 2 >= ``first``."""
+    t = torch.arange(width)[None]
+    return (t < (lengths - 2)[:, None]) & (t + 2 >= first[:, None])
+
+
+@torch.no_grad()
+def held_out_top1(
+    head: EagleHead,
+    target: transformers.LlamaForCausalLM,
+    data: dict[str, torch.Tensor],
+    rows: slice,
+) -> float:
+    """Teacher-forced top-1 of the head's next token over the answers of ``rows``."""
+    ids, hidden = data["ids"][rows], data["hidden"][rows]
+    answer = rows_with_target(data["lengths"][rows], ids.shape[1] - 2, data["prompt_lengths"][rows])
+    predicted = target.lm_head(head(ids[:, 1:-1], hidden[:, :-2])[answer]).argmax(-1)
+    return float((predicted == ids[:, 2:][answer]).float().mean())
+
+
+def train(model: str, data: dict[str, torch.Tensor], args: argparse.Namespace) -> EagleHead:
+    target = target_model(model)
+    head = EagleHead(target)
+    head.embed.requires_grad_(False)
+    n = len(data["ids"]) - args.held_out
+    ids, hidden, lengths = data["ids"][:n], data["hidden"][:n], data["lengths"][:n]
+    valid = rows_with_target(lengths, ids.shape[1] - 2, torch.zeros_like(lengths))
+    held_out = slice(n, None)
+    head.start_from_linear_fit(ids, hidden, valid)
+    if args.held_out:
+        print(f"linear fit: held-out top-1 {held_out_top1(head, target, data, held_out):.3f}")
     params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     start, step = time.perf_counter(), 0
-    while time.perf_counter() - start < 60 * minutes:
-        rows = torch.randint(0, len(sequences), (batch,), generator=gen)
+    while time.perf_counter() - start < 60 * args.minutes:
+        rows = torch.randint(0, n, (args.batch,), generator=gen)
         loss, feature, top1 = step_loss(head, target, ids[rows], hidden[rows], valid[rows], gen)
         opt.zero_grad()
         loss.backward()
@@ -172,7 +252,9 @@ def train(model: str, sequences: list[list[int]], minutes: float, batch: int) ->
                 f"step {step}: loss {loss:.4f} feature {feature:.4f} top-1 {top1:.3f}", flush=True
             )
         step += 1
-    print(f"{step} steps of {batch} sequences in {time.perf_counter() - start:.0f} s")
+    print(f"{step} steps of {args.batch} sequences in {time.perf_counter() - start:.0f} s")
+    if args.held_out:
+        print(f"trained: held-out top-1 {held_out_top1(head, target, data, held_out):.3f}")
     return head
 
 
@@ -206,15 +288,17 @@ def main() -> None:
     # continuations it will be asked to predict)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--held-out", type=int, default=8, help="answers not trained on")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--data", type=Path, default=None, help="the saved answers and states")
     args = parser.parse_args()
-    out = args.out or Path(f"~/.cache/trillm-eagle/{Path(args.model).name}-eagle").expanduser()
+    name = Path(args.model).name
+    out = args.out or Path(f"~/.cache/trillm-eagle/{name}-eagle").expanduser()
+    data_path = args.data or Path(f"~/.cache/trillm-eagle/{name}-self-generated.pt").expanduser()
     start = time.perf_counter()
-    sequences = self_generated(
-        args.model, args.sequences, args.max_tokens, args.temperature, seed=0
-    )
-    print(f"{len(sequences)} sequences in {time.perf_counter() - start:.0f} s", flush=True)
-    head = train(args.model, sequences, args.minutes, args.batch)
+    data = dataset(args.model, args, data_path)
+    head = train(args.model, data, args)
     write_head(head, args.model, out)
     print(f"head written to {out} ({time.perf_counter() - start:.0f} s in all)")
 

@@ -5,6 +5,7 @@ module itself predicts from the states it was trained on."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,65 @@ def test_the_written_head_drafts_what_the_training_module_predicts(tmp_path: Pat
         EngineArgs(), spec, load_model_config(EngineArgs(model=folder))
     )
     assert config.rope_theta == 500.0  # every field trillm reads, honoured
+
+
+def tiny_target(tmp_path: Path) -> tuple[str, transformers.LlamaForCausalLM]:
+    folder = str(build_tiny_model("llama", tmp_path / "target"))
+    return folder, eagle_train.target_model(folder)
+
+
+def test_the_head_starts_as_the_least_squares_map(tmp_path: Path) -> None:
+    _, target = tiny_target(tmp_path)
+    head = eagle_train.EagleHead(target)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 4000, (3, 100), generator=gen)  # rows > 2 x hidden 64
+    hidden = eagle_train.final_states(target, ids)
+    rows = torch.ones(3, 98, dtype=torch.bool)
+    rows[2, 60:] = False  # a shorter sequence: its tail is no data
+    x = torch.cat([head.embed(ids[:, 1:-1]), hidden[:, :-2]], -1)
+    y = hidden[:, 1:-1]
+
+    def error() -> float:
+        with torch.no_grad():
+            return float((head(ids[:, 1:-1], hidden[:, :-2]) - y)[rows].square().mean())
+
+    before = error()
+    head.start_from_linear_fit(ids, hidden, rows)
+    with torch.no_grad():  # the layer passes fc's output through, whatever its input
+        torch.testing.assert_close(head(ids[:, 1:-1], hidden[:, :-2]), head.fc(x))
+    # as close to the states at t+1 as the exact least-squares map (the ridge costs ~nothing)
+    exact = torch.linalg.lstsq(x[rows].double(), y[rows].double()).solution
+    best = float((x[rows].double() @ exact - y[rows]).square().mean())
+    assert error() < 1.01 * best and error() < 0.5 * before
+    # the least-squares fit over the rows alone: the masked tail does not move it
+    changed = hidden.clone()
+    changed[2, 62:] += 5.0
+    refit = eagle_train.EagleHead(target)
+    refit.start_from_linear_fit(ids, changed, rows)
+    torch.testing.assert_close(refit.fc.weight, head.fc.weight)
+
+
+def test_the_answers_and_states_are_made_once_and_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, target = tiny_target(tmp_path)
+    calls: list[int] = []
+
+    def generated(
+        model: str, n: int, max_tokens: int, temperature: float, seed: int
+    ) -> tuple[list[list[int]], list[int]]:
+        calls.append(n)
+        return [[1, 20, 30, 40, 50], [1, 60, 70]][:n], [2, 1][:n]
+
+    monkeypatch.setattr(eagle_train, "self_generated", generated)
+    args = argparse.Namespace(sequences=2, max_tokens=3, temperature=0.0)
+    path = tmp_path / "data.pt"
+    data = eagle_train.dataset(folder, args, path)
+    assert calls == [2] and path.is_file()
+    torch.testing.assert_close(data["hidden"], eagle_train.final_states(target, data["ids"]))
+    assert data["lengths"].tolist() == [5, 3] and data["prompt_lengths"].tolist() == [2, 1]
+    again = eagle_train.dataset(folder, args, path)
+    assert calls == [2]  # read back, not generated again
+    assert all(torch.equal(again[k], data[k]) for k in data)
+    args.sequences = 1  # other settings: made again
+    assert len(eagle_train.dataset(folder, args, path)["ids"]) == 1 and calls == [2, 1]
