@@ -213,7 +213,6 @@ def test_prefix_caching_is_off_and_the_rest_refused(built):
     for name, value in (
         ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
         ("enable_lora", True),
-        ("pipeline_parallel_size", 2),  # tensor parallelism: tests/parallel/test_hybrid_parallel.py
         ("quantization", "fp8"),
     ):
         args = EngineArgs(model=path, device="cpu", max_model_len=128, **{name: value})

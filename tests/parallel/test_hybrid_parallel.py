@@ -1,9 +1,9 @@
-"""Tensor parallelism on the hybrid state-space families (Mamba-2 layers beside attention):
-TP=2 greedy tokens equal the one-rank engine's for Bamba (2 groups of B and C: one per rank)
-and GraniteMoeHybrid with RoPE and experts (1 group: replicated on both ranks, the gated norm's
-one group spanning them), 2 prompts longer than an SSD chunk (8 positions) x 8 tokens. Sizes
-TP cannot split exactly are refused by name before any worker starts; pipeline parallelism
-stays refused (tests/models/test_hybrid_ssm.py).
+"""Tensor and pipeline parallelism on the hybrid state-space families (Mamba-2 layers beside
+attention): TP=2 greedy tokens equal the one-rank engine's for Bamba (2 groups of B and C: one
+per rank) and GraniteMoeHybrid with RoPE and experts (1 group: replicated on both ranks, the
+gated norm's one group spanning them), and so do PP=2's (layers mamba, attention | mamba: each
+stage keeps its own Mamba layers' states), 2 prompts longer than an SSD chunk (8 positions) x
+8 tokens. Sizes TP cannot split exactly are refused by name before any worker starts.
 """
 
 from __future__ import annotations
@@ -44,13 +44,14 @@ def hybrid(tmp_path_factory):
     return build
 
 
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "pipeline_parallel_size"])
 @pytest.mark.parametrize("name", list(BUILDERS))
-def test_tp2_matches_tp1(hybrid, name):
+def test_parallel_matches_one_rank(hybrid, name, layout):
     path = hybrid(name)
     expected = reference_tokens(path, PROMPTS, MAX_TOKENS, **LIMITS)
-    # A reference that only repeats one token per prompt could not tell a wrong shard apart.
+    # A reference that only repeats one token per prompt could not tell a wrong split apart.
     assert all(len(set(t)) > 1 for t in expected), expected
-    with LLM(path, tensor_parallel_size=2, **LIMITS) as llm:
+    with LLM(path, **{layout: 2}, **LIMITS) as llm:
         outs = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
 
@@ -87,3 +88,22 @@ def test_sizes_tp_cannot_split_are_refused(hybrid):
     args = EngineArgs(hybrid("bamba"), device="cpu", tensor_parallel_size=4, max_model_len=64)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .*mamba_n_groups=2"):
         build_config(args)
+
+
+def test_each_pipeline_stage_holds_its_own_layers_states(hybrid):
+    """Layers mamba | attention, mamba: stage 0 one Mamba state and no KV layer, stage 1 one of
+    each; their Mamba layers' rows in the stage's state cache both 0."""
+    from trillm.distributed.pipeline import PipelineGroup, get_pp_group, set_pp_group
+    from trillm.model_executor.models.mamba2 import hybrid_state_layout, mixer_rows
+
+    cfg = build_config(EngineArgs(hybrid("bamba"), device="cpu", max_model_len=64)).model
+    kinds = cfg.hf_config["layer_types"]
+    saved = get_pp_group()
+    try:
+        for stage, (start, end), kv_layers, row in ((0, (0, 1), 0, 0), (1, (1, 3), 1, 2)):
+            set_pp_group(PipelineGroup(stage, 2, start_layer=start, end_layer=end))
+            layout = hybrid_state_layout(cfg)
+            assert (layout.num_layers, layout.kv_layers) == (1, kv_layers)
+            assert mixer_rows(kinds)[row] == 0
+    finally:
+        set_pp_group(saved)

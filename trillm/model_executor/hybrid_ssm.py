@@ -5,8 +5,9 @@ family's reader (``prepare``).
 Its Mamba layers keep one state per request in the request's batch slot
 (``trillm/attention/ssm_state.py``), built token by token from position 0. So prefix caching
 is off for these models (a cached prefix's KV blocks come without the state after them), and
-what would run the layers without that state, or split them over pipeline stages, is refused
-by name. Tensor parallelism splits them by heads (``trillm/distributed/hybrid_sharding.py``).
+what would run the layers without that state is refused by name. Tensor parallelism splits
+them by heads (``trillm/distributed/hybrid_sharding.py``); each pipeline stage keeps its own
+layers' states.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ def check_engine_args(
         return False
     arch = model_config.architecture
     for name, value, unsupported in (
-        ("pipeline_parallel_size", args.pipeline_parallel_size, args.pipeline_parallel_size > 1),
         ("speculative_config", args.speculative_config, args.speculative_config is not None),
         ("enable_lora", args.enable_lora, args.enable_lora),
         ("numerics", args.numerics, args.numerics == "transformers"),

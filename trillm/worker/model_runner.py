@@ -74,7 +74,6 @@ class ModelRunner:
         self.world_size = config.parallel.world_size
         self.shapes = RankShapes.of(model_cfg, rank % self.tp_size, self.tp_size)
         self.kv_layout = kv_cache_layout(model_cfg, self.shapes.num_kv_heads)  # a layer's, a token
-        self.ssm_layout = ssm_state_layout(model_cfg, self.tp_size)  # a hybrid's, a request
         self.ssm: SSMStateCache | None = None  # their states, one row per batch slot
         self._num_steps = 0
         if self.world_size > 1:
@@ -82,6 +81,8 @@ class ModelRunner:
         elif config.parallel.data_parallel_size > 1:
             self.device = place_rank(config, rank)  # engine core d's GPU, or its CPU share
         self.pp = get_pp_group()  # this rank's pipeline stage (the whole model with one)
+        # a hybrid's Mamba layers of this stage, a request's state on this rank
+        self.ssm_layout = ssm_state_layout(model_cfg, self.tp_size)
         self.dtype = getattr(torch, model_cfg.dtype)
         self.kv_dtype = kv_cache_sizing.kv_cache_dtype(config)
         self.block_size = config.cache.block_size

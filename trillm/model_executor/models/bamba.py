@@ -4,8 +4,8 @@ at ``attn_layer_indices``, each layer followed by a SwiGLU MLP, pre-norm residua
 The attention layers are Llama's (RoPE over half of each head, as transformers hard-codes) and
 alone hold the paged KV cache, in their order; the Mamba-2 layers hold a per-request state
 instead (``ssm_state_layout``, ``trillm/attention/ssm_state.py``). Tensor parallelism splits
-the Mamba-2 layers by heads (``mamba2.py``); pipeline parallelism is refused when the engine is
-configured.
+the Mamba-2 layers by heads (``mamba2.py``); under pipeline parallelism each stage holds its own
+layers' states.
 """
 
 from __future__ import annotations
@@ -89,21 +89,25 @@ class BambaModel(DecoderStack):  # its final norm is ``final_layernorm``
 class BambaForCausalLM(LlamaForCausalLM):
     MODEL_CLASS = BambaModel
     model: BambaModel
-    PP_CARRIES_RESIDUAL = False  # one stage only (pipeline parallelism is refused)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # the attention layers' caches, in layer order
+        kv_caches: list[torch.Tensor],  # the stage's attention layers' caches, in layer order
         meta: AttentionMetadata,
-        intermediate: IntermediateTensors | None = None,
-    ) -> torch.Tensor:  # [T, H]
-        hidden, residual = self.embed_input_ids(input_ids), None
+        intermediate: IntermediateTensors | None = None,  # from the stage before (not stage 0)
+    ) -> torch.Tensor | IntermediateTensors:  # [T, H]; what the next stage needs if any
+        if intermediate is None:
+            hidden, residual = self.embed_input_ids(input_ids), None
+        else:
+            hidden, residual = intermediate.hidden, intermediate.residual
         caches = iter(kv_caches)
-        for layer in self.model.layers:
+        for layer in self.stage_layers():
             kv_cache = next(caches) if layer.self_attn is not None else None
             hidden, residual = layer(positions, hidden, residual, self.rotary, kv_cache, meta)
+        if not self.pp.is_last:
+            return IntermediateTensors(hidden, residual)
         return self.model.final_layernorm(hidden, residual)
 
     @classmethod

@@ -9,7 +9,7 @@ output times ``residual_multiplier`` before its residual add; attention scaled b
 same weights as a softmax over all, renormalized); the logits divided by ``logits_scaling``.
 The checkpoint's fused expert tensors (``input_linear`` [E, 2I, H]: gate rows then up rows,
 ``output_linear`` [E, H, I]) are ``FusedMoE``'s layout. Like Bamba, only the attention layers
-hold the paged KV cache. Tensor parallelism: each rank holds its share of the experts' and
+hold the paged KV cache; a pipeline stage holds its own layers' states. Tensor parallelism: each rank holds its share of the experts' and
 the shared MLP's intermediate size (``trillm/distributed/hybrid_sharding.py``); their partial
 sums are all-reduced together, once per layer.
 """
@@ -161,7 +161,6 @@ class GraniteMoeHybridModel(DecoderStack):
 
 class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
     MODEL_CLASS = GraniteMoeHybridModel
-    PP_CARRIES_RESIDUAL = False  # one stage only (pipeline parallelism is refused)
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
@@ -183,15 +182,21 @@ class GraniteMoeHybridForCausalLM(LlamaForCausalLM):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[torch.Tensor],  # the attention layers' caches, in layer order
+        kv_caches: list[torch.Tensor],  # the stage's attention layers' caches, in layer order
         meta: AttentionMetadata,
-        intermediate: IntermediateTensors | None = None,
-    ) -> torch.Tensor:  # [T, H]
-        hidden, residual = self.embed_input_ids(input_ids) * self.embedding_multiplier, None
+        intermediate: IntermediateTensors | None = None,  # from the stage before (not stage 0)
+    ) -> torch.Tensor | IntermediateTensors:  # [T, H]; what the next stage needs if any
+        if intermediate is None:
+            hidden = self.embed_input_ids(input_ids) * self.embedding_multiplier
+            residual = None
+        else:  # the last layer's unscaled MLP output and the stream
+            hidden, residual = intermediate.hidden, intermediate.residual
         caches = iter(kv_caches)
-        for layer in self.model.layers:
+        for layer in self.stage_layers():
             kv_cache = next(caches) if layer.self_attn is not None else None
             hidden, residual = layer(positions, hidden, residual, self.rope, kv_cache, meta)
+        if not self.pp.is_last:
+            return IntermediateTensors(hidden, residual)
         norm: nn.Module = self.model.norm
         return norm(hidden * self.residual_multiplier, residual)
 
