@@ -1,13 +1,15 @@
 """Concurrency-1 decode speed of ``trillm serve`` with and without ``--speculative-config``.
 
-Two servers of the same model run side by side (``--speculative-config`` on one); ``trillm
-bench serve`` sends both the same chat prompts (none of them among ``eagle_train.py``'s training
-prompts), one at a time, greedy, ``ignore_eos``, ``--output-len`` tokens each. Runs alternate
-server by server and round by round (the first server of a round is the other one the next
-round), so the machine's load hits both alike: on a shared machine only the ratios of one round
-mean anything. Reported per round: TPOT (median, mean) and output tokens/s of each, their
-ratios, and whether the greedy texts are identical (they must be); then the acceptance over
-all rounds from the speculating server's /metrics (vLLM's series): per draft position
+Servers of the same model run side by side: one without speculation, one per
+``--speculative-config`` (the flag may be repeated, e.g. ``num_speculative_tokens`` 2 and 3);
+``trillm bench serve`` sends each the same chat prompts (none of them among ``eagle_train.py``'s
+training prompts), one at a time, greedy, ``ignore_eos``, ``--output-len`` tokens each. Runs
+alternate server by server and round by round (each round starts one server later in the
+list), so the machine's load hits all alike: on a shared machine only the ratios of one round
+mean anything. Reported per round and configuration: TPOT (median, mean) and output tokens/s
+of it and of the plain server, their ratios, and whether the greedy texts are identical (they
+must be); then each configuration's acceptance over all rounds from its server's /metrics
+(vLLM's series): per draft position
 (``vllm:spec_decode_num_accepted_tokens_per_pos`` / ``vllm:spec_decode_num_drafts``), overall
 (accepted / drafted) and the mean acceptance length (1 + accepted / drafts).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -104,17 +107,18 @@ def bench_args(model: str, prompts_file: Path, args: argparse.Namespace) -> list
     ]
 
 
-def server_order(rounds: int) -> Iterator[tuple[int, list[str]]]:
+def server_order(rounds: int, names: list[str]) -> Iterator[tuple[int, list[str]]]:
     for r in range(rounds):
-        yield r, ["base", "spec"] if r % 2 == 0 else ["spec", "base"]
+        first = r % len(names)
+        yield r, names[first:] + names[:first]
 
 
-def round_row(r: int, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    base, spec = runs["base"], runs["spec"]
+def round_row(r: int, config: int, base: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     # trillm bench serve lists the texts in no fixed prompt order: compare them as multisets
     same = sum((Counter(base["generated_texts"]) & Counter(spec["generated_texts"])).values())
     return {
         "round": r,
+        "config": config,
         "base_median_tpot_ms": base["median_tpot_ms"],
         "spec_median_tpot_ms": spec["median_tpot_ms"],
         "median_tpot_ratio": base["median_tpot_ms"] / spec["median_tpot_ms"],
@@ -131,38 +135,58 @@ def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prompts = PROMPTS[: args.prompts]
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     common = ["--max-model-len", "1024", "--kv-cache-memory", "512MiB", "--seed", "0"]
-    spec_flags = ["--speculative-config", args.speculative_config]
+    specs = [f"spec{i}" for i in range(len(args.speculative_config))]
+    flags = {"base": []} | {
+        name: ["--speculative-config", config]
+        for name, config in zip(specs, args.speculative_config, strict=True)
+    }
     with ExitStack() as stack:
         urls = {
             name: stack.enter_context(trillm_server(args.model, common + extra))[0]
-            for name, extra in (("base", []), ("spec", spec_flags))
+            for name, extra in flags.items()
         }
-        before = spec_counters(urls["spec"])
+        before = {name: spec_counters(urls[name]) for name in specs}
         rows, raw = [], []
-        for r, order in server_order(args.rounds):
+        for r, order in server_order(args.rounds, list(flags)):
             runs = {
                 name: run_bench_serve(
                     urls[name], bench_args(args.model, prompts_file, args), work / f"{name}{r}.json"
                 )
                 for name in order
             }
-            rows.append(round_row(r, runs))
+            rows += [round_row(r, i, runs["base"], runs[name]) for i, name in enumerate(specs)]
             raw.append(
                 {n: {k: v for k, v in run.items() if k != "itls"} for n, run in runs.items()}
             )
-        after = spec_counters(urls["spec"])
-    return {"rows": rows, "acceptance": acceptance(before, after), "runs": raw}
+        after = {name: spec_counters(urls[name]) for name in specs}
+    configs = [
+        {
+            "speculative_config": json.loads(config),
+            "acceptance": acceptance(before[name], after[name]),
+            "median_tok_s_ratio": statistics.median(
+                row["tok_s_ratio"] for row in rows if row["config"] == i
+            ),
+        }
+        for i, (name, config) in enumerate(zip(specs, args.speculative_config, strict=True))
+    ]
+    return {"configs": configs, "rows": rows, "runs": raw}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--speculative-config", required=True, help="JSON, as trillm serve's")
+    parser.add_argument(
+        "--speculative-config",
+        required=True,
+        action="append",
+        help="JSON, as trillm serve's; repeated: one server each",
+    )
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N of them")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="spec-served-") as work:
         result = measure(args, Path(work))
     rows = result["rows"]
@@ -170,6 +194,7 @@ def main() -> None:
         rows,
         [
             ("round", "d"),
+            ("config", "d"),
             ("base_median_tpot_ms", ".1f"),
             ("spec_median_tpot_ms", ".1f"),
             ("median_tpot_ratio", ".2f"),
@@ -180,22 +205,23 @@ def main() -> None:
             ("identical", "s"),
         ],
     )
-    acc = result["acceptance"]
-    print(f"acceptance {acc['acceptance_rate']:.3f}; per position", end=" ")
-    print(" ".join(f"{a:.3f}" for a in acc["acceptance_per_position"]), end="; ")
-    print(f"mean acceptance length {acc['mean_acceptance_length']:.2f}")
-    median_ratio = statistics.median(row["tok_s_ratio"] for row in rows)
-    print(f"median output tok/s ratio (spec / base) over {len(rows)} rounds: {median_ratio:.2f}")
+    for i, config in enumerate(result["configs"]):
+        acc = config["acceptance"]
+        print(f"config {i} {json.dumps(config['speculative_config'])}:")
+        print(f"  acceptance {acc['acceptance_rate']:.3f}; per position", end=" ")
+        print(" ".join(f"{a:.3f}" for a in acc["acceptance_per_position"]), end="; ")
+        print(f"mean acceptance length {acc['mean_acceptance_length']:.2f}")
+        ratio = config["median_tok_s_ratio"]
+        print(f"  median output tok/s ratio (spec / base) over {args.rounds} rounds: {ratio:.2f}")
     write_json(
         args.out,
         {
             "command": " ".join(sys.argv),
             "model": args.model,
-            "speculative_config": json.loads(args.speculative_config),
             "output_len": args.output_len,
             "prompts": PROMPTS[: args.prompts],
+            "load_avg_at_start": load_at_start,  # 1, 5, 15 min; machine: at the end
             "machine": machine_info(),
-            "median_tok_s_ratio": median_ratio,
             **result,
         },
     )
