@@ -75,6 +75,13 @@ def _not_zero(name: str, text: str) -> bool:
     return text.strip() != "0"
 
 
+def _log_level(name: str, text: str) -> str:
+    level = text.strip().upper()  # vLLM upper-cases the name
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError(f"{name}={text!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL.")
+    return level
+
+
 def _worker_start(name: str, text: str) -> str:
     mode = text.strip() or "zygote"
     if mode not in ("zygote", "spawn"):
@@ -116,6 +123,14 @@ CONFIGURE_LOGGING = EnvVar(
     "0: trillm serve leaves the root logger to the embedding application.",
     _not_zero,
     True,
+)
+LOGGING_LEVEL = EnvVar(
+    ("VLLM_LOGGING_LEVEL",),
+    "The level of trillm's own loggers (vLLM's: DEBUG, INFO, WARNING, ERROR or CRITICAL); "
+    "--log-level keeps setting the root logger's (the HTTP server's). Not applied when a "
+    "logging configuration file is given.",
+    _log_level,
+    None,
 )
 LOGGING_CONFIG_PATH = EnvVar(
     ("TRILLM_LOGGING_CONFIG_PATH", "VLLM_LOGGING_CONFIG_PATH"),
@@ -178,6 +193,7 @@ ALL: tuple[EnvVar[Any], ...] = (
     ALLOW_RUNTIME_LORA_UPDATING,
     SERVER_DEV_MODE,
     CONFIGURE_LOGGING,
+    LOGGING_LEVEL,
     LOGGING_CONFIG_PATH,
     NO_EXTENSIONS,
     WORKER_START,

@@ -1,6 +1,8 @@
 """How ``trillm serve`` configures Python logging, with vLLM's environment variables.
 
-- default: one text line per record on stderr, at ``--log-level``;
+- default: one text line per record on stderr, at ``--log-level``; vLLM's
+  ``VLLM_LOGGING_LEVEL``, when set, is the level of trillm's own loggers (``trillm.*``), as
+  vLLM's is of its ``vllm`` loggers;
 - ``--log-format json``: one JSON object per record (``JsonFormatter``), for log shippers;
 - ``TRILLM_LOGGING_CONFIG_PATH`` (or vLLM's ``VLLM_LOGGING_CONFIG_PATH``): a JSON file for
   ``logging.config.dictConfig``, used as is (``trillm.logging_config.JsonFormatter`` can be
@@ -62,6 +64,9 @@ def configure_logging(level: str, log_format: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper() if level != "trace" else "DEBUG")
+    own_level = envs.LOGGING_LEVEL.get()
+    if own_level is not None:
+        logging.getLogger("trillm").setLevel(own_level)
 
 
 def _load_dict_config(path: str) -> dict[str, Any]:

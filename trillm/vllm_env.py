@@ -46,9 +46,6 @@ REFUSED: dict[str, Refused] = {
         "models come from the Hugging Face Hub or a local path; ModelScope is not a source",
         _vllm_on,
     ),
-    "VLLM_LOGGING_LEVEL": Refused(
-        "trillm's log level is --log-level (or a VLLM_LOGGING_CONFIG_PATH file)", _not("info")
-    ),
     "VLLM_LOGGING_PREFIX": Refused(
         "log lines carry no prefix; a VLLM_LOGGING_CONFIG_PATH file sets their format", _set
     ),

@@ -122,3 +122,22 @@ def test_configure_logging_0_leaves_logging_alone(tmp_path, monkeypatch):
         assert srv.stop() == 0
     # No handler of trillm's: INFO records (the request log) go nowhere.
     assert "Received request" not in srv.log()
+
+
+def test_vllm_logging_level_sets_trillms_loggers(tmp_path, monkeypatch):
+    # WARNING silences trillm's INFO records (the request log) while the root stays at INFO.
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "warning")
+    srv = ServerProcess([*FAKE, "--enable-log-requests"], tmp_path / "server.log").start()
+    try:
+        _one_request(srv)
+    finally:
+        assert srv.stop() == 0
+    log = srv.log()
+    assert "Received request" not in log and " INFO trillm" not in log
+    assert " INFO hypercorn.error: Running on" in log  # the root logger is still at INFO
+
+
+def test_a_vllm_logging_level_that_is_no_level_exits_2_naming_it():
+    result = _serve_exit({"VLLM_LOGGING_LEVEL": "LOUD"})
+    assert result.returncode == 2, result.stderr
+    assert "VLLM_LOGGING_LEVEL='LOUD'" in result.stderr

@@ -306,7 +306,6 @@ def test_each_read_variable_has_a_test_of_its_effect(name):
 # A value that asks for something, for each refused variable; vLLM's default asks nothing.
 ASKING = {
     "VLLM_USE_MODELSCOPE": ("True", "0"),
-    "VLLM_LOGGING_LEVEL": ("DEBUG", "INFO"),
     "VLLM_LOG_STATS_INTERVAL": ("2", "10"),
     "VLLM_TRACE_FUNCTION": ("1", "0"),
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": ("30", "5"),

@@ -68,6 +68,9 @@ ENV_EFFECTS: dict[str, tuple[str, ...]] = {
     "VLLM_CONFIGURE_LOGGING": (
         "tests/entrypoints/test_logging_config.py::test_configure_logging_0_leaves_logging_alone",
     ),
+    "VLLM_LOGGING_LEVEL": (
+        "tests/entrypoints/test_logging_config.py::test_vllm_logging_level_sets_trillms_loggers",
+    ),
     "VLLM_LOGGING_CONFIG_PATH": (
         "tests/entrypoints/test_logging_config.py::test_vllm_logging_config_path_is_used_as_is",
     ),

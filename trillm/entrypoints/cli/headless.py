@@ -39,7 +39,6 @@ def run_headless(model: str | None, engine_kwargs: dict[str, Any]) -> int:
     from trillm.config import EngineArgs
     from trillm.engine.config_builder import build_config
     from trillm.executor.worker_exits import describe_exit
-    from trillm.executor.worker_ipc import worker_env
 
     args = EngineArgs(model=model, **engine_kwargs)
     if args.nnodes < 2 or args.node_rank == 0:
@@ -53,22 +52,10 @@ def run_headless(model: str | None, engine_kwargs: dict[str, Any]) -> int:
     procs: dict[int, subprocess.Popen[bytes]] = {}
     stop = _install_signal_handlers()
     try:
-        for rank in ranks:
-            argv = [
-                sys.executable,
-                "-m",
-                "trillm.worker.worker_main",
-                "--rank",
-                str(rank),
-                "--engine-args",
-                json.dumps(asdict(args)),
-                "--death-fd",
-                str(death_r),
-                "--parent-pid",
-                str(os.getpid()),
-            ]
-            procs[rank] = subprocess.Popen(argv, pass_fds=[death_r], env=worker_env())
-        os.close(death_r)
+        try:
+            _start_ranks(args, ranks, death_r, procs)
+        finally:
+            os.close(death_r)  # the ranks hold their copies; a failed start must not leak ours
         logger.info(
             "node %d of %d: ranks %s started (pids %s); rendezvous at %s:%s",
             args.node_rank,
@@ -97,6 +84,29 @@ def run_headless(model: str | None, engine_kwargs: dict[str, Any]) -> int:
                 proc.kill()
             proc.wait()
         os.close(death_w)
+
+
+def _start_ranks(
+    args: Any, ranks: range, death_r: int, procs: dict[int, subprocess.Popen[bytes]]
+) -> None:
+    """One ``worker_main`` process per rank of this node, each holding the parent-death pipe."""
+    from trillm.executor.worker_ipc import worker_env
+
+    for rank in ranks:
+        argv = [
+            sys.executable,
+            "-m",
+            "trillm.worker.worker_main",
+            "--rank",
+            str(rank),
+            "--engine-args",
+            json.dumps(asdict(args)),
+            "--death-fd",
+            str(death_r),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        procs[rank] = subprocess.Popen(argv, pass_fds=[death_r], env=worker_env())
 
 
 def _await_rest(procs: dict[int, subprocess.Popen[bytes]]) -> int:
