@@ -1,8 +1,9 @@
 """One HTTP chat per newer model family, in the family's own chat format: DeepSeek-V3 (MLA),
-Llama 4, gpt-oss (harmony), Bamba and Granite 4.0-H (hybrid state space). The server renders
-the family's template with its special tokens, and the greedy answer (official ``openai``
-client) equals transformers' generation from the prompt transformers' own
-``apply_chat_template`` renders: prompt ids and output ids alike."""
+Llama 4, gpt-oss (harmony), Bamba, Granite 4.0-H and Nemotron-H (hybrid state space; Nemotron-H
+with the ChatML template its tiny checkpoint ships). The server renders the family's template
+with its special tokens, and the greedy answer (official ``openai`` client) equals
+transformers' generation from the prompt transformers' own ``apply_chat_template`` renders:
+prompt ids and output ids alike."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ def _granite_hybrid(tmp):
     return with_family_chat(build_tiny_granite_hybrid(tmp / "src"), tmp / "model", "granite")
 
 
+def _nemotron_h(tmp):
+    from trillm.testing.tiny_nemotron_h import build_tiny_nemotron_h
+
+    return build_tiny_nemotron_h(tmp / "model")
+
+
 def _gpt_oss(tmp):
     from trillm.testing.tiny_harmony import build_harmony_gpt_oss
 
@@ -54,6 +61,7 @@ FAMILIES = {
     "gpt_oss": (_gpt_oss, [USER]),
     "bamba": (_bamba, [SYSTEM, USER]),
     "granite_hybrid": (_granite_hybrid, [SYSTEM, USER]),
+    "nemotron_h": (_nemotron_h, [SYSTEM, USER]),
 }
 
 
@@ -99,4 +107,5 @@ FAMILIES_MARKERS = {
     "llama4": ["<|header_start|>", "<|eot|>"],
     "bamba": ["<|start_of_role|>", "<|end_of_text|>"],
     "granite_hybrid": ["<|start_of_role|>", "<|end_of_role|>"],
+    "nemotron_h": ["<|im_start|>", "<|im_end|>"],
 }

@@ -1,9 +1,11 @@
 """Tensor and pipeline parallelism on the hybrid state-space families (Mamba-2 layers beside
 attention): TP=2 greedy tokens equal the one-rank engine's for Bamba (2 groups of B and C: one
-per rank) and GraniteMoeHybrid with RoPE and experts (1 group: replicated on both ranks, the
-gated norm's one group spanning them), and so do PP=2's (layers mamba, attention | mamba: each
-stage keeps its own Mamba layers' states), 2 prompts longer than an SSD chunk (8 positions) x
-8 tokens. Sizes TP cannot split exactly are refused by name before any worker starts.
+per rank), GraniteMoeHybrid with RoPE and experts (1 group: replicated on both ranks, the
+gated norm's one group spanning them) and Nemotron-H (M * - M, random biases: a row-parallel
+one added on both ranks would change the tokens), and so do PP=2's (layers mamba, attention |
+mamba; Nemotron-H's M * | - M: each stage keeps its own Mamba layers' states), 2 prompts
+longer than an SSD chunk (8 positions) x 8 tokens. Sizes TP cannot split exactly are refused
+by name before any worker starts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from trillm.config import EngineArgs
 from trillm.engine.config_builder import build_config
 from trillm.engine.llm import LLM
 from trillm.testing.tiny_bamba import build_tiny_bamba, build_tiny_granite_hybrid
+from trillm.testing.tiny_nemotron_h import build_tiny_nemotron_h
 
 # Both longer than one SSD chunk of 8 positions, of different lengths.
 PROMPTS = [
@@ -29,6 +32,7 @@ LIMITS = {"max_model_len": 64, "kv_cache_memory": "4MiB", "max_num_seqs": 4}
 BUILDERS = {
     "bamba": lambda out: build_tiny_bamba(out),
     "granite_one_group": lambda out: build_tiny_granite_hybrid(out, mamba_n_groups=1),
+    "nemotron_h": lambda out: build_tiny_nemotron_h(out),
 }
 
 
@@ -105,5 +109,24 @@ def test_each_pipeline_stage_holds_its_own_layers_states(hybrid):
             layout = hybrid_state_layout(cfg)
             assert (layout.num_layers, layout.kv_layers) == (1, kv_layers)
             assert mixer_rows(kinds)[row] == 0
+    finally:
+        set_pp_group(saved)
+
+
+def test_nemotron_h_stages_hold_only_their_mamba_layers_states(hybrid):
+    """M * | - M: each stage one Mamba state; stage 0 the one KV layer; the MLP layer holds
+    neither, so stage 1's Mamba layer (layer 3) takes row 0."""
+    from trillm.distributed.pipeline import PipelineGroup, get_pp_group, set_pp_group
+    from trillm.model_executor.models.mamba2 import hybrid_state_layout, mixer_rows
+
+    cfg = build_config(EngineArgs(hybrid("nemotron_h"), device="cpu", max_model_len=64)).model
+    kinds = cfg.hf_config["layer_types"]
+    saved = get_pp_group()
+    try:
+        for stage, kv_layers, rows in ((0, 1, [0, None, None, 1]), (1, 0, [0, None, None, 0])):
+            set_pp_group(PipelineGroup(stage, 2, start_layer=2 * stage, end_layer=2 * stage + 2))
+            layout = hybrid_state_layout(cfg)
+            assert (layout.num_layers, layout.kv_layers) == (1, kv_layers)
+            assert mixer_rows(kinds) == rows
     finally:
         set_pp_group(saved)

@@ -1,5 +1,6 @@
-"""Tensor parallelism for the hybrid state-space families (Bamba, GraniteMoeHybrid): a rank's
-share of each Mamba-2 layer and of GraniteMoeHybrid's MLPs, split as vLLM's MambaMixer2 does.
+"""Tensor parallelism for the hybrid state-space families (Bamba, GraniteMoeHybrid,
+Nemotron-H): a rank's share of each Mamba-2 layer and of GraniteMoeHybrid's MLPs, split as
+vLLM's MambaMixer2 does.
 
     in_proj  [gate I | x I | B G*S | C G*S | dt Hm, H]   column-parallel, part by part: the
              rank's heads of gate, x and dt; its groups of B and C (every rank reads the one
@@ -27,7 +28,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-HYBRID_ARCHITECTURES = ("BambaForCausalLM", "GraniteMoeHybridForCausalLM")
+HYBRID_ARCHITECTURES = ("BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
+# A Mamba-2 layer's module: Bamba's and Granite's ``mamba``; Nemotron-H's ``mixer``, which also
+# names its attention and MLP layers (their q/k/v/o, up/down projections split as Llama's).
+_MIXERS = ("mamba", "mixer")
 
 
 @dataclass(frozen=True)
@@ -110,10 +114,10 @@ def read_hybrid_shard(
 
     module, _, kind = name.rpartition(".")
     owner, _, proj = module.rpartition(".")
-    if proj == "mamba":  # dt_bias, A_log, D: [Hm]
+    if proj in _MIXERS and kind in ("dt_bias", "A_log", "D"):  # [Hm]
         shapes = MambaShapes.of(hf, rank, size)
         return source[shapes.head_start : shapes.head_start + shapes.heads]
-    if owner.endswith(".mamba"):
+    if owner.rpartition(".")[2] in _MIXERS:
         return _mamba_projection(MambaShapes.of(hf, rank, size), proj, kind, source, rank)
     if proj in ("input_linear", "output_linear"):
         return _granite_mlp(hf, rank, size, owner.endswith(".shared_mlp"), proj, source)

@@ -16,7 +16,8 @@
                                                  q_a_proj, kv_a_proj_with_mqa replicated
     Llama 4's experts.gate_up_proj, down_proj    [E, H, 2I] / [E, I, H]: each expert's
                                                  gate and up columns, down rows split
-    Bamba's / GraniteMoeHybrid's Mamba-2 layers  by heads (hybrid_sharding.py)
+    Bamba's / GraniteMoeHybrid's / Nemotron-H's  by heads (hybrid_sharding.py)
+    Mamba-2 layers
 
 Attention heads split evenly; KV heads too when there are at least as many as ranks, else each
 KV head is replicated on N / Hkv consecutive ranks (the ranks whose query heads use it).
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # the frontend checks a size (check_divisible) without torch
     import torch
 
 _ROW = ("o_proj", "down_proj", "dense", "dense_4h_to_h")  # GPT-NeoX: attention.dense, MLP out
-_VOCAB = ("embed_tokens", "lm_head", "embed_in", "embed_out")
+_VOCAB = ("embed_tokens", "lm_head", "embed_in", "embed_out", "embeddings")  # Nemotron-H's last
 _FUSED = ("qkv_proj", "gate_up_proj")  # column-parallel, fused in the checkpoint (Phi-3)
 # q/k norms over all heads at once: their weights split like q_proj / k_proj's rows.
 _WHOLE_QK_NORM = ("Olmo2ForCausalLM",)

@@ -103,14 +103,26 @@ def prepare(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
 def check_mamba(hf: dict[str, Any], arch: str) -> None:
     """Resolves ``mamba_d_head: "auto"`` in ``hf`` and refuses Mamba-2 fields by name."""
     hf["mamba_d_head"] = _d_head(hf, arch)
+    check_mamba_sizes(hf, arch)
+
+
+def check_mamba_sizes(hf: dict[str, Any], arch: str, names: dict[str, str] | None = None) -> None:
+    """Refuses by name the groups, sizes and time-step limit of a Mamba-2 layer (its
+    ``mamba_d_head`` resolved) that trillm would not run as transformers does; ``names``: the
+    family's own names of these fields in config.json (Nemotron-H's), for the refusals."""
+
+    def name(field: str) -> str:
+        return (names or {}).get(field, field)
+
     heads, groups = int(hf["mamba_n_heads"]), int(hf["mamba_n_groups"] or 0)
     if groups < 1 or heads % groups:
-        raise refuse(arch, "mamba_n_groups", groups, f"a divisor of mamba_n_heads={heads}")
+        why = f"a divisor of {name('mamba_n_heads')}={heads}"
+        raise refuse(arch, name("mamba_n_groups"), groups, why)
     for field in ("mamba_d_state", "mamba_chunk_size", "mamba_d_conv"):
         if int(hf[field] or 0) < 1:
-            raise refuse(arch, field, hf[field], "at least 1")
+            raise refuse(arch, name(field), hf[field], "at least 1")
     if not _default_time_step_limit(hf["time_step_limit"]):
-        raise refuse(arch, "time_step_limit", hf["time_step_limit"], TIME_STEP_LIMIT)
+        raise refuse(arch, name("time_step_limit"), hf["time_step_limit"], TIME_STEP_LIMIT)
 
 
 def _d_head(hf: dict[str, Any], arch: str) -> int:

@@ -1,6 +1,6 @@
-"""What a hybrid state-space model (Mamba layers beside attention: Bamba, GraniteMoeHybrid) can
-run with, checked when the engine is configured, torch-free; and its config.json read by its
-family's reader (``prepare``).
+"""What a hybrid state-space model (Mamba layers beside attention: Bamba, GraniteMoeHybrid,
+Nemotron-H) can run with, checked when the engine is configured, torch-free; and its
+config.json read by its family's reader (``prepare``).
 
 Its Mamba layers keep one state per request in the request's batch slot
 (``trillm/attention/ssm_state.py``), built token by token from position 0. So prefix caching
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trillm.config import EngineArgs, ModelConfig
-from trillm.model_executor import bamba_config, granitemoehybrid_config
+from trillm.model_executor import bamba_config, granitemoehybrid_config, nemotron_h_config
 from trillm.model_executor.registry import model_entry
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 _PREPARE: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     bamba_config.ARCHITECTURE: bamba_config.prepare,
     granitemoehybrid_config.ARCHITECTURE: granitemoehybrid_config.prepare,
+    nemotron_h_config.ARCHITECTURE: nemotron_h_config.prepare,
 }
 
 

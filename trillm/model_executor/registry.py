@@ -66,6 +66,9 @@ _MODELS: dict[str, ModelEntry] = {
         "llava_onevision", "LlavaOnevisionForConditionalGeneration", modalities=("image",)
     ),
     "MistralForCausalLM": ModelEntry("mistral", "MistralForCausalLM"),
+    "NemotronHForCausalLM": ModelEntry(
+        "nemotron_h", "NemotronHForCausalLM", ("relu2",), ssm_state=True
+    ),
     "Olmo2ForCausalLM": ModelEntry("olmo2", "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": ModelEntry("phi3", "Phi3ForCausalLM", partial_rotary=True),
     "MixtralForCausalLM": ModelEntry("moe", "MixtralForCausalLM"),

@@ -23,35 +23,34 @@ from trillm.config import ModelConfig
 from trillm.distributed.hybrid_sharding import MambaShapes
 from trillm.distributed.parallel_state import TensorParallelGroup, get_tp_group
 from trillm.distributed.pipeline import get_pp_group
-from trillm.model_executor.bamba_config import ATTENTION
+from trillm.model_executor.bamba_config import ATTENTION, MAMBA
 
 
 def hybrid_state_layout(cfg: ModelConfig, tp_size: int = 1) -> SSMStateLayout:
     """A request's state on one of ``tp_size`` ranks (its heads and groups) of this pipeline
     stage (its layers) in a model whose ``layer_types`` (as ``bamba_config`` names them) mix
-    Mamba-2 and attention layers."""
+    Mamba-2 and attention layers (and Nemotron-H's MLP layers, which hold neither)."""
     hf = cfg.hf_config
     pp, kinds = get_pp_group(), hf["layer_types"]
     kinds = [kind for i, kind in enumerate(kinds) if pp.owns_layer(i)]
-    kv_layers = kinds.count(ATTENTION)
     shapes = MambaShapes.of(hf, 0, tp_size)  # every rank's share has these sizes
     return SSMStateLayout(
         conv=(shapes.conv_dim, int(hf["mamba_d_conv"]) - 1),
         ssm=(shapes.heads, shapes.head_dim, shapes.state),
-        num_layers=len(kinds) - kv_layers,
-        kv_layers=kv_layers,
+        num_layers=kinds.count(MAMBA),
+        kv_layers=kinds.count(ATTENTION),
     )
 
 
 def mixer_rows(kinds: list[str]) -> list[int | None]:
-    """Each layer's row among this pipeline stage's Mamba-2 layers (None for an attention
+    """Each layer's row among this pipeline stage's Mamba-2 layers (None for another kind of
     layer; a Mamba-2 layer of another stage, pruned before it holds memory, any row)."""
     pp = get_pp_group()
     rows: list[int | None] = []
     count = 0
     for i, kind in enumerate(kinds):
-        rows.append(None if kind == ATTENTION else count)
-        count += kind != ATTENTION and pp.owns_layer(i)
+        rows.append(count if kind == MAMBA else None)
+        count += kind == MAMBA and pp.owns_layer(i)
     return rows
 
 
