@@ -206,8 +206,6 @@ def test_config_fields_trillm_cannot_run_are_refused(paths, tmp_path):
     with pytest.raises(ValueError, match="'merge_size' is the vision tower's own"):
         kwargs = {"kv_cache_memory": "8MiB", "distributed_executor_backend": "uni"}
         LLM(paths["2"], mm_processor_kwargs={"merge_size": 1}, **kwargs)
-    with pytest.raises(ValueError, match="does not support Qwen2VLForConditionalGeneration yet"):
-        build_config(EngineArgs(paths["2"], tensor_parallel_size=2))
     with pytest.raises(InvalidRequestError, match="takes no audio inputs"):
         llm = LLM(paths["2.5"], kv_cache_memory="8MiB", distributed_executor_backend="uni")
         try:

@@ -37,5 +37,4 @@ def test_each_rank_reads_the_vision_side_whole(llava_path):
 
 
 def test_tp2_equals_tp1_and_transformers_with_images(llava_path):
-    diff = parallel_equals_uni(llava_path, tensor_parallel_size=2)
-    print(f"max |logprob diff| TP=2 vs TP=1: {diff:.2e}")
+    print("TP=2:", parallel_equals_uni(llava_path, tensor_parallel_size=2))

@@ -34,7 +34,8 @@ from trillm.distributed.parallel_state import unsharded
 from trillm.errors import CollectiveTimeoutError
 
 # Checkpoint names outside the decoder layers, by who needs them (raw names; GPT-NeoX's and
-# LLaVA's language model's too; LLaVA's vision side, read by the first stage only).
+# the vision-language models' language model's too). A vision-language model's vision side is
+# read by the first stage only: its ``FIRST_STAGE_MODULES`` (``first_stage_prefixes``).
 _EMBEDDING = (
     "model.embed_tokens.",
     "gpt_neox.embed_in.",
@@ -49,12 +50,6 @@ _HEAD = (
     "language_model.lm_head.",
     "language_model.model.norm.",
     "model.language_model.norm.",
-)
-_FIRST_STAGE = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
 )
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -109,12 +104,14 @@ class PipelineGroup:
     def owns_layer(self, index: int) -> bool:
         return self.end_layer < 0 or self.start_layer <= index < self.end_layer
 
-    def wants_weight(self, name: str, tied: bool) -> bool:
-        """Whether this stage loads checkpoint tensor ``name`` (read before any byte is)."""
+    def wants_weight(self, name: str, tied: bool, first_stage: tuple[str, ...] = ()) -> bool:
+        """Whether this stage loads checkpoint tensor ``name`` (read before any byte is);
+        ``first_stage``: the first stage's own modules' names (``first_stage_prefixes``), each
+        a tensor's whole name or the start of its dotted path."""
         if self.num_stages == 1:
             return True
-        if name.startswith(_FIRST_STAGE):  # before _LAYER: the tower has layers too
-            return self.is_first
+        if any(name == n or name.startswith(n + ".") for n in first_stage):
+            return self.is_first  # before _LAYER: a vision tower has layers too
         if m := _LAYER.search(name):
             return self.owns_layer(int(m.group(1)))
         if name.startswith(_EMBEDDING):
@@ -185,6 +182,14 @@ def whole_model() -> Iterator[None]:
         set_pp_group(saved)
 
 
+def first_stage_prefixes(model_class: type) -> tuple[str, ...]:
+    """The checkpoint names of a model's ``FIRST_STAGE_MODULES`` (its vision side: modules or
+    parameters such as LLaVA-OneVision's ``image_newline``), in either transformers layout
+    (``vision_tower.*`` or ``model.vision_tower.*``)."""
+    names = getattr(model_class, "FIRST_STAGE_MODULES", ())
+    return tuple(prefix + name for name in names for prefix in ("", "model."))
+
+
 def prune_to_stage(model: nn.Module, pp: PipelineGroup, tied: bool) -> None:
     """Replace the modules of other stages (built on the meta device) by ``PPMissingLayer``,
     before any memory is allocated for them: ``model.model.layers[i]`` outside the stage, the
@@ -204,6 +209,8 @@ def prune_to_stage(model: nn.Module, pp: PipelineGroup, tied: bool) -> None:
         stack.embed_tokens = PPMissingLayer()
     if not pp.is_first:
         for name in getattr(model, "FIRST_STAGE_MODULES", ()):
+            if isinstance(getattr(model, name), nn.Parameter):
+                delattr(model, name)  # a parameter's slot takes no module
             setattr(model, name, PPMissingLayer())
     if not pp.is_last:
         stack.norm = PPMissingLayer()

@@ -81,11 +81,15 @@ ARCHITECTURES = (
     "GptOssForCausalLM",
     "Llama4ForCausalLM",
     "LlavaForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
     *HYBRID_ARCHITECTURES,  # their Mamba-2 layers: hybrid_sharding.py
 )
 # A vision-language model's tower and projector: whole on every rank (each rank encodes an
 # image itself; the text embeddings they overwrite are whole after the vocabulary reduce).
-_REPLICATED_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+_REPLICATED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline")
 _GPT_OSS = "GptOssForCausalLM"
 _LLAMA4 = "Llama4ForCausalLM"
 

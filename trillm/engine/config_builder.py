@@ -177,7 +177,7 @@ def _logits_processors(args: EngineArgs, pooler: Any, speculative: Any) -> list[
 def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str, int]:
     """``limit_mm_per_prompt`` resolved for the model; what its inputs cannot run with yet
     is refused by name."""
-    from trillm.model_executor.registry import model_entry
+    from trillm.model_executor.registry import get_model_class, model_entry
 
     arch = model_config.architecture
     limits = resolve_limits(args.limit_mm_per_prompt, model_entry(arch).modalities, arch)
@@ -185,9 +185,11 @@ def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str,
         if args.mm_processor_kwargs:
             raise ValueError(f"mm_processor_kwargs: {arch} takes no multimodal inputs.")
         return limits
-    pipeline = arch != "LlavaForConditionalGeneration"  # the tower on the first stage: LLaVA's
+    # With pipeline parallelism the tower runs on the first stage: the models that say which
+    # modules are its (FIRST_STAGE_MODULES; not yet the audio model's)
+    staged = bool(getattr(get_model_class(arch), "FIRST_STAGE_MODULES", ()))
     for name, unsupported in (
-        ("pipeline_parallel_size", pipeline and args.pipeline_parallel_size > 1),
+        ("pipeline_parallel_size", not staged and args.pipeline_parallel_size > 1),
         ("runner", args.runner == "pooling"),
         ("convert", args.convert not in ("auto", "none")),
     ):

@@ -17,7 +17,7 @@ import torch
 
 from trillm.config import ModelConfig
 from trillm.distributed.parallel_state import get_tp_group
-from trillm.distributed.pipeline import get_pp_group, prune_to_stage
+from trillm.distributed.pipeline import first_stage_prefixes, get_pp_group, prune_to_stage
 from trillm.distributed.sharding import RankShapes
 from trillm.model_executor import classification, gguf_loader, transformers_numerics
 from trillm.model_executor.awq_gptq import PACKED
@@ -94,7 +94,8 @@ def stage_filter(cfg: ModelConfig) -> Callable[[str], bool] | None:
     """Which checkpoint names this rank's pipeline stage reads (None: all, one stage)."""
     if (pp := get_pp_group()).num_stages == 1:
         return None
-    return partial(pp.wants_weight, tied=cfg.tie_word_embeddings)
+    first_stage = first_stage_prefixes(get_model_class(cfg.architecture))
+    return partial(pp.wants_weight, tied=cfg.tie_word_embeddings, first_stage=first_stage)
 
 
 def _materialize(model: torch.nn.Module, device: str) -> None:

@@ -57,6 +57,7 @@ class Gemma3MultiModalProjector(nn.Module):
 
 class Gemma3ForConditionalGeneration(ImageEmbeddingsMixin, Gemma3ForCausalLM):
     NON_DECODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+    FIRST_STAGE_MODULES = ("vision_tower", "multi_modal_projector")
     # The runner hands the attention each request's image spans (bidirectional inside)
     bidirectional_image_spans = True
 
@@ -78,8 +79,10 @@ class Gemma3ForConditionalGeneration(ImageEmbeddingsMixin, Gemma3ForCausalLM):
         return self.merge_step_embeddings(super().embed_input_ids(input_ids))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        own = dict(self.vision_tower.named_parameters(prefix="vision_tower"))
-        own.update(self.multi_modal_projector.named_parameters(prefix="multi_modal_projector"))
         self.load_vision_and_text(
-            super().load_weights, weights, own, _checkpoint_name, unused=(_UNUSED_PREFIX,)
+            super().load_weights,
+            weights,
+            self.first_stage_parameters(),
+            _checkpoint_name,
+            unused=(_UNUSED_PREFIX,),
         )

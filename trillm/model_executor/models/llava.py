@@ -174,8 +174,6 @@ def _checkpoint_name(name: str) -> str:
 
 class LlavaForConditionalGeneration(ImageEmbeddingsMixin, LlamaForCausalLM):
     NON_DECODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
-    # Pipeline parallelism: the tower and projector live on the first stage, beside the token
-    # embeddings the image rows are written over (distributed/pipeline.prune_to_stage).
     FIRST_STAGE_MODULES = ("vision_tower", "multi_modal_projector")
 
     def __init__(
@@ -207,6 +205,5 @@ class LlavaForConditionalGeneration(ImageEmbeddingsMixin, LlamaForCausalLM):
         return self.merge_step_embeddings(self.model.embed_tokens(input_ids))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        own = dict(self.vision_tower.named_parameters(prefix="vision_tower"))
-        own.update(self.multi_modal_projector.named_parameters(prefix="multi_modal_projector"))
+        own = self.first_stage_parameters()
         self.load_vision_and_text(super().load_weights, weights, own, _checkpoint_name)

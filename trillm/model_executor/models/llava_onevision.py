@@ -68,6 +68,7 @@ def _checkpoint_name(name: str) -> str:
 
 class LlavaOnevisionForConditionalGeneration(ImageEmbeddingsMixin, Qwen2ForCausalLM):
     NON_DECODER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "image_newline")
+    FIRST_STAGE_MODULES = ("vision_tower", "multi_modal_projector", "image_newline")
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
@@ -132,9 +133,7 @@ class LlavaOnevisionForConditionalGeneration(ImageEmbeddingsMixin, Qwen2ForCausa
         return self.merge_step_embeddings(self.model.embed_tokens(input_ids))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        own = dict(self.vision_tower.named_parameters(prefix="vision_tower"))
-        own.update(self.multi_modal_projector.named_parameters(prefix="multi_modal_projector"))
-        own["image_newline"] = self.image_newline
+        own = self.first_stage_parameters()
         # the tower's attention-pooling head makes the pooled output, which is not read
         unused = ("vision_tower.head.",)
         self.load_vision_and_text(super().load_weights, weights, own, _checkpoint_name, unused)

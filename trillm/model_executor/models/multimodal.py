@@ -20,8 +20,24 @@ class ImageEmbeddingsMixin:
     model's ``embed_input_ids`` calls after its own token lookup."""
 
     NON_DECODER_PREFIXES: tuple[str, ...]  # the vision side's checkpoint names
+    # Pipeline parallelism: the vision side (tower, projector, ...), built, loaded and run on
+    # the first stage only, beside the token embeddings its rows are written over
+    # (distributed/pipeline.prune_to_stage); a model without it refuses pipeline parallelism.
+    FIRST_STAGE_MODULES: tuple[str, ...] = ()
     # Prompt embeddings with placeholder-driven inputs (M-RoPE, image spans): not yet.
     ACCEPTS_PROMPT_EMBEDS = False
+
+    def first_stage_parameters(self) -> dict[str, nn.Parameter]:
+        """The ``FIRST_STAGE_MODULES``' parameters by checkpoint name (none on a later
+        pipeline stage, where they are ``PPMissingLayer``)."""
+        own: dict[str, nn.Parameter] = {}
+        for name in self.FIRST_STAGE_MODULES:
+            part = getattr(self, name)
+            if isinstance(part, nn.Parameter):
+                own[name] = part
+            else:
+                own.update(part.named_parameters(prefix=name))
+        return own
 
     def load_vision_and_text(
         self,

@@ -38,6 +38,7 @@ def _checkpoint_name(name: str) -> str:
 
 class Qwen2VLForConditionalGeneration(ImageEmbeddingsMixin, Qwen2ForCausalLM):
     NON_DECODER_PREFIXES = ("visual.",)
+    FIRST_STAGE_MODULES = ("visual",)
     TOWER: type[Qwen2VisionTower] = Qwen2VisionTower
 
     def __init__(
@@ -72,9 +73,12 @@ class Qwen2VLForConditionalGeneration(ImageEmbeddingsMixin, Qwen2ForCausalLM):
         return self.merge_step_embeddings(self.model.embed_tokens(input_ids))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        own = dict(self.visual.named_parameters(prefix="visual"))
         self.load_vision_and_text(
-            super().load_weights, weights, own, _checkpoint_name, drop_position_ids=False
+            super().load_weights,
+            weights,
+            self.first_stage_parameters(),
+            _checkpoint_name,
+            drop_position_ids=False,
         )
 
 
