@@ -1,14 +1,17 @@
 """LLaVA-OneVision over HTTP with the official openai client: a chat with two data: URL images
 of different aspect ratios (each tiled at its own grid) is greedy-exact vs transformers, its
-usage counts the expanded prompt, and a video part is a 400 naming it."""
+usage counts the expanded prompt; a ``video_url`` MP4 in a data: URL is greedy-exact too (PyAV,
+the ``trillm[video]`` extra), and bytes that are no video are a 400 naming the problem."""
 
 from __future__ import annotations
 
+import numpy as np
 import openai
 import pytest
 from llava_reference import chat_text, data_url, image, png
-from onevision_reference import IMAGE, hf_greedy
+from onevision_reference import IMAGE, VIDEO, hf_greedy, hf_video_greedy
 from server_harness import ServerProcess
+from video_files import decoded, mp4, video_data_url
 
 NAME = "tiny-onevision"
 MAX_NEW = 8
@@ -33,13 +36,13 @@ def client(path, tmp_path_factory):
     assert srv.stop() == 0, srv.log()
 
 
-def chat(client, parts):
+def chat(client, parts, **extra):
     return client.chat.completions.create(
         model=NAME,
         messages=[{"role": "user", "content": parts}],
         max_tokens=MAX_NEW,
         temperature=0.0,
-        extra_body={"return_token_ids": True, "ignore_eos": True},
+        extra_body={"return_token_ids": True, "ignore_eos": True, **extra},
     )
 
 
@@ -55,9 +58,22 @@ def test_two_images_of_different_aspect_ratios_are_greedy_exact(client, path):
     assert ids.count(4096) == 76 + 100
 
 
-def test_a_video_part_is_a_400_naming_it(client):
-    part = {"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}
-    with pytest.raises(openai.BadRequestError, match=r"takes no video inputs \(video_url\)"):
+def test_a_video_url_part_is_greedy_exact(client, path):
+    clip = np.random.default_rng(40).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
+    data = mp4(clip)  # skipped without PyAV
+    parts = [{"type": "video_url", "video_url": {"url": video_data_url(data)}}]
+    out = chat(client, [*parts, {"type": "text", "text": "What happens?"}])
+    text = chat_text(path, f"{VIDEO}\nWhat happens?")
+    ids, tokens, _ = hf_video_greedy(path, text, [], decoded(data))
+    assert out.model_extra["prompt_token_ids"] == ids
+    assert out.choices[0].model_extra["token_ids"] == tokens
+    assert out.usage.prompt_tokens == len(ids) and ids.count(4097) == 3 * 4 + 1
+
+
+def test_a_bad_video_part_is_a_400_naming_it(client):
+    pytest.importorskip("av", reason="video files need PyAV (the trillm[video] extra)")
+    part = {"type": "video_url", "video_url": {"url": video_data_url(b"not a video")}}
+    with pytest.raises(openai.BadRequestError, match="The video cannot be read"):
         chat(client, [part, {"type": "text", "text": "What happens?"}])
     out = chat(client, [{"type": "text", "text": "still serving"}])
     assert len(out.choices[0].model_extra["token_ids"]) == MAX_NEW

@@ -2,7 +2,8 @@
 Python API: the expanded prompt equals transformers' processor's for images of several sizes
 and aspect ratios, greedy tokens and prompt / sample log-probabilities equal transformers' on
 a batch mixing image and text-only requests with prefill chunked across the image spans, a
-preempted image request resumes, and what the model cannot run is refused by name."""
+preempted image request resumes, and what the model cannot run is refused by name (videos:
+``test_llava_onevision_video.py``)."""
 
 from __future__ import annotations
 
@@ -114,17 +115,19 @@ def test_mm_processor_kwargs(llm, path):
             llm.generate(prompt, GREEDY)
 
 
-def test_video_input_is_refused_by_name(llm, path):
-    with pytest.raises(InvalidRequestError, match="takes no video inputs"):
-        llm.generate({"prompt": "x", "multi_modal_data": {"video": [image(0)]}}, GREEDY)
-    prompt = {"prompt": f"<video> {IMAGE}", "multi_modal_data": {"image": [image(0)]}}
-    with pytest.raises(InvalidRequestError, match="video placeholder; video inputs are not"):
-        llm.generate(prompt, GREEDY)
+def test_video_inputs_are_checked(llm, path):
     from trillm.config import EngineArgs
     from trillm.engine.config_builder import build_config
 
-    with pytest.raises(ValueError, match=r"\['video'\]=1: LlavaOnevision.* takes no video"):
-        build_config(EngineArgs(path, limit_mm_per_prompt={"video": 1}))
+    # videos work (test_llava_onevision_video.py): a one-frame video of PIL frames too
+    out = llm.generate({"prompt": "<video>", "multi_modal_data": {"video": [image(0)]}}, GREEDY)
+    assert len(out[0].prompt_token_ids) == 4 + 1  # 2x2 pooled features and a newline
+    with pytest.raises(InvalidRequestError, match=r"\['video'\]\[0\] is not a video"):
+        llm.generate({"prompt": "<video>", "multi_modal_data": {"video": "x.mp4"}}, GREEDY)
+    with pytest.raises(ValueError, match=r"\['audio'\]=1: LlavaOnevision.* takes no audio"):
+        build_config(EngineArgs(path, limit_mm_per_prompt={"audio": 1}))
+    built = build_config(EngineArgs(path, limit_mm_per_prompt={"video": 2}))
+    assert built.limit_mm_per_prompt == {"image": 1, "video": 2}
 
 
 def test_feature_layers_and_the_pooling_head(tmp_path):
@@ -180,7 +183,7 @@ def test_config_fields_trillm_cannot_run_are_refused(path, tmp_path):
     from trillm.config import EngineArgs
     from trillm.engine.config_builder import build_config
 
-    assert build_config(EngineArgs(path)).limit_mm_per_prompt == {"image": 1}
+    assert build_config(EngineArgs(path)).limit_mm_per_prompt == {"image": 1, "video": 1}
     for change, where, words in [
         ({"vision_feature_select_strategy": "default"}, None, "strategy 'default' is not"),
         ({"vision_aspect_ratio": "pad"}, None, "vision_aspect_ratio 'pad' is not supported"),

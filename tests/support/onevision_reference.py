@@ -2,7 +2,8 @@
 prompt (``LlavaOnevisionProcessor.replace_image_token``'s count on the image processor's
 outputs: the processor class itself cannot be built without torchvision's video processor),
 the model's greedy continuation (EOS ignored) and its log-probabilities over the whole
-sequence."""
+sequence; for videos, the folder's own ``LlavaOnevisionVideoProcessor`` (imported with a
+torchvision stand-in) and ``replace_video_token``'s count."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from functools import cache
 from typing import Any
 
 IMAGE = "<image>"
+VIDEO = "<video>"
 
 
 @cache
@@ -34,6 +36,7 @@ def hf_parts(path: str) -> tuple[Any, Any, Any, Any]:
     counter.vision_feature_select_strategy = fields["vision_feature_select_strategy"]
     counter.vision_aspect_ratio = fields["vision_aspect_ratio"]
     counter.image_token = IMAGE
+    counter.video_token = VIDEO
     return model, AutoTokenizer.from_pretrained(path), images, counter
 
 
@@ -64,6 +67,59 @@ def hf_greedy(
 
     model = hf_parts(path)[0]
     enc = hf_inputs(path, text, images, **kwargs)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=0)
+        ids = enc["input_ids"][0].tolist()
+        tokens = out[0, len(ids) :].tolist()
+        assert len(tokens) == n, "the reference must not stop at EOS"
+        logits = model(**{**enc, "input_ids": out}).logits[0]
+    return ids, tokens, torch.log_softmax(logits.float(), -1)
+
+
+@cache
+def _video_processor(path: str) -> Any:
+    """The folder's ``LlavaOnevisionVideoProcessor`` (transformers' own loading), imported with
+    the torchvision stand-in; run with ``do_resize=False`` on frames at the tile's size."""
+    import importlib
+
+    import transformers.processing_utils  # noqa: F401 (imported before the stand-in)
+    import transformers.video_processing_utils  # noqa: F401
+    from qwen2_vl_video_reference import _torchvision_stand_in
+
+    name = "transformers.models.llava_onevision.video_processing_llava_onevision"
+    with _torchvision_stand_in():
+        module = importlib.import_module(name)
+        return module.LlavaOnevisionVideoProcessor.from_pretrained(path)
+
+
+def hf_video_values(path: str, frames: Any, **kwargs: Any) -> Any:
+    """transformers' ``pixel_values_videos`` [1, T, 3, S, S] of ``frames`` [T, S, S, 3]."""
+    from qwen2_vl_video_reference import _torchvision_stand_in
+
+    processor = _video_processor(path)
+    with _torchvision_stand_in():
+        out = processor(
+            videos=[frames], return_tensors="pt", do_resize=False, do_convert_rgb=False, **kwargs
+        )
+    return out["pixel_values_videos"]
+
+
+def hf_video_greedy(
+    path: str, text: str, images: list[Any], video: Any | None, n: int = 8, **kwargs: Any
+) -> tuple[list[int], list[int], Any]:
+    """``hf_greedy`` of a prompt with images and at most one video (frames [T, S, S, 3]), its
+    ``<video>`` expanded by ``LlavaOnevisionProcessor.replace_video_token``'s count."""
+    import torch
+
+    model, _, _, counter = hf_parts(path)
+    enc: dict[str, Any] = {}
+    if video is not None:
+        values = hf_video_values(path, video, **kwargs)
+        count = len(counter.replace_video_token({"pixel_values_videos": values}, 0)) // len(VIDEO)
+        assert text.count(VIDEO) == 1
+        text = text.replace(VIDEO, VIDEO * count)
+        enc["pixel_values_videos"] = values
+    enc.update(hf_inputs(path, text, images, **kwargs))
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=0)
         ids = enc["input_ids"][0].tolist()

@@ -55,6 +55,18 @@ class MultiModalInputError(ValueError):
         self.param = param
 
 
+def placeholder_slots(ids: list[int], token_id: int, count: int, kind: str) -> list[int]:
+    """Where the prompt's ``kind`` placeholders are: one per item."""
+    slots = [i for i, t in enumerate(ids) if t == token_id]
+    if len(slots) != count:
+        raise MultiModalInputError(
+            f"The prompt has {len(slots)} {kind} placeholder(s) but multi_modal_data has "
+            f"{count} {kind}(s); put one placeholder per {kind} where it belongs.",
+            "prompt",
+        )
+    return slots
+
+
 @attrs.frozen
 class ImageSource:
     """An ``image_url`` part's URL, opened by stage 3 (``MediaConnector.open``)."""

@@ -1,17 +1,18 @@
 """Stage 3, multimodal inputs: ``{"prompt": ..., "multi_modal_data": {"image": ...}}``.
 
-Each image is checked (a PIL image; its pixel count from the header against ``max_pixels``
-before any decoding; the item count against ``limit_mm_per_prompt``), then processed by the
-model folder's image processor (transformers' PIL path: torchvision is not needed) in a worker
-thread, bounded like tokenization. The prompt's placeholder token (LLaVA's ``<image>``) is
-expanded to one token per feature row, as the Hugging Face processor does, and each item
-becomes a ``MultiModalItem``: its pixel values as bytes, its placeholder range, and a content
-hash that keys the worker's encoder cache and the prefix cache (``extra_hash_keys``).
+Each image is checked (a PIL image; its pixels from the header against ``max_pixels`` before
+decoding; the count against ``limit_mm_per_prompt``), then processed by the folder's image
+processor (transformers' PIL path: no torchvision) in a thread, bounded like tokenization;
+videos alike (``video_decode.py``; ``video_inputs.py`` for Qwen2-VL, ``onevision_video.py``).
+Each placeholder (LLaVA's ``<image>``) is expanded to one token per feature row, as the Hugging
+Face processor does, and each item becomes a ``MultiModalItem``: its pixel values as bytes, its
+placeholder range, a content hash keying the encoder cache and the prefix cache.
 """
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,12 +22,19 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.engine import gemma3_inputs as gemma3
 from trillm.engine import onevision_inputs as onevision
+from trillm.engine import onevision_video, video_decode
 from trillm.engine import qwen2_vl_inputs as qwen2_vl
-from trillm.engine import video_decode
 from trillm.engine import video_inputs as video
 from trillm.engine.audio_inputs import AudioProcessor
-from trillm.engine.media import ImageSource, MediaConnector, MultiModalInputError, content_hash
+from trillm.engine.media import (
+    ImageSource,
+    MediaConnector,
+    MultiModalInputError,
+    content_hash,
+    placeholder_slots,
+)
 from trillm.engine.mm_processor_cache import ProcessorCache, item_key
+from trillm.engine.onevision_video import video_token, video_tokens
 from trillm.engine.video_sampling import without_frame_kwargs
 from trillm.messages import MultiModalItem
 from trillm.model_executor.gemma3_mm_config import is_gemma3_mm
@@ -97,9 +105,12 @@ class MultiModalProcessor:
         # What a chat's image part becomes in the prompt text (LLaVA's "<image>")
         self.image_placeholder = str(tokenizer.convert_ids_to_tokens(self.image_token_id))
         self.qwen2_vl = is_qwen2_vl(mm_config)
-        self.modalities = ("image", "video") if self.qwen2_vl else ("image",)
+        self.onevision = is_onevision(mm_config)  # any-resolution tiles
+        self.modalities = ("image", "video") if self.qwen2_vl or self.onevision else ("image",)
         self.video_token_id = int(mm_config.get("video_token_id") or -1)  # Qwen2-VL's
         self.video_placeholder: str | None = None  # what a chat's video part becomes
+        if self.onevision:  # "<video>"
+            self.video_token_id, self.video_placeholder = video_token(mm_config, tokenizer)
         if self.qwen2_vl:
             self.image_placeholder = qwen2_vl.image_placeholder(
                 mm_config, tokenizer, self.image_token_id
@@ -118,12 +129,13 @@ class MultiModalProcessor:
             self.image_placeholder = str(tokenizer.convert_ids_to_tokens(self.slot_id))
             self.end_id = self.after[0]
             self.end_text = str(tokenizer.convert_ids_to_tokens(self.end_id))
-        self.onevision = is_onevision(mm_config)  # any-resolution tiles
         self.max_pixels = MAX_IMAGE_PIXELS
         self.limiter = limiter
         self._image_processor: Any = None
-        if self.onevision:  # its tiling checked against the model's at start
+        if self.onevision:  # its tiling (and its video processor's size) checked at start
             self._image_processor = onevision.load_processor(self.folder, mm_config)
+            if self.limits.get("video"):
+                self.video_processing = onevision_video.load_processing(self.folder, mm_config)
         self.connector = MediaConnector(
             config.allowed_local_media_path, config.allowed_media_domains
         )
@@ -231,9 +243,12 @@ class MultiModalProcessor:
         clips = await video_decode.open_videos(data.get("video"), *args)
         if not clips:
             return []
-        kwargs = qwen2_vl.processor_kwargs(self.image_processor, kwargs)
-        values = (self.image_processor, self.mm_config, clips, kwargs)
-        return await trio.to_thread.run_sync(video.clip_values, *values, limiter=self.limiter)
+        if self.onevision:  # each frame's pixel values (Qwen2-VL: temporal patches)
+            work = partial(onevision_video.clip_values, self.video_processing, clips, kwargs)
+        else:
+            kwargs = qwen2_vl.processor_kwargs(self.image_processor, kwargs)
+            work = partial(video.clip_values, self.image_processor, self.mm_config, clips, kwargs)
+        return await trio.to_thread.run_sync(work, limiter=self.limiter)
 
     def _video_item(self, values: np.ndarray, offset: int, interval: float) -> MultiModalItem:
         length = self.item_length(values)
@@ -291,9 +306,10 @@ class MultiModalProcessor:
         return np.ascontiguousarray(batch[0], dtype=np.float32)
 
     def item_length(self, values: np.ndarray) -> int:
-        """Placeholder tokens of one processed image (OneVision's from its size and grid)."""
-        if self.onevision:
-            return onevision.image_tokens(self.mm_config, values)
+        """Placeholder tokens of one processed item (OneVision's from its size and grid)."""
+        if self.onevision:  # an image's tiles flattened, a video's frames [T, 3, S, S]
+            count = video_tokens if values.ndim == 4 else onevision.image_tokens
+            return count(self.mm_config, values)
         return num_image_tokens(self.mm_config, list(values.shape))
 
     async def process(
@@ -302,16 +318,14 @@ class MultiModalProcessor:
         """The prompt's ids with each placeholder expanded, and its items in prompt order;
         ``kwargs``: the request's ``mm_processor_kwargs`` (over the engine's)."""
         merged = {**self.processor_kwargs, **self.check_kwargs(kwargs, "mm_processor_kwargs")}
-        if self.onevision:
-            onevision.check_prompt(self.mm_config, ids)
         images = await self.images(data)
         pixels = await trio.to_thread.run_sync(
             self._pixel_values, images, merged, limiter=self.limiter
         )
         videos = await self.videos(data, merged)  # [(patches, M-RoPE time interval)]
-        slots = _slots(ids, self.slot_id, len(pixels), "image")
+        slots = placeholder_slots(ids, self.slot_id, len(pixels), "image")
         entries = [(slot, values, 1.0) for slot, values in zip(slots, pixels, strict=True)]
-        video_slots = _slots(ids, self.video_token_id, len(videos), "video")
+        video_slots = placeholder_slots(ids, self.video_token_id, len(videos), "video")
         entries += [(slot, *v) for slot, v in zip(video_slots, videos, strict=True)]
         entries.sort(key=lambda entry: entry[0])
         out: list[int] = []
@@ -339,18 +353,6 @@ class MultiModalProcessor:
             start = slot + skip
         out += ids[start:]
         return out, items
-
-
-def _slots(ids: list[int], token_id: int, count: int, kind: str) -> list[int]:
-    """Where the prompt's ``kind`` placeholders are: one per item."""
-    slots = [i for i, t in enumerate(ids) if t == token_id]
-    if len(slots) != count:
-        raise MultiModalInputError(
-            f"The prompt has {len(slots)} {kind} placeholder(s) but multi_modal_data has "
-            f"{count} {kind}(s); put one placeholder per {kind} where it belongs.",
-            "prompt",
-        )
-    return slots
 
 
 Processor = MultiModalProcessor | AudioProcessor

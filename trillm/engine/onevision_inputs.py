@@ -125,14 +125,3 @@ def image_tokens(mm_config: dict[str, Any], values: np.ndarray) -> int:
     if ratio > 1.1:
         rows, cols = int(rows // ratio), int(cols // ratio)
     return side * side + rows * cols + rows
-
-
-def check_prompt(mm_config: dict[str, Any], ids: list[int]) -> None:
-    """A prompt holding the video placeholder asks for a video: refused (video input needs
-    torchvision's video processor, not installed with the CPU torch build)."""
-    if int(onevision_field(mm_config, "video_token_index")) in ids:
-        raise MultiModalInputError(
-            f"The prompt holds {ONEVISION_ARCHITECTURE}'s video placeholder; video inputs are "
-            "not implemented.",
-            "prompt",
-        )

@@ -28,7 +28,7 @@ FIELDS: dict[str, str] = {
     "text_config": "read: a qwen2 language model, others refused by name",
     "vision_config": "read: a siglip_vision_model tower (VISION_FIELDS), others refused by name",
     "image_token_index": READ,
-    "video_token_index": "read: a prompt holding it is refused (video not implemented)",
+    "video_token_index": READ,
     "projector_hidden_act": "read; one trillm has no activation for is refused by name",
     "multimodal_projector_bias": READ,
     "vision_feature_layer": "read (an index or a list of them)",

@@ -63,7 +63,9 @@ _MODELS: dict[str, ModelEntry] = {
         "llava", "LlavaForConditionalGeneration", modalities=("image",)
     ),
     "LlavaOnevisionForConditionalGeneration": ModelEntry(
-        "llava_onevision", "LlavaOnevisionForConditionalGeneration", modalities=("image",)
+        "llava_onevision",
+        "LlavaOnevisionForConditionalGeneration",
+        modalities=("image", "video"),
     ),
     "MistralForCausalLM": ModelEntry("mistral", "MistralForCausalLM"),
     "NemotronHForCausalLM": ModelEntry(

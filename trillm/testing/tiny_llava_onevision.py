@@ -1,8 +1,9 @@
 """A tiny random LLaVA-OneVision checkpoint (SigLIP tower + projector + ``image_newline`` +
 Qwen2 decoder) with its processor's files: the shipped tokenizer plus ``<image>`` / ``<video>``, and
-OneVision's image processor on its PIL path (``processor_config.json``), as a hub folder
-holds them. Its grid pinpoints are the hub's scaled to a 32-pixel tile (1x1 .. 2x3 tiles) and
-``anyres_max_4`` makes a 2x3-tile image's features shrink (the bilinear interpolation)."""
+OneVision's image processor on its PIL path (``processor_config.json``) and its video
+processor's config, as a hub folder holds them. Its grid pinpoints are the hub's scaled to a
+32-pixel tile (1x1 .. 2x3 tiles) and ``anyres_max_4`` makes a 2x3-tile image's features shrink
+(the bilinear interpolation)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ VISION: dict[str, Any] = dict(
     vision_use_head=False,
 )
 TOKENS = ("<image>", "<video>")
+VIDEO_PROCESSOR = {
+    "size": {"height": TILE, "width": TILE},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 
 
 def build_tiny_llava_onevision(
@@ -78,5 +84,9 @@ def build_tiny_llava_onevision(
         "vision_aspect_ratio": vision_aspect_ratio,
     }
     (out / "processor_config.json").write_text(json.dumps(fields, indent=2))
+    # The video processor's own file (its mean and deviation not the image processor's, so a
+    # test tells which one a video was processed with)
+    video = {"video_processor_type": "LlavaOnevisionVideoProcessor", **VIDEO_PROCESSOR}
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     write_generation_config(out)
     return out

@@ -7,7 +7,8 @@ image's (height, width). ``encode_image`` runs every tile through the tower and 
 the grid tiles' features out as one feature map, unpads it to the image's aspect ratio,
 shrinks it (bilinear) when it holds more than ``vision_aspect_ratio``'s N tiles' worth, ends
 each of its rows with ``image_newline``, and puts the base tile's features first: one row
-per placeholder token, as transformers' ``pack_image_features`` packs them.
+per placeholder token, as transformers' ``pack_image_features`` packs them. A video's
+frames go through the tower and projector as tiles do, then are pooled (``encode_video``).
 """
 
 from __future__ import annotations
@@ -109,6 +110,17 @@ class LlavaOnevisionForConditionalGeneration(ImageEmbeddingsMixin, Qwen2ForCausa
         tiles = values[:-2].view(-1, 3, self.tile, self.tile)
         features = self.multi_modal_projector(self.tower_states(tiles))  # [n, P, H]
         return self.pack(features, size)
+
+    def encode_video(self, frames: torch.Tensor) -> torch.Tensor:  # [T, 3, S, S] -> [N, H]
+        """transformers' ``get_video_features``: each frame's s x s feature map shrunk to
+        ceil(s / 2) a side (bilinear), the frames' rows in order, one ``image_newline`` after
+        the last frame (N = T * ceil(s / 2) ** 2 + 1)."""
+        features = self.multi_modal_projector(self.tower_states(frames))  # [T, s*s, H]
+        fmap = features.view(len(frames), self.side, self.side, -1).permute(0, 3, 1, 2)
+        half = [math.ceil(self.side / 2)] * 2
+        pooled = F.interpolate(fmap, half, mode="bilinear").permute(0, 2, 3, 1)  # [T, h, h, H]
+        newline = self.image_newline.to(features.dtype)
+        return torch.cat([pooled.reshape(-1, features.shape[-1]), newline[None]])
 
     def pack(self, features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """[n, P, H] tiles' features (the base tile first) -> [N, H] rows in prompt order."""
