@@ -77,3 +77,41 @@ def test_a_bad_video_part_is_a_400_naming_it(client):
         chat(client, [part, {"type": "text", "text": "What happens?"}])
     out = chat(client, [{"type": "text", "text": "still serving"}])
     assert len(out.choices[0].model_extra["token_ids"]) == MAX_NEW
+
+
+def test_media_io_kwargs_choose_a_video_urls_frames(client, path):
+    clip = np.random.default_rng(41).integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
+    data = mp4(clip, rate=8)  # 1.5 seconds
+    every = decoded(data)
+    parts = [{"type": "video_url", "video_url": {"url": video_data_url(data)}}]
+    parts.append({"type": "text", "text": "What happens?"})
+    text = chat_text(path, f"{VIDEO}\nWhat happens?")
+    # vLLM's choice: min(num_frames, frames, floor(seconds * fps)) spread first to last
+    for options, kept in [
+        ({"num_frames": 4}, [0, 3, 7, 11]),
+        ({"fps": 2}, [0, 5, 11]),
+        ({"num_frames": 5, "fps": 6}, [0, 2, 5, 8, 11]),  # fps allows 9, num_frames 5
+        ({"num_frames": -1}, list(range(12))),
+    ]:
+        out = chat(client, parts, media_io_kwargs={"video": options})
+        ids, tokens, _ = hf_video_greedy(path, text, [], every[kept])
+        assert out.model_extra["prompt_token_ids"] == ids, options
+        assert out.choices[0].model_extra["token_ids"] == tokens, options
+        assert ids.count(4097) == len(kept) * 4 + 1
+
+
+def test_media_io_kwargs_refusals(client):
+    text = [{"type": "text", "text": "hi"}]
+    for kwargs, words in [
+        ({"video": {"backend": "opencv"}}, r"\['video'\]: 'backend' not implemented"),
+        ({"image": {"rgba_background_color": [0, 0, 0]}}, r"\['image'\]: 'rgba_back"),
+        ({"video": {"num_frames": 769}}, r"num_frames'\] must be a whole number in \[1, 768\]"),
+        ({"video": {"num_frames": 0}}, r"num_frames'\] must be a whole number"),
+        ({"video": {"fps": 0}}, r"\['fps'\] must be a number > 0 or -1"),
+        ({"video": 8}, r"\['video'\] must be an object of options"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=words) as caught:
+            chat(client, text, media_io_kwargs=kwargs)
+        assert caught.value.body["param"] == "media_io_kwargs", kwargs
+    out = chat(client, text, media_io_kwargs={"video": {"num_frames": 8}, "image": {}})
+    assert len(out.choices[0].model_extra["token_ids"]) == MAX_NEW

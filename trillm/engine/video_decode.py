@@ -2,8 +2,9 @@
 file:// under --allowed-local-media-path, http(s) within the fetch limits, ``video/*``), its
 file decoded by PyAV (the optional ``trillm[video]`` extra; refused naming it when absent).
 
-Frames are sampled as vLLM's video loader samples them: all of them up to ``NUM_FRAMES``
-(vLLM's default 32), else ``NUM_FRAMES`` spread evenly from the first to the last. Sizes are
+Frames are sampled as vLLM's video loader samples them: all of them up to ``num_frames``
+(vLLM's default 32), else ``num_frames`` spread evenly from the first to the last, or fewer
+where the request's ``media_io_kwargs`` ask (``media_io.py``). Sizes are
 checked from the container's header before any frame is decoded (the stream's frame size,
 its frame count times that size, the sampled frames' pixels), and decoding stops after the
 last sampled frame, so a header cannot make the decoder run past what was checked.
@@ -21,8 +22,8 @@ import trio
 
 from trillm.engine import video_inputs, video_sampling
 from trillm.engine.media import MediaConnector, MultiModalInputError
+from trillm.engine.media_io import VideoLoading
 
-NUM_FRAMES = 32  # vLLM's VideoMediaIO default
 MAX_DECODE_PIXELS = 1 << 33  # a stream's frames times their pixels (~4,000 1080p frames)
 MISSING = "decoding a video file needs PyAV: install trillm[video] (pip install av)"
 
@@ -33,6 +34,7 @@ class VideoSource:
 
     url: str
     param: str  # e.g. messages[0].content[1].video_url
+    loading: VideoLoading = VideoLoading()  # the frames kept (the request's media_io_kwargs)
     modality = "video"  # its multi_modal_data key
 
 
@@ -60,7 +62,7 @@ async def open_videos(
         frames, fps, param = clip, None, f"multi_modal_data['video'][{i}]"
         if isinstance(clip, VideoSource):
             raw = await connector.read(clip.url, clip.param, limiter, "video")
-            decode = partial(decode_video, raw, clip.param, max_frame_pixels)
+            decode = partial(decode_video, raw, clip.param, max_frame_pixels, clip.loading)
             (frames, fps), param = (
                 await trio.to_thread.run_sync(decode, limiter=limiter),
                 clip.param,
@@ -72,7 +74,9 @@ async def open_videos(
     return out
 
 
-def decode_video(raw: bytes, param: str, max_frame_pixels: int) -> tuple[np.ndarray, float]:
+def decode_video(
+    raw: bytes, param: str, max_frame_pixels: int, loading: VideoLoading = VideoLoading()
+) -> tuple[np.ndarray, float]:
     """A video file -> (its sampled frames [T, H, W, 3] uint8, the fps they were sampled at:
     transformers' ``VideoMetadata.sampled_fps``)."""
     try:
@@ -81,12 +85,14 @@ def decode_video(raw: bytes, param: str, max_frame_pixels: int) -> tuple[np.ndar
         raise MultiModalInputError(f"video_url: {MISSING}.", param) from None
     try:
         with av.open(io.BytesIO(raw)) as container:
-            return _sampled(container, param, max_frame_pixels)
+            return _sampled(container, param, max_frame_pixels, loading)
     except (av.FFmpegError, ValueError, IndexError) as exc:
         raise MultiModalInputError(f"The video cannot be read: {exc}", param) from None
 
 
-def _sampled(container: Any, param: str, max_frame_pixels: int) -> tuple[np.ndarray, float]:
+def _sampled(
+    container: Any, param: str, max_frame_pixels: int, loading: VideoLoading
+) -> tuple[np.ndarray, float]:
     if not container.streams.video:
         raise MultiModalInputError("The video file has no video stream.", param)
     stream = container.streams.video[0]
@@ -99,7 +105,7 @@ def _sampled(container: Any, param: str, max_frame_pixels: int) -> tuple[np.ndar
             f"{MAX_DECODE_PIXELS} pixels to decode.",
             param,
         )
-    wanted = sample_indices(total, NUM_FRAMES)
+    wanted = loading.indices(total, fps)
     video_inputs.check_sizes(len(wanted), height, width, param, max_frame_pixels)
     keep = set(wanted.tolist())
     frames = []
@@ -123,10 +129,3 @@ def _frame_count(stream: Any, container: Any, fps: float, param: str) -> int:
     if total <= 0:
         raise MultiModalInputError("The video's header does not give its frame count.", param)
     return total
-
-
-def sample_indices(total: int, count: int) -> np.ndarray:  # [min(total, count)] int64
-    """vLLM's uniform sampling: every frame, or ``count`` from the first to the last."""
-    if total <= count:
-        return np.arange(total)
-    return np.linspace(0, total - 1, count).astype(np.int64)

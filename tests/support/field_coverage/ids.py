@@ -43,6 +43,7 @@ SPEC_D = "tests/spec_decode/test_spec_decode_draft.py::"
 NUM = "tests/models/test_transformers_numerics.py::"
 LLAVA = "tests/models/test_llava.py::"
 LLAVA_HTTP = "tests/entrypoints/test_llava_http.py::"
+ONEVISION_HTTP = "tests/entrypoints/test_llava_onevision_http.py::"
 AUDIO_HTTP = "tests/entrypoints/test_qwen2_audio_http.py::"
 VLLM_LIST = "tests/entrypoints/test_vllm_field_list.py::"
 

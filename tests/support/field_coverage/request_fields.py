@@ -13,6 +13,7 @@ from field_coverage.ids import (
     HOSTILE,
     LLAVA_HTTP,
     MESSAGES,
+    ONEVISION_HTTP,
     OPENAI,
     POOL,
     REFUSED_TYPES,
@@ -92,6 +93,12 @@ _CHAT = {
     # the image processor's keywords: greedy-exact vs transformers with them; unknown keys and
     # sizes the vision tower cannot take refused by name
     "mm_processor_kwargs": ids(LLAVA_HTTP + "test_mm_processor_kwargs_per_request"),
+    # a video_url's frames: num_frames and fps keep vLLM's choice of frames (greedy-exact on
+    # them); other options, other modalities' and counts over the frame cap refused by name
+    "media_io_kwargs": ids(
+        ONEVISION_HTTP + "test_media_io_kwargs_choose_a_video_urls_frames",
+        ONEVISION_HTTP + "test_media_io_kwargs_refusals",
+    ),
     "max_tokens": ids(FE + "test_max_tokens"),
     "messages": ids(MESSAGES),
     "logprobs": ids(FE + "test_logprobs_and_return_tokens_as_token_ids"),

@@ -36,7 +36,7 @@ from trillm.entrypoints.openai.endpoints.generation import (
     guard_stream,
     start_generation,
 )
-from trillm.entrypoints.openai.endpoints.media import check_mm_kwargs, split_images
+from trillm.entrypoints.openai.endpoints.media import check_mm_kwargs, split_images, with_media_io
 from trillm.entrypoints.openai.endpoints.sampling import build_sampling_params, truncate_right
 from trillm.entrypoints.openai.endpoints.sse_stream import sse_stream
 from trillm.entrypoints.openai.http.errors import (
@@ -151,6 +151,7 @@ async def prompt_tokens(
         raise BadRequestError("'messages' must not be empty.", "messages")
     pre = state.preprocessor
     messages, images = split_images(pre, req.messages)  # image parts: placeholders
+    images = with_media_io(images, req.media_io_kwargs)  # which frames a video keeps
     render = partial(
         pre.render_chat,
         messages,

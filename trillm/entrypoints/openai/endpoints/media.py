@@ -5,7 +5,8 @@ writes the model's placeholder: ``trillm/engine/chat_template.py``) and an
 (``trillm/engine/media.py``: ``data:`` URLs, ``file://`` under ``--allowed-local-media-path``,
 ``http(s)`` within the fetch limits and ``--allowed-media-domains``). ``input_audio`` and
 ``audio_url`` parts become ``{"type": "audio"}`` parts and ``AudioSource``s alike; a
-``video_url`` part (Qwen2-VL) becomes its placeholder's text and a ``VideoSource``."""
+``video_url`` part (Qwen2-VL, LLaVA-OneVision) becomes its placeholder's text and a
+``VideoSource`` (its frames chosen by the request's ``media_io_kwargs``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import attrs
 from trillm.engine.chat_media import audio_part_source
 from trillm.engine.chat_template import AUDIO_PART, IMAGE_PART
 from trillm.engine.media import AUDIO_PARTS, ImageSource, MultiModalInputError
+from trillm.engine.media_io import video_loading
 from trillm.engine.preprocess import Preprocessor
 from trillm.engine.video_decode import VideoSource
 from trillm.entrypoints.openai.http.errors import BadRequestError
@@ -90,6 +92,16 @@ def _video_source(pre: Preprocessor, part: Any, param: str) -> tuple[VideoSource
     if part.video_url is None or part.video_url.url is None:
         raise BadRequestError("A video_url part needs its video_url.url.", param)
     return VideoSource(part.video_url.url, param), placeholder
+
+
+def with_media_io(sources: list[Any], kwargs: dict[str, Any] | None) -> list[Any]:
+    """The chat's media sources, each video's with the request's ``media_io_kwargs``
+    (checked even without a video: what cannot apply is refused by name)."""
+    try:
+        loading = video_loading(kwargs)
+    except MultiModalInputError as exc:
+        raise BadRequestError(str(exc), exc.param) from None
+    return [attrs.evolve(s, loading=loading) if isinstance(s, VideoSource) else s for s in sources]
 
 
 def _audio_source(part: Any, param: str) -> Any:

@@ -237,6 +237,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # The image processor's keywords for this request's images (vLLM's; over the engine's)
     mm_processor_kwargs: dict[str, Any] | None = None
+    # The media connectors' options by modality (vLLM's): a video_url's frames (media_io.py)
+    media_io_kwargs: dict[str, Any] | None = None
     # Tool calling and reasoning; checked in endpoints/chat.py / parsers.
     tools: list[ChatTool] | None = _f(None, max_len=1024)
     # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}

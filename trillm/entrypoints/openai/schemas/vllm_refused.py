@@ -32,8 +32,8 @@ _DISAGG = _group(
     "ec_transfer_params",
 )
 _MEDIA_IO = _group(
-    "the media connectors take no per-request options here (images and audio are loaded "
-    "with the server's settings)",
+    "per-request media connector options (a video_url's frames) are taken by "
+    "/v1/chat/completions only; this route loads media with the server's settings",
     "media_io_kwargs",
 )
 _TRUNCATION_SIDE = _group(
@@ -142,7 +142,6 @@ _SCORING = {
 REFUSED: dict[str, dict[str, Refusal]] = {
     "ChatCompletionRequest": {
         **_GENERATION,
-        **_MEDIA_IO,
         **_group(
             "the rendered prompt is not returned (POST /tokenize with the messages gives its "
             "tokens)",
