@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import attrs
 
 from trillm import vllm_env
 
 T = TypeVar("T")
+# VLLM_CPU_OMP_THREADS_BIND's value: "auto", "nobind", or each rank's core ids in its order
+CpuBinding = Literal["auto", "nobind"] | tuple[tuple[int, ...], ...]
 
 
 @attrs.frozen
@@ -80,6 +82,38 @@ def _log_level(name: str, text: str) -> str:
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise ValueError(f"{name}={text!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL.")
     return level
+
+
+def _non_negative_int(name: str, text: str) -> int | None:
+    text = text.strip()
+    if not text.isdigit():
+        raise ValueError(f"{name} must be a whole number >= 0; got {text!r}.")
+    return int(text)
+
+
+def _core_range(name: str, item: str) -> range:
+    low, dash, high = item.strip().partition("-")
+    if not low.isdigit() or (dash and not high.isdigit()) or int(high or low) < int(low):
+        raise ValueError(f"{name}: {item!r} is not a core id or a range like 0-3.")
+    return range(int(low), int(high or low) + 1)
+
+
+def _cpu_binding(name: str, text: str) -> CpuBinding | None:
+    """vLLM's values: auto, nobind, or each rank's cores ("0-31|32-63", "0,2|1,3"); empty: unset."""
+    text = text.strip()
+    if not text:
+        return None
+    if text == "auto":
+        return "auto"
+    if text == "nobind":
+        return "nobind"
+    ranks = []
+    for part in text.split("|"):
+        cores = [core for item in part.split(",") for core in _core_range(name, item)]
+        if len(set(cores)) != len(cores):
+            raise ValueError(f"{name}: {part!r} names a core twice.")
+        ranks.append(tuple(cores))
+    return tuple(ranks)
 
 
 def _worker_start(name: str, text: str) -> str:
@@ -159,6 +193,21 @@ PP_MICRO_BATCHES = EnvVar(
     _positive_int,
     None,
 )
+CPU_OMP_THREADS_BIND = EnvVar(
+    ("VLLM_CPU_OMP_THREADS_BIND",),
+    "The cores of each rank's threads (vLLM's): auto (the usable cores split between this "
+    "node's ranks), nobind (not pinned; OMP_NUM_THREADS or an equal share), or one list per "
+    "rank such as 0-31|32-63. Unset: nobind, or auto when VLLM_CPU_NUM_OF_RESERVED_CPU is set.",
+    _cpu_binding,
+    None,
+)
+CPU_NUM_OF_RESERVED_CPU = EnvVar(
+    ("VLLM_CPU_NUM_OF_RESERVED_CPU",),
+    "Cores auto binding leaves to the API server and engine core (vLLM's; default 1 when "
+    "several ranks share the node, else 0).",
+    _non_negative_int,
+    None,
+)
 CPU_ATTENTION_THREADS = EnvVar(
     ("TRILLM_CPU_ATTENTION_THREADS",),
     "Threads of the native CPU attention kernel (default: torch's intra-op threads).",
@@ -198,6 +247,8 @@ ALL: tuple[EnvVar[Any], ...] = (
     NO_EXTENSIONS,
     WORKER_START,
     PP_MICRO_BATCHES,
+    CPU_OMP_THREADS_BIND,
+    CPU_NUM_OF_RESERVED_CPU,
     CPU_ATTENTION_THREADS,
     IMAGE_FETCH_TIMEOUT,
     VIDEO_FETCH_TIMEOUT,

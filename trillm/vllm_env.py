@@ -91,10 +91,6 @@ REFUSED: dict[str, Refused] = {
     ),
 }
 
-_SPEED_ONLY = (
-    "speed only, no output changes: trillm gives each rank its share of the cores itself "
-    "(OMP_NUM_THREADS)"
-)
 _OTHER_ACCELERATOR = "a kernel library of vLLM's GPU builds; trillm's kernels are its own"
 NO_EFFECT: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "read when vLLM is built; trillm runs on CUDA when there is one, "
@@ -110,8 +106,6 @@ NO_EFFECT: dict[str, str] = {
     "start (TRILLM_WORKER_START) changes no output",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "the engine core always runs in a process of its own "
     "here; where it runs changes no output",
-    "VLLM_CPU_OMP_THREADS_BIND": _SPEED_ONLY,
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": _SPEED_ONLY,
     "VLLM_MEDIA_LOADING_THREAD_COUNT": "speed only: media are decoded on trio's worker threads",
     "VLLM_MAX_AUDIO_CLIP_FILESIZE_MB": "read by vLLM's transcription routes, which trillm does "
     "not serve (/v1/audio/* is 404)",

@@ -3,12 +3,12 @@ calls these)."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
 from trillm.config import TrillmConfig
+from trillm.distributed.cpu_binding import bind_rank
 from trillm.distributed.parallel_state import (
     destroy_tensor_parallel,
     get_tp_group,
@@ -19,18 +19,16 @@ from trillm.distributed.pipeline import PipelineGroup, get_pp_group, set_pp_grou
 
 def place_rank(config: TrillmConfig, rank: int) -> torch.device:
     """This rank's device: on CUDA one GPU per rank of every engine core on this node (core
-    d's rank r on cuda:d*L + r % L, L = the core's ranks on this node); on CPU its share of the
-    node's cores (every rank of every engine core shares them: more threads than cores
-    thrash, and the native kernels follow torch's thread count)."""
+    d's rank r on cuda:d*L + r % L, L = the core's ranks on this node); on CPU its cores and
+    threads (``cpu_binding``: vLLM's VLLM_CPU_OMP_THREADS_BIND, else a share of the node's)."""
     parallel = config.parallel
     local = parallel.ranks_per_node
     device = torch.device(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", parallel.data_parallel_rank * local + rank % local)
         torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, cores // (local * parallel.data_parallel_size)))
+    else:
+        bind_rank(parallel, rank)
     return device
 
 

@@ -83,6 +83,11 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     _check_tensor_parallel(model_config, args.tensor_parallel_size, device, args.nnodes)
     _check_data_parallel(args, device)
     _check_pipeline_parallel(model_config, args, device)
+    parallel = _parallel_config(args)
+    if device == "cpu":  # the ranks' cores: a variable they cannot honour stops the load
+        from trillm.distributed.cpu_binding import plan as cpu_binding_plan
+
+        cpu_binding_plan(parallel)
     limit_mm = _multimodal_limits(args, model_config)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {args.block_size}.")
@@ -128,7 +133,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             policy=args.scheduling_policy,
         ),
-        parallel=_parallel_config(args),
+        parallel=parallel,
         device=device,
         seed=args.seed,
         attention_backend=resolve_attention_backend(

@@ -36,6 +36,7 @@ import torch
 from trillm.attention.selector import get_attention_backend
 from trillm.attention.ssm_state import SSMStateCache
 from trillm.config import TrillmConfig
+from trillm.distributed.cpu_binding import bind_rank
 from trillm.distributed.pipeline import IntermediateTensors, get_pp_group
 from trillm.distributed.sharding import RankShapes
 from trillm.distributed.worker import join_tensor_parallel, leave_tensor_parallel, place_rank
@@ -80,6 +81,8 @@ class ModelRunner:
             self.device = join_tensor_parallel(config, rank)
         elif config.parallel.data_parallel_size > 1:
             self.device = place_rank(config, rank)  # engine core d's GPU, or its CPU share
+        elif self.device.type == "cpu":  # a rank alone: its cores and threads
+            bind_rank(config.parallel, rank)
         self.pp = get_pp_group()  # this rank's pipeline stage (the whole model with one)
         # a hybrid's Mamba layers of this stage, a request's state on this rank
         self.ssm_layout = ssm_state_layout(model_cfg, self.tp_size)

@@ -86,6 +86,14 @@ ENV_EFFECTS: dict[str, tuple[str, ...]] = {
         "tests/engine/test_media_fetch_timeouts.py::"
         "test_video_fetch_timeout_and_audio_fetch_timeout_are_read",
     ),
+    "VLLM_CPU_OMP_THREADS_BIND": (
+        "tests/parallel/test_cpu_binding.py::"
+        "test_each_rank_runs_one_thread_per_core_on_its_own_core",
+    ),
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": (
+        "tests/parallel/test_cpu_binding.py::"
+        "test_auto_splits_the_usable_cores_less_the_reserved_ones",
+    ),
 }
 
 

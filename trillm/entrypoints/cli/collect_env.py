@@ -60,6 +60,7 @@ def collect() -> list[tuple[str, str]]:
             version = "not installed"
         rows.append((name, version))
     rows.extend(_torch_rows())
+    rows.append(("CPU threads binding", _cpu_binding()))
     rows.append(("native extensions", _extensions()))
     rows.append(("GPUs (nvidia-smi)", _nvidia_smi()))
     for key, value in sorted(os.environ.items()):  # a listing, not a setting (trillm/envs.py)
@@ -98,6 +99,12 @@ def _torch_rows() -> list[tuple[str, str]]:
         ("torch devices", ", ".join(devices) or "cpu only"),
         ("torch threads", str(torch.get_num_threads())),
     ]
+
+
+def _cpu_binding() -> str:
+    from trillm.distributed.cpu_binding import summary
+
+    return summary()
 
 
 def _extensions() -> str:
