@@ -4,17 +4,24 @@ over its token embeddings; every stage computes the requests' M-RoPE positions [
 their items itself (each rank holds the items), so the second stage rotates as the first.
 TP=2: the tower is whole on every rank (Qwen2.5-VL's has gate/up/down_proj names that the
 text split would otherwise cut). Both give the one-rank engine's greedy tokens and log-probs,
-and transformers', for a batch mixing image and text-only requests with the image spans'
-prefill in 16-token chunks."""
+and transformers', for a batch mixing image, video and text-only requests with the image
+spans' prefill in 16-token chunks (the video's tokens: equal to one rank's; transformers'
+video reference is tests/models/test_qwen2_vl_video.py's)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from qwen2_vl_reference import IMAGE, hf_greedy
+from qwen2_vl_video_reference import VIDEO
 from vlm_parallel import Family, assert_vision_on_first_stage, parallel_equals, run_uni
 
-QWEN2_VL = Family(IMAGE, hf_greedy, vision=("visual.",), modules=("visual",))
+# 8 frames of 16x16: 4 temporal patches of 2x2 merged tokens, the video's time (0..3) running
+# past the text after it, as on one rank
+FRAMES = np.random.default_rng(0).integers(0, 256, (8, 16, 16, 3), dtype=np.uint8)
+WATCH = {"prompt": f"Watch {VIDEO} now", "multi_modal_data": {"video": [FRAMES]}}
+QWEN2_VL = Family(IMAGE, hf_greedy, vision=("visual.",), modules=("visual",), videos=(WATCH,))
 
 
 @pytest.fixture(scope="module", params=["2", "2.5"])

@@ -29,6 +29,7 @@ class Family:
     vision: tuple[str, ...]  # the vision side's checkpoint name prefixes
     modules: tuple[str, ...]  # the model's vision-side attributes
     budget: int = 16  # max_num_batched_tokens: the image prompts' prefill in chunks
+    videos: tuple[Any, ...] = ()  # video prompts batched with the rest (one video each)
 
     def prompts(self) -> list[Any]:
         return [
@@ -38,6 +39,7 @@ class Family:
                 "prompt": f"{self.image} a {self.image} b",
                 "multi_modal_data": {"image": [image(1), image(2, (64, 32))]},
             },
+            *self.videos,
         ]
 
 
@@ -48,7 +50,7 @@ def run(path: str, family: Family, **kwargs: Any) -> Run:
         max_model_len=512,
         kv_cache_memory="8MiB",
         max_num_batched_tokens=family.budget,
-        limit_mm_per_prompt={"image": 2},
+        limit_mm_per_prompt={"image": 2, **({"video": 1} if family.videos else {})},
         **kwargs,
     ) as llm:
         outs = llm.generate(family.prompts(), GREEDY, use_tqdm=False)
