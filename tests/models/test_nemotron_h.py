@@ -1,11 +1,12 @@
-"""Nemotron-H (Mamba-2, attention without positions and relu2 MLP layers, each a pre-norm
-block of its own) against transformers.
+"""Nemotron-H (Mamba-2, attention without positions, relu2 MLP and mixture-of-experts layers,
+each a pre-norm block of its own) against transformers.
 
-A tiny random checkpoint in fp32 (``hybrid_override_pattern`` ``M*-M``; the Mamba-2 layers'
+Tiny random checkpoints in fp32 (``hybrid_override_pattern`` ``M*-M``; the Mamba-2 layers'
 width and the attention's head_dim both apart from what hidden_size would give; random
-biases): greedy tokens, sample and prompt logprobs equal transformers' for batched prompts of 2
-to 33 tokens (over up to 5 SSD chunks of 8), whole or in 7-token chunks; through the engine,
-preempted and chunked, twice. Only the attention layer holds KV blocks, the MLP layer no state
+biases; and ``M*EM``: 4 relu2 experts in 2 groups, top 2 of the best group, a random
+``e_score_correction_bias``, a latent width of 32, a shared MLP): greedy tokens, sample and
+prompt logprobs equal transformers' for batched prompts of 2 to 33 tokens (over up to 5 SSD
+chunks of 8), whole or in 7-token chunks; through the engine, preempted and chunked, twice. Only the attention layer holds KV blocks, the MLP layer no state
 at all. Every ``NemotronHConfig`` field is decided; the layer kinds, the legacy field names
 and the refusals are as transformers reads them.
 """
@@ -24,7 +25,7 @@ from trillm.config import EngineArgs
 from trillm.engine.config_builder import build_config
 from trillm.model_executor import nemotron_h_config
 from trillm.model_executor.bamba_config import ATTENTION, MAMBA, BambaConfigError
-from trillm.testing.tiny_nemotron_h import NEMOTRON_H, build_tiny_nemotron_h
+from trillm.testing.tiny_nemotron_h import MOE, NEMOTRON_H, build_tiny_nemotron_h
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,15 +36,31 @@ MAX_NEW = 10
 PROMPTS = ([5, 19, 2, 33], 5)
 
 
+CASES = {"dense": {}, "moe": MOE}
+
+
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    path = build_tiny_nemotron_h(tmp_path_factory.mktemp("nemotron_h"))
-    return str(path), load_hf(path)
+def checkpoints(tmp_path_factory):
+    paths = {}
+
+    def build(case: str):
+        if case not in paths:
+            path = build_tiny_nemotron_h(tmp_path_factory.mktemp(case), **CASES[case])
+            paths[case] = (str(path), load_hf(path))
+        return paths[case]
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def built(checkpoints):
+    return checkpoints("dense")
 
 
 @pytest.mark.parametrize("chunk", [None, 7], ids=["whole", "chunked"])
-def test_greedy_and_logprobs_equal_transformers(built, chunk):
-    path, hf = built
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_and_logprobs_equal_transformers(checkpoints, case, chunk):
+    path, hf = checkpoints(case)
     prompts = random_prompts(*PROMPTS)
     reqs = run_requests(
         make_runner(path), prompts, MAX_NEW, chunk=chunk, logprobs=2, prompt_logprobs=1
@@ -146,15 +163,21 @@ def test_legacy_field_names_win_as_in_transformers():
     assert (out["mamba_n_heads"], out["mamba_d_head"], out["mamba_d_state"]) == (8, 12, 16)
     assert out["mamba_proj_bias"] is True and out["rms_norm_eps"] == config.layer_norm_epsilon
     assert out["tie_word_embeddings"] is False  # transformers never ties Nemotron-H's head
+    aliased = {**MOE, "num_local_experts": 6, "n_group": 3}
+    assert (
+        _prepare(**aliased)["n_routed_experts"] == 6 == NemotronHConfig(**aliased).n_routed_experts
+    )
 
 
 @pytest.mark.parametrize(
     ("fields", "field"),
     [
-        ({"hybrid_override_pattern": "M*E-"}, "hybrid_override_pattern"),
-        ({"hybrid_override_pattern": None}, "layers_block_type"),  # the default has 'moe'
-        ({"layers_block_type": ["mamba", "moe"]}, "layers_block_type"),
         ({"hybrid_override_pattern": "M*X"}, "hybrid_override_pattern"),
+        ({"layers_block_type": ["mamba", "sliding_attention"]}, "layers_block_type"),
+        ({**MOE, "num_experts_per_tok": 5}, "num_experts_per_tok"),
+        ({**MOE, "n_group": 3}, "n_group"),
+        ({**MOE, "n_group": 4}, "n_group"),  # one expert a group: transformers' top-2 fails
+        ({**MOE, "topk_group": 3}, "topk_group"),
         ({"sliding_window": 16}, "sliding_window"),
         ({"time_step_limit": [0.0, 1.0]}, "time_step_limit"),
         ({"mamba_dt_limit": [0.0, 1.0]}, "mamba_dt_limit"),
@@ -169,7 +192,11 @@ def test_fields_trillm_would_not_run_as_transformers_are_refused(fields, field):
         _prepare(**fields)
 
 
-def test_moe_layers_are_refused_when_the_engine_is_configured(tmp_path):
-    path = build_tiny_nemotron_h(tmp_path, hybrid_override_pattern="M*E", n_routed_experts=4)
-    with pytest.raises(ValueError, match="mixture-of-experts layers"):
-        build_config(EngineArgs(model=str(path), device="cpu", max_model_len=64))
+def test_expert_fields_are_dropped_without_expert_layers():
+    """A dense checkpoint's config.json (transformers writes every field) keeps no expert
+    sizes for tensor parallelism to check; transformers' default layer list has an 'E'."""
+    dense = _prepare(n_routed_experts=8, moe_intermediate_size=7688)
+    assert "moe_intermediate_size" not in dense and "n_routed_experts" not in dense
+    default = _prepare(hybrid_override_pattern=None)
+    assert default["layer_types"] == [MAMBA, "moe", ATTENTION, "mlp"]
+    assert default["moe_intermediate_size"] == 7688

@@ -2,7 +2,8 @@
 attention): TP=2 greedy tokens equal the one-rank engine's for Bamba (2 groups of B and C: one
 per rank), GraniteMoeHybrid with RoPE and experts (1 group: replicated on both ranks, the
 gated norm's one group spanning them) and Nemotron-H (M * - M, random biases: a row-parallel
-one added on both ranks would change the tokens), and so do PP=2's (layers mamba, attention |
+one added on both ranks would change the tokens; M * E M: each rank its share of every
+expert's and the shared MLP's intermediate size), and so do PP=2's (layers mamba, attention |
 mamba; Nemotron-H's M * | - M: each stage keeps its own Mamba layers' states), 2 prompts
 longer than an SSD chunk (8 positions) x 8 tokens. Sizes TP cannot split exactly are refused
 by name before any worker starts.
@@ -20,7 +21,7 @@ from trillm.config import EngineArgs
 from trillm.engine.config_builder import build_config
 from trillm.engine.llm import LLM
 from trillm.testing.tiny_bamba import build_tiny_bamba, build_tiny_granite_hybrid
-from trillm.testing.tiny_nemotron_h import build_tiny_nemotron_h
+from trillm.testing.tiny_nemotron_h import MOE, build_tiny_nemotron_h
 
 # Both longer than one SSD chunk of 8 positions, of different lengths.
 PROMPTS = [
@@ -33,6 +34,7 @@ BUILDERS = {
     "bamba": lambda out: build_tiny_bamba(out),
     "granite_one_group": lambda out: build_tiny_granite_hybrid(out, mamba_n_groups=1),
     "nemotron_h": lambda out: build_tiny_nemotron_h(out),
+    "nemotron_h_moe": lambda out: build_tiny_nemotron_h(out, **MOE),
 }
 
 

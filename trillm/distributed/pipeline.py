@@ -41,6 +41,7 @@ _EMBEDDING = (
     "gpt_neox.embed_in.",
     "language_model.model.embed_tokens.",
     "model.language_model.embed_tokens.",
+    "backbone.embeddings.",  # Nemotron-H's
 )
 _HEAD = (
     "lm_head.",
@@ -50,6 +51,7 @@ _HEAD = (
     "language_model.lm_head.",
     "language_model.model.norm.",
     "model.language_model.norm.",
+    "backbone.norm_f.",  # Nemotron-H's
 )
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 

@@ -16,8 +16,8 @@
                                                  q_a_proj, kv_a_proj_with_mqa replicated
     Llama 4's experts.gate_up_proj, down_proj    [E, H, 2I] / [E, I, H]: each expert's
                                                  gate and up columns, down rows split
-    Bamba's / GraniteMoeHybrid's / Nemotron-H's  by heads (hybrid_sharding.py)
-    Mamba-2 layers
+    the Mamba-2 layers of Bamba,                 by heads (hybrid_sharding.py)
+    GraniteMoeHybrid and Nemotron-H
 
 Attention heads split evenly; KV heads too when there are at least as many as ranks, else each
 KV head is replicated on N / Hkv consecutive ranks (the ranks whose query heads use it).
@@ -95,7 +95,12 @@ _LLAMA4 = "Llama4ForCausalLM"
 
 
 # (and Llama 4's dense layers' intermediate_size_mlp)
-_MOE_SIZES = ("moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size_mlp")
+_MOE_SIZES = (
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "intermediate_size_mlp",
+    "moe_shared_expert_intermediate_size",  # Nemotron-H's shared MLP
+)
 # MLA (DeepSeek): each head's rows of q_proj / q_b_proj and kv_b_proj, columns of o_proj; the
 # low-rank down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated.
 _MLA_HEAD_WIDTHS = {
@@ -114,6 +119,8 @@ def intermediate_of(cfg: ModelConfig, name: str) -> int:
         return cfg.intermediate_size if routed else int(hf["intermediate_size_mlp"])
     if ".shared_expert." in name:
         return int(hf["shared_expert_intermediate_size"])
+    if ".shared_experts." in name and hf.get("moe_shared_expert_intermediate_size"):
+        return int(hf["moe_shared_expert_intermediate_size"])  # Nemotron-H's
     if ".shared_experts." in name:  # DeepSeek: n_shared_experts experts' worth, as one MLP
         return int(hf["moe_intermediate_size"]) * int(hf["n_shared_experts"])
     if ".experts." in name and hf.get("moe_intermediate_size"):

@@ -65,20 +65,19 @@ _MAMBA_NAMES: dict[str, tuple[str, str | None]] = {
     "time_step_limit": ("time_step_limit", "mamba_dt_limit"),
 }
 
-_MOE_FIELDS = (
-    "n_routed_experts",
-    "n_shared_experts",
-    "moe_intermediate_size",
-    "moe_shared_expert_intermediate_size",
-    "moe_latent_size",
-    "moe_shared_expert_overlap",
-    "num_experts_per_tok",
-    "routed_scaling_factor",
-    "n_group",
-    "topk_group",
-    "norm_topk_prob",
-)
-_MOE_WHY = "mixture-of-experts layers ('E', Nemotron 3) are not implemented in trillm"
+# The 'moe' layers' fields (transformers' defaults), dropped when there is none.
+_MOE_DEFAULTS: dict[str, Any] = {
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 7688,
+    "moe_shared_expert_intermediate_size": 7688,
+    "moe_latent_size": None,
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+}
+_MOE_INERT = ("n_shared_experts", "moe_shared_expert_overlap")
 _INIT_ONLY = "weight initialisation only: " + INERT
 
 FIELDS: dict[str, str] = {
@@ -95,8 +94,8 @@ FIELDS: dict[str, str] = {
         ),
         READ,
     ),
-    "layers_block_type": "read (or hybrid_override_pattern: M, *, -; the legacy mamba / "
-    f"attention names remapped); moe / E refused ({_MOE_WHY}); its length is the layer count",
+    "layers_block_type": "read (or hybrid_override_pattern: M, *, -, E; the legacy mamba / "
+    "attention names remapped); its length is the layer count",
     "mlp_hidden_act": "read for the '-' layers (relu2 only; others refused by name)",
     "mamba_hidden_act": "read for the Mamba-2 convolution (silu only; others refused by name)",
     "use_bias": "read: in_proj's and out_proj's bias, as transformers reads it",
@@ -123,7 +122,16 @@ FIELDS: dict[str, str] = {
     "time_step_floor": _INIT_ONLY,
     "rescale_prenorm_residual": _INIT_ONLY,
     "hidden_dropout": INERT,
-    **dict.fromkeys(_MOE_FIELDS, f"read only by 'moe' layers, which are refused ({_MOE_WHY})"),
+    **dict.fromkeys(
+        _MOE_DEFAULTS,
+        "read by the 'moe' layers (the router as DeepSeek-V3's "
+        "noaux_tc: sigmoid scores, e_score_correction_bias, n_group / topk_group)",
+    ),
+    "moe_latent_size": "read: the experts run on fc1_latent_proj's output, fc2_latent_proj "
+    "maps their sum back",
+    "n_shared_experts": "no effect in transformers (the shared MLP has "
+    "moe_shared_expert_intermediate_size): none here either",
+    "moe_shared_expert_overlap": INERT,
     **COMMON_FIELDS,
 }
 
@@ -136,6 +144,14 @@ def prepare(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
     for name, (field, legacy) in _MAMBA_NAMES.items():
         out[name] = out[legacy] if legacy is not None and legacy in hf else out[field]
     out["layer_types"] = _layer_types(hf)
+    if MOE in out["layer_types"]:
+        out = {**_MOE_DEFAULTS, **out}
+        if "num_local_experts" in hf:  # transformers' attribute_map: it wins, as there
+            out["n_routed_experts"] = hf["num_local_experts"]
+        _check_moe(out)
+    else:  # unread: kept out of the sizes tensor parallelism checks
+        for field in (*_MOE_DEFAULTS, *_MOE_INERT):
+            out.pop(field, None)
     out["num_hidden_layers"] = len(out["layer_types"])  # transformers ignores the given one
     out["num_key_value_heads"] = int(out.get("num_key_value_heads") or out["num_attention_heads"])
     out["rms_norm_eps"] = out["layer_norm_epsilon"]
@@ -165,9 +181,22 @@ def _check(hf: dict[str, Any], given: dict[str, Any]) -> None:
         raise refuse(ARCHITECTURE, "sliding_window", hf["sliding_window"], why)
 
 
+def _check_moe(hf: dict[str, Any]) -> None:
+    """Refuses router sizes transformers' top-k and group top-2 would fail on."""
+    experts, top_k = int(hf["n_routed_experts"] or 0), int(hf["num_experts_per_tok"] or 0)
+    groups, top_groups = int(hf["n_group"] or 0), int(hf["topk_group"] or 0)
+    if experts < 1 or not 0 < top_k <= experts:
+        raise refuse(ARCHITECTURE, "num_experts_per_tok", top_k, f"1..{experts} experts")
+    if groups < 1 or experts % groups or experts // groups < 2:
+        why = f"a divisor of n_routed_experts={experts} leaving 2 or more experts a group"
+        raise refuse(ARCHITECTURE, "n_group", groups, why)
+    if not 0 < top_groups <= groups:
+        raise refuse(ARCHITECTURE, "topk_group", top_groups, f"1..{groups} groups")
+
+
 def _layer_types(hf: dict[str, Any]) -> list[str]:
     """Each layer's kind: ``layers_block_type`` (or ``layer_types``), else the pattern, else
-    transformers' default list, which has a 'moe' layer and so is refused."""
+    transformers' default list."""
     given = hf.get("layers_block_type") or hf.get("layer_types")
     field = "layers_block_type"
     if given is None and hf.get("hybrid_override_pattern") is not None:
@@ -179,7 +208,4 @@ def _layer_types(hf: dict[str, Any]) -> list[str]:
         given = [MAMBA, MOE, ATTENTION, MLP]
     if not isinstance(given, list) or not given or set(given) - set(_KINDS):
         raise refuse(ARCHITECTURE, field, given, f"a list of {', '.join(_KINDS)}")
-    kinds = [_KINDS[kind] for kind in given]
-    if MOE in kinds:
-        raise refuse(ARCHITECTURE, field, hf.get(field, given), _MOE_WHY)
-    return kinds
+    return [_KINDS[kind] for kind in given]

@@ -5,8 +5,9 @@ The Mamba-2 layers have ``tiny_bamba``'s shapes (SSD chunks of 8 positions, 2 gr
 a conv kernel of 4) but a width ``mamba_num_heads * mamba_head_dim`` = 96 that
 ``expand * hidden_size`` (128) is not, and the attention a ``head_dim`` of 24 that
 ``hidden_size / num_attention_heads`` (16) is not: a path that took either from the other fields
-fails. ``A_log``, ``dt_bias``, ``D`` and the projections' biases (``use_bias``, ``mlp_bias``:
-transformers initializes them to fixed values or zero) are drawn at random.
+fails. ``A_log``, ``dt_bias``, ``D``, the projections' biases (``use_bias``, ``mlp_bias``) and
+an expert router's ``e_score_correction_bias`` (transformers initializes them to fixed values
+or zero) are drawn at random.
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ NEMOTRON_H: dict[str, Any] = dict(
     eos_token_id=EOS_IDS[0],
     pad_token_id=0,
 )
+# The mixture-of-experts variant (Nemotron 3's 'E' layers): 4 experts in 2 groups, top 2 of the
+# best group, on a latent width of 32, beside a shared MLP of 48.
+MOE: dict[str, Any] = dict(
+    hybrid_override_pattern="M*EM",
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    moe_latent_size=32,
+)
 
 
 def build_tiny_nemotron_h(out_dir: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
@@ -55,4 +68,7 @@ def build_tiny_nemotron_h(out_dir: str | Path, *, seed: int = 0, **overrides: An
                 param.normal_(0.0, 1.0)
             elif name.endswith("_proj.bias"):
                 param.normal_(0.0, 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("gate.e_score_correction_bias"):  # 'E' layers' router
+                buffer.normal_(0.0, 0.3)
     return save_text_checkpoint(model, out_dir)

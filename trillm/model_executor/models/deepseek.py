@@ -44,12 +44,13 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 class DeepseekRouter(nn.Module):
     """HF's ``mlp.gate``: ``weight`` [E, H] (and V3's ``e_score_correction_bias`` [E]), kept
-    and scored in fp32 whatever the model's dtype, as transformers does."""
+    and scored in fp32 whatever the model's dtype, as transformers does; ``noaux_tc``: V3's
+    router whatever the architecture (Nemotron-H's experts use it)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, noaux_tc: bool = False) -> None:
         super().__init__()
         hf = cfg.hf_config
-        self.v3 = cfg.architecture == V3
+        self.v3 = noaux_tc or cfg.architecture == V3
         self.num_experts, self.top_k = int(hf["n_routed_experts"]), int(hf["num_experts_per_tok"])
         fp32 = torch.float32
         self.weight = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size, dtype=fp32))

@@ -1,13 +1,14 @@
 """Nemotron-H (transformers' ``NemotronHForCausalLM``): a stack of single-sublayer blocks, each
 ``residual + mixer(norm(residual))`` with a mixer of the kind ``layer_types`` gives
 (``nemotron_h_config``): a Mamba-2 layer (``mamba2.py``, shared with Bamba), attention without
-any positional embedding, or an MLP of ``relu(up(x)) ** 2``.
+any positional embedding, an MLP of ``relu(up(x)) ** 2`` or a mixture of such experts
+(``nemotron_h_ffn.py``).
 
 As transformers computes it: its RMSNorm multiplies the weight in float32 and casts the product
 back (Llama's casts before the weight); the attention has no bias and scales by
 ``head_dim ** -0.5``; the head is never tied to the embeddings. The attention layers alone hold
 the paged KV cache, the Mamba-2 layers a per-request state (``ssm_state_layout``), the MLP
-layers neither. Checkpoint names (``backbone.embeddings``, ``backbone.layers.N.mixer.*``,
+and expert layers neither. Checkpoint names (``backbone.embeddings``, ``backbone.layers.N.mixer.*``,
 ``backbone.norm_f``) map onto Llama's stack (``model.embed_tokens``, ``model.norm``); the multi-token
 prediction layers (``mtp.*``) are skipped, as transformers skips them. Tensor parallelism
 splits the Mamba-2 layers by heads (``trillm/distributed/hybrid_sharding.py``), the attention
@@ -19,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trillm.attention.backend import AttentionBackend, AttentionMetadata
@@ -28,13 +28,10 @@ from trillm.config import ModelConfig
 from trillm.distributed.pipeline import IntermediateTensors
 from trillm.model_executor.bamba_config import ATTENTION, MAMBA
 from trillm.model_executor.models.granitemoehybrid import GraniteAttention
-from trillm.model_executor.models.llama import (
-    DecoderStack,
-    LlamaDecoderFlags,
-    LlamaForCausalLM,
-    rank_shapes,
-)
+from trillm.model_executor.models.llama import DecoderStack, LlamaDecoderFlags, LlamaForCausalLM
 from trillm.model_executor.models.mamba2 import Mamba2Mixer, hybrid_state_layout, mixer_rows
+from trillm.model_executor.models.nemotron_h_ffn import NemotronHMLP, NemotronHMoE
+from trillm.model_executor.nemotron_h_config import MOE
 
 # Checkpoint prefixes (NVIDIA's ``backbone.*``, as transformers saves them too) -> this stack's
 # names (Llama's).
@@ -65,19 +62,6 @@ class NemotronHRMSNorm(nn.Module):
         return (self.weight.float() * h).to(x.dtype)
 
 
-class NemotronHMLP(nn.Module):
-    """``down(relu(up(x)) ** 2)`` over this rank's share of ``intermediate_size``."""
-
-    def __init__(self, cfg: ModelConfig, bias: bool) -> None:
-        super().__init__()
-        self.tp, shapes = rank_shapes(cfg)
-        self.up_proj = nn.Linear(cfg.hidden_size, shapes.inter_size, bias=bias)
-        self.down_proj = nn.Linear(shapes.inter_size, cfg.hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.tp.all_reduce(self.down_proj(F.relu(self.up_proj(x)).square()))
-
-
 class NemotronHBlock(nn.Module):
     def __init__(
         self,
@@ -96,6 +80,8 @@ class NemotronHBlock(nn.Module):
             self.mixer = Mamba2Mixer(cfg, mixer_index)
         elif kind == ATTENTION:
             self.mixer = GraniteAttention(cfg, backend, flags)  # scale head_dim ** -0.5
+        elif kind == MOE:
+            self.mixer = NemotronHMoE(cfg, flags.mlp_bias)
         else:
             self.mixer = NemotronHMLP(cfg, flags.mlp_bias)
 
@@ -173,8 +159,8 @@ class NemotronHForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def own_projection(cls, name: str) -> bool:
-        """An MLP layer's ``up_proj`` is a whole projection (there is no gate to stack)."""
-        return ".mixer.up_proj." in name
+        """Every ``up_proj`` is a whole projection (no MLP or expert here has a gate)."""
+        return ".up_proj." in name
 
     @classmethod
     def ssm_state_layout(cls, cfg: ModelConfig, tp_size: int = 1) -> SSMStateLayout:
