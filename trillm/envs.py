@@ -186,6 +186,14 @@ WORKER_START = EnvVar(
     _worker_start,
     "zygote",
 )
+RANK_ZYGOTE = EnvVar(
+    ("TRILLM_RANK_ZYGOTE",),
+    "The Unix socket of a rank zygote server already running (python -m "
+    "trillm.executor.rank_server) that this process started: multi-rank engines fork their "
+    "ranks from it instead of starting a zygote each (unset: a zygote each).",
+    _text_or_none,
+    None,
+)
 PP_MICRO_BATCHES = EnvVar(
     ("TRILLM_PP_MICRO_BATCHES",),
     "Steps in flight with pipeline parallelism, 1 .. pipeline_parallel_size (default: one "
@@ -246,6 +254,7 @@ ALL: tuple[EnvVar[Any], ...] = (
     LOGGING_CONFIG_PATH,
     NO_EXTENSIONS,
     WORKER_START,
+    RANK_ZYGOTE,
     PP_MICRO_BATCHES,
     CPU_OMP_THREADS_BIND,
     CPU_NUM_OF_RESERVED_CPU,

@@ -51,7 +51,19 @@ PRELOAD = (
     "trillm.engine.core",
     "trillm.executor.factory",
     "trillm.executor.multiproc",
+    "trillm.executor.rank_server",
 )
+# ``trillm serve`` flags that give an engine more than one rank on this node: such a server gets
+# a rank zygote server of its own, forked from it at its start (tests/support/rank_servers.py).
+MULTI_RANK_FLAGS = ("-tp", "--tensor-parallel-size", "-pp", "--pipeline-parallel-size")
+# Room in this process's command line for a rank's, which each forked rank writes over it
+# (trillm/executor/rank_zygote.py's set_cmdline), so that ps shows the worker it is.
+CMDLINE_ROOM = " " * 4096
+_IMPORT_ENV: dict[str, str] = {}  # the environment this zygote imported torch under
+
+
+def multi_rank(args: list[str]) -> bool:
+    return any(a.split("=", 1)[0] in MULTI_RANK_FLAGS for a in args)
 
 
 # --- the zygote program -----------------------------------------------------------------------
@@ -72,6 +84,8 @@ def _run_child(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if multi_rank(request["args"]):
+            _fork_rank_server()
         from trillm.entrypoints.cli.main import main
 
         sys.argv = [str(Path(request["cwd"]) / "trillm" / "__main__.py"), *request["args"]]
@@ -90,6 +104,17 @@ def _run_child(request: dict[str, Any]) -> None:
     os._exit(code)
 
 
+def _fork_rank_server() -> None:
+    """A rank zygote server of this server's own (its child, with everything imported): its
+    engine forks its ranks from it (``TRILLM_RANK_ZYGOTE``) instead of a fresh zygote."""
+    from trillm import envs
+    from trillm.executor import rank_server
+
+    address = f"@trillm-rank-zygote-{os.getpid()}"
+    rank_server.fork_server(address, _IMPORT_ENV)
+    os.environ[envs.RANK_ZYGOTE.name] = address
+
+
 def _reap(children: set[int]) -> list[tuple[int, int]]:
     ended = []
     for pid in list(children):
@@ -105,8 +130,12 @@ def serve_forever() -> None:
     sys.path[0] = os.getcwd()  # as ``python -m`` has it: the repository, not this folder
     import importlib
 
+    _IMPORT_ENV.update(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
+    from trillm.executor import rank_zygote
+
+    rank_zygote.preload()  # what a rank imports, for the servers' rank zygote servers
     assert threading.active_count() == 1, "the zygote must not fork with threads running"
     out = sys.stdout
     out.write(json.dumps({"ready": os.getpid()}) + "\n")
@@ -182,10 +211,14 @@ class Zygote:
 
     def __init__(self, cwd: Path, env: dict[str, str]) -> None:
         self._cwd = cwd
+        from trillm.executor.worker_ipc import WORKER_GOMP_SPINCOUNT
+
+        # The rank zygote servers forked from here hold the OpenMP spin their ranks would set
+        # (worker_env), which OpenMP reads once, when torch loads it.
         self._proc = subprocess.Popen(
-            [sys.executable, __file__],
+            [sys.executable, __file__, CMDLINE_ROOM],
             cwd=cwd,
-            env=env,
+            env={"GOMP_SPINCOUNT": WORKER_GOMP_SPINCOUNT, **env},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )

@@ -67,6 +67,9 @@ def server_env() -> dict[str, str]:
     the name of the test running, which pytest keeps in it)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     env.pop("PYTEST_CURRENT_TEST", None)
+    # This process's rank zygote server cannot fork a server's ranks (it does not descend from
+    # the server); a multi-rank server forked from the serve zygote gets one of its own.
+    env.pop(envs.RANK_ZYGOTE.name, None)
     return env
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from rank_servers import ranks_from_one_zygote
 from scheduler_driver import Driver
 from worker_processes import pid_alive, shm_exists
 
@@ -32,6 +33,14 @@ from trillm.worker.fake_runner import FakeModelRunner, make_fake_config
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, EOS = 4096, (2, 0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ranks_from_one_zygote():
+    """The multi-rank executors here fork their ranks from this worker's rank zygote server
+    (tests/support/rank_servers.py), not from a fresh zygote each."""
+    with ranks_from_one_zygote():
+        yield
 
 
 def expected_token(req_id: str, position: int) -> int:
@@ -267,6 +276,7 @@ PARENT = textwrap.dedent(
 
 def test_workers_exit_when_the_parent_is_killed():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRILLM_RANK_ZYGOTE")  # this process's server: the parent starts its own zygote
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env
     )

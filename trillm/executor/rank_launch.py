@@ -12,6 +12,8 @@ saves a 4-rank start ~11 s of CPU on 2 cores (benchmarks/archive/RESULTS-journal
 ``TRILLM_WORKER_START``: ``zygote`` (the default: several ranks from one zygote, one rank as a
 process of its own) or ``spawn`` (every rank its own process, as before the zygote); Linux
 without pidfds (before 5.3) always spawns.
+``TRILLM_RANK_ZYGOTE``: the socket of a zygote that stays (``rank_server.py``), started by this
+process, to fork the ranks of every start from, instead of a fresh zygote each.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -30,6 +33,7 @@ import trio
 
 from trillm import envs
 from trillm.errors import EngineStartupError
+from trillm.executor import rank_server
 from trillm.executor.rank_zygote import WORKER_MODULE
 from trillm.executor.worker_exits import describe_exit
 from trillm.executor.worker_ipc import worker_env
@@ -149,7 +153,15 @@ def child_subreaper() -> Iterator[None]:
 async def start_ranks(specs: list[RankSpec]) -> list[RankProcess]:
     """One process per spec, in rank order; on failure none is left running."""
     mode = start_mode()  # refused at every start, whatever the number of ranks
+    server = envs.RANK_ZYGOTE.get()
+    if server is not None and mode == "spawn":
+        raise ValueError(
+            f"{envs.RANK_ZYGOTE.name} names a rank zygote server, but {START_ENV}=spawn asks "
+            "for every rank to be a process of its own: unset one of them."
+        )
     if len(specs) > 1 and mode == "zygote" and pidfds_supported():
+        if server is not None:
+            return await _fork_from_server(server, specs)
         return list(await _fork_from_zygote(specs))
     procs: list[RankProcess] = []
     try:
@@ -220,3 +232,72 @@ async def _fork_from_zygote(specs: list[RankSpec]) -> list[AdoptedRank]:
             f"{len(ranks)} of {len(specs)} ranks (its error is in the log above)."
         )
     return ranks
+
+
+async def _connect_server(address: str) -> trio.socket.SocketType:
+    """A connection to the rank zygote server at ``address``, which must be this process's
+    descendant: the ranks it forks can only become this process's children then."""
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        await sock.connect(rank_server.socket_address(address))
+        server = rank_server.peer_pid(sock)
+    except OSError as exc:
+        sock.close()
+        raise EngineStartupError(
+            f"{envs.RANK_ZYGOTE.name}={address}: no rank zygote server answers there ({exc})."
+        ) from None
+    if not rank_server.is_descendant(server, os.getpid()):
+        sock.close()
+        raise EngineStartupError(
+            f"{envs.RANK_ZYGOTE.name}={address}: its rank zygote server (pid {server}) was not "
+            "started by this process, so the ranks it forks could not become this process's "
+            "children; start the server from this process, or unset the variable."
+        )
+    return sock
+
+
+async def _send_request(sock: trio.socket.SocketType, specs: list[RankSpec]) -> None:
+    data = rank_server.encode_request(specs, worker_env())
+    fds = rank_server.request_fds(specs)
+    sent = await sock.sendmsg([data], rank_server.fds_message(fds))
+    while sent < len(data):
+        sent += await sock.send(data[sent:])
+
+
+async def _receive_to_eof(sock: trio.socket.SocketType, into: bytearray) -> None:
+    while chunk := await sock.recv(4096):
+        into += chunk
+
+
+async def _fork_from_server(address: str, specs: list[RankSpec]) -> list[RankProcess]:
+    report = bytearray()
+    with child_subreaper():
+        sock = await _connect_server(address)
+        with sock:
+            try:
+                await _send_request(sock, specs)
+                await _receive_to_eof(sock, report)
+            except BaseException:
+                # The server answers once its one-start zygote has exited: every rank it
+                # forked is then this process's child, to end here.
+                with trio.CancelScope(shield=True), trio.move_on_after(CLEANUP_GRACE_S):
+                    await _receive_to_eof(sock, report)
+                    pids = rank_server.parse_report(report)[0]
+                    await _kill_all([AdoptedRank(p) for p in pids])
+                raise
+    pids, code, refusal = rank_server.parse_report(report)
+    ranks: list[RankProcess] = [AdoptedRank(p) for p in pids]
+    if refusal is None and code == 0 and len(ranks) == len(specs):
+        return ranks
+    with trio.CancelScope(shield=True):
+        await _kill_all(ranks)
+    if refusal is not None:
+        raise EngineStartupError(
+            f"The rank zygote server at {envs.RANK_ZYGOTE.name}={address} refused the start: "
+            f"{refusal}."
+        )
+    ended = "closed the connection" if code is None else describe_exit(code)
+    raise EngineStartupError(
+        f"The rank zygote server at {envs.RANK_ZYGOTE.name}={address}: its start {ended} "
+        f"after starting {len(ranks)} of {len(specs)} ranks (its error is in the log above)."
+    )

@@ -92,26 +92,30 @@ def _run_rank(argv: list[str], keep: list[int], others: set[int], zygote: int) -
     return worker_main.main(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    # Ctrl-C and a process-group SIGTERM are the executor's to handle (as in worker_main).
+def ignore_signals() -> None:
+    """Ctrl-C and a process-group SIGTERM are the executor's to handle (as in worker_main)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    ranks: list[tuple[list[str], list[int]]] = [
-        (list(a), list(f)) for a, f in json.loads(args.ranks)
-    ]
-    inherited = {fd for _, fds in ranks for fd in fds}
+
+
+def preload() -> None:
     for name in PRELOAD:
         __import__(name)
     gc.collect()
     gc.freeze()  # the children share these pages: no collection of theirs writes to them
+
+
+def fork_ranks(ranks: list[tuple[list[str], list[int]]], report_fd: int) -> int:
+    """One child per rank (``[worker argv, kept fds]``), each running the worker once adopted;
+    each child's pid a line on ``report_fd``. This process holds the union of the kept fds."""
+    inherited = {fd for _, fds in ranks for fd in fds}
     zygote = os.getpid()  # a child's parent until it is adopted
     for rank_argv, keep in ranks:
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
-                os.close(args.report_fd)
+                os.close(report_fd)
                 code = _run_rank(rank_argv, keep, inherited, zygote)
             except BaseException:
                 traceback.print_exc()
@@ -119,8 +123,18 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)  # no interpreter finalization (see worker_main)
-        os.write(args.report_fd, f"{pid}\n".encode())
+        os.write(report_fd, f"{pid}\n".encode())
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    ignore_signals()
+    ranks: list[tuple[list[str], list[int]]] = [
+        (list(a), list(f)) for a, f in json.loads(args.ranks)
+    ]
+    preload()
+    return fork_ranks(ranks, args.report_fd)
 
 
 if __name__ == "__main__":
