@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from trillm.sampling_errors import SamplingParamsError as SamplingParamsError
+from trillm.sampling_extras import normalise_extras
+
 _GREEDY_EPS = 1e-5
 
 # NOTE: every value crosses the process boundary (msgpack: 64-bit integers) and lands in
@@ -26,14 +29,6 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries everything generated so far
     DELTA = 1  # every output carries only what is new since the last one
     FINAL_ONLY = 2  # one output, at the end
-
-
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; ``param`` names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(slots=True)
@@ -93,8 +88,14 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None
+    # vLLM's: these ids' logprobs instead of the top-k, and the reasoning's token budget
+    # (trillm/sampling_extras.py)
+    logprob_token_ids: list[int] | None = None
+    thinking_token_budget: int | None = None
     # Filled by the input processor from the tokenizer, not by users.
     bad_words_token_ids: list[list[int]] | None = None
+    # The reasoning parser's [start tag ids, end tag ids] (with thinking_token_budget).
+    thinking_tag_ids: list[list[int]] | None = None
     # EOS plus stop_token_ids: what min_tokens suppresses.
     all_stop_token_ids: list[int] = field(default_factory=list)
 
@@ -111,6 +112,7 @@ class SamplingParams:
                     "logit_bias", "logit_bias keys must be token ids and values numbers."
                 ) from exc
         self._verify()
+        normalise_extras(self)
         if self.temperature < _GREEDY_EPS:
             # Greedy: the filters are no-ops, normalise them so batching sees one kind.
             self.temperature = 0.0
@@ -259,6 +261,7 @@ class SamplingParams:
             ("allowed_token_ids", self.allowed_token_ids),
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", list(self.logit_bias) if self.logit_bias else None),
+            ("logprob_token_ids", self.logprob_token_ids),
         ):
             outside = [t for t in ids or () if not 0 <= t < vocab_size]
             if outside:
@@ -269,7 +272,9 @@ class SamplingParams:
                     f"{', '.join(map(str, outside[:8]))}.",
                 )
         for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
-            if value is not None and value > max_logprobs:
+            # (logprobs counting logprob_token_ids is bounded by MAX_LOGPROB_TOKEN_IDS)
+            chosen = name == "logprobs" and self.logprob_token_ids
+            if value is not None and value > max_logprobs and not chosen:
                 raise SamplingParamsError(
                     name, f"Requested {name}={value}, more than max_logprobs={max_logprobs}."
                 )

@@ -37,7 +37,7 @@ from trillm.engine.chat_template import (
 from trillm.engine.media import MultiModalInputError
 from trillm.engine.multimodal import content_options, processor_for, prompt_ids
 from trillm.engine.prompt_embeds import embeds_prompt
-from trillm.engine.sampling_fields import apply_stop_ids, bad_words_token_ids
+from trillm.engine.sampling_fields import apply_stop_ids, bad_words_token_ids, thinking_tags
 from trillm.engine.template_budget import RenderBudget
 from trillm.engine.text_tokenizer import TokenizeThreads, max_text_chars
 from trillm.messages import MultiModalItem
@@ -124,6 +124,8 @@ class Preprocessor:
         self.multimodal = processor_for(config, tokenizer, self.tokenize_limiter)  # None: text
         self.content_format = config.chat_template_content_format  # auto, string, openai
         self.logits_processors = load_logits_processors(config.logits_processors)
+        speculative = config.speculative is not None
+        self.thinking_tags = thinking_tags(tokenizer, config.reasoning_parser, speculative)
 
     # ------------------------------------------------------------------ rendering
     def render_chat(
@@ -372,4 +374,5 @@ class Preprocessor:
         apply_stop_ids(params, self.eos_token_id, self.extra_eos_ids)
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        self.thinking_tags.apply(params)
         return PreparedPrompt(list(ids), params, text, priority, cache_salt)

@@ -102,6 +102,7 @@ class GptOssReasoningParser(ReasoningParser):
     # NOTE: reasoning ends at a multi-token header (``<|channel|>final<|message|>``), which the
     # engine's grammar gate (one end token) cannot see: structured outputs are refused.
     structured_outputs = False
+    thinking_budget = False  # (the same header: no fixed tag to force)
 
     def starts_in_reasoning(self) -> bool:
         return True

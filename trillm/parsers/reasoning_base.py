@@ -28,6 +28,8 @@ class ReasoningParser:
     untagged_prompt_state: ClassVar[str] = REASONING
     # Whether the engine can hold a grammar back until the reasoning ends (one end token).
     structured_outputs: ClassVar[bool] = True
+    # Whether ``thinking_token_budget`` can force the reasoning's end (``budget_tags``).
+    thinking_budget: ClassVar[bool] = True
     start_tag: ClassVar[str] = START
     end_tag: ClassVar[str] = END
     # Text that ends the reasoning as ``end_tag`` does but belongs to the content (Kimi K2's
@@ -96,6 +98,11 @@ class ReasoningParser:
                 f"no {missing} token."
             )
         return ids[0], ids[1]
+
+    @classmethod
+    def budget_tags(cls) -> tuple[str, str]:
+        """The texts ``thinking_token_budget`` counts between (and forces the second of)."""
+        return cls.start_tag, cls.end_tag
 
     @classmethod
     def prompt_state(cls, prompt_ids: Sequence[int], ids: tuple[int, int]) -> str:

@@ -152,6 +152,7 @@ class GraniteReasoningParser(_ResplitParser):
         "Here's my thought process:",
     )
     ENDS: ClassVar[tuple[str, ...]] = ("Here is my response:", "Here's my response:")
+    thinking_budget = False  # two spellings of each phrase: no one tag to count or force
 
     def starts_in_reasoning(self) -> bool:
         return False

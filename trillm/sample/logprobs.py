@@ -75,3 +75,17 @@ def _topk_logprobs_chunk(logits: torch.Tensor, target_ids: torch.Tensor, k: int)
         logprobs=torch.cat([target_lp, top_lp], dim=1),
         ranks=ranks,
     )
+
+
+def write_chosen_logprobs(
+    tensors: LogprobsTensors, logits: torch.Tensor, chosen: dict[int, list[int]]
+) -> None:
+    """``logprob_token_ids``: columns 1..n of each row in ``chosen`` (row -> its n ids, n no
+    more than the tensors' k) become those ids and their logprobs, from the same log_softmax
+    of the same logits as the top-k they replace."""
+    rows = torch.tensor(list(chosen), dtype=torch.long, device=logits.device)
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)  # [r, V]
+    for i, (row, ids) in enumerate(chosen.items()):
+        ids_t = torch.tensor(ids, dtype=torch.long, device=logits.device)  # [n]
+        tensors.token_ids[row, 1 : 1 + len(ids)] = ids_t
+        tensors.logprobs[row, 1 : 1 + len(ids)] = logprobs[i, ids_t]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from trillm.sample.bitmask import apply_bitmask, unpack_bitmask
-from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs
+from trillm.sample.logprobs import LogprobsTensors, compute_topk_logprobs, write_chosen_logprobs
 from trillm.sample.penalties import apply_penalties
 from trillm.sample.race import SeededNoise, exponential_race
 from trillm.sample.state import SamplingState, SlotError
@@ -57,6 +57,7 @@ def _any_processor(state: SamplingState) -> bool:
         or state.any_min_tokens
         or state.any_penalties
         or state.custom is not None
+        or bool(state.thinking)
     )
 
 
@@ -87,6 +88,8 @@ class Sampler:
         sampled = self._sample(processed, state, slots, slot_list, step_offsets)
         k = state.max_num_logprobs
         logprobs = None if k is None else compute_topk_logprobs(logits, sampled, k)
+        if logprobs is not None and (chosen := state.chosen_logprob_ids(slot_list.get())):
+            write_chosen_logprobs(logprobs, logits, chosen)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def process_logits(
@@ -127,6 +130,8 @@ class Sampler:
             logits = state.custom.apply_argmax_changing(logits, slot_list.get())
         if state.any_penalties:
             logits = _penalise(logits, state, slots)
+        if state.thinking:  # last: a spent thinking budget overrides every other processor
+            _force_tokens(logits, *state.thinking.forced_rows(slot_list.get()))
         return logits
 
     # ------------------------------------------------------------------ sampling
@@ -175,6 +180,17 @@ def _ban_bad_words(logits: torch.Tensor, state: SamplingState, slot_list: list[i
         row_t = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
         token_t = torch.tensor(tokens, dtype=torch.long).to(logits.device, non_blocking=True)
         logits.index_put_((row_t, token_t), torch.tensor(_NEG_INF, device=logits.device))
+
+
+def _force_tokens(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
+    """Each row in ``rows`` keeps only its token (vLLM's thinking budget forcing the end of
+    reasoning): the others -inf, so greedy and random sampling both pick it."""
+    if not rows:
+        return
+    row_t = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    token_t = torch.tensor(tokens, dtype=torch.long).to(logits.device, non_blocking=True)
+    logits[row_t] = _NEG_INF
+    logits[row_t, token_t] = 0.0
 
 
 def _suppress_stop_tokens(logits: torch.Tensor, state: SamplingState, slots: torch.Tensor):

@@ -23,6 +23,7 @@ import torch
 from trillm.sample.bad_words import banned_tokens
 from trillm.sample.bitmask import num_words, pack_token_ids
 from trillm.sample.custom_batch import CustomLogitsProcessors
+from trillm.sample.thinking_budget import ThinkingBudgets
 from trillm.sampling_params import SamplingParams
 
 _COUNT_DTYPE = torch.int16
@@ -74,6 +75,8 @@ class SamplingState:
         self._num_output: list[int] = [0] * r
         self._seeds: dict[int, int] = {}  # slot -> seed (random rows only)
         self._num_logprobs: dict[int, int] = {}  # slot -> k (requests that asked)
+        self._chosen_ids: dict[int, list[int]] = {}  # slot -> its logprob_token_ids
+        self.thinking = ThinkingBudgets()  # thinking_token_budget requests
         self._top_k: dict[int, int] = {}  # slot -> enabled k
         self._min_tokens: dict[int, int] = {}  # slot -> min_tokens, until reached
         self._bad_words: dict[int, list[list[int]]] = {}
@@ -182,6 +185,7 @@ class SamplingState:
         self.num_output[slot] = 0
         if self.custom is not None:  # before append_tokens fills its output list
             self.custom.add_request(slot, params, prompt_token_ids)
+        self.thinking.add(slot, params, prompt_token_ids)
         if slot in self._slots_with["penalties"]:
             self.output_counts[slot].zero_()
         if output_token_ids:
@@ -200,6 +204,8 @@ class SamplingState:
             slots.discard(slot)
         for per_slot in (self._seeds, self._num_logprobs, self._top_k, self._min_tokens):
             per_slot.pop(slot, None)
+        self._chosen_ids.pop(slot, None)
+        self.thinking.remove(slot)
         self._bad_words.pop(slot, None)
         self._history.pop(slot, None)
         if self.custom is not None:
@@ -255,6 +261,8 @@ class SamplingState:
             self._history[slot] = []
         if params.logprobs is not None:
             self._num_logprobs[slot] = params.logprobs
+        if params.logprob_token_ids:
+            self._chosen_ids[slot] = list(params.logprob_token_ids)
 
     def _set_token_sets(
         self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int]
@@ -326,9 +334,11 @@ class SamplingState:
     def _update_host(self, slot_list: list[int], tokens) -> None:
         for slot in slot_list:
             self._num_output[slot] += 1
-        if self.custom is not None:
+        if self.custom is not None or self.thinking:
             token_list = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-            self.custom.append_tokens(slot_list, token_list)
+            if self.custom is not None:
+                self.custom.append_tokens(slot_list, token_list)
+            self.thinking.append_tokens(slot_list, token_list)
         for slot in self._min_tokens.keys() & set(slot_list):
             if self._num_output[slot] >= self._min_tokens[slot]:
                 del self._min_tokens[slot]
@@ -354,6 +364,13 @@ class SamplingState:
                 rows.append(row)
                 tokens.append(token)
         return rows, tokens
+
+    def chosen_logprob_ids(self, slot_list: Sequence[int]) -> dict[int, list[int]]:
+        """Batch row -> its request's logprob_token_ids, for the rows that have them."""
+        chosen = self._chosen_ids
+        if not chosen:
+            return {}
+        return {row: chosen[slot] for row, slot in enumerate(slot_list) if slot in chosen}
 
     def seeded_rows(
         self, slot_list: Sequence[int], offsets: Sequence[int] | None = None

@@ -60,6 +60,24 @@ _SAMPLING = {
     "bad_words": ids(FE + "test_allowed_token_ids_and_bad_words"),
     "truncate_prompt_tokens": ids(FE + "test_truncate_prompt_tokens"),
     "return_tokens_as_token_ids": ids(FE + "test_logprobs_and_return_tokens_as_token_ids"),
+    # the ids' logprobs equal transformers' (completions and chat, streamed and not); refused
+    # without logprobs, over the length bound or outside the vocabulary
+    "logprob_token_ids": ids(
+        "tests/entrypoints/test_logprob_ids_thinking_budget.py::"
+        "test_completion_logprob_token_ids_equal_transformers",
+        "tests/entrypoints/test_logprob_ids_thinking_budget.py::"
+        "test_chat_logprob_token_ids_equal_transformers_streamed_and_not",
+        "tests/entrypoints/test_logprob_ids_thinking_budget.py::"
+        "test_logprob_token_ids_refusals_name_the_field",
+    ),
+    # </think> forced at the budget, the rest transformers' continuation; refused by name
+    # without --reasoning-parser and with beam search
+    "thinking_token_budget": ids(
+        "tests/entrypoints/test_logprob_ids_thinking_budget.py::"
+        "test_thinking_budget_forces_the_end_of_reasoning",
+        "tests/entrypoints/test_thinking_budget_refusals.py::"
+        "test_without_a_reasoning_parser_the_budget_is_refused_by_name",
+    ),
     # n beams as the choices, equal to LLM.beam_search (itself equal to transformers')
     "use_beam_search": ids(BEAM + "test_completion_choices_are_the_beams"),
     "length_penalty": ids(

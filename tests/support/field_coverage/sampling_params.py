@@ -11,6 +11,9 @@ from field_coverage.ids import (
     ids,
 )
 
+_BUDGET = "tests/sample/test_thinking_budget.py::"
+_HTTP_BUDGET = "tests/entrypoints/test_logprob_ids_thinking_budget.py::"
+
 _PARAMS = {
     "n": ids(FEE + "test_temperature_seed_n"),
     "presence_penalty": ids(
@@ -75,6 +78,19 @@ _PARAMS = {
     # Filled by the input processor, read by the sampler.
     "bad_words_token_ids": ids(SAMPLER + "test_bad_words_single_and_multi_token"),
     "all_stop_token_ids": ids(SAMPLER + "test_min_tokens_suppresses_stop_ids_until_reached"),
+    "logprob_token_ids": ids(
+        _BUDGET + "test_logprob_token_ids_are_the_log_softmax_of_the_same_logits",
+        _HTTP_BUDGET + "test_completion_logprob_token_ids_equal_transformers",
+    ),
+    "thinking_token_budget": ids(
+        _BUDGET + "test_the_sampler_forces_the_end_over_other_processors",
+        _HTTP_BUDGET + "test_thinking_budget_forces_the_end_of_reasoning",
+    ),
+    # filled by the input processor from the reasoning parser, read by the sampler
+    "thinking_tag_ids": ids(
+        _BUDGET + "test_the_sampler_forces_the_end_over_other_processors",
+        _HTTP_BUDGET + "test_thinking_budget_forces_the_end_of_reasoning",
+    ),
 }
 
 _SO_PARAMS = {

@@ -35,12 +35,14 @@ def chunk_head(request_id: str, object_name: bytes, created: int, model_name: st
 
 
 def position_logprobs(
-    entry: dict[int, Logprob], token_id: int
+    entry: dict[int, Logprob], token_id: int, listed: bool = False
 ) -> tuple[float, list[tuple[int, str, float]]]:
     """One position's logprobs, as the output processor formatted them: the chosen token's
-    value and ``[(id, text, logprob)]`` by rank (``in_rank_order``: no sorting here)."""
+    value and ``[(id, text, logprob)]`` by rank (``in_rank_order``: no sorting here), or with
+    ``listed`` (``logprob_token_ids``) as formatted: the sampled token, then the ids asked."""
     chosen = entry[token_id].logprob if token_id in entry else -math.inf
-    tops = [(tid, lp.decoded_token or "", lp.logprob) for tid, lp in in_rank_order(entry)]
+    items = list(entry.items()) if listed else in_rank_order(entry)
+    tops = [(tid, lp.decoded_token or "", lp.logprob) for tid, lp in items]
     return chosen, tops
 
 

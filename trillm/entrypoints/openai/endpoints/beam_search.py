@@ -56,6 +56,8 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("guided_choice", _set),
     ("guided_grammar", _set),
     ("response_format", lambda v: v is not None and v.type != "text"),
+    ("thinking_token_budget", lambda v: v is not None and v != -1),
+    ("logprob_token_ids", _truthy),  # (before logprobs, which it needs: named first)
     # completions: an int; chat: true, or top_logprobs
     ("logprobs", lambda v: v is not None and v is not False),
     ("top_logprobs", _set),

@@ -73,6 +73,8 @@ class ChatAnswer:
         as_ids = req.return_tokens_as_token_ids
         self._as_ids = state.return_tokens_as_token_ids if as_ids is None else as_ids
         self.top_n = params.logprobs or 0  # top_logprobs as resolved (-1: the vocabulary)
+        # logprob_token_ids: every position lists the sampled token and the ids (vLLM's)
+        self._listed = bool(params.logprob_token_ids)
         self.parser = parser
         self.echo = _echo_text(req)
         self.model_name = model_name
@@ -144,9 +146,10 @@ class ChatAnswer:
         # return_tokens_as_token_ids: "token_id:<id>" for tokens that are not UTF-8 alone.
         as_ids = self._as_ids
         for tid, entry in zip(token_ids, logprobs or []):
-            chosen, tops = position_logprobs(entry, tid)
+            chosen, tops = position_logprobs(entry, tid, self._listed)
             text = f"token_id:{tid}" if as_ids else self._text(entry, tid)
-            top = [(f"token_id:{i}" if as_ids else t, lp) for i, t, lp in tops[: self.top_n]]
+            shown = tops if self._listed else tops[: self.top_n]
+            top = [(f"token_id:{i}" if as_ids else t, lp) for i, t, lp in shown]
             content.append(
                 {
                     "token": text,

@@ -178,11 +178,12 @@ class CompletionAnswer:
             values.append(None)
             tops.append(None)
             return
-        chosen, ranked = position_logprobs(entry, tid)
+        listed = bool(self.req.logprob_token_ids)  # the sampled token and the ids (vLLM's)
+        chosen, ranked = position_logprobs(entry, tid, listed)
         values.append(chosen)
         # As vLLM (and OpenAI's API): the top ``logprobs`` and the chosen token, by rank.
         n = self.req.logprobs or 0
-        top = [r for k, r in enumerate(ranked) if k < n or r[0] == tid]
+        top = ranked if listed else [r for k, r in enumerate(ranked) if k < n or r[0] == tid]
         tops.append({(f"token_id:{i}" if as_ids else t): lp for i, t, lp in top})
 
     # ------------------------------------------------------------ streaming (Chunks)

@@ -55,7 +55,10 @@ def build_sampling_params(
         ignore_eos=req.ignore_eos,
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
-        logprobs=logprobs,
+        # logprob_token_ids takes the place of the top logprobs (vLLM's precedence)
+        logprobs=None if req.logprob_token_ids else logprobs,
+        logprob_token_ids=req.logprob_token_ids or None,
+        thinking_token_budget=req.thinking_token_budget,
         prompt_logprobs=req.prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
@@ -81,6 +84,12 @@ def _check_request(req: Any) -> None:
             "'stream_options' can only be set when 'stream' is true.", "stream_options"
         )
     check_beam_fields(req)
+    if req.logprob_token_ids and (req.logprobs is None or req.logprobs is False):
+        raise BadRequestError(
+            "'logprob_token_ids' needs 'logprobs' set (chat: true): the ids' logprobs are "
+            "returned in its place.",
+            "logprob_token_ids",
+        )
     stop = req.stop
     _check_strings("stop", [stop] if isinstance(stop, str) else stop or [])
     _check_strings("bad_words", req.bad_words or [])

@@ -12,6 +12,7 @@ from typing import Any, Literal, Union
 
 import attrs
 
+from trillm.sampling_extras import MAX_LOGPROB_TOKEN_IDS
 from trillm.sampling_params import INT64_MAX, INT64_MIN
 
 MAX_N = 128
@@ -221,6 +222,11 @@ class _SamplingFields:
     # vLLM's: arguments of custom extensions (strings, numbers or lists of them), the
     # request's SamplingParams.extra_args; custom logits processors read them.
     vllm_xargs: dict[str, Any] | None = _f(None, max_len=256)
+    # vLLM's: these ids' logprobs at each sampled position instead of the top ones (needs
+    # logprobs); bounded, a client-set cost of every sampled token
+    logprob_token_ids: list[int] | None = _f(None, max_len=MAX_LOGPROB_TOKEN_IDS)
+    # vLLM's: with --reasoning-parser, the reasoning's tokens before its end is forced (-1: none)
+    thinking_token_budget: int | None = _f(None, ge=-1)
 
 
 @attrs.define(kw_only=True)

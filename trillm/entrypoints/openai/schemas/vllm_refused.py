@@ -44,14 +44,6 @@ _TRUNCATION_SIDE = _group(
 )
 _GENERATION = {
     **_DISAGG,
-    **_group(
-        "per-token logprobs of chosen token ids are not computed; use logprobs / top_logprobs",
-        "logprob_token_ids",
-    ),
-    **_group(
-        "no thinking budget is kept (the reasoning is not cut at a token count)",
-        "thinking_token_budget",
-    ),
     **_group("repetition detection is not implemented", "repetition_detection"),
     **_group("output watermarking is not implemented", "watermarking", asks_nothing=(None, False)),
     **_group(
