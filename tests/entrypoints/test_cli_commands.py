@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import ServerProcess, server_env
+from server_harness import ServerProcess, run_trillm, server_env
 
 # The CLI clients send neither temperature nor max_tokens (as vLLM's): the generation config
 # makes the server's defaults greedy and short.
@@ -51,6 +51,7 @@ def _stable(answer: dict) -> dict:
 
 
 def _trillm(*args: str, stdin: str | None = None, env: dict | None = None, timeout: float = 300):
+    """A client command (``chat``, ``complete``): a process of its own, as it reads stdin."""
     return subprocess.run(
         [sys.executable, "-m", "trillm", *args],
         input=stdin,
@@ -87,8 +88,8 @@ def test_run_batch_answers_each_line_as_the_server_does_in_the_input_order(serve
     ]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    done = _trillm("run-batch", "-i", str(src), "-o", str(out), *FLAGS)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_trillm(["run-batch", "-i", str(src), "-o", str(out), *FLAGS], tmp_path / "b.log")
+    assert done.returncode == 0, done.output[-3000:]
     results = [json.loads(line) for line in out.read_text().splitlines()]
     ids = ["chat", *(f"c{i}" for i in range(len(PROMPTS))), "bad-body", "get", "url", "stream"]
     assert [r["custom_id"] for r in results] == [*ids, ""]
@@ -144,14 +145,17 @@ def test_run_batch_reads_and_writes_http_urls(tmp_path):
         url = f"http://127.0.0.1:{files.server_address[1]}"
         staging = tmp_path / "staging"
         staging.mkdir()
-        done = _trillm(
-            "run-batch", "-i", f"{url}/in.jsonl", "-o", f"{url}/out.jsonl",
-            "--output-tmp-dir", str(staging), *FLAGS,
+        done = run_trillm(
+            [
+                "run-batch", "-i", f"{url}/in.jsonl", "-o", f"{url}/out.jsonl",
+                "--output-tmp-dir", str(staging), *FLAGS,
+            ],
+            tmp_path / "b.log",
         )  # fmt: skip
     finally:
         files.shutdown()
         files.server_close()
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.output[-3000:]
     [upload] = _Files.uploaded
     [result] = [json.loads(line) for line in upload.decode().splitlines()]
     assert result["custom_id"] == "only" and result["response"]["status_code"] == 200
@@ -171,17 +175,19 @@ def test_run_batch_reads_and_writes_http_urls(tmp_path):
 def test_run_batch_refuses_the_flags_of_a_listening_server_by_name(flags, named, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text(_line("a", "/v1/completions", _completion("x")) + "\n")
-    done = _trillm("run-batch", "-i", str(src), "-o", str(tmp_path / "o.jsonl"), *flags)
-    assert done.returncode == 2 and named in done.stderr, done.stderr
+    args = ["run-batch", "-i", str(src), "-o", str(tmp_path / "o.jsonl"), *flags]
+    done = run_trillm(args, tmp_path / "b.log")
+    assert done.returncode == 2 and named in done.output, done.output
     assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_run_batch_needs_its_files(tmp_path):
-    done = _trillm("run-batch", "-o", str(tmp_path / "o.jsonl"))
-    assert done.returncode == 2 and "--input-file" in done.stderr
+    done = run_trillm(["run-batch", "-o", str(tmp_path / "o.jsonl")], tmp_path / "a.log")
+    assert done.returncode == 2 and "--input-file" in done.output
     out = tmp_path / "o.jsonl"
-    missing = _trillm("run-batch", "-i", str(tmp_path / "nope.jsonl"), "-o", str(out), *FLAGS)
-    assert missing.returncode == 1 and "nope.jsonl" in missing.stderr
+    args = ["run-batch", "-i", str(tmp_path / "nope.jsonl"), "-o", str(out), *FLAGS]
+    missing = run_trillm(args, tmp_path / "b.log")
+    assert missing.returncode == 1 and "nope.jsonl" in missing.output
     assert not out.exists()  # the input is opened first, before the model loads
 
 
@@ -245,18 +251,18 @@ def test_client_commands_send_the_key_and_report_a_refusal(tmp_path):
 # ---------------------------------------------------------------- collect-env
 
 
-def test_collect_env_reports_versions_features_and_masks_secrets():
+def test_collect_env_reports_versions_features_and_masks_secrets(tmp_path):
     import torch
 
     env = {**server_env(), "VLLM_API_KEY": "do-not-print", "TRILLM_WORKER_START": "spawn"}
-    done = _trillm("collect-env", env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    rows = {
+    done = run_trillm(["collect-env"], tmp_path / "env.log", env=env, timeout=120)
+    assert done.returncode == 0, done.output
+    rows = {  # (the command writes nothing to stderr: every line is a row)
         name.strip(): value.strip()
-        for name, value in (line.split("  ", 1) for line in done.stdout.splitlines())
+        for name, value in (line.split("  ", 1) for line in done.output.splitlines())
     }
     assert rows["torch"] == torch.__version__
     assert rows["CPU cores usable"] == str(len(os.sched_getaffinity(0)))
-    assert rows["env VLLM_API_KEY"] == "***" and "do-not-print" not in done.stdout
+    assert rows["env VLLM_API_KEY"] == "***" and "do-not-print" not in done.output
     assert rows["env TRILLM_WORKER_START"] == "spawn"
     assert "scheduler" in rows["native extensions"] or "none built" in rows["native extensions"]

@@ -183,6 +183,36 @@ class ServerProcess:
         return code
 
 
+def run_trillm(
+    args: list[str], log_path: Path, env: dict[str, str] | None = None, timeout: float = 300.0
+) -> SimpleNamespace:
+    """``python -m trillm ARGS`` run to its end with no stdin: ``returncode`` and ``output``
+    (stdout and stderr together, kept in ``log_path``). Forked from this worker's zygote where
+    the environment allows (as ``ServerProcess``), so a command does not import torch and
+    transformers again; otherwise a process of its own."""
+    env = server_env() if env is None else env
+    proc: subprocess.Popen | ZygoteChild
+    if _forkable(env):
+        proc = _zygote().spawn(args, env, log_path)
+    else:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "trillm", *args],
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return SimpleNamespace(returncode=code, output=log_path.read_text(errors="replace"))
+
+
 def metric_value(text: str, name: str) -> float:
     """The sum of the samples of ``name`` (any labels) in a Prometheus text page."""
     total = 0.0
