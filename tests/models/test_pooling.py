@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from server_harness import ServerProcess, open_request, wait_gauges
+from shared_servers import FAKE_256, FAKE_256_GROUP
 
 from trillm import LLM
 from trillm.config import PoolerConfig, PoolingConfigError, check_runner
@@ -27,7 +28,6 @@ TEXTS = [
     "hi",
     "a third, medium-length input",
 ]
-FAKE = ["--runner", "trillm.worker.fake_runner:FakeModelRunner", "--disable-log-stats"]
 
 
 def _st_files(path, mode: str | None, normalize: bool) -> None:
@@ -380,13 +380,11 @@ def test_a_pooling_server_refuses_generation(server, path, body):
     assert r.json()["error"]["param"] == "model" and "pooling" in r.json()["error"]["message"]
 
 
-def test_a_generating_server_refuses_embeddings(tmp_path):
-    srv = ServerProcess(FAKE, tmp_path / "server.log").start()
-    try:
-        r = httpx.post(srv.base_url + "/embeddings", json={"input": "hi"}, timeout=60)
-        classify = httpx.post(srv.url + "/classify", json={"input": "hi"}, timeout=60)
-    finally:
-        assert srv.stop() == 0
+@pytest.mark.xdist_group(FAKE_256_GROUP)  # a generating server that other modules share
+def test_a_generating_server_refuses_embeddings(shared_server):
+    srv = shared_server(FAKE_256)  # (the pool checks that it exits with 0 at the end)
+    r = httpx.post(srv.base_url + "/embeddings", json={"input": "hi"}, timeout=60)
+    classify = httpx.post(srv.url + "/classify", json={"input": "hi"}, timeout=60)
     assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
     assert classify.status_code == 400 and "sequence classifier" in classify.text
 
