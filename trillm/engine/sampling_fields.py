@@ -62,8 +62,8 @@ def thinking_tags(
     if reasoning_parser is None:
         return ThinkingTags(
             None,
-            "thinking_token_budget needs a reasoning parser: start the server with "
-            "--reasoning-parser (the budget counts the tokens inside its reasoning tags).",
+            "thinking_token_budget needs a reasoning parser (--reasoning-parser, or the "
+            "engine's reasoning_parser): the budget counts the tokens inside its reasoning tags.",
         )
     from trillm.parsers.reasoning import get_reasoning_parser
 
