@@ -1,18 +1,19 @@
 """``trillm bench latency|throughput`` on the offline engine (tiny real model), and the shared
-engine flags of ``trillm/bench/engine_args.py``."""
+engine flags of ``trillm/bench/engine_args.py``. The commands run as ``trillm bench ...``
+forked from the worker's serve zygote (``python -m trillm.bench`` is the same parser:
+tests/benchmarks/test_bench_serve.py runs it)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from server_harness import run_trillm
 from test_bench_metrics import write_sharegpt
-from test_bench_serve import bench_env
 
 from trillm.bench.engine_args import (
     add_engine_args,
@@ -24,14 +25,9 @@ from trillm.config import EngineArgs
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "256"]
 
 
-def run_offline(cmd: str, args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trillm.bench", cmd, *args, *ENGINE_FLAGS, "--disable-tqdm"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=bench_env(),
-    )
+def run_offline(cmd: str, args: list[str], log: Path) -> SimpleNamespace:
+    """``returncode`` and ``output`` (stdout and stderr together) of ``trillm bench CMD``."""
+    return run_trillm(["bench", cmd, *args, *ENGINE_FLAGS, "--disable-tqdm"], log, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +78,16 @@ def test_throughput_random_and_sharegpt(tiny_model: Path, tmp_path: Path) -> Non
         "throughput",
         [str(tiny_model), "--num-prompts", str(n), "--input-len", str(in_len)]
         + ["--output-len", str(out_len), "--output-json", str(out)],
+        tmp_path / "random.log",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.output[-3000:]
     r = json.loads(out.read_text())
     assert r["num_requests"] == n
     assert r["total_output_tokens"] == n * out_len  # ignore_eos: exactly max_tokens each
     assert r["total_num_tokens"] == n * (in_len + out_len)
     assert r["tokens_per_second"] == pytest.approx(r["total_num_tokens"] / r["elapsed_time"])
     assert r["requests_per_second"] == pytest.approx(n / r["elapsed_time"])
-    assert "Throughput:" in proc.stdout and "output tokens/s" in proc.stdout
+    assert "Throughput:" in proc.output and "output tokens/s" in proc.output
 
     data = tmp_path / "sharegpt.json"
     write_sharegpt(
@@ -105,8 +102,9 @@ def test_throughput_random_and_sharegpt(tiny_model: Path, tmp_path: Path) -> Non
         "throughput",
         ["--model", str(tiny_model), "--dataset-name", "sharegpt", "--dataset-path", str(data)]
         + ["--num-prompts", "10", "--output-json", str(out)],
+        tmp_path / "sharegpt.log",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.output[-3000:]
     assert json.loads(out.read_text())["num_requests"] == 2
 
 
@@ -116,8 +114,9 @@ def test_latency_json(tiny_model: Path, tmp_path: Path) -> None:
         "latency",
         [str(tiny_model), "--batch-size", "2", "--input-len", "8", "--output-len", "3"]
         + ["--num-iters-warmup", "1", "--num-iters", "3", "--output-json", str(out)],
+        tmp_path / "latency.log",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.output[-3000:]
     r = json.loads(out.read_text())
     assert len(r["latencies"]) == 3 and all(x > 0 for x in r["latencies"])
     assert r["avg_latency"] == pytest.approx(float(np.mean(r["latencies"])))
@@ -125,9 +124,9 @@ def test_latency_json(tiny_model: Path, tmp_path: Path) -> None:
     assert values == sorted(values) and r["percentiles"]["50"] == pytest.approx(
         float(np.median(r["latencies"]))
     )
-    assert "Avg latency:" in proc.stdout
+    assert "Avg latency:" in proc.output
 
 
-def test_latency_bad_flag_is_a_clear_error() -> None:
-    proc = run_offline("latency", ["--batch-size", "0"])
-    assert proc.returncode == 1 and "--batch-size must be at least 1" in proc.stderr
+def test_latency_bad_flag_is_a_clear_error(tmp_path: Path) -> None:
+    proc = run_offline("latency", ["--batch-size", "0"], tmp_path / "latency.log")
+    assert proc.returncode == 1 and "--batch-size must be at least 1" in proc.output
