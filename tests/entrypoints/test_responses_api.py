@@ -292,6 +292,19 @@ def test_reasoning_effort_gives_a_reasoning_item(client):
     assert respond(client, reasoning={"effort": "none"}).output[0].type == "message"
 
 
+def test_thinking_token_budget_ends_the_reasoning_item(client):
+    # vLLM's extension, as on chat: </think> forced after 3 reasoning tokens, then the message
+    # (without it the 12 tokens are all reasoning, as above)
+    budget = {"thinking_token_budget": 3}
+    r = respond(client, reasoning={"effort": "high"}, extra_body=budget)
+    kwargs = {"chat_template_kwargs": {"reasoning_effort": "high"}}
+    c = chat(client, [{"role": "user", "content": ASK}], extra_body={**kwargs, **budget})
+    message = c.choices[0].message
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == message.model_extra["reasoning_content"]
+    assert r.output_text == message.content and r.output_text
+
+
 def test_text_format_json_schema_constrains_the_output(client):
     schema = {
         "type": "object",

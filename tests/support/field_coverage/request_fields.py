@@ -294,6 +294,9 @@ _RESPONSES = {
     "ResponsesRequest.metadata": ids(_R_SAMPLING),
     "ResponsesRequest.user": ids(_R_SAMPLING),
     "ResponsesRequest.vllm_xargs": ids(CUSTOM_LP + "test_vllm_xargs_over_http"),
+    "ResponsesRequest.thinking_token_budget": ids(
+        RESP + "test_thinking_token_budget_ends_the_reasoning_item"
+    ),
     "ResponsesRequest.store": ids(_R_REFUSED),
     "ResponsesRequest.truncation": ids(_R_REFUSED),
     "ResponsesRequest.service_tier": ids(_R_REFUSED),

@@ -118,6 +118,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         cache_salt=req.cache_salt,
         timeout=req.timeout,
         vllm_xargs=req.vllm_xargs,
+        thinking_token_budget=req.thinking_token_budget,
     )
 
 

@@ -96,6 +96,7 @@ class ResponsesRequest:
     cache_salt: str | None = None
     timeout: float | None = _f(None, gt=0.0, le=MAX_REQUEST_TIMEOUT_S)
     vllm_xargs: dict[str, Any] | None = _f(None, max_len=256)  # -> extra_args, as on chat
+    thinking_token_budget: int | None = _f(None, ge=-1)  # as on chat (--reasoning-parser)
 
 
 # Fields of OpenAI's Responses API this server does not implement, and why (the 400's text).
