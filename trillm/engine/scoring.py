@@ -53,7 +53,8 @@ def score_task(config: TrillmConfig) -> str:
         raise InvalidRequestError(
             "Scoring with a decoder sequence classifier is not implemented; cross-encoders "
             "of the BERT family (BertForSequenceClassification, "
-            "XLMRobertaForSequenceClassification) and embedding models score.",
+            "XLMRobertaForSequenceClassification, ModernBertForSequenceClassification) and "
+            "embedding models score.",
             "model",
         )
     if len(pooler.labels) != 1:

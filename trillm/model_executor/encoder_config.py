@@ -1,6 +1,7 @@
-"""Encoder-only checkpoints of the BERT family (``BertModel``, ``XLMRobertaModel`` and their
-``*ForSequenceClassification`` cross-encoders): which architectures they are, what their
-config.json may ask, and what trillm refuses. Read without torch (the frontend checks a
+"""Encoder-only checkpoints of the BERT family (``BertModel``, ``XLMRobertaModel``,
+``ModernBertModel`` and their ``*ForSequenceClassification`` cross-encoders): which
+architectures they are, what their config.json may ask, and what trillm refuses (ModernBERT's
+own fields: ``modernbert_config.py``). Read without torch (the frontend checks a
 config with it; ``models/bert.py`` computes them).
 
 An encoder attends both ways over the whole prompt and keeps no KV cache: it only pools
@@ -11,13 +12,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from trillm.model_executor import modernbert_config
+
 # SamplingParams.extra_args keys a pooling request carries to the encoder runner (vLLM's
 # names): a pair's first segment-1 row, and False to return a cross-encoder's raw logit.
 TOKEN_TYPE_KEY = "compressed_token_type_ids"
 ACTIVATION_KEY = "use_activation"
-EMBEDDERS = ("BertModel", "XLMRobertaModel")
-CROSS_ENCODERS = ("BertForSequenceClassification", "XLMRobertaForSequenceClassification")
+EMBEDDERS = ("BertModel", "XLMRobertaModel", modernbert_config.EMBEDDER)
+CROSS_ENCODERS = (
+    "BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+    modernbert_config.CROSS_ENCODER,
+)
 ARCHITECTURES = EMBEDDERS + CROSS_ENCODERS
+# computed by models/bert.py (ModernBERT by models/modernbert.py)
+BERT_ARCHITECTURES = tuple(a for a in ARCHITECTURES if not modernbert_config.is_modernbert(a))
 # the activations models/bert.py computes (transformers' ACT2FN names)
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 # sentence-transformers' cross-encoder activation (config.json) -> the score's function
@@ -45,6 +54,15 @@ def position_offset(hf: dict[str, Any], architecture: str) -> int:
 
 def check(hf: dict[str, Any], architecture: str) -> None:
     """Refuse, by name, what config.json asks that models/bert.py does not compute."""
+    if modernbert_config.is_modernbert(architecture):
+        modernbert_config.check(hf, architecture)
+    else:
+        _check_bert(hf, architecture)
+    if architecture in CROSS_ENCODERS:
+        score_activation(hf)
+
+
+def _check_bert(hf: dict[str, Any], architecture: str) -> None:
     kind = hf.get("position_embedding_type", "absolute")
     if kind != "absolute":
         raise ValueError(
@@ -54,8 +72,6 @@ def check(hf: dict[str, Any], architecture: str) -> None:
     for name in ("is_decoder", "add_cross_attention"):
         if hf.get(name):
             raise ValueError(f"{architecture}: {name}=true is not supported (an encoder only).")
-    if architecture in CROSS_ENCODERS:
-        score_activation(hf)
 
 
 def score_activation(hf: dict[str, Any]) -> str:

@@ -12,7 +12,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from trillm.model_executor.encoder_config import ACTIVATIONS as ENCODER_ACTIVATIONS
-from trillm.model_executor.encoder_config import ARCHITECTURES as ENCODERS
+from trillm.model_executor.encoder_config import BERT_ARCHITECTURES as ENCODERS
+from trillm.model_executor.modernbert_config import ACTIVATIONS as MODERNBERT_ACTIVATIONS
+from trillm.model_executor.modernbert_config import ARCHITECTURES as MODERNBERTS
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +41,10 @@ class ModelEntry(NamedTuple):
 _GEMMA_ACTS = ("gelu_pytorch_tanh", "gelu")  # models/gemma.py's _GELU: tanh-approximate, exact
 _MODELS: dict[str, ModelEntry] = {
     **{arch: ModelEntry("bert", "BertEncoder", ENCODER_ACTIVATIONS) for arch in ENCODERS},
+    **{
+        arch: ModelEntry("modernbert", "ModernBertEncoder", MODERNBERT_ACTIVATIONS)
+        for arch in MODERNBERTS
+    },
     "BambaForCausalLM": ModelEntry(
         "bamba", "BambaForCausalLM", partial_rotary=True, ssm_state=True
     ),

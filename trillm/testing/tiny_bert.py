@@ -154,3 +154,46 @@ def build_tiny_encoder(
                 p.normal_(0.0, 0.15)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def build_tiny_modernbert(
+    architecture: str, out_dir: str | Path, *, seed: int = 0, **overrides: Any
+) -> Path:
+    """``ModernBertModel`` or ``ModernBertForSequenceClassification`` (one label unless
+    ``num_labels`` says otherwise): 3 layers, global / sliding / global (a window of 8
+    tokens), rotary bases 1000 / 50, norms with biases, random weights, saved with the BERT
+    WordPiece tokenizer (``[CLS] a [SEP] b [SEP]``, no segment ids, as ModernBERT's)."""
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok, names = _bert_tokenizer()
+    fast = _save_tokenizer(tok, names, out, roberta=True)
+    ids = {f"{k}_token_id": fast.convert_tokens_to_ids(names[k]) for k in ("pad", "cls", "sep")}
+    family = {
+        **SIZES,
+        **ids,
+        "bos_token_id": ids["cls_token_id"],
+        "eos_token_id": ids["sep_token_id"],
+        "vocab_size": tok.get_vocab_size(),
+        "num_hidden_layers": 3,
+        "intermediate_size": 96,
+        "max_position_embeddings": 128,
+        "local_attention": 8,
+        "global_attn_every_n_layers": 2,
+        "global_rope_theta": 1000.0,
+        "local_rope_theta": 50.0,
+        "norm_bias": True,
+    }
+    if architecture.endswith("ForSequenceClassification"):
+        family["num_labels"] = 1
+    config = transformers.ModernBertConfig(**{**family, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():  # transformers' init leaves the norms' biases at zero
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

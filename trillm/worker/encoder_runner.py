@@ -1,15 +1,16 @@
-"""The model runner of an encoder-only model (BERT family, ``models/bert.py``): it pools, as
-``PoolingModelRunner`` does, but each prompt's rows attend to all the others, so a prompt
-runs once, whole, in the step that completes it.
+"""The model runner of an encoder-only model (BERT family, ``models/bert.py``, and ModernBERT,
+``models/modernbert.py``): it pools, as ``PoolingModelRunner`` does, but each prompt's rows
+attend to all the others, so a prompt runs once, whole, in the step that completes it.
 
 The scheduler still schedules prompts in chunks under its token budget (its blocks only
 count tokens here: an encoder keeps no KV cache). The runner keeps each prompt's token ids
 until its last chunk is scheduled, then runs every prompt completed that step as one padded
 batch and pools it: the embedding model's pooled rows (``model_executor/pooling``), or a
-cross-encoder's score head on the first row. A prompt re-sent after a preemption starts
-over. A pair's segment ids (``[CLS] q [SEP] d [SEP]``: 0s, then 1s) travel as the index of
-the first 1 (``SamplingParams.extra_args["compressed_token_type_ids"]``, vLLM's name);
-without it every row is segment 0, as transformers gives a single text.
+cross-encoder's score head (on the first row; ModernBERT's may pool the mean). A prompt
+re-sent after a preemption starts over. A pair's segment ids (``[CLS] q [SEP] d [SEP]``: 0s,
+then 1s) travel as the index of the first 1 (``SamplingParams.extra_args
+["compressed_token_type_ids"]``, vLLM's name); without it every row is segment 0, as
+transformers gives a single text.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from trillm.messages import SchedulerOutput
 from trillm.model_executor.encoder_config import ACTIVATION_KEY, TOKEN_TYPE_KEY, score_activation
 from trillm.model_executor.loader import iterate_weights
 from trillm.model_executor.models.bert import BertEncoder
+from trillm.model_executor.models.modernbert import ModernBertEncoder
 from trillm.model_executor.pooling import finish_pooling
+from trillm.model_executor.registry import get_model_class
 from trillm.utils import cdiv
 from trillm.worker.pooling_runner import PoolingModelRunner, _PoolingStep
 
@@ -42,14 +45,16 @@ class EncoderModelRunner(PoolingModelRunner):
     def __init__(self, config: TrillmConfig, rank: int = 0) -> None:
         super().__init__(config, rank)
         self._prompts: dict[str, _Prompt] = {}
-        self._encoder: BertEncoder | None = None
+        self._encoder: BertEncoder | ModernBertEncoder | None = None
         self._activation = (
             score_activation(config.model.hf_config) if self.pooler.task == "classify" else ""
         )
 
     def load_model(self) -> None:
         cfg = self.config.model
-        model = BertEncoder(cfg).to(device=self.device, dtype=self.dtype)
+        model_class = get_model_class(cfg.architecture)
+        assert issubclass(model_class, (BertEncoder, ModernBertEncoder))
+        model = model_class(cfg).to(device=self.device, dtype=self.dtype)
         model.load_weights(iterate_weights(cfg.model, device=str(self.device)))
         self._encoder = model.eval()
 
@@ -91,7 +96,7 @@ class EncoderModelRunner(PoolingModelRunner):
         ids, types, mask = self._batch(prompts)
         hidden = self._encoder(ids, types, mask)  # [B, S, H]
         if self._encoder.score_head is not None:
-            logits = self._encoder.score_head(hidden[:, 0]).float()  # [B, num_labels]
+            logits = self._encoder.score(hidden, mask).float()  # [B, num_labels]
             vectors = [
                 self._score(row, p.activation) for row, p in zip(logits, prompts, strict=True)
             ]

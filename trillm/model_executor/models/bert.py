@@ -181,6 +181,12 @@ class BertEncoder(nn.Module):
             x = layer(x, attn_mask)
         return x
 
+    def score(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The cross-encoder's logits [B, num_labels] from the [CLS] rows of ``hidden``."""
+        assert self.score_head is not None
+        logits: torch.Tensor = self.score_head(hidden[:, 0])
+        return logits
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
