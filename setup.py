@@ -92,6 +92,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_prefill_attention.cpp",
                 "ext/cpu_gemm.cpp",
                 "ext/cpu_gemm_bf16.cpp",
+                "ext/cpu_gemm_fp16.cpp",
                 "ext/cpu_gemm_fp8.cpp",
                 "ext/cpu_gemm_q.cpp",
                 "ext/cpu_ops.cpp",

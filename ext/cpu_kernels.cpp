@@ -3,6 +3,7 @@
 //               attention of fresh prompts (cpu_prefill_attention.cpp)
 //   .gemm       fp32 GEMM with packed weights for the linear layers (cpu_gemm.cpp)
 //   .gemm_bf16  bf16 GEMM (AVX512-BF16, fp32 sums) with packed weights (cpu_gemm_bf16.cpp)
+//   .gemm_fp16  fp16 GEMM (F16C widening, fp32 sums) with packed weights (cpu_gemm_fp16.cpp)
 //   .gemm_fp8   fp8 e4m3 weight-only GEMM (bytes widened to bf16, vdpbf16ps) (cpu_gemm_fp8.cpp)
 //   .gemm_q     GEMM with Q4_0/Q4_1/Q8_0 weights kept quantized (cpu_gemm_q.cpp)
 //   .ops        fused elementwise ops: RMSNorm, rotary, silu * mul (cpu_ops.cpp)
@@ -18,6 +19,7 @@ void register_cpu_attention(py::module_& m);
 void register_cpu_prefill_attention(py::module_& m);
 void register_cpu_gemm(py::module_& m);
 void register_cpu_gemm_bf16(py::module_& m);
+void register_cpu_gemm_fp16(py::module_& m);
 void register_cpu_gemm_fp8(py::module_& m);
 void register_cpu_gemm_q(py::module_& m);
 void register_cpu_ops(py::module_& m);
@@ -57,6 +59,8 @@ PYBIND11_MODULE(cpu_kernels, m) {
   register_cpu_gemm(gemm);
   py::module_ gemm_bf16 = m.def_submodule("gemm_bf16");
   register_cpu_gemm_bf16(gemm_bf16);
+  py::module_ gemm_fp16 = m.def_submodule("gemm_fp16");
+  register_cpu_gemm_fp16(gemm_fp16);
   py::module_ gemm_fp8 = m.def_submodule("gemm_fp8");
   register_cpu_gemm_fp8(gemm_fp8);
   py::module_ gemm_q = m.def_submodule("gemm_q");

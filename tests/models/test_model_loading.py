@@ -167,9 +167,11 @@ def test_inv_freq_matches_transformers(rope, head_dim):
 # ---------------------------------------------------------------- dtype
 
 
-def test_explicit_float16_on_cpu_is_an_error():
-    with pytest.raises(UnsupportedDtypeError, match="float16 is not supported on CPU"):
-        resolve_dtype("float16", "float32", "cpu")
+def test_explicit_float16_on_cpu_runs_in_float16():
+    assert resolve_dtype("float16", "float32", "cpu") == "float16"
+    assert resolve_dtype("half", "bfloat16", "cpu", "llama") == "float16"
+    with pytest.raises(UnsupportedDtypeError, match="not supported for model type 'gemma3'"):
+        resolve_dtype("float16", "bfloat16", "cpu", "gemma3")
 
 
 def test_unknown_dtype_names_supported():

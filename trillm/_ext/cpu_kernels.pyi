@@ -114,6 +114,25 @@ class _GemmBf16(Protocol):
         num_threads: int,
     ) -> None: ...
 
+class _GemmFp16(Protocol):
+    PANEL: int
+    def supported(self) -> bool: ...
+    def num_panels(self, n: int) -> int: ...
+    def pack(self, weight: int, n: int, k: int, ldw: int, packed: int) -> None: ...
+    def linear(
+        self,
+        x: int,
+        m: int,
+        k: int,
+        ldx: int,
+        packed: int,
+        n: int,
+        bias: int,
+        y: int,
+        ldy: int,
+        num_threads: int,
+    ) -> None: ...
+
 class _GemmFp8(Protocol):
     PANEL: int
     def supported(self) -> bool: ...
@@ -257,6 +276,7 @@ class _Lora(Protocol):
 attention: _Attention
 gemm: _Gemm
 gemm_bf16: _GemmBf16
+gemm_fp16: _GemmFp16
 gemm_fp8: _GemmFp8
 gemm_q: _GemmQ
 ops: _Ops

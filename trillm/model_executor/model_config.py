@@ -51,8 +51,20 @@ GROUP_QUANT_ARCHITECTURES = (
 )
 
 
+# vLLM refuses an explicit float16 for these model types (numerical instability), on every
+# device: Gemma 2/3 and GLM-4 activations grow past float16's 65504.
+FLOAT16_UNSTABLE_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "glm4")
+# What float16 on CPU stores and computes in, and what it costs (docs/models.md, Dtypes).
+FLOAT16_CPU_NOTE = (
+    "dtype float16 on CPU: weights, activations and the KV cache are stored in float16, each op "
+    "sums in float32 and rounds to float16 once; linears run the F16C GEMM (0.5-1.1x the fp32 "
+    "GEMM's time, where the CPU has F16C), attention and norms torch's fp16 ops (no native "
+    "fp16 kernels there)."
+)
+
+
 class UnsupportedDtypeError(ValueError):
-    """A dtype trillm cannot run (unknown name, or float16 on CPU)."""
+    """A dtype trillm cannot run (an unknown name, or float16 for a model type that overflows)."""
 
 
 # ---------------------------------------------------------------- the device
@@ -129,7 +141,7 @@ def load_model_config(args: EngineArgs) -> ModelConfig:
         tokenizer=args.tokenizer or str(path),
         served_model_name=args.served_model_name or args.model or DEFAULT_SERVED_NAME,
         architecture=architecture,
-        dtype=resolve_dtype(args.dtype, checkpoint_dtype(hf), device),
+        dtype=resolve_dtype(args.dtype, checkpoint_dtype(hf), device, hf.get("model_type", "")),
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
@@ -315,7 +327,7 @@ def cpu_supports_bf16() -> bool:
     return "AVX512_BF16" in capability or "AMX" in capability
 
 
-def resolve_dtype(requested: str, checkpoint: str, device: str) -> str:
+def resolve_dtype(requested: str, checkpoint: str, device: str, model_type: str = "") -> str:
     """The dtype the model runs in: explicit names as asked, ``auto`` per device."""
     name = requested.lower().removeprefix("torch.")
     if name != "auto" and name not in _DTYPE_ALIASES:
@@ -324,10 +336,13 @@ def resolve_dtype(requested: str, checkpoint: str, device: str) -> str:
         )
     if name != "auto":
         dtype = _DTYPE_ALIASES[name]
-        if dtype == "float16" and device == "cpu":
+        if dtype == "float16" and model_type in FLOAT16_UNSTABLE_MODEL_TYPES:
             raise UnsupportedDtypeError(
-                "dtype float16 is not supported on CPU; use float32 or bfloat16 (or auto)."
+                f"dtype float16 is not supported for model type {model_type!r}: its "
+                "activations overflow float16's range; use bfloat16 or float32."
             )
+        if dtype == "float16" and device == "cpu":
+            logger.info(FLOAT16_CPU_NOTE)
         return dtype
     if device == "cuda" or checkpoint == "float32":
         return checkpoint

@@ -17,9 +17,15 @@ fp32 inside their kernels as before. On a CPU without AVX512-BF16 they keep ``F.
 one with AMX-BF16, calls of more than ``linear_cpu.bf16_kernel_max_rows()`` rows go to
 ``F.linear`` (oneDNN's AMX GEMM: faster there, the same numerics up to summation order).
 
+fp16 layers (``--dtype float16``) go through the F16C GEMM (``linear_fp16_cpu``, any AVX2 CPU):
+fp16 weights and activations widened in registers, fp32 sums rounded to fp16 once (torch's fp16
+``F.linear`` numerics, 3-7x its speed on AVX2 from 8 rows up, measured alternately on the bench
+model's shapes).
+
 ``--quantization fp8`` (``pack_cpu_linears(model, "fp8")``): weight-only fp8 e4m3 with a scale
 per output channel, through ``kernels/linear_fp8_cpu.py``; activations stay in the model's
-dtype (fp32 or bf16).
+dtype (fp32 or bf16; fp16 activations are widened to fp32 for the kernel, the output rounded
+back to fp16).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trillm.kernels import linear_cpu, linear_fp8_cpu
+from trillm.kernels import linear_cpu, linear_fp8_cpu, linear_fp16_cpu
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -46,6 +52,13 @@ def _packed_forward_bf16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         limit = linear_cpu.bf16_kernel_max_rows()  # with AMX, torch's GEMM wins at many rows
         if limit is None or x.numel() <= limit * x.shape[-1]:
             return linear_cpu.linear_bf16(x, packed, self.packed_bias)  # type: ignore[arg-type]
+    return F.linear(x, self.weight, self.bias)
+
+
+def _packed_forward_fp16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    packed: linear_fp16_cpu.PackedWeightFp16 = self.packed_weight  # type: ignore[assignment]
+    if x.device.type == "cpu" and x.dtype == torch.float16 and not torch.is_grad_enabled():
+        return linear_fp16_cpu.linear_fp16(x, packed, self.packed_bias)  # type: ignore[arg-type]
     return F.linear(x, self.weight, self.bias)
 
 
@@ -75,15 +88,31 @@ def _pack_bf16(module: nn.Linear) -> bool:
     return True
 
 
+def _pack_fp16(module: nn.Linear) -> bool:
+    weight = module.weight.detach()
+    if not linear_fp16_cpu.available() or not linear_fp16_cpu.supports(weight):
+        return False
+    bias = module.bias
+    module.packed_weight = linear_fp16_cpu.PackedWeightFp16(weight)  # type: ignore[assignment]
+    # fp32 once here: the kernel adds the bias to its fp32 sums (exact for fp16).
+    module.packed_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    module.forward = types.MethodType(_packed_forward_fp16, module)  # type: ignore[method-assign]
+    return True
+
+
 def _fp8_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight: linear_fp8_cpu.Fp8Weight = self.fp8_weight  # type: ignore[assignment]
+    if x.dtype == torch.float16:  # the kernel takes fp32 or bf16: widened, exact
+        return linear_fp8_cpu.linear_fp8(x.float(), weight, self.packed_bias).half()  # type: ignore[arg-type]
     return linear_fp8_cpu.linear_fp8(x, weight, self.packed_bias)  # type: ignore[arg-type]
 
 
 def _quantize_fp8(module: nn.Linear) -> None:
     """The weight becomes e4m3 bytes + per-channel scales; the original is dropped (the point
     is a quarter of fp32's bytes in memory too)."""
-    module.fp8_weight = linear_fp8_cpu.Fp8Weight.quantize(module.weight.detach())  # type: ignore[assignment]
+    weight = module.weight.detach()
+    weight = weight.float() if weight.dtype == torch.float16 else weight  # exact: e4m3 from fp32
+    module.fp8_weight = linear_fp8_cpu.Fp8Weight.quantize(weight)  # type: ignore[assignment]
     bias = module.bias
     module.packed_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
     module.register_parameter("weight", None)
@@ -96,7 +125,7 @@ FP8_SKIPPED = ("lm_head",)
 
 
 def pack_cpu_linears(model: nn.Module, quantization: str | None = None) -> int:
-    """Route the model's fp32 and bf16 CPU linear layers through packed weights; -> how many.
+    """Route the model's fp32, bf16 and fp16 CPU linear layers through packed weights; -> how many.
     fp32 layers stay on ``F.linear`` when the fp32 GEMM is unavailable (not built,
     ``TRILLM_NO_EXTENSIONS=1``, no AVX2/FMA), bf16 ones when the bf16 GEMM is (the same, or no
     AVX512-BF16). ``quantization="fp8"``: every linear but ``FP8_SKIPPED`` is quantized to
@@ -114,5 +143,5 @@ def pack_cpu_linears(model: nn.Module, quantization: str | None = None) -> int:
                 _quantize_fp8(module)
                 count += 1
             else:
-                count += _pack_fp32(module) or _pack_bf16(module)
+                count += _pack_fp32(module) or _pack_bf16(module) or _pack_fp16(module)
     return count

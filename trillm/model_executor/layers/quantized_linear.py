@@ -55,8 +55,10 @@ _QTYPE_IDS = {name: q for q, name in linear_q_cpu.QTYPE_NAMES.items() if q < lin
 def _quantized_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight: linear_q_cpu.AnyQuantizedWeight = self.quantized_weight  # type: ignore[assignment]
     bias: torch.Tensor | None = self.quantized_bias  # type: ignore[assignment]
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
         int8 = linear_q_cpu.use_int8(weight, x.numel() // max(x.shape[-1], 1))
+        if x.dtype == torch.float16:  # the kernels take fp32 or bf16: widened, exact
+            return linear_q_cpu.linear(x.float(), weight, bias, int8_activations=int8).half()
         return linear_q_cpu.linear(x, weight, bias, int8_activations=int8)
     w = linear_q_cpu.dequantize(weight, x.dtype).to(x.device)  # [N, K]
     return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
