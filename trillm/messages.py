@@ -138,6 +138,30 @@ class SchedulerOutput:
     # Content hashes of the encoder outputs the scheduler's encoder cache evicted this step
     # (core/encoder_cache.py): the worker drops them before encoding this step's items.
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # --kv-transfer-config only (trillm/kv_transfer/): the prompt KV blocks the worker loads
+    # before this step's forward and saves after it. None: no connector.
+    kv_connector_step: KVConnectorStep | None = None
+
+
+@dataclass(slots=True)
+class KVTransferItem:
+    """One request's prompt KV, stored under ``key``: its first ``num_tokens`` tokens (whole
+    blocks) in ``block_ids`` (``num_tokens / block_size`` of them, in order). A load fills
+    ``block_ids[first_block:]`` only: the blocks before are the request's prefix-cache hits."""
+
+    req_id: str
+    key: str  # the file's name in the shared storage (kv_transfer/storage.py)
+    block_ids: list[int]
+    num_tokens: int
+    first_block: int = 0
+
+
+@dataclass(slots=True)
+class KVConnectorStep:
+    """vLLM's connector metadata: what the worker side of a KV connector does this step."""
+
+    loads: list[KVTransferItem] = field(default_factory=list)  # before the forward
+    saves: list[KVTransferItem] = field(default_factory=list)  # after it
 
 
 @dataclass(slots=True)
@@ -228,6 +252,9 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
     prefix_cache_queries: int = 0  # tokens looked up (cumulative)
     prefix_cache_hits: int = 0  # tokens found (cumulative)
+    # Prompt tokens a KV connector was asked for / loaded (cumulative; vLLM's names)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
     num_preemptions: int = 0  # cumulative
     spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding
     # With --enable-lora: adapter name -> its requests running / waiting (held for a free

@@ -13,6 +13,8 @@ from trillm.ipc.control import InitKVCache, InitWorker, Shutdown, WorkerFailed, 
 from trillm.lora.request import LoRARequest
 from trillm.messages import (
     CachedRequestData,
+    KVConnectorStep,
+    KVTransferItem,
     LogprobsLists,
     ModelRunnerOutput,
     MultiModalItem,
@@ -64,6 +66,15 @@ def sampling_params(draw) -> SamplingParams:
     )
 
 
+kv_items = st.lists(
+    st.builds(
+        KVTransferItem, req_id, st.text(max_size=40), ids, st.integers(0, 10**6), st.integers(0, 64)
+    ),
+    max_size=3,
+)
+kv_steps = st.builds(KVConnectorStep, kv_items, kv_items)
+
+
 @st.composite
 def scheduler_outputs(draw) -> SchedulerOutput:
     new = draw(
@@ -101,6 +112,7 @@ def scheduler_outputs(draw) -> SchedulerOutput:
         wait_for_bitmask=draw(st.booleans()),
         pp_sampled_token_ids=draw(st.dictionaries(req_id, ids, max_size=3)),
         free_encoder_mm_hashes=draw(st.lists(st.text(max_size=16), max_size=3)),
+        kv_connector_step=draw(st.none() | kv_steps),
     )
 
 
@@ -215,7 +227,7 @@ def test_encode_rejects_foreign_objects():
         (msgpack.packb([99, 1]), "unknown message tag 99"),
         (
             msgpack.packb([0, 1, 2]),
-            "Malformed SchedulerOutput: expected a list of 11 fields, got 3",
+            "Malformed SchedulerOutput: expected a list of 12 fields, got 3",
         ),
         (msgpack.packb([2, 1, [], [], {}, {}, 0.0]), "Malformed ModelRunnerOutput"),
         (
@@ -232,6 +244,7 @@ def test_encode_rejects_foreign_objects():
                     False,
                     {},
                     [],
+                    None,
                 ]
             ),
             "Malformed SamplingParams",

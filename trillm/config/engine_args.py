@@ -261,6 +261,16 @@ class EngineArgs:
         "LAST + normalize).",
         value="json_object",
     )
+    # vLLM's KVTransferConfig (trillm/kv_transfer/): the shared-storage connector only.
+    kv_transfer_config: dict[str, Any] | None = flag(
+        None,
+        'KV connector, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": '
+        '"kv_both", "kv_connector_extra_config": {"shared_storage_path": DIR}}\': producers '
+        "(kv_producer, kv_both) save prompts' KV blocks to DIR, consumers (kv_consumer, "
+        "kv_both) load them instead of computing them; other connectors are refused.",
+        value="json_object",
+        metavar="JSON",
+    )
     # vLLM's JSON shape: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b} (a dict, or that JSON as a string).
     speculative_config: dict[str, Any] | str | None = flag(

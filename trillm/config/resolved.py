@@ -11,6 +11,7 @@ from trillm.config.mm_processor_cache import DEFAULT_MM_PROCESSOR_CACHE_GB
 from trillm.config.pooling import PoolerConfig
 from trillm.config.structured_outputs import StructuredOutputsConfig
 from trillm.config.values import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_KV_CACHE_MEMORY
+from trillm.kv_transfer.config import KVTransferConfig
 from trillm.spec_decode.config import SpeculativeConfig
 
 
@@ -155,3 +156,5 @@ class TrillmConfig:
     chat_template_content_format: str = "auto"
     # --logits-processors and the vllm.logits_processors plugins (config/logits_processors.py)
     logits_processors: list[LogitsProcessorSpec] = field(default_factory=list)
+    # --kv-transfer-config: the KV connector (trillm/kv_transfer/); None: none
+    kv_transfer: KVTransferConfig | None = None

@@ -260,11 +260,12 @@ class Scheduler:
                 break  # only requests waiting for their grammar
             request = self._waiting[head]
             computed_blocks, num_hit = kv.get_computed_blocks(request)
+            num_hit += (num_external := self._num_external_tokens(request, num_hit))
             n = self._chunk_size(request, num_hit, request.num_tokens, plan.budget)
-            if n <= 0 or not kv.can_allocate(request, n, computed_blocks):
+            if n <= 0 or not kv.can_allocate(request, num_external + n, computed_blocks):
                 self._unschedule_items(request)
                 break  # NOTE: strict queue order: nothing overtakes the head
-            kv.allocate_slots(request, n, computed_blocks)
+            kv.allocate_slots(request, num_external + n, computed_blocks)
             self._waiting.pop(head)
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens is None:
@@ -273,6 +274,10 @@ class Scheduler:
             request.sent_to_worker = True
             self._running.append(request)
             plan.add_new(request, n, kv.get_block_ids(request.request_id))
+
+    def _num_external_tokens(self, request: Request, num_hit: int) -> int:
+        """Prompt tokens after the local hits a KV connector loads (kv_transfer/); none here."""
+        return 0
 
     def _unschedule_items(self, request: Request) -> None:
         """What ``_chunk_size`` took in the encoder cache for a request left out this step."""

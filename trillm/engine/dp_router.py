@@ -99,6 +99,8 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        external_prefix_cache_queries=sum(s.external_prefix_cache_queries for s in stats),
+        external_prefix_cache_hits=sum(s.external_prefix_cache_hits for s in stats),
         num_preemptions=sum(s.num_preemptions for s in stats),
         running_lora_adapters=_merged([s.running_lora_adapters for s in stats]),
         waiting_lora_adapters=_merged([s.waiting_lora_adapters for s in stats]),

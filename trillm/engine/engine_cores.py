@@ -214,7 +214,12 @@ def make_scheduler(config: TrillmConfig, num_blocks: int) -> Scheduler:
     from trillm.core.encoder_cache import encoder_cache_for
     from trillm.core.mm_spans import check_budget, whole_span_tokens
 
-    scheduler = get_scheduler_cls()(config.scheduler, config.cache, num_blocks)
+    if config.kv_transfer is not None:
+        from trillm.kv_transfer.scheduler_side import connector_scheduler
+
+        scheduler: Scheduler = connector_scheduler(config, num_blocks)
+    else:
+        scheduler = get_scheduler_cls()(config.scheduler, config.cache, num_blocks)
     scheduler.encoder_cache = encoder_cache_for(config)
     span = whole_span_tokens(config)
     if span:

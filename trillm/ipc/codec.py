@@ -34,6 +34,8 @@ from trillm.ipc.control import (
 from trillm.lora.request import LoRARequest
 from trillm.messages import (
     CachedRequestData,
+    KVConnectorStep,
+    KVTransferItem,
     LogprobsLists,
     ModelRunnerOutput,
     MultiModalItem,
@@ -140,11 +142,24 @@ def _enc_sched(s: SchedulerOutput) -> list[Any]:
         s.wait_for_bitmask,
         s.pp_sampled_token_ids,
         s.free_encoder_mm_hashes,
+        None if (k := s.kv_connector_step) is None else [_enc_kv(k.loads), _enc_kv(k.saves)],
     ]
 
 
+def _enc_kv(items: list[KVTransferItem]) -> list[Any]:
+    return [[i.req_id, i.key, i.block_ids, i.num_tokens, i.first_block] for i in items]
+
+
+def _dec_kv(v: list[Any] | None) -> KVConnectorStep | None:
+    if v is None:
+        return None
+    _check_arity(v, 2, "KVConnectorStep")
+    loads, saves = ([KVTransferItem(*i) for i in items] for items in v)
+    return KVConnectorStep(loads, saves)
+
+
 def _dec_sched(v: list[Any]) -> SchedulerOutput:
-    _check_arity(v, 11, "SchedulerOutput")
+    _check_arity(v, 12, "SchedulerOutput")
     _check_arity(v[3], 3, "CachedRequestData")
     return SchedulerOutput(
         step_id=v[1],
@@ -157,6 +172,7 @@ def _dec_sched(v: list[Any]) -> SchedulerOutput:
         wait_for_bitmask=v[8],
         pp_sampled_token_ids=v[9],
         free_encoder_mm_hashes=v[10],
+        kv_connector_step=_dec_kv(v[11]),
     )
 
 

@@ -41,6 +41,7 @@ from trillm.distributed.pipeline import IntermediateTensors, get_pp_group
 from trillm.distributed.sharding import RankShapes
 from trillm.distributed.worker import join_tensor_parallel, leave_tensor_parallel, place_rank
 from trillm.errors import CollectiveTimeoutError
+from trillm.kv_transfer.shared_storage import worker_connector
 from trillm.lora.manager import LoRAManager
 from trillm.lora.request import LoRARequest
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
@@ -95,6 +96,7 @@ class ModelRunner:
         self._model: CausalLM | None = None
         self.attn_backend = get_attention_backend(config.attention_backend, config.device)
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_connector = worker_connector(config)  # --kv-transfer-config's worker side
         self.batch = InputBatch(
             self.max_num_reqs,
             self.max_model_len,
@@ -227,12 +229,14 @@ class ModelRunner:
         if self.longrope is not None:
             num_scheduled, recomputed = self._longrope_switch(slots, num_scheduled)
         inputs = self.batch.prepare(slots, num_scheduled)
+        self.kv_connector.start_load_kv(sched.kv_connector_step, self.kv_caches)
         if self.lora is None:
             hidden = self._forward(inputs)  # [T, H]
         else:
             with self.lora.step(req_ids, inputs.query_start_loc):
                 hidden = self._forward(inputs)
         self._num_steps += 1
+        self.kv_connector.wait_for_save(sched.kv_connector_step, self.kv_caches)
         if hidden is None:  # not the last pipeline stage: it samples, we take its tokens
             empty = torch.empty(0, self.config.model.vocab_size, device=self.device)
             self._pending = PendingStep(

@@ -254,6 +254,17 @@ ENGINE: dict[str, tuple[str, ...]] = {
     ),
     # n-gram / draft-model / EAGLE / MTP drafts verified in one forward: same output, fewer
     # forwards; bad configs, drafts with another vocabulary and head fields refused
+    # vLLM's SharedStorageConnector: consumer output equals the plain engine's and
+    # transformers'; prefill/decode pair behind the proxy; other connectors refused by name
+    "kv_transfer_config": ids(
+        "tests/kv_transfer/test_shared_storage.py::test_the_consumer_loads_the_prompts_and_matches",
+        "tests/kv_transfer/test_shared_storage.py::test_a_truncated_file_is_recomputed",
+        "tests/kv_transfer/test_shared_storage.py::"
+        "test_what_the_connector_cannot_take_is_refused_by_name",
+        "tests/entrypoints/test_disagg_http.py::"
+        "test_the_pair_answers_as_one_instance_and_decode_computes_no_stored_token",
+        "tests/entrypoints/test_disagg_http.py::test_other_connectors_stop_serve_naming_them",
+    ),
     "speculative_config": ids(
         SPEC_E + "test_same_output_with_speculation_and_drafts_accepted",
         SPEC_D + "test_target_copy_as_draft_is_accepted_and_output_is_exact",

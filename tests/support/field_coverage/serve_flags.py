@@ -301,6 +301,7 @@ _ENGINE_FLAG_FIELDS = {
     "--skip-mm-profiling": "skip_mm_profiling",
     "--hf-overrides": "hf_overrides",
     "--structured-outputs-config": "structured_outputs_config",
+    "--kv-transfer-config": "kv_transfer_config",
     "--chat-template-content-format": "chat_template_content_format",
     "--distributed-executor-backend": "distributed_executor_backend",
     "--generation-config": "generation_config",

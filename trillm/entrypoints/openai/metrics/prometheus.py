@@ -102,6 +102,18 @@ class _SchedulerCollector(Collector):
                 "prefix_cache_hits",
             ),
             (
+                "vllm:external_prefix_cache_queries",
+                "External prefix cache queries from KV connector cross-instance cache sharing, "
+                "in terms of number of queried tokens.",
+                "external_prefix_cache_queries",
+            ),
+            (
+                "vllm:external_prefix_cache_hits",
+                "External prefix cache hits from KV connector cross-instance cache sharing, "
+                "in terms of number of cached tokens.",
+                "external_prefix_cache_hits",
+            ),
+            (
                 "vllm:num_preemptions",
                 "Cumulative number of preemption from the engine (recomputed later).",
                 "num_preemptions",

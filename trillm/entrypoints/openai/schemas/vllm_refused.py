@@ -25,12 +25,15 @@ def _group(reason: str, *names: str, asks_nothing: tuple[Any, ...] = (None,)) ->
     return dict.fromkeys(names, Refusal(reason, asks_nothing))
 
 
-_DISAGG = _group(
-    "disaggregated serving (KV-cache and encoder-cache transfer between instances) is not "
-    "implemented",
-    "kv_transfer_params",
-    "ec_transfer_params",
-)
+_DISAGG = {
+    **_group(
+        "the KV connector here (SharedStorageConnector, --kv-transfer-config) finds a prompt's "
+        "KV by its tokens and takes no per-request parameters; the network connectors that "
+        "read them are not implemented",
+        "kv_transfer_params",
+    ),
+    **_group("encoder-cache transfer between instances is not implemented", "ec_transfer_params"),
+}
 _MEDIA_IO = _group(
     "per-request media connector options (a video_url's frames) are taken by "
     "/v1/chat/completions only; this route loads media with the server's settings",

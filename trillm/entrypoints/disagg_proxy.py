@@ -1,0 +1,116 @@
+"""Prefill/decode disaggregation behind one address (vLLM's disaggregated-serving example
+shape): each completion or chat completion goes first to the prefill instance with
+``max_tokens`` 1, whose KV connector (kv_producer) saves the prompt's KV blocks; then, as it
+came, to the decode instance, whose connector (kv_consumer) loads them instead of computing
+them, and the decode instance's answer (JSON or SSE stream) is the client's.
+
+    python -m trillm.entrypoints.disagg_proxy --prefill http://127.0.0.1:8100 \\
+        --decode http://127.0.0.1:8200 --port 8000
+
+A prefill answer that is not 200 is the client's answer (the decode instance is not asked).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+# Options of a request that only make sense for its answer, not for computing its prompt.
+_ANSWER_ONLY = ("stream", "stream_options", "n", "best_of", "max_completion_tokens")
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request as the prefill instance gets it: one token, one sample, no stream."""
+    kept = {k: v for k, v in body.items() if k not in _ANSWER_ONLY}
+    return {**kept, "max_tokens": 1}
+
+
+def _forwarded_headers() -> dict[str, str]:
+    auth = request.headers.get("Authorization")
+    return {} if auth is None else {"Authorization": auth}
+
+
+def make_app(prefill_url: str, decode_url: str) -> QuartTrio:
+    app = QuartTrio("trillm-disagg-proxy")
+    client = httpx.AsyncClient(timeout=None)
+
+    async def relay(path: str) -> Response:
+        body = await request.get_json(force=True)
+        headers = _forwarded_headers()
+        first = await client.post(prefill_url + path, json=prefill_body(body), headers=headers)
+        if first.status_code != 200:
+            return _answer(first, first.content)
+        upstream = await client.send(
+            client.build_request("POST", decode_url + path, json=body, headers=headers),
+            stream=True,
+        )
+        if not body.get("stream"):
+            return _answer(upstream, await upstream.aread())
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+
+        return _answer(upstream, chunks())
+
+    for path in GENERATION_ROUTES:
+        app.add_url_rule(path, path, _bind(relay, path), methods=["POST"])
+
+    @app.route("/v1/models")
+    async def models() -> Response:
+        answer = await client.get(decode_url + "/v1/models", headers=_forwarded_headers())
+        return _answer(answer, answer.content)
+
+    @app.route("/health")
+    async def health() -> Response:
+        return Response("", status=200)
+
+    return app
+
+
+def _bind(relay: Any, path: str) -> Any:
+    async def route() -> Response:
+        return await relay(path)
+
+    return route
+
+
+def _answer(upstream: httpx.Response, content: Any) -> Response:
+    kind = upstream.headers.get("content-type", "application/json")
+    return Response(content, status=upstream.status_code, content_type=kind)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefill", required=True, help="the kv_producer instance's base URL")
+    parser.add_argument("--decode", required=True, help="the kv_consumer instance's base URL")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    trio.run(
+        serve, make_app(args.prefill.rstrip("/"), args.decode.rstrip("/")), args.host, args.port
+    )
+
+
+async def serve(app: QuartTrio, host: str, port: int) -> None:
+    from hypercorn.config import Config
+
+    from trillm.entrypoints.openai.http.listener import hypercorn_serve
+
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    await hypercorn_serve(app, config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""``--kv-transfer-config JSON`` (vLLM's ``KVTransferConfig``): every key vLLM defines, honoured
+or refused by name. One connector is implemented, vLLM's ``SharedStorageConnector``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SHARED_STORAGE = "SharedStorageConnector"
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+# vLLM's other connectors: refused by name, each moves KV in a way not implemented here.
+OTHER_CONNECTORS = (
+    "LMCacheConnectorV1",
+    "NixlConnector",
+    "P2pNcclConnector",
+    "MultiConnector",
+    "OffloadingConnector",
+    "LMCacheMPConnector",
+    "MooncakeConnector",
+    "DecodeBenchConnector",
+)
+# vLLM's keys that only its network connectors read, at their defaults (which ask nothing).
+_NETWORK_DEFAULTS: dict[str, Any] = {
+    "kv_buffer_device": "cuda",
+    "kv_buffer_size": 1e9,
+    "kv_rank": None,
+    "kv_parallel_size": 1,
+    "kv_ip": "127.0.0.1",
+    "kv_port": 14579,
+    "kv_connector_module_path": None,
+    "enable_permute_local_kv": False,
+}
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str  # SHARED_STORAGE
+    kv_role: str  # one of ROLES: producers save prompts' KV, consumers load it
+    shared_storage_path: str  # the folder both instances read and write
+    engine_id: str | None = None  # vLLM's label of the instance (logged only)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_producer")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_consumer")
+
+
+def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:
+    """A dict (or None) -> the config; ValueError naming the key or value it cannot take."""
+    if value is None or isinstance(value, KVTransferConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}.")
+    _check_keys(value)
+    connector = value.get("kv_connector")
+    if connector in OTHER_CONNECTORS:
+        raise ValueError(
+            f"kv_transfer_config.kv_connector {connector!r} is not implemented; trillm has "
+            f"{SHARED_STORAGE!r} only."
+        )
+    if connector != SHARED_STORAGE:
+        raise ValueError(
+            f"kv_transfer_config.kv_connector must be {SHARED_STORAGE!r}, got {connector!r}."
+        )
+    role = value.get("kv_role")
+    if role not in ROLES:
+        raise ValueError(f"kv_transfer_config.kv_role must be one of {ROLES}, got {role!r}.")
+    engine_id = value.get("engine_id")
+    if engine_id is not None and not isinstance(engine_id, str):
+        raise ValueError(f"kv_transfer_config.engine_id must be a string, got {engine_id!r}.")
+    return KVTransferConfig(connector, role, _storage_path(value), engine_id)
+
+
+def _check_keys(value: dict[str, Any]) -> None:
+    for key, item in value.items():
+        if key in ("kv_connector", "kv_role", "kv_connector_extra_config", "engine_id"):
+            continue
+        if key == "kv_load_failure_policy":
+            if item not in (None, "recompute"):
+                raise ValueError(
+                    "kv_transfer_config.kv_load_failure_policy: only 'recompute' is "
+                    f"implemented (a file that is missing or damaged is recomputed), got {item!r}."
+                )
+            continue
+        if key not in _NETWORK_DEFAULTS:
+            raise ValueError(f"kv_transfer_config: unknown key {key!r}.")
+        if item != _NETWORK_DEFAULTS[key]:
+            raise ValueError(
+                f"kv_transfer_config.{key}: read by vLLM's network connectors only, not by "
+                f"{SHARED_STORAGE}; leave it out."
+            )
+
+
+def _storage_path(value: dict[str, Any]) -> str:
+    extra = value.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError("kv_transfer_config.kv_connector_extra_config must be a JSON object.")
+    unknown = set(extra) - {"shared_storage_path"}
+    if unknown:
+        raise ValueError(
+            f"kv_transfer_config.kv_connector_extra_config: {SHARED_STORAGE} takes "
+            f"shared_storage_path only, not {', '.join(sorted(unknown))}."
+        )
+    path = extra.get("shared_storage_path", "/tmp")  # vLLM's default
+    if not isinstance(path, str) or not path:
+        raise ValueError(
+            "kv_transfer_config.kv_connector_extra_config.shared_storage_path must be a "
+            f"folder path, got {path!r}."
+        )
+    return path

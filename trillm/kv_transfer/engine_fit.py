@@ -1,0 +1,47 @@
+"""``kv_transfer_config`` resolved for an engine: the features a stored prompt KV does not
+carry yet are refused by name at load."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from trillm.config import EngineArgs, ModelConfig
+from trillm.kv_transfer.config import SHARED_STORAGE, KVTransferConfig, parse_kv_transfer_config
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_kv_transfer(
+    args: EngineArgs,
+    model: ModelConfig,
+    pooler: Any,
+    speculative: Any,
+    hybrid: bool,
+    longrope: bool,
+) -> KVTransferConfig | None:
+    config = parse_kv_transfer_config(args.kv_transfer_config)
+    if config is None:
+        return None
+    unsupported = {
+        # a rank or stage would need its own share of the file
+        "tensor_parallel_size > 1": args.tensor_parallel_size > 1,
+        "pipeline_parallel_size > 1": args.pipeline_parallel_size > 1,
+        "data_parallel_size > 1": args.data_parallel_size > 1,
+        # state outside the paged KV cache, or KV that is not a function of the tokens alone
+        "a hybrid (Mamba) model's recurrent state": hybrid,
+        "a longrope model (its K/V depend on the request's length)": longrope,
+        "a multimodal model": model.mm_config is not None,
+        "a pooling model": pooler is not None,
+        "speculative decoding (the draft's KV cache)": speculative is not None,
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise ValueError(f"kv_transfer_config ({SHARED_STORAGE}) with {name}: not implemented.")
+    logger.info(
+        "KV connector %s (%s) on %s",
+        config.kv_connector,
+        config.kv_role,
+        config.shared_storage_path,
+    )
+    return config

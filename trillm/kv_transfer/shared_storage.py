@@ -1,0 +1,170 @@
+"""vLLM's ``SharedStorageConnector``: prompts' KV blocks as files in a folder both instances
+see (``storage.py``). A producer (kv_producer, kv_both) saves a request's prompt once its
+prompt is computed; a consumer (kv_consumer, kv_both) loads a waiting request's prompt from
+the file of the same tokens, so those tokens are not computed again. Both sides store the
+prompt's longest block-aligned prefix short of its last token (vLLM's
+``align_to_block_size(len(prompt) - 1)``): the consumer computes the rest.
+
+A file that is missing, another model's, truncated or damaged is no match: the request is
+computed as without a connector, never from bad KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+from trillm.config import TrillmConfig
+from trillm.core.request import Request
+from trillm.kv_transfer.base import KVConnectorWorker, NoConnector
+from trillm.kv_transfer.config import KVTransferConfig
+from trillm.kv_transfer.storage import (
+    Header,
+    cache_identity,
+    file_path,
+    payload_digest,
+    prefix_key,
+    read_file,
+    write_file,
+)
+from trillm.messages import KVConnectorStep, KVTransferItem, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class SharedStorageScheduler:
+    """The scheduler side (``base.KVConnectorScheduler``)."""
+
+    def __init__(self, kv: KVTransferConfig, identity: str, block_size: int) -> None:
+        self.kv = kv
+        self.identity = identity
+        self.block_size = block_size
+        # req_id -> (key, tokens in the file, tokens computed before it) of this step's lookups
+        self._lookups: dict[str, tuple[str, int, int]] = {}
+        self._loads: list[KVTransferItem] = []  # admitted this step
+        self._saved: set[str] = set()  # requests whose prompt was saved (or has no full block)
+        self._queries = 0
+        self._hits = 0
+
+    def _prefix(self, request: Request) -> tuple[str, int]:
+        n = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+        tokens = request.prompt_token_ids[:n]
+        return prefix_key(self.identity, tokens, request.cache_salt, request.extra_hash_keys), n
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        if not self.kv.is_consumer or request.skip_prefix_lookup:
+            return 0  # NOTE: prompt logprobs need every prompt position computed
+        key, n = self._prefix(request)
+        self._lookups[request.request_id] = (key, 0, num_computed_tokens)
+        if n <= num_computed_tokens:
+            return 0
+        path = file_path(self.kv.shared_storage_path, key)
+        if read_file(path, self.identity, n) is None:
+            if os.path.exists(path):
+                logger.warning("KV file %s is damaged or not this model's: recomputing", path)
+            return 0
+        self._lookups[request.request_id] = (key, n, num_computed_tokens)
+        return n - num_computed_tokens
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int]) -> None:
+        lookup = self._lookups.pop(request.request_id, None)
+        if lookup is None:
+            return
+        key, n, computed = lookup
+        self._queries += request.num_tokens
+        if n > computed:
+            self._hits += n - computed
+            first = computed // self.block_size
+            blocks = block_ids[: n // self.block_size]
+            self._loads.append(KVTransferItem(request.request_id, key, blocks, n, first))
+
+    def build_connector_meta(
+        self,
+        out: SchedulerOutput,
+        request_of: Callable[[str], Request],
+        block_ids_of: Callable[[str], list[int]],
+    ) -> KVConnectorStep:
+        step = KVConnectorStep(loads=self._loads)
+        self._loads = []
+        self._lookups.clear()  # NOTE: a request not admitted is looked up again next step
+        if not self.kv.is_producer:
+            return step
+        for req_id in out.num_scheduled_tokens:
+            request = request_of(req_id)
+            if req_id in self._saved or request.num_computed_tokens < request.num_prompt_tokens:
+                continue  # saved already, or its prompt is not computed by this step's end
+            self._saved.add(req_id)
+            key, n = self._prefix(request)
+            if n > 0:
+                blocks = block_ids_of(req_id)[: n // self.block_size]
+                step.saves.append(KVTransferItem(req_id, key, blocks, n, 0))
+        return step
+
+    def request_finished(self, req_id: str) -> None:
+        self._saved.discard(req_id)
+        self._lookups.pop(req_id, None)
+
+    def prefix_cache_stats(self) -> tuple[int, int]:
+        return self._queries, self._hits
+
+
+class SharedStorageWorker:
+    """The worker side (``base.KVConnectorWorker``): files in, files out."""
+
+    def __init__(self, config: TrillmConfig, kv: KVTransferConfig) -> None:
+        self.folder = kv.shared_storage_path
+        self.identity = cache_identity(config)
+        if kv.is_producer:
+            os.makedirs(self.folder, exist_ok=True)
+
+    def start_load_kv(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
+        for item in () if step is None else step.loads:
+            self._load(item, kv_caches)
+
+    def wait_for_save(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
+        for item in () if step is None else step.saves:
+            self._save(item, kv_caches)
+
+    def _load(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
+        path = file_path(self.folder, item.key)
+        found = read_file(path, self.identity, item.num_tokens)
+        if found is None:  # NOTE: checked whole by the scheduler; changed since: fail the step
+            raise RuntimeError(f"KV file {path} changed after the scheduler checked it.")
+        header, payload = found
+        cache = kv_caches[0]
+        shape = (len(kv_caches), cache.shape[0], len(item.block_ids), *cache.shape[2:])
+        layout = (len(kv_caches), cache.shape[0], list(cache.shape[3:]), str(cache.dtype))
+        if (header.num_layers, header.planes, header.entry, header.dtype) != layout:
+            raise ValueError(f"KV file {path} holds another cache layout than this model's.")
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        rows = data.view(cache.dtype).reshape(shape).to(cache.device)
+        ids = torch.tensor(item.block_ids[item.first_block :], device=cache.device)
+        for layer, layer_rows in zip(kv_caches, rows):
+            layer[:, ids] = layer_rows[:, item.first_block :]
+
+    def _save(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
+        ids = torch.tensor(item.block_ids, device=kv_caches[0].device)
+        rows = torch.stack([layer[:, ids] for layer in kv_caches])  # [L, planes, nb, bs, *entry]
+        payload = rows.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        cache = kv_caches[0]
+        header = Header(
+            identity=self.identity,
+            num_tokens=item.num_tokens,
+            num_layers=len(kv_caches),
+            planes=cache.shape[0],
+            entry=list(cache.shape[3:]),
+            dtype=str(cache.dtype),
+            payload_bytes=len(payload),
+            digest=payload_digest(payload),
+        )
+        write_file(file_path(self.folder, item.key), header, payload)
+
+
+def worker_connector(config: TrillmConfig) -> KVConnectorWorker:
+    """The worker side of the engine's connector (a no-op without one)."""
+    if config.kv_transfer is None:
+        return NoConnector()
+    return SharedStorageWorker(config, config.kv_transfer)

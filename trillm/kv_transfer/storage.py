@@ -1,0 +1,111 @@
+"""The shared-storage connector's files: one per stored prompt prefix, ``DIR/<key>.kv``.
+
+``<key>`` is a BLAKE2b digest of the cache identity (model config, dtypes, block size), the
+request's cache salt and extra hash keys (adapter, images) and the prefix's token ids, so a
+reader with another model or cache layout never finds a writer's file. A file is a magic line,
+a JSON header (the identity again, the layout, the token count, the payload's size and
+digest) and the payload: for each KV layer, that layer's cache rows of the prefix's blocks,
+``[planes, num_blocks, block_size, *entry]`` in the cache dtype, C order. A writer writes a
+temporary file and renames it, so a reader sees a whole file or none; a reader checks the
+size and the digest, so a truncated or damaged file is treated as missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trillm.config import TrillmConfig
+
+MAGIC = b"trillm-kv/1\n"
+_HEADER_LEN_BYTES = 4
+
+
+def cache_identity(config: TrillmConfig) -> str:
+    """What a stored KV depends on besides the tokens: the model's config, its dtypes, the
+    block size and the tensor-parallel split (a rank's heads)."""
+    model = config.model
+    fields = {
+        "architecture": model.architecture,
+        "hf_config": model.hf_config,
+        "dtype": model.dtype,
+        "quantization": model.quantization,
+        "numerics": model.numerics,
+        "cache_dtype": config.cache.cache_dtype,
+        "block_size": config.cache.block_size,
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
+    }
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def prefix_key(
+    identity: str, token_ids: Sequence[int], cache_salt: str | None, extra_keys: Sequence[str]
+) -> str:
+    h = hashlib.blake2b(digest_size=20)
+    h.update(json.dumps([identity, cache_salt, list(extra_keys)]).encode())
+    h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in token_ids))
+    return h.hexdigest()
+
+
+def file_path(folder: str, key: str) -> str:
+    return os.path.join(folder, key + ".kv")
+
+
+@dataclass(frozen=True)
+class Header:
+    identity: str
+    num_tokens: int
+    num_layers: int
+    planes: int
+    entry: list[int]
+    dtype: str
+    payload_bytes: int
+    digest: str  # BLAKE2b of the payload
+
+
+def write_file(path: str, header: Header, payload: bytes) -> None:
+    head = json.dumps(asdict(header)).encode()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + len(head).to_bytes(_HEADER_LEN_BYTES, "little") + head + payload)
+    os.replace(tmp, path)
+
+
+def payload_digest(payload: bytes | memoryview) -> str:
+    return hashlib.blake2b(payload, digest_size=20).hexdigest()
+
+
+def read_file(path: str, identity: str, num_tokens: int) -> tuple[Header, memoryview] | None:
+    """The header and payload of a whole, undamaged file of this identity and token count;
+    None when it is missing, another identity's, truncated or damaged."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    header = _parse_header(data)
+    if header is None or header[0].identity != identity or header[0].num_tokens != num_tokens:
+        return None
+    head, start = header
+    payload = memoryview(data)[start:]
+    if len(payload) != head.payload_bytes or payload_digest(payload) != head.digest:
+        return None
+    return head, payload
+
+
+def _parse_header(data: bytes) -> tuple[Header, int] | None:
+    if not data.startswith(MAGIC):
+        return None
+    at = len(MAGIC)
+    size = int.from_bytes(data[at : at + _HEADER_LEN_BYTES], "little")
+    start = at + _HEADER_LEN_BYTES + size
+    try:
+        fields: dict[str, Any] = json.loads(data[at + _HEADER_LEN_BYTES : start])
+        return Header(**fields), start
+    except (ValueError, TypeError):
+        return None
