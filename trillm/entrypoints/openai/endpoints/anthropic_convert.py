@@ -64,6 +64,7 @@ def to_chat_request(
         request_id=request_id,
     )
     _check_cache_control(req.cache_control, "")
+    _thinking(chat, req.thinking)
     if isinstance(req, MessagesRequest):
         chat.max_tokens = req.max_tokens
         chat.stop = req.stop_sequences
@@ -73,6 +74,17 @@ def to_chat_request(
         chat.stream = req.stream
         chat.user = (req.metadata or {}).get("user_id")
     return chat
+
+
+def _thinking(chat: ChatCompletionRequest, thinking: dict[str, Any] | None) -> None:
+    """vLLM's mapping: a budget caps the reasoning section (thinking_token_budget, which needs
+    --reasoning-parser); disabled asks the template for no thinking (reasoning_effort "none",
+    which chat_template_kwargs' enable_thinking overrides); adaptive pins nothing."""
+    kind = (thinking or {}).get("type")
+    if kind == "enabled":
+        chat.thinking_token_budget = (thinking or {})["budget_tokens"]
+    elif kind == "disabled":
+        chat.reasoning_effort = "none"
 
 
 # ---------------------------------------------------------------- messages

@@ -2,8 +2,8 @@
 schemas and their refusals.
 
 As on /v1/responses, a field this server does not implement is refused (400 naming it) rather
-than ignored: Anthropic's API has hosted features (server tools, MCP servers, containers,
-extended thinking budgets) whose silent absence would change what a client gets. The nested
+than ignored: Anthropic's API has hosted features (server tools, MCP servers, containers)
+whose silent absence would change what a client gets. The nested
 objects (content blocks, tools, ``tool_choice``, ``metadata``) are kept as JSON objects here and
 checked key by key where they are turned into a chat request (``endpoints/anthropic_convert``),
 which names the bad key's path.
@@ -39,7 +39,9 @@ class CountTokensRequest:
     tool_choice: dict[str, Any] | None = None
     # vLLM's extension, as on chat completions: the chat template's extra variables.
     chat_template_kwargs: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # only {"type": "disabled"} (check_values)
+    # {"type": "enabled", "budget_tokens": N} | {"type": "disabled"} | {"type": "adaptive"}
+    # (check_thinking; anthropic_convert maps it to chat's fields as vLLM does)
+    thinking: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None  # a caching mark (anthropic_convert.py)
 
 
@@ -89,14 +91,7 @@ def check_fields(body: dict[str, Any], cls: type[CountTokensRequest], route: str
 
 def check_values(req: CountTokensRequest) -> None:
     """400 for values of known fields this server cannot honour, naming the field."""
-    thinking = req.thinking
-    if thinking is not None and thinking != {"type": "disabled"}:
-        raise BadRequestError(
-            "'thinking' is not supported (no thinking budget is kept): only "
-            '{"type": "disabled"}. With --reasoning-parser a model that thinks anyway answers '
-            "with a 'thinking' block; 'chat_template_kwargs' switches a template's thinking.",
-            "thinking",
-        )
+    check_thinking(req.thinking, getattr(req, "max_tokens", None))
     for i, stop in enumerate(getattr(req, "stop_sequences", None) or []):
         if not stop or len(stop) > MAX_STOP_STRING_LEN:
             raise BadRequestError(
@@ -111,6 +106,54 @@ def check_values(req: CountTokensRequest) -> None:
     metadata = getattr(req, "metadata", None)
     if metadata is not None:
         _check_metadata(metadata)
+
+
+# vLLM's minimum budget (Anthropic's): a smaller one is a 400.
+MIN_THINKING_BUDGET = 1024
+THINKING_KEYS = {
+    "enabled": {"type", "budget_tokens", "display"},
+    "disabled": {"type"},
+    "adaptive": {"type", "display"},
+}
+# thinking.display values this server honours: the reasoning is always returned in full.
+THINKING_DISPLAYS = (None, "summarized")
+
+
+def check_thinking(thinking: dict[str, Any] | None, max_tokens: int | None) -> None:
+    """400 naming ``thinking.*`` for a configuration vLLM's Messages API would not take, or a
+    display this server cannot give (the reasoning is returned whole, never omitted)."""
+    if thinking is None:
+        return
+    kind = thinking.get("type")
+    allowed = THINKING_KEYS.get(kind) if isinstance(kind, str) else None
+    if allowed is None:
+        raise BadRequestError(
+            "'thinking.type' must be 'enabled', 'disabled' or 'adaptive'.", "thinking.type"
+        )
+    for key in thinking:
+        if key not in allowed:
+            raise BadRequestError(
+                f"Unknown field 'thinking.{str(key)[:64]}' for thinking type {kind!r}.",
+                f"thinking.{str(key)[:64]}",
+            )
+    if thinking.get("display") not in THINKING_DISPLAYS:
+        raise BadRequestError(
+            "'thinking.display' other than 'summarized' is not supported: the reasoning is "
+            "always returned in full as a 'thinking' block.",
+            "thinking.display",
+        )
+    if kind != "enabled":
+        return
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET:
+        raise BadRequestError(
+            f"'thinking.budget_tokens' must be a whole number >= {MIN_THINKING_BUDGET}.",
+            "thinking.budget_tokens",
+        )
+    if max_tokens is not None and budget >= max_tokens:
+        raise BadRequestError(
+            "'thinking.budget_tokens' must be less than max_tokens.", "thinking.budget_tokens"
+        )
 
 
 def _check_metadata(metadata: dict[str, Any]) -> None:
