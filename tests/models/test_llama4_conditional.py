@@ -1,17 +1,15 @@
 """A multimodal Llama 4 checkpoint (``Llama4ForConditionalGeneration``: the language model
-under ``text_config`` / ``language_model.*``, a vision tower and projector beside it) served on
-text alone: greedy tokens and logprobs equal transformers' ``Llama4ForConditionalGeneration``
-on text prompts of different lengths, batched, whole and in 7-token prefill chunks; its vision
-tensors are skipped; image inputs are refused naming the model and saying that its vision
-encoder is not implemented; what the config asks that trillm does not run is refused by name.
+under ``text_config`` / ``language_model.*``, a vision model and projector beside it) on text
+prompts: greedy tokens and logprobs equal transformers' ``Llama4ForConditionalGeneration`` on
+prompts of different lengths, batched, whole and in 7-token prefill chunks; its vision tensors
+are loaded (images: ``test_llama4_vision.py``); videos, parallelism and what the config asks that
+trillm does not run are refused by name.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import trio
-from llava_reference import image
 from runner_harness import (
     check_logprobs,
     load_runner,
@@ -21,10 +19,8 @@ from runner_harness import (
     transformers_greedy,
 )
 
-from trillm import SamplingParams
 from trillm.config import EngineArgs
 from trillm.engine.config_builder import build_config
-from trillm.engine.preprocess import InvalidRequestError
 from trillm.model_executor import llama4_config
 from trillm.model_executor.models import llama4
 from trillm.testing.tiny_llama4 import build_tiny_llama4_conditional
@@ -32,7 +28,6 @@ from trillm.testing.tiny_llama4 import build_tiny_llama4_conditional
 MAX_NEW = 8
 PROMPT_LENS = [3, 29, 12, 41]  # across 0, 2 and 3 of the 12-token attention chunks
 ARCH = "Llama4ForConditionalGeneration"
-NOT_IMPLEMENTED = "vision encoder is not implemented"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -57,47 +52,19 @@ def test_text_greedy_and_logprobs_match_transformers(model, chunk):
     check_logprobs(hf, reqs, MAX_NEW, k_prompt=2, k=2)  # within 1e-4
 
 
-def test_the_vision_tensors_are_skipped_not_loaded(model):
+def test_the_vision_tensors_are_loaded(model):
     path, hf = model
-    assert any(name.startswith("vision_model.") for name in hf.state_dict())
-    names = [name for name, _ in load_runner(path).model.named_parameters()]
-    assert not [n for n in names if "vision" in n or "projector" in n]
+    params = dict(load_runner(path).model.named_parameters())
+    for name in (
+        "vision_model.patch_embedding.linear.weight",
+        "multi_modal_projector.linear_1.weight",
+    ):
+        assert torch.equal(params[name], hf.state_dict()[name])
 
 
-def test_image_inputs_are_refused_naming_the_model(model):
-    from transformers import AutoTokenizer
-
-    from trillm.engine.preprocess import Preprocessor
-
-    path, _ = model
-    with pytest.raises(ValueError, match=f"limit_mm_per_prompt.*{ARCH} takes no image inputs"):
-        build_config(EngineArgs(str(path), limit_mm_per_prompt={"image": 1}))
-    config = build_config(EngineArgs(str(path)))
-    pre = Preprocessor(config, AutoTokenizer.from_pretrained(path), num_blocks=64)
-    prompt = {"prompt": "x <|image|>", "multi_modal_data": {"image": image(0)}}
-    with pytest.raises(InvalidRequestError, match=f"{ARCH} takes no image.*{NOT_IMPLEMENTED}"):
-        trio.run(pre.prepare, prompt, SamplingParams(max_tokens=2))
-
-
-def test_chat_image_parts_are_refused_naming_the_model(model):
-    from transformers import AutoTokenizer
-
-    from trillm.engine.preprocess import Preprocessor
-    from trillm.entrypoints.openai.endpoints.media import split_images
-    from trillm.entrypoints.openai.http.errors import BadRequestError
-    from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest
-    from trillm.entrypoints.openai.schemas.structuring import structure
-
-    path, _ = model
-    pre = Preprocessor(build_config(EngineArgs(str(path))), AutoTokenizer.from_pretrained(path), 64)
-    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    content = [{"type": "text", "text": "hi"}, part]
-    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
-    request = structure(ChatCompletionRequest, body)
-    words = f"{ARCH} takes no image inputs.*{NOT_IMPLEMENTED}"
-    with pytest.raises(BadRequestError, match=words) as err:
-        split_images(pre, request.messages)
-    assert err.value.param == "messages[0].content[1].image_url"
+def test_video_inputs_are_refused_naming_the_model(model):
+    with pytest.raises(ValueError, match=rf"\['video'\]=1: {ARCH} takes no video"):
+        build_config(EngineArgs(str(model[0]), limit_mm_per_prompt={"video": 1}))
 
 
 def test_parallelism_is_refused(model, monkeypatch):

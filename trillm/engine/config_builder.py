@@ -205,7 +205,7 @@ def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str,
     if args.mm_processor_kwargs and "audio" in model_entry(arch).modalities:
         raise ValueError(f"mm_processor_kwargs: not supported for {arch}'s audio inputs yet.")
     if args.mm_processor_kwargs:  # each key one the folder's image processor takes
-        from trillm.engine.multimodal import check_keywords, load_image_processor
+        from trillm.engine.image_processors import check_keywords, load_image_processor
 
         processor = load_image_processor(model_config.model)
         check_keywords(processor, args.mm_processor_kwargs, "mm_processor_kwargs")

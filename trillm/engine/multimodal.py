@@ -11,9 +11,7 @@ placeholder range, a content hash keying the encoder cache and the prefix cache.
 
 from __future__ import annotations
 
-import json
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,11 +19,13 @@ import trio
 
 from trillm.config import TrillmConfig
 from trillm.engine import gemma3_inputs as gemma3
+from trillm.engine import llama4_inputs as llama4
 from trillm.engine import onevision_inputs as onevision
 from trillm.engine import onevision_video, video_decode
 from trillm.engine import qwen2_vl_inputs as qwen2_vl
 from trillm.engine import video_inputs as video
 from trillm.engine.audio_inputs import AudioProcessor
+from trillm.engine.image_processors import check_keywords, load_image_processor
 from trillm.engine.media import (
     ImageSource,
     MediaConnector,
@@ -38,6 +38,7 @@ from trillm.engine.onevision_video import video_token, video_tokens
 from trillm.engine.video_sampling import without_frame_kwargs
 from trillm.messages import MultiModalItem
 from trillm.model_executor.gemma3_mm_config import is_gemma3_mm
+from trillm.model_executor.llama4_vision_config import is_llama4_mm
 from trillm.model_executor.multimodal_config import image_token_id, num_image_tokens
 from trillm.model_executor.onevision_config import is_onevision
 from trillm.model_executor.qwen2_audio_config import is_qwen2_audio
@@ -49,44 +50,10 @@ if TYPE_CHECKING:
 # The most pixels one image may have (its header is read first: decompression bombs are
 # refused before decoding). PIL's own bomb limit is higher (~89 M).
 MAX_IMAGE_PIXELS = 4096 * 4096
-_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-_NOT_KWARGS = ("image_processor_type", "processor_class", "_processor_class")
-# The image processor's keywords that are not the caller's to set (mm_processor_kwargs).
-_RESERVED_KWARGS = ("return_tensors", "device", "data_format", "input_data_format")
 _GEOMETRY_KWARGS = ("size", "crop_size", "pad_size")
 # The longest side over the shortest an image may have (Qwen2-VL's processor's bound): the
 # processor scales the short side to the tower's, and the long side with it.
 MAX_ASPECT_RATIO = 200
-
-
-def load_image_processor(folder: str) -> Any:
-    """The folder's CLIP (or Qwen2-VL) image processor, on its PIL path."""
-    from transformers.models.clip import CLIPImageProcessorPil
-
-    for name in _PROCESSOR_FILES:
-        path = Path(folder) / name
-        if path.is_file():
-            data = json.loads(path.read_text(encoding="utf-8"))
-            data = data.get("image_processor", data)
-            kwargs = {k: v for k, v in data.items() if k not in _NOT_KWARGS}
-            if qwen2_vl.is_qwen2_vl_processor(data):
-                return qwen2_vl.load_processor(kwargs)
-            if gemma3.is_gemma3_processor(data):
-                return gemma3.load_processor(kwargs)
-            return CLIPImageProcessorPil(**kwargs)
-    raise ValueError(f"The model folder {folder!r} has no image processor config.")
-
-
-def check_keywords(processor: Any, kwargs: dict[str, Any], param: str) -> None:
-    """Each key of ``kwargs`` one the image processor takes; else an error naming them."""
-    valid = set(processor.valid_kwargs.__annotations__) - set(_RESERVED_KWARGS)
-    unknown = sorted(k for k in kwargs if k not in valid)
-    if unknown:
-        raise MultiModalInputError(
-            f"{param}: {', '.join(map(repr, unknown))} not taken by this model's image "
-            f"processor ({type(processor).__name__}); it takes {', '.join(sorted(valid))}.",
-            param,
-        )
 
 
 class MultiModalProcessor:
@@ -132,6 +99,13 @@ class MultiModalProcessor:
         self.max_pixels = MAX_IMAGE_PIXELS
         self.limiter = limiter
         self._image_processor: Any = None
+        self.llama4 = (
+            llama4.Llama4Expansion(mm_config, tokenizer) if is_llama4_mm(mm_config) else None
+        )
+        if self.llama4 is not None:  # <|image|> -> <|image_start|> tiles <|image_end|>
+            self.slot_id, self.before, self.after = self.llama4.slots
+            self.image_placeholder = llama4.IMAGE
+            self._image_processor = llama4.load_processor(self.folder, mm_config)
         if self.onevision:  # its tiling (and its video processor's size) checked at start
             self._image_processor = onevision.load_processor(self.folder, mm_config)
             if self.limits.get("video"):
@@ -164,6 +138,8 @@ class MultiModalProcessor:
             gemma3.check_kwargs(kwargs, param)
         if self.onevision:
             onevision.check_kwargs(kwargs, param)
+        if self.llama4 is not None:
+            llama4.check_kwargs(kwargs, param)
         side = int(self.mm_config["vision_config"].get("image_size", 0)) or None
         for key in _GEOMETRY_KWARGS:  # sizes bound what resizing, cropping, padding allocate
             sizes = kwargs.get(key)
@@ -295,6 +271,8 @@ class MultiModalProcessor:
             return qwen2_vl.patches(processed)
         if self.onevision:
             return onevision.item_values(processed)
+        if self.llama4 is not None:
+            return self.llama4.item_values(processed)
         batch = processed["pixel_values"]
         side = self.mm_config["vision_config"].get("image_size")
         if side is not None and tuple(batch.shape[-2:]) != (side, side):
@@ -307,6 +285,8 @@ class MultiModalProcessor:
 
     def item_length(self, values: np.ndarray) -> int:
         """Placeholder tokens of one processed item (OneVision's from its size and grid)."""
+        if self.llama4 is not None:  # its tiles and separators
+            return len(self.llama4.span(values))
         if self.onevision:  # an image's tiles flattened, a video's frames [T, 3, S, S]
             count = video_tokens if values.ndim == 4 else onevision.image_tokens
             return count(self.mm_config, values)
@@ -349,7 +329,8 @@ class MultiModalProcessor:
                     list(values.shape),
                 )
             )  # fmt: skip
-            out += [self.image_token_id] * length + after
+            fill = self.llama4.span(values) if self.llama4 else [self.image_token_id] * length
+            out += fill + after
             start = slot + skip
         out += ids[start:]
         return out, items

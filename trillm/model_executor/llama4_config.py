@@ -102,8 +102,8 @@ def prepare(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
 
 def conditional_text_config(hf: dict[str, Any]) -> dict[str, Any]:
     """A ``Llama4ForConditionalGeneration`` config.json's ``text_config`` (the checkpoint's
-    dtype copied in); the vision side's fields (``vision_config``, the image token ids) only
-    serve images, which are refused. A tied top-level ``tie_word_embeddings`` is refused."""
+    dtype copied in); the vision side's fields (``vision_config``, the image token ids) are
+    read by ``llama4_vision_config``. A tied top-level ``tie_word_embeddings`` is refused."""
     text = dict(hf.get("text_config") or {})
     text_type = text.get("model_type", "llama4_text")
     if text_type != "llama4_text":

@@ -38,8 +38,8 @@ _SHARED_KEYS = ("dtype", "torch_dtype")
 
 def split_config(hf: dict[str, Any], architecture: str) -> tuple[dict[str, Any], dict | None]:
     """(the language model's config, the multimodal config or None for a text model)."""
-    if architecture == llama4_config.CONDITIONAL:  # its language model alone
-        return llama4_config.conditional_text_config(hf), None
+    if architecture == llama4_config.CONDITIONAL:  # its vision side: models/llama4_vision.py
+        return llama4_config.conditional_text_config(hf), hf
     if not model_entry(architecture).modalities:
         return hf, None
     if architecture in QWEN2_VL_ARCHITECTURES:

@@ -132,10 +132,7 @@ _NOT_IMPLEMENTED = {
 
 
 # Multimodal checkpoints served on text alone: why their image inputs are refused.
-TEXT_SIDE_ONLY = {
-    "Llama4ForConditionalGeneration": "Llama 4's vision encoder is not implemented in trillm; "
-    "its language model serves text prompts",
-}
+TEXT_SIDE_ONLY: dict[str, str] = {}
 
 
 def no_images_reason(architecture: str) -> str:

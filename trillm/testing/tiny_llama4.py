@@ -9,10 +9,11 @@ dense MLPs on layers 0 and 2, experts with a shared expert on 1 and 3; llama3 Ro
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from trillm.testing.tiny_models import EOS_IDS, save_text_checkpoint
+from trillm.testing.tiny_models import DEFAULT_MODEL_DIR, EOS_IDS, save_text_checkpoint
 
 CHUNK = 12  # attention_chunk_size
 CONFIG: dict[str, Any] = dict(
@@ -61,32 +62,67 @@ def build_tiny_llama4(out_dir: str | Path, *, seed: int = 0, **overrides: Any) -
     return save_text_checkpoint(model, out_dir)
 
 
-# A vision tower as small as Llama4VisionConfig allows: its tensors are in the checkpoint (and
-# skipped by trillm, which serves the language model alone).
+# A vision tower as small as Llama4VisionConfig's shapes allow: 32-pixel tiles of 4x4 patches,
+# pixel-shuffled to 4 <|patch|> tokens a tile (the adapter's fc1 reads 4 x hidden_size).
+TILE, PATCH = 32, 8
 TINY_VISION: dict[str, Any] = dict(
     hidden_size=32,
-    num_hidden_layers=1,
+    num_hidden_layers=2,
     num_attention_heads=2,
-    intermediate_size=64,
+    intermediate_size=128,
     vision_output_dim=32,
-    image_size=28,
-    patch_size=14,
+    image_size=TILE,
+    patch_size=PATCH,
     projector_input_dim=32,
     projector_output_dim=32,
 )
+IMAGE_TOKENS = (
+    "<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
+    "<|tile_y_separator|>",
+)  # fmt: skip
+MAX_PATCHES = 4  # the image processor's tiles per image (its canvases 1x1 .. 4x1)
 
 
 def build_tiny_llama4_conditional(out_dir: str | Path, *, seed: int = 0) -> Path:
     """A ``Llama4ForConditionalGeneration`` checkpoint: ``CONFIG`` as its ``text_config``
-    (``language_model.*``), ``TINY_VISION`` as its vision tower and projector."""
+    (``language_model.*``), ``TINY_VISION`` as its vision model and projector (biases and norms
+    drawn, not transformers' zeros and ones), the shipped tokenizer plus Llama 4's image tokens,
+    and the processor's files as a hub folder holds them."""
     import torch
     import transformers
 
-    config = transformers.Llama4Config(text_config=CONFIG, vision_config=TINY_VISION)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = transformers.AutoTokenizer.from_pretrained(str(DEFAULT_MODEL_DIR))
+    tok.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})
+    ids = dict(zip(IMAGE_TOKENS, tok.convert_tokens_to_ids(list(IMAGE_TOKENS)), strict=True))
+    config = transformers.Llama4Config(
+        text_config={**CONFIG, "vocab_size": 4104},
+        vision_config=TINY_VISION,
+        boi_token_index=ids["<|image_start|>"],
+        eoi_token_index=ids["<|image_end|>"],
+        image_token_index=ids["<|patch|>"],
+    )
     torch.manual_seed(seed)
     model = transformers.Llama4ForConditionalGeneration(config)
-    with torch.no_grad():  # as build_tiny_llama4: biases a dropped one would show
-        for name, param in model.language_model.named_parameters():
-            if name.endswith("_proj.bias"):
+    with torch.no_grad():  # as build_tiny_llama4: biases (and norms) a dropped one would show
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias") or ("vision" in name and name.endswith("bias")):
                 param.normal_(0.0, 0.5)
-    return save_text_checkpoint(model, out_dir)
+            elif "vision" in name and "norm" in name:
+                param.normal_(1.0, 0.3)
+    save_text_checkpoint(model, out)
+    tok.save_pretrained(out)
+    processor = {
+        "image_processor_type": "Llama4ImageProcessorFast",
+        "size": {"height": TILE, "width": TILE},
+        "max_patches": MAX_PATCHES,
+        "resize_to_max_canvas": False,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_convert_rgb": True,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    fields = {"processor_class": "Llama4Processor", "patch_size": PATCH, "image_token": "<|image|>"}
+    (out / "processor_config.json").write_text(json.dumps(fields, indent=2))
+    return out

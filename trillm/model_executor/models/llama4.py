@@ -44,6 +44,7 @@ from trillm.model_executor.layers.fused_moe import FusedMoE
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
 from trillm.model_executor.llama4_config import ARCHITECTURE, CHUNKED, CONDITIONAL
+from trillm.model_executor.llama4_vision_config import vision_fields
 from trillm.model_executor.models.llama import (
     DecoderStack,
     FoldedResidualLayer,
@@ -53,11 +54,16 @@ from trillm.model_executor.models.llama import (
     LlamaMLP,
     rank_shapes,
 )
+from trillm.model_executor.models.llama4_vision import (
+    Llama4MultiModalProjector,
+    Llama4VisionModel,
+)
 from trillm.model_executor.models.moe import check_experts_loaded, refuse_quantized_experts
+from trillm.model_executor.models.multimodal import ImageEmbeddingsMixin
 from trillm.model_executor.models.stacked_weights import MissingWeightsError
 
 _QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
-_VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")  # not implemented: skipped
+_VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
 _EXPERTS = re.compile(r"^(model\.layers\.\d+\.feed_forward\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -215,11 +221,15 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         return heads.index_select(1, order.to(rows.device)).reshape(rows.shape)
 
 
-class Llama4ForConditionalGeneration(Llama4ForCausalLM):
-    """A multimodal Llama 4 checkpoint's language model (``language_model.*``), as
-    transformers' ``Llama4ForConditionalGeneration`` computes text-only prompts. The vision
-    encoder and projector are not implemented: their tensors are skipped at load and image
-    inputs are refused (``registry.TEXT_SIDE_ONLY``)."""
+class Llama4ForConditionalGeneration(ImageEmbeddingsMixin, Llama4ForCausalLM):
+    """A multimodal Llama 4 checkpoint: its language model (``language_model.*``) with the
+    vision model and projector (``models/llama4_vision.py``) in front. An image item is its
+    tiles and its layout (``engine/llama4_inputs.py``); ``encode_image`` gives one row per
+    token between ``<|image_start|>`` and ``<|image_end|>``: each tile's projected features
+    over its ``<|patch|>`` tokens, the separators' and ``<|image|>``'s own token embeddings
+    over theirs (what transformers' ``masked_scatter`` leaves them)."""
+
+    NON_DECODER_PREFIXES = _VISION_PREFIXES
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
@@ -231,14 +241,34 @@ class Llama4ForConditionalGeneration(Llama4ForCausalLM):
                 f"{CONDITIONAL}: tensor and pipeline parallelism are not supported yet."
             )
         super().__init__(cfg, backend, device)
+        mm = cfg.mm_config
+        if mm is None:
+            raise ValueError(f"{CONDITIONAL} needs its config's vision_config.")
+        self.vision_model = Llama4VisionModel(mm)
+        out_dim = int(vision_fields(mm)["vision_output_dim"])
+        self.multi_modal_projector = Llama4MultiModalProjector(out_dim, cfg.hidden_size)
+
+    def encode_image(self, values: torch.Tensor) -> torch.Tensor:  # [N] -> [length, H_text]
+        """``values``: the tiles flattened, then (rows, columns, ``<|image|>``,
+        ``<|tile_x_separator|>``, ``<|tile_y_separator|>`` ids) (``llama4_inputs.item_values``)."""
+        rows, cols, image, tile_x, tile_y = (int(v) for v in values[-5:])
+        side = self.vision_model.tile
+        tiles = values[:-5].view(-1, 3, side, side)
+        feats = self.multi_modal_projector(self.vision_model(tiles))  # [tiles, n, H_text]
+        ids = torch.tensor([image, tile_x, tile_y], device=feats.device)
+        image_row, x_row, y_row = self.model.embed_tokens(ids).to(feats.dtype).split(1)
+        parts: list[torch.Tensor] = []
+        if rows * cols > 1:
+            for y in range(rows):
+                for x in range(cols):
+                    parts += [feats[y * cols + x]] + ([x_row] if x < cols - 1 else [])
+                parts.append(y_row)
+        return torch.cat([*parts, image_row, feats[-1]])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._language_model(weights))
+        own = {n: p for n, p in self.named_parameters() if n.startswith(_VISION_PREFIXES)}
+        self.load_vision_and_text(super().load_weights, weights, own, _language_model_name)
 
-    @staticmethod
-    def _language_model(
-        weights: Iterable[tuple[str, torch.Tensor]],
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            if not name.startswith(_VISION_PREFIXES):
-                yield name.removeprefix("language_model."), tensor
+
+def _language_model_name(name: str) -> str:
+    return name.removeprefix("language_model.")
