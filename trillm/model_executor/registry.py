@@ -63,8 +63,9 @@ _MODELS: dict[str, ModelEntry] = {
     "GptOssForCausalLM": ModelEntry("gpt_oss", "GptOssForCausalLM"),
     "LlamaForCausalLM": ModelEntry("llama", "LlamaForCausalLM"),
     "Llama4ForCausalLM": ModelEntry("llama4", "Llama4ForCausalLM"),
-    # its language model alone (TEXT_SIDE_ONLY)
-    "Llama4ForConditionalGeneration": ModelEntry("llama4", "Llama4ForConditionalGeneration"),
+    "Llama4ForConditionalGeneration": ModelEntry(
+        "llama4", "Llama4ForConditionalGeneration", modalities=("image",)
+    ),
     "LlavaForConditionalGeneration": ModelEntry(
         "llava", "LlavaForConditionalGeneration", modalities=("image",)
     ),
