@@ -46,6 +46,7 @@ class SharedStorageScheduler:
         self._lookups: dict[str, tuple[str, int, int]] = {}
         self._loads: list[KVTransferItem] = []  # admitted this step
         self._saved: set[str] = set()  # requests whose prompt was saved (or has no full block)
+        self._found: dict[str, str] = {}  # req_id -> key of its file, checked whole once
         self._queries = 0
         self._hits = 0
 
@@ -62,10 +63,13 @@ class SharedStorageScheduler:
         if n <= num_computed_tokens:
             return 0
         path = file_path(self.kv.shared_storage_path, key)
-        if read_file(path, self.identity, n) is None:
-            if os.path.exists(path):
-                logger.warning("KV file %s is damaged or not this model's: recomputing", path)
-            return 0
+        # NOTE: a head that waits for blocks is looked up every step: its file is read once
+        if self._found.get(request.request_id) != key:
+            if read_file(path, self.identity, n) is None:
+                if os.path.exists(path):
+                    logger.warning("KV file %s is damaged or not this model's: recomputing", path)
+                return 0
+            self._found[request.request_id] = key
         self._lookups[request.request_id] = (key, n, num_computed_tokens)
         return n - num_computed_tokens
 
@@ -105,6 +109,7 @@ class SharedStorageScheduler:
 
     def request_finished(self, req_id: str) -> None:
         self._saved.discard(req_id)
+        self._found.pop(req_id, None)
         self._lookups.pop(req_id, None)
 
     def prefix_cache_stats(self) -> tuple[int, int]:
