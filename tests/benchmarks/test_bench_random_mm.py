@@ -144,7 +144,7 @@ def test_a_run_against_a_llava_server(llava_path, tmp_path):
             + ["--random-mm-limit-mm-per-prompt", '{"image": 2, "video": 0}']
             + ["--random-mm-bucket-config", "{(24, 40, 1): 0.5, (36, 20, 1): 0.5}"]
         )
-        assert proc.returncode == 0, proc.stderr + srv.log()
+        assert proc.returncode == 0, proc.output + srv.log()
         result = load(tmp_path / "r.json")
         assert (result["completed"], result["failed"]) == (4, 0)
         assert result["total_output_tokens"] == 4 * 3

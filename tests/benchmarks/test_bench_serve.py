@@ -14,13 +14,15 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from server_harness import ServerProcess, free_port
+from server_harness import ServerProcess, free_port, run_trillm
 
 REPO = Path(__file__).resolve().parents[2]
 FIRST_DELAY_S = 0.20  # the stub's time to first token
@@ -152,9 +154,18 @@ def bench_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
-def run_bench(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    # ResourceWarnings shown (Python hides them by default): what the harness leaves to the
-    # garbage collector appears in its stderr.
+def run_bench(args: list[str], timeout: float = 120) -> SimpleNamespace:
+    """``trillm bench serve ARGS`` (the parser ``python -m trillm.bench serve`` has) forked from
+    the worker's serve zygote, not a python importing the harness each time: ``returncode`` and
+    ``output`` (stdout and stderr together)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_trillm(["bench", "serve", *args], Path(tmp) / "bench.log", timeout=timeout)
+
+
+def run_bench_process(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m trillm.bench serve ARGS`` in a process of its own, ResourceWarnings shown
+    (Python hides them by default): what the harness leaves to the garbage collector appears
+    in its stderr."""
     return subprocess.run(
         [sys.executable, "-W", "always::ResourceWarning", "-m", "trillm.bench", "serve", *args],
         capture_output=True,
@@ -192,7 +203,7 @@ def common_args(url: str, out: Path, n: int, out_len: int, name: str = "r.json")
 def test_stub_completions_metrics_match_known_delays(tmp_path: Path, http_client: str) -> None:
     n, out_len = 6, 5
     with StubServer() as stub:
-        proc = run_bench(
+        proc = run_bench_process(
             common_args(stub.url, tmp_path, n, out_len) + ["--http-client", http_client]
         )
         bodies = stub.bodies
@@ -236,7 +247,7 @@ def test_hundreds_of_concurrent_streams(tmp_path: Path) -> None:
     n, out_len = 300, 20  # each stream lasts >= 0.2 + 19 * 0.05 s: a burst overlaps fully
     with StubServer() as stub:
         proc = run_bench(common_args(stub.url, tmp_path, n, out_len), timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     r = load(tmp_path / "r.json")
     assert r["completed"] == n and r["failed"] == 0
     assert r["max_concurrent_requests"] == n
@@ -247,20 +258,20 @@ def test_max_concurrency_caps_streams_in_flight(tmp_path: Path) -> None:
     with StubServer() as stub:
         args = common_args(stub.url, tmp_path, 6, 3) + ["--max-concurrency", "2"]
         proc = run_bench(args)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     r = load(tmp_path / "r.json")
     assert r["completed"] == 6 and r["max_concurrency"] == 2
     assert r["max_concurrent_requests"] == 2
     # Three waves of two, each >= FIRST_DELAY + 2 * GAP long.
     assert r["duration"] >= 3 * (FIRST_DELAY_S + 2 * GAP_S)
-    assert "Maximum request concurrency:" in proc.stdout
+    assert "Maximum request concurrency:" in proc.output
 
 
 def test_chunks_carrying_several_tokens(tmp_path: Path) -> None:
     n, out_len = 3, 6
     with StubServer(tokens_per_chunk=2) as stub:
         proc = run_bench(common_args(stub.url, tmp_path, n, out_len))
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     r = load(tmp_path / "r.json")
     assert r["output_lens"] == [out_len] * n  # from usage, not from the 3 chunks
     assert all(len(itl) == 2 for itl in r["itls"])
@@ -271,7 +282,7 @@ def test_chunks_carrying_several_tokens(tmp_path: Path) -> None:
 def test_no_usage_counts_chunks(tmp_path: Path) -> None:
     with StubServer(tokens_per_chunk=2, send_usage=False) as stub:
         proc = run_bench(common_args(stub.url, tmp_path, 2, 6))
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     assert load(tmp_path / "r.json")["output_lens"] == [3, 3]  # no usage, no tokenizer
 
 
@@ -302,7 +313,7 @@ def test_chat_sweep_goodput_and_plot(tmp_path: Path) -> None:
             ]
         )
         chat_bodies = [b for b in stub.bodies if "messages" in b]
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     assert len(chat_bodies) == 1 + 2 * 4
     assert all(isinstance(b["messages"][0]["content"], str) for b in chat_bodies)
     for rate in ("10.0", "inf"):
@@ -313,7 +324,7 @@ def test_chat_sweep_goodput_and_plot(tmp_path: Path) -> None:
         # The role-only first chunk is not a token: TTFT waits for the content.
         assert min(r["ttfts"]) >= FIRST_DELAY_S
     assert png.stat().st_size > 10_000
-    assert proc.stdout.count("Serving Benchmark Result") == 2
+    assert proc.output.count("Serving Benchmark Result") == 2
 
 
 def test_sharegpt_dataset_against_stub(tmp_path: Path) -> None:
@@ -343,7 +354,7 @@ def test_sharegpt_dataset_against_stub(tmp_path: Path) -> None:
         args = common_args(stub.url, tmp_path, 5, 1) + dataset + ["--no-oversample"]
         proc = run_bench(args)
         bodies = stub.bodies[1:]
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     r = load(tmp_path / "r.json")
     tok = BenchTokenizer(tok_dir)
     expected = {q: (len(tok.encode(q)), len(tok.encode(a))) for q, a in pairs}
@@ -357,18 +368,18 @@ def test_failed_requests_are_counted_and_listed(tmp_path: Path) -> None:
     # Request 1 is the test request; of the 6 benchmark requests, #3 and #6 (overall) fail.
     with StubServer(fail_every=3) as stub:
         proc = run_bench(common_args(stub.url, tmp_path, 6, 2))
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     r = load(tmp_path / "r.json")
     assert r["failed"] == 2 and r["completed"] == 4
     assert sum("HTTP 500" in e for e in r["errors"]) == 2
-    assert "2 request(s) failed" in proc.stderr and "stub failure" in proc.stderr
+    assert "2 request(s) failed" in proc.output and "stub failure" in proc.output
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     proc = run_bench(common_args(url, tmp_path, 2, 2))
     assert proc.returncode == 1
-    assert f"Cannot reach the server at {url}" in proc.stderr
+    assert f"Cannot reach the server at {url}" in proc.output
     assert not (tmp_path / "r.json").exists()
 
 
@@ -376,14 +387,14 @@ def test_wrong_model_fails_the_test_request(tmp_path: Path) -> None:
     with StubServer() as stub:
         proc = run_bench([*common_args(stub.url, tmp_path, 2, 2), "--model", "nope"])
     assert proc.returncode == 1
-    assert "The test request" in proc.stderr and "HTTP 404" in proc.stderr
+    assert "The test request" in proc.output and "HTTP 404" in proc.output
 
 
 def test_bad_flags_exit_nonzero(tmp_path: Path) -> None:
     proc = run_bench(["--request-rate", "fast"])
-    assert proc.returncode == 2 and "invalid request rate 'fast'" in proc.stderr
+    assert proc.returncode == 2 and "invalid request rate 'fast'" in proc.output
     proc = run_bench(["--dataset-name", "sharegpt", "--base-url", "http://127.0.0.1:1"])
-    assert proc.returncode == 1 and "needs --dataset-path" in proc.stderr
+    assert proc.returncode == 1 and "needs --dataset-path" in proc.output
 
 
 def test_sigint_reports_and_saves_completed_requests(tmp_path: Path) -> None:
@@ -439,7 +450,7 @@ def test_real_server_completions(trillm_server, tmp_path: Path) -> None:
     url, _ = trillm_server
     n, out_len = 4, 4
     proc = run_bench(common_args(url, tmp_path, n, out_len) + ["--ignore-eos"], timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.output
     r = load(tmp_path / "r.json")
     assert set(SERVE_KEYS) <= set(r)
     assert r["model_id"] == "tiny"  # taken from /v1/models
@@ -458,7 +469,7 @@ def test_real_server_chat_with_tokenizer(trillm_server, tmp_path: Path) -> None:
     args = common_args(url, tmp_path, 3, 3) + ["--backend", "openai-chat", "--model", str(model)]
     args += ["--served-model-name", "tiny"]
     proc = run_bench(args + ["--ignore-eos"], timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.output
     r = load(tmp_path / "r.json")
     assert r["completed"] == 3 and r["endpoint"] == "/v1/chat/completions"
     assert r["model_id"] == "tiny" and r["tokenizer_id"] == str(model)
@@ -488,7 +499,7 @@ def test_real_server_takes_the_vllm_request_flags(trillm_server, tmp_path: Path)
         "run=ci",
     ]
     proc = run_bench(args, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.output
     r = load(tmp_path / "r.json")
     assert r["completed"] == 3 and r["failed"] == 0 and r["run"] == "ci"
     assert r["output_lens"] == [4, 4, 4]  # ignore_eos from --extra-body

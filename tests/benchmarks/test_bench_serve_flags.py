@@ -123,7 +123,7 @@ def test_request_shaping_flags_reach_every_body(tmp_path: Path) -> None:
             ]
         )
         bodies, headers = stub.bodies, stub.headers
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     assert len(bodies) == 1 + 3 + n  # the test request, --num-warmups, the benchmark
     assert load(tmp_path / "r.json")["completed"] == n  # warm-ups are not measured
     timed, timed_headers = bodies[4:], headers[4:]
@@ -148,7 +148,7 @@ def test_use_beam_search_reaches_every_body(tmp_path: Path) -> None:
     with StubServer(models=(MODEL,)) as stub:
         proc = run_bench([*common_args(stub.url, tmp_path, 2, 2), "--use-beam-search"])
         bodies = stub.bodies
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     assert bodies and all(b["use_beam_search"] is True for b in bodies)
 
 
@@ -171,7 +171,7 @@ def test_chat_logprobs_and_random_lora_choice(tmp_path: Path) -> None:
             ]
         )
         bodies = stub.bodies
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     assert all(b["logprobs"] is True and b["top_logprobs"] == 3 for b in bodies)
     assert {b["model"] for b in bodies[1:]} == {"x", "y"}  # random: both drawn in 12
 
@@ -181,7 +181,7 @@ def test_input_and_output_len_set_the_dataset_lengths(tmp_path: Path, capsys) ->
         args = [*common_args(stub.url, tmp_path, 3, 9), "--input-len", "8", "--output-len", "3"]
         proc = run_bench(args)
         bodies = stub.bodies[1:]
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     assert load(tmp_path / "r.json")["input_lens"] == [8, 8, 8]
     assert [b["max_tokens"] for b in bodies] == [3, 3, 3] and len(bodies[0]["prompt"]) == 8
     assert "--input-len does not apply" in parse_error(
@@ -213,7 +213,7 @@ def test_ramp_up_schedule_and_its_checks(tmp_path: Path, capsys) -> None:
                 "50",
             ]
         )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     (path,) = tmp_path.glob("openai-ramp-up-linear-5qps-50qps-*.json")
     r = load(path)
     assert (r["ramp_up_strategy"], r["ramp_up_start_rps"], r["ramp_up_end_rps"]) == (
@@ -268,7 +268,7 @@ def test_result_files_label_metadata_append_and_detail(tmp_path: Path, capsys) -
             "--disable-tqdm",
         ]
         proc = run_bench([*base, "--save-result", "--label", "mylab"])
-        assert proc.returncode == 0, proc.stderr
+        assert proc.returncode == 0, proc.output
         (labelled,) = tmp_path.glob("mylab-infqps-*.json")
         r = load(labelled)
         assert r["label"] == "mylab" and "ttfts" not in r and "errors" not in r  # no detail
@@ -285,7 +285,7 @@ def test_result_files_label_metadata_append_and_detail(tmp_path: Path, capsys) -
                     "--save-detailed",
                 ]
             )
-            assert proc.returncode == 0, proc.stderr
+            assert proc.returncode == 0, proc.output
     from trillm.bench.results_io import load_json_lines
 
     runs = load_json_lines(tmp_path / "runs.jsonl")
@@ -330,7 +330,7 @@ def test_custom_dataset_template_output_len_shuffle_and_oversample(tmp_path: Pat
             ]
         )
         plain = stub.bodies[1:]
-    assert proc.returncode == 0 and proc2.returncode == 0, proc.stderr + proc2.stderr
+    assert proc.returncode == 0 and proc2.returncode == 0, proc.output + proc2.output
     assert len(oversampled) == 5 and {b["max_tokens"] for b in oversampled} == {7}
     # the chat template wraps each prompt (/v1/completions); 5 drawn from 3: repeats
     assert all(any(q in b["prompt"] and b["prompt"] != q for q in prompts) for b in oversampled)
@@ -374,13 +374,13 @@ def test_hf_dataset_files_on_disk(tmp_path: Path) -> None:
             ]
         )
         bodies = stub.bodies[1:]
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     assert sorted(b["prompt"] for b in bodies) == sorted(
         c["conversations"][0]["value"] for c in train
     )
     assert {b["max_tokens"] for b in bodies} == {4}
     proc = run_bench(["--base-url", "http://127.0.0.1:1", *hf, "--hf-name", "org/other"])
-    assert proc.returncode == 1 and "only the ShareGPT-format" in proc.stderr
+    assert proc.returncode == 1 and "only the ShareGPT-format" in proc.output
     proc = run_bench(
         [
             "--base-url",
@@ -393,7 +393,7 @@ def test_hf_dataset_files_on_disk(tmp_path: Path) -> None:
             TOKENIZER,
         ]
     )
-    assert proc.returncode == 1 and "files on disk only" in proc.stderr
+    assert proc.returncode == 1 and "files on disk only" in proc.output
 
 
 def test_timeline_and_dataset_stats_plots(tmp_path: Path, capsys) -> None:
@@ -414,7 +414,7 @@ def test_timeline_and_dataset_stats_plots(tmp_path: Path, capsys) -> None:
                 "--plot-dataset-stats",
             ]
         )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.output
     page = (tmp_path / "r_timeline.html").read_text()
     assert page.count("<rect") == 3 * 3  # per request: the first-token wait and 2 gaps
     assert COLORS[2] in page and COLORS[0] not in page  # 50 ms gaps: above 2 ms
@@ -440,7 +440,7 @@ def test_flags_that_cannot_be_honoured_are_argparse_errors(flags, message, capsy
 
 def test_insecure_needs_the_httpx_client(tmp_path: Path) -> None:
     proc = run_bench(["--insecure", "--base-url", "https://127.0.0.1:1"])
-    assert proc.returncode == 1 and "needs --http-client httpx" in proc.stderr
+    assert proc.returncode == 1 and "needs --http-client httpx" in proc.output
     from trillm.bench.transport import make_transport
 
     client = make_transport("httpx", verify=False)
@@ -489,7 +489,7 @@ def test_skip_tokenizer_init_and_tokenizer_mode(tmp_path: Path) -> None:
             ]
         )
         without = stub.bodies[1:]
-    assert proc.returncode == 0 and proc2.returncode == 0, proc.stderr + proc2.stderr
+    assert proc.returncode == 0 and proc2.returncode == 0, proc.output + proc2.output
     assert all(isinstance(b["prompt"], str) for b in with_tok)  # the tokenizer makes text
     assert all(isinstance(b["prompt"], list) for b in without)  # token ids: no tokenizer
     from trillm.bench.datasets import BenchTokenizer
