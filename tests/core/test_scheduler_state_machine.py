@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -47,7 +48,14 @@ DEFAULT = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-LONG = settings(DEFAULT, max_examples=200, stateful_step_count=80)
+# The slow runs: histories twice as long as DEFAULT's, twice as many examples. Each run draws
+# new examples (not derandomized), so CI's bounded count adds up over runs;
+# TRILLM_LONG_STATE_MACHINE_EXAMPLES=N draws N in one run when exploring.
+LONG = settings(
+    DEFAULT,
+    max_examples=int(os.environ.get("TRILLM_LONG_STATE_MACHINE_EXAMPLES", "100")),
+    stateful_step_count=80,
+)
 
 EOS = 3
 VOCAB = 40
