@@ -3,8 +3,8 @@ and projector) through the Python API: the image processing equals transformers'
 ``Llama4ImageProcessor`` (digests recorded where torchvision loads), each ``<|image|>`` expands
 as ``Llama4Processor`` expands it (tiles, separators, the global tile), and greedy tokens and
 prompt / sample log-probabilities equal transformers' on a batch mixing a tiled image, two
-images and a text-only request with prefill chunked across the image spans; what the model
-cannot run is refused by name."""
+images and a text-only request with prefill chunked across the image spans; preempted image
+requests resume; what the model cannot run is refused by name."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_waves import concurrent_requests
 from llama4_reference import IMAGE, PROCESSOR_DIGESTS, hf_greedy
 from llava_reference import chat_text, image
 from qwen2_vl_reference import max_logprob_diff
@@ -111,6 +112,25 @@ def test_mm_processor_kwargs(llm, path):
         prompt = {**as_prompt(f"See {IMAGE}", [img]), "mm_processor_kwargs": kwargs}
         with pytest.raises(InvalidRequestError, match=match):
             llm.generate(prompt, GREEDY)
+
+
+def test_preempted_image_requests_resume(path):
+    cases = [CASES[0], CASES[2], CASES[1], (f"Wide {IMAGE}", [image(6, (100, 30))])]
+    expected = [hf_greedy(path, t, i, n=24)[1] for t, i in cases]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got, stats = concurrent_requests(
+        path,
+        [as_prompt(*case) for case in cases],
+        params,
+        max_model_len=128,
+        block_size=16,
+        num_gpu_blocks_override=8,  # 4 requests of 30-60 tokens need 15 blocks: preemption
+        max_num_batched_tokens=64,
+        limit_mm_per_prompt={"image": 2},
+        distributed_executor_backend="uni",
+    )
+    assert got == expected
+    assert stats.num_preemptions > 0, "the small KV cache should have forced preemption"
 
 
 def _copy_with(path: str, tmp_path: Path, name: str, **fields: object) -> str:
