@@ -1,0 +1,121 @@
+"""The scheduler with the shared-storage connector (kv_transfer/scheduler_side.py): what it
+asks the connector, the blocks it allocates for loaded tokens, the loads and saves each step
+hands the worker, and the external prefix-cache counters; and that the engine picks it."""
+
+from __future__ import annotations
+
+from scheduler_twin_helpers import ecr
+
+from trillm.config import CacheConfig, SchedulerConfig
+from trillm.engine.engine_cores import make_scheduler
+from trillm.kv_transfer.config import parse_kv_transfer_config
+from trillm.kv_transfer.scheduler_side import ConnectorScheduler
+from trillm.kv_transfer.shared_storage import SharedStorageScheduler
+from trillm.kv_transfer.storage import Header, file_path, payload_digest, prefix_key, write_file
+from trillm.messages import ModelRunnerOutput
+from trillm.worker.fake_runner import make_fake_config
+
+BLOCK = 4
+IDENTITY = "test-identity"
+
+
+def _scheduler(folder: str, role: str) -> ConnectorScheduler:
+    kv = parse_kv_transfer_config(
+        {
+            "kv_connector": "SharedStorageConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": folder},
+        }
+    )
+    assert kv is not None
+    connector = SharedStorageScheduler(kv, IDENTITY, BLOCK)
+    return ConnectorScheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128),
+        CacheConfig(block_size=BLOCK),
+        32,
+        connector,
+    )
+
+
+def _store(folder: str, tokens: list[int]) -> None:
+    """A whole file for the block-aligned prefix of ``tokens`` short of the last token."""
+    n = (len(tokens) - 1) // BLOCK * BLOCK
+    payload = bytes(8 * n)
+    header = Header(
+        IDENTITY, n, 1, 2, [1, 1], "torch.float32", len(payload), payload_digest(payload)
+    )
+    write_file(file_path(folder, prefix_key(IDENTITY, tokens[:n], None, [])), header, payload)
+
+
+def test_a_stored_prompt_is_loaded_into_its_new_blocks_and_counted(tmp_path):
+    sched = _scheduler(str(tmp_path), "kv_consumer")
+    tokens = list(range(100, 111))  # 11 tokens: 8 stored (2 blocks), 3 computed
+    _store(str(tmp_path), tokens)
+    sched.add_request(ecr("a", tokens, 4))
+    out = sched.schedule()
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens == 8
+    assert out.num_scheduled_tokens == {"a": 3}
+    assert out.kv_connector_step is not None and not out.kv_connector_step.saves
+    (load,) = out.kv_connector_step.loads
+    assert (load.block_ids, load.num_tokens, load.first_block) == (new.block_ids[:2], 8, 0)
+    stats = sched.get_stats()
+    assert (stats.external_prefix_cache_queries, stats.external_prefix_cache_hits) == (11, 8)
+    assert sched.get_request("a").num_cached_tokens == 8
+
+
+def test_a_local_prefix_hit_is_not_loaded_again(tmp_path):
+    sched = _scheduler(str(tmp_path), "kv_consumer")
+    tokens = list(range(200, 213))  # 13 tokens: 12 stored (3 blocks)
+    _store(str(tmp_path), tokens)
+    sched.add_request(ecr("a", tokens[:9], 1))  # computes and caches the first 2 blocks here
+    out = sched.schedule()
+    assert out.kv_connector_step.loads == []
+    sched.update_from_output(out, ModelRunnerOutput(out.step_id, ["a"], [[7]]))
+    sched.add_request(ecr("b", tokens, 1))
+    out = sched.schedule()
+    (new,) = out.scheduled_new_reqs
+    (load,) = out.kv_connector_step.loads
+    assert new.num_computed_tokens == 12  # 8 local + 4 loaded
+    assert (load.first_block, load.block_ids) == (2, new.block_ids[:3])
+    assert sched.get_stats().external_prefix_cache_hits == 4
+
+
+def test_a_missing_or_damaged_file_is_no_match(tmp_path):
+    sched = _scheduler(str(tmp_path), "kv_consumer")
+    tokens = list(range(300, 311))
+    _store(str(tmp_path), tokens)
+    (name,) = [p for p in tmp_path.iterdir()]
+    name.write_bytes(name.read_bytes()[:-1])
+    sched.add_request(ecr("a", tokens, 1))
+    sched.add_request(ecr("b", list(range(400, 411)), 1))  # no file at all
+    out = sched.schedule()
+    assert [r.num_computed_tokens for r in out.scheduled_new_reqs] == [0, 0]
+    assert out.kv_connector_step.loads == []
+    assert sched.get_stats().external_prefix_cache_hits == 0
+
+
+def test_a_producer_saves_each_prompt_once_when_its_last_chunk_is_scheduled(tmp_path):
+    sched = _scheduler(str(tmp_path), "kv_producer")
+    sched.long_prefill_token_threshold = 5
+    tokens = list(range(500, 510))  # 10 tokens: 8 stored; chunks of 5 and 5
+    sched.add_request(ecr("a", tokens, 2))
+    first = sched.schedule()
+    assert first.kv_connector_step.saves == []
+    sched.update_from_output(first, ModelRunnerOutput(first.step_id, ["a"], [[]]))
+    second = sched.schedule()
+    (save,) = second.kv_connector_step.saves
+    assert (save.num_tokens, save.block_ids) == (8, sched.kv_cache_manager.get_block_ids("a")[:2])
+    assert save.key == prefix_key(IDENTITY, tokens[:8], None, [])
+    sched.update_from_output(second, ModelRunnerOutput(second.step_id, ["a"], [[9]]))
+    assert sched.schedule().kv_connector_step.saves == []  # decode steps save nothing
+
+
+def test_the_engine_runs_the_connector_scheduler_when_configured(tmp_path):
+    config = make_fake_config()
+    config.kv_transfer = parse_kv_transfer_config(
+        {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}
+    )
+    assert isinstance(make_scheduler(config, 16), ConnectorScheduler)
+    config.kv_transfer = None
+    assert not isinstance(make_scheduler(config, 16), ConnectorScheduler)
