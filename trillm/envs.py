@@ -244,6 +244,15 @@ AUDIO_FETCH_TIMEOUT = EnvVar(
     10,
 )
 
+OTLP_TRACES_PROTOCOL = EnvVar(
+    ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",),
+    "How --otlp-traces-endpoint's spans are sent (OpenTelemetry's variable, read as vLLM reads "
+    "it): grpc or http/protobuf; unset: grpc, or http/protobuf for a URL ending in /v1/traces. "
+    "Checked only when tracing is on.",
+    _text_or_none,
+    None,
+)
+
 ALL: tuple[EnvVar[Any], ...] = (
     API_KEY,
     XGRAMMAR_CACHE_MB,
@@ -262,6 +271,7 @@ ALL: tuple[EnvVar[Any], ...] = (
     IMAGE_FETCH_TIMEOUT,
     VIDEO_FETCH_TIMEOUT,
     AUDIO_FETCH_TIMEOUT,
+    OTLP_TRACES_PROTOCOL,
 )
 
 

@@ -142,7 +142,17 @@ CORS = ids(
     VF + "test_cors_headers_on_answers_and_errors",
 )
 CONFORM = "tests/entrypoints/test_vllm_conformance.py::"
+OTLP = "tests/entrypoints/test_otlp_tracing.py::"
 _VLLM_FLAGS = {
+    # One OpenTelemetry span per request (metrics/tracing.py); detailed traces refused.
+    "--otlp-traces-endpoint": ids(
+        OTLP + "test_one_server_span_per_engine_request",
+        OTLP + "test_traceparent_makes_the_span_its_child",
+        OTLP + "test_span_figures_are_what_metrics_observed",
+        OTLP + "test_grpc_receiver_gets_the_spans",
+        OTLP + "test_a_dead_collector_does_not_harm_serving",
+    ),
+    "--collect-detailed-traces": ids(OTLP + "test_collect_detailed_traces_is_refused_by_name"),
     # What the OpenAI routes' answers carry (vLLM's frontend flags).
     "--enable-prompt-tokens-details": ids(
         CONFORM + "test_prompt_tokens_details_with_the_flag",

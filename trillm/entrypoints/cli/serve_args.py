@@ -15,6 +15,7 @@ from trillm.entrypoints.cli import (
     engine_flags,
     flag_types,
     headless,
+    trace_flags,
     vllm_flags,
 )
 from trillm.entrypoints.openai.api_server import ServerOptions
@@ -47,6 +48,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     vllm_flags.add_http_flags(p)
     vllm_flags.add_logging_flags(p)
     vllm_flags.add_engine_compat_flags(p)
+    trace_flags.add_trace_flags(p)
     answer_flags.add_answer_flags(p)
     config_file.add_config_flag(p)
 
@@ -249,6 +251,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         lora_modules=args.lora_modules or [],
         allow_runtime_lora_updating=lora.runtime_updating_allowed(args.allow_runtime_lora_updating),
         lora_allowed_root=args.lora_allowed_root,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -283,6 +286,7 @@ def prepare(args: argparse.Namespace) -> str | None:
     from trillm.logging_config import LoggingConfigError, configure_logging
 
     vllm_flags.check_flags(args.serve_parser, args)
+    trace_flags.check_trace_flags(args.serve_parser, args)
     headless.check_node_flags(args.serve_parser, args)
     lora.check_lora_flags(args.serve_parser, args)
     try:

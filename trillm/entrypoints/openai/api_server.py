@@ -44,6 +44,7 @@ from trillm.entrypoints.openai.http.listener import (
 )
 from trillm.entrypoints.openai.metrics.prometheus import ServerMetrics
 from trillm.entrypoints.openai.metrics.stats_logger import log_stats_periodically
+from trillm.entrypoints.openai.metrics.tracing import RequestTracing
 from trillm.gc_heap import freeze_startup_heap
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class ServerOptions:
     lora_modules: list[Any] = attrs.field(factory=list)
     allow_runtime_lora_updating: bool = False
     lora_allowed_root: str | None = None  # runtime loads only from inside it (a real path)
+    # --otlp-traces-endpoint: one OpenTelemetry span per request (metrics/tracing.py).
+    otlp_traces_endpoint: str | None = None
 
 
 @attrs.define(eq=False)
@@ -175,9 +178,12 @@ async def _serve(
             supervise_engine, opener, opts.restart_on_engine_death, life, done
         )
         engine = slot.as_engine()
+        endpoint = opts.otlp_traces_endpoint
+        tracing = None if endpoint is None else RequestTracing(endpoint)
         try:
             async with trio.open_nursery() as nursery:
                 state = await open_server_state(engine, opts, nursery)
+                state.tracing = tracing
                 names = state.served_model_names
                 log_len = opts.max_log_len if opts.enable_log_requests else None
                 api_keys = ApiKeys.resolve(opts.api_key)
@@ -212,6 +218,8 @@ async def _serve(
             logger.info("HTTP server stopped; shutting the engine down.")
         finally:
             done.set()
+    if tracing is not None:
+        await tracing.close()  # the last spans out, within a bound
     logger.info("trillm stopped.")
 
 

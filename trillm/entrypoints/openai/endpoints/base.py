@@ -21,6 +21,7 @@ from trillm.entrypoints.openai.http.errors import (
     NotFoundError,
 )
 from trillm.entrypoints.openai.metrics.prometheus import ServerMetrics
+from trillm.entrypoints.openai.metrics.tracing import RequestTracing
 from trillm.lora.request import LoRARequest
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ class ServerState:
     # batch, --max-num-seqs x data-parallel size); its other prompts wait in the frontend, so
     # a later request is not queued behind all of it. None: no bound.
     max_engine_seqs_per_request: int | None = None
+    # --otlp-traces-endpoint: each request's spans (metrics/tracing.py); None: not traced.
+    tracing: RequestTracing | None = None
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -61,7 +61,10 @@ class CompletionAnswer:
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         params = (req.n, req.max_tokens, len(prompts))
         details = state.enable_prompt_tokens_details
-        self.tracker = RequestTracker(state.metrics, prompt_tokens, params, details=details)
+        trace = None
+        if state.tracing is not None and prompts:  # its prompts share the sampling parameters
+            trace = state.tracing.request(prompts[0].prepared.params, model_name)
+        self.tracker = RequestTracker(state.metrics, prompt_tokens, params, details, trace)
         force = state.enable_force_include_usage
         self.include_usage, self._continuous_usage = stream_usage(req.stream_options, force)
         as_ids = req.return_tokens_as_token_ids

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from trillm.entrypoints.openai.metrics.prometheus import ServerMetrics
+from trillm.entrypoints.openai.metrics.tracing import RequestTrace
 from trillm.entrypoints.openai.schemas.protocol import StreamOptions
 from trillm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 
@@ -67,12 +68,15 @@ class RequestTracker:
         prompt_tokens: int,
         params: tuple[int, int | None, int] | None = None,  # n, max_tokens, prompts
         details: bool = False,  # --enable-prompt-tokens-details
+        trace: RequestTrace | None = None,  # --otlp-traces-endpoint: a span per engine request
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.details = details
         self.cached_tokens: dict[int, int] = {}  # job index -> prompt tokens from the cache
         self.completion_tokens = 0
         self.timer = metrics.timer(time.perf_counter(), params)
+        if trace is not None:  # the span gets the figures /metrics observes
+            self.timer.on_end = trace.sample_ended
         self.reasons: list[str] = []
 
     def observe(self, out: RequestOutput, job: int = 0) -> None:

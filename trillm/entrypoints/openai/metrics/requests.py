@@ -17,12 +17,14 @@ recorded on the one Trio thread, per streamed output.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
+
+from trillm.entrypoints.openai.metrics.sample_times import Sample, SampleTimes, sample_times
 
 LABELS = ["model_name", "engine"]
 
@@ -269,25 +271,6 @@ def merged_families(families: list[Metric]) -> Metric:
     return fam
 
 
-def _scheduled_time(out: Any) -> float | None:
-    """The engine's first SCHEDULED time of a request (``time.time()`` clock), if it has one."""
-    return getattr(getattr(out, "metrics", None), "first_scheduled_time", None)
-
-
-class _Sample:
-    """One engine request as the frontend sees it: a prompt's sample."""
-
-    __slots__ = ("series", "prompt_len", "first", "last", "count", "done")
-
-    def __init__(self, series: RequestSeries, prompt_len: int) -> None:
-        self.series = series  # its engine core's
-        self.prompt_len = prompt_len
-        self.first: float | None = None
-        self.last: float | None = None
-        self.count = 0
-        self.done = False
-
-
 class RequestTimer:
     """One HTTP request's series, recorded per engine request (prompt x sample) under the
     engine core that ran it: TTFT, inter-token latency, token counts as they arrive; e2e,
@@ -295,7 +278,7 @@ class RequestTimer:
     ``max_tokens`` once per prompt (``params``: (n, max_tokens, prompts), None: not
     recorded)."""
 
-    __slots__ = ("per_engine", "start", "samples", "ended", "params", "jobs")
+    __slots__ = ("per_engine", "start", "samples", "ended", "params", "jobs", "on_end")
 
     def __init__(
         self,
@@ -305,10 +288,13 @@ class RequestTimer:
     ) -> None:
         self.per_engine = per_engine
         self.start = start
-        self.samples: dict[tuple[int, int], _Sample] = {}
+        self.samples: dict[tuple[int, int], Sample] = {}
         self.ended = 0
         self.params = params
         self.jobs: set[int] = set()  # prompts whose request_params are recorded
+        # Told of each sample that ends on its own: its figures, last output and choice index
+        # (a request's trace span, metrics/tracing.py).
+        self.on_end: Callable[[SampleTimes, Any, int], None] | None = None
 
     def _series(self, out: Any) -> RequestSeries:
         index = getattr(getattr(out, "metrics", None), "engine_index", 0)
@@ -323,7 +309,7 @@ class RequestTimer:
             key = (job, c.index)
             s = self.samples.get(key)
             if s is None:
-                s = self.samples[key] = _Sample(m, len(out.prompt_token_ids or ()))
+                s = self.samples[key] = Sample(m, len(out.prompt_token_ids or ()))
             n = len(c.token_ids)
             if n:
                 m.generation_tokens.value += n
@@ -340,34 +326,31 @@ class RequestTimer:
                 s.last = now
                 s.count += n
             if c.finish_reason is not None and not s.done:
-                self._end(now, s, str(c.finish_reason), out)
+                self._end(now, s, str(c.finish_reason), out, c.index)
 
     def _record_params(self, job: int, series: RequestSeries) -> None:
         self.jobs.add(job)
         if self.params is not None:
             series.request_params(self.params[0], self.params[1])
 
-    def _end(self, now: float, s: _Sample, reason: str, out: Any = None) -> None:
+    def _end(self, now: float, s: Sample, reason: str, out: Any = None, index: int = 0) -> None:
         m = s.series
         s.done = True
         self.ended += 1
         m.request_finished(reason)
-        m.e2e.observe(now - self.start)
-        m.request_prompt_tokens.observe(s.prompt_len)
-        m.request_generation_tokens.observe(s.count)
-        if s.first is not None and s.last is not None:
-            decode = s.last - s.first
-            m.decode.observe(decode)
+        t = sample_times(self.start, now, s, out)
+        m.e2e.observe(t.e2e)
+        m.request_prompt_tokens.observe(t.prompt_tokens)
+        m.request_generation_tokens.observe(t.completion_tokens)
+        if t.decode is not None:
+            m.decode.observe(t.decode)
             if s.count > 1:
-                m.tpot.observe(decode / (s.count - 1))
-        scheduled = _scheduled_time(out)
-        times = getattr(out, "metrics", None)
-        if scheduled is not None and times is not None:
-            m.queue.observe(max(scheduled - times.arrival_time, 0.0))
-            if times.first_token_time is not None:
-                m.prefill.observe(max(times.first_token_time - scheduled, 0.0))
-            if times.last_token_time is not None:
-                m.inference.observe(max(times.last_token_time - scheduled, 0.0))
+                m.tpot.observe(t.decode / (s.count - 1))
+        for hist, value in ((m.queue, t.queue), (m.prefill, t.prefill), (m.inference, t.inference)):
+            if value is not None:
+                hist.observe(value)
+        if self.on_end is not None and out is not None:
+            self.on_end(t, out, index)
 
     def finished(self, now: float, prompt_tokens: int, reasons: list[str]) -> None:
         """The HTTP request is over (``reasons``: one per sample, "abort" for those cut
@@ -383,4 +366,4 @@ class RequestTimer:
             if not s.done:
                 self._end(now, s, "abort")
         for _ in range(len(reasons) - self.ended):
-            self._end(now, _Sample(fallback, 0), "abort")
+            self._end(now, Sample(fallback, 0), "abort")
