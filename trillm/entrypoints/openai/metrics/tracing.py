@@ -167,7 +167,7 @@ class RequestTrace:
 
     __slots__ = ("tracer", "parent", "attributes")
 
-    def __init__(self, tracer: Tracer, parent: Context | None, attributes: dict[str, Any]):
+    def __init__(self, tracer: Tracer, parent: Context | None, attributes: dict[str, Any]) -> None:
         self.tracer = tracer
         self.parent = parent  # the remote caller's span, None: a root span
         self.attributes = attributes
