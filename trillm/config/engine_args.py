@@ -104,8 +104,10 @@ class EngineArgs:
         "torch, triton, flashinfer or eager (transformers' eager attention, one request "
         "at a time, CPU) (default: best).",
     )
-    distributed_executor_backend: Literal["mp", "uni"] = flag(
-        "mp", "mp: a worker process per rank; uni: one rank in this process (default: mp)."
+    distributed_executor_backend: Literal["mp", "uni", "ray"] = flag(
+        "mp",
+        "mp: a worker process per rank; uni: one rank in this process; ray: a Ray actor per "
+        "rank (trillm[ray]) (default: mp).",
     )
     generation_config: str = flag(
         "auto",

@@ -38,10 +38,24 @@ def check_parallel(args: ParallelArgs) -> None:
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(args, name) > 1 and args.distributed_executor_backend == "uni":
             raise ValueError(
-                f"{name} > 1 needs distributed_executor_backend='mp' (one worker "
-                "process per rank); 'uni' runs one rank in this process."
+                f"{name} > 1 needs distributed_executor_backend='mp' or 'ray' (one "
+                "worker per rank); 'uni' runs one rank in this process."
             )
+    if args.distributed_executor_backend == "ray":
+        check_ray(args)
     check_nodes(args)
+
+
+def check_ray(args: ParallelArgs) -> None:
+    """Ray installed, and one engine core whose ranks are all Ray actors."""
+    from trillm.executor.ray_cluster import check_ray_installed
+
+    check_ray_installed()
+    if args.data_parallel_size > 1:
+        raise ValueError(
+            "data_parallel_size > 1 with distributed_executor_backend='ray' is not supported: "
+            "use 'mp' for data parallelism."
+        )
 
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's

@@ -83,7 +83,7 @@ COLLECTIVE_TIMEOUT_S = 120.0
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    distributed_executor_backend: Literal["mp", "uni"] = "mp"
+    distributed_executor_backend: Literal["mp", "uni", "ray"] = "mp"
     master_port: int = 0  # the ranks' TCP rendezvous (0: the executor picks a loopback port)
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     data_parallel_size: int = 1  # engine cores (each gets its own copy of the config)

@@ -1,4 +1,5 @@
-"""Builds the executor the config names ("uni": in-process, "mp": worker subprocesses).
+"""Builds the executor the config names ("uni": in-process, "mp": worker subprocesses, "ray":
+Ray actors).
 
 Kept apart from the ``Executor`` interface (``abstract.py``) so that the interface imports
 none of its implementations."""
@@ -23,7 +24,7 @@ def make_executor(
     runner_kwargs: dict[str, Any] | None = None,
     **executor_kwargs: Any,
 ) -> Executor:
-    """The executor ``config.parallel.distributed_executor_backend`` names ("mp" | "uni")."""
+    """The executor ``config.parallel.distributed_executor_backend`` names."""
     backend = config.parallel.distributed_executor_backend
     if backend == "uni":
         # NOTE: imported here, not at the top: the in-process worker brings torch, which an
@@ -33,7 +34,11 @@ def make_executor(
         return UniProcExecutor(config, runner_factory, runner_kwargs, **executor_kwargs)
     if backend == "mp":
         return MultiprocExecutor(config, runner_factory, runner_kwargs, **executor_kwargs)
-    raise ValueError(f"Unknown distributed_executor_backend {backend!r}; use 'mp' or 'uni'.")
+    if backend == "ray":
+        from trillm.executor.ray_executor import RayExecutor  # imports no Ray until run()
+
+        return RayExecutor(config, runner_factory, runner_kwargs, **executor_kwargs)
+    raise ValueError(f"Unknown distributed_executor_backend {backend!r}; use 'mp', 'uni' or 'ray'.")
 
 
 @asynccontextmanager

@@ -1,0 +1,105 @@
+"""The Ray executor (``distributed_executor_backend="ray"``): TP=2, PP=2 and TP x PP over
+Ray actors give one in-process rank's greedy tokens and log-probs; a killed actor ends the
+engine with an error naming its rank; no actor outlives the engine; without Ray the backend
+is refused at load naming the extra.
+
+One local Ray cluster serves the whole module (started here, joined by every engine: each
+engine places its own group and actors and removes them), so that the cluster's start is
+paid once. Skipped where Ray is not installed (``pip install 'trillm[ray]'``: ~240 MB, not in
+the test extra).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from parallel_reference import LIMITS, PROMPTS, SHARDED_LLAMA, greedy
+from worker_processes import pid_alive
+
+from trillm.engine.llm import LLM
+from trillm.errors import EngineDeadError
+
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'trillm[ray]'")
+
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_factory) -> str:
+    return tiny_model_factory("llama", **SHARDED_LLAMA)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _tokens_and_logprobs(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    params = greedy()
+    params.logprobs = 0
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = []
+    for out in outs:
+        comp = out.outputs[0]
+        logprobs.append([lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)])
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    with LLM(llama, distributed_executor_backend="uni", **LIMITS) as llm:
+        return _tokens_and_logprobs(llm)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_ranks_as_ray_actors_equal_one_rank(llama, reference, ray_cluster, tp, pp):
+    """TP, PP and TP x PP over Ray actors: greedy tokens equal, log-probs within 1e-4 of one
+    in-process rank; every actor is gone once the engine has stopped."""
+    with LLM(
+        llama,
+        distributed_executor_backend="ray",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        **LIMITS,
+    ) as llm:
+        pids = list(llm.engine.executors[0].worker_pids)
+        assert len(pids) == tp * pp and all(pid_alive(p) for p in pids)
+        tokens, logprobs = _tokens_and_logprobs(llm)
+    ref_tokens, ref_logprobs = reference
+    assert tokens == ref_tokens
+    diff = max(abs(a - b) for got, ref in zip(logprobs, ref_logprobs) for a, b in zip(got, ref))
+    assert diff < LOGPROB_TOL, diff
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_a_killed_actor_ends_the_engine_naming_its_rank(llama, ray_cluster):
+    """Rank 1's actor killed between requests: the next generate raises EngineDeadError
+    naming rank 1, and rank 0's actor is gone too once the engine has stopped."""
+    llm = LLM(llama, distributed_executor_backend="ray", tensor_parallel_size=2, **LIMITS)
+    try:
+        pids = list(llm.engine.executors[0].worker_pids)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=r"Worker rank 1 \(Ray actor"):
+            for _ in range(50):  # until the liveness probe has seen it
+                llm.generate(PROMPTS[:1], greedy(2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_without_ray_the_backend_is_refused_naming_the_extra(llama, monkeypatch):
+    import importlib.util
+
+    from trillm.config import EngineArgs
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
+    with pytest.raises(ValueError, match=r"needs Ray.*trillm\[ray\]"):
+        EngineArgs(llama, distributed_executor_backend="ray", tensor_parallel_size=2)
