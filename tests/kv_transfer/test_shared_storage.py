@@ -12,6 +12,7 @@ from hf_reference import hf_greedy
 
 from trillm import LLM, SamplingParams
 from trillm.kv_transfer.config import parse_kv_transfer_config
+from trillm.kv_transfer.shared_storage import SharedStorageWorker
 
 BLOCK = 16
 LENGTHS = (40, 17, 70, 9)  # 2, 1, 4 and 0 whole blocks before the last prompt token
@@ -123,6 +124,24 @@ def test_another_cache_layout_finds_no_file(stored):
     )
     assert [o.num_cached_tokens for o in outs] == [0] * len(LENGTHS)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
+
+
+def test_a_load_that_fails_in_the_worker_fails_that_request_alone(stored, monkeypatch):
+    """The file changed between the scheduler's check and the worker's read: the request
+    whose load failed is aborted, never computed from the blocks it did not get."""
+    path, folder, plain = stored
+    load = SharedStorageWorker._load
+
+    def failing(self, item, kv_caches):
+        if item.num_tokens == _aligned(LENGTHS[0]):
+            raise RuntimeError("the file changed")
+        load(self, item, kv_caches)
+
+    monkeypatch.setattr(SharedStorageWorker, "_load", failing)  # the worker runs in-process
+    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", folder)))
+    assert outs[0].outputs[0].finish_reason == "abort" and outs[0].outputs[0].token_ids == []
+    for out, ref in zip(outs[1:], plain[1:], strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,10 @@ class KVConnectorWorker(Protocol):
 
     def start_load_kv(
         self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
-    ) -> None: ...
+    ) -> dict[str, str]:
+        """Loads the step's blocks -> the requests whose load failed (req_id -> why): the
+        step runs without them and only they fail (vLLM's returns nothing)."""
+        ...
 
     def wait_for_save(
         self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
@@ -64,8 +67,10 @@ class KVConnectorWorker(Protocol):
 class NoConnector:
     """The worker side of an engine without ``--kv-transfer-config``."""
 
-    def start_load_kv(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
-        pass
+    def start_load_kv(
+        self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
+    ) -> dict[str, str]:
+        return {}
 
     def wait_for_save(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
         pass

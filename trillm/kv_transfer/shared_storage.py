@@ -125,9 +125,17 @@ class SharedStorageWorker:
         if kv.is_producer:
             os.makedirs(self.folder, exist_ok=True)
 
-    def start_load_kv(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
+    def start_load_kv(
+        self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
+    ) -> dict[str, str]:
+        failed = {}
         for item in () if step is None else step.loads:
-            self._load(item, kv_caches)
+            try:
+                self._load(item, kv_caches)
+            except (OSError, ValueError, RuntimeError) as exc:  # NOTE: that request's alone
+                logger.warning("request %s: KV load failed: %s", item.req_id, exc)
+                failed[item.req_id] = f"KV connector load: {exc}"
+        return failed
 
     def wait_for_save(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
         for item in () if step is None else step.saves:

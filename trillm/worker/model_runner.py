@@ -212,6 +212,7 @@ class ModelRunner:
         start = time.perf_counter()
         self._pending = None
         failed = self._update_batch(sched)
+        failed |= self.kv_connector.start_load_kv(sched.kv_connector_step, self.kv_caches)
         req_ids = [r for r in sched.num_scheduled_tokens if r not in failed]
         drafts = {r: d for r, d in sched.scheduled_spec_decode_tokens.items() if r not in failed}
         for req_id, tokens in drafts.items():
@@ -229,7 +230,6 @@ class ModelRunner:
         if self.longrope is not None:
             num_scheduled, recomputed = self._longrope_switch(slots, num_scheduled)
         inputs = self.batch.prepare(slots, num_scheduled)
-        self.kv_connector.start_load_kv(sched.kv_connector_step, self.kv_caches)
         if self.lora is None:
             hidden = self._forward(inputs)  # [T, H]
         else:
