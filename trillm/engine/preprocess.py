@@ -315,14 +315,11 @@ class Preprocessor:
     ) -> tuple[list[int], list[MultiModalItem]]:
         """Stage 3 (``trillm/engine/multimodal.py``): placeholders expanded, items processed."""
         if self.multimodal is None:
-            from trillm.model_executor.registry import no_images_reason
-
             taken = "/".join(model_entry(self.model_config.architecture).modalities)
             why = (
                 f"{taken} inputs are off (limit_mm_per_prompt)"
                 if self.model_config.mm_config is not None
                 else f"{self.model_config.architecture} takes no image (multimodal) inputs"
-                + no_images_reason(self.model_config.architecture)
             )
             raise InvalidRequestError(f"multi_modal_data: {why}.", "multi_modal_data")
         if truncating:

@@ -132,17 +132,6 @@ _NOT_IMPLEMENTED = {
 }
 
 
-# Multimodal checkpoints served on text alone: why their image inputs are refused.
-TEXT_SIDE_ONLY: dict[str, str] = {}
-
-
-def no_images_reason(architecture: str) -> str:
-    """`` (why)`` for a model served on text alone (``TEXT_SIDE_ONLY``), else ``""``: the tail
-    of a refusal of image inputs."""
-    why = TEXT_SIDE_ONLY.get(architecture)
-    return f" ({why})" if why else ""
-
-
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 

@@ -22,7 +22,6 @@ from trillm.engine.preprocess import Preprocessor
 from trillm.engine.video_decode import VideoSource
 from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.entrypoints.openai.schemas.protocol import ChatMessage
-from trillm.model_executor.registry import no_images_reason
 
 
 def has_images(messages: list[ChatMessage]) -> bool:
@@ -37,7 +36,6 @@ def split_images(
 ) -> tuple[list[ChatMessage], list[Any]]:
     """(the messages with each image part as ``{"type": "image"}``, their sources)."""
     if pre.multimodal is None:
-        _refuse_text_side_only(pre.model_config.architecture, messages)
         return messages, []  # stage 2 refuses the parts, naming them
     out: list[ChatMessage] = []
     images: list[Any] = []
@@ -69,18 +67,6 @@ def split_images(
             parts.append({"type": IMAGE_PART})  # the template's (or the placeholder text)
         out.append(attrs.evolve(m, content=parts))
     return out, images
-
-
-def _refuse_text_side_only(architecture: str, messages: list[ChatMessage]) -> None:
-    """A multimodal checkpoint served on text alone: its image parts are refused saying why."""
-    why = no_images_reason(architecture)
-    if not why:
-        return
-    for i, m in enumerate(messages):
-        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-            if part.type == "image_url":
-                param = f"messages[{i}].content[{j}].image_url"
-                raise BadRequestError(f"{architecture} takes no image inputs{why}.", param)
 
 
 def _video_source(pre: Preprocessor, part: Any, param: str) -> tuple[VideoSource, str]:
