@@ -111,6 +111,17 @@ def test_a_producer_saves_each_prompt_once_when_its_last_chunk_is_scheduled(tmp_
     assert sched.schedule().kv_connector_step.saves == []  # decode steps save nothing
 
 
+def test_kv_both_saves_what_it_computed_and_not_what_it_loaded(tmp_path):
+    sched = _scheduler(str(tmp_path), "kv_both")
+    stored, fresh = list(range(600, 611)), list(range(700, 711))
+    _store(str(tmp_path), stored)
+    sched.add_request(ecr("loaded", stored, 2))
+    sched.add_request(ecr("computed", fresh, 2))
+    step = sched.schedule().kv_connector_step
+    assert [item.req_id for item in step.loads] == ["loaded"]
+    assert [item.req_id for item in step.saves] == ["computed"]
+
+
 def test_the_engine_runs_the_connector_scheduler_when_configured(tmp_path):
     config = make_fake_config()
     config.kv_transfer = parse_kv_transfer_config(

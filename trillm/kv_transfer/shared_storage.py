@@ -84,6 +84,7 @@ class SharedStorageScheduler:
             first = computed // self.block_size
             blocks = block_ids[: n // self.block_size]
             self._loads.append(KVTransferItem(request.request_id, key, blocks, n, first))
+            self._saved.add(request.request_id)  # kv_both: its file is there already
 
     def build_connector_meta(
         self,
