@@ -264,7 +264,6 @@ def test_config_and_limits(path, tmp_path):
     for args, words in [
         (dict(limit_mm_per_prompt={"image": 1}), "takes no image inputs"),
         (dict(mm_processor_kwargs={"x": 1}), "mm_processor_kwargs: not supported"),
-        (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported yet"),
     ]:
         with pytest.raises(ValueError, match=words):
             build_config(EngineArgs(path, **args))

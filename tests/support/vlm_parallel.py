@@ -42,6 +42,14 @@ class Family:
             *self.videos,
         ]
 
+    def limits(self) -> dict[str, int]:
+        """limit_mm_per_prompt for ``prompts``."""
+        return {"image": 2, **({"video": 1} if self.videos else {})}
+
+    def first_items(self) -> list[Any]:
+        """The first prompt's items, as ``reference`` takes them."""
+        return [image(0)]
+
 
 def run(path: str, family: Family, **kwargs: Any) -> Run:
     """(prompt ids, greedy tokens, their log-probs) of each of ``family``'s prompts."""
@@ -50,7 +58,7 @@ def run(path: str, family: Family, **kwargs: Any) -> Run:
         max_model_len=512,
         kv_cache_memory="8MiB",
         max_num_batched_tokens=family.budget,
-        limit_mm_per_prompt={"image": 2, **({"video": 1} if family.videos else {})},
+        limit_mm_per_prompt=family.limits(),
         **kwargs,
     ) as llm:
         outs = llm.generate(family.prompts(), GREEDY, use_tqdm=False)
@@ -76,7 +84,9 @@ def parallel_equals(one: Run, path: str, family: Family, **parallel: Any) -> str
     assert [r[:2] for r in two] == [r[:2] for r in one]
     diff = max(abs(a - b) for r1, r2 in zip(one, two) for a, b in zip(r1[2], r2[2]))
     assert diff < 1e-4, diff
-    reference = family.reference(path, f"Describe {family.image} now", [image(0)], n=TOKENS)
+    reference = family.reference(
+        path, f"Describe {family.image} now", family.first_items(), n=TOKENS
+    )
     ids, tokens, logprobs = two[0]
     assert (ids, tokens) == (reference[0], reference[1])
     figures = f"max |logprob diff| vs one rank {diff:.2e}"

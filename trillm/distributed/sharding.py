@@ -87,9 +87,16 @@ ARCHITECTURES = (
     "Gemma3ForConditionalGeneration",
     *HYBRID_ARCHITECTURES,  # their Mamba-2 layers: hybrid_sharding.py
 )
-# A vision-language model's tower and projector: whole on every rank (each rank encodes an
-# image itself; the text embeddings they overwrite are whole after the vocabulary reduce).
-_REPLICATED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "visual.", "image_newline")
+# A vision- or audio-language model's tower and projector: whole on every rank (each rank
+# encodes an item itself; the text embeddings they overwrite are whole after the vocabulary
+# reduce).
+_REPLICATED_PREFIXES = (
+    "vision_tower.",
+    "audio_tower.",
+    "multi_modal_projector.",
+    "visual.",
+    "image_newline",
+)
 _GPT_OSS = "GptOssForCausalLM"
 _LLAMA4 = "Llama4ForCausalLM"
 

@@ -193,7 +193,7 @@ def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str,
             raise ValueError(f"mm_processor_kwargs: {arch} takes no multimodal inputs.")
         return limits
     # With pipeline parallelism the tower runs on the first stage: the models that say which
-    # modules are its (FIRST_STAGE_MODULES; not yet the audio model's)
+    # modules are its (FIRST_STAGE_MODULES)
     staged = bool(getattr(get_model_class(arch), "FIRST_STAGE_MODULES", ()))
     for name, unsupported in (
         ("pipeline_parallel_size", not staged and args.pipeline_parallel_size > 1),

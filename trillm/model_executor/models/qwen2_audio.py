@@ -116,6 +116,7 @@ def _checkpoint_name(name: str) -> str:
 
 class Qwen2AudioForConditionalGeneration(ImageEmbeddingsMixin, Qwen2ForCausalLM):
     NON_DECODER_PREFIXES = ("audio_tower.", "multi_modal_projector.")
+    FIRST_STAGE_MODULES = ("audio_tower", "multi_modal_projector")
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
@@ -141,6 +142,5 @@ class Qwen2AudioForConditionalGeneration(ImageEmbeddingsMixin, Qwen2ForCausalLM)
         return self.merge_step_embeddings(self.model.embed_tokens(input_ids))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        own = dict(self.audio_tower.named_parameters(prefix="audio_tower"))
-        own.update(self.multi_modal_projector.named_parameters(prefix="multi_modal_projector"))
+        own = self.first_stage_parameters()  # none on a later pipeline stage
         self.load_vision_and_text(super().load_weights, weights, own, _checkpoint_name)
