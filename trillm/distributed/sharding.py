@@ -85,6 +85,7 @@ ARCHITECTURES = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration",
     *HYBRID_ARCHITECTURES,  # their Mamba-2 layers: hybrid_sharding.py
 )
 # A vision- or audio-language model's tower and projector: whole on every rank (each rank
