@@ -20,7 +20,7 @@ import torch
 
 from trillm.model_executor.layers.rotary import LongRopeIndex, RotaryEmbedding
 from trillm.model_executor.model_config import parse_rope
-from trillm.worker.model_runner import ModelRunner
+from trillm.worker.longrope_state import LongRopeState
 
 ORIGINAL = 32  # original_max_position_embeddings
 MAX_POS = 128  # max_position_embeddings (the factor 4 gives the attention factor)
@@ -227,9 +227,8 @@ def _first_chunk_short(self, positions, num_tokens):
     return np.where(positions < CHUNK, positions, rows)
 
 
-def _keep_short_keys(self, slots, num_scheduled):
+def _keep_short_keys(self, batch, slots, num_scheduled):
     """A mistake: the short keys kept when a request grows past the original context."""
-    self.rope_long[slots] = False
     return num_scheduled, np.zeros(len(slots), dtype=bool)
 
 
@@ -238,14 +237,14 @@ def _keep_short_keys(self, slots, num_scheduled):
     [
         (LongRopeIndex, _per_batch, ["short", "long"], "short"),
         (LongRopeIndex, _first_chunk_short, ["long"], "long"),
-        (ModelRunner, _keep_short_keys, ["short"], "short"),
+        (LongRopeState, _keep_short_keys, ["short"], "short"),
     ],
     ids=["per-batch", "first-chunk-short", "keep-short-keys"],
 )
 def test_the_wrong_rules_give_other_tokens(model, llm, monkeypatch, target, rule, names, wrong):
     """The cases above see these mistakes: with them the tokens differ from transformers'."""
     _, refs = model
-    name = "rope_positions" if target is LongRopeIndex else "_longrope_switch"
+    name = "rope_positions" if target is LongRopeIndex else "widen_step"
     monkeypatch.setattr(target, name, rule)
     assert _generate(llm, names)[wrong] != refs[wrong]
 

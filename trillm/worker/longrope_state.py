@@ -12,9 +12,14 @@ engine keeps prefix caching off for longrope models (``engine/config_builder.py`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from trillm.model_executor.layers.rotary import LongRopeIndex
+
+if TYPE_CHECKING:
+    from trillm.worker.input_batch import InputBatch, StepInputs
 
 
 class LongRopeState:
@@ -47,3 +52,20 @@ class LongRopeState:
         num_tokens: np.ndarray,  # [T] int64: each token's request's known tokens
     ) -> np.ndarray:  # [T] int64: rows of the [short; long] table
         return self.index.rope_positions(positions, num_tokens)
+
+    def widen_step(
+        self, batch: InputBatch, slots: np.ndarray, num_scheduled: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The step's token counts with the requests crossing to the long table this step
+        widened to their cached tokens (and set uncomputed in ``batch``), and which they are."""
+        computed = batch.num_computed[slots]
+        recomputed = self.switch(slots, batch.num_tokens[slots], computed, num_scheduled)
+        if not recomputed.any():
+            return num_scheduled, recomputed
+        batch.num_computed[slots[recomputed]] = 0
+        return num_scheduled + computed * recomputed, recomputed
+
+    def batch_rope_positions(self, batch: InputBatch, inputs: StepInputs) -> np.ndarray:
+        """Each of the step's tokens' row in the [short; long] table, by its request's length."""
+        num_tokens = np.repeat(batch.num_tokens[inputs.slots], np.diff(inputs.query_start_loc))
+        return self.rope_positions(inputs.positions, num_tokens)

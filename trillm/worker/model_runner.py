@@ -228,7 +228,7 @@ class ModelRunner:
         num_scheduled = np.array([sched.num_scheduled_tokens[r] for r in req_ids], np.int64)
         recomputed = np.zeros(len(slots), dtype=bool)
         if self.longrope is not None:
-            num_scheduled, recomputed = self._longrope_switch(slots, num_scheduled)
+            num_scheduled, recomputed = self.longrope.widen_step(self.batch, slots, num_scheduled)
         inputs = self.batch.prepare(slots, num_scheduled)
         if self.lora is None:
             hidden = self._forward(inputs)  # [T, H]
@@ -371,29 +371,12 @@ class ModelRunner:
             return None
         return out
 
-    def _longrope_switch(
-        self, slots: np.ndarray, num_scheduled: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Longrope: requests crossing to the long table with short-table K/V cached are
-        computed again from position 0 this step (``longrope_state.py``). -> the step's token
-        counts (theirs widened) and which requests they are."""
-        assert self.longrope is not None
-        computed = self.batch.num_computed[slots]
-        recomputed = self.longrope.switch(
-            slots, self.batch.num_tokens[slots], computed, num_scheduled
-        )
-        if not recomputed.any():
-            return num_scheduled, recomputed
-        self.batch.num_computed[slots[recomputed]] = 0
-        return num_scheduled + computed * recomputed, recomputed
-
     def _rope_positions(self, inputs: StepInputs) -> np.ndarray:  # [T] (M-RoPE: [3, T]) int64
         """What the model's rotary embedding indexes: the positions, or for longrope each
-        token's row in the [short; long] table, by its request's length."""
-        if self.longrope is None:  # M-RoPE (Qwen2-VL): [3, T] from the requests' images
-            return inputs.positions if self.mm is None else self.mm.rope_positions(inputs)
-        num_tokens = np.repeat(self.batch.num_tokens[inputs.slots], np.diff(inputs.query_start_loc))
-        return self.longrope.rope_positions(inputs.positions, num_tokens)
+        token's row in the [short; long] table (M-RoPE, Qwen2-VL: [3, T] from the images)."""
+        if self.longrope is not None:
+            return self.longrope.batch_rope_positions(self.batch, inputs)
+        return inputs.positions if self.mm is None else self.mm.rope_positions(inputs)
 
     # ------------------------------------------------------------ P3
 
