@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from parallel_reference import (
     LIMITS,
     SHARDED_LLAMA,
@@ -21,7 +22,8 @@ from server_harness import ServerProcess
 from worker_processes import worker_ranks
 
 from trillm import envs
-from trillm.distributed.cpu_binding import split_cores
+from trillm.config import ParallelConfig
+from trillm.distributed.cpu_binding import RankCores, bind_rank, split_cores
 from trillm.engine.llm import LLM
 from trillm.entrypoints.cli.collect_env import collect
 
@@ -125,6 +127,24 @@ def test_what_cannot_be_honoured_stops_the_load(llama, monkeypatch, bind, reserv
             monkeypatch.setenv(name, text)
     with pytest.raises(ValueError, match=re.escape(message)):
         LLM(llama, tensor_parallel_size=2, **LIMITS)
+
+
+@pytest.mark.parametrize(("omp", "threads"), [("3", 3), ("3,1", 3), (None, None)])
+def test_nobind_gives_omp_num_threads_even_past_the_cores(monkeypatch, capfd, omp, threads):
+    """As OpenMP reads it (torch's own reading caps it at the cores); unset: torch's default
+    for a rank alone. Nothing pinned."""
+    before = torch.get_num_threads()
+    monkeypatch.setenv(BIND, "nobind")
+    if omp is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    else:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        got = bind_rank(ParallelConfig(), 0)
+    finally:
+        torch.set_num_threads(before)
+    assert got == RankCores(None, threads or before)
+    assert f"not pinned; threads: {threads or before} " in capfd.readouterr().err
 
 
 def test_collect_env_shows_each_ranks_cores(monkeypatch):

@@ -167,12 +167,20 @@ def _pin(cores: tuple[int, ...]) -> RankCores:
 def _unbound(parallel: ParallelConfig) -> RankCores:
     import torch
 
-    # NOTE: ranks sharing the cores split them (more threads than cores thrash, and the
-    # native kernels follow torch's count); a rank alone keeps torch's own default.
-    if "OMP_NUM_THREADS" not in os.environ and node_ranks(parallel) > 1:
-        share = len(os.sched_getaffinity(0)) // node_ranks(parallel)
-        torch.set_num_threads(max(1, share))
+    threads = _omp_num_threads()
+    if threads is not None:  # nobind's count, as OpenMP reads it (torch's start capped 8 at 2 here)
+        torch.set_num_threads(threads)
+    elif node_ranks(parallel) > 1:
+        # NOTE: ranks sharing the cores split them (more threads than cores thrash, and the
+        # native kernels follow torch's count); a rank alone keeps torch's own default.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // node_ranks(parallel)))
     return RankCores(None, torch.get_num_threads())
+
+
+def _omp_num_threads() -> int | None:
+    """OMP_NUM_THREADS' outermost level ("8" or "8,2"); None when unset or not a count."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
 
 
 def describe_rank(got: RankCores) -> str:
