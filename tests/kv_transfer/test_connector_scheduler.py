@@ -8,6 +8,7 @@ from scheduler_twin_helpers import ecr
 
 from trillm.config import CacheConfig, SchedulerConfig
 from trillm.engine.engine_cores import make_scheduler
+from trillm.kv_transfer import storage
 from trillm.kv_transfer.config import parse_kv_transfer_config
 from trillm.kv_transfer.scheduler_side import ConnectorScheduler
 from trillm.kv_transfer.shared_storage import SharedStorageScheduler
@@ -37,10 +38,10 @@ def _scheduler(folder: str, role: str) -> ConnectorScheduler:
     )
 
 
-def _store(folder: str, tokens: list[int]) -> None:
+def _store(folder: str, tokens: list[int], bytes_per_token: int = 8) -> None:
     """A whole file for the block-aligned prefix of ``tokens`` short of the last token."""
     n = (len(tokens) - 1) // BLOCK * BLOCK
-    payload = bytes(8 * n)
+    payload = bytes(bytes_per_token * n)
     header = Header(
         IDENTITY, n, 1, 2, [1, 1], "torch.float32", len(payload), payload_digest(payload)
     )
@@ -93,6 +94,35 @@ def test_a_missing_or_damaged_file_is_no_match(tmp_path):
     assert [r.num_computed_tokens for r in out.scheduled_new_reqs] == [0, 0]
     assert out.kv_connector_step.loads == []
     assert sched.get_stats().external_prefix_cache_hits == 0
+
+
+def test_the_lookup_reads_the_header_alone(tmp_path, monkeypatch):
+    """The scheduler's lookup runs on the engine loop: one small read whatever the prompt's
+    size, no payload read or hashed (the worker checks the digest where it loads)."""
+    sched = _scheduler(str(tmp_path), "kv_consumer")
+    tokens = list(range(800, 921))  # 120 tokens stored, 128 KiB each: 15 MiB of payload
+    _store(str(tmp_path), tokens, bytes_per_token=1 << 17)
+    (path,) = tmp_path.iterdir()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # damaged payload, whole size: only the worker's digest can tell
+    path.write_bytes(bytes(data))
+    read: list[int] = []
+
+    def counting_open(file, mode="r"):
+        handle = open(file, mode)
+        real_read = handle.read
+        handle.read = lambda size=-1: read.append(len(got := real_read(size))) or got
+        return handle
+
+    def no_digest(payload):
+        raise AssertionError("the scheduler hashed the payload")
+
+    monkeypatch.setattr(storage, "open", counting_open, raising=False)
+    monkeypatch.setattr(storage, "payload_digest", no_digest)
+    sched.add_request(ecr("a", tokens, 1))
+    (new,) = sched.schedule().scheduled_new_reqs
+    assert new.num_computed_tokens == 120
+    assert len(read) == 1 and read[0] <= storage.HEADER_READ_BYTES
 
 
 def test_a_producer_saves_each_prompt_once_when_its_last_chunk_is_scheduled(tmp_path):

@@ -28,6 +28,7 @@ from trillm.kv_transfer.storage import (
     payload_digest,
     prefix_key,
     read_file,
+    read_header,
     write_file,
 )
 from trillm.messages import KVConnectorStep, KVTransferItem, SchedulerOutput
@@ -46,7 +47,7 @@ class SharedStorageScheduler:
         self._lookups: dict[str, tuple[str, int, int]] = {}
         self._loads: list[KVTransferItem] = []  # admitted this step
         self._saved: set[str] = set()  # requests whose prompt was saved (or has no full block)
-        self._found: dict[str, str] = {}  # req_id -> key of its file, checked whole once
+        self._found: dict[str, str] = {}  # req_id -> key of its file, its header checked once
         self._queries = 0
         self._hits = 0
 
@@ -63,11 +64,12 @@ class SharedStorageScheduler:
         if n <= num_computed_tokens:
             return 0
         path = file_path(self.kv.shared_storage_path, key)
-        # NOTE: a head that waits for blocks is looked up every step: its file is read once
+        # NOTE: on the engine loop: the header alone (one small read), never the payload,
+        # whose digest the worker checks; a head that waits for blocks reads it once
         if self._found.get(request.request_id) != key:
-            if read_file(path, self.identity, n) is None:
+            if read_header(path, self.identity, n) is None:
                 if os.path.exists(path):
-                    logger.warning("KV file %s is damaged or not this model's: recomputing", path)
+                    logger.warning("KV file %s is truncated or not this model's: recomputing", path)
                 return 0
             self._found[request.request_id] = key
         self._lookups[request.request_id] = (key, n, num_computed_tokens)
@@ -145,8 +147,10 @@ class SharedStorageWorker:
     def _load(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
         path = file_path(self.folder, item.key)
         found = read_file(path, self.identity, item.num_tokens)
-        if found is None:  # NOTE: checked whole by the scheduler; changed since: fail the step
-            raise RuntimeError(f"KV file {path} changed after the scheduler checked it.")
+        if found is None:  # NOTE: the scheduler read its header only: the payload is checked here
+            raise RuntimeError(
+                f"KV file {path} is damaged, or changed after the scheduler's lookup."
+            )
         header, payload = found
         cache = kv_caches[0]
         shape = (len(kv_caches), cache.shape[0], len(item.block_ids), *cache.shape[2:])

@@ -6,8 +6,10 @@ reader with another model or cache layout never finds a writer's file. A file is
 a JSON header (the identity again, the layout, the token count, the payload's size and
 digest) and the payload: for each KV layer, that layer's cache rows of the prefix's blocks,
 ``[planes, num_blocks, block_size, *entry]`` in the cache dtype, C order. A writer writes a
-temporary file and renames it, so a reader sees a whole file or none; a reader checks the
-size and the digest, so a truncated or damaged file is treated as missing.
+temporary file and renames it, so a reader sees a whole file or none. The scheduler's lookup
+reads the header alone (one small read: ``read_header``) and checks the file's size against it,
+so its cost does not grow with the prompt; the worker reads the payload and checks its digest
+(``read_file``), so a damaged file is never loaded.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from trillm.config import TrillmConfig
 
 MAGIC = b"trillm-kv/1\n"
 _HEADER_LEN_BYTES = 4
+# NOTE: the scheduler reads at most this much of a file: writers' headers are ~300 bytes
+HEADER_READ_BYTES = 4096
 
 
 def cache_identity(config: TrillmConfig) -> str:
@@ -98,12 +102,31 @@ def read_file(path: str, identity: str, num_tokens: int) -> tuple[Header, memory
     return head, payload
 
 
+def read_header(path: str, identity: str, num_tokens: int) -> Header | None:
+    """The header of a file of this identity and token count whose size is the header's plus
+    its payload's (one read of at most ``HEADER_READ_BYTES``; the payload is not read): None
+    when it is missing, another identity's, truncated or its header is damaged."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(HEADER_READ_BYTES)
+    except OSError:
+        return None
+    header = _parse_header(data)
+    if header is None or header[0].identity != identity or header[0].num_tokens != num_tokens:
+        return None
+    head, start = header
+    return head if size == start + head.payload_bytes else None
+
+
 def _parse_header(data: bytes) -> tuple[Header, int] | None:
     if not data.startswith(MAGIC):
         return None
     at = len(MAGIC)
     size = int.from_bytes(data[at : at + _HEADER_LEN_BYTES], "little")
     start = at + _HEADER_LEN_BYTES + size
+    if start > len(data):
+        return None  # cut short, or a header longer than a reader of its head reads
     try:
         fields: dict[str, Any] = json.loads(data[at + _HEADER_LEN_BYTES : start])
         return Header(**fields), start
