@@ -45,11 +45,12 @@ class RankActor:
         self.worker = _CallWorker(rank)
         self._rendezvous: socket.socket | None = None
 
-    def where(self) -> tuple[str, int]:
-        """-> (this actor's node address, its process id)."""
+    def where(self) -> tuple[str, str, int]:
+        """-> (this actor's node address, its Ray node id, its process id)."""
         import ray
 
-        return ray.util.get_node_ip_address(), os.getpid()
+        node_id: str = ray.get_runtime_context().get_node_id()
+        return ray.util.get_node_ip_address(), node_id, os.getpid()
 
     def ping(self) -> None:
         """Answered between calls: the executor's liveness probe."""

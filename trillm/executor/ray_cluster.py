@@ -3,8 +3,9 @@ rank actors. Every function here blocks (Ray's client API is synchronous): the e
 them from a thread.
 
 Cluster: a Ray already initialised in this process is used as it is; otherwise ``ray.init``
-joins the cluster ``RAY_ADDRESS`` names (``auto``: the one ``ray start --head`` runs on this
-machine) or, without it, starts a local one for this engine and stops it at shutdown.
+joins the cluster ``RAY_ADDRESS`` names, else the one ``ray start --head`` runs on this
+machine (as ``ray.init()`` finds it), else starts a local one for this engine and stops it at
+shutdown.
 
 Placement: vLLM's layout, one bundle ``{"CPU": 1}`` per rank (``{"GPU": 1}`` on CUDA), the
 first also asking for a sliver of this node's ``node:<ip>`` resource so that rank 0 runs
@@ -65,11 +66,18 @@ class RayCluster:
     def open(self) -> None:
         ray = _ray()
         if not ray.is_initialized():
-            joining = bool(os.environ.get("RAY_ADDRESS"))
-            kwargs: dict[str, Any] = {} if joining else self._local_cluster_args()
-            ray.init(log_to_driver=True, **kwargs)
-            self.started_ray = not joining
+            self._join_or_start(ray)
         self._place()
+
+    def _join_or_start(self, ray: Any) -> None:
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=True)  # Ray reads the address itself
+            return
+        try:
+            ray.init(address="auto", log_to_driver=True)  # `ray start --head` on this machine
+        except ConnectionError:  # none runs here
+            ray.init(address="local", log_to_driver=True, **self._local_cluster_args())
+            self.started_ray = True
 
     def _local_cluster_args(self) -> dict[str, Any]:
         # NOTE: at least one CPU per rank: on a 2-core machine TP x PP = 4 ranks still place

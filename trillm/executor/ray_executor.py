@@ -82,6 +82,7 @@ class RayExecutor(Executor):
         self.num_blocks = 0
         self.cluster = RayCluster(self.world_size, config.device)
         self.worker_pids: list[int] = []  # each rank actor's process
+        self.worker_nodes: list[str] = []  # each rank actor's Ray node id
         # sent, not collected, oldest first: (the step, each message's per-rank result refs)
         self._pending: deque[tuple[SchedulerOutput, list[list[Any]]]] = deque()
         self._unsampled: SchedulerOutput | None = None
@@ -132,9 +133,10 @@ class RayExecutor(Executor):
         env = rank_env(worker_env())
         actors = await trio.to_thread.run_sync(self.cluster.start_actors, env)
         places = await self._each([a.where.remote() for a in actors])
-        self.worker_pids = [pid for _, pid in places]
+        self.worker_pids = [pid for _, _, pid in places]
+        self.worker_nodes = [node_id for _, node_id, _ in places]
         here = await trio.to_thread.run_sync(_node_address)
-        self.cluster.local_pids = [pid for node, pid in places if node == here]
+        self.cluster.local_pids = [pid for address, _, pid in places if address == here]
         parallel = self.config.parallel
         if self.world_size > 1 and not parallel.master_port:
             ref = actors[0].bind_rendezvous.remote(parallel.master_addr)
