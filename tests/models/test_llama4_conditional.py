@@ -2,8 +2,9 @@
 under ``text_config`` / ``language_model.*``, a vision model and projector beside it) on text
 prompts: greedy tokens and logprobs equal transformers' ``Llama4ForConditionalGeneration`` on
 prompts of different lengths, batched, whole and in 7-token prefill chunks; its vision tensors
-are loaded (images: ``test_llama4_vision.py``); videos, parallelism and what the config asks that
-trillm does not run are refused by name.
+are loaded (images: ``test_llama4_vision.py``; under TP / PP:
+``tests/parallel/test_llama4_vision_parallel.py``); videos and what the config asks that trillm
+does not run are refused by name.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from runner_harness import (
 from trillm.config import EngineArgs
 from trillm.engine.config_builder import build_config
 from trillm.model_executor import llama4_config
-from trillm.model_executor.models import llama4
 from trillm.testing.tiny_llama4 import build_tiny_llama4_conditional
 
 MAX_NEW = 8
@@ -65,15 +65,6 @@ def test_the_vision_tensors_are_loaded(model):
 def test_video_inputs_are_refused_naming_the_model(model):
     with pytest.raises(ValueError, match=rf"\['video'\]=1: {ARCH} takes no video"):
         build_config(EngineArgs(str(model[0]), limit_mm_per_prompt={"video": 1}))
-
-
-def test_parallelism_is_refused(model, monkeypatch):
-    class TwoRanks:
-        world_size = 2
-
-    monkeypatch.setattr(llama4, "get_tp_group", TwoRanks)
-    with pytest.raises(ValueError, match=f"{ARCH}: tensor and pipeline parallelism"):
-        load_runner(model[0])
 
 
 @pytest.mark.parametrize(

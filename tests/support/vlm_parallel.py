@@ -30,6 +30,7 @@ class Family:
     modules: tuple[str, ...]  # the model's vision-side attributes
     budget: int = 16  # max_num_batched_tokens: the image prompts' prefill in chunks
     videos: tuple[Any, ...] = ()  # video prompts batched with the rest (one video each)
+    max_model_len: int = 512  # at most the checkpoint's max_position_embeddings
 
     def prompts(self) -> list[Any]:
         return [
@@ -55,7 +56,7 @@ def run(path: str, family: Family, **kwargs: Any) -> Run:
     """(prompt ids, greedy tokens, their log-probs) of each of ``family``'s prompts."""
     with LLM(
         path,
-        max_model_len=512,
+        max_model_len=family.max_model_len,
         kv_cache_memory="8MiB",
         max_num_batched_tokens=family.budget,
         limit_mm_per_prompt=family.limits(),

@@ -86,6 +86,7 @@ ARCHITECTURES = (
     "Qwen2_5_VLForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration",
+    "Llama4ForConditionalGeneration",
     *HYBRID_ARCHITECTURES,  # their Mamba-2 layers: hybrid_sharding.py
 )
 # A vision- or audio-language model's tower and projector: whole on every rank (each rank
@@ -94,12 +95,13 @@ ARCHITECTURES = (
 _REPLICATED_PREFIXES = (
     "vision_tower.",
     "audio_tower.",
+    "vision_model.",  # Llama 4's
     "multi_modal_projector.",
     "visual.",
     "image_newline",
 )
 _GPT_OSS = "GptOssForCausalLM"
-_LLAMA4 = "Llama4ForCausalLM"
+_LLAMA4 = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 
 
 # (and Llama 4's dense layers' intermediate_size_mlp)
@@ -122,7 +124,7 @@ _MLA_HEAD_WIDTHS = {
 def intermediate_of(cfg: ModelConfig, name: str) -> int:
     """The whole intermediate size of the MLP that checkpoint tensor ``name`` belongs to."""
     hf = cfg.hf_config
-    if cfg.architecture == _LLAMA4:  # experts and shared expert: intermediate_size
+    if cfg.architecture in _LLAMA4:  # experts and shared expert: intermediate_size
         routed = ".experts." in name or ".shared_expert." in name
         return cfg.intermediate_size if routed else int(hf["intermediate_size_mlp"])
     if ".shared_expert." in name:
@@ -310,7 +312,7 @@ class RankShapes:
                 return hybrid
         if cfg.architecture == _GPT_OSS and proj in ("experts", "self_attn"):
             return self._gpt_oss_shard(name.rpartition(".")[2], source)
-        if cfg.architecture == _LLAMA4 and proj == "experts":
+        if cfg.architecture in _LLAMA4 and proj == "experts":
             return self._llama4_experts_shard(cfg, name, source)
         if proj == "experts":  # fused experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]
             start, length = self.inter_rows(cfg, name)

@@ -38,8 +38,7 @@ from trillm.attention.backend import (
 )
 from trillm.attention.torch_backend import TorchAttentionBackend
 from trillm.config import ModelConfig
-from trillm.distributed.parallel_state import get_tp_group
-from trillm.distributed.pipeline import get_pp_group, is_missing
+from trillm.distributed.pipeline import is_missing
 from trillm.model_executor.layers.fused_moe import FusedMoE
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
@@ -230,16 +229,13 @@ class Llama4ForConditionalGeneration(ImageEmbeddingsMixin, Llama4ForCausalLM):
     over theirs (what transformers' ``masked_scatter`` leaves them)."""
 
     NON_DECODER_PREFIXES = _VISION_PREFIXES
+    # Under PP the first stage, which holds the token embeddings encode_image reads, runs
+    # them; under TP they are whole on every rank (sharding.py)
+    FIRST_STAGE_MODULES = ("vision_model", "multi_modal_projector")
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu"
     ) -> None:
-        # NOTE: the ranks' weight slices and stages are chosen by the checkpoint's names,
-        # which carry the language_model. prefix here.
-        if get_tp_group().world_size > 1 or get_pp_group().num_stages > 1:
-            raise ValueError(
-                f"{CONDITIONAL}: tensor and pipeline parallelism are not supported yet."
-            )
         super().__init__(cfg, backend, device)
         mm = cfg.mm_config
         if mm is None:
@@ -266,7 +262,7 @@ class Llama4ForConditionalGeneration(ImageEmbeddingsMixin, Llama4ForCausalLM):
         return torch.cat([*parts, image_row, feats[-1]])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        own = {n: p for n, p in self.named_parameters() if n.startswith(_VISION_PREFIXES)}
+        own = self.first_stage_parameters()  # none on a later pipeline stage
         self.load_vision_and_text(super().load_weights, weights, own, _language_model_name)
 
 
