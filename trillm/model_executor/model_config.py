@@ -59,7 +59,8 @@ FLOAT16_CPU_NOTE = (
     "dtype float16 on CPU: weights, activations and the KV cache are stored in float16, each op "
     "sums in float32 and rounds to float16 once; linears run the F16C GEMM (0.5-1.1x the fp32 "
     "GEMM's time, where the CPU has F16C), attention and norms torch's fp16 ops (no native "
-    "fp16 kernels there)."
+    "fp16 kernels there): about 4.5x float32's time per step on an AVX2 CPU (SmolLM2-135M); "
+    "its gain is memory, half the weight and KV cache bytes."
 )
 
 
