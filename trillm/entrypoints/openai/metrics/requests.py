@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-from trillm.entrypoints.openai.metrics.sample_times import Sample, SampleTimes, sample_times
+from trillm.entrypoints.openai.metrics.sample_times import SampleTimes, sample_times
 
 LABELS = ["model_name", "engine"]
 
@@ -240,6 +240,20 @@ class RequestSeries:
         self.params_n.observe(n)
         if max_tokens is not None:
             self.params_max_tokens.observe(max_tokens)
+
+
+class Sample:
+    """One engine request as the frontend sees it: a prompt's sample."""
+
+    __slots__ = ("series", "prompt_len", "first", "last", "count", "done")
+
+    def __init__(self, series: RequestSeries, prompt_len: int) -> None:
+        self.series = series  # its engine core's
+        self.prompt_len = prompt_len
+        self.first: float | None = None  # time.perf_counter of its first token
+        self.last: float | None = None  # ... and of its latest
+        self.count = 0
+        self.done = False
 
 
 def request_families(per_engine: list[RequestSeries], model_name: str) -> Iterable[Metric]:

@@ -3,26 +3,18 @@ carries them (``tracing.py``): computed once here so the two never disagree."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
-if TYPE_CHECKING:
-    from trillm.entrypoints.openai.metrics.requests import RequestSeries
 
+class SampleProgress(Protocol):
+    """What a request's sample (``requests.Sample``) has seen of its tokens."""
 
-class Sample:
-    """One engine request as the frontend sees it: a prompt's sample."""
-
-    __slots__ = ("series", "prompt_len", "first", "last", "count", "done")
-
-    def __init__(self, series: RequestSeries, prompt_len: int) -> None:
-        self.series = series  # its engine core's
-        self.prompt_len = prompt_len
-        self.first: float | None = None  # time.perf_counter of its first token
-        self.last: float | None = None  # ... and of its latest
-        self.count = 0
-        self.done = False
+    prompt_len: int
+    first: float | None  # time.perf_counter of its first token
+    last: float | None  # ... and of its latest
+    count: int
 
 
 @attrs.frozen
@@ -40,7 +32,7 @@ class SampleTimes:
     inference: float | None  # first scheduled to last token (engine clock)
 
 
-def sample_times(start: float, now: float, s: Sample, out: Any) -> SampleTimes:
+def sample_times(start: float, now: float, s: SampleProgress, out: Any) -> SampleTimes:
     """``s`` ended at ``now`` (``time.perf_counter``) in a request started at ``start``;
     ``out``: its last RequestOutput, whose ``metrics`` carry the engine's times (None: it
     never produced one)."""
