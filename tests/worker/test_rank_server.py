@@ -137,6 +137,32 @@ def test_a_different_openmp_setting_is_refused_and_the_server_serves_on(server, 
     _start_tp2()
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_another_users_connection_is_closed_unanswered_and_the_server_serves_on(
+    server, monkeypatch
+):
+    address, _ = server
+    pid = os.fork()
+    if pid == 0:  # as nobody: connect, send a start, read what comes back
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(30)
+                conn.connect(rank_server.socket_address(address))
+                try:
+                    conn.sendall(rank_server.HEADER.pack(2) + b"{}")
+                    code = 0 if conn.recv(64) == b"" else 2  # closed without a word
+                except ConnectionError:  # closed before the request was sent or read
+                    code = 0
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    monkeypatch.setenv("TRILLM_RANK_ZYGOTE", address)
+    _start_tp2()
+
+
 def test_a_server_this_process_did_not_start_is_refused(monkeypatch):
     address = f"@trillm-test-orphan-rank-server-{os.getpid()}"
     # Started by a shell that exits at once: the server is then nobody's here.

@@ -47,6 +47,7 @@ HEADER = struct.Struct("!Q")  # the request's length in bytes, then its JSON
 MAX_FDS = 253  # SCM_RIGHTS' limit per message
 PR_SET_PDEATHSIG = 1
 MODULE = "trillm.executor.rank_server"
+REQUEST_TIMEOUT_S = 30.0  # for a start's request to arrive, and for each answer to be taken
 CMDLINE_ROOM = 4096  # bytes; a 4-rank start's longest worker command line is ~600
 
 RankSpec = tuple[list[str], list[int]]  # (the worker's arguments, the fds it keeps)
@@ -100,8 +101,14 @@ def parse_report(report: bytes | bytearray) -> tuple[list[int], int | None, str 
 
 def peer_pid(sock: Any) -> int:
     """The pid of the process at the other end of a connected Unix socket."""
+    return _peer(sock)[0]
+
+
+def _peer(sock: Any) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a connected Unix socket."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[0])
+    pid, uid, _ = struct.unpack("3i", creds)
+    return int(pid), int(uid)
 
 
 def _parent(pid: int) -> int:
@@ -216,6 +223,11 @@ def serve(listener: socket.socket, import_env: Mapping[str, str]) -> NoReturn:
     while True:
         conn, _ = listener.accept()
         with conn:
+            # An abstract name has no file permissions: only this user's processes may have
+            # ranks forked (a start runs the command lines it sends).
+            if _peer(conn)[1] != os.getuid():
+                continue
+            conn.settimeout(REQUEST_TIMEOUT_S)  # a client that sends nothing holds no one up
             _answer(conn, listener, import_env)
 
 
