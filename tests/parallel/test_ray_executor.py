@@ -13,15 +13,26 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
-from parallel_reference import LIMITS, PROMPTS, SHARDED_LLAMA, greedy
+from parallel_reference import (
+    LIMITS,
+    PROMPTS,
+    SHARDED_LLAMA,
+    greedy,
+    http_greedy_tokens,
+    limit_flags,
+)
+from server_harness import ServerProcess
 from worker_processes import pid_alive
 
 from trillm.engine.llm import LLM
 from trillm.errors import EngineDeadError
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'trillm[ray]'")
+# One Ray test file at a time: a cluster started by one would be joined by the other's engines.
+pytestmark = pytest.mark.xdist_group("ray")
 
 LOGPROB_TOL = 1e-4
 
@@ -33,7 +44,7 @@ def llama(tiny_model_factory) -> str:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -90,6 +101,35 @@ def test_a_killed_actor_ends_the_engine_naming_its_rank(llama, ray_cluster):
     finally:
         llm.shutdown()
     assert not any(pid_alive(p) for p in pids)
+
+
+def _rank_actor_pids() -> list[int]:
+    """The processes running a rank actor on this machine (Ray titles them ray::RankActor)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(
+                b"ray::RankActor"
+            ):
+                pids.append(int(entry.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_served_over_http_and_no_actor_left_after_stop(llama, reference, ray_cluster, tmp_path):
+    """trillm serve --distributed-executor-backend ray -tp 2: completions give one rank's
+    greedy tokens; after SIGTERM the server exits 0 and no rank actor runs."""
+    args = [llama, "--distributed-executor-backend", "ray", "-tp", "2", *limit_flags()]
+    server = ServerProcess(args, tmp_path / "serve.log").start()
+    try:
+        assert len(_rank_actor_pids()) == 2, server.log()
+        tokens = http_greedy_tokens(server.base_url)
+    finally:
+        code = server.stop()
+    assert tokens == reference[0]
+    assert code == 0, server.log()
+    assert _rank_actor_pids() == []
 
 
 def test_without_ray_the_backend_is_refused_naming_the_extra(llama, monkeypatch):

@@ -11,6 +11,7 @@ from worker_processes import pid_alive
 from trillm.engine.llm import LLM
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'trillm[ray]'")
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray test file at a time
 
 
 @pytest.fixture(scope="module")
