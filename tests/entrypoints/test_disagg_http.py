@@ -131,7 +131,7 @@ def test_a_truncated_file_is_recomputed_by_the_decode_instance(pair):
     assert text == alone_text
     assert max(abs(a - b) for a, b in zip(logprobs, alone, strict=True)) < 1e-4
     assert _metric(decode, "vllm:external_prefix_cache_hits_total") == hits  # nothing loaded
-    assert "is damaged or not this model's: recomputing" in decode.log()
+    assert "is truncated or not this model's: recomputing" in decode.log()
 
 
 def test_kv_transfer_params_are_refused_by_name(pair):
