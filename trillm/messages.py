@@ -208,6 +208,9 @@ class ModelRunnerOutput:
     # Speculative decoding with a draft model: req_id -> the drafts it proposed for the next
     # step (the engine core trims them to each request's room).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # KV connector: req_id -> why its load failed; the step ran without it and the scheduler
+    # computes the tokens it did not get (vLLM's kv_load_failure_policy "recompute").
+    kv_load_failed: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- engine core -> output handler

@@ -82,6 +82,46 @@ def test_a_local_prefix_hit_is_not_loaded_again(tmp_path):
     assert sched.get_stats().external_prefix_cache_hits == 4
 
 
+def test_a_failed_load_goes_back_to_the_local_hit_and_is_computed(tmp_path):
+    """kv_load_failure_policy "recompute": the worker reports the load failed (the step ran
+    without the request); its computed count goes back to its local prefix hit, the next
+    step computes the rest of its prompt, and its file is not asked for again."""
+    sched = _scheduler(str(tmp_path), "kv_consumer")
+    tokens = list(range(200, 213))  # 13 tokens: 12 stored (3 blocks)
+    _store(str(tmp_path), tokens)
+    sched.add_request(ecr("a", tokens[:9], 1))  # computes and caches the first 2 blocks here
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput(out.step_id, ["a"], [[7]]))
+    sched.add_request(ecr("b", tokens, 1))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"b": 1} and len(out.kv_connector_step.loads) == 1
+    failed = ModelRunnerOutput(out.step_id, [], [], kv_load_failed={"b": "damaged"})
+    sched.recompute_failed_loads(failed.kv_load_failed)
+    sched.update_from_output(out, failed)
+    request = sched.get_request("b")
+    assert (request.num_computed_tokens, request.num_cached_tokens) == (8, 8)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"b": 5}
+    assert out.scheduled_cached_reqs.num_computed_tokens == [8]
+    assert out.kv_connector_step.loads == []
+    assert sched.get_stats().external_prefix_cache_hits == 0
+    assert sched.num_kv_load_failures == 1
+
+
+def test_kv_both_saves_a_failed_load_once_computed(tmp_path):
+    """Its file failed to load: once its prompt is computed, kv_both saves it over that file."""
+    sched = _scheduler(str(tmp_path), "kv_both")
+    tokens = list(range(900, 911))
+    _store(str(tmp_path), tokens)
+    sched.add_request(ecr("a", tokens, 2))
+    out = sched.schedule()
+    assert out.kv_connector_step.saves == [] and len(out.kv_connector_step.loads) == 1
+    sched.recompute_failed_loads({"a": "damaged"})
+    sched.update_from_output(out, ModelRunnerOutput(out.step_id, [], []))
+    (save,) = sched.schedule().kv_connector_step.saves
+    assert (save.req_id, save.num_tokens) == ("a", 8)
+
+
 def test_a_missing_or_damaged_file_is_no_match(tmp_path):
     sched = _scheduler(str(tmp_path), "kv_consumer")
     tokens = list(range(300, 311))

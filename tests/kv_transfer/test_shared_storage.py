@@ -5,6 +5,7 @@ written for another cache layout, is recomputed."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -12,7 +13,7 @@ from hf_reference import hf_greedy
 
 from trillm import LLM, SamplingParams
 from trillm.kv_transfer.config import parse_kv_transfer_config
-from trillm.kv_transfer.shared_storage import SharedStorageWorker
+from trillm.kv_transfer.storage import HEADER_READ_BYTES
 
 BLOCK = 16
 LENGTHS = (40, 17, 70, 9)  # 2, 1, 4 and 0 whole blocks before the last prompt token
@@ -126,22 +127,27 @@ def test_another_cache_layout_finds_no_file(stored):
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
 
 
-def test_a_load_that_fails_in_the_worker_fails_that_request_alone(stored, monkeypatch):
-    """The file changed between the scheduler's check and the worker's read: the request
-    whose load failed is aborted, never computed from the blocks it did not get."""
+def test_a_payload_damaged_after_the_lookup_is_recomputed(stored, tmp_path, caplog):
+    """vLLM's kv_load_failure_policy "recompute": the scheduler's lookup reads the header
+    alone, so a payload damaged in place (same size) fails in the worker's digest check; that
+    request's tokens are computed instead, never taken from blocks it did not get."""
     path, folder, plain = stored
-    load = SharedStorageWorker._load
-
-    def failing(self, item, kv_caches):
-        if item.num_tokens == _aligned(LENGTHS[0]):
-            raise RuntimeError("the file changed")
-        load(self, item, kv_caches)
-
-    monkeypatch.setattr(SharedStorageWorker, "_load", failing)  # the worker runs in-process
-    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", folder)))
-    assert outs[0].outputs[0].finish_reason == "abort" and outs[0].outputs[0].token_ids == []
-    for out, ref in zip(outs[1:], plain[1:], strict=True):
-        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    damaged = str(tmp_path / "store")
+    os.mkdir(damaged)
+    first = f'"num_tokens": {_aligned(LENGTHS[0])},'.encode()  # the 40-token prompt's file
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name), "rb") as src:
+            data = bytearray(src.read())
+        if first in data[:HEADER_READ_BYTES]:
+            data[-1] ^= 0xFF
+        with open(os.path.join(damaged, name), "wb") as dst:
+            dst.write(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="trillm.kv_transfer"):
+        outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", damaged)))
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
+    assert [o.num_cached_tokens for o in outs] == [0, *(_aligned(n) for n in LENGTHS[1:])]
+    assert _max_logprob_diff(outs, plain) < 1e-4
+    assert "1 load failures so far" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from trillm.engine.batch_queue import BatchQueue
 from trillm.engine.core_control import CoreCall, CoreControl
@@ -34,6 +34,7 @@ from trillm.messages import (
 if TYPE_CHECKING:
     from trillm.core.scheduler import Scheduler
     from trillm.executor.abstract import Executor
+    from trillm.kv_transfer.scheduler_side import ConnectorScheduler
     from trillm.lora.admission import LoRAAdmission
     from trillm.spec_decode.draft_setup import DraftModelDrafts
     from trillm.spec_decode.ngram import NgramProposer
@@ -192,6 +193,9 @@ class EngineCore:
             failed = {r: why for r, why in failed.items() if r in sched.num_scheduled_tokens}
         if failed:
             refused += self._fail_requests(failed, "taken by the worker")
+        if runner_out.kv_load_failed:  # NOTE: only a KV connector's scheduler asks for loads
+            scheduler = cast("ConnectorScheduler", self.scheduler)
+            scheduler.recompute_failed_loads(runner_out.kv_load_failed)
         outputs = self.scheduler.update_from_output(sched, runner_out)  # P4
         if self.batch_queue is not None:
             self.batch_queue.keep_tokens(sched, runner_out, self.scheduler.get_request)

@@ -204,11 +204,12 @@ def _enc_output(o: ModelRunnerOutput) -> list[Any]:
         o.failed,
         o.pooler_output,
         o.draft_token_ids,
+        o.kv_load_failed,
     ]
 
 
 def _dec_output(v: list[Any]) -> ModelRunnerOutput:
-    _check_arity(v, 11, "ModelRunnerOutput")
+    _check_arity(v, 12, "ModelRunnerOutput")
     return ModelRunnerOutput(
         v[1],
         v[2],
@@ -220,6 +221,7 @@ def _dec_output(v: list[Any]) -> ModelRunnerOutput:
         v[8],
         v[9],
         v[10],
+        v[11],
     )
 
 

@@ -42,6 +42,11 @@ class KVConnectorScheduler(Protocol):
         """What the worker side loads and saves in the step ``out`` describes."""
         ...
 
+    def load_failed(self, req_id: str) -> int:
+        """The worker could not load ``req_id``'s blocks: it is not loaded again -> its tokens
+        still valid (those computed before the load: its local prefix-cache hit)."""
+        ...
+
     def request_finished(self, req_id: str) -> None: ...
 
     def prefix_cache_stats(self) -> tuple[int, int]:
@@ -56,7 +61,8 @@ class KVConnectorWorker(Protocol):
         self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
     ) -> dict[str, str]:
         """Loads the step's blocks -> the requests whose load failed (req_id -> why): the
-        step runs without them and only they fail (vLLM's returns nothing)."""
+        step runs without them and the scheduler computes their tokens instead
+        (``load_failed``; vLLM reports the failed blocks, ``get_block_ids_with_load_errors``)."""
         ...
 
     def wait_for_save(

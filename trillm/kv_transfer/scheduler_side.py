@@ -29,6 +29,7 @@ class ConnectorScheduler(Scheduler):
     ) -> None:
         super().__init__(scheduler_config, cache_config, num_blocks)
         self.kv_connector = connector
+        self.num_kv_load_failures = 0  # requests recomputed after a failed load (logged)
 
     def _num_external_tokens(self, request: Request, num_hit: int) -> int:
         return self.kv_connector.get_num_new_matched_tokens(request, num_hit)
@@ -41,6 +42,28 @@ class ConnectorScheduler(Scheduler):
             out, self.requests.__getitem__, self.kv_cache_manager.get_block_ids
         )
         return out
+
+    def recompute_failed_loads(self, failed: dict[str, str]) -> None:
+        """vLLM's kv_load_failure_policy "recompute": a request whose load failed in the
+        worker (its step ran without it) goes back to what is valid, its local prefix hit,
+        and the next steps compute the rest; it is not loaded again. Its blocks stay: the
+        failed ones are not in the prefix cache (only computed blocks are registered)."""
+        for req_id, why in failed.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted meanwhile
+            valid = self.kv_connector.load_failed(req_id)
+            self.num_kv_load_failures += 1
+            logger.warning(
+                "request %s: KV load failed (%s); recomputing its tokens from %d "
+                "(%d load failures so far)",
+                req_id,
+                why,
+                valid,
+                self.num_kv_load_failures,
+            )
+            request.num_computed_tokens = valid
+            request.num_cached_tokens = valid
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         super()._finish(request, reason)

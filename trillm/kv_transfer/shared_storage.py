@@ -48,6 +48,8 @@ class SharedStorageScheduler:
         self._loads: list[KVTransferItem] = []  # admitted this step
         self._saved: set[str] = set()  # requests whose prompt was saved (or has no full block)
         self._found: dict[str, str] = {}  # req_id -> key of its file, its header checked once
+        self._loaded: dict[str, tuple[int, int]] = {}  # req_id -> (tokens loaded, before them)
+        self._not_loaded: set[str] = set()  # requests whose load failed: computed instead
         self._queries = 0
         self._hits = 0
 
@@ -58,6 +60,8 @@ class SharedStorageScheduler:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         if not self.kv.is_consumer or request.skip_prefix_lookup:
+            return 0
+        if request.request_id in self._not_loaded:
             return 0  # NOTE: prompt logprobs need every prompt position computed
         key, n = self._prefix(request)
         self._lookups[request.request_id] = (key, 0, num_computed_tokens)
@@ -86,6 +90,7 @@ class SharedStorageScheduler:
             first = computed // self.block_size
             blocks = block_ids[: n // self.block_size]
             self._loads.append(KVTransferItem(request.request_id, key, blocks, n, first))
+            self._loaded[request.request_id] = (n, computed)
             self._saved.add(request.request_id)  # kv_both: its file is there already
 
     def build_connector_meta(
@@ -110,8 +115,17 @@ class SharedStorageScheduler:
                 step.saves.append(KVTransferItem(req_id, key, blocks, n, 0))
         return step
 
+    def load_failed(self, req_id: str) -> int:
+        n, computed = self._loaded.pop(req_id)
+        self._hits -= n - computed  # counted when it was admitted: not loaded after all
+        self._not_loaded.add(req_id)
+        self._saved.discard(req_id)  # kv_both: its file is damaged, save what it computes
+        return computed
+
     def request_finished(self, req_id: str) -> None:
         self._saved.discard(req_id)
+        self._loaded.pop(req_id, None)
+        self._not_loaded.discard(req_id)
         self._found.pop(req_id, None)
         self._lookups.pop(req_id, None)
 

@@ -97,6 +97,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(config.attention_backend, config.device)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_connector = worker_connector(config)  # --kv-transfer-config's worker side
+        self._kv_load_failed: dict[str, str] = {}  # the step's requests whose KV load failed
         self.batch = InputBatch(
             self.max_num_reqs,
             self.max_model_len,
@@ -212,9 +213,12 @@ class ModelRunner:
         start = time.perf_counter()
         self._pending = None
         failed = self._update_batch(sched)
-        failed |= self.kv_connector.start_load_kv(sched.kv_connector_step, self.kv_caches)
-        req_ids = [r for r in sched.num_scheduled_tokens if r not in failed]
-        drafts = {r: d for r, d in sched.scheduled_spec_decode_tokens.items() if r not in failed}
+        self._kv_load_failed = self.kv_connector.start_load_kv(
+            sched.kv_connector_step, self.kv_caches
+        )
+        skip = failed | self._kv_load_failed  # NOTE: the load-failed are recomputed, not failed
+        req_ids = [r for r in sched.num_scheduled_tokens if r not in skip]
+        drafts = {r: d for r, d in sched.scheduled_spec_decode_tokens.items() if r not in skip}
         for req_id, tokens in drafts.items():
             self.batch.write_drafts(self.batch.slot_of(req_id), tokens)
         if not req_ids:
@@ -388,4 +392,6 @@ class ModelRunner:
         self._pending = None
         if not self.pp.is_last:
             return output_before_last_stage(pending)
-        return self.token_sampler.sample(pending, bitmask)
+        out = self.token_sampler.sample(pending, bitmask)
+        out.kv_load_failed = self._kv_load_failed
+        return out
