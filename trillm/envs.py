@@ -244,6 +244,14 @@ AUDIO_FETCH_TIMEOUT = EnvVar(
     10,
 )
 
+RAY_ADDRESS = EnvVar(
+    ("RAY_ADDRESS",),
+    "The Ray cluster distributed_executor_backend='ray' joins (Ray's own variable, which "
+    "ray.init reads); unset: a cluster `ray start --head` runs on this machine, else a local "
+    "one the engine starts and stops.",
+    _text_or_none,
+    None,
+)
 OTLP_TRACES_PROTOCOL = EnvVar(
     ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",),
     "How --otlp-traces-endpoint's spans are sent (OpenTelemetry's variable, read as vLLM reads "
@@ -271,6 +279,7 @@ ALL: tuple[EnvVar[Any], ...] = (
     IMAGE_FETCH_TIMEOUT,
     VIDEO_FETCH_TIMEOUT,
     AUDIO_FETCH_TIMEOUT,
+    RAY_ADDRESS,
     OTLP_TRACES_PROTOCOL,
 )
 

@@ -4,6 +4,7 @@ cannot be formed."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Protocol
 
 
@@ -48,9 +49,11 @@ def check_parallel(args: ParallelArgs) -> None:
 
 def check_ray(args: ParallelArgs) -> None:
     """Ray installed, and one engine core whose ranks are all Ray actors."""
-    from trillm.executor.ray_cluster import check_ray_installed
-
-    check_ray_installed()
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(
+            "distributed_executor_backend='ray' needs Ray, which is not installed: "
+            "pip install 'trillm[ray]' (or pip install 'ray>=2.9')."
+        )
     if args.data_parallel_size > 1:
         raise ValueError(
             "data_parallel_size > 1 with distributed_executor_backend='ray' is not supported: "

@@ -14,29 +14,19 @@ beside the engine; PACK strategy. Rank r's actor takes bundle r.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from typing import Any
 
+from trillm import envs
 from trillm.errors import EngineStartupError
 from trillm.executor.ray_actor import RankActor
 
 PLACEMENT_TIMEOUT_S = 60.0
 EXIT_WAIT_S = 10.0  # a killed actor's process is gone within this (Ray kills asynchronously)
-RAY_EXTRA = "pip install 'trillm[ray]'"
 # The variables a rank reads that a joined cluster's raylet may not have (a cluster this
 # engine starts inherits the whole environment anyway).
 _FORWARDED_PREFIXES = ("TRILLM_", "VLLM_", "OMP_", "MKL_", "GOMP_", "GLOO_", "PYTHONPATH")
-
-
-def check_ray_installed() -> None:
-    """ValueError naming the extra when Ray is not importable (at load, before any work)."""
-    if importlib.util.find_spec("ray") is None:
-        raise ValueError(
-            "distributed_executor_backend='ray' needs Ray, which is not installed: "
-            f"{RAY_EXTRA} (or pip install 'ray>=2.9')."
-        )
 
 
 def _ray() -> Any:
@@ -70,7 +60,7 @@ class RayCluster:
         self._place()
 
     def _join_or_start(self, ray: Any) -> None:
-        if os.environ.get("RAY_ADDRESS"):
+        if envs.RAY_ADDRESS.get():
             ray.init(log_to_driver=True)  # Ray reads the address itself
             return
         try:
