@@ -14,6 +14,7 @@ import sys
 import time
 
 import httpx
+import openai
 import pytest
 from server_harness import REPO, ServerProcess, free_port
 
@@ -318,10 +319,18 @@ def test_cors_headers_on_answers_and_errors(server):
         assert b"[DONE]" in stream.read()
 
 
-def test_root_path_as_uvicorn(server):
-    # The proxy strips the prefix: /v1/models is served; /proxy/v1/models is not a route.
-    assert httpx.get(server.base_url + "/models", headers=server.headers()).status_code == 200
-    assert httpx.get(server.url + "/proxy/v1/models", headers=server.headers()).status_code == 404
+@pytest.mark.parametrize("prefix", ["", "/proxy"])
+def test_root_path_serves_paths_with_and_without_it(server, prefix):
+    # vLLM's (FastAPI's root_path): with or without the prefix, behind the same key.
+    client = openai.OpenAI(base_url=f"{server.url}{prefix}/v1", api_key=KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    assert client.chat.completions.create(**chat, max_tokens=2).choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        client.with_options(api_key="wrong").chat.completions.create(**chat, max_tokens=2)
+    # (the prefix is stripped once, and only as whole segments)
+    for path in ("/proxy/proxy/v1/models", "/proxyv1/models"):
+        assert httpx.get(server.url + path, headers=server.headers()).status_code == 404
 
 
 def test_ping_load_and_invocations(server):

@@ -172,7 +172,7 @@ _VLLM_FLAGS = {
     "--ssl-certfile": ids(TLS),
     "--ssl-ca-certs": ids(FEE + "test_tls_client_certificates_and_cors_methods_reach_the_server"),
     "--ssl-cert-reqs": ids(FEE + "test_tls_client_certificates_and_cors_methods_reach_the_server"),
-    "--root-path": ids(VF + "test_root_path_as_uvicorn"),
+    "--root-path": ids(VF + "test_root_path_serves_paths_with_and_without_it"),
     "--uds": ids(
         SOCK + "test_uds_serves_on_the_socket_file_and_replaces_a_stale_one",
         SOCK + "test_uds_over_a_regular_file_is_refused_before_loading",

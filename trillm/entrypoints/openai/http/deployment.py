@@ -41,10 +41,12 @@ def wrap_asgi(app: Any, opts: Any, metrics: Any = None) -> Any:
 
 
 class RootPath:
-    """``--root-path`` as uvicorn (vLLM's server) applies it: the proxy in front strips the
-    prefix, so a request for ``/v1/models`` is served as ``/v1/models``; the prefix is the
-    ``root_path`` of the ASGI scope and, as the ASGI spec and uvicorn have it, prepended to
-    ``path`` (the framework strips it again for routing and adds it to the URLs it builds)."""
+    """``--root-path`` as vLLM applies it (FastAPI's ``root_path``): the prefix is the
+    ``root_path`` of the ASGI scope, and a path is served with it or without it -- a proxy in
+    front that strips it sends ``/v1/models``, one that does not, or a client that calls the
+    server directly, ``/llm/v1/models``; both are ``/v1/models``, behind the same API key.
+    As the ASGI spec has it, ``path`` holds the prefix (the framework strips it again for
+    routing and adds it to the URLs it builds)."""
 
     def __init__(self, app: Any, root_path: str) -> None:
         self.app = app
@@ -53,11 +55,13 @@ class RootPath:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket"):
-            raw = scope.get("raw_path") or scope["path"].encode()
-            scope = {
-                **scope,
-                "root_path": self.root_path,
-                "path": self.root_path + scope["path"],
-                "raw_path": self.raw_root + raw,
-            }
+            path = scope["path"]
+            raw = scope.get("raw_path") or path.encode()
+            if not self.holds_prefix(path):
+                path, raw = self.root_path + path, self.raw_root + raw
+            scope = {**scope, "root_path": self.root_path, "path": path, "raw_path": raw}
         await self.app(scope, receive, send)
+
+    def holds_prefix(self, path: str) -> bool:
+        """``path`` starts with the prefix as whole segments (``/llm/v1``, not ``/llmx``)."""
+        return path == self.root_path or path.startswith(self.root_path + "/")
