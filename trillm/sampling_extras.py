@@ -59,3 +59,10 @@ def normalise_extras(params: Any) -> None:
             f"{budget!r}.",
         )
     params.thinking_token_budget = None if budget == -1 else budget
+
+
+def logprob_cap(max_logprobs: int, vocab_size: int) -> int:
+    """The most logprobs (or prompt logprobs, top_logprobs) a request may ask for: the
+    server's max_logprobs, whose -1 (vLLM's) caps at the vocabulary only. A request's own -1
+    asks for the whole vocabulary, so it is served only when this is the vocabulary size."""
+    return vocab_size if max_logprobs == -1 else max_logprobs

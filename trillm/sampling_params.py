@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trillm.sampling_errors import SamplingParamsError as SamplingParamsError
-from trillm.sampling_extras import normalise_extras
+from trillm.sampling_extras import logprob_cap, normalise_extras
 
 _GREEDY_EPS = 1e-5
 
@@ -182,13 +182,14 @@ class SamplingParams:
             ),
             (
                 "logprobs",
-                self.logprobs is None or self.logprobs >= 0,
-                f"logprobs must be non-negative, got {self.logprobs}.",
+                self.logprobs is None or self.logprobs >= -1,
+                f"logprobs must be non-negative or -1 (the whole vocabulary), got {self.logprobs}.",
             ),
             (
                 "prompt_logprobs",
-                self.prompt_logprobs is None or self.prompt_logprobs >= 0,
-                f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.",
+                self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+                "prompt_logprobs must be non-negative or -1 (the whole vocabulary), got "
+                f"{self.prompt_logprobs}.",
             ),
             (
                 "truncate_prompt_tokens",
@@ -256,7 +257,8 @@ class SamplingParams:
             _check_plain_data(self.extra_args, "extra_args")
 
     def verify_vocab(self, vocab_size: int, max_logprobs: int) -> None:
-        """Checks that need the model: token ids in range, logprob counts under the cap."""
+        """Checks that need the model: token ids in range, logprob counts under the cap; a
+        count of -1 becomes the vocabulary size (vLLM's, as is max_logprobs -1: no cap)."""
         for name, ids in (
             ("allowed_token_ids", self.allowed_token_ids),
             ("stop_token_ids", self.stop_token_ids),
@@ -271,7 +273,10 @@ class SamplingParams:
                     f"{name} contains token ids outside the vocabulary [0, {vocab_size}): "
                     f"{', '.join(map(str, outside[:8]))}.",
                 )
-        for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+        cap = logprob_cap(max_logprobs, vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(self, name)) == -1:
+                setattr(self, name, value := vocab_size)
             # (logprobs counting logprob_token_ids is bounded by MAX_LOGPROB_TOKEN_IDS)
             chosen = name == "logprobs" and self.logprob_token_ids
             if value is not None and value > max_logprobs and not chosen:

@@ -26,8 +26,8 @@ from trillm.sampling_params import SamplingParams, SamplingParamsError
         ({"max_tokens": 0}, "max_tokens"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-        ({"logprobs": -1}, "logprobs"),
-        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"logprobs": -2}, "logprobs"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
@@ -53,6 +53,18 @@ def test_sampling_params_vocab_checks_and_normalisation():
         SamplingParams(logprobs=21).verify_vocab(vocab_size=10, max_logprobs=20)
     assert info.value.param == "logprobs"
     SamplingParams(logprobs=20, stop_token_ids=[9]).verify_vocab(vocab_size=10, max_logprobs=20)
+
+
+def test_minus_one_logprobs_is_the_whole_vocabulary_under_max_logprobs():
+    """vLLM's rule: -1 asks for the whole vocabulary, allowed when it fits max_logprobs
+    (whose own -1 is no cap but the vocabulary)."""
+    params = SamplingParams(logprobs=-1, prompt_logprobs=-1)
+    params.verify_vocab(vocab_size=10, max_logprobs=10)
+    assert (params.logprobs, params.prompt_logprobs) == (10, 10)
+    SamplingParams(prompt_logprobs=10).verify_vocab(vocab_size=10, max_logprobs=-1)
+    with pytest.raises(SamplingParamsError, match="prompt_logprobs=10, more than") as info:
+        SamplingParams(prompt_logprobs=-1).verify_vocab(vocab_size=10, max_logprobs=9)
+    assert info.value.param == "prompt_logprobs"
 
 
 def test_sampling_params_rejects_non_integer_logit_bias_keys():

@@ -35,6 +35,7 @@ from trillm.outputs import (
     CompletionOutput,
     RequestOutput,
 )
+from trillm.sampling_extras import logprob_cap
 from trillm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class BeamSearchRequest:
         # EOS ids widen the candidates (ending ones must not crowd out the W that run on).
         self.num_eos = 0 if params.ignore_eos else len(self.eos_ids)
         self.k = candidates_per_beam(params.beam_width, self.num_eos)
-        _check_request(prompts, params, self.k, pre.max_logprobs)
+        _check_request(prompts, params, self.k, logprob_cap(pre.max_logprobs, pre.vocab_size))
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.params = params

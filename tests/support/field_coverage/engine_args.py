@@ -37,6 +37,7 @@ from field_coverage.ids import (
     SPEC_D,
     SPEC_E,
     TP,
+    WHOLE_VOCAB,
     ids,
 )
 
@@ -110,7 +111,11 @@ ENGINE: dict[str, tuple[str, ...]] = {
     "num_gpu_blocks_override": ids(
         ACT, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"
     ),
-    "max_logprobs": ids(ACT, FEE + "test_logprobs_and_prompt_logprobs"),
+    "max_logprobs": ids(
+        ACT,
+        FEE + "test_logprobs_and_prompt_logprobs",
+        WHOLE_VOCAB + "test_prompt_logprobs_minus_one_is_every_token_at_every_position",
+    ),
     "stream_interval": ids(
         OUTPUT + "test_stream_interval_batches_delta_outputs",
         LIFE + "test_stream_interval_sends_fewer_larger_chunks",

@@ -23,6 +23,7 @@ from field_coverage.ids import (
     TOKENIZE,
     TOOLS_HTTP,
     VLLM_LIST,
+    WHOLE_VOCAB,
     ids,
 )
 
@@ -52,7 +53,10 @@ _SAMPLING = {
     "skip_special_tokens": ids(FE + "test_eos_fields_ignore_eos_min_tokens_skip_special_tokens"),
     "include_stop_str_in_output": ids(FE + "test_stop_strings_and_include_stop_str_in_output"),
     "spaces_between_special_tokens": ids(FEC + "test_spaces_between_special_tokens"),
-    "prompt_logprobs": ids(FE + "test_return_token_ids_and_prompt_logprobs"),
+    "prompt_logprobs": ids(
+        FE + "test_return_token_ids_and_prompt_logprobs",
+        WHOLE_VOCAB + "test_prompt_logprobs_minus_one_is_every_token_at_every_position",
+    ),
     "priority": ids(FEC + "test_priority_needs_the_priority_policy"),
     "cache_salt": ids(FE + "test_cache_salt_separates_prefix_cache_hits"),
     "return_token_ids": ids(FE + "test_return_token_ids_and_prompt_logprobs"),
@@ -159,6 +163,7 @@ _COMPLETION = {
     "logprobs": ids(
         FE + "test_logprobs_and_return_tokens_as_token_ids",
         OPENAI + "test_logprobs_match_transformers",
+        WHOLE_VOCAB + "test_completion_logprobs_minus_one_is_the_whole_vocabulary",
     ),
     "suffix": ids(FEC + "test_echo_suffix_best_of"),
     "best_of": ids(FEC + "test_echo_suffix_best_of"),

@@ -48,6 +48,7 @@ from trillm.entrypoints.openai.schemas.protocol import (
     ChatCompletionRequest,
 )
 from trillm.messages import MultiModalItem
+from trillm.sampling_extras import logprob_cap
 
 
 async def create_chat_completion(
@@ -210,8 +211,8 @@ def _top_logprobs(state: ServerState, req: ChatCompletionRequest) -> int | None:
     if top and not req.logprobs:  # (0 without logprobs asks nothing, as in vLLM)
         raise BadRequestError("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
     if top == -1:  # vLLM's: the whole vocabulary
-        top = state.preprocessor.vocab_size
-    if top is not None and top > state.max_logprobs:
+        top = vocab
+    if top is not None and top > logprob_cap(state.max_logprobs, vocab):
         whole = " (-1: the whole vocabulary)" if req.top_logprobs == -1 else ""
         raise BadRequestError(
             f"'top_logprobs' is {top}{whole}, more than the server's limit of "

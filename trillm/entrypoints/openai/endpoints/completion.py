@@ -37,6 +37,7 @@ from trillm.entrypoints.openai.http.errors import (
     from_engine_exception,
 )
 from trillm.entrypoints.openai.schemas.protocol import CompletionRequest
+from trillm.sampling_extras import logprob_cap
 
 
 async def create_completion(
@@ -44,9 +45,13 @@ async def create_completion(
 ) -> dict[str, Any] | AsyncIterator[bytes]:
     lora = state.check_model(req.model)  # the adapter req.model names, if any
     _check_unsupported(req)
-    if req.logprobs is not None and req.logprobs > state.max_logprobs:
+    vocab = state.preprocessor.vocab_size
+    if req.logprobs == -1:  # vLLM's: the whole vocabulary
+        req.logprobs = vocab
+    if req.logprobs is not None and req.logprobs > logprob_cap(state.max_logprobs, vocab):
         raise BadRequestError(
-            f"'logprobs' is {req.logprobs}, more than the server's limit of {state.max_logprobs}.",
+            f"'logprobs' is {req.logprobs}, more than the server's limit of "
+            f"{logprob_cap(state.max_logprobs, vocab)} (--max-logprobs).",
             "logprobs",
         )
     raw = raw_prompts(state, req)  # its prompt_embeds first, then its prompts
@@ -105,7 +110,8 @@ async def _prepare(
     params = build_sampling_params(state, req, max_tokens=req.max_tokens, logprobs=req.logprobs)
     if req.echo and req.logprobs is not None:
         # Echoed prompt tokens carry their logprobs too: ask the engine for them.
-        params.prompt_logprobs = max(params.prompt_logprobs or 0, req.logprobs)
+        asked = pre.vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+        params.prompt_logprobs = max(asked or 0, req.logprobs)
     prepared = pre.prepare_ids(
         ids, params, text=text, priority=req.priority, cache_salt=req.cache_salt
     )

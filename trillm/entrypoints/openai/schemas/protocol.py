@@ -189,7 +189,7 @@ class _SamplingFields:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = _f(None, ge=0)
+    prompt_logprobs: int | None = _f(None, ge=-1)  # -1: the whole vocabulary (vLLM's)
     priority: int = 0
     cache_salt: str | None = None
     return_token_ids: bool = False
@@ -272,7 +272,7 @@ class CompletionRequest(_SamplingFields):
     prompt_embeds: str | list[str] | None = _f(None, max_len=MAX_PROMPTS)
     max_tokens: int | None = _f(16, ge=1)
     echo: bool = False
-    logprobs: int | None = _f(None, ge=0)
+    logprobs: int | None = _f(None, ge=-1)  # -1: the whole vocabulary (vLLM's)
     suffix: str | None = None
     best_of: int | None = _f(None, ge=1)
     add_special_tokens: bool = True
