@@ -279,7 +279,7 @@ class SamplingParams:
                 setattr(self, name, value := vocab_size)
             # (logprobs counting logprob_token_ids is bounded by MAX_LOGPROB_TOKEN_IDS)
             chosen = name == "logprobs" and self.logprob_token_ids
-            if value is not None and value > max_logprobs and not chosen:
+            if value is not None and value > cap and not chosen:
                 raise SamplingParamsError(
                     name, f"Requested {name}={value}, more than max_logprobs={max_logprobs}."
                 )

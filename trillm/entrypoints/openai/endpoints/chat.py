@@ -210,6 +210,7 @@ def _top_logprobs(state: ServerState, req: ChatCompletionRequest) -> int | None:
     top = req.top_logprobs
     if top and not req.logprobs:  # (0 without logprobs asks nothing, as in vLLM)
         raise BadRequestError("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+    vocab = state.preprocessor.vocab_size
     if top == -1:  # vLLM's: the whole vocabulary
         top = vocab
     if top is not None and top > logprob_cap(state.max_logprobs, vocab):
