@@ -281,7 +281,7 @@ class SamplingParams:
             chosen = name == "logprobs" and self.logprob_token_ids
             if value is not None and value > cap and not chosen:
                 raise SamplingParamsError(
-                    name, f"Requested {name}={value}, more than max_logprobs={max_logprobs}."
+                    name, f"Requested {name}={value}, more than max_logprobs={cap}."
                 )
 
     def clone(self) -> SamplingParams:
