@@ -9,6 +9,12 @@ base64 and image decoding, the image processor, the vision tower, the prefill, o
 transformers' is its processor call and ``generate(max_new_tokens=1)``, nothing over a wire.
 
     python benchmarks/peers/mm_ttft_vs_hf.py --rounds 7 --out benchmarks/peers/results/X.json
+    python benchmarks/peers/mm_ttft_vs_hf.py --model ~/.cache/trillm-bench/llava-clip336-llama3.2-1b \
+        --dtype float32 --max-model-len 1024 --kv-cache-memory 256MiB --rounds 5
+
+(the second folder comes from ``benchmarks/peers/make_llava_1b.py``). ``--dtype`` loads both
+sides in that dtype; each round records the 1-minute load average, since another job may be
+loading the machine: compare the two sides within a round, not runs with each other.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import os
 import statistics
 import sys
 import tempfile
@@ -60,7 +67,7 @@ def trillm_ms(url: str, img: Any | None) -> float:
         "temperature": 0.0,
     }
     start = time.perf_counter()
-    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=1800)
     elapsed = (time.perf_counter() - start) * 1e3
     response.raise_for_status()
     return elapsed
@@ -69,10 +76,13 @@ def trillm_ms(url: str, img: Any | None) -> float:
 class HF:
     """transformers' LLaVA and processor on the folder, as a user would run them."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, dtype: str) -> None:
+        import torch
         from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
-        self.model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+        torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+        self.model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch_dtype)
+        self.model.eval()
         self.processor = LlavaProcessor.from_pretrained(folder)
         messages = [{"role": "user", "content": "<image>\n" + QUESTION}]
         self.text = self.processor.tokenizer.apply_chat_template(
@@ -95,6 +105,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--image-size", default="640x480", help="WIDTHxHEIGHT of each image")
+    p.add_argument(
+        "--dtype", default="auto", help="both sides: auto (the checkpoint's), float32, ..."
+    )
+    p.add_argument("--max-model-len", default="512")
+    p.add_argument("--kv-cache-memory", default="64MiB")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     set_threads(args.threads)
@@ -104,9 +119,10 @@ def main() -> None:
         from trillm.testing.tiny_llava import build_tiny_llava
 
         folder = str(build_tiny_llava(tempfile.mkdtemp(prefix="tiny-llava-")))
-    hf = HF(folder)
-    serve = ["--served-model-name", "llava", "--max-model-len", "512"]
-    with trillm_server(folder, serve + ["--kv-cache-memory", "64MiB"]) as (url, _):
+    hf = HF(folder, args.dtype)
+    serve = ["--served-model-name", "llava", "--max-model-len", args.max_model_len]
+    serve += ["--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory]
+    with trillm_server(folder, serve, timeout_s=1800) as (url, _):
         trillm_ms(url, image(10_000, width, height))  # warm-up: first-use costs, both sides
         hf.ms(image(10_001, width, height))
         rows = []
@@ -124,16 +140,20 @@ def main() -> None:
                     "hf_ms": theirs,
                     "ratio": theirs / ours,
                     "trillm_text_only_ms": text,
+                    "load_1m": os.getloadavg()[0],
                 }
             )
             print(
-                f"round {r}: trillm {ours:.1f} ms (text only {text:.1f}), transformers {theirs:.1f} ms"
+                f"round {r}: trillm {ours:.1f} ms (text only {text:.1f}), transformers "
+                f"{theirs:.1f} ms, load {rows[-1]['load_1m']:.2f}",
+                flush=True,  # rounds of a large model take minutes: show them as they end
             )
     result = {
         "command": "python benchmarks/peers/mm_ttft_vs_hf.py " + " ".join(sys.argv[1:]),
         "model": args.model or "trillm.testing.tiny_llava (CLIP 32 px, 3 layers; Llama 2 layers)",
         "image": f"{width}x{height} random RGB PNG, a new one each round",
         "threads": args.threads,
+        "dtype": args.dtype,
         "rounds": rows,
         "median_trillm_ms": statistics.median(r["trillm_ms"] for r in rows),
         "median_hf_ms": statistics.median(r["hf_ms"] for r in rows),
