@@ -11,7 +11,8 @@ import pytest
 
 from trillm.bench import datasets, metrics
 from trillm.bench.metrics import RequestResult, Slos
-from trillm.bench.serve import arrival_offsets, parse_percentiles, parse_rates
+from trillm.bench.serve import arrival_offsets
+from trillm.bench.serve_flags import parse_percentiles, parse_rates
 
 T0 = 1000.0  # benchmark start (perf_counter seconds)
 

@@ -16,7 +16,7 @@ from PIL import Image
 from server_harness import ServerProcess, metric_value
 from test_bench_serve import load, run_bench
 
-from trillm.bench import mm_dataset
+from trillm.bench import mm_dataset, serve_flags
 from trillm.bench.datasets import DatasetError
 
 NAME = "tiny-llava"
@@ -46,7 +46,7 @@ def dataset_args(**overrides: object) -> argparse.Namespace:
         seed=0,
         random_mm_base_items_per_request=1,
         random_mm_num_mm_items_range_ratio=0.0,
-        random_mm_limit_mm_per_prompt=mm_dataset.DEFAULT_LIMITS,
+        random_mm_limit_mm_per_prompt=serve_flags.DEFAULT_LIMITS,
         random_mm_bucket_config="{(24, 40, 1): 0.5, (36, 20, 1): 0.5, (720, 1280, 16): 0.0}",
     )
     return argparse.Namespace(**{**base, **overrides})

@@ -251,7 +251,7 @@ def test_runtime_updating_routes_need_the_opt_in(setup, tmp_path):
 
 
 def test_runtime_updating_env_is_the_flag(monkeypatch):
-    from trillm.entrypoints.openai.endpoints.lora import runtime_updating_allowed
+    from trillm.entrypoints.cli.lora_flags import runtime_updating_allowed
 
     assert not runtime_updating_allowed(False) and runtime_updating_allowed(True)
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
@@ -272,8 +272,8 @@ def test_runtime_updating_env_is_the_flag(monkeypatch):
     ],
 )
 def test_lora_flags_refused_with_the_flag_named(argv, named, capsys):
+    from trillm.entrypoints.cli.lora_flags import check_lora_flags
     from trillm.entrypoints.cli.main import build_parser
-    from trillm.entrypoints.openai.endpoints.lora import check_lora_flags
 
     with pytest.raises(SystemExit) as exc:
         args = build_parser().parse_args(["serve", *argv])

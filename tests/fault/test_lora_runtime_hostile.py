@@ -221,8 +221,8 @@ def test_a_load_stuck_past_its_time_is_refused(monkeypatch):
     ],
 )
 def test_lora_allowed_root_flag_refused_with_the_flag_named(argv, named, capsys, monkeypatch):
+    from trillm.entrypoints.cli.lora_flags import check_lora_flags
     from trillm.entrypoints.cli.main import build_parser
-    from trillm.entrypoints.openai.endpoints.lora import check_lora_flags
 
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
     with pytest.raises(SystemExit) as exc:

@@ -71,7 +71,6 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     from trillm.bench import serve_flags
-    from trillm.bench.serve import parse_percentiles, parse_rates
 
     p.add_argument(
         "--backend", choices=["vllm", "openai", "openai-chat", "trillm"], default="openai"
@@ -102,7 +101,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_dataset_args(p)
     p.add_argument(
         "--request-rate",
-        type=parse_rates,
+        type=serve_flags.parse_rates,
         default=[float("inf")],
         help="req/s, inf, or a list 1,2,inf (sweep)",
     )
@@ -121,7 +120,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="SLOs, e.g. ttft:500 tpot:50",
     )
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl")
-    p.add_argument("--metric-percentiles", type=parse_percentiles, default=[99.0])
+    p.add_argument("--metric-percentiles", type=serve_flags.parse_percentiles, default=[99.0])
     p.add_argument("--save-result", action="store_true")
     p.add_argument("--result-dir", default=None)
     p.add_argument("--result-filename", default=None)

@@ -23,10 +23,9 @@ from typing import Any
 import numpy as np
 
 from trillm.bench.datasets import BenchRequest, DatasetError, TokenizerLike, build_random
+from trillm.bench.serve_flags import DEFAULT_BUCKETS
 
 Bucket = tuple[int, int, int]  # (height, width, frames)
-DEFAULT_LIMITS = '{"image": 255, "video": 0}'
-DEFAULT_BUCKETS = "{(256, 256, 1): 0.5, (720, 1280, 1): 0.5, (720, 1280, 16): 0.0}"
 MAX_SIDE = 4096  # the server's pixel budget is 4096 x 4096: a larger image is a 400 there
 
 

@@ -64,29 +64,6 @@ def ramp_offsets(
     return np.concatenate(([0.0], np.cumsum(gaps)))
 
 
-def parse_rates(text: str) -> list[float]:
-    """'4' or '1,2,4,inf' -> [1.0, 2.0, 4.0, inf]."""
-    try:
-        rates = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid request rate {text!r}: use a number, inf, or a comma list like 1,2,inf"
-        ) from None
-    if not rates or any(r <= 0 or math.isnan(r) for r in rates):
-        raise argparse.ArgumentTypeError(f"request rates must be positive or inf, got {text!r}")
-    return rates
-
-
-def parse_percentiles(text: str) -> list[float]:
-    try:
-        values = [float(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid percentile list {text!r}") from None
-    if not values or any(not 0 < p <= 100 for p in values):
-        raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100], got {text!r}")
-    return values
-
-
 class Interrupt:
     """SIGINT -> cancel the current run (not the process)."""
 

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import uuid
 from typing import Any
 
+# The random-mm dataset's defaults (vLLM's), as its flags take them (``mm_dataset.py`` parses
+# them): here, so that building the parser does not import numpy.
+DEFAULT_LIMITS = '{"image": 255, "video": 0}'
+DEFAULT_BUCKETS = "{(256, 256, 1): 0.5, (720, 1280, 1): 0.5, (720, 1280, 16): 0.0}"
 # flag -> why trillm bench serve cannot honour it (the argparse error's text)
 REFUSED = {
     "--profile": "trillm serve has no /start_profile and /stop_profile endpoints",
@@ -185,8 +190,6 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_random_mm_flags(p: argparse.ArgumentParser) -> None:
     """vLLM's random-mm dataset (``mm_dataset.py``): its flags and defaults."""
-    from trillm.bench.mm_dataset import DEFAULT_BUCKETS, DEFAULT_LIMITS
-
     g = p.add_argument_group("random-mm dataset (random prompts with random images)")
     g.add_argument("--random-mm-base-items-per-request", type=int, default=1)
     g.add_argument(
@@ -279,3 +282,26 @@ def _apply_lengths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
             "prefix-repetition": "prefix_repetition_output_len",
         }[name]
         setattr(args, target, args.output_len)
+
+
+def parse_rates(text: str) -> list[float]:
+    """'4' or '1,2,4,inf' -> [1.0, 2.0, 4.0, inf]."""
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid request rate {text!r}: use a number, inf, or a comma list like 1,2,inf"
+        ) from None
+    if not rates or any(r <= 0 or math.isnan(r) for r in rates):
+        raise argparse.ArgumentTypeError(f"request rates must be positive or inf, got {text!r}")
+    return rates
+
+
+def parse_percentiles(text: str) -> list[float]:
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid percentile list {text!r}") from None
+    if not values or any(not 0 < p <= 100 for p in values):
+        raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100], got {text!r}")
+    return values

@@ -17,9 +17,10 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:  # imported when a command runs: building the parser (--help) goes without
+    import httpx
 
 DEFAULT_URL = "http://localhost:8000/v1"
 
@@ -62,6 +63,8 @@ def _add_query_flags(p: argparse.ArgumentParser) -> None:
 
 def _http_client(args: argparse.Namespace) -> httpx.Client:
     """The connection pool to the server at ``--url``, with its key."""
+    import httpx
+
     key = args.api_key or os.environ.get("OPENAI_API_KEY", "EMPTY")
     return httpx.Client(
         base_url=args.url.rstrip("/"),
@@ -159,6 +162,8 @@ def run_complete(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, session: Any) -> int:
+    import httpx
+
     try:
         with _http_client(args) as http:
             session(Client(args, http), args)

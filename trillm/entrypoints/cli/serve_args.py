@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trillm import envs
 from trillm.config import EngineArgs
@@ -15,12 +15,14 @@ from trillm.entrypoints.cli import (
     engine_flags,
     flag_types,
     headless,
+    lora_flags,
     trace_flags,
     vllm_flags,
 )
-from trillm.entrypoints.openai.api_server import ServerOptions
-from trillm.entrypoints.openai.endpoints import lora
-from trillm.entrypoints.openai.http.app import DEFAULT_HEALTH_STEP_TIMEOUT_S
+from trillm.entrypoints.openai.http.health_defaults import DEFAULT_HEALTH_STEP_TIMEOUT_S
+
+if TYPE_CHECKING:  # the server's modules (trio, quart) load only when it runs, not for --help
+    from trillm.entrypoints.openai.api_server import ServerOptions
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -43,7 +45,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     engine_flags.add_engine_flags(p)  # one per EngineArgs field
     headless.add_node_flags(p)
     _add_tool_flags(p)
-    lora.add_lora_flags(p)
+    lora_flags.add_lora_flags(p)
     # vLLM's deployment flags: TLS, CORS, proxy, logging, metrics, --config.
     vllm_flags.add_http_flags(p)
     vllm_flags.add_logging_flags(p)
@@ -206,6 +208,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
+    from trillm.entrypoints.openai.api_server import ServerOptions
+
     check_tool_flags(args)
     return ServerOptions(
         ssl_keyfile=args.ssl_keyfile,
@@ -249,7 +253,9 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         restart_on_engine_death=args.restart_on_engine_death,
         health_step_timeout=args.health_step_timeout,
         lora_modules=args.lora_modules or [],
-        allow_runtime_lora_updating=lora.runtime_updating_allowed(args.allow_runtime_lora_updating),
+        allow_runtime_lora_updating=lora_flags.runtime_updating_allowed(
+            args.allow_runtime_lora_updating
+        ),
         lora_allowed_root=args.lora_allowed_root,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
@@ -288,7 +294,7 @@ def prepare(args: argparse.Namespace) -> str | None:
     vllm_flags.check_flags(args.serve_parser, args)
     trace_flags.check_trace_flags(args.serve_parser, args)
     headless.check_node_flags(args.serve_parser, args)
-    lora.check_lora_flags(args.serve_parser, args)
+    lora_flags.check_lora_flags(args.serve_parser, args)
     try:
         envs.check_all()
     except ValueError as exc:  # an environment variable set to what it does not take

@@ -34,9 +34,10 @@ from trillm.entrypoints.openai.endpoints.budgets import (
     default_max_logprob_entries,
 )
 from trillm.entrypoints.openai.engine_supervisor import supervise_engine
-from trillm.entrypoints.openai.http.app import DEFAULT_HEALTH_STEP_TIMEOUT_S, build_app
+from trillm.entrypoints.openai.http.app import build_app
 from trillm.entrypoints.openai.http.auth import ApiKeys
 from trillm.entrypoints.openai.http.deployment import wrap_asgi
+from trillm.entrypoints.openai.http.health_defaults import DEFAULT_HEALTH_STEP_TIMEOUT_S
 from trillm.entrypoints.openai.http.listener import (
     hypercorn_config,
     hypercorn_serve,
@@ -113,7 +114,7 @@ class ServerOptions:
     log_stats: bool = True
     log_stats_interval: float = 10.0
     metrics_prefix: str = "both"
-    # LoRA adapters served by name (--lora-modules: lora.LoRAModulePath), and whether
+    # LoRA adapters served by name (--lora-modules: lora_flags.LoRAModulePath), and whether
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
     lora_modules: list[Any] = attrs.field(factory=list)
     allow_runtime_lora_updating: bool = False

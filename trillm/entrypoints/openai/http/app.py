@@ -38,6 +38,7 @@ from trillm.entrypoints.openai.http.errors import (
     is_anthropic_route,
 )
 from trillm.entrypoints.openai.http.exchange import CloseAtExchangeEnd
+from trillm.entrypoints.openai.http.health_defaults import DEFAULT_HEALTH_STEP_TIMEOUT_S
 from trillm.entrypoints.openai.metrics.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from trillm.entrypoints.openai.schemas import openapi
 from trillm.entrypoints.openai.schemas.pooling import (
@@ -53,9 +54,6 @@ logger = logging.getLogger("trillm.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 RETRY_AFTER_S = 1  # the Retry-After of a 503
-# /health's bound on one engine step (--health-step-timeout): far above any step of a model
-# this server runs well (a full 8,192-token prefill chunk of a 135M model: ~20 s on 2 cores).
-DEFAULT_HEALTH_STEP_TIMEOUT_S = 60.0
 # Answered whatever the engine's state (draining, dead, full); the API key is auth.py's rule.
 _ENGINE_FREE_PATHS = ("/health", "/ping", "/load", "/metrics", "/version", "/openapi.json")
 
