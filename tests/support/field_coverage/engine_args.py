@@ -49,7 +49,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
     "tokenizer": ids(FEC + "test_add_special_tokens_and_the_tokenizer_flag"),
     "served_model_name": ids(CONFIG, OPENAI + "test_models"),
     "revision": ids(FEE + "test_revision_reaches_the_hub_download"),
-    "dtype": ids(CONFIG, ENGINE_REFUSED, LOADING + "test_explicit_float16_on_cpu_is_an_error"),
+    "dtype": ids(CONFIG, ENGINE_REFUSED, LOADING + "test_explicit_float16_on_cpu_runs_in_float16"),
     "seed": ids(FEE + "test_engine_seed_sets_unseeded_sampling"),
     "max_model_len": ids(
         CONFIG, FEE + "test_truncate_prompt_tokens", LOADING + "test_max_model_len"
