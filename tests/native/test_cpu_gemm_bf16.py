@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trillm.kernels import linear_cpu
+from trillm.kernels import linear_bf16_avx2_cpu, linear_cpu
 from trillm.model_executor.layers import linear as linear_layers
 
 needs_kernel = pytest.mark.skipif(
@@ -228,10 +228,12 @@ def test_pack_cpu_linears_routes_bf16_layers_through_the_kernel(monkeypatch):
     assert model.up.weight.grad is not None
 
 
-def test_without_avx512_bf16_layers_keep_torch_linear(monkeypatch):
-    # The run-time choice: on a CPU without AVX512-BF16 nothing is packed (no second copy of
-    # the weights) and the layers stay torch's.
+def test_without_bf16_kernels_layers_keep_torch_linear(monkeypatch):
+    # The run-time choice: on a CPU with neither AVX512-BF16 nor AVX2/F16C (the AVX2 bf16
+    # kernel: test_cpu_gemm_bf16_avx2.py) nothing is packed (no second copy of the weights)
+    # and the layers stay torch's.
     monkeypatch.setattr(linear_cpu, "available_bf16", lambda: False)
+    monkeypatch.setattr(linear_bf16_avx2_cpu, "available", lambda: False)
     model = _Block().to(bf16).eval()
     assert linear_layers.pack_cpu_linears(model) == 0
     assert not hasattr(model.up, "packed_weight")

@@ -132,6 +132,19 @@ class _GemmFp16(Protocol):
         ldy: int,
         num_threads: int,
     ) -> None: ...
+    def linear_bf16(
+        self,
+        x: int,
+        m: int,
+        k: int,
+        ldx: int,
+        packed: int,
+        n: int,
+        bias: int,
+        y: int,
+        ldy: int,
+        num_threads: int,
+    ) -> None: ...
 
 class _GemmFp8(Protocol):
     PANEL: int

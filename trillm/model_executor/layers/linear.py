@@ -17,6 +17,10 @@ fp32 inside their kernels as before. On a CPU without AVX512-BF16 they keep ``F.
 one with AMX-BF16, calls of more than ``linear_cpu.bf16_kernel_max_rows()`` rows go to
 ``F.linear`` (oneDNN's AMX GEMM: faster there, the same numerics up to summation order).
 
+On a CPU without AVX512-BF16 but with AVX2/FMA/F16C, bf16 layers go through the fp16 GEMM's
+kernel in its bf16 form (``linear_bf16_avx2_cpu``): bf16 weights widened to fp32 in registers,
+the same numerics (``bf16_kernel()`` picks).
+
 fp16 layers (``--dtype float16``) go through the F16C GEMM (``linear_fp16_cpu``, any AVX2 CPU):
 fp16 weights and activations widened in registers, fp32 sums rounded to fp16 once (torch's fp16
 ``F.linear`` numerics, 3-7x its speed on AVX2 from 8 rows up, measured alternately on the bench
@@ -36,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trillm.kernels import linear_cpu, linear_fp8_cpu, linear_fp16_cpu
+from trillm.kernels import linear_bf16_avx2_cpu, linear_cpu, linear_fp8_cpu, linear_fp16_cpu
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -52,6 +56,13 @@ def _packed_forward_bf16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         limit = linear_cpu.bf16_kernel_max_rows()  # with AMX, torch's GEMM wins at many rows
         if limit is None or x.numel() <= limit * x.shape[-1]:
             return linear_cpu.linear_bf16(x, packed, self.packed_bias)  # type: ignore[arg-type]
+    return F.linear(x, self.weight, self.bias)
+
+
+def _packed_forward_bf16_avx2(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    packed: linear_bf16_avx2_cpu.PackedWeightBf16Avx2 = self.packed_weight  # type: ignore[assignment]
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+        return linear_bf16_avx2_cpu.linear_bf16(x, packed, self.packed_bias)  # type: ignore[arg-type]
     return F.linear(x, self.weight, self.bias)
 
 
@@ -74,17 +85,33 @@ def _pack_fp32(module: nn.Linear) -> bool:
     return True
 
 
+def bf16_kernel() -> str | None:
+    """The GEMM bf16 layers get: ``"avx512_bf16"`` where the CPU has AVX512-BF16 (that kernel
+    is faster), else ``"avx2"`` (weights widened in registers), else None (``F.linear``)."""
+    if linear_cpu.available_bf16():
+        return "avx512_bf16"
+    if linear_bf16_avx2_cpu.available():
+        return "avx2"
+    return None
+
+
 def _pack_bf16(module: nn.Linear) -> bool:
     weight = module.weight.detach()
-    if not linear_cpu.available_bf16() or not linear_cpu.supports_bf16(weight):
+    kernel = bf16_kernel()
+    if kernel is None or not linear_cpu.supports_bf16(weight):
         return False
     bias = module.bias
     if bias is not None and bias.dtype not in (torch.bfloat16, torch.float32):
         return False
-    module.packed_weight = linear_cpu.PackedWeightBf16(weight)  # type: ignore[assignment]
+    if kernel == "avx512_bf16":
+        module.packed_weight = linear_cpu.PackedWeightBf16(weight)  # type: ignore[assignment]
+        forward = _packed_forward_bf16
+    else:
+        module.packed_weight = linear_bf16_avx2_cpu.PackedWeightBf16Avx2(weight)  # type: ignore[assignment]
+        forward = _packed_forward_bf16_avx2
     # fp32 once here, not per call: the kernel adds the bias to its fp32 sums (exact for bf16).
     module.packed_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-    module.forward = types.MethodType(_packed_forward_bf16, module)  # type: ignore[method-assign]
+    module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
     return True
 
 
@@ -127,10 +154,10 @@ FP8_SKIPPED = ("lm_head",)
 def pack_cpu_linears(model: nn.Module, quantization: str | None = None) -> int:
     """Route the model's fp32, bf16 and fp16 CPU linear layers through packed weights; -> how many.
     fp32 layers stay on ``F.linear`` when the fp32 GEMM is unavailable (not built,
-    ``TRILLM_NO_EXTENSIONS=1``, no AVX2/FMA), bf16 ones when the bf16 GEMM is (the same, or no
-    AVX512-BF16). ``quantization="fp8"``: every linear but ``FP8_SKIPPED`` is quantized to
-    fp8 e4m3 with per-channel scales (``kernels/linear_fp8_cpu.py``; its portable path where
-    the native kernel is unavailable)."""
+    ``TRILLM_NO_EXTENSIONS=1``, no AVX2/FMA), bf16 ones when neither bf16 GEMM is (the same, or
+    neither AVX512-BF16 nor AVX2/F16C). ``quantization="fp8"``: every linear but
+    ``FP8_SKIPPED`` is quantized to fp8 e4m3 with per-channel scales
+    (``kernels/linear_fp8_cpu.py``; its portable path where the native kernel is unavailable)."""
     # gguf / awq / gptq: the quantized layers have their own kernel (quantized_linear.py)
     if quantization not in (None, "fp8", "gguf", "awq", "gptq"):
         raise ValueError(f"pack_cpu_linears: unknown quantization {quantization!r}.")
