@@ -110,6 +110,7 @@ def main() -> None:
     )
     p.add_argument("--max-model-len", default="512")
     p.add_argument("--kv-cache-memory", default="64MiB")
+    p.add_argument("--server-log", type=Path, default=None, help="trillm serve's output")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     set_threads(args.threads)
@@ -122,7 +123,7 @@ def main() -> None:
     hf = HF(folder, args.dtype)
     serve = ["--served-model-name", "llava", "--max-model-len", args.max_model_len]
     serve += ["--dtype", args.dtype, "--kv-cache-memory", args.kv_cache_memory]
-    with trillm_server(folder, serve, timeout_s=1800) as (url, _):
+    with trillm_server(folder, serve, timeout_s=1800, log_path=args.server_log) as (url, _):
         trillm_ms(url, image(10_000, width, height))  # warm-up: first-use costs, both sides
         hf.ms(image(10_001, width, height))
         rows = []
