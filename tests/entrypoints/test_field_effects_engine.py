@@ -371,7 +371,7 @@ def test_model_positional_and_flag_and_bad_values(monkeypatch, capsys):
         (["--max-num-queued-requests", "-1"], "max-num-queued-requests"),
         (["--scheduling-policy", "lifo"], "scheduling-policy"),
         (["--device", "tpu"], "device"),
-        (["--distributed-executor-backend", "ray"], "distributed-executor-backend"),
+        (["--distributed-executor-backend", "mpi"], "distributed-executor-backend"),
         (["--log-level", "loud"], "log-level"),
     ):
         with pytest.raises(SystemExit):
