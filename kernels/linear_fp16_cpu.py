@@ -1,4 +1,6 @@
-"""fp16 linear layers on CPU (``--dtype float16``) through ``ext/cpu_gemm_fp16.cpp``.
+"""fp16 linear layers on CPU (``--dtype float16``) through ``ext/cpu_gemm_fp16.cpp``; the
+packing and the call shared with its bf16 form (``linear_bf16_avx2_cpu.py``: ``Packed16``,
+``linear16``).
 
 Weights stay fp16 (packed once in panels of 16 output columns, [K][16] each, the fp32 GEMM's
 layout); F16C widens weights and activations to fp32 in registers, products are summed in fp32
@@ -35,33 +37,43 @@ def available() -> bool:
 def _require() -> ModuleType:
     ext = _ext()
     if ext is None:
-        raise RuntimeError("trillm._ext.cpu_kernels is not built or this CPU lacks F16C.")
+        raise RuntimeError("trillm._ext.cpu_kernels is not built or this CPU lacks AVX2/F16C.")
     return ext
 
 
-def supports(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` [N, K] can be packed: fp16 on CPU, 2-D, no autograd."""
+_SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def supports16(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``weight`` [N, K] can be packed: ``dtype`` on CPU, 2-D, no autograd."""
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float16
+        and weight.dtype == dtype
         and weight.dim() == 2
         and not weight.requires_grad
     )
 
 
-class PackedWeightFp16:
-    """A [N, K] fp16 weight packed for ``linear_fp16`` (a copy: later writes to the original
-    are not seen)."""
+def supports(weight: torch.Tensor) -> bool:
+    return supports16(weight, torch.float16)
+
+
+class Packed16:
+    """A [N, K] 16-bit weight (``DTYPE``) packed for the kernel: panels of 16 output columns,
+    [K][16] each. A copy: later writes to the original are not seen."""
+
+    DTYPE: torch.dtype
 
     def __init__(self, weight: torch.Tensor) -> None:
         ext = _require()
-        if not supports(weight) or weight.stride(1) != 1:
+        if not supports16(weight, self.DTYPE) or weight.stride(1) != 1:
             raise ValueError(
-                "PackedWeightFp16 needs a 2-D fp16 CPU weight, contiguous in its last dim."
+                f"{type(self).__name__} needs a 2-D {_SHORT[self.DTYPE]} CPU weight, "
+                "contiguous in its last dim."
             )
         self.out_features, self.in_features = weight.shape
         panels = ext.num_panels(self.out_features)
-        self.data = torch.empty(panels * self.in_features * ext.PANEL, dtype=torch.float16)
+        self.data = torch.empty(panels * self.in_features * ext.PANEL, dtype=self.DTYPE)
         ext.pack(
             weight.data_ptr(),
             self.out_features,
@@ -71,26 +83,34 @@ class PackedWeightFp16:
         )
 
 
-def linear_fp16(
-    x: torch.Tensor,  # [..., K] fp16 CPU
-    weight: PackedWeightFp16,
-    bias: torch.Tensor | None = None,  # [N] fp32, added to the fp32 sums
-) -> torch.Tensor:  # [..., N] fp16
-    """``x @ W^T + bias`` with W fp16 packed, products summed in fp32, rounded to fp16 once."""
+class PackedWeightFp16(Packed16):
+    """An fp16 weight packed for ``linear_fp16``."""
+
+    DTYPE = torch.float16
+
+
+def linear16(
+    x: torch.Tensor,  # [..., K] in the weight's dtype, CPU
+    weight: Packed16,
+    bias: torch.Tensor | None,  # [N] fp32, added to the fp32 sums
+    kernel: str,  # the extension's function for this format: "linear" | "linear_bf16"
+    name: str,  # for the errors
+) -> torch.Tensor:  # [..., N] in the weight's dtype
+    """``x @ W^T + bias``, products summed in fp32, each output rounded once."""
     ext = _require()
-    n, k = weight.out_features, weight.in_features
-    if x.device.type != "cpu" or x.dtype != torch.float16 or x.shape[-1] != k:
-        raise ValueError(f"linear_fp16: x must be fp16 on CPU with last dim {k}.")
+    n, k, dtype = weight.out_features, weight.in_features, weight.DTYPE
+    if x.device.type != "cpu" or x.dtype != dtype or x.shape[-1] != k:
+        raise ValueError(f"{name}: x must be {_SHORT[dtype]} on CPU with last dim {k}.")
     if bias is not None and (
         bias.shape != (n,) or bias.dtype != torch.float32 or bias.device.type != "cpu"
     ):
-        raise ValueError(f"linear_fp16: bias must be fp32 [{n}] on CPU.")
+        raise ValueError(f"{name}: bias must be fp32 [{n}] on CPU.")
     rows = x.reshape(-1, k)  # a view when the leading dims allow it, else a copy
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=torch.float16)
+    out = torch.empty(rows.shape[0], n, dtype=dtype)
     recording.call(
-        ext.linear,
+        getattr(ext, kernel),
         rows.data_ptr(),
         rows.shape[0],
         k,
@@ -103,3 +123,12 @@ def linear_fp16(
         torch.get_num_threads(),
     )
     return out.view(*x.shape[:-1], n)
+
+
+def linear_fp16(
+    x: torch.Tensor,  # [..., K] fp16 CPU
+    weight: PackedWeightFp16,
+    bias: torch.Tensor | None = None,  # [N] fp32, added to the fp32 sums
+) -> torch.Tensor:  # [..., N] fp16
+    """``x @ W^T + bias`` with W fp16 packed, products summed in fp32, rounded to fp16 once."""
+    return linear16(x, weight, bias, "linear", "linear_fp16")
