@@ -1,8 +1,10 @@
 """The ``model`` fixture of the parallel-architecture tests (``model(arch) -> path``), and
 every multi-rank engine started in-process here forking its ranks from this worker's rank
-zygote server (tests/support/rank_servers.py)."""
+zygote server (tests/support/rank_servers.py); the ``ray`` fixture of the Ray tests."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from parallel_models import biased_models
@@ -18,3 +20,20 @@ def model(tiny_model_factory, tmp_path_factory):
 def _ranks_from_one_zygote():
     with ranks_from_one_zygote():
         yield
+
+
+@pytest.fixture(scope="module")
+def ray():
+    """Ray, imported by the module that asks, never at collection: Ray writes variables into
+    the process's environment (``RAY_CLIENT_MODE`` on import, ``RAY_USAGE_STATS_ENABLED``,
+    ``RAY_AUTH_MODE``, ``PYTHONBREAKPOINT`` on ``ray.init``), which would make every later
+    server start in this worker differ from the session's environment and start afresh
+    instead of forking from the zygote. The environment is put back once the module is done."""
+    saved = dict(os.environ)
+    import ray as ray_module
+
+    try:
+        yield ray_module
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

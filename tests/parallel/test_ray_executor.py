@@ -24,15 +24,14 @@ from parallel_reference import (
     http_greedy_tokens,
     limit_flags,
 )
+from ray_marks import RAY_TESTS
 from server_harness import ServerProcess
 from worker_processes import pid_alive
 
 from trillm.engine.llm import LLM
 from trillm.errors import EngineDeadError
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'trillm[ray]'")
-# One Ray test file at a time: a cluster started by one would be joined by the other's engines.
-pytestmark = pytest.mark.xdist_group("ray")
+pytestmark = RAY_TESTS
 
 LOGPROB_TOL = 1e-4
 
@@ -43,7 +42,7 @@ def llama(tiny_model_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(ray):
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

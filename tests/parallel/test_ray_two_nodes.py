@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 from parallel_reference import LIMITS, PROMPTS, SHARDED_LLAMA, greedy, reference_tokens
+from ray_marks import RAY_TESTS
 from worker_processes import pid_alive
 
 from trillm.engine.llm import LLM
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'trillm[ray]'")
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray test file at a time
+pytestmark = RAY_TESTS
 
 
 @pytest.fixture(scope="module")
-def two_nodes():
+def two_nodes(ray):
     """A head and a worker node (Ray's own test cluster: its processes, and only they, are
     stopped at the end), this process its driver."""
     from ray.cluster_utils import Cluster
@@ -31,7 +31,7 @@ def two_nodes():
         cluster.shutdown()
 
 
-def test_tp2_with_one_rank_per_node_equals_one_rank(tiny_model_factory, two_nodes):
+def test_tp2_with_one_rank_per_node_equals_one_rank(tiny_model_factory, two_nodes, ray):
     llama = tiny_model_factory("llama", **SHARDED_LLAMA)
     expected = reference_tokens(llama)
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
