@@ -185,7 +185,7 @@ def test_a_payload_damaged_after_the_lookup_is_recomputed(stored, tmp_path, capl
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": {"x": 1},
             },
-            "shared_storage_path only, not x",
+            "shared_storage_path and max_local_disk_size only, not x",
         ),
         ("SharedStorageConnector", "must be a JSON object"),
     ],

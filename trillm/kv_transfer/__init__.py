@@ -3,7 +3,8 @@
 ``config.py`` parses and checks the flag; ``base.py`` declares the two sides of a connector
 (the scheduler's, in the engine core; the worker's, beside the paged KV cache);
 ``storage.py`` is the file format of the shared-storage connector, whose two sides are in
-``shared_storage.py``; ``scheduler_side.py`` is the Python scheduler that asks a connector
+``shared_storage.py``, whose producer bounds the folder's bytes (``disk_budget.py``);
+``scheduler_side.py`` is the Python scheduler that asks a connector
 for a waiting request's external tokens. ``trillm/entrypoints/disagg_proxy.py`` puts a
 prefill (kv_producer) and a decode (kv_consumer) instance behind one address.
 """

@@ -3,6 +3,7 @@ or refused by name. One connector is implemented, vLLM's ``SharedStorageConnecto
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,9 @@ class KVTransferConfig:
     kv_role: str  # one of ROLES: producers save prompts' KV, consumers load it
     shared_storage_path: str  # the folder both instances read and write
     engine_id: str | None = None  # vLLM's label of the instance (logged only)
+    # LMCache's cap on its disk tier, GiB: the producer's bound on the folder's bytes (None:
+    # disk_budget.DEFAULT_DISK_SHARE of the free disk at start)
+    max_local_disk_size: float | None = None
 
     @property
     def is_producer(self) -> bool:
@@ -71,7 +75,10 @@ def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:
     engine_id = value.get("engine_id")
     if engine_id is not None and not isinstance(engine_id, str):
         raise ValueError(f"kv_transfer_config.engine_id must be a string, got {engine_id!r}.")
-    return KVTransferConfig(connector, role, _storage_path(value), engine_id)
+    extra = _extra_config(value)
+    return KVTransferConfig(
+        connector, role, _storage_path(extra), engine_id, _disk_cap(extra, role)
+    )
 
 
 def _check_keys(value: dict[str, Any]) -> None:
@@ -94,16 +101,23 @@ def _check_keys(value: dict[str, Any]) -> None:
             )
 
 
-def _storage_path(value: dict[str, Any]) -> str:
+_EXTRA_KEYS = ("shared_storage_path", "max_local_disk_size")
+
+
+def _extra_config(value: dict[str, Any]) -> dict[str, Any]:
     extra = value.get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):
         raise ValueError("kv_transfer_config.kv_connector_extra_config must be a JSON object.")
-    unknown = set(extra) - {"shared_storage_path"}
+    unknown = set(extra) - set(_EXTRA_KEYS)
     if unknown:
         raise ValueError(
             f"kv_transfer_config.kv_connector_extra_config: {SHARED_STORAGE} takes "
-            f"shared_storage_path only, not {', '.join(sorted(unknown))}."
+            f"{' and '.join(_EXTRA_KEYS)} only, not {', '.join(sorted(unknown))}."
         )
+    return extra
+
+
+def _storage_path(extra: dict[str, Any]) -> str:
     path = extra.get("shared_storage_path", "/tmp")  # vLLM's default
     if not isinstance(path, str) or not path:
         raise ValueError(
@@ -111,3 +125,19 @@ def _storage_path(value: dict[str, Any]) -> str:
             f"folder path, got {path!r}."
         )
     return path
+
+
+def _disk_cap(extra: dict[str, Any], role: str) -> float | None:
+    """``max_local_disk_size`` (GiB, > 0): only a producer writes files, so only a producer
+    takes it."""
+    cap = extra.get("max_local_disk_size")
+    if cap is None:
+        return None
+    name = "kv_transfer_config.kv_connector_extra_config.max_local_disk_size"
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap):
+        raise ValueError(f"{name} must be a number of GiB, got {cap!r}.")
+    if cap <= 0:
+        raise ValueError(f"{name} must be > 0 GiB, got {cap!r}.")
+    if role == "kv_consumer":
+        raise ValueError(f"{name}: a kv_consumer writes no file; set it on the producer.")
+    return float(cap)

@@ -21,10 +21,12 @@ from trillm.config import TrillmConfig
 from trillm.core.request import Request
 from trillm.kv_transfer.base import KVConnectorWorker, NoConnector
 from trillm.kv_transfer.config import KVTransferConfig
+from trillm.kv_transfer.disk_budget import DiskBudget, touch
 from trillm.kv_transfer.storage import (
     Header,
     cache_identity,
     file_path,
+    file_size,
     payload_digest,
     prefix_key,
     read_file,
@@ -139,8 +141,10 @@ class SharedStorageWorker:
     def __init__(self, config: TrillmConfig, kv: KVTransferConfig) -> None:
         self.folder = kv.shared_storage_path
         self.identity = cache_identity(config)
+        self.budget: DiskBudget | None = None  # a producer's bound on the folder's bytes
         if kv.is_producer:
             os.makedirs(self.folder, exist_ok=True)
+            self.budget = DiskBudget(self.folder, kv.max_local_disk_size)
 
     def start_load_kv(
         self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
@@ -176,6 +180,7 @@ class SharedStorageWorker:
         ids = torch.tensor(item.block_ids[item.first_block :], device=cache.device)
         for layer, layer_rows in zip(kv_caches, rows):
             layer[:, ids] = layer_rows[:, item.first_block :]
+        touch(path)  # NOTE: used: the producer's LRU evicts it last
 
     def _save(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
         ids = torch.tensor(item.block_ids, device=kv_caches[0].device)
@@ -192,7 +197,12 @@ class SharedStorageWorker:
             payload_bytes=len(payload),
             digest=payload_digest(payload),
         )
-        write_file(file_path(self.folder, item.key), header, payload)
+        path = file_path(self.folder, item.key)
+        if self.budget is not None and not self.budget.admit(path, file_size(header)):
+            return  # NOTE: over max_local_disk_size alone: counted, the consumer recomputes
+        write_file(path, header, payload)
+        if self.budget is not None:
+            self.budget.written(path)
 
 
 def worker_connector(config: TrillmConfig) -> KVConnectorWorker:

@@ -72,6 +72,11 @@ class Header:
     digest: str  # BLAKE2b of the payload
 
 
+def file_size(header: Header) -> int:
+    """The bytes ``write_file`` writes for ``header`` and its payload."""
+    return len(MAGIC) + _HEADER_LEN_BYTES + len(json.dumps(asdict(header))) + header.payload_bytes
+
+
 def write_file(path: str, header: Header, payload: bytes) -> None:
     head = json.dumps(asdict(header)).encode()
     tmp = f"{path}.{os.getpid()}.tmp"

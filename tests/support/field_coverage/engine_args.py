@@ -269,6 +269,9 @@ ENGINE: dict[str, tuple[str, ...]] = {
         "tests/entrypoints/test_disagg_http.py::"
         "test_the_pair_answers_as_one_instance_and_decode_computes_no_stored_token",
         "tests/entrypoints/test_disagg_http.py::test_other_connectors_stop_serve_naming_them",
+        "tests/kv_transfer/test_disk_budget.py::"
+        "test_a_producer_serving_many_distinct_prompts_stays_under_the_cap",
+        "tests/kv_transfer/test_disk_budget.py::test_a_bad_cap_is_refused_naming_the_key",
     ),
     "speculative_config": ids(
         SPEC_E + "test_same_output_with_speculation_and_drafts_accepted",
