@@ -11,7 +11,7 @@ model (``engine_cores.make_scheduler``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from trillm.config import TrillmConfig
@@ -36,7 +36,7 @@ def whole_span_tokens(config: TrillmConfig) -> int:
     return bidirectional_image_tokens(mm_config)
 
 
-def check_budget(config: Any, span: int) -> None:
+def check_budget(config: TrillmConfig, span: int) -> None:
     """A step must be able to hold one whole image's tokens."""
     budget = config.scheduler.max_num_batched_tokens
     threshold = config.scheduler.long_prefill_token_threshold

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trillm.config import (
     COLLECTIVE_TIMEOUT_S,
@@ -26,6 +26,10 @@ from trillm.engine.tokenizer_loader import load_tokenizer
 from trillm.kv_transfer.engine_fit import resolve_kv_transfer
 from trillm.model_executor import deepseek_config, hybrid_ssm, llama4_config, transformers_numerics
 from trillm.spec_decode.config import parse_speculative_config
+
+if TYPE_CHECKING:
+    from trillm.config.logits_processors import LogitsProcessorSpec
+    from trillm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +168,9 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     )
 
 
-def _logits_processors(args: EngineArgs, pooler: Any, speculative: Any) -> list[Any]:
+def _logits_processors(
+    args: EngineArgs, pooler: PoolerConfig | None, speculative: SpeculativeConfig | None
+) -> list[LogitsProcessorSpec]:
     """--logits-processors (and the installed plugins) as specs; refused, as in vLLM, for
     pooling models and with speculative decoding (drafts are verified row by row)."""
     from trillm.config.logits_processors import resolve_logits_processors
@@ -213,7 +219,10 @@ def _multimodal_limits(args: EngineArgs, model_config: ModelConfig) -> dict[str,
 
 
 def _prompt_embeds(
-    args: EngineArgs, model_config: ModelConfig, pooler: Any, speculative: Any
+    args: EngineArgs,
+    model_config: ModelConfig,
+    pooler: PoolerConfig | None,
+    speculative: SpeculativeConfig | None,
 ) -> bool:
     """--enable-prompt-embeds, refused by name where the embeddings could not reach the
     model's first layer as given."""
@@ -332,7 +341,7 @@ def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
     return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
-def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
+def _pooler(args: EngineArgs, model_config: ModelConfig) -> PoolerConfig | None:
     from trillm.config import is_pooling
     from trillm.model_executor import classification
     from trillm.model_executor.pooling import resolve_pooler
@@ -376,7 +385,7 @@ def _pooler(args: EngineArgs, model_config: Any) -> PoolerConfig | None:
     return resolve_pooler(model_config.model, args.pooler_config, model_config.hf_config, default)
 
 
-def _check_encoder(args: EngineArgs, model_config: Any) -> bool:
+def _check_encoder(args: EngineArgs, model_config: ModelConfig) -> bool:
     """An encoder-only model pools (the runner picks itself, as vLLM's ``auto``); what it
     cannot run with is refused by name (tensor parallelism by its own check, which names
     the architectures it runs). -> whether the model is one."""

@@ -11,6 +11,7 @@ placeholder range, a content hash keying the encoder cache and the prefix cache.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -367,12 +368,23 @@ def processor_text(processor: Processor | None, text: str) -> str:
     return text if processor is None else processor.prompt_text(text)
 
 
-async def prompt_ids(pre: Any, prompt: Any, truncating: bool) -> tuple[str | None, list[int]]:
-    """``Preprocessor.prompt_token_ids`` of a prompt, the text of a prompt dict with images as
-    the model's processor writes it (``processor_text``); the text returned is the caller's."""
-    given = prompt.get("prompt") if isinstance(prompt, dict) else None
-    if isinstance(given, str) and prompt.get("multi_modal_data") is not None:
-        if "prompt_token_ids" not in prompt:
-            prompt = {**prompt, "prompt": processor_text(pre.multimodal, given)}
-    text, ids = await pre.prompt_token_ids(prompt, truncating)
+# ``Preprocessor.prompt_token_ids``: (prompt, truncating) -> (its text, its token ids)
+PromptTokenizer = Callable[[str | dict[str, Any], bool], Awaitable[tuple[str | None, list[int]]]]
+
+
+async def prompt_ids(
+    processor: Processor | None,
+    tokenize: PromptTokenizer,
+    prompt: str | dict[str, Any],
+    truncating: bool,
+) -> tuple[str | None, list[int]]:
+    """``tokenize``'s ids of a prompt, the text of a prompt dict with images as the model's
+    processor writes it (``processor_text``); the text returned is the caller's."""
+    given = None
+    if isinstance(prompt, dict):
+        given = prompt.get("prompt")
+        media = prompt.get("multi_modal_data") is not None
+        if isinstance(given, str) and media and "prompt_token_ids" not in prompt:
+            prompt = {**prompt, "prompt": processor_text(processor, given)}
+    text, ids = await tokenize(prompt, truncating)
     return (given if isinstance(given, str) else text), ids

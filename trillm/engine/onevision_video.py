@@ -20,13 +20,16 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
 from trillm.engine.media import MultiModalInputError
 from trillm.model_executor.onevision_config import ONEVISION_ARCHITECTURE, onevision_field
+
+if TYPE_CHECKING:
+    from trillm.tokenizer_protocol import Tokenizer
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # transformers' OPENAI_CLIP_MEAN
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)  # OPENAI_CLIP_STD
@@ -151,7 +154,7 @@ def video_tokens(mm_config: dict[str, Any], values: np.ndarray) -> int:
     return int(values.shape[0]) * math.ceil(side / 2) ** 2 + 1
 
 
-def video_token(mm_config: dict[str, Any], tokenizer: Any) -> tuple[int, str]:
+def video_token(mm_config: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, str]:
     """The video placeholder's id and text (``<video>``)."""
     token_id = int(onevision_field(mm_config, "video_token_index"))
     return token_id, str(tokenizer.convert_ids_to_tokens(token_id))

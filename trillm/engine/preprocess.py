@@ -302,7 +302,9 @@ class Preprocessor:
         truncating = params.truncate_prompt_tokens is not None
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
-        text, ids = await prompt_ids(self, prompt, truncating and mm_data is None)
+        text, ids = await prompt_ids(
+            self.multimodal, self.prompt_token_ids, prompt, truncating and mm_data is None
+        )
         items: list[MultiModalItem] = []
         if mm_data is not None or kwargs is not None:  # (kwargs alone: their keys checked)
             ids, items = await self.multimodal_ids(ids, mm_data or {}, truncating, kwargs)

@@ -15,13 +15,15 @@ Errors, as seen by the engine core:
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import trio
 
 from trillm.errors import EngineDeadError
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from trillm.interfaces import RunnerClass
 
 DEFAULT_RUNNER = "trillm.worker.model_runner:ModelRunner"
 FAKE_RUNNER = "trillm.worker.fake_runner:FakeModelRunner"
@@ -29,7 +31,7 @@ POOLING_RUNNER = "trillm.worker.pooling_runner:PoolingModelRunner"
 ENCODER_RUNNER = "trillm.worker.encoder_runner:EncoderModelRunner"
 
 # "package.module:ClassName", or (UniProcExecutor only) a callable (config, rank, **kw) -> runner
-RunnerFactory = str | Callable[..., Any]
+RunnerFactory: TypeAlias = "str | RunnerClass"
 
 
 class Executor(abc.ABC):

@@ -27,7 +27,7 @@ import socket
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 
@@ -112,7 +112,7 @@ _subreaper_users = 0
 _subreaper_ours = False  # set by us (not before us), so ours to clear
 
 
-def _prctl(option: int, arg: Any) -> None:
+def _prctl(option: int, arg: int | ctypes._Pointer[ctypes.c_int]) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(option, arg, 0, 0, 0) != 0:
         err = ctypes.get_errno()

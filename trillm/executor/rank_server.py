@@ -36,9 +36,12 @@ import sys
 import traceback
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from trillm.executor import rank_zygote
+
+if TYPE_CHECKING:
+    import trio
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding trillm/
 # Variables read when torch, OpenMP, MKL or trillm's extensions are loaded (names or prefixes).
@@ -99,12 +102,12 @@ def parse_report(report: bytes | bytearray) -> tuple[list[int], int | None, str 
     return pids, code, error
 
 
-def peer_pid(sock: Any) -> int:
+def peer_pid(sock: socket.socket | trio.socket.SocketType) -> int:
     """The pid of the process at the other end of a connected Unix socket."""
     return _peer(sock)[0]
 
 
-def _peer(sock: Any) -> tuple[int, int]:
+def _peer(sock: socket.socket | trio.socket.SocketType) -> tuple[int, int]:
     """(pid, uid) of the process at the other end of a connected Unix socket."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _ = struct.unpack("3i", creds)

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trillm.interfaces import ModelRunnerProtocol
 
 # NOTE: weight_offload and step_program (torch) are imported where used: the engine core
 # reads SLEEP_TAGS from here, and the frontend starts without torch.
@@ -88,7 +91,7 @@ _BUILTINS: dict[str, Callable[..., Any]] = {
 }
 
 
-def call(runner: Any, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+def call(runner: ModelRunnerProtocol, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
     """``method`` on ``runner`` (a builtin above first, else the runner's public method)."""
     builtin = _BUILTINS.get(method)
     if builtin is not None:

@@ -22,7 +22,10 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trillm.config import EngineArgs
 
 logger = logging.getLogger("trillm.headless")
 
@@ -87,7 +90,7 @@ def run_headless(model: str | None, engine_kwargs: dict[str, Any]) -> int:
 
 
 def _start_ranks(
-    args: Any, ranks: range, death_r: int, procs: dict[int, subprocess.Popen[bytes]]
+    args: EngineArgs, ranks: range, death_r: int, procs: dict[int, subprocess.Popen[bytes]]
 ) -> None:
     """One ``worker_main`` process per rank of this node, each holding the parent-death pipe."""
     from trillm.executor.worker_ipc import worker_env

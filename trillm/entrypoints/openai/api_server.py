@@ -50,6 +50,7 @@ from trillm.gc_heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from trillm.engine.async_engine import AsyncEngine
+    from trillm.entrypoints.cli.lora_flags import LoRAModulePath
 
 logger = logging.getLogger("trillm.server")
 
@@ -116,7 +117,7 @@ class ServerOptions:
     metrics_prefix: str = "both"
     # LoRA adapters served by name (--lora-modules: lora_flags.LoRAModulePath), and whether
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
-    lora_modules: list[Any] = attrs.field(factory=list)
+    lora_modules: list[LoRAModulePath] = attrs.field(factory=list)
     allow_runtime_lora_updating: bool = False
     lora_allowed_root: str | None = None  # runtime loads only from inside it (a real path)
     # --otlp-traces-endpoint: one OpenTelemetry span per request (metrics/tracing.py).
@@ -253,7 +254,13 @@ async def open_server_state(
         max_engine_seqs_per_request=_fair_share(engine),
     )
     max_prompt_chars(state)  # the tokenizer's bound, once, before any request
-    state.loras = await lora.open_registry(engine, names[0], opts)
+    state.loras = await lora.open_registry(
+        engine,
+        names[0],
+        opts.lora_modules,
+        opts.allow_runtime_lora_updating,
+        opts.lora_allowed_root,
+    )
     return state
 
 

@@ -14,7 +14,7 @@ call fragments, in the order the model wrote them; a new kind of delta closes th
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -29,6 +29,9 @@ from trillm.entrypoints.openai.endpoints.chat_output import ChatAnswer
 from trillm.entrypoints.openai.endpoints.generation import Generation, raise_if_error
 from trillm.entrypoints.openai.http.errors import APIError, anthropic_error_body
 from trillm.outputs import CompletionOutput
+
+if TYPE_CHECKING:
+    from trillm.entrypoints.openai.endpoints.chat_parsing import ChoiceParser
 
 # The delta type of each block type's fragments, and the field that carries them.
 _DELTAS = {
@@ -95,7 +98,7 @@ class MessageStream:
             "usage": {"input_tokens": len(answer.prompt_ids), "output_tokens": 0},
         }
 
-    def _end(self, last: CompletionOutput | None, parser: Any) -> bytes:
+    def _end(self, last: CompletionOutput | None, parser: ChoiceParser | None) -> bytes:
         finish = None if last is None else last.finish_reason
         if parser is not None and finish is not None:
             finish = parser.finish_reason(finish)

@@ -19,6 +19,7 @@ from typing import Any
 
 from trillm.engine.preprocess import PreparedPrompt
 from trillm.entrypoints.openai.http.errors import BadRequestError
+from trillm.entrypoints.openai.schemas.protocol import SamplingRequest
 from trillm.sampling_params import BeamSearchParams, SamplingParamsError
 
 
@@ -66,7 +67,7 @@ _REFUSED: tuple[tuple[str, Callable[[Any], bool]], ...] = (
 )
 
 
-def check_beam_fields(req: Any) -> None:
+def check_beam_fields(req: SamplingRequest) -> None:
     """Beam search's own fields without it, or fields it cannot honour with it: a 400
     naming the field."""
     if not req.use_beam_search:
@@ -85,7 +86,7 @@ def check_beam_fields(req: Any) -> None:
             )
 
 
-def beam_params(req: Any, jobs: list[PreparedPrompt]) -> BeamSearchParams | None:
+def beam_params(req: SamplingRequest, jobs: list[PreparedPrompt]) -> BeamSearchParams | None:
     """The request's BeamSearchParams (None without ``use_beam_search``); each prompt's
     ``max_tokens`` as its preparation resolved it (the longest here, each kept per prompt by
     the search)."""

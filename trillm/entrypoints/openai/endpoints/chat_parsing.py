@@ -31,6 +31,8 @@ from trillm.parsers.tool_parsers import (
 from trillm.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from trillm.entrypoints.openai.endpoints.base import ServerState
+    from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest
     from trillm.tokenizer_protocol import Tokenizer
 
 
@@ -54,7 +56,7 @@ class ToolPlan:
         )
 
 
-def plan_tools(state: Any, req: Any) -> ToolPlan:
+def plan_tools(state: ServerState, req: ChatCompletionRequest) -> ToolPlan:
     """The request's tools and tool_choice as a plan, or a 400 naming what is wrong."""
     tools = normalize_tools(req.tools)
     choice = req.tool_choice
@@ -103,6 +105,7 @@ def plan_tools(state: Any, req: Any) -> ToolPlan:
             lambda: RequiredToolCallParser(tools),
             _constraint(schema),
         )
+    assert not isinstance(choice, str)  # each string choice was planned above
     name = choice.function.name
     if name not in names:
         raise BadRequestError(
@@ -130,7 +133,7 @@ def _constraint(schema: dict[str, Any], param: str = "tools") -> StructuredOutpu
         raise BadRequestError(f"The tool parameters: {exc}", param) from None
 
 
-def _refuse_other_constraints(req: Any) -> None:
+def _refuse_other_constraints(req: ChatCompletionRequest) -> None:
     fmt = req.response_format
     if req.structured_outputs is not None or (fmt is not None and fmt.type != "text"):
         raise BadRequestError(
@@ -151,7 +154,7 @@ def keeps_special_tokens(tokenizer: Tokenizer, tools: ToolPlan, reasoning: bool)
 
 
 def reasoning_factory(
-    state: Any, req: Any, prompt_text: str
+    state: ServerState, req: ChatCompletionRequest, prompt_text: str
 ) -> Callable[[], ReasoningParser] | None:
     if not state.reasoning_parser:
         return None

@@ -25,7 +25,11 @@ from trillm.entrypoints.openai.endpoints.admission import admit, admitted_tokens
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.budgets import split_prompts
 from trillm.entrypoints.openai.http.errors import BadRequestError
-from trillm.entrypoints.openai.schemas.pooling import EmbeddingRequest, PoolingRequest
+from trillm.entrypoints.openai.schemas.pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+)
 from trillm.outputs import pooling_params
 
 
@@ -97,7 +101,10 @@ def _encode(vec: np.ndarray, encoding_format: str) -> list[float] | str:
 
 
 async def run_inputs(
-    state: ServerState, req: Any, kind: str, run: Callable[[PreparedPrompt, str], Awaitable[Any]]
+    state: ServerState,
+    req: EmbeddingRequest | ClassificationRequest,
+    kind: str,
+    run: Callable[[PreparedPrompt, str], Awaitable[Any]],
 ) -> tuple[str, list[PreparedPrompt], list[Any]]:
     """A pooling request's inputs (``req.input``, ``req.truncate_prompt_tokens``), each one
     engine request, ``run(prepared, request_id)``, in its own task; all admitted together

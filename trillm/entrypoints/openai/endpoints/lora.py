@@ -34,6 +34,7 @@ from trillm.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from trillm.engine.async_engine import AsyncEngine
+    from trillm.entrypoints.cli.lora_flags import LoRAModulePath
 
 logger = logging.getLogger(__name__)
 
@@ -174,16 +175,18 @@ def unload_adapter(registry: LoRARegistry, engine: AsyncEngine, body: dict[str, 
 
 
 async def open_registry(
-    engine: AsyncEngine, base_model_name: str, opts: Any
+    engine: AsyncEngine,
+    base_model_name: str,
+    modules: list[LoRAModulePath],
+    allow_runtime_updating: bool,
+    allowed_root: str | None,
 ) -> LoRARegistry | None:
     """The server's adapters at startup (``--lora-modules``, each checked against the
     model: a bad one stops the server with its reason). None when LoRA is off."""
     if engine.config.lora is None:
         return None
-    registry = LoRARegistry(
-        base_model_name, opts.allow_runtime_lora_updating, opts.lora_allowed_root
-    )
-    for module in opts.lora_modules:
+    registry = LoRARegistry(base_model_name, allow_runtime_updating, allowed_root)
+    for module in modules:
         if module.name == base_model_name:
             raise ValueError(f"--lora-modules: {module.name!r} is the base model's name.")
         await registry.add(engine, module.name, module.path, module.base_model_name)

@@ -6,13 +6,17 @@ logprob cap, KV cache) is checked by the engine's preprocessor (``trillm/engine/
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from trillm.entrypoints.openai.endpoints.beam_search import check_beam_fields
 from trillm.entrypoints.openai.http.errors import BadRequestError
-from trillm.entrypoints.openai.schemas.protocol import MAX_STOP_STRING_LEN
+from trillm.entrypoints.openai.schemas.protocol import (
+    MAX_STOP_STRING_LEN,
+    ResponseFormat,
+    SamplingRequest,
+)
 from trillm.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -20,12 +24,20 @@ from trillm.sampling_params import (
     StructuredOutputsParams,
 )
 
+if TYPE_CHECKING:
+    from trillm.entrypoints.openai.endpoints.base import ServerState
+
 # generation_config.json keys that become request defaults (vLLM's list).
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def build_sampling_params(
-    state: Any, req: Any, *, max_tokens: int | None, logprobs: int | None, n: int | None = None
+    state: ServerState,
+    req: SamplingRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    n: int | None = None,
 ) -> SamplingParams:
     """The request's sampling fields with the model's generation_config as defaults;
     ``max_tokens`` None: resolved from the context by the preprocessor."""
@@ -77,7 +89,7 @@ def build_sampling_params(
         raise BadRequestError(str(exc), exc.param) from exc
 
 
-def _check_request(req: Any) -> None:
+def _check_request(req: SamplingRequest) -> None:
     """Request-level rules of both endpoints that no single field's range expresses."""
     if req.stream_options is not None and not req.stream:
         raise BadRequestError(
@@ -155,7 +167,7 @@ _GUIDED = (
 )
 
 
-def _structured_outputs(req: Any) -> StructuredOutputsParams | None:
+def _structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
     """``structured_outputs``, the ``guided_*`` aliases and ``response_format`` -> one
     ``StructuredOutputsParams`` (as vLLM, ``response_format`` fills ``structured_outputs``'
     kind, so the options there still apply). More than one kind is a 400 naming them."""
@@ -191,7 +203,7 @@ def _structured_outputs(req: Any) -> StructuredOutputsParams | None:
         raise BadRequestError(str(exc), name) from exc
 
 
-def _response_format_kind(fmt: Any) -> tuple[str, str, Any] | None:
+def _response_format_kind(fmt: ResponseFormat | None) -> tuple[str, str, Any] | None:
     """``response_format`` -> (param, kind, value), None for ``text``."""
     if fmt is None or fmt.type == "text":
         return None
@@ -219,7 +231,7 @@ def _response_format_kind(fmt: Any) -> tuple[str, str, Any] | None:
     return ("response_format.json_schema.schema", "json", fmt.json_schema.schema)
 
 
-def truncate_right(req: Any, ids: list[int], max_model_len: int) -> list[int] | None:
+def truncate_right(req: SamplingRequest, ids: list[int], max_model_len: int) -> list[int] | None:
     """vLLM's ``truncation_side``: "right" keeps the first ``truncate_prompt_tokens`` ids (then
     the engine's own truncation, from the left, keeps them all); None (vLLM's default) and
     "left" leave it to the engine, which keeps the last ones: None is returned."""

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from trillm.entrypoints.openai.metrics.sample_times import SampleTimes, sample_times
+
+if TYPE_CHECKING:
+    from trillm.outputs import RequestOutput
 
 LABELS = ["model_name", "engine"]
 
@@ -308,13 +311,13 @@ class RequestTimer:
         self.jobs: set[int] = set()  # prompts whose request_params are recorded
         # Told of each sample that ends on its own: its figures, last output and choice index
         # (a request's trace span, metrics/tracing.py).
-        self.on_end: Callable[[SampleTimes, Any, int], None] | None = None
+        self.on_end: Callable[[SampleTimes, RequestOutput, int], None] | None = None
 
-    def _series(self, out: Any) -> RequestSeries:
-        index = getattr(getattr(out, "metrics", None), "engine_index", 0)
+    def _series(self, out: RequestOutput) -> RequestSeries:
+        index = out.metrics.engine_index if out.metrics is not None else 0
         return self.per_engine[index if 0 <= index < len(self.per_engine) else 0]
 
-    def output(self, now: float, out: Any, job: int = 0) -> None:
+    def output(self, now: float, out: RequestOutput, job: int = 0) -> None:
         """A RequestOutput (one prompt's delta) read at ``now`` (``time.perf_counter``)."""
         m = self._series(out)
         if job not in self.jobs:
@@ -347,7 +350,9 @@ class RequestTimer:
         if self.params is not None:
             series.request_params(self.params[0], self.params[1])
 
-    def _end(self, now: float, s: Sample, reason: str, out: Any = None, index: int = 0) -> None:
+    def _end(
+        self, now: float, s: Sample, reason: str, out: RequestOutput | None = None, index: int = 0
+    ) -> None:
         m = s.series
         s.done = True
         self.ended += 1

@@ -3,9 +3,12 @@ carries them (``tracing.py``): computed once here so the two never disagree."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
+
+if TYPE_CHECKING:
+    from trillm.outputs import RequestOutput
 
 
 class SampleProgress(Protocol):
@@ -32,7 +35,9 @@ class SampleTimes:
     inference: float | None  # first scheduled to last token (engine clock)
 
 
-def sample_times(start: float, now: float, s: SampleProgress, out: Any) -> SampleTimes:
+def sample_times(
+    start: float, now: float, s: SampleProgress, out: RequestOutput | None
+) -> SampleTimes:
     """``s`` ended at ``now`` (``time.perf_counter``) in a request started at ``start``;
     ``out``: its last RequestOutput, whose ``metrics`` carry the engine's times (None: it
     never produced one)."""
@@ -40,8 +45,8 @@ def sample_times(start: float, now: float, s: SampleProgress, out: Any) -> Sampl
     if s.first is not None and s.last is not None:
         ttft = s.first - start
         decode = s.last - s.first
-    times = getattr(out, "metrics", None)
-    scheduled = getattr(times, "first_scheduled_time", None)
+    times = out.metrics if out is not None else None
+    scheduled = times.first_scheduled_time if times is not None else None
     if scheduled is not None and times is not None:
         queue = max(scheduled - times.arrival_time, 0.0)
         if times.first_token_time is not None:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
     from trillm.entrypoints.openai.metrics.sample_times import SampleTimes
+    from trillm.outputs import RequestOutput
     from trillm.sampling_params import SamplingParams
 
 logger = logging.getLogger("trillm.server")
@@ -172,7 +173,7 @@ class RequestTrace:
         self.parent = parent  # the remote caller's span, None: a root span
         self.attributes = attributes
 
-    def sample_ended(self, t: SampleTimes, out: Any, index: int) -> None:
+    def sample_ended(self, t: SampleTimes, out: RequestOutput, index: int) -> None:
         from opentelemetry.trace import SpanKind
 
         end = time.time_ns()
@@ -189,7 +190,7 @@ class RequestTrace:
         span.end(end_time=end)
 
 
-def _request_id(out: Any, index: int, attributes: dict[str, Any]) -> str:
+def _request_id(out: RequestOutput, index: int, attributes: dict[str, Any]) -> str:
     """The engine request's id; with n > 1 each sample's as vLLM names its child requests
     (``{index}_{parent id}``)."""
     if attributes.get(SpanAttributes.REQUEST_N, 1) > 1:

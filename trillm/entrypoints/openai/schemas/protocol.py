@@ -278,6 +278,10 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
 
 
+# A request that samples: what the sampling fields' checks and SamplingParams read.
+SamplingRequest = ChatCompletionRequest | CompletionRequest
+
+
 @attrs.define(kw_only=True)
 class TokenizeRequest:
     model: str | None = None
