@@ -125,6 +125,12 @@ cdef class Request:
     def num_cached_tokens(self):
         return self.num_cached_ if self.has_num_cached else None
 
+    @num_cached_tokens.setter
+    def num_cached_tokens(self, value):
+        # a KV connector's failed load sets it back to the tokens still valid
+        self.has_num_cached = value is not None
+        self.num_cached_ = 0 if value is None else value
+
     @property
     def block_hashes(self):
         return [_key_to_int(k) for k in self.hashes]

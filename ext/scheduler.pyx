@@ -374,7 +374,7 @@ cdef class Scheduler:
         cdef Request r
         cdef vector[int] computed
         cdef vector[int] new_blocks
-        cdef long long num_hit, n
+        cdef long long num_hit, num_external, n
         cdef Py_ssize_t head
         while (self.waiting.size() > 0 and plan.has_room()
                and <long long>self.running.size() < self.max_num_seqs):
@@ -383,11 +383,13 @@ cdef class Scheduler:
                 break  # only requests waiting for their grammar
             r = <Request>self.waiting[head]
             num_hit = kv._lookup(r, computed)
+            num_external = self._num_external_tokens(r, num_hit)
+            num_hit += num_external
             n = self._chunk_size(r, num_hit, <long long>r.tokens.size(), plan.budget)
-            if n <= 0 or not kv._can_allocate(r, n, computed):
+            if n <= 0 or not kv._can_allocate(r, num_external + n, computed):
                 self._unschedule_items(r)
                 break  # NOTE: strict queue order: nothing overtakes the head
-            kv._allocate(r, n, computed, True, new_blocks)
+            kv._allocate(r, num_external + n, computed, True, new_blocks)
             self.waiting.erase(self.waiting.begin() + head)
             r.num_computed_tokens = num_hit
             if not r.has_num_cached:
@@ -397,6 +399,11 @@ cdef class Scheduler:
             r.sent_to_worker = True
             self.running.push_back(<PyObject*>r)
             plan.add_new(r, n)
+
+    cpdef long long _num_external_tokens(self, Request r, long long num_hit) except? -1:
+        """Prompt tokens after the local hits a KV connector loads: none here; the connector
+        scheduler (trillm/kv_transfer/scheduler_side.py) overrides it, on either twin."""
+        return 0
 
     cdef void _unschedule_items(self, Request r) except *:
         """What _chunk_size took in the encoder cache for a request left out this step."""
@@ -496,7 +503,8 @@ cdef class Scheduler:
             if r is not None:
                 self._finish(r, reason)
 
-    cdef void _finish(self, Request r, reason) except *:
+    cpdef void _finish(self, Request r, object reason) except *:
+        # NOTE: cpdef: the connector scheduler extends it (the connector forgets the request)
         if r.status_ == ST_RUNNING:
             _remove(self.running, r)
         else:

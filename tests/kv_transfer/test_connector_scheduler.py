@@ -4,13 +4,19 @@ hands the worker, and the external prefix-cache counters; and that the engine pi
 
 from __future__ import annotations
 
-from scheduler_twin_helpers import ecr
+import pytest
+from scheduler_twin_helpers import IMPL_NAMES, ecr, get_impl
 
+from trillm._native import get_scheduler_cls
 from trillm.config import CacheConfig, SchedulerConfig
 from trillm.engine.engine_cores import make_scheduler
 from trillm.kv_transfer import storage
 from trillm.kv_transfer.config import parse_kv_transfer_config
-from trillm.kv_transfer.scheduler_side import ConnectorScheduler
+from trillm.kv_transfer.scheduler_side import (
+    ConnectorScheduler,
+    ConnectorSteps,
+    connector_scheduler_cls,
+)
 from trillm.kv_transfer.shared_storage import SharedStorageScheduler
 from trillm.kv_transfer.storage import Header, file_path, payload_digest, prefix_key, write_file
 from trillm.messages import ModelRunnerOutput
@@ -20,7 +26,13 @@ BLOCK = 4
 IDENTITY = "test-identity"
 
 
-def _scheduler(folder: str, role: str) -> ConnectorScheduler:
+@pytest.fixture(params=IMPL_NAMES)
+def impl(request):
+    """Each test runs on both scheduler twins, each with the connector's steps."""
+    return get_impl(request.param)
+
+
+def _scheduler(impl, folder: str, role: str, chunk: int = 0) -> ConnectorSteps:
     kv = parse_kv_transfer_config(
         {
             "kv_connector": "SharedStorageConnector",
@@ -30,8 +42,13 @@ def _scheduler(folder: str, role: str) -> ConnectorScheduler:
     )
     assert kv is not None
     connector = SharedStorageScheduler(kv, IDENTITY, BLOCK)
-    return ConnectorScheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128),
+    return connector_scheduler_cls(impl.Scheduler)(
+        SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            max_model_len=128,
+            long_prefill_token_threshold=chunk,
+        ),
         CacheConfig(block_size=BLOCK),
         32,
         connector,
@@ -48,8 +65,8 @@ def _store(folder: str, tokens: list[int], bytes_per_token: int = 8) -> None:
     write_file(file_path(folder, prefix_key(IDENTITY, tokens[:n], None, [])), header, payload)
 
 
-def test_a_stored_prompt_is_loaded_into_its_new_blocks_and_counted(tmp_path):
-    sched = _scheduler(str(tmp_path), "kv_consumer")
+def test_a_stored_prompt_is_loaded_into_its_new_blocks_and_counted(impl, tmp_path):
+    sched = _scheduler(impl, str(tmp_path), "kv_consumer")
     tokens = list(range(100, 111))  # 11 tokens: 8 stored (2 blocks), 3 computed
     _store(str(tmp_path), tokens)
     sched.add_request(ecr("a", tokens, 4))
@@ -65,8 +82,8 @@ def test_a_stored_prompt_is_loaded_into_its_new_blocks_and_counted(tmp_path):
     assert sched.get_request("a").num_cached_tokens == 8
 
 
-def test_a_local_prefix_hit_is_not_loaded_again(tmp_path):
-    sched = _scheduler(str(tmp_path), "kv_consumer")
+def test_a_local_prefix_hit_is_not_loaded_again(impl, tmp_path):
+    sched = _scheduler(impl, str(tmp_path), "kv_consumer")
     tokens = list(range(200, 213))  # 13 tokens: 12 stored (3 blocks)
     _store(str(tmp_path), tokens)
     sched.add_request(ecr("a", tokens[:9], 1))  # computes and caches the first 2 blocks here
@@ -82,11 +99,11 @@ def test_a_local_prefix_hit_is_not_loaded_again(tmp_path):
     assert sched.get_stats().external_prefix_cache_hits == 4
 
 
-def test_a_failed_load_goes_back_to_the_local_hit_and_is_computed(tmp_path):
+def test_a_failed_load_goes_back_to_the_local_hit_and_is_computed(impl, tmp_path):
     """kv_load_failure_policy "recompute": the worker reports the load failed (the step ran
     without the request); its computed count goes back to its local prefix hit, the next
     step computes the rest of its prompt, and its file is not asked for again."""
-    sched = _scheduler(str(tmp_path), "kv_consumer")
+    sched = _scheduler(impl, str(tmp_path), "kv_consumer")
     tokens = list(range(200, 213))  # 13 tokens: 12 stored (3 blocks)
     _store(str(tmp_path), tokens)
     sched.add_request(ecr("a", tokens[:9], 1))  # computes and caches the first 2 blocks here
@@ -108,9 +125,9 @@ def test_a_failed_load_goes_back_to_the_local_hit_and_is_computed(tmp_path):
     assert sched.num_kv_load_failures == 1
 
 
-def test_kv_both_saves_a_failed_load_once_computed(tmp_path):
+def test_kv_both_saves_a_failed_load_once_computed(impl, tmp_path):
     """Its file failed to load: once its prompt is computed, kv_both saves it over that file."""
-    sched = _scheduler(str(tmp_path), "kv_both")
+    sched = _scheduler(impl, str(tmp_path), "kv_both")
     tokens = list(range(900, 911))
     _store(str(tmp_path), tokens)
     sched.add_request(ecr("a", tokens, 2))
@@ -122,8 +139,8 @@ def test_kv_both_saves_a_failed_load_once_computed(tmp_path):
     assert (save.req_id, save.num_tokens) == ("a", 8)
 
 
-def test_a_missing_or_damaged_file_is_no_match(tmp_path):
-    sched = _scheduler(str(tmp_path), "kv_consumer")
+def test_a_missing_or_damaged_file_is_no_match(impl, tmp_path):
+    sched = _scheduler(impl, str(tmp_path), "kv_consumer")
     tokens = list(range(300, 311))
     _store(str(tmp_path), tokens)
     (name,) = [p for p in tmp_path.iterdir()]
@@ -136,10 +153,10 @@ def test_a_missing_or_damaged_file_is_no_match(tmp_path):
     assert sched.get_stats().external_prefix_cache_hits == 0
 
 
-def test_the_lookup_reads_the_header_alone(tmp_path, monkeypatch):
+def test_the_lookup_reads_the_header_alone(impl, tmp_path, monkeypatch):
     """The scheduler's lookup runs on the engine loop: one small read whatever the prompt's
     size, no payload read or hashed (the worker checks the digest where it loads)."""
-    sched = _scheduler(str(tmp_path), "kv_consumer")
+    sched = _scheduler(impl, str(tmp_path), "kv_consumer")
     tokens = list(range(800, 921))  # 120 tokens stored, 128 KiB each: 15 MiB of payload
     _store(str(tmp_path), tokens, bytes_per_token=1 << 17)
     (path,) = tmp_path.iterdir()
@@ -165,9 +182,8 @@ def test_the_lookup_reads_the_header_alone(tmp_path, monkeypatch):
     assert len(read) == 1 and read[0] <= storage.HEADER_READ_BYTES
 
 
-def test_a_producer_saves_each_prompt_once_when_its_last_chunk_is_scheduled(tmp_path):
-    sched = _scheduler(str(tmp_path), "kv_producer")
-    sched.long_prefill_token_threshold = 5
+def test_a_producer_saves_each_prompt_once_when_its_last_chunk_is_scheduled(impl, tmp_path):
+    sched = _scheduler(impl, str(tmp_path), "kv_producer", chunk=5)
     tokens = list(range(500, 510))  # 10 tokens: 8 stored; chunks of 5 and 5
     sched.add_request(ecr("a", tokens, 2))
     first = sched.schedule()
@@ -181,8 +197,8 @@ def test_a_producer_saves_each_prompt_once_when_its_last_chunk_is_scheduled(tmp_
     assert sched.schedule().kv_connector_step.saves == []  # decode steps save nothing
 
 
-def test_kv_both_saves_what_it_computed_and_not_what_it_loaded(tmp_path):
-    sched = _scheduler(str(tmp_path), "kv_both")
+def test_kv_both_saves_what_it_computed_and_not_what_it_loaded(impl, tmp_path):
+    sched = _scheduler(impl, str(tmp_path), "kv_both")
     stored, fresh = list(range(600, 611)), list(range(700, 711))
     _store(str(tmp_path), stored)
     sched.add_request(ecr("loaded", stored, 2))
@@ -192,11 +208,15 @@ def test_kv_both_saves_what_it_computed_and_not_what_it_loaded(tmp_path):
     assert [item.req_id for item in step.saves] == ["computed"]
 
 
-def test_the_engine_runs_the_connector_scheduler_when_configured(tmp_path):
+def test_the_engine_runs_the_connector_scheduler_when_configured(tmp_path, monkeypatch):
     config = make_fake_config()
     config.kv_transfer = parse_kv_transfer_config(
         {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}
     )
+    sched = make_scheduler(config, 16)
+    # on the native twin when it is built (the default), else on the Python one
+    assert isinstance(sched, ConnectorSteps) and isinstance(sched, get_scheduler_cls())
+    monkeypatch.setenv("TRILLM_NO_EXTENSIONS", "1")
     assert isinstance(make_scheduler(config, 16), ConnectorScheduler)
     config.kv_transfer = None
-    assert not isinstance(make_scheduler(config, 16), ConnectorScheduler)
+    assert not isinstance(make_scheduler(config, 16), ConnectorSteps)

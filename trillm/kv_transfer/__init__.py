@@ -4,7 +4,7 @@
 (the scheduler's, in the engine core; the worker's, beside the paged KV cache);
 ``storage.py`` is the file format of the shared-storage connector, whose two sides are in
 ``shared_storage.py``, whose producer bounds the folder's bytes (``disk_budget.py``);
-``scheduler_side.py`` is the Python scheduler that asks a connector
+``scheduler_side.py`` extends either scheduler twin to ask a connector
 for a waiting request's external tokens. ``trillm/entrypoints/disagg_proxy.py`` puts a
 prefill (kv_producer) and a decode (kv_consumer) instance behind one address.
 """

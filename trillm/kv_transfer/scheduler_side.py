@@ -1,13 +1,17 @@
-"""The scheduler with a KV connector: the Python twin (``core/scheduler.py``) asking the
-connector's scheduler side (``base.KVConnectorScheduler``) for a waiting request's external
-tokens. The native scheduler has no such hook yet: an engine with ``--kv-transfer-config``
-runs this one (``engine_cores.make_scheduler`` says so in its log)."""
+"""The scheduler with a KV connector: either scheduler twin (the native one when built and
+enabled, else ``core/scheduler.py``) asking the connector's scheduler side
+(``base.KVConnectorScheduler``) for a waiting request's external tokens. ``ConnectorSteps``
+holds the connector's part once, for both twins: their admission calls
+``_num_external_tokens`` and their finish ``_finish``, which it extends (the native twin
+declares both ``cpdef`` so that a Python subclass can)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
+from trillm._native import get_scheduler_cls
 from trillm.config import CacheConfig, SchedulerConfig, TrillmConfig
 from trillm.core.request import Request
 from trillm.core.scheduler import Scheduler
@@ -19,7 +23,15 @@ from trillm.messages import FinishReason, SchedulerOutput, SchedulerStats
 logger = logging.getLogger(__name__)
 
 
-class ConnectorScheduler(Scheduler):
+if TYPE_CHECKING:
+    _SchedulerTwin = Scheduler
+else:
+    _SchedulerTwin = object  # NOTE: a mixin: the twin it extends follows it in the MRO
+
+
+class ConnectorSteps(_SchedulerTwin):
+    """A KV connector's part of the scheduler, on either twin (``connector_scheduler_cls``)."""
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -77,9 +89,26 @@ class ConnectorScheduler(Scheduler):
         return stats
 
 
-def connector_scheduler(config: TrillmConfig, num_blocks: int) -> ConnectorScheduler:
+class ConnectorScheduler(ConnectorSteps, Scheduler):
+    """The Python twin with a KV connector."""
+
+
+def connector_scheduler_cls(twin: type[Scheduler]) -> type[ConnectorSteps]:
+    """``twin`` (``get_scheduler_cls()``: the native scheduler when built and enabled, else
+    the Python one) with the connector's steps."""
+    if twin is Scheduler:
+        return ConnectorScheduler
+
+    class NativeConnectorScheduler(ConnectorSteps, twin):  # type: ignore[valid-type,misc]
+        """The native twin with a KV connector."""
+
+    return NativeConnectorScheduler
+
+
+def connector_scheduler(config: TrillmConfig, num_blocks: int) -> ConnectorSteps:
     kv = config.kv_transfer
     assert kv is not None  # the caller checked
-    logger.info("KV connector: the Python scheduler runs (the native one has no connector hook)")
+    cls = connector_scheduler_cls(get_scheduler_cls())
+    logger.info("KV connector: the %s scheduler runs", cls.__name__)
     connector = SharedStorageScheduler(kv, cache_identity(config), config.cache.block_size)
-    return ConnectorScheduler(config.scheduler, config.cache, num_blocks, connector)
+    return cls(config.scheduler, config.cache, num_blocks, connector)
