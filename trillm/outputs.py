@@ -161,6 +161,7 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+    metrics: RequestMetrics | None = None  # the engine's times of it (/metrics, traces)
 
 
 @dataclass(slots=True)
@@ -180,6 +181,7 @@ class ClassificationRequestOutput:
     prompt_token_ids: list[int]
     outputs: ClassificationOutput
     finished: bool = True
+    metrics: RequestMetrics | None = None  # the engine's times of it (/metrics, traces)
 
 
 @dataclass(slots=True)

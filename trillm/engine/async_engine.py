@@ -308,7 +308,10 @@ class AsyncEngine(EngineControl):
         """A sequence classifier's class probabilities for one prompt (vLLM's ``classify``)."""
         out = await pool(self, prompt, request_id, truncate_prompt_tokens, priority, "classify")
         return ClassificationRequestOutput(
-            out.request_id, out.prompt_token_ids, ClassificationOutput(out.outputs.embedding)
+            out.request_id,
+            out.prompt_token_ids,
+            ClassificationOutput(out.outputs.embedding),
+            metrics=out.metrics,
         )
 
     async def check_lora(self, lora: LoRARequest) -> None:

@@ -84,5 +84,8 @@ async def pool(
         raise RequestFailedError(f"Pooling request {request_id} ended without its vector.")
     vector = np.frombuffer(final.pooled, dtype=np.float32).tolist()
     return PoolingRequestOutput(
-        final.request_id, list(prepared.prompt_token_ids), EmbeddingOutput(vector)
+        final.request_id,
+        list(prepared.prompt_token_ids),
+        EmbeddingOutput(vector),
+        metrics=final.metrics,
     )

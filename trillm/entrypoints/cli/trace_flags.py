@@ -1,13 +1,20 @@
 """vLLM's tracing flags on ``trillm serve``: ``--otlp-traces-endpoint`` honoured (one OpenTelemetry
 span per request, ``entrypoints/openai/metrics/tracing.py``); ``--collect-detailed-traces``
-refused by name, since the per-request model forward / execute times it asks for are not
-measured (vLLM's v1 engine accepts it and records none of them either)."""
+refused, naming the span attribute each value asks for. vLLM's V0 engine added them to its
+span: ``model`` the request's model forward time, ``worker`` its time in the worker's execute
+call, each summed over the steps that ran it, ``all`` both; trillm measures neither per
+request, and vLLM's v1 engine accepts the flag and records neither either (accepting it here
+would be a flag that does nothing)."""
 
 from __future__ import annotations
 
 import argparse
 
 DETAILED_TRACE_MODULES = ("model", "worker", "all")
+FORWARD = "gen_ai.latency.time_in_model_forward"
+EXECUTE = "gen_ai.latency.time_in_model_execute"
+# value -> the span attributes vLLM (V0) added for it
+DETAILED_ATTRIBUTES = {"model": (FORWARD,), "worker": (EXECUTE,), "all": (FORWARD, EXECUTE)}
 
 
 def _modules(value: str) -> list[str]:
@@ -36,7 +43,8 @@ def add_trace_flags(p: argparse.ArgumentParser) -> None:
         nargs="+",
         type=_modules,
         metavar="{model,worker,all}",
-        help="Refused: per-request model forward / execute times are not collected.",
+        help="Refused: the per-request model forward (model) / execute (worker) times these "
+        "add to spans are not measured.",
     )
 
 
@@ -46,13 +54,24 @@ def check_trace_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
     from trillm.entrypoints.openai.metrics.tracing import check_tracing
 
     if args.collect_detailed_traces is not None:
-        parser.error(
-            "argument --collect-detailed-traces: per-request model forward / execute times "
-            "(gen_ai.latency.time_in_model_forward / _execute) are not collected yet; "
-            "--otlp-traces-endpoint's spans carry the queue, prefill, decode and inference times."
-        )
+        parser.error(_detailed_traces_refusal(args))
     if args.otlp_traces_endpoint is not None:
         try:
             check_tracing(args.otlp_traces_endpoint)
         except ValueError as exc:
             parser.error(str(exc))
+
+
+def _detailed_traces_refusal(args: argparse.Namespace) -> str:
+    """Why ``--collect-detailed-traces`` stops the start: vLLM's own rule first (it needs an
+    endpoint), then what its values ask for."""
+    if args.otlp_traces_endpoint is None:
+        return "argument --collect-detailed-traces: requires --otlp-traces-endpoint to be set."
+    values = list(dict.fromkeys(m for group in args.collect_detailed_traces for m in group))
+    asked = list(dict.fromkeys(a for m in values for a in DETAILED_ATTRIBUTES[m]))
+    return (
+        f"argument --collect-detailed-traces: {','.join(values)} asks each span for "
+        f"{' and '.join(asked)} (the request's time in the model's forward / the worker's "
+        "execute call, summed over its steps), which trillm does not measure; "
+        "--otlp-traces-endpoint's spans carry the queue, prefill, decode and inference times."
+    )

@@ -127,10 +127,14 @@ async def run_prepared(
     ids = [f"{request_id}-{i}" for i in range(len(prepared))]
     admission = admit(state, ids, 1, [admitted_tokens(p) for p in prepared])
     results: list[Any] = [None] * len(prepared)
+    # /metrics and, with --otlp-traces-endpoint, a span per input (metrics/pooling.py).
+    trace = None if state.tracing is None else state.tracing.request(None, state.model_name)
+    timer = state.metrics.pooling_timer(len(prepared), trace)
 
     async def one(i: int) -> None:
         try:
             results[i] = await run(prepared[i], ids[i])
+            timer.pooled(i, results[i])
         finally:
             admission.release(ids[i])
 
@@ -140,6 +144,7 @@ async def run_prepared(
                 nursery.start_soon(one, i)
     finally:
         admission.release_all()  # inputs never started
+        timer.close()
     return results
 
 

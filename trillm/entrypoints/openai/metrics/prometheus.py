@@ -44,6 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from trillm.entrypoints.openai.metrics.pooling import PoolingTimer
 from trillm.entrypoints.openai.metrics.requests import (
     LABELS,
     Hist,
@@ -56,6 +57,7 @@ from trillm.entrypoints.openai.metrics.requests import (
 
 if TYPE_CHECKING:
     from trillm.engine.async_engine import AsyncEngine
+    from trillm.entrypoints.openai.metrics.tracing import RequestTrace
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIXES = {"both": ("vllm:", "trillm:"), "vllm": ("vllm:",), "trillm": ("trillm:",)}
@@ -335,6 +337,11 @@ class ServerMetrics:
         """A RequestTimer for one HTTP request started at ``start`` (``time.perf_counter``);
         ``params``: its (n, max_tokens, prompts) for request_params_*."""
         return RequestTimer(self.per_engine, start, params)
+
+    def pooling_timer(self, inputs: int, trace: RequestTrace | None) -> PoolingTimer:
+        """A PoolingTimer for one pooling request of ``inputs`` engine requests, started now;
+        ``trace``: its span maker (--otlp-traces-endpoint), else None."""
+        return PoolingTimer(self.per_engine, inputs, trace)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

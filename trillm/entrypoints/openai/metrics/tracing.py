@@ -129,7 +129,7 @@ class RequestTracing:
             "OpenTelemetry: request spans to %s (%s).", endpoint, exporter_protocol(endpoint)
         )
 
-    def request(self, params: SamplingParams, model: str) -> RequestTrace:
+    def request(self, params: SamplingParams | None, model: str) -> RequestTrace:
         """The trace of the HTTP request being handled: its parent from the request's
         ``traceparent`` / ``tracestate`` headers (none outside a request, e.g. a batch file)."""
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -148,7 +148,7 @@ class RequestTracing:
             await trio.to_thread.run_sync(self.provider.shutdown, abandon_on_cancel=True)
 
 
-def _request_attributes(params: SamplingParams, model: str) -> dict[str, Any]:
+def _request_attributes(params: SamplingParams | None, model: str) -> dict[str, Any]:
     """The request's own attributes; as vLLM, a parameter that is 0 / unset is left out."""
     attrs: dict[str, Any] = {SpanAttributes.RESPONSE_MODEL: model}
     for name, value in (
