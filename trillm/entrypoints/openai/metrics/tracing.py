@@ -131,7 +131,8 @@ class RequestTracing:
 
     def request(self, params: SamplingParams | None, model: str) -> RequestTrace:
         """The trace of the HTTP request being handled: its parent from the request's
-        ``traceparent`` / ``tracestate`` headers (none outside a request, e.g. a batch file)."""
+        ``traceparent`` / ``tracestate`` headers (none outside a request, e.g. a batch file);
+        ``params`` None: a pooling request's (no sampling attributes, as vLLM's)."""
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         from quart import has_request_context, request
 
@@ -151,6 +152,8 @@ class RequestTracing:
 def _request_attributes(params: SamplingParams | None, model: str) -> dict[str, Any]:
     """The request's own attributes; as vLLM, a parameter that is 0 / unset is left out."""
     attrs: dict[str, Any] = {SpanAttributes.RESPONSE_MODEL: model}
+    if params is None:
+        return attrs
     for name, value in (
         (SpanAttributes.REQUEST_TOP_P, params.top_p),
         (SpanAttributes.REQUEST_MAX_TOKENS, params.max_tokens),
