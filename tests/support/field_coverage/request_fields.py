@@ -265,6 +265,9 @@ _NESTED = {
     "TokenizeRequest.continue_final_message": ids(TOKENIZE),
     "TokenizeRequest.chat_template_kwargs": ids(FEC + "test_server_chat_template_and_its_kwargs"),
     "TokenizeRequest.return_token_strs": ids(TOKENIZE),
+    "TokenizeRequest.tools": ids(
+        "tests/entrypoints/test_tokenize_tools.py::test_tokenize_renders_the_tools"
+    ),
     "TokenizeRequest.mm_processor_kwargs": ids(
         LLAVA_HTTP + "test_tokenize_gives_the_expanded_prompt"
     ),

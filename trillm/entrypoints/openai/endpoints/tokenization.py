@@ -16,7 +16,7 @@ from typing import Any
 import trio
 
 from trillm.engine.chat_media import multi_modal_data
-from trillm.engine.chat_template import ChatTemplateError
+from trillm.engine.chat_template import ChatTemplateError, normalize_tools
 from trillm.engine.multimodal import processor_text
 from trillm.engine.preprocess import InvalidRequestError
 from trillm.engine.text_tokenizer import INLINE_TOKENIZE_CHARS
@@ -85,6 +85,7 @@ async def _render(state: ServerState, req: TokenizeRequest, messages: list[ChatM
         add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
         continue_final_message=req.continue_final_message,
         chat_template_kwargs=req.chat_template_kwargs,
+        tools=normalize_tools(req.tools),  # as chat renders them (vLLM's /tokenize does too)
     )
     try:
         if _chat_size(messages) < INLINE_TOKENIZE_CHARS:

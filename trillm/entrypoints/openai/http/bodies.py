@@ -4,6 +4,7 @@ it, so that neither calls back into the other to read or answer a body."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -32,7 +33,17 @@ async def json_body() -> Any:
 
 
 def json_response(body: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status, content_type="application/json")
+    return Response(json_bytes(body), status, content_type="application/json")
+
+
+def json_bytes(body: Any) -> bytes:
+    """``body`` as JSON. orjson writes integers only up to 64 bits; beyond that (a tokenizer's
+    model_max_length of 10**30, as transformers stores "no limit") Python's json writes any
+    integer, as vLLM's answers do."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def result_response(result: Any) -> Response:

@@ -294,6 +294,7 @@ class TokenizeRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # the image processor's (vLLM's)
     return_token_strs: bool = False
+    tools: list[ChatTool] | None = _f(None, max_len=1024)  # rendered by the chat template
 
 
 @attrs.define(kw_only=True)

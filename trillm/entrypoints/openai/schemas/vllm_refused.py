@@ -175,11 +175,7 @@ REFUSED: dict[str, dict[str, Refusal]] = {
             "renders with the server's",
             "chat_template",
         ),
-        **_group(
-            "tools and response formats are not rendered by /tokenize",
-            "tools",
-            "response_format",
-        ),
+        **_group("response formats are not rendered by /tokenize", "response_format"),
     },
 }
 
