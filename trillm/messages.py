@@ -154,6 +154,9 @@ class KVTransferItem:
     block_ids: list[int]
     num_tokens: int
     first_block: int = 0
+    # The KV offload tier (kv_transfer/offload.py) only: its block of each of block_ids
+    # (a load reads them into block_ids, a save writes block_ids to them); key is unused.
+    offload_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -258,6 +261,10 @@ class SchedulerStats:
     # Prompt tokens a KV connector was asked for / loaded (cumulative; vLLM's names)
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # vLLM's prompt_tokens_by_source: source -> prompt tokens (cumulative, once per request):
+    # "local_compute", "local_cache_hit", "external_kv_transfer" (a KV connector or the KV
+    # offload tier loaded them). Empty: not counted (an engine without a KV connector).
+    prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0  # cumulative
     spec_decoding: SpecDecodingStats | None = None  # None: no speculative decoding
     # With --enable-lora: adapter name -> its requests running / waiting (held for a free

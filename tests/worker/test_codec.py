@@ -68,7 +68,13 @@ def sampling_params(draw) -> SamplingParams:
 
 kv_items = st.lists(
     st.builds(
-        KVTransferItem, req_id, st.text(max_size=40), ids, st.integers(0, 10**6), st.integers(0, 64)
+        KVTransferItem,
+        req_id,
+        st.text(max_size=40),
+        ids,
+        st.integers(0, 10**6),
+        st.integers(0, 64),
+        ids,  # offload_blocks (the KV offload tier's)
     ),
     max_size=3,
 )

@@ -273,6 +273,10 @@ class EngineArgs:
         value="json_object",
         metavar="JSON",
     )
+    kv_offloading_size: float | None = flag(None, "GiB of KV offload tier, LRU (default: none).")
+    kv_offloading_backend: Literal["native", "lmcache"] = flag(
+        "native", "native: host memory beside the KV cache (default); lmcache: refused."
+    )
     # vLLM's JSON shape: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b} (a dict, or that JSON as a string).
     speculative_config: dict[str, Any] | str | None = flag(

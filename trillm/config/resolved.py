@@ -12,6 +12,7 @@ from trillm.config.pooling import PoolerConfig
 from trillm.config.structured_outputs import StructuredOutputsConfig
 from trillm.config.values import DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_KV_CACHE_MEMORY
 from trillm.kv_transfer.config import KVTransferConfig
+from trillm.kv_transfer.offload_config import KVOffloadConfig
 from trillm.spec_decode.config import SpeculativeConfig
 
 
@@ -158,3 +159,5 @@ class TrillmConfig:
     logits_processors: list[LogitsProcessorSpec] = field(default_factory=list)
     # --kv-transfer-config: the KV connector (trillm/kv_transfer/); None: none
     kv_transfer: KVTransferConfig | None = None
+    # --kv-offloading-size: the KV offload tier (trillm/kv_transfer/offload*.py); None: none
+    kv_offload: KVOffloadConfig | None = None

@@ -24,6 +24,7 @@ from trillm.config.multimodal import resolve_limits
 from trillm.config.structured_outputs import parse_structured_outputs_config
 from trillm.engine.tokenizer_loader import load_tokenizer
 from trillm.kv_transfer.engine_fit import resolve_kv_transfer
+from trillm.kv_transfer.offload_fit import resolve_kv_offload
 from trillm.model_executor import deepseek_config, hybrid_ssm, llama4_config, transformers_numerics
 from trillm.spec_decode.config import parse_speculative_config
 
@@ -165,6 +166,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         chat_template_content_format=args.chat_template_content_format,
         logits_processors=_logits_processors(args, pooler, speculative),
         kv_transfer=resolve_kv_transfer(args, model_config, pooler, speculative, hybrid, longrope),
+        kv_offload=resolve_kv_offload(args, model_config, pooler, speculative, hybrid, longrope),
     )
 
 

@@ -214,7 +214,7 @@ def make_scheduler(config: TrillmConfig, num_blocks: int) -> Scheduler:
     from trillm.core.encoder_cache import encoder_cache_for
     from trillm.core.mm_spans import check_budget, whole_span_tokens
 
-    if config.kv_transfer is not None:
+    if config.kv_transfer is not None or config.kv_offload is not None:
         from trillm.kv_transfer.scheduler_side import connector_scheduler
 
         scheduler: Scheduler = connector_scheduler(config, num_blocks)

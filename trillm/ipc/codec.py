@@ -147,7 +147,9 @@ def _enc_sched(s: SchedulerOutput) -> list[Any]:
 
 
 def _enc_kv(items: list[KVTransferItem]) -> list[Any]:
-    return [[i.req_id, i.key, i.block_ids, i.num_tokens, i.first_block] for i in items]
+    return [
+        [i.req_id, i.key, i.block_ids, i.num_tokens, i.first_block, i.offload_blocks] for i in items
+    ]
 
 
 def _dec_kv(v: list[Any] | None) -> KVConnectorStep | None:

@@ -23,7 +23,30 @@ def resolve_kv_transfer(
     config = parse_kv_transfer_config(args.kv_transfer_config)
     if config is None:
         return None
-    unsupported = {
+    unsupported = unsupported_with_connector(args, model, pooler, speculative, hybrid, longrope)
+    for name, used in unsupported.items():
+        if used:
+            raise ValueError(f"kv_transfer_config ({SHARED_STORAGE}) with {name}: not implemented.")
+    logger.info(
+        "KV connector %s (%s) on %s",
+        config.kv_connector,
+        config.kv_role,
+        config.shared_storage_path,
+    )
+    return config
+
+
+def unsupported_with_connector(
+    args: EngineArgs,
+    model: ModelConfig,
+    pooler: Any,
+    speculative: Any,
+    hybrid: bool,
+    longrope: bool,
+) -> dict[str, bool]:
+    """What a connector's stored blocks do not carry yet -> whether this engine uses it
+    (the KV offload tier refuses the same, ``offload_config.py``)."""
+    return {
         # a rank or stage would need its own share of the file
         "tensor_parallel_size > 1": args.tensor_parallel_size > 1,
         "pipeline_parallel_size > 1": args.pipeline_parallel_size > 1,
@@ -35,13 +58,3 @@ def resolve_kv_transfer(
         "a pooling model": pooler is not None,
         "speculative decoding (the draft's KV cache)": speculative is not None,
     }
-    for name, used in unsupported.items():
-        if used:
-            raise ValueError(f"kv_transfer_config ({SHARED_STORAGE}) with {name}: not implemented.")
-    logger.info(
-        "KV connector %s (%s) on %s",
-        config.kv_connector,
-        config.kv_role,
-        config.shared_storage_path,
-    )
-    return config

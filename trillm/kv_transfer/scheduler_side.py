@@ -16,11 +16,15 @@ from trillm.config import CacheConfig, SchedulerConfig, TrillmConfig
 from trillm.core.request import Request
 from trillm.core.scheduler import Scheduler
 from trillm.kv_transfer.base import KVConnectorScheduler
+from trillm.kv_transfer.offload import OffloadScheduler
 from trillm.kv_transfer.shared_storage import SharedStorageScheduler
 from trillm.kv_transfer.storage import cache_identity
 from trillm.messages import FinishReason, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+# vLLM's vllm:prompt_tokens_by_source labels
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 if TYPE_CHECKING:
@@ -42,18 +46,38 @@ class ConnectorSteps(_SchedulerTwin):
         super().__init__(scheduler_config, cache_config, num_blocks)
         self.kv_connector = connector
         self.num_kv_load_failures = 0  # requests recomputed after a failed load (logged)
+        self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # vLLM's counter
+        self._lookup: dict[str, tuple[int, int]] = {}  # req_id -> (local hit, external)
+        self._external: dict[str, int] = {}  # req_id -> its tokens counted as loaded
 
     def _num_external_tokens(self, request: Request, num_hit: int) -> int:
-        return self.kv_connector.get_num_new_matched_tokens(request, num_hit)
+        num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit)
+        self._lookup[request.request_id] = (num_hit, num_external)
+        return num_external
 
     def schedule(self, busy: Collection[str] = (), max_reqs: int = 0) -> SchedulerOutput:
         out = super().schedule(busy, max_reqs)
         for new in out.scheduled_new_reqs:
-            self.kv_connector.update_state_after_alloc(self.requests[new.req_id], new.block_ids)
+            request = self.requests[new.req_id]
+            self.kv_connector.update_state_after_alloc(request, new.block_ids)
+            self._count_prompt_sources(request)
+        self._lookup.clear()
         out.kv_connector_step = self.kv_connector.build_connector_meta(
             out, self.requests.__getitem__, self.kv_cache_manager.get_block_ids
         )
         return out
+
+    def _count_prompt_sources(self, request: Request) -> None:
+        """A request's prompt tokens by source, at its first admission (vLLM counts each
+        request once; a preempted one admitted again is not counted again)."""
+        local, external = self._lookup.get(request.request_id, (0, 0))
+        if request.request_id in self._external:
+            return
+        self._external[request.request_id] = external
+        counts = self.prompt_tokens_by_source
+        counts["local_cache_hit"] += local
+        counts["external_kv_transfer"] += external
+        counts["local_compute"] += request.num_prompt_tokens - local - external
 
     def recompute_failed_loads(self, failed: dict[str, str]) -> None:
         """vLLM's kv_load_failure_policy "recompute": a request whose load failed in the
@@ -76,16 +100,22 @@ class ConnectorSteps(_SchedulerTwin):
             )
             request.num_computed_tokens = valid
             request.num_cached_tokens = valid
+            external = self._external.get(req_id, 0)  # computed after all
+            self._external[req_id] = 0
+            self.prompt_tokens_by_source["external_kv_transfer"] -= external
+            self.prompt_tokens_by_source["local_compute"] += external
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         super()._finish(request, reason)
         self.kv_connector.request_finished(request.request_id)
+        self._external.pop(request.request_id, None)
 
     def get_stats(self) -> SchedulerStats:
         stats = super().get_stats()
         queries, hits = self.kv_connector.prefix_cache_stats()
         stats.external_prefix_cache_queries = queries
         stats.external_prefix_cache_hits = hits
+        stats.prompt_tokens_by_source = dict(self.prompt_tokens_by_source)
         return stats
 
 
@@ -110,5 +140,11 @@ def connector_scheduler(config: TrillmConfig, num_blocks: int) -> ConnectorSteps
     assert kv is not None  # the caller checked
     cls = connector_scheduler_cls(get_scheduler_cls())
     logger.info("KV connector: the %s scheduler runs", cls.__name__)
-    connector = SharedStorageScheduler(kv, cache_identity(config), config.cache.block_size)
+    kv, offload = config.kv_transfer, config.kv_offload
+    connector: KVConnectorScheduler
+    if offload is not None:  # --kv-offloading-size (refused with --kv-transfer-config)
+        connector = OffloadScheduler(offload.num_blocks, config.cache.block_size)
+    else:
+        assert kv is not None  # the caller checked
+        connector = SharedStorageScheduler(kv, cache_identity(config), config.cache.block_size)
     return cls(config.scheduler, config.cache, num_blocks, connector)

@@ -41,7 +41,7 @@ from trillm.distributed.pipeline import IntermediateTensors, get_pp_group
 from trillm.distributed.sharding import RankShapes
 from trillm.distributed.worker import join_tensor_parallel, leave_tensor_parallel, place_rank
 from trillm.errors import CollectiveTimeoutError
-from trillm.kv_transfer.shared_storage import worker_connector
+from trillm.kv_transfer.worker_side import worker_connector
 from trillm.lora.manager import LoRAManager
 from trillm.lora.request import LoRARequest
 from trillm.messages import ModelRunnerOutput, SchedulerOutput

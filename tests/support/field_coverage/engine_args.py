@@ -42,6 +42,7 @@ from field_coverage.ids import (
 )
 
 MM_CACHE = "tests/models/test_mm_processor_cache.py::"
+OFFLOAD = "tests/kv_transfer/test_kv_offload.py::"
 MM_METRICS = "tests/entrypoints/test_mm_cache_metrics.py::"
 
 ENGINE: dict[str, tuple[str, ...]] = {
@@ -106,6 +107,15 @@ ENGINE: dict[str, tuple[str, ...]] = {
     ),
     "kv_cache_memory": ids(
         CONFIG, FEE + "test_too_few_kv_blocks_for_the_context_are_refused_at_startup"
+    ),
+    "kv_offloading_size": ids(
+        OFFLOAD + "test_an_evicted_prefix_loads_from_the_tier_and_matches",
+        OFFLOAD + "test_a_preempted_request_loads_its_blocks_from_the_tier",
+        OFFLOAD + "test_what_the_tier_cannot_take_is_refused_by_name",
+    ),
+    "kv_offloading_backend": ids(
+        OFFLOAD + "test_the_flags_reach_the_engine_args",
+        OFFLOAD + "test_what_the_tier_cannot_take_is_refused_by_name",
     ),
     "gpu_memory_utilization": ids(FEE + "test_gpu_memory_utilization_sizes_the_cuda_kv_budget"),
     "num_gpu_blocks_override": ids(

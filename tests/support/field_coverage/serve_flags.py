@@ -292,6 +292,8 @@ _ENGINE_FLAG_FIELDS = {
     "--scheduling-policy": "scheduling_policy",
     "--tensor-parallel-size": "tensor_parallel_size",
     "--kv-cache-memory": "kv_cache_memory",
+    "--kv-offloading-size": "kv_offloading_size",
+    "--kv-offloading-backend": "kv_offloading_backend",
     "--data-parallel-size": "data_parallel_size",
     "--pipeline-parallel-size": "pipeline_parallel_size",
     "--gpu-memory-utilization": "gpu_memory_utilization",

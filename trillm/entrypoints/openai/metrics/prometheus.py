@@ -122,6 +122,8 @@ class _SchedulerCollector(Collector):
             ),
         )
         yield from _stat_families(CounterMetricFamily, counters, list(zip(labels, per_engine)))
+        if any(s.prompt_tokens_by_source for s in per_engine):
+            yield prompt_tokens_by_source(list(zip(labels, per_engine)))
         yield from _mm_cache_families(self.engine, labels[0])
         specs = [
             (values, s.spec_decoding)
@@ -193,6 +195,20 @@ def waiting_by_reason(per_engine: list[tuple[list[str], Any]]) -> Metric:
         deferred = stats.num_deferred_waiting_reqs
         fam.add_metric([*values, "capacity"], float(stats.num_waiting_reqs - deferred))
         fam.add_metric([*values, "deferred"], float(deferred))
+    return fam
+
+
+def prompt_tokens_by_source(per_engine: list[tuple[list[str], Any]]) -> Metric:
+    """vLLM's vllm:prompt_tokens_by_source: each request's prompt tokens once, as computed
+    here, found in the local prefix cache, or loaded by the KV connector (the offload tier)."""
+    fam = CounterMetricFamily(
+        "vllm:prompt_tokens_by_source",
+        "Number of prompt tokens by source.",
+        labels=[*LABELS, "source"],
+    )
+    for values, stats in per_engine:
+        for source, count in stats.prompt_tokens_by_source.items():
+            fam.add_metric([*values, source], float(count))
     return fam
 
 
