@@ -79,6 +79,12 @@ class PackedWeight:
             self.data.data_ptr(),
         )
 
+    def unpack(self) -> torch.Tensor:  # [N, K] fp32, a new tensor
+        """The weight back from its panels, exactly (for torch's GEMM off the kernel's path)."""
+        panel = _require().PANEL
+        panels = self.data.view(-1, self.in_features, panel)  # [P, K, 16]
+        return panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].clone()
+
 
 def linear(
     x: torch.Tensor,  # [..., K] fp32 CPU
@@ -190,6 +196,7 @@ class PackedWeightBf16:
                 "PackedWeightBf16 needs a 2-D bf16 CPU weight, contiguous in its last dim."
             )
         self.out_features, self.in_features = weight.shape
+        self.panel: int = ext.PANEL  # output columns a panel
         size = ext.packed_size(self.out_features, self.in_features)
         self.data = torch.empty(size, dtype=torch.bfloat16)
         ext.pack(
@@ -199,6 +206,14 @@ class PackedWeightBf16:
             weight.stride(0),
             self.data.data_ptr(),
         )
+
+    def unpack(self) -> torch.Tensor:  # [N, K] bf16, a new tensor
+        """The weight back from its panels of k-pairs, exactly (``pack``'s layout: panel p is
+        [ceil(K / 2)][64][2], the padding dropped)."""
+        pairs = (self.in_features + 1) // 2
+        panels = self.data.view(-1, pairs, self.panel, 2).permute(0, 2, 1, 3)  # [P, 64, K/2, 2]
+        rows = panels.reshape(-1, 2 * pairs)  # [P * 64, K rounded up to even]
+        return rows[: self.out_features, : self.in_features].clone()
 
 
 _BF16_IO = (torch.float32, torch.bfloat16)

@@ -82,6 +82,11 @@ class Packed16:
             self.data.data_ptr(),
         )
 
+    def unpack(self) -> torch.Tensor:  # [N, K] in DTYPE, a new tensor
+        """The weight back from its panels, exactly (for torch's GEMM off the kernel's path)."""
+        panels = self.data.view(-1, self.in_features, _require().PANEL)  # [P, K, 16]
+        return panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].clone()
+
 
 class PackedWeightFp16(Packed16):
     """An fp16 weight packed for ``linear_fp16``."""

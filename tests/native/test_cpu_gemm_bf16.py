@@ -222,10 +222,11 @@ def test_pack_cpu_linears_routes_bf16_layers_through_the_kernel(monkeypatch):
     with torch.inference_mode():
         model(torch.randn(3, 100, 32).to(bf16))
     assert calls == [32, 96] * 3
-    out = model(x.float().requires_grad_().to(bf16))  # autograd on: torch's F.linear
-    assert calls == [32, 96] * 3
+    wide = x.float().requires_grad_()
+    out = model(wide.to(bf16))  # autograd on: torch's F.linear on the unpacked weights
+    assert calls == [32, 96] * 3 and torch.equal(out.detach(), want)
     out.float().sum().backward()
-    assert model.up.weight.grad is not None
+    assert wide.grad is not None
 
 
 def test_without_bf16_kernels_layers_keep_torch_linear(monkeypatch):

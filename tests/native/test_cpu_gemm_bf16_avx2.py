@@ -196,7 +196,8 @@ def test_bf16_layers_go_through_the_avx2_kernel_without_avx512_bf16(monkeypatch)
         got = model(x)
     assert calls == [32, 96] and got.dtype == bf16
     torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
-    out = model(x.float().requires_grad_().to(bf16))  # autograd on: torch's F.linear
-    assert calls == [32, 96]
+    wide = x.float().requires_grad_()
+    out = model(wide.to(bf16))  # autograd on: torch's F.linear on the unpacked weights
+    assert calls == [32, 96] and torch.equal(out.detach(), want)
     out.float().sum().backward()
-    assert model.up.weight.grad is not None
+    assert wide.grad is not None and model.up.weight.numel() == 0

@@ -2,13 +2,23 @@
 
 ``pack_cpu_linears(model)`` runs once after the weights are loaded: every fp32 CPU
 ``nn.Linear`` of the model (``StackedLinear`` included) gets a packed copy of its weight and a
-forward that multiplies by it (inference only: with autograd on, torch's GEMM on the weight).
+forward that multiplies by it (inference only: with autograd on, torch's GEMM, see below).
 On the bench model's shapes with 2 threads it runs 1.3-1.7x torch's GEMM at 8-96 rows (decode
 steps) and 1.1-1.2x at 512-4096 (prefill chunks) on Zen 4 (AVX2 kernel); on an Intel core with
 two 512-bit FMA units its AVX-512 kernel runs 1.1-1.2x torch (MKL) at 64 rows and 0.9-1.0x at
-256-2048, where the AVX2 one ran 0.6-0.7x (benchmarks/RESULTS.md, section 26). The original weight stays (the tied
-embedding, state dicts and non-CPU inputs use it), so the linear weights take twice their
-memory on CPU. Weights written after packing are not seen: pack again.
+256-2048, where the AVX2 one ran 0.6-0.7x (benchmarks/RESULTS.md, section 26).
+
+The packed copy is the layer's only copy: the original weight is dropped (left an empty
+parameter of its dtype), so the weights take their bytes once: Llama-3.2-1B's shape (tied head)
+in bf16 holds 2.79 GiB (resident 3.50 GiB) where both copies held 4.60 (5.30), in fp32 5.58
+(6.30) where they held 9.21 (``benchmarks/engine/packed_memory.py``). torch's GEMM, where a
+call leaves the kernel (autograd on, another dtype or device), runs on the weight unpacked from
+the packed copy, exactly (``unpack()``, a copy per call; gradients reach the input, not the dropped weight). The
+original stays where something else reads it: a head tied to its embedding (the embedding
+holds those rows anyway; the tie is kept), bf16 layers on an AMX host (torch's AMX GEMM takes
+their calls of many rows), and layers marked ``leave_unpacked`` (read as a tensor, never
+called: MLA's ``kv_b_proj``; not packed at all). Weights cannot be rewritten in place after
+packing: load the model again.
 
 bf16 layers (``--dtype bfloat16``) go the same way through the AVX512-BF16 GEMM
 (``linear_cpu.linear_bf16``): bf16 in, bf16 out rounded once from fp32 sums (torch's bf16
@@ -43,11 +53,22 @@ from torch import nn
 from trillm.kernels import linear_bf16_avx2_cpu, linear_cpu, linear_fp8_cpu, linear_fp16_cpu
 
 
+def _torch_weight(self: nn.Linear) -> torch.Tensor:  # [N, K]
+    """The weight for torch's GEMM (autograd on, another dtype or device, AMX's many rows): the
+    original where the layer kept it, else unpacked from the packed copy, exactly (a copy per
+    call: these calls are off the serving path, but for AMX's, which keep the original)."""
+    if self.weight.numel():
+        return self.weight
+    packed: linear_cpu.PackedWeight | linear_cpu.PackedWeightBf16 | linear_fp16_cpu.Packed16
+    packed = self.packed_weight  # type: ignore[assignment]
+    return packed.unpack()
+
+
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed: linear_cpu.PackedWeight = self.packed_weight  # type: ignore[assignment]
     if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled():
         return linear_cpu.linear(x, packed, self.bias)
-    return F.linear(x, self.weight, self.bias)
+    return F.linear(x, _torch_weight(self), self.bias)
 
 
 def _packed_forward_bf16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -56,21 +77,21 @@ def _packed_forward_bf16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         limit = linear_cpu.bf16_kernel_max_rows()  # with AMX, torch's GEMM wins at many rows
         if limit is None or x.numel() <= limit * x.shape[-1]:
             return linear_cpu.linear_bf16(x, packed, self.packed_bias)  # type: ignore[arg-type]
-    return F.linear(x, self.weight, self.bias)
+    return F.linear(x, _torch_weight(self), self.bias)
 
 
 def _packed_forward_bf16_avx2(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed: linear_bf16_avx2_cpu.PackedWeightBf16Avx2 = self.packed_weight  # type: ignore[assignment]
     if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
         return linear_bf16_avx2_cpu.linear_bf16(x, packed, self.packed_bias)  # type: ignore[arg-type]
-    return F.linear(x, self.weight, self.bias)
+    return F.linear(x, _torch_weight(self), self.bias)
 
 
 def _packed_forward_fp16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed: linear_fp16_cpu.PackedWeightFp16 = self.packed_weight  # type: ignore[assignment]
     if x.device.type == "cpu" and x.dtype == torch.float16 and not torch.is_grad_enabled():
         return linear_fp16_cpu.linear_fp16(x, packed, self.packed_bias)  # type: ignore[arg-type]
-    return F.linear(x, self.weight, self.bias)
+    return F.linear(x, _torch_weight(self), self.bias)
 
 
 def _pack_fp32(module: nn.Linear) -> bool:
@@ -161,14 +182,58 @@ def pack_cpu_linears(model: nn.Module, quantization: str | None = None) -> int:
     # gguf / awq / gptq: the quantized layers have their own kernel (quantized_linear.py)
     if quantization not in (None, "fp8", "gguf", "awq", "gptq"):
         raise ValueError(f"pack_cpu_linears: unknown quantization {quantization!r}.")
+    shared = _shared_weights(model)
     count = 0
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or hasattr(module, "quantized_weight"):
-            continue  # GGUF-quantized layers have their own kernel (quantized_linear.py)
+        if not isinstance(module, nn.Linear) or _left_alone(module):
+            continue
         with torch.no_grad():
             if quantization == "fp8" and name.rsplit(".", 1)[-1] not in FP8_SKIPPED:
                 _quantize_fp8(module)
                 count += 1
-            else:
-                count += _pack_fp32(module) or _pack_bf16(module) or _pack_fp16(module)
+            elif _pack_fp32(module) or _pack_bf16(module) or _pack_fp16(module):
+                count += 1
+                if not _keeps_original(module, shared):
+                    _drop_original(module)
     return count
+
+
+# A layer the model reads as a tensor and never calls (MLA's kv_b_proj, absorbed into the
+# attention): a packed copy would go unused and its original must stay.
+_UNPACKED = "trillm_leave_unpacked"
+
+
+def leave_unpacked(module: nn.Linear) -> nn.Linear:
+    """Mark ``module`` for ``pack_cpu_linears`` to leave as it is (its weight read as a tensor)."""
+    setattr(module, _UNPACKED, True)
+    return module
+
+
+def _left_alone(module: nn.Linear) -> bool:
+    # GGUF / AWQ / GPTQ-quantized layers have their own kernel (quantized_linear.py)
+    return hasattr(module, "quantized_weight") or getattr(module, _UNPACKED, False)
+
+
+def _shared_weights(model: nn.Module) -> set[int]:
+    """ids of the parameters two modules hold (a head tied to its embedding)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                (shared if id(param) in seen else seen).add(id(param))
+    return shared
+
+
+def _keeps_original(module: nn.Linear, shared: set[int]) -> bool:
+    """Whether a packed layer keeps its original weight: another module holds it (the embedding
+    a head is tied to reads its rows), or torch's AMX GEMM takes its calls of many rows."""
+    amx = getattr(module.forward, "__func__", None) is _packed_forward_bf16
+    return id(module.weight) in shared or (amx and linear_cpu.bf16_kernel_max_rows() is not None)
+
+
+def _drop_original(module: nn.Linear) -> None:
+    """The packed copy becomes the only one. The weight is left an empty parameter of its dtype:
+    what reads ``.weight.dtype`` still can, what reads its values fails loudly."""
+    empty = torch.empty(0, dtype=module.weight.dtype)
+    module.weight = nn.Parameter(empty, requires_grad=False)

@@ -29,6 +29,7 @@ from torch import nn
 from trillm.attention.backend import AttentionMetadata
 from trillm.attention.torch_groups import Group, build_groups
 from trillm.config import ModelConfig
+from trillm.model_executor.layers.linear import leave_unpacked
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.layers.rotary import RotaryEmbedding
 from trillm.model_executor.models.llama import rank_shapes
@@ -96,6 +97,7 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.latent_dim + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.latent_dim, 1e-6)
         self.kv_b_proj = nn.Linear(self.latent_dim, heads * (self.nope_dim + self.v_dim), False)
+        leave_unpacked(self.kv_b_proj)  # its weight is read as W_UK / W_UV, never called
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)
 
     def forward(
