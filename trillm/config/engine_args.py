@@ -79,6 +79,12 @@ class EngineArgs:
         aliases=("-pp",),
         value="positive_int",
     )
+    enable_expert_parallel: bool = flag(
+        False,
+        "MoE experts placed whole over the tensor-parallel ranks, tokens sent to them by "
+        "all-to-all (default: off: each expert split over the ranks).",
+        aliases=("-ep",),
+    )
     kv_cache_memory: int | str | None = flag(
         None,
         "KV-cache budget on CPU, e.g. 2GiB or 512MiB (default: 1GiB).",

@@ -28,6 +28,8 @@ class ParallelArgs(Protocol):
     def master_port(self) -> int | None: ...
     @property
     def distributed_timeout_seconds(self) -> float | None: ...
+    @property
+    def enable_expert_parallel(self) -> bool: ...
 
 
 def check_parallel(args: ParallelArgs) -> None:
@@ -45,6 +47,21 @@ def check_parallel(args: ParallelArgs) -> None:
     if args.distributed_executor_backend == "ray":
         check_ray(args)
     check_nodes(args)
+    check_expert_parallel_layout(args)
+
+
+def check_expert_parallel_layout(args: ParallelArgs) -> None:
+    """Expert parallelism spreads the experts over one engine core's tensor-parallel ranks;
+    vLLM's spread over data-parallel cores and pipeline stages is refused by name."""
+    if not args.enable_expert_parallel:
+        return
+    for name in ("data_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, name) > 1:
+            raise ValueError(
+                f"enable_expert_parallel with {name} > 1 is not implemented yet: the experts "
+                "are spread over the tensor-parallel ranks of one engine core "
+                "(tensor_parallel_size)."
+            )
 
 
 def check_ray(args: ParallelArgs) -> None:

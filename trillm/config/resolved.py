@@ -93,6 +93,7 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     pipeline_parallel_size: int = 1  # stages; world = tensor x pipeline ranks
+    enable_expert_parallel: bool = False  # MoE experts spread over the tensor-parallel ranks
 
     @property
     def world_size(self) -> int:

@@ -37,6 +37,9 @@ class TensorParallelGroup:
     control: Any = field(default=None, repr=False)
     # The ranks of this pipeline stage (None: the whole world, pipeline_parallel_size 1).
     group: Any = field(default=None, repr=False)
+    # --enable-expert-parallel: the MoE layers' experts are spread over these ranks
+    # (``expert_parallel.py``) instead of each expert's weights being split.
+    expert_parallel: bool = False
     # Wall time spent in collectives and how many ran, since the last ``take_comm_time``.
     comm_time_s: float = field(default=0.0, repr=False)
     num_collectives: int = field(default=0, repr=False)
@@ -61,6 +64,19 @@ class TensorParallelGroup:
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
         self._run("all_gather", partial(dist.all_gather, group=self.group), parts, t)
         return torch.cat(parts, dim=-1)
+
+    def all_to_all(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Rows [sum(send), ...] -> [sum(recv), ...]: ``send[j]`` rows go to rank j, ``recv[j]``
+        come from it (in rank order)."""
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        single = partial(
+            dist.all_to_all_single,
+            output_split_sizes=recv,
+            input_split_sizes=send,
+            group=self.group,
+        )
+        self._run("all_to_all", single, out, t.contiguous())
+        return out
 
     def _run(self, op: str, fn: Callable[..., object], *args: object) -> None:
         start = time.perf_counter()
@@ -132,6 +148,7 @@ def init_tensor_parallel(
     master_addr: str = "127.0.0.1",
     remote_ranks: list[int] | None = None,
     tp_size: int | None = None,
+    expert_parallel: bool = False,
 ) -> TensorParallelGroup:
     """Join the group (blocks until every rank has joined or ``timeout_s`` passes).
 
@@ -139,7 +156,8 @@ def init_tensor_parallel(
     than node 0; with some, every rank also joins the gloo control group of rank 0 and them
     (``dist.new_group`` is collective). ``tp_size`` below ``world_size`` (pipeline stages):
     this rank's tensor-parallel group is its stage's ``tp_size`` consecutive ranks
-    (``trillm/distributed/pipeline.py``)."""
+    (``trillm/distributed/pipeline.py``). ``expert_parallel``: the group's ranks hold the
+    MoE experts whole (``expert_parallel.py``)."""
     tp = world_size if tp_size is None else tp_size
     global _group
     if world_size == 1:
@@ -170,7 +188,9 @@ def init_tensor_parallel(
         made = dist.new_group(list(range(start, start + tp)), timeout=timeout)
         if start <= rank < start + tp:
             stage_group = made
-    _group = TensorParallelGroup(rank % tp, tp, timeout_s, control, group=stage_group)
+    _group = TensorParallelGroup(
+        rank % tp, tp, timeout_s, control, group=stage_group, expert_parallel=expert_parallel
+    )
     return _group
 
 

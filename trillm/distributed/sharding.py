@@ -27,10 +27,16 @@ rank reads the whole model.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trillm.config import ModelConfig
+from trillm.distributed.expert_parallel_check import (
+    check_expert_parallel,
+    num_routed_experts,
+    split_sizes,
+)
 from trillm.distributed.hybrid_sharding import (
     HYBRID_ARCHITECTURES,
     hybrid_problems,
@@ -101,6 +107,7 @@ _REPLICATED_PREFIXES = (
     "image_newline",
 )
 _GPT_OSS = "GptOssForCausalLM"
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's own tensor
 _LLAMA4 = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 
 
@@ -142,8 +149,12 @@ class TensorParallelConfigError(ValueError):
     """The model's shapes cannot be split over ``tensor_parallel_size`` ranks."""
 
 
-def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """Raise TensorParallelConfigError naming tensor_parallel_size if ``cfg`` does not split."""
+def check_divisible(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
+    """Raise TensorParallelConfigError naming tensor_parallel_size if ``cfg`` does not split
+    (under ``expert_parallel`` the routed experts are whole: their number must split instead
+    of their intermediate size, ``expert_parallel_check.py``)."""
+    if size > 1 and expert_parallel:
+        check_expert_parallel(cfg, size)
     if size > 1 and cfg.architecture not in ARCHITECTURES:
         raise TensorParallelConfigError(
             f"tensor_parallel_size={size}: tensor parallelism does not support "
@@ -159,6 +170,8 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         "intermediate_size": inter,
         **{key: int(cfg.hf_config[key]) for key in _MOE_SIZES if cfg.hf_config.get(key)},
     }
+    if expert_parallel:
+        sizes = split_sizes(cfg, sizes)
     problems += [f"{key}={value}" for key, value in sizes.items() if value % size]
     if cfg.architecture in HYBRID_ARCHITECTURES:
         problems += hybrid_problems(cfg.hf_config, size)
@@ -190,10 +203,15 @@ class RankShapes:
     vocab_start: int
     vocab_end: int  # exclusive, <= vocab_size
     vocab_per_rank: int  # rows of the padded shard
+    # --enable-expert-parallel: the routed experts whole, this rank's block of them
+    # (expert_parallel.py), not every expert's share of its intermediate size
+    expert_parallel: bool = False
 
     @classmethod
-    def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> RankShapes:
-        check_divisible(cfg, size)
+    def of(
+        cls, cfg: ModelConfig, rank: int = 0, size: int = 1, expert_parallel: bool = False
+    ) -> RankShapes:
+        check_divisible(cfg, size, expert_parallel)
         heads = cfg.num_attention_heads // size
         kv = cfg.num_key_value_heads
         if kv >= size:
@@ -215,6 +233,7 @@ class RankShapes:
             start,
             min(start + per, cfg.vocab_size),
             per,
+            expert_parallel,
         )
 
     def split_of(self, cfg: ModelConfig, name: str) -> tuple[int, int, int] | None:
@@ -278,6 +297,25 @@ class RankShapes:
         up = cfg.intermediate_size + start
         return torch.cat([source[:, :, start : start + length], source[:, :, up : up + length]], 2)
 
+    def _expert_parallel_shard(self, cfg: ModelConfig, name: str, source: Any) -> torch.Tensor:
+        """A routed expert's tensor whole (the loader reads only this rank's experts' ones,
+        ``holds_expert``); of the fused ``[E, ...]`` tensors, this rank's block of experts."""
+        import torch
+
+        if name.rpartition(".")[0].endswith(".experts"):  # experts.gate_up_proj / down_proj
+            per = num_routed_experts(cfg.hf_config) // self.size
+            return source[self.rank * per : (self.rank + 1) * per]
+        return source if isinstance(source, torch.Tensor) else source[:]
+
+    def holds_expert(self, cfg: ModelConfig, name: str) -> bool:
+        """Whether this rank reads checkpoint tensor ``name``: every tensor but the routed
+        experts of other ranks under expert parallelism (``experts.N.`` names)."""
+        match = _EXPERT_INDEX.search(name)
+        if not self.expert_parallel or match is None:
+            return True
+        per = num_routed_experts(cfg.hf_config) // self.size
+        return int(match.group(1)) // per == self.rank
+
     def inter_rows(self, cfg: ModelConfig, name: str) -> tuple[int, int]:
         """(start, length) of this rank's share of ``name``'s intermediate dimension."""
         per = intermediate_of(cfg, name) // self.size
@@ -312,6 +350,8 @@ class RankShapes:
                 return hybrid
         if cfg.architecture == _GPT_OSS and proj in ("experts", "self_attn"):
             return self._gpt_oss_shard(name.rpartition(".")[2], source)
+        if self.expert_parallel and ".experts." in name:
+            return self._expert_parallel_shard(cfg, name, source)
         if cfg.architecture in _LLAMA4 and proj == "experts":
             return self._llama4_experts_shard(cfg, name, source)
         if proj == "experts":  # fused experts: gate_up_proj [E, 2I, H], down_proj [E, H, I]

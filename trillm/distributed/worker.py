@@ -55,6 +55,7 @@ def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
         master_addr=parallel.master_addr,
         remote_ranks=parallel.remote_ranks(),
         tp_size=tp,
+        expert_parallel=parallel.enable_expert_parallel,
     )
     return device
 

@@ -86,7 +86,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     transformers_numerics.check(args, model_config, device)
     model_config.numerics = args.numerics
     max_model_len = model_config.max_model_len
-    _check_tensor_parallel(model_config, args.tensor_parallel_size, device, args.nnodes)
+    _check_tensor_parallel(model_config, args, device)
     _check_data_parallel(args, device)
     _check_pipeline_parallel(model_config, args, device)
     parallel = _parallel_config(args)
@@ -261,19 +261,19 @@ def _parallel_config(args: EngineArgs) -> ParallelConfig:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 
-def _check_tensor_parallel(
-    model_config: ModelConfig, size: int, device: str, nnodes: int = 1
-) -> None:
-    """Refuse a tensor_parallel_size the model's shapes or this node's GPUs cannot take
-    (each node runs size / nnodes ranks)."""
+def _check_tensor_parallel(model_config: ModelConfig, args: EngineArgs, device: str) -> None:
+    """Refuse a tensor_parallel_size the model's shapes (its experts' under expert
+    parallelism) or this node's GPUs cannot take (each node runs size / nnodes ranks)."""
+    size, nnodes = args.tensor_parallel_size, args.nnodes
     if size == 1:
         return
     from trillm.distributed.sharding import check_divisible
 
-    check_divisible(model_config, size)
+    check_divisible(model_config, size, args.enable_expert_parallel)
     if device == "cuda":
         import torch
 

@@ -59,7 +59,9 @@ class LoRAManager:
         )
         tp = get_tp_group()  # tensor parallelism: each rank holds its part of every adapter
         self.shapes = (
-            None if tp.world_size == 1 else RankShapes.of(model_cfg, tp.rank, tp.world_size)
+            None
+            if tp.world_size == 1
+            else RankShapes.of(model_cfg, tp.rank, tp.world_size, tp.expert_parallel)
         )
         self.resident: OrderedDict[int, LoRARequest] = OrderedDict()  # LRU first
         self._slot: dict[int, int] = {}  # resident adapter id -> its slot

@@ -61,6 +61,8 @@ def iterate_weights(
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if wanted is not None and not wanted(name):
                     continue
+                if shard is not None and not shard[1].holds_expert(shard[0], name):
+                    continue  # another rank's expert (expert parallelism)
                 if shard is None:
                     yield name, f.get_tensor(name)
                 elif _is_packed(shard[0], name):  # AWQ / GPTQ: whole words and groups
@@ -87,7 +89,7 @@ def rank_shard(cfg: ModelConfig) -> tuple[ModelConfig, RankShapes] | None:
     tp = get_tp_group()
     if tp.world_size == 1:
         return None
-    return cfg, RankShapes.of(cfg, tp.rank, tp.world_size)
+    return cfg, RankShapes.of(cfg, tp.rank, tp.world_size, tp.expert_parallel)
 
 
 def stage_filter(cfg: ModelConfig) -> Callable[[str], bool] | None:

@@ -74,7 +74,8 @@ class ModelRunner:
         model_cfg = config.model
         self.tp_size = config.parallel.tensor_parallel_size
         self.world_size = config.parallel.world_size
-        self.shapes = RankShapes.of(model_cfg, rank % self.tp_size, self.tp_size)
+        expert_parallel = config.parallel.enable_expert_parallel
+        self.shapes = RankShapes.of(model_cfg, rank % self.tp_size, self.tp_size, expert_parallel)
         self.kv_layout = kv_cache_layout(model_cfg, self.shapes.num_kv_heads)  # a layer's, a token
         self.ssm: SSMStateCache | None = None  # their states, one row per batch slot
         self._num_steps = 0

@@ -44,6 +44,7 @@ from field_coverage.ids import (
 MM_CACHE = "tests/models/test_mm_processor_cache.py::"
 OFFLOAD = "tests/kv_transfer/test_kv_offload.py::"
 MM_METRICS = "tests/entrypoints/test_mm_cache_metrics.py::"
+EXPERT_PARALLEL = "tests/parallel/test_expert_parallel.py::"
 
 ENGINE: dict[str, tuple[str, ...]] = {
     "model": ids(ENGINE_REFUSED, LOADING + "test_default_model"),
@@ -88,6 +89,13 @@ ENGINE: dict[str, tuple[str, ...]] = {
         DP + "test_http_dp2_tp2_matches_dp1_token_for_token",
         DP + "test_metrics_label_each_engine_and_show_the_spread",
         DP + "test_prefix_affinity_keeps_a_shared_prefix_on_one_core",
+    ),
+    "enable_expert_parallel": ids(
+        EXPERT_PARALLEL + "test_ep2_matches_one_rank",
+        EXPERT_PARALLEL + "test_deepseek_v3_ep2_matches_one_rank",
+        EXPERT_PARALLEL + "test_what_expert_parallelism_cannot_do_is_refused",
+        EXPERT_PARALLEL + "test_deepseek_shared_experts_must_still_split",
+        EXPERT_PARALLEL + "test_the_flag_and_linear_placement_parse",
     ),
     "pipeline_parallel_size": ids(
         PP + "test_python_api_pp2_matches_pp1",

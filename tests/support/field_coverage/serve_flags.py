@@ -209,6 +209,14 @@ _VLLM_FLAGS = {
     "--data-parallel-backend": ids(VF + "test_more_vllm_flags_refused"),
     "--data-parallel-hybrid-lb": ids(VF + "test_more_vllm_flags_refused"),
     "--data-parallel-external-lb": ids(VF + "test_more_vllm_flags_refused"),
+    **dict.fromkeys(
+        ("--enable-eplb", "--eplb-config", "--num-redundant-experts", "--all2all-backend"),
+        ids("tests/parallel/test_expert_parallel.py::test_load_balancer_flags_are_refused"),
+    ),
+    "--expert-placement-strategy": ids(
+        "tests/parallel/test_expert_parallel.py::test_load_balancer_flags_are_refused",
+        "tests/parallel/test_expert_parallel.py::test_the_flag_and_linear_placement_parse",
+    ),
     "--quantization": ids(
         REFUSED_TOP,
         FLAG_MAP,
@@ -296,6 +304,7 @@ _ENGINE_FLAG_FIELDS = {
     "--kv-offloading-backend": "kv_offloading_backend",
     "--data-parallel-size": "data_parallel_size",
     "--pipeline-parallel-size": "pipeline_parallel_size",
+    "--enable-expert-parallel": "enable_expert_parallel",
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "--num-gpu-blocks-override": "num_gpu_blocks_override",
     "--max-logprobs": "max_logprobs",

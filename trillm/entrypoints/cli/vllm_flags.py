@@ -10,9 +10,10 @@ Three kinds, never a flag accepted and ignored in silence:
   ``--swap-space``): what they ask is already so, or means nothing here, and
   ``startup_notes`` says so once in the log;
 - refused (argparse error, exit 2) where the feature is not implemented yet: tokenizer modes,
-  multimodal input, multi-node data parallelism. (Quantization methods, KV-cache dtypes,
-  load formats and speculative decoding methods are EngineArgs fields: their flags, with the
-  same refusals, come from ``engine_flags.py`` and ``flag_types.py``.)
+  multimodal input, multi-node data parallelism, the expert-parallel load balancer (EPLB).
+  (Quantization methods, KV-cache dtypes, load formats and speculative decoding methods are
+  EngineArgs fields: their flags, with the same refusals, come from ``engine_flags.py`` and
+  ``flag_types.py``.)
 """
 
 from __future__ import annotations
@@ -259,6 +260,23 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
             what="multi-node data parallelism (load balancing outside this server)",
             help="Not implemented: refused.",
         )
+    _add_expert_parallel_refusals(g)
+
+
+def _add_expert_parallel_refusals(g: Any) -> None:
+    """--enable-expert-parallel places the experts linearly (rank r: the r-th block) and
+    exchanges tokens with torch.distributed's all-to-all; vLLM's load balancer (EPLB), which
+    moves and replicates experts by load, and its other all-to-all kernels are refused."""
+    eplb = "the expert-parallel load balancer (EPLB)"
+    g.add_argument("--enable-eplb", action=_Refuse, what=eplb, help="Not implemented: refused.")
+    for flag in ("--eplb-config", "--num-redundant-experts", "--all2all-backend"):
+        what = eplb if flag != "--all2all-backend" else "choosing the experts' all-to-all kernel"
+        g.add_argument(flag, type=_not_implemented(what), help="Not implemented: refused.")
+    g.add_argument(
+        "--expert-placement-strategy",
+        type=_not_implemented("expert placements other than linear", allowed="linear"),
+        help="linear (rank r holds the r-th block of experts) is the one accepted.",
+    )
 
 
 def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -13,6 +13,11 @@ The expert tensors are buffers, not parameters: the decoder's loader loads them 
 (``load_expert`` / ``load_fused``), from per-expert checkpoint names (``experts.N.w1`` or
 ``experts.N.gate_proj``, as checkpoints on the hub store them) or the fused ones, and
 ``check_loaded`` names any expert weight the checkpoint lacked.
+
+Expert parallelism (``--enable-expert-parallel``): a rank's ``FusedMoE`` holds only its block
+of the experts, whole, and ``run`` sends each token to the ranks of its experts and back
+(``trillm/distributed/expert_parallel.py``); without it each rank holds every expert's share of
+its intermediate size (``expert_inter``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from torch import nn
 
 from trillm.config import ModelConfig
+from trillm.distributed.expert_parallel import ExpertPlacement, dispatch_combine
 from trillm.distributed.parallel_state import get_tp_group
 from trillm.kernels import fused_moe_cpu, fused_moe_torch
 from trillm.kernels.fused_moe_torch import select_experts
@@ -39,9 +45,17 @@ EXPERT_PARTS = {
 }
 
 
+def expert_inter(inter: int) -> int:
+    """This rank's share of a routed expert's intermediate size ``inter``: its 1 / N under
+    tensor parallelism, the whole of it under expert parallelism."""
+    tp = get_tp_group()
+    return inter if tp.expert_parallel else inter // tp.world_size
+
+
 class FusedMoE(nn.Module):
-    w13: torch.Tensor  # [E, 2I, H] buffer: each expert's gate rows, then its up rows
-    w2: torch.Tensor  # [E, H, I] buffer
+    # E_r: this rank's experts (all E but under expert parallelism: E / N)
+    w13: torch.Tensor  # [E_r, 2I, H] buffer: each expert's gate rows, then its up rows
+    w2: torch.Tensor  # [E_r, H, I] buffer
 
     def __init__(
         self, num_experts: int, top_k: int, hidden: int, inter: int, renormalize: bool
@@ -51,8 +65,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}.")
         self.num_experts, self.top_k, self.inter = num_experts, top_k, inter
         self.renormalize = renormalize
-        self.register_buffer("w13", torch.empty(num_experts, 2 * inter, hidden))
-        self.register_buffer("w2", torch.empty(num_experts, hidden, inter))
+        self.placement = ExpertPlacement.current(num_experts)
+        held = self.placement.per_rank
+        self.register_buffer("w13", torch.empty(held, 2 * inter, hidden))
+        self.register_buffer("w2", torch.empty(held, hidden, inter))
         self._loaded: set[tuple[int, str]] = set()
         self._packed: fused_moe_cpu.PackedExperts | None = None
 
@@ -61,11 +77,14 @@ class FusedMoE(nn.Module):
         """One expert's gate [I, H], up [I, H] or down [H, I] projection."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"Expert {expert} is past num_experts={self.num_experts}.")
+        if not self.placement.holds(expert):  # the loader reads only this rank's experts
+            raise ValueError(f"Expert {expert} is held by another expert-parallel rank.")
+        local = expert - self.placement.start
         if part == "down":
-            target = self.w2[expert]
+            target = self.w2[local]
         else:
             start = 0 if part == "gate" else self.inter
-            target = self.w13[expert, start : start + self.inter]
+            target = self.w13[local, start : start + self.inter]
         if tensor.shape != target.shape:
             raise ValueError(
                 f"Expert {expert} {part} has shape {tuple(tensor.shape)}, the "
@@ -77,7 +96,8 @@ class FusedMoE(nn.Module):
         self._packed = None
 
     def load_fused(self, name: str, tensor: torch.Tensor) -> None:
-        """The fused tensors (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])."""
+        """The fused tensors (``gate_up_proj`` [E_r, 2I, H], ``down_proj`` [E_r, H, I]: this
+        rank's experts)."""
         target, parts = (
             (self.w13, ("gate", "up")) if name == "gate_up_proj" else (self.w2, ("down",))
         )
@@ -88,13 +108,17 @@ class FusedMoE(nn.Module):
             )
         with torch.no_grad():
             target.copy_(tensor)
-        self._loaded.update((e, p) for e in range(self.num_experts) for p in parts)
+        self._loaded.update((e, p) for e in self._held() for p in parts)
         self._packed = None
+
+    def _held(self) -> range:
+        """This rank's experts, by their index in the model."""
+        return range(self.placement.start, self.placement.start + self.placement.per_rank)
 
     def missing(self) -> list[str]:
         return [
             f"{e}.{p}"
-            for e in range(self.num_experts)
+            for e in self._held()
             for p in ("gate", "up", "down")
             if (e, p) not in self._loaded
         ]
@@ -112,6 +136,17 @@ class FusedMoE(nn.Module):
         x: torch.Tensor,  # [T, H]
         weights: torch.Tensor,  # [T, k] fp32, each token's routing weights
         ids: torch.Tensor,  # [T, k] int64, its experts (a model's own router: DeepSeek's)
+    ) -> torch.Tensor:  # [T, H]; under expert parallelism this rank's token slice, zeros
+        # elsewhere: the caller's all-reduce of the ranks' partial outputs assembles them
+        if self.placement.size > 1:
+            return dispatch_combine(self.placement, x, weights, ids, self._run_held)
+        return self._run_held(x, weights, ids)
+
+    def _run_held(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, k] fp32
+        ids: torch.Tensor,  # [T, k] int64, among this rank's experts (0 .. E_r - 1)
     ) -> torch.Tensor:  # [T, H]
         if fused_moe_cpu.supports(x, self.w13):
             if self._packed is None:
@@ -138,10 +173,11 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, num_experts, bias=False)  # replicated
-        # Tensor parallelism: every rank holds every expert's share of its I (sharding.py).
+        # Tensor parallelism: every rank holds every expert's share of its I (sharding.py);
+        # expert parallelism: its experts whole.
         self.tp = get_tp_group()
         self.experts = FusedMoE(
-            num_experts, top_k, cfg.hidden_size, inter // self.tp.world_size, renormalize
+            num_experts, top_k, cfg.hidden_size, expert_inter(inter), renormalize
         )
         self.shared_expert: nn.Module | None = None
         if shared_inter:

@@ -22,7 +22,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, hidden_size: int) -> None:
         super().__init__()
         tp = get_tp_group()
-        shapes = RankShapes.of(cfg, tp.rank, tp.world_size)
+        shapes = RankShapes.of(cfg, tp.rank, tp.world_size, tp.expert_parallel)
         self.weight = nn.Parameter(torch.empty(shapes.vocab_per_rank, hidden_size))  # [P, H]
         self.start, self.end = shapes.vocab_start, shapes.vocab_end
         self.tp = tp

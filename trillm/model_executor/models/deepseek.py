@@ -28,7 +28,7 @@ from trillm.attention.kv_layout import KVCacheLayout
 from trillm.config import ModelConfig
 from trillm.distributed.parallel_state import get_tp_group
 from trillm.model_executor.deepseek_config import V3
-from trillm.model_executor.layers.fused_moe import FusedMoE
+from trillm.model_executor.layers.fused_moe import FusedMoE, expert_inter
 from trillm.model_executor.layers.norm import RMSNorm
 from trillm.model_executor.models.deepseek_mla import MLAAttention, MLAPlan
 from trillm.model_executor.models.llama import (
@@ -107,7 +107,7 @@ class DeepseekMoE(nn.Module):
             self.gate.num_experts,
             self.gate.top_k,
             cfg.hidden_size,
-            inter // self.tp.world_size,
+            expert_inter(inter),  # each expert's 1 / N, or whole under expert parallelism
             renormalize=False,
         )
         shared = dataclasses.replace(cfg, intermediate_size=inter * int(hf["n_shared_experts"]))

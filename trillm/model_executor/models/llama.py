@@ -53,7 +53,7 @@ class LlamaDecoderFlags:
 def rank_shapes(cfg: ModelConfig) -> tuple[TensorParallelGroup, RankShapes]:
     """This process's tensor-parallel group and its share of ``cfg`` (the whole at TP=1)."""
     tp = get_tp_group()
-    return tp, RankShapes.of(cfg, tp.rank, tp.world_size)
+    return tp, RankShapes.of(cfg, tp.rank, tp.world_size, tp.expert_parallel)
 
 
 class LlamaAttention(nn.Module):

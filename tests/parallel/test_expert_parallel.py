@@ -1,0 +1,236 @@
+"""Expert parallelism (``--enable-expert-parallel``): each of the 2 tensor-parallel ranks holds
+half of the experts whole, tokens sent to them and back by all-to-all
+(trillm/distributed/expert_parallel.py). Greedy tokens equal the single-rank engine's and
+log-probs are within 1e-4 of it on Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (whose
+single-rank engine equals transformers: tests/models/).
+
+The routed experts' intermediate sizes here are odd, which tensor parallelism without expert
+parallelism refuses (it splits each expert's intermediate size over the ranks): these engines
+run only because each rank holds its experts whole. One prompt alone decodes one token per
+step, fewer than the ranks, so rank 1 dispatches none of its own (an empty slice).
+What is not supported is refused by name before any worker starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parallel_models import LIMITS, MAX_TOKENS, PROMPTS
+from parallel_reference import greedy
+
+from trillm.engine.llm import LLM
+from trillm.testing.tiny_deepseek import build_tiny_deepseek
+
+LOGPROB_TOL = 1e-4
+# Odd routed-expert intermediate sizes (see the docstring); Qwen2-MoE's shared expert and
+# dense layer stay tensor-parallel, split in halves.
+ODD_EXPERTS = {
+    "mixtral": {"intermediate_size": 37},
+    "qwen2_moe": {"moe_intermediate_size": 33},
+    "qwen3_moe": {"moe_intermediate_size": 29},
+}
+
+
+def tokens_and_logprobs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
+    params = greedy(MAX_TOKENS)
+    params.logprobs = 0
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result = []
+    for out in outs:
+        comp = out.outputs[0]
+        logprobs = [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)]
+        result.append((list(comp.token_ids), logprobs))
+    return result
+
+
+def assert_ep_matches_one_rank(path: str, prompt_sets: list[list[str]]) -> None:
+    with LLM(path, distributed_executor_backend="uni", **LIMITS) as llm:
+        expected = [tokens_and_logprobs(llm, prompts) for prompts in prompt_sets]
+    # a reference that repeats one token could not tell a misplaced expert apart
+    assert all(len(set(tokens)) > 1 for tokens, _ in expected[0]), expected
+    with LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **LIMITS) as llm:
+        got = [tokens_and_logprobs(llm, prompts) for prompts in prompt_sets]
+    for got_set, expected_set in zip(got, expected):
+        assert [t for t, _ in got_set] == [t for t, _ in expected_set]
+        diff = max(
+            abs(a - b)
+            for (_, got_lp), (_, ref_lp) in zip(got_set, expected_set)
+            for a, b in zip(got_lp, ref_lp)
+        )
+        assert diff < LOGPROB_TOL, diff
+
+
+@pytest.mark.parametrize("arch", sorted(ODD_EXPERTS))
+def test_ep2_matches_one_rank(tiny_model_factory, arch):
+    path = tiny_model_factory(arch, num_hidden_layers=2, **ODD_EXPERTS[arch])
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide"):
+        LLM(path, tensor_parallel_size=2, **LIMITS)  # each expert split: refused
+    assert_ep_matches_one_rank(path, [PROMPTS, PROMPTS[:1]])
+
+
+def test_deepseek_v3_ep2_matches_one_rank(tmp_path):
+    """DeepSeek-V3's own router (grouped top-k, noaux_tc), 8 routed experts of odd
+    intermediate size, the 2 shared experts (one MLP of 62) tensor-parallel."""
+    path = build_tiny_deepseek(
+        "v3", tmp_path, num_hidden_layers=2, moe_intermediate_size=31, n_shared_experts=2
+    )
+    assert_ep_matches_one_rank(str(path), [PROMPTS])
+
+
+def test_deepseek_shared_experts_must_still_split(tmp_path):
+    """The shared experts stay tensor-parallel: one of 31 cannot be halved."""
+    path = build_tiny_deepseek("v3", tmp_path, num_hidden_layers=2, moe_intermediate_size=31)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size x n_shared_experts=31"):
+        LLM(str(path), tensor_parallel_size=2, enable_expert_parallel=True, **LIMITS)
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "parallel", "match"),
+    [
+        (
+            "llama",
+            {},
+            {},
+            r"enable_expert_parallel: expert parallelism does not support LlamaForCausalLM",
+        ),
+        (
+            "mixtral",
+            {"num_local_experts": 3},
+            {},
+            r"enable_expert_parallel: the model's 3 experts do not split evenly over "
+            r"tensor_parallel_size=2",
+        ),
+        (
+            "mixtral",
+            {},
+            {"pipeline_parallel_size": 2},
+            r"enable_expert_parallel with pipeline_parallel_size > 1 is not implemented",
+        ),
+        (
+            "mixtral",
+            {},
+            {"data_parallel_size": 2},
+            r"enable_expert_parallel with data_parallel_size > 1 is not implemented",
+        ),
+    ],
+    ids=["dense", "experts-not-divisible", "pp", "dp"],
+)
+def test_what_expert_parallelism_cannot_do_is_refused(
+    tiny_model_factory, arch, overrides, parallel, match
+):
+    path = tiny_model_factory(arch, num_hidden_layers=2, **overrides)
+    with pytest.raises(ValueError, match=match):
+        LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **parallel, **LIMITS)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--enable-eplb"],
+        ["--eplb-config", '{"window_size": 1000}'],
+        ["--num-redundant-experts", "2"],
+        ["--all2all-backend", "naive"],
+        ["--expert-placement-strategy", "round_robin"],
+    ],
+    ids=lambda a: a[0],
+)
+def test_load_balancer_flags_are_refused(argv, capsys):
+    from trillm.entrypoints.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert argv[0] in err and "not implemented yet" in err, err
+
+
+def test_the_flag_and_linear_placement_parse(capsys):
+    from trillm.entrypoints.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "-ep", "--expert-placement-strategy", "linear"])
+    assert args.enable_expert_parallel is True
+
+
+def test_each_rank_reads_only_its_experts(tiny_model_factory):
+    """Rank r of 2 reads experts [4r, 4r + 4) of Qwen3-MoE's 8, whole; the fused
+    ``[E, ...]`` tensors give it the same block; every other tensor is read as under TP."""
+    from trillm.config import EngineArgs
+    from trillm.distributed.sharding import RankShapes
+    from trillm.model_executor.model_config import load_model_config
+
+    path = tiny_model_factory("qwen3_moe", num_hidden_layers=2)
+    cfg = load_model_config(EngineArgs(path))
+    name = "model.layers.0.mlp.experts.{}.up_proj.weight"
+    whole = torch.randn(32, 64)  # [I, H]
+    fused = torch.randn(8, 64, 32)  # [E, 2I, H]
+    for rank in (0, 1):
+        shapes = RankShapes.of(cfg, rank, 2, expert_parallel=True)
+        held = [e for e in range(8) if shapes.holds_expert(cfg, name.format(e))]
+        assert held == list(range(4 * rank, 4 * rank + 4))
+        assert torch.equal(shapes.read_shard(cfg, name.format(held[0]), whole), whole)
+        block = shapes.read_shard(cfg, "model.layers.0.mlp.experts.gate_up_proj", fused)
+        assert torch.equal(block, fused[4 * rank : 4 * rank + 4])
+        assert shapes.holds_expert(cfg, "model.layers.0.mlp.gate.weight")
+        tp_only = RankShapes.of(cfg, rank, 2)
+        q = "model.layers.0.self_attn.q_proj.weight"
+        q_weight = torch.randn(cfg.num_attention_heads * cfg.head_dim, 64)
+        assert torch.equal(
+            shapes.read_shard(cfg, q, q_weight), tp_only.read_shard(cfg, q, q_weight)
+        )
+
+
+def _dispatch_rank(rank: int, port: int, results) -> None:
+    """Rank ``rank`` of 2 (a spawned process): its half of 4 random experts; puts each token
+    count's assembled output and the reference's, its routed counts and the bytes it sent."""
+    from trillm.distributed import parallel_state
+    from trillm.distributed.expert_parallel import ExpertPlacement, dispatch_combine, traffic
+    from trillm.kernels.fused_moe_torch import fused_moe
+
+    parallel_state.init_tensor_parallel(rank, 2, port, "cpu", 60.0, expert_parallel=True)
+    try:
+        gen = torch.Generator().manual_seed(0)  # the same draws on both ranks
+        w13, w2 = torch.randn(4, 12, 8, generator=gen), torch.randn(4, 8, 6, generator=gen)
+        placement = ExpertPlacement.current(4)
+        held = slice(placement.start, placement.start + placement.per_rank)
+        for tokens in (1, 5):
+            x = torch.randn(tokens, 8, generator=gen)  # [T, H]
+            weights = torch.rand(tokens, 2, generator=gen)  # [T, k]
+            ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(tokens)])
+            mine = dispatch_combine(
+                placement, x, weights, ids, lambda r, w, i: fused_moe(r, w13[held], w2[held], w, i)
+            )
+            whole = parallel_state.get_tp_group().all_reduce(mine)
+            results.put(
+                (rank, tokens, whole.tolist(), fused_moe(x, w13, w2, weights, ids).tolist())
+            )
+        results.put((rank, "routed", placement.routed.tolist(), traffic.take()[0]))
+    finally:
+        parallel_state.destroy_tensor_parallel()
+
+
+def test_dispatch_combine_over_two_gloo_ranks_equals_one_rank():
+    """Every token's assembled output on both ranks equals the single-rank reference (1 token:
+    rank 1 dispatches none of its own; 5 tokens: slices of 3 and 2); the pairs routed to each
+    rank's experts add up to tokens x top_k; each rank sent bytes to the other."""
+    import multiprocessing
+
+    from server_harness import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    ranks = [ctx.Process(target=_dispatch_rank, args=(r, port, results)) for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    got = [results.get(timeout=120) for _ in range(6)]
+    for process in ranks:
+        process.join(60)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    routed = {}
+    for rank, what, first, second in got:
+        if what == "routed":
+            routed[rank] = first
+            assert second > 0, rank  # bytes sent to the other rank
+        else:
+            torch.testing.assert_close(torch.tensor(first), torch.tensor(second))
+    assert routed[0] == routed[1] and sum(routed[0]) == (1 + 5) * 2

@@ -1,0 +1,142 @@
+"""Expert parallelism (``--enable-expert-parallel``, vLLM's flag): a mixture-of-experts layer's
+experts placed over the ranks of the tensor-parallel group instead of each expert's weights
+being split over them.
+
+Placement (vLLM's linear expert map): rank r of N holds experts [r * E / N, (r + 1) * E / N)
+whole, so E must be a multiple of N; attention, the router, dense MLPs and shared experts stay
+tensor-parallel. A layer's forward (``dispatch_combine``), with the step's T tokens on every
+rank (the router is replicated, so every rank routes them alike):
+
+1. each rank takes one slice of the tokens (``token_slice``: ceil(T / N) rows, the last ones
+   shorter or empty) and sends every (token, expert) pair of its slice, the token's hidden row
+   and the expert's index on its owner, to the rank that holds the expert (all-to-all);
+2. each rank runs its experts on the rows it received (unweighted);
+3. the outputs go back to the ranks that sent them (all-to-all), which weight them by the
+   routing weights and sum each token's ``top_k`` in fp32;
+4. each rank returns its slice's rows and zeros elsewhere: the layer's all-reduce (the one that
+   sums the tensor-parallel partial outputs without expert parallelism) assembles the tokens,
+   exactly (x + 0 is x).
+
+Bytes each rank sends to the others (``ExpertTraffic``) and the (token, expert) pairs routed
+to each rank's experts (``ExpertPlacement.routed``, counted by every rank from the replicated
+routing) are kept for the benchmarks and ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from trillm.distributed.parallel_state import TensorParallelGroup, get_tp_group
+
+
+@dataclass
+class ExpertTraffic:
+    """Bytes this rank sent to other ranks in the experts' all-to-alls, and how many ran,
+    since the last ``take``."""
+
+    bytes_sent: int = 0
+    num_exchanges: int = 0
+
+    def add(self, rows: torch.Tensor, send: list[int], rank: int) -> None:
+        row_bytes = rows[0].numel() * rows.element_size() if len(rows) else 0  # rows: [P, ...]
+        self.bytes_sent += row_bytes * (sum(send) - send[rank])  # its own rows stay
+        self.num_exchanges += 1
+
+    def take(self) -> tuple[int, int]:
+        taken = self.bytes_sent, self.num_exchanges
+        self.bytes_sent = self.num_exchanges = 0
+        return taken
+
+
+traffic = ExpertTraffic()  # this process's: one rank per worker process
+
+
+@dataclass
+class ExpertPlacement:
+    """Which experts this rank holds: every one (``size`` 1), or one block of
+    ``num_experts / size`` under expert parallelism."""
+
+    num_experts: int
+    rank: int = 0
+    size: int = 1
+    # [size] int64: the (token, expert) pairs routed to each rank's experts so far
+    routed: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64))
+
+    @classmethod
+    def current(cls, num_experts: int) -> ExpertPlacement:
+        """This rank's placement in the group the model is being built in."""
+        tp = get_tp_group()
+        if not tp.expert_parallel or tp.world_size == 1:
+            return cls(num_experts)
+        return cls(
+            num_experts, tp.rank, tp.world_size, torch.zeros(tp.world_size, dtype=torch.int64)
+        )
+
+    @property
+    def per_rank(self) -> int:
+        return self.num_experts // self.size
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.per_rank
+
+    def holds(self, expert: int) -> bool:
+        return self.start <= expert < self.start + self.per_rank
+
+    def count(self, ids: torch.Tensor) -> None:
+        """Adds the step's routing (``ids`` [T, k], the same on every rank) to ``routed``."""
+        self.routed += torch.bincount(ids.reshape(-1) // self.per_rank, minlength=self.size).cpu()
+
+
+def token_slice(num_tokens: int, size: int, rank: int) -> tuple[int, int]:
+    """[start, end) of the tokens rank ``rank`` of ``size`` dispatches."""
+    chunk = -(-num_tokens // size)
+    return min(rank * chunk, num_tokens), min((rank + 1) * chunk, num_tokens)
+
+
+# (rows [P, H], ones [P, 1] fp32, local expert ids [P, 1]) -> each row's expert output [P, H]
+RunLocal = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _exchange(
+    group: TensorParallelGroup, rank: int, rows: torch.Tensor, send: list[int], recv: list[int]
+) -> torch.Tensor:
+    """One all-to-all of ``rows`` (``send[j]`` rows to rank j, ``recv[j]`` from it), counted."""
+    traffic.add(rows, send, rank)
+    return group.all_to_all(rows, send, recv)
+
+
+def dispatch_combine(
+    placement: ExpertPlacement,
+    x: torch.Tensor,  # [T, H], the same on every rank
+    weights: torch.Tensor,  # [T, k] fp32
+    ids: torch.Tensor,  # [T, k] int64, global expert ids
+    run_local: RunLocal,
+) -> torch.Tensor:  # [T, H]: this rank's token slice, zeros elsewhere
+    """Steps 1-4 of the module docstring."""
+    placement.count(ids)
+    start, end = token_slice(x.shape[0], placement.size, placement.rank)
+    flat = ids[start:end].reshape(-1)  # [t * k], token-major
+    owner = flat // placement.per_rank  # [t * k]
+    order = torch.argsort(owner, stable=True)  # the pairs grouped by owner rank
+    send = torch.bincount(owner, minlength=placement.size)  # [N] pairs to each rank
+    exchange = partial(_exchange, get_tp_group(), placement.rank)
+    recv = exchange(send[:, None], [1] * placement.size, [1] * placement.size)  # [N, 1]
+    send_n, recv_n = send.tolist(), recv[:, 0].tolist()
+    rows = x[start:end].repeat_interleave(ids.shape[1], dim=0)[order]  # [t * k, H]
+    local_ids = (flat - owner * placement.per_rank)[order, None]  # [t * k, 1]
+    got_rows = exchange(rows, send_n, recv_n)  # [P, H]
+    got_ids = exchange(local_ids, send_n, recv_n)  # [P, 1]
+    ones = torch.ones(len(got_ids), 1, dtype=torch.float32, device=x.device)
+    outs = run_local(got_rows, ones, got_ids) if len(got_ids) else got_rows  # [P, H]
+    back = exchange(outs, recv_n, send_n)  # [t * k, H], in ``order``
+    pairs = torch.empty_like(back)
+    pairs[order] = back
+    mine = pairs.view(end - start, ids.shape[1], x.shape[1]).float() * weights[start:end, :, None]
+    out = torch.zeros_like(x)
+    out[start:end] = mine.sum(dim=1).to(x.dtype)
+    return out
