@@ -15,6 +15,7 @@ from trillm.executor.worker_steps import (
     collect_step_outputs,
     divergence,
     raise_model_errors,
+    step_output,
 )
 from trillm.ipc import codec
 from trillm.ipc.control import WorkerFailed
@@ -73,3 +74,13 @@ def test_last_stage_ranks_that_sampled_other_tokens_are_named() -> None:
     assert divergence(outputs, 2) == (
         "Rank 3 sampled other tokens than rank 2 in step 4: the ranks diverged."
     )
+
+
+def test_the_step_output_is_the_output_ranks_once_all_are_checked() -> None:
+    outputs = [_out(4, []), _out(4, [[5]]), _out(4, [[5]])]
+    assert step_output(outputs, 1) is outputs[1]
+    with pytest.raises(ModelExecutionError, match=r"^Step 4 failed in worker rank 0"):
+        step_output([_out(4, [], error="boom"), *outputs[1:]], 1)
+    outputs[2] = _out(4, [[6]])
+    with pytest.raises(WorkerStepProtocolError, match=r"^Rank 2 sampled other tokens"):
+        step_output(outputs, 1)

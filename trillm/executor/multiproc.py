@@ -30,7 +30,6 @@ this process dies (see ``trillm/worker/worker_main.py``).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -39,6 +38,7 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, EngineStartupError, IPCError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
+from trillm.executor.bookkeeping import Lifeline, StepQueue
 from trillm.executor.rank_launch import RankProcess, start_ranks
 from trillm.executor.worker_calls import WorkerCallProtocolError, collect_call_results
 from trillm.executor.worker_exits import WorkerExits
@@ -46,9 +46,8 @@ from trillm.executor.worker_ipc import WorkerIpc, rendezvous_listener
 from trillm.executor.worker_steps import (
     WorkerStepProtocolError,
     collect_step_outputs,
-    divergence,
     micro_batches,
-    raise_model_errors,
+    step_output,
 )
 from trillm.ipc import codec
 from trillm.ipc.control import (
@@ -112,17 +111,13 @@ class MultiprocExecutor(Executor):
         self.processes: list[RankProcess] = []
         self.segment_names: list[str] = []
         self._ipc: WorkerIpc | None = None
-        self._pending: deque[SchedulerOutput] = deque()  # sent, not collected; oldest first
-        self._unsampled: SchedulerOutput | None = None  # sent, its P3 trigger not yet
-        self._max_batches = micro_batches(parallel.pipeline_parallel_size)
-        self._dead: EngineDeadError | None = None
-        self._inflight: set[trio.CancelScope] = set()
+        self._steps: StepQueue[None] = StepQueue(micro_batches(parallel.pipeline_parallel_size))
+        self._life = Lifeline()  # failed: a worker is gone (not a shutdown)
         self._exits = WorkerExits(parallel, self.num_workers)  # what ended a worker, said
         self._stopping = False
         self._started = False
         self._stop = trio.Event()
         self._stopped = trio.Event()
-        self._failed = trio.Event()  # a worker is gone (not a shutdown)
 
     @property
     def num_pipeline_stages(self) -> int:
@@ -130,7 +125,7 @@ class MultiprocExecutor(Executor):
 
     @property
     def max_concurrent_batches(self) -> int:
-        return self._max_batches
+        return self._steps.max_batches
 
     @property
     def ipc(self) -> WorkerIpc:
@@ -181,7 +176,7 @@ class MultiprocExecutor(Executor):
         finally:
             with trio.CancelScope(shield=True):
                 await self._reap(kill=True)
-            self._mark_dead(EngineDeadError("The executor was shut down."))
+            self._life.shut_down()
             ipc.close()
             self._stopped.set()
 
@@ -221,9 +216,7 @@ class MultiprocExecutor(Executor):
 
     async def _stop_workers(self) -> None:
         self._stopping = True
-        was_dead = self._dead is not None
-        self._mark_dead(EngineDeadError("The executor was shut down."))
-        if not was_dead:
+        if self._life.shut_down():
             try:
                 with trio.move_on_after(SHUTDOWN_GRACE_S):
                     await self.ipc.requests.send(codec.encode(Shutdown()))
@@ -240,36 +233,21 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------ failure
 
-    def _mark_dead(self, error: EngineDeadError) -> None:
-        if self._dead is None:
-            self._dead = error
-        for scope in self._inflight:
-            scope.cancel()
-
     def _fail(self, error: EngineDeadError) -> EngineDeadError:
         """A worker is gone: kill the rest, unlink the segments, cancel every in-flight call.
 
         Returns the executor's death error (the first one recorded) for the caller to raise.
         """
-        first = self._dead is None
-        self._mark_dead(error)
-        if first:
-            self._failed.set()
+        if self._life.fail(error):
             self._stopping = True  # the remaining exits are ours
             for proc in self.processes:
                 if proc.returncode is None:
                     proc.kill()
             self.ipc.unlink()
-        return self._death()
+        return self._life.death()
 
     async def wait_failed(self) -> EngineDeadError:
-        await self._failed.wait()
-        return self._death()
-
-    def _death(self) -> EngineDeadError:
-        """A fresh copy of the recorded death error (one instance per raise site)."""
-        dead = self._dead or EngineDeadError("The executor was shut down.")
-        return type(dead)(*dead.args)
+        return await self._life.wait_failed()
 
     async def _guarded(
         self,
@@ -279,43 +257,31 @@ class MultiprocExecutor(Executor):
         *args: Any,
         shield: bool = False,
     ) -> T:
-        """Run ``fn``; cancelled (and EngineDeadError raised) if the executor dies meanwhile.
-
-        ``shield``: the caller's cancellation cannot interrupt ``fn`` (a ring send, which must
-        not leave half a message behind); the executor's death and ``limit_s`` still can.
-        """
+        """Run ``fn``; cancelled (and EngineDeadError raised) if the executor dies meanwhile
+        (``Lifeline.call``)."""
         self.check_health()
-        with trio.CancelScope(shield=shield) as scope:
-            self._inflight.add(scope)
-            try:
-                with trio.fail_after(limit_s if limit_s is not None else float("inf")):
-                    return await fn(*args)
-            except trio.TooSlowError:
-                error = EngineDeadError(f"Workers did not {what} within {limit_s} s.")
-                raise self._fail(error) from None
-            except IPCError as exc:
-                raise self._fail(
-                    EngineDeadError(f"Worker link broken while trying to {what}: {exc}")
-                ) from exc
-            finally:
-                self._inflight.discard(scope)
-        raise self._death()
+        try:
+            with self._life.call(limit_s, shield):
+                return await fn(*args)
+        except trio.TooSlowError:
+            raise self._fail(
+                EngineDeadError(f"Workers did not {what} within {limit_s} s.")
+            ) from None
+        except IPCError as exc:
+            raise self._fail(
+                EngineDeadError(f"Worker link broken while trying to {what}: {exc}")
+            ) from exc
+        raise self._life.death()
 
     def check_health(self) -> None:
-        if self._dead is not None:
-            raise self._death()
-        if self._ipc is None:
-            raise EngineDeadError("The executor has not been started (await nursery.start(run)).")
+        self._life.check(started=self._ipc is not None)
 
     # ------------------------------------------------------------ P2 / P3
 
     async def execute_model(self, sched: SchedulerOutput) -> None:
         self.check_health()
-        if self._unsampled is not None or len(self._pending) >= self._max_batches:
-            raise RuntimeError("execute_model called twice without sample_tokens in between.")
         frame = codec.encode(sched)
-        self._pending.append(sched)
-        self._unsampled = sched
+        self._steps.add(sched, None)
         what = f"take step {sched.step_id}"
         await self._guarded(self.ipc.requests.send, self.step_timeout_s, what, frame, shield=True)
 
@@ -325,34 +291,23 @@ class MultiprocExecutor(Executor):
 
     async def start_sampling(self, req: SampleRequest | None) -> None:
         self.check_health()
-        sched = self._unsampled
-        if sched is None:
-            raise RuntimeError("sample_tokens called without execute_model.")
-        if req is not None and not sched.wait_for_bitmask:
-            raise ValueError("A SampleRequest was given for a step without wait_for_bitmask.")
-        self._unsampled = None
-        if sched.wait_for_bitmask:
-            frame = codec.encode(req or SampleRequest(sched.step_id))
-            what = f"sample step {sched.step_id}"
+        sample = self._steps.start_sampling(req)
+        if sample is not None:
+            what = f"sample step {sample.step_id}"
+            frame = codec.encode(sample)
             await self._guarded(
                 self.ipc.requests.send, self.step_timeout_s, what, frame, shield=True
             )
 
     async def collect_step(self) -> ModelRunnerOutput:
         self.check_health()
-        if not self._pending or self._pending[0] is self._unsampled:
-            raise RuntimeError("collect_step called without a step whose sampling started.")
-        sched = self._pending.popleft()
+        sched, _ = self._steps.collect()
         what = f"answer step {sched.step_id}"
         try:
             outputs = await self._guarded(self._collect, self.step_timeout_s, what, sched.step_id)
+            return step_output(outputs, self.output_rank)
         except WorkerStepProtocolError as exc:
             raise self._fail(EngineDeadError(str(exc))) from None
-        raise_model_errors(outputs)
-        diverged = divergence(outputs, self.output_rank)
-        if diverged is not None:
-            raise self._fail(EngineDeadError(diverged))
-        return outputs[self.output_rank]
 
     async def _collect(self, step_id: int) -> list[ModelRunnerOutput]:
         # NOTE: the rings, not a callback: worker_steps never calls back into this module
@@ -364,7 +319,7 @@ class MultiprocExecutor(Executor):
     async def collective_rpc(
         self, method: str, args: list[Any], kwargs: dict[str, Any]
     ) -> list[Any]:
-        if self._pending:
+        if self._steps.busy:
             raise RuntimeError("collective_rpc called with steps in flight.")
         frame = codec.encode(WorkerCall(method, list(args), dict(kwargs)))
         what = f"answer collective_rpc {method!r}"
@@ -381,4 +336,4 @@ class MultiprocExecutor(Executor):
         self._stop.set()
         if self._ipc is not None:
             await self._stopped.wait()
-        self._mark_dead(EngineDeadError("The executor was shut down."))
+        self._life.shut_down()

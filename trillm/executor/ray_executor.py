@@ -23,7 +23,6 @@ started (``RayCluster.close``).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -32,10 +31,12 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, EngineStartupError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
+from trillm.executor.bookkeeping import Lifeline, StepQueue
 from trillm.executor.multiproc import SHUTDOWN_GRACE_S, STARTUP_TIMEOUT_S, STEP_TIMEOUT_S
 from trillm.executor.ray_cluster import RayCluster, rank_env
+from trillm.executor.worker_calls import call_values
 from trillm.executor.worker_ipc import worker_env
-from trillm.executor.worker_steps import divergence, micro_batches, raise_model_errors
+from trillm.executor.worker_steps import WorkerStepProtocolError, micro_batches, step_output
 from trillm.ipc import codec
 from trillm.ipc.control import (
     InitKVCache,
@@ -48,7 +49,6 @@ from trillm.ipc.control import (
 )
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 from trillm.utils import unwrap_group
-from trillm.worker.worker_rpc import WorkerCallError
 
 T = TypeVar("T")
 
@@ -83,17 +83,15 @@ class RayExecutor(Executor):
         self.cluster = RayCluster(self.world_size, config.device)
         self.worker_pids: list[int] = []  # each rank actor's process
         self.worker_nodes: list[str] = []  # each rank actor's Ray node id
-        # sent, not collected, oldest first: (the step, each message's per-rank result refs)
-        self._pending: deque[tuple[SchedulerOutput, list[list[Any]]]] = deque()
-        self._unsampled: SchedulerOutput | None = None
-        self._max_batches = micro_batches(parallel.pipeline_parallel_size)
-        self._dead: EngineDeadError | None = None
-        self._inflight: set[trio.CancelScope] = set()
+        # with each step in flight: each of its messages' per-rank result refs
+        self._steps: StepQueue[list[list[Any]]] = StepQueue(
+            micro_batches(parallel.pipeline_parallel_size)
+        )
+        self._life = Lifeline()
         self._started = False
         self._stopping = False
         self._stop = trio.Event()
         self._stopped = trio.Event()
-        self._failed = trio.Event()
 
     @property
     def num_pipeline_stages(self) -> int:
@@ -101,7 +99,7 @@ class RayExecutor(Executor):
 
     @property
     def max_concurrent_batches(self) -> int:
-        return self._max_batches
+        return self._steps.max_batches
 
     # ------------------------------------------------------------ service
 
@@ -125,7 +123,7 @@ class RayExecutor(Executor):
             self._stopping = True
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self.cluster.close)
-            self._mark_dead(EngineDeadError("The executor was shut down."))
+            self._life.shut_down()
             self._stopped.set()
 
     async def _start(self, nursery: trio.Nursery) -> None:
@@ -156,10 +154,8 @@ class RayExecutor(Executor):
         return ready
 
     async def _stop_actors(self) -> None:
-        was_dead = self._dead is not None
         self._stopping = True
-        self._mark_dead(EngineDeadError("The executor was shut down."))
-        if not was_dead:
+        if self._life.shut_down():
             with trio.move_on_after(SHUTDOWN_GRACE_S):
                 refs = self._submit(codec.encode(Shutdown()))
                 for ref in refs:
@@ -215,59 +211,36 @@ class RayExecutor(Executor):
 
     # ------------------------------------------------------------ failure
 
-    def _mark_dead(self, error: EngineDeadError) -> None:
-        if self._dead is None:
-            self._dead = error
-        for scope in self._inflight:
-            scope.cancel()
-
     def _fail(self, error: EngineDeadError) -> EngineDeadError:
         """A rank is gone: every in-flight call is cancelled, ``run`` kills the actors."""
-        if self._dead is None:
-            self._failed.set()
+        if self._life.fail(error):
             self._stop.set()
-        self._mark_dead(error)
-        return self._death()
-
-    def _death(self) -> EngineDeadError:
-        dead = self._dead or EngineDeadError("The executor was shut down.")
-        return type(dead)(*dead.args)
+        return self._life.death()
 
     async def wait_failed(self) -> EngineDeadError:
-        await self._failed.wait()
-        return self._death()
+        return await self._life.wait_failed()
 
     def check_health(self) -> None:
-        if self._dead is not None:
-            raise self._death()
-        if not self._started:
-            raise EngineDeadError("The executor has not been started (await nursery.start(run)).")
+        self._life.check(started=self._started)
 
     async def _guarded(self, fn: Callable[..., Awaitable[T]], what: str, *args: Any) -> T:
         """``fn`` cancelled (EngineDeadError raised) if the executor dies or the step timeout
         passes meanwhile."""
         self.check_health()
-        limit = self.step_timeout_s if self.step_timeout_s is not None else float("inf")
-        with trio.CancelScope() as scope:
-            self._inflight.add(scope)
-            try:
-                with trio.fail_after(limit):
-                    return await fn(*args)
-            except trio.TooSlowError:
-                error = EngineDeadError(f"Workers did not {what} within {limit} s.")
-                raise self._fail(error) from None
-            finally:
-                self._inflight.discard(scope)
-        raise self._death()
+        limit = self.step_timeout_s
+        try:
+            with self._life.call(limit):
+                return await fn(*args)
+        except trio.TooSlowError:
+            raise self._fail(EngineDeadError(f"Workers did not {what} within {limit} s.")) from None
+        raise self._life.death()
 
     # ------------------------------------------------------------ P2 / P3
 
     async def execute_model(self, sched: SchedulerOutput) -> None:
         self.check_health()
-        if self._unsampled is not None or len(self._pending) >= self._max_batches:
-            raise RuntimeError("execute_model called twice without sample_tokens in between.")
-        self._pending.append((sched, [self._submit(codec.encode(sched))]))
-        self._unsampled = sched
+        frame = codec.encode(sched)
+        self._steps.add(sched, [self._submit(frame)])
 
     async def sample_tokens(self, req: SampleRequest | None) -> ModelRunnerOutput:
         await self.start_sampling(req)
@@ -275,53 +248,40 @@ class RayExecutor(Executor):
 
     async def start_sampling(self, req: SampleRequest | None) -> None:
         self.check_health()
-        sched = self._unsampled
-        if sched is None:
-            raise RuntimeError("sample_tokens called without execute_model.")
-        if req is not None and not sched.wait_for_bitmask:
-            raise ValueError("A SampleRequest was given for a step without wait_for_bitmask.")
-        self._unsampled = None
-        if sched.wait_for_bitmask:
-            frame = codec.encode(req or SampleRequest(sched.step_id))
-            self._pending[-1][1].append(self._submit(frame))
+        sample = self._steps.start_sampling(req)
+        if sample is not None:
+            self._steps.newest.append(self._submit(codec.encode(sample)))
 
     async def collect_step(self) -> ModelRunnerOutput:
         self.check_health()
-        if not self._pending or self._pending[0][0] is self._unsampled:
-            raise RuntimeError("collect_step called without a step whose sampling started.")
-        sched, submissions = self._pending.popleft()
+        sched, submissions = self._steps.collect()
         what = f"answer step {sched.step_id}"
         replies = await self._guarded(self._replies, what, submissions)
         outputs = [r for r in replies if isinstance(r, ModelRunnerOutput)]
-        if len(outputs) != self.world_size or any(o.step_id != sched.step_id for o in outputs):
-            raise self._fail(
-                EngineDeadError(f"The rank actors answered step {sched.step_id} with {replies}.")
-            )
-        raise_model_errors(outputs)
-        diverged = divergence(outputs, self.output_rank)
-        if diverged is not None:
-            raise self._fail(EngineDeadError(diverged))
-        return outputs[self.output_rank]
+        try:
+            if len(outputs) != self.world_size or any(o.step_id != sched.step_id for o in outputs):
+                raise WorkerStepProtocolError(
+                    f"The rank actors answered step {sched.step_id} with {replies}."
+                )
+            return step_output(outputs, self.output_rank)
+        except WorkerStepProtocolError as exc:
+            raise self._fail(EngineDeadError(str(exc))) from None
 
     async def collective_rpc(
         self, method: str, args: list[Any], kwargs: dict[str, Any]
     ) -> list[Any]:
-        if self._pending:
+        if self._steps.busy:
             raise RuntimeError("collective_rpc called with steps in flight.")
         frame = codec.encode(WorkerCall(method, list(args), dict(kwargs)))
         what = f"answer collective_rpc {method!r}"
         replies = await self._guarded(self._replies, what, [self._submit(frame)])
-        results = [r for r in replies if isinstance(r, WorkerCallResult)]
-        for result in results:
-            if result.error is not None:
-                raise WorkerCallError(f"Worker rank {result.rank}: {result.error}")
-        return [result.value for result in results]
+        return call_values([r for r in replies if isinstance(r, WorkerCallResult)])
 
     async def shutdown(self) -> None:
         self._stop.set()
         if self._started or self.cluster.actors:
             await self._stopped.wait()
-        self._mark_dead(EngineDeadError("The executor was shut down."))
+        self._life.shut_down()
 
 
 async def _wait_ref(ref: Any) -> None:

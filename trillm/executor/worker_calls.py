@@ -29,8 +29,13 @@ async def collect_call_results(
                 f"Worker rank {rank} sent {type(msg).__name__}, expected a call result."
             )
         results[rank] = msg
-    ordered = [results[rank] for rank in range(world_size)]
-    for result in ordered:
+    return call_values([results[rank] for rank in range(world_size)])
+
+
+def call_values(results: list[WorkerCallResult]) -> list[Any]:
+    """Every rank's result, by rank -> their values; a rank's error raises
+    ``WorkerCallError``."""
+    for result in results:
         if result.error is not None:
             raise WorkerCallError(f"Worker rank {result.rank}: {result.error}")
-    return [result.value for result in ordered]
+    return [result.value for result in results]

@@ -86,3 +86,13 @@ def divergence(outputs: list[ModelRunnerOutput], output_rank: int) -> str | None
                 f"{first.step_id}: the ranks diverged."
             )
     return None
+
+
+def step_output(outputs: list[ModelRunnerOutput], output_rank: int) -> ModelRunnerOutput:
+    """The step's output (``output_rank``'s) once every rank's is checked: ModelExecutionError
+    for a failed model step, WorkerStepProtocolError (fatal) for diverged ranks."""
+    raise_model_errors(outputs)
+    diverged = divergence(outputs, output_rank)
+    if diverged is not None:
+        raise WorkerStepProtocolError(diverged)
+    return outputs[output_rank]
