@@ -108,6 +108,7 @@ def test_one_server_span_per_embedded_input(embed_run):
         assert span.resource["service.name"] == "trillm"
         assert not set(SAMPLING) & span.attributes.keys()
         assert span.attributes["gen_ai.usage.completion_tokens"] == 0
+        assert span.attributes["gen_ai.response.finish_reasons"] == '["stop"]'
         assert span.attributes["gen_ai.latency.time_in_model_decode"] == 0
         assert span.end_ns - span.start_ns == round(span.attributes["gen_ai.latency.e2e"] * 1e9)
     embedded = [span_of(spans, f"{embeddings['id']}-{i}") for i in range(len(INPUTS))]

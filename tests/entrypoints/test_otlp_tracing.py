@@ -5,6 +5,7 @@ gRPC), with vLLM's gen_ai.* attributes, the incoming traceparent as parent, and 
 
 from __future__ import annotations
 
+import json
 import sys
 
 import httpx
@@ -111,6 +112,7 @@ def test_request_and_usage_attributes(http_run):
     assert a["gen_ai.request.n"] == 1
     assert a["gen_ai.usage.prompt_tokens"] == chat.usage.prompt_tokens
     assert a["gen_ai.usage.completion_tokens"] == chat.usage.completion_tokens
+    assert a["gen_ai.response.finish_reasons"] == json.dumps([chat.choices[0].finish_reason])
     (streamed,) = by_request(receiver.spans, chunks[0].id)
     usage = chunks[-1].usage
     assert streamed.attributes["gen_ai.usage.prompt_tokens"] == usage.prompt_tokens
@@ -121,6 +123,8 @@ def test_request_and_usage_attributes(http_run):
         completion.usage.completion_tokens
     )
     assert all(s.attributes["gen_ai.request.n"] == 2 for s in samples)
+    reasons = sorted(s.attributes["gen_ai.response.finish_reasons"] for s in samples)
+    assert reasons == sorted(json.dumps([c.finish_reason]) for c in completion.choices)
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ imported only when tracing is on.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ class SpanAttributes:
     REQUEST_TEMPERATURE = "gen_ai.request.temperature"
     REQUEST_TOP_P = "gen_ai.request.top_p"
     REQUEST_N = "gen_ai.request.n"
+    RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
     USAGE_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
     USAGE_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
     TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
@@ -182,6 +184,7 @@ class RequestTrace:
         end = time.time_ns()
         attributes = dict(self.attributes)
         attributes[SpanAttributes.REQUEST_ID] = _request_id(out, index, self.attributes)
+        attributes[SpanAttributes.RESPONSE_FINISH_REASONS] = _finish_reasons(out, index)
         attributes.update(_figures(t))
         span = self.tracer.start_span(
             SPAN_NAME,
@@ -199,6 +202,13 @@ def _request_id(out: RequestOutput, index: int, attributes: dict[str, Any]) -> s
     if attributes.get(SpanAttributes.REQUEST_N, 1) > 1:
         return f"{index}_{out.request_id}"
     return str(out.request_id)
+
+
+def _finish_reasons(out: RequestOutput, index: int) -> str:
+    """vLLM's value: a JSON list of the engine request's one finish reason. A pooling
+    request's output has no sample: vLLM's scheduler stops it once its output exists."""
+    reasons = [str(c.finish_reason) for c in out.outputs if c.index == index and c.finish_reason]
+    return json.dumps(reasons[:1] or ["stop"])
 
 
 def _figures(t: SampleTimes) -> dict[str, Any]:
