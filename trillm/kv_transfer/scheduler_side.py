@@ -136,8 +136,6 @@ def connector_scheduler_cls(twin: type[Scheduler]) -> type[ConnectorSteps]:
 
 
 def connector_scheduler(config: TrillmConfig, num_blocks: int) -> ConnectorSteps:
-    kv = config.kv_transfer
-    assert kv is not None  # the caller checked
     cls = connector_scheduler_cls(get_scheduler_cls())
     logger.info("KV connector: the %s scheduler runs", cls.__name__)
     kv, offload = config.kv_transfer, config.kv_offload
