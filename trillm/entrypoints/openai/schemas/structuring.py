@@ -211,10 +211,11 @@ def _structure_scalar(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, float) and value.is_integer() and -(2.0**63) < value < 2.0**63:
             value = int(value)
         elif isinstance(value, float) and value.is_integer():
-            raise _int64_error(path, "an integer beyond that")  # (its digits: lost in JSON)
+            # (its digits: lost in JSON)
+            raise _int64_error(path, "an integer beyond that", value < 0)
         if isinstance(value, int) and not isinstance(value, bool):
             if not INT64_MIN <= value <= INT64_MAX:
-                raise _int64_error(path, str(value))
+                raise _int64_error(path, str(value), value < 0)
             return value
         raise _type_error(path, "an integer", value)
     if tp is float:
@@ -256,9 +257,13 @@ def _is_json_integer(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int64_error(path: str, shown: str) -> BadRequestError:
+def _int64_error(path: str, shown: str, below: bool) -> BadRequestError:
+    # The bound's pydantic error type ends the message, as in vLLM's 400s, which clients match.
+    kind = "greater_than_equal" if below else "less_than_equal"
     return BadRequestError(
-        f"'{path}' must be a 64-bit integer, from {INT64_MIN} to {INT64_MAX}; got {shown}.", path
+        f"'{path}' must be a 64-bit integer, from {INT64_MIN} to {INT64_MAX}; got {shown} "
+        f"({kind}).",
+        path,
     )
 
 
