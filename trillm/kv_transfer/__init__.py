@@ -7,4 +7,8 @@
 ``scheduler_side.py`` extends either scheduler twin to ask a connector
 for a waiting request's external tokens. ``trillm/entrypoints/disagg_proxy.py`` puts a
 prefill (kv_producer) and a decode (kv_consumer) instance behind one address.
+
+The KV offload tier (vLLM's ``--kv-offloading-size``) is a connector on the same machinery:
+``offload.py`` (scheduler side), ``offload_worker.py`` (worker side), ``offload_fit.py`` and
+``offload_config.py`` (the flags); ``worker_side.py`` picks the worker's connector.
 """
