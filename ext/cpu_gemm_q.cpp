@@ -45,8 +45,10 @@
 // `vpdpbusd` multiplies as it is (int8 path), two shifts sign-extend one k of it (fp32 path).
 // Work items: (block of rows, run of panel pairs) on the shared pool; the summation order per
 // output is fixed, so results do not depend on the thread count.
-// `supported()` is false without AVX512F/BW/VL (checked at run time): callers then dequantize
-// and call torch (kernels/linear_q_cpu.py).
+// On CPUs without AVX512F/BW/VL an AVX2 / FMA / F16C kernel over the same layout runs instead
+// (cpu_gemm_q_avx2.h; `set_isa` picks either where both run); `supported()` is false without
+// AVX2 / FMA / F16C (checked at run time): callers then dequantize and call torch
+// (kernels/linear_q_cpu.py).
 #include <pybind11/pybind11.h>
 
 #include <immintrin.h>
@@ -56,6 +58,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "cpu_common.h"
@@ -338,6 +341,34 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
 }
 
 #include "cpu_gemm_q_vnni.h"
+#include "cpu_gemm_q_avx2.h"
+
+enum class Isa { kAvx512, kAvx2 };
+
+// The kernel `linear` runs: AVX-512 where the CPU has it, unless set_isa chose AVX2.
+Isa& isa() {
+  static Isa chosen = cpu_has_avx512() ? Isa::kAvx512 : Isa::kAvx2;
+  return chosen;
+}
+
+void set_isa(const std::string& name) {
+  if (name == "avx2" && cpu_has_avx2_f16c()) {
+    isa() = Isa::kAvx2;
+  } else if (name == "avx512" && cpu_has_avx512()) {
+    isa() = Isa::kAvx512;
+  } else if (name == "avx2" || name == "avx512") {
+    throw std::runtime_error("quantized GEMM: this CPU cannot run the " + name + " kernel");
+  } else {
+    throw std::invalid_argument("quantized GEMM: isa must be 'avx2' or 'avx512'");
+  }
+}
+
+std::string get_isa() { return isa() == Isa::kAvx512 ? "avx512" : "avx2"; }
+
+bool supported() { return cpu_has_avx512() || cpu_has_avx2_f16c(); }
+
+// int8 activations run on the AVX-512 kernel only (vpdpbusd).
+bool int8_supported() { return cpu_has_vnni() && isa() == Isa::kAvx512; }
 
 template <int R, int QT, bool Int8>
 void run_tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t* p1, int col) {
@@ -389,12 +420,12 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
 void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packed, int qtype,
             int N, uintptr_t bias, uintptr_t y, bool y_bf16, int64_t ldy, int num_threads,
             bool int8_activations) {
-  static const bool ok = cpu_has_avx512();
-  static const bool vnni = cpu_has_vnni();
-  if (!ok) throw std::runtime_error("cpu_gemm_q needs a CPU with AVX512F/BW/VL");
+  static const bool ok = supported();
+  if (!ok) throw std::runtime_error("cpu_gemm_q needs a CPU with AVX512F/BW/VL or AVX2/FMA/F16C");
   record_bytes(qtype);  // validates the type
-  if (int8_activations && !vnni)
+  if (int8_activations && !int8_supported())
     throw std::invalid_argument("quantized GEMM: int8 activations need AVX512-VNNI");
+  const bool wide = isa() == Isa::kAvx512;
   if (M < 0 || N <= 0 || K <= 0 || K % kBlock != 0)
     throw std::invalid_argument("quantized GEMM: bad shape (K must be a multiple of 32)");
   if (M == 0) return;
@@ -440,18 +471,24 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
     const int m0 = rb * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
     const int first = static_cast<int>(static_cast<int64_t>(pairs) * run / runs);
     const int last = static_cast<int>(static_cast<int64_t>(pairs) * (run + 1) / runs);
-    for (int pair = first; pair < last; ++pair) run_pair(g, m0, m1, pair);
+    for (int pair = first; pair < last; ++pair)
+      wide ? run_pair(g, m0, m1, pair) : run_pair_avx2(g, m0, m1, pair);
   });
 }
 
 }  // namespace
 
 void register_cpu_gemm_q(py::module_& m) {
-  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K/Q4_G/Q4_KM/Q5_KM block-quantized weights (AVX-512).";
+  m.doc() = "GEMM with Q4_0/Q4_1/Q8_0/Q4_K/Q6_K/Q4_G/Q4_KM/Q5_KM block-quantized weights "
+            "(AVX-512, or AVX2/FMA/F16C).";
   m.attr("PANEL") = kCols;
   m.attr("BLOCK") = kBlock;
-  m.def("supported", &cpu_has_avx512, "Whether this CPU has AVX512F/BW/VL.");
-  m.def("supports_int8_activations", &cpu_has_vnni, "Whether this CPU has AVX512-VNNI too.");
+  m.def("supported", &supported, "Whether this CPU has AVX512F/BW/VL or AVX2/FMA/F16C.");
+  m.def("supports_int8_activations", &int8_supported,
+        "Whether int8 activations run: AVX512-VNNI and the AVX-512 kernel in use.");
+  m.def("set_isa", &set_isa, py::arg("isa"),
+        "The kernel to use: 'avx512' (the default where the CPU has AVX512F/BW/VL) or 'avx2'.");
+  m.def("get_isa", &get_isa, "The kernel in use: 'avx512' or 'avx2'.");
   m.def("num_panels", &num_panels, py::arg("n"));
   m.def("record_bytes", &record_bytes, py::arg("qtype"));
   trillm_cpu::def_kernel(m, "linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),

@@ -27,15 +27,19 @@ x fp32 or bf16, output fp32 or bf16, fp32 sums, the numerics of dequantize-then-
 (``quantize_activations``) and multiplies by integer dot products (``vpdpbusd``, CPUs with
 AVX512-VNNI): the numerics of ``F.linear(quantize_activations(x), dequantize(W))``.
 
-Without the kernel (not built, ``TRILLM_NO_EXTENSIONS=1``, no AVX-512; for int8 activations, no
-VNNI) ``linear`` dequantizes the weight in torch on each call and uses ``F.linear`` (slow, but
-the weight stays quantized in memory). ``dequantize`` is also the reference the kernel is tested
-against.
+The kernel is AVX-512's where the CPU has AVX512F/BW/VL, else an AVX2 / FMA / F16C one over the
+same layout (``ext/cpu_gemm_q_avx2.h``: fp32 activations only); ``isa()`` says which, ``use_isa``
+switches (tests, benchmarks). Without either (not built, ``TRILLM_NO_EXTENSIONS=1``, no AVX2 /
+FMA / F16C; for int8 activations, no VNNI or the AVX2 kernel in use) ``linear`` dequantizes the
+weight in torch on each call and uses ``F.linear`` (slow, but the weight stays quantized in
+memory). ``dequantize`` is also the reference the kernel is tested against.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from types import ModuleType
 
 import numpy as np
@@ -92,10 +96,12 @@ __all__ = [
     "available",
     "dequantize",
     "int8_available",
+    "isa",
     "linear",
     "quantize_activations",
     "unpack_ggml",
     "use_int8",
+    "use_isa",
 ]
 
 
@@ -111,9 +117,37 @@ def available() -> bool:
 
 
 def int8_available() -> bool:
-    """Whether ``linear(..., int8_activations=True)`` runs natively (AVX512-VNNI)."""
+    """Whether ``linear(..., int8_activations=True)`` runs natively (AVX512-VNNI, the AVX-512
+    kernel in use)."""
     ext = _ext() if native_available("cpu_kernels") else None
     return ext is not None and bool(ext.supports_int8_activations())
+
+
+def _require() -> ModuleType:
+    ext = _ext()
+    if ext is None:
+        raise RuntimeError("quantized GEMM: trillm._ext.cpu_kernels not built or no AVX2/FMA/F16C.")
+    return ext
+
+
+def isa() -> str:
+    """The kernel in use: ``"avx512"`` (the default where the CPU has AVX512F/BW/VL) or
+    ``"avx2"``; RuntimeError without either."""
+    return str(_require().get_isa())
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Run the kernel ``name`` (``"avx2"`` or ``"avx512"``) inside the block, process-wide;
+    ValueError for another name, RuntimeError where the CPU lacks it."""
+    ext, before = _require(), isa()
+    if name not in ("avx2", "avx512"):
+        raise ValueError(f"use_isa: {name!r} is not 'avx2' or 'avx512'.")
+    ext.set_isa(name)
+    try:
+        yield
+    finally:
+        ext.set_isa(before)
 
 
 # benchmarks/kernels/q4_int8.py (benchmarks/archive/RESULTS-journal.md), SmolLM2's Q4_1 GEMMs: int8 1.2-1.3x faster at 16 rows,

@@ -2,10 +2,13 @@
 
 The repacked layout is checked against the gguf package's own dequantizer (an independent
 reader of GGML blocks); the native kernel against dequantize-then-F.linear on random blocks,
-edge shapes included; the portable path (no extension) against the same reference.
+edge shapes included, each kernel this CPU runs (AVX-512's, and the AVX2 one everywhere: the
+``isa`` fixture); the portable path (no extension) against the same reference.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -17,9 +20,39 @@ from trillm.kernels import linear_q_cpu, q_panels
 from trillm.testing.gguf_models import random_kquant_blocks
 
 QTYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
-needs_kernel = pytest.mark.skipif(
-    not linear_q_cpu.available(), reason="trillm._ext.cpu_kernels not built or no AVX-512"
-)
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request):
+    """Each kernel this CPU runs: AVX-512's where it has AVX512F/BW/VL, the AVX2 one anywhere."""
+    if not linear_q_cpu.available():
+        pytest.skip("trillm._ext.cpu_kernels not built or no AVX2/FMA/F16C")
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(linear_q_cpu.use_isa(request.param))
+        except RuntimeError as err:  # this CPU lacks it
+            pytest.skip(str(err))
+        yield request.param
+
+
+def test_the_kernel_runs_on_every_avx2_cpu():
+    # torch's own dispatch level: "AVX2" on an AVX2/FMA CPU (F16C with it on every such x86
+    # CPU), "AVX512" with AVX-512; the native kernel must run on both, not fall back to torch.
+    from trillm._native import native_module
+
+    if native_module("cpu_kernels") is None:
+        pytest.skip("trillm._ext.cpu_kernels not built")
+    level = torch.backends.cpu.get_cpu_capability()
+    if level not in ("AVX2", "AVX512"):
+        pytest.skip(f"torch reports {level}")
+    assert linear_q_cpu.available()
+    assert linear_q_cpu.isa() == ("avx512" if level == "AVX512" else "avx2")
+    with linear_q_cpu.use_isa("avx2"):
+        assert linear_q_cpu.isa() == "avx2"
+        assert not linear_q_cpu.int8_available()  # int8 activations: the AVX-512 kernel only
+    with pytest.raises(ValueError, match="'avx2' or 'avx512'"):
+        with linear_q_cpu.use_isa("sse"):
+            pass
 
 
 def _weight(qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0):
@@ -54,15 +87,13 @@ def _check(qtype, m, n, k, x_dtype, out_dtype, bias):
         torch.testing.assert_close(got, ref, atol=2e-4 * k**0.5, rtol=1e-4)
 
 
-@needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 64])
 @pytest.mark.parametrize("n", [1, 15, 33, 70])
-def test_kernel_matches_dequantize_then_matmul(qtype, m, n):
+def test_kernel_matches_dequantize_then_matmul(qtype, m, n, isa):
     _check(qtype, m, n, 64, torch.float32, torch.float32, bias=n % 2 == 1)
 
 
-@needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(
     ("x_dtype", "out_dtype"),
@@ -72,13 +103,12 @@ def test_kernel_matches_dequantize_then_matmul(qtype, m, n):
         (torch.bfloat16, torch.float32),
     ],
 )
-def test_kernel_bf16_activations_and_outputs(qtype, x_dtype, out_dtype):
+def test_kernel_bf16_activations_and_outputs(qtype, x_dtype, out_dtype, isa):
     _check(qtype, 9, 37, 128, x_dtype, out_dtype, bias=True)
 
 
-@needs_kernel
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
-def test_kernel_large_threaded_call_and_strided_rows(qtype):
+def test_kernel_large_threaded_call_and_strided_rows(qtype, isa):
     # Over the 1-MFLOP threshold: several threads, row blocks of 64 and a remainder tile.
     _check(qtype, 131, 96, 576, torch.float32, torch.float32, bias=False)
     raw, w = _weight(qtype, 40, 64)
@@ -249,17 +279,15 @@ def _check_kquant(type_name, m, n, k, int8, out_dtype=torch.float32, bias=False)
         torch.testing.assert_close(got, ref, atol=2e-4 * k**0.5, rtol=1e-4)
 
 
-@needs_kernel
 @pytest.mark.parametrize("type_name", list(KQUANTS))
 @pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 131])
 @pytest.mark.parametrize("n", [15, 70])
-def test_kquant_kernel_matches_dequantize_then_matmul(type_name, m, n):
+def test_kquant_kernel_matches_dequantize_then_matmul(type_name, m, n, isa):
     _check_kquant(type_name, m, n, 512 if m == 131 else 256, int8=False, bias=n % 2 == 1)
 
 
-@needs_kernel
 @pytest.mark.parametrize("type_name", ["Q3_K", "Q5_K", "Q2_K"])
-def test_repacked_kquant_kernel_bf16_and_strided_rows(type_name):
+def test_repacked_kquant_kernel_bf16_and_strided_rows(type_name, isa):
     _check_kquant(type_name, 9, 37, 256, int8=False, out_dtype=torch.bfloat16, bias=True)
     raw, w = _kquant_weight(type_name, 33, 256, seed=4)
     weight = linear_q_cpu.QuantizedWeight(raw, KQUANTS[type_name][0], 33, 256)
@@ -333,3 +361,49 @@ def test_q5_k_q3_k_int8_kernel_at_the_extremes(type_name):
     torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
     fp32 = linear_q_cpu.linear(x, weight)  # the fp32 path at the same extremes
     torch.testing.assert_close(fp32.double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q5_K", "Q3_K"])
+def test_kquant_fp32_kernel_at_the_extremes(type_name, isa):
+    # The largest values each form holds (Q6_K: q = -32, scale -128; Q5_K: q = 31 through the
+    # fifth-bit mask, scale and minimum 63; Q3_K: q = -4, scale -32, stored as 0 with the minimum
+    # -128) in three columns, random blocks in the rest, d = dmin = 1, x on the int8 grid: every
+    # product is an integer, so the kernel's sums may differ from the exact ones by fp32's
+    # summation bound alone (K roundings of 2^-24 of sum |x w|); one wrong bit or overflow would
+    # cost at least 16 * 127 * 63 (Q5_K), far beyond it.
+    rng = np.random.default_rng(13)
+    n, k = 20, 512
+    size, d_at, top = {
+        "Q6_K": (210, (208,), 0),
+        "Q5_K": (176, (0, 2), 0xFF),
+        "Q3_K": (110, (108,), 0),
+    }[type_name]
+    blocks = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    blocks[:3] = top
+    if type_name == "Q6_K":
+        blocks[:3, :, 192:208] = 0x80  # scales -128
+    for at in d_at:
+        blocks[:, :, at : at + 2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    weight = linear_q_cpu.QuantizedWeight(blocks.reshape(n, -1), KQUANTS[type_name][0], n, k)
+    w = linear_q_cpu.dequantize(weight).double()
+    assert float(w[0, 0]) == {"Q6_K": -32 * -128, "Q5_K": 63 * 31 - 63, "Q3_K": 128}[type_name]
+    x = torch.from_numpy(rng.integers(-127, 128, (5, k)).astype(np.float32))
+    x[2] = -127.0
+    for rows in (x[:1], x):  # the one-row path and the dequantized one
+        ref = F.linear(rows.double(), w)
+        bound = k * 2.0**-24 * F.linear(rows.double().abs(), w.abs())
+        assert bool(((linear_q_cpu.linear(rows, weight).double() - ref).abs() <= bound).all())
+
+
+def test_kernel_results_do_not_depend_on_the_thread_count(isa):
+    raw, _ = _weight(GGMLQuantizationType.Q4_1, 70, 576)
+    weight = linear_q_cpu.QuantizedWeight(raw, int(GGMLQuantizationType.Q4_1), 70, 576)
+    x = torch.randn(131, 576, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = linear_q_cpu.linear(x, weight)
+        torch.set_num_threads(2)
+        assert torch.equal(linear_q_cpu.linear(x, weight), alone)
+    finally:
+        torch.set_num_threads(threads)
