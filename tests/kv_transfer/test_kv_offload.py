@@ -36,13 +36,13 @@ SHARED = {"kv_connector": "SharedStorageConnector", "kv_role": "kv_both"}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _engine(path: str, **kwargs) -> LLM:
+def _engine(path: str, executor: str = "uni", **kwargs) -> LLM:
     return LLM(
         path,
         max_model_len=256,
         num_gpu_blocks_override=CACHE_BLOCKS,
         block_size=BLOCK,
-        distributed_executor_backend="uni",
+        distributed_executor_backend=executor,
         **kwargs,
     )
 
@@ -101,7 +101,8 @@ def test_a_preempted_request_loads_its_blocks_from_the_tier(tiny_model_factory):
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, logprobs=0)
     rounds = ([A, A2],)  # 100 + 95 prompt tokens growing by 120 each: 20 blocks run out
     plain, plain_stats = _run(_engine(path), rounds, params)
-    outs, stats = _run(_engine(path, kv_offloading_size=0.01), rounds, params)
+    # a worker process: the steps' loads and saves cross the ring (codec)
+    outs, stats = _run(_engine(path, "mp", kv_offloading_size=0.01), rounds, params)
     assert plain_stats.num_preemptions > 0 and stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [p.outputs[0].token_ids for p in plain]
     assert stats.external_prefix_cache_hits > 0  # the preempted one's blocks came back
