@@ -1,4 +1,4 @@
-"""vLLM's own server tests (``tests/entrypoints/openai`` in vLLM's repository) run against
+"""vLLM's own server tests (``tests/entrypoints/openai`` and ``serve`` in vLLM's repository) run against
 ``trillm serve`` -- or, with ``--server vllm``, against vLLM's CPU build as the control -- on
 SmolLM2-135M-Instruct, with every model name the tests use mapped to that folder.
 
@@ -24,6 +24,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,19 +40,24 @@ CACHE = Path.home() / ".cache"
 DEFAULT_MODEL = CACHE / "trillm-eagle" / "smollm2-135m-instruct"
 DEFAULT_VLLM_VENV = CACHE / "trillm-peer" / "vllm-venv"
 
-# Files under tests/entrypoints/openai that start a server on a text chat model (paths as in
+# Files under tests/entrypoints/openai (``serve/...``: tests/entrypoints/serve) that start a
+# server on a text chat model (paths as in
 # vLLM's tree, ``file::test`` for one test of a file); each runs when the export has it.
 CHOSEN = [
     "basic/test_basic.py",
     "basic/test_return_token_ids.py",
+    "chat_completion/test_chat.py",
     "chat_completion/test_chat_echo.py",
     "chat_completion/test_chat_logit_bias_validation.py",
     "chat_completion/test_chat_stop_token_ids_validation.py",
     "chat_completion/test_enable_force_include_usage.py",
     "chat_completion/test_root_path.py",
+    "completion/test_completion.py",
     "completion/test_prompt_validation.py::test_empty_prompt",
     "completion/test_prompt_validation.py::test_out_of_vocab_token_ids",
     "completion/test_usage_policy.py",
+    "serve/instrumentator/test_orca_metrics.py",
+    "serve/tokenize/test_tokenization.py",
 ]
 # Files left out, and why (recorded in the results).
 NOT_RUN = {
@@ -67,7 +73,27 @@ NOT_RUN = {
     "chat_completion/test_harmony.py": "needs gpt-oss (harmony format)",
     "correctness/test_lmeval.py": "accuracy run on a GPU-sized model",
     "correctness/test_transcription_api_correctness.py": "needs Whisper",
+    "chat_completion/test_chat.py::test_chat_completion_request_n_parameter_*": (
+        "7 in-process tests of vLLM's ChatCompletionRequest.to_sampling_params and "
+        "VLLM_MAX_N_SEQUENCES, no server (not exported)"
+    ),
+    "serve/dev/**": "VLLM_SERVER_DEV_MODE routes for RL: sleep levels on a GPU (cumem), weight "
+    "transfer over NCCL, routed experts of MoE models, multi-GPU",
+    "serve/instrumentator/test_health.py": "drives vLLM's health route in process with mocks",
+    "serve/middleware/test_x_request_id.py": "drives vLLM's middleware class in process",
+    "serve/middleware/**, serve/exception_handl*/**": "most drive vLLM's FastAPI middleware and "
+    "exception handlers in process (TestClient); not yet exported",
+    "serve/disagg/**, serve/elastic_ep/**, serve/grpc/**, serve/kv_events/**, serve/snapshot/**, "
+    "serve/steering/**, serve/sagemaker/**, serve/render/**": "vLLM internals (disaggregated "
+    "prefill, expert-parallel scaling, gRPC, KV events, steering, SageMaker handlers, the "
+    "render server); not yet exported",
+    "serve/lora/**, serve/tokenize/test_serving_tokenization.py": "in-process serving classes "
+    "or Hub LoRA adapters of other models; not yet exported",
 }
+# LoRA adapters the tests download by hub id: each becomes a snapshot of a rank-8 adapter of the
+# SmolLM2 folder (q_proj / v_proj, seeded random weights) that ``make_lora`` writes.
+LORA_REPOS = ["typeof/zephyr-7b-beta-lora"]
+LORA_RANK = 8
 # Lines of the shim's own exception, not the server's log.
 SHIM_LINES = r"Server exited|did not become ready|^\S+\.py:\d+: \w+$"
 MODEL_NAME_RE = re.compile(r"""(?:MODEL_NAME|model_name|MODEL)\s*=\s*["']([\w.-]+/[\w.-]+)["']""")
@@ -75,10 +101,20 @@ MODEL_NAME_RE = re.compile(r"""(?:MODEL_NAME|model_name|MODEL)\s*=\s*["']([\w.-]
 
 def export_files(tests_dir: Path, files: list[str]) -> tuple[list[str], dict[str, str]]:
     """The chosen files the export holds, and the reason for each one it lacks."""
-    base = tests_dir / "tests" / "entrypoints" / "openai"
-    present = [f for f in files if (base / f.split("::")[0]).is_file()]
+    present = [f for f in files if (tests_dir / vllm_path(f)).is_file()]
     missing = {f: "not in the export" for f in files if f not in present}
     return present, missing
+
+
+def vllm_path(rel: str, whole: bool = True) -> str:
+    """Where ``rel`` lies in vLLM's tree: ``serve/...`` under tests/entrypoints, the rest under
+    tests/entrypoints/openai; ``whole`` drops a ``::test`` suffix."""
+    rel = rel.split("::")[0] if whole else rel
+    return (
+        f"tests/entrypoints/{rel}"
+        if rel.startswith("serve/")
+        else f"tests/entrypoints/openai/{rel}"
+    )
 
 
 def make_run_root(tests_dir: Path, hub: Path) -> Path:
@@ -106,11 +142,39 @@ def map_names(root: Path, files: list[str], model_dir: Path, hub: Path) -> list[
 
     names = set()
     for f in files:
-        text = (root / "tests/entrypoints/openai" / f.split("::")[0]).read_text()
+        text = (root / vllm_path(f)).read_text()
         names.update(MODEL_NAME_RE.findall(text))
     for name in sorted(names):
         map_model_name(name, model_dir, hub)
     return sorted(names)
+
+
+def make_lora(model_dir: Path, out: Path) -> Path:
+    """A PEFT LoRA adapter (rank ``LORA_RANK`` on q_proj and v_proj of every layer, seeded random
+    A and B so that it changes the outputs) for the model in ``model_dir``, written once."""
+    if (out / "adapter_model.safetensors").is_file():
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    widths = {"q_proj": heads * head_dim, "v_proj": cfg["num_key_value_heads"] * head_dim}
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for proj, width in widths.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(LORA_RANK, hidden, generator=gen) * 0.02
+            tensors[f"{key}.lora_B.weight"] = torch.randn(width, LORA_RANK, generator=gen) * 0.02
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 16,
+               "target_modules": sorted(widths), "bias": "none", "lora_dropout": 0.0,
+               "base_model_name_or_path": str(model_dir), "fan_in_fan_out": False}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(adapter, indent=1))
+    return out
 
 
 def server_cmd(args: argparse.Namespace) -> str:
@@ -123,18 +187,20 @@ def server_cmd(args: argparse.Namespace) -> str:
 def run_file(args: argparse.Namespace, root: Path, rel: str, env: dict[str, str]) -> dict[str, Any]:
     junit = root / "junit" / (re.sub(r"[/:]", "_", rel) + ".xml")
     cmd = [
-        str(args.client_python), "-m", "pytest", f"tests/entrypoints/openai/{rel}",
+        str(args.client_python), "-m", "pytest", vllm_path(rel, whole=False),
         "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:xdist",
-        f"--junitxml={junit}", "-o", "junit_family=xunit1",
+        f"--junitxml={junit}", "-o", "junit_family=xunit1", *shlex.split(args.pytest_args),
     ]  # fmt: skip
     t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run(
-            cmd, cwd=root, env=env, capture_output=True, text=True, timeout=args.file_timeout
-        )
-        tail = proc.stdout[-3000:]
+        tail = proc.communicate(timeout=args.file_timeout)[0][-3000:]
     except subprocess.TimeoutExpired:
-        tail = f"timed out after {args.file_timeout} s"
+        # Ctrl-C, not a kill: pytest then tears its server down and still writes the JUnit
+        # file with the tests done so far (the rest are left out of the results).
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=120)[0]
+        tail = f"timed out after {args.file_timeout} s (interrupted)\n" + out[-3000:]
     tests = parse_junit(junit, rel) if junit.is_file() else []
     return {"file": rel, "seconds": round(time.monotonic() - t0, 1), "tests": tests, "tail": tail}
 
@@ -142,6 +208,8 @@ def run_file(args: argparse.Namespace, root: Path, rel: str, env: dict[str, str]
 def parse_junit(path: Path, rel: str) -> list[dict[str, str]]:
     out = []
     for case in ET.parse(path).getroot().iter("testcase"):
+        if case.get("name") is None:  # the test an interrupt stopped midway
+            continue
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
             node = case.find(tag)
@@ -230,9 +298,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--client-python", type=Path, default=None,
                    help="python that runs pytest (default: the vLLM venv's, else this one)")  # fmt: skip
     p.add_argument(
-        "--files", nargs="*", default=CHOSEN, help="paths under tests/entrypoints/openai"
+        "--files",
+        nargs="*",
+        default=CHOSEN,
+        help="paths under tests/entrypoints/openai (serve/...: tests/entrypoints/serve)",
     )
     p.add_argument("--file-timeout", type=int, default=900)
+    p.add_argument("--pytest-args", default="",
+                   help="more pytest arguments, e.g. -k EXPR to resume an interrupted file")  # fmt: skip
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--compare", type=Path, nargs=2, metavar=("TRILLM_JSON", "VLLM_JSON"),
                    help="no run: write the two runs' outcomes side by side to --out (markdown)")  # fmt: skip
@@ -253,6 +326,12 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="vllm-tests-hub-"))
     root = make_run_root(args.tests_dir, scratch / "hub")
     names = map_names(root, files, args.model, scratch / "hub")
+    lora_dir = make_lora(args.model, scratch / "lora")
+    sys.path.insert(0, str(HERE))
+    from vllm_test_shim import map_model_name
+
+    for repo in LORA_REPOS:
+        map_model_name(repo, lora_dir, scratch / "hub")
     env = {
         **os.environ,
         "PYTHONPATH": str(root),

@@ -44,6 +44,7 @@ E   trillm: error: unrecognized arguments: --x
 
 tests/utils.py:127: RuntimeError</error></testcase>
 <testcase classname="t" name="test_skip"><skipped message="needs a GPU" /></testcase>
+<testcase time="0.000" />
 </testsuite></testsuites>
 """
 
@@ -81,3 +82,31 @@ def test_compare_lists_what_passes_on_vllm_only_first(tmp_path):
         "| `a::t1` | passed | passed | trillm passed |",
         "| `a::t2` | failed | error | trillm error |",
     ]
+
+
+def test_serve_paths_lie_beside_openai():
+    assert vllm_server_tests.vllm_path("serve/tokenize/t.py::x") == (
+        "tests/entrypoints/serve/tokenize/t.py"
+    )
+    assert vllm_server_tests.vllm_path("basic/t.py::x", whole=False) == (
+        "tests/entrypoints/openai/basic/t.py::x"
+    )
+
+
+def test_the_lora_adapter_fits_the_model(tmp_path):
+    from safetensors.torch import load_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (model / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
+    out = vllm_server_tests.make_lora(model, tmp_path / "lora")
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["peft_type"] == "LORA" and adapter["target_modules"] == ["q_proj", "v_proj"]
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 2 * 2  # layers x projections x (A, B)
+    attn = "base_model.model.model.layers.1.self_attn"
+    rank = vllm_server_tests.LORA_RANK
+    assert tensors[f"{attn}.q_proj.lora_A.weight"].shape == (rank, 64)
+    assert tensors[f"{attn}.q_proj.lora_B.weight"].shape == (64, rank)
+    assert tensors[f"{attn}.v_proj.lora_B.weight"].shape == (32, rank)  # 2 kv heads x 16
