@@ -5,14 +5,15 @@ the limit."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import openai
 import pytest
 from llama4_reference import IMAGE, hf_greedy
 from llava_reference import chat_text, data_url, image, png
-from server_harness import ServerProcess
+from mm_http import greedy_chat, openai_server
 
 NAME = "tiny-llama4-vision"
-MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +29,10 @@ def client(path, tmp_path_factory):
     args = [path, "--served-model-name", NAME, "--max-model-len", "256"]
     args += ["--kv-cache-memory", "8MiB", "--max-num-batched-tokens", "16"]
     args += ["--limit-mm-per-prompt", '{"image": 2}', "--distributed-executor-backend", "uni"]
-    srv = ServerProcess(args, log).start()
-    with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0) as client:
-        yield client
-    assert srv.stop() == 0, srv.log()
+    yield from openai_server(args, log)
 
 
-def chat(client, parts):
-    return client.chat.completions.create(
-        model=NAME,
-        messages=[{"role": "user", "content": parts}],
-        max_tokens=MAX_NEW,
-        temperature=0.0,
-        extra_body={"return_token_ids": True, "ignore_eos": True},
-    )
+chat = partial(greedy_chat, model=NAME)
 
 
 def test_image_url_parts_are_greedy_exact(client, path):

@@ -9,12 +9,11 @@ import numpy as np
 import openai
 import pytest
 from llava_reference import chat_text, data_url, image, png
+from mm_http import MAX_NEW, greedy_chat, openai_server
 from onevision_reference import IMAGE, VIDEO, hf_greedy, hf_video_greedy
-from server_harness import ServerProcess
 from video_files import decoded, mp4, video_data_url
 
 NAME = "tiny-onevision"
-MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +29,11 @@ def client(path, tmp_path_factory):
     args = [path, "--served-model-name", NAME, "--max-model-len", "512"]
     args += ["--kv-cache-memory", "8MiB", "--max-num-batched-tokens", "32"]
     args += ["--limit-mm-per-prompt", '{"image": 2}', "--distributed-executor-backend", "uni"]
-    srv = ServerProcess(args, log).start()
-    with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0) as client:
-        yield client
-    assert srv.stop() == 0, srv.log()
+    yield from openai_server(args, log)
 
 
 def chat(client, parts, **extra):
-    return client.chat.completions.create(
-        model=NAME,
-        messages=[{"role": "user", "content": parts}],
-        max_tokens=MAX_NEW,
-        temperature=0.0,
-        extra_body={"return_token_ids": True, "ignore_eos": True, **extra},
-    )
+    return greedy_chat(client, parts, model=NAME, extra_body=extra)
 
 
 def test_two_images_of_different_aspect_ratios_are_greedy_exact(client, path):

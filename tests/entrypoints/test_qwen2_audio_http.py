@@ -8,16 +8,16 @@ the same end as alone."""
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import httpx
 import openai
 import pytest
 from image_server import ImageServer
+from mm_http import MAX_NEW, greedy_chat, openai_server
 from qwen2_audio_reference import AUDIO, b64, hf_greedy, tone, wav_bytes
-from server_harness import ServerProcess
 
 NAME = "tiny-qwen2-audio"
-MAX_NEW = 8
 CLIP = tone(21, 0.7)
 WAV = wav_bytes(CLIP)
 TEXT = f"<|im_start|>user\nAudio 1: {AUDIO}\nWhat is it?<|im_end|>\n<|im_start|>assistant\n"
@@ -46,23 +46,10 @@ def client(path, media, tmp_path_factory):
     args += ["--distributed-executor-backend", "uni", "--max-num-batched-tokens", "16"]
     args += ["--allowed-local-media-path", str(media[1])]
     args += ["--allowed-media-domains", "127.0.0.1"]
-    srv = ServerProcess(args, log).start()
-    with openai.OpenAI(
-        base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120
-    ) as client:
-        yield client
-    assert srv.stop() == 0, srv.log()
+    yield from openai_server(args, log, timeout=120)
 
 
-def chat(client, parts, max_tokens=MAX_NEW, **kwargs):
-    return client.chat.completions.create(
-        model=NAME,
-        messages=[{"role": "user", "content": parts}],
-        max_tokens=max_tokens,
-        temperature=0.0,
-        extra_body={"return_token_ids": True, "ignore_eos": True},
-        **kwargs,
-    )
+chat = partial(greedy_chat, model=NAME)
 
 
 def input_audio(data: str, fmt: str = "wav") -> dict:

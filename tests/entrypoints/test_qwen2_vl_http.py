@@ -5,14 +5,15 @@ a data: URL image is greedy-exact vs transformers (its part rendered as
 
 from __future__ import annotations
 
+from functools import partial
+
 import openai
 import pytest
 from llava_reference import data_url, image, png
+from mm_http import MAX_NEW, greedy_chat, openai_server
 from qwen2_vl_reference import IMAGE, hf_greedy
-from server_harness import ServerProcess
 
 NAME = "tiny-qwen2.5-vl"
-MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +29,10 @@ def client(path, tmp_path_factory):
     args = [path, "--served-model-name", NAME, "--max-model-len", "256"]
     args += ["--kv-cache-memory", "8MiB", "--max-num-seqs", "4"]
     args += ["--distributed-executor-backend", "uni", "--max-num-batched-tokens", "16"]
-    srv = ServerProcess(args, log).start()
-    with openai.OpenAI(
-        base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120
-    ) as client:
-        yield client
-    assert srv.stop() == 0, srv.log()
+    yield from openai_server(args, log, timeout=120)
 
 
-def chat(client, parts, extra_body=None):
-    return client.chat.completions.create(
-        model=NAME,
-        messages=[{"role": "user", "content": parts}],
-        max_tokens=MAX_NEW,
-        temperature=0.0,
-        logprobs=True,
-        extra_body={"return_token_ids": True, "ignore_eos": True, **(extra_body or {})},
-    )
+chat = partial(greedy_chat, model=NAME, logprobs=True)
 
 
 def test_data_url_image_is_greedy_exact_and_refusals_name_the_key(client, path):
@@ -58,7 +46,7 @@ def test_data_url_image_is_greedy_exact_and_refusals_name_the_key(client, path):
         (None, {}),
         ({"max_pixels": 32 * 32}, {"size": {"shortest_edge": 256, "longest_edge": 1024}}),
     ]:
-        out = chat(client, parts, {"mm_processor_kwargs": kwargs} if kwargs else None)
+        out = chat(client, parts, extra_body={"mm_processor_kwargs": kwargs} if kwargs else None)
         ids, tokens, logprobs = hf_greedy(path, text, [img], MAX_NEW, **hf_kwargs)
         assert out.model_extra["prompt_token_ids"] == ids
         assert out.choices[0].model_extra["token_ids"] == tokens
@@ -67,6 +55,6 @@ def test_data_url_image_is_greedy_exact_and_refusals_name_the_key(client, path):
         ref = [float(logprobs[len(ids) - 1 + i, t]) for i, t in enumerate(tokens)]
         assert max(abs(a - b) for a, b in zip(ours, ref, strict=True)) < 1e-4
     with pytest.raises(openai.BadRequestError, match="'merge_size' is the vision tower's own"):
-        chat(client, parts, {"mm_processor_kwargs": {"merge_size": 1}})
+        chat(client, parts, extra_body={"mm_processor_kwargs": {"merge_size": 1}})
     out = chat(client, [{"type": "text", "text": "still serving"}])
     assert len(out.choices[0].model_extra["token_ids"]) == MAX_NEW

@@ -8,43 +8,18 @@ shape naming the problem; without PyAV a video file is refused naming the extra.
 
 from __future__ import annotations
 
-import base64
-import io
+from functools import partial
 
 import numpy as np
 import openai
 import pytest
+from mm_http import MAX_NEW, greedy_chat, openai_server
 from qwen2_vl_video_reference import VIDEO, hf_mixed_greedy
-from server_harness import ServerProcess
+from video_files import decoded, mp4
+from video_files import video_data_url as data_url
 
 NAME = "tiny-qwen2.5-vl-video"
-MAX_NEW = 8
 RATE = 8  # frames a second: 8 frames of 16x16 -> 4 temporal patches 1 time unit apart
-
-
-def mp4(frames: np.ndarray, rate: int = RATE) -> bytes:
-    """An MPEG-4 file of ``frames`` [T, H, W, 3] (PyAV's bundled encoder)."""
-    av = pytest.importorskip("av", reason="video files need PyAV (the trillm[video] extra)")
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=rate)
-        stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = "yuv420p"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    return buf.getvalue()
-
-
-def decoded(data: bytes) -> np.ndarray:  # [T, H, W, 3]: the frames the server sees
-    import av
-
-    with av.open(io.BytesIO(data)) as container:
-        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-
-
-def data_url(data: bytes, mime: str = "video/mp4") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 @pytest.fixture(scope="module")
@@ -63,23 +38,10 @@ def client(path, tmp_path_factory):
     args += ["--kv-cache-memory", "8MiB", "--max-num-seqs", "4"]
     args += ["--distributed-executor-backend", "uni", "--max-num-batched-tokens", "16"]
     args += ["--limit-mm-per-prompt", '{"image": 1, "video": 1}']
-    srv = ServerProcess(args, log).start()
-    with openai.OpenAI(
-        base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120
-    ) as client:
-        yield client
-    assert srv.stop() == 0, srv.log()
+    yield from openai_server(args, log, timeout=120)
 
 
-def chat(client, parts):
-    return client.chat.completions.create(
-        model=NAME,
-        messages=[{"role": "user", "content": parts}],
-        max_tokens=MAX_NEW,
-        temperature=0.0,
-        logprobs=True,
-        extra_body={"return_token_ids": True, "ignore_eos": True},
-    )
+chat = partial(greedy_chat, model=NAME, logprobs=True)
 
 
 def test_data_url_video_is_greedy_exact(client, path):

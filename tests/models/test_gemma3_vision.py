@@ -11,6 +11,7 @@ import pytest
 from engine_waves import concurrent_requests
 from gemma3_reference import IMAGE, hf_greedy
 from llava_reference import image
+from mm_engine import GREEDY, SCORED, as_prompt, batch_logprob_diff, encoder_calls, module_llm
 from qwen2_vl_reference import max_logprob_diff
 
 from trillm import LLM, SamplingParams
@@ -19,10 +20,6 @@ from trillm.testing.tiny_gemma3 import TOKENS_PER_IMAGE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-SCORED = SamplingParams(
-    temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1
-)
 # max_num_batched_tokens: an image's 16 soft tokens fit a step, its boi/eoi and the text around
 # it do not (chunks end right before a span, and a span starts a chunk)
 BUDGET = 20
@@ -44,32 +41,16 @@ def path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(path):
-    engine = LLM(
-        path,
-        max_model_len=256,
-        max_num_batched_tokens=BUDGET,
-        distributed_executor_backend="uni",
-        **ENGINE,
-    )
-    yield engine
-    engine.shutdown()
-
-
-def as_prompt(text: str, images: list) -> object:
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+    yield from module_llm(path, max_model_len=256, max_num_batched_tokens=BUDGET, **ENGINE)
 
 
 def test_mixed_batch_equals_transformers_tokens_and_logprobs(path, llm):
-    runner = llm.engine.cores[0].executor.runner
     assert llm.engine.cores[0].scheduler.keep_mm_spans_whole  # either twin keeps the rule
-    before = runner.mm.encoder_calls
+    before = encoder_calls(llm)
     outs = llm.generate([as_prompt(t, i) for t, i in CASES], SCORED, use_tqdm=False)
-    assert runner.mm.encoder_calls == before + 3  # once per image
-    for (text, images), out in zip(CASES, outs, strict=True):
-        ids, tokens, logprobs = hf_greedy(path, text, images)
-        assert out.prompt_token_ids == ids  # "\n\n" boi soft x 16 eoi "\n\n", as the processor
-        assert out.outputs[0].token_ids == tokens
-        assert max_logprob_diff(out, ids, logprobs) < 1e-4
+    assert encoder_calls(llm) == before + 3  # once per image
+    # the prompt ids: "\n\n" boi soft x 16 eoi "\n\n" around each image, as the processor
+    assert batch_logprob_diff(path, CASES, outs, hf_greedy) < 1e-4
     assert outs[2].prompt_token_ids.count(SOFT_TOKEN) == 2 * TOKENS_PER_IMAGE
 
 
@@ -98,10 +79,7 @@ def test_the_eager_backend_equals_transformers_too(path):
         outs = llm.generate([as_prompt(t, i) for t, i in CASES], SCORED, use_tqdm=False)
     finally:
         llm.shutdown()
-    for (text, images), out in zip(CASES, outs, strict=True):
-        ids, tokens, logprobs = hf_greedy(path, text, images)
-        assert out.outputs[0].token_ids == tokens
-        assert max_logprob_diff(out, ids, logprobs) < 1e-4
+    assert batch_logprob_diff(path, CASES, outs, hf_greedy) < 1e-4
 
 
 def test_preempted_image_requests_resume_the_same(path):

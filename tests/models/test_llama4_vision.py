@@ -18,7 +18,7 @@ import pytest
 from engine_waves import concurrent_requests
 from llama4_reference import IMAGE, PROCESSOR_DIGESTS, hf_greedy
 from llava_reference import chat_text, image
-from qwen2_vl_reference import max_logprob_diff
+from mm_engine import GREEDY, SCORED, UNI, as_prompt, batch_logprob_diff, encoder_calls, module_llm
 
 from trillm import LLM, SamplingParams
 from trillm.engine.llama4_inputs import Llama4ImageProcessing
@@ -26,10 +26,6 @@ from trillm.engine.preprocess import InvalidRequestError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SCORED = SamplingParams(
-    temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1
-)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 BUDGET = 16  # max_num_batched_tokens: a tiled image's 27-token span crosses two chunks
 PATCH_ID, TILE_X_ID, TILE_Y_ID = 4099, 4100, 4101
 CASES = [
@@ -37,7 +33,6 @@ CASES = [
     ("The license grants", []),
     (f"{IMAGE} first, then {IMAGE} second", [image(1, (32, 32)), image(2, (33, 31))]),
 ]
-UNI = {"kv_cache_memory": "8MiB", "distributed_executor_backend": "uni"}
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +44,9 @@ def path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(path):
-    engine = LLM(
-        path, max_model_len=256, max_num_batched_tokens=BUDGET,
-        limit_mm_per_prompt={"image": 2}, **UNI,
-    )  # fmt: skip
-    yield engine
-    engine.shutdown()
-
-
-def encoder_calls(engine: LLM) -> int:
-    return engine.engine.cores[0].executor.runner.mm.encoder_calls
-
-
-def as_prompt(text: str, images: list) -> object:
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+    yield from module_llm(
+        path, max_model_len=256, max_num_batched_tokens=BUDGET, limit_mm_per_prompt={"image": 2}
+    )
 
 
 @pytest.mark.parametrize("key", list(PROCESSOR_DIGESTS), ids=str)
@@ -80,13 +64,7 @@ def test_mixed_batch_equals_transformers_tokens_and_logprobs(llm, path):
     before = encoder_calls(llm)
     outs = llm.generate([as_prompt(t, i) for t, i in CASES], SCORED, use_tqdm=False)
     assert encoder_calls(llm) == before + 3  # once per image, however many chunks
-    worst = 0.0
-    for (text, images), out in zip(CASES, outs, strict=True):
-        ids, tokens, logprobs = hf_greedy(path, text, images)
-        assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == tokens
-        worst = max(worst, max_logprob_diff(out, ids, logprobs))
-    assert worst < 1e-4
+    assert batch_logprob_diff(path, CASES, outs, hf_greedy) < 1e-4
     tiled = outs[0].prompt_token_ids
     # 4 tiles and the global one of 4 patches; a column separator in each of 2 rows, 2 rows
     assert [tiled.count(t) for t in (PATCH_ID, TILE_X_ID, TILE_Y_ID)] == [20, 2, 2]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from engine_waves import concurrent_requests
 from llava_reference import image
+from mm_engine import GREEDY, SCORED, UNI, as_prompt, batch_logprob_diff, encoder_calls, module_llm
 from onevision_reference import IMAGE, hf_greedy, hf_inputs
 from qwen2_vl_reference import max_logprob_diff
 
@@ -22,10 +23,6 @@ from trillm.engine.preprocess import InvalidRequestError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-SCORED = SamplingParams(
-    temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1
-)
 BUDGET = 16  # max_num_batched_tokens: each image's 36-100 placeholders span several chunks
 # (width, height) -> grid: 50x40 2x2 tiles; 40x90 3x2, unpadded left and right; 100x30 1x3,
 # unpadded above and below; 32x32 one tile; 90x64 2x3, its 8x12 features shrunk to 6x9
@@ -38,7 +35,6 @@ CASES = [
     (f"{IMAGE} first, then {IMAGE} second", [image(1, (90, 64)), image(2, (100, 30))]),
     (f"Small {IMAGE}", [image(3, (32, 32))]),
 ]
-UNI = {"kv_cache_memory": "8MiB", "distributed_executor_backend": "uni"}
 
 
 @pytest.fixture(scope="module")
@@ -50,23 +46,9 @@ def path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(path):
-    engine = LLM(
-        path,
-        max_model_len=512,
-        max_num_batched_tokens=BUDGET,
-        limit_mm_per_prompt={"image": 2},
-        **UNI,
+    yield from module_llm(
+        path, max_model_len=512, max_num_batched_tokens=BUDGET, limit_mm_per_prompt={"image": 2}
     )
-    yield engine
-    engine.shutdown()
-
-
-def encoder_calls(engine: LLM) -> int:
-    return engine.engine.cores[0].executor.runner.mm.encoder_calls
-
-
-def as_prompt(text: str, images: list) -> object:
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
 
 
 def test_placeholder_counts_equal_the_processors(llm, path):
@@ -84,13 +66,7 @@ def test_mixed_batch_equals_transformers_tokens_and_logprobs(llm, path):
     before = encoder_calls(llm)
     outs = llm.generate([as_prompt(t, i) for t, i in CASES], SCORED, use_tqdm=False)
     assert encoder_calls(llm) == before + 4  # once per image, however many chunks
-    worst = 0.0
-    for (text, images), out in zip(CASES, outs, strict=True):
-        ids, tokens, logprobs = hf_greedy(path, text, images)
-        assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == tokens
-        worst = max(worst, max_logprob_diff(out, ids, logprobs))
-    assert worst < 1e-4
+    assert batch_logprob_diff(path, CASES, outs, hf_greedy) < 1e-4
 
 
 def test_chat_image_parts_become_the_image_token(llm, path):

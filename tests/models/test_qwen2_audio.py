@@ -10,7 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from engine_waves import concurrent_requests
-from qwen2_audio_reference import AUDIO, RATE, b64, hf_greedy, hf_inputs, max_logprob_diff, tone
+from mm_engine import GREEDY, SCORED, batch_logprob_diff, encoder_calls, module_llm
+from mm_engine import as_prompt as media_prompt
+from qwen2_audio_reference import AUDIO, RATE, b64, hf_greedy, hf_inputs, tone
 from qwen2_audio_reference import wav_bytes as wav
 
 from trillm import LLM, SamplingParams
@@ -20,10 +22,6 @@ from trillm.engine.preprocess import InvalidRequestError
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 AUDIO_ID = 4097  # <|AUDIO|> in the tiny checkpoint's tokenizer
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-SCORED = SamplingParams(
-    temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1
-)
 BUDGET = 16  # max_num_batched_tokens: a clip's 12-25 placeholders span two or more chunks
 CASES = [  # (prompt, clips at 16 kHz): 0.5 s -> 12 audio tokens, 1 s (the window) -> 25
     (f"Listen {AUDIO} now", [tone(0, 0.5)]),
@@ -41,36 +39,20 @@ def path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(path):
-    engine = LLM(
-        path,
-        max_model_len=256,
-        kv_cache_memory="8MiB",
-        max_num_batched_tokens=BUDGET,
-        limit_mm_per_prompt={"audio": 2},
-        distributed_executor_backend="uni",
+    yield from module_llm(
+        path, max_model_len=256, max_num_batched_tokens=BUDGET, limit_mm_per_prompt={"audio": 2}
     )
-    yield engine
-    engine.shutdown()
 
 
 def as_prompt(text: str, clips: list) -> object:
-    audio = [(c, RATE) for c in clips]
-    return {"prompt": text, "multi_modal_data": {"audio": audio}} if clips else text
-
-
-def encoder_calls(engine: LLM) -> int:
-    return engine.engine.cores[0].executor.runner.mm.encoder_calls
+    return media_prompt(text, [(c, RATE) for c in clips], "audio")
 
 
 def test_mixed_batch_equals_transformers_tokens_and_logprobs(llm, path):
     before = encoder_calls(llm)
     outs = llm.generate([as_prompt(t, c) for t, c in CASES], SCORED, use_tqdm=False)
     assert encoder_calls(llm) == before + 3  # once per clip, however many chunks
-    for (text, clips), out in zip(CASES, outs, strict=True):
-        ids, tokens, logprobs = hf_greedy(path, text, clips)
-        assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == tokens
-        assert max_logprob_diff(out, ids, logprobs) < 1e-4
+    assert batch_logprob_diff(path, CASES, outs, hf_greedy) < 1e-4
     assert outs[0].prompt_token_ids.count(AUDIO_ID) == 12
     assert outs[2].prompt_token_ids.count(AUDIO_ID) == 25 + 7
 
