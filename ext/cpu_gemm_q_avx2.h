@@ -196,21 +196,27 @@ TRILLM_Q_AVX2 void dequantize_record(const uint8_t* rec, float* w) {
 template <int R>
 TRILLM_Q_AVX2 void tile_dequantized(const Gemm& g, int m, int k0, int kn, const float* w,
                                     float* acc, bool first) {
-  __m256 c[R][2];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h)
-      c[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * kCols + 8 * h);
+  __m256 c0[R], c1[R];  // columns 0..7 and 8..15 of each row
   const float* x = g.x + m * g.ldx + k0;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    c0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * kCols);
+    c1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * kCols + 8);
+  }
   for (int k = 0; k < kn; ++k) {
     const __m256 w0 = _mm256_load_ps(w + k * kCols), w1 = _mm256_load_ps(w + k * kCols + 8);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 xr = _mm256_broadcast_ss(x + r * g.ldx + k);
-      c[r][0] = _mm256_fmadd_ps(xr, w0, c[r][0]);
-      c[r][1] = _mm256_fmadd_ps(xr, w1, c[r][1]);
+      c0[r] = _mm256_fmadd_ps(xr, w0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(xr, w1, c1[r]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * kCols + 8 * h, c[r][h]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc + r * kCols, c0[r]);
+    _mm256_storeu_ps(acc + r * kCols + 8, c1[r]);
+  }
 }
 
 template <int R>
