@@ -214,6 +214,9 @@ class ModelRunnerOutput:
     # KV connector: req_id -> why its load failed; the step ran without it and the scheduler
     # computes the tokens it did not get (vLLM's kv_load_failure_policy "recompute").
     kv_load_failed: dict[str, str] = field(default_factory=dict)
+    # Expert parallelism: [N] (token, expert) pairs this step routed to each rank's experts,
+    # summed over the MoE layers (trillm/distributed/expert_parallel.py); [] without it.
+    expert_load: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- engine core -> output handler
@@ -271,6 +274,8 @@ class SchedulerStats:
     # adapter place, or queued in the scheduler), vLLM's lora_requests_info.
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # Expert parallelism: (token, expert) pairs routed to each rank's experts (cumulative).
+    expert_load: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

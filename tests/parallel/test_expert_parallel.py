@@ -13,6 +13,8 @@ What is not supported is refused by name before any worker starts.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from parallel_models import LIMITS, MAX_TOKENS, PROMPTS
@@ -75,6 +77,35 @@ def test_deepseek_v3_ep2_matches_one_rank(tmp_path):
         "v3", tmp_path, num_hidden_layers=2, moe_intermediate_size=31, n_shared_experts=2
     )
     assert_ep_matches_one_rank(str(path), [PROMPTS])
+
+
+def test_metrics_show_each_ranks_expert_load(tiny_model_factory, tmp_path):
+    """``trillm serve -tp 2 --enable-expert-parallel``: /metrics counts the pairs routed to
+    each rank's experts; over the ranks, top_k (2) x MoE layers (2) x the tokens the model
+    computed (every prompt token, and every generated token but each request's last)."""
+    import httpx
+    from parallel_reference import limit_flags
+    from server_harness import ServerProcess
+
+    path = tiny_model_factory("mixtral", num_hidden_layers=2, **ODD_EXPERTS["mixtral"])
+    flags = ["-tp", "2", "--enable-expert-parallel", *limit_flags(LIMITS)]
+    server = ServerProcess([path, *flags], tmp_path / "server.log").start()
+    try:
+        body = {"prompt": PROMPTS, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(server.base_url + "/completions", json=body, timeout=300)
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        metrics = httpx.get(server.url + "/metrics", timeout=60).text
+    finally:
+        server.stop()
+    series = re.findall(
+        r"^trillm:expert_parallel_routed_tokens_total\{(.*)\} (\S+)$", metrics, re.MULTILINE
+    )
+    per_rank = {re.search(r'rank="(\d+)"', labels)[1]: float(v) for labels, v in series}
+    computed = usage["prompt_tokens"] + usage["completion_tokens"] - len(PROMPTS)
+    assert set(per_rank) == {"0", "1"} and min(per_rank.values()) > 0, per_rank
+    assert sum(per_rank.values()) == 2 * 2 * computed, (per_rank, usage)
+    assert "vllm:expert_parallel" not in metrics  # no vLLM name to mirror
 
 
 def test_deepseek_shared_experts_must_still_split(tmp_path):
@@ -183,7 +214,12 @@ def _dispatch_rank(rank: int, port: int, results) -> None:
     """Rank ``rank`` of 2 (a spawned process): its half of 4 random experts; puts each token
     count's assembled output and the reference's, its routed counts and the bytes it sent."""
     from trillm.distributed import parallel_state
-    from trillm.distributed.expert_parallel import ExpertPlacement, dispatch_combine, traffic
+    from trillm.distributed.expert_parallel import (
+        ExpertPlacement,
+        dispatch_combine,
+        load,
+        traffic,
+    )
     from trillm.kernels.fused_moe_torch import fused_moe
 
     parallel_state.init_tensor_parallel(rank, 2, port, "cpu", 60.0, expert_parallel=True)
@@ -203,7 +239,7 @@ def _dispatch_rank(rank: int, port: int, results) -> None:
             results.put(
                 (rank, tokens, whole.tolist(), fused_moe(x, w13, w2, weights, ids).tolist())
             )
-        results.put((rank, "routed", placement.routed.tolist(), traffic.take()[0]))
+        results.put((rank, "routed", load.take(), traffic.take()[0]))
     finally:
         parallel_state.destroy_tensor_parallel()
 

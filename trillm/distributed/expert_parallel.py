@@ -17,15 +17,16 @@ rank (the router is replicated, so every rank routes them alike):
    sums the tensor-parallel partial outputs without expert parallelism) assembles the tokens,
    exactly (x + 0 is x).
 
-Bytes each rank sends to the others (``ExpertTraffic``) and the (token, expert) pairs routed
-to each rank's experts (``ExpertPlacement.routed``, counted by every rank from the replicated
-routing) are kept for the benchmarks and ``/metrics``.
+Bytes each rank sends to the others (``ExpertTraffic``: the line a rank prints on shutdown,
+benchmarks/parallel/expert_parallel.py) and the (token, expert) pairs routed to each rank's
+experts (``ExpertLoad``, counted by every rank from the replicated routing; the output rank's
+go out with each step's output to ``/metrics``) are kept per process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -56,6 +57,27 @@ traffic = ExpertTraffic()  # this process's: one rank per worker process
 
 
 @dataclass
+class ExpertLoad:
+    """The (token, expert) pairs routed to each rank's experts, summed over the MoE layers,
+    since the last ``take`` (the output rank sends them with each step's output: /metrics)."""
+
+    routed: torch.Tensor | None = None  # [N] int64
+
+    def add(self, ids: torch.Tensor, per_rank: int, size: int) -> None:
+        step = torch.bincount(ids.reshape(-1) // per_rank, minlength=size).cpu()  # [N]
+        self.routed = step if self.routed is None else self.routed + step
+
+    def take(self) -> list[int]:
+        """Per rank, since the last call; [] without expert parallelism."""
+        taken = [] if self.routed is None else self.routed.tolist()
+        self.routed = None
+        return taken
+
+
+load = ExpertLoad()  # this process's, like ``traffic``
+
+
+@dataclass
 class ExpertPlacement:
     """Which experts this rank holds: every one (``size`` 1), or one block of
     ``num_experts / size`` under expert parallelism."""
@@ -63,8 +85,6 @@ class ExpertPlacement:
     num_experts: int
     rank: int = 0
     size: int = 1
-    # [size] int64: the (token, expert) pairs routed to each rank's experts so far
-    routed: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64))
 
     @classmethod
     def current(cls, num_experts: int) -> ExpertPlacement:
@@ -72,9 +92,7 @@ class ExpertPlacement:
         tp = get_tp_group()
         if not tp.expert_parallel or tp.world_size == 1:
             return cls(num_experts)
-        return cls(
-            num_experts, tp.rank, tp.world_size, torch.zeros(tp.world_size, dtype=torch.int64)
-        )
+        return cls(num_experts, tp.rank, tp.world_size)
 
     @property
     def per_rank(self) -> int:
@@ -86,10 +104,6 @@ class ExpertPlacement:
 
     def holds(self, expert: int) -> bool:
         return self.start <= expert < self.start + self.per_rank
-
-    def count(self, ids: torch.Tensor) -> None:
-        """Adds the step's routing (``ids`` [T, k], the same on every rank) to ``routed``."""
-        self.routed += torch.bincount(ids.reshape(-1) // self.per_rank, minlength=self.size).cpu()
 
 
 def token_slice(num_tokens: int, size: int, rank: int) -> tuple[int, int]:
@@ -118,7 +132,7 @@ def dispatch_combine(
     run_local: RunLocal,
 ) -> torch.Tensor:  # [T, H]: this rank's token slice, zeros elsewhere
     """Steps 1-4 of the module docstring."""
-    placement.count(ids)
+    load.add(ids, placement.per_rank, placement.size)  # ids: the same on every rank
     start, end = token_slice(x.shape[0], placement.size, placement.rank)
     flat = ids[start:end].reshape(-1)  # [t * k], token-major
     owner = flat // placement.per_rank  # [t * k]

@@ -9,6 +9,7 @@ import torch
 
 from trillm.config import TrillmConfig
 from trillm.distributed.cpu_binding import bind_rank
+from trillm.distributed.expert_parallel import traffic as expert_traffic
 from trillm.distributed.parallel_state import (
     destroy_tensor_parallel,
     get_tp_group,
@@ -61,13 +62,16 @@ def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
 
 
 def leave_tensor_parallel(rank: int, num_steps: int) -> None:
-    """Say how long this rank spent in collectives (benchmarks/parallel/tensor_parallel.py reads the line),
-    then leave the group."""
+    """Say how long this rank spent in collectives, and under expert parallelism the bytes it
+    sent in the experts' all-to-alls (benchmarks/parallel/tensor_parallel.py and
+    expert_parallel.py read the line), then leave the group."""
     spent = get_tp_group().take_comm_time() + get_pp_group().comm_time_s  # + stage hand-offs
     per_step = 1e3 * spent / max(1, num_steps)
+    sent, exchanges = expert_traffic.take()
+    experts = f", {sent} bytes sent in {exchanges} expert all-to-alls" if exchanges else ""
     line = (
         f"tensor-parallel rank {rank}: {num_steps} forward steps, {spent:.3f} s in "
-        f"collectives ({per_step:.3f} ms per step)\n"
+        f"collectives ({per_step:.3f} ms per step){experts}\n"
     )
     sys.stderr.write(line)  # one write: the ranks print at the same moment
     sys.stderr.flush()

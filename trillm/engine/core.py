@@ -71,6 +71,7 @@ class EngineCore:
         # req_id -> time.time() of its first P1, until its first output carries it.
         self._scheduled_at: dict[str, float] = {}
         self.num_steps = 0
+        self.expert_load: list[int] = []  # expert parallelism: pairs per rank (cumulative)
         # time.monotonic() when the step now awaited began (None between steps): /health
         # reads it to tell a stopped or hung worker from a busy one (``step_running_s``).
         self.step_started: float | None = None
@@ -201,6 +202,9 @@ class EngineCore:
             self.batch_queue.keep_tokens(sched, runner_out, self.scheduler.get_request)
         self.grammars.advance(outputs)
         self._stamp_scheduled(outputs)
+        if runner_out.expert_load:
+            load = self.expert_load or [0] * len(runner_out.expert_load)
+            self.expert_load = [a + b for a, b in zip(load, runner_out.expert_load)]
         if runner_out.pooler_output:
             for out in outputs:
                 out.pooled = runner_out.pooler_output.get(out.request_id)
@@ -329,6 +333,7 @@ class EngineCore:
         when configured."""
         stats = self.scheduler.get_stats()
         stats.num_deferred_waiting_reqs = self.grammars.num_waiting()
+        stats.expert_load = list(self.expert_load)
         if self.lora is not None:
             stats.running_lora_adapters, stats.waiting_lora_adapters = self.lora.adapter_counts(
                 self.scheduler.running_req_ids(), self.scheduler.waiting_req_ids()

@@ -207,11 +207,12 @@ def _enc_output(o: ModelRunnerOutput) -> list[Any]:
         o.pooler_output,
         o.draft_token_ids,
         o.kv_load_failed,
+        o.expert_load,
     ]
 
 
 def _dec_output(v: list[Any]) -> ModelRunnerOutput:
-    _check_arity(v, 12, "ModelRunnerOutput")
+    _check_arity(v, 13, "ModelRunnerOutput")
     return ModelRunnerOutput(
         v[1],
         v[2],
@@ -224,6 +225,7 @@ def _dec_output(v: list[Any]) -> ModelRunnerOutput:
         v[9],
         v[10],
         v[11],
+        v[12],
     )
 
 

@@ -33,6 +33,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING
 
+from trillm.distributed.expert_parallel import load as expert_load
 from trillm.distributed.parallel_state import adopt_rendezvous_listener
 from trillm.errors import CodecError, CollectiveTimeoutError, IPCError, RingClosedError
 from trillm.gc_heap import freeze_startup_heap
@@ -247,6 +248,7 @@ class Worker:
             out = ModelRunnerOutput(
                 sched.step_id, req_ids, [[] for _ in req_ids], error=self._step_error
             )
+        out.expert_load = expert_load.take()  # expert parallelism: the step's routing
         self._send(out)
 
 

@@ -44,6 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from trillm.entrypoints.openai.metrics.expert_load import ExpertLoadCollector
 from trillm.entrypoints.openai.metrics.pooling import PoolingTimer
 from trillm.entrypoints.openai.metrics.requests import (
     LABELS,
@@ -315,6 +316,8 @@ class ServerMetrics:
         self.base.register(_RequestCollector(self))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Renamed(self.base, PREFIXES[prefix]))
+        if "trillm:" in PREFIXES[prefix]:  # trillm's own series (no vLLM name to mirror)
+            self.registry.register(ExpertLoadCollector(engine, model_name))
         # process_* / python_* as vLLM exposes them (prometheus_client's defaults).
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
