@@ -10,7 +10,9 @@ import trio
 import trio.testing
 
 from trillm.errors import EngineDeadError, EngineStartupError
-from trillm.executor.bookkeeping import Lifeline, StepQueue
+from trillm.executor.bookkeeping import Lifeline, StepQueue, runner_name
+from trillm.ipc import codec
+from trillm.ipc.control import WorkerCall
 from trillm.messages import CachedRequestData, SampleRequest, SchedulerOutput
 
 
@@ -22,7 +24,7 @@ def _step(step_id: int, wait_for_bitmask: bool = False) -> SchedulerOutput:
 
 def test_steps_go_add_then_sample_then_collect_oldest_first_up_to_the_depth() -> None:
     steps: StepQueue[list[str]] = StepQueue(max_batches=2)
-    assert not steps.busy
+    assert codec.decode(steps.call_frame("ping", [1], {})) == WorkerCall("ping", [1], {})
     with pytest.raises(RuntimeError, match="sample_tokens called without execute_model"):
         steps.start_sampling(None)
     steps.add(_step(1), ["refs 1"])
@@ -37,8 +39,10 @@ def test_steps_go_add_then_sample_then_collect_oldest_first_up_to_the_depth() ->
     with pytest.raises(RuntimeError, match="execute_model called twice"):
         steps.add(_step(3), [])  # two in flight: the queue is full
     assert steps.collect() == (_step(1), ["refs 1"])
+    with pytest.raises(RuntimeError, match="collective_rpc called with steps in flight"):
+        steps.call_frame("ping", [], {})
     assert steps.collect() == (_step(2, True), ["refs 2", "sample refs 2"])
-    assert not steps.busy
+    steps.call_frame("ping", [], {})  # between steps again
 
 
 def test_a_step_that_waits_for_a_bitmask_gets_the_request_or_an_empty_one() -> None:
@@ -53,6 +57,12 @@ def test_a_step_that_waits_for_a_bitmask_gets_the_request_or_an_empty_one() -> N
     steps.add(_step(7), None)
     with pytest.raises(ValueError, match="without wait_for_bitmask"):
         steps.start_sampling(SampleRequest(7))
+
+
+def test_the_ranks_take_the_runner_by_name_only() -> None:
+    assert runner_name("pkg.mod:Runner", "RayExecutor", "the rank actors") == "pkg.mod:Runner"
+    with pytest.raises(TypeError, match=r"^RayExecutor needs the runner as a 'package.module:C"):
+        runner_name(object, "RayExecutor", "the rank actors")
 
 
 def test_the_first_death_is_kept_and_raised_as_a_fresh_copy() -> None:

@@ -36,6 +36,11 @@ RunnerFactory: TypeAlias = "str | RunnerClass"
 
 class Executor(abc.ABC):
     num_blocks: int
+    # Pipeline parallelism (the multi-rank executors set both): with stages, the engine core
+    # keeps a batch queue of up to max_concurrent_batches steps that ``execute_model`` may
+    # have in flight before ``collect_step``.
+    num_pipeline_stages: int = 1
+    max_concurrent_batches: int = 1
 
     @abc.abstractmethod
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -53,17 +58,6 @@ class Executor(abc.ABC):
         ``req`` carries the grammar bitmask when that step had ``wait_for_bitmask`` set (None
         then means "no mask"); it must be None otherwise.
         """
-
-    # Pipeline parallelism (multiprocess executor only): the engine core's batch queue.
-    @property
-    def num_pipeline_stages(self) -> int:
-        return 1
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        """Steps ``execute_model`` may have in flight before ``collect_step`` (the engine core
-        keeps a batch queue of this depth when there are pipeline stages)."""
-        return 1
 
     async def start_sampling(self, req: SampleRequest | None) -> None:
         """The first half of ``sample_tokens``: P3's trigger for the step last passed to

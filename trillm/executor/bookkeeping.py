@@ -1,7 +1,8 @@
 """What the multi-rank executors (``multiproc.py``, ``ray_executor.py``) keep the same way, in
-one place: the steps in flight (``StepQueue``, the engine core's batch queue with its call
-order checked) and the executor's death (``Lifeline``: the first error recorded, the calls in
-flight that it cancels). Neither calls back into an executor: the executors call in, and
+one place: the runner the ranks import by name (``runner_name``), the steps in flight
+(``StepQueue``, the engine core's batch queue with its call order checked, and
+``collective_rpc`` between steps only) and the executor's death (``Lifeline``: the first
+error recorded, the calls in flight that it cancels). Neither calls back into an executor: the executors call in, and
 stop their own workers."""
 
 from __future__ import annotations
@@ -9,17 +10,31 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import trio
 
 from trillm.errors import EngineDeadError
+from trillm.executor.abstract import RunnerFactory
+from trillm.ipc import codec
+from trillm.ipc.control import WorkerCall
 from trillm.messages import SampleRequest, SchedulerOutput
 
 P = TypeVar("P")  # what an executor keeps with each step it sent (Ray: the result refs)
 
 NOT_STARTED = "The executor has not been started (await nursery.start(run))."
 SHUT_DOWN = "The executor was shut down."
+
+
+def runner_name(runner_factory: RunnerFactory, executor: str, imported_in: str) -> str:
+    """The runner as the ``package.module:ClassName`` string the ranks import; a class (which
+    cannot cross to another process) is a TypeError."""
+    if not isinstance(runner_factory, str):
+        raise TypeError(
+            f"{executor} needs the runner as a 'package.module:ClassName' string "
+            f"(it is imported in {imported_in}), got {runner_factory!r}."
+        )
+    return runner_factory
 
 
 class StepQueue(Generic[P]):
@@ -33,14 +48,15 @@ class StepQueue(Generic[P]):
         self._unsampled: SchedulerOutput | None = None
 
     @property
-    def busy(self) -> bool:
-        """Whether any step is in flight."""
-        return bool(self._pending)
-
-    @property
     def newest(self) -> P:
         """What was kept with the newest step."""
         return self._pending[-1][1]
+
+    def call_frame(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> bytes:
+        """``collective_rpc``'s message to the ranks, which take it between steps only."""
+        if self._pending:
+            raise RuntimeError("collective_rpc called with steps in flight.")
+        return codec.encode(WorkerCall(method, list(args), dict(kwargs)))
 
     def add(self, sched: SchedulerOutput, kept: P) -> None:
         if self._unsampled is not None or len(self._pending) >= self.max_batches:

@@ -38,7 +38,7 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, EngineStartupError, IPCError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
-from trillm.executor.bookkeeping import Lifeline, StepQueue
+from trillm.executor.bookkeeping import Lifeline, StepQueue, runner_name
 from trillm.executor.rank_launch import RankProcess, start_ranks
 from trillm.executor.worker_calls import WorkerCallProtocolError, collect_call_results
 from trillm.executor.worker_exits import WorkerExits
@@ -54,7 +54,6 @@ from trillm.ipc.control import (
     InitKVCache,
     InitWorker,
     Shutdown,
-    WorkerCall,
     WorkerFailed,
     WorkerReady,
 )
@@ -82,11 +81,7 @@ class MultiprocExecutor(Executor):
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
         step_timeout_s: float | None = STEP_TIMEOUT_S,
     ) -> None:
-        if not isinstance(runner_factory, str):
-            raise TypeError(
-                "MultiprocExecutor needs the runner as a 'package.module:ClassName' string "
-                f"(it is imported in the worker process), got {runner_factory!r}."
-            )
+        self.runner_spec = runner_name(runner_factory, "MultiprocExecutor", "the worker process")
         self.config = config
         parallel = config.parallel
         if parallel.node_rank != 0:
@@ -102,7 +97,6 @@ class MultiprocExecutor(Executor):
         self._read_order = [0, *self.remote_ranks, *range(1, self.num_workers)]
         # The rank whose output is the step's: tensor-parallel rank 0 of the last stage.
         self.output_rank = self.world_size - parallel.tensor_parallel_size
-        self.runner_spec = runner_factory
         self.runner_kwargs = runner_kwargs or {}
         self.num_slots, self.slot_size = num_slots, slot_size
         self.startup_timeout_s = startup_timeout_s
@@ -111,21 +105,15 @@ class MultiprocExecutor(Executor):
         self.processes: list[RankProcess] = []
         self.segment_names: list[str] = []
         self._ipc: WorkerIpc | None = None
-        self._steps: StepQueue[None] = StepQueue(micro_batches(parallel.pipeline_parallel_size))
+        self.num_pipeline_stages = parallel.pipeline_parallel_size
+        self.max_concurrent_batches = micro_batches(self.num_pipeline_stages)
+        self._steps: StepQueue[None] = StepQueue(self.max_concurrent_batches)
         self._life = Lifeline()  # failed: a worker is gone (not a shutdown)
         self._exits = WorkerExits(parallel, self.num_workers)  # what ended a worker, said
         self._stopping = False
         self._started = False
         self._stop = trio.Event()
         self._stopped = trio.Event()
-
-    @property
-    def num_pipeline_stages(self) -> int:
-        return self.config.parallel.pipeline_parallel_size
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self._steps.max_batches
 
     @property
     def ipc(self) -> WorkerIpc:
@@ -319,9 +307,7 @@ class MultiprocExecutor(Executor):
     async def collective_rpc(
         self, method: str, args: list[Any], kwargs: dict[str, Any]
     ) -> list[Any]:
-        if self._steps.busy:
-            raise RuntimeError("collective_rpc called with steps in flight.")
-        frame = codec.encode(WorkerCall(method, list(args), dict(kwargs)))
+        frame = self._steps.call_frame(method, args, kwargs)
         what = f"answer collective_rpc {method!r}"
         await self._guarded(self.ipc.requests.send, self.step_timeout_s, what, frame, shield=True)
         try:

@@ -31,7 +31,7 @@ import trio
 from trillm.config import TrillmConfig
 from trillm.errors import EngineDeadError, EngineStartupError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
-from trillm.executor.bookkeeping import Lifeline, StepQueue
+from trillm.executor.bookkeeping import Lifeline, StepQueue, runner_name
 from trillm.executor.multiproc import SHUTDOWN_GRACE_S, STARTUP_TIMEOUT_S, STEP_TIMEOUT_S
 from trillm.executor.ray_cluster import RayCluster, rank_env
 from trillm.executor.worker_calls import call_values
@@ -42,7 +42,6 @@ from trillm.ipc.control import (
     InitKVCache,
     InitWorker,
     Shutdown,
-    WorkerCall,
     WorkerCallResult,
     WorkerFailed,
     WorkerReady,
@@ -66,16 +65,11 @@ class RayExecutor(Executor):
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
         step_timeout_s: float | None = STEP_TIMEOUT_S,
     ) -> None:
-        if not isinstance(runner_factory, str):
-            raise TypeError(
-                "RayExecutor needs the runner as a 'package.module:ClassName' string "
-                f"(it is imported in the rank actors), got {runner_factory!r}."
-            )
+        self.runner_spec = runner_name(runner_factory, "RayExecutor", "the rank actors")
         self.config = config
         parallel = config.parallel
         self.world_size = parallel.world_size
         self.output_rank = self.world_size - parallel.tensor_parallel_size
-        self.runner_spec = runner_factory
         self.runner_kwargs = runner_kwargs or {}
         self.startup_timeout_s = startup_timeout_s
         self.step_timeout_s = step_timeout_s
@@ -83,23 +77,15 @@ class RayExecutor(Executor):
         self.cluster = RayCluster(self.world_size, config.device)
         self.worker_pids: list[int] = []  # each rank actor's process
         self.worker_nodes: list[str] = []  # each rank actor's Ray node id
+        self.num_pipeline_stages = parallel.pipeline_parallel_size
+        self.max_concurrent_batches = micro_batches(self.num_pipeline_stages)
         # with each step in flight: each of its messages' per-rank result refs
-        self._steps: StepQueue[list[list[Any]]] = StepQueue(
-            micro_batches(parallel.pipeline_parallel_size)
-        )
+        self._steps: StepQueue[list[list[Any]]] = StepQueue(self.max_concurrent_batches)
         self._life = Lifeline()
         self._started = False
         self._stopping = False
         self._stop = trio.Event()
         self._stopped = trio.Event()
-
-    @property
-    def num_pipeline_stages(self) -> int:
-        return self.config.parallel.pipeline_parallel_size
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self._steps.max_batches
 
     # ------------------------------------------------------------ service
 
@@ -270,9 +256,7 @@ class RayExecutor(Executor):
     async def collective_rpc(
         self, method: str, args: list[Any], kwargs: dict[str, Any]
     ) -> list[Any]:
-        if self._steps.busy:
-            raise RuntimeError("collective_rpc called with steps in flight.")
-        frame = codec.encode(WorkerCall(method, list(args), dict(kwargs)))
+        frame = self._steps.call_frame(method, args, kwargs)
         what = f"answer collective_rpc {method!r}"
         replies = await self._guarded(self._replies, what, [self._submit(frame)])
         return call_values([r for r in replies if isinstance(r, WorkerCallResult)])
