@@ -2,8 +2,8 @@
 one place: the runner the ranks import by name (``runner_name``), the steps in flight
 (``StepQueue``, the engine core's batch queue with its call order checked, and
 ``collective_rpc`` between steps only) and the executor's death (``Lifeline``: the first
-error recorded, the calls in flight that it cancels). Neither calls back into an executor: the executors call in, and
-stop their own workers."""
+error recorded, the calls in flight that it cancels). Nothing here calls back into an
+executor: the executors call in, and stop their own workers."""
 
 from __future__ import annotations
 
