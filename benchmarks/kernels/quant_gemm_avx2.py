@@ -10,8 +10,14 @@ Random weights (the gguf package's quantizer); variants alternated call by call 
 round; ms per call, median (min) over ``--rounds`` x ``--repeats``; and the weight bytes one call
 reads (trillm's packed layout: Q8_0 8.5 bits a value, Q4_0 4.5).
 
+``--decode-stack``: instead, one decode token's linears (one row through a Llama-3.2-1B layer's
+seven weights, 16 times: one layer's weights stand for all 16), ``avx2`` vs ``f32``, in the
+calling thread's CPU time (with ``--threads 1`` all the work is on it; wall time on a shared
+machine is noise).
+
     python benchmarks/kernels/quant_gemm_avx2.py [--rows 1 16 256] [--rounds 3] [--repeats 5]
         [--threads N] [--out x.json]
+    python benchmarks/kernels/quant_gemm_avx2.py --decode-stack --threads 1
 """
 
 from __future__ import annotations
@@ -48,6 +54,45 @@ def variants(weight: linear_q_cpu.QuantizedWeight) -> dict[str, Callable[[torch.
     }
 
 
+LAYER = (
+    (2048, 2048),
+    (512, 2048),
+    (512, 2048),
+    (2048, 2048),
+    (8192, 2048),
+    (8192, 2048),
+    (2048, 8192),
+)
+
+
+def quantized(type_name: str, n: int, k: int, seed: int = 0) -> linear_q_cpu.QuantizedWeight:
+    values = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    kind = GGMLQuantizationType[type_name]
+    return linear_q_cpu.QuantizedWeight(quants.quantize(values, kind), int(kind), n, k)
+
+
+def token_ms(run: Callable[[], object], repeats: int) -> str:
+    """Thread CPU ms of 16 runs (a token's 16 layers), min (median) of ``repeats``."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(16):
+            run()
+        samples.append((time.thread_time() - start) * 1e3)
+    return f"{min(samples):.1f} ({statistics.median(samples):.1f})"
+
+
+def stack_line(type_name: str, repeats: int) -> str:
+    weights = [quantized(type_name, n, k, seed=i) for i, (n, k) in enumerate(LAYER)]
+    dense = [linear_q_cpu.dequantize(w) for w in weights]
+    xs = {k: torch.randn(1, k) for _, k in LAYER}
+    avx2 = token_ms(lambda: [linear_q_cpu.linear(xs[w.in_features], w) for w in weights], repeats)
+    f32 = token_ms(lambda: [F.linear(xs[d.shape[1]], d) for d in dense], repeats)
+    mb = 16 * sum(w.nbytes for w in weights) / 1e6
+    return f"{type_name}: a token's linears, {mb:.0f} MB: avx2 {avx2}, f32 {f32} thread CPU ms"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
@@ -55,18 +100,20 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--decode-stack", action="store_true")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.decode_stack:
+        with linear_q_cpu.use_isa("avx2"):
+            for type_name in TYPES:
+                print(stack_line(type_name, args.repeats), flush=True)
+        return
     rows_out = []
     with linear_q_cpu.use_isa("avx2"):
         for type_name in TYPES:
             for shape, (n, k) in SHAPES.items():
-                values = np.random.default_rng(0).standard_normal((n, k), dtype=np.float32)
-                kind = GGMLQuantizationType[type_name]
-                weight = linear_q_cpu.QuantizedWeight(
-                    quants.quantize(values, kind), int(kind), n, k
-                )
+                weight = quantized(type_name, n, k)
                 calls = variants(weight)
                 for m in args.rows:
                     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
