@@ -164,6 +164,7 @@ def test_a_rank_keeps_its_share_quantized(models, monkeypatch):
     their halves in blocks / 4-bit groups; the GGUF down_proj split inside a block is floats."""
     from trillm.distributed import parallel_state
     from trillm.model_executor.layers import quantized_linear
+    from trillm.model_executor.layers.linear import dense_weight
     from trillm.model_executor.loader import build_model
 
     linear_q_cpu = quantized_linear.linear_q_cpu
@@ -180,7 +181,7 @@ def test_a_rank_keeps_its_share_quantized(models, monkeypatch):
     assert gate_up.qtypes == (linear_q_cpu.Q2_K, linear_q_cpu.Q6_K)
     assert [p.out_features for p in gate_up.parts] == [384, 384]
     down = layer.mlp.down_proj
-    assert not hasattr(down, "quantized_weight") and down.weight.shape == (256, 384)
+    assert not hasattr(down, "quantized_weight") and dense_weight(down).shape == (256, 384)
     assert model.lm_head.quantized_weight.out_features == 2050  # 2049 rows and a zero row
     awq = build_model(load_model_config(EngineArgs(model=models["awq"], device="cpu")), None, "cpu")
     down = awq.model.layers[1].mlp.down_proj

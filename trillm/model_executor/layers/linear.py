@@ -13,8 +13,8 @@ parameter of its dtype), so the weights take their bytes once: Llama-3.2-1B's sh
 in bf16 holds 2.79 GiB (resident 3.50 GiB) where both copies held 4.60 (5.30), in fp32 5.58
 (6.30) where they held 9.21 (``benchmarks/engine/packed_memory.py``). torch's GEMM, where a
 call leaves the kernel (autograd on, another dtype or device), runs on the weight unpacked from
-the packed copy, exactly (``unpack()``, a copy per call; gradients reach the input, not the dropped weight). The
-original stays where something else reads it: a head tied to its embedding (the embedding
+the packed copy, exactly (``dense_weight``, a copy per call; gradients reach the input, not the dropped
+weight); what reads a loaded weight reads it there. The original stays where something else reads it: a head tied to its embedding (the embedding
 holds those rows anyway; the tie is kept), bf16 layers on an AMX host (torch's AMX GEMM takes
 their calls of many rows), and layers marked ``leave_unpacked`` (read as a tensor, never
 called: MLA's ``kv_b_proj``; not packed at all). Weights cannot be rewritten in place after
@@ -45,6 +45,7 @@ back to fp16).
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -53,22 +54,34 @@ from torch import nn
 from trillm.kernels import linear_bf16_avx2_cpu, linear_cpu, linear_fp8_cpu, linear_fp16_cpu
 
 
-def _torch_weight(self: nn.Linear) -> torch.Tensor:  # [N, K]
-    """The weight for torch's GEMM (autograd on, another dtype or device, AMX's many rows): the
-    original where the layer kept it, else unpacked from the packed copy, exactly (a copy per
-    call: these calls are off the serving path, but for AMX's, which keep the original)."""
-    if self.weight.numel():
-        return self.weight
+def dense_weight(module: nn.Linear) -> torch.Tensor:  # [N, K]
+    """A packed layer's weight as the checkpoint gave it: the original where the layer kept it,
+    else unpacked from the packed copy, exactly (a copy per call). For torch's GEMM off the
+    kernel's path (autograd on, another dtype or device) and for what reads loaded weights."""
+    if module.weight.numel():
+        return module.weight
     packed: linear_cpu.PackedWeight | linear_cpu.PackedWeightBf16 | linear_fp16_cpu.Packed16
-    packed = self.packed_weight  # type: ignore[assignment]
+    packed = module.packed_weight  # type: ignore[assignment]
     return packed.unpack()
+
+
+def loaded_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()`` with each packed layer's weight read back from its packed
+    copy: the values the checkpoint loaded (what a state dict of the model would hold)."""
+    for name, param in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if leaf == "weight" and hasattr(module, "packed_weight"):
+            yield name, dense_weight(module)  # type: ignore[arg-type]
+        else:
+            yield name, param
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed: linear_cpu.PackedWeight = self.packed_weight  # type: ignore[assignment]
     if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled():
         return linear_cpu.linear(x, packed, self.bias)
-    return F.linear(x, _torch_weight(self), self.bias)
+    return F.linear(x, dense_weight(self), self.bias)
 
 
 def _packed_forward_bf16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -77,21 +90,21 @@ def _packed_forward_bf16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         limit = linear_cpu.bf16_kernel_max_rows()  # with AMX, torch's GEMM wins at many rows
         if limit is None or x.numel() <= limit * x.shape[-1]:
             return linear_cpu.linear_bf16(x, packed, self.packed_bias)  # type: ignore[arg-type]
-    return F.linear(x, _torch_weight(self), self.bias)
+    return F.linear(x, dense_weight(self), self.bias)
 
 
 def _packed_forward_bf16_avx2(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed: linear_bf16_avx2_cpu.PackedWeightBf16Avx2 = self.packed_weight  # type: ignore[assignment]
     if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
         return linear_bf16_avx2_cpu.linear_bf16(x, packed, self.packed_bias)  # type: ignore[arg-type]
-    return F.linear(x, _torch_weight(self), self.bias)
+    return F.linear(x, dense_weight(self), self.bias)
 
 
 def _packed_forward_fp16(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed: linear_fp16_cpu.PackedWeightFp16 = self.packed_weight  # type: ignore[assignment]
     if x.device.type == "cpu" and x.dtype == torch.float16 and not torch.is_grad_enabled():
         return linear_fp16_cpu.linear_fp16(x, packed, self.packed_bias)  # type: ignore[arg-type]
-    return F.linear(x, _torch_weight(self), self.bias)
+    return F.linear(x, dense_weight(self), self.bias)
 
 
 def _pack_fp32(module: nn.Linear) -> bool:
