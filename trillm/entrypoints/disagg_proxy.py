@@ -8,11 +8,17 @@ them, and the decode instance's answer (JSON or SSE stream) is the client's.
         --decode http://127.0.0.1:8200 --port 8000
 
 A prefill answer that is not 200 is the client's answer (the decode instance is not asked).
+
+With vLLM's P2pNcclConnector (``send_type`` "GET"), ``--prefill-kv-addr IP:PORT`` (the prefill
+instance's ``kv_ip:kv_port``) tells the decode instance where the prompt's KV is, as vLLM's
+proxy does: both instances get the request id
+``___prefill_addr_IP:PORT___decode_addr_<--decode-kv-addr>_<uuid or the client's request_id>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,17 +38,30 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return {**kept, "max_tokens": 1}
 
 
+def with_kv_addresses(body: dict[str, Any], prefill_kv: str, decode_kv: str) -> dict[str, Any]:
+    """The request under vLLM's P2P request id naming the instances' KV addresses."""
+    suffix = body.get("request_id") or uuid.uuid4().hex
+    return {
+        **body,
+        "request_id": f"___prefill_addr_{prefill_kv}___decode_addr_{decode_kv}_{suffix}",
+    }
+
+
 def _forwarded_headers() -> dict[str, str]:
     auth = request.headers.get("Authorization")
     return {} if auth is None else {"Authorization": auth}
 
 
-def make_app(prefill_url: str, decode_url: str) -> QuartTrio:
+def make_app(
+    prefill_url: str, decode_url: str, prefill_kv: str | None = None, decode_kv: str = ""
+) -> QuartTrio:
     app = QuartTrio("trillm-disagg-proxy")
     client = httpx.AsyncClient(timeout=None)
 
     async def relay(path: str) -> Response:
         body = await request.get_json(force=True)
+        if prefill_kv is not None:
+            body = with_kv_addresses(body, prefill_kv, decode_kv)
         headers = _forwarded_headers()
         first = await client.post(prefill_url + path, json=prefill_body(body), headers=headers)
         if first.status_code != 200:
@@ -94,12 +113,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefill", required=True, help="the kv_producer instance's base URL")
     parser.add_argument("--decode", required=True, help="the kv_consumer instance's base URL")
+    parser.add_argument(
+        "--prefill-kv-addr",
+        help="P2pNcclConnector: the prefill instance's kv_ip:kv_port, named in each request id",
+    )
+    parser.add_argument(
+        "--decode-kv-addr", default="", help="P2pNcclConnector: the decode instance's, likewise"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
-    trio.run(
-        serve, make_app(args.prefill.rstrip("/"), args.decode.rstrip("/")), args.host, args.port
+    app = make_app(
+        args.prefill.rstrip("/"), args.decode.rstrip("/"), args.prefill_kv_addr, args.decode_kv_addr
     )
+    trio.run(serve, app, args.host, args.port)
 
 
 async def serve(app: QuartTrio, host: str, port: int) -> None:

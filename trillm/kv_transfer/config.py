@@ -1,5 +1,6 @@
 """``--kv-transfer-config JSON`` (vLLM's ``KVTransferConfig``): every key vLLM defines, honoured
-or refused by name. One connector is implemented, vLLM's ``SharedStorageConnector``."""
+or refused by name. Two connectors are implemented, vLLM's ``SharedStorageConnector`` and its
+``P2pNcclConnector`` (over TCP, ``p2p_config.py``)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from trillm.kv_transfer.p2p_config import P2P_NCCL, P2pConfig, parse_p2p
+
 SHARED_STORAGE = "SharedStorageConnector"
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 # vLLM's other connectors: refused by name, each moves KV in a way not implemented here.
 OTHER_CONNECTORS = (
     "LMCacheConnectorV1",
     "NixlConnector",
-    "P2pNcclConnector",
     "MultiConnector",
     "OffloadingConnector",
     "LMCacheMPConnector",
@@ -42,6 +44,7 @@ class KVTransferConfig:
     # LMCache's cap on its disk tier, GiB: the producer's bound on the folder's bytes (None:
     # disk_budget.DEFAULT_DISK_SHARE of the free disk at start)
     max_local_disk_size: float | None = None
+    p2p: P2pConfig | None = None  # P2pNcclConnector's transport (shared_storage_path unused)
 
     @property
     def is_producer(self) -> bool:
@@ -58,16 +61,17 @@ def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:
         return value
     if not isinstance(value, dict):
         raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}.")
-    _check_keys(value)
     connector = value.get("kv_connector")
+    _check_keys(value, connector == P2P_NCCL)
     if connector in OTHER_CONNECTORS:
         raise ValueError(
             f"kv_transfer_config.kv_connector {connector!r} is not implemented; trillm has "
-            f"{SHARED_STORAGE!r} only."
+            f"{SHARED_STORAGE!r} and {P2P_NCCL!r}."
         )
-    if connector != SHARED_STORAGE:
+    if connector not in (SHARED_STORAGE, P2P_NCCL):
         raise ValueError(
-            f"kv_transfer_config.kv_connector must be {SHARED_STORAGE!r}, got {connector!r}."
+            f"kv_transfer_config.kv_connector must be {SHARED_STORAGE!r} or {P2P_NCCL!r}, "
+            f"got {connector!r}."
         )
     role = value.get("kv_role")
     if role not in ROLES:
@@ -75,13 +79,19 @@ def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:
     engine_id = value.get("engine_id")
     if engine_id is not None and not isinstance(engine_id, str):
         raise ValueError(f"kv_transfer_config.engine_id must be a string, got {engine_id!r}.")
+    if connector == P2P_NCCL:
+        extra = value.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a JSON object.")
+        return KVTransferConfig(connector, role, "", engine_id, p2p=parse_p2p(value, role, extra))
     extra = _extra_config(value)
     return KVTransferConfig(
         connector, role, _storage_path(extra), engine_id, _disk_cap(extra, role)
     )
 
 
-def _check_keys(value: dict[str, Any]) -> None:
+def _check_keys(value: dict[str, Any], network: bool) -> None:
+    """``network``: the P2P connector reads vLLM's network keys itself (``parse_p2p``)."""
     for key, item in value.items():
         if key in ("kv_connector", "kv_role", "kv_connector_extra_config", "engine_id"):
             continue
@@ -94,7 +104,7 @@ def _check_keys(value: dict[str, Any]) -> None:
             continue
         if key not in _NETWORK_DEFAULTS:
             raise ValueError(f"kv_transfer_config: unknown key {key!r}.")
-        if item != _NETWORK_DEFAULTS[key]:
+        if not network and item != _NETWORK_DEFAULTS[key]:
             raise ValueError(
                 f"kv_transfer_config.{key}: read by vLLM's network connectors only, not by "
                 f"{SHARED_STORAGE}; leave it out."

@@ -22,12 +22,12 @@ from trillm.core.request import Request
 from trillm.kv_transfer.base import KVConnectorWorker, NoConnector
 from trillm.kv_transfer.config import KVTransferConfig
 from trillm.kv_transfer.disk_budget import DiskBudget, touch
+from trillm.kv_transfer.kv_blocks import gather, scatter
+from trillm.kv_transfer.p2p import P2pWorker, p2p_lookup
 from trillm.kv_transfer.storage import (
-    Header,
     cache_identity,
     file_path,
     file_size,
-    payload_digest,
     prefix_key,
     read_file,
     read_header,
@@ -69,6 +69,12 @@ class SharedStorageScheduler:
         self._lookups[request.request_id] = (key, 0, num_computed_tokens)
         if n <= num_computed_tokens:
             return 0
+        if self.kv.p2p is not None:  # P2pNcclConnector: the prefill instance holds it
+            found = p2p_lookup(request.request_id, key)
+            if found is None:
+                return 0
+            self._lookups[request.request_id] = (found, n, num_computed_tokens)
+            return n - num_computed_tokens
         path = file_path(self.kv.shared_storage_path, key)
         # NOTE: on the engine loop: the header alone (one small read), never the payload,
         # whose digest the worker checks; a head that waits for blocks reads it once
@@ -169,34 +175,11 @@ class SharedStorageWorker:
             raise RuntimeError(
                 f"KV file {path} is damaged, or changed after the scheduler's lookup."
             )
-        header, payload = found
-        cache = kv_caches[0]
-        shape = (len(kv_caches), cache.shape[0], len(item.block_ids), *cache.shape[2:])
-        layout = (len(kv_caches), cache.shape[0], list(cache.shape[3:]), str(cache.dtype))
-        if (header.num_layers, header.planes, header.entry, header.dtype) != layout:
-            raise ValueError(f"KV file {path} holds another cache layout than this model's.")
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        rows = data.view(cache.dtype).reshape(shape).to(cache.device)
-        ids = torch.tensor(item.block_ids[item.first_block :], device=cache.device)
-        for layer, layer_rows in zip(kv_caches, rows):
-            layer[:, ids] = layer_rows[:, item.first_block :]
+        scatter(item, kv_caches, *found)
         touch(path)  # NOTE: used: the producer's LRU evicts it last
 
     def _save(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
-        ids = torch.tensor(item.block_ids, device=kv_caches[0].device)
-        rows = torch.stack([layer[:, ids] for layer in kv_caches])  # [L, planes, nb, bs, *entry]
-        payload = rows.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        cache = kv_caches[0]
-        header = Header(
-            identity=self.identity,
-            num_tokens=item.num_tokens,
-            num_layers=len(kv_caches),
-            planes=cache.shape[0],
-            entry=list(cache.shape[3:]),
-            dtype=str(cache.dtype),
-            payload_bytes=len(payload),
-            digest=payload_digest(payload),
-        )
+        header, payload = gather(item, kv_caches, self.identity)
         path = file_path(self.folder, item.key)
         if self.budget is not None and not self.budget.admit(path, file_size(header)):
             return  # NOTE: over max_local_disk_size alone: counted, the consumer recomputes
@@ -209,4 +192,6 @@ def worker_connector(config: TrillmConfig) -> KVConnectorWorker:
     """The worker side of the engine's connector (a no-op without one)."""
     if config.kv_transfer is None:
         return NoConnector()
+    if config.kv_transfer.p2p is not None:
+        return P2pWorker(cache_identity(config), config.kv_transfer)
     return SharedStorageWorker(config, config.kv_transfer)

@@ -77,11 +77,16 @@ def file_size(header: Header) -> int:
     return len(MAGIC) + _HEADER_LEN_BYTES + len(json.dumps(asdict(header))) + header.payload_bytes
 
 
-def write_file(path: str, header: Header, payload: bytes) -> None:
+def pack(header: Header, payload: bytes) -> bytes:
+    """A file's bytes (the network connector sends the same)."""
     head = json.dumps(asdict(header)).encode()
+    return MAGIC + len(head).to_bytes(_HEADER_LEN_BYTES, "little") + head + payload
+
+
+def write_file(path: str, header: Header, payload: bytes) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
-        f.write(MAGIC + len(head).to_bytes(_HEADER_LEN_BYTES, "little") + head + payload)
+        f.write(pack(header, payload))
     os.replace(tmp, path)
 
 
@@ -97,6 +102,12 @@ def read_file(path: str, identity: str, num_tokens: int) -> tuple[Header, memory
             data = f.read()
     except OSError:
         return None
+    return unpack(data, identity, num_tokens)
+
+
+def unpack(data: bytes, identity: str, num_tokens: int) -> tuple[Header, memoryview] | None:
+    """``pack``'s bytes -> header and payload; None unless whole, undamaged and of this
+    identity and token count."""
     header = _parse_header(data)
     if header is None or header[0].identity != identity or header[0].num_tokens != num_tokens:
         return None

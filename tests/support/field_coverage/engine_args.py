@@ -290,6 +290,10 @@ ENGINE: dict[str, tuple[str, ...]] = {
         "tests/kv_transfer/test_disk_budget.py::"
         "test_a_producer_serving_many_distinct_prompts_stays_under_the_cap",
         "tests/kv_transfer/test_disk_budget.py::test_a_bad_cap_is_refused_naming_the_key",
+        "tests/kv_transfer/test_p2p.py::test_the_decode_instance_pulls_the_prompts_and_matches",
+        "tests/kv_transfer/test_p2p.py::test_what_the_p2p_connector_cannot_take_is_refused_by_name",
+        "tests/entrypoints/test_p2p_http.py::"
+        "test_the_pair_answers_as_one_instance_and_decode_computes_no_transferred_token",
     ),
     "speculative_config": ids(
         SPEC_E + "test_same_output_with_speculation_and_drafts_accepted",

@@ -27,9 +27,10 @@ def _group(reason: str, *names: str, asks_nothing: tuple[Any, ...] = (None,)) ->
 
 _DISAGG = {
     **_group(
-        "the KV connector here (SharedStorageConnector, --kv-transfer-config) finds a prompt's "
-        "KV by its tokens and takes no per-request parameters; the network connectors that "
-        "read them are not implemented",
+        "the KV connectors here (--kv-transfer-config) take no per-request parameters: "
+        "SharedStorageConnector finds a prompt's KV by its tokens, P2pNcclConnector by the "
+        "prefill address in the request id (as vLLM's); NixlConnector, which reads them, is "
+        "not implemented",
         "kv_transfer_params",
     ),
     **_group("encoder-cache transfer between instances is not implemented", "ec_transfer_params"),

@@ -1,0 +1,248 @@
+"""vLLM's P2pNcclConnector over TCP ("GET": the decode instance pulls the prompt's KV from the
+prefill instance named in the request id). The decode instance's greedy tokens and logprobs
+equal one plain instance's and it computes none of a transferred prompt's whole blocks; a lost
+transfer (no prefill instance, a dropped connection, a silent peer past the deadline, evicted
+KV) is recomputed within a bounded wait; the prefill's store is bounded by kv_buffer_size."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from trillm import LLM, SamplingParams
+from trillm.kv_transfer import p2p_wire
+from trillm.kv_transfer.config import parse_kv_transfer_config
+from trillm.kv_transfer.p2p import prefill_address
+from trillm.kv_transfer.p2p_wire import KVServer, SendStore, fetch
+
+BLOCK = 16
+LENGTHS = (40, 17, 70, 9)  # 2, 1, 4 and 0 whole blocks before the last prompt token
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+KEY = "ab" * 20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kv(role: str, port: int, **extra) -> dict:
+    return {
+        "kv_connector": "P2pNcclConnector",
+        "kv_role": role,
+        "kv_port": str(port),  # vLLM's examples give strings
+        "kv_buffer_size": extra.pop("kv_buffer_size", "1e9"),
+        "kv_connector_extra_config": {"send_type": "GET", **extra},
+    }
+
+
+def _engine(path: str, **kwargs) -> LLM:
+    return LLM(
+        path,
+        max_model_len=256,
+        kv_cache_memory="8MiB",
+        block_size=BLOCK,
+        distributed_executor_backend="uni",
+        **kwargs,
+    )
+
+
+def _prompts() -> list[dict]:
+    return [{"prompt_token_ids": list(range(5 + i, 5 + i + n))} for i, n in enumerate(LENGTHS)]
+
+
+def _aligned(n: int) -> int:
+    return (n - 1) // BLOCK * BLOCK
+
+
+def _run(engine: LLM, port: int, params: SamplingParams = PARAMS) -> list:
+    """The prompts under vLLM's proxy's request ids naming the prefill instance's port."""
+
+    async def generate() -> list:
+        n = len(LENGTHS)
+        ids = [f"___prefill_addr_127.0.0.1:{port}___decode_addr_127.0.0.1:1_{i}" for i in range(n)]
+        outs: list = [None] * n
+        async with engine.engine.generate_many(_prompts(), [params] * n, ids) as items:
+            async for index, out in items:
+                outs[index] = out
+        return outs
+
+    try:
+        return engine._call(generate)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prefilled(tiny_model_factory):
+    """(model path, the prefill instance's KV port, the plain engine's outputs)."""
+    path = tiny_model_factory("qwen2")
+    port = _free_port()
+    plain = _run(_engine(path), port)
+    # NOTE: in-process ("uni"): its KV server thread outlives the engine, as a live instance
+    _run(
+        _engine(path, kv_transfer_config=_kv("kv_producer", port)),
+        port,
+        SamplingParams(max_tokens=1),
+    )
+    return path, port, plain
+
+
+def _max_logprob_diff(a, b) -> float:
+    return max(
+        abs(x[t].logprob - y[t].logprob)
+        for out_a, out_b in zip(a, b, strict=True)
+        for x, y, t in zip(
+            out_a.outputs[0].logprobs, out_b.outputs[0].logprobs, out_a.outputs[0].token_ids
+        )
+    )
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_the_decode_instance_pulls_the_prompts_and_matches(prefilled, chunk):
+    path, port, plain = prefilled
+    extra = {} if chunk is None else {"long_prefill_token_threshold": chunk}
+    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", _free_port()), **extra), port)
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
+    # every whole block before the last prompt token came over the wire, none was computed
+    assert [o.num_cached_tokens for o in outs] == [_aligned(n) for n in LENGTHS]
+    assert _max_logprob_diff(outs, plain) < 1e-4
+
+
+def test_no_prefill_instance_is_recomputed(prefilled, caplog):
+    path, _, plain = prefilled
+    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", 1)), _free_port())
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
+    assert [o.num_cached_tokens for o in outs] == [0] * len(LENGTHS)
+    assert _max_logprob_diff(outs, plain) < 1e-4
+    assert "3 load failures so far" in caplog.text
+
+
+@contextlib.contextmanager
+def _silent_peer(answer: bytes, drop: bool = False) -> Iterator[int]:
+    """A peer on the yielded port that reads the request, sends ``answer`` and holds the
+    connection open until the test ends (``drop``: closes it)."""
+    held: list[socket.socket] = []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def serve() -> None:
+            conn, _ = server.accept()
+            held.append(conn)
+            conn.recv(64)
+            conn.sendall(answer)
+            if drop:
+                conn.close()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            yield server.getsockname()[1]
+        finally:
+            thread.join()
+            for conn in held:
+                conn.close()
+
+
+@pytest.mark.parametrize(
+    "answer", [b"", (100).to_bytes(8, "little") + b"x" * 10], ids=["nothing", "half"]
+)
+def test_a_silent_peer_ends_at_the_deadline(monkeypatch, answer):
+    """No answer, or half of one: the fetch ends at its deadline (the decode instance
+    recomputes), never waits on."""
+    monkeypatch.setattr(p2p_wire, "TRANSFER_TIMEOUT_S", 0.5)
+    with _silent_peer(answer) as port, pytest.raises(TimeoutError):
+        fetch("127.0.0.1", port, KEY, 1000)
+
+
+def test_a_dropped_connection_fails(monkeypatch):
+    """A prefill instance killed mid-answer: the fetch fails at once (the decode instance
+    recomputes), well before its deadline."""
+    monkeypatch.setattr(p2p_wire, "TRANSFER_TIMEOUT_S", 300.0)
+    with _silent_peer((100).to_bytes(8, "little") + b"x" * 10, drop=True) as port:
+        with pytest.raises(ConnectionError, match="after 10 of 100 bytes"):
+            fetch("127.0.0.1", port, KEY, 1000)
+
+
+def test_the_server_answers_held_keys_within_the_asked_size():
+    store = SendStore(10_000)
+    store.put(KEY, b"y" * 500)
+    server = KVServer(store, "127.0.0.1", 0)
+    try:
+        host, port = server.address
+        assert host == "127.0.0.1"  # bound to kv_ip only
+        assert fetch(host, port, KEY, 500) == b"y" * 500
+        assert fetch(host, port, "cd" * 20, 500) is None
+        with pytest.raises(ValueError, match="over the 499 asked"):
+            fetch(host, port, KEY, 499)
+    finally:
+        server.close()
+
+
+def test_the_store_is_bounded_by_kv_buffer_size():
+    store = SendStore(1000)
+    for i in range(50):  # a client sending many prompts the decode instance never takes
+        assert store.put(f"{i:040x}", bytes(300))
+        assert store.bytes <= 1000
+    assert len(store) == 3 and store.evicted == 47
+    assert store.get(f"{49:040x}") is not None and store.get(f"{0:040x}") is None
+    assert not store.put("ff" * 20, bytes(1001))  # over the whole buffer: not kept
+    assert store.bytes <= 1000
+
+
+def test_evicted_kv_is_recomputed(prefilled, tiny_model_factory):
+    """A prefill store of kv_buffer_size bytes holds the last prompt only: the others'
+    decode requests find nothing and compute their prompts."""
+    path, _, plain = prefilled
+    port = _free_port()
+    producer = _engine(path, kv_transfer_config=_kv("kv_producer", port, kv_buffer_size=30_000))
+    _run(producer, port, SamplingParams(max_tokens=1))
+    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", 1)), port)
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
+    cached = [o.num_cached_tokens for o in outs]
+    assert 0 < sum(cached) < sum(_aligned(n) for n in LENGTHS)
+
+
+def test_the_request_id_names_the_prefill_instance():
+    rid = "___prefill_addr_10.0.1.2:21001___decode_addr_10.0.1.3:22001_abc"
+    assert prefill_address(f"cmpl-{rid}-0") == ("10.0.1.2", 21001)
+    assert prefill_address("cmpl-plain-0") is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"kv_connector_extra_config": {}}, "send_type 'PUT_ASYNC'"),
+        ({"kv_connector_extra_config": {"send_type": "PUT"}}, "send_type 'PUT'"),
+        ({"kv_connector_extra_config": {"send_type": "GET", "nccl_num_channels": "8"}}, "NCCL"),
+        ({"kv_connector_extra_config": {"send_type": "GET", "proxy_ip": "1.2.3.4"}}, "proxy_ip"),
+        ({"kv_connector_extra_config": {"send_type": "GET", "mem_pool_size_gb": 4}}, "pool"),
+        ({"kv_connector_extra_config": {"send_type": "GET", "x": 1}}, "does not take x"),
+        ({"kv_role": "kv_both"}, "'kv_both'"),
+        ({"kv_buffer_device": "cuda"}, "kv_buffer_device 'cuda'"),
+        ({"kv_port": 70000}, "kv_port must be a port"),
+        ({"kv_port": "abc"}, "kv_port must be a number"),
+        ({"kv_buffer_size": 0}, "kv_buffer_size must be >= 1"),
+        ({"kv_ip": "example.com"}, "kv_ip must be an IP address"),
+    ],
+)
+def test_what_the_p2p_connector_cannot_take_is_refused_by_name(change, message):
+    config = {**_kv("kv_consumer", 21001), **change}
+    with pytest.raises(ValueError, match=message):
+        parse_kv_transfer_config(config)
+
+
+def test_vllms_p2p_example_is_taken():
+    config = parse_kv_transfer_config(
+        {**_kv("kv_producer", 21001, kv_buffer_size="1e1"), "kv_ip": "10.0.1.2"}
+    )
+    assert config is not None and config.p2p is not None
+    assert (config.p2p.kv_ip, config.p2p.kv_port, config.p2p.kv_buffer_size) == (
+        "10.0.1.2",
+        21001,
+        10,
+    )

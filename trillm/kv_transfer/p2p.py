@@ -1,0 +1,91 @@
+"""vLLM's ``P2pNcclConnector`` between a prefill and a decode instance, over TCP here
+(``p2p_wire.py``), in vLLM's "GET" mode: the prefill instance (kv_producer) keeps each computed
+prompt's KV blocks in a store bounded by ``kv_buffer_size`` and serves them on
+``kv_ip:kv_port``; the decode instance (kv_consumer) pulls them before the request's first
+step instead of computing them.
+
+As in vLLM, the proxy tells the decode instance where a prompt's KV is in the request id:
+``___prefill_addr_<ip>:<port>___decode_addr_<ip>:<port>_<uuid>`` (``disagg_proxy
+--prefill-kv-addr``). The scheduler side (``SharedStorageScheduler`` with ``kv.p2p``) claims
+the prompt's whole blocks for a request whose id names a prefill address; the worker side
+fetches them. A fetch that fails (no server, dropped, over the deadline, evicted, damaged,
+another model's) is a failed load: the scheduler recomputes those tokens.
+
+The same two sides take NIXL or NCCL on a GPU: ``fetch`` is the one transport call.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from trillm.kv_transfer.config import KVTransferConfig
+from trillm.kv_transfer.kv_blocks import gather, payload_bytes, scatter
+from trillm.kv_transfer.p2p_wire import KVServer, SendStore, fetch
+from trillm.kv_transfer.storage import HEADER_READ_BYTES, pack, unpack
+from trillm.messages import KVConnectorStep, KVTransferItem
+
+logger = logging.getLogger(__name__)
+
+_PREFILL_ADDR = re.compile(r"___prefill_addr_(.+?):(\d{1,5})___")
+
+
+def prefill_address(request_id: str) -> tuple[str, int] | None:
+    match = _PREFILL_ADDR.search(request_id)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2))
+
+
+def p2p_lookup(request_id: str, key: str) -> str | None:
+    """The load's key, ``<ip>:<port>/<prefix key>``; None when the request id names no prefill
+    instance (the request is computed here)."""
+    address = prefill_address(request_id)
+    return None if address is None else f"{address[0]}:{address[1]}/{key}"
+
+
+class P2pWorker:
+    """The worker side (``base.KVConnectorWorker``)."""
+
+    def __init__(self, identity: str, kv: KVTransferConfig) -> None:
+        assert kv.p2p is not None
+        self.identity = identity
+        self.store: SendStore | None = None
+        self.server: KVServer | None = None
+        if kv.is_producer:
+            self.store = SendStore(kv.p2p.kv_buffer_size)
+            self.server = KVServer(self.store, kv.p2p.kv_ip, kv.p2p.kv_port)
+            logger.info("P2P KV server on %s:%d", *self.server.address)
+
+    def start_load_kv(
+        self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
+    ) -> dict[str, str]:
+        failed = {}
+        for item in () if step is None else step.loads:
+            try:
+                self._load(item, kv_caches)
+            except (OSError, ValueError, RuntimeError) as exc:  # NOTE: that request's alone
+                logger.warning("request %s: KV transfer failed: %s", item.req_id, exc)
+                failed[item.req_id] = f"KV connector load: {exc}"
+        return failed
+
+    def wait_for_save(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
+        if self.store is None:
+            return
+        for item in () if step is None else step.saves:
+            header, payload = gather(item, kv_caches, self.identity)
+            self.store.put(item.key, pack(header, payload))
+
+    def _load(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
+        address, key = item.key.split("/", 1)
+        host, port = address.rsplit(":", 1)
+        limit = payload_bytes(item, kv_caches) + HEADER_READ_BYTES
+        blob = fetch(host, int(port), key, limit)
+        if blob is None:
+            raise RuntimeError(f"the prefill instance at {address} does not hold this prompt")
+        found = unpack(blob, self.identity, item.num_tokens)
+        if found is None:
+            raise RuntimeError(f"the KV from {address} is damaged or another model's")
+        scatter(item, kv_caches, *found)

@@ -1,0 +1,152 @@
+"""The P2P connector's transport: the prefill instance's worker keeps each saved prompt's KV
+(``storage.pack``'s bytes) in a bounded store and serves it over TCP on ``kv_ip:kv_port``;
+the decode instance's worker asks for a key and reads the answer, within a deadline.
+
+A request is ``GET <key>\\n`` (the key: 40 hex digits); the answer an 8-byte little-endian
+length (0: not held) and that many bytes. No authentication (vLLM's P2P connector has none):
+the server binds ``kv_ip`` only, and its peers should be on a private network.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import OrderedDict
+
+logger = logging.getLogger(__name__)
+
+KEY_CHARS = 40  # storage.prefix_key: BLAKE2b-160, hex
+_LENGTH_BYTES = 8
+# NOTE: a peer gets this long for its request line, and a fetch for its whole answer: a
+# prefill instance killed or stalled costs the decode instance at most this, then recompute
+TRANSFER_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 16  # concurrent peers a server answers; more are closed at once
+
+
+class SendStore:
+    """Prompts' KV waiting for the decode instance, at most ``capacity`` bytes: the oldest go
+    first (their decode requests recompute), and one larger than ``capacity`` is not kept."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.bytes = 0
+        self.evicted = 0
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, key: str, blob: bytes) -> bool:
+        if len(blob) > self.capacity:
+            logger.warning("KV of %d bytes is over kv_buffer_size alone: not kept", len(blob))
+            return False
+        with self._lock:
+            old = self._items.pop(key, None)
+            self.bytes -= 0 if old is None else len(old)
+            while self.bytes + len(blob) > self.capacity:
+                _, dropped = self._items.popitem(last=False)
+                self.bytes -= len(dropped)
+                self.evicted += 1
+            self._items[key] = blob
+            self.bytes += len(blob)
+        return True
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class KVServer:
+    """Serves ``store`` on ``(ip, port)`` from a daemon thread, one thread per peer."""
+
+    def __init__(self, store: SendStore, ip: str, port: int) -> None:
+        self.store = store
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((ip, port))
+        except OSError as exc:
+            self._sock.close()
+            raise ValueError(f"kv_transfer_config: cannot listen on {ip}:{port}: {exc}") from exc
+        self._sock.listen(MAX_CONNECTIONS)
+        self.address = self._sock.getsockname()[:2]
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        threading.Thread(target=self._accept, name="kv-p2p-server", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # NOTE: busy: that peer recomputes
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.settimeout(TRANSFER_TIMEOUT_S)
+                key = _read_request(conn)
+                blob = None if key is None else self.store.get(key)
+                if blob is None:
+                    conn.sendall(bytes(_LENGTH_BYTES))
+                    return
+                conn.sendall(len(blob).to_bytes(_LENGTH_BYTES, "little"))
+                conn.sendall(blob)
+        except OSError as exc:
+            logger.info("KV peer dropped: %s", exc)
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _read_request(conn: socket.socket) -> str | None:
+    want = len(b"GET ") + KEY_CHARS + 1
+    line = _read_exactly(conn, want, time.monotonic() + TRANSFER_TIMEOUT_S)
+    key = line[4:-1].decode("ascii", "replace")
+    if not line.startswith(b"GET ") or not line.endswith(b"\n") or not _is_key(key):
+        return None
+    return key
+
+
+def _is_key(key: str) -> bool:
+    return len(key) == KEY_CHARS and all(c in "0123456789abcdef" for c in key)
+
+
+def fetch(host: str, port: int, key: str, max_bytes: int) -> bytes | None:
+    """The bytes the server at ``host:port`` holds for ``key``; None when it holds none.
+    OSError (refused, dropped, TRANSFER_TIMEOUT_S passed) or ValueError (an answer over
+    ``max_bytes``): the caller recomputes."""
+    deadline = time.monotonic() + TRANSFER_TIMEOUT_S
+    with socket.create_connection((host, port), timeout=TRANSFER_TIMEOUT_S) as conn:
+        conn.sendall(b"GET " + key.encode("ascii") + b"\n")
+        size = int.from_bytes(_read_exactly(conn, _LENGTH_BYTES, deadline), "little")
+        if size == 0:
+            return None
+        if size > max_bytes:
+            raise ValueError(f"the prefill instance sent {size} bytes, over the {max_bytes} asked")
+        return _read_exactly(conn, size, deadline)
+
+
+def _read_exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"KV transfer took over {TRANSFER_TIMEOUT_S} s")
+        conn.settimeout(left)
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"the peer closed the connection after {got} of {size} bytes")
+        got += n
+    return bytes(buf)
