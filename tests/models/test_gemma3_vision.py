@@ -8,10 +8,17 @@ resumes the same, and what the model cannot run is refused by name."""
 from __future__ import annotations
 
 import pytest
-from engine_waves import concurrent_requests
 from gemma3_reference import IMAGE, hf_greedy
 from llava_reference import image
-from mm_engine import GREEDY, SCORED, as_prompt, batch_logprob_diff, encoder_calls, module_llm
+from mm_engine import (
+    GREEDY,
+    SCORED,
+    as_prompt,
+    batch_logprob_diff,
+    check_preempted_resume,
+    encoder_calls,
+    module_llm,
+)
 from qwen2_vl_reference import max_logprob_diff
 
 from trillm import LLM, SamplingParams
@@ -84,22 +91,16 @@ def test_the_eager_backend_equals_transformers_too(path):
 
 def test_preempted_image_requests_resume_the_same(path):
     cases = [CASES[0], CASES[2], (f"Then {IMAGE}", [image(5, (32, 48))]), CASES[1]]
-    expected = [hf_greedy(path, t, i, n=24)[1] for t, i in cases]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-    got, stats = concurrent_requests(
+    check_preempted_resume(
         path,
+        cases,
         [as_prompt(*case) for case in cases],
-        params,
+        hf_greedy,
         max_model_len=128,
-        block_size=16,
         num_gpu_blocks_override=8,  # 4 requests need 16 blocks: forces preemption
         max_num_batched_tokens=32,
         limit_mm_per_prompt={"image": 2},
-        distributed_executor_backend="uni",
     )
-    assert got == expected
-    assert stats.num_preemptions > 0, "the small KV cache should have forced preemption"
 
 
 def test_pan_and_scan_is_refused_by_name(llm):

@@ -15,12 +15,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_waves import concurrent_requests
 from llama4_reference import IMAGE, PROCESSOR_DIGESTS, hf_greedy
 from llava_reference import chat_text, image
-from mm_engine import GREEDY, SCORED, UNI, as_prompt, batch_logprob_diff, encoder_calls, module_llm
+from mm_engine import (
+    GREEDY,
+    SCORED,
+    UNI,
+    as_prompt,
+    batch_logprob_diff,
+    check_preempted_resume,
+    encoder_calls,
+    module_llm,
+)
 
-from trillm import LLM, SamplingParams
+from trillm import LLM
 from trillm.engine.llama4_inputs import Llama4ImageProcessing
 from trillm.engine.preprocess import InvalidRequestError
 
@@ -94,21 +102,16 @@ def test_mm_processor_kwargs(llm, path):
 
 def test_preempted_image_requests_resume(path):
     cases = [CASES[0], CASES[2], CASES[1], (f"Wide {IMAGE}", [image(6, (100, 30))])]
-    expected = [hf_greedy(path, t, i, n=24)[1] for t, i in cases]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    got, stats = concurrent_requests(
+    check_preempted_resume(
         path,
+        cases,
         [as_prompt(*case) for case in cases],
-        params,
+        hf_greedy,
         max_model_len=128,
-        block_size=16,
         num_gpu_blocks_override=8,  # 4 requests of 30-60 tokens need 15 blocks: preemption
         max_num_batched_tokens=64,
         limit_mm_per_prompt={"image": 2},
-        distributed_executor_backend="uni",
     )
-    assert got == expected
-    assert stats.num_preemptions > 0, "the small KV cache should have forced preemption"
 
 
 def _copy_with(path: str, tmp_path: Path, name: str, **fields: object) -> str:

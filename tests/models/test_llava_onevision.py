@@ -12,13 +12,21 @@ import shutil
 from pathlib import Path
 
 import pytest
-from engine_waves import concurrent_requests
 from llava_reference import image
-from mm_engine import GREEDY, SCORED, UNI, as_prompt, batch_logprob_diff, encoder_calls, module_llm
+from mm_engine import (
+    GREEDY,
+    SCORED,
+    UNI,
+    as_prompt,
+    batch_logprob_diff,
+    check_preempted_resume,
+    encoder_calls,
+    module_llm,
+)
 from onevision_reference import IMAGE, hf_greedy, hf_inputs
 from qwen2_vl_reference import max_logprob_diff
 
-from trillm import LLM, SamplingParams
+from trillm import LLM
 from trillm.engine.preprocess import InvalidRequestError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -129,21 +137,16 @@ def test_feature_layers_and_the_pooling_head(tmp_path):
 
 def test_preempted_image_requests_resume(path):
     cases = [CASES[0], CASES[2], CASES[1], CASES[3]]
-    expected = [hf_greedy(path, t, i, n=24)[1] for t, i in cases]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    got, stats = concurrent_requests(
+    check_preempted_resume(
         path,
+        cases,
         [as_prompt(*case) for case in cases],
-        params,
+        hf_greedy,
         max_model_len=256,
-        block_size=16,
         num_gpu_blocks_override=16,  # 4 requests need 24 blocks: forces preemption
         max_num_batched_tokens=64,
         limit_mm_per_prompt={"image": 2},
-        distributed_executor_backend="uni",
     )
-    assert got == expected
-    assert stats.num_preemptions > 0, "the small KV cache should have forced preemption"
 
 
 def _folder(path: str, tmp_path, change: dict, where: str | None = None) -> str:

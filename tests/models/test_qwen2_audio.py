@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_waves import concurrent_requests
-from mm_engine import GREEDY, SCORED, batch_logprob_diff, encoder_calls, module_llm
+from mm_engine import (
+    GREEDY,
+    SCORED,
+    batch_logprob_diff,
+    check_preempted_resume,
+    encoder_calls,
+    module_llm,
+)
 from mm_engine import as_prompt as media_prompt
 from qwen2_audio_reference import AUDIO, RATE, b64, hf_greedy, hf_inputs, tone
 from qwen2_audio_reference import wav_bytes as wav
 
-from trillm import LLM, SamplingParams
+from trillm import LLM
 from trillm.engine import audio_decode
 from trillm.engine.preprocess import InvalidRequestError
 
@@ -175,21 +181,16 @@ PINNED_8K_TO_16K = [-0.23088865, -0.20502205, -0.17958006, -0.15376656]
 
 def test_preempted_audio_requests_resume(path):
     cases = [CASES[0], CASES[2], (f"Then {AUDIO}", [tone(7, 0.8)]), CASES[1]]
-    expected = [hf_greedy(path, t, c, n=24)[1] for t, c in cases]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    got, stats = concurrent_requests(
+    check_preempted_resume(
         path,
+        cases,
         [as_prompt(*case) for case in cases],
-        params,
+        hf_greedy,
         max_model_len=128,
-        block_size=16,
         num_gpu_blocks_override=8,  # 4 requests need 14 blocks: forces preemption
         max_num_batched_tokens=32,
         limit_mm_per_prompt={"audio": 2},
-        distributed_executor_backend="uni",
     )
-    assert got == expected
-    assert stats.num_preemptions > 0, "the small KV cache should have forced preemption"
 
 
 def test_bad_audio_is_refused_by_name(llm):
