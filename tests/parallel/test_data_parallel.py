@@ -395,7 +395,7 @@ def test_more_engine_cores_than_gpus_are_refused(llama, monkeypatch):
     import torch
 
     from trillm.config import EngineArgs
-    from trillm.engine import config_builder
+    from trillm.distributed.engine_fit import check_data_parallel
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     args = EngineArgs(llama, data_parallel_size=2, tensor_parallel_size=2)
@@ -403,11 +403,11 @@ def test_more_engine_cores_than_gpus_are_refused(llama, monkeypatch):
         ValueError,
         match=r"data_parallel_size=2 x tensor_parallel_size=2 x pipeline_parallel_size=1 needs 4 GPUs",
     ):
-        config_builder._check_data_parallel(args, "cuda")
-    config_builder._check_data_parallel(EngineArgs(llama, data_parallel_size=3), "cuda")  # fits
+        check_data_parallel(args, "cuda")
+    check_data_parallel(EngineArgs(llama, data_parallel_size=3), "cuda")  # fits
     uni = EngineArgs(llama, data_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(ValueError, match="needs distributed_executor_backend='mp'"):
-        config_builder._check_data_parallel(uni, "cuda")
+        check_data_parallel(uni, "cuda")
 
 
 def test_stats_line_says_its_figures_cover_every_core():

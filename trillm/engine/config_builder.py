@@ -1,4 +1,8 @@
-"""EngineArgs -> TrillmConfig: resolve the model, the device and the engine's limits."""
+"""EngineArgs -> TrillmConfig: resolve the model, the device and the engine's limits.
+
+Each part with an owner is resolved beside it: the parallel world in
+``distributed/engine_fit.py``, the pooler in ``model_executor/pooling_fit.py``, the KV
+connector and offload tier in ``kv_transfer/engine_fit.py`` and ``offload_fit.py``."""
 
 from __future__ import annotations
 
@@ -6,14 +10,11 @@ import logging
 from typing import TYPE_CHECKING
 
 from trillm.config import (
-    COLLECTIVE_TIMEOUT_S,
     DEFAULT_KV_CACHE_MEMORY,
-    DEFAULT_MASTER_PORT,
     CacheConfig,
     EngineArgs,
     LoRAConfig,
     ModelConfig,
-    ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
     TrillmConfig,
@@ -22,10 +23,12 @@ from trillm.config import (
 )
 from trillm.config.multimodal import resolve_limits
 from trillm.config.structured_outputs import parse_structured_outputs_config
+from trillm.distributed.engine_fit import resolve_parallel
 from trillm.engine.tokenizer_loader import load_tokenizer
 from trillm.kv_transfer.engine_fit import resolve_kv_transfer
 from trillm.kv_transfer.offload_fit import resolve_kv_offload
 from trillm.model_executor import deepseek_config, hybrid_ssm, llama4_config, transformers_numerics
+from trillm.model_executor.pooling_fit import resolve_engine_pooler
 from trillm.spec_decode.config import parse_speculative_config
 
 if TYPE_CHECKING:
@@ -86,14 +89,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     transformers_numerics.check(args, model_config, device)
     model_config.numerics = args.numerics
     max_model_len = model_config.max_model_len
-    _check_tensor_parallel(model_config, args, device)
-    _check_data_parallel(args, device)
-    _check_pipeline_parallel(model_config, args, device)
-    parallel = _parallel_config(args)
-    if device == "cpu":  # the ranks' cores: a variable they cannot honour stops the load
-        from trillm.distributed.cpu_binding import plan as cpu_binding_plan
-
-        cpu_binding_plan(parallel)
+    parallel = resolve_parallel(args, model_config, device)
     limit_mm = _multimodal_limits(args, model_config)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {args.block_size}.")
@@ -105,7 +101,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
         if args.kv_cache_memory is not None
         else DEFAULT_KV_CACHE_MEMORY
     )
-    pooler = _pooler(args, model_config)
+    pooler = resolve_engine_pooler(args, model_config)
     speculative = parse_speculative_config(args.speculative_config)
     draft_model = None
     if speculative is not None and speculative.method != "ngram" and pooler is None:
@@ -247,88 +243,6 @@ def _prompt_embeds(
     return True
 
 
-def _parallel_config(args: EngineArgs) -> ParallelConfig:
-    port = args.master_port
-    if port is None:  # one node: the executor picks a free loopback port
-        port = DEFAULT_MASTER_PORT if args.nnodes > 1 else 0
-    return ParallelConfig(
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-        master_port=port,
-        collective_timeout_s=float(args.distributed_timeout_seconds or COLLECTIVE_TIMEOUT_S),
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
-    )
-
-
-def _check_tensor_parallel(model_config: ModelConfig, args: EngineArgs, device: str) -> None:
-    """Refuse a tensor_parallel_size the model's shapes (its experts' under expert
-    parallelism) or this node's GPUs cannot take (each node runs size / nnodes ranks)."""
-    size, nnodes = args.tensor_parallel_size, args.nnodes
-    if size == 1:
-        return
-    from trillm.distributed.sharding import check_divisible
-
-    check_divisible(model_config, size, args.enable_expert_parallel)
-    if device == "cuda":
-        import torch
-
-        local = size // nnodes
-        if torch.cuda.device_count() < local:
-            raise ValueError(
-                f"tensor_parallel_size={size} over nnodes={nnodes} needs {local} GPUs on "
-                "this node (one per rank), "
-                f"{torch.cuda.device_count()} visible."
-            )
-
-
-def _check_data_parallel(args: EngineArgs, device: str) -> None:
-    """Refuse a data_parallel_size the GPUs cannot take: one GPU per rank of every core."""
-    size = args.data_parallel_size
-    if size == 1 or device != "cuda":
-        return
-    import torch
-
-    if args.distributed_executor_backend == "uni":
-        # NOTE: in-process cores would share this process's current CUDA device.
-        raise ValueError("data_parallel_size > 1 on CUDA needs distributed_executor_backend='mp'.")
-    needed = size * args.tensor_parallel_size * args.pipeline_parallel_size
-    if torch.cuda.device_count() < needed:
-        raise ValueError(
-            f"data_parallel_size={size} x tensor_parallel_size={args.tensor_parallel_size} "
-            f"x pipeline_parallel_size={args.pipeline_parallel_size} needs {needed} GPUs (one per rank of every engine core), "
-            f"{torch.cuda.device_count()} visible."
-        )
-
-
-def _check_pipeline_parallel(model_config: ModelConfig, args: EngineArgs, device: str) -> None:
-    """Refuse a pipeline_parallel_size with more stages than layers, or than GPUs for every
-    rank (tensor x pipeline)."""
-    size = args.pipeline_parallel_size
-    if size == 1:
-        return
-    layers = model_config.num_hidden_layers
-    if size > layers:
-        raise ValueError(
-            f"pipeline_parallel_size={size} is more stages than the model's {layers} layers."
-        )
-    world = size * args.tensor_parallel_size
-    if device == "cuda":
-        import torch
-
-        local = world // args.nnodes  # the ranks on this node
-        if torch.cuda.device_count() < local:
-            raise ValueError(
-                f"tensor_parallel_size x pipeline_parallel_size = {world} ranks over "
-                f"nnodes={args.nnodes} needs {local} GPUs on this node (one per rank), "
-                f"{torch.cuda.device_count()} visible."
-            )
-
-
 def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
     """enable_lora -> the LoRA config; ValueError where LoRA cannot run (naming why)."""
     from trillm.lora.peft import LORA_ARCHITECTURES
@@ -341,71 +255,3 @@ def _lora_config(args: EngineArgs, model: ModelConfig) -> LoRAConfig | None:
             f"{', '.join(sorted(LORA_ARCHITECTURES))})."
         )
     return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
-
-
-def _pooler(args: EngineArgs, model_config: ModelConfig) -> PoolerConfig | None:
-    from trillm.config import is_pooling
-    from trillm.model_executor import classification
-    from trillm.model_executor.pooling import resolve_pooler
-
-    classifier = classification.is_sequence_classifier(model_config.hf_config)
-    encoder = _check_encoder(args, model_config)
-    if args.convert == "classify" and not classifier:
-        raise ValueError(
-            f"convert='classify' needs a *ForSequenceClassification checkpoint (a "
-            f"score head); {model_config.architecture} has none."
-        )
-    if classifier and (args.runner == "generate" or args.convert == "embed"):
-        raise ValueError(
-            "This checkpoint is a sequence classifier: it classifies (runner "
-            "'auto' / 'pooling', convert 'auto' / 'classify'); "
-            f"runner={args.runner!r} convert={args.convert!r} is not implemented."
-        )
-    if not (is_pooling(args.runner, args.convert) or classifier or encoder):
-        return None
-    for name, value in (
-        ("enable_lora", args.enable_lora),
-        ("speculative_config", args.speculative_config is not None),
-    ):
-        if value:
-            raise ValueError(
-                f"{name}: a pooling model (runner='pooling') with it is not implemented yet."
-            )
-    if classifier:
-        if args.pooler_config is not None:
-            raise ValueError(
-                "pooler_config with a sequence classifier is not implemented (it "
-                "pools the last token)."
-            )
-        return PoolerConfig(
-            pooling_type="LAST",
-            normalize=False,
-            task="classify",
-            labels=classification.labels(model_config.hf_config),
-        )
-    default = "CLS" if encoder else "LAST"  # vLLM's defaults for BERT / decoder embedders
-    return resolve_pooler(model_config.model, args.pooler_config, model_config.hf_config, default)
-
-
-def _check_encoder(args: EngineArgs, model_config: ModelConfig) -> bool:
-    """An encoder-only model pools (the runner picks itself, as vLLM's ``auto``); what it
-    cannot run with is refused by name (tensor parallelism by its own check, which names
-    the architectures it runs). -> whether the model is one."""
-    from trillm.model_executor import encoder_config
-
-    arch = model_config.architecture
-    if not encoder_config.is_encoder(arch):
-        return False
-    encoder_config.check(model_config.hf_config, arch)
-    for name, unsupported in (
-        ("runner", args.runner == "generate"),
-        ("pipeline_parallel_size", args.pipeline_parallel_size > 1),
-        ("data_parallel_size", args.data_parallel_size > 1),
-        ("quantization", model_config.quantization is not None),
-    ):
-        if unsupported:
-            raise ValueError(
-                f"{arch} is an encoder-only model (embeddings, scores): "
-                f"{name}={getattr(args, name)!r} is not supported."
-            )
-    return True
