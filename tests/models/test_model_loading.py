@@ -183,12 +183,7 @@ def test_unknown_dtype_names_supported():
         resolve_dtype("int8", "float32", "cpu")
 
 
-@pytest.mark.parametrize("fast_bf16", [True, False])
-@pytest.mark.parametrize("checkpoint", ["float32", "bfloat16", "float16"])
-def test_auto_dtype_on_cpu(monkeypatch, fast_bf16, checkpoint):
-    monkeypatch.setattr(model_config, "cpu_supports_bf16", lambda: fast_bf16)
-    expected = "float32" if checkpoint == "float32" or not fast_bf16 else "bfloat16"
-    assert resolve_dtype("auto", checkpoint, "cpu") == expected
+# --dtype auto on CPU, per CPU capability: tests/models/test_dtype_choice.py
 
 
 def test_auto_dtype_on_gpu_keeps_checkpoint():

@@ -39,7 +39,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = ["In the beginning", "A", "Copyright holders may"]
 MAX_TOKENS = 8
-LIMITS = {"max_model_len": 128, "kv_cache_memory": "8MiB"}
+# float32: the AWQ / GPTQ checkpoints are float16, which --dtype auto runs in bf16 on every
+# CPU with a fast bf16 GEMM; these tests compare rank layouts, in the dtype they always had
+LIMITS = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory": "8MiB"}
 GGUF_LEGACY = {
     "attn_q": "Q8_0",
     "attn_k": "Q8_0",
@@ -203,7 +205,8 @@ def test_tp2_x_pp2_matches_tp1_on_a_gguf(models, tp1_tokens):
 
 
 def test_http_tp2_serves_an_awq_checkpoint_as_tp1(models, tp1_tokens, tmp_path):
-    flags = ["--tensor-parallel-size", "2", "--max-model-len", "128", "--kv-cache-memory", "8MiB"]
+    flags = ["--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "128"]
+    flags += ["--kv-cache-memory", "8MiB"]
     srv = ServerProcess([models["awq"], *flags], tmp_path / "serve.log").start()
     try:
         got = http_greedy_tokens(srv.base_url, PROMPTS, MAX_TOKENS)

@@ -9,7 +9,6 @@ ids, load format).
 from __future__ import annotations
 
 import importlib.metadata
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,11 @@ import trillm.model_executor.hybrid_ssm as hybrid_ssm
 import trillm.model_executor.llama4_config as llama4_config
 from trillm.config import DEVICES, LOAD_FORMATS, EngineArgs, ModelConfig
 from trillm.model_executor import classification, gguf_loader, gpt_oss_config, multimodal_config
+from trillm.model_executor.dtype_choice import (  # noqa: F401 - importers' names
+    UnsupportedDtypeError,
+    checkpoint_dtype,
+    resolve_dtype,
+)
 from trillm.model_executor.encoder_config import position_offset
 from trillm.model_executor.layer_types import FULL, SUPPORTED_ROPE_TYPES, partial_rotary_factor
 from trillm.model_executor.model_files import read_generation_config, read_json, resolve_model_path
@@ -28,20 +32,6 @@ from trillm.model_executor.registry import (
     supported_architectures,
 )
 
-# The float16-on-CPU warning keeps the logger name it had in loader.py.
-logger = logging.getLogger("trillm.model_executor.loader")
-
-SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DTYPE_ALIASES = {
-    "float": "float32",
-    "fp32": "float32",
-    "float32": "float32",
-    "bf16": "bfloat16",
-    "bfloat16": "bfloat16",
-    "half": "float16",
-    "fp16": "float16",
-    "float16": "float16",
-}
 # The Llama family's loader (models/llama.py) places AWQ / GPTQ layers, stacked ones included.
 GROUP_QUANT_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -49,23 +39,6 @@ GROUP_QUANT_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-
-
-# vLLM refuses an explicit float16 for these model types (numerical instability), on every
-# device: Gemma 2/3 and GLM-4 activations grow past float16's 65504.
-FLOAT16_UNSTABLE_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text", "glm4")
-# What float16 on CPU stores and computes in, and what it costs (docs/models.md, Dtypes).
-FLOAT16_CPU_NOTE = (
-    "dtype float16 on CPU: weights, activations and the KV cache are stored in float16, each op "
-    "sums in float32 and rounds to float16 once; linears run the F16C GEMM (0.5-1.1x the fp32 "
-    "GEMM's time, where the CPU has F16C), attention and norms torch's fp16 ops (no native "
-    "fp16 kernels there): about 4.5x float32's time per step on an AVX2 CPU (SmolLM2-135M); "
-    "its gain is memory, half the weight and KV cache bytes."
-)
-
-
-class UnsupportedDtypeError(ValueError):
-    """A dtype trillm cannot run (an unknown name, or float16 for a model type that overflows)."""
 
 
 # ---------------------------------------------------------------- the device
@@ -314,44 +287,6 @@ def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         original = hf.get("original_max_position_embeddings", PHI3_ORIGINAL_MAX_POSITIONS)
         params["original_max_position_embeddings"] = int(original)
     return rope_theta, {"rope_type": rope_type, **params}
-
-
-def checkpoint_dtype(hf: dict[str, Any]) -> str:
-    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    return _DTYPE_ALIASES.get(str(name).removeprefix("torch."), "float32")
-
-
-def cpu_supports_bf16() -> bool:
-    import torch
-
-    capability = torch.backends.cpu.get_cpu_capability()
-    return "AVX512_BF16" in capability or "AMX" in capability
-
-
-def resolve_dtype(requested: str, checkpoint: str, device: str, model_type: str = "") -> str:
-    """The dtype the model runs in: explicit names as asked, ``auto`` per device."""
-    name = requested.lower().removeprefix("torch.")
-    if name != "auto" and name not in _DTYPE_ALIASES:
-        raise UnsupportedDtypeError(
-            f"Unsupported dtype {requested!r}; supported: {', '.join(SUPPORTED_DTYPES)}."
-        )
-    if name != "auto":
-        dtype = _DTYPE_ALIASES[name]
-        if dtype == "float16" and model_type in FLOAT16_UNSTABLE_MODEL_TYPES:
-            raise UnsupportedDtypeError(
-                f"dtype float16 is not supported for model type {model_type!r}: its "
-                "activations overflow float16's range; use bfloat16 or float32."
-            )
-        if dtype == "float16" and device == "cpu":
-            logger.info(FLOAT16_CPU_NOTE)
-        return dtype
-    if device == "cuda" or checkpoint == "float32":
-        return checkpoint
-    if cpu_supports_bf16():
-        return "bfloat16"
-    if checkpoint == "float16":
-        logger.warning("float16 checkpoint on a CPU without fast bf16: running in float32.")
-    return "float32"
 
 
 def resolve_max_model_len(hf: dict[str, Any], architecture: str, requested: int | None) -> int:
