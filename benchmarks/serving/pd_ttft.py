@@ -81,8 +81,10 @@ def kv_configs(connector: str) -> tuple[str, str, str | None]:
             "kv_connector_extra_config": {"send_type": "GET"},
         }
         address = f"127.0.0.1:{port}"
-    configs = (json.dumps({**base, "kv_role": r}) for r in ("kv_producer", "kv_consumer"))
-    return next(configs), next(configs), address
+    consumer = {**base, "kv_role": "kv_consumer"}
+    if address is not None:  # the consumer fetches from the listed prefill instance only
+        consumer["kv_connector_extra_config"] = {"send_type": "GET", "prefill_kv_addrs": [address]}
+    return json.dumps({**base, "kv_role": "kv_producer"}), json.dumps(consumer), address
 
 
 def ttft_s(url: str, prompt: list[int], request_id: str | None) -> float:

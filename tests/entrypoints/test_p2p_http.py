@@ -23,7 +23,11 @@ ARGS += ["--served-model-name", "tiny"]
 PROMPTS = [list(range(7 + i, 7 + i + n)) for i, n in enumerate((70, 33, 20))]
 
 
-def _kv(role: str, port: int) -> str:
+def _kv(role: str, port: int, allowed: tuple[int, ...] = ()) -> str:
+    """``allowed``: the prefill KV ports a consumer lists (``prefill_kv_addrs``)."""
+    extra: dict = {"send_type": "GET"}
+    if allowed:
+        extra["prefill_kv_addrs"] = [f"127.0.0.1:{p}" for p in allowed]
     return json.dumps(
         {
             "kv_connector": "P2pNcclConnector",
@@ -31,7 +35,7 @@ def _kv(role: str, port: int) -> str:
             "kv_ip": "127.0.0.1",
             "kv_port": port,
             "kv_buffer_size": 1e8,
-            "kv_connector_extra_config": {"send_type": "GET"},
+            "kv_connector_extra_config": extra,
         }
     )
 
@@ -42,15 +46,16 @@ def _aligned(n: int) -> int:
 
 @pytest.fixture(scope="module")
 def pair(tiny_model_factory, tmp_path_factory):
-    """(prefill server, decode server, proxy URL)."""
+    """(prefill server, decode server, proxy URL, a listed KV port nothing listens on)."""
     path = tiny_model_factory("qwen2")
     logs = tmp_path_factory.mktemp("p2p")
-    kv_port = free_port()
+    kv_port, gone = free_port(), free_port()
     prefill = ServerProcess(
         [path, *ARGS, "--kv-transfer-config", _kv("kv_producer", kv_port)], logs / "p.log"
     )
     decode = ServerProcess(
-        [path, *ARGS, "--kv-transfer-config", _kv("kv_consumer", free_port())], logs / "d.log"
+        [path, *ARGS, "--kv-transfer-config", _kv("kv_consumer", free_port(), (kv_port, gone))],
+        logs / "d.log",
     )
     prefill.start()
     decode.start()
@@ -62,7 +67,7 @@ def pair(tiny_model_factory, tmp_path_factory):
         proxy = subprocess.Popen(command, cwd=REPO, env=server_env(), stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     _wait_healthy(url, proxy)
-    yield prefill, decode, url
+    yield prefill, decode, url, gone
     proxy.terminate()
     proxy.wait(timeout=30)
     assert prefill.stop() == 0, prefill.log()
@@ -83,7 +88,7 @@ def _metric(server: ServerProcess, name: str) -> float:
 
 
 def test_the_pair_answers_as_one_instance_and_decode_computes_no_transferred_token(pair):
-    prefill, decode, proxy = pair
+    prefill, decode, proxy, _ = pair
     for prompt in PROMPTS:
         text, logprobs = _complete(proxy, prompt)
         alone_text, alone = _complete(prefill.url, prompt)  # the prefill instance alone
@@ -96,11 +101,11 @@ def test_the_pair_answers_as_one_instance_and_decode_computes_no_transferred_tok
 
 
 def test_a_prefill_instance_that_is_gone_is_recomputed(pair):
-    prefill, decode, _ = pair
+    prefill, decode, _, gone_port = pair
     prompt = list(range(300, 350))
     alone_text, alone = _complete(prefill.url, prompt)
     hits = _metric(decode, "vllm:external_prefix_cache_hits_total")
-    gone = f"___prefill_addr_127.0.0.1:{free_port()}___decode_addr__x1"  # nothing listens
+    gone = f"___prefill_addr_127.0.0.1:{gone_port}___decode_addr__x1"  # listed, none there
     text, logprobs = _complete(decode.url, prompt, request_id=gone)
     assert text == alone_text
     assert max(abs(a - b) for a, b in zip(logprobs, alone, strict=True)) < 1e-4

@@ -2,21 +2,26 @@
 prefill instance named in the request id). The decode instance's greedy tokens and logprobs
 equal one plain instance's and it computes none of a transferred prompt's whole blocks; a lost
 transfer (no prefill instance, a dropped connection, a silent peer past the deadline, evicted
-KV) is recomputed within a bounded wait; the prefill's store is bounded by kv_buffer_size."""
+KV) is recomputed within a bounded wait; the prefill's store is bounded by kv_buffer_size; a
+request id naming a prefill address the consumer does not list is computed, never connected."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
 from trillm import LLM, SamplingParams
+from trillm.config import EngineArgs
 from trillm.kv_transfer import p2p_wire
 from trillm.kv_transfer.config import parse_kv_transfer_config
-from trillm.kv_transfer.p2p import prefill_address
+from trillm.kv_transfer.engine_fit import resolve_kv_transfer
+from trillm.kv_transfer.p2p import PrefillAddresses, prefill_address
 from trillm.kv_transfer.p2p_wire import KVServer, SendStore, fetch
 
 BLOCK = 16
@@ -32,6 +37,9 @@ def _free_port() -> int:
 
 
 def _kv(role: str, port: int, **extra) -> dict:
+    """A producer's config serving on ``port``; a consumer's listing the prefill on ``port``."""
+    if role == "kv_consumer":
+        extra.setdefault("prefill_kv_addrs", [f"127.0.0.1:{port}"])
     return {
         "kv_connector": "P2pNcclConnector",
         "kv_role": role,
@@ -107,7 +115,7 @@ def _max_logprob_diff(a, b) -> float:
 def test_the_decode_instance_pulls_the_prompts_and_matches(prefilled, chunk):
     path, port, plain = prefilled
     extra = {} if chunk is None else {"long_prefill_token_threshold": chunk}
-    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", _free_port()), **extra), port)
+    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", port), **extra), port)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
     # every whole block before the last prompt token came over the wire, none was computed
     assert [o.num_cached_tokens for o in outs] == [_aligned(n) for n in LENGTHS]
@@ -116,11 +124,42 @@ def test_the_decode_instance_pulls_the_prompts_and_matches(prefilled, chunk):
 
 def test_no_prefill_instance_is_recomputed(prefilled, caplog):
     path, _, plain = prefilled
-    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", 1)), _free_port())
+    gone = _free_port()  # listed, but nothing listens there
+    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", gone)), gone)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
     assert [o.num_cached_tokens for o in outs] == [0] * len(LENGTHS)
     assert _max_logprob_diff(outs, plain) < 1e-4
     assert "3 load failures so far" in caplog.text
+
+
+def test_an_unlisted_prefill_address_is_never_connected(prefilled, monkeypatch, caplog):
+    """Request ids naming an address the consumer does not list (a client can set the request
+    id): computed here as by the plain engine, and the named port never sees a connection."""
+    path, port, plain = prefilled
+    monkeypatch.setattr(p2p_wire, "TRANSFER_TIMEOUT_S", 0.5)  # NOTE: bounds a failing run
+    with socket.create_server(("127.0.0.1", 0)) as trap:
+        trap.setblocking(False)
+        outs = _run(
+            _engine(path, kv_transfer_config=_kv("kv_consumer", port)), trap.getsockname()[1]
+        )
+        with pytest.raises(BlockingIOError):  # no connection is waiting to be accepted
+            trap.accept()
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
+    assert [o.num_cached_tokens for o in outs] == [0] * len(LENGTHS)
+    assert _max_logprob_diff(outs, plain) < 1e-4
+    assert "not in kv_connector_extra_config.prefill_kv_addrs" in caplog.text
+    assert "KV transfer failed" not in caplog.text
+
+
+def test_the_door_lets_listed_addresses_only():
+    door = PrefillAddresses(("10.0.1.2:21001", "::1:21002"))
+    rid = "___prefill_addr_{}___decode_addr_10.0.1.3:22001_abc"
+    assert door.lookup(rid.format("10.0.1.2:21001"), KEY) == f"10.0.1.2:21001/{KEY}"
+    assert door.lookup(rid.format("0:0:0:0:0:0:0:1:21002"), KEY) == f"::1:21002/{KEY}"
+    assert door.lookup("cmpl-plain-0", KEY) is None and door.refused == 0
+    for named in ("10.0.1.2:21002", "169.254.169.254:80", "localhost:21001", "10.0.1.2:99999"):
+        assert door.lookup(rid.format(named), KEY) is None
+    assert door.refused == 4
 
 
 @contextlib.contextmanager
@@ -201,7 +240,7 @@ def test_evicted_kv_is_recomputed(prefilled, tiny_model_factory):
     port = _free_port()
     producer = _engine(path, kv_transfer_config=_kv("kv_producer", port, kv_buffer_size=30_000))
     _run(producer, port, SamplingParams(max_tokens=1))
-    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", 1)), port)
+    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", port)), port)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
     cached = [o.num_cached_tokens for o in outs]
     assert 0 < sum(cached) < sum(_aligned(n) for n in LENGTHS)
@@ -228,6 +267,16 @@ def test_the_request_id_names_the_prefill_instance():
         ({"kv_port": "abc"}, "kv_port must be a number"),
         ({"kv_buffer_size": 0}, "kv_buffer_size must be >= 1"),
         ({"kv_ip": "example.com"}, "kv_ip must be an IP address"),
+        ({"kv_connector_extra_config": {"send_type": "GET"}}, "prefill_kv_addrs is required"),
+        (
+            {"kv_connector_extra_config": {"send_type": "GET", "prefill_kv_addrs": ["h:1"]}},
+            "each entry must be 'ip:port'",
+        ),
+        (
+            {"kv_connector_extra_config": {"send_type": "GET", "prefill_kv_addrs": []}},
+            "non-empty list",
+        ),
+        ({"kv_role": "kv_producer"}, "prefill_kv_addrs: a kv_producer fetches no KV"),
     ],
 )
 def test_what_the_p2p_connector_cannot_take_is_refused_by_name(change, message):
@@ -246,3 +295,22 @@ def test_vllms_p2p_example_is_taken():
         21001,
         10,
     )
+
+
+def test_refusals_and_the_log_name_the_p2p_connector(caplog):
+    kv = _kv("kv_consumer", 21001)
+    fit = (SimpleNamespace(mm_config=None), None, None, False, False)
+    with pytest.raises(ValueError, match=r"\(P2pNcclConnector\) with tensor_parallel_size > 1"):
+        resolve_kv_transfer(
+            EngineArgs(model="m", tensor_parallel_size=2, kv_transfer_config=kv), *fit
+        )
+    with caplog.at_level(logging.INFO, logger="trillm.kv_transfer.engine_fit"):
+        resolve_kv_transfer(EngineArgs(model="m", kv_transfer_config=kv), *fit)
+    assert "P2pNcclConnector (kv_consumer), fetching from 127.0.0.1:21001" in caplog.text
+
+
+def test_a_consumer_lists_its_prefill_instances_in_normal_form():
+    addrs = ["[0:0::1]:21001", "10.0.1.2:21001", "10.0.1.2:21001"]
+    config = parse_kv_transfer_config(_kv("kv_consumer", 1, prefill_kv_addrs=addrs))
+    assert config is not None and config.p2p is not None
+    assert config.p2p.prefill_kv_addrs == ("10.0.1.2:21001", "::1:21001")

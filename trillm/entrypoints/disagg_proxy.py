@@ -13,6 +13,9 @@ With vLLM's P2pNcclConnector (``send_type`` "GET"), ``--prefill-kv-addr IP:PORT`
 instance's ``kv_ip:kv_port``) tells the decode instance where the prompt's KV is, as vLLM's
 proxy does: both instances get the request id
 ``___prefill_addr_IP:PORT___decode_addr_<--decode-kv-addr>_<uuid or the client's request_id>``.
+The decode instance fetches only from the addresses its
+``kv_connector_extra_config.prefill_kv_addrs`` lists (a client can set the request id): list
+this ``IP:PORT`` there.
 """
 
 from __future__ import annotations
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode", required=True, help="the kv_consumer instance's base URL")
     parser.add_argument(
         "--prefill-kv-addr",
-        help="P2pNcclConnector: the prefill instance's kv_ip:kv_port, named in each request id",
+        help="P2pNcclConnector: the prefill instance's kv_ip:kv_port, named in each request id "
+        "(list it in the decode instance's kv_connector_extra_config.prefill_kv_addrs)",
     )
     parser.add_argument(
         "--decode-kv-addr", default="", help="P2pNcclConnector: the decode instance's, likewise"

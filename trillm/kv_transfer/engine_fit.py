@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from trillm.config import EngineArgs, ModelConfig
-from trillm.kv_transfer.config import SHARED_STORAGE, KVTransferConfig, parse_kv_transfer_config
+from trillm.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 
 logger = logging.getLogger(__name__)
 
@@ -26,14 +26,21 @@ def resolve_kv_transfer(
     unsupported = unsupported_with_connector(args, model, pooler, speculative, hybrid, longrope)
     for name, used in unsupported.items():
         if used:
-            raise ValueError(f"kv_transfer_config ({SHARED_STORAGE}) with {name}: not implemented.")
-    logger.info(
-        "KV connector %s (%s) on %s",
-        config.kv_connector,
-        config.kv_role,
-        config.shared_storage_path,
-    )
+            raise ValueError(
+                f"kv_transfer_config ({config.kv_connector}) with {name}: not implemented."
+            )
+    logger.info("KV connector %s (%s), %s", config.kv_connector, config.kv_role, _where(config))
     return config
+
+
+def _where(config: KVTransferConfig) -> str:
+    """Where the connector's KV goes or comes from, for the startup log."""
+    p2p = config.p2p
+    if p2p is None:
+        return f"folder {config.shared_storage_path}"
+    if config.is_producer:
+        return f"serving on {p2p.kv_ip}:{p2p.kv_port}"
+    return "fetching from " + ", ".join(p2p.prefill_kv_addrs)
 
 
 def unsupported_with_connector(

@@ -6,9 +6,10 @@ step instead of computing them.
 
 As in vLLM, the proxy tells the decode instance where a prompt's KV is in the request id:
 ``___prefill_addr_<ip>:<port>___decode_addr_<ip>:<port>_<uuid>`` (``disagg_proxy
---prefill-kv-addr``). The scheduler side (``SharedStorageScheduler`` with ``kv.p2p``) claims
-the prompt's whole blocks for a request whose id names a prefill address; the worker side
-fetches them. A fetch that fails (no server, dropped, over the deadline, evicted, damaged,
+--prefill-kv-addr``). A client can set the request id, so the decode instance fetches only
+from the addresses its operator lists (``prefill_kv_addrs``, ``PrefillAddresses``). The
+scheduler side (``SharedStorageScheduler`` with ``kv.p2p``) claims the prompt's whole blocks
+for a request whose id names a listed prefill address; the worker side fetches them. A fetch that fails (no server, dropped, over the deadline, evicted, damaged,
 another model's) is a failed load: the scheduler recomputes those tokens.
 
 The same two sides take NIXL or NCCL on a GPU: ``fetch`` is the one transport call.
@@ -17,12 +18,15 @@ The same two sides take NIXL or NCCL on a GPU: ``fetch`` is the one transport ca
 from __future__ import annotations
 
 import logging
+import math
 import re
+import time
 
 import torch
 
 from trillm.kv_transfer.config import KVTransferConfig
 from trillm.kv_transfer.kv_blocks import gather, payload_bytes, scatter
+from trillm.kv_transfer.p2p_config import PREFILL_KV_ADDRS, kv_address
 from trillm.kv_transfer.p2p_wire import KVServer, SendStore, fetch
 from trillm.kv_transfer.storage import HEADER_READ_BYTES, pack, unpack
 from trillm.messages import KVConnectorStep, KVTransferItem
@@ -30,6 +34,7 @@ from trillm.messages import KVConnectorStep, KVTransferItem
 logger = logging.getLogger(__name__)
 
 _PREFILL_ADDR = re.compile(r"___prefill_addr_(.+?):(\d{1,5})___")
+_LOG_EVERY_S = 10.0  # the refused-address warning, at most this often
 
 
 def prefill_address(request_id: str) -> tuple[str, int] | None:
@@ -39,11 +44,43 @@ def prefill_address(request_id: str) -> tuple[str, int] | None:
     return match.group(1), int(match.group(2))
 
 
-def p2p_lookup(request_id: str, key: str) -> str | None:
-    """The load's key, ``<ip>:<port>/<prefix key>``; None when the request id names no prefill
-    instance (the request is computed here)."""
-    address = prefill_address(request_id)
-    return None if address is None else f"{address[0]}:{address[1]}/{key}"
+class PrefillAddresses:
+    """The scheduler's door: a request id naming a prefill instance the operator did not list
+    (``kv_connector_extra_config.prefill_kv_addrs``) is computed here; its address is never
+    connected to. Refusals are counted and logged at most every ``_LOG_EVERY_S``."""
+
+    def __init__(self, allowed: tuple[str, ...]) -> None:
+        self.allowed = frozenset(allowed)
+        self.refused = 0
+        self._logged_at = -math.inf
+
+    def lookup(self, request_id: str, key: str) -> str | None:
+        """The load's key, ``<ip>:<port>/<prefix key>``; None when the request id names no
+        prefill instance, or one not listed (the request is computed here)."""
+        named = prefill_address(request_id)
+        if named is None:
+            return None
+        address = kv_address(f"{named[0]}:{named[1]}")
+        normal = None if address is None else f"{address[0]}:{address[1]}"
+        if normal is None or normal not in self.allowed:
+            self._refuse(request_id, f"{named[0]}:{named[1]}")
+            return None
+        return f"{normal}/{key}"
+
+    def _refuse(self, request_id: str, named: str) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._logged_at < _LOG_EVERY_S:
+            return
+        self._logged_at = now
+        logger.warning(
+            "request %s names prefill KV address %s, not in kv_connector_extra_config.%s: "
+            "computed here, not fetched (%d such requests so far)",
+            request_id,
+            named,
+            PREFILL_KV_ADDRS,
+            self.refused,
+        )
 
 
 class P2pWorker:

@@ -11,6 +11,7 @@ from typing import Any
 
 P2P_NCCL = "P2pNcclConnector"
 SEND_TYPES = ("PUT", "GET", "PUT_ASYNC")
+PREFILL_KV_ADDRS = "prefill_kv_addrs"  # trillm's key: a consumer's allowed prefill addresses
 _NAME = "kv_transfer_config"
 _EXTRA = f"{_NAME}.kv_connector_extra_config"
 # vLLM's extra keys this transport cannot honour -> why
@@ -30,6 +31,9 @@ class P2pConfig:
     kv_ip: str  # the address the prefill instance's KV server listens on (that address only)
     kv_port: int
     kv_buffer_size: int  # bytes: the prefill instance's store of KV not yet taken
+    # a kv_consumer's: each prefill instance it may fetch KV from, "ip:port" (kv_address's
+    # normal form; strings: the config crosses to the workers as msgpack)
+    prefill_kv_addrs: tuple[str, ...] = ()
 
 
 def parse_p2p(value: dict[str, Any], role: str, extra: dict[str, Any]) -> P2pConfig:
@@ -42,7 +46,7 @@ def parse_p2p(value: dict[str, Any], role: str, extra: dict[str, Any]) -> P2pCon
     for key, why in _REFUSED_EXTRA.items():
         if key in extra:
             raise ValueError(f"{_EXTRA}.{key}: {why}.")
-    unknown = set(extra) - {"send_type", *_REFUSED_EXTRA}
+    unknown = set(extra) - {"send_type", PREFILL_KV_ADDRS, *_REFUSED_EXTRA}
     if unknown:
         raise ValueError(f"{_EXTRA}: {P2P_NCCL} does not take {', '.join(sorted(unknown))}.")
     send_type = extra.get("send_type", "PUT_ASYNC")
@@ -62,7 +66,47 @@ def parse_p2p(value: dict[str, Any], role: str, extra: dict[str, Any]) -> P2pCon
     for key in ("kv_connector_module_path", "enable_permute_local_kv"):
         if value.get(key) not in (None, False):
             raise ValueError(f"{_NAME}.{key}: not read by {P2P_NCCL}; leave it out.")
-    return P2pConfig(_ip(value), _port(value), _buffer_size(value))
+    addrs = _prefill_kv_addrs(extra.get(PREFILL_KV_ADDRS), role)
+    return P2pConfig(_ip(value), _port(value), _buffer_size(value), addrs)
+
+
+def _prefill_kv_addrs(value: Any, role: str) -> tuple[str, ...]:
+    """trillm's own key (vLLM's connector has none): the request id, which a client can set,
+    names the address the decode instance fetches from, so a consumer fetches only from the
+    addresses its operator lists, never from one a client names."""
+    name = f"{_EXTRA}.{PREFILL_KV_ADDRS}"
+    if role == "kv_producer":
+        if value is not None:
+            raise ValueError(f"{name}: a kv_producer fetches no KV; set it on the kv_consumer.")
+        return ()
+    if value is None:
+        raise ValueError(
+            f"{name} is required on a kv_consumer with {P2P_NCCL}: list the prefill "
+            'instances\' kv_ip:kv_port it may fetch KV from (["10.0.1.2:21001"]). The request '
+            "id names the address and a client can set it, so without a list any client could "
+            "make this instance connect to any host."
+        )
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{name} must be a non-empty list of 'ip:port', got {value!r}.")
+    addrs = [kv_address(item) for item in value]
+    if None in addrs:
+        raise ValueError(f"{name}: each entry must be 'ip:port' (an IP address), got {value!r}.")
+    return tuple(sorted({f"{a[0]}:{a[1]}" for a in addrs if a is not None}))
+
+
+def kv_address(text: Any) -> tuple[str, int] | None:
+    """``ip:port`` (``[v6]:port`` too) -> (the IP in its normal form, port); None when it is
+    not one (a host name is not: resolving a client's name is a door of its own)."""
+    if not isinstance(text, str) or ":" not in text:
+        return None
+    host, port = text.rsplit(":", 1)
+    try:
+        ip = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return None
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return None
+    return str(ip), int(port)
 
 
 def _ip(value: dict[str, Any]) -> str:

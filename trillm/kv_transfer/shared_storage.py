@@ -23,7 +23,7 @@ from trillm.kv_transfer.base import KVConnectorWorker, NoConnector
 from trillm.kv_transfer.config import KVTransferConfig
 from trillm.kv_transfer.disk_budget import DiskBudget, touch
 from trillm.kv_transfer.kv_blocks import gather, scatter
-from trillm.kv_transfer.p2p import P2pWorker, p2p_lookup
+from trillm.kv_transfer.p2p import P2pWorker, PrefillAddresses
 from trillm.kv_transfer.storage import (
     cache_identity,
     file_path,
@@ -51,7 +51,10 @@ class SharedStorageScheduler:
         self._saved: set[str] = set()  # requests whose prompt was saved (or has no full block)
         self._found: dict[str, str] = {}  # req_id -> key of its file, its header checked once
         self._loaded: dict[str, tuple[int, int]] = {}  # req_id -> (tokens loaded, before them)
-        self._not_loaded: set[str] = set()  # requests whose load failed: computed instead
+        # requests whose load failed, or (P2P) whose id names no listed prefill instance:
+        # computed instead, never looked up again
+        self._not_loaded: set[str] = set()
+        self._prefill = None if kv.p2p is None else PrefillAddresses(kv.p2p.prefill_kv_addrs)
         self._queries = 0
         self._hits = 0
 
@@ -69,9 +72,10 @@ class SharedStorageScheduler:
         self._lookups[request.request_id] = (key, 0, num_computed_tokens)
         if n <= num_computed_tokens:
             return 0
-        if self.kv.p2p is not None:  # P2pNcclConnector: the prefill instance holds it
-            found = p2p_lookup(request.request_id, key)
+        if self._prefill is not None:  # P2pNcclConnector: the prefill instance holds it
+            found = self._prefill.lookup(request.request_id, key)
             if found is None:
+                self._not_loaded.add(request.request_id)  # NOTE: counted and logged once
                 return 0
             self._lookups[request.request_id] = (found, n, num_computed_tokens)
             return n - num_computed_tokens
