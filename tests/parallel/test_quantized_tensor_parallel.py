@@ -39,8 +39,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = ["In the beginning", "A", "Copyright holders may"]
 MAX_TOKENS = 8
-# float32: the AWQ / GPTQ checkpoints are float16, which --dtype auto runs in bf16 on every
-# CPU with a fast bf16 GEMM; these tests compare rank layouts, in the dtype they always had
+# float32: the AWQ / GPTQ checkpoints are float16, which --dtype auto runs in bf16 on CPUs
+# with bf16 instructions; these tests compare rank layouts, in one dtype on every host
 LIMITS = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory": "8MiB"}
 GGUF_LEGACY = {
     "attn_q": "Q8_0",

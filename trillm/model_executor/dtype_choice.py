@@ -1,7 +1,7 @@
 """The dtype a model runs in: ``--dtype`` names and aliases, the refusals, and what ``auto``
 picks per device and CPU (docs/models.md, Dtypes). ``auto`` keeps a float32 checkpoint in
-float32; a bf16 / fp16 checkpoint runs in bfloat16 on a CPU with a fast bf16 GEMM (bf16
-instructions, or trillm's AVX2 kernel), else in float32; on CUDA the checkpoint's dtype.
+float32; a bf16 / fp16 checkpoint runs in bfloat16 on a CPU with bf16 instructions, else in
+float32 (on AVX2 too: measured, see AUTO_DTYPE_NOTES); on CUDA the checkpoint's dtype.
 """
 
 from __future__ import annotations
@@ -64,14 +64,17 @@ def cpu_bf16_gemm() -> str | None:
     return "avx2" if linear_bf16_avx2_cpu.available() else None
 
 
-# What ``--dtype auto`` says it picked for a bf16 / fp16 checkpoint on CPU, per cpu_bf16_gemm().
+# Why ``--dtype auto`` picked what it did for a bf16 / fp16 checkpoint on CPU, per cpu_bf16_gemm().
 AUTO_DTYPE_NOTES = {
     "native": "this CPU has bf16 instructions (AVX512-BF16 or AMX)",
     "avx2": (
-        "this AVX2 CPU has no bf16 instructions, but trillm's AVX2 bf16 GEMM widens bf16 "
-        "weights to float32 in registers, half float32's weight bytes (Llama-3.2-1B shape, "
-        "alternated runs: batch-1 decode and prefill faster than float32, batch-16 decode slower, "
-        "0.6x the memory; benchmarks/README.md)"
+        "this AVX2 CPU has no bf16 instructions; trillm's AVX2 bf16 GEMM (--dtype bfloat16) "
+        "measured faster at batch-1 decode but slower at batch 16 and in a long prefill "
+        "(Llama-3.2-1B shape, alternated runs; benchmarks/README.md), at 0.6x the memory"
+    ),
+    None: (
+        "this CPU has no fast bf16 GEMM (no AVX512-BF16 or AMX, and trillm's AVX2 bf16 kernel "
+        "is not built or lacks AVX2/FMA/F16C)"
     ),
 }
 
@@ -96,16 +99,7 @@ def resolve_dtype(requested: str, checkpoint: str, device: str, model_type: str 
     if device == "cuda" or checkpoint == "float32":
         return checkpoint
     gemm = cpu_bf16_gemm()
-    if gemm is not None:
-        logger.info(
-            "dtype auto: the %s checkpoint runs in bfloat16: %s.",
-            checkpoint,
-            AUTO_DTYPE_NOTES[gemm],
-        )
-        return "bfloat16"
-    logger.warning(
-        "dtype auto: the %s checkpoint runs in float32: this CPU has no fast bf16 GEMM (no "
-        "AVX512-BF16 or AMX, and trillm's AVX2 bf16 kernel is not built or lacks AVX2/FMA/F16C).",
-        checkpoint,
-    )
-    return "float32"
+    picked = "bfloat16" if gemm == "native" else "float32"
+    log = logger.info if picked == "bfloat16" else logger.warning
+    log("dtype auto: the %s checkpoint runs in %s: %s.", checkpoint, picked, AUTO_DTYPE_NOTES[gemm])
+    return picked
