@@ -11,10 +11,12 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
+import trio
 
 from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
@@ -136,7 +138,7 @@ def test_an_unlisted_prefill_address_is_never_connected(prefilled, monkeypatch, 
     """Request ids naming an address the consumer does not list (a client can set the request
     id): computed here as by the plain engine, and the named port never sees a connection."""
     path, port, plain = prefilled
-    monkeypatch.setattr(p2p_wire, "TRANSFER_TIMEOUT_S", 0.5)  # NOTE: bounds a failing run
+    monkeypatch.setattr(p2p_wire, "FIRST_BYTE_TIMEOUT_S", 0.5)  # NOTE: bounds a failing run
     with socket.create_server(("127.0.0.1", 0)) as trap:
         trap.setblocking(False)
         outs = _run(
@@ -160,6 +162,68 @@ def test_the_door_lets_listed_addresses_only():
     for named in ("10.0.1.2:21002", "169.254.169.254:80", "localhost:21001", "10.0.1.2:99999"):
         assert door.lookup(rid.format(named), KEY) is None
     assert door.refused == 4
+
+
+def test_a_silent_listed_prefill_instance_stalls_other_requests_boundedly(prefilled):
+    """A listed prefill instance that accepts and never answers: a running request's tokens
+    keep coming (the longest gap between them stays near the first-byte deadline, not the old
+    whole-answer 10 s), the silent instance is asked once for three requests, and those
+    requests are computed here as by the plain engine."""
+    path, _, plain = prefilled
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody answers
+        silent.setblocking(False)
+        port = silent.getsockname()[1]
+        engine = _engine(path, kv_transfer_config=_kv("kv_consumer", port))
+        try:
+            gaps, firsts = engine._call(lambda: _stream_beside_silent_loads(engine, port))
+        finally:
+            engine.shutdown()
+        assert _connections(silent) == 1
+    assert firsts == [out.outputs[0].token_ids[0] for out in plain[:3]]
+    assert max(gaps) < p2p_wire.FIRST_BYTE_TIMEOUT_S + 3.0, max(gaps)
+
+
+async def _stream_beside_silent_loads(engine: LLM, port: int) -> tuple[list[float], list[int]]:
+    """(the gaps between a running request's outputs while three requests naming the silent
+    instance at ``port`` are admitted one after another, those three's first tokens). Three
+    prompts of their own: a shared prefix would be a local hit, never fetched."""
+    firsts: list[int] = []
+    done = trio.Event()
+
+    async def silent_requests() -> None:
+        for i in range(3):
+            rid = f"___prefill_addr_127.0.0.1:{port}___decode_addr_127.0.0.1:1_{i}"
+            params = SamplingParams(temperature=0.0, max_tokens=1)
+            async with engine.engine.generate(_prompts()[i], params, rid) as outs:
+                async for out in outs:
+                    firsts.extend(out.outputs[0].token_ids)
+        done.set()
+
+    gaps: list[float] = []
+    params = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
+    async with trio.open_nursery() as nursery:
+        async with engine.engine.generate({"prompt_token_ids": [1, 2, 3]}, params) as outs:
+            last = None
+            async for _ in outs:
+                now = time.monotonic()
+                if last is None:
+                    nursery.start_soon(silent_requests)
+                else:
+                    gaps.append(now - last)
+                last = now
+                if done.is_set():
+                    break  # NOTE: it ran across every silent load
+        assert done.is_set(), "the running request ended before the silent loads"
+    return gaps, firsts
+
+
+def _connections(server: socket.socket) -> int:
+    count = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            server.accept()[0].close()
+            count += 1
+    return count
 
 
 @contextlib.contextmanager
@@ -193,7 +257,7 @@ def _silent_peer(answer: bytes, drop: bool = False) -> Iterator[int]:
 def test_a_silent_peer_ends_at_the_deadline(monkeypatch, answer):
     """No answer, or half of one: the fetch ends at its deadline (the decode instance
     recomputes), never waits on."""
-    monkeypatch.setattr(p2p_wire, "TRANSFER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(p2p_wire, "FIRST_BYTE_TIMEOUT_S", 0.5)
     with _silent_peer(answer) as port, pytest.raises(TimeoutError):
         fetch("127.0.0.1", port, KEY, 1000)
 
@@ -201,7 +265,7 @@ def test_a_silent_peer_ends_at_the_deadline(monkeypatch, answer):
 def test_a_dropped_connection_fails(monkeypatch):
     """A prefill instance killed mid-answer: the fetch fails at once (the decode instance
     recomputes), well before its deadline."""
-    monkeypatch.setattr(p2p_wire, "TRANSFER_TIMEOUT_S", 300.0)
+    monkeypatch.setattr(p2p_wire, "FIRST_BYTE_TIMEOUT_S", 300.0)
     with _silent_peer((100).to_bytes(8, "little") + b"x" * 10, drop=True) as port:
         with pytest.raises(ConnectionError, match="after 10 of 100 bytes"):
             fetch("127.0.0.1", port, KEY, 1000)

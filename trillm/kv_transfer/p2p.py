@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 _PREFILL_ADDR = re.compile(r"___prefill_addr_(.+?):(\d{1,5})___")
 _LOG_EVERY_S = 10.0  # the refused-address warning, at most this often
+# NOTE: a prefill instance that let a fetch time out is not asked again for this long (its
+# loads fail at once: recomputed), so a silent one stalls the steps once per period, not once
+# per request
+_SILENT_PAUSE_S = 10.0
 
 
 def prefill_address(request_id: str) -> tuple[str, int] | None:
@@ -91,6 +95,7 @@ class P2pWorker:
         self.identity = identity
         self.store: SendStore | None = None
         self.server: KVServer | None = None
+        self._silent_until: dict[str, float] = {}  # address -> when it may be asked again
         if kv.is_producer:
             self.store = SendStore(kv.p2p.kv_buffer_size)
             self.server = KVServer(self.store, kv.p2p.kv_ip, kv.p2p.kv_port)
@@ -119,7 +124,13 @@ class P2pWorker:
         address, key = item.key.split("/", 1)
         host, port = address.rsplit(":", 1)
         limit = payload_bytes(item, kv_caches) + HEADER_READ_BYTES
-        blob = fetch(host, int(port), key, limit)
+        if time.monotonic() < self._silent_until.get(address, -math.inf):
+            raise RuntimeError(f"the prefill instance at {address} timed out lately; not asked")
+        try:
+            blob = fetch(host, int(port), key, limit)
+        except TimeoutError:
+            self._silent_until[address] = time.monotonic() + _SILENT_PAUSE_S
+            raise
         if blob is None:
             raise RuntimeError(f"the prefill instance at {address} does not hold this prompt")
         found = unpack(blob, self.identity, item.num_tokens)

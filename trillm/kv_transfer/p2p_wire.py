@@ -19,9 +19,14 @@ logger = logging.getLogger(__name__)
 
 KEY_CHARS = 40  # storage.prefix_key: BLAKE2b-160, hex
 _LENGTH_BYTES = 8
-# NOTE: a peer gets this long for its request line, and a fetch for its whole answer: a
-# prefill instance killed or stalled costs the decode instance at most this, then recompute
+# NOTE: a peer gets this long for its request line (the server's threads, not a step)
 TRANSFER_TIMEOUT_S = 10.0
+# A fetch runs inside the decode instance's step, so every request waits on it: the prefill
+# instance answers from memory, so the connection and the answer's length get this long, and
+# the payload FIRST_BYTE_TIMEOUT_S more plus its size at MIN_RATE_BYTES_S. A slower or silent
+# peer costs the step at most that, then the request recomputes.
+FIRST_BYTE_TIMEOUT_S = 1.0
+MIN_RATE_BYTES_S = 50e6
 MAX_CONNECTIONS = 16  # concurrent peers a server answers; more are closed at once
 
 
@@ -123,17 +128,22 @@ def _is_key(key: str) -> bool:
 
 def fetch(host: str, port: int, key: str, max_bytes: int) -> bytes | None:
     """The bytes the server at ``host:port`` holds for ``key``; None when it holds none.
-    OSError (refused, dropped, TRANSFER_TIMEOUT_S passed) or ValueError (an answer over
-    ``max_bytes``): the caller recomputes."""
-    deadline = time.monotonic() + TRANSFER_TIMEOUT_S
-    with socket.create_connection((host, port), timeout=TRANSFER_TIMEOUT_S) as conn:
+    OSError (refused, dropped, past its deadline: ``payload_deadline_s``) or ValueError (an
+    answer over ``max_bytes``): the caller recomputes."""
+    deadline = time.monotonic() + FIRST_BYTE_TIMEOUT_S
+    with socket.create_connection((host, port), timeout=FIRST_BYTE_TIMEOUT_S) as conn:
         conn.sendall(b"GET " + key.encode("ascii") + b"\n")
         size = int.from_bytes(_read_exactly(conn, _LENGTH_BYTES, deadline), "little")
         if size == 0:
             return None
         if size > max_bytes:
             raise ValueError(f"the prefill instance sent {size} bytes, over the {max_bytes} asked")
-        return _read_exactly(conn, size, deadline)
+        return _read_exactly(conn, size, time.monotonic() + payload_deadline_s(size))
+
+
+def payload_deadline_s(size: int) -> float:
+    """Seconds a fetch waits for a ``size``-byte answer once its length came."""
+    return FIRST_BYTE_TIMEOUT_S + size / MIN_RATE_BYTES_S
 
 
 def _read_exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
@@ -143,7 +153,7 @@ def _read_exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
     while got < size:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"KV transfer took over {TRANSFER_TIMEOUT_S} s")
+            raise TimeoutError(f"KV transfer past its deadline, {got} of {size} bytes read")
         conn.settimeout(left)
         n = conn.recv_into(view[got:])
         if n == 0:
