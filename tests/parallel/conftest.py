@@ -4,8 +4,6 @@ zygote server (tests/support/rank_servers.py); the ``ray`` fixture of the Ray te
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from parallel_models import biased_models
 from rank_servers import ranks_from_one_zygote
@@ -24,16 +22,11 @@ def _ranks_from_one_zygote():
 
 @pytest.fixture(scope="module")
 def ray():
-    """Ray, imported by the module that asks, never at collection: Ray writes variables into
-    the process's environment (``RAY_CLIENT_MODE`` on import, ``RAY_USAGE_STATS_ENABLED``,
-    ``RAY_AUTH_MODE``, ``PYTHONBREAKPOINT`` on ``ray.init``), which would make every later
-    server start in this worker differ from the session's environment and start afresh
-    instead of forking from the zygote. The environment is put back once the module is done."""
-    saved = dict(os.environ)
+    """Ray, imported by the module that asks, never at collection. Ray writes variables into
+    the process's environment (``RAY_CLIENT_MODE`` on import; ``RAY_USAGE_STATS_ENABLED``,
+    ``RAY_AUTH_MODE``, ``PYTHONBREAKPOINT`` on ``ray.init``); they stay (removing them between
+    the Ray modules made the next module's cluster lose its first actor), and the server
+    harness forks servers with them all the same (tests/support/server_harness.py)."""
     import ray as ray_module
 
-    try:
-        yield ray_module
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    return ray_module

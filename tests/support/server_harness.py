@@ -92,8 +92,18 @@ def env_changes(env: dict[str, str]) -> set[str]:
     return {k for k in env.keys() | _SESSION_ENV.keys() if env.get(k) != _SESSION_ENV.get(k)}
 
 
+# What Ray writes into the process's environment (RAY_CLIENT_MODE on import; RAY_USAGE_STATS_
+# ENABLED, RAY_AUTH_MODE, PYTHONBREAKPOINT on ray.init). The zygote never imports Ray and a
+# forked server runs with the environment it is given, so it reads them as a fresh one would.
+_RAY_PREFIX = "RAY_"
+_SET_BY_RAY = {"PYTHONBREAKPOINT"}
+
+
 def _forkable(env: dict[str, str]) -> bool:
-    return env_changes(env) <= _READ_WHEN_NEEDED
+    return all(
+        name in _READ_WHEN_NEEDED or name in _SET_BY_RAY or name.startswith(_RAY_PREFIX)
+        for name in env_changes(env)
+    )
 
 
 _ZYGOTE: list[Zygote] = []
