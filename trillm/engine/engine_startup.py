@@ -56,7 +56,8 @@ async def _load_in_background(
         trio.from_thread.run_sync(done.set, trio_token=token)
 
     # daemon: a load that never returns does not keep the interpreter from exiting
-    threading.Thread(target=work, name="trillm-load", daemon=True).start()
+    thread = threading.Thread(target=work, name="trillm-load", daemon=True)
+    thread.start()
 
     async def wait() -> Any:
         await done.wait()
@@ -67,6 +68,9 @@ async def _load_in_background(
     finally:
         with trio.CancelScope(shield=True):
             await done.wait()
+            # ``done`` is set from the thread before it returns: wait for its end too, so no
+            # part of the load outlives the block
+            await trio.to_thread.run_sync(thread.join)
 
 
 @asynccontextmanager
