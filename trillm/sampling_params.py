@@ -77,6 +77,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per sampled token (0 = sampled token only)
     prompt_logprobs: int | None = None
+    prompt_logprobs_temperature: float | None = None  # vLLM's (trillm/sampling_extras.py)
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -185,6 +185,7 @@ def prompt_logprobs_inputs(
     inputs = pending.inputs
     rows: list[np.ndarray] = []
     targets: list[np.ndarray] = []
+    scaled: list[tuple[slice, float]] = []  # prompt_logprobs_temperature's rows
     offset = 0
     for i in np.nonzero(batch.wants_prompt_logprobs[inputs.slots])[0].tolist():
         slot = int(inputs.slots[i])
@@ -202,10 +203,22 @@ def prompt_logprobs_inputs(
             pending.req_ids[i], slice(offset, offset + end - start), params.prompt_logprobs
         )
         pending.prompt_work.append(work)
+        if params.prompt_logprobs_temperature is not None:
+            scaled.append((work.rows, params.prompt_logprobs_temperature))
         offset += end - start
     if not rows:
         return
     row_index = torch.from_numpy(np.concatenate(rows)).to(hidden.device)
     pending.prompt_logits = model.compute_logits(hidden.index_select(0, row_index)).float()
+    for rows_of, temperature in scaled:
+        scale_logits(pending.prompt_logits[rows_of], temperature)
     prompt_targets = np.concatenate(targets).astype(np.int64)
     pending.prompt_targets = torch.from_numpy(prompt_targets).to(hidden.device)
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> None:
+    """``logits`` [m, V] divided by ``temperature`` in place, for the same log_softmax: each
+    row less its largest value first (the largest becomes 0, the rest stay <= 0) and held
+    within float32, so a tiny temperature gives very negative, finite logprobs, never NaN."""
+    logits.sub_(logits.amax(dim=-1, keepdim=True)).div_(temperature)
+    logits.clamp_(min=torch.finfo(torch.float32).min)

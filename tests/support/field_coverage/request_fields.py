@@ -27,6 +27,8 @@ from field_coverage.ids import (
     ids,
 )
 
+_PLT = "tests/entrypoints/test_prompt_logprobs_temperature.py::"
+
 # Fields both /v1/completions and /v1/chat/completions take; the tests run on both endpoints.
 _SAMPLING = {
     "model": ids(FE + "test_model_must_be_served"),
@@ -56,6 +58,13 @@ _SAMPLING = {
     "prompt_logprobs": ids(
         FE + "test_return_token_ids_and_prompt_logprobs",
         WHOLE_VOCAB + "test_prompt_logprobs_minus_one_is_every_token_at_every_position",
+    ),
+    # the prompt logprobs equal transformers' log_softmax(logits / T), completions and chat;
+    # a value that is not a positive number refused by name
+    "prompt_logprobs_temperature": ids(
+        _PLT + "test_prompt_logprobs_equal_transformers_at_the_temperature",
+        _PLT + "test_chat_prompt_logprobs_follow_the_temperature",
+        _PLT + "test_a_value_that_is_not_a_positive_number_is_refused_by_name",
     ),
     "priority": ids(FEC + "test_priority_needs_the_priority_policy"),
     "cache_salt": ids(FE + "test_cache_salt_separates_prefix_cache_hits"),

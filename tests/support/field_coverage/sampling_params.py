@@ -56,6 +56,14 @@ _PARAMS = {
     "min_tokens": ids(FEE + "test_eos_fields_and_detokenize"),
     "logprobs": ids(FEE + "test_logprobs_and_prompt_logprobs"),
     "prompt_logprobs": ids(FEE + "test_logprobs_and_prompt_logprobs"),
+    "prompt_logprobs_temperature": ids(
+        "tests/entrypoints/test_prompt_logprobs_temperature.py::"
+        "test_prompt_logprobs_equal_transformers_at_the_temperature",
+        "tests/entrypoints/test_prompt_logprobs_temperature.py::"
+        "test_a_tiny_temperature_gives_finite_logprobs",
+        "tests/entrypoints/test_prompt_logprobs_temperature.py::"
+        "test_sampling_params_keep_a_positive_finite_prompt_logprobs_temperature",
+    ),
     "detokenize": ids(
         FEE + "test_eos_fields_and_detokenize", OUTPUT + "test_detokenize_false_gives_no_text"
     ),

@@ -72,6 +72,7 @@ def build_sampling_params(
         logprob_token_ids=req.logprob_token_ids or None,
         thinking_token_budget=req.thinking_token_budget,
         prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs_temperature=req.prompt_logprobs_temperature,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,

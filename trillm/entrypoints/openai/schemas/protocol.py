@@ -190,6 +190,8 @@ class _SamplingFields:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = _f(None, ge=-1)  # -1: the whole vocabulary (vLLM's)
+    # vLLM's: the prompt logprobs from the logits divided by this (None: unscaled)
+    prompt_logprobs_temperature: float | None = _f(None, gt=0.0)
     priority: int = 0
     cache_salt: str | None = None
     return_token_ids: bool = False
