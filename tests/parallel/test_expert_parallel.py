@@ -2,7 +2,8 @@
 half of the experts whole, tokens sent to them and back by all-to-all
 (trillm/distributed/expert_parallel.py). Greedy tokens equal the single-rank engine's and
 log-probs are within 1e-4 of it on Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 (whose
-single-rank engine equals transformers: tests/models/).
+single-rank engine equals transformers: tests/models/), and with two pipeline stages of two
+ranks (each stage's experts over its own ranks) on Mixtral, Qwen3-MoE and DeepSeek-V2.
 
 The routed experts' intermediate sizes here are odd, which tensor parallelism without expert
 parallelism refuses (it splits each expert's intermediate size over the ranks): these engines
@@ -45,12 +46,14 @@ def tokens_and_logprobs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], l
     return result
 
 
-def assert_ep_matches_one_rank(path: str, prompt_sets: list[list[str]]) -> None:
+def assert_ep_matches_one_rank(path: str, prompt_sets: list[list[str]], **parallel) -> None:
+    """``parallel``: more engine arguments than tensor_parallel_size=2 (pipeline stages)."""
     with LLM(path, distributed_executor_backend="uni", **LIMITS) as llm:
         expected = [tokens_and_logprobs(llm, prompts) for prompts in prompt_sets]
     # a reference that repeats one token could not tell a misplaced expert apart
     assert all(len(set(tokens)) > 1 for tokens, _ in expected[0]), expected
-    with LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **LIMITS) as llm:
+    layout = {"tensor_parallel_size": 2, **parallel}
+    with LLM(path, enable_expert_parallel=True, **layout, **LIMITS) as llm:
         got = [tokens_and_logprobs(llm, prompts) for prompts in prompt_sets]
     for got_set, expected_set in zip(got, expected):
         assert [t for t, _ in got_set] == [t for t, _ in expected_set]
@@ -79,16 +82,38 @@ def test_deepseek_v3_ep2_matches_one_rank(tmp_path):
     assert_ep_matches_one_rank(str(path), [PROMPTS])
 
 
-def test_metrics_show_each_ranks_expert_load(tiny_model_factory, tmp_path):
-    """``trillm serve -tp 2 --enable-expert-parallel``: /metrics counts the pairs routed to
-    each rank's experts; over the ranks, top_k (2) x MoE layers (2) x the tokens the model
-    computed (every prompt token, and every generated token but each request's last)."""
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v2"])
+def test_tp2_x_pp2_ep_matches_one_rank(tiny_model_factory, tmp_path, arch):
+    """Two pipeline stages of two ranks: each stage's experts spread over its own two ranks
+    (4 ranks in all, every stage holding a mixture-of-experts layer: DeepSeek-V2 gets 4
+    layers, its first dense)."""
+    if arch == "deepseek_v2":
+        path = str(
+            build_tiny_deepseek(
+                "v2", tmp_path, num_hidden_layers=4, moe_intermediate_size=31, n_shared_experts=2
+            )
+        )
+    else:
+        path = tiny_model_factory(arch, num_hidden_layers=2, **ODD_EXPERTS[arch])
+    assert_ep_matches_one_rank(path, [PROMPTS[:2]], pipeline_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    ("flags", "ranks"), [(["-tp", "2"], 2), (["-pp", "2", "-tp", "2"], 4)], ids=["tp2", "pp2xtp2"]
+)
+def test_metrics_show_each_ranks_expert_load(tiny_model_factory, tmp_path, flags, ranks):
+    """``trillm serve -tp 2 --enable-expert-parallel`` (and with two pipeline stages, whose
+    ranks are labelled by global rank: stage s's rank r is s x 2 + r): /metrics counts the
+    pairs routed to each rank's experts; over the ranks, top_k (2) x MoE layers (2) x the
+    tokens the model computed (every prompt token, and every generated token but each
+    request's last). With two stages each rank holds one layer's experts, so a stage's
+    counts lost on the way would halve the sum."""
     import httpx
     from parallel_reference import limit_flags
     from server_harness import ServerProcess
 
     path = tiny_model_factory("mixtral", num_hidden_layers=2, **ODD_EXPERTS["mixtral"])
-    flags = ["-tp", "2", "--enable-expert-parallel", *limit_flags(LIMITS)]
+    flags = [*flags, "--enable-expert-parallel", *limit_flags(LIMITS)]
     server = ServerProcess([path, *flags], tmp_path / "server.log").start()
     try:
         body = {"prompt": PROMPTS, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -103,9 +128,26 @@ def test_metrics_show_each_ranks_expert_load(tiny_model_factory, tmp_path):
     )
     per_rank = {re.search(r'rank="(\d+)"', labels)[1]: float(v) for labels, v in series}
     computed = usage["prompt_tokens"] + usage["completion_tokens"] - len(PROMPTS)
-    assert set(per_rank) == {"0", "1"} and min(per_rank.values()) > 0, per_rank
+    assert set(per_rank) == {str(r) for r in range(ranks)}, per_rank
+    assert min(per_rank.values()) > 0, per_rank
     assert sum(per_rank.values()) == 2 * 2 * computed, (per_rank, usage)
     assert "vllm:expert_parallel" not in metrics  # no vLLM name to mirror
+
+
+def test_stage_loads_are_placed_by_global_rank():
+    """The executor's step output under pipeline stages: each stage's first rank's counts at
+    its ranks' global places, zeros for a stage without a mixture-of-experts layer (DeepSeek's
+    dense first layers alone on stage 0); nothing without expert parallelism."""
+    from trillm.executor.worker_steps import step_output
+    from trillm.messages import ModelRunnerOutput
+
+    def outputs(*loads: list[int]) -> list[ModelRunnerOutput]:
+        return [ModelRunnerOutput(7, ["a"], [[1]], expert_load=load) for load in loads]
+
+    assert step_output(outputs([3, 5], [3, 5], [2, 6], [2, 6]), 2).expert_load == [3, 5, 2, 6]
+    assert step_output(outputs([], [], [4, 4], [4, 4]), 2).expert_load == [0, 0, 4, 4]
+    assert step_output(outputs([], [], [], []), 2).expert_load == []
+    assert step_output(outputs([1, 2], [1, 2]), 0).expert_load == [1, 2]  # one stage
 
 
 def test_deepseek_shared_experts_must_still_split(tmp_path):
@@ -134,17 +176,11 @@ def test_deepseek_shared_experts_must_still_split(tmp_path):
         (
             "mixtral",
             {},
-            {"pipeline_parallel_size": 2},
-            r"enable_expert_parallel with pipeline_parallel_size > 1 is not implemented",
-        ),
-        (
-            "mixtral",
-            {},
             {"data_parallel_size": 2},
             r"enable_expert_parallel with data_parallel_size > 1 is not implemented",
         ),
     ],
-    ids=["dense", "experts-not-divisible", "pp", "dp"],
+    ids=["dense", "experts-not-divisible", "dp"],
 )
 def test_what_expert_parallelism_cannot_do_is_refused(
     tiny_model_factory, arch, overrides, parallel, match

@@ -51,17 +51,16 @@ def check_parallel(args: ParallelArgs) -> None:
 
 
 def check_expert_parallel_layout(args: ParallelArgs) -> None:
-    """Expert parallelism spreads the experts over one engine core's tensor-parallel ranks;
-    vLLM's spread over data-parallel cores and pipeline stages is refused by name."""
-    if not args.enable_expert_parallel:
-        return
-    for name in ("data_parallel_size", "pipeline_parallel_size"):
-        if getattr(args, name) > 1:
-            raise ValueError(
-                f"enable_expert_parallel with {name} > 1 is not implemented yet: the experts "
-                "are spread over the tensor-parallel ranks of one engine core "
-                "(tensor_parallel_size)."
-            )
+    """Expert parallelism spreads the experts over the tensor-parallel ranks of one engine
+    core (of each pipeline stage, which holds its own layers' experts); vLLM's spread over
+    data-parallel cores is refused by name."""
+    if args.enable_expert_parallel and args.data_parallel_size > 1:
+        raise ValueError(
+            "enable_expert_parallel with data_parallel_size > 1 is not implemented yet: the "
+            "experts are spread over the tensor-parallel ranks of one engine core (of each "
+            "pipeline stage), not over several engine cores, which would need one process "
+            "group over every core's ranks and the cores stepping in lock-step."
+        )
 
 
 def check_ray(args: ParallelArgs) -> None:

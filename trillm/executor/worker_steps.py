@@ -95,4 +95,18 @@ def step_output(outputs: list[ModelRunnerOutput], output_rank: int) -> ModelRunn
     diverged = divergence(outputs, output_rank)
     if diverged is not None:
         raise WorkerStepProtocolError(diverged)
-    return outputs[output_rank]
+    out = outputs[output_rank]
+    if output_rank:  # pipeline stages: each counted the pairs its own layers routed
+        out.expert_load = stage_expert_loads(outputs, len(outputs) - output_rank)
+    return out
+
+
+def stage_expert_loads(outputs: list[ModelRunnerOutput], tp: int) -> list[int]:
+    """Expert parallelism with pipeline stages: the pairs routed to each global rank's experts
+    (stage s's rank r is global rank s * tp + r and holds the r-th block of the experts of
+    stage s's layers; each rank of a stage counts its stage's routing for every rank of it),
+    zeros for a stage without a mixture-of-experts layer; [] without expert parallelism."""
+    loads = [outputs[first].expert_load for first in range(0, len(outputs), tp)]
+    if not any(loads):
+        return []
+    return [pairs for load in loads for pairs in (load or [0] * tp)]

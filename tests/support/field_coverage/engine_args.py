@@ -93,6 +93,7 @@ ENGINE: dict[str, tuple[str, ...]] = {
     "enable_expert_parallel": ids(
         EXPERT_PARALLEL + "test_ep2_matches_one_rank",
         EXPERT_PARALLEL + "test_deepseek_v3_ep2_matches_one_rank",
+        EXPERT_PARALLEL + "test_tp2_x_pp2_ep_matches_one_rank",
         EXPERT_PARALLEL + "test_what_expert_parallelism_cannot_do_is_refused",
         EXPERT_PARALLEL + "test_deepseek_shared_experts_must_still_split",
         EXPERT_PARALLEL + "test_the_flag_and_linear_placement_parse",
