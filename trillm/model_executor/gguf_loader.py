@@ -53,6 +53,7 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x GGUFs: the rope scaling's per-pair divisors
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -112,8 +113,6 @@ class GGUFFile:
                 f"GGUF tensor type(s) {', '.join(unsupported)} are not supported; trillm runs "
                 f"{', '.join(known)}."
             )
-        if "rope_freqs.weight" in self.tensor_types:
-            raise GGUFError("GGUF rope_freqs (llama3-style rope scaling) is not supported.")
         scaling = self._field(f"{self.arch}.rope.scaling.type", "none")
         if scaling != "none":
             raise GGUFError(f"GGUF rope scaling {scaling!r} is not supported.")
@@ -155,6 +154,16 @@ class GGUFFile:
             "hidden_act": "silu",
             "torch_dtype": self.checkpoint_dtype(),
         }
+        if ROPE_FREQS in self.tensor_types:  # Llama 3.x: its rope scaling, as a tensor
+            tensor = next(t for t in self.reader.tensors if t.name == ROPE_FREQS)
+            if tensor.tensor_type.name != "F32":
+                raise GGUFError(
+                    f"GGUF {ROPE_FREQS} of type {tensor.tensor_type.name}: F32 expected."
+                )
+            factors = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+            scaling = llama3_scaling(factors, config["rope_theta"], head_dim)
+            if scaling is not None:
+                config["rope_scaling"] = scaling
         for key in ("bos", "eos"):
             token = self.reader.get_field(f"tokenizer.ggml.{key}_token_id")
             if token is not None:
@@ -171,6 +180,8 @@ class GGUFFile:
         """Every tensor under its Hugging Face name, q/k rows back in Hugging Face's order."""
         config = self.hf_config()
         for t in self.reader.tensors:
+            if t.name == ROPE_FREQS:  # read into the config's rope_scaling
+                continue
             name = hf_name(t.name)
             data = np.asarray(t.data)
             shape = tuple(int(s) for s in reversed(t.shape.tolist()))
@@ -180,6 +191,67 @@ class GGUFFile:
                 ]
                 data = _unpermute(data, heads)
             yield GGUFTensor(name, t.tensor_type.name, shape, data)
+
+
+def llama3_factors(scaling: dict[str, Any], base: float, dim: int) -> np.ndarray:
+    """What each rotary pair's frequency is divided by under Hugging Face's ``llama3`` rope
+    scaling (``layers/rotary.py``): 1 for short wavelengths, ``factor`` for long ones, a smooth
+    blend between. llama.cpp's converter stores these as the ``rope_freqs`` tensor."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * np.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    with np.errstate(divide="ignore", invalid="ignore"):  # outside the smooth band: not used
+        smooth = (original / wavelen - low) / (high - low)
+        medium = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(
+        wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium)
+    )
+
+
+def llama3_scaling(factors: np.ndarray, base: float, dim: int) -> dict[str, Any] | None:
+    """The ``llama3`` rope scaling whose ``rope_freqs`` are ``factors`` (None: all 1, none).
+
+    The factors fix the long-wavelength ``factor`` and the two band edges (``original / low``,
+    ``original / high``); the smooth band's values fix the edges exactly when it holds two or
+    more pairs (Llama 3.1 / 3.2 have 3 to 6), else they lie anywhere in the gaps around it.
+    Read with ``low_freq_factor`` 1 (Llama 3's), so ``original_max_position_embeddings`` is the
+    low edge. Factors of any other shape are refused."""
+    wavelen = 2 * np.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factor = float(factors.max())
+    refuse = GGUFError(
+        f"GGUF {ROPE_FREQS} does not follow Llama 3's rope scaling; no other is supported."
+    )
+    if factors.shape != wavelen.shape or factors.min() < 1 - 1e-6:
+        raise refuse
+    if factor < 1 + 1e-6:
+        return None
+    kept, scaled = factors < 1 + 1e-6, factors > factor * (1 - 1e-6)
+    medium = ~kept & ~scaled
+    if medium.sum() >= 2:  # 1/f = (1 - s)/factor + s, s = original / (high - low) / wavelen - ...
+        s = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelen[medium], s, 1)
+        low_edge, high_edge = slope / -intercept, slope / (1 - intercept)
+    elif medium.sum() == 0 and kept.any() and scaled.any():
+        below, above = wavelen[kept].max(), wavelen[scaled].min()  # one gap: edges in it
+        high_edge, low_edge = (
+            below ** (2 / 3) * above ** (1 / 3),
+            below ** (1 / 3) * above ** (2 / 3),
+        )
+    else:
+        raise refuse
+    original = float(round(low_edge)) if abs(low_edge - round(low_edge)) < 1e-3 else float(low_edge)
+    high = round(float(original / high_edge), 6)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": int(original) if original.is_integer() else original,
+    }
+    if not np.allclose(llama3_factors(scaling, base, dim), factors, rtol=1e-4):
+        raise refuse
+    return scaling
 
 
 def hf_name(name: str) -> str:

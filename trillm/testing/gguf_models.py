@@ -138,7 +138,15 @@ def _write_config(writer: Any, config: dict[str, Any]) -> None:
     writer.add_rope_dimension_count(head_dim)
     from trillm.model_executor.model_config import parse_rope
 
-    writer.add_rope_freq_base(parse_rope(config)[0])  # transformers-5 rope_parameters too
+    theta, scaling = parse_rope(config)
+    writer.add_rope_freq_base(theta)  # transformers-5 rope_parameters too
+    if scaling is not None and scaling["rope_type"] == "llama3":  # as llama.cpp's converter
+        import gguf
+
+        from trillm.model_executor.gguf_loader import ROPE_FREQS, llama3_factors
+
+        factors = llama3_factors(scaling, theta, head_dim).astype(np.float32)
+        writer.add_tensor(ROPE_FREQS, factors, raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
 
