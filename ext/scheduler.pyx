@@ -19,13 +19,14 @@ from trillm._ext.kv_cache_manager cimport (
     ST_RUNNING,
     ST_WAITING,
     ST_WAITING_FOR_GRAMMAR,
+    ST_WAITING_FOR_REMOTE_KVS,
     KVCacheManager,
     Request,
 )
 
 from trillm.core.errors import DuplicateRequestError
 from trillm.core.request import finished_status
-from trillm.core.scheduler import check_request_fits
+from trillm.core.request_fits import check_request_fits
 from trillm.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -250,6 +251,18 @@ cdef class Scheduler:
         if r is not None and r.status_ == ST_WAITING_FOR_GRAMMAR:
             r.status_ = ST_WAITING
 
+    def set_waiting_for_remote_kvs(self, str req_id):
+        """A waiting request's prompt KV is being received off the steps (a KV connector's
+        asynchronous load): not admitted until remote_kvs_ready (the requests behind it are)."""
+        cdef Request r = self.requests.get(req_id)
+        if r is not None and r.status_ == ST_WAITING:
+            r.status_ = ST_WAITING_FOR_REMOTE_KVS
+
+    def remote_kvs_ready(self, str req_id):
+        cdef Request r = self.requests.get(req_id)
+        if r is not None and r.status_ == ST_WAITING_FOR_REMOTE_KVS:
+            r.status_ = ST_WAITING
+
     def update_draft_token_ids(self, dict draft_token_ids):
         """Speculative decoding seam: drafts to verify at the next step."""
         cdef Request r
@@ -380,7 +393,7 @@ cdef class Scheduler:
                and <long long>self.running.size() < self.max_num_seqs):
             head = self._next_admissible()
             if head < 0:
-                break  # only requests waiting for their grammar
+                break  # only requests waiting for their grammar or remote KV
             r = <Request>self.waiting[head]
             num_hit = kv._lookup(r, computed)
             num_external = self._num_external_tokens(r, num_hit)
@@ -411,10 +424,13 @@ cdef class Scheduler:
             self.encoder_cache.unschedule(r.request_id)
 
     cdef Py_ssize_t _next_admissible(self):
-        """Index of the first waiting request not waiting for its grammar, or -1."""
+        """Index of the first waiting request not waiting for its grammar or its remote KV,
+        or -1."""
         cdef size_t i
+        cdef int status
         for i in range(self.waiting.size()):
-            if (<Request>self.waiting[i]).status_ != ST_WAITING_FOR_GRAMMAR:
+            status = (<Request>self.waiting[i]).status_
+            if status != ST_WAITING_FOR_GRAMMAR and status != ST_WAITING_FOR_REMOTE_KVS:
                 return <Py_ssize_t>i
         return -1
 

@@ -1,5 +1,5 @@
 """vLLM's P2pNcclConnector over TCP ("GET": the decode instance pulls the prompt's KV from the
-prefill instance named in the request id). The decode instance's greedy tokens and logprobs
+prefill instance named in the request id, off its steps). The decode instance's greedy tokens and logprobs
 equal one plain instance's and it computes none of a transferred prompt's whole blocks; a lost
 transfer (no prefill instance, a dropped connection, a silent peer past the deadline, evicted
 KV) is recomputed within a bounded wait; the prefill's store is bounded by kv_buffer_size; a
@@ -131,7 +131,7 @@ def test_no_prefill_instance_is_recomputed(prefilled, caplog):
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
     assert [o.num_cached_tokens for o in outs] == [0] * len(LENGTHS)
     assert _max_logprob_diff(outs, plain) < 1e-4
-    assert "3 load failures so far" in caplog.text
+    assert "3 transfer failures so far" in caplog.text
 
 
 def test_an_unlisted_prefill_address_is_never_connected(prefilled, monkeypatch, caplog):
@@ -164,11 +164,12 @@ def test_the_door_lets_listed_addresses_only():
     assert door.refused == 4
 
 
-def test_a_silent_listed_prefill_instance_stalls_other_requests_boundedly(prefilled):
-    """A listed prefill instance that accepts and never answers: a running request's tokens
-    keep coming (the longest gap between them stays near the first-byte deadline, not the old
-    whole-answer 10 s), the silent instance is asked once for three requests, and those
-    requests are computed here as by the plain engine."""
+def test_a_silent_listed_prefill_instance_does_not_stall_other_requests(prefilled):
+    """A listed prefill instance that accepts and never answers: the transfer runs off the
+    steps, so a running request's tokens keep coming at the step's pace (the longest gap
+    between them well under the transfer's 1 s first-byte deadline, which it was when the
+    fetch ran inside the step), the silent instance is asked once for three requests, and
+    those requests are computed here as by the plain engine."""
     path, _, plain = prefilled
     with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody answers
         silent.setblocking(False)
@@ -180,15 +181,17 @@ def test_a_silent_listed_prefill_instance_stalls_other_requests_boundedly(prefil
             engine.shutdown()
         assert _connections(silent) == 1
     assert firsts == [out.outputs[0].token_ids[0] for out in plain[:3]]
-    assert max(gaps) < p2p_wire.FIRST_BYTE_TIMEOUT_S + 3.0, max(gaps)
+    print(f"longest gap {max(gaps):.3f} s over {len(gaps)} gaps")
+    assert max(gaps) < p2p_wire.FIRST_BYTE_TIMEOUT_S / 2, max(gaps)
 
 
 async def _stream_beside_silent_loads(engine: LLM, port: int) -> tuple[list[float], list[int]]:
-    """(the gaps between a running request's outputs while three requests naming the silent
-    instance at ``port`` are admitted one after another, those three's first tokens). Three
-    prompts of their own: a shared prefix would be a local hit, never fetched."""
+    """(the gaps between a running request's outputs while the first of three requests naming
+    the silent instance at ``port`` waits for its transfer (the two after it find the instance
+    paused), those three's first tokens). Three prompts of their own: a shared prefix would be
+    a local hit, never fetched."""
     firsts: list[int] = []
-    done = trio.Event()
+    first_done = trio.Event()
 
     async def silent_requests() -> None:
         for i in range(3):
@@ -197,7 +200,7 @@ async def _stream_beside_silent_loads(engine: LLM, port: int) -> tuple[list[floa
             async with engine.engine.generate(_prompts()[i], params, rid) as outs:
                 async for out in outs:
                     firsts.extend(out.outputs[0].token_ids)
-        done.set()
+            first_done.set()
 
     gaps: list[float] = []
     params = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
@@ -211,9 +214,9 @@ async def _stream_beside_silent_loads(engine: LLM, port: int) -> tuple[list[floa
                 else:
                     gaps.append(now - last)
                 last = now
-                if done.is_set():
-                    break  # NOTE: it ran across every silent load
-        assert done.is_set(), "the running request ended before the silent loads"
+                if first_done.is_set():
+                    break  # NOTE: it ran across the silent instance's deadline
+        assert first_done.is_set(), "the running request ended before the silent transfer"
     return gaps, firsts
 
 
@@ -319,11 +322,8 @@ def test_the_request_id_names_the_prefill_instance():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"kv_connector_extra_config": {}}, "send_type 'PUT_ASYNC'"),
-        ({"kv_connector_extra_config": {"send_type": "PUT"}}, "send_type 'PUT'"),
         ({"kv_connector_extra_config": {"send_type": "GET", "nccl_num_channels": "8"}}, "NCCL"),
         ({"kv_connector_extra_config": {"send_type": "GET", "proxy_ip": "1.2.3.4"}}, "proxy_ip"),
-        ({"kv_connector_extra_config": {"send_type": "GET", "mem_pool_size_gb": 4}}, "pool"),
         ({"kv_connector_extra_config": {"send_type": "GET", "x": 1}}, "does not take x"),
         ({"kv_role": "kv_both"}, "'kv_both'"),
         ({"kv_buffer_device": "cuda"}, "kv_buffer_device 'cuda'"),

@@ -21,9 +21,12 @@ class RequestStatus(enum.IntEnum):
     # In the waiting queue until its structured-output grammar is compiled; the requests
     # behind it are admitted meanwhile.
     WAITING_FOR_GRAMMAR = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
+    # In the waiting queue while a KV connector receives its prompt's KV off the steps
+    # (vLLM's asynchronous load); the requests behind it are admitted meanwhile.
+    WAITING_FOR_REMOTE_KVS = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
 
     @property
     def finished(self) -> bool:

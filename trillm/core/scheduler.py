@@ -27,10 +27,11 @@ from collections.abc import Collection, Iterable
 
 from trillm.config import CacheConfig, SchedulerConfig
 from trillm.core.encoder_cache import EncoderCache
-from trillm.core.errors import DuplicateRequestError, RequestTooLargeError
+from trillm.core.errors import DuplicateRequestError
 from trillm.core.kv_cache_manager import KVCacheManager
 from trillm.core.mm_spans import clamp_to_spans
 from trillm.core.request import Request, RequestStatus, finished_status
+from trillm.core.request_fits import check_request_fits
 from trillm.core.step_outputs import append_sampled, make_output
 from trillm.core.step_plan import StepPlan
 from trillm.messages import (
@@ -41,37 +42,9 @@ from trillm.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
-from trillm.utils import cdiv
 
-
-def check_request_fits(
-    req: EngineCoreRequest, max_model_len: int, num_blocks: int, block_size: int
-) -> None:
-    """Admission: raise RequestTooLargeError when the request can never be served."""
-    num_prompt = len(req.prompt_token_ids)
-    if num_prompt == 0:
-        raise ValueError(f"Request {req.request_id!r} has an empty prompt.")
-    max_tokens = req.sampling_params.max_tokens
-    if max_tokens is None:
-        if num_prompt >= max_model_len:
-            raise RequestTooLargeError(
-                f"The prompt ({num_prompt} tokens) leaves no room to generate within "
-                f"max_model_len={max_model_len}."
-            )
-        total = max_model_len
-    else:
-        total = num_prompt + max_tokens
-        if total > max_model_len:
-            raise RequestTooLargeError(
-                f"The prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is {total} "
-                f"tokens, more than max_model_len={max_model_len}."
-            )
-    blocks = cdiv(total, block_size)
-    if blocks > num_blocks:
-        raise RequestTooLargeError(
-            f"The request needs up to {total} tokens ({blocks} KV blocks of {block_size}), "
-            f"more than the KV cache holds ({num_blocks} blocks)."
-        )
+# Waiting requests that are not admitted yet (nor hold back the requests behind them)
+_HELD = (RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS)
 
 
 class Scheduler:
@@ -146,6 +119,19 @@ class Scheduler:
     def grammar_ready(self, req_id: str) -> None:
         request = self.requests.get(req_id)
         if request is not None and request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            request.status = RequestStatus.WAITING
+
+    def set_waiting_for_remote_kvs(self, req_id: str) -> None:
+        """A waiting request's prompt KV is being received off the steps (a KV connector's
+        asynchronous load): not admitted until ``remote_kvs_ready`` (the requests behind it
+        are)."""
+        request = self.requests.get(req_id)
+        if request is not None and request.status == RequestStatus.WAITING:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def remote_kvs_ready(self, req_id: str) -> None:
+        request = self.requests.get(req_id)
+        if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             request.status = RequestStatus.WAITING
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
@@ -257,7 +243,7 @@ class Scheduler:
         while self._waiting and plan.has_room and len(self._running) < self.max_num_seqs:
             head = self._next_admissible()
             if head < 0:
-                break  # only requests waiting for their grammar
+                break  # only requests waiting for their grammar or remote KV
             request = self._waiting[head]
             computed_blocks, num_hit = kv.get_computed_blocks(request)
             num_hit += (num_external := self._num_external_tokens(request, num_hit))
@@ -285,9 +271,10 @@ class Scheduler:
             self.encoder_cache.unschedule(request.request_id)
 
     def _next_admissible(self) -> int:
-        """Index of the first waiting request not waiting for its grammar, or -1."""
+        """Index of the first waiting request not waiting for its grammar or its remote KV,
+        or -1."""
         for i, request in enumerate(self._waiting):
-            if request.status != RequestStatus.WAITING_FOR_GRAMMAR:
+            if request.status not in _HELD:
                 return i
         return -1
 

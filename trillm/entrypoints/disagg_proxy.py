@@ -9,13 +9,16 @@ them, and the decode instance's answer (JSON or SSE stream) is the client's.
 
 A prefill answer that is not 200 is the client's answer (the decode instance is not asked).
 
-With vLLM's P2pNcclConnector (``send_type`` "GET"), ``--prefill-kv-addr IP:PORT`` (the prefill
-instance's ``kv_ip:kv_port``) tells the decode instance where the prompt's KV is, as vLLM's
-proxy does: both instances get the request id
+With vLLM's P2pNcclConnector, ``--prefill-kv-addr IP:PORT`` (the prefill instance's
+``kv_ip:kv_port``) tells the decode instance where the prompt's KV is, and
+``--decode-kv-addr IP:PORT`` (the decode instance's) tells a pushing prefill instance
+(``send_type`` "PUT" / "PUT_ASYNC") where to send it, as vLLM's proxy does: both instances get
+the request id
 ``___prefill_addr_IP:PORT___decode_addr_<--decode-kv-addr>_<uuid or the client's request_id>``.
-The decode instance fetches only from the addresses its
-``kv_connector_extra_config.prefill_kv_addrs`` lists (a client can set the request id): list
-this ``IP:PORT`` there.
+The decode instance fetches or takes pushes only from the addresses its
+``kv_connector_extra_config.prefill_kv_addrs`` lists, and a pushing prefill instance pushes
+only to those its ``decode_kv_addrs`` lists (a client can set the request id): list these
+addresses there.
 """
 
 from __future__ import annotations
@@ -122,7 +125,11 @@ def main(argv: list[str] | None = None) -> None:
         "(list it in the decode instance's kv_connector_extra_config.prefill_kv_addrs)",
     )
     parser.add_argument(
-        "--decode-kv-addr", default="", help="P2pNcclConnector: the decode instance's, likewise"
+        "--decode-kv-addr",
+        default="",
+        help="P2pNcclConnector: the decode instance's kv_ip:kv_port, named in each request id "
+        "(send_type PUT / PUT_ASYNC: list it in the prefill instance's "
+        "kv_connector_extra_config.decode_kv_addrs)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

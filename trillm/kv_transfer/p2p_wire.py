@@ -21,10 +21,10 @@ KEY_CHARS = 40  # storage.prefix_key: BLAKE2b-160, hex
 _LENGTH_BYTES = 8
 # NOTE: a peer gets this long for its request line (the server's threads, not a step)
 TRANSFER_TIMEOUT_S = 10.0
-# A fetch runs inside the decode instance's step, so every request waits on it: the prefill
-# instance answers from memory, so the connection and the answer's length get this long, and
-# the payload FIRST_BYTE_TIMEOUT_S more plus its size at MIN_RATE_BYTES_S. A slower or silent
-# peer costs the step at most that, then the request recomputes.
+# A fetch runs off the decode instance's steps (p2p_recv.py) while its request waits: the
+# prefill instance answers from memory, so the connection and the answer's length get this
+# long, and the payload FIRST_BYTE_TIMEOUT_S more plus its size at MIN_RATE_BYTES_S. A slower
+# or silent peer costs that request's first token at most that, then it recomputes.
 FIRST_BYTE_TIMEOUT_S = 1.0
 MIN_RATE_BYTES_S = 50e6
 MAX_CONNECTIONS = 16  # concurrent peers a server answers; more are closed at once
@@ -115,14 +115,14 @@ class KVServer:
 
 def _read_request(conn: socket.socket) -> str | None:
     want = len(b"GET ") + KEY_CHARS + 1
-    line = _read_exactly(conn, want, time.monotonic() + TRANSFER_TIMEOUT_S)
+    line = read_exactly(conn, want, time.monotonic() + TRANSFER_TIMEOUT_S)
     key = line[4:-1].decode("ascii", "replace")
-    if not line.startswith(b"GET ") or not line.endswith(b"\n") or not _is_key(key):
+    if not line.startswith(b"GET ") or not line.endswith(b"\n") or not is_key(key):
         return None
     return key
 
 
-def _is_key(key: str) -> bool:
+def is_key(key: str) -> bool:
     return len(key) == KEY_CHARS and all(c in "0123456789abcdef" for c in key)
 
 
@@ -133,12 +133,12 @@ def fetch(host: str, port: int, key: str, max_bytes: int) -> bytes | None:
     deadline = time.monotonic() + FIRST_BYTE_TIMEOUT_S
     with socket.create_connection((host, port), timeout=FIRST_BYTE_TIMEOUT_S) as conn:
         conn.sendall(b"GET " + key.encode("ascii") + b"\n")
-        size = int.from_bytes(_read_exactly(conn, _LENGTH_BYTES, deadline), "little")
+        size = int.from_bytes(read_exactly(conn, _LENGTH_BYTES, deadline), "little")
         if size == 0:
             return None
         if size > max_bytes:
             raise ValueError(f"the prefill instance sent {size} bytes, over the {max_bytes} asked")
-        return _read_exactly(conn, size, time.monotonic() + payload_deadline_s(size))
+        return read_exactly(conn, size, time.monotonic() + payload_deadline_s(size))
 
 
 def payload_deadline_s(size: int) -> float:
@@ -146,7 +146,7 @@ def payload_deadline_s(size: int) -> float:
     return FIRST_BYTE_TIMEOUT_S + size / MIN_RATE_BYTES_S
 
 
-def _read_exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
+def read_exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
     buf = bytearray(size)
     view = memoryview(buf)
     got = 0

@@ -17,9 +17,10 @@ from trillm.core.request import Request
 from trillm.core.scheduler import Scheduler
 from trillm.kv_transfer.base import KVConnectorScheduler
 from trillm.kv_transfer.offload import OffloadScheduler
+from trillm.kv_transfer.p2p_scheduler import P2pScheduler
 from trillm.kv_transfer.shared_storage import SharedStorageScheduler
 from trillm.kv_transfer.storage import cache_identity
-from trillm.messages import FinishReason, SchedulerOutput, SchedulerStats
+from trillm.messages import EngineCoreRequest, FinishReason, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,39 @@ class ConnectorSteps(_SchedulerTwin):
         self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)  # vLLM's counter
         self._lookup: dict[str, tuple[int, int]] = {}  # req_id -> (local hit, external)
         self._external: dict[str, int] = {}  # req_id -> its tokens counted as loaded
+        # P2P: requests waiting for their prompt's KV (WAITING_FOR_REMOTE_KVS), and those of
+        # them whose grammar is compiling too (held for it once their KV came)
+        self._remote = connector if isinstance(connector, P2pScheduler) else None
+        self._receiving: set[str] = set()
+        self._grammar_too: set[str] = set()
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        super().add_request(req)
+        if self._remote is not None and self._remote.request_added(self.requests[req.request_id]):
+            self._receiving.add(req.request_id)
+            self.set_waiting_for_remote_kvs(req.request_id)
+
+    def set_waiting_for_grammar(self, req_id: str) -> None:
+        if req_id in self._receiving:
+            self._grammar_too.add(req_id)
+        else:
+            super().set_waiting_for_grammar(req_id)
+
+    def grammar_ready(self, req_id: str) -> None:
+        self._grammar_too.discard(req_id)
+        super().grammar_ready(req_id)
+
+    def _received(self) -> None:
+        """Requests whose transfer ended wait no more for it (vLLM's finished receives)."""
+        assert self._remote is not None
+        for req_id in self._remote.finished_recving():
+            if req_id not in self._receiving:
+                continue  # finished meanwhile
+            self._receiving.discard(req_id)
+            self.remote_kvs_ready(req_id)
+            if req_id in self._grammar_too:
+                self._grammar_too.discard(req_id)
+                super().set_waiting_for_grammar(req_id)
 
     def _num_external_tokens(self, request: Request, num_hit: int) -> int:
         num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit)
@@ -56,6 +90,8 @@ class ConnectorSteps(_SchedulerTwin):
         return num_external
 
     def schedule(self, busy: Collection[str] = (), max_reqs: int = 0) -> SchedulerOutput:
+        if self._receiving:
+            self._received()
         out = super().schedule(busy, max_reqs)
         for new in out.scheduled_new_reqs:
             request = self.requests[new.req_id]
@@ -108,6 +144,8 @@ class ConnectorSteps(_SchedulerTwin):
     def _finish(self, request: Request, reason: FinishReason) -> None:
         super()._finish(request, reason)
         self.kv_connector.request_finished(request.request_id)
+        self._receiving.discard(request.request_id)
+        self._grammar_too.discard(request.request_id)
         self._external.pop(request.request_id, None)
 
     def get_stats(self) -> SchedulerStats:
@@ -144,5 +182,6 @@ def connector_scheduler(config: TrillmConfig, num_blocks: int) -> ConnectorSteps
         connector = OffloadScheduler(offload.num_blocks, config.cache.block_size)
     else:
         assert kv is not None  # the caller checked
-        connector = SharedStorageScheduler(kv, cache_identity(config), config.cache.block_size)
+        cls_ = P2pScheduler if kv.p2p is not None else SharedStorageScheduler
+        connector = cls_(kv, cache_identity(config), config.cache.block_size)
     return cls(config.scheduler, config.cache, num_blocks, connector)

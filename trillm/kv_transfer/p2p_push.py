@@ -1,0 +1,231 @@
+"""The P2P connector's push modes (vLLM's send_type "PUT" and "PUT_ASYNC"): the prefill
+instance's worker sends each computed prompt's KV to the decode instance named in the request
+id; the decode instance's engine core listens on its ``kv_ip:kv_port`` and holds what came
+until the request arrives.
+
+A push is ``PUT <key>\\n``, an 8-byte little-endian length and that many bytes; the answer
+one byte (1: kept, 0: refused). The sender (``Pusher``) pushes only to the decode addresses
+its operator lists (``decode_kv_addrs``); "PUT" pushes inside the step that computed the
+prompt, "PUT_ASYNC" hands it to a background thread (a queue of at most ``kv_buffer_size``
+bytes; one that does not fit is dropped: its decode request recomputes).
+
+The receiver (``PushPool``) takes pushes only from the IPs of its listed prefill instances
+(``prefill_kv_addrs``), each sender at most an equal share of its bound (``kv_buffer_size`` +
+``mem_pool_size_gb``), and evicts an entry nobody claimed after ``UNCLAIMED_TTL_S`` or to make
+room for its sender's newer one (oldest first).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+import time
+from collections import OrderedDict
+
+from trillm.kv_transfer import p2p_wire
+from trillm.kv_transfer.p2p_wire import MAX_CONNECTIONS, TRANSFER_TIMEOUT_S
+
+logger = logging.getLogger(__name__)
+
+UNCLAIMED_TTL_S = 60.0  # a pushed prompt no request claimed by then is dropped
+_LENGTH_BYTES = 8
+
+
+def push(host: str, port: int, key: str, blob: bytes) -> bool:
+    """Sends ``blob`` under ``key`` -> whether the decode instance kept it. OSError: not
+    sent (no listener, dropped, past the deadline)."""
+    deadline = time.monotonic() + p2p_wire.payload_deadline_s(len(blob))
+    with socket.create_connection((host, port), timeout=p2p_wire.FIRST_BYTE_TIMEOUT_S) as conn:
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
+        conn.sendall(b"PUT " + key.encode("ascii") + b"\n" + len(blob).to_bytes(8, "little"))
+        conn.sendall(blob)
+        answer = p2p_wire.read_exactly(conn, 1, deadline)
+    return answer == b"\x01"
+
+
+class Pusher:
+    """The prefill instance's worker side of a push mode."""
+
+    def __init__(self, asynchronous: bool, queue_bytes: int) -> None:
+        self.asynchronous = asynchronous
+        self.queue_bytes = queue_bytes
+        self.sent = 0
+        self.failed = 0
+        self._queue: collections.deque[tuple[str, str, bytes]] = collections.deque()
+        self._queued = 0
+        self._cond = threading.Condition()
+        if asynchronous:
+            threading.Thread(target=self._send_loop, name="kv-p2p-push", daemon=True).start()
+
+    def send(self, address: str, key: str, blob: bytes) -> None:
+        if not self.asynchronous:
+            self._send(address, key, blob)  # NOTE: "PUT": inside the step, as vLLM's
+            return
+        with self._cond:
+            if self._queued + len(blob) > self.queue_bytes:
+                self.failed += 1
+                logger.warning("KV push to %s dropped: the send queue is full", address)
+                return
+            self._queue.append((address, key, blob))
+            self._queued += len(blob)
+            self._cond.notify()
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Waits until the queue is empty (tests)."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._queued and time.monotonic() < end:
+                self._cond.wait(0.01)
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                address, key, blob = self._queue[0]
+            self._send(address, key, blob)
+            with self._cond:
+                self._queue.popleft()
+                self._queued -= len(blob)
+                self._cond.notify_all()
+
+    def _send(self, address: str, key: str, blob: bytes) -> None:
+        host, port = address.rsplit(":", 1)
+        try:
+            kept = push(host.strip("[]"), int(port), key, blob)
+        except OSError as exc:
+            kept = False
+            logger.warning("KV push to %s failed: %s (its decode request recomputes)", address, exc)
+        self.sent += kept
+        self.failed += not kept
+
+
+class PushPool:
+    """The decode instance's pushed prompts, by key, until a request claims one."""
+
+    def __init__(self, capacity: int, senders: frozenset[str]) -> None:
+        self.capacity = capacity
+        self.senders = senders  # the IPs pushes are taken from
+        self.share = capacity // max(1, len(senders))  # what one sender may make it hold
+        self.refused = 0
+        self.evicted = 0
+        self._lock = threading.Lock()
+        # key -> (sender IP, bytes, when it came); oldest first
+        self._items: OrderedDict[str, tuple[str, bytes, float]] = OrderedDict()
+        self._bytes_of: dict[str, int] = dict.fromkeys(senders, 0)
+        self.on_arrival = lambda key: None  # the receiver's hook: a request may wait for it
+
+    def claim(self, key: str) -> bytes | None:
+        with self._lock:
+            self._expire()
+            item = self._items.pop(key, None)
+            if item is None:
+                return None
+            self._bytes_of[item[0]] -= len(item[1])
+            return item[1]
+
+    def offer(self, sender: str, key: str, size: int) -> bool:
+        """Room for ``size`` bytes from ``sender`` (its older entries go first if need be)."""
+        if sender not in self.senders or size > self.share:
+            return False
+        with self._lock:
+            self._expire()
+            for old in [k for k, v in self._items.items() if v[0] == sender]:
+                if self._bytes_of[sender] + size <= self.share:
+                    break
+                self._drop(old)
+            return self._bytes_of[sender] + size <= self.share
+
+    def put(self, sender: str, key: str, blob: bytes) -> bool:
+        if not self.offer(sender, key, len(blob)):
+            return False
+        with self._lock:
+            if key in self._items:
+                self._drop(key)
+            self._items[key] = (sender, blob, time.monotonic())
+            self._bytes_of[sender] += len(blob)
+        self.on_arrival(key)
+        return True
+
+    def held_bytes(self, sender: str) -> int:
+        with self._lock:
+            return self._bytes_of.get(sender, 0)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._items:
+            key, (_, _, came) = next(iter(self._items.items()))
+            if now - came < UNCLAIMED_TTL_S:
+                return
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        sender, blob, _ = self._items.pop(key)
+        self._bytes_of[sender] -= len(blob)
+        self.evicted += 1
+
+
+class PushServer:
+    """Takes pushes on ``(ip, port)`` into ``pool`` from a daemon thread, one per peer."""
+
+    def __init__(self, pool: PushPool, ip: str, port: int) -> None:
+        self.pool = pool
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((ip, port))
+        except OSError as exc:
+            self._sock.close()
+            raise ValueError(f"kv_transfer_config: cannot listen on {ip}:{port}: {exc}") from exc
+        self._sock.listen(MAX_CONNECTIONS)
+        self.address = self._sock.getsockname()[:2]
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        threading.Thread(target=self._accept, name="kv-p2p-push-server", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                return  # closed
+            sender = str(peer[0]).removeprefix("::ffff:")
+            if sender not in self.pool.senders:
+                self.pool.refused += 1
+                conn.close()  # NOTE: not a listed prefill instance: not read at all
+                continue
+            if not self._slots.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, sender), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, sender: str) -> None:
+        try:
+            with conn:
+                deadline = time.monotonic() + TRANSFER_TIMEOUT_S
+                head = p2p_wire.read_exactly(
+                    conn, 4 + p2p_wire.KEY_CHARS + 1 + _LENGTH_BYTES, deadline
+                )
+                key = head[4 : 4 + p2p_wire.KEY_CHARS].decode("ascii", "replace")
+                size = int.from_bytes(head[-_LENGTH_BYTES:], "little")
+                ok = head.startswith(b"PUT ") and p2p_wire.is_key(key)
+                if not ok or not self.pool.offer(sender, key, size):
+                    self.pool.refused += 1
+                    conn.sendall(b"\x00")
+                    return
+                blob = p2p_wire.read_exactly(
+                    conn, size, time.monotonic() + p2p_wire.payload_deadline_s(size)
+                )
+                conn.sendall(b"\x01" if self.pool.put(sender, key, blob) else b"\x00")
+        except OSError as exc:
+            logger.info("KV push from %s dropped: %s", sender, exc)
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,181 @@
+"""The decode instance's (kv_consumer's) receiving side of the P2P connector, in the engine
+core and off its steps (vLLM's asynchronous load: ``get_num_new_matched_tokens`` answers
+load_async, the request waits in WAITING_FOR_REMOTE_KVS, ``get_finished`` reports the finished
+receives).
+
+A request whose id names a listed prefill instance is handed to ``Receiver.want``: a thread
+of a small pool fetches its prompt's KV (send_type "GET", ``p2p_wire.fetch``) while the
+request waits and the steps of the others go on. ``finished`` names the requests whose
+transfer ended, well or not; ``take`` gives the bytes of one that arrived (the scheduler puts
+them in its load, and the worker checks and scatters them), None for one that failed, timed
+out or was dropped: that request is computed here, never from partial KV.
+
+The bytes received and not yet taken are bounded (``capacity``): a transfer that would pass it
+fails (recomputed).
+
+In the push modes (send_type "PUT" / "PUT_ASYNC", ``p2p_push.py``) nothing is fetched: ``want``
+claims the prompt the prefill instance pushed, or waits for it at most ``PUSH_WAIT_S`` (a
+"PUT_ASYNC" push may trail the prefill's answer); one that does not come is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from trillm.kv_transfer import p2p_wire
+from trillm.kv_transfer.p2p_push import PushPool
+
+logger = logging.getLogger(__name__)
+
+MAX_FETCHES = 4  # transfers at once; more wait for a thread (their requests keep waiting)
+# NOTE: a prefill instance that let a fetch time out is not asked again for this long (those
+# requests are computed at once), so a silent instance costs each request one deadline at most
+SILENT_PAUSE_S = 10.0
+PUSH_WAIT_S = 3.0  # how long a request waits for a push that has not come
+
+
+class Receiver:
+    """Received prompts' KV, by request, waiting for their requests' admission."""
+
+    def __init__(self, capacity: int, pushes: PushPool | None = None) -> None:
+        self.capacity = capacity
+        self.pushes = pushes
+        self._awaited: dict[str, tuple[str, float]] = {}  # push modes: req_id -> (key, until)
+        self.failures = 0  # transfers that failed, timed out or did not fit (logged)
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()  # req_ids whose transfer runs or waits for a thread
+        self._arrived: dict[str, bytes] = {}  # req_id -> its prompt's KV, not taken yet
+        self._bytes = 0
+        self._finished: list[str] = []  # since the last ``finished``
+        self._silent_until: dict[str, float] = {}  # address -> when it may be asked again
+        self._pool = ThreadPoolExecutor(MAX_FETCHES, thread_name_prefix="kv-p2p-fetch")
+        if pushes is not None:
+            pushes.on_arrival = self._pushed
+
+    def want(self, req_id: str, key: str) -> bool:
+        """Starts fetching ``key`` (``<ip>:<port>/<prefix key>``) for ``req_id`` -> False when
+        it is not fetched (its instance timed out lately): the request is computed at once."""
+        address = key.split("/", 1)[0]
+        if self.pushes is not None:
+            return self._await_push(req_id, key.split("/", 1)[1])
+        if time.monotonic() < self._silent_until.get(address, -math.inf):
+            self._fail(req_id, f"the prefill instance at {address} timed out lately; not asked")
+            return False
+        with self._lock:
+            self._pending.add(req_id)
+        self._pool.submit(self._fetch, req_id, key)
+        return True
+
+    def finished(self) -> list[str]:
+        """The requests whose transfer ended since the last call (vLLM's finished receives)."""
+        if self._awaited:
+            self._expire_waits()
+        with self._lock:
+            done, self._finished = self._finished, []
+        return done
+
+    def _await_push(self, req_id: str, key: str) -> bool:
+        assert self.pushes is not None
+        with self._lock:
+            blob = self.pushes.claim(key)
+            if blob is not None:  # pushed already: loaded at its admission
+                self._arrived[req_id] = blob
+                self._bytes += len(blob)
+                return False
+            self._pending.add(req_id)
+            self._awaited[req_id] = (key, time.monotonic() + PUSH_WAIT_S)
+        return True
+
+    def _pushed(self, key: str) -> None:
+        """A push came (the push server's thread): the request waiting for it takes it."""
+        assert self.pushes is not None
+        with self._lock:
+            waiting = [r for r, (k, _) in self._awaited.items() if k == key]
+            if not waiting:
+                return  # kept in the pool for a request still to come
+            blob = self.pushes.claim(key)
+            if blob is None:
+                return
+            req_id = waiting[0]
+            del self._awaited[req_id]
+            self._pending.discard(req_id)
+            self._arrived[req_id] = blob
+            self._bytes += len(blob)
+            self._finished.append(req_id)
+
+    def _expire_waits(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [r for r, (_, until) in self._awaited.items() if until <= now]
+            for req_id in late:
+                del self._awaited[req_id]
+                self._pending.discard(req_id)
+                self._finished.append(req_id)
+        for req_id in late:
+            self._fail(req_id, f"no push came within {PUSH_WAIT_S:g} s")
+
+    def take(self, req_id: str) -> bytes | None:
+        with self._lock:
+            blob = self._arrived.pop(req_id, None)
+            self._bytes -= 0 if blob is None else len(blob)
+        return blob
+
+    def has(self, req_id: str) -> bool:
+        with self._lock:
+            return req_id in self._arrived
+
+    def forget(self, req_id: str) -> None:
+        """``req_id`` finished or was aborted: its bytes go, a transfer still running is
+        dropped when it ends."""
+        with self._lock:
+            self._pending.discard(req_id)
+            self._awaited.pop(req_id, None)
+        self.take(req_id)
+
+    def _fetch(self, req_id: str, key: str) -> None:
+        address, prefix = key.split("/", 1)
+        host, port = address.rsplit(":", 1)
+        with self._lock:
+            if req_id not in self._pending:
+                return  # aborted while it waited for a thread
+        try:
+            blob = p2p_wire.fetch(host, int(port), prefix, self.capacity)
+            if blob is None:
+                raise RuntimeError(f"the prefill instance at {address} does not hold this prompt")
+        except TimeoutError as exc:
+            self._silent_until[address] = time.monotonic() + SILENT_PAUSE_S
+            self._end(req_id, None, str(exc))
+        except (OSError, ValueError, RuntimeError) as exc:
+            self._end(req_id, None, str(exc))
+        else:
+            self._end(req_id, blob, "")
+
+    def _end(self, req_id: str, blob: bytes | None, why: str) -> None:
+        with self._lock:
+            if req_id not in self._pending:
+                return  # aborted meanwhile: nobody waits for it
+            self._pending.discard(req_id)
+            if blob is not None and self._bytes + len(blob) > self.capacity:
+                why = f"{len(blob)} bytes would pass the receive pool's bound"
+                blob = None
+            if blob is not None:
+                self._arrived[req_id] = blob
+                self._bytes += len(blob)
+            self._finished.append(req_id)
+        if blob is None:
+            self._fail(req_id, why)
+
+    def _fail(self, req_id: str, why: str) -> None:
+        with self._lock:
+            self.failures += 1
+        logger.warning(
+            "request %s: KV transfer failed: %s; computing its prompt here (%d transfer "
+            "failures so far)",
+            req_id,
+            why,
+            self.failures,
+        )
