@@ -9,7 +9,9 @@ The routed experts' intermediate sizes here are odd, which tensor parallelism wi
 parallelism refuses (it splits each expert's intermediate size over the ranks): these engines
 run only because each rank holds its experts whole. One prompt alone decodes one token per
 step, fewer than the ranks, so rank 1 dispatches none of its own (an empty slice).
-What is not supported is refused by name before any worker starts.
+The dispatch over two engine cores' ranks (each with its own tokens, one idle) is checked
+at the all-to-all level; the engine refuses -dp with -ep. What is not supported is refused
+by name before any worker starts.
 """
 
 from __future__ import annotations
@@ -306,3 +308,69 @@ def test_dispatch_combine_over_two_gloo_ranks_equals_one_rank():
         else:
             torch.testing.assert_close(torch.tensor(first), torch.tensor(second))
     assert routed[0] == routed[1] and sum(routed[0]) == (1 + 5) * 2
+
+
+# (core 0's tokens, core 1's) per step: both serving, then each idle while the other serves
+CORE_STEPS = [(3, 2), (4, 0), (0, 1)]
+
+
+def _core_rank(rank: int, port: int, results) -> None:
+    """The single rank of engine core ``rank`` of 2 (a spawned process), the experts spread
+    over both cores: each step it dispatches its own core's tokens (none when idle) and runs
+    its half of 4 random experts on what either core sends it; puts its output and the
+    reference's."""
+    from trillm.distributed import parallel_state
+    from trillm.distributed.expert_parallel import ExpertPlacement, dispatch_combine, load
+    from trillm.kernels.fused_moe_torch import fused_moe
+
+    parallel_state.init_tensor_parallel(rank, 2, port, "cpu", 60.0, expert_parallel=True)
+    try:
+        gen = torch.Generator().manual_seed(1)  # the same draws on both ranks
+        w13, w2 = torch.randn(4, 12, 8, generator=gen), torch.randn(4, 8, 6, generator=gen)
+        placement = ExpertPlacement(4, rank, 2, core=(0, 1))  # alone in its core
+        held = slice(placement.start, placement.start + placement.per_rank)
+        for step, tokens in enumerate(CORE_STEPS):
+            drawn = []
+            for count in tokens:  # both cores' inputs drawn on both ranks, each uses its own
+                x = torch.randn(count, 8, generator=gen)
+                weights = torch.rand(count, 2, generator=gen)
+                picks = [torch.randperm(4, generator=gen)[:2] for _ in range(count)]
+                ids = torch.stack(picks) if picks else torch.empty(0, 2, dtype=torch.long)
+                drawn.append((x, weights, ids))
+            x, weights, ids = drawn[rank]
+            out = dispatch_combine(
+                placement, x, weights, ids, lambda r, w, i: fused_moe(r, w13[held], w2[held], w, i)
+            )
+            expected = fused_moe(x, w13, w2, weights, ids) if len(x) else x
+            results.put((rank, step, out.tolist(), expected.tolist()))
+        results.put((rank, "routed", load.take(), None))
+    finally:
+        parallel_state.destroy_tensor_parallel()
+
+
+def test_experts_over_two_cores_with_their_own_tokens_and_one_idle():
+    """The dispatch the experts need when they span engine cores (vLLM's -dp with -ep, not
+    wired to the engine yet): each core's rank dispatches its own core's tokens, and a core
+    with none still takes part (an empty step) and runs its experts for the other: every
+    core's output equals the single-rank reference on its own tokens, in steps where both
+    serve and where either is idle; each core counts only its own tokens' pairs."""
+    import multiprocessing
+
+    from server_harness import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    ranks = [ctx.Process(target=_core_rank, args=(r, port, results)) for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    got = [results.get(timeout=120) for _ in range(2 * (len(CORE_STEPS) + 1))]
+    for process in ranks:
+        process.join(60)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    for rank, step, out, expected in got:
+        if step == "routed":
+            assert sum(out) == 2 * sum(tokens[rank] for tokens in CORE_STEPS), (rank, out)
+        else:
+            assert len(out) == CORE_STEPS[step][rank], (rank, step)
+            torch.testing.assert_close(torch.tensor(out), torch.tensor(expected))

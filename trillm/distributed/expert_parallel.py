@@ -17,6 +17,11 @@ rank (the router is replicated, so every rank routes them alike):
    sums the tensor-parallel partial outputs without expert parallelism) assembles the tokens,
    exactly (x + 0 is x).
 
+Over several engine cores (vLLM's ``-dp`` with ``-ep``; refused by the engine until the cores
+step in lock-step, trillm/config/parallel.py) each core's ranks hold their own tokens: step 1
+slices them over the core's ranks only (``ExpertPlacement.core``), and a core with no tokens
+still takes part in every exchange with an empty step, running its experts for the others.
+
 Bytes each rank sends to the others (``ExpertTraffic``: the line a rank prints on shutdown,
 benchmarks/parallel/expert_parallel.py) and the (token, expert) pairs routed to each rank's
 experts (``ExpertLoad``, counted by every rank from the replicated routing; the output rank's
@@ -85,6 +90,10 @@ class ExpertPlacement:
     num_experts: int
     rank: int = 0
     size: int = 1
+    # Placed over several engine cores (data parallelism, not wired to the engine yet): the
+    # (index, count) of this rank among its own core's ranks, which alone hold its tokens and
+    # split their dispatch (``token_slice``); None: every rank holds the same tokens (one core).
+    core: tuple[int, int] | None = None
 
     @classmethod
     def current(cls, num_experts: int) -> ExpertPlacement:
@@ -104,6 +113,11 @@ class ExpertPlacement:
 
     def holds(self, expert: int) -> bool:
         return self.start <= expert < self.start + self.per_rank
+
+    @property
+    def token_share(self) -> tuple[int, int]:
+        """(index, count) of the ranks that split this rank's tokens' dispatch."""
+        return (self.rank, self.size) if self.core is None else self.core
 
 
 def token_slice(num_tokens: int, size: int, rank: int) -> tuple[int, int]:
@@ -131,9 +145,11 @@ def dispatch_combine(
     ids: torch.Tensor,  # [T, k] int64, global expert ids
     run_local: RunLocal,
 ) -> torch.Tensor:  # [T, H]: this rank's token slice, zeros elsewhere
-    """Steps 1-4 of the module docstring."""
+    """Steps 1-4 of the module docstring. ``x`` may have no rows (T = 0): the rank still
+    takes part in the all-to-alls and runs its experts on the rows other ranks send it, as an
+    idle engine core must while others step when the experts span several cores."""
     load.add(ids, placement.per_rank, placement.size)  # ids: the same on every rank
-    start, end = token_slice(x.shape[0], placement.size, placement.rank)
+    start, end = token_slice(x.shape[0], placement.token_share[1], placement.token_share[0])
     flat = ids[start:end].reshape(-1)  # [t * k], token-major
     owner = flat // placement.per_rank  # [t * k]
     order = torch.argsort(owner, stable=True)  # the pairs grouped by owner rank
