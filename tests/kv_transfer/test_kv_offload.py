@@ -158,7 +158,7 @@ def test_the_flags_reach_the_engine_args():
         ({"kv_offloading_size": 0}, "kv_offloading_size must be positive"),
         ({"kv_offloading_size": 1e-9}, "holds no KV block"),
         ({"kv_transfer_config": SHARED}, "kv_offloading_size with kv_transfer_config"),
-        ({"tensor_parallel_size": 2}, "kv_offloading_size with tensor_parallel_size > 1"),
+        ({"data_parallel_size": 2}, "kv_offloading_size with data_parallel_size > 1"),
     ],
 )
 def test_what_the_tier_cannot_take_is_refused_by_name(tiny_model_factory, extra, message):

@@ -10,6 +10,11 @@ stat of its file plus one unlink per evicted file, never a directory scan.
 it loads it (``touch``), and the producer, before evicting its oldest entry, stats it and gives
 it a second place at the young end if a reader touched it since (each touch buys one pass).
 
+Under tensor or pipeline parallelism every rank is a producer of its own files
+(``<key>.r<rank>.kv``, ``storage.py``): each rank's budget indexes its own rank's files and
+takes the rank's share of the cap (its share of a block's bytes: ``rank_share``), so the
+folder's bytes over all ranks stay under ``max_local_disk_size``.
+
 Safe with readers in other processes: files appear whole by rename (``storage.write_file``) and
 go by ``unlink``, atomic on POSIX: a reader with the file open reads it whole, a reader that
 opens it later finds none. A file evicted between a consumer's lookup and its load fails that
@@ -58,24 +63,39 @@ def touch(path: str) -> None:
         pass
 
 
+def rank_share(num_layers: int, stage_layers: int, tp_size: int) -> float:
+    """A rank's share of a block's bytes over every rank: its stage's share of the layers,
+    split evenly over the stage's tensor-parallel ranks (each holds as many KV heads)."""
+    return stage_layers / num_layers / tp_size
+
+
 class DiskBudget:
-    def __init__(self, folder: str, cap_gib: float | None) -> None:
+    """``suffix``: the end of the names of the files this producer writes and counts (a
+    rank's, ``storage.rank_suffix``); ``share``: its share of the cap (``rank_share``)."""
+
+    def __init__(
+        self, folder: str, cap_gib: float | None, suffix: str = SUFFIX, share: float = 1.0
+    ) -> None:
         self.folder = folder
+        self.suffix = suffix
         self._lru: OrderedDict[str, tuple[int, int]] = OrderedDict()  # path -> (size, mtime_ns)
-        files = sorted(_scan(folder), key=lambda item: item[2])  # oldest first
+        files = sorted(_scan(folder, suffix), key=lambda item: item[2])  # oldest first
         for path, size, mtime in files:
             self._lru[path] = (size, mtime)
         total = sum(size for _, size, _ in files)
-        cap = default_cap_bytes(folder, total) if cap_gib is None else int(cap_gib * 2**30)
+        whole = default_cap_bytes(folder, total) if cap_gib is None else int(cap_gib * 2**30)
+        cap = int(whole * share)
         self.stats = DiskStats(cap_bytes=cap, stored_bytes=total, stored_files=len(files))
         self._logged_at = float("-inf")
         logger.info(
-            "KV store %s: %d B in %d files at start; cap %d B (max_local_disk_size%s)",
+            "KV store %s: %d B in %d %s files at start; cap %d B (max_local_disk_size%s%s)",
             folder,
             total,
             len(files),
+            suffix,
             cap,
             "" if cap_gib is not None else f": default, {DEFAULT_DISK_SHARE:.0%} of free + stored",
+            "" if share == 1 else f"; this rank's share {share:.3g}",
         )
         self._evict_until(0)
 
@@ -155,19 +175,21 @@ class DiskBudget:
         )
 
 
-def _is_kv_file(name: str) -> bool:
-    """``<key>.kv``, the key a 40-digit hex digest (``storage.prefix_key``): the folder may be
-    shared with other files (vLLM's default is /tmp), which are neither counted nor evicted."""
-    stem = name[: -len(SUFFIX)]
-    return name.endswith(SUFFIX) and len(stem) == 40 and all(c in "0123456789abcdef" for c in stem)
+def _is_kv_file(name: str, suffix: str = SUFFIX) -> bool:
+    """``<key><suffix>``, the key a 40-digit hex digest (``storage.prefix_key``): the folder
+    may be shared with other files (vLLM's default is /tmp), which are neither counted nor
+    evicted, and with other ranks' files, which their own rank counts."""
+    stem = name[: -len(suffix)]
+    return name.endswith(suffix) and len(stem) == 40 and all(c in "0123456789abcdef" for c in stem)
 
 
-def _scan(folder: str) -> list[tuple[str, int, int]]:
-    """(path, size, mtime_ns) of the folder's KV files (temporary files are not counted)."""
+def _scan(folder: str, suffix: str = SUFFIX) -> list[tuple[str, int, int]]:
+    """(path, size, mtime_ns) of the folder's KV files ending in ``suffix`` (temporary files
+    are not counted)."""
     found = []
     with os.scandir(folder) as entries:
         for entry in entries:
-            if _is_kv_file(entry.name) and entry.is_file(follow_symlinks=False):
+            if _is_kv_file(entry.name, suffix) and entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
                 found.append((entry.path, st.st_size, st.st_mtime_ns))
     return found

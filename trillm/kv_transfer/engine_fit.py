@@ -24,6 +24,8 @@ def resolve_kv_transfer(
     if config is None:
         return None
     unsupported = unsupported_with_connector(args, model, pooler, speculative, hybrid, longrope)
+    if config.p2p is not None:  # NOTE: its wire carries one rank's blocks per request
+        unsupported = {**_ranks_split(args), **unsupported}
     for name, used in unsupported.items():
         if used:
             raise ValueError(
@@ -43,6 +45,13 @@ def _where(config: KVTransferConfig) -> str:
     return "fetching from " + ", ".join(p2p.prefill_kv_addrs)
 
 
+def _ranks_split(args: EngineArgs) -> dict[str, bool]:
+    return {
+        "tensor_parallel_size > 1": args.tensor_parallel_size > 1,
+        "pipeline_parallel_size > 1": args.pipeline_parallel_size > 1,
+    }
+
+
 def unsupported_with_connector(
     args: EngineArgs,
     model: ModelConfig,
@@ -52,11 +61,11 @@ def unsupported_with_connector(
     longrope: bool,
 ) -> dict[str, bool]:
     """What a connector's stored blocks do not carry yet -> whether this engine uses it
-    (the KV offload tier refuses the same, ``offload_config.py``)."""
+    (the KV offload tier refuses the same, ``offload_config.py``). Tensor and pipeline
+    parallelism are not among them: each rank saves and loads its own share of the KV (its
+    heads, its stage's layers), keyed by its rank; one engine core schedules for them all."""
     return {
-        # a rank or stage would need its own share of the file
-        "tensor_parallel_size > 1": args.tensor_parallel_size > 1,
-        "pipeline_parallel_size > 1": args.pipeline_parallel_size > 1,
+        # several engine cores, each with its own scheduler side and ranks: not keyed apart
         "data_parallel_size > 1": args.data_parallel_size > 1,
         # state outside the paged KV cache, or KV that is not a function of the tokens alone
         "a hybrid (Mamba) model's recurrent state": hybrid,

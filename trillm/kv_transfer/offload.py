@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from trillm.core.kv_cache_manager import hash_block_tokens, request_extra_keys
 from trillm.core.request import Request
-from trillm.messages import KVConnectorStep, KVTransferItem, SchedulerOutput
+from trillm.messages import KVConnectorStep, KVOffloadStats, KVTransferItem, SchedulerOutput
 
 
 class OffloadTier:
@@ -74,9 +74,15 @@ def block_hashes(request: Request, block_size: int) -> list[int]:
 class OffloadScheduler:
     """The scheduler side (``base.KVConnectorScheduler``)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, rank_block_bytes: tuple[int, ...] = ()
+    ) -> None:
         self.tier = OffloadTier(num_blocks)
         self.block_size = block_size
+        # vLLM's vllm:kv_offload_* series: what each step's loads and stores move, on each
+        # rank (its share of a block: ``offload_config.KVOffloadConfig.rank_block_bytes``)
+        self.rank_block_bytes = rank_block_bytes
+        self.transfers = KVOffloadStats()
         # req_id -> (first block, tier blocks) of this step's lookups
         self._lookups: dict[str, tuple[int, list[int]]] = {}
         self._loads: list[KVTransferItem] = []  # admitted this step
@@ -119,6 +125,7 @@ class OffloadScheduler:
             self.tier.touch(hashes[i])
         bs = self.block_size
         self._hits += len(found) * bs
+        self.transfers.loads.observe([len(found) * b for b in self.rank_block_bytes])
         self._loads.append(
             KVTransferItem(request.request_id, "", block_ids[:end], end * bs, first, found)
         )
@@ -159,6 +166,7 @@ class OffloadScheduler:
             targets.append(self.tier.put(hashes[i], block))
         if not blocks:
             return None
+        self.transfers.stores.observe([len(blocks) * b for b in self.rank_block_bytes])
         return KVTransferItem(req_id, "", blocks, len(blocks) * self.block_size, 0, targets)
 
     def load_failed(self, req_id: str) -> int:

@@ -11,5 +11,7 @@ BACKENDS = ("native", "lmcache")
 @dataclass(frozen=True)
 class KVOffloadConfig:
     num_blocks: int  # blocks the tier holds: floor(size / block_bytes)
-    block_bytes: int  # one block over every layer (the KV cache's own block)
-    size_bytes: int  # --kv-offloading-size in bytes
+    block_bytes: int  # one block over every layer and every rank
+    size_bytes: int  # --kv-offloading-size in bytes (over every rank, as vLLM's)
+    # each global rank's share of a block (its KV cache's block: its heads, its stage's layers)
+    rank_block_bytes: tuple[int, ...] = ()

@@ -60,18 +60,28 @@ def resolve_kv_offload(
 
 
 def _tier(args: EngineArgs, model: ModelConfig, size_bytes: int) -> KVOffloadConfig:
+    """``size_bytes`` over every rank (vLLM's: the size is the tier's total over the tensor x
+    pipeline ranks): each rank holds its share of each tier block, its heads of its stage's
+    layers, as its KV cache does."""
+    from trillm.distributed.pipeline import stage_layers
     from trillm.distributed.sharding import RankShapes
     from trillm.model_executor.registry import kv_cache_layout
 
-    layout = kv_cache_layout(model, RankShapes.of(model).num_kv_heads)
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    heads = RankShapes.of(model, 0, tp, args.enable_expert_parallel).num_kv_heads
+    layout = kv_cache_layout(model, heads)
     dtype = model.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     element = _ELEMENT_BYTES[{"fp8": "fp8_e4m3"}.get(dtype, dtype)]
-    per_token = model.num_hidden_layers * layout.elements_per_token * element
-    block_bytes = per_token * args.block_size
+    per_layer = layout.elements_per_token * element * args.block_size
+    rank_bytes = []
+    for stage in range(pp):
+        first, end = stage_layers(model.num_hidden_layers, pp, stage)
+        rank_bytes += [(end - first) * per_layer] * tp
+    block_bytes = sum(rank_bytes)
     num_blocks = size_bytes // block_bytes
     if num_blocks == 0:
         raise ValueError(
             f"kv_offloading_size ({size_bytes} bytes) holds no KV block of {block_bytes} "
             f"bytes ({args.block_size} tokens of this model); raise it."
         )
-    return KVOffloadConfig(num_blocks, block_bytes, size_bytes)
+    return KVOffloadConfig(num_blocks, block_bytes, size_bytes, tuple(rank_bytes))

@@ -21,16 +21,19 @@ logger = logging.getLogger(__name__)
 
 
 class OffloadWorker:
-    def __init__(self, offload: KVOffloadConfig) -> None:
+    def __init__(self, offload: KVOffloadConfig, rank: int = 0) -> None:
         self.offload = offload
         self.tier: list[torch.Tensor] = []  # per KV layer: [planes, tier blocks, bs, *entry]
+        # this rank's share of a tier block (tensor x pipeline: its heads of its stage's layers)
+        shares = offload.rank_block_bytes
+        self.block_bytes = shares[rank] if shares else offload.block_bytes
 
     def _tier_for(self, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
         if not self.tier:
             block_bytes = sum(c[:, 0].numel() * c.element_size() for c in kv_caches)
-            if block_bytes != self.offload.block_bytes:  # NOTE: the scheduler sized the tier
+            if block_bytes != self.block_bytes:  # NOTE: the scheduler sized the tier
                 raise RuntimeError(
-                    f"KV offload tier sized for {self.offload.block_bytes}-byte blocks, the "
+                    f"KV offload tier sized for {self.block_bytes}-byte blocks, the "
                     f"KV cache's are {block_bytes} bytes."
                 )
             n = self.offload.num_blocks

@@ -7,6 +7,7 @@ declares both ``cpdef`` so that a Python subclass can)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Collection
 from typing import TYPE_CHECKING
@@ -154,6 +155,8 @@ class ConnectorSteps(_SchedulerTwin):
         stats.external_prefix_cache_queries = queries
         stats.external_prefix_cache_hits = hits
         stats.prompt_tokens_by_source = dict(self.prompt_tokens_by_source)
+        if isinstance(self.kv_connector, OffloadScheduler):
+            stats.kv_offload = copy.deepcopy(self.kv_connector.transfers)
         return stats
 
 
@@ -179,9 +182,13 @@ def connector_scheduler(config: TrillmConfig, num_blocks: int) -> ConnectorSteps
     kv, offload = config.kv_transfer, config.kv_offload
     connector: KVConnectorScheduler
     if offload is not None:  # --kv-offloading-size (refused with --kv-transfer-config)
-        connector = OffloadScheduler(offload.num_blocks, config.cache.block_size)
+        connector = OffloadScheduler(
+            offload.num_blocks, config.cache.block_size, offload.rank_block_bytes
+        )
     else:
         assert kv is not None  # the caller checked
         cls_ = P2pScheduler if kv.p2p is not None else SharedStorageScheduler
-        connector = cls_(kv, cache_identity(config), config.cache.block_size)
+        connector = cls_(
+            kv, cache_identity(config), config.cache.block_size, config.parallel.world_size
+        )
     return cls(config.scheduler, config.cache, num_blocks, connector)

@@ -7,6 +7,11 @@ prompt's longest block-aligned prefix short of its last token (vLLM's
 
 A file that is missing, another model's, truncated or damaged is no match: the request is
 computed as without a connector, never from bad KV.
+
+Tensor and pipeline parallelism: each rank's worker saves and loads its own share (its KV
+heads, its stage's layers) as its own file; the scheduler side (one per engine core) finds a
+prefix only when every rank's file is there, and a load that fails on one rank fails on all
+(``rank_agreement.py``), so a request is never run on a mix of loaded and computed KV.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import torch
 
 from trillm.config import TrillmConfig
 from trillm.core.request import Request
+from trillm.distributed.pipeline import stage_layers
 from trillm.kv_transfer.base import KVConnectorWorker, NoConnector
 from trillm.kv_transfer.config import KVTransferConfig
-from trillm.kv_transfer.disk_budget import DiskBudget, touch
+from trillm.kv_transfer.disk_budget import DiskBudget, rank_share, touch
 from trillm.kv_transfer.kv_blocks import gather, scatter
 from trillm.kv_transfer.p2p import P2pWorker, PrefillAddresses
 from trillm.kv_transfer.storage import (
@@ -29,6 +35,8 @@ from trillm.kv_transfer.storage import (
     file_path,
     file_size,
     prefix_key,
+    rank_identity,
+    rank_suffix,
     read_file,
     read_header,
     write_file,
@@ -41,10 +49,13 @@ logger = logging.getLogger(__name__)
 class SharedStorageScheduler:
     """The scheduler side (``base.KVConnectorScheduler``)."""
 
-    def __init__(self, kv: KVTransferConfig, identity: str, block_size: int) -> None:
+    def __init__(
+        self, kv: KVTransferConfig, identity: str, block_size: int, world_size: int = 1
+    ) -> None:
         self.kv = kv
         self.identity = identity
         self.block_size = block_size
+        self.world_size = world_size  # every rank's file must be there (tensor x pipeline)
         # req_id -> (key, tokens in the file, tokens computed before it) of this step's lookups
         self._lookups: dict[str, tuple[str, int, int]] = {}
         self._loads: list[KVTransferItem] = []  # admitted this step
@@ -79,17 +90,26 @@ class SharedStorageScheduler:
                 return 0
             self._lookups[request.request_id] = (found, n, num_computed_tokens)
             return n - num_computed_tokens
-        path = file_path(self.kv.shared_storage_path, key)
-        # NOTE: on the engine loop: the header alone (one small read), never the payload,
-        # whose digest the worker checks; a head that waits for blocks reads it once
+        # NOTE: on the engine loop: the headers alone (one small read per rank), never the
+        # payloads, whose digests the workers check; a head that waits for blocks reads them once
         if self._found.get(request.request_id) != key:
-            if read_header(path, self.identity, n) is None:
-                if os.path.exists(path):
-                    logger.warning("KV file %s is truncated or not this model's: recomputing", path)
+            if not self._every_rank_has(key, n):
                 return 0
             self._found[request.request_id] = key
         self._lookups[request.request_id] = (key, n, num_computed_tokens)
         return n - num_computed_tokens
+
+    def _every_rank_has(self, key: str, n: int) -> bool:
+        """Whether each rank's file of ``key`` is whole, of this model and of ``n`` tokens (by
+        its header): one rank's part missing and the prefix is computed on every rank."""
+        world = self.world_size
+        for rank in range(world):
+            path = file_path(self.kv.shared_storage_path, key, rank, world)
+            if read_header(path, rank_identity(self.identity, rank, world), n) is None:
+                if os.path.exists(path):
+                    logger.warning("KV file %s is truncated or not this model's: recomputing", path)
+                return False
+        return True
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int]) -> None:
         lookup = self._lookups.pop(request.request_id, None)
@@ -148,13 +168,23 @@ class SharedStorageScheduler:
 class SharedStorageWorker:
     """The worker side (``base.KVConnectorWorker``): files in, files out."""
 
-    def __init__(self, config: TrillmConfig, kv: KVTransferConfig) -> None:
+    def __init__(self, config: TrillmConfig, kv: KVTransferConfig, rank: int = 0) -> None:
         self.folder = kv.shared_storage_path
-        self.identity = cache_identity(config)
+        parallel = config.parallel
+        self.rank, self.world_size = rank, parallel.world_size  # this rank's files, its share
+        self.identity = rank_identity(cache_identity(config), rank, self.world_size)
         self.budget: DiskBudget | None = None  # a producer's bound on the folder's bytes
         if kv.is_producer:
             os.makedirs(self.folder, exist_ok=True)
-            self.budget = DiskBudget(self.folder, kv.max_local_disk_size)
+            layers = config.model.num_hidden_layers
+            stages = parallel.pipeline_parallel_size
+            first, end = stage_layers(layers, stages, rank // parallel.tensor_parallel_size)
+            share = rank_share(layers, end - first, parallel.tensor_parallel_size)
+            suffix = rank_suffix(rank, self.world_size)
+            self.budget = DiskBudget(self.folder, kv.max_local_disk_size, suffix, share)
+
+    def _path(self, key: str) -> str:
+        return file_path(self.folder, key, self.rank, self.world_size)
 
     def start_load_kv(
         self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
@@ -173,7 +203,7 @@ class SharedStorageWorker:
             self._save(item, kv_caches)
 
     def _load(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
-        path = file_path(self.folder, item.key)
+        path = self._path(item.key)
         found = read_file(path, self.identity, item.num_tokens)
         if found is None:  # NOTE: the scheduler read its header only: the payload is checked here
             raise RuntimeError(
@@ -184,7 +214,7 @@ class SharedStorageWorker:
 
     def _save(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
         header, payload = gather(item, kv_caches, self.identity)
-        path = file_path(self.folder, item.key)
+        path = self._path(item.key)
         if self.budget is not None and not self.budget.admit(path, file_size(header)):
             return  # NOTE: over max_local_disk_size alone: counted, the consumer recomputes
         write_file(path, header, payload)
@@ -192,10 +222,11 @@ class SharedStorageWorker:
             self.budget.written(path)
 
 
-def worker_connector(config: TrillmConfig) -> KVConnectorWorker:
-    """The worker side of the engine's connector (a no-op without one)."""
+def worker_connector(config: TrillmConfig, rank: int = 0) -> KVConnectorWorker:
+    """The worker side of the engine's connector on global rank ``rank`` (a no-op without
+    one)."""
     if config.kv_transfer is None:
         return NoConnector()
     if config.kv_transfer.p2p is not None:
         return P2pWorker(cache_identity(config), config.kv_transfer)
-    return SharedStorageWorker(config, config.kv_transfer)
+    return SharedStorageWorker(config, config.kv_transfer, rank)

@@ -1,5 +1,9 @@
 """The shared-storage connector's files: one per stored prompt prefix, ``DIR/<key>.kv``.
 
+Under tensor or pipeline parallelism each rank writes and reads its own share of the KV (its
+KV heads, its stage's layers) as its own file, ``DIR/<key>.r<rank>.kv``, whose header's
+identity names the rank (``rank_identity``): a prefix is found only when every rank's file is.
+
 ``<key>`` is a BLAKE2b digest of the cache identity (model config, dtypes, block size), the
 request's cache salt and extra hash keys (adapter, images) and the prefix's token ids, so a
 reader with another model or cache layout never finds a writer's file. A file is a magic line,
@@ -31,7 +35,8 @@ HEADER_READ_BYTES = 4096
 
 def cache_identity(config: TrillmConfig) -> str:
     """What a stored KV depends on besides the tokens: the model's config, its dtypes, the
-    block size and the tensor-parallel split (a rank's heads)."""
+    block size and the tensor-parallel split (a rank's heads), and the pipeline split (a
+    stage's layers; named only when there are stages, so one rank's keys stay as they were)."""
     model = config.model
     fields = {
         "architecture": model.architecture,
@@ -43,6 +48,8 @@ def cache_identity(config: TrillmConfig) -> str:
         "block_size": config.cache.block_size,
         "tensor_parallel_size": config.parallel.tensor_parallel_size,
     }
+    if config.parallel.pipeline_parallel_size > 1:
+        fields["pipeline_parallel_size"] = config.parallel.pipeline_parallel_size
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
@@ -56,8 +63,18 @@ def prefix_key(
     return h.hexdigest()
 
 
-def file_path(folder: str, key: str) -> str:
-    return os.path.join(folder, key + ".kv")
+def rank_suffix(rank: int, world_size: int) -> str:
+    """The end of rank ``rank``'s file names: ``.kv`` alone for one rank."""
+    return ".kv" if world_size == 1 else f".r{rank}.kv"
+
+
+def rank_identity(identity: str, rank: int, world_size: int) -> str:
+    """The identity rank ``rank``'s file headers carry (the engine's, for one rank)."""
+    return identity if world_size == 1 else f"{identity}/rank{rank}"
+
+
+def file_path(folder: str, key: str, rank: int = 0, world_size: int = 1) -> str:
+    return os.path.join(folder, key + rank_suffix(rank, world_size))
 
 
 @dataclass(frozen=True)

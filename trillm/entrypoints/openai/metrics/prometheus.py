@@ -45,6 +45,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from trillm.entrypoints.openai.metrics.expert_load import ExpertLoadCollector
+from trillm.entrypoints.openai.metrics.kv_offload import KVOffloadCollector
 from trillm.entrypoints.openai.metrics.pooling import PoolingTimer
 from trillm.entrypoints.openai.metrics.requests import (
     LABELS,
@@ -314,6 +315,7 @@ class ServerMetrics:
         self.base = CollectorRegistry(auto_describe=False)
         self.base.register(_SchedulerCollector(engine, [model_name]))
         self.base.register(_RequestCollector(self))
+        self.base.register(KVOffloadCollector(engine, model_name))  # with --kv-offloading-size
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Renamed(self.base, PREFIXES[prefix]))
         if "trillm:" in PREFIXES[prefix]:  # trillm's own series (no vLLM name to mirror)
