@@ -53,6 +53,11 @@ class CompletionOutput:
     tool_calls: list[dict] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    # --collect-detailed-traces, on a finished sample: its seconds in the model's forward /
+    # the worker's execute call, summed over the steps that ran it (vLLM V0's RequestMetrics
+    # model_forward_time / model_execute_time, per engine request as its spans); else None.
+    model_forward_time: float | None = None
+    model_execute_time: float | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -73,6 +78,8 @@ class CompletionOutput:
         self.cumulative_logprob = later.cumulative_logprob
         self.finish_reason = later.finish_reason
         self.stop_reason = later.stop_reason
+        self.model_forward_time = later.model_forward_time
+        self.model_execute_time = later.model_execute_time
 
 
 @dataclass(slots=True)

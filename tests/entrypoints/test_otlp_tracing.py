@@ -1,7 +1,8 @@
 """--otlp-traces-endpoint as vLLM's: a real ``trillm serve`` (fake runner) sends one
 ``llm_request`` span (kind SERVER) per engine request to in-process OTLP receivers (HTTP and
 gRPC), with vLLM's gen_ai.* attributes, the incoming traceparent as parent, and the figures
-/metrics observes; a dead collector harms nothing; --collect-detailed-traces is refused."""
+/metrics observes; a dead collector harms nothing; --collect-detailed-traces needs the endpoint
+(its times: test_detailed_traces.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import httpx
 import openai
 import pytest
 from otlp_receivers import SPAN_KIND_SERVER, BlackHole, GrpcReceiver, HttpReceiver
-from server_harness import ServerProcess, metric_value, run_trillm
+from server_harness import ServerProcess, metric_value
 
 from trillm.entrypoints.openai.metrics import tracing
 
@@ -207,38 +208,15 @@ def test_a_dead_collector_does_not_harm_serving(tmp_path_factory):
     assert code == 0, srv.log()
 
 
-def test_collect_detailed_traces_is_refused_by_name(tmp_path):
-    args = ["serve", *FAKE, "--otlp-traces-endpoint", "localhost:4317"]
-    run = run_trillm([*args, "--collect-detailed-traces", "all"], tmp_path / "refused.log")
-    assert run.returncode == 2
-    assert "argument --collect-detailed-traces: all asks each span for" in run.output
-
-
 FORWARD = "gen_ai.latency.time_in_model_forward"
 EXECUTE = "gen_ai.latency.time_in_model_execute"
 
 
-@pytest.mark.parametrize(
-    ("values", "message"),
-    [
-        (["model"], f"model asks each span for {FORWARD} ("),
-        (["worker"], f"worker asks each span for {EXECUTE} ("),
-        (["all"], f"all asks each span for {FORWARD} and {EXECUTE} ("),
-        (["model,worker"], f"model,worker asks each span for {FORWARD} and {EXECUTE} ("),
-        (["worker", "model"], f"worker,model asks each span for {EXECUTE} and {FORWARD} ("),
-        (["gpu"], "invalid choice: 'gpu' (choose from model, worker, all)"),
-    ],
-)
-def test_each_detailed_trace_value_names_what_it_asks_for(capsys, values, message):
-    """vLLM's values (also comma-separated); each names the span attribute vLLM's V0 engine
-    added for it, which trillm does not measure."""
-    with pytest.raises(SystemExit) as exit_:
-        prepare_serve(
-            ["--otlp-traces-endpoint", "localhost:4317", "--collect-detailed-traces", *values]
-        )
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and "--collect-detailed-traces" in err
+def test_without_detailed_traces_no_model_times(http_run):
+    """--collect-detailed-traces adds them (test_detailed_traces.py); without it, none."""
+    receiver, *_ = http_run
+    for span in receiver.spans:
+        assert FORWARD not in span.attributes and EXECUTE not in span.attributes
 
 
 def test_detailed_traces_need_an_endpoint_as_in_vllm(capsys):

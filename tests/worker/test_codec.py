@@ -141,6 +141,8 @@ model_runner_outputs = st.builds(
     draft_token_ids=st.dictionaries(req_id, ids, max_size=3),
     kv_load_failed=st.dictionaries(req_id, st.text(max_size=20), max_size=2),
     expert_load=st.lists(st.integers(0, 2**62), max_size=4),
+    model_forward_time=st.none() | finite,
+    model_execute_time=st.none() | finite,
 )
 
 sample_requests = st.builds(
@@ -258,7 +260,9 @@ def test_encode_rejects_foreign_objects():
             "Malformed SamplingParams",
         ),
         (
-            msgpack.packb([2, 1, [], [], {"r": [1, 2]}, {}, 0.0, None, {}, {}, {}, {}, []]),
+            msgpack.packb(
+                [2, 1, [], [], {"r": [1, 2]}, {}, 0.0, None, {}, {}, {}, {}, [], None, None]
+            ),
             "Malformed LogprobsLists",
         ),
         (msgpack.packb([3, {"model": 1}, "x", {}]), "Malformed frame for tag 3"),

@@ -162,3 +162,7 @@ class TrillmConfig:
     kv_transfer: KVTransferConfig | None = None
     # --kv-offloading-size: the KV offload tier (trillm/kv_transfer/offload*.py); None: none
     kv_offload: KVOffloadConfig | None = None
+    # --collect-detailed-traces (vLLM's ObservabilityConfig, config/observability.py): the ranks
+    # time each step's model forward ("model") / execute call ("worker"), worker/step_timing.py
+    collect_model_forward_time: bool = False
+    collect_model_execute_time: bool = False

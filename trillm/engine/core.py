@@ -33,6 +33,7 @@ from trillm.messages import (
 
 if TYPE_CHECKING:
     from trillm.core.scheduler import Scheduler
+    from trillm.engine.core_traces import CoreTraces
     from trillm.executor.abstract import Executor
     from trillm.kv_transfer.scheduler_side import ConnectorScheduler
     from trillm.lora.admission import LoRAAdmission
@@ -51,6 +52,7 @@ class EngineCore:
         structured_output: StructuredOutputManager,
         lora: LoRAAdmission | None = None,
         proposer: NgramProposer | DraftModelDrafts | None = None,
+        traces: CoreTraces | None = None,
     ) -> None:
         self.scheduler = scheduler
         # LoRAAdmission (trillm/lora/admission.py) with --enable-lora: holds requests whose
@@ -70,6 +72,7 @@ class EngineCore:
         self.grammars = CoreGrammars(scheduler, structured_output, self._refused_append)
         # req_id -> time.time() of its first P1, until its first output carries it.
         self._scheduled_at: dict[str, float] = {}
+        self.traces = traces  # --collect-detailed-traces: per-request model times
         self.num_steps = 0
         self.expert_load: list[int] = []  # expert parallelism: pairs per rank (cumulative)
         # time.monotonic() when the step now awaited began (None between steps): /health
@@ -202,6 +205,8 @@ class EngineCore:
             self.batch_queue.keep_tokens(sched, runner_out, self.scheduler.get_request)
         self.grammars.advance(outputs)
         self._stamp_scheduled(outputs)
+        if self.traces is not None:
+            self.traces.step(sched, runner_out, outputs)
         if runner_out.expert_load:
             load = self.expert_load or [0] * len(runner_out.expert_load)
             self.expert_load = [a + b for a, b in zip(load, runner_out.expert_load)]
@@ -280,6 +285,8 @@ class EngineCore:
                 self._scheduled_at.setdefault(r.req_id, now)
         for req_id in sched.finished_req_ids:  # aborted before any output
             self._scheduled_at.pop(req_id, None)
+        if self.traces is not None:
+            self.traces.forget(sched.finished_req_ids)
 
     def _stamp_scheduled(self, outputs: list[EngineCoreOutput]) -> None:
         if self._scheduled_at:

@@ -203,7 +203,14 @@ class EngineCores:
             from trillm.lora.admission import LoRAAdmission
 
             lora = LoRAAdmission(config.lora.max_loras)
-        return EngineCore(scheduler, executor, structured, lora, _proposer(config))
+        traces = None
+        if config.collect_model_forward_time or config.collect_model_execute_time:
+            from trillm.engine.core_traces import CoreTraces
+
+            traces = CoreTraces(
+                config.collect_model_forward_time, config.collect_model_execute_time
+            )
+        return EngineCore(scheduler, executor, structured, lora, _proposer(config), traces)
 
 
 def make_scheduler(config: TrillmConfig, num_blocks: int) -> Scheduler:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,6 +18,7 @@ import outcome
 import trio
 
 from trillm.config import EngineArgs
+from trillm.config.observability import collected_times, detailed_trace_modules
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.dp_router import core_configs
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
@@ -80,6 +81,7 @@ async def open_engine(
     runner: str | None = None,
     runner_kwargs: dict[str, Any] | None = None,
     stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET,
+    collect_detailed_traces: Sequence[str] | None = None,
     **engine_args: Any,
 ) -> AsyncIterator[AsyncEngine]:
     """``async with open_engine(model, **engine_args) as engine:`` (vLLM's argument names).
@@ -87,7 +89,9 @@ async def open_engine(
     ``runner``: vLLM's kind (``"pooling"`` for an embedding model) or a model runner class as
     ``"module:Class"`` (``"trillm.worker.fake_runner:FakeModelRunner"``: a near-zero-cost
     model for frontend tests and benchmarks). ``stream_wake_budget``: the most
-    streams woken per step for a middle output (None: no budget; see ``output_processor``)."""
+    streams woken per step for a middle output (None: no budget; see ``output_processor``).
+    ``collect_detailed_traces``: vLLM's modules (``config/observability.py``), the times each
+    finished sample's ``CompletionOutput`` carries (``trillm serve`` passes its flag's)."""
     from trillm.engine.config_builder import build_config
     from trillm.engine.tokenizer_loader import load_tokenizer
     from trillm.executor.abstract import DEFAULT_RUNNER, ENCODER_RUNNER, POOLING_RUNNER
@@ -98,7 +102,9 @@ async def open_engine(
     if runner is not None and ":" not in runner:  # vLLM's runner kind, not a class path
         engine_args["runner"], runner = runner, None
     args = EngineArgs.from_kwargs(model, **engine_args)
+    traces = detailed_trace_modules(collect_detailed_traces or ())
     config = await trio.to_thread.run_sync(build_config, args)
+    config.collect_model_forward_time, config.collect_model_execute_time = collected_times(traces)
     default = POOLING_RUNNER if config.pooler is not None else DEFAULT_RUNNER
     if is_encoder(config.model.architecture):
         default = ENCODER_RUNNER

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from trillm.config.observability import NEEDS_ENDPOINT
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.engine_startup import open_engine
 from trillm.errors import EngineDeadError
@@ -27,6 +28,8 @@ class EngineThread:
     """``open_engine(model, **engine_args)`` on a ``trio.run`` thread; started at once."""
 
     def __init__(self, model: str | None, engine_args: dict[str, Any], name: str) -> None:
+        if engine_args.get("collect_detailed_traces"):  # LLM / AsyncLLM send no spans
+            raise ValueError(NEEDS_ENDPOINT)  # vLLM's refusal without an endpoint
         self._model = model
         self._engine_args = engine_args
         self._ready = threading.Event()

@@ -193,6 +193,8 @@ class OutputProcessor:
         group.num_cached_tokens = max(group.num_cached_tokens, out.num_cached_tokens)
         if out.scheduled_time is not None and group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = out.scheduled_time
+        if out.model_times is not None:  # --collect-detailed-traces
+            sample.model_times = out.model_times
         if out.pooled is not None:
             group.pooled = out.pooled
         if out.new_token_ids:

@@ -59,6 +59,8 @@ class OutputSample:
     sent_logprobs: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # --collect-detailed-traces: (forward s, execute s) so far (EngineCoreOutput.model_times)
+    model_times: tuple[float | None, float | None] | None = None
 
 
 def make_output(sample: OutputSample, finished: bool) -> RequestOutput | None:
@@ -112,7 +114,7 @@ def _completion(sample: OutputSample, delta: bool) -> CompletionOutput:
     sample.sent_text = end
     sample.sent_tokens = len(sample.token_ids)
     sample.sent_logprobs = len(lp.rows) if lp is not None else 0
-    return CompletionOutput(
+    out = CompletionOutput(
         index=sample.index,
         text=text,
         token_ids=token_ids,
@@ -121,6 +123,9 @@ def _completion(sample: OutputSample, delta: bool) -> CompletionOutput:
         finish_reason=sample.finish_reason,
         stop_reason=sample.stop_reason,
     )
+    if sample.model_times is not None and sample.finish_reason is not None:
+        out.model_forward_time, out.model_execute_time = sample.model_times
+    return out
 
 
 def _visible_text_end(sample: OutputSample) -> int:

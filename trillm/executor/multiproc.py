@@ -61,6 +61,7 @@ from trillm.ipc.shm_ring import RingReader
 from trillm.ipc.shm_segment import DEFAULT_NUM_SLOTS, DEFAULT_SLOT_SIZE
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 from trillm.utils import unwrap_group
+from trillm.worker.step_timing import stage_times
 
 T = TypeVar("T")
 
@@ -293,7 +294,7 @@ class MultiprocExecutor(Executor):
         what = f"answer step {sched.step_id}"
         try:
             outputs = await self._guarded(self._collect, self.step_timeout_s, what, sched.step_id)
-            return step_output(outputs, self.output_rank)
+            return stage_times(step_output(outputs, self.output_rank), outputs, self.output_rank)
         except WorkerStepProtocolError as exc:
             raise self._fail(EngineDeadError(str(exc))) from None
 

@@ -48,6 +48,7 @@ from trillm.ipc.control import (
 )
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 from trillm.utils import unwrap_group
+from trillm.worker.step_timing import stage_times
 
 T = TypeVar("T")
 
@@ -249,7 +250,7 @@ class RayExecutor(Executor):
                 raise WorkerStepProtocolError(
                     f"The rank actors answered step {sched.step_id} with {replies}."
                 )
-            return step_output(outputs, self.output_rank)
+            return stage_times(step_output(outputs, self.output_rank), outputs, self.output_rank)
         except WorkerStepProtocolError as exc:
             raise self._fail(EngineDeadError(str(exc))) from None
 

@@ -18,6 +18,7 @@ from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
 from trillm.interfaces import ModelRunnerProtocol, RunnerClass
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 from trillm.worker import worker_rpc
+from trillm.worker.step_timing import ExecuteClock
 from trillm.worker.worker_main import load_runner_class
 
 
@@ -48,6 +49,7 @@ class UniProcExecutor(Executor):
         self._nursery: trio.Nursery | None = None
         self._stop = trio.Event()
         self._dead: EngineDeadError | None = None
+        self._clock = ExecuteClock(config.collect_model_execute_time)  # detailed traces
 
     def _start_runner(self) -> int:
         runner = self._factory(self.config, 0, **self._kwargs)
@@ -78,7 +80,7 @@ class UniProcExecutor(Executor):
     async def _run_execute(self, step: _Step) -> None:
         def call() -> None:
             try:
-                self.runner.execute_model(step.sched)
+                self._clock.run(self.runner.execute_model, step.sched)
             except Exception:
                 step.error = traceback.format_exc()
 
@@ -108,9 +110,13 @@ class UniProcExecutor(Executor):
         if step.error is None:
             bitmask = req.bitmask if req is not None else None
             try:
-                return await trio.to_thread.run_sync(self.runner.sample_tokens, bitmask)
+                run = self._clock.run
+                out = await trio.to_thread.run_sync(run, self.runner.sample_tokens, bitmask)
+                self._clock.stamp(out)
+                return out
             except Exception:
                 step.error = traceback.format_exc()
+        self._clock.seconds = 0.0  # the failed step's
         raise ModelExecutionError(
             f"Step {step.sched.step_id} failed in the model runner:\n{step.error}",
             rank=0,

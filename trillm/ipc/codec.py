@@ -148,8 +148,7 @@ def _enc_sched(s: SchedulerOutput) -> list[Any]:
 
 def _enc_kv(items: list[KVTransferItem]) -> list[Any]:
     return [
-        [i.req_id, i.key, i.block_ids, i.num_tokens, i.first_block, i.offload_blocks, i.data]
-        for i in items
+        [i.req_id, i.key, i.block_ids, i.num_tokens, i.first_block, i.offload_blocks] for i in items
     ]
 
 
@@ -209,11 +208,13 @@ def _enc_output(o: ModelRunnerOutput) -> list[Any]:
         o.draft_token_ids,
         o.kv_load_failed,
         o.expert_load,
+        o.model_forward_time,
+        o.model_execute_time,
     ]
 
 
 def _dec_output(v: list[Any]) -> ModelRunnerOutput:
-    _check_arity(v, 13, "ModelRunnerOutput")
+    _check_arity(v, 15, "ModelRunnerOutput")
     return ModelRunnerOutput(
         v[1],
         v[2],
@@ -227,6 +228,8 @@ def _dec_output(v: list[Any]) -> ModelRunnerOutput:
         v[10],
         v[11],
         v[12],
+        v[13],
+        v[14],
     )
 
 

@@ -28,6 +28,7 @@ from trillm.config import (
 )
 from trillm.messages import LogprobsLists, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from trillm.sampling_params import SamplingParams
+from trillm.worker.step_timing import ForwardClock
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -131,6 +132,7 @@ class FakeModelRunner:
         self.requests: dict[str, _Request] = {}
         self._pending: SchedulerOutput | None = None
         self._step_start = 0.0
+        self.forward_clock = ForwardClock(config, cuda=False)  # --collect-detailed-traces model
 
     # ------------------------------------------------------------ lifecycle
 
@@ -167,10 +169,11 @@ class FakeModelRunner:
             req = self._get(req_id)
             req.block_ids.extend(blocks)
             req.num_computed_tokens = computed
-        for req_id, n in sched.num_scheduled_tokens.items():
-            self._check_blocks(self._get(req_id), n)
-        if self.step_sleep_s:
-            time.sleep(self.step_sleep_s)
+        with self.forward_clock:  # the fake model's forward: its checks and step_sleep_s
+            for req_id, n in sched.num_scheduled_tokens.items():
+                self._check_blocks(self._get(req_id), n)
+            if self.step_sleep_s:
+                time.sleep(self.step_sleep_s)
         self._pending = sched
 
     def _add_request(self, new: NewRequestData) -> None:
@@ -237,7 +240,7 @@ class FakeModelRunner:
             sampled.append([token])
             if req.sampling_params.logprobs is not None:
                 logprobs[req_id] = self._logprobs(token, req.sampling_params.logprobs)
-        return ModelRunnerOutput(
+        out = ModelRunnerOutput(
             step_id=sched.step_id,
             req_ids=req_ids,
             sampled_token_ids=sampled,
@@ -245,6 +248,7 @@ class FakeModelRunner:
             prompt_logprobs=prompt_logprobs,
             model_time_s=time.perf_counter() - self._step_start,
         )
+        return self.forward_clock.stamp(out)
 
     def _next_token(self, req: _Request, bitmask: bytes | list[int] | None) -> int:
         words: list[int] | None = None

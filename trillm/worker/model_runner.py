@@ -7,8 +7,7 @@ whose logprobs were asked for. ``sample_tokens`` (P3, ``token_sampler.py``) samp
 the tokens to the batch and returns ``ModelRunnerOutput`` in batch order (the order of
 ``num_scheduled_tokens``).
 
-Prompt logprobs: the row at position ``p`` scores prompt token ``p + 1``, so a prompt of P
-tokens yields P - 1 rows over its chunks (the first prompt token has none).
+Prompt logprobs: row ``p`` scores prompt token ``p + 1``: P - 1 rows for a prompt of P tokens.
 
 Tensor parallelism (``tensor_parallel_size`` N > 1): the runner of rank r joins the group
 (``trillm/distributed/``) before it builds its shard of the model, and its KV cache holds its
@@ -61,6 +60,7 @@ from trillm.worker.pipeline_tokens import append_sampled
 from trillm.worker.spec_verify import expand_rows, num_drafts_of
 from trillm.worker.step_program import StepPrograms, step_programs_for
 from trillm.worker.step_sampling import Bitmask, PendingStep, prompt_logprobs_inputs
+from trillm.worker.step_timing import ForwardClock
 from trillm.worker.token_sampler import TokenSampler, output_before_last_stage
 
 logger = logging.getLogger(__name__)
@@ -97,8 +97,9 @@ class ModelRunner:
         self._model: CausalLM | None = None
         self.attn_backend = get_attention_backend(config.attention_backend, config.device)
         self.kv_caches: list[torch.Tensor] = []
-        self.kv_connector = worker_connector(config, rank)  # --kv-transfer-config's worker side
+        self.kv_connector = worker_connector(config)  # --kv-transfer-config's worker side
         self._kv_load_failed: dict[str, str] = {}  # the step's requests whose KV load failed
+        self.forward_clock = ForwardClock(config)  # --collect-detailed-traces model
         self.batch = InputBatch(
             self.max_num_reqs,
             self.max_model_len,
@@ -341,7 +342,8 @@ class ModelRunner:
         if not self.pp.is_first:
             received = IntermediateTensors(*self.pp.recv(count, shape, self.dtype, self.device))
         try:
-            return self._run_stage(inputs, received)
+            with self.forward_clock:
+                return self._run_stage(inputs, received)
         except CollectiveTimeoutError:
             raise  # the group is broken: nothing more can be sent
         except Exception:
@@ -392,7 +394,7 @@ class ModelRunner:
             raise RuntimeError("sample_tokens called without a successful execute_model.")
         self._pending = None
         if not self.pp.is_last:
-            return output_before_last_stage(pending)
+            return self.forward_clock.stamp(output_before_last_stage(pending))
         out = self.token_sampler.sample(pending, bitmask)
         out.kv_load_failed = self._kv_load_failed
-        return out
+        return self.forward_clock.stamp(out)

@@ -108,7 +108,7 @@ class PoolingModelRunner(ModelRunner):
             raise RuntimeError("sample_tokens called without a successful execute_model.")
         self._step = None
         sampled = [[self._placeholder] if r in step.pooled else [] for r in step.req_ids]
-        return ModelRunnerOutput(
+        out = ModelRunnerOutput(
             step_id=step.step_id,
             req_ids=step.req_ids + list(step.failed),
             sampled_token_ids=sampled + [[] for _ in step.failed],
@@ -116,3 +116,4 @@ class PoolingModelRunner(ModelRunner):
             failed=step.failed,
             pooler_output=step.pooled,
         )
+        return self.forward_clock.stamp(out)

@@ -5,12 +5,15 @@ own: a node started with other engine flags is refused by name, never run half-a
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from trillm.config import TrillmConfig
 from trillm.distributed.node_link import NodeLink
 
+# Node 0's server's choices, not engine flags a headless node is started with: a remote rank
+# takes node 0's (--collect-detailed-traces).
+_FRONTEND_FIELDS = ("collect_model_forward_time", "collect_model_execute_time")
 # Per node, not per world: the node's own rank, and the folders of the model and the draft
 # (the same checkpoint may live at another path on another machine; its config.json must
 # still agree) with the name the API reports by default (the path; node 0's alone is used).
@@ -22,6 +25,7 @@ _NODE_FIELDS = (
     "draft_model.model",
     "draft_model.tokenizer",
     "draft_model.served_model_name",
+    *_FRONTEND_FIELDS,
 )
 
 
@@ -53,6 +57,11 @@ def check_same_config(node0: TrillmConfig, own: TrillmConfig) -> None:
             "This node was started with other engine flags than node 0 (start every node "
             "with the same flags):\n  " + "\n  ".join(diffs)
         )
+
+
+def with_frontend_choices(own: TrillmConfig, node0: TrillmConfig) -> TrillmConfig:
+    """This node's config with node 0's frontend choices (``_FRONTEND_FIELDS``)."""
+    return replace(own, **{name: getattr(node0, name) for name in _FRONTEND_FIELDS})
 
 
 def join_from_node(engine_args: dict[str, Any], rank: int) -> tuple[TrillmConfig, NodeLink]:

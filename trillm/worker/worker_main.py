@@ -52,7 +52,8 @@ from trillm.ipc.shm_ring import RingReader, RingWriter
 from trillm.ipc.shm_segment import RingFds, ShmRing
 from trillm.messages import ModelRunnerOutput, SampleRequest, SchedulerOutput
 from trillm.worker import worker_rpc
-from trillm.worker.remote_rank import check_same_config, join_from_node
+from trillm.worker.remote_rank import check_same_config, join_from_node, with_frontend_choices
+from trillm.worker.step_timing import ExecuteClock
 
 if TYPE_CHECKING:
     from trillm.config import TrillmConfig
@@ -114,6 +115,7 @@ class Worker:
         self.runner: ModelRunnerProtocol | None = None  # set by InitWorker
         self._sched: SchedulerOutput | None = None
         self._step_error: str | None = None
+        self.execute_clock = ExecuteClock(False)  # --collect-detailed-traces worker
 
     def _check_parent(self) -> None:
         if os.getppid() != self.parent_pid:
@@ -188,7 +190,8 @@ class Worker:
             config = msg.config
             if self.own_config is not None:  # another node: its flags must agree with node 0's
                 check_same_config(config, self.own_config)
-                config = self.own_config
+                config = with_frontend_choices(self.own_config, config)
+            self.execute_clock = ExecuteClock(config.collect_model_execute_time)
             runner: ModelRunnerProtocol = load_runner_class(msg.runner)(
                 config, self.rank, **msg.runner_kwargs
             )
@@ -226,7 +229,7 @@ class Worker:
     def _execute(self, sched: SchedulerOutput) -> None:
         self._sched, self._step_error = sched, None
         try:
-            self._loaded().execute_model(sched)
+            self.execute_clock.run(self._loaded().execute_model, sched)
         except CollectiveTimeoutError:
             raise  # the group is broken: fatal, not one step's failure
         except Exception:
@@ -240,7 +243,7 @@ class Worker:
         out = None
         if self._step_error is None:
             try:
-                out = self._loaded().sample_tokens(bitmask)
+                out = self.execute_clock.run(self._loaded().sample_tokens, bitmask)
             except Exception:
                 self._step_error = traceback.format_exc()
         if out is None:
@@ -249,6 +252,7 @@ class Worker:
                 sched.step_id, req_ids, [[] for _ in req_ids], error=self._step_error
             )
         out.expert_load = expert_load.take()  # expert parallelism: the step's routing
+        self.execute_clock.stamp(out)
         self._send(out)
 
 

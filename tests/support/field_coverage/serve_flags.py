@@ -143,8 +143,10 @@ CORS = ids(
 )
 CONFORM = "tests/entrypoints/test_vllm_conformance.py::"
 OTLP = "tests/entrypoints/test_otlp_tracing.py::"
+DT = "tests/entrypoints/test_detailed_traces.py::"
 _VLLM_FLAGS = {
-    # One OpenTelemetry span per request (metrics/tracing.py); detailed traces refused.
+    # One OpenTelemetry span per request (metrics/tracing.py), with --collect-detailed-traces
+    # its model forward / execute times.
     "--otlp-traces-endpoint": ids(
         OTLP + "test_one_server_span_per_engine_request",
         OTLP + "test_traceparent_makes_the_span_its_child",
@@ -152,7 +154,14 @@ _VLLM_FLAGS = {
         OTLP + "test_grpc_receiver_gets_the_spans",
         OTLP + "test_a_dead_collector_does_not_harm_serving",
     ),
-    "--collect-detailed-traces": ids(OTLP + "test_collect_detailed_traces_is_refused_by_name"),
+    "--collect-detailed-traces": ids(
+        DT + "test_all_puts_both_times_on_every_span",
+        DT + "test_more_steps_more_forward_time",
+        DT + "test_each_value_adds_only_its_attribute",
+        DT + "test_flag_values_reach_the_server_options",
+        OTLP + "test_detailed_traces_need_an_endpoint_as_in_vllm",
+        OTLP + "test_without_detailed_traces_no_model_times",
+    ),
     # What the OpenAI routes' answers carry (vLLM's frontend flags).
     "--enable-prompt-tokens-details": ids(
         CONFORM + "test_prompt_tokens_details_with_the_flag",

@@ -258,6 +258,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         ),
         lora_allowed_root=args.lora_allowed_root,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        collect_detailed_traces=trace_flags.detailed_traces(args),
     )
 
 

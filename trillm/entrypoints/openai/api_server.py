@@ -122,6 +122,8 @@ class ServerOptions:
     lora_allowed_root: str | None = None  # runtime loads only from inside it (a real path)
     # --otlp-traces-endpoint: one OpenTelemetry span per request (metrics/tracing.py).
     otlp_traces_endpoint: str | None = None
+    # --collect-detailed-traces: the model times the engine measures for the spans
+    collect_detailed_traces: list[str] = attrs.field(factory=list)
 
 
 @attrs.define(eq=False)
@@ -172,6 +174,7 @@ async def _serve(
         model,
         stream_wake_budget=opts.stream_wake_budget,
         chat_template=opts.chat_template,
+        collect_detailed_traces=opts.collect_detailed_traces,
         **engine_args,
     )
     done = trio.Event()  # the HTTP server has stopped: the engine may go

@@ -62,6 +62,9 @@ class SpanAttributes:
     TIME_IN_MODEL_PREFILL = "gen_ai.latency.time_in_model_prefill"
     TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
     TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
+    # --collect-detailed-traces model / worker (config/observability.py)
+    TIME_IN_MODEL_FORWARD = "gen_ai.latency.time_in_model_forward"
+    TIME_IN_MODEL_EXECUTE = "gen_ai.latency.time_in_model_execute"
 
 
 def check_tracing(endpoint: str) -> None:
@@ -186,6 +189,7 @@ class RequestTrace:
         attributes[SpanAttributes.REQUEST_ID] = _request_id(out, index, self.attributes)
         attributes[SpanAttributes.RESPONSE_FINISH_REASONS] = _finish_reasons(out, index)
         attributes.update(_figures(t))
+        attributes.update(_model_times(out, index))
         span = self.tracer.start_span(
             SPAN_NAME,
             context=self.parent,
@@ -209,6 +213,19 @@ def _finish_reasons(out: RequestOutput, index: int) -> str:
     request's output has no sample: vLLM's scheduler stops it once its output exists."""
     reasons = [str(c.finish_reason) for c in out.outputs if c.index == index and c.finish_reason]
     return json.dumps(reasons[:1] or ["stop"])
+
+
+def _model_times(out: RequestOutput, index: int) -> dict[str, float]:
+    """--collect-detailed-traces: the sample's model forward / execute seconds, those asked
+    for (the engine measures only those); a pooling request's output has none."""
+    times: dict[str, float] = {}
+    for c in out.outputs:
+        if c.index == index:
+            if c.model_forward_time is not None:
+                times[SpanAttributes.TIME_IN_MODEL_FORWARD] = c.model_forward_time
+            if c.model_execute_time is not None:
+                times[SpanAttributes.TIME_IN_MODEL_EXECUTE] = c.model_execute_time
+    return times
 
 
 def _figures(t: SampleTimes) -> dict[str, Any]:
