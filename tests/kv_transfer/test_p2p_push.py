@@ -41,7 +41,8 @@ def _kv(role: str, send_type: str, prefill: int, decode: int, **extra) -> dict:
         "kv_connector": "P2pNcclConnector",
         "kv_role": role,
         "kv_port": str(prefill if role == "kv_producer" else decode),
-        "kv_buffer_size": "1e9",
+        # vLLM's push examples: a producer's buffer of 10 bytes (its "GET" store's size)
+        "kv_buffer_size": "1e1" if role == "kv_producer" else "1e9",
         "kv_connector_extra_config": {"send_type": send_type, **extra},
     }
 

@@ -28,7 +28,7 @@ import torch
 from trillm.kv_transfer.config import KVTransferConfig
 from trillm.kv_transfer.kv_blocks import gather, payload_bytes, scatter
 from trillm.kv_transfer.p2p_config import DECODE_KV_ADDRS, PREFILL_KV_ADDRS, kv_address
-from trillm.kv_transfer.p2p_push import Pusher
+from trillm.kv_transfer.p2p_push import PUSH_QUEUE_BYTES, Pusher
 from trillm.kv_transfer.p2p_wire import KVServer, SendStore
 from trillm.kv_transfer.storage import HEADER_READ_BYTES, pack, unpack
 from trillm.messages import KVConnectorStep, KVTransferItem
@@ -112,7 +112,7 @@ class P2pWorker:
         self.server: KVServer | None = None
         self.pusher: Pusher | None = None
         if kv.is_producer and kv.p2p.pushes:  # "PUT" / "PUT_ASYNC": to the decode instance
-            self.pusher = Pusher(kv.p2p.send_type == "PUT_ASYNC", kv.p2p.kv_buffer_size)
+            self.pusher = Pusher(kv.p2p.send_type == "PUT_ASYNC", PUSH_QUEUE_BYTES)
         elif kv.is_producer:  # "GET": kept until the decode instance fetches it
             self.store = SendStore(kv.p2p.kv_buffer_size)
             self.server = KVServer(self.store, kv.p2p.kv_ip, kv.p2p.kv_port)

@@ -6,8 +6,9 @@ until the request arrives.
 A push is ``PUT <key>\\n``, an 8-byte little-endian length and that many bytes; the answer
 one byte (1: kept, 0: refused). The sender (``Pusher``) pushes only to the decode addresses
 its operator lists (``decode_kv_addrs``); "PUT" pushes inside the step that computed the
-prompt, "PUT_ASYNC" hands it to a background thread (a queue of at most ``kv_buffer_size``
-bytes; one that does not fit is dropped: its decode request recomputes).
+prompt, "PUT_ASYNC" hands it to a background thread (a queue of at most ``PUSH_QUEUE_BYTES``;
+one that does not fit is dropped: its decode request recomputes). A producer's
+``kv_buffer_size`` is its "GET" store's size (vLLM's PUT examples set it to 10 bytes).
 
 The receiver (``PushPool``) takes pushes only from the IPs of its listed prefill instances
 (``prefill_kv_addrs``), each sender at most an equal share of its bound (``kv_buffer_size`` +
@@ -29,6 +30,7 @@ from trillm.kv_transfer.p2p_wire import MAX_CONNECTIONS, TRANSFER_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
+PUSH_QUEUE_BYTES = 2**30  # "PUT_ASYNC": the prompts' KV waiting for the sender thread
 UNCLAIMED_TTL_S = 60.0  # a pushed prompt no request claimed by then is dropped
 _LENGTH_BYTES = 8
 
