@@ -37,6 +37,10 @@ class RequestMetrics:
     num_generation_tokens: int = 0
     first_scheduled_time: float | None = None  # the engine's first P1 for this request
     engine_index: int = 0  # the engine core that runs it (data parallelism)
+    # --collect-detailed-traces, a pooling request's (vLLM V0's names; seconds summed over its
+    # steps); a generated sample's are on its CompletionOutput.
+    model_forward_time: float | None = None
+    model_execute_time: float | None = None
 
 
 @dataclass(slots=True)

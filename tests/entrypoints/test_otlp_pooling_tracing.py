@@ -45,8 +45,8 @@ def traceparent(trace_id: str, span_id: str) -> dict[str, str]:
     return {"traceparent": f"00-{trace_id}-{span_id}-01"}
 
 
-def serve(model, receiver: HttpReceiver, log) -> ServerProcess:
-    args = ["--model", str(model), "--disable-log-stats"]
+def serve(model, receiver: HttpReceiver, log, *flags: str) -> ServerProcess:
+    args = ["--model", str(model), "--disable-log-stats", *flags]
     return ServerProcess([*args, "--otlp-traces-endpoint", receiver.url], log).start()
 
 
@@ -58,12 +58,14 @@ def post(srv: ServerProcess, path: str, body: dict, headers: dict | None = None)
 
 @pytest.fixture(scope="module")
 def embed_run(tmp_path_factory):
-    """A BERT embedder: /v1/embeddings of two inputs (traceparent), /pooling of one (none);
-    /metrics once they ended; the server stopped, which sends the last spans."""
+    """A BERT embedder with --collect-detailed-traces all: /v1/embeddings of two inputs
+    (traceparent), /pooling of one (none); /metrics once they ended; the server stopped, which
+    sends the last spans."""
     path = build_tiny_encoder("BertModel", tmp_path_factory.mktemp("embed"))
     write_pooling_files(path, "mean", normalize=True)
     receiver = HttpReceiver()
-    srv = serve(path, receiver, tmp_path_factory.mktemp("embed-serve") / "server.log")
+    log = tmp_path_factory.mktemp("embed-serve") / "server.log"
+    srv = serve(path, receiver, log, "--collect-detailed-traces", "all")
     try:
         headers = traceparent(TRACE_ID, PARENT_ID)
         embeddings = post(srv, "/v1/embeddings", {"input": INPUTS}, headers)
@@ -149,3 +151,17 @@ def test_pooling_requests_finish_as_stop_on_metrics(request, run):
     assert metric_value(metrics, "vllm:generation_tokens_total") == 0
     prompt_tokens = sum(s.attributes["gen_ai.usage.prompt_tokens"] for s in spans)
     assert metric_value(metrics, "vllm:prompt_tokens_total") == prompt_tokens
+
+
+def test_detailed_traces_on_pooling_spans(embed_run, cross_encoder_run):
+    """--collect-detailed-traces all (the embedder's server): each input's span carries its
+    model forward and execute seconds; the cross-encoder's server, without the flag, none."""
+    forward, execute = (
+        "gen_ai.latency.time_in_model_forward",
+        "gen_ai.latency.time_in_model_execute",
+    )
+    for span in embed_run[0]:
+        a = span.attributes
+        assert 0 < a[forward] <= a[execute] <= a["gen_ai.latency.time_in_model_inference"] + 1e-3
+    for span in cross_encoder_run[0]:
+        assert forward not in span.attributes and execute not in span.attributes

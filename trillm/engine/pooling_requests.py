@@ -83,6 +83,10 @@ async def pool(
     if final is None or final.pooled is None:  # aborted (a worker refused it, a shutdown)
         raise RequestFailedError(f"Pooling request {request_id} ended without its vector.")
     vector = np.frombuffer(final.pooled, dtype=np.float32).tolist()
+    if final.metrics is not None and final.outputs:  # --collect-detailed-traces (a copy)
+        c = final.outputs[0]
+        final.metrics.model_forward_time = c.model_forward_time
+        final.metrics.model_execute_time = c.model_execute_time
     return PoolingRequestOutput(
         final.request_id,
         list(prepared.prompt_token_ids),

@@ -94,7 +94,8 @@ class EncoderModelRunner(PoolingModelRunner):
         """One padded batch of whole prompts -> each one's vector (float32 bytes)."""
         assert self._encoder is not None
         ids, types, mask = self._batch(prompts)
-        hidden = self._encoder(ids, types, mask)  # [B, S, H]
+        with self.forward_clock:  # --collect-detailed-traces model
+            hidden = self._encoder(ids, types, mask)  # [B, S, H]
         if self._encoder.score_head is not None:
             logits = self._encoder.score(hidden, mask).float()  # [B, num_labels]
             vectors = [

@@ -217,14 +217,16 @@ def _finish_reasons(out: RequestOutput, index: int) -> str:
 
 def _model_times(out: RequestOutput, index: int) -> dict[str, float]:
     """--collect-detailed-traces: the sample's model forward / execute seconds, those asked
-    for (the engine measures only those); a pooling request's output has none."""
+    for (the engine measures only those); a pooling request's are on its metrics."""
+    pairs = [(c.model_forward_time, c.model_execute_time) for c in out.outputs if c.index == index]
+    if not pairs and out.metrics is not None:
+        pairs = [(out.metrics.model_forward_time, out.metrics.model_execute_time)]
     times: dict[str, float] = {}
-    for c in out.outputs:
-        if c.index == index:
-            if c.model_forward_time is not None:
-                times[SpanAttributes.TIME_IN_MODEL_FORWARD] = c.model_forward_time
-            if c.model_execute_time is not None:
-                times[SpanAttributes.TIME_IN_MODEL_EXECUTE] = c.model_execute_time
+    for forward, execute in pairs[:1]:
+        if forward is not None:
+            times[SpanAttributes.TIME_IN_MODEL_FORWARD] = forward
+        if execute is not None:
+            times[SpanAttributes.TIME_IN_MODEL_EXECUTE] = execute
     return times
 
 
