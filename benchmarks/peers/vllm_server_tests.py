@@ -46,11 +46,15 @@ DEFAULT_VLLM_VENV = CACHE / "trillm-peer" / "vllm-venv"
 CHOSEN = [
     "basic/test_basic.py",
     "basic/test_return_token_ids.py",
+    "chat_completion/test_batched_chat_completions.py",
+    "chat_completion/test_cache_accounting.py",
     "chat_completion/test_chat.py",
+    "chat_completion/test_chat_completion.py",
     "chat_completion/test_chat_echo.py",
     "chat_completion/test_chat_logit_bias_validation.py",
     "chat_completion/test_chat_stop_token_ids_validation.py",
     "chat_completion/test_enable_force_include_usage.py",
+    "chat_completion/test_logprob_token_ids.py",
     "chat_completion/test_root_path.py",
     "completion/test_completion.py",
     "completion/test_prompt_validation.py::test_empty_prompt",
@@ -89,6 +93,25 @@ NOT_RUN = {
     "render server); not yet exported",
     "serve/lora/**, serve/tokenize/test_serving_tokenization.py": "in-process serving classes "
     "or Hub LoRA adapters of other models; not yet exported",
+    "chat_completion/test_batched_chat_completions.py (5 of its 10)": "drive vLLM's "
+    "OpenAIServingChatBatch / BatchChatCompletionRequest in process with mocks (not exported)",
+    "chat_completion/test_logprob_token_ids_validation.py, chat_completion/test_tool_choice_null"
+    ".py, chat_completion/test_usage_prompt_tokens.py, completion/test_completion_logprobs.py, "
+    "completion/test_stream_frame_template.py, completion/test_packed_logprobs.py": "test vLLM's "
+    "Python request / serving classes and helpers in process, no server",
+    "chat_completion/test_include_reasoning.py": "needs a reasoning model's <think> output "
+    "(Qwen3-0.6B, --reasoning-parser qwen3); SmolLM2 never opens a reasoning section",
+    "chat_completion/test_extra_content_fields.py": "needs TranslateGemma's template and a "
+    "Spanish translation (model quality)",
+    "completion/test_token_in_token_out.py, chat_completion/test_token_in_token_out.py, "
+    "completion/test_shutdown.py": "import vLLM helpers (download_weights_from_hf, "
+    "vllm.platforms) in the client; not yet run",
+    "responses/**": "mostly reasoning models' answers (gpt-oss, Qwen3: '312' in the output, "
+    "reasoning items) or in-process serving classes; not yet exported",
+    "embedding_tests/**, correctness/test_mteb*.py": "pooling (embedding / score) models, not "
+    "a chat model",
+    "cpu/**, engine/**, files/**": "vLLM's render server, engine helpers and media connector "
+    "classes in process",
 }
 # LoRA adapters the tests download by hub id: each becomes a snapshot of a rank-8 adapter of the
 # SmolLM2 folder (q_proj / v_proj, seeded random weights) that ``make_lora`` writes.
