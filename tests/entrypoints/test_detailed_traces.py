@@ -199,3 +199,44 @@ def test_flag_values_reach_the_server_options(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args([*flags, "--collect-detailed-traces", "gpu"])
     assert "invalid choice: 'gpu' (choose from model, worker, all)" in capsys.readouterr().err
+
+
+def test_forward_clock_on_cuda_reads_its_events_in_seconds(monkeypatch):
+    """On CUDA the forward is timed by event pairs (milliseconds), read once at the stamp;
+    off, nothing is recorded. (A stand-in for torch.cuda.Event: no GPU here.)"""
+    import torch
+
+    from trillm.worker.step_timing import ForwardClock
+
+    class Event:
+        made: list[Event] = []
+
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            self.recorded = self.synced = False
+            Event.made.append(self)
+
+        def record(self) -> None:
+            self.recorded = True
+
+        def synchronize(self) -> None:
+            self.synced = True
+
+        def elapsed_time(self, end: Event) -> float:
+            assert self.recorded and end.recorded and end.synced
+            return 250.0  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    on = type("Config", (), {"collect_model_forward_time": True, "device": "cuda:0"})()
+    clock = ForwardClock(on)  # type: ignore[arg-type]
+    for _ in range(2):
+        with clock:
+            pass
+    out = clock.stamp(ModelRunnerOutput(1, [], []))
+    assert out.model_forward_time == pytest.approx(0.5) and len(Event.made) == 4
+    unasked = type("Config", (), {"collect_model_forward_time": False, "device": "cuda:0"})()
+    off = ForwardClock(unasked)  # type: ignore[arg-type]
+    with off:
+        pass
+    assert off.stamp(ModelRunnerOutput(2, [], [])).model_forward_time is None
+    assert len(Event.made) == 4
