@@ -157,6 +157,9 @@ class KVTransferItem:
     # The KV offload tier (kv_transfer/offload.py) only: its block of each of block_ids
     # (a load reads them into block_ids, a save writes block_ids to them); key is unused.
     offload_blocks: list[int] = field(default_factory=list)
+    # The P2P connector's loads only: the prompt's KV (storage.pack's bytes) as the decode
+    # instance's engine core received it, off the steps (kv_transfer/p2p_recv.py).
+    data: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -258,6 +261,39 @@ class SpecDecodingStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
+# vLLM's buckets of vllm:kv_offload_{load,store}_size, bytes
+KV_OFFLOAD_SIZE_BUCKETS = (1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6)
+
+
+@dataclass(slots=True)
+class TransferSizes:
+    """One direction of the KV offload tier's transfers (cumulative): bytes over every rank,
+    and each rank's operation sizes as vLLM's histogram counts them (one observation per rank
+    and request per step: a worker's transfer job)."""
+
+    bytes: int = 0  # the histograms' sum too
+    count: int = 0  # operations observed
+    buckets: list[int] = field(default_factory=lambda: [0] * len(KV_OFFLOAD_SIZE_BUCKETS))
+
+    def observe(self, rank_bytes: list[int]) -> None:
+        """One request's transfer, ``rank_bytes``: each rank's part."""
+        for size in rank_bytes:
+            self.bytes += size
+            self.count += 1
+            for i, bound in enumerate(KV_OFFLOAD_SIZE_BUCKETS):
+                if size <= bound:
+                    self.buckets[i] += 1
+
+
+@dataclass(slots=True)
+class KVOffloadStats:
+    """The KV offload tier's transfers: loads (tier -> KV cache) and stores (KV cache ->
+    tier), vLLM's vllm:kv_offload_* series."""
+
+    loads: TransferSizes = field(default_factory=TransferSizes)
+    stores: TransferSizes = field(default_factory=TransferSizes)
+
+
 @dataclass(slots=True)
 class SchedulerStats:
     num_running_reqs: int = 0
@@ -283,6 +319,7 @@ class SchedulerStats:
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     # Expert parallelism: (token, expert) pairs routed to each rank's experts (cumulative).
     expert_load: list[int] = field(default_factory=list)
+    kv_offload: KVOffloadStats | None = None  # None: no --kv-offloading-size
 
 
 @dataclass(slots=True)

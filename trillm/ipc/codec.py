@@ -148,7 +148,8 @@ def _enc_sched(s: SchedulerOutput) -> list[Any]:
 
 def _enc_kv(items: list[KVTransferItem]) -> list[Any]:
     return [
-        [i.req_id, i.key, i.block_ids, i.num_tokens, i.first_block, i.offload_blocks] for i in items
+        [i.req_id, i.key, i.block_ids, i.num_tokens, i.first_block, i.offload_blocks, i.data]
+        for i in items
     ]
 
 

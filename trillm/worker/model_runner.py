@@ -97,7 +97,7 @@ class ModelRunner:
         self._model: CausalLM | None = None
         self.attn_backend = get_attention_backend(config.attention_backend, config.device)
         self.kv_caches: list[torch.Tensor] = []
-        self.kv_connector = worker_connector(config)  # --kv-transfer-config's worker side
+        self.kv_connector = worker_connector(config, rank)  # --kv-transfer-config's worker side
         self._kv_load_failed: dict[str, str] = {}  # the step's requests whose KV load failed
         self.forward_clock = ForwardClock(config)  # --collect-detailed-traces model
         self.batch = InputBatch(
