@@ -189,8 +189,9 @@ WORKER_START = EnvVar(
 RANK_ZYGOTE = EnvVar(
     ("TRILLM_RANK_ZYGOTE",),
     "The Unix socket of a rank zygote server already running (python -m "
-    "trillm.executor.rank_server) that this process started: multi-rank engines fork their "
-    "ranks from it instead of starting a zygote each (unset: a zygote each).",
+    "trillm.executor.rank_server) that this process started: engines fork their ranks from "
+    "it, one rank included, instead of starting a zygote each (unset: a zygote per multi-rank "
+    "start, a process of its own for one rank).",
     _text_or_none,
     None,
 )

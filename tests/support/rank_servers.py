@@ -10,7 +10,9 @@ from it:
   starts one server per pytest worker, at the first module that asks, and names it in
   ``TRILLM_RANK_ZYGOTE`` while that module runs;
 - the ``trillm serve`` a test starts (forked from the serve zygote, which has imported torch):
-  ``serve_zygote.py`` forks each multi-rank server its own rank zygote server at its start.
+  ``serve_zygote.py`` forks each server its own rank zygote server at its start, from which its
+  engines fork their ranks, a one-rank engine's too (a worker spawned instead imports torch
+  again: ~2 s of CPU per server start).
 """
 
 from __future__ import annotations

@@ -53,17 +53,20 @@ PRELOAD = (
     "trillm.executor.multiproc",
     "trillm.executor.rank_server",
 )
-# ``trillm serve`` flags that give an engine more than one rank on this node: such a server gets
-# a rank zygote server of its own, forked from it at its start (tests/support/rank_servers.py).
-MULTI_RANK_FLAGS = ("-tp", "--tensor-parallel-size", "-pp", "--pipeline-parallel-size")
+# Every child gets a rank zygote server of its own, forked from it at its start
+# (tests/support/rank_servers.py): its engines fork their ranks from it, a one-rank engine's
+# too, instead of spawning a worker that imports torch again (~2 s of CPU each).
+WORKER_START = "TRILLM_WORKER_START"
 # Room in this process's command line for a rank's, which each forked rank writes over it
 # (trillm/executor/rank_zygote.py's set_cmdline), so that ps shows the worker it is.
 CMDLINE_ROOM = " " * 4096
 _IMPORT_ENV: dict[str, str] = {}  # the environment this zygote imported torch under
 
 
-def multi_rank(args: list[str]) -> bool:
-    return any(a.split("=", 1)[0] in MULTI_RANK_FLAGS for a in args)
+def forks_ranks(env: dict[str, str]) -> bool:
+    """Whether a child's engines fork their ranks (one or several) from a rank zygote server:
+    unless its environment asks for every rank to be spawned (which the server would refuse)."""
+    return env.get(WORKER_START) != "spawn"
 
 
 # --- the zygote program -----------------------------------------------------------------------
@@ -84,7 +87,7 @@ def _run_child(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if multi_rank(request["args"]):
+        if forks_ranks(request["env"]):
             _fork_rank_server()
         from trillm.entrypoints.cli.main import main
 

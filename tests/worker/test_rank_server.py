@@ -84,20 +84,20 @@ def server():
         assert proc.wait() == 0  # SIGTERM ends it cleanly
 
 
-def _start_tp2() -> list[list[bytes]]:
-    """A TP=2 fake executor started and stopped; -> its ranks' command lines while they ran,
-    after checking that they were this process's children and exited cleanly."""
+def _start_tp2(tp: int = 2) -> list[list[bytes]]:
+    """A TP=``tp`` fake executor started and stopped; -> its ranks' command lines while they
+    ran, after checking that they were this process's children and exited cleanly."""
 
     async def main():
         with trio.fail_after(120):
-            async with open_executor(make_fake_config(tensor_parallel_size=2), FAKE_RUNNER) as ex:
+            async with open_executor(make_fake_config(tensor_parallel_size=tp), FAKE_RUNNER) as ex:
                 procs = list(ex.processes)
                 assert {p.pid for p in procs} <= _children()
                 argvs = [_cmdline(p.pid) for p in procs]
         return procs, argvs
 
     procs, argvs = trio.run(main)
-    assert [p.returncode for p in procs] == [0, 0]
+    assert [p.returncode for p in procs] == [0] * tp
     assert not any(pid_alive(p.pid) for p in procs)
     return argvs
 
@@ -115,6 +115,19 @@ def test_ranks_forked_by_the_server_are_this_process_children(server, monkeypatc
             assert head == [sys.executable, "-m", "trillm.worker.worker_main", "--rank", str(rank)]
             assert argv[argv.index(b"--parent-pid") + 1] == str(os.getpid()).encode()
     assert pid_alive(pid)
+
+
+def test_a_one_rank_start_is_forked_by_the_server_too(server, monkeypatch):
+    """The server has imported the worker: a one-rank engine forks its rank from it rather
+    than spawning a process that imports torch again."""
+    address, pid = server
+    monkeypatch.setenv("TRILLM_RANK_ZYGOTE", address)
+    before = _reaped_children_faults(pid)
+    (argv,) = _start_tp2(tp=1)
+    assert _reaped_children_faults(pid) > before, "the server forked nothing"
+    head = [a.decode() for a in argv[:5]]
+    assert head == [sys.executable, "-m", "trillm.worker.worker_main", "--rank", "0"]
+    assert argv[argv.index(b"--parent-pid") + 1] == str(os.getpid()).encode()
 
 
 def _refused(match: str) -> None:

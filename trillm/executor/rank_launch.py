@@ -13,7 +13,8 @@ saves a 4-rank start ~11 s of CPU on 2 cores (benchmarks/archive/RESULTS-journal
 process of its own) or ``spawn`` (every rank its own process, as before the zygote); Linux
 without pidfds (before 5.3) always spawns.
 ``TRILLM_RANK_ZYGOTE``: the socket of a zygote that stays (``rank_server.py``), started by this
-process, to fork the ranks of every start from, instead of a fresh zygote each.
+process, to fork the ranks of every start from (a one-rank start's too), instead of a fresh
+zygote each.
 """
 
 from __future__ import annotations
@@ -159,10 +160,13 @@ async def start_ranks(specs: list[RankSpec]) -> list[RankProcess]:
             f"{envs.RANK_ZYGOTE.name} names a rank zygote server, but {START_ENV}=spawn asks "
             "for every rank to be a process of its own: unset one of them."
         )
-    if len(specs) > 1 and mode == "zygote" and pidfds_supported():
+    if mode == "zygote" and pidfds_supported():
+        # A server that stays forks any start's ranks, one included (it has imported the
+        # worker already); a fresh zygote only pays off for several (it costs a spawn).
         if server is not None:
             return await _fork_from_server(server, specs)
-        return list(await _fork_from_zygote(specs))
+        if len(specs) > 1:
+            return list(await _fork_from_zygote(specs))
     procs: list[RankProcess] = []
     try:
         for argv, fds in specs:

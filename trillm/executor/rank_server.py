@@ -1,6 +1,6 @@
 """A rank zygote that stays (``python -m trillm.executor.rank_server --socket ADDRESS``): it
-imports torch and the worker's modules once, then forks the ranks of every multi-rank engine
-start whose process names its socket in ``TRILLM_RANK_ZYGOTE``. A start otherwise pays a fresh
+imports torch and the worker's modules once, then forks the ranks of every engine start (one
+rank or several) whose process names its socket in ``TRILLM_RANK_ZYGOTE``. A start otherwise pays a fresh
 zygote's imports (~3.5 s of CPU on this project's 2-core machines) each time: this is for a
 process that starts many engines one after another (a test session).
 
