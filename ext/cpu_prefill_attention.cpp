@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
@@ -392,6 +393,30 @@ void attend_item_bf16(const Problem& p, const Item& it) {
 
 #pragma GCC pop_options
 
+}  // namespace
+
+#include "cpu_prefill_attention_dp.h"
+
+namespace {
+
+// Whether bf16 items run on vdpbf16ps (AVX512-BF16 here, not turned off by set_bf16_dot).
+inline bool cpu_has_avx512bf16_dot() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+std::atomic<bool> bf16_dot{cpu_has_avx512bf16_dot()};
+
+bool set_bf16_dot(bool on) {
+  const bool before = bf16_dot.load();
+  bf16_dot.store(on && cpu_has_avx512bf16_dot());
+  return before;
+}
+
 bool prefill_supported() { return cpu_has_avx2(); }
 
 // segments: num_segments x (start row, length) int32 pairs.
@@ -433,7 +458,9 @@ void causal_prefill(uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintpt
   });
   const int n = static_cast<int>(items.size());
   py::gil_scoped_release release;
-  if (dtype == 1)
+  if (dtype == 1 && bf16_dot.load())
+    run_items(num_threads, n, [&](int i) { attend_item_bf16_dp(p, items[i]); });
+  else if (dtype == 1)
     run_items(num_threads, n, [&](int i) { attend_item_bf16(p, items[i]); });
   else
     run_items(num_threads, n, [&](int i) { attend_item(p, items[i]); });
@@ -442,6 +469,9 @@ void causal_prefill(uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintpt
 }  // namespace
 
 void register_cpu_prefill_attention(py::module_& m) {
+  m.def("prefill_bf16_dot", &set_bf16_dot, py::arg("on"),
+        "bf16 prompts on AVX512-BF16's vdpbf16ps (on where the CPU has it) or the AVX2 path; "
+        "-> the setting before. For tests and benchmarks comparing the two.");
   m.def("prefill_supported", &prefill_supported,
         "Whether causal_prefill runs here (a CPU with AVX2 and FMA).");
   trillm_cpu::def_kernel(m, "causal_prefill", &causal_prefill, py::arg("out"), py::arg("q"), py::arg("k"),
