@@ -59,6 +59,7 @@ CHOSEN = [
     "completion/test_completion.py",
     "completion/test_prompt_validation.py::test_empty_prompt",
     "completion/test_prompt_validation.py::test_out_of_vocab_token_ids",
+    "completion/test_token_in_token_out.py",  # (imports vLLM: the client is vLLM's venv)
     "completion/test_usage_policy.py",
     "serve/instrumentator/test_orca_metrics.py",
     "serve/tokenize/test_tokenization.py",
@@ -103,9 +104,9 @@ NOT_RUN = {
     "(Qwen3-0.6B, --reasoning-parser qwen3); SmolLM2 never opens a reasoning section",
     "chat_completion/test_extra_content_fields.py": "needs TranslateGemma's template and a "
     "Spanish translation (model quality)",
-    "completion/test_token_in_token_out.py, chat_completion/test_token_in_token_out.py, "
-    "completion/test_shutdown.py": "import vLLM helpers (download_weights_from_hf, "
-    "vllm.platforms) in the client; not yet run",
+    "chat_completion/test_token_in_token_out.py, completion/test_shutdown.py": "import vLLM "
+    "helpers (download_weights_from_hf into its own cache folder, vllm.platforms, vLLM's "
+    "api_server module started directly); not yet run",
     "responses/**": "mostly reasoning models' answers (gpt-oss, Qwen3: '312' in the output, "
     "reasoning items) or in-process serving classes; not yet exported",
     "embedding_tests/**, correctness/test_mteb*.py": "pooling (embedding / score) models, not "
