@@ -53,6 +53,28 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+# Folders whose modules start engines in this process (``LLM``, ``AsyncLLM``, executors): their
+# ranks, one or several, are forked from this worker's rank zygote server (tests/support/
+# rank_servers.py) instead of each start spawning a worker that imports torch again (~2 s of
+# CPU each). tests/parallel does the same in its own conftest. A module here that starts a
+# Python of its own with this environment drops TRILLM_RANK_ZYGOTE from it (the server is
+# not that process's descendant, so its engines would be refused).
+RANKS_FROM_ONE_ZYGOTE = {
+    "core", "engine", "lora", "models", "sample", "spec_decode", "structured_output", "worker",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ranks_from_one_zygote(request):
+    if request.path.parent.name not in RANKS_FROM_ONE_ZYGOTE:
+        yield
+        return
+    from rank_servers import ranks_from_one_zygote
+
+    with ranks_from_one_zygote():
+        yield
+
+
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory):
     """``shared_server(args) -> ServerProcess``: one ``trillm serve ARGS`` per distinct flags for

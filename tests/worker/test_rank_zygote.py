@@ -57,6 +57,13 @@ def _subreaper() -> int:
     return flag.value
 
 
+@pytest.fixture(autouse=True)
+def _a_zygote_each_start(monkeypatch):
+    """The zygote a start makes of its own is what is tested here: no rank zygote server
+    (tests/conftest.py names this worker's for the modules of this folder)."""
+    monkeypatch.delenv("TRILLM_RANK_ZYGOTE", raising=False)
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model_factory):
     return tiny_model_factory("qwen2", num_hidden_layers=2)
