@@ -224,6 +224,9 @@ class ModelRunnerOutput:
     # forward ("model") / in the worker's execute call ("worker"); None: not collected.
     model_forward_time: float | None = None
     model_execute_time: float | None = None
+    # The KV offload tier: [loads, stores] seconds of this rank's tier copies since its last
+    # output (worker_side.TimedTransfers; the executor sums the ranks'); [] without the tier.
+    kv_offload_seconds: list[float] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- engine core -> output handler
@@ -273,6 +276,7 @@ class TransferSizes:
 
     bytes: int = 0  # the histograms' sum too
     count: int = 0  # operations observed
+    seconds: float = 0.0  # the copies' time, summed over the ranks (as vLLM sums its workers')
     buckets: list[int] = field(default_factory=lambda: [0] * len(KV_OFFLOAD_SIZE_BUCKETS))
 
     def observe(self, rank_bytes: list[int]) -> None:

@@ -135,6 +135,7 @@ def test_the_offload_series_on_metrics(tiny_model_factory, tmp_path):
         assert _metric(server, "vllm:kv_offload_load_bytes_total") == loaded * block
         assert _metric(server, "vllm:kv_offload_load_size_sum") == loaded * block
         assert _metric(server, "vllm:kv_offload_load_size_count") == 2  # one per rank
+        assert _metric(server, "vllm:kv_offload_load_time_total") > 0  # the ranks' seconds
         stored = _metric(server, "vllm:kv_offload_store_bytes_total")
         assert stored > 0 and stored % block == 0
         legacy = _metric(server, "vllm:kv_offload_total_bytes_total")

@@ -95,6 +95,8 @@ def test_the_tier_of_several_ranks_loads_an_evicted_prefix_and_matches(runs, tp,
     assert stats.kv_offload.loads.bytes == loaded * block_bytes == one.kv_offload.loads.bytes
     assert stats.kv_offload.stores.bytes == one.kv_offload.stores.bytes
     assert stats.kv_offload.loads.count == tp * pp * one.kv_offload.loads.count
+    # the ranks' copy seconds (vllm:kv_offload_*_time): measured, and only by the tier
+    assert stats.kv_offload.loads.seconds > 0 and stats.kv_offload.stores.seconds > 0
 
 
 def test_the_tier_size_is_over_every_rank(tiny_model_factory):
@@ -131,6 +133,7 @@ def test_the_series_carry_vllms_names():
     stats = KVOffloadStats()
     stats.loads.observe([3_000_000, 1_500_000])
     stats.stores.observe([300, 150])
+    stats.loads.seconds = 0.25
     engine = SimpleNamespace(get_engine_stats=lambda: [SchedulerStats(kv_offload=stats)])
     registry = CollectorRegistry(auto_describe=False)
     registry.register(KVOffloadCollector(engine, "m"))
@@ -144,6 +147,9 @@ def test_the_series_carry_vllms_names():
         text
     )
     assert 'vllm:kv_offload_load_size_count{engine="0",model_name="m"} 2.0' in text
+    assert 'vllm:kv_offload_load_time_total{engine="0",model_name="m"} 0.25' in text
+    assert 'vllm:kv_offload_store_time_total{engine="0",model_name="m"} 0.0' in text
+    assert 'transfer_type="CPU_to_GPU"} 0.25' in text  # vllm:kv_offload_total_time_total
     legacy = 'vllm:kv_offload_total_bytes_total{engine="0",model_name="m",transfer_type='
     assert legacy + '"CPU_to_GPU"} 4.5e+06' in text
     assert legacy + '"GPU_to_CPU"} 450.0' in text

@@ -143,6 +143,7 @@ model_runner_outputs = st.builds(
     expert_load=st.lists(st.integers(0, 2**62), max_size=4),
     model_forward_time=st.none() | finite,
     model_execute_time=st.none() | finite,
+    kv_offload_seconds=st.lists(finite, max_size=2),
 )
 
 sample_requests = st.builds(
@@ -261,7 +262,7 @@ def test_encode_rejects_foreign_objects():
         ),
         (
             msgpack.packb(
-                [2, 1, [], [], {"r": [1, 2]}, {}, 0.0, None, {}, {}, {}, {}, [], None, None]
+                [2, 1, [], [], {"r": [1, 2]}, {}, 0.0, None, {}, {}, {}, {}, [], None, None, []]
             ),
             "Malformed LogprobsLists",
         ),

@@ -200,6 +200,10 @@ class EngineCore:
         if runner_out.kv_load_failed:  # NOTE: only a KV connector's scheduler asks for loads
             scheduler = cast("ConnectorScheduler", self.scheduler)
             scheduler.recompute_failed_loads(runner_out.kv_load_failed)
+        if runner_out.kv_offload_seconds:  # NOTE: only the KV offload tier times its copies
+            cast("ConnectorScheduler", self.scheduler).kv_transfer_seconds(
+                runner_out.kv_offload_seconds
+            )
         outputs = self.scheduler.update_from_output(sched, runner_out)  # P4
         if self.batch_queue is not None:
             self.batch_queue.keep_tokens(sched, runner_out, self.scheduler.get_request)

@@ -96,6 +96,9 @@ def step_output(outputs: list[ModelRunnerOutput], output_rank: int) -> ModelRunn
     if diverged is not None:
         raise WorkerStepProtocolError(diverged)
     out = outputs[output_rank]
+    spent = [o.kv_offload_seconds for o in outputs if o.kv_offload_seconds]
+    if spent:  # the KV offload tier: every rank copied its share
+        out.kv_offload_seconds = [sum(s[i] for s in spent) for i in range(2)]
     if output_rank:  # pipeline stages: each counted the pairs its own layers routed
         out.expert_load = stage_expert_loads(outputs, len(outputs) - output_rank)
     return out

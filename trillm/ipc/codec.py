@@ -211,11 +211,12 @@ def _enc_output(o: ModelRunnerOutput) -> list[Any]:
         o.expert_load,
         o.model_forward_time,
         o.model_execute_time,
+        o.kv_offload_seconds,
     ]
 
 
 def _dec_output(v: list[Any]) -> ModelRunnerOutput:
-    _check_arity(v, 15, "ModelRunnerOutput")
+    _check_arity(v, 16, "ModelRunnerOutput")
     return ModelRunnerOutput(
         v[1],
         v[2],
@@ -231,6 +232,7 @@ def _dec_output(v: list[Any]) -> ModelRunnerOutput:
         v[12],
         v[13],
         v[14],
+        v[15],
     )
 
 

@@ -142,6 +142,13 @@ class ConnectorSteps(_SchedulerTwin):
             self.prompt_tokens_by_source["external_kv_transfer"] -= external
             self.prompt_tokens_by_source["local_compute"] += external
 
+    def kv_transfer_seconds(self, seconds: list[float]) -> None:
+        """The offload tier's [loads, stores] seconds of a step, over every rank."""
+        if isinstance(self.kv_connector, OffloadScheduler):
+            transfers = self.kv_connector.transfers
+            transfers.loads.seconds += seconds[0]
+            transfers.stores.seconds += seconds[1]
+
     def _finish(self, request: Request, reason: FinishReason) -> None:
         super()._finish(request, reason)
         self.kv_connector.request_finished(request.request_id)

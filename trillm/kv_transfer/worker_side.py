@@ -5,6 +5,8 @@ of several ranks (tensor x pipeline), with its failed loads agreed over every ra
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from trillm.config import TrillmConfig
@@ -19,7 +21,7 @@ def worker_connector(config: TrillmConfig, rank: int = 0) -> KVConnectorWorker:
     """The connector's worker side on global rank ``rank``."""
     connector: KVConnectorWorker
     if config.kv_offload is not None:
-        connector = OffloadWorker(config.kv_offload, rank)
+        connector = TimedTransfers(OffloadWorker(config.kv_offload, rank))
     else:
         connector = shared_storage_connector(config, rank)
     if config.parallel.world_size == 1:
@@ -43,3 +45,41 @@ class RanksAgree:
 
     def wait_for_save(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
         self.connector.wait_for_save(step, kv_caches)
+
+    def take_seconds(self) -> list[float]:
+        return take_transfer_seconds(self.connector)
+
+
+class TimedTransfers:
+    """The offload tier's worker side, its copies timed: [loads, stores] seconds since the last
+    ``take_seconds`` (vLLM's vllm:kv_offload_{load,store}_time, measured in its workers)."""
+
+    def __init__(self, connector: KVConnectorWorker) -> None:
+        self.connector = connector
+        self.seconds = [0.0, 0.0]
+
+    def start_load_kv(
+        self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
+    ) -> dict[str, str]:
+        start = time.perf_counter()
+        failed = self.connector.start_load_kv(step, kv_caches)
+        if step is not None and step.loads:
+            self.seconds[0] += time.perf_counter() - start
+        return failed
+
+    def wait_for_save(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
+        start = time.perf_counter()
+        self.connector.wait_for_save(step, kv_caches)
+        if step is not None and step.saves:
+            self.seconds[1] += time.perf_counter() - start
+
+    def take_seconds(self) -> list[float]:
+        spent, self.seconds = self.seconds, [0.0, 0.0]
+        return spent if any(spent) else []
+
+
+def take_transfer_seconds(connector: KVConnectorWorker) -> list[float]:
+    """[loads, stores] seconds of the offload tier's copies since the last call ([] for
+    another connector, or when none ran)."""
+    take = getattr(connector, "take_seconds", None)
+    return [] if take is None else take()

@@ -40,7 +40,7 @@ from trillm.distributed.pipeline import IntermediateTensors, get_pp_group
 from trillm.distributed.sharding import RankShapes
 from trillm.distributed.worker import join_tensor_parallel, leave_tensor_parallel, place_rank
 from trillm.errors import CollectiveTimeoutError
-from trillm.kv_transfer.worker_side import worker_connector
+from trillm.kv_transfer.worker_side import take_transfer_seconds, worker_connector
 from trillm.lora.manager import LoRAManager
 from trillm.lora.request import LoRARequest
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
@@ -393,8 +393,8 @@ class ModelRunner:
         if pending is None:
             raise RuntimeError("sample_tokens called without a successful execute_model.")
         self._pending = None
-        if not self.pp.is_last:
-            return self.forward_clock.stamp(output_before_last_stage(pending))
-        out = self.token_sampler.sample(pending, bitmask)
-        out.kv_load_failed = self._kv_load_failed
+        last, sampler = self.pp.is_last, self.token_sampler  # NOTE: the last stage samples
+        out = sampler.sample(pending, bitmask) if last else output_before_last_stage(pending)
+        out.kv_load_failed = self._kv_load_failed if last else {}
+        out.kv_offload_seconds = take_transfer_seconds(self.kv_connector)  # the offload tier's
         return self.forward_clock.stamp(out)

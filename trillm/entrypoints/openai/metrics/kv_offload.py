@@ -8,11 +8,12 @@ and request per step (vLLM's worker transfer jobs, each worker's own). vLLM's ea
 which it still exposes, carry the same figures by ``transfer_type`` ("CPU_to_GPU" for loads,
 "GPU_to_CPU" for stores): ``vllm:kv_offload_total_bytes_total`` and ``vllm:kv_offload_size``.
 A load is counted when the step that performs it is built.
+``vllm:kv_offload_load_time_total`` / ``vllm:kv_offload_store_time_total`` (and the older
+``vllm:kv_offload_total_time_total`` by ``transfer_type``): the copies' seconds, each rank's
+measured in its worker and summed over the ranks, as vLLM sums its workers'.
 
-Not exposed: vLLM's ``vllm:kv_offload_{load,store}_time`` and ``vllm:kv_offload_total_time``
-(the transfers' seconds, measured in the workers: trillm's workers do not report them), and
-``vllm:kv_offload_stores_skipped`` (stores below a reuse threshold: trillm stores every
-computed block, as vLLM's default)."""
+Not exposed: ``vllm:kv_offload_stores_skipped`` (stores below a reuse threshold: trillm stores
+every computed block, as vLLM's default)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,11 @@ class KVOffloadCollector(Collector):
             "Number of bytes offloaded by KV connector",
             labels=[*LABELS, "transfer_type"],
         )
+        total_time = CounterMetricFamily(
+            "vllm:kv_offload_total_time",
+            "Total time measured by all KV offloading operations",
+            labels=[*LABELS, "transfer_type"],
+        )
         size = HistogramMetricFamily(
             "vllm:kv_offload_size",
             "Histogram of KV offload transfer size, in bytes.",
@@ -67,6 +73,11 @@ class KVOffloadCollector(Collector):
         )
         for name, attr, transfer_type, doc in _DIRECTIONS:
             counter = CounterMetricFamily(f"vllm:kv_offload_{name}_bytes", doc, labels=LABELS)
+            seconds = CounterMetricFamily(
+                f"vllm:kv_offload_{name}_time",
+                f"Total {name} time of the KV offload tier's copies, in seconds.",
+                labels=LABELS,
+            )
             hist = HistogramMetricFamily(
                 f"vllm:kv_offload_{name}_size",
                 f"Histogram of KV offload {name} operation size, in bytes.",
@@ -75,10 +86,14 @@ class KVOffloadCollector(Collector):
             for labels, stats in per_engine:
                 sizes: TransferSizes = getattr(stats, attr)
                 counter.add_metric(labels, float(sizes.bytes))
+                seconds.add_metric(labels, sizes.seconds)
+                total_time.add_metric([*labels, transfer_type], sizes.seconds)
                 hist.add_metric(labels, _buckets(sizes), float(sizes.bytes))
                 total.add_metric([*labels, transfer_type], float(sizes.bytes))
                 size.add_metric([*labels, transfer_type], _buckets(sizes), float(sizes.bytes))
             yield counter
+            yield seconds
             yield hist
         yield total
+        yield total_time
         yield size
