@@ -17,11 +17,12 @@ save of the same step takes over is read first by any load of it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from trillm.core.kv_cache_manager import hash_block_tokens, request_extra_keys
 from trillm.core.request import Request
-from trillm.messages import KVConnectorStep, KVOffloadStats, KVTransferItem, SchedulerOutput
+from trillm.kv_transfer.base import LoadsAndSaves
+from trillm.messages import KVOffloadStats, KVTransferItem, SchedulerOutput
 
 
 class OffloadTier:
@@ -71,26 +72,21 @@ def block_hashes(request: Request, block_size: int) -> list[int]:
     return hashes
 
 
-class OffloadScheduler:
-    """The scheduler side (``base.KVConnectorScheduler``)."""
+class OffloadScheduler(LoadsAndSaves[tuple[int, list[int]]]):
+    """The scheduler side (``base.KVConnectorScheduler``). A lookup: (first block, tier
+    blocks). ``_not_loaded``: requests whose load failed, computed instead."""
 
     def __init__(
         self, num_blocks: int, block_size: int, rank_block_bytes: tuple[int, ...] = ()
     ) -> None:
+        super().__init__()
         self.tier = OffloadTier(num_blocks)
         self.block_size = block_size
         # vLLM's vllm:kv_offload_* series: what each step's loads and stores move, on each
         # rank (its share of a block: ``offload_config.KVOffloadConfig.rank_block_bytes``)
         self.rank_block_bytes = rank_block_bytes
         self.transfers = KVOffloadStats()
-        # req_id -> (first block, tier blocks) of this step's lookups
-        self._lookups: dict[str, tuple[int, list[int]]] = {}
-        self._loads: list[KVTransferItem] = []  # admitted this step
         self._stored: dict[str, int] = {}  # req_id -> its leading blocks the tier has seen
-        self._loaded: dict[str, tuple[int, int]] = {}  # req_id -> (tokens loaded, before them)
-        self._not_loaded: set[str] = set()  # requests whose load failed: computed instead
-        self._queries = 0
-        self._hits = 0
 
     def _block(self, tokens: list[int], i: int) -> tuple[int, ...]:
         return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
@@ -131,20 +127,16 @@ class OffloadScheduler:
         )
         self._loaded[request.request_id] = (len(found) * bs, first * bs)
 
-    def build_connector_meta(
+    def _saves(
         self,
         out: SchedulerOutput,
         request_of: Callable[[str], Request],
         block_ids_of: Callable[[str], list[int]],
-    ) -> KVConnectorStep:
-        step = KVConnectorStep(loads=self._loads)
-        self._loads = []
-        self._lookups.clear()  # NOTE: a request not admitted is looked up again next step
+    ) -> Iterator[KVTransferItem]:
         for req_id in out.num_scheduled_tokens:
             save = self._save(request_of(req_id), block_ids_of(req_id))
             if save is not None:
-                step.saves.append(save)
-        return step
+                yield save
 
     def _save(self, request: Request, block_ids: list[int]) -> KVTransferItem | None:
         """The request's blocks this step completes that the tier lacks (None: none)."""
@@ -181,6 +173,3 @@ class OffloadScheduler:
         self._loaded.pop(req_id, None)
         self._not_loaded.discard(req_id)
         self._lookups.pop(req_id, None)
-
-    def prefix_cache_stats(self) -> tuple[int, int]:
-        return self._queries, self._hits

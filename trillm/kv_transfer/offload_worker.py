@@ -14,13 +14,18 @@ import logging
 
 import torch
 
+from trillm.kv_transfer.base import BlockWorker
 from trillm.kv_transfer.offload_config import KVOffloadConfig
-from trillm.messages import KVConnectorStep
+from trillm.messages import KVTransferItem
 
 logger = logging.getLogger(__name__)
 
 
-class OffloadWorker:
+class OffloadWorker(BlockWorker):
+    load_errors = (RuntimeError, IndexError)
+    what = "KV offload load"
+    reason = "KV offload load"
+
     def __init__(self, offload: KVOffloadConfig, rank: int = 0) -> None:
         self.offload = offload
         self.tier: list[torch.Tensor] = []  # per KV layer: [planes, tier blocks, bs, *entry]
@@ -44,24 +49,14 @@ class OffloadWorker:
             logger.info("KV offload tier: %d blocks of %d bytes", n, block_bytes)
         return self.tier
 
-    def start_load_kv(
-        self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
-    ) -> dict[str, str]:
-        failed = {}
-        for item in () if step is None else step.loads:
-            try:
-                ids = torch.tensor(item.block_ids[item.first_block :], device=kv_caches[0].device)
-                source = torch.tensor(item.offload_blocks)
-                for layer, tier in zip(kv_caches, self._tier_for(kv_caches), strict=True):
-                    layer[:, ids] = tier[:, source].to(layer.device)
-            except (RuntimeError, IndexError) as exc:  # NOTE: that request's alone
-                logger.warning("request %s: KV offload load failed: %s", item.req_id, exc)
-                failed[item.req_id] = f"KV offload load: {exc}"
-        return failed
+    def _load(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
+        ids = torch.tensor(item.block_ids[item.first_block :], device=kv_caches[0].device)
+        source = torch.tensor(item.offload_blocks)
+        for layer, tier in zip(kv_caches, self._tier_for(kv_caches), strict=True):
+            layer[:, ids] = tier[:, source].to(layer.device)
 
-    def wait_for_save(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
-        for item in () if step is None else step.saves:
-            ids = torch.tensor(item.block_ids, device=kv_caches[0].device)
-            target = torch.tensor(item.offload_blocks)
-            for layer, tier in zip(kv_caches, self._tier_for(kv_caches), strict=True):
-                tier[:, target] = layer[:, ids].cpu()
+    def _save(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
+        ids = torch.tensor(item.block_ids, device=kv_caches[0].device)
+        target = torch.tensor(item.offload_blocks)
+        for layer, tier in zip(kv_caches, self._tier_for(kv_caches), strict=True):
+            tier[:, target] = layer[:, ids].cpu()

@@ -25,13 +25,14 @@ import time
 
 import torch
 
+from trillm.kv_transfer.base import BlockWorker
 from trillm.kv_transfer.config import KVTransferConfig
 from trillm.kv_transfer.kv_blocks import gather, payload_bytes, scatter
 from trillm.kv_transfer.p2p_config import DECODE_KV_ADDRS, PREFILL_KV_ADDRS, kv_address
 from trillm.kv_transfer.p2p_push import PUSH_QUEUE_BYTES, Pusher
 from trillm.kv_transfer.p2p_wire import KVServer, SendStore
 from trillm.kv_transfer.storage import HEADER_READ_BYTES, pack, unpack
-from trillm.messages import KVConnectorStep, KVTransferItem
+from trillm.messages import KVTransferItem
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +103,10 @@ class PrefillAddresses:
         )
 
 
-class P2pWorker:
+class P2pWorker(BlockWorker):
     """The worker side (``base.KVConnectorWorker``)."""
+
+    what = "KV transfer"
 
     def __init__(self, identity: str, kv: KVTransferConfig) -> None:
         assert kv.p2p is not None
@@ -118,26 +121,13 @@ class P2pWorker:
             self.server = KVServer(self.store, kv.p2p.kv_ip, kv.p2p.kv_port)
             logger.info("P2P KV server on %s:%d", *self.server.address)
 
-    def start_load_kv(
-        self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
-    ) -> dict[str, str]:
-        failed = {}
-        for item in () if step is None else step.loads:
-            try:
-                self._load(item, kv_caches)
-            except (OSError, ValueError, RuntimeError) as exc:  # NOTE: that request's alone
-                logger.warning("request %s: KV transfer failed: %s", item.req_id, exc)
-                failed[item.req_id] = f"KV connector load: {exc}"
-        return failed
-
-    def wait_for_save(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
-        for item in () if step is None else step.saves:
-            header, payload = gather(item, kv_caches, self.identity)
-            if self.pusher is not None:  # the key names the (listed) decode instance
-                address, key = item.key.rsplit("/", 1)
-                self.pusher.send(address, key, pack(header, payload))
-            elif self.store is not None:  # NOTE: a consumer's scheduler side asks no save
-                self.store.put(item.key, pack(header, payload))
+    def _save(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
+        header, payload = gather(item, kv_caches, self.identity)
+        if self.pusher is not None:  # the key names the (listed) decode instance
+            address, key = item.key.rsplit("/", 1)
+            self.pusher.send(address, key, pack(header, payload))
+        elif self.store is not None:  # NOTE: a consumer's scheduler side asks no save
+            self.store.put(item.key, pack(header, payload))
 
     def _load(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
         """The bytes the engine core received for ``item`` (``p2p_recv.py``), checked."""

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from trillm.config import TrillmConfig
 from trillm.core.request import Request
 from trillm.distributed.pipeline import stage_layers
-from trillm.kv_transfer.base import KVConnectorWorker, NoConnector
+from trillm.kv_transfer.base import BlockWorker, KVConnectorWorker, LoadsAndSaves, NoConnector
 from trillm.kv_transfer.config import KVTransferConfig
 from trillm.kv_transfer.disk_budget import DiskBudget, rank_share, touch
 from trillm.kv_transfer.kv_blocks import gather, scatter
@@ -41,33 +41,28 @@ from trillm.kv_transfer.storage import (
     read_header,
     write_file,
 )
-from trillm.messages import KVConnectorStep, KVTransferItem, SchedulerOutput
+from trillm.messages import KVTransferItem, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
-class SharedStorageScheduler:
-    """The scheduler side (``base.KVConnectorScheduler``)."""
+class SharedStorageScheduler(LoadsAndSaves[tuple[str, int, int]]):
+    """The scheduler side (``base.KVConnectorScheduler``). A lookup: (key, tokens in the file,
+    tokens computed before it). ``_loaded``: req_id -> (tokens in the file, tokens computed
+    before it). ``_not_loaded``: requests whose load failed, or (P2P) whose id names no listed
+    prefill instance: computed instead, never looked up again."""
 
     def __init__(
         self, kv: KVTransferConfig, identity: str, block_size: int, world_size: int = 1
     ) -> None:
+        super().__init__()
         self.kv = kv
         self.identity = identity
         self.block_size = block_size
         self.world_size = world_size  # every rank's file must be there (tensor x pipeline)
-        # req_id -> (key, tokens in the file, tokens computed before it) of this step's lookups
-        self._lookups: dict[str, tuple[str, int, int]] = {}
-        self._loads: list[KVTransferItem] = []  # admitted this step
         self._saved: set[str] = set()  # requests whose prompt was saved (or has no full block)
         self._found: dict[str, str] = {}  # req_id -> key of its file, its header checked once
-        self._loaded: dict[str, tuple[int, int]] = {}  # req_id -> (tokens loaded, before them)
-        # requests whose load failed, or (P2P) whose id names no listed prefill instance:
-        # computed instead, never looked up again
-        self._not_loaded: set[str] = set()
         self._prefill = None if kv.p2p is None else PrefillAddresses(kv.p2p.prefill_kv_addrs)
-        self._queries = 0
-        self._hits = 0
 
     def _prefix(self, request: Request) -> tuple[str, int]:
         n = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
@@ -125,17 +120,14 @@ class SharedStorageScheduler:
             self._loaded[request.request_id] = (n, computed)
             self._saved.add(request.request_id)  # kv_both: its file is there already
 
-    def build_connector_meta(
+    def _saves(
         self,
         out: SchedulerOutput,
         request_of: Callable[[str], Request],
         block_ids_of: Callable[[str], list[int]],
-    ) -> KVConnectorStep:
-        step = KVConnectorStep(loads=self._loads)
-        self._loads = []
-        self._lookups.clear()  # NOTE: a request not admitted is looked up again next step
+    ) -> Iterator[KVTransferItem]:
         if not self.kv.is_producer:
-            return step
+            return
         for req_id in out.num_scheduled_tokens:
             request = request_of(req_id)
             if req_id in self._saved or request.num_computed_tokens < request.num_prompt_tokens:
@@ -144,8 +136,7 @@ class SharedStorageScheduler:
             key, n = self._prefix(request)
             if n > 0:
                 blocks = block_ids_of(req_id)[: n // self.block_size]
-                step.saves.append(KVTransferItem(req_id, key, blocks, n, 0))
-        return step
+                yield KVTransferItem(req_id, key, blocks, n, 0)
 
     def load_failed(self, req_id: str) -> int:
         n, computed = self._loaded.pop(req_id)
@@ -161,11 +152,8 @@ class SharedStorageScheduler:
         self._found.pop(req_id, None)
         self._lookups.pop(req_id, None)
 
-    def prefix_cache_stats(self) -> tuple[int, int]:
-        return self._queries, self._hits
 
-
-class SharedStorageWorker:
+class SharedStorageWorker(BlockWorker):
     """The worker side (``base.KVConnectorWorker``): files in, files out."""
 
     def __init__(self, config: TrillmConfig, kv: KVTransferConfig, rank: int = 0) -> None:
@@ -185,22 +173,6 @@ class SharedStorageWorker:
 
     def _path(self, key: str) -> str:
         return file_path(self.folder, key, self.rank, self.world_size)
-
-    def start_load_kv(
-        self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]
-    ) -> dict[str, str]:
-        failed = {}
-        for item in () if step is None else step.loads:
-            try:
-                self._load(item, kv_caches)
-            except (OSError, ValueError, RuntimeError) as exc:  # NOTE: that request's alone
-                logger.warning("request %s: KV load failed: %s", item.req_id, exc)
-                failed[item.req_id] = f"KV connector load: {exc}"
-        return failed
-
-    def wait_for_save(self, step: KVConnectorStep | None, kv_caches: list[torch.Tensor]) -> None:
-        for item in () if step is None else step.saves:
-            self._save(item, kv_caches)
 
     def _load(self, item: KVTransferItem, kv_caches: list[torch.Tensor]) -> None:
         path = self._path(item.key)
