@@ -1,9 +1,13 @@
 """What the ``*_cpu`` wrappers of ``ext/cpu_ops.cpp`` share: the extension module, the dtype
-codes, and the strided-rows description of a tensor that the native kernels take."""
+codes, and the strided-rows description of a tensor that the native kernels take. Also what
+the GEMM wrappers (``linear*_cpu.py``) share: their module's lookup (``supported_module``) and
+the switch between a GEMM's AVX2 and AVX-512 kernels (``use_isa``)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 import torch
@@ -28,6 +32,29 @@ def require() -> ModuleType:
     if ext is None:
         raise RuntimeError("trillm._ext.cpu_kernels is not built (or TRILLM_NO_EXTENSIONS=1).")
     return ext
+
+
+def supported_module(name: str) -> ModuleType | None:
+    """``trillm._ext.cpu_kernels.<name>`` when built and this CPU runs its kernel (the
+    module's ``supported()``), else None. NOTE: not cached here: each wrapper caches its own."""
+    ext = cpu_kernels(name)
+    return ext if ext is not None and ext.supported() else None
+
+
+@contextlib.contextmanager
+def use_isa(require: Callable[[], ModuleType], name: str) -> Iterator[None]:
+    """Run the kernel ``name`` (``"avx2"`` or ``"avx512"``) of the module ``require()`` returns
+    (it raises where there is none) inside the block, process-wide, then the one it ran
+    before; ValueError for another name."""
+    ext = require()
+    before = str(ext.get_isa())
+    if name not in ("avx2", "avx512"):
+        raise ValueError(f"use_isa: {name!r} is not 'avx2' or 'avx512'.")
+    ext.set_isa(name)
+    try:
+        yield
+    finally:
+        ext.set_isa(before)
 
 
 def num_threads() -> int:

@@ -19,22 +19,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from types import ModuleType
 
 import torch
 
-from trillm._native import cpu_kernels, native_available
+from trillm._native import native_available
 
-from . import recording
+from . import _cpu_ops, recording
 
 
 @functools.cache
 def _ext() -> ModuleType | None:
     """``trillm._ext.cpu_kernels.gemm`` when built and this CPU has AVX2/FMA, else None; looked
     up once (``linear`` runs for every layer of every step)."""
-    ext = cpu_kernels("gemm")
-    return ext if ext is not None and ext.supported() else None
+    return _cpu_ops.supported_module("gemm")
 
 
 def available() -> bool:
@@ -127,26 +125,17 @@ def isa() -> str:
     return str(_require().get_isa())
 
 
-@contextlib.contextmanager
-def use_isa(name: str) -> Iterator[None]:
+def use_isa(name: str) -> contextlib.AbstractContextManager[None]:
     """Run the fp32 kernel ``name`` (``"avx2"`` or ``"avx512"``) inside the block, process-wide;
     ValueError for another name, RuntimeError where the CPU lacks it."""
-    ext, before = _require(), isa()
-    if name not in ("avx2", "avx512"):
-        raise ValueError(f"use_isa: {name!r} is not 'avx2' or 'avx512'.")
-    ext.set_isa(name)
-    try:
-        yield
-    finally:
-        ext.set_isa(before)
+    return _cpu_ops.use_isa(_require, name)
 
 
 @functools.cache
 def _ext_bf16() -> ModuleType | None:
     """``trillm._ext.cpu_kernels.gemm_bf16`` when built and this CPU has AVX512-BF16, else
     None (looked up once)."""
-    ext = cpu_kernels("gemm_bf16")
-    return ext if ext is not None and ext.supported() else None
+    return _cpu_ops.supported_module("gemm_bf16")
 
 
 def available_bf16() -> bool:

@@ -18,16 +18,15 @@ from types import ModuleType
 
 import torch
 
-from trillm._native import cpu_kernels, native_available
+from trillm._native import native_available
 
-from . import recording
+from . import _cpu_ops, recording
 
 
 @functools.cache
 def _ext() -> ModuleType | None:
     """``trillm._ext.cpu_kernels.gemm_fp16`` when built and this CPU has AVX2/FMA/F16C."""
-    ext = cpu_kernels("gemm_fp16")
-    return ext if ext is not None and ext.supported() else None
+    return _cpu_ops.supported_module("gemm_fp16")
 
 
 def available() -> bool:

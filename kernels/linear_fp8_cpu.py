@@ -21,10 +21,10 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from trillm._native import cpu_kernels, native_available
+from trillm._native import native_available
 from trillm.utils import cdiv
 
-from . import recording
+from . import _cpu_ops, recording
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 PANEL = 64  # output columns per packed panel (ext/cpu_gemm_fp8.cpp's kCols)
@@ -35,8 +35,7 @@ _IO = (torch.float32, torch.bfloat16)
 def _ext() -> ModuleType | None:
     """``trillm._ext.cpu_kernels.gemm_fp8`` when built and this CPU has AVX512-BF16 (looked up
     once)."""
-    ext = cpu_kernels("gemm_fp8")
-    return ext if ext is not None and ext.supported() else None
+    return _cpu_ops.supported_module("gemm_fp8")
 
 
 def kernel_available() -> bool:

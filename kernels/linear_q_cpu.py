@@ -39,16 +39,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from types import ModuleType
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trillm._native import cpu_kernels, native_available
+from trillm._native import native_available
 
-from . import q_panels, recording
+from . import _cpu_ops, q_panels, recording
 from .ggml_blocks import (  # the block formats (callers also name them here)
     BLOCK,
     GGML_BLOCK_BYTES,
@@ -107,8 +106,7 @@ __all__ = [
 
 @functools.cache
 def _ext() -> ModuleType | None:
-    ext = cpu_kernels("gemm_q")
-    return ext if ext is not None and ext.supported() else None
+    return _cpu_ops.supported_module("gemm_q")
 
 
 def available() -> bool:
@@ -136,18 +134,10 @@ def isa() -> str:
     return str(_require().get_isa())
 
 
-@contextlib.contextmanager
-def use_isa(name: str) -> Iterator[None]:
+def use_isa(name: str) -> contextlib.AbstractContextManager[None]:
     """Run the kernel ``name`` (``"avx2"`` or ``"avx512"``) inside the block, process-wide;
     ValueError for another name, RuntimeError where the CPU lacks it."""
-    ext, before = _require(), isa()
-    if name not in ("avx2", "avx512"):
-        raise ValueError(f"use_isa: {name!r} is not 'avx2' or 'avx512'.")
-    ext.set_isa(name)
-    try:
-        yield
-    finally:
-        ext.set_isa(before)
+    return _cpu_ops.use_isa(_require, name)
 
 
 # benchmarks/kernels/q4_int8.py (benchmarks/archive/RESULTS-journal.md), SmolLM2's Q4_1 GEMMs: int8 1.2-1.3x faster at 16 rows,
