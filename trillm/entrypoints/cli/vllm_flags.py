@@ -263,7 +263,7 @@ def add_engine_compat_flags(p: argparse.ArgumentParser) -> None:
     _add_expert_parallel_refusals(g)
 
 
-def _add_expert_parallel_refusals(g: Any) -> None:
+def _add_expert_parallel_refusals(g: argparse._ArgumentGroup) -> None:
     """--enable-expert-parallel places the experts linearly (rank r: the r-th block) and
     exchanges tokens with torch.distributed's all-to-all; vLLM's load balancer (EPLB), which
     moves and replicates experts by load, and its other all-to-all kernels are refused."""

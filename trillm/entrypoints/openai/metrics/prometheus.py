@@ -60,6 +60,7 @@ from trillm.entrypoints.openai.metrics.requests import (
 if TYPE_CHECKING:
     from trillm.engine.async_engine import AsyncEngine
     from trillm.entrypoints.openai.metrics.tracing import RequestTrace
+    from trillm.messages import SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIXES = {"both": ("vllm:", "trillm:"), "vllm": ("vllm:",), "trillm": ("trillm:",)}
@@ -200,7 +201,7 @@ def waiting_by_reason(per_engine: list[tuple[list[str], Any]]) -> Metric:
     return fam
 
 
-def prompt_tokens_by_source(per_engine: list[tuple[list[str], Any]]) -> Metric:
+def prompt_tokens_by_source(per_engine: list[tuple[list[str], SchedulerStats]]) -> Metric:
     """vLLM's vllm:prompt_tokens_by_source: each request's prompt tokens once, as computed
     here, found in the local prefix cache, or loaded by the KV connector (the offload tier)."""
     fam = CounterMetricFamily(
