@@ -9,6 +9,7 @@ import math
 import os
 
 import pytest
+from kv_connectors import kv_engine, shared_storage_kv
 
 from trillm import LLM, SamplingParams
 from trillm.kv_transfer import shared_storage
@@ -20,25 +21,6 @@ BLOCK = 16
 PROMPT_LEN = 41  # 2 whole blocks stored (32 tokens) before the last prompt token
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 MIB = 2**20
-
-
-def _kv(role: str, folder: str, **extra) -> dict:
-    return {
-        "kv_connector": "SharedStorageConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": {"shared_storage_path": folder, **extra},
-    }
-
-
-def _engine(path: str, **kwargs) -> LLM:
-    return LLM(
-        path,
-        max_model_len=256,
-        kv_cache_memory="8MiB",
-        block_size=BLOCK,
-        distributed_executor_backend="uni",
-        **kwargs,
-    )
 
 
 def _prompts(n: int) -> list[dict]:
@@ -134,14 +116,17 @@ def test_a_producer_serving_many_distinct_prompts_stays_under_the_cap(
 ):
     path = tiny_model_factory("qwen2")
     probe = str(tmp_path / "probe")
-    _run(_engine(path, kv_transfer_config=_kv("kv_producer", probe)), _prompts(1))
+    _run(kv_engine(path, kv_transfer_config=shared_storage_kv("kv_producer", probe)), _prompts(1))
     (one,) = (os.path.getsize(os.path.join(probe, name)) for name in os.listdir(probe))
     folder = str(tmp_path / "capped")
     cap_gib = 2.5 * one / 2**30
     with caplog.at_level(logging.INFO, logger="trillm.kv_transfer"):
         _run(
-            _engine(
-                path, kv_transfer_config=_kv("kv_producer", folder, max_local_disk_size=cap_gib)
+            kv_engine(
+                path,
+                kv_transfer_config=shared_storage_kv(
+                    "kv_producer", folder, max_local_disk_size=cap_gib
+                ),
             ),
             _prompts(8),
         )
@@ -158,9 +143,9 @@ def test_a_consumer_whose_file_is_evicted_after_the_lookup_recomputes(
     path = tiny_model_factory("qwen2")
     folder = str(tmp_path)
     prompts = _prompts(3)
-    plain = _run(_engine(path), prompts)
+    plain = _run(kv_engine(path), prompts)
     _run(
-        _engine(path, kv_transfer_config=_kv("kv_producer", folder)),
+        kv_engine(path, kv_transfer_config=shared_storage_kv("kv_producer", folder)),
         prompts,
         SamplingParams(max_tokens=1),
     )
@@ -175,7 +160,9 @@ def test_a_consumer_whose_file_is_evicted_after_the_lookup_recomputes(
         return load(self, item, kv_caches)
 
     monkeypatch.setattr(shared_storage.SharedStorageWorker, "_load", evicted_then_load)
-    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", folder)), prompts)
+    outs = _run(
+        kv_engine(path, kv_transfer_config=shared_storage_kv("kv_consumer", folder)), prompts
+    )
     assert len(os.listdir(folder)) == len(stored) - 1 == 2
     for name in os.listdir(folder):  # loaded: touched, young again for the producer's LRU
         assert os.stat(os.path.join(folder, name)).st_mtime_ns > written_at[name]
@@ -203,10 +190,10 @@ def test_a_consumer_whose_file_is_evicted_after_the_lookup_recomputes(
 )
 def test_a_bad_cap_is_refused_naming_the_key(cap, role, message):
     with pytest.raises(ValueError, match="kv_connector_extra_config.max_local_disk_size") as err:
-        parse_kv_transfer_config(_kv(role, "/tmp/x", max_local_disk_size=cap))
+        parse_kv_transfer_config(shared_storage_kv(role, "/tmp/x", max_local_disk_size=cap))
     assert message in str(err.value)
 
 
 def test_the_cap_is_taken_in_gib():
-    kv = parse_kv_transfer_config(_kv("kv_producer", "/tmp/x", max_local_disk_size=2))
+    kv = parse_kv_transfer_config(shared_storage_kv("kv_producer", "/tmp/x", max_local_disk_size=2))
     assert kv is not None and kv.max_local_disk_size == 2.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from hf_reference import hf_greedy
+from kv_connectors import max_logprob_diff
 from scheduler_twin_helpers import ecr
 
 from trillm import LLM, SamplingParams
@@ -59,16 +60,6 @@ def _run(engine: LLM, rounds=ROUNDS, params: SamplingParams = PARAMS) -> tuple[l
         engine.shutdown()
 
 
-def _max_logprob_diff(a, b) -> float:
-    return max(
-        abs(x[t].logprob - y[t].logprob)
-        for out_a, out_b in zip(a, b, strict=True)
-        for x, y, t in zip(
-            out_a.outputs[0].logprobs, out_b.outputs[0].logprobs, out_a.outputs[0].token_ids
-        )
-    )
-
-
 @pytest.fixture(scope="module")
 def model(tiny_model_factory):
     """(model path, the plain engine's outputs of ROUNDS)."""
@@ -93,7 +84,7 @@ def test_an_evicted_prefix_loads_from_the_tier_and_matches(model, chunk):
     assert sources["external_kv_transfer"] == 96 + 64
     total = sum(len(p) for round_ in ROUNDS for p in round_)
     assert sources["local_compute"] + sources["local_cache_hit"] == total - 96 - 64
-    assert _max_logprob_diff(outs, plain) < 1e-4
+    assert max_logprob_diff(outs, plain) < 1e-4
 
 
 def test_a_preempted_request_loads_its_blocks_from_the_tier(tiny_model_factory):
@@ -106,7 +97,7 @@ def test_a_preempted_request_loads_its_blocks_from_the_tier(tiny_model_factory):
     assert plain_stats.num_preemptions > 0 and stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [p.outputs[0].token_ids for p in plain]
     assert stats.external_prefix_cache_hits > 0  # the preempted one's blocks came back
-    assert _max_logprob_diff(outs, plain) < 1e-4
+    assert max_logprob_diff(outs, plain) < 1e-4
 
 
 def test_the_tier_holds_its_size_and_drops_the_least_recently_used():

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import trio
+from kv_connectors import aligned, kv_engine, max_logprob_diff
 
 from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
@@ -26,7 +27,6 @@ from trillm.kv_transfer.engine_fit import resolve_kv_transfer
 from trillm.kv_transfer.p2p import PrefillAddresses, prefill_address
 from trillm.kv_transfer.p2p_wire import KVServer, SendStore, fetch
 
-BLOCK = 16
 LENGTHS = (40, 17, 70, 9)  # 2, 1, 4 and 0 whole blocks before the last prompt token
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 KEY = "ab" * 20
@@ -51,23 +51,8 @@ def _kv(role: str, port: int, **extra) -> dict:
     }
 
 
-def _engine(path: str, **kwargs) -> LLM:
-    return LLM(
-        path,
-        max_model_len=256,
-        kv_cache_memory="8MiB",
-        block_size=BLOCK,
-        distributed_executor_backend="uni",
-        **kwargs,
-    )
-
-
 def _prompts() -> list[dict]:
     return [{"prompt_token_ids": list(range(5 + i, 5 + i + n))} for i, n in enumerate(LENGTHS)]
-
-
-def _aligned(n: int) -> int:
-    return (n - 1) // BLOCK * BLOCK
 
 
 def _run(engine: LLM, port: int, params: SamplingParams = PARAMS) -> list:
@@ -93,44 +78,34 @@ def prefilled(tiny_model_factory):
     """(model path, the prefill instance's KV port, the plain engine's outputs)."""
     path = tiny_model_factory("qwen2")
     port = _free_port()
-    plain = _run(_engine(path), port)
+    plain = _run(kv_engine(path), port)
     # NOTE: in-process ("uni"): its KV server thread outlives the engine, as a live instance
     _run(
-        _engine(path, kv_transfer_config=_kv("kv_producer", port)),
+        kv_engine(path, kv_transfer_config=_kv("kv_producer", port)),
         port,
         SamplingParams(max_tokens=1),
     )
     return path, port, plain
 
 
-def _max_logprob_diff(a, b) -> float:
-    return max(
-        abs(x[t].logprob - y[t].logprob)
-        for out_a, out_b in zip(a, b, strict=True)
-        for x, y, t in zip(
-            out_a.outputs[0].logprobs, out_b.outputs[0].logprobs, out_a.outputs[0].token_ids
-        )
-    )
-
-
 @pytest.mark.parametrize("chunk", [None, 7])
 def test_the_decode_instance_pulls_the_prompts_and_matches(prefilled, chunk):
     path, port, plain = prefilled
     extra = {} if chunk is None else {"long_prefill_token_threshold": chunk}
-    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", port), **extra), port)
+    outs = _run(kv_engine(path, kv_transfer_config=_kv("kv_consumer", port), **extra), port)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
     # every whole block before the last prompt token came over the wire, none was computed
-    assert [o.num_cached_tokens for o in outs] == [_aligned(n) for n in LENGTHS]
-    assert _max_logprob_diff(outs, plain) < 1e-4
+    assert [o.num_cached_tokens for o in outs] == [aligned(n) for n in LENGTHS]
+    assert max_logprob_diff(outs, plain) < 1e-4
 
 
 def test_no_prefill_instance_is_recomputed(prefilled, caplog):
     path, _, plain = prefilled
     gone = _free_port()  # listed, but nothing listens there
-    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", gone)), gone)
+    outs = _run(kv_engine(path, kv_transfer_config=_kv("kv_consumer", gone)), gone)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
     assert [o.num_cached_tokens for o in outs] == [0] * len(LENGTHS)
-    assert _max_logprob_diff(outs, plain) < 1e-4
+    assert max_logprob_diff(outs, plain) < 1e-4
     assert "3 transfer failures so far" in caplog.text
 
 
@@ -142,13 +117,13 @@ def test_an_unlisted_prefill_address_is_never_connected(prefilled, monkeypatch, 
     with socket.create_server(("127.0.0.1", 0)) as trap:
         trap.setblocking(False)
         outs = _run(
-            _engine(path, kv_transfer_config=_kv("kv_consumer", port)), trap.getsockname()[1]
+            kv_engine(path, kv_transfer_config=_kv("kv_consumer", port)), trap.getsockname()[1]
         )
         with pytest.raises(BlockingIOError):  # no connection is waiting to be accepted
             trap.accept()
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
     assert [o.num_cached_tokens for o in outs] == [0] * len(LENGTHS)
-    assert _max_logprob_diff(outs, plain) < 1e-4
+    assert max_logprob_diff(outs, plain) < 1e-4
     assert "not in kv_connector_extra_config.prefill_kv_addrs" in caplog.text
     assert "KV transfer failed" not in caplog.text
 
@@ -174,7 +149,7 @@ def test_a_silent_listed_prefill_instance_does_not_stall_other_requests(prefille
     with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody answers
         silent.setblocking(False)
         port = silent.getsockname()[1]
-        engine = _engine(path, kv_transfer_config=_kv("kv_consumer", port))
+        engine = kv_engine(path, kv_transfer_config=_kv("kv_consumer", port))
         try:
             gaps, firsts = engine._call(lambda: _stream_beside_silent_loads(engine, port))
         finally:
@@ -306,12 +281,12 @@ def test_evicted_kv_is_recomputed(prefilled, tiny_model_factory):
     decode requests find nothing and compute their prompts."""
     path, _, plain = prefilled
     port = _free_port()
-    producer = _engine(path, kv_transfer_config=_kv("kv_producer", port, kv_buffer_size=30_000))
+    producer = kv_engine(path, kv_transfer_config=_kv("kv_producer", port, kv_buffer_size=30_000))
     _run(producer, port, SamplingParams(max_tokens=1))
-    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", port)), port)
+    outs = _run(kv_engine(path, kv_transfer_config=_kv("kv_consumer", port)), port)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
     cached = [o.num_cached_tokens for o in outs]
-    assert 0 < sum(cached) < sum(_aligned(n) for n in LENGTHS)
+    assert 0 < sum(cached) < sum(aligned(n) for n in LENGTHS)
 
 
 def test_the_request_id_names_the_prefill_instance():

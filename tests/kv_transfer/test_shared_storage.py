@@ -10,41 +10,18 @@ import os
 
 import pytest
 from hf_reference import hf_greedy
+from kv_connectors import BLOCK, aligned, kv_engine, max_logprob_diff, shared_storage_kv
 
 from trillm import LLM, SamplingParams
 from trillm.kv_transfer.config import parse_kv_transfer_config
 from trillm.kv_transfer.storage import HEADER_READ_BYTES
 
-BLOCK = 16
 LENGTHS = (40, 17, 70, 9)  # 2, 1, 4 and 0 whole blocks before the last prompt token
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 
 
-def _kv(role: str, folder: str) -> dict:
-    return {
-        "kv_connector": "SharedStorageConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": {"shared_storage_path": folder},
-    }
-
-
-def _engine(path: str, **kwargs) -> LLM:
-    return LLM(
-        path,
-        max_model_len=256,
-        kv_cache_memory="8MiB",
-        block_size=BLOCK,
-        distributed_executor_backend="uni",
-        **kwargs,
-    )
-
-
 def _prompts() -> list[dict]:
     return [{"prompt_token_ids": list(range(5 + i, 5 + i + n))} for i, n in enumerate(LENGTHS)]
-
-
-def _aligned(n: int) -> int:
-    return (n - 1) // BLOCK * BLOCK
 
 
 def _run(engine: LLM, params: SamplingParams = PARAMS) -> list:
@@ -59,39 +36,33 @@ def stored(tiny_model_factory, tmp_path_factory):
     """(model path, folder the producer filled, the plain engine's outputs)."""
     path = tiny_model_factory("qwen2")
     folder = str(tmp_path_factory.mktemp("kv-store"))
-    plain = _run(_engine(path))
-    _run(_engine(path, kv_transfer_config=_kv("kv_producer", folder)), SamplingParams(max_tokens=1))
+    plain = _run(kv_engine(path))
+    _run(
+        kv_engine(path, kv_transfer_config=shared_storage_kv("kv_producer", folder)),
+        SamplingParams(max_tokens=1),
+    )
     return path, folder, plain
-
-
-def _max_logprob_diff(a, b) -> float:
-    diffs = [
-        abs(x[t].logprob - y[t].logprob)
-        for out_a, out_b in zip(a, b, strict=True)
-        for x, y, t in zip(
-            out_a.outputs[0].logprobs, out_b.outputs[0].logprobs, out_a.outputs[0].token_ids
-        )
-    ]
-    return max(diffs)
 
 
 def test_the_producer_writes_one_file_per_prompt_with_a_whole_block(stored):
     _, folder, _ = stored
-    assert len(os.listdir(folder)) == sum(1 for n in LENGTHS if _aligned(n) > 0)
+    assert len(os.listdir(folder)) == sum(1 for n in LENGTHS if aligned(n) > 0)
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
 def test_the_consumer_loads_the_prompts_and_matches(stored, chunk):
     path, folder, plain = stored
     extra = {} if chunk is None else {"long_prefill_token_threshold": chunk}
-    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", folder), **extra))
+    outs = _run(
+        kv_engine(path, kv_transfer_config=shared_storage_kv("kv_consumer", folder), **extra)
+    )
     for prompt, out, ref in zip(_prompts(), outs, plain, strict=True):
         ids = prompt["prompt_token_ids"]
         assert out.outputs[0].token_ids == hf_greedy(path, ids, PARAMS.max_tokens)
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         # the loaded tokens count as cached, as in vLLM: only the rest was computed
-        assert out.num_cached_tokens == _aligned(len(ids))
-    assert _max_logprob_diff(outs, plain) < 1e-4
+        assert out.num_cached_tokens == aligned(len(ids))
+    assert max_logprob_diff(outs, plain) < 1e-4
 
 
 def test_a_truncated_file_is_recomputed(stored, tmp_path):
@@ -103,12 +74,12 @@ def test_a_truncated_file_is_recomputed(stored, tmp_path):
             data = src.read()
         with open(os.path.join(damaged, name), "wb") as dst:
             dst.write(data[: len(data) - 1] if name == sorted(os.listdir(folder))[0] else data)
-    outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", damaged)))
+    outs = _run(kv_engine(path, kv_transfer_config=shared_storage_kv("kv_consumer", damaged)))
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
     cached = sorted(o.num_cached_tokens for o in outs)
-    expected = sorted(_aligned(n) for n in LENGTHS)
+    expected = sorted(aligned(n) for n in LENGTHS)
     assert sum(cached) < sum(expected)  # one prompt found no usable file
-    assert _max_logprob_diff(outs, plain) < 1e-4
+    assert max_logprob_diff(outs, plain) < 1e-4
 
 
 def test_another_cache_layout_finds_no_file(stored):
@@ -120,7 +91,7 @@ def test_another_cache_layout_finds_no_file(stored):
             kv_cache_memory="8MiB",
             block_size=2 * BLOCK,
             distributed_executor_backend="uni",
-            kv_transfer_config=_kv("kv_consumer", folder),
+            kv_transfer_config=shared_storage_kv("kv_consumer", folder),
         )
     )
     assert [o.num_cached_tokens for o in outs] == [0] * len(LENGTHS)
@@ -134,7 +105,7 @@ def test_a_payload_damaged_after_the_lookup_is_recomputed(stored, tmp_path, capl
     path, folder, plain = stored
     damaged = str(tmp_path / "store")
     os.mkdir(damaged)
-    first = f'"num_tokens": {_aligned(LENGTHS[0])},'.encode()  # the 40-token prompt's file
+    first = f'"num_tokens": {aligned(LENGTHS[0])},'.encode()  # the 40-token prompt's file
     for name in os.listdir(folder):
         with open(os.path.join(folder, name), "rb") as src:
             data = bytearray(src.read())
@@ -143,10 +114,10 @@ def test_a_payload_damaged_after_the_lookup_is_recomputed(stored, tmp_path, capl
         with open(os.path.join(damaged, name), "wb") as dst:
             dst.write(bytes(data))
     with caplog.at_level(logging.WARNING, logger="trillm.kv_transfer"):
-        outs = _run(_engine(path, kv_transfer_config=_kv("kv_consumer", damaged)))
+        outs = _run(kv_engine(path, kv_transfer_config=shared_storage_kv("kv_consumer", damaged)))
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in plain]
-    assert [o.num_cached_tokens for o in outs] == [0, *(_aligned(n) for n in LENGTHS[1:])]
-    assert _max_logprob_diff(outs, plain) < 1e-4
+    assert [o.num_cached_tokens for o in outs] == [0, *(aligned(n) for n in LENGTHS[1:])]
+    assert max_logprob_diff(outs, plain) < 1e-4
     assert "1 load failures so far" in caplog.text
 
 
