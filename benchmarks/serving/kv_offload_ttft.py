@@ -24,40 +24,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
 
 from benchmarks.common import (
-    PROMPT_ID_RANGE,
     build_bench_model,
     machine_info,
     print_table,
     trillm_server,
     write_json,
 )
-from benchmarks.serving.kv_transfer_ttft import ttft_s
+from benchmarks.serving import kv_ttft
 
 SERVER_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "24MiB", "--block-size", "16"]
 OFFLOAD_GIB = "1"
 
 
-def metrics(url: str, prefix: str) -> dict[str, float]:
-    """Every sample whose name starts with ``prefix`` -> its value."""
-    found = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(prefix):
-            name, value = line.rsplit(" ", 1)
-            found[name] = float(value)
-    return found
-
-
 def one_round(url: str, prompts: list[list[int]]) -> float:
     """The first prompt, the evictors (max_tokens 1), then the first again: -> its TTFT."""
     for prompt in prompts:
-        body = {"model": "m", "prompt": prompt, "max_tokens": 1}
-        httpx.post(url + "/v1/completions", json=body, timeout=300).raise_for_status()
-    return ttft_s(url, prompts[0])
+        kv_ttft.complete(url, prompt)
+    return kv_ttft.ttft_s(url, prompts[0])
 
 
 def run(rounds: int, prompt_len: int, evictors: int) -> dict[str, Any]:
@@ -70,21 +56,15 @@ def run(rounds: int, prompt_len: int, evictors: int) -> dict[str, Any]:
         trillm_server(model, args) as (plain, _),
     ):
         for url in (offload, plain):
-            ttft_s(url, [5] * 32)  # warm-up: first-step costs out of the figures
+            kv_ttft.ttft_s(url, [5] * 32)  # warm-up: first-step costs out of the figures
         for i in range(rounds):
-            prompts = [
-                [rng.randrange(*PROMPT_ID_RANGE) for _ in range(prompt_len)]
-                for _ in range(1 + evictors)
-            ]
+            prompts = kv_ttft.random_prompts(rng, prompt_len, 1 + evictors)
             order = [("offload", offload), ("recompute", plain)]
-            times = {
-                name: one_round(url, prompts)
-                for name, url in (order if i % 2 == 0 else order[::-1])
-            }
+            times = {name: one_round(url, prompts) for name, url in kv_ttft.alternating(i, order)}
             rows.append({"round": i, **times, "ratio": times["offload"] / times["recompute"]})
-        by_source = metrics(offload, "vllm:prompt_tokens_by_source_total")
-        hits = metrics(offload, "vllm:external_prefix_cache_hits_total")
-        plain_hits = metrics(plain, "vllm:prefix_cache_hits_total")
+        by_source = kv_ttft.metrics(offload, "vllm:prompt_tokens_by_source_total")
+        hits = kv_ttft.metrics(offload, "vllm:external_prefix_cache_hits_total")
+        plain_hits = kv_ttft.metrics(plain, "vllm:prefix_cache_hits_total")
     return {
         "machine": machine_info(),
         "prompt_len": prompt_len,

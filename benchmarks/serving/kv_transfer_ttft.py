@@ -17,91 +17,38 @@ reported: the stored bytes per token and the decode instance's
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
 
-from benchmarks.common import (
-    PROMPT_ID_RANGE,
-    build_bench_model,
-    machine_info,
-    print_table,
-    trillm_server,
-    write_json,
-)
+from benchmarks.common import build_bench_model, machine_info, print_table, write_json
+from benchmarks.serving import kv_ttft
 
 SERVER_ARGS = ["--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--block-size", "16"]
-
-
-def kv_config(role: str, folder: str) -> str:
-    extra = {"shared_storage_path": folder}
-    return json.dumps(
-        {
-            "kv_connector": "SharedStorageConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": extra,
-        }
-    )
-
-
-def ttft_s(url: str, prompt: list[int]) -> float:
-    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "stream": True}
-    start = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as answer:
-        answer.raise_for_status()
-        for line in answer.iter_lines():
-            if line.startswith("data: ") and '"text"' in line:
-                return time.perf_counter() - start
-    raise RuntimeError("no token came back")
-
-
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 def run(rounds: int, prompt_len: int) -> dict[str, Any]:
     model = str(build_bench_model())
     rng = random.Random(0)
     folder = tempfile.mkdtemp(prefix="kv-ttft-")
+    prefill_kv, decode_kv, _ = kv_ttft.kv_configs("shared_storage", folder)
     args = [*SERVER_ARGS, "--served-model-name", "m"]
     rows = []
-    with (
-        trillm_server(model, [*args, "--kv-transfer-config", kv_config("kv_producer", folder)]) as (
-            prefill,
-            _,
-        ),
-        trillm_server(model, [*args, "--kv-transfer-config", kv_config("kv_consumer", folder)]) as (
-            decode,
-            _,
-        ),
-    ):
-        ttft_s(decode, [5] * 32)  # warm-up: first-step costs out of the figures
+    with kv_ttft.prefill_decode(model, args, prefill_kv, decode_kv) as (prefill, decode):
+        kv_ttft.ttft_s(decode, [5] * 32)  # warm-up: first-step costs out of the figures
         for i in range(rounds):
-            stored, fresh = (
-                [rng.randrange(*PROMPT_ID_RANGE) for _ in range(prompt_len)] for _ in range(2)
-            )
-            httpx.post(
-                prefill + "/v1/completions",
-                json={"model": "m", "prompt": stored, "max_tokens": 1},
-                timeout=300,
-            ).raise_for_status()
+            stored, fresh = kv_ttft.random_prompts(rng, prompt_len, 2)
+            kv_ttft.complete(prefill, stored)
             order = [("transfer", stored), ("recompute", fresh)]
-            times = {name: ttft_s(decode, p) for name, p in (order if i % 2 == 0 else order[::-1])}
+            times = {name: kv_ttft.ttft_s(decode, p) for name, p in kv_ttft.alternating(i, order)}
             rows.append({"round": i, **times, "ratio": times["transfer"] / times["recompute"]})
-        hits = metric(decode, "vllm:external_prefix_cache_hits_total")
+        hits = kv_ttft.metric(decode, "vllm:external_prefix_cache_hits_total")
     files = [os.path.join(folder, f) for f in os.listdir(folder)]
     stored_tokens = (prompt_len - 1) // 16 * 16
     bytes_per_token = statistics.mean(os.path.getsize(f) for f in files) / stored_tokens

@@ -18,29 +18,18 @@ sending the request to its first streamed token; the order of the two alternates
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
 
-from benchmarks.common import (
-    PROMPT_ID_RANGE,
-    free_port,
-    machine_info,
-    print_table,
-    trillm_server,
-    write_json,
-)
-from benchmarks.serving.kv_transfer_ttft import metric
+from benchmarks.common import machine_info, print_table, write_json
+from benchmarks.serving import kv_ttft
 
 MODEL_SPEC = dict(
     hidden_size=256,
@@ -65,62 +54,26 @@ def build_model() -> str:
     return str(folder)
 
 
-def kv_configs(connector: str) -> tuple[str, str, str | None]:
-    """(prefill's --kv-transfer-config, decode's, the prefill's KV address or None)."""
-    if connector == "shared_storage":
-        extra = {"shared_storage_path": tempfile.mkdtemp(prefix="pd-ttft-")}
-        base = {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": extra}
-        address = None
-    else:
-        port = free_port()
-        base = {
-            "kv_connector": "P2pNcclConnector",
-            "kv_ip": "127.0.0.1",
-            "kv_port": port,
-            "kv_buffer_size": 1e9,
-            "kv_connector_extra_config": {"send_type": "GET"},
-        }
-        address = f"127.0.0.1:{port}"
-    consumer = {**base, "kv_role": "kv_consumer"}
-    if address is not None:  # the consumer fetches from the listed prefill instance only
-        consumer["kv_connector_extra_config"] = {"send_type": "GET", "prefill_kv_addrs": [address]}
-    return json.dumps({**base, "kv_role": "kv_producer"}), json.dumps(consumer), address
-
-
-def ttft_s(url: str, prompt: list[int], request_id: str | None) -> float:
-    body: dict[str, Any] = {"model": "m", "prompt": prompt, "max_tokens": 4, "stream": True}
-    body.update(temperature=0.0, **({} if request_id is None else {"request_id": request_id}))
-    start = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as answer:
-        answer.raise_for_status()
-        for line in answer.iter_lines():
-            if line.startswith("data: ") and '"text"' in line:
-                return time.perf_counter() - start
-    raise RuntimeError("no token came back")
-
-
 def run(connector: str, model: str, rounds: int, lengths: list[int]) -> dict[str, Any]:
     rng = random.Random(0)
-    prefill_kv, decode_kv, address = kv_configs(connector)
+    prefill_kv, decode_kv, address = kv_ttft.kv_configs(connector)
     rows = []
-    with (
-        trillm_server(model, [*SERVER_ARGS, "--kv-transfer-config", prefill_kv]) as (prefill, _),
-        trillm_server(model, [*SERVER_ARGS, "--kv-transfer-config", decode_kv]) as (decode, _),
-    ):
-        ttft_s(decode, [5] * 32, None)  # warm-up: first-step costs out of the figures
+    with kv_ttft.prefill_decode(model, SERVER_ARGS, prefill_kv, decode_kv) as (prefill, decode):
+        kv_ttft.ttft_s(decode, [5] * 32, None, 600)  # warm-up: first-step costs out of the figures
         for n in lengths:
             for i in range(rounds):
-                moved, fresh = ([rng.randrange(*PROMPT_ID_RANGE) for _ in range(n)] for _ in "ab")
+                moved, fresh = kv_ttft.random_prompts(rng, n, 2)
                 rid = None if address is None else f"___prefill_addr_{address}___decode_addr__"
                 rid = None if rid is None else rid + uuid.uuid4().hex
-                body = {"model": "m", "prompt": moved, "max_tokens": 1, "request_id": rid}
-                httpx.post(prefill + "/v1/completions", json=body, timeout=600).raise_for_status()
+                kv_ttft.complete(prefill, moved, 600, request_id=rid)
                 order = [("transfer", moved, rid), ("recompute", fresh, None)]
-                order = order if i % 2 == 0 else order[::-1]
-                times = {name: ttft_s(decode, p, r) for name, p, r in order}
+                times = {
+                    name: kv_ttft.ttft_s(decode, p, r, 600)
+                    for name, p, r in kv_ttft.alternating(i, order)
+                }
                 ratio = times["transfer"] / times["recompute"]
                 rows.append({"connector": connector, "prompt_len": n, **times, "ratio": ratio})
-        hits = metric(decode, "vllm:external_prefix_cache_hits_total")
+        hits = kv_ttft.metric(decode, "vllm:external_prefix_cache_hits_total")
     return {"rows": rows, "external_prefix_cache_hits": hits}
 
 
