@@ -177,15 +177,7 @@ class PushServer:
 
     def __init__(self, pool: PushPool, ip: str, port: int) -> None:
         self.pool = pool
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((ip, port))
-        except OSError as exc:
-            self._sock.close()
-            raise ValueError(f"kv_transfer_config: cannot listen on {ip}:{port}: {exc}") from exc
-        self._sock.listen(MAX_CONNECTIONS)
+        self._sock = p2p_wire.listen(ip, port)
         self.address = self._sock.getsockname()[:2]
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         threading.Thread(target=self._accept, name="kv-p2p-push-server", daemon=True).start()

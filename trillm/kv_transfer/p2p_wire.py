@@ -64,20 +64,27 @@ class SendStore:
         return len(self._items)
 
 
+def listen(ip: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``(ip, port)`` (an IPv6 one for an address with ':'), at
+    most ``MAX_CONNECTIONS`` peers waiting; ValueError naming the address where it cannot."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((ip, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"kv_transfer_config: cannot listen on {ip}:{port}: {exc}") from exc
+    sock.listen(MAX_CONNECTIONS)
+    return sock
+
+
 class KVServer:
     """Serves ``store`` on ``(ip, port)`` from a daemon thread, one thread per peer."""
 
     def __init__(self, store: SendStore, ip: str, port: int) -> None:
         self.store = store
-        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._sock.bind((ip, port))
-        except OSError as exc:
-            self._sock.close()
-            raise ValueError(f"kv_transfer_config: cannot listen on {ip}:{port}: {exc}") from exc
-        self._sock.listen(MAX_CONNECTIONS)
+        self._sock = listen(ip, port)
         self.address = self._sock.getsockname()[:2]
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         threading.Thread(target=self._accept, name="kv-p2p-server", daemon=True).start()
