@@ -168,8 +168,7 @@ def test_flags_not_given_stay_none_and_engine_args_keeps_its_defaults(command):
     assert _engine_args(command, []) == EngineArgs()
 
 
-def test_skip_tokenizer_init_flag_is_refused_by_the_engine_args():
+def test_skip_tokenizer_init_flag_reaches_the_engine_args():
     args = build_parser().parse_args(["serve", "--skip-tokenizer-init"])
     assert engine_kwargs(args) == {"skip_tokenizer_init": True}
-    with pytest.raises(ValueError, match="skip_tokenizer_init is not supported"):
-        EngineArgs.from_kwargs(None, **engine_kwargs(args))
+    assert EngineArgs.from_kwargs(None, **engine_kwargs(args)).skip_tokenizer_init

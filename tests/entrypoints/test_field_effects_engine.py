@@ -261,7 +261,6 @@ def test_engine_args_reach_the_config():
         ({"dtype": "int3"}, "int3"),
         ({"model": "/no/such/folder"}, "/no/such/folder"),  # FileNotFoundError: an OSError
         ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 does not divide"),  # 2 KV heads
-        ({"skip_tokenizer_init": True}, "skip_tokenizer_init"),
     ],
 )
 def test_engine_args_that_cannot_be_honoured_are_refused(kwargs, words):

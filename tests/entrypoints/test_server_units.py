@@ -208,7 +208,6 @@ def test_flags_for_what_is_not_implemented_are_refused(capsys):
     for kwargs, words in (
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "needs distributed"),
-        ({"skip_tokenizer_init": True}, "skip_tokenizer_init is not supported"),
     ):
         with pytest.raises(ValueError, match=words):
             EngineArgs.from_kwargs(None, **kwargs)

@@ -152,8 +152,8 @@ class EngineArgs:
     )
     skip_tokenizer_init: bool = flag(
         False,
-        "Not supported (refused): the engine needs the tokenizer (stop strings, "
-        "detokenization, chat templates).",
+        "Load no tokenizer: token-id prompts, token-id outputs with empty text; text "
+        "prompts, chats, stop strings, bad words, structured outputs refused.",
     )
     # vLLM's structured-outputs reasoning_parser; the server also separates reasoning_content
     # by it.

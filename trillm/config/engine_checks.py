@@ -31,7 +31,6 @@ class CheckedArgs(ParallelArgs, Protocol):
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int | None
-    skip_tokenizer_init: bool
     structured_outputs_config: dict[str, Any] | None
     reasoning_parser: str | None
     quantization: str | None
@@ -63,11 +62,6 @@ def check_engine_args(args: CheckedArgs) -> None:
             f"max_cpu_loras must be an integer >= max_loras ({args.max_loras}), got {cpu!r}."
         )
     check_parallel(args)
-    if args.skip_tokenizer_init:
-        raise ValueError(
-            "skip_tokenizer_init is not supported: the engine needs the tokenizer "
-            "(stop strings, detokenization, chat templates)."
-        )
     _take_structured_outputs_config(args)
     _check_plugins(args)
     check_kv_cache_dtype(args.kv_cache_dtype)

@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import outcome
 import trio
@@ -22,6 +22,9 @@ from trillm.config.observability import collected_times, detailed_trace_modules
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.dp_router import core_configs
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
+
+if TYPE_CHECKING:
+    from trillm.tokenizer_protocol import Tokenizer
 
 # The name the "engine ready" line has always been logged under.
 logger = logging.getLogger("trillm.engine.async_engine")
@@ -37,6 +40,14 @@ def _require_trio() -> None:
             "which runs the engine on a Trio thread of its own: "
             "`async for out in AsyncLLM(model).generate(prompt, params, request_id)`."
         ) from None
+
+
+def _tokenizer(path: str, trust_remote_code: bool, skip: bool) -> Tokenizer:
+    """The model's tokenizer; with ``--skip-tokenizer-init`` none is loaded (its stand-in)."""
+    from trillm.engine.skipped_tokenizer import SkippedTokenizer
+    from trillm.engine.tokenizer_loader import load_tokenizer
+
+    return SkippedTokenizer() if skip else load_tokenizer(path, trust_remote_code)
 
 
 @asynccontextmanager
@@ -93,7 +104,6 @@ async def open_engine(
     ``collect_detailed_traces``: vLLM's modules (``config/observability.py``), the times each
     finished sample's ``CompletionOutput`` carries (``trillm serve`` passes its flag's)."""
     from trillm.engine.config_builder import build_config
-    from trillm.engine.tokenizer_loader import load_tokenizer
     from trillm.executor.abstract import DEFAULT_RUNNER, ENCODER_RUNNER, POOLING_RUNNER
     from trillm.executor.factory import open_executors
     from trillm.model_executor.encoder_config import is_encoder
@@ -112,7 +122,7 @@ async def open_engine(
     # The tokenizer loads while the workers start (transformers' import alone is seconds).
     async with (
         _load_in_background(
-            load_tokenizer, config.model.tokenizer, args.trust_remote_code
+            _tokenizer, config.model.tokenizer, args.trust_remote_code, args.skip_tokenizer_init
         ) as tokenizer_loaded,
         open_executors(configs, runner or default, runner_kwargs) as executors,
     ):

@@ -33,6 +33,7 @@ from trillm.engine.logprobs import SampleLogprobsBuilder, TokenTexts, make_logpr
 from trillm.engine.output_collector import MAX_UNREAD_UNITS, RequestOutputCollector
 from trillm.engine.output_state import OutputGroup, OutputSample, make_output
 from trillm.engine.preprocess import InvalidRequestError
+from trillm.engine.skipped_tokenizer import SkippedTokenizer
 from trillm.engine.stop_strings import StopStringMatcher
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET, StreamPacing
 from trillm.messages import EngineCoreOutput, FinishReason, LogprobsLists
@@ -61,7 +62,12 @@ class OutputProcessor:
         self.stream_interval = stream_interval
         self._pacing: StreamPacing[OutputSample] = StreamPacing(wake_budget)
         self.tokenizer = tokenizer
-        self._detokenizers = DetokenizerFactory(tokenizer, native=native)
+        # None: --skip-tokenizer-init, no detokenization (the outputs' text stays empty)
+        self._detokenizers = (
+            None
+            if isinstance(tokenizer, SkippedTokenizer)
+            else DetokenizerFactory(tokenizer, native=native)
+        )
         self._groups: dict[str, OutputGroup] = {}  # request id -> group
         self._samples: dict[str, OutputSample] = {}  # engine request id -> sample
         # token id -> decode([id]): the logprob entries' texts (the HTTP layer's too)
@@ -117,7 +123,7 @@ class OutputProcessor:
     ) -> OutputSample:
         detokenizer = None
         stop = None
-        if params.detokenize:
+        if params.detokenize and self._detokenizers is not None:
             detokenizer = self._detokenizers.new(
                 params.skip_special_tokens,
                 group.prompt_token_ids,

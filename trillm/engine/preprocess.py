@@ -38,6 +38,11 @@ from trillm.engine.media import MultiModalInputError
 from trillm.engine.multimodal import content_options, processor_for, prompt_ids
 from trillm.engine.prompt_embeds import embeds_prompt
 from trillm.engine.sampling_fields import apply_stop_ids, bad_words_token_ids, thinking_tags
+from trillm.engine.skipped_tokenizer import (
+    SkippedTokenizer,
+    TokenizerSkipped,
+    skipped_tokenizer_params,
+)
 from trillm.engine.template_budget import RenderBudget
 from trillm.engine.text_tokenizer import TokenizeThreads, max_text_chars
 from trillm.messages import MultiModalItem
@@ -102,6 +107,7 @@ class Preprocessor:
     ) -> None:
         self.model_config = config.model
         self.tokenizer = tokenizer
+        self.tokenizer_skipped = isinstance(tokenizer, SkippedTokenizer)  # --skip-tokenizer-init
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
         self.max_logprobs = config.max_logprobs
@@ -146,6 +152,8 @@ class Preprocessor:
         ``budget``: a request's own template is rendered under ``request_template_budget()``.
         ``chat_template_content_format`` (vLLM's ``LLM.chat`` keyword): default the engine's
         ``--chat-template-content-format``. Raises ChatTemplateError."""
+        if self.tokenizer_skipped:
+            raise TokenizerSkipped("A chat", "messages")
         template = chat_template or self.chat_template or tokenizer_chat_template(self.tokenizer)
         return render_template(
             template,
@@ -186,6 +194,8 @@ class Preprocessor:
         """Token ids of ``text``; a text too long for the context is refused before any work,
         unless the request truncates it (``truncate_prompt_tokens``: the whole text is
         tokenized, as vLLM does, within the bounded tokenization threads)."""
+        if self.tokenizer_skipped:
+            raise TokenizerSkipped("A text prompt", param)
         limit = self.max_prompt_chars()
         if len(text) > limit and not truncating:
             max_len = self.max_model_len
@@ -356,6 +366,8 @@ class Preprocessor:
         if not ids:
             raise InvalidRequestError(_EMPTY.get(prompt_param, _EMPTY["prompt"]), prompt_param)
         params = params.clone()
+        if self.tokenizer_skipped:
+            skipped_tokenizer_params(params)
         params.verify_vocab(self.vocab_size, self.max_logprobs)
         if (why := request_refusal(self.logits_processors, params)) is not None:
             raise InvalidRequestError(why)

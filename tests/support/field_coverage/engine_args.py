@@ -177,7 +177,11 @@ ENGINE: dict[str, tuple[str, ...]] = {
     ),
     # the tokenizer's code; model code never runs (trillm's own model classes)
     "trust_remote_code": ids(FEE + "test_trust_remote_code_lets_the_tokenizers_code_run"),
-    "skip_tokenizer_init": ids(ENGINE_REFUSED),
+    # no tokenizer: token-id prompts, token-id outputs with empty text; text paths refused
+    "skip_tokenizer_init": ids(
+        "tests/entrypoints/test_skip_tokenizer_init.py::test_llm_generate_takes_token_ids",
+        "tests/entrypoints/test_skip_tokenizer_init.py::test_what_needs_the_tokenizer_is_refused_by_name",
+    ),
     # prompts as input embeddings: equal to their tokens; refused without it / where unsupported
     "enable_prompt_embeds": ids(
         "tests/engine/test_prompt_embeds.py::"

@@ -63,8 +63,10 @@ _FLAGS = {
         "test_a_server_without_the_flag_refuses_naming_it",
     ),
     "--skip-tokenizer-init": ids(
+        "tests/entrypoints/test_skip_tokenizer_init.py::test_token_id_prompts_give_the_plain_servers_tokens_and_empty_text",
+        "tests/entrypoints/test_skip_tokenizer_init.py::test_what_needs_the_tokenizer_is_refused_by_name",
         "tests/entrypoints/test_engine_flags.py::"
-        "test_skip_tokenizer_init_flag_is_refused_by_the_engine_args"
+        "test_skip_tokenizer_init_flag_reaches_the_engine_args",
     ),
     "--chat-template": ids(
         FEC + "test_server_chat_template_and_its_kwargs",

@@ -18,7 +18,8 @@ import trio
 from trillm.engine.chat_media import multi_modal_data
 from trillm.engine.chat_template import ChatTemplateError, normalize_tools
 from trillm.engine.multimodal import processor_text
-from trillm.engine.preprocess import InvalidRequestError
+from trillm.engine.preprocess import InvalidRequestError, Preprocessor
+from trillm.engine.skipped_tokenizer import TokenizerSkipped
 from trillm.engine.text_tokenizer import INLINE_TOKENIZE_CHARS
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.media import check_mm_kwargs, split_images
@@ -36,11 +37,18 @@ DETOKENIZE_CONTEXTS = 16
 INLINE_DETOKENIZE_IDS = 4_096  # shorter lists are decoded on the event loop (~1 ms)
 
 
+def _need_tokenizer(pre: Preprocessor, route: str) -> None:
+    """These routes are the tokenizer's: refused by name under --skip-tokenizer-init."""
+    if pre.tokenizer_skipped:
+        raise BadRequestError(str(TokenizerSkipped(route)), None)
+
+
 async def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise BadRequestError("Give exactly one of 'prompt' and 'messages'.", "prompt")
     pre = state.preprocessor
+    _need_tokenizer(pre, "/tokenize")
     images: list[Any] = []
     if req.messages is not None:
         messages, images = split_images(pre, req.messages)  # image parts: placeholders
@@ -109,6 +117,7 @@ def _chat_size(messages: list[ChatMessage]) -> int:
 async def detokenize(state: ServerState, req: DetokenizeRequest) -> dict[str, Any]:
     state.check_model(req.model)
     pre = state.preprocessor
+    _need_tokenizer(pre, "/detokenize")
     limit = DETOKENIZE_CONTEXTS * pre.max_model_len
     if len(req.tokens) > limit:
         raise BadRequestError(
