@@ -19,31 +19,46 @@ from benchmarks.common import PROMPT_ID_RANGE, free_port, trillm_server
 
 
 def kv_configs(connector: str, folder: str | None = None) -> tuple[str, str, str | None]:
-    """(prefill's --kv-transfer-config, decode's, the prefill's KV address or None) for
-    ``connector``: ``shared_storage`` (vLLM's SharedStorageConnector on ``folder``, a fresh
-    temporary one by default) or ``p2p`` (its P2pNcclConnector, "GET", on a free local port;
-    the consumer lists the prefill instance's address)."""
+    """(prefill's --kv-transfer-config, decode's, the head of the request ids naming the KV
+    addresses, as vLLM's proxy writes them, or None) for ``connector``: ``shared_storage``
+    (vLLM's SharedStorageConnector on ``folder``, a fresh temporary one by default), ``p2p``
+    (its P2pNcclConnector, "GET", on a free local port; the consumer lists the prefill
+    instance's address), ``p2p_put`` / ``p2p_put_async`` (send_type "PUT" / "PUT_ASYNC": the
+    producer pushes to the consumer's free local port, each listing the other)."""
     if connector == "shared_storage":
         path = folder or tempfile.mkdtemp(prefix="pd-ttft-")
         base = {
             "kv_connector": "SharedStorageConnector",
             "kv_connector_extra_config": {"shared_storage_path": path},
         }
-        address = None
-    else:
-        port = free_port()
-        base = {
-            "kv_connector": "P2pNcclConnector",
-            "kv_ip": "127.0.0.1",
-            "kv_port": port,
-            "kv_buffer_size": 1e9,
-            "kv_connector_extra_config": {"send_type": "GET"},
-        }
-        address = f"127.0.0.1:{port}"
-    consumer = {**base, "kv_role": "kv_consumer"}
-    if address is not None:  # the consumer fetches from the listed prefill instance only
-        consumer["kv_connector_extra_config"] = {"send_type": "GET", "prefill_kv_addrs": [address]}
-    return json.dumps({**base, "kv_role": "kv_producer"}), json.dumps(consumer), address
+        return (
+            json.dumps({**base, "kv_role": "kv_producer"}),
+            json.dumps({**base, "kv_role": "kv_consumer"}),
+            None,
+        )
+    send_type = {"p2p": "GET", "p2p_put": "PUT", "p2p_put_async": "PUT_ASYNC"}[connector]
+    prefill, decode = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    producer_extra: dict[str, Any] = {"send_type": send_type}
+    if send_type != "GET":  # the producer pushes to the listed consumer only
+        producer_extra["decode_kv_addrs"] = [decode]
+    roles = (
+        ("kv_producer", prefill, producer_extra),
+        ("kv_consumer", decode, {"send_type": send_type, "prefill_kv_addrs": [prefill]}),
+    )
+    configs = [
+        json.dumps(
+            {
+                "kv_connector": "P2pNcclConnector",
+                "kv_role": role,
+                "kv_ip": "127.0.0.1",
+                "kv_port": int(address.rsplit(":", 1)[1]),
+                "kv_buffer_size": 1e9,
+                "kv_connector_extra_config": extra,
+            }
+        )
+        for role, address, extra in roles
+    ]
+    return configs[0], configs[1], f"___prefill_addr_{prefill}___decode_addr_{decode}_"
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """TTFT of a decode instance at 1,024- and 8,192-token prompts, with the prompt's KV moved from a
 prefill instance ("transfer") against computing it ("recompute"), for both of trillm's KV
-connectors: vLLM's SharedStorageConnector (a folder) and its P2pNcclConnector (TCP, "GET").
+connectors: vLLM's SharedStorageConnector (a folder) and its P2pNcclConnector (TCP: "GET",
+and with ``--connectors p2p_put p2p_put_async`` its push modes "PUT" and "PUT_ASYNC").
 
 The model is a random 2-layer Llama small enough that an 8,192-token prefill fits a loaded
 2-core host (hidden 256, 4 heads of 64, 2 KV heads, intermediate 688, vocab 4,096, fp32:
@@ -8,10 +9,12 @@ The model is a random 2-layer Llama small enough that an 8,192-token prefill fit
 start; each round takes two fresh random prompts: the first goes to the prefill instance
 (max_tokens 1, which stores or serves its KV) and then, streamed, to the decode instance; the
 second goes streamed to the decode instance only. With P2pNcclConnector both requests carry
-vLLM's proxy request id naming the prefill instance's kv_ip:kv_port. TTFT is the time from
-sending the request to its first streamed token; the order of the two alternates by round.
+vLLM's proxy request id naming the prefill and decode instances' kv_ip:kv_port. TTFT is the
+time from sending the request to its first streamed token; the order of the two alternates by
+round.
 
     python benchmarks/serving/pd_ttft.py [--rounds 3] [--lengths 1024 8192]
+        [--connectors shared_storage p2p p2p_put p2p_put_async]
         [--out benchmarks/serving/results/pd_ttft.json]
 """
 
@@ -56,15 +59,14 @@ def build_model() -> str:
 
 def run(connector: str, model: str, rounds: int, lengths: list[int]) -> dict[str, Any]:
     rng = random.Random(0)
-    prefill_kv, decode_kv, address = kv_ttft.kv_configs(connector)
+    prefill_kv, decode_kv, rid_head = kv_ttft.kv_configs(connector)
     rows = []
     with kv_ttft.prefill_decode(model, SERVER_ARGS, prefill_kv, decode_kv) as (prefill, decode):
         kv_ttft.ttft_s(decode, [5] * 32, None, 600)  # warm-up: first-step costs out of the figures
         for n in lengths:
             for i in range(rounds):
                 moved, fresh = kv_ttft.random_prompts(rng, n, 2)
-                rid = None if address is None else f"___prefill_addr_{address}___decode_addr__"
-                rid = None if rid is None else rid + uuid.uuid4().hex
+                rid = None if rid_head is None else rid_head + uuid.uuid4().hex
                 kv_ttft.complete(prefill, moved, 600, request_id=rid)
                 order = [("transfer", moved, rid), ("recompute", fresh, None)]
                 times = {
