@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
+import httpx_contexts
 import pytest
 
 # Tests never reach a model hub.
@@ -16,6 +17,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# httpx's per-call clients share one default TLS context (tests/support/httpx_contexts.py):
+# each would load the CA bundle again, ~24 ms of CPU per request.
+httpx_contexts.install()
 # Under pytest-xdist the workers share the cores: each worker (and every server or model worker
 # it starts, which read OMP_NUM_THREADS) gets its share, so OpenMP threads never outnumber cores.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
