@@ -363,6 +363,9 @@ def loadavg() -> str:
 def run(args: argparse.Namespace) -> None:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    # under `timeout`: stop the running server on the way out (``finally``); the servers done
+    # are in summary.json (``table`` prints them)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     summary: dict[str, Any] = {
         "settings": {k: str(v) for k, v in vars(args).items()},
         "host": host_info(args),
