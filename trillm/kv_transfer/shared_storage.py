@@ -29,7 +29,7 @@ from trillm.kv_transfer.base import BlockWorker, KVConnectorWorker, LoadsAndSave
 from trillm.kv_transfer.config import KVTransferConfig
 from trillm.kv_transfer.disk_budget import DiskBudget, rank_share, touch
 from trillm.kv_transfer.kv_blocks import gather, scatter
-from trillm.kv_transfer.p2p import P2pWorker, PrefillAddresses
+from trillm.kv_transfer.p2p import P2pWorker
 from trillm.kv_transfer.storage import (
     cache_identity,
     file_path,
@@ -49,8 +49,8 @@ logger = logging.getLogger(__name__)
 class SharedStorageScheduler(LoadsAndSaves[tuple[str, int, int]]):
     """The scheduler side (``base.KVConnectorScheduler``). A lookup: (key, tokens in the file,
     tokens computed before it). ``_loaded``: req_id -> (tokens in the file, tokens computed
-    before it). ``_not_loaded``: requests whose load failed, or (P2P) whose id names no listed
-    prefill instance: computed instead, never looked up again."""
+    before it). ``_not_loaded``: requests whose load failed: computed instead, never looked up
+    again. (P2P: ``p2p_scheduler.P2pScheduler`` looks up what its receiver got instead.)"""
 
     def __init__(
         self, kv: KVTransferConfig, identity: str, block_size: int, world_size: int = 1
@@ -62,7 +62,6 @@ class SharedStorageScheduler(LoadsAndSaves[tuple[str, int, int]]):
         self.world_size = world_size  # every rank's file must be there (tensor x pipeline)
         self._saved: set[str] = set()  # requests whose prompt was saved (or has no full block)
         self._found: dict[str, str] = {}  # req_id -> key of its file, its header checked once
-        self._prefill = None if kv.p2p is None else PrefillAddresses(kv.p2p.prefill_kv_addrs)
 
     def _prefix(self, request: Request) -> tuple[str, int]:
         n = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
@@ -78,13 +77,6 @@ class SharedStorageScheduler(LoadsAndSaves[tuple[str, int, int]]):
         self._lookups[request.request_id] = (key, 0, num_computed_tokens)
         if n <= num_computed_tokens:
             return 0
-        if self._prefill is not None:  # P2pNcclConnector: the prefill instance holds it
-            found = self._prefill.lookup(request.request_id, key)
-            if found is None:
-                self._not_loaded.add(request.request_id)  # NOTE: counted and logged once
-                return 0
-            self._lookups[request.request_id] = (found, n, num_computed_tokens)
-            return n - num_computed_tokens
         # NOTE: on the engine loop: the headers alone (one small read per rank), never the
         # payloads, whose digests the workers check; a head that waits for blocks reads them once
         if self._found.get(request.request_id) != key:
