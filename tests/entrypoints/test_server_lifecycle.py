@@ -23,13 +23,14 @@ NUM_CLIENTS = 32
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory, tmp_path_factory):
-    model = tiny_model_factory("llama")
+    # 16,384 positions: the drained stream outlasts --shutdown-timeout on a fast host too
+    model = tiny_model_factory("llama", max_position_embeddings=16384)
     log = tmp_path_factory.mktemp("server-lifecycle") / "server.log"
     srv = ServerProcess(
         [
             model,
             "--max-model-len",
-            "2048",
+            "16384",
             "--kv-cache-memory",
             "64MiB",
             "--max-num-seqs",
@@ -223,7 +224,8 @@ def test_stream_interval_sends_fewer_larger_chunks(server):
 
 def test_sigterm_drains_then_aborts_and_exits_0(server):
     """Last test of the module: it stops the server."""
-    body = {"prompt": "long", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    # 16,000 tokens: 2,000 ended within the 2 s drain on an idle Zen 4 ("length", not "abort")
+    body = {"prompt": "long", "max_tokens": 16000, "stream": True, "ignore_eos": True}
     with httpx.stream(
         "POST", server.base_url + "/completions", json=body, headers=server.headers(), timeout=60
     ) as r:

@@ -4,8 +4,10 @@ request that would pass the bound gets 503 + Retry-After at once, whole (n > 1 a
 prompts included); a request larger than the bound by itself gets a 400; the tokens come back
 on every way out.
 
-Prompts are token ids, so each request's count is exact. --max-num-seqs 2: two sequences run
-(~6 s for 1,500 tokens of the tiny model), the rest wait.
+Prompts are token ids, so each request's count is exact. --max-num-seqs 2: two sequences run,
+the rest wait. A sequence is 6,000 tokens (a tiny model of 8,192 positions), so that the ones
+running outlast the test's checks on a fast host too (1,500 tokens took under 3 s on an idle
+Zen 4: the request meant to wait was admitted and finished).
 """
 
 from __future__ import annotations
@@ -23,20 +25,20 @@ from server_harness import (
 )
 
 MAX_NUM_SEQS = 2
-LIMIT = 6000
+LIMIT = 24000
 PROMPT = list(range(100, 110))  # 10 tokens
-FULL = 1500 - len(PROMPT)  # max_tokens: one sequence of 1,500 tokens
+FULL = 6000 - len(PROMPT)  # max_tokens: one sequence of 6,000 tokens
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory, tmp_path_factory):
-    model = tiny_model_factory("llama")
+    model = tiny_model_factory("llama", max_position_embeddings=8192)
     log = tmp_path_factory.mktemp("token-queue") / "server.log"
     srv = ServerProcess(
         [
             model,
             "--max-model-len",
-            "2048",
+            "8192",
             "--kv-cache-memory",
             "64MiB",
             "--max-num-seqs",
@@ -72,7 +74,7 @@ def assert_overloaded(r: httpx.Response, started: float) -> None:
 def test_token_bound_refuses_whole_requests_at_once(server):
     url = server.base_url + "/completions"
     with httpx.Client(timeout=60) as client:
-        # 4,500 of 6,000 tokens taken: one prompt, then two (a fan-in), streamed.
+        # 18,000 of 24,000 tokens taken: one prompt, then two (a fan-in), streamed.
         socks = [
             open_request(server, "/v1/completions", completion(prompt, FULL, stream=True))
             for prompt in (PROMPT, [PROMPT, PROMPT])
@@ -81,8 +83,8 @@ def test_token_bound_refuses_whole_requests_at_once(server):
             # (the fan-in has one prompt in the engine at a time here, the other waits in the
             # frontend: fair admission, 3/4 of --max-num-seqs 2; its tokens are admitted whole)
             wait_gauges(server, (MAX_NUM_SEQS, 0))
-            # 1,500 left: n=2 and two prompts needing 1,520 / 1,522 are refused whole.
-            for body in (completion(PROMPT, 750, n=2), completion([PROMPT, PROMPT], 751)):
+            # 6,000 left: n=2 and two prompts needing 6,020 / 6,022 are refused whole.
+            for body in (completion(PROMPT, 3000, n=2), completion([PROMPT, PROMPT], 3001)):
                 started = time.monotonic()
                 assert_overloaded(client.post(url, json=body), started)
             assert gauges(server) == (MAX_NUM_SEQS, 0)  # nothing of them reached the engine
@@ -91,7 +93,7 @@ def test_token_bound_refuses_whole_requests_at_once(server):
             assert r.status_code == 400, r.text
             assert r.json()["error"]["param"] == "max_tokens"
             assert "--max-num-admitted-tokens" in r.json()["error"]["message"]
-            # Exactly the 1,500 left: admitted (it waits; its own timeout ends it).
+            # Exactly the 6,000 left: admitted (it waits; its own timeout ends it).
             last = open_request(
                 server, "/v1/completions", completion(PROMPT, FULL, stream=True, timeout=3)
             )
@@ -109,7 +111,7 @@ def test_token_bound_refuses_whole_requests_at_once(server):
                 sock.close()  # the clients leave mid-stream
         wait_gauges(server, (0.0, 0.0))
         # Every token came back (finish, timeout, disconnects): the whole bound fits again,
-        # four prompts of 1,500 (two of them wait; the timeout ends all four).
+        # four prompts of 6,000 (two of them wait; the timeout ends all four).
         r = client.post(url, json=completion([PROMPT] * 4, FULL, timeout=1))
         assert r.status_code == 200, r.text
         assert {c["finish_reason"] for c in r.json()["choices"]} == {"timeout"}
