@@ -12,9 +12,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import httpx
+from kv_connectors import wait_healthy
 from server_harness import REPO, ServerProcess, free_port, metric_value, server_env
 
 from trillm import LLM, SamplingParams
@@ -40,19 +40,6 @@ def _kv(role: str, folder: str) -> str:
 
 def _aligned(n: int) -> int:
     return (n - 1) // BLOCK * BLOCK
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the proxy exited"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("the proxy is not healthy")
 
 
 def _tokens(base: str, prompt: list[int]) -> list[int]:
@@ -95,7 +82,7 @@ def test_a_tp2_pair_through_the_proxy_equals_one_rank(tiny_model_factory, tmp_pa
         proxy = subprocess.Popen(command, cwd=REPO, env=server_env(), stdout=log, stderr=log)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proxy)
+        wait_healthy(url, proxy)
         assert [_tokens(url, p) for p in PROMPTS] == reference
         stored = sum(_aligned(len(p)) for p in PROMPTS)
         assert _metric(decode, "vllm:external_prefix_cache_hits_total") == stored

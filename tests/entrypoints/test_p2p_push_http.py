@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
+from kv_connectors import wait_healthy
 from server_harness import REPO, ServerProcess, free_port, metric_value, server_env
 
 BLOCK = 16
@@ -55,19 +55,6 @@ def _complete(base: str, prompt: list[int]) -> tuple[str, list[float]]:
     return out.choices[0].text, out.choices[0].logprobs.token_logprobs
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the proxy exited"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("the proxy is not healthy")
-
-
 @pytest.mark.parametrize("send_type", ["PUT", "PUT_ASYNC"])
 def test_the_pushing_pair_answers_as_one_instance(tiny_model_factory, tmp_path, send_type):
     model = tiny_model_factory("qwen2")
@@ -95,7 +82,7 @@ def test_the_pushing_pair_answers_as_one_instance(tiny_model_factory, tmp_path, 
         proxy = subprocess.Popen(command, cwd=REPO, env=server_env(), stdout=log, stderr=log)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proxy)
+        wait_healthy(url, proxy)
         for prompt in PROMPTS:
             text, logprobs = _complete(url, prompt)
             alone_text, alone = _complete(prefill.url, prompt)  # the prefill instance alone
