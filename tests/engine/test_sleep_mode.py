@@ -15,6 +15,7 @@ from hf_reference import hf_greedy
 
 from trillm import LLM, AsyncLLM, SamplingParams, open_engine
 from trillm.engine.async_engine import AsyncEngine
+from trillm.executor.abstract import FAKE_RUNNER
 
 PROMPTS = [[5, 17, 300, 41, 9], [70, 8], [101, 102, 103, 104, 105, 106, 107, 108, 109]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
@@ -249,6 +250,10 @@ def test_refusals_name_what_is_refused(tiny_model_factory):
                 await engine.sleep(3)
             with pytest.raises(ValueError, match="wake_up tag 'optimizer'"):
                 await engine.wake_up(["optimizer"])
+        fake = dict(runner=FAKE_RUNNER, distributed_executor_backend="uni", max_model_len=128)
+        async with open_engine(path, **fake) as engine:  # sleep's builtins need the model runner
+            with pytest.raises(ValueError, match="'kv_cache_bytes' needs trillm's model runner"):
+                await engine.collective_rpc("kv_cache_bytes")
 
     trio.run(main)
 

@@ -10,11 +10,13 @@ from itertools import chain
 import torch
 
 
-def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _tensors(model: object) -> dict[str, torch.Tensor]:  # the runner's CausalLM
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"sleep mode moves a torch module's weights, not a {type(model)}.")
     return dict(chain(model.named_parameters(), model.named_buffers()))
 
 
-def offload(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def offload(model: object) -> dict[str, torch.Tensor]:
     """-> the host copies, by name; every device tensor of ``model`` left empty."""
     host = {}
     for name, tensor in _tensors(model).items():
@@ -23,6 +25,6 @@ def offload(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return host
 
 
-def restore(model: torch.nn.Module, host: dict[str, torch.Tensor], device: torch.device) -> None:
+def restore(model: object, host: dict[str, torch.Tensor], device: torch.device) -> None:
     for name, tensor in _tensors(model).items():
         tensor.data = host[name].to(device)

@@ -15,11 +15,15 @@ arguments and result must encode as msgpack.
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from trillm.interfaces import ModelRunnerProtocol
+    from trillm.worker.model_runner import ModelRunner
 
 # NOTE: weight_offload and step_program (torch) are imported where used: the engine core
 # reads SLEEP_TAGS from here, and the frontend starts without torch.
@@ -30,21 +34,24 @@ class WorkerCallError(ValueError):
     """A collective_rpc method that no runner has, or arguments it refused."""
 
 
-def kv_cache_bytes(runner: Any) -> int:
+# The host copies of a level-1 sleeper's weights (on an accelerator), by runner, until wake_up.
+_HOST_WEIGHTS: weakref.WeakKeyDictionary[ModelRunner, dict[str, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def kv_cache_bytes(runner: ModelRunner) -> int:
     """Bytes this rank's paged KV cache holds now (0 while asleep)."""
     return sum(t.numel() * t.element_size() for t in runner.kv_caches)
 
 
-def drop_requests(runner: Any, req_ids: list[str]) -> None:
+def drop_requests(runner: ModelRunner, req_ids: list[str]) -> None:
     """Forget requests the engine core preempted outside a step (``preempt_running``)."""
-    drop = getattr(runner, "_drop", None)
-    if drop is None:
-        raise WorkerCallError(f"{type(runner).__name__} cannot drop requests between steps.")
     for req_id in req_ids:
-        drop(req_id)
+        runner._drop(req_id)
 
 
-def sleep(runner: Any, level: int, preempted: list[str]) -> int:
+def sleep(runner: ModelRunner, level: int, preempted: list[str]) -> int:
     """Forgets the ``preempted`` requests, frees the KV cache (and at level 2 the model);
     -> the KV bytes freed."""
     drop_requests(runner, preempted)
@@ -58,7 +65,7 @@ def sleep(runner: Any, level: int, preempted: list[str]) -> int:
     if level == 1 and runner.device.type != "cpu":
         from trillm.worker import weight_offload
 
-        runner.sleep_host_weights = weight_offload.offload(runner.model)
+        _HOST_WEIGHTS[runner] = weight_offload.offload(runner.model)
     if level == 2:
         runner._model = None
         runner.step_programs = None
@@ -68,15 +75,15 @@ def sleep(runner: Any, level: int, preempted: list[str]) -> int:
     return freed
 
 
-def wake_up(runner: Any, tags: list[str] | None) -> None:
+def wake_up(runner: ModelRunner, tags: list[str] | None) -> None:
     """``tags``: what to restore (None: both); weights first, the cache beside them."""
     wanted = SLEEP_TAGS if tags is None else tags
-    host = getattr(runner, "sleep_host_weights", None)
+    host = _HOST_WEIGHTS.get(runner)
     if "weights" in wanted and host is not None:
         from trillm.worker import weight_offload
 
         weight_offload.restore(runner.model, host, runner.device)
-        runner.sleep_host_weights = None
+        del _HOST_WEIGHTS[runner]
     if "weights" in wanted and runner._model is None:
         runner.load_model()
     if "kv_cache" in wanted and not runner.kv_caches:
@@ -95,7 +102,7 @@ def call(runner: ModelRunnerProtocol, method: str, args: list[Any], kwargs: dict
     """``method`` on ``runner`` (a builtin above first, else the runner's public method)."""
     builtin = _BUILTINS.get(method)
     if builtin is not None:
-        return builtin(runner, *args, **kwargs)
+        return builtin(_model_runner(runner, method), *args, **kwargs)
     fn = None if method.startswith("_") else getattr(runner, method, None)
     if not callable(fn):
         raise WorkerCallError(
@@ -103,3 +110,16 @@ def call(runner: ModelRunnerProtocol, method: str, args: list[Any], kwargs: dict
             "callables are not sent to workers)."
         )
     return fn(*args, **kwargs)
+
+
+def _model_runner(runner: ModelRunnerProtocol, method: str) -> ModelRunner:
+    """The builtins reach into trillm's model runner (its cache, model and batch); another
+    runner (the fake one, a test's) is refused by name."""
+    from trillm.worker.model_runner import ModelRunner  # torch: only once a builtin is named
+
+    if not isinstance(runner, ModelRunner):
+        raise WorkerCallError(
+            f"collective_rpc {method!r} needs trillm's model runner (its KV cache and model); "
+            f"{type(runner).__name__} has neither."
+        )
+    return runner

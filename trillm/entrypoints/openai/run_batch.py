@@ -22,13 +22,16 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import trio
 
 from trillm.entrypoints.openai.api_server import ServerOptions, open_server_state
 from trillm.entrypoints.openai.http.app import build_app
+
+if TYPE_CHECKING:
+    from quart.typing import TestClientProtocol
 
 logger = logging.getLogger("trillm.run_batch")
 
@@ -221,7 +224,7 @@ async def run_batch(
 
 
 async def _answer(
-    client: Any,
+    client: TestClientProtocol,
     line: str,
     index: int,
     writer: OrderedWriter,
@@ -234,7 +237,7 @@ async def _answer(
         await writer.put(index, output_line(exc.custom_id, 400, None, str(exc)), slots, owner)
         return
     response = await client.post(url, json=body)
-    data = await response.get_data()
+    data = await response.get_data(as_text=False)
     status = response.status_code
     try:
         answer = json.loads(data)
