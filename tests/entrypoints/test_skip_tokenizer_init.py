@@ -53,6 +53,27 @@ def test_token_id_prompts_give_the_plain_servers_tokens_and_empty_text(servers):
     assert tokens == [f"token_id:{t}" for t in want.token_ids]
 
 
+def test_logprob_entries_carry_no_text(servers):
+    """As vLLM: prompt_logprobs' ``decoded_token`` is null; logprobs by text are refused."""
+    model, plain, skip = servers
+    body = dict(model=model, prompt=IDS, max_tokens=2, extra_body={"prompt_logprobs": 1})
+    want = _client(plain).completions.create(**body).choices[0].prompt_logprobs
+    got = _client(skip).completions.create(**body).choices[0].prompt_logprobs
+    assert got[0] is None and want[0] is None
+    # the same entries (ids, ranks), with no text where the plain server decodes one
+    assert [list(p) for p in got[1:]] == [list(p) for p in want[1:]]
+    assert all(isinstance(e["decoded_token"], str) for p in want[1:] for e in p.values())
+    assert all(e["decoded_token"] is None for p in got[1:] for e in p.values())
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            _client(skip).completions.create(
+                model=model, prompt=IDS, max_tokens=2, logprobs=1, stream=stream
+            )
+        assert "skip-tokenizer-init" in err.value.message
+        assert "return_tokens_as_token_ids" in err.value.message
+        assert err.value.body["param"] == "logprobs"
+
+
 @pytest.mark.parametrize(
     ("request_kwargs", "param"),
     [
@@ -113,6 +134,12 @@ def test_llm_generate_takes_token_ids(tiny_model_factory):
         assert out.prompt_token_ids == IDS
         assert out.outputs[0].token_ids == hf_greedy(path, IDS, 10)
         assert out.outputs[0].text == ""
+        # logprob entries as vLLM's without a tokenizer: decoded_token None
+        lp_params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, prompt_logprobs=1)
+        out = llm.generate({"prompt_token_ids": IDS}, lp_params, use_tqdm=False)[0]
+        entries = [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]
+        assert len(entries) == 3 + len(IDS) - 1
+        assert all(lp.decoded_token is None for e in entries for lp in e.values())
         with pytest.raises(ValueError, match="skip-tokenizer-init"):
             llm.generate("Hello", params, use_tqdm=False)
     finally:

@@ -186,8 +186,9 @@ class AsyncEngine(EngineControl):
         self.died.set()
 
     # ------------------------------------------------------------------ requests
-    def token_text(self, token_id: int) -> str:
-        """``decode([token_id])``, from the cache the logprob entries' texts come from."""
+    def token_text(self, token_id: int) -> str | None:
+        """``decode([token_id])``, from the cache the logprob entries' texts come from (None
+        under --skip-tokenizer-init)."""
         return self.output_processor.token_texts(token_id)
 
     @property

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from trillm.engine.skipped_tokenizer import SkippedTokenizer
 from trillm.messages import LogprobsLists
 from trillm.outputs import Logprob, SampleLogprobs
 
@@ -20,13 +21,17 @@ if TYPE_CHECKING:
 
 
 class TokenTexts:
-    """``decode([token_id])`` per token id, cached (the texts of logprob entries)."""
+    """``decode([token_id])`` per token id, cached (the texts of logprob entries). Without a
+    tokenizer (--skip-tokenizer-init) an entry's text is None, as vLLM's ``decoded_token``."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.skipped = isinstance(tokenizer, SkippedTokenizer)
         self._texts: dict[int, str] = {}
 
-    def __call__(self, token_id: int) -> str:
+    def __call__(self, token_id: int) -> str | None:
+        if self.skipped:
+            return None
         text = self._texts.get(token_id)
         if text is None:
             text = self._texts[token_id] = self.tokenizer.decode([token_id])

@@ -136,7 +136,7 @@ class ChatAnswer:
 
     def _text(self, entry: dict[int, Logprob], tid: int) -> str:
         lp = entry.get(tid)
-        return (lp.decoded_token or "") if lp is not None else self.state.engine.token_text(tid)
+        return (lp.decoded_token if lp is not None else self.state.engine.token_text(tid)) or ""
 
     def _logprobs(
         self, token_ids: list[int], logprobs: SampleLogprobs | None

@@ -45,6 +45,7 @@ async def create_completion(
 ) -> dict[str, Any] | AsyncIterator[bytes]:
     lora = state.check_model(req.model)  # the adapter req.model names, if any
     _check_unsupported(req)
+    _check_logprob_texts(state, req)
     vocab = state.preprocessor.vocab_size
     if req.logprobs == -1:  # vLLM's: the whole vocabulary
         req.logprobs = vocab
@@ -86,6 +87,20 @@ def _check_unsupported(req: CompletionRequest) -> None:
         raise BadRequestError("'suffix' is not supported.", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise BadRequestError("'best_of' different from 'n' is not supported.", "best_of")
+
+
+def _check_logprob_texts(state: ServerState, req: CompletionRequest) -> None:
+    """Logprobs name their tokens by text, which needs the tokenizer: under
+    --skip-tokenizer-init only as token ids (vLLM answers 400 too)."""
+    as_ids = req.return_tokens_as_token_ids
+    as_ids = state.return_tokens_as_token_ids if as_ids is None else as_ids
+    if req.logprobs is not None and state.preprocessor.tokenizer_skipped and not as_ids:
+        raise BadRequestError(
+            "'logprobs' names each token by its text, which needs the tokenizer this server "
+            "did not load (--skip-tokenizer-init / skip_tokenizer_init): ask for the tokens "
+            "as ids with 'return_tokens_as_token_ids': true.",
+            "logprobs",
+        )
 
 
 async def _prepare(

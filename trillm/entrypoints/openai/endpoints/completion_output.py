@@ -175,7 +175,7 @@ class CompletionAnswer:
         as_ids = self._as_ids
         # (the first prompt token has no entry: its text from the same cache)
         lp = entry.get(tid) if entry is not None else None
-        text = (lp.decoded_token or "") if lp is not None else self.state.engine.token_text(tid)
+        text = (lp.decoded_token if lp is not None else self.state.engine.token_text(tid)) or ""
         tokens.append(f"token_id:{tid}" if as_ids else text)
         if entry is None:  # the first prompt token: nothing predicts it
             values.append(None)
