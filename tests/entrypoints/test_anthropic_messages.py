@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx
 import openai
 import pytest
@@ -73,6 +72,8 @@ def model(server):
 
 @pytest.fixture(scope="module")
 def client(server):
+    import anthropic  # the official client (~1.6 CPU-s): imported by the tests that use it
+
     return anthropic.Anthropic(base_url=server.url, api_key=TOOLS_KEY, max_retries=0, timeout=120)
 
 
@@ -329,6 +330,8 @@ def test_thinking_blocks_from_the_reasoning_parser(client, chat_client, model):
 
 
 def test_count_tokens_is_the_prompt(client, model):
+    import anthropic
+
     for kw in ({}, {"system": "Be brief.", "tools": TOOLS}):
         counted = client.messages.count_tokens(
             model=model, messages=[{"role": "user", "content": ASK}], **kw
@@ -359,6 +362,8 @@ def test_count_tokens_is_the_prompt(client, model):
 
 
 def test_the_api_key_as_x_api_key_or_bearer(server, model):
+    import anthropic
+
     body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         refused = httpx.post(server.url + path, json=body)
@@ -452,6 +457,8 @@ def test_bad_input_is_a_400_in_anthropics_shape(server, model, fields, fragment)
 
 
 def test_unknown_model_and_route_in_anthropics_shape(client, server):
+    import anthropic
+
     with pytest.raises(anthropic.NotFoundError) as info:
         client.messages.create(
             model="claude-nope", max_tokens=2, messages=[{"role": "user", "content": "hi"}]

@@ -9,7 +9,6 @@ The server is the shared tool server (the qwen3 reasoning parser, a 1024-token c
 
 from __future__ import annotations
 
-import anthropic
 import pytest
 from shared_servers import TOOLS_GROUP, TOOLS_KEY, tools_server_args
 
@@ -24,6 +23,8 @@ ASK = [{"role": "user", "content": "What is two plus two?"}]
 
 @pytest.fixture(scope="module")
 def client(shared_server, tmp_path_factory):
+    import anthropic  # the official client (~1.6 CPU-s): imported by the tests that use it
+
     srv = shared_server(tools_server_args(tmp_path_factory.getbasetemp()))
     return anthropic.Anthropic(base_url=srv.url, api_key=TOOLS_KEY, max_retries=0, timeout=120)
 
@@ -65,6 +66,8 @@ def test_shapes_vllm_would_not_take_are_refused_naming_the_key(thinking, max_tok
 
 
 def test_over_http_a_budget_is_taken_and_a_bad_one_is_a_400(client):
+    import anthropic
+
     model = client.models.list().data[0].id
     # count_tokens has no max_tokens: a budget alone is taken (it was refused before).
     counted = client.messages.count_tokens(
