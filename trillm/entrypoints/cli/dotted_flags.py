@@ -40,6 +40,20 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def dash_flag_names(argv: list[str]) -> list[str]:
+    """vLLM's spelling of flag names: ``--max_model_len`` is ``--max-model-len``. In each
+    ``--`` token the name, up to its first dot (a dotted flag's keys stay as written) and
+    before any ``=VALUE``, has its underscores as dashes."""
+    out = []
+    for token in argv:
+        if token.startswith("--") and len(token) > 2:
+            name, eq, value = token.partition("=")
+            head, dot, keys = name.partition(".")
+            token = head.replace("_", "-") + dot + keys + eq + value
+        out.append(token)
+    return out
+
+
 def expand_dotted_flags(argv: list[str]) -> list[str]:
     """``argv`` with every ``--flag.key[.key] VALUE`` folded into one ``--flag JSON``."""
     dotted: dict[str, dict[str, Any]] = {}

@@ -38,11 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from trillm.entrypoints.cli.dotted_flags import expand_dotted_flags
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """The command line as vLLM's parser reads it: flag names with underscores or dashes
+    (``--max_model_len``), dotted config flags folded into their JSON flag."""
+    from trillm.entrypoints.cli.dotted_flags import dash_flag_names, expand_dotted_flags
 
+    return parser.parse_args(expand_dotted_flags(dash_flag_names(list(argv))))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(expand_dotted_flags(list(sys.argv[1:] if argv is None else argv)))
+    args = parse_command_line(parser, sys.argv[1:] if argv is None else argv)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
