@@ -178,6 +178,35 @@ TRILLM_INLINE void rounded_softmax_pv(const Problem& p, int nvec, float* s, int 
 // (bf16 q, rounded_softmax_pv above).
 #include "cpu_attention_tile.h"    // attend_item: tiles of several query rows
 #include "cpu_attention_decode.h"  // attend_decode: one-row tiles (decode steps), head_dim 64 / 128
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#include "cpu_attention_paged_dp.h"  // attend_item_paged_dp: long chunks, bf16, AVX512-BF16
+#define TRILLM_PAGED_DP 1
+#else
+#define TRILLM_PAGED_DP 0
+#endif
+
+// Whether long bf16 chunks with context run on attend_item_paged_dp: on where the CPU has
+// AVX512-BF16 (paged_bf16_dot(False) keeps them on the tile kernel: tests, benchmarks).
+inline bool cpu_has_paged_dp() {
+#if TRILLM_PAGED_DP
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+std::atomic<bool>& paged_dp_on() {
+  static std::atomic<bool> on{cpu_has_paged_dp()};
+  return on;
+}
+bool set_paged_bf16_dot(bool on) {
+  const bool before = paged_dp_on().load();
+  paged_dp_on().store(on && cpu_has_paged_dp());
+  return before;
+}
 
 // KB / JB: the tile kernel's blocks of accumulators (keys x group, value lanes x group), sized
 // to AVX2's 16 vector registers. (An AVX-512VL build of the same 8-lane code with 32 registers
@@ -336,6 +365,40 @@ class Plan {
     p_.block_size = block_size;
     items_ = plan_items(p_, num_reqs, reinterpret_cast<const int32_t*>(req_indices), num_selected,
                         num_threads);
+    plan_dp_items();
+  }
+
+  // The items of the run on attend_item_paged_dp (bf16, no window or softcap): a request of
+  // at least kPdpMinQueryRows query rows as (kv head, block of 96 / group rows) items, the most
+  // work first; the other requests' items as they are. Empty where that path never runs.
+  void plan_dp_items() {
+#if TRILLM_PAGED_DP
+    if (!cpu_has_paged_dp() || !paged_dp_layout(p_.num_heads, p_.num_kv_heads, p_.head_dim))
+      return;
+    const int block = std::max(1, kPdpMaxVectors / (p_.num_heads / p_.num_kv_heads));
+    std::vector<Item> long_items, rest;
+    for (const Item& it : items_) {
+      const int query_len = p_.query_start_loc[it.req + 1] - p_.query_start_loc[it.req];
+      if (query_len < kPdpMinQueryRows) {
+        rest.push_back(it);
+      } else if (it.row_begin == 0 && it.head_begin == 0) {  // once per request
+        for (int first = 0; first < query_len; first += block)
+          for (int h = 0; h < p_.num_kv_heads; ++h)
+            long_items.push_back({it.req, first, std::min(query_len, first + block), h, h + 1});
+      }
+    }
+    if (long_items.empty()) return;
+    auto work = [&](const Item& it) {  // keys x rows
+      const int query_len = p_.query_start_loc[it.req + 1] - p_.query_start_loc[it.req];
+      const int64_t keys = p_.seq_lens[it.req] - query_len + it.row_end;
+      return keys * (it.row_end - it.row_begin);
+    };
+    std::stable_sort(long_items.begin(), long_items.end(),
+                     [&](const Item& a, const Item& b) { return work(a) > work(b); });
+    dp_long_ = static_cast<int>(long_items.size());
+    dp_items_ = std::move(long_items);
+    dp_items_.insert(dp_items_.end(), rest.begin(), rest.end());
+#endif
   }
 
   // dtype (q, out): 0 = float32, 1 = bfloat16; cache_dtype: 0, 1, or 2 = fp8 e4m3 (values
@@ -366,6 +429,19 @@ class Plan {
     p.sinks = reinterpret_cast<const float*>(sinks);
     const Kernel kernel =
         dtype == 0 ? select_for_cache<float>(cache_dtype) : select_for_cache<Bf16>(cache_dtype);
+#if TRILLM_PAGED_DP
+    if (dp_long_ > 0 && dtype == 1 && cache_dtype == 1 && window == 0 && softcap == 0.0f &&
+        paged_dp_on().load(std::memory_order_relaxed)) {
+      const int n = static_cast<int>(dp_items_.size());
+      const int n_long = dp_long_;
+      py::gil_scoped_release release;
+      run_items(num_threads_, n, [&](int i) {
+        if (i < n_long) attend_item_paged_dp(p, dp_items_[i]);
+        else kernel(p, dp_items_[i]);
+      });
+      return;
+    }
+#endif
     const int n = static_cast<int>(items_.size());
     py::gil_scoped_release release;
     run_items(num_threads_, n, [&](int i) { kernel(p, items_[i]); });
@@ -374,6 +450,8 @@ class Plan {
  private:
   Problem p_{};
   std::vector<Item> items_;
+  std::vector<Item> dp_items_;  // plan_dp_items
+  int dp_long_ = 0;             // its first dp_long_ items run on attend_item_paged_dp
   int num_threads_;
 };
 
@@ -416,6 +494,9 @@ void register_cpu_attention(py::module_& m) {
   m.def("get_kernel", &get_kernel, "The paged kernel in use: 'avx2' or 'generic'.");
   m.def("set_kernel", &set_kernel, py::arg("name"),
         "Run the 'avx2' or the 'generic' (fallback) paged kernel, process-wide.");
+  m.def("paged_bf16_dot", &set_paged_bf16_dot, py::arg("on"),
+        "Long bf16 prompt chunks with context on AVX512-BF16's vdpbf16ps (on where the CPU "
+        "has it) or the tile kernel; -> the setting before. For tests and benchmarks.");
   py::class_<Plan>(m, "Plan")
       .def(py::init<uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, int, int, int, int, int, int,
                     int64_t, int, int>(),

@@ -1,0 +1,131 @@
+"""One layer's attention of one long bf16 prompt prefilled in chunks, at Llama-3.2-1B's shape
+(32 query / 8 kv heads of 64, block size 16): the first chunk through the fresh-prompt kernel
+(``ext/cpu_prefill_attention.cpp``), every later chunk through the paged kernel
+(``ext/cpu_attention.cpp``) over the keys already cached, as the engine runs a prompt longer
+than ``--max-num-batched-tokens``. Per chunk: wall ms (median of ``--repeats``, the threads of
+``TRILLM_CPU_ATTENTION_THREADS`` / torch's count) and GFLOP/s of the causal attention math
+(4 * Hq * D per visible query-key pair). ``--paged-dp off`` runs the later chunks on the
+fp32-FMA tile kernel (``paged_bf16_dot(False)``) where the build has the bf16-dot one: the two
+side by side in one run.
+
+    python benchmarks/kernels/chunked_prefill_attention.py --prompt-len 8192 --chunk 4096 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root
+
+import torch  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from trillm._native import cpu_kernels  # noqa: E402
+from trillm.kernels import paged_attention_cpu  # noqa: E402
+
+HQ, HKV, D, BS = 32, 8, 64, 16
+
+
+def flops(context: int, rows: int) -> float:
+    pairs = context * rows + rows * (rows + 1) / 2
+    return 4.0 * HQ * D * pairs
+
+
+def wall_ms(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def chunks_of(total: int, chunk: int, repeats: int, g: torch.Generator) -> list[dict]:
+    blocks = total // BS
+    q = torch.randn(total, HQ, D, generator=g).to(torch.bfloat16)
+    k = torch.randn(total, HKV, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(total, HKV, D, generator=g).to(torch.bfloat16)
+    cache = torch.zeros(2, blocks + 1, BS, HKV, D, dtype=torch.bfloat16)
+    perm = torch.randperm(blocks, generator=g).to(torch.int32) + 1  # scattered blocks
+    slots = (perm.long()[:, None] * BS + torch.arange(BS)).reshape(-1)
+    cache[0].view(-1, HKV, D)[slots] = k
+    cache[1].view(-1, HKV, D)[slots] = v
+    table = perm.view(1, -1)
+    rows = []
+    out = torch.empty_like(q)
+    for start in range(0, total, chunk):
+        n = min(chunk, total - start)
+        if start == 0:
+            seg = torch.tensor([[0, n]], dtype=torch.int32)
+            qc, kc, vc, oc = q[:n], k[:n], v[:n], out[:n]
+            call = partial(paged_attention_cpu.causal_prefill, qc, kc, vc, seg, D**-0.5, oc)
+            ms = wall_ms(call, repeats)
+            kernel = "fresh"
+        else:
+            qsl = torch.tensor([0, n], dtype=torch.int32)
+            seq = torch.tensor([start + n], dtype=torch.int32)
+            qc, oc = q[start : start + n], out[start : start + n]
+            plan = paged_attention_cpu.PagedAttentionPlan(qsl, seq, table, qc.shape, cache.shape)
+            ms = wall_ms(partial(plan.run, qc, cache, D**-0.5, oc), repeats)
+            kernel = "paged"
+        f = flops(start, n)
+        rows.append(
+            {
+                "chunk": chunk,
+                "start": start,
+                "rows": n,
+                "kernel": kernel,
+                "ms": round(ms, 1),
+                "gflop": round(f / 1e9, 2),
+                "gflops": round(f / ms / 1e6, 1),
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompt-len", type=int, default=8192)
+    parser.add_argument("--chunk", type=int, nargs="+", default=[4096])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--paged-dp", choices=["on", "off", "both"], default="both")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    ext = cpu_kernels("attention")
+    has_switch = ext is not None and hasattr(ext, "paged_bf16_dot")
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.paged_dp]
+    if not has_switch:
+        modes = [None]
+    results = []
+    for chunk in args.chunk:
+        for mode in modes:
+            if mode is not None:
+                ext.paged_bf16_dot(mode)
+            rows = chunks_of(args.prompt_len, chunk, args.repeats, torch.Generator().manual_seed(0))
+            total = sum(r["ms"] for r in rows)
+            gf = sum(r["gflop"] for r in rows)
+            results.append(
+                {
+                    "chunk": chunk,
+                    "paged_dp": mode,
+                    "chunks": rows,
+                    "total_ms": round(total, 1),
+                    "gflops": round(gf / total * 1e3, 1),
+                }
+            )
+            print(
+                f"chunk {chunk} paged_dp {mode}: {total:.0f} ms, {gf / total * 1e3:.1f} GFLOP/s",
+                flush=True,
+            )
+    common.write_json(args.out, {"machine": common.machine_info(), "results": results})
+
+
+if __name__ == "__main__":
+    main()
