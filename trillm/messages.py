@@ -157,9 +157,10 @@ class KVTransferItem:
     # The KV offload tier (kv_transfer/offload.py) only: its block of each of block_ids
     # (a load reads them into block_ids, a save writes block_ids to them); key is unused.
     offload_blocks: list[int] = field(default_factory=list)
-    # The P2P connector's loads only: the prompt's KV (storage.pack's bytes) as the decode
-    # instance's engine core received it, off the steps (kv_transfer/p2p_recv.py).
-    data: bytes | None = None
+    # The P2P connector's loads only: the prompt's KV (storage.pack's bytes), one share per
+    # rank (each rank loads its own), as the decode instance's engine core received it, off
+    # the steps (kv_transfer/p2p_recv.py).
+    data: list[bytes] | None = None
 
 
 @dataclass(slots=True)

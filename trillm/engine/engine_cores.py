@@ -66,6 +66,14 @@ class EngineCores:
         # Each core's last stats: zeros (and spec counters) until its first step.
         self.stats: list[SchedulerStats] = [core._stats() for core in self.cores]
 
+    def close(self) -> None:
+        """The engine stopped: each scheduler lets go of what it holds outside the engine's
+        tasks (a KV connector's listeners and threads: ``ConnectorSteps.close``)."""
+        for core in self.cores:
+            close = getattr(core.scheduler, "close", None)
+            if close is not None:
+                close()
+
     # ------------------------------------------------------------------ status
     @property
     def num_blocks(self) -> int:

@@ -145,9 +145,12 @@ async def open_engine(
             config.device,
             config.attention_backend,
         )
-        async with trio.open_nursery() as nursery:
-            await nursery.start(engine.run_core)
-            try:
-                yield engine
-            finally:
-                nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.run_core)
+                try:
+                    yield engine
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            engine.engine_cores.close()  # NOTE: its tasks ended: a KV connector's ports and threads

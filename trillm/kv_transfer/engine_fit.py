@@ -24,8 +24,8 @@ def resolve_kv_transfer(
     if config is None:
         return None
     unsupported = unsupported_with_connector(args, model, pooler, speculative, hybrid, longrope)
-    if config.p2p is not None:  # NOTE: its wire carries one rank's blocks per request
-        unsupported = {**_ranks_split(args), **unsupported}
+    if config.p2p is not None:
+        unsupported = {**_p2p_ranks(args, config), **unsupported}
     for name, used in unsupported.items():
         if used:
             raise ValueError(
@@ -45,11 +45,18 @@ def _where(config: KVTransferConfig) -> str:
     return "fetching from " + ", ".join(p2p.prefill_kv_addrs)
 
 
-def _ranks_split(args: EngineArgs) -> dict[str, bool]:
-    return {
-        "tensor_parallel_size > 1": args.tensor_parallel_size > 1,
-        "pipeline_parallel_size > 1": args.pipeline_parallel_size > 1,
-    }
+def _p2p_ranks(args: EngineArgs, kv: KVTransferConfig) -> dict[str, bool]:
+    """The P2P connector's ranks: rank r of each instance on ``kv_port + r`` of one address
+    (vLLM's pairing), so every rank on the node of ``kv_ip``; ValueError when the last rank's
+    port is past 65535."""
+    assert kv.p2p is not None
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    if kv.p2p.kv_port + world - 1 > 65535:
+        raise ValueError(
+            f"kv_transfer_config.kv_port {kv.p2p.kv_port}: with {world} ranks the "
+            f"{kv.kv_connector} listens on kv_port to kv_port + {world - 1}, past 65535."
+        )
+    return {"nnodes > 1 (every rank serves its share on kv_ip)": args.nnodes > 1}
 
 
 def unsupported_with_connector(
@@ -63,7 +70,8 @@ def unsupported_with_connector(
     """What a connector's stored blocks do not carry yet -> whether this engine uses it
     (the KV offload tier refuses the same, ``offload_config.py``). Tensor and pipeline
     parallelism are not among them: each rank saves and loads its own share of the KV (its
-    heads, its stage's layers), keyed by its rank; one engine core schedules for them all."""
+    heads, its stage's layers), keyed by its rank (the P2P connector: sent on ``kv_port +
+    rank``); one engine core schedules for them all."""
     return {
         # several engine cores, each with its own scheduler side and ranks: not keyed apart
         "data_parallel_size > 1": args.data_parallel_size > 1,

@@ -13,7 +13,10 @@ one that does not fit is dropped: its decode request recomputes). A producer's
 The receiver (``PushPool``) takes pushes only from the IPs of its listed prefill instances
 (``prefill_kv_addrs``), each sender at most an equal share of its bound (``kv_buffer_size`` +
 ``mem_pool_size_gb``), and evicts an entry nobody claimed after ``UNCLAIMED_TTL_S`` or to make
-room for its sender's newer one (oldest first).
+room for its sender's newer one (oldest first). Under tensor or pipeline parallelism rank ``r``
+of the prefill instance pushes its share to ``port + r`` of the decode address, where the
+decode instance's rank-``r`` listener (``PushServer(..., rank=r)``) files it under its rank;
+a request takes a prompt's shares only all together (``PushPool.claim_all``).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from trillm.kv_transfer import p2p_wire
-from trillm.kv_transfer.p2p_wire import MAX_CONNECTIONS, TRANSFER_TIMEOUT_S
+from trillm.kv_transfer.log_every import EveryWarning
+from trillm.kv_transfer.p2p_wire import TRANSFER_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +63,9 @@ class Pusher:
         self._queue: collections.deque[tuple[str, str, bytes]] = collections.deque()
         self._queued = 0
         self._cond = threading.Condition()
+        self._warning = EveryWarning(logger, "pushes not sent")
         if asynchronous:
-            threading.Thread(target=self._send_loop, name="kv-p2p-push", daemon=True).start()
+            threading.Thread(target=self._send_loop, name="trillm-kv-p2p-push", daemon=True).start()
 
     def send(self, address: str, key: str, blob: bytes) -> None:
         if not self.asynchronous:
@@ -68,7 +74,7 @@ class Pusher:
         with self._cond:
             if self._queued + len(blob) > self.queue_bytes:
                 self.failed += 1
-                logger.warning("KV push to %s dropped: the send queue is full", address)
+                self._warning.warn("KV push to %s dropped: the send queue is full", address)
                 return
             self._queue.append((address, key, blob))
             self._queued += len(blob)
@@ -99,13 +105,16 @@ class Pusher:
             kept = push(host.strip("[]"), int(port), key, blob)
         except OSError as exc:
             kept = False
-            logger.warning("KV push to %s failed: %s (its decode request recomputes)", address, exc)
+            self._warning.warn(
+                "KV push to %s failed: %s (its decode request recomputes)", address, exc
+            )
         self.sent += kept
         self.failed += not kept
 
 
 class PushPool:
-    """The decode instance's pushed prompts, by key, until a request claims one."""
+    """The decode instance's pushed prompts' shares, by (key, rank), until a request claims
+    them."""
 
     def __init__(self, capacity: int, senders: frozenset[str]) -> None:
         self.capacity = capacity
@@ -114,19 +123,31 @@ class PushPool:
         self.refused = 0
         self.evicted = 0
         self._lock = threading.Lock()
-        # key -> (sender IP, bytes, when it came); oldest first
-        self._items: OrderedDict[str, tuple[str, bytes, float]] = OrderedDict()
+        # (key, rank) -> (sender IP, bytes, when it came); oldest first
+        self._items: OrderedDict[tuple[str, int], tuple[str, bytes, float]] = OrderedDict()
         self._bytes_of: dict[str, int] = dict.fromkeys(senders, 0)
-        self.on_arrival = lambda key: None  # the receiver's hook: a request may wait for it
+        # the receiver's hook: (key, rank) came, a request may wait for it
+        self.on_arrival: Callable[[str, int], None] = lambda key, rank: None
 
-    def claim(self, key: str) -> bytes | None:
+    def claim(self, key: str, rank: int = 0) -> bytes | None:
         with self._lock:
             self._expire()
-            item = self._items.pop(key, None)
-            if item is None:
+            return self._pop((key, rank))
+
+    def claim_all(self, key: str, world_size: int) -> list[bytes] | None:
+        """Every rank's share of ``key``, taken together; None (nothing taken) until each
+        came."""
+        with self._lock:
+            self._expire()
+            if any((key, rank) not in self._items for rank in range(world_size)):
                 return None
-            self._bytes_of[item[0]] -= len(item[1])
-            return item[1]
+            return [self._pop((key, rank)) or b"" for rank in range(world_size)]
+
+    def peek(self, key: str, rank: int) -> bytes | None:
+        """Rank ``rank``'s share of ``key``, left in the pool."""
+        with self._lock:
+            item = self._items.get((key, rank))
+            return None if item is None else item[1]
 
     def offer(self, sender: str, key: str, size: int) -> bool:
         """Room for ``size`` bytes from ``sender`` (its older entries go first if need be)."""
@@ -140,15 +161,15 @@ class PushPool:
                 self._drop(old)
             return self._bytes_of[sender] + size <= self.share
 
-    def put(self, sender: str, key: str, blob: bytes) -> bool:
+    def put(self, sender: str, key: str, blob: bytes, rank: int = 0) -> bool:
         if not self.offer(sender, key, len(blob)):
             return False
         with self._lock:
-            if key in self._items:
-                self._drop(key)
-            self._items[key] = (sender, blob, time.monotonic())
+            if (key, rank) in self._items:
+                self._drop((key, rank))
+            self._items[key, rank] = (sender, blob, time.monotonic())
             self._bytes_of[sender] += len(blob)
-        self.on_arrival(key)
+        self.on_arrival(key, rank)
         return True
 
     def held_bytes(self, sender: str) -> int:
@@ -158,47 +179,45 @@ class PushPool:
     def __len__(self) -> int:
         return len(self._items)
 
+    def _pop(self, where: tuple[str, int]) -> bytes | None:
+        item = self._items.pop(where, None)
+        if item is None:
+            return None
+        self._bytes_of[item[0]] -= len(item[1])
+        return item[1]
+
     def _expire(self) -> None:
         now = time.monotonic()
         while self._items:
-            key, (_, _, came) = next(iter(self._items.items()))
+            where, (_, _, came) = next(iter(self._items.items()))
             if now - came < UNCLAIMED_TTL_S:
                 return
-            self._drop(key)
+            self._drop(where)
 
-    def _drop(self, key: str) -> None:
-        sender, blob, _ = self._items.pop(key)
+    def _drop(self, where: tuple[str, int]) -> None:
+        sender, blob, _ = self._items.pop(where)
         self._bytes_of[sender] -= len(blob)
         self.evicted += 1
 
 
-class PushServer:
-    """Takes pushes on ``(ip, port)`` into ``pool`` from a daemon thread, one per peer."""
+class PushServer(p2p_wire.Listener):
+    """Takes pushes on ``(ip, port)`` into ``pool``, each filed under ``rank`` (the rank of
+    the decode instance this listener serves: ``kv_port + rank``)."""
 
-    def __init__(self, pool: PushPool, ip: str, port: int) -> None:
+    name = "trillm-kv-p2p-push-server"
+
+    def __init__(self, pool: PushPool, ip: str, port: int, rank: int = 0) -> None:
         self.pool = pool
-        self._sock = p2p_wire.listen(ip, port)
-        self.address = self._sock.getsockname()[:2]
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        threading.Thread(target=self._accept, name="kv-p2p-push-server", daemon=True).start()
+        self.rank = rank
+        super().__init__(ip, port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return  # closed
-            sender = str(peer[0]).removeprefix("::ffff:")
-            if sender not in self.pool.senders:
-                self.pool.refused += 1
-                conn.close()  # NOTE: not a listed prefill instance: not read at all
-                continue
-            if not self._slots.acquire(blocking=False):
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn, sender), daemon=True).start()
+    def _admit(self, conn: socket.socket, peer: str) -> bool:
+        if peer not in self.pool.senders:
+            self.pool.refused += 1
+            return False  # NOTE: not a listed prefill instance: not read at all
+        return True
 
-    def _serve(self, conn: socket.socket, sender: str) -> None:
+    def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
             with conn:
                 deadline = time.monotonic() + TRANSFER_TIMEOUT_S
@@ -208,18 +227,14 @@ class PushServer:
                 key = head[4 : 4 + p2p_wire.KEY_CHARS].decode("ascii", "replace")
                 size = int.from_bytes(head[-_LENGTH_BYTES:], "little")
                 ok = head.startswith(b"PUT ") and p2p_wire.is_key(key)
-                if not ok or not self.pool.offer(sender, key, size):
+                if not ok or not self.pool.offer(peer, key, size):
                     self.pool.refused += 1
                     conn.sendall(b"\x00")
                     return
                 blob = p2p_wire.read_exactly(
                     conn, size, time.monotonic() + p2p_wire.payload_deadline_s(size)
                 )
-                conn.sendall(b"\x01" if self.pool.put(sender, key, blob) else b"\x00")
+                kept = self.pool.put(peer, key, blob, self.rank)
+                conn.sendall(b"\x01" if kept else b"\x00")
         except OSError as exc:
-            logger.info("KV push from %s dropped: %s", sender, exc)
-        finally:
-            self._slots.release()
-
-    def close(self) -> None:
-        self._sock.close()
+            logger.info("KV push from %s dropped: %s", peer, exc)

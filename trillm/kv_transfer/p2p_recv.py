@@ -16,6 +16,13 @@ fails (recomputed).
 In the push modes (send_type "PUT" / "PUT_ASYNC", ``p2p_push.py``) nothing is fetched: ``want``
 claims the prompt the prefill instance pushed, or waits for it at most ``PUSH_WAIT_S`` (a
 "PUT_ASYNC" push may trail the prefill's answer); one that does not come is recomputed.
+
+Tensor and pipeline parallelism: a request's transfer is every rank's share (rank ``r`` of the
+prefill instance serves or pushes on ``port + r``), fetched one after the other; it arrived
+only when each did and each share's header names this instance's rank and split (``check``:
+``p2p.share_mismatch``), else it failed, whole: the prompt is computed on every rank.
+
+A failed transfer is one warning line at most every 10 s (``log_every``), with the count.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from trillm.kv_transfer import p2p_wire
+from trillm.kv_transfer.log_every import EveryWarning
 from trillm.kv_transfer.p2p_push import PushPool
 
 logger = logging.getLogger(__name__)
@@ -37,24 +46,41 @@ MAX_FETCHES = 4  # transfers at once; more wait for a thread (their requests kee
 SILENT_PAUSE_S = 10.0
 PUSH_WAIT_S = 3.0  # how long a request waits for a push that has not come
 
+# (a share's bytes, its rank) -> why this instance's rank cannot load it; None: it can
+ShareCheck = Callable[[bytes, int], "str | None"]
+
 
 class Receiver:
-    """Received prompts' KV, by request, waiting for their requests' admission."""
+    """Received prompts' KV (every rank's share), by request, waiting for their requests'
+    admission."""
 
-    def __init__(self, capacity: int, pushes: PushPool | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        pushes: PushPool | None = None,
+        world_size: int = 1,
+        check: ShareCheck | None = None,
+    ) -> None:
         self.capacity = capacity
         self.pushes = pushes
+        self.world_size = world_size
+        self.check = check
         self._awaited: dict[str, tuple[str, float]] = {}  # push modes: req_id -> (key, until)
-        self.failures = 0  # transfers that failed, timed out or did not fit (logged)
+        self._warning = EveryWarning(logger, "transfer failures")
         self._lock = threading.Lock()
         self._pending: set[str] = set()  # req_ids whose transfer runs or waits for a thread
-        self._arrived: dict[str, bytes] = {}  # req_id -> its prompt's KV, not taken yet
+        self._arrived: dict[str, list[bytes]] = {}  # req_id -> its shares, not taken yet
         self._bytes = 0
         self._finished: list[str] = []  # since the last ``finished``
         self._silent_until: dict[str, float] = {}  # address -> when it may be asked again
-        self._pool = ThreadPoolExecutor(MAX_FETCHES, thread_name_prefix="kv-p2p-fetch")
+        self._pool = ThreadPoolExecutor(MAX_FETCHES, thread_name_prefix="trillm-kv-p2p-fetch")
         if pushes is not None:
             pushes.on_arrival = self._pushed
+
+    @property
+    def failures(self) -> int:
+        """Transfers that failed, timed out or did not fit (each recomputed)."""
+        return self._warning.count
 
     def want(self, req_id: str, key: str) -> bool:
         """Starts fetching ``key`` (``<ip>:<port>/<prefix key>``) for ``req_id`` -> False when
@@ -78,34 +104,57 @@ class Receiver:
             done, self._finished = self._finished, []
         return done
 
-    def _await_push(self, req_id: str, key: str) -> bool:
-        assert self.pushes is not None
-        with self._lock:
-            blob = self.pushes.claim(key)
-            if blob is not None:  # pushed already: loaded at its admission
-                self._arrived[req_id] = blob
-                self._bytes += len(blob)
-                return False
-            self._pending.add(req_id)
-            self._awaited[req_id] = (key, time.monotonic() + PUSH_WAIT_S)
-        return True
+    def _mismatch(self, shares: dict[int, bytes]) -> str | None:
+        for rank, blob in sorted(shares.items()):
+            why = None if self.check is None else self.check(blob, rank)
+            if why is not None:
+                return why
+        return None
 
-    def _pushed(self, key: str) -> None:
-        """A push came (the push server's thread): the request waiting for it takes it."""
-        assert self.pushes is not None
+    def _await_push(self, req_id: str, key: str) -> bool:
+        pushes = self.pushes
+        assert pushes is not None
+        with self._lock:
+            blobs = pushes.claim_all(key, self.world_size)
+            if blobs is None:
+                came = {r: b for r in range(self.world_size) if (b := pushes.peek(key, r))}
+                why = self._mismatch(came)
+                if why is None:
+                    self._pending.add(req_id)
+                    self._awaited[req_id] = (key, time.monotonic() + PUSH_WAIT_S)
+                    return True
+            else:  # pushed already: loaded at its admission, if each share is this rank's
+                why = self._mismatch(dict(enumerate(blobs)))
+                if why is None:
+                    self._arrived[req_id] = blobs
+                    self._bytes += sum(map(len, blobs))
+                    return False
+        self._fail(req_id, why)
+        return False
+
+    def _pushed(self, key: str, rank: int) -> None:
+        """A share came (a push server's thread): the request waiting for it takes the
+        prompt's shares once each came, or fails at once if this one is not its rank's."""
+        pushes = self.pushes
+        assert pushes is not None
         with self._lock:
             waiting = [r for r, (k, _) in self._awaited.items() if k == key]
             if not waiting:
                 return  # kept in the pool for a request still to come
-            blob = self.pushes.claim(key)
-            if blob is None:
-                return
+            share = pushes.peek(key, rank)
+            why = None if share is None else self._mismatch({rank: share})
+            blobs = None if why is not None else pushes.claim_all(key, self.world_size)
+            if why is None and blobs is None:
+                return  # another rank's share is still to come
             req_id = waiting[0]
             del self._awaited[req_id]
             self._pending.discard(req_id)
-            self._arrived[req_id] = blob
-            self._bytes += len(blob)
             self._finished.append(req_id)
+            if blobs is not None:
+                self._arrived[req_id] = blobs
+                self._bytes += sum(map(len, blobs))
+        if why is not None:
+            self._fail(req_id, why)
 
     def _expire_waits(self) -> None:
         now = time.monotonic()
@@ -118,11 +167,12 @@ class Receiver:
         for req_id in late:
             self._fail(req_id, f"no push came within {PUSH_WAIT_S:g} s")
 
-    def take(self, req_id: str) -> bytes | None:
+    def take(self, req_id: str) -> list[bytes] | None:
+        """``req_id``'s shares (one per rank), None when none arrived."""
         with self._lock:
-            blob = self._arrived.pop(req_id, None)
-            self._bytes -= 0 if blob is None else len(blob)
-        return blob
+            blobs = self._arrived.pop(req_id, None)
+            self._bytes -= 0 if blobs is None else sum(map(len, blobs))
+        return blobs
 
     def has(self, req_id: str) -> bool:
         with self._lock:
@@ -136,46 +186,60 @@ class Receiver:
             self._awaited.pop(req_id, None)
         self.take(req_id)
 
+    def close(self) -> None:
+        """The engine stops: transfers not started are dropped, those running end within
+        their deadlines, and the fetch threads with them."""
+        with self._lock:
+            self._pending.clear()
+            self._awaited.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
     def _fetch(self, req_id: str, key: str) -> None:
         address, prefix = key.split("/", 1)
         host, port = address.rsplit(":", 1)
         with self._lock:
             if req_id not in self._pending:
                 return  # aborted while it waited for a thread
+        blobs: list[bytes] = []
         try:
-            blob = p2p_wire.fetch(host, int(port), prefix, self.capacity)
-            if blob is None:
-                raise RuntimeError(f"the prefill instance at {address} does not hold this prompt")
+            for rank in range(self.world_size):  # NOTE: rank r's share on port + r (vLLM's)
+                blob = p2p_wire.fetch(
+                    host, int(port) + rank, prefix, self.capacity - sum(map(len, blobs))
+                )
+                if blob is None:
+                    at = address if rank == 0 else f"{host}:{int(port) + rank} (rank {rank})"
+                    raise RuntimeError(f"the prefill instance at {at} does not hold this prompt")
+                why = self._mismatch({rank: blob})
+                if why is not None:
+                    raise ValueError(why)
+                blobs.append(blob)
         except TimeoutError as exc:
             self._silent_until[address] = time.monotonic() + SILENT_PAUSE_S
             self._end(req_id, None, str(exc))
         except (OSError, ValueError, RuntimeError) as exc:
             self._end(req_id, None, str(exc))
         else:
-            self._end(req_id, blob, "")
+            self._end(req_id, blobs, "")
 
-    def _end(self, req_id: str, blob: bytes | None, why: str) -> None:
+    def _end(self, req_id: str, blobs: list[bytes] | None, why: str) -> None:
         with self._lock:
             if req_id not in self._pending:
                 return  # aborted meanwhile: nobody waits for it
             self._pending.discard(req_id)
-            if blob is not None and self._bytes + len(blob) > self.capacity:
-                why = f"{len(blob)} bytes would pass the receive pool's bound"
-                blob = None
-            if blob is not None:
-                self._arrived[req_id] = blob
-                self._bytes += len(blob)
+            size = 0 if blobs is None else sum(map(len, blobs))
+            if blobs is not None and self._bytes + size > self.capacity:
+                why = f"{size} bytes would pass the receive pool's bound"
+                blobs = None
+            if blobs is not None:
+                self._arrived[req_id] = blobs
+                self._bytes += size
             self._finished.append(req_id)
-        if blob is None:
+        if blobs is None:
             self._fail(req_id, why)
 
     def _fail(self, req_id: str, why: str) -> None:
-        with self._lock:
-            self.failures += 1
-        logger.warning(
-            "request %s: KV transfer failed: %s; computing its prompt here (%d transfer "
-            "failures so far)",
+        self._warning.warn(
+            "request %s: KV transfer failed: %s; computing its prompt here",
             req_id,
             why,
-            self.failures,
         )

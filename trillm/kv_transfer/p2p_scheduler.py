@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from trillm.core.request import Request
 from trillm.kv_transfer.config import KVTransferConfig
-from trillm.kv_transfer.p2p import PrefillAddresses
+from trillm.kv_transfer.p2p import PrefillAddresses, share_mismatch
 from trillm.kv_transfer.p2p_push import PushPool, PushServer
 from trillm.kv_transfer.p2p_recv import Receiver
 from trillm.kv_transfer.shared_storage import SharedStorageScheduler
@@ -30,23 +29,55 @@ logger = logging.getLogger(__name__)
 
 
 class P2pScheduler(SharedStorageScheduler):
-    def __init__(self, kv: KVTransferConfig, *args: Any) -> None:
-        super().__init__(kv, *args)
+    """``identity``: the cache identity without the split (``p2p.p2p_identity``), which keys
+    the transfers; ``split``: this instance's (the shares' identities name it); one share per
+    rank of ``world_size`` (a decode instance listens on ``kv_port + rank`` for each, in the
+    push modes)."""
+
+    def __init__(
+        self,
+        kv: KVTransferConfig,
+        identity: str,
+        block_size: int,
+        world_size: int = 1,
+        split: str = "tp1.pp1",
+    ) -> None:
+        super().__init__(kv, identity, block_size, world_size)
         p2p = kv.p2p
         assert p2p is not None
+        self.split = split
         self._door = PrefillAddresses(p2p.prefill_kv_addrs)
         # a pushing producer's door: the decode instances it may push to
         self._push_to = PrefillAddresses(p2p.decode_kv_addrs, decode=True)
         self.receiver: Receiver | None = None
-        self.push_server: PushServer | None = None
+        self.push_servers: list[PushServer] = []
         if kv.is_consumer:
             pool = None
             if p2p.pushes:
                 senders = frozenset(a.rsplit(":", 1)[0] for a in p2p.prefill_kv_addrs)
                 pool = PushPool(p2p.receive_bytes, senders)
-                self.push_server = PushServer(pool, p2p.kv_ip, p2p.kv_port)
-                logger.info("P2P KV push receiver on %s:%d", *self.push_server.address)
-            self.receiver = Receiver(p2p.receive_bytes, pool)
+                try:
+                    for rank in range(world_size):  # NOTE: rank r's shares on kv_port + r
+                        server = PushServer(pool, p2p.kv_ip, p2p.kv_port + rank, rank)
+                        self.push_servers.append(server)
+                        logger.info(
+                            "P2P KV push receiver of rank %d on %s:%d", rank, *server.address
+                        )
+                except ValueError:
+                    self.close()
+                    raise
+            self.receiver = Receiver(p2p.receive_bytes, pool, world_size, self._check)
+
+    def _check(self, data: bytes, rank: int) -> str | None:
+        return share_mismatch(data, self.identity, self.split, rank)
+
+    def close(self) -> None:
+        """The engine stops: the push listeners' ports are free and the connector's threads
+        gone once this returns."""
+        for server in self.push_servers:
+            server.close()
+        if self.receiver is not None:
+            self.receiver.close()
 
     def request_added(self, request: Request) -> bool:
         """A new request -> True when it waits for its prompt's KV (a transfer started)."""

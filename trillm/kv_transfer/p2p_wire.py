@@ -9,6 +9,7 @@ the server binds ``kv_ip`` only, and its peers should be on a private network.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -28,6 +29,7 @@ TRANSFER_TIMEOUT_S = 10.0
 FIRST_BYTE_TIMEOUT_S = 1.0
 MIN_RATE_BYTES_S = 50e6
 MAX_CONNECTIONS = 16  # concurrent peers a server answers; more are closed at once
+JOIN_S = 5.0  # a closed server waits this long for each of its threads
 
 
 class SendStore:
@@ -79,28 +81,79 @@ def listen(ip: str, port: int) -> socket.socket:
     return sock
 
 
-class KVServer:
-    """Serves ``store`` on ``(ip, port)`` from a daemon thread, one thread per peer."""
+class Listener:
+    """Accepts peers on ``(ip, port)`` on a thread of its own and serves each on one of its own
+    (``_serve``), at most ``MAX_CONNECTIONS`` at once (more are closed at once, as is a peer
+    ``_admit`` refuses). ``close`` stops accepting, drops the peers being served and joins
+    every thread (each within ``JOIN_S``), so the port is free and no thread is left."""
 
-    def __init__(self, store: SendStore, ip: str, port: int) -> None:
-        self.store = store
+    name = "trillm-kv-p2p-server"
+
+    def __init__(self, ip: str, port: int) -> None:
         self._sock = listen(ip, port)
         self.address = self._sock.getsockname()[:2]
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        threading.Thread(target=self._accept, name="kv-p2p-server", daemon=True).start()
+        self._lock = threading.Lock()
+        self._peers: dict[threading.Thread, socket.socket] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name=self.name, daemon=True)
+        self._thread.start()
+
+    def _admit(self, conn: socket.socket, peer: str) -> bool:
+        return True
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        raise NotImplementedError
 
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._sock.accept()
+                conn, address = self._sock.accept()
             except OSError:
                 return  # closed
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # NOTE: busy: that peer recomputes
+            peer = str(address[0]).removeprefix("::ffff:")
+            if not self._admit(conn, peer) or not self._slots.acquire(blocking=False):
+                conn.close()  # NOTE: refused, or busy: that peer recomputes
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            thread = threading.Thread(
+                target=self._run, args=(conn, peer), name=f"{self.name}-peer", daemon=True
+            )
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    self._slots.release()
+                    return
+                self._peers[thread] = conn
+            thread.start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _run(self, conn: socket.socket, peer: str) -> None:
+        try:
+            self._serve(conn, peer)
+        finally:
+            self._slots.release()
+            with self._lock:
+                self._peers.pop(threading.current_thread(), None)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            peers = dict(self._peers)
+        for sock in (self._sock, *peers.values()):
+            with contextlib.suppress(OSError):  # wakes the accept and the peers' reads
+                sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        for thread in (self._thread, *peers):
+            thread.join(JOIN_S)
+
+
+class KVServer(Listener):
+    """Serves ``store`` on ``(ip, port)``: a prefill instance's rank's share of each prompt."""
+
+    def __init__(self, store: SendStore, ip: str, port: int) -> None:
+        self.store = store
+        super().__init__(ip, port)
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
             with conn:
                 conn.settimeout(TRANSFER_TIMEOUT_S)
@@ -113,11 +166,6 @@ class KVServer:
                 conn.sendall(blob)
         except OSError as exc:
             logger.info("KV peer dropped: %s", exc)
-        finally:
-            self._slots.release()
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 def _read_request(conn: socket.socket) -> str | None:

@@ -18,6 +18,7 @@ from trillm.core.request import Request
 from trillm.core.scheduler import Scheduler
 from trillm.kv_transfer.base import KVConnectorScheduler
 from trillm.kv_transfer.offload import OffloadScheduler
+from trillm.kv_transfer.p2p import p2p_identity
 from trillm.kv_transfer.p2p_scheduler import P2pScheduler
 from trillm.kv_transfer.shared_storage import SharedStorageScheduler
 from trillm.kv_transfer.storage import cache_identity
@@ -156,6 +157,11 @@ class ConnectorSteps(_SchedulerTwin):
         self._grammar_too.discard(request.request_id)
         self._external.pop(request.request_id, None)
 
+    def close(self) -> None:
+        """The engine stops: the connector's listeners and threads go (the P2P connector's)."""
+        if self._remote is not None:
+            self._remote.close()
+
     def get_stats(self) -> SchedulerStats:
         stats = super().get_stats()
         queries, hits = self.kv_connector.prefix_cache_stats()
@@ -194,8 +200,10 @@ def connector_scheduler(config: TrillmConfig, num_blocks: int) -> ConnectorSteps
         )
     else:
         assert kv is not None  # the caller checked
-        cls_ = P2pScheduler if kv.p2p is not None else SharedStorageScheduler
-        connector = cls_(
-            kv, cache_identity(config), config.cache.block_size, config.parallel.world_size
-        )
+        block_size, world_size = config.cache.block_size, config.parallel.world_size
+        if kv.p2p is not None:
+            identity, split = p2p_identity(config)
+            connector = P2pScheduler(kv, identity, block_size, world_size, split)
+        else:
+            connector = SharedStorageScheduler(kv, cache_identity(config), block_size, world_size)
     return cls(config.scheduler, config.cache, num_blocks, connector)

@@ -192,5 +192,5 @@ def worker_connector(config: TrillmConfig, rank: int = 0) -> KVConnectorWorker:
     if config.kv_transfer is None:
         return NoConnector()
     if config.kv_transfer.p2p is not None:
-        return P2pWorker(cache_identity(config), config.kv_transfer)
+        return P2pWorker(config, config.kv_transfer, rank)
     return SharedStorageWorker(config, config.kv_transfer, rank)

@@ -33,10 +33,12 @@ _HEADER_LEN_BYTES = 4
 HEADER_READ_BYTES = 4096
 
 
-def cache_identity(config: TrillmConfig) -> str:
+def cache_identity(config: TrillmConfig, split: bool = True) -> str:
     """What a stored KV depends on besides the tokens: the model's config, its dtypes, the
     block size and the tensor-parallel split (a rank's heads), and the pipeline split (a
-    stage's layers; named only when there are stages, so one rank's keys stay as they were)."""
+    stage's layers; named only when there are stages, so one rank's keys stay as they were).
+    ``split=False``: without the two splits (the P2P connector names them apart, so that
+    instances of different splits find each other's KV and can say why they cannot load it)."""
     model = config.model
     fields = {
         "architecture": model.architecture,
@@ -46,9 +48,10 @@ def cache_identity(config: TrillmConfig) -> str:
         "numerics": model.numerics,
         "cache_dtype": config.cache.cache_dtype,
         "block_size": config.cache.block_size,
-        "tensor_parallel_size": config.parallel.tensor_parallel_size,
     }
-    if config.parallel.pipeline_parallel_size > 1:
+    if split:
+        fields["tensor_parallel_size"] = config.parallel.tensor_parallel_size
+    if split and config.parallel.pipeline_parallel_size > 1:
         fields["pipeline_parallel_size"] = config.parallel.pipeline_parallel_size
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
@@ -150,6 +153,13 @@ def read_header(path: str, identity: str, num_tokens: int) -> Header | None:
         return None
     head, start = header
     return head if size == start + head.payload_bytes else None
+
+
+def header_of(data: bytes) -> Header | None:
+    """The header at the start of ``pack``'s bytes (at most ``HEADER_READ_BYTES`` read, the
+    payload neither read nor checked); None when there is none."""
+    header = _parse_header(data[:HEADER_READ_BYTES])
+    return None if header is None else header[0]
 
 
 def _parse_header(data: bytes) -> tuple[Header, int] | None:
