@@ -13,12 +13,12 @@ import shutil
 
 import pytest
 from hf_reference import hf_greedy
+from kv_connectors import aligned, kv_engine, max_logprob_diff, shared_storage_kv
 
 from trillm import LLM, SamplingParams
 from trillm.kv_transfer.disk_budget import DiskBudget, rank_share
 from trillm.kv_transfer.storage import HEADER_READ_BYTES
 
-BLOCK = 16
 LENGTHS = (40, 70, 9)  # 2, 4 and 0 whole blocks before the last prompt token
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 RANK_FILE = re.compile(r"^[0-9a-f]{40}\.r(\d)\.kv$")
@@ -26,33 +26,8 @@ RANK_FILE = re.compile(r"^[0-9a-f]{40}\.r(\d)\.kv$")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _kv(role: str, folder: str) -> dict:
-    return {
-        "kv_connector": "SharedStorageConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": {"shared_storage_path": folder},
-    }
-
-
-def _engine(path: str, tp: int = 1, pp: int = 1, **kwargs) -> LLM:
-    return LLM(
-        path,
-        max_model_len=256,
-        kv_cache_memory="8MiB",
-        block_size=BLOCK,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        distributed_executor_backend="uni" if tp * pp == 1 else "mp",
-        **kwargs,
-    )
-
-
 def _prompts() -> list[list[int]]:
     return [list(range(5 + i, 5 + i + n)) for i, n in enumerate(LENGTHS)]
-
-
-def _aligned(n: int) -> int:
-    return (n - 1) // BLOCK * BLOCK
 
 
 def _run(engine: LLM, params: SamplingParams = PARAMS) -> tuple[list, object]:
@@ -69,26 +44,16 @@ def _tokens(outs: list) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _max_logprob_diff(a: list, b: list) -> float:
-    return max(
-        abs(x[t].logprob - y[t].logprob)
-        for out_a, out_b in zip(a, b, strict=True)
-        for x, y, t in zip(
-            out_a.outputs[0].logprobs, out_b.outputs[0].logprobs, out_a.outputs[0].token_ids
-        )
-    )
-
-
 @pytest.fixture(scope="module")
 def plain(tiny_model_factory):
     """(model path, the one-rank engine's outputs without a connector)."""
     path = tiny_model_factory("qwen2")
-    return path, _run(_engine(path))[0]
+    return path, _run(kv_engine(path))[0]
 
 
 def _store(path: str, folder: str, tp: int, pp: int) -> None:
     _run(
-        _engine(path, tp, pp, kv_transfer_config=_kv("kv_producer", folder)),
+        kv_engine(path, tp, pp, kv_transfer_config=shared_storage_kv("kv_producer", folder)),
         SamplingParams(max_tokens=1),
     )
 
@@ -113,9 +78,11 @@ def _files_of(folder: str, num_tokens: int) -> dict[int, str]:
 
 def _consume(path: str, folder: str, tp: int, pp: int, plain_outs: list) -> tuple[list, object]:
     """A consumer's outputs and stats, its tokens checked against the plain engine's."""
-    outs, stats = _run(_engine(path, tp, pp, kv_transfer_config=_kv("kv_consumer", folder)))
+    outs, stats = _run(
+        kv_engine(path, tp, pp, kv_transfer_config=shared_storage_kv("kv_consumer", folder))
+    )
     assert _tokens(outs) == _tokens(plain_outs)
-    assert _max_logprob_diff(outs, plain_outs) < 1e-3
+    assert max_logprob_diff(outs, plain_outs) < 1e-3
     return outs, stats
 
 
@@ -123,7 +90,7 @@ def test_each_rank_writes_its_own_file_of_each_prompt(stored_tp2):
     names = os.listdir(stored_tp2)
     assert all(RANK_FILE.match(n) for n in names), names
     stems = {n.split(".")[0] for n in names}
-    assert len(stems) == sum(1 for n in LENGTHS if _aligned(n) > 0)
+    assert len(stems) == sum(1 for n in LENGTHS if aligned(n) > 0)
     assert sorted(names) == sorted(f"{s}.r{r}.kv" for s in stems for r in (0, 1))
 
 
@@ -131,9 +98,9 @@ def test_a_tp2_consumer_loads_every_ranks_share_and_matches(plain, stored_tp2):
     path, plain_outs = plain
     outs, stats = _consume(path, stored_tp2, 2, 1, plain_outs)
     for prompt, out in zip(_prompts(), outs, strict=True):
-        assert out.num_cached_tokens == _aligned(len(prompt))
+        assert out.num_cached_tokens == aligned(len(prompt))
         assert list(out.outputs[0].token_ids) == hf_greedy(path, prompt, PARAMS.max_tokens)
-    moved = sum(_aligned(n) for n in LENGTHS)
+    moved = sum(aligned(n) for n in LENGTHS)
     assert stats.external_prefix_cache_hits == moved
     assert stats.prompt_tokens_by_source["external_kv_transfer"] == moved
     assert stats.prompt_tokens_by_source["local_compute"] == sum(LENGTHS) - moved
@@ -143,10 +110,10 @@ def test_a_missing_rank_file_recomputes_the_whole_prompt(plain, stored_tp2, tmp_
     path, plain_outs = plain
     folder = str(tmp_path / "kv")
     shutil.copytree(stored_tp2, folder)
-    os.unlink(_files_of(folder, _aligned(LENGTHS[0]))[1])  # rank 0's file stays
+    os.unlink(_files_of(folder, aligned(LENGTHS[0]))[1])  # rank 0's file stays
     outs, stats = _consume(path, folder, 2, 1, plain_outs)
-    assert [o.num_cached_tokens for o in outs] == [0, _aligned(LENGTHS[1]), 0]
-    assert stats.external_prefix_cache_hits == _aligned(LENGTHS[1])
+    assert [o.num_cached_tokens for o in outs] == [0, aligned(LENGTHS[1]), 0]
+    assert stats.external_prefix_cache_hits == aligned(LENGTHS[1])
 
 
 def test_a_load_failing_on_one_rank_is_recomputed_on_every_rank(plain, stored_tp2, tmp_path):
@@ -156,15 +123,15 @@ def test_a_load_failing_on_one_rank_is_recomputed_on_every_rank(plain, stored_tp
     path, plain_outs = plain
     folder = str(tmp_path / "kv")
     shutil.copytree(stored_tp2, folder)
-    with open(_files_of(folder, _aligned(LENGTHS[0]))[1], "r+b") as f:
+    with open(_files_of(folder, aligned(LENGTHS[0]))[1], "r+b") as f:
         f.seek(-1, os.SEEK_END)
         last = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 0xFF]))
     outs, stats = _consume(path, folder, 2, 1, plain_outs)
-    assert [o.num_cached_tokens for o in outs] == [0, _aligned(LENGTHS[1]), 0]
-    assert stats.external_prefix_cache_hits == _aligned(LENGTHS[1])
-    assert stats.prompt_tokens_by_source["external_kv_transfer"] == _aligned(LENGTHS[1])
+    assert [o.num_cached_tokens for o in outs] == [0, aligned(LENGTHS[1]), 0]
+    assert stats.external_prefix_cache_hits == aligned(LENGTHS[1])
+    assert stats.prompt_tokens_by_source["external_kv_transfer"] == aligned(LENGTHS[1])
 
 
 def test_a_pp2_producer_and_consumer_match(plain, tmp_path):
@@ -173,8 +140,8 @@ def test_a_pp2_producer_and_consumer_match(plain, tmp_path):
     _store(path, folder, 1, 2)
     assert {RANK_FILE.match(n).group(1) for n in os.listdir(folder)} == {"0", "1"}
     outs, stats = _consume(path, folder, 1, 2, plain_outs)
-    assert [o.num_cached_tokens for o in outs] == [_aligned(n) for n in LENGTHS]
-    assert stats.external_prefix_cache_hits == sum(_aligned(n) for n in LENGTHS)
+    assert [o.num_cached_tokens for o in outs] == [aligned(n) for n in LENGTHS]
+    assert stats.external_prefix_cache_hits == sum(aligned(n) for n in LENGTHS)
 
 
 def test_one_rank_finds_no_file_of_two_ranks(plain, stored_tp2):

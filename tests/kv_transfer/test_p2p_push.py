@@ -12,22 +12,17 @@ import socket
 import time
 
 import pytest
+from kv_connectors import aligned, kv_engine, max_logprob_diff
+from server_harness import free_port
 
 from trillm import LLM, SamplingParams
 from trillm.kv_transfer import p2p_push, p2p_recv
 from trillm.kv_transfer.config import parse_kv_transfer_config
 from trillm.kv_transfer.p2p_push import Pusher, PushPool, PushServer, push
 
-BLOCK = 16
 LENGTHS = (40, 17, 70, 9)  # 2, 1, 4 and 0 whole blocks before the last prompt token
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 KEY = "ab" * 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _kv(role: str, send_type: str, prefill: int, decode: int, **extra) -> dict:
@@ -45,17 +40,6 @@ def _kv(role: str, send_type: str, prefill: int, decode: int, **extra) -> dict:
         "kv_buffer_size": "1e1" if role == "kv_producer" else "1e9",
         "kv_connector_extra_config": {"send_type": send_type, **extra},
     }
-
-
-def _engine(path: str, **kwargs) -> LLM:
-    return LLM(
-        path,
-        max_model_len=256,
-        kv_cache_memory="8MiB",
-        block_size=BLOCK,
-        distributed_executor_backend="uni",
-        **kwargs,
-    )
 
 
 def _prompts() -> list[dict]:

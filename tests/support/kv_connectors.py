@@ -29,8 +29,9 @@ SERVE_ARGS += ["--served-model-name", "tiny"]
 PAIR_PROMPTS = [list(range(7 + i, 7 + i + n)) for i, n in enumerate((70, 33, 20))]
 
 
-def kv_engine(path: str, **kwargs) -> LLM:
-    """An in-process engine (``trillm.LLM``, executor "uni") with a small KV cache."""
+def kv_engine(path: str, tp: int = 1, pp: int = 1, **kwargs) -> LLM:
+    """An in-process engine (``trillm.LLM``) with a small KV cache: executor "uni" on one rank,
+    "mp" over ``tp`` x ``pp`` ranks (tensor x pipeline parallel)."""
     from trillm import LLM  # NOTE: here: the HTTP tests' process never imports the engine
 
     return LLM(
@@ -38,7 +39,9 @@ def kv_engine(path: str, **kwargs) -> LLM:
         max_model_len=256,
         kv_cache_memory="8MiB",
         block_size=BLOCK,
-        distributed_executor_backend="uni",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_executor_backend="uni" if tp * pp == 1 else "mp",
         **kwargs,
     )
 
