@@ -4,9 +4,13 @@
 goes through ``kernels/recording.py``, each call timed in wall time (the kernels run on the
 thread pool). The GEMM calls' rate is their FLOPs over their time; what is left of the
 generate call's wall time is Python and torch glue (embedding, residual adds, the step's
-scheduling, sampling). Compare the GEMM rate with ``benchmarks/kernels/cpu_gemm.py`` or the
-per-shape figures of ``--gemm-shapes`` (the model's linear shapes at ``--rows`` rows, the native
-bf16 GEMM against torch's bf16 ``F.linear``, best of 3 each).
+scheduling, sampling). Each call's process CPU time (all threads) is summed too: the GEMMs'
+FLOPs over it (GFLOP a core-second) is their rate on the cores they held, which a shared
+machine's load does not lower as it lowers the wall rate (against a core's peak:
+``benchmarks/kernels/cpu_gemm_bf16_prefill.py``). Compare the GEMM rate with
+``benchmarks/kernels/cpu_gemm.py`` or the per-shape figures of ``--gemm-shapes`` (the model's
+linear shapes at ``--rows`` rows, the native bf16 GEMM against torch's bf16 ``F.linear``, best
+of 3 each).
 
     python benchmarks/engine/prefill_breakdown.py \
         --model ~/.cache/trillm-peer/llama-3.2-1b-shape/llama-3.2-1b --prompt-len 1024 8192
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import statistics
 import sys
 import time
@@ -116,15 +121,17 @@ def main() -> None:
         result["gemm_shapes"] = gemm_shapes(model, args.rows)
 
     spent: dict[str, float] = collections.defaultdict(float)
+    cpu_spent: dict[str, float] = collections.defaultdict(float)  # process CPU s (all threads)
     calls: collections.Counter[str] = collections.Counter()
     flops: dict[str, float] = collections.defaultdict(float)
     native_call, native_attention = recording.call, recording.attention
 
     def timed_call(kernel: Any, *a: Any, **kw: Any) -> None:
         name = kernel_name(kernel)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         native_call(kernel, *a, **kw)
         spent[name] += time.perf_counter() - start
+        cpu_spent[name] += time.process_time() - cpu_start
         calls[name] += 1
         if name.endswith(".linear") and len(a) >= 7:  # (x, x_dtype, M, K, ldx, packed, N, ...)
             flops[name] += 2.0 * a[2] * a[3] * a[6]
@@ -166,18 +173,25 @@ def main() -> None:
         ):
             attention.prefill_bf16_dot(variant == "on")
             spent.clear()
+            cpu_spent.clear()
             calls.clear()
             flops.clear()
             ids = torch.randint(100, 30000, (length,), generator=g).tolist()
-            start = time.perf_counter()
+            load = os.getloadavg()[0]
+            start, cpu_start = time.perf_counter(), time.process_time()
             llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
             total = time.perf_counter() - start
+            total_cpu = time.process_time() - cpu_start
             kernels = sum(spent.values())
             gemm_s = sum(spent[n] for n in flops)
+            gemm_cpu_s = sum(cpu_spent[n] for n in flops)
             gemm_rate = sum(flops.values()) / gemm_s / 1e9 if gemm_s else 0.0
+            # GFLOP a core-second: the rate a core held by the GEMM gives, whatever the load
+            gemm_cpu_rate = sum(flops.values()) / gemm_cpu_s / 1e9 if gemm_cpu_s else 0.0
             print(
-                f"{length} tokens (round {r}, bf16 dot {variant}): TTFT {total:.2f} s, {length / total:,.0f} tok/s;"
-                f" GEMMs {gemm_s:.2f} s at {gemm_rate:.1f} GFLOP/s"
+                f"{length} tokens (round {r}, bf16 dot {variant}, load {load:.1f}): TTFT {total:.2f} s,"
+                f" {length / total:,.0f} tok/s, process CPU {total_cpu:.2f} s; GEMMs {gemm_s:.2f} s"
+                f" at {gemm_rate:.1f} GFLOP/s ({gemm_cpu_rate:.1f} GFLOP a core-second)"
             )
             ops = sorted(spent.items(), key=lambda kv: -kv[1])
             for name, seconds in ops:
@@ -191,8 +205,12 @@ def main() -> None:
                 flush=True,
             )
             run = dict(prompt_len=length, round=r, bf16_dot=variant, ttft_s=total)
+            run["load_avg_1m"] = load
+            run["process_cpu_s"] = total_cpu
             run["gemm_s"] = gemm_s
             run["gemm_gflops"] = gemm_rate
+            run["gemm_cpu_s"] = gemm_cpu_s
+            run["gemm_gflops_per_core_s"] = gemm_cpu_rate
             run["gemm_flops"] = sum(flops.values())
             run["ops"] = {n: dict(s=s, calls=calls[n]) for n, s in ops}
             run["rest_s"] = total - kernels
