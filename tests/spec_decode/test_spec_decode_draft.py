@@ -9,25 +9,13 @@ import json
 import shutil
 
 import pytest
-from spec_compare import assert_same
+from spec_compare import PROMPTS, SMALL, assert_same, run, stats
 
 from trillm import LLM, SamplingParams
 from trillm.spec_decode.backoff import MAX_PAUSE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SMALL = {
-    "max_model_len": 256,
-    "kv_cache_memory": "8MiB",
-    "distributed_executor_backend": "uni",
-    "block_size": 8,
-}
-PROMPTS = [
-    "a b c d a b c d a b c",
-    "The license grants the license grants the",
-    "hello",
-    "The license grants the right to",
-]  # two share a prefix: cached blocks
 # One layer, half the width: a draft that knows nothing of the target.
 RANDOM_DRAFT = {
     "seed": 1,
@@ -56,14 +44,6 @@ def engines(models):
     yield base, copy, rand
     for engine in (base, copy, rand):
         engine.shutdown()
-
-
-def stats(engine: LLM):
-    return engine.engine.get_stats().spec_decoding
-
-
-def run(engine: LLM, params: SamplingParams):
-    return engine.generate(PROMPTS, params, use_tqdm=False)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)

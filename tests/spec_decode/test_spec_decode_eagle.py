@@ -21,7 +21,7 @@ import torch
 from eagle_heads import damped_target, eagle3_head, eagle_head
 from eagle_reference import reference_drafts
 from server_harness import ServerProcess, metric_value
-from spec_compare import assert_same
+from spec_compare import PROMPTS, SMALL, assert_same, recorded_drafts, run, stats
 
 from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
@@ -31,18 +31,6 @@ from trillm.spec_decode.eagle_config import build_eagle_head_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SMALL = {
-    "max_model_len": 256,
-    "kv_cache_memory": "8MiB",
-    "distributed_executor_backend": "uni",
-    "block_size": 8,
-}
-PROMPTS = [
-    "a b c d a b c d a b c",
-    "The license grants the license grants the",
-    "hello",
-    "The license grants the right to",
-]  # different lengths; two share a prefix: cached blocks
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
 SEEDED = SamplingParams(
     temperature=1.0, seed=7, top_k=50, max_tokens=30, ignore_eos=True, n=2, logprobs=1
@@ -90,14 +78,6 @@ def eagles(targets, heads):
     yield engines
     for engine in engines.values():
         engine.shutdown()
-
-
-def stats(engine: LLM):
-    return engine.engine.get_stats().spec_decoding
-
-
-def run(engine: LLM, params: SamplingParams, prompts: list[str] = PROMPTS):
-    return engine.generate(prompts, params, use_tqdm=False)
 
 
 @pytest.mark.parametrize("method", HEADS)
@@ -172,21 +152,7 @@ def test_drafts_are_the_dense_references(tiny_model_factory, tmp_path, method, s
     target = tiny_model_factory("llama", num_hidden_layers=4)
     head = HEADS[method](target, tmp_path / "head", agree=False, **shape)
     engine = LLM(target, speculative_config=spec(method, head), **SMALL)
-    seen: list[tuple[list[int], list[int]]] = []  # (the request's tokens, its drafts)
-    drafter = engine.engine.executors[0].runner.drafter
-    propose = drafter.propose
-
-    def recording(batch, candidates):
-        tokens = {r: batch.token_ids[s, : batch.num_tokens[s]].tolist() for r, s in candidates}
-        drafts = propose(batch, candidates)
-        seen.extend((tokens[r], d) for r, d in drafts.items())
-        return drafts
-
-    drafter.propose = recording
-    try:
-        run(engine, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    finally:
-        engine.shutdown()
+    seen = recorded_drafts(engine, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     # Each request proposes after its prefill, and again right after that proposal's
     # verification (a head fed the rejected drafts' rows would not be caught up then).
     firsts = [tokens for tokens, _ in seen[: len(PROMPTS)]]

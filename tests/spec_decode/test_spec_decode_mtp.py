@@ -21,7 +21,7 @@ import pytest
 from mtp_checkpoint import CASE, agreeing_pair, with_mtp_layer
 from mtp_reference import reference_drafts
 from server_harness import ServerProcess, metric_value
-from spec_compare import assert_same
+from spec_compare import PROMPTS, SMALL, assert_same, recorded_drafts, run, stats
 
 from trillm import LLM, SamplingParams
 from trillm.config import EngineArgs
@@ -32,18 +32,6 @@ from trillm.testing.tiny_deepseek import build_tiny_deepseek
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SMALL = {
-    "max_model_len": 256,
-    "kv_cache_memory": "8MiB",
-    "distributed_executor_backend": "uni",
-    "block_size": 8,
-}
-PROMPTS = [
-    "a b c d a b c d a b c",
-    "The license grants the license grants the",
-    "hello",
-    "The license grants the right to",
-]  # different lengths; two share a prefix: cached blocks
 GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
 K = 3
 MTP = {"method": "mtp", "num_speculative_tokens": K}
@@ -72,14 +60,6 @@ def base(pairs):
     yield engines
     for engine in engines.values():
         engine.shutdown()
-
-
-def stats(engine: LLM):
-    return engine.engine.get_stats().spec_decoding
-
-
-def run(engine: LLM, params: SamplingParams, prompts: list[str] = PROMPTS):
-    return engine.generate(prompts, params, use_tqdm=False)
 
 
 def test_greedy_and_seeded_output_is_the_targets_with_drafts_accepted_and_rejected(base, pairs):
@@ -136,21 +116,7 @@ def test_drafts_are_the_dense_references(plain, tmp_path, own):
     steps with drafts rejected; with its own embeddings and head, or the target's."""
     folder = with_mtp_layer(plain, tmp_path / "mtp", own_embed_and_head=own)
     engine = LLM(str(folder), speculative_config=MTP, **SMALL)
-    seen: list[tuple[list[int], list[int]]] = []  # (the request's tokens, its drafts)
-    drafter = engine.engine.executors[0].runner.drafter
-    propose = drafter.propose
-
-    def recording(batch, candidates):
-        tokens = {r: batch.token_ids[s, : batch.num_tokens[s]].tolist() for r, s in candidates}
-        drafts = propose(batch, candidates)
-        seen.extend((tokens[r], d) for r, d in drafts.items())
-        return drafts
-
-    drafter.propose = recording
-    try:
-        run(engine, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    finally:
-        engine.shutdown()
+    seen = recorded_drafts(engine, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     # Each request proposes after its prefill, and again right after that proposal's
     # verification (a layer fed the rejected drafts' rows would not be caught up then).
     firsts = [tokens for tokens, _ in seen[: len(PROMPTS)]]
