@@ -269,6 +269,18 @@ def test_truncation_side_picks_the_end_that_is_kept(server, endpoint):
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncation_side"
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "tokenize"])
+def test_mm_processor_kwargs_on_a_text_only_model_is_a_400_naming_it(server, model, endpoint):
+    # (vLLM: the text-only model has no multimodal processor to give the kwargs to)
+    body = {**minimal_body(endpoint, model), "mm_processor_kwargs": {"do_resize": False}}
+    if endpoint == "tokenize":
+        body = {"model": model, "messages": HI, "mm_processor_kwargs": {"do_resize": False}}
+    r = post(server, endpoint, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "mm_processor_kwargs"
+    assert post(server, endpoint, {**body, "mm_processor_kwargs": None}).status_code == 200
+
+
 # ---------------------------------------------------------------- VLLM_* variables
 
 
