@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
 from kv_connectors import aligned, kv_engine, max_logprob_diff
 
 from trillm import LLM, SamplingParams
-from trillm.kv_transfer import p2p_wire
+from trillm.kv_transfer import p2p_recv, p2p_wire
 
 LENGTHS = (40, 70, 9)  # 2, 4 and 0 whole blocks before the last prompt token
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
@@ -215,3 +216,29 @@ def test_each_rank_sends_its_share_and_the_decode_matches(plain, tp, pp, send_ty
     if send_type != "GET":  # the decode instance's listeners, one per rank, are closed
         for rank in range(2):
             p2p_wire.listen("127.0.0.1", decode + rank).close()
+
+
+def test_a_push_of_another_split_fails_at_once_and_is_named(plain, monkeypatch, caplog):
+    """A one-rank prefill instance pushes to a TP=2 decode instance: rank 0's share came
+    (rank 1's never will), its header names the other split, so the request is computed at
+    once, not after the wait for the missing share."""
+    monkeypatch.setattr(p2p_recv, "PUSH_WAIT_S", 30.0)  # NOTE: a run waiting for it fails
+    path, reference = plain
+    prefill, decode = _free_ports(1), _free_ports(2)
+    consumer = kv_engine(path, 2, 1, kv_transfer_config=_kv("kv_consumer", "PUT", prefill, decode))
+    producer = kv_engine(path, kv_transfer_config=_kv("kv_producer", "PUT", prefill, decode))
+    ids = _ids(prefill, decode, "f")
+    with _engines(consumer, producer):
+        _generate(producer, _prompts(5), ids, SamplingParams(max_tokens=1))
+        start = time.monotonic()
+        outs = _generate(consumer, _prompts(5), ids)
+        took = time.monotonic() - start
+        stats = consumer.engine.get_stats()
+    assert took < 20
+    assert _tokens(outs) == _tokens(reference[5])
+    assert [o.num_cached_tokens for o in outs] == [0] * len(LENGTHS)
+    assert stats.external_prefix_cache_hits == 0
+    assert (
+        "the prefill instance's KV is split tensor_parallel_size=1, pipeline_parallel_size=1, "
+        "this instance's tensor_parallel_size=2, pipeline_parallel_size=1" in caplog.text
+    )
