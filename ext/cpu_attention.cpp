@@ -20,7 +20,8 @@
 //
 // Files: this one holds the problem, the bf16 glue, the dispatch, the plan and the bindings;
 // the two kernels are included from ext/cpu_attention_tile.h (several query rows per item) and
-// ext/cpu_attention_decode.h (one row: decode steps).
+// ext/cpu_attention_decode.h (one row: decode steps); on CPUs with AVX512-BF16, bf16 chunks of
+// 16 rows or more (a long prompt's later chunks) run on ext/cpu_attention_paged_dp.h instead.
 //
 // Per layer, optionally: a sliding window (window > 0: a row at position p sees positions
 // > p - window; its keys before that are neither read nor scored), logit soft-capping

@@ -14,6 +14,11 @@ kernel reads only those), a logit ``softcap`` and, with fp32 queries, attention 
 (``[Hq]`` fp32 logits folded into each row's softmax, gpt-oss) to ``run``. ``causal_prefill``
 has none of them: such layers attend fresh prompts with the paged kernel too.
 
+On a CPU with AVX512-BF16, a bf16 chunk of 16 rows or more over a bf16 cache (the later chunks
+of a prompt longer than ``--max-num-batched-tokens``) runs on the fresh-prompt kernel's
+``vdpbf16ps`` arithmetic over 64-key tiles gathered from the blocks
+(``ext/cpu_attention_paged_dp.h``; windowed and soft-capped layers keep the tile kernel).
+
 ``causal_prefill`` is the fresh-prompt twin (``ext/cpu_prefill_attention.cpp``): prompt chunks
 with no context attend causally over this step's own q/k/v rows, fp32 or bf16 (rounded like the
 paged kernel), GEMM-shaped tiles.

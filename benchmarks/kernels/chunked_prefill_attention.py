@@ -2,18 +2,21 @@
 (32 query / 8 kv heads of 64, block size 16): the first chunk through the fresh-prompt kernel
 (``ext/cpu_prefill_attention.cpp``), every later chunk through the paged kernel
 (``ext/cpu_attention.cpp``) over the keys already cached, as the engine runs a prompt longer
-than ``--max-num-batched-tokens``. Per chunk: wall ms (median of ``--repeats``, the threads of
-``TRILLM_CPU_ATTENTION_THREADS`` / torch's count) and GFLOP/s of the causal attention math
-(4 * Hq * D per visible query-key pair). ``--paged-dp off`` runs the later chunks on the
-fp32-FMA tile kernel (``paged_bf16_dot(False)``) where the build has the bf16-dot one: the two
-side by side in one run.
+than ``--max-num-batched-tokens``. Per chunk: wall ms and process CPU ms (medians of
+``--repeats``; the threads of ``TRILLM_CPU_ATTENTION_THREADS`` / torch's count: with 1 the CPU
+ms is the kernel's own time, far steadier than wall time on a shared machine) and GFLOP/s of
+the causal attention math (4 * Hq * D per visible query-key pair). ``--paged-dp both`` runs
+the later chunks on the fp32-FMA tile kernel (``paged_bf16_dot(False)``) and on the
+vdpbf16ps path (ext/cpu_attention_paged_dp.h), one after the other in one run.
 
-    python benchmarks/kernels/chunked_prefill_attention.py --prompt-len 8192 --chunk 4096 2048
+    TRILLM_CPU_ATTENTION_THREADS=1 python benchmarks/kernels/chunked_prefill_attention.py \
+        --prompt-len 8192 --chunk 4096 8192 2048 1024 --repeats 1
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -37,13 +40,17 @@ def flops(context: int, rows: int) -> float:
     return 4.0 * HQ * D * pairs
 
 
-def wall_ms(fn: Callable[[], object], repeats: int) -> float:
-    times = []
+def timed_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Median wall ms and median process CPU ms (all threads) of ``repeats`` calls: with
+    ``TRILLM_CPU_ATTENTION_THREADS=1`` the CPU ms is the kernel's own time, which a shared
+    machine's load stretches far less than the wall time."""
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        wall.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def chunks_of(total: int, chunk: int, repeats: int, g: torch.Generator) -> list[dict]:
@@ -65,14 +72,14 @@ def chunks_of(total: int, chunk: int, repeats: int, g: torch.Generator) -> list[
             seg = torch.tensor([[0, n]], dtype=torch.int32)
             qc, kc, vc, oc = q[:n], k[:n], v[:n], out[:n]
             call = partial(paged_attention_cpu.causal_prefill, qc, kc, vc, seg, D**-0.5, oc)
-            ms = wall_ms(call, repeats)
+            ms, cpu_ms = timed_ms(call, repeats)
             kernel = "fresh"
         else:
             qsl = torch.tensor([0, n], dtype=torch.int32)
             seq = torch.tensor([start + n], dtype=torch.int32)
             qc, oc = q[start : start + n], out[start : start + n]
             plan = paged_attention_cpu.PagedAttentionPlan(qsl, seq, table, qc.shape, cache.shape)
-            ms = wall_ms(partial(plan.run, qc, cache, D**-0.5, oc), repeats)
+            ms, cpu_ms = timed_ms(partial(plan.run, qc, cache, D**-0.5, oc), repeats)
             kernel = "paged"
         f = flops(start, n)
         rows.append(
@@ -82,8 +89,11 @@ def chunks_of(total: int, chunk: int, repeats: int, g: torch.Generator) -> list[
                 "rows": n,
                 "kernel": kernel,
                 "ms": round(ms, 1),
+                "cpu_ms": round(cpu_ms, 1),
                 "gflop": round(f / 1e9, 2),
                 "gflops": round(f / ms / 1e6, 1),
+                "gflop_per_cpu_s": round(f / cpu_ms / 1e6, 1),
+                "load_avg_1m": round(os.getloadavg()[0], 1),
             }
         )
         print(rows[-1], flush=True)
@@ -110,6 +120,7 @@ def main() -> None:
                 ext.paged_bf16_dot(mode)
             rows = chunks_of(args.prompt_len, chunk, args.repeats, torch.Generator().manual_seed(0))
             total = sum(r["ms"] for r in rows)
+            total_cpu = sum(r["cpu_ms"] for r in rows)
             gf = sum(r["gflop"] for r in rows)
             results.append(
                 {
@@ -117,11 +128,13 @@ def main() -> None:
                     "paged_dp": mode,
                     "chunks": rows,
                     "total_ms": round(total, 1),
+                    "total_cpu_ms": round(total_cpu, 1),
                     "gflops": round(gf / total * 1e3, 1),
                 }
             )
             print(
-                f"chunk {chunk} paged_dp {mode}: {total:.0f} ms, {gf / total * 1e3:.1f} GFLOP/s",
+                f"chunk {chunk} paged_dp {mode}: {total:.0f} ms ({total_cpu:.0f} CPU ms),"
+                f" {gf / total * 1e3:.1f} GFLOP/s",
                 flush=True,
             )
     common.write_json(args.out, {"machine": common.machine_info(), "results": results})
