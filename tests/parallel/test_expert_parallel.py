@@ -10,8 +10,8 @@ parallelism refuses (it splits each expert's intermediate size over the ranks): 
 run only because each rank holds its experts whole. One prompt alone decodes one token per
 step, fewer than the ranks, so rank 1 dispatches none of its own (an empty slice).
 The dispatch over two engine cores' ranks (each with its own tokens, one idle) is checked
-at the all-to-all level; the engine refuses -dp with -ep. What is not supported is refused
-by name before any worker starts.
+at the all-to-all level here and through the engine in test_expert_parallel_dp.py. What is
+not supported is refused by name before any worker starts.
 """
 
 from __future__ import annotations
@@ -178,11 +178,19 @@ def test_deepseek_shared_experts_must_still_split(tmp_path):
         (
             "mixtral",
             {},
+            {"data_parallel_size": 2, "pipeline_parallel_size": 2},
+            r"enable_expert_parallel with data_parallel_size > 1 and pipeline_parallel_size > 1 "
+            r"is not implemented",
+        ),
+        (
+            "mixtral",
+            {"num_local_experts": 6},
             {"data_parallel_size": 2},
-            r"enable_expert_parallel with data_parallel_size > 1 is not implemented",
+            r"enable_expert_parallel: the model's 6 experts do not split evenly over "
+            r"data_parallel_size=2 x tensor_parallel_size=2 = 4 ranks",
         ),
     ],
-    ids=["dense", "experts-not-divisible", "dp"],
+    ids=["dense", "experts-not-divisible", "dp-x-pp", "experts-not-divisible-over-cores"],
 )
 def test_what_expert_parallelism_cannot_do_is_refused(
     tiny_model_factory, arch, overrides, parallel, match
@@ -349,8 +357,8 @@ def _core_rank(rank: int, port: int, results) -> None:
 
 
 def test_experts_over_two_cores_with_their_own_tokens_and_one_idle():
-    """The dispatch the experts need when they span engine cores (vLLM's -dp with -ep, not
-    wired to the engine yet): each core's rank dispatches its own core's tokens, and a core
+    """The dispatch the experts need when they span engine cores (vLLM's -dp with -ep): each
+    core's rank dispatches its own core's tokens, and a core
     with none still takes part (an empty step) and runs its experts for the other: every
     core's output equals the single-rank reference on its own tokens, in steps where both
     serve and where either is idle; each core counts only its own tokens' pairs."""

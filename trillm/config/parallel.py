@@ -52,14 +52,22 @@ def check_parallel(args: ParallelArgs) -> None:
 
 def check_expert_parallel_layout(args: ParallelArgs) -> None:
     """Expert parallelism spreads the experts over the tensor-parallel ranks of one engine
-    core (of each pipeline stage, which holds its own layers' experts); vLLM's spread over
-    data-parallel cores is refused by name."""
-    if args.enable_expert_parallel and args.data_parallel_size > 1:
+    core (of each pipeline stage, which holds its own layers' experts), or with
+    data_parallel_size > 1 over every core's ranks (vLLM's -dp N -ep: the cores step in
+    lock-step, engine/dp_lockstep.py); what that does not cover is refused by name."""
+    if not (args.enable_expert_parallel and args.data_parallel_size > 1):
+        return
+    if args.pipeline_parallel_size > 1:
         raise ValueError(
-            "enable_expert_parallel with data_parallel_size > 1 is not implemented yet: the "
-            "experts are spread over the tensor-parallel ranks of one engine core (of each "
-            "pipeline stage), not over several engine cores, which would need one process "
-            "group over every core's ranks and the cores stepping in lock-step."
+            "enable_expert_parallel with data_parallel_size > 1 and pipeline_parallel_size > 1 "
+            "is not implemented yet: the experts spread over several engine cores' ranks need "
+            "one step in flight per core."
+        )
+    if args.distributed_executor_backend != "mp":
+        raise ValueError(
+            "enable_expert_parallel with data_parallel_size > 1 needs "
+            "distributed_executor_backend='mp': every engine core's ranks join one process "
+            "group, one worker process per rank."
         )
 
 

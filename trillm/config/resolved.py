@@ -94,10 +94,25 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     pipeline_parallel_size: int = 1  # stages; world = tensor x pipeline ranks
     enable_expert_parallel: bool = False  # MoE experts spread over the tensor-parallel ranks
+    # -dp N -ep: the file every core's ranks meet at (one world for the experts' all-to-alls,
+    # engine/dp_router.core_configs); "" otherwise.
+    expert_store: str = ""
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def experts_span_cores(self) -> bool:
+        """-dp N -ep: the experts spread over every engine core's ranks, which step in
+        lock-step (engine/dp_lockstep.py)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
+    def joins_group(self) -> bool:
+        """Whether each rank joins a torch.distributed group (several ranks in its core, or
+        the experts spread over the cores)."""
+        return self.world_size > 1 or self.experts_span_cores
 
     @property
     def ranks_per_node(self) -> int:

@@ -16,6 +16,7 @@ from trillm.config import (
 def resolve_parallel(args: EngineArgs, model_config: ModelConfig, device: str) -> ParallelConfig:
     check_tensor_parallel(model_config, args, device)
     check_data_parallel(args, device)
+    check_experts_over_cores(model_config, args)
     check_pipeline_parallel(model_config, args, device)
     parallel = parallel_config(args)
     if device == "cpu":  # the ranks' cores: a variable they cannot honour stops the load
@@ -41,6 +42,30 @@ def parallel_config(args: EngineArgs) -> ParallelConfig:
         pipeline_parallel_size=args.pipeline_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
     )
+
+
+def check_experts_over_cores(model_config: ModelConfig, args: EngineArgs) -> None:
+    """-dp N -ep: the experts spread over every engine core's ranks, N x tensor_parallel_size
+    of them, must split evenly."""
+    dp, tp = args.data_parallel_size, args.tensor_parallel_size
+    if dp == 1 or not args.enable_expert_parallel:
+        return
+    from trillm.distributed.expert_parallel_check import check_expert_parallel
+
+    ranks = f"data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp}"
+    check_expert_parallel(model_config, dp * tp, ranks)
+    # Every core's forwards are counted by its engine core; these run forwards it does not
+    # count (a draft layer of the target's experts on one rank) or free the experts a
+    # sleeping core would still owe the others' steps.
+    for name, used in (
+        ("speculative_config", args.speculative_config is not None),
+        ("enable_sleep_mode", args.enable_sleep_mode),
+    ):
+        if used:
+            raise ValueError(
+                f"{name} with enable_expert_parallel and data_parallel_size > 1 is not "
+                "implemented yet: the engine cores' forwards must stay in lock-step."
+            )
 
 
 def check_tensor_parallel(model_config: ModelConfig, args: EngineArgs, device: str) -> None:

@@ -17,10 +17,13 @@ rank (the router is replicated, so every rank routes them alike):
    sums the tensor-parallel partial outputs without expert parallelism) assembles the tokens,
    exactly (x + 0 is x).
 
-Over several engine cores (vLLM's ``-dp`` with ``-ep``; refused by the engine until the cores
-step in lock-step, trillm/config/parallel.py) each core's ranks hold their own tokens: step 1
-slices them over the core's ranks only (``ExpertPlacement.core``), and a core with no tokens
-still takes part in every exchange with an empty step, running its experts for the others.
+Over several engine cores (vLLM's ``-dp`` with ``-ep``) the experts are placed over every
+core's ranks (``parallel_state.get_ep_group``: core d's rank r is rank d x tp + r) and each
+core's ranks hold their own tokens: step 1 slices them over the core's ranks only
+(``ExpertPlacement.core``), and a core with no tokens still takes part in every exchange with
+an empty step (``fused_moe.exchange_without_tokens``: every MoE layer's exchanges; no
+attention, no KV write, no sampling), running its experts for the others; the engine keeps
+the cores' forwards in lock-step (trillm/engine/dp_lockstep.py).
 
 Bytes each rank sends to the others (``ExpertTraffic``: the line a rank prints on shutdown,
 benchmarks/parallel/expert_parallel.py) and the (token, expert) pairs routed to each rank's
@@ -36,7 +39,7 @@ from functools import partial
 
 import torch
 
-from trillm.distributed.parallel_state import TensorParallelGroup, get_tp_group
+from trillm.distributed.parallel_state import TensorParallelGroup, get_ep_group, get_tp_group
 
 
 @dataclass
@@ -90,18 +93,19 @@ class ExpertPlacement:
     num_experts: int
     rank: int = 0
     size: int = 1
-    # Placed over several engine cores (data parallelism, not wired to the engine yet): the
-    # (index, count) of this rank among its own core's ranks, which alone hold its tokens and
-    # split their dispatch (``token_slice``); None: every rank holds the same tokens (one core).
+    # Placed over several engine cores (-dp N -ep): the (index, count) of this rank among its
+    # own core's ranks, which alone hold its tokens and split their dispatch
+    # (``token_slice``); None: every rank holds the same tokens (one core).
     core: tuple[int, int] | None = None
 
     @classmethod
     def current(cls, num_experts: int) -> ExpertPlacement:
         """This rank's placement in the group the model is being built in."""
-        tp = get_tp_group()
-        if not tp.expert_parallel or tp.world_size == 1:
+        tp, ep = get_tp_group(), get_ep_group()
+        if not tp.expert_parallel or ep.world_size == 1:
             return cls(num_experts)
-        return cls(num_experts, tp.rank, tp.world_size)
+        core = None if ep is tp else (tp.rank, tp.world_size)
+        return cls(num_experts, ep.rank, ep.world_size, core)
 
     @property
     def per_rank(self) -> int:
@@ -154,7 +158,7 @@ def dispatch_combine(
     owner = flat // placement.per_rank  # [t * k]
     order = torch.argsort(owner, stable=True)  # the pairs grouped by owner rank
     send = torch.bincount(owner, minlength=placement.size)  # [N] pairs to each rank
-    exchange = partial(_exchange, get_tp_group(), placement.rank)
+    exchange = partial(_exchange, get_ep_group(), placement.rank)
     recv = exchange(send[:, None], [1] * placement.size, [1] * placement.size)  # [N, 1]
     send_n, recv_n = send.tolist(), recv[:, 0].tolist()
     rows = x[start:end].repeat_interleave(ids.shape[1], dim=0)[order]  # [t * k, H]

@@ -45,10 +45,10 @@ def split_sizes(cfg: ModelConfig, sizes: dict[str, int]) -> dict[str, int]:
     return kept
 
 
-def check_expert_parallel(cfg: ModelConfig, size: int) -> None:
+def check_expert_parallel(cfg: ModelConfig, size: int, ranks: str = "") -> None:
     """Refuse, naming enable_expert_parallel, a model whose experts cannot be spread over
     ``size`` ranks: a family without a ``FusedMoE``, or a number of experts ``size`` does not
-    divide."""
+    divide. ``ranks``: how the ranks are counted (default: tensor_parallel_size={size})."""
     if cfg.architecture not in ARCHITECTURES:
         raise ExpertParallelConfigError(
             f"enable_expert_parallel: expert parallelism does not support {cfg.architecture} "
@@ -58,5 +58,5 @@ def check_expert_parallel(cfg: ModelConfig, size: int) -> None:
     if experts % size:
         raise ExpertParallelConfigError(
             f"enable_expert_parallel: the model's {experts} experts do not split evenly over "
-            f"tensor_parallel_size={size} ranks; choose a divisor of {experts}."
+            f"{ranks or f'tensor_parallel_size={size}'} ranks; choose a divisor of {experts}."
         )

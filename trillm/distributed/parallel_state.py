@@ -102,10 +102,20 @@ class TensorParallelGroup:
 
 
 _group = TensorParallelGroup()
+# Expert parallelism over several engine cores (``-dp N -ep``): every core's ranks, global rank
+# d x tp + r of core d's rank r (``init_expert_world``); None: the experts' ranks are the
+# tensor-parallel group's.
+_ep_group: TensorParallelGroup | None = None
 
 
 def get_tp_group() -> TensorParallelGroup:
     return _group
+
+
+def get_ep_group() -> TensorParallelGroup:
+    """The ranks the MoE experts are spread over: every engine core's under ``-dp N -ep``,
+    else the tensor-parallel group."""
+    return _group if _ep_group is None or not _group.expert_parallel else _ep_group
 
 
 @contextmanager
@@ -194,8 +204,43 @@ def init_tensor_parallel(
     return _group
 
 
+def init_expert_world(
+    core: int,
+    core_rank: int,
+    num_cores: int,
+    tp: int,
+    store_path: str,
+    device: str,
+    timeout_s: float,
+) -> TensorParallelGroup:
+    """Expert parallelism over ``num_cores`` engine cores of ``tp`` ranks each: one world of
+    every core's ranks (rendezvous on ``store_path``, a file every rank of this node opens:
+    data parallelism runs on one node), the experts' all-to-alls over all of it
+    (``get_ep_group``), each core's tensor-parallel collectives over its own ranks (every rank
+    makes every core's group: ``dist.new_group`` is collective). Blocks until every rank of
+    every core has joined; ``core_rank``: this rank's index in its core; -> its
+    tensor-parallel group."""
+    global _group, _ep_group
+    world = num_cores * tp
+    rank = core * tp + core_rank
+    backend = "nccl" if device == "cuda" else "gloo"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one node (see init_tensor_parallel)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    core_group = None
+    for start in range(0, world, tp) if tp > 1 else ():
+        made = dist.new_group(list(range(start, start + tp)), timeout=timeout)
+        if start <= rank < start + tp:
+            core_group = made
+    _group = TensorParallelGroup(rank % tp, tp, timeout_s, group=core_group, expert_parallel=True)
+    _ep_group = TensorParallelGroup(rank, world, timeout_s, expert_parallel=True)
+    return _group
+
+
 def destroy_tensor_parallel() -> None:
-    global _group
+    global _group, _ep_group
     if dist.is_initialized():
         dist.destroy_process_group()
     _group = TensorParallelGroup()
+    _ep_group = None

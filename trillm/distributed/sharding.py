@@ -206,6 +206,13 @@ class RankShapes:
     # --enable-expert-parallel: the routed experts whole, this rank's block of them
     # (expert_parallel.py), not every expert's share of its intermediate size
     expert_parallel: bool = False
+    # -dp N -ep: (rank, size) of this rank among the ranks the experts are spread over, every
+    # engine core's (parallel_state.get_ep_group); None: ``rank`` of ``size``, one core's.
+    expert_ranks: tuple[int, int] | None = None
+
+    @property
+    def expert_rank_size(self) -> tuple[int, int]:
+        return (self.rank, self.size) if self.expert_ranks is None else self.expert_ranks
 
     @classmethod
     def of(
@@ -303,8 +310,9 @@ class RankShapes:
         import torch
 
         if name.rpartition(".")[0].endswith(".experts"):  # experts.gate_up_proj / down_proj
-            per = num_routed_experts(cfg.hf_config) // self.size
-            return source[self.rank * per : (self.rank + 1) * per]
+            rank, size = self.expert_rank_size
+            per = num_routed_experts(cfg.hf_config) // size
+            return source[rank * per : (rank + 1) * per]
         return source if isinstance(source, torch.Tensor) else source[:]
 
     def holds_expert(self, cfg: ModelConfig, name: str) -> bool:
@@ -313,8 +321,9 @@ class RankShapes:
         match = _EXPERT_INDEX.search(name)
         if not self.expert_parallel or match is None:
             return True
-        per = num_routed_experts(cfg.hf_config) // self.size
-        return int(match.group(1)) // per == self.rank
+        rank, size = self.expert_rank_size
+        per = num_routed_experts(cfg.hf_config) // size
+        return int(match.group(1)) // per == rank
 
     def inter_rows(self, cfg: ModelConfig, name: str) -> tuple[int, int]:
         """(start, length) of this rank's share of ``name``'s intermediate dimension."""

@@ -13,6 +13,7 @@ from trillm.distributed.expert_parallel import traffic as expert_traffic
 from trillm.distributed.parallel_state import (
     destroy_tensor_parallel,
     get_tp_group,
+    init_expert_world,
     init_tensor_parallel,
 )
 from trillm.distributed.pipeline import PipelineGroup, get_pp_group, set_pp_group, stage_layers
@@ -46,6 +47,11 @@ def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
     start, end = stage_layers(config.model.num_hidden_layers, pp, stage)
     set_pp_group(PipelineGroup(stage, pp, rank % tp, tp, start, end, timeout))
     if torch.distributed.is_initialized():  # rank 0 of several nodes (tp_size may be 1)
+        return device
+    if parallel.experts_span_cores:  # -dp N -ep: one world of every core's ranks
+        core = parallel.data_parallel_rank
+        size = parallel.data_parallel_size
+        init_expert_world(core, rank, size, tp, parallel.expert_store, device.type, timeout)
         return device
     init_tensor_parallel(
         rank,

@@ -34,6 +34,7 @@ from trillm.messages import (
 if TYPE_CHECKING:
     from trillm.core.scheduler import Scheduler
     from trillm.engine.core_traces import CoreTraces
+    from trillm.engine.dp_lockstep import CoreLockstep
     from trillm.executor.abstract import Executor
     from trillm.kv_transfer.scheduler_side import ConnectorScheduler
     from trillm.lora.admission import LoRAAdmission
@@ -78,6 +79,8 @@ class EngineCore:
         # time.monotonic() when the step now awaited began (None between steps): /health
         # reads it to tell a stopped or hung worker from a busy one (``step_running_s``).
         self.step_started: float | None = None
+        # -dp N -ep: the forward counter this core keeps in step with (engine/dp_lockstep.py)
+        self.lockstep: CoreLockstep | None = None
         # Pipeline parallelism: several steps in flight (None without pipeline stages).
         self.batch_queue: BatchQueue | None = None
         if executor.num_pipeline_stages > 1:
@@ -301,7 +304,7 @@ class EngineCore:
         """Sends the step to the worker. A new request whose data cannot be encoded fails
         alone: it is taken out of the step and the rest is sent."""
         try:
-            await self.executor.execute_model(sched)
+            await self._send_step(sched)
             return []
         except CodecError:
             bad = {
@@ -316,8 +319,13 @@ class EngineCore:
         for req_id in bad:
             sched.total_num_scheduled_tokens -= sched.num_scheduled_tokens.pop(req_id)
         if sched.total_num_scheduled_tokens:
-            await self.executor.execute_model(sched)
+            await self._send_step(sched)
         return failed
+
+    async def _send_step(self, sched: SchedulerOutput) -> None:
+        await self.executor.execute_model(sched)
+        if self.lockstep is not None:
+            self.lockstep.note_sent()
 
     def _fail_requests(self, why: dict[str, str], what: str) -> list[EngineCoreOutput]:
         """Ends the requests that could not be encoded or taken by the worker (req_id -> why):

@@ -42,13 +42,17 @@ async def run_engine_core(
                     continue
             idle = not (core.scheduler.has_unfinished_requests() or core.num_in_flight)
             if idle and not core.has_refused:
-                core.handle_input(await inputs.receive())
+                core.handle_input(await _receive(core, inputs))
             _drain(core, inputs)
+            lockstep = core.lockstep
+            sent = None if lockstep is None else lockstep.counter.sent[lockstep.index]
             core.step_started = time.monotonic()
             try:
                 result = await core.step()
             finally:
                 core.step_started = None
+            if lockstep is not None and lockstep.counter.sent[lockstep.index] == sent:
+                await lockstep.catch_up(core.executor)  # no forward of its own: dummies
             if result is None:
                 # NOTE: no back-off right after a step joined the batch queue: the next is due.
                 stuck = core.scheduler.has_unfinished_requests() and not core.num_in_flight
@@ -75,7 +79,7 @@ async def _between_steps(
             core.handle_input(request)
         await _publish(core, outputs, engine_index)
     if control.holds and not control.pending:
-        core.handle_input(await inputs.receive())
+        core.handle_input(await _receive(core, inputs))
         _drain(core, inputs)
         await _publish(core, outputs, engine_index)
 
@@ -86,6 +90,14 @@ async def _publish(
     message = core.control.take_outputs(core._stats())
     message.engine_index = engine_index
     await outputs.send(message)
+
+
+async def _receive(core: EngineCore, inputs: Inputs) -> EngineCoreInput | CoreCall:
+    """The next input; meanwhile, with the experts over every core (-dp N -ep), the dummy
+    forwards the other cores' steps need (dp_lockstep.py)."""
+    if core.lockstep is None:
+        return await inputs.receive()
+    return await core.lockstep.receive(core.executor, inputs)
 
 
 def _drain(core: EngineCore, inputs: Inputs) -> None:

@@ -17,6 +17,9 @@ Also here: ``core_configs`` (one config per core) and ``sum_stats`` (the cores' 
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
+import uuid
 from collections import Counter, OrderedDict
 
 from trillm.config import TrillmConfig
@@ -125,10 +128,14 @@ def _merged(counts: list[dict[str, int]]) -> dict[str, int]:
 
 def core_configs(config: TrillmConfig) -> list[TrillmConfig]:
     """One config per engine core (data parallelism): each executor writes its own (the
-    rendezvous port, the block count), and each core's workers know their core's index."""
+    rendezvous port, the block count), and each core's workers know their core's index; with
+    the experts spread over the cores (-dp N -ep) all of them name one rendezvous file."""
     size = config.parallel.data_parallel_size
     if size == 1:
         return [config]
+    if config.parallel.experts_span_cores:  # every core's ranks meet at one file
+        name = f"trillm-experts-{os.getpid()}-{uuid.uuid4().hex}"
+        config.parallel.expert_store = os.path.join(tempfile.gettempdir(), name)
     configs = [copy.deepcopy(config) for _ in range(size)]
     for index, core_config in enumerate(configs):
         core_config.parallel.data_parallel_rank = index

@@ -21,6 +21,7 @@ from trillm.engine.core_control import (
     check_pause_mode,
     check_wake_tags,
 )
+from trillm.engine.dp_lockstep import DUMMY_FORWARD
 from trillm.errors import EngineDeadError
 
 if TYPE_CHECKING:
@@ -124,6 +125,11 @@ class EngineControl:
             raise TypeError(
                 "collective_rpc: method must be a method name (str); callables are not "
                 "sent to the workers."
+            )
+        if method == DUMMY_FORWARD:  # counted by the cores' lock-step, never sent alone
+            raise ValueError(
+                f"collective_rpc: {method!r} is run by the engine itself (expert parallelism "
+                "over data-parallel engine cores keeps their forwards in lock-step)."
             )
         call_args, call_kwargs = list(args), dict(kwargs or {})
 

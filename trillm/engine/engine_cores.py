@@ -19,6 +19,7 @@ import trio
 
 from trillm.config import TrillmConfig
 from trillm.engine.core_control import ControlledCore, CoreCall
+from trillm.engine.dp_lockstep import CoreLockstep, ForwardCounter
 from trillm.engine.dp_router import DataParallelRouter, sum_stats
 from trillm.messages import (
     AbortRequests,
@@ -51,6 +52,12 @@ class EngineCores:
         self.executors = executors
         self.structured_output = structured_output  # the first core's
         self.cores = [self._make_core(ex, i) for i, ex in enumerate(executors)]
+        # -dp N -ep: the cores' forwards in lock-step (dp_lockstep.py); None otherwise.
+        self.lockstep: ForwardCounter | None = None
+        if len(self.cores) > 1 and config.parallel.experts_span_cores:
+            self.lockstep = ForwardCounter(len(self.cores))
+            for index, core in enumerate(self.cores):
+                core.lockstep = CoreLockstep(self.lockstep, index)
         # Which core takes each request (None with one core: everything goes to it).
         self.router = (
             DataParallelRouter(len(self.cores), config.cache.block_size)

@@ -6,6 +6,7 @@ The ``ModelConfig`` it builds from comes from ``model_config.load_model_config``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ from typing import Any, cast
 import torch
 
 from trillm.config import ModelConfig
-from trillm.distributed.parallel_state import get_tp_group
+from trillm.distributed.parallel_state import get_ep_group, get_tp_group
 from trillm.distributed.pipeline import first_stage_prefixes, get_pp_group, prune_to_stage
 from trillm.distributed.sharding import RankShapes
 from trillm.model_executor import classification, gguf_loader, transformers_numerics
@@ -86,10 +87,13 @@ def load_weights(model: CausalLM, folder: str | Path, cfg: ModelConfig | None = 
 
 def rank_shard(cfg: ModelConfig) -> tuple[ModelConfig, RankShapes] | None:
     """What ``iterate_weights`` needs to read this rank's slices (None: one rank, all)."""
-    tp = get_tp_group()
-    if tp.world_size == 1:
+    tp, ep = get_tp_group(), get_ep_group()
+    if tp.world_size == 1 and ep.world_size == 1:
         return None
-    return cfg, RankShapes.of(cfg, tp.rank, tp.world_size, tp.expert_parallel)
+    shapes = RankShapes.of(cfg, tp.rank, tp.world_size, tp.expert_parallel)
+    if ep is not tp:  # -dp N -ep: its block of the experts spread over every core's ranks
+        shapes = dataclasses.replace(shapes, expert_ranks=(ep.rank, ep.world_size))
+    return cfg, shapes
 
 
 def stage_filter(cfg: ModelConfig) -> Callable[[str], bool] | None:

@@ -79,7 +79,7 @@ class ModelRunner:
         self.kv_layout = kv_cache_layout(model_cfg, self.shapes.num_kv_heads)  # a layer's, a token
         self.ssm: SSMStateCache | None = None  # their states, one row per batch slot
         self._num_steps = 0
-        if self.world_size > 1:
+        if config.parallel.joins_group:  # several ranks in the core, or -dp N -ep
             self.device = join_tensor_parallel(config, rank)
         elif config.parallel.data_parallel_size > 1:
             self.device = place_rank(config, rank)  # engine core d's GPU, or its CPU share
@@ -128,7 +128,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Leave the tensor-parallel group (the worker calls this on Shutdown)."""
-        if self.world_size > 1:
+        if self.config.parallel.joins_group:
             leave_tensor_parallel(self.rank, self._num_steps)
 
     def load_model(self) -> None:

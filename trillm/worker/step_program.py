@@ -165,14 +165,15 @@ def step_programs_for(
     attn_backend: object,
     lora: bool = False,
 ) -> StepPrograms | None:
-    """Programs for a model's forward where they apply: CPU, one rank, no LoRA, the torch
-    backend with its native attention kernel; not with enforce_eager (None otherwise)."""
+    """Programs for a model's forward where they apply: CPU, one rank (no collective: not
+    with -dp N -ep either), no LoRA, the torch backend with its native attention kernel; not
+    with enforce_eager (None otherwise)."""
     from trillm.attention.torch_backend import TorchAttentionBackend
 
     if (
         config.enforce_eager
         or device.type != "cpu"
-        or config.parallel.world_size > 1
+        or config.parallel.joins_group
         or lora
         or not isinstance(attn_backend, TorchAttentionBackend)
         or not attn_backend.native_available

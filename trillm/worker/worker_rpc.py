@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
@@ -90,8 +90,20 @@ def wake_up(runner: ModelRunner, tags: list[str] | None) -> None:
         runner.initialize_kv_cache(runner.config.cache.num_blocks)
 
 
+def expert_dummy_forward(runner: ModelRunner) -> int:
+    """-dp N -ep: an idle engine core's rank takes part in the step the other cores run
+    (every MoE layer's exchanges, nothing else: ``fused_moe.exchange_without_tokens``); ->
+    the MoE layers it took part in."""
+    from torch import nn
+
+    from trillm.model_executor.layers.fused_moe import exchange_without_tokens
+
+    return exchange_without_tokens(cast(nn.Module, runner.model), runner.dtype, runner.device)
+
+
 _BUILTINS: dict[str, Callable[..., Any]] = {
     "sleep": sleep,
+    "expert_dummy_forward": expert_dummy_forward,
     "wake_up": wake_up,
     "kv_cache_bytes": kv_cache_bytes,
     "drop_requests": drop_requests,

@@ -190,3 +190,18 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def exchange_without_tokens(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+    """An idle engine core's rank's share of a step the other cores run (-dp N -ep): every
+    expert-parallel layer's exchanges in the model's order (the order a forward reaches them)
+    with no tokens of its own, its experts run on the rows the others send; no attention, no
+    KV write, no sampling (trillm/engine/dp_lockstep.py). -> the layers taken part in."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.placement.size > 1]
+    with torch.inference_mode():
+        for layer in layers:
+            x = torch.empty(0, layer.w2.shape[1], dtype=dtype, device=device)  # [0, H]
+            weights = torch.empty(0, layer.top_k, dtype=torch.float32, device=device)
+            ids = torch.empty(0, layer.top_k, dtype=torch.int64, device=device)
+            dispatch_combine(layer.placement, x, weights, ids, layer._run_held)
+    return len(layers)

@@ -1,0 +1,143 @@
+"""Expert parallelism over data-parallel engine cores (``-dp 2 --enable-expert-parallel``,
+vLLM's way of serving MoE models): the experts spread over both cores' ranks (core d's rank r
+is expert rank d x tp + r), each core's attention on its own requests, and the cores' forwards
+kept in lock-step (trillm/engine/dp_lockstep.py: a core with nothing to run sends a dummy
+forward, every MoE layer's exchanges with no tokens, so the all-to-alls of the other's step
+complete).
+
+Greedy tokens equal the single-rank engine's and log-probs are within 1e-4 of it (the
+measure of test_expert_parallel.py) with both cores serving at once and with one core idle
+while the other serves; an abort on one core mid-stream leaves the other's request running to
+its length; /metrics counts each core's pairs at every expert rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from parallel_models import LIMITS, MAX_TOKENS, PROMPTS
+from parallel_reference import greedy
+from test_expert_parallel import LOGPROB_TOL, ODD_EXPERTS, tokens_and_logprobs
+
+from trillm.engine.llm import LLM
+from trillm.testing.tiny_deepseek import build_tiny_deepseek
+
+
+def assert_close(got, expected) -> None:
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    diff = max(abs(a - b) for (_, g), (_, e) in zip(got, expected) for a, b in zip(g, e))
+    assert diff < LOGPROB_TOL, diff
+
+
+def assert_dp2_ep_matches_one_rank(path: str, **parallel) -> None:
+    """Three prompts at once (both cores serve), then one alone (the other core idle: its
+    ranks run dummy forwards for every step of the busy one)."""
+    with LLM(path, distributed_executor_backend="uni", **LIMITS) as llm:
+        expected = [tokens_and_logprobs(llm, p) for p in (PROMPTS, PROMPTS[2:])]
+    layout = {"data_parallel_size": 2, "enable_expert_parallel": True, **parallel}
+    with LLM(path, **layout, **LIMITS) as llm:
+        engine = llm.engine
+        both = tokens_and_logprobs(llm, PROMPTS)
+        routed_both = list(engine.router.routed)
+        counter = engine.engine_cores.lockstep
+        sent_before = list(counter.sent)
+        alone = tokens_and_logprobs(llm, PROMPTS[2:])
+        sent, dummies = list(counter.sent), list(counter.dummies)
+    assert min(routed_both) >= 1, routed_both  # both cores served the first batch
+    assert_close(both, expected[0])
+    assert_close(alone, expected[1])
+    assert sent[0] == sent[1], sent  # every forward of one core met one of the other's
+    grown = [a - b for a, b in zip(sent, sent_before)]
+    assert grown[0] >= MAX_TOKENS and grown[0] == grown[1], grown
+    assert max(dummies) >= MAX_TOKENS - 1, dummies  # the idle core's share of the lone request
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_dp2_ep_matches_one_rank_both_serving_and_one_idle(tiny_model_factory, arch):
+    """Each core one rank, holding half of the experts."""
+    assert_dp2_ep_matches_one_rank(
+        tiny_model_factory(arch, num_hidden_layers=2, **ODD_EXPERTS[arch])
+    )
+
+
+def test_dp2_x_tp2_ep_matches_one_rank(tmp_path):
+    """Two cores of two tensor-parallel ranks (4 ranks, each a quarter of DeepSeek-V3's 8
+    routed experts, its own router and its shared experts split within its core): each core
+    slices its tokens' dispatch over its own two ranks."""
+    path = build_tiny_deepseek(
+        "v3", tmp_path, num_hidden_layers=2, moe_intermediate_size=31, n_shared_experts=2
+    )
+    assert_dp2_ep_matches_one_rank(str(path), tensor_parallel_size=2)
+
+
+def test_abort_on_one_core_mid_stream_leaves_the_other_running(tiny_model_factory):
+    """Two long requests on cores 0 and 1; the second aborted after its first token: its
+    stream ends with 'abort', the first runs to its length with the single-rank engine's
+    tokens (core 1 then idle, running dummy forwards), and the engine serves on."""
+    from trillm.engine.engine_startup import open_engine
+
+    path = tiny_model_factory("mixtral", num_hidden_layers=2, **ODD_EXPERTS["mixtral"])
+    long = greedy(40)
+    with LLM(path, distributed_executor_backend="uni", **LIMITS) as llm:
+        expected = llm.generate(["one two"], long, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def main():
+        async with open_engine(
+            path, data_parallel_size=2, enable_expert_parallel=True, **LIMITS
+        ) as engine:
+            async with engine.generate("one two", long, "A") as a:
+                first_a = await a.__anext__()
+                async with engine.generate("three four", long, "B") as b:
+                    await b.__anext__()
+                    assert (engine.engine_index_of("A"), engine.engine_index_of("B")) == (0, 1)
+                    await engine.abort("B")
+                    rest_b = [out async for out in b]
+                outs_a = [first_a] + [out async for out in a]
+            async with engine.generate("five six", greedy(4), "C") as c:
+                outs_c = [out async for out in c]
+            return rest_b[-1], outs_a[-1], outs_c[-1], engine.engine_cores.lockstep.dummies
+
+    last_b, last_a, last_c, dummies = trio.run(main)
+    assert last_b.outputs[0].finish_reason == "abort"
+    assert last_a.outputs[0].finish_reason == "length"
+    assert list(last_a.outputs[0].token_ids) == list(expected)
+    assert len(last_c.outputs[0].token_ids) == 4
+    assert dummies[1] > 0, dummies
+
+
+@pytest.mark.parametrize(
+    ("more", "match"),
+    [
+        (
+            {"distributed_executor_backend": "uni"},
+            r"enable_expert_parallel with data_parallel_size > 1 needs "
+            r"distributed_executor_backend='mp'",
+        ),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+            r"speculative_config with enable_expert_parallel and data_parallel_size > 1 is not "
+            r"implemented yet",
+        ),
+        (
+            {"enable_sleep_mode": True},
+            r"enable_sleep_mode with enable_expert_parallel and data_parallel_size > 1 is not "
+            r"implemented yet",
+        ),
+    ],
+    ids=["uni", "speculative", "sleep"],
+)
+def test_what_the_cores_cannot_keep_in_step_is_refused(tiny_model_factory, more, match):
+    path = tiny_model_factory("mixtral", num_hidden_layers=2)
+    with pytest.raises(ValueError, match=match):
+        LLM(path, data_parallel_size=2, enable_expert_parallel=True, **more, **LIMITS)
+
+
+def test_the_dummy_forward_is_the_engines_own(tiny_model_factory):
+    """collective_rpc cannot send a dummy forward (it would leave one core a forward ahead
+    of the others' count); other methods still run on every core's ranks."""
+    path = tiny_model_factory("mixtral", num_hidden_layers=2, **ODD_EXPERTS["mixtral"])
+    with LLM(path, data_parallel_size=2, enable_expert_parallel=True, **LIMITS) as llm:
+        with pytest.raises(ValueError, match="'expert_dummy_forward' is run by the engine"):
+            llm.collective_rpc("expert_dummy_forward")
+        assert len(llm.collective_rpc("kv_cache_bytes")) == 2  # one rank per core
+        assert len(tokens_and_logprobs(llm, PROMPTS[:1])[0][0]) == MAX_TOKENS
