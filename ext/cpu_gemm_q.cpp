@@ -141,6 +141,7 @@ struct Gemm {
   const int8_t* xq;  // int8 path (cpu_gemm_q_vnni.h): x rounded to int8 [M][K]; else null
   const float* dx;   // int8 path: per row, per half block, the scale of xq [M][2 nb]
   const int32_t* qxh;  // int8 path: per row, per half block, the sum of xq [M][2 nb]
+  const uint32_t* xp;  // bf16 path (cpu_gemm_q_bf16.h): x's bf16 pairs [M][K / 2]; else null
   const uint8_t* packed;
   const float* bias;  // null: none
   void* y;
@@ -341,6 +342,7 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
 }
 
 #include "cpu_gemm_q_vnni.h"
+#include "cpu_gemm_q_bf16.h"
 #include "cpu_gemm_q_avx2.h"
 
 enum class Isa { kAvx512, kAvx2 };
@@ -374,6 +376,8 @@ template <int R, int QT, bool Int8>
 void run_tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t* p1, int col) {
   if constexpr (Int8) {
     tile_vnni<R, QT>(g, m, p0, p1, col);
+  } else if constexpr (bf16dot_type(QT)) {
+    g.xp != nullptr ? tile_bf16<R, QT>(g, m, p0, p1, col) : tile<R, QT>(g, m, p0, p1, col);
   } else {
     tile<R, QT>(g, m, p0, p1, col);
   }
@@ -445,6 +449,10 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
     ld = K;
   }
   QuantizedRows rows;
+  std::vector<uint32_t> pairs_bf16;  // the bf16 path's activations (cpu_gemm_q_bf16.h)
+  static const bool bf16dot = cpu_has_bf16dot();
+  if (x_bf16 && !int8_activations && wide && bf16dot && bf16dot_type(qtype))
+    pairs_bf16 = pair_rows(reinterpret_cast<const uint16_t*>(x), ldx, M, K);
   if (int8_activations) {
     rows = quantize_rows(xf, ld, M, K);
   } else if (!byte_values(qtype)) {
@@ -459,6 +467,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   }
   const float* sx = int8_activations ? rows.sx.data() : sums.empty() ? nullptr : sums.data();
   Gemm g{xf, ld, sx, int8_activations ? rows.xq.data() : nullptr, rows.dx.data(), rows.qxh.data(),
+         pairs_bf16.empty() ? nullptr : pairs_bf16.data(),
          reinterpret_cast<const uint8_t*>(packed), reinterpret_cast<const float*>(bias),
          reinterpret_cast<void*>(y), ldy, M, N, K, qtype, y_bf16};
   const int pairs = num_panels(N) / 2;

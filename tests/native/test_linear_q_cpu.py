@@ -407,3 +407,70 @@ def test_kernel_results_do_not_depend_on_the_thread_count(isa):
         assert torch.equal(linear_q_cpu.linear(x, weight), alone)
     finally:
         torch.set_num_threads(threads)
+
+
+# ------------------------------------------- bf16 activations, 4-bit types (AVX512-BF16 + VBMI)
+# Rows that come in bf16 (fp32 activations, not int8) run `vdpbf16ps` over the nibbles where
+# the CPU has AVX512-BF16 and AVX512-VBMI (ext/cpu_gemm_q_bf16.h): the same exact products as
+# the fp32 rows' FMAs, summed in another order. Elsewhere they take the fp32 kernel, and these
+# tests check that instead.
+def _q4_weight(type_name: str, n: int, k: int, seed: int):
+    if type_name == "Q4_K":
+        return _kquant_weight(type_name, n, k, seed)
+    if type_name == "Q4_G":
+        rng = np.random.default_rng(seed)
+        q = rng.integers(0, 16, (n, k)).astype(np.uint8)
+        scales = rng.uniform(-0.1, 0.1, (n, k // 64)).astype(np.float16)
+        zeros = rng.integers(0, 16, (n, k // 64)).astype(np.uint8)
+        weight = linear_q_cpu.QuantizedWeight.from_groups(q, scales, zeros)
+        return weight, linear_q_cpu.dequantize(weight)
+    return _weight(GGMLQuantizationType[type_name], n, k, seed)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q4_G"])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 9, 131])
+def test_bf16_rows_sum_as_their_fp32_values_do(type_name, m, isa):
+    n, k = (96, 512) if m == 131 else (37, 256)  # 131: several threads, a remainder tile
+    raw, w = _q4_weight(type_name, n, k, seed=m)
+    weight = (
+        raw
+        if type_name == "Q4_G"
+        else linear_q_cpu.QuantizedWeight(
+            raw,
+            KQUANTS[type_name][0] if type_name == "Q4_K" else int(GGMLQuantizationType[type_name]),
+            n,
+            k,
+        )
+    )
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 2 * k, generator=gen).to(torch.bfloat16)[:, ::2]  # strided bf16 rows
+    b = torch.randn(n, generator=gen)
+    got = linear_q_cpu.linear(x, weight, b, out_dtype=torch.float32)
+    same = linear_q_cpu.linear(x.float(), weight, b)  # the fp32 kernel on the same values
+    ref = F.linear(x.double(), w.double(), b.double())
+    scale = float(ref.abs().max())
+    torch.testing.assert_close(got.double(), ref, atol=2e-6 * scale, rtol=0)
+    torch.testing.assert_close(got, same, atol=2e-6 * scale, rtol=0)
+    torch.testing.assert_close(
+        linear_q_cpu.linear(x, weight, b).float(),
+        ref.float().to(torch.bfloat16).float(),
+        atol=1e-2 * scale,
+        rtol=1e-2,
+    )
+
+
+def test_bf16_rows_are_exact_on_integer_values(isa):
+    # Q4_0 with d = 1 over random bytes (every nibble at every position) and integer x: every
+    # product and sum is an integer under 2**24, so the kernel's sums equal the reference's
+    # exactly, whatever their order; a wrong nibble, pair or column shows as a miss.
+    n, k = 48, 512
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, 256, (n, k // 32, 18), dtype=np.uint8)
+    blocks[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    raw = blocks.reshape(n, -1)
+    weight = linear_q_cpu.QuantizedWeight(raw, int(GGMLQuantizationType.Q4_0), n, k)
+    w = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_0).astype(np.float32))
+    for m in (1, 4, 7):
+        x = torch.from_numpy(rng.integers(-64, 65, (m, k)).astype(np.float32))
+        got = linear_q_cpu.linear(x.to(torch.bfloat16), weight, out_dtype=torch.float32)
+        assert torch.equal(got, F.linear(x.double(), w.double()).float())
