@@ -12,6 +12,7 @@ import time
 
 import pytest
 from kv_connectors import kv_engine
+from server_harness import free_port
 
 from trillm import SamplingParams
 from trillm.kv_transfer import p2p_recv, p2p_wire
@@ -21,12 +22,6 @@ from trillm.kv_transfer.p2p_recv import Receiver
 
 PROMPT = {"prompt_token_ids": list(range(5, 45))}  # 2 whole blocks before the last token
 KEY = "ab" * 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _connector_threads() -> set[threading.Thread]:
@@ -53,7 +48,7 @@ def test_the_decode_side_closes_with_its_engine(tiny_model_factory, monkeypatch,
     again and no connector thread is left."""
     monkeypatch.setattr(p2p_recv, "PUSH_WAIT_S", 0.2)
     before = _connector_threads()
-    prefill, decode = _free_port(), _free_port()
+    prefill, decode = free_port(), free_port()
     engine = kv_engine(
         tiny_model_factory("qwen2"), kv_transfer_config=_consumer_kv(send_type, prefill, decode)
     )
@@ -96,7 +91,7 @@ def test_a_closed_listener_drops_a_silent_peer_and_joins_its_threads():
 def test_failed_transfers_are_one_warning_per_interval(caplog):
     """Five requests naming a listed prefill instance that is gone: five failures, counted,
     one warning line (the others at debug level); past the interval, a line again."""
-    gone = f"127.0.0.1:{_free_port()}"
+    gone = f"127.0.0.1:{free_port()}"
     receiver = Receiver(10_000)
     try:
         with caplog.at_level(logging.DEBUG, logger="trillm.kv_transfer"):
@@ -134,7 +129,7 @@ def test_the_warning_counts_what_it_did_not_log(caplog):
 
 def test_failed_pushes_are_one_warning_per_interval(caplog):
     pusher = Pusher(asynchronous=False, queue_bytes=1000)
-    gone = f"127.0.0.1:{_free_port()}"
+    gone = f"127.0.0.1:{free_port()}"
     for _ in range(3):
         pusher.send(gone, KEY, b"x" * 10)  # "PUT": in the caller, refused at once
     assert pusher.failed == 3

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Iterator
 
 import pytest
 from kv_connectors import aligned, kv_engine, max_logprob_diff
+from server_harness import free_port
 
 from trillm import LLM, SamplingParams
 from trillm.kv_transfer import p2p_recv, p2p_wire
@@ -28,20 +28,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _free_ports(n: int) -> int:
-    """A port p with p .. p + n - 1 free on 127.0.0.1 (rank r's port: p + r)."""
+    """A port p with p .. p + n - 1 free (rank r's port: p + r), from this xdist worker's
+    block below the ephemeral range (``free_port`` hands them out in order), so that no
+    outgoing connection takes p + r before its listener binds it."""
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            with contextlib.ExitStack() as stack:
-                for rank in range(n):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", base + rank))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
+        ports = [free_port() for _ in range(n)]
+        if ports == list(range(ports[0], ports[0] + n)):
+            return ports[0]
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def _kv(role: str, send_type: str, prefill: int, decode: int) -> dict:
