@@ -60,7 +60,7 @@ CHOSEN = [
     "completion/test_prompt_validation.py::test_out_of_vocab_token_ids",
     "completion/test_token_in_token_out.py",  # (imports vLLM: the client is vLLM's venv)
     "completion/test_usage_policy.py",
-    "responses/test_simple.py",  # (--reasoning-parser qwen3 on SmolLM2: no reasoning section)
+    "responses/test_simple.py",  # (--reasoning-parser qwen3, VLLM_ENABLE_RESPONSES_API_STORE=1)
     "responses/test_usage_policy.py",
     "serve/instrumentator/test_orca_metrics.py",
     "serve/tokenize/test_tokenization.py",
