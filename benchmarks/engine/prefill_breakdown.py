@@ -22,6 +22,12 @@ path round by round (ext/cpu_prefill_attention_dp.h); the result of
         --prompt-len 1024 4096 --rounds 2 --bf16-dot both --out benchmarks/engine/results/prefill_breakdown_1b.json
 
 is in benchmarks/engine/results/prefill_breakdown_1b.{json,txt} (this 2-core Zen 4 host, shared).
+
+``--paged-dot both`` alternates a chunked prompt's later chunks (a prompt longer than
+``--max-num-batched-tokens``) between the paged kernel's vdpbf16ps path
+(ext/cpu_attention_paged_dp.h) and its fp32 tile kernel: one 8,192-token prompt at the default
+chunk size on the 1B shape cut to 2 layers is in
+benchmarks/engine/results/prefill_breakdown_1b2l_8k_chunked.{json,txt}.
 """
 
 from __future__ import annotations
@@ -108,6 +114,14 @@ def main() -> None:
         help="the fresh-prompt attention's bf16 products on vdpbf16ps (where the CPU has "
         "AVX512-BF16) or its AVX2 path; both: alternated, each round",
     )
+    parser.add_argument(
+        "--paged-dot",
+        choices=("on", "off", "both"),
+        default="on",
+        help="a chunked prompt's later chunks' attention on the paged kernel's vdpbf16ps path "
+        "(ext/cpu_attention_paged_dp.h, where the CPU has AVX512-BF16) or its fp32 tile "
+        "kernel; both: alternated, each round",
+    )
     parser.add_argument("--gemm-shapes", action="store_true")
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--out", type=Path)
@@ -165,13 +179,17 @@ def main() -> None:
     llm.generate([{"prompt_token_ids": [5] * 64}], params, use_tqdm=False)  # warm-up
     result["runs"] = []
     attention = paged_attention_cpu.cpu_kernels("attention")
-    variants = ["on", "off"] if args.bf16_dot == "both" else [args.bf16_dot]
+    fresh = ["on", "off"] if args.bf16_dot == "both" else [args.bf16_dot]
+    paged = ["on", "off"] if args.paged_dot == "both" else [args.paged_dot]
+    variants = [f"{a}/{b}" for a in fresh for b in paged]  # fresh-prompt / paged kernel
     dot_before = attention.prefill_bf16_dot(True)
+    paged_before = attention.paged_bf16_dot(True)
     try:
         for length, r, variant in (
             (n, r, v) for n in args.prompt_len for r in range(args.rounds) for v in variants
         ):
-            attention.prefill_bf16_dot(variant == "on")
+            attention.prefill_bf16_dot(variant.split("/")[0] == "on")
+            attention.paged_bf16_dot(variant.split("/")[1] == "on")
             spent.clear()
             cpu_spent.clear()
             calls.clear()
@@ -189,7 +207,7 @@ def main() -> None:
             # GFLOP a core-second: the rate a core held by the GEMM gives, whatever the load
             gemm_cpu_rate = sum(flops.values()) / gemm_cpu_s / 1e9 if gemm_cpu_s else 0.0
             print(
-                f"{length} tokens (round {r}, bf16 dot {variant}, load {load:.1f}): TTFT {total:.2f} s,"
+                f"{length} tokens (round {r}, bf16 dot fresh/paged {variant}, load {load:.1f}): TTFT {total:.2f} s,"
                 f" {length / total:,.0f} tok/s, process CPU {total_cpu:.2f} s; GEMMs {gemm_s:.2f} s"
                 f" at {gemm_rate:.1f} GFLOP/s ({gemm_cpu_rate:.1f} GFLOP a core-second)"
             )
@@ -217,6 +235,7 @@ def main() -> None:
             result["runs"].append(run)
     finally:
         attention.prefill_bf16_dot(dot_before)
+        attention.paged_bf16_dot(paged_before)
         llm.shutdown()
         recording.call, recording.attention = native_call, native_attention  # type: ignore[assignment]
     for length in args.prompt_len:
@@ -226,7 +245,7 @@ def main() -> None:
                 r["ttft_s"] for r in runs if (r["prompt_len"], r["bf16_dot"]) == (length, variant)
             ]
             print(
-                f"{length} tokens, bf16 dot {variant}: median TTFT {statistics.median(ttfts):.2f} s"
+                f"{length} tokens, bf16 dot fresh/paged {variant}: median TTFT {statistics.median(ttfts):.2f} s"
             )
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
