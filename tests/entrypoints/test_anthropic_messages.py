@@ -213,7 +213,9 @@ def test_stream_events_as_anthropic_sends_them(server, model):
     assert all(d["index"] == 0 and d["delta"]["type"] == "text_delta" for _, d in events[3:-3])
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    assert delta["usage"] == {"output_tokens": 6}
+    # vLLM's message_delta: the request's whole usage (no cache counts without
+    # --enable-prompt-tokens-details)
+    assert delta["usage"] == {"input_tokens": start["usage"]["input_tokens"], "output_tokens": 6}
 
 
 # ---------------------------------------------------------------- tools

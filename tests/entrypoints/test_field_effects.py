@@ -223,6 +223,27 @@ def test_cache_salt_separates_prefix_cache_hits(server, endpoint):
     assert cached(cache_salt="salt-b") == 0
 
 
+def test_messages_report_prefix_cache_reads_as_anthropic_does(server):
+    """With --enable-prompt-tokens-details (this server's), /v1/messages gives the prompt tokens
+    read from the prefix cache as cache_read_input_tokens, out of input_tokens (vLLM's usage),
+    in the answer and in the stream's message_delta; the official anthropic client reads it."""
+    import anthropic  # (the official client, imported by the test that uses it)
+
+    model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+    long = " ".join(f"m{i}" for i in range(80))
+    kw = dict(model=model, max_tokens=2, messages=[{"role": "user", "content": long}])
+    cold = client.messages.create(**kw).usage
+    assert cold.cache_read_input_tokens == 0 and cold.input_tokens > 60
+    warm = client.messages.create(**kw).usage
+    assert warm.cache_read_input_tokens > 0
+    assert warm.input_tokens + warm.cache_read_input_tokens == cold.input_tokens
+    with client.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message().usage
+    assert streamed.cache_read_input_tokens == warm.cache_read_input_tokens
+    assert streamed.input_tokens == warm.input_tokens and streamed.output_tokens == 2
+
+
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_request_id_names_the_response(server, endpoint):
     rid = f"field-effects-{endpoint}-42"

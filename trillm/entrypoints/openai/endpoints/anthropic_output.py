@@ -28,12 +28,22 @@ def stop_reason(
 
 
 def usage(chat_usage: dict[str, Any]) -> dict[str, int]:
-    # NOTE: input_tokens counts the whole prompt, from the prefix cache or not (Anthropic's
-    # cache_* counts are not split out: no cache is written on request here).
-    return {
+    """vLLM's Anthropic usage from a chat usage. With --enable-prompt-tokens-details (chat's
+    ``prompt_tokens_details``), the prompt tokens read from the prefix cache are
+    ``cache_read_input_tokens`` and not in ``input_tokens`` (Anthropic's total input is their
+    sum); without it the cache is not reported and ``input_tokens`` is the whole prompt."""
+    counts = {
         "input_tokens": chat_usage["prompt_tokens"],
         "output_tokens": chat_usage["completion_tokens"],
     }
+    details = chat_usage.get("prompt_tokens_details")
+    if details is not None and details.get("cached_tokens") is not None:
+        read = details["cached_tokens"]
+        counts["input_tokens"] = max(0, counts["input_tokens"] - read)
+        counts["cache_read_input_tokens"] = read
+    # NOTE: no cache_creation_input_tokens: vLLM 0.32 gives the prompt tokens this request wrote
+    # to the prefix cache; trillm's engine does not count them yet.
+    return counts
 
 
 def text_block(text: str) -> dict[str, Any]:

@@ -104,12 +104,12 @@ class MessageStream:
             finish = parser.finish_reason(finish)
         matched = None if last is None else last.stop_reason
         reason, sequence = stop_reason(finish, matched, self.tool_used)
-        counts = usage(self.answer.tracker.usage())
+        # As vLLM's: the request's whole usage (input, output, the cache's share when reported)
         return event(
             "message_delta",
             {
                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": {"output_tokens": counts["output_tokens"]},
+                "usage": usage(self.answer.tracker.usage()),
             },
         )
 
