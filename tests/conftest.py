@@ -63,20 +63,25 @@ def one_torch_thread():
 # CPU each). tests/parallel does the same in its own conftest. A module here that starts a
 # Python of its own with this environment drops TRILLM_RANK_ZYGOTE from it (the server is
 # not that process's descendant, so its engines would be refused).
+# A module elsewhere asks for it by name: pytest.mark.usefixtures("ranks_from_one_zygote").
 RANKS_FROM_ONE_ZYGOTE = {
-    "core", "engine", "lora", "models", "sample", "spec_decode", "structured_output", "worker",
+    "core", "engine", "kv_transfer", "lora", "models", "sample", "spec_decode",
+    "structured_output", "worker",
 }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ranks_from_one_zygote():
+    from rank_servers import ranks_from_one_zygote as from_one_zygote
+
+    with from_one_zygote():
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _ranks_from_one_zygote(request):
-    if request.path.parent.name not in RANKS_FROM_ONE_ZYGOTE:
-        yield
-        return
-    from rank_servers import ranks_from_one_zygote
-
-    with ranks_from_one_zygote():
-        yield
+    if request.path.parent.name in RANKS_FROM_ONE_ZYGOTE:
+        request.getfixturevalue("ranks_from_one_zygote")
 
 
 @pytest.fixture(scope="session")

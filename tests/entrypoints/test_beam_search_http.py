@@ -41,7 +41,9 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def llm(model_path):
-    engine = LLM(model_path, max_model_len=256, kv_cache_memory="8MiB")
+    engine = LLM(
+        model_path, max_model_len=256, kv_cache_memory="8MiB", distributed_executor_backend="uni"
+    )  # as the server (ARGS): no worker process to start
     yield engine
     engine.shutdown()
 

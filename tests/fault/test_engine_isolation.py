@@ -10,11 +10,15 @@ the real one: worker subprocess, shared-memory rings, the embedded default model
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from trillm import SamplingParams, open_engine
 from trillm.outputs import RequestOutput
 
+# The worker is a subprocess all the same, forked from this pytest worker's rank zygote server
+# rather than a fresh Python importing torch (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("ranks_from_one_zygote")
 PROMPT = "In the beginning God created"
 
 
