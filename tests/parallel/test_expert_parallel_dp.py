@@ -141,3 +141,46 @@ def test_the_dummy_forward_is_the_engines_own(tiny_model_factory):
             llm.collective_rpc("expert_dummy_forward")
         assert len(llm.collective_rpc("kv_cache_bytes")) == 2  # one rank per core
         assert len(tokens_and_logprobs(llm, PROMPTS[:1])[0][0]) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("after_layers", [0, 1], ids=["before-the-forward", "mid-forward"])
+def test_a_step_failing_on_one_core_fails_only_its_requests(tiny_model_factory, after_layers):
+    """A forward that fails in core 1's worker (before any MoE layer, or after the first of
+    two) still finishes its MoE exchanges without tokens: core 1's request ends with an abort,
+    core 0's, running meanwhile, keeps the single-rank engine's tokens, and both cores serve
+    on (without it core 0's rank would wait in the exchange until the collective timeout)."""
+    from trillm.engine.engine_startup import open_engine
+
+    path = tiny_model_factory("mixtral", num_hidden_layers=2, **ODD_EXPERTS["mixtral"])
+    poison = [5, 6, 7, 8, 9]
+    long = greedy(24)
+    with LLM(path, distributed_executor_backend="uni", **LIMITS) as llm:
+        expected = llm.generate(["one two"], long, use_tqdm=False)[0].outputs[0].token_ids
+    kwargs = {"fail_prompt": poison, "after_layers": after_layers}
+
+    async def main():
+        async with open_engine(
+            path,
+            runner="trillm.testing.failing_runner:FailingRunner",
+            runner_kwargs=kwargs,
+            data_parallel_size=2,
+            enable_expert_parallel=True,
+            distributed_timeout_seconds=20,
+            **LIMITS,
+        ) as engine:
+            async with engine.generate("one two", long, "A") as a:
+                first_a = await a.__anext__()
+                prompt = {"prompt_token_ids": poison}
+                async with engine.generate(prompt, greedy(4), "B") as b:
+                    outs_b = [out async for out in b]
+                assert engine.router.routed == [1, 1]  # B went to core 1
+                outs_a = [first_a] + [out async for out in a]
+            async with engine.generate("five six", greedy(4), "C") as c:
+                outs_c = [out async for out in c]
+            return outs_b[-1], outs_a[-1], outs_c[-1]
+
+    last_b, last_a, last_c = trio.run(main)
+    assert last_b.outputs[0].finish_reason == "abort"
+    assert last_a.outputs[0].finish_reason == "length"
+    assert list(last_a.outputs[0].token_ids) == list(expected)
+    assert len(last_c.outputs[0].token_ids) == 4

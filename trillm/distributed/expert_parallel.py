@@ -49,6 +49,10 @@ class ExpertTraffic:
 
     bytes_sent: int = 0
     num_exchanges: int = 0
+    # MoE layers whose exchanges completed, since the start (``take`` keeps it): a forward
+    # that fails on this rank finishes the rest without tokens under -dp N -ep
+    # (worker_main._execute), the other cores' ranks waiting in them.
+    layers_done: int = 0
 
     def add(self, rows: torch.Tensor, send: list[int], rank: int) -> None:
         row_bytes = rows[0].numel() * rows.element_size() if len(rows) else 0  # rows: [P, ...]
@@ -173,4 +177,5 @@ def dispatch_combine(
     mine = pairs.view(end - start, ids.shape[1], x.shape[1]).float() * weights[start:end, :, None]
     out = torch.zeros_like(x)
     out[start:end] = mine.sum(dim=1).to(x.dtype)
+    traffic.layers_done += 1
     return out

@@ -34,6 +34,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 from trillm.distributed.expert_parallel import load as expert_load
+from trillm.distributed.expert_parallel import traffic as expert_traffic
 from trillm.distributed.parallel_state import adopt_rendezvous_listener
 from trillm.errors import CodecError, CollectiveTimeoutError, IPCError, RingClosedError
 from trillm.gc_heap import freeze_startup_heap
@@ -228,12 +229,22 @@ class Worker:
 
     def _execute(self, sched: SchedulerOutput) -> None:
         self._sched, self._step_error = sched, None
+        layers_before = expert_traffic.layers_done
         try:
             self.execute_clock.run(self._loaded().execute_model, sched)
         except CollectiveTimeoutError:
             raise  # the group is broken: fatal, not one step's failure
         except Exception:
             self._step_error = traceback.format_exc()
+            self._finish_expert_exchanges(expert_traffic.layers_done - layers_before)
+
+    def _finish_expert_exchanges(self, done: int) -> None:
+        """-dp N -ep: a forward that failed on this rank (one step's requests fail) before
+        all its MoE layers exchanged would leave the other cores' ranks waiting in them: the
+        rest run without tokens (``worker_rpc.expert_dummy_forward``)."""
+        config = getattr(self.runner, "config", None)
+        if config is not None and config.parallel.experts_span_cores:
+            worker_rpc.call(self._loaded(), "expert_dummy_forward", [done], {})
 
     def _sample(self, bitmask: dict[str, bytes | list[int]] | None) -> None:
         sched = self._sched

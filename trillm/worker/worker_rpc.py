@@ -90,15 +90,16 @@ def wake_up(runner: ModelRunner, tags: list[str] | None) -> None:
         runner.initialize_kv_cache(runner.config.cache.num_blocks)
 
 
-def expert_dummy_forward(runner: ModelRunner) -> int:
+def expert_dummy_forward(runner: ModelRunner, skip: int = 0) -> int:
     """-dp N -ep: an idle engine core's rank takes part in the step the other cores run
-    (every MoE layer's exchanges, nothing else: ``fused_moe.exchange_without_tokens``); ->
-    the MoE layers it took part in."""
+    (every MoE layer's exchanges but the first ``skip``, nothing else:
+    ``fused_moe.exchange_without_tokens``); -> the MoE layers it took part in."""
     from torch import nn
 
     from trillm.model_executor.layers.fused_moe import exchange_without_tokens
 
-    return exchange_without_tokens(cast(nn.Module, runner.model), runner.dtype, runner.device)
+    model = cast(nn.Module, runner.model)
+    return exchange_without_tokens(model, runner.dtype, runner.device, skip)
 
 
 _BUILTINS: dict[str, Callable[..., Any]] = {

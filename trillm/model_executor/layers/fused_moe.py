@@ -192,12 +192,16 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-def exchange_without_tokens(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+def exchange_without_tokens(
+    model: nn.Module, dtype: torch.dtype, device: torch.device, skip: int = 0
+) -> int:
     """An idle engine core's rank's share of a step the other cores run (-dp N -ep): every
     expert-parallel layer's exchanges in the model's order (the order a forward reaches them)
     with no tokens of its own, its experts run on the rows the others send; no attention, no
-    KV write, no sampling (trillm/engine/dp_lockstep.py). -> the layers taken part in."""
+    KV write, no sampling (trillm/engine/dp_lockstep.py). ``skip``: the first layers, done
+    already by a forward that then failed. -> the layers taken part in."""
     layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.placement.size > 1]
+    layers = layers[skip:]
     with torch.inference_mode():
         for layer in layers:
             x = torch.empty(0, layer.w2.shape[1], dtype=dtype, device=device)  # [0, H]

@@ -1,0 +1,54 @@
+"""``ModelRunner`` whose forward fails for one prompt: tests of a step that fails inside a
+worker under ``-dp N --enable-expert-parallel``, where the failing core's ranks must still
+take part in the MoE exchanges the other cores' ranks wait in (worker_main._execute).
+
+Runner arguments: ``fail_prompt`` (token ids: a step that schedules a new request with
+exactly this prompt fails) and ``after_layers`` (0: before the forward; k: once the k-th
+expert-parallel MoE layer has run, mid-forward).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from torch import nn
+
+from trillm.messages import SchedulerOutput
+from trillm.model_executor.layers.fused_moe import FusedMoE
+from trillm.worker.model_runner import ModelRunner
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+class FailingRunner(ModelRunner):
+    def __init__(
+        self,
+        config: Any,
+        rank: int = 0,
+        *,
+        fail_prompt: list[int] | None = None,
+        after_layers: int = 0,
+        **kw: Any,
+    ) -> None:
+        super().__init__(config, rank, **kw)
+        self.fail_prompt = list(fail_prompt or [])
+        self.after_layers = after_layers
+
+    def execute_model(self, sched: SchedulerOutput) -> Any:
+        if not any(r.prompt_token_ids == self.fail_prompt for r in sched.scheduled_new_reqs):
+            return super().execute_model(sched)
+        if self.after_layers == 0:
+            raise InjectedFailure("told to fail before the forward")
+        model = cast(nn.Module, self.model)
+        layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+        def fail(*_: Any) -> None:
+            raise InjectedFailure(f"told to fail after {self.after_layers} MoE layer(s)")
+
+        hook = layers[self.after_layers - 1].register_forward_hook(fail)
+        try:
+            return super().execute_model(sched)
+        finally:
+            hook.remove()
