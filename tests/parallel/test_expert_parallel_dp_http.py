@@ -2,16 +2,18 @@
 trillm/engine/dp_lockstep.py): two streams served at once, one per core, answer the
 single-rank engine's greedy tokens; /metrics counts each core's (token, expert) pairs at every
 expert rank; a rank killed while the other core serves ends the server with an error naming
-it, the process exits 1 and leaves no worker behind; SIGTERM stops it with exit 0 and no
-worker left."""
+it, the process exits 1 and leaves no worker (nor the ranks' rendezvous file) behind; SIGTERM
+stops it with exit 0 and nothing left."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import signal
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +37,11 @@ def mixtral(tiny_model_factory):
 def start(path: str, tmp_path: Path, *more: str) -> ServerProcess:
     flags = ["-dp", "2", "--enable-expert-parallel", *more, *limit_flags(LIMITS)]
     return ServerProcess([path, *flags], tmp_path / "server.log").start()
+
+
+def expert_stores(pid: int) -> list[str]:
+    """The rendezvous files of the server's ranks (engine/dp_router.core_configs) left."""
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"trillm-experts-{pid}-*"))
 
 
 def workers(pid: int) -> dict[tuple[int, int], int]:
@@ -98,6 +105,7 @@ def test_two_cores_serve_at_once_and_metrics_count_each_cores_pairs(mixtral, tmp
         code = server.stop()
     assert code == 0, server.log()
     assert not any(pid_alive(pid) for pid in ranks.values())  # SIGTERM: a clean stop
+    assert expert_stores(server.proc.pid) == []
     got, usages = zip(*(tokens_and_usage(raw) for raw in raws))
     assert list(got) == expected
     series = re.findall(
@@ -134,3 +142,4 @@ def test_a_killed_rank_ends_the_server_naming_it(mixtral, tmp_path):
     while any(pid_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(pid_alive(pid) for pid in ranks.values())
+    assert expert_stores(server.proc.pid) == []  # removed although a rank never left

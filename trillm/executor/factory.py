@@ -6,6 +6,8 @@ none of its implementations."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -89,5 +91,14 @@ async def open_executors(
                 with trio.CancelScope(shield=True):
                     for executor in executors:
                         await executor.shutdown()
+                _remove_expert_store(configs[0])
     except BaseExceptionGroup as group:
         raise unwrap_group(group) from None
+
+
+def _remove_expert_store(config: TrillmConfig) -> None:
+    """-dp N -ep: the file every core's ranks met at, once they are all gone (their store
+    removes it when every rank leaves cleanly, not when one was killed)."""
+    if config.parallel.expert_store:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(config.parallel.expert_store)
