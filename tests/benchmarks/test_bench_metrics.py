@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from bench_stub import write_sharegpt
 
 from trillm.bench import datasets, metrics
 from trillm.bench.metrics import RequestResult, Slos
@@ -215,18 +216,6 @@ def test_prefix_repetition_shares_prefixes() -> None:
     prefixes = {tuple(r.prompt[:8]) for r in reqs}
     assert len(prefixes) == 3
     assert len({tuple(r.prompt[8:]) for r in reqs}) == 12
-
-
-def write_sharegpt(path: datasets.Path, pairs: list[tuple[str, str]]) -> None:
-    data = [
-        {
-            "id": str(i),
-            "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}],
-        }
-        for i, (q, a) in enumerate(pairs)
-    ]
-    data.append({"id": "lonely", "conversations": [{"from": "human", "value": "no reply here"}]})
-    path.write_text(json.dumps(data))
 
 
 def test_sharegpt_first_turn_and_filter(

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from bench_stub import write_sharegpt
 from server_harness import run_trillm
-from test_bench_metrics import write_sharegpt
 
 from trillm.bench.engine_args import (
     add_engine_args,

@@ -12,9 +12,9 @@ import io
 import httpx
 import numpy as np
 import pytest
+from bench_stub import load, run_bench
 from PIL import Image
 from server_harness import ServerProcess, metric_value
-from test_bench_serve import load, run_bench
 
 from trillm.bench import mm_dataset, serve_flags
 from trillm.bench.datasets import DatasetError

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_stub import MODEL, REPO, StubServer, bench_env, common_args, load, run_bench
 from server_harness import free_port
-from test_bench_serve import MODEL, REPO, StubServer, bench_env, common_args, load, run_bench
 
 TOKENIZER = str(REPO / "trillm" / "default_model")
 
