@@ -44,6 +44,7 @@ from trillm.kv_transfer.worker_side import take_transfer_seconds, worker_connect
 from trillm.lora.manager import LoRAManager
 from trillm.lora.request import LoRARequest
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
+from trillm.model_executor.layers.fused_moe import exchange_without_tokens
 from trillm.model_executor.layers.rotary import longrope_index
 from trillm.model_executor.loader import build_model
 from trillm.model_executor.registry import CausalLM, kv_cache_layout, ssm_state_layout
@@ -125,7 +126,6 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------ lifecycle
-
     def shutdown(self) -> None:
         """Leave the tensor-parallel group (the worker calls this on Shutdown)."""
         if self.config.parallel.joins_group:
@@ -209,7 +209,6 @@ class ModelRunner:
             self.drafter.initialize_kv_cache(num_blocks)
 
     # ------------------------------------------------------------ P2
-
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> None:
         start = time.perf_counter()
@@ -223,7 +222,9 @@ class ModelRunner:
         drafts = {r: d for r, d in sched.scheduled_spec_decode_tokens.items() if r not in skip}
         for req_id, tokens in drafts.items():
             self.batch.write_drafts(self.batch.slot_of(req_id), tokens)
-        if not req_ids:
+        if not req_ids:  # no forward; -dp N -ep: the other cores' ranks wait in its exchanges
+            if self.config.parallel.experts_span_cores and isinstance(self.model, torch.nn.Module):
+                exchange_without_tokens(self.model, self.dtype, self.device)  # with no tokens
             empty = torch.empty(0, self.config.model.vocab_size, device=self.device)
             inputs = self.batch.prepare(np.zeros(0, np.int64), np.zeros(0, np.int64))
             self._pending = PendingStep(
@@ -386,7 +387,6 @@ class ModelRunner:
         return inputs.positions if self.mm is None else self.mm.rope_positions(inputs)
 
     # ------------------------------------------------------------ P3
-
     @torch.inference_mode()
     def sample_tokens(self, bitmask: Bitmask | None) -> ModelRunnerOutput:
         pending = self._pending
