@@ -81,6 +81,9 @@ def test_logprob_entries_carry_no_text(servers):
         ({"prompt": IDS, "stop": ["x"]}, "stop"),
         ({"prompt": IDS, "extra_body": {"bad_words": ["x"]}}, "bad_words"),
         ({"prompt": IDS, "extra_body": {"structured_outputs": {"regex": "a+"}}}, None),
+        # the echoed prompt's text (vLLM: 400); with return_token_ids the ids come instead
+        ({"prompt": IDS, "echo": True}, "echo"),
+        ({"prompt": IDS, "echo": True, "stream": True}, "echo"),
     ],
 )
 def test_what_needs_the_tokenizer_is_refused_by_name(servers, request_kwargs, param):

@@ -90,8 +90,8 @@ def _check_unsupported(req: CompletionRequest) -> None:
 
 
 def _check_logprob_texts(state: ServerState, req: CompletionRequest) -> None:
-    """Logprobs name their tokens by text, which needs the tokenizer: under
-    --skip-tokenizer-init only as token ids (vLLM answers 400 too)."""
+    """Logprobs name their tokens by text, and echo gives the prompt's text, which needs the
+    tokenizer: under --skip-tokenizer-init only as token ids (vLLM answers 400 too)."""
     as_ids = req.return_tokens_as_token_ids
     as_ids = state.return_tokens_as_token_ids if as_ids is None else as_ids
     if req.logprobs is not None and state.preprocessor.tokenizer_skipped and not as_ids:
@@ -100,6 +100,14 @@ def _check_logprob_texts(state: ServerState, req: CompletionRequest) -> None:
             "did not load (--skip-tokenizer-init / skip_tokenizer_init): ask for the tokens "
             "as ids with 'return_tokens_as_token_ids': true.",
             "logprobs",
+        )
+    if req.echo and state.preprocessor.tokenizer_skipped and not req.return_token_ids:
+        # vLLM decodes the echoed prompt's text unless the ids are asked for instead.
+        raise BadRequestError(
+            "'echo' gives the prompt back as text, which needs the tokenizer this server did "
+            "not load (--skip-tokenizer-init / skip_tokenizer_init): ask for the prompt's ids "
+            "with 'return_token_ids': true.",
+            "echo",
         )
 
 
