@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from trillm.bench.metrics import RequestResult
 from trillm.bench.transport import H11Transport, HttpxTransport, TransportError
+
+if TYPE_CHECKING:
+    from trillm.bench.datasets import TokenizerLike
 
 ERROR_BODY_CHARS = 300
 
@@ -134,7 +137,7 @@ class _StreamState:
         self.texts.append(text)
 
 
-def _finish(state: _StreamState, tokenizer: Any) -> None:
+def _finish(state: _StreamState, tokenizer: TokenizerLike | None) -> None:
     r = state.result
     r.latency = (state.end or time.perf_counter()) - r.start_time
     r.generated_text = "".join(state.texts)
@@ -156,7 +159,7 @@ async def send_request(
     prompt: str | list[int] | list[dict[str, Any]],
     prompt_len: int,
     max_tokens: int,
-    tokenizer: Any = None,
+    tokenizer: TokenizerLike | None = None,
     index: int | None = None,
     model: str | None = None,
 ) -> RequestResult:
