@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# vLLM's CPU default for LLM (its server's: 2048). A longer prompt is prefilled in chunks of it;
+# on CPU the later chunks' attention runs at the fresh-prompt kernel's rate, so the chunk size
+# barely moves an 8,192-token prompt's cost at the 1B shape (process CPU 24.5-25.7 s at 1024-4096,
+# 27.8 s as one chunk: benchmarks/engine/results/prefill_breakdown_1b2l_8k_chunk_sizes.txt).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 
 
