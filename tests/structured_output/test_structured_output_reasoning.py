@@ -8,7 +8,7 @@ in the prompt: the first row also allows ``<think>``. The engine (scripted runne
 output is known, so where a constraint applied is visible; and the real tiny model). HTTP with
 ``--reasoning-parser qwen3``: ``reasoning_content`` holds the thinking, ``content`` parses as
 the schema, a named tool's arguments come after the reasoning; a tokenizer without the tags is
-refused at startup.
+refused at startup (qwen3 accepts it, refusing structured outputs per request).
 """
 
 from __future__ import annotations
@@ -155,8 +155,13 @@ def test_state_dropped_with_the_request(think_model):
 
 
 def test_tokenizer_without_the_tags_is_refused(tok):
-    with pytest.raises(ValueError, match=r"Reasoning parser 'qwen3'.*no <think> and </think>"):
-        StructuredOutputManager(GrammarCache(tok, 4096, [2, 0]), "qwen3")
+    with pytest.raises(ValueError, match=r"parser 'deepseek_r1'.*no <think> and </think>"):
+        StructuredOutputManager(GrammarCache(tok, 4096, [2, 0]), "deepseek_r1")
+    # qwen3 matches its tags in the text (vLLM 0.32): accepted, structured outputs refused
+    q3 = StructuredOutputManager(GrammarCache(tok, 4096, [2, 0]), "qwen3")
+    assert q3.tags_missing and q3.think_ids == (-1, -1)
+    with pytest.raises(ValueError, match=r"qwen3 reasoning parser need <think> and </think>"):
+        trio.run(q3.precompile, SO(choice=["yes"]))
     with pytest.raises(ValueError, match="Unknown reasoning parser 'nope'"):
         StructuredOutputManager(GrammarCache(tok, 4096, [2, 0]), "nope")
 
@@ -291,8 +296,7 @@ def test_llm_engine_argument_and_refusal(think_model, tiny_model_factory):
         ):
             pass
 
-    with pytest.raises(ValueError, match="Reasoning parser 'qwen3'"):
-        trio.run(start, tiny_model_factory("qwen3"))  # the shipped tokenizer: no <think>
+    trio.run(start, tiny_model_factory("qwen3"))  # the shipped tokenizer: no <think>, fine
     trio.run(start, think_model[0])
     # trillm.LLM passes it to the engine: the reasoning is not constrained, then "no" is.
     path, tok, start_id, end_id = think_model
@@ -388,8 +392,11 @@ def test_http_reasoning_content_then_schema_content(server):
 
 
 def test_http_server_refuses_a_tokenizer_without_the_tags(tmp_path):
+    """deepseek_r1 works on the tags' token ids (vLLM's fails each request without them);
+    qwen3 matches them in the text: tests/parsers/test_reasoning_without_tag_tokens.py."""
     srv = ServerProcess(
-        ["--reasoning-parser", "qwen3", "--kv-cache-memory", "16MiB"], tmp_path / "server.log"
+        ["--reasoning-parser", "deepseek_r1", "--kv-cache-memory", "16MiB"],
+        tmp_path / "server.log",
     )
-    with pytest.raises(RuntimeError, match="Reasoning parser 'qwen3' needs <think> and"):
+    with pytest.raises(RuntimeError, match="Reasoning parser 'deepseek_r1' needs <think> and"):
         srv.start(timeout=120)

@@ -250,12 +250,15 @@ class LLM(LLMControl):
             for p in params_list:
                 p.skip_special_tokens = False  # the parsers' markers are special tokens
         outputs = self.generate(prompts, params_list, use_tqdm, lora_request)
+        tags_are_tokens = reasoning_cls is None or reasoning_cls.tags_are_tokens_of(
+            self.get_tokenizer()
+        )
         for prompt, out in zip(rendered, outputs, strict=True):
             for c in out.outputs:
                 content: str | None = c.text
                 if reasoning_cls is not None:
                     parser = reasoning_cls(
-                        prompt["prompt"], chat_options.get("chat_template_kwargs")
+                        prompt["prompt"], chat_options.get("chat_template_kwargs"), tags_are_tokens
                     )
                     c.reasoning_content, content = parser.extract(c.text)
                 if tool_cls is not None:

@@ -35,10 +35,21 @@ class ReasoningParser:
     # Text that ends the reasoning as ``end_tag`` does but belongs to the content (Kimi K2's
     # tool-call section, which may follow reasoning without an end tag).
     content_tags: ClassVar[tuple[str, ...]] = ()
+    # Whether a tokenizer without the tags as single tokens is accepted (the tags then matched
+    # in the text only, as vLLM 0.32's parser engine does for qwen3; structured outputs, which
+    # wait for the end tag's id, are refused). Otherwise the engine start is refused.
+    text_tags: ClassVar[bool] = False
 
-    def __init__(self, prompt: str = "", chat_template_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        prompt: str = "",
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tags_are_tokens: bool = True,
+    ):
         self.prompt = prompt
         self.chat_template_kwargs = chat_template_kwargs or {}
+        # False: the tokenizer has no single tokens for the tags (``text_tags`` parsers only)
+        self.tags_are_tokens = tags_are_tokens
 
     def starts_in_reasoning(self) -> bool:
         """Whether an output that does not begin with ``<think>`` begins in reasoning."""
@@ -82,6 +93,12 @@ class ReasoningParser:
         return ReasoningStreamer(self)
 
     # ------------------------------------------------------------ engine side (token ids)
+
+    @classmethod
+    def tags_are_tokens_of(cls, tokenizer: Tokenizer) -> bool:
+        """Whether ``tokenizer`` has both tags as single tokens."""
+        vocab = tokenizer.get_vocab()
+        return cls.start_tag in vocab and cls.end_tag in vocab
 
     @classmethod
     def token_ids(cls, tokenizer: Tokenizer) -> tuple[int, int]:

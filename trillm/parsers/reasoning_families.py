@@ -46,14 +46,34 @@ if TYPE_CHECKING:
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
     untagged_prompt_state = UNDECIDED
+    text_tags = True
+
+    @property
+    def thinking(self) -> bool:
+        return bool(self.chat_template_kwargs.get("enable_thinking", True))
 
     def starts_in_reasoning(self) -> bool:
+        if not self.tags_are_tokens:
+            # vLLM 0.32 on a tokenizer without the tags (e.g. SmolLM2): the output starts in
+            # reasoning unless chat_template_kwargs' enable_thinking is false.
+            return self.thinking
         at = self.prompt.rfind(START)
         return at >= 0 and self.prompt.find(END, at) < 0
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        if not self.tags_are_tokens and not self.thinking:
+            return "", text  # (vLLM 0.32: no tag is read then, the whole output is content)
+        return super().split(text, final)
+
+    def streamer(self) -> ReasoningStreamer:
+        if not self.tags_are_tokens and not self.thinking:
+            return ContentStreamer(self)
+        return super().streamer()
 
 
 class Glm45ReasoningParser(Qwen3ReasoningParser):
     name = "glm45"
+    text_tags = False
 
 
 class Step3ReasoningParser(ReasoningParser):

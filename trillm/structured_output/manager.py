@@ -50,10 +50,18 @@ class StructuredOutputManager:
         self.cache = cache
         self.config = config or StructuredOutputsConfig()
         # The reasoning parser and its (<think>, </think>) ids: refused here, at engine start,
-        # when the tokenizer lacks them.
+        # when the tokenizer lacks them, but for a parser that matches its tags in the text
+        # (``text_tags``): then structured outputs are refused per request.
         self.reasoner = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        self.tags_missing = (
+            self.reasoner is not None
+            and self.reasoner.text_tags
+            and not self.reasoner.tags_are_tokens_of(cache.tokenizer)
+        )
         self.think_ids = (
-            self.reasoner.token_ids(cache.tokenizer) if self.reasoner is not None else (-1, -1)
+            self.reasoner.token_ids(cache.tokenizer)
+            if self.reasoner is not None and not self.tags_missing
+            else (-1, -1)
         )
         # req_id -> REASONING or UNDECIDED while its output is not past the reasoning
         self._thinking: dict[str, str] = {}
@@ -81,6 +89,14 @@ class StructuredOutputManager:
                 "implemented yet (its reasoning ends at a multi-token header the engine cannot "
                 "wait for).",
             )
+        if self.reasoner is not None and self.tags_missing:
+            raise StructuredOutputError(
+                "structured_outputs",
+                f"Structured outputs with the {self.reasoner.name} reasoning parser need "
+                f"{self.reasoner.start_tag} and {self.reasoner.end_tag} as single tokens of the "
+                "tokenizer (the engine waits for the end of the reasoning); this model's "
+                "tokenizer has no such tokens.",
+            )
         if self.cache.get(checked) is None:
             await self.cache.compile(checked)
 
@@ -94,7 +110,11 @@ class StructuredOutputManager:
         grammar is still compiling (or failed: ``poll`` reports it)."""
         spec: GrammarSpec = check_params(params, self.config)
         fut = self.cache.submit(spec)
-        if self.reasoner is not None and not self.config.enable_in_reasoning:
+        if (
+            self.reasoner is not None
+            and not self.tags_missing
+            and not self.config.enable_in_reasoning
+        ):
             state = self.reasoner.prompt_state(prompt_token_ids, self.think_ids)
             if state != ENDED:
                 self._thinking[req_id] = state

@@ -160,7 +160,24 @@ def reasoning_factory(
         return None
     cls = get_reasoning_parser(state.reasoning_parser)
     kwargs = req.chat_template_kwargs
-    return lambda: cls(prompt_text, kwargs)
+    tokens = _tags_are_tokens(cls, state.tokenizer)
+    return lambda: cls(prompt_text, kwargs, tokens)
+
+
+# (id of the tokenizer, parser name) -> (the tokenizer, whether it has the parser's tags)
+_TAGS_ARE_TOKENS: dict[tuple[int, str], tuple[Tokenizer, bool]] = {}
+
+
+def _tags_are_tokens(cls: type[ReasoningParser], tokenizer: Tokenizer) -> bool:
+    """Whether ``tokenizer`` has ``cls``'s tags as tokens (its vocabulary read once per
+    tokenizer, not per request)."""
+    key = (id(tokenizer), cls.name)
+    cached = _TAGS_ARE_TOKENS.get(key)
+    if cached is not None and cached[0] is tokenizer:
+        return cached[1]
+    found = cls.tags_are_tokens_of(tokenizer)
+    _TAGS_ARE_TOKENS[key] = (tokenizer, found)
+    return found
 
 
 class ChoiceParser:
