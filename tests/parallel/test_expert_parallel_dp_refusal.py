@@ -8,6 +8,7 @@ all-to-all until the collective timeout and the engine dies (one request harming
 
 from __future__ import annotations
 
+import pytest
 import trio
 from parallel_models import LIMITS
 from parallel_reference import greedy
@@ -53,3 +54,30 @@ def test_a_step_the_worker_refuses_whole_still_exchanges(tiny_model_factory):
     assert last_a.outputs[0].finish_reason == "length"
     assert len(last_a.outputs[0].token_ids) == 24
     assert len(last_c.outputs[0].token_ids) == 4
+
+
+def test_a_pooling_step_the_worker_refuses_whole_still_exchanges(tiny_model_factory):
+    """The pooling runner's twin: two prompts embedded at once, one per core; core 1's worker
+    refuses its prompt (``RefusingPoolingRunner``), core 0's is embedded, and the engine
+    embeds on."""
+    from trillm.engine.llm import LLM
+    from trillm.errors import RequestFailedError
+
+    path = tiny_model_factory("mixtral", num_hidden_layers=2, **ODD_EXPERTS["mixtral"])
+    poison = [5, 6, 7, 8, 9]
+    with LLM(
+        path,
+        convert="embed",
+        runner="trillm.testing.refusing_runner:RefusingPoolingRunner",
+        runner_kwargs={"refuse_prompt": poison},
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        distributed_timeout_seconds=20,
+        **LIMITS,
+    ) as llm:
+        with pytest.raises(RequestFailedError, match="ended without its vector"):
+            llm.embed(["one two", {"prompt_token_ids": poison}], use_tqdm=False)
+        assert llm.engine.router.routed == [1, 1]
+        again = llm.embed(["one two", "three four"], use_tqdm=False)
+        assert not llm.engine.is_dead
+    assert [len(o.outputs.embedding) for o in again] == [64, 64]

@@ -25,6 +25,7 @@ import torch
 from trillm.config import TrillmConfig
 from trillm.messages import ModelRunnerOutput, SchedulerOutput
 from trillm.model_executor.classification import class_probs
+from trillm.model_executor.layers.fused_moe import exchange_without_tokens
 from trillm.model_executor.pooling import finish_pooling
 from trillm.worker.model_runner import ModelRunner
 
@@ -90,6 +91,9 @@ class PoolingModelRunner(ModelRunner):
                 else:
                     vec = finish_pooling(self.pooler, acc.summed, acc.count, acc.first, acc.last)
                 pooled[req_ids[i]] = vec.cpu().numpy().astype(np.float32).tobytes()
+        elif self.config.parallel.experts_span_cores and isinstance(self.model, torch.nn.Module):
+            # -dp N -ep: counted as a forward, its MoE exchanges all the same (see ModelRunner)
+            exchange_without_tokens(self.model, self.dtype, self.device)
         self._step = _PoolingStep(sched.step_id, req_ids, pooled, failed, start)
 
     def _add_rows(self, req_id: str, rows: torch.Tensor) -> None:  # rows [n, H]
