@@ -184,3 +184,52 @@ def test_a_step_failing_on_one_core_fails_only_its_requests(tiny_model_factory, 
     assert last_a.outputs[0].finish_reason == "length"
     assert list(last_a.outputs[0].token_ids) == list(expected)
     assert len(last_c.outputs[0].token_ids) == 4
+
+
+def test_preemption_and_a_pause_on_the_cores_keep_them_in_step(tiny_model_factory):
+    """Four requests of mixed lengths over two cores whose caches hold two blocks each
+    (preempted requests recompute; finished ones leave their core with fewer or none) give
+    the single-rank engine's greedy tokens under the same cache; then a pause (mode "keep")
+    while a long request runs on each core, and the resume: the cores pause one after the
+    other between their steps (the first held one sends dummy forwards for the other
+    meanwhile) and the requests finish with their single-rank tokens."""
+    path = tiny_model_factory("mixtral", num_hidden_layers=2, **ODD_EXPERTS["mixtral"])
+    tiny_kv = {"max_model_len": 32, "num_gpu_blocks_override": 2}
+    params = [greedy(n) for n in (20, 5, 20, 12)]
+    prompts = (PROMPTS * 2)[:4]
+    with LLM(path, distributed_executor_backend="uni", **tiny_kv) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        expected = [list(o.outputs[0].token_ids) for o in outs]
+    layout = {"data_parallel_size": 2, "enable_expert_parallel": True}
+    with LLM(path, **layout, **tiny_kv) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got = [list(o.outputs[0].token_ids) for o in outs]
+        preemptions = [c.scheduler.get_stats().num_preemptions for c in llm.engine.cores]
+        paused = pause_and_resume(llm, [prompts[0], prompts[2]], params[0])
+    assert got == expected
+    assert sum(preemptions) > 0, preemptions
+    assert paused == [expected[0], expected[2]]
+
+
+def pause_and_resume(llm: LLM, prompts: list[str], params) -> list[list[int]]:
+    """``prompts`` streamed at once (one per core), paused (mode "keep") and resumed while
+    they run; -> their tokens. Runs on the engine's own Trio thread."""
+    engine = llm.engine
+
+    async def run() -> list[list[int]]:
+        got: list = [None] * len(prompts)
+
+        async def one(i: int) -> None:
+            async with engine.generate(prompts[i], params, f"p{i}") as stream:
+                got[i] = list([out async for out in stream][-1].outputs[0].token_ids)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+            await trio.sleep(0.2)
+            await engine.pause_generation(mode="keep")
+            await trio.sleep(0.2)
+            await engine.resume_generation()
+        return got
+
+    return llm._thread.call(run)
