@@ -152,6 +152,15 @@ SERVER_DEV_MODE = EnvVar(
     _vllm_true,
     False,
 )
+ENABLE_RESPONSES_API_STORE = EnvVar(
+    ("VLLM_ENABLE_RESPONSES_API_STORE",),
+    "1 / true: /v1/responses keeps each response asked with 'store' (the default) for GET "
+    "/v1/responses/{id} and 'previous_response_id' (vLLM's), at most 4096 responses and "
+    "256 MiB, the least recently used dropped first. Any other value: off, as in vLLM "
+    "('store' ignored).",
+    _vllm_true,
+    False,
+)
 CONFIGURE_LOGGING = EnvVar(
     ("TRILLM_CONFIGURE_LOGGING", "VLLM_CONFIGURE_LOGGING"),
     "0: trillm serve leaves the root logger to the embedding application.",
@@ -267,6 +276,7 @@ ALL: tuple[EnvVar[Any], ...] = (
     XGRAMMAR_CACHE_MB,
     ALLOW_RUNTIME_LORA_UPDATING,
     SERVER_DEV_MODE,
+    ENABLE_RESPONSES_API_STORE,
     CONFIGURE_LOGGING,
     LOGGING_LEVEL,
     LOGGING_CONFIG_PATH,

@@ -76,9 +76,6 @@ REFUSED: dict[str, Refused] = {
     "VLLM_SKIP_MODEL_NAME_VALIDATION": Refused(
         "a request's model must be one that is served (--served-model-name)", _vllm_on
     ),
-    "VLLM_ENABLE_RESPONSES_API_STORE": Refused(
-        "responses are not stored ('store' is refused on /v1/responses)", _vllm_on
-    ),
     "VLLM_BATCH_INVARIANT": Refused(
         "batch-invariant kernels are not implemented (an output's last bits may depend on "
         "its batch)",

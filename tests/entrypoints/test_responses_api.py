@@ -350,8 +350,6 @@ def test_text_format_json_schema_constrains_the_output(client):
 @pytest.mark.parametrize(
     "body,param",
     [
-        ({"store": True}, "store"),
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"background": True}, "background"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"top_logprobs": 2}, "top_logprobs"),
@@ -391,9 +389,19 @@ def test_refused_fields_are_named(client, body, param):
     assert info.value.body["param"] == param, info.value.body
 
 
-def test_nothing_is_stored(server):
-    r = httpx.get(server.base_url + "/responses/resp_1", timeout=30)
-    assert r.status_code == 404 and "not stored" in r.json()["error"]["message"]
+def test_without_the_store(server, client):
+    """Without VLLM_ENABLE_RESPONSES_API_STORE (vLLM's default): 'store' is ignored, nothing
+    is kept, and an earlier response is not found (tests/entrypoints/test_responses_store.py
+    has the store)."""
+    r = respond(client, max_output_tokens=4, store=True)
+    assert r.store is False
+    for method, path in (("GET", r.id), ("POST", r.id + "/cancel")):
+        got = httpx.request(method, server.base_url + "/responses/" + path, timeout=30)
+        assert got.status_code == 404, got.text
+        assert got.json()["error"]["message"] == f"Response with id '{r.id}' not found."
+    with pytest.raises(openai.NotFoundError) as err:
+        respond(client, previous_response_id=r.id)
+    assert err.value.body["param"] == "response_id"
 
 
 def test_openapi_lists_responses_and_the_deployment_routes():

@@ -43,6 +43,8 @@ PROTECTED = [
     ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
     ("GET", "/load", None),
     ("GET", "/openapi.json", None),
+    ("GET", "/v1/responses/resp_1", None),
+    ("POST", "/v1/responses/resp_1/cancel", None),
     ("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"}),
     ("POST", "/v1/unload_lora_adapter", {"lora_name": "a"}),
     ("POST", "/reset_prefix_cache", None),

@@ -293,6 +293,7 @@ _R_FORMAT = RESP + "test_text_format_json_schema_constrains_the_output"
 _R_REASONING = RESP + "test_reasoning_effort_gives_a_reasoning_item"
 _R_REFUSED = RESP + "test_refused_fields_are_named"
 _R_EXT = RESP + "test_vllm_extensions_request_id_cache_salt_priority_timeout"
+_R_STORE = "tests/entrypoints/test_responses_store.py::"
 _RESPONSES = {
     "ResponsesRequest.input": ids(
         _R_TEXT, RESP + "test_function_call_history_is_the_chat_tool_history"
@@ -314,7 +315,15 @@ _RESPONSES = {
     "ResponsesRequest.thinking_token_budget": ids(
         RESP + "test_thinking_token_budget_ends_the_reasoning_item"
     ),
-    "ResponsesRequest.store": ids(_R_REFUSED),
+    "ResponsesRequest.store": ids(
+        RESP + "test_without_the_store",
+        _R_STORE + "test_a_stored_response_is_returned_by_get",
+        _R_STORE + "test_store_false_is_not_kept",
+    ),
+    "ResponsesRequest.previous_response_id": ids(
+        _R_STORE + "test_previous_response_id_continues_the_conversation",
+        RESP + "test_without_the_store",
+    ),
     "ResponsesRequest.truncation": ids(_R_REFUSED),
     "ResponsesRequest.service_tier": ids(_R_REFUSED),
     "ResponsesRequest.request_id": ids(_R_EXT),

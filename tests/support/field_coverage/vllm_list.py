@@ -62,6 +62,10 @@ ENV_EFFECTS: dict[str, tuple[str, ...]] = {
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": (
         "tests/entrypoints/test_lora_http.py::test_runtime_updating_env_is_the_flag",
     ),
+    "VLLM_ENABLE_RESPONSES_API_STORE": (
+        "tests/entrypoints/test_responses_store.py::test_a_stored_response_is_returned_by_get",
+        "tests/entrypoints/test_responses_api.py::test_without_the_store",
+    ),
     "VLLM_SERVER_DEV_MODE": (
         "tests/entrypoints/test_dev_routes.py::test_without_dev_mode_the_routes_do_not_exist",
     ),

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from trillm import envs
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
 from trillm.entrypoints.openai.endpoints import lora
 from trillm.entrypoints.openai.endpoints.base import ServerState, max_prompt_chars
@@ -33,6 +34,7 @@ from trillm.entrypoints.openai.endpoints.budgets import (
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     default_max_logprob_entries,
 )
+from trillm.entrypoints.openai.endpoints.responses_store import ResponseStore
 from trillm.entrypoints.openai.engine_supervisor import supervise_engine
 from trillm.entrypoints.openai.http.app import build_app
 from trillm.entrypoints.openai.http.auth import ApiKeys
@@ -255,6 +257,7 @@ async def open_server_state(
         or default_max_logprob_entries(engine.model_config.max_model_len, opts.max_logprobs),
         max_sequences_per_request=opts.max_sequences_per_request,
         max_engine_seqs_per_request=_fair_share(engine),
+        responses_store=ResponseStore() if envs.ENABLE_RESPONSES_API_STORE.get() else None,
     )
     max_prompt_chars(state)  # the tokenizer's bound, once, before any request
     state.loras = await lora.open_registry(

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from trillm.engine.async_engine import AsyncEngine
     from trillm.engine.preprocess import Preprocessor
     from trillm.entrypoints.openai.endpoints.lora import LoRARegistry
+    from trillm.entrypoints.openai.endpoints.responses_store import ResponseStore
     from trillm.tokenizer_protocol import Tokenizer
 
 
@@ -78,6 +79,8 @@ class ServerState:
     max_engine_seqs_per_request: int | None = None
     # --otlp-traces-endpoint: each request's spans (metrics/tracing.py); None: not traced.
     tracing: RequestTracing | None = None
+    # VLLM_ENABLE_RESPONSES_API_STORE=1: the stored responses (responses_store.py); None: off.
+    responses_store: ResponseStore | None = None
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -3,7 +3,8 @@
 - ``/invocations`` (POST): SageMaker's one inference route: a body with ``messages`` is a chat
   completion, one with ``prompt`` a completion (vLLM's rule), anything else a 400;
 - ``/v1/responses`` (POST): OpenAI's Responses API (``serving_responses.py``); GET
-  ``/v1/responses/{id}`` is a 404 that says why (nothing is stored);
+  ``/v1/responses/{id}`` and POST ``/v1/responses/{id}/cancel``: the store's
+  (``responses_store.py``, with VLLM_ENABLE_RESPONSES_API_STORE=1; else each is vLLM's 404);
 - ``/v1/messages`` and ``/v1/messages/count_tokens`` (POST): Anthropic's Messages API
   (``anthropic_messages.py``);
 - ``/load`` (GET): ``{"server_load": N}``, the generation requests in flight, a stream until
@@ -34,8 +35,9 @@ from trillm.entrypoints.openai.endpoints.chat_batch import (
 from trillm.entrypoints.openai.endpoints.completion import create_completion
 from trillm.entrypoints.openai.endpoints.orca import add_load_report
 from trillm.entrypoints.openai.endpoints.responses import create_response
+from trillm.entrypoints.openai.endpoints.responses_store import cannot_cancel, not_found
 from trillm.entrypoints.openai.http.bodies import json_body, json_response, result_response
-from trillm.entrypoints.openai.http.errors import BadRequestError, NotFoundError
+from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.entrypoints.openai.http.exchange_cleanups import at_exchange_end
 from trillm.entrypoints.openai.schemas.anthropic import parse_count_tokens, parse_messages
 from trillm.entrypoints.openai.schemas.protocol import ChatCompletionRequest, CompletionRequest
@@ -234,11 +236,20 @@ def install(app: Any, dispatcher: Dispatcher) -> None:
 
     @app.get("/v1/responses/<response_id>")
     async def get_response(response_id: str) -> Any:
-        raise NotFoundError(
-            f"No response {response_id!r}: responses are not stored on this server ('store' "
-            "must be false), so none can be retrieved.",
-            "response_id",
-        )
+        store = dispatcher.state.responses_store
+        if request.args.get("stream", "false").lower() not in ("false", "0", ""):
+            raise BadRequestError(
+                "'stream' replays a background response's events; background responses are "
+                "not implemented, so a stored response is returned whole (stream=false).",
+                "stream",
+            )
+        if store is None:
+            raise not_found(response_id)  # (VLLM_ENABLE_RESPONSES_API_STORE is off)
+        return json_response(store.get(response_id).response)
+
+    @app.post("/v1/responses/<response_id>/cancel")
+    async def cancel_response(response_id: str) -> Any:
+        raise cannot_cancel(dispatcher.state.responses_store, response_id)
 
     @app.post("/v1/messages")
     async def messages() -> Any:

@@ -6,13 +6,15 @@ A Responses request is turned into the chat request it means (``input`` items in
 chat pipeline (``endpoints/chat.start_chat``: the same rendering, checks, tool and reasoning
 parsing), and its output told as Responses output items: ``reasoning`` (with
 --reasoning-parser), ``message`` (``output_text``) and ``function_call``. Streaming events are
-written by ``responses_stream.py``. Responses are not stored (``store`` is refused when true).
+written by ``responses_stream.py``. With VLLM_ENABLE_RESPONSES_API_STORE=1 finished responses
+are kept for GET /v1/responses/{id} and ``previous_response_id`` (``responses_store.py``).
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import attrs
@@ -22,6 +24,7 @@ from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.chat import start_chat
 from trillm.entrypoints.openai.endpoints.generation import guard_stream
 from trillm.entrypoints.openai.endpoints.responses_output import ResponseBuilder
+from trillm.entrypoints.openai.endpoints.responses_store import history, not_found
 from trillm.entrypoints.openai.endpoints.responses_stream import ResponseStream
 from trillm.entrypoints.openai.http.errors import APIError, BadRequestError
 from trillm.entrypoints.openai.schemas.protocol import (
@@ -54,15 +57,27 @@ CONVERT_OFF_LOOP_ITEMS = 2_000
 async def create_response(
     state: ServerState, req: ResponsesRequest
 ) -> dict[str, Any] | AsyncIterator[bytes]:
-    if _input_size(req.input) < CONVERT_OFF_LOOP_ITEMS:
-        chat = to_chat_request(req)
+    store = state.responses_store
+    earlier = None
+    if req.previous_response_id is not None:  # vLLM's 404 when not stored (or no store)
+        if store is None:
+            raise not_found(req.previous_response_id)
+        earlier = history(store.get(req.previous_response_id))
+    if _input_size(req.input) + len(earlier or ()) < CONVERT_OFF_LOOP_ITEMS:
+        chat = to_chat_request(req, earlier)
     else:
-        chat = await trio.to_thread.run_sync(to_chat_request, req)
+        chat = await trio.to_thread.run_sync(to_chat_request, req, earlier)
     try:
         answer, gen = await start_chat(state, chat)
     except APIError as exc:
         raise rename_param(exc) from None
-    built = ResponseBuilder(state, req, answer.request_id)
+    # Kept once finished with VLLM_ENABLE_RESPONSES_API_STORE=1 and 'store' (the default);
+    # without the variable 'store' is ignored, as in vLLM.
+    keep = None
+    if store is not None and req.store:
+        messages = chat.messages
+        keep = partial(store.keep, messages=messages)
+    built = ResponseBuilder(state, req, answer.request_id, keep)
     if req.stream:
         return guard_stream(gen, ResponseStream(built, answer).events(gen))
     body = await answer.full(gen)
@@ -83,8 +98,14 @@ def _input_size(items: str | list[dict[str, Any]]) -> int:
     return size
 
 
-def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+def to_chat_request(
+    req: ResponsesRequest, earlier: list[ChatMessage] | None = None
+) -> ChatCompletionRequest:
+    """The chat request ``req`` means; ``earlier``: the conversation it continues
+    (``previous_response_id``), before its input."""
     messages = to_messages(req.input)
+    if earlier:
+        messages = [*earlier, *messages]
     if req.instructions is not None:
         messages.insert(0, ChatMessage(role="system", content=req.instructions))
     fmt = req.text.format if req.text is not None else None

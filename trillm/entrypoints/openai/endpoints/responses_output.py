@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from trillm.entrypoints.openai.endpoints.base import ServerState
@@ -15,11 +16,24 @@ from trillm.entrypoints.openai.schemas.responses import ResponsesRequest
 class ResponseBuilder:
     """The Response object: its fixed fields (the request's, echoed) and its output items."""
 
-    def __init__(self, state: ServerState, req: ResponsesRequest, response_id: str) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        req: ResponsesRequest,
+        response_id: str,
+        on_finished: Callable[[dict[str, Any]], object] | None = None,
+    ) -> None:
         self.state = state
         self.req = req
         self.id = response_id
         self.created_at = int(time.time())
+        # Given the finished body (completed or incomplete): the store's keep, when stored.
+        self.on_finished = on_finished
+
+    def finished(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.on_finished is not None:
+            self.on_finished(body)
+        return body
 
     def body(
         self,
@@ -47,13 +61,13 @@ class ResponseBuilder:
             "model": self.state.model_name,
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": None,
+            "previous_response_id": req.previous_response_id,
             "reasoning": {
                 "effort": req.reasoning.effort if req.reasoning else None,
                 "summary": None,
             },
             "service_tier": "default",
-            "store": False,
+            "store": self.on_finished is not None,
             "temperature": req.temperature,
             "text": {"format": _format_json(fmt)},
             "tool_choice": _tool_choice_json(req),
@@ -110,7 +124,7 @@ class ResponseBuilder:
                 )
             )
         usage = self.usage(chat["usage"], reasoning, cached_tokens)
-        return self.body("completed", output, usage, choice["finish_reason"])
+        return self.finished(self.body("completed", output, usage, choice["finish_reason"]))
 
 
 def new_id(prefix: str) -> str:

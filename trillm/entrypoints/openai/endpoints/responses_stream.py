@@ -100,7 +100,9 @@ class ResponseStream:
             self._close(parts)
             tracker = ctx.tracker
             usage = self.built.usage(tracker.usage(), self.reasoning, tracker.cached_total())
-            body = self.built.body("completed", self.output, usage, finish_reason)
+            body = self.built.finished(
+                self.built.body("completed", self.output, usage, finish_reason)
+            )
             kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
             parts.append(self.event(kind, response=body))
             yield b"".join(parts)

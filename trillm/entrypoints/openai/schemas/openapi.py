@@ -197,11 +197,24 @@ def build_spec() -> dict[str, Any]:
         "/v1/responses": _responses_op(),
         "/v1/responses/{response_id}": {
             "get": {
-                "summary": "Always 404: responses are not stored ('store' must be false)",
+                "summary": "A stored response (VLLM_ENABLE_RESPONSES_API_STORE=1; else 404)",
                 "parameters": [
                     {"name": "response_id", "in": "path", "required": True, "schema": STR}
                 ],
-                "responses": _errors(404),
+                "responses": {
+                    "200": {"description": "The stored Response", "content": _json("Response")},
+                    **_errors(400, 401, 404),
+                },
+            }
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": {
+                "summary": "Cancel a background response: none run here, so a stored response "
+                "is a 400 (vLLM's 'Cannot cancel a synchronous response.'), another a 404",
+                "parameters": [
+                    {"name": "response_id", "in": "path", "required": True, "schema": STR}
+                ],
+                "responses": _errors(400, 401, 404),
             }
         },
         "/v1/messages": _anthropic_op(

@@ -86,8 +86,10 @@ class ResponsesRequest:
     reasoning: ResponsesReasoning | None = None
     metadata: dict[str, str] | None = _f(None, max_len=MAX_METADATA_PAIRS)
     user: str | None = None
-    # Only false (or absent): responses are not kept, so nothing can be retrieved later.
-    store: bool | None = None
+    # Kept for GET /v1/responses/{id} and previous_response_id with
+    # VLLM_ENABLE_RESPONSES_API_STORE=1 (responses_store.py); else ignored, as in vLLM.
+    store: bool | None = True
+    previous_response_id: str | None = _f(None, max_chars=MAX_REQUEST_ID_CHARS)
     truncation: str | None = None  # "disabled"; "auto" is refused
     service_tier: str | None = None  # "auto" / "default" only: one tier here
     # vLLM extensions (as on chat completions)
@@ -101,10 +103,9 @@ class ResponsesRequest:
 
 # Fields of OpenAI's Responses API this server does not implement, and why (the 400's text).
 REFUSED_FIELDS = {
-    "previous_response_id": "responses are not stored (store is false), so none can be "
-    "continued; send the whole conversation in 'input'",
     "conversation": "conversations are not stored; send the whole conversation in 'input'",
-    "background": "background responses need a response store, which this server does not keep",
+    "background": "background responses are not implemented; a response is answered when it "
+    "ends (with VLLM_ENABLE_RESPONSES_API_STORE=1 it is then kept for GET /v1/responses/{id})",
     "include": "none of the optional output data (logprobs, encrypted reasoning, tool "
     "results) is produced",
     "top_logprobs": "logprobs are not returned on /v1/responses; use /v1/chat/completions",
@@ -139,12 +140,6 @@ def check_fields(body: dict[str, Any]) -> None:
 
 def check_values(req: ResponsesRequest) -> None:
     """400 for values of known fields this server cannot honour, naming the field."""
-    if req.store:
-        raise BadRequestError(
-            "'store' must be false or absent: responses are not kept on this server, so "
-            "GET /v1/responses/{id} and 'previous_response_id' are not available.",
-            "store",
-        )
     if req.truncation not in (None, "disabled"):
         raise BadRequestError(
             f"'truncation' {req.truncation!r} is not supported (an input longer than the context is "
