@@ -105,6 +105,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_attention_tile.h",
                 "ext/cpu_prefill_attention_dp.h",
                 "ext/cpu_attention_paged_dp.h",
+                "ext/cpu_bf16_pair_pack.h",
                 "ext/cpu_attention_decode.h",
                 "ext/cpu_bf16_tiles.h",
                 "ext/cpu_gemm_q_vnni.h",

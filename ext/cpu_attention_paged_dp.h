@@ -19,6 +19,8 @@
 // uncapped layers with head_dim a multiple of 16 up to 256; the rest keeps the tile kernel.
 #pragma once
 
+#include "cpu_bf16_pair_pack.h"
+
 #define TRILLM_PDP_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")))
 
 constexpr int kPdpKeys = 64;          // keys per tile
@@ -32,51 +34,10 @@ inline bool paged_dp_layout(int num_heads, int num_kv_heads, int head_dim) {
          num_heads / num_kv_heads <= kPdpMaxVectors;
 }
 
-// 16 rows of 16 u32 -> their transpose, in place (c[j] lane t = r[t] lane j).
-TRILLM_PDP_TARGET inline __attribute__((always_inline)) void pdp_transpose16(__m512i* r) {
-  __m512i a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // b[4i + k], 128-bit lane L: rows 4i .. 4i+3 of column 4L + k
-    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    const __m512i x = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88);  // lanes 0, 2 of each
-    const __m512i y = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xDD);  // lanes 1, 3
-    const __m512i z = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
-    const __m512i w = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xDD);
-    r[k] = _mm512_shuffle_i32x4(x, z, 0x88);       // column k (lane 0)
-    r[4 + k] = _mm512_shuffle_i32x4(y, w, 0x88);   // column 4 + k (lane 1)
-    r[8 + k] = _mm512_shuffle_i32x4(x, z, 0xDD);   // column 8 + k (lane 2)
-    r[12 + k] = _mm512_shuffle_i32x4(y, w, 0xDD);  // column 12 + k (lane 3)
-  }
-}
-
-// Keys (row pointers, n <= 64, D bf16 each) -> [D/2][64][2] (zero past n): 16 keys x 16 pairs
-// at a time by 16 x 16 transposes, the pairs past the last whole 16 one by one.
+// Keys (row pointers, n <= 64, D bf16 each) -> [D/2][64][2] (zero past n).
 TRILLM_PDP_TARGET inline void pdp_pack_keys(const Bf16* const* rows, int n, int D,
                                             uint32_t* packed) {
-  const int pairs = D / 2;
-  const int whole = pairs & ~15;
-  for (int t0 = 0; t0 < kPdpKeys; t0 += 16) {
-    for (int j0 = 0; j0 < whole; j0 += 16) {
-      __m512i r[16];
-      for (int t = 0; t < 16; ++t)
-        r[t] = t0 + t < n ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(rows[t0 + t]) + j0)
-                          : _mm512_setzero_si512();
-      pdp_transpose16(r);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(packed + (j0 + j) * kPdpKeys + t0, r[j]);
-    }
-  }
-  for (int t = 0; t < kPdpKeys; ++t) {
-    const uint32_t* row = t < n ? reinterpret_cast<const uint32_t*>(rows[t]) : nullptr;
-    for (int j = whole; j < pairs; ++j) packed[j * kPdpKeys + t] = row ? row[j] : 0;
-  }
+  pack_key_pairs_64([rows](int t) { return rows[t]; }, n, D, packed);
 }
 
 // Values (row pointers, n <= 64) -> [32][D][2]: pair j holds rows 2j and 2j + 1 interleaved per

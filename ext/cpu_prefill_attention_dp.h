@@ -12,22 +12,17 @@
 // treats bf16 subnormal inputs as zero.
 #pragma once
 
+#include "cpu_bf16_pair_pack.h"
+
 #define TRILLM_DP_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")))
 
 namespace {
 
-// Keys 0 .. n-1 (n <= 64; rows of `k`, stride ld, D bf16 each) -> [D/2][64][2] (zero past n).
+// Keys 0 .. n-1 (n <= 64; rows of `k`, stride ld, D bf16 each) -> [D/2][64][2] (zero past n),
+// by 16 x 16 transposes (ext/cpu_bf16_pair_pack.h).
 TRILLM_DP_TARGET inline void pack_key_pairs(const Bf16* k, int64_t ld, int n, int D,
                                             uint32_t* packed) {
-  const int pairs = D / 2;
-  for (int t = 0; t < kKeyTile; ++t) {
-    if (t < n) {
-      const uint32_t* row = reinterpret_cast<const uint32_t*>(k + t * ld);
-      for (int j = 0; j < pairs; ++j) packed[j * kKeyTile + t] = row[j];
-    } else {
-      for (int j = 0; j < pairs; ++j) packed[j * kKeyTile + t] = 0;
-    }
-  }
+  pack_key_pairs_64([k, ld](int t) { return k + t * ld; }, n, D, packed);
 }
 
 // Values 0 .. n-1 (n <= 64) -> [32][D][2]: pair j holds rows 2j and 2j+1 interleaved per dim
