@@ -233,3 +233,26 @@ def pause_and_resume(llm: LLM, prompts: list[str], params) -> list[list[int]]:
         return got
 
     return llm._thread.call(run)
+
+
+def test_an_engine_stopped_mid_step_leaves_no_rank_in_an_exchange(tiny_model_factory):
+    """The engine closed while both cores stream (a core's task may end with its step sent
+    and the other's not): each core's ending task still sends the dummy forwards the other's
+    last step needs, so every rank leaves its group with exit code 0 rather than dying in an
+    exchange whose peer has stopped."""
+    from trillm.engine.engine_startup import open_engine
+
+    path = tiny_model_factory("mixtral", num_hidden_layers=2, **ODD_EXPERTS["mixtral"])
+
+    async def main():
+        layout = {"data_parallel_size": 2, "enable_expert_parallel": True}
+        async with open_engine(path, **layout, **LIMITS) as engine:
+            async with engine.generate("one two", greedy(40), "A") as a:
+                await a.__anext__()
+                async with engine.generate("three four", greedy(40), "B") as b:
+                    await b.__anext__()
+                    await trio.sleep(0.05)
+        return [p.returncode for ex in engine.executors for p in ex.processes]
+
+    for _ in range(3):  # where the cores' tasks are when they end varies
+        assert trio.run(main) == [0, 0]

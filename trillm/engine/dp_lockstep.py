@@ -17,6 +17,7 @@ paused, its step's requests aborted or refused) is never what the others wait on
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 DUMMY_FORWARD = "expert_dummy_forward"  # trillm/worker/worker_rpc.py
+SETTLE_S = 10.0  # the longest a stopping core waits for the others' last forwards
 
 
 class ForwardCounter:
@@ -37,13 +39,20 @@ class ForwardCounter:
     def __init__(self, num_cores: int) -> None:
         self.sent = [0] * num_cores
         self.dummies = [0] * num_cores  # of them, the dummy ones (tests, logs)
+        self.settling = 0  # cores whose task has ended (``CoreLockstep.settle``)
         self._moved = trio.Event()
 
     def note_sent(self, index: int) -> None:
         """Core ``index`` handed one forward to its workers."""
         self.sent[index] += 1
+        self.notify()
+
+    def notify(self) -> None:
         self._moved.set()
         self._moved = trio.Event()
+
+    async def wait_moved(self) -> None:
+        await self._moved.wait()
 
     def behind(self, index: int) -> int:
         """How many forwards core ``index`` owes the others (0 or 1: see the module)."""
@@ -51,7 +60,7 @@ class ForwardCounter:
 
     async def wait_behind(self, index: int) -> None:
         while not self.behind(index):
-            await self._moved.wait()
+            await self.wait_moved()
 
 
 class CoreLockstep:
@@ -71,6 +80,24 @@ class CoreLockstep:
             counter.note_sent(self.index)
             counter.dummies[self.index] += 1
             await executor.collective_rpc(DUMMY_FORWARD, [], {})
+
+    async def settle(self, executor: Executor) -> None:
+        """The core's task has ended (the engine stops, or failed): until every core's has,
+        it still sends the dummy forwards the others' last steps need, so that no rank is
+        left waiting in an exchange when the workers are told to stop (it would die there,
+        with a collective error, instead of leaving its group). At most ``SETTLE_S``; errors
+        (a dead worker) end it."""
+        counter = self.counter
+        counter.settling += 1
+        counter.notify()
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + SETTLE_S
+            with contextlib.suppress(Exception):
+                while True:
+                    await self.catch_up(executor)
+                    if counter.settling == len(counter.sent):
+                        return  # no core sends a step any more: the counts are final
+                    await counter.wait_moved()
 
     async def receive(self, executor: Executor, inputs: trio.MemoryReceiveChannel[T]) -> T:
         """The core's next input, running the dummy forwards the others need meanwhile."""

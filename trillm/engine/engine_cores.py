@@ -197,6 +197,10 @@ class EngineCores:
         except Exception as exc:
             on_failure(exc)  # before the nursery cancels the handler: its readers get this
             raise
+        finally:
+            core = self.cores[index]
+            if core.lockstep is not None:  # -dp N -ep: the others' last forwards still met
+                await core.lockstep.settle(core.executor)
 
     # ------------------------------------------------------------------ construction
     def _make_core(self, executor: Executor, index: int) -> EngineCore:
