@@ -129,6 +129,25 @@ def test_sampling_fields_reach_the_engine(client):
     assert r.metadata == {"team": "a"} and r.user == "u-1"
 
 
+def test_vllm_sampling_extras_as_on_chat(client):
+    """vLLM's sampling extras of /v1/responses (top_k, min_p, the penalties, seed) reach the
+    engine as the same fields of a chat completion do: the same sampled text."""
+    extras = {
+        "top_k": 8,
+        "min_p": 0.05,
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.3,
+        "seed": 1234,
+    }
+    r = respond(client, temperature=1.0, extra_body=extras)
+    c = chat(client, [{"role": "user", "content": ASK}], temperature=1.0, extra_body=extras)
+    assert r.output_text == c.choices[0].message.content and r.output_text
+    other = respond(client, temperature=1.0, extra_body={**extras, "repetition_penalty": 2.0})
+    plain = respond(client, temperature=1.0, extra_body={"seed": 1234})
+    assert len({r.output_text, other.output_text, plain.output_text}) > 1
+
+
 def test_stream_events_in_order_and_deltas_make_the_text(client):
     full = respond(client)
     stream = events(client)

@@ -108,6 +108,40 @@ def test_previous_response_id_continues_the_conversation(client):
     assert err.value.body["param"] == "response_id"
 
 
+def test_enable_response_messages_gives_the_raw_prompt_and_output(client):
+    """vLLM's extension: the prompt and the output as text and token ids (kept when stored)."""
+    made = client.responses.create(
+        model=None,  # type: ignore[arg-type]
+        input="Hello?",
+        max_output_tokens=5,
+        extra_body={"enable_response_messages": True},
+    )
+    extra = made.model_extra or {}
+    (prompt,) = extra["input_messages"]
+    assert prompt["type"] == "raw_message_tokens" and "Hello?" in prompt["message"]
+    assert made.usage and len(prompt["tokens"]) == made.usage.input_tokens
+    (output,) = extra["output_messages"]
+    assert output["type"] == "raw_message_tokens" and isinstance(output["message"], str)
+    assert len(output["tokens"]) == made.usage.output_tokens
+    assert (client.responses.retrieve(made.id).model_extra or {})["input_messages"] == [prompt]
+    assert "input_messages" not in (
+        client.responses.create(
+            model=None,  # type: ignore[arg-type]
+            input="Hello?",
+            max_output_tokens=2,
+        ).model_extra
+        or {}
+    )
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(
+            model=None,  # type: ignore[arg-type]
+            input="Hello?",
+            stream=True,
+            extra_body={"enable_response_messages": True},
+        )
+    assert err.value.body["param"] == "enable_response_messages"
+
+
 def test_cancel_and_the_api_key(server, client):
     made = client.responses.create(model=None, input="hi", max_output_tokens=4)  # type: ignore[arg-type]
     auth = {"Authorization": f"Bearer {KEY}"}

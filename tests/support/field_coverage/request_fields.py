@@ -320,6 +320,20 @@ _RESPONSES = {
         _R_STORE + "test_a_stored_response_is_returned_by_get",
         _R_STORE + "test_store_false_is_not_kept",
     ),
+    **{
+        f"ResponsesRequest.{name}": ids(RESP + "test_vllm_sampling_extras_as_on_chat")
+        for name in (
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "seed",
+        )
+    },
+    "ResponsesRequest.enable_response_messages": ids(
+        _R_STORE + "test_enable_response_messages_gives_the_raw_prompt_and_output"
+    ),
     "ResponsesRequest.previous_response_id": ids(
         _R_STORE + "test_previous_response_id_continues_the_conversation",
         RESP + "test_without_the_store",

@@ -81,7 +81,39 @@ async def create_response(
     if req.stream:
         return guard_stream(gen, ResponseStream(built, answer).events(gen))
     body = await answer.full(gen)
-    return built.from_chat(body, answer.tracker.cached_total())
+    cached = answer.tracker.cached_total()
+    if req.enable_response_messages:
+        return _with_raw_messages(state, built, body, cached, answer.params.skip_special_tokens)
+    return built.from_chat(body, cached)
+
+
+def _with_raw_messages(
+    state: ServerState,
+    built: ResponseBuilder,
+    chat: dict[str, Any],
+    cached: int,
+    skip_special: bool,
+) -> dict[str, Any]:
+    """vLLM's ``enable_response_messages``: the prompt and the output, each as its text and
+    token ids (``raw_message_tokens``; the ids are the truth where the two differ)."""
+    keep, built.on_finished = built.on_finished, None  # stored below, with the messages
+    response = built.from_chat(chat, cached)
+    prompt_ids = chat["prompt_token_ids"]
+    out_ids = chat["choices"][0]["token_ids"] or []
+    response["input_messages"] = [_raw(state.tokenizer.decode(prompt_ids), prompt_ids)]
+    response["output_messages"] = (
+        [_raw(state.tokenizer.decode(out_ids, skip_special_tokens=skip_special), out_ids)]
+        if out_ids
+        else []
+    )
+    if keep is not None:
+        response["store"] = True
+        keep(response)
+    return response
+
+
+def _raw(text: str, ids: list[int]) -> dict[str, Any]:
+    return {"type": "raw_message_tokens", "message": text, "tokens": list(ids)}
 
 
 # ---------------------------------------------------------------- request -> chat request
@@ -140,6 +172,13 @@ def to_chat_request(
         timeout=req.timeout,
         vllm_xargs=req.vllm_xargs,
         thinking_token_budget=req.thinking_token_budget,
+        return_token_ids=req.enable_response_messages,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        seed=req.seed,
     )
 
 

@@ -20,6 +20,7 @@ from trillm.entrypoints.openai.schemas.protocol import (
     _f,
 )
 from trillm.entrypoints.openai.schemas.structuring import structure_body
+from trillm.sampling_params import INT64_MAX, INT64_MIN
 
 MAX_INPUT_ITEMS = 100_000
 # OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
@@ -90,9 +91,18 @@ class ResponsesRequest:
     # VLLM_ENABLE_RESPONSES_API_STORE=1 (responses_store.py); else ignored, as in vLLM.
     store: bool | None = True
     previous_response_id: str | None = _f(None, max_chars=MAX_REQUEST_ID_CHARS)
+    # vLLM's: the prompt and the output as raw text and token ids ('input_messages',
+    # 'output_messages'); not with stream (vLLM gives them with the whole response only).
+    enable_response_messages: bool = False
     truncation: str | None = None  # "disabled"; "auto" is refused
     service_tier: str | None = None  # "auto" / "default" only: one tier here
     # vLLM extensions (as on chat completions)
+    top_k: int | None = _f(None, ge=-1)
+    min_p: float | None = _f(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = _f(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = _f(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = _f(None, gt=0.0)
+    seed: int | None = _f(None, ge=INT64_MIN, le=INT64_MAX)
     request_id: str | None = _f(None, max_chars=MAX_REQUEST_ID_CHARS)
     priority: int = 0
     cache_salt: str | None = None
@@ -140,6 +150,12 @@ def check_fields(body: dict[str, Any]) -> None:
 
 def check_values(req: ResponsesRequest) -> None:
     """400 for values of known fields this server cannot honour, naming the field."""
+    if req.enable_response_messages and req.stream:
+        raise BadRequestError(
+            "'enable_response_messages' is not supported with 'stream': the raw messages come "
+            "with the whole response (stream=false).",
+            "enable_response_messages",
+        )
     if req.truncation not in (None, "disabled"):
         raise BadRequestError(
             f"'truncation' {req.truncation!r} is not supported (an input longer than the context is "
