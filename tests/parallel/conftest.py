@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from parallel_models import biased_models
 from rank_servers import ranks_from_one_zygote
+from ray_marks import import_ray
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,15 @@ def ray():
     the process's environment (``RAY_CLIENT_MODE`` on import; ``RAY_USAGE_STATS_ENABLED``,
     ``RAY_AUTH_MODE``, ``PYTHONBREAKPOINT`` on ``ray.init``); they stay (removing them between
     the Ray modules made the next module's cluster lose its first actor), and the server
-    harness forks servers with them all the same (tests/support/server_harness.py)."""
-    import ray as ray_module
+    harness forks servers with them all the same (tests/support/server_harness.py). Ray's own
+    unclosed log files and processes, collected later, fail no test (``import_ray``)."""
+    return import_ray()
 
-    return ray_module
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray):
+    """One local Ray cluster for the module (started here, joined by every engine: each places
+    its own group and actors and removes them), so that the cluster's start is paid once."""
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -3,9 +3,8 @@ Ray actors give one in-process rank's greedy tokens and log-probs; a killed acto
 engine with an error naming its rank; no actor outlives the engine; without Ray the backend
 is refused at load naming the extra.
 
-One local Ray cluster serves the whole module (started here, joined by every engine: each
-engine places its own group and actors and removes them), so that the cluster's start is
-paid once. Skipped where Ray is not installed (``pip install 'trillm[ray]'``: ~240 MB, not in
+One local Ray cluster serves the whole module (``ray_cluster``, tests/parallel/conftest.py).
+Skipped where Ray is not installed (``pip install 'trillm[ray]'``: ~240 MB, not in
 the test extra).
 """
 
@@ -39,13 +38,6 @@ LOGPROB_TOL = 1e-4
 @pytest.fixture(scope="module")
 def llama(tiny_model_factory) -> str:
     return tiny_model_factory("llama", **SHARDED_LLAMA)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(ray):
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _tokens_and_logprobs(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:

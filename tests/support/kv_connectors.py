@@ -31,9 +31,11 @@ PAIR_PROMPTS = [list(range(7 + i, 7 + i + n)) for i, n in enumerate((70, 33, 20)
 
 def kv_engine(path: str, tp: int = 1, pp: int = 1, **kwargs) -> LLM:
     """An in-process engine (``trillm.LLM``) with a small KV cache: executor "uni" on one rank,
-    "mp" over ``tp`` x ``pp`` ranks (tensor x pipeline parallel)."""
+    "mp" over ``tp`` x ``pp`` ranks (tensor x pipeline parallel), unless ``kwargs`` names
+    ``distributed_executor_backend``."""
     from trillm import LLM  # NOTE: here: the HTTP tests' process never imports the engine
 
+    kwargs.setdefault("distributed_executor_backend", "uni" if tp * pp == 1 else "mp")
     return LLM(
         path,
         max_model_len=256,
@@ -41,7 +43,6 @@ def kv_engine(path: str, tp: int = 1, pp: int = 1, **kwargs) -> LLM:
         block_size=BLOCK,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
-        distributed_executor_backend="uni" if tp * pp == 1 else "mp",
         **kwargs,
     )
 
