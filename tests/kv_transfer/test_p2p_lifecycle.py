@@ -88,6 +88,42 @@ def test_a_closed_listener_drops_a_silent_peer_and_joins_its_threads():
     assert not _connector_threads() - before
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_closed_receiver_ends_a_stalled_fetch_at_once(world_size):
+    """The prefill instance answers a 500 MB length and sends nothing more (a payload
+    deadline of 11 s): ``close`` (the engine's shutdown) ends the fetch at once, and no fetch
+    thread is left."""
+    before = _connector_threads()
+    answered, asked = threading.Event(), []
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def stall() -> None:
+            conn, _ = server.accept()
+            with conn:
+                asked.append(conn.recv(100))
+                conn.sendall((500_000_000).to_bytes(8, "little"))
+                answered.set()
+                conn.recv(1)  # until the fetch's side closes
+
+        peer = threading.Thread(target=stall, daemon=True)
+        peer.start()
+        port = server.getsockname()[1]
+        receiver = Receiver(10**9, world_size=world_size)
+        try:
+            assert receiver.want("r", f"127.0.0.1:{port}/{KEY}")
+            assert answered.wait(5)
+            time.sleep(0.2)  # in the payload's read
+        finally:
+            start = time.monotonic()
+            receiver.close()
+            took = time.monotonic() - start
+        peer.join(5)
+    assert took < 1.0
+    assert asked == [f"GET {KEY}\n".encode()]
+    assert receiver.finished() == [] and receiver.take("r") is None
+    assert not {t for t in _connector_threads() - before if t.is_alive()}
+
+
 def test_failed_transfers_are_one_warning_per_interval(caplog):
     """Five requests naming a listed prefill instance that is gone: five failures, counted,
     one warning line (the others at debug level); past the interval, a line again."""

@@ -139,11 +139,11 @@ def test_tp2_decode_fetches_each_ranks_share_and_a_lost_or_damaged_one_is_recomp
         # rank 1's share of the other prompts is lost on the way: computed on every rank
         fetch, asked = p2p_wire.fetch, []
 
-        def lose_rank_1(host: str, port: int, key: str, max_bytes: int) -> bytes | None:
+        def lose_rank_1(host: str, port: int, key: str, max_bytes: int, *fetches) -> bytes | None:
             asked.append(port - tp2_prefill)
             if port == tp2_prefill + 1:
                 raise ConnectionError("dropped")
-            return fetch(host, port, key, max_bytes)
+            return fetch(host, port, key, max_bytes, *fetches)
 
         monkeypatch.setattr(p2p_wire, "fetch", lose_rank_1)
         lost = _generate(consumer, _prompts(300), _ids(tp2_prefill, 1, "b"))
@@ -151,8 +151,8 @@ def test_tp2_decode_fetches_each_ranks_share_and_a_lost_or_damaged_one_is_recomp
 
         # rank 1's share of the last prompts comes damaged: rank 1's worker finds it so
         # (the digest) after the engine core took it, and every rank computes those prompts
-        def damage_rank_1(host: str, port: int, key: str, max_bytes: int) -> bytes | None:
-            blob = fetch(host, port, key, max_bytes)
+        def damage_rank_1(host: str, port: int, key: str, max_bytes: int, *fetches) -> bytes | None:
+            blob = fetch(host, port, key, max_bytes, *fetches)
             if port == tp2_prefill + 1 and blob is not None:
                 blob = blob[:-1] + bytes([blob[-1] ^ 1])
             return blob

@@ -153,4 +153,7 @@ async def open_engine(
                 finally:
                     nursery.cancel_scope.cancel()
         finally:
-            engine.engine_cores.close()  # NOTE: its tasks ended: a KV connector's ports and threads
+            # NOTE: its tasks ended: a KV connector's ports and threads, off the loop (bounded,
+            # yet it joins threads) and shielded (this may run cancelled)
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(engine.engine_cores.close)

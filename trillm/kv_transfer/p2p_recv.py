@@ -45,6 +45,9 @@ MAX_FETCHES = 4  # transfers at once; more wait for a thread (their requests kee
 # requests are computed at once), so a silent instance costs each request one deadline at most
 SILENT_PAUSE_S = 10.0
 PUSH_WAIT_S = 3.0  # how long a request waits for a push that has not come
+# a closing receiver waits this long for its fetch threads (one still connecting takes up
+# to p2p_wire.FIRST_BYTE_TIMEOUT_S; the others end at once)
+CLOSE_JOIN_S = p2p_wire.FIRST_BYTE_TIMEOUT_S + 1.0
 
 # (a share's bytes, its rank) -> why this instance's rank cannot load it; None: it can
 ShareCheck = Callable[[bytes, int], "str | None"]
@@ -74,6 +77,7 @@ class Receiver:
         self._finished: list[str] = []  # since the last ``finished``
         self._silent_until: dict[str, float] = {}  # address -> when it may be asked again
         self._pool = ThreadPoolExecutor(MAX_FETCHES, thread_name_prefix="trillm-kv-p2p-fetch")
+        self._fetches = p2p_wire.Fetches()  # the running fetches' connections
         if pushes is not None:
             pushes.on_arrival = self._pushed
 
@@ -187,12 +191,17 @@ class Receiver:
         self.take(req_id)
 
     def close(self) -> None:
-        """The engine stops: transfers not started are dropped, those running end within
-        their deadlines, and the fetch threads with them."""
+        """The engine stops: transfers not started are dropped, those running fail at once
+        (their connections shut down; one still connecting within its connect timeout), and
+        the fetch threads end with them: joined within ``CLOSE_JOIN_S`` in all."""
         with self._lock:
             self._pending.clear()
             self._awaited.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._fetches.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        until = time.monotonic() + CLOSE_JOIN_S
+        for thread in list(self._pool._threads):
+            thread.join(max(0.0, until - time.monotonic()))
 
     def _fetch(self, req_id: str, key: str) -> None:
         address, prefix = key.split("/", 1)
@@ -203,9 +212,8 @@ class Receiver:
         blobs: list[bytes] = []
         try:
             for rank in range(self.world_size):  # NOTE: rank r's share on port + r (vLLM's)
-                blob = p2p_wire.fetch(
-                    host, int(port) + rank, prefix, self.capacity - sum(map(len, blobs))
-                )
+                left = self.capacity - sum(map(len, blobs))
+                blob = p2p_wire.fetch(host, int(port) + rank, prefix, left, self._fetches)
                 if blob is None:
                     at = address if rank == 0 else f"{host}:{int(port) + rank} (rank {rank})"
                     raise RuntimeError(f"the prefill instance at {at} does not hold this prompt")

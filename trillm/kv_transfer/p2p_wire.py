@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -181,12 +182,50 @@ def is_key(key: str) -> bool:
     return len(key) == KEY_CHARS and all(c in "0123456789abcdef" for c in key)
 
 
-def fetch(host: str, port: int, key: str, max_bytes: int) -> bytes | None:
+class Fetches:
+    """The connections of the fetches running now: ``close`` shuts them down, so that each
+    fails at once rather than at its deadline (a fetch's payload may take many seconds), and
+    a fetch begun after it fails before it connects."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def connect(self, host: str, port: int) -> Iterator[socket.socket]:
+        self._check()
+        with socket.create_connection((host, port), timeout=FIRST_BYTE_TIMEOUT_S) as conn:
+            with self._lock:
+                self._open.add(conn)
+            try:
+                self._check()  # NOTE: closed while it connected
+                yield conn
+            finally:
+                with self._lock:
+                    self._open.discard(conn)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ConnectionAbortedError("the engine stops")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self._open)
+        for conn in conns:
+            with contextlib.suppress(OSError):  # wakes its read: it fails at once
+                conn.shutdown(socket.SHUT_RDWR)
+
+
+def fetch(
+    host: str, port: int, key: str, max_bytes: int, fetches: Fetches | None = None
+) -> bytes | None:
     """The bytes the server at ``host:port`` holds for ``key``; None when it holds none.
-    OSError (refused, dropped, past its deadline: ``payload_deadline_s``) or ValueError (an
-    answer over ``max_bytes``): the caller recomputes."""
+    OSError (refused, dropped, past its deadline: ``payload_deadline_s``, or ``fetches``
+    closed) or ValueError (an answer over ``max_bytes``): the caller recomputes."""
     deadline = time.monotonic() + FIRST_BYTE_TIMEOUT_S
-    with socket.create_connection((host, port), timeout=FIRST_BYTE_TIMEOUT_S) as conn:
+    with (fetches or Fetches()).connect(host, port) as conn:
         conn.sendall(b"GET " + key.encode("ascii") + b"\n")
         size = int.from_bytes(read_exactly(conn, _LENGTH_BYTES, deadline), "little")
         if size == 0:
