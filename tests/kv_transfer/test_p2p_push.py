@@ -149,6 +149,40 @@ def test_a_sender_not_listed_is_not_read():
         server.close()
 
 
+class _WatchedPool(PushPool):
+    """Notes, at each change of ``refused``, whether the pool's lock was held."""
+
+    held: list[bool]
+
+    @property
+    def refused(self) -> int:
+        return self._refused
+
+    @refused.setter
+    def refused(self, value: int) -> None:
+        lock = self.__dict__.get("_lock")
+        if lock is not None:
+            self.__dict__.setdefault("held", []).append(lock.locked())
+        self._refused = value
+
+
+def test_refused_pushes_are_counted_under_the_pools_lock():
+    """The listeners of every rank count refusals on their own threads: each count is taken
+    under the pool's lock (a sender not listed; a listed one over its share)."""
+    unlisted = _WatchedPool(3000, frozenset({"10.0.0.9"}))
+    listed = _WatchedPool(3000, frozenset({"127.0.0.1"}))
+    servers = [PushServer(unlisted, "127.0.0.1", 0), PushServer(listed, "127.0.0.1", 0)]
+    try:
+        with pytest.raises(OSError):
+            push("127.0.0.1", servers[0].address[1], KEY, b"a" * 100)
+        assert not push("127.0.0.1", servers[1].address[1], KEY, b"a" * 3001)
+    finally:
+        for server in servers:
+            server.close()
+    assert unlisted.refused == listed.refused == 1
+    assert unlisted.held == listed.held == [True]
+
+
 def test_put_async_sends_from_its_thread_and_drops_past_its_queue():
     pool = PushPool(100_000, frozenset({"127.0.0.1"}))
     server = PushServer(pool, "127.0.0.1", 0)

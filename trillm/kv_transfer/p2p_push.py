@@ -172,6 +172,11 @@ class PushPool:
         self.on_arrival(key, rank)
         return True
 
+    def refuse(self) -> None:
+        """Counts a push refused (the listeners' threads, each rank's, at once)."""
+        with self._lock:
+            self.refused += 1
+
     def held_bytes(self, sender: str) -> int:
         with self._lock:
             return self._bytes_of.get(sender, 0)
@@ -213,7 +218,7 @@ class PushServer(p2p_wire.Listener):
 
     def _admit(self, conn: socket.socket, peer: str) -> bool:
         if peer not in self.pool.senders:
-            self.pool.refused += 1
+            self.pool.refuse()
             return False  # NOTE: not a listed prefill instance: not read at all
         return True
 
@@ -228,7 +233,7 @@ class PushServer(p2p_wire.Listener):
                 size = int.from_bytes(head[-_LENGTH_BYTES:], "little")
                 ok = head.startswith(b"PUT ") and p2p_wire.is_key(key)
                 if not ok or not self.pool.offer(peer, key, size):
-                    self.pool.refused += 1
+                    self.pool.refuse()
                     conn.sendall(b"\x00")
                     return
                 blob = p2p_wire.read_exactly(
