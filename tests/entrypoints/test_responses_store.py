@@ -1,11 +1,14 @@
 """The Responses API's store (``VLLM_ENABLE_RESPONSES_API_STORE=1``, vLLM's): a response made
 with ``store`` (the default) is returned by ``GET /v1/responses/{id}``, streamed or not; a
 later request's ``previous_response_id`` continues its conversation as vLLM builds it; cancel
-is vLLM's 400 for a finished response; every route needs the API key; the store is bounded
+is vLLM's 400 for a finished response; ``background`` runs after the answer and cancel stops
+it; every route needs the API key; the store is bounded
 (entries and bytes, least recently used dropped first). Without the variable:
 tests/entrypoints/test_responses_api.py::test_without_the_store."""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import openai
@@ -140,6 +143,59 @@ def test_enable_response_messages_gives_the_raw_prompt_and_output(client):
             extra_body={"enable_response_messages": True},
         )
     assert err.value.body["param"] == "enable_response_messages"
+
+
+def _wait_until_done(client, rid: str):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        got = client.responses.retrieve(rid)
+        if got.status not in ("queued", "in_progress"):
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"background response {rid} still {got.status}")
+
+
+def test_background_runs_after_the_answer(client):
+    queued = client.responses.create(
+        model=None,  # type: ignore[arg-type]
+        input="hi",
+        max_output_tokens=6,
+        background=True,
+    )
+    assert queued.status == "queued" and queued.background is True and not queued.output
+    done = _wait_until_done(client, queued.id)
+    assert done.status in ("completed", "incomplete") and done.output
+    assert done.usage and done.usage.output_tokens > 0 and done.background is True
+    with pytest.raises(openai.BadRequestError) as err:  # finished: vLLM's 400
+        client.responses.cancel(queued.id)
+    assert err.value.body["message"] == "Cannot cancel a synchronous response."
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(
+            model=None,  # type: ignore[arg-type]
+            input="hi",
+            background=True,
+            stream=True,
+        )
+    assert err.value.body["param"] == "background"
+
+
+def test_cancel_stops_a_background_response(client):
+    for _ in range(3):  # (a try whose output ended before the cancel came is run again)
+        queued = client.responses.create(
+            model=None,  # type: ignore[arg-type]
+            input="Tell me a long story.",
+            max_output_tokens=480,
+            background=True,
+        )
+        try:
+            cancelled = client.responses.cancel(queued.id)
+        except openai.BadRequestError:
+            continue
+        assert cancelled.status == "cancelled"
+        time.sleep(0.5)
+        assert client.responses.retrieve(queued.id).status == "cancelled"
+        return
+    raise AssertionError("every background response ended before its cancel")
 
 
 def test_cancel_and_the_api_key(server, client):

@@ -331,6 +331,11 @@ _RESPONSES = {
             "seed",
         )
     },
+    "ResponsesRequest.background": ids(
+        _R_STORE + "test_background_runs_after_the_answer",
+        _R_STORE + "test_cancel_stops_a_background_response",
+        _R_REFUSED,
+    ),
     "ResponsesRequest.enable_response_messages": ids(
         _R_STORE + "test_enable_response_messages_gives_the_raw_prompt_and_output"
     ),

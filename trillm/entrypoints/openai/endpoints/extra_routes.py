@@ -35,7 +35,8 @@ from trillm.entrypoints.openai.endpoints.chat_batch import (
 from trillm.entrypoints.openai.endpoints.completion import create_completion
 from trillm.entrypoints.openai.endpoints.orca import add_load_report
 from trillm.entrypoints.openai.endpoints.responses import create_response
-from trillm.entrypoints.openai.endpoints.responses_store import cannot_cancel, not_found
+from trillm.entrypoints.openai.endpoints.responses_background import cancel
+from trillm.entrypoints.openai.endpoints.responses_store import not_found
 from trillm.entrypoints.openai.http.bodies import json_body, json_response, result_response
 from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.entrypoints.openai.http.exchange_cleanups import at_exchange_end
@@ -249,7 +250,7 @@ def install(app: Any, dispatcher: Dispatcher) -> None:
 
     @app.post("/v1/responses/<response_id>/cancel")
     async def cancel_response(response_id: str) -> Any:
-        raise cannot_cancel(dispatcher.state.responses_store, response_id)
+        return json_response(cancel(dispatcher.state.responses_store, response_id))
 
     @app.post("/v1/messages")
     async def messages() -> Any:

@@ -13,7 +13,7 @@ are kept for GET /v1/responses/{id} and ``previous_response_id`` (``responses_st
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -23,6 +23,11 @@ import trio
 from trillm.entrypoints.openai.endpoints.base import ServerState
 from trillm.entrypoints.openai.endpoints.chat import start_chat
 from trillm.entrypoints.openai.endpoints.generation import guard_stream
+from trillm.entrypoints.openai.endpoints.responses_background import (
+    check_background,
+    finished_unless_cancelled,
+    start_background,
+)
 from trillm.entrypoints.openai.endpoints.responses_output import ResponseBuilder
 from trillm.entrypoints.openai.endpoints.responses_store import history, not_found
 from trillm.entrypoints.openai.endpoints.responses_stream import ResponseStream
@@ -58,6 +63,8 @@ async def create_response(
     state: ServerState, req: ResponsesRequest
 ) -> dict[str, Any] | AsyncIterator[bytes]:
     store = state.responses_store
+    if req.background:
+        check_background(store, req.stream)
     earlier = None
     if req.previous_response_id is not None:  # vLLM's 404 when not stored (or no store)
         if store is None:
@@ -73,18 +80,27 @@ async def create_response(
         raise rename_param(exc) from None
     # Kept once finished with VLLM_ENABLE_RESPONSES_API_STORE=1 and 'store' (the default);
     # without the variable 'store' is ignored, as in vLLM.
-    keep = None
-    if store is not None and req.store:
-        messages = chat.messages
-        keep = partial(store.keep, messages=messages)
+    keep: Callable[..., object] | None = None
+    if store is not None and req.background:  # (vLLM keeps these whatever 'store' says)
+        keep = finished_unless_cancelled(store, chat.messages)
+    elif store is not None and req.store:
+        keep = partial(store.keep, messages=chat.messages)
     built = ResponseBuilder(state, req, answer.request_id, keep)
     if req.stream:
         return guard_stream(gen, ResponseStream(built, answer).events(gen))
-    body = await answer.full(gen)
-    cached = answer.tracker.cached_total()
-    if req.enable_response_messages:
-        return _with_raw_messages(state, built, body, cached, answer.params.skip_special_tokens)
-    return built.from_chat(body, cached)
+
+    async def whole() -> dict[str, Any]:
+        body = await answer.full(gen)
+        cached = answer.tracker.cached_total()
+        if req.enable_response_messages:
+            skip = answer.params.skip_special_tokens
+            return _with_raw_messages(state, built, body, cached, skip)
+        return built.from_chat(body, cached)
+
+    if store is not None and req.background:
+        queued = built.body("queued", [], None)
+        return start_background(state, store, queued, chat.messages, whole)
+    return await whole()
 
 
 def _with_raw_messages(

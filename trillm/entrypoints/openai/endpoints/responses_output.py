@@ -86,7 +86,7 @@ class ResponseBuilder:
             "usage": usage,
             "user": req.user,
             "metadata": req.metadata or {},
-            "background": False,
+            "background": bool(req.background),
         }
 
     def usage(

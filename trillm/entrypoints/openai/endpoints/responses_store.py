@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import orjson
 
-from trillm.entrypoints.openai.http.errors import BadRequestError, NotFoundError
+from trillm.entrypoints.openai.http.errors import NotFoundError
 from trillm.entrypoints.openai.schemas.protocol import ChatMessage
 
 MAX_ENTRIES = 4096
@@ -79,15 +79,6 @@ class ResponseStore:
 def not_found(response_id: str) -> NotFoundError:
     shown = response_id if len(response_id) <= 256 else response_id[:256] + "..."
     return NotFoundError(f"Response with id '{shown}' not found.", "response_id")
-
-
-def cannot_cancel(store: ResponseStore | None, response_id: str) -> BadRequestError:
-    """POST /v1/responses/{id}/cancel: 404 for a response not stored; a stored one finished
-    (no background responses run here), which vLLM answers with this 400."""
-    if store is None:
-        raise not_found(response_id)
-    store.get(response_id)
-    return BadRequestError("Cannot cancel a synchronous response.", "response_id")
 
 
 def history(stored: Stored) -> list[ChatMessage]:

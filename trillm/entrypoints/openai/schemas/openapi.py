@@ -209,12 +209,15 @@ def build_spec() -> dict[str, Any]:
         },
         "/v1/responses/{response_id}/cancel": {
             "post": {
-                "summary": "Cancel a background response: none run here, so a stored response "
-                "is a 400 (vLLM's 'Cannot cancel a synchronous response.'), another a 404",
+                "summary": "Cancel a running background response (a finished one: vLLM's 400 "
+                "'Cannot cancel a synchronous response.')",
                 "parameters": [
                     {"name": "response_id", "in": "path", "required": True, "schema": STR}
                 ],
-                "responses": _errors(400, 401, 404),
+                "responses": {
+                    "200": {"description": "The response, cancelled", "content": _json("Response")},
+                    **_errors(400, 401, 404),
+                },
             }
         },
         "/v1/messages": _anthropic_op(

@@ -94,6 +94,8 @@ class ResponsesRequest:
     # vLLM's: the prompt and the output as raw text and token ids ('input_messages',
     # 'output_messages'); not with stream (vLLM gives them with the whole response only).
     enable_response_messages: bool = False
+    # Run after the answer, read with GET /v1/responses/{id} (responses_background.py).
+    background: bool | None = False
     truncation: str | None = None  # "disabled"; "auto" is refused
     service_tier: str | None = None  # "auto" / "default" only: one tier here
     # vLLM extensions (as on chat completions)
@@ -114,8 +116,6 @@ class ResponsesRequest:
 # Fields of OpenAI's Responses API this server does not implement, and why (the 400's text).
 REFUSED_FIELDS = {
     "conversation": "conversations are not stored; send the whole conversation in 'input'",
-    "background": "background responses are not implemented; a response is answered when it "
-    "ends (with VLLM_ENABLE_RESPONSES_API_STORE=1 it is then kept for GET /v1/responses/{id})",
     "include": "none of the optional output data (logprobs, encrypted reasoning, tool "
     "results) is produced",
     "top_logprobs": "logprobs are not returned on /v1/responses; use /v1/chat/completions",
