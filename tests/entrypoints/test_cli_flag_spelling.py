@@ -39,3 +39,12 @@ def test_values_keep_their_underscores_and_unknown_flags_are_refused(capsys):
     with pytest.raises(SystemExit):
         _serve("--no_such_flag", "1")
     assert "--no-such-flag" in capsys.readouterr().err
+
+
+def test_nothing_after_a_double_dash_is_rewritten():
+    """After ``--`` every token is positional, as written: not a flag name to dash, nor a
+    dotted flag to fold (its value not taken either)."""
+    argv = ["serve", "--max_model_len", "5", "--hf_overrides.a_b", "--", "--my_model.v_2"]
+    args = parse_command_line(build_parser(), argv)
+    assert args.model_tag == "--my_model.v_2"
+    assert args.max_model_len == 5 and args.hf_overrides == {"a_b": True}

@@ -43,10 +43,13 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def dash_flag_names(argv: list[str]) -> list[str]:
     """vLLM's spelling of flag names: ``--max_model_len`` is ``--max-model-len``. In each
     ``--`` token the name, up to its first dot (a dotted flag's keys stay as written) and
-    before any ``=VALUE``, has its underscores as dashes."""
+    before any ``=VALUE``, has its underscores as dashes; none after a ``--`` terminator
+    (what follows it is positional, as written)."""
     out = []
-    for token in argv:
-        if token.startswith("--") and len(token) > 2:
+    for at, token in enumerate(argv):
+        if token == "--":
+            return [*out, *argv[at:]]
+        if token.startswith("--"):
             name, eq, value = token.partition("=")
             head, dot, keys = name.partition(".")
             token = head.replace("_", "-") + dot + keys + eq + value
@@ -55,7 +58,10 @@ def dash_flag_names(argv: list[str]) -> list[str]:
 
 
 def expand_dotted_flags(argv: list[str]) -> list[str]:
-    """``argv`` with every ``--flag.key[.key] VALUE`` folded into one ``--flag JSON``."""
+    """``argv`` with every ``--flag.key[.key] VALUE`` before any ``--`` terminator folded into
+    one ``--flag JSON`` (placed before the terminator)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    argv, positional = argv[:end], argv[end:]
     dotted: dict[str, dict[str, Any]] = {}
     rest: list[str] = []
     i = 0
@@ -78,7 +84,7 @@ def expand_dotted_flags(argv: list[str]) -> list[str]:
         i += 1
     for base, values in dotted.items():
         rest = _fold(rest, base, values)
-    return rest
+    return [*rest, *positional]
 
 
 def _fold(argv: list[str], base: str, keys: dict[str, Any]) -> list[str]:
