@@ -45,7 +45,7 @@ def dash_flag_names(argv: list[str]) -> list[str]:
     ``--`` token the name, up to its first dot (a dotted flag's keys stay as written) and
     before any ``=VALUE``, has its underscores as dashes; none after a ``--`` terminator
     (what follows it is positional, as written)."""
-    out = []
+    out: list[str] = []
     for at, token in enumerate(argv):
         if token == "--":
             return [*out, *argv[at:]]
