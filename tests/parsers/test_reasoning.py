@@ -206,3 +206,30 @@ def test_constrained_tool_output_is_split_after_its_reasoning():
         c["function"].get("arguments") or "" for d in deltas for c in d.get("tool_calls", [])
     )
     assert args == '{"a": 1}'
+
+
+def test_the_tags_cache_lets_its_tokenizers_go(monkeypatch):
+    """Whether a tokenizer has a parser's tags is read once per tokenizer, and the cache does
+    not keep the tokenizer alive (an in-process server's goes with it)."""
+    import gc
+    import weakref
+
+    from trillm.engine.tokenizer_loader import load_tokenizer
+    from trillm.entrypoints.openai.endpoints.chat_parsing import _tags_are_tokens
+    from trillm.testing.tiny_models import DEFAULT_MODEL_DIR
+
+    cls = get_reasoning_parser("deepseek_r1")
+    tokenizer = load_tokenizer(str(DEFAULT_MODEL_DIR))
+    vocab = tokenizer.get_vocab()
+    has_tags = "<think>" in vocab and "</think>" in vocab
+    reads = []
+    get_vocab = type(tokenizer).get_vocab
+    monkeypatch.setattr(
+        type(tokenizer), "get_vocab", lambda self: reads.append(1) or get_vocab(self)
+    )
+    assert _tags_are_tokens(cls, tokenizer) is _tags_are_tokens(cls, tokenizer) is has_tags
+    assert len(reads) == 1
+    gone = weakref.ref(tokenizer)
+    del tokenizer
+    gc.collect()
+    assert gone() is None

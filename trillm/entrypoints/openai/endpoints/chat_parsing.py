@@ -10,6 +10,7 @@ constrain the output with a JSON schema (structured outputs), so the calls are v
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -164,20 +165,21 @@ def reasoning_factory(
     return lambda: cls(prompt_text, kwargs, tokens)
 
 
-# (id of the tokenizer, parser name) -> (the tokenizer, whether it has the parser's tags)
-_TAGS_ARE_TOKENS: dict[tuple[int, str], tuple[Tokenizer, bool]] = {}
+# tokenizer -> {parser name: whether it has the parser's tags}; held weakly, so a tokenizer
+# (an in-process server's) goes with whatever held it
+_TAGS_ARE_TOKENS: weakref.WeakKeyDictionary[Any, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
 def _tags_are_tokens(cls: type[ReasoningParser], tokenizer: Tokenizer) -> bool:
     """Whether ``tokenizer`` has ``cls``'s tags as tokens (its vocabulary read once per
     tokenizer, not per request)."""
-    key = (id(tokenizer), cls.name)
-    cached = _TAGS_ARE_TOKENS.get(key)
-    if cached is not None and cached[0] is tokenizer:
-        return cached[1]
-    found = cls.tags_are_tokens_of(tokenizer)
-    _TAGS_ARE_TOKENS[key] = (tokenizer, found)
-    return found
+    try:
+        known = _TAGS_ARE_TOKENS.setdefault(tokenizer, {})
+    except TypeError:  # NOTE: not weakly referable (or not hashable): read each time
+        return cls.tags_are_tokens_of(tokenizer)
+    if cls.name not in known:
+        known[cls.name] = cls.tags_are_tokens_of(tokenizer)
+    return known[cls.name]
 
 
 class ChoiceParser:
