@@ -16,36 +16,18 @@ not supported is refused by name before any worker starts.
 
 from __future__ import annotations
 
+import os
 import re
+import time
 
 import pytest
 import torch
-from parallel_models import LIMITS, MAX_TOKENS, PROMPTS
-from parallel_reference import greedy
+from expert_parallel_models import LOGPROB_TOL, ODD_EXPERTS, tokens_and_logprobs
+from parallel_models import LIMITS, PROMPTS
 
+from trillm.distributed import parallel_state
 from trillm.engine.llm import LLM
 from trillm.testing.tiny_deepseek import build_tiny_deepseek
-
-LOGPROB_TOL = 1e-4
-# Odd routed-expert intermediate sizes (see the docstring); Qwen2-MoE's shared expert and
-# dense layer stay tensor-parallel, split in halves.
-ODD_EXPERTS = {
-    "mixtral": {"intermediate_size": 37},
-    "qwen2_moe": {"moe_intermediate_size": 33},
-    "qwen3_moe": {"moe_intermediate_size": 29},
-}
-
-
-def tokens_and_logprobs(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
-    params = greedy(MAX_TOKENS)
-    params.logprobs = 0
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    result = []
-    for out in outs:
-        comp = out.outputs[0]
-        logprobs = [lp[t].logprob for lp, t in zip(comp.logprobs, comp.token_ids)]
-        result.append((list(comp.token_ids), logprobs))
-    return result
 
 
 def assert_ep_matches_one_rank(path: str, prompt_sets: list[list[str]], **parallel) -> None:
@@ -382,3 +364,40 @@ def test_experts_over_two_cores_with_their_own_tokens_and_one_idle():
         else:
             assert len(out) == CORE_STEPS[step][rank], (rank, step)
             torch.testing.assert_close(torch.tensor(out), torch.tensor(expected))
+
+
+def _rank_left_alone(core: int, store: str, results) -> None:
+    """The single rank of engine core ``core`` of 2 in one expert world (``-dp 2 -ep``): core
+    1 leaves once both have joined; core 0's all-to-all then fails and it puts the error."""
+    from trillm.errors import CollectiveTimeoutError
+
+    parallel_state.init_expert_world(core, 0, 2, 1, store, "cpu", 60.0)
+    torch.distributed.barrier()
+    if core == 1:
+        os._exit(0)  # a dead rank: no clean leave
+    time.sleep(0.5)
+    try:
+        parallel_state.get_ep_group().all_to_all(torch.zeros(2, 4), [1, 1], [1, 1])
+        results.put("no error")
+    except CollectiveTimeoutError as exc:
+        results.put(str(exc))
+
+
+def test_a_failed_exchange_names_the_expert_rank_and_its_core(tmp_path):
+    """Under -dp N -ep the experts' group spans the cores: its error names the rank there and
+    the engine core and rank it is (was: "Tensor-parallel rank 0", the rank in its core)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    store = str(tmp_path / "ranks")
+    ranks = [ctx.Process(target=_rank_left_alone, args=(c, store, results)) for c in (0, 1)]
+    for process in ranks:
+        process.start()
+    message = results.get(timeout=120)
+    for process in ranks:
+        process.join(60)
+    assert message.startswith("Expert-parallel rank 0 (engine core 0, rank 0): all_to_all failed")
+    assert parallel_state.expert_rank_label(1, 1, 2) == (
+        "Expert-parallel rank 3 (engine core 1, rank 1)"
+    )

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 import trio
+from expert_parallel_models import LOGPROB_TOL, ODD_EXPERTS, tokens_and_logprobs
 from parallel_models import LIMITS, MAX_TOKENS, PROMPTS
 from parallel_reference import greedy
-from test_expert_parallel import LOGPROB_TOL, ODD_EXPERTS, tokens_and_logprobs
 
 from trillm.engine.llm import LLM
 from trillm.testing.tiny_deepseek import build_tiny_deepseek

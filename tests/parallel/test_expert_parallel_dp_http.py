@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from expert_parallel_models import ODD_EXPERTS
 from parallel_models import LIMITS
 from parallel_reference import limit_flags, reference_tokens
 from server_harness import ServerProcess, open_request, read_until
-from test_expert_parallel import ODD_EXPERTS
 from worker_processes import pid_alive
 
 PROMPTS = ["The capital of France is", "1 2 3 4 5"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import trio
+from expert_parallel_models import ODD_EXPERTS
 from parallel_models import LIMITS
 from parallel_reference import greedy
-from test_expert_parallel import ODD_EXPERTS
 
 from trillm import SamplingParams
 

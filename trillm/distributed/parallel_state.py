@@ -43,6 +43,9 @@ class TensorParallelGroup:
     # Wall time spent in collectives and how many ran, since the last ``take_comm_time``.
     comm_time_s: float = field(default=0.0, repr=False)
     num_collectives: int = field(default=0, repr=False)
+    # Who this rank is in a failed collective's error ("" : "Tensor-parallel rank N"); the
+    # groups of ``init_expert_world`` name their engine core.
+    label: str = field(default="", repr=False)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place; -> ``t``. bf16/fp16 partial sums are added in fp32 and
@@ -83,8 +86,9 @@ class TensorParallelGroup:
         try:
             fn(*args)
         except RuntimeError as exc:  # gloo / NCCL report a timeout or a lost peer this way
+            who = self.label or f"Tensor-parallel rank {self.rank}"
             raise CollectiveTimeoutError(
-                f"Tensor-parallel rank {self.rank}: {op} failed (a peer rank stopped answering "
+                f"{who}: {op} failed (a peer rank stopped answering "
                 f"within {self.timeout_s:g} s or died): {exc}",
                 rank=self.rank,
                 op=op,
@@ -233,9 +237,28 @@ def init_expert_world(
         made = dist.new_group(list(range(start, start + tp)), timeout=timeout)
         if start <= rank < start + tp:
             core_group = made
-    _group = TensorParallelGroup(rank % tp, tp, timeout_s, group=core_group, expert_parallel=True)
-    _ep_group = TensorParallelGroup(rank, world, timeout_s, expert_parallel=True)
+    _group = TensorParallelGroup(
+        core_rank,
+        tp,
+        timeout_s,
+        group=core_group,
+        expert_parallel=True,
+        label=f"Tensor-parallel rank {core_rank} of engine core {core}",
+    )
+    _ep_group = TensorParallelGroup(
+        rank,
+        world,
+        timeout_s,
+        expert_parallel=True,
+        label=expert_rank_label(core, core_rank, tp),
+    )
     return _group
+
+
+def expert_rank_label(core: int, core_rank: int, tp: int) -> str:
+    """How a rank of the experts' group over every engine core (``init_expert_world``) is
+    named in errors: its rank in that group, its engine core and its rank there."""
+    return f"Expert-parallel rank {core * tp + core_rank} (engine core {core}, rank {core_rank})"
 
 
 def destroy_tensor_parallel() -> None:
