@@ -258,8 +258,9 @@ class LLM(LLMControl):
                 content: str | None = c.text
                 if reasoning_cls is not None:
                     parser = reasoning_cls(
-                        prompt["prompt"], chat_options.get("chat_template_kwargs"), tags_are_tokens
+                        prompt["prompt"], chat_options.get("chat_template_kwargs")
                     )
+                    parser.tags_are_tokens = tags_are_tokens
                     c.reasoning_content, content = parser.extract(c.text)
                 if tool_cls is not None:
                     extracted = tool_cls(tools).extract(content or "")

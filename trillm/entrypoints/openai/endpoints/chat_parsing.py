@@ -161,8 +161,9 @@ def reasoning_factory(
         return None
     cls = get_reasoning_parser(state.reasoning_parser)
     kwargs = req.chat_template_kwargs
-    tokens = _tags_are_tokens(cls, state.tokenizer)
-    return lambda: cls(prompt_text, kwargs, tokens)
+    if _tags_are_tokens(cls, state.tokenizer):
+        return lambda: cls(prompt_text, kwargs)  # (as a plugin's own __init__ takes them)
+    return lambda: cls(prompt_text, kwargs, False)
 
 
 # tokenizer -> {parser name: whether it has the parser's tags}; held weakly, so a tokenizer
