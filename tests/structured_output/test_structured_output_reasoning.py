@@ -166,6 +166,21 @@ def test_tokenizer_without_the_tags_is_refused(tok):
         StructuredOutputManager(GrammarCache(tok, 4096, [2, 0]), "nope")
 
 
+def test_enable_in_reasoning_needs_no_end_tag(tok):
+    """With enable_in_reasoning the grammar applies from the first token, as in vLLM: a
+    tokenizer without the tags (qwen3) and a parser whose reasoning ends at a multi-token
+    header (openai_gptoss) take structured outputs, constrained from the first step."""
+    from trillm.config.structured_outputs import parse_structured_outputs_config
+
+    config = parse_structured_outputs_config({"enable_in_reasoning": True})
+    for parser in ("qwen3", "openai_gptoss"):
+        mgr = StructuredOutputManager(GrammarCache(tok, 4096, [2, 0]), parser, config)
+        trio.run(mgr.precompile, SO(choice=["yes"]))
+        add(mgr, "r", SO(choice=["yes"]), ids(tok, "q"))
+        assert not mgr.is_reasoning("r") and list(rows(mgr, "r")) == ["r"]
+        assert mgr.accept_tokens("r", ids(tok, "maybe"))[0] is False  # not free text
+
+
 # ---------------------------------------------------------------- the engine
 
 

@@ -82,20 +82,25 @@ class StructuredOutputManager:
         before the engine sees it, so a bad schema / regex / grammar is refused at once. A
         cached grammar costs no await."""
         checked = check_params(spec, self.config)
-        if self.reasoner is not None and not self.reasoner.structured_outputs:
+        # NOTE: with enable_in_reasoning the grammar applies from the first token (vLLM's
+        # rule): the engine never waits for the reasoning's end, so neither refusal applies
+        waits = None if self.config.enable_in_reasoning else self.reasoner
+        if waits is not None and not waits.structured_outputs:
             raise StructuredOutputError(
                 "structured_outputs",
-                f"Structured outputs with the {self.reasoner.name} reasoning parser are not "
+                f"Structured outputs with the {waits.name} reasoning parser are not "
                 "implemented yet (its reasoning ends at a multi-token header the engine cannot "
-                "wait for).",
+                "wait for); structured_outputs_config's enable_in_reasoning constrains the "
+                "output from its first token instead.",
             )
-        if self.reasoner is not None and self.tags_missing:
+        if waits is not None and self.tags_missing:
             raise StructuredOutputError(
                 "structured_outputs",
-                f"Structured outputs with the {self.reasoner.name} reasoning parser need "
-                f"{self.reasoner.start_tag} and {self.reasoner.end_tag} as single tokens of the "
+                f"Structured outputs with the {waits.name} reasoning parser need "
+                f"{waits.start_tag} and {waits.end_tag} as single tokens of the "
                 "tokenizer (the engine waits for the end of the reasoning); this model's "
-                "tokenizer has no such tokens.",
+                "tokenizer has no such tokens. structured_outputs_config's enable_in_reasoning "
+                "constrains the output from its first token instead.",
             )
         if self.cache.get(checked) is None:
             await self.cache.compile(checked)
