@@ -131,3 +131,10 @@ cdef class KVCacheManager:
     cpdef void free(self, Request request)
     cpdef void cache_full_blocks(self, Request request)
     cdef void _update_block_hashes(self, Request r)
+
+
+cdef inline long long cache_written_tokens(KVCacheManager kv, Request r):
+    """Prompt tokens in r's blocks registered in the prefix cache (its hits included), capped
+    at the prompt: vLLM's estimate_cached_tokens; 0 without caching (no block registered)."""
+    cdef long long n = <long long>r.num_cached_blocks * kv.block_size
+    return n if n < r.num_prompt else r.num_prompt

@@ -220,6 +220,11 @@ cdef class KVCacheManager:
     def num_cached_blocks_total(self):
         return self.cached.size()
 
+    def num_cache_written_tokens(self, Request request):
+        """Prompt tokens in the request's blocks registered in the prefix cache (its hits
+        included), capped at the prompt; 0 without caching (see the Python twin)."""
+        return cache_written_tokens(self, request)
+
     def block_hashes(self, Request request):
         self._update_block_hashes(request)
         return request.block_hashes

@@ -22,6 +22,7 @@ from trillm._ext.kv_cache_manager cimport (
     ST_WAITING_FOR_REMOTE_KVS,
     KVCacheManager,
     Request,
+    cache_written_tokens,
 )
 
 from trillm.core.errors import DuplicateRequestError
@@ -442,6 +443,7 @@ cdef class Scheduler:
         cdef int reason
         cdef long long stop_reason
         cdef Py_ssize_t num_new
+        cdef long long written
         num_scheduled = sched.num_scheduled_tokens
         spec_decode = sched.scheduled_spec_decode_tokens
         for req_id, sampled in zip(out.req_ids, out.sampled_token_ids):
@@ -462,9 +464,10 @@ cdef class Scheduler:
                 if reason != NOT_FINISHED:
                     break
             self.kv_cache_manager.cache_full_blocks(r)
+            written = 0 if r.first_output_sent else cache_written_tokens(self.kv_cache_manager, r)
             if reason != NOT_FINISHED:
                 self._finish(r, _FINISH_REASONS[reason])
-            output = self._make_output(r, sampled, num_new, reason, stop_reason, out)
+            output = self._make_output(r, sampled, num_new, reason, stop_reason, out, written)
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -486,15 +489,18 @@ cdef class Scheduler:
         return NOT_FINISHED
 
     cdef object _make_output(self, Request r, sampled, Py_ssize_t num_new, int reason,
-                             long long stop_reason, out):
+                             long long stop_reason, out, long long written):
+        """``written``: the prompt tokens in the request's cached blocks before any _finish
+        freed them (cache_written_tokens), read on its first output only."""
         req_id = r.request_id
         prompt_logprobs = out.prompt_logprobs.get(req_id) if out.prompt_logprobs else None
         if num_new == 0 and reason == NOT_FINISHED and prompt_logprobs is None:
             return None
-        cdef long long num_cached = 0
+        cdef long long num_cached = 0, num_created = 0
         if not r.first_output_sent:
             r.first_output_sent = True
             num_cached = r.num_cached_ if r.has_num_cached else 0
+            num_created = written - num_cached if written > num_cached else 0
         # NOTE: positional (keywords cost ~3x here): the field order of EngineCoreOutput.
         return EngineCoreOutput(
             req_id,
@@ -504,6 +510,7 @@ cdef class Scheduler:
             None if reason == NOT_FINISHED else _FINISH_REASONS[reason],
             stop_reason if stop_reason >= 0 else None,
             num_cached,
+            num_created,
         )
 
     # ------------------------------------------------------------------ finishing

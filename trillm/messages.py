@@ -242,6 +242,9 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # prompt tokens this request computed and wrote to the prefix cache (its full blocks less
+    # the hits); on its first output only, as num_cached_tokens.
+    num_cache_creation_tokens: int = 0
     # time.time() the request was first scheduled (P1); on its first output only.
     scheduled_time: float | None = None
     pooled: bytes | None = None  # a pooling model's vector (float32 bytes), on the last output

@@ -96,6 +96,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # prompt tokens computed and written to the prefix cache (vLLM's num_cache_creation_tokens)
+    num_cache_creation_tokens: int = 0
     kv_transfer_params: dict | None = field(default=None, repr=False)  # vLLM field, unused
     # A pooling model's vector (float32 bytes; ``PoolingRequestOutput`` holds it as floats).
     pooled: bytes | None = field(default=None, repr=False)
@@ -119,6 +121,7 @@ class RequestOutput:
         self._merge_prompt_logprobs(later, aggregate)
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
+        self.num_cache_creation_tokens = later.num_cache_creation_tokens
         if later.metrics is not None:
             self.metrics = later.metrics
 

@@ -332,6 +332,42 @@ def test_prefix_hit_reported_to_worker_and_output(impl):
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (12 + 15, 12)
 
 
+def _first_output(sched, worker, req):
+    sched.add_request(req)
+    outs = []
+    while not outs:
+        _, outs = step(sched, worker)
+    return outs[0]
+
+
+def test_prompt_tokens_written_to_the_prefix_cache(impl):
+    """vLLM's num_cache_creation_tokens: on the first output, the prompt tokens of the
+    request's full blocks registered in the cache, less its hits (also when that output
+    finishes it and frees the blocks); later outputs 0."""
+    sched = make_scheduler(impl)
+    worker = FakeWorker()
+    cold = _first_output(sched, worker, ecr("a", prompt(0, 14), max_tokens=1))
+    assert (cold.num_cached_tokens, cold.num_cache_creation_tokens) == (0, 12)
+    warm = _first_output(sched, worker, ecr("b", prompt(0, 14), max_tokens=2))
+    assert (warm.num_cached_tokens, warm.num_cache_creation_tokens) == (12, 0)
+    _, outs = step(sched, worker)
+    assert outs[0].num_cache_creation_tokens == 0  # only on the first output
+    longer = _first_output(sched, worker, ecr("c", prompt(0, 14) + [7] * 4, max_tokens=1))
+    assert (longer.num_cached_tokens, longer.num_cache_creation_tokens) == (12, 4)
+    # a prompt prefilled in chunks: every full block of it, counted once it has its token
+    chunked = make_scheduler(impl, max_num_batched_tokens=16)
+    out = _first_output(chunked, worker, ecr("d", prompt(1, 41), max_tokens=1))
+    assert (out.num_cached_tokens, out.num_cache_creation_tokens) == (0, 40)
+
+
+def test_no_prompt_tokens_written_without_prefix_caching(impl):
+    sched = make_scheduler(impl, enable_prefix_caching=False)
+    worker = FakeWorker()
+    for rid in ("a", "b"):
+        out = _first_output(sched, worker, ecr(rid, prompt(0, 14), max_tokens=1))
+        assert (out.num_cached_tokens, out.num_cache_creation_tokens) == (0, 0)
+
+
 # ---------------------------------------------------------------- seams and stats
 
 

@@ -234,10 +234,14 @@ def test_messages_report_prefix_cache_reads_as_anthropic_does(server):
     long = " ".join(f"m{i}" for i in range(80))
     kw = dict(model=model, max_tokens=2, messages=[{"role": "user", "content": long}])
     cold = client.messages.create(**kw).usage
-    assert cold.cache_read_input_tokens == 0 and cold.input_tokens > 60
+    # the prompt tokens it computed and wrote to the cache are cache_creation_input_tokens
+    assert cold.cache_read_input_tokens == 0 and cold.cache_creation_input_tokens > 48
+    prompt = cold.input_tokens + cold.cache_creation_input_tokens
+    assert prompt > 60
     warm = client.messages.create(**kw).usage
     assert warm.cache_read_input_tokens > 0
-    assert warm.input_tokens + warm.cache_read_input_tokens == cold.input_tokens
+    read, written = warm.cache_read_input_tokens, warm.cache_creation_input_tokens
+    assert warm.input_tokens + read + written == prompt
     with client.messages.stream(**kw) as stream:
         streamed = stream.get_final_message().usage
     assert streamed.cache_read_input_tokens == warm.cache_read_input_tokens

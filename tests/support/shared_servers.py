@@ -47,6 +47,17 @@ FAKE_512_TEMPLATES = [*FAKE_RUNNER, "--max-model-len", "512", "--trust-request-c
 FAKE_512_TEMPLATES_GROUP = "shared-server-fake-512-templates"
 FAKE_256 = [*FAKE_RUNNER, "--max-model-len", "256"]
 FAKE_256_GROUP = "shared-server-fake-256"
+# The answer flags on (test_vllm_conformance.py, test_prefix_cache_writes.py), group FAKE_256's.
+USAGE_KEY = "conformance-key"
+FAKE_256_USAGE = [
+    *FAKE_256,
+    "--enable-prompt-tokens-details",
+    "--enable-force-include-usage",
+    "--return-tokens-as-token-ids",
+    "--enable-tokenizer-info-endpoint",
+    "--api-key",
+    USAGE_KEY,
+]
 
 # The tool-calling server with an API key (tests/entrypoints/test_anthropic_messages.py): the
 # default model with <think> tokens, a Hermes-style template (thinking closed unless

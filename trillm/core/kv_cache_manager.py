@@ -112,6 +112,12 @@ class KVCacheManager:
     def num_cached_blocks_total(self) -> int:
         return len(self._cached)
 
+    def num_cache_written_tokens(self, request: Request) -> int:
+        """Prompt tokens in the request's blocks registered in the prefix cache (its hits
+        included): vLLM's ``estimate_cached_tokens`` capped at the prompt; 0 without caching."""
+        num = self._num_cached_blocks.get(request.request_id, 0) * self.block_size
+        return min(num, request.num_prompt_tokens)
+
     def block_hashes(self, request: Request) -> list[int]:
         self._update_block_hashes(request)
         return list(request.block_hashes)

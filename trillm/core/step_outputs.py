@@ -48,16 +48,21 @@ def make_output(
     reason: FinishReason | None,
     stop_reason: int | None,
     out: ModelRunnerOutput,
+    written: int = 0,
 ) -> EngineCoreOutput | None:
-    """The request's output of the step (None: nothing new)."""
+    """The request's output of the step (None: nothing new). ``written``: the prompt tokens
+    in its blocks registered in the prefix cache, read before a finish freed them; on the
+    first output, less the hits, they are the tokens it wrote there (vLLM's
+    ``num_cache_creation_tokens``)."""
     req_id = request.request_id
     prompt_logprobs = out.prompt_logprobs.get(req_id)
     if not new_tokens and reason is None and prompt_logprobs is None:
         return None
-    num_cached = 0
+    num_cached = num_created = 0
     if not request.first_output_sent:
         request.first_output_sent = True
         num_cached = request.num_cached_tokens or 0
+        num_created = max(0, written - num_cached)
     return EngineCoreOutput(
         request_id=req_id,
         new_token_ids=new_tokens,
@@ -66,4 +71,5 @@ def make_output(
         finish_reason=reason,
         stop_reason=stop_reason,
         num_cached_tokens=num_cached,
+        num_cache_creation_tokens=num_created,
     )

@@ -197,6 +197,9 @@ class OutputProcessor:
     def _record_prompt_side(self, sample: OutputSample, out: EngineCoreOutput, now: float) -> None:
         group = sample.group
         group.num_cached_tokens = max(group.num_cached_tokens, out.num_cached_tokens)
+        group.num_cache_creation_tokens = max(
+            group.num_cache_creation_tokens, out.num_cache_creation_tokens
+        )
         if out.scheduled_time is not None and group.metrics.first_scheduled_time is None:
             group.metrics.first_scheduled_time = out.scheduled_time
         if out.model_times is not None:  # --collect-detailed-traces

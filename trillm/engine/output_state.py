@@ -35,6 +35,7 @@ class OutputGroup:
     prompt_logprobs: PromptLogprobs | None = None  # [None] + one dict per prompt position
     sent_prompt_logprobs: int = 0
     num_cached_tokens: int = 0
+    num_cache_creation_tokens: int = 0
     final_completions: list[CompletionOutput] = field(default_factory=list)  # FINAL_ONLY
     slot: int = 0  # wake-budget round-robin slot
     started: bool = False  # an output went to the collector
@@ -95,6 +96,7 @@ def _request_output(
         outputs=completions,
         finished=finished,
         num_cached_tokens=group.num_cached_tokens,
+        num_cache_creation_tokens=group.num_cache_creation_tokens,
         metrics=_copy_metrics(group.metrics),
         pooled=group.pooled,
     )

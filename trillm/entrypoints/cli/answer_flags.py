@@ -12,7 +12,8 @@ def add_answer_flags(p: argparse.ArgumentParser) -> None:
         "--enable-prompt-tokens-details",
         action="store_true",
         help="usage.prompt_tokens_details (cached_tokens: prompt tokens read from the prefix "
-        "cache) on chat and completion answers; null without it, as in vLLM.",
+        "cache; on chat also created_cache_tokens: those computed and written to it) on chat "
+        "and completion answers; null without it, as in vLLM.",
     )
     g.add_argument(
         "--enable-force-include-usage",

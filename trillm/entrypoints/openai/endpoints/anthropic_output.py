@@ -31,7 +31,9 @@ def usage(chat_usage: dict[str, Any]) -> dict[str, int]:
     """vLLM's Anthropic usage from a chat usage. With --enable-prompt-tokens-details (chat's
     ``prompt_tokens_details``), the prompt tokens read from the prefix cache are
     ``cache_read_input_tokens`` and not in ``input_tokens`` (Anthropic's total input is their
-    sum); without it the cache is not reported and ``input_tokens`` is the whole prompt."""
+    sum), and those it computed and wrote there are ``cache_creation_input_tokens``, not in
+    ``input_tokens`` either; without it the cache is not reported and ``input_tokens`` is the
+    whole prompt."""
     counts = {
         "input_tokens": chat_usage["prompt_tokens"],
         "output_tokens": chat_usage["completion_tokens"],
@@ -41,8 +43,10 @@ def usage(chat_usage: dict[str, Any]) -> dict[str, int]:
         read = details["cached_tokens"]
         counts["input_tokens"] = max(0, counts["input_tokens"] - read)
         counts["cache_read_input_tokens"] = read
-    # NOTE: no cache_creation_input_tokens: vLLM 0.32 gives the prompt tokens this request wrote
-    # to the prefix cache; trillm's engine does not count them yet.
+    if details is not None and details.get("created_cache_tokens") is not None:
+        written = details["created_cache_tokens"]
+        counts["input_tokens"] = max(0, counts["input_tokens"] - written)
+        counts["cache_creation_input_tokens"] = written
     return counts
 
 

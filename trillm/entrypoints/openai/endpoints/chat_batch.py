@@ -89,14 +89,17 @@ async def _read(answer: ChatAnswer, gen: Generation, bodies: list[dict[str, Any]
 
 def _joined(state: ServerState, bodies: list[dict[str, Any]]) -> dict[str, Any]:
     choices = []
-    prompt = completion = cached = 0
+    prompt = completion = cached = created = 0
     for i, body in enumerate(bodies):
         choices.append({**body["choices"][0], "index": i})
         usage = body["usage"]
         prompt += usage["prompt_tokens"]
         completion += usage["completion_tokens"]
         cached += (usage["prompt_tokens_details"] or {}).get("cached_tokens", 0)
-    details = {"cached_tokens": cached} if state.enable_prompt_tokens_details else None
+        created += (usage["prompt_tokens_details"] or {}).get("created_cache_tokens", 0)
+    details = None
+    if state.enable_prompt_tokens_details:
+        details = {"cached_tokens": cached, "created_cache_tokens": created}
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",

@@ -68,6 +68,7 @@ class ChatAnswer:
             (req.n, max_tokens, 1),
             details=state.enable_prompt_tokens_details,
             trace=None if state.tracing is None else state.tracing.request(params, model_name),
+            report_created=True,
         )
         force = state.enable_force_include_usage
         self.include_usage, self._continuous_usage = stream_usage(req.stream_options, force)

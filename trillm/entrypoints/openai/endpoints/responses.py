@@ -91,7 +91,7 @@ async def create_response(
 
     async def whole() -> dict[str, Any]:
         body = await answer.full(gen)
-        cached = answer.tracker.cached_total()
+        cached = answer.tracker.cache_totals()
         if req.enable_response_messages:
             skip = answer.params.skip_special_tokens
             return _with_raw_messages(state, built, body, cached, skip)
@@ -107,7 +107,7 @@ def _with_raw_messages(
     state: ServerState,
     built: ResponseBuilder,
     chat: dict[str, Any],
-    cached: int,
+    cached: tuple[int, int],
     skip_special: bool,
 ) -> dict[str, Any]:
     """vLLM's ``enable_response_messages``: the prompt and the output, each as its text and

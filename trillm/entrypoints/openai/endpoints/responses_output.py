@@ -90,8 +90,10 @@ class ResponseBuilder:
         }
 
     def usage(
-        self, chat_usage: dict[str, Any], reasoning_text: str, cached_tokens: int
+        self, chat_usage: dict[str, Any], reasoning_text: str, cache: tuple[int, int]
     ) -> dict[str, Any]:
+        """``cache``: the prompt tokens read from the prefix cache and those computed and
+        written to it (RequestTracker.cache_totals), vLLM's cached / cache_write_tokens."""
         # NOTE: the reasoning's token count is its text re-tokenized: the parser splits text,
         # not token ids (the count can differ by a token at the boundary).
         reasoning_tokens = (
@@ -101,13 +103,13 @@ class ResponseBuilder:
         )
         return {
             "input_tokens": chat_usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": cached_tokens},
+            "input_tokens_details": {"cached_tokens": cache[0], "cache_write_tokens": cache[1]},
             "output_tokens": chat_usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": chat_usage["total_tokens"],
         }
 
-    def from_chat(self, chat: dict[str, Any], cached_tokens: int) -> dict[str, Any]:
+    def from_chat(self, chat: dict[str, Any], cache: tuple[int, int]) -> dict[str, Any]:
         choice = chat["choices"][0]
         message = choice["message"]
         output: list[dict[str, Any]] = []
@@ -123,7 +125,7 @@ class ResponseBuilder:
                     new_id("fc"), call["id"], fn["name"], fn["arguments"], "completed"
                 )
             )
-        usage = self.usage(chat["usage"], reasoning, cached_tokens)
+        usage = self.usage(chat["usage"], reasoning, cache)
         return self.finished(self.body("completed", output, usage, choice["finish_reason"]))
 
 

@@ -99,7 +99,7 @@ class ResponseStream:
                 finish_reason = "abort"
             self._close(parts)
             tracker = ctx.tracker
-            usage = self.built.usage(tracker.usage(), self.reasoning, tracker.cached_total())
+            usage = self.built.usage(tracker.usage(), self.reasoning, tracker.cache_totals())
             body = self.built.finished(
                 self.built.body("completed", self.output, usage, finish_reason)
             )

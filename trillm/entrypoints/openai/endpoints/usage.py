@@ -56,6 +56,8 @@ class RequestTracker:
     __slots__ = (
         "prompt_tokens",
         "cached_tokens",
+        "created_tokens",
+        "report_created",
         "completion_tokens",
         "timer",
         "reasons",
@@ -69,10 +71,13 @@ class RequestTracker:
         params: tuple[int, int | None, int] | None = None,  # n, max_tokens, prompts
         details: bool = False,  # --enable-prompt-tokens-details
         trace: RequestTrace | None = None,  # --otlp-traces-endpoint: a span per engine request
+        report_created: bool = False,  # chat's details give created_cache_tokens (vLLM's)
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.details = details
+        self.report_created = report_created
         self.cached_tokens: dict[int, int] = {}  # job index -> prompt tokens from the cache
+        self.created_tokens: dict[int, int] = {}  # job index -> prompt tokens written to it
         self.completion_tokens = 0
         self.timer = metrics.timer(time.perf_counter(), params)
         if trace is not None:  # the span gets the figures /metrics observes
@@ -89,6 +94,8 @@ class RequestTracker:
         self.timer.output(time.perf_counter(), out, job)  # metrics per engine request
         if out.num_cached_tokens:
             self.cached_tokens[job] = out.num_cached_tokens
+        if out.num_cache_creation_tokens:
+            self.created_tokens[job] = out.num_cache_creation_tokens
 
     def finish(self, num_choices: int) -> None:
         missing = num_choices - len(self.reasons)
@@ -99,9 +106,19 @@ class RequestTracker:
         """Prompt tokens read from the prefix cache, over the request's prompts."""
         return sum(self.cached_tokens.values())
 
+    def cache_totals(self) -> tuple[int, int]:
+        """(prompt tokens read from the prefix cache, prompt tokens computed and written to it:
+        vLLM's num_cache_creation_tokens), over the request's prompts."""
+        return self.cached_total(), sum(self.created_tokens.values())
+
     def usage(self) -> dict[str, Any]:
-        # As vLLM: prompt_tokens_details is null unless --enable-prompt-tokens-details.
-        details = {"cached_tokens": self.cached_total()} if self.details else None
+        # As vLLM: prompt_tokens_details is null unless --enable-prompt-tokens-details; chat's
+        # has created_cache_tokens too, completions' only cached_tokens.
+        details: dict[str, int] | None = None
+        if self.details:
+            details = {"cached_tokens": self.cached_total()}
+            if self.report_created:
+                details["created_cache_tokens"] = sum(self.created_tokens.values())
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,

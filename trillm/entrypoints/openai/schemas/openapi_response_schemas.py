@@ -34,8 +34,13 @@ def response_components() -> dict[str, Any]:
             "prompt_tokens": _INT,
             "completion_tokens": _INT,
             "total_tokens": _INT,
-            # null unless --enable-prompt-tokens-details, as in vLLM
-            "prompt_tokens_details": {"anyOf": [_obj({"cached_tokens": _INT}), {"type": "null"}]},
+            # null unless --enable-prompt-tokens-details, as in vLLM (created_cache_tokens: chat)
+            "prompt_tokens_details": {
+                "anyOf": [
+                    _obj({"cached_tokens": _INT, "created_cache_tokens": _INT}),
+                    {"type": "null"},
+                ]
+            },
         },
         ["prompt_tokens", "completion_tokens", "total_tokens"],
     )
@@ -195,7 +200,7 @@ def _responses_components() -> dict[str, Any]:
     usage = _obj(
         {
             "input_tokens": _INT,
-            "input_tokens_details": _obj({"cached_tokens": _INT}),
+            "input_tokens_details": _obj({"cached_tokens": _INT, "cache_write_tokens": _INT}),
             "output_tokens": _INT,
             "output_tokens_details": _obj({"reasoning_tokens": _INT}),
             "total_tokens": _INT,
