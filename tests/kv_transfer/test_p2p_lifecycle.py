@@ -124,6 +124,61 @@ def test_a_closed_receiver_ends_a_stalled_fetch_at_once(world_size):
     assert not {t for t in _connector_threads() - before if t.is_alive()}
 
 
+def test_an_engine_stops_at_once_while_a_fetch_stalls(tiny_model_factory):
+    """A decode engine whose request's prefill instance answers a 500 MB length, then nothing:
+    the engine, left while the request waits, stops within a second (its receiver's close
+    runs off the loop and ends the fetch) and leaves no connector thread."""
+    import trio
+
+    from trillm import open_engine
+
+    before = _connector_threads()
+    answered = threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def stall() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(100)
+                conn.sendall((500_000_000).to_bytes(8, "little"))
+                answered.set()
+                conn.recv(1)
+
+        threading.Thread(target=stall, daemon=True).start()
+        prefill, decode = server.getsockname()[1], free_port()
+        rid = f"___prefill_addr_127.0.0.1:{prefill}___decode_addr_127.0.0.1:{decode}_0"
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        took: list[float] = []
+
+        async def main() -> None:
+            async with open_engine(
+                tiny_model_factory("qwen2"),
+                distributed_executor_backend="uni",
+                max_model_len=256,
+                kv_cache_memory="8MiB",
+                kv_transfer_config=_consumer_kv("GET", prefill, decode),
+            ) as engine:
+
+                async def generate() -> None:
+                    async with engine.generate_many([PROMPT], [params], [rid]) as items:
+                        async for _ in items:
+                            pass
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(generate)
+                    with trio.fail_after(10):
+                        while not answered.is_set():
+                            await trio.sleep(0.01)
+                    await trio.sleep(0.2)  # in the payload's read
+                    nursery.cancel_scope.cancel()
+                start = time.monotonic()
+            took.append(time.monotonic() - start)
+
+        trio.run(main)
+    assert took[0] < 1.5
+    assert not {t for t in _connector_threads() - before if t.is_alive()}
+
+
 def test_failed_transfers_are_one_warning_per_interval(caplog):
     """Five requests naming a listed prefill instance that is gone: five failures, counted,
     one warning line (the others at debug level); past the interval, a line again."""
