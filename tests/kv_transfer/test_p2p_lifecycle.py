@@ -126,8 +126,9 @@ def test_a_closed_receiver_ends_a_stalled_fetch_at_once(world_size):
 
 def test_an_engine_stops_at_once_while_a_fetch_stalls(tiny_model_factory):
     """A decode engine whose request's prefill instance answers a 500 MB length, then nothing:
-    the engine, left while the request waits, stops within a second (its receiver's close
-    runs off the loop and ends the fetch) and leaves no connector thread."""
+    the engine, left while the request waits, stops within seconds, not at the fetch's
+    deadline (its receiver's close runs off the loop and ends the fetch), and leaves no
+    connector thread."""
     import trio
 
     from trillm import open_engine
@@ -175,7 +176,7 @@ def test_an_engine_stops_at_once_while_a_fetch_stalls(tiny_model_factory):
             took.append(time.monotonic() - start)
 
         trio.run(main)
-    assert took[0] < 1.5
+    assert took[0] < 3  # (10 s before: the fetch's payload deadline)
     assert not {t for t in _connector_threads() - before if t.is_alive()}
 
 
