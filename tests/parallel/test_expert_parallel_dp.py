@@ -143,12 +143,19 @@ def test_the_dummy_forward_is_the_engines_own(tiny_model_factory):
         assert len(tokens_and_logprobs(llm, PROMPTS[:1])[0][0]) == MAX_TOKENS
 
 
-@pytest.mark.parametrize("after_layers", [0, 1], ids=["before-the-forward", "mid-forward"])
-def test_a_step_failing_on_one_core_fails_only_its_requests(tiny_model_factory, after_layers):
-    """A forward that fails in core 1's worker (before any MoE layer, or after the first of
-    two) still finishes its MoE exchanges without tokens: core 1's request ends with an abort,
-    core 0's, running meanwhile, keeps the single-rank engine's tokens, and both cores serve
-    on (without it core 0's rank would wait in the exchange until the collective timeout)."""
+@pytest.mark.parametrize(
+    "failure",
+    [{"after_layers": 0}, {"after_layers": 1}, {"after_exchanges": 4}],
+    ids=["before-the-forward", "mid-forward", "after-a-layers-last-exchange"],
+)
+def test_a_step_failing_on_one_core_fails_only_its_requests(tiny_model_factory, failure):
+    """A forward that fails in core 1's worker (before any MoE layer, after the first of
+    two, or after the first's last exchange but before it weights the outputs) still
+    finishes its MoE exchanges without tokens: core 1's request ends with an abort, core 0's,
+    running meanwhile, keeps the single-rank engine's tokens, and both cores serve on
+    (without it core 0's rank would wait in the exchange until the collective timeout; a
+    layer whose exchanges ran but was counted undone would pair its exchanges with the
+    next layer's)."""
     from trillm.engine.engine_startup import open_engine
 
     path = tiny_model_factory("mixtral", num_hidden_layers=2, **ODD_EXPERTS["mixtral"])
@@ -156,7 +163,7 @@ def test_a_step_failing_on_one_core_fails_only_its_requests(tiny_model_factory, 
     long = greedy(24)
     with LLM(path, distributed_executor_backend="uni", **LIMITS) as llm:
         expected = llm.generate(["one two"], long, use_tqdm=False)[0].outputs[0].token_ids
-    kwargs = {"fail_prompt": poison, "after_layers": after_layers}
+    kwargs = {"fail_prompt": poison, **failure}
 
     async def main():
         async with open_engine(

@@ -51,7 +51,9 @@ class ExpertTraffic:
     num_exchanges: int = 0
     # MoE layers whose exchanges completed, since the start (``take`` keeps it): a forward
     # that fails on this rank finishes the rest without tokens under -dp N -ep
-    # (worker_main._execute), the other cores' ranks waiting in them.
+    # (worker_main._execute), the other cores' ranks waiting in them. Counted once a layer's
+    # last exchange returns, before its local weighting: a failure there must not make the
+    # rank run that layer's exchanges again (they would pair with the next layer's).
     layers_done: int = 0
 
     def add(self, rows: torch.Tensor, send: list[int], rank: int) -> None:
@@ -172,10 +174,10 @@ def dispatch_combine(
     ones = torch.ones(len(got_ids), 1, dtype=torch.float32, device=x.device)
     outs = run_local(got_rows, ones, got_ids) if len(got_ids) else got_rows  # [P, H]
     back = exchange(outs, recv_n, send_n)  # [t * k, H], in ``order``
+    traffic.layers_done += 1  # its exchanges done: a failure below must not run them again
     pairs = torch.empty_like(back)
     pairs[order] = back
     mine = pairs.view(end - start, ids.shape[1], x.shape[1]).float() * weights[start:end, :, None]
     out = torch.zeros_like(x)
     out[start:end] = mine.sum(dim=1).to(x.dtype)
-    traffic.layers_done += 1
     return out

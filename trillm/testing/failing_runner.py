@@ -4,15 +4,20 @@ take part in the MoE exchanges the other cores' ranks wait in (worker_main._exec
 
 Runner arguments: ``fail_prompt`` (token ids: a step that schedules a new request with
 exactly this prompt fails) and ``after_layers`` (0: before the forward; k: once the k-th
-expert-parallel MoE layer has run, mid-forward).
+expert-parallel MoE layer has run, mid-forward), or ``after_exchanges`` (n: in the code after
+the forward's n-th expert all-to-all, which returns its rows one column wider; 4 x k: the
+k-th MoE layer's weighting of its experts' outputs, its exchanges done).
 """
 
 from __future__ import annotations
 
 from typing import Any, cast
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
+from trillm.distributed import expert_parallel
+from trillm.distributed.parallel_state import TensorParallelGroup
 from trillm.messages import SchedulerOutput
 from trillm.model_executor.layers.fused_moe import FusedMoE
 from trillm.worker.model_runner import ModelRunner
@@ -30,15 +35,19 @@ class FailingRunner(ModelRunner):
         *,
         fail_prompt: list[int] | None = None,
         after_layers: int = 0,
+        after_exchanges: int = 0,
         **kw: Any,
     ) -> None:
         super().__init__(config, rank, **kw)
         self.fail_prompt = list(fail_prompt or [])
         self.after_layers = after_layers
+        self.after_exchanges = after_exchanges
 
     def execute_model(self, sched: SchedulerOutput) -> Any:
         if not any(r.prompt_token_ids == self.fail_prompt for r in sched.scheduled_new_reqs):
             return super().execute_model(sched)
+        if self.after_exchanges:
+            return self._fail_after_exchanges(sched)
         if self.after_layers == 0:
             raise InjectedFailure("told to fail before the forward")
         model = cast(nn.Module, self.model)
@@ -52,3 +61,21 @@ class FailingRunner(ModelRunner):
             return super().execute_model(sched)
         finally:
             hook.remove()
+
+    def _fail_after_exchanges(self, sched: SchedulerOutput) -> Any:
+        exchange, done = expert_parallel._exchange, [0]
+
+        def counted(
+            group: TensorParallelGroup, rank: int, rows: Tensor, send: list[int], recv: list[int]
+        ) -> Tensor:
+            out = exchange(group, rank, rows, send, recv)
+            done[0] += 1
+            if done[0] == self.after_exchanges:  # one column more: the code after it fails
+                return torch.cat([out, out[:, :1]], dim=1)
+            return out
+
+        expert_parallel._exchange = counted  # dispatch_combine looks it up at each call
+        try:
+            return super().execute_model(sched)
+        finally:
+            expert_parallel._exchange = exchange
