@@ -134,3 +134,42 @@ def test_without_ray_the_backend_is_refused_naming_the_extra(llama, monkeypatch)
     )
     with pytest.raises(ValueError, match=r"needs Ray.*trillm\[ray\]"):
         EngineArgs(llama, distributed_executor_backend="ray", tensor_parallel_size=2)
+
+
+_SIGTERM_AFTER_RAY_INIT = """
+import os, signal, sys, threading, time
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+import ray
+from trillm.executor.ray_cluster import reclaim_signal_handlers
+def init():
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+thread = threading.Thread(target=init)  # as the executor does: ray.init off the main thread
+thread.start()
+thread.join()
+reclaim_signal_handlers()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("handled", got, flush=True)
+ray.shutdown()
+"""
+
+
+def test_sigterm_after_ray_init_reaches_the_process_own_handler(ray, tmp_path):
+    """ray.init installs Ray's C++ failure-signal handler for SIGTERM over the server's own
+    (it printed "*** SIGTERM received" and could end a draining server with SIGABRT); the
+    executor puts the process's handlers back, so a SIGTERM reaches only its own handler."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_AFTER_RAY_INIT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert "handled [15]" in out, out
+    assert "SIGTERM received" not in out, out

@@ -15,6 +15,8 @@ beside the engine; PACK strategy. Rank r's actor takes bundle r.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -33,6 +35,23 @@ def _ray() -> Any:
     import ray
 
     return ray
+
+
+def reclaim_signal_handlers() -> None:
+    """Put back this process's own SIGINT / SIGTERM handlers after ``ray.init``.
+
+    ``ray.init`` (in a thread) installs Ray's C++ failure-signal handler for SIGTERM, over the
+    handler the server's Trio signal receiver set: a SIGTERM then printed Ray's
+    "*** SIGTERM received" and ended ``trillm serve`` with SIGABRT instead of draining. The
+    Python-level handlers are still recorded by the ``signal`` module; setting them again
+    makes them the process's handlers once more. Only the main thread may set handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if handler is not None:  # None: set outside Python, nothing of ours to put back
+            signal.signal(signum, handler)
 
 
 def rank_env(env: dict[str, str]) -> dict[str, str]:

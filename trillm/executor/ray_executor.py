@@ -33,7 +33,7 @@ from trillm.errors import EngineDeadError, EngineStartupError
 from trillm.executor.abstract import DEFAULT_RUNNER, Executor, RunnerFactory
 from trillm.executor.bookkeeping import Lifeline, StepQueue, runner_name
 from trillm.executor.multiproc import SHUTDOWN_GRACE_S, STARTUP_TIMEOUT_S, STEP_TIMEOUT_S
-from trillm.executor.ray_cluster import RayCluster, rank_env
+from trillm.executor.ray_cluster import RayCluster, rank_env, reclaim_signal_handlers
 from trillm.executor.worker_calls import call_values
 from trillm.executor.worker_ipc import worker_env
 from trillm.executor.worker_steps import WorkerStepProtocolError, micro_batches, step_output
@@ -115,6 +115,7 @@ class RayExecutor(Executor):
 
     async def _start(self, nursery: trio.Nursery) -> None:
         await trio.to_thread.run_sync(self.cluster.open)
+        reclaim_signal_handlers()  # ray.init's SIGTERM handler would abort a draining server
         env = rank_env(worker_env())
         actors = await trio.to_thread.run_sync(self.cluster.start_actors, env)
         places = await self._each([a.where.remote() for a in actors])
