@@ -95,6 +95,7 @@ cdef class Request:
     cdef vector[uint64_t] later_keys  # ... and of every later block
     cdef public cbool sent_to_worker
     cdef public cbool first_output_sent
+    cdef public cbool cache_writes_sent  # its prefix-cache writes reported (first token/finish)
     cdef cbool structured
     cdef readonly cbool skip_prefix_lookup  # prompt logprobs need every position computed: no cache hits
     # Owned by the KV manager:

@@ -464,7 +464,7 @@ cdef class Scheduler:
                 if reason != NOT_FINISHED:
                     break
             self.kv_cache_manager.cache_full_blocks(r)
-            written = 0 if r.first_output_sent else cache_written_tokens(self.kv_cache_manager, r)
+            written = 0 if r.cache_writes_sent else cache_written_tokens(self.kv_cache_manager, r)
             if reason != NOT_FINISHED:
                 self._finish(r, _FINISH_REASONS[reason])
             output = self._make_output(r, sampled, num_new, reason, stop_reason, out, written)
@@ -491,16 +491,19 @@ cdef class Scheduler:
     cdef object _make_output(self, Request r, sampled, Py_ssize_t num_new, int reason,
                              long long stop_reason, out, long long written):
         """``written``: the prompt tokens in the request's cached blocks before any _finish
-        freed them (cache_written_tokens), read on its first output only."""
+        freed them (cache_written_tokens), reported with its first token or its finish."""
         req_id = r.request_id
         prompt_logprobs = out.prompt_logprobs.get(req_id) if out.prompt_logprobs else None
         if num_new == 0 and reason == NOT_FINISHED and prompt_logprobs is None:
             return None
-        cdef long long num_cached = 0, num_created = 0
+        cdef long long num_cached = 0, num_created = 0, num_cached_all
         if not r.first_output_sent:
             r.first_output_sent = True
             num_cached = r.num_cached_ if r.has_num_cached else 0
-            num_created = written - num_cached if written > num_cached else 0
+        if not r.cache_writes_sent and (num_new > 0 or reason != NOT_FINISHED):
+            r.cache_writes_sent = True
+            num_cached_all = r.num_cached_ if r.has_num_cached else 0
+            num_created = written - num_cached_all if written > num_cached_all else 0
         # NOTE: positional (keywords cost ~3x here): the field order of EngineCoreOutput.
         return EngineCoreOutput(
             req_id,

@@ -360,6 +360,25 @@ def test_prompt_tokens_written_to_the_prefix_cache(impl):
     assert (out.num_cached_tokens, out.num_cache_creation_tokens) == (0, 40)
 
 
+def test_prompt_logprobs_chunks_do_not_report_the_cache_writes(impl):
+    """Prompt-logprobs outputs of a chunked prefill come before its first token: the writes
+    are reported with that token (vLLM's, at its first token), the whole prompt's."""
+    from trillm.messages import LogprobsLists
+
+    sched = make_scheduler(impl, max_num_batched_tokens=16)
+    sched.add_request(ecr("e", prompt(2, 41), max_tokens=1, prompt_logprobs=1))
+    done, created = 0, []
+    while done < 41:
+        out = sched.schedule()
+        n = out.num_scheduled_tokens["e"]
+        done += n
+        plp = LogprobsLists([[1]] * n, [[-1.0]] * n, [1] * n)
+        sampled = [[5]] if done >= 41 else [[]]
+        runner_out = ModelRunnerOutput(out.step_id, ["e"], sampled, {}, {"e": plp})
+        created += [o.num_cache_creation_tokens for o in sched.update_from_output(out, runner_out)]
+    assert created == [0, 0, 40]
+
+
 def test_no_prompt_tokens_written_without_prefix_caching(impl):
     sched = make_scheduler(impl, enable_prefix_caching=False)
     worker = FakeWorker()

@@ -67,6 +67,7 @@ class Request:
         "extra_hash_keys",
         "sent_to_worker",
         "first_output_sent",
+        "cache_writes_sent",
         "skip_prefix_lookup",
     )
 
@@ -106,6 +107,8 @@ class Request:
         # The worker holds this request's state (so a finish/preemption must tell it).
         self.sent_to_worker = False
         self.first_output_sent = False
+        # Its prompt tokens written to the prefix cache were reported (its first token / finish).
+        self.cache_writes_sent = False
         # Prompt logprobs need every prompt position computed: no prefix-cache hits.
         self.skip_prefix_lookup = sampling_params.prompt_logprobs is not None
 

@@ -295,7 +295,7 @@ class Scheduler:
             new_tokens, reason, stop_reason = append_sampled(request, sampled, self.max_model_len)
             self.kv_cache_manager.cache_full_blocks(request)
             written = 0  # read before _finish frees the blocks
-            if not request.first_output_sent:
+            if not request.cache_writes_sent:
                 written = self.kv_cache_manager.num_cache_written_tokens(request)
             if reason is not None:
                 self._finish(request, reason)

@@ -52,8 +52,8 @@ def make_output(
 ) -> EngineCoreOutput | None:
     """The request's output of the step (None: nothing new). ``written``: the prompt tokens
     in its blocks registered in the prefix cache, read before a finish freed them; on the
-    first output, less the hits, they are the tokens it wrote there (vLLM's
-    ``num_cache_creation_tokens``)."""
+    output of its first token (or its finish: not a prompt-logprobs chunk's), less the hits,
+    they are the tokens it wrote there (vLLM's ``num_cache_creation_tokens``)."""
     req_id = request.request_id
     prompt_logprobs = out.prompt_logprobs.get(req_id)
     if not new_tokens and reason is None and prompt_logprobs is None:
@@ -62,7 +62,9 @@ def make_output(
     if not request.first_output_sent:
         request.first_output_sent = True
         num_cached = request.num_cached_tokens or 0
-        num_created = max(0, written - num_cached)
+    if not request.cache_writes_sent and (new_tokens or reason is not None):
+        request.cache_writes_sent = True
+        num_created = max(0, written - (request.num_cached_tokens or 0))
     return EngineCoreOutput(
         request_id=req_id,
         new_token_ids=new_tokens,
