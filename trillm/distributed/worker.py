@@ -12,6 +12,7 @@ from trillm.distributed.cpu_binding import bind_rank
 from trillm.distributed.expert_parallel import traffic as expert_traffic
 from trillm.distributed.parallel_state import (
     destroy_tensor_parallel,
+    get_ep_group,
     get_tp_group,
     init_expert_world,
     init_tensor_parallel,
@@ -70,13 +71,20 @@ def join_tensor_parallel(config: TrillmConfig, rank: int) -> torch.device:
 def leave_tensor_parallel(rank: int, num_steps: int) -> None:
     """Say how long this rank spent in collectives, and under expert parallelism the bytes it
     sent in the experts' all-to-alls (benchmarks/parallel/tensor_parallel.py and
-    expert_parallel.py read the line), then leave the group."""
-    spent = get_tp_group().take_comm_time() + get_pp_group().comm_time_s  # + stage hand-offs
+    expert_parallel.py read the line; the experts over several engine cores: the line names
+    the rank's core, and its collectives include the experts' exchanges), then leave the
+    group."""
+    tp, ep = get_tp_group(), get_ep_group()
+    spent = tp.take_comm_time() + get_pp_group().comm_time_s  # + stage hand-offs
+    core = ""
+    if ep is not tp:  # -dp N -ep
+        spent += ep.take_comm_time()
+        core = f" of engine core {ep.rank // tp.world_size}"
     per_step = 1e3 * spent / max(1, num_steps)
     sent, exchanges = expert_traffic.take()
     experts = f", {sent} bytes sent in {exchanges} expert all-to-alls" if exchanges else ""
     line = (
-        f"tensor-parallel rank {rank}: {num_steps} forward steps, {spent:.3f} s in "
+        f"tensor-parallel rank {rank}{core}: {num_steps} forward steps, {spent:.3f} s in "
         f"collectives ({per_step:.3f} ms per step){experts}\n"
     )
     sys.stderr.write(line)  # one write: the ranks print at the same moment
