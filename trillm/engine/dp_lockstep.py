@@ -74,12 +74,17 @@ class CoreLockstep:
         self.counter.note_sent(self.index)
 
     async def catch_up(self, executor: Executor) -> None:
-        """Dummy forwards until this core has sent as many as the others."""
+        """Dummy forwards until this core has sent as many as the others. Each is counted
+        before it is sent and shielded from cancellation: a dummy counted but never sent (the
+        core's task cancelled at the send, as the engine stops) would leave the other cores'
+        ranks waiting in an exchange this core's ranks never join. It cannot wait long: the
+        core it matches has already sent that forward."""
         counter = self.counter
         while counter.behind(self.index):
             counter.note_sent(self.index)
             counter.dummies[self.index] += 1
-            await executor.collective_rpc(DUMMY_FORWARD, [], {})
+            with trio.CancelScope(shield=True):
+                await executor.collective_rpc(DUMMY_FORWARD, [], {})
 
     async def settle(self, executor: Executor) -> None:
         """The core's task has ended (the engine stops, or failed): until every core's has,
