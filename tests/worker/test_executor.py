@@ -336,3 +336,22 @@ def test_cancelled_sample_tokens_does_not_desync_the_next_step():
             assert out.sampled_token_ids == [[expected_token("a", 6)]]
 
     run(main)
+
+
+def test_a_call_after_a_cancelled_sample_tokens_gets_its_own_answer():
+    """A step whose output its caller gave up on, then a collective_rpc (an engine core stopped
+    mid-step still sends the dummy forwards of -dp N -ep: engine/dp_lockstep.py): the call's
+    answer is read past that step's output on each rank's ring, the executor lives on."""
+
+    async def main():
+        config = make_fake_config(num_blocks=64, tensor_parallel_size=2)
+        async with open_executor(config, FAKE_RUNNER, {"step_sleep_s": 0.3}) as ex:
+            await ex.execute_model(Driver({"a": 5}).step())
+            with trio.move_on_after(0.05) as scope:
+                await ex.sample_tokens(None)  # the caller gives up on step 1
+            assert scope.cancelled_caught
+            with trio.fail_after(20):
+                assert await ex.collective_rpc("determine_num_blocks", [], {}) == [64, 64]
+            ex.check_health()
+
+    run(main)

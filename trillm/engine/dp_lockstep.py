@@ -90,8 +90,10 @@ class CoreLockstep:
         """The core's task has ended (the engine stops, or failed): until every core's has,
         it still sends the dummy forwards the others' last steps need, so that no rank is
         left waiting in an exchange when the workers are told to stop (it would die there,
-        with a collective error, instead of leaving its group). At most ``SETTLE_S``; errors
-        (a dead worker) end it."""
+        with a collective error, instead of leaving its group). A task stopped while it waited
+        for its step's output sends them too: the dummy's answer is read past that output
+        (``worker_calls.collect_call_results``). At most ``SETTLE_S``; errors (a dead worker)
+        end it."""
         counter = self.counter
         counter.settling += 1
         counter.notify()
