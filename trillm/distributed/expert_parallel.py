@@ -33,13 +33,17 @@ go out with each step's output to ``/metrics``) are kept per process.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import torch
 
+from trillm.distributed import expert_step_faults
 from trillm.distributed.parallel_state import TensorParallelGroup, get_ep_group, get_tp_group
+from trillm.errors import CollectiveTimeoutError
 
 
 @dataclass
@@ -77,9 +81,11 @@ class ExpertLoad:
 
     routed: torch.Tensor | None = None  # [N] int64
 
-    def add(self, ids: torch.Tensor, per_rank: int, size: int) -> None:
+    def add(self, ids: torch.Tensor, per_rank: int, size: int) -> torch.Tensor:
+        """-> this layer's pairs per rank, [N] on the CPU."""
         step = torch.bincount(ids.reshape(-1) // per_rank, minlength=size).cpu()  # [N]
         self.routed = step if self.routed is None else self.routed + step
+        return step
 
     def take(self) -> list[int]:
         """Per rank, since the last call; [] without expert parallelism."""
@@ -148,6 +154,18 @@ def _exchange(
     return group.all_to_all(rows, send, recv)
 
 
+@dataclass
+class _Progress:
+    """How far one layer's exchanges got (``dispatch_combine``), for ``_finish_layer``."""
+
+    exchanges: int = 0
+    send: list[int] | None = None  # pairs this rank sends to each rank
+    recv: list[int] | None = None  # pairs each rank sends to this one
+    got_rows: torch.Tensor | None = None
+    got_ids: torch.Tensor | None = None
+    in_experts: bool = False  # inside ``run_local``
+
+
 def dispatch_combine(
     placement: ExpertPlacement,
     x: torch.Tensor,  # [T, H], the same on every rank
@@ -157,23 +175,58 @@ def dispatch_combine(
 ) -> torch.Tensor:  # [T, H]: this rank's token slice, zeros elsewhere
     """Steps 1-4 of the module docstring. ``x`` may have no rows (T = 0): the rank still
     takes part in the all-to-alls and runs its experts on the rows other ranks send it, as an
-    idle engine core must while others step when the experts span several cores."""
-    load.add(ids, placement.per_rank, placement.size)  # ids: the same on every rank
+    idle engine core must while others step when the experts span several cores. There, a
+    failure inside the layer is noted and the layer's exchanges completed (zeros returned:
+    ``expert_step_faults``), not raised: the other cores' ranks wait in them."""
+    routed = load.add(ids, placement.per_rank, placement.size)  # ids: the same on every rank
+    progress = _Progress()
+    if placement.core is None:
+        return _dispatch_combine(placement, x, weights, ids, run_local, progress)
+    step_faults = expert_step_faults.faults
+    step_faults.note_routed(routed.tolist())
+    try:
+        return _dispatch_combine(placement, x, weights, ids, run_local, progress)
+    except CollectiveTimeoutError:
+        raise  # the group is broken: nothing to complete
+    except Exception:
+        text = traceback.format_exc()
+        lost = _finish_layer(placement, x, run_local, progress)
+        step_faults.note_error(text, lost)
+        return torch.zeros_like(x)
+    finally:
+        step_faults.layer += 1
+
+
+def _dispatch_combine(
+    placement: ExpertPlacement,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    run_local: RunLocal,
+    p: _Progress,
+) -> torch.Tensor:
     start, end = token_slice(x.shape[0], placement.token_share[1], placement.token_share[0])
     flat = ids[start:end].reshape(-1)  # [t * k], token-major
     owner = flat // placement.per_rank  # [t * k]
     order = torch.argsort(owner, stable=True)  # the pairs grouped by owner rank
     send = torch.bincount(owner, minlength=placement.size)  # [N] pairs to each rank
     exchange = partial(_exchange, get_ep_group(), placement.rank)
+    p.send = send_n = send.tolist()
     recv = exchange(send[:, None], [1] * placement.size, [1] * placement.size)  # [N, 1]
-    send_n, recv_n = send.tolist(), recv[:, 0].tolist()
+    p.exchanges, p.recv = 1, recv[:, 0].tolist()
+    recv_n = p.recv
     rows = x[start:end].repeat_interleave(ids.shape[1], dim=0)[order]  # [t * k, H]
     local_ids = (flat - owner * placement.per_rank)[order, None]  # [t * k, 1]
-    got_rows = exchange(rows, send_n, recv_n)  # [P, H]
-    got_ids = exchange(local_ids, send_n, recv_n)  # [P, 1]
+    got_rows = p.got_rows = exchange(rows, send_n, recv_n)  # [P, H]
+    p.exchanges = 2
+    got_ids = p.got_ids = exchange(local_ids, send_n, recv_n)  # [P, 1]
+    p.exchanges = 3
     ones = torch.ones(len(got_ids), 1, dtype=torch.float32, device=x.device)
+    p.in_experts = True
     outs = run_local(got_rows, ones, got_ids) if len(got_ids) else got_rows  # [P, H]
+    p.in_experts = False
     back = exchange(outs, recv_n, send_n)  # [t * k, H], in ``order``
+    p.exchanges = 4
     traffic.layers_done += 1  # its exchanges done: a failure below must not run them again
     pairs = torch.empty_like(back)
     pairs[order] = back
@@ -181,3 +234,40 @@ def dispatch_combine(
     out = torch.zeros_like(x)
     out[start:end] = mine.sum(dim=1).to(x.dtype)
     return out
+
+
+def _finish_layer(
+    placement: ExpertPlacement, x: torch.Tensor, run_local: RunLocal, p: _Progress
+) -> bool:
+    """The exchanges of a layer that failed on this rank after ``p.exchanges`` of its four,
+    with the sizes already agreed (none sent if the counts were not): zero rows for this
+    rank's own tokens, its experts' outputs for the others' rows (zeros if it was their
+    computation that failed, or fails again). -> whether the others' pairs lost their
+    outputs here."""
+    if p.exchanges >= 4:
+        return False
+    exchange = partial(_exchange, get_ep_group(), placement.rank)
+    size, hidden, device = placement.size, x.shape[1], x.device
+    if p.exchanges == 0:
+        p.send = [0] * size
+        counts = torch.zeros(size, 1, dtype=torch.int64, device=device)
+        p.recv = exchange(counts, [1] * size, [1] * size)[:, 0].tolist()
+    send, recv = cast(list[int], p.send), cast(list[int], p.recv)
+    if p.exchanges < 2:
+        p.got_rows = exchange(x.new_zeros(sum(send), hidden), send, recv)
+    if p.exchanges < 3:
+        zero_ids = torch.zeros(sum(send), 1, dtype=torch.int64, device=device)
+        p.got_ids = exchange(zero_ids, send, recv)
+    lost, outs = p.in_experts, None
+    rows, got_ids = cast(torch.Tensor, p.got_rows), cast(torch.Tensor, p.got_ids)
+    if not lost and len(got_ids):
+        ones = torch.ones(len(got_ids), 1, dtype=torch.float32, device=device)
+        try:
+            outs = run_local(rows, ones, got_ids)
+        except Exception:
+            lost = True
+    if outs is None or tuple(outs.shape) != (sum(recv), hidden):
+        outs = x.new_zeros(sum(recv), hidden)
+    exchange(outs, recv, send)
+    traffic.layers_done += 1
+    return lost and sum(recv) > 0

@@ -6,7 +6,11 @@ Runner arguments: ``fail_prompt`` (token ids: a step that schedules a new reques
 exactly this prompt fails) and ``after_layers`` (0: before the forward; k: once the k-th
 expert-parallel MoE layer has run, mid-forward), or ``after_exchanges`` (n: in the code after
 the forward's n-th expert all-to-all, which returns its rows one column wider; 4 x k: the
-k-th MoE layer's weighting of its experts' outputs, its exchanges done).
+k-th MoE layer's weighting of its experts' outputs, its exchanges done), or
+``before_exchange`` (n: the code between the forward's (n - 1)-th and n-th expert all-to-all
+fails, the n-th not sent), or ``fail_experts`` (k: the k-th MoE layer's expert computation
+on the rows routed to this rank, the other cores' tokens' too); ``fail_rank``: only this rank
+of the core fails (None: every one).
 """
 
 from __future__ import annotations
@@ -36,18 +40,28 @@ class FailingRunner(ModelRunner):
         fail_prompt: list[int] | None = None,
         after_layers: int = 0,
         after_exchanges: int = 0,
+        before_exchange: int = 0,
+        fail_experts: int = 0,
+        fail_rank: int | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(config, rank, **kw)
         self.fail_prompt = list(fail_prompt or [])
         self.after_layers = after_layers
         self.after_exchanges = after_exchanges
+        self.before_exchange = before_exchange
+        self.fail_experts = fail_experts
+        self.fails_here = fail_rank is None or fail_rank == rank
 
     def execute_model(self, sched: SchedulerOutput) -> Any:
-        if not any(r.prompt_token_ids == self.fail_prompt for r in sched.scheduled_new_reqs):
+        if not self.fails_here or not any(
+            r.prompt_token_ids == self.fail_prompt for r in sched.scheduled_new_reqs
+        ):
             return super().execute_model(sched)
-        if self.after_exchanges:
+        if self.after_exchanges or self.before_exchange:
             return self._fail_after_exchanges(sched)
+        if self.fail_experts:
+            return self._fail_experts(sched)
         if self.after_layers == 0:
             raise InjectedFailure("told to fail before the forward")
         model = cast(nn.Module, self.model)
@@ -68,6 +82,9 @@ class FailingRunner(ModelRunner):
         def counted(
             group: TensorParallelGroup, rank: int, rows: Tensor, send: list[int], recv: list[int]
         ) -> Tensor:
+            if done[0] + 1 == self.before_exchange:
+                done[0] += 1
+                raise InjectedFailure(f"told to fail before expert exchange {done[0]}")
             out = exchange(group, rank, rows, send, recv)
             done[0] += 1
             if done[0] == self.after_exchanges:  # one column more: the code after it fails
@@ -79,3 +96,16 @@ class FailingRunner(ModelRunner):
             return super().execute_model(sched)
         finally:
             expert_parallel._exchange = exchange
+
+    def _fail_experts(self, sched: SchedulerOutput) -> Any:
+        model = cast(nn.Module, self.model)
+        layer = [m for m in model.modules() if isinstance(m, FusedMoE)][self.fail_experts - 1]
+
+        def fail(*_: Any) -> Tensor:
+            raise InjectedFailure(f"told to fail in MoE layer {self.fail_experts}'s experts")
+
+        layer._run_held = fail  # type: ignore[method-assign,assignment]  # dispatch_combine's run_local
+        try:
+            return super().execute_model(sched)
+        finally:
+            del layer._run_held

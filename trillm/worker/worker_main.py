@@ -33,6 +33,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING
 
+from trillm.distributed import expert_step_faults
 from trillm.distributed.expert_parallel import load as expert_load
 from trillm.distributed.expert_parallel import traffic as expert_traffic
 from trillm.distributed.parallel_state import adopt_rendezvous_listener
@@ -230,21 +231,29 @@ class Worker:
     def _execute(self, sched: SchedulerOutput) -> None:
         self._sched, self._step_error = sched, None
         layers_before = expert_traffic.layers_done
+        config = getattr(self.runner, "config", None)
+        span = config is not None and config.parallel.experts_span_cores
+        if span:
+            expert_step_faults.start_forward()
         try:
             self.execute_clock.run(self._loaded().execute_model, sched)
         except CollectiveTimeoutError:
             raise  # the group is broken: fatal, not one step's failure
         except Exception:
             self._step_error = traceback.format_exc()
-            self._finish_expert_exchanges(expert_traffic.layers_done - layers_before)
+            if span:
+                self._finish_expert_exchanges(expert_traffic.layers_done - layers_before)
+        if span:  # every rank's verdict on this step (expert_step_faults)
+            device = getattr(self.runner, "device", "cpu")
+            why = expert_step_faults.agree_step(self._step_error is not None, device)
+            if why is not None and self._step_error is None:
+                self._step_error = why
 
     def _finish_expert_exchanges(self, done: int) -> None:
         """-dp N -ep: a forward that failed on this rank (one step's requests fail) before
         all its MoE layers exchanged would leave the other cores' ranks waiting in them: the
         rest run without tokens (``worker_rpc.expert_dummy_forward``)."""
-        config = getattr(self.runner, "config", None)
-        if config is not None and config.parallel.experts_span_cores:
-            worker_rpc.call(self._loaded(), "expert_dummy_forward", [done], {})
+        worker_rpc.call(self._loaded(), "expert_dummy_forward", [done], {"agree": False})
 
     def _sample(self, bitmask: dict[str, bytes | list[int]] | None) -> None:
         sched = self._sched

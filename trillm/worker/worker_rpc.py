@@ -90,16 +90,24 @@ def wake_up(runner: ModelRunner, tags: list[str] | None) -> None:
         runner.initialize_kv_cache(runner.config.cache.num_blocks)
 
 
-def expert_dummy_forward(runner: ModelRunner, skip: int = 0) -> int:
+def expert_dummy_forward(runner: ModelRunner, skip: int = 0, agree: bool = True) -> int:
     """-dp N -ep: an idle engine core's rank takes part in the step the other cores run
     (every MoE layer's exchanges but the first ``skip``, nothing else:
-    ``fused_moe.exchange_without_tokens``); -> the MoE layers it took part in."""
+    ``fused_moe.exchange_without_tokens``), then in the step's agreement on whose failed
+    (``expert_step_faults.agree_step``; ``agree`` False: the rest of a failed step's forward,
+    whose worker agrees itself); -> the MoE layers it took part in."""
     from torch import nn
 
+    from trillm.distributed import expert_step_faults
     from trillm.model_executor.layers.fused_moe import exchange_without_tokens
 
     model = cast(nn.Module, runner.model)
-    return exchange_without_tokens(model, runner.dtype, runner.device, skip)
+    if agree:
+        expert_step_faults.start_forward()
+    done = exchange_without_tokens(model, runner.dtype, runner.device, skip)
+    if agree:
+        expert_step_faults.agree_step(False, runner.device)
+    return done
 
 
 _BUILTINS: dict[str, Callable[..., Any]] = {

@@ -1,0 +1,116 @@
+"""A forward that fails inside one MoE layer's exchanges on one engine core's rank under
+``-dp 2 --enable-expert-parallel`` (trillm/distributed/expert_step_faults.py): the failing
+rank completes the layer's all-to-alls with the sizes already agreed and goes on with zeros,
+every rank of every core agrees at the forward's end on whose step failed, and only those
+requests end; the engine serves on and its close ends every rank with exit code 0.
+
+Where the failure leaves the failing rank's experts able to run (its own tokens' side of the
+layer), the other core's request keeps the single-rank engine's greedy tokens. Where the
+experts' computation itself fails, the other core's tokens routed to those experts have no
+output: that core's step fails too, and the same request sent again gets the single-rank
+tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import trio
+from expert_parallel_models import ODD_EXPERTS
+from parallel_models import LIMITS
+from parallel_reference import greedy
+
+from trillm.engine.llm import LLM
+
+POISON = [5, 6, 7, 8, 9]  # the prompt whose first step fails on core 1 (FailingRunner)
+LONG = 24
+
+
+def run_with_fault(path: str, failure: dict, **layout) -> dict:
+    """Request A streams on core 0; B (the poison prompt) is sent to core 1 after A's first
+    token, so B's first forward fails while A decodes; then A's prompt again and a new one.
+    -> the last outputs of each, and every rank's exit code after the close."""
+    from trillm.engine.engine_startup import open_engine
+
+    kwargs = {"fail_prompt": POISON, **failure}
+
+    async def main() -> dict:
+        async with open_engine(
+            path,
+            runner="trillm.testing.failing_runner:FailingRunner",
+            runner_kwargs=kwargs,
+            data_parallel_size=2,
+            enable_expert_parallel=True,
+            distributed_timeout_seconds=20,
+            **layout,
+            **LIMITS,
+        ) as engine:
+            async with engine.generate("one two", greedy(LONG), "A") as a:
+                first_a = await a.__anext__()
+                async with engine.generate({"prompt_token_ids": POISON}, greedy(4), "B") as b:
+                    outs_b = [out async for out in b]
+                assert engine.router.routed == [1, 1]  # B went to core 1
+                outs_a = [first_a] + [out async for out in a]
+            async with engine.generate("one two", greedy(LONG), "A2") as again:
+                outs_again = [out async for out in again]
+            async with engine.generate("five six", greedy(4), "C") as c:
+                outs_c = [out async for out in c]
+        codes = [p.returncode for ex in engine.executors for p in ex.processes]
+        last = {"a": outs_a, "b": outs_b, "again": outs_again, "c": outs_c}
+        return {k: v[-1].outputs[0] for k, v in last.items()} | {"codes": codes}
+
+    return trio.run(main)
+
+
+def expected_tokens(path: str) -> list[int]:
+    with LLM(path, distributed_executor_backend="uni", **LIMITS) as llm:
+        return list(llm.generate(["one two"], greedy(LONG), use_tqdm=False)[0].outputs[0].token_ids)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tiny_model_factory):
+    path = tiny_model_factory("mixtral", num_hidden_layers=2, **ODD_EXPERTS["mixtral"])
+    return path, expected_tokens(path)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [{"before_exchange": 2}, {"before_exchange": 3}, {"before_exchange": 8}],
+    ids=["before-layer-1-rows", "before-layer-1-ids", "before-layer-2-combine"],
+)
+def test_a_failure_inside_a_layer_fails_only_its_cores_requests(mixtral, failure):
+    """Core 1's rank fails between two exchanges of a layer (after the counts, its rows not
+    sent; after its rows, its experts' ids not sent; or with its experts run, the combine
+    not sent):
+    B ends with an abort, A keeps the single-rank tokens, both serve on, every rank exits 0."""
+    path, expected = mixtral
+    got = run_with_fault(path, failure)
+    assert got["b"].finish_reason == "abort"
+    assert got["a"].finish_reason == "length"
+    assert list(got["a"].token_ids) == expected
+    assert list(got["again"].token_ids) == expected
+    assert len(got["c"].token_ids) == 4
+    assert got["codes"] == [0, 0], got["codes"]
+
+
+def test_a_failure_in_the_experts_fails_the_steps_routed_to_them(mixtral, caplog):
+    """Core 1's rank's experts fail in the first MoE layer while A decodes on core 0: B ends
+    with an abort; A, whose token went to those experts, ends with one too, its log naming
+    why; A's prompt sent again gets the single-rank tokens, the engine serves on, every rank
+    exits 0."""
+    path, expected = mixtral
+    with caplog.at_level(logging.ERROR, logger="trillm.engine.core"):
+        got = run_with_fault(path, {"fail_experts": 1})
+    assert got["b"].finish_reason == "abort"
+    assert got["a"].finish_reason == "abort"
+    assert list(got["a"].token_ids) == expected[: len(got["a"].token_ids)]
+    why = (
+        "the experts of Expert-parallel rank 1 (engine core 1, rank 0) failed in MoE layer 1 "
+        "of this forward, and tokens of this engine core were routed to them"
+    )
+    assert why in caplog.text
+    assert "told to fail in MoE layer 1's experts" in caplog.text  # core 1's own error
+    assert list(got["again"].token_ids) == expected
+    assert len(got["c"].token_ids) == 4
+    assert got["codes"] == [0, 0], got["codes"]
