@@ -1,29 +1,37 @@
-"""trillm against vLLM's own CPU build and llama.cpp at Llama-3.2-1B's shape (issue 38), served
-over HTTP one server at a time, with the peer kit's independent client.
+"""trillm against vLLM's own CPU build and llama.cpp at Llama-3.2-1B's or Qwen3-1.7B's shape
+(issue 38), served over HTTP one server at a time, with the peer kit's independent client.
 
-    python benchmarks/peers/peers_1b.py prepare          # once: checkpoint + GGUFs (~10 min)
-    python benchmarks/peers/peers_1b.py run --out DIR    # the comparison, on a quiet machine
+    python benchmarks/peers/peers_1b.py prepare [--shape qwen3-1.7b]  # once: checkpoint + GGUFs
+    python benchmarks/peers/peers_1b.py check [--shape ...]  # each server answers; no timing
+    python benchmarks/peers/peers_1b.py run [--shape ...] --out DIR  # on a quiet machine
 
 The peer kit (``run_compare.sh``'s folder: ``setup.sh`` built llama.cpp, its converter venv and,
 with ``PEER_VLLM=1``, vLLM's CPU venv in ``$TRILLM_PEER_DIR``, default ``~/.cache/trillm-peer``)
 is found with ``--kit`` (default ``../shared/peers`` beside the repository). ``prepare`` writes,
-outside the repository in ``$PEER/llama-3.2-1b-shape/``: the random bf16 checkpoint in
-Llama-3.2-1B's exact config (``benchmarks/serving/make_1b_checkpoints.py``: SmolLM2's tokenizer
-padded to the 128,256-token vocabulary, weights N(0, 0.02)), then GGUFs of the same weights
-with llama.cpp's ``convert_hf_to_gguf.py`` (bf16) and ``llama-quantize`` (Q8_0, Q4_0, Q4_K_M).
+outside the repository in ``$PEER/SHAPE-shape/`` (``--shape``: llama-3.2-1b, the default, or
+qwen3-1.7b): the random bf16 checkpoint in the model's exact config
+(``benchmarks/serving/make_1b_checkpoints.py``: SmolLM2's tokenizer padded to the vocabulary,
+128,256 or 151,936 tokens, weights N(0, 0.02) seeded), then GGUFs of the same weights with
+llama.cpp's ``convert_hf_to_gguf.py`` (bf16) and ``llama-quantize`` (Q8_0, Q4_0, Q4_K_M).
 
-``run``: for each of ``--servers`` (trillm-bf16, trillm-q8_0, trillm-q4_0, trillm-q4_k_m,
-vllm-bf16, llama-bf16, llama-q8_0, llama-q4_0, llama-q4_k_m), start it from the results folder,
-check by hand that a request returns exactly ``max_tokens`` with ``ignore_eos``, run
+``check``: transformers' greedy 16 tokens on the bf16 checkpoint (computed in ``--check-dtype``,
+float32 by default: random weights leave near-ties among the logits that bf16's rounding breaks
+either way), then each of ``--servers`` once: trillm-bf16's token ids (the checkpoint served
+in the same dtype) must equal them; every server must return 16 tokens with ``ignore_eos`` (the
+others' agreement with transformers is printed, not required) and its memory is printed.
+
+``run``: for each of ``--servers`` (trillm-bf16 (the checkpoint), trillm-gguf-bf16, trillm-q8_0,
+trillm-q4_0, trillm-q4_k_m, vllm-bf16, llama-bf16, llama-q8_0, llama-q4_0, llama-q4_k_m),
+start it from the results folder, check by hand that a request returns exactly ``max_tokens`` with ``ignore_eos``, run
 ``peer_bench.py`` (httpx, imports nothing from trillm; random token-id prompts, streaming
 /v1/completions, greedy, ``ignore_eos``) at concurrency 1, 16 (and 64 with ``--n-c64``), then
 one ``--long-len`` prompt alone (its TTFT: the prefill; the server already warmed up by the
 runs before), stop it. Random weights: the text is meaningless, ``ignore_eos`` fixes the
-lengths. Every server gets the same KV budget (``--kv-gib``) and ``--max-model-len``;
-llama.cpp 2 threads and one unified KV cache over its slots; vLLM both cores computing
-(``VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0``, its best setting on 2
-cores). Writes ``DIR/table.txt`` (with the ratios against the issue's targets), ``DIR/summary.json``,
-the client JSONs and the server logs.
+lengths. Every server gets the same KV budget (``--kv-gib``: by default 64 streams' worth) and
+``--max-model-len``; llama.cpp 2 threads and one unified KV cache over its slots; vLLM both
+cores computing (``VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0``, its best
+setting on 2 cores). Writes ``DIR/table.txt`` (with the ratios against the issue's targets),
+``DIR/summary.json``, the client JSONs and the server logs.
 """
 
 from __future__ import annotations
@@ -44,9 +52,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 PEER = Path(os.environ.get("TRILLM_PEER_DIR", "~/.cache/trillm-peer")).expanduser()
-SHAPE = "llama-3.2-1b-shape"
-NAME = "llama-3.2-1b"
-SERVED = "llama1b"
+# --shape: its served name and default KV budget (GiB, every server the same). The budget holds
+# 64 streams of 1,024 + 256 tokens: the llama shape's 32 KiB a token (bf16/f16 K and V) needs
+# 2.5 GiB, Qwen3-1.7B's 112 KiB a token (28 layers x 8 KV heads x 128) 8.75 GiB
+SHAPES = {"llama-3.2-1b": ("llama1b", 4), "qwen3-1.7b": ("qwen3-1.7b", 10)}
 QUANTS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 
 
@@ -58,12 +67,10 @@ def say(msg: str) -> None:
 
 
 def prepare(args: argparse.Namespace) -> None:
-    root = args.peer / SHAPE
-    sys.path.insert(0, str(REPO))
-    from benchmarks.serving import make_1b_checkpoints as mk
-
+    root, name = args.root, args.shape
+    mk = checkpoints()
     mk.SMOLLM2 = args.peer / "smollm2-135m-instruct"  # setup.sh's folder: its tokenizer
-    hf = mk.build("llama-3.2-1b", root, args.seed)
+    hf = mk.build(name, root, args.seed)
     zero_reserved_rows(hf, root)
     # llama.cpp's converter pins transformers 4.x, which cannot read the tokenizer_config.json
     # transformers 5 wrote: a shadow folder links the files and names a class 4.x knows
@@ -78,7 +85,7 @@ def prepare(args: argparse.Namespace) -> None:
         cfg.update(tokenizer_class="GPT2Tokenizer", add_bos_token=False)
         (shadow / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     llama = args.peer / "llama.cpp"
-    bf16 = root / f"{NAME}-bf16.gguf"
+    bf16 = root / f"{name}-bf16.gguf"
     if not bf16.exists():
         say("converting to a bf16 GGUF")
         tmp = bf16.with_suffix(".tmp")
@@ -111,7 +118,7 @@ def prepare(args: argparse.Namespace) -> None:
             stdout=subprocess.DEVNULL,
         )
     for q, ftype in QUANTS.items():
-        out = root / f"{NAME}-{q}.gguf"
+        out = root / f"{name}-{q}.gguf"
         if not out.exists():
             say(f"quantizing to {ftype}")
             subprocess.run(
@@ -122,6 +129,20 @@ def prepare(args: argparse.Namespace) -> None:
             out.with_suffix(".tmp").rename(out)
     for f in sorted(root.glob("*.gguf")):
         say(f"{f.name}: {f.stat().st_size / 1e9:.2f} GB")
+
+
+def checkpoints() -> Any:
+    """benchmarks/serving/make_1b_checkpoints.py: the shapes' configs and the builder."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.serving import make_1b_checkpoints
+
+    return make_1b_checkpoints
+
+
+def kv_bytes_per_token(shape: str) -> int:
+    """K and V in 16 bits over every layer: what each server's KV budget holds per token."""
+    cfg = checkpoints().MODELS[shape]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
 
 
 def zero_reserved_rows(hf: Path, root: Path) -> None:
@@ -151,15 +172,14 @@ def zero_reserved_rows(hf: Path, root: Path) -> None:
 
 
 def server_cmd(name: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    root = args.peer / SHAPE
-    hf = root / NAME
+    hf = args.root / args.shape
     env = dict(os.environ)
     kind, fmt = name.split("-", 1)
-    gguf = root / f"{NAME}-{fmt}.gguf"
+    gguf = args.root / f"{args.shape}-{fmt.removeprefix('gguf-')}.gguf"
     port = str(args.port)
     if kind == "trillm":
         model = (
-            [str(hf), "--dtype", "bfloat16"]
+            [str(hf), "--dtype", getattr(args, "hf_dtype", "bfloat16")]
             if fmt == "bf16"
             else [str(gguf), "--tokenizer", str(hf), "--dtype", args.trillm_gguf_dtype]
         )
@@ -172,7 +192,7 @@ def server_cmd(name: str, args: argparse.Namespace) -> tuple[list[str], dict[str
             "--port",
             port,
             "--served-model-name",
-            SERVED,
+            args.served,
             "--max-model-len",
             str(args.max_model_len),
             "--kv-cache-memory",
@@ -195,14 +215,14 @@ def server_cmd(name: str, args: argparse.Namespace) -> tuple[list[str], dict[str
             "--port",
             port,
             "--served-model-name",
-            SERVED,
+            args.served,
             "--max-model-len",
             str(args.max_model_len),
         ]
     elif kind == "llama":
-        # one unified KV cache of the same budget (f16: 32 KiB a token) over the slots: a slot
-        # may take up to the whole context, as a paged cache lets one request do
-        ctx = args.kv_gib * 2**30 // (16 * 2 * 8 * 64 * 2)
+        # one unified KV cache of the same budget (f16 K and V) over the slots: a slot may take
+        # up to the whole context, as a paged cache lets one request do
+        ctx = args.kv_gib * 2**30 // kv_bytes_per_token(args.shape)
         cmd = [
             str(args.peer / "llama.cpp/build/bin/llama-server"),
             "-m",
@@ -222,7 +242,7 @@ def server_cmd(name: str, args: argparse.Namespace) -> tuple[list[str], dict[str
             "--kv-unified",
             "--cont-batching",
             "--alias",
-            SERVED,
+            args.served,
             "--no-webui",
         ]
     else:
@@ -284,7 +304,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def verify(args: argparse.Namespace) -> dict[str, Any]:
     """One plain request by hand: usage.completion_tokens must equal max_tokens."""
     body = {
-        "model": SERVED,
+        "model": args.served,
         "prompt": "The three primary colors are",
         "max_tokens": 16,
         "temperature": 0,
@@ -305,7 +325,7 @@ def peer_bench(
         "--base-url",
         args.base,
         "--model",
-        SERVED,
+        args.served,
         "--num-prompts",
         str(n),
         "--max-concurrency",
@@ -330,7 +350,7 @@ def long_prompt(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """One fresh ``--long-len``-token prompt alone, streamed: its TTFT is the prefill."""
     ids = np.random.default_rng([seed, 0x8C]).integers(100, 49152, size=args.long_len).tolist()
     body = {
-        "model": SERVED,
+        "model": args.served,
         "prompt": ids,
         "max_tokens": 4,
         "temperature": 0,
@@ -354,6 +374,102 @@ def long_prompt(args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "prompt_tokens": usage.get("prompt_tokens"),
         "completion_tokens": usage.get("completion_tokens"),
     }
+
+
+# token ids below 49,152: SmolLM2's own tokens, not the padding; ids, so no server adds a bos
+CHECK_PROMPT = [9707, 11, 1879, 0, 576, 3974, 13876, 38835, 35308, 916, 279, 15678, 5562, 13]
+
+
+def check(args: argparse.Namespace) -> None:
+    """Each server answers: 16 greedy tokens with ``ignore_eos`` (trillm-bf16: transformers')."""
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    prompt = CHECK_PROMPT
+    # transformers' answer, kept beside the weights
+    saved = args.root / f"check-reference-{args.check_dtype}.json"
+    if saved.exists() and json.loads(saved.read_text())["prompt"] == prompt:
+        ref = json.loads(saved.read_text())["greedy"]
+    else:
+        ref = transformers_greedy(args.root / args.shape, prompt, 16, args.check_dtype)
+        saved.write_text(json.dumps({"prompt": prompt, "greedy": ref}))
+    say(f"transformers ({args.check_dtype}): {ref}")
+    args.hf_dtype = args.check_dtype  # trillm-bf16 serves the bf16 checkpoint in this dtype
+    failed = []
+    for name in args.servers:
+        try:
+            proc = start(name, args, out)
+        except RuntimeError as e:
+            say(f"ERROR: {e}")
+            failed.append(name)
+            continue
+        try:
+            body = {
+                "model": args.served,
+                "prompt": prompt,
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,  # trillm and vLLM: "token_id:N"
+            }
+            r = httpx.post(args.base + "/v1/completions", json=body, timeout=900).json()
+            n = (r.get("usage") or {}).get("completion_tokens")
+            toks = ((r.get("choices") or [{}])[0].get("logprobs") or {}).get("tokens") or []
+            ids = [int(t.split(":", 1)[1]) for t in toks if str(t).startswith("token_id:")]
+            same = sum(1 for _ in iter_equal(ids, ref))
+            ok = n == 16 and (name != "trillm-bf16" or ids == ref)
+            say(
+                f"{name}: {n} tokens, {same} of 16 as transformers', "
+                f"{'ok' if ok else 'FAILED'}; memory (PSS) {session_pss_gib(proc.pid):.2f} GiB"
+            )
+            if not ok:
+                say(f"  {name} answered {str(r)[:600]}")
+                failed.append(name)
+        finally:
+            stop(proc)
+    if failed:
+        raise SystemExit(f"failed: {' '.join(failed)}")
+
+
+def session_pss_gib(sid: int) -> float:
+    """The proportional set size of every process in the server's session (API process,
+    engine, workers; shared pages counted once), GiB."""
+    total = 0
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text()
+            if d.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[3]) == sid:
+                for line in (d / "smaps_rollup").read_text().splitlines():
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 2**30
+
+
+def iter_equal(a: list[int], b: list[int]) -> Any:
+    """The leading tokens two greedy runs share."""
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            return
+        yield x
+
+
+def transformers_greedy(hf: Path, prompt: list[int], n: int, dtype: str) -> list[int]:
+    """transformers' greedy continuation, never stopping at eos, the model then freed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=getattr(torch, dtype))
+    ids, past, got = torch.tensor([prompt]), None, []
+    with torch.no_grad():
+        for _ in range(n):
+            o = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past, nxt = o.past_key_values, int(o.logits[0, -1].argmax())
+            got.append(nxt)
+            ids = torch.tensor([[nxt]])
+    del model, past
+    return got
 
 
 def loadavg() -> str:
@@ -438,7 +554,10 @@ def host_info(args: argparse.Namespace) -> dict[str, str]:
 
 
 def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
+    cfg = summary.get("settings") or {}
     rows = [
+        f"{cfg.get('shape', args.shape)}'s shape, KV budget {cfg.get('kv_gib', args.kv_gib)} GiB "
+        "for every server",
         "server        c1 TTFT  c1 TPOT  c16 tok/s  c16 TTFT  c16 TPOT  c64 tok/s  c64 TTFT "
         f" {args.long_len} TTFT  lens  load before/after",
         "-" * 118,
@@ -448,6 +567,8 @@ def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
         ("c1", "mean_tpot_ms", min),
         ("c16", "output_throughput", max),
         ("c16", "mean_ttft_ms", min),
+        ("c64", "output_throughput", max),
+        ("c64", "mean_ttft_ms", min),
         ("long", "ttft_ms", min),
     )
     for name, s in summary["servers"].items():
@@ -487,6 +608,8 @@ def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
         "c1 mean_tpot_ms": ("c1 TPOT", "<= 0.8"),
         "c16 output_throughput": ("c16 out tok/s", ">= 1.5"),
         "c16 mean_ttft_ms": ("c16 TTFT", "<= 0.8"),
+        "c64 output_throughput": ("c64 out tok/s", ">= 1.5, as c16"),
+        "c64 mean_ttft_ms": ("c64 TTFT", "<= 0.8, as c16"),
         "long ttft_ms": (f"{args.long_len} TTFT", "<= 0.8"),
     }
     for key, (label, goal) in targets.items():
@@ -499,12 +622,20 @@ def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(rows) + "\n"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["prepare", "run", "table"])
+    p.add_argument("what", choices=["prepare", "check", "run", "table"])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
     p.add_argument("--peer", type=Path, default=PEER)
     p.add_argument("--kit", type=Path, default=REPO.parent / "shared/peers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--check-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="check: transformers' and trillm-bf16's compute dtype (random weights leave near-"
+        "ties that bf16 rounding settles differently)",
+    )
     p.add_argument(
         "--out", type=Path, default=Path(f"/tmp/peers_1b_{time.strftime('%Y%m%d_%H%M')}")
     )
@@ -520,7 +651,7 @@ def main() -> None:
     p.add_argument("--out-len", type=int, default=256)
     p.add_argument("--long-len", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=9216)
-    p.add_argument("--kv-gib", type=int, default=4)
+    p.add_argument("--kv-gib", type=int, help="default: 4 (llama-3.2-1b), 10 (qwen3-1.7b)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--slots", type=int, default=64, help="llama-server --parallel")
     p.add_argument("--port", type=int, default=18441)
@@ -531,11 +662,22 @@ def main() -> None:
     p.add_argument(
         "--vllm-env", default="VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0"
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.base = f"http://127.0.0.1:{args.port}"
     args.peer = args.peer.expanduser()
+    args.root = args.peer / f"{args.shape}-shape"  # outside the repository
+    args.served, kv_gib = SHAPES[args.shape]
+    if args.kv_gib is None:
+        args.kv_gib = kv_gib
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.what == "prepare":
         prepare(args)
+    elif args.what == "check":
+        check(args)
     elif args.what == "run":
         run(args)
     else:  # the table again from a run's summary.json
