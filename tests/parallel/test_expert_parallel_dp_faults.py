@@ -114,3 +114,23 @@ def test_a_failure_in_the_experts_fails_the_steps_routed_to_them(mixtral, caplog
     assert list(got["again"].token_ids) == expected
     assert len(got["c"].token_ids) == 4
     assert got["codes"] == [0, 0], got["codes"]
+
+
+def test_a_failure_on_one_tensor_parallel_rank_fails_its_whole_core(tmp_path):
+    """-dp 2 -tp 2 -ep (DeepSeek-V3, 4 expert ranks): only core 1's second rank fails, inside
+    the first MoE layer; its core's first rank (the one that samples) fails the step with it,
+    core 0's request keeps the single-rank tokens, and every rank exits 0."""
+    from trillm.testing.tiny_deepseek import build_tiny_deepseek
+
+    path = build_tiny_deepseek(
+        "v3", tmp_path, num_hidden_layers=2, moe_intermediate_size=31, n_shared_experts=2
+    )
+    expected = expected_tokens(str(path))
+    failure = {"before_exchange": 2, "fail_rank": 1}
+    got = run_with_fault(str(path), failure, tensor_parallel_size=2)
+    assert got["b"].finish_reason == "abort"
+    assert got["a"].finish_reason == "length"
+    assert list(got["a"].token_ids) == expected
+    assert list(got["again"].token_ids) == expected
+    assert len(got["c"].token_ids) == 4
+    assert got["codes"] == [0, 0, 0, 0], got["codes"]
