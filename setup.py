@@ -111,6 +111,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_gemm_q_vnni.h",
                 "ext/cpu_gemm_q_bf16.h",
                 "ext/cpu_gemm_q_avx2.h",
+                "ext/cpu_gemm_q_q6.h",
                 "ext/cpu_program.h",
             ],
             cxx_std=17,

@@ -33,7 +33,9 @@
 //   Q8_0 / Q6_K: 8 quads x 16 columns x 4 int8, byte [j][c][i] = q[c][4j + i], then d[16]
 //                fp16, then (Q6_K, q - 32 stored) sc[2][16] int8, the scales of k 0..15 and
 //                16..31 (9 bits a weight against the file's 6.56: one byte a value keeps the
-//                int8 kernels' loads; d repeats over the 8 blocks of a super-block);
+//                int8 kernels' loads; d repeats over the 8 blocks of a super-block); where
+//                the CPU has AVX512-BF16 and VBMI Q6_K is packed as Q6_KP instead, at the
+//                file's 6.5625 bits (cpu_gemm_q_q6.h);
 //   Q5_KM: Q4's nibble pairs (q & 15), then hb[8] uint64, bit 4c + i of hb[j] the fifth bit
 //                of q[c][4j + i], then Q4_KM's parameters (7 bits a weight against Q5_K's
 //                file's 5.5);
@@ -77,7 +79,8 @@ constexpr int kRowBlock = 64;   // rows of x per work item
 // Q5_KM and Q4_KM are trillm's too: 5-bit / 4-bit values with a scale and a minimum per half
 // block of 16 (the forms GGUF's Q5_K, and Q3_K and Q2_K, are repacked into).
 enum QType : int {
-  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_G = 100, kQ5_KM = 101, kQ4_KM = 102
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kQ4_G = 100, kQ5_KM = 101, kQ4_KM = 102,
+  kQ6_KP = 103  // trillm's: Q6_K at the file's size (cpu_gemm_q_q6.h)
 };
 
 // Types whose values are stored one signed byte each (in quads), not as nibble pairs.
@@ -108,11 +111,12 @@ constexpr int param_bytes(int qtype) {
 
 // Bytes of one (panel, block) record.
 int record_bytes(int qtype) {
+  if (qtype == kQ6_KP) return 420;  // a super-block's 3,360 bytes over its 8 blocks
   if (qtype != kQ4_0 && qtype != kQ4_1 && qtype != kQ8_0 && qtype != kQ4_K && qtype != kQ6_K &&
       qtype != kQ4_G && !half_min(qtype))
     throw std::invalid_argument(
         "quantized GEMM: type must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12), Q6_K (14), "
-        "Q4_G (100), Q5_KM (101) or Q4_KM (102)");
+        "Q4_G (100), Q5_KM (101), Q4_KM (102) or Q6_KP (103)");
   return quant_bytes(qtype) + param_bytes(qtype);
 }
 
@@ -421,6 +425,8 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
   }
 }
 
+#include "cpu_gemm_q_q6.h"
+
 void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packed, int qtype,
             int N, uintptr_t bias, uintptr_t y, bool y_bf16, int64_t ldy, int num_threads,
             bool int8_activations) {
@@ -432,6 +438,9 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   const bool wide = isa() == Isa::kAvx512;
   if (M < 0 || N <= 0 || K <= 0 || K % kBlock != 0)
     throw std::invalid_argument("quantized GEMM: bad shape (K must be a multiple of 32)");
+  if (qtype == kQ6_KP && (K % (kQ6Blocks * kBlock) != 0 || !cpu_has_bf16dot()))
+    throw std::invalid_argument(
+        "quantized GEMM: Q6_KP needs K a multiple of 256 and a CPU with AVX512-BF16 and VBMI");
   if (M == 0) return;
   py::gil_scoped_release release;
   // x as fp32 rows (bf16 widened exactly) and, for Q4 (Q4_KM, Q5_KM), its per-block (per-half-block)
@@ -451,11 +460,11 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   QuantizedRows rows;
   std::vector<uint32_t> pairs_bf16;  // the bf16 path's activations (cpu_gemm_q_bf16.h)
   static const bool bf16dot = cpu_has_bf16dot();
-  if (x_bf16 && !int8_activations && wide && bf16dot && bf16dot_type(qtype))
+  if (x_bf16 && !int8_activations && wide && bf16dot && (bf16dot_type(qtype) || qtype == kQ6_KP))
     pairs_bf16 = pair_rows(reinterpret_cast<const uint16_t*>(x), ldx, M, K);
   if (int8_activations) {
     rows = quantize_rows(xf, ld, M, K);
-  } else if (!byte_values(qtype)) {
+  } else if (!byte_values(qtype) && qtype != kQ6_KP) {
     const int span = half_min(qtype) ? kBlock / 2 : kBlock, spans = K / span;
     sums.resize(static_cast<size_t>(M) * spans);
     for (int r = 0; r < M; ++r)
@@ -481,7 +490,9 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
     const int first = static_cast<int>(static_cast<int64_t>(pairs) * run / runs);
     const int last = static_cast<int>(static_cast<int64_t>(pairs) * (run + 1) / runs);
     for (int pair = first; pair < last; ++pair)
-      wide ? run_pair(g, m0, m1, pair) : run_pair_avx2(g, m0, m1, pair);
+      qtype == kQ6_KP ? run_pair_q6kp(g, m0, m1, pair, wide)
+      : wide          ? run_pair(g, m0, m1, pair)
+                      : run_pair_avx2(g, m0, m1, pair);
   });
 }
 
@@ -500,6 +511,8 @@ void register_cpu_gemm_q(py::module_& m) {
   m.def("get_isa", &get_isa, "The kernel in use: 'avx512' or 'avx2'.");
   m.def("num_panels", &num_panels, py::arg("n"));
   m.def("record_bytes", &record_bytes, py::arg("qtype"));
+  m.def("supports_q6_kp", &cpu_has_bf16dot,
+        "Whether Q6_KP (Q6_K at the file's size) runs: AVX512-BF16 and AVX512-VBMI.");
   trillm_cpu::def_kernel(m, "linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),
         py::arg("ldx"), py::arg("packed"), py::arg("qtype"), py::arg("n"), py::arg("bias"),
         py::arg("y"), py::arg("y_bf16"), py::arg("ldy"), py::arg("num_threads"),

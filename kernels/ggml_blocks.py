@@ -15,6 +15,7 @@ Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 Q4_G = 100  # trillm's: AWQ / GPTQ 4-bit groups as blocks of 32 with an fp16 scale, a zero point
 Q5_KM = 101  # trillm's: 5-bit values, a scale and minimum per 16 (Q5_K's kernel type)
 Q4_KM = 102  # trillm's: nibbles, a scale and minimum per 16 (Q3_K's and Q2_K's kernel type)
+Q6_KP = 103  # trillm's: Q6_K at the file's size (its kernel type where the CPU has AVX512-BF16)
 QTYPE_NAMES = {
     Q4_0: "Q4_0",
     Q4_1: "Q4_1",
@@ -27,8 +28,10 @@ QTYPE_NAMES = {
     Q4_G: "Q4_G",
     Q5_KM: "Q5_KM",
     Q4_KM: "Q4_KM",
+    Q6_KP: "Q6_KP",
 }
-# a file type -> the kernel type it is repacked into (the others: itself)
+# a file type -> the kernel type it is repacked into (the others: itself; Q6_K -> Q6_KP where
+# the kernel runs it, linear_q_cpu.kernel_type)
 KERNEL_TYPES = {Q3_K: Q4_KM, Q5_K: Q5_KM, Q2_K: Q4_KM}
 # Bytes of one GGML block: fp16 d (+ fp16 m), then the values.
 GGML_BLOCK_BYTES = {Q4_0: 2 + 16, Q4_1: 4 + 16, Q8_0: 2 + 32}

@@ -7,7 +7,9 @@ Q4_1 an fp16 minimum ``m`` too; values ``(q - 8) * d`` for Q4_0, ``q * d + m`` f
 with fp16 d / dmin per super-block and 6-bit sc / mn per block of 32, each block becoming one
 record with d / dmin repeated; Q6_K: super-blocks of 256, ``(d * sc) * (q - 32)`` with an int8
 sc per 16 values, each block of 32 one record of Q8_0's bytes (q - 32) with d repeated and two
-scales; Q2_K: ``(d * sc) * q - dmin * mn`` with q 0..3 and a 4-bit sc and mn per 16 values, and
+scales (9 bits a weight), or where the CPU has AVX512-BF16 and VBMI ``Q6_KP`` (trillm's: the
+file's 6.5625 bits a weight, 4-bit and 2-bit fields, d once per super-block; ``kernel_type``,
+``ext/cpu_gemm_q_q6.h``); Q2_K: ``(d * sc) * q - dmin * mn`` with q 0..3 and a 4-bit sc and mn per 16 values, and
 Q3_K: ``(d * sc) * q`` with q -4..3 and a 6-bit sc - 32 per 16 values (stored as q + 4, dmin =
 d, mn = 4 sc: the same values), repacked into ``Q4_KM`` (trillm's: Q4 nibbles, d / dmin
 repeated, an int8 scale and minimum per half block of 16); Q5_K: Q4_K's values with a fifth bit
@@ -63,6 +65,7 @@ from .ggml_blocks import (  # the block formats (callers also name them here)
     Q5_K,
     Q5_KM,
     Q6_K,
+    Q6_KP,
     Q8_0,
     QK_K,
     QTYPE_NAMES,
@@ -87,6 +90,7 @@ __all__ = [
     "Q5_K",
     "Q5_KM",
     "Q6_K",
+    "Q6_KP",
     "Q8_0",
     "QK_K",
     "QTYPE_NAMES",
@@ -96,6 +100,7 @@ __all__ = [
     "dequantize",
     "int8_available",
     "isa",
+    "kernel_type",
     "linear",
     "quantize_activations",
     "unpack_ggml",
@@ -126,6 +131,16 @@ def _require() -> ModuleType:
     if ext is None:
         raise RuntimeError("quantized GEMM: trillm._ext.cpu_kernels not built or no AVX2/FMA/F16C.")
     return ext
+
+
+def kernel_type(qtype: int) -> int:
+    """The packed form a weight of GGML type ``qtype`` takes: ``KERNEL_TYPES``' (else itself),
+    and Q6_K as Q6_KP (its file's 6.5625 bits a weight, not 9) where the kernel runs it (a CPU
+    with AVX512-BF16 and AVX512-VBMI)."""
+    kind = KERNEL_TYPES.get(qtype, qtype)
+    if kind == Q6_K and available() and _require().supports_q6_kp():
+        return Q6_KP
+    return kind
 
 
 def isa() -> str:
@@ -179,7 +194,7 @@ class QuantizedWeight:
 
     def _set(self, q: np.ndarray, params: list[np.ndarray], qtype: int) -> None:
         self.qtype = qtype
-        self.kernel_type = KERNEL_TYPES.get(qtype, qtype)
+        self.kernel_type = kernel_type(qtype)
         self.out_features, self.in_features = q.shape
         # [panels * nb * record] uint8
         self.data = torch.from_numpy(q_panels.pack(q, params, self.kernel_type))

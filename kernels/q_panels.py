@@ -12,7 +12,7 @@ import torch
 
 from trillm.utils import cdiv
 
-from .ggml_blocks import BLOCK, Q4_0, Q4_1, Q4_G, Q4_K, Q4_KM, Q5_KM, Q6_K, Q8_0
+from .ggml_blocks import BLOCK, Q4_0, Q4_1, Q4_G, Q4_K, Q4_KM, Q5_KM, Q6_K, Q6_KP, Q8_0, QK_K
 
 PANEL = 16  # output columns per panel of the packed layout
 _HALF_MIN = (Q5_KM, Q4_KM)  # a scale and minimum per half block
@@ -30,12 +30,72 @@ def _values_bytes(qtype: int) -> int:
     return PANEL * BLOCK // 2 + (_HIGH_BYTES if qtype == Q5_KM else 0)
 
 
+# Q6_KP (ext/cpu_gemm_q_q6.h): per panel and super-block of 256 k, d[16] fp16, then 8 blocks of
+# nibbles (Q4's layout, of u = q + 32), highs (2 x 16 uint32 lanes: the top two bits of u[c][k],
+# k = 16 h + 8 g + 4 e + s, at bit 4, 8, 12, 0 (s) + 2 g + 16 e of lane c of vector h) and
+# sc[2][16] int8: 3,360 bytes, 420 a block of 32.
+_Q6_BLOCK_BYTES = PANEL * BLOCK // 2 + PANEL * BLOCK // 4 + 2 * PANEL  # 416
+_Q6_SUPER = QK_K // BLOCK  # blocks a super-block
+_Q6_SHIFTS = (  # [g, e, s] -> the bit of lane c that holds u's top two bits
+    np.array([4, 8, 12, 0]).reshape(1, 1, 4)
+    + 2 * np.arange(2).reshape(2, 1, 1)
+    + 16 * np.arange(2).reshape(1, 2, 1)
+).astype(np.uint32)
+
+
+def _pack_q6_kp(q: np.ndarray, params: list[np.ndarray], panels: int) -> np.ndarray:
+    """Q6_K's unpacked form (q - 32 int8 [Np, K]; d repeated per block, sc of each half, [Np,
+    nb]) -> Q6_KP's bytes."""
+    n, k = q.shape
+    nb, ns = k // BLOCK, k // QK_K
+    u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(panels, PANEL, nb, BLOCK)
+    nibbles = (u[..., 0::2] & 0xF) | ((u[..., 1::2] & 0xF) << 4)  # [P, 16 cols, nb, 16 rows]
+    top = (u >> 4).astype(np.uint32).reshape(panels, PANEL, nb, 2, 2, 2, 4)  # [.., h, g, e, s]
+    lanes = (top << _Q6_SHIFTS).sum(axis=(4, 5, 6), dtype=np.uint32)  # [P, 16 cols, nb, 2 h]
+    sc = np.stack(params[1:3], axis=2).reshape(panels, PANEL, nb, 2)  # int8
+    blocks = np.concatenate(
+        [
+            nibbles.transpose(0, 2, 3, 1).reshape(panels, nb, -1),
+            np.ascontiguousarray(lanes.transpose(0, 2, 3, 1))
+            .view(np.uint8)
+            .reshape(panels, nb, -1),
+            np.ascontiguousarray(sc.transpose(0, 2, 3, 1)).view(np.uint8).reshape(panels, nb, -1),
+        ],
+        axis=2,
+    ).reshape(panels, ns, _Q6_SUPER * _Q6_BLOCK_BYTES)
+    d = params[0][:, ::_Q6_SUPER].reshape(panels, PANEL, ns).transpose(0, 2, 1)
+    d_bytes = np.ascontiguousarray(d).view(np.uint8).reshape(panels, ns, 2 * PANEL)
+    return np.ascontiguousarray(np.concatenate([d_bytes, blocks], axis=2)).reshape(-1)
+
+
+def _unpack_q6_kp(data: torch.Tensor, panels: int, k: int) -> torch.Tensor:
+    """Q6_KP's bytes -> the values (d * sc) * q, [P, nb, 32 k, 16 cols] fp32."""
+    nb, ns = k // BLOCK, k // QK_K
+    supers = data.view(panels, ns, -1)
+    d = supers[:, :, : 2 * PANEL].contiguous().view(torch.float16).float()  # [P, ns, 16]
+    blocks = supers[:, :, 2 * PANEL :].reshape(panels, ns, _Q6_SUPER, _Q6_BLOCK_BYTES)
+    rows = blocks[..., : PANEL * BLOCK // 2].reshape(panels, ns, _Q6_SUPER, BLOCK // 2, PANEL)
+    low = torch.stack([rows & 0xF, rows >> 4], dim=4).reshape(panels, ns, _Q6_SUPER, BLOCK, PANEL)
+    lanes = blocks[..., PANEL * BLOCK // 2 : 3 * PANEL * BLOCK // 4].contiguous().view(torch.int32)
+    lanes = lanes.reshape(panels, ns, _Q6_SUPER, 2, PANEL, 1, 1, 1).long()
+    shifts = torch.from_numpy(_Q6_SHIFTS.astype(np.int64))
+    top = (lanes >> shifts) & 3  # [P, ns, 8, 2 h, 16 cols, 2 g, 2 e, 4 s]
+    top = top.permute(0, 1, 2, 3, 5, 6, 7, 4).reshape(low.shape)
+    q = (low.long() | (top << 4)).float() - 32.0  # [P, ns, 8, 32 k, 16 cols]
+    sc = blocks[..., 3 * PANEL * BLOCK // 4 :].contiguous().view(torch.int8).float()
+    scale = d.view(panels, ns, 1, 1, PANEL) * sc.view(panels, ns, _Q6_SUPER, 2, PANEL)
+    w = scale.unsqueeze(4) * q.view(panels, ns, _Q6_SUPER, 2, BLOCK // 2, PANEL)
+    return w.reshape(panels, nb, BLOCK, PANEL)
+
+
 def record_bytes(qtype: int) -> int:
     """Bytes of one (panel, block) record of kernel type ``qtype``: the values (Q5_KM: nibbles,
     then the fifth bits hb[8] uint64, bit 4c + i of hb[j] that of column c, k 4j + i), then
     d[16] fp16 (then Q4_1's m[16] fp16, Q4_G's z[16] uint8, Q4_K's dmin[16] fp16, sc[16] uint8, mn[16]
     uint8, Q6_K's sc[2][16] int8, or Q4_KM's / Q5_KM's dmin[16] fp16, sc[2][16] int8,
-    mn[2][16] int8)."""
+    mn[2][16] int8); Q6_KP: a super-block's bytes over its 8 blocks."""
+    if qtype == Q6_KP:
+        return (2 * PANEL + _Q6_SUPER * _Q6_BLOCK_BYTES) // _Q6_SUPER
     extra = {
         Q4_1: 2 * PANEL,
         Q4_G: PANEL,
@@ -60,6 +120,8 @@ def pack(q: np.ndarray, params: list[np.ndarray], qtype: int) -> np.ndarray:
     pad = panels * PANEL - n  # zero columns: q 0, d 0 (z 0), so they add nothing
     q = np.pad(q, ((0, pad), (0, 0)))
     scales = [np.pad(s, ((0, pad), (0, 0))) for s in params]
+    if qtype == Q6_KP:
+        return _pack_q6_kp(q, scales, panels)
     values: np.ndarray
     if _byte_values(qtype):
         # [P, 16 cols, nb, 32 k] -> [P, nb, 32 k, 16 cols]
@@ -94,6 +156,9 @@ def unpack(
 ) -> torch.Tensor:  # [N, K]
     """The values ``pack`` packed, read back from the packed bytes: the reference."""
     nb, panels = k // BLOCK, num_panels(n)
+    if qtype == Q6_KP:
+        w6 = _unpack_q6_kp(data, panels, k).permute(0, 3, 1, 2).reshape(panels * PANEL, k)
+        return w6[:n].to(dtype)
     records = data.view(panels, nb, record_bytes(qtype))
     values_bytes = _values_bytes(qtype)
     values = records[:, :, :values_bytes]

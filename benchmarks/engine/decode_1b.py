@@ -8,7 +8,8 @@ and ``rest`` = step - gemv - lm_head (attention over the KV, norms, rotary, samp
 step's Python). The limit: the bytes a token reads in the file's format (every linear weight,
 a tied ``lm_head`` as the embedding's type; one embedding row) over the host's streaming read
 bandwidth, measured in the same run (a 1 GiB buffer summed by all threads); ``packed MB``:
-trillm's in-memory copies of the same weights (Q6_K repacks to 9 bits a weight).
+trillm's in-memory copies of the same weights (Q6_K: its file's 6.5625 bits a weight as Q6_KP
+where the CPU has AVX512-BF16 and VBMI, else 9).
 
     python benchmarks/engine/decode_1b.py --model M.gguf [M2.gguf FOLDER ...] [--tokenizer HF]
         [--prompt 1024] [--steps 16] [--rounds 2] [--clock wall|thread] [--label L] [--out x.json]

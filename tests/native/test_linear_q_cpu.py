@@ -227,7 +227,8 @@ def test_int8_q8_0_kernel_is_exact_at_the_extremes():
 # ---------------------------------------------------------------- K-quants (super-blocks of 256)
 
 # type -> (its id, offsets of its fp16 d (and dmin), their magnitude for O(1) values, bits a
-# value once packed). Q5_K runs as the Q5_KM packed form, Q3_K and Q2_K as Q4_KM's.
+# value once packed). Q5_K runs as the Q5_KM packed form, Q3_K and Q2_K as Q4_KM's, Q6_K as
+# Q6_KP's (6.5625 bits) where the CPU has AVX512-BF16 and VBMI.
 KQUANTS = {
     "Q4_K": (linear_q_cpu.Q4_K, (0, 2), 2e-3, 5.5),
     "Q6_K": (linear_q_cpu.Q6_K, (208,), 5e-4, 9),
@@ -258,7 +259,9 @@ def test_kquant_packed_layout_dequantizes_like_gguf(type_name, n):
     raw, expected = _kquant_weight(type_name, n, 512, seed=n)
     weight = linear_q_cpu.QuantizedWeight(raw, qtype, n, 512)
     assert weight.qtype == qtype
-    assert weight.kernel_type == linear_q_cpu.KERNEL_TYPES.get(qtype, qtype)
+    assert weight.kernel_type == linear_q_cpu.kernel_type(qtype)
+    if weight.kernel_type == linear_q_cpu.Q6_KP:  # Q6_K at the file's size (AVX512-BF16 CPUs)
+        bits = 6.5625
     assert weight.nbytes == q_panels.num_panels(n) * 16 * 512 * bits / 8
     assert torch.equal(linear_q_cpu.dequantize(weight), expected)
     with pytest.raises(ValueError, match="multiple of 256"):
