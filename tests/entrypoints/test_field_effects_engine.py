@@ -249,7 +249,9 @@ def test_engine_args_reach_the_config():
     )
     m = config.model
     assert (m.dtype, m.served_model_name, m.generation_config) == ("float32", "named", {})
-    assert build_config(EngineArgs()).model.eos_token_ids == [2, 0]  # generation_config auto
+    default = build_config(EngineArgs())
+    assert default.model.eos_token_ids == [2, 0]  # generation_config auto
+    assert default.scheduler.max_num_batched_tokens == 2048  # vLLM's CPU server default
 
 
 @pytest.mark.parametrize(

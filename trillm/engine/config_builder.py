@@ -37,11 +37,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# vLLM's CPU default for LLM (its server's: 2048). A longer prompt is prefilled in chunks of it;
-# on CPU the later chunks' attention runs at the fresh-prompt kernel's rate, so the chunk size
-# barely moves an 8,192-token prompt's cost at the 1B shape (process CPU 24.5-25.7 s at 1024-4096,
-# 27.8 s as one chunk: benchmarks/engine/results/prefill_breakdown_1b2l_8k_chunk_sizes.txt).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+# vLLM's CPU default for its OpenAI server (vllm/engine/arg_utils.py get_batch_defaults: 2048 x
+# world size; its LLM class 4096). vLLM's scheduler, like trillm's, fills the budget with the
+# waiting prompts in order, chunking the last: 16 prompts arriving together finish
+# budget / prompt_len at a time, so a smaller budget lowers their mean TTFT ((n/k + 1) / 2 steps
+# of k prompts each) as long as the GEMMs keep their rate at the step's rows (flat from 128 rows
+# at Llama-3.2-1B's shape, from ~1,024 at SmolLM2-135M's:
+# benchmarks/kernels/results/gemm_rows_plateau_20261207.txt). A prompt longer than the budget is
+# prefilled in chunks of it; on CPU the later chunks' attention runs at the fresh-prompt kernel's
+# rate, so the chunk size barely moves an 8,192-token prompt's cost at the 1B shape (process CPU
+# 24.5-25.7 s at 1024-4096, 27.8 s as one chunk:
+# benchmarks/engine/results/prefill_breakdown_1b2l_8k_chunk_sizes.txt).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def resolve_attention_backend(
