@@ -20,8 +20,9 @@
 //
 // Files: this one holds the problem, the bf16 glue, the dispatch, the plan and the bindings;
 // the two kernels are included from ext/cpu_attention_tile.h (several query rows per item) and
-// ext/cpu_attention_decode.h (one row: decode steps); on CPUs with AVX512-BF16, bf16 chunks of
-// 16 rows or more (a long prompt's later chunks) run on ext/cpu_attention_paged_dp.h instead.
+// ext/cpu_attention_decode.h (one row: decode steps); bf16 chunks of 16 rows or more (a long
+// prompt's later chunks) run on ext/cpu_attention_paged_dp.h instead on CPUs with AVX512-BF16,
+// on ext/cpu_attention_paged_avx2.h on those with AVX2 + FMA only.
 //
 // Per layer, optionally: a sliding window (window > 0: a row at position p sees positions
 // > p - window; its keys before that are neither read nor scored), logit soft-capping
@@ -42,6 +43,10 @@
 #include "cpu_attention_bf16.h"
 #include "cpu_common.h"
 #include "cpu_program.h"
+#if defined(__x86_64__) && defined(__GNUC__)
+#include "cpu_attention_avx2_tiles.h"  // the fresh-prompt kernel's tiles: long chunks, AVX2
+#include "cpu_attention_dp_tiles.h"    // and on AVX512-BF16's vdpbf16ps
+#endif
 
 namespace py = pybind11;
 
@@ -182,14 +187,13 @@ TRILLM_INLINE void rounded_softmax_pv(const Problem& p, int nvec, float* s, int 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-#include "cpu_attention_paged_dp.h"  // attend_item_paged_dp: long chunks, bf16, AVX512-BF16
+#include "cpu_attention_paged_dp.h"    // attend_item_paged_dp: long chunks, bf16, AVX512-BF16
+#include "cpu_attention_paged_avx2.h"  // attend_item_paged_avx2: the same, AVX2 + FMA
 #define TRILLM_PAGED_DP 1
 #else
 #define TRILLM_PAGED_DP 0
 #endif
 
-// Whether long bf16 chunks with context run on attend_item_paged_dp: on where the CPU has
-// AVX512-BF16 (paged_bf16_dot(False) keeps them on the tile kernel: tests, benchmarks).
 inline bool cpu_has_paged_dp() {
 #if TRILLM_PAGED_DP
   __builtin_cpu_init();
@@ -199,14 +203,42 @@ inline bool cpu_has_paged_dp() {
   return false;
 #endif
 }
-std::atomic<bool>& paged_dp_on() {
-  static std::atomic<bool> on{cpu_has_paged_dp()};
-  return on;
+
+// Which kernel runs the long bf16 chunks with context (Plan::plan_chunk_items): vdpbf16ps where
+// the CPU has AVX512-BF16, else the AVX2 tiles where it has AVX2 + FMA, else the tile kernel.
+// paged_chunk_kernel(name) picks another one the CPU has (tests, benchmarks).
+enum ChunkKernel : int { kChunkTile = 0, kChunkAvx2 = 1, kChunkBf16Dot = 2 };
+const char* const kChunkKernelNames[] = {"tile", "avx2", "bf16-dot"};
+
+bool cpu_has_chunk_kernel(int k) {
+#if TRILLM_PAGED_DP
+  if (k == kChunkBf16Dot) return cpu_has_paged_dp();
+  if (k == kChunkAvx2) return cpu_has_avx2();
+#endif
+  return k == kChunkTile;
 }
-bool set_paged_bf16_dot(bool on) {
-  const bool before = paged_dp_on().load();
-  paged_dp_on().store(on && cpu_has_paged_dp());
-  return before;
+std::atomic<int>& chunk_kernel() {
+  static std::atomic<int> k{cpu_has_chunk_kernel(kChunkBf16Dot) ? kChunkBf16Dot
+                            : cpu_has_chunk_kernel(kChunkAvx2)  ? kChunkAvx2
+                                                                : kChunkTile};
+  return k;
+}
+// Items attend_item_paged_avx2 ([kChunkAvx2]) and _dp ([kChunkBf16Dot]) have run in this
+// process (tests: which one ran).
+std::atomic<int64_t> chunk_items_run[3];
+
+// name "" leaves the setting; -> the kernel before.
+std::string paged_chunk_kernel(const std::string& name) {
+  const std::string before = kChunkKernelNames[chunk_kernel().load()];
+  if (name.empty()) return before;
+  for (int k = 0; k < 3; ++k) {
+    if (name != kChunkKernelNames[k]) continue;
+    if (!cpu_has_chunk_kernel(k))
+      throw std::runtime_error("this CPU (or build) has no '" + name + "' chunk kernel");
+    chunk_kernel().store(k);
+    return before;
+  }
+  throw std::invalid_argument("the chunk kernel must be 'bf16-dot', 'avx2' or 'tile'");
 }
 
 // KB / JB: the tile kernel's blocks of accumulators (keys x group, value lanes x group), sized
@@ -366,16 +398,15 @@ class Plan {
     p_.block_size = block_size;
     items_ = plan_items(p_, num_reqs, reinterpret_cast<const int32_t*>(req_indices), num_selected,
                         num_threads);
-    plan_dp_items();
+    plan_chunk_items();
   }
 
-  // The items of the run on attend_item_paged_dp (bf16, no window or softcap): a request of
-  // at least kPdpMinQueryRows query rows as (kv head, block of 96 / group rows) items, the most
-  // work first; the other requests' items as they are. Empty where that path never runs.
-  void plan_dp_items() {
+  // The items of the run on attend_item_paged_dp or _avx2 (bf16, no window or softcap): a
+  // request of at least kPdpMinQueryRows query rows as (kv head, block of 96 / group rows)
+  // items, the most work first; the other requests' items as they are. Empty where neither runs.
+  void plan_chunk_items() {
 #if TRILLM_PAGED_DP
-    if (!cpu_has_paged_dp() || !paged_dp_layout(p_.num_heads, p_.num_kv_heads, p_.head_dim))
-      return;
+    if (!cpu_has_avx2() || !paged_dp_layout(p_.num_heads, p_.num_kv_heads, p_.head_dim)) return;
     const int block = std::max(1, kPdpMaxVectors / (p_.num_heads / p_.num_kv_heads));
     std::vector<Item> long_items, rest;
     for (const Item& it : items_) {
@@ -396,9 +427,9 @@ class Plan {
     };
     std::stable_sort(long_items.begin(), long_items.end(),
                      [&](const Item& a, const Item& b) { return work(a) > work(b); });
-    dp_long_ = static_cast<int>(long_items.size());
-    dp_items_ = std::move(long_items);
-    dp_items_.insert(dp_items_.end(), rest.begin(), rest.end());
+    chunk_long_ = static_cast<int>(long_items.size());
+    chunk_items_ = std::move(long_items);
+    chunk_items_.insert(chunk_items_.end(), rest.begin(), rest.end());
 #endif
   }
 
@@ -431,14 +462,18 @@ class Plan {
     const Kernel kernel =
         dtype == 0 ? select_for_cache<float>(cache_dtype) : select_for_cache<Bf16>(cache_dtype);
 #if TRILLM_PAGED_DP
-    if (dp_long_ > 0 && dtype == 1 && cache_dtype == 1 && window == 0 && softcap == 0.0f &&
-        paged_dp_on().load(std::memory_order_relaxed)) {
-      const int n = static_cast<int>(dp_items_.size());
-      const int n_long = dp_long_;
+    const int chunks = chunk_kernel().load(std::memory_order_relaxed);
+    if (chunk_long_ > 0 && dtype == 1 && cache_dtype == 1 && window == 0 && softcap == 0.0f &&
+        chunks != kChunkTile) {
+      const Kernel long_kernel =
+          chunks == kChunkBf16Dot ? &attend_item_paged_dp : &attend_item_paged_avx2;
+      const int n = static_cast<int>(chunk_items_.size());
+      const int n_long = chunk_long_;
+      chunk_items_run[chunks].fetch_add(n_long, std::memory_order_relaxed);
       py::gil_scoped_release release;
       run_items(num_threads_, n, [&](int i) {
-        if (i < n_long) attend_item_paged_dp(p, dp_items_[i]);
-        else kernel(p, dp_items_[i]);
+        if (i < n_long) long_kernel(p, chunk_items_[i]);
+        else kernel(p, chunk_items_[i]);
       });
       return;
     }
@@ -451,8 +486,8 @@ class Plan {
  private:
   Problem p_{};
   std::vector<Item> items_;
-  std::vector<Item> dp_items_;  // plan_dp_items
-  int dp_long_ = 0;             // its first dp_long_ items run on attend_item_paged_dp
+  std::vector<Item> chunk_items_;  // plan_chunk_items
+  int chunk_long_ = 0;  // its first chunk_long_ items run on attend_item_paged_dp or _avx2
   int num_threads_;
 };
 
@@ -495,9 +530,18 @@ void register_cpu_attention(py::module_& m) {
   m.def("get_kernel", &get_kernel, "The paged kernel in use: 'avx2' or 'generic'.");
   m.def("set_kernel", &set_kernel, py::arg("name"),
         "Run the 'avx2' or the 'generic' (fallback) paged kernel, process-wide.");
-  m.def("paged_bf16_dot", &set_paged_bf16_dot, py::arg("on"),
-        "Long bf16 prompt chunks with context on AVX512-BF16's vdpbf16ps (on where the CPU "
-        "has it) or the tile kernel; -> the setting before. For tests and benchmarks.");
+  m.def("paged_chunk_kernel", &paged_chunk_kernel, py::arg("name") = "",
+        "The kernel of long bf16 prompt chunks with context: 'bf16-dot' (AVX512-BF16), 'avx2' "
+        "or 'tile' (the best the CPU has by default); name '' leaves it. -> the kernel before. "
+        "For tests and benchmarks.");
+  m.def(
+      "paged_chunk_items_run",
+      [](const std::string& name) {
+        for (int k = kChunkAvx2; k <= kChunkBf16Dot; ++k)
+          if (name == kChunkKernelNames[k]) return chunk_items_run[k].load();
+        throw std::invalid_argument("the chunk kernels that count items: 'bf16-dot', 'avx2'");
+      },
+      py::arg("name"), "Work items the named chunk kernel has run in this process (tests).");
   py::class_<Plan>(m, "Plan")
       .def(py::init<uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, int, int, int, int, int, int,
                     int64_t, int, int>(),

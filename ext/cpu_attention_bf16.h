@@ -8,6 +8,7 @@
 // Anonymous namespace: a copy per source file (all of it inlined or thread-local).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -66,6 +67,17 @@ TRILLM_INLINE void rounded_softmax_row(float* row, int n) {
     if (i < full) std::memcpy(row + i, &w, sizeof(w));
     else std::memcpy(row + i, &w, (n - i) * sizeof(float));
   }
+}
+
+// Scores row[0 .. n) (fp32 sums q . k) -> their probabilities rounded to bf16, in place: the
+// scores' two roundings (round_scores), then rounded_softmax_row.
+TRILLM_INLINE void probabilities_of_scores(float* row, int n, v8f scale) {
+  for (int c = 0; c < n; c += 8) {
+    const v8f r =
+        round_scores(c + 8 <= n ? load8(row + c) : load_part(row + c, n - c, 0.0f), scale);
+    std::memcpy(row + c, &r, std::min(8, n - c) * sizeof(float));
+  }
+  rounded_softmax_row(row, n);
 }
 
 }  // namespace

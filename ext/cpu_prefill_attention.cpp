@@ -35,6 +35,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cpu_attention_avx2_tiles.h"  // the tiles: packing, products, the bf16 passes
 #include "cpu_attention_bf16.h"
 #include "cpu_common.h"
 #include "cpu_program.h"
@@ -43,11 +44,8 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr int kRows = 6;          // query vectors per register block
-constexpr int kPanel = 16;        // keys (scores) or head-dim columns (output) per block
-constexpr int kKeyTile = 64;      // keys per tile: four panels
-constexpr int kMaxVectors = 96;   // query vectors (positions x heads of the group) per item
-constexpr int kMaxHeadDim = 256;  // head_dim: a multiple of 16 up to this
+constexpr int kMaxVectors = kTileMaxVectors;  // query vectors (positions x heads) per item
+constexpr int kMaxHeadDim = kTileMaxHeadDim;  // head_dim: a multiple of 16 up to this
 
 struct Problem {
   const void* q;  // float or Bf16, as k, v and out
@@ -68,129 +66,50 @@ struct Item {
   int first, last;  // query positions first .. last - 1 of the segment
 };
 
+// What the two bf16 kernels of an item (attend_item_bf16 below; attend_item_bf16_dp on
+// AVX512-BF16) share around their passes: vector i at position first + i / group of query head
+// kv_head * group + i % group, where its q and output are, and a tile's rows of keys or values.
+struct FreshBf16Item {
+  const Problem& p;
+  const Item& it;
+  int D, group, M;
+  const Bf16* k;  // the segment's first key row of this kv head; v: value
+  const Bf16* v;
+  int pos[kMaxVectors];
+  const Bf16* rows[kKeyTile];
+
+  FreshBf16Item(const Problem& p_, const Item& it_) : p(p_), it(it_) {
+    D = p.head_dim;
+    group = p.num_heads / p.num_kv_heads;
+    M = (it.last - it.first) * group;
+    k = static_cast<const Bf16*>(p.k) + it.start * p.k_token_stride + it.kv_head * p.k_head_stride;
+    v = static_cast<const Bf16*>(p.v) + it.start * p.v_token_stride + it.kv_head * p.v_head_stride;
+    for (int i = 0; i < M; ++i) pos[i] = it.first + i / group;
+  }
+  int head(int i) const { return it.kv_head * group + i % group; }
+  const Bf16* q_row(int i) const {
+    return static_cast<const Bf16*>(p.q) + (it.start + pos[i]) * p.q_token_stride +
+           head(i) * p.q_head_stride;
+  }
+  // Keys (values false) or values key0 .. key0 + n -> their n row pointers (until the next call).
+  const Bf16* const* operator()(bool values, int key0, int n) {
+    const Bf16* base = values ? v : k;
+    const int64_t ld = values ? p.v_token_stride : p.k_token_stride;
+    for (int t = 0; t < n; ++t) rows[t] = base + (key0 + t) * ld;
+    return rows;
+  }
+  // acc [M][D] -> the output rows, rounded once.
+  void store_rows(const float* acc) const {
+    for (int i = 0; i < M; ++i) {
+      Bf16* dst = static_cast<Bf16*>(p.out) + (it.start + pos[i]) * p.out_token_stride +
+                  head(i) * p.out_head_stride;
+      for (int d = 0; d < D; ++d) store(dst + d, acc[i * D + d]);
+    }
+  }
+};
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
-
-inline __attribute__((always_inline)) __m256 ld8(const float* x) { return _mm256_loadu_ps(x); }
-inline __attribute__((always_inline)) __m256 ld8(const Bf16* x) { return load8(x); }
-
-inline __attribute__((always_inline)) void transpose8(__m256* r) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
-  const __m256 s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
-  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
-  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
-  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
-  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
-  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
-  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
-  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
-}
-
-// Keys 0 .. n-1 (rows of `k`, stride ld) -> panels [ceil(n/16)][D][16], zero past n.
-template <typename T>
-inline void pack_keys(const T* k, int64_t ld, int n, int D, float* packed) {
-  for (int key0 = 0; key0 < n; key0 += 8) {
-    const int panel = key0 / kPanel, col = key0 % kPanel;
-    float* dst = packed + static_cast<int64_t>(panel) * D * kPanel + col;
-    for (int d = 0; d < D; d += 8) {
-      __m256 r[8];
-      for (int t = 0; t < 8; ++t)
-        r[t] = key0 + t < n ? ld8(k + (key0 + t) * ld + d) : _mm256_setzero_ps();
-      transpose8(r);
-      for (int t = 0; t < 8; ++t) _mm256_storeu_ps(dst + (d + t) * kPanel, r[t]);
-    }
-  }
-  if (n % kPanel > 0 && n % kPanel <= 8) {  // the last panel's upper half: zero
-    float* dst = packed + static_cast<int64_t>(n / kPanel) * D * kPanel + 8;
-    for (int d = 0; d < D; ++d) _mm256_storeu_ps(dst + d * kPanel, _mm256_setzero_ps());
-  }
-}
-
-// Values 0 .. n-1 (rows of `v`, stride ld) -> panels [D/16][n][16]: the rows' strided copies
-// (4 KiB apart in a fused qkv) would fight over a few L1 sets, the packed tile streams.
-template <typename T>
-inline void pack_values(const T* v, int64_t ld, int n, int D, float* packed) {
-  for (int j = 0; j < n; ++j) {
-    for (int c = 0; c < D; c += kPanel) {
-      float* dst = packed + static_cast<int64_t>(c) * n + j * kPanel;
-      _mm256_storeu_ps(dst, ld8(v + j * ld + c));
-      _mm256_storeu_ps(dst + 8, ld8(v + j * ld + c + 8));
-    }
-  }
-}
-
-// s[i][0..16) = q[i] . panel for R query vectors (q rows of D floats, s rows of lds).
-template <int R>
-inline __attribute__((always_inline)) void scores(const float* q, int D, const float* panel,
-                                                  float* s, int lds = kKeyTile) {
-  __m256 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const __m256 w0 = _mm256_loadu_ps(panel + d * kPanel);
-    const __m256 w1 = _mm256_loadu_ps(panel + d * kPanel + 8);
-    for (int i = 0; i < R; ++i) {
-      const __m256 qi = _mm256_broadcast_ss(q + i * D + d);
-      acc[i][0] = _mm256_fmadd_ps(qi, w0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(qi, w1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(s + i * lds, acc[i][0]);
-    _mm256_storeu_ps(s + i * lds + 8, acc[i][1]);
-  }
-}
-
-// o[i][0..16) = o[i][0..16) * corr[i] + sum_j p[i][j] v[j][0..16) for R query vectors
-// (p rows of ldp weights, o rows of D floats, v rows of stride ld).
-template <int R>
-inline __attribute__((always_inline)) void accumulate(const float* p, const float* v, int64_t ld,
-                                                      int n, const float* corr, float* o,
-                                                      int D, int ldp = kKeyTile) {
-  __m256 acc[R][2];
-  for (int i = 0; i < R; ++i) {
-    const __m256 c = _mm256_broadcast_ss(corr + i);
-    acc[i][0] = _mm256_mul_ps(_mm256_loadu_ps(o + i * D), c);
-    acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(o + i * D + 8), c);
-  }
-  for (int j = 0; j < n; ++j) {
-    const __m256 v0 = _mm256_loadu_ps(v + j * ld);
-    const __m256 v1 = _mm256_loadu_ps(v + j * ld + 8);
-    for (int i = 0; i < R; ++i) {
-      const __m256 pi = _mm256_broadcast_ss(p + i * ldp + j);
-      acc[i][0] = _mm256_fmadd_ps(pi, v0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(pi, v1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    _mm256_storeu_ps(o + i * D, acc[i][0]);
-    _mm256_storeu_ps(o + i * D + 8, acc[i][1]);
-  }
-}
-
-// fn.template operator()<R>() for R = rows (1 .. kRows).
-template <typename F>
-inline __attribute__((always_inline)) void with_rows(int rows, F&& fn) {
-  switch (rows) {
-    case 6: fn(std::integral_constant<int, 6>{}); break;
-    case 5: fn(std::integral_constant<int, 5>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
-}
 
 void attend_item(const Problem& p, const Item& it) {
   const int D = p.head_dim;
@@ -228,7 +147,7 @@ void attend_item(const Problem& p, const Item& it) {
   for (int key0 = 0; key0 < it.last; key0 += kKeyTile) {
     const int n = std::min(kKeyTile, it.last - key0);
     const int width = (n + kPanel - 1) / kPanel * kPanel;  // score columns written
-    pack_keys(k + key0 * p.k_token_stride, p.k_token_stride, n, D, kp);
+    pack_keys([k, key0, &p](int t) { return k + (key0 + t) * p.k_token_stride; }, n, D, kp);
     // Scores of the panels some vector of the block sees (the rest is masked below).
     for (int i = 0; i < M; i += kRows) {
       const int rows = std::min(kRows, M - i);
@@ -283,7 +202,7 @@ void attend_item(const Problem& p, const Item& it) {
       m[i] = tile_max;
     }
     // O = O * corr + P . V over the keys the block's last vector sees.
-    pack_values(v + key0 * p.v_token_stride, p.v_token_stride, n, D, vp);
+    pack_values([v, key0, &p](int t) { return v + (key0 + t) * p.v_token_stride; }, n, D, vp);
     for (int i = 0; i < M; i += kRows) {
       const int rows = std::min(kRows, M - i);
       const int keys = std::min(n, pos[i + rows - 1] - key0 + 1);
@@ -307,88 +226,21 @@ void attend_item(const Problem& p, const Item& it) {
 }
 
 // bf16: every score of the item first ([M][stride], keys 0 .. last - 1), then per row the
-// rounded softmax, then O = P . V (see the header).
+// rounded softmax, then O = P . V (bf16_item_tiles, ext/cpu_attention_avx2_tiles.h).
 void attend_item_bf16(const Problem& p, const Item& it) {
-  const int D = p.head_dim;
-  const int group = p.num_heads / p.num_kv_heads;
-  const int M = (it.last - it.first) * group;  // vector i: position first + i / group
-  const int stride = (it.last + kPanel - 1) / kPanel * kPanel;
-
+  FreshBf16Item item(p, it);
+  const int D = item.D;
   alignas(32) static thread_local float qs[kMaxVectors * kMaxHeadDim];   // [M][D], unscaled
   alignas(32) static thread_local float acc[kMaxVectors * kMaxHeadDim];  // [M][D]
-  alignas(32) static thread_local float kp[kKeyTile * kMaxHeadDim];      // K^T panels
-  alignas(32) static thread_local float vp[kKeyTile * kMaxHeadDim];      // V panels
-  float* S = score_rows(M, stride);  // [M][stride]: S, then P
-  float ones[kMaxVectors];
-  int pos[kMaxVectors];
-
-  const Bf16* q = static_cast<const Bf16*>(p.q);
-  for (int i = 0; i < M; ++i) {
-    pos[i] = it.first + i / group;
-    const int head = it.kv_head * group + i % group;
-    const Bf16* src = q + (it.start + pos[i]) * p.q_token_stride + head * p.q_head_stride;
+  for (int i = 0; i < item.M; ++i) {
+    const Bf16* src = item.q_row(i);
     for (int d = 0; d < D; d += 8) {
       _mm256_store_ps(qs + i * D + d, load8(src + d));
       _mm256_store_ps(acc + i * D + d, _mm256_setzero_ps());
     }
-    ones[i] = 1.0f;
   }
-  const Bf16* k = static_cast<const Bf16*>(p.k) + it.start * p.k_token_stride +
-                  it.kv_head * p.k_head_stride;
-  const Bf16* v = static_cast<const Bf16*>(p.v) + it.start * p.v_token_stride +
-                  it.kv_head * p.v_head_stride;
-
-  // (1) S = Q . K^T over the panels some vector of a block sees.
-  for (int key0 = 0; key0 < it.last; key0 += kKeyTile) {
-    const int n = std::min(kKeyTile, it.last - key0);
-    const int width = (n + kPanel - 1) / kPanel * kPanel;
-    pack_keys(k + key0 * p.k_token_stride, p.k_token_stride, n, D, kp);
-    for (int i = 0; i < M; i += kRows) {
-      const int rows = std::min(kRows, M - i);
-      const int seen = std::min(width, pos[i + rows - 1] - key0 + 1);
-      with_rows(rows, [&](auto r) {
-        for (int c = 0; c < seen; c += kPanel)
-          scores<decltype(r)::value>(qs + i * D, D, kp + c * D, S + i * stride + key0 + c,
-                                     stride);
-      });
-    }
-  }
-  // (2) Per row: the scores' roundings, then the rounded softmax; 0 past the row's position (a
-  // block's later vectors read those columns).
-  const v8f scale = splat(p.scale);
-  for (int i = 0; i < M; ++i) {
-    float* row = S + static_cast<int64_t>(i) * stride;
-    const int n = pos[i] + 1;
-    for (int c = 0; c < n; c += 8) {
-      const v8f r = round_scores(c + 8 <= n ? load8(row + c) : load_part(row + c, n - c, 0.0f),
-                                 scale);
-      std::memcpy(row + c, &r, std::min(8, n - c) * sizeof(float));
-    }
-    rounded_softmax_row(row, n);
-    for (int c = n; c < stride; ++c) row[c] = 0.0f;
-  }
-  // (3) O = P . V over the keys the block's last vector sees.
-  for (int key0 = 0; key0 < it.last; key0 += kKeyTile) {
-    const int n = std::min(kKeyTile, it.last - key0);
-    pack_values(v + key0 * p.v_token_stride, p.v_token_stride, n, D, vp);
-    for (int i = 0; i < M; i += kRows) {
-      const int rows = std::min(kRows, M - i);
-      const int keys = std::min(n, pos[i + rows - 1] - key0 + 1);
-      if (keys <= 0) continue;
-      with_rows(rows, [&](auto r) {
-        for (int c = 0; c < D; c += kPanel)
-          accumulate<decltype(r)::value>(S + i * stride + key0, vp + c * n, kPanel, keys,
-                                         ones + i, acc + i * D + c, D, stride);
-      });
-    }
-  }
-
-  for (int i = 0; i < M; ++i) {
-    const int head = it.kv_head * group + i % group;
-    Bf16* dst = static_cast<Bf16*>(p.out) + (it.start + pos[i]) * p.out_token_stride +
-                head * p.out_head_stride;
-    for (int d = 0; d < D; ++d) store(dst + d, acc[i * D + d]);
-  }
+  bf16_item_tiles(qs, item.M, D, item.pos, p.scale, item, acc);
+  item.store_rows(acc);
 }
 
 #pragma GCC pop_options

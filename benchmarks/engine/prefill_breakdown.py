@@ -24,8 +24,9 @@ path round by round (ext/cpu_prefill_attention_dp.h); the result of
 is in benchmarks/engine/results/prefill_breakdown_1b.{json,txt} (this 2-core Zen 4 host, shared).
 
 ``--paged-dot both`` alternates a chunked prompt's later chunks (a prompt longer than
-``--max-num-batched-tokens``) between the paged kernel's vdpbf16ps path
-(ext/cpu_attention_paged_dp.h) and its fp32 tile kernel: one 8,192-token prompt at the default
+``--max-num-batched-tokens``) between the paged kernel's long-chunk path (vdpbf16ps,
+ext/cpu_attention_paged_dp.h, or on a CPU without AVX512-BF16 its AVX2 tiles,
+ext/cpu_attention_paged_avx2.h) and its fp32 tile kernel: one 8,192-token prompt at the default
 chunk size on the 1B shape cut to 2 layers is in
 benchmarks/engine/results/prefill_breakdown_1b2l_8k_chunked.{json,txt}.
 """
@@ -118,9 +119,9 @@ def main() -> None:
         "--paged-dot",
         choices=("on", "off", "both"),
         default="on",
-        help="a chunked prompt's later chunks' attention on the paged kernel's vdpbf16ps path "
-        "(ext/cpu_attention_paged_dp.h, where the CPU has AVX512-BF16) or its fp32 tile "
-        "kernel; both: alternated, each round",
+        help="a chunked prompt's later chunks' attention on the paged kernel's long-chunk path "
+        "(the best the CPU has: vdpbf16ps or AVX2 tiles) or its fp32 tile kernel; both: "
+        "alternated, each round",
     )
     parser.add_argument("--gemm-shapes", action="store_true")
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 2048])
@@ -183,13 +184,13 @@ def main() -> None:
     paged = ["on", "off"] if args.paged_dot == "both" else [args.paged_dot]
     variants = [f"{a}/{b}" for a in fresh for b in paged]  # fresh-prompt / paged kernel
     dot_before = attention.prefill_bf16_dot(True)
-    paged_before = attention.paged_bf16_dot(True)
+    paged_before = attention.paged_chunk_kernel()  # "on": the CPU's best, "off": the tile kernel
     try:
         for length, r, variant in (
             (n, r, v) for n in args.prompt_len for r in range(args.rounds) for v in variants
         ):
             attention.prefill_bf16_dot(variant.split("/")[0] == "on")
-            attention.paged_bf16_dot(variant.split("/")[1] == "on")
+            attention.paged_chunk_kernel(paged_before if variant.endswith("/on") else "tile")
             spent.clear()
             cpu_spent.clear()
             calls.clear()
@@ -235,7 +236,7 @@ def main() -> None:
             result["runs"].append(run)
     finally:
         attention.prefill_bf16_dot(dot_before)
-        attention.paged_bf16_dot(paged_before)
+        attention.paged_chunk_kernel(paged_before)
         llm.shutdown()
         recording.call, recording.attention = native_call, native_attention  # type: ignore[assignment]
     for length in args.prompt_len:

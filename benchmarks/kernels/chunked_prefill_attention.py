@@ -5,9 +5,12 @@
 than ``--max-num-batched-tokens``. Per chunk: wall ms and process CPU ms (medians of
 ``--repeats``; the threads of ``TRILLM_CPU_ATTENTION_THREADS`` / torch's count: with 1 the CPU
 ms is the kernel's own time, far steadier than wall time on a shared machine) and GFLOP/s of
-the causal attention math (4 * Hq * D per visible query-key pair). ``--paged-dp both`` runs
-the later chunks on the fp32-FMA tile kernel (``paged_bf16_dot(False)``) and on the
-vdpbf16ps path (ext/cpu_attention_paged_dp.h), one after the other in one run.
+the causal attention math (4 * Hq * D per visible query-key pair). ``--kernels`` runs the
+later chunks on each named kernel of ``paged_chunk_kernel``, one after the other, ``--rounds``
+times alternated: ``tile`` (the fp32-FMA tile kernel), ``avx2`` (ext/cpu_attention_paged_avx2.h,
+the path of CPUs without AVX512-BF16, forced on one that has it) and ``bf16-dot`` (vdpbf16ps,
+ext/cpu_attention_paged_dp.h); the ones this CPU lacks are left out. ``--later-only`` skips the
+first (fresh-prompt) chunk: the cache is filled directly.
 
     TRILLM_CPU_ATTENTION_THREADS=1 python benchmarks/kernels/chunked_prefill_attention.py \
         --prompt-len 8192 --chunk 4096 8192 2048 1024 --repeats 1
@@ -53,7 +56,9 @@ def timed_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     return statistics.median(wall), statistics.median(cpu)
 
 
-def chunks_of(total: int, chunk: int, repeats: int, g: torch.Generator) -> list[dict]:
+def chunks_of(
+    total: int, chunk: int, repeats: int, g: torch.Generator, later_only: bool = False
+) -> list[dict]:
     blocks = total // BS
     q = torch.randn(total, HQ, D, generator=g).to(torch.bfloat16)
     k = torch.randn(total, HKV, D, generator=g).to(torch.bfloat16)
@@ -68,6 +73,8 @@ def chunks_of(total: int, chunk: int, repeats: int, g: torch.Generator) -> list[
     out = torch.empty_like(q)
     for start in range(0, total, chunk):
         n = min(chunk, total - start)
+        if start == 0 and later_only:
+            continue
         if start == 0:
             seg = torch.tensor([[0, n]], dtype=torch.int32)
             qc, kc, vc, oc = q[:n], k[:n], v[:n], out[:n]
@@ -105,38 +112,53 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=8192)
     parser.add_argument("--chunk", type=int, nargs="+", default=[4096])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--paged-dp", choices=["on", "off", "both"], default="both")
+    parser.add_argument(
+        "--kernels", nargs="+", choices=["tile", "avx2", "bf16-dot"], default=["tile", "bf16-dot"]
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="the kernels alternated, N times")
+    parser.add_argument("--later-only", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     ext = cpu_kernels("attention")
-    has_switch = ext is not None and hasattr(ext, "paged_bf16_dot")
-    modes = {"on": [True], "off": [False], "both": [False, True]}[args.paged_dp]
-    if not has_switch:
-        modes = [None]
+    before = ext.paged_chunk_kernel()
+    kernels = []
+    for name in args.kernels:
+        try:
+            ext.paged_chunk_kernel(name)
+            kernels.append(name)
+        except RuntimeError:
+            print(f"{name}: not on this CPU, left out", flush=True)
     results = []
-    for chunk in args.chunk:
-        for mode in modes:
-            if mode is not None:
-                ext.paged_bf16_dot(mode)
-            rows = chunks_of(args.prompt_len, chunk, args.repeats, torch.Generator().manual_seed(0))
-            total = sum(r["ms"] for r in rows)
-            total_cpu = sum(r["cpu_ms"] for r in rows)
-            gf = sum(r["gflop"] for r in rows)
-            results.append(
-                {
-                    "chunk": chunk,
-                    "paged_dp": mode,
-                    "chunks": rows,
-                    "total_ms": round(total, 1),
-                    "total_cpu_ms": round(total_cpu, 1),
-                    "gflops": round(gf / total * 1e3, 1),
-                }
-            )
-            print(
-                f"chunk {chunk} paged_dp {mode}: {total:.0f} ms ({total_cpu:.0f} CPU ms),"
-                f" {gf / total * 1e3:.1f} GFLOP/s",
-                flush=True,
-            )
+    try:
+        for chunk in args.chunk:
+            for r in range(args.rounds):
+                for kernel in kernels:
+                    ext.paged_chunk_kernel(kernel)
+                    g = torch.Generator().manual_seed(0)
+                    rows = chunks_of(args.prompt_len, chunk, args.repeats, g, args.later_only)
+                    total = sum(r["ms"] for r in rows)
+                    total_cpu = sum(r["cpu_ms"] for r in rows)
+                    gf = sum(r["gflop"] for r in rows)
+                    results.append(
+                        {
+                            "chunk": chunk,
+                            "round": r,
+                            "paged_kernel": kernel,
+                            "chunks": rows,
+                            "total_ms": round(total, 1),
+                            "total_cpu_ms": round(total_cpu, 1),
+                            "gflops": round(gf / total * 1e3, 1),
+                            "gflop_per_cpu_s": round(gf / total_cpu * 1e3, 1),
+                        }
+                    )
+                    print(
+                        f"chunk {chunk} round {r} paged kernel {kernel}: {total:.0f} ms"
+                        f" ({total_cpu:.0f} CPU ms), {gf / total * 1e3:.1f} GFLOP/s,"
+                        f" {gf / total_cpu * 1e3:.1f} GFLOP per CPU-s",
+                        flush=True,
+                    )
+    finally:
+        ext.paged_chunk_kernel(before)
     common.write_json(args.out, {"machine": common.machine_info(), "results": results})
 
 

@@ -15,7 +15,7 @@ HQ, HKV, D = 6, 2, 64
 SCALE = D**-0.5
 
 
-def hf_eager_attention(q, keys, values, context_len):
+def hf_eager_attention(q, keys, values, context_len, scale=SCALE):
     """transformers' bf16 eager attention of one request: q [Lq, Hq, D], keys/values
     [S, Hkv, D] bf16 -> [Lq, Hq, D] bf16."""
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -24,14 +24,14 @@ def hf_eager_attention(q, keys, values, context_len):
     q_pos = context_len + torch.arange(lq)[:, None]
     mask = torch.zeros(lq, s, dtype=q.dtype)
     mask.masked_fill_(torch.arange(s)[None, :] > q_pos, torch.finfo(q.dtype).min)
-    module = SimpleNamespace(num_key_value_groups=HQ // HKV, training=False)
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // keys.shape[1], training=False)
     out, _ = eager_attention_forward(
         module,
         q.transpose(0, 1)[None],
         keys.transpose(0, 1)[None],
         values.transpose(0, 1)[None],
         mask[None, None],
-        SCALE,
+        scale,
     )  # [1, Lq, Hq, D]
     return out[0]
 

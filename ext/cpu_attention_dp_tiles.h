@@ -1,0 +1,203 @@
+// The vdpbf16ps tiles of the two bf16 attention kernels for CPUs with AVX512-BF16: the
+// fresh-prompt kernel's (ext/cpu_prefill_attention_dp.h) and the paged kernel's long chunks with
+// context (ext/cpu_attention_paged_dp.h). Each keeps its own setup (which rows, where its keys
+// are); a 64-key tile's keys and values come as row pointers, so contiguous rows and rows
+// gathered from the block-paged cache share the packing, the products and the softmax pass:
+//   S = Q . K^T: q rows read as bf16 pairs (dims 2j, 2j+1) broadcast against a 64-key tile
+//     packed [D/2][64][2] (ext/cpu_bf16_pair_pack.h), 6 rows x 4 zmm of sums;
+//   the scores' two roundings and the rounded softmax (ext/cpu_attention_bf16.h), fp32 rows;
+//   O = P . V: P's rows are bf16 values already (rounded by the softmax), so their bf16 copy is
+//     exact; its key pairs broadcast against the 64-key tile of V packed [32][D][2].
+// The sums are fp32, in pairs; vdpbf16ps treats bf16 subnormal inputs as zero.
+// Anonymous namespace: a copy per source file. Include after ext/cpu_attention_bf16.h.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_attention_bf16.h"
+#include "cpu_bf16_pair_pack.h"
+#include "cpu_common.h"
+
+#define TRILLM_DOT_TARGET __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace {
+
+constexpr int kDotKeys = 64;  // keys per tile
+constexpr int kDotRows = 6;   // query vectors per register block
+
+// Values 0 .. n-1 (n <= 64; value j's D bf16 at row(j)) -> [32][D][2]: pair j holds values 2j
+// and 2j + 1 interleaved per dim (zero past n: a zero probability times a stale value must stay
+// zero).
+template <typename Row>
+TRILLM_DOT_TARGET inline void pack_value_pairs(Row row, int n, int D, uint16_t* packed) {
+  for (int j = 0; j < (n + 1) / 2; ++j) {
+    const uint16_t* r0 = reinterpret_cast<const uint16_t*>(row(2 * j));
+    const bool odd = 2 * j + 1 < n;
+    const uint16_t* r1 = odd ? reinterpret_cast<const uint16_t*>(row(2 * j + 1)) : r0;
+    for (int d = 0; d < D; d += 16) {
+      const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r0 + d)));
+      const __m512i b = odd ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r1 + d)))
+                            : _mm512_setzero_si512();
+      _mm512_storeu_si512(packed + (static_cast<int64_t>(j) * D + d) * 2,
+                          _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
+  }
+}
+
+// s[i][0 .. cols) = q[i] . tile for R query vectors (q rows of D bf16, s rows of lds floats).
+template <int R>
+TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_scores(
+    const uint16_t* q, int D, const uint32_t* tile, float* s, int64_t lds, int cols) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int j = 0; j < D / 2; ++j) {
+    const uint32_t* w = tile + j * kDotKeys;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 16);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 32);
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 48);
+    for (int i = 0; i < R; ++i) {
+      int32_t pr;
+      std::memcpy(&pr, q + i * D + 2 * j, 4);
+      const __m512bh qi = (__m512bh)_mm512_set1_epi32(pr);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qi, w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qi, w1);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], qi, w2);
+      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], qi, w3);
+    }
+  }
+  for (int c = 0; c < 4; ++c) {
+    const int left = cols - 16 * c;
+    if (left <= 0) break;
+    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(s + i * lds + 16 * c, mask, acc[i][c]);
+  }
+}
+
+// o[i][0 .. 16 NV) += sum over pairs j < npairs of p[i][2j, 2j+1] . tile[j] for R vectors
+// (p rows of ldp bf16, o rows of D floats, tile [pairs][D][2] at the first of these columns).
+template <int R, int NV>
+TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_accumulate(
+    const uint16_t* p, int64_t ldp, const uint16_t* tile, int D, int npairs, float* o) {
+  __m512 acc[R][NV];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_loadu_ps(o + i * D + 16 * c);
+  for (int j = 0; j < npairs; ++j) {
+    const uint16_t* w = tile + static_cast<int64_t>(j) * D * 2;
+    __m512bh wv[NV];
+    for (int c = 0; c < NV; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + 32 * c);
+    for (int i = 0; i < R; ++i) {
+      int32_t pr;
+      std::memcpy(&pr, p + i * ldp + 2 * j, 4);
+      const __m512bh pi = (__m512bh)_mm512_set1_epi32(pr);
+      for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], pi, wv[c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + i * D + 16 * c, acc[i][c]);
+}
+
+template <int R>
+TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_accumulate_cols(
+    const uint16_t* p, int64_t ldp, const uint16_t* tile, int D, int npairs, float* o) {
+  for (int c0 = 0; c0 < D; c0 += 64) {  // 64 output dims (4 zmm of sums per row) at a time
+    const uint16_t* t = tile + 2 * c0;
+    switch ((std::min(64, D - c0)) / 16) {
+      case 4: dot_accumulate<R, 4>(p, ldp, t, D, npairs, o + c0); break;
+      case 3: dot_accumulate<R, 3>(p, ldp, t, D, npairs, o + c0); break;
+      case 2: dot_accumulate<R, 2>(p, ldp, t, D, npairs, o + c0); break;
+      default: dot_accumulate<R, 1>(p, ldp, t, D, npairs, o + c0); break;
+    }
+  }
+}
+
+// A bf16 work item's three passes: M <= 96 query vectors qs [M][D] (bf16; D a multiple of 16 up
+// to 256), vector i at key position pos[i] (non-decreasing) and seeing keys 0 .. pos[i];
+// tile_rows(values, key0, n) -> the n row pointers (const Bf16*) of keys (values false) or
+// values (true) key0 .. key0 + n. (1) every score the item's vectors see; (2) per row the two
+// roundings, the rounded softmax and its bf16 copy, 0 past the row's position up to the next
+// tile's end (a block's later vectors read those); (3) acc [M][D] += P . V (pairs: an odd
+// count's partner key has p = 0 for every row of the block and a zero value).
+template <typename TileRows>
+TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, const int* pos,
+                                             float scale, TileRows&& tile_rows, float* acc) {
+  const int key_end = pos[M - 1] + 1;
+  const int stride = (key_end + kDotKeys - 1) / kDotKeys * kDotKeys;  // whole tiles
+  alignas(64) static thread_local uint32_t kp[kDotKeys / 2 * 256];    // K pairs (D <= 256)
+  alignas(64) static thread_local uint16_t vp[kDotKeys * 256];        // V pairs
+  static thread_local std::vector<uint16_t> pb_all;                   // [M][stride]: P in bf16
+  float* S = score_rows(M, stride);                                   // [M][stride]: S, then P
+  if (pb_all.size() < static_cast<size_t>(M) * stride)
+    pb_all.resize(static_cast<size_t>(M) * stride);
+  uint16_t* P = pb_all.data();
+
+  for (int key0 = 0; key0 < key_end; key0 += kDotKeys) {
+    const int n = std::min(kDotKeys, key_end - key0);
+    const Bf16* const* rows = tile_rows(false, key0, n);
+    pack_key_pairs_64([rows](int t) { return rows[t]; }, n, D, kp);
+    for (int i = 0; i < M; i += kDotRows) {
+      const int nrows = std::min(kDotRows, M - i);
+      const int seen = std::min(n, pos[i + nrows - 1] - key0 + 1);
+      if (seen <= 0) continue;
+      float* s = S + static_cast<int64_t>(i) * stride + key0;
+      const uint16_t* qi = qs + i * D;
+      switch (nrows) {  // (no generic lambda: it would not carry this function's target)
+        case 6: dot_scores<6>(qi, D, kp, s, stride, seen); break;
+        case 5: dot_scores<5>(qi, D, kp, s, stride, seen); break;
+        case 4: dot_scores<4>(qi, D, kp, s, stride, seen); break;
+        case 3: dot_scores<3>(qi, D, kp, s, stride, seen); break;
+        case 2: dot_scores<2>(qi, D, kp, s, stride, seen); break;
+        default: dot_scores<1>(qi, D, kp, s, stride, seen); break;
+      }
+    }
+  }
+  const v8f vscale = splat(scale);
+  for (int i = 0; i < M; ++i) {
+    float* row = S + static_cast<int64_t>(i) * stride;
+    uint16_t* prow = P + static_cast<int64_t>(i) * stride;
+    const int n = pos[i] + 1;
+    probabilities_of_scores(row, n, vscale);
+    const int end = std::min(stride, (n + kDotKeys - 1) / kDotKeys * kDotKeys + kDotKeys);
+    int c = 0;
+    for (; c + 16 <= n; c += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + c)));
+    if (c < n) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << (n - c)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(mask, row + c);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + c), (__m256i)_mm512_cvtneps_pbh(x));
+      c += 16;
+    }
+    for (; c < end; c += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + c), _mm256_setzero_si256());
+  }
+  for (int key0 = 0; key0 < key_end; key0 += kDotKeys) {
+    const int n = std::min(kDotKeys, key_end - key0);
+    const Bf16* const* rows = tile_rows(true, key0, n);
+    pack_value_pairs([rows](int t) { return rows[t]; }, n, D, vp);
+    for (int i = 0; i < M; i += kDotRows) {
+      const int nrows = std::min(kDotRows, M - i);
+      const int keys = std::min(n, pos[i + nrows - 1] - key0 + 1);
+      if (keys <= 0) continue;
+      const uint16_t* pi = P + static_cast<int64_t>(i) * stride + key0;
+      const int pairs = (keys + 1) / 2;
+      float* o = acc + i * D;
+      switch (nrows) {
+        case 6: dot_accumulate_cols<6>(pi, stride, vp, D, pairs, o); break;
+        case 5: dot_accumulate_cols<5>(pi, stride, vp, D, pairs, o); break;
+        case 4: dot_accumulate_cols<4>(pi, stride, vp, D, pairs, o); break;
+        case 3: dot_accumulate_cols<3>(pi, stride, vp, D, pairs, o); break;
+        case 2: dot_accumulate_cols<2>(pi, stride, vp, D, pairs, o); break;
+        default: dot_accumulate_cols<1>(pi, stride, vp, D, pairs, o); break;
+      }
+    }
+  }
+}
+
+}  // namespace
