@@ -47,8 +47,9 @@ def stage_declarations(include_dir: str) -> list[str]:
 def cython_extensions() -> list[Extension]:
     # ext/<name>.pyx -> trillm._ext.<name>. The KV manager's types are declared in
     # ext/kv_cache_manager.pxd: compiled once, in trillm._ext.kv_cache_manager; the scheduler
-    # cimports them as trillm._ext.kv_cache_manager.
-    modules = ["kv_cache_manager", "scheduler"]
+    # cimports them as trillm._ext.kv_cache_manager, and its parts (request_queues, step_plan,
+    # step_outputs) as trillm._ext.<part>, each declared in its ext/<part>.pxd.
+    modules = ["kv_cache_manager", "request_queues", "step_plan", "step_outputs", "scheduler"]
     with tempfile.TemporaryDirectory() as include_dir:
         pxds = stage_declarations(include_dir)
         exts = [

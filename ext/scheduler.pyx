@@ -4,13 +4,15 @@
 Same API, same decisions, same SchedulerOutput messages as the Python twin (a differential test
 compares them). The request records, block tables, block pool, free queue and hash map are C++
 state (trillm._ext.kv_cache_manager, cimported: one compiled copy); the scheduling loops run on
-typed records. The waiting/running queues are Python lists of those records, and the messages built at the end of a step are the
-Python dataclasses of trillm.messages.
+typed records. Its parts, each a module cimported through its .pxd (as the twin's are
+modules): ext/request_queues.pyx (the waiting and running queues: vectors of the records),
+ext/step_plan.pyx (what one schedule() hands out, as a SchedulerOutput), ext/step_outputs.pyx
+(P4 per request: sampled tokens appended, finish rules, the EngineCoreOutput). The messages
+are the Python dataclasses of trillm.messages.
 """
 
 from cpython.ref cimport PyObject
 from cython.operator cimport dereference as cython_deref
-from libc.stdint cimport int64_t
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
 
@@ -24,120 +26,20 @@ from trillm._ext.kv_cache_manager cimport (
     Request,
     cache_written_tokens,
 )
+from trillm._ext.request_queues cimport (
+    enqueue_waiting,
+    index_of,
+    next_admissible,
+    pick_victim,
+    remove_from,
+)
+from trillm._ext.step_outputs cimport NOT_FINISHED, append_sampled, finish_reason, make_output
+from trillm._ext.step_plan cimport StepPlan
 
 from trillm.core.errors import DuplicateRequestError
 from trillm.core.request import finished_status
 from trillm.core.request_fits import check_request_fits
-from trillm.messages import (
-    CachedRequestData,
-    EngineCoreOutput,
-    FinishReason,
-    NewRequestData,
-    SchedulerOutput,
-    SchedulerStats,
-)
-
-_FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH)
-
-cdef enum:
-    NOT_FINISHED = -1
-    REASON_STOP = 0
-    REASON_LENGTH = 1
-
-
-cdef class _StepPlan:
-    """What one schedule() call hands out, built up request by request."""
-
-    cdef long long budget
-    cdef long long max_reqs  # > 0: the most requests of the step
-    cdef dict num_scheduled  # req_id -> num_scheduled_tokens
-    cdef list new_reqs
-    cdef dict cached  # req_id -> (new block ids, num_computed_tokens before this step)
-    cdef dict spec  # req_id -> draft tokens scheduled
-    cdef int structured
-
-    def __init__(self, long long budget, long long max_reqs=0):
-        self.budget = budget
-        self.max_reqs = max_reqs
-        self.num_scheduled = {}
-        self.new_reqs = []
-        self.cached = {}
-        self.spec = {}
-        self.structured = 0
-
-    cdef inline cbool has_room(self):
-        return self.budget > 0 and (self.max_reqs <= 0
-                                    or <long long>len(self.num_scheduled) < self.max_reqs)
-
-    cdef void _schedule(self, Request r, long long n):
-        self.num_scheduled[r.request_id] = n
-        self.budget -= n
-        if r.structured:
-            self.structured += 1
-        r.num_computed_tokens += n
-
-    cdef void add_cached(self, Request r, long long n, list new_blocks):
-        cdef long long num_spec = r.num_computed_tokens + n - <long long>r.tokens.size()
-        cdef long long i
-        if num_spec > 0:
-            self.spec[r.request_id] = [r.spec[i] for i in range(num_spec)]
-        self.cached[r.request_id] = (new_blocks, r.num_computed_tokens)
-        self._schedule(r, n)
-
-    cdef void add_new(self, Request r, long long n):
-        self.new_reqs.append(
-            NewRequestData(
-                req_id=r.request_id,
-                prompt_token_ids=list(r._prompt),
-                output_token_ids=r.output_token_ids,
-                sampling_params=r.sampling_params,
-                block_ids=[b for b in r.block_ids],
-                num_computed_tokens=r.num_computed_tokens,
-            )
-        )
-        self._schedule(r, n)
-
-    cdef void unschedule(self, Request r):
-        n = self.num_scheduled.pop(r.request_id, None)
-        if n is None:
-            return
-        self.budget += <long long>n
-        self.cached.pop(r.request_id, None)
-        self.spec.pop(r.request_id, None)
-        if r.structured:
-            self.structured -= 1
-
-    cdef object to_output(self, long long step_id, list finished):
-        cached = CachedRequestData()
-        cdef long long total = 0
-        for req_id, (blocks, computed) in self.cached.items():
-            cached.req_ids.append(req_id)
-            cached.new_block_ids.append(blocks)
-            cached.num_computed_tokens.append(computed)
-        for n in self.num_scheduled.values():
-            total += <long long>n
-        return SchedulerOutput(
-            step_id=step_id,
-            scheduled_new_reqs=self.new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=self.num_scheduled,
-            total_num_scheduled_tokens=total,
-            scheduled_spec_decode_tokens=self.spec,
-            finished_req_ids=finished,
-            wait_for_bitmask=self.structured > 0,
-        )
-
-
-cdef size_t _index_of(vector[PyObject*]& queue, Request r) except? 0:
-    cdef size_t i
-    for i in range(queue.size()):
-        if queue[i] == <PyObject*>r:
-            return i
-    raise ValueError(f"{r.request_id!r} is not in the queue")
-
-
-cdef void _remove(vector[PyObject*]& queue, Request r) except *:
-    queue.erase(queue.begin() + _index_of(queue, r))
+from trillm.messages import FinishReason, SchedulerStats
 
 
 cdef long long _clamp_to_spans(long long num_computed, long long n, list spans):
@@ -148,13 +50,6 @@ cdef long long _clamp_to_spans(long long num_computed, long long n, list spans):
         if start < end < stop:
             return start - num_computed if start > num_computed else 0
     return n
-
-
-cdef inline cbool _key_greater(Request a, Request b):
-    """(priority, arrival_time) of a > that of b."""
-    if a.priority != b.priority:
-        return a.priority > b.priority
-    return a.arrival_time > b.arrival_time
 
 
 cdef class Scheduler:
@@ -221,24 +116,7 @@ cdef class Scheduler:
         self._enqueue_waiting(r, False)
 
     cdef void _enqueue_waiting(self, Request r, cbool front):
-        cdef size_t i, n = self.waiting.size()
-        cdef Request other
-        if not self.priority_policy:
-            if front:
-                self.waiting.insert(self.waiting.begin(), <PyObject*>r)
-            else:
-                self.waiting.push_back(<PyObject*>r)
-            return
-        # Sorted by (priority, arrival): bisect_left when front, bisect_right otherwise.
-        i = 0
-        while i < n:
-            other = <Request>self.waiting[i]
-            if front and not _key_greater(r, other):
-                break
-            if not front and _key_greater(other, r):
-                break
-            i += 1
-        self.waiting.insert(self.waiting.begin() + i, <PyObject*>r)
+        enqueue_waiting(self.waiting, r, front, self.priority_policy)
 
     def set_waiting_for_grammar(self, str req_id):
         """A waiting request's grammar is still compiling: not admitted until grammar_ready
@@ -278,7 +156,7 @@ cdef class Scheduler:
         """``busy``: the requests of the steps still in flight (skipped, never preempted);
         ``max_reqs`` > 0: the most requests this step may hold."""
         self._step_id += 1
-        cdef _StepPlan plan = _StepPlan(self.max_num_batched_tokens, max_reqs)
+        cdef StepPlan plan = StepPlan(self.max_num_batched_tokens, max_reqs)
         cdef long long preemptions_before = self.num_preemptions
         self._busy = busy
         if self.encoder_cache is not None:
@@ -311,7 +189,7 @@ cdef class Scheduler:
             n = self.encoder_cache.cut(r.request_id, num_computed, n)
         return n
 
-    cdef void _schedule_running(self, _StepPlan plan) except *:
+    cdef void _schedule_running(self, StepPlan plan) except *:
         cdef KVCacheManager kv = self.kv_cache_manager
         cdef size_t i = 0, num_running
         cdef Request r
@@ -333,42 +211,23 @@ cdef class Scheduler:
             if not self._make_room(r, n, plan):
                 continue  # it preempted itself: running[i] is now the next request
             if self.running.size() != num_running:
-                i = _index_of(self.running, r)  # a victim ahead of it may have gone
+                i = index_of(self.running, r)  # a victim ahead of it may have gone
             kv._allocate(r, n, no_blocks, False, new_blocks)
             plan.add_cached(r, n, [b for b in new_blocks])
             i += 1
 
-    cdef cbool _make_room(self, Request r, long long n, _StepPlan plan) except *:
+    cdef cbool _make_room(self, Request r, long long n, StepPlan plan) except *:
         cdef vector[int] no_blocks
         cdef Request victim
         while not self.kv_cache_manager._can_allocate(r, n, no_blocks):
-            victim = self._pick_victim()
+            victim = pick_victim(self.running, self._busy, self.priority_policy)
             self._preempt(victim, plan)
             if victim is r:
                 return False
         return True
 
-    cdef Request _pick_victim(self):
-        """Never a busy request (the one that needs room is not busy: always a candidate)."""
-        cdef Py_ssize_t i, last = <Py_ssize_t>self.running.size() - 1
-        cdef Request victim
-        cdef Request r
-        cdef cbool any_busy = bool(self._busy)
-        while any_busy and (<Request>self.running[last]).request_id in self._busy:
-            last -= 1
-        victim = <Request>self.running[last]
-        if not self.priority_policy:
-            return victim
-        for i in range(last, -1, -1):
-            r = <Request>self.running[i]
-            if any_busy and r.request_id in self._busy:
-                continue
-            if _key_greater(r, victim):
-                victim = r
-        return victim
-
-    cdef void _preempt(self, Request r, _StepPlan plan) except *:
-        _remove(self.running, r)
+    cdef void _preempt(self, Request r, StepPlan plan) except *:
+        remove_from(self.running, r)
         plan.unschedule(r)
         self._unschedule_items(r)
         if self.encoder_cache is not None:
@@ -383,7 +242,7 @@ cdef class Scheduler:
             r.sent_to_worker = False
         self._enqueue_waiting(r, True)
 
-    cdef void _schedule_waiting(self, _StepPlan plan) except *:
+    cdef void _schedule_waiting(self, StepPlan plan) except *:
         cdef KVCacheManager kv = self.kv_cache_manager
         cdef Request r
         cdef vector[int] computed
@@ -392,7 +251,7 @@ cdef class Scheduler:
         cdef Py_ssize_t head
         while (self.waiting.size() > 0 and plan.has_room()
                and <long long>self.running.size() < self.max_num_seqs):
-            head = self._next_admissible()
+            head = next_admissible(self.waiting)
             if head < 0:
                 break  # only requests waiting for their grammar or remote KV
             r = <Request>self.waiting[head]
@@ -424,17 +283,6 @@ cdef class Scheduler:
         if self.encoder_cache is not None:
             self.encoder_cache.unschedule(r.request_id)
 
-    cdef Py_ssize_t _next_admissible(self):
-        """Index of the first waiting request not waiting for its grammar or its remote KV,
-        or -1."""
-        cdef size_t i
-        cdef int status
-        for i in range(self.waiting.size()):
-            status = (<Request>self.waiting[i]).status_
-            if status != ST_WAITING_FOR_GRAMMAR and status != ST_WAITING_FOR_REMOTE_KVS:
-                return <Py_ssize_t>i
-        return -1
-
     # ------------------------------------------------------------------ P4: update
 
     def update_from_output(self, sched, out):
@@ -454,67 +302,17 @@ cdef class Scheduler:
             if drafts and sampled:
                 r.num_computed_tokens -= len(drafts) + 1 - len(sampled)
             r.spec.clear()
-            reason = NOT_FINISHED
             stop_reason = -1
             num_new = 0
-            for token in sampled:
-                r.tokens.push_back(<int64_t>token)
-                num_new += 1
-                reason = self._check_stop(r, <int64_t>token, &stop_reason)
-                if reason != NOT_FINISHED:
-                    break
+            reason = append_sampled(r, sampled, self.max_model_len, &num_new, &stop_reason)
             self.kv_cache_manager.cache_full_blocks(r)
             written = 0 if r.cache_writes_sent else cache_written_tokens(self.kv_cache_manager, r)
             if reason != NOT_FINISHED:
-                self._finish(r, _FINISH_REASONS[reason])
-            output = self._make_output(r, sampled, num_new, reason, stop_reason, out, written)
+                self._finish(r, finish_reason(reason))
+            output = make_output(r, sampled, num_new, reason, stop_reason, out, written)
             if output is not None:
                 outputs.append(output)
         return outputs
-
-    cdef int _check_stop(self, Request r, int64_t token, long long* stop_reason):
-        cdef long long num_output = <long long>r.tokens.size() - r.num_prompt
-        cdef size_t i
-        if <long long>r.tokens.size() >= self.max_model_len or (
-                r.has_max_tokens and num_output >= r.max_tokens_):
-            return REASON_LENGTH
-        if num_output < r.min_tokens:
-            return NOT_FINISHED
-        if not r.ignore_eos and r.has_eos and token == r.eos:
-            return REASON_STOP
-        for i in range(r.stop_ids.size()):
-            if r.stop_ids[i] == token:
-                stop_reason[0] = token
-                return REASON_STOP
-        return NOT_FINISHED
-
-    cdef object _make_output(self, Request r, sampled, Py_ssize_t num_new, int reason,
-                             long long stop_reason, out, long long written):
-        """``written``: the prompt tokens in the request's cached blocks before any _finish
-        freed them (cache_written_tokens), reported with its first token or its finish."""
-        req_id = r.request_id
-        prompt_logprobs = out.prompt_logprobs.get(req_id) if out.prompt_logprobs else None
-        if num_new == 0 and reason == NOT_FINISHED and prompt_logprobs is None:
-            return None
-        cdef long long num_cached = 0, num_created = 0, num_cached_all
-        if not r.first_output_sent:
-            r.first_output_sent = True
-            num_cached = r.num_cached_ if r.has_num_cached else 0
-        if not r.cache_writes_sent and (num_new > 0 or reason != NOT_FINISHED):
-            r.cache_writes_sent = True
-            num_cached_all = r.num_cached_ if r.has_num_cached else 0
-            num_created = written - num_cached_all if written > num_cached_all else 0
-        # NOTE: positional (keywords cost ~3x here): the field order of EngineCoreOutput.
-        return EngineCoreOutput(
-            req_id,
-            list(sampled[:num_new]) if num_new != len(sampled) else list(sampled),
-            out.logprobs.get(req_id) if out.logprobs else None,
-            prompt_logprobs,
-            None if reason == NOT_FINISHED else _FINISH_REASONS[reason],
-            stop_reason if stop_reason >= 0 else None,
-            num_cached,
-            num_created,
-        )
 
     # ------------------------------------------------------------------ finishing
 
@@ -532,9 +330,9 @@ cdef class Scheduler:
     cpdef void _finish(self, Request r, object reason) except *:
         # NOTE: cpdef: the connector scheduler extends it (the connector forgets the request)
         if r.status_ == ST_RUNNING:
-            _remove(self.running, r)
+            remove_from(self.running, r)
         else:
-            _remove(self.waiting, r)
+            remove_from(self.waiting, r)
         r.status_ = <int>finished_status(reason)
         self.kv_cache_manager.free(r)
         del self.requests[r.request_id]
@@ -579,7 +377,7 @@ cdef class Scheduler:
         tokens to be computed again (sleep mode discards the KV cache) -> the ids the workers
         hold, for the caller to drop there now: no later step reports them finished (a step
         never lists a request both finished and new)."""
-        cdef _StepPlan plan = _StepPlan(0)
+        cdef StepPlan plan = StepPlan(0)
         cdef Request r
         cdef list held = []
         while self.running.size():

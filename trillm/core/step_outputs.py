@@ -1,7 +1,7 @@
 """P4, per request: a step's sampled tokens appended, the finish rules (length, EOS, stop
 token ids) checked after each, and the request's ``EngineCoreOutput`` built. Used by
-``Scheduler.update_from_output``; native twin: its ``_check_stop`` / ``_make_output`` in
-``ext/scheduler.pyx``.
+``Scheduler.update_from_output``; native twin: ``append_sampled`` / ``make_output`` in
+``ext/step_outputs.pyx``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """P1's result: the ``StepPlan`` one ``Scheduler.schedule()`` call builds request by request
 (tokens per request, new and cached requests, draft tokens, the structured-output count) and
-turns into the step's ``SchedulerOutput``. Native twin: ``_StepPlan`` in ``ext/scheduler.pyx``.
+turns into the step's ``SchedulerOutput``. Native twin: ``StepPlan`` in ``ext/step_plan.pyx``.
 """
 
 from __future__ import annotations
