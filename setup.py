@@ -113,6 +113,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_attention_decode.h",
                 "ext/cpu_bf16_tiles.h",
                 "ext/cpu_gemm_q_vnni.h",
+                "ext/cpu_gemm_q_vnni_prefill.h",
                 "ext/cpu_gemm_q_bf16.h",
                 "ext/cpu_gemm_q_avx2.h",
                 "ext/cpu_gemm_q_q6.h",

@@ -346,6 +346,7 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
 }
 
 #include "cpu_gemm_q_vnni.h"
+#include "cpu_gemm_q_vnni_prefill.h"
 #include "cpu_gemm_q_bf16.h"
 #include "cpu_gemm_q_avx2.h"
 
@@ -449,7 +450,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   std::vector<float> widened, sums;
   const float* xf = reinterpret_cast<const float*>(x);
   int64_t ld = ldx;
-  if (x_bf16) {
+  if (x_bf16 && !int8_activations) {  // (the int8 path rounds bf16 rows as they are)
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x);
     widened.resize(static_cast<size_t>(M) * K);
     for (int r = 0; r < M; ++r)
@@ -462,8 +463,10 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   static const bool bf16dot = cpu_has_bf16dot();
   if (x_bf16 && !int8_activations && wide && bf16dot && (bf16dot_type(qtype) || qtype == kQ6_KP))
     pairs_bf16 = pair_rows(reinterpret_cast<const uint16_t*>(x), ldx, M, K);
+  // As in cpu_gemm.cpp: under ~1 MFLOP the caller does it alone; about four runs per thread.
+  const int threads = 2LL * M * N * K < 1000000 ? 1 : num_threads;
   if (int8_activations) {
-    rows = quantize_rows(xf, ld, M, K);
+    rows = quantize_rows(reinterpret_cast<const void*>(x), x_bf16, ldx, M, K, threads);
   } else if (!byte_values(qtype) && qtype != kQ6_KP) {
     const int span = half_min(qtype) ? kBlock / 2 : kBlock, spans = K / span;
     sums.resize(static_cast<size_t>(M) * spans);
@@ -480,8 +483,14 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
          reinterpret_cast<const uint8_t*>(packed), reinterpret_cast<const float*>(bias),
          reinterpret_cast<void*>(y), ldy, M, N, K, qtype, y_bf16};
   const int pairs = num_panels(N) / 2;
-  // As in cpu_gemm.cpp: under ~1 MFLOP the caller does it alone; about four runs per thread.
-  const int threads = 2LL * M * N * K < 1000000 ? 1 : num_threads;
+  if (int8_activations && prefill_type(qtype) && M >= kPrefillMinRows) {  // (vnni_prefill.h)
+    const int blocks = (M + kPrefillRowBlock - 1) / kPrefillRowBlock;
+    run_items(threads, blocks * pairs, [&](int i) {
+      const int m0 = i / pairs * kPrefillRowBlock;
+      run_prefill_item(g, m0, std::min(M, m0 + kPrefillRowBlock), i % pairs);
+    });
+    return;
+  }
   const int row_blocks = (M + kRowBlock - 1) / kRowBlock;
   const int runs = threads <= 1 ? 1 : std::min(pairs, 4 * threads);
   run_items(threads, row_blocks * runs, [&](int i) {

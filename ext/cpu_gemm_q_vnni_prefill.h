@@ -1,0 +1,246 @@
+// The int8-activation path of ext/cpu_gemm_q.cpp at prefill row counts (>= kPrefillMinRows) for
+// the types with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0); included there,
+// inside its anonymous namespace, after cpu_gemm_q_vnni.h (whose activation rounding it keeps:
+// one scale per half block of 16, the same int8 values, sums and scales).
+//
+// Why: `tile_vnni` unpacks each weight vector for 4 rows only (Q4: ~6 instructions per 4
+// `vpdpbusd`) and converts every sum to fp32 with several more: at Llama-3.2-1B's shapes it ran
+// at ~30% of this Zen 4 core's int8 peak (469 GOP/s a core by benchmarks/kernels/int8_peak.cpp,
+// twice bf16's 235), below the bf16 GEMM. Here a work item is (256 rows, a pair of panels: 32
+// columns); it first unpacks the pair's whole K once into a thread-local panel (`Unpacked`): per
+// block, 8 quads x 2 zmm of `vpdpbusd`-ready bytes (Q4: q, 0..15; Q8_0: q + 128), then the
+// block's fp32 scales (d; Q4_K: d * sc) and, for the types with a minimum, the fp32 factor of
+// the block's sum of x^ (Q4_1: m; Q4_G: -d z; Q4_K: -dmin mn; each product exact in fp32);
+// then every 4 rows of the item run over the whole K against it (from L2: 82 KiB a pair at K
+// 2048, 328 KiB at 8192), 8 int32 sums (4 rows x 2 zmm), each weight vector feeding 4 and each
+// broadcast quad of x 2. The offset of Q4_0 (q - 8) and of Q8_0's sign flip (q + 128 - 128) is
+// the sums' starting value, -8 or -128 times the half block's integer sum of xq: exact and free.
+// Per block and 16 columns the fp32 step is s = dx_h0 * I_h0 + dx_h1 * I_h1 (two conversions, a
+// multiply, an FMA), acc += scale * s (+ minimum factor * sx): 3 to 4 multiply-unit
+// instructions beside 8 `vpdpbusd`. Results equal `tile_vnni`'s up to the order of the fp32
+// additions (the integer sums are the same; Q4_0's 8 sum(xq) is now taken out in integers).
+// `vpdpbusd` is written as inline asm: GCC 12's code for the intrinsic in such a block copies
+// each sum through the stack (int8_peak.cpp: 129 GOP/s a core instead of 469).
+
+constexpr int kPrefillRows = 4;         // rows of the register block (x 2 panels)
+constexpr int kPrefillRowBlock = 256;   // rows of x per work item (one unpacking per item)
+constexpr int kPrefillMinRows = 64;     // fewer rows: tile_vnni (the unpacking not amortized)
+constexpr int kPrefillKChunk = 2048;    // values of K per pass: 256 rows' int8 x (512 KiB) and the
+                                        // pair's unpacked weights (82 KiB) stay in a 1 MiB L2
+
+constexpr bool prefill_type(int qtype) {
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ4_G || qtype == kQ4_K || qtype == kQ8_0;
+}
+
+// The factor of the block's sum of x^ (a minimum): Q4_1, Q4_G, Q4_K.
+constexpr bool prefill_min(int qtype) { return qtype == kQ4_1 || qtype == kQ4_G || qtype == kQ4_K; }
+
+// The sums' starting value per half block, in units of -(its sum of xq): Q4_0 stores q (the
+// value q - 8), Q8_0 runs as q + 128.
+constexpr int prefill_offset(int qtype) { return qtype == kQ4_0 ? 8 : qtype == kQ8_0 ? 128 : 0; }
+
+// Bytes of one block of an unpacked pair: 8 quads x 2 zmm of bytes, 2 zmm of scales, and (types
+// with a minimum) 2 zmm of minimum factors.
+constexpr int kUnpackedQuads = 8 * 2 * 64;
+constexpr int unpacked_block_bytes(int qtype) {
+  return kUnpackedQuads + 2 * 64 + (prefill_min(qtype) ? 2 * 64 : 0);
+}
+
+TRILLM_VNNI_TARGET inline __m512i dpbusd(__m512i acc, __m512i w, __m512i x) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+  return acc;
+}
+
+// Panels p0, p1 (all nb blocks) -> out, unpacked_block_bytes(QT) a block.
+template <int QT>
+TRILLM_VNNI_TARGET void unpack_pair(const uint8_t* p0, const uint8_t* p1, int nb, uint8_t* out) {
+  constexpr int qbytes = quant_bytes(QT);
+  constexpr int rec = qbytes + param_bytes(QT);
+  constexpr int bytes = unpacked_block_bytes(QT);
+  const __m512i low = _mm512_set1_epi32(0x000f000f), high = _mm512_set1_epi32(0x0f000f00);
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* panel[2] = {p0, p1};
+  for (int b = 0; b < nb; ++b) {
+    uint8_t* o = out + static_cast<int64_t>(b) * bytes;
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* r = panel[p] + static_cast<int64_t>(b) * rec;
+      for (int quad = 0; quad < 8; ++quad) {
+        __m512i w;
+        if constexpr (QT == kQ8_0) {
+          w = _mm512_xor_si512(_mm512_loadu_si512(r + quad * 64), sign);
+        } else {  // nibble-pair rows 2 quad, 2 quad + 1 -> bytes q[4 quad .. 4 quad + 3]
+          const uint8_t* q = r + 2 * quad * kCols;
+          const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+          const __m512i c = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kCols)));
+          const __m512i t = _mm512_or_si512(a, _mm512_slli_epi32(c, 16));
+          w = _mm512_ternarylogic_epi32(_mm512_and_si512(t, low), _mm512_slli_epi32(t, 4), high,
+                                        0xF8);
+        }
+        _mm512_store_si512(o + (quad * 2 + p) * 64, w);
+      }
+      const uint8_t* params = r + qbytes;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
+      __m512 scale = d, minimum = _mm512_setzero_ps();
+      if constexpr (QT == kQ4_1)
+        minimum = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
+      if constexpr (QT == kQ4_G)
+        minimum = _mm512_sub_ps(_mm512_setzero_ps(),
+                                _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                                                     reinterpret_cast<const __m128i*>(params + 2 * kCols))))));
+      if constexpr (QT == kQ4_K) {
+        const __m512 dmin = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 4 * kCols))));
+        const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 5 * kCols))));
+        scale = _mm512_mul_ps(d, sc);
+        minimum = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn));
+      }
+      _mm512_store_ps(reinterpret_cast<float*>(o + kUnpackedQuads + p * 64), scale);
+      if constexpr (prefill_min(QT))
+        _mm512_store_ps(reinterpret_cast<float*>(o + kUnpackedQuads + (2 + p) * 64), minimum);
+    }
+  }
+}
+
+// store_tile's vectorized twin (its scalar bf16 rounding cost ~15% of a 4-row tile at K 2048):
+// the same values, bf16 rounded to nearest even with NaN kept a quiet NaN as to_bf16 does.
+template <int R>
+TRILLM_VNNI_TARGET void store_prefill(const Gemm& g, int m, int col, const __m512 (&acc)[R][2]) {
+  for (int p = 0; p < 2; ++p) {
+    const int c0 = col + p * kCols;
+    const int cols = std::min(kCols, g.N - c0);
+    if (cols <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (g.bias != nullptr) b = _mm512_maskz_loadu_ps(mask, g.bias + c0);
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = _mm512_add_ps(acc[r][p], b);
+      if (!g.y_bf16) {
+        _mm512_mask_storeu_ps(static_cast<float*>(g.y) + (m + r) * g.ldy + c0, mask, v);
+        continue;
+      }
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+      const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+          _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+      h = _mm512_mask_or_epi32(h, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(g.y) + (m + r) * g.ldy + c0, mask,
+                               _mm512_cvtepi32_epi16(h));
+    }
+  }
+}
+
+// y[m .. m + R, col .. col + 32) from the unpacked pair u of blocks b0 .. b1: the sums start
+// at zero (b0 0) or at part's (R rows x 32 fp32), and go to y (b1 the last block) or to part.
+template <int R, int QT>
+TRILLM_VNNI_TARGET void tile_prefill(const Gemm& g, int m, const uint8_t* u, int col, int b0,
+                                     int b1, float* part) {
+  constexpr int bytes = unpacked_block_bytes(QT);
+  constexpr int offset = prefill_offset(QT);
+  const int nb = g.K / kBlock;
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < 2; ++p)
+      acc[r][p] = b0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(part + (2 * r + p) * kCols);
+  const int8_t* xq[R];
+  const float* dx[R];
+  const int32_t* qxh[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = g.xq + static_cast<int64_t>(m + r) * g.K;
+    dx[r] = g.dx + static_cast<int64_t>(m + r) * 2 * nb;
+    qxh[r] = g.qxh + static_cast<int64_t>(m + r) * 2 * nb;
+  }
+  for (int b = b0; b < b1; ++b) {
+    const uint8_t* ub = u + static_cast<int64_t>(b - b0) * bytes;
+    __m512 first[R][2];
+    __m512i dot[R][2];
+    for (int h = 0; h < 2; ++h) {
+      for (int r = 0; r < R; ++r) {
+        const __m512i start = _mm512_set1_epi32(-offset * qxh[r][2 * b + h]);
+        dot[r][0] = dot[r][1] = start;
+      }
+      for (int quad = 4 * h; quad < 4 * h + 4; ++quad) {
+        const __m512i w0 = _mm512_load_si512(ub + (quad * 2) * 64);
+        const __m512i w1 = _mm512_load_si512(ub + (quad * 2 + 1) * 64);
+        for (int r = 0; r < R; ++r) {
+          int32_t word;
+          std::memcpy(&word, xq[r] + b * kBlock + 4 * quad, 4);
+          const __m512i xw = _mm512_set1_epi32(word);
+          dot[r][0] = dpbusd(dot[r][0], w0, xw);
+          dot[r][1] = dpbusd(dot[r][1], w1, xw);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 d = _mm512_set1_ps(dx[r][2 * b + h]);
+        for (int p = 0; p < 2; ++p) {
+          const __m512 s = _mm512_cvtepi32_ps(dot[r][p]);
+          first[r][p] = h == 0 ? _mm512_mul_ps(s, d) : _mm512_fmadd_ps(s, d, first[r][p]);
+        }
+      }
+    }
+    for (int p = 0; p < 2; ++p) {
+      const __m512 scale = _mm512_load_ps(reinterpret_cast<const float*>(ub + kUnpackedQuads + p * 64));
+      for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(scale, first[r][p], acc[r][p]);
+      if constexpr (prefill_min(QT)) {
+        const __m512 minimum =
+            _mm512_load_ps(reinterpret_cast<const float*>(ub + kUnpackedQuads + (2 + p) * 64));
+        for (int r = 0; r < R; ++r)
+          acc[r][p] = _mm512_fmadd_ps(
+              minimum, _mm512_set1_ps(g.sx[static_cast<int64_t>(m + r) * nb + b]), acc[r][p]);
+      }
+    }
+  }
+  if (b1 == nb) {
+    store_prefill<R>(g, m, col, acc);
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < 2; ++p) _mm512_store_ps(part + (2 * r + p) * kCols, acc[r][p]);
+  }
+}
+
+// Rows m0 .. m1 (at most kPrefillRowBlock) of one pair of panels: per chunk of K, unpack, then
+// the register blocks, their partial sums kept between chunks in a thread-local buffer.
+template <int QT>
+void prefill_item(const Gemm& g, int m0, int m1, int pair) {
+  constexpr int kChunkBlocks = kPrefillKChunk / kBlock;
+  static thread_local std::vector<uint8_t> storage;  // 64-byte aligned: unpacked pair, sums
+  const int nb = g.K / kBlock;
+  const size_t weights = static_cast<size_t>(std::min(nb, kChunkBlocks)) * unpacked_block_bytes(QT);
+  const size_t need = weights + kPrefillRowBlock * 2 * kCols * sizeof(float) + 64;
+  if (storage.size() < need) storage.resize(need);
+  uint8_t* scratch = storage.data() + (-reinterpret_cast<uintptr_t>(storage.data()) & 63);
+  float* sums = reinterpret_cast<float*>(scratch + weights);
+  const int64_t panel_bytes = static_cast<int64_t>(nb) * record_bytes(QT);
+  const uint8_t* p0 = g.packed + 2 * pair * panel_bytes;
+  const int col = 2 * pair * kCols;
+  for (int b0 = 0; b0 < nb; b0 += kChunkBlocks) {
+    const int b1 = std::min(nb, b0 + kChunkBlocks);
+    const int64_t at = static_cast<int64_t>(b0) * record_bytes(QT);
+    unpack_pair<QT>(p0 + at, p0 + panel_bytes + at, b1 - b0, scratch);
+    int m = m0;
+    for (; m + kPrefillRows <= m1; m += kPrefillRows)
+      tile_prefill<kPrefillRows, QT>(g, m, scratch, col, b0, b1, sums + (m - m0) * 2 * kCols);
+    float* part = sums + (m - m0) * 2 * kCols;
+    switch (m1 - m) {
+      case 1: tile_prefill<1, QT>(g, m, scratch, col, b0, b1, part); break;
+      case 2: tile_prefill<2, QT>(g, m, scratch, col, b0, b1, part); break;
+      case 3: tile_prefill<3, QT>(g, m, scratch, col, b0, b1, part); break;
+      default: break;
+    }
+  }
+}
+
+void run_prefill_item(const Gemm& g, int m0, int m1, int pair) {
+  switch (g.qtype) {
+    case kQ4_0: prefill_item<kQ4_0>(g, m0, m1, pair); break;
+    case kQ4_1: prefill_item<kQ4_1>(g, m0, m1, pair); break;
+    case kQ4_G: prefill_item<kQ4_G>(g, m0, m1, pair); break;
+    case kQ4_K: prefill_item<kQ4_K>(g, m0, m1, pair); break;
+    default: prefill_item<kQ8_0>(g, m0, m1, pair); break;
+  }
+}
