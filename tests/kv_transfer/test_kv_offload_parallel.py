@@ -9,6 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from kv_connectors import run_rounds
 from prometheus_client import CollectorRegistry, generate_latest
 from scheduler_twin_helpers import ecr
 
@@ -48,14 +49,7 @@ def _engine(path: str, tp: int = 1, pp: int = 1, **kwargs) -> LLM:
 
 def _run(engine: LLM) -> tuple[list[list[int]], list[int], SchedulerStats]:
     """(greedy tokens, cached prompt tokens, stats) of ROUNDS, each round one batch."""
-    try:
-        outs = []
-        for prompts in ROUNDS:
-            outs += engine.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        return tokens, [o.num_cached_tokens for o in outs], engine.engine.get_stats()
-    finally:
-        engine.shutdown()
+    return run_rounds(engine, ROUNDS, PARAMS)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,15 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from kv_connectors import aligned, kv_engine, max_logprob_diff
-from server_harness import free_port
+from kv_connectors import (
+    aligned,
+    consecutive_free_ports,
+    generate_with_ids,
+    kv_engine,
+    max_logprob_diff,
+    p2p_ids,
+    p2p_kv,
+)
 
 from trillm import LLM, SamplingParams
 from trillm.kv_transfer import p2p_recv, p2p_wire
@@ -27,32 +34,6 @@ MOVED = sum(aligned(n) for n in LENGTHS)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _free_ports(n: int) -> int:
-    """A port p with p .. p + n - 1 free (rank r's port: p + r), from this xdist worker's
-    block below the ephemeral range (``free_port`` hands them out in order), so that no
-    outgoing connection takes p + r before its listener binds it."""
-    for _ in range(100):
-        ports = [free_port() for _ in range(n)]
-        if ports == list(range(ports[0], ports[0] + n)):
-            return ports[0]
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
-def _kv(role: str, send_type: str, prefill: int, decode: int) -> dict:
-    extra: dict = {"send_type": send_type}
-    if role == "kv_consumer":
-        extra["prefill_kv_addrs"] = [f"127.0.0.1:{prefill}"]
-    elif send_type != "GET":
-        extra["decode_kv_addrs"] = [f"127.0.0.1:{decode}"]
-    return {
-        "kv_connector": "P2pNcclConnector",
-        "kv_role": role,
-        "kv_port": prefill if role == "kv_producer" else decode,
-        "kv_buffer_size": "1e9",
-        "kv_connector_extra_config": extra,
-    }
-
-
 def _prompts(first: int) -> list[dict]:
     return [
         {"prompt_token_ids": list(range(first + i, first + i + n))} for i, n in enumerate(LENGTHS)
@@ -60,23 +41,13 @@ def _prompts(first: int) -> list[dict]:
 
 
 def _ids(prefill: int, decode: int, tag: str) -> list[str]:
-    return [
-        f"___prefill_addr_127.0.0.1:{prefill}___decode_addr_127.0.0.1:{decode}_{tag}{i}"
-        for i in range(len(LENGTHS))
-    ]
+    return p2p_ids(prefill, decode, tag, len(LENGTHS))
 
 
 def _generate(
     engine: LLM, prompts: list[dict], ids: list[str], params: SamplingParams = PARAMS
 ) -> list:
-    async def generate() -> list:
-        outs: list = [None] * len(ids)
-        async with engine.engine.generate_many(prompts, [params] * len(ids), ids) as items:
-            async for index, out in items:
-                outs[index] = out
-        return outs
-
-    return engine._call(generate)
+    return generate_with_ids(engine, prompts, ids, params)
 
 
 def _tokens(outs: list) -> list[list[int]]:
@@ -109,8 +80,8 @@ def plain(tiny_model_factory):
 def tp2_prefill(plain):
     """A TP=2 prefill instance ("GET") that computed both prompt sets -> its base port."""
     path, _ = plain
-    port = _free_ports(2)
-    producer = kv_engine(path, 2, 1, kv_transfer_config=_kv("kv_producer", "GET", port, 1))
+    port = consecutive_free_ports(2)
+    producer = kv_engine(path, 2, 1, kv_transfer_config=p2p_kv("kv_producer", "GET", port, 1))
     with _engines(producer):
         for first in (5, 300, 600):
             _generate(
@@ -132,7 +103,9 @@ def test_tp2_decode_fetches_each_ranks_share_and_a_lost_or_damaged_one_is_recomp
     plain, tp2_prefill, monkeypatch, caplog
 ):
     path, reference = plain
-    consumer = kv_engine(path, 2, 1, kv_transfer_config=_kv("kv_consumer", "GET", tp2_prefill, 1))
+    consumer = kv_engine(
+        path, 2, 1, kv_transfer_config=p2p_kv("kv_consumer", "GET", tp2_prefill, 1)
+    )
     with _engines(consumer):
         outs = _generate(consumer, _prompts(5), _ids(tp2_prefill, 1, "a"))
         _check_loaded(outs, reference[5], consumer.engine.get_stats())
@@ -176,7 +149,7 @@ def test_tp2_decode_fetches_each_ranks_share_and_a_lost_or_damaged_one_is_recomp
 
 def test_a_prefill_instance_of_another_split_is_named_and_recomputed(plain, tp2_prefill, caplog):
     path, reference = plain
-    consumer = kv_engine(path, kv_transfer_config=_kv("kv_consumer", "GET", tp2_prefill, 1))
+    consumer = kv_engine(path, kv_transfer_config=p2p_kv("kv_consumer", "GET", tp2_prefill, 1))
     with _engines(consumer), caplog.at_level(logging.DEBUG, logger="trillm.kv_transfer"):
         outs = _generate(consumer, _prompts(5), _ids(tp2_prefill, 1, "c"))
         stats = consumer.engine.get_stats()
@@ -195,12 +168,12 @@ def test_a_prefill_instance_of_another_split_is_named_and_recomputed(plain, tp2_
 )
 def test_each_rank_sends_its_share_and_the_decode_matches(plain, tp, pp, send_type):
     path, reference = plain
-    prefill, decode = _free_ports(2), _free_ports(2)
+    prefill, decode = consecutive_free_ports(2), consecutive_free_ports(2)
     consumer = kv_engine(
-        path, tp, pp, kv_transfer_config=_kv("kv_consumer", send_type, prefill, decode)
+        path, tp, pp, kv_transfer_config=p2p_kv("kv_consumer", send_type, prefill, decode)
     )
     producer = kv_engine(
-        path, tp, pp, kv_transfer_config=_kv("kv_producer", send_type, prefill, decode)
+        path, tp, pp, kv_transfer_config=p2p_kv("kv_producer", send_type, prefill, decode)
     )
     ids = _ids(prefill, decode, "d")
     with _engines(consumer, producer):
@@ -218,9 +191,11 @@ def test_a_push_of_another_split_fails_at_once_and_is_named(plain, monkeypatch, 
     once, not after the wait for the missing share."""
     monkeypatch.setattr(p2p_recv, "PUSH_WAIT_S", 30.0)  # NOTE: a run waiting for it fails
     path, reference = plain
-    prefill, decode = _free_ports(1), _free_ports(2)
-    consumer = kv_engine(path, 2, 1, kv_transfer_config=_kv("kv_consumer", "PUT", prefill, decode))
-    producer = kv_engine(path, kv_transfer_config=_kv("kv_producer", "PUT", prefill, decode))
+    prefill, decode = consecutive_free_ports(1), consecutive_free_ports(2)
+    consumer = kv_engine(
+        path, 2, 1, kv_transfer_config=p2p_kv("kv_consumer", "PUT", prefill, decode)
+    )
+    producer = kv_engine(path, kv_transfer_config=p2p_kv("kv_producer", "PUT", prefill, decode))
     ids = _ids(prefill, decode, "f")
     with _engines(consumer, producer):
         _generate(producer, _prompts(5), ids, SamplingParams(max_tokens=1))

@@ -11,9 +11,18 @@ from __future__ import annotations
 import os
 
 import pytest
-from kv_connectors import aligned, kv_engine, max_logprob_diff, shared_storage_kv
+from kv_connectors import (
+    aligned,
+    consecutive_free_ports,
+    generate_with_ids,
+    kv_engine,
+    max_logprob_diff,
+    p2p_ids,
+    p2p_kv,
+    run_rounds,
+    shared_storage_kv,
+)
 from ray_marks import RAY_TESTS
-from server_harness import free_port
 
 from trillm import LLM, SamplingParams
 
@@ -38,15 +47,7 @@ def _generate(engine: LLM, prompts: list[dict], ids: list[str] | None = None, pa
     """``prompts``' outputs (with these request ids when given: P2P reads its addresses there)."""
     if ids is None:
         return engine.generate(prompts, params, use_tqdm=False)
-
-    async def generate() -> list:
-        outs: list = [None] * len(ids)
-        async with engine.engine.generate_many(prompts, [params] * len(ids), ids) as items:
-            async for index, out in items:
-                outs[index] = out
-        return outs
-
-    return engine._call(generate)
+    return generate_with_ids(engine, prompts, ids, params)
 
 
 def _ran(engine: LLM, prompts: list[dict], ids: list[str] | None = None, params=PARAMS):
@@ -117,14 +118,7 @@ def _offload_run(path: str, backend: str, tp: int = 2) -> tuple[list, list[int],
         distributed_executor_backend=backend,
         kv_offloading_size=0.01,
     )
-    try:
-        outs = []
-        for prompts in ROUNDS:
-            outs += engine.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        return tokens, [o.num_cached_tokens for o in outs], engine.engine.get_stats()
-    finally:
-        engine.shutdown()
+    return run_rounds(engine, ROUNDS, PARAMS)
 
 
 def test_the_offload_tier_on_ray_actors_loads_as_on_mp_ranks(plain, ray_cluster):
@@ -142,31 +136,6 @@ def test_the_offload_tier_on_ray_actors_loads_as_on_mp_ranks(plain, ray_cluster)
     assert stats.kv_offload.loads.seconds > 0  # each actor timed its copies
 
 
-def _free_ports(n: int) -> int:
-    """A port p with p .. p + n - 1 free (rank r's port: p + r), from this xdist worker's
-    block below the ephemeral range."""
-    for _ in range(100):
-        ports = [free_port() for _ in range(n)]
-        if ports == list(range(ports[0], ports[0] + n)):
-            return ports[0]
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
-def _p2p(role: str, send_type: str, prefill: int, decode: int) -> dict:
-    extra: dict = {"send_type": send_type}
-    if role == "kv_consumer":
-        extra["prefill_kv_addrs"] = [f"127.0.0.1:{prefill}"]
-    elif send_type != "GET":
-        extra["decode_kv_addrs"] = [f"127.0.0.1:{decode}"]
-    return {
-        "kv_connector": "P2pNcclConnector",
-        "kv_role": role,
-        "kv_port": prefill if role == "kv_producer" else decode,
-        "kv_buffer_size": "1e9",
-        "kv_connector_extra_config": extra,
-    }
-
-
 @pytest.mark.parametrize(("send_type", "decode_backend"), [("GET", "ray"), ("PUT", "mp")])
 def test_p2p_tp2_from_ray_actors_moves_every_ranks_share(
     plain, ray_cluster, send_type, decode_backend
@@ -175,17 +144,14 @@ def test_p2p_tp2_from_ray_actors_moves_every_ranks_share(
     Ray actors, whose actor r loads share r) or pushes ("PUT", to one on mp ranks) its share
     on port + r; every whole block loaded, the one-rank engine's tokens."""
     path, reference = plain
-    prefill, decode = _free_ports(2), _free_ports(2)
-    ids = [
-        f"___prefill_addr_127.0.0.1:{prefill}___decode_addr_127.0.0.1:{decode}_{send_type}{i}"
-        for i in range(len(LENGTHS))
-    ]
+    prefill, decode = consecutive_free_ports(2), consecutive_free_ports(2)
+    ids = p2p_ids(prefill, decode, send_type, len(LENGTHS))
     engines = [
         kv_engine(
             path,
             2,
             1,
-            kv_transfer_config=_p2p(role, send_type, prefill, decode),
+            kv_transfer_config=p2p_kv(role, send_type, prefill, decode),
             distributed_executor_backend=backend,
         )
         for role, backend in (("kv_consumer", decode_backend), ("kv_producer", "ray"))

@@ -1,6 +1,8 @@
 """What the KV connector tests share: in process, a small engine (``kv_engine``), a prompt's
 block-aligned prefix short of its last token (``aligned``, what a connector moves), the
-connectors' configs, and the largest logprob difference of two runs; over HTTP, a prefill
+connectors' configs (P2P's with its ports, ``consecutive_free_ports``, and request ids), a
+batch with given request ids (``generate_with_ids``), rounds of batches on one engine
+(``run_rounds``), and the largest logprob difference of two runs; over HTTP, a prefill
 (kv_producer) and a decode (kv_consumer) ``trillm serve`` behind
 ``trillm.entrypoints.disagg_proxy`` (``disagg_pair``), a completion with its logprobs, and a
 server's metric."""
@@ -20,7 +22,8 @@ import openai
 from server_harness import REPO, ServerProcess, free_port, metric_value, server_env
 
 if TYPE_CHECKING:
-    from trillm import LLM
+    from trillm import LLM, SamplingParams
+    from trillm.messages import SchedulerStats
 
 BLOCK = 16
 # the HTTP pairs' server flags
@@ -59,6 +62,73 @@ def shared_storage_kv(role: str, folder: str, **extra) -> dict:
         "kv_role": role,
         "kv_connector_extra_config": {"shared_storage_path": folder, **extra},
     }
+
+
+def consecutive_free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free (rank r's port: p + r), from this xdist worker's
+    block below the ephemeral range (``free_port`` hands them out in order), so that no
+    outgoing connection takes p + r before its listener binds it."""
+    for _ in range(100):
+        ports = [free_port() for _ in range(n)]
+        if ports == list(range(ports[0], ports[0] + n)):
+            return ports[0]
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def p2p_kv(role: str, send_type: str, prefill: int, decode: int) -> dict:
+    """vLLM's P2pNcclConnector: a producer on ``prefill`` (pushing to ``decode`` unless
+    "GET"), a consumer on ``decode`` reading from ``prefill``."""
+    extra: dict = {"send_type": send_type}
+    if role == "kv_consumer":
+        extra["prefill_kv_addrs"] = [f"127.0.0.1:{prefill}"]
+    elif send_type != "GET":
+        extra["decode_kv_addrs"] = [f"127.0.0.1:{decode}"]
+    return {
+        "kv_connector": "P2pNcclConnector",
+        "kv_role": role,
+        "kv_port": prefill if role == "kv_producer" else decode,
+        "kv_buffer_size": "1e9",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def p2p_ids(prefill: int, decode: int, tag: str, n: int) -> list[str]:
+    """``n`` request ids naming the P2P addresses (vLLM's proxy's form), ``tag`` and i."""
+    return [
+        f"___prefill_addr_127.0.0.1:{prefill}___decode_addr_127.0.0.1:{decode}_{tag}{i}"
+        for i in range(n)
+    ]
+
+
+def generate_with_ids(
+    engine: LLM, prompts: list[dict], ids: list[str], params: SamplingParams
+) -> list:
+    """``prompts``' outputs, in order, as one batch with these request ids (P2P reads its
+    addresses there)."""
+
+    async def generate() -> list:
+        outs: list = [None] * len(ids)
+        async with engine.engine.generate_many(prompts, [params] * len(ids), ids) as items:
+            async for index, out in items:
+                outs[index] = out
+        return outs
+
+    return engine._call(generate)
+
+
+def run_rounds(
+    engine: LLM, rounds: tuple[list[list[int]], ...], params: SamplingParams
+) -> tuple[list[list[int]], list[int], SchedulerStats]:
+    """(greedy tokens, cached prompt tokens, stats) of ``rounds``, each round's prompts one
+    batch; the engine shut down after."""
+    try:
+        outs = []
+        for prompts in rounds:
+            outs += engine.generate([{"prompt_token_ids": p} for p in prompts], params)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        return tokens, [o.num_cached_tokens for o in outs], engine.engine.get_stats()
+    finally:
+        engine.shutdown()
 
 
 def max_logprob_diff(a, b) -> float:
