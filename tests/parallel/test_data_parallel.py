@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,13 +26,14 @@ from parallel_reference import (
     MAX_TOKENS,
     PROMPTS,
     SHARDED_LLAMA,
+    abort_the_second,
     greedy,
     http_greedy_tokens,
     reference_tokens,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import ServerProcess, open_request, read_until, stats_engine
-from worker_processes import pid_alive
+from worker_processes import core_worker_ranks, pid_alive
 
 from trillm.engine.dp_router import AFFINITY_SLACK, DataParallelRouter
 from trillm.engine.llm import LLM
@@ -140,14 +140,7 @@ def test_abort_goes_to_the_core_that_holds_the_request(llama):
                     handle(msg)
 
                 core.handle_input = spy
-            async with engine.generate("one two", long, "A") as a:
-                first_a = await a.__anext__()
-                async with engine.generate("three four", long, "B") as b:
-                    await b.__anext__()
-                    assert (engine.engine_index_of("A"), engine.engine_index_of("B")) == (0, 1)
-                    await engine.abort("B")
-                    rest_b = [out async for out in b]
-                outs_a = [first_a] + [out async for out in a]
+            rest_b, outs_a = await abort_the_second(engine, long)
             with trio.fail_after(30):
                 while engine.cores[1].scheduler.has_unfinished_requests():
                     await trio.sleep(0.01)
@@ -312,24 +305,12 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_core(server):
     assert hits[home] > hits0[home]
 
 
-def _workers(pid: int) -> dict[tuple[int, int], int]:
-    """(engine core index, rank) -> pid of the server's model worker."""
-    found = {}
-    for task in os.listdir(f"/proc/{pid}/task"):
-        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
-            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            if b"trillm.worker.worker_main" in argv:
-                engine = int(argv[argv.index(b"--engine") + 1])
-                found[engine, int(argv[argv.index(b"--rank") + 1])] = int(child)
-    return found
-
-
 def test_killed_worker_of_core_1_stops_the_server_cleanly(server):
     """The chosen behaviour (docs/reliability.md): a dead worker takes the whole engine down,
     as with one core. Core 1's worker killed mid-generation: the streams on both cores end
     with an error event naming it, /health answers 503, the process exits 1 and leaves
     neither a worker nor a shared-memory segment behind."""
-    workers = _workers(server.proc.pid)
+    workers = core_worker_ranks(server.proc.pid)
     assert sorted(workers) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     with open(f"/proc/{server.proc.pid}/maps") as f:
         segments = {line.split()[-1] for line in f if "/dev/shm/" in line}

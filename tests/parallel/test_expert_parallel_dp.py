@@ -17,7 +17,7 @@ import pytest
 import trio
 from expert_parallel_models import LOGPROB_TOL, ODD_EXPERTS, tokens_and_logprobs
 from parallel_models import LIMITS, MAX_TOKENS, PROMPTS
-from parallel_reference import greedy
+from parallel_reference import abort_the_second, greedy
 
 from trillm.engine.llm import LLM
 from trillm.testing.tiny_deepseek import build_tiny_deepseek
@@ -85,14 +85,7 @@ def test_abort_on_one_core_mid_stream_leaves_the_other_running(tiny_model_factor
         async with open_engine(
             path, data_parallel_size=2, enable_expert_parallel=True, **LIMITS
         ) as engine:
-            async with engine.generate("one two", long, "A") as a:
-                first_a = await a.__anext__()
-                async with engine.generate("three four", long, "B") as b:
-                    await b.__anext__()
-                    assert (engine.engine_index_of("A"), engine.engine_index_of("B")) == (0, 1)
-                    await engine.abort("B")
-                    rest_b = [out async for out in b]
-                outs_a = [first_a] + [out async for out in a]
+            rest_b, outs_a = await abort_the_second(engine, long)
             async with engine.generate("five six", greedy(4), "C") as c:
                 outs_c = [out async for out in c]
             return rest_b[-1], outs_a[-1], outs_c[-1], engine.engine_cores.lockstep.dummies

@@ -23,7 +23,7 @@ from expert_parallel_models import ODD_EXPERTS
 from parallel_models import LIMITS
 from parallel_reference import limit_flags, reference_tokens
 from server_harness import ServerProcess, open_request, read_until
-from worker_processes import pid_alive
+from worker_processes import core_worker_ranks, pid_alive
 
 PROMPTS = ["The capital of France is", "1 2 3 4 5"]
 MAX_TOKENS = 12
@@ -42,18 +42,6 @@ def start(path: str, tmp_path: Path, *more: str) -> ServerProcess:
 def expert_stores(pid: int) -> list[str]:
     """The rendezvous files of the server's ranks (engine/dp_router.core_configs) left."""
     return glob.glob(os.path.join(tempfile.gettempdir(), f"trillm-experts-{pid}-*"))
-
-
-def workers(pid: int) -> dict[tuple[int, int], int]:
-    """(engine core, rank) -> pid of each of the server's model workers."""
-    found = {}
-    for task in os.listdir(f"/proc/{pid}/task"):
-        for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
-            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            if b"trillm.worker.worker_main" in argv:
-                engine = int(argv[argv.index(b"--engine") + 1])
-                found[engine, int(argv[argv.index(b"--rank") + 1])] = int(child)
-    return found
 
 
 def stream(server: ServerProcess, prompt: str, max_tokens: int) -> tuple[socket.socket, bytes]:
@@ -99,7 +87,7 @@ def test_two_cores_serve_at_once_and_metrics_count_each_cores_pairs(mixtral, tmp
     expected = reference_tokens(mixtral, PROMPTS, MAX_TOKENS, **LIMITS)
     server = start(mixtral, tmp_path)
     try:
-        ranks = workers(server.proc.pid)
+        ranks = core_worker_ranks(server.proc.pid)
         opened = [stream(server, prompt, MAX_TOKENS) for prompt in PROMPTS]
         raws = [finish(one) for one in opened]
         metrics = httpx.get(server.url + "/metrics", timeout=60).text
@@ -134,7 +122,7 @@ def test_a_killed_rank_ends_the_server_naming_it(mixtral, tmp_path):
     stream ends with an error naming the rank, the server exits 1, no worker is left."""
     server = start(mixtral, tmp_path)
     try:
-        ranks = workers(server.proc.pid)
+        ranks = core_worker_ranks(server.proc.pid)
         assert sorted(ranks) == [(0, 0), (1, 0)]
         opened = stream(server, PROMPTS[0], 48)
         time.sleep(0.2)

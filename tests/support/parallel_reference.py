@@ -1,6 +1,7 @@
 """The parallelism tests' shared reference (tensor, pipeline, data parallel, several nodes):
 the prompts, the greedy parameters, the model that covers the sharding cases, and the greedy
-tokens of one in-process engine (TP = PP = DP = 1, "uni") that every layout must equal.
+tokens of one in-process engine (TP = PP = DP = 1, "uni") that every layout must equal; and
+``abort_the_second``, two data-parallel cores' streams, the second aborted mid-stream.
 
 ``reference_tokens`` runs that engine once per process for each (model, prompts, length,
 limits): test modules sharing the model (tensor parallel, several nodes, data parallel) share
@@ -75,3 +76,18 @@ def http_greedy_tokens(
         assert r.status_code == 200, r.text
         got.append(r.json()["choices"][0]["token_ids"])
     return got
+
+
+async def abort_the_second(engine, params: SamplingParams) -> tuple[list, list]:
+    """Under -dp 2, request "A" streams on core 0; "B", sent after A's first token, lands on
+    core 1 and is aborted after its own first token -> (B's outputs after the abort, A's
+    outputs, A run to its end)."""
+    async with engine.generate("one two", params, "A") as a:
+        first_a = await a.__anext__()
+        async with engine.generate("three four", params, "B") as b:
+            await b.__anext__()
+            assert (engine.engine_index_of("A"), engine.engine_index_of("B")) == (0, 1)
+            await engine.abort("B")
+            rest_b = [out async for out in b]
+        outs_a = [first_a] + [out async for out in a]
+    return rest_b, outs_a

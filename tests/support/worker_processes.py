@@ -1,9 +1,11 @@
 """What the parallel and executor tests look for in /proc and /dev/shm: whether a process
-lives, a server's model workers by rank, the shared-memory segments it maps."""
+lives, a server's model workers by rank (and engine core), the shared-memory segments it
+maps."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -20,15 +22,26 @@ def shm_exists(name: str) -> bool:
     return os.path.exists(f"/dev/shm/{name}")
 
 
-def worker_ranks(pid: int) -> dict[int, int]:
-    """rank -> pid of the server's model workers."""
-    ranks = {}
+def _workers(pid: int) -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of each of the server's model workers."""
     for task in os.listdir(f"/proc/{pid}/task"):
         for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
             argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
             if b"trillm.worker.worker_main" in argv:
-                ranks[int(argv[argv.index(b"--rank") + 1])] = int(child)
-    return ranks
+                yield int(child), argv
+
+
+def worker_ranks(pid: int) -> dict[int, int]:
+    """rank -> pid of the server's model workers."""
+    return {int(argv[argv.index(b"--rank") + 1]): child for child, argv in _workers(pid)}
+
+
+def core_worker_ranks(pid: int) -> dict[tuple[int, int], int]:
+    """(engine core index, rank) -> pid of the server's model workers (-dp N)."""
+    return {
+        (int(argv[argv.index(b"--engine") + 1]), int(argv[argv.index(b"--rank") + 1])): child
+        for child, argv in _workers(pid)
+    }
 
 
 def shm_segments(pid: int) -> set[str]:
