@@ -81,11 +81,9 @@ class ExpertLoad:
 
     routed: torch.Tensor | None = None  # [N] int64
 
-    def add(self, ids: torch.Tensor, per_rank: int, size: int) -> torch.Tensor:
-        """-> this layer's pairs per rank, [N] on the CPU."""
+    def add(self, ids: torch.Tensor, per_rank: int, size: int) -> None:
         step = torch.bincount(ids.reshape(-1) // per_rank, minlength=size).cpu()  # [N]
         self.routed = step if self.routed is None else self.routed + step
-        return step
 
     def take(self) -> list[int]:
         """Per rank, since the last call; [] without expert parallelism."""
@@ -178,12 +176,12 @@ def dispatch_combine(
     idle engine core must while others step when the experts span several cores. There, a
     failure inside the layer is noted and the layer's exchanges completed (zeros returned:
     ``expert_step_faults``), not raised: the other cores' ranks wait in them."""
-    routed = load.add(ids, placement.per_rank, placement.size)  # ids: the same on every rank
+    load.add(ids, placement.per_rank, placement.size)  # ids: the same on every rank
     progress = _Progress()
     if placement.core is None:
         return _dispatch_combine(placement, x, weights, ids, run_local, progress)
     step_faults = expert_step_faults.faults
-    step_faults.note_routed(routed.tolist())
+    step_faults.note_routed(ids, placement.per_rank)
     try:
         return _dispatch_combine(placement, x, weights, ids, run_local, progress)
     except CollectiveTimeoutError:

@@ -11,26 +11,32 @@ still run on the rows the others sent, unless it was their computation that fail
 others get zeros back) and goes on with the forward on zeros, so the tensor-parallel
 collectives of its core meet too. At the forward's end every rank, of a real step or of a
 dummy forward, takes part in one small all-reduce over the experts' group (``agree_step``:
-one int32 per rank) and each decides alone, from the same numbers, whether its step failed:
+three int32 per rank) and each decides alone, from the same numbers, whether its step failed:
 
 - a rank whose forward failed, and every rank of its engine core (the tensor-parallel peers:
   their outputs need its share);
-- every rank of a core whose tokens went, in this forward, to a rank whose experts failed, in
-  the layer they failed or a later one (their outputs are missing). Every rank of a core
-  routes its tokens alike (the router is replicated), so they decide alike.
+- in a core whose tokens went, in this forward, to a rank whose experts failed (in the layers
+  from the first to the last they failed in: their outputs are missing), those tokens' requests
+  (``StepVerdict.tokens``: attention mixes only a request's own tokens, so the others' are
+  exact). Every rank of a core routes its tokens alike (the router is replicated), so they
+  decide alike.
 
-Other cores' steps are unaffected: the failing rank's experts computed their pairs.
+Other cores' steps, and their other requests, are unaffected: the failing rank's experts
+computed their pairs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from trillm.distributed.parallel_state import expert_rank_label, get_ep_group, get_tp_group
+from trillm.messages import ModelRunnerOutput
 
-OK, FAILED = 0, 1  # a rank's code in the agreement; 2 + L: its experts failed in MoE layer L
+OK, FAILED = 0, 1  # a rank's status in the agreement
 
 
 @dataclass
@@ -41,20 +47,21 @@ class ForwardFaults:
 
     layer: int = 0
     error: str | None = None
-    experts_lost: int | None = None
-    last_routed: dict[int, int] = field(default_factory=dict)  # expert rank -> layer
+    experts_lost: tuple[int, int] | None = None  # the first and last layer they failed in
+    # Per MoE layer so far, this core's tokens' experts (ids [T, k], the layer's own tensor,
+    # kept until the forward's end) and the experts each rank holds.
+    routes: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
-    def note_routed(self, pairs_per_rank: list[int]) -> None:
-        """The current layer sends this core's tokens' pairs to these ranks' experts."""
-        for rank, pairs in enumerate(pairs_per_rank):
-            if pairs:
-                self.last_routed[rank] = self.layer
+    def note_routed(self, ids: torch.Tensor, per_rank: int) -> None:
+        """The current layer routes this core's tokens to these experts."""
+        self.routes.append((ids, per_rank))
 
     def note_error(self, text: str, experts_lost: bool) -> None:
         if self.error is None:
             self.error = text
-        if experts_lost and self.experts_lost is None:
-            self.experts_lost = self.layer
+        if experts_lost:
+            first = self.layer if self.experts_lost is None else self.experts_lost[0]
+            self.experts_lost = (first, self.layer)
 
 
 faults = ForwardFaults()  # this process's: one rank per worker process
@@ -66,30 +73,77 @@ def start_forward() -> None:
     faults = ForwardFaults()
 
 
-def agree_step(failed: bool, device: torch.device | str) -> str | None:
+@dataclass
+class StepVerdict:
+    """A rank's step after the agreement: failed whole (``reason``), or only the requests of
+    the tokens ``tokens`` marks (``why``), or neither."""
+
+    reason: str | None = None
+    tokens: torch.Tensor | None = None  # [T] bool, on the CPU
+    why: str = ""
+
+
+def agree_step(failed: bool, device: torch.device | str) -> StepVerdict:
     """The end of a forward on every rank of every core (``failed``: this rank's forward
-    raised outside a MoE layer); -> why this rank's step failed, None if it did not."""
+    raised outside a MoE layer); -> this rank's step's verdict."""
     seen = faults
     start_forward()
     ep, tp = get_ep_group(), get_tp_group()
-    mine = FAILED if failed or seen.error is not None else OK
+    # Per rank: its status, and 1 + the first and last layer its experts failed in (0: none).
+    codes = torch.zeros(ep.world_size, 3, dtype=torch.int32, device=device)
+    codes[ep.rank, 0] = FAILED if failed or seen.error is not None else OK
     if seen.experts_lost is not None:
-        mine = 2 + seen.experts_lost
-    codes = torch.zeros(ep.world_size, dtype=torch.int32, device=device)
-    codes[ep.rank] = mine
+        codes[ep.rank, 1:] = torch.tensor(seen.experts_lost) + 1
     got = ep.all_reduce(codes).tolist()
     if seen.error is not None:
-        return f"the forward failed in a MoE layer on this rank: {seen.error}"
+        return StepVerdict(f"the forward failed in a MoE layer on this rank: {seen.error}")
     if failed:
-        return "the forward failed on this rank"
-    core = ep.rank // tp.world_size
-    for rank, code in enumerate(got):
+        return StepVerdict("the forward failed on this rank")
+    core, hit, whys = ep.rank // tp.world_size, None, []
+    for rank, (status, first, last) in enumerate(got):
         label = expert_rank_label(rank // tp.world_size, rank % tp.world_size, tp.world_size)
-        if code != OK and rank // tp.world_size == core:
-            return f"the forward failed on {label}, a tensor-parallel rank of this engine core"
-        if code >= 2 and seen.last_routed.get(rank, -1) >= code - 2:
-            return (
-                f"the experts of {label} failed in MoE layer {code - 1} of this forward, "
-                "and tokens of this engine core were routed to them"
-            )
-    return None
+        if status != OK and rank // tp.world_size == core:
+            reason = f"the forward failed on {label}, a tensor-parallel rank of this engine core"
+            return StepVerdict(reason)
+        if not first:
+            continue
+        for ids, per_rank in seen.routes[first - 1 : last]:  # the layers they failed in
+            routed = (ids // per_rank == rank).any(dim=1).cpu()  # [T]
+            hit = routed if hit is None else hit | routed
+        layers = f"{first}" if first == last else f"{first} to {last}"
+        whys.append(f"the experts of {label} failed in MoE layer {layers} of this forward")
+    if hit is None or not bool(hit.any()):
+        return StepVerdict()
+    why = "; ".join(whys) + ", and this request's tokens were routed to them"
+    return StepVerdict(tokens=hit, why=why)
+
+
+def requests_of(verdict: StepVerdict, runner: Any) -> dict[str, str] | None:
+    """req_id -> why, for the requests of the tokens the verdict marks (the runner's pending
+    step: its requests' token ranges); None where the step's tokens cannot be told apart
+    (then the whole step fails)."""
+    pending = getattr(runner, "_pending", None)
+    inputs = getattr(pending, "inputs", None)
+    if pending is None or inputs is None or verdict.tokens is None:
+        return None
+    if len(inputs.input_ids) != len(verdict.tokens):
+        return None
+    rows = np.nonzero(verdict.tokens.numpy())[0]
+    owners = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1
+    return {pending.req_ids[i]: verdict.why for i in sorted(set(owners.tolist()))}
+
+
+def without_requests(out: ModelRunnerOutput, lost: dict[str, str]) -> ModelRunnerOutput:
+    """The step's output with ``lost``'s requests failed (no tokens: the engine ends them
+    alone, as requests the worker could not take)."""
+    out.sampled_token_ids = [
+        [] if req_id in lost else tokens
+        for req_id, tokens in zip(out.req_ids, out.sampled_token_ids)
+    ]
+    for per_request in (out.logprobs, out.prompt_logprobs, out.pooler_output):
+        for req_id in lost:
+            per_request.pop(req_id, None)
+    for req_id in lost:
+        out.draft_token_ids.pop(req_id, None)
+    out.failed = {**out.failed, **lost}
+    return out

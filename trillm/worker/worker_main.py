@@ -117,6 +117,7 @@ class Worker:
         self.runner: ModelRunnerProtocol | None = None  # set by InitWorker
         self._sched: SchedulerOutput | None = None
         self._step_error: str | None = None
+        self._lost: dict[str, str] = {}  # -dp N -ep: requests this step fails alone
         self.execute_clock = ExecuteClock(False)  # --collect-detailed-traces worker
 
     def _check_parent(self) -> None:
@@ -229,7 +230,7 @@ class Worker:
         return self.runner
 
     def _execute(self, sched: SchedulerOutput) -> None:
-        self._sched, self._step_error = sched, None
+        self._sched, self._step_error, self._lost = sched, None, {}
         layers_before = expert_traffic.layers_done
         config = getattr(self.runner, "config", None)
         span = config is not None and config.parallel.experts_span_cores
@@ -243,11 +244,22 @@ class Worker:
             self._step_error = traceback.format_exc()
             if span:
                 self._finish_expert_exchanges(expert_traffic.layers_done - layers_before)
-        if span:  # every rank's verdict on this step (expert_step_faults)
-            device = getattr(self.runner, "device", "cpu")
-            why = expert_step_faults.agree_step(self._step_error is not None, device)
-            if why is not None and self._step_error is None:
-                self._step_error = why
+        if span:
+            self._agree_step()
+
+    def _agree_step(self) -> None:
+        """-dp N -ep: every rank's verdict on this step (``expert_step_faults``): failed
+        whole, or only the requests whose tokens went to experts that failed."""
+        device = getattr(self.runner, "device", "cpu")
+        verdict = expert_step_faults.agree_step(self._step_error is not None, device)
+        if self._step_error is not None:
+            return
+        lost = (
+            None if verdict.tokens is None else expert_step_faults.requests_of(verdict, self.runner)
+        )
+        if verdict.reason is not None or (verdict.tokens is not None and lost is None):
+            self._step_error = verdict.reason or verdict.why
+        self._lost = lost or {}
 
     def _finish_expert_exchanges(self, done: int) -> None:
         """-dp N -ep: a forward that failed on this rank (one step's requests fail) before
@@ -266,6 +278,8 @@ class Worker:
                 out = self.execute_clock.run(self._loaded().sample_tokens, bitmask)
             except Exception:
                 self._step_error = traceback.format_exc()
+        if out is not None and self._lost:
+            out = expert_step_faults.without_requests(out, self._lost)
         if out is None:
             req_ids = list(sched.num_scheduled_tokens)
             out = ModelRunnerOutput(
