@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+from expert_faults import expected_tokens, run_with_fault
 from expert_parallel_models import LOGPROB_TOL, ODD_EXPERTS, tokens_and_logprobs
 from parallel_models import LIMITS, MAX_TOKENS, PROMPTS
 from parallel_reference import abort_the_second, greedy
@@ -149,41 +150,12 @@ def test_a_step_failing_on_one_core_fails_only_its_requests(tiny_model_factory, 
     (without it core 0's rank would wait in the exchange until the collective timeout; a
     layer whose exchanges ran but was counted undone would pair its exchanges with the
     next layer's)."""
-    from trillm.engine.engine_startup import open_engine
-
     path = tiny_model_factory("mixtral", num_hidden_layers=2, **ODD_EXPERTS["mixtral"])
-    poison = [5, 6, 7, 8, 9]
-    long = greedy(24)
-    with LLM(path, distributed_executor_backend="uni", **LIMITS) as llm:
-        expected = llm.generate(["one two"], long, use_tqdm=False)[0].outputs[0].token_ids
-    kwargs = {"fail_prompt": poison, **failure}
-
-    async def main():
-        async with open_engine(
-            path,
-            runner="trillm.testing.failing_runner:FailingRunner",
-            runner_kwargs=kwargs,
-            data_parallel_size=2,
-            enable_expert_parallel=True,
-            distributed_timeout_seconds=20,
-            **LIMITS,
-        ) as engine:
-            async with engine.generate("one two", long, "A") as a:
-                first_a = await a.__anext__()
-                prompt = {"prompt_token_ids": poison}
-                async with engine.generate(prompt, greedy(4), "B") as b:
-                    outs_b = [out async for out in b]
-                assert engine.router.routed == [1, 1]  # B went to core 1
-                outs_a = [first_a] + [out async for out in a]
-            async with engine.generate("five six", greedy(4), "C") as c:
-                outs_c = [out async for out in c]
-            return outs_b[-1], outs_a[-1], outs_c[-1]
-
-    last_b, last_a, last_c = trio.run(main)
-    assert last_b.outputs[0].finish_reason == "abort"
-    assert last_a.outputs[0].finish_reason == "length"
-    assert list(last_a.outputs[0].token_ids) == list(expected)
-    assert len(last_c.outputs[0].token_ids) == 4
+    got = run_with_fault(path, failure)
+    assert got["b"].finish_reason == "abort"
+    assert got["a"].finish_reason == "length"
+    assert list(got["a"].token_ids) == expected_tokens(path)
+    assert len(got["c"].token_ids) == 4
 
 
 def test_preemption_and_a_pause_on_the_cores_keep_them_in_step(tiny_model_factory):
