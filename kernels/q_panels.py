@@ -45,13 +45,18 @@ _Q6_SHIFTS = (  # [g, e, s] -> the bit of lane c that holds u's top two bits
 
 def _pack_q6_kp(q: np.ndarray, params: list[np.ndarray], panels: int) -> np.ndarray:
     """Q6_K's unpacked form (q - 32 int8 [Np, K]; d repeated per block, sc of each half, [Np,
-    nb]) -> Q6_KP's bytes."""
+    nb]) -> Q6_KP's bytes. Field by field, so no temporary is wider than a byte a value."""
     n, k = q.shape
     nb, ns = k // BLOCK, k // QK_K
-    u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(panels, PANEL, nb, BLOCK)
+    u = (q.view(np.uint8) + np.uint8(32)).reshape(panels, PANEL, nb, BLOCK)  # q + 32: 0..63
     nibbles = (u[..., 0::2] & 0xF) | ((u[..., 1::2] & 0xF) << 4)  # [P, 16 cols, nb, 16 rows]
-    top = (u >> 4).astype(np.uint32).reshape(panels, PANEL, nb, 2, 2, 2, 4)  # [.., h, g, e, s]
-    lanes = (top << _Q6_SHIFTS).sum(axis=(4, 5, 6), dtype=np.uint32)  # [P, 16 cols, nb, 2 h]
+    fields = u.reshape(panels, PANEL, nb, 2, 2, 2, 4)  # [.., h, g, e, s]: k = 16h + 8g + 4e + s
+    lanes = np.zeros((panels, PANEL, nb, 2), np.uint32)  # [P, 16 cols, nb, 2 h]
+    for g in range(2):
+        for e in range(2):
+            for s in range(4):
+                lanes |= (fields[..., g, e, s] >> 4).astype(np.uint32) << _Q6_SHIFTS[g, e, s]
+    del u, fields
     sc = np.stack(params[1:3], axis=2).reshape(panels, PANEL, nb, 2)  # int8
     blocks = np.concatenate(
         [
@@ -63,9 +68,10 @@ def _pack_q6_kp(q: np.ndarray, params: list[np.ndarray], panels: int) -> np.ndar
         ],
         axis=2,
     ).reshape(panels, ns, _Q6_SUPER * _Q6_BLOCK_BYTES)
+    del nibbles, lanes
     d = params[0][:, ::_Q6_SUPER].reshape(panels, PANEL, ns).transpose(0, 2, 1)
     d_bytes = np.ascontiguousarray(d).view(np.uint8).reshape(panels, ns, 2 * PANEL)
-    return np.ascontiguousarray(np.concatenate([d_bytes, blocks], axis=2)).reshape(-1)
+    return np.concatenate([d_bytes, blocks], axis=2).reshape(-1)
 
 
 def _unpack_q6_kp(data: torch.Tensor, panels: int, k: int) -> torch.Tensor:
