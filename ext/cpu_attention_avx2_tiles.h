@@ -210,6 +210,24 @@ inline void bf16_item_tiles(const float* qs, int M, int D, const int* pos, float
   }
 }
 
+// A whole bf16 item: `item` (FreshBf16Item, PagedChunk) gives M, D, pos, q_row(i), the tile
+// rows (operator()) and store_rows; its q rows widened, the passes, the rows stored.
+template <typename ItemT>
+inline void bf16_attend_item(ItemT& item, float scale) {
+  alignas(32) static thread_local float qs[kTileMaxVectors * kTileMaxHeadDim];   // [M][D]
+  alignas(32) static thread_local float acc[kTileMaxVectors * kTileMaxHeadDim];  // [M][D]
+  const int D = item.D;
+  for (int i = 0; i < item.M; ++i) {
+    const Bf16* src = item.q_row(i);
+    for (int d = 0; d < D; d += 8) {
+      _mm256_store_ps(qs + i * D + d, load8(src + d));
+      _mm256_store_ps(acc + i * D + d, _mm256_setzero_ps());
+    }
+  }
+  bf16_item_tiles(qs, item.M, D, item.pos, scale, item, acc);
+  item.store_rows(acc);
+}
+
 #pragma GCC pop_options
 
 }  // namespace

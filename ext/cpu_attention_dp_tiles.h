@@ -200,4 +200,19 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
   }
 }
 
+// A whole bf16 item: `item` (FreshBf16Item, PagedChunk) gives M, D, pos, q_row(i), the tile
+// rows (operator()) and store_rows; its q rows copied, the passes, the rows stored.
+template <typename ItemT>
+TRILLM_DOT_TARGET inline void dot_attend_item(ItemT& item, float scale) {
+  alignas(64) static thread_local uint16_t qs[96 * 256];  // [M][D] bf16
+  alignas(64) static thread_local float acc[96 * 256];    // [M][D]
+  const int D = item.D;
+  for (int i = 0; i < item.M; ++i) {
+    std::memcpy(qs + i * D, item.q_row(i), D * sizeof(uint16_t));
+    for (int d = 0; d < D; d += 16) _mm512_storeu_ps(acc + i * D + d, _mm512_setzero_ps());
+  }
+  dot_item_tiles(qs, item.M, D, item.pos, scale, item, acc);
+  item.store_rows(acc);
+}
+
 }  // namespace

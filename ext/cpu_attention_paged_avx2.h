@@ -14,16 +14,5 @@
 // One item (it.head_begin: its kv head; rows it.row_begin .. it.row_end of request it.req).
 __attribute__((target("avx2,fma"))) void attend_item_paged_avx2(const Problem& p, const Item& it) {
   PagedChunk c(p, it);
-  const int D = c.D;
-  alignas(32) static thread_local float qs[kTileMaxVectors * kTileMaxHeadDim];   // [M][D]
-  alignas(32) static thread_local float acc[kTileMaxVectors * kTileMaxHeadDim];  // [M][D]
-  for (int i = 0; i < c.M; ++i) {
-    const Bf16* src = c.q_row(i);
-    for (int d = 0; d < D; d += 8) {
-      _mm256_store_ps(qs + i * D + d, load8(src + d));
-      _mm256_store_ps(acc + i * D + d, _mm256_setzero_ps());
-    }
-  }
-  bf16_item_tiles(qs, c.M, D, c.pos, p.scale, c, acc);
-  c.store_rows(acc);
+  bf16_attend_item(c, p.scale);
 }

@@ -82,13 +82,5 @@ struct PagedChunk {
 // One item (it.head_begin: its kv head; rows it.row_begin .. it.row_end of request it.req).
 TRILLM_DOT_TARGET void attend_item_paged_dp(const Problem& p, const Item& it) {
   PagedChunk c(p, it);
-  const int D = c.D;
-  alignas(64) static thread_local uint16_t qs[kPdpMaxVectors * kPdpMaxHeadDim];  // [M][D]
-  alignas(64) static thread_local float acc[kPdpMaxVectors * kPdpMaxHeadDim];    // [M][D]
-  for (int i = 0; i < c.M; ++i) {
-    std::memcpy(qs + i * D, c.q_row(i), D * sizeof(uint16_t));
-    for (int d = 0; d < D; d += 16) _mm512_storeu_ps(acc + i * D + d, _mm512_setzero_ps());
-  }
-  dot_item_tiles(qs, c.M, D, c.pos, p.scale, c, acc);
-  c.store_rows(acc);
+  dot_attend_item(c, p.scale);
 }

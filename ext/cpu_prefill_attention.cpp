@@ -229,18 +229,7 @@ void attend_item(const Problem& p, const Item& it) {
 // rounded softmax, then O = P . V (bf16_item_tiles, ext/cpu_attention_avx2_tiles.h).
 void attend_item_bf16(const Problem& p, const Item& it) {
   FreshBf16Item item(p, it);
-  const int D = item.D;
-  alignas(32) static thread_local float qs[kMaxVectors * kMaxHeadDim];   // [M][D], unscaled
-  alignas(32) static thread_local float acc[kMaxVectors * kMaxHeadDim];  // [M][D]
-  for (int i = 0; i < item.M; ++i) {
-    const Bf16* src = item.q_row(i);
-    for (int d = 0; d < D; d += 8) {
-      _mm256_store_ps(qs + i * D + d, load8(src + d));
-      _mm256_store_ps(acc + i * D + d, _mm256_setzero_ps());
-    }
-  }
-  bf16_item_tiles(qs, item.M, D, item.pos, p.scale, item, acc);
-  item.store_rows(acc);
+  bf16_attend_item(item, p.scale);
 }
 
 #pragma GCC pop_options

@@ -14,15 +14,7 @@ namespace {
 // attend_item_bf16 (ext/cpu_prefill_attention.cpp) with both products on vdpbf16ps.
 TRILLM_DOT_TARGET void attend_item_bf16_dp(const Problem& p, const Item& it) {
   FreshBf16Item item(p, it);
-  const int D = item.D;
-  alignas(64) static thread_local uint16_t qs[kMaxVectors * kMaxHeadDim];  // [M][D] bf16
-  alignas(64) static thread_local float acc[kMaxVectors * kMaxHeadDim];    // [M][D]
-  for (int i = 0; i < item.M; ++i) {
-    std::memcpy(qs + i * D, item.q_row(i), D * sizeof(uint16_t));
-    for (int d = 0; d < D; d += 16) _mm512_storeu_ps(acc + i * D + d, _mm512_setzero_ps());
-  }
-  dot_item_tiles(qs, item.M, D, item.pos, p.scale, item, acc);
-  item.store_rows(acc);
+  dot_attend_item(item, p.scale);
 }
 
 }  // namespace
