@@ -42,8 +42,8 @@ OK, FAILED = 0, 1  # a rank's status in the agreement
 @dataclass
 class ForwardFaults:
     """This rank's current forward under -dp N -ep: its MoE layers so far, the first failure
-    inside one, the first layer whose experts failed here, and the last layer that sent this
-    core's pairs to each expert rank."""
+    inside one, the layers whose experts failed here, and where each layer routed this
+    core's tokens."""
 
     layer: int = 0
     error: str | None = None
@@ -90,11 +90,11 @@ def agree_step(failed: bool, device: torch.device | str) -> StepVerdict:
     start_forward()
     ep, tp = get_ep_group(), get_tp_group()
     # Per rank: its status, and 1 + the first and last layer its experts failed in (0: none).
-    codes = torch.zeros(ep.world_size, 3, dtype=torch.int32, device=device)
+    codes = torch.zeros(ep.world_size, 3, dtype=torch.int32)
     codes[ep.rank, 0] = FAILED if failed or seen.error is not None else OK
     if seen.experts_lost is not None:
         codes[ep.rank, 1:] = torch.tensor(seen.experts_lost) + 1
-    got = ep.all_reduce(codes).tolist()
+    got = ep.all_reduce(codes.to(device)).tolist()
     if seen.error is not None:
         return StepVerdict(f"the forward failed in a MoE layer on this rank: {seen.error}")
     if failed:
