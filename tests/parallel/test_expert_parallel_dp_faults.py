@@ -17,7 +17,7 @@ import logging
 
 import pytest
 import trio
-from expert_faults import LONG, POISON, expected_tokens, run_with_fault
+from expert_faults import LONG, POISON, expected_tokens, failing_engine, run_with_fault
 from expert_parallel_models import ODD_EXPERTS
 from parallel_models import LIMITS
 from parallel_reference import greedy
@@ -102,8 +102,6 @@ def test_an_experts_failure_fails_only_the_requests_routed_to_them(mixtral):
     end with an abort too (the log names why), the others keep their single-rank greedy
     tokens (a request's attention reads only its own tokens), and an aborted one sent again
     equals."""
-    from trillm.engine.engine_startup import open_engine
-
     path, _ = mixtral
     shared = list(range(100, 116))  # one full block: the router's prefix affinity
     prompts = [{"prompt_token_ids": shared + [200 + i, 300 + i]} for i in range(MANY)]
@@ -113,15 +111,7 @@ def test_an_experts_failure_fails_only_the_requests_routed_to_them(mixtral):
     kwargs = {"fail_prompt": POISON, "fail_experts": 1}
 
     async def main():
-        async with open_engine(
-            path,
-            runner="trillm.testing.failing_runner:FailingRunner",
-            runner_kwargs=kwargs,
-            data_parallel_size=2,
-            enable_expert_parallel=True,
-            distributed_timeout_seconds=20,
-            **LIMITS,
-        ) as engine:
+        async with failing_engine(path, kwargs) as engine:
             got: list = [None] * MANY
             started, ready = trio.Event(), [0]
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from expert_parallel_models import ODD_EXPERTS
 from parallel_models import LIMITS
-from parallel_reference import limit_flags, reference_tokens
+from parallel_reference import greedy_body, limit_flags, reference_tokens
 from server_harness import ServerProcess, open_request, read_until
 from worker_processes import core_worker_ranks, pid_alive
 
@@ -47,15 +47,8 @@ def expert_stores(pid: int) -> list[str]:
 def stream(server: ServerProcess, prompt: str, max_tokens: int) -> tuple[socket.socket, bytes]:
     """A greedy completion streamed with its token ids and usage; returns (the socket, what
     it has read) once the first token is out."""
-    body = {
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = greedy_body(prompt, max_tokens)
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
     sock = open_request(server, "/v1/completions", body)
     return sock, read_until(sock, b"data: {")
 

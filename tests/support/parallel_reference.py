@@ -59,20 +59,24 @@ def limit_flags(limits: dict[str, Any] = LIMITS) -> list[str]:
     ]
 
 
+def greedy_body(prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
+    """A /v1/completions body: greedy, ``max_tokens`` past any EOS, with its token ids."""
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
 def http_greedy_tokens(
     base_url: str, prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS
 ) -> list[list[int]]:
     """Greedy tokens of each prompt from a server's /v1/completions (``base_url``: its /v1)."""
     got = []
     for prompt in prompts:
-        body = {
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        r = httpx.post(base_url + "/completions", json=body, timeout=120)
+        r = httpx.post(base_url + "/completions", json=greedy_body(prompt, max_tokens), timeout=120)
         assert r.status_code == 200, r.text
         got.append(r.json()["choices"][0]["token_ids"])
     return got
