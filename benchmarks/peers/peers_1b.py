@@ -416,7 +416,7 @@ def check(args: argparse.Namespace) -> None:
             n = (r.get("usage") or {}).get("completion_tokens")
             toks = ((r.get("choices") or [{}])[0].get("logprobs") or {}).get("tokens") or []
             ids = [int(t.split(":", 1)[1]) for t in toks if str(t).startswith("token_id:")]
-            same = sum(1 for _ in iter_equal(ids, ref))
+            same = sum(1 for _ in iter_equal(ids, ref)) if ids else "(no token ids)"
             ok = n == 16 and (name != "trillm-bf16" or ids == ref)
             say(
                 f"{name}: {n} tokens, {same} of 16 as transformers', "
