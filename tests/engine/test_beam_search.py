@@ -214,3 +214,14 @@ def test_timeout_ends_the_search_with_its_beams_as_they_stand(eos_model):
 
     beams = trio.run(main)
     assert beams and all(n < 240 and reason == "timeout" for n, reason in beams)
+
+
+@pytest.mark.parametrize("penalty", [1.0, 0.0, -0.5])
+def test_a_search_ended_before_its_first_token_returns_its_empty_beam(penalty):
+    """A deadline reached before the first step: the one running beam comes back as it
+    stands (no tokens, score 0), whatever the length penalty (0 ** p was a division by zero)."""
+    from trillm.engine.beam_search import PromptSearch
+
+    search = PromptSearch(BeamSearchParams(2, 8, length_penalty=penalty), 1, lambda _: None, False)
+    best = search.best()
+    assert len(best) == 1 and best[0].score == 0.0 and best[0].beam.tokens == []

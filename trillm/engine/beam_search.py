@@ -128,6 +128,8 @@ class PromptSearch:
         del self.finished[self.width :]
 
     def _score(self, cum_logprob: float, length: int) -> float:
+        if length == 0:  # a search ended before its first token: nothing to normalize
+            return cum_logprob
         penalty: float = float(length) ** self.params.length_penalty
         return cum_logprob / penalty
 
