@@ -366,7 +366,9 @@ def test_one_core_failing_to_start_stops_the_others(monkeypatch):
 
     with pytest.raises(EngineStartupError, match="told to fail in load_model"):
         trio.run(main)
-    assert len(made) == 2 and all(ex.worker_pids for ex in made)
+    # Core 1's worker started (and failed); core 0's may have been cancelled before it spawned
+    # its worker (a fast failure), which is as good: nothing of either may be left.
+    assert len(made) == 2 and any(ex.worker_pids for ex in made)
     assert not any(pid_alive(pid) for ex in made for pid in ex.worker_pids)
     assert not any(shm_exists(name) for ex in made for name in ex.segment_names)
 
