@@ -23,13 +23,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from trillm.engine.preprocess import Preprocessor
     from trillm.lora.request import LoRARequest
     from trillm.messages import AbortRequest, AddRequest, ModelRunnerOutput, SchedulerOutput
     from trillm.sampling_params import SamplingParams
+    from trillm.worker.step_sampling import PendingStep
 
 # req_id -> the grammar's allowed-token bitmask row: int32 words, packed (bytes) or listed
 Bitmask = dict[str, bytes | list[int]]
@@ -53,6 +54,16 @@ class ModelRunnerProtocol(Protocol):
     def shutdown(self) -> None: ...
 
 
+@runtime_checkable
+class PendingStepRunner(Protocol):
+    """A runner that shows the step P2 left for P3 (``ModelRunner``): under -dp N -ep, a step
+    whose tokens went to experts that failed then fails only those tokens' requests
+    (``trillm.distributed.expert_step_faults.requests_of``); with another runner, the whole
+    step fails."""
+
+    def pending_step(self) -> PendingStep | None: ...
+
+
 # A runner class: (config, rank, **runner_kwargs) -> a runner.
 RunnerClass = Callable[..., ModelRunnerProtocol]
 
@@ -70,6 +81,7 @@ if TYPE_CHECKING:  # mypy checks every runner trillm ships against the contract
         ScriptedRunner,
         SlowPoolingRunner,
     )
+    _SHOWS_PENDING: tuple[Callable[..., PendingStepRunner], ...] = (ModelRunner,)
 
 
 class RequestEngine(Protocol):

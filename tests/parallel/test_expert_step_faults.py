@@ -6,8 +6,6 @@ in test_expert_parallel_dp_faults.py."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import torch
 
@@ -64,13 +62,16 @@ def test_a_failing_peer_of_this_core_fails_the_whole_step(monkeypatch):
 
 def test_the_tokens_requests_fail_alone():
     verdict = esf.StepVerdict(tokens=torch.tensor([False, True, True]), why="lost")
-    inputs = SimpleNamespace(input_ids=np.zeros(3), query_start_loc=np.array([0, 1, 3]))
-    runner = SimpleNamespace(_pending=SimpleNamespace(req_ids=["x", "y"], inputs=inputs))
-    lost = esf.requests_of(verdict, runner)
+    lost = esf.requests_of(verdict, ["x", "y"], np.array([0, 1, 3]))
     assert lost == {"y": "lost"}
-    short = SimpleNamespace(input_ids=np.zeros(2), query_start_loc=np.array([0, 1, 2]))
-    runner_short = SimpleNamespace(_pending=SimpleNamespace(req_ids=["x", "y"], inputs=short))
-    assert esf.requests_of(verdict, runner_short) is None  # cannot tell: the step fails
+    assert esf.requests_of(verdict, ["x", "y", "z"], np.array([0, 1, 2, 3])) == {
+        "y": "lost",
+        "z": "lost",
+    }
+    # Cannot tell (another count of tokens, or of requests): the step fails.
+    assert esf.requests_of(verdict, ["x", "y"], np.array([0, 1, 2])) is None
+    assert esf.requests_of(verdict, ["x"], np.array([0, 1, 3])) is None
+    assert esf.requests_of(esf.StepVerdict(why="none"), ["x"], np.array([0, 3])) is None
     out = ModelRunnerOutput(7, ["x", "y"], [[5], [6]], logprobs={"y": None})  # type: ignore[dict-item]
     out = esf.without_requests(out, lost)
     assert out.sampled_token_ids == [[5], []]

@@ -27,8 +27,8 @@ computed their pairs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -118,19 +118,19 @@ def agree_step(failed: bool, device: torch.device | str) -> StepVerdict:
     return StepVerdict(tokens=hit, why=why)
 
 
-def requests_of(verdict: StepVerdict, runner: Any) -> dict[str, str] | None:
-    """req_id -> why, for the requests of the tokens the verdict marks (the runner's pending
-    step: its requests' token ranges); None where the step's tokens cannot be told apart
-    (then the whole step fails)."""
-    pending = getattr(runner, "_pending", None)
-    inputs = getattr(pending, "inputs", None)
-    if pending is None or inputs is None or verdict.tokens is None:
+def requests_of(
+    verdict: StepVerdict, req_ids: Sequence[str], query_start_loc: np.ndarray
+) -> dict[str, str] | None:
+    """req_id -> why, for the requests of the tokens the verdict marks, given the step's
+    requests in batch order and where each one's tokens start in its flat batch ([R + 1]);
+    None where the step's tokens cannot be told apart (then the whole step fails)."""
+    if verdict.tokens is None or len(query_start_loc) != len(req_ids) + 1:
         return None
-    if len(inputs.input_ids) != len(verdict.tokens):
+    if int(query_start_loc[-1]) != len(verdict.tokens):
         return None
     rows = np.nonzero(verdict.tokens.numpy())[0]
-    owners = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1
-    return {pending.req_ids[i]: verdict.why for i in sorted(set(owners.tolist()))}
+    owners = np.searchsorted(query_start_loc, rows, side="right") - 1
+    return {req_ids[i]: verdict.why for i in sorted(set(owners.tolist()))}
 
 
 def without_requests(out: ModelRunnerOutput, lost: dict[str, str]) -> ModelRunnerOutput:

@@ -136,8 +136,7 @@ class ModelRunner:
         self.mm = MultiModalInputs.for_model(  # the tower runs on the first stage only
             self._model, self.device, self.config.enable_prompt_embeds, self.pp.is_first
         )
-        index = longrope_index(self._model)
-        if index is not None:
+        if (index := longrope_index(self._model)) is not None:
             self.longrope = LongRopeState(index, self.max_num_reqs)
         if self.drafter is not None:
             self.drafter.load(self._model)
@@ -168,9 +167,8 @@ class ModelRunner:
     @property
     def num_layers(self) -> int:
         """Layers this rank runs and caches (its pipeline stage's)."""
-        m = self.config.model
         if self.pp.num_stages == 1:
-            return m.num_hidden_layers
+            return self.config.model.num_hidden_layers
         return self.pp.end_layer - self.pp.start_layer
 
     @property
@@ -187,9 +185,8 @@ class ModelRunner:
 
     def ssm_state_bytes(self) -> int:
         """Bytes of every batch slot's Mamba states (0 without Mamba layers)."""
-        if self.ssm_layout is None:
-            return 0
-        return self.ssm_layout.bytes_per_request(self.dtype) * self.max_num_reqs
+        layout = self.ssm_layout
+        return 0 if layout is None else layout.bytes_per_request(self.dtype) * self.max_num_reqs
 
     def determine_num_blocks(self) -> int:
         return kv_cache_sizing.num_blocks(
@@ -387,6 +384,9 @@ class ModelRunner:
         return inputs.positions if self.mm is None else self.mm.rope_positions(inputs)
 
     # ------------------------------------------------------------ P3
+    def pending_step(self) -> PendingStep | None:  # interfaces.PendingStepRunner
+        return self._pending
+
     @torch.inference_mode()
     def sample_tokens(self, bitmask: Bitmask | None) -> ModelRunnerOutput:
         pending = self._pending

@@ -39,7 +39,7 @@ from trillm.distributed.expert_parallel import traffic as expert_traffic
 from trillm.distributed.parallel_state import adopt_rendezvous_listener
 from trillm.errors import CodecError, CollectiveTimeoutError, IPCError, RingClosedError
 from trillm.gc_heap import freeze_startup_heap
-from trillm.interfaces import ModelRunnerProtocol, RunnerClass
+from trillm.interfaces import ModelRunnerProtocol, PendingStepRunner, RunnerClass
 from trillm.ipc import codec
 from trillm.ipc.control import (
     InitKVCache,
@@ -254,9 +254,12 @@ class Worker:
         verdict = expert_step_faults.agree_step(self._step_error is not None, device)
         if self._step_error is not None:
             return
-        lost = (
-            None if verdict.tokens is None else expert_step_faults.requests_of(verdict, self.runner)
-        )
+        lost, runner = None, self.runner
+        step = runner.pending_step() if isinstance(runner, PendingStepRunner) else None
+        if verdict.tokens is not None and step is not None:
+            lost = expert_step_faults.requests_of(
+                verdict, step.req_ids, step.inputs.query_start_loc
+            )
         if verdict.reason is not None or (verdict.tokens is not None and lost is None):
             self._step_error = verdict.reason or verdict.why
         self._lost = lost or {}
