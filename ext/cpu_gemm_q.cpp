@@ -137,6 +137,8 @@ bool cpu_has_avx512() {
 
 #define TRILLM_Q_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
 
+#include "cpu_gemm_q_params.h"
+
 struct Gemm {
   const float* x;   // fp32 rows, stride ldx
   int64_t ldx;
@@ -206,14 +208,9 @@ TRILLM_Q_TARGET inline __m512 add_block(__m512 acc, __m512 s, float sx, const ui
   if constexpr (QT == kQ6_K) return add_half(acc, s, params, 1);
   if constexpr (half_min(QT)) return add_half_min(acc, s, sx, params, 1);
   if constexpr (QT == kQ4_K) {
-    const __m512 dmin = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 4 * kCols))));
-    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 5 * kCols))));
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, sc), s, acc);
-    return _mm512_fnmadd_ps(_mm512_mul_ps(dmin, mn), _mm512_set1_ps(sx), acc);
+    const Q4KScales q4k = load_q4_k_scales(params, d);
+    acc = _mm512_fmadd_ps(q4k.scale, s, acc);
+    return _mm512_fnmadd_ps(q4k.minimum, _mm512_set1_ps(sx), acc);
   }
   if constexpr (QT == kQ4_0) s = _mm512_add_ps(s, _mm512_set1_ps(-8.0f * sx));
   if constexpr (QT == kQ4_G) {

@@ -90,14 +90,9 @@ TRILLM_VNNI_TARGET void unpack_pair(const uint8_t* p0, const uint8_t* p1, int nb
                                 _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
                                                      reinterpret_cast<const __m128i*>(params + 2 * kCols))))));
       if constexpr (QT == kQ4_K) {
-        const __m512 dmin = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 4 * kCols))));
-        const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 5 * kCols))));
-        scale = _mm512_mul_ps(d, sc);
-        minimum = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn));
+        const Q4KScales q4k = load_q4_k_scales(params, d);
+        scale = q4k.scale;
+        minimum = _mm512_sub_ps(_mm512_setzero_ps(), q4k.minimum);
       }
       _mm512_store_ps(reinterpret_cast<float*>(o + kUnpackedQuads + p * 64), scale);
       if constexpr (prefill_min(QT))
