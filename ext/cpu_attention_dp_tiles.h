@@ -5,7 +5,9 @@
 // gathered from the block-paged cache share the packing, the products and the softmax pass:
 //   S = Q . K^T: q rows read as bf16 pairs (dims 2j, 2j+1) broadcast against a 64-key tile
 //     packed [D/2][64][2] (ext/cpu_bf16_pair_pack.h), 6 rows x 4 zmm of sums;
-//   the scores' two roundings and the rounded softmax (ext/cpu_attention_bf16.h), fp32 rows;
+//   the scores' two roundings (ext/cpu_attention_bf16.h) and each row's running max on the
+//     score registers, then per row one pass of exp and sum (16 lanes) and one of p rounded to
+//     bf16 into P: the rounded softmax of ext/cpu_attention_bf16.h in three passes fewer;
 //   O = P . V: P's rows are bf16 values already (rounded by the softmax), so their bf16 copy is
 //     exact; its key pairs broadcast against the 64-key tile of V packed [32][D][2].
 // The sums are fp32, in pairs; vdpbf16ps treats bf16 subnormal inputs as zero.
@@ -15,6 +17,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -49,10 +52,39 @@ TRILLM_DOT_TARGET inline void pack_value_pairs(Row row, int n, int D, uint16_t* 
   }
 }
 
-// s[i][0 .. cols) = q[i] . tile for R query vectors (q rows of D bf16, s rows of lds floats).
+// x rounded to bf16 (to nearest even; subnormal inputs and results flush to zero: an exp or
+// score that small changes no rounded probability, and vdpbf16ps reads a subnormal p as zero).
+TRILLM_DOT_TARGET inline __attribute__((always_inline)) __m512 round16_bf16(__m512 x) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) for x <= 0 (-inf -> 0), 16 lanes: exp_nonpositive's (ext/cpu_common.h) range reduction
+// and polynomial.
+TRILLM_DOT_TARGET inline __attribute__((always_inline)) __m512 exp16_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  const __m512 nf = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, nf));
+}
+
+// s[i][0 .. cols) = the rounded scores (round_scores, ext/cpu_attention_bf16.h) of q[i] . tile
+// for R query vectors (q rows of D bf16, s rows of lds floats); rmax[i] = the largest of them
+// with keys key0 + c <= pos[i] (the scores vector i sees; the rest are stored but not counted).
 template <int R>
 TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_scores(
-    const uint16_t* q, int D, const uint32_t* tile, float* s, int64_t lds, int cols) {
+    const uint16_t* q, int D, const uint32_t* tile, float* s, int64_t lds, int cols,
+    __m512 scale, const int* pos, int key0, float* rmax) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
@@ -72,11 +104,22 @@ TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_scores(
       acc[i][3] = _mm512_dpbf16_ps(acc[i][3], qi, w3);
     }
   }
-  for (int c = 0; c < 4; ++c) {
-    const int left = cols - 16 * c;
-    if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(s + i * lds + 16 * c, mask, acc[i][c]);
+  for (int i = 0; i < R; ++i) {
+    const int vis = std::min(cols, pos[i] - key0 + 1);  // >= 0: row i sees key0 .. key0+vis-1
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int c = 0; c < 4; ++c) {
+      const int left = cols - 16 * c;
+      if (left <= 0) break;
+      const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
+      const __m512 r = round16_bf16(_mm512_mul_ps(round16_bf16(acc[i][c]), scale));
+      _mm512_mask_storeu_ps(s + i * lds + 16 * c, mask, r);
+      const int seen = vis - 16 * c;
+      if (seen > 0) {
+        const __mmask16 m = seen >= 16 ? 0xffff : static_cast<__mmask16>((1u << seen) - 1);
+        mx = _mm512_mask_max_ps(mx, m, mx, r);
+      }
+    }
+    if (vis > 0) rmax[i] = std::max(rmax[i], _mm512_reduce_max_ps(mx));
   }
 }
 
@@ -120,10 +163,10 @@ TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_accumulate_cols
 // A bf16 work item's three passes: M <= 96 query vectors qs [M][D] (bf16; D a multiple of 16 up
 // to 256), vector i at key position pos[i] (non-decreasing) and seeing keys 0 .. pos[i];
 // tile_rows(values, key0, n) -> the n row pointers (const Bf16*) of keys (values false) or
-// values (true) key0 .. key0 + n. (1) every score the item's vectors see; (2) per row the two
-// roundings, the rounded softmax and its bf16 copy, 0 past the row's position up to the next
-// tile's end (a block's later vectors read those); (3) acc [M][D] += P . V (pairs: an odd
-// count's partner key has p = 0 for every row of the block and a zero value).
+// values (true) key0 .. key0 + n. (1) every score the item's vectors see, rounded twice, and
+// each vector's largest; (2) per row the rounded softmax in bf16, 0 past the row's position
+// up to the next tile's end (a block's later vectors read those); (3) acc [M][D] += P . V
+// (pairs: an odd count's partner key has p = 0 for every row of the block and a zero value).
 template <typename TileRows>
 TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, const int* pos,
                                              float scale, TileRows&& tile_rows, float* acc) {
@@ -136,6 +179,9 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
   if (pb_all.size() < static_cast<size_t>(M) * stride)
     pb_all.resize(static_cast<size_t>(M) * stride);
   uint16_t* P = pb_all.data();
+  float rmax[96];  // per vector: its largest visible rounded score
+  for (int i = 0; i < M; ++i) rmax[i] = -INFINITY;
+  const __m512 vscale = _mm512_set1_ps(scale);
 
   for (int key0 = 0; key0 < key_end; key0 += kDotKeys) {
     const int n = std::min(kDotKeys, key_end - key0);
@@ -147,33 +193,46 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
       if (seen <= 0) continue;
       float* s = S + static_cast<int64_t>(i) * stride + key0;
       const uint16_t* qi = qs + i * D;
+      float* mx = rmax + i;
+      const int* pi = pos + i;
       switch (nrows) {  // (no generic lambda: it would not carry this function's target)
-        case 6: dot_scores<6>(qi, D, kp, s, stride, seen); break;
-        case 5: dot_scores<5>(qi, D, kp, s, stride, seen); break;
-        case 4: dot_scores<4>(qi, D, kp, s, stride, seen); break;
-        case 3: dot_scores<3>(qi, D, kp, s, stride, seen); break;
-        case 2: dot_scores<2>(qi, D, kp, s, stride, seen); break;
-        default: dot_scores<1>(qi, D, kp, s, stride, seen); break;
+        case 6: dot_scores<6>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
+        case 5: dot_scores<5>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
+        case 4: dot_scores<4>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
+        case 3: dot_scores<3>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
+        case 2: dot_scores<2>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
+        default: dot_scores<1>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
       }
     }
   }
-  const v8f vscale = splat(scale);
+  // Per row the rounded softmax of its n scores (rounded_softmax_row, ext/cpu_attention_bf16.h:
+  // p = exp(s - max) * (1 / sum), rounded to bf16) straight into P's bf16 row, 0 past n up to the
+  // next tile's end.
   for (int i = 0; i < M; ++i) {
     float* row = S + static_cast<int64_t>(i) * stride;
     uint16_t* prow = P + static_cast<int64_t>(i) * stride;
     const int n = pos[i] + 1;
-    probabilities_of_scores(row, n, vscale);
-    const int end = std::min(stride, (n + kDotKeys - 1) / kDotKeys * kDotKeys + kDotKeys);
+    const __m512 shift = _mm512_set1_ps(rmax[i]);
+    __m512 sum = _mm512_setzero_ps();
     int c = 0;
-    for (; c + 16 <= n; c += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + c)));
-    if (c < n) {
-      const __mmask16 mask = static_cast<__mmask16>((1u << (n - c)) - 1);
-      const __m512 x = _mm512_maskz_loadu_ps(mask, row + c);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + c), (__m256i)_mm512_cvtneps_pbh(x));
-      c += 16;
+    for (; c + 16 <= n; c += 16) {
+      const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + c), shift));
+      _mm512_storeu_ps(row + c, e);
+      sum = _mm512_add_ps(sum, e);
     }
+    if (c < n) {  // lanes past n: 0
+      const __mmask16 mask = static_cast<__mmask16>((1u << (n - c)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(
+          mask, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + c), shift)));
+      _mm512_storeu_ps(row + c, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    const int end = std::min(stride, (n + kDotKeys - 1) / kDotKeys * kDotKeys + kDotKeys);
+    for (c = 0; c < n; c += 16)  // (the partial vector's lanes past n were stored as 0)
+      _mm256_storeu_si256(
+          reinterpret_cast<__m256i*>(prow + c),
+          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + c), inv)));
     for (; c < end; c += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + c), _mm256_setzero_si256());
   }
