@@ -74,6 +74,7 @@ constexpr int kCols = 16;       // output columns per panel: one fp32 vector
 constexpr int kBlock = 32;      // values per quantization block along K
 constexpr int kRows = 4;        // rows of x per register tile (x 2 panels)
 constexpr int kRowBlock = 64;   // rows of x per work item
+constexpr int kInt8UnpackedMinRows = 16;  // the 4-bit types' int8 rows to the prefill kernel
 
 // GGML's type ids; Q4_G is trillm's (not a GGML type): AWQ / GPTQ groups cut into blocks of 32.
 // Q5_KM and Q4_KM are trillm's too: 5-bit / 4-bit values with a scale and a minimum per half
@@ -425,6 +426,16 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
 
 #include "cpu_gemm_q_q6.h"
 
+// Rows from which the int8 path runs the prefill kernel (cpu_gemm_q_vnni_prefill.h: each panel
+// pair unpacked once for all of an item's rows) rather than `tile_vnni` (unpacked per 4 rows).
+// Measured at Llama-3.2-1B's shapes, one thread's CPU time (benchmarks/kernels/q_small_m.py):
+// for the 4-bit types the unpacking pays from ~12 rows (a 16-row decode step's linears 1.15-1.2x
+// faster, 32-48 rows 1.3-1.5x); Q8_0's unpacking (a sign flip) gains nothing and `tile_vnni`
+// stays faster below 64 rows.
+constexpr int int8_unpacked_min_rows(int qtype) {
+  return qtype == kQ8_0 ? kPrefillMinRows : kInt8UnpackedMinRows;
+}
+
 void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packed, int qtype,
             int N, uintptr_t bias, uintptr_t y, bool y_bf16, int64_t ldy, int num_threads,
             bool int8_activations) {
@@ -480,7 +491,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
          reinterpret_cast<const uint8_t*>(packed), reinterpret_cast<const float*>(bias),
          reinterpret_cast<void*>(y), ldy, M, N, K, qtype, y_bf16};
   const int pairs = num_panels(N) / 2;
-  if (int8_activations && prefill_type(qtype) && M >= kPrefillMinRows) {  // (vnni_prefill.h)
+  if (int8_activations && prefill_type(qtype) && M >= int8_unpacked_min_rows(qtype)) {
     const int blocks = (M + kPrefillRowBlock - 1) / kPrefillRowBlock;
     run_items(threads, blocks * pairs, [&](int i) {
       const int m0 = i / pairs * kPrefillRowBlock;

@@ -24,7 +24,7 @@
 
 constexpr int kPrefillRows = 4;         // rows of the register block (x 2 panels)
 constexpr int kPrefillRowBlock = 256;   // rows of x per work item (one unpacking per item)
-constexpr int kPrefillMinRows = 64;     // fewer rows: tile_vnni (the unpacking not amortized)
+constexpr int kPrefillMinRows = 64;     // fewer rows: tile_vnni (Q4 types: from 16, cpu_gemm_q.cpp)
 constexpr int kPrefillKChunk = 2048;    // values of K per pass: 256 rows' int8 x (512 KiB) and the
                                         // pair's unpacked weights (82 KiB) stay in a 1 MiB L2
 

@@ -1,0 +1,68 @@
+"""The int8-activation quantized GEMM at batched-decode row counts (1 .. 63 rows).
+
+From 16 rows (``ext/cpu_gemm_q.cpp``'s kInt8UnpackedMinRows; the engine's ``INT8_MIN_ROWS``)
+the 4-bit types with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K) run the prefill kernel
+(``ext/cpu_gemm_q_vnni_prefill.h``: each panel pair unpacked once for all rows) instead of the
+4-row ``tile_vnni``; Q8_0 keeps ``tile_vnni`` below 64 rows. Checked at every row count 1..63
+against the reference (``quantize_activations`` times the dequantized weight), and row for row
+bit for bit against a 64-row call (the prefill kernel) from 16 rows: the same kernel whatever
+the row count, so a batch's rows do not depend on how many others share its step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.native.test_linear_q_int8_prefill import TYPES, UNPACKED_MIN_ROWS, _reference, _weight
+from trillm.kernels import linear_q_cpu
+
+pytestmark = pytest.mark.skipif(
+    not linear_q_cpu.int8_available(), reason="no native kernel or no AVX512-VNNI"
+)
+
+FOUR_BIT = [t for t in TYPES if t != "Q8_0"]
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_every_row_count_is_the_rounded_activations_times_the_weight(type_name):
+    n, k = 45, 512 if type_name == "Q4_K" else 160  # N past a pair, K of several blocks
+    weight = _weight(type_name, n, k, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(63, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    ref = _reference(x, weight, bias)
+    scale = float(ref.abs().max())
+    for m in range(1, 64):
+        got = linear_q_cpu.linear(x[:m], weight, bias, int8_activations=True)
+        torch.testing.assert_close(
+            got, ref[:m], atol=2e-6 * scale * k**0.5, rtol=1e-5, msg=lambda e, m=m: f"{m} rows: {e}"
+        )
+
+
+@pytest.mark.parametrize("type_name", FOUR_BIT)
+@pytest.mark.parametrize("k", [256, 2304])  # one pass of K; two (2,048 and 256 values)
+def test_from_16_rows_each_row_is_the_prefill_kernels_bit_for_bit(type_name, k):
+    weight = _weight(type_name, 70, k, seed=k)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    full = linear_q_cpu.linear(x, weight, out_dtype=torch.float32, int8_activations=True)
+    for m in (UNPACKED_MIN_ROWS, 17, 19, 32, 48, 63):
+        got = linear_q_cpu.linear(x[:m], weight, out_dtype=torch.float32, int8_activations=True)
+        assert torch.equal(got, full[:m]), f"{type_name}, {m} rows"
+
+
+def test_q4_0_small_and_unpacked_kernels_are_exact_on_integer_sums():
+    # weight scales 1 and x on the int8 grid: every sum is an integer, so both kernels (15 rows:
+    # tile_vnni; 16: unpacked) give the exact product; Q4_0's offset 8 taken out either way
+    gen = torch.Generator().manual_seed(7)
+    n, k = 40, 96
+    q = torch.randint(0, 256, (n, k // 32, 16), generator=gen, dtype=torch.uint8)
+    blocks = torch.cat(
+        [torch.tensor([0x00, 0x3C], dtype=torch.uint8).expand(n, k // 32, 2), q], dim=2
+    )  # d = fp16 1.0
+    weight = linear_q_cpu.QuantizedWeight(blocks.reshape(n, -1).numpy(), linear_q_cpu.Q4_0, n, k)
+    x = torch.randint(-127, 128, (16, k), generator=gen).float()
+    x.view(16, k // 16, 16)[:, :, 0] = 127.0  # each half block's absmax 127: dx 1, xq = x
+    exact = torch.nn.functional.linear(x.double(), linear_q_cpu.dequantize(weight).double()).float()
+    for m in (15, 16):
+        assert torch.equal(linear_q_cpu.linear(x[:m], weight, int8_activations=True), exact[:m])
