@@ -21,6 +21,7 @@ from trillm.config import (
     check_grammar_cache_bytes,
     parse_memory_size,
 )
+from trillm.config.batch_defaults import UsageContext, max_num_batched_tokens
 from trillm.config.multimodal import resolve_limits
 from trillm.config.structured_outputs import parse_structured_outputs_config
 from trillm.distributed.engine_fit import resolve_parallel
@@ -36,19 +37,6 @@ if TYPE_CHECKING:
     from trillm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
-
-# vLLM's CPU default for its OpenAI server (vllm/engine/arg_utils.py get_batch_defaults: 2048 x
-# world size; its LLM class 4096). vLLM's scheduler, like trillm's, fills the budget with the
-# waiting prompts in order, chunking the last: 16 prompts arriving together finish
-# budget / prompt_len at a time, so a smaller budget lowers their mean TTFT ((n/k + 1) / 2 steps
-# of k prompts each) as long as the GEMMs keep their rate at the step's rows (flat from 128 rows
-# at Llama-3.2-1B's shape, from ~1,024 at SmolLM2-135M's:
-# benchmarks/kernels/results/gemm_rows_plateau_20261207.txt). A prompt longer than the budget is
-# prefilled in chunks of it; on CPU the later chunks' attention runs at the fresh-prompt kernel's
-# rate, so the chunk size barely moves an 8,192-token prompt's cost at the 1B shape (process CPU
-# 24.5-25.7 s at 1024-4096, 27.8 s as one chunk:
-# benchmarks/engine/results/prefill_breakdown_1b2l_8k_chunk_sizes.txt).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def resolve_attention_backend(
@@ -92,7 +80,10 @@ def resolve_cache_dtype(requested: str, model_dtype: str, device: str) -> str:
     return "fp8_e4m3" if requested in ("fp8", "fp8_e4m3") else requested
 
 
-def build_config(args: EngineArgs) -> TrillmConfig:
+def build_config(
+    args: EngineArgs, usage: UsageContext = UsageContext.ENGINE_CONTEXT
+) -> TrillmConfig:
+    """``usage``: what makes the engine (its defaults: ``config/batch_defaults.py``)."""
     from trillm.model_executor.model_config import load_model_config, resolve_device
 
     device = resolve_device(args.device)
@@ -104,7 +95,7 @@ def build_config(args: EngineArgs) -> TrillmConfig:
     limit_mm = _multimodal_limits(args, model_config)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {args.block_size}.")
-    max_batched = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_batched = max_num_batched_tokens(args.max_num_batched_tokens, usage)
     if max_batched < 1 or args.max_num_seqs < 1:
         raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1.")
     kv_memory = (

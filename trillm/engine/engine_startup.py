@@ -18,6 +18,7 @@ import outcome
 import trio
 
 from trillm.config import EngineArgs
+from trillm.config.batch_defaults import UsageContext
 from trillm.config.observability import collected_times, detailed_trace_modules
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.dp_router import core_configs
@@ -93,6 +94,7 @@ async def open_engine(
     runner_kwargs: dict[str, Any] | None = None,
     stream_wake_budget: int | None = DEFAULT_WAKE_BUDGET,
     collect_detailed_traces: Sequence[str] | None = None,
+    usage_context: UsageContext = UsageContext.ENGINE_CONTEXT,
     **engine_args: Any,
 ) -> AsyncIterator[AsyncEngine]:
     """``async with open_engine(model, **engine_args) as engine:`` (vLLM's argument names).
@@ -102,7 +104,9 @@ async def open_engine(
     model for frontend tests and benchmarks). ``stream_wake_budget``: the most
     streams woken per step for a middle output (None: no budget; see ``output_processor``).
     ``collect_detailed_traces``: vLLM's modules (``config/observability.py``), the times each
-    finished sample's ``CompletionOutput`` carries (``trillm serve`` passes its flag's)."""
+    finished sample's ``CompletionOutput`` carries (``trillm serve`` passes its flag's).
+    ``usage_context``: what makes the engine (``trillm serve``, ``LLM``), for the defaults
+    vLLM picks by it (``config/batch_defaults.py``)."""
     from trillm.engine.config_builder import build_config
     from trillm.executor.abstract import DEFAULT_RUNNER, ENCODER_RUNNER, POOLING_RUNNER
     from trillm.executor.factory import open_executors
@@ -113,7 +117,7 @@ async def open_engine(
         engine_args["runner"], runner = runner, None
     args = EngineArgs.from_kwargs(model, **engine_args)
     traces = detailed_trace_modules(collect_detailed_traces or ())
-    config = await trio.to_thread.run_sync(build_config, args)
+    config = await trio.to_thread.run_sync(build_config, args, usage_context)
     config.collect_model_forward_time, config.collect_model_execute_time = collected_times(traces)
     default = POOLING_RUNNER if config.pooler is not None else DEFAULT_RUNNER
     if is_encoder(config.model.architecture):

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from trillm.config.batch_defaults import UsageContext
 from trillm.config.observability import NEEDS_ENDPOINT
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.engine_startup import open_engine
@@ -27,11 +28,18 @@ T = TypeVar("T")
 class EngineThread:
     """``open_engine(model, **engine_args)`` on a ``trio.run`` thread; started at once."""
 
-    def __init__(self, model: str | None, engine_args: dict[str, Any], name: str) -> None:
+    def __init__(
+        self,
+        model: str | None,
+        engine_args: dict[str, Any],
+        name: str,
+        usage: UsageContext = UsageContext.ENGINE_CONTEXT,
+    ) -> None:
         if engine_args.get("collect_detailed_traces"):  # LLM / AsyncLLM send no spans
             raise ValueError(NEEDS_ENDPOINT)  # vLLM's refusal without an endpoint
         self._model = model
         self._engine_args = engine_args
+        self._usage = usage
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self._engine: AsyncEngine | None = None
@@ -54,7 +62,9 @@ class EngineThread:
             self._ready.set()
 
     async def _serve(self) -> None:
-        async with open_engine(self._model, **self._engine_args) as engine:
+        async with open_engine(
+            self._model, usage_context=self._usage, **self._engine_args
+        ) as engine:
             async with trio.open_nursery() as nursery:
                 self._engine = engine
                 self._token = trio.lowlevel.current_trio_token()

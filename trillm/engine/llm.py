@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
+from trillm.config.batch_defaults import UsageContext
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.beam_request import BeamSearchRequest
 from trillm.engine.engine_thread import EngineThread
@@ -38,7 +39,8 @@ class LLM(LLMControl):
     """Sleep mode and collective_rpc: ``llm_control.py``."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self._thread = EngineThread(model, engine_args, name="trillm-engine")
+        # vLLM's LLM class defaults (a larger step budget: config/batch_defaults.py)
+        self._thread = EngineThread(model, engine_args, "trillm-engine", UsageContext.LLM_CLASS)
 
     # ------------------------------------------------------------------ public API
     @property

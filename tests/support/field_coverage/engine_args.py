@@ -58,7 +58,11 @@ ENGINE: dict[str, tuple[str, ...]] = {
     ),
     "block_size": ids(FEE + "test_block_size_sets_the_prefix_cache_granularity", ENGINE_REFUSED),
     "max_num_seqs": ids(CONFIG, ENGINE_REFUSED, SCHED + "test_max_num_seqs"),
-    "max_num_batched_tokens": ids(CONFIG, SCHED + "test_token_budget_and_chunked_prefill"),
+    "max_num_batched_tokens": ids(
+        CONFIG,
+        SCHED + "test_token_budget_and_chunked_prefill",
+        "tests/engine/test_step_budget_defaults.py::test_the_llm_class_takes_vllms_offline_budget",
+    ),
     "long_prefill_token_threshold": ids(CONFIG, SCHED + "test_long_prefill_token_threshold"),
     "enable_prefix_caching": ids(ACT, CONFIG),
     "scheduling_policy": ids(

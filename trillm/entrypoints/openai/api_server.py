@@ -168,6 +168,7 @@ async def _serve(
     life: _Lifecycle,
     listener: socket.socket,
 ) -> None:
+    from trillm.config.batch_defaults import UsageContext
     from trillm.engine.engine_startup import open_engine
 
     # NOTE: the engine's preprocessor owns the chat template (stage 2), for HTTP and Python.
@@ -177,6 +178,7 @@ async def _serve(
         stream_wake_budget=opts.stream_wake_budget,
         chat_template=opts.chat_template,
         collect_detailed_traces=opts.collect_detailed_traces,
+        usage_context=UsageContext.OPENAI_API_SERVER,
         **engine_args,
     )
     done = trio.Event()  # the HTTP server has stopped: the engine may go
