@@ -20,9 +20,10 @@
 //
 // Files: this one holds the problem, the bf16 glue, the dispatch, the plan and the bindings;
 // the two kernels are included from ext/cpu_attention_tile.h (several query rows per item) and
-// ext/cpu_attention_decode.h (one row: decode steps); bf16 chunks of 16 rows or more (a long
-// prompt's later chunks) run on ext/cpu_attention_paged_dp.h instead on CPUs with AVX512-BF16,
-// on ext/cpu_attention_paged_avx2.h on those with AVX2 + FMA only.
+// ext/cpu_attention_decode.h (one row: decode steps), whose bf16 rows over a bf16 cache run on
+// ext/cpu_attention_decode_dp.h (vdpbf16ps) instead on CPUs with AVX512-BF16; bf16 chunks of
+// 16 rows or more (a long prompt's later chunks) run on ext/cpu_attention_paged_dp.h instead on
+// CPUs with AVX512-BF16, on ext/cpu_attention_paged_avx2.h on those with AVX2 + FMA only.
 //
 // Per layer, optionally: a sliding window (window > 0: a row at position p sees positions
 // > p - window; its keys before that are neither read nor scored), logit soft-capping
@@ -189,6 +190,7 @@ TRILLM_INLINE void rounded_softmax_pv(const Problem& p, int nvec, float* s, int 
 
 #include "cpu_attention_paged_dp.h"    // attend_item_paged_dp: long chunks, bf16, AVX512-BF16
 #include "cpu_attention_paged_avx2.h"  // attend_item_paged_avx2: the same, AVX2 + FMA
+#include "cpu_attention_decode_dp.h"   // attend_decode_dp: bf16 decode rows, AVX512-BF16
 #define TRILLM_PAGED_DP 1
 #else
 #define TRILLM_PAGED_DP 0
@@ -241,6 +243,34 @@ std::string paged_chunk_kernel(const std::string& name) {
   throw std::invalid_argument("the chunk kernel must be 'bf16-dot', 'avx2' or 'tile'");
 }
 
+// Which kernel runs the one-row items (decode rows) of bf16 q over a bf16 cache, head_dim 64 or
+// 128: vdpbf16ps (attend_decode_dp) where the CPU has AVX512-BF16, else the one-row kernel of
+// the other dtypes (attend_decode). paged_decode_kernel(name) picks the other (tests,
+// benchmarks).
+enum DecodeKernel : int { kDecodeRow = 0, kDecodeBf16Dot = 1 };
+const char* const kDecodeKernelNames[] = {"one-row", "bf16-dot"};
+
+std::atomic<int>& decode_kernel() {
+  static std::atomic<int> k{cpu_has_paged_dp() ? kDecodeBf16Dot : kDecodeRow};
+  return k;
+}
+
+// name "" leaves the setting; -> the kernel before.
+std::string paged_decode_kernel(const std::string& name) {
+  const std::string before = kDecodeKernelNames[decode_kernel().load()];
+  if (name.empty()) return before;
+  if (name == "one-row") {
+    decode_kernel().store(kDecodeRow);
+  } else if (name == "bf16-dot") {
+    if (!cpu_has_paged_dp())
+      throw std::runtime_error("this CPU (or build) has no 'bf16-dot' decode kernel");
+    decode_kernel().store(kDecodeBf16Dot);
+  } else {
+    throw std::invalid_argument("the decode kernel must be 'bf16-dot' or 'one-row'");
+  }
+  return before;
+}
+
 // KB / JB: the tile kernel's blocks of accumulators (keys x group, value lanes x group), sized
 // to AVX2's 16 vector registers. (An AVX-512VL build of the same 8-lane code with 32 registers
 // and blocks of 4 x 4 gave the same bits but ran slower: 14.4 against 14.1 ms on
@@ -280,6 +310,14 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Problem& p, const Ite
 #endif
 
 using Kernel = void (*)(const Problem&, const Item&);
+
+#if TRILLM_PAGED_DP
+// bf16 q over a bf16 cache: one-row items on attend_decode_dp, the others on the AVX2 kernel.
+void attend_bf16_decode_dp(const Problem& p, const Item& it) {
+  if (it.row_end - it.row_begin == 1) attend_decode_dp(p, it);
+  else attend_avx2<Bf16, Bf16>(p, it);
+}
+#endif
 
 // set_kernel("generic") runs the fallback on a CPU that has AVX2 too (tests: it is otherwise
 // never run where the suite runs).
@@ -459,8 +497,14 @@ class Plan {
     p.window = window;
     p.softcap = softcap;
     p.sinks = reinterpret_cast<const float*>(sinks);
-    const Kernel kernel =
+    Kernel kernel =
         dtype == 0 ? select_for_cache<float>(cache_dtype) : select_for_cache<Bf16>(cache_dtype);
+#if TRILLM_PAGED_DP
+    if (dtype == 1 && cache_dtype == 1 && decode_dp_layout(p.head_dim) &&
+        decode_kernel().load(std::memory_order_relaxed) == kDecodeBf16Dot &&
+        !force_generic().load(std::memory_order_relaxed))
+      kernel = &attend_bf16_decode_dp;
+#endif
 #if TRILLM_PAGED_DP
     const int chunks = chunk_kernel().load(std::memory_order_relaxed);
     if (chunk_long_ > 0 && dtype == 1 && cache_dtype == 1 && window == 0 && softcap == 0.0f &&
@@ -542,6 +586,10 @@ void register_cpu_attention(py::module_& m) {
         throw std::invalid_argument("the chunk kernels that count items: 'bf16-dot', 'avx2'");
       },
       py::arg("name"), "Work items the named chunk kernel has run in this process (tests).");
+  m.def("paged_decode_kernel", &paged_decode_kernel, py::arg("name") = "",
+        "The kernel of bf16 decode rows over a bf16 cache: 'bf16-dot' (AVX512-BF16) or "
+        "'one-row' (the best the CPU has by default); name '' leaves it. -> the kernel before. "
+        "For tests and benchmarks.");
   py::class_<Plan>(m, "Plan")
       .def(py::init<uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, int, int, int, int, int, int,
                     int64_t, int, int>(),

@@ -1,0 +1,160 @@
+"""The bf16 decode kernel on AVX512-BF16 (ext/cpu_attention_decode_dp.h: vdpbf16ps scores, one
+pass over each kv head's keys for its whole GQA group) against the torch twin
+(kernels/paged_attention_torch.py, transformers' bf16 rounding points) and the one-row kernel it
+replaces for bf16 decode rows (``paged_decode_kernel("one-row")``): GQA groups 1/4/8, head dims
+64/128, lengths around its 16-key tiles and the cache's blocks, sliding windows, soft caps, a
+NaN-filled unused cache, thread counts. Only the fp32 summation order of q . k differs (pairs),
+so a score rounds to the other bf16 neighbour now and then: a few outputs in a thousand, each
+by a bf16 step or two of an O(1) value."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from trillm.kernels import paged_attention_cpu, paged_attention_torch
+
+pytestmark = pytest.mark.skipif(
+    not paged_attention_cpu.available(), reason="trillm._ext.cpu_kernels is not built"
+)
+
+
+def _attention_ext():
+    from trillm._ext import cpu_kernels
+
+    return cpu_kernels.attention
+
+
+@contextlib.contextmanager
+def _decode_kernel(name):
+    ext = _attention_ext()
+    try:
+        before = ext.paged_decode_kernel(name)
+    except RuntimeError:
+        pytest.skip(f"this CPU has no {name!r} decode kernel")
+    try:
+        yield
+    finally:
+        ext.paged_decode_kernel(before)
+
+
+def _problem(seq_lens, *, heads, kv_heads, head_dim, block_size=16, seed=0, nan_fill=True):
+    """One decode row per request over a scattered bf16 cache whose unused blocks and slots
+    past each request's last key hold NaN (nan_fill): read, they would poison the output."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.full((len(seq_lens), max(blocks_needed) + 2), num_blocks - 1, dtype=torch.int32)
+    kv = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    if not nan_fill:
+        kv.normal_(generator=g)
+    used = 0
+    for i, (s, n) in enumerate(zip(seq_lens, blocks_needed)):
+        ids = perm[used : used + n]
+        used += n
+        table[i, :n] = ids
+        flat = kv[:, ids].reshape(2, n * block_size, kv_heads, head_dim)
+        flat[:, :s] = 1.5 * torch.randn(2, s, kv_heads, head_dim, generator=g)
+        kv[:, ids] = flat.view(2, n, block_size, kv_heads, head_dim)
+    tokens = len(seq_lens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+    q = qkv.to(torch.bfloat16)[:, : heads * head_dim].view(tokens, heads, head_dim)
+    qsl = torch.arange(tokens + 1, dtype=torch.int32)
+    return q, kv.to(torch.bfloat16), qsl, torch.tensor(seq_lens, dtype=torch.int32), table
+
+
+def _run(problem, kernel, **kwargs):
+    q, kv, qsl, seq_lens, table = problem
+    with _decode_kernel(kernel):
+        return paged_attention_cpu.paged_attention(
+            q, kv, qsl, seq_lens, table, q.shape[-1] ** -0.5, **kwargs
+        )
+
+
+def _assert_near(out, ref, *, share=0.01):
+    assert not out.isnan().any()
+    differing = (out != ref).float().mean().item()
+    assert differing <= share, differing
+    assert (out.float() - ref.float()).abs().max().item() <= 2.0**-5
+
+
+SEQ_LENS = [1, 2, 15, 16, 17, 31, 33, 64, 100, 300]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(8, 8, 64), (32, 8, 64), (16, 2, 64), (8, 2, 128), (8, 1, 128)]
+)
+def test_matches_torch_twin_and_one_row_kernel(heads, kv_heads, head_dim):
+    problem = _problem(SEQ_LENS, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    q, kv, qsl, seq_lens, table = problem
+    new = _run(problem, "bf16-dot")
+    old = _run(problem, "one-row")
+    twin = paged_attention_torch.paged_attention(q, kv, qsl, seq_lens, table, q.shape[-1] ** -0.5)
+    _assert_near(new, twin)
+    _assert_near(new, old)
+    # the test can fail: the cache's values really reach the output
+    assert (
+        new
+        - _run(
+            _problem(SEQ_LENS, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seed=1),
+            "bf16-dot",
+        )
+    ).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+def test_block_sizes_and_tails(block_size):
+    problem = _problem(
+        [1, 3, 16, 47, 129], heads=32, kv_heads=8, head_dim=64, block_size=block_size, seed=2
+    )
+    _assert_near(_run(problem, "bf16-dot"), _run(problem, "one-row"))
+
+
+@pytest.mark.parametrize("window,softcap", [(9, None), (None, 1.5), (40, 30.0), (1, None)])
+def test_sliding_window_and_softcap(window, softcap):
+    problem = _problem([1, 8, 9, 70, 200], heads=16, kv_heads=4, head_dim=64, seed=3)
+    q, kv, qsl, seq_lens, table = problem
+    new = _run(problem, "bf16-dot", window=window, softcap=softcap)
+    twin = paged_attention_torch.paged_attention(
+        q, kv, qsl, seq_lens, table, q.shape[-1] ** -0.5, window=window, softcap=softcap
+    )
+    _assert_near(new, twin)
+    _assert_near(new, _run(problem, "one-row", window=window, softcap=softcap))
+    # the test can fail: without the window (or cap) the rows differ
+    assert not torch.equal(new, _run(problem, "bf16-dot"))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_counts_agree(threads, monkeypatch):
+    """Batch 1 (one item per kv head) and batch 16 (whole rows per item): every thread count
+    gives the same bits."""
+    monkeypatch.setenv("TRILLM_CPU_ATTENTION_THREADS", "1")
+    one = [
+        _problem([s] * b, heads=32, kv_heads=8, head_dim=64, seed=4)
+        for b, s in ((1, 1025), (16, 300))
+    ]
+    ref = [_run(p, "bf16-dot") for p in one]
+    monkeypatch.setenv("TRILLM_CPU_ATTENTION_THREADS", str(threads))
+    for p, r in zip(one, ref):
+        assert torch.equal(_run(p, "bf16-dot"), r)
+
+
+def test_fp32_and_mixed_dtypes_keep_their_kernel():
+    """fp32 q, or an fp32 cache, never take the bf16 decode kernel: the same bits with it on
+    or off."""
+    q, kv, qsl, seq_lens, table = _problem(
+        [5, 40], heads=8, kv_heads=2, head_dim=64, nan_fill=False
+    )
+    for problem in (
+        (q.float(), kv.float(), qsl, seq_lens, table),
+        (q.float(), kv, qsl, seq_lens, table),
+    ):
+        assert torch.equal(_run(problem, "bf16-dot"), _run(problem, "one-row"))
+
+
+def test_refuses_unknown_kernel_names():
+    with pytest.raises(ValueError, match="decode kernel"):
+        _attention_ext().paged_decode_kernel("fast")
