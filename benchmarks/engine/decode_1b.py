@@ -11,8 +11,12 @@ bandwidth, measured in the same run (a 1 GiB buffer summed by all threads); ``pa
 trillm's in-memory copies of the same weights (Q6_K: its file's 6.5625 bits a weight as Q6_KP
 where the CPU has AVX512-BF16 and VBMI, else 9).
 
+``--batch N``: N such prompts decoded together (a c16 run's steps at 16), the linears timed
+with N rows each (as the model dispatches them: int8 activations from ``INT8_MIN_ROWS`` rows).
+
     python benchmarks/engine/decode_1b.py --model M.gguf [M2.gguf FOLDER ...] [--tokenizer HF]
-        [--prompt 1024] [--steps 16] [--rounds 2] [--clock wall|thread] [--label L] [--out x.json]
+        [--prompt 1024] [--steps 16] [--batch 1] [--rounds 2] [--clock wall|thread] [--label L]
+        [--out x.json]
 """
 
 from __future__ import annotations
@@ -93,13 +97,18 @@ def packed_bytes(runner: ModelRunner) -> int:
 
 
 def gemv_ms(
-    runner: ModelRunner, dtype: torch.dtype, clock: Callable[[], float], passes: int = 5
+    runner: ModelRunner,
+    dtype: torch.dtype,
+    clock: Callable[[], float],
+    passes: int = 5,
+    batch: int = 1,
 ) -> tuple[float, float]:
-    """(the layers' linears, the lm_head): one row through each in model order, median ms."""
+    """(the layers' linears, the lm_head): ``batch`` rows through each in model order, median
+    ms."""
     layers = _linears(runner)
     head = [m for m in layers if m.out_features == runner.model.config.vocab_size]
     body = [m for m in layers if m not in head]
-    rows = {m.in_features: torch.randn(1, m.in_features).to(dtype) for m in layers}
+    rows = {m.in_features: torch.randn(batch, m.in_features).to(dtype) for m in layers}
 
     def run(mods: list[torch.nn.Linear]) -> float:
         times = []
@@ -121,6 +130,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--label", default="")
     p.add_argument(
@@ -145,9 +155,9 @@ def main() -> None:
             dtype=args.dtype,
             device="cpu",
             block_size=decode_step.BLOCK_SIZE,
-            max_num_seqs=1,
+            max_num_seqs=args.batch,
             max_model_len=ctx,
-            num_gpu_blocks_override=-(-ctx // decode_step.BLOCK_SIZE) + 1,
+            num_gpu_blocks_override=args.batch * -(-ctx // decode_step.BLOCK_SIZE) + 1,
         )
         runner = ModelRunner(build_config(engine))
         runner.load_model()
@@ -156,16 +166,17 @@ def main() -> None:
         for r in range(args.rounds):
             first = r * (args.steps + 4)
             times += decode_step.time_decode(
-                runner, 1, args.steps, first, prompt_len=args.prompt, clock=clock
+                runner, args.batch, args.steps, first, prompt_len=args.prompt, clock=clock
             )
         step = statistics.median(times) * 1e3
-        body, head = gemv_ms(runner, getattr(torch, args.dtype), clock)
+        body, head = gemv_ms(runner, getattr(torch, args.dtype), clock, batch=args.batch)
         fmt, fmt_head = format_bytes(model)
         limit = fmt / gbps / 1e6
         rows.append(
             dict(
                 model=Path(model).name,
                 label=args.label,
+                batch=args.batch,
                 step_ms=step,
                 gemv_ms=body,
                 lm_head_ms=head,
