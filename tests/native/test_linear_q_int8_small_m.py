@@ -14,14 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.native.test_linear_q_int8_prefill import TYPES, UNPACKED_MIN_ROWS, _reference, _weight
+from tests.support.int8_gemm import int8_reference as _reference
+from tests.support.int8_gemm import quantized_weight as _weight
 from trillm.kernels import linear_q_cpu
 
 pytestmark = pytest.mark.skipif(
     not linear_q_cpu.int8_available(), reason="no native kernel or no AVX512-VNNI"
 )
 
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_G", "Q4_K"]
 FOUR_BIT = [t for t in TYPES if t != "Q8_0"]
+UNPACKED_MIN_ROWS = 16  # ext/cpu_gemm_q.cpp's kInt8UnpackedMinRows
 
 
 @pytest.mark.parametrize("type_name", TYPES)
