@@ -5,6 +5,8 @@ bits of the Python replay and of the eager forward."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from step_runs import decode_shrinking_batch, step_runner
@@ -72,6 +74,35 @@ def test_a_program_runs_its_thunks_in_order():
     ref = torch.empty(2, 64)
     ops.rms_norm(**_rms_args(ref, x, w))
     assert torch.equal(b, torch.nn.functional.silu(ref[:, :32]) * ref[:, 32:])
+
+
+def test_a_timed_run_computes_what_run_computes_and_times_each_thunk():
+    """run_timed (benchmarks/engine/step_breakdown.py): the same results as run, one (thread CPU
+    ns, wall ns) pair per thunk, which add up to no more than the run's own time."""
+    torch.manual_seed(2)
+    x, w = torch.randn(256, 1024), torch.randn(1024)
+    a, b = torch.empty(256, 1024), torch.empty(256, 512)
+    prog = program.Program()
+    prog.append(ops.bind_rms_norm(**_rms_args(a, x, w)))
+    prog.append(
+        ops.bind_silu_and_mul(
+            out=rows(b), gate_up=rows(a), num_rows=256, width=512, dtype=0, num_threads=1
+        )
+    )
+    prog.run()
+    ref = b.clone()
+    b.zero_()
+    cpu0, wall0 = time.thread_time_ns(), time.perf_counter_ns()
+    times = prog.run_timed()
+    cpu1, wall1 = time.thread_time_ns(), time.perf_counter_ns()
+    assert torch.equal(b, ref)
+    assert len(times) == 2
+    assert all(cpu >= 0 and wall > 0 for cpu, wall in times)
+    assert sum(cpu for cpu, _ in times) <= cpu1 - cpu0
+    assert sum(wall for _, wall in times) <= wall1 - wall0
+    for threads in (1, 2):
+        wall, cpu = program.pool_dispatch_ns(threads, 4, 100)
+        assert 0 <= wall < 1e8 and 0 <= cpu < 1e8
 
 
 def test_binding_checks_the_arguments_and_a_kernels_error_stops_the_run():
