@@ -6,8 +6,9 @@
 //   S = Q . K^T: q rows read as bf16 pairs (dims 2j, 2j+1) broadcast against a 64-key tile
 //     packed [D/2][64][2] (ext/cpu_bf16_pair_pack.h), 6 rows x 4 zmm of sums;
 //   the scores' two roundings (ext/cpu_attention_bf16.h) and each row's running max on the
-//     score registers, then per row one pass of exp and sum (16 lanes) and one of p rounded to
-//     bf16 into P: the rounded softmax of ext/cpu_attention_bf16.h in three passes fewer;
+//     score registers, the scores kept as bf16 (what they are once rounded), then per row one
+//     pass of exp and sum (16 lanes, into an fp32 row) and one of p rounded to bf16 over the
+//     row's scores: the rounded softmax of ext/cpu_attention_bf16.h in three passes fewer;
 //   O = P . V: P's rows are bf16 values already (rounded by the softmax), so their bf16 copy is
 //     exact; its key pairs broadcast against the 64-key tile of V packed [32][D][2].
 // The sums are fp32, in pairs; vdpbf16ps treats bf16 subnormal inputs as zero.
@@ -52,11 +53,15 @@ TRILLM_DOT_TARGET inline void pack_value_pairs(Row row, int n, int D, uint16_t* 
   }
 }
 
+// bf16 -> fp32, 16 lanes.
+TRILLM_DOT_TARGET inline __attribute__((always_inline)) __m512 widen16_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // x rounded to bf16 (to nearest even; subnormal inputs and results flush to zero: an exp or
 // score that small changes no rounded probability, and vdpbf16ps reads a subnormal p as zero).
-TRILLM_DOT_TARGET inline __attribute__((always_inline)) __m512 round16_bf16(__m512 x) {
-  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+TRILLM_DOT_TARGET inline __attribute__((always_inline)) __m256i round16_bf16(__m512 x) {
+  return (__m256i)_mm512_cvtneps_pbh(x);
 }
 
 // exp(x) for x <= 0 (-inf -> 0), 16 lanes: exp_nonpositive's (ext/cpu_common.h) range reduction
@@ -78,12 +83,13 @@ TRILLM_DOT_TARGET inline __attribute__((always_inline)) __m512 exp16_nonpositive
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, nf));
 }
 
-// s[i][0 .. cols) = the rounded scores (round_scores, ext/cpu_attention_bf16.h) of q[i] . tile
-// for R query vectors (q rows of D bf16, s rows of lds floats); rmax[i] = the largest of them
+// s[i][0 .. cols) = the rounded scores (round_scores, ext/cpu_attention_bf16.h: bf16 values, kept
+// as bf16) of q[i] . tile for R query vectors (q rows of D bf16, s rows of lds); rmax[i] = the
+// largest of them
 // with keys key0 + c <= pos[i] (the scores vector i sees; the rest are stored but not counted).
 template <int R>
 TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_scores(
-    const uint16_t* q, int D, const uint32_t* tile, float* s, int64_t lds, int cols,
+    const uint16_t* q, int D, const uint32_t* tile, uint16_t* s, int64_t lds, int cols,
     __m512 scale, const int* pos, int key0, float* rmax) {
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
@@ -111,8 +117,9 @@ TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_scores(
       const int left = cols - 16 * c;
       if (left <= 0) break;
       const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-      const __m512 r = round16_bf16(_mm512_mul_ps(round16_bf16(acc[i][c]), scale));
-      _mm512_mask_storeu_ps(s + i * lds + 16 * c, mask, r);
+      const __m256i h = round16_bf16(_mm512_mul_ps(widen16_bf16(round16_bf16(acc[i][c])), scale));
+      _mm256_mask_storeu_epi16(s + i * lds + 16 * c, mask, h);
+      const __m512 r = widen16_bf16(h);
       const int seen = vis - 16 * c;
       if (seen > 0) {
         const __mmask16 m = seen >= 16 ? 0xffff : static_cast<__mmask16>((1u << seen) - 1);
@@ -174,11 +181,12 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
   const int stride = (key_end + kDotKeys - 1) / kDotKeys * kDotKeys;  // whole tiles
   alignas(64) static thread_local uint32_t kp[kDotKeys / 2 * 256];    // K pairs (D <= 256)
   alignas(64) static thread_local uint16_t vp[kDotKeys * 256];        // V pairs
-  static thread_local std::vector<uint16_t> pb_all;                   // [M][stride]: P in bf16
-  float* S = score_rows(M, stride);                                   // [M][stride]: S, then P
-  if (pb_all.size() < static_cast<size_t>(M) * stride)
-    pb_all.resize(static_cast<size_t>(M) * stride);
-  uint16_t* P = pb_all.data();
+  static thread_local std::vector<uint16_t> sp_all;  // [M][stride] bf16: S, then P in its place
+  if (sp_all.size() < static_cast<size_t>(M) * stride)
+    sp_all.resize(static_cast<size_t>(M) * stride);
+  uint16_t* S = sp_all.data();
+  uint16_t* P = S;
+  float* E = score_rows(1, stride);  // one row's exps
   float rmax[96];  // per vector: its largest visible rounded score
   for (int i = 0; i < M; ++i) rmax[i] = -INFINITY;
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -191,7 +199,7 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
       const int nrows = std::min(kDotRows, M - i);
       const int seen = std::min(n, pos[i + nrows - 1] - key0 + 1);
       if (seen <= 0) continue;
-      float* s = S + static_cast<int64_t>(i) * stride + key0;
+      uint16_t* s = S + static_cast<int64_t>(i) * stride + key0;
       const uint16_t* qi = qs + i * D;
       float* mx = rmax + i;
       const int* pi = pos + i;
@@ -209,22 +217,23 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
   // p = exp(s - max) * (1 / sum), rounded to bf16) straight into P's bf16 row, 0 past n up to the
   // next tile's end.
   for (int i = 0; i < M; ++i) {
-    float* row = S + static_cast<int64_t>(i) * stride;
+    const uint16_t* row = S + static_cast<int64_t>(i) * stride;
     uint16_t* prow = P + static_cast<int64_t>(i) * stride;
     const int n = pos[i] + 1;
     const __m512 shift = _mm512_set1_ps(rmax[i]);
     __m512 sum = _mm512_setzero_ps();
     int c = 0;
     for (; c + 16 <= n; c += 16) {
-      const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + c), shift));
-      _mm512_storeu_ps(row + c, e);
+      const __m512 x = widen16_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
+      const __m512 e = exp16_nonpositive(_mm512_sub_ps(x, shift));
+      _mm512_storeu_ps(E + c, e);
       sum = _mm512_add_ps(sum, e);
     }
     if (c < n) {  // lanes past n: 0
       const __mmask16 mask = static_cast<__mmask16>((1u << (n - c)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(
-          mask, exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + c), shift)));
-      _mm512_storeu_ps(row + c, e);
+      const __m512 x = widen16_bf16(_mm256_maskz_loadu_epi16(mask, row + c));
+      const __m512 e = _mm512_maskz_mov_ps(mask, exp16_nonpositive(_mm512_sub_ps(x, shift)));
+      _mm512_storeu_ps(E + c, e);
       sum = _mm512_add_ps(sum, e);
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
@@ -232,7 +241,7 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
     for (c = 0; c < n; c += 16)  // (the partial vector's lanes past n were stored as 0)
       _mm256_storeu_si256(
           reinterpret_cast<__m256i*>(prow + c),
-          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(row + c), inv)));
+          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(E + c), inv)));
     for (; c < end; c += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + c), _mm256_setzero_si256());
   }
