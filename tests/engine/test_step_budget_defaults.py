@@ -1,7 +1,9 @@
-"""The step's token budget left unset (``max_num_batched_tokens``) takes vLLM's CPU default for
-what made the engine (trillm/config/batch_defaults.py): ``trillm.LLM`` 4,096 as vLLM's LLM
-class, ``trillm serve`` 2,048 as vLLM's OpenAI server, an engine opened directly 2,048; a value
-given wins everywhere."""
+"""The step's token budget and the batch's size left unset (``max_num_batched_tokens``,
+``max_num_seqs``) take vLLM's defaults for what made the engine and where it runs
+(trillm/config/batch_defaults.py): on CPU ``trillm.LLM`` 4,096 / 256 as vLLM's LLM class,
+``trillm serve`` 2,048 / 128 as vLLM's OpenAI server, an engine opened directly 2,048 / 128,
+the CPU ones times the world size; vLLM's GPU table by the device's memory; a value given wins
+everywhere."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from shared_servers import FAKE_256, FAKE_256_GROUP
 
 from trillm import LLM
 from trillm.config import EngineArgs
-from trillm.config.batch_defaults import UsageContext
+from trillm.config.batch_defaults import GIB, BatchLimits, Device, UsageContext, batch_limits
 from trillm.engine.config_builder import build_config
 from trillm.executor.abstract import FAKE_RUNNER
 
@@ -35,6 +37,46 @@ def test_the_default_follows_what_made_the_engine_and_a_given_value_wins(usage, 
     assert given.scheduler.max_num_batched_tokens == 512
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         build_config(EngineArgs(max_num_batched_tokens=0), usage)  # refused, not defaulted
+
+
+@pytest.mark.parametrize(
+    ("usage", "seqs"),
+    [
+        (UsageContext.LLM_CLASS, 256),
+        (UsageContext.OPENAI_API_SERVER, 128),
+        (UsageContext.ENGINE_CONTEXT, 128),
+    ],
+)
+def test_the_batch_size_default_follows_what_made_the_engine(usage, seqs):
+    assert build_config(EngineArgs(), usage).scheduler.max_num_seqs == seqs
+    assert build_config(EngineArgs(max_num_seqs=7), usage).scheduler.max_num_seqs == 7
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        build_config(EngineArgs(max_num_seqs=0), usage)
+
+
+def test_cpu_defaults_scale_with_the_world_size():
+    two = build_config(EngineArgs(tensor_parallel_size=2), UsageContext.OPENAI_API_SERVER)
+    assert (two.scheduler.max_num_batched_tokens, two.scheduler.max_num_seqs) == (4096, 256)
+    four = Device("cpu", world_size=4)
+    assert batch_limits(None, None, UsageContext.LLM_CLASS, four) == BatchLimits(16384, 1024)
+    assert batch_limits(100, 3, UsageContext.LLM_CLASS, four) == BatchLimits(100, 3)
+
+
+@pytest.mark.parametrize(
+    ("device", "llm", "server"),
+    [
+        (Device("cuda", 1, 80 * GIB, "NVIDIA H100 80GB HBM3"), (16384, 1024), (8192, 1024)),
+        (Device("cuda", 2, 141 * GIB, "NVIDIA H200"), (16384, 1024), (8192, 1024)),
+        (Device("cuda", 1, 80 * GIB, "NVIDIA A100-SXM4-80GB"), (8192, 256), (2048, 256)),
+        (Device("cuda", 1, 24 * GIB, "NVIDIA L4"), (8192, 256), (2048, 256)),
+        (Device("cuda"), (8192, 256), (2048, 256)),  # the GPU unreadable
+    ],
+)
+def test_gpu_defaults_follow_vllms_table(device, llm, server):
+    assert batch_limits(None, None, UsageContext.LLM_CLASS, device) == BatchLimits(*llm)
+    assert batch_limits(None, None, UsageContext.OPENAI_API_SERVER, device) == BatchLimits(*server)
+    other = batch_limits(None, None, UsageContext.ENGINE_CONTEXT, device)
+    assert other == BatchLimits(2048, 128)
 
 
 @pytest.mark.parametrize(

@@ -15,13 +15,18 @@ rate, so the chunk size barely moves an 8,192-token prompt's cost at the 1B shap
 benchmarks/engine/results/prefill_breakdown_1b2l_8k_chunk_sizes.txt). The offline class, whose
 batch is handed over whole and judged by its throughput, takes vLLM's larger budget.
 
-NOTE: vLLM multiplies the LLM class's and the server's CPU defaults by the world size
-(pipeline x tensor parallel ranks); trillm's stay per engine core.
+On CPU both defaults scale with the world size (pipeline x tensor-parallel ranks), and the
+batch's size (``max_num_seqs``) follows the same split: 256 for the offline class, 128 for the
+server and anything else. On a GPU, vLLM's table by the device's memory: 70 GiB or more (not
+an A100) 16,384 / 8,192 tokens and 1,024 sequences; otherwise 8,192 / 2,048 and 256.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
+
+GIB = 1 << 30
 
 
 class UsageContext(Enum):
@@ -32,12 +37,66 @@ class UsageContext(Enum):
     ENGINE_CONTEXT = "ENGINE_CONTEXT"  # open_engine, AsyncLLM, the batch runner
 
 
-STEP_BUDGETS = {UsageContext.LLM_CLASS: 4096, UsageContext.OPENAI_API_SERVER: 2048}
-OTHER_STEP_BUDGET = 2048  # vLLM's SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
+# vLLM's SchedulerConfig defaults: what any other maker of an engine gets.
+OTHER_STEP_BUDGET = 2048
+OTHER_MAX_NUM_SEQS = 128
 
 
-def max_num_batched_tokens(requested: int | None, usage: UsageContext) -> int:
-    """The step's token budget: ``requested`` where given, else ``usage``'s default."""
-    if requested is not None:
-        return requested
-    return STEP_BUDGETS.get(usage, OTHER_STEP_BUDGET)
+@dataclass(frozen=True)
+class BatchLimits:
+    """The step's token budget and the batch's most requests."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the defaults depend on: the device kind, its memory and name (GPUs), the ranks."""
+
+    kind: str  # "cpu" or "cuda"
+    world_size: int = 1
+    memory_bytes: int = 0
+    name: str = ""
+
+
+def _table(device: Device) -> dict[UsageContext, BatchLimits]:
+    if device.kind == "cpu":
+        w = device.world_size
+        return {
+            UsageContext.LLM_CLASS: BatchLimits(4096 * w, 256 * w),
+            UsageContext.OPENAI_API_SERVER: BatchLimits(2048 * w, 128 * w),
+        }
+    if device.memory_bytes >= 70 * GIB and "a100" not in device.name.lower():
+        return {
+            UsageContext.LLM_CLASS: BatchLimits(16384, 1024),
+            UsageContext.OPENAI_API_SERVER: BatchLimits(8192, 1024),
+        }
+    return {
+        UsageContext.LLM_CLASS: BatchLimits(8192, 256),
+        UsageContext.OPENAI_API_SERVER: BatchLimits(2048, 256),
+    }
+
+
+def batch_limits(
+    tokens: int | None, seqs: int | None, usage: UsageContext, device: Device
+) -> BatchLimits:
+    """``tokens`` / ``seqs`` where given, else ``usage``'s defaults on ``device``."""
+    default = _table(device).get(usage, BatchLimits(OTHER_STEP_BUDGET, OTHER_MAX_NUM_SEQS))
+    return BatchLimits(
+        default.max_num_batched_tokens if tokens is None else tokens,
+        default.max_num_seqs if seqs is None else seqs,
+    )
+
+
+def device_facts(kind: str, world_size: int) -> Device:
+    """``kind``'s memory and name where it is a GPU (vLLM's small-GPU row when unknown)."""
+    if kind != "cuda":
+        return Device(kind, world_size)
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        return Device(kind, world_size, int(props.total_memory), str(props.name))
+    except (ImportError, RuntimeError, AssertionError):
+        return Device(kind, world_size)

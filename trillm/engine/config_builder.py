@@ -21,7 +21,7 @@ from trillm.config import (
     check_grammar_cache_bytes,
     parse_memory_size,
 )
-from trillm.config.batch_defaults import UsageContext, max_num_batched_tokens
+from trillm.config.batch_defaults import UsageContext, batch_limits, device_facts
 from trillm.config.multimodal import resolve_limits
 from trillm.config.structured_outputs import parse_structured_outputs_config
 from trillm.distributed.engine_fit import resolve_parallel
@@ -95,8 +95,13 @@ def build_config(
     limit_mm = _multimodal_limits(args, model_config)
     if args.block_size <= 0 or args.block_size & (args.block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {args.block_size}.")
-    max_batched = max_num_batched_tokens(args.max_num_batched_tokens, usage)
-    if max_batched < 1 or args.max_num_seqs < 1:
+    limits = batch_limits(
+        args.max_num_batched_tokens,
+        args.max_num_seqs,
+        usage,
+        device_facts(device, parallel.world_size),
+    )
+    if limits.max_num_batched_tokens < 1 or limits.max_num_seqs < 1:
         raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1.")
     kv_memory = (
         parse_memory_size(args.kv_cache_memory)
@@ -131,8 +136,8 @@ def build_config(
             num_gpu_blocks_override=args.num_gpu_blocks_override,
         ),
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max_batched,
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
             max_model_len=max_model_len,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             policy=args.scheduling_policy,
