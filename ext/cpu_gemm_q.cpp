@@ -431,9 +431,10 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
 // Measured at Llama-3.2-1B's shapes, one thread's CPU time (benchmarks/kernels/q_small_m.py):
 // for the 4-bit types the unpacking pays from ~12 rows (a 16-row decode step's linears 1.15-1.2x
 // faster, 32-48 rows 1.3-1.5x); Q8_0's unpacking (a sign flip) gains nothing and `tile_vnni`
-// stays faster below 64 rows.
+// stays faster below 64 rows; Q6_K's (the same flip) and Q6_KP's are left at 64 too (unmeasured
+// below).
 constexpr int int8_unpacked_min_rows(int qtype) {
-  return qtype == kQ8_0 ? kPrefillMinRows : kInt8UnpackedMinRows;
+  return byte_values(qtype) || qtype == kQ6_KP ? kPrefillMinRows : kInt8UnpackedMinRows;
 }
 
 void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packed, int qtype,
@@ -491,11 +492,14 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
          reinterpret_cast<const uint8_t*>(packed), reinterpret_cast<const float*>(bias),
          reinterpret_cast<void*>(y), ldy, M, N, K, qtype, y_bf16};
   const int pairs = num_panels(N) / 2;
-  if (int8_activations && prefill_type(qtype) && M >= int8_unpacked_min_rows(qtype)) {
+  // (Q6_KP: expanded to Q6_K's records per item, as run_pair_q6kp does)
+  const bool prefill = prefill_type(qtype) || (qtype == kQ6_KP && wide);
+  if (int8_activations && prefill && M >= int8_unpacked_min_rows(qtype)) {
     const int blocks = (M + kPrefillRowBlock - 1) / kPrefillRowBlock;
     run_items(threads, blocks * pairs, [&](int i) {
       const int m0 = i / pairs * kPrefillRowBlock;
-      run_prefill_item(g, m0, std::min(M, m0 + kPrefillRowBlock), i % pairs);
+      qtype == kQ6_KP ? run_prefill_item_q6kp(g, m0, std::min(M, m0 + kPrefillRowBlock), i % pairs)
+                      : run_prefill_item(g, m0, std::min(M, m0 + kPrefillRowBlock), i % pairs);
     });
     return;
   }

@@ -203,3 +203,24 @@ void run_pair_q6kp(const Gemm& g, int m0, int m1, int pair, bool wide) {
   as_q6_k.bias = g.bias == nullptr ? nullptr : g.bias + col;
   wide ? run_pair(as_q6_k, m0, m1, 0) : run_pair_avx2(as_q6_k, m0, m1, 0);
 }
+
+// The int8 prefill kernel (cpu_gemm_q_vnni_prefill.h) on rows m0..m1 of a Q6_KP pair: the pair
+// expanded to Q6_K's records once per item (as run_pair_q6kp does per 64 rows), then Q6_K's
+// prefill item: the same results as a weight packed as Q6_K.
+void run_prefill_item_q6kp(const Gemm& g, int m0, int m1, int pair) {
+  const int nb = g.K / kBlock;
+  const int64_t panel_bytes = static_cast<int64_t>(nb) * record_bytes(kQ6_KP);
+  const uint8_t* p0 = g.packed + 2 * pair * panel_bytes;
+  const int col = 2 * pair * kCols;
+  const int64_t expanded = static_cast<int64_t>(nb) * record_bytes(kQ6_K);
+  thread_local std::vector<uint8_t> buffer;
+  buffer.resize(2 * expanded);
+  for (int p = 0; p < 2; ++p) expand_q6kp(p0 + p * panel_bytes, nb, buffer.data() + p * expanded);
+  Gemm as_q6_k = g;  // the pair as panels 0 and 1 of a Q6_K weight of the columns from col on
+  as_q6_k.packed = buffer.data();
+  as_q6_k.qtype = kQ6_K;
+  as_q6_k.N = g.N - col;
+  as_q6_k.y = static_cast<char*>(g.y) + col * (g.y_bf16 ? 2 : 4);
+  as_q6_k.bias = g.bias == nullptr ? nullptr : g.bias + col;
+  prefill_item<kQ6_K>(as_q6_k, m0, m1, 0);
+}

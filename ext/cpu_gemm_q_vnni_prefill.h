@@ -1,5 +1,7 @@
 // The int8-activation path of ext/cpu_gemm_q.cpp at prefill row counts (>= kPrefillMinRows) for
-// the types with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0); included there,
+// the types with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0) and Q6_K (one per half
+// block, each half's fp32 step as `tile_vnni` takes it: the same results bit for bit; Q6_KP
+// expanded to Q6_K's records once per item, cpu_gemm_q_q6.h); included there,
 // inside its anonymous namespace, after cpu_gemm_q_vnni.h (whose activation rounding it keeps:
 // one scale per half block of 16, the same int8 values, sums and scales).
 //
@@ -29,21 +31,26 @@ constexpr int kPrefillKChunk = 2048;    // values of K per pass: 256 rows' int8 
                                         // pair's unpacked weights (82 KiB) stay in a 1 MiB L2
 
 constexpr bool prefill_type(int qtype) {
-  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ4_G || qtype == kQ4_K || qtype == kQ8_0;
+  return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ4_G || qtype == kQ4_K || qtype == kQ8_0 ||
+         qtype == kQ6_K;
 }
 
 // The factor of the block's sum of x^ (a minimum): Q4_1, Q4_G, Q4_K.
 constexpr bool prefill_min(int qtype) { return qtype == kQ4_1 || qtype == kQ4_G || qtype == kQ4_K; }
 
 // The sums' starting value per half block, in units of -(its sum of xq): Q4_0 stores q (the
-// value q - 8), Q8_0 runs as q + 128.
-constexpr int prefill_offset(int qtype) { return qtype == kQ4_0 ? 8 : qtype == kQ8_0 ? 128 : 0; }
+// value q - 8), Q8_0 and Q6_K run as q + 128.
+constexpr int prefill_offset(int qtype) { return qtype == kQ4_0 ? 8 : byte_values(qtype) ? 128 : 0; }
+
+// A second fp32 vector a block and panel: the minimum factor, or (Q6_K, one weight scale per half
+// block: d * sc[h]) the second half's scale.
+constexpr bool prefill_second(int qtype) { return prefill_min(qtype) || qtype == kQ6_K; }
 
 // Bytes of one block of an unpacked pair: 8 quads x 2 zmm of bytes, 2 zmm of scales, and (types
 // with a minimum) 2 zmm of minimum factors.
 constexpr int kUnpackedQuads = 8 * 2 * 64;
 constexpr int unpacked_block_bytes(int qtype) {
-  return kUnpackedQuads + 2 * 64 + (prefill_min(qtype) ? 2 * 64 : 0);
+  return kUnpackedQuads + 2 * 64 + (prefill_second(qtype) ? 2 * 64 : 0);
 }
 
 TRILLM_VNNI_TARGET inline __m512i dpbusd(__m512i acc, __m512i w, __m512i x) {
@@ -66,7 +73,7 @@ TRILLM_VNNI_TARGET void unpack_pair(const uint8_t* p0, const uint8_t* p1, int nb
       const uint8_t* r = panel[p] + static_cast<int64_t>(b) * rec;
       for (int quad = 0; quad < 8; ++quad) {
         __m512i w;
-        if constexpr (QT == kQ8_0) {
+        if constexpr (byte_values(QT)) {
           w = _mm512_xor_si512(_mm512_loadu_si512(r + quad * 64), sign);
         } else {  // nibble-pair rows 2 quad, 2 quad + 1 -> bytes q[4 quad .. 4 quad + 3]
           const uint8_t* q = r + 2 * quad * kCols;
@@ -94,8 +101,14 @@ TRILLM_VNNI_TARGET void unpack_pair(const uint8_t* p0, const uint8_t* p1, int nb
         scale = q4k.scale;
         minimum = _mm512_sub_ps(_mm512_setzero_ps(), q4k.minimum);
       }
+      if constexpr (QT == kQ6_K) {  // d * sc[h], as add_half takes them
+        scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 2 * kCols)))));
+        minimum = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 3 * kCols)))));
+      }
       _mm512_store_ps(reinterpret_cast<float*>(o + kUnpackedQuads + p * 64), scale);
-      if constexpr (prefill_min(QT))
+      if constexpr (prefill_second(QT))
         _mm512_store_ps(reinterpret_cast<float*>(o + kUnpackedQuads + (2 + p) * 64), minimum);
     }
   }
@@ -170,6 +183,18 @@ TRILLM_VNNI_TARGET void tile_prefill(const Gemm& g, int m, const uint8_t* u, int
           dot[r][1] = dpbusd(dot[r][1], w1, xw);
         }
       }
+      if constexpr (QT == kQ6_K) {  // each half its own weight scale: tile_vnni's order
+        for (int p = 0; p < 2; ++p) {
+          const __m512 scale =
+              _mm512_load_ps(reinterpret_cast<const float*>(ub + kUnpackedQuads + (2 * h + p) * 64));
+          for (int r = 0; r < R; ++r) {
+            const __m512 s =
+                _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][p]), _mm512_set1_ps(dx[r][2 * b + h]));
+            acc[r][p] = _mm512_fmadd_ps(scale, s, acc[r][p]);
+          }
+        }
+        continue;
+      }
       for (int r = 0; r < R; ++r) {
         const __m512 d = _mm512_set1_ps(dx[r][2 * b + h]);
         for (int p = 0; p < 2; ++p) {
@@ -178,6 +203,7 @@ TRILLM_VNNI_TARGET void tile_prefill(const Gemm& g, int m, const uint8_t* u, int
         }
       }
     }
+    if constexpr (QT == kQ6_K) continue;
     for (int p = 0; p < 2; ++p) {
       const __m512 scale = _mm512_load_ps(reinterpret_cast<const float*>(ub + kUnpackedQuads + p * 64));
       for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(scale, first[r][p], acc[r][p]);
@@ -236,6 +262,7 @@ void run_prefill_item(const Gemm& g, int m0, int m1, int pair) {
     case kQ4_1: prefill_item<kQ4_1>(g, m0, m1, pair); break;
     case kQ4_G: prefill_item<kQ4_G>(g, m0, m1, pair); break;
     case kQ4_K: prefill_item<kQ4_K>(g, m0, m1, pair); break;
+    case kQ6_K: prefill_item<kQ6_K>(g, m0, m1, pair); break;
     default: prefill_item<kQ8_0>(g, m0, m1, pair); break;
   }
 }

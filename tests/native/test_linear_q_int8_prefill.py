@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quants
 
-from trillm.kernels import linear_q_cpu
+from trillm.kernels import linear_q_cpu, q_panels
 from trillm.testing.gguf_models import random_kquant_blocks
 
 pytestmark = pytest.mark.skipif(
@@ -133,3 +133,29 @@ def test_prefill_kernel_zero_rows_and_half_blocks():
     assert bool((got[0] == 0).all())
     ref = _reference(x, weight)
     torch.testing.assert_close(got, ref, atol=1e-5 * float(ref.abs().max()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("packed", ["Q6_K", "Q6_KP"])
+def test_prefill_kernel_q6_k_is_tile_vnni_bit_for_bit(packed):
+    # Q6_K (a weight scale per half block, q + 128 as Q8_0 runs) from 64 rows: the same integer
+    # sums and the same fp32 steps as tile_vnni (below 64 rows), so row for row the same bits;
+    # Q6_KP (AVX512-BF16 / VBMI CPUs) expanded to Q6_K's records once per item. K in two passes
+    # (2,048 and 256 values), rows past a register block, N not a multiple of the pair's 32.
+    n, k, m = 45, 2304, 70
+    raw = random_kquant_blocks("Q6_K", n, k, seed=4)
+    weight = linear_q_cpu.QuantizedWeight(raw, linear_q_cpu.Q6_K, n, k)
+    if packed == "Q6_K":  # the 9-bit records every CPU without Q6_KP packs
+        q, params = linear_q_cpu.unpack_ggml(raw, linear_q_cpu.Q6_K, k)
+        weight.kernel_type = linear_q_cpu.Q6_K
+        weight.data = torch.from_numpy(q_panels.pack(q, params, linear_q_cpu.Q6_K))
+    elif weight.kernel_type != linear_q_cpu.Q6_KP:
+        pytest.skip("Q6_KP runs on CPUs with AVX512-BF16 and AVX512-VBMI only")
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    got = linear_q_cpu.linear(x, weight, bias, int8_activations=True)
+    few = PREFILL_MIN_ROWS - 1
+    assert torch.equal(got[:few], linear_q_cpu.linear(x[:few], weight, bias, int8_activations=True))
+    assert torch.equal(got[few:], linear_q_cpu.linear(x[few:], weight, bias, int8_activations=True))
+    ref = _reference(x, weight, bias)
+    torch.testing.assert_close(got, ref, atol=2e-6 * float(ref.abs().max()) * k**0.5, rtol=1e-5)
