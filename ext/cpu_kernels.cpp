@@ -28,20 +28,23 @@ void register_cpu_program(py::module_& m);
 
 namespace trillm_cpu {
 
-// Never destroyed: its threads block until the process exits. A forked child inherits the
-// object but not its threads, so a pool is remade when the pid changes (the old one leaks).
-ThreadPool* g_pool = nullptr;
+// Never destroyed: their threads block until the process exits. One pool per worker count, kept
+// for the process: a thread count that alternates (two engines in one process with different
+// --threads, a test that sets torch's thread count back and forth) reuses its pool instead of
+// starting threads each change (a new pool per change left the old one's threads parked: 20
+// alternations of 2 and 3 threads grew the process by 30 threads). A forked child inherits the
+// objects but not their threads, so the pools are remade when the pid changes (the old ones leak).
+std::vector<ThreadPool*> g_pools;
 std::mutex g_pool_mu;
 
 ThreadPool* pool_for(int num_threads) {
   std::lock_guard<std::mutex> lock(g_pool_mu);
   const int workers = num_threads - 1;
-  // NOTE: a new size (torch's thread count changed) also makes a new pool; the old one's
-  // threads stay parked. Rare: the runner sets its thread count once.
-  if (g_pool == nullptr || g_pool->pid() != getpid() || g_pool->num_workers() != workers) {
-    g_pool = new ThreadPool(workers);
-  }
-  return g_pool;
+  if (!g_pools.empty() && g_pools.front()->pid() != getpid()) g_pools.clear();
+  for (ThreadPool* pool : g_pools)
+    if (pool->num_workers() == workers) return pool;
+  g_pools.push_back(new ThreadPool(workers));
+  return g_pools.back();
 }
 
 

@@ -52,3 +52,34 @@ def test_every_item_runs_once_when_the_threads_share_a_core() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["ok"]
+
+
+_THREAD_COUNTS = textwrap.dedent(
+    """
+    import os
+    import torch
+    from trillm.kernels import rms_norm_cpu
+    x, w = torch.randn(64, 4096), torch.randn(4096)
+    def tasks():
+        return len(os.listdir("/proc/self/task"))
+    for n in (2, 3):  # a pool of each size
+        torch.set_num_threads(n)
+        rms_norm_cpu.rms_norm(x, w, 1e-6)
+    before = tasks()
+    for i in range(20):
+        torch.set_num_threads(2 + i % 2)
+        rms_norm_cpu.rms_norm(x, w, 1e-6)
+    print(before, tasks())
+    """
+)
+
+
+def test_alternating_thread_counts_reuse_their_pools() -> None:
+    # A pool per change of thread count, the old one's threads left parked, grew the process by
+    # 30 threads over these 20 alternations; each count's pool is now made once.
+    done = subprocess.run(
+        [sys.executable, "-c", _THREAD_COUNTS], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = map(int, done.stdout.split())
+    assert after == before, f"threads {before} -> {after} over 20 thread-count changes"
