@@ -7,6 +7,11 @@ blocks scattered as in a cache that has served a while; ``--layers`` caches are 
 that a batch's K / V comes from memory, not from the last layer's cache lines.
 
     python benchmarks/kernels/decode_attention.py [--layers 8] [--repeats 9]
+
+``--shape 1b``: Llama-3.2-1B's attention instead (32 query / 8 kv heads of 64, bf16 q and
+cache, 16 layers by default; batch 1 and 16 over 512 / 1,024 / 4,096 keys), each case timed
+on both bf16 decode kernels, alternated in one process (``one-row``: ext/cpu_attention_decode.h,
+``bf16-dot``: ext/cpu_attention_decode_dp.h, where the CPU has AVX512-BF16).
 """
 
 from __future__ import annotations
@@ -28,19 +33,21 @@ from trillm.kernels import paged_attention_cpu  # noqa: E402
 
 BS, HQ, HKV, D = 16, 8, 4, 64
 CASES = ((64, 64), (64, 256), (16, 256), (1, 512))  # (decode rows, cached keys each)
+CASES_1B = ((1, 512), (1, 1024), (1, 4096), (16, 512), (16, 1024), (16, 4096))
 
 
-def kernel_ms(batch: int, ctx: int, layers: int, repeats: int) -> tuple[float, int]:
-    """Median ms per layer, K / V bytes a layer reads."""
+def make_step(batch: int, ctx: int, layers: int, heads: tuple[int, int], dtype: torch.dtype):
+    """(one decode step's attention over `layers` caches, K / V bytes a layer reads)."""
+    hq, hkv = heads
     g = torch.Generator().manual_seed(batch + ctx)
     seq = [ctx + 1] * batch
     per_req = (ctx + 1 + BS - 1) // BS
     blocks = batch * per_req
-    caches = [torch.randn(2, blocks, BS, HKV, D, generator=g) for _ in range(layers)]
+    caches = [torch.randn(2, blocks, BS, hkv, D, generator=g).to(dtype) for _ in range(layers)]
     table = torch.randperm(blocks, generator=g).to(torch.int32).view(batch, per_req)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     seq_lens = torch.tensor(seq, dtype=torch.int32)
-    q = torch.randn(batch, HQ, D, generator=g)
+    q = torch.randn(batch, hq, D, generator=g).to(dtype)
     plan = paged_attention_cpu.PagedAttentionPlan(qsl, seq_lens, table, q.shape, caches[0].shape)
     out = torch.empty_like(q)
 
@@ -48,8 +55,44 @@ def kernel_ms(batch: int, ctx: int, layers: int, repeats: int) -> tuple[float, i
         for cache in caches:
             plan.run(q, cache, D**-0.5, out)
 
-    ms = common.median_thread_ms(step, repeats) / layers
-    return ms, batch * (ctx + 1) * HKV * D * 4 * 2
+    return step, batch * (ctx + 1) * hkv * D * dtype.itemsize * 2
+
+
+def kernel_ms(batch: int, ctx: int, layers: int, repeats: int) -> tuple[float, int]:
+    """Median ms per layer, K / V bytes a layer reads."""
+    step, nbytes = make_step(batch, ctx, layers, (HQ, HKV), torch.float32)
+    return common.median_thread_ms(step, repeats) / layers, nbytes
+
+
+def compare_1b(layers: int, repeats: int) -> None:
+    """Both bf16 decode kernels at Llama-3.2-1B's shape, alternated call by call."""
+    import statistics
+    import time
+
+    from trillm._ext import cpu_kernels
+
+    ext = cpu_kernels.attention
+    names = ["one-row"]
+    try:
+        ext.paged_decode_kernel("bf16-dot")
+        names.append("bf16-dot")
+    except RuntimeError:
+        print("(this CPU has no AVX512-BF16: the one-row kernel only)")
+    before = ext.paged_decode_kernel()
+    print("batch  keys  kernel    ms/step (thread CPU, all layers)  K/V GB/s")
+    for batch, ctx in CASES_1B:
+        step, nbytes = make_step(batch, ctx, layers, (32, 8), torch.bfloat16)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(repeats):
+            for name in names:
+                ext.paged_decode_kernel(name)
+                start = time.thread_time()
+                step()
+                times[name].append(time.thread_time() - start)
+        for name in names:
+            ms = statistics.median(times[name]) * 1e3
+            print(f"{batch:5d} {ctx:5d}  {name:8s} {ms:10.2f} {nbytes * layers / ms / 1e6:24.1f}")
+    ext.paged_decode_kernel(before)
 
 
 def read_gbps(nbytes: int, repeats: int) -> float:
@@ -59,10 +102,15 @@ def read_gbps(nbytes: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=None, help="default: 8, 16 for --shape 1b")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--shape", choices=["small", "1b"], default="small")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.shape == "1b":
+        compare_1b(args.layers or 16, args.repeats)
+        return
+    args.layers = args.layers or 8
     print("batch  keys  ms/layer  kernel GB/s  plain read GB/s (same bytes x layers)")
     for batch, ctx in CASES:
         ms, nbytes = kernel_ms(batch, ctx, args.layers, args.repeats)
