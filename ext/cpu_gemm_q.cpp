@@ -431,10 +431,11 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
 // Measured at Llama-3.2-1B's shapes, one thread's CPU time (benchmarks/kernels/q_small_m.py):
 // for the 4-bit types the unpacking pays from ~12 rows (a 16-row decode step's linears 1.15-1.2x
 // faster, 32-48 rows 1.3-1.5x); Q8_0's unpacking (a sign flip) gains nothing and `tile_vnni`
-// stays faster below 64 rows; Q6_K's (the same flip) and Q6_KP's are left at 64 too (unmeasured
-// below).
+// stays faster below 64 rows; Q6_K's (the same flip), Q6_KP's, Q4_KM's and Q5_KM's are left at
+// 64 too (unmeasured below).
 constexpr int int8_unpacked_min_rows(int qtype) {
-  return byte_values(qtype) || qtype == kQ6_KP ? kPrefillMinRows : kInt8UnpackedMinRows;
+  return byte_values(qtype) || qtype == kQ6_KP || half_min(qtype) ? kPrefillMinRows
+                                                                    : kInt8UnpackedMinRows;
 }
 
 void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packed, int qtype,

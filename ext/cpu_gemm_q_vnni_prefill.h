@@ -1,7 +1,8 @@
 // The int8-activation path of ext/cpu_gemm_q.cpp at prefill row counts (>= kPrefillMinRows) for
-// the types with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0) and Q6_K (one per half
-// block, each half's fp32 step as `tile_vnni` takes it: the same results bit for bit; Q6_KP
-// expanded to Q6_K's records once per item, cpu_gemm_q_q6.h); included there,
+// the types with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0), Q6_K (one per half
+// block) and Q4_KM / Q5_KM (a scale and a minimum per half block), these with each half's fp32
+// step as `tile_vnni` takes it: the same results bit for bit (Q6_KP expanded to Q6_K's records
+// once per item, cpu_gemm_q_q6.h); included there,
 // inside its anonymous namespace, after cpu_gemm_q_vnni.h (whose activation rounding it keeps:
 // one scale per half block of 16, the same int8 values, sums and scales).
 //
@@ -32,7 +33,7 @@ constexpr int kPrefillKChunk = 2048;    // values of K per pass: 256 rows' int8 
 
 constexpr bool prefill_type(int qtype) {
   return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ4_G || qtype == kQ4_K || qtype == kQ8_0 ||
-         qtype == kQ6_K;
+         qtype == kQ6_K || half_min(qtype);
 }
 
 // The factor of the block's sum of x^ (a minimum): Q4_1, Q4_G, Q4_K.
@@ -42,15 +43,19 @@ constexpr bool prefill_min(int qtype) { return qtype == kQ4_1 || qtype == kQ4_G 
 // value q - 8), Q8_0 and Q6_K run as q + 128.
 constexpr int prefill_offset(int qtype) { return qtype == kQ4_0 ? 8 : byte_values(qtype) ? 128 : 0; }
 
-// A second fp32 vector a block and panel: the minimum factor, or (Q6_K, one weight scale per half
-// block: d * sc[h]) the second half's scale.
-constexpr bool prefill_second(int qtype) { return prefill_min(qtype) || qtype == kQ6_K; }
+// fp32 vectors a block and panel: the scale (d, d * sc); then the minimum factor, or (Q6_K, one
+// weight scale per half block: d * sc[h]) the second half's scale; Q4_KM / Q5_KM (a scale and a
+// minimum per half block): d * sc[0], d * sc[1], dmin * mn[0], dmin * mn[1]. Vector v of panel p
+// at kUnpackedQuads + (2 v + p) * 64.
+constexpr int prefill_vectors(int qtype) {
+  return half_min(qtype) ? 4 : prefill_min(qtype) || qtype == kQ6_K ? 2 : 1;
+}
 
 // Bytes of one block of an unpacked pair: 8 quads x 2 zmm of bytes, 2 zmm of scales, and (types
 // with a minimum) 2 zmm of minimum factors.
 constexpr int kUnpackedQuads = 8 * 2 * 64;
 constexpr int unpacked_block_bytes(int qtype) {
-  return kUnpackedQuads + 2 * 64 + (prefill_second(qtype) ? 2 * 64 : 0);
+  return kUnpackedQuads + prefill_vectors(qtype) * 2 * 64;
 }
 
 TRILLM_VNNI_TARGET inline __m512i dpbusd(__m512i acc, __m512i w, __m512i x) {
@@ -83,6 +88,11 @@ TRILLM_VNNI_TARGET void unpack_pair(const uint8_t* p0, const uint8_t* p1, int nb
           const __m512i t = _mm512_or_si512(a, _mm512_slli_epi32(c, 16));
           w = _mm512_ternarylogic_epi32(_mm512_and_si512(t, low), _mm512_slli_epi32(t, 4), high,
                                         0xF8);
+          if constexpr (QT == kQ5_KM) {  // bit 4 of byte i: the fifth bit of k = 4 quad + i
+            __mmask64 bits;
+            std::memcpy(&bits, r + kBlock / 2 * kCols + 8 * quad, 8);
+            w = _mm512_ternarylogic_epi32(w, _mm512_movm_epi8(bits), _mm512_set1_epi8(0x10), 0xF8);
+          }
         }
         _mm512_store_si512(o + (quad * 2 + p) * 64, w);
       }
@@ -107,8 +117,19 @@ TRILLM_VNNI_TARGET void unpack_pair(const uint8_t* p0, const uint8_t* p1, int nb
         minimum = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 3 * kCols)))));
       }
+      if constexpr (half_min(QT)) {  // as add_half_min takes them
+        const __m512 dmin = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 2 * kCols)));
+        for (int v = 0; v < 4; ++v) {
+          const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(params + (4 + v) * kCols))));
+          _mm512_store_ps(reinterpret_cast<float*>(o + kUnpackedQuads + (2 * v + p) * 64),
+                          _mm512_mul_ps(v < 2 ? d : dmin, f));
+        }
+        continue;
+      }
       _mm512_store_ps(reinterpret_cast<float*>(o + kUnpackedQuads + p * 64), scale);
-      if constexpr (prefill_second(QT))
+      if constexpr (prefill_vectors(QT) == 2)
         _mm512_store_ps(reinterpret_cast<float*>(o + kUnpackedQuads + (2 + p) * 64), minimum);
     }
   }
@@ -195,6 +216,21 @@ TRILLM_VNNI_TARGET void tile_prefill(const Gemm& g, int m, const uint8_t* u, int
         }
         continue;
       }
+      if constexpr (half_min(QT)) {  // a scale and a minimum per half: add_half_min's order
+        for (int p = 0; p < 2; ++p) {
+          const float* v = reinterpret_cast<const float*>(ub + kUnpackedQuads);
+          const __m512 scale = _mm512_load_ps(v + (2 * h + p) * 16);
+          const __m512 minimum = _mm512_load_ps(v + (2 * (2 + h) + p) * 16);
+          for (int r = 0; r < R; ++r) {
+            const float d = dx[r][2 * b + h];
+            const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][p]), _mm512_set1_ps(d));
+            const float sxh = d * static_cast<float>(qxh[r][2 * b + h]);
+            acc[r][p] = _mm512_fnmadd_ps(minimum, _mm512_set1_ps(sxh),
+                                         _mm512_fmadd_ps(scale, s, acc[r][p]));
+          }
+        }
+        continue;
+      }
       for (int r = 0; r < R; ++r) {
         const __m512 d = _mm512_set1_ps(dx[r][2 * b + h]);
         for (int p = 0; p < 2; ++p) {
@@ -203,7 +239,7 @@ TRILLM_VNNI_TARGET void tile_prefill(const Gemm& g, int m, const uint8_t* u, int
         }
       }
     }
-    if constexpr (QT == kQ6_K) continue;
+    if constexpr (QT == kQ6_K || half_min(QT)) continue;
     for (int p = 0; p < 2; ++p) {
       const __m512 scale = _mm512_load_ps(reinterpret_cast<const float*>(ub + kUnpackedQuads + p * 64));
       for (int r = 0; r < R; ++r) acc[r][p] = _mm512_fmadd_ps(scale, first[r][p], acc[r][p]);
@@ -263,6 +299,8 @@ void run_prefill_item(const Gemm& g, int m0, int m1, int pair) {
     case kQ4_G: prefill_item<kQ4_G>(g, m0, m1, pair); break;
     case kQ4_K: prefill_item<kQ4_K>(g, m0, m1, pair); break;
     case kQ6_K: prefill_item<kQ6_K>(g, m0, m1, pair); break;
+    case kQ4_KM: prefill_item<kQ4_KM>(g, m0, m1, pair); break;
+    case kQ5_KM: prefill_item<kQ5_KM>(g, m0, m1, pair); break;
     default: prefill_item<kQ8_0>(g, m0, m1, pair); break;
   }
 }

@@ -150,6 +150,12 @@ def test_prefill_kernel_q6_k_is_tile_vnni_bit_for_bit(packed):
         weight.data = torch.from_numpy(q_panels.pack(q, params, linear_q_cpu.Q6_K))
     elif weight.kernel_type != linear_q_cpu.Q6_KP:
         pytest.skip("Q6_KP runs on CPUs with AVX512-BF16 and AVX512-VBMI only")
+    _assert_tile_vnni_row_for_row(weight, m, n, k)
+
+
+def _assert_tile_vnni_row_for_row(weight, m: int, n: int, k: int) -> None:
+    """m >= 64 rows through the prefill kernel: each row's bits those of tile_vnni (fewer rows),
+    and close to the reference."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen)
@@ -159,3 +165,13 @@ def test_prefill_kernel_q6_k_is_tile_vnni_bit_for_bit(packed):
     assert torch.equal(got[few:], linear_q_cpu.linear(x[few:], weight, bias, int8_activations=True))
     ref = _reference(x, weight, bias)
     torch.testing.assert_close(got, ref, atol=2e-6 * float(ref.abs().max()) * k**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("type_name", ["Q5_K", "Q3_K", "Q2_K"])
+def test_prefill_kernel_half_block_minimum_types_are_tile_vnni_bit_for_bit(type_name):
+    # Q5_K (packed as Q5_KM: the fifth bits as masks) and Q3_K / Q2_K (as Q4_KM): a scale and a
+    # minimum per half block, each half's fp32 step as tile_vnni's add_half_min: the same bits
+    n, k, m = 45, 2304, 70
+    raw = random_kquant_blocks(type_name, n, k, seed=5)
+    qtype = int(GGMLQuantizationType[type_name])
+    _assert_tile_vnni_row_for_row(linear_q_cpu.QuantizedWeight(raw, qtype, n, k), m, n, k)
