@@ -131,8 +131,9 @@ class ThreadPool {
   std::atomic<int> done_items_{0};
 };
 
-// The process's pool for num_threads threads (the caller included), made on first use and
-// again after a fork (the child has none of the parent's threads) or a new thread count.
+// The process's pool for num_threads threads (the caller included): one per thread count, made
+// on the count's first use and kept (ext/cpu_kernels.cpp), all made again after a fork (the
+// child has none of the parent's threads).
 ThreadPool* pool_for(int num_threads);
 
 }  // namespace trillm_cpu
