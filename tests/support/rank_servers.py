@@ -23,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +58,10 @@ def _server_address() -> str:
     address = f"@trillm-rank-zygote-{os.getpid()}"
     if not _SERVER:
         argv = [sys.executable, "-m", rank_server.MODULE, "--socket", address]
+        if threading.current_thread() is threading.main_thread():
+            # It ends with this worker even when the worker is killed (no atexit then). Only
+            # from the main thread: the kernel signals it when the thread that started it ends.
+            argv += ["--parent", str(os.getpid())]
         _SERVER.append(subprocess.Popen(argv, cwd=REPO, env=worker_env()))
         atexit.register(_stop)
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -202,3 +202,37 @@ def test_a_server_beside_the_spawn_start_mode_is_refused(monkeypatch):
     monkeypatch.setenv("TRILLM_WORKER_START", "spawn")
     with pytest.raises(ValueError, match="TRILLM_RANK_ZYGOTE names .* TRILLM_WORKER_START=spawn"):
         _start_tp2()
+
+
+def test_a_server_given_its_parent_ends_when_the_parent_is_killed():
+    """``--parent PID``: a test worker killed outright (no atexit) leaves no server behind."""
+    address = f"@trillm-test-parent-rank-server-{os.getpid()}"
+    launch = (
+        "import os, subprocess, sys, time\n"
+        f"argv = [sys.executable, '-m', {rank_server.MODULE!r}, '--socket', {address!r}]\n"
+        "p = subprocess.Popen(argv + ['--parent', str(os.getpid())])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", launch], env=worker_env(), stdout=subprocess.PIPE
+    )
+    assert launcher.stdout is not None
+    pid = int(launcher.stdout.readline())
+    try:
+        assert _wait_listening(address) == pid
+        launcher.kill()
+        launcher.wait()
+
+        async def gone() -> None:
+            with trio.fail_after(30):
+                while pid_alive(pid):
+                    await trio.sleep(0.05)
+
+        trio.run(gone)
+    finally:
+        launcher.kill()
+        launcher.wait()
+        launcher.stdout.close()
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -290,13 +290,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="trillm rank zygote server (see TRILLM_RANK_ZYGOTE)")
     p.add_argument("--socket", required=True, help="a Unix socket path, or @name (abstract)")
     p.add_argument("--room", help="blank: room in this command line for the ranks' own")
+    p.add_argument("--parent", type=int, help="a pid: the server ends (SIGTERM) when it does")
     args = p.parse_args(argv)
+    if args.parent is not None:
+        # Kept across the exec below; checked after it is set: the parent may be gone already.
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != args.parent:
+            return 0
     if args.room is None:
         # Each rank rewrites its inherited command line in place (rank_zygote.set_cmdline), so
         # that ps shows it as the worker it is: this one must be longer than any rank's.
         room = " " * CMDLINE_ROOM
         os.execv(
-            sys.executable, [sys.executable, "-m", MODULE, "--socket", args.socket, "--room", room]
+            sys.executable,
+            [sys.executable, "-m", MODULE, "--socket", args.socket, "--room", room]
+            + ([] if args.parent is None else ["--parent", str(args.parent)]),
         )
     signal.signal(signal.SIGTERM, _raise_exit)
     listener = listen(args.socket)  # before the imports: a start may connect and wait
