@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -52,12 +53,16 @@ class ThreadPool {
   pid_t pid() const { return pid_; }
 
   // Runs fn(0) .. fn(num_items - 1) on the workers and the calling thread; returns when all
-  // are done.
+  // are done. An item that throws (std::bad_alloc of a kernel's scratch buffer) does not end
+  // the call early: every item runs, then the first exception is rethrown on the caller's
+  // thread (thrown on a worker it would have ended the process; on the caller it would have
+  // left the workers running items of a call that had returned).
   void run(int num_items, const std::function<void(int)>& fn) {
     if (num_items <= 0) return;
     std::lock_guard<std::mutex> one_call(run_mu_);  // callers on several threads take turns
     {
       std::lock_guard<std::mutex> lock(mu_);
+      error_ = nullptr;
       fn_.store(&fn, std::memory_order_relaxed);
       num_items_.store(num_items, std::memory_order_relaxed);
       done_items_.store(0, std::memory_order_relaxed);
@@ -70,6 +75,12 @@ class ThreadPool {
       std::unique_lock<std::mutex> lock(mu_);
       done_.wait(lock, [&] { return done_items_.load() == num_items; });
     }
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::swap(error, error_);
+    }
+    if (error) std::rethrow_exception(error);
   }
 
  private:
@@ -84,7 +95,12 @@ class ThreadPool {
     uint64_t word = claim_.load(std::memory_order_acquire);
     while ((word >> 32) == call && static_cast<uint32_t>(word) != 0) {
       if (!claim_.compare_exchange_weak(word, word - 1, std::memory_order_acq_rel)) continue;
-      (*fn)(num_items - static_cast<int>(static_cast<uint32_t>(word)));
+      try {
+        (*fn)(num_items - static_cast<int>(static_cast<uint32_t>(word)));
+      } catch (...) {  // kept for the caller (run), the item counted as done
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = std::current_exception();
+      }
       if (done_items_.fetch_add(1, std::memory_order_acq_rel) + 1 == num_items) {
         // The lock orders this with the caller's check-then-sleep: no lost wake-up.
         { std::lock_guard<std::mutex> lock(mu_); }
@@ -129,6 +145,7 @@ class ThreadPool {
   std::atomic<const std::function<void(int)>*> fn_{nullptr};
   std::atomic<int> num_items_{0};
   std::atomic<int> done_items_{0};
+  std::exception_ptr error_;  // the call's first exception from an item (under mu_)
 };
 
 // The process's pool for num_threads threads (the caller included): one per thread count, made

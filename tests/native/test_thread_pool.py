@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from trillm.kernels import rms_norm_cpu
+from trillm.kernels import paged_attention_cpu, rms_norm_cpu
 
 pytestmark = pytest.mark.skipif(
     not rms_norm_cpu.available(), reason="trillm._ext.cpu_kernels is not built"
@@ -83,3 +83,52 @@ def test_alternating_thread_counts_reuse_their_pools() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     before, after = map(int, done.stdout.split())
     assert after == before, f"threads {before} -> {after} over 20 thread-count changes"
+
+
+_FAILING_ITEM = textwrap.dedent(
+    """
+    import resource
+    import torch
+    from trillm.kernels import paged_attention_cpu
+
+    def run(context, query, seed):  # one request, 4 kv heads of 16, contiguous blocks of 16
+        g = torch.Generator().manual_seed(seed)
+        blocks = -(-(context + query) // 16)
+        cache = torch.randn(2, blocks, 16, 4, 16, generator=g).to(torch.bfloat16)
+        q = torch.randn(query, 4, 16, generator=g).to(torch.bfloat16)
+        qsl = torch.tensor([0, query], dtype=torch.int32)
+        seqs = torch.tensor([context + query], dtype=torch.int32)
+        table = torch.arange(blocks, dtype=torch.int32)[None]
+        plan = paged_attention_cpu.PagedAttentionPlan(qsl, seqs, table, q.shape, cache.shape)
+        return lambda: plan.run(q, cache, 0.25, None)
+
+    torch.set_num_threads(2)
+    small = run(100, 96, seed=1)
+    want = small()  # the pool and its threads, their buffers sized for this
+    long = run(200_000, 96, seed=2)  # each item's scores: 96 x 200,096 fp32 (77 MB)
+    vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm * 1024 + 32 * 2**20, resource.RLIM_INFINITY))
+    try:
+        long()
+        print("ran")
+    except MemoryError:
+        print("MemoryError")
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    print(torch.equal(small(), want))
+    """
+)
+
+
+def test_an_item_that_throws_fails_its_call_not_the_process() -> None:
+    # 4 pooled items (kv heads) whose score buffers cannot be allocated under the address-space
+    # limit: std::bad_alloc thrown on the worker aborted the process ('terminate called after
+    # throwing an instance of std::bad_alloc', SIGABRT); now every item runs, the caller raises
+    # MemoryError and the pool serves the next call.
+    attention = paged_attention_cpu.cpu_kernels("attention")
+    if attention.paged_chunk_kernel() == "tile":
+        pytest.skip("the long-chunk kernels (AVX2 or AVX512-BF16) allocate per item")
+    done = subprocess.run(
+        [sys.executable, "-c", _FAILING_ITEM], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["MemoryError", "True"]
