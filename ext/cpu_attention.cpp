@@ -507,8 +507,9 @@ class Plan {
 #endif
 #if TRILLM_PAGED_DP
     const int chunks = chunk_kernel().load(std::memory_order_relaxed);
+    // (set_kernel("generic") stands for a CPU without AVX2: neither long-chunk kernel runs)
     if (chunk_long_ > 0 && dtype == 1 && cache_dtype == 1 && window == 0 && softcap == 0.0f &&
-        chunks != kChunkTile) {
+        chunks != kChunkTile && !force_generic().load(std::memory_order_relaxed)) {
       const Kernel long_kernel =
           chunks == kChunkBf16Dot ? &attend_item_paged_dp : &attend_item_paged_avx2;
       const int n = static_cast<int>(chunk_items_.size());

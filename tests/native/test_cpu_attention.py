@@ -105,14 +105,19 @@ def test_sliding_window_bfloat16_and_fresh_prompts():
 def test_generic_fallback_matches_reference(case, heads, kv_heads, head_dim):
     # The portable kernel (CPUs without AVX2; on x86-64 built at -O1) is otherwise never run
     # here: fp32, a window and a softcap, and bf16, decode rows and tiles, each head_dim path.
+    # The long bf16 chunks too: neither long-chunk kernel (AVX2, AVX512-BF16) runs under it.
     shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
     default = paged_attention_cpu.kernel()
+    ext = paged_attention_cpu.cpu_kernels("attention")
+    chunks = ext.paged_chunk_kernel()
+    ran = 0 if chunks == "tile" else ext.paged_chunk_items_run(chunks)
     with paged_attention_cpu.use_kernel("generic"):
         assert paged_attention_cpu.kernel() == "generic"
         _check(*_problem(*CASES[case], **shape))
         _check(*_problem(*CASES[case], **shape), window=5, softcap=2.0, atol=1e-5)
         _check(*_problem(*CASES[case], **shape, dtype=torch.bfloat16), atol=1e-2)
     assert paged_attention_cpu.kernel() == default
+    assert ran == (0 if chunks == "tile" else ext.paged_chunk_items_run(chunks))
     with pytest.raises(ValueError, match="'avx2' or 'generic'"):
         with paged_attention_cpu.use_kernel("avx512"):
             pass
