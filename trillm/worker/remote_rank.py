@@ -68,10 +68,12 @@ def join_from_node(engine_args: dict[str, Any], rank: int) -> tuple[TrillmConfig
     """Build this node's config, join the world as ``rank`` (blocks until every rank has
     joined) -> (the config, the link to rank 0)."""
     from trillm.config import EngineArgs
+    from trillm.config.batch_defaults import UsageContext
     from trillm.distributed.parallel_state import get_tp_group
     from trillm.distributed.worker import join_tensor_parallel
     from trillm.engine.config_builder import build_config
 
-    config = build_config(EngineArgs(**engine_args))
+    # A headless node is ``trillm serve --headless``: the server's defaults, as node 0's.
+    config = build_config(EngineArgs(**engine_args), UsageContext.OPENAI_API_SERVER)
     join_tensor_parallel(config, rank)
     return config, NodeLink(get_tp_group(), config.parallel.remote_ranks())

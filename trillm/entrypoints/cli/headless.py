@@ -40,6 +40,7 @@ def node_ranks(nnodes: int, node_rank: int, world_size: int) -> range:
 
 def run_headless(model: str | None, engine_kwargs: dict[str, Any]) -> int:
     from trillm.config import EngineArgs
+    from trillm.config.batch_defaults import UsageContext
     from trillm.engine.config_builder import build_config
     from trillm.executor.worker_exits import describe_exit
 
@@ -48,7 +49,8 @@ def run_headless(model: str | None, engine_kwargs: dict[str, Any]) -> int:
         raise ValueError(
             "--headless runs a node other than node 0: give --nnodes >= 2 and --node-rank >= 1."
         )
-    build_config(args)  # refuse bad flags or a missing model before any worker starts
+    # Refuse bad flags or a missing model before any worker starts (the server's defaults).
+    build_config(args, UsageContext.OPENAI_API_SERVER)
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     ranks = node_ranks(args.nnodes, args.node_rank, world)
     death_r, death_w = os.pipe()
