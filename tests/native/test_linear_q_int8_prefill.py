@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quants
+from gguf import GGMLQuantizationType
+from int8_gemm import int8_reference, quantized_weight
 
 from trillm.kernels import linear_q_cpu, q_panels
 from trillm.testing.gguf_models import random_kquant_blocks
@@ -34,30 +35,6 @@ def small_row_kernel_rows(type_name: str) -> int:
     return (PREFILL_MIN_ROWS if type_name == "Q8_0" else UNPACKED_MIN_ROWS) - 1
 
 
-def _weight(type_name: str, n: int, k: int, seed: int) -> linear_q_cpu.QuantizedWeight:
-    rng = np.random.default_rng(seed)
-    if type_name == "Q4_G":  # AWQ / GPTQ groups of 32 (one per block) or of k
-        groups = k // 32 if seed % 2 else 1
-        q = rng.integers(0, 16, (n, k)).astype(np.uint8)
-        s = (rng.random((n, groups)) * 0.1 + 0.01).astype(np.float16)
-        z = rng.integers(0, 16, (n, groups)).astype(np.uint8)
-        return linear_q_cpu.QuantizedWeight.from_groups(q, s, z)
-    if type_name == "Q4_K":
-        raw = random_kquant_blocks("Q4_K", n, k, seed)
-        return linear_q_cpu.QuantizedWeight(raw, linear_q_cpu.Q4_K, n, k)
-    qtype = GGMLQuantizationType[type_name]
-    w = rng.standard_normal((n, k)).astype(np.float32)
-    if qtype == GGMLQuantizationType.Q4_1:
-        w += rng.uniform(-1, 1, (n, 1)).astype(np.float32)  # blocks with a nonzero minimum
-    return linear_q_cpu.QuantizedWeight(quants.quantize(w, qtype), int(qtype), n, k)
-
-
-def _reference(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
-    xq = linear_q_cpu.quantize_activations(x.float()).double()
-    b = None if bias is None else bias.double()
-    return F.linear(xq, linear_q_cpu.dequantize(weight).double(), b).float()
-
-
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_G", "Q4_K"]
 
 
@@ -73,12 +50,12 @@ TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_G", "Q4_K"]
 )
 def test_prefill_kernel_is_the_rounded_activations_times_the_weight(type_name, m, n, k):
     k = -(-k // 256) * 256 if type_name == "Q4_K" else k  # super-blocks of 256
-    weight = _weight(type_name, n, k, seed=m + n)
+    weight = quantized_weight(type_name, n, k, seed=m + n)
     gen = torch.Generator().manual_seed(m * 7 + n)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if n % 2 else None
     got = linear_q_cpu.linear(x, weight, bias, int8_activations=True)
-    ref = _reference(x, weight, bias)
+    ref = int8_reference(x, weight, bias)
     scale = float(ref.abs().max())
     torch.testing.assert_close(got, ref, atol=2e-6 * scale * k**0.5, rtol=1e-5)
     # row for row the small-row kernel's results: the same integer sums and scales
@@ -111,7 +88,7 @@ def test_prefill_kernel_is_exact_where_every_sum_is_an_integer(type_name):
 
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
 def test_prefill_kernel_bf16_rows_and_output(type_name):
-    weight = _weight(type_name, 40, 128, seed=5)
+    weight = quantized_weight(type_name, 40, 128, seed=5)
     x = torch.randn(80, 256)[:, ::2].to(torch.bfloat16)  # bf16 rows with a stride
     got = linear_q_cpu.linear(x, weight, out_dtype=torch.float32, int8_activations=True)
     # bf16 rows are rounded as their exact fp32 widening: the same result bit for bit
@@ -124,14 +101,14 @@ def test_prefill_kernel_bf16_rows_and_output(type_name):
 
 def test_prefill_kernel_zero_rows_and_half_blocks():
     # a row of zeros, and half blocks of zeros (dx 0: xq 0), give exactly the other half's share
-    weight = _weight("Q4_0", 33, 64, seed=2)
+    weight = quantized_weight("Q4_0", 33, 64, seed=2)
     x = torch.randn(65, 64)
     x[0] = 0.0
     x[1, :16] = 0.0
     x[2, 16:] = 0.0
     got = linear_q_cpu.linear(x, weight, int8_activations=True)
     assert bool((got[0] == 0).all())
-    ref = _reference(x, weight)
+    ref = int8_reference(x, weight)
     torch.testing.assert_close(got, ref, atol=1e-5 * float(ref.abs().max()), rtol=1e-5)
 
 
@@ -163,7 +140,7 @@ def _assert_tile_vnni_row_for_row(weight, m: int, n: int, k: int) -> None:
     few = PREFILL_MIN_ROWS - 1
     assert torch.equal(got[:few], linear_q_cpu.linear(x[:few], weight, bias, int8_activations=True))
     assert torch.equal(got[few:], linear_q_cpu.linear(x[few:], weight, bias, int8_activations=True))
-    ref = _reference(x, weight, bias)
+    ref = int8_reference(x, weight, bias)
     torch.testing.assert_close(got, ref, atol=2e-6 * float(ref.abs().max()) * k**0.5, rtol=1e-5)
 
 
