@@ -57,18 +57,25 @@ def test_a_bound_call_computes_what_the_kernel_computes_on_the_buffers_at_run_ti
     assert torch.equal(bound, direct)
 
 
-def test_a_program_runs_its_thunks_in_order():
-    """rms_norm into a, then silu_and_mul of a into b: b is only right if the order held."""
-    torch.manual_seed(1)
-    x, w = torch.randn(2, 64), torch.randn(64)
-    a, b = torch.empty(2, 64), torch.empty(2, 32)
+def _norm_then_silu(num_rows: int, width: int, seed: int):
+    """A program: rms_norm of x into a, then silu_and_mul of a into b -> (program, x, w, a, b).
+    The thunks keep raw addresses: the caller holds the tensors while the program runs."""
+    torch.manual_seed(seed)
+    x, w = torch.randn(num_rows, 2 * width), torch.randn(2 * width)
+    a, b = torch.empty(num_rows, 2 * width), torch.empty(num_rows, width)
     prog = program.Program()
     prog.append(ops.bind_rms_norm(**_rms_args(a, x, w)))
     prog.append(
         ops.bind_silu_and_mul(
-            out=rows(b), gate_up=rows(a), num_rows=2, width=32, dtype=0, num_threads=1
+            out=rows(b), gate_up=rows(a), num_rows=num_rows, width=width, dtype=0, num_threads=1
         )
     )
+    return prog, x, w, a, b
+
+
+def test_a_program_runs_its_thunks_in_order():
+    """rms_norm into a, then silu_and_mul of a into b: b is only right if the order held."""
+    prog, x, w, _a, b = _norm_then_silu(2, 32, seed=1)
     assert len(prog) == 2
     prog.run()
     ref = torch.empty(2, 64)
@@ -79,16 +86,7 @@ def test_a_program_runs_its_thunks_in_order():
 def test_a_timed_run_computes_what_run_computes_and_times_each_thunk():
     """run_timed (benchmarks/engine/step_breakdown.py): the same results as run, one (thread CPU
     ns, wall ns) pair per thunk, which add up to no more than the run's own time."""
-    torch.manual_seed(2)
-    x, w = torch.randn(256, 1024), torch.randn(1024)
-    a, b = torch.empty(256, 1024), torch.empty(256, 512)
-    prog = program.Program()
-    prog.append(ops.bind_rms_norm(**_rms_args(a, x, w)))
-    prog.append(
-        ops.bind_silu_and_mul(
-            out=rows(b), gate_up=rows(a), num_rows=256, width=512, dtype=0, num_threads=1
-        )
-    )
+    prog, _x, _w, _a, b = _norm_then_silu(256, 512, seed=2)
     prog.run()
     ref = b.clone()
     b.zero_()
