@@ -23,7 +23,8 @@
 // ext/cpu_attention_decode.h (one row: decode steps), whose bf16 rows over a bf16 cache run on
 // ext/cpu_attention_decode_dp.h (vdpbf16ps) instead on CPUs with AVX512-BF16; bf16 chunks of
 // 16 rows or more (a long prompt's later chunks) run on ext/cpu_attention_paged_dp.h instead on
-// CPUs with AVX512-BF16, on ext/cpu_attention_paged_avx2.h on those with AVX2 + FMA only.
+// CPUs with AVX512-BF16, on ext/cpu_attention_paged_avx2.h on those with AVX2 + FMA only. Which
+// of them a CPU runs (and the override of tests): ext/cpu_attention_kernel_choice.h.
 //
 // Per layer, optionally: a sliding window (window > 0: a row at position p sees positions
 // > p - window; its keys before that are neither read nor scored), logit soft-capping
@@ -196,80 +197,7 @@ TRILLM_INLINE void rounded_softmax_pv(const Problem& p, int nvec, float* s, int 
 #define TRILLM_PAGED_DP 0
 #endif
 
-inline bool cpu_has_paged_dp() {
-#if TRILLM_PAGED_DP
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
-
-// Which kernel runs the long bf16 chunks with context (Plan::plan_chunk_items): vdpbf16ps where
-// the CPU has AVX512-BF16, else the AVX2 tiles where it has AVX2 + FMA, else the tile kernel.
-// paged_chunk_kernel(name) picks another one the CPU has (tests, benchmarks).
-enum ChunkKernel : int { kChunkTile = 0, kChunkAvx2 = 1, kChunkBf16Dot = 2 };
-const char* const kChunkKernelNames[] = {"tile", "avx2", "bf16-dot"};
-
-bool cpu_has_chunk_kernel(int k) {
-#if TRILLM_PAGED_DP
-  if (k == kChunkBf16Dot) return cpu_has_paged_dp();
-  if (k == kChunkAvx2) return cpu_has_avx2();
-#endif
-  return k == kChunkTile;
-}
-std::atomic<int>& chunk_kernel() {
-  static std::atomic<int> k{cpu_has_chunk_kernel(kChunkBf16Dot) ? kChunkBf16Dot
-                            : cpu_has_chunk_kernel(kChunkAvx2)  ? kChunkAvx2
-                                                                : kChunkTile};
-  return k;
-}
-// Items attend_item_paged_avx2 ([kChunkAvx2]) and _dp ([kChunkBf16Dot]) have run in this
-// process (tests: which one ran).
-std::atomic<int64_t> chunk_items_run[3];
-
-// name "" leaves the setting; -> the kernel before.
-std::string paged_chunk_kernel(const std::string& name) {
-  const std::string before = kChunkKernelNames[chunk_kernel().load()];
-  if (name.empty()) return before;
-  for (int k = 0; k < 3; ++k) {
-    if (name != kChunkKernelNames[k]) continue;
-    if (!cpu_has_chunk_kernel(k))
-      throw std::runtime_error("this CPU (or build) has no '" + name + "' chunk kernel");
-    chunk_kernel().store(k);
-    return before;
-  }
-  throw std::invalid_argument("the chunk kernel must be 'bf16-dot', 'avx2' or 'tile'");
-}
-
-// Which kernel runs the one-row items (decode rows) of bf16 q over a bf16 cache, head_dim 64 or
-// 128: vdpbf16ps (attend_decode_dp) where the CPU has AVX512-BF16, else the one-row kernel of
-// the other dtypes (attend_decode). paged_decode_kernel(name) picks the other (tests,
-// benchmarks).
-enum DecodeKernel : int { kDecodeRow = 0, kDecodeBf16Dot = 1 };
-const char* const kDecodeKernelNames[] = {"one-row", "bf16-dot"};
-
-std::atomic<int>& decode_kernel() {
-  static std::atomic<int> k{cpu_has_paged_dp() ? kDecodeBf16Dot : kDecodeRow};
-  return k;
-}
-
-// name "" leaves the setting; -> the kernel before.
-std::string paged_decode_kernel(const std::string& name) {
-  const std::string before = kDecodeKernelNames[decode_kernel().load()];
-  if (name.empty()) return before;
-  if (name == "one-row") {
-    decode_kernel().store(kDecodeRow);
-  } else if (name == "bf16-dot") {
-    if (!cpu_has_paged_dp())
-      throw std::runtime_error("this CPU (or build) has no 'bf16-dot' decode kernel");
-    decode_kernel().store(kDecodeBf16Dot);
-  } else {
-    throw std::invalid_argument("the decode kernel must be 'bf16-dot' or 'one-row'");
-  }
-  return before;
-}
+#include "cpu_attention_kernel_choice.h"  // cpu_has_paged_dp, chunk_kernel, decode_kernel
 
 // KB / JB: the tile kernel's blocks of accumulators (keys x group, value lanes x group), sized
 // to AVX2's 16 vector registers. (An AVX-512VL build of the same 8-lane code with 32 registers

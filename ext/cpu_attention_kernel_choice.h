@@ -1,0 +1,89 @@
+// Which kernels run the paged attention's long bf16 chunks and its bf16 decode rows: the best
+// the CPU has by default, another one (that it has) by name for tests and benchmarks
+// (paged_chunk_kernel, paged_decode_kernel). Included by ext/cpu_attention.cpp inside its
+// anonymous namespace, after TRILLM_PAGED_DP is defined.
+#pragma once
+
+inline bool cpu_has_paged_dp() {
+#if TRILLM_PAGED_DP
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// Which kernel runs the long bf16 chunks with context (Plan::plan_chunk_items): vdpbf16ps where
+// the CPU has AVX512-BF16, else the AVX2 tiles where it has AVX2 + FMA, else the tile kernel.
+// paged_chunk_kernel(name) picks another one the CPU has (tests, benchmarks).
+enum ChunkKernel : int { kChunkTile = 0, kChunkAvx2 = 1, kChunkBf16Dot = 2 };
+const char* const kChunkKernelNames[] = {"tile", "avx2", "bf16-dot"};
+
+bool cpu_has_chunk_kernel(int k) {
+#if TRILLM_PAGED_DP
+  if (k == kChunkBf16Dot) return cpu_has_paged_dp();
+  if (k == kChunkAvx2) return cpu_has_avx2();
+#endif
+  return k == kChunkTile;
+}
+std::atomic<int>& chunk_kernel() {
+  static std::atomic<int> k{cpu_has_chunk_kernel(kChunkBf16Dot) ? kChunkBf16Dot
+                            : cpu_has_chunk_kernel(kChunkAvx2)  ? kChunkAvx2
+                                                                : kChunkTile};
+  return k;
+}
+// Items attend_item_paged_avx2 ([kChunkAvx2]) and _dp ([kChunkBf16Dot]) have run in this
+// process (tests: which one ran).
+std::atomic<int64_t> chunk_items_run[3];
+
+// name "" leaves the setting; -> the kernel before.
+std::string paged_chunk_kernel(const std::string& name) {
+  const std::string before = kChunkKernelNames[chunk_kernel().load()];
+  if (name.empty()) return before;
+  for (int k = 0; k < 3; ++k) {
+    if (name != kChunkKernelNames[k]) continue;
+    if (!cpu_has_chunk_kernel(k))
+      throw std::runtime_error("this CPU (or build) has no '" + name + "' chunk kernel");
+    chunk_kernel().store(k);
+    return before;
+  }
+  throw std::invalid_argument("the chunk kernel must be 'bf16-dot', 'avx2' or 'tile'");
+}
+
+// Which kernel runs the one-row items (decode rows), head_dim 64 or 128: for bf16 q over a bf16
+// cache vdpbf16ps (attend_decode_dp) where the CPU has AVX512-BF16; the other dtypes there, and
+// every dtype on CPUs with AVX2 + FMA only, the one-row kernel with each key / value row widened
+// once for a block of its GQA group (attend_decode<..., true>, "avx2"); else (and for
+// "one-row") the one-row kernel widening the rows per query vector. paged_decode_kernel(name)
+// picks another one the CPU has (tests, benchmarks).
+enum DecodeKernel : int { kDecodeRow = 0, kDecodeBf16Dot = 1, kDecodeAvx2 = 2 };
+const char* const kDecodeKernelNames[] = {"one-row", "bf16-dot", "avx2"};
+
+bool cpu_has_decode_kernel(int k) {
+#if TRILLM_PAGED_DP
+  if (k == kDecodeBf16Dot) return cpu_has_paged_dp();
+  if (k == kDecodeAvx2) return cpu_has_avx2();
+#endif
+  return k == kDecodeRow;
+}
+std::atomic<int>& decode_kernel() {
+  static std::atomic<int> k{cpu_has_decode_kernel(kDecodeBf16Dot) ? kDecodeBf16Dot
+                            : cpu_has_decode_kernel(kDecodeAvx2)  ? kDecodeAvx2
+                                                                  : kDecodeRow};
+  return k;
+}
+
+// name "" leaves the setting; -> the kernel before.
+std::string paged_decode_kernel(const std::string& name) {
+  const std::string before = kDecodeKernelNames[decode_kernel().load()];
+  if (name.empty()) return before;
+  for (int k = 0; k < 3; ++k) {
+    if (name != kDecodeKernelNames[k]) continue;
+    if (!cpu_has_decode_kernel(k))
+      throw std::runtime_error("this CPU (or build) has no '" + name + "' decode kernel");
+    decode_kernel().store(k);
+    return before;
+  }
+  throw std::invalid_argument("the decode kernel must be 'bf16-dot', 'avx2' or 'one-row'");
+}
