@@ -49,12 +49,15 @@ struct QuantizedRows {
 
 // Rows [r0, r1) of x (fp32, or bf16 when x_bf16, widened exactly) -> out: per half block,
 // dx = absmax / 127 and xq = round(x / dx) (an IEEE division, round half to even: torch's
-// x / dx and torch.round), 0 where dx is 0; sx = dx_h0 * sum_h0, then + dx_h1 * sum_h1.
+// x / dx and torch.round), 0 where dx is 0; sx = dx_h0 * sum_h0, then + dx_h1 * sum_h1. A half
+// block holding a NaN or an infinity gets dx NaN (xq and its sum 0): that row's outputs are NaN,
+// as `quantize_activations` gives (its x^ NaN there) and the fp32 path's NaN x gives.
 TRILLM_VNNI_TARGET void quantize_rows_range(const void* x, bool x_bf16, int64_t ld, int K, int r0,
                                             int r1, QuantizedRows& out) {
   constexpr int kHalf = kBlock / 2;
   const int nb = K / kBlock;
   const __m512 limit = _mm512_set1_ps(127.0f), limit_low = _mm512_set1_ps(-127.0f);
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (int r = r0; r < r1; ++r) {
     for (int h = 0; h < 2 * nb; ++h) {
       __m512 v;
@@ -65,8 +68,12 @@ TRILLM_VNNI_TARGET void quantize_rows_range(const void* x, bool x_bf16, int64_t 
       } else {
         v = _mm512_loadu_ps(static_cast<const float*>(x) + r * ld + h * kHalf);
       }
-      const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(v));
-      const float dx = amax / 127.0f;
+      const __m512 a = _mm512_abs_ps(v);
+      // a NaN or an infinity: no scale rounds it, and vmaxps's reduction may drop a NaN (the
+      // half block then rounded as if it were absent); dx NaN makes the row's every sum NaN
+      const bool finite = _mm512_cmp_ps_mask(a, inf, _CMP_NLT_UQ) == 0;
+      const float dx =
+          finite ? _mm512_reduce_max_ps(a) / 127.0f : std::numeric_limits<float>::quiet_NaN();
       const size_t i = static_cast<size_t>(r) * 2 * nb + h;
       int8_t* q = out.xq.data() + static_cast<size_t>(r) * K + h * kHalf;
       int sum = 0;
