@@ -8,11 +8,14 @@ bit for bit: every item ran once, none of an earlier call's worker ran into a la
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
+import torch
 
 from trillm.kernels import paged_attention_cpu, rms_norm_cpu
 
@@ -132,3 +135,42 @@ def test_an_item_that_throws_fails_its_call_not_the_process() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["MemoryError", "True"]
+
+
+def _thread_cpu_seconds(tids: set[int]) -> float:
+    """User + system CPU seconds of this process's threads ``tids`` (those still alive)."""
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_workers_sleep_instead_of_polling() -> None:
+    """Between calls a worker polls ~0.5 ms, then sleeps on a condition variable: a pool left
+    polling would take cores from every other process (on a host with more runnable threads
+    than cores, from its own caller too). Pools of 11 and 13 threads made here (their 22 workers,
+    the threads that appear) run calls for 0.3 s each, then sit idle: over the next second the
+    workers take no CPU (a worker polling for good would take a core's share)."""
+    x, w = torch.randn(64, 4096), torch.randn(4096)
+    threads = torch.get_num_threads()
+    before = set(map(int, os.listdir("/proc/self/task")))
+    try:
+        for n in (11, 13):  # counts no other test uses: new pools
+            torch.set_num_threads(n)
+            start = time.monotonic()
+            while time.monotonic() - start < 0.3:  # calls for 0.3 s: the workers take items
+                rms_norm_cpu.rms_norm(x, w, 1e-6)
+    finally:
+        torch.set_num_threads(threads)
+    workers = set(map(int, os.listdir("/proc/self/task"))) - before
+    assert len(workers) >= 22, workers  # the two pools' workers (more: another thread's)
+    time.sleep(0.3)  # past any poll after the last call
+    idle_from = _thread_cpu_seconds(workers)
+    time.sleep(1.0)
+    idle = _thread_cpu_seconds(workers) - idle_from
+    assert idle <= 0.03, f"idle workers took {idle:.2f} s of CPU in 1 s"
