@@ -473,8 +473,11 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   static const bool bf16dot = cpu_has_bf16dot();
   if (x_bf16 && !int8_activations && wide && bf16dot && (bf16dot_type(qtype) || qtype == kQ6_KP))
     pairs_bf16 = pair_rows(reinterpret_cast<const uint16_t*>(x), ldx, M, K);
-  // As in cpu_gemm.cpp: under ~1 MFLOP the caller does it alone; about four runs per thread.
-  const int threads = 2LL * M * N * K < 1000000 ? 1 : num_threads;
+  // Under 0.25 MFLOP the caller does it alone; about four runs per thread. (cpu_gemm.cpp's fp32
+  // bar, 1 MFLOP, kept SmolLM2-135M's 576 x 576 o_proj, 0.66 MFLOP, on one thread at batch 1:
+  // ~33 us a call in Q4_1, the dequantization dearer than fp32's products; on the pool 22 us,
+  // benchmarks/engine/step_breakdown.py --threads 2.)
+  const int threads = 2LL * M * N * K < 250000 ? 1 : num_threads;
   if (int8_activations) {
     rows = quantize_rows(reinterpret_cast<const void*>(x), x_bf16, ldx, M, K, threads);
   } else if (!byte_values(qtype) && qtype != kQ6_KP) {
