@@ -286,9 +286,11 @@ class SamplingParams:
                 )
 
     def clone(self) -> SamplingParams:
+        """A copy to change; ``allowed_token_ids`` (never changed) is shared, not copied per
+        sample of ``n`` (2,000,000 ids, n=128: 264 s of deep copies on the event loop)."""
         import copy
 
-        return copy.deepcopy(self)
+        return copy.deepcopy(self, {id(self.allowed_token_ids): self.allowed_token_ids})
 
 
 # (name, highest value): integer fields (the range checks in _verify refine the lowest).

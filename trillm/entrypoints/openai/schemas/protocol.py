@@ -20,6 +20,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_PROMPTS = 1024
 MAX_BAD_WORDS = 256
+# allowed_token_ids: each of a request's sequences carries and packs the whole list, n times
+# for n samples: 2,000,000 ids (10 MB) with n=128 took 80 s of the event loop, in which a
+# request beside it waited as long. The bound of logit_bias, the other per-token-id list.
+MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_REQUEST_TIMEOUT_S = 86_400.0  # a request's ``timeout``: at most a day
 # A client's request_id travels with every engine step (scheduler, worker messages, every
 # output): three 1 MB ids slowed a 200-token request beside them from 0.3 s to 14 s.
@@ -195,7 +199,7 @@ class _SamplingFields:
     priority: int = 0
     cache_salt: str | None = None
     return_token_ids: bool = False
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = _f(None, max_len=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[str] | None = _f(None, max_len=MAX_BAD_WORDS)
     # Keep the last k prompt tokens (-1: the context length), before the length check.
     truncate_prompt_tokens: int | None = _f(None, ge=-1)
