@@ -2,7 +2,9 @@
 
 With a key in force only ``/health``, ``/ping``, ``/version`` and ``/metrics`` answer without it;
 every other path, served or not (``/invocations``, ``/tokenize``, ``/pooling``, vLLM's
-``/v2/rerank``, a route this server does not have), is a 401. ``VLLM_API_KEY`` is read as vLLM
+``/v2/rerank``, a route this server does not have), is a 401. The table of routes below is
+checked against the routes the app itself mounts (every optional one on: the development
+routes, runtime LoRA updates, ``/tokenizer_info``), so a new route cannot escape it. ``VLLM_API_KEY`` is read as vLLM
 reads it, ``--api-key`` wins over it, and the start-up log says which is in force without the
 key itself.
 """
@@ -10,12 +12,16 @@ key itself.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
+import trio
 from server_harness import ServerProcess
 
-from trillm.entrypoints.openai.http.auth import API_KEY_ENV, ApiKeys
+from trillm import envs
+from trillm.entrypoints.openai.http.app import build_app
+from trillm.entrypoints.openai.http.auth import API_KEY_ENV, KEYLESS_PATHS, ApiKeys
 
 FAKE = ["--runner", "trillm.worker.fake_runner:FakeModelRunner"]
 KEY, SECOND_KEY = "route-key-7c1e", "second-key-90aa"
@@ -26,12 +32,14 @@ PROTECTED = [
     ("GET", "/v1/models", None),
     ("POST", "/v1/completions", COMPLETION),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("POST", "/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "hi"}]]}),
     ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}),
     ("POST", "/v1/embeddings", {"input": "hi"}),
     ("POST", "/invocations", COMPLETION),
     ("POST", "/pooling", {"input": "hi"}),
     ("POST", "/classify", {"input": "hi"}),
     ("POST", "/score", {"text_1": "a", "text_2": "b"}),
+    ("POST", "/v1/score", {"text_1": "a", "text_2": "b"}),
     ("POST", "/rerank", {"query": "a", "documents": ["b"]}),
     ("POST", "/v1/rerank", {"query": "a", "documents": ["b"]}),
     ("POST", "/v2/rerank", {"query": "a", "documents": ["b"]}),
@@ -39,6 +47,7 @@ PROTECTED = [
     ("POST", "/cohere/v2/rerank", {"query": "a", "documents": ["b"]}),
     ("POST", "/tokenize", {"prompt": "hi"}),
     ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/tokenizer_info", None),
     ("POST", "/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
     ("POST", "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
     ("GET", "/load", None),
@@ -48,7 +57,14 @@ PROTECTED = [
     ("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"}),
     ("POST", "/v1/unload_lora_adapter", {"lora_name": "a"}),
     ("POST", "/reset_prefix_cache", None),
+    # The development routes (VLLM_SERVER_DEV_MODE=1; absent from this module's server).
     ("POST", "/sleep", None),
+    ("POST", "/wake_up", None),
+    ("GET", "/is_sleeping", None),
+    ("POST", "/pause", None),
+    ("POST", "/resume", None),
+    ("GET", "/is_paused", None),
+    ("POST", "/collective_rpc", {"method": "noop"}),
     ("GET", "/server_info", None),
     ("POST", "/abort_requests", None),
     ("GET", "/nope", None),
@@ -62,6 +78,51 @@ KEYLESS = [
     ("GET", "/version"),
     ("GET", "/metrics"),
 ]
+
+
+def app_routes(monkeypatch) -> set[tuple[str, str]]:
+    """(method, path) of every route ``build_app`` mounts, each optional route on; a path
+    parameter as the table spells it."""
+    monkeypatch.setenv(envs.SERVER_DEV_MODE.name, "1")
+    state = SimpleNamespace(
+        loras=SimpleNamespace(allow_updates=True), enable_tokenizer_info_endpoint=True
+    )
+    routes = set()
+    for rule in build_app(state).url_map.iter_rules():  # type: ignore[arg-type]
+        path = rule.rule.replace("<response_id>", "resp_1")
+        routes |= {(method, path) for method in rule.methods or () if method != "HEAD"}
+    return routes
+
+
+def test_the_table_holds_every_route_of_the_app(monkeypatch):
+    routes = app_routes(monkeypatch)
+    assert len(routes) > 30, routes  # the enumeration sees the routes
+    listed = {(method, path) for method, path, _ in PROTECTED} | set(KEYLESS)
+    assert routes - listed == set(), "routes missing from PROTECTED or KEYLESS"
+    assert {path for _, path in KEYLESS} == KEYLESS_PATHS
+
+
+def test_the_gate_guards_every_route_of_the_app(monkeypatch):
+    """In the app itself, every optional route on: no key, a wrong key: 401 before the
+    route runs (its state is a stub the routes would fail on)."""
+    routes = sorted(app_routes(monkeypatch))
+    state = SimpleNamespace(
+        loras=SimpleNamespace(allow_updates=True), enable_tokenizer_info_endpoint=True
+    )
+    client = build_app(state, ApiKeys((KEY,), "--api-key")).test_client()  # type: ignore[arg-type]
+
+    async def statuses(headers: dict[str, str]) -> dict[tuple[str, str], int]:
+        out = {}
+        for method, path in routes:
+            if path not in KEYLESS_PATHS:
+                response = await client.open(path, method=method, headers=headers, json={})
+                out[method, path] = response.status_code
+        return out
+
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
+        answers = trio.run(statuses, headers)
+        assert len(answers) == len(routes) - len(KEYLESS), answers
+        assert set(answers.values()) == {401}, (headers, answers)
 
 
 def send(srv: ServerProcess, method: str, path: str, body: dict | None, key: str | None):
@@ -118,7 +179,8 @@ def _start_with_env(tmp_path, monkeypatch, env_key: str, args: list[str]) -> Ser
 def test_vllm_api_key_is_read(tmp_path, monkeypatch):
     srv = _start_with_env(tmp_path, monkeypatch, "env-key-31f", [])
     try:
-        for method, path, body in (PROTECTED[0], PROTECTED[1], PROTECTED[5]):
+        invocations = next(route for route in PROTECTED if route[1] == "/invocations")
+        for method, path, body in (PROTECTED[0], PROTECTED[1], invocations):
             assert send(srv, method, path, body, None).status_code == 401, path
             assert send(srv, method, path, body, "env-key-31f").status_code == 200, path
         assert send(srv, "GET", "/health", None, None).status_code == 200

@@ -61,7 +61,7 @@ def _forwarded_headers() -> dict[str, str]:
 def make_app(
     prefill_url: str, decode_url: str, prefill_kv: str | None = None, decode_kv: str = ""
 ) -> QuartTrio:
-    app = QuartTrio("trillm-disagg-proxy")
+    app = QuartTrio("trillm-disagg-proxy", static_folder=None)  # no /static/<path> route
     client = httpx.AsyncClient(timeout=None)
 
     async def relay(path: str) -> Response:

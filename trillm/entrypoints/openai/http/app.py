@@ -66,7 +66,9 @@ def build_app(
 ) -> QuartTrio:
     """``log_requests_max_len``: --enable-log-requests with --max-log-len (None: no log);
     ``health_step_timeout``: --health-step-timeout (None: /health ignores step times)."""
-    app = QuartTrio("trillm")
+    # No static route: quart mounts /static/<path> over the package's "static" folder by
+    # default, a door to files that this server does not serve (vLLM has none).
+    app = QuartTrio("trillm", static_folder=None)
     app.config.update(
         MAX_CONTENT_LENGTH=MAX_BODY_BYTES,
         RESPONSE_TIMEOUT=None,  # streams last as long as generation does
