@@ -12,6 +12,9 @@ that a batch's K / V comes from memory, not from the last layer's cache lines.
 cache, 16 layers by default; batch 1 and 16 over 512 / 1,024 / 4,096 keys), each case timed
 on both bf16 decode kernels, alternated in one process (``one-row``: ext/cpu_attention_decode.h,
 ``bf16-dot``: ext/cpu_attention_decode_dp.h, where the CPU has AVX512-BF16).
+``--shape smollm2``: SmolLM2-135M's (9 query / 3 kv heads of 64, bf16, 30 layers by default;
+batch 16 over 256 / 320 / 384 keys: a concurrency-16 run of 256-token prompts and 128 outputs,
+at its start, middle and end; and batch 1 over 320), both kernels alike.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from trillm.kernels import paged_attention_cpu  # noqa: E402
 BS, HQ, HKV, D = 16, 8, 4, 64
 CASES = ((64, 64), (64, 256), (16, 256), (1, 512))  # (decode rows, cached keys each)
 CASES_1B = ((1, 512), (1, 1024), (1, 4096), (16, 512), (16, 1024), (16, 4096))
+CASES_SMOLLM2 = ((16, 256), (16, 320), (16, 384), (1, 320))
+# --shape: (query heads, kv heads), cases, default layers
+SHAPES = {"1b": ((32, 8), CASES_1B, 16), "smollm2": ((9, 3), CASES_SMOLLM2, 30)}
 
 
 def make_step(batch: int, ctx: int, layers: int, heads: tuple[int, int], dtype: torch.dtype):
@@ -64,8 +70,8 @@ def kernel_ms(batch: int, ctx: int, layers: int, repeats: int) -> tuple[float, i
     return common.median_thread_ms(step, repeats) / layers, nbytes
 
 
-def compare_1b(layers: int, repeats: int) -> None:
-    """Both bf16 decode kernels at Llama-3.2-1B's shape, alternated call by call."""
+def compare_bf16(shape: str, layers: int, repeats: int) -> None:
+    """Both bf16 decode kernels at a model's shape (SHAPES), alternated call by call."""
     import statistics
     import time
 
@@ -80,8 +86,9 @@ def compare_1b(layers: int, repeats: int) -> None:
         print("(this CPU has no AVX512-BF16: the one-row kernel only)")
     before = ext.paged_decode_kernel()
     print("batch  keys  kernel    ms/step (thread CPU, all layers)  K/V GB/s")
-    for batch, ctx in CASES_1B:
-        step, nbytes = make_step(batch, ctx, layers, (32, 8), torch.bfloat16)
+    heads, cases, _ = SHAPES[shape]
+    for batch, ctx in cases:
+        step, nbytes = make_step(batch, ctx, layers, heads, torch.bfloat16)
         times: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(repeats):
             for name in names:
@@ -102,13 +109,15 @@ def read_gbps(nbytes: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=None, help="default: 8, 16 for --shape 1b")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="default: 8; 16 for --shape 1b, 30 for smollm2"
+    )
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--shape", choices=["small", "1b"], default="small")
+    parser.add_argument("--shape", choices=["small", *SHAPES], default="small")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.shape == "1b":
-        compare_1b(args.layers or 16, args.repeats)
+    if args.shape in SHAPES:
+        compare_bf16(args.shape, args.layers or SHAPES[args.shape][2], args.repeats)
         return
     args.layers = args.layers or 8
     print("batch  keys  ms/layer  kernel GB/s  plain read GB/s (same bytes x layers)")

@@ -85,7 +85,8 @@ SEQ_LENS = [1, 2, 15, 16, 17, 31, 33, 64, 100, 300]
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim", [(8, 8, 64), (32, 8, 64), (16, 2, 64), (8, 2, 128), (8, 1, 128)]
+    "heads,kv_heads,head_dim",
+    [(8, 8, 64), (32, 8, 64), (16, 2, 64), (9, 3, 64), (8, 2, 128), (8, 1, 128)],
 )
 def test_matches_torch_twin_and_one_row_kernel(heads, kv_heads, head_dim):
     problem = _problem(SEQ_LENS, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
