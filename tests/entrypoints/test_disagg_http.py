@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import httpx
 import openai
 import pytest
 from kv_connectors import (
@@ -82,3 +83,22 @@ def test_other_connectors_stop_serve_naming_them(tiny_model_factory, tmp_path):
     )
     assert out.returncode != 0
     assert "'LMCacheConnectorV1' is not implemented" in out.output
+
+
+@pytest.mark.parametrize(
+    ("content", "kind", "status"),
+    [
+        (b"[1, 2]", "application/json", 400),  # before: 500 (the proxy failed on a list)
+        (b'"text"', "application/json", 400),
+        (b"{not json", "application/json", 400),  # before: quart's HTML 400
+        (b'{"prompt": "x"}', "text/plain", 400),  # as the instances: OpenAI answers 400
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_body_that_is_not_a_json_object_is_a_4xx_in_openais_shape(
+    pair, content, kind, status, path
+):
+    _, _, proxy, _ = pair
+    r = httpx.post(proxy + path, content=content, headers={"Content-Type": kind}, timeout=30)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == status, r.text

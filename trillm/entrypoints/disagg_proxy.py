@@ -8,6 +8,8 @@ them, and the decode instance's answer (JSON or SSE stream) is the client's.
         --decode http://127.0.0.1:8200 --port 8000
 
 A prefill answer that is not 200 is the client's answer (the decode instance is not asked).
+A body that is not a JSON object (or not sent as JSON) is a 400 in OpenAI's error shape, as
+the instances answer it; neither instance is asked.
 
 With vLLM's P2pNcclConnector, ``--prefill-kv-addr IP:PORT`` (the prefill instance's
 ``kv_ip:kv_port``) tells the decode instance where the prompt's KV is, and
@@ -32,6 +34,9 @@ import httpx
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
+
+from trillm.entrypoints.openai.http.bodies import json_body, json_response
+from trillm.entrypoints.openai.http.errors import APIError
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 # Options of a request that only make sense for its answer, not for computing its prompt.
@@ -65,7 +70,7 @@ def make_app(
     client = httpx.AsyncClient(timeout=None)
 
     async def relay(path: str) -> Response:
-        body = await request.get_json(force=True)
+        body = await json_body()  # an object, else a 400 / 415 APIError
         if prefill_kv is not None:
             body = with_kv_addresses(body, prefill_kv, decode_kv)
         headers = _forwarded_headers()
@@ -87,6 +92,10 @@ def make_app(
                 await upstream.aclose()
 
         return _answer(upstream, chunks())
+
+    @app.errorhandler(APIError)
+    async def api_error(err: APIError) -> Response:
+        return json_response(err.body(), err.status)
 
     for path in GENERATION_ROUTES:
         app.add_url_rule(path, path, _bind(relay, path), methods=["POST"])
