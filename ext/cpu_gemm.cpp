@@ -242,9 +242,11 @@ void linear(uintptr_t x, int M, int K, int64_t ldx, uintptr_t packed, int N, uin
   const int total = num_panels(N);
   // Work items: (block of up to kRowBlock rows, run of panels), row-block major. A row block of
   // x stays in L2 while the panels stream past it; the runs are about four per thread (uneven
-  // row blocks and a busy core even out). Under ~1 MFLOP the caller does it alone: waking the
-  // pool costs more.
-  const int threads = 2LL * M * N * K < 1000000 ? 1 : num_threads;
+  // row blocks and a busy core even out). Under 0.25 MFLOP the caller does it alone: waking the
+  // pool costs more. (At 1 MFLOP, SmolLM2-135M's 576 x 576 o_proj, 0.66 MFLOP, ran on the
+  // caller alone at batch 1: 82.5 us a call; on the pool 61.0-68.9 us,
+  // benchmarks/engine/step_breakdown.py --dtype float32 --threads 2.)
+  const int threads = 2LL * M * N * K < 250000 ? 1 : num_threads;
   const int row_blocks = (M + kRowBlock - 1) / kRowBlock;
   const int runs = threads <= 1 ? 1 : std::min(total, 4 * threads);
   const bool wide = isa() == Isa::kAvx512;
