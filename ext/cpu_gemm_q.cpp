@@ -56,6 +56,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -74,7 +75,7 @@ constexpr int kCols = 16;       // output columns per panel: one fp32 vector
 constexpr int kBlock = 32;      // values per quantization block along K
 constexpr int kRows = 4;        // rows of x per register tile (x 2 panels)
 constexpr int kRowBlock = 64;   // rows of x per work item
-constexpr int kInt8UnpackedMinRows = 16;  // the 4-bit types' int8 rows to the prefill kernel
+constexpr int kInt8UnpackedMinRows = 16;  // int8 rows to the prefill kernel (not Q8_0, Q6_K)
 
 // GGML's type ids; Q4_G is trillm's (not a GGML type): AWQ / GPTQ groups cut into blocks of 32.
 // Q5_KM and Q4_KM are trillm's too: 5-bit / 4-bit values with a scale and a minimum per half
@@ -430,12 +431,31 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
 // pair unpacked once for all of an item's rows) rather than `tile_vnni` (unpacked per 4 rows).
 // Measured at Llama-3.2-1B's shapes, one thread's CPU time (benchmarks/kernels/q_small_m.py):
 // for the 4-bit types the unpacking pays from ~12 rows (a 16-row decode step's linears 1.15-1.2x
-// faster, 32-48 rows 1.3-1.5x); Q8_0's unpacking (a sign flip) gains nothing and `tile_vnni`
-// stays faster below 64 rows; Q6_K's (the same flip), Q6_KP's, Q4_KM's and Q5_KM's are left at
-// 64 too (unmeasured below).
+// faster, 32-48 rows 1.3-1.5x); Q4_KM's and Q5_KM's from 16 rows too (the large shapes 0.80-0.86x
+// the time at 16 rows, 0.64-0.82x at 32-48); Q6_KP's, unpacked straight from its records
+// (cpu_gemm_q_q6.h), 0.88x at 16 rows for the 128,256-row head, 0.85-0.92x at 16-48 for the
+// layers' large shapes. Q8_0's unpacking (a sign flip) gains nothing and `tile_vnni` stays faster
+// below 64 rows; so does Q6_K's (its 9-bit records, the same flip: 1.12-1.15x the time at 16
+// rows, ~1.0x at 32).
 constexpr int int8_unpacked_min_rows(int qtype) {
-  return byte_values(qtype) || qtype == kQ6_KP || half_min(qtype) ? kPrefillMinRows
-                                                                    : kInt8UnpackedMinRows;
+  return byte_values(qtype) ? kPrefillMinRows : kInt8UnpackedMinRows;
+}
+
+// benchmarks/kernels/q_small_m.py's `--unpacked-from`: every type's int8 rows run the prefill
+// kernel from `rows` on (1: always; 64: `tile_vnni` below 64), process-wide; 0 restores each
+// type's own. A private hook of the benchmark (it measures both kernels at a row count), not an
+// option of the server.
+std::atomic<int> unpacked_min_rows_override{0};
+
+void set_int8_unpacked_min_rows(int rows) {
+  if (rows < 0 || rows > kPrefillMinRows)
+    throw std::invalid_argument("quantized GEMM: unpacked-kernel rows must be 0..64");
+  unpacked_min_rows_override.store(rows);
+}
+
+int unpacked_min_rows(int qtype) {
+  const int chosen = unpacked_min_rows_override.load(std::memory_order_relaxed);
+  return chosen > 0 ? chosen : int8_unpacked_min_rows(qtype);
 }
 
 void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packed, int qtype,
@@ -496,9 +516,9 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
          reinterpret_cast<const uint8_t*>(packed), reinterpret_cast<const float*>(bias),
          reinterpret_cast<void*>(y), ldy, M, N, K, qtype, y_bf16};
   const int pairs = num_panels(N) / 2;
-  // (Q6_KP: expanded to Q6_K's records per item, as run_pair_q6kp does)
+  // (Q6_KP: Q6_K's item, each chunk unpacked straight from Q6_KP's records, cpu_gemm_q_q6.h)
   const bool prefill = prefill_type(qtype) || (qtype == kQ6_KP && wide);
-  if (int8_activations && prefill && M >= int8_unpacked_min_rows(qtype)) {
+  if (int8_activations && prefill && M >= unpacked_min_rows(qtype)) {
     const int blocks = (M + kPrefillRowBlock - 1) / kPrefillRowBlock;
     run_items(threads, blocks * pairs, [&](int i) {
       const int m0 = i / pairs * kPrefillRowBlock;
@@ -536,6 +556,9 @@ void register_cpu_gemm_q(py::module_& m) {
   m.def("get_isa", &get_isa, "The kernel in use: 'avx512' or 'avx2'.");
   m.def("num_panels", &num_panels, py::arg("n"));
   m.def("record_bytes", &record_bytes, py::arg("qtype"));
+  m.def("_set_int8_unpacked_min_rows", &set_int8_unpacked_min_rows, py::arg("rows"),
+        "Benchmarks only: int8 rows from `rows` on run the prefill kernel, every type (0: each "
+        "type's own threshold).");
   m.def("supports_q6_kp", &cpu_has_bf16dot,
         "Whether Q6_KP (Q6_K at the file's size) runs: AVX512-BF16 and AVX512-VBMI.");
   trillm_cpu::def_kernel(m, "linear", &linear, py::arg("x"), py::arg("x_bf16"), py::arg("m"), py::arg("k"),

@@ -19,10 +19,11 @@
 // word, which `vpermt2w` over a 64-word table turns into bf16(u - 32) = bf16(q) (exact). The
 // products x * q are exact in fp32, summed per half block by `vdpbf16ps`, then (d * sc) * s:
 // the numerics of Q6_K's fp32 kernel up to the order of the fp32 additions.
-// Other paths (fp32 rows, int8 activations, the AVX2 kernel): each work item expands its pair
-// of panels into Q6_K's 9-bit records in a thread-local buffer (vectorised where this header's
-// kernel runs, scalar under the AVX2 kernel) and runs Q6_K's kernels on them, the same results
-// as a weight packed as Q6_K.
+// Other paths (fp32 rows, int8 activations below 16 rows, the AVX2 kernel): each work item
+// expands its pair of panels into Q6_K's 9-bit records in a thread-local buffer (vectorised
+// where this header's kernel runs, scalar under the AVX2 kernel) and runs Q6_K's kernels on
+// them; int8 activations from 16 rows: Q6_K's prefill item, its unpacked pair made straight from
+// Q6_KP's records (`unpack_pair_q6kp`). The same results as a weight packed as Q6_K.
 
 constexpr int kQ6Blocks = 8;                                                  // blocks a super-block
 constexpr int kQ6BlockBytes = kBlock / 2 * kCols + kBlock / 4 * kCols + 2 * kCols;  // 416
@@ -119,32 +120,40 @@ TRILLM_BF16DOT_TARGET void tile_q6kp_bf16(const Gemm& g, int m, const uint8_t* p
   store_tile<R>(g, m, col, acc);
 }
 
+// Quads 2t and 2t + 1 of a Q6_KP block record `rec` (k0 = 8t): per column's lane, the bytes
+// u = q + 32 (0..63) of k0 .. k0 + 3 (quad[0]) and k0 + 4 .. k0 + 7 (quad[1]).
+TRILLM_BF16DOT_TARGET inline void q6kp_quads(const uint8_t* rec, int t, __m512i transpose,
+                                             __m512i (&quad)[2]) {
+  const __m512i six = _mm512_set1_epi32(0x003f003f), word = _mm512_set1_epi32(0x0000ffff);
+  const __m512i v = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(rec + 64 * t));
+  const __m512i hv = _mm512_loadu_si512(rec + kBlock / 2 * kCols + 64 * (t / 2));
+  __m512i idx[4];
+  if (t % 2 == 0)
+    q6kp_indices<0>(v, hv, idx);
+  else
+    q6kp_indices<1>(v, hv, idx);
+  for (auto& i : idx) i = _mm512_and_si512(i, six);
+  // words u[k0], u[k0 + 1] | u[k0 + 4], u[k0 + 5] and u[k0 + 2], u[k0 + 3] | u[k0 + 6], u[k0 + 7]
+  const __m512i t01 = _mm512_or_si512(idx[0], _mm512_slli_epi32(idx[1], 8));
+  const __m512i t23 = _mm512_or_si512(idx[2], _mm512_slli_epi32(idx[3], 8));
+  quad[0] = _mm512_ternarylogic_epi32(t01, _mm512_slli_epi32(t23, 16), word, 0xE4);
+  quad[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(t01, 16), t23, word, 0xE4);
+}
+
 // nb blocks of a Q6_KP panel -> Q6_K's records (cpu_gemm_q.cpp: 8 quads x 16 columns x 4 int8
 // q, d[16] fp16, sc[2][16] int8), vectorised.
 TRILLM_BF16DOT_TARGET void expand_q6kp(const uint8_t* panel, int nb, uint8_t* out) {
   const __m512i transpose = q6kp_transpose();
-  const __m512i six = _mm512_set1_epi32(0x003f003f), word = _mm512_set1_epi32(0x0000ffff);
   const __m512i bias = _mm512_set1_epi8(32);
   constexpr int rec_out = kBlock * kCols + 4 * kCols;
   for (int b = 0; b < nb; ++b) {
     const uint8_t* rec = q6kp_block(panel, b);
     uint8_t* o = out + static_cast<int64_t>(b) * rec_out;
     for (int t = 0; t < kBlock / 8; ++t) {
-      const __m512i v = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(rec + 64 * t));
-      const __m512i hv = _mm512_loadu_si512(rec + kBlock / 2 * kCols + 64 * (t / 2));
-      __m512i idx[4];
-      if (t % 2 == 0)
-        q6kp_indices<0>(v, hv, idx);
-      else
-        q6kp_indices<1>(v, hv, idx);
-      for (auto& i : idx) i = _mm512_and_si512(i, six);
-      // bytes u[k0], u[k0 + 1], u[k0 + 4], u[k0 + 5] and u[k0 + 2], u[k0 + 3], u[k0 + 6], u[k0 + 7]
-      const __m512i t01 = _mm512_or_si512(idx[0], _mm512_slli_epi32(idx[1], 8));
-      const __m512i t23 = _mm512_or_si512(idx[2], _mm512_slli_epi32(idx[3], 8));
-      const __m512i first = _mm512_ternarylogic_epi32(t01, _mm512_slli_epi32(t23, 16), word, 0xE4);
-      const __m512i second = _mm512_ternarylogic_epi32(_mm512_srli_epi32(t01, 16), t23, word, 0xE4);
-      _mm512_storeu_si512(o + 2 * t * 64, _mm512_sub_epi8(first, bias));
-      _mm512_storeu_si512(o + (2 * t + 1) * 64, _mm512_sub_epi8(second, bias));
+      __m512i quad[2];
+      q6kp_quads(rec, t, transpose, quad);
+      _mm512_storeu_si512(o + 2 * t * 64, _mm512_sub_epi8(quad[0], bias));
+      _mm512_storeu_si512(o + (2 * t + 1) * 64, _mm512_sub_epi8(quad[1], bias));
     }
     std::memcpy(o + kBlock * kCols, q6kp_super(panel, b), 2 * kCols);
     std::memcpy(o + kBlock * kCols + 2 * kCols, rec + 3 * kBlock / 4 * kCols, 2 * kCols);
@@ -204,23 +213,44 @@ void run_pair_q6kp(const Gemm& g, int m0, int m1, int pair, bool wide) {
   wide ? run_pair(as_q6_k, m0, m1, 0) : run_pair_avx2(as_q6_k, m0, m1, 0);
 }
 
-// The int8 prefill kernel (cpu_gemm_q_vnni_prefill.h) on rows m0..m1 of a Q6_KP pair: the pair
-// expanded to Q6_K's records once per item (as run_pair_q6kp does per 64 rows), then Q6_K's
-// prefill item: the same results as a weight packed as Q6_K.
+// Blocks b0 .. b1 (b0 a multiple of kQ6Blocks) of Q6_KP panels p0, p1 -> the unpacked pair
+// `unpack_pair<kQ6_K>` makes of Q6_K's records (cpu_gemm_q_vnni_prefill.h: bytes q + 128 =
+// u + 96; fp32 d * sc[0], d * sc[1]), straight from the 6.5625-bit records: the same bytes and
+// scales without expand_q6kp's 9-bit records between.
+TRILLM_BF16DOT_TARGET void unpack_pair_q6kp(const uint8_t* p0, const uint8_t* p1, int b0, int b1,
+                                            uint8_t* out) {
+  constexpr int bytes = unpacked_block_bytes(kQ6_K);
+  const __m512i transpose = q6kp_transpose();
+  const __m512i bias = _mm512_set1_epi8(96);
+  const uint8_t* panel[2] = {p0, p1};
+  for (int b = b0; b < b1; ++b) {
+    uint8_t* o = out + static_cast<int64_t>(b - b0) * bytes;
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* rec = q6kp_block(panel[p], b);
+      for (int t = 0; t < kBlock / 8; ++t) {
+        __m512i quad[2];
+        q6kp_quads(rec, t, transpose, quad);
+        _mm512_store_si512(o + (4 * t + p) * 64, _mm512_add_epi8(quad[0], bias));
+        _mm512_store_si512(o + (4 * t + 2 + p) * 64, _mm512_add_epi8(quad[1], bias));
+      }
+      const __m512 d = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q6kp_super(panel[p], b))));
+      const uint8_t* sc = rec + 3 * kBlock / 4 * kCols;
+      for (int h = 0; h < 2; ++h)  // the unpacked pair's scale vector h of panel p
+        _mm512_store_ps(reinterpret_cast<float*>(o + kUnpackedQuads + (2 * h + p) * 64),
+                        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                             reinterpret_cast<const __m128i*>(sc + h * kCols))))));
+    }
+  }
+}
+
+// The int8 prefill kernel (cpu_gemm_q_vnni_prefill.h) on rows m0..m1 of a Q6_KP pair: Q6_K's
+// item, each chunk of the pair unpacked straight from Q6_KP's records (unpack_pair_q6kp): the
+// same results as a weight packed as Q6_K.
 void run_prefill_item_q6kp(const Gemm& g, int m0, int m1, int pair) {
-  const int nb = g.K / kBlock;
-  const int64_t panel_bytes = static_cast<int64_t>(nb) * record_bytes(kQ6_KP);
+  const int64_t panel_bytes = static_cast<int64_t>(g.K / kBlock) * record_bytes(kQ6_KP);
   const uint8_t* p0 = g.packed + 2 * pair * panel_bytes;
-  const int col = 2 * pair * kCols;
-  const int64_t expanded = static_cast<int64_t>(nb) * record_bytes(kQ6_K);
-  thread_local std::vector<uint8_t> buffer;
-  buffer.resize(2 * expanded);
-  for (int p = 0; p < 2; ++p) expand_q6kp(p0 + p * panel_bytes, nb, buffer.data() + p * expanded);
-  Gemm as_q6_k = g;  // the pair as panels 0 and 1 of a Q6_K weight of the columns from col on
-  as_q6_k.packed = buffer.data();
-  as_q6_k.qtype = kQ6_K;
-  as_q6_k.N = g.N - col;
-  as_q6_k.y = static_cast<char*>(g.y) + col * (g.y_bf16 ? 2 : 4);
-  as_q6_k.bias = g.bias == nullptr ? nullptr : g.bias + col;
-  prefill_item<kQ6_K>(as_q6_k, m0, m1, 0);
+  prefill_rows<kQ6_K>(g, m0, m1, 2 * pair * kCols, [&](int b0, int b1, uint8_t* out) {
+    unpack_pair_q6kp(p0, p0 + panel_bytes, b0, b1, out);
+  });
 }

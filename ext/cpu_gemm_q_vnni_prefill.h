@@ -1,8 +1,8 @@
 // The int8-activation path of ext/cpu_gemm_q.cpp at prefill row counts (>= kPrefillMinRows) for
 // the types with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0), Q6_K (one per half
 // block) and Q4_KM / Q5_KM (a scale and a minimum per half block), these with each half's fp32
-// step as `tile_vnni` takes it: the same results bit for bit (Q6_KP expanded to Q6_K's records
-// once per item, cpu_gemm_q_q6.h); included there,
+// step as `tile_vnni` takes it: the same results bit for bit (Q6_KP unpacked straight from its
+// records into Q6_K's unpacked form, cpu_gemm_q_q6.h); included there,
 // inside its anonymous namespace, after cpu_gemm_q_vnni.h (whose activation rounding it keeps:
 // one scale per half block of 16, the same int8 values, sums and scales).
 //
@@ -27,7 +27,7 @@
 
 constexpr int kPrefillRows = 4;         // rows of the register block (x 2 panels)
 constexpr int kPrefillRowBlock = 256;   // rows of x per work item (one unpacking per item)
-constexpr int kPrefillMinRows = 64;     // fewer rows: tile_vnni (Q4 types: from 16, cpu_gemm_q.cpp)
+constexpr int kPrefillMinRows = 64;     // fewer rows: tile_vnni (most types: from 16, cpu_gemm_q.cpp)
 constexpr int kPrefillKChunk = 2048;    // values of K per pass: 256 rows' int8 x (512 KiB) and the
                                         // pair's unpacked weights (82 KiB) stay in a 1 MiB L2
 
@@ -260,10 +260,11 @@ TRILLM_VNNI_TARGET void tile_prefill(const Gemm& g, int m, const uint8_t* u, int
   }
 }
 
-// Rows m0 .. m1 (at most kPrefillRowBlock) of one pair of panels: per chunk of K, unpack, then
-// the register blocks, their partial sums kept between chunks in a thread-local buffer.
-template <int QT>
-void prefill_item(const Gemm& g, int m0, int m1, int pair) {
+// Rows m0 .. m1 (at most kPrefillRowBlock) of y's columns col .. col + 32: per chunk of K,
+// `unpack(b0, b1, out)` writes blocks b0 .. b1 of the pair in QT's unpacked form, then the
+// register blocks run over them, their partial sums kept between chunks in a thread-local buffer.
+template <int QT, typename Unpack>
+void prefill_rows(const Gemm& g, int m0, int m1, int col, Unpack unpack) {
   constexpr int kChunkBlocks = kPrefillKChunk / kBlock;
   static thread_local std::vector<uint8_t> storage;  // 64-byte aligned: unpacked pair, sums
   const int nb = g.K / kBlock;
@@ -272,13 +273,9 @@ void prefill_item(const Gemm& g, int m0, int m1, int pair) {
   if (storage.size() < need) storage.resize(need);
   uint8_t* scratch = storage.data() + (-reinterpret_cast<uintptr_t>(storage.data()) & 63);
   float* sums = reinterpret_cast<float*>(scratch + weights);
-  const int64_t panel_bytes = static_cast<int64_t>(nb) * record_bytes(QT);
-  const uint8_t* p0 = g.packed + 2 * pair * panel_bytes;
-  const int col = 2 * pair * kCols;
   for (int b0 = 0; b0 < nb; b0 += kChunkBlocks) {
     const int b1 = std::min(nb, b0 + kChunkBlocks);
-    const int64_t at = static_cast<int64_t>(b0) * record_bytes(QT);
-    unpack_pair<QT>(p0 + at, p0 + panel_bytes + at, b1 - b0, scratch);
+    unpack(b0, b1, scratch);
     int m = m0;
     for (; m + kPrefillRows <= m1; m += kPrefillRows)
       tile_prefill<kPrefillRows, QT>(g, m, scratch, col, b0, b1, sums + (m - m0) * 2 * kCols);
@@ -290,6 +287,17 @@ void prefill_item(const Gemm& g, int m0, int m1, int pair) {
       default: break;
     }
   }
+}
+
+// Rows m0 .. m1 (at most kPrefillRowBlock) of one pair of panels.
+template <int QT>
+void prefill_item(const Gemm& g, int m0, int m1, int pair) {
+  const int64_t panel_bytes = static_cast<int64_t>(g.K / kBlock) * record_bytes(QT);
+  const uint8_t* p0 = g.packed + 2 * pair * panel_bytes;
+  prefill_rows<QT>(g, m0, m1, 2 * pair * kCols, [&](int b0, int b1, uint8_t* out) {
+    const int64_t at = static_cast<int64_t>(b0) * record_bytes(QT);
+    unpack_pair<QT>(p0 + at, p0 + panel_bytes + at, b1 - b0, out);
+  });
 }
 
 void run_prefill_item(const Gemm& g, int m0, int m1, int pair) {

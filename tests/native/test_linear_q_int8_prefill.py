@@ -1,6 +1,6 @@
 """The int8-activation quantized GEMM at prefill row counts (ext/cpu_gemm_q_vnni_prefill.h).
 
-From 64 rows (the 4-bit ones from 16: tests/native/test_linear_q_int8_small_m.py) the types
+From 64 rows (all but Q8_0 and Q6_K from 16: tests/native/test_linear_q_int8_small_m.py) the types
 with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0) run a second kernel: a pair of
 panels unpacked once per 256 rows, 4-row register blocks. Checked
 against the reference (``quantize_activations`` times the dequantized weight) at its edges: row
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 PREFILL_MIN_ROWS = 64  # ext/cpu_gemm_q_vnni_prefill.h's kPrefillMinRows
-UNPACKED_MIN_ROWS = 16  # the 4-bit types' (ext/cpu_gemm_q.cpp's kInt8UnpackedMinRows)
+UNPACKED_MIN_ROWS = 16  # all but Q8_0's and Q6_K's (ext/cpu_gemm_q.cpp's kInt8UnpackedMinRows)
 
 
 def small_row_kernel_rows(type_name: str) -> int:
@@ -127,17 +127,18 @@ def test_prefill_kernel_q6_k_is_tile_vnni_bit_for_bit(packed):
         weight.data = torch.from_numpy(q_panels.pack(q, params, linear_q_cpu.Q6_K))
     elif weight.kernel_type != linear_q_cpu.Q6_KP:
         pytest.skip("Q6_KP runs on CPUs with AVX512-BF16 and AVX512-VBMI only")
-    _assert_tile_vnni_row_for_row(weight, m, n, k)
+    # Q6_KP: from 16 rows through the prefill kernel (tests/native/test_linear_q_int8_small_m.py)
+    few = PREFILL_MIN_ROWS - 1 if packed == "Q6_K" else UNPACKED_MIN_ROWS - 1
+    _assert_tile_vnni_row_for_row(weight, m, n, k, few)
 
 
-def _assert_tile_vnni_row_for_row(weight, m: int, n: int, k: int) -> None:
-    """m >= 64 rows through the prefill kernel: each row's bits those of tile_vnni (fewer rows),
-    and close to the reference."""
+def _assert_tile_vnni_row_for_row(weight, m: int, n: int, k: int, few: int) -> None:
+    """m >= 64 rows through the prefill kernel: each row's bits those of tile_vnni (its most
+    rows, `few`), and close to the reference."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     got = linear_q_cpu.linear(x, weight, bias, int8_activations=True)
-    few = PREFILL_MIN_ROWS - 1
     assert torch.equal(got[:few], linear_q_cpu.linear(x[:few], weight, bias, int8_activations=True))
     assert torch.equal(got[few:], linear_q_cpu.linear(x[few:], weight, bias, int8_activations=True))
     ref = int8_reference(x, weight, bias)
@@ -151,4 +152,5 @@ def test_prefill_kernel_half_block_minimum_types_are_tile_vnni_bit_for_bit(type_
     n, k, m = 45, 2304, 70
     raw = random_kquant_blocks(type_name, n, k, seed=5)
     qtype = int(GGMLQuantizationType[type_name])
-    _assert_tile_vnni_row_for_row(linear_q_cpu.QuantizedWeight(raw, qtype, n, k), m, n, k)
+    weight = linear_q_cpu.QuantizedWeight(raw, qtype, n, k)
+    _assert_tile_vnni_row_for_row(weight, m, n, k, UNPACKED_MIN_ROWS - 1)  # from 16: prefill

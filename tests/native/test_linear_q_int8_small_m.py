@@ -1,22 +1,26 @@
 """The int8-activation quantized GEMM at batched-decode row counts (1 .. 63 rows).
 
 From 16 rows (``ext/cpu_gemm_q.cpp``'s kInt8UnpackedMinRows; the engine's ``INT8_MIN_ROWS``)
-the 4-bit types with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K) run the prefill kernel
-(``ext/cpu_gemm_q_vnni_prefill.h``: each panel pair unpacked once for all rows) instead of the
-4-row ``tile_vnni``; Q8_0 keeps ``tile_vnni`` below 64 rows. Checked at every row count 1..63
-against the reference (``quantize_activations`` times the dequantized weight), and row for row
-bit for bit against a 64-row call (the prefill kernel) from 16 rows: the same kernel whatever
-the row count, so a batch's rows do not depend on how many others share its step.
+the 4-bit types with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K) and the K-quant forms
+Q6_KP (GGUF's Q6_K on CPUs with AVX512-BF16 and VBMI), Q5_KM (Q5_K) and Q4_KM (Q3_K, Q2_K) run
+the prefill kernel (``ext/cpu_gemm_q_vnni_prefill.h``: each panel pair unpacked once for all
+rows) instead of the 4-row ``tile_vnni``; Q8_0 and Q6_K's 9-bit records keep ``tile_vnni``
+below 64 rows. Checked at every row count 1..63 against the reference (``quantize_activations``
+times the dequantized weight), and row for row bit for bit against a 64-row call (the prefill
+kernel) from 16 rows: the same kernel whatever the row count, so a batch's rows do not depend
+on how many others share its step.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from tests.support.int8_gemm import int8_reference as _reference
 from tests.support.int8_gemm import quantized_weight as _weight
 from trillm.kernels import linear_q_cpu
+from trillm.testing.gguf_models import random_kquant_blocks
 
 pytestmark = pytest.mark.skipif(
     not linear_q_cpu.int8_available(), reason="no native kernel or no AVX512-VNNI"
@@ -25,6 +29,8 @@ pytestmark = pytest.mark.skipif(
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_G", "Q4_K"]
 FOUR_BIT = [t for t in TYPES if t != "Q8_0"]
 UNPACKED_MIN_ROWS = 16  # ext/cpu_gemm_q.cpp's kInt8UnpackedMinRows
+# the K-quant kernel forms from 16 rows: the GGUF type each is packed from
+KQUANT_FORMS = {"Q6_KP": "Q6_K", "Q5_KM": "Q5_K", "Q4_KM": "Q3_K"}
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -69,3 +75,35 @@ def test_q4_0_small_and_unpacked_kernels_are_exact_on_integer_sums():
     exact = torch.nn.functional.linear(x.double(), linear_q_cpu.dequantize(weight).double()).float()
     for m in (15, 16):
         assert torch.equal(linear_q_cpu.linear(x[:m], weight, int8_activations=True), exact[:m])
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("form", list(KQUANT_FORMS))
+def test_kquant_forms_every_row_count_and_from_16_rows_the_prefill_kernels_bits(form, threads):
+    # N past two pairs and not a multiple of 32; K in two passes (2,048 and 256 values) of
+    # whole super-blocks; rows strided (a view of wider rows, not from their start), bf16
+    gguf_type = KQUANT_FORMS[form]
+    n, k = 70, 2304
+    raw = random_kquant_blocks(gguf_type, n, k, seed=11)
+    weight = linear_q_cpu.QuantizedWeight(raw, int(GGMLQuantizationType[gguf_type]), n, k)
+    if weight.kernel_type != getattr(linear_q_cpu, form):
+        pytest.skip(f"{form}: this CPU packs {gguf_type} otherwise")
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(64, k + 40, generator=gen).bfloat16()[:, 24 : 24 + k]
+    assert x.stride(0) == k + 40
+    full = linear_q_cpu.linear(x, weight, out_dtype=torch.float32, int8_activations=True)
+    ref = _reference(x.float(), weight)
+    torch.testing.assert_close(full, ref, atol=2e-6 * float(ref.abs().max()) * k**0.5, rtol=1e-5)
+    # from 16 rows the same kernel; below, tile_vnni: for these types the same integer sums and
+    # the same fp32 steps per half block, so the same bits too
+    for m in range(1, 64):
+        got = linear_q_cpu.linear(x[:m], weight, out_dtype=torch.float32, int8_activations=True)
+        kernel = "prefill" if m >= UNPACKED_MIN_ROWS else "tile_vnni"
+        assert torch.equal(got, full[:m]), f"{form}, {threads} threads, {m} rows ({kernel})"
