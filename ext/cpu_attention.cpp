@@ -369,7 +369,8 @@ class Plan {
 
   // The items of the run on attend_item_paged_dp or _avx2 (bf16, no window or softcap): a
   // request of at least kPdpMinQueryRows query rows as (kv head, block of 96 / group rows)
-  // items, the most work first; the other requests' items as they are. Empty where neither runs.
+  // items, ordered by PdpShared::plan; the other requests' items as they are. Empty where
+  // neither runs.
   void plan_chunk_items() {
 #if TRILLM_PAGED_DP
     if (!cpu_has_avx2() || !paged_dp_layout(p_.num_heads, p_.num_kv_heads, p_.head_dim)) return;
@@ -386,13 +387,8 @@ class Plan {
       }
     }
     if (long_items.empty()) return;
-    auto work = [&](const Item& it) {  // keys x rows
-      const int query_len = p_.query_start_loc[it.req + 1] - p_.query_start_loc[it.req];
-      const int64_t keys = p_.seq_lens[it.req] - query_len + it.row_end;
-      return keys * (it.row_end - it.row_begin);
-    };
-    std::stable_sort(long_items.begin(), long_items.end(),
-                     [&](const Item& a, const Item& b) { return work(a) > work(b); });
+    // (the most work first; in batches of units whose packed tiles fit the scratch)
+    pdp_.plan(p_, long_items, chunk_pack_bytes().load(std::memory_order_relaxed));
     chunk_long_ = static_cast<int>(long_items.size());
     chunk_items_ = std::move(long_items);
     chunk_items_.insert(chunk_items_.end(), rest.begin(), rest.end());
@@ -439,11 +435,15 @@ class Plan {
     if (chunk_long_ > 0 && dtype == 1 && cache_dtype == 1 && window == 0 && softcap == 0.0f &&
         chunks != kChunkTile && !force_generic().load(std::memory_order_relaxed)) {
       const Kernel long_kernel =
-          chunks == kChunkBf16Dot ? &attend_item_paged_dp : &attend_item_paged_avx2;
+          chunks == kChunkAvx2 ? &attend_item_paged_avx2 : +[](const Problem& q, const Item& it) {
+            attend_item_paged_dp(q, it);  // (per item: "bf16-dot-per-item")
+          };
       const int n = static_cast<int>(chunk_items_.size());
       const int n_long = chunk_long_;
-      chunk_items_run[chunks].fetch_add(n_long, std::memory_order_relaxed);
+      chunk_items_run[std::min(chunks, 2)].fetch_add(n_long, std::memory_order_relaxed);
       py::gil_scoped_release release;
+      if (chunks == kChunkBf16Dot)  // each kv head's tiles packed once (PdpShared)
+        return pdp_.run(p, num_threads_, chunk_items_, [&](int i) { kernel(p, chunk_items_[i]); });
       run_items(num_threads_, n, [&](int i) {
         if (i < n_long) long_kernel(p, chunk_items_[i]);
         else kernel(p, chunk_items_[i]);
@@ -461,6 +461,9 @@ class Plan {
   std::vector<Item> items_;
   std::vector<Item> chunk_items_;  // plan_chunk_items
   int chunk_long_ = 0;  // its first chunk_long_ items run on attend_item_paged_dp or _avx2
+#if TRILLM_PAGED_DP
+  PdpShared pdp_;  // "bf16-dot": the batches of those items and their tiles' packing
+#endif
   int num_threads_;
 };
 
@@ -515,6 +518,12 @@ void register_cpu_attention(py::module_& m) {
         throw std::invalid_argument("the chunk kernels that count items: 'bf16-dot', 'avx2'");
       },
       py::arg("name"), "Work items the named chunk kernel has run in this process (tests).");
+  m.def(
+      "paged_chunk_pack_bytes",
+      [](int64_t n) { return n < 0 ? chunk_pack_bytes().load() : chunk_pack_bytes().exchange(n); },
+      py::arg("n") = -1,
+      "The most bytes of tiles 'bf16-dot' packs at once, for plans made after; n < 0 leaves it. "
+      "-> the setting before. For tests.");
   m.def("paged_decode_kernel", &paged_decode_kernel, py::arg("name") = "",
         "The kernel of bf16 decode rows over a bf16 cache: 'bf16-dot' (AVX512-BF16) or "
         "'one-row' (the best the CPU has by default); name '' leaves it. -> the kernel before. "

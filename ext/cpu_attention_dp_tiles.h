@@ -53,6 +53,21 @@ TRILLM_DOT_TARGET inline void pack_value_pairs(Row row, int n, int D, uint16_t* 
   }
 }
 
+// A tile packed once for every item that reads it (the paged kernel's long chunks: each kv
+// head's keys and values of a request packed once per call, not once per item): its 64 keys'
+// pairs [D/2][64][2] (pack_key_pairs_64), then their values' [32][D][2] (pack_value_pairs).
+constexpr int64_t kDotTileElems(int D) { return 2 * static_cast<int64_t>(kDotKeys) * D; }
+
+// Keys (values false) or values key0 .. key0 + n -> row pointers: tile_rows(values, key0, n).
+template <typename TileRows>
+TRILLM_DOT_TARGET inline void pack_dot_tile(TileRows& tile_rows, int key0, int n, int D,
+                                            uint16_t* tile) {
+  const Bf16* const* rows = tile_rows(false, key0, n);
+  pack_key_pairs_64([rows](int t) { return rows[t]; }, n, D, reinterpret_cast<uint32_t*>(tile));
+  rows = tile_rows(true, key0, n);
+  pack_value_pairs([rows](int t) { return rows[t]; }, n, D, tile + kDotKeys * D);
+}
+
 // bf16 -> fp32, 16 lanes.
 TRILLM_DOT_TARGET inline __attribute__((always_inline)) __m512 widen16_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -174,9 +189,14 @@ TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_accumulate_cols
 // each vector's largest; (2) per row the rounded softmax in bf16, 0 past the row's position
 // up to the next tile's end (a block's later vectors read those); (3) acc [M][D] += P . V
 // (pairs: an odd count's partner key has p = 0 for every row of the block and a zero value).
+// shared: nullptr (each tile packed here, from tile_rows) or the tiles packed already, tile t at
+// shared + t * kDotTileElems(D) (pack_dot_tile; keys past this item's may follow in its last
+// tile: their scores are neither kept nor counted; an odd count's last value tile is packed
+// here, its partner zero as above).
 template <typename TileRows>
 TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, const int* pos,
-                                             float scale, TileRows&& tile_rows, float* acc) {
+                                             float scale, TileRows&& tile_rows, float* acc,
+                                             const uint16_t* shared = nullptr) {
   const int key_end = pos[M - 1] + 1;
   const int stride = (key_end + kDotKeys - 1) / kDotKeys * kDotKeys;  // whole tiles
   alignas(64) static thread_local uint32_t kp[kDotKeys / 2 * 256];    // K pairs (D <= 256)
@@ -193,8 +213,13 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
 
   for (int key0 = 0; key0 < key_end; key0 += kDotKeys) {
     const int n = std::min(kDotKeys, key_end - key0);
-    const Bf16* const* rows = tile_rows(false, key0, n);
-    pack_key_pairs_64([rows](int t) { return rows[t]; }, n, D, kp);
+    const uint32_t* kt = kp;
+    if (shared != nullptr) {
+      kt = reinterpret_cast<const uint32_t*>(shared + key0 / kDotKeys * kDotTileElems(D));
+    } else {
+      const Bf16* const* rows = tile_rows(false, key0, n);
+      pack_key_pairs_64([rows](int t) { return rows[t]; }, n, D, kp);
+    }
     for (int i = 0; i < M; i += kDotRows) {
       const int nrows = std::min(kDotRows, M - i);
       const int seen = std::min(n, pos[i + nrows - 1] - key0 + 1);
@@ -204,12 +229,12 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
       float* mx = rmax + i;
       const int* pi = pos + i;
       switch (nrows) {  // (no generic lambda: it would not carry this function's target)
-        case 6: dot_scores<6>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
-        case 5: dot_scores<5>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
-        case 4: dot_scores<4>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
-        case 3: dot_scores<3>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
-        case 2: dot_scores<2>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
-        default: dot_scores<1>(qi, D, kp, s, stride, seen, vscale, pi, key0, mx); break;
+        case 6: dot_scores<6>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
+        case 5: dot_scores<5>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
+        case 4: dot_scores<4>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
+        case 3: dot_scores<3>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
+        case 2: dot_scores<2>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
+        default: dot_scores<1>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
       }
     }
   }
@@ -247,8 +272,13 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
   }
   for (int key0 = 0; key0 < key_end; key0 += kDotKeys) {
     const int n = std::min(kDotKeys, key_end - key0);
-    const Bf16* const* rows = tile_rows(true, key0, n);
-    pack_value_pairs([rows](int t) { return rows[t]; }, n, D, vp);
+    const uint16_t* vt = vp;
+    if (shared != nullptr && n % 2 == 0) {
+      vt = shared + key0 / kDotKeys * kDotTileElems(D) + kDotKeys * D;
+    } else {
+      const Bf16* const* rows = tile_rows(true, key0, n);
+      pack_value_pairs([rows](int t) { return rows[t]; }, n, D, vp);
+    }
     for (int i = 0; i < M; i += kDotRows) {
       const int nrows = std::min(kDotRows, M - i);
       const int keys = std::min(n, pos[i + nrows - 1] - key0 + 1);
@@ -257,21 +287,23 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
       const int pairs = (keys + 1) / 2;
       float* o = acc + i * D;
       switch (nrows) {
-        case 6: dot_accumulate_cols<6>(pi, stride, vp, D, pairs, o); break;
-        case 5: dot_accumulate_cols<5>(pi, stride, vp, D, pairs, o); break;
-        case 4: dot_accumulate_cols<4>(pi, stride, vp, D, pairs, o); break;
-        case 3: dot_accumulate_cols<3>(pi, stride, vp, D, pairs, o); break;
-        case 2: dot_accumulate_cols<2>(pi, stride, vp, D, pairs, o); break;
-        default: dot_accumulate_cols<1>(pi, stride, vp, D, pairs, o); break;
+        case 6: dot_accumulate_cols<6>(pi, stride, vt, D, pairs, o); break;
+        case 5: dot_accumulate_cols<5>(pi, stride, vt, D, pairs, o); break;
+        case 4: dot_accumulate_cols<4>(pi, stride, vt, D, pairs, o); break;
+        case 3: dot_accumulate_cols<3>(pi, stride, vt, D, pairs, o); break;
+        case 2: dot_accumulate_cols<2>(pi, stride, vt, D, pairs, o); break;
+        default: dot_accumulate_cols<1>(pi, stride, vt, D, pairs, o); break;
       }
     }
   }
 }
 
 // A whole bf16 item: `item` (FreshBf16Item, PagedChunk) gives M, D, pos, q_row(i), the tile
-// rows (operator()) and store_rows; its q rows copied, the passes, the rows stored.
+// rows (operator()) and store_rows; its q rows copied, the passes, the rows stored. shared: see
+// dot_item_tiles.
 template <typename ItemT>
-TRILLM_DOT_TARGET inline void dot_attend_item(ItemT& item, float scale) {
+TRILLM_DOT_TARGET inline void dot_attend_item(ItemT& item, float scale,
+                                              const uint16_t* shared = nullptr) {
   alignas(64) static thread_local uint16_t qs[96 * 256];  // [M][D] bf16
   alignas(64) static thread_local float acc[96 * 256];    // [M][D]
   const int D = item.D;
@@ -279,7 +311,7 @@ TRILLM_DOT_TARGET inline void dot_attend_item(ItemT& item, float scale) {
     std::memcpy(qs + i * D, item.q_row(i), D * sizeof(uint16_t));
     for (int d = 0; d < D; d += 16) _mm512_storeu_ps(acc + i * D + d, _mm512_setzero_ps());
   }
-  dot_item_tiles(qs, item.M, D, item.pos, scale, item, acc);
+  dot_item_tiles(qs, item.M, D, item.pos, scale, item, acc, shared);
   item.store_rows(acc);
 }
 

@@ -16,13 +16,15 @@ inline bool cpu_has_paged_dp() {
 
 // Which kernel runs the long bf16 chunks with context (Plan::plan_chunk_items): vdpbf16ps where
 // the CPU has AVX512-BF16, else the AVX2 tiles where it has AVX2 + FMA, else the tile kernel.
-// paged_chunk_kernel(name) picks another one the CPU has (tests, benchmarks).
-enum ChunkKernel : int { kChunkTile = 0, kChunkAvx2 = 1, kChunkBf16Dot = 2 };
-const char* const kChunkKernelNames[] = {"tile", "avx2", "bf16-dot"};
+// paged_chunk_kernel(name) picks another one the CPU has (tests, benchmarks); "bf16-dot-per-item"
+// is vdpbf16ps with each item packing its own key / value tiles, as before PdpShared
+// (ext/cpu_attention_paged_dp.h) packed them once per call (benchmarks, tests: the same bits).
+enum ChunkKernel : int { kChunkTile = 0, kChunkAvx2 = 1, kChunkBf16Dot = 2, kChunkBf16DotItem = 3 };
+const char* const kChunkKernelNames[] = {"tile", "avx2", "bf16-dot", "bf16-dot-per-item"};
 
 bool cpu_has_chunk_kernel(int k) {
 #if TRILLM_PAGED_DP
-  if (k == kChunkBf16Dot) return cpu_has_paged_dp();
+  if (k == kChunkBf16Dot || k == kChunkBf16DotItem) return cpu_has_paged_dp();
   if (k == kChunkAvx2) return cpu_has_avx2();
 #endif
   return k == kChunkTile;
@@ -33,15 +35,22 @@ std::atomic<int>& chunk_kernel() {
                                                                 : kChunkTile};
   return k;
 }
-// Items attend_item_paged_avx2 ([kChunkAvx2]) and _dp ([kChunkBf16Dot]) have run in this
-// process (tests: which one ran).
+// Items attend_item_paged_avx2 ([kChunkAvx2]) and _dp ([kChunkBf16Dot], either packing) have
+// run in this process (tests: which one ran).
 std::atomic<int64_t> chunk_items_run[3];
+
+// The most bytes of key / value tiles "bf16-dot" packs at once (PdpShared), read by the plans
+// made after it is set (tests: several batches, a unit packed per item).
+std::atomic<int64_t>& chunk_pack_bytes() {
+  static std::atomic<int64_t> n{int64_t{64} << 20};
+  return n;
+}
 
 // name "" leaves the setting; -> the kernel before.
 std::string paged_chunk_kernel(const std::string& name) {
   const std::string before = kChunkKernelNames[chunk_kernel().load()];
   if (name.empty()) return before;
-  for (int k = 0; k < 3; ++k) {
+  for (int k = 0; k < 4; ++k) {
     if (name != kChunkKernelNames[k]) continue;
     if (!cpu_has_chunk_kernel(k))
       throw std::runtime_error("this CPU (or build) has no '" + name + "' chunk kernel");

@@ -32,6 +32,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -64,6 +65,7 @@ struct Item {
   int start;   // the segment's first row
   int kv_head;
   int first, last;  // query positions first .. last - 1 of the segment
+  int seg;          // the segment's index
 };
 
 // What the two bf16 kernels of an item (attend_item_bf16 below; attend_item_bf16_dp on
@@ -258,6 +260,9 @@ bool set_bf16_dot(bool on) {
   return before;
 }
 
+// Off: each vdpbf16ps item packs its own key / value tiles (benchmarks, tests: the same bits).
+std::atomic<bool> shared_pack{true};
+
 bool prefill_supported() { return cpu_has_avx2(); }
 
 // segments: num_segments x (start row, length) int32 pairs.
@@ -291,7 +296,7 @@ void causal_prefill(uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintpt
     if (start < 0 || len < 0) throw std::invalid_argument("negative segment start or length");
     for (int first = 0; first < len; first += block)
       for (int h = 0; h < num_kv_heads; ++h)
-        items.push_back({start, h, first, std::min(len, first + block)});
+        items.push_back({start, h, first, std::min(len, first + block), s});
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
     return static_cast<int64_t>(a.last) * (a.last - a.first) >
@@ -299,7 +304,9 @@ void causal_prefill(uintptr_t out, uintptr_t q, uintptr_t k, uintptr_t v, uintpt
   });
   const int n = static_cast<int>(items.size());
   py::gil_scoped_release release;
-  if (dtype == 1 && bf16_dot.load())
+  if (dtype == 1 && bf16_dot.load() && shared_pack.load())
+    run_bf16_dp_shared(p, items, seg, num_segments, num_threads);
+  else if (dtype == 1 && bf16_dot.load())
     run_items(num_threads, n, [&](int i) { attend_item_bf16_dp(p, items[i]); });
   else if (dtype == 1)
     run_items(num_threads, n, [&](int i) { attend_item_bf16(p, items[i]); });
@@ -313,6 +320,10 @@ void register_cpu_prefill_attention(py::module_& m) {
   m.def("prefill_bf16_dot", &set_bf16_dot, py::arg("on"),
         "bf16 prompts on AVX512-BF16's vdpbf16ps (on where the CPU has it) or the AVX2 path; "
         "-> the setting before. For tests and benchmarks comparing the two.");
+  m.def(
+      "prefill_shared_pack", [](bool on) { return shared_pack.exchange(on); }, py::arg("on"),
+      "vdpbf16ps items read each kv head's tiles packed once per call (on) or pack their own; "
+      "-> the setting before. For tests and benchmarks.");
   m.def("prefill_supported", &prefill_supported,
         "Whether causal_prefill runs here (a CPU with AVX2 and FMA).");
   trillm_cpu::def_kernel(m, "causal_prefill", &causal_prefill, py::arg("out"), py::arg("q"), py::arg("k"),

@@ -8,8 +8,11 @@ ms is the kernel's own time, far steadier than wall time on a shared machine) an
 the causal attention math (4 * Hq * D per visible query-key pair). ``--kernels`` runs the
 later chunks on each named kernel of ``paged_chunk_kernel``, one after the other, ``--rounds``
 times alternated: ``tile`` (the fp32-FMA tile kernel), ``avx2`` (ext/cpu_attention_paged_avx2.h,
-the path of CPUs without AVX512-BF16, forced on one that has it) and ``bf16-dot`` (vdpbf16ps,
-ext/cpu_attention_paged_dp.h); the ones this CPU lacks are left out. ``--later-only`` skips the
+the path of CPUs without AVX512-BF16, forced on one that has it), ``bf16-dot`` (vdpbf16ps,
+ext/cpu_attention_paged_dp.h: each kv head's key / value tiles packed once per call) and
+``bf16-dot-per-item`` (the same with every work item packing its own tiles, as before: the
+fresh-prompt chunk too, ``prefill_shared_pack(False)``, while it runs); the ones this CPU lacks
+are left out. ``--later-only`` skips the
 first (fresh-prompt) chunk: the cache is filled directly.
 
     TRILLM_CPU_ATTENTION_THREADS=1 python benchmarks/kernels/chunked_prefill_attention.py \
@@ -113,7 +116,10 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, nargs="+", default=[4096])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--kernels", nargs="+", choices=["tile", "avx2", "bf16-dot"], default=["tile", "bf16-dot"]
+        "--kernels",
+        nargs="+",
+        choices=["tile", "avx2", "bf16-dot", "bf16-dot-per-item"],
+        default=["tile", "bf16-dot"],
     )
     parser.add_argument("--rounds", type=int, default=1, help="the kernels alternated, N times")
     parser.add_argument("--later-only", action="store_true")
@@ -134,6 +140,7 @@ def main() -> None:
             for r in range(args.rounds):
                 for kernel in kernels:
                     ext.paged_chunk_kernel(kernel)
+                    ext.prefill_shared_pack(kernel != "bf16-dot-per-item")
                     g = torch.Generator().manual_seed(0)
                     rows = chunks_of(args.prompt_len, chunk, args.repeats, g, args.later_only)
                     total = sum(r["ms"] for r in rows)
@@ -159,6 +166,7 @@ def main() -> None:
                     )
     finally:
         ext.paged_chunk_kernel(before)
+        ext.prefill_shared_pack(True)
     common.write_json(args.out, {"machine": common.machine_info(), "results": results})
 
 
