@@ -19,7 +19,89 @@ constexpr int kDecodeGroup = 8;
 constexpr int kDecodeChunk = 64;
 thread_local volatile float touch_sink;  // keeps the touching loads
 
+// Shared (attend_decode<..., true>, the "avx2" decode kernel): each key / value row is widened
+// once for a block of up to kShareVectors query vectors of its kv head instead of once per vector
+// (the cost of a bf16 or fp8 row's widening is then shared by the GQA group), with every lane's
+// sums taken in the same order as the per-vector loops: the same bits.
+constexpr int kShareVectors = 4;
+
+// dst[r][0 .. 8) = the scores of R query vectors (qv rows of NV, in a row) against the 8 key
+// rows k[0 .. 8), two keys at a time.
+template <typename T, typename C, int NV, int R>
+TRILLM_INLINE void shared_scores8(const Problem& p, const v8f* qv, const C* const* k,
+                                  float* const* dst) {
+  v8f a[R][kDecodeGroup];
+  for (int i = 0; i < kDecodeGroup; i += 2) {
+    v8f x0[R], x1[R];
+    {
+      const v8f k0 = load8(k[i]), k1 = load8(k[i + 1]);
+      for (int r = 0; r < R; ++r) x0[r] = qv[r * NV] * k0, x1[r] = qv[r * NV] * k1;
+    }
+    for (int j = 1; j < NV; ++j) {
+      const v8f k0 = load8(k[i] + 8 * j), k1 = load8(k[i + 1] + 8 * j);
+      for (int r = 0; r < R; ++r) {
+        x0[r] += qv[r * NV + j] * k0;
+        x1[r] += qv[r * NV + j] * k1;
+      }
+    }
+    for (int r = 0; r < R; ++r) a[r][i] = x0[r], a[r][i + 1] = x1[r];
+  }
+  for (int r = 0; r < R; ++r) {
+    const v8f sums = finish_scores<T>(sum_lanes8(a[r]), p);
+    std::memcpy(dst[r], &sums, sizeof(sums));
+  }
+}
+
+// acc[r][0 .. NV) += sum_u w[r][u] * v_u for R query vectors over the n value rows rows[u], keys
+// in order; two lanes of 8 at a time, each value row's pair widened once for the R vectors.
+template <typename C, int NV, int R>
+TRILLM_INLINE void shared_pv(const float* const* w, const C* const* rows, int n, v8f* acc) {
+  for (int j = 0; j < NV; j += 2) {
+    v8f o0[R], o1[R];
+    for (int r = 0; r < R; ++r) o0[r] = acc[r * NV + j], o1[r] = acc[r * NV + j + 1];
+    for (int u = 0; u < n; ++u) {
+      const v8f x0 = load8(rows[u] + 8 * j), x1 = load8(rows[u] + 8 * j + 8);
+      for (int r = 0; r < R; ++r) {
+        const v8f wr = splat(w[r][u]);
+        o0[r] += wr * x0;
+        o1[r] += wr * x1;
+      }
+    }
+    for (int r = 0; r < R; ++r) acc[r * NV + j] = o0[r], acc[r * NV + j + 1] = o1[r];
+  }
+}
+
+// The two above over a kv head's group of query vectors (qv / acc rows from its first, dst / w
+// one pointer a vector), in blocks of up to kShareVectors. (No lambdas: a lambda's body is not
+// compiled for the target of the function it is written in.)
 template <typename T, typename C, int NV>
+TRILLM_INLINE void shared_scores_group(const Problem& p, int group, const v8f* qv,
+                                       const C* const* k, float* const* dst) {
+  for (int g = 0; g < group; g += kShareVectors) {
+    const v8f* qg = qv + g * NV;
+    switch (std::min(kShareVectors, group - g)) {
+      case 4: shared_scores8<T, C, NV, 4>(p, qg, k, dst + g); break;
+      case 3: shared_scores8<T, C, NV, 3>(p, qg, k, dst + g); break;
+      case 2: shared_scores8<T, C, NV, 2>(p, qg, k, dst + g); break;
+      default: shared_scores8<T, C, NV, 1>(p, qg, k, dst + g); break;
+    }
+  }
+}
+template <typename C, int NV>
+TRILLM_INLINE void shared_pv_group(int group, const float* const* w, const C* const* rows, int n,
+                                   v8f* acc) {
+  for (int g = 0; g < group; g += kShareVectors) {
+    v8f* ag = acc + g * NV;
+    switch (std::min(kShareVectors, group - g)) {
+      case 4: shared_pv<C, NV, 4>(w + g, rows, n, ag); break;
+      case 3: shared_pv<C, NV, 3>(w + g, rows, n, ag); break;
+      case 2: shared_pv<C, NV, 2>(w + g, rows, n, ag); break;
+      default: shared_pv<C, NV, 1>(w + g, rows, n, ag); break;
+    }
+  }
+}
+
+template <typename T, typename C, int NV, bool Shared = false>
 TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   constexpr int D = NV * 8;
   const int group = p.num_heads / p.num_kv_heads;
@@ -72,6 +154,7 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
     v8f sink = splat(0.0f);
     for (int c = 0; c < ng; ++c) {
       group_slots(g0 + c, slots[c]);
+      if (Shared && g0 > 0) continue;  // prefetched during the chunk before
       for (int i = 0; i < kDecodeGroup; ++i) {
         const C* kr = kc + slots[c][i];
         const C* vr = vc + slots[c][i];
@@ -80,9 +163,34 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
       }
     }
     touch_sink = sink[0];
+    // Shared: the next chunk's rows are prefetched (into L2) while this one is computed.
+    for (int c = 0; Shared && c < std::min(kGroups, groups - g0 - kGroups); ++c) {
+      int64_t next[kDecodeGroup];
+      group_slots(g0 + kGroups + c, next);
+      for (int i = 0; i < kDecodeGroup; ++i) {
+        for (int b = 0; b < span_bytes / static_cast<int>(sizeof(C)); b += 64 / sizeof(C)) {
+          __builtin_prefetch(kc + next[i] + b, 0, 2);  // to L2: L1 holds this chunk
+          __builtin_prefetch(vc + next[i] + b, 0, 2);
+        }
+      }
+    }
     // (1) Scores of the chunk.
     for (int c = 0; c < ng; ++c) {
       const int64_t* slot = slots[c];
+      if (Shared) {
+        for (int hh = 0; hh < heads; ++hh) {
+          const C* k[kDecodeGroup];
+          for (int i = 0; i < kDecodeGroup; ++i) k[i] = kc + slot[i] + hh * D;
+          float* dst[kMaxVectors];
+          for (int g = 0; g < group; ++g) {
+            const int v = hh * group + g;
+            dst[g] = kBf16Scores<T> ? all + static_cast<int64_t>(v) * stride + (g0 + c) * kDecodeGroup
+                                    : scores + v * kDecodeChunk + c * kDecodeGroup;
+          }
+          shared_scores_group<T, C, NV>(p, group, qv + hh * group * NV, k, dst);
+        }
+        continue;
+      }
       for (int v = 0; v < nvec; ++v) {
         const int64_t h = (v / group) * D;
         const v8f* qr = qv + v * NV;
@@ -123,6 +231,10 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
       const float correction = exp_nonpositive(splat(m[v] - chunk_max))[0];  // 0 at first
       l[v] = l[v] * correction + hsum(sum);
       m[v] = chunk_max;
+      if (Shared) {  // (3) for the whole group below
+        for (int j = 0; j < NV; ++j) acc[v * NV + j] = acc[v * NV + j] * splat(correction);
+        continue;
+      }
       // (3) acc = acc * correction + sum_t w_t v_t.
       const int64_t h = (v / group) * D;
       v8f r[NV];
@@ -137,8 +249,47 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
       }
       for (int j = 0; j < NV; ++j) acc[v * NV + j] = r[j];
     }
+    if (Shared) {  // (3) acc (already times its correction) += sum_t w_t v_t, a group at a time
+      for (int hh = 0; hh < heads; ++hh) {
+        for (int c = 0; c < ng; ++c) {
+          const C* vr[kDecodeGroup];
+          for (int i = 0; i < kDecodeGroup; ++i) vr[i] = vc + slots[c][i] + hh * D;
+          const float* w[kMaxVectors];
+          for (int g = 0; g < group; ++g)
+            w[g] = scores + (hh * group + g) * kDecodeChunk + c * kDecodeGroup;
+          shared_pv_group<C, NV>(group, w, vr, kDecodeGroup, acc + hh * group * NV);
+        }
+      }
+    }
   }
-  if (kBf16Scores<T>) {
+  if (kBf16Scores<T> && Shared) {
+    // The rounded softmax of each vector, then P @ V a chunk of keys at a time for the group
+    // (rounded_softmax_pv's sums, in its order).
+    const int n = key_end - key_begin;
+    for (int v = 0; v < nvec; ++v) {
+      float* row = all + static_cast<int64_t>(v) * stride;
+      if (p.softcap > 0.0f) soft_cap(row, n, p.softcap);
+      rounded_softmax_row(row, n);
+    }
+    const C* vr[kKeyChunk];
+    const C* hr[kKeyChunk];
+    for (int start = key_begin; start < key_end; start += kKeyChunk) {
+      const int cn = std::min(kKeyChunk, key_end - start);
+      for (int t = 0; t < cn; ++t) {
+        const int key = start + t;
+        vr[t] = vc + (static_cast<int64_t>(blocks[key / p.block_size]) * p.block_size +
+                      key % p.block_size) * slot_elems;
+      }
+      for (int hh = 0; hh < heads; ++hh) {
+        for (int t = 0; t < cn; ++t) hr[t] = vr[t] + hh * D;
+        const float* w[kMaxVectors];
+        for (int g = 0; g < group; ++g)
+          w[g] = all + static_cast<int64_t>(hh * group + g) * stride + (start - key_begin);
+        shared_pv_group<C, NV>(group, w, hr, cn, acc + hh * group * NV);
+      }
+    }
+    for (int v = 0; v < nvec; ++v) l[v] = 1.0f;  // acc is the output
+  } else if (kBf16Scores<T>) {
     int lo[kMaxVectors], hi[kMaxVectors];
     int64_t off[kMaxVectors];
     for (int v = 0; v < nvec; ++v) lo[v] = key_begin, hi[v] = key_end - 1, off[v] = (v / group) * D;

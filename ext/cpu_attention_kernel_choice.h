@@ -61,11 +61,11 @@ std::string paged_chunk_kernel(const std::string& name) {
 }
 
 // Which kernel runs the one-row items (decode rows), head_dim 64 or 128: for bf16 q over a bf16
-// cache vdpbf16ps (attend_decode_dp) where the CPU has AVX512-BF16; the other dtypes there, and
-// every dtype on CPUs with AVX2 + FMA only, the one-row kernel with each key / value row widened
-// once for a block of its GQA group (attend_decode<..., true>, "avx2"); else (and for
-// "one-row") the one-row kernel widening the rows per query vector. paged_decode_kernel(name)
-// picks another one the CPU has (tests, benchmarks).
+// cache vdpbf16ps (attend_decode_dp) where the CPU has AVX512-BF16; the other bf16 / fp8 caches
+// there, and both on CPUs with AVX2 + FMA only, the one-row kernel with each key / value row
+// widened once for a block of its GQA group (attend_decode<..., true>, "avx2"); fp32 caches (and
+// everything under "one-row") the one-row kernel widening the rows per query vector.
+// paged_decode_kernel(name) picks another one the CPU has (tests, benchmarks).
 enum DecodeKernel : int { kDecodeRow = 0, kDecodeBf16Dot = 1, kDecodeAvx2 = 2 };
 const char* const kDecodeKernelNames[] = {"one-row", "bf16-dot", "avx2"};
 

@@ -15,6 +15,14 @@ on both bf16 decode kernels, alternated in one process (``one-row``: ext/cpu_att
 ``--shape smollm2``: SmolLM2-135M's (9 query / 3 kv heads of 64, bf16, 30 layers by default;
 batch 16 over 256 / 320 / 384 keys: a concurrency-16 run of 256-token prompts and 128 outputs,
 at its start, middle and end; and batch 1 over 320), both kernels alike.
+With either shape, ``--cache fp8`` / ``fp32`` times that cache instead of bf16, ``--cases
+1x1024 16x1024`` (batch x keys) picks cases, ``--kernels`` the decode kernels (default: every
+one the CPU has; ``avx2``: ext/cpu_attention_decode.h widening each key / value row once for a
+block of the GQA group, AVX2 + FMA, bf16 / fp8 caches; under ``bf16-dot`` fp8 caches run
+``avx2``, and fp32 caches run ``one-row`` under either).
+
+    python benchmarks/kernels/decode_attention.py --shape 1b --repeats 7 --cache fp8 \
+        --cases 1x1024 16x1024 --kernels one-row avx2
 """
 
 from __future__ import annotations
@@ -42,14 +50,24 @@ CASES_SMOLLM2 = ((16, 256), (16, 320), (16, 384), (1, 320))
 SHAPES = {"1b": ((32, 8), CASES_1B, 16), "smollm2": ((9, 3), CASES_SMOLLM2, 30)}
 
 
-def make_step(batch: int, ctx: int, layers: int, heads: tuple[int, int], dtype: torch.dtype):
+def make_step(
+    batch: int,
+    ctx: int,
+    layers: int,
+    heads: tuple[int, int],
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
+):
     """(one decode step's attention over `layers` caches, K / V bytes a layer reads)."""
+    cache_dtype = cache_dtype or dtype
     hq, hkv = heads
     g = torch.Generator().manual_seed(batch + ctx)
     seq = [ctx + 1] * batch
     per_req = (ctx + 1 + BS - 1) // BS
     blocks = batch * per_req
-    caches = [torch.randn(2, blocks, BS, hkv, D, generator=g).to(dtype) for _ in range(layers)]
+    caches = [
+        torch.randn(2, blocks, BS, hkv, D, generator=g).to(cache_dtype) for _ in range(layers)
+    ]
     table = torch.randperm(blocks, generator=g).to(torch.int32).view(batch, per_req)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     seq_lens = torch.tensor(seq, dtype=torch.int32)
@@ -61,7 +79,7 @@ def make_step(batch: int, ctx: int, layers: int, heads: tuple[int, int], dtype: 
         for cache in caches:
             plan.run(q, cache, D**-0.5, out)
 
-    return step, batch * (ctx + 1) * hkv * D * dtype.itemsize * 2
+    return step, batch * (ctx + 1) * hkv * D * cache_dtype.itemsize * 2
 
 
 def kernel_ms(batch: int, ctx: int, layers: int, repeats: int) -> tuple[float, int]:
@@ -70,25 +88,32 @@ def kernel_ms(batch: int, ctx: int, layers: int, repeats: int) -> tuple[float, i
     return common.median_thread_ms(step, repeats) / layers, nbytes
 
 
-def compare_bf16(shape: str, layers: int, repeats: int) -> None:
-    """Both bf16 decode kernels at a model's shape (SHAPES), alternated call by call."""
+CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
+
+
+def compare_bf16(
+    shape: str, layers: int, repeats: int, cache="bf16", kernels=None, cases=None
+) -> None:
+    """The decode kernels (bf16 q) at a model's shape (SHAPES), alternated call by call."""
     import statistics
     import time
 
     from trillm._ext import cpu_kernels
 
     ext = cpu_kernels.attention
-    names = ["one-row"]
-    try:
-        ext.paged_decode_kernel("bf16-dot")
-        names.append("bf16-dot")
-    except RuntimeError:
-        print("(this CPU has no AVX512-BF16: the one-row kernel only)")
     before = ext.paged_decode_kernel()
+    names = []
+    for name in kernels or ["one-row", "avx2", "bf16-dot"]:
+        try:
+            ext.paged_decode_kernel(name)
+            names.append(name)
+        except RuntimeError:
+            print(f"(this CPU has no {name!r} decode kernel)")
+    print(f"bf16 q, {cache} cache")
     print("batch  keys  kernel    ms/step (thread CPU, all layers)  K/V GB/s")
-    heads, cases, _ = SHAPES[shape]
-    for batch, ctx in cases:
-        step, nbytes = make_step(batch, ctx, layers, heads, torch.bfloat16)
+    heads, shape_cases, _ = SHAPES[shape]
+    for batch, ctx in cases or shape_cases:
+        step, nbytes = make_step(batch, ctx, layers, heads, torch.bfloat16, CACHES[cache])
         times: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(repeats):
             for name in names:
@@ -114,10 +139,15 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--shape", choices=["small", *SHAPES], default="small")
+    parser.add_argument("--cache", choices=sorted(CACHES), default="bf16", help="1b, smollm2")
+    parser.add_argument("--kernels", nargs="+", help="1b, smollm2: default every one the CPU has")
+    parser.add_argument("--cases", nargs="+", help="1b, smollm2: BATCHxKEYS, e.g. 1x1024")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.shape in SHAPES:
-        compare_bf16(args.shape, args.layers or SHAPES[args.shape][2], args.repeats)
+        cases = [tuple(int(x) for x in c.split("x")) for c in args.cases or []]
+        layers = args.layers or SHAPES[args.shape][2]
+        compare_bf16(args.shape, layers, args.repeats, args.cache, args.kernels, cases)
         return
     args.layers = args.layers or 8
     print("batch  keys  ms/layer  kernel GB/s  plain read GB/s (same bytes x layers)")
