@@ -141,9 +141,11 @@ def _is_int(text: str) -> bool:
 
 
 _XARG_SCALARS = (str, int, float)  # bool is an int, as in vLLM's schema
-# The values of one request's vllm_xargs (a list counts its entries): each sample of n carries
-# a deep copy; 1,000,000 entries with n=64 held the event loop 53 s, and a request beside it.
+# The values of one request's vllm_xargs (a list counts its entries) and their strings'
+# characters: each sample of n carries a copy; 1,000,000 entries with n=64 held the event loop
+# 53 s, one 8 MB string with n=128 20 s, and a request beside it as long.
 MAX_XARGS_VALUES = 4096
+MAX_XARGS_CHARS = 65536
 
 
 def _xargs(xargs: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -155,6 +157,18 @@ def _xargs(xargs: dict[str, Any] | None) -> dict[str, Any] | None:
         raise BadRequestError(
             f"'vllm_xargs' holds {values} values (a list counts its entries), more than the "
             f"limit of {MAX_XARGS_VALUES}.",
+            "vllm_xargs",
+        )
+    chars = sum(map(len, xargs)) + sum(
+        len(item)
+        for value in xargs.values()
+        for item in (value if isinstance(value, list) else [value])
+        if isinstance(item, str)
+    )
+    if chars > MAX_XARGS_CHARS:
+        raise BadRequestError(
+            f"'vllm_xargs' holds {chars} characters in its keys and strings, more than the "
+            f"limit of {MAX_XARGS_CHARS}.",
             "vllm_xargs",
         )
     for key, value in xargs.items():
