@@ -15,6 +15,7 @@ import attrs
 
 from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.entrypoints.openai.schemas.protocol import (
+    MAX_CACHE_SALT_CHARS,
     MAX_REQUEST_ID_CHARS,
     MAX_REQUEST_TIMEOUT_S,
     _f,
@@ -107,7 +108,7 @@ class ResponsesRequest:
     seed: int | None = _f(None, ge=INT64_MIN, le=INT64_MAX)
     request_id: str | None = _f(None, max_chars=MAX_REQUEST_ID_CHARS)
     priority: int = 0
-    cache_salt: str | None = None
+    cache_salt: str | None = _f(None, max_chars=MAX_CACHE_SALT_CHARS)
     timeout: float | None = _f(None, gt=0.0, le=MAX_REQUEST_TIMEOUT_S)
     vllm_xargs: dict[str, Any] | None = _f(None, max_len=256)  # -> extra_args, as on chat
     thinking_token_budget: int | None = _f(None, ge=-1)  # as on chat (--reasoning-parser)
