@@ -11,12 +11,14 @@ ulps of an O(1) output (within 4e-6)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
 
+from tests.support.decode_attention import attention_ext as _ext
+from tests.support.decode_attention import decode_problem as _problem
+from tests.support.decode_attention import run_decode as _run
 from trillm.kernels import paged_attention_cpu, paged_attention_torch
 
 pytestmark = pytest.mark.skipif(
@@ -25,55 +27,6 @@ pytestmark = pytest.mark.skipif(
 
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 QS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _ext():
-    from trillm._ext import cpu_kernels
-
-    return cpu_kernels.attention
-
-
-@contextlib.contextmanager
-def _decode_kernel(name):
-    ext = _ext()
-    try:
-        before = ext.paged_decode_kernel(name)
-    except RuntimeError:
-        pytest.skip(f"this CPU has no {name!r} decode kernel")
-    try:
-        yield
-    finally:
-        ext.paged_decode_kernel(before)
-
-
-def _problem(seq_lens, *, heads, kv_heads, head_dim, q_dtype, cache_dtype, block_size=16, seed=0):
-    """One decode row per request over a shuffled block table; every slot the requests do not
-    own (unused blocks, tails past a request's last key) holds NaN."""
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(need) + 2
-    order = torch.randperm(num_blocks, generator=g)
-    table = torch.full((len(seq_lens), max(need) + 1), num_blocks - 1, dtype=torch.int32)
-    kv = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"))
-    first = 0
-    for r, (s, n) in enumerate(zip(seq_lens, need)):
-        ids = order[first : first + n]
-        first += n
-        table[r, :n] = ids
-        rows = kv[:, ids].reshape(2, n * block_size, kv_heads, head_dim)
-        rows[:, :s] = 1.5 * torch.randn(2, s, kv_heads, head_dim, generator=g)
-        kv[:, ids] = rows.view(2, n, block_size, kv_heads, head_dim)
-    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(q_dtype)
-    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
-    return q, kv.to(cache_dtype), qsl, torch.tensor(seq_lens, dtype=torch.int32), table
-
-
-def _run(problem, kernel, **kwargs):
-    q, kv, qsl, seq_lens, table = problem
-    with _decode_kernel(kernel):
-        return paged_attention_cpu.paged_attention(
-            q, kv, qsl, seq_lens, table, q.shape[-1] ** -0.5, **kwargs
-        )
 
 
 def _fp64_reference(problem, window=None, softcap=None):

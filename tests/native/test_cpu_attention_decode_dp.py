@@ -9,69 +9,17 @@ by a bf16 step or two of an O(1) value."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
+from tests.support.decode_attention import attention_ext as _attention_ext
+from tests.support.decode_attention import decode_problem as _problem
+from tests.support.decode_attention import run_decode as _run
 from trillm.kernels import paged_attention_cpu, paged_attention_torch
 
 pytestmark = pytest.mark.skipif(
     not paged_attention_cpu.available(), reason="trillm._ext.cpu_kernels is not built"
 )
-
-
-def _attention_ext():
-    from trillm._ext import cpu_kernels
-
-    return cpu_kernels.attention
-
-
-@contextlib.contextmanager
-def _decode_kernel(name):
-    ext = _attention_ext()
-    try:
-        before = ext.paged_decode_kernel(name)
-    except RuntimeError:
-        pytest.skip(f"this CPU has no {name!r} decode kernel")
-    try:
-        yield
-    finally:
-        ext.paged_decode_kernel(before)
-
-
-def _problem(seq_lens, *, heads, kv_heads, head_dim, block_size=16, seed=0, nan_fill=True):
-    """One decode row per request over a scattered bf16 cache whose unused blocks and slots
-    past each request's last key hold NaN (nan_fill): read, they would poison the output."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_needed) + 3
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.full((len(seq_lens), max(blocks_needed) + 2), num_blocks - 1, dtype=torch.int32)
-    kv = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"))
-    if not nan_fill:
-        kv.normal_(generator=g)
-    used = 0
-    for i, (s, n) in enumerate(zip(seq_lens, blocks_needed)):
-        ids = perm[used : used + n]
-        used += n
-        table[i, :n] = ids
-        flat = kv[:, ids].reshape(2, n * block_size, kv_heads, head_dim)
-        flat[:, :s] = 1.5 * torch.randn(2, s, kv_heads, head_dim, generator=g)
-        kv[:, ids] = flat.view(2, n, block_size, kv_heads, head_dim)
-    tokens = len(seq_lens)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
-    q = qkv.to(torch.bfloat16)[:, : heads * head_dim].view(tokens, heads, head_dim)
-    qsl = torch.arange(tokens + 1, dtype=torch.int32)
-    return q, kv.to(torch.bfloat16), qsl, torch.tensor(seq_lens, dtype=torch.int32), table
-
-
-def _run(problem, kernel, **kwargs):
-    q, kv, qsl, seq_lens, table = problem
-    with _decode_kernel(kernel):
-        return paged_attention_cpu.paged_attention(
-            q, kv, qsl, seq_lens, table, q.shape[-1] ** -0.5, **kwargs
-        )
 
 
 def _assert_near(out, ref, *, share=0.01):
