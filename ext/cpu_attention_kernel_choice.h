@@ -6,9 +6,7 @@
 
 inline bool cpu_has_paged_dp() {
 #if TRILLM_PAGED_DP
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  return cpu_has_avx512bf16();
 #else
   return false;
 #endif

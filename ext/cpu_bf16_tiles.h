@@ -23,16 +23,7 @@ namespace {
 constexpr int kPanelCols = 64;  // output columns per packed panel: four 16-lane fp32 vectors
 constexpr int kRowBlock = 192;  // rows of x per work item (bf16: 192 x K x 2 bytes in L2)
 
-// Checked at run time (__builtin_cpu_supports): the GEMMs refuse to run without it.
-inline bool cpu_has_avx512bf16() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
+// cpu_has_avx512bf16() (cpu_common.h), checked at run time: the GEMMs refuse to run without it.
 
 inline int num_panels(int N) { return (N + kPanelCols - 1) / kPanelCols; }
 

@@ -349,4 +349,16 @@ inline bool cpu_has_avx2() {
 #endif
 }
 
+// Whether AVX512F/BW/VL and AVX512-BF16 (vdpbf16ps) run here: the bf16 GEMMs and the
+// attention's vdpbf16ps kernels pick it at run time.
+inline bool cpu_has_avx512bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 }  // namespace

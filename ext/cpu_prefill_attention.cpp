@@ -243,15 +243,7 @@ void attend_item_bf16(const Problem& p, const Item& it) {
 namespace {
 
 // Whether bf16 items run on vdpbf16ps (AVX512-BF16 here, not turned off by set_bf16_dot).
-inline bool cpu_has_avx512bf16_dot() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
+inline bool cpu_has_avx512bf16_dot() { return cpu_has_avx512bf16(); }
 std::atomic<bool> bf16_dot{cpu_has_avx512bf16_dot()};
 
 bool set_bf16_dot(bool on) {
