@@ -44,18 +44,27 @@ std::atomic<int64_t>& chunk_pack_bytes() {
   return n;
 }
 
-// name "" leaves the setting; -> the kernel before.
-std::string paged_chunk_kernel(const std::string& name) {
-  const std::string before = kChunkKernelNames[chunk_kernel().load()];
+// The setting `setting` (one of names[0 .. N)) set to `name` where the CPU has it (has(k));
+// name "" leaves it; -> the kernel before. `what`: "chunk" or "decode", for the errors.
+template <size_t N>
+std::string pick_kernel(const std::string& name, const char* const (&names)[N],
+                        std::atomic<int>& setting, bool (*has)(int), const char* what) {
+  const std::string before = names[setting.load()];
   if (name.empty()) return before;
-  for (int k = 0; k < 4; ++k) {
-    if (name != kChunkKernelNames[k]) continue;
-    if (!cpu_has_chunk_kernel(k))
-      throw std::runtime_error("this CPU (or build) has no '" + name + "' chunk kernel");
-    chunk_kernel().store(k);
+  std::string known;
+  for (size_t k = 0; k < N; ++k) {
+    known += std::string(k ? ", '" : "'") + names[k] + "'";
+    if (name != names[k]) continue;
+    if (!has(static_cast<int>(k)))
+      throw std::runtime_error("this CPU (or build) has no '" + name + "' " + what + " kernel");
+    setting.store(static_cast<int>(k));
     return before;
   }
-  throw std::invalid_argument("the chunk kernel must be 'bf16-dot', 'avx2' or 'tile'");
+  throw std::invalid_argument(std::string("the ") + what + " kernel must be one of " + known);
+}
+
+std::string paged_chunk_kernel(const std::string& name) {
+  return pick_kernel(name, kChunkKernelNames, chunk_kernel(), &cpu_has_chunk_kernel, "chunk");
 }
 
 // Which kernel runs the one-row items (decode rows), head_dim 64 or 128: for bf16 q over a bf16
@@ -81,16 +90,6 @@ std::atomic<int>& decode_kernel() {
   return k;
 }
 
-// name "" leaves the setting; -> the kernel before.
 std::string paged_decode_kernel(const std::string& name) {
-  const std::string before = kDecodeKernelNames[decode_kernel().load()];
-  if (name.empty()) return before;
-  for (int k = 0; k < 3; ++k) {
-    if (name != kDecodeKernelNames[k]) continue;
-    if (!cpu_has_decode_kernel(k))
-      throw std::runtime_error("this CPU (or build) has no '" + name + "' decode kernel");
-    decode_kernel().store(k);
-    return before;
-  }
-  throw std::invalid_argument("the decode kernel must be 'bf16-dot', 'avx2' or 'one-row'");
+  return pick_kernel(name, kDecodeKernelNames, decode_kernel(), &cpu_has_decode_kernel, "decode");
 }
