@@ -4,9 +4,9 @@ With a key in force only ``/health``, ``/ping``, ``/version`` and ``/metrics`` a
 every other path, served or not (``/invocations``, ``/tokenize``, ``/pooling``, vLLM's
 ``/v2/rerank``, a route this server does not have), is a 401. The table of routes below is
 checked against the routes the app itself mounts (every optional one on: the development
-routes, runtime LoRA updates, ``/tokenizer_info``), so a new route cannot escape it. ``VLLM_API_KEY`` is read as vLLM
-reads it, ``--api-key`` wins over it, and the start-up log says which is in force without the
-key itself.
+routes, runtime LoRA updates, ``/tokenizer_info``), so a new route cannot escape it.
+``VLLM_API_KEY`` is read as vLLM reads it, ``--api-key`` wins over it, and the start-up log
+says which is in force without the key itself.
 """
 
 from __future__ import annotations
@@ -80,15 +80,22 @@ KEYLESS = [
 ]
 
 
+def every_route_state(monkeypatch) -> SimpleNamespace:
+    """A stub server state under which ``build_app`` mounts each optional route (the
+    development routes, runtime LoRA updates, ``/tokenizer_info``); the routes would fail on
+    it, so only a request the gate refuses may reach them."""
+    monkeypatch.setenv(envs.SERVER_DEV_MODE.name, "1")
+    return SimpleNamespace(
+        loras=SimpleNamespace(allow_updates=True), enable_tokenizer_info_endpoint=True
+    )
+
+
 def app_routes(monkeypatch) -> set[tuple[str, str]]:
     """(method, path) of every route ``build_app`` mounts, each optional route on; a path
     parameter as the table spells it."""
-    monkeypatch.setenv(envs.SERVER_DEV_MODE.name, "1")
-    state = SimpleNamespace(
-        loras=SimpleNamespace(allow_updates=True), enable_tokenizer_info_endpoint=True
-    )
+    app = build_app(every_route_state(monkeypatch))  # type: ignore[arg-type]
     routes = set()
-    for rule in build_app(state).url_map.iter_rules():  # type: ignore[arg-type]
+    for rule in app.url_map.iter_rules():
         path = rule.rule.replace("<response_id>", "resp_1")
         routes |= {(method, path) for method in rule.methods or () if method != "HEAD"}
     return routes
@@ -106,9 +113,7 @@ def test_the_gate_guards_every_route_of_the_app(monkeypatch):
     """In the app itself, every optional route on: no key, a wrong key: 401 before the
     route runs (its state is a stub the routes would fail on)."""
     routes = sorted(app_routes(monkeypatch))
-    state = SimpleNamespace(
-        loras=SimpleNamespace(allow_updates=True), enable_tokenizer_info_endpoint=True
-    )
+    state = every_route_state(monkeypatch)
     client = build_app(state, ApiKeys((KEY,), "--api-key")).test_client()  # type: ignore[arg-type]
 
     async def statuses(headers: dict[str, str]) -> dict[tuple[str, str], int]:
