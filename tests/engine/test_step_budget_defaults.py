@@ -20,6 +20,7 @@ from trillm.executor.abstract import FAKE_RUNNER
 # The server is shared with the other modules of its group (tests/support/shared_servers.py).
 pytestmark = pytest.mark.xdist_group(FAKE_256_GROUP)
 
+LEN = 8192  # max_model_len: the defaults' caps (max_num_seqs x it) never bind
 SMALL = {"max_model_len": 256, "kv_cache_memory": "16MiB", "distributed_executor_backend": "uni"}
 
 
@@ -58,8 +59,8 @@ def test_cpu_defaults_scale_with_the_world_size():
     two = build_config(EngineArgs(tensor_parallel_size=2), UsageContext.OPENAI_API_SERVER)
     assert (two.scheduler.max_num_batched_tokens, two.scheduler.max_num_seqs) == (4096, 256)
     four = Device("cpu", world_size=4)
-    assert batch_limits(None, None, UsageContext.LLM_CLASS, four) == BatchLimits(16384, 1024)
-    assert batch_limits(100, 3, UsageContext.LLM_CLASS, four) == BatchLimits(100, 3)
+    assert batch_limits(None, None, UsageContext.LLM_CLASS, four, LEN) == BatchLimits(16384, 1024)
+    assert batch_limits(100, 3, UsageContext.LLM_CLASS, four, LEN) == BatchLimits(100, 3)
 
 
 @pytest.mark.parametrize(
@@ -73,9 +74,11 @@ def test_cpu_defaults_scale_with_the_world_size():
     ],
 )
 def test_gpu_defaults_follow_vllms_table(device, llm, server):
-    assert batch_limits(None, None, UsageContext.LLM_CLASS, device) == BatchLimits(*llm)
-    assert batch_limits(None, None, UsageContext.OPENAI_API_SERVER, device) == BatchLimits(*server)
-    other = batch_limits(None, None, UsageContext.ENGINE_CONTEXT, device)
+    assert batch_limits(None, None, UsageContext.LLM_CLASS, device, LEN) == BatchLimits(*llm)
+    assert batch_limits(None, None, UsageContext.OPENAI_API_SERVER, device, LEN) == BatchLimits(
+        *server
+    )
+    other = batch_limits(None, None, UsageContext.ENGINE_CONTEXT, device, LEN)
     assert other == BatchLimits(2048, 128)
 
 

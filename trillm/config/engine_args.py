@@ -45,8 +45,8 @@ class EngineArgs:
     seed: int = flag(0, "Random seed of the engine (default: 0).")
     max_model_len: int | None = flag(None, "Context length (default: the model's).")
     block_size: int = flag(16, "Tokens per KV-cache block (default: 16).")
-    max_num_seqs: int | None = flag(None, "Most requests in a batch (vLLM's default).")
-    max_num_batched_tokens: int | None = flag(None, "Step budget of tokens (vLLM's default).")
+    max_num_seqs: int | None = flag(None, "Most requests in a batch (vLLM's default, <= budget).")
+    max_num_batched_tokens: int | None = flag(None, "Step budget >= max_num_seqs (vLLM's default).")
     long_prefill_token_threshold: int = flag(
         0, "Most prefill tokens of one request in a step (default: 0, no cap but the budget)."
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
+from trillm.config.batch_defaults import check_given_limits
 from trillm.config.mm_processor_cache import check_mm_processor_cache_gb
 from trillm.config.multimodal import check_limit_mm_per_prompt, check_media_args
 from trillm.config.parallel import ParallelArgs, check_parallel
@@ -28,6 +29,9 @@ class CheckedArgs(ParallelArgs, Protocol):
     """The fields of ``EngineArgs`` checked or normalized here (a Protocol: engine_args.py
     imports this module)."""
 
+    max_num_batched_tokens: int | None
+    max_num_seqs: int | None
+    long_prefill_token_threshold: int
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int | None
@@ -52,6 +56,9 @@ class CheckedArgs(ParallelArgs, Protocol):
 
 def check_engine_args(args: CheckedArgs) -> None:
     """ValueError naming the field that trillm cannot honour; normalizes the rest in place."""
+    check_given_limits(  # resolved and checked again with the model's length (config_builder)
+        args.max_num_batched_tokens, args.max_num_seqs, args.long_prefill_token_threshold
+    )
     for name in ("max_loras", "max_lora_rank"):
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:

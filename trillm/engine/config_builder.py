@@ -21,7 +21,13 @@ from trillm.config import (
     check_grammar_cache_bytes,
     parse_memory_size,
 )
-from trillm.config.batch_defaults import UsageContext, batch_limits, device_facts
+from trillm.config.batch_defaults import (
+    UsageContext,
+    batch_limits,
+    check_batch_limits,
+    check_speculative_budget,
+    device_facts,
+)
 from trillm.config.multimodal import resolve_limits
 from trillm.config.structured_outputs import parse_structured_outputs_config
 from trillm.distributed.engine_fit import resolve_parallel
@@ -100,9 +106,9 @@ def build_config(
         args.max_num_seqs,
         usage,
         device_facts(device, parallel.world_size),
+        max_model_len,
     )
-    if limits.max_num_batched_tokens < 1 or limits.max_num_seqs < 1:
-        raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1.")
+    check_batch_limits(limits, max_model_len, args.long_prefill_token_threshold)
     kv_memory = (
         parse_memory_size(args.kv_cache_memory)
         if args.kv_cache_memory is not None
@@ -110,6 +116,10 @@ def build_config(
     )
     pooler = resolve_engine_pooler(args, model_config)
     speculative = parse_speculative_config(args.speculative_config)
+    if speculative is not None:
+        check_speculative_budget(
+            limits, speculative.method, speculative.num_speculative_tokens, args.enable_lora
+        )
     draft_model = None
     if speculative is not None and speculative.method != "ngram" and pooler is None:
         from trillm.spec_decode.draft_setup import build_draft_model_config

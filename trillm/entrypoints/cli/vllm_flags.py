@@ -24,6 +24,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from trillm.config.batch_defaults import check_given_limits
+
 
 def _json_list(value: str) -> list[str]:
     """vLLM's CORS flags take a JSON list, e.g. '["https://a.example"]'."""
@@ -286,6 +288,12 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             "argument --no-enable-chunked-prefill: turning chunked prefill off is not "
             "implemented yet; trillm always chunks long prefills."
         )
+    try:  # the scheduler's limits as given (the engine checks them again, resolved)
+        check_given_limits(
+            args.max_num_batched_tokens, args.max_num_seqs, args.long_prefill_token_threshold or 0
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         parser.error("--ssl-keyfile and --ssl-certfile go together.")
     if (args.ssl_ca_certs or args.ssl_cert_reqs) and not args.ssl_certfile:
