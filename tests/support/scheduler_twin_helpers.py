@@ -94,14 +94,16 @@ def make_scheduler(
     num_blocks: int = 64,
     block_size: int = 4,
     max_num_batched_tokens: int = 64,
-    max_num_seqs: int = 16,
+    max_num_seqs: int | None = None,
     max_model_len: int = 256,
     long_prefill_token_threshold: int = 0,
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
 ):
+    """``max_num_seqs`` left unset: 16, at most the budget (as the engine resolves it: a
+    budget below the batch is refused, trillm/config/batch_defaults.py)."""
     sched_cfg = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=min(16, max_num_batched_tokens) if max_num_seqs is None else max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         long_prefill_token_threshold=long_prefill_token_threshold,
