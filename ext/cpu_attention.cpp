@@ -11,7 +11,9 @@
 // too few items for the threads): the tile's query vectors walk the request's blocks once, a
 // chunk of keys at a time, each key row brought in once for all the query heads that read it,
 // with an online softmax in fp32. No gather, no padding, no mask tensor. Items run on a small
-// persistent thread pool (the caller's thread included); the GIL is released meanwhile. fp32
+// persistent thread pool (the caller's thread included); the GIL is released meanwhile. Fewer
+// one-row items than twice the threads (batch-1 decode): fp32 q runs each item as parts of its
+// keys, merged in a fixed order (Plan::plan_key_splits). fp32
 // and bf16 tensors; the cache fp32, bf16 or fp8 e4m3 (--kv-cache-dtype), widened exactly to
 // fp32 as it is read; math in fp32. bf16 q computes what transformers' bf16 eager attention
 // computes instead: scores rounded to bf16 (kBf16Scores), then two passes, not an online
@@ -21,10 +23,12 @@
 // Files: this one holds the problem, the bf16 glue, the dispatch, the plan and the bindings;
 // the two kernels are included from ext/cpu_attention_tile.h (several query rows per item) and
 // ext/cpu_attention_decode.h (one row: decode steps), whose bf16 rows over a bf16 cache run on
-// ext/cpu_attention_decode_dp.h (vdpbf16ps) instead on CPUs with AVX512-BF16; bf16 chunks of
-// 16 rows or more (a long prompt's later chunks) run on ext/cpu_attention_paged_dp.h instead on
-// CPUs with AVX512-BF16, on ext/cpu_attention_paged_avx2.h on those with AVX2 + FMA only. Which
-// of them a CPU runs (and the override of tests): ext/cpu_attention_kernel_choice.h.
+// ext/cpu_attention_decode_dp_slots.h (vdpbf16ps, each cache slot read once for the item's kv
+// heads; ext/cpu_attention_decode_dp.h its per-head twin) instead on CPUs with AVX512-BF16;
+// bf16 chunks of 16 rows or more (a long prompt's later chunks) run on
+// ext/cpu_attention_paged_dp.h instead on CPUs with AVX512-BF16, on ext/cpu_attention_paged_avx2.h
+// on those with AVX2 + FMA only. Which of them a CPU runs (and the override of tests):
+// ext/cpu_attention_kernel_choice.h.
 //
 // Per layer, optionally: a sliding window (window > 0: a row at position p sees positions
 // > p - window; its keys before that are neither read nor scored), logit soft-capping
@@ -79,6 +83,7 @@ struct Problem {
   int window;     // 0: none
   float softcap;  // 0: none
   const float* sinks;  // [num_heads] fp32 attention sinks (gpt-oss); nullptr: none
+  float* partials;     // the split items' partials (Item::partial); nullptr: no split items
 };
 
 // An attention sink: one more logit in a query head's softmax, attending to no value. Folded
@@ -139,6 +144,11 @@ TRILLM_INLINE void store_output(T* dst, const v8f* arow, int NV, float l) {
 struct Item {
   int req, row_begin, row_end;  // rows relative to the request's first query row
   int head_begin, head_end;     // kv heads
+  // A one-row item split by key range (flash-decoding; Plan::plan_key_splits): this item is
+  // part `split` of `splits` of the row's keys and writes its unnormalised partial (per vector:
+  // max m, sum l, acc[head_dim]) at p.partials + partial instead of the output.
+  int split = 0, splits = 1;
+  int64_t partial = 0;
 };
 
 // bf16 q, once every score of an item is known: transformers' eager attention from there on
@@ -192,6 +202,7 @@ TRILLM_INLINE void rounded_softmax_pv(const Problem& p, int nvec, float* s, int 
 #include "cpu_attention_paged_dp.h"    // attend_item_paged_dp: long chunks, bf16, AVX512-BF16
 #include "cpu_attention_paged_avx2.h"  // attend_item_paged_avx2: the same, AVX2 + FMA
 #include "cpu_attention_decode_dp.h"   // attend_decode_dp: bf16 decode rows, AVX512-BF16
+#include "cpu_attention_decode_dp_slots.h"  // attend_decode_ds: the same, slots read once
 #define TRILLM_PAGED_DP 1
 #else
 #define TRILLM_PAGED_DP 0
@@ -245,6 +256,10 @@ void attend_bf16_decode_dp(const Problem& p, const Item& it) {
   if (it.row_end - it.row_begin == 1) attend_decode_dp(p, it);
   else attend_avx2<Bf16, Bf16>(p, it);
 }
+void attend_bf16_decode_ds(const Problem& p, const Item& it) {
+  if (it.row_end - it.row_begin == 1) attend_decode_ds(p, it);
+  else attend_avx2<Bf16, Bf16>(p, it);
+}
 
 // head_dim 64 / 128, a bf16 or fp8 cache: one-row items on the one-row kernel that widens each
 // key / value row once for a block of its GQA group (the "avx2" decode kernel), the others on
@@ -262,6 +277,15 @@ Kernel decode_avx2_for_cache(int cache_dtype) {
   return cache_dtype == 1 ? &attend_decode_avx2<T, Bf16> : &attend_decode_avx2<T, Fp8>;
 }
 #endif
+
+// Decode items split by key range on small batches (Plan::plan_key_splits), read by the plans
+// made after it is set; on by default (tests and benchmarks turn it off to compare).
+std::atomic<bool>& key_splits() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+constexpr int kMinSplitKeys = 64;  // keys a part at least
+std::atomic<int64_t> split_items_run{0};  // parts run in this process (tests: a split ran)
 
 // set_kernel("generic") runs the fallback on a CPU that has AVX2 too (tests: it is otherwise
 // never run where the suite runs).
@@ -381,6 +405,82 @@ class Plan {
     items_ = plan_items(p_, num_reqs, reinterpret_cast<const int32_t*>(req_indices), num_selected,
                         num_threads);
     plan_chunk_items();
+    if (key_splits().load(std::memory_order_relaxed)) plan_key_splits();
+  }
+
+  // Small decode batches (batch 1): fewer one-row items than twice the threads leave threads
+  // idle (SmolLM2's 3 kv heads on 2 threads: 2 items on one, 1 on the other), so each item is
+  // also planned as parts of its keys (flash-decoding), every part's partial online softmax
+  // merged in part order after the run (merge_key_splits). The parts depend on the thread count
+  // and the context length only: the same plan, the same bits, however the threads take them.
+  // fp32 q at head_dim 64 / 128 (the one-row kernel); bf16 q rounds its probabilities with the
+  // row's whole sum and keeps items_.
+  void plan_key_splits() {
+    const int n = static_cast<int>(items_.size());
+    if (num_threads_ <= 1 || n == 0 || n >= 2 * num_threads_) return;
+    if (p_.head_dim != 64 && p_.head_dim != 128) return;
+    for (const Item& it : items_)
+      if (it.row_end - it.row_begin != 1) return;
+    const int want = (2 * num_threads_ + n - 1) / n;
+    const int group = p_.num_heads / p_.num_kv_heads;
+    int64_t offset = 0;
+    bool any = false;
+    for (const Item& it : items_) {
+      const int query_len = p_.query_start_loc[it.req + 1] - p_.query_start_loc[it.req];
+      const int keys = p_.seq_lens[it.req] - query_len + it.row_begin + 1;
+      const int splits = std::max(1, std::min(want, keys / kMinSplitKeys));
+      const int nvec = (it.head_end - it.head_begin) * group;
+      for (int s = 0; s < splits; ++s) {
+        Item part = it;
+        part.split = s;
+        part.splits = splits;
+        part.partial = offset;
+        if (splits > 1) offset += static_cast<int64_t>(nvec) * (p_.head_dim + 2);
+        split_items_.push_back(part);
+      }
+      any = any || splits > 1;
+    }
+    if (!any) split_items_.clear();
+    partial_floats_ = offset;
+  }
+
+  // fp32 out = the merged parts of each split item (in part order): m = max m_s, l = sum
+  // exp(m_s - m) l_s, acc likewise; then the sink, if any, and acc / l.
+  void merge_key_splits(const Problem& p) const {
+    const int group = p.num_heads / p.num_kv_heads;
+    const int D = p.head_dim;
+    float acc[kMaxHeadDim];
+    for (size_t i = 0; i < split_items_.size(); i += split_items_[i].splits) {
+      const Item& it = split_items_[i];
+      if (it.splits == 1) continue;
+      const int nvec = (it.head_end - it.head_begin) * group;
+      const int64_t token = p.query_start_loc[it.req] + it.row_begin;
+      for (int v = 0; v < nvec; ++v) {
+        const int64_t at = static_cast<int64_t>(v) * (D + 2);
+        float m = -std::numeric_limits<float>::infinity();
+        for (int s = 0; s < it.splits; ++s)
+          m = std::max(m, p.partials[split_items_[i + s].partial + at]);
+        float l = 0.0f;
+        std::fill(acc, acc + D, 0.0f);
+        for (int s = 0; s < it.splits; ++s) {
+          const float* part = p.partials + split_items_[i + s].partial + at;
+          const float c = std::exp(part[0] - m);  // 0 for an empty part (m_s -inf)
+          l += c * part[1];
+          for (int d = 0; d < D; ++d) acc[d] += c * part[2 + d];
+        }
+        const int head = it.head_begin * group + v;
+        if (p.sinks != nullptr) {
+          const float top = std::max(m, p.sinks[head]);
+          const float c = std::exp(m - top);
+          l = l * c + std::exp(p.sinks[head] - top);
+          for (int d = 0; d < D; ++d) acc[d] *= c;
+        }
+        float* dst = static_cast<float*>(p.out) + token * p.out_token_stride +
+                     static_cast<int64_t>(head) * p.out_head_stride;
+        const float inv = 1.0f / l;
+        for (int d = 0; d < D; ++d) dst[d] = acc[d] * inv;
+      }
+    }
   }
 
   // The items of the run on attend_item_paged_dp or _avx2 (bf16, no window or softcap): a
@@ -446,8 +546,9 @@ class Plan {
     const int decode = decode_kernel().load(std::memory_order_relaxed);
     if (decode != kDecodeRow && cache_dtype != 0 && decode_dp_layout(p.head_dim) &&
         !force_generic().load(std::memory_order_relaxed)) {
-      if (decode == kDecodeBf16Dot && dtype == 1 && cache_dtype == 1)
-        kernel = &attend_bf16_decode_dp;
+      if ((decode == kDecodeBf16Dot || decode == kDecodeBf16DotPerHead) && dtype == 1 &&
+          cache_dtype == 1)
+        kernel = decode == kDecodeBf16Dot ? &attend_bf16_decode_ds : &attend_bf16_decode_dp;
       else
         kernel = dtype == 0 ? decode_avx2_for_cache<float>(cache_dtype)
                             : decode_avx2_for_cache<Bf16>(cache_dtype);
@@ -475,6 +576,17 @@ class Plan {
       return;
     }
 #endif
+    if (!split_items_.empty() && dtype == 0) {  // fp32 q: the parts, then their merge
+      static thread_local std::vector<float> partials;
+      if (partials.size() < static_cast<size_t>(partial_floats_)) partials.resize(partial_floats_);
+      p.partials = partials.data();
+      const int n = static_cast<int>(split_items_.size());
+      split_items_run.fetch_add(n, std::memory_order_relaxed);
+      py::gil_scoped_release release;
+      run_items(num_threads_, n, [&](int i) { kernel(p, split_items_[i]); });
+      merge_key_splits(p);
+      return;
+    }
     const int n = static_cast<int>(items_.size());
     py::gil_scoped_release release;
     run_items(num_threads_, n, [&](int i) { kernel(p, items_[i]); });
@@ -484,6 +596,8 @@ class Plan {
   Problem p_{};
   std::vector<Item> items_;
   std::vector<Item> chunk_items_;  // plan_chunk_items
+  std::vector<Item> split_items_;  // plan_key_splits: items_ as parts of their keys (fp32 q)
+  int64_t partial_floats_ = 0;     // the floats of their partials
   int chunk_long_ = 0;  // its first chunk_long_ items run on attend_item_paged_dp or _avx2
 #if TRILLM_PAGED_DP
   PdpShared pdp_;  // "bf16-dot": the batches of those items and their tiles' packing
@@ -548,9 +662,20 @@ void register_cpu_attention(py::module_& m) {
       py::arg("n") = -1,
       "The most bytes of tiles 'bf16-dot' packs at once, for plans made after; n < 0 leaves it. "
       "-> the setting before. For tests.");
+  m.def(
+      "paged_decode_key_splits",
+      [](int on) { return on < 0 ? key_splits().load() : key_splits().exchange(on != 0); },
+      py::arg("on") = -1,
+      "Whether plans made after split small fp32 decode batches' rows by key range over the "
+      "threads (on by default); on < 0 leaves it. -> the setting before. For tests and "
+      "benchmarks.");
+  m.def(
+      "paged_decode_split_items_run", []() { return split_items_run.load(); },
+      "Decode items run as parts of their keys in this process (tests).");
   m.def("paged_decode_kernel", &paged_decode_kernel, py::arg("name") = "",
         "The kernel of decode rows (head_dim 64 / 128): 'bf16-dot' (AVX512-BF16, bf16 over a bf16 "
-        "cache; fp8 caches on 'avx2'), 'avx2' (AVX2 + FMA, bf16 / fp8 caches: each key / value "
+        "cache; fp8 caches on 'avx2'; 'bf16-dot-per-head': the same bits, the keys walked once "
+        "per kv head, as before), 'avx2' (AVX2 + FMA, bf16 / fp8 caches: each key / value "
         "row widened once for a block of the GQA group; fp32 caches on 'one-row') or 'one-row' "
         "(the best the CPU has by default); name '' leaves it. -> the kernel before. For tests "
         "and benchmarks.");

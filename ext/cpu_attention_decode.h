@@ -101,6 +101,17 @@ TRILLM_INLINE void shared_pv_group(int group, const float* const* w, const C* co
   }
 }
 
+// Part it.split of it.splits of the keys [key_begin, key_end) (Plan::plan_key_splits, fp32 q
+// only): the parts of equal length in whole groups of 8, the last one the rest; a part that a
+// short window leaves empty has no keys (its partial: m -inf, l 0).
+TRILLM_INLINE void split_keys(const Item& it, int& key_begin, int& key_end) {
+  const int per = ((key_end - key_begin + it.splits - 1) / it.splits + kDecodeGroup - 1) /
+                  kDecodeGroup * kDecodeGroup;
+  const int begin = std::min(key_end, key_begin + it.split * per);
+  key_end = std::min(key_end, begin + per);
+  key_begin = begin;
+}
+
 template <typename T, typename C, int NV, bool Shared = false>
 TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   constexpr int D = NV * 8;
@@ -110,8 +121,10 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
   const int q0 = p.query_start_loc[it.req];
   const int query_len = p.query_start_loc[it.req + 1] - q0;
   const int row = it.row_begin;
-  const int key_end = p.seq_lens[it.req] - query_len + row + 1;  // keys .. its own position
-  const int key_begin = p.window > 0 ? std::max(0, key_end - p.window) : 0;
+  int key_end = p.seq_lens[it.req] - query_len + row + 1;  // keys .. its own position
+  int key_begin = p.window > 0 ? std::max(0, key_end - p.window) : 0;
+  const bool part = !kBf16Scores<T> && it.splits > 1;
+  if (part) split_keys(it, key_begin, key_end);
   const int32_t* blocks = p.block_table + static_cast<int64_t>(it.req) * p.block_table_stride;
   const int64_t slot_elems = static_cast<int64_t>(p.num_kv_heads) * D;
   const int64_t first = static_cast<int64_t>(it.head_begin) * D;  // the item's heads in a row
@@ -304,6 +317,15 @@ TRILLM_INLINE void attend_decode(const Problem& p, const Item& it) {
     for (int v = 0; v < nvec; ++v) l[v] = 1.0f;  // acc is the output
   }
 
+  if (part) {  // per vector m, l, then acc: merged by merge_key_splits
+    float* dst = p.partials + it.partial;
+    for (int v = 0; v < nvec; ++v, dst += D + 2) {
+      dst[0] = m[v];
+      dst[1] = l[v];
+      std::memcpy(dst + 2, acc + v * NV, D * sizeof(float));
+    }
+    return;
+  }
   T* out = static_cast<T*>(p.out) + (q0 + row) * p.out_token_stride;
   for (int v = 0; v < nvec; ++v) {
     const int head = it.head_begin * group + v;
