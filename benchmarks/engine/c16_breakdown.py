@@ -16,7 +16,7 @@ times only the stages. ``--threads`` sets torch's and the kernels' threads (1 by
 CPU time is then the work, no pool spinning).
 
     python benchmarks/engine/c16_breakdown.py [--gguf ~/.cache/trillm-peer/models/SmolLM2-135M-Instruct.Q4_1.gguf]
-        [--requests 64] [--budget 2048] [--rounds 1] [--programs]
+        [--requests 64] [--budget 2048] [--rounds 1] [--programs] [--dtype D] [--kv-cache-dtype D]
 """
 
 from __future__ import annotations
@@ -129,9 +129,12 @@ def open_llm(args: argparse.Namespace) -> Any:
         distributed_executor_backend="uni",
         enforce_eager=not args.programs,
     )
-    if args.gguf:
-        return LLM(str(Path(args.gguf).expanduser()), tokenizer=str(MODEL), **kw)
-    return LLM(str(MODEL), dtype=args.dtype, **kw)
+    if args.kv_cache_dtype:
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.gguf:  # --dtype auto unless named
+        dtype = {"dtype": args.dtype} if args.dtype else {}
+        return LLM(str(Path(args.gguf).expanduser()), tokenizer=str(MODEL), **kw, **dtype)
+    return LLM(str(MODEL), dtype=args.dtype or "bfloat16", **kw)
 
 
 def closed_loop(llm: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -188,7 +191,8 @@ def closed_loop(llm: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", default=None, help="a GGUF file (else the bf16 folder)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default=None, help="bfloat16 for the folder, auto for a GGUF")
+    p.add_argument("--kv-cache-dtype", default=None, help="auto unless named")
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=16)

@@ -14,12 +14,18 @@ on both bf16 decode kernels, alternated in one process (``one-row``: ext/cpu_att
 ``bf16-dot``: ext/cpu_attention_decode_dp.h, where the CPU has AVX512-BF16).
 ``--shape smollm2``: SmolLM2-135M's (9 query / 3 kv heads of 64, bf16, 30 layers by default;
 batch 16 over 256 / 320 / 384 keys: a concurrency-16 run of 256-token prompts and 128 outputs,
-at its start, middle and end; and batch 1 over 320), both kernels alike.
-With either shape, ``--cache fp8`` / ``fp32`` times that cache instead of bf16, ``--cases
+at its start, middle and end; and batch 1 over 320), both kernels alike. ``--shape qwen3``:
+Qwen3-1.7B's (16 query / 8 kv heads of 128, bf16, 28 layers; batch 1 and 16 over 300 / 1,024 /
+4,096 keys).
+With either shape, ``--cache fp8`` / ``fp32`` times that cache instead of bf16, ``--q fp32``
+fp32 queries instead of bf16 (a float32 model over a ``--kv-cache-dtype bfloat16`` cache:
+``bf16-dot`` takes bf16 queries only, so fp32 ones run ``avx2`` under it), ``--cases
 1x1024 16x1024`` (batch x keys) picks cases, ``--kernels`` the decode kernels (default: every
 one the CPU has; ``avx2``: ext/cpu_attention_decode.h widening each key / value row once for a
 block of the GQA group, AVX2 + FMA, bf16 / fp8 caches; under ``bf16-dot`` fp8 caches run
-``avx2``, and fp32 caches run ``one-row`` under either).
+``avx2``, and fp32 caches run ``one-row`` under either; ``bf16-dot-per-head``: the vdpbf16ps
+kernel walking the keys once per kv head, as before ext/cpu_attention_decode_dp_slots.h, the
+same bits).
 
     python benchmarks/kernels/decode_attention.py --shape 1b --repeats 7 --cache fp8 \
         --cases 1x1024 16x1024 --kernels one-row avx2
@@ -46,8 +52,13 @@ BS, HQ, HKV, D = 16, 8, 4, 64
 CASES = ((64, 64), (64, 256), (16, 256), (1, 512))  # (decode rows, cached keys each)
 CASES_1B = ((1, 512), (1, 1024), (1, 4096), (16, 512), (16, 1024), (16, 4096))
 CASES_SMOLLM2 = ((16, 256), (16, 320), (16, 384), (1, 320))
-# --shape: (query heads, kv heads), cases, default layers
-SHAPES = {"1b": ((32, 8), CASES_1B, 16), "smollm2": ((9, 3), CASES_SMOLLM2, 30)}
+CASES_QWEN3 = ((1, 300), (1, 1024), (1, 4096), (16, 300), (16, 1024), (16, 4096))
+# --shape: (query heads, kv heads, head_dim), cases, default layers
+SHAPES = {
+    "1b": ((32, 8, 64), CASES_1B, 16),
+    "smollm2": ((9, 3, 64), CASES_SMOLLM2, 30),
+    "qwen3": ((16, 8, 128), CASES_QWEN3, 28),
+}
 
 
 def make_step(
@@ -57,10 +68,12 @@ def make_step(
     heads: tuple[int, int],
     dtype: torch.dtype,
     cache_dtype: torch.dtype | None = None,
+    head_dim: int = D,
 ):
     """(one decode step's attention over `layers` caches, K / V bytes a layer reads)."""
     cache_dtype = cache_dtype or dtype
     hq, hkv = heads
+    D = head_dim
     g = torch.Generator().manual_seed(batch + ctx)
     seq = [ctx + 1] * batch
     per_req = (ctx + 1 + BS - 1) // BS
@@ -92,9 +105,10 @@ CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp32": torch.floa
 
 
 def compare_bf16(
-    shape: str, layers: int, repeats: int, cache="bf16", kernels=None, cases=None
+    shape: str, layers: int, repeats: int, cache="bf16", kernels=None, cases=None, q="bf16"
 ) -> None:
-    """The decode kernels (bf16 q) at a model's shape (SHAPES), alternated call by call."""
+    """The decode kernels (bf16 q, or ``q``) at a model's shape (SHAPES), alternated call by
+    call."""
     import statistics
     import time
 
@@ -103,17 +117,17 @@ def compare_bf16(
     ext = cpu_kernels.attention
     before = ext.paged_decode_kernel()
     names = []
-    for name in kernels or ["one-row", "avx2", "bf16-dot"]:
+    for name in kernels or ["one-row", "avx2", "bf16-dot-per-head", "bf16-dot"]:
         try:
             ext.paged_decode_kernel(name)
             names.append(name)
         except RuntimeError:
             print(f"(this CPU has no {name!r} decode kernel)")
-    print(f"bf16 q, {cache} cache")
-    print("batch  keys  kernel    ms/step (thread CPU, all layers)  K/V GB/s")
-    heads, shape_cases, _ = SHAPES[shape]
+    print(f"{q} q, {cache} cache")
+    print("batch  keys  kernel             ms/step (thread CPU, all layers)  K/V GB/s")
+    (hq, hkv, head_dim), shape_cases, _ = SHAPES[shape]
     for batch, ctx in cases or shape_cases:
-        step, nbytes = make_step(batch, ctx, layers, heads, torch.bfloat16, CACHES[cache])
+        step, nbytes = make_step(batch, ctx, layers, (hq, hkv), CACHES[q], CACHES[cache], head_dim)
         times: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(repeats):
             for name in names:
@@ -123,7 +137,8 @@ def compare_bf16(
                 times[name].append(time.thread_time() - start)
         for name in names:
             ms = statistics.median(times[name]) * 1e3
-            print(f"{batch:5d} {ctx:5d}  {name:8s} {ms:10.2f} {nbytes * layers / ms / 1e6:24.1f}")
+            gbps = nbytes * layers / ms / 1e6
+            print(f"{batch:5d} {ctx:5d}  {name:17s} {ms:10.2f} {gbps:24.1f}")
     ext.paged_decode_kernel(before)
 
 
@@ -135,19 +150,20 @@ def read_gbps(nbytes: int, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--layers", type=int, default=None, help="default: 8; 16 for --shape 1b, 30 for smollm2"
+        "--layers", type=int, default=None, help="default: 8; 16 for 1b, 30 smollm2, 28 qwen3"
     )
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--shape", choices=["small", *SHAPES], default="small")
     parser.add_argument("--cache", choices=sorted(CACHES), default="bf16", help="1b, smollm2")
     parser.add_argument("--kernels", nargs="+", help="1b, smollm2: default every one the CPU has")
     parser.add_argument("--cases", nargs="+", help="1b, smollm2: BATCHxKEYS, e.g. 1x1024")
+    parser.add_argument("--q", choices=["bf16", "fp32"], default="bf16", help="1b, smollm2")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.shape in SHAPES:
         cases = [tuple(int(x) for x in c.split("x")) for c in args.cases or []]
         layers = args.layers or SHAPES[args.shape][2]
-        compare_bf16(args.shape, layers, args.repeats, args.cache, args.kernels, cases)
+        compare_bf16(args.shape, layers, args.repeats, args.cache, args.kernels, cases, args.q)
         return
     args.layers = args.layers or 8
     print("batch  keys  ms/layer  kernel GB/s  plain read GB/s (same bytes x layers)")

@@ -7,7 +7,13 @@ Q4_1 / Q8_0 / K-quants) fp32 activations (``INT8_MIN_ROWS`` raised past the text
 activations as served.
 
     python benchmarks/numerics/q4_perplexity.py --f32 F32.gguf --quantized Q8_0.gguf Q4_1.gguf \
-        [--text FILE [--max-chars N]] [--out x.json]
+        [--text FILE [--max-chars N]] [--out x.json] [--dtypes float32:bfloat16 bfloat16:auto]
+        [--greedy 64]
+
+``--dtypes DTYPE:KV_CACHE_DTYPE ...`` adds, per quantized GGUF, a row as served (int8
+activations) for each pair (the rows above run float32 with the cache in float32).
+``--greedy N`` also generates N greedy tokens from a few fixed prompts with every variant and
+counts the tokens each matches the f32 GGUF's (up to its first differing token).
 
 ``--text`` scores a file's text instead of the built-in paragraph (187 tokens of SmolLM2's
 tokenizer): ``benchmarks/numerics/perplexity_text.txt`` is 2,722 tokens of prose written for this
@@ -44,11 +50,32 @@ TEXT = (
 )
 
 
-def perplexity(model: str, int8_min_rows: int, text: str = TEXT) -> tuple[float, int]:
+GREEDY_PROMPTS = (
+    "The three primary colors are",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "The capital of France is Paris. The capital of Germany is",
+    "Once upon a time, in a small village,",
+    "Explain why the sky is blue.",
+    "1, 2, 3, 5, 8, 13,",
+    "The best way to learn a language is",
+)
+
+
+def perplexity(
+    model: str,
+    int8_min_rows: int,
+    text: str = TEXT,
+    dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
+    greedy: int = 0,
+) -> tuple[float, int, list[list[int]]]:
+    """(perplexity, tokens scored, each GREEDY_PROMPTS' ``greedy`` greedy token ids)."""
     linear_q_cpu.INT8_MIN_ROWS = int8_min_rows  # the engine runs in this process ("uni")
     llm = LLM(
         model,
-        dtype="float32",
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         max_model_len=4096,
         kv_cache_memory="512MiB",
         distributed_executor_backend="uni",
@@ -56,11 +83,24 @@ def perplexity(model: str, int8_min_rows: int, text: str = TEXT) -> tuple[float,
     try:
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
         out = llm.generate([text], params, use_tqdm=False)[0]
+        tokens: list[list[int]] = []
+        if greedy:
+            gen = SamplingParams(temperature=0, max_tokens=greedy, ignore_eos=True)
+            outs = llm.generate(list(GREEDY_PROMPTS), gen, use_tqdm=False)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
     finally:
         llm.shutdown()
     ids = out.prompt_token_ids
     logps = [step[tok].logprob for tok, step in zip(ids[1:], out.prompt_logprobs[1:], strict=True)]
-    return math.exp(-sum(logps) / len(logps)), len(logps)
+    return math.exp(-sum(logps) / len(logps)), len(logps), tokens
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _gguf_kind(path: Path) -> str:
@@ -77,25 +117,40 @@ def main() -> None:
     p.add_argument("--text", type=Path, default=None)
     p.add_argument("--max-chars", type=int, default=None)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--dtypes", nargs="*", default=[], help="DTYPE:KV_CACHE_DTYPE pairs")
+    p.add_argument("--greedy", type=int, default=0)
     args = p.parse_args()
     text = args.text.read_text()[: args.max_chars] if args.text else TEXT
     default = linear_q_cpu.INT8_MIN_ROWS
-    variants = {"f32": (args.f32, default)}
+    variants = {"f32": (args.f32, default, "float32", "auto")}
     for path in args.quantized:
         kind = _gguf_kind(path)
-        variants[f"{kind}, fp32 activations"] = (path, 1 << 30)
-        variants[f"{kind}, int8 activations (from {default} rows)"] = (path, default)
+        variants[f"{kind}, fp32 activations"] = (path, 1 << 30, "float32", "auto")
+        variants[f"{kind}, int8 activations (from {default} rows)"] = (
+            path, default, "float32", "auto"
+        )  # fmt: skip
+        for pair in args.dtypes:
+            dtype, kv = pair.split(":")
+            variants[f"{kind}, int8 activations, dtype {dtype}, kv {kv}"] = (
+                path, default, dtype, kv
+            )  # fmt: skip
     rows = []
-    for name, (model, min_rows) in variants.items():
-        ppl, tokens = perplexity(str(model), min_rows, text)
-        rows.append(dict(variant=name, perplexity=ppl, tokens=tokens))
+    for name, (model, min_rows, dtype, kv) in variants.items():
+        ppl, tokens, greedy = perplexity(str(model), min_rows, text, dtype, kv, args.greedy)
+        rows.append(dict(variant=name, perplexity=ppl, tokens=tokens, greedy=greedy))
     base = rows[0]["perplexity"]
     for r in rows:
         r["vs_f32"] = r["perplexity"] / base - 1
-        print(
-            f"{r['variant']:<44} ppl {r['perplexity']:8.3f} ({r['vs_f32']:+.2%}) "
+        line = (
+            f"{r['variant']:<56} ppl {r['perplexity']:8.3f} ({r['vs_f32']:+.2%}) "
             f"over {r['tokens']} tokens"
         )
+        if args.greedy:
+            shared = [_prefix(a, b) for a, b in zip(r["greedy"], rows[0]["greedy"], strict=True)]
+            r["greedy_prefix_vs_f32"] = shared
+            same = sum(n == args.greedy for n in shared)
+            line += f"; greedy vs f32: {same}/{len(shared)} identical, prefixes {shared}"
+        print(line)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
 

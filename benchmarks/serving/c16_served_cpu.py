@@ -12,12 +12,20 @@ is at least (the CPU of all three + the machine's other work) / 2. The split say
 to cut. Run it from the tree to measure (the server starts from this file's repository).
 
     python benchmarks/serving/c16_served_cpu.py [--model q4_1|bf16] [--num-prompts 64] [--rounds 1]
+        [--extra "--kv-cache-dtype bfloat16"] [--concurrency 16 1] [--jsonl results.jsonl]
+
+``--extra`` adds serve flags (e.g. a dtype to compare, each in its own run: alternate them);
+``--concurrency 16 1`` also measures the batch-1 latency workload (``--c1-prompts`` prompts) on
+the same server, after each round's c16 run; ``--jsonl`` appends one
+line a round (the model, flags, concurrency and every figure printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -76,12 +84,12 @@ def _machine() -> tuple[int, int]:
     return sum(v), v[3] + v[4]
 
 
-def _bench_args(num_prompts: int, seed: int, tokenizer: str) -> list[str]:
+def _bench_args(num_prompts: int, seed: int, tokenizer: str, concurrency: int = 16) -> list[str]:
     return [
         "--backend", "openai", "--endpoint", "/v1/completions", "--model", "smollm2",
         "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", "256",
         "--random-output-len", "128", "--num-prompts", str(num_prompts),
-        "--max-concurrency", "16", "--request-rate", "inf", "--ignore-eos",
+        "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
         "--temperature", "0", "--seed", str(seed), "--save-result",
     ]  # fmt: skip
 
@@ -91,40 +99,68 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="q4_1")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--extra", default="", help="more serve flags, one string")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16])
+    parser.add_argument(
+        "--c1-prompts", type=int, default=8, help="prompts of a --concurrency 1 run"
+    )
+    parser.add_argument("--jsonl", type=Path, default=None)
     args = parser.parse_args()
     model, flags = MODELS[args.model]
+    flags = [*flags, *shlex.split(args.extra)]
     tokenizer = str(PEER / "smollm2-135m-instruct")
     out_dir = Path("/tmp") / f"c16_served_cpu_{os.getpid()}"
     out_dir.mkdir(exist_ok=True)
-    print(f"trillm at {REPO_ROOT}, model {args.model}, load {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"trillm at {REPO_ROOT}, model {args.model} {' '.join(flags)}, load "
+        f"{os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     with trillm_server(str(model), ["--served-model-name", "smollm2", *flags]) as (url, proc):
         run_bench_serve(url, _bench_args(16, 1000, tokenizer), out_dir / "warm.json")
         for r in range(args.rounds):
-            pids = _tree(proc.pid)
-            before = {pid: _cpu(pid) for pid in pids}
-            machine0, t0, client0 = _machine(), time.monotonic(), os.times()
-            res = run_bench_serve(
-                url, _bench_args(args.num_prompts, r, tokenizer), out_dir / f"r{r}.json"
-            )
-            machine1, wall, client1 = _machine(), time.monotonic() - t0, os.times()
-            spent = {"api": 0.0, "worker": 0.0}
-            for pid in pids:
-                spent[_role(pid)] = spent.get(_role(pid), 0.0) + _cpu(pid) - before[pid]
-            spent["client"] = (client1.children_user + client1.children_system) - (
-                client0.children_user + client0.children_system
-            )
-            total, idle = machine1[0] - machine0[0], machine1[1] - machine0[1]
-            tokens = res["total_output_tokens"]
-            print(
-                f"round {r}: {tokens} tokens, out {res['output_throughput']:.1f} tok/s, TTFT mean "
-                f"{res['mean_ttft_ms']:.0f} ms, TPOT mean {res['mean_tpot_ms']:.1f} ms; machine "
-                f"busy {100 * (total - idle) / max(total, 1):.0f}%, 1-min load {os.getloadavg()[0]:.2f}"
-            )
-            for role in ("worker", "api", "client"):
-                print(
-                    f"  {role:6s} {spent[role]:7.2f} CPU s  {1e3 * spent[role] / tokens:6.3f} ms a "
-                    f"token  {spent[role] / wall:5.2f} cores"
-                )
+            for c in args.concurrency:
+                n = args.num_prompts if c > 1 else args.c1_prompts
+                bench = _bench_args(n, r + (100 if c == 1 else 0), tokenizer, c)
+                row = _measure(url, proc.pid, bench, out_dir / f"r{r}_c{c}.json")
+                row = {"model": args.model, "flags": flags, "concurrency": c, "round": r, **row}
+                if args.jsonl:
+                    with args.jsonl.open("a") as f:
+                        f.write(json.dumps(row) + "\n")
+
+
+def _measure(url: str, server_pid: int, bench: list[str], result: Path) -> dict[str, float]:
+    """One timed ``trillm bench serve`` run: its figures and each process's CPU, printed."""
+    pids = _tree(server_pid)
+    before = {pid: _cpu(pid) for pid in pids}
+    machine0, t0, client0 = _machine(), time.monotonic(), os.times()
+    res = run_bench_serve(url, bench, result)
+    machine1, wall, client1 = _machine(), time.monotonic() - t0, os.times()
+    spent = {"api": 0.0, "worker": 0.0}
+    for pid in pids:
+        spent[_role(pid)] = spent.get(_role(pid), 0.0) + _cpu(pid) - before[pid]
+    spent["client"] = (client1.children_user + client1.children_system) - (
+        client0.children_user + client0.children_system
+    )
+    total, idle = machine1[0] - machine0[0], machine1[1] - machine0[1]
+    tokens = res["total_output_tokens"]
+    c = bench[bench.index("--max-concurrency") + 1]
+    print(
+        f"c{c}: {tokens} tokens, out {res['output_throughput']:.1f} tok/s, TTFT mean "
+        f"{res['mean_ttft_ms']:.0f} ms, TPOT mean {res['mean_tpot_ms']:.1f} ms; machine "
+        f"busy {100 * (total - idle) / max(total, 1):.0f}%, 1-min load {os.getloadavg()[0]:.2f}"
+    )
+    for role in ("worker", "api", "client"):
+        print(
+            f"  {role:6s} {spent[role]:7.2f} CPU s  {1e3 * spent[role] / tokens:6.3f} ms a "
+            f"token  {spent[role] / wall:5.2f} cores"
+        )
+    return {
+        "tokens": tokens, "wall_s": wall, "output_throughput": res["output_throughput"],
+        "mean_ttft_ms": res["mean_ttft_ms"], "mean_tpot_ms": res["mean_tpot_ms"],
+        "busy": (total - idle) / max(total, 1), "load1": os.getloadavg()[0],
+        **{f"{role}_cpu_ms_per_token": 1e3 * spent[role] / tokens for role in spent},
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
