@@ -121,6 +121,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_gemm_q_avx2.h",
                 "ext/cpu_gemm_q_q6.h",
                 "ext/cpu_program.h",
+                "ext/cpu_ops_avx512.h",
             ],
             cxx_std=17,
             extra_compile_args=["-O3", "-pthread", "-Wno-psabi"],

@@ -33,6 +33,8 @@
 // references (rotary's x1 * cos - x2 * sin then matches them to the bit).
 #pragma GCC optimize("fp-contract=off")
 
+#include "cpu_ops_avx512.h"
+
 namespace py = pybind11;
 
 namespace {
@@ -262,6 +264,15 @@ struct SiluAndMul {
       });
     }
   }
+#if defined(__x86_64__) && defined(__GNUC__)
+  // The same results over 16 lanes (cpu_ops_avx512.h), where the CPU has AVX512F/BW/VL.
+  static TRILLM_AVX512_OPS void rows_avx512(const Args& a, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = a.gate_up.row(r);
+      trillm_cpu_ops_avx512::silu_and_mul_row(a.out.row(r), gate, gate + a.width, a.width);
+    }
+  }
+#endif
 };
 
 // K/V rows of this step into their cache slots: token t's heads (strided rows of k and v) go
@@ -292,7 +303,8 @@ struct CacheWrite {
 };
 
 // ------------------------------------------------------------------------------------------
-// Dispatch: an AVX2/FMA build of each kernel when the CPU has it, the generic one otherwise;
+// Dispatch: a kernel's AVX-512 build where it has one and the CPU runs it, else an AVX2/FMA
+// build of each kernel when the CPU has it, the generic one otherwise;
 // rows inline for small inputs, in chunks on the thread pool for large ones.
 
 template <typename K>
@@ -311,9 +323,19 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const typename K::Args& a, in
 }
 #endif
 
+// Whether K has a 16-lane build (K::rows_avx512) besides its 8-lane one.
+template <typename K, typename = void>
+struct HasAvx512Rows : std::false_type {};
+template <typename K>
+struct HasAvx512Rows<K, std::void_t<decltype(&K::rows_avx512)>> : std::true_type {};
+
 template <typename K>
 RowsFn<K> select_kernel() {
 #if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (HasAvx512Rows<K>::value) {
+    static const bool avx512 = trillm_cpu_ops_avx512::cpu_has_avx512_ops();
+    if (avx512) return &K::rows_avx512;
+  }
   static const bool avx2 = cpu_has_avx2();
   if (avx2) return &rows_avx2<K>;
 #endif

@@ -201,6 +201,21 @@ def test_silu_and_mul_extremes_strided_rows_and_out(dtype):
     _close(out, activation_torch.silu_and_mul(strided))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_lanes_do_not_depend_on_their_place_in_the_row(dtype):
+    """The same gate/up values as one 37-wide row (full vector chunks, then a partial one) and
+    as 37 rows of width 1 (a partial chunk each): bit-identical results; a row's partial chunk
+    writes nothing past its width (the out rows here are views into a wider buffer)."""
+    gate_up = _randn(3, 2 * 37, dtype=dtype, seed=18, scale=6.0)
+    buffer = torch.full((3, 48), 5.0, dtype=dtype)
+    activation_cpu.silu_and_mul(gate_up, out=buffer[:, :37])
+    one_each = torch.stack([gate_up[:, :37], gate_up[:, 37:]], dim=-1).reshape(3 * 37, 2)
+    single = activation_cpu.silu_and_mul(one_each).reshape(3, 37)
+    assert torch.equal(buffer[:, :37], single)
+    assert torch.equal(buffer[:, 37:], torch.full((3, 11), 5.0, dtype=dtype))
+    _close(single, activation_torch.silu_and_mul(gate_up))
+
+
 # --- threads, bad inputs, dispatch ------------------------------------------------------------
 
 
