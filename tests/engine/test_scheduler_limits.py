@@ -1,10 +1,11 @@
 """The scheduler's limits as vLLM resolves and checks them at startup
-(trillm/config/batch_defaults.py): a default follows the other value given (the batch left
+(trillm/config/batch_defaults.py, scheduler_checks.py): a default follows the other value given (the batch left
 unset is at most the step budget, the budget left unset at most ``max_num_seqs`` x
 ``max_model_len``); a budget below ``max_num_seqs``, a ``long_prefill_token_threshold`` below 0
 or above ``max_model_len``, and budgets without room for speculative decoding's slots are
-refused naming the values: by ``EngineArgs`` and ``trillm serve``'s flags as soon as they are
-given, by the engine once the model's length is known."""
+refused naming the values, and so are vLLM's bounds of ``stream_interval``,
+``gpu_memory_utilization`` and ``scheduling_policy``: by ``EngineArgs`` and ``trillm serve``'s
+flags as soon as they are given, by the engine once the model's length is known."""
 
 from __future__ import annotations
 
@@ -52,6 +53,10 @@ def test_a_default_follows_the_value_given_as_in_vllm(usage, given, limits):
         ({"max_num_batched_tokens": 0}, r"max_num_batched_tokens \(--max-num-batched-tokens\)"),
         ({"max_num_seqs": 0}, r"max_num_seqs \(--max-num-seqs\) must be an integer >= 1"),
         ({"long_prefill_token_threshold": -1}, r"long_prefill_token_threshold .* >= 0"),
+        ({"stream_interval": 0}, r"stream_interval \(--stream-interval\) must be an integer >= 1"),
+        ({"gpu_memory_utilization": 0}, r"gpu_memory_utilization .* in \(0, 1\], got 0"),
+        ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization .* in \(0, 1\], got 1.5"),
+        ({"scheduling_policy": "lifo"}, r"scheduling_policy .* fcfs, priority, got 'lifo'"),
     ],
 )
 def test_engine_args_refuse_the_values_given_before_anything_loads(given, message):
@@ -142,6 +147,9 @@ def test_serve_refuses_the_flags_by_name(tmp_path):
     assert given.returncode == 2, given.output
     assert "trillm serve: error: max_num_batched_tokens (16) must be greater" in given.output
     assert "--max-num-seqs" in given.output and "Traceback" not in given.output
+    fraction = run_trillm(["serve", "--gpu-memory-utilization", "1.5"], tmp_path / "c.log")
+    assert fraction.returncode == 2, fraction.output
+    assert "error: gpu_memory_utilization (--gpu-memory-utilization)" in fraction.output
     resolved = run_trillm(
         ["serve", "--max-num-seqs", "4096", "--kv-cache-memory", "16MiB", "--port", "0"],
         tmp_path / "b.log",

@@ -23,21 +23,14 @@ an A100) 16,384 / 8,192 tokens and 1,024 sequences; otherwise 8,192 / 2,048 and 
 As in vLLM (``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args``), a default
 follows the other value where that one is given: the budget left unset is at most
 ``max_num_seqs`` x ``max_model_len``, the batch size left unset at most the budget (so
-``max_num_batched_tokens=16`` alone runs at most 16 sequences). Then vLLM's startup checks
-(``SchedulerConfig.verify_max_model_len`` and the speculative ones of ``create_engine_config`` /
-``VllmConfig``) refuse, naming both values: a budget below ``max_num_seqs`` (a step schedules a
-token of each running request), a ``long_prefill_token_threshold`` below 0 or above
-``max_model_len``, and with speculative decoding a budget without room for the draft's slots;
-a budget above ``max_num_seqs`` x ``max_model_len`` is logged as vLLM warns.
+``max_num_batched_tokens=16`` alone runs at most 16 sequences). What vLLM refuses of the
+result: ``trillm/config/scheduler_checks.py``.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from enum import Enum
-
-logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 
@@ -96,7 +89,7 @@ def batch_limits(
 ) -> BatchLimits:
     """``tokens`` / ``seqs`` where given, else ``usage``'s defaults on ``device``, each default
     capped by the other value as vLLM caps it (the budget by ``seqs`` x ``max_model_len``, the
-    batch by the budget). Unchecked: ``check_batch_limits`` refuses what vLLM refuses."""
+    batch by the budget). Unchecked (``scheduler_checks.check_batch_limits``)."""
     default = _table(device).get(usage, BatchLimits(OTHER_STEP_BUDGET, OTHER_MAX_NUM_SEQS))
     num_seqs = default.max_num_seqs if seqs is None else seqs
     budget = tokens
@@ -105,74 +98,6 @@ def batch_limits(
     if seqs is None:
         num_seqs = min(num_seqs, budget)
     return BatchLimits(budget, num_seqs)
-
-
-def check_batch_limits(
-    limits: BatchLimits, max_model_len: int, long_prefill_token_threshold: int
-) -> None:
-    """vLLM's startup checks of the scheduler's limits (``SchedulerConfig``), the defaults
-    resolved: ValueError naming the flags and their values."""
-    tokens, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
-    threshold = long_prefill_token_threshold
-    check_given_limits(tokens, seqs, threshold)
-    if threshold > max_model_len:
-        raise ValueError(
-            f"long_prefill_token_threshold ({threshold}) cannot be greater than max_model_len "
-            f"({max_model_len}): lower --long-prefill-token-threshold or raise --max-model-len."
-        )
-    if tokens > seqs * max_model_len:
-        logger.warning(  # vLLM warns the same: the budget can never be filled
-            "max_num_batched_tokens (%d) exceeds max_num_seqs x max_model_len (%d x %d).",
-            tokens,
-            seqs,
-            max_model_len,
-        )
-
-
-def check_given_limits(tokens: int | None, seqs: int | None, threshold: int) -> None:
-    """The checks that need no model (None: left to its default), run on the values given as
-    soon as they are given (``EngineArgs``, ``trillm serve``'s flags) and again resolved."""
-    for name, value in (("max_num_batched_tokens", tokens), ("max_num_seqs", seqs)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"{name} (--{_flag(name)}) must be an integer >= 1, got {value!r}.")
-    if tokens is not None and seqs is not None and tokens < seqs:
-        raise ValueError(
-            f"max_num_batched_tokens ({tokens}) must be greater than or equal to max_num_seqs "
-            f"({seqs}): each step schedules a token of every running request. Raise "
-            "--max-num-batched-tokens or lower --max-num-seqs."
-        )
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-        raise ValueError(
-            f"long_prefill_token_threshold (--long-prefill-token-threshold) must be an integer "
-            f">= 0 (0: no cap), got {threshold!r}."
-        )
-
-
-def check_speculative_budget(
-    limits: BatchLimits, method: str, num_speculative_tokens: int, lora: bool
-) -> None:
-    """vLLM's checks of the budget with speculative decoding: room for a draft model's extra
-    slot, and, with LoRA on too, for every request's drafts and bonus token."""
-    tokens, seqs = limits.max_num_batched_tokens, limits.max_num_seqs
-    if method == "draft_model" and tokens <= 1:
-        raise ValueError(
-            f"max_num_batched_tokens ({tokens}) leaves no room for speculative_config's "
-            "draft_model, which takes one more slot a step: raise --max-num-batched-tokens."
-        )
-    needed = seqs * (num_speculative_tokens + 1)
-    if lora and tokens < needed:
-        raise ValueError(
-            f"max_num_batched_tokens ({tokens}) is less than max_num_seqs ({seqs}) x "
-            f"(num_speculative_tokens ({num_speculative_tokens}) + 1) = {needed}, which LoRA "
-            "with speculative decoding needs: raise --max-num-batched-tokens, or lower "
-            "--max-num-seqs or speculative_config's num_speculative_tokens."
-        )
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
 
 
 def device_facts(kind: str, world_size: int) -> Device:

@@ -5,13 +5,13 @@ modules read are normalized here (the media limits and paths, the grammar cache'
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-from trillm.config.batch_defaults import check_given_limits
 from trillm.config.mm_processor_cache import check_mm_processor_cache_gb
 from trillm.config.multimodal import check_limit_mm_per_prompt, check_media_args
 from trillm.config.parallel import ParallelArgs, check_parallel
 from trillm.config.pooling import check_runner
+from trillm.config.scheduler_checks import GIVEN_FIELDS, check_given
 from trillm.config.values import (
     Convert,
     KVCacheDtype,
@@ -32,6 +32,9 @@ class CheckedArgs(ParallelArgs, Protocol):
     max_num_batched_tokens: int | None
     max_num_seqs: int | None
     long_prefill_token_threshold: int
+    stream_interval: int
+    gpu_memory_utilization: float
+    scheduling_policy: Literal["fcfs", "priority"]
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int | None
@@ -56,9 +59,7 @@ class CheckedArgs(ParallelArgs, Protocol):
 
 def check_engine_args(args: CheckedArgs) -> None:
     """ValueError naming the field that trillm cannot honour; normalizes the rest in place."""
-    check_given_limits(  # resolved and checked again with the model's length (config_builder)
-        args.max_num_batched_tokens, args.max_num_seqs, args.long_prefill_token_threshold
-    )
+    check_given({name: getattr(args, name) for name in GIVEN_FIELDS})  # the scheduler's, cache's
     for name in ("max_loras", "max_lora_rank"):
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:

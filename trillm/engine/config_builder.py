@@ -21,14 +21,9 @@ from trillm.config import (
     check_grammar_cache_bytes,
     parse_memory_size,
 )
-from trillm.config.batch_defaults import (
-    UsageContext,
-    batch_limits,
-    check_batch_limits,
-    check_speculative_budget,
-    device_facts,
-)
+from trillm.config.batch_defaults import UsageContext, batch_limits, device_facts
 from trillm.config.multimodal import resolve_limits
+from trillm.config.scheduler_checks import check_batch_limits, check_speculative_budget
 from trillm.config.structured_outputs import parse_structured_outputs_config
 from trillm.distributed.engine_fit import resolve_parallel
 from trillm.engine.tokenizer_loader import load_tokenizer

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trillm.config.batch_defaults import check_given_limits
+from trillm.config.scheduler_checks import check_given
 
 
 def _json_list(value: str) -> list[str]:
@@ -288,10 +288,8 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             "argument --no-enable-chunked-prefill: turning chunked prefill off is not "
             "implemented yet; trillm always chunks long prefills."
         )
-    try:  # the scheduler's limits as given (the engine checks them again, resolved)
-        check_given_limits(
-            args.max_num_batched_tokens, args.max_num_seqs, args.long_prefill_token_threshold or 0
-        )
+    try:  # the scheduler's and cache's values given (the engine checks the limits again, resolved)
+        check_given(vars(args))
     except ValueError as exc:
         parser.error(str(exc))
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
