@@ -192,3 +192,13 @@ def test_nan_in_unused_slots_stays_out(monkeypatch):
     problem = _problem([1000], heads=9, kv_heads=3, head_dim=64, q_dtype=torch.float32)
     assert problem[1].isnan().any()
     assert not _check(problem, expect_parts=6).isnan().any()
+
+
+def test_the_generic_fallback_splits_too(monkeypatch):
+    """CPUs without AVX2 run the same one-row kernel built for them: parts and merge as here."""
+    if paged_attention_cpu.kernel() != "avx2":
+        pytest.skip("the generic kernel is the one in use: covered above")
+    monkeypatch.setenv("TRILLM_CPU_ATTENTION_THREADS", "2")
+    problem = _problem([300], heads=9, kv_heads=3, head_dim=64, q_dtype=torch.float32, seed=5)
+    with paged_attention_cpu.use_kernel("generic"):
+        _check(problem, expect_parts=6, softcap=30.0)
