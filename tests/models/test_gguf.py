@@ -220,6 +220,21 @@ def _gguf_with(tmp_path, arch: str, tensor_type: str):
     return str(tmp_path / "m.gguf")
 
 
+@pytest.mark.parametrize("bf16_instructions", [True, False])
+def test_dtype_auto_runs_a_quantized_gguf_in_float32(ggufs, monkeypatch, bf16_instructions):
+    """A GGUF counts as its embedding's type: a quantized embedding is float32 (activations and,
+    with kv_cache_dtype auto, the KV cache), even with bf16 instructions (measured no faster on
+    SmolLM2-135M's Q4_1, and less exact: docs/models.md, Dtypes); --dtype still overrides it."""
+    from trillm.model_executor import dtype_choice
+
+    monkeypatch.setattr(dtype_choice, "cpu_supports_bf16", lambda: bf16_instructions)
+    model = str(ggufs["qwen2"])  # token_embd Q8_0
+    assert gguf_loader.GGUFFile(model).checkpoint_dtype() == "float32"
+    assert load_model_config(EngineArgs(model=model, device="cpu")).dtype == "float32"
+    config = load_model_config(EngineArgs(model=model, device="cpu", dtype="bfloat16"))
+    assert config.dtype == "bfloat16"
+
+
 def test_unsupported_architectures_and_tensor_types_are_refused_by_name(tmp_path):
     with pytest.raises(UnsupportedArchitectureError, match="GGUF architecture 'gemma2'"):
         load_model_config(EngineArgs(model=_gguf_with(tmp_path, "gemma2", "F32"), device="cpu"))
