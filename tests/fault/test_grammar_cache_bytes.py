@@ -22,10 +22,18 @@ CACHE_MIB = 40  # one grammar may take 10 MiB
 
 
 def schema(tag: str, properties: int) -> dict:
-    """A distinct object schema of ``properties`` optional strings (~5 KiB of grammar each)."""
+    """A distinct object schema of ``properties`` optional strings (~5 KiB of grammar each),
+    in objects of at most 200 (one object may have MAX_SCHEMA_PROPERTIES)."""
+    groups = [range(i, min(properties, i + 200)) for i in range(0, properties, 200)]
     return {
         "type": "object",
-        "properties": {f"{tag}_{k}": {"type": "string"} for k in range(properties)},
+        "properties": {
+            f"{tag}_g{j}": {
+                "type": "object",
+                "properties": {f"{tag}_{k}": {"type": "string"} for k in group},
+            }
+            for j, group in enumerate(groups)
+        },
     }
 
 
@@ -80,9 +88,9 @@ def test_distinct_big_schemas_keep_memory_bounded(server):
 
 
 def test_grammar_over_its_share_is_refused(server):
-    # ~16 MiB of grammar: more than 1/4 of the 40 MiB cache.
+    # ~10.4 MiB of grammar: more than 1/4 of the 40 MiB cache.
     with httpx.Client(base_url=server.url, timeout=120) as client:
-        r = ask(client, schema("big", 3000))
+        r = ask(client, schema("big", 2000))
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "structured_outputs.json", error
@@ -90,8 +98,8 @@ def test_grammar_over_its_share_is_refused(server):
         assert "--structured-outputs-cache-bytes" in error["message"], error
         # the same schema through the other fields: the same refusal
         for body in (
-            {"guided_json": schema("big", 3000)},
-            {"structured_outputs": {"json": json.dumps(schema("big", 3000))}},
+            {"guided_json": schema("big", 2000)},
+            {"structured_outputs": {"json": json.dumps(schema("big", 2000))}},
         ):
             r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, **body})
             assert r.status_code == 400 and "one grammar may take" in r.text, r.text

@@ -21,7 +21,14 @@ from trillm.structured_output import (
     StructuredOutputManager,
     check_params,
 )
-from trillm.structured_output.spec import MAX_JSON_DEPTH, json_depth
+from trillm.structured_output.spec import (
+    MAX_GRAMMAR_CHARS,
+    MAX_JSON_DEPTH,
+    MAX_REGEX_CHARS,
+    MAX_SCHEMA_NODES,
+    json_depth,
+    json_shape,
+)
 
 SO = StructuredOutputsParams
 SCHEMA = {
@@ -74,6 +81,32 @@ def cache(tokenizer):
         ({"json_object": False}, "structured_outputs.json_object", "true"),
         ({"regex": 5}, "structured_outputs.regex", "string"),
         ({"structural_tag": "{"}, "structured_outputs.structural_tag", "not valid JSON"),
+        # the compile-cost bounds, each one past its limit
+        ({"regex": "a" * (MAX_REGEX_CHARS + 1)}, "structured_outputs.regex", "limit of 16384"),
+        ({"grammar": "x" * (MAX_GRAMMAR_CHARS + 1)}, "structured_outputs.grammar", "limit"),
+        ({"choice": ["a" * 40_000, "b" * 40_000]}, "structured_outputs.choice", "in all"),
+        ({"json": {"enum": list(range(MAX_SCHEMA_NODES))}}, "structured_outputs.json", "values"),
+        (
+            {"json": json.dumps({"properties": {str(i): {} for i in range(257)}})},
+            "structured_outputs.json",
+            "257 properties",
+        ),
+        (
+            {
+                "json": {
+                    "properties": {
+                        f"o{j}": {"properties": dict.fromkeys(range(250), {})} for j in range(9)
+                    }
+                }
+            },
+            "structured_outputs.json",
+            "properties in all",
+        ),
+        (
+            {"structural_tag": {"structures": [{"begin": "<a>", "end": "</a>"}] * 5000}},
+            "structured_outputs.structural_tag",
+            "values",
+        ),
     ],
 )
 def test_malformed_specs_are_refused_when_built(kwargs, param, match):
@@ -91,6 +124,17 @@ def test_a_very_deep_schema_is_refused_without_recursion():
     text = "[" * 100_000 + "]" * 100_000
     with pytest.raises(SamplingParamsError, match="nests deeper"):
         SO(json='{"a": ' + text + "}")
+
+
+def test_a_huge_schema_is_counted_only_up_to_its_bound():
+    """json_shape stops at the bound: a schema of 2,000,000 values costs what 10,000 do."""
+    huge = {"enum": list(range(2_000_000))}
+    start = time.thread_time()
+    _, nodes, _, _ = json_shape(huge)
+    took = time.thread_time() - start
+    assert MAX_SCHEMA_NODES < nodes and took < 0.05, (nodes, took)
+    ordinary = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}}
+    assert json_shape(ordinary) == (3, 403, 200, 200)
 
 
 def test_spec_key_and_options():
