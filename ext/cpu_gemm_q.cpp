@@ -75,7 +75,7 @@ constexpr int kCols = 16;       // output columns per panel: one fp32 vector
 constexpr int kBlock = 32;      // values per quantization block along K
 constexpr int kRows = 4;        // rows of x per register tile (x 2 panels)
 constexpr int kRowBlock = 64;   // rows of x per work item
-constexpr int kInt8UnpackedMinRows = 16;  // int8 rows to the prefill kernel (not Q8_0, Q6_K)
+constexpr int kInt8UnpackedMinRows = 16;  // int8 rows to the prefill kernel (not Q6_K)
 
 // GGML's type ids; Q4_G is trillm's (not a GGML type): AWQ / GPTQ groups cut into blocks of 32.
 // Q5_KM and Q4_KM are trillm's too: 5-bit / 4-bit values with a scale and a minimum per half
@@ -434,11 +434,13 @@ void run_pair(const Gemm& g, int m0, int m1, int pair) {
 // faster, 32-48 rows 1.3-1.5x); Q4_KM's and Q5_KM's from 16 rows too (the large shapes 0.80-0.86x
 // the time at 16 rows, 0.64-0.82x at 32-48); Q6_KP's, unpacked straight from its records
 // (cpu_gemm_q_q6.h), 0.88x at 16 rows for the 128,256-row head, 0.85-0.92x at 16-48 for the
-// layers' large shapes. Q8_0's unpacking (a sign flip) gains nothing and `tile_vnni` stays faster
-// below 64 rows; so does Q6_K's (its 9-bit records, the same flip: 1.12-1.15x the time at 16
-// rows, ~1.0x at 32).
+// layers' large shapes. Q8_0's unpacking (a sign flip) gained nothing until the next pair's
+// records were prefetched during a pair's products (cpu_gemm_q_vnni_prefill.h's `Prefetch`):
+// since, SmolLM2's 49,152 x 576 head at 16 rows 0.73x tile_vnni's time, a 1B step's Q8_0
+// linears ~0.9x. Q6_K's 9-bit records (the same flip) stay on `tile_vnni` below 64 rows
+// (1.10x its time at 16 rows with the prefetch, ~0.92x at 32: inside the host's noise).
 constexpr int int8_unpacked_min_rows(int qtype) {
-  return byte_values(qtype) ? kPrefillMinRows : kInt8UnpackedMinRows;
+  return qtype == kQ6_K ? kPrefillMinRows : kInt8UnpackedMinRows;
 }
 
 // benchmarks/kernels/q_small_m.py's `--unpacked-from`: every type's int8 rows run the prefill

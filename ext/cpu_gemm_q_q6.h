@@ -244,13 +244,20 @@ TRILLM_BF16DOT_TARGET void unpack_pair_q6kp(const uint8_t* p0, const uint8_t* p1
   }
 }
 
-// The int8 prefill kernel (cpu_gemm_q_vnni_prefill.h) on rows m0..m1 of a Q6_KP pair: Q6_K's
-// item, each chunk of the pair unpacked straight from Q6_KP's records (unpack_pair_q6kp): the
-// same results as a weight packed as Q6_K.
-void run_prefill_item_q6kp(const Gemm& g, int m0, int m1, int pair) {
+// The int8 prefill kernel (cpu_gemm_q_vnni_prefill.h) on rows m0..m1 of Q6_KP pairs pair0 ..
+// pair1: Q6_K's item, each chunk of a pair unpacked straight from Q6_KP's records
+// (unpack_pair_q6kp): the same results as a weight packed as Q6_K.
+void run_prefill_item_q6kp(const Gemm& g, int m0, int m1, int pair0, int pair1) {
   const int64_t panel_bytes = static_cast<int64_t>(g.K / kBlock) * record_bytes(kQ6_KP);
-  const uint8_t* p0 = g.packed + 2 * pair * panel_bytes;
-  prefill_rows<kQ6_K>(g, m0, m1, 2 * pair * kCols, [&](int b0, int b1, uint8_t* out) {
-    unpack_pair_q6kp(p0, p0 + panel_bytes, b0, b1, out);
-  });
+  const auto panel = [&](int pair) { return g.packed + 2 * pair * panel_bytes; };
+  prefill_rows<kQ6_K>(
+      g, m0, m1, pair0, pair1,
+      [&](int pair, int b0, int b1, uint8_t* out) {
+        unpack_pair_q6kp(panel(pair), panel(pair) + panel_bytes, b0, b1, out);
+      },
+      [&](int pair, int b0, int b1, const uint8_t* (&first)[2]) {  // whole super-blocks
+        first[0] = q6kp_super(panel(pair), b0);
+        first[1] = first[0] + panel_bytes;
+        return static_cast<int64_t>(b1 - b0) / kQ6Blocks * kQ6SuperBytes;
+      });
 }

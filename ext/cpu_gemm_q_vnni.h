@@ -188,8 +188,15 @@ TRILLM_VNNI_TARGET void tile_vnni(const Gemm& g, int m, const uint8_t* p0, const
         const int64_t i = static_cast<int64_t>(m + r) * nb + b;
         if constexpr (byte_values(QT))  // the second half's excess
           dot[r][p] = _mm512_sub_epi32(dot[r][p], _mm512_set1_epi32(128 * g.qxh[2 * i + 1]));
-        __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][p]), _mm512_set1_ps(g.dx[2 * i + 1]));
-        if constexpr (!half_scales(QT)) s = _mm512_add_ps(first[r][p], s);
+        // the second half: dx_h1 * its sum, added to the first's in one rounding (an explicit
+        // FMA, as the prefill kernel takes it: a mul and an add left to the compiler were
+        // fused either way round, differently for a 1-row tile than for 2-4)
+        const __m512 sum = _mm512_cvtepi32_ps(dot[r][p]), dx1 = _mm512_set1_ps(g.dx[2 * i + 1]);
+        __m512 s;
+        if constexpr (half_scales(QT))
+          s = _mm512_mul_ps(sum, dx1);
+        else
+          s = _mm512_fmadd_ps(sum, dx1, first[r][p]);
         // Q4_KM / Q5_KM: the second half's sum of x^, as quantize_rows adds it into sx
         const float sx = half_min(QT) ? g.dx[2 * i + 1] * static_cast<float>(g.qxh[2 * i + 1])
                                       : g.sx[i];

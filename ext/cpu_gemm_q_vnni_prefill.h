@@ -9,8 +9,8 @@
 // Why: `tile_vnni` unpacks each weight vector for 4 rows only (Q4: ~6 instructions per 4
 // `vpdpbusd`) and converts every sum to fp32 with several more: at Llama-3.2-1B's shapes it ran
 // at ~30% of this Zen 4 core's int8 peak (469 GOP/s a core by benchmarks/kernels/int8_peak.cpp,
-// twice bf16's 235), below the bf16 GEMM. Here a work item is (256 rows, a pair of panels: 32
-// columns); it first unpacks the pair's whole K once into a thread-local panel (`Unpacked`): per
+// twice bf16's 235), below the bf16 GEMM. Here a work item is (256 rows, a run of pairs of panels:
+// 32 columns each); per pair it first unpacks K once into a thread-local panel (`Unpacked`): per
 // block, 8 quads x 2 zmm of `vpdpbusd`-ready bytes (Q4: q, 0..15; Q8_0: q + 128), then the
 // block's fp32 scales (d; Q4_K: d * sc) and, for the types with a minimum, the fp32 factor of
 // the block's sum of x^ (Q4_1: m; Q4_G: -d z; Q4_K: -dmin mn; each product exact in fp32);
@@ -27,7 +27,7 @@
 
 constexpr int kPrefillRows = 4;         // rows of the register block (x 2 panels)
 constexpr int kPrefillRowBlock = 256;   // rows of x per work item (one unpacking per item)
-constexpr int kPrefillMinRows = 64;     // fewer rows: tile_vnni (most types: from 16, cpu_gemm_q.cpp)
+constexpr int kPrefillMinRows = 64;     // fewer rows: tile_vnni (all but Q6_K: from 16, cpu_gemm_q.cpp)
 constexpr int kPrefillKChunk = 2048;    // values of K per pass: 256 rows' int8 x (512 KiB) and the
                                         // pair's unpacked weights (82 KiB) stay in a 1 MiB L2
 
@@ -164,11 +164,29 @@ TRILLM_VNNI_TARGET void store_prefill(const Gemm& g, int m, int col, const __m51
   }
 }
 
+// The next step's packed records (the next chunk of K, or the next pair of the item's run),
+// prefetched into L2 a few lines at a time over this step's register blocks, so that reading
+// them from memory overlaps with the products instead of stalling the next unpacking (the
+// 128,256 x 2,048 Q6_KP head at 16 rows: 21 of 52 ms in the unpacking, mostly waiting for
+// memory, before; the register blocks run from L1 / L2 and leave the memory bus idle).
+struct Prefetch {
+  const uint8_t* panel[2] = {nullptr, nullptr};  // each panel's first line of the next records
+  int64_t lines = 0;                             // 64-byte lines a panel
+  int64_t issued = 0;                            // lines prefetched so far
+  int64_t step = 0, steps = 1;                   // block iterations so far / in this step
+
+  inline void advance() {  // one block iteration of a register block: its share of the lines
+    const int64_t upto = lines * ++step / steps;
+    for (; issued < upto; ++issued)
+      for (const uint8_t* p : panel) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * issued), _MM_HINT_T1);
+  }
+};
+
 // y[m .. m + R, col .. col + 32) from the unpacked pair u of blocks b0 .. b1: the sums start
 // at zero (b0 0) or at part's (R rows x 32 fp32), and go to y (b1 the last block) or to part.
 template <int R, int QT>
 TRILLM_VNNI_TARGET void tile_prefill(const Gemm& g, int m, const uint8_t* u, int col, int b0,
-                                     int b1, float* part) {
+                                     int b1, float* part, Prefetch& pf) {
   constexpr int bytes = unpacked_block_bytes(QT);
   constexpr int offset = prefill_offset(QT);
   const int nb = g.K / kBlock;
@@ -185,6 +203,7 @@ TRILLM_VNNI_TARGET void tile_prefill(const Gemm& g, int m, const uint8_t* u, int
     qxh[r] = g.qxh + static_cast<int64_t>(m + r) * 2 * nb;
   }
   for (int b = b0; b < b1; ++b) {
+    pf.advance();
     const uint8_t* ub = u + static_cast<int64_t>(b - b0) * bytes;
     __m512 first[R][2];
     __m512i dot[R][2];
@@ -260,11 +279,14 @@ TRILLM_VNNI_TARGET void tile_prefill(const Gemm& g, int m, const uint8_t* u, int
   }
 }
 
-// Rows m0 .. m1 (at most kPrefillRowBlock) of y's columns col .. col + 32: per chunk of K,
-// `unpack(b0, b1, out)` writes blocks b0 .. b1 of the pair in QT's unpacked form, then the
-// register blocks run over them, their partial sums kept between chunks in a thread-local buffer.
-template <int QT, typename Unpack>
-void prefill_rows(const Gemm& g, int m0, int m1, int col, Unpack unpack) {
+// Rows m0 .. m1 (at most kPrefillRowBlock) of y's columns of the panel pairs pair0 .. pair1, a
+// pair at a time: per chunk of K, `unpack(pair, b0, b1, out)` writes blocks b0 .. b1 of the pair
+// in QT's unpacked form, then the register blocks run over them, their partial sums kept between
+// chunks in a thread-local buffer, while the next chunk's records (`records(pair, b0, b1, at)`:
+// each panel's first byte of them into at, their bytes a panel returned) are prefetched.
+template <int QT, typename Unpack, typename Records>
+void prefill_rows(const Gemm& g, int m0, int m1, int pair0, int pair1, Unpack unpack,
+                  Records records) {
   constexpr int kChunkBlocks = kPrefillKChunk / kBlock;
   static thread_local std::vector<uint8_t> storage;  // 64-byte aligned: unpacked pair, sums
   const int nb = g.K / kBlock;
@@ -273,42 +295,61 @@ void prefill_rows(const Gemm& g, int m0, int m1, int col, Unpack unpack) {
   if (storage.size() < need) storage.resize(need);
   uint8_t* scratch = storage.data() + (-reinterpret_cast<uintptr_t>(storage.data()) & 63);
   float* sums = reinterpret_cast<float*>(scratch + weights);
-  for (int b0 = 0; b0 < nb; b0 += kChunkBlocks) {
-    const int b1 = std::min(nb, b0 + kChunkBlocks);
-    unpack(b0, b1, scratch);
-    int m = m0;
-    for (; m + kPrefillRows <= m1; m += kPrefillRows)
-      tile_prefill<kPrefillRows, QT>(g, m, scratch, col, b0, b1, sums + (m - m0) * 2 * kCols);
-    float* part = sums + (m - m0) * 2 * kCols;
-    switch (m1 - m) {
-      case 1: tile_prefill<1, QT>(g, m, scratch, col, b0, b1, part); break;
-      case 2: tile_prefill<2, QT>(g, m, scratch, col, b0, b1, part); break;
-      case 3: tile_prefill<3, QT>(g, m, scratch, col, b0, b1, part); break;
-      default: break;
+  const int tiles = (m1 - m0 + kPrefillRows - 1) / kPrefillRows;
+  for (int pair = pair0; pair < pair1; ++pair) {
+    const int col = 2 * pair * kCols;
+    for (int b0 = 0; b0 < nb; b0 += kChunkBlocks) {
+      const int b1 = std::min(nb, b0 + kChunkBlocks);
+      unpack(pair, b0, b1, scratch);
+      Prefetch pf;
+      const int next_pair = b1 < nb ? pair : pair + 1, next_b0 = b1 < nb ? b1 : 0;
+      if (next_pair < pair1) {
+        const int64_t bytes = records(next_pair, next_b0, std::min(nb, next_b0 + kChunkBlocks), pf.panel);
+        pf.lines = (bytes + 63) / 64;
+        pf.steps = static_cast<int64_t>(tiles) * (b1 - b0);
+      }
+      int m = m0;
+      for (; m + kPrefillRows <= m1; m += kPrefillRows)
+        tile_prefill<kPrefillRows, QT>(g, m, scratch, col, b0, b1, sums + (m - m0) * 2 * kCols, pf);
+      float* part = sums + (m - m0) * 2 * kCols;
+      switch (m1 - m) {
+        case 1: tile_prefill<1, QT>(g, m, scratch, col, b0, b1, part, pf); break;
+        case 2: tile_prefill<2, QT>(g, m, scratch, col, b0, b1, part, pf); break;
+        case 3: tile_prefill<3, QT>(g, m, scratch, col, b0, b1, part, pf); break;
+        default: break;
+      }
     }
   }
 }
 
-// Rows m0 .. m1 (at most kPrefillRowBlock) of one pair of panels.
+// Rows m0 .. m1 (at most kPrefillRowBlock) of panel pairs pair0 .. pair1.
 template <int QT>
-void prefill_item(const Gemm& g, int m0, int m1, int pair) {
+void prefill_item(const Gemm& g, int m0, int m1, int pair0, int pair1) {
   const int64_t panel_bytes = static_cast<int64_t>(g.K / kBlock) * record_bytes(QT);
-  const uint8_t* p0 = g.packed + 2 * pair * panel_bytes;
-  prefill_rows<QT>(g, m0, m1, 2 * pair * kCols, [&](int b0, int b1, uint8_t* out) {
-    const int64_t at = static_cast<int64_t>(b0) * record_bytes(QT);
-    unpack_pair<QT>(p0 + at, p0 + panel_bytes + at, b1 - b0, out);
-  });
+  const auto at = [&](int pair, int b) {
+    return g.packed + 2 * pair * panel_bytes + static_cast<int64_t>(b) * record_bytes(QT);
+  };
+  prefill_rows<QT>(
+      g, m0, m1, pair0, pair1,
+      [&](int pair, int b0, int b1, uint8_t* out) {
+        unpack_pair<QT>(at(pair, b0), at(pair, b0) + panel_bytes, b1 - b0, out);
+      },
+      [&](int pair, int b0, int b1, const uint8_t* (&first)[2]) {
+        first[0] = at(pair, b0);
+        first[1] = first[0] + panel_bytes;
+        return static_cast<int64_t>(b1 - b0) * record_bytes(QT);
+      });
 }
 
-void run_prefill_item(const Gemm& g, int m0, int m1, int pair) {
+void run_prefill_item(const Gemm& g, int m0, int m1, int pair0, int pair1) {
   switch (g.qtype) {
-    case kQ4_0: prefill_item<kQ4_0>(g, m0, m1, pair); break;
-    case kQ4_1: prefill_item<kQ4_1>(g, m0, m1, pair); break;
-    case kQ4_G: prefill_item<kQ4_G>(g, m0, m1, pair); break;
-    case kQ4_K: prefill_item<kQ4_K>(g, m0, m1, pair); break;
-    case kQ6_K: prefill_item<kQ6_K>(g, m0, m1, pair); break;
-    case kQ4_KM: prefill_item<kQ4_KM>(g, m0, m1, pair); break;
-    case kQ5_KM: prefill_item<kQ5_KM>(g, m0, m1, pair); break;
-    default: prefill_item<kQ8_0>(g, m0, m1, pair); break;
+    case kQ4_0: prefill_item<kQ4_0>(g, m0, m1, pair0, pair1); break;
+    case kQ4_1: prefill_item<kQ4_1>(g, m0, m1, pair0, pair1); break;
+    case kQ4_G: prefill_item<kQ4_G>(g, m0, m1, pair0, pair1); break;
+    case kQ4_K: prefill_item<kQ4_K>(g, m0, m1, pair0, pair1); break;
+    case kQ6_K: prefill_item<kQ6_K>(g, m0, m1, pair0, pair1); break;
+    case kQ4_KM: prefill_item<kQ4_KM>(g, m0, m1, pair0, pair1); break;
+    case kQ5_KM: prefill_item<kQ5_KM>(g, m0, m1, pair0, pair1); break;
+    default: prefill_item<kQ8_0>(g, m0, m1, pair0, pair1); break;
   }
 }

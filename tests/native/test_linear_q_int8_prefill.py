@@ -1,6 +1,6 @@
 """The int8-activation quantized GEMM at prefill row counts (ext/cpu_gemm_q_vnni_prefill.h).
 
-From 64 rows (all but Q8_0 and Q6_K from 16: tests/native/test_linear_q_int8_small_m.py) the types
+From 64 rows (all but Q6_K from 16: tests/native/test_linear_q_int8_small_m.py) the types
 with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0) run a second kernel: a pair of
 panels unpacked once per 256 rows, 4-row register blocks. Checked
 against the reference (``quantize_activations`` times the dequantized weight) at its edges: row
@@ -27,12 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 PREFILL_MIN_ROWS = 64  # ext/cpu_gemm_q_vnni_prefill.h's kPrefillMinRows
-UNPACKED_MIN_ROWS = 16  # all but Q8_0's and Q6_K's (ext/cpu_gemm_q.cpp's kInt8UnpackedMinRows)
-
-
-def small_row_kernel_rows(type_name: str) -> int:
-    """The most rows the small-row kernel (tile_vnni) runs for this type."""
-    return (PREFILL_MIN_ROWS if type_name == "Q8_0" else UNPACKED_MIN_ROWS) - 1
+UNPACKED_MIN_ROWS = 16  # all but Q6_K's (ext/cpu_gemm_q.cpp's kInt8UnpackedMinRows)
 
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_G", "Q4_K"]
@@ -59,7 +54,7 @@ def test_prefill_kernel_is_the_rounded_activations_times_the_weight(type_name, m
     scale = float(ref.abs().max())
     torch.testing.assert_close(got, ref, atol=2e-6 * scale * k**0.5, rtol=1e-5)
     # row for row the small-row kernel's results: the same integer sums and scales
-    rows = small_row_kernel_rows(type_name)
+    rows = UNPACKED_MIN_ROWS - 1  # the most rows tile_vnni runs
     few = linear_q_cpu.linear(x[:rows], weight, bias, int8_activations=True)
     torch.testing.assert_close(got[:rows], few, atol=1e-6 * scale * k**0.5, rtol=1e-5)
 

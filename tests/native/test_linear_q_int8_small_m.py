@@ -1,14 +1,15 @@
 """The int8-activation quantized GEMM at batched-decode row counts (1 .. 63 rows).
 
 From 16 rows (``ext/cpu_gemm_q.cpp``'s kInt8UnpackedMinRows; the engine's ``INT8_MIN_ROWS``)
-the 4-bit types with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K) and the K-quant forms
+the types with one weight scale per block (Q4_0, Q4_1, Q4_G, Q4_K, Q8_0) and the K-quant forms
 Q6_KP (GGUF's Q6_K on CPUs with AVX512-BF16 and VBMI), Q5_KM (Q5_K) and Q4_KM (Q3_K, Q2_K) run
 the prefill kernel (``ext/cpu_gemm_q_vnni_prefill.h``: each panel pair unpacked once for all
-rows) instead of the 4-row ``tile_vnni``; Q8_0 and Q6_K's 9-bit records keep ``tile_vnni``
-below 64 rows. Checked at every row count 1..63 against the reference (``quantize_activations``
-times the dequantized weight), and row for row bit for bit against a 64-row call (the prefill
+rows) instead of the 4-row ``tile_vnni``; Q6_K's 9-bit records keep ``tile_vnni`` below 64
+rows. Checked at every row count 1..63 against the reference (``quantize_activations`` times
+the dequantized weight), and row for row bit for bit against a 64-row call (the prefill
 kernel) from 16 rows: the same kernel whatever the row count, so a batch's rows do not depend
-on how many others share its step.
+on how many others share its step. For all but Q4_0 and Q4_G both kernels give the same bits
+at every row count, whatever the thread count.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from gguf import GGMLQuantizationType
 
 from tests.support.int8_gemm import int8_reference as _reference
 from tests.support.int8_gemm import quantized_weight as _weight
-from trillm.kernels import linear_q_cpu
+from trillm.kernels import linear_q_cpu, q_panels
 from trillm.testing.gguf_models import random_kquant_blocks
 
 pytestmark = pytest.mark.skipif(
@@ -49,7 +50,7 @@ def test_every_row_count_is_the_rounded_activations_times_the_weight(type_name):
         )
 
 
-@pytest.mark.parametrize("type_name", FOUR_BIT)
+@pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("k", [256, 2304])  # one pass of K; two (2,048 and 256 values)
 def test_from_16_rows_each_row_is_the_prefill_kernels_bit_for_bit(type_name, k):
     weight = _weight(type_name, 70, k, seed=k)
@@ -107,3 +108,80 @@ def test_kquant_forms_every_row_count_and_from_16_rows_the_prefill_kernels_bits(
         got = linear_q_cpu.linear(x[:m], weight, out_dtype=torch.float32, int8_activations=True)
         kernel = "prefill" if m >= UNPACKED_MIN_ROWS else "tile_vnni"
         assert torch.equal(got, full[:m]), f"{form}, {threads} threads, {m} rows ({kernel})"
+
+
+# tile_vnni and the prefill kernel take the same integer sums and the same fp32 steps for these
+# (Q4_0 and Q4_G take their offsets out otherwise): the GGUF type each K-quant form is packed
+# from, None for the types quantized_weight makes
+SAME_BITS = {
+    "Q4_1": None,
+    "Q8_0": None,
+    "Q4_K": None,
+    "Q6_K": "Q6_K",
+    "Q6_KP": "Q6_K",
+    "Q4_KM": "Q3_K",
+    "Q5_KM": "Q5_K",
+}
+
+
+def _same_bits_weight(form: str, n: int, k: int):
+    gguf_type = SAME_BITS[form]
+    if gguf_type is None:
+        return _weight(form, n, k, seed=21)
+    raw = random_kquant_blocks(gguf_type, n, k, seed=21)
+    weight = linear_q_cpu.QuantizedWeight(raw, int(GGMLQuantizationType[gguf_type]), n, k)
+    if form == "Q6_K" and weight.kernel_type != linear_q_cpu.Q6_K:  # the 9-bit records
+        q, params = linear_q_cpu.unpack_ggml(raw, linear_q_cpu.Q6_K, k)
+        weight.kernel_type = linear_q_cpu.Q6_K
+        weight.data = torch.from_numpy(q_panels.pack(q, params, linear_q_cpu.Q6_K))
+    if weight.kernel_type != getattr(linear_q_cpu, form):
+        pytest.skip(f"{form}: this CPU packs {gguf_type} otherwise")
+    return weight
+
+
+@pytest.fixture
+def unpacked_from():
+    """The native module's private hook: int8 rows run the prefill kernel from `rows` on, every
+    type (1: always; 64: tile_vnni below 64); each type's own threshold restored after."""
+    ext = linear_q_cpu._ext()
+    yield ext._set_int8_unpacked_min_rows
+    ext._set_int8_unpacked_min_rows(0)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("form", list(SAME_BITS))
+def test_both_kernels_same_bits_at_every_row_count_and_thread_count(form, unpacked_from):
+    # N past two pairs and not a multiple of 32, K in two passes (2,048 and 256 values), rows
+    # strided bf16, a NaN in row 5; fp32 out with a bias and bf16 out; 1-3 threads (the
+    # prefill kernel's runs of pairs, each prefetching its next pair, split otherwise)
+    n, k = 70, 2304
+    weight = _same_bits_weight(form, n, k)
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(70, k + 40, generator=gen).bfloat16()[:, 24 : 24 + k]
+    x[5, 100] = float("nan")
+    bias = torch.randn(n, generator=gen)
+    cases = ((torch.float32, bias), (torch.bfloat16, None))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        full = [
+            linear_q_cpu.linear(x, weight, b, out_dtype=o, int8_activations=True) for o, b in cases
+        ]
+        assert bool(full[0][5].isnan().all()) and not bool(full[0][4].isnan().any())
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for m in range(1, 71):
+                for (out_dtype, b), whole in zip(cases, full):
+                    for rows in (64, 1):  # tile_vnni below 64 rows; the prefill kernel always
+                        unpacked_from(rows)
+                        got = linear_q_cpu.linear(
+                            x[:m], weight, b, out_dtype=out_dtype, int8_activations=True
+                        )
+                        assert torch.equal(_bits(got), _bits(whole[:m])), (
+                            f"{form}, {threads} threads, {m} rows, {out_dtype}, from {rows}"
+                        )
+    finally:
+        torch.set_num_threads(previous)
