@@ -521,11 +521,16 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   // (Q6_KP: Q6_K's item, each chunk unpacked straight from Q6_KP's records, cpu_gemm_q_q6.h)
   const bool prefill = prefill_type(qtype) || (qtype == kQ6_KP && wide);
   if (int8_activations && prefill && M >= unpacked_min_rows(qtype)) {
+    // items: (block of rows, run of pairs), so that each pair's successor is known and its
+    // records prefetched while the pair's products run (cpu_gemm_q_vnni_prefill.h)
     const int blocks = (M + kPrefillRowBlock - 1) / kPrefillRowBlock;
-    run_items(threads, blocks * pairs, [&](int i) {
-      const int m0 = i / pairs * kPrefillRowBlock;
-      qtype == kQ6_KP ? run_prefill_item_q6kp(g, m0, std::min(M, m0 + kPrefillRowBlock), i % pairs)
-                      : run_prefill_item(g, m0, std::min(M, m0 + kPrefillRowBlock), i % pairs);
+    const int runs = threads <= 1 ? 1 : std::min(pairs, 4 * threads);
+    run_items(threads, blocks * runs, [&](int i) {
+      const int m0 = i / runs * kPrefillRowBlock, m1 = std::min(M, m0 + kPrefillRowBlock), run = i % runs;
+      const int first = static_cast<int>(static_cast<int64_t>(pairs) * run / runs);
+      const int last = static_cast<int>(static_cast<int64_t>(pairs) * (run + 1) / runs);
+      qtype == kQ6_KP ? run_prefill_item_q6kp(g, m0, m1, first, last)
+                      : run_prefill_item(g, m0, m1, first, last);
     });
     return;
   }
