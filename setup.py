@@ -112,6 +112,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_bf16_pair_pack.h",
                 "ext/cpu_attention_decode.h",
                 "ext/cpu_attention_decode_dp.h",
+                "ext/cpu_attention_decode_dp_slots.h",
                 "ext/cpu_attention_kernel_choice.h",
                 "ext/cpu_bf16_tiles.h",
                 "ext/cpu_gemm_q_params.h",

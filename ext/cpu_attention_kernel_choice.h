@@ -72,13 +72,20 @@ std::string paged_chunk_kernel(const std::string& name) {
 // there, and both on CPUs with AVX2 + FMA only, the one-row kernel with each key / value row
 // widened once for a block of its GQA group (attend_decode<..., true>, "avx2"); fp32 caches (and
 // everything under "one-row") the one-row kernel widening the rows per query vector.
-// paged_decode_kernel(name) picks another one the CPU has (tests, benchmarks).
-enum DecodeKernel : int { kDecodeRow = 0, kDecodeBf16Dot = 1, kDecodeAvx2 = 2 };
-const char* const kDecodeKernelNames[] = {"one-row", "bf16-dot", "avx2"};
+// paged_decode_kernel(name) picks another one the CPU has (tests, benchmarks); "bf16-dot" is
+// attend_decode_ds (each cache slot read once for the item's kv heads), "bf16-dot-per-head"
+// attend_decode_dp (the keys walked once per kv head, as before it: the same bits).
+enum DecodeKernel : int {
+  kDecodeRow = 0,
+  kDecodeBf16Dot = 1,
+  kDecodeAvx2 = 2,
+  kDecodeBf16DotPerHead = 3
+};
+const char* const kDecodeKernelNames[] = {"one-row", "bf16-dot", "avx2", "bf16-dot-per-head"};
 
 bool cpu_has_decode_kernel(int k) {
 #if TRILLM_PAGED_DP
-  if (k == kDecodeBf16Dot) return cpu_has_paged_dp();
+  if (k == kDecodeBf16Dot || k == kDecodeBf16DotPerHead) return cpu_has_paged_dp();
   if (k == kDecodeAvx2) return cpu_has_avx2();
 #endif
   return k == kDecodeRow;
