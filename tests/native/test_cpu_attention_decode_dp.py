@@ -1,5 +1,7 @@
-"""The bf16 decode kernel on AVX512-BF16 (ext/cpu_attention_decode_dp.h: vdpbf16ps scores, one
-pass over each kv head's keys for its whole GQA group) against the torch twin
+"""The bf16 decode kernel on AVX512-BF16 (``paged_decode_kernel("bf16-dot")``:
+ext/cpu_attention_decode_dp_slots.h, vdpbf16ps scores for every query vector of the item's kv
+heads, each cache slot read once; the same bits as ext/cpu_attention_decode_dp.h's walk per kv
+head, test_cpu_attention_decode_dp_slots.py) against the torch twin
 (kernels/paged_attention_torch.py, transformers' bf16 rounding points) and the one-row kernel it
 replaces for bf16 decode rows (``paged_decode_kernel("one-row")``): GQA groups 1/4/8, head dims
 64/128, lengths around its 16-key tiles and the cache's blocks, sliding windows, soft caps, a
