@@ -19,7 +19,7 @@ import pytest
 from server_harness import post_polling_health
 from shared_servers import FAKE_512_TEMPLATES, FAKE_512_TEMPLATES_GROUP
 
-from trillm.entrypoints.openai.schemas.protocol import MAX_REQUEST_ID_CHARS
+from trillm.entrypoints.openai.schemas.protocol import MAX_CHAT_CONTENT_PARTS, MAX_REQUEST_ID_CHARS
 
 # The server is shared with the other modules of its group (tests/support/shared_servers.py).
 pytestmark = pytest.mark.xdist_group(FAKE_512_TEMPLATES_GROUP)
@@ -90,8 +90,9 @@ def test_huge_ids_do_not_slow_others(server):
 
 def test_large_body_is_structured_off_the_event_loop(server):
     """400,000 text parts in one chat message (12 MB, under the body limit): structuring them
-    took ~8 s on the event loop, /health waited as long. Now it runs on a worker thread."""
-    parts = [{"type": "text", "text": "x"}] * 400_000
+    took ~8 s on the event loop, /health waited as long. Now it runs on a worker thread (and
+    parts past MAX_CHAT_CONTENT_PARTS are refused before it: here exactly that many)."""
+    parts = [{"type": "text", "text": "x"}] * MAX_CHAT_CONTENT_PARTS
     body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}
     answer, took, worst = post_polling_health(server, "/v1/chat/completions", body)
     status = answer.status_code

@@ -17,6 +17,7 @@ import attrs
 
 from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.entrypoints.openai.schemas.protocol import (
+    MAX_CHAT_CONTENT_PARTS,
     MAX_CHAT_MESSAGES,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
@@ -31,7 +32,7 @@ MAX_TOOLS = 1024  # as chat completions' ``tools``
 @attrs.define(kw_only=True)
 class CountTokensRequest:
     model: str
-    messages: list[dict[str, Any]] = _f(max_len=MAX_CHAT_MESSAGES)
+    messages: list[dict[str, Any]] = _f(max_len=MAX_CHAT_MESSAGES, max_parts=MAX_CHAT_CONTENT_PARTS)
     # A string, or text blocks (each a content part of one system message).
     system: Union[str, list[dict[str, Any]], None] = _f(None, max_len=MAX_SYSTEM_BLOCKS)  # noqa: UP007
     tools: list[dict[str, Any]] | None = _f(None, max_len=MAX_TOOLS)

@@ -32,6 +32,9 @@ MAX_REQUEST_TIMEOUT_S = 86_400.0  # a request's ``timeout``: at most a day
 # output): three 1 MB ids slowed a 200-token request beside them from 0.3 s to 14 s.
 MAX_REQUEST_ID_CHARS = 256
 MAX_CHAT_MESSAGES = 100_000  # a chat's messages, in chat completions and /tokenize
+# The content parts of all a chat's messages together (each costs what a message costs; the
+# routes' input items and Anthropic's content blocks too): checked before structuring.
+MAX_CHAT_CONTENT_PARTS = 100_000
 # vLLM's reasoning efforts of a chat completion ("max": DeepSeek V4's templates)
 CHAT_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
@@ -240,7 +243,7 @@ class _SamplingFields:
 
 @attrs.define(kw_only=True)
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = _f(max_len=MAX_CHAT_MESSAGES)
+    messages: list[ChatMessage] = _f(max_len=MAX_CHAT_MESSAGES, max_parts=MAX_CHAT_CONTENT_PARTS)
     logprobs: bool = False
     top_logprobs: int | None = _f(None, ge=-1)  # -1: the whole vocabulary (vLLM's)
     max_completion_tokens: int | None = _f(None, ge=1)
@@ -295,7 +298,9 @@ SamplingRequest = ChatCompletionRequest | CompletionRequest
 class TokenizeRequest:
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = _f(None, max_len=MAX_CHAT_MESSAGES)
+    messages: list[ChatMessage] | None = _f(
+        None, max_len=MAX_CHAT_MESSAGES, max_parts=MAX_CHAT_CONTENT_PARTS
+    )
     # None: vLLM's defaults, true for a prompt, false for messages (the template writes them).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True

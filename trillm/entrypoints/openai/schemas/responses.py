@@ -16,6 +16,7 @@ import attrs
 from trillm.entrypoints.openai.http.errors import BadRequestError
 from trillm.entrypoints.openai.schemas.protocol import (
     MAX_CACHE_SALT_CHARS,
+    MAX_CHAT_CONTENT_PARTS,
     MAX_REQUEST_ID_CHARS,
     MAX_REQUEST_TIMEOUT_S,
     _f,
@@ -73,7 +74,9 @@ class ResponsesReasoning:
 
 @attrs.define(kw_only=True)
 class ResponsesRequest:
-    input: Union[str, list[dict[str, Any]]] = _f(max_len=MAX_INPUT_ITEMS)  # noqa: UP007
+    input: Union[str, list[dict[str, Any]]] = _f(  # noqa: UP007
+        max_len=MAX_INPUT_ITEMS, max_parts=MAX_CHAT_CONTENT_PARTS
+    )
     instructions: str | None = None
     model: str | None = None
     max_output_tokens: int | None = _f(None, ge=1)

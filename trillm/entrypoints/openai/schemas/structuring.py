@@ -285,6 +285,8 @@ def _check_size(value: Any, limits: Any, path: str) -> None:
         return
     if not limits or not isinstance(value, (list, dict)):
         return
+    if "max_parts" in limits and isinstance(value, list):
+        _check_parts(value, limits["max_parts"], path)
     limit = limits.get("max_len")
     if limit is None and "max_prompts" in limits and value and not isinstance(value[0], int):
         limit = limits["max_prompts"]  # a list of prompts (a list of ints is one prompt)
@@ -292,6 +294,31 @@ def _check_size(value: Any, limits: Any, path: str) -> None:
         raise BadRequestError(
             f"'{path}' has {len(value)} entries, more than the limit of {limit}.", path
         )
+
+
+def _check_parts(messages: list[Any], limit: int, path: str) -> None:
+    """Content parts of all ``messages`` together (a list ``content``'s entries, and those of
+    a part's own list ``content``: Anthropic's tool results), counted on the raw JSON: each
+    costs what a message costs to structure, render and tokenize, so a chat of few messages
+    and 500,000 parts cost 11-31 s of CPU before its context-length refusal."""
+    total = 0
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        total += len(content)
+        if total <= limit:
+            total += sum(
+                len(part["content"])
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("content"), list)
+            )
+        if total > limit:
+            raise BadRequestError(
+                f"'{path}' has more than {limit} content parts in all (passed at "
+                f"'{path}[{i}].content').",
+                f"{path}[{i}].content",
+            )
 
 
 def _check_limits(value: Any, limits: Any, path: str) -> None:
