@@ -195,8 +195,9 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     The native kernel for fp32 and bf16. Alone, torch's op can be faster (bf16 at a 2,048-token
     SmolLM2 step: 2.4 against 4.0 ms of CPU; fp32 at ~64 rows: 88 against 137 us), but not
     inside the forward: it wakes torch's OpenMP threads, which then spin on the cores the native
-    kernels' pool needs (fp32 decode: 300 us; a bf16 SmolLM2-135M 8 x 256-token prefill step:
-    3.43 against 3.01 s of process CPU, alternated in one process)."""
+    kernels' pool needs (fp32 decode: 300 us; a bf16 SmolLM2-135M 8 x 256-token prefill step
+    in an in-process engine: 3.43 against 3.01 s of process CPU, alternated; under the served
+    worker's GOMP_SPINCOUNT, executor/worker_ipc.py, a wash: 3.00 against 3.03 s)."""
     if (
         gate_up.dtype in (torch.float32, torch.bfloat16)
         and activation_cpu.available()
