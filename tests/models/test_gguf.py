@@ -223,8 +223,8 @@ def _gguf_with(tmp_path, arch: str, tensor_type: str):
 @pytest.mark.parametrize("bf16_instructions", [True, False])
 def test_dtype_auto_runs_a_quantized_gguf_in_float32(ggufs, monkeypatch, bf16_instructions):
     """A GGUF counts as its embedding's type: a quantized embedding is float32 (activations and,
-    with kv_cache_dtype auto, the KV cache), even with bf16 instructions (measured no faster on
-    SmolLM2-135M's Q4_1, and less exact: docs/models.md, Dtypes); --dtype still overrides it."""
+    with kv_cache_dtype auto, the KV cache), even with bf16 instructions, as a float32 checkpoint
+    (docs/models.md, Dtypes); --dtype bfloat16 still overrides it."""
     from trillm.model_executor import dtype_choice
 
     monkeypatch.setattr(dtype_choice, "cpu_supports_bf16", lambda: bf16_instructions)
