@@ -3,9 +3,9 @@
 The Q4_1 GGUF's shapes (every layer's q/k/v stacked 960 x 576, o 576 x 576, gate/up stacked
 3,072 x 576, down 576 x 1,536; the tied head 49,152 x 576 in Q8_0), random blocks with d and m
 set so the values are O(1), 30 layers of distinct weights (66 MB packed: out of cache, as in
-the model) and the head. One fp32 row goes through them in model order, ``--passes`` per round,
-``--rounds`` rounds; per shape and in all, the median ms a pass and the packed bytes read over
-it (GB/s). ``--hot`` runs each shape's first layer only, again and again (its weights in
+the model) and the head. One fp32 row (``--x-dtype bfloat16``: bf16) goes through them in model
+order, ``--passes`` per round, ``--rounds`` rounds; per shape and in all, the median ms a pass
+and the packed bytes read over it (GB/s). ``--hot`` runs each shape's first layer only, again and again (its weights in
 cache). ``--clock thread``: the calling thread's CPU time (with ``--threads 1`` the kernel's
 whole cost; on a shared machine wall time is noise). ``--ext PATH`` loads another build's
 ``cpu_kernels`` extension (a copy of ``trillm/_ext/cpu_kernels*.so``) in place of the tree's:
@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=["wall", "thread"], default="thread")
     p.add_argument("--hot", action="store_true")
+    p.add_argument("--x-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--passes", type=int, default=3)
     p.add_argument("--ext", default=None)
@@ -81,7 +82,8 @@ def main() -> None:
     }
     weights["head"] = [random_weight(lq, "Q8_0", HEAD[1], HEAD[2], rng)]
     calls = []  # (shape name, ext.linear's arguments), in model order
-    x = torch.randn(1, 1536)
+    x = torch.randn(1, 1536).to(getattr(torch, args.x_dtype))
+    xb = args.x_dtype == "bfloat16"
     outs = {name: torch.empty(1, n) for name, n, _ in (*SHAPES, HEAD)}
     for layer in range(layers):
         for name, n, k in SHAPES:
@@ -92,7 +94,7 @@ def main() -> None:
                     name,
                     (
                         x.data_ptr(),
-                        False,
+                        xb,
                         1,
                         k,
                         k,
@@ -114,7 +116,7 @@ def main() -> None:
             "head",
             (
                 x.data_ptr(),
-                False,
+                xb,
                 1,
                 HEAD[2],
                 HEAD[2],

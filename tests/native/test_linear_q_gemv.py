@@ -77,3 +77,20 @@ def test_one_nan_row_spoils_only_itself(qtype):
         torch.testing.assert_close(
             clean[0].double(), dq @ x[0].double(), atol=2e-4 * k**0.5, rtol=1e-4
         )
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(17, 32), (70, 576), (1000, 64)])
+def test_one_bf16_row_on_any_thread_count(qtype, n, k):
+    # a bf16 row runs the vdpbf16ps path where the CPU has it (Q4 types; its sums' order
+    # depends on the tile's rows): the same bits on 1-3 threads, within fp64's tolerance
+    weight, dq = _weight(qtype, n, k, seed=n * k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(k))
+    torch.set_num_threads(1)
+    first = linear_q_cpu.linear(x, weight, bias, out_dtype=torch.float32)
+    ref = x.double() @ dq.T + bias.double()
+    torch.testing.assert_close(first.double(), ref, atol=2e-4 * k**0.5, rtol=1e-4)
+    for threads in (2, 3):
+        torch.set_num_threads(threads)
+        assert torch.equal(linear_q_cpu.linear(x, weight, bias, out_dtype=torch.float32), first)
