@@ -9,7 +9,7 @@ and the packed bytes read over it (GB/s). ``--hot`` runs each shape's first laye
 cache). ``--clock thread``: the calling thread's CPU time (with ``--threads 1`` the kernel's
 whole cost; on a shared machine wall time is noise). ``--ext PATH`` loads another build's
 ``cpu_kernels`` extension (a copy of ``trillm/_ext/cpu_kernels*.so``) in place of the tree's:
-run it alternately with and without to compare two kernels.
+run it alternately with and without to compare two kernels. ``--isa avx2``: the AVX2 kernel.
 
     python benchmarks/kernels/q_gemv_smollm2.py [--threads 1] [--clock thread] [--hot]
         [--rounds 5] [--passes 3] [--ext /tmp/before/cpu_kernels.so] [--out x.json]
@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=["wall", "thread"], default="thread")
     p.add_argument("--hot", action="store_true")
+    p.add_argument("--isa", default=None, choices=["avx512", "avx2"])
     p.add_argument("--x-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--passes", type=int, default=3)
@@ -73,6 +74,8 @@ def main() -> None:
 
     ext = lq._ext()
     assert ext is not None, "the cpu_kernels extension is not built"
+    if args.isa:
+        ext.set_isa(args.isa)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     rng = np.random.default_rng(0)
     layers = 1 if args.hot else LAYERS
@@ -166,7 +169,13 @@ def main() -> None:
         ms=round(total_ms, 3), gb_s=round(sum(nbytes.values()) / total_ms / 1e6, 2)
     )
     info = dict(
-        threads=args.threads, clock=args.clock, hot=args.hot, layers=layers, ext=args.ext or "tree"
+        isa=args.isa or "default",
+        x_dtype=args.x_dtype,
+        threads=args.threads,
+        clock=args.clock,
+        hot=args.hot,
+        layers=layers,
+        ext=args.ext or "tree",
     )
     print(json.dumps(info))
     for name, r in result.items():

@@ -8,6 +8,8 @@ among three or four rows, on 1-3 threads; and each within an fp64 reference's to
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -94,3 +96,25 @@ def test_one_bf16_row_on_any_thread_count(qtype, n, k):
     for threads in (2, 3):
         torch.set_num_threads(threads)
         assert torch.equal(linear_q_cpu.linear(x, weight, bias, out_dtype=torch.float32), first)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(17, 32), (70, 576), (1000, 64)])
+def test_one_row_on_the_avx2_kernel(qtype, n, k):
+    # the AVX2 kernel's one-row path (row_direct, the same prefetch): the same bits on 1-3
+    # threads, within fp64's tolerance
+    weight, dq = _weight(qtype, n, k, seed=n + 2 * k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(linear_q_cpu.use_isa("avx2"))
+        except RuntimeError as err:  # this CPU lacks it
+            pytest.skip(str(err))
+        torch.set_num_threads(1)
+        first = linear_q_cpu.linear(x, weight, bias)
+        ref = x.double() @ dq.T + bias.double()
+        torch.testing.assert_close(first.double(), ref, atol=2e-4 * k**0.5, rtol=1e-4)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(linear_q_cpu.linear(x, weight, bias), first)
