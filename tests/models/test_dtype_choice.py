@@ -59,3 +59,25 @@ def test_auto_keeps_a_float32_checkpoint_and_explicit_dtypes(cpu, instructions, 
     assert resolve_dtype("float32", "bfloat16", "cpu") == "float32"
     assert resolve_dtype("bfloat16", "float32", "cpu") == "bfloat16"
     assert resolve_dtype("float16", "bfloat16", "cpu") == "float16"
+
+
+def _cpuinfo_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def test_the_bf16_probe_reads_this_cpu():
+    """The probe itself, unpatched, against the kernel's own account of this CPU's flags (torch's
+    capability string never names the bf16 extensions: read alone it said no on every host)."""
+    from trillm.kernels import linear_cpu
+
+    flags = _cpuinfo_flags()
+    if not flags or not linear_cpu.native_available("cpu_kernels"):
+        pytest.skip("needs /proc/cpuinfo and the native kernels")
+    assert dtype_choice.cpu_supports_bf16() == ("avx512_bf16" in flags)

@@ -47,6 +47,14 @@ def checkpoint_dtype(hf: dict[str, Any]) -> str:
 
 
 def cpu_supports_bf16() -> bool:
+    """AVX512-BF16 (AMX-BF16 CPUs have it too), by the native kernels' own CPUID check: torch's
+    capability string names only the ISA level its kernels were built for ("AVX512", "AVX2"),
+    never the bf16 extensions, so it alone read every CPU as lacking them. Torch's string
+    where the native kernels are not built."""
+    from trillm.kernels import linear_cpu
+
+    if linear_cpu.available_bf16():
+        return True
     import torch
 
     capability = torch.backends.cpu.get_cpu_capability()
