@@ -259,6 +259,19 @@ TRILLM_Q_TARGET void store_tile(const Gemm& g, int m, int col, const __m512 (&ac
 // pair only: 0.85-0.97x); in cache no change.
 constexpr int kGemvPrefetchBlocks = 4;
 
+// The records kGemvPrefetchBlocks blocks past block b in both of a pair's panels (rec bytes a
+// record, nb a panel), past their end the next pair's (its panel p nb records past this one's
+// end; a prefetch never faults): at batch 1 the kernels wait on memory, each pair's panels two
+// streams the hardware prefetcher follows late, and not across pairs. `tile`, `tile_bf16`
+// (cpu_gemm_q_bf16.h) and the AVX2 kernel's `row_direct` (cpu_gemm_q_avx2.h) call it per block.
+TRILLM_INLINE void prefetch_gemv_records(const uint8_t* const panel[2], int b, int nb, int rec) {
+  const int ahead = b + kGemvPrefetchBlocks + (b + kGemvPrefetchBlocks < nb ? 0 : nb);
+  for (int off = 0; off < rec; off += 64)
+    for (int p = 0; p < 2; ++p)
+      _mm_prefetch(reinterpret_cast<const char*>(panel[p]) + static_cast<int64_t>(ahead) * rec + off,
+                   _MM_HINT_T0);
+}
+
 // y[0..R, 0..2 panels) = x[0..R, :] . W(panels p0, p1)^T (+ bias).
 template <int R, int QT>
 TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t* p1, int col) {
@@ -271,16 +284,7 @@ TRILLM_Q_TARGET void tile(const Gemm& g, int m, const uint8_t* p0, const uint8_t
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi32(0xf);
   for (int b = 0; b < nb; ++b) {
-    // The records kGemvPrefetchBlocks blocks ahead in both panels, past their end the next
-    // pair's (its panel p nb records past this one's end; a prefetch never faults): at batch 1
-    // the kernel waits on memory, each pair's panels two streams the hardware prefetcher
-    // follows late, and not across pairs.
-    const int ahead = b + kGemvPrefetchBlocks + (b + kGemvPrefetchBlocks < nb ? 0 : nb);
-    for (int off = 0; off < rec; off += 64)
-      for (int p = 0; p < 2; ++p)
-        _mm_prefetch(
-            reinterpret_cast<const char*>(panel[p]) + static_cast<int64_t>(ahead) * rec + off,
-            _MM_HINT_T0);
+    prefetch_gemv_records(panel, b, nb, rec);
     __m512 se[R][2], so[R][2];  // sums over the block's even / odd k: two dependency chains
     for (int r = 0; r < R; ++r)
       se[r][0] = se[r][1] = so[r][0] = so[r][1] = _mm512_setzero_ps();

@@ -147,14 +147,7 @@ TRILLM_Q_AVX2 void row_direct(const Gemm& g, int m, const uint8_t* p0, const uin
   __m256 acc[4], se[4], so[4];
   for (int v = 0; v < 4; ++v) acc[v] = se[v] = so[v] = _mm256_setzero_ps();
   for (int b = 0; b < nb; ++b) {
-    // `tile`'s prefetch (ext/cpu_gemm_q.cpp): the records kGemvPrefetchBlocks ahead, past the
-    // panels' end the next pair's
-    const int ahead = b + kGemvPrefetchBlocks + (b + kGemvPrefetchBlocks < nb ? 0 : nb);
-    for (int off = 0; off < rec; off += 64)
-      for (int p = 0; p < 2; ++p)
-        _mm_prefetch(
-            reinterpret_cast<const char*>(panel[p]) + static_cast<int64_t>(ahead) * rec + off,
-            _MM_HINT_T0);
+    prefetch_gemv_records(panel, b, nb, rec);  // ext/cpu_gemm_q.cpp
     const uint8_t* recs[2] = {panel[0] + static_cast<int64_t>(b) * rec, panel[1] + static_cast<int64_t>(b) * rec};
     const uint8_t* const params[2] = {recs[0] + qbytes, recs[1] + qbytes};
     const float* xb = x + b * kBlock;

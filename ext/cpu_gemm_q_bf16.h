@@ -70,14 +70,7 @@ TRILLM_BF16DOT_TARGET void tile_bf16(const Gemm& g, int m, const uint8_t* p0, co
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int b = 0; b < nb; ++b) {
-    // `tile`'s prefetch: the records kGemvPrefetchBlocks ahead, past the panels' end the next
-    // pair's
-    const int ahead = b + kGemvPrefetchBlocks + (b + kGemvPrefetchBlocks < nb ? 0 : nb);
-    for (int off = 0; off < rec; off += 64)
-      for (int p = 0; p < 2; ++p)
-        _mm_prefetch(
-            reinterpret_cast<const char*>(panel[p]) + static_cast<int64_t>(ahead) * rec + off,
-            _MM_HINT_T0);
+    prefetch_gemv_records(panel, b, nb, rec);  // ext/cpu_gemm_q.cpp
     __m512 dot[R][2][kA];
     for (int r = 0; r < R; ++r)
       for (int p = 0; p < 2; ++p)
