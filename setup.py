@@ -113,6 +113,7 @@ def pybind_extensions() -> list[Extension]:
                 "ext/cpu_attention_decode.h",
                 "ext/cpu_attention_decode_dp.h",
                 "ext/cpu_attention_decode_dp_slots.h",
+                "ext/cpu_attention_key_splits.h",
                 "ext/cpu_attention_kernel_choice.h",
                 "ext/cpu_bf16_tiles.h",
                 "ext/cpu_gemm_q_params.h",

@@ -13,7 +13,7 @@
 // with an online softmax in fp32. No gather, no padding, no mask tensor. Items run on a small
 // persistent thread pool (the caller's thread included); the GIL is released meanwhile. Fewer
 // one-row items than twice the threads (batch-1 decode): fp32 q runs each item as parts of its
-// keys, merged in a fixed order (Plan::plan_key_splits). fp32
+// keys, merged in a fixed order (ext/cpu_attention_key_splits.h). fp32
 // and bf16 tensors; the cache fp32, bf16 or fp8 e4m3 (--kv-cache-dtype), widened exactly to
 // fp32 as it is read; math in fp32. bf16 q computes what transformers' bf16 eager attention
 // computes instead: scores rounded to bf16 (kBf16Scores), then two passes, not an online
@@ -144,7 +144,7 @@ TRILLM_INLINE void store_output(T* dst, const v8f* arow, int NV, float l) {
 struct Item {
   int req, row_begin, row_end;  // rows relative to the request's first query row
   int head_begin, head_end;     // kv heads
-  // A one-row item split by key range (flash-decoding; Plan::plan_key_splits): this item is
+  // A one-row item split by key range (flash-decoding; plan_key_splits): this item is
   // part `split` of `splits` of the row's keys and writes its unnormalised partial (per vector:
   // max m, sum l, acc[head_dim]) at p.partials + partial instead of the output.
   int split = 0, splits = 1;
@@ -278,14 +278,7 @@ Kernel decode_avx2_for_cache(int cache_dtype) {
 }
 #endif
 
-// Decode items split by key range on small batches (Plan::plan_key_splits), read by the plans
-// made after it is set; on by default (tests and benchmarks turn it off to compare).
-std::atomic<bool>& key_splits() {
-  static std::atomic<bool> on{true};
-  return on;
-}
-constexpr int kMinSplitKeys = 64;  // keys a part at least
-std::atomic<int64_t> split_items_run{0};  // parts run in this process (tests: a split ran)
+#include "cpu_attention_key_splits.h"  // plan_key_splits, merge_key_splits: batch-1 parts
 
 // set_kernel("generic") runs the fallback on a CPU that has AVX2 too (tests: it is otherwise
 // never run where the suite runs).
@@ -405,82 +398,8 @@ class Plan {
     items_ = plan_items(p_, num_reqs, reinterpret_cast<const int32_t*>(req_indices), num_selected,
                         num_threads);
     plan_chunk_items();
-    if (key_splits().load(std::memory_order_relaxed)) plan_key_splits();
-  }
-
-  // Small decode batches (batch 1): fewer one-row items than twice the threads leave threads
-  // idle (SmolLM2's 3 kv heads on 2 threads: 2 items on one, 1 on the other), so each item is
-  // also planned as parts of its keys (flash-decoding), every part's partial online softmax
-  // merged in part order after the run (merge_key_splits). The parts depend on the thread count
-  // and the context length only: the same plan, the same bits, however the threads take them.
-  // fp32 q at head_dim 64 / 128 (the one-row kernel); bf16 q rounds its probabilities with the
-  // row's whole sum and keeps items_.
-  void plan_key_splits() {
-    const int n = static_cast<int>(items_.size());
-    if (num_threads_ <= 1 || n == 0 || n >= 2 * num_threads_) return;
-    if (p_.head_dim != 64 && p_.head_dim != 128) return;
-    for (const Item& it : items_)
-      if (it.row_end - it.row_begin != 1) return;
-    const int want = (2 * num_threads_ + n - 1) / n;
-    const int group = p_.num_heads / p_.num_kv_heads;
-    int64_t offset = 0;
-    bool any = false;
-    for (const Item& it : items_) {
-      const int query_len = p_.query_start_loc[it.req + 1] - p_.query_start_loc[it.req];
-      const int keys = p_.seq_lens[it.req] - query_len + it.row_begin + 1;
-      const int splits = std::max(1, std::min(want, keys / kMinSplitKeys));
-      const int nvec = (it.head_end - it.head_begin) * group;
-      for (int s = 0; s < splits; ++s) {
-        Item part = it;
-        part.split = s;
-        part.splits = splits;
-        part.partial = offset;
-        if (splits > 1) offset += static_cast<int64_t>(nvec) * (p_.head_dim + 2);
-        split_items_.push_back(part);
-      }
-      any = any || splits > 1;
-    }
-    if (!any) split_items_.clear();
-    partial_floats_ = offset;
-  }
-
-  // fp32 out = the merged parts of each split item (in part order): m = max m_s, l = sum
-  // exp(m_s - m) l_s, acc likewise; then the sink, if any, and acc / l.
-  void merge_key_splits(const Problem& p) const {
-    const int group = p.num_heads / p.num_kv_heads;
-    const int D = p.head_dim;
-    float acc[kMaxHeadDim];
-    for (size_t i = 0; i < split_items_.size(); i += split_items_[i].splits) {
-      const Item& it = split_items_[i];
-      if (it.splits == 1) continue;
-      const int nvec = (it.head_end - it.head_begin) * group;
-      const int64_t token = p.query_start_loc[it.req] + it.row_begin;
-      for (int v = 0; v < nvec; ++v) {
-        const int64_t at = static_cast<int64_t>(v) * (D + 2);
-        float m = -std::numeric_limits<float>::infinity();
-        for (int s = 0; s < it.splits; ++s)
-          m = std::max(m, p.partials[split_items_[i + s].partial + at]);
-        float l = 0.0f;
-        std::fill(acc, acc + D, 0.0f);
-        for (int s = 0; s < it.splits; ++s) {
-          const float* part = p.partials + split_items_[i + s].partial + at;
-          const float c = std::exp(part[0] - m);  // 0 for an empty part (m_s -inf)
-          l += c * part[1];
-          for (int d = 0; d < D; ++d) acc[d] += c * part[2 + d];
-        }
-        const int head = it.head_begin * group + v;
-        if (p.sinks != nullptr) {
-          const float top = std::max(m, p.sinks[head]);
-          const float c = std::exp(m - top);
-          l = l * c + std::exp(p.sinks[head] - top);
-          for (int d = 0; d < D; ++d) acc[d] *= c;
-        }
-        float* dst = static_cast<float*>(p.out) + token * p.out_token_stride +
-                     static_cast<int64_t>(head) * p.out_head_stride;
-        const float inv = 1.0f / l;
-        for (int d = 0; d < D; ++d) dst[d] = acc[d] * inv;
-      }
-    }
+    if (key_splits().load(std::memory_order_relaxed))
+      partial_floats_ = plan_key_splits(p_, items_, num_threads_, split_items_);
   }
 
   // The items of the run on attend_item_paged_dp or _avx2 (bf16, no window or softcap): a
@@ -584,7 +503,7 @@ class Plan {
       split_items_run.fetch_add(n, std::memory_order_relaxed);
       py::gil_scoped_release release;
       run_items(num_threads_, n, [&](int i) { kernel(p, split_items_[i]); });
-      merge_key_splits(p);
+      merge_key_splits(p, split_items_);
       return;
     }
     const int n = static_cast<int>(items_.size());

@@ -101,8 +101,8 @@ TRILLM_INLINE void shared_pv_group(int group, const float* const* w, const C* co
   }
 }
 
-// Part it.split of it.splits of the keys [key_begin, key_end) (Plan::plan_key_splits, fp32 q
-// only): the parts of equal length in whole groups of 8, the last one the rest; a part that a
+// Part it.split of it.splits of the keys [key_begin, key_end) (plan_key_splits in
+// ext/cpu_attention_key_splits.h, fp32 q only): the parts of equal length in whole groups of 8, the last one the rest; a part that a
 // short window leaves empty has no keys (its partial: m -inf, l 0).
 TRILLM_INLINE void split_keys(const Item& it, int& key_begin, int& key_end) {
   const int per = ((key_end - key_begin + it.splits - 1) / it.splits + kDecodeGroup - 1) /

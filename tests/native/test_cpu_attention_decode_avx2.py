@@ -11,13 +11,12 @@ ulps of an O(1) output (within 4e-6)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from tests.support.decode_attention import attention_ext as _ext
 from tests.support.decode_attention import decode_problem as _problem
+from tests.support.decode_attention import fp64_reference as _fp64_reference
 from tests.support.decode_attention import run_decode as _run
 from trillm.kernels import paged_attention_cpu, paged_attention_torch
 
@@ -27,26 +26,6 @@ pytestmark = pytest.mark.skipif(
 
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 QS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _fp64_reference(problem, window=None, softcap=None):
-    """Each row's attention in fp64 over the cache's values as stored (widened exactly)."""
-    q, kv, qsl, seq_lens, table = problem
-    heads, d = q.shape[1], q.shape[2]
-    kv_heads, block_size = kv.shape[3], kv.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for r, s in enumerate(seq_lens.tolist()):
-        lo = max(0, s - window) if window else 0
-        pos = torch.arange(lo, s)
-        slots = table[r, pos // block_size].long() * block_size + pos % block_size
-        k, v = (kv[i].double().reshape(-1, kv_heads, d)[slots] for i in (0, 1))
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-        scores = torch.einsum("hd,thd->ht", q[r].double(), k) / math.sqrt(d)
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        out[r] = torch.einsum("ht,thd->hd", scores.softmax(-1), v)
-    return out
 
 
 def _check(problem, *, window=None, softcap=None):

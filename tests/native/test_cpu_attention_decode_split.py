@@ -12,7 +12,6 @@ rounded softmax needs a row's whole sum) and larger batches keep the whole items
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 
 from tests.support.decode_attention import attention_ext as _ext
 from tests.support.decode_attention import decode_problem as _problem
+from tests.support.decode_attention import fp64_reference as _fp64_reference
 from tests.support.decode_attention import run_decode
 from trillm.kernels import paged_attention_cpu
 
@@ -45,29 +45,6 @@ def _run(problem, *, split: bool, kernel: str = "one-row", **kwargs) -> tuple[to
         ran = _ext().paged_decode_split_items_run()
         out = run_decode(problem, kernel, **kwargs)
         return out, _ext().paged_decode_split_items_run() - ran
-
-
-def _fp64_reference(problem, window=None, softcap=None, sinks=None):
-    """Each row's attention in fp64 over the cache's values as stored (widened exactly)."""
-    q, kv, qsl, seq_lens, table = problem
-    heads, d = q.shape[1], q.shape[2]
-    kv_heads, block_size = kv.shape[3], kv.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for r, s in enumerate(seq_lens.tolist()):
-        lo = max(0, s - window) if window else 0
-        pos = torch.arange(lo, s)
-        slots = table[r, pos // block_size].long() * block_size + pos % block_size
-        k, v = (kv[i].double().reshape(-1, kv_heads, d)[slots] for i in (0, 1))
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-        scores = torch.einsum("hd,thd->ht", q[r].double(), k) / math.sqrt(d)
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        if sinks is not None:
-            scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
-        p = scores.softmax(-1)[:, : len(pos)]
-        out[r] = torch.einsum("ht,thd->hd", p, v)
-    return out
 
 
 def _check(problem, *, expect_parts: int, kernel: str = "one-row", **kwargs) -> torch.Tensor:

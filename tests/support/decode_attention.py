@@ -5,6 +5,7 @@ paged cache whose unowned slots hold NaN, and run the CPU paged attention over i
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -82,3 +83,27 @@ def run_decode(problem: DecodeProblem, kernel: str, **kwargs) -> torch.Tensor:
         return paged_attention_cpu.paged_attention(
             q, kv, qsl, seq_lens, table, q.shape[-1] ** -0.5, **kwargs
         )
+
+
+def fp64_reference(problem: DecodeProblem, window=None, softcap=None, sinks=None) -> torch.Tensor:
+    """Each row's attention in fp64 over the cache's values as stored (widened exactly); a
+    sink is one more logit per head that attends to no value."""
+    q, kv, qsl, seq_lens, table = problem
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads, block_size = kv.shape[3], kv.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r, s in enumerate(seq_lens.tolist()):
+        lo = max(0, s - window) if window else 0
+        pos = torch.arange(lo, s)
+        slots = table[r, pos // block_size].long() * block_size + pos % block_size
+        k, v = (kv[i].double().reshape(-1, kv_heads, d)[slots] for i in (0, 1))
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[r].double(), k) / math.sqrt(d)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
+        p = scores.softmax(-1)[:, : len(pos)]
+        out[r] = torch.einsum("ht,thd->hd", p, v)
+    return out
