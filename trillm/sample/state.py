@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trillm.sample.bad_words import banned_tokens
+from trillm.sample.bad_words import BadWords
 from trillm.sample.bitmask import num_words, pack_token_ids
 from trillm.sample.custom_batch import CustomLogitsProcessors
 from trillm.sample.thinking_budget import ThinkingBudgets
@@ -79,7 +79,7 @@ class SamplingState:
         self.thinking = ThinkingBudgets()  # thinking_token_budget requests
         self._top_k: dict[int, int] = {}  # slot -> enabled k
         self._min_tokens: dict[int, int] = {}  # slot -> min_tokens, until reached
-        self._bad_words: dict[int, list[list[int]]] = {}
+        self._bad_words: dict[int, BadWords] = {}
         self._history: dict[int, list[int]] = {}  # slot -> output ids (bad-words slots only)
         self._occupied: set[int] = set()
         self._slots_with: dict[str, set[int]] = {name: set() for name in _FEATURES}
@@ -257,7 +257,7 @@ class SamplingState:
             on["allowed"].add(slot)
         if params.bad_words_token_ids:
             on["bad_words"].add(slot)
-            self._bad_words[slot] = [list(words) for words in params.bad_words_token_ids]
+            self._bad_words[slot] = BadWords(params.bad_words_token_ids)
             self._history[slot] = []
         if params.logprobs is not None:
             self._num_logprobs[slot] = params.logprobs
@@ -360,7 +360,7 @@ class SamplingState:
             bad_words = self._bad_words.get(slot)
             if bad_words is None:
                 continue
-            for token in banned_tokens(bad_words, self._history[slot]):
+            for token in bad_words.banned(self._history[slot]):
                 rows.append(row)
                 tokens.append(token)
         return rows, tokens
