@@ -4,6 +4,7 @@ it, so that neither calls back into the other to read or answer a body."""
 
 from __future__ import annotations
 
+import gc
 import json
 from typing import Any
 
@@ -24,12 +25,27 @@ async def json_body() -> Any:
         )
     data = await request.get_data(cache=False)  # 413 (HTTPException) beyond MAX_CONTENT_LENGTH
     try:
-        body = orjson.loads(data)
+        body = parse_json(data)
     except orjson.JSONDecodeError as exc:
         raise BadRequestError(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequestError("The request body must be a JSON object.")
     return body
+
+
+def parse_json(data: bytes | str) -> Any:
+    """``orjson.loads`` with the garbage collector paused. A JSON document's values are new
+    objects that form no cycle, so a collection has nothing to find among them; yet millions of
+    containers (a 15 MB body of 5,000,000 empty lists) set off full collections over and over,
+    on the event loop: 5.2 s during which /health and every other request waited, ~1 s of
+    it the parse."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return orjson.loads(data)
+    finally:
+        if paused:
+            gc.enable()
 
 
 def json_response(body: Any, status: int = 200) -> Response:
