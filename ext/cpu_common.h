@@ -52,6 +52,12 @@ class ThreadPool {
   int num_workers() const { return static_cast<int>(workers_.size()); }
   pid_t pid() const { return pid_; }
 
+  // The caller's word that no call follows soon (a model step has ended): the workers polling
+  // for the next call stop and sleep now instead of holding a core for the rest of their poll,
+  // which on a 2-core machine kept one core from the engine's and the HTTP server's work
+  // between two steps, all of it on a batch-1 token's path. The next run() wakes them.
+  void park() { parked_.store(true, std::memory_order_release); }
+
   // Runs fn(0) .. fn(num_items - 1) on the workers and the calling thread; returns when all
   // are done. An item that throws (std::bad_alloc of a kernel's scratch buffer) does not end
   // the call early: every item runs, then the first exception is rethrown on the caller's
@@ -66,6 +72,7 @@ class ThreadPool {
       fn_.store(&fn, std::memory_order_relaxed);
       num_items_.store(num_items, std::memory_order_relaxed);
       done_items_.store(0, std::memory_order_relaxed);
+      parked_.store(false, std::memory_order_relaxed);
       call_ += 1;  // 32 bits, wrapping: a worker would have to sleep through 2^32 calls to err
       claim_.store((static_cast<uint64_t>(call_) << 32) | static_cast<uint32_t>(num_items), std::memory_order_release);
     }
@@ -126,7 +133,8 @@ class ThreadPool {
     uint64_t seen = 0;
     for (;;) {
       auto current = [this] { return claim_.load(std::memory_order_acquire) >> 32; };
-      if (!spin_until([&] { return current() != seen; })) {
+      const auto parked = [this] { return parked_.load(std::memory_order_acquire); };
+      if (!spin_until([&] { return current() != seen || parked(); }) || current() == seen) {
         std::unique_lock<std::mutex> lock(mu_);
         start_.wait(lock, [&] { return current() != seen; });
       }
@@ -145,6 +153,7 @@ class ThreadPool {
   std::atomic<const std::function<void(int)>*> fn_{nullptr};
   std::atomic<int> num_items_{0};
   std::atomic<int> done_items_{0};
+  std::atomic<bool> parked_{false};  // park() since the last call began
   std::exception_ptr error_;  // the call's first exception from an item (under mu_)
 };
 
@@ -152,6 +161,9 @@ class ThreadPool {
 // on the count's first use and kept (ext/cpu_kernels.cpp), all made again after a fork (the
 // child has none of the parent's threads).
 ThreadPool* pool_for(int num_threads);
+
+// park() on every pool of the process (ext/cpu_kernels.cpp).
+void park_pools();
 
 }  // namespace trillm_cpu
 

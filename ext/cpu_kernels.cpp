@@ -47,6 +47,12 @@ ThreadPool* pool_for(int num_threads) {
   return g_pools.back();
 }
 
+void park_pools() {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  for (ThreadPool* pool : g_pools)
+    if (pool->pid() == getpid()) pool->park();
+}
+
 
 }  // namespace trillm_cpu
 

@@ -82,4 +82,7 @@ void register_cpu_program(py::module_& m) {
   m.def("pool_dispatch_ns", &pool_dispatch_ns, py::arg("num_threads"), py::arg("num_items"),
         py::arg("calls"),
         "The thread pool's cost of a call of empty items: (wall ns, caller CPU ns) a call.");
+  m.def("park_pools", &trillm_cpu::park_pools,
+        "The pools' threads stop polling for the next call and sleep until it comes (a step "
+        "has ended).");
 }

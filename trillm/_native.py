@@ -43,6 +43,16 @@ def cpu_kernels(part: str) -> ModuleType | None:
     return None if module is None else getattr(module, part)
 
 
+def park_thread_pools() -> None:
+    """The native kernels' thread pools stop polling for their next call and sleep until it
+    comes: a model step has ended, and until the next one the cores are the engine's and the
+    server's (a pool thread polls ~0.5 ms after each call). Nothing when the kernels are not
+    built (or were built before ``park_pools``)."""
+    park = getattr(cpu_kernels("program"), "park_pools", None)
+    if park is not None:
+        park()
+
+
 def native_available(name: str | None = None) -> bool:
     """Whether the native scheduler and KV manager (or just ``name``) are built and enabled."""
     if extensions_disabled():

@@ -33,6 +33,7 @@ import threading
 import traceback
 from typing import TYPE_CHECKING
 
+from trillm._native import park_thread_pools
 from trillm.distributed import expert_step_faults
 from trillm.distributed.expert_parallel import load as expert_load
 from trillm.distributed.expert_parallel import traffic as expert_traffic
@@ -290,6 +291,9 @@ class Worker:
             )
         out.expert_load = expert_load.take()  # expert parallelism: the step's routing
         self.execute_clock.stamp(out)
+        # NOTE: before the reply: until the next step the cores are the engine's and the HTTP
+        # server's (the reply's outputs, the next schedule), not a pool thread's ~0.5 ms poll
+        park_thread_pools()
         self._send(out)
 
 
