@@ -100,39 +100,40 @@ TRILLM_DOT_TARGET inline __attribute__((always_inline)) __m512 exp16_nonpositive
 
 // s[i][0 .. cols) = the rounded scores (round_scores, ext/cpu_attention_bf16.h: bf16 values, kept
 // as bf16) of q[i] . tile for R query vectors (q rows of D bf16, s rows of lds); rmax[i] = the
-// largest of them
-// with keys key0 + c <= pos[i] (the scores vector i sees; the rest are stored but not counted).
-template <int R>
+// largest of them with keys key0 + c <= pos[i] (the scores vector i sees; the rest are stored but
+// not counted). NC: the tile's first 16 NC keys computed (cols <= 16 NC: a block on the causal
+// diagonal sees fewer than 64). unscaled: scale is a power of two, so the second rounding
+// (round(round(sum) * scale)) is exact and is left to the softmax: s holds round(sum) and the
+// softmax's fmsub(s, scale, max * scale) gives the same fp32 difference as the scaled scores
+// (each product exact; the scaled scores a flushed subnormal would move no exp: its row's
+// exps are all 1 then).
+template <int R, int NC>
 TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_scores(
     const uint16_t* q, int D, const uint32_t* tile, uint16_t* s, int64_t lds, int cols,
-    __m512 scale, const int* pos, int key0, float* rmax) {
-  __m512 acc[R][4];
+    __m512 scale, bool unscaled, const int* pos, int key0, float* rmax) {
+  __m512 acc[R][NC];
   for (int i = 0; i < R; ++i)
-    for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_setzero_ps();
   for (int j = 0; j < D / 2; ++j) {
     const uint32_t* w = tile + j * kDotKeys;
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 16);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 32);
-    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 48);
+    __m512bh wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + 16 * c);
     for (int i = 0; i < R; ++i) {
       int32_t pr;
       std::memcpy(&pr, q + i * D + 2 * j, 4);
       const __m512bh qi = (__m512bh)_mm512_set1_epi32(pr);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], qi, w0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], qi, w1);
-      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], qi, w2);
-      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], qi, w3);
+      for (int c = 0; c < NC; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], qi, wv[c]);
     }
   }
   for (int i = 0; i < R; ++i) {
     const int vis = std::min(cols, pos[i] - key0 + 1);  // >= 0: row i sees key0 .. key0+vis-1
     __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < NC; ++c) {
       const int left = cols - 16 * c;
       if (left <= 0) break;
       const __mmask16 mask = left >= 16 ? 0xffff : static_cast<__mmask16>((1u << left) - 1);
-      const __m256i h = round16_bf16(_mm512_mul_ps(widen16_bf16(round16_bf16(acc[i][c])), scale));
+      __m256i h = round16_bf16(acc[i][c]);
+      if (!unscaled) h = round16_bf16(_mm512_mul_ps(widen16_bf16(h), scale));
       _mm256_mask_storeu_epi16(s + i * lds + 16 * c, mask, h);
       const __m512 r = widen16_bf16(h);
       const int seen = vis - 16 * c;
@@ -142,6 +143,42 @@ TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_scores(
       }
     }
     if (vis > 0) rmax[i] = std::max(rmax[i], _mm512_reduce_max_ps(mx));
+  }
+}
+
+// dot_scores with NC = the 16-key columns that `cols` needs.
+template <int R>
+TRILLM_DOT_TARGET inline __attribute__((always_inline)) void dot_scores_cols(
+    const uint16_t* q, int D, const uint32_t* tile, uint16_t* s, int64_t lds, int cols,
+    __m512 scale, bool unscaled, const int* pos, int key0, float* rmax) {
+  switch ((cols + 15) / 16) {
+    case 4: dot_scores<R, 4>(q, D, tile, s, lds, cols, scale, unscaled, pos, key0, rmax); break;
+    case 3: dot_scores<R, 3>(q, D, tile, s, lds, cols, scale, unscaled, pos, key0, rmax); break;
+    case 2: dot_scores<R, 2>(q, D, tile, s, lds, cols, scale, unscaled, pos, key0, rmax); break;
+    default: dot_scores<R, 1>(q, D, tile, s, lds, cols, scale, unscaled, pos, key0, rmax); break;
+  }
+}
+
+// Whether x is a power of two (a normal float): scores times it round exactly.
+inline bool power_of_two(float x) {
+  int e;
+  return x > 0.0f && std::isnormal(x) && std::frexp(x, &e) == 0.5f;
+}
+
+// acc's D floats (D a multiple of 16) -> bf16 at dst, each as store(Bf16*, float) rounds it
+// (ext/cpu_common.h: to nearest even, a NaN kept a quiet NaN, nothing flushed), 16 at a time.
+TRILLM_DOT_TARGET inline void store_row_bf16(Bf16* dst, const float* acc, int D) {
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i quiet = _mm512_set1_epi32(0x400000);
+  for (int d = 0; d < D; d += 16) {
+    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(acc + d));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, magnitude), inf);
+    __m512i r = _mm512_add_epi32(
+        u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    r = _mm512_mask_or_epi32(r, nan, u, quiet);  // NaN: (u >> 16) | 0x40 below
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
   }
 }
 
@@ -210,6 +247,7 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
   float rmax[96];  // per vector: its largest visible rounded score
   for (int i = 0; i < M; ++i) rmax[i] = -INFINITY;
   const __m512 vscale = _mm512_set1_ps(scale);
+  const bool unscaled = power_of_two(scale);  // S holds round(sum); the softmax scales (dot_scores)
 
   for (int key0 = 0; key0 < key_end; key0 += kDotKeys) {
     const int n = std::min(kDotKeys, key_end - key0);
@@ -229,12 +267,12 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
       float* mx = rmax + i;
       const int* pi = pos + i;
       switch (nrows) {  // (no generic lambda: it would not carry this function's target)
-        case 6: dot_scores<6>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
-        case 5: dot_scores<5>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
-        case 4: dot_scores<4>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
-        case 3: dot_scores<3>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
-        case 2: dot_scores<2>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
-        default: dot_scores<1>(qi, D, kt, s, stride, seen, vscale, pi, key0, mx); break;
+        case 6: dot_scores_cols<6>(qi, D, kt, s, stride, seen, vscale, unscaled, pi, key0, mx); break;
+        case 5: dot_scores_cols<5>(qi, D, kt, s, stride, seen, vscale, unscaled, pi, key0, mx); break;
+        case 4: dot_scores_cols<4>(qi, D, kt, s, stride, seen, vscale, unscaled, pi, key0, mx); break;
+        case 3: dot_scores_cols<3>(qi, D, kt, s, stride, seen, vscale, unscaled, pi, key0, mx); break;
+        case 2: dot_scores_cols<2>(qi, D, kt, s, stride, seen, vscale, unscaled, pi, key0, mx); break;
+        default: dot_scores_cols<1>(qi, D, kt, s, stride, seen, vscale, unscaled, pi, key0, mx); break;
       }
     }
   }
@@ -245,19 +283,22 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
     const uint16_t* row = S + static_cast<int64_t>(i) * stride;
     uint16_t* prow = P + static_cast<int64_t>(i) * stride;
     const int n = pos[i] + 1;
-    const __m512 shift = _mm512_set1_ps(rmax[i]);
+    // x = s * sscale - max * sscale: the scaled score's difference (both products exact).
+    const float sscale = unscaled ? scale : 1.0f;
+    const __m512 vs = _mm512_set1_ps(sscale);
+    const __m512 shift = _mm512_set1_ps(rmax[i] * sscale);
     __m512 sum = _mm512_setzero_ps();
     int c = 0;
     for (; c + 16 <= n; c += 16) {
       const __m512 x = widen16_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
-      const __m512 e = exp16_nonpositive(_mm512_sub_ps(x, shift));
+      const __m512 e = exp16_nonpositive(_mm512_fmsub_ps(x, vs, shift));
       _mm512_storeu_ps(E + c, e);
       sum = _mm512_add_ps(sum, e);
     }
     if (c < n) {  // lanes past n: 0
       const __mmask16 mask = static_cast<__mmask16>((1u << (n - c)) - 1);
       const __m512 x = widen16_bf16(_mm256_maskz_loadu_epi16(mask, row + c));
-      const __m512 e = _mm512_maskz_mov_ps(mask, exp16_nonpositive(_mm512_sub_ps(x, shift)));
+      const __m512 e = _mm512_maskz_mov_ps(mask, exp16_nonpositive(_mm512_fmsub_ps(x, vs, shift)));
       _mm512_storeu_ps(E + c, e);
       sum = _mm512_add_ps(sum, e);
     }
@@ -299,7 +340,7 @@ TRILLM_DOT_TARGET inline void dot_item_tiles(const uint16_t* qs, int M, int D, c
 }
 
 // A whole bf16 item: `item` (FreshBf16Item, PagedChunk) gives M, D, pos, q_row(i), the tile
-// rows (operator()) and store_rows; its q rows copied, the passes, the rows stored. shared: see
+// rows (operator()) and out_row(i); its q rows copied, the passes, the rows stored. shared: see
 // dot_item_tiles.
 template <typename ItemT>
 TRILLM_DOT_TARGET inline void dot_attend_item(ItemT& item, float scale,
@@ -312,7 +353,7 @@ TRILLM_DOT_TARGET inline void dot_attend_item(ItemT& item, float scale,
     for (int d = 0; d < D; d += 16) _mm512_storeu_ps(acc + i * D + d, _mm512_setzero_ps());
   }
   dot_item_tiles(qs, item.M, D, item.pos, scale, item, acc, shared);
-  item.store_rows(acc);
+  for (int i = 0; i < item.M; ++i) store_row_bf16(item.out_row(i), acc + i * D, D);
 }
 
 }  // namespace

@@ -69,11 +69,13 @@ struct PagedChunk {
     }
     return rows;
   }
+  Bf16* out_row(int i) const {
+    return static_cast<Bf16*>(p.out) + token(i) * p.out_token_stride + head(i) * p.out_head_stride;
+  }
   // acc [M][D] -> the output rows, rounded once.
   void store_rows(const float* acc) const {
     for (int i = 0; i < M; ++i) {
-      Bf16* dst = static_cast<Bf16*>(p.out) + token(i) * p.out_token_stride +
-                  head(i) * p.out_head_stride;
+      Bf16* dst = out_row(i);
       for (int d = 0; d < D; ++d) store(dst + d, acc[i * D + d]);
     }
   }
