@@ -520,8 +520,12 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
   // ~33 us a call in Q4_1, the dequantization dearer than fp32's products; on the pool 22 us,
   // benchmarks/engine/step_breakdown.py --threads 2.)
   const int threads = 2LL * M * N * K < 250000 ? 1 : num_threads;
+  // (Q6_KP: Q6_K's item, each chunk unpacked straight from Q6_KP's records, cpu_gemm_q_q6.h)
+  const bool prefill = prefill_type(qtype) || (qtype == kQ6_KP && wide);
+  const bool unpacked = int8_activations && prefill && M >= unpacked_min_rows(qtype);
   if (int8_activations) {
-    rows = quantize_rows(reinterpret_cast<const void*>(x), x_bf16, ldx, M, K, threads);
+    rows = quantize_rows(reinterpret_cast<const void*>(x), x_bf16, ldx, M, K, threads,
+                         unpacked && nibble_order_type(qtype));
   } else if (!byte_values(qtype) && qtype != kQ6_KP) {
     const int span = half_min(qtype) ? kBlock / 2 : kBlock, spans = K / span;
     sums.resize(static_cast<size_t>(M) * spans);
@@ -538,9 +542,7 @@ void linear(uintptr_t x, bool x_bf16, int M, int K, int64_t ldx, uintptr_t packe
          reinterpret_cast<const uint8_t*>(packed), reinterpret_cast<const float*>(bias),
          reinterpret_cast<void*>(y), ldy, M, N, K, qtype, y_bf16};
   const int pairs = num_panels(N) / 2;
-  // (Q6_KP: Q6_K's item, each chunk unpacked straight from Q6_KP's records, cpu_gemm_q_q6.h)
-  const bool prefill = prefill_type(qtype) || (qtype == kQ6_KP && wide);
-  if (int8_activations && prefill && M >= unpacked_min_rows(qtype)) {
+  if (unpacked) {
     // items: (block of rows, run of pairs), so that each pair's successor is known and its
     // records prefetched while the pair's products run (cpu_gemm_q_vnni_prefill.h)
     const int blocks = (M + kPrefillRowBlock - 1) / kPrefillRowBlock;

@@ -53,11 +53,14 @@ struct QuantizedRows {
 // block holding a NaN or an infinity gets dx NaN (xq and its sum 0): that row's outputs are NaN,
 // as `quantize_activations` gives (its x^ NaN there) and the fp32 path's NaN x gives.
 TRILLM_VNNI_TARGET void quantize_rows_range(const void* x, bool x_bf16, int64_t ld, int K, int r0,
-                                            int r1, QuantizedRows& out) {
+                                            int r1, bool nibble_order, QuantizedRows& out) {
   constexpr int kHalf = kBlock / 2;
   const int nb = K / kBlock;
   const __m512 limit = _mm512_set1_ps(127.0f), limit_low = _mm512_set1_ps(-127.0f);
   const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  // nibble order: word s of a half block holds k = 8 (s / 2) + (s % 2) + 2 i, i = 0 .. 3
+  const __m128i order = nibble_order ? _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)
+                                     : _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int r = r0; r < r1; ++r) {
     for (int h = 0; h < 2 * nb; ++h) {
       __m512 v;
@@ -82,7 +85,7 @@ TRILLM_VNNI_TARGET void quantize_rows_range(const void* x, bool x_bf16, int64_t 
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         t = _mm512_min_ps(limit, _mm512_max_ps(limit_low, t));
         const __m512i qi = _mm512_cvtps_epi32(t);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_shuffle_epi8(_mm512_cvtepi32_epi8(qi), order));
         sum = _mm512_reduce_add_epi32(qi);
       } else {
         std::memset(q, 0, kHalf);
@@ -101,9 +104,11 @@ TRILLM_VNNI_TARGET void quantize_rows_range(const void* x, bool x_bf16, int64_t 
 }
 
 // All M rows, in chunks of 16 on `threads` threads (a scalar loop on one took ~20% of a
-// prefill GEMM's time at K 8192).
-QuantizedRows quantize_rows(const void* x, bool x_bf16, int64_t ld, int M, int K,
-                                 int threads) {
+// prefill GEMM's time at K 8192). `nibble_order`: each half block's xq in the order of the
+// prefill kernel's nibble unpacking (cpu_gemm_q_vnni_prefill.h, `nibble_order_type`), the same
+// values and sums.
+QuantizedRows quantize_rows(const void* x, bool x_bf16, int64_t ld, int M, int K, int threads,
+                            bool nibble_order) {
   const int nb = K / kBlock;
   QuantizedRows out{std::vector<int8_t>(static_cast<size_t>(M) * K),
                     std::vector<float>(static_cast<size_t>(M) * 2 * nb),
@@ -112,7 +117,8 @@ QuantizedRows quantize_rows(const void* x, bool x_bf16, int64_t ld, int M, int K
   constexpr int kChunk = 16;
   const int chunks = (M + kChunk - 1) / kChunk;
   run_items(static_cast<int64_t>(M) * K < (1 << 16) ? 1 : threads, chunks, [&](int c) {
-    quantize_rows_range(x, x_bf16, ld, K, c * kChunk, std::min(M, (c + 1) * kChunk), out);
+    quantize_rows_range(x, x_bf16, ld, K, c * kChunk, std::min(M, (c + 1) * kChunk), nibble_order,
+                        out);
   });
   return out;
 }
