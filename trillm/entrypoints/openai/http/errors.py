@@ -70,8 +70,23 @@ class ServiceUnavailableError(APIError):
     type = "ServiceUnavailableError"
 
 
+# The most characters an error's message (and its param) is answered with. Many refusals quote
+# the value refused; a 4 MB value quoted whole made a 4 MB answer (three 4 MB logit_bias keys:
+# 12 MB), so past this a message is cut, saying how long it was.
+MAX_ERROR_MESSAGE_CHARS = 4096
+MAX_ERROR_PARAM_CHARS = 256
+
+
 def error_body(message: str, type_: str, param: str | None, code: int) -> dict[str, Any]:
+    message = _clipped(message, MAX_ERROR_MESSAGE_CHARS)
+    param = None if param is None else _clipped(param, MAX_ERROR_PARAM_CHARS)
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _clipped(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters in all)"
 
 
 # Anthropic's Messages routes answer errors in Anthropic's shape,
@@ -94,7 +109,10 @@ def is_anthropic_route(path: str) -> bool:
 
 def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
     kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    return {
+        "type": "error",
+        "error": {"type": kind, "message": _clipped(message, MAX_ERROR_MESSAGE_CHARS)},
+    }
 
 
 def sse_error_event(error: APIError) -> bytes:

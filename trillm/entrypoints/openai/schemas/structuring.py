@@ -236,7 +236,10 @@ def _structure_scalar(value: Any, tp: Any, path: str) -> Any:
 def _describe(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is list:
-        return f"an array of {_describe(typing.get_args(tp)[0]).removeprefix('an ').removeprefix('a ')}s"
+        inner = _describe(typing.get_args(tp)[0]).removeprefix("an ").removeprefix("a ")
+        if inner.startswith("array of "):  # "an array of arrays of integers"
+            return f"an array of arrays of {inner.removeprefix('array of ')}"
+        return f"an array of {inner}s"
     if origin is dict or attrs.has(tp):
         return "an object"
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
@@ -288,7 +291,13 @@ def _check_size(value: Any, limits: Any, path: str) -> None:
     if "max_parts" in limits and isinstance(value, list):
         _check_parts(value, limits["max_parts"], path)
     limit = limits.get("max_len")
-    if limit is None and "max_prompts" in limits and value and not isinstance(value[0], int):
+    if (
+        limit is None
+        and "max_prompts" in limits
+        and isinstance(value, list)  # an object is no prompt: structuring says so
+        and value
+        and not isinstance(value[0], int)
+    ):
         limit = limits["max_prompts"]  # a list of prompts (a list of ints is one prompt)
     if limit is not None and len(value) > limit:
         raise BadRequestError(
