@@ -161,7 +161,8 @@ TRILLM_VNNI_TARGET void unpack_pair(const uint8_t* p0, const uint8_t* p1, int nb
 // store_tile's vectorized twin (its scalar bf16 rounding cost ~15% of a 4-row tile at K 2048):
 // the same values, bf16 rounded to nearest even with NaN kept a quiet NaN as to_bf16 does.
 template <int R>
-TRILLM_VNNI_TARGET void store_prefill(const Gemm& g, int m, int col, const __m512 (&acc)[R][2]) {
+TRILLM_VNNI_TARGET inline __attribute__((always_inline)) void store_prefill(
+    const Gemm& g, int m, int col, const __m512 (&acc)[R][2]) {
   for (int p = 0; p < 2; ++p) {
     const int c0 = col + p * kCols;
     const int cols = std::min(kCols, g.N - c0);
@@ -208,8 +209,8 @@ struct Prefetch {
 // y[m .. m + R, col .. col + 32) from the unpacked pair u of blocks b0 .. b1: the sums start
 // at zero (b0 0) or at part's (R rows x 32 fp32), and go to y (b1 the last block) or to part.
 template <int R, int QT>
-TRILLM_VNNI_TARGET void tile_prefill(const Gemm& g, int m, const uint8_t* u, int col, int b0,
-                                     int b1, float* part, Prefetch& pf) {
+TRILLM_VNNI_TARGET inline __attribute__((always_inline)) void tile_prefill(
+    const Gemm& g, int m, const uint8_t* u, int col, int b0, int b1, float* part, Prefetch& pf) {
   constexpr int bytes = unpacked_block_bytes(QT);
   constexpr int offset = prefill_offset(QT);
   const int nb = g.K / kBlock;
@@ -307,9 +308,12 @@ TRILLM_VNNI_TARGET void tile_prefill(const Gemm& g, int m, const uint8_t* u, int
 // in QT's unpacked form, then the register blocks run over them, their partial sums kept between
 // chunks in a thread-local buffer, while the next chunk's records (`records(pair, b0, b1, at)`:
 // each panel's first byte of them into at, their bytes a panel returned) are prefetched.
+// The register blocks are inlined here (always_inline; this function carries the VNNI target
+// so that they can be): called per 4 rows, each repeated its setup and passed its sums through
+// the stack to a store_prefill call, ~20% of a K=576 GEMM's time (SmolLM2-135M's shapes).
 template <int QT, typename Unpack, typename Records>
-void prefill_rows(const Gemm& g, int m0, int m1, int pair0, int pair1, Unpack unpack,
-                  Records records) {
+TRILLM_VNNI_TARGET void prefill_rows(const Gemm& g, int m0, int m1, int pair0, int pair1,
+                                     Unpack unpack, Records records) {
   constexpr int kChunkBlocks = kPrefillKChunk / kBlock;
   static thread_local std::vector<uint8_t> storage;  // 64-byte aligned: unpacked pair, sums
   const int nb = g.K / kBlock;

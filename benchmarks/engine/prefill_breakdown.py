@@ -23,6 +23,15 @@ path round by round (ext/cpu_prefill_attention_dp.h); the result of
 
 is in benchmarks/engine/results/prefill_breakdown_1b.{json,txt} (this 2-core Zen 4 host, shared).
 
+A quantized GGUF as c16 serving runs SmolLM2-135M's (``--dtype auto``: float32, its linears on
+the quantized kernels with int8 activations; each GEMM shape's process CPU printed too), here
+before / after a kernel change with ``--ext`` (another build's extension), run by run:
+
+    GOMP_SPINCOUNT=20000 python benchmarks/engine/prefill_breakdown.py \
+        --model ~/.cache/trillm-peer/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --tokenizer ~/.cache/trillm-peer/smollm2-135m-instruct --dtype auto \
+        --prompt-len 256 --prompts 8 --rounds 3 [--ext /tmp/before/cpu_kernels.so]
+
 ``--paged-dot both`` alternates a chunked prompt's later chunks (a prompt longer than
 ``--max-num-batched-tokens``) between the paged kernel's long-chunk path (vdpbf16ps,
 ext/cpu_attention_paged_dp.h, or on a CPU without AVX512-BF16 its AVX2 tiles,
@@ -130,10 +139,30 @@ def main() -> None:
         "(the best the CPU has: vdpbf16ps or AVX2 tiles) or its fp32 tile kernel; both: "
         "alternated, each round",
     )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="the model's dtype (auto: a quantized GGUF runs in float32, its linears on the "
+        "quantized kernels, int8 activations at prefill)",
+    )
+    parser.add_argument("--tokenizer", type=Path, help="a GGUF model's Hugging Face tokenizer")
+    parser.add_argument(
+        "--ext",
+        help="another build's cpu_kernels extension (a copy of trillm/_ext/cpu_kernels*.so) in "
+        "place of the tree's: a before / after of a native kernel, run by run",
+    )
     parser.add_argument("--gemm-shapes", action="store_true")
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.ext:  # before anything loads the tree's (trillm imports its extensions lazily)
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("trillm._ext.cpu_kernels", args.ext)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["trillm._ext.cpu_kernels"] = module
+        spec.loader.exec_module(module)
     model = args.model.expanduser()
     result: dict[str, Any] = dict(args={k: str(v) for k, v in vars(args).items()})
     result["load_avg_1m"] = Path("/proc/loadavg").read_text().split()[0]
@@ -146,6 +175,11 @@ def main() -> None:
     cpu_spent: dict[str, float] = collections.defaultdict(float)  # process CPU s (all threads)
     calls: collections.Counter[str] = collections.Counter()
     flops: dict[str, float] = collections.defaultdict(float)
+    # per GEMM shape (kernel, N, K, and the quantized kernel's weight type): wall s, CPU s, FLOPs
+    shape_s: dict[str, float] = collections.defaultdict(float)
+    shape_cpu: dict[str, float] = collections.defaultdict(float)
+    shape_calls: collections.Counter[str] = collections.Counter()
+    shape_flops: dict[str, float] = collections.defaultdict(float)
     native_call, native_attention = recording.call, recording.attention
 
     def timed_call(kernel: Any, *a: Any, **kw: Any) -> None:
@@ -155,8 +189,18 @@ def main() -> None:
         spent[name] += time.perf_counter() - start
         cpu_spent[name] += time.process_time() - cpu_start
         calls[name] += 1
-        if name.endswith(".linear") and len(a) >= 7:  # (x, x_dtype, M, K, ldx, packed, N, ...)
-            flops[name] += 2.0 * a[2] * a[3] * a[6]
+        if name == "gemm_q.linear" and len(a) >= 8:  # (x, x_bf16, M, K, ldx, packed, qtype, N, ...)
+            m, k, n = a[2], a[3], a[7]
+        elif name.endswith(".linear") and len(a) >= 7:  # (x, x_dtype, M, K, ldx, packed, N, ...)
+            m, k, n = a[2], a[3], a[6]
+        else:
+            return
+        flops[name] += 2.0 * m * k * n
+        shape = f"{name} N={n} K={k}" + (f" q{a[6]}" if name == "gemm_q.linear" else "")
+        shape_s[shape] += time.perf_counter() - start
+        shape_cpu[shape] += time.process_time() - cpu_start
+        shape_calls[shape] += 1
+        shape_flops[shape] += 2.0 * m * k * n
 
     def timed_attention(plan: Any, native: Any, **kw: Any) -> None:
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -172,9 +216,11 @@ def main() -> None:
     kw: dict[str, Any] = {}
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.tokenizer:
+        kw["tokenizer"] = str(args.tokenizer.expanduser())
     llm = LLM(
         str(model),
-        dtype="bfloat16",
+        dtype=args.dtype,
         max_model_len=max(longest + 16, 128),
         max_num_seqs=args.prompts,
         kv_cache_memory="2GiB",
@@ -199,10 +245,17 @@ def main() -> None:
         ):
             attention.prefill_bf16_dot(variant.split("/")[0] == "on")
             attention.paged_chunk_kernel(paged_before if variant.endswith("/on") else "tile")
-            spent.clear()
-            cpu_spent.clear()
-            calls.clear()
-            flops.clear()
+            for table in (
+                spent,
+                cpu_spent,
+                calls,
+                flops,
+                shape_s,
+                shape_cpu,
+                shape_calls,
+                shape_flops,
+            ):
+                table.clear()
             batch = [
                 {"prompt_token_ids": torch.randint(100, 30000, (length,), generator=g).tolist()}
                 for _ in range(args.prompts)
@@ -229,6 +282,11 @@ def main() -> None:
                     f"  {name:36s} {seconds:7.2f} s {100 * seconds / total:5.1f}%"
                     f"  {calls[name]} calls, process CPU {cpu_spent[name]:6.3f} s"
                 )
+            for shape in sorted(shape_s, key=lambda k: -shape_cpu[k]):
+                print(
+                    f"    {shape:38s} {shape_calls[shape]:4d} calls, process CPU {shape_cpu[shape]:6.3f} s,"
+                    f" {shape_flops[shape] / shape_cpu[shape] / 1e9 if shape_cpu[shape] else 0.0:6.1f} GFLOP a core-second"
+                )
             rest_cpu = total_cpu - sum(cpu_spent.values())
             print(
                 f"  {'(rest: Python, torch glue)':36s} {total - kernels:7.2f} s "
@@ -244,6 +302,12 @@ def main() -> None:
             run["gemm_gflops_per_core_s"] = gemm_cpu_rate
             run["gemm_flops"] = sum(flops.values())
             run["ops"] = {n: dict(s=s, cpu_s=cpu_spent[n], calls=calls[n]) for n, s in ops}
+            run["gemm_shapes"] = {
+                k: dict(
+                    s=shape_s[k], cpu_s=shape_cpu[k], calls=shape_calls[k], flops=shape_flops[k]
+                )
+                for k in shape_s
+            }
             run["rest_s"] = total - kernels
             run["rest_cpu_s"] = rest_cpu
             result["runs"].append(run)
