@@ -100,3 +100,24 @@ def test_the_two_paths_agree_across_head_layouts(hq, hkv, d, dot_setting):
         assert (dot[r] != plain[r]).float().mean().item() < 0.002
         assert (dot[r].float() - plain[r].float()).abs().max() <= 2.0**-5
     assert torch.isfinite(dot[starts[0] : starts[-1] + lens[-1]].float()).all()
+
+
+@pytest.mark.parametrize("dot", [True, False], ids=["vdpbf16ps", "avx2"])
+def test_a_nan_value_stays_a_quiet_nan_in_its_heads(dot, dot_setting):
+    """The output rows' rounding keeps a NaN a quiet NaN (never an infinity): every row of the
+    NaN's kv head at or after its position is NaN, the other kv heads and the other segment stay
+    finite (rows before it that share its register block may read it times a zero p, as
+    eager attention's P @ V does)."""
+    if dot_setting(dot) != dot:
+        pytest.skip("the CPU has no AVX512-BF16")
+    lens = [40, 70]
+    q, k, v, segments, starts = _fused_qkv(lens, HQ, HKV, D, seed=11)
+    v[starts[1] + 11, 0, 3] = float("nan")
+    out = _run(q, k, v, segments, SCALE)
+    group = HQ // HKV
+    nan = torch.isnan(out.float())
+    assert nan[starts[1] + 11 : starts[1] + lens[1], :group].any(dim=-1).all()
+    assert not nan[starts[0] : starts[0] + lens[0]].any()
+    assert not nan[starts[1] : starts[1] + lens[1], group:].any()
+    bits = out.view(torch.int16)[nan].int() & 0x7FC0
+    assert (bits == 0x7FC0).all()
