@@ -39,19 +39,25 @@ TRILLM_DOT_TARGET inline __attribute__((always_inline)) void ds_scores16(
   _mm512_storeu_ps(s, dd_round_bf16(_mm512_mul_ps(dd_round_bf16(sums), scale)));
 }
 
-// As dd_accumulate with value row t at base + off[t].
+// As dd_accumulate with value row t at base + off[t], acc in the pair order: zmm 2c holds the
+// even dims of the row's c-th 32 (32 c + 2 l in lane l), zmm 2c + 1 the odd ones. Each loaded
+// zmm of 32 bf16 widens in two ops (a shift, a mask) where cvtepu16 + shift take two per 16;
+// every dim's sums are the same FMAs in the same key order, so the same bits.
 template <int NZ, int R>
 TRILLM_DOT_TARGET inline __attribute__((always_inline)) void ds_accumulate(
     const float* p, int64_t lds, const uint16_t* base, const int64_t* off, int n, float* acc) {
   __m512 o[R][NZ];
   for (int i = 0; i < R; ++i)
     for (int z = 0; z < NZ; ++z) o[i][z] = _mm512_loadu_ps(acc + (i * NZ + z) * 16);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int t = 0; t < n; ++t) {
     const uint16_t* r = base + off[t];
     __m512 v[NZ];
-    for (int z = 0; z < NZ; ++z)
-      v[z] = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(r + 16 * z))), 16));
+    for (int c = 0; c < NZ / 2; ++c) {
+      const __m512i x = _mm512_loadu_si512(r + 32 * c);
+      v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+    }
     for (int i = 0; i < R; ++i) {
       const __m512 w = _mm512_set1_ps(p[i * lds + t]);
       for (int z = 0; z < NZ; ++z) o[i][z] = _mm512_fmadd_ps(w, v[z], o[i][z]);
@@ -108,7 +114,7 @@ TRILLM_DOT_TARGET void attend_decode_ds_d(const Problem& p, const Item& it) {
   if (acc_buf.size() < static_cast<size_t>(heads_at_once) * group * D)
     acc_buf.resize(static_cast<size_t>(heads_at_once) * group * D);
   int64_t* off = off_buf.data();  // key key_begin + u's slot, in elements; past n the last again
-  float* A = acc_buf.data();      // [vector][D]
+  float* A = acc_buf.data();      // [vector][D], each row in ds_accumulate's pair order
   {
     int b = key_begin / p.block_size, o = key_begin % p.block_size;
     int64_t r = (static_cast<int64_t>(blocks[b]) * p.block_size + o) * slot_elems;
@@ -168,7 +174,8 @@ TRILLM_DOT_TARGET void attend_decode_ds_d(const Problem& p, const Item& it) {
     }
     for (int v = 0; v < hn * group; ++v) {
       Bf16* dst = out + static_cast<int64_t>(h0 * group + v) * p.out_head_stride;
-      for (int d = 0; d < D; ++d) store(dst + d, A[v * D + d]);
+      const float* a = A + v * D;  // in ds_accumulate's pair order
+      for (int d = 0; d < D; ++d) store(dst + d, a[(d & ~31) + (d & 1) * 16 + ((d & 31) >> 1)]);
     }
   }
 }
