@@ -55,6 +55,7 @@ from trillm.spec_decode.drafter import new_drafter
 from trillm.utils import cdiv
 from trillm.worker import kv_cache_sizing, mm_inputs
 from trillm.worker.input_batch import InputBatch, StepInputs
+from trillm.worker.kv_pages import zeros_on_huge_pages
 from trillm.worker.longrope_state import LongRopeState
 from trillm.worker.mm_inputs import MultiModalInputs, add_items, drop_items, set_mm_rows
 from trillm.worker.pipeline_tokens import append_sampled
@@ -195,10 +196,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.kv_layout.shape(num_blocks, self.block_size)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-            for _ in range(self.num_kv_layers)
-        ]
+        layer = (shape, self.kv_dtype, self.device)
+        self.kv_caches = [zeros_on_huge_pages(*layer) for _ in range(self.num_kv_layers)]
         if self.ssm_layout is not None:
             self.ssm = SSMStateCache(self.ssm_layout, self.max_num_reqs, self.dtype, self.device)
         self.config.cache.num_blocks = num_blocks
