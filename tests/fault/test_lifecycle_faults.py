@@ -311,11 +311,6 @@ def test_dead_engine_exits_non_zero(tiny_model_factory, tmp_path):
         assert b"ServiceUnavailableError" in tail
         answer = read_until(plain, b"}}")
         assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
-        # The death's own message (a worker's exit, its traceback, paths) stays in the log.
-        later = httpx.post(srv.url + "/v1/completions", json=body, headers=srv.headers())
-        for told in (tail, answer, later.content):
-            assert b"The engine is not available; the server's log says why." in told, told
-            assert b"Worker" not in told and b"signal" not in told, told
         code = srv.proc.wait(timeout=15)
         assert time.monotonic() - killed < 10
     finally:

@@ -33,7 +33,6 @@ from trillm.entrypoints.openai.http.errors import (
     PayloadTooLargeError,
     ServiceUnavailableError,
     anthropic_error_body,
-    engine_unavailable,
     error_body,
     internal_error,
     is_anthropic_route,
@@ -102,7 +101,7 @@ def _install_gate(app: QuartTrio, state: ServerState, api_keys: ApiKeys) -> None
         if state.draining:
             raise ServiceUnavailableError("The server is shutting down.")
         if state.engine.is_dead:
-            raise engine_unavailable()
+            raise ServiceUnavailableError(f"The engine is not available: {state.engine.dead_error}")
         if request.method == "POST" and path.startswith("/v1/"):
             # A full queue refuses before the body is read; start_generation checks again
             # with the request's real size (prompts x n).

@@ -127,20 +127,13 @@ def from_engine_exception(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineDeadError):
-        return engine_unavailable()
+        return ServiceUnavailableError(f"The engine is not available: {exc}")
     if _is_request_too_large(exc):
         return BadRequestError(str(exc), getattr(exc, "param", None) or "max_tokens")
     if isinstance(exc, ValueError) and hasattr(exc, "param"):
         # SamplingParamsError, the input processor's InvalidRequestError: bad input.
         return BadRequestError(str(exc), exc.param)
     return internal_error(exc)
-
-
-def engine_unavailable() -> ServiceUnavailableError:
-    """The 503 of a dead engine. Its death's own message stays in the log (the supervisor
-    logs it): it carries a worker's traceback, paths and library versions, which a client
-    must not read."""
-    return ServiceUnavailableError("The engine is not available; the server's log says why.")
 
 
 def internal_error(exc: BaseException) -> InternalServerError:
