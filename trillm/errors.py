@@ -75,9 +75,3 @@ class RequestFailedError(TrillmError):
 
 class UnsupportedQuantizationError(ValueError):
     """A quantization method (asked for, or the checkpoint's) trillm cannot run."""
-
-
-class EngineConfigError(ValueError):
-    """The engine's configuration, resolved against the model, is refused (a flag or value
-    that does not fit the model or another flag). ``trillm serve`` reports it as argparse
-    reports a bad flag: one line and exit 2."""

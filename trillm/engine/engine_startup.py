@@ -23,7 +23,6 @@ from trillm.config.observability import collected_times, detailed_trace_modules
 from trillm.engine.async_engine import AsyncEngine
 from trillm.engine.dp_router import core_configs
 from trillm.engine.stream_pacing import DEFAULT_WAKE_BUDGET
-from trillm.errors import EngineConfigError
 
 if TYPE_CHECKING:
     from trillm.tokenizer_protocol import Tokenizer
@@ -116,15 +115,9 @@ async def open_engine(
     _require_trio()
     if runner is not None and ":" not in runner:  # vLLM's runner kind, not a class path
         engine_args["runner"], runner = runner, None
-    try:
-        args = EngineArgs.from_kwargs(model, **engine_args)
-        traces = detailed_trace_modules(collect_detailed_traces or ())
-        config = await trio.to_thread.run_sync(build_config, args, usage_context)
-    except EngineConfigError:
-        raise
-    except ValueError as exc:  # refused while resolving against the model: the user's values
-        logger.debug("engine configuration refused", exc_info=True)
-        raise EngineConfigError(str(exc)) from exc
+    args = EngineArgs.from_kwargs(model, **engine_args)
+    traces = detailed_trace_modules(collect_detailed_traces or ())
+    config = await trio.to_thread.run_sync(build_config, args, usage_context)
     config.collect_model_forward_time, config.collect_model_execute_time = collected_times(traces)
     default = POOLING_RUNNER if config.pooler is not None else DEFAULT_RUNNER
     if is_encoder(config.model.architecture):

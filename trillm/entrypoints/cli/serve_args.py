@@ -20,7 +20,6 @@ from trillm.entrypoints.cli import (
     vllm_flags,
 )
 from trillm.entrypoints.openai.http.health_defaults import DEFAULT_HEALTH_STEP_TIMEOUT_S
-from trillm.errors import EngineConfigError
 
 if TYPE_CHECKING:  # the server's modules (trio, quart) load only when it runs, not for --help
     from trillm.entrypoints.openai.api_server import ServerOptions
@@ -284,23 +283,6 @@ def run_serve(args: argparse.Namespace) -> int:
     except PortUnavailableError as exc:  # the address, bound first: reported before any load
         logging.getLogger("trillm.server").error("%s", exc)
         return 1
-    except BaseExceptionGroup as group:
-        refusal = config_refusal(group)
-        if refusal is None:
-            raise
-        # A value refused once resolved against the model: one line and exit 2, as argparse.
-        print(f"trillm serve: error: {refusal}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-def config_refusal(exc: BaseException) -> EngineConfigError | None:
-    """The engine's configuration refusal that ``exc`` (the server's nurseries' group) is made
-    of alone, else None (any other error is reported whole)."""
-    if isinstance(exc, EngineConfigError):
-        return exc
-    if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        return config_refusal(exc.exceptions[0])
-    return None
 
 
 def prepare(args: argparse.Namespace) -> str | None:
